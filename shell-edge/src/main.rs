@@ -1,0 +1,3 @@
+//! iop-edge
+
+fn main() {}

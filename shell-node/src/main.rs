@@ -1,0 +1,3 @@
+//! iop-node
+
+fn main() {}

@@ -1,0 +1,3 @@
+//! iop-sim
+
+fn main() {}

@@ -1,0 +1,54 @@
+//! # iop-wire: the Edge <-> Node protocol
+//!
+//! Every message that crosses a QUIC stream between an Edge and a Node, the
+//! postcard codec that turns them into bytes, and the length-prefixed framing
+//! that carries them. This crate does no I/O: it turns values into bytes and
+//! bytes (arriving split at any point) back into values, and refuses anything
+//! malformed or oversize with a typed [`WireError`].
+//!
+//! ## Stream layout (SPEC §3)
+//!
+//! * ALPN [`ALPN`] (`iop/1`). The Node is the QUIC client, the Edge the server.
+//! * **Control stream**, opened by the Node: the Node sends [`NodeControl`]
+//!   frames, the Edge answers with [`EdgeControl`] frames. Registration,
+//!   readiness, heartbeats, config refresh and cancels travel here.
+//! * **One bidirectional data stream per unit of work**, opened by the Edge:
+//!   its first frame is a [`DataRequest`] (a run, a tunnel or a command); the
+//!   Node answers with [`RunEvent`]s, [`ProviderTunnelFrame`]s or
+//!   [`CommandResult`]s, ending in exactly one terminal.
+//!
+//! Each frame is a big-endian `u32` length followed by that many bytes of
+//! postcard. [`FrameDecoder`] checks the length against its maximum before it
+//! reserves a single byte.
+
+mod codec;
+mod messages;
+
+pub use codec::{FrameDecoder, WireError, decode, encode_frame, encode_frame_into};
+pub use messages::*;
+
+/// The ALPN protocol id both endpoints must negotiate.
+pub const ALPN: &[u8] = b"iop/1";
+
+/// The protocol version a Node announces in its [`RegisterRequest`].
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The hard maximum length of one frame's payload, in bytes (16 MiB).
+///
+/// A prompt with a very long context fits; anything larger is a protocol
+/// error that closes the stream.
+pub const MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
+
+/// Wire value `0` for `response_stall_timeout_ms`: use this default (R-WD).
+pub const DEFAULT_RESPONSE_STALL_TIMEOUT_MS: u64 = 300_000;
+
+/// Smallest non-zero `response_stall_timeout_ms` a Node accepts.
+pub const MIN_RESPONSE_STALL_TIMEOUT_MS: u64 = 100;
+
+/// Largest `response_stall_timeout_ms` a Node accepts (one hour).
+pub const MAX_RESPONSE_STALL_TIMEOUT_MS: u64 = 3_600_000;
+
+pub mod fuzzing;
+
+#[cfg(test)]
+mod tests;

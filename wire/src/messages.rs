@@ -1,0 +1,873 @@
+//! Every Edge <-> Node message (SPEC §3) as serde types.
+//!
+//! Vocabularies are closed enums. Identifiers the Edge hands out (run ids,
+//! generations, command ids) are integers; `session_id` is an opaque
+//! correlation value that never links two runs.
+
+use serde::{Deserialize, Serialize};
+
+macro_rules! closed_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident { $( $(#[$vmeta:meta])* $variant:ident => $s:literal ),+ $(,)? }
+    ) => {
+        $(#[$meta])*
+        #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub enum $name { $( $(#[$vmeta])* $variant ),+ }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The stable lower-case name (used in logs, metrics labels and JSON).
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $s),+ }
+            }
+
+            /// Parse the stable name back; `None` for anything else.
+            pub fn parse(s: &str) -> Option<Self> {
+                match s { $($s => Some($name::$variant),)+ _ => None }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+closed_enum! {
+    /// The kind of provider server behind a Node.
+    pub enum AdapterKind {
+        /// Any OpenAI-compatible HTTP server.
+        OpenAi => "openai",
+        /// Ollama's native API.
+        Ollama => "ollama",
+        /// The built-in deterministic provider.
+        Mock => "mock",
+    }
+}
+
+closed_enum! {
+    /// Why an execution failed (SPEC §3).
+    pub enum FailureCode {
+        /// No progress for the effective stall timeout (R-WD-2).
+        ResponseStalled => "response_stalled",
+        /// The provider answered with an error.
+        ProviderError => "provider_error",
+        /// The provider could not be reached.
+        ProviderUnreachable => "provider_unreachable",
+        /// The run was canceled (Cancel, stream reset or disconnect).
+        Canceled => "canceled",
+        /// The hard deadline passed.
+        DeadlineExceeded => "deadline_exceeded",
+        /// A managed credential lease failed closed (R-CRED-3).
+        CredentialRejected => "credential_rejected",
+        /// The request was refused before any provider call.
+        InvalidRequest => "invalid_request",
+        /// The Node is at its concurrent-run limit.
+        NodeOverloaded => "node_overloaded",
+        /// The provider answered with something unparseable.
+        MalformedResponse => "malformed_response",
+        /// No such adapter/target on this Node.
+        UnknownTarget => "unknown_target",
+        /// The connection carrying the run ended.
+        TransportClosed => "transport_closed",
+        /// A Node-internal failure.
+        Internal => "internal",
+    }
+}
+
+closed_enum! {
+    /// Health evidence attached to a failure (R-WD-5).
+    pub enum ProviderHealth {
+        /// The exact-target probe succeeded.
+        Available => "available",
+        /// The exact-target probe said the provider is unhealthy.
+        Unavailable => "unavailable",
+        /// The probe failed or timed out.
+        Unknown => "unknown",
+    }
+}
+
+closed_enum! {
+    /// What a stall means, paired with [`ProviderHealth`] (R-WD-5).
+    pub enum LivenessClassification {
+        /// The provider is healthy; this request stalled.
+        RequestStalled => "request_stalled",
+        /// The provider itself is unhealthy.
+        ProviderUnhealthy => "provider_unhealthy",
+        /// Nothing is known about the provider's health.
+        HealthUnknown => "health_unknown",
+    }
+}
+
+closed_enum! {
+    /// The sanitized reason a provider probe or call failed (R-HT-1).
+    pub enum HealthFailureCode {
+        /// The call timed out.
+        Timeout => "timeout",
+        /// HTTP 5xx.
+        Http5xx => "http_5xx",
+        /// HTTP 4xx other than auth.
+        Http4xx => "http_4xx",
+        /// Connect/transport failure.
+        TransportFailed => "transport_failed",
+        /// HTTP 401.
+        AuthenticationFailed => "authentication_failed",
+        /// A managed credential lease was rejected.
+        CredentialFailed => "credential_failed",
+        /// HTTP 403.
+        AuthorizationFailed => "authorization_failed",
+        /// The answer could not be parsed.
+        MalformedResponse => "malformed_response",
+        /// The provider refused the request for another reason.
+        ProviderRejected => "provider_rejected",
+        /// The answer was about a different target.
+        OwnershipMismatch => "ownership_mismatch",
+        /// The response stalled.
+        ResponseStalled => "response_stalled",
+    }
+}
+
+impl ProviderHealth {
+    /// The classification that R-WD-5 pairs with this evidence.
+    pub fn liveness_classification(self) -> LivenessClassification {
+        match self {
+            ProviderHealth::Available => LivenessClassification::RequestStalled,
+            ProviderHealth::Unavailable => LivenessClassification::ProviderUnhealthy,
+            ProviderHealth::Unknown => LivenessClassification::HealthUnknown,
+        }
+    }
+}
+
+/// Safe metadata of a stall: durations only, never payloads.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StallMetadata {
+    /// Time since the last progress when the stall was claimed.
+    pub elapsed_ms: u64,
+    /// The effective stall timeout.
+    pub stall_timeout_ms: u64,
+}
+
+/// The typed failure carried by a run or tunnel terminal (SPEC §3).
+///
+/// Never carries raw provider payloads or credentials.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecutionFailure {
+    /// What went wrong.
+    pub code: FailureCode,
+    /// A capability hint only: the Node never retries (R-WD-4, R-WD-8).
+    pub retryable: bool,
+    /// Health evidence, present on stalls.
+    pub provider_health: Option<ProviderHealth>,
+    /// The classification paired with `provider_health`.
+    pub liveness_classification: Option<LivenessClassification>,
+    /// The Session's observation sequence (R-SEQ-1); absent with no bound connection.
+    pub health_observation_seq: Option<u64>,
+    /// Stall durations.
+    pub stall: Option<StallMetadata>,
+    /// The HTTP status the provider answered with, if any.
+    pub http_status: Option<u16>,
+    /// Sanitized failure class for health tracking.
+    pub health_failure: Option<HealthFailureCode>,
+}
+
+impl ExecutionFailure {
+    /// A failure with only a code, not retryable, no evidence.
+    pub fn new(code: FailureCode) -> Self {
+        Self {
+            code,
+            retryable: false,
+            provider_health: None,
+            liveness_classification: None,
+            health_observation_seq: None,
+            stall: None,
+            http_status: None,
+            health_failure: None,
+        }
+    }
+}
+
+/// A provider a Node offers at registration.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OfferedProvider {
+    /// Kind of server.
+    pub adapter: AdapterKind,
+    /// Which server/model on this Node.
+    pub target: String,
+    /// Models the target serves (informational; the Edge config is authoritative).
+    pub models: Vec<String>,
+}
+
+/// Node -> Edge, first frame on the control stream.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    /// Must equal the Edge's [`crate::PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// The Node's software version (informational).
+    pub node_version: String,
+    /// Providers this Node can execute.
+    pub providers: Vec<OfferedProvider>,
+    /// The Node's concurrent-run limit.
+    pub max_concurrent_runs: u32,
+    /// X25519 public key credential leases are sealed to (R-CRED-1).
+    pub recipient_public_key: Option<[u8; 32]>,
+}
+
+/// The Edge's view of one provider, sent to its Node.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProviderSnapshot {
+    /// The stable provider id from the Edge config.
+    pub provider_id: String,
+    /// Kind of server.
+    pub adapter: AdapterKind,
+    /// Which server/model.
+    pub target: String,
+    /// The effective stall timeout for this provider.
+    pub response_stall_timeout_ms: u64,
+}
+
+/// The state of one managed credential profile, pushed to Nodes.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CredentialProfileState {
+    /// Profile name.
+    pub profile: String,
+    /// Current revision; leases of an older revision are stale.
+    pub revision: u64,
+    /// False once disabled or revoked.
+    pub active: bool,
+}
+
+/// Configuration the Edge pushes at registration and on refresh.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ConfigSnapshot {
+    /// Providers on this Node the Edge will use.
+    pub providers: Vec<ProviderSnapshot>,
+    /// Managed credential profiles and their revisions.
+    pub credential_profiles: Vec<CredentialProfileState>,
+    /// Ed25519 public key the Edge signs credential lease scopes with.
+    pub lease_signing_key: Option<[u8; 32]>,
+}
+
+closed_enum! {
+    /// Why the Edge refused a registration.
+    pub enum RejectReason {
+        /// The Node speaks another protocol version.
+        ProtocolVersionMismatch => "protocol_version_mismatch",
+        /// The certificate's node id is not configured.
+        UnknownNode => "unknown_node",
+        /// The request was malformed or inconsistent.
+        InvalidRegistration => "invalid_registration",
+        /// The Edge is shutting down.
+        ShuttingDown => "shutting_down",
+    }
+}
+
+/// Edge -> Node answer to [`RegisterRequest`].
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegisterResponse {
+    /// Registered: this connection's generation and the config snapshot.
+    Accepted {
+        /// Strictly greater than every earlier generation of this node (R-GEN-1).
+        generation: u64,
+        /// Config for this Node.
+        config: ConfigSnapshot,
+    },
+    /// Refused.
+    Rejected {
+        /// Closed reason.
+        reason: RejectReason,
+        /// Human-readable detail (no secrets).
+        message: String,
+        /// The protocol version the Edge speaks.
+        edge_protocol_version: u32,
+    },
+}
+
+/// Node -> Edge: the Node has applied the config and can take work.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeReadyRequest {
+    /// The generation from [`RegisterResponse::Accepted`].
+    pub generation: u64,
+}
+
+/// Edge -> Node: readiness acknowledged (or refused for a stale generation).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeReadyResponse {
+    /// Echo of the generation.
+    pub generation: u64,
+    /// False when the generation is not current.
+    pub accepted: bool,
+}
+
+/// A heartbeat ping or pong, matched by sequence (R-HB-1).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// Sender's ping sequence; a pong echoes it.
+    pub seq: u64,
+}
+
+/// Cancel exactly one run or tunnel (a stream reset is equivalent).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cancel {
+    /// The run or tunnel id.
+    pub run_id: u64,
+}
+
+closed_enum! {
+    /// Why a connection was closed. Sent as the QUIC application close code.
+    pub enum CloseCode {
+        /// Orderly close.
+        Normal => "normal",
+        /// No heartbeat answer within the wait (R-HB-2).
+        HeartbeatTimeout => "heartbeat_timeout",
+        /// The peer broke the protocol.
+        ProtocolError => "protocol_error",
+        /// A newer connection of the same node replaced this one.
+        Superseded => "superseded",
+        /// The process is shutting down.
+        Shutdown => "shutdown",
+        /// Registration was refused.
+        RegistrationRejected => "registration_rejected",
+        /// The peer's identity was not acceptable.
+        Unauthorized => "unauthorized",
+    }
+}
+
+impl CloseCode {
+    /// The QUIC application error code.
+    pub fn code(self) -> u32 {
+        match self {
+            CloseCode::Normal => 0,
+            CloseCode::HeartbeatTimeout => 1,
+            CloseCode::ProtocolError => 2,
+            CloseCode::Superseded => 3,
+            CloseCode::Shutdown => 4,
+            CloseCode::RegistrationRejected => 5,
+            CloseCode::Unauthorized => 6,
+        }
+    }
+
+    /// Parse a QUIC application error code.
+    pub fn from_code(code: u64) -> Option<Self> {
+        CloseCode::ALL
+            .iter()
+            .copied()
+            .find(|c| u64::from(c.code()) == code)
+    }
+}
+
+closed_enum! {
+    /// Why one stream was reset or stopped. Sent as the QUIC stream error code.
+    pub enum StreamErrorCode {
+        /// The run was canceled.
+        Canceled => "canceled",
+        /// A frame exceeded the maximum.
+        FrameTooLarge => "frame_too_large",
+        /// A frame did not decode.
+        Malformed => "malformed",
+        /// The stream ended inside a frame.
+        Truncated => "truncated",
+        /// A frame arrived that this stream does not carry.
+        UnexpectedMessage => "unexpected_message",
+        /// A local failure.
+        Internal => "internal",
+    }
+}
+
+impl StreamErrorCode {
+    /// The QUIC stream error code.
+    pub fn code(self) -> u32 {
+        match self {
+            StreamErrorCode::Canceled => 0x10,
+            StreamErrorCode::FrameTooLarge => 0x11,
+            StreamErrorCode::Malformed => 0x12,
+            StreamErrorCode::Truncated => 0x13,
+            StreamErrorCode::UnexpectedMessage => 0x14,
+            StreamErrorCode::Internal => 0x15,
+        }
+    }
+
+    /// Parse a QUIC stream error code.
+    pub fn from_code(code: u64) -> Option<Self> {
+        StreamErrorCode::ALL
+            .iter()
+            .copied()
+            .find(|c| u64::from(c.code()) == code)
+    }
+}
+
+/// Node -> Edge frames on the control stream.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeControl {
+    /// First frame.
+    Register(RegisterRequest),
+    /// After an accepted registration.
+    Ready(NodeReadyRequest),
+    /// Heartbeat request.
+    Ping(Heartbeat),
+    /// Heartbeat answer.
+    Pong(Heartbeat),
+    /// The Node applied a config refresh.
+    ConfigApplied {
+        /// The generation the refresh was applied on.
+        generation: u64,
+    },
+    /// The Node is closing the connection.
+    Closing {
+        /// Why.
+        code: CloseCode,
+    },
+}
+
+/// Edge -> Node frames on the control stream.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EdgeControl {
+    /// Answer to [`NodeControl::Register`].
+    Registered(RegisterResponse),
+    /// Answer to [`NodeControl::Ready`].
+    ReadyAck(NodeReadyResponse),
+    /// Heartbeat request.
+    Ping(Heartbeat),
+    /// Heartbeat answer.
+    Pong(Heartbeat),
+    /// New config for this Node (providers, credential revisions).
+    ConfigRefresh(ConfigSnapshot),
+    /// Cancel one run or tunnel.
+    Cancel(Cancel),
+    /// The Edge is closing the connection.
+    Closing {
+        /// Why.
+        code: CloseCode,
+    },
+}
+
+/// Role of a chat message author.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Role {
+    /// System prompt.
+    System,
+    /// End user.
+    User,
+    /// Model output.
+    Assistant,
+    /// Tool result.
+    Tool,
+}
+
+impl Role {
+    /// The OpenAI/Ollama role name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
+/// A complete tool call in a conversation history.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Call id.
+    pub id: String,
+    /// Function name.
+    pub name: String,
+    /// JSON-encoded arguments.
+    pub arguments: String,
+}
+
+/// One chat message.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// Author.
+    pub role: Role,
+    /// Text content.
+    pub content: String,
+    /// Tool calls made by an assistant message.
+    pub tool_calls: Vec<ToolCall>,
+    /// For a tool message: which call it answers.
+    pub tool_call_id: Option<String>,
+    /// Optional author name.
+    pub name: Option<String>,
+}
+
+/// A function the model may call.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolDefinition {
+    /// Function name.
+    pub name: String,
+    /// Description.
+    pub description: Option<String>,
+    /// JSON Schema of the parameters, JSON-encoded.
+    pub parameters_json: Option<String>,
+}
+
+/// Sampling and length parameters (all optional).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct GenerationParams {
+    /// Sampling temperature.
+    #[cfg_attr(test, proptest(strategy = "crate::tests::finite_f32()"))]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling.
+    #[cfg_attr(test, proptest(strategy = "crate::tests::finite_f32()"))]
+    pub top_p: Option<f32>,
+    /// Maximum output tokens.
+    pub max_tokens: Option<u32>,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// Seed.
+    pub seed: Option<i64>,
+    /// Presence penalty.
+    #[cfg_attr(test, proptest(strategy = "crate::tests::finite_f32()"))]
+    pub presence_penalty: Option<f32>,
+    /// Frequency penalty.
+    #[cfg_attr(test, proptest(strategy = "crate::tests::finite_f32()"))]
+    pub frequency_penalty: Option<f32>,
+    /// Tool choice, JSON-encoded as the client sent it.
+    pub tool_choice_json: Option<String>,
+}
+
+impl Eq for GenerationParams {}
+
+/// Which provider API shape a normalized run should use.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RunApi {
+    /// Chat Completions (or the adapter's chat equivalent).
+    Chat,
+    /// Plain completion of a prompt (Ollama generate).
+    Generate,
+}
+
+/// Edge -> Node: execute one normalized run.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunRequest {
+    /// Unique per Edge process and connection.
+    pub run_id: u64,
+    /// Opaque correlation value.
+    pub session_id: String,
+    /// Adapter to use.
+    pub adapter: AdapterKind,
+    /// Target on that adapter.
+    pub target: String,
+    /// Model name to send to the provider.
+    pub model: String,
+    /// Chat or generate.
+    pub api: RunApi,
+    /// Conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Tools the model may call.
+    pub tools: Vec<ToolDefinition>,
+    /// Parameters.
+    pub params: GenerationParams,
+    /// `0` means [`crate::DEFAULT_RESPONSE_STALL_TIMEOUT_MS`].
+    pub response_stall_timeout_ms: u64,
+    /// Hard deadline relative to receipt; `0` means none.
+    pub deadline_ms: u64,
+    /// A sealed credential lease for managed providers (R-CRED-1).
+    pub credential_lease: Option<Vec<u8>>,
+}
+
+/// Token usage.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Completion tokens.
+    pub completion_tokens: u64,
+}
+
+/// A fragment of a tool call being streamed.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallDelta {
+    /// Which call (0-based) this fragment belongs to.
+    pub index: u32,
+    /// The call id, on its first fragment.
+    pub id: Option<String>,
+    /// The function name, on its first fragment.
+    pub name: Option<String>,
+    /// Next piece of the JSON arguments.
+    pub arguments_delta: String,
+}
+
+closed_enum! {
+    /// Why generation finished.
+    pub enum FinishReason {
+        /// Natural end or stop sequence.
+        Stop => "stop",
+        /// Token limit.
+        Length => "length",
+        /// The model called tools.
+        ToolCalls => "tool_calls",
+        /// Filtered.
+        ContentFilter => "content_filter",
+    }
+}
+
+/// One event of a normalized run.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RunEventKind {
+    /// The provider accepted the request.
+    Started {
+        /// Echo of the request's session id.
+        session_id: String,
+    },
+    /// Next piece of text.
+    TextDelta(String),
+    /// Next piece of a tool call.
+    ToolCallDelta(ToolCallDelta),
+    /// Non-terminal usage report (progress, R-WD-1).
+    Usage(Usage),
+    /// Terminal: success.
+    Completed {
+        /// Why generation ended.
+        finish_reason: FinishReason,
+        /// Final usage, if known.
+        usage: Option<Usage>,
+    },
+    /// Terminal: failure.
+    Failed(ExecutionFailure),
+}
+
+impl RunEventKind {
+    /// True for `Completed` and `Failed`. A terminal wins over any payload it carries (R-WD-1).
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            RunEventKind::Completed { .. } | RunEventKind::Failed(_)
+        )
+    }
+}
+
+/// Node -> Edge: one event of run `run_id`.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunEvent {
+    /// The run.
+    pub run_id: u64,
+    /// What happened.
+    pub kind: RunEventKind,
+}
+
+/// An HTTP header.
+pub type Header = (String, String);
+
+/// Edge -> Node: relay one raw HTTP request to a provider.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProviderTunnelRequest {
+    /// Unique per Edge process and connection (shares the run id space).
+    pub run_id: u64,
+    /// Opaque correlation value.
+    pub session_id: String,
+    /// Adapter to use.
+    pub adapter: AdapterKind,
+    /// Target on that adapter.
+    pub target: String,
+    /// HTTP method.
+    pub method: String,
+    /// Path and query, starting with `/`.
+    pub path: String,
+    /// Request headers (hop-by-hop headers are dropped by the Node).
+    pub headers: Vec<Header>,
+    /// Request body.
+    pub body: Vec<u8>,
+    /// `0` means [`crate::DEFAULT_RESPONSE_STALL_TIMEOUT_MS`].
+    pub response_stall_timeout_ms: u64,
+    /// Hard deadline relative to receipt; `0` means none.
+    pub deadline_ms: u64,
+    /// A sealed credential lease for managed providers (R-CRED-1).
+    pub credential_lease: Option<Vec<u8>>,
+}
+
+/// Node -> Edge: one frame of a tunnelled response.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ProviderTunnelFrame {
+    /// Status and headers.
+    Head {
+        /// HTTP status.
+        status: u16,
+        /// Response headers.
+        headers: Vec<Header>,
+    },
+    /// Next body bytes, passed through unbuffered.
+    Body(Vec<u8>),
+    /// Terminal: the body ended normally.
+    End,
+    /// Terminal: the tunnel failed.
+    Failure(ExecutionFailure),
+}
+
+impl ProviderTunnelFrame {
+    /// True for `End` and `Failure`.
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            ProviderTunnelFrame::End | ProviderTunnelFrame::Failure(_)
+        )
+    }
+}
+
+/// An Ollama API call to run on the Node's Ollama.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OllamaApiCall {
+    /// Target (Ollama server) on the Node.
+    pub target: String,
+    /// HTTP method.
+    pub method: String,
+    /// Path under `/api/`.
+    pub path: String,
+    /// Request body.
+    pub body: Vec<u8>,
+}
+
+/// The closed set of commands (SPEC §3). Nothing else: no shell, no host commands.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CommandKind {
+    /// Exact-target health of every adapter/target, plus the next Session sequence.
+    Capabilities,
+    /// Transport state of this connection.
+    TransportStatus,
+    /// An Ollama API call, answered as a stream of tunnel frames.
+    OllamaApi(OllamaApiCall),
+}
+
+/// Edge -> Node: run one command.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Command {
+    /// Unique per connection.
+    pub command_id: u64,
+    /// Opaque correlation value.
+    pub session_id: String,
+    /// Which command.
+    pub kind: CommandKind,
+}
+
+/// Exact-target health of one adapter/target.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetHealth {
+    /// Adapter.
+    pub adapter: AdapterKind,
+    /// Target.
+    pub target: String,
+    /// Probe verdict.
+    pub status: ProviderHealth,
+    /// Why, when not available.
+    pub failure_code: Option<HealthFailureCode>,
+    /// Models the target reports (empty is a valid answer, R-HT-2).
+    pub models: Vec<String>,
+}
+
+/// Answer to [`CommandKind::Capabilities`] (R-CAP-1).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapabilitiesReport {
+    /// One entry per probed target.
+    pub targets: Vec<TargetHealth>,
+    /// The Session sequence this observation took (R-SEQ-1).
+    pub health_observation_seq: u64,
+}
+
+/// Answer to [`CommandKind::TransportStatus`].
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportStatusReport {
+    /// This connection's generation.
+    pub generation: u64,
+    /// Time since the connection was accepted.
+    pub connected_for_ms: u64,
+    /// Runs and tunnels in flight.
+    pub active_runs: u32,
+    /// The Node's concurrent-run limit.
+    pub max_concurrent_runs: u32,
+    /// Heartbeats sent on this connection.
+    pub heartbeats_sent: u64,
+    /// Latest heartbeat round trip.
+    pub last_heartbeat_rtt_ms: Option<u64>,
+    /// Late provider outputs dropped after a terminal (R-WD-6).
+    pub fenced_late_outputs: u64,
+    /// Next Session observation sequence (not consumed).
+    pub next_health_observation_seq: u64,
+}
+
+/// What a command produced.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CommandResultBody {
+    /// Capabilities answer.
+    Capabilities(CapabilitiesReport),
+    /// Transport status answer.
+    TransportStatus(TransportStatusReport),
+    /// One frame of an Ollama API answer (terminal frames end the stream).
+    OllamaApi(ProviderTunnelFrame),
+    /// The command failed.
+    Failed(ExecutionFailure),
+}
+
+/// Node -> Edge: (part of) the answer to a [`Command`].
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandResult {
+    /// Echo of the command id.
+    pub command_id: u64,
+    /// Echo of the session id.
+    pub session_id: String,
+    /// The answer.
+    pub body: CommandResultBody,
+}
+
+impl CommandResult {
+    /// True when no more frames follow on this stream.
+    pub fn is_terminal(&self) -> bool {
+        match &self.body {
+            CommandResultBody::OllamaApi(frame) => frame.is_terminal(),
+            _ => true,
+        }
+    }
+}
+
+/// Edge -> Node: the first frame on a data stream.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataRequest {
+    /// A normalized run; answered with [`RunEvent`]s.
+    Run(RunRequest),
+    /// A raw tunnel; answered with [`ProviderTunnelFrame`]s.
+    Tunnel(ProviderTunnelRequest),
+    /// A command; answered with [`CommandResult`]s.
+    Command(Command),
+}
