@@ -1,1 +1,54 @@
-//! core
+//! # iop-core: the rules, as sans-IO state machines
+//!
+//! Every fencing, liveness, health, admission and recovery rule of iop
+//! (SPEC §4) is written here, once. The Edge and Node shells and the
+//! simulator drive these machines; none of them decides policy.
+//!
+//! This crate never reads a clock, never sleeps, spawns, locks or touches a
+//! socket, and never draws from a global RNG. Time arrives as an explicit
+//! [`time::Instant`] on every input; randomness through an injected
+//! [`rng::RandomSource`]. Any moment and any random sequence can therefore be
+//! constructed by a test, the simulator, or a trace replay.
+//!
+//! ## The driver loop
+//!
+//! Every state machine here has the same shape (after quinn-proto and
+//! str0m), and every driver (a shell task, the simulator) runs it the same
+//! way:
+//!
+//! 1. **Feed inputs.** When something happens (a frame arrives, a provider
+//!    returns, a client disconnects), call the matching `handle_*` method
+//!    with the current `now`.
+//! 2. **Drain outputs.** Call `poll_output()` (or `poll_event()`) until it
+//!    returns `None`, and carry out each output: write a frame, cancel an
+//!    HTTP call, start a probe, release a slot, emit a metric. Outputs are
+//!    queued in the order the rules require; carry them out in that order.
+//! 3. **Arm the timer.** Call `poll_timeout()`. It returns the earliest
+//!    moment the machine needs to be woken, or `None`. Sleep until then or
+//!    until the next input, whichever comes first.
+//! 4. **Fire the timer.** When the moment passes, call `handle_timeout(now)`
+//!    and go back to step 2.
+//!
+//! A driver must not skip step 2 after an input: outputs that are not
+//! drained are not carried out. Calling `handle_timeout` early is harmless;
+//! nothing fires before its moment.
+//!
+//! ## Map
+//!
+//! * [`liveness`]: heartbeat liveness (R-HB-1, R-HB-2) and the reconnect
+//!   backoff schedule, used by both sides.
+//! * [`node`]: the Node's stall watchdog for runs and tunnels (R-WD-1..8)
+//!   and the connection-scoped observation sequence (R-SEQ-1).
+//! * [`edge`]: the Edge's registry of node generations (R-GEN-1..4),
+//!   admission and leases (R-LEASE, R-SEL), the runtime health overlay and
+//!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE) and the
+//!   per-provider health tracker (R-HT).
+
+pub mod edge;
+pub mod ids;
+pub mod liveness;
+pub mod node;
+pub mod rng;
+pub mod time;
+
+pub use time::Instant;

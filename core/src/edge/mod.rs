@@ -1,0 +1,8 @@
+//! Edge-side rules: generations, admission and leases, the health overlay,
+//! the stream gate and the provider health tracker.
+
+pub mod admission;
+pub mod gate;
+pub mod health;
+pub mod overlay;
+pub mod registry;

@@ -1,0 +1,4 @@
+//! Liveness machinery shared by both sides: heartbeats and reconnect backoff.
+
+pub mod backoff;
+pub mod heartbeat;
