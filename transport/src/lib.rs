@@ -1,0 +1,1 @@
+//! iop-transport (being written)
