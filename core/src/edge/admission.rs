@@ -1,1 +1,808 @@
-//! (being written)
+//! Admission: per-provider capacity, a bounded FIFO queue with a timeout,
+//! provider selection (R-SEL-1, R-SEL-2) and immutable leases released
+//! exactly once (R-LEASE-1, R-LEASE-2).
+//!
+//! Admission does not know about connections: the dispatcher tells it which
+//! generation of a provider's node is dispatchable ([`Admission::set_online`])
+//! and whether the runtime overlay and health tracker allow the provider
+//! ([`Admission::set_runtime_eligible`]). Every lease records the generation
+//! it was granted on; the pre-send fence ([`Admission::pre_send`], R-GEN-4)
+//! refuses a lease whose generation is no longer the online one.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use iop_wire::AdapterKind;
+
+use crate::ids::{Generation, NodeId, ProviderId, RunId};
+use crate::time::Instant;
+
+/// A client request's id, unique per Edge process.
+pub type RequestId = u64;
+
+/// A lease's id, unique per Edge process.
+pub type LeaseId = u64;
+
+/// A provider as configured on the Edge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderSpec {
+    /// Stable id.
+    pub id: ProviderId,
+    /// Node that runs it.
+    pub node: NodeId,
+    /// Adapter kind.
+    pub adapter: AdapterKind,
+    /// Target on the node.
+    pub target: String,
+    /// Concurrent leases allowed.
+    pub capacity: u32,
+    /// Configured stall timeout (wire value; 0 = default).
+    pub stall_timeout_ms: u64,
+}
+
+/// Queue bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionConfig {
+    /// Requests that may wait for capacity.
+    pub queue_capacity: usize,
+    /// How long one may wait.
+    pub queue_timeout: Duration,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            queue_capacity: 256,
+            queue_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A request for a provider of a route's pool (R-SEL-1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatchRequest {
+    /// The client request.
+    pub request_id: RequestId,
+    /// Candidate providers, in preference order.
+    pub pool: Vec<ProviderId>,
+    /// A provider to avoid (the one that just stalled), if any.
+    pub avoid_provider_id: Option<ProviderId>,
+    /// Allow the avoided provider when no alternate exists.
+    pub allow_avoided_fallback: bool,
+    /// A stall timeout kept from an earlier winning candidate (R-SEL-2).
+    pub stall_timeout_ms: Option<u64>,
+}
+
+impl DispatchRequest {
+    /// A first-attempt request with zero hints (normal selection).
+    pub fn new(request_id: RequestId, pool: Vec<ProviderId>) -> Self {
+        Self {
+            request_id,
+            pool,
+            avoid_provider_id: None,
+            allow_avoided_fallback: false,
+            stall_timeout_ms: None,
+        }
+    }
+}
+
+/// An immutable capacity lease (R-LEASE-1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// Lease id.
+    pub lease_id: LeaseId,
+    /// The request it serves.
+    pub request_id: RequestId,
+    /// Provider.
+    pub provider_id: ProviderId,
+    /// Adapter.
+    pub adapter: AdapterKind,
+    /// Target.
+    pub target: String,
+    /// Node.
+    pub node: NodeId,
+    /// The node generation the lease is bound to.
+    pub generation: Generation,
+    /// The run id to send to the node.
+    pub run_id: RunId,
+    /// Effective stall timeout of the winning candidate (R-SEL-2).
+    pub stall_timeout_ms: u64,
+}
+
+/// Why a request could not be admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmitRejection {
+    /// The queue is full (HTTP 429).
+    QueueFull,
+    /// The pool names no configured provider.
+    NoRoute,
+    /// The request id is already admitted or queued.
+    DuplicateRequest,
+}
+
+/// The immediate answer to [`Admission::request`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admit {
+    /// Leased now.
+    Leased(Lease),
+    /// Waiting for capacity; an [`AdmissionEvent`] follows.
+    Queued,
+    /// Refused.
+    Rejected(AdmitRejection),
+}
+
+/// Why a lease was released (R-LEASE-2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseReason {
+    /// Its valid current terminal arrived.
+    Terminal,
+    /// Its generation was fenced.
+    Fenced,
+    /// The client canceled or disconnected.
+    ClientCancel,
+    /// The pre-send fence found its generation stale (R-GEN-4).
+    PreSendFence,
+    /// The request's deadline passed.
+    Deadline,
+}
+
+impl ReleaseReason {
+    /// Closed label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReleaseReason::Terminal => "terminal",
+            ReleaseReason::Fenced => "fenced",
+            ReleaseReason::ClientCancel => "client_cancel",
+            ReleaseReason::PreSendFence => "pre_send_fence",
+            ReleaseReason::Deadline => "deadline",
+        }
+    }
+}
+
+/// Something admission decided on its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdmissionEvent {
+    /// A queued request got a lease.
+    Leased(Lease),
+    /// A queued request waited past the queue timeout (or its pool vanished).
+    QueueExpired {
+        /// The request.
+        request_id: RequestId,
+    },
+    /// A lease was released because its generation was fenced: the request's
+    /// run ends with a transport terminal (R-GEN-3).
+    LeaseFenced(Lease),
+}
+
+/// The answer of the pre-send fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PreSend {
+    /// Send it: the lease's generation is the online one.
+    Send(Lease),
+    /// Stale: the lease was released and the request re-resolved; a new
+    /// [`AdmissionEvent::Leased`] (or expiry) follows.
+    Refenced,
+    /// No such lease (already released).
+    UnknownLease,
+}
+
+/// The lease was already released, or never existed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("lease {0} is not held")]
+pub struct NotHeld(pub LeaseId);
+
+#[derive(Debug)]
+struct ProviderState {
+    spec: ProviderSpec,
+    in_use: u32,
+    online: Option<Generation>,
+    runtime_eligible: bool,
+}
+
+impl ProviderState {
+    fn selectable(&self) -> bool {
+        self.online.is_some() && self.runtime_eligible
+    }
+    fn has_room(&self) -> bool {
+        self.in_use < self.spec.capacity
+    }
+}
+
+#[derive(Debug)]
+struct Queued {
+    request: DispatchRequest,
+    expires_at: Instant,
+}
+
+#[derive(Debug)]
+struct Held {
+    lease: Lease,
+    request: DispatchRequest,
+    expires_at: Instant,
+}
+
+/// A provider's capacity view, for the status surface.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderCapacityView {
+    /// Provider.
+    pub provider_id: ProviderId,
+    /// Leases held.
+    pub in_use: u32,
+    /// Capacity.
+    pub capacity: u32,
+    /// Online generation.
+    pub online: Option<Generation>,
+    /// Whether overlay and health allow it.
+    pub runtime_eligible: bool,
+}
+
+/// Capacity, queue, selection and leases.
+#[derive(Debug)]
+pub struct Admission {
+    config: AdmissionConfig,
+    providers: BTreeMap<ProviderId, ProviderState>,
+    held: BTreeMap<LeaseId, Held>,
+    queue: VecDeque<Queued>,
+    next_lease_id: LeaseId,
+    next_run_id: RunId,
+    events: VecDeque<AdmissionEvent>,
+    leases_granted: u64,
+    leases_released: u64,
+}
+
+impl Admission {
+    /// Admission over `providers`.
+    pub fn new(config: AdmissionConfig, providers: impl IntoIterator<Item = ProviderSpec>) -> Self {
+        let providers = providers
+            .into_iter()
+            .map(|spec| {
+                (
+                    spec.id.clone(),
+                    ProviderState {
+                        spec,
+                        in_use: 0,
+                        online: None,
+                        runtime_eligible: true,
+                    },
+                )
+            })
+            .collect();
+        Self {
+            config,
+            providers,
+            held: BTreeMap::new(),
+            queue: VecDeque::new(),
+            next_lease_id: 1,
+            next_run_id: 1,
+            events: VecDeque::new(),
+            leases_granted: 0,
+            leases_released: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> AdmissionConfig {
+        self.config
+    }
+
+    /// A configured provider.
+    pub fn provider(&self, id: &ProviderId) -> Option<&ProviderSpec> {
+        self.providers.get(id).map(|p| &p.spec)
+    }
+
+    /// Every configured provider.
+    pub fn providers(&self) -> impl Iterator<Item = &ProviderSpec> {
+        self.providers.values().map(|p| &p.spec)
+    }
+
+    /// Ask for a lease. Leased now, queued (an event follows), or refused.
+    pub fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
+        if self.queue.iter().any(|q| q.request.request_id == request.request_id)
+            || self.held.values().any(|h| h.request.request_id == request.request_id)
+        {
+            return Admit::Rejected(AdmitRejection::DuplicateRequest);
+        }
+        if !request.pool.iter().any(|p| self.providers.contains_key(p)) {
+            return Admit::Rejected(AdmitRejection::NoRoute);
+        }
+        if let Some(lease) = self.try_lease(now, &request) {
+            return Admit::Leased(lease);
+        }
+        if self.queue.len() >= self.config.queue_capacity {
+            return Admit::Rejected(AdmitRejection::QueueFull);
+        }
+        self.queue.push_back(Queued {
+            request,
+            expires_at: now + self.config.queue_timeout,
+        });
+        Admit::Queued
+    }
+
+    /// R-SEL-1: prefer a runtime-eligible alternate; the avoided provider
+    /// only with the fallback flag and only when no eligible alternate
+    /// exists. Among candidates with room: least loaded, then pool order.
+    fn select(&self, request: &DispatchRequest) -> Option<ProviderId> {
+        let avoided = request.avoid_provider_id.as_ref();
+        let alternates: Vec<&ProviderState> = request
+            .pool
+            .iter()
+            .filter(|id| Some(*id) != avoided)
+            .filter_map(|id| self.providers.get(id))
+            .filter(|p| p.selectable())
+            .collect();
+        if !alternates.is_empty() {
+            return alternates
+                .into_iter()
+                .filter(|p| p.has_room())
+                // Least loaded: in_use/capacity compared without floats.
+                .min_by(|a, b| {
+                    (u64::from(a.in_use) * u64::from(b.spec.capacity))
+                        .cmp(&(u64::from(b.in_use) * u64::from(a.spec.capacity)))
+                })
+                .map(|p| p.spec.id.clone());
+        }
+        let avoided = avoided?;
+        if !request.allow_avoided_fallback || !request.pool.contains(avoided) {
+            return None;
+        }
+        self.providers
+            .get(avoided)
+            .filter(|p| p.selectable() && p.has_room())
+            .map(|p| p.spec.id.clone())
+    }
+
+    fn try_lease(&mut self, now: Instant, request: &DispatchRequest) -> Option<Lease> {
+        let id = self.select(request)?;
+        let provider = self.providers.get_mut(&id)?;
+        let generation = provider.online?;
+        debug_assert!(provider.in_use < provider.spec.capacity);
+        provider.in_use += 1;
+        let lease = Lease {
+            lease_id: self.next_lease_id,
+            request_id: request.request_id,
+            provider_id: id,
+            adapter: provider.spec.adapter,
+            target: provider.spec.target.clone(),
+            node: provider.spec.node.clone(),
+            generation,
+            run_id: self.next_run_id,
+            // R-SEL-2: the winning candidate's, kept through re-resolution.
+            stall_timeout_ms: request
+                .stall_timeout_ms
+                .unwrap_or(provider.spec.stall_timeout_ms),
+        };
+        self.next_lease_id += 1;
+        self.next_run_id += 1;
+        self.leases_granted += 1;
+        self.held.insert(
+            lease.lease_id,
+            Held {
+                lease: lease.clone(),
+                request: request.clone(),
+                expires_at: now + self.config.queue_timeout,
+            },
+        );
+        Some(lease)
+    }
+
+    /// A held lease.
+    pub fn lease(&self, lease_id: LeaseId) -> Option<&Lease> {
+        self.held.get(&lease_id).map(|h| &h.lease)
+    }
+
+    /// The lease currently serving `request_id`.
+    pub fn lease_of_request(&self, request_id: RequestId) -> Option<&Lease> {
+        self.held
+            .values()
+            .find(|h| h.request.request_id == request_id)
+            .map(|h| &h.lease)
+    }
+
+    /// Release a lease exactly once (R-LEASE-2). A second release is an
+    /// error and changes nothing.
+    pub fn release(
+        &mut self,
+        now: Instant,
+        lease_id: LeaseId,
+        _reason: ReleaseReason,
+    ) -> Result<Lease, NotHeld> {
+        let held = self.held.remove(&lease_id).ok_or(NotHeld(lease_id))?;
+        if let Some(p) = self.providers.get_mut(&held.lease.provider_id) {
+            // Never negative: a held lease always counted one.
+            debug_assert!(p.in_use > 0);
+            p.in_use = p.in_use.saturating_sub(1);
+        }
+        self.leases_released += 1;
+        self.drain_queue(now);
+        Ok(held.lease)
+    }
+
+    /// R-GEN-4: right before sending, check the lease's generation is still
+    /// the online one. If not, release it and re-resolve the request at the
+    /// head of the queue, keeping its effective stall timeout (R-SEL-2).
+    pub fn pre_send(&mut self, now: Instant, lease_id: LeaseId) -> PreSend {
+        let Some(held) = self.held.get(&lease_id) else {
+            return PreSend::UnknownLease;
+        };
+        let online = self
+            .providers
+            .get(&held.lease.provider_id)
+            .and_then(|p| p.online);
+        if online == Some(held.lease.generation) {
+            return PreSend::Send(held.lease.clone());
+        }
+        let mut request = held.request.clone();
+        request.stall_timeout_ms = Some(held.lease.stall_timeout_ms);
+        let expires_at = held.expires_at;
+        if self.release(now, lease_id, ReleaseReason::PreSendFence).is_ok() {
+            match self.try_lease(now, &request) {
+                Some(lease) => self.events.push_back(AdmissionEvent::Leased(lease)),
+                None => self.queue.push_front(Queued {
+                    request,
+                    expires_at,
+                }),
+            }
+        }
+        PreSend::Refenced
+    }
+
+    /// The client went away: drop its queue entry or release its lease.
+    /// Returns the released lease (so the driver can cancel the node run).
+    pub fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
+        self.queue.retain(|q| q.request.request_id != request_id);
+        let lease_id = self
+            .held
+            .values()
+            .find(|h| h.request.request_id == request_id)
+            .map(|h| h.lease.lease_id)?;
+        self.release(now, lease_id, ReleaseReason::ClientCancel).ok()
+    }
+
+    /// `provider`'s node is dispatchable on `generation` (or on nothing).
+    pub fn set_online(&mut self, now: Instant, provider: &ProviderId, generation: Option<Generation>) {
+        if let Some(p) = self.providers.get_mut(provider) {
+            p.online = generation;
+        }
+        self.drain_queue(now);
+    }
+
+    /// Whether the runtime overlay and health tracker allow `provider`.
+    pub fn set_runtime_eligible(&mut self, now: Instant, provider: &ProviderId, eligible: bool) {
+        if let Some(p) = self.providers.get_mut(provider) {
+            p.runtime_eligible = eligible;
+        }
+        self.drain_queue(now);
+    }
+
+    /// R-GEN-3: release every lease bound to `node`'s `generation` exactly
+    /// once and take that node's providers offline.
+    pub fn fence(&mut self, now: Instant, node: &NodeId, generation: Generation) {
+        for p in self.providers.values_mut() {
+            if &p.spec.node == node && p.online == Some(generation) {
+                p.online = None;
+            }
+        }
+        let fenced: Vec<LeaseId> = self
+            .held
+            .values()
+            .filter(|h| &h.lease.node == node && h.lease.generation == generation)
+            .map(|h| h.lease.lease_id)
+            .collect();
+        for lease_id in fenced {
+            if let Ok(lease) = self.release(now, lease_id, ReleaseReason::Fenced) {
+                self.events.push_back(AdmissionEvent::LeaseFenced(lease));
+            }
+        }
+    }
+
+    /// Serve queued requests in FIFO order wherever capacity allows.
+    fn drain_queue(&mut self, now: Instant) {
+        let mut i = 0;
+        while i < self.queue.len() {
+            let request = self.queue[i].request.clone();
+            if !request.pool.iter().any(|p| self.providers.contains_key(p)) {
+                self.queue.remove(i);
+                self.events.push_back(AdmissionEvent::QueueExpired {
+                    request_id: request.request_id,
+                });
+                continue;
+            }
+            match self.try_lease(now, &request) {
+                Some(lease) => {
+                    self.queue.remove(i);
+                    self.events.push_back(AdmissionEvent::Leased(lease));
+                }
+                None => i += 1,
+            }
+        }
+    }
+
+    /// Expire queued requests whose wait passed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(pos) = self.queue.iter().position(|q| q.expires_at <= now) {
+            if let Some(q) = self.queue.remove(pos) {
+                self.events.push_back(AdmissionEvent::QueueExpired {
+                    request_id: q.request.request_id,
+                });
+            }
+        }
+    }
+
+    /// When the next queued request expires.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.queue.iter().map(|q| q.expires_at).min()
+    }
+
+    /// Next event, until `None`.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<AdmissionEvent> {
+        self.events.pop_front()
+    }
+
+    /// Requests waiting.
+    pub fn queue_depth(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Is `request_id` waiting in the queue?
+    pub fn is_queued(&self, request_id: RequestId) -> bool {
+        self.queue.iter().any(|q| q.request.request_id == request_id)
+    }
+
+    /// Leases held, all providers.
+    pub fn leases_in_use(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Leases granted and released since start.
+    pub fn lease_totals(&self) -> (u64, u64) {
+        (self.leases_granted, self.leases_released)
+    }
+
+    /// Per-provider capacity.
+    pub fn capacity_view(&self) -> Vec<ProviderCapacityView> {
+        self.providers
+            .values()
+            .map(|p| ProviderCapacityView {
+                provider_id: p.spec.id.clone(),
+                in_use: p.in_use,
+                capacity: p.spec.capacity,
+                online: p.online,
+                runtime_eligible: p.runtime_eligible,
+            })
+            .collect()
+    }
+
+    /// Check internal consistency (used by tests and the simulator):
+    /// each provider's `in_use` equals its held leases and never exceeds
+    /// its capacity.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        for p in self.providers.values() {
+            let held = self
+                .held
+                .values()
+                .filter(|h| h.lease.provider_id == p.spec.id)
+                .count() as u64;
+            if u64::from(p.in_use) != held {
+                return Err(format!(
+                    "provider {} counts {} in use but holds {held} leases",
+                    p.spec.id, p.in_use
+                ));
+            }
+            if p.in_use > p.spec.capacity {
+                return Err(format!(
+                    "provider {} over capacity: {} > {}",
+                    p.spec.id, p.in_use, p.spec.capacity
+                ));
+            }
+        }
+        if self.leases_granted - self.leases_released != self.held.len() as u64 {
+            return Err("granted - released != held".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(id: &str, node: &str, capacity: u32) -> ProviderSpec {
+        ProviderSpec {
+            id: ProviderId::from(id),
+            node: NodeId::from(node),
+            adapter: AdapterKind::Mock,
+            target: id.into(),
+            capacity,
+            stall_timeout_ms: 1000,
+        }
+    }
+
+    fn ms(v: u64) -> Instant {
+        Instant::from_millis(v)
+    }
+
+    fn pool(ids: &[&str]) -> Vec<ProviderId> {
+        ids.iter().map(|s| ProviderId::from(*s)).collect()
+    }
+
+    fn admission(specs: Vec<ProviderSpec>) -> Admission {
+        let mut a = Admission::new(
+            AdmissionConfig {
+                queue_capacity: 2,
+                queue_timeout: Duration::from_millis(100),
+            },
+            specs.clone(),
+        );
+        for s in specs {
+            a.set_online(ms(0), &s.id, Some(1));
+        }
+        a
+    }
+
+    fn leased(a: Admit) -> Lease {
+        match a {
+            Admit::Leased(l) => l,
+            other => panic!("expected a lease, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn capacity_is_respected_then_queue_then_429() {
+        let mut a = admission(vec![spec("p", "n", 1)]);
+        let l1 = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        assert_eq!(a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))), Admit::Queued);
+        assert_eq!(a.request(ms(0), DispatchRequest::new(3, pool(&["p"]))), Admit::Queued);
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(4, pool(&["p"]))),
+            Admit::Rejected(AdmitRejection::QueueFull)
+        );
+        a.release(ms(1), l1.lease_id, ReleaseReason::Terminal).unwrap();
+        match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => assert_eq!(l.request_id, 2, "FIFO"),
+            other => panic!("{other:?}"),
+        }
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn each_lease_is_released_exactly_once() {
+        let mut a = admission(vec![spec("p", "n", 2)]);
+        let l = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        assert!(a.release(ms(0), l.lease_id, ReleaseReason::Terminal).is_ok());
+        assert_eq!(
+            a.release(ms(0), l.lease_id, ReleaseReason::Terminal),
+            Err(NotHeld(l.lease_id))
+        );
+        assert_eq!(a.leases_in_use(), 0);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn queued_request_expires_after_queue_timeout() {
+        let mut a = admission(vec![spec("p", "n", 1)]);
+        leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        assert_eq!(a.request(ms(10), DispatchRequest::new(2, pool(&["p"]))), Admit::Queued);
+        assert_eq!(a.poll_timeout(), Some(ms(110)));
+        a.handle_timeout(ms(109));
+        assert_eq!(a.poll_event(), None);
+        a.handle_timeout(ms(110));
+        assert_eq!(a.poll_event(), Some(AdmissionEvent::QueueExpired { request_id: 2 }));
+    }
+
+    #[test]
+    fn fence_releases_every_lease_of_that_generation_once_and_only_those() {
+        let mut a = admission(vec![spec("p", "n", 2), spec("q", "m", 2)]);
+        let lp = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        let lq = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["q"]))));
+        a.fence(ms(1), &NodeId::from("n"), 1);
+        assert_eq!(a.poll_event(), Some(AdmissionEvent::LeaseFenced(lp.clone())));
+        assert_eq!(a.poll_event(), None);
+        assert!(a.lease(lq.lease_id).is_some(), "other node untouched");
+        // A late terminal for the fenced lease finds nothing to release.
+        assert!(a.release(ms(2), lp.lease_id, ReleaseReason::Terminal).is_err());
+        // Fencing again is a no-op.
+        a.fence(ms(3), &NodeId::from("n"), 1);
+        assert_eq!(a.poll_event(), None);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn pre_send_fence_releases_a_stale_lease_and_re_resolves() {
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 1)]);
+        let l = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        assert_eq!(l.stall_timeout_ms, 1000);
+        // The node reconnected: generation 2 is now online.
+        a.set_online(ms(1), &ProviderId::from("p"), Some(2));
+        assert_eq!(a.pre_send(ms(2), l.lease_id), PreSend::Refenced);
+        match a.poll_event() {
+            Some(AdmissionEvent::Leased(n)) => {
+                assert_eq!(n.generation, 2);
+                assert_ne!(n.lease_id, l.lease_id);
+                assert_eq!(n.stall_timeout_ms, 1000, "R-SEL-2 kept");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(a.leases_in_use(), 1);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn not_online_provider_is_never_selected() {
+        let mut a = admission(vec![spec("p", "n", 1)]);
+        a.set_online(ms(0), &ProviderId::from("p"), None);
+        assert_eq!(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))), Admit::Queued);
+        a.set_online(ms(5), &ProviderId::from("p"), Some(3));
+        match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => assert_eq!(l.generation, 3),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn avoided_provider_is_skipped_when_an_eligible_alternate_exists() {
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 1)]);
+        let mut r = DispatchRequest::new(1, pool(&["p", "q"]));
+        r.avoid_provider_id = Some(ProviderId::from("p"));
+        r.allow_avoided_fallback = true;
+        let l = leased(a.request(ms(0), r));
+        assert_eq!(l.provider_id, ProviderId::from("q"));
+    }
+
+    #[test]
+    fn avoided_provider_waits_for_a_busy_alternate_rather_than_fall_back() {
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 1)]);
+        leased(a.request(ms(0), DispatchRequest::new(1, pool(&["q"]))));
+        let mut r = DispatchRequest::new(2, pool(&["p", "q"]));
+        r.avoid_provider_id = Some(ProviderId::from("p"));
+        r.allow_avoided_fallback = true;
+        assert_eq!(a.request(ms(0), r), Admit::Queued);
+    }
+
+    #[test]
+    fn avoided_provider_is_chosen_only_with_the_flag_and_no_alternate() {
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 1)]);
+        a.set_runtime_eligible(ms(0), &ProviderId::from("q"), false);
+        let mut r = DispatchRequest::new(1, pool(&["p", "q"]));
+        r.avoid_provider_id = Some(ProviderId::from("p"));
+        assert_eq!(a.request(ms(0), r.clone()), Admit::Queued, "no flag: wait");
+        a.cancel(ms(0), 1);
+        r.allow_avoided_fallback = true;
+        let l = leased(a.request(ms(0), r));
+        assert_eq!(l.provider_id, ProviderId::from("p"));
+    }
+
+    #[test]
+    fn selection_prefers_the_least_loaded_candidate() {
+        let mut a = admission(vec![spec("p", "n", 2), spec("q", "m", 2)]);
+        let first = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p", "q"]))));
+        let second = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["p", "q"]))));
+        assert_ne!(first.provider_id, second.provider_id);
+    }
+
+    #[test]
+    fn client_cancel_releases_the_lease_or_drops_the_queue_entry() {
+        let mut a = admission(vec![spec("p", "n", 1)]);
+        let l = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        assert_eq!(a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))), Admit::Queued);
+        a.cancel(ms(1), 2);
+        assert_eq!(a.queue_depth(), 0);
+        assert_eq!(a.cancel(ms(1), 1).map(|x| x.lease_id), Some(l.lease_id));
+        assert_eq!(a.leases_in_use(), 0);
+        assert_eq!(a.poll_event(), None, "the dropped entry is not served");
+    }
+
+    #[test]
+    fn unknown_pool_is_no_route_and_duplicate_ids_are_refused() {
+        let mut a = admission(vec![spec("p", "n", 1)]);
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(1, pool(&["zzz"]))),
+            Admit::Rejected(AdmitRejection::NoRoute)
+        );
+        leased(a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))));
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))),
+            Admit::Rejected(AdmitRejection::DuplicateRequest)
+        );
+    }
+}
