@@ -9,8 +9,19 @@ use std::ops::{Add, AddAssign, Sub};
 use std::time::Duration;
 
 /// A monotonic moment, in microseconds since an origin chosen by the driver.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct Instant(u64);
 
 impl Instant {
@@ -96,9 +107,6 @@ mod tests {
         assert_eq!(t - Instant::from_millis(9), Duration::ZERO);
         assert_eq!(Instant::MAX + Duration::from_secs(1), Instant::MAX);
         assert_eq!(earliest(Some(t), None), Some(t));
-        assert_eq!(
-            earliest(Some(t), Some(Instant::ZERO)),
-            Some(Instant::ZERO)
-        );
+        assert_eq!(earliest(Some(t), Some(Instant::ZERO)), Some(Instant::ZERO));
     }
 }

@@ -136,17 +136,17 @@ impl FrameDecoder {
         self.compact();
         // Check the header as soon as it is complete, before growing.
         self.buf.extend_from_slice(bytes);
-        if let Some(len) = self.peek_len() {
-            if len > self.max_frame_len as u64 {
-                let err = WireError::FrameTooLarge {
-                    len,
-                    max: self.max_frame_len,
-                };
-                self.buf = Vec::new();
-                self.pos = 0;
-                self.error = Some(err.clone());
-                return Err(err);
-            }
+        if let Some(len) = self.peek_len()
+            && len > self.max_frame_len as u64
+        {
+            let err = WireError::FrameTooLarge {
+                len,
+                max: self.max_frame_len,
+            };
+            self.buf = Vec::new();
+            self.pos = 0;
+            self.error = Some(err.clone());
+            return Err(err);
         }
         Ok(())
     }

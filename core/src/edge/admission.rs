@@ -297,8 +297,14 @@ impl Admission {
 
     /// Ask for a lease. Leased now, queued (an event follows), or refused.
     pub fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
-        if self.queue.iter().any(|q| q.request.request_id == request.request_id)
-            || self.held.values().any(|h| h.request.request_id == request.request_id)
+        if self
+            .queue
+            .iter()
+            .any(|q| q.request.request_id == request.request_id)
+            || self
+                .held
+                .values()
+                .any(|h| h.request.request_id == request.request_id)
         {
             return Admit::Rejected(AdmitRejection::DuplicateRequest);
         }
@@ -434,7 +440,10 @@ impl Admission {
         let mut request = held.request.clone();
         request.stall_timeout_ms = Some(held.lease.stall_timeout_ms);
         let expires_at = held.expires_at;
-        if self.release(now, lease_id, ReleaseReason::PreSendFence).is_ok() {
+        if self
+            .release(now, lease_id, ReleaseReason::PreSendFence)
+            .is_ok()
+        {
             match self.try_lease(now, &request) {
                 Some(lease) => self.events.push_back(AdmissionEvent::Leased(lease)),
                 None => self.queue.push_front(Queued {
@@ -455,11 +464,17 @@ impl Admission {
             .values()
             .find(|h| h.request.request_id == request_id)
             .map(|h| h.lease.lease_id)?;
-        self.release(now, lease_id, ReleaseReason::ClientCancel).ok()
+        self.release(now, lease_id, ReleaseReason::ClientCancel)
+            .ok()
     }
 
     /// `provider`'s node is dispatchable on `generation` (or on nothing).
-    pub fn set_online(&mut self, now: Instant, provider: &ProviderId, generation: Option<Generation>) {
+    pub fn set_online(
+        &mut self,
+        now: Instant,
+        provider: &ProviderId,
+        generation: Option<Generation>,
+    ) {
         if let Some(p) = self.providers.get_mut(provider) {
             p.online = generation;
         }
@@ -539,6 +554,11 @@ impl Admission {
         self.events.pop_front()
     }
 
+    /// Is `provider` online and runtime-eligible right now?
+    pub fn is_selectable(&self, provider: &ProviderId) -> bool {
+        self.providers.get(provider).is_some_and(|p| p.selectable())
+    }
+
     /// Requests waiting.
     pub fn queue_depth(&self) -> usize {
         self.queue.len()
@@ -546,7 +566,9 @@ impl Admission {
 
     /// Is `request_id` waiting in the queue?
     pub fn is_queued(&self, request_id: RequestId) -> bool {
-        self.queue.iter().any(|q| q.request.request_id == request_id)
+        self.queue
+            .iter()
+            .any(|q| q.request.request_id == request_id)
     }
 
     /// Leases held, all providers.
@@ -651,13 +673,20 @@ mod tests {
     fn capacity_is_respected_then_queue_then_429() {
         let mut a = admission(vec![spec("p", "n", 1)]);
         let l1 = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
-        assert_eq!(a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))), Admit::Queued);
-        assert_eq!(a.request(ms(0), DispatchRequest::new(3, pool(&["p"]))), Admit::Queued);
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))),
+            Admit::Queued
+        );
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(3, pool(&["p"]))),
+            Admit::Queued
+        );
         assert_eq!(
             a.request(ms(0), DispatchRequest::new(4, pool(&["p"]))),
             Admit::Rejected(AdmitRejection::QueueFull)
         );
-        a.release(ms(1), l1.lease_id, ReleaseReason::Terminal).unwrap();
+        a.release(ms(1), l1.lease_id, ReleaseReason::Terminal)
+            .unwrap();
         match a.poll_event() {
             Some(AdmissionEvent::Leased(l)) => assert_eq!(l.request_id, 2, "FIFO"),
             other => panic!("{other:?}"),
@@ -669,7 +698,10 @@ mod tests {
     fn each_lease_is_released_exactly_once() {
         let mut a = admission(vec![spec("p", "n", 2)]);
         let l = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
-        assert!(a.release(ms(0), l.lease_id, ReleaseReason::Terminal).is_ok());
+        assert!(
+            a.release(ms(0), l.lease_id, ReleaseReason::Terminal)
+                .is_ok()
+        );
         assert_eq!(
             a.release(ms(0), l.lease_id, ReleaseReason::Terminal),
             Err(NotHeld(l.lease_id))
@@ -682,12 +714,18 @@ mod tests {
     fn queued_request_expires_after_queue_timeout() {
         let mut a = admission(vec![spec("p", "n", 1)]);
         leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
-        assert_eq!(a.request(ms(10), DispatchRequest::new(2, pool(&["p"]))), Admit::Queued);
+        assert_eq!(
+            a.request(ms(10), DispatchRequest::new(2, pool(&["p"]))),
+            Admit::Queued
+        );
         assert_eq!(a.poll_timeout(), Some(ms(110)));
         a.handle_timeout(ms(109));
         assert_eq!(a.poll_event(), None);
         a.handle_timeout(ms(110));
-        assert_eq!(a.poll_event(), Some(AdmissionEvent::QueueExpired { request_id: 2 }));
+        assert_eq!(
+            a.poll_event(),
+            Some(AdmissionEvent::QueueExpired { request_id: 2 })
+        );
     }
 
     #[test]
@@ -696,11 +734,17 @@ mod tests {
         let lp = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
         let lq = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["q"]))));
         a.fence(ms(1), &NodeId::from("n"), 1);
-        assert_eq!(a.poll_event(), Some(AdmissionEvent::LeaseFenced(lp.clone())));
+        assert_eq!(
+            a.poll_event(),
+            Some(AdmissionEvent::LeaseFenced(lp.clone()))
+        );
         assert_eq!(a.poll_event(), None);
         assert!(a.lease(lq.lease_id).is_some(), "other node untouched");
         // A late terminal for the fenced lease finds nothing to release.
-        assert!(a.release(ms(2), lp.lease_id, ReleaseReason::Terminal).is_err());
+        assert!(
+            a.release(ms(2), lp.lease_id, ReleaseReason::Terminal)
+                .is_err()
+        );
         // Fencing again is a no-op.
         a.fence(ms(3), &NodeId::from("n"), 1);
         assert_eq!(a.poll_event(), None);
@@ -731,7 +775,10 @@ mod tests {
     fn not_online_provider_is_never_selected() {
         let mut a = admission(vec![spec("p", "n", 1)]);
         a.set_online(ms(0), &ProviderId::from("p"), None);
-        assert_eq!(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))), Admit::Queued);
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))),
+            Admit::Queued
+        );
         a.set_online(ms(5), &ProviderId::from("p"), Some(3));
         match a.poll_event() {
             Some(AdmissionEvent::Leased(l)) => assert_eq!(l.generation, 3),
@@ -784,7 +831,10 @@ mod tests {
     fn client_cancel_releases_the_lease_or_drops_the_queue_entry() {
         let mut a = admission(vec![spec("p", "n", 1)]);
         let l = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
-        assert_eq!(a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))), Admit::Queued);
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))),
+            Admit::Queued
+        );
         a.cancel(ms(1), 2);
         assert_eq!(a.queue_depth(), 0);
         assert_eq!(a.cancel(ms(1), 1).map(|x| x.lease_id), Some(l.lease_id));

@@ -2,6 +2,7 @@
 //! the stream gate and the provider health tracker.
 
 pub mod admission;
+pub mod dispatch;
 pub mod gate;
 pub mod health;
 pub mod overlay;

@@ -138,13 +138,13 @@ impl Registry {
                 ),
             });
         }
-        if let Some(known) = &self.known {
-            if !known.contains(node) {
-                return Err(Rejection {
-                    reason: RejectReason::UnknownNode,
-                    message: "this node id is not configured on the edge".into(),
-                });
-            }
+        if let Some(known) = &self.known
+            && !known.contains(node)
+        {
+            return Err(Rejection {
+                reason: RejectReason::UnknownNode,
+                message: "this node id is not configured on the edge".into(),
+            });
         }
         // R-GEN-1: strictly greater than every generation ever handed out.
         self.high_water += 1;
@@ -227,9 +227,7 @@ impl Registry {
 
     /// The node's dispatchable generation, if any.
     pub fn dispatchable_generation(&self, node: &NodeId) -> Option<Generation> {
-        self.current(node)
-            .filter(|c| c.ready)
-            .map(|c| c.generation)
+        self.current(node).filter(|c| c.ready).map(|c| c.generation)
     }
 
     /// A message arrived attributed to `generation`. Returns whether it may
@@ -376,7 +374,10 @@ mod tests {
         let g2 = r.register(T, &a, &req()).unwrap();
         assert!(!r.admit_message(&a, g1));
         assert!(r.admit_message(&a, g2));
-        assert!(!r.ready(T, &a, g1), "a stale generation cannot become ready");
+        assert!(
+            !r.ready(T, &a, g1),
+            "a stale generation cannot become ready"
+        );
         assert_eq!(r.fenced_messages(), 1);
     }
 

@@ -111,11 +111,11 @@ impl Heartbeat {
     /// The peer answered a ping. A pong for anything but the outstanding
     /// ping (a duplicate, a stale or an invented sequence) is ignored.
     pub fn handle_pong(&mut self, now: Instant, seq: u64) {
-        if let Some((want, sent_at)) = self.outstanding {
-            if seq == want {
-                self.last_rtt = Some(now - sent_at);
-                self.outstanding = None;
-            }
+        if let Some((want, sent_at)) = self.outstanding
+            && seq == want
+        {
+            self.last_rtt = Some(now - sent_at);
+            self.outstanding = None;
         }
     }
 
@@ -232,7 +232,6 @@ mod tests {
         assert!(drain(&mut hb).is_empty());
         hb.handle_timeout(ms(75_000));
         assert_eq!(drain(&mut hb), vec![HeartbeatOutput::TimedOut]);
-        assert!(75_000 <= 30_000 + 45_000, "R-HB-2 bound: interval + wait");
         hb.handle_timeout(ms(200_000));
         assert!(drain(&mut hb).is_empty(), "timed out only once");
         assert_eq!(hb.poll_timeout(), None);

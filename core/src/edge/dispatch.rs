@@ -1,0 +1,486 @@
+//! The Edge's dispatch core: the registry, admission and the overlay
+//! composed, so that every rule that spans them (a fence releases leases, a
+//! ready generation brings providers online, a validated stall lowers the
+//! overlay and takes the provider out of selection) is written here once and
+//! not in a shell.
+
+use std::collections::VecDeque;
+
+use iop_wire::{
+    CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, FailureCode, ProviderHealth,
+    ProviderSnapshot, RegisterRequest,
+};
+
+use crate::edge::admission::{
+    Admission, AdmissionConfig, AdmissionEvent, Admit, DispatchRequest, Lease, LeaseId, PreSend,
+    ProviderSpec, ReleaseReason, RequestId,
+};
+use crate::edge::overlay::{EvidenceOutcome, Overlay, RecoveryOutcome};
+use crate::edge::registry::{Registry, RegistryOutput, Rejection};
+use crate::ids::{Generation, NodeId, ProviderId};
+use crate::time::{Instant, earliest};
+
+/// The Edge-confirmed handoff of a validated, current stall terminal
+/// (R-OVL-1). It names the provider and carries validated health; it never
+/// grants replay eligibility by itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StallHandoff {
+    /// The stalled provider.
+    pub provider_id: ProviderId,
+    /// The validated health evidence.
+    pub health: ProviderHealth,
+}
+
+/// Why a terminal was not applied (R-LEASE-1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IgnoredTerminal {
+    /// The lease is not held (already released: a late or duplicate terminal).
+    NotHeld,
+    /// The reception generation is fenced (counted as a fenced message).
+    FencedGeneration,
+    /// The reception node/generation does not match the lease (foreign).
+    Mismatch,
+}
+
+impl IgnoredTerminal {
+    /// Closed label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IgnoredTerminal::NotHeld => "not_held",
+            IgnoredTerminal::FencedGeneration => "fenced_generation",
+            IgnoredTerminal::Mismatch => "mismatch",
+        }
+    }
+}
+
+/// What applying a terminal did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TerminalVerdict {
+    /// Applied: the lease was released exactly once.
+    Applied {
+        /// The released lease.
+        lease: Lease,
+        /// Present for a typed stall (R-OVL-1).
+        stall: Option<StallHandoff>,
+        /// What the stall evidence did to the overlay.
+        evidence: Option<EvidenceOutcome>,
+    },
+    /// Ignored; nothing changed.
+    Ignored(IgnoredTerminal),
+}
+
+/// One provider's outcome from a CAPABILITIES answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapabilityVerdict {
+    /// The provider the answer matched exactly.
+    pub provider_id: ProviderId,
+    /// The probe's verdict.
+    pub health: ProviderHealth,
+    /// What it did to the overlay.
+    pub recovery: RecoveryOutcome,
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DispatchOutput {
+    /// Close a connection (a newer one of the same node replaced it).
+    CloseConnection {
+        /// Node.
+        node: NodeId,
+        /// Generation of the connection to close.
+        generation: Generation,
+        /// Why.
+        code: CloseCode,
+    },
+    /// A generation was fenced (for metrics; its leases follow as
+    /// [`DispatchOutput::LeaseFenced`]).
+    Fenced {
+        /// Node.
+        node: NodeId,
+        /// Fenced generation.
+        generation: Generation,
+        /// Why the connection ended.
+        reason: CloseCode,
+    },
+    /// A node generation became dispatchable.
+    NodeReady {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+    },
+    /// A queued request got a lease: run the pre-send fence, then send.
+    Leased(Lease),
+    /// A queued request waited too long: answer it with an error.
+    QueueExpired {
+        /// The request.
+        request_id: RequestId,
+    },
+    /// A lease was released by its generation's fence: end that request's
+    /// run with one transport terminal (R-GEN-3).
+    LeaseFenced(Lease),
+}
+
+/// Configuration of the dispatch core.
+#[derive(Debug, Clone)]
+pub struct DispatchConfig {
+    /// Queue bounds.
+    pub admission: AdmissionConfig,
+    /// Every configured provider.
+    pub providers: Vec<ProviderSpec>,
+    /// Generations start above this (R-GEN-1 across restarts).
+    pub generation_floor: Generation,
+    /// Only these nodes may register (`None`: any certified node).
+    pub known_nodes: Option<std::collections::BTreeSet<NodeId>>,
+}
+
+/// The composed Edge dispatch state.
+#[derive(Debug)]
+pub struct Dispatcher {
+    registry: Registry,
+    admission: Admission,
+    overlay: Overlay,
+    outputs: VecDeque<DispatchOutput>,
+    ignored_terminals: u64,
+}
+
+impl Dispatcher {
+    /// A dispatcher with no node connected.
+    pub fn new(config: DispatchConfig) -> Self {
+        let mut registry = Registry::new(config.generation_floor);
+        registry.set_known_nodes(config.known_nodes);
+        Self {
+            registry,
+            admission: Admission::new(config.admission, config.providers),
+            overlay: Overlay::new(),
+            outputs: VecDeque::new(),
+            ignored_terminals: 0,
+        }
+    }
+
+    /// Read access to the registry.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Read access to admission.
+    pub fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    /// Read access to the overlay.
+    pub fn overlay(&self) -> &Overlay {
+        &self.overlay
+    }
+
+    /// Terminals ignored under R-LEASE-1.
+    pub fn ignored_terminals(&self) -> u64 {
+        self.ignored_terminals
+    }
+
+    /// A node registers on a new connection: its generation and config
+    /// snapshot, or a rejection.
+    pub fn register(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        request: &RegisterRequest,
+    ) -> Result<(Generation, ConfigSnapshot), Rejection> {
+        let generation = self.registry.register(now, node, request)?;
+        let providers = self
+            .admission
+            .providers()
+            .filter(|p| &p.node == node)
+            .map(|p| ProviderSnapshot {
+                provider_id: p.id.to_string(),
+                adapter: p.adapter,
+                target: p.target.clone(),
+                response_stall_timeout_ms: p.stall_timeout_ms,
+            })
+            .collect();
+        self.pump(now);
+        Ok((
+            generation,
+            ConfigSnapshot {
+                providers,
+                ..ConfigSnapshot::default()
+            },
+        ))
+    }
+
+    /// The node completed readiness on `generation` (R-GEN-2).
+    pub fn ready(&mut self, now: Instant, node: &NodeId, generation: Generation) -> bool {
+        let accepted = self.registry.ready(now, node, generation);
+        self.pump(now);
+        accepted
+    }
+
+    /// A connection ended: fence its generation (R-GEN-3).
+    pub fn connection_closed(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        generation: Generation,
+        reason: CloseCode,
+    ) {
+        self.registry
+            .connection_closed(now, node, generation, reason);
+        self.pump(now);
+    }
+
+    /// Should a message attributed to `generation` be processed? Messages of
+    /// a fenced generation are ignored and counted (R-GEN-3).
+    pub fn admit_message(&mut self, node: &NodeId, generation: Generation) -> bool {
+        self.registry.admit_message(node, generation)
+    }
+
+    /// Ask for a lease for a client request.
+    pub fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
+        let admit = self.admission.request(now, request);
+        self.pump(now);
+        admit
+    }
+
+    /// The pre-send fence (R-GEN-4): send only if the lease's generation is
+    /// still current and ready; otherwise the lease is released and the
+    /// request re-resolved.
+    pub fn pre_send(&mut self, now: Instant, lease_id: LeaseId) -> PreSend {
+        let answer = self.admission.pre_send(now, lease_id);
+        if let PreSend::Send(lease) = &answer {
+            // Admission brings a generation online only from the registry's
+            // Ready and takes it offline on its fence, so they agree here.
+            debug_assert!(self.registry.is_dispatchable(&lease.node, lease.generation));
+        }
+        self.pump(now);
+        answer
+    }
+
+    /// A terminal for `lease_id` arrived on the connection of
+    /// (`reception_node`, `reception_generation`). Applied only if that
+    /// generation is current and matches the lease (R-LEASE-1); then the
+    /// lease is released exactly once and a typed stall is handed off with
+    /// its validated evidence (R-OVL-1, R-OVL-2).
+    pub fn apply_terminal(
+        &mut self,
+        now: Instant,
+        lease_id: LeaseId,
+        reception_node: &NodeId,
+        reception_generation: Generation,
+        failure: Option<&ExecutionFailure>,
+    ) -> TerminalVerdict {
+        let verdict = self.validate_terminal(lease_id, reception_node, reception_generation);
+        if let Err(ignored) = verdict {
+            self.ignored_terminals += 1;
+            if ignored == IgnoredTerminal::FencedGeneration {
+                self.registry
+                    .admit_message(reception_node, reception_generation);
+            }
+            return TerminalVerdict::Ignored(ignored);
+        }
+        let Ok(lease) = self
+            .admission
+            .release(now, lease_id, ReleaseReason::Terminal)
+        else {
+            return TerminalVerdict::Ignored(IgnoredTerminal::NotHeld);
+        };
+        let (stall, evidence) = match failure {
+            Some(f) if f.code == FailureCode::ResponseStalled => {
+                // Fail closed: a stall without evidence is `unknown`.
+                let health = f.provider_health.unwrap_or(ProviderHealth::Unknown);
+                let outcome = self.overlay.apply_stall_evidence(
+                    &lease.provider_id,
+                    lease.generation,
+                    f.health_observation_seq,
+                    health,
+                );
+                if outcome == EvidenceOutcome::Lowered {
+                    self.admission
+                        .set_runtime_eligible(now, &lease.provider_id, false);
+                }
+                (
+                    Some(StallHandoff {
+                        provider_id: lease.provider_id.clone(),
+                        health,
+                    }),
+                    Some(outcome),
+                )
+            }
+            _ => (None, None),
+        };
+        self.pump(now);
+        TerminalVerdict::Applied {
+            lease,
+            stall,
+            evidence,
+        }
+    }
+
+    fn validate_terminal(
+        &self,
+        lease_id: LeaseId,
+        reception_node: &NodeId,
+        reception_generation: Generation,
+    ) -> Result<(), IgnoredTerminal> {
+        if !self
+            .registry
+            .is_current(reception_node, reception_generation)
+        {
+            return Err(IgnoredTerminal::FencedGeneration);
+        }
+        let lease = self
+            .admission
+            .lease(lease_id)
+            .ok_or(IgnoredTerminal::NotHeld)?;
+        if &lease.node != reception_node || lease.generation != reception_generation {
+            return Err(IgnoredTerminal::Mismatch);
+        }
+        Ok(())
+    }
+
+    /// The client went away (R-GATE-4): drop its queue entry or release its
+    /// lease. Returns the released lease so the driver cancels the node run.
+    pub fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
+        let lease = self.admission.cancel(now, request_id);
+        self.pump(now);
+        lease
+    }
+
+    /// A CAPABILITIES answer from (`node`, `generation`) (R-CAP-1). For each
+    /// entry that matches exactly one provider of that node, the verdict is
+    /// applied to the overlay; malformed, ambiguous, stale, unknown and
+    /// unavailable answers change nothing. Answers from a fenced generation
+    /// are ignored entirely.
+    pub fn apply_capabilities(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        generation: Generation,
+        report: &CapabilitiesReport,
+    ) -> Vec<CapabilityVerdict> {
+        if !self.registry.admit_message(node, generation) {
+            return Vec::new();
+        }
+        let mut verdicts = Vec::new();
+        for entry in &report.targets {
+            let duplicates = report
+                .targets
+                .iter()
+                .filter(|e| e.adapter == entry.adapter && e.target == entry.target)
+                .count();
+            if duplicates != 1 {
+                continue; // ambiguous answer
+            }
+            let matching: Vec<ProviderId> = self
+                .admission
+                .providers()
+                .filter(|p| {
+                    &p.node == node && p.adapter == entry.adapter && p.target == entry.target
+                })
+                .map(|p| p.id.clone())
+                .collect();
+            let [provider_id] = matching.as_slice() else {
+                continue; // no provider or more than one: not exact
+            };
+            let recovery = self.overlay.apply_capability(
+                provider_id,
+                generation,
+                report.health_observation_seq,
+                entry.status,
+            );
+            if recovery == RecoveryOutcome::Recovered {
+                self.admission.set_runtime_eligible(now, provider_id, true);
+            }
+            verdicts.push(CapabilityVerdict {
+                provider_id: provider_id.clone(),
+                health: entry.status,
+                recovery,
+            });
+        }
+        self.pump(now);
+        verdicts
+    }
+
+    /// Fire due timers (queue expiry).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.admission.handle_timeout(now);
+        self.pump(now);
+    }
+
+    /// When to call [`Self::handle_timeout`].
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        earliest(self.admission.poll_timeout(), None)
+    }
+
+    /// Next output, until `None`.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<DispatchOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// Carry registry decisions into admission and collect outputs, until
+    /// both are quiet.
+    fn pump(&mut self, now: Instant) {
+        loop {
+            let mut progressed = false;
+            while let Some(out) = self.registry.poll_output() {
+                progressed = true;
+                match out {
+                    RegistryOutput::Fenced {
+                        node,
+                        generation,
+                        reason,
+                    } => {
+                        self.outputs.push_back(DispatchOutput::Fenced {
+                            node: node.clone(),
+                            generation,
+                            reason,
+                        });
+                        self.admission.fence(now, &node, generation);
+                    }
+                    RegistryOutput::Close {
+                        node,
+                        generation,
+                        code,
+                    } => self.outputs.push_back(DispatchOutput::CloseConnection {
+                        node,
+                        generation,
+                        code,
+                    }),
+                    RegistryOutput::Ready { node, generation } => {
+                        let providers: Vec<ProviderId> = self
+                            .admission
+                            .providers()
+                            .filter(|p| p.node == node)
+                            .map(|p| p.id.clone())
+                            .collect();
+                        for p in providers {
+                            // The overlay is scoped to its generation: a new
+                            // generation starts eligible (R-OVL-2).
+                            let eligible = !self.overlay.is_lowered(&p, generation);
+                            self.admission.set_runtime_eligible(now, &p, eligible);
+                            self.admission.set_online(now, &p, Some(generation));
+                        }
+                        self.outputs
+                            .push_back(DispatchOutput::NodeReady { node, generation });
+                    }
+                }
+            }
+            while let Some(event) = self.admission.poll_event() {
+                progressed = true;
+                self.outputs.push_back(match event {
+                    AdmissionEvent::Leased(lease) => DispatchOutput::Leased(lease),
+                    AdmissionEvent::QueueExpired { request_id } => {
+                        DispatchOutput::QueueExpired { request_id }
+                    }
+                    AdmissionEvent::LeaseFenced(lease) => DispatchOutput::LeaseFenced(lease),
+                });
+            }
+            if !progressed {
+                break;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
