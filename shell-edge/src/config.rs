@@ -1,0 +1,618 @@
+//! The Edge's TOML configuration, validated at load. Every error names the
+//! field that is wrong.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use iop_core::edge::admission::{AdmissionConfig, ProviderSpec};
+use iop_core::ids::{NodeId, ProviderId};
+use iop_core::liveness::heartbeat::HeartbeatConfig;
+use iop_wire::{AdapterKind, MAX_RESPONSE_STALL_TIMEOUT_MS, MIN_RESPONSE_STALL_TIMEOUT_MS};
+use serde::Deserialize;
+
+/// A configuration error naming the offending field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse or did not match the schema.
+    #[error("invalid config: {0}")]
+    Parse(String),
+    /// A field has an unacceptable value.
+    #[error("invalid config field `{field}`: {message}")]
+    Field {
+        /// Dotted path of the field, e.g. `providers[2].capacity`.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn field_err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Field {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// Certificate files.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// Deployment CA certificate (PEM).
+    pub ca: PathBuf,
+    /// This endpoint's certificate chain (PEM).
+    pub cert: PathBuf,
+    /// This endpoint's private key (PEM).
+    pub key: PathBuf,
+}
+
+/// Heartbeat profile (R-HB-1).
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HeartbeatSection {
+    /// Ping interval.
+    pub interval_ms: u64,
+    /// Pong wait.
+    pub wait_ms: u64,
+}
+
+impl Default for HeartbeatSection {
+    fn default() -> Self {
+        let d = HeartbeatConfig::default();
+        Self {
+            interval_ms: d.interval.as_millis() as u64,
+            wait_ms: d.wait.as_millis() as u64,
+        }
+    }
+}
+
+impl HeartbeatSection {
+    /// As the core's profile.
+    pub fn to_core(self) -> HeartbeatConfig {
+        HeartbeatConfig {
+            interval: Duration::from_millis(self.interval_ms),
+            wait: Duration::from_millis(self.wait_ms),
+        }
+    }
+
+    /// Validate, naming `section.field`.
+    pub fn validate(&self, section: &str) -> Result<(), ConfigError> {
+        if self.interval_ms == 0 {
+            return Err(field_err(format!("{section}.interval_ms"), "must be > 0"));
+        }
+        if self.wait_ms == 0 {
+            return Err(field_err(format!("{section}.wait_ms"), "must be > 0"));
+        }
+        Ok(())
+    }
+}
+
+/// How a provider's OpenAI traffic travels to its node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderMode {
+    /// Parsed into a RunRequest; the node's adapter speaks to the provider.
+    #[default]
+    Normalized,
+    /// The client's HTTP request is relayed to the provider as is.
+    Tunnel,
+}
+
+/// One `[[providers]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderEntry {
+    /// Stable id.
+    pub id: String,
+    /// Node id (as in the node's certificate).
+    pub node: String,
+    /// `openai`, `ollama` or `mock`.
+    pub adapter: String,
+    /// Target on the node.
+    pub target: String,
+    /// Models served.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Concurrent requests.
+    #[serde(default = "default_capacity")]
+    pub capacity: u32,
+    /// Stall timeout; 0 = 300000 ms.
+    #[serde(default)]
+    pub stall_timeout_ms: u64,
+    /// `normalized` or `tunnel`.
+    #[serde(default)]
+    pub mode: ProviderMode,
+    /// Managed credential profile (sealed lease per dispatch).
+    #[serde(default)]
+    pub credential: Option<String>,
+}
+
+fn default_capacity() -> u32 {
+    4
+}
+
+/// One `[[routes]]` entry: a model name to a provider pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteEntry {
+    /// Model name clients ask for.
+    pub model: String,
+    /// Provider ids, in preference order.
+    pub providers: Vec<String>,
+}
+
+/// One `[[api_keys]]` entry. The key itself comes from a file or the
+/// environment, never from this file, and is never logged.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyEntry {
+    /// Who this key belongs to.
+    pub principal: String,
+    /// Environment variable holding the key.
+    #[serde(default)]
+    pub key_env: Option<String>,
+    /// File holding the key (first line).
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// Models the key may use; `["*"]` for all.
+    #[serde(default = "all_models")]
+    pub models: Vec<String>,
+    /// May read `/status`.
+    #[serde(default)]
+    pub admin: bool,
+}
+
+fn all_models() -> Vec<String> {
+    vec!["*".into()]
+}
+
+/// `[admission]`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionSection {
+    /// Requests that may wait for capacity.
+    pub queue_capacity: usize,
+    /// How long one may wait.
+    pub queue_timeout_ms: u64,
+    /// Attempts per client request (first + re-admissions).
+    pub max_attempts: u32,
+    /// Total time budget per client request across attempts.
+    pub request_budget_ms: u64,
+}
+
+impl Default for AdmissionSection {
+    fn default() -> Self {
+        Self {
+            queue_capacity: 256,
+            queue_timeout_ms: 30_000,
+            max_attempts: 2,
+            request_budget_ms: 600_000,
+        }
+    }
+}
+
+/// `[edge]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeSection {
+    /// QUIC listen address for nodes.
+    #[serde(default = "default_quic_listen")]
+    pub quic_listen: SocketAddr,
+    /// HTTP listen address for clients.
+    #[serde(default = "default_http_listen")]
+    pub http_listen: SocketAddr,
+    /// Where the generation high-water mark is kept.
+    pub state_dir: PathBuf,
+    /// Largest accepted HTTP request body.
+    #[serde(default = "default_body_limit")]
+    pub max_body_bytes: usize,
+    /// Only nodes named by providers may register.
+    #[serde(default = "yes")]
+    pub restrict_nodes: bool,
+}
+
+fn default_quic_listen() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 7443))
+}
+fn default_http_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8080))
+}
+fn default_body_limit() -> usize {
+    8 * 1024 * 1024
+}
+fn yes() -> bool {
+    true
+}
+
+/// The raw file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeFile {
+    /// `[edge]`.
+    pub edge: EdgeSection,
+    /// `[tls]`.
+    pub tls: TlsFiles,
+    /// `[heartbeat]`.
+    #[serde(default)]
+    pub heartbeat: HeartbeatSection,
+    /// `[admission]`.
+    #[serde(default)]
+    pub admission: AdmissionSection,
+    /// `[[providers]]`.
+    #[serde(default)]
+    pub providers: Vec<ProviderEntry>,
+    /// `[[routes]]`.
+    #[serde(default)]
+    pub routes: Vec<RouteEntry>,
+    /// `[[api_keys]]`.
+    #[serde(default)]
+    pub api_keys: Vec<ApiKeyEntry>,
+}
+
+/// A validated provider.
+#[derive(Debug, Clone)]
+pub struct Provider {
+    /// Core view.
+    pub spec: ProviderSpec,
+    /// Models served.
+    pub models: Vec<String>,
+    /// Transport mode.
+    pub mode: ProviderMode,
+    /// Managed credential profile.
+    pub credential: Option<String>,
+}
+
+/// A validated API key.
+#[derive(Clone)]
+pub struct ApiKey {
+    /// Principal.
+    pub principal: String,
+    /// The secret (never logged: Debug is redacted).
+    pub key: String,
+    /// Allowed models (`*` = all).
+    pub models: Vec<String>,
+    /// May read `/status`.
+    pub admin: bool,
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKey")
+            .field("principal", &self.principal)
+            .field("key", &"<redacted>")
+            .field("models", &self.models)
+            .finish()
+    }
+}
+
+impl ApiKey {
+    /// May this key use `model`?
+    pub fn allows(&self, model: &str) -> bool {
+        self.models.iter().any(|m| m == "*" || m == model)
+    }
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// `[edge]`.
+    pub edge: EdgeSection,
+    /// `[tls]`.
+    pub tls: TlsFiles,
+    /// Heartbeat profile.
+    pub heartbeat: HeartbeatConfig,
+    /// Admission.
+    pub admission: AdmissionSection,
+    /// Providers.
+    pub providers: Vec<Provider>,
+    /// Routes: model -> provider pool.
+    pub routes: Vec<(String, Vec<ProviderId>)>,
+    /// API keys.
+    pub api_keys: Vec<ApiKey>,
+}
+
+impl EdgeConfig {
+    /// Load and validate a file. Relative paths resolve against the file's
+    /// directory.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Self::parse(&text, base)
+    }
+
+    /// Parse and validate TOML text.
+    pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
+        let file: EdgeFile = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::validate(file, base)
+    }
+
+    fn validate(mut file: EdgeFile, base: &Path) -> Result<Self, ConfigError> {
+        file.heartbeat.validate("heartbeat")?;
+        for p in [&mut file.tls.ca, &mut file.tls.cert, &mut file.tls.key] {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        if file.edge.state_dir.is_relative() {
+            file.edge.state_dir = base.join(&file.edge.state_dir);
+        }
+        let a = &file.admission;
+        if a.queue_capacity == 0 {
+            return Err(field_err("admission.queue_capacity", "must be > 0"));
+        }
+        if a.queue_timeout_ms == 0 {
+            return Err(field_err("admission.queue_timeout_ms", "must be > 0"));
+        }
+        if a.max_attempts == 0 || a.max_attempts > 10 {
+            return Err(field_err("admission.max_attempts", "must be between 1 and 10"));
+        }
+        if a.request_budget_ms == 0 {
+            return Err(field_err("admission.request_budget_ms", "must be > 0"));
+        }
+        if file.edge.max_body_bytes == 0 {
+            return Err(field_err("edge.max_body_bytes", "must be > 0"));
+        }
+
+        let mut ids = BTreeSet::new();
+        let mut providers = Vec::new();
+        for (i, p) in file.providers.iter().enumerate() {
+            let f = |name: &str| format!("providers[{i}].{name}");
+            if !valid_name(&p.id) {
+                return Err(field_err(f("id"), "must be 1-128 chars of [A-Za-z0-9._-]"));
+            }
+            if !ids.insert(p.id.clone()) {
+                return Err(field_err(f("id"), format!("duplicate provider id `{}`", p.id)));
+            }
+            if !valid_name(&p.node) {
+                return Err(field_err(f("node"), "must be 1-128 chars of [A-Za-z0-9._-]"));
+            }
+            let adapter = AdapterKind::parse(&p.adapter).ok_or_else(|| {
+                field_err(f("adapter"), "must be one of `openai`, `ollama`, `mock`")
+            })?;
+            if p.target.is_empty() {
+                return Err(field_err(f("target"), "must not be empty"));
+            }
+            if p.capacity == 0 {
+                return Err(field_err(f("capacity"), "must be > 0"));
+            }
+            if p.stall_timeout_ms != 0
+                && !(MIN_RESPONSE_STALL_TIMEOUT_MS..=MAX_RESPONSE_STALL_TIMEOUT_MS)
+                    .contains(&p.stall_timeout_ms)
+            {
+                return Err(field_err(
+                    f("stall_timeout_ms"),
+                    format!(
+                        "must be 0 (default 300000) or between {MIN_RESPONSE_STALL_TIMEOUT_MS} and {MAX_RESPONSE_STALL_TIMEOUT_MS}"
+                    ),
+                ));
+            }
+            providers.push(Provider {
+                spec: ProviderSpec {
+                    id: ProviderId::new(&p.id),
+                    node: NodeId::new(&p.node),
+                    adapter,
+                    target: p.target.clone(),
+                    capacity: p.capacity,
+                    stall_timeout_ms: p.stall_timeout_ms,
+                },
+                models: p.models.clone(),
+                mode: p.mode,
+                credential: p.credential.clone(),
+            });
+        }
+
+        let mut routes = Vec::new();
+        let mut models = BTreeSet::new();
+        for (i, r) in file.routes.iter().enumerate() {
+            if r.model.is_empty() {
+                return Err(field_err(format!("routes[{i}].model"), "must not be empty"));
+            }
+            if !models.insert(r.model.clone()) {
+                return Err(field_err(
+                    format!("routes[{i}].model"),
+                    format!("duplicate route for model `{}`", r.model),
+                ));
+            }
+            if r.providers.is_empty() {
+                return Err(field_err(format!("routes[{i}].providers"), "must not be empty"));
+            }
+            for (j, id) in r.providers.iter().enumerate() {
+                if !ids.contains(id) {
+                    return Err(field_err(
+                        format!("routes[{i}].providers[{j}]"),
+                        format!("unknown provider `{id}`"),
+                    ));
+                }
+            }
+            routes.push((
+                r.model.clone(),
+                r.providers.iter().map(ProviderId::new).collect(),
+            ));
+        }
+        // Providers' own model lists become implicit routes.
+        for p in &providers {
+            for m in &p.models {
+                if models.contains(m) {
+                    continue;
+                }
+                match routes.iter_mut().find(|(model, _)| model == m) {
+                    Some((_, pool)) => pool.push(p.spec.id.clone()),
+                    None => routes.push((m.clone(), vec![p.spec.id.clone()])),
+                }
+            }
+        }
+
+        let mut api_keys = Vec::new();
+        for (i, k) in file.api_keys.iter().enumerate() {
+            let f = |name: &str| format!("api_keys[{i}].{name}");
+            if k.principal.is_empty() {
+                return Err(field_err(f("principal"), "must not be empty"));
+            }
+            let key = match (&k.key_env, &k.key_file) {
+                (Some(var), None) => std::env::var(var).map_err(|_| {
+                    field_err(f("key_env"), format!("environment variable `{var}` is not set"))
+                })?,
+                (None, Some(path)) => {
+                    let path = if path.is_relative() { base.join(path) } else { path.clone() };
+                    let text = std::fs::read_to_string(&path).map_err(|e| {
+                        field_err(f("key_file"), format!("cannot read {}: {e}", path.display()))
+                    })?;
+                    text.lines().next().unwrap_or("").trim().to_owned()
+                }
+                _ => {
+                    return Err(field_err(
+                        f("key_env"),
+                        "exactly one of `key_env` or `key_file` must be set",
+                    ));
+                }
+            };
+            if key.len() < 16 {
+                return Err(field_err(f("key_env"), "the key must be at least 16 characters"));
+            }
+            api_keys.push(ApiKey {
+                principal: k.principal.clone(),
+                key,
+                models: k.models.clone(),
+                admin: k.admin,
+            });
+        }
+
+        Ok(Self {
+            heartbeat: file.heartbeat.to_core(),
+            admission: file.admission,
+            edge: file.edge,
+            tls: file.tls,
+            providers,
+            routes,
+            api_keys,
+        })
+    }
+
+    /// The core's admission bounds.
+    pub fn admission_config(&self) -> AdmissionConfig {
+        AdmissionConfig {
+            queue_capacity: self.admission.queue_capacity,
+            queue_timeout: Duration::from_millis(self.admission.queue_timeout_ms),
+        }
+    }
+
+    /// Node ids named by providers.
+    pub fn known_nodes(&self) -> BTreeSet<NodeId> {
+        self.providers.iter().map(|p| p.spec.node.clone()).collect()
+    }
+
+    /// The provider pool serving `model`.
+    pub fn route(&self, model: &str) -> Option<&[ProviderId]> {
+        self.routes
+            .iter()
+            .find(|(m, _)| m == model)
+            .map(|(_, pool)| pool.as_slice())
+    }
+
+    /// A provider by id.
+    pub fn provider(&self, id: &ProviderId) -> Option<&Provider> {
+        self.providers.iter().find(|p| &p.spec.id == id)
+    }
+}
+
+/// Identifiers that may appear in certificates, configs and status output.
+pub fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[edge]
+state_dir = "state"
+[tls]
+ca = "ca.pem"
+cert = "edge.pem"
+key = "edge.key"
+"#;
+
+    fn parse(extra: &str) -> Result<EdgeConfig, ConfigError> {
+        EdgeConfig::parse(&format!("{BASE}{extra}"), Path::new("/etc/iop"))
+    }
+
+    fn field_of(e: ConfigError) -> String {
+        match e {
+            ConfigError::Field { field, .. } => field,
+            other => panic!("expected a field error, got {other}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_production_values() {
+        let c = parse("").unwrap();
+        assert_eq!(c.heartbeat, HeartbeatConfig::default());
+        assert_eq!(c.tls.ca, Path::new("/etc/iop/ca.pem"));
+        assert_eq!(c.admission.queue_capacity, 256);
+    }
+
+    #[test]
+    fn errors_name_the_bad_field() {
+        let e = parse("[heartbeat]\ninterval_ms = 0\n").unwrap_err();
+        assert_eq!(field_of(e), "heartbeat.interval_ms");
+        let e = parse(
+            "[[providers]]\nid='a'\nnode='n'\nadapter='nope'\ntarget='t'\n",
+        )
+        .unwrap_err();
+        assert_eq!(field_of(e), "providers[0].adapter");
+        let e = parse(
+            "[[providers]]\nid='a'\nnode='n'\nadapter='mock'\ntarget='t'\nstall_timeout_ms=5\n",
+        )
+        .unwrap_err();
+        assert_eq!(field_of(e), "providers[0].stall_timeout_ms");
+        let e = parse("[[routes]]\nmodel='m'\nproviders=['ghost']\n").unwrap_err();
+        assert_eq!(field_of(e), "routes[0].providers[0]");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_with_their_name() {
+        let e = parse("[admission]\nqueue_size = 3\n").unwrap_err();
+        assert!(e.to_string().contains("queue_size"), "{e}");
+    }
+
+    #[test]
+    fn provider_models_become_routes() {
+        let c = parse(
+            "[[providers]]\nid='a'\nnode='n'\nadapter='mock'\ntarget='t'\nmodels=['m1']\n\
+             [[providers]]\nid='b'\nnode='n2'\nadapter='mock'\ntarget='t'\nmodels=['m1']\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.route("m1").unwrap(),
+            &[ProviderId::from("a"), ProviderId::from("b")]
+        );
+        assert!(c.route("m2").is_none());
+    }
+
+    #[test]
+    fn api_key_debug_never_shows_the_key() {
+        let k = ApiKey {
+            principal: "p".into(),
+            key: "sk-secret-secret-secret".into(),
+            models: vec![],
+            admin: false,
+        };
+        assert!(!format!("{k:?}").contains("secret-secret"));
+    }
+}
