@@ -1,1 +1,1390 @@
-//! (being written)
+//! The OpenAI stream gate (R-GATE-1..4).
+//!
+//! One [`StreamGate`] per client Chat Completions / Responses request,
+//! streaming or not, normalized or tunnel (R-GATE-1). It alone owns the
+//! commit point, cancellation, the attempts and the shared budget. It does
+//! no I/O and no provider selection: the Edge shell feeds it what happened
+//! ([`GateInput`]) and carries out what it says ([`GateOutput`]).
+//!
+//! ## Lifecycle
+//!
+//! 1. The shell creates the gate when the request is accepted and admits the
+//!    first attempt with zero selection hints (R-SEL-1: normal selection).
+//! 2. When admission places the attempt, the shell feeds
+//!    [`GateInput::Dispatched`] and reads [`StreamGate::current_attempt`];
+//!    every later event of that attempt is tagged with that [`AttemptId`], so
+//!    a straggler of an older attempt can never commit or end the request.
+//! 3. The shell holds response headers and bytes until [`GateOutput::Commit`]
+//!    (the first content, R-GATE-2), then forwards directly.
+//! 4. Before commit, a confirmed typed stall ([`ConfirmedStall`], R-OVL-1)
+//!    re-admits the request within the shared budget: the gate emits
+//!    [`GateOutput::CloseTransport`] immediately followed by
+//!    [`GateOutput::Readmit`] carrying the R-SEL-1 hints (R-GATE-2).
+//! 5. Anything else ends the request with exactly one terminal
+//!    ([`GateOutput::Finish`], [`GateOutput::FailBeforeCommit`] as an HTTP
+//!    error or [`GateOutput::FailInStream`] as an SSE error event, R-GATE-3),
+//!    or, after a client disconnect, with [`GateOutput::CancelRun`] and no
+//!    terminal at all (R-GATE-4). Nothing is ever output after that.
+//!
+//! The total budget is the request's deadline: [`StreamGate::poll_timeout`]
+//! returns it until the gate ends, and [`StreamGate::handle_timeout`] at or
+//! after it cancels the run and ends the request.
+//!
+//! Observations for `iop_edge_liveness_recovery_eligibility_total` and
+//! `iop_edge_liveness_recovery_results_total` are drained with
+//! [`StreamGate::poll_event`]; their labels are closed enums.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use iop_wire::{FailureCode, ProviderHealth};
+
+use crate::ids::ProviderId;
+use crate::time::Instant;
+
+/// The largest `max_attempts` a [`GateBudget`] accepts: the bound on how
+/// many provider attempts one client request may consume.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 8;
+
+/// The most outputs one input can queue: a pair such as `Commit` and
+/// `Finish`, `CloseTransport` and `Readmit`, or `CancelRun` and a terminal.
+/// Over its whole life a gate outputs at most `2 * max_attempts + 1` items,
+/// so its queues stay bounded even if a driver drains late.
+const OUTPUT_QUEUE_BOUND: usize = 2;
+
+/// The shared budget of one request: attempts and total time (R-GATE-2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GateBudget {
+    max_attempts: u32,
+    total: Duration,
+}
+
+/// Why a [`GateBudget`] was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum GateBudgetError {
+    /// `max_attempts` was zero or above [`MAX_ATTEMPTS_LIMIT`].
+    #[error("max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}, got {0}")]
+    MaxAttemptsOutOfRange(u32),
+    /// The total time budget was zero.
+    #[error("the total time budget must be greater than zero")]
+    ZeroTotal,
+}
+
+impl GateBudget {
+    /// A budget of `max_attempts` attempts (the first one included) and
+    /// `total` time from the gate's creation.
+    pub fn new(max_attempts: u32, total: Duration) -> Result<Self, GateBudgetError> {
+        if max_attempts == 0 || max_attempts > MAX_ATTEMPTS_LIMIT {
+            return Err(GateBudgetError::MaxAttemptsOutOfRange(max_attempts));
+        }
+        if total.is_zero() {
+            return Err(GateBudgetError::ZeroTotal);
+        }
+        Ok(Self {
+            max_attempts,
+            total,
+        })
+    }
+
+    /// How many attempts the request may use, the first one included.
+    pub fn max_attempts(self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The total time the request may take, from the gate's creation.
+    pub fn total(self) -> Duration {
+        self.total
+    }
+}
+
+/// The Edge-confirmed typed stall handoff (R-OVL-1: `recovery_handoff =
+/// confirmed`), built by the Edge's lease/overlay code from a validated
+/// current stall terminal. It carries no raw payload.
+///
+/// The handoff alone never grants replay: the gate decides eligibility.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfirmedStall {
+    /// The provider of the stalled lease.
+    pub provider_id: ProviderId,
+    /// The validated exact-target health evidence (R-WD-5).
+    pub health: ProviderHealth,
+}
+
+/// One attempt of a request, numbered from 1 in dispatch order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AttemptId(u32);
+
+impl AttemptId {
+    /// The attempt's 1-based number.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+}
+
+/// Something that happened to one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptEvent {
+    /// The provider accepted the request (a run start or a tunnel head) but
+    /// sent no content yet. Not a commit: a stalled prefill stays
+    /// recoverable (R-GATE-2).
+    Started,
+    /// The first text or tool-call delta, or tunnel body bytes carrying
+    /// content. Commits (R-GATE-2); later content is forwarded directly.
+    Content,
+    /// The attempt ended normally.
+    Completed,
+    /// A confirmed typed stall of this attempt (R-OVL-1).
+    Stalled(ConfirmedStall),
+    /// Any other failure of this attempt; not recoverable here.
+    Failed {
+        /// The typed failure code.
+        code: FailureCode,
+    },
+    /// The node connection carrying this attempt ended (its generation is
+    /// fenced, R-GEN-3).
+    TransportLost,
+}
+
+/// Why admission could not place an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AdmissionFailure {
+    /// The queue is full (SPEC §5: 429 with Retry-After).
+    QueueFull,
+    /// No eligible provider serves the request.
+    NoEligibleProvider,
+    /// The attempt waited in the queue past the queue's own deadline.
+    QueueTimeout,
+}
+
+impl AdmissionFailure {
+    /// The stable lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdmissionFailure::QueueFull => "queue_full",
+            AdmissionFailure::NoEligibleProvider => "no_eligible_provider",
+            AdmissionFailure::QueueTimeout => "queue_timeout",
+        }
+    }
+}
+
+/// An input to the gate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GateInput {
+    /// Admission placed the pending attempt: it holds a lease on
+    /// `provider_id` and was sent. Starts a new [`AttemptId`].
+    Dispatched {
+        /// The provider of the attempt's lease.
+        provider_id: ProviderId,
+    },
+    /// Admission could not place the pending attempt.
+    AdmissionFailed(AdmissionFailure),
+    /// Something happened to the attempt `attempt`.
+    Attempt {
+        /// Which attempt; events of any attempt but the current are ignored.
+        attempt: AttemptId,
+        /// What happened.
+        event: AttemptEvent,
+    },
+    /// The client went away (R-GATE-4).
+    ClientDisconnected,
+}
+
+/// Why the gate ignored an input. Closed, for a counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IgnoredInput {
+    /// The gate already ended.
+    Ended,
+    /// The event belongs to an attempt that is not the current one.
+    NotCurrentAttempt,
+    /// `Dispatched` or `AdmissionFailed` while no admission was pending.
+    NotAdmitting,
+}
+
+impl IgnoredInput {
+    /// The stable lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IgnoredInput::Ended => "ended",
+            IgnoredInput::NotCurrentAttempt => "not_current_attempt",
+            IgnoredInput::NotAdmitting => "not_admitting",
+        }
+    }
+}
+
+/// What the gate did with an input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum InputDisposition {
+    /// The input was applied (it may have produced no output).
+    Applied,
+    /// The input was ignored, for this reason.
+    Ignored(IgnoredInput),
+}
+
+/// Why a request failed. Closed; the shell picks the HTTP status or SSE
+/// error body from it (R-GATE-3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GateFailure {
+    /// Admission could not place an attempt.
+    Admission(AdmissionFailure),
+    /// The current attempt failed and could not be recovered; a stall that
+    /// was not re-admitted ends as `Attempt(ResponseStalled)`, a lost node
+    /// connection as `Attempt(TransportClosed)`.
+    Attempt(FailureCode),
+    /// The shared total-time budget ran out.
+    BudgetExpired,
+}
+
+impl GateFailure {
+    /// The stable lower-case name (a closed label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GateFailure::Admission(failure) => failure.as_str(),
+            GateFailure::Attempt(code) => code.as_str(),
+            GateFailure::BudgetExpired => "budget_expired",
+        }
+    }
+}
+
+/// What the shell must do, in the order given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GateOutput {
+    /// Flush the held headers and bytes to the client; from now on forward
+    /// directly. At most once per gate, never followed by a re-admission.
+    Commit,
+    /// Close the old attempt's transport. Always immediately followed by
+    /// [`GateOutput::Readmit`] (R-GATE-2).
+    CloseTransport {
+        /// The attempt whose transport to close.
+        attempt: AttemptId,
+    },
+    /// Admit a new attempt with these R-SEL-1 hints.
+    Readmit {
+        /// The stalled provider: prefer any runtime-eligible alternate.
+        avoid_provider_id: ProviderId,
+        /// Whether the avoided provider may still be chosen when no
+        /// alternate exists; true only on probe-backed `available` evidence.
+        allow_avoided_fallback: bool,
+    },
+    /// Cancel the run on the node and release its lease, or withdraw the
+    /// pending admission when `attempt` is `None` (R-GATE-4, R-LEASE-2).
+    CancelRun {
+        /// The attempt to cancel, `None` while an admission is pending.
+        attempt: Option<AttemptId>,
+    },
+    /// Terminal: answer with an HTTP error (nothing was committed).
+    FailBeforeCommit {
+        /// Why.
+        kind: GateFailure,
+    },
+    /// Terminal: send one SSE error event in the API's format and end the
+    /// stream (bytes were committed) (R-GATE-3).
+    FailInStream {
+        /// Why.
+        kind: GateFailure,
+    },
+    /// Terminal: the request completed normally.
+    Finish,
+}
+
+impl GateOutput {
+    /// Whether this output is one of the three terminals.
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            GateOutput::FailBeforeCommit { .. }
+                | GateOutput::FailInStream { .. }
+                | GateOutput::Finish
+        )
+    }
+}
+
+/// Whether a stall could be recovered, one per stall the gate sees.
+/// Label of `iop_edge_liveness_recovery_eligibility_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecoveryEligibility {
+    /// A confirmed stall before commit within budget: re-admitted.
+    Eligible,
+    /// Bytes were already committed to the client.
+    NotEligibleCommitted,
+    /// Every attempt of the shared budget was used.
+    NotEligibleAttempts,
+    /// The shared total-time budget was spent.
+    NotEligibleBudget,
+    /// The stall was not an Edge-confirmed handoff for the current
+    /// attempt's provider (R-OVL-1): fail closed.
+    NotEligibleUnconfirmed,
+}
+
+impl RecoveryEligibility {
+    /// The metric this value labels.
+    pub const METRIC: &'static str = "iop_edge_liveness_recovery_eligibility_total";
+
+    /// The stable lower-case name (a closed label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecoveryEligibility::Eligible => "eligible",
+            RecoveryEligibility::NotEligibleCommitted => "not_eligible_committed",
+            RecoveryEligibility::NotEligibleAttempts => "not_eligible_attempts",
+            RecoveryEligibility::NotEligibleBudget => "not_eligible_budget",
+            RecoveryEligibility::NotEligibleUnconfirmed => "not_eligible_unconfirmed",
+        }
+    }
+}
+
+/// What came of recovery. Label of `iop_edge_liveness_recovery_results_total`.
+///
+/// `Readmitted` counts every re-admission. Besides, a request emits at most
+/// one outcome (`Recovered`, `Exhausted`, `Failed` or `Abandoned`), and
+/// exactly one if it was ever re-admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecoveryResult {
+    /// A re-admission was issued.
+    Readmitted,
+    /// A re-admitted request committed (or completed without content).
+    Recovered,
+    /// A stall could not be recovered because the shared budget (attempts or
+    /// time) was spent, or the time budget ran out during a recovery.
+    Exhausted,
+    /// A re-admitted request ended in another error before committing.
+    Failed,
+    /// The client disconnected during a recovery.
+    Abandoned,
+}
+
+impl RecoveryResult {
+    /// The metric this value labels.
+    pub const METRIC: &'static str = "iop_edge_liveness_recovery_results_total";
+
+    /// The stable lower-case name (a closed label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecoveryResult::Readmitted => "readmitted",
+            RecoveryResult::Recovered => "recovered",
+            RecoveryResult::Exhausted => "exhausted",
+            RecoveryResult::Failed => "failed",
+            RecoveryResult::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// An observation for the recovery counters and the
+/// `edge_liveness_recovery_observation` log event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GateEvent {
+    /// Count once in `iop_edge_liveness_recovery_eligibility_total`.
+    Eligibility(RecoveryEligibility),
+    /// Count once in `iop_edge_liveness_recovery_results_total`.
+    Result(RecoveryResult),
+}
+
+/// How a gate ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateEnd {
+    /// [`GateOutput::Finish`] was emitted.
+    Finished,
+    /// A failure terminal was emitted.
+    Failed {
+        /// Why.
+        kind: GateFailure,
+        /// Whether it went out in-stream ([`GateOutput::FailInStream`]).
+        in_stream: bool,
+    },
+    /// The client disconnected; the run was canceled, no terminal was sent.
+    ClientDisconnected,
+}
+
+#[derive(Debug, Clone)]
+enum Phase {
+    /// Waiting for admission to place the next attempt.
+    Admitting,
+    /// An attempt is in flight.
+    Running {
+        attempt: AttemptId,
+        provider_id: ProviderId,
+    },
+    /// The gate ended; it outputs nothing more.
+    Ended(GateEnd),
+}
+
+/// The per-request owner of commit, cancellation, attempts and the shared
+/// budget (R-GATE-1..4). See the [module docs](self) for the lifecycle.
+#[derive(Debug, Clone)]
+pub struct StreamGate {
+    budget: GateBudget,
+    deadline: Instant,
+    phase: Phase,
+    attempts: u32,
+    readmissions: u32,
+    committed: bool,
+    started: bool,
+    outcome_emitted: bool,
+    outputs: VecDeque<GateOutput>,
+    events: VecDeque<GateEvent>,
+}
+
+impl StreamGate {
+    /// A gate for a request accepted at `now`. The shell admits the first
+    /// attempt with zero selection hints right away.
+    pub fn new(now: Instant, budget: GateBudget) -> Self {
+        Self {
+            budget,
+            deadline: now.saturating_add(budget.total),
+            phase: Phase::Admitting,
+            attempts: 0,
+            readmissions: 0,
+            committed: false,
+            started: false,
+            outcome_emitted: false,
+            outputs: VecDeque::with_capacity(OUTPUT_QUEUE_BOUND),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Feed one input at `now`, then drain [`Self::poll_output`] and
+    /// [`Self::poll_event`].
+    pub fn handle_input(&mut self, now: Instant, input: GateInput) -> InputDisposition {
+        match input {
+            GateInput::Dispatched { provider_id } => self.on_dispatched(provider_id),
+            GateInput::AdmissionFailed(failure) => self.on_admission_failed(failure),
+            GateInput::Attempt { attempt, event } => self.on_attempt(now, attempt, event),
+            GateInput::ClientDisconnected => self.on_client_disconnected(),
+        }
+    }
+
+    /// The next output to carry out; call until `None` after every input and
+    /// timeout.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<GateOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// The next observation for the recovery counters; call until `None`
+    /// after every input and timeout.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<GateEvent> {
+        self.events.pop_front()
+    }
+
+    /// When to call [`Self::handle_timeout`]: the end of the total budget,
+    /// or `None` once the gate ended.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::Ended(_) => None,
+            Phase::Admitting | Phase::Running { .. } => Some(self.deadline),
+        }
+    }
+
+    /// Fire the budget timer. At or after the deadline the run (or pending
+    /// admission) is canceled and the request ends with
+    /// [`GateFailure::BudgetExpired`] (R-GATE-3); earlier it does nothing.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if now < self.deadline {
+            return;
+        }
+        let attempt = match &self.phase {
+            Phase::Ended(_) => return,
+            Phase::Admitting => None,
+            Phase::Running { attempt, .. } => Some(*attempt),
+        };
+        self.push_output(GateOutput::CancelRun { attempt });
+        self.fail(GateFailure::BudgetExpired, RecoveryResult::Exhausted);
+    }
+
+    /// The current attempt, `None` while an admission is pending or after
+    /// the end.
+    pub fn current_attempt(&self) -> Option<AttemptId> {
+        match self.phase {
+            Phase::Running { attempt, .. } => Some(attempt),
+            Phase::Admitting | Phase::Ended(_) => None,
+        }
+    }
+
+    /// How many attempts were dispatched; never above the budget's
+    /// `max_attempts`.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// How many re-admissions were issued.
+    pub fn readmissions(&self) -> u32 {
+        self.readmissions
+    }
+
+    /// Whether bytes were committed to the client.
+    pub fn is_committed(&self) -> bool {
+        self.committed
+    }
+
+    /// Whether the current attempt's provider accepted the request.
+    pub fn is_started(&self) -> bool {
+        self.started
+    }
+
+    /// How the gate ended, `None` while it runs.
+    pub fn end(&self) -> Option<GateEnd> {
+        match self.phase {
+            Phase::Ended(end) => Some(end),
+            Phase::Admitting | Phase::Running { .. } => None,
+        }
+    }
+
+    /// The budget this gate was created with.
+    pub fn budget(&self) -> GateBudget {
+        self.budget
+    }
+
+    /// The moment the total budget runs out.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    fn on_dispatched(&mut self, provider_id: ProviderId) -> InputDisposition {
+        match self.phase {
+            Phase::Ended(_) => return InputDisposition::Ignored(IgnoredInput::Ended),
+            Phase::Running { .. } => return InputDisposition::Ignored(IgnoredInput::NotAdmitting),
+            Phase::Admitting => {}
+        }
+        // Re-admission is only issued with an attempt to spare.
+        debug_assert!(self.attempts < self.budget.max_attempts);
+        if self.attempts >= self.budget.max_attempts {
+            return InputDisposition::Ignored(IgnoredInput::NotAdmitting);
+        }
+        self.attempts += 1;
+        self.started = false;
+        self.phase = Phase::Running {
+            attempt: AttemptId(self.attempts),
+            provider_id,
+        };
+        InputDisposition::Applied
+    }
+
+    fn on_admission_failed(&mut self, failure: AdmissionFailure) -> InputDisposition {
+        match self.phase {
+            Phase::Ended(_) => InputDisposition::Ignored(IgnoredInput::Ended),
+            Phase::Running { .. } => InputDisposition::Ignored(IgnoredInput::NotAdmitting),
+            Phase::Admitting => {
+                self.fail(GateFailure::Admission(failure), RecoveryResult::Failed);
+                InputDisposition::Applied
+            }
+        }
+    }
+
+    fn on_attempt(
+        &mut self,
+        now: Instant,
+        attempt: AttemptId,
+        event: AttemptEvent,
+    ) -> InputDisposition {
+        let provider_id = match &self.phase {
+            Phase::Ended(_) => return InputDisposition::Ignored(IgnoredInput::Ended),
+            Phase::Running {
+                attempt: current,
+                provider_id,
+            } if *current == attempt => provider_id.clone(),
+            Phase::Admitting | Phase::Running { .. } => {
+                return InputDisposition::Ignored(IgnoredInput::NotCurrentAttempt);
+            }
+        };
+        match event {
+            AttemptEvent::Started => self.started = true,
+            AttemptEvent::Content => self.commit(),
+            AttemptEvent::Completed => {
+                // An answer without content still has to reach the client.
+                self.commit();
+                self.push_output(GateOutput::Finish);
+                self.phase = Phase::Ended(GateEnd::Finished);
+            }
+            AttemptEvent::Stalled(stall) => self.on_stall(now, attempt, &provider_id, stall),
+            AttemptEvent::Failed { code } => {
+                if code == FailureCode::ResponseStalled {
+                    // A stall without the Edge's confirmation never re-admits.
+                    let eligibility = if self.committed {
+                        RecoveryEligibility::NotEligibleCommitted
+                    } else {
+                        RecoveryEligibility::NotEligibleUnconfirmed
+                    };
+                    self.events.push_back(GateEvent::Eligibility(eligibility));
+                }
+                self.fail(GateFailure::Attempt(code), RecoveryResult::Failed);
+            }
+            AttemptEvent::TransportLost => {
+                // R-GEN-3: one transport terminal towards the client.
+                self.fail(
+                    GateFailure::Attempt(FailureCode::TransportClosed),
+                    RecoveryResult::Failed,
+                );
+            }
+        }
+        InputDisposition::Applied
+    }
+
+    /// R-GATE-2: before commit, a confirmed stall of the current attempt's
+    /// provider re-admits within the shared budget; otherwise one terminal.
+    fn on_stall(
+        &mut self,
+        now: Instant,
+        attempt: AttemptId,
+        provider_id: &ProviderId,
+        stall: ConfirmedStall,
+    ) {
+        let eligibility = if self.committed {
+            RecoveryEligibility::NotEligibleCommitted
+        } else if stall.provider_id != *provider_id {
+            RecoveryEligibility::NotEligibleUnconfirmed
+        } else if self.attempts >= self.budget.max_attempts {
+            RecoveryEligibility::NotEligibleAttempts
+        } else if now >= self.deadline {
+            RecoveryEligibility::NotEligibleBudget
+        } else {
+            RecoveryEligibility::Eligible
+        };
+        self.events.push_back(GateEvent::Eligibility(eligibility));
+        let stalled = GateFailure::Attempt(FailureCode::ResponseStalled);
+        match eligibility {
+            RecoveryEligibility::Eligible => {
+                self.readmissions += 1;
+                // The old transport is closed before re-admission (R-GATE-2).
+                self.push_output(GateOutput::CloseTransport { attempt });
+                self.push_output(GateOutput::Readmit {
+                    avoid_provider_id: stall.provider_id,
+                    // R-SEL-1: only probe-backed `available` evidence lets
+                    // the avoided provider be chosen again.
+                    allow_avoided_fallback: stall.health == ProviderHealth::Available,
+                });
+                self.events
+                    .push_back(GateEvent::Result(RecoveryResult::Readmitted));
+                self.started = false;
+                self.phase = Phase::Admitting;
+            }
+            RecoveryEligibility::NotEligibleAttempts | RecoveryEligibility::NotEligibleBudget => {
+                self.emit_outcome(RecoveryResult::Exhausted);
+                self.fail(stalled, RecoveryResult::Exhausted);
+            }
+            RecoveryEligibility::NotEligibleCommitted
+            | RecoveryEligibility::NotEligibleUnconfirmed => {
+                self.fail(stalled, RecoveryResult::Failed);
+            }
+        }
+    }
+
+    fn on_client_disconnected(&mut self) -> InputDisposition {
+        let attempt = match &self.phase {
+            Phase::Ended(_) => return InputDisposition::Ignored(IgnoredInput::Ended),
+            Phase::Admitting => None,
+            Phase::Running { attempt, .. } => Some(*attempt),
+        };
+        // R-GATE-4: cancel the run and release the lease; nobody is left to
+        // receive a terminal.
+        self.push_output(GateOutput::CancelRun { attempt });
+        self.emit_outcome_if_recovering(RecoveryResult::Abandoned);
+        self.phase = Phase::Ended(GateEnd::ClientDisconnected);
+        InputDisposition::Applied
+    }
+
+    fn commit(&mut self) {
+        if self.committed {
+            return;
+        }
+        self.committed = true;
+        self.push_output(GateOutput::Commit);
+        self.emit_outcome_if_recovering(RecoveryResult::Recovered);
+    }
+
+    /// End with one failure terminal in the format the commit state allows
+    /// (R-GATE-3).
+    fn fail(&mut self, kind: GateFailure, outcome: RecoveryResult) {
+        debug_assert!(!matches!(self.phase, Phase::Ended(_)));
+        self.emit_outcome_if_recovering(outcome);
+        let in_stream = self.committed;
+        self.push_output(if in_stream {
+            GateOutput::FailInStream { kind }
+        } else {
+            GateOutput::FailBeforeCommit { kind }
+        });
+        self.phase = Phase::Ended(GateEnd::Failed { kind, in_stream });
+    }
+
+    fn emit_outcome_if_recovering(&mut self, outcome: RecoveryResult) {
+        if self.readmissions > 0 {
+            self.emit_outcome(outcome);
+        }
+    }
+
+    fn emit_outcome(&mut self, outcome: RecoveryResult) {
+        if !self.outcome_emitted {
+            self.outcome_emitted = true;
+            self.events.push_back(GateEvent::Result(outcome));
+        }
+    }
+
+    fn push_output(&mut self, output: GateOutput) {
+        debug_assert!(
+            !matches!(self.phase, Phase::Ended(_)),
+            "no output after the terminal"
+        );
+        self.outputs.push_back(output);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn pid(s: &str) -> ProviderId {
+        ProviderId::new(s)
+    }
+
+    fn gate(max_attempts: u32, total: Duration) -> StreamGate {
+        let budget = GateBudget::new(max_attempts, total).expect("valid test budget");
+        StreamGate::new(Instant::ZERO, budget)
+    }
+
+    fn drain(gate: &mut StreamGate) -> Vec<GateOutput> {
+        std::iter::from_fn(|| gate.poll_output()).collect()
+    }
+
+    fn drain_events(gate: &mut StreamGate) -> Vec<GateEvent> {
+        std::iter::from_fn(|| gate.poll_event()).collect()
+    }
+
+    fn dispatch(gate: &mut StreamGate, now: Instant, provider: &str) -> AttemptId {
+        assert_eq!(
+            gate.handle_input(
+                now,
+                GateInput::Dispatched {
+                    provider_id: pid(provider)
+                }
+            ),
+            InputDisposition::Applied
+        );
+        gate.current_attempt().expect("an attempt after dispatch")
+    }
+
+    fn attempt(
+        gate: &mut StreamGate,
+        now: Instant,
+        attempt: AttemptId,
+        event: AttemptEvent,
+    ) -> Vec<GateOutput> {
+        assert_eq!(
+            gate.handle_input(now, GateInput::Attempt { attempt, event }),
+            InputDisposition::Applied
+        );
+        drain(gate)
+    }
+
+    fn stall(provider: &str, health: ProviderHealth) -> AttemptEvent {
+        AttemptEvent::Stalled(ConfirmedStall {
+            provider_id: pid(provider),
+            health,
+        })
+    }
+
+    #[test]
+    fn budget_is_bounded() {
+        assert_eq!(
+            GateBudget::new(0, SECOND),
+            Err(GateBudgetError::MaxAttemptsOutOfRange(0))
+        );
+        assert!(GateBudget::new(MAX_ATTEMPTS_LIMIT, SECOND).is_ok());
+        assert_eq!(
+            GateBudget::new(MAX_ATTEMPTS_LIMIT + 1, SECOND),
+            Err(GateBudgetError::MaxAttemptsOutOfRange(
+                MAX_ATTEMPTS_LIMIT + 1
+            ))
+        );
+        assert_eq!(
+            GateBudget::new(1, Duration::ZERO),
+            Err(GateBudgetError::ZeroTotal)
+        );
+    }
+
+    #[test]
+    fn started_without_content_does_not_commit() {
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        assert!(attempt(&mut g, Instant::from_millis(10), a1, AttemptEvent::Started).is_empty());
+        assert!(g.is_started());
+        assert!(!g.is_committed());
+        // The stalled prefill stays recoverable.
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(20),
+            a1,
+            stall("p1", ProviderHealth::Unknown),
+        );
+        assert!(matches!(
+            out.as_slice(),
+            [
+                GateOutput::CloseTransport { .. },
+                GateOutput::Readmit { .. }
+            ]
+        ));
+        let a2 = dispatch(&mut g, Instant::from_millis(30), "p2");
+        assert_eq!(
+            attempt(&mut g, Instant::from_millis(40), a2, AttemptEvent::Content),
+            vec![GateOutput::Commit]
+        );
+        assert!(g.is_committed());
+        // Later content is forwarded directly: no second commit.
+        assert!(attempt(&mut g, Instant::from_millis(50), a2, AttemptEvent::Content).is_empty());
+    }
+
+    #[test]
+    fn stall_before_commit_closes_transport_then_readmits_with_avoid_hint() {
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(5),
+            a1,
+            stall("p1", ProviderHealth::Unavailable),
+        );
+        assert_eq!(
+            out,
+            vec![
+                GateOutput::CloseTransport { attempt: a1 },
+                GateOutput::Readmit {
+                    avoid_provider_id: pid("p1"),
+                    allow_avoided_fallback: false,
+                },
+            ]
+        );
+        assert_eq!(g.readmissions(), 1);
+        assert_eq!(g.current_attempt(), None);
+        assert_eq!(
+            drain_events(&mut g),
+            vec![
+                GateEvent::Eligibility(RecoveryEligibility::Eligible),
+                GateEvent::Result(RecoveryResult::Readmitted),
+            ]
+        );
+        // Stragglers of the closed attempt change nothing.
+        assert_eq!(
+            g.handle_input(
+                Instant::from_millis(6),
+                GateInput::Attempt {
+                    attempt: a1,
+                    event: AttemptEvent::Content
+                }
+            ),
+            InputDisposition::Ignored(IgnoredInput::NotCurrentAttempt)
+        );
+        let a2 = dispatch(&mut g, Instant::from_millis(7), "p2");
+        assert_ne!(a1, a2);
+        assert_eq!(
+            g.handle_input(
+                Instant::from_millis(8),
+                GateInput::Attempt {
+                    attempt: a1,
+                    event: AttemptEvent::Completed
+                }
+            ),
+            InputDisposition::Ignored(IgnoredInput::NotCurrentAttempt)
+        );
+        assert!(drain(&mut g).is_empty());
+        assert_eq!(
+            attempt(&mut g, Instant::from_millis(9), a2, AttemptEvent::Content),
+            vec![GateOutput::Commit]
+        );
+        assert_eq!(
+            drain_events(&mut g),
+            vec![GateEvent::Result(RecoveryResult::Recovered)]
+        );
+        assert_eq!(
+            attempt(
+                &mut g,
+                Instant::from_millis(10),
+                a2,
+                AttemptEvent::Completed
+            ),
+            vec![GateOutput::Finish]
+        );
+        assert_eq!(g.end(), Some(GateEnd::Finished));
+    }
+
+    #[test]
+    fn available_evidence_allows_avoided_fallback_others_do_not() {
+        for (health, allowed) in [
+            (ProviderHealth::Available, true),
+            (ProviderHealth::Unavailable, false),
+            (ProviderHealth::Unknown, false),
+        ] {
+            let mut g = gate(2, 60 * SECOND);
+            let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+            let out = attempt(&mut g, Instant::from_millis(1), a1, stall("p1", health));
+            assert_eq!(
+                out.last(),
+                Some(&GateOutput::Readmit {
+                    avoid_provider_id: pid("p1"),
+                    allow_avoided_fallback: allowed,
+                }),
+                "{health:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn stall_handoff_for_another_provider_is_not_confirmed() {
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(1),
+            a1,
+            stall("p9", ProviderHealth::Available),
+        );
+        assert_eq!(
+            out,
+            vec![GateOutput::FailBeforeCommit {
+                kind: GateFailure::Attempt(FailureCode::ResponseStalled)
+            }]
+        );
+        assert_eq!(
+            drain_events(&mut g),
+            vec![GateEvent::Eligibility(
+                RecoveryEligibility::NotEligibleUnconfirmed
+            )]
+        );
+    }
+
+    #[test]
+    fn stall_after_commit_ends_with_one_in_stream_error() {
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        assert_eq!(
+            attempt(&mut g, Instant::from_millis(1), a1, AttemptEvent::Content),
+            vec![GateOutput::Commit]
+        );
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(2),
+            a1,
+            stall("p1", ProviderHealth::Available),
+        );
+        let kind = GateFailure::Attempt(FailureCode::ResponseStalled);
+        assert_eq!(out, vec![GateOutput::FailInStream { kind }]);
+        assert_eq!(
+            g.end(),
+            Some(GateEnd::Failed {
+                kind,
+                in_stream: true
+            })
+        );
+        assert_eq!(g.readmissions(), 0);
+        assert_eq!(
+            drain_events(&mut g),
+            vec![GateEvent::Eligibility(
+                RecoveryEligibility::NotEligibleCommitted
+            )]
+        );
+    }
+
+    #[test]
+    fn attempt_budget_is_shared_and_exhausts() {
+        let mut g = gate(3, 600 * SECOND);
+        let mut now = Instant::ZERO;
+        for (i, provider) in ["p1", "p2", "p3"].into_iter().enumerate() {
+            let a = dispatch(&mut g, now, provider);
+            assert_eq!(a.get(), u32::try_from(i + 1).expect("small"));
+            now += SECOND;
+            let out = attempt(&mut g, now, a, stall(provider, ProviderHealth::Unknown));
+            if i < 2 {
+                assert_eq!(out.len(), 2, "re-admitted: {out:?}");
+            } else {
+                assert_eq!(
+                    out,
+                    vec![GateOutput::FailBeforeCommit {
+                        kind: GateFailure::Attempt(FailureCode::ResponseStalled)
+                    }]
+                );
+            }
+        }
+        assert_eq!(g.attempts(), 3);
+        assert_eq!(g.readmissions(), 2);
+        let events = drain_events(&mut g);
+        assert_eq!(
+            &events[events.len() - 2..],
+            &[
+                GateEvent::Eligibility(RecoveryEligibility::NotEligibleAttempts),
+                GateEvent::Result(RecoveryResult::Exhausted),
+            ]
+        );
+        assert_eq!(
+            g.handle_input(
+                now,
+                GateInput::Dispatched {
+                    provider_id: pid("p4")
+                }
+            ),
+            InputDisposition::Ignored(IgnoredInput::Ended)
+        );
+        assert_eq!(g.attempts(), 3);
+    }
+
+    #[test]
+    fn total_time_budget_expires() {
+        let total = 10 * SECOND;
+        let mut g = gate(3, total);
+        let deadline = Instant::ZERO + total;
+        assert_eq!(g.poll_timeout(), Some(deadline));
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        // A stall at the deadline is refused for budget, not re-admitted.
+        let mut late = g.clone();
+        let out = attempt(
+            &mut late,
+            deadline,
+            a1,
+            stall("p1", ProviderHealth::Available),
+        );
+        assert_eq!(out.len(), 1);
+        assert!(drain_events(&mut late).contains(&GateEvent::Eligibility(
+            RecoveryEligibility::NotEligibleBudget
+        )));
+        // Nothing fires before the deadline.
+        g.handle_timeout(Instant::from_micros(deadline.as_micros() - 1));
+        assert!(drain(&mut g).is_empty());
+        g.handle_timeout(deadline);
+        assert_eq!(
+            drain(&mut g),
+            vec![
+                GateOutput::CancelRun { attempt: Some(a1) },
+                GateOutput::FailBeforeCommit {
+                    kind: GateFailure::BudgetExpired
+                },
+            ]
+        );
+        assert_eq!(g.poll_timeout(), None);
+
+        // Committed: the same expiry ends in-stream.
+        let mut g = gate(3, total);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let _ = attempt(&mut g, Instant::from_millis(1), a1, AttemptEvent::Content);
+        g.handle_timeout(deadline + SECOND);
+        assert_eq!(
+            drain(&mut g),
+            vec![
+                GateOutput::CancelRun { attempt: Some(a1) },
+                GateOutput::FailInStream {
+                    kind: GateFailure::BudgetExpired
+                },
+            ]
+        );
+
+        // Expiry while re-admitting withdraws the pending admission.
+        let mut g = gate(3, total);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let _ = attempt(
+            &mut g,
+            Instant::ZERO + SECOND,
+            a1,
+            stall("p1", ProviderHealth::Unknown),
+        );
+        let _ = drain_events(&mut g);
+        g.handle_timeout(deadline);
+        assert_eq!(
+            drain(&mut g),
+            vec![
+                GateOutput::CancelRun { attempt: None },
+                GateOutput::FailBeforeCommit {
+                    kind: GateFailure::BudgetExpired
+                },
+            ]
+        );
+        assert_eq!(
+            drain_events(&mut g),
+            vec![GateEvent::Result(RecoveryResult::Exhausted)]
+        );
+    }
+
+    #[test]
+    fn client_disconnect_cancels_run_and_ends_gate() {
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let _ = attempt(&mut g, Instant::from_millis(1), a1, AttemptEvent::Content);
+        assert_eq!(
+            g.handle_input(Instant::from_millis(2), GateInput::ClientDisconnected),
+            InputDisposition::Applied
+        );
+        assert_eq!(
+            drain(&mut g),
+            vec![GateOutput::CancelRun { attempt: Some(a1) }]
+        );
+        assert_eq!(g.end(), Some(GateEnd::ClientDisconnected));
+        assert_eq!(g.poll_timeout(), None);
+        for input in [
+            GateInput::Attempt {
+                attempt: a1,
+                event: AttemptEvent::Completed,
+            },
+            GateInput::ClientDisconnected,
+        ] {
+            assert_eq!(
+                g.handle_input(Instant::from_millis(3), input),
+                InputDisposition::Ignored(IgnoredInput::Ended)
+            );
+        }
+        g.handle_timeout(Instant::MAX);
+        assert!(drain(&mut g).is_empty());
+
+        // While queued: the pending admission is withdrawn.
+        let mut g = gate(3, 60 * SECOND);
+        let _ = g.handle_input(Instant::ZERO, GateInput::ClientDisconnected);
+        assert_eq!(drain(&mut g), vec![GateOutput::CancelRun { attempt: None }]);
+    }
+
+    #[test]
+    fn exactly_one_terminal_and_nothing_after() {
+        let mut g = gate(2, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(1),
+            a1,
+            AttemptEvent::Failed {
+                code: FailureCode::ProviderError,
+            },
+        );
+        assert_eq!(
+            out,
+            vec![GateOutput::FailBeforeCommit {
+                kind: GateFailure::Attempt(FailureCode::ProviderError)
+            }]
+        );
+        let after = [
+            GateInput::Attempt {
+                attempt: a1,
+                event: AttemptEvent::Completed,
+            },
+            GateInput::Attempt {
+                attempt: a1,
+                event: stall("p1", ProviderHealth::Available),
+            },
+            GateInput::Dispatched {
+                provider_id: pid("p2"),
+            },
+            GateInput::AdmissionFailed(AdmissionFailure::QueueFull),
+            GateInput::ClientDisconnected,
+        ];
+        for input in after {
+            assert_eq!(
+                g.handle_input(Instant::from_millis(2), input),
+                InputDisposition::Ignored(IgnoredInput::Ended)
+            );
+        }
+        g.handle_timeout(Instant::MAX);
+        assert!(drain(&mut g).is_empty());
+
+        // A completion without content still commits, then finishes once.
+        let mut g = gate(2, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        assert_eq!(
+            attempt(&mut g, Instant::from_millis(1), a1, AttemptEvent::Completed),
+            vec![GateOutput::Commit, GateOutput::Finish]
+        );
+    }
+
+    #[test]
+    fn admission_failure_and_lost_transport_end_before_commit() {
+        let mut g = gate(2, 60 * SECOND);
+        let _ = g.handle_input(
+            Instant::ZERO,
+            GateInput::AdmissionFailed(AdmissionFailure::QueueFull),
+        );
+        assert_eq!(
+            drain(&mut g),
+            vec![GateOutput::FailBeforeCommit {
+                kind: GateFailure::Admission(AdmissionFailure::QueueFull)
+            }]
+        );
+
+        let mut g = gate(2, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        assert_eq!(
+            g.handle_input(
+                Instant::ZERO,
+                GateInput::AdmissionFailed(AdmissionFailure::QueueTimeout)
+            ),
+            InputDisposition::Ignored(IgnoredInput::NotAdmitting)
+        );
+        assert_eq!(
+            attempt(
+                &mut g,
+                Instant::from_millis(1),
+                a1,
+                AttemptEvent::TransportLost
+            ),
+            vec![GateOutput::FailBeforeCommit {
+                kind: GateFailure::Attempt(FailureCode::TransportClosed)
+            }]
+        );
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Advance(u64),
+        Timeout,
+        Dispatch(u8),
+        AdmissionFailed,
+        /// An attempt event; `stale` targets the previous attempt.
+        Attempt {
+            stale: bool,
+            event: AttemptEvent,
+        },
+        /// A confirmed stall, usually about the dispatched provider.
+        Stall {
+            stale: bool,
+            same_provider: bool,
+            health: ProviderHealth,
+        },
+        ClientDisconnected,
+    }
+
+    fn health() -> impl Strategy<Value = ProviderHealth> {
+        prop_oneof![
+            Just(ProviderHealth::Available),
+            Just(ProviderHealth::Unavailable),
+            Just(ProviderHealth::Unknown),
+        ]
+    }
+
+    fn attempt_event() -> impl Strategy<Value = AttemptEvent> {
+        prop_oneof![
+            4 => Just(AttemptEvent::Started),
+            2 => Just(AttemptEvent::Content),
+            1 => Just(AttemptEvent::Completed),
+            1 => Just(AttemptEvent::Failed { code: FailureCode::ProviderError }),
+            1 => Just(AttemptEvent::Failed { code: FailureCode::ResponseStalled }),
+            1 => Just(AttemptEvent::TransportLost),
+        ]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u64..10_000).prop_map(Op::Advance),
+            1 => Just(Op::Timeout),
+            6 => (0u8..3).prop_map(Op::Dispatch),
+            1 => Just(Op::AdmissionFailed),
+            4 => (proptest::bool::weighted(0.2), attempt_event())
+                .prop_map(|(stale, event)| Op::Attempt { stale, event }),
+            6 => (proptest::bool::weighted(0.2), proptest::bool::weighted(0.9), health())
+                .prop_map(|(stale, same_provider, health)| Op::Stall { stale, same_provider, health }),
+            1 => Just(Op::ClientDisconnected),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+        #[test]
+        fn gate_invariants_hold_for_any_input_sequence(
+            max_attempts in 1u32..=4,
+            total_ms in 1u64..60_000,
+            ops in proptest::collection::vec(op(), 0..48),
+        ) {
+            let budget = GateBudget::new(max_attempts, Duration::from_millis(total_ms)).expect("valid");
+            let mut g = StreamGate::new(Instant::ZERO, budget);
+            let mut now = Instant::ZERO;
+            let mut all: Vec<GateOutput> = Vec::new();
+            let mut events: Vec<GateEvent> = Vec::new();
+            let mut ended_at: Option<usize> = None;
+            let mut last_attempt: Option<AttemptId> = None;
+            let mut dispatched = ProviderId::new("p0");
+            let target_of = |g: &StreamGate, last: Option<AttemptId>, stale: bool| match g.current_attempt().or(last) {
+                Some(a) if stale && a.get() > 1 => AttemptId(a.get() - 1),
+                Some(a) => a,
+                None => AttemptId(1),
+            };
+            for op in ops {
+                match op {
+                    Op::Advance(ms) => now += Duration::from_millis(ms),
+                    Op::Timeout => g.handle_timeout(now),
+                    Op::Dispatch(p) => {
+                        let provider_id = ProviderId::new(format!("p{p}"));
+                        if g.handle_input(now, GateInput::Dispatched { provider_id: provider_id.clone() }) == InputDisposition::Applied {
+                            dispatched = provider_id;
+                        }
+                    }
+                    Op::AdmissionFailed => {
+                        let _ = g.handle_input(now, GateInput::AdmissionFailed(AdmissionFailure::NoEligibleProvider));
+                    }
+                    Op::Attempt { stale, event } => {
+                        let attempt = target_of(&g, last_attempt, stale);
+                        let _ = g.handle_input(now, GateInput::Attempt { attempt, event });
+                    }
+                    Op::Stall { stale, same_provider, health } => {
+                        let attempt = target_of(&g, last_attempt, stale);
+                        let provider_id = if same_provider { dispatched.clone() } else { ProviderId::new("elsewhere") };
+                        let event = AttemptEvent::Stalled(ConfirmedStall { provider_id, health });
+                        let _ = g.handle_input(now, GateInput::Attempt { attempt, event });
+                    }
+                    Op::ClientDisconnected => {
+                        let _ = g.handle_input(now, GateInput::ClientDisconnected);
+                    }
+                }
+                if let Some(a) = g.current_attempt() {
+                    last_attempt = Some(a);
+                }
+                let out = drain(&mut g);
+                prop_assert!(ended_at.is_none() || out.is_empty(), "output after the end: {out:?}");
+                all.extend(out);
+                events.extend(drain_events(&mut g));
+                if g.end().is_some() && ended_at.is_none() {
+                    ended_at = Some(all.len());
+                }
+                prop_assert!(g.attempts() <= max_attempts);
+                prop_assert_eq!(g.poll_timeout().is_none(), g.end().is_some());
+            }
+
+            // At most one terminal, and it is the last output.
+            let terminals: Vec<usize> = all.iter().enumerate().filter(|(_, o)| o.is_terminal()).map(|(i, _)| i).collect();
+            prop_assert!(terminals.len() <= 1, "terminals: {all:?}");
+            if let Some(&t) = terminals.first() {
+                prop_assert_eq!(t, all.len() - 1);
+                prop_assert!(matches!(g.end(), Some(GateEnd::Finished | GateEnd::Failed { .. })), "end: {:?}", g.end());
+            }
+            if g.end() == Some(GateEnd::ClientDisconnected) {
+                prop_assert!(terminals.is_empty());
+                prop_assert!(matches!(all.last(), Some(GateOutput::CancelRun { .. })), "{all:?}");
+            }
+            // CloseTransport immediately precedes every Readmit, and vice versa.
+            for (i, o) in all.iter().enumerate() {
+                match o {
+                    GateOutput::CloseTransport { .. } => {
+                        prop_assert!(matches!(all.get(i + 1), Some(GateOutput::Readmit { .. })), "{all:?}");
+                    }
+                    GateOutput::Readmit { .. } => {
+                        prop_assert!(i > 0 && matches!(all[i - 1], GateOutput::CloseTransport { .. }), "{all:?}");
+                    }
+                    _ => {}
+                }
+            }
+            // No Readmit after Commit; at most one Commit.
+            let commits: Vec<usize> = all.iter().enumerate().filter(|(_, o)| **o == GateOutput::Commit).map(|(i, _)| i).collect();
+            prop_assert!(commits.len() <= 1);
+            if let Some(&c) = commits.first() {
+                prop_assert!(!all[c..].iter().any(|o| matches!(o, GateOutput::Readmit { .. })), "readmit after commit: {all:?}");
+                prop_assert!(!all[c..].iter().any(|o| matches!(o, GateOutput::FailBeforeCommit { .. })), "HTTP error after commit: {all:?}");
+            } else {
+                prop_assert!(!all.iter().any(|o| matches!(o, GateOutput::FailInStream { .. } | GateOutput::Finish)), "stream end without commit: {all:?}");
+            }
+            // The re-admission counter matches the outputs and the results.
+            let readmits = all.iter().filter(|o| matches!(o, GateOutput::Readmit { .. })).count();
+            prop_assert_eq!(readmits, usize::try_from(g.readmissions()).expect("small"));
+            let readmitted = events.iter().filter(|e| **e == GateEvent::Result(RecoveryResult::Readmitted)).count();
+            prop_assert_eq!(readmitted, readmits);
+            let eligible = events.iter().filter(|e| **e == GateEvent::Eligibility(RecoveryEligibility::Eligible)).count();
+            prop_assert_eq!(eligible, readmits);
+            // At most one recovery outcome; exactly one once a re-admitted gate ended.
+            let outcomes = events.iter().filter(|e| matches!(e, GateEvent::Result(r) if *r != RecoveryResult::Readmitted)).count();
+            prop_assert!(outcomes <= 1, "{events:?}");
+            if g.end().is_some() && readmits > 0 {
+                prop_assert_eq!(outcomes, 1, "{:?}", events);
+            }
+        }
+    }
+}

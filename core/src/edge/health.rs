@@ -1,1 +1,1148 @@
-//! (being written)
+//! The per-provider health tracker (R-HT-1..6).
+//!
+//! [`HealthTracker`] keeps, for every configured provider and isolated from
+//! every other provider (R-HT-1), a [`HealthState`], the last success, the
+//! consecutive failures, a sanitized [`HealthFailureCode`] and the next
+//! retry moment. It decides *when* each provider's probe is due; the shell
+//! runs the probe (an exact-target capability check on the provider's node)
+//! and reports the outcome.
+//!
+//! ## Schedule (R-HT-3)
+//!
+//! Each provider has one next-probe moment:
+//!
+//! * a provider that is not failing is probed on the regular refresh cadence
+//!   (`refresh_interval` after its last probe finished; a new provider at
+//!   once);
+//! * a failing provider is probed only at or after `next_retry_at` =
+//!   failure + `backoff_base * 2^(consecutive_failures - 1)`, held at
+//!   `backoff_cap` during a long outage. Neither the regular cadence nor
+//!   [`HealthTracker::request_refresh`] ever moves a failing provider's probe
+//!   earlier;
+//! * on success the provider returns to the regular cadence.
+//!
+//! At most one probe per provider is in flight. A probe that is not answered
+//! within `probe_timeout` counts as a [`HealthFailureCode::Timeout`] failure,
+//! and its late answer is ignored (each probe has its own [`ProbeTicket`]).
+//!
+//! ## Driver loop
+//!
+//! After every input and on every wake-up: call [`HealthTracker::handle_timeout`],
+//! then start a probe for every ticket [`HealthTracker::poll_probe`] returns
+//! until `None`, drain [`HealthTracker::poll_event`], and sleep until
+//! [`HealthTracker::poll_timeout`]. A due probe keeps `poll_timeout` in the
+//! past until `poll_probe` hands it out.
+//!
+//! State is process-local (R-HT-4): a new tracker knows nothing, treats every
+//! provider as [`HealthState::Unknown`] (not available, R-HT-5), and reports
+//! the first failure as [`HealthLifecycle::Detected`] again.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use iop_wire::HealthFailureCode;
+
+use crate::ids::ProviderId;
+use crate::time::{Instant, earliest};
+
+/// The largest number of providers one tracker follows (bounded state).
+pub const MAX_TRACKED_PROVIDERS: usize = 4096;
+
+/// Tracker settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// The regular capability refresh cadence of a provider that is not
+    /// failing.
+    pub refresh_interval: Duration,
+    /// The first recovery backoff after a failure.
+    pub backoff_base: Duration,
+    /// The longest recovery backoff (R-HT-3).
+    pub backoff_cap: Duration,
+    /// How long an `ok` result stays fresh without a new success; after that
+    /// the provider is `stale`.
+    pub stale_after: Duration,
+    /// How long a probe may stay unanswered before it counts as a timeout.
+    pub probe_timeout: Duration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            refresh_interval: Duration::from_secs(30),
+            backoff_base: Duration::from_secs(1),
+            backoff_cap: Duration::from_secs(60),
+            stale_after: Duration::from_secs(90),
+            probe_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why a [`HealthConfig`] or an input was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HealthTrackerError {
+    /// A duration that must be positive was zero.
+    #[error("health tracker setting `{0}` must be greater than zero")]
+    ZeroDuration(&'static str),
+    /// The backoff base was above its cap.
+    #[error("health tracker backoff_base must not exceed backoff_cap")]
+    BackoffBaseAboveCap,
+    /// The provider limit was reached.
+    #[error("the health tracker already follows {MAX_TRACKED_PROVIDERS} providers")]
+    TooManyProviders,
+}
+
+impl HealthConfig {
+    /// Check the settings; the error names the offending field.
+    pub fn validate(&self) -> Result<(), HealthTrackerError> {
+        for (name, value) in [
+            ("refresh_interval", self.refresh_interval),
+            ("backoff_base", self.backoff_base),
+            ("backoff_cap", self.backoff_cap),
+            ("stale_after", self.stale_after),
+            ("probe_timeout", self.probe_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(HealthTrackerError::ZeroDuration(name));
+            }
+        }
+        if self.backoff_base > self.backoff_cap {
+            return Err(HealthTrackerError::BackoffBaseAboveCap);
+        }
+        Ok(())
+    }
+
+    /// The recovery backoff after `consecutive_failures` failures (at least
+    /// one): `backoff_base * 2^(n - 1)`, never above `backoff_cap` (R-HT-3).
+    pub fn backoff(&self, consecutive_failures: u32) -> Duration {
+        let doublings = consecutive_failures.saturating_sub(1).min(31);
+        self.backoff_base
+            .checked_mul(1u32 << doublings)
+            .map_or(self.backoff_cap, |d| d.min(self.backoff_cap))
+    }
+}
+
+/// A provider's health state (R-HT-1). Closed, for the status surface and
+/// labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthState {
+    /// No probe has answered yet in this process. Not available (R-HT-5).
+    Unknown,
+    /// The last probe succeeded and is fresh.
+    Ok,
+    /// The last probe failed.
+    Unavailable,
+    /// The last success is too old, or its node went away. Not available.
+    Stale,
+}
+
+impl HealthState {
+    /// The stable lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HealthState::Unknown => "unknown",
+            HealthState::Ok => "ok",
+            HealthState::Unavailable => "unavailable",
+            HealthState::Stale => "stale",
+        }
+    }
+}
+
+/// An outage lifecycle transition (R-HT-4), each emitted once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthLifecycle {
+    /// The first failure after `ok` or `unknown`.
+    Detected,
+    /// The outage continues (the second consecutive failure).
+    Ongoing,
+    /// The first success after a failure.
+    Recovered,
+}
+
+impl HealthLifecycle {
+    /// The stable lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HealthLifecycle::Detected => "detected",
+            HealthLifecycle::Ongoing => "ongoing",
+            HealthLifecycle::Recovered => "recovered",
+        }
+    }
+}
+
+/// A lifecycle event for alerts and logs; plain data, no secrets (R-HT-6).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct HealthEvent {
+    /// Whose outage.
+    pub provider_id: ProviderId,
+    /// Which transition.
+    pub lifecycle: HealthLifecycle,
+    /// The sanitized failure code (the last one, for `recovered`).
+    pub failure_code: Option<HealthFailureCode>,
+    /// Consecutive failures at the transition (before the reset, for
+    /// `recovered`).
+    pub consecutive_failures: u32,
+    /// When the result that caused it arrived.
+    pub at: Instant,
+}
+
+/// What a probe found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeResult {
+    /// A valid answer, even an empty one such as an empty model list (R-HT-2).
+    Success,
+    /// A failure, already sanitized into a closed code.
+    Failure(HealthFailureCode),
+}
+
+/// A probe the shell must run, handed out by [`HealthTracker::poll_probe`];
+/// give it back with the result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTicket {
+    /// Which provider to probe.
+    pub provider_id: ProviderId,
+    probe_seq: u64,
+}
+
+/// What the tracker did with a probe result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum ProbeDisposition {
+    /// The result was applied.
+    Applied,
+    /// The ticket is no longer in flight (timed out, or the provider was
+    /// removed); the result changed nothing.
+    Stale,
+}
+
+/// One provider's health, as the status surface shows it (R-HT-6): states,
+/// counters and times only.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ProviderHealthSnapshot {
+    /// The provider.
+    pub provider_id: ProviderId,
+    /// Its state.
+    pub state: HealthState,
+    /// The last successful probe.
+    pub last_success_at: Option<Instant>,
+    /// The last failed probe.
+    pub last_failure_at: Option<Instant>,
+    /// Failures since the last success.
+    pub consecutive_failures: u32,
+    /// The sanitized code of the last failure, while failing.
+    pub failure_code: Option<HealthFailureCode>,
+    /// The earliest recovery probe, while failing (R-HT-3).
+    pub next_retry_at: Option<Instant>,
+    /// When the next probe is due (the regular cadence or `next_retry_at`).
+    pub next_probe_at: Instant,
+    /// Whether a probe is running.
+    pub probe_in_flight: bool,
+    /// Successful probes in this process.
+    pub successes_total: u64,
+    /// Failed probes in this process.
+    pub failures_total: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outage {
+    None,
+    Detected,
+    Ongoing,
+}
+
+#[derive(Debug, Clone)]
+struct InFlight {
+    probe_seq: u64,
+    started_at: Instant,
+}
+
+#[derive(Debug, Clone)]
+struct ProviderEntry {
+    state: HealthState,
+    last_success_at: Option<Instant>,
+    last_failure_at: Option<Instant>,
+    consecutive_failures: u32,
+    failure_code: Option<HealthFailureCode>,
+    next_retry_at: Option<Instant>,
+    next_probe_at: Instant,
+    in_flight: Option<InFlight>,
+    outage: Outage,
+    successes_total: u64,
+    failures_total: u64,
+}
+
+impl ProviderEntry {
+    fn new(now: Instant) -> Self {
+        Self {
+            state: HealthState::Unknown,
+            last_success_at: None,
+            last_failure_at: None,
+            consecutive_failures: 0,
+            failure_code: None,
+            next_retry_at: None,
+            next_probe_at: now,
+            in_flight: None,
+            outage: Outage::None,
+            successes_total: 0,
+            failures_total: 0,
+        }
+    }
+
+    fn snapshot(&self, provider_id: &ProviderId) -> ProviderHealthSnapshot {
+        ProviderHealthSnapshot {
+            provider_id: provider_id.clone(),
+            state: self.state,
+            last_success_at: self.last_success_at,
+            last_failure_at: self.last_failure_at,
+            consecutive_failures: self.consecutive_failures,
+            failure_code: self.failure_code,
+            next_retry_at: self.next_retry_at,
+            next_probe_at: self.next_probe_at,
+            probe_in_flight: self.in_flight.is_some(),
+            successes_total: self.successes_total,
+            failures_total: self.failures_total,
+        }
+    }
+
+    /// The earliest moment this entry needs the driver.
+    fn wake_at(&self, config: &HealthConfig) -> Option<Instant> {
+        let probe = match &self.in_flight {
+            Some(probe) => probe.started_at.saturating_add(config.probe_timeout),
+            None => self.next_probe_at,
+        };
+        let stale = match (self.state, self.last_success_at) {
+            (HealthState::Ok, Some(at)) => Some(at.saturating_add(config.stale_after)),
+            _ => None,
+        };
+        earliest(Some(probe), stale)
+    }
+}
+
+/// Per-provider health, isolated per provider (R-HT-1..6). See the
+/// [module docs](self) for the schedule and the driver loop.
+#[derive(Debug, Clone)]
+pub struct HealthTracker {
+    config: HealthConfig,
+    providers: BTreeMap<ProviderId, ProviderEntry>,
+    next_probe_seq: u64,
+    events: VecDeque<HealthEvent>,
+}
+
+impl HealthTracker {
+    /// A tracker that knows no provider yet.
+    pub fn new(config: HealthConfig) -> Result<Self, HealthTrackerError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            providers: BTreeMap::new(),
+            next_probe_seq: 0,
+            events: VecDeque::new(),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &HealthConfig {
+        &self.config
+    }
+
+    /// Follow `provider_id`, state `unknown`, first probe due at once.
+    /// Adding a provider that is already followed changes nothing.
+    pub fn add_provider(
+        &mut self,
+        now: Instant,
+        provider_id: ProviderId,
+    ) -> Result<(), HealthTrackerError> {
+        if self.providers.contains_key(&provider_id) {
+            return Ok(());
+        }
+        if self.providers.len() >= MAX_TRACKED_PROVIDERS {
+            return Err(HealthTrackerError::TooManyProviders);
+        }
+        self.providers.insert(provider_id, ProviderEntry::new(now));
+        Ok(())
+    }
+
+    /// Stop following `provider_id`; its probe in flight, if any, becomes
+    /// stale. Returns whether it was followed.
+    pub fn remove_provider(&mut self, provider_id: &ProviderId) -> bool {
+        self.providers.remove(provider_id).is_some()
+    }
+
+    /// The next probe to start at `now`, marked in flight; call until `None`.
+    /// A failing provider is never handed out before its `next_retry_at`
+    /// (R-HT-3), and no provider has two probes in flight.
+    #[must_use]
+    pub fn poll_probe(&mut self, now: Instant) -> Option<ProbeTicket> {
+        let (provider_id, entry) = self
+            .providers
+            .iter_mut()
+            .find(|(_, e)| e.in_flight.is_none() && e.next_probe_at <= now)?;
+        debug_assert!(retry_respected(entry, now));
+        self.next_probe_seq += 1;
+        entry.in_flight = Some(InFlight {
+            probe_seq: self.next_probe_seq,
+            started_at: now,
+        });
+        Some(ProbeTicket {
+            provider_id: provider_id.clone(),
+            probe_seq: self.next_probe_seq,
+        })
+    }
+
+    /// Apply a probe's result at `now`. Only the provider named on the
+    /// ticket changes (R-HT-1).
+    pub fn probe_result(
+        &mut self,
+        now: Instant,
+        ticket: &ProbeTicket,
+        result: ProbeResult,
+    ) -> ProbeDisposition {
+        let Some(entry) = self.providers.get_mut(&ticket.provider_id) else {
+            return ProbeDisposition::Stale;
+        };
+        match &entry.in_flight {
+            Some(probe) if probe.probe_seq == ticket.probe_seq => {}
+            _ => return ProbeDisposition::Stale,
+        }
+        entry.in_flight = None;
+        if let Some(event) = apply_result(&self.config, &ticket.provider_id, entry, now, result) {
+            self.events.push_back(event);
+        }
+        ProbeDisposition::Applied
+    }
+
+    /// Mark an `ok` provider `stale` (e.g. its node disconnected). An
+    /// `unavailable` provider keeps its state and backoff; an `unknown` one
+    /// stays unknown. Returns whether the state changed.
+    pub fn mark_stale(&mut self, _now: Instant, provider_id: &ProviderId) -> bool {
+        match self.providers.get_mut(provider_id) {
+            Some(entry) if entry.state == HealthState::Ok => {
+                entry.state = HealthState::Stale;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Ask for a regular capability refresh of `provider_id` now (e.g. its
+    /// node became ready again). Never bypasses the backoff of a failing
+    /// provider (R-HT-3). Returns whether a probe was brought forward.
+    pub fn request_refresh(&mut self, now: Instant, provider_id: &ProviderId) -> bool {
+        match self.providers.get_mut(provider_id) {
+            Some(entry)
+                if entry.consecutive_failures == 0
+                    && entry.in_flight.is_none()
+                    && entry.next_probe_at > now =>
+            {
+                entry.next_probe_at = now;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Fire the timers due at `now`: unanswered probes become `timeout`
+    /// failures, and `ok` results older than `stale_after` become `stale`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let config = self.config;
+        for (provider_id, entry) in &mut self.providers {
+            let timed_out = entry
+                .in_flight
+                .as_ref()
+                .is_some_and(|probe| probe.started_at.saturating_add(config.probe_timeout) <= now);
+            if timed_out {
+                entry.in_flight = None;
+                let timeout = ProbeResult::Failure(HealthFailureCode::Timeout);
+                if let Some(event) = apply_result(&config, provider_id, entry, now, timeout) {
+                    self.events.push_back(event);
+                }
+            }
+            if entry.state == HealthState::Ok
+                && entry
+                    .last_success_at
+                    .is_some_and(|at| at.saturating_add(config.stale_after) <= now)
+            {
+                entry.state = HealthState::Stale;
+            }
+        }
+    }
+
+    /// The earliest moment the tracker needs [`Self::handle_timeout`] or
+    /// [`Self::poll_probe`]; `None` with no provider.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.providers
+            .values()
+            .filter_map(|entry| entry.wake_at(&self.config))
+            .min()
+    }
+
+    /// The next lifecycle event; call until `None` after every input.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<HealthEvent> {
+        self.events.pop_front()
+    }
+
+    /// Whether `provider_id` may be selected: only `ok` is; `unavailable`,
+    /// `stale`, `unknown` and unfollowed providers are not (R-HT-5).
+    pub fn is_available(&self, provider_id: &ProviderId) -> bool {
+        self.state(provider_id) == Some(HealthState::Ok)
+    }
+
+    /// The state of `provider_id`, `None` if it is not followed.
+    pub fn state(&self, provider_id: &ProviderId) -> Option<HealthState> {
+        self.providers.get(provider_id).map(|entry| entry.state)
+    }
+
+    /// One provider's status (R-HT-6).
+    pub fn provider_snapshot(&self, provider_id: &ProviderId) -> Option<ProviderHealthSnapshot> {
+        self.providers
+            .get(provider_id)
+            .map(|entry| entry.snapshot(provider_id))
+    }
+
+    /// Every provider's status, ordered by provider id (R-HT-6).
+    pub fn snapshot(&self) -> Vec<ProviderHealthSnapshot> {
+        self.providers
+            .iter()
+            .map(|(provider_id, entry)| entry.snapshot(provider_id))
+            .collect()
+    }
+}
+
+/// Apply one probe result to one provider's entry (and nothing else,
+/// R-HT-1); returns the lifecycle event it causes, if any (R-HT-4).
+fn apply_result(
+    config: &HealthConfig,
+    provider_id: &ProviderId,
+    entry: &mut ProviderEntry,
+    now: Instant,
+    result: ProbeResult,
+) -> Option<HealthEvent> {
+    let event = |lifecycle, failure_code, consecutive_failures| HealthEvent {
+        provider_id: provider_id.clone(),
+        lifecycle,
+        failure_code,
+        consecutive_failures,
+        at: now,
+    };
+    match result {
+        ProbeResult::Success => {
+            // R-HT-2: any valid answer, empty or not, is success; back to
+            // the regular cadence (R-HT-3).
+            let recovered = (entry.outage != Outage::None).then(|| {
+                event(
+                    HealthLifecycle::Recovered,
+                    entry.failure_code,
+                    entry.consecutive_failures,
+                )
+            });
+            entry.state = HealthState::Ok;
+            entry.last_success_at = Some(now);
+            entry.consecutive_failures = 0;
+            entry.failure_code = None;
+            entry.next_retry_at = None;
+            entry.next_probe_at = now.saturating_add(config.refresh_interval);
+            entry.outage = Outage::None;
+            entry.successes_total = entry.successes_total.saturating_add(1);
+            recovered
+        }
+        ProbeResult::Failure(code) => {
+            entry.state = HealthState::Unavailable;
+            entry.last_failure_at = Some(now);
+            entry.consecutive_failures = entry.consecutive_failures.saturating_add(1);
+            entry.failure_code = Some(code);
+            // R-HT-3: the recovery probe waits for the capped backoff.
+            let retry_at = now.saturating_add(config.backoff(entry.consecutive_failures));
+            entry.next_retry_at = Some(retry_at);
+            entry.next_probe_at = retry_at;
+            entry.failures_total = entry.failures_total.saturating_add(1);
+            // R-HT-4: each transition once; a long outage stays `ongoing`.
+            let lifecycle = match entry.outage {
+                Outage::None => {
+                    entry.outage = Outage::Detected;
+                    HealthLifecycle::Detected
+                }
+                Outage::Detected => {
+                    entry.outage = Outage::Ongoing;
+                    HealthLifecycle::Ongoing
+                }
+                Outage::Ongoing => return None,
+            };
+            Some(event(lifecycle, Some(code), entry.consecutive_failures))
+        }
+    }
+}
+
+/// A failing provider's probe is never handed out before `next_retry_at`.
+fn retry_respected(entry: &ProviderEntry, now: Instant) -> bool {
+    entry.next_retry_at.is_none_or(|at| at <= now)
+}
+
+/// The sanitized failure class of a provider's HTTP status (R-HT-1):
+/// `None` for 2xx.
+pub fn classify_http_status(status: u16) -> Option<HealthFailureCode> {
+    match status {
+        200..=299 => None,
+        401 => Some(HealthFailureCode::AuthenticationFailed),
+        403 => Some(HealthFailureCode::AuthorizationFailed),
+        400..=499 => Some(HealthFailureCode::Http4xx),
+        500..=599 => Some(HealthFailureCode::Http5xx),
+        // A probe must get a final 2xx answer; an informational or redirect
+        // status is a refusal.
+        100..=199 | 300..=399 => Some(HealthFailureCode::ProviderRejected),
+        _ => Some(HealthFailureCode::MalformedResponse),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn pid(s: &str) -> ProviderId {
+        ProviderId::new(s)
+    }
+
+    fn at(secs: u64) -> Instant {
+        Instant::from_millis(secs * 1000)
+    }
+
+    fn config() -> HealthConfig {
+        HealthConfig {
+            refresh_interval: 30 * SECOND,
+            backoff_base: SECOND,
+            backoff_cap: 60 * SECOND,
+            stale_after: 90 * SECOND,
+            probe_timeout: 10 * SECOND,
+        }
+    }
+
+    /// A tracker plus the tickets of probes started but not answered yet,
+    /// as a shell driver keeps them.
+    struct Harness {
+        t: HealthTracker,
+        outstanding: BTreeMap<String, ProbeTicket>,
+    }
+
+    impl std::ops::Deref for Harness {
+        type Target = HealthTracker;
+        fn deref(&self) -> &HealthTracker {
+            &self.t
+        }
+    }
+
+    impl std::ops::DerefMut for Harness {
+        fn deref_mut(&mut self) -> &mut HealthTracker {
+            &mut self.t
+        }
+    }
+
+    fn harness(config: HealthConfig, providers: &[&str]) -> Harness {
+        let mut t = HealthTracker::new(config).expect("valid config");
+        for p in providers {
+            t.add_provider(Instant::ZERO, pid(p)).expect("room");
+        }
+        Harness {
+            t,
+            outstanding: BTreeMap::new(),
+        }
+    }
+
+    fn tracker(providers: &[&str]) -> Harness {
+        harness(config(), providers)
+    }
+
+    /// Start the due probe of `provider` at `now` and answer it at once.
+    fn probe(h: &mut Harness, now: Instant, provider: &str, result: ProbeResult) {
+        let ticket = take_probe(h, now, provider).expect("probe due");
+        assert_eq!(
+            h.t.probe_result(now, &ticket, result),
+            ProbeDisposition::Applied
+        );
+    }
+
+    /// Run the driver step at `now` (timeouts, start every due probe) and
+    /// take the outstanding probe of `provider`, if any.
+    fn take_probe(h: &mut Harness, now: Instant, provider: &str) -> Option<ProbeTicket> {
+        h.t.handle_timeout(now);
+        while let Some(ticket) = h.t.poll_probe(now) {
+            h.outstanding.insert(ticket.provider_id.0.clone(), ticket);
+        }
+        h.outstanding.remove(provider)
+    }
+
+    fn events(t: &mut HealthTracker) -> Vec<(String, HealthLifecycle)> {
+        std::iter::from_fn(|| t.poll_event())
+            .map(|e| (e.provider_id.0, e.lifecycle))
+            .collect()
+    }
+
+    fn fail(code: HealthFailureCode) -> ProbeResult {
+        ProbeResult::Failure(code)
+    }
+
+    #[test]
+    fn config_is_validated_and_bounded() {
+        assert!(HealthTracker::new(HealthConfig::default()).is_ok());
+        let zero = HealthConfig {
+            probe_timeout: Duration::ZERO,
+            ..config()
+        };
+        assert_eq!(
+            zero.validate(),
+            Err(HealthTrackerError::ZeroDuration("probe_timeout"))
+        );
+        let inverted = HealthConfig {
+            backoff_base: 120 * SECOND,
+            ..config()
+        };
+        assert_eq!(
+            inverted.validate(),
+            Err(HealthTrackerError::BackoffBaseAboveCap)
+        );
+
+        let mut t = tracker(&[]);
+        for i in 0..MAX_TRACKED_PROVIDERS {
+            t.add_provider(Instant::ZERO, pid(&format!("p{i}")))
+                .expect("room");
+        }
+        assert_eq!(
+            t.add_provider(Instant::ZERO, pid("one-too-many")),
+            Err(HealthTrackerError::TooManyProviders)
+        );
+        // Re-adding a followed provider is not growth.
+        assert_eq!(t.add_provider(Instant::ZERO, pid("p0")), Ok(()));
+    }
+
+    #[test]
+    fn classify_http_status_maps_to_closed_codes() {
+        assert_eq!(classify_http_status(200), None);
+        assert_eq!(classify_http_status(204), None);
+        assert_eq!(
+            classify_http_status(401),
+            Some(HealthFailureCode::AuthenticationFailed)
+        );
+        assert_eq!(
+            classify_http_status(403),
+            Some(HealthFailureCode::AuthorizationFailed)
+        );
+        assert_eq!(classify_http_status(404), Some(HealthFailureCode::Http4xx));
+        assert_eq!(classify_http_status(429), Some(HealthFailureCode::Http4xx));
+        assert_eq!(classify_http_status(500), Some(HealthFailureCode::Http5xx));
+        assert_eq!(classify_http_status(503), Some(HealthFailureCode::Http5xx));
+        assert_eq!(
+            classify_http_status(302),
+            Some(HealthFailureCode::ProviderRejected)
+        );
+        assert_eq!(
+            classify_http_status(0),
+            Some(HealthFailureCode::MalformedResponse)
+        );
+        assert_eq!(
+            classify_http_status(999),
+            Some(HealthFailureCode::MalformedResponse)
+        );
+    }
+
+    #[test]
+    fn one_provider_failing_changes_no_other_provider() {
+        let mut t = tracker(&["a", "b"]);
+        probe(&mut t, Instant::ZERO, "b", ProbeResult::Success);
+        let b_before = t.provider_snapshot(&pid("b"));
+        probe(&mut t, Instant::ZERO, "a", fail(HealthFailureCode::Http5xx));
+        probe(&mut t, at(1), "a", fail(HealthFailureCode::Timeout));
+        assert!(t.mark_stale(at(1), &pid("b")) || t.state(&pid("b")) == Some(HealthState::Stale));
+        // `a`'s failures left `b` exactly as mark_stale left it.
+        let b_after = t.provider_snapshot(&pid("b")).expect("followed");
+        let b_before = b_before.expect("followed");
+        assert_eq!(
+            ProviderHealthSnapshot {
+                state: HealthState::Stale,
+                ..b_before
+            },
+            b_after
+        );
+        assert_eq!(t.state(&pid("a")), Some(HealthState::Unavailable));
+        assert_eq!(
+            events(&mut t),
+            vec![
+                ("a".to_owned(), HealthLifecycle::Detected),
+                ("a".to_owned(), HealthLifecycle::Ongoing),
+            ]
+        );
+    }
+
+    #[test]
+    fn no_recovery_probe_before_next_retry_at() {
+        let mut t = tracker(&["a"]);
+        probe(
+            &mut t,
+            at(100),
+            "a",
+            fail(HealthFailureCode::TransportFailed),
+        );
+        let snap = t.provider_snapshot(&pid("a")).expect("followed");
+        assert_eq!(snap.next_retry_at, Some(at(101)));
+        let just_before = Instant::from_micros(at(101).as_micros() - 1);
+        assert_eq!(take_probe(&mut t, just_before, "a"), None);
+        assert_eq!(t.poll_timeout(), Some(at(101)));
+        assert!(take_probe(&mut t, at(101), "a").is_some());
+        // One probe in flight at a time.
+        assert_eq!(take_probe(&mut t, at(102), "a"), None);
+    }
+
+    #[test]
+    fn backoff_doubles_and_holds_at_cap_during_long_outage() {
+        let mut t = tracker(&["a"]);
+        let mut now = Instant::ZERO;
+        let mut delays = Vec::new();
+        for _ in 0..12 {
+            probe(&mut t, now, "a", fail(HealthFailureCode::Http5xx));
+            let retry_at = t
+                .provider_snapshot(&pid("a"))
+                .and_then(|s| s.next_retry_at)
+                .expect("failing");
+            delays.push((retry_at - now).as_secs());
+            now = retry_at;
+        }
+        assert_eq!(delays, vec![1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60, 60]);
+        assert_eq!(config().backoff(u32::MAX), 60 * SECOND);
+        assert_eq!(config().backoff(1), SECOND);
+    }
+
+    #[test]
+    fn regular_cadence_does_not_bypass_backoff() {
+        let mut t = tracker(&["a"]);
+        let mut now = Instant::ZERO;
+        // Long outage: backoff at the 60 s cap, above the 30 s refresh cadence.
+        for _ in 0..8 {
+            probe(&mut t, now, "a", fail(HealthFailureCode::Http5xx));
+            now = t
+                .provider_snapshot(&pid("a"))
+                .and_then(|s| s.next_retry_at)
+                .expect("failing");
+        }
+        let failed_at = t
+            .provider_snapshot(&pid("a"))
+            .and_then(|s| s.last_failure_at)
+            .expect("failed");
+        assert_eq!(now - failed_at, 60 * SECOND);
+        // The regular cadence (30 s) and an explicit refresh request do not
+        // bring the recovery probe forward.
+        let cadence = failed_at + 30 * SECOND;
+        assert!(!t.request_refresh(cadence, &pid("a")));
+        assert_eq!(take_probe(&mut t, cadence, "a"), None);
+        assert_eq!(take_probe(&mut t, failed_at + 59 * SECOND, "a"), None);
+        assert!(take_probe(&mut t, now, "a").is_some());
+    }
+
+    #[test]
+    fn success_returns_to_regular_cadence() {
+        let mut t = tracker(&["a"]);
+        probe(&mut t, Instant::ZERO, "a", fail(HealthFailureCode::Http5xx));
+        probe(&mut t, at(1), "a", fail(HealthFailureCode::Http5xx));
+        probe(&mut t, at(3), "a", ProbeResult::Success);
+        let snap = t.provider_snapshot(&pid("a")).expect("followed");
+        assert_eq!(snap.state, HealthState::Ok);
+        assert_eq!(snap.consecutive_failures, 0);
+        assert_eq!(snap.failure_code, None);
+        assert_eq!(snap.next_retry_at, None);
+        assert_eq!(snap.next_probe_at, at(33));
+        assert_eq!(take_probe(&mut t, at(32), "a"), None);
+        probe(&mut t, at(33), "a", ProbeResult::Success);
+        assert_eq!(
+            t.provider_snapshot(&pid("a")).map(|s| s.next_probe_at),
+            Some(at(63))
+        );
+        // A refresh request brings a healthy provider's probe forward.
+        assert!(t.request_refresh(at(40), &pid("a")));
+        assert!(take_probe(&mut t, at(40), "a").is_some());
+    }
+
+    #[test]
+    fn empty_valid_answer_is_success() {
+        // The shell validates the answer; an empty model list is a valid
+        // answer and is reported as Success (R-HT-2).
+        let mut t = tracker(&["a"]);
+        probe(&mut t, Instant::ZERO, "a", ProbeResult::Success);
+        assert!(t.is_available(&pid("a")));
+        assert_eq!(
+            t.provider_snapshot(&pid("a"))
+                .and_then(|s| s.last_success_at),
+            Some(Instant::ZERO)
+        );
+        assert!(events(&mut t).is_empty());
+    }
+
+    #[test]
+    fn lifecycle_detected_ongoing_recovered_without_duplicates() {
+        let mut t = tracker(&["a"]);
+        probe(&mut t, Instant::ZERO, "a", ProbeResult::Success);
+        let mut now = Instant::ZERO;
+        let next_fail = |t: &mut Harness, now: &mut Instant| {
+            *now = t
+                .provider_snapshot(&pid("a"))
+                .map(|s| s.next_probe_at)
+                .expect("followed");
+            probe(t, *now, "a", fail(HealthFailureCode::Http5xx));
+        };
+        for _ in 0..6 {
+            next_fail(&mut t, &mut now);
+        }
+        // A probe timeout during the outage is one more failure, not an alert.
+        now = t
+            .provider_snapshot(&pid("a"))
+            .map(|s| s.next_probe_at)
+            .expect("followed");
+        assert!(take_probe(&mut t, now, "a").is_some());
+        t.handle_timeout(now + 10 * SECOND);
+        assert_eq!(
+            t.provider_snapshot(&pid("a"))
+                .map(|s| (s.consecutive_failures, s.failure_code)),
+            Some((7, Some(HealthFailureCode::Timeout)))
+        );
+        now = t
+            .provider_snapshot(&pid("a"))
+            .map(|s| s.next_probe_at)
+            .expect("followed");
+        probe(&mut t, now, "a", ProbeResult::Success);
+        now += 30 * SECOND;
+        probe(&mut t, now, "a", ProbeResult::Success);
+        next_fail(&mut t, &mut now);
+        let all: Vec<_> = std::iter::from_fn(|| t.poll_event()).collect();
+        let kinds: Vec<_> = all.iter().map(|e| e.lifecycle).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                HealthLifecycle::Detected,
+                HealthLifecycle::Ongoing,
+                HealthLifecycle::Recovered,
+                HealthLifecycle::Detected,
+            ]
+        );
+        assert_eq!(all[2].consecutive_failures, 7);
+        assert_eq!(all[2].failure_code, Some(HealthFailureCode::Timeout));
+    }
+
+    #[test]
+    fn new_tracker_reports_detected_again() {
+        let mut t = tracker(&["a"]);
+        probe(&mut t, Instant::ZERO, "a", fail(HealthFailureCode::Http5xx));
+        probe(&mut t, at(1), "a", fail(HealthFailureCode::Http5xx));
+        assert_eq!(events(&mut t).len(), 2);
+        // A process restart: state is process-local.
+        let mut restarted = tracker(&["a"]);
+        assert_eq!(restarted.state(&pid("a")), Some(HealthState::Unknown));
+        probe(&mut restarted, at(2), "a", fail(HealthFailureCode::Http5xx));
+        assert_eq!(
+            events(&mut restarted),
+            vec![("a".to_owned(), HealthLifecycle::Detected)]
+        );
+    }
+
+    #[test]
+    fn unavailable_and_stale_are_never_available() {
+        let mut t = tracker(&["unknown", "down", "gone"]);
+        // Unknown and unfollowed providers fail closed.
+        assert!(!t.is_available(&pid("unknown")));
+        assert!(!t.is_available(&pid("not-followed")));
+        probe(
+            &mut t,
+            Instant::ZERO,
+            "down",
+            fail(HealthFailureCode::AuthenticationFailed),
+        );
+        assert!(!t.is_available(&pid("down")));
+        // Stale because its node disconnected.
+        probe(&mut t, Instant::ZERO, "gone", ProbeResult::Success);
+        assert!(t.is_available(&pid("gone")));
+        assert!(t.mark_stale(at(1), &pid("gone")));
+        assert_eq!(t.state(&pid("gone")), Some(HealthState::Stale));
+        assert!(!t.is_available(&pid("gone")));
+        // An unavailable provider stays unavailable (and keeps its backoff)
+        // when its node disconnects.
+        assert!(!t.mark_stale(at(1), &pid("down")));
+        assert_eq!(t.state(&pid("down")), Some(HealthState::Unavailable));
+        // Stale is not an outage: the next success makes it ok silently.
+        probe(&mut t, at(30), "gone", ProbeResult::Success);
+        assert!(t.is_available(&pid("gone")));
+        // `unknown` never answered its first probe: that timed out, which
+        // is an outage, not availability.
+        assert_eq!(t.state(&pid("unknown")), Some(HealthState::Unavailable));
+        assert!(!t.is_available(&pid("unknown")));
+        assert_eq!(
+            events(&mut t),
+            vec![
+                ("down".to_owned(), HealthLifecycle::Detected),
+                ("unknown".to_owned(), HealthLifecycle::Detected),
+            ]
+        );
+
+        // Stale by age: no success for `stale_after` (refresh slower than that).
+        let mut aging = harness(
+            HealthConfig {
+                refresh_interval: 100 * SECOND,
+                ..config()
+            },
+            &["a"],
+        );
+        probe(&mut aging, Instant::ZERO, "a", ProbeResult::Success);
+        assert_eq!(aging.poll_timeout(), Some(at(90)));
+        aging.handle_timeout(at(89));
+        assert!(aging.is_available(&pid("a")));
+        aging.handle_timeout(at(90));
+        assert_eq!(aging.state(&pid("a")), Some(HealthState::Stale));
+        assert!(!aging.is_available(&pid("a")));
+    }
+
+    #[test]
+    fn late_answer_of_a_timed_out_probe_is_ignored() {
+        let mut t = tracker(&["a"]);
+        let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
+        t.handle_timeout(at(10));
+        assert_eq!(t.state(&pid("a")), Some(HealthState::Unavailable));
+        assert_eq!(
+            t.probe_result(at(11), &ticket, ProbeResult::Success),
+            ProbeDisposition::Stale
+        );
+        assert_eq!(t.state(&pid("a")), Some(HealthState::Unavailable));
+        assert!(t.remove_provider(&pid("a")));
+        assert_eq!(
+            t.probe_result(at(11), &ticket, ProbeResult::Success),
+            ProbeDisposition::Stale
+        );
+    }
+
+    const PROVIDERS: [&str; 3] = ["a", "b", "c"];
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Advance(u64),
+        Timeout,
+        PollProbes,
+        Answer {
+            provider: usize,
+            result: Option<HealthFailureCode>,
+        },
+        MarkStale(usize),
+        Refresh(usize),
+    }
+
+    fn code() -> impl Strategy<Value = HealthFailureCode> {
+        proptest::sample::select(HealthFailureCode::ALL.to_vec())
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u64..40_000).prop_map(Op::Advance),
+            2 => Just(Op::Timeout),
+            4 => Just(Op::PollProbes),
+            8 => (0..PROVIDERS.len(), proptest::option::weighted(0.6, code()))
+                .prop_map(|(provider, result)| Op::Answer { provider, result }),
+            1 => (0..PROVIDERS.len()).prop_map(Op::MarkStale),
+            1 => (0..PROVIDERS.len()).prop_map(Op::Refresh),
+        ]
+    }
+
+    fn others(t: &HealthTracker, provider: usize) -> Vec<ProviderHealthSnapshot> {
+        t.snapshot()
+            .into_iter()
+            .filter(|s| s.provider_id.as_str() != PROVIDERS[provider])
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+        #[test]
+        fn health_invariants_hold_for_any_sequence(ops in proptest::collection::vec(op(), 0..60)) {
+            // A small cap, so long outages in a short sequence hold at it.
+            let cfg = HealthConfig { backoff_cap: 4 * SECOND, ..config() };
+            let mut t = harness(cfg, &PROVIDERS);
+            let mut now = Instant::ZERO;
+            let mut tickets: BTreeMap<String, ProbeTicket> = BTreeMap::new();
+            let mut lifecycles: BTreeMap<String, Vec<HealthLifecycle>> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Advance(ms) => now += Duration::from_millis(ms),
+                    Op::Timeout => t.handle_timeout(now),
+                    Op::PollProbes => {
+                        let before = t.snapshot();
+                        while let Some(ticket) = t.poll_probe(now) {
+                            let snap = before.iter().find(|s| s.provider_id == ticket.provider_id).expect("followed");
+                            // Never before next_retry_at, never two in flight.
+                            prop_assert!(snap.next_retry_at.is_none_or(|r| r <= now), "early probe {snap:?} at {now:?}");
+                            prop_assert!(!snap.probe_in_flight);
+                            prop_assert!(snap.next_probe_at <= now);
+                            tickets.insert(ticket.provider_id.0.clone(), ticket);
+                        }
+                    }
+                    Op::Answer { provider, result } => {
+                        let others_before = others(&t, provider);
+                        if let Some(ticket) = tickets.remove(PROVIDERS[provider]) {
+                            let result = result.map_or(ProbeResult::Success, ProbeResult::Failure);
+                            let _ = t.probe_result(now, &ticket, result);
+                        }
+                        prop_assert_eq!(others(&t, provider), others_before, "isolation");
+                    }
+                    Op::MarkStale(provider) => {
+                        let others_before = others(&t, provider);
+                        let _ = t.mark_stale(now, &pid(PROVIDERS[provider]));
+                        prop_assert_eq!(others(&t, provider), others_before, "isolation");
+                    }
+                    Op::Refresh(provider) => {
+                        let others_before = others(&t, provider);
+                        let before = t.provider_snapshot(&pid(PROVIDERS[provider])).expect("followed");
+                        let _ = t.request_refresh(now, &pid(PROVIDERS[provider]));
+                        let after = t.provider_snapshot(&pid(PROVIDERS[provider])).expect("followed");
+                        prop_assert_eq!(others(&t, provider), others_before, "isolation");
+                        if before.consecutive_failures > 0 {
+                            prop_assert_eq!(before, after, "refresh bypassed backoff");
+                        }
+                    }
+                }
+                while let Some(event) = t.poll_event() {
+                    lifecycles.entry(event.provider_id.0.clone()).or_default().push(event.lifecycle);
+                }
+                for snap in t.snapshot() {
+                    // Backoff never exceeds the cap; a failing provider's
+                    // next probe is its next retry.
+                    if let Some(retry_at) = snap.next_retry_at {
+                        let failed_at = snap.last_failure_at.expect("failure recorded");
+                        prop_assert!(retry_at - failed_at <= cfg.backoff_cap);
+                        prop_assert_eq!(retry_at - failed_at, cfg.backoff(snap.consecutive_failures));
+                        prop_assert_eq!(snap.next_probe_at, retry_at);
+                        prop_assert!(snap.consecutive_failures > 0);
+                        prop_assert_eq!(snap.state, HealthState::Unavailable);
+                    } else {
+                        prop_assert_eq!(snap.consecutive_failures, 0);
+                    }
+                    prop_assert_eq!(
+                        t.is_available(&snap.provider_id),
+                        snap.state == HealthState::Ok
+                    );
+                }
+            }
+            // Lifecycle: (detected ongoing? recovered)* with at most one open
+            // outage at the end; never two alerts for one transition.
+            for (provider, seq) in &lifecycles {
+                let mut open: Option<HealthLifecycle> = None;
+                for lifecycle in seq {
+                    open = match (open, lifecycle) {
+                        (None, HealthLifecycle::Detected) => Some(HealthLifecycle::Detected),
+                        (Some(HealthLifecycle::Detected), HealthLifecycle::Ongoing) => Some(HealthLifecycle::Ongoing),
+                        (Some(_), HealthLifecycle::Recovered) => None,
+                        (state, event) => {
+                            return Err(TestCaseError::fail(format!("{provider}: {event:?} after {state:?} in {seq:?}")));
+                        }
+                    };
+                }
+                let snap = t.provider_snapshot(&pid(provider)).expect("followed");
+                prop_assert_eq!(open.is_some(), snap.consecutive_failures > 0);
+            }
+        }
+    }
+}
