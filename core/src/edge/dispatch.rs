@@ -15,21 +15,11 @@ use crate::edge::admission::{
     Admission, AdmissionConfig, AdmissionEvent, Admit, DispatchRequest, Lease, LeaseId, PreSend,
     ProviderSpec, ReleaseReason, RequestId,
 };
+use crate::edge::gate::ConfirmedStall;
 use crate::edge::overlay::{EvidenceOutcome, Overlay, RecoveryOutcome};
 use crate::edge::registry::{Registry, RegistryOutput, Rejection};
 use crate::ids::{Generation, NodeId, ProviderId};
 use crate::time::{Instant, earliest};
-
-/// The Edge-confirmed handoff of a validated, current stall terminal
-/// (R-OVL-1). It names the provider and carries validated health; it never
-/// grants replay eligibility by itself.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StallHandoff {
-    /// The stalled provider.
-    pub provider_id: ProviderId,
-    /// The validated health evidence.
-    pub health: ProviderHealth,
-}
 
 /// Why a terminal was not applied (R-LEASE-1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +51,7 @@ pub enum TerminalVerdict {
         /// The released lease.
         lease: Lease,
         /// Present for a typed stall (R-OVL-1).
-        stall: Option<StallHandoff>,
+        stall: Option<ConfirmedStall>,
         /// What the stall evidence did to the overlay.
         evidence: Option<EvidenceOutcome>,
     },
@@ -298,7 +288,7 @@ impl Dispatcher {
                         .set_runtime_eligible(now, &lease.provider_id, false);
                 }
                 (
-                    Some(StallHandoff {
+                    Some(ConfirmedStall {
                         provider_id: lease.provider_id.clone(),
                         health,
                     }),
