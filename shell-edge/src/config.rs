@@ -9,92 +9,9 @@ use std::time::Duration;
 use iop_core::edge::admission::{AdmissionConfig, ProviderSpec};
 use iop_core::ids::{NodeId, ProviderId};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
+use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
 use iop_wire::{AdapterKind, MAX_RESPONSE_STALL_TIMEOUT_MS, MIN_RESPONSE_STALL_TIMEOUT_MS};
 use serde::Deserialize;
-
-/// A configuration error naming the offending field.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// File.
-        path: PathBuf,
-        /// Cause.
-        source: std::io::Error,
-    },
-    /// The TOML did not parse or did not match the schema.
-    #[error("invalid config: {0}")]
-    Parse(String),
-    /// A field has an unacceptable value.
-    #[error("invalid config field `{field}`: {message}")]
-    Field {
-        /// Dotted path of the field, e.g. `providers[2].capacity`.
-        field: String,
-        /// What is wrong.
-        message: String,
-    },
-}
-
-fn field_err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Field {
-        field: field.into(),
-        message: message.into(),
-    }
-}
-
-/// Certificate files.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TlsFiles {
-    /// Deployment CA certificate (PEM).
-    pub ca: PathBuf,
-    /// This endpoint's certificate chain (PEM).
-    pub cert: PathBuf,
-    /// This endpoint's private key (PEM).
-    pub key: PathBuf,
-}
-
-/// Heartbeat profile (R-HB-1).
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct HeartbeatSection {
-    /// Ping interval.
-    pub interval_ms: u64,
-    /// Pong wait.
-    pub wait_ms: u64,
-}
-
-impl Default for HeartbeatSection {
-    fn default() -> Self {
-        let d = HeartbeatConfig::default();
-        Self {
-            interval_ms: d.interval.as_millis() as u64,
-            wait_ms: d.wait.as_millis() as u64,
-        }
-    }
-}
-
-impl HeartbeatSection {
-    /// As the core's profile.
-    pub fn to_core(self) -> HeartbeatConfig {
-        HeartbeatConfig {
-            interval: Duration::from_millis(self.interval_ms),
-            wait: Duration::from_millis(self.wait_ms),
-        }
-    }
-
-    /// Validate, naming `section.field`.
-    pub fn validate(&self, section: &str) -> Result<(), ConfigError> {
-        if self.interval_ms == 0 {
-            return Err(field_err(format!("{section}.interval_ms"), "must be > 0"));
-        }
-        if self.wait_ms == 0 {
-            return Err(field_err(format!("{section}.wait_ms"), "must be > 0"));
-        }
-        Ok(())
-    }
-}
 
 /// How a provider's OpenAI traffic travels to its node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -340,11 +257,7 @@ impl EdgeConfig {
 
     fn validate(mut file: EdgeFile, base: &Path) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
-        for p in [&mut file.tls.ca, &mut file.tls.cert, &mut file.tls.key] {
-            if p.is_relative() {
-                *p = base.join(&*p);
-            }
-        }
+        file.tls.resolve(base);
         if file.edge.state_dir.is_relative() {
             file.edge.state_dir = base.join(&file.edge.state_dir);
         }
@@ -356,7 +269,10 @@ impl EdgeConfig {
             return Err(field_err("admission.queue_timeout_ms", "must be > 0"));
         }
         if a.max_attempts == 0 || a.max_attempts > 10 {
-            return Err(field_err("admission.max_attempts", "must be between 1 and 10"));
+            return Err(field_err(
+                "admission.max_attempts",
+                "must be between 1 and 10",
+            ));
         }
         if a.request_budget_ms == 0 {
             return Err(field_err("admission.request_budget_ms", "must be > 0"));
@@ -373,10 +289,16 @@ impl EdgeConfig {
                 return Err(field_err(f("id"), "must be 1-128 chars of [A-Za-z0-9._-]"));
             }
             if !ids.insert(p.id.clone()) {
-                return Err(field_err(f("id"), format!("duplicate provider id `{}`", p.id)));
+                return Err(field_err(
+                    f("id"),
+                    format!("duplicate provider id `{}`", p.id),
+                ));
             }
             if !valid_name(&p.node) {
-                return Err(field_err(f("node"), "must be 1-128 chars of [A-Za-z0-9._-]"));
+                return Err(field_err(
+                    f("node"),
+                    "must be 1-128 chars of [A-Za-z0-9._-]",
+                ));
             }
             let adapter = AdapterKind::parse(&p.adapter).ok_or_else(|| {
                 field_err(f("adapter"), "must be one of `openai`, `ollama`, `mock`")
@@ -426,7 +348,10 @@ impl EdgeConfig {
                 ));
             }
             if r.providers.is_empty() {
-                return Err(field_err(format!("routes[{i}].providers"), "must not be empty"));
+                return Err(field_err(
+                    format!("routes[{i}].providers"),
+                    "must not be empty",
+                ));
             }
             for (j, id) in r.providers.iter().enumerate() {
                 if !ids.contains(id) {
@@ -438,7 +363,7 @@ impl EdgeConfig {
             }
             routes.push((
                 r.model.clone(),
-                r.providers.iter().map(ProviderId::new).collect(),
+                r.providers.iter().map(ProviderId::new).collect::<Vec<_>>(),
             ));
         }
         // Providers' own model lists become implicit routes.
@@ -462,12 +387,22 @@ impl EdgeConfig {
             }
             let key = match (&k.key_env, &k.key_file) {
                 (Some(var), None) => std::env::var(var).map_err(|_| {
-                    field_err(f("key_env"), format!("environment variable `{var}` is not set"))
+                    field_err(
+                        f("key_env"),
+                        format!("environment variable `{var}` is not set"),
+                    )
                 })?,
                 (None, Some(path)) => {
-                    let path = if path.is_relative() { base.join(path) } else { path.clone() };
+                    let path = if path.is_relative() {
+                        base.join(path)
+                    } else {
+                        path.clone()
+                    };
                     let text = std::fs::read_to_string(&path).map_err(|e| {
-                        field_err(f("key_file"), format!("cannot read {}: {e}", path.display()))
+                        field_err(
+                            f("key_file"),
+                            format!("cannot read {}: {e}", path.display()),
+                        )
                     })?;
                     text.lines().next().unwrap_or("").trim().to_owned()
                 }
@@ -479,7 +414,10 @@ impl EdgeConfig {
                 }
             };
             if key.len() < 16 {
-                return Err(field_err(f("key_env"), "the key must be at least 16 characters"));
+                return Err(field_err(
+                    f("key_env"),
+                    "the key must be at least 16 characters",
+                ));
             }
             api_keys.push(ApiKey {
                 principal: k.principal.clone(),
@@ -527,14 +465,6 @@ impl EdgeConfig {
     }
 }
 
-/// Identifiers that may appear in certificates, configs and status output.
-pub fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 128
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -571,10 +501,7 @@ key = "edge.key"
     fn errors_name_the_bad_field() {
         let e = parse("[heartbeat]\ninterval_ms = 0\n").unwrap_err();
         assert_eq!(field_of(e), "heartbeat.interval_ms");
-        let e = parse(
-            "[[providers]]\nid='a'\nnode='n'\nadapter='nope'\ntarget='t'\n",
-        )
-        .unwrap_err();
+        let e = parse("[[providers]]\nid='a'\nnode='n'\nadapter='nope'\ntarget='t'\n").unwrap_err();
         assert_eq!(field_of(e), "providers[0].adapter");
         let e = parse(
             "[[providers]]\nid='a'\nnode='n'\nadapter='mock'\ntarget='t'\nstall_timeout_ms=5\n",

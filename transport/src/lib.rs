@@ -1,1 +1,4 @@
 //! iop-transport (being written)
+
+pub mod clock;
+pub mod settings;

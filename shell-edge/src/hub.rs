@@ -1,0 +1,503 @@
+//! The hub: the one task that owns the Edge's dispatch core.
+//!
+//! Connection tasks and HTTP handlers talk to it through [`HubHandle`]; it
+//! feeds their messages to [`Dispatcher`] with the current time, drains the
+//! dispatcher's outputs into the tasks that must act on them, and sleeps
+//! until the dispatcher's next timeout. No lock guards core state: only this
+//! task touches it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use iop_core::edge::admission::{Admit, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
+use iop_core::edge::dispatch::{
+    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, TerminalVerdict,
+};
+use iop_core::edge::registry::Rejection;
+use iop_core::ids::{Generation, NodeId};
+use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, RegisterRequest};
+use tokio::sync::{mpsc, oneshot};
+
+use iop_transport::clock::Clock;
+use crate::generation_store::GenerationStore;
+
+/// What a connection task is told to do.
+#[derive(Debug)]
+pub enum LinkCommand {
+    /// Close the connection with this code.
+    Close(CloseCode),
+    /// Send a Cancel for this run on the control stream.
+    Cancel(u64),
+}
+
+/// A live node connection, as the hub and request handlers see it.
+#[derive(Debug, Clone)]
+pub struct LinkHandle {
+    /// The QUIC connection (data streams are opened on it directly).
+    pub conn: quinn::Connection,
+    /// The connection task's command queue.
+    pub commands: mpsc::UnboundedSender<LinkCommand>,
+}
+
+/// What a request handler learns about its request.
+#[derive(Debug)]
+pub enum RequestEvent {
+    /// A lease was granted (immediately or from the queue).
+    Leased(Lease),
+    /// The queue timeout passed.
+    QueueExpired,
+    /// The lease's generation was fenced: the attempt's transport is gone.
+    LeaseFenced(Lease),
+}
+
+/// The answer to an admission request.
+#[derive(Debug)]
+pub enum AdmitAnswer {
+    /// Leased now.
+    Leased(Lease),
+    /// Queued: a [`RequestEvent`] follows on the request's channel.
+    Queued,
+    /// Refused.
+    Rejected(iop_core::edge::admission::AdmitRejection),
+}
+
+/// The answer of the pre-send fence.
+#[derive(Debug)]
+pub enum PreSendAnswer {
+    /// Send on this link.
+    Send(Lease, LinkHandle),
+    /// Stale: re-resolved, a new event follows.
+    Refenced,
+    /// The lease is gone.
+    Gone,
+}
+
+/// A snapshot of the hub's state for `/status` and metrics.
+#[derive(Debug, Clone, Default)]
+pub struct HubSnapshot {
+    /// Per node: (id, current generation, ready, last generation).
+    pub nodes: Vec<(NodeId, Option<Generation>, bool, Generation)>,
+    /// Per provider capacity.
+    pub providers: Vec<iop_core::edge::admission::ProviderCapacityView>,
+    /// Requests waiting.
+    pub queue_depth: usize,
+    /// Leases held.
+    pub leases_in_use: usize,
+    /// Messages ignored because their generation was fenced.
+    pub fenced_messages: u64,
+    /// Generations fenced.
+    pub fences: u64,
+}
+
+enum HubMsg {
+    Register {
+        node: NodeId,
+        request: RegisterRequest,
+        link: LinkHandle,
+        reply: oneshot::Sender<Result<(Generation, ConfigSnapshot), Rejection>>,
+    },
+    Ready {
+        node: NodeId,
+        generation: Generation,
+        reply: oneshot::Sender<bool>,
+    },
+    LinkClosed {
+        node: NodeId,
+        generation: Generation,
+        reason: CloseCode,
+    },
+    LateMessage {
+        node: NodeId,
+        generation: Generation,
+    },
+    Admit {
+        request: DispatchRequest,
+        events: mpsc::UnboundedSender<RequestEvent>,
+        reply: oneshot::Sender<AdmitAnswer>,
+    },
+    PreSend {
+        lease_id: LeaseId,
+        reply: oneshot::Sender<PreSendAnswer>,
+    },
+    Terminal {
+        lease_id: LeaseId,
+        node: NodeId,
+        generation: Generation,
+        failure: Option<ExecutionFailure>,
+        reply: oneshot::Sender<TerminalVerdict>,
+    },
+    Cancel {
+        request_id: RequestId,
+    },
+    Capabilities {
+        node: NodeId,
+        generation: Generation,
+        report: CapabilitiesReport,
+        reply: oneshot::Sender<Vec<CapabilityVerdict>>,
+    },
+    Link {
+        node: NodeId,
+        reply: oneshot::Sender<Option<(Generation, LinkHandle)>>,
+    },
+    Snapshot {
+        reply: oneshot::Sender<HubSnapshot>,
+    },
+}
+
+/// The hub stopped (the process is shutting down).
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("the edge hub has stopped")]
+pub struct HubGone;
+
+/// A cheap, cloneable handle to the hub.
+#[derive(Clone)]
+pub struct HubHandle {
+    tx: mpsc::UnboundedSender<HubMsg>,
+}
+
+impl HubHandle {
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> HubMsg) -> Result<T, HubGone> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(make(reply)).map_err(|_| HubGone)?;
+        rx.await.map_err(|_| HubGone)
+    }
+
+    /// Register a node connection.
+    pub async fn register(
+        &self,
+        node: NodeId,
+        request: RegisterRequest,
+        link: LinkHandle,
+    ) -> Result<Result<(Generation, ConfigSnapshot), Rejection>, HubGone> {
+        self.ask(|reply| HubMsg::Register {
+            node,
+            request,
+            link,
+            reply,
+        })
+        .await
+    }
+
+    /// Readiness of a generation.
+    pub async fn ready(&self, node: NodeId, generation: Generation) -> Result<bool, HubGone> {
+        self.ask(|reply| HubMsg::Ready {
+            node,
+            generation,
+            reply,
+        })
+        .await
+    }
+
+    /// A connection ended.
+    pub fn link_closed(&self, node: NodeId, generation: Generation, reason: CloseCode) {
+        let _ = self.tx.send(HubMsg::LinkClosed {
+            node,
+            generation,
+            reason,
+        });
+    }
+
+    /// A message attributed to `generation` arrived; counted if fenced.
+    pub fn late_message(&self, node: NodeId, generation: Generation) {
+        let _ = self.tx.send(HubMsg::LateMessage { node, generation });
+    }
+
+    /// Ask for a lease; later events arrive on `events`.
+    pub async fn admit(
+        &self,
+        request: DispatchRequest,
+        events: mpsc::UnboundedSender<RequestEvent>,
+    ) -> Result<AdmitAnswer, HubGone> {
+        self.ask(|reply| HubMsg::Admit {
+            request,
+            events,
+            reply,
+        })
+        .await
+    }
+
+    /// The pre-send fence (R-GEN-4).
+    pub async fn pre_send(&self, lease_id: LeaseId) -> Result<PreSendAnswer, HubGone> {
+        self.ask(|reply| HubMsg::PreSend { lease_id, reply }).await
+    }
+
+    /// Apply a terminal received on (`node`, `generation`).
+    pub async fn terminal(
+        &self,
+        lease_id: LeaseId,
+        node: NodeId,
+        generation: Generation,
+        failure: Option<ExecutionFailure>,
+    ) -> Result<TerminalVerdict, HubGone> {
+        self.ask(|reply| HubMsg::Terminal {
+            lease_id,
+            node,
+            generation,
+            failure,
+            reply,
+        })
+        .await
+    }
+
+    /// The client is gone: drop its queue entry or release its lease, and
+    /// cancel its node run.
+    pub fn cancel(&self, request_id: RequestId) {
+        let _ = self.tx.send(HubMsg::Cancel { request_id });
+    }
+
+    /// Apply a CAPABILITIES answer.
+    pub async fn capabilities(
+        &self,
+        node: NodeId,
+        generation: Generation,
+        report: CapabilitiesReport,
+    ) -> Result<Vec<CapabilityVerdict>, HubGone> {
+        self.ask(|reply| HubMsg::Capabilities {
+            node,
+            generation,
+            report,
+            reply,
+        })
+        .await
+    }
+
+    /// The current ready link of a node.
+    pub async fn link(&self, node: NodeId) -> Result<Option<(Generation, LinkHandle)>, HubGone> {
+        self.ask(|reply| HubMsg::Link { node, reply }).await
+    }
+
+    /// A state snapshot.
+    pub async fn snapshot(&self) -> Result<HubSnapshot, HubGone> {
+        self.ask(|reply| HubMsg::Snapshot { reply }).await
+    }
+}
+
+struct Hub {
+    clock: Clock,
+    dispatcher: Dispatcher,
+    store: Option<GenerationStore>,
+    links: HashMap<(NodeId, Generation), LinkHandle>,
+    waiters: BTreeMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
+}
+
+/// Start the hub task.
+pub fn spawn(config: DispatchConfig, store: Option<GenerationStore>, clock: Clock) -> HubHandle {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let hub = Hub {
+        clock,
+        dispatcher: Dispatcher::new(config),
+        store,
+        links: HashMap::new(),
+        waiters: BTreeMap::new(),
+    };
+    tokio::spawn(hub.run(rx));
+    HubHandle { tx }
+}
+
+impl Hub {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<HubMsg>) {
+        loop {
+            let deadline = self.dispatcher.poll_timeout();
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(msg) => self.handle(msg),
+                    None => break,
+                },
+                () = self.clock.sleep_until(deadline) => {
+                    self.dispatcher.handle_timeout(self.clock.now());
+                }
+            }
+            self.drain();
+        }
+    }
+
+    fn handle(&mut self, msg: HubMsg) {
+        let now = self.clock.now();
+        match msg {
+            HubMsg::Register {
+                node,
+                request,
+                link,
+                reply,
+            } => {
+                let result = self.dispatcher.register(now, &node, &request);
+                if let Ok((generation, _)) = &result {
+                    self.links.insert((node.clone(), *generation), link);
+                    if let Some(store) = &self.store
+                        && let Err(e) = store.save(self.dispatcher.registry().high_water())
+                    {
+                        tracing::error!(event = "generation_store_failed", error = %e);
+                    }
+                }
+                let _ = reply.send(result);
+            }
+            HubMsg::Ready {
+                node,
+                generation,
+                reply,
+            } => {
+                let _ = reply.send(self.dispatcher.ready(now, &node, generation));
+            }
+            HubMsg::LinkClosed {
+                node,
+                generation,
+                reason,
+            } => {
+                self.links.remove(&(node.clone(), generation));
+                self.dispatcher
+                    .connection_closed(now, &node, generation, reason);
+            }
+            HubMsg::LateMessage { node, generation } => {
+                let _ = self.dispatcher.admit_message(&node, generation);
+            }
+            HubMsg::Admit {
+                request,
+                events,
+                reply,
+            } => {
+                let request_id = request.request_id;
+                let answer = match self.dispatcher.request(now, request) {
+                    Admit::Leased(lease) => AdmitAnswer::Leased(lease),
+                    Admit::Queued => AdmitAnswer::Queued,
+                    Admit::Rejected(r) => AdmitAnswer::Rejected(r),
+                };
+                if !matches!(answer, AdmitAnswer::Rejected(_)) {
+                    self.waiters.insert(request_id, events);
+                }
+                let _ = reply.send(answer);
+            }
+            HubMsg::PreSend { lease_id, reply } => {
+                let answer = match self.dispatcher.pre_send(now, lease_id) {
+                    PreSend::Send(lease) => {
+                        match self.links.get(&(lease.node.clone(), lease.generation)) {
+                            Some(link) => PreSendAnswer::Send(lease, link.clone()),
+                            // The link task has not yet reported its end: the
+                            // connection is gone, so the fence will follow.
+                            None => PreSendAnswer::Gone,
+                        }
+                    }
+                    PreSend::Refenced => PreSendAnswer::Refenced,
+                    PreSend::UnknownLease => PreSendAnswer::Gone,
+                };
+                let _ = reply.send(answer);
+            }
+            HubMsg::Terminal {
+                lease_id,
+                node,
+                generation,
+                failure,
+                reply,
+            } => {
+                let verdict = self.dispatcher.apply_terminal(
+                    now,
+                    lease_id,
+                    &node,
+                    generation,
+                    failure.as_ref(),
+                );
+                if let TerminalVerdict::Applied { lease, .. } = &verdict {
+                    self.waiters.remove(&lease.request_id);
+                }
+                let _ = reply.send(verdict);
+            }
+            HubMsg::Cancel { request_id } => {
+                self.waiters.remove(&request_id);
+                if let Some(lease) = self.dispatcher.cancel(now, request_id)
+                    && let Some(link) = self.links.get(&(lease.node.clone(), lease.generation))
+                {
+                    let _ = link.commands.send(LinkCommand::Cancel(lease.run_id));
+                }
+            }
+            HubMsg::Capabilities {
+                node,
+                generation,
+                report,
+                reply,
+            } => {
+                let _ = reply.send(
+                    self.dispatcher
+                        .apply_capabilities(now, &node, generation, &report),
+                );
+            }
+            HubMsg::Link { node, reply } => {
+                let link = self
+                    .dispatcher
+                    .registry()
+                    .dispatchable_generation(&node)
+                    .and_then(|g| self.links.get(&(node, g)).map(|l| (g, l.clone())));
+                let _ = reply.send(link);
+            }
+            HubMsg::Snapshot { reply } => {
+                let _ = reply.send(self.snapshot());
+            }
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Some(out) = self.dispatcher.poll_output() {
+            match out {
+                DispatchOutput::CloseConnection {
+                    node,
+                    generation,
+                    code,
+                } => {
+                    if let Some(link) = self.links.get(&(node, generation)) {
+                        let _ = link.commands.send(LinkCommand::Close(code));
+                    }
+                }
+                DispatchOutput::Fenced {
+                    node,
+                    generation,
+                    reason,
+                } => {
+                    tracing::info!(
+                        event = "edge_generation_fenced",
+                        node = %node,
+                        generation,
+                        reason = reason.as_str()
+                    );
+                }
+                DispatchOutput::NodeReady { node, generation } => {
+                    tracing::info!(event = "edge_node_ready", node = %node, generation);
+                }
+                DispatchOutput::Leased(lease) => {
+                    if let Some(w) = self.waiters.get(&lease.request_id) {
+                        let _ = w.send(RequestEvent::Leased(lease));
+                    }
+                }
+                DispatchOutput::QueueExpired { request_id } => {
+                    if let Some(w) = self.waiters.remove(&request_id) {
+                        let _ = w.send(RequestEvent::QueueExpired);
+                    }
+                }
+                DispatchOutput::LeaseFenced(lease) => {
+                    if let Some(w) = self.waiters.get(&lease.request_id) {
+                        let _ = w.send(RequestEvent::LeaseFenced(lease));
+                    }
+                }
+            }
+        }
+    }
+
+    fn snapshot(&self) -> HubSnapshot {
+        let registry = self.dispatcher.registry();
+        let admission = self.dispatcher.admission();
+        let mut nodes: Vec<NodeId> = admission.providers().map(|p| p.node.clone()).collect();
+        nodes.extend(self.links.keys().map(|(n, _)| n.clone()));
+        nodes.sort();
+        nodes.dedup();
+        HubSnapshot {
+            nodes: nodes
+                .into_iter()
+                .map(|n| {
+                    let v = registry.view(&n);
+                    (n, v.generation, v.ready, v.last_generation)
+                })
+                .collect(),
+            providers: admission.capacity_view(),
+            queue_depth: admission.queue_depth(),
+            leases_in_use: admission.leases_in_use(),
+            fenced_messages: registry.fenced_messages(),
+            fences: registry.fences(),
+        }
+    }
+}

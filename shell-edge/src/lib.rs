@@ -1,0 +1,8 @@
+//! # iop-edge
+//!
+//! The Edge gateway: accepts Node connections over QUIC with mutual TLS,
+//! fences their generations, and serves the OpenAI and Ollama APIs to
+//! clients, with every policy decision made by `iop-core`.
+
+pub mod config;
+pub mod generation_store;

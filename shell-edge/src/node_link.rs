@@ -1,0 +1,233 @@
+//! One task per node connection: identity, registration, readiness, then
+//! heartbeats on the control stream until the connection ends.
+//!
+//! The task owns the connection's heartbeat machine and runs one `select!`
+//! over control frames, the heartbeat's next timeout and commands from the
+//! hub, draining the machine's outputs into frames after every input.
+
+use std::time::Duration;
+
+use iop_core::ids::{Generation, NodeId};
+use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
+use iop_transport::framed::{FramedError, FramedRecv, FramedSend, accept_framed};
+use iop_transport::{close_code_of, close_connection, peer_node_id};
+use iop_wire::{
+    CloseCode, EdgeControl, NodeControl, NodeReadyResponse, PROTOCOL_VERSION, RegisterResponse,
+};
+use tokio::sync::mpsc;
+
+use iop_transport::clock::Clock;
+use crate::hub::{HubHandle, LinkCommand, LinkHandle};
+
+/// How long a new connection may take to open its control stream, register
+/// and report ready.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Settings of every link.
+#[derive(Debug, Clone, Copy)]
+pub struct LinkSettings {
+    /// Heartbeat profile (R-HB-1).
+    pub heartbeat: HeartbeatConfig,
+}
+
+/// Serve one incoming connection until it ends.
+pub async fn serve(incoming: quinn::Incoming, hub: HubHandle, clock: Clock, settings: LinkSettings) {
+    let conn = match incoming.await {
+        Ok(conn) => conn,
+        Err(e) => {
+            // mTLS refusals (wrong CA, no certificate, expired) land here.
+            tracing::warn!(event = "edge_handshake_refused", error = %e);
+            return;
+        }
+    };
+    let node = match peer_node_id(&conn) {
+        Ok(id) => NodeId::new(id),
+        Err(e) => {
+            tracing::warn!(event = "edge_identity_refused", error = %e);
+            close_connection(&conn, CloseCode::Unauthorized);
+            return;
+        }
+    };
+    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let link = LinkHandle {
+        conn: conn.clone(),
+        commands: cmd_tx,
+    };
+    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&conn, &node, &hub, link));
+    let (generation, send, recv) = match handshake.await {
+        Ok(Ok(Some(done))) => done,
+        Ok(Ok(None)) => return,
+        Ok(Err(e)) => {
+            tracing::warn!(event = "edge_handshake_failed", node = %node, error = %e);
+            close_connection(&conn, protocol_close_code(&e));
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(event = "edge_handshake_timeout", node = %node);
+            close_connection(&conn, CloseCode::ProtocolError);
+            return;
+        }
+    };
+    tracing::info!(event = "edge_node_connected", node = %node, generation);
+    let reason = control_loop(&conn, &node, generation, send, recv, cmd_rx, &hub, clock, settings).await;
+    close_connection(&conn, reason);
+    tracing::info!(
+        event = "edge_node_disconnected",
+        node = %node,
+        generation,
+        reason = reason.as_str()
+    );
+    hub.link_closed(node, generation, reason);
+}
+
+fn protocol_close_code(e: &FramedError) -> CloseCode {
+    match e {
+        FramedError::ConnectionLost { close_code, .. } => close_code.unwrap_or(CloseCode::Normal),
+        _ => CloseCode::ProtocolError,
+    }
+}
+
+/// Register and ready. `Ok(None)` when the registration was refused (the
+/// connection is already closed).
+async fn handshake(
+    conn: &quinn::Connection,
+    node: &NodeId,
+    hub: &HubHandle,
+    link: LinkHandle,
+) -> Result<Option<(Generation, FramedSend, FramedRecv)>, FramedError> {
+    let (mut send, mut recv) = accept_framed(conn).await?;
+    let Some(NodeControl::Register(request)) = recv.recv::<NodeControl>().await? else {
+        return Err(FramedError::LocalMisuse {
+            what: "the first control frame must be Register",
+        });
+    };
+    let Ok(answer) = hub.register(node.clone(), request, link).await else {
+        close_connection(conn, CloseCode::Shutdown);
+        return Ok(None);
+    };
+    let generation = match answer {
+        Ok((generation, config)) => {
+            send.send(&EdgeControl::Registered(RegisterResponse::Accepted {
+                generation,
+                config,
+            }))
+            .await?;
+            generation
+        }
+        Err(rejection) => {
+            tracing::warn!(
+                event = "edge_registration_rejected",
+                node = %node,
+                reason = rejection.reason.as_str(),
+                detail = %rejection.message
+            );
+            send.send(&EdgeControl::Registered(RegisterResponse::Rejected {
+                reason: rejection.reason,
+                message: rejection.message,
+                edge_protocol_version: PROTOCOL_VERSION,
+            }))
+            .await?;
+            let _ = send.finish();
+            // Let the frame reach the node before the close does.
+            let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
+            close_connection(conn, CloseCode::RegistrationRejected);
+            return Ok(None);
+        }
+    };
+    loop {
+        match recv.recv::<NodeControl>().await? {
+            Some(NodeControl::Ready(ready)) if ready.generation == generation => {
+                let accepted = hub.ready(node.clone(), generation).await.unwrap_or(false);
+                send.send(&EdgeControl::ReadyAck(NodeReadyResponse {
+                    generation,
+                    accepted,
+                }))
+                .await?;
+                if !accepted {
+                    // Superseded while registering.
+                    close_connection(conn, CloseCode::Superseded);
+                    hub.link_closed(node.clone(), generation, CloseCode::Superseded);
+                    return Ok(None);
+                }
+                return Ok(Some((generation, send, recv)));
+            }
+            Some(NodeControl::Ready(stale)) => {
+                hub.late_message(node.clone(), stale.generation);
+            }
+            Some(NodeControl::Ping(hb)) => {
+                send.send(&EdgeControl::Pong(hb)).await?;
+            }
+            Some(_) => {}
+            None => {
+                return Err(FramedError::LocalMisuse {
+                    what: "control stream ended before Ready",
+                });
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn control_loop(
+    conn: &quinn::Connection,
+    node: &NodeId,
+    generation: Generation,
+    mut send: FramedSend,
+    mut recv: FramedRecv,
+    mut commands: mpsc::UnboundedReceiver<LinkCommand>,
+    hub: &HubHandle,
+    clock: Clock,
+    settings: LinkSettings,
+) -> CloseCode {
+    let mut heartbeat = Heartbeat::new(clock.now(), settings.heartbeat);
+    loop {
+        let wake = heartbeat.poll_timeout();
+        tokio::select! {
+            frame = recv.recv::<NodeControl>() => match frame {
+                Ok(Some(NodeControl::Ping(hb))) => heartbeat.handle_ping(clock.now(), hb.seq),
+                Ok(Some(NodeControl::Pong(hb))) => heartbeat.handle_pong(clock.now(), hb.seq),
+                Ok(Some(NodeControl::Closing { code })) => return code,
+                Ok(Some(NodeControl::Ready(r))) if r.generation != generation => {
+                    hub.late_message(node.clone(), r.generation);
+                }
+                Ok(Some(NodeControl::ConfigApplied { generation: g })) if g != generation => {
+                    hub.late_message(node.clone(), g);
+                }
+                Ok(Some(NodeControl::Register(_))) => return CloseCode::ProtocolError,
+                Ok(Some(_)) => {}
+                Ok(None) => return CloseCode::Normal,
+                Err(FramedError::ConnectionLost { close_code, .. }) => {
+                    return close_code.unwrap_or(CloseCode::Normal);
+                }
+                Err(e) => {
+                    tracing::warn!(event = "edge_control_stream_error", node = %node, error = %e);
+                    return CloseCode::ProtocolError;
+                }
+            },
+            () = clock.sleep_until(wake) => heartbeat.handle_timeout(clock.now()),
+            cmd = commands.recv() => match cmd {
+                Some(LinkCommand::Close(code)) => return code,
+                Some(LinkCommand::Cancel(run_id)) => {
+                    if send.send(&EdgeControl::Cancel(iop_wire::Cancel { run_id })).await.is_err() {
+                        return CloseCode::Normal;
+                    }
+                }
+                None => return CloseCode::Shutdown,
+            },
+            err = conn.closed() => return close_code_of(&err).unwrap_or(CloseCode::Normal),
+        }
+        while let Some(out) = heartbeat.poll_output() {
+            let frame = match out {
+                HeartbeatOutput::SendPing(seq) => EdgeControl::Ping(iop_wire::Heartbeat { seq }),
+                HeartbeatOutput::SendPong(seq) => EdgeControl::Pong(iop_wire::Heartbeat { seq }),
+                HeartbeatOutput::TimedOut => {
+                    tracing::warn!(event = "edge_heartbeat_timeout", node = %node, generation);
+                    return CloseCode::HeartbeatTimeout;
+                }
+            };
+            if send.send(&frame).await.is_err() {
+                return CloseCode::Normal;
+            }
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! Assembling a running Edge: the QUIC listener for nodes, the hub, and
+//! (from [`crate::http`]) the client-facing HTTP server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use iop_core::edge::dispatch::DispatchConfig;
+use iop_transport::{QuicTuning, ServerTls, close_connection, server_endpoint};
+use iop_wire::CloseCode;
+use tokio::task::JoinHandle;
+
+use iop_transport::clock::{Clock, unix_ms};
+use crate::config::EdgeConfig;
+use crate::generation_store::GenerationStore;
+use crate::hub::{self, HubHandle};
+use crate::node_link::{self, LinkSettings};
+
+/// Why the Edge could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Certificates could not be loaded.
+    #[error("tls: {0}")]
+    Tls(#[from] iop_transport::PkiError),
+    /// The QUIC endpoint could not be created.
+    #[error("quic: {0}")]
+    Transport(#[from] iop_transport::TransportError),
+    /// The state directory is unusable.
+    #[error("state directory: {0}")]
+    State(#[from] std::io::Error),
+}
+
+/// A running Edge.
+pub struct RunningEdge {
+    /// Where nodes connect.
+    pub quic_addr: SocketAddr,
+    /// The hub.
+    pub hub: HubHandle,
+    /// The validated configuration.
+    pub config: Arc<EdgeConfig>,
+    endpoint: quinn::Endpoint,
+    accept_task: JoinHandle<()>,
+}
+
+impl RunningEdge {
+    /// Start listening for nodes.
+    pub async fn start(config: EdgeConfig) -> Result<Self, StartError> {
+        let tls = ServerTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
+        let tuning = QuicTuning::for_heartbeat_wait(
+            config.heartbeat.wait + config.heartbeat.interval,
+            std::time::Duration::from_secs(5),
+        );
+        let endpoint = server_endpoint(&tls, config.edge.quic_listen, &tuning)?;
+        let quic_addr = endpoint.local_addr()?;
+        let store = GenerationStore::open(&config.edge.state_dir)?;
+        let floor = store.floor(unix_ms())?;
+        let clock = Clock::new();
+        let hub = hub::spawn(
+            DispatchConfig {
+                admission: config.admission_config(),
+                providers: config.providers.iter().map(|p| p.spec.clone()).collect(),
+                generation_floor: floor,
+                known_nodes: config.edge.restrict_nodes.then(|| config.known_nodes()),
+            },
+            Some(store),
+            clock,
+        );
+        let settings = LinkSettings {
+            heartbeat: config.heartbeat,
+        };
+        let accept_task = tokio::spawn({
+            let endpoint = endpoint.clone();
+            let hub = hub.clone();
+            async move {
+                while let Some(incoming) = endpoint.accept().await {
+                    tokio::spawn(node_link::serve(incoming, hub.clone(), clock, settings));
+                }
+            }
+        });
+        tracing::info!(event = "edge_quic_listening", addr = %quic_addr);
+        Ok(Self {
+            quic_addr,
+            hub,
+            config: Arc::new(config),
+            endpoint,
+            accept_task,
+        })
+    }
+
+    /// Stop accepting, close every node connection with `shutdown` and wait
+    /// briefly for the closes to go out.
+    pub async fn shutdown(self) {
+        self.accept_task.abort();
+        self.endpoint
+            .close(CloseCode::Shutdown.code().into(), CloseCode::Shutdown.as_str().as_bytes());
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle()).await;
+    }
+
+    /// Close one connection (tests use this to drop a node).
+    pub fn close(conn: &quinn::Connection, code: CloseCode) {
+        close_connection(conn, code);
+    }
+}

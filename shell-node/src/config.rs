@@ -1,0 +1,329 @@
+//! The Node's TOML configuration, validated at load. Every error names the
+//! field that is wrong.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use iop_core::liveness::backoff::BackoffConfig;
+use iop_core::liveness::heartbeat::HeartbeatConfig;
+use iop_core::node::watchdog::WatchdogConfig;
+use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
+use iop_wire::AdapterKind;
+use serde::Deserialize;
+
+/// `[node]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// The Edge's QUIC address, `host:port`.
+    pub edge: String,
+    /// The name the Edge's certificate is checked against.
+    #[serde(default = "default_server_name")]
+    pub edge_server_name: String,
+    /// Where the node keeps its recipient key.
+    pub state_dir: PathBuf,
+    /// Concurrent runs and tunnels; past it the node answers `node_overloaded`.
+    #[serde(default = "default_max_runs")]
+    pub max_concurrent_runs: u32,
+    /// Optional Prometheus listen address.
+    #[serde(default)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+}
+
+fn default_server_name() -> String {
+    "localhost".into()
+}
+fn default_max_runs() -> u32 {
+    64
+}
+
+/// `[reconnect]`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReconnectSection {
+    /// First retry ceiling.
+    pub initial_ms: u64,
+    /// Cap.
+    pub max_ms: u64,
+}
+
+impl Default for ReconnectSection {
+    fn default() -> Self {
+        let d = BackoffConfig::default();
+        Self {
+            initial_ms: d.initial.as_millis() as u64,
+            max_ms: d.max.as_millis() as u64,
+        }
+    }
+}
+
+/// `[watchdog]`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WatchdogSection {
+    /// How long a canceled provider call may take to return (R-WD-2).
+    pub close_grace_ms: u64,
+    /// Bound of the exact-target health probe (R-WD-2).
+    pub probe_bound_ms: u64,
+}
+
+impl Default for WatchdogSection {
+    fn default() -> Self {
+        let d = WatchdogConfig::default();
+        Self {
+            close_grace_ms: d.close_grace.as_millis() as u64,
+            probe_bound_ms: d.probe_bound.as_millis() as u64,
+        }
+    }
+}
+
+/// One `[[providers]]` entry: a provider server this node can reach.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderEntry {
+    /// `openai`, `ollama` or `mock`.
+    pub adapter: String,
+    /// The target name the Edge config refers to.
+    pub target: String,
+    /// Base URL of the provider server (not for `mock`).
+    #[serde(default)]
+    pub base_url: Option<String>,
+    /// Models it serves (informational; sent at registration).
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Environment variable with a static API key (unmanaged credentials).
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+}
+
+/// The raw file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeFile {
+    /// `[node]`.
+    pub node: NodeSection,
+    /// `[tls]`.
+    pub tls: TlsFiles,
+    /// `[heartbeat]`.
+    #[serde(default)]
+    pub heartbeat: HeartbeatSection,
+    /// `[reconnect]`.
+    #[serde(default)]
+    pub reconnect: ReconnectSection,
+    /// `[watchdog]`.
+    #[serde(default)]
+    pub watchdog: WatchdogSection,
+    /// `[[providers]]`.
+    #[serde(default)]
+    pub providers: Vec<ProviderEntry>,
+}
+
+/// A validated provider.
+#[derive(Clone)]
+pub struct ProviderTarget {
+    /// Adapter kind.
+    pub adapter: AdapterKind,
+    /// Target name.
+    pub target: String,
+    /// Base URL (`None` for the built-in mock).
+    pub base_url: Option<String>,
+    /// Models.
+    pub models: Vec<String>,
+    /// Static API key (never logged).
+    pub api_key: Option<String>,
+}
+
+impl std::fmt::Debug for ProviderTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProviderTarget")
+            .field("adapter", &self.adapter)
+            .field("target", &self.target)
+            .field("base_url", &self.base_url)
+            .field("models", &self.models)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// `[node]`.
+    pub node: NodeSection,
+    /// `[tls]`.
+    pub tls: TlsFiles,
+    /// Heartbeat profile.
+    pub heartbeat: HeartbeatConfig,
+    /// Reconnect backoff.
+    pub reconnect: BackoffConfig,
+    /// Watchdog bounds.
+    pub watchdog: WatchdogConfig,
+    /// Providers.
+    pub providers: Vec<ProviderTarget>,
+}
+
+impl NodeConfig {
+    /// Load and validate a file; relative paths resolve against its directory.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path.parent().unwrap_or(Path::new(".")))
+    }
+
+    /// Parse and validate TOML text.
+    pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
+        let mut file: NodeFile =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        file.heartbeat.validate("heartbeat")?;
+        file.tls.resolve(base);
+        if file.node.state_dir.is_relative() {
+            file.node.state_dir = base.join(&file.node.state_dir);
+        }
+        if file.node.edge.is_empty() || !file.node.edge.contains(':') {
+            return Err(field_err("node.edge", "must be `host:port`"));
+        }
+        if file.node.max_concurrent_runs == 0 {
+            return Err(field_err("node.max_concurrent_runs", "must be > 0"));
+        }
+        let r = file.reconnect;
+        if r.initial_ms == 0 {
+            return Err(field_err("reconnect.initial_ms", "must be > 0"));
+        }
+        if r.max_ms < r.initial_ms {
+            return Err(field_err(
+                "reconnect.max_ms",
+                "must be >= reconnect.initial_ms",
+            ));
+        }
+        let w = file.watchdog;
+        if w.close_grace_ms == 0 {
+            return Err(field_err("watchdog.close_grace_ms", "must be > 0"));
+        }
+        if w.probe_bound_ms == 0 {
+            return Err(field_err("watchdog.probe_bound_ms", "must be > 0"));
+        }
+        let mut providers: Vec<ProviderTarget> = Vec::new();
+        for (i, p) in file.providers.iter().enumerate() {
+            let f = |name: &str| format!("providers[{i}].{name}");
+            let adapter = AdapterKind::parse(&p.adapter).ok_or_else(|| {
+                field_err(f("adapter"), "must be one of `openai`, `ollama`, `mock`")
+            })?;
+            if !valid_name(&p.target) {
+                return Err(field_err(
+                    f("target"),
+                    "must be 1-128 chars of [A-Za-z0-9._-]",
+                ));
+            }
+            if providers
+                .iter()
+                .any(|q| q.adapter == adapter && q.target == p.target)
+            {
+                return Err(field_err(f("target"), "duplicate adapter/target"));
+            }
+            let base_url = match (adapter, &p.base_url) {
+                (AdapterKind::Mock, None) => None,
+                (AdapterKind::Mock, Some(_)) => {
+                    return Err(field_err(
+                        f("base_url"),
+                        "the built-in mock takes no base_url",
+                    ));
+                }
+                (_, None) => return Err(field_err(f("base_url"), "required for this adapter")),
+                (_, Some(url)) => {
+                    if !(url.starts_with("http://") || url.starts_with("https://")) {
+                        return Err(field_err(
+                            f("base_url"),
+                            "must start with http:// or https://",
+                        ));
+                    }
+                    Some(url.trim_end_matches('/').to_owned())
+                }
+            };
+            let api_key = match &p.api_key_env {
+                None => None,
+                Some(var) => Some(std::env::var(var).map_err(|_| {
+                    field_err(
+                        f("api_key_env"),
+                        format!("environment variable `{var}` is not set"),
+                    )
+                })?),
+            };
+            providers.push(ProviderTarget {
+                adapter,
+                target: p.target.clone(),
+                base_url,
+                models: p.models.clone(),
+                api_key,
+            });
+        }
+        Ok(Self {
+            heartbeat: file.heartbeat.to_core(),
+            reconnect: BackoffConfig {
+                initial: Duration::from_millis(r.initial_ms),
+                max: Duration::from_millis(r.max_ms),
+            },
+            watchdog: WatchdogConfig {
+                close_grace: Duration::from_millis(w.close_grace_ms),
+                probe_bound: Duration::from_millis(w.probe_bound_ms),
+                // Admission of the node caps runs first; the watchdog's own
+                // bound sits just above it.
+                max_active_runs: file.node.max_concurrent_runs as usize + 16,
+            },
+            node: file.node,
+            tls: file.tls,
+            providers,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[node]
+edge = "127.0.0.1:7443"
+state_dir = "state"
+[tls]
+ca = "ca.pem"
+cert = "node.pem"
+key = "node.key"
+"#;
+
+    fn field_of(extra: &str) -> String {
+        match NodeConfig::parse(&format!("{BASE}{extra}"), Path::new("/x")) {
+            Err(ConfigError::Field { field, .. }) => field,
+            other => panic!("expected a field error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_parse() {
+        let c = NodeConfig::parse(BASE, Path::new("/x")).unwrap();
+        assert_eq!(c.heartbeat, HeartbeatConfig::default());
+        assert_eq!(c.node.max_concurrent_runs, 64);
+        assert_eq!(c.tls.cert, Path::new("/x/node.pem"));
+    }
+
+    #[test]
+    fn errors_name_the_bad_field() {
+        assert_eq!(
+            field_of("[reconnect]\ninitial_ms = 0\n"),
+            "reconnect.initial_ms"
+        );
+        assert_eq!(
+            field_of("[[providers]]\nadapter='openai'\ntarget='v'\n"),
+            "providers[0].base_url"
+        );
+        assert_eq!(
+            field_of("[[providers]]\nadapter='x'\ntarget='v'\n"),
+            "providers[0].adapter"
+        );
+        assert_eq!(
+            field_of("[watchdog]\nprobe_bound_ms = 0\n"),
+            "watchdog.probe_bound_ms"
+        );
+    }
+}

@@ -1,0 +1,583 @@
+//! One task per connection to the Edge. It owns that connection's core
+//! state (heartbeat, stall watchdog with its observation sequence) and runs
+//! one `select!` over control frames, the next core timeout, incoming data
+//! streams and messages from the run handlers, draining core outputs into
+//! I/O after every input.
+//!
+//! When the connection ends, every run and tunnel handler bound to it is
+//! canceled (R-DISC-1): they live in this task's `JoinSet`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use iop_core::ids::{Generation, RunId};
+use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
+use iop_core::node::session::ObservationSequence;
+use iop_core::node::watchdog::{
+    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, Watchdog,
+    WatchdogOutput,
+};
+use iop_transport::clock::Clock;
+use iop_transport::close_connection;
+use iop_transport::framed::{FramedError, FramedRecv, FramedSend, open_framed};
+use iop_wire::{
+    AdapterKind, CloseCode, ConfigSnapshot, EdgeControl, FailureCode, NodeControl,
+    NodeReadyRequest, OfferedProvider, PROTOCOL_VERSION, RegisterRequest, RegisterResponse,
+    RejectReason, TransportStatusReport,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+
+use crate::adapter::{Adapter, ProbeVerdict};
+use crate::config::NodeConfig;
+use crate::run;
+
+/// State that outlives one connection.
+pub struct LinkShared {
+    /// One adapter per configured provider target.
+    pub adapters: Vec<Adapter>,
+    /// Test hook: while true, the control loop stops reading and answering
+    /// heartbeats (the connection itself stays up).
+    pub pause_control: watch::Sender<bool>,
+    /// Late provider outputs fenced after a terminal, all connections (R-WD-6).
+    pub fenced_late_outputs: AtomicU64,
+    /// Stalls observed, all connections.
+    pub stalls: AtomicU64,
+    /// The generation of the current connection (0 when disconnected).
+    pub generation: AtomicU64,
+    /// Whether the current connection completed readiness.
+    pub ready: AtomicBool,
+    /// Handlers canceled because their connection ended (R-DISC-1).
+    pub disconnect_cancels: AtomicU64,
+}
+
+impl LinkShared {
+    /// Shared state for `adapters`.
+    pub fn new(adapters: Vec<Adapter>) -> Self {
+        Self {
+            adapters,
+            pause_control: watch::channel(false).0,
+            fenced_late_outputs: AtomicU64::new(0),
+            stalls: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            ready: AtomicBool::new(false),
+            disconnect_cancels: AtomicU64::new(0),
+        }
+    }
+
+    /// The adapter serving `adapter`/`target`.
+    pub fn adapter(&self, adapter: AdapterKind, target: &str) -> Option<&Adapter> {
+        self.adapters
+            .iter()
+            .find(|a| a.kind() == adapter && a.target() == target)
+    }
+}
+
+/// How a link ended.
+#[derive(Debug)]
+pub enum LinkEnd {
+    /// The process is shutting down.
+    Shutdown,
+    /// The connection closed.
+    Closed {
+        /// Whether it had completed readiness (resets the backoff).
+        was_ready: bool,
+        /// Why.
+        code: CloseCode,
+    },
+    /// The Edge refused the registration.
+    Rejected {
+        /// Closed reason.
+        reason: RejectReason,
+        /// Detail.
+        message: String,
+    },
+    /// The handshake failed.
+    Failed(FramedError),
+}
+
+/// What the link tells one run handler.
+#[derive(Debug)]
+pub enum RunControl {
+    /// Stop the provider call now (stall claimed, canceled, disconnected).
+    CancelProvider,
+    /// Write this terminal and end (the watchdog's decision).
+    Terminal(RunTerminal),
+}
+
+/// What run handlers tell the link.
+pub enum LinkMsg {
+    /// A handler wants to start a run (admission + watchdog start).
+    Start {
+        /// The run.
+        run_id: RunId,
+        /// Normalized or tunnel.
+        kind: RunKind,
+        /// Wire stall timeout (already validated).
+        stall_timeout: std::time::Duration,
+        /// Hard deadline, if any.
+        deadline: Option<std::time::Duration>,
+        /// Adapter/target (for the probe).
+        adapter: AdapterKind,
+        /// Target.
+        target: String,
+        /// Control channel to the handler.
+        control: mpsc::UnboundedSender<RunControl>,
+        /// Admitted, or the failure to answer with.
+        reply: oneshot::Sender<Result<(), FailureCode>>,
+    },
+    /// A provider output; the reply says whether to forward it (R-WD-6).
+    Event {
+        /// The run.
+        run_id: RunId,
+        /// Classified output.
+        event: ProviderEvent,
+        /// Forward or drop.
+        reply: oneshot::Sender<Emission>,
+    },
+    /// The provider call ended after a cancel (R-WD-4 timing).
+    ProviderReturned {
+        /// The run.
+        run_id: RunId,
+    },
+    /// The handler ended.
+    Finished {
+        /// The run.
+        run_id: RunId,
+    },
+    /// The Edge canceled the run by resetting its stream.
+    Canceled {
+        /// The run.
+        run_id: RunId,
+    },
+    /// A probe finished.
+    ProbeDone {
+        /// The run.
+        run_id: RunId,
+        /// Its verdict.
+        outcome: ProbeOutcome,
+    },
+    /// A `TransportStatus` command.
+    Status {
+        /// The answer.
+        reply: oneshot::Sender<TransportStatusReport>,
+    },
+    /// A `Capabilities` command: take the next observation sequence.
+    TakeObservationSeq {
+        /// The sequence.
+        reply: oneshot::Sender<u64>,
+    },
+}
+
+/// A handle run handlers use to reach their link.
+#[derive(Clone)]
+pub struct LinkTx(pub(crate) mpsc::Sender<LinkMsg>);
+
+impl LinkTx {
+    /// Send a message and await its oneshot answer; `None` if the link ended.
+    pub async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> LinkMsg) -> Option<T> {
+        let (tx, rx) = oneshot::channel();
+        self.0.send(make(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// Fire and forget.
+    pub async fn tell(&self, msg: LinkMsg) {
+        let _ = self.0.send(msg).await;
+    }
+}
+
+struct RunSlot {
+    control: mpsc::UnboundedSender<RunControl>,
+    adapter: AdapterKind,
+    target: String,
+    /// The handler wrote its own terminal (a forwarded provider terminal).
+    self_terminated: bool,
+}
+
+/// Bound of messages in flight from handlers to the link.
+const LINK_QUEUE: usize = 1024;
+
+/// Run one connection until it ends.
+pub async fn run(
+    conn: quinn::Connection,
+    config: Arc<NodeConfig>,
+    shared: Arc<LinkShared>,
+    mut shutdown: watch::Receiver<bool>,
+) -> LinkEnd {
+    let clock = Clock::new();
+    let (mut send, mut recv) = match open_framed(&conn).await {
+        Ok(pair) => pair,
+        Err(e) => return LinkEnd::Failed(e),
+    };
+    let (generation, _config) = match handshake(&mut send, &mut recv, &config, &shared).await {
+        Ok(Ok(g)) => g,
+        Ok(Err((reason, message))) => {
+            close_connection(&conn, CloseCode::RegistrationRejected);
+            return LinkEnd::Rejected { reason, message };
+        }
+        Err(e) => {
+            close_connection(&conn, CloseCode::ProtocolError);
+            return LinkEnd::Failed(e);
+        }
+    };
+    shared.generation.store(generation, Ordering::Relaxed);
+    shared.ready.store(true, Ordering::Relaxed);
+    tracing::info!(event = "node_ready", generation);
+
+    let mut link = Link {
+        clock,
+        generation,
+        connected_at: clock.now(),
+        heartbeat: Heartbeat::new(clock.now(), config.heartbeat),
+        watchdog: Watchdog::new(config.watchdog, Some(ObservationSequence::new())),
+        runs: HashMap::new(),
+        max_runs: config.node.max_concurrent_runs as usize,
+        shared: shared.clone(),
+        probes: JoinSet::new(),
+    };
+    let (link_tx, mut link_rx) = mpsc::channel(LINK_QUEUE);
+    let link_tx = LinkTx(link_tx);
+    let mut handlers = JoinSet::new();
+    let mut paused = shared.pause_control.subscribe();
+
+    let end = loop {
+        let wake = iop_core::time::earliest(link.heartbeat.poll_timeout(), link.watchdog.poll_timeout());
+        let is_paused = *paused.borrow();
+        tokio::select! {
+            frame = recv.recv::<EdgeControl>(), if !is_paused => match frame {
+                Ok(Some(msg)) => {
+                    if let Some(code) = link.on_control(msg, &mut send).await {
+                        break LinkEnd::Closed { was_ready: true, code };
+                    }
+                }
+                Ok(None) => break LinkEnd::Closed { was_ready: true, code: CloseCode::Normal },
+                Err(FramedError::ConnectionLost { close_code, .. }) => {
+                    break LinkEnd::Closed { was_ready: true, code: close_code.unwrap_or(CloseCode::Normal) };
+                }
+                Err(e) => {
+                    tracing::warn!(event = "node_control_stream_error", error = %e);
+                    break LinkEnd::Closed { was_ready: true, code: CloseCode::ProtocolError };
+                }
+            },
+            () = clock.sleep_until(wake), if !is_paused => {
+                let now = clock.now();
+                link.heartbeat.handle_timeout(now);
+                link.watchdog.handle_timeout(now);
+            },
+            _ = paused.changed() => {},
+            stream = conn.accept_bi() => match stream {
+                Ok((s, r)) => {
+                    handlers.spawn(run::serve_stream(
+                        FramedSend::new(s),
+                        FramedRecv::new(r),
+                        link_tx.clone(),
+                        shared.clone(),
+                    ));
+                }
+                Err(e) => {
+                    break LinkEnd::Closed {
+                        was_ready: true,
+                        code: iop_transport::close_code_of(&e).unwrap_or(CloseCode::Normal),
+                    };
+                }
+            },
+            Some(msg) = link_rx.recv() => link.on_link_msg(msg),
+            Some(done) = link.probes.join_next(), if !link.probes.is_empty() => {
+                if let Ok((run_id, outcome)) = done {
+                    link.watchdog.probe_result(clock.now(), run_id, outcome);
+                }
+            },
+            Some(_) = handlers.join_next(), if !handlers.is_empty() => {},
+            _ = shutdown.changed() => {
+                let _ = send.send(&NodeControl::Closing { code: CloseCode::Shutdown }).await;
+                close_connection(&conn, CloseCode::Shutdown);
+                break LinkEnd::Shutdown;
+            },
+        }
+        if let Some(code) = link.drain(&mut send).await {
+            break LinkEnd::Closed { was_ready: true, code };
+        }
+    };
+
+    // R-DISC-1: every handler bound to this connection is canceled.
+    let canceled = handlers.len() as u64;
+    shared
+        .disconnect_cancels
+        .fetch_add(canceled, Ordering::Relaxed);
+    handlers.abort_all();
+    link.probes.abort_all();
+    link.watchdog.cancel_all(clock.now(), CancelReason::Disconnect);
+    shared.ready.store(false, Ordering::Relaxed);
+    shared.generation.store(0, Ordering::Relaxed);
+    if let LinkEnd::Closed { code, .. } = &end {
+        close_connection(&conn, *code);
+    }
+    end
+}
+
+async fn handshake(
+    send: &mut FramedSend,
+    recv: &mut FramedRecv,
+    config: &NodeConfig,
+    shared: &LinkShared,
+) -> Result<Result<(Generation, ConfigSnapshot), (RejectReason, String)>, FramedError> {
+    let request = RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        node_version: env!("CARGO_PKG_VERSION").to_owned(),
+        providers: shared
+            .adapters
+            .iter()
+            .map(|a| OfferedProvider {
+                adapter: a.kind(),
+                target: a.target().to_owned(),
+                models: a.models().to_vec(),
+            })
+            .collect(),
+        max_concurrent_runs: config.node.max_concurrent_runs,
+        recipient_public_key: None,
+    };
+    send.send(&NodeControl::Register(request)).await?;
+    let (generation, snapshot) = loop {
+        match recv.recv::<EdgeControl>().await? {
+            Some(EdgeControl::Registered(RegisterResponse::Accepted { generation, config })) => {
+                break (generation, config);
+            }
+            Some(EdgeControl::Registered(RegisterResponse::Rejected {
+                reason, message, ..
+            })) => return Ok(Err((reason, message))),
+            Some(_) => continue,
+            None => {
+                return Err(FramedError::LocalMisuse {
+                    what: "control stream ended before registration",
+                });
+            }
+        }
+    };
+    send.send(&NodeControl::Ready(NodeReadyRequest { generation }))
+        .await?;
+    loop {
+        match recv.recv::<EdgeControl>().await? {
+            Some(EdgeControl::ReadyAck(ack)) if ack.generation == generation => {
+                if ack.accepted {
+                    return Ok(Ok((generation, snapshot)));
+                }
+                return Ok(Err((
+                    RejectReason::InvalidRegistration,
+                    "readiness refused: generation superseded".into(),
+                )));
+            }
+            Some(EdgeControl::Ping(hb)) => send.send(&NodeControl::Pong(hb)).await?,
+            Some(_) => continue,
+            None => {
+                return Err(FramedError::LocalMisuse {
+                    what: "control stream ended before readiness",
+                });
+            }
+        }
+    }
+}
+
+struct Link {
+    clock: Clock,
+    generation: Generation,
+    connected_at: iop_core::Instant,
+    heartbeat: Heartbeat,
+    watchdog: Watchdog,
+    runs: HashMap<RunId, RunSlot>,
+    max_runs: usize,
+    shared: Arc<LinkShared>,
+    probes: JoinSet<(RunId, ProbeOutcome)>,
+}
+
+impl Link {
+    /// Handle one control frame; `Some(code)` ends the connection.
+    async fn on_control(&mut self, msg: EdgeControl, send: &mut FramedSend) -> Option<CloseCode> {
+        let now = self.clock.now();
+        match msg {
+            EdgeControl::Ping(hb) => self.heartbeat.handle_ping(now, hb.seq),
+            EdgeControl::Pong(hb) => self.heartbeat.handle_pong(now, hb.seq),
+            EdgeControl::Cancel(c) => self.watchdog.cancel(now, c.run_id, CancelReason::Client),
+            EdgeControl::ConfigRefresh(_) => {
+                let applied = NodeControl::ConfigApplied {
+                    generation: self.generation,
+                };
+                if send.send(&applied).await.is_err() {
+                    return Some(CloseCode::Normal);
+                }
+            }
+            EdgeControl::Closing { code } => return Some(code),
+            EdgeControl::Registered(_) | EdgeControl::ReadyAck(_) => {}
+        }
+        None
+    }
+
+    fn on_link_msg(&mut self, msg: LinkMsg) {
+        let now = self.clock.now();
+        match msg {
+            LinkMsg::Start {
+                run_id,
+                kind,
+                stall_timeout,
+                deadline,
+                adapter,
+                target,
+                control,
+                reply,
+            } => {
+                if self.runs.len() >= self.max_runs {
+                    let _ = reply.send(Err(FailureCode::NodeOverloaded));
+                    return;
+                }
+                let deadline = deadline.map(|d| now + d);
+                match self.watchdog.start(now, run_id, kind, stall_timeout, deadline) {
+                    Ok(()) => {
+                        self.runs.insert(
+                            run_id,
+                            RunSlot {
+                                control,
+                                adapter,
+                                target,
+                                self_terminated: false,
+                            },
+                        );
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err(e) => {
+                        tracing::warn!(event = "node_run_refused", error = %e);
+                        let _ = reply.send(Err(FailureCode::InvalidRequest));
+                    }
+                }
+            }
+            LinkMsg::Event {
+                run_id,
+                event,
+                reply,
+            } => {
+                let returned = matches!(event, ProviderEvent::Returned(_));
+                let emission = self.watchdog.provider_event(now, run_id, event);
+                if emission == Emission::Forward
+                    && returned
+                    && let Some(slot) = self.runs.get_mut(&run_id)
+                {
+                    slot.self_terminated = true;
+                }
+                if emission == Emission::Fenced {
+                    self.shared
+                        .fenced_late_outputs
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = reply.send(emission);
+            }
+            LinkMsg::ProviderReturned { run_id } => {
+                let _ = self.watchdog.provider_event(
+                    now,
+                    run_id,
+                    ProviderEvent::Returned(iop_core::node::watchdog::ProviderOutcome::Completed),
+                );
+            }
+            LinkMsg::Finished { run_id } => {
+                // A handler that ended without a terminal (its stream broke)
+                // is canceled so the watchdog forgets it.
+                if self.runs.contains_key(&run_id) {
+                    self.watchdog.cancel(now, run_id, CancelReason::Client);
+                }
+            }
+            LinkMsg::Canceled { run_id } => {
+                self.watchdog.cancel(now, run_id, CancelReason::Client);
+            }
+            LinkMsg::ProbeDone { run_id, outcome } => {
+                self.watchdog.probe_result(now, run_id, outcome);
+            }
+            LinkMsg::Status { reply } => {
+                let _ = reply.send(TransportStatusReport {
+                    generation: self.generation,
+                    connected_for_ms: iop_core::time::duration_ms(now - self.connected_at),
+                    active_runs: self.runs.len() as u32,
+                    max_concurrent_runs: self.max_runs as u32,
+                    heartbeats_sent: self.heartbeat.pings_sent(),
+                    last_heartbeat_rtt_ms: self.heartbeat.last_rtt().map(iop_core::time::duration_ms),
+                    fenced_late_outputs: self.shared.fenced_late_outputs.load(Ordering::Relaxed),
+                    next_health_observation_seq: self.watchdog.next_observation_seq().unwrap_or(0),
+                });
+            }
+            LinkMsg::TakeObservationSeq { reply } => {
+                let _ = reply.send(self.watchdog.take_observation_seq().unwrap_or(0));
+            }
+        }
+    }
+
+    /// Carry out core outputs; `Some(code)` ends the connection.
+    async fn drain(&mut self, send: &mut FramedSend) -> Option<CloseCode> {
+        while let Some(out) = self.heartbeat.poll_output() {
+            let frame = match out {
+                HeartbeatOutput::SendPing(seq) => NodeControl::Ping(iop_wire::Heartbeat { seq }),
+                HeartbeatOutput::SendPong(seq) => NodeControl::Pong(iop_wire::Heartbeat { seq }),
+                HeartbeatOutput::TimedOut => {
+                    tracing::warn!(event = "node_heartbeat_timeout", generation = self.generation);
+                    return Some(CloseCode::HeartbeatTimeout);
+                }
+            };
+            if send.send(&frame).await.is_err() {
+                return Some(CloseCode::Normal);
+            }
+        }
+        while let Some(out) = self.watchdog.poll_output() {
+            match out {
+                WatchdogOutput::CancelProvider { run_id } => {
+                    if let Some(slot) = self.runs.get(&run_id) {
+                        let _ = slot.control.send(RunControl::CancelProvider);
+                    }
+                }
+                WatchdogOutput::StartProbe { run_id } => {
+                    let adapter = self.runs.get(&run_id).and_then(|slot| {
+                        self.shared.adapter(slot.adapter, &slot.target).cloned()
+                    });
+                    // The watchdog bounds the probe; the task need not.
+                    self.probes.spawn(async move {
+                        let outcome = match adapter {
+                            Some(a) => probe_outcome(a.probe().await),
+                            None => ProbeOutcome::Failed,
+                        };
+                        (run_id, outcome)
+                    });
+                }
+                WatchdogOutput::Terminal { run_id, terminal } => {
+                    if let Some(slot) = self.runs.remove(&run_id)
+                        && !slot.self_terminated
+                    {
+                        let _ = slot.control.send(RunControl::Terminal(terminal));
+                    }
+                }
+                WatchdogOutput::StallObserved {
+                    kind,
+                    elapsed_ms,
+                    health,
+                    retryable,
+                    ..
+                } => {
+                    self.shared.stalls.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        event = "node_response_stall_observation",
+                        kind = kind.as_str(),
+                        elapsed_ms,
+                        provider_health = health.as_str(),
+                        liveness_classification = health.liveness_classification().as_str(),
+                        retryable
+                    );
+                }
+            }
+        }
+        None
+    }
+}
+
+/// The watchdog's view of a probe verdict (R-WD-5).
+pub fn probe_outcome(verdict: ProbeVerdict) -> ProbeOutcome {
+    match verdict.health {
+        iop_wire::ProviderHealth::Available => ProbeOutcome::Healthy,
+        iop_wire::ProviderHealth::Unavailable => ProbeOutcome::Unhealthy(verdict.failure),
+        iop_wire::ProviderHealth::Unknown => ProbeOutcome::Failed,
+    }
+}

@@ -1,0 +1,356 @@
+//! One task per data stream: a normalized run, a raw tunnel or a command.
+//!
+//! A handler never decides liveness: every provider output is classified
+//! and offered to the link's watchdog, and only what the watchdog forwards
+//! reaches the Edge (R-WD-1, R-WD-6). The watchdog's own terminals (stall,
+//! deadline, cancel) arrive on the handler's control channel.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use iop_core::node::watchdog::{Emission, ProviderEvent, RunKind, RunTerminal, effective_stall_timeout};
+use iop_transport::framed::{FramedError, FramedRecv, FramedSend};
+use iop_wire::{
+    CapabilitiesReport, Command, CommandKind, CommandResult, CommandResultBody, DataRequest,
+    ExecutionFailure, FailureCode, ProviderTunnelFrame, RunEvent, RunEventKind, StreamErrorCode,
+    TargetHealth,
+};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::link::{LinkMsg, LinkShared, LinkTx, RunControl};
+
+/// Serve one data stream opened by the Edge.
+pub async fn serve_stream(
+    mut send: FramedSend,
+    mut recv: FramedRecv,
+    link: LinkTx,
+    shared: Arc<LinkShared>,
+) {
+    let request = match recv.recv::<DataRequest>().await {
+        Ok(Some(r)) => r,
+        Ok(None) => return,
+        Err(e) => {
+            tracing::debug!(event = "node_data_stream_refused", error = %e);
+            let _ = send.reset(StreamErrorCode::Malformed);
+            return;
+        }
+    };
+    match request {
+        DataRequest::Run(req) => {
+            let run_id = req.run_id;
+            let stall = req.response_stall_timeout_ms;
+            let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
+            let adapter = shared.adapter(req.adapter, &req.target).cloned();
+            let sink = RunSink { run_id };
+            execute(
+                &mut send,
+                recv,
+                &link,
+                run_id,
+                RunKind::Normalized,
+                stall,
+                deadline,
+                adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
+                move |a| a.run(req),
+                sink,
+            )
+            .await;
+        }
+        DataRequest::Tunnel(req) => {
+            let run_id = req.run_id;
+            let stall = req.response_stall_timeout_ms;
+            let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
+            let adapter = shared.adapter(req.adapter, &req.target).cloned();
+            execute(
+                &mut send,
+                recv,
+                &link,
+                run_id,
+                RunKind::Tunnel,
+                stall,
+                deadline,
+                adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
+                move |a| a.tunnel(req),
+                TunnelSink,
+            )
+            .await;
+        }
+        DataRequest::Command(cmd) => command(&mut send, cmd, &link, &shared).await,
+    }
+}
+
+/// How a stream's frames are shaped: run events or tunnel frames.
+trait Sink {
+    type Item: Send + 'static;
+    type Frame: Serialize;
+    fn event(item: &Self::Item) -> ProviderEvent;
+    fn frame(&self, item: Self::Item) -> Self::Frame;
+    fn failure(&self, failure: ExecutionFailure) -> Self::Frame;
+    fn is_terminal(item: &Self::Item) -> bool;
+}
+
+struct RunSink {
+    run_id: u64,
+}
+
+impl Sink for RunSink {
+    type Item = RunEventKind;
+    type Frame = RunEvent;
+    fn event(item: &RunEventKind) -> ProviderEvent {
+        ProviderEvent::from_run_event(item)
+    }
+    fn frame(&self, kind: RunEventKind) -> RunEvent {
+        RunEvent {
+            run_id: self.run_id,
+            kind,
+        }
+    }
+    fn failure(&self, failure: ExecutionFailure) -> RunEvent {
+        self.frame(RunEventKind::Failed(failure))
+    }
+    fn is_terminal(item: &RunEventKind) -> bool {
+        item.is_terminal()
+    }
+}
+
+struct TunnelSink;
+
+impl Sink for TunnelSink {
+    type Item = ProviderTunnelFrame;
+    type Frame = ProviderTunnelFrame;
+    fn event(item: &ProviderTunnelFrame) -> ProviderEvent {
+        ProviderEvent::from_tunnel_frame(item)
+    }
+    fn frame(&self, item: ProviderTunnelFrame) -> ProviderTunnelFrame {
+        item
+    }
+    fn failure(&self, failure: ExecutionFailure) -> ProviderTunnelFrame {
+        ProviderTunnelFrame::Failure(failure)
+    }
+    fn is_terminal(item: &ProviderTunnelFrame) -> bool {
+        item.is_terminal()
+    }
+}
+
+async fn write_terminal<S: Sink>(send: &mut FramedSend, sink: &S, failure: ExecutionFailure) {
+    let _ = send.send(&sink.failure(failure)).await;
+    let _ = send.finish();
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn execute<S, F>(
+    send: &mut FramedSend,
+    mut recv: FramedRecv,
+    link: &LinkTx,
+    run_id: u64,
+    kind: RunKind,
+    stall_timeout_ms: u64,
+    deadline: Option<Duration>,
+    adapter: Option<(iop_wire::AdapterKind, String, crate::adapter::Adapter)>,
+    start: F,
+    sink: S,
+) where
+    S: Sink,
+    F: FnOnce(&crate::adapter::Adapter) -> BoxStream<'static, S::Item>,
+{
+    // Validated before any adapter is called (R-WD, SPEC §3).
+    let stall_timeout = match effective_stall_timeout(stall_timeout_ms) {
+        Ok(d) => d,
+        Err(e) => return write_terminal(send, &sink, e.failure()).await,
+    };
+    let Some((adapter_kind, target, adapter)) = adapter else {
+        return write_terminal(send, &sink, ExecutionFailure::new(FailureCode::UnknownTarget)).await;
+    };
+    let (control_tx, mut control) = mpsc::unbounded_channel();
+    let admitted = link
+        .ask(|reply| LinkMsg::Start {
+            run_id,
+            kind,
+            stall_timeout,
+            deadline,
+            adapter: adapter_kind,
+            target,
+            control: control_tx,
+            reply,
+        })
+        .await;
+    match admitted {
+        Some(Ok(())) => {}
+        // Past the concurrent-run limit: no provider is called.
+        Some(Err(code)) => return write_terminal(send, &sink, ExecutionFailure::new(code)).await,
+        None => return,
+    }
+
+    let mut provider = Some(start(&adapter));
+    loop {
+        tokio::select! {
+            biased;
+            ctrl = control.recv() => match ctrl {
+                Some(RunControl::CancelProvider) => {
+                    // Dropping the stream closes the provider HTTP request.
+                    if provider.take().is_some() {
+                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
+                    }
+                }
+                Some(RunControl::Terminal(RunTerminal::Failed(failure))) => {
+                    drop(provider.take());
+                    write_terminal(send, &sink, failure).await;
+                    break;
+                }
+                Some(RunControl::Terminal(RunTerminal::Completed)) | None => break,
+            },
+            // The Edge stopped reading or reset: the run is canceled.
+            _ = recv_reset(&mut recv) => {
+                drop(provider.take());
+                link.tell(LinkMsg::Canceled { run_id }).await;
+                let _ = send.reset(StreamErrorCode::Canceled);
+                break;
+            },
+            item = next_item(&mut provider) => {
+                let Some(item) = item else {
+                    // The provider stream ended without a terminal: a broken
+                    // adapter; report it as a provider error.
+                    provider = None;
+                    let failure = ExecutionFailure::new(FailureCode::MalformedResponse);
+                    let Some(emission) = offer::<S>(link, run_id, &sink.failure(failure.clone()), ProviderEvent::Returned(
+                        iop_core::node::watchdog::ProviderOutcome::Failed(failure.clone()),
+                    )).await else { break };
+                    if emission == Emission::Forward {
+                        write_terminal(send, &sink, failure).await;
+                        break;
+                    }
+                    continue;
+                };
+                let terminal = S::is_terminal(&item);
+                let event = S::event(&item);
+                let Some(emission) = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await else {
+                    break;
+                };
+                if emission == Emission::Fenced {
+                    continue;
+                }
+                if send.send(&sink.frame(item)).await.is_err() {
+                    drop(provider.take());
+                    link.tell(LinkMsg::Canceled { run_id }).await;
+                    break;
+                }
+                if terminal {
+                    let _ = send.finish();
+                    break;
+                }
+            }
+        }
+    }
+    link.tell(LinkMsg::Finished { run_id }).await;
+}
+
+async fn offer<S: Sink>(
+    link: &LinkTx,
+    run_id: u64,
+    _frame: &S::Frame,
+    event: ProviderEvent,
+) -> Option<Emission> {
+    link.ask(|reply| LinkMsg::Event {
+        run_id,
+        event,
+        reply,
+    })
+    .await
+}
+
+async fn next_item<T>(provider: &mut Option<BoxStream<'static, T>>) -> Option<T> {
+    match provider {
+        Some(stream) => stream.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when the Edge resets our request stream or stops our response
+/// stream: either means the run was canceled.
+async fn recv_reset(recv: &mut FramedRecv) {
+    loop {
+        match recv.recv::<DataRequest>().await {
+            // Nothing more is expected after the request; a clean end of the
+            // request half is normal, keep waiting for a reset.
+            Ok(None) => return std::future::pending().await,
+            Ok(Some(_)) => continue,
+            Err(FramedError::ResetByPeer { .. }) | Err(FramedError::ConnectionLost { .. }) => {
+                return;
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &LinkShared) {
+    let body = match cmd.kind {
+        CommandKind::TransportStatus => match link.ask(|reply| LinkMsg::Status { reply }).await {
+            Some(report) => CommandResultBody::TransportStatus(report),
+            None => return,
+        },
+        CommandKind::Capabilities => {
+            // The same bounded exact-target probe as the stall path (R-CAP-1).
+            let probes = shared.adapters.iter().map(|a| async move {
+                let verdict = a.probe().await;
+                TargetHealth {
+                    adapter: a.kind(),
+                    target: a.target().to_owned(),
+                    status: verdict.health,
+                    failure_code: verdict.failure,
+                    models: verdict.models,
+                }
+            });
+            let targets = futures::future::join_all(probes).await;
+            // The observation sequence is taken after the probes finished,
+            // so it orders this answer after every earlier stall terminal.
+            let Some(seq) = link.ask(|reply| LinkMsg::TakeObservationSeq { reply }).await else {
+                return;
+            };
+            CommandResultBody::Capabilities(CapabilitiesReport {
+                targets,
+                health_observation_seq: seq,
+            })
+        }
+        CommandKind::OllamaApi(call) => {
+            let adapter = shared
+                .adapters
+                .iter()
+                .find(|a| a.kind() == iop_wire::AdapterKind::Ollama && a.target() == call.target)
+                .cloned();
+            let Some(adapter) = adapter else {
+                let result = CommandResult {
+                    command_id: cmd.command_id,
+                    session_id: cmd.session_id,
+                    body: CommandResultBody::Failed(ExecutionFailure::new(FailureCode::UnknownTarget)),
+                };
+                let _ = send.send(&result).await;
+                let _ = send.finish();
+                return;
+            };
+            let mut frames = adapter.ollama_api(call);
+            while let Some(frame) = frames.next().await {
+                let terminal = frame.is_terminal();
+                let result = CommandResult {
+                    command_id: cmd.command_id,
+                    session_id: cmd.session_id.clone(),
+                    body: CommandResultBody::OllamaApi(frame),
+                };
+                if send.send(&result).await.is_err() || terminal {
+                    break;
+                }
+            }
+            let _ = send.finish();
+            return;
+        }
+    };
+    let result = CommandResult {
+        command_id: cmd.command_id,
+        session_id: cmd.session_id,
+        body,
+    };
+    let _ = send.send(&result).await;
+    let _ = send.finish();
+}

@@ -1,0 +1,101 @@
+//! The reconnect supervisor: dial the Edge, run the link until it ends,
+//! back off (capped, jittered, from the core's schedule) and dial again.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use iop_core::liveness::backoff::Backoff;
+use iop_core::rng::SplitMix64;
+use iop_transport::{ClientTls, QuicTuning, client_endpoint, connect};
+use tokio::sync::watch;
+
+use crate::config::NodeConfig;
+use crate::link::{self, LinkEnd, LinkShared};
+
+/// Why the node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Certificates could not be loaded.
+    #[error("tls: {0}")]
+    Tls(#[from] iop_transport::PkiError),
+    /// The QUIC endpoint could not be created.
+    #[error("quic: {0}")]
+    Transport(#[from] iop_transport::TransportError),
+}
+
+/// Resolve `host:port`.
+async fn resolve(edge: &str) -> Option<SocketAddr> {
+    tokio::net::lookup_host(edge).await.ok()?.next()
+}
+
+/// Dial, serve, back off, until `shutdown` turns true.
+pub async fn run(
+    config: Arc<NodeConfig>,
+    shared: Arc<LinkShared>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), StartError> {
+    let tls = ClientTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
+    let tuning = QuicTuning::for_heartbeat_wait(
+        config.heartbeat.wait + config.heartbeat.interval,
+        std::time::Duration::from_secs(5),
+    );
+    let endpoint = client_endpoint(&tls, &tuning)?;
+    let mut backoff = Backoff::new(config.reconnect);
+    let mut rng = SplitMix64::new(rand::random());
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        let attempt = async {
+            let addr = resolve(&config.node.edge).await.ok_or("cannot resolve the edge address")?;
+            connect(&endpoint, addr, &config.node.edge_server_name)
+                .await
+                .map_err(|e| {
+                    tracing::warn!(event = "node_connect_failed", error = %e);
+                    "connect failed"
+                })
+        };
+        let end = tokio::select! {
+            conn = attempt => match conn {
+                Ok(conn) => Some(link::run(conn, config.clone(), shared.clone(), shutdown.clone()).await),
+                Err(why) => {
+                    tracing::warn!(event = "node_dial_failed", edge = %config.node.edge, reason = why);
+                    None
+                }
+            },
+            _ = shutdown.changed() => break,
+        };
+        match end {
+            Some(LinkEnd::Shutdown) => break,
+            Some(LinkEnd::Closed { was_ready, code }) => {
+                tracing::warn!(event = "node_link_closed", reason = code.as_str());
+                if was_ready {
+                    backoff.reset();
+                }
+            }
+            Some(LinkEnd::Rejected { reason, message }) => {
+                tracing::error!(
+                    event = "node_registration_rejected",
+                    reason = reason.as_str(),
+                    detail = %message
+                );
+            }
+            Some(LinkEnd::Failed(e)) => {
+                tracing::warn!(event = "node_link_failed", error = %e);
+            }
+            None => {}
+        }
+        let delay = backoff.next_delay(&mut rng);
+        tracing::info!(event = "node_reconnect_backoff", delay_ms = delay.as_millis() as u64, attempt = backoff.attempt());
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            _ = shutdown.changed() => break,
+        }
+    }
+    endpoint.close(
+        iop_wire::CloseCode::Shutdown.code().into(),
+        iop_wire::CloseCode::Shutdown.as_str().as_bytes(),
+    );
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
+    Ok(())
+}
