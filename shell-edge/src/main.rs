@@ -1,3 +1,95 @@
-//! iop-edge
+//! `iop-edge`: the iop gateway binary.
 
-fn main() {}
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+/// The iop Edge: a gateway that puts LLM inference servers, reached through
+/// iop Nodes over QUIC with mutual TLS, behind the OpenAI and Ollama APIs.
+#[derive(Parser)]
+#[command(name = "iop-edge", version, about, long_about = None)]
+struct Cli {
+    /// Log format: `text` for humans, `json` for log pipelines.
+    #[arg(long, global = true, default_value = "text", env = "IOP_LOG_FORMAT")]
+    log_format: iop_transport::logging::LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the Edge from a TOML config file until SIGINT/SIGTERM.
+    Run {
+        /// Path of the config file (see docs/operations.md).
+        #[arg(long, short, env = "IOP_EDGE_CONFIG")]
+        config: PathBuf,
+    },
+    /// Certificate management for a deployment.
+    #[command(subcommand)]
+    Certs(CertsCommand),
+}
+
+#[derive(Subcommand)]
+enum CertsCommand {
+    /// Generate a dev CA, an edge certificate and node certificates.
+    Init {
+        /// Directory to write PEM files into (must not already hold them).
+        #[arg(long)]
+        out: PathBuf,
+        /// A node id to issue a certificate for (repeat for more).
+        #[arg(long = "node", default_value = "node-1")]
+        nodes: Vec<String>,
+        /// An extra DNS name for the edge certificate (repeat for more);
+        /// `localhost`, 127.0.0.1 and ::1 are always included.
+        #[arg(long = "edge-name")]
+        edge_names: Vec<String>,
+    },
+    /// Issue a certificate for one more node with an existing CA.
+    IssueNode {
+        /// Directory holding `ca.pem` and `ca.key`; the node files go there too.
+        #[arg(long)]
+        dir: PathBuf,
+        /// The node id.
+        #[arg(long)]
+        node: String,
+        /// Validity in days.
+        #[arg(long, default_value_t = 365)]
+        days: u64,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    iop_transport::logging::init(cli.log_format);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Run { config } => {
+                let config = iop_edge::config::EdgeConfig::load(&config)?;
+                let edge = iop_edge::server::RunningEdge::start(config).await?;
+                iop_transport::signals::shutdown_signal().await;
+                tracing::info!(event = "edge_shutdown");
+                edge.shutdown().await;
+                Ok(())
+            }
+            Command::Certs(CertsCommand::Init {
+                out,
+                nodes,
+                edge_names,
+            }) => {
+                let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+                let names: Vec<&str> = edge_names.iter().map(String::as_str).collect();
+                iop_transport::pki::generate_dev_pki(&out, &nodes, &names)?;
+                println!("wrote a dev CA, edge and node certificates to {}", out.display());
+                Ok(())
+            }
+            Command::Certs(CertsCommand::IssueNode { dir, node, days }) => {
+                iop_transport::pki::issue_node_files(&dir, &node, days)?;
+                println!("wrote node certificate for `{node}` to {}", dir.display());
+                Ok(())
+            }
+        }
+    })
+}

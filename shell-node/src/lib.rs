@@ -5,4 +5,83 @@
 //! with heartbeats, and executes normalized runs and raw provider tunnels
 //! under the core's stall watchdog.
 
+pub mod adapter;
 pub mod config;
+pub mod link;
+pub mod mock;
+pub mod run;
+pub mod supervisor;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::adapter::Adapter;
+use crate::config::NodeConfig;
+use crate::link::LinkShared;
+
+/// A running node (the supervisor task and its shared state).
+pub struct RunningNode {
+    shutdown: watch::Sender<bool>,
+    shared: Arc<LinkShared>,
+    task: JoinHandle<Result<(), supervisor::StartError>>,
+}
+
+impl RunningNode {
+    /// Start the supervisor: it dials the Edge and keeps reconnecting.
+    pub fn start(config: NodeConfig) -> Self {
+        let http = reqwest::Client::builder()
+            .pool_idle_timeout(std::time::Duration::from_secs(30))
+            .build()
+            .unwrap_or_default();
+        let adapters = config
+            .providers
+            .iter()
+            .map(|p| Adapter::new(p, http.clone()))
+            .collect();
+        let shared = Arc::new(LinkShared::new(adapters));
+        let (shutdown, rx) = watch::channel(false);
+        let task = tokio::spawn(supervisor::run(Arc::new(config), shared.clone(), rx));
+        Self {
+            shutdown,
+            shared,
+            task,
+        }
+    }
+
+    /// Test hook: stop (or resume) reading the control stream and answering
+    /// heartbeats, while the connection stays up.
+    pub fn pause_control(&self, paused: bool) {
+        self.shared.pause_control.send_replace(paused);
+    }
+
+    /// The current connection's generation, once ready.
+    pub fn generation(&self) -> Option<u64> {
+        self.shared
+            .ready
+            .load(Ordering::Relaxed)
+            .then(|| self.shared.generation.load(Ordering::Relaxed))
+            .filter(|g| *g != 0)
+    }
+
+    /// Shared counters (fenced late outputs, stalls, disconnect cancels).
+    pub fn shared(&self) -> &Arc<LinkShared> {
+        &self.shared
+    }
+
+    /// Close the connection with `shutdown` and stop.
+    pub async fn shutdown(self) -> Result<(), supervisor::StartError> {
+        self.shutdown.send_replace(true);
+        match self.task.await {
+            Ok(result) => result,
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// Stop without a goodbye (as a crash would): the task is aborted.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}

@@ -54,7 +54,7 @@ pub async fn serve_stream(
                 stall,
                 deadline,
                 adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
-                move |a| a.run(req),
+                move |a| a.run(req, None),
                 sink,
             )
             .await;
@@ -73,7 +73,7 @@ pub async fn serve_stream(
                 stall,
                 deadline,
                 adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
-                move |a| a.tunnel(req),
+                move |a| a.tunnel(req, None),
                 TunnelSink,
             )
             .await;

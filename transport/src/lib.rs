@@ -1,4 +1,6 @@
 //! iop-transport (being written)
 
 pub mod clock;
+pub mod logging;
 pub mod settings;
+pub mod signals;
