@@ -1,6 +1,49 @@
-//! iop-transport (being written)
+//! # iop-transport: QUIC plumbing shared by the Edge and Node shells
+//!
+//! * [`pki`]: the deployment PKI (dev CA, Edge server certificate, Node
+//!   client certificates carrying `node://<id>`), and loading PEM files.
+//! * [`identity`]: the node id a certificate carries.
+//! * [`tls`] and [`endpoint`]: mutual-TLS quinn endpoints (ring provider,
+//!   TLS 1.3, ALPN `iop/1`), [`QuicTuning`], and [`peer_node_id`].
+//! * [`framed`]: typed messages over quinn streams as length-prefixed
+//!   postcard frames; malformed frames stop only their stream with a typed
+//!   code.
+//! * [`close`]: closing a connection with a [`iop_wire::CloseCode`] and
+//!   reading one back.
+//! * [`settings`], [`logging`], [`signals`], [`clock`]: what both shells
+//!   share beyond QUIC: config pieces, structured logs, graceful shutdown,
+//!   and the one place wall time becomes a core instant.
+//!
+//! Trust model (SPEC §3): both sides present certificates chained to one
+//! deployment CA. The Edge takes a Node's identity from its verified
+//! certificate, never from a message. A Node without an acceptable
+//! certificate fails at `incoming.await` on the Edge; on the Node, TLS 1.3
+//! lets [`connect`] succeed and the refusal surfaces on the first stream
+//! read or write.
+//!
+//! This crate never installs a process-wide crypto provider: every rustls
+//! config is built with [`tls::crypto_provider`] (ring).
 
 pub mod clock;
+pub mod close;
+pub mod endpoint;
+pub mod framed;
+pub mod identity;
 pub mod logging;
+pub mod pki;
 pub mod settings;
 pub mod signals;
+pub mod tls;
+
+pub use close::{close_code_of, close_connection};
+pub use endpoint::{
+    QuicTuning, TransportError, client_endpoint, client_endpoint_on, connect, peer_node_id,
+    server_endpoint,
+};
+pub use framed::{FramedError, FramedRecv, FramedSend, accept_framed, open_framed};
+pub use identity::{IdentityError, node_id_from_cert, validate_node_id};
+pub use pki::{
+    DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki, issue_node_cert,
+    load_ca, load_cert_chain, load_private_key,
+};
+pub use tls::{ClientTls, ServerTls};

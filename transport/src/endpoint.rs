@@ -1,0 +1,309 @@
+//! quinn endpoints for the Edge (server) and the Node (client), and the
+//! peer's node id.
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::crypto::rustls::{NoInitialCipherSuite, QuicClientConfig, QuicServerConfig};
+use quinn::{IdleTimeout, VarInt};
+use rustls::pki_types::CertificateDer;
+
+use crate::close::close_code_of;
+use crate::identity::{IdentityError, node_id_from_cert};
+use crate::tls::{ClientTls, ServerTls, client_config, server_config};
+use iop_wire::CloseCode;
+
+/// Why an endpoint could not be built or a connection could not be made.
+///
+/// `Local*`, trust-anchor, tuning and bind variants are this process's
+/// configuration's fault; [`TransportError::Handshake`] is the peer's or the
+/// network's.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// Our certificate, key or TLS settings were refused by rustls (e.g. the
+    /// key does not match the certificate).
+    #[error("local TLS configuration refused: {0}")]
+    LocalTlsConfig(#[source] rustls::Error),
+    /// The client-certificate verifier could not be built from the CA.
+    #[error("cannot build the client certificate verifier: {0}")]
+    ClientVerifier(#[source] rustls::server::VerifierBuilderError),
+    /// No CA certificate was given: nobody could be verified.
+    #[error("no CA certificate configured")]
+    NoTrustAnchor,
+    /// A CA certificate could not be used as a trust anchor.
+    #[error("CA certificate unusable as a trust anchor: {0}")]
+    InvalidTrustAnchor(#[source] rustls::Error),
+    /// The TLS config lacks the cipher suite QUIC's initial packets need.
+    #[error("TLS config unusable for QUIC: {0}")]
+    NoInitialCipherSuite(#[source] NoInitialCipherSuite),
+    /// A [`QuicTuning`] value is out of range.
+    #[error("invalid QUIC tuning {field}: {reason}")]
+    InvalidTuning {
+        /// The offending field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The UDP socket could not be bound.
+    #[error("cannot bind UDP {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The connection attempt could not start (bad server name, endpoint
+    /// closing, ...): a local error.
+    #[error("cannot start connecting: {0}")]
+    Connect(#[source] quinn::ConnectError),
+    /// The handshake failed: the peer refused us, its certificate failed
+    /// verification, or the network is down.
+    #[error("handshake failed{}: {source}", close_code.map(|c| format!(" ({c})")).unwrap_or_default())]
+    Handshake {
+        /// The peer's close code, when it closed with a known one.
+        close_code: Option<CloseCode>,
+        /// What quinn reported.
+        source: quinn::ConnectionError,
+    },
+}
+
+/// QUIC transport settings shared by Edge and Node.
+///
+/// The defaults carry thousands of concurrent runs on one connection. The
+/// application heartbeat (R-HB-1) detects a dead peer; the QUIC idle timeout
+/// is only a backstop and must be longer than the heartbeat wait so the
+/// connection ends with `heartbeat_timeout`, not with a QUIC idle timeout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuicTuning {
+    /// Close the connection after this long without any packet from the
+    /// peer. Must be non-zero and longer than the app heartbeat wait.
+    pub idle_timeout: Duration,
+    /// Send QUIC PINGs this often when otherwise idle (keeps NAT bindings
+    /// open). Must be shorter than `idle_timeout`.
+    pub keep_alive: Option<Duration>,
+    /// Bidirectional streams the peer may have open at once (each run,
+    /// tunnel and command is one stream).
+    pub max_concurrent_bidi_streams: u32,
+    /// Bytes the peer may send on one stream before we read them.
+    pub stream_receive_window: u64,
+    /// Bytes the peer may send on all streams together before we read them.
+    pub receive_window: u64,
+}
+
+impl Default for QuicTuning {
+    fn default() -> Self {
+        Self {
+            // SPEC R-HB-1's wait is 45 s; leave room above it.
+            idle_timeout: Duration::from_secs(60),
+            keep_alive: Some(Duration::from_secs(15)),
+            max_concurrent_bidi_streams: 4096,
+            stream_receive_window: 1024 * 1024,
+            receive_window: 64 * 1024 * 1024,
+        }
+    }
+}
+
+impl QuicTuning {
+    /// The defaults with an idle timeout `margin` longer than
+    /// `heartbeat_wait` and a keep-alive at a third of the idle timeout.
+    pub fn for_heartbeat_wait(heartbeat_wait: Duration, margin: Duration) -> Self {
+        let idle_timeout = heartbeat_wait.saturating_add(margin);
+        Self {
+            idle_timeout,
+            keep_alive: Some(idle_timeout / 3),
+            ..Self::default()
+        }
+    }
+
+    /// The quinn transport config for these settings.
+    pub fn transport_config(&self) -> Result<quinn::TransportConfig, TransportError> {
+        let invalid = |field, reason| TransportError::InvalidTuning { field, reason };
+        if self.idle_timeout.is_zero() {
+            // Zero disables the idle timeout in QUIC: a dead path would
+            // never end the connection.
+            return Err(invalid("idle_timeout", "must be non-zero"));
+        }
+        let idle = IdleTimeout::try_from(self.idle_timeout)
+            .map_err(|_| invalid("idle_timeout", "too large"))?;
+        if let Some(keep_alive) = self.keep_alive
+            && (keep_alive.is_zero() || keep_alive >= self.idle_timeout)
+        {
+            return Err(invalid(
+                "keep_alive",
+                "must be non-zero and shorter than idle_timeout",
+            ));
+        }
+        if self.max_concurrent_bidi_streams == 0 {
+            return Err(invalid("max_concurrent_bidi_streams", "must be non-zero"));
+        }
+        if self.stream_receive_window == 0 || self.stream_receive_window > self.receive_window {
+            return Err(invalid(
+                "stream_receive_window",
+                "must be non-zero and at most receive_window",
+            ));
+        }
+        let stream_window = VarInt::from_u64(self.stream_receive_window)
+            .map_err(|_| invalid("stream_receive_window", "too large"))?;
+        let window = VarInt::from_u64(self.receive_window)
+            .map_err(|_| invalid("receive_window", "too large"))?;
+
+        let mut transport = quinn::TransportConfig::default();
+        transport
+            .max_idle_timeout(Some(idle))
+            .keep_alive_interval(self.keep_alive)
+            .max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_bidi_streams))
+            // iop uses bidirectional streams only.
+            .max_concurrent_uni_streams(VarInt::from_u32(0))
+            .stream_receive_window(stream_window)
+            .receive_window(window);
+        Ok(transport)
+    }
+}
+
+/// The Edge's QUIC endpoint, listening on `listen`: requires a Node
+/// certificate chained to `cfg.client_ca` and ALPN `iop/1`.
+///
+/// A Node without an acceptable certificate fails at `incoming.await` on
+/// this side. Must be called inside a tokio runtime.
+pub fn server_endpoint(
+    cfg: &ServerTls,
+    listen: SocketAddr,
+    tuning: &QuicTuning,
+) -> Result<quinn::Endpoint, TransportError> {
+    let crypto = QuicServerConfig::try_from(server_config(cfg)?)
+        .map_err(TransportError::NoInitialCipherSuite)?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    server.transport_config(Arc::new(tuning.transport_config()?));
+    quinn::Endpoint::server(server, listen).map_err(|source| TransportError::Bind {
+        addr: listen,
+        source,
+    })
+}
+
+/// The Node's QUIC endpoint on an ephemeral port (dual-stack `[::]:0`,
+/// falling back to `0.0.0.0:0` where IPv6 is unavailable). Connections made
+/// with [`connect`] present `cfg.cert_chain` and verify the Edge against
+/// `cfg.server_ca`. Must be called inside a tokio runtime.
+pub fn client_endpoint(
+    cfg: &ClientTls,
+    tuning: &QuicTuning,
+) -> Result<quinn::Endpoint, TransportError> {
+    let dual_stack = SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0));
+    match client_endpoint_on(cfg, tuning, dual_stack) {
+        Err(TransportError::Bind { .. }) => {
+            client_endpoint_on(cfg, tuning, SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)))
+        }
+        other => other,
+    }
+}
+
+/// Like [`client_endpoint`], bound to `bind`.
+pub fn client_endpoint_on(
+    cfg: &ClientTls,
+    tuning: &QuicTuning,
+    bind: SocketAddr,
+) -> Result<quinn::Endpoint, TransportError> {
+    let crypto = QuicClientConfig::try_from(client_config(cfg)?)
+        .map_err(TransportError::NoInitialCipherSuite)?;
+    let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+    client.transport_config(Arc::new(tuning.transport_config()?));
+    let mut endpoint = quinn::Endpoint::client(bind)
+        .map_err(|source| TransportError::Bind { addr: bind, source })?;
+    endpoint.set_default_client_config(client);
+    Ok(endpoint)
+}
+
+/// Connect to the Edge at `addr`, verifying its certificate for
+/// `server_name`, and wait for the handshake.
+///
+/// In TLS 1.3 the server checks the client certificate after the client
+/// considers the handshake complete: an Edge that refuses this Node's
+/// certificate shows up on the first stream read or write, not here.
+pub async fn connect(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    server_name: &str,
+) -> Result<quinn::Connection, TransportError> {
+    let connecting = endpoint
+        .connect(addr, server_name)
+        .map_err(TransportError::Connect)?;
+    connecting
+        .await
+        .map_err(|source| TransportError::Handshake {
+            close_code: close_code_of(&source),
+            source,
+        })
+}
+
+/// The node id of the peer on `conn`, from its verified leaf certificate
+/// (see [`node_id_from_cert`]). The Edge calls this on every accepted
+/// connection and closes it with [`CloseCode::Unauthorized`] on error.
+pub fn peer_node_id(conn: &quinn::Connection) -> Result<String, IdentityError> {
+    let identity = conn
+        .peer_identity()
+        .ok_or(IdentityError::NoPeerCertificate)?;
+    let certs = identity
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .map_err(|_| IdentityError::NoPeerCertificate)?;
+    let leaf = certs.first().ok_or(IdentityError::NoPeerCertificate)?;
+    node_id_from_cert(leaf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_tuning_is_valid_and_outlasts_the_heartbeat_wait() {
+        let tuning = QuicTuning::default();
+        assert!(tuning.transport_config().is_ok());
+        assert!(tuning.idle_timeout > Duration::from_secs(45));
+        let derived =
+            QuicTuning::for_heartbeat_wait(Duration::from_millis(300), Duration::from_millis(200));
+        assert_eq!(derived.idle_timeout, Duration::from_millis(500));
+        assert!(derived.transport_config().is_ok());
+    }
+
+    #[test]
+    fn out_of_range_tuning_names_the_field() {
+        let cases = [
+            (
+                QuicTuning {
+                    idle_timeout: Duration::ZERO,
+                    ..QuicTuning::default()
+                },
+                "idle_timeout",
+            ),
+            (
+                QuicTuning {
+                    keep_alive: Some(Duration::from_secs(120)),
+                    ..QuicTuning::default()
+                },
+                "keep_alive",
+            ),
+            (
+                QuicTuning {
+                    max_concurrent_bidi_streams: 0,
+                    ..QuicTuning::default()
+                },
+                "max_concurrent_bidi_streams",
+            ),
+            (
+                QuicTuning {
+                    stream_receive_window: u64::MAX,
+                    receive_window: u64::MAX,
+                    ..QuicTuning::default()
+                },
+                "stream_receive_window",
+            ),
+        ];
+        for (tuning, field) in cases {
+            match tuning.transport_config() {
+                Err(TransportError::InvalidTuning { field: got, .. }) => assert_eq!(got, field),
+                other => panic!("{field}: expected InvalidTuning, got {other:?}"),
+            }
+        }
+    }
+}

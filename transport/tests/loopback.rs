@@ -1,0 +1,624 @@
+//! Real quinn on loopback with certificates generated into a tempdir.
+//!
+//! No test sleeps: every wait is on an event (a handshake, a frame, a stop,
+//! a close), and each test body runs under a generous timeout so a
+//! regression fails instead of hanging.
+
+use std::future::Future;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use iop_transport::framed::{FramedError, FramedRecv, FramedSend, accept_framed, open_framed};
+use iop_transport::pki::{IssuedCert, generate_ca, issue_client_cert_without_node_identity};
+use iop_transport::tls::crypto_provider;
+use iop_transport::{
+    ClientTls, DevPki, IdentityError, QuicTuning, ServerTls, TransportError, Validity,
+    client_endpoint, close_code_of, close_connection, connect, generate_dev_pki, issue_node_cert,
+    load_ca, peer_node_id, server_endpoint,
+};
+use iop_wire::{
+    AdapterKind, CloseCode, EdgeControl, Heartbeat, NodeControl, OfferedProvider, RegisterRequest,
+    StreamErrorCode, WireError,
+};
+use quinn::{ConnectionError, TransportErrorCode};
+use rustls::AlertDescription;
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Run a test body, failing (not hanging) if it never completes.
+async fn within_timeout<F: Future<Output = ()>>(body: F) {
+    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
+        panic!("test did not complete within {TEST_TIMEOUT:?}");
+    }
+}
+
+/// A dev PKI in a tempdir, and the Edge listening on 127.0.0.1:0.
+struct Deployment {
+    _dir: tempfile::TempDir,
+    pki: DevPki,
+    ca_cert_pem: String,
+    ca_key_pem: String,
+    edge: quinn::Endpoint,
+    edge_addr: SocketAddr,
+}
+
+impl Deployment {
+    fn start(node_ids: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = generate_dev_pki(dir.path(), node_ids, &["edge.test"]).expect("dev pki");
+        let ca_cert_pem = std::fs::read_to_string(&pki.ca_cert).expect("read ca.pem");
+        let ca_key_pem = std::fs::read_to_string(&pki.ca_key).expect("read ca.key");
+        let server_tls =
+            ServerTls::from_files(&pki.edge_cert, &pki.edge_key, &pki.ca_cert).expect("edge tls");
+        let edge = server_endpoint(
+            &server_tls,
+            SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            &QuicTuning::default(),
+        )
+        .expect("edge endpoint");
+        let edge_addr = edge.local_addr().expect("edge addr");
+        Self {
+            _dir: dir,
+            pki,
+            ca_cert_pem,
+            ca_key_pem,
+            edge,
+            edge_addr,
+        }
+    }
+
+    /// The TLS config of a Node whose files `generate_dev_pki` wrote.
+    fn node_tls(&self, node_id: &str) -> ClientTls {
+        let files = self.pki.node(node_id).expect("node was generated");
+        ClientTls::from_files(&files.cert, &files.key, &self.pki.ca_cert).expect("node tls")
+    }
+
+    /// A client that trusts the deployment CA but presents `issued`.
+    fn client_tls_presenting(&self, issued: &IssuedCert) -> ClientTls {
+        let cert_chain = vec![issued.cert_der().expect("issued cert der")];
+        let key = rustls::pki_types::pem::PemObject::from_pem_slice(issued.key_pem.as_bytes())
+            .expect("issued key");
+        ClientTls {
+            cert_chain,
+            key,
+            server_ca: load_ca(&self.pki.ca_cert).expect("ca"),
+        }
+    }
+
+    /// Connect a Node with `tls` while the Edge accepts: (edge side, node side).
+    async fn handshake(
+        &self,
+        tls: &ClientTls,
+    ) -> (
+        Result<quinn::Connection, ConnectionError>,
+        Result<quinn::Connection, TransportError>,
+    ) {
+        let node = client_endpoint(tls, &QuicTuning::default()).expect("node endpoint");
+        self.handshake_from(&node).await
+    }
+
+    async fn handshake_from(
+        &self,
+        node: &quinn::Endpoint,
+    ) -> (
+        Result<quinn::Connection, ConnectionError>,
+        Result<quinn::Connection, TransportError>,
+    ) {
+        let accept = async {
+            let incoming = self.edge.accept().await.expect("edge endpoint open");
+            incoming.await
+        };
+        tokio::join!(accept, connect(node, self.edge_addr, "localhost"))
+    }
+
+    /// Both sides of an accepted mutual-TLS connection for `node_id`.
+    async fn connected(&self, node_id: &str) -> (quinn::Connection, quinn::Connection) {
+        let (edge, node) = self.handshake(&self.node_tls(node_id)).await;
+        (edge.expect("edge accepts"), node.expect("node connects"))
+    }
+}
+
+/// The TLS alert the Edge sends when it refuses a client certificate, as a
+/// QUIC transport error code.
+fn alert_code(alert: AlertDescription) -> TransportErrorCode {
+    TransportErrorCode::crypto(u8::from(alert))
+}
+
+/// The Edge side failed at `incoming.await` with `alert`.
+fn assert_edge_refused(edge: Result<quinn::Connection, ConnectionError>, alert: AlertDescription) {
+    match edge {
+        Err(ConnectionError::TransportError(error)) => {
+            assert_eq!(error.code, alert_code(alert), "edge error: {error}")
+        }
+        Err(other) => panic!("edge failed with an unexpected error: {other}"),
+        Ok(_) => panic!("edge accepted a connection it must refuse"),
+    }
+}
+
+/// The Node's view of a refusal: TLS 1.3 lets the client finish its side
+/// of the handshake, so the refusal shows up on the first stream I/O.
+async fn assert_node_sees_refusal(
+    node: Result<quinn::Connection, TransportError>,
+    alert: AlertDescription,
+) {
+    // In TLS 1.3 the client's handshake completes before the server has
+    // checked the client certificate: `connect` succeeds.
+    let conn = match node {
+        Ok(conn) => conn,
+        Err(error) => panic!("the refusal must show late, not at connect: {error}"),
+    };
+    let error = first_stream_io_error(&conn).await;
+    match &error {
+        FramedError::ConnectionLost { source, close_code } => {
+            assert_eq!(*close_code, None, "a TLS refusal is not an app close");
+            assert_closed_with_alert(source, alert);
+        }
+        other => panic!("node's first stream I/O failed unexpectedly: {other}"),
+    }
+    assert!(error.is_peer_fault());
+}
+
+fn assert_closed_with_alert(error: &ConnectionError, alert: AlertDescription) {
+    match error {
+        ConnectionError::ConnectionClosed(close) => {
+            assert_eq!(close.error_code, alert_code(alert), "node saw: {close}")
+        }
+        other => panic!("node saw an unexpected close: {other}"),
+    }
+}
+
+/// Open a stream, send a Register-like ping and read: one of them fails.
+async fn first_stream_io_error(conn: &quinn::Connection) -> FramedError {
+    let (mut send, mut recv) = match open_framed(conn).await {
+        Ok(halves) => halves,
+        Err(error) => return error,
+    };
+    if let Err(error) = send.send(&NodeControl::Ping(Heartbeat { seq: 1 })).await {
+        return error;
+    }
+    match recv.recv::<EdgeControl>().await {
+        Err(error) => error,
+        Ok(answer) => panic!("a refused node got an answer: {answer:?}"),
+    }
+}
+
+fn register_request(model_count: usize) -> RegisterRequest {
+    RegisterRequest {
+        protocol_version: iop_wire::PROTOCOL_VERSION,
+        node_version: "0.1.0-test".into(),
+        providers: vec![OfferedProvider {
+            adapter: AdapterKind::Ollama,
+            target: "http://127.0.0.1:11434".into(),
+            models: (0..model_count).map(|i| format!("model-{i:06}")).collect(),
+        }],
+        max_concurrent_runs: 64,
+        recipient_public_key: Some([7; 32]),
+    }
+}
+
+#[tokio::test]
+async fn mutual_tls_connects_and_edge_reads_node_id_from_certificate() {
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a", "node-b"]);
+        let (edge_conn, node_conn) = deployment.connected("node-b").await;
+
+        assert_eq!(peer_node_id(&edge_conn), Ok("node-b".to_owned()));
+        for conn in [&edge_conn, &node_conn] {
+            let handshake = conn
+                .handshake_data()
+                .and_then(|data| data.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+                .expect("rustls handshake data");
+            assert_eq!(handshake.protocol.as_deref(), Some(iop_wire::ALPN));
+        }
+        // The Edge's own certificate carries no node identity.
+        assert_eq!(peer_node_id(&node_conn), Err(IdentityError::NoNodeIdentity));
+
+        // And the connection carries frames both ways.
+        let (mut node_send, mut node_recv) = open_framed(&node_conn).await.expect("open");
+        node_send
+            .send(&NodeControl::Ping(Heartbeat { seq: 9 }))
+            .await
+            .expect("ping");
+        let (mut edge_send, mut edge_recv) = accept_framed(&edge_conn).await.expect("accept");
+        assert_eq!(
+            edge_recv.recv::<NodeControl>().await.expect("recv"),
+            Some(NodeControl::Ping(Heartbeat { seq: 9 }))
+        );
+        edge_send
+            .send(&EdgeControl::Pong(Heartbeat { seq: 9 }))
+            .await
+            .expect("pong");
+        assert_eq!(
+            node_recv.recv::<EdgeControl>().await.expect("recv"),
+            Some(EdgeControl::Pong(Heartbeat { seq: 9 }))
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn client_certificate_from_another_ca_is_rejected() {
+    within_timeout(async {
+        let deployment = Deployment::start(&[]);
+        let validity = Validity::from_now(Duration::from_secs(3600));
+        // Another deployment's dev CA has the same name as ours, so webpki
+        // tries our CA as the issuer and the signature fails; a CA with a
+        // name of its own is simply unknown. Both are refused.
+        let rogue_dir = tempfile::tempdir().expect("tempdir");
+        let same_name = generate_dev_pki(rogue_dir.path(), &[], &[]).expect("rogue pki");
+        let same_name_ca = IssuedCert {
+            cert_pem: std::fs::read_to_string(&same_name.ca_cert).expect("rogue ca.pem"),
+            key_pem: std::fs::read_to_string(&same_name.ca_key).expect("rogue ca.key"),
+        };
+        let other_name_ca = generate_ca("someone else's CA", validity).expect("rogue ca");
+        for (rogue_ca, alert) in [
+            (same_name_ca, AlertDescription::DecryptError),
+            (other_name_ca, AlertDescription::UnknownCA),
+        ] {
+            // Trusts the real CA (so it verifies the Edge) but presents a
+            // certificate from the rogue CA with a plausible node id.
+            let rogue_node =
+                issue_node_cert(&rogue_ca.cert_pem, &rogue_ca.key_pem, "node-a", validity)
+                    .expect("rogue node cert");
+            let (edge, node) = deployment
+                .handshake(&deployment.client_tls_presenting(&rogue_node))
+                .await;
+            assert_edge_refused(edge, alert);
+            assert_node_sees_refusal(node, alert).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn missing_client_certificate_is_rejected() {
+    within_timeout(async {
+        let deployment = Deployment::start(&[]);
+        let mut roots = rustls::RootCertStore::empty();
+        for ca in load_ca(&deployment.pki.ca_cert).expect("ca") {
+            roots.add(ca).expect("ca root");
+        }
+        let mut tls = rustls::ClientConfig::builder_with_provider(crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("tls13")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        tls.alpn_protocols = vec![iop_wire::ALPN.to_vec()];
+        let crypto =
+            quinn::crypto::rustls::QuicClientConfig::try_from(tls).expect("quic client config");
+        let mut node = quinn::Endpoint::client(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+            .expect("node endpoint");
+        node.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+
+        let (edge, node) = deployment.handshake_from(&node).await;
+        assert_edge_refused(edge, AlertDescription::CertificateRequired);
+        assert_node_sees_refusal(node, AlertDescription::CertificateRequired).await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn expired_client_certificate_is_rejected() {
+    within_timeout(async {
+        let deployment = Deployment::start(&[]);
+        let expired = issue_node_cert(
+            &deployment.ca_cert_pem,
+            &deployment.ca_key_pem,
+            "node-old",
+            Validity::expired(Duration::from_secs(24 * 3600)),
+        )
+        .expect("expired cert");
+
+        let (edge, node) = deployment
+            .handshake(&deployment.client_tls_presenting(&expired))
+            .await;
+        assert_edge_refused(edge, AlertDescription::CertificateExpired);
+        assert_node_sees_refusal(node, AlertDescription::CertificateExpired).await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn edge_server_certificate_cannot_act_as_a_node() {
+    within_timeout(async {
+        let deployment = Deployment::start(&[]);
+        let tls = ClientTls::from_files(
+            &deployment.pki.edge_cert,
+            &deployment.pki.edge_key,
+            &deployment.pki.ca_cert,
+        )
+        .expect("edge files as client tls");
+
+        let (edge, node) = deployment.handshake(&tls).await;
+        // Server-auth-only EKU: refused for client auth.
+        assert_edge_refused(edge, AlertDescription::UnsupportedCertificate);
+        assert_node_sees_refusal(node, AlertDescription::UnsupportedCertificate).await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn certificate_without_node_identity_is_refused() {
+    within_timeout(async {
+        let deployment = Deployment::start(&[]);
+        let anonymous = issue_client_cert_without_node_identity(
+            &deployment.ca_cert_pem,
+            &deployment.ca_key_pem,
+            "node-a",
+            Validity::from_now(Duration::from_secs(3600)),
+        )
+        .expect("anonymous cert");
+
+        let (edge, node) = deployment
+            .handshake(&deployment.client_tls_presenting(&anonymous))
+            .await;
+        // The chain is valid, so the handshake succeeds...
+        let edge_conn = edge.expect("chained certificate passes TLS");
+        let node_conn = node.expect("node connects");
+        // ...but a CN is not an identity: no node://<id>, no node.
+        assert_eq!(peer_node_id(&edge_conn), Err(IdentityError::NoNodeIdentity));
+        close_connection(&edge_conn, CloseCode::Unauthorized);
+
+        let error = first_stream_io_error(&node_conn).await;
+        assert!(
+            matches!(
+                error,
+                FramedError::ConnectionLost {
+                    close_code: Some(CloseCode::Unauthorized),
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert_eq!(
+            close_code_of(&node_conn.closed().await),
+            Some(CloseCode::Unauthorized)
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn framed_messages_round_trip_over_a_stream() {
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a"]);
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+        // A register of ~100 KB spans several 64 KiB reads.
+        let sent = vec![
+            NodeControl::Register(register_request(8_000)),
+            NodeControl::Ping(Heartbeat { seq: 1 }),
+            NodeControl::ConfigApplied { generation: 7 },
+            NodeControl::Pong(Heartbeat { seq: 2 }),
+            NodeControl::Closing {
+                code: CloseCode::Shutdown,
+            },
+        ];
+
+        let (mut node_send, mut node_recv) = open_framed(&node_conn).await.expect("open");
+        let sender = async {
+            for message in &sent {
+                node_send.send(message).await.expect("send");
+            }
+            node_send.finish().expect("finish");
+            node_send.stopped().await.expect("every frame delivered");
+        };
+        let receiver = async {
+            let (mut edge_send, mut edge_recv) = accept_framed(&edge_conn).await.expect("accept");
+            let mut received = Vec::new();
+            while let Some(message) = edge_recv.recv::<NodeControl>().await.expect("recv") {
+                received.push(message);
+            }
+            // The clean end stays a clean end.
+            assert!(matches!(edge_recv.recv::<NodeControl>().await, Ok(None)));
+            edge_send
+                .send(&EdgeControl::Closing {
+                    code: CloseCode::Normal,
+                })
+                .await
+                .expect("answer");
+            edge_send.finish().expect("finish");
+            received
+        };
+        let ((), received) = tokio::join!(sender, receiver);
+        assert_eq!(received, sent);
+
+        assert_eq!(
+            node_recv.recv::<EdgeControl>().await.expect("answer"),
+            Some(EdgeControl::Closing {
+                code: CloseCode::Normal
+            })
+        );
+        assert!(matches!(node_recv.recv::<EdgeControl>().await, Ok(None)));
+    })
+    .await;
+}
+
+/// Open a stream and write raw bytes onto it (no framing).
+async fn open_raw(conn: &quinn::Connection, bytes: &[u8]) -> FramedSend {
+    let (send, _recv) = open_framed(conn).await.expect("open");
+    let mut send = send;
+    send.get_mut().write_all(bytes).await.expect("raw write");
+    send
+}
+
+/// Accept the next stream with a small frame maximum.
+async fn accept_with_max(conn: &quinn::Connection, max_frame_len: usize) -> FramedRecv {
+    let (_send, recv) = conn.accept_bi().await.expect("accept");
+    FramedRecv::with_max_frame_len(recv, max_frame_len)
+}
+
+#[tokio::test]
+async fn oversize_frame_closes_that_stream_with_frame_too_large_and_other_streams_continue() {
+    within_timeout(async {
+        const MAX: usize = 1024;
+        let deployment = Deployment::start(&["node-a"]);
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+
+        // A length prefix one byte above the maximum, then some payload.
+        let mut raw = u32::try_from(MAX + 1)
+            .expect("small")
+            .to_be_bytes()
+            .to_vec();
+        raw.extend_from_slice(&[0u8; 64]);
+        let mut oversize = open_raw(&node_conn, &raw).await;
+
+        let mut edge_recv = accept_with_max(&edge_conn, MAX).await;
+        match edge_recv.recv::<NodeControl>().await {
+            Err(FramedError::PeerProtocol {
+                error: WireError::FrameTooLarge { len, max },
+                code: StreamErrorCode::FrameTooLarge,
+            }) => assert_eq!((len, max), (MAX as u64 + 1, MAX)),
+            other => panic!("expected FrameTooLarge, got {other:?}"),
+        }
+        // The stream stays broken with the same typed error.
+        assert!(matches!(
+            edge_recv.recv::<NodeControl>().await,
+            Err(FramedError::PeerProtocol {
+                code: StreamErrorCode::FrameTooLarge,
+                ..
+            })
+        ));
+        // The sender observes STOP with FrameTooLarge.
+        match oversize.stopped().await {
+            Err(FramedError::StoppedByPeer {
+                code: Some(StreamErrorCode::FrameTooLarge),
+                raw_code,
+            }) => assert_eq!(raw_code, u64::from(StreamErrorCode::FrameTooLarge.code())),
+            other => panic!("expected a stop with FrameTooLarge, got {other:?}"),
+        }
+
+        // Another stream on the same connection still works, both ways.
+        let (mut node_send, mut node_recv) = open_framed(&node_conn).await.expect("open");
+        node_send
+            .send(&NodeControl::Ping(Heartbeat { seq: 3 }))
+            .await
+            .expect("send");
+        let (mut edge_send, mut edge_recv) = accept_framed(&edge_conn).await.expect("accept");
+        assert_eq!(
+            edge_recv.recv::<NodeControl>().await.expect("recv"),
+            Some(NodeControl::Ping(Heartbeat { seq: 3 }))
+        );
+        edge_send
+            .send(&EdgeControl::Pong(Heartbeat { seq: 3 }))
+            .await
+            .expect("send");
+        assert_eq!(
+            node_recv.recv::<EdgeControl>().await.expect("recv"),
+            Some(EdgeControl::Pong(Heartbeat { seq: 3 }))
+        );
+        assert!(edge_conn.close_reason().is_none());
+        assert!(node_conn.close_reason().is_none());
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn garbage_frame_is_a_typed_malformed_error() {
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a"]);
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+
+        // A well-sized frame whose payload is no NodeControl: an unfinished
+        // varint variant index.
+        let mut raw = 4u32.to_be_bytes().to_vec();
+        raw.extend_from_slice(&[0xff; 4]);
+        let mut garbage = open_raw(&node_conn, &raw).await;
+
+        let mut edge_recv = accept_with_max(&edge_conn, 1024).await;
+        match edge_recv.recv::<NodeControl>().await {
+            Err(
+                error @ FramedError::PeerProtocol {
+                    error: WireError::Malformed(_),
+                    code: StreamErrorCode::Malformed,
+                },
+            ) => assert!(error.is_peer_fault()),
+            other => panic!("expected Malformed, got {other:?}"),
+        }
+        assert!(matches!(
+            garbage.stopped().await,
+            Err(FramedError::StoppedByPeer {
+                code: Some(StreamErrorCode::Malformed),
+                ..
+            })
+        ));
+        assert!(edge_conn.close_reason().is_none());
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stream_ending_inside_a_frame_is_a_typed_truncated_error() {
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a"]);
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+
+        // Announces 10 bytes, sends 3, then finishes.
+        let mut raw = 10u32.to_be_bytes().to_vec();
+        raw.extend_from_slice(&[1, 2, 3]);
+        let mut truncated = open_raw(&node_conn, &raw).await;
+        truncated.finish().expect("finish");
+
+        let mut edge_recv = accept_with_max(&edge_conn, 1024).await;
+        assert!(matches!(
+            edge_recv.recv::<NodeControl>().await,
+            Err(FramedError::PeerProtocol {
+                error: WireError::Truncated { buffered: 7 },
+                code: StreamErrorCode::Truncated,
+            })
+        ));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stream_reset_by_peer_carries_its_code() {
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a"]);
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+
+        let (mut edge_send, _edge_recv) = open_framed(&edge_conn).await.expect("open");
+        edge_send
+            .send(&EdgeControl::Ping(Heartbeat { seq: 1 }))
+            .await
+            .expect("send");
+        let (_node_send, mut node_recv) = accept_framed(&node_conn).await.expect("accept");
+        assert_eq!(
+            node_recv.recv::<EdgeControl>().await.expect("first frame"),
+            Some(EdgeControl::Ping(Heartbeat { seq: 1 }))
+        );
+        edge_send.reset(StreamErrorCode::Canceled).expect("reset");
+        match node_recv.recv::<EdgeControl>().await {
+            Err(FramedError::ResetByPeer {
+                code: Some(StreamErrorCode::Canceled),
+                raw_code,
+            }) => assert_eq!(raw_code, u64::from(StreamErrorCode::Canceled.code())),
+            other => panic!("expected a reset with Canceled, got {other:?}"),
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn send_refuses_a_frame_above_its_maximum_before_writing() {
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a"]);
+        let (_edge_conn, node_conn) = deployment.connected("node-a").await;
+        let (send, _recv) = node_conn.open_bi().await.expect("open");
+        let mut send = FramedSend::with_max_frame_len(send, 1024);
+        match send
+            .send(&NodeControl::Register(register_request(1_000)))
+            .await
+        {
+            Err(error @ FramedError::Encode(WireError::FrameTooLarge { max: 1024, .. })) => {
+                assert!(!error.is_peer_fault())
+            }
+            other => panic!("expected a local FrameTooLarge, got {other:?}"),
+        }
+        // Nothing was written: a small message still frames cleanly.
+        send.send(&NodeControl::Ping(Heartbeat { seq: 1 }))
+            .await
+            .expect("small frame");
+    })
+    .await;
+}
