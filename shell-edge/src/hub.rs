@@ -86,6 +86,8 @@ pub struct HubSnapshot {
     pub fenced_messages: u64,
     /// Generations fenced.
     pub fences: u64,
+    /// Connections ended, by close reason.
+    pub closes_by_reason: BTreeMap<&'static str, u64>,
 }
 
 enum HubMsg {
@@ -277,6 +279,7 @@ struct Hub {
     store: Option<GenerationStore>,
     links: HashMap<(NodeId, Generation), LinkHandle>,
     waiters: BTreeMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
+    closes_by_reason: BTreeMap<&'static str, u64>,
 }
 
 /// Start the hub task.
@@ -288,6 +291,7 @@ pub fn spawn(config: DispatchConfig, store: Option<GenerationStore>, clock: Cloc
         store,
         links: HashMap::new(),
         waiters: BTreeMap::new(),
+        closes_by_reason: BTreeMap::new(),
     };
     tokio::spawn(hub.run(rx));
     HubHandle { tx }
@@ -449,6 +453,7 @@ impl Hub {
                     generation,
                     reason,
                 } => {
+                    *self.closes_by_reason.entry(reason.as_str()).or_default() += 1;
                     tracing::info!(
                         event = "edge_generation_fenced",
                         node = %node,
@@ -498,6 +503,7 @@ impl Hub {
             leases_in_use: admission.leases_in_use(),
             fenced_messages: registry.fenced_messages(),
             fences: registry.fences(),
+            closes_by_reason: self.closes_by_reason.clone(),
         }
     }
 }

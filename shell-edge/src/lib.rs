@@ -6,3 +6,6 @@
 
 pub mod config;
 pub mod generation_store;
+pub mod hub;
+pub mod node_link;
+pub mod server;

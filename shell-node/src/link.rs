@@ -50,6 +50,10 @@ pub struct LinkShared {
     pub ready: AtomicBool,
     /// Handlers canceled because their connection ended (R-DISC-1).
     pub disconnect_cancels: AtomicU64,
+    /// Connection attempts that failed before readiness.
+    pub failed_attempts: AtomicU64,
+    /// The close code of the last connection that ended (`u64::MAX`: none).
+    pub last_close_code: AtomicU64,
 }
 
 impl LinkShared {
@@ -63,7 +67,14 @@ impl LinkShared {
             generation: AtomicU64::new(0),
             ready: AtomicBool::new(false),
             disconnect_cancels: AtomicU64::new(0),
+            failed_attempts: AtomicU64::new(0),
+            last_close_code: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// Why the last connection ended.
+    pub fn last_close(&self) -> Option<CloseCode> {
+        CloseCode::from_code(self.last_close_code.load(Ordering::Relaxed))
     }
 
     /// The adapter serving `adapter`/`target`.

@@ -65,9 +65,17 @@ pub async fn run(
             },
             _ = shutdown.changed() => break,
         };
+        if !matches!(end, Some(LinkEnd::Closed { .. }) | Some(LinkEnd::Shutdown)) {
+            shared
+                .failed_attempts
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         match end {
             Some(LinkEnd::Shutdown) => break,
             Some(LinkEnd::Closed { was_ready, code }) => {
+                shared
+                    .last_close_code
+                    .store(u64::from(code.code()), std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(event = "node_link_closed", reason = code.as_str());
                 if was_ready {
                     backoff.reset();

@@ -378,6 +378,26 @@ pub fn issue_node_cert(
     )
 }
 
+/// Issue one more node's certificate with the CA kept in `dir`
+/// (`ca.pem`, `ca.key`), writing `node-<id>.pem` and `node-<id>.key` there.
+pub fn issue_node_files(dir: &Path, node_id: &str, days: u64) -> Result<NodeCertFiles, PkiError> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).map_err(|source| PkiError::Read { path, source })
+    };
+    let ca_cert = read(file_names::CA_CERT)?;
+    let ca_key = read(file_names::CA_KEY)?;
+    let validity = Validity::from_now(Duration::from_secs(days.saturating_mul(86_400)));
+    let issued = issue_node_cert(&ca_cert, &ca_key, node_id, validity)?;
+    let files = NodeCertFiles {
+        node_id: node_id.to_owned(),
+        cert: dir.join(file_names::node_cert(node_id)),
+        key: dir.join(file_names::node_key(node_id)),
+    };
+    issued.write_files(&files.cert, &files.key)?;
+    Ok(files)
+}
+
 /// Issue an Edge server certificate for `names` (DNS names or IP
 /// addresses) plus `localhost`, 127.0.0.1 and ::1.
 pub fn issue_edge_cert(

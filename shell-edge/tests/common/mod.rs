@@ -1,0 +1,152 @@
+//! A loopback deployment for integration tests: a dev PKI in a temp dir,
+//! an Edge with a short heartbeat profile, and Nodes.
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use iop_edge::config::EdgeConfig;
+use iop_edge::hub::HubSnapshot;
+use iop_edge::server::RunningEdge;
+use iop_node::RunningNode;
+use iop_node::config::NodeConfig;
+
+/// Short heartbeat profile for tests (R-HB-1 is configurable).
+pub const HB_INTERVAL_MS: u64 = 200;
+/// Short heartbeat wait for tests.
+pub const HB_WAIT_MS: u64 = 300;
+
+pub fn init() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+pub struct Pki {
+    pub dir: tempfile::TempDir,
+}
+
+impl Pki {
+    pub fn new(nodes: &[&str]) -> Self {
+        init();
+        let dir = tempfile::tempdir().expect("tempdir");
+        iop_transport::generate_dev_pki(&dir.path().join("certs"), nodes, &[]).expect("pki");
+        Self { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn certs(&self) -> PathBuf {
+        self.dir.path().join("certs")
+    }
+}
+
+/// Edge TOML with the short heartbeat profile; `extra` appends providers,
+/// routes and keys.
+pub fn edge_config(pki: &Pki, quic_port: u16, extra: &str) -> EdgeConfig {
+    let text = format!(
+        r#"
+[edge]
+quic_listen = "127.0.0.1:{quic_port}"
+http_listen = "127.0.0.1:0"
+state_dir = "edge-state"
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[admission]
+queue_capacity = 64
+queue_timeout_ms = 5000
+{extra}
+"#
+    );
+    EdgeConfig::parse(&text, pki.path()).expect("edge config")
+}
+
+pub fn node_config(pki: &Pki, node: &str, edge: SocketAddr, extra: &str) -> NodeConfig {
+    let text = format!(
+        r#"
+[node]
+edge = "{edge}"
+state_dir = "node-{node}-state"
+max_concurrent_runs = 256
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/node-{node}.pem"
+key = "certs/node-{node}.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[reconnect]
+initial_ms = 50
+max_ms = 400
+[watchdog]
+close_grace_ms = 200
+probe_bound_ms = 300
+{extra}
+"#
+    );
+    NodeConfig::parse(&text, pki.path()).expect("node config")
+}
+
+/// A mock provider entry for both configs.
+pub fn mock_provider_node(target: &str) -> String {
+    format!("[[providers]]\nadapter = \"mock\"\ntarget = \"{target}\"\n")
+}
+
+/// Poll `check` against hub snapshots until it holds (bounded).
+pub async fn wait_for<F>(edge: &RunningEdge, what: &str, mut check: F) -> HubSnapshot
+where
+    F: FnMut(&HubSnapshot) -> bool,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let snap = edge.hub.snapshot().await.expect("hub");
+        if check(&snap) {
+            return snap;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}: {snap:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The node's current (generation, ready) in a snapshot.
+pub fn node_state(snap: &HubSnapshot, node: &str) -> (Option<u64>, bool) {
+    snap.nodes
+        .iter()
+        .find(|(n, ..)| n.as_str() == node)
+        .map(|(_, g, ready, _)| (*g, *ready))
+        .unwrap_or((None, false))
+}
+
+pub async fn ready_generation(edge: &RunningEdge, node: &str) -> u64 {
+    let snap = wait_for(edge, "node ready", |s| node_state(s, node).1).await;
+    node_state(&snap, node).0.expect("generation")
+}
+
+pub fn start_node(pki: &Pki, node: &str, edge: SocketAddr, extra: &str) -> RunningNode {
+    RunningNode::start(node_config(pki, node, edge, extra))
+}
+
+/// Run a test body with an overall bound, so a hang fails instead of
+/// blocking CI.
+pub async fn bounded<T>(fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), fut)
+        .await
+        .expect("test exceeded its 60 s bound")
+}
