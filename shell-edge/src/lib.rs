@@ -9,3 +9,7 @@ pub mod generation_store;
 pub mod hub;
 pub mod node_link;
 pub mod server;
+pub mod demo;
+pub mod driver;
+pub mod http;
+pub mod status;

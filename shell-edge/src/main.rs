@@ -25,6 +25,10 @@ enum Command {
         #[arg(long, short, env = "IOP_EDGE_CONFIG")]
         config: PathBuf,
     },
+    /// Run a complete local deployment (Edge + Node on loopback, dev
+    /// certificates, Ollama if found, else the built-in mock provider) and
+    /// print how to call it.
+    Demo(iop_edge::demo::DemoArgs),
     /// Certificate management for a deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -74,6 +78,7 @@ fn main() -> anyhow::Result<()> {
                 edge.shutdown().await;
                 Ok(())
             }
+            Command::Demo(args) => iop_edge::demo::run(args).await,
             Command::Certs(CertsCommand::Init {
                 out,
                 nodes,

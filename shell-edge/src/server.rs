@@ -33,12 +33,15 @@ pub enum StartError {
 pub struct RunningEdge {
     /// Where nodes connect.
     pub quic_addr: SocketAddr,
+    /// Where clients connect.
+    pub http_addr: SocketAddr,
     /// The hub.
     pub hub: HubHandle,
     /// The validated configuration.
     pub config: Arc<EdgeConfig>,
     endpoint: quinn::Endpoint,
     accept_task: JoinHandle<()>,
+    http_task: JoinHandle<()>,
 }
 
 impl RunningEdge {
@@ -77,12 +80,29 @@ impl RunningEdge {
             }
         });
         tracing::info!(event = "edge_quic_listening", addr = %quic_addr);
+        let config = Arc::new(config);
+        let listener = tokio::net::TcpListener::bind(config.edge.http_listen).await?;
+        let http_addr = listener.local_addr()?;
+        let app = crate::http::router(crate::http::AppState::new(
+            config.clone(),
+            hub.clone(),
+            clock,
+            Arc::new(|_| {}),
+        ));
+        let http_task = tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(event = "edge_http_failed", error = %e);
+            }
+        });
+        tracing::info!(event = "edge_http_listening", addr = %http_addr);
         Ok(Self {
             quic_addr,
+            http_addr,
             hub,
-            config: Arc::new(config),
+            config,
             endpoint,
             accept_task,
+            http_task,
         })
     }
 
@@ -90,6 +110,7 @@ impl RunningEdge {
     /// briefly for the closes to go out.
     pub async fn shutdown(self) {
         self.accept_task.abort();
+        self.http_task.abort();
         self.endpoint
             .close(CloseCode::Shutdown.code().into(), CloseCode::Shutdown.as_str().as_bytes());
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle()).await;

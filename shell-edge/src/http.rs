@@ -1,0 +1,511 @@
+//! The client-facing HTTP server: the OpenAI API (`/v1/chat/completions`,
+//! `/v1/responses`, `/v1/models`), the Ollama API (`/api/chat`,
+//! `/api/generate`, `/api/tags`) and the operator surface (`/status`,
+//! `/healthz`).
+//!
+//! Handlers authenticate, parse and validate, then hand the request to a
+//! [`crate::driver`] task and turn its deliveries into the API's own wire
+//! format. Every error is the API's own error JSON.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::Stream;
+use iop_core::edge::gate::{AdmissionFailure, GateFailure};
+use iop_core::ids::ProviderId;
+use iop_wire::{FailureCode, RunApi};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use crate::api::error::ApiError;
+use crate::api::{chat, models, ollama, responses};
+use crate::config::{ApiKey, EdgeConfig};
+use crate::driver::{self, Delivery, DriverContext, DriverObservation, TunnelBody, Work};
+use crate::hub::HubHandle;
+
+/// Shared state of every handler.
+#[derive(Clone)]
+pub struct AppState {
+    config: Arc<EdgeConfig>,
+    /// SHA-256 of each key -> the key's entry (the key itself is compared
+    /// only through its digest).
+    keys: Arc<HashMap<[u8; 32], ApiKey>>,
+    ctx: DriverContext,
+    hub: HubHandle,
+    ids: Arc<AtomicU64>,
+}
+
+impl AppState {
+    /// State for `config`, dispatching through `hub`.
+    pub fn new(
+        config: Arc<EdgeConfig>,
+        hub: HubHandle,
+        clock: iop_transport::clock::Clock,
+        observe: Arc<dyn Fn(DriverObservation) + Send + Sync>,
+    ) -> Self {
+        let keys = config
+            .api_keys
+            .iter()
+            .map(|k| (digest(&k.key), k.clone()))
+            .collect();
+        let modes = config
+            .providers
+            .iter()
+            .map(|p| (p.spec.id.clone(), p.mode))
+            .collect();
+        Self {
+            ctx: DriverContext {
+                hub: hub.clone(),
+                clock,
+                next_request_id: Arc::new(AtomicU64::new(1)),
+                max_attempts: config.admission.max_attempts,
+                request_budget: Duration::from_millis(config.admission.request_budget_ms),
+                modes: Arc::new(modes),
+                observe,
+            },
+            keys: Arc::new(keys),
+            hub,
+            ids: Arc::new(AtomicU64::new(1)),
+            config,
+        }
+    }
+
+    fn next_id(&self) -> u64 {
+        // Unique per process; mixed so ids do not reveal request counts.
+        let n = self.ids.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5851_F42D_4C95_7F2D
+    }
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// The router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(create_response))
+        .route("/v1/models", get(list_models))
+        .route("/api/chat", post(ollama_chat))
+        .route("/api/generate", post(ollama_generate))
+        .route("/api/tags", get(ollama_tags))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/status", get(status))
+        .fallback(|| async { error_response(&ApiError::not_found_route()) })
+        .with_state(state)
+}
+
+/// The API's error as a response (with `Retry-After` when set).
+pub fn error_response(err: &ApiError) -> Response {
+    json_error(err, err.to_json())
+}
+
+fn ollama_error_response(err: &ApiError) -> Response {
+    json_error(err, err.to_ollama_json())
+}
+
+fn json_error(err: &ApiError, body: serde_json::Value) -> Response {
+    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = (status, axum::Json(body)).into_response();
+    if let Some(secs) = err.retry_after_secs
+        && let Ok(v) = HeaderValue::from_str(&secs.to_string())
+    {
+        resp.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    resp
+}
+
+fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+    let value = headers
+        .get(header::AUTHORIZATION)
+        .ok_or_else(ApiError::missing_api_key)?;
+    let value = value.to_str().map_err(|_| ApiError::invalid_api_key())?;
+    let token = value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .ok_or_else(ApiError::invalid_api_key)?
+        .trim();
+    state
+        .keys
+        .get(&digest(token))
+        .cloned()
+        .ok_or_else(ApiError::invalid_api_key)
+}
+
+async fn read_body(state: &AppState, body: Body) -> Result<bytes::Bytes, ApiError> {
+    let limit = state.config.edge.max_body_bytes;
+    axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::body_too_large(limit))
+}
+
+/// The pool for `model`, if the key may use it.
+fn pool_for(state: &AppState, key: &ApiKey, model: &str) -> Result<Vec<ProviderId>, ApiError> {
+    match state.config.route(model) {
+        Some(pool) if key.allows(model) => Ok(pool.to_vec()),
+        // A model the key may not use is indistinguishable from one that
+        // does not exist.
+        _ => Err(ApiError::model_not_found(model)),
+    }
+}
+
+/// The error a gate failure becomes.
+pub fn gate_error(kind: GateFailure) -> ApiError {
+    match kind {
+        GateFailure::Admission(AdmissionFailure::QueueFull) => ApiError::queue_full(1),
+        GateFailure::Admission(AdmissionFailure::NoEligibleProvider) => ApiError::no_provider(),
+        GateFailure::Admission(AdmissionFailure::QueueTimeout) => ApiError::queue_timeout(),
+        GateFailure::BudgetExpired => ApiError::budget_expired(),
+        GateFailure::Attempt(code) => ApiError::from_failure(code),
+    }
+}
+
+/// Wait for the driver's first delivery: the commit or the one error.
+async fn first(rx: &mut mpsc::Receiver<Delivery>) -> Result<Option<(u16, Vec<iop_wire::Header>)>, ApiError> {
+    match rx.recv().await {
+        Some(Delivery::Commit { tunnel_head }) => Ok(tunnel_head),
+        Some(Delivery::Fail { kind, .. }) => Err(gate_error(kind)),
+        Some(other) => {
+            tracing::error!(event = "edge_driver_protocol_bug", delivery = ?other);
+            Err(ApiError::from_failure(FailureCode::Internal))
+        }
+        None => Err(ApiError::from_failure(FailureCode::Internal)),
+    }
+}
+
+fn tunnel_body(path: &str, body: &[u8]) -> TunnelBody {
+    TunnelBody {
+        path: path.to_owned(),
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: body.to_vec(),
+    }
+}
+
+fn unix_now() -> u64 {
+    iop_transport::clock::unix_ms() / 1000
+}
+
+async fn chat_completions(State(state): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let key = match authenticate(&state, &parts.headers) {
+        Ok(k) => k,
+        Err(e) => return error_response(&e),
+    };
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let req = match chat::parse_chat_request(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(&e),
+    };
+    let pool = match pool_for(&state, &key, &req.model) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e),
+    };
+    let work = Work {
+        model: req.model.clone(),
+        api: RunApi::Chat,
+        messages: req.messages.clone(),
+        tools: req.tools.clone(),
+        params: req.params.clone(),
+        tunnel: Some(tunnel_body("/v1/chat/completions", &body)),
+    };
+    let mut rx = driver::spawn(state.ctx.clone(), pool, work);
+    let head = match first(&mut rx).await {
+        Ok(h) => h,
+        Err(e) => return error_response(&e),
+    };
+    if let Some((status, headers)) = head {
+        return tunnel_response(status, headers, rx);
+    }
+    let id = crate::api::ids::chat_completion_id(state.next_id());
+    let created = unix_now();
+    if req.stream {
+        let mut enc = chat::ChatStream::new(&id, &req.model, created, req.include_usage);
+        let stream = async_stream(rx, move |d| match d {
+            Delivery::Event(ev) => enc.event(&ev).into_iter().map(data_event).collect(),
+            Delivery::Finish => {
+                let mut out: Vec<Event> = enc.finish().into_iter().map(data_event).collect();
+                out.push(Event::default().data("[DONE]"));
+                out
+            }
+            Delivery::Fail { kind, .. } => {
+                vec![data_event(chat::error_payload(&gate_error(kind)))]
+            }
+            _ => Vec::new(),
+        });
+        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+    } else {
+        let mut acc = chat::ChatAccumulator::new(&id, &req.model, created);
+        while let Some(d) = rx.recv().await {
+            match d {
+                Delivery::Event(ev) => acc.push(&ev),
+                Delivery::Finish => return axum::Json(acc.finish()).into_response(),
+                Delivery::Fail { kind, .. } => return error_response(&gate_error(kind)),
+                _ => {}
+            }
+        }
+        error_response(&ApiError::from_failure(FailureCode::Internal))
+    }
+}
+
+async fn create_response(State(state): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let key = match authenticate(&state, &parts.headers) {
+        Ok(k) => k,
+        Err(e) => return error_response(&e),
+    };
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let req = match responses::parse_responses_request(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(&e),
+    };
+    let pool = match pool_for(&state, &key, &req.model) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e),
+    };
+    let work = Work {
+        model: req.model.clone(),
+        api: RunApi::Chat,
+        messages: req.messages.clone(),
+        tools: req.tools.clone(),
+        params: req.params.clone(),
+        tunnel: Some(tunnel_body("/v1/responses", &body)),
+    };
+    let mut rx = driver::spawn(state.ctx.clone(), pool, work);
+    let head = match first(&mut rx).await {
+        Ok(h) => h,
+        Err(e) => return error_response(&e),
+    };
+    if let Some((status, headers)) = head {
+        return tunnel_response(status, headers, rx);
+    }
+    let n = state.next_id();
+    let id = crate::api::ids::response_id(n);
+    let created = unix_now();
+    if req.stream {
+        let mut enc = responses::ResponsesStream::new(&id, &req.model, created, n);
+        let mut opened = enc.start();
+        let stream = async_stream(rx, move |d| {
+            let mut out: Vec<Event> = std::mem::take(&mut opened).into_iter().map(named_event).collect();
+            match d {
+                Delivery::Event(ev) => out.extend(enc.event(&ev).into_iter().map(named_event)),
+                Delivery::Finish => out.extend(enc.finish().into_iter().map(named_event)),
+                Delivery::Fail { kind, .. } => {
+                    out.extend(enc.fail(&gate_error(kind)).into_iter().map(named_event))
+                }
+                _ => {}
+            }
+            out
+        });
+        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+    } else {
+        let mut acc = responses::ResponsesAccumulator::new(&id, &req.model, created, n);
+        while let Some(d) = rx.recv().await {
+            match d {
+                Delivery::Event(ev) => acc.push(&ev),
+                Delivery::Finish => return axum::Json(acc.finish()).into_response(),
+                Delivery::Fail { kind, .. } => return error_response(&gate_error(kind)),
+                _ => {}
+            }
+        }
+        error_response(&ApiError::from_failure(FailureCode::Internal))
+    }
+}
+
+async fn list_models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let key = match authenticate(&state, &headers) {
+        Ok(k) => k,
+        Err(e) => return error_response(&e),
+    };
+    let names: Vec<String> = state
+        .config
+        .routes
+        .iter()
+        .map(|(m, _)| m.clone())
+        .filter(|m| key.allows(m))
+        .collect();
+    axum::Json(models::models_list_json(&names, unix_now())).into_response()
+}
+
+async fn ollama_chat(State(state): State<AppState>, request: Request) -> Response {
+    ollama_run(state, request, RunApi::Chat).await
+}
+
+async fn ollama_generate(State(state): State<AppState>, request: Request) -> Response {
+    ollama_run(state, request, RunApi::Generate).await
+}
+
+async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response {
+    let (parts, body) = request.into_parts();
+    let key = match authenticate(&state, &parts.headers) {
+        Ok(k) => k,
+        Err(e) => return ollama_error_response(&e),
+    };
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(e) => return ollama_error_response(&e),
+    };
+    let parsed = match api {
+        RunApi::Chat => ollama::parse_ollama_chat(&body),
+        RunApi::Generate => ollama::parse_ollama_generate(&body),
+    };
+    let req = match parsed {
+        Ok(r) => r,
+        Err(e) => return ollama_error_response(&e),
+    };
+    let pool = match pool_for(&state, &key, &req.model) {
+        Ok(p) => p,
+        Err(e) => return ollama_error_response(&e),
+    };
+    let work = Work {
+        model: req.model.clone(),
+        api,
+        messages: req.messages.clone(),
+        tools: req.tools.clone(),
+        params: req.params.clone(),
+        tunnel: None,
+    };
+    let mut rx = driver::spawn(state.ctx.clone(), pool, work);
+    if let Err(e) = first(&mut rx).await {
+        return ollama_error_response(&e);
+    }
+    let mut enc = ollama::OllamaStream::new(&req.model, api);
+    if req.stream {
+        let lines = futures::stream::unfold((rx, enc, false), |(mut rx, mut enc, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                let d = rx.recv().await?;
+                let (lines, end) = match d {
+                    Delivery::Event(ev) => (enc.event(&ev), false),
+                    Delivery::Finish => (enc.finish(), true),
+                    Delivery::Fail { kind, .. } => (vec![gate_error(kind).to_ollama_json()], true),
+                    _ => continue,
+                };
+                let mut text = String::new();
+                for l in lines {
+                    text.push_str(&l.to_string());
+                    text.push('\n');
+                }
+                return Some((Ok::<_, Infallible>(bytes::Bytes::from(text)), (rx, enc, end)));
+            }
+        });
+        Response::builder()
+            .header(header::CONTENT_TYPE, "application/x-ndjson")
+            .body(Body::from_stream(lines))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    } else {
+        while let Some(d) = rx.recv().await {
+            match d {
+                Delivery::Event(ev) => {
+                    let _ = enc.event(&ev);
+                }
+                Delivery::Finish => return axum::Json(enc.finish_single()).into_response(),
+                Delivery::Fail { kind, .. } => return ollama_error_response(&gate_error(kind)),
+                _ => {}
+            }
+        }
+        ollama_error_response(&ApiError::from_failure(FailureCode::Internal))
+    }
+}
+
+async fn ollama_tags(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let key = match authenticate(&state, &headers) {
+        Ok(k) => k,
+        Err(e) => return ollama_error_response(&e),
+    };
+    let names: Vec<String> = state
+        .config
+        .routes
+        .iter()
+        .map(|(m, _)| m.clone())
+        .filter(|m| key.allows(m))
+        .collect();
+    axum::Json(ollama::tags_json(&names)).into_response()
+}
+
+async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let key = match authenticate(&state, &headers) {
+        Ok(k) => k,
+        Err(e) => return error_response(&e),
+    };
+    if !key.admin {
+        return error_response(&ApiError::permission_denied("status requires an admin key"));
+    }
+    match state.hub.snapshot().await {
+        Ok(snap) => axum::Json(crate::status::status_json(&state.config, &snap)).into_response(),
+        Err(_) => error_response(&ApiError::from_failure(FailureCode::Internal)),
+    }
+}
+
+/// A tunnelled response: the provider's status and headers, then its body.
+fn tunnel_response(status: u16, headers: Vec<iop_wire::Header>, rx: mpsc::Receiver<Delivery>) -> Response {
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        loop {
+            match rx.recv().await? {
+                Delivery::Body(bytes) => return Some((Ok::<_, Infallible>(bytes::Bytes::from(bytes)), rx)),
+                Delivery::Finish | Delivery::Fail { .. } => return None,
+                _ => continue,
+            }
+        }
+    });
+    let mut builder = Response::builder()
+        .status(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY));
+    for (name, value) in headers {
+        let lower = name.to_ascii_lowercase();
+        if matches!(
+            lower.as_str(),
+            "content-length" | "transfer-encoding" | "connection" | "keep-alive"
+        ) {
+            continue;
+        }
+        builder = builder.header(name, value);
+    }
+    builder
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
+}
+
+fn data_event(json: serde_json::Value) -> Event {
+    Event::default().data(json.to_string())
+}
+
+fn named_event((name, json): (&'static str, serde_json::Value)) -> Event {
+    Event::default().event(name).data(json.to_string())
+}
+
+/// Turn driver deliveries into SSE events until the stream ends.
+fn async_stream<F>(rx: mpsc::Receiver<Delivery>, f: F) -> impl Stream<Item = Result<Event, Infallible>>
+where
+    F: FnMut(Delivery) -> Vec<Event> + Send + 'static,
+{
+    futures::stream::unfold((rx, f, false), |(mut rx, mut f, done)| async move {
+        if done {
+            return None;
+        }
+        let d = rx.recv().await?;
+        let end = matches!(d, Delivery::Finish | Delivery::Fail { .. });
+        let events = f(d);
+        Some((futures::stream::iter(events.into_iter().map(Ok)), (rx, f, end)))
+    })
+    .flatten()
+}
+
+use futures::StreamExt as _;
