@@ -185,15 +185,17 @@ async fn execute<S, F>(
     }
 
     let mut provider = Some(start(&adapter));
+    let mut canceling = false;
     loop {
         tokio::select! {
             biased;
             ctrl = control.recv() => match ctrl {
                 Some(RunControl::CancelProvider) => {
-                    // Dropping the stream closes the provider HTTP request.
-                    if provider.take().is_some() {
-                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
-                    }
+                    // The stall is claimed: nothing more is forwarded (the
+                    // watchdog fences it). The provider call gets the close
+                    // grace to return on its own (R-WD-4); it is closed at
+                    // the latest when the stall terminal arrives.
+                    canceling = true;
                 }
                 Some(RunControl::Terminal(RunTerminal::Failed(failure))) => {
                     drop(provider.take());
@@ -211,6 +213,11 @@ async fn execute<S, F>(
             },
             item = next_item(&mut provider) => {
                 let Some(item) = item else {
+                    if canceling {
+                        provider = None;
+                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
+                        continue;
+                    }
                     // The provider stream ended without a terminal: a broken
                     // adapter; report it as a provider error.
                     provider = None;
@@ -226,6 +233,16 @@ async fn execute<S, F>(
                 };
                 let terminal = S::is_terminal(&item);
                 let event = S::event(&item);
+                if canceling {
+                    // Late output after the claim: offered so the watchdog
+                    // fences and counts it (R-WD-6); the call returned when
+                    // its terminal shows up.
+                    let _ = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await;
+                    if terminal {
+                        provider = None;
+                    }
+                    continue;
+                }
                 let Some(emission) = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await else {
                     break;
                 };
