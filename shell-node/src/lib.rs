@@ -41,7 +41,7 @@ impl RunningNode {
             .iter()
             .map(|p| Adapter::new(p, http.clone()))
             .collect();
-        let shared = Arc::new(LinkShared::new(adapters));
+        let shared = Arc::new(LinkShared::new(adapters, config.watchdog.probe_bound));
         let (shutdown, rx) = watch::channel(false);
         let task = tokio::spawn(supervisor::run(Arc::new(config), shared.clone(), rx));
         Self {

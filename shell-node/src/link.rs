@@ -37,6 +37,8 @@ use crate::run;
 pub struct LinkShared {
     /// One adapter per configured provider target.
     pub adapters: Vec<Adapter>,
+    /// Bound of every exact-target probe (R-WD-3, R-CAP-1).
+    pub probe_bound: std::time::Duration,
     /// Test hook: while true, the control loop stops reading and answering
     /// heartbeats (the connection itself stays up).
     pub pause_control: watch::Sender<bool>,
@@ -58,9 +60,10 @@ pub struct LinkShared {
 
 impl LinkShared {
     /// Shared state for `adapters`.
-    pub fn new(adapters: Vec<Adapter>) -> Self {
+    pub fn new(adapters: Vec<Adapter>, probe_bound: std::time::Duration) -> Self {
         Self {
             adapters,
+            probe_bound,
             pause_control: watch::channel(false).0,
             fenced_late_outputs: AtomicU64::new(0),
             stalls: AtomicU64::new(0),
@@ -545,10 +548,15 @@ impl Link {
                     let adapter = self.runs.get(&run_id).and_then(|slot| {
                         self.shared.adapter(slot.adapter, &slot.target).cloned()
                     });
-                    // The watchdog bounds the probe; the task need not.
+                    let bound = self.shared.probe_bound;
                     self.probes.spawn(async move {
                         let outcome = match adapter {
-                            Some(a) => probe_outcome(a.probe().await),
+                            Some(a) => match tokio::time::timeout(bound, a.probe()).await {
+                                Ok(verdict) => probe_outcome(verdict),
+                                // The watchdog treats its own bound the same
+                                // way; this only stops the task (R-WD-5).
+                                Err(_) => ProbeOutcome::Failed,
+                            },
                             None => ProbeOutcome::Failed,
                         };
                         (run_id, outcome)

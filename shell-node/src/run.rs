@@ -310,8 +310,16 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
         },
         CommandKind::Capabilities => {
             // The same bounded exact-target probe as the stall path (R-CAP-1).
+            let bound = shared.probe_bound;
             let probes = shared.adapters.iter().map(|a| async move {
-                let verdict = a.probe().await;
+                let verdict = match tokio::time::timeout(bound, a.probe()).await {
+                    Ok(v) => v,
+                    Err(_) => crate::adapter::ProbeVerdict {
+                        health: iop_wire::ProviderHealth::Unknown,
+                        failure: Some(iop_wire::HealthFailureCode::Timeout),
+                        models: Vec::new(),
+                    },
+                };
                 TargetHealth {
                     adapter: a.kind(),
                     target: a.target().to_owned(),
