@@ -676,7 +676,13 @@ impl Watchdog {
     /// Fire every timer due at `now`: hard deadlines, stall claims, close
     /// graces and probe bounds. Calling it early is harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some(&(wakeup, run_id)) = self.wakeups.first() {
+        // Each run has one wake-up and `fire_due` re-arms it strictly after
+        // `now`, so one pass visits each run at most once: bound the loop by
+        // that.
+        for _ in 0..self.wakeups.len() {
+            let Some(&(wakeup, run_id)) = self.wakeups.first() else {
+                break;
+            };
             if wakeup > now {
                 break;
             }
@@ -684,9 +690,14 @@ impl Watchdog {
             if let Some(run) = self.runs.get_mut(&run_id) {
                 run.armed = None;
             }
-            // Re-arms the run strictly after `now`, so each run is visited at
-            // most once per call.
             self.fire_due(now, run_id);
+            debug_assert!(
+                self.runs
+                    .get(&run_id)
+                    .and_then(|run| run.armed)
+                    .is_none_or(|armed| armed > now),
+                "a fired run is re-armed after now"
+            );
         }
     }
 
@@ -1839,5 +1850,704 @@ mod tests {
         let failure = stall_terminal(&outputs);
         assert!(!failure.retryable);
         assert_eq!(failure.provider_health, Some(ProviderHealth::Unknown));
+    }
+
+    /// A random driver against a reference model: after every step, every
+    /// output is checked against what the rules allow.
+    mod properties {
+        use super::*;
+        use proptest::collection::vec;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Start {
+                run_id: RunId,
+                tunnel: bool,
+                stall_ms: u64,
+                deadline_ms: Option<u64>,
+            },
+            Progress {
+                pick: Pick,
+            },
+            Neutral {
+                pick: Pick,
+            },
+            Return {
+                pick: Pick,
+                failed: bool,
+            },
+            Probe {
+                pick: Pick,
+                outcome: ProbeOutcome,
+            },
+            Cancel {
+                pick: Pick,
+                reason: CancelReason,
+            },
+            Disconnect,
+            TakeSeq,
+            Advance {
+                ms: u64,
+            },
+            /// A late driver: the clock moves without firing timers (a
+            /// punctual driver advances instead).
+            Jump {
+                ms: u64,
+            },
+        }
+
+        /// Which run an input is for, resolved when it is applied, so most
+        /// inputs reach a live run or a stall being joined.
+        #[derive(Debug, Clone, Copy)]
+        enum Pick {
+            Live(usize),
+            Claimed(usize),
+            Any(RunId),
+        }
+
+        fn run_id() -> impl Strategy<Value = RunId> {
+            0..10u64
+        }
+
+        fn pick() -> impl Strategy<Value = Pick> {
+            prop_oneof![
+                3 => any::<usize>().prop_map(Pick::Live),
+                3 => any::<usize>().prop_map(Pick::Claimed),
+                1 => run_id().prop_map(Pick::Any),
+            ]
+        }
+
+        fn probe_outcome() -> impl Strategy<Value = ProbeOutcome> {
+            prop_oneof![
+                Just(ProbeOutcome::Healthy),
+                Just(ProbeOutcome::Failed),
+                proptest::option::of(prop_oneof![
+                    Just(HealthFailureCode::Http5xx),
+                    Just(HealthFailureCode::Timeout),
+                ])
+                .prop_map(ProbeOutcome::Unhealthy),
+            ]
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (
+                    run_id(),
+                    any::<bool>(),
+                    (1..20u64).prop_map(|n| n * 100),
+                    proptest::option::of((0..60u64).prop_map(|n| n * 100)),
+                )
+                    .prop_map(|(run_id, tunnel, stall_ms, deadline_ms)| Op::Start {
+                        run_id,
+                        tunnel,
+                        stall_ms,
+                        deadline_ms,
+                    }),
+                6 => pick().prop_map(|pick| Op::Progress { pick }),
+                1 => pick().prop_map(|pick| Op::Neutral { pick }),
+                3 => (pick(), any::<bool>())
+                    .prop_map(|(pick, failed)| Op::Return { pick, failed }),
+                3 => (pick(), probe_outcome())
+                    .prop_map(|(pick, outcome)| Op::Probe { pick, outcome }),
+                1 => (pick(), any::<bool>()).prop_map(|(pick, disconnect)| Op::Cancel {
+                    pick,
+                    reason: if disconnect {
+                        CancelReason::Disconnect
+                    } else {
+                        CancelReason::Client
+                    },
+                }),
+                1 => Just(Op::Disconnect),
+                1 => Just(Op::TakeSeq),
+                // A coarse grid makes timers and inputs coincide often.
+                8 => (0..25u64).prop_map(|n| Op::Advance { ms: n * 100 }),
+                1 => (0..25u64).prop_map(|n| Op::Jump { ms: n * 100 }),
+            ]
+        }
+
+        /// What caused the outputs being checked.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        enum Cause {
+            Timer,
+            Input(RunId),
+            Return { run_id: RunId, failed: bool },
+            Probe(RunId, ProbeOutcome),
+            Cancel(Option<RunId>, CancelReason),
+        }
+
+        /// The reference model of one started run.
+        #[derive(Debug)]
+        struct Model {
+            stall_timeout: Duration,
+            deadline: Option<Instant>,
+            last_progress: Instant,
+            provider_canceled: bool,
+            claimed_at: Option<Instant>,
+            /// The provider returned within the grace.
+            returned_at: Option<Instant>,
+            /// The probe verdict that arrived within the bound.
+            verdict: Option<(Instant, ProbeOutcome)>,
+            terminal_at: Option<Instant>,
+        }
+
+        impl Model {
+            fn is_active(&self) -> bool {
+                self.terminal_at.is_none()
+            }
+        }
+
+        struct Sim {
+            wd: Watchdog,
+            now: Instant,
+            grace: Duration,
+            probe: Duration,
+            max_active_runs: usize,
+            /// Whether `Jump` moves the clock without firing timers; exact
+            /// timing is checked only for a punctual driver.
+            late_driver: bool,
+            runs: BTreeMap<RunId, Model>,
+            last_seq: u64,
+            fenced: u64,
+            unknown: u64,
+        }
+
+        impl Sim {
+            fn new(
+                grace_ms: u64,
+                probe_ms: u64,
+                max_active_runs: usize,
+                late_driver: bool,
+            ) -> Self {
+                let config = WatchdogConfig {
+                    close_grace: Duration::from_millis(grace_ms),
+                    probe_bound: Duration::from_millis(probe_ms),
+                    max_active_runs,
+                };
+                Self {
+                    wd: Watchdog::new(config, Some(ObservationSequence::new())),
+                    now: ms(1_000),
+                    grace: config.close_grace,
+                    probe: config.probe_bound,
+                    max_active_runs,
+                    late_driver,
+                    runs: BTreeMap::new(),
+                    last_seq: 0,
+                    fenced: 0,
+                    unknown: 0,
+                }
+            }
+
+            fn resolve(&self, pick: Pick) -> RunId {
+                let (index, claimed_only) = match pick {
+                    Pick::Any(run_id) => return run_id,
+                    Pick::Live(index) => (index, false),
+                    Pick::Claimed(index) => (index, true),
+                };
+                let candidates: Vec<RunId> = self
+                    .runs
+                    .iter()
+                    .filter(|(_, m)| m.is_active() && (!claimed_only || m.claimed_at.is_some()))
+                    .map(|(run_id, _)| *run_id)
+                    .collect();
+                if candidates.is_empty() {
+                    RunId::try_from(index % 10).expect("small")
+                } else {
+                    candidates[index % candidates.len()]
+                }
+            }
+
+            fn active_before(&self, run_id: RunId) -> bool {
+                self.runs.get(&run_id).is_some_and(Model::is_active)
+            }
+
+            fn apply(&mut self, op: &Op) {
+                let now = self.now;
+                match *op {
+                    Op::Start {
+                        run_id,
+                        tunnel,
+                        stall_ms,
+                        deadline_ms,
+                    } => {
+                        let stall_timeout = effective_stall_timeout(stall_ms).expect("in range");
+                        let deadline = deadline_ms.map(|d| now + Duration::from_millis(d));
+                        let kind = if tunnel {
+                            RunKind::Tunnel
+                        } else {
+                            RunKind::Normalized
+                        };
+                        let result = self.wd.start(now, run_id, kind, stall_timeout, deadline);
+                        let active = self.runs.values().filter(|m| m.is_active()).count();
+                        let expected = match self.runs.get(&run_id) {
+                            Some(model) if model.is_active() => {
+                                Err(WatchdogError::DuplicateRun { run_id })
+                            }
+                            Some(_) => Err(WatchdogError::FinishedRun { run_id }),
+                            None if active >= self.max_active_runs => {
+                                Err(WatchdogError::TooManyRuns {
+                                    max_active_runs: self.max_active_runs,
+                                })
+                            }
+                            None => Ok(()),
+                        };
+                        assert_eq!(result, expected);
+                        if result.is_ok() {
+                            self.runs.insert(
+                                run_id,
+                                Model {
+                                    stall_timeout,
+                                    deadline,
+                                    last_progress: now,
+                                    provider_canceled: false,
+                                    claimed_at: None,
+                                    returned_at: None,
+                                    verdict: None,
+                                    terminal_at: None,
+                                },
+                            );
+                        }
+                        let _ = self.absorb(Cause::Timer);
+                    }
+                    Op::Progress { pick } | Op::Neutral { pick } => {
+                        let run_id = self.resolve(pick);
+                        let active_before = self.active_before(run_id);
+                        let emission = match op {
+                            Op::Progress { .. } => self.wd.progress(now, run_id, Progress::Content),
+                            _ => self.wd.neutral(now, run_id),
+                        };
+                        let _ = self.absorb(Cause::Input(run_id));
+                        let forwardable = active_before
+                            && self
+                                .runs
+                                .get(&run_id)
+                                .is_some_and(|m| m.claimed_at.is_none() && m.terminal_at.is_none());
+                        self.check_emission(run_id, emission, forwardable);
+                        if emission == Emission::Forward {
+                            self.assert_nothing_overdue(run_id);
+                        }
+                        if emission == Emission::Forward
+                            && matches!(op, Op::Progress { .. })
+                            && let Some(model) = self.runs.get_mut(&run_id)
+                        {
+                            model.last_progress = now;
+                        }
+                    }
+                    Op::Return { pick, failed } => {
+                        let run_id = self.resolve(pick);
+                        let active_before = self.active_before(run_id);
+                        let outcome = if failed {
+                            ProviderOutcome::Failed(ExecutionFailure {
+                                retryable: true,
+                                provider_health: Some(ProviderHealth::Available),
+                                health_observation_seq: Some(u64::MAX),
+                                ..ExecutionFailure::new(FailureCode::ProviderError)
+                            })
+                        } else {
+                            ProviderOutcome::Completed
+                        };
+                        let emission = self.wd.provider_returned(now, run_id, outcome);
+                        let grace = self.grace;
+                        // A stall claimed by an earlier input; one claimed by
+                        // this input is recorded while draining.
+                        if let Some(model) = self.runs.get_mut(&run_id)
+                            && active_before
+                            && let Some(claimed_at) = model.claimed_at
+                            && model.returned_at.is_none()
+                            && now < claimed_at + grace
+                        {
+                            model.returned_at = Some(now);
+                        }
+                        let ended_by_return = self.absorb(Cause::Return { run_id, failed });
+                        self.check_emission(run_id, emission, ended_by_return);
+                    }
+                    Op::Probe { pick, outcome } => {
+                        let run_id = self.resolve(pick);
+                        let active_before = self.active_before(run_id);
+                        self.wd.probe_result(now, run_id, outcome);
+                        let probe = self.probe;
+                        // A stall claimed by an earlier input; one claimed by
+                        // this input is recorded while draining.
+                        if let Some(model) = self.runs.get_mut(&run_id)
+                            && active_before
+                            && let Some(claimed_at) = model.claimed_at
+                            && model.verdict.is_none()
+                            && now < claimed_at + probe
+                        {
+                            model.verdict = Some((now, outcome));
+                        }
+                        let _ = self.absorb(Cause::Probe(run_id, outcome));
+                    }
+                    Op::Cancel { pick, reason } => {
+                        let run_id = self.resolve(pick);
+                        self.wd.cancel(now, run_id, reason);
+                        let _ = self.absorb(Cause::Cancel(Some(run_id), reason));
+                    }
+                    Op::Disconnect => {
+                        self.wd.cancel_all(now, CancelReason::Disconnect);
+                        let _ = self.absorb(Cause::Cancel(None, CancelReason::Disconnect));
+                        assert_eq!(self.wd.active_runs(), 0);
+                    }
+                    Op::TakeSeq => {
+                        let seq = self.wd.take_observation_seq().expect("bound");
+                        assert_eq!(seq, self.last_seq + 1, "unique and increasing");
+                        self.last_seq = seq;
+                    }
+                    Op::Advance { ms: step } => self.advance(Duration::from_millis(step)),
+                    Op::Jump { ms: step } if self.late_driver => {
+                        self.now += Duration::from_millis(step);
+                    }
+                    Op::Jump { ms: step } => self.advance(Duration::from_millis(step)),
+                }
+                self.check_global();
+            }
+
+            /// Step time like a punctual driver: fire every timer on time.
+            fn advance(&mut self, by: Duration) {
+                let target = self.now + by;
+                let mut wakeups = 0;
+                while let Some(wakeup) = self.wd.poll_timeout() {
+                    if wakeup > target {
+                        break;
+                    }
+                    wakeups += 1;
+                    assert!(wakeups < 10_000, "the timer makes progress");
+                    self.now = self.now.max(wakeup);
+                    self.wd.handle_timeout(self.now);
+                    let _ = self.absorb(Cause::Timer);
+                    self.check_global();
+                }
+                self.now = target;
+            }
+
+            fn check_emission(&mut self, run_id: RunId, emission: Emission, forward: bool) {
+                assert_eq!(
+                    emission == Emission::Forward,
+                    forward,
+                    "emission of {run_id}"
+                );
+                if emission == Emission::Fenced {
+                    if self.runs.contains_key(&run_id) {
+                        self.fenced += 1;
+                    } else {
+                        self.unknown += 1;
+                    }
+                }
+                assert_eq!(self.wd.fenced_late_outputs(), self.fenced);
+                assert_eq!(self.wd.unknown_run_outputs(), self.unknown);
+            }
+
+            /// Drain and check every output against the model; true if a
+            /// provider return became a run's terminal.
+            fn absorb(&mut self, cause: Cause) -> bool {
+                let now = self.now;
+                let outputs = drain(&mut self.wd);
+                let mut previous: Option<&WatchdogOutput> = None;
+                let mut ended_by_return = false;
+                for output in &outputs {
+                    let run_id = match output {
+                        WatchdogOutput::CancelProvider { run_id }
+                        | WatchdogOutput::StartProbe { run_id }
+                        | WatchdogOutput::Terminal { run_id, .. }
+                        | WatchdogOutput::StallObserved { run_id, .. } => *run_id,
+                    };
+                    if let Some(WatchdogOutput::StallObserved {
+                        run_id: observed, ..
+                    }) = previous
+                    {
+                        assert!(
+                            matches!(output, WatchdogOutput::Terminal { run_id, .. } if run_id == observed),
+                            "the stall terminal follows its observation"
+                        );
+                    }
+                    let model = self
+                        .runs
+                        .get_mut(&run_id)
+                        .expect("outputs only for started runs");
+                    assert!(
+                        model.is_active(),
+                        "no output for {run_id} after its terminal"
+                    );
+                    match output {
+                        WatchdogOutput::CancelProvider { .. } => {
+                            assert!(!model.provider_canceled, "provider canceled once");
+                            model.provider_canceled = true;
+                        }
+                        WatchdogOutput::StartProbe { .. } => {
+                            assert_eq!(
+                                previous,
+                                Some(&WatchdogOutput::CancelProvider { run_id }),
+                                "cancel the provider, then probe"
+                            );
+                            assert_eq!(model.claimed_at, None, "the stall is claimed once");
+                            let stall_moment = model.last_progress + model.stall_timeout;
+                            assert!(now >= stall_moment, "no claim before the stall moment");
+                            if !self.late_driver {
+                                assert_eq!(now, stall_moment, "claimed on time");
+                            }
+                            assert!(model.deadline.is_none_or(|d| now < d), "deadline wins");
+                            model.claimed_at = Some(now);
+                            // The input that made the claim applies after it.
+                            match cause {
+                                Cause::Return { run_id: r, .. }
+                                    if r == run_id && !self.grace.is_zero() =>
+                                {
+                                    model.returned_at = Some(now);
+                                }
+                                Cause::Probe(r, outcome)
+                                    if r == run_id && !self.probe.is_zero() =>
+                                {
+                                    model.verdict = Some((now, outcome));
+                                }
+                                _ => {}
+                            }
+                        }
+                        WatchdogOutput::StallObserved { kind: _, .. } => {
+                            assert!(model.claimed_at.is_some());
+                        }
+                        WatchdogOutput::Terminal { terminal, .. } => {
+                            let observed = matches!(
+                                previous,
+                                Some(WatchdogOutput::StallObserved { run_id: r, .. }) if *r == run_id
+                            );
+                            ended_by_return |= matches!(
+                                terminal,
+                                RunTerminal::Completed
+                                    | RunTerminal::Failed(ExecutionFailure {
+                                        code: FailureCode::ProviderError,
+                                        ..
+                                    })
+                            );
+                            self.check_terminal(run_id, terminal, cause, observed, previous);
+                        }
+                    }
+                    previous = Some(output);
+                }
+                assert!(
+                    !matches!(previous, Some(WatchdogOutput::StallObserved { .. })),
+                    "an observation is never the last output"
+                );
+                ended_by_return
+            }
+
+            fn check_terminal(
+                &mut self,
+                run_id: RunId,
+                terminal: &RunTerminal,
+                cause: Cause,
+                observed: bool,
+                previous: Option<&WatchdogOutput>,
+            ) {
+                let now = self.now;
+                let (grace, probe) = (self.grace, self.probe);
+                let model = self.runs.get_mut(&run_id).expect("started");
+                assert_eq!(model.terminal_at, None, "exactly one terminal");
+                model.terminal_at = Some(now);
+                let deadline_passed = model.deadline.is_some_and(|d| d <= now);
+                let failure = match terminal {
+                    RunTerminal::Completed => {
+                        assert_eq!(
+                            cause,
+                            Cause::Return {
+                                run_id,
+                                failed: false
+                            }
+                        );
+                        assert!(!deadline_passed, "a deadline that passed wins");
+                        assert!(
+                            now < model.last_progress + model.stall_timeout,
+                            "a stall that is due wins"
+                        );
+                        assert_eq!(model.claimed_at, None);
+                        assert!(!model.provider_canceled);
+                        return;
+                    }
+                    RunTerminal::Failed(failure) => failure,
+                };
+                if failure.code != FailureCode::ResponseStalled {
+                    assert!(!observed, "only stalls are observed");
+                    assert!(!failure.retryable, "no retry hint outside a stall (R-WD-4)");
+                    assert_eq!(failure.provider_health, None);
+                    assert_eq!(failure.health_observation_seq, None);
+                    assert_eq!(failure.stall, None);
+                }
+                match failure.code {
+                    FailureCode::ResponseStalled => {
+                        assert!(observed, "a stall terminal is observed");
+                        let claimed_at = model.claimed_at.expect("claimed");
+                        assert!(model.provider_canceled);
+                        assert!(!deadline_passed, "a deadline wins over the stall");
+                        assert!(!matches!(cause, Cause::Cancel(..)));
+                        // R-WD-3: emitted as soon as both joined, at the latest
+                        // at claim + max(grace, probe bound).
+                        let grace_until = claimed_at + grace;
+                        let probe_until = claimed_at + probe;
+                        let fence_done = model.returned_at.unwrap_or(grace_until);
+                        let probe_done = model.verdict.map_or(probe_until, |(at, _)| at);
+                        assert!(now >= fence_done.max(probe_done), "both joined");
+                        if !self.late_driver {
+                            assert_eq!(now, fence_done.max(probe_done), "emitted once joined");
+                            assert!(now <= claimed_at + grace.max(probe));
+                        }
+                        // R-WD-4.
+                        assert_eq!(failure.retryable, model.returned_at.is_some());
+                        // R-WD-5.
+                        let health = match model.verdict {
+                            Some((_, ProbeOutcome::Healthy)) => ProviderHealth::Available,
+                            Some((_, ProbeOutcome::Unhealthy(_))) => ProviderHealth::Unavailable,
+                            Some((_, ProbeOutcome::Failed)) | None => ProviderHealth::Unknown,
+                        };
+                        assert_eq!(failure.provider_health, Some(health));
+                        assert_eq!(
+                            failure.liveness_classification,
+                            Some(health.liveness_classification())
+                        );
+                        let stall = failure.stall.expect("stall metadata");
+                        assert_eq!(stall.stall_timeout_ms, duration_ms(model.stall_timeout));
+                        assert_eq!(
+                            stall.elapsed_ms,
+                            duration_ms(claimed_at - model.last_progress)
+                        );
+                        assert!(stall.elapsed_ms >= stall.stall_timeout_ms);
+                        assert_eq!(
+                            failure.health_failure,
+                            Some(HealthFailureCode::ResponseStalled)
+                        );
+                        assert_eq!(failure.http_status, None);
+                        // R-SEQ-1.
+                        let seq = failure.health_observation_seq.expect("bound");
+                        assert_eq!(seq, self.last_seq + 1, "unique and increasing");
+                        self.last_seq = seq;
+                        let Some(WatchdogOutput::StallObserved {
+                            elapsed_ms,
+                            health: observed_health,
+                            retryable,
+                            ..
+                        }) = previous
+                        else {
+                            unreachable!("checked above");
+                        };
+                        assert_eq!(*elapsed_ms, stall.elapsed_ms);
+                        assert_eq!(*observed_health, health);
+                        assert_eq!(*retryable, failure.retryable);
+                    }
+                    FailureCode::DeadlineExceeded => {
+                        let deadline = model.deadline.expect("a deadline");
+                        assert!(deadline <= now, "not before the deadline");
+                        if !self.late_driver {
+                            assert_eq!(deadline, now, "fired on time");
+                        }
+                        assert!(model.provider_canceled);
+                    }
+                    FailureCode::Canceled => {
+                        assert_eq!(cause, Cause::Cancel(Some(run_id), CancelReason::Client));
+                        assert!(!deadline_passed);
+                        assert!(model.provider_canceled);
+                    }
+                    FailureCode::TransportClosed => {
+                        assert!(
+                            matches!(
+                                cause,
+                                Cause::Cancel(Some(r), CancelReason::Disconnect) if r == run_id
+                            ) || cause == Cause::Cancel(None, CancelReason::Disconnect)
+                        );
+                        assert!(!deadline_passed);
+                        assert!(model.provider_canceled);
+                    }
+                    FailureCode::ProviderError => {
+                        assert_eq!(
+                            cause,
+                            Cause::Return {
+                                run_id,
+                                failed: true
+                            }
+                        );
+                        assert!(!deadline_passed, "a deadline that passed wins");
+                        assert!(
+                            now < model.last_progress + model.stall_timeout,
+                            "a stall that is due wins"
+                        );
+                        assert_eq!(model.claimed_at, None);
+                        assert!(!model.provider_canceled);
+                    }
+                    other => panic!("unexpected terminal code {other:?}"),
+                }
+            }
+
+            /// Forwarded output must not slip in after a due stall or deadline.
+            fn assert_nothing_overdue(&self, run_id: RunId) {
+                let model = &self.runs[&run_id];
+                assert!(self.now < model.last_progress + model.stall_timeout);
+                assert!(model.deadline.is_none_or(|d| self.now < d));
+            }
+
+            fn check_global(&self) {
+                let now = self.now;
+                let active: Vec<&Model> = self.runs.values().filter(|m| m.is_active()).collect();
+                assert_eq!(self.wd.active_runs(), active.len());
+                for (run_id, model) in &self.runs {
+                    assert_eq!(self.wd.is_active(*run_id), model.is_active());
+                }
+                // The next wake-up is never later than the earliest timer.
+                let earliest = active
+                    .iter()
+                    .map(|model| {
+                        let own = match model.claimed_at {
+                            None => model.last_progress + model.stall_timeout,
+                            Some(claimed_at) => {
+                                let mut next = Instant::MAX;
+                                let grace_until = claimed_at + self.grace;
+                                if model.returned_at.is_none() && now < grace_until {
+                                    next = next.min(grace_until);
+                                }
+                                let probe_until = claimed_at + self.probe;
+                                if model.verdict.is_none() && now < probe_until {
+                                    next = next.min(probe_until);
+                                }
+                                next
+                            }
+                        };
+                        model.deadline.map_or(own, |d| own.min(d))
+                    })
+                    .min();
+                match earliest {
+                    None => assert_eq!(self.wd.poll_timeout(), None),
+                    Some(earliest) => {
+                        let wakeup = self
+                            .wd
+                            .poll_timeout()
+                            .expect("a wake-up while runs are active");
+                        assert!(wakeup <= earliest, "poll_timeout {wakeup:?} > {earliest:?}");
+                    }
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig {
+                cases: 1000,
+                ..ProptestConfig::default()
+            })]
+
+            #[test]
+            fn every_run_gets_exactly_one_terminal_within_the_rules(
+                grace_ms in (0..30u64).prop_map(|n| n * 100),
+                probe_ms in (0..30u64).prop_map(|n| n * 100),
+                max_active_runs in 1..6usize,
+                late_driver in proptest::bool::weighted(0.25),
+                ops in vec(op(), 1..80),
+            ) {
+                let mut sim = Sim::new(grace_ms, probe_ms, max_active_runs, late_driver);
+                for op in &ops {
+                    sim.apply(op);
+                }
+                // Let every remaining run reach its terminal.
+                sim.advance(Duration::from_secs(60));
+                prop_assert_eq!(sim.wd.active_runs(), 0);
+                prop_assert_eq!(sim.wd.poll_timeout(), None);
+                prop_assert!(sim.runs.values().all(|m| m.terminal_at.is_some()));
+                prop_assert_eq!(sim.wd.next_observation_seq(), Some(sim.last_seq + 1));
+            }
+        }
     }
 }
