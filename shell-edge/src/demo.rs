@@ -58,7 +58,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         Some(models) if !models.is_empty() => ("ollama", args.ollama.clone(), models),
         _ => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let server = iop_node::mock::MockServer::start(listener, iop_node::mock::MockScript::default());
+            let server =
+                iop_node::mock::MockServer::start(listener, iop_node::mock::MockScript::default());
             let url = format!("http://{}", server.addr());
             mock = Some(server);
             ("openai", url, vec!["mock".to_owned()])
@@ -128,10 +129,18 @@ models = [{model_list}]
     }
     let model = &models[0];
     println!();
-    println!("iop demo is running: an Edge and a Node on loopback (QUIC {}),", edge.quic_addr);
+    println!(
+        "iop demo is running: an Edge and a Node on loopback (QUIC {}),",
+        edge.quic_addr
+    );
     match &mock {
-        Some(_) => println!("serving the built-in mock provider through the node's openai adapter."),
-        None => println!("serving Ollama at {} through the node's ollama adapter.", args.ollama),
+        Some(_) => {
+            println!("serving the built-in mock provider through the node's openai adapter.")
+        }
+        None => println!(
+            "serving Ollama at {} through the node's ollama adapter.",
+            args.ollama
+        ),
     }
     println!();
     println!("  base URL : http://{http}/v1");
@@ -140,7 +149,9 @@ models = [{model_list}]
     println!();
     println!("  curl -s http://{http}/v1/chat/completions \\");
     println!("    -H 'Authorization: Bearer {key}' -H 'content-type: application/json' \\");
-    println!("    -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"stream\":true}}'");
+    println!(
+        "    -d '{{\"model\":\"{model}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"stream\":true}}'"
+    );
     println!();
     println!("  Python: OpenAI(base_url=\"http://{http}/v1\", api_key=\"{key}\")");
     println!("  Status: curl -s -H 'Authorization: Bearer {key}' http://{http}/status");

@@ -193,7 +193,8 @@ impl Driver {
                             AdmissionFailure::NoEligibleProvider
                         }
                     };
-                    let _ = gate.handle_input(self.ctx.clock.now(), GateInput::AdmissionFailed(failure));
+                    let _ = gate
+                        .handle_input(self.ctx.clock.now(), GateInput::AdmissionFailed(failure));
                     self.carry_out(&mut gate, None).await;
                     return;
                 }
@@ -235,15 +236,17 @@ impl Driver {
                     }
                 };
                 match self.ctx.hub.pre_send(current.lease_id).await {
-                    Ok(PreSendAnswer::Send(lease, link)) => match self.open(&lease, &link.conn).await {
-                        Ok(a) => break a,
-                        Err(_) => {
-                            // The connection died under us: its fence will
-                            // release the lease; ask again.
-                            self.ctx.hub.cancel(self.request_id);
-                            continue 'attempts;
+                    Ok(PreSendAnswer::Send(lease, link)) => {
+                        match self.open(&lease, &link.conn).await {
+                            Ok(a) => break a,
+                            Err(_) => {
+                                // The connection died under us: its fence will
+                                // release the lease; ask again.
+                                self.ctx.hub.cancel(self.request_id);
+                                continue 'attempts;
+                            }
                         }
-                    },
+                    }
                     Ok(PreSendAnswer::Refenced) => continue,
                     Ok(PreSendAnswer::Gone) => continue 'attempts,
                     Err(_) => return,
@@ -367,7 +370,11 @@ impl Driver {
                 Ok(Some(ProviderTunnelFrame::Body(bytes))) => {
                     let content = !bytes.is_empty();
                     self.deliver_or_hold(Delivery::Body(bytes)).await;
-                    if content { AttemptEvent::Content } else { return Step::Continue }
+                    if content {
+                        AttemptEvent::Content
+                    } else {
+                        return Step::Continue;
+                    }
                 }
                 Ok(Some(ProviderTunnelFrame::End)) => self.terminal(attempt, None).await,
                 Ok(Some(ProviderTunnelFrame::Failure(f))) => self.terminal(attempt, Some(f)).await,
@@ -413,7 +420,11 @@ impl Driver {
 
     /// Apply the attempt's terminal through the hub (R-LEASE-1) and turn the
     /// verdict into the gate's attempt event.
-    async fn terminal(&mut self, attempt: &Attempt, failure: Option<ExecutionFailure>) -> AttemptEvent {
+    async fn terminal(
+        &mut self,
+        attempt: &Attempt,
+        failure: Option<ExecutionFailure>,
+    ) -> AttemptEvent {
         let code = failure.as_ref().map(|f| f.code);
         let verdict = self
             .ctx
@@ -426,9 +437,12 @@ impl Driver {
             )
             .await;
         match (verdict, code) {
-            (Ok(TerminalVerdict::Applied { stall: Some(stall), .. }), _) => {
-                AttemptEvent::Stalled(stall)
-            }
+            (
+                Ok(TerminalVerdict::Applied {
+                    stall: Some(stall), ..
+                }),
+                _,
+            ) => AttemptEvent::Stalled(stall),
             (Ok(TerminalVerdict::Applied { .. }), None) => AttemptEvent::Completed,
             (Ok(TerminalVerdict::Applied { .. }), Some(code)) => AttemptEvent::Failed { code },
             // Not applied: its generation was fenced; the fence released
@@ -469,7 +483,9 @@ impl Driver {
         let mut next = Next::Continue;
         while let Some(ev) = gate.poll_event() {
             let obs = match ev {
-                iop_core::edge::gate::GateEvent::Eligibility(e) => DriverObservation::Eligibility(e.as_str()),
+                iop_core::edge::gate::GateEvent::Eligibility(e) => {
+                    DriverObservation::Eligibility(e.as_str())
+                }
                 iop_core::edge::gate::GateEvent::Result(r) => DriverObservation::Result(r.as_str()),
             };
             self.ctx.observe.as_ref()(obs);
@@ -528,11 +544,23 @@ impl Driver {
                 }
                 GateOutput::FailBeforeCommit { kind } => {
                     self.held.clear();
-                    let _ = self.out.send(Delivery::Fail { kind, in_stream: false }).await;
+                    let _ = self
+                        .out
+                        .send(Delivery::Fail {
+                            kind,
+                            in_stream: false,
+                        })
+                        .await;
                     next = Next::Done;
                 }
                 GateOutput::FailInStream { kind } => {
-                    let _ = self.out.send(Delivery::Fail { kind, in_stream: true }).await;
+                    let _ = self
+                        .out
+                        .send(Delivery::Fail {
+                            kind,
+                            in_stream: true,
+                        })
+                        .await;
                     next = Next::Done;
                 }
             }

@@ -172,7 +172,9 @@ pub fn gate_error(kind: GateFailure) -> ApiError {
 }
 
 /// Wait for the driver's first delivery: the commit or the one error.
-async fn first(rx: &mut mpsc::Receiver<Delivery>) -> Result<Option<(u16, Vec<iop_wire::Header>)>, ApiError> {
+async fn first(
+    rx: &mut mpsc::Receiver<Delivery>,
+) -> Result<Option<(u16, Vec<iop_wire::Header>)>, ApiError> {
     match rx.recv().await {
         Some(Delivery::Commit { tunnel_head }) => Ok(tunnel_head),
         Some(Delivery::Fail { kind, .. }) => Err(gate_error(kind)),
@@ -246,7 +248,9 @@ async fn chat_completions(State(state): State<AppState>, request: Request) -> Re
             }
             _ => Vec::new(),
         });
-        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+        Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response()
     } else {
         let mut acc = chat::ChatAccumulator::new(&id, &req.model, created);
         while let Some(d) = rx.recv().await {
@@ -302,7 +306,10 @@ async fn create_response(State(state): State<AppState>, request: Request) -> Res
         let mut enc = responses::ResponsesStream::new(&id, &req.model, created, n);
         let mut opened = enc.start();
         let stream = async_stream(rx, move |d| {
-            let mut out: Vec<Event> = std::mem::take(&mut opened).into_iter().map(named_event).collect();
+            let mut out: Vec<Event> = std::mem::take(&mut opened)
+                .into_iter()
+                .map(named_event)
+                .collect();
             match d {
                 Delivery::Event(ev) => out.extend(enc.event(&ev).into_iter().map(named_event)),
                 Delivery::Finish => out.extend(enc.finish().into_iter().map(named_event)),
@@ -313,7 +320,9 @@ async fn create_response(State(state): State<AppState>, request: Request) -> Res
             }
             out
         });
-        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+        Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response()
     } else {
         let mut acc = responses::ResponsesAccumulator::new(&id, &req.model, created, n);
         while let Some(d) = rx.recv().await {
@@ -387,26 +396,32 @@ async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response 
     }
     let mut enc = ollama::OllamaStream::new(&req.model, api);
     if req.stream {
-        let lines = futures::stream::unfold((rx, enc, false), |(mut rx, mut enc, done)| async move {
-            if done {
-                return None;
-            }
-            loop {
-                let d = rx.recv().await?;
-                let (lines, end) = match d {
-                    Delivery::Event(ev) => (enc.event(&ev), false),
-                    Delivery::Finish => (enc.finish(), true),
-                    Delivery::Fail { kind, .. } => (vec![gate_error(kind).to_ollama_json()], true),
-                    _ => continue,
-                };
-                let mut text = String::new();
-                for l in lines {
-                    text.push_str(&l.to_string());
-                    text.push('\n');
+        let lines =
+            futures::stream::unfold((rx, enc, false), |(mut rx, mut enc, done)| async move {
+                if done {
+                    return None;
                 }
-                return Some((Ok::<_, Infallible>(bytes::Bytes::from(text)), (rx, enc, end)));
-            }
-        });
+                loop {
+                    let d = rx.recv().await?;
+                    let (lines, end) = match d {
+                        Delivery::Event(ev) => (enc.event(&ev), false),
+                        Delivery::Finish => (enc.finish(), true),
+                        Delivery::Fail { kind, .. } => {
+                            (vec![gate_error(kind).to_ollama_json()], true)
+                        }
+                        _ => continue,
+                    };
+                    let mut text = String::new();
+                    for l in lines {
+                        text.push_str(&l.to_string());
+                        text.push('\n');
+                    }
+                    return Some((
+                        Ok::<_, Infallible>(bytes::Bytes::from(text)),
+                        (rx, enc, end),
+                    ));
+                }
+            });
         Response::builder()
             .header(header::CONTENT_TYPE, "application/x-ndjson")
             .body(Body::from_stream(lines))
@@ -456,18 +471,24 @@ async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
 }
 
 /// A tunnelled response: the provider's status and headers, then its body.
-fn tunnel_response(status: u16, headers: Vec<iop_wire::Header>, rx: mpsc::Receiver<Delivery>) -> Response {
+fn tunnel_response(
+    status: u16,
+    headers: Vec<iop_wire::Header>,
+    rx: mpsc::Receiver<Delivery>,
+) -> Response {
     let body = futures::stream::unfold(rx, |mut rx| async move {
         loop {
             match rx.recv().await? {
-                Delivery::Body(bytes) => return Some((Ok::<_, Infallible>(bytes::Bytes::from(bytes)), rx)),
+                Delivery::Body(bytes) => {
+                    return Some((Ok::<_, Infallible>(bytes::Bytes::from(bytes)), rx));
+                }
                 Delivery::Finish | Delivery::Fail { .. } => return None,
                 _ => continue,
             }
         }
     });
-    let mut builder = Response::builder()
-        .status(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY));
+    let mut builder =
+        Response::builder().status(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY));
     for (name, value) in headers {
         let lower = name.to_ascii_lowercase();
         if matches!(
@@ -492,7 +513,10 @@ fn named_event((name, json): (&'static str, serde_json::Value)) -> Event {
 }
 
 /// Turn driver deliveries into SSE events until the stream ends.
-fn async_stream<F>(rx: mpsc::Receiver<Delivery>, f: F) -> impl Stream<Item = Result<Event, Infallible>>
+fn async_stream<F>(
+    rx: mpsc::Receiver<Delivery>,
+    f: F,
+) -> impl Stream<Item = Result<Event, Infallible>>
 where
     F: FnMut(Delivery) -> Vec<Event> + Send + 'static,
 {
@@ -503,7 +527,10 @@ where
         let d = rx.recv().await?;
         let end = matches!(d, Delivery::Finish | Delivery::Fail { .. });
         let events = f(d);
-        Some((futures::stream::iter(events.into_iter().map(Ok)), (rx, f, end)))
+        Some((
+            futures::stream::iter(events.into_iter().map(Ok)),
+            (rx, f, end),
+        ))
     })
     .flatten()
 }

@@ -17,8 +17,8 @@ use iop_core::ids::{Generation, NodeId};
 use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, RegisterRequest};
 use tokio::sync::{mpsc, oneshot};
 
-use iop_transport::clock::Clock;
 use crate::generation_store::GenerationStore;
+use iop_transport::clock::Clock;
 
 /// What a connection task is told to do.
 #[derive(Debug)]

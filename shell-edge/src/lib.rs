@@ -5,11 +5,11 @@
 //! clients, with every policy decision made by `iop-core`.
 
 pub mod config;
+pub mod demo;
+pub mod driver;
 pub mod generation_store;
+pub mod http;
 pub mod hub;
 pub mod node_link;
 pub mod server;
-pub mod demo;
-pub mod driver;
-pub mod http;
 pub mod status;

@@ -87,7 +87,10 @@ fn main() -> anyhow::Result<()> {
                 let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
                 let names: Vec<&str> = edge_names.iter().map(String::as_str).collect();
                 iop_transport::pki::generate_dev_pki(&out, &nodes, &names)?;
-                println!("wrote a dev CA, edge and node certificates to {}", out.display());
+                println!(
+                    "wrote a dev CA, edge and node certificates to {}",
+                    out.display()
+                );
                 Ok(())
             }
             Command::Certs(CertsCommand::IssueNode { dir, node, days }) => {

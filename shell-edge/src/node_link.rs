@@ -16,8 +16,8 @@ use iop_wire::{
 };
 use tokio::sync::mpsc;
 
-use iop_transport::clock::Clock;
 use crate::hub::{HubHandle, LinkCommand, LinkHandle};
+use iop_transport::clock::Clock;
 
 /// How long a new connection may take to open its control stream, register
 /// and report ready.
@@ -31,7 +31,12 @@ pub struct LinkSettings {
 }
 
 /// Serve one incoming connection until it ends.
-pub async fn serve(incoming: quinn::Incoming, hub: HubHandle, clock: Clock, settings: LinkSettings) {
+pub async fn serve(
+    incoming: quinn::Incoming,
+    hub: HubHandle,
+    clock: Clock,
+    settings: LinkSettings,
+) {
     let conn = match incoming.await {
         Ok(conn) => conn,
         Err(e) => {
@@ -69,7 +74,10 @@ pub async fn serve(incoming: quinn::Incoming, hub: HubHandle, clock: Clock, sett
         }
     };
     tracing::info!(event = "edge_node_connected", node = %node, generation);
-    let reason = control_loop(&conn, &node, generation, send, recv, cmd_rx, &hub, clock, settings).await;
+    let reason = control_loop(
+        &conn, &node, generation, send, recv, cmd_rx, &hub, clock, settings,
+    )
+    .await;
     close_connection(&conn, reason);
     tracing::info!(
         event = "edge_node_disconnected",

@@ -9,11 +9,11 @@ use iop_transport::{QuicTuning, ServerTls, close_connection, server_endpoint};
 use iop_wire::CloseCode;
 use tokio::task::JoinHandle;
 
-use iop_transport::clock::{Clock, unix_ms};
 use crate::config::EdgeConfig;
 use crate::generation_store::GenerationStore;
 use crate::hub::{self, HubHandle};
 use crate::node_link::{self, LinkSettings};
+use iop_transport::clock::{Clock, unix_ms};
 
 /// Why the Edge could not start.
 #[derive(Debug, thiserror::Error)]
@@ -111,9 +111,12 @@ impl RunningEdge {
     pub async fn shutdown(self) {
         self.accept_task.abort();
         self.http_task.abort();
-        self.endpoint
-            .close(CloseCode::Shutdown.code().into(), CloseCode::Shutdown.as_str().as_bytes());
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        self.endpoint.close(
+            CloseCode::Shutdown.code().into(),
+            CloseCode::Shutdown.as_str().as_bytes(),
+        );
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
+            .await;
     }
 
     /// Close one connection (tests use this to drop a node).

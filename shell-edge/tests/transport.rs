@@ -40,7 +40,9 @@ impl RawNode {
         )
         .unwrap();
         let endpoint = client_endpoint(&tls, &QuicTuning::default()).unwrap();
-        let conn = connect(&endpoint, edge.quic_addr, "localhost").await.unwrap();
+        let conn = connect(&endpoint, edge.quic_addr, "localhost")
+            .await
+            .unwrap();
         let (send, recv) = open_framed(&conn).await.unwrap();
         Self { conn, send, recv }
     }
@@ -99,7 +101,12 @@ async fn node_registers_and_becomes_ready_and_dispatch_waits_for_readiness() {
         assert_eq!(node_state(&snap, "node-1"), (Some(generation), false));
         assert!(edge.hub.link("node-1".into()).await.unwrap().is_none());
         assert!(raw.ready(generation).await);
-        let (g, _) = edge.hub.link("node-1".into()).await.unwrap().expect("dispatchable");
+        let (g, _) = edge
+            .hub
+            .link("node-1".into())
+            .await
+            .unwrap()
+            .expect("dispatchable");
         assert_eq!(g, generation);
 
         // A real node does the same on its own.
@@ -148,9 +155,11 @@ async fn dropped_connection_reconnects_with_a_greater_generation_and_late_messag
         let g1 = ready_generation(&edge, "node-1").await;
         let (_, link) = edge.hub.link("node-1".into()).await.unwrap().unwrap();
         RunningEdge::close(&link.conn, CloseCode::ProtocolError);
-        let snap = wait_for(&edge, "reconnect", |s| {
-            matches!(node_state(s, "node-1"), (Some(g), true) if g > g1)
-        })
+        let snap = wait_for(
+            &edge,
+            "reconnect",
+            |s| matches!(node_state(s, "node-1"), (Some(g), true) if g > g1),
+        )
         .await;
         assert!(snap.fences >= 1);
 
@@ -208,13 +217,20 @@ async fn silent_node_is_closed_with_heartbeat_timeout_within_wait_plus_interval(
         let paused_at = Instant::now();
         node.pause_control(true);
         let snap = wait_for(&edge, "heartbeat timeout", |s| {
-            s.closes_by_reason.get("heartbeat_timeout").copied().unwrap_or(0) >= 1
+            s.closes_by_reason
+                .get("heartbeat_timeout")
+                .copied()
+                .unwrap_or(0)
+                >= 1
         })
         .await;
         let elapsed = paused_at.elapsed();
         // R-HB-2: within wait + one interval, plus scheduling slack.
         let bound = Duration::from_millis(HB_WAIT_MS + HB_INTERVAL_MS + 400);
-        assert!(elapsed <= bound, "closed after {elapsed:?}, bound {bound:?}");
+        assert!(
+            elapsed <= bound,
+            "closed after {elapsed:?}, bound {bound:?}"
+        );
         assert_ne!(node_state(&snap, "node-1"), (Some(g1), true));
         node.pause_control(false);
         let g2 = ready_generation(&edge, "node-1").await;
@@ -265,7 +281,11 @@ async fn node_with_a_certificate_from_another_ca_never_registers() {
         cfg.tls.cert = other.certs().join("node-node-1.pem");
         cfg.tls.key = other.certs().join("node-node-1.key");
         let node = iop_node::RunningNode::start(cfg);
-        let failed = || node.shared().failed_attempts.load(std::sync::atomic::Ordering::Relaxed);
+        let failed = || {
+            node.shared()
+                .failed_attempts
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
         let deadline = Instant::now() + Duration::from_secs(15);
         while failed() < 2 {
             assert!(Instant::now() < deadline, "the node kept retrying");

@@ -17,7 +17,9 @@ impl std::str::FromStr for LogFormat {
         match s {
             "text" => Ok(LogFormat::Text),
             "json" => Ok(LogFormat::Json),
-            other => Err(format!("unknown log format `{other}` (expected `text` or `json`)")),
+            other => Err(format!(
+                "unknown log format `{other}` (expected `text` or `json`)"
+            )),
         }
     }
 }
