@@ -43,6 +43,8 @@ pub struct Work {
     /// The raw client request, for tunnel-mode providers that speak the
     /// same API (`None`: this API cannot be tunnelled).
     pub tunnel: Option<TunnelBody>,
+    /// Route class for metrics (`chat`, `responses`, `ollama_chat`, ...).
+    pub route: &'static str,
 }
 
 /// The raw client request to relay to a tunnel-mode provider.
@@ -109,8 +111,8 @@ pub enum DriverObservation {
     Result(&'static str),
     /// A re-admission happened.
     Readmitted,
-    /// Time to first content.
-    Ttft(Duration),
+    /// Time to first content, by route class.
+    Ttft(&'static str, Duration),
 }
 
 /// Start a driver for one request; deliveries arrive on the returned
@@ -494,7 +496,7 @@ impl Driver {
             match out {
                 GateOutput::Commit => {
                     self.committed = true;
-                    self.ctx.observe.as_ref()(DriverObservation::Ttft(self.started_at.elapsed()));
+                    self.ctx.observe.as_ref()(DriverObservation::Ttft(self.work.route, self.started_at.elapsed()));
                     // The head first (a tunnel's own head if it has one).
                     let head_at = self
                         .held

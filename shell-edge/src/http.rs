@@ -32,6 +32,7 @@ use crate::api::{chat, models, ollama, responses};
 use crate::config::{ApiKey, EdgeConfig};
 use crate::driver::{self, Delivery, DriverContext, DriverObservation, TunnelBody, Work};
 use crate::hub::HubHandle;
+use crate::metrics::EdgeMetrics;
 
 /// Shared state of every handler.
 #[derive(Clone)]
@@ -43,6 +44,7 @@ pub struct AppState {
     ctx: DriverContext,
     hub: HubHandle,
     ids: Arc<AtomicU64>,
+    metrics: Arc<EdgeMetrics>,
 }
 
 impl AppState {
@@ -51,8 +53,15 @@ impl AppState {
         config: Arc<EdgeConfig>,
         hub: HubHandle,
         clock: iop_transport::clock::Clock,
-        observe: Arc<dyn Fn(DriverObservation) + Send + Sync>,
+        metrics: Arc<EdgeMetrics>,
     ) -> Self {
+        let m = metrics.clone();
+        let observe: Arc<dyn Fn(DriverObservation) + Send + Sync> = Arc::new(move |o| match o {
+            DriverObservation::Eligibility(e) => m.recovery_eligibility(e),
+            DriverObservation::Result(r) => m.recovery_result(r),
+            DriverObservation::Readmitted => {}
+            DriverObservation::Ttft(route, d) => m.ttft(route, d),
+        });
         let keys = config
             .api_keys
             .iter()
@@ -77,6 +86,7 @@ impl AppState {
             hub,
             ids: Arc::new(AtomicU64::new(1)),
             config,
+            metrics,
         }
     }
 
@@ -102,6 +112,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/tags", get(ollama_tags))
         .route("/healthz", get(|| async { "ok" }))
         .route("/status", get(status))
+        .route("/metrics", get(metrics_text))
         .fallback(|| async { error_response(&ApiError::not_found_route()) })
         .with_state(state)
 }
@@ -454,6 +465,63 @@ async fn ollama_tags(State(state): State<AppState>, headers: HeaderMap) -> Respo
         .filter(|m| key.allows(m))
         .collect();
     axum::Json(ollama::tags_json(&names)).into_response()
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Records one client request's outcome in the metrics when dropped; a
+/// request dropped before an outcome was set was abandoned by its client.
+struct RequestRecord {
+    metrics: Arc<EdgeMetrics>,
+    route: &'static str,
+    started: std::time::Instant,
+    outcome: &'static str,
+}
+
+impl RequestRecord {
+    fn new(state: &AppState, route: &'static str) -> Self {
+        Self {
+            metrics: state.metrics.clone(),
+            route,
+            started: std::time::Instant::now(),
+            outcome: "client_disconnected",
+        }
+    }
+
+    fn set(&mut self, outcome: &'static str) {
+        self.outcome = outcome;
+    }
+
+    fn error(&mut self, err: &ApiError) {
+        self.outcome = outcome_of(err);
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        self.metrics
+            .request(self.route, self.outcome, self.started.elapsed());
+    }
+}
+
+/// The closed outcome class of an error.
+fn outcome_of(err: &ApiError) -> &'static str {
+    match err.status {
+        400 | 413 | 422 => "invalid_request",
+        401 | 403 => "unauthorized",
+        404 => "not_found",
+        429 => "rate_limited",
+        502 => "provider_error",
+        503 => "unavailable",
+        504 => "timeout",
+        _ => "internal",
+    }
 }
 
 async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {

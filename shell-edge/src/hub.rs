@@ -18,6 +18,10 @@ use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, 
 use tokio::sync::{mpsc, oneshot};
 
 use crate::generation_store::GenerationStore;
+use crate::metrics::EdgeMetrics;
+use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use iop_transport::clock::Clock;
 
 /// What a connection task is told to do.
@@ -280,10 +284,16 @@ struct Hub {
     links: HashMap<(NodeId, Generation), LinkHandle>,
     waiters: BTreeMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
     closes_by_reason: BTreeMap<&'static str, u64>,
+    metrics: Arc<EdgeMetrics>,
 }
 
 /// Start the hub task.
-pub fn spawn(config: DispatchConfig, store: Option<GenerationStore>, clock: Clock) -> HubHandle {
+pub fn spawn(
+    config: DispatchConfig,
+    store: Option<GenerationStore>,
+    clock: Clock,
+    metrics: Arc<EdgeMetrics>,
+) -> HubHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     let hub = Hub {
         clock,
@@ -292,6 +302,7 @@ pub fn spawn(config: DispatchConfig, store: Option<GenerationStore>, clock: Cloc
         links: HashMap::new(),
         waiters: BTreeMap::new(),
         closes_by_reason: BTreeMap::new(),
+        metrics,
     };
     tokio::spawn(hub.run(rx));
     HubHandle { tx }
@@ -311,7 +322,22 @@ impl Hub {
                 }
             }
             self.drain();
+            self.publish_gauges();
         }
+    }
+
+    fn publish_gauges(&self) {
+        let g = &self.metrics.gauges;
+        let admission = self.dispatcher.admission();
+        let registry = self.dispatcher.registry();
+        g.queue_depth
+            .store(admission.queue_depth() as u64, Ordering::Relaxed);
+        g.leases_in_use
+            .store(admission.leases_in_use() as u64, Ordering::Relaxed);
+        g.nodes_connected
+            .store(registry.connected_nodes() as u64, Ordering::Relaxed);
+        g.fenced_late_messages
+            .store(registry.fenced_messages(), Ordering::Relaxed);
     }
 
     fn handle(&mut self, msg: HubMsg) {
@@ -398,8 +424,28 @@ impl Hub {
                     generation,
                     failure.as_ref(),
                 );
-                if let TerminalVerdict::Applied { lease, .. } = &verdict {
+                if let TerminalVerdict::Applied {
+                    lease,
+                    stall,
+                    evidence,
+                } = &verdict
+                {
                     self.waiters.remove(&lease.request_id);
+                    if let (Some(stall), Some(outcome)) = (stall, evidence) {
+                        // R-OVL-1/2 observation: closed labels only.
+                        self.metrics
+                            .health_evidence(stall.health.as_str(), outcome.as_str());
+                        tracing::info!(
+                            event = "edge_provider_health_observation",
+                            provider = %lease.provider_id,
+                            health = stall.health.as_str(),
+                            outcome = outcome.as_str(),
+                            recovery_handoff = "confirmed"
+                        );
+                        if *outcome == EvidenceOutcome::Lowered {
+                            self.metrics.health_transition("lowered");
+                        }
+                    }
                 }
                 let _ = reply.send(verdict);
             }
@@ -417,10 +463,21 @@ impl Hub {
                 report,
                 reply,
             } => {
-                let _ = reply.send(
-                    self.dispatcher
-                        .apply_capabilities(now, &node, generation, &report),
-                );
+                let verdicts = self
+                    .dispatcher
+                    .apply_capabilities(now, &node, generation, &report);
+                for v in &verdicts {
+                    if v.recovery == RecoveryOutcome::Recovered {
+                        self.metrics.health_transition("recovered");
+                        tracing::info!(
+                            event = "edge_provider_health_observation",
+                            provider = %v.provider_id,
+                            health = v.health.as_str(),
+                            outcome = v.recovery.as_str()
+                        );
+                    }
+                }
+                let _ = reply.send(verdicts);
             }
             HubMsg::Link { node, reply } => {
                 let link = self
@@ -454,6 +511,7 @@ impl Hub {
                     reason,
                 } => {
                     *self.closes_by_reason.entry(reason.as_str()).or_default() += 1;
+                    self.metrics.fence(reason.as_str());
                     tracing::info!(
                         event = "edge_generation_fenced",
                         node = %node,

@@ -9,6 +9,7 @@ pub mod demo;
 pub mod driver;
 pub mod generation_store;
 pub mod http;
+pub mod metrics;
 pub mod hub;
 pub mod node_link;
 pub mod server;

@@ -39,6 +39,8 @@ pub struct RunningEdge {
     pub hub: HubHandle,
     /// The validated configuration.
     pub config: Arc<EdgeConfig>,
+    /// Metrics.
+    pub metrics: Arc<crate::metrics::EdgeMetrics>,
     endpoint: quinn::Endpoint,
     accept_task: JoinHandle<()>,
     http_task: JoinHandle<()>,
@@ -57,6 +59,7 @@ impl RunningEdge {
         let store = GenerationStore::open(&config.edge.state_dir)?;
         let floor = store.floor(unix_ms())?;
         let clock = Clock::new();
+        let metrics = crate::metrics::EdgeMetrics::new();
         let hub = hub::spawn(
             DispatchConfig {
                 admission: config.admission_config(),
@@ -66,6 +69,7 @@ impl RunningEdge {
             },
             Some(store),
             clock,
+            metrics.clone(),
         );
         let settings = LinkSettings {
             heartbeat: config.heartbeat,
@@ -87,7 +91,7 @@ impl RunningEdge {
             config.clone(),
             hub.clone(),
             clock,
-            Arc::new(|_| {}),
+            metrics.clone(),
         ));
         let http_task = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
@@ -100,6 +104,7 @@ impl RunningEdge {
             http_addr,
             hub,
             config,
+            metrics,
             endpoint,
             accept_task,
             http_task,
