@@ -4,5 +4,6 @@
 //! fences their generations, and serves the OpenAI and Ollama APIs to
 //! clients, with every policy decision made by `iop-core`.
 
+pub mod api;
 pub mod config;
 pub mod generation_store;
