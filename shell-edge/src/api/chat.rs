@@ -1,0 +1,1412 @@
+//! `POST /v1/chat/completions`: request parsing, SSE chunk encoding and the
+//! non-streaming `chat.completion` object.
+//!
+//! * [`parse_chat_request`] turns a body into a normalized [`ChatRequest`].
+//!   Unknown top-level fields are accepted and ignored (SDKs send extra
+//!   ones); a known field of the wrong type or out of range is a 400 naming
+//!   the parameter; a known field whose meaning we cannot honour (`n > 1`,
+//!   image content, `response_format`) is a 400 `unsupported_parameter`.
+//! * [`ChatStream`] turns run events into `chat.completion.chunk` payloads
+//!   (the JSON after `data: `); the handler writes the SSE framing and the
+//!   final `data: [DONE]`.
+//! * [`ChatAccumulator`] folds run events into one `chat.completion`.
+
+use std::collections::BTreeMap;
+
+use iop_wire::{
+    ChatMessage, ExecutionFailure, FailureCode, FinishReason, GenerationParams, Role, RunEventKind,
+    ToolCall, ToolCallDelta, ToolDefinition, Usage,
+};
+use serde_json::{Map, Value, json};
+
+use super::error::ApiError;
+use super::ids;
+use super::request_object::{RequestObject, element, parse_body, type_name};
+
+/// Most tools one request may declare (OpenAI's limit).
+pub const MAX_TOOLS: usize = 128;
+
+/// Most stop sequences one request may give (OpenAI's limit).
+pub const MAX_STOP_SEQUENCES: usize = 4;
+
+/// Longest accepted model name, in characters.
+pub const MAX_MODEL_NAME_CHARS: usize = 256;
+
+/// Most distinct tool calls one run may stream; fragments of further calls
+/// are dropped, so a misbehaving Node cannot grow our state without bound.
+pub const MAX_TOOL_CALLS_PER_RUN: usize = 128;
+
+/// A parsed Chat Completions request, ready to become a normalized run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatRequest {
+    /// The requested model (non-empty).
+    pub model: String,
+    /// `stream: true`: answer with SSE chunks.
+    pub stream: bool,
+    /// `stream_options.include_usage`: send a final usage chunk.
+    pub include_usage: bool,
+    /// The conversation, roles normalized (`developer` -> system).
+    pub messages: Vec<ChatMessage>,
+    /// Function tools the model may call.
+    pub tools: Vec<ToolDefinition>,
+    /// Sampling and length parameters.
+    pub params: GenerationParams,
+}
+
+/// Parse a `POST /v1/chat/completions` body.
+pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    let value = parse_body(body)?;
+    let root = RequestObject::root(&value)?;
+
+    let model = parse_model(&root)?;
+    let stream = root.bool("stream")?.unwrap_or(false);
+    let include_usage = match root.object("stream_options")? {
+        Some(options) => options.bool("include_usage")?.unwrap_or(false),
+        None => false,
+    };
+
+    let Some(raw_messages) = root.array("messages")? else {
+        return Err(ApiError::missing_parameter("messages"));
+    };
+    if raw_messages.is_empty() {
+        return Err(ApiError::invalid_value(
+            "messages",
+            "must contain at least one message.",
+        ));
+    }
+    let messages = raw_messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| parse_message(m, element("messages", i)))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let tools = parse_function_tools(&root, "tools")?;
+
+    match root.get("n") {
+        None => {}
+        Some(n) if n.as_u64() == Some(1) => {}
+        Some(n) if n.is_u64() || n.is_i64() => {
+            return Err(ApiError::unsupported_parameter(
+                "n",
+                "Only n=1 is supported.",
+            ));
+        }
+        Some(_) => return Err(ApiError::invalid_type("n", "an integer")),
+    }
+    if let Some(format) = root.object("response_format")?
+        && format.required_string("type")? != "text"
+    {
+        return Err(ApiError::unsupported_parameter(
+            "response_format",
+            "Only the 'text' response format is supported.",
+        ));
+    }
+    if root.bool("logprobs")? == Some(true) {
+        return Err(ApiError::unsupported_parameter(
+            "logprobs",
+            "Log probabilities are not supported.",
+        ));
+    }
+    root.reject("top_logprobs", "Log probabilities are not supported.")?;
+    root.reject("functions", "Use 'tools' instead.")?;
+    root.reject("function_call", "Use 'tool_choice' instead.")?;
+    root.reject("audio", "Audio output is not supported.")?;
+
+    let max_tokens = match root.u32_at_least("max_completion_tokens", 1)? {
+        Some(n) => Some(n),
+        None => root.u32_at_least("max_tokens", 1)?,
+    };
+    let params = GenerationParams {
+        temperature: root.number_in("temperature", 0.0, 2.0)?,
+        top_p: root.number_in("top_p", 0.0, 1.0)?,
+        max_tokens,
+        stop: parse_stop(&root, "stop", MAX_STOP_SEQUENCES)?,
+        seed: root.i64("seed")?,
+        presence_penalty: root.number_in("presence_penalty", -2.0, 2.0)?,
+        frequency_penalty: root.number_in("frequency_penalty", -2.0, 2.0)?,
+        tool_choice_json: parse_chat_tool_choice(&root)?,
+    };
+
+    Ok(ChatRequest {
+        model,
+        stream,
+        include_usage,
+        messages,
+        tools,
+        params,
+    })
+}
+
+/// The required, non-empty, bounded `model` field.
+pub(crate) fn parse_model(root: &RequestObject<'_>) -> Result<String, ApiError> {
+    let model = root.non_empty_string("model")?;
+    if model.chars().count() > MAX_MODEL_NAME_CHARS {
+        return Err(ApiError::invalid_value(
+            &root.param("model"),
+            &format!("must be at most {MAX_MODEL_NAME_CHARS} characters."),
+        ));
+    }
+    Ok(model.to_owned())
+}
+
+/// `stop`: a string or an array of at most `max` strings.
+pub(crate) fn parse_stop(
+    obj: &RequestObject<'_>,
+    key: &str,
+    max: usize,
+) -> Result<Vec<String>, ApiError> {
+    let param = obj.param(key);
+    match obj.get(key) {
+        None => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => {
+            if items.len() > max {
+                return Err(ApiError::invalid_value(
+                    &param,
+                    &format!("must contain at most {max} sequences."),
+                ));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    Value::String(s) => Ok(s.clone()),
+                    _ => Err(ApiError::invalid_type(&element(&param, i), "a string")),
+                })
+                .collect()
+        }
+        Some(_) => Err(ApiError::invalid_type(
+            &param,
+            "a string or an array of strings",
+        )),
+    }
+}
+
+/// Text of `content`: a string, or an array of text parts joined by newlines.
+///
+/// Non-text parts (images, audio, files) are refused as unsupported, naming
+/// `path`, rather than silently dropped.
+pub(crate) fn parse_text_content(
+    content: &Value,
+    path: &str,
+    text_part_types: &[&str],
+) -> Result<String, ApiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (i, part) in parts.iter().enumerate() {
+                let part = RequestObject::at(part, element(path, i))?;
+                let kind = part.required_string("type")?;
+                if text_part_types.contains(&kind) {
+                    texts.push(part.required_string("text")?.to_owned());
+                } else if kind == "refusal" {
+                    texts.push(part.required_string("refusal")?.to_owned());
+                } else {
+                    return Err(ApiError::unsupported_parameter(
+                        path,
+                        "Only text content is supported.",
+                    ));
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        other => Err(ApiError::invalid_type(
+            path,
+            &format!(
+                "a string or an array of content parts, not {}",
+                type_name(other)
+            ),
+        )),
+    }
+}
+
+fn parse_message(value: &Value, path: String) -> Result<ChatMessage, ApiError> {
+    let obj = RequestObject::at(value, path)?;
+    let role = match obj.non_empty_string("role")? {
+        "system" | "developer" => Role::System,
+        "user" => Role::User,
+        "assistant" => Role::Assistant,
+        "tool" => Role::Tool,
+        "function" => {
+            return Err(ApiError::unsupported_parameter(
+                &obj.param("role"),
+                "The 'function' role is not supported; use 'tool'.",
+            ));
+        }
+        _ => {
+            return Err(ApiError::invalid_value(
+                &obj.param("role"),
+                "must be one of 'system', 'developer', 'user', 'assistant' or 'tool'.",
+            ));
+        }
+    };
+    let content = match obj.get("content") {
+        Some(content) => Some(parse_text_content(
+            content,
+            &obj.param("content"),
+            &["text"],
+        )?),
+        None => None,
+    };
+    let name = obj.string("name")?.map(str::to_owned);
+
+    let mut tool_calls = Vec::new();
+    if let Some(calls) = obj.array("tool_calls")? {
+        if role != Role::Assistant {
+            return Err(ApiError::invalid_value(
+                &obj.param("tool_calls"),
+                "only assistant messages may carry tool calls.",
+            ));
+        }
+        let calls_path = obj.param("tool_calls");
+        for (i, call) in calls.iter().enumerate() {
+            tool_calls.push(parse_tool_call(call, element(&calls_path, i))?);
+        }
+    }
+    obj.reject("function_call", "Use 'tool_calls' instead.")?;
+
+    let tool_call_id = obj.string("tool_call_id")?.map(str::to_owned);
+    if role == Role::Tool && tool_call_id.is_none() {
+        return Err(ApiError::missing_parameter(&obj.param("tool_call_id")));
+    }
+
+    let content = match content {
+        Some(content) => content,
+        None if role == Role::Assistant && !tool_calls.is_empty() => String::new(),
+        None if role == Role::Assistant && obj.has("refusal") => {
+            obj.required_string("refusal")?.to_owned()
+        }
+        None => return Err(ApiError::missing_parameter(&obj.param("content"))),
+    };
+
+    Ok(ChatMessage {
+        role,
+        content,
+        tool_calls,
+        tool_call_id: if role == Role::Tool {
+            tool_call_id
+        } else {
+            None
+        },
+        name,
+    })
+}
+
+fn parse_tool_call(value: &Value, path: String) -> Result<ToolCall, ApiError> {
+    let obj = RequestObject::at(value, path)?;
+    if let Some(kind) = obj.string("type")?
+        && kind != "function"
+    {
+        return Err(ApiError::unsupported_parameter(
+            &obj.param("type"),
+            "Only 'function' tool calls are supported.",
+        ));
+    }
+    let id = obj.non_empty_string("id")?.to_owned();
+    let Some(function) = obj.object("function")? else {
+        return Err(ApiError::missing_parameter(&obj.param("function")));
+    };
+    Ok(ToolCall {
+        id,
+        name: function.non_empty_string("name")?.to_owned(),
+        arguments: function.required_string("arguments")?.to_owned(),
+    })
+}
+
+/// The `tools` array in the Chat / Ollama shape:
+/// `[{"type":"function","function":{"name","description","parameters"}}]`.
+pub(crate) fn parse_function_tools(
+    root: &RequestObject<'_>,
+    key: &str,
+) -> Result<Vec<ToolDefinition>, ApiError> {
+    let Some(items) = root.array(key)? else {
+        return Ok(Vec::new());
+    };
+    let path = root.param(key);
+    if items.len() > MAX_TOOLS {
+        return Err(ApiError::invalid_value(
+            &path,
+            &format!("must contain at most {MAX_TOOLS} tools."),
+        ));
+    }
+    let mut tools = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let tool = RequestObject::at(item, element(&path, i))?;
+        if tool.required_string("type")? != "function" {
+            return Err(ApiError::unsupported_parameter(
+                &tool.param("type"),
+                "Only 'function' tools are supported.",
+            ));
+        }
+        let Some(function) = tool.object("function")? else {
+            return Err(ApiError::missing_parameter(&tool.param("function")));
+        };
+        tools.push(parse_function_definition(&function)?);
+    }
+    Ok(tools)
+}
+
+/// `{name, description, parameters}` of one function tool.
+pub(crate) fn parse_function_definition(
+    function: &RequestObject<'_>,
+) -> Result<ToolDefinition, ApiError> {
+    let name = function.non_empty_string("name")?.to_owned();
+    let description = function.string("description")?.map(str::to_owned);
+    let parameters_json = match function.get("parameters") {
+        None => None,
+        Some(schema @ Value::Object(_)) => Some(schema.to_string()),
+        Some(_) => {
+            return Err(ApiError::invalid_type(
+                &function.param("parameters"),
+                "a JSON Schema object",
+            ));
+        }
+    };
+    function.bool("strict")?;
+    Ok(ToolDefinition {
+        name,
+        description,
+        parameters_json,
+    })
+}
+
+/// `tool_choice`: `"none" | "auto" | "required"` or
+/// `{"type":"function","function":{"name"}}`, kept JSON-encoded.
+fn parse_chat_tool_choice(root: &RequestObject<'_>) -> Result<Option<String>, ApiError> {
+    let Some(choice) = root.get("tool_choice") else {
+        return Ok(None);
+    };
+    match choice {
+        Value::String(mode) => check_tool_choice_mode(mode, "tool_choice")?,
+        Value::Object(_) => {
+            let obj = RequestObject::at(choice, "tool_choice".to_owned())?;
+            if obj.required_string("type")? != "function" {
+                return Err(ApiError::unsupported_parameter(
+                    &obj.param("type"),
+                    "Only 'function' tool choices are supported.",
+                ));
+            }
+            let Some(function) = obj.object("function")? else {
+                return Err(ApiError::missing_parameter(&obj.param("function")));
+            };
+            function.non_empty_string("name")?;
+        }
+        _ => {
+            return Err(ApiError::invalid_type(
+                "tool_choice",
+                "a string or an object",
+            ));
+        }
+    }
+    Ok(Some(choice.to_string()))
+}
+
+/// A string `tool_choice` must be `none`, `auto` or `required`.
+pub(crate) fn check_tool_choice_mode(mode: &str, param: &str) -> Result<(), ApiError> {
+    match mode {
+        "none" | "auto" | "required" => Ok(()),
+        _ => Err(ApiError::invalid_value(
+            param,
+            "must be 'none', 'auto', 'required' or a function choice.",
+        )),
+    }
+}
+
+/// The OpenAI `usage` object.
+pub(crate) fn usage_json(usage: Usage) -> Value {
+    json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),
+    })
+}
+
+/// An in-stream error after commit (R-GATE-3): `{"error":{...}}` as the SSE
+/// `data:` payload. The OpenAI SDKs raise an API error when they see it.
+pub fn error_payload(err: &ApiError) -> Value {
+    err.to_json()
+}
+
+/// Encodes run events as `chat.completion.chunk` payloads.
+///
+/// Sequence: one role chunk (`delta: {role:"assistant", content:""}`) before
+/// the first content, tool call or finish; text and tool-call delta chunks;
+/// one finish chunk carrying `finish_reason`; then, only with
+/// [`ChatStream::with_usage_chunk`], a usage chunk with `choices: []`. A
+/// failure yields one [`error_payload`] instead. After a terminal every
+/// further event yields nothing. The handler appends `data: [DONE]` after a
+/// successful finish.
+#[derive(Debug, Clone)]
+pub struct ChatStream {
+    id: String,
+    model: String,
+    created_unix: u64,
+    include_usage: bool,
+    role_sent: bool,
+    finished: bool,
+    tool_call_indexes: BTreeMap<u32, ()>,
+    usage: Option<Usage>,
+}
+
+impl ChatStream {
+    /// A stream for completion `id` (see [`ids::chat_completion_id`]) of `model`.
+    pub fn new(id: impl Into<String>, model: impl Into<String>, created_unix: u64) -> Self {
+        Self {
+            id: id.into(),
+            model: model.into(),
+            created_unix,
+            include_usage: false,
+            role_sent: false,
+            finished: false,
+            tool_call_indexes: BTreeMap::new(),
+            usage: None,
+        }
+    }
+
+    /// Whether to send the final usage chunk (`stream_options.include_usage`).
+    #[must_use]
+    pub fn with_usage_chunk(mut self, include_usage: bool) -> Self {
+        self.include_usage = include_usage;
+        self
+    }
+
+    /// The completion id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// True once a terminal event was encoded.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// The `data:` payloads for one run event, in order (possibly none).
+    #[must_use]
+    pub fn push(&mut self, event: &RunEventKind) -> Vec<Value> {
+        if self.finished {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        match event {
+            RunEventKind::Started { .. } => {}
+            RunEventKind::Usage(usage) => self.usage = Some(*usage),
+            RunEventKind::TextDelta(text) => {
+                self.ensure_role(&mut out);
+                if !text.is_empty() {
+                    out.push(self.chunk(json!({ "content": text }), None));
+                }
+            }
+            RunEventKind::ToolCallDelta(delta) => {
+                if let Some(call) = self.tool_call_delta_json(delta) {
+                    self.ensure_role(&mut out);
+                    out.push(self.chunk(json!({ "tool_calls": [call] }), None));
+                }
+            }
+            RunEventKind::Completed {
+                finish_reason,
+                usage,
+            } => {
+                self.ensure_role(&mut out);
+                out.push(self.chunk(json!({}), Some(*finish_reason)));
+                if self.include_usage {
+                    let usage = usage.or(self.usage).unwrap_or_default();
+                    out.push(self.usage_chunk(usage));
+                }
+                self.finished = true;
+            }
+            RunEventKind::Failed(failure) => {
+                out.push(error_payload(&ApiError::from_execution_failure(failure)));
+                self.finished = true;
+            }
+        }
+        out
+    }
+
+    /// Encode an error as the stream's terminal (e.g. budget expiry after commit).
+    #[must_use]
+    pub fn fail(&mut self, err: &ApiError) -> Vec<Value> {
+        if self.finished {
+            return Vec::new();
+        }
+        self.finished = true;
+        vec![error_payload(err)]
+    }
+
+    fn ensure_role(&mut self, out: &mut Vec<Value>) {
+        if !self.role_sent {
+            self.role_sent = true;
+            out.push(self.chunk(json!({ "role": "assistant", "content": "" }), None));
+        }
+    }
+
+    fn tool_call_delta_json(&mut self, delta: &ToolCallDelta) -> Option<Value> {
+        if self.tool_call_indexes.contains_key(&delta.index) {
+            if delta.arguments_delta.is_empty() {
+                return None;
+            }
+            return Some(json!({
+                "index": delta.index,
+                "function": { "arguments": delta.arguments_delta },
+            }));
+        }
+        if self.tool_call_indexes.len() >= MAX_TOOL_CALLS_PER_RUN {
+            return None;
+        }
+        self.tool_call_indexes.insert(delta.index, ());
+        let id = delta
+            .id
+            .clone()
+            .unwrap_or_else(|| ids::derived_id("call_", &self.id, delta.index));
+        Some(json!({
+            "index": delta.index,
+            "id": id,
+            "type": "function",
+            "function": {
+                "name": delta.name.clone().unwrap_or_default(),
+                "arguments": delta.arguments_delta,
+            },
+        }))
+    }
+
+    fn base(&self) -> Map<String, Value> {
+        let mut chunk = Map::new();
+        chunk.insert("id".into(), json!(self.id));
+        chunk.insert("object".into(), json!("chat.completion.chunk"));
+        chunk.insert("created".into(), json!(self.created_unix));
+        chunk.insert("model".into(), json!(self.model));
+        chunk.insert("system_fingerprint".into(), Value::Null);
+        chunk
+    }
+
+    fn chunk(&self, delta: Value, finish_reason: Option<FinishReason>) -> Value {
+        let mut chunk = self.base();
+        chunk.insert(
+            "choices".into(),
+            json!([{
+                "index": 0,
+                "delta": delta,
+                "logprobs": null,
+                "finish_reason": finish_reason.map(FinishReason::as_str),
+            }]),
+        );
+        if self.include_usage {
+            // With include_usage OpenAI sends `usage: null` on every other chunk.
+            chunk.insert("usage".into(), Value::Null);
+        }
+        Value::Object(chunk)
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> Value {
+        let mut chunk = self.base();
+        chunk.insert("choices".into(), json!([]));
+        chunk.insert("usage".into(), usage_json(usage));
+        Value::Object(chunk)
+    }
+}
+
+/// Tool calls assembled from streamed fragments, by call index.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ToolCallAssembly {
+    calls: BTreeMap<u32, ToolCall>,
+}
+
+impl ToolCallAssembly {
+    /// Fold one fragment in; returns false if it was dropped at the bound.
+    pub(crate) fn push(&mut self, delta: &ToolCallDelta, id_parent: &str) -> bool {
+        if !self.calls.contains_key(&delta.index) && self.calls.len() >= MAX_TOOL_CALLS_PER_RUN {
+            return false;
+        }
+        let call = self.calls.entry(delta.index).or_insert_with(|| ToolCall {
+            id: String::new(),
+            name: String::new(),
+            arguments: String::new(),
+        });
+        if call.id.is_empty() {
+            call.id = delta
+                .id
+                .clone()
+                .unwrap_or_else(|| ids::derived_id("call_", id_parent, delta.index));
+        }
+        if call.name.is_empty()
+            && let Some(name) = &delta.name
+        {
+            call.name.clone_from(name);
+        }
+        call.arguments.push_str(&delta.arguments_delta);
+        true
+    }
+
+    /// The calls in index order.
+    pub(crate) fn calls(&self) -> impl Iterator<Item = &ToolCall> {
+        self.calls.values()
+    }
+
+    /// True when no call was seen.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+}
+
+/// How a run ended, as seen by an accumulator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RunOutcome {
+    /// No terminal yet.
+    Running,
+    /// `Completed`.
+    Completed(FinishReason),
+    /// `Failed`.
+    Failed(ExecutionFailure),
+}
+
+impl RunOutcome {
+    /// The client error for a run that did not complete.
+    pub(crate) fn error(&self) -> Option<ApiError> {
+        match self {
+            RunOutcome::Completed(_) => None,
+            RunOutcome::Failed(failure) => Some(ApiError::from_execution_failure(failure)),
+            // The event stream ended without a terminal: the transport went away.
+            RunOutcome::Running => Some(ApiError::from_failure(FailureCode::TransportClosed)),
+        }
+    }
+}
+
+/// Folds run events into the non-streaming `chat.completion` object.
+#[derive(Debug, Clone)]
+pub struct ChatAccumulator {
+    id: String,
+    model: String,
+    created_unix: u64,
+    content: String,
+    tool_calls: ToolCallAssembly,
+    usage: Option<Usage>,
+    outcome: RunOutcome,
+}
+
+impl ChatAccumulator {
+    /// An accumulator for completion `id` of `model`.
+    pub fn new(id: impl Into<String>, model: impl Into<String>, created_unix: u64) -> Self {
+        Self {
+            id: id.into(),
+            model: model.into(),
+            created_unix,
+            content: String::new(),
+            tool_calls: ToolCallAssembly::default(),
+            usage: None,
+            outcome: RunOutcome::Running,
+        }
+    }
+
+    /// Fold one event in; events after the terminal are ignored.
+    pub fn push(&mut self, event: &RunEventKind) {
+        if self.is_finished() {
+            return;
+        }
+        match event {
+            RunEventKind::Started { .. } => {}
+            RunEventKind::TextDelta(text) => self.content.push_str(text),
+            RunEventKind::ToolCallDelta(delta) => {
+                self.tool_calls.push(delta, &self.id);
+            }
+            RunEventKind::Usage(usage) => self.usage = Some(*usage),
+            RunEventKind::Completed {
+                finish_reason,
+                usage,
+            } => {
+                if usage.is_some() {
+                    self.usage = *usage;
+                }
+                self.outcome = RunOutcome::Completed(*finish_reason);
+            }
+            RunEventKind::Failed(failure) => self.outcome = RunOutcome::Failed(failure.clone()),
+        }
+    }
+
+    /// True once a terminal event was folded in.
+    pub fn is_finished(&self) -> bool {
+        self.outcome != RunOutcome::Running
+    }
+
+    /// The `chat.completion` object, or the error the run ended with.
+    pub fn finish(&self) -> Result<Value, ApiError> {
+        let RunOutcome::Completed(finish_reason) = self.outcome else {
+            return Err(self.outcome.error().unwrap_or_else(ApiError::internal));
+        };
+        let mut message = Map::new();
+        message.insert("role".into(), json!("assistant"));
+        let content = if self.content.is_empty() && !self.tool_calls.is_empty() {
+            Value::Null
+        } else {
+            json!(self.content)
+        };
+        message.insert("content".into(), content);
+        message.insert("refusal".into(), Value::Null);
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<Value> = self
+                .tool_calls
+                .calls()
+                .map(|call| {
+                    json!({
+                        "id": call.id,
+                        "type": "function",
+                        "function": { "name": call.name, "arguments": call.arguments },
+                    })
+                })
+                .collect();
+            message.insert("tool_calls".into(), Value::Array(calls));
+        }
+        Ok(json!({
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created_unix,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": [{
+                "index": 0,
+                "message": message,
+                "logprobs": null,
+                "finish_reason": finish_reason.as_str(),
+            }],
+            "usage": usage_json(self.usage.unwrap_or_default()),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::arbitrary_body::{arbitrary_json, replace_nth_value};
+    use proptest::prelude::*;
+
+    fn parse(body: Value) -> Result<ChatRequest, ApiError> {
+        parse_chat_request(body.to_string().as_bytes())
+    }
+
+    fn param_of(body: Value) -> String {
+        let err = parse(body).expect_err("must be rejected");
+        assert_eq!(err.status, 400, "{err:?}");
+        err.param.unwrap_or_default()
+    }
+
+    fn minimal() -> Value {
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    fn with(field: &str, value: Value) -> Value {
+        let mut body = minimal();
+        body[field] = value;
+        body
+    }
+
+    /// A body as the OpenAI Python SDK sends it with streaming, tools and usage.
+    fn sdk_body() -> Value {
+        json!({
+            "messages": [
+                {"role": "developer", "content": "You are terse."},
+                {"role": "system", "content": [{"type": "text", "text": "Be nice."}]},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "Weather in"},
+                    {"type": "text", "text": "Paris?"}
+                ], "name": "alice"},
+                {"role": "assistant", "content": null, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}
+                }]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\":21}"}
+            ],
+            "model": "llama3",
+            "max_completion_tokens": 256,
+            "metadata": {"k": "v"},
+            "parallel_tool_calls": true,
+            "seed": 42,
+            "stop": ["\n\n", "END"],
+            "store": false,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "temperature": 0.7,
+            "tool_choice": "auto",
+            "tools": [{
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Get the weather",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "city": {"type": "string"},
+                            "units": {"type": "string", "enum": ["c", "f"]},
+                            "days": {"type": "array", "items": {"type": "object",
+                                "properties": {"d": {"type": "integer"}}}}
+                        },
+                        "required": ["city"],
+                        "additionalProperties": false
+                    },
+                    "strict": true
+                }
+            }],
+            "top_p": 0.9,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "user": "u-1",
+            "n": 1
+        })
+    }
+
+    #[test]
+    fn sdk_body_with_tools_usage_and_max_completion_tokens_parses() {
+        let req = parse(sdk_body()).unwrap();
+        assert_eq!(req.model, "llama3");
+        assert!(req.stream);
+        assert!(req.include_usage);
+        assert_eq!(req.messages.len(), 5);
+        assert_eq!(req.messages[0].role, Role::System);
+        assert_eq!(req.messages[1].content, "Be nice.");
+        assert_eq!(req.messages[2].content, "Weather in\nParis?");
+        assert_eq!(req.messages[2].name.as_deref(), Some("alice"));
+        assert_eq!(req.messages[3].role, Role::Assistant);
+        assert_eq!(req.messages[3].content, "");
+        assert_eq!(
+            req.messages[3].tool_calls,
+            vec![ToolCall {
+                id: "call_1".into(),
+                name: "get_weather".into(),
+                arguments: "{\"city\":\"Paris\"}".into()
+            }]
+        );
+        assert_eq!(req.messages[4].role, Role::Tool);
+        assert_eq!(req.messages[4].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(req.tools.len(), 1);
+        assert_eq!(req.tools[0].name, "get_weather");
+        let schema: Value =
+            serde_json::from_str(req.tools[0].parameters_json.as_deref().unwrap()).unwrap();
+        assert_eq!(
+            schema["properties"]["days"]["items"]["properties"]["d"]["type"],
+            "integer"
+        );
+        assert_eq!(req.params.max_tokens, Some(256));
+        assert_eq!(req.params.temperature, Some(0.7));
+        assert_eq!(req.params.top_p, Some(0.9));
+        assert_eq!(req.params.seed, Some(42));
+        assert_eq!(req.params.stop, vec!["\n\n".to_owned(), "END".to_owned()]);
+        assert_eq!(req.params.presence_penalty, Some(0.5));
+        assert_eq!(req.params.frequency_penalty, Some(-0.5));
+        assert_eq!(req.params.tool_choice_json.as_deref(), Some("\"auto\""));
+    }
+
+    #[test]
+    fn body_captured_from_the_openai_python_sdk_parses() {
+        // `client.chat.completions.create(..., stream=True,
+        //  stream_options={"include_usage": True}, tools=..., max_completion_tokens=5,
+        //  tool_choice="auto")`, byte for byte.
+        let body = br#"{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "stream_options": {"include_usage": true}, "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": true}}]}"#;
+        let req = parse_chat_request(body).unwrap();
+        assert!(req.stream && req.include_usage);
+        assert_eq!(req.params.max_tokens, Some(5));
+        assert_eq!(req.tools[0].description.as_deref(), Some("w"));
+    }
+
+    #[test]
+    fn minimal_body_defaults() {
+        let req = parse(minimal()).unwrap();
+        assert!(!req.stream);
+        assert!(!req.include_usage);
+        assert!(req.tools.is_empty());
+        assert_eq!(req.params, GenerationParams::default());
+    }
+
+    #[test]
+    fn unknown_top_level_fields_are_ignored_and_nulls_are_absent() {
+        let mut body = minimal();
+        body["some_future_field"] = json!({"x": 1});
+        body["temperature"] = Value::Null;
+        body["tools"] = Value::Null;
+        let req = parse(body).unwrap();
+        assert_eq!(req.params.temperature, None);
+    }
+
+    #[test]
+    fn max_tokens_is_read_when_max_completion_tokens_is_absent() {
+        let req = parse(with("max_tokens", json!(7))).unwrap();
+        assert_eq!(req.params.max_tokens, Some(7));
+        let req = parse(with("stop", json!("x"))).unwrap();
+        assert_eq!(req.params.stop, vec!["x".to_owned()]);
+    }
+
+    #[test]
+    fn function_tool_choice_is_kept_as_json() {
+        let req = parse(with(
+            "tool_choice",
+            json!({"type": "function", "function": {"name": "f"}}),
+        ))
+        .unwrap();
+        let choice: Value = serde_json::from_str(&req.params.tool_choice_json.unwrap()).unwrap();
+        assert_eq!(choice["function"]["name"], "f");
+    }
+
+    #[test]
+    fn malformed_json_is_a_400_without_param() {
+        let err = parse_chat_request(b"{\"model\": ").unwrap_err();
+        assert_eq!(err.status, 400);
+        assert_eq!(err.code, Some("invalid_json"));
+        let err = parse_chat_request(b"[1,2]").unwrap_err();
+        assert_eq!(err.code, Some("invalid_json"));
+    }
+
+    #[test]
+    fn every_bad_field_names_its_parameter() {
+        let cases: Vec<(Value, &str)> = vec![
+            (
+                json!({"messages": [{"role": "user", "content": "x"}]}),
+                "model",
+            ),
+            (with("model", json!("")), "model"),
+            (with("model", json!(3)), "model"),
+            (
+                with("model", json!("m".repeat(MAX_MODEL_NAME_CHARS + 1))),
+                "model",
+            ),
+            (json!({"model": "m"}), "messages"),
+            (with("messages", json!([])), "messages"),
+            (with("messages", json!("hi")), "messages"),
+            (with("messages", json!([3])), "messages[0]"),
+            (
+                with("messages", json!([{"content": "x"}])),
+                "messages[0].role",
+            ),
+            (
+                with("messages", json!([{"role": "bot", "content": "x"}])),
+                "messages[0].role",
+            ),
+            (
+                with("messages", json!([{"role": "function", "content": "x"}])),
+                "messages[0].role",
+            ),
+            (
+                with("messages", json!([{"role": "user"}])),
+                "messages[0].content",
+            ),
+            (
+                with("messages", json!([{"role": "user", "content": 5}])),
+                "messages[0].content",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": "a"}, {"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "http://x"}}]}]),
+                ),
+                "messages[1].content",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": [{"type": "text"}]}]),
+                ),
+                "messages[0].content[0].text",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": "x", "name": 1}]),
+                ),
+                "messages[0].name",
+            ),
+            (
+                with("messages", json!([{"role": "tool", "content": "x"}])),
+                "messages[0].tool_call_id",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": "x", "tool_calls": []}]),
+                ),
+                "messages[0].tool_calls",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "assistant", "tool_calls": [{"type": "function",
+                    "function": {"name": "f", "arguments": "{}"}}]}]),
+                ),
+                "messages[0].tool_calls[0].id",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "assistant", "tool_calls": [{"id": "c",
+                    "function": {"arguments": "{}"}}]}]),
+                ),
+                "messages[0].tool_calls[0].function.name",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "assistant", "tool_calls": [{"id": "c",
+                    "function": {"name": "f", "arguments": {}}}]}]),
+                ),
+                "messages[0].tool_calls[0].function.arguments",
+            ),
+            (
+                with("messages", json!([{"role": "assistant"}])),
+                "messages[0].content",
+            ),
+            (with("stream", json!("yes")), "stream"),
+            (with("stream_options", json!(true)), "stream_options"),
+            (
+                with("stream_options", json!({"include_usage": 1})),
+                "stream_options.include_usage",
+            ),
+            (with("temperature", json!(2.5)), "temperature"),
+            (with("temperature", json!(-0.1)), "temperature"),
+            (with("temperature", json!("hot")), "temperature"),
+            (with("top_p", json!(1.5)), "top_p"),
+            (with("max_tokens", json!(0)), "max_tokens"),
+            (with("max_tokens", json!(-1)), "max_tokens"),
+            (with("max_tokens", json!(1.5)), "max_tokens"),
+            (
+                with("max_completion_tokens", json!(0)),
+                "max_completion_tokens",
+            ),
+            (with("stop", json!(["a", "b", "c", "d", "e"])), "stop"),
+            (with("stop", json!(5)), "stop"),
+            (with("stop", json!(["a", 5])), "stop[1]"),
+            (with("seed", json!("1")), "seed"),
+            (with("seed", json!(u64::MAX)), "seed"),
+            (with("presence_penalty", json!(3)), "presence_penalty"),
+            (with("frequency_penalty", json!(-3)), "frequency_penalty"),
+            (with("n", json!(2)), "n"),
+            (with("n", json!("1")), "n"),
+            (with("tools", json!({})), "tools"),
+            (
+                with("tools", json!([{"type": "web_search"}])),
+                "tools[0].type",
+            ),
+            (
+                with("tools", json!([{"type": "function"}])),
+                "tools[0].function",
+            ),
+            (
+                with("tools", json!([{"type": "function", "function": {}}])),
+                "tools[0].function.name",
+            ),
+            (
+                with(
+                    "tools",
+                    json!([{"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
+                ),
+                "tools[0].function.parameters",
+            ),
+            (
+                with(
+                    "tools",
+                    json!(
+                        (0..=MAX_TOOLS)
+                            .map(|i| json!({"type": "function",
+                    "function": {"name": format!("f{i}")}}))
+                            .collect::<Vec<_>>()
+                    ),
+                ),
+                "tools",
+            ),
+            (with("tool_choice", json!("sometimes")), "tool_choice"),
+            (with("tool_choice", json!(1)), "tool_choice"),
+            (
+                with("tool_choice", json!({"type": "function"})),
+                "tool_choice.function",
+            ),
+            (
+                with("response_format", json!({"type": "json_object"})),
+                "response_format",
+            ),
+            (with("logprobs", json!(true)), "logprobs"),
+            (with("top_logprobs", json!(2)), "top_logprobs"),
+            (with("functions", json!([])), "functions"),
+        ];
+        for (body, expected) in cases {
+            assert_eq!(param_of(body.clone()), expected, "body: {body}");
+        }
+    }
+
+    #[test]
+    fn limits_accept_values_at_the_bound() {
+        let tools: Vec<Value> = (0..MAX_TOOLS)
+            .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+            .collect();
+        assert_eq!(
+            parse(with("tools", json!(tools))).unwrap().tools.len(),
+            MAX_TOOLS
+        );
+        let stops: Vec<String> = (0..MAX_STOP_SEQUENCES).map(|i| i.to_string()).collect();
+        assert_eq!(
+            parse(with("stop", json!(stops))).unwrap().params.stop.len(),
+            MAX_STOP_SEQUENCES
+        );
+        let name = "m".repeat(MAX_MODEL_NAME_CHARS);
+        assert_eq!(
+            parse(with("model", json!(name))).unwrap().model.len(),
+            MAX_MODEL_NAME_CHARS
+        );
+        let req = parse(with("max_tokens", json!(u32::MAX))).unwrap();
+        assert_eq!(req.params.max_tokens, Some(u32::MAX));
+        assert!(parse(with("max_tokens", json!(u64::from(u32::MAX) + 1))).is_err());
+        let req = parse(with("temperature", json!(2))).unwrap();
+        assert_eq!(req.params.temperature, Some(2.0));
+        assert!(parse(with("temperature", json!(0))).is_ok());
+    }
+
+    #[test]
+    fn n_other_than_one_is_unsupported() {
+        let err = parse(with("n", json!(3))).unwrap_err();
+        assert_eq!(err.code, Some("unsupported_parameter"));
+        assert!(parse(with("n", json!(1))).is_ok());
+    }
+
+    fn text(s: &str) -> RunEventKind {
+        RunEventKind::TextDelta(s.into())
+    }
+
+    fn tool_delta(index: u32, id: Option<&str>, name: Option<&str>, args: &str) -> RunEventKind {
+        RunEventKind::ToolCallDelta(ToolCallDelta {
+            index,
+            id: id.map(Into::into),
+            name: name.map(Into::into),
+            arguments_delta: args.into(),
+        })
+    }
+
+    fn completed(reason: FinishReason, usage: Option<Usage>) -> RunEventKind {
+        RunEventKind::Completed {
+            finish_reason: reason,
+            usage,
+        }
+    }
+
+    fn usage(p: u64, c: u64) -> Usage {
+        Usage {
+            prompt_tokens: p,
+            completion_tokens: c,
+        }
+    }
+
+    fn run(stream: &mut ChatStream, events: &[RunEventKind]) -> Vec<Value> {
+        events.iter().flat_map(|e| stream.push(e)).collect()
+    }
+
+    #[test]
+    fn text_stream_is_role_deltas_finish_then_usage_chunk() {
+        let mut stream = ChatStream::new("chatcmpl-1", "m", 1_700_000_000).with_usage_chunk(true);
+        let chunks = run(
+            &mut stream,
+            &[
+                RunEventKind::Started {
+                    session_id: "s".into(),
+                },
+                text("Hel"),
+                text("lo"),
+                completed(FinishReason::Stop, Some(usage(3, 2))),
+            ],
+        );
+        assert_eq!(chunks.len(), 5);
+        for chunk in &chunks {
+            assert_eq!(chunk["id"], "chatcmpl-1");
+            assert_eq!(chunk["object"], "chat.completion.chunk");
+            assert_eq!(chunk["created"], 1_700_000_000);
+            assert_eq!(chunk["model"], "m");
+        }
+        assert_eq!(
+            chunks[0]["choices"][0]["delta"],
+            json!({"role": "assistant", "content": ""})
+        );
+        assert_eq!(chunks[0]["choices"][0]["index"], 0);
+        assert!(chunks[0]["choices"][0]["finish_reason"].is_null());
+        assert!(chunks[0]["usage"].is_null());
+        assert_eq!(chunks[1]["choices"][0]["delta"], json!({"content": "Hel"}));
+        assert_eq!(chunks[2]["choices"][0]["delta"], json!({"content": "lo"}));
+        assert_eq!(chunks[3]["choices"][0]["delta"], json!({}));
+        assert_eq!(chunks[3]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(chunks[4]["choices"], json!([]));
+        assert_eq!(
+            chunks[4]["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
+        );
+        assert!(stream.is_finished());
+        assert!(stream.push(&text("late")).is_empty());
+    }
+
+    #[test]
+    fn without_include_usage_there_is_no_usage_chunk_or_field() {
+        let mut stream = ChatStream::new("c", "m", 1);
+        let chunks = run(
+            &mut stream,
+            &[text("x"), completed(FinishReason::Length, None)],
+        );
+        assert_eq!(chunks.len(), 3);
+        assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+        assert_eq!(chunks[2]["choices"][0]["finish_reason"], "length");
+    }
+
+    #[test]
+    fn usage_chunk_falls_back_to_the_last_usage_event() {
+        let mut stream = ChatStream::new("c", "m", 1).with_usage_chunk(true);
+        let chunks = run(
+            &mut stream,
+            &[
+                RunEventKind::Usage(usage(10, 1)),
+                completed(FinishReason::Stop, None),
+            ],
+        );
+        assert_eq!(chunks.len(), 3);
+        assert_eq!(chunks[2]["usage"]["total_tokens"], 11);
+    }
+
+    #[test]
+    fn tool_call_deltas_carry_index_id_type_and_function() {
+        let mut stream = ChatStream::new("chatcmpl-7", "m", 1);
+        let chunks = run(
+            &mut stream,
+            &[
+                tool_delta(0, Some("call_a"), Some("get_weather"), ""),
+                tool_delta(0, None, None, "{\"city\":"),
+                tool_delta(0, None, None, "\"Paris\"}"),
+                tool_delta(1, None, Some("get_time"), "{}"),
+                tool_delta(1, None, None, ""),
+                completed(FinishReason::ToolCalls, None),
+            ],
+        );
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(
+            chunks[1]["choices"][0]["delta"]["tool_calls"],
+            json!([{"index": 0, "id": "call_a", "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""}}])
+        );
+        assert_eq!(
+            chunks[2]["choices"][0]["delta"]["tool_calls"],
+            json!([{"index": 0, "function": {"arguments": "{\"city\":"}}])
+        );
+        assert_eq!(
+            chunks[3]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"],
+            "\"Paris\"}"
+        );
+        let second = &chunks[4]["choices"][0]["delta"]["tool_calls"][0];
+        assert_eq!(second["index"], 1);
+        assert_eq!(second["id"], "call_70001");
+        assert_eq!(second["function"]["name"], "get_time");
+        assert_eq!(chunks.len(), 6, "empty continuation fragments are skipped");
+        assert_eq!(chunks[5]["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn failure_after_commit_is_one_error_payload() {
+        let mut stream = ChatStream::new("c", "m", 1);
+        let mut chunks = run(&mut stream, &[text("partial")]);
+        chunks.extend(stream.push(&RunEventKind::Failed(ExecutionFailure::new(
+            FailureCode::ResponseStalled,
+        ))));
+        assert_eq!(chunks.len(), 3);
+        assert_eq!(chunks[2]["error"]["code"], "response_stalled");
+        assert_eq!(chunks[2]["error"]["type"], "timeout_error");
+        assert!(stream.push(&completed(FinishReason::Stop, None)).is_empty());
+        assert!(stream.fail(&ApiError::budget_expired()).is_empty());
+    }
+
+    #[test]
+    fn tool_call_indexes_are_bounded() {
+        let mut stream = ChatStream::new("c", "m", 1);
+        let events: Vec<_> = (0..(MAX_TOOL_CALLS_PER_RUN as u32 + 10))
+            .map(|i| tool_delta(i, None, Some("f"), "{}"))
+            .collect();
+        let chunks = run(&mut stream, &events);
+        assert_eq!(chunks.len(), MAX_TOOL_CALLS_PER_RUN + 1);
+    }
+
+    #[test]
+    fn accumulator_builds_completion_with_content_and_usage() {
+        let mut acc = ChatAccumulator::new("chatcmpl-2", "m", 5);
+        for e in [
+            text("Hello"),
+            text(" world"),
+            RunEventKind::Usage(usage(1, 1)),
+            completed(FinishReason::Stop, Some(usage(4, 2))),
+            text("ignored"),
+        ] {
+            acc.push(&e);
+        }
+        assert!(acc.is_finished());
+        let v = acc.finish().unwrap();
+        assert_eq!(v["id"], "chatcmpl-2");
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["created"], 5);
+        assert_eq!(v["model"], "m");
+        assert_eq!(v["choices"][0]["index"], 0);
+        assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+        assert_eq!(v["choices"][0]["message"]["content"], "Hello world");
+        assert!(v["choices"][0]["message"].get("tool_calls").is_none());
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6})
+        );
+    }
+
+    #[test]
+    fn accumulator_assembles_tool_calls_from_deltas() {
+        let mut acc = ChatAccumulator::new("chatcmpl-3", "m", 5);
+        for e in [
+            tool_delta(1, Some("call_b"), Some("second"), "{\"y\""),
+            tool_delta(0, Some("call_a"), Some("first"), "{\"x\":"),
+            tool_delta(0, None, None, "1}"),
+            tool_delta(1, None, None, ":2}"),
+            completed(FinishReason::ToolCalls, None),
+        ] {
+            acc.push(&e);
+        }
+        let v = acc.finish().unwrap();
+        let message = &v["choices"][0]["message"];
+        assert!(message["content"].is_null());
+        assert_eq!(
+            message["tool_calls"],
+            json!([
+                {"id": "call_a", "type": "function", "function": {"name": "first", "arguments": "{\"x\":1}"}},
+                {"id": "call_b", "type": "function", "function": {"name": "second", "arguments": "{\"y\":2}"}}
+            ])
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(v["usage"]["total_tokens"], 0);
+    }
+
+    #[test]
+    fn accumulator_reports_failures_and_missing_terminals() {
+        let mut acc = ChatAccumulator::new("c", "m", 1);
+        assert_eq!(acc.finish().unwrap_err().code, Some("transport_closed"));
+        acc.push(&RunEventKind::Failed(ExecutionFailure::new(
+            FailureCode::NodeOverloaded,
+        )));
+        let err = acc.finish().unwrap_err();
+        assert_eq!(err.status, 503);
+        assert_eq!(err.code, Some("node_overloaded"));
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic_the_parser(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = parse_chat_request(&body);
+        }
+
+        #[test]
+        fn arbitrary_json_never_panics_and_errors_name_a_bounded_param(
+            body in arbitrary_json(4)
+        ) {
+            match parse_chat_request(body.to_string().as_bytes()) {
+                Ok(req) => prop_assert!(!req.model.is_empty() && !req.messages.is_empty()),
+                Err(err) => prop_assert!((400..500).contains(&err.status)),
+            }
+        }
+
+        #[test]
+        fn mutated_sdk_bodies_never_panic(path in 0usize..40, replacement in arbitrary_json(2)) {
+            let mut body = sdk_body();
+            replace_nth_value(&mut body, path, replacement);
+            let _ = parse_chat_request(body.to_string().as_bytes());
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! The client-facing HTTP APIs as pure conversions (no I/O).
+//!
+//! The Edge's HTTP handlers read a body, call a `parse_*` function here to get
+//! a normalized request (model, messages, tools, [`iop_wire::GenerationParams`]),
+//! hand it to the core as a run, and turn the run's [`iop_wire::RunEventKind`]s
+//! back into the client's format with an encoder (streaming) or an
+//! accumulator (non-streaming) from this module. Errors of every kind become
+//! one [`ApiError`], rendered in the OpenAI or Ollama error format.
+//!
+//! | endpoint | parse | stream | non-stream |
+//! | --- | --- | --- | --- |
+//! | `POST /v1/chat/completions` | [`chat::parse_chat_request`] | [`chat::ChatStream`] (SSE `data:` payloads) | [`chat::ChatAccumulator`] |
+//! | `POST /v1/responses` | [`responses::parse_responses_request`] | [`responses::ResponsesStream`] (SSE `event:` + `data:`) | [`responses::ResponsesAccumulator`] |
+//! | `POST /api/chat`, `POST /api/generate` | [`ollama::parse_ollama_chat`], [`ollama::parse_ollama_generate`] | [`ollama::OllamaStream`] (NDJSON lines) | [`ollama::OllamaAccumulator`] |
+//! | `GET /v1/models` | | | [`models::models_list_json`] |
+//! | `GET /api/tags` | | | [`ollama::tags_json`] |
+//!
+//! Time and randomness are inputs: encoders take `created` timestamps and
+//! ids from the caller ([`ids`] formats a caller-supplied `u64`).
+
+#[cfg(test)]
+mod arbitrary_body;
+pub mod chat;
+pub mod error;
+pub mod ids;
+pub mod models;
+pub mod ollama;
+mod request_object;
+pub mod responses;
+
+pub use error::{ApiError, ErrorKind, OllamaError};
