@@ -113,7 +113,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/status", get(status))
         .route("/metrics", get(metrics_text))
-        .fallback(|| async { error_response(&ApiError::not_found_route()) })
+        .fallback(|| async { error_response(&ApiError::not_found("route")) })
         .with_state(state)
 }
 
@@ -191,9 +191,9 @@ async fn first(
         Some(Delivery::Fail { kind, .. }) => Err(gate_error(kind)),
         Some(other) => {
             tracing::error!(event = "edge_driver_protocol_bug", delivery = ?other);
-            Err(ApiError::from_failure(FailureCode::Internal))
+            Err(ApiError::internal())
         }
-        None => Err(ApiError::from_failure(FailureCode::Internal)),
+        None => Err(ApiError::internal()),
     }
 }
 
@@ -209,23 +209,40 @@ fn unix_now() -> u64 {
     iop_transport::clock::unix_ms() / 1000
 }
 
-async fn chat_completions(State(state): State<AppState>, request: Request) -> Response {
+/// Authenticate, read and parse a request body; any failure is the
+/// response to send.
+async fn admit_body<T>(
+    state: &AppState,
+    request: Request,
+    record: &mut RequestRecord,
+    parse: impl FnOnce(&[u8]) -> Result<T, ApiError>,
+) -> Result<(ApiKey, bytes::Bytes, T), ApiError> {
     let (parts, body) = request.into_parts();
-    let key = match authenticate(&state, &parts.headers) {
-        Ok(k) => k,
-        Err(e) => return error_response(&e),
-    };
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(e) => return error_response(&e),
-    };
-    let req = match chat::parse_chat_request(&body) {
-        Ok(r) => r,
+    let result = async {
+        let key = authenticate(state, &parts.headers)?;
+        let body = read_body(state, body).await?;
+        let parsed = parse(&body)?;
+        Ok((key, body, parsed))
+    }
+    .await;
+    if let Err(e) = &result {
+        record.error(e);
+    }
+    result
+}
+
+async fn chat_completions(State(state): State<AppState>, request: Request) -> Response {
+    let mut record = RequestRecord::new(&state, "chat");
+    let (key, body, req) = match admit_body(&state, request, &mut record, chat::parse_chat_request).await {
+        Ok(x) => x,
         Err(e) => return error_response(&e),
     };
     let pool = match pool_for(&state, &key, &req.model) {
         Ok(p) => p,
-        Err(e) => return error_response(&e),
+        Err(e) => {
+            record.error(&e);
+            return error_response(&e);
+        }
     };
     let work = Work {
         model: req.model.clone(),
@@ -234,65 +251,89 @@ async fn chat_completions(State(state): State<AppState>, request: Request) -> Re
         tools: req.tools.clone(),
         params: req.params.clone(),
         tunnel: Some(tunnel_body("/v1/chat/completions", &body)),
+        route: "chat",
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
     let head = match first(&mut rx).await {
         Ok(h) => h,
-        Err(e) => return error_response(&e),
+        Err(e) => {
+            record.error(&e);
+            return error_response(&e);
+        }
     };
     if let Some((status, headers)) = head {
-        return tunnel_response(status, headers, rx);
+        return tunnel_response(status, headers, rx, record);
     }
     let id = crate::api::ids::chat_completion_id(state.next_id());
     let created = unix_now();
     if req.stream {
-        let mut enc = chat::ChatStream::new(&id, &req.model, created, req.include_usage);
-        let stream = async_stream(rx, move |d| match d {
-            Delivery::Event(ev) => enc.event(&ev).into_iter().map(data_event).collect(),
+        let mut enc = chat::ChatStream::new(id, req.model.clone(), created).with_usage_chunk(req.include_usage);
+        let stream = sse_stream(rx, record, move |d, record| match d {
+            Delivery::Event(ev) => enc.push(&ev).into_iter().map(data_event).collect(),
             Delivery::Finish => {
-                let mut out: Vec<Event> = enc.finish().into_iter().map(data_event).collect();
-                out.push(Event::default().data("[DONE]"));
-                out
+                record.set("ok");
+                vec![Event::default().data("[DONE]")]
             }
             Delivery::Fail { kind, .. } => {
-                vec![data_event(chat::error_payload(&gate_error(kind)))]
+                let err = gate_error(kind);
+                record.error(&err);
+                enc.fail(&err).into_iter().map(data_event).collect()
             }
             _ => Vec::new(),
         });
-        Sse::new(stream)
-            .keep_alive(KeepAlive::default())
-            .into_response()
+        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
     } else {
-        let mut acc = chat::ChatAccumulator::new(&id, &req.model, created);
-        while let Some(d) = rx.recv().await {
-            match d {
-                Delivery::Event(ev) => acc.push(&ev),
-                Delivery::Finish => return axum::Json(acc.finish()).into_response(),
-                Delivery::Fail { kind, .. } => return error_response(&gate_error(kind)),
-                _ => {}
-            }
-        }
-        error_response(&ApiError::from_failure(FailureCode::Internal))
+        let mut acc = chat::ChatAccumulator::new(id, req.model.clone(), created);
+        collect_json(&mut rx, &mut record, |ev| acc.push(ev), || acc.finish()).await
     }
 }
 
+/// Drain a non-streaming request into its final JSON object.
+async fn collect_json(
+    rx: &mut mpsc::Receiver<Delivery>,
+    record: &mut RequestRecord,
+    mut push: impl FnMut(&iop_wire::RunEventKind),
+    finish: impl FnOnce() -> Result<serde_json::Value, ApiError>,
+) -> Response {
+    while let Some(d) = rx.recv().await {
+        match d {
+            Delivery::Event(ev) => push(&ev),
+            Delivery::Finish => {
+                return match finish() {
+                    Ok(v) => {
+                        record.set("ok");
+                        axum::Json(v).into_response()
+                    }
+                    Err(e) => {
+                        record.error(&e);
+                        error_response(&e)
+                    }
+                };
+            }
+            Delivery::Fail { kind, .. } => {
+                let e = gate_error(kind);
+                record.error(&e);
+                return error_response(&e);
+            }
+            _ => {}
+        }
+    }
+    error_response(&ApiError::internal())
+}
+
 async fn create_response(State(state): State<AppState>, request: Request) -> Response {
-    let (parts, body) = request.into_parts();
-    let key = match authenticate(&state, &parts.headers) {
-        Ok(k) => k,
-        Err(e) => return error_response(&e),
-    };
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(e) => return error_response(&e),
-    };
-    let req = match responses::parse_responses_request(&body) {
-        Ok(r) => r,
-        Err(e) => return error_response(&e),
-    };
+    let mut record = RequestRecord::new(&state, "responses");
+    let (key, body, req) =
+        match admit_body(&state, request, &mut record, responses::parse_responses_request).await {
+            Ok(x) => x,
+            Err(e) => return error_response(&e),
+        };
     let pool = match pool_for(&state, &key, &req.model) {
         Ok(p) => p,
-        Err(e) => return error_response(&e),
+        Err(e) => {
+            record.error(&e);
+            return error_response(&e);
+        }
     };
     let work = Work {
         model: req.model.clone(),
@@ -301,50 +342,42 @@ async fn create_response(State(state): State<AppState>, request: Request) -> Res
         tools: req.tools.clone(),
         params: req.params.clone(),
         tunnel: Some(tunnel_body("/v1/responses", &body)),
+        route: "responses",
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
     let head = match first(&mut rx).await {
         Ok(h) => h,
-        Err(e) => return error_response(&e),
+        Err(e) => {
+            record.error(&e);
+            return error_response(&e);
+        }
     };
     if let Some((status, headers)) = head {
-        return tunnel_response(status, headers, rx);
+        return tunnel_response(status, headers, rx, record);
     }
-    let n = state.next_id();
-    let id = crate::api::ids::response_id(n);
+    let id = crate::api::ids::response_id(state.next_id());
     let created = unix_now();
     if req.stream {
-        let mut enc = responses::ResponsesStream::new(&id, &req.model, created, n);
-        let mut opened = enc.start();
-        let stream = async_stream(rx, move |d| {
-            let mut out: Vec<Event> = std::mem::take(&mut opened)
-                .into_iter()
-                .map(named_event)
-                .collect();
+        let mut enc = responses::ResponsesStream::new(id, req.model.clone(), created).with_echo(req.echo.clone());
+        let mut opening: Vec<Event> = enc.start().into_iter().map(named_event).collect();
+        let stream = sse_stream(rx, record, move |d, record| {
+            let mut out = std::mem::take(&mut opening);
             match d {
-                Delivery::Event(ev) => out.extend(enc.event(&ev).into_iter().map(named_event)),
-                Delivery::Finish => out.extend(enc.finish().into_iter().map(named_event)),
+                Delivery::Event(ev) => out.extend(enc.push(&ev).into_iter().map(named_event)),
+                Delivery::Finish => record.set("ok"),
                 Delivery::Fail { kind, .. } => {
-                    out.extend(enc.fail(&gate_error(kind)).into_iter().map(named_event))
+                    let err = gate_error(kind);
+                    record.error(&err);
+                    out.extend(enc.fail(&err).into_iter().map(named_event));
                 }
                 _ => {}
             }
             out
         });
-        Sse::new(stream)
-            .keep_alive(KeepAlive::default())
-            .into_response()
+        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
     } else {
-        let mut acc = responses::ResponsesAccumulator::new(&id, &req.model, created, n);
-        while let Some(d) = rx.recv().await {
-            match d {
-                Delivery::Event(ev) => acc.push(&ev),
-                Delivery::Finish => return axum::Json(acc.finish()).into_response(),
-                Delivery::Fail { kind, .. } => return error_response(&gate_error(kind)),
-                _ => {}
-            }
-        }
-        error_response(&ApiError::from_failure(FailureCode::Internal))
+        let mut acc = responses::ResponsesAccumulator::new(id, req.model.clone(), created).with_echo(req.echo.clone());
+        collect_json(&mut rx, &mut record, |ev| acc.push(ev), || acc.finish()).await
     }
 }
 
@@ -372,27 +405,31 @@ async fn ollama_generate(State(state): State<AppState>, request: Request) -> Res
 }
 
 async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response {
-    let (parts, body) = request.into_parts();
-    let key = match authenticate(&state, &parts.headers) {
-        Ok(k) => k,
-        Err(e) => return ollama_error_response(&e),
+    let route = match api {
+        RunApi::Chat => "ollama_chat",
+        RunApi::Generate => "ollama_generate",
     };
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(e) => return ollama_error_response(&e),
+    let mut record = RequestRecord::new(&state, route);
+    let parse = match api {
+        RunApi::Chat => ollama::parse_ollama_chat,
+        RunApi::Generate => ollama::parse_ollama_generate,
     };
-    let parsed = match api {
-        RunApi::Chat => ollama::parse_ollama_chat(&body),
-        RunApi::Generate => ollama::parse_ollama_generate(&body),
-    };
-    let req = match parsed {
-        Ok(r) => r,
+    let (key, _body, req) = match admit_body(&state, request, &mut record, parse).await {
+        Ok(x) => x,
         Err(e) => return ollama_error_response(&e),
     };
     let pool = match pool_for(&state, &key, &req.model) {
         Ok(p) => p,
-        Err(e) => return ollama_error_response(&e),
+        Err(e) => {
+            record.error(&e);
+            return ollama_error_response(&e);
+        }
     };
+    let started = iop_transport::clock::unix_ms();
+    if req.is_load_only() {
+        record.set("ok");
+        return axum::Json(ollama::load_response_json(&req.model, api, started)).into_response();
+    }
     let work = Work {
         model: req.model.clone(),
         api,
@@ -400,55 +437,78 @@ async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response 
         tools: req.tools.clone(),
         params: req.params.clone(),
         tunnel: None,
+        route,
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
     if let Err(e) = first(&mut rx).await {
+        record.error(&e);
         return ollama_error_response(&e);
     }
-    let mut enc = ollama::OllamaStream::new(&req.model, api);
     if req.stream {
-        let lines =
-            futures::stream::unfold((rx, enc, false), |(mut rx, mut enc, done)| async move {
+        let enc = ollama::OllamaStream::new(req.model.clone(), api, started);
+        let lines = futures::stream::unfold(
+            (rx, enc, record, false),
+            |(mut rx, mut enc, mut record, done)| async move {
                 if done {
                     return None;
                 }
                 loop {
                     let d = rx.recv().await?;
-                    let (lines, end) = match d {
-                        Delivery::Event(ev) => (enc.event(&ev), false),
-                        Delivery::Finish => (enc.finish(), true),
+                    let (values, end) = match d {
+                        Delivery::Event(ev) => (enc.push(&ev, iop_transport::clock::unix_ms()), false),
+                        Delivery::Finish => {
+                            record.set("ok");
+                            (Vec::new(), true)
+                        }
                         Delivery::Fail { kind, .. } => {
-                            (vec![gate_error(kind).to_ollama_json()], true)
+                            let err = gate_error(kind);
+                            record.error(&err);
+                            (enc.fail(&err), true)
                         }
                         _ => continue,
                     };
                     let mut text = String::new();
-                    for l in lines {
-                        text.push_str(&l.to_string());
+                    for v in values {
+                        text.push_str(&v.to_string());
                         text.push('\n');
                     }
                     return Some((
                         Ok::<_, Infallible>(bytes::Bytes::from(text)),
-                        (rx, enc, end),
+                        (rx, enc, record, end),
                     ));
                 }
-            });
+            },
+        );
         Response::builder()
             .header(header::CONTENT_TYPE, "application/x-ndjson")
             .body(Body::from_stream(lines))
             .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
     } else {
+        let mut acc = ollama::OllamaAccumulator::new(req.model.clone(), api, started);
         while let Some(d) = rx.recv().await {
             match d {
-                Delivery::Event(ev) => {
-                    let _ = enc.event(&ev);
+                Delivery::Event(ev) => acc.push(&ev),
+                Delivery::Finish => {
+                    return match acc.finish(iop_transport::clock::unix_ms()) {
+                        Ok(v) => {
+                            record.set("ok");
+                            axum::Json(v).into_response()
+                        }
+                        Err(e) => {
+                            record.error(&e);
+                            ollama_error_response(&e)
+                        }
+                    };
                 }
-                Delivery::Finish => return axum::Json(enc.finish_single()).into_response(),
-                Delivery::Fail { kind, .. } => return ollama_error_response(&gate_error(kind)),
+                Delivery::Fail { kind, .. } => {
+                    let e = gate_error(kind);
+                    record.error(&e);
+                    return ollama_error_response(&e);
+                }
                 _ => {}
             }
         }
-        ollama_error_response(&ApiError::from_failure(FailureCode::Internal))
+        ollama_error_response(&ApiError::internal())
     }
 }
 
@@ -530,11 +590,11 @@ async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
         Err(e) => return error_response(&e),
     };
     if !key.admin {
-        return error_response(&ApiError::permission_denied("status requires an admin key"));
+        return error_response(&ApiError::permission_denied());
     }
     match state.hub.snapshot().await {
         Ok(snap) => axum::Json(crate::status::status_json(&state.config, &snap)).into_response(),
-        Err(_) => error_response(&ApiError::from_failure(FailureCode::Internal)),
+        Err(_) => error_response(&ApiError::internal()),
     }
 }
 
@@ -576,8 +636,8 @@ fn data_event(json: serde_json::Value) -> Event {
     Event::default().data(json.to_string())
 }
 
-fn named_event((name, json): (&'static str, serde_json::Value)) -> Event {
-    Event::default().event(name).data(json.to_string())
+fn named_event(ev: responses::ResponsesEvent) -> Event {
+    Event::default().event(ev.event).data(ev.data.to_string())
 }
 
 /// Turn driver deliveries into SSE events until the stream ends.
