@@ -16,6 +16,10 @@ use crate::edge::admission::{
     ProviderSpec, ReleaseReason, RequestId,
 };
 use crate::edge::gate::ConfirmedStall;
+use crate::edge::health::{
+    HealthConfig, HealthEvent, HealthState, HealthTracker, HealthTrackerError, ProbeDisposition,
+    ProbeResult, ProbeTicket,
+};
 use crate::edge::overlay::{EvidenceOutcome, Overlay, RecoveryOutcome};
 use crate::edge::registry::{Registry, RegistryOutput, Rejection};
 use crate::ids::{Generation, NodeId, ProviderId};
@@ -109,6 +113,20 @@ pub enum DispatchOutput {
     /// A lease was released by its generation's fence: end that request's
     /// run with one transport terminal (R-GEN-3).
     LeaseFenced(Lease),
+    /// The health tracker wants `ticket`'s provider probed (R-HT-3): send a
+    /// CAPABILITIES command to its node's current generation and answer with
+    /// [`Dispatcher::probe_answer`]. With no ready generation, answer a
+    /// transport failure at once.
+    ProbeDue {
+        /// Answer with this.
+        ticket: ProbeTicket,
+        /// The provider's node.
+        node: NodeId,
+        /// Its ready generation, if any.
+        generation: Option<Generation>,
+    },
+    /// A provider health lifecycle event (R-HT-4), once per transition.
+    Health(HealthEvent),
 }
 
 /// Configuration of the dispatch core.
@@ -122,6 +140,8 @@ pub struct DispatchConfig {
     pub generation_floor: Generation,
     /// Only these nodes may register (`None`: any certified node).
     pub known_nodes: Option<std::collections::BTreeSet<NodeId>>,
+    /// Provider health tracking.
+    pub health: HealthConfig,
 }
 
 /// The composed Edge dispatch state.
@@ -130,22 +150,110 @@ pub struct Dispatcher {
     registry: Registry,
     admission: Admission,
     overlay: Overlay,
+    health: HealthTracker,
     outputs: VecDeque<DispatchOutput>,
     ignored_terminals: u64,
 }
 
 impl Dispatcher {
-    /// A dispatcher with no node connected.
-    pub fn new(config: DispatchConfig) -> Self {
+    /// A dispatcher with no node connected, created at `now`.
+    pub fn new(now: Instant, config: DispatchConfig) -> Result<Self, HealthTrackerError> {
         let mut registry = Registry::new(config.generation_floor);
         registry.set_known_nodes(config.known_nodes);
-        Self {
+        let mut health = HealthTracker::new(config.health)?;
+        for p in &config.providers {
+            health.add_provider(now, p.id.clone())?;
+            // No node is connected yet: nothing to probe through.
+            health.suspend(now, &p.id);
+        }
+        Ok(Self {
             registry,
             admission: Admission::new(config.admission, config.providers),
             overlay: Overlay::new(),
+            health,
             outputs: VecDeque::new(),
             ignored_terminals: 0,
-        }
+        })
+    }
+
+    /// Read access to the health tracker.
+    pub fn health(&self) -> &HealthTracker {
+        &self.health
+    }
+
+    /// R-HT-5 and R-OVL-2 together: a provider is runtime-eligible unless
+    /// the overlay lowered it in its current generation or its health is
+    /// `unavailable` or `stale` (fail closed). A provider no probe has
+    /// answered yet is eligible once its node is ready.
+    fn refresh_eligibility(&mut self, now: Instant, provider: &ProviderId) {
+        let lowered = self
+            .admission
+            .capacity_view()
+            .iter()
+            .find(|c| &c.provider_id == provider)
+            .and_then(|c| c.online)
+            .is_some_and(|g| self.overlay.is_lowered(provider, g));
+        let unhealthy = matches!(
+            self.health.state(provider),
+            Some(HealthState::Unavailable) | Some(HealthState::Stale)
+        );
+        self.admission
+            .set_runtime_eligible(now, provider, !lowered && !unhealthy);
+    }
+
+    fn providers_of(&self, node: &NodeId) -> Vec<ProviderId> {
+        self.admission
+            .providers()
+            .filter(|p| &p.node == node)
+            .map(|p| p.id.clone())
+            .collect()
+    }
+
+    /// The answer to a [`DispatchOutput::ProbeDue`]: the CAPABILITIES report
+    /// from (`node`, `generation`), or the failure that prevented one. The
+    /// report also goes through R-CAP-1; the ticket's provider gets a health
+    /// result from the entry about its exact target (none: an ownership
+    /// mismatch).
+    pub fn probe_answer(
+        &mut self,
+        now: Instant,
+        ticket: &ProbeTicket,
+        answer: Result<(&NodeId, Generation, &CapabilitiesReport), iop_wire::HealthFailureCode>,
+    ) -> ProbeDisposition {
+        let result = match answer {
+            Err(code) => ProbeResult::Failure(code),
+            Ok((node, generation, report)) => {
+                let _ = self.apply_capabilities(now, node, generation, report);
+                let spec = self.admission.provider(&ticket.provider_id).cloned();
+                let entries: Vec<&iop_wire::TargetHealth> = report
+                    .targets
+                    .iter()
+                    .filter(|e| {
+                        spec.as_ref()
+                            .is_some_and(|s| &s.node == node && e.adapter == s.adapter && e.target == s.target)
+                    })
+                    .collect();
+                match entries.as_slice() {
+                    [entry] => match entry.status {
+                        ProviderHealth::Available => ProbeResult::Success,
+                        ProviderHealth::Unavailable => ProbeResult::Failure(
+                            entry
+                                .failure_code
+                                .unwrap_or(iop_wire::HealthFailureCode::ProviderRejected),
+                        ),
+                        ProviderHealth::Unknown => {
+                            ProbeResult::Failure(iop_wire::HealthFailureCode::Timeout)
+                        }
+                    },
+                    [] => ProbeResult::Failure(iop_wire::HealthFailureCode::OwnershipMismatch),
+                    _ => ProbeResult::Failure(iop_wire::HealthFailureCode::MalformedResponse),
+                }
+            }
+        };
+        let disposition = self.health.probe_result(now, ticket, result);
+        self.refresh_eligibility(now, &ticket.provider_id);
+        self.pump(now);
+        disposition
     }
 
     /// Read access to the registry.
@@ -284,8 +392,7 @@ impl Dispatcher {
                     health,
                 );
                 if outcome == EvidenceOutcome::Lowered {
-                    self.admission
-                        .set_runtime_eligible(now, &lease.provider_id, false);
+                    self.refresh_eligibility(now, &lease.provider_id);
                 }
                 (
                     Some(ConfirmedStall {
@@ -390,15 +497,16 @@ impl Dispatcher {
         verdicts
     }
 
-    /// Fire due timers (queue expiry).
+    /// Fire due timers (queue expiry, health probes).
     pub fn handle_timeout(&mut self, now: Instant) {
         self.admission.handle_timeout(now);
+        self.health.handle_timeout(now);
         self.pump(now);
     }
 
     /// When to call [`Self::handle_timeout`].
     pub fn poll_timeout(&self) -> Option<Instant> {
-        earliest(self.admission.poll_timeout(), None)
+        earliest(self.admission.poll_timeout(), self.health.poll_timeout())
     }
 
     /// Next output, until `None`.
@@ -426,6 +534,12 @@ impl Dispatcher {
                             reason,
                         });
                         self.admission.fence(now, &node, generation);
+                        if self.registry.view(&node).generation.is_none() {
+                            for p in self.providers_of(&node) {
+                                self.health.suspend(now, &p);
+                                self.refresh_eligibility(now, &p);
+                            }
+                        }
                     }
                     RegistryOutput::Close {
                         node,
@@ -445,10 +559,11 @@ impl Dispatcher {
                             .collect();
                         for p in providers {
                             // The overlay is scoped to its generation: a new
-                            // generation starts eligible (R-OVL-2).
-                            let eligible = !self.overlay.is_lowered(&p, generation);
-                            self.admission.set_runtime_eligible(now, &p, eligible);
+                            // generation starts clean (R-OVL-2); a fresh probe
+                            // is asked for at once.
+                            self.health.resume(now, &p);
                             self.admission.set_online(now, &p, Some(generation));
+                            self.refresh_eligibility(now, &p);
                         }
                         self.outputs
                             .push_back(DispatchOutput::NodeReady { node, generation });
@@ -464,6 +579,25 @@ impl Dispatcher {
                     }
                     AdmissionEvent::LeaseFenced(lease) => DispatchOutput::LeaseFenced(lease),
                 });
+            }
+            while let Some(ticket) = self.health.poll_probe(now) {
+                progressed = true;
+                let Some(spec) = self.admission.provider(&ticket.provider_id) else {
+                    continue;
+                };
+                let node = spec.node.clone();
+                let generation = self.registry.dispatchable_generation(&node);
+                self.outputs.push_back(DispatchOutput::ProbeDue {
+                    ticket,
+                    node,
+                    generation,
+                });
+            }
+            while let Some(event) = self.health.poll_event() {
+                progressed = true;
+                let provider = event.provider_id.clone();
+                self.outputs.push_back(DispatchOutput::Health(event));
+                self.refresh_eligibility(now, &provider);
             }
             if !progressed {
                 break;

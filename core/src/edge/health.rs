@@ -270,6 +270,8 @@ struct ProviderEntry {
     outage: Outage,
     successes_total: u64,
     failures_total: u64,
+    /// Its node has no ready connection: nothing to probe through.
+    suspended: bool,
 }
 
 impl ProviderEntry {
@@ -283,6 +285,7 @@ impl ProviderEntry {
             next_retry_at: None,
             next_probe_at: now,
             in_flight: None,
+            suspended: false,
             outage: Outage::None,
             successes_total: 0,
             failures_total: 0,
@@ -308,14 +311,15 @@ impl ProviderEntry {
     /// The earliest moment this entry needs the driver.
     fn wake_at(&self, config: &HealthConfig) -> Option<Instant> {
         let probe = match &self.in_flight {
-            Some(probe) => probe.started_at.saturating_add(config.probe_timeout),
-            None => self.next_probe_at,
+            Some(probe) => Some(probe.started_at.saturating_add(config.probe_timeout)),
+            None if self.suspended => None,
+            None => Some(self.next_probe_at),
         };
         let stale = match (self.state, self.last_success_at) {
             (HealthState::Ok, Some(at)) => Some(at.saturating_add(config.stale_after)),
             _ => None,
         };
-        earliest(Some(probe), stale)
+        earliest(probe, stale)
     }
 }
 
@@ -377,7 +381,7 @@ impl HealthTracker {
         let (provider_id, entry) = self
             .providers
             .iter_mut()
-            .find(|(_, e)| e.in_flight.is_none() && e.next_probe_at <= now)?;
+            .find(|(_, e)| !e.suspended && e.in_flight.is_none() && e.next_probe_at <= now)?;
         debug_assert!(retry_respected(entry, now));
         self.next_probe_seq += 1;
         entry.in_flight = Some(InFlight {
@@ -422,6 +426,35 @@ impl HealthTracker {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// The provider's node lost its connection: no probes are issued until
+    /// [`Self::resume`], and an `ok` provider becomes `stale` (fail closed,
+    /// R-HT-5). A failing provider keeps its backoff. Returns whether it was
+    /// followed.
+    pub fn suspend(&mut self, now: Instant, provider_id: &ProviderId) -> bool {
+        self.mark_stale(now, provider_id);
+        match self.providers.get_mut(provider_id) {
+            Some(entry) => {
+                entry.suspended = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The provider's node is ready again: probes resume, a healthy (or
+    /// stale) provider's at once; a failing one's still waits for its
+    /// `next_retry_at` (R-HT-3).
+    pub fn resume(&mut self, now: Instant, provider_id: &ProviderId) -> bool {
+        match self.providers.get_mut(provider_id) {
+            Some(entry) => {
+                entry.suspended = false;
+                self.request_refresh(now, provider_id);
+                true
+            }
+            None => false,
         }
     }
 
@@ -996,6 +1029,22 @@ mod tests {
         aging.handle_timeout(at(90));
         assert_eq!(aging.state(&pid("a")), Some(HealthState::Stale));
         assert!(!aging.is_available(&pid("a")));
+    }
+
+    #[test]
+    fn suspended_provider_is_not_probed_and_resumes_with_a_probe_at_once() {
+        let mut tracker = HealthTracker::new(HealthConfig::default()).unwrap();
+        let p = ProviderId::from("p");
+        tracker.add_provider(Instant::ZERO, p.clone()).unwrap();
+        let t = tracker.poll_probe(Instant::ZERO).unwrap();
+        let _ = tracker.probe_result(Instant::ZERO, &t, ProbeResult::Success);
+        assert!(tracker.suspend(Instant::from_millis(10), &p));
+        assert_eq!(tracker.state(&p), Some(HealthState::Stale));
+        let later = Instant::from_millis(120_000);
+        tracker.handle_timeout(later);
+        assert!(tracker.poll_probe(later).is_none(), "no probe while suspended");
+        assert!(tracker.resume(later, &p));
+        assert!(tracker.poll_probe(later).is_some(), "a probe at once on resume");
     }
 
     #[test]

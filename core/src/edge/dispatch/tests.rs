@@ -18,7 +18,7 @@ fn spec(id: &str, node: &str, capacity: u32) -> ProviderSpec {
 }
 
 fn dispatcher() -> Dispatcher {
-    Dispatcher::new(DispatchConfig {
+    Dispatcher::new(Instant::ZERO, DispatchConfig {
         admission: AdmissionConfig {
             queue_capacity: 4,
             queue_timeout: Duration::from_millis(500),
@@ -26,7 +26,9 @@ fn dispatcher() -> Dispatcher {
         providers: vec![spec("p1", "a", 1), spec("p2", "a", 2), spec("p3", "b", 1)],
         generation_floor: 100,
         known_nodes: None,
+        health: crate::edge::health::HealthConfig::default(),
     })
+    .expect("valid config")
 }
 
 fn register_req() -> RegisterRequest {
