@@ -117,6 +117,35 @@ impl Default for AdmissionSection {
     }
 }
 
+/// `[health]`: the provider health tracker (R-HT-3).
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthSection {
+    /// Regular capability refresh cadence.
+    pub refresh_interval_ms: u64,
+    /// First recovery backoff of a failing provider.
+    pub backoff_base_ms: u64,
+    /// Backoff cap during a long outage.
+    pub backoff_cap_ms: u64,
+    /// An `ok` older than this without a fresh success becomes `stale`.
+    pub stale_after_ms: u64,
+    /// Bound of one CAPABILITIES probe.
+    pub probe_timeout_ms: u64,
+}
+
+impl Default for HealthSection {
+    fn default() -> Self {
+        let d = iop_core::edge::health::HealthConfig::default();
+        Self {
+            refresh_interval_ms: d.refresh_interval.as_millis() as u64,
+            backoff_base_ms: d.backoff_base.as_millis() as u64,
+            backoff_cap_ms: d.backoff_cap.as_millis() as u64,
+            stale_after_ms: d.stale_after.as_millis() as u64,
+            probe_timeout_ms: d.probe_timeout.as_millis() as u64,
+        }
+    }
+}
+
 /// `[edge]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -164,6 +193,9 @@ pub struct EdgeFile {
     /// `[admission]`.
     #[serde(default)]
     pub admission: AdmissionSection,
+    /// `[health]`.
+    #[serde(default)]
+    pub health: HealthSection,
     /// `[[providers]]`.
     #[serde(default)]
     pub providers: Vec<ProviderEntry>,
@@ -229,6 +261,8 @@ pub struct EdgeConfig {
     pub heartbeat: HeartbeatConfig,
     /// Admission.
     pub admission: AdmissionSection,
+    /// Health tracker.
+    pub health: HealthSection,
     /// Providers.
     pub providers: Vec<Provider>,
     /// Routes: model -> provider pool.
@@ -427,15 +461,43 @@ impl EdgeConfig {
             });
         }
 
+        let health = file.health;
+        for (name, v) in [
+            ("health.refresh_interval_ms", health.refresh_interval_ms),
+            ("health.backoff_base_ms", health.backoff_base_ms),
+            ("health.backoff_cap_ms", health.backoff_cap_ms),
+            ("health.stale_after_ms", health.stale_after_ms),
+            ("health.probe_timeout_ms", health.probe_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(field_err(name, "must be > 0"));
+            }
+        }
+        if health.backoff_base_ms > health.backoff_cap_ms {
+            return Err(field_err("health.backoff_cap_ms", "must be >= health.backoff_base_ms"));
+        }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
             admission: file.admission,
+            health,
             edge: file.edge,
             tls: file.tls,
             providers,
             routes,
             api_keys,
         })
+    }
+
+    /// The core's health tracker settings.
+    pub fn health_config(&self) -> iop_core::edge::health::HealthConfig {
+        let h = self.health;
+        iop_core::edge::health::HealthConfig {
+            refresh_interval: Duration::from_millis(h.refresh_interval_ms),
+            backoff_base: Duration::from_millis(h.backoff_base_ms),
+            backoff_cap: Duration::from_millis(h.backoff_cap_ms),
+            stale_after: Duration::from_millis(h.stale_after_ms),
+            probe_timeout: Duration::from_millis(h.probe_timeout_ms),
+        }
     }
 
     /// The core's admission bounds.

@@ -12,7 +12,9 @@ use iop_core::edge::admission::{Admit, DispatchRequest, Lease, LeaseId, PreSend,
 use iop_core::edge::dispatch::{
     CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, TerminalVerdict,
 };
+use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::Rejection;
+use iop_wire::{Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode};
 use iop_core::ids::{Generation, NodeId};
 use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, RegisterRequest};
 use tokio::sync::{mpsc, oneshot};
@@ -92,6 +94,26 @@ pub struct HubSnapshot {
     pub fences: u64,
     /// Connections ended, by close reason.
     pub closes_by_reason: BTreeMap<&'static str, u64>,
+    /// Per-provider health (R-HT-1), times as Unix milliseconds.
+    pub health: Vec<ProviderHealthView>,
+}
+
+/// One provider's health for the status surface (R-HT-6: no secrets, no
+/// payloads, no error text).
+#[derive(Debug, Clone)]
+pub struct ProviderHealthView {
+    /// Provider.
+    pub provider_id: iop_core::ids::ProviderId,
+    /// `unknown | ok | unavailable | stale`.
+    pub state: &'static str,
+    /// Last successful probe.
+    pub last_success_at_ms: Option<u64>,
+    /// Failures since the last success.
+    pub consecutive_failures: u32,
+    /// Sanitized failure class.
+    pub failure_code: Option<&'static str>,
+    /// Earliest recovery probe.
+    pub next_retry_at_ms: Option<u64>,
 }
 
 enum HubMsg {
@@ -146,6 +168,10 @@ enum HubMsg {
     },
     Snapshot {
         reply: oneshot::Sender<HubSnapshot>,
+    },
+    ProbeAnswer {
+        ticket: ProbeTicket,
+        answer: Result<(NodeId, Generation, CapabilitiesReport), HealthFailureCode>,
     },
 }
 
@@ -278,6 +304,9 @@ impl HubHandle {
 }
 
 struct Hub {
+    tx: mpsc::UnboundedSender<HubMsg>,
+    unix_origin_ms: u64,
+    probe_bound: std::time::Duration,
     clock: Clock,
     dispatcher: Dispatcher,
     store: Option<GenerationStore>,
@@ -293,11 +322,15 @@ pub fn spawn(
     store: Option<GenerationStore>,
     clock: Clock,
     metrics: Arc<EdgeMetrics>,
-) -> HubHandle {
+) -> Result<HubHandle, iop_core::edge::health::HealthTrackerError> {
     let (tx, rx) = mpsc::unbounded_channel();
+    let probe_bound = config.health.probe_timeout;
     let hub = Hub {
+        tx: tx.clone(),
+        unix_origin_ms: iop_transport::clock::unix_ms().saturating_sub(clock.now().as_millis()),
+        probe_bound,
         clock,
-        dispatcher: Dispatcher::new(config),
+        dispatcher: Dispatcher::new(clock.now(), config)?,
         store,
         links: HashMap::new(),
         waiters: BTreeMap::new(),
@@ -305,7 +338,7 @@ pub fn spawn(
         metrics,
     };
     tokio::spawn(hub.run(rx));
-    HubHandle { tx }
+    Ok(HubHandle { tx })
 }
 
 impl Hub {
@@ -490,6 +523,13 @@ impl Hub {
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
+            HubMsg::ProbeAnswer { ticket, answer } => {
+                let answer = match &answer {
+                    Ok((node, generation, report)) => Ok((node, *generation, report)),
+                    Err(code) => Err(*code),
+                };
+                let _ = self.dispatcher.probe_answer(now, &ticket, answer);
+            }
         }
     }
 
@@ -537,8 +577,66 @@ impl Hub {
                         let _ = w.send(RequestEvent::LeaseFenced(lease));
                     }
                 }
+                DispatchOutput::ProbeDue {
+                    ticket,
+                    node,
+                    generation,
+                } => self.probe(ticket, node, generation),
+                DispatchOutput::Health(event) => {
+                    tracing::warn!(
+                        event = "edge_provider_health_lifecycle",
+                        provider = %event.provider_id,
+                        lifecycle = event.lifecycle.as_str(),
+                        failure_code = event.failure_code.map(|c| c.as_str()),
+                        consecutive_failures = event.consecutive_failures
+                    );
+                }
             }
         }
+    }
+
+    /// Run one CAPABILITIES probe on the node's link, bounded, and feed the
+    /// answer back as an input.
+    fn probe(&self, ticket: ProbeTicket, node: NodeId, generation: Option<Generation>) {
+        let link = generation.and_then(|g| self.links.get(&(node.clone(), g)).cloned());
+        let tx = self.tx.clone();
+        let bound = self.probe_bound;
+        let (Some(generation), Some(link)) = (generation, link) else {
+            let _ = tx.send(HubMsg::ProbeAnswer {
+                ticket,
+                answer: Err(HealthFailureCode::TransportFailed),
+            });
+            return;
+        };
+        tokio::spawn(async move {
+            let ask = async {
+                let (mut send, mut recv) = iop_transport::open_framed(&link.conn)
+                    .await
+                    .map_err(|_| HealthFailureCode::TransportFailed)?;
+                send.send(&DataRequest::Command(Command {
+                    command_id: 0,
+                    session_id: String::new(),
+                    kind: CommandKind::Capabilities,
+                }))
+                .await
+                .map_err(|_| HealthFailureCode::TransportFailed)?;
+                let _ = send.finish();
+                match recv.recv::<CommandResult>().await {
+                    Ok(Some(CommandResult {
+                        body: CommandResultBody::Capabilities(report),
+                        ..
+                    })) => Ok(report),
+                    Ok(_) => Err(HealthFailureCode::MalformedResponse),
+                    Err(_) => Err(HealthFailureCode::TransportFailed),
+                }
+            };
+            let answer = match tokio::time::timeout(bound, ask).await {
+                Ok(Ok(report)) => Ok((node, generation, report)),
+                Ok(Err(code)) => Err(code),
+                Err(_) => Err(HealthFailureCode::Timeout),
+            };
+            let _ = tx.send(HubMsg::ProbeAnswer { ticket, answer });
+        });
     }
 
     fn snapshot(&self) -> HubSnapshot {
@@ -562,6 +660,24 @@ impl Hub {
             fenced_messages: registry.fenced_messages(),
             fences: registry.fences(),
             closes_by_reason: self.closes_by_reason.clone(),
+            health: self
+                .dispatcher
+                .health()
+                .snapshot()
+                .into_iter()
+                .map(|h| ProviderHealthView {
+                    state: h.state.as_str(),
+                    last_success_at_ms: h.last_success_at.map(|t| self.unix_ms(t)),
+                    consecutive_failures: h.consecutive_failures,
+                    failure_code: h.failure_code.map(|c| c.as_str()),
+                    next_retry_at_ms: h.next_retry_at.map(|t| self.unix_ms(t)),
+                    provider_id: h.provider_id,
+                })
+                .collect(),
         }
+    }
+
+    fn unix_ms(&self, at: iop_core::Instant) -> u64 {
+        self.unix_origin_ms + at.as_millis()
     }
 }

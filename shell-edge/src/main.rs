@@ -29,6 +29,19 @@ enum Command {
     /// certificates, Ollama if found, else the built-in mock provider) and
     /// print how to call it.
     Demo(iop_edge::demo::DemoArgs),
+    /// Print a running Edge's provider status as a table (reads `/status`
+    /// with an admin key).
+    Status {
+        /// The Edge's HTTP base URL.
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        /// Environment variable holding an admin API key.
+        #[arg(long, default_value = "IOP_ADMIN_KEY")]
+        key_env: String,
+        /// Print the raw JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Certificate management for a deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -79,6 +92,29 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Demo(args) => iop_edge::demo::run(args).await,
+            Command::Status { url, key_env, json } => {
+                let key = std::env::var(&key_env)
+                    .with_context(|| format!("environment variable `{key_env}` is not set"))?;
+                let resp = reqwest::Client::new()
+                    .get(format!("{}/status", url.trim_end_matches('/')))
+                    .bearer_auth(key)
+                    .send()
+                    .await
+                    .with_context(|| format!("calling {url}/status"))?;
+                let status = resp.status();
+                let body = resp.bytes().await?;
+                let doc: serde_json::Value =
+                    serde_json::from_slice(&body).context("/status did not return JSON")?;
+                if !status.is_success() {
+                    anyhow::bail!("{status}: {}", doc["error"]["message"]);
+                }
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&doc)?);
+                } else {
+                    print!("{}", iop_edge::status::status_table(&doc));
+                }
+                Ok(())
+            }
             Command::Certs(CertsCommand::Init {
                 out,
                 nodes,

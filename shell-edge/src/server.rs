@@ -27,6 +27,9 @@ pub enum StartError {
     /// The state directory is unusable.
     #[error("state directory: {0}")]
     State(#[from] std::io::Error),
+    /// The health settings are unusable.
+    #[error("health config: {0}")]
+    Health(#[from] iop_core::edge::health::HealthTrackerError),
 }
 
 /// A running Edge.
@@ -66,11 +69,12 @@ impl RunningEdge {
                 providers: config.providers.iter().map(|p| p.spec.clone()).collect(),
                 generation_floor: floor,
                 known_nodes: config.edge.restrict_nodes.then(|| config.known_nodes()),
+                health: config.health_config(),
             },
             Some(store),
             clock,
             metrics.clone(),
-        );
+        )?;
         let settings = LinkSettings {
             heartbeat: config.heartbeat,
         };
