@@ -5,4 +5,6 @@
 //! with heartbeats, and executes normalized runs and raw provider tunnels
 //! under the core's stall watchdog.
 
+pub mod adapter;
 pub mod config;
+pub mod mock;
