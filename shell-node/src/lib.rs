@@ -32,8 +32,12 @@ pub struct RunningNode {
 impl RunningNode {
     /// Start the supervisor: it dials the Edge and keeps reconnecting.
     pub fn start(config: NodeConfig) -> Self {
+        // Tunnels pass redirects through as they are; runs have no overall
+        // timeout on purpose: the stall watchdog bounds them.
         let http = reqwest::Client::builder()
             .pool_idle_timeout(std::time::Duration::from_secs(30))
+            .connect_timeout(std::time::Duration::from_secs(10))
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .unwrap_or_default();
         let adapters = config

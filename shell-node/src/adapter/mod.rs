@@ -1,0 +1,375 @@
+//! Provider adapters: the one place where the Node speaks a provider's HTTP
+//! API.
+//!
+//! An [`Adapter`] serves one configured `(adapter, target)` and offers four
+//! calls the run handlers code against:
+//!
+//! * [`Adapter::run`]: a normalized run, as ordered [`RunEventKind`]s ending in
+//!   exactly one terminal (`Completed` or `Failed`), nothing after it;
+//! * [`Adapter::tunnel`]: a raw HTTP relay, as a `Head`, `Body` chunks streamed
+//!   as they arrive and exactly one terminal (`End` or `Failure`);
+//! * [`Adapter::ollama_api`]: an Ollama API call relayed like a tunnel;
+//! * [`Adapter::probe`]: the exact-target health probe (R-WD-2, R-CAP-1).
+//!
+//! Dropping a returned stream drops the in-flight reqwest future, which
+//! closes the provider connection: cancellation (R-WD-2, R-DISC-1) relies on
+//! it. Adapters never retry (R-WD-8).
+//!
+//! Failures are typed ([`ProviderCallError`]) and reach the wire as an
+//! [`iop_wire::ExecutionFailure`] with a sanitized [`HealthFailureCode`]; provider
+//! payload text and credentials never enter a failure or a log line.
+
+mod error;
+mod lines;
+mod ollama;
+pub(crate) mod openai;
+pub(crate) mod relay;
+mod sse;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use iop_wire::{
+    AdapterKind, HealthFailureCode, OllamaApiCall, ProviderHealth, ProviderTunnelFrame,
+    ProviderTunnelRequest, RunEventKind, RunRequest,
+};
+
+pub use error::ProviderCallError;
+pub use lines::{LineBuffer, LineError, MAX_LINE_BYTES};
+pub use sse::{MAX_EVENT_BYTES, SseDecoder, SseError, SseEvent};
+
+use crate::mock::InProcessMock;
+
+/// Bound of one exact-target health probe, HTTP included.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The largest probe answer read; more is malformed.
+pub const MAX_PROBE_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+/// The largest tunnel `Body` frame; bigger provider chunks are split.
+pub const MAX_BODY_CHUNK_BYTES: usize = 64 * 1024;
+
+/// The verdict of one exact-target health probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeVerdict {
+    /// Available, unavailable or unknown.
+    pub health: ProviderHealth,
+    /// Why, when not available.
+    pub failure: Option<HealthFailureCode>,
+    /// Models the target reported (empty is a valid answer, R-HT-2).
+    pub models: Vec<String>,
+}
+
+impl ProbeVerdict {
+    /// The target answered with a valid (possibly empty) model list.
+    pub fn available(models: Vec<String>) -> Self {
+        Self {
+            health: ProviderHealth::Available,
+            failure: None,
+            models,
+        }
+    }
+
+    /// The target is unavailable for `failure`.
+    pub fn unavailable(failure: HealthFailureCode) -> Self {
+        Self {
+            health: ProviderHealth::Unavailable,
+            failure: Some(failure),
+            models: Vec::new(),
+        }
+    }
+}
+
+/// The health class of an HTTP error status (R-HT-1); `None` for non-errors.
+pub fn classify_status(status: u16) -> Option<HealthFailureCode> {
+    match status {
+        401 => Some(HealthFailureCode::AuthenticationFailed),
+        403 => Some(HealthFailureCode::AuthorizationFailed),
+        400..=499 => Some(HealthFailureCode::Http4xx),
+        500..=599 => Some(HealthFailureCode::Http5xx),
+        _ => None,
+    }
+}
+
+/// One provider server reached over HTTP.
+#[derive(Clone)]
+pub(crate) struct HttpTarget {
+    /// Base URL without a trailing `/`.
+    pub(crate) base_url: String,
+    /// Static key of the target, used when a call brings none (never logged).
+    pub(crate) api_key: Option<String>,
+    pub(crate) http: reqwest::Client,
+}
+
+impl HttpTarget {
+    /// The bearer for a call: the call's own secret wins over the static key.
+    pub(crate) fn bearer(&self, auth: Option<String>) -> Option<String> {
+        auth.or_else(|| self.api_key.clone())
+    }
+}
+
+#[derive(Clone)]
+enum Backend {
+    OpenAi(HttpTarget),
+    Ollama(HttpTarget),
+    Mock(InProcessMock),
+    /// An HTTP adapter without a base URL: every call fails `internal`.
+    Unconfigured(AdapterKind),
+}
+
+struct AdapterInner {
+    target: String,
+    models: Vec<String>,
+    backend: Backend,
+}
+
+/// One configured `(adapter, target)`: cheap to clone, shared by every run
+/// of that target.
+#[derive(Clone)]
+pub struct Adapter {
+    inner: Arc<AdapterInner>,
+}
+
+impl std::fmt::Debug for Adapter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // No base URL or key: base URLs may embed credentials.
+        f.debug_struct("Adapter")
+            .field("kind", &self.kind())
+            .field("target", &self.inner.target)
+            .field("models", &self.inner.models)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Adapter {
+    /// The adapter for a validated provider entry. `http` is shared by every
+    /// adapter of the process; the mock ignores it.
+    pub fn new(target: &crate::config::ProviderTarget, http: reqwest::Client) -> Self {
+        let http_target = |base_url: &String| HttpTarget {
+            base_url: base_url.trim_end_matches('/').to_owned(),
+            api_key: target.api_key.clone(),
+            http: http.clone(),
+        };
+        let backend = match (target.adapter, &target.base_url) {
+            (AdapterKind::Mock, _) => Backend::Mock(InProcessMock::new(
+                crate::mock::MockScript::default(),
+                target.api_key.clone(),
+            )),
+            (AdapterKind::OpenAi, Some(url)) => Backend::OpenAi(http_target(url)),
+            (AdapterKind::Ollama, Some(url)) => Backend::Ollama(http_target(url)),
+            (kind, None) => Backend::Unconfigured(kind),
+        };
+        Self::with_backend(target.target.clone(), target.models.clone(), backend)
+    }
+
+    /// A `mock` adapter running `script` in process, for tests and demos.
+    pub fn in_process_mock(target: &str, script: crate::mock::MockScript) -> Self {
+        Self::with_backend(
+            target.to_owned(),
+            Vec::new(),
+            Backend::Mock(InProcessMock::new(script, None)),
+        )
+    }
+
+    fn with_backend(target: String, mut models: Vec<String>, backend: Backend) -> Self {
+        if models.is_empty() && matches!(backend, Backend::Mock(_)) {
+            models.push(crate::mock::DEFAULT_MODEL.to_owned());
+        }
+        Self {
+            inner: Arc::new(AdapterInner {
+                target,
+                models,
+                backend,
+            }),
+        }
+    }
+
+    /// The kind of provider server.
+    pub fn kind(&self) -> AdapterKind {
+        match &self.inner.backend {
+            Backend::OpenAi(_) => AdapterKind::OpenAi,
+            Backend::Ollama(_) => AdapterKind::Ollama,
+            Backend::Mock(_) => AdapterKind::Mock,
+            Backend::Unconfigured(kind) => *kind,
+        }
+    }
+
+    /// The target name.
+    pub fn target(&self) -> &str {
+        &self.inner.target
+    }
+
+    /// The configured models (informational).
+    pub fn models(&self) -> &[String] {
+        &self.inner.models
+    }
+
+    /// A normalized run: ordered events ending in exactly one terminal
+    /// (`Completed` or `Failed`), nothing after it. `auth` is a bearer secret
+    /// for the provider request's auth header only (never logged); without
+    /// it the target's static key is used.
+    pub fn run(&self, req: RunRequest, auth: Option<String>) -> BoxStream<'static, RunEventKind> {
+        let events = match &self.inner.backend {
+            Backend::OpenAi(t) => openai::run(t.clone(), req, auth),
+            Backend::Ollama(t) => ollama::run(t.clone(), req, auth),
+            Backend::Mock(m) => m.run(req, auth),
+            Backend::Unconfigured(_) => failed_run(ProviderCallError::Unconfigured),
+        };
+        one_terminal(events, RunEventKind::is_terminal, || {
+            RunEventKind::Failed(ProviderCallError::Truncated.failure())
+        })
+    }
+
+    /// A raw tunnel: `Head`, `Body` chunks streamed as they arrive (never the
+    /// whole body buffered), exactly one terminal (`End` or `Failure`).
+    /// HTTP error statuses are relayed as they are; only transport failures
+    /// become a `Failure`.
+    pub fn tunnel(
+        &self,
+        req: ProviderTunnelRequest,
+        auth: Option<String>,
+    ) -> BoxStream<'static, ProviderTunnelFrame> {
+        let call = relay::RelayCall {
+            method: req.method,
+            path: req.path,
+            headers: req.headers,
+            body: req.body,
+            scope: relay::PathScope::Any,
+        };
+        self.relay(call, auth)
+    }
+
+    /// An Ollama API call relayed to this target, streamed like a tunnel.
+    /// Paths outside `/api/` are refused with an `invalid_request` failure.
+    pub fn ollama_api(&self, call: OllamaApiCall) -> BoxStream<'static, ProviderTunnelFrame> {
+        let call = relay::RelayCall {
+            method: call.method,
+            path: call.path,
+            headers: Vec::new(),
+            body: call.body,
+            scope: relay::PathScope::OllamaApi,
+        };
+        self.relay(call, None)
+    }
+
+    fn relay(
+        &self,
+        call: relay::RelayCall,
+        auth: Option<String>,
+    ) -> BoxStream<'static, ProviderTunnelFrame> {
+        let frames = match &self.inner.backend {
+            Backend::OpenAi(t) | Backend::Ollama(t) => relay::relay(t.clone(), call, auth),
+            Backend::Mock(m) => m.relay(call, auth),
+            Backend::Unconfigured(_) => failed_tunnel(ProviderCallError::Unconfigured),
+        };
+        one_terminal(frames, ProviderTunnelFrame::is_terminal, || {
+            ProviderTunnelFrame::Failure(ProviderCallError::Truncated.failure())
+        })
+    }
+
+    /// The exact-target health probe: the adapter's cheapest real liveness
+    /// call (openai: `GET /v1/models`; ollama: `GET /api/tags`; mock: its
+    /// scripted health). An empty but valid model list is success (R-HT-2).
+    /// Bounded by [`PROBE_TIMEOUT`]; a timeout is `unavailable` + `timeout`.
+    pub async fn probe(&self) -> ProbeVerdict {
+        let probe = async {
+            match &self.inner.backend {
+                Backend::OpenAi(t) => openai::probe(t).await,
+                Backend::Ollama(t) => ollama::probe(t).await,
+                Backend::Mock(m) => m.probe(&self.inner.models).await,
+                Backend::Unconfigured(_) => {
+                    ProbeVerdict::unavailable(HealthFailureCode::TransportFailed)
+                }
+            }
+        };
+        tokio::time::timeout(PROBE_TIMEOUT, probe)
+            .await
+            .unwrap_or_else(|_| ProbeVerdict::unavailable(HealthFailureCode::Timeout))
+    }
+}
+
+/// A run that fails at once.
+pub(crate) fn failed_run(err: ProviderCallError) -> BoxStream<'static, RunEventKind> {
+    futures::stream::once(async move { RunEventKind::Failed(err.failure()) }).boxed()
+}
+
+/// A tunnel that fails at once.
+pub(crate) fn failed_tunnel(err: ProviderCallError) -> BoxStream<'static, ProviderTunnelFrame> {
+    futures::stream::once(async move { ProviderTunnelFrame::Failure(err.failure()) }).boxed()
+}
+
+/// Enforce the stream contract whatever the backend does: items up to and
+/// including the first terminal, nothing after it, and a synthesized
+/// terminal if the backend ends without one.
+fn one_terminal<T: Send + 'static>(
+    inner: BoxStream<'static, T>,
+    is_terminal: fn(&T) -> bool,
+    missing: fn() -> T,
+) -> BoxStream<'static, T> {
+    Box::pin(async_stream::stream! {
+        let mut inner = inner;
+        while let Some(item) = inner.next().await {
+            let terminal = is_terminal(&item);
+            yield item;
+            if terminal {
+                return;
+            }
+        }
+        yield missing();
+    })
+}
+
+/// GET `url` within [`PROBE_TIMEOUT`] and parse the answer with `models`.
+async fn probe_http(
+    target: &HttpTarget,
+    path: &str,
+    models: fn(&[u8]) -> Option<Vec<String>>,
+) -> ProbeVerdict {
+    let mut request = target
+        .http
+        .get(format!("{}{path}", target.base_url))
+        .timeout(PROBE_TIMEOUT);
+    if let Some(key) = target.bearer(None) {
+        request = request.bearer_auth(key);
+    }
+    let mut response = match request.send().await {
+        Ok(r) => r,
+        Err(e) => return probe_failure(ProviderCallError::from_reqwest(&e, false)),
+    };
+    let status = response.status().as_u16();
+    if !response.status().is_success() {
+        return ProbeVerdict::unavailable(
+            classify_status(status).unwrap_or(HealthFailureCode::ProviderRejected),
+        );
+    }
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > MAX_PROBE_BODY_BYTES {
+                    return ProbeVerdict::unavailable(HealthFailureCode::MalformedResponse);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => break,
+            Err(e) => return probe_failure(ProviderCallError::from_reqwest(&e, true)),
+        }
+    }
+    match models(&body) {
+        Some(models) => ProbeVerdict::available(models),
+        None => ProbeVerdict::unavailable(HealthFailureCode::MalformedResponse),
+    }
+}
+
+fn probe_failure(err: ProviderCallError) -> ProbeVerdict {
+    ProbeVerdict::unavailable(
+        err.failure()
+            .health_failure
+            .unwrap_or(HealthFailureCode::TransportFailed),
+    )
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

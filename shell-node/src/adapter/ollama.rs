@@ -1,0 +1,388 @@
+//! The `ollama` adapter: Ollama's native API. Runs use streaming
+//! `/api/chat` or `/api/generate` (NDJSON); the probe is `GET /api/tags`.
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use iop_wire::{
+    ChatMessage, FinishReason, GenerationParams, RunApi, RunEventKind, RunRequest, ToolCallDelta,
+    Usage,
+};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::openai::{generate_prompt, tool_json};
+use super::{HttpTarget, LineBuffer, ProbeVerdict, ProviderCallError, failed_run, probe_http};
+
+/// Stream an Ollama chat or generate call as normalized run events.
+pub(super) fn run(
+    target: HttpTarget,
+    req: RunRequest,
+    auth: Option<String>,
+) -> BoxStream<'static, RunEventKind> {
+    let (path, body) = match request_body(&req) {
+        Ok(x) => x,
+        Err(e) => return failed_run(e),
+    };
+    let url = format!("{}{path}", target.base_url);
+    let session_id = req.session_id;
+    Box::pin(async_stream::stream! {
+        let mut request = target
+            .http
+            .post(url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body);
+        if let Some(key) = target.bearer(auth) {
+            request = request.bearer_auth(key);
+        }
+        let response = match request.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, false).failure());
+                return;
+            }
+        };
+        if !response.status().is_success() {
+            let status = response.status().as_u16();
+            yield RunEventKind::Failed(ProviderCallError::Status { status }.failure());
+            return;
+        }
+        yield RunEventKind::Started { session_id };
+        let mut bytes = response.bytes_stream();
+        let mut lines = LineBuffer::default();
+        let mut state = LineState::default();
+        loop {
+            let (batch, eof) = match bytes.next().await {
+                Some(Ok(chunk)) => (lines.push(&chunk), false),
+                Some(Err(e)) => {
+                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+                    return;
+                }
+                None => (lines.finish().map(|last| last.into_iter().collect()), true),
+            };
+            let Ok(batch) = batch else {
+                yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
+                return;
+            };
+            for line in batch {
+                match state.on_line(&line) {
+                    Ok(items) => {
+                        for item in items {
+                            yield item;
+                        }
+                    }
+                    Err(e) => {
+                        yield RunEventKind::Failed(e.failure());
+                        return;
+                    }
+                }
+                if let Some(terminal) = state.terminal.take() {
+                    yield terminal;
+                    return;
+                }
+            }
+            if eof {
+                yield RunEventKind::Failed(ProviderCallError::Truncated.failure());
+                return;
+            }
+        }
+    })
+}
+
+/// `GET /api/tags` -> `{models: [{name}]}`.
+pub(super) async fn probe(target: &HttpTarget) -> ProbeVerdict {
+    probe_http(target, "/api/tags", parse_tags).await
+}
+
+fn parse_tags(body: &[u8]) -> Option<Vec<String>> {
+    #[derive(Deserialize)]
+    struct Tags {
+        models: Vec<Tag>,
+    }
+    #[derive(Deserialize)]
+    struct Tag {
+        name: String,
+    }
+    let tags: Tags = serde_json::from_slice(body).ok()?;
+    Some(tags.models.into_iter().map(|t| t.name).collect())
+}
+
+/// The path and body of the call.
+pub(crate) fn request_body(req: &RunRequest) -> Result<(&'static str, Vec<u8>), ProviderCallError> {
+    let mut body = Map::new();
+    body.insert("model".into(), Value::String(req.model.clone()));
+    body.insert("stream".into(), Value::Bool(true));
+    let path = match req.api {
+        RunApi::Chat => {
+            let messages = req
+                .messages
+                .iter()
+                .map(message_json)
+                .collect::<Result<Vec<_>, _>>()?;
+            body.insert("messages".into(), Value::Array(messages));
+            if !req.tools.is_empty() {
+                let tools = req
+                    .tools
+                    .iter()
+                    .map(tool_json)
+                    .collect::<Result<Vec<_>, _>>()?;
+                body.insert("tools".into(), Value::Array(tools));
+            }
+            "/api/chat"
+        }
+        RunApi::Generate => {
+            let (system, prompt) = generate_prompt(&req.messages);
+            body.insert("prompt".into(), Value::String(prompt));
+            if let Some(system) = system {
+                body.insert("system".into(), Value::String(system));
+            }
+            "/api/generate"
+        }
+    };
+    let options = options_json(&req.params);
+    if !options.is_empty() {
+        body.insert("options".into(), Value::Object(options));
+    }
+    let body = serde_json::to_vec(&Value::Object(body))
+        .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))?;
+    Ok((path, body))
+}
+
+fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
+    let mut out = Map::new();
+    out.insert("role".into(), Value::String(m.role.as_str().into()));
+    out.insert("content".into(), Value::String(m.content.clone()));
+    if !m.tool_calls.is_empty() {
+        // Ollama wants the arguments as an object, not a JSON string.
+        let calls = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                let arguments: Value = serde_json::from_str(&c.arguments).map_err(|_| {
+                    ProviderCallError::InvalidRequest("tool call arguments are not JSON")
+                })?;
+                Ok(json!({"function": {"name": c.name, "arguments": arguments}}))
+            })
+            .collect::<Result<Vec<_>, ProviderCallError>>()?;
+        out.insert("tool_calls".into(), Value::Array(calls));
+    }
+    if let Some(name) = &m.name {
+        out.insert("tool_name".into(), Value::String(name.clone()));
+    }
+    if let Some(id) = &m.tool_call_id {
+        out.insert("tool_call_id".into(), Value::String(id.clone()));
+    }
+    Ok(Value::Object(out))
+}
+
+fn options_json(p: &GenerationParams) -> Map<String, Value> {
+    let mut o = Map::new();
+    if let Some(v) = p.temperature {
+        o.insert("temperature".into(), json!(v));
+    }
+    if let Some(v) = p.top_p {
+        o.insert("top_p".into(), json!(v));
+    }
+    if let Some(v) = p.max_tokens {
+        o.insert("num_predict".into(), json!(v));
+    }
+    if !p.stop.is_empty() {
+        o.insert("stop".into(), json!(p.stop));
+    }
+    if let Some(v) = p.seed {
+        o.insert("seed".into(), json!(v));
+    }
+    if let Some(v) = p.presence_penalty {
+        o.insert("presence_penalty".into(), json!(v));
+    }
+    if let Some(v) = p.frequency_penalty {
+        o.insert("frequency_penalty".into(), json!(v));
+    }
+    o
+}
+
+#[derive(Deserialize)]
+struct Line {
+    #[serde(default)]
+    message: Option<Message>,
+    #[serde(default)]
+    response: Option<String>,
+    #[serde(default)]
+    done: bool,
+    #[serde(default)]
+    done_reason: Option<String>,
+    #[serde(default)]
+    prompt_eval_count: Option<u64>,
+    #[serde(default)]
+    eval_count: Option<u64>,
+    #[serde(default)]
+    error: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCall>>,
+}
+
+#[derive(Deserialize)]
+struct ToolCall {
+    #[serde(default)]
+    id: Option<String>,
+    function: Function,
+}
+
+#[derive(Deserialize)]
+struct Function {
+    name: String,
+    #[serde(default)]
+    arguments: Option<Value>,
+}
+
+/// Decoding state of one NDJSON answer.
+#[derive(Debug, Default)]
+struct LineState {
+    tool_calls: u32,
+    terminal: Option<RunEventKind>,
+}
+
+impl LineState {
+    /// Decode one line into non-terminal events; a `done` line sets `terminal`.
+    fn on_line(&mut self, line: &str) -> Result<Vec<RunEventKind>, ProviderCallError> {
+        if line.trim().is_empty() {
+            return Ok(Vec::new());
+        }
+        let line: Line = serde_json::from_str(line).map_err(|_| ProviderCallError::Malformed)?;
+        if line.error.is_some() {
+            return Err(ProviderCallError::Reported);
+        }
+        let (text, calls) = match line.message {
+            Some(m) => (m.content, m.tool_calls.unwrap_or_default()),
+            None => (line.response, Vec::new()),
+        };
+        let mut out = Vec::new();
+        if let Some(text) = text.filter(|t| !t.is_empty()) {
+            out.push(RunEventKind::TextDelta(text));
+        }
+        // Ollama sends whole calls: one delta per call.
+        for call in calls {
+            let index = self.tool_calls;
+            self.tool_calls += 1;
+            let arguments_delta = match call.function.arguments {
+                None => "{}".to_owned(),
+                Some(Value::String(s)) => s,
+                Some(v) => v.to_string(),
+            };
+            out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
+                index,
+                id: Some(call.id.unwrap_or_else(|| format!("call_{index}"))),
+                name: Some(call.function.name),
+                arguments_delta,
+            }));
+        }
+        if line.done {
+            let finish_reason = if self.tool_calls > 0 {
+                FinishReason::ToolCalls
+            } else if line.done_reason.as_deref() == Some("length") {
+                FinishReason::Length
+            } else {
+                FinishReason::Stop
+            };
+            let usage =
+                (line.prompt_eval_count.is_some() || line.eval_count.is_some()).then(|| Usage {
+                    prompt_tokens: line.prompt_eval_count.unwrap_or(0),
+                    completion_tokens: line.eval_count.unwrap_or(0),
+                });
+            self.terminal = Some(RunEventKind::Completed {
+                finish_reason,
+                usage,
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_decode_into_text_whole_tool_calls_and_a_final_usage() {
+        let mut s = LineState::default();
+        assert_eq!(
+            s.on_line(r#"{"message":{"role":"assistant","content":"hi"},"done":false}"#)
+                .unwrap(),
+            vec![RunEventKind::TextDelta("hi".into())]
+        );
+        assert_eq!(
+            s.on_line(r#"{"message":{"role":"assistant","content":"","tool_calls":[{"function":{"name":"f","arguments":{"a":1}}}]},"done":false}"#)
+                .unwrap(),
+            vec![RunEventKind::ToolCallDelta(ToolCallDelta {
+                index: 0,
+                id: Some("call_0".into()),
+                name: Some("f".into()),
+                arguments_delta: r#"{"a":1}"#.into(),
+            })]
+        );
+        assert!(s.terminal.is_none());
+        s.on_line(r#"{"message":{"content":""},"done":true,"done_reason":"stop","prompt_eval_count":4,"eval_count":2}"#)
+            .unwrap();
+        assert_eq!(
+            s.terminal,
+            Some(RunEventKind::Completed {
+                finish_reason: FinishReason::ToolCalls,
+                usage: Some(Usage {
+                    prompt_tokens: 4,
+                    completion_tokens: 2
+                }),
+            })
+        );
+    }
+
+    #[test]
+    fn generate_lines_and_length_finish() {
+        let mut s = LineState::default();
+        assert_eq!(
+            s.on_line(r#"{"response":"a","done":false}"#).unwrap(),
+            vec![RunEventKind::TextDelta("a".into())]
+        );
+        s.on_line(r#"{"response":"","done":true,"done_reason":"length"}"#)
+            .unwrap();
+        assert_eq!(
+            s.terminal,
+            Some(RunEventKind::Completed {
+                finish_reason: FinishReason::Length,
+                usage: None
+            })
+        );
+    }
+
+    #[test]
+    fn error_and_garbage_lines_fail_typed() {
+        let mut s = LineState::default();
+        assert_eq!(
+            s.on_line(r#"{"error":"model exploded: secret"}"#),
+            Err(ProviderCallError::Reported)
+        );
+        assert_eq!(
+            s.on_line("{\"message\":"),
+            Err(ProviderCallError::Malformed)
+        );
+    }
+
+    #[test]
+    fn options_carry_num_predict_and_sampling() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Generate, "p");
+        req.params.max_tokens = Some(5);
+        req.params.temperature = Some(0.5);
+        req.params.seed = Some(7);
+        let (path, body) = request_body(&req).unwrap();
+        assert_eq!(path, "/api/generate");
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["prompt"], json!("p"));
+        assert_eq!(body["options"]["num_predict"], json!(5));
+        assert_eq!(body["options"]["seed"], json!(7));
+        assert_eq!(body["options"]["temperature"], json!(0.5));
+    }
+}

@@ -1,0 +1,479 @@
+//! The `openai` adapter: any OpenAI-compatible server (vLLM, llama.cpp
+//! server, LM Studio, cloud APIs). Runs use streaming Chat Completions with
+//! usage; the probe is `GET /v1/models`.
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use iop_wire::{
+    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, RunRequest,
+    ToolCallDelta, ToolDefinition, Usage,
+};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::{HttpTarget, ProbeVerdict, ProviderCallError, SseDecoder, failed_run, probe_http};
+
+/// Stream a chat completion as normalized run events.
+pub(super) fn run(
+    target: HttpTarget,
+    req: RunRequest,
+    auth: Option<String>,
+) -> BoxStream<'static, RunEventKind> {
+    let body = match chat_body(&req) {
+        Ok(body) => body,
+        Err(e) => return failed_run(e),
+    };
+    let url = format!("{}/v1/chat/completions", target.base_url);
+    let session_id = req.session_id;
+    Box::pin(async_stream::stream! {
+        let mut request = target
+            .http
+            .post(url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body);
+        if let Some(key) = target.bearer(auth) {
+            request = request.bearer_auth(key);
+        }
+        let response = match request.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, false).failure());
+                return;
+            }
+        };
+        if !response.status().is_success() {
+            // The error body is the provider's text: never read into a failure.
+            let status = response.status().as_u16();
+            yield RunEventKind::Failed(ProviderCallError::Status { status }.failure());
+            return;
+        }
+        yield RunEventKind::Started { session_id };
+        let mut bytes = response.bytes_stream();
+        let mut sse = SseDecoder::default();
+        let mut state = ChunkState::default();
+        loop {
+            let (events, eof) = match bytes.next().await {
+                Some(Ok(chunk)) => (sse.push(&chunk), false),
+                Some(Err(e)) => {
+                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+                    return;
+                }
+                None => (sse.finish().map(|last| last.into_iter().collect()), true),
+            };
+            let Ok(events) = events else {
+                yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
+                return;
+            };
+            for event in events {
+                match state.on_data(&event.data) {
+                    Ok(items) => {
+                        for item in items {
+                            yield item;
+                        }
+                    }
+                    Err(e) => {
+                        yield RunEventKind::Failed(e.failure());
+                        return;
+                    }
+                }
+                if state.done {
+                    yield state.completed();
+                    return;
+                }
+            }
+            if eof {
+                yield state.terminal_at_eof();
+                return;
+            }
+        }
+    })
+}
+
+/// `GET /v1/models` -> `{data: [{id}]}`.
+pub(super) async fn probe(target: &HttpTarget) -> ProbeVerdict {
+    probe_http(target, "/v1/models", parse_models).await
+}
+
+fn parse_models(body: &[u8]) -> Option<Vec<String>> {
+    #[derive(Deserialize)]
+    struct Models {
+        data: Vec<Model>,
+    }
+    #[derive(Deserialize)]
+    struct Model {
+        id: String,
+    }
+    let models: Models = serde_json::from_slice(body).ok()?;
+    Some(models.data.into_iter().map(|m| m.id).collect())
+}
+
+/// The Chat Completions request body.
+pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> {
+    let messages = match req.api {
+        RunApi::Chat => req.messages.iter().map(message_json).collect(),
+        // A plain completion is a chat with one user turn.
+        RunApi::Generate => {
+            let (system, prompt) = generate_prompt(&req.messages);
+            let mut messages = Vec::new();
+            if let Some(system) = system {
+                messages.push(json!({"role": "system", "content": system}));
+            }
+            messages.push(json!({"role": "user", "content": prompt}));
+            messages
+        }
+    };
+    let mut body = Map::new();
+    body.insert("model".into(), Value::String(req.model.clone()));
+    body.insert("messages".into(), Value::Array(messages));
+    body.insert("stream".into(), Value::Bool(true));
+    body.insert("stream_options".into(), json!({"include_usage": true}));
+    // A plain completion (generate) offers no tools.
+    if req.api == RunApi::Chat && !req.tools.is_empty() {
+        let tools = req
+            .tools
+            .iter()
+            .map(tool_json)
+            .collect::<Result<Vec<_>, _>>()?;
+        body.insert("tools".into(), Value::Array(tools));
+    }
+    params_json(&req.params, &mut body);
+    serde_json::to_vec(&Value::Object(body))
+        .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))
+}
+
+/// `(system, prompt)` of a generate run: system turns joined, the rest joined.
+pub(crate) fn generate_prompt(messages: &[ChatMessage]) -> (Option<String>, String) {
+    let join = |system: bool| {
+        messages
+            .iter()
+            .filter(|m| (m.role == Role::System) == system)
+            .map(|m| m.content.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let system = join(true);
+    ((!system.is_empty()).then_some(system), join(false))
+}
+
+fn message_json(m: &ChatMessage) -> Value {
+    let mut out = Map::new();
+    out.insert("role".into(), Value::String(m.role.as_str().into()));
+    if m.content.is_empty() && !m.tool_calls.is_empty() {
+        out.insert("content".into(), Value::Null);
+    } else {
+        out.insert("content".into(), Value::String(m.content.clone()));
+    }
+    if !m.tool_calls.is_empty() {
+        let calls = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                json!({
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                })
+            })
+            .collect();
+        out.insert("tool_calls".into(), Value::Array(calls));
+    }
+    if let Some(id) = &m.tool_call_id {
+        out.insert("tool_call_id".into(), Value::String(id.clone()));
+    }
+    if let Some(name) = &m.name {
+        out.insert("name".into(), Value::String(name.clone()));
+    }
+    Value::Object(out)
+}
+
+/// A function tool in the OpenAI shape (also Ollama's).
+pub(crate) fn tool_json(t: &ToolDefinition) -> Result<Value, ProviderCallError> {
+    let mut function = Map::new();
+    function.insert("name".into(), Value::String(t.name.clone()));
+    if let Some(d) = &t.description {
+        function.insert("description".into(), Value::String(d.clone()));
+    }
+    if let Some(p) = &t.parameters_json {
+        let parameters: Value = serde_json::from_str(p)
+            .map_err(|_| ProviderCallError::InvalidRequest("tool parameters are not JSON"))?;
+        function.insert("parameters".into(), parameters);
+    }
+    Ok(json!({"type": "function", "function": Value::Object(function)}))
+}
+
+fn params_json(p: &GenerationParams, body: &mut Map<String, Value>) {
+    let mut put = |k: &str, v: Value| {
+        body.insert(k.into(), v);
+    };
+    if let Some(v) = p.temperature {
+        put("temperature", json!(v));
+    }
+    if let Some(v) = p.top_p {
+        put("top_p", json!(v));
+    }
+    if let Some(v) = p.max_tokens {
+        put("max_tokens", json!(v));
+    }
+    if !p.stop.is_empty() {
+        put("stop", json!(p.stop));
+    }
+    if let Some(v) = p.seed {
+        put("seed", json!(v));
+    }
+    if let Some(v) = p.presence_penalty {
+        put("presence_penalty", json!(v));
+    }
+    if let Some(v) = p.frequency_penalty {
+        put("frequency_penalty", json!(v));
+    }
+    if let Some(choice) = &p.tool_choice_json {
+        // As the client sent it; a bare word (`auto`) is taken as a string.
+        let v = serde_json::from_str(choice).unwrap_or_else(|_| Value::String(choice.clone()));
+        put("tool_choice", v);
+    }
+}
+
+/// The OpenAI finish reason vocabulary.
+pub(crate) fn finish_reason(s: &str) -> FinishReason {
+    match s {
+        "length" => FinishReason::Length,
+        "tool_calls" | "function_call" => FinishReason::ToolCalls,
+        "content_filter" => FinishReason::ContentFilter,
+        _ => FinishReason::Stop,
+    }
+}
+
+#[derive(Deserialize)]
+struct Chunk {
+    // Some servers send `"choices": null` on usage-only chunks.
+    #[serde(default)]
+    choices: Option<Vec<Choice>>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+    #[serde(default)]
+    error: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    #[serde(default)]
+    index: u32,
+    #[serde(default)]
+    delta: Option<Delta>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCallChunk>>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallChunk {
+    #[serde(default)]
+    index: Option<u32>,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    function: Option<FunctionChunk>,
+}
+
+#[derive(Deserialize)]
+struct FunctionChunk {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct WireUsage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+}
+
+/// What the chunks so far said about the end of the run.
+#[derive(Debug, Default)]
+struct ChunkState {
+    finish: Option<FinishReason>,
+    usage: Option<Usage>,
+    saw_tool_call: bool,
+    done: bool,
+}
+
+impl ChunkState {
+    /// Decode one SSE `data` payload into non-terminal events.
+    fn on_data(&mut self, data: &str) -> Result<Vec<RunEventKind>, ProviderCallError> {
+        if data.trim() == "[DONE]" {
+            self.done = true;
+            return Ok(Vec::new());
+        }
+        let chunk: Chunk = serde_json::from_str(data).map_err(|_| ProviderCallError::Malformed)?;
+        if chunk.error.is_some() {
+            return Err(ProviderCallError::Reported);
+        }
+        let mut out = Vec::new();
+        // n = 1: only the first choice is relayed.
+        for choice in chunk.choices.into_iter().flatten().filter(|c| c.index == 0) {
+            if let Some(delta) = choice.delta {
+                if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
+                    out.push(RunEventKind::TextDelta(text));
+                }
+                for (pos, call) in delta.tool_calls.into_iter().flatten().enumerate() {
+                    let (name, arguments) = match call.function {
+                        Some(f) => (f.name, f.arguments.unwrap_or_default()),
+                        None => (None, String::new()),
+                    };
+                    if call.id.is_none() && name.is_none() && arguments.is_empty() {
+                        continue;
+                    }
+                    self.saw_tool_call = true;
+                    out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
+                        index: call.index.unwrap_or(pos as u32),
+                        id: call.id,
+                        name,
+                        arguments_delta: arguments,
+                    }));
+                }
+            }
+            if let Some(reason) = choice.finish_reason {
+                self.finish = Some(finish_reason(&reason));
+            }
+        }
+        if let Some(u) = chunk.usage {
+            let usage = Usage {
+                prompt_tokens: u.prompt_tokens,
+                completion_tokens: u.completion_tokens,
+            };
+            self.usage = Some(usage);
+            out.push(RunEventKind::Usage(usage));
+        }
+        Ok(out)
+    }
+
+    fn completed(&self) -> RunEventKind {
+        let fallback = if self.saw_tool_call {
+            FinishReason::ToolCalls
+        } else {
+            FinishReason::Stop
+        };
+        RunEventKind::Completed {
+            finish_reason: self.finish.unwrap_or(fallback),
+            usage: self.usage,
+        }
+    }
+
+    /// A clean end of body: complete if the run had finished, else truncated.
+    fn terminal_at_eof(&self) -> RunEventKind {
+        if self.done || self.finish.is_some() {
+            self.completed()
+        } else {
+            RunEventKind::Failed(ProviderCallError::Truncated.failure())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_decode_into_deltas_usage_and_finish() {
+        let mut s = ChunkState::default();
+        assert!(
+            s.on_data(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#)
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            s.on_data(r#"{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}],"usage":null}"#)
+                .unwrap(),
+            vec![RunEventKind::TextDelta("hi".into())]
+        );
+        assert_eq!(
+            s.on_data(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"f","arguments":""}}]}}]}"#)
+                .unwrap(),
+            vec![RunEventKind::ToolCallDelta(ToolCallDelta {
+                index: 0,
+                id: Some("c".into()),
+                name: Some("f".into()),
+                arguments_delta: String::new(),
+            })]
+        );
+        s.on_data(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#)
+            .unwrap();
+        assert_eq!(
+            s.on_data(r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#)
+                .unwrap(),
+            vec![RunEventKind::Usage(Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2
+            })]
+        );
+        s.on_data("[DONE]").unwrap();
+        assert!(s.done);
+        assert_eq!(
+            s.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::ToolCalls,
+                usage: Some(Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 2
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn unparseable_and_error_chunks_are_typed_failures() {
+        let mut s = ChunkState::default();
+        assert_eq!(
+            s.on_data("{\"choices\":"),
+            Err(ProviderCallError::Malformed)
+        );
+        assert_eq!(
+            s.on_data(r#"{"error":{"message":"secret payload"}}"#),
+            Err(ProviderCallError::Reported)
+        );
+        assert_eq!(
+            s.terminal_at_eof(),
+            RunEventKind::Failed(ProviderCallError::Truncated.failure())
+        );
+    }
+
+    #[test]
+    fn the_request_embeds_tool_parameters_as_objects_and_asks_for_usage() {
+        let req = crate::adapter::tests::run_request("m", RunApi::Chat, "hello");
+        let mut req = req;
+        req.tools.push(ToolDefinition {
+            name: "f".into(),
+            description: None,
+            parameters_json: Some(r#"{"type":"object"}"#.into()),
+        });
+        req.params.max_tokens = Some(7);
+        req.params.tool_choice_json = Some("\"auto\"".into());
+        let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
+        assert_eq!(body["stream"], json!(true));
+        assert_eq!(body["stream_options"]["include_usage"], json!(true));
+        assert_eq!(
+            body["tools"][0]["function"]["parameters"]["type"],
+            json!("object")
+        );
+        assert_eq!(body["max_tokens"], json!(7));
+        assert_eq!(body["tool_choice"], json!("auto"));
+        assert_eq!(body["messages"][0]["content"], json!("hello"));
+
+        req.tools[0].parameters_json = Some("{not json".into());
+        assert!(matches!(
+            chat_body(&req),
+            Err(ProviderCallError::InvalidRequest(_))
+        ));
+    }
+}

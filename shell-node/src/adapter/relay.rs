@@ -1,0 +1,248 @@
+//! Raw HTTP relay for tunnels and Ollama API calls: the request goes to the
+//! target as sent (minus hop-by-hop headers and the client's credentials),
+//! the answer comes back as `Head`, `Body` chunks as they arrive, and one
+//! terminal. HTTP error statuses are relayed, not turned into failures.
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use iop_wire::{Header, ProviderTunnelFrame};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+
+use super::{HttpTarget, MAX_BODY_CHUNK_BYTES, ProviderCallError, failed_tunnel};
+
+/// Which paths a relay may reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PathScope {
+    /// Any path of the target (tunnels).
+    Any,
+    /// Only under `/api/` (Ollama API commands).
+    OllamaApi,
+}
+
+/// One call to relay.
+#[derive(Debug)]
+pub(crate) struct RelayCall {
+    pub(crate) method: String,
+    pub(crate) path: String,
+    pub(crate) headers: Vec<Header>,
+    pub(crate) body: Vec<u8>,
+    pub(crate) scope: PathScope,
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and framing, never relayed either way.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+];
+
+/// Request headers also dropped: the target is ours (`host`), the client's
+/// credential is for the Edge, not the provider (`authorization`), and the
+/// Edge reads tunnelled bodies, so they must stay uncompressed
+/// (`accept-encoding`).
+const REQUEST_ONLY: &[&str] = &["host", "authorization", "accept-encoding"];
+
+/// The method and the normalized path (with query) of a call, or why it is
+/// refused before any provider call.
+pub(crate) fn validate(call: &RelayCall) -> Result<(reqwest::Method, String), ProviderCallError> {
+    let method = reqwest::Method::from_bytes(call.method.as_bytes())
+        .map_err(|_| ProviderCallError::InvalidRequest("invalid HTTP method"))?;
+    if !call.path.starts_with('/') || call.path.starts_with("//") {
+        return Err(ProviderCallError::InvalidRequest(
+            "path must start with a single `/`",
+        ));
+    }
+    if call.path.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+        return Err(ProviderCallError::InvalidRequest(
+            "path has control characters",
+        ));
+    }
+    // Normalize dot segments (`/api/../v1`) before checking the scope.
+    let url = reqwest::Url::parse(&format!("http://target{}", call.path))
+        .map_err(|_| ProviderCallError::InvalidRequest("invalid path"))?;
+    if url.host_str() != Some("target") {
+        return Err(ProviderCallError::InvalidRequest("invalid path"));
+    }
+    if call.scope == PathScope::OllamaApi && !url.path().starts_with("/api/") {
+        return Err(ProviderCallError::InvalidRequest(
+            "Ollama API paths start with /api/",
+        ));
+    }
+    let mut path = url.path().to_owned();
+    if let Some(q) = url.query() {
+        path.push('?');
+        path.push_str(q);
+    }
+    Ok((method, path))
+}
+
+/// The headers to send upstream.
+pub(crate) fn request_headers(headers: &[Header]) -> Result<HeaderMap, ProviderCallError> {
+    let listed = connection_listed(headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let mut out = HeaderMap::new();
+    for (name, value) in headers {
+        let lower = name.to_ascii_lowercase();
+        if HOP_BY_HOP.contains(&lower.as_str())
+            || REQUEST_ONLY.contains(&lower.as_str())
+            || listed.contains(&lower)
+        {
+            continue;
+        }
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| ProviderCallError::InvalidRequest("invalid header name"))?;
+        let value = HeaderValue::from_str(value)
+            .map_err(|_| ProviderCallError::InvalidRequest("invalid header value"))?;
+        out.append(name, value);
+    }
+    Ok(out)
+}
+
+/// The headers to relay back (non-UTF-8 values are dropped).
+pub(crate) fn response_headers(headers: &HeaderMap) -> Vec<Header> {
+    let listed = connection_listed(
+        headers
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+    );
+    headers
+        .iter()
+        .filter(|(k, _)| {
+            !HOP_BY_HOP.contains(&k.as_str()) && !listed.iter().any(|l| l == k.as_str())
+        })
+        .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+        .collect()
+}
+
+/// Header names a `Connection` header lists (also hop-by-hop).
+fn connection_listed<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<String> {
+    headers
+        .filter(|(k, _)| k.eq_ignore_ascii_case("connection"))
+        .flat_map(|(_, v)| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+        .collect()
+}
+
+/// `Body` frames of one provider chunk, split at [`MAX_BODY_CHUNK_BYTES`].
+pub(crate) fn body_frames(chunk: &[u8]) -> impl Iterator<Item = ProviderTunnelFrame> + '_ {
+    chunk
+        .chunks(MAX_BODY_CHUNK_BYTES)
+        .map(|piece| ProviderTunnelFrame::Body(piece.to_vec()))
+}
+
+/// Relay `call` to an HTTP target.
+pub(super) fn relay(
+    target: HttpTarget,
+    call: RelayCall,
+    auth: Option<String>,
+) -> BoxStream<'static, ProviderTunnelFrame> {
+    let prepared = validate(&call).and_then(|mp| Ok((mp, request_headers(&call.headers)?)));
+    let ((method, path), headers) = match prepared {
+        Ok(x) => x,
+        Err(e) => return failed_tunnel(e),
+    };
+    let url = format!("{}{path}", target.base_url);
+    let body = call.body;
+    Box::pin(async_stream::stream! {
+        let mut request = target.http.request(method, url).headers(headers).body(body);
+        if let Some(key) = target.bearer(auth) {
+            request = request.bearer_auth(key);
+        }
+        let response = match request.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                yield ProviderTunnelFrame::Failure(ProviderCallError::from_reqwest(&e, false).failure());
+                return;
+            }
+        };
+        yield ProviderTunnelFrame::Head {
+            status: response.status().as_u16(),
+            headers: response_headers(response.headers()),
+        };
+        let mut bytes = response.bytes_stream();
+        while let Some(chunk) = bytes.next().await {
+            match chunk {
+                Ok(chunk) => {
+                    for frame in body_frames(&chunk) {
+                        yield frame;
+                    }
+                }
+                Err(e) => {
+                    yield ProviderTunnelFrame::Failure(ProviderCallError::from_reqwest(&e, true).failure());
+                    return;
+                }
+            }
+        }
+        yield ProviderTunnelFrame::End;
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(path: &str, scope: PathScope) -> RelayCall {
+        RelayCall {
+            method: "GET".into(),
+            path: path.into(),
+            headers: Vec::new(),
+            body: Vec::new(),
+            scope,
+        }
+    }
+
+    #[test]
+    fn ollama_api_paths_stay_under_api_after_normalization() {
+        assert_eq!(
+            validate(&call("/api/tags", PathScope::OllamaApi))
+                .unwrap()
+                .1,
+            "/api/tags"
+        );
+        for bad in [
+            "/v1/models",
+            "/api/../v1/models",
+            "/api/%2e%2e/v1/models",
+            "api/tags",
+            "//evil/api/x",
+        ] {
+            assert!(
+                matches!(
+                    validate(&call(bad, PathScope::OllamaApi)),
+                    Err(ProviderCallError::InvalidRequest(_))
+                ),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            validate(&call("/v1/models?x=1", PathScope::Any)).unwrap().1,
+            "/v1/models?x=1"
+        );
+    }
+
+    #[test]
+    fn hop_by_hop_and_client_credentials_are_not_relayed() {
+        let headers: Vec<Header> = [
+            ("Host", "edge"),
+            ("Authorization", "Bearer client-key"),
+            ("Connection", "keep-alive, X-Private"),
+            ("X-Private", "1"),
+            ("Content-Length", "3"),
+            ("Accept-Encoding", "gzip"),
+            ("Content-Type", "application/json"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let out = request_headers(&headers).unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out["content-type"], "application/json");
+    }
+}

@@ -1,0 +1,931 @@
+//! Adapters against real HTTP: the mock server on 127.0.0.1:0.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use iop_wire::{
+    AdapterKind, ChatMessage, FailureCode, FinishReason, GenerationParams, HealthFailureCode,
+    OllamaApiCall, ProviderHealth, ProviderTunnelFrame, ProviderTunnelRequest, Role, RunApi,
+    RunEventKind, RunRequest, ToolDefinition, Usage,
+};
+
+use super::*;
+use crate::config::ProviderTarget;
+use crate::mock::{MockScript, MockServer, MockStats, ProbeHealth};
+
+/// Every test's bound on one whole stream: far above what the scripts take.
+const STREAM_BOUND: Duration = Duration::from_secs(10);
+
+pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest {
+    RunRequest {
+        run_id: 1,
+        session_id: "s-1".into(),
+        adapter: AdapterKind::OpenAi,
+        target: "t".into(),
+        model: model.into(),
+        api,
+        messages: vec![ChatMessage {
+            role: Role::User,
+            content: prompt.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        }],
+        tools: Vec::new(),
+        params: GenerationParams::default(),
+        response_stall_timeout_ms: 0,
+        deadline_ms: 0,
+        credential_lease: None,
+    }
+}
+
+fn with_tool(mut req: RunRequest) -> RunRequest {
+    req.tools.push(ToolDefinition {
+        name: "get_weather".into(),
+        description: Some("Weather in a city".into()),
+        parameters_json: Some(
+            r#"{"type":"object","properties":{"city":{"type":"string"}}}"#.into(),
+        ),
+    });
+    req
+}
+
+pub(crate) fn http_client() -> reqwest::Client {
+    // reqwest's `rustls-no-provider` needs a process-wide provider; another
+    // test may have installed it already.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .build()
+        .expect("a plain HTTP client builds")
+}
+
+fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter {
+    let target = ProviderTarget {
+        adapter: kind,
+        target: "t".into(),
+        base_url: Some(base_url.to_owned()),
+        models: Vec::new(),
+        api_key: api_key.map(str::to_owned),
+    };
+    Adapter::new(&target, http_client())
+}
+
+async fn mock(script: MockScript) -> MockServer {
+    MockServer::start(script).await.expect("mock starts")
+}
+
+async fn collect<T>(stream: BoxStream<'static, T>) -> Vec<T> {
+    tokio::time::timeout(STREAM_BOUND, stream.collect::<Vec<_>>())
+        .await
+        .expect("the stream ends by itself")
+}
+
+async fn wait_stats(server: &MockServer, cond: impl Fn(&MockStats) -> bool) -> MockStats {
+    tokio::time::timeout(STREAM_BOUND, server.wait_for(cond))
+        .await
+        .expect("the mock reaches the expected counters")
+}
+
+fn assert_one_terminal(events: &[RunEventKind]) {
+    let terminals = events.iter().filter(|e| e.is_terminal()).count();
+    assert_eq!(terminals, 1, "exactly one terminal in {events:?}");
+    assert!(
+        events.last().is_some_and(RunEventKind::is_terminal),
+        "terminal last"
+    );
+}
+
+fn failure(events: &[RunEventKind]) -> &iop_wire::ExecutionFailure {
+    match events.last() {
+        Some(RunEventKind::Failed(f)) => f,
+        other => panic!("expected a failure terminal, got {other:?}"),
+    }
+}
+
+fn texts(events: &[RunEventKind]) -> String {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            RunEventKind::TextDelta(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn tool_arguments(events: &[RunEventKind]) -> String {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            RunEventKind::ToolCallDelta(d) => Some(d.arguments_delta.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn usage(prompt_tokens: u64, completion_tokens: u64) -> Usage {
+    Usage {
+        prompt_tokens,
+        completion_tokens,
+    }
+}
+
+// ---- openai ----
+
+#[tokio::test]
+async fn openai_run_streams_text_usage_and_exactly_one_completed() {
+    let server = mock(MockScript {
+        tokens: 5,
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock", RunApi::Chat, "hello world"), None)).await;
+    assert_one_terminal(&events);
+    assert_eq!(
+        events[0],
+        RunEventKind::Started {
+            session_id: "s-1".into()
+        }
+    );
+    assert_eq!(texts(&events), "tok0 tok1 tok2 tok3 tok4");
+    // "hello world" is 11 chars: ceil(11 / 4) = 3 prompt tokens.
+    let n = events.len();
+    assert_eq!(events[n - 2], RunEventKind::Usage(usage(3, 5)));
+    assert_eq!(
+        events[n - 1],
+        RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(3, 5)),
+        }
+    );
+    assert_eq!(server.requests(), 1);
+}
+
+#[tokio::test]
+async fn openai_max_tokens_below_the_script_finishes_with_length() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let mut req = run_request("mock:tokens=6", RunApi::Chat, "hi");
+    req.params.max_tokens = Some(2);
+    let events = collect(a.run(req, None)).await;
+    assert_eq!(texts(&events), "tok0 tok1");
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Length,
+            usage: Some(usage(1, 2)),
+        })
+    );
+}
+
+#[tokio::test]
+async fn openai_tool_call_streams_as_deltas_and_finishes_with_tool_calls() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let req = with_tool(run_request(
+        "mock:tool_call=1,tokens=2",
+        RunApi::Chat,
+        "weather?",
+    ));
+    let events = collect(a.run(req, None)).await;
+    assert_one_terminal(&events);
+    let first = events
+        .iter()
+        .find_map(|e| match e {
+            RunEventKind::ToolCallDelta(d) => Some(d.clone()),
+            _ => None,
+        })
+        .expect("a tool call delta");
+    assert_eq!(first.index, 0);
+    assert_eq!(first.id.as_deref(), Some("call_0"));
+    assert_eq!(first.name.as_deref(), Some("get_weather"));
+    assert_eq!(tool_arguments(&events), r#"{"text":"tok0 tok1"}"#);
+    assert!(texts(&events).is_empty());
+    assert!(matches!(
+        events.last(),
+        Some(RunEventKind::Completed {
+            finish_reason: FinishReason::ToolCalls,
+            usage: Some(_)
+        })
+    ));
+}
+
+#[tokio::test]
+async fn openai_http_error_is_provider_error_with_status_and_no_started() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock:error=503", RunApi::Chat, "x"), None)).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    let f = failure(&events);
+    assert_eq!(f.code, FailureCode::ProviderError);
+    assert_eq!(f.http_status, Some(503));
+    assert_eq!(f.health_failure, Some(HealthFailureCode::Http5xx));
+
+    let events = collect(a.run(run_request("mock:error=429", RunApi::Chat, "x"), None)).await;
+    assert_eq!(
+        failure(&events).health_failure,
+        Some(HealthFailureCode::Http4xx)
+    );
+}
+
+#[tokio::test]
+async fn openai_malformed_chunk_is_malformed_response() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let events = collect(a.run(
+        run_request("mock:malformed_after=2,tokens=4", RunApi::Chat, "x"),
+        None,
+    ))
+    .await;
+    assert_one_terminal(&events);
+    // The two tokens before the garbage were relayed; nothing after it.
+    assert_eq!(texts(&events), "tok0 tok1");
+    let f = failure(&events);
+    assert_eq!(f.code, FailureCode::MalformedResponse);
+    assert_eq!(f.health_failure, Some(HealthFailureCode::MalformedResponse));
+    assert_eq!(f.http_status, None);
+}
+
+#[tokio::test]
+async fn openai_abrupt_close_ends_in_a_failure_terminal_never_a_hang() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let events = collect(a.run(
+        run_request("mock:close_after=2,tokens=4", RunApi::Chat, "x"),
+        None,
+    ))
+    .await;
+    assert_one_terminal(&events);
+    assert_eq!(texts(&events), "tok0 tok1");
+    let f = failure(&events);
+    assert_eq!(f.code, FailureCode::ProviderUnreachable);
+    assert_eq!(f.health_failure, Some(HealthFailureCode::TransportFailed));
+}
+
+#[tokio::test]
+async fn openai_probe_lists_models_and_is_not_a_request() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    assert_eq!(
+        a.probe().await,
+        ProbeVerdict::available(vec!["mock".into()])
+    );
+    assert_eq!((server.requests(), server.probes()), (0, 1));
+}
+
+#[tokio::test]
+async fn openai_probe_of_an_unhealthy_target_is_unavailable_http_5xx() {
+    let server = mock(MockScript {
+        health: ProbeHealth::Unhealthy,
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    assert_eq!(
+        a.probe().await,
+        ProbeVerdict::unavailable(HealthFailureCode::Http5xx)
+    );
+}
+
+#[tokio::test]
+async fn probe_of_an_empty_model_list_is_success_and_garbage_is_malformed() {
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route(
+            "/v1/models",
+            get(|| async { r#"{"object":"list","data":[]}"# }),
+        )
+        .route("/api/tags", get(|| async { "<html>not json</html>" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    let openai = adapter(AdapterKind::OpenAi, &base, None);
+    assert_eq!(openai.probe().await, ProbeVerdict::available(Vec::new()));
+    let ollama = adapter(AdapterKind::Ollama, &base, None);
+    assert_eq!(
+        ollama.probe().await,
+        ProbeVerdict::unavailable(HealthFailureCode::MalformedResponse)
+    );
+    server.abort();
+}
+
+#[tokio::test]
+async fn a_closed_port_is_unavailable_transport_failed_and_unreachable() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    let a = adapter(AdapterKind::OpenAi, &base, None);
+    assert_eq!(
+        a.probe().await,
+        ProbeVerdict::unavailable(HealthFailureCode::TransportFailed)
+    );
+    let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
+    assert_eq!(events.len(), 1);
+    let f = failure(&events);
+    assert_eq!(f.code, FailureCode::ProviderUnreachable);
+    assert_eq!(f.health_failure, Some(HealthFailureCode::TransportFailed));
+    let frames = collect(a.tunnel(tunnel_request("GET", "/v1/models", Vec::new()), None)).await;
+    assert!(
+        matches!(&frames[..], [ProviderTunnelFrame::Failure(f)] if f.code == FailureCode::ProviderUnreachable)
+    );
+}
+
+#[tokio::test]
+async fn require_key_accepts_the_right_key_and_401s_a_wrong_one() {
+    let server = mock(MockScript {
+        require_key: Some("sk-right".into()),
+        ..MockScript::default()
+    })
+    .await;
+    // The static key of the target.
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), Some("sk-right"));
+    let events = collect(a.run(run_request("mock", RunApi::Chat, "x"), None)).await;
+    assert!(matches!(
+        events.last(),
+        Some(RunEventKind::Completed { .. })
+    ));
+    assert_eq!(a.probe().await.health, ProviderHealth::Available);
+
+    // A call's own secret wins over the static key.
+    let events = collect(a.run(
+        run_request("mock", RunApi::Chat, "x"),
+        Some("sk-wrong".into()),
+    ))
+    .await;
+    let f = failure(&events);
+    assert_eq!(f.code, FailureCode::ProviderError);
+    assert_eq!(f.http_status, Some(401));
+    assert_eq!(
+        f.health_failure,
+        Some(HealthFailureCode::AuthenticationFailed)
+    );
+
+    let keyless = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    assert_eq!(
+        keyless.probe().await,
+        ProbeVerdict::unavailable(HealthFailureCode::AuthenticationFailed)
+    );
+    // 401s are still provider requests.
+    assert_eq!((server.requests(), server.probes()), (2, 2));
+}
+
+#[tokio::test]
+async fn failures_never_carry_the_key_or_the_provider_payload() {
+    let server = mock(MockScript {
+        require_key: Some("sk-right".into()),
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let events = collect(a.run(
+        run_request("mock", RunApi::Chat, "x"),
+        Some("sk-secret-wrong".into()),
+    ))
+    .await;
+    let rendered = format!("{events:?} {a:?}");
+    assert!(!rendered.contains("sk-secret-wrong"));
+    assert!(
+        !rendered.contains("invalid api key"),
+        "provider text leaked: {rendered}"
+    );
+    assert!(!rendered.contains(&server.base_url()));
+}
+
+// ---- ollama ----
+
+#[tokio::test]
+async fn ollama_chat_streams_text_and_final_usage() {
+    let server = mock(MockScript {
+        tokens: 3,
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock", RunApi::Chat, "12345678"), None)).await;
+    assert_one_terminal(&events);
+    assert_eq!(
+        events,
+        vec![
+            RunEventKind::Started {
+                session_id: "s-1".into()
+            },
+            RunEventKind::TextDelta("tok0".into()),
+            RunEventKind::TextDelta(" tok1".into()),
+            RunEventKind::TextDelta(" tok2".into()),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: Some(usage(2, 3)),
+            },
+        ]
+    );
+}
+
+#[tokio::test]
+async fn ollama_generate_streams_and_num_predict_limits_it() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock:tokens=2", RunApi::Generate, "abcd"), None)).await;
+    assert_one_terminal(&events);
+    assert_eq!(texts(&events), "tok0 tok1");
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(1, 2)),
+        })
+    );
+    let mut req = run_request("mock:tokens=5", RunApi::Generate, "abcd");
+    req.params.max_tokens = Some(1);
+    let events = collect(a.run(req, None)).await;
+    assert_eq!(texts(&events), "tok0");
+    assert!(matches!(
+        events.last(),
+        Some(RunEventKind::Completed {
+            finish_reason: FinishReason::Length,
+            ..
+        })
+    ));
+}
+
+#[tokio::test]
+async fn ollama_tool_call_arrives_whole_with_json_arguments() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    let req = with_tool(run_request(
+        "mock:tool_call=1,tokens=2",
+        RunApi::Chat,
+        "weather?",
+    ));
+    let events = collect(a.run(req, None)).await;
+    assert_one_terminal(&events);
+    let calls: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEventKind::ToolCallDelta(d) => Some(d.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls.len(), 1, "one delta per whole call");
+    assert_eq!(calls[0].name.as_deref(), Some("get_weather"));
+    assert!(calls[0].id.is_some());
+    let args: serde_json::Value = serde_json::from_str(&calls[0].arguments_delta).unwrap();
+    assert_eq!(args, serde_json::json!({"text": "tok0 tok1"}));
+    assert!(matches!(
+        events.last(),
+        Some(RunEventKind::Completed {
+            finish_reason: FinishReason::ToolCalls,
+            ..
+        })
+    ));
+}
+
+#[tokio::test]
+async fn ollama_errors_and_garbage_are_typed() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock:error=500", RunApi::Chat, "x"), None)).await;
+    assert_eq!(failure(&events).http_status, Some(500));
+    let events = collect(a.run(
+        run_request("mock:malformed_after=1", RunApi::Chat, "x"),
+        None,
+    ))
+    .await;
+    assert_one_terminal(&events);
+    assert_eq!(failure(&events).code, FailureCode::MalformedResponse);
+    let events = collect(a.run(run_request("mock:close_after=1", RunApi::Chat, "x"), None)).await;
+    assert_one_terminal(&events);
+    assert_eq!(failure(&events).code, FailureCode::ProviderUnreachable);
+}
+
+#[tokio::test]
+async fn ollama_probe_reads_api_tags() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    assert_eq!(
+        a.probe().await,
+        ProbeVerdict::available(vec!["mock".into()])
+    );
+    assert_eq!((server.requests(), server.probes()), (0, 1));
+}
+
+fn body_of(frames: &[ProviderTunnelFrame]) -> Vec<u8> {
+    frames
+        .iter()
+        .filter_map(|f| match f {
+            ProviderTunnelFrame::Body(b) => Some(b.as_slice()),
+            _ => None,
+        })
+        .flatten()
+        .copied()
+        .collect()
+}
+
+fn assert_tunnel_shape(frames: &[ProviderTunnelFrame]) {
+    assert!(
+        matches!(frames.first(), Some(ProviderTunnelFrame::Head { .. })),
+        "{frames:?}"
+    );
+    assert_eq!(frames.iter().filter(|f| f.is_terminal()).count(), 1);
+    assert!(frames.last().is_some_and(ProviderTunnelFrame::is_terminal));
+}
+
+#[tokio::test]
+async fn ollama_api_relays_api_tags_and_refuses_other_paths() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    let call = |path: &str| OllamaApiCall {
+        target: "t".into(),
+        method: "GET".into(),
+        path: path.into(),
+        body: Vec::new(),
+    };
+    let frames = collect(a.ollama_api(call("/api/tags"))).await;
+    assert_tunnel_shape(&frames);
+    assert!(matches!(
+        frames[0],
+        ProviderTunnelFrame::Head { status: 200, .. }
+    ));
+    assert_eq!(frames.last(), Some(&ProviderTunnelFrame::End));
+    let tags: serde_json::Value = serde_json::from_slice(&body_of(&frames)).unwrap();
+    assert_eq!(tags["models"][0]["name"], "mock");
+
+    for bad in ["/v1/models", "/api/../v1/models"] {
+        let frames = collect(a.ollama_api(call(bad))).await;
+        assert!(
+            matches!(&frames[..], [ProviderTunnelFrame::Failure(f)] if f.code == FailureCode::InvalidRequest),
+            "{bad}: {frames:?}"
+        );
+    }
+    // The refused calls never reached the provider.
+    assert_eq!((server.requests(), server.probes()), (0, 1));
+}
+
+// ---- tunnel ----
+
+fn tunnel_request(method: &str, path: &str, body: Vec<u8>) -> ProviderTunnelRequest {
+    ProviderTunnelRequest {
+        run_id: 7,
+        session_id: "s-7".into(),
+        adapter: AdapterKind::OpenAi,
+        target: "t".into(),
+        method: method.into(),
+        path: path.into(),
+        headers: vec![
+            ("Content-Type".into(), "application/json".into()),
+            (
+                "Authorization".into(),
+                "Bearer client-key-for-the-edge".into(),
+            ),
+            ("Connection".into(), "keep-alive".into()),
+        ],
+        body,
+        response_stall_timeout_ms: 0,
+        deadline_ms: 0,
+        credential_lease: None,
+    }
+}
+
+fn chat_body(model: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "model": model,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": "hi"}],
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn tunnel_relays_sse_body_chunks_while_the_provider_is_still_streaming() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    // The provider sends three tokens and then never finishes: a relay that
+    // buffered the body would never produce a Body frame.
+    let req = tunnel_request(
+        "POST",
+        "/v1/chat/completions",
+        chat_body("mock:stall_after=3,tps=50"),
+    );
+    let mut frames = a.tunnel(req, None);
+    let head = tokio::time::timeout(STREAM_BOUND, frames.next())
+        .await
+        .unwrap();
+    let Some(ProviderTunnelFrame::Head { status, headers }) = head else {
+        panic!("expected a head, got {head:?}");
+    };
+    assert_eq!(status, 200);
+    assert!(
+        headers
+            .iter()
+            .any(|(k, v)| k == "content-type" && v == "text/event-stream")
+    );
+    assert!(
+        !headers
+            .iter()
+            .any(|(k, _)| k == "transfer-encoding" || k == "connection")
+    );
+    let mut body = String::new();
+    while !body.contains("tok2") {
+        match tokio::time::timeout(STREAM_BOUND, frames.next())
+            .await
+            .unwrap()
+        {
+            Some(ProviderTunnelFrame::Body(b)) => body.push_str(&String::from_utf8_lossy(&b)),
+            other => panic!("expected body bytes, got {other:?}"),
+        }
+    }
+    assert!(!body.contains("[DONE]"));
+    assert_eq!(server.in_flight(), 1, "the provider is still answering");
+    // Dropping the tunnel closes the provider request.
+    drop(frames);
+    let stats = wait_stats(&server, |s| s.in_flight == 0).await;
+    assert_eq!(stats.disconnects, 1);
+}
+
+#[tokio::test]
+async fn tunnel_relays_a_whole_answer_with_one_terminal_and_replaces_the_client_credential() {
+    let server = mock(MockScript {
+        require_key: Some("sk-provider".into()),
+        tokens: 3,
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let req = tunnel_request("POST", "/v1/chat/completions", chat_body("mock"));
+    let frames = collect(a.tunnel(req.clone(), Some("sk-provider".into()))).await;
+    assert_tunnel_shape(&frames);
+    assert_eq!(frames.last(), Some(&ProviderTunnelFrame::End));
+    let body = String::from_utf8(body_of(&frames)).unwrap();
+    assert!(body.contains("tok2") && body.trim_end().ends_with("data: [DONE]"));
+
+    // Without a provider credential the client's own header is not relayed.
+    let frames = collect(a.tunnel(req, None)).await;
+    assert!(matches!(
+        frames[0],
+        ProviderTunnelFrame::Head { status: 401, .. }
+    ));
+    assert_eq!(frames.last(), Some(&ProviderTunnelFrame::End));
+    // HTTP errors are relayed as they are, not as failures.
+    assert!(
+        !frames
+            .iter()
+            .any(|f| matches!(f, ProviderTunnelFrame::Failure(_)))
+    );
+}
+
+#[tokio::test]
+async fn tunnel_refuses_bad_methods_and_paths_before_any_provider_call() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    for (method, path) in [
+        ("G ET", "/v1/models"),
+        ("GET", "v1/models"),
+        ("GET", "//evil/x"),
+    ] {
+        let frames = collect(a.tunnel(tunnel_request(method, path, Vec::new()), None)).await;
+        assert!(
+            matches!(&frames[..], [ProviderTunnelFrame::Failure(f)] if f.code == FailureCode::InvalidRequest),
+            "{method} {path}: {frames:?}"
+        );
+    }
+    assert_eq!(server.stats(), MockStats::default());
+}
+
+#[tokio::test]
+async fn tunnel_abrupt_close_is_one_failure_terminal() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let req = tunnel_request(
+        "POST",
+        "/v1/chat/completions",
+        chat_body("mock:close_after=1"),
+    );
+    let frames = collect(a.tunnel(req, None)).await;
+    assert_tunnel_shape(&frames);
+    assert!(
+        matches!(frames.last(), Some(ProviderTunnelFrame::Failure(f)) if f.code == FailureCode::ProviderUnreachable)
+    );
+}
+
+// ---- cancellation ----
+
+#[tokio::test]
+async fn dropping_a_run_mid_stream_closes_the_provider_request() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let mut events = a.run(run_request("mock:stall_after=2", RunApi::Chat, "x"), None);
+    let mut seen = Vec::new();
+    while seen
+        .iter()
+        .filter(|e| matches!(e, RunEventKind::TextDelta(_)))
+        .count()
+        < 2
+    {
+        let e = tokio::time::timeout(STREAM_BOUND, events.next())
+            .await
+            .unwrap();
+        seen.push(e.expect("the run is still open"));
+    }
+    assert_eq!(server.in_flight(), 1);
+    drop(events);
+    let stats = wait_stats(&server, |s| s.in_flight == 0).await;
+    assert_eq!((stats.requests, stats.disconnects), (1, 1));
+}
+
+#[tokio::test]
+async fn dropping_a_run_waiting_for_headers_closes_the_provider_request() {
+    let server = mock(MockScript::default()).await;
+    for kind in [AdapterKind::OpenAi, AdapterKind::Ollama] {
+        server.reset_counts();
+        let a = adapter(kind, &server.base_url(), None);
+        let events = a.run(run_request("mock:hang_headers=1", RunApi::Chat, "x"), None);
+        // Poll the run in a task until the provider holds the request.
+        let task = tokio::spawn(async move { events.collect::<Vec<_>>().await });
+        wait_stats(&server, |s| s.in_flight == 1).await;
+        task.abort();
+        let stats = wait_stats(&server, |s| s.in_flight == 0).await;
+        assert_eq!(stats.disconnects, 1, "{kind}");
+    }
+}
+
+// ---- in-process mock ----
+
+fn in_process() -> Adapter {
+    let target = ProviderTarget {
+        adapter: AdapterKind::Mock,
+        target: "m".into(),
+        base_url: None,
+        models: Vec::new(),
+        api_key: None,
+    };
+    Adapter::new(&target, http_client())
+}
+
+#[tokio::test]
+async fn in_process_mock_yields_the_same_events_as_openai_over_http() {
+    let server = mock(MockScript::default()).await;
+    let http = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let local = in_process();
+    assert_eq!(local.kind(), AdapterKind::Mock);
+    for model in [
+        "mock",
+        "mock:tokens=0",
+        "mock:tokens=3,tps=200",
+        "mock:tool_call=1,tokens=3",
+        "mock:tool_call=1,tokens=0",
+        "mock:error=503",
+        "mock:error=401",
+        "mock:malformed_after=1",
+        "mock:close_after=2",
+        "mock:bogus=1",
+    ] {
+        for api in [RunApi::Chat, RunApi::Generate] {
+            let mut req = with_tool(run_request(model, api, "hello there"));
+            req.params.max_tokens = Some(6);
+            let over_http = collect(http.run(req.clone(), None)).await;
+            let in_proc = collect(local.run(req, None)).await;
+            assert_eq!(in_proc, over_http, "{model} {api:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn in_process_mock_tunnels_and_probes_like_the_http_mock() {
+    let server = mock(MockScript::default()).await;
+    let http = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let local = in_process();
+    for (method, path, body) in [
+        ("POST", "/v1/chat/completions", chat_body("mock:tokens=4")),
+        (
+            "POST",
+            "/v1/responses",
+            br#"{"model":"mock","input":"hi","stream":true}"#.to_vec(),
+        ),
+        (
+            "POST",
+            "/api/chat",
+            br#"{"model":"mock","messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
+        ),
+        ("GET", "/v1/models", Vec::new()),
+    ] {
+        let over_http =
+            collect(http.tunnel(tunnel_request(method, path, body.clone()), None)).await;
+        let in_proc = collect(local.tunnel(tunnel_request(method, path, body), None)).await;
+        assert_tunnel_shape(&in_proc);
+        let status = |f: &[ProviderTunnelFrame]| match f.first() {
+            Some(ProviderTunnelFrame::Head { status, .. }) => *status,
+            _ => 0,
+        };
+        assert_eq!(status(&in_proc), status(&over_http), "{path}");
+        assert_eq!(body_of(&in_proc), body_of(&over_http), "{path}");
+        assert_eq!(in_proc.last(), over_http.last(), "{path}");
+    }
+    assert_eq!(
+        local.probe().await,
+        ProbeVerdict::available(vec!["mock".into()])
+    );
+}
+
+#[tokio::test]
+async fn in_process_mock_health_is_scripted() {
+    let sick = Adapter::in_process_mock(
+        "m",
+        MockScript {
+            health: ProbeHealth::Unhealthy,
+            ..MockScript::default()
+        },
+    );
+    assert_eq!(
+        sick.probe().await,
+        ProbeVerdict::unavailable(HealthFailureCode::Http5xx)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hanging_probe_is_bounded_and_unavailable_timeout() {
+    let hung = Adapter::in_process_mock(
+        "m",
+        MockScript {
+            health: ProbeHealth::Hang,
+            ..MockScript::default()
+        },
+    );
+    assert_eq!(
+        hung.probe().await,
+        ProbeVerdict::unavailable(HealthFailureCode::Timeout)
+    );
+}
+
+#[tokio::test]
+async fn unconfigured_http_adapters_fail_closed() {
+    let target = ProviderTarget {
+        adapter: AdapterKind::OpenAi,
+        target: "t".into(),
+        base_url: None,
+        models: Vec::new(),
+        api_key: None,
+    };
+    let a = Adapter::new(&target, http_client());
+    let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
+    assert_eq!(failure(&events).code, FailureCode::Internal);
+    assert_eq!(a.probe().await.health, ProviderHealth::Unavailable);
+}
+
+// ---- counting ----
+
+#[tokio::test]
+async fn probes_are_counted_apart_from_requests_in_process_and_over_http() {
+    let server = mock(MockScript::default()).await;
+    let openai = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let ollama = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    openai.probe().await;
+    openai.probe().await;
+    ollama.probe().await;
+    collect(openai.run(run_request("mock", RunApi::Chat, "x"), None)).await;
+    assert_eq!((server.requests(), server.probes()), (1, 3));
+
+    let client = http_client();
+    let stats: MockStats = serde_json::from_slice(
+        &client
+            .get(format!("{}/mock/stats", server.base_url()))
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        stats,
+        MockStats {
+            requests: 1,
+            probes: 3,
+            in_flight: 0,
+            disconnects: 0
+        }
+    );
+    // Reading the stats is neither a request nor a probe.
+    assert_eq!((server.requests(), server.probes()), (1, 3));
+    server.reset_counts();
+    assert_eq!(server.stats(), MockStats::default());
+}
+
+#[test]
+fn status_classes_follow_r_ht_1() {
+    assert_eq!(
+        classify_status(401),
+        Some(HealthFailureCode::AuthenticationFailed)
+    );
+    assert_eq!(
+        classify_status(403),
+        Some(HealthFailureCode::AuthorizationFailed)
+    );
+    assert_eq!(classify_status(404), Some(HealthFailureCode::Http4xx));
+    assert_eq!(classify_status(429), Some(HealthFailureCode::Http4xx));
+    assert_eq!(classify_status(500), Some(HealthFailureCode::Http5xx));
+    assert_eq!(classify_status(599), Some(HealthFailureCode::Http5xx));
+    assert_eq!(classify_status(200), None);
+    assert_eq!(classify_status(302), None);
+}
