@@ -474,7 +474,10 @@ impl EdgeConfig {
             }
         }
         if health.backoff_base_ms > health.backoff_cap_ms {
-            return Err(field_err("health.backoff_cap_ms", "must be >= health.backoff_base_ms"));
+            return Err(field_err(
+                "health.backoff_cap_ms",
+                "must be >= health.backoff_base_ms",
+            ));
         }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),

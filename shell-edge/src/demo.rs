@@ -59,7 +59,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         _ => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let server =
-                iop_node::mock::MockServer::start(listener, iop_node::mock::MockScript::default());
+                iop_node::mock::serve(listener, iop_node::mock::MockScript::default()).await?;
             let url = format!("http://{}", server.addr());
             mock = Some(server);
             ("openai", url, vec!["mock".to_owned()])

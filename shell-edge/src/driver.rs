@@ -496,7 +496,10 @@ impl Driver {
             match out {
                 GateOutput::Commit => {
                     self.committed = true;
-                    self.ctx.observe.as_ref()(DriverObservation::Ttft(self.work.route, self.started_at.elapsed()));
+                    self.ctx.observe.as_ref()(DriverObservation::Ttft(
+                        self.work.route,
+                        self.started_at.elapsed(),
+                    ));
                     // The head first (a tunnel's own head if it has one).
                     let head_at = self
                         .held

@@ -23,7 +23,7 @@ use axum::routing::{get, post};
 use futures::Stream;
 use iop_core::edge::gate::{AdmissionFailure, GateFailure};
 use iop_core::ids::ProviderId;
-use iop_wire::{FailureCode, RunApi};
+use iop_wire::RunApi;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
@@ -233,10 +233,11 @@ async fn admit_body<T>(
 
 async fn chat_completions(State(state): State<AppState>, request: Request) -> Response {
     let mut record = RequestRecord::new(&state, "chat");
-    let (key, body, req) = match admit_body(&state, request, &mut record, chat::parse_chat_request).await {
-        Ok(x) => x,
-        Err(e) => return error_response(&e),
-    };
+    let (key, body, req) =
+        match admit_body(&state, request, &mut record, chat::parse_chat_request).await {
+            Ok(x) => x,
+            Err(e) => return error_response(&e),
+        };
     let pool = match pool_for(&state, &key, &req.model) {
         Ok(p) => p,
         Err(e) => {
@@ -267,7 +268,8 @@ async fn chat_completions(State(state): State<AppState>, request: Request) -> Re
     let id = crate::api::ids::chat_completion_id(state.next_id());
     let created = unix_now();
     if req.stream {
-        let mut enc = chat::ChatStream::new(id, req.model.clone(), created).with_usage_chunk(req.include_usage);
+        let mut enc = chat::ChatStream::new(id, req.model.clone(), created)
+            .with_usage_chunk(req.include_usage);
         let stream = sse_stream(rx, record, move |d, record| match d {
             Delivery::Event(ev) => enc.push(&ev).into_iter().map(data_event).collect(),
             Delivery::Finish => {
@@ -281,53 +283,72 @@ async fn chat_completions(State(state): State<AppState>, request: Request) -> Re
             }
             _ => Vec::new(),
         });
-        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+        Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response()
     } else {
         let mut acc = chat::ChatAccumulator::new(id, req.model.clone(), created);
-        collect_json(&mut rx, &mut record, |ev| acc.push(ev), || acc.finish()).await
+        let result = collect_events(&mut rx, &mut record)
+            .await
+            .and_then(|events| {
+                events.iter().for_each(|ev| acc.push(ev));
+                acc.finish()
+            });
+        json_or_error(&mut record, result)
     }
 }
 
-/// Drain a non-streaming request into its final JSON object.
-async fn collect_json(
+/// Drain a non-streaming request: its events, or the error to answer.
+async fn collect_events(
     rx: &mut mpsc::Receiver<Delivery>,
     record: &mut RequestRecord,
-    mut push: impl FnMut(&iop_wire::RunEventKind),
-    finish: impl FnOnce() -> Result<serde_json::Value, ApiError>,
-) -> Response {
+) -> Result<Vec<iop_wire::RunEventKind>, ApiError> {
+    let mut events = Vec::new();
     while let Some(d) = rx.recv().await {
         match d {
-            Delivery::Event(ev) => push(&ev),
-            Delivery::Finish => {
-                return match finish() {
-                    Ok(v) => {
-                        record.set("ok");
-                        axum::Json(v).into_response()
-                    }
-                    Err(e) => {
-                        record.error(&e);
-                        error_response(&e)
-                    }
-                };
-            }
+            Delivery::Event(ev) => events.push(ev),
+            Delivery::Finish => return Ok(events),
             Delivery::Fail { kind, .. } => {
                 let e = gate_error(kind);
                 record.error(&e);
-                return error_response(&e);
+                return Err(e);
             }
             _ => {}
         }
     }
-    error_response(&ApiError::internal())
+    Err(ApiError::internal())
+}
+
+/// The final JSON of a non-streaming request, or its error.
+fn json_or_error(
+    record: &mut RequestRecord,
+    result: Result<serde_json::Value, ApiError>,
+) -> Response {
+    match result {
+        Ok(v) => {
+            record.set("ok");
+            axum::Json(v).into_response()
+        }
+        Err(e) => {
+            record.error(&e);
+            error_response(&e)
+        }
+    }
 }
 
 async fn create_response(State(state): State<AppState>, request: Request) -> Response {
     let mut record = RequestRecord::new(&state, "responses");
-    let (key, body, req) =
-        match admit_body(&state, request, &mut record, responses::parse_responses_request).await {
-            Ok(x) => x,
-            Err(e) => return error_response(&e),
-        };
+    let (key, body, req) = match admit_body(
+        &state,
+        request,
+        &mut record,
+        responses::parse_responses_request,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(e) => return error_response(&e),
+    };
     let pool = match pool_for(&state, &key, &req.model) {
         Ok(p) => p,
         Err(e) => {
@@ -358,7 +379,8 @@ async fn create_response(State(state): State<AppState>, request: Request) -> Res
     let id = crate::api::ids::response_id(state.next_id());
     let created = unix_now();
     if req.stream {
-        let mut enc = responses::ResponsesStream::new(id, req.model.clone(), created).with_echo(req.echo.clone());
+        let mut enc = responses::ResponsesStream::new(id, req.model.clone(), created)
+            .with_echo(req.echo.clone());
         let mut opening: Vec<Event> = enc.start().into_iter().map(named_event).collect();
         let stream = sse_stream(rx, record, move |d, record| {
             let mut out = std::mem::take(&mut opening);
@@ -374,10 +396,19 @@ async fn create_response(State(state): State<AppState>, request: Request) -> Res
             }
             out
         });
-        Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+        Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response()
     } else {
-        let mut acc = responses::ResponsesAccumulator::new(id, req.model.clone(), created).with_echo(req.echo.clone());
-        collect_json(&mut rx, &mut record, |ev| acc.push(ev), || acc.finish()).await
+        let mut acc = responses::ResponsesAccumulator::new(id, req.model.clone(), created)
+            .with_echo(req.echo.clone());
+        let result = collect_events(&mut rx, &mut record)
+            .await
+            .and_then(|events| {
+                events.iter().for_each(|ev| acc.push(ev));
+                acc.finish()
+            });
+        json_or_error(&mut record, result)
     }
 }
 
@@ -455,7 +486,9 @@ async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response 
                 loop {
                     let d = rx.recv().await?;
                     let (values, end) = match d {
-                        Delivery::Event(ev) => (enc.push(&ev, iop_transport::clock::unix_ms()), false),
+                        Delivery::Event(ev) => {
+                            (enc.push(&ev, iop_transport::clock::unix_ms()), false)
+                        }
                         Delivery::Finish => {
                             record.set("ok");
                             (Vec::new(), true)
@@ -603,14 +636,22 @@ fn tunnel_response(
     status: u16,
     headers: Vec<iop_wire::Header>,
     rx: mpsc::Receiver<Delivery>,
+    record: RequestRecord,
 ) -> Response {
-    let body = futures::stream::unfold(rx, |mut rx| async move {
+    let body = futures::stream::unfold((rx, record), |(mut rx, mut record)| async move {
         loop {
             match rx.recv().await? {
                 Delivery::Body(bytes) => {
-                    return Some((Ok::<_, Infallible>(bytes::Bytes::from(bytes)), rx));
+                    return Some((Ok::<_, Infallible>(bytes::Bytes::from(bytes)), (rx, record)));
                 }
-                Delivery::Finish | Delivery::Fail { .. } => return None,
+                Delivery::Finish => {
+                    record.set("ok");
+                    return None;
+                }
+                Delivery::Fail { kind, .. } => {
+                    record.error(&gate_error(kind));
+                    return None;
+                }
                 _ => continue,
             }
         }
@@ -641,25 +682,29 @@ fn named_event(ev: responses::ResponsesEvent) -> Event {
 }
 
 /// Turn driver deliveries into SSE events until the stream ends.
-fn async_stream<F>(
+fn sse_stream<F>(
     rx: mpsc::Receiver<Delivery>,
+    record: RequestRecord,
     f: F,
 ) -> impl Stream<Item = Result<Event, Infallible>>
 where
-    F: FnMut(Delivery) -> Vec<Event> + Send + 'static,
+    F: FnMut(Delivery, &mut RequestRecord) -> Vec<Event> + Send + 'static,
 {
-    futures::stream::unfold((rx, f, false), |(mut rx, mut f, done)| async move {
-        if done {
-            return None;
-        }
-        let d = rx.recv().await?;
-        let end = matches!(d, Delivery::Finish | Delivery::Fail { .. });
-        let events = f(d);
-        Some((
-            futures::stream::iter(events.into_iter().map(Ok)),
-            (rx, f, end),
-        ))
-    })
+    futures::stream::unfold(
+        (rx, f, record, false),
+        |(mut rx, mut f, mut record, done)| async move {
+            if done {
+                return None;
+            }
+            let d = rx.recv().await?;
+            let end = matches!(d, Delivery::Finish | Delivery::Fail { .. });
+            let events = f(d, &mut record);
+            Some((
+                futures::stream::iter(events.into_iter().map(Ok)),
+                (rx, f, record, end),
+            ))
+        },
+    )
     .flatten()
 }
 

@@ -14,17 +14,19 @@ use iop_core::edge::dispatch::{
 };
 use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::Rejection;
-use iop_wire::{Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode};
 use iop_core::ids::{Generation, NodeId};
 use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, RegisterRequest};
+use iop_wire::{
+    Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::generation_store::GenerationStore;
 use crate::metrics::EdgeMetrics;
 use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
+use iop_transport::clock::Clock;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use iop_transport::clock::Clock;
 
 /// What a connection task is told to do.
 #[derive(Debug)]

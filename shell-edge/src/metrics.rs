@@ -127,7 +127,9 @@ impl EdgeMetrics {
                 .build(),
             health_evidence: meter
                 .u64_counter("iop_edge_provider_health_evidence")
-                .with_description("Validated stall evidence by health and overlay outcome (R-OVL-2)")
+                .with_description(
+                    "Validated stall evidence by health and overlay outcome (R-OVL-2)",
+                )
                 .build(),
             health_transitions: meter
                 .u64_counter("iop_edge_provider_health_transitions")
@@ -219,8 +221,7 @@ pub fn scrape_value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| {
-            l.starts_with(name)
-                && matches!(l.as_bytes().get(name.len()), Some(b'{') | Some(b' '))
+            l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{') | Some(b' '))
         })
         .filter(|l| {
             labels

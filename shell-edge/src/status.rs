@@ -69,7 +69,14 @@ pub fn status_table(doc: &Value) -> String {
         i["fenced_late_messages"],
     ));
     let header = [
-        "PROVIDER", "NODE", "GEN", "STATE", "LEASES", "FAILURES", "FAILURE_CODE", "LAST_SUCCESS_MS",
+        "PROVIDER",
+        "NODE",
+        "GEN",
+        "STATE",
+        "LEASES",
+        "FAILURES",
+        "FAILURE_CODE",
+        "LAST_SUCCESS_MS",
         "NEXT_RETRY_MS",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
@@ -84,7 +91,11 @@ pub fn status_table(doc: &Value) -> String {
             format!(
                 "{}{}",
                 show(&p["node"]),
-                if p["node_ready"] == true { "" } else { " (down)" }
+                if p["node_ready"] == true {
+                    ""
+                } else {
+                    " (down)"
+                }
             ),
             show(&p["node_generation"]),
             show(&p["state"]),

@@ -55,7 +55,12 @@ impl Deployment {
                 "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
                 mock.base_url()
             );
-            nodes.push(start_node(&pki, &format!("node-{}", i + 1), edge.quic_addr, &target));
+            nodes.push(start_node(
+                &pki,
+                &format!("node-{}", i + 1),
+                edge.quic_addr,
+                &target,
+            ));
         }
         for i in 0..nodes.len() {
             ready_generation(&edge, &format!("node-{}", i + 1)).await;
@@ -96,8 +101,10 @@ impl Deployment {
     }
 
     async fn wait_idle(&self) {
-        wait_for(&self.edge, "no leases in use", |s| s.leases_in_use == 0 && s.queue_depth == 0)
-            .await;
+        wait_for(&self.edge, "no leases in use", |s| {
+            s.leases_in_use == 0 && s.queue_depth == 0
+        })
+        .await;
     }
 
     async fn stop(self) {
@@ -121,7 +128,9 @@ fn sse_text(body: &str) -> (String, bool, Option<serde_json::Value>) {
     let mut done = false;
     let mut error = None;
     for line in body.lines() {
-        let Some(data) = line.strip_prefix("data: ") else { continue };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
         if data == "[DONE]" {
             done = true;
             continue;
@@ -142,12 +151,21 @@ fn sse_text(body: &str) -> (String, bool, Option<serde_json::Value>) {
 async fn chat_completion_streams_and_returns_json() {
     bounded(async {
         let d = Deployment::start(vec![MockScript::default()], "").await;
-        let r = d.post("/v1/chat/completions", &chat_body("mock", false)).await;
+        let r = d
+            .post("/v1/chat/completions", &chat_body("mock", false))
+            .await;
         assert_eq!(r.status(), 200);
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["object"], "chat.completion");
-        assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("tok"));
-        let r = d.post("/v1/chat/completions", &chat_body("mock", true)).await;
+        assert!(
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .contains("tok")
+        );
+        let r = d
+            .post("/v1/chat/completions", &chat_body("mock", true))
+            .await;
         assert_eq!(r.status(), 200);
         let (text, done, error) = sse_text(&r.text().await.unwrap());
         assert!(text.contains("tok") && done && error.is_none());
@@ -170,12 +188,20 @@ async fn stall_before_first_content_is_answered_by_the_other_node_with_one_readm
         let (text, done, error) = sse_text(&r.text().await.unwrap());
         assert!(error.is_none(), "{error:?}");
         assert!(done);
-        assert_eq!(text.split_whitespace().count(), 8, "a complete answer: {text}");
+        assert_eq!(
+            text.split_whitespace().count(),
+            8,
+            "a complete answer: {text}"
+        );
         assert_eq!(d.mocks[0].requests(), 1);
         assert_eq!(d.mocks[1].requests(), 1);
         let m = d.metrics().await;
         assert_eq!(
-            scrape_value(&m, "iop_edge_liveness_recovery_results_total", &[("result", "readmitted")]),
+            scrape_value(
+                &m,
+                "iop_edge_liveness_recovery_results_total",
+                &[("result", "readmitted")]
+            ),
             1.0,
             "{m}"
         );
@@ -190,7 +216,10 @@ async fn stall_after_first_content_ends_with_one_in_stream_error() {
     bounded(async {
         let d = Deployment::start(vec![MockScript::default()], "").await;
         let r = d
-            .post("/v1/chat/completions", &chat_body("mock:stall_after=2", true))
+            .post(
+                "/v1/chat/completions",
+                &chat_body("mock:stall_after=2", true),
+            )
             .await;
         assert_eq!(r.status(), 200, "committed before the stall");
         let (text, _done, error) = sse_text(&r.text().await.unwrap());
@@ -251,7 +280,11 @@ async fn bad_input_gets_openai_errors_and_disturbs_nothing() {
             (Some(KEY), "{not json".into(), 400),
             (Some(KEY), chat_body("no-such-model", false), 404),
             (None, chat_body("mock", false), 401),
-            (Some("sk-wrong-wrong-wrong-wrong"), chat_body("mock", false), 401),
+            (
+                Some("sk-wrong-wrong-wrong-wrong"),
+                chat_body("mock", false),
+                401,
+            ),
             (
                 Some(KEY),
                 r#"{"model":"mock","n":3,"messages":[{"role":"user","content":"x"}]}"#.into(),
@@ -259,7 +292,8 @@ async fn bad_input_gets_openai_errors_and_disturbs_nothing() {
             ),
             (
                 Some(KEY),
-                r#"{"model":"mock","temperature":9,"messages":[{"role":"user","content":"x"}]}"#.into(),
+                r#"{"model":"mock","temperature":9,"messages":[{"role":"user","content":"x"}]}"#
+                    .into(),
                 400,
             ),
         ];
@@ -295,9 +329,15 @@ async fn bad_input_gets_openai_errors_and_disturbs_nothing() {
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["error"]["param"], "n");
         // Nothing was disturbed: a good request still works.
-        let r = d.post("/v1/chat/completions", &chat_body("mock", false)).await;
+        let r = d
+            .post("/v1/chat/completions", &chat_body("mock", false))
+            .await;
         assert_eq!(r.status(), 200);
-        assert_eq!(d.mocks[0].requests(), 1, "bad requests never reached a provider");
+        assert_eq!(
+            d.mocks[0].requests(),
+            1,
+            "bad requests never reached a provider"
+        );
         d.wait_idle().await;
         d.stop().await;
     })
@@ -312,11 +352,7 @@ async fn full_queue_answers_429_with_retry_after() {
             tokens: 30,
             ..MockScript::default()
         };
-        let d = Deployment::start(
-            vec![slow],
-            "",
-        )
-        .await;
+        let d = Deployment::start(vec![slow], "").await;
         // Capacity 4 and a queue of 64 (common config): fill both.
         let mut held = Vec::new();
         for _ in 0..68 {
@@ -333,7 +369,9 @@ async fn full_queue_answers_429_with_retry_after() {
             }));
         }
         wait_for(&d.edge, "queue full", |s| s.queue_depth == 64).await;
-        let r = d.post("/v1/chat/completions", &chat_body("mock", false)).await;
+        let r = d
+            .post("/v1/chat/completions", &chat_body("mock", false))
+            .await;
         assert_eq!(r.status(), 429);
         assert!(r.headers().get("retry-after").is_some());
         let v: serde_json::Value = r.json().await.unwrap();
@@ -356,7 +394,9 @@ async fn client_disconnect_cancels_the_run_and_releases_the_lease() {
             ..MockScript::default()
         };
         let d = Deployment::start(vec![slow], "").await;
-        let mut r = d.post("/v1/chat/completions", &chat_body("mock", true)).await;
+        let mut r = d
+            .post("/v1/chat/completions", &chat_body("mock", true))
+            .await;
         assert_eq!(r.status(), 200);
         let _first = r.chunk().await.unwrap();
         drop(r);
@@ -379,7 +419,12 @@ async fn models_lists_what_the_key_may_use_and_responses_works() {
             .await
             .unwrap();
         let v: serde_json::Value = r.json().await.unwrap();
-        let ids: Vec<&str> = v["data"].as_array().unwrap().iter().filter_map(|m| m["id"].as_str()).collect();
+        let ids: Vec<&str> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|m| m["id"].as_str())
+            .collect();
         assert!(ids.contains(&"m") && ids.contains(&"mock"), "{ids:?}");
         let r = d
             .post("/v1/responses", r#"{"model":"mock","input":"hello"}"#)
@@ -399,20 +444,38 @@ async fn ollama_api_chat_generate_and_tags() {
     bounded(async {
         let d = Deployment::start(vec![MockScript::default()], "").await;
         let r = d
-            .post("/api/chat", r#"{"model":"mock","messages":[{"role":"user","content":"hi"}]}"#)
+            .post(
+                "/api/chat",
+                r#"{"model":"mock","messages":[{"role":"user","content":"hi"}]}"#,
+            )
             .await;
         assert_eq!(r.status(), 200);
         let body = r.text().await.unwrap();
         let last: serde_json::Value = serde_json::from_str(body.lines().last().unwrap()).unwrap();
         assert_eq!(last["done"], true, "{body}");
         let r = d
-            .post("/api/generate", r#"{"model":"mock","prompt":"hi","stream":false}"#)
+            .post(
+                "/api/generate",
+                r#"{"model":"mock","prompt":"hi","stream":false}"#,
+            )
             .await;
         let v: serde_json::Value = r.json().await.unwrap();
         assert!(v["response"].as_str().unwrap().contains("tok"), "{v}");
-        let r = d.http.get(d.url("/api/tags")).bearer_auth(KEY).send().await.unwrap();
+        let r = d
+            .http
+            .get(d.url("/api/tags"))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap();
         let v: serde_json::Value = r.json().await.unwrap();
-        assert!(v["models"].as_array().unwrap().iter().any(|m| m["name"] == "mock"));
+        assert!(
+            v["models"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m["name"] == "mock")
+        );
         d.wait_idle().await;
         d.stop().await;
     })

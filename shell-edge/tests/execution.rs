@@ -98,7 +98,10 @@ async fn collect(recv: &mut FramedRecv) -> Vec<RunEventKind> {
     }
     let terminals = events.iter().filter(|e| e.is_terminal()).count();
     assert_eq!(terminals, 1, "exactly one terminal: {events:?}");
-    assert!(events.last().is_some_and(RunEventKind::is_terminal), "terminal is last");
+    assert!(
+        events.last().is_some_and(RunEventKind::is_terminal),
+        "terminal is last"
+    );
     events
 }
 
@@ -127,10 +130,12 @@ async fn normal_stream_carries_text_tool_calls_and_usage() {
         let (_s, mut recv) = send_run(&rig.conn, run_request(1, "mock:tokens=5", 0)).await;
         let events = collect(&mut recv).await;
         assert!(!text(&events).is_empty());
-        assert!(matches!(
-            events.last(),
-            Some(RunEventKind::Completed { usage: Some(u), .. }) if u.completion_tokens == 5
-        ) || events.iter().any(|e| matches!(e, RunEventKind::Usage(_))));
+        assert!(
+            matches!(
+                events.last(),
+                Some(RunEventKind::Completed { usage: Some(u), .. }) if u.completion_tokens == 5
+            ) || events.iter().any(|e| matches!(e, RunEventKind::Usage(_)))
+        );
 
         let (_s, mut recv) = send_run(&rig.conn, run_request(2, "mock:tool_call=1", 0)).await;
         let events = collect(&mut recv).await;
@@ -142,7 +147,10 @@ async fn normal_stream_carries_text_tool_calls_and_usage() {
         );
         assert!(matches!(
             events.last(),
-            Some(RunEventKind::Completed { finish_reason: iop_wire::FinishReason::ToolCalls, .. })
+            Some(RunEventKind::Completed {
+                finish_reason: iop_wire::FinishReason::ToolCalls,
+                ..
+            })
         ));
         rig.node.shutdown().await.unwrap();
         rig.edge.shutdown().await;
@@ -162,7 +170,10 @@ async fn prefill_longer_than_the_heartbeat_wait_completes_without_heartbeat_time
         )
         .await;
         let events = collect(&mut recv).await;
-        assert!(matches!(events.last(), Some(RunEventKind::Completed { .. })));
+        assert!(matches!(
+            events.last(),
+            Some(RunEventKind::Completed { .. })
+        ));
         let snap = rig.edge.hub.snapshot().await.unwrap();
         assert_eq!(snap.closes_by_reason.get("heartbeat_timeout"), None);
         assert_eq!(snap.fences, 0, "the connection never dropped");
@@ -184,11 +195,18 @@ async fn stall_with_health(health: ProbeHealth) -> iop_wire::ExecutionFailure {
     assert_eq!(text(&events).split_whitespace().count(), 2, "{events:?}");
     let f = failure(&events).clone();
     assert_eq!(f.code, FailureCode::ResponseStalled);
-    assert_eq!(f.health_observation_seq, Some(1), "R-SEQ-1: first observation is 1");
+    assert_eq!(
+        f.health_observation_seq,
+        Some(1),
+        "R-SEQ-1: first observation is 1"
+    );
     let stall = f.stall.expect("stall metadata");
     assert_eq!(stall.stall_timeout_ms, 300);
     assert_eq!(
-        rig.node.shared().stalls.load(std::sync::atomic::Ordering::Relaxed),
+        rig.node
+            .shared()
+            .stalls
+            .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
     rig.node.shutdown().await.unwrap();
@@ -281,7 +299,8 @@ async fn disconnect_cancels_every_run_and_closes_the_provider_requests() {
         let rig = rig(&mock).await;
         let mut streams = Vec::new();
         for i in 0..3 {
-            streams.push(send_run(&rig.conn, run_request(i + 1, "mock:tokens=1000,tps=20", 0)).await);
+            streams
+                .push(send_run(&rig.conn, run_request(i + 1, "mock:tokens=1000,tps=20", 0)).await);
         }
         mock.wait_for(|s| s.in_flight == 3).await;
         // The edge drops the connection (R-DISC-1 on the node).
@@ -316,7 +335,11 @@ async fn node_over_its_run_limit_answers_node_overloaded_without_calling_the_pro
         let (_b, mut rb) = send_run(&link.conn, run_request(2, "mock", 0)).await;
         let events = collect(&mut rb).await;
         assert_eq!(failure(&events).code, FailureCode::NodeOverloaded);
-        assert_eq!(mock.requests(), 1, "the second run never reached the provider");
+        assert_eq!(
+            mock.requests(),
+            1,
+            "the second run never reached the provider"
+        );
         node.shutdown().await.unwrap();
         edge.shutdown().await;
     })
@@ -373,7 +396,10 @@ async fn commands_answer_transport_status_and_capabilities() {
     bounded(async {
         let mock = MockServer::start(MockScript::default()).await.unwrap();
         let rig = rig(&mock).await;
-        for (id, kind) in [(1, CommandKind::TransportStatus), (2, CommandKind::Capabilities)] {
+        for (id, kind) in [
+            (1, CommandKind::TransportStatus),
+            (2, CommandKind::Capabilities),
+        ] {
             let (mut send, mut recv) = open_framed(&rig.conn).await.unwrap();
             send.send(&DataRequest::Command(Command {
                 command_id: id,
@@ -423,7 +449,10 @@ async fn ollama_adapter_runs_against_an_ollama_shaped_server() {
         req.api = RunApi::Generate;
         let (_s, mut recv) = send_run(&rig.conn, req).await;
         let events = collect(&mut recv).await;
-        assert!(matches!(events.last(), Some(RunEventKind::Completed { .. })));
+        assert!(matches!(
+            events.last(),
+            Some(RunEventKind::Completed { .. })
+        ));
         rig.node.shutdown().await.unwrap();
         rig.edge.shutdown().await;
     })
@@ -445,8 +474,15 @@ async fn late_provider_output_after_a_stall_claim_is_fenced_and_counted() {
         let events = collect(&mut recv).await;
         let f = failure(&events);
         assert_eq!(f.code, FailureCode::ResponseStalled);
-        assert!(f.retryable, "the provider returned within the grace (R-WD-4)");
-        assert_eq!(text(&events).split_whitespace().count(), 2, "late tokens never forwarded");
+        assert!(
+            f.retryable,
+            "the provider returned within the grace (R-WD-4)"
+        );
+        assert_eq!(
+            text(&events).split_whitespace().count(),
+            2,
+            "late tokens never forwarded"
+        );
         assert!(
             rig.node
                 .shared()

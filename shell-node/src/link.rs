@@ -257,7 +257,8 @@ pub async fn run(
     let mut paused = shared.pause_control.subscribe();
 
     let end = loop {
-        let wake = iop_core::time::earliest(link.heartbeat.poll_timeout(), link.watchdog.poll_timeout());
+        let wake =
+            iop_core::time::earliest(link.heartbeat.poll_timeout(), link.watchdog.poll_timeout());
         let is_paused = *paused.borrow();
         tokio::select! {
             frame = recv.recv::<EdgeControl>(), if !is_paused => match frame {
@@ -311,7 +312,10 @@ pub async fn run(
             },
         }
         if let Some(code) = link.drain(&mut send).await {
-            break LinkEnd::Closed { was_ready: true, code };
+            break LinkEnd::Closed {
+                was_ready: true,
+                code,
+            };
         }
     };
 
@@ -322,7 +326,8 @@ pub async fn run(
         .fetch_add(canceled, Ordering::Relaxed);
     handlers.abort_all();
     link.probes.abort_all();
-    link.watchdog.cancel_all(clock.now(), CancelReason::Disconnect);
+    link.watchdog
+        .cancel_all(clock.now(), CancelReason::Disconnect);
     shared.ready.store(false, Ordering::Relaxed);
     shared.generation.store(0, Ordering::Relaxed);
     if let LinkEnd::Closed { code, .. } = &end {
@@ -445,7 +450,10 @@ impl Link {
                     return;
                 }
                 let deadline = deadline.map(|d| now + d);
-                match self.watchdog.start(now, run_id, kind, stall_timeout, deadline) {
+                match self
+                    .watchdog
+                    .start(now, run_id, kind, stall_timeout, deadline)
+                {
                     Ok(()) => {
                         self.runs.insert(
                             run_id,
@@ -511,7 +519,10 @@ impl Link {
                     active_runs: self.runs.len() as u32,
                     max_concurrent_runs: self.max_runs as u32,
                     heartbeats_sent: self.heartbeat.pings_sent(),
-                    last_heartbeat_rtt_ms: self.heartbeat.last_rtt().map(iop_core::time::duration_ms),
+                    last_heartbeat_rtt_ms: self
+                        .heartbeat
+                        .last_rtt()
+                        .map(iop_core::time::duration_ms),
                     fenced_late_outputs: self.shared.fenced_late_outputs.load(Ordering::Relaxed),
                     next_health_observation_seq: self.watchdog.next_observation_seq().unwrap_or(0),
                 });
@@ -529,7 +540,10 @@ impl Link {
                 HeartbeatOutput::SendPing(seq) => NodeControl::Ping(iop_wire::Heartbeat { seq }),
                 HeartbeatOutput::SendPong(seq) => NodeControl::Pong(iop_wire::Heartbeat { seq }),
                 HeartbeatOutput::TimedOut => {
-                    tracing::warn!(event = "node_heartbeat_timeout", generation = self.generation);
+                    tracing::warn!(
+                        event = "node_heartbeat_timeout",
+                        generation = self.generation
+                    );
                     return Some(CloseCode::HeartbeatTimeout);
                 }
             };
@@ -545,9 +559,10 @@ impl Link {
                     }
                 }
                 WatchdogOutput::StartProbe { run_id } => {
-                    let adapter = self.runs.get(&run_id).and_then(|slot| {
-                        self.shared.adapter(slot.adapter, &slot.target).cloned()
-                    });
+                    let adapter = self
+                        .runs
+                        .get(&run_id)
+                        .and_then(|slot| self.shared.adapter(slot.adapter, &slot.target).cloned());
                     let bound = self.shared.probe_bound;
                     self.probes.spawn(async move {
                         let outcome = match adapter {

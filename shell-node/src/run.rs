@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use iop_core::node::watchdog::{Emission, ProviderEvent, RunKind, RunTerminal, effective_stall_timeout};
+use iop_core::node::watchdog::{
+    Emission, ProviderEvent, RunKind, RunTerminal, effective_stall_timeout,
+};
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend};
 use iop_wire::{
     CapabilitiesReport, Command, CommandKind, CommandResult, CommandResultBody, DataRequest,
@@ -162,7 +164,12 @@ async fn execute<S, F>(
         Err(e) => return write_terminal(send, &sink, e.failure()).await,
     };
     let Some((adapter_kind, target, adapter)) = adapter else {
-        return write_terminal(send, &sink, ExecutionFailure::new(FailureCode::UnknownTarget)).await;
+        return write_terminal(
+            send,
+            &sink,
+            ExecutionFailure::new(FailureCode::UnknownTarget),
+        )
+        .await;
     };
     let (control_tx, mut control) = mpsc::unbounded_channel();
     let admitted = link
@@ -331,7 +338,10 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
             let targets = futures::future::join_all(probes).await;
             // The observation sequence is taken after the probes finished,
             // so it orders this answer after every earlier stall terminal.
-            let Some(seq) = link.ask(|reply| LinkMsg::TakeObservationSeq { reply }).await else {
+            let Some(seq) = link
+                .ask(|reply| LinkMsg::TakeObservationSeq { reply })
+                .await
+            else {
                 return;
             };
             CommandResultBody::Capabilities(CapabilitiesReport {
@@ -349,7 +359,9 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
                 let result = CommandResult {
                     command_id: cmd.command_id,
                     session_id: cmd.session_id,
-                    body: CommandResultBody::Failed(ExecutionFailure::new(FailureCode::UnknownTarget)),
+                    body: CommandResultBody::Failed(ExecutionFailure::new(
+                        FailureCode::UnknownTarget,
+                    )),
                 };
                 let _ = send.send(&result).await;
                 let _ = send.finish();

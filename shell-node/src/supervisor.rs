@@ -47,7 +47,9 @@ pub async fn run(
             break;
         }
         let attempt = async {
-            let addr = resolve(&config.node.edge).await.ok_or("cannot resolve the edge address")?;
+            let addr = resolve(&config.node.edge)
+                .await
+                .ok_or("cannot resolve the edge address")?;
             connect(&endpoint, addr, &config.node.edge_server_name)
                 .await
                 .map_err(|e| {
@@ -94,7 +96,11 @@ pub async fn run(
             None => {}
         }
         let delay = backoff.next_delay(&mut rng);
-        tracing::info!(event = "node_reconnect_backoff", delay_ms = delay.as_millis() as u64, attempt = backoff.attempt());
+        tracing::info!(
+            event = "node_reconnect_backoff",
+            delay_ms = delay.as_millis() as u64,
+            attempt = backoff.attempt()
+        );
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
             _ = shutdown.changed() => break,

@@ -229,8 +229,9 @@ impl Dispatcher {
                     .targets
                     .iter()
                     .filter(|e| {
-                        spec.as_ref()
-                            .is_some_and(|s| &s.node == node && e.adapter == s.adapter && e.target == s.target)
+                        spec.as_ref().is_some_and(|s| {
+                            &s.node == node && e.adapter == s.adapter && e.target == s.target
+                        })
                     })
                     .collect();
                 match entries.as_slice() {

@@ -1042,9 +1042,15 @@ mod tests {
         assert_eq!(tracker.state(&p), Some(HealthState::Stale));
         let later = Instant::from_millis(120_000);
         tracker.handle_timeout(later);
-        assert!(tracker.poll_probe(later).is_none(), "no probe while suspended");
+        assert!(
+            tracker.poll_probe(later).is_none(),
+            "no probe while suspended"
+        );
         assert!(tracker.resume(later, &p));
-        assert!(tracker.poll_probe(later).is_some(), "a probe at once on resume");
+        assert!(
+            tracker.poll_probe(later).is_some(),
+            "a probe at once on resume"
+        );
     }
 
     #[test]

@@ -18,16 +18,19 @@ fn spec(id: &str, node: &str, capacity: u32) -> ProviderSpec {
 }
 
 fn dispatcher() -> Dispatcher {
-    Dispatcher::new(Instant::ZERO, DispatchConfig {
-        admission: AdmissionConfig {
-            queue_capacity: 4,
-            queue_timeout: Duration::from_millis(500),
+    Dispatcher::new(
+        Instant::ZERO,
+        DispatchConfig {
+            admission: AdmissionConfig {
+                queue_capacity: 4,
+                queue_timeout: Duration::from_millis(500),
+            },
+            providers: vec![spec("p1", "a", 1), spec("p2", "a", 2), spec("p3", "b", 1)],
+            generation_floor: 100,
+            known_nodes: None,
+            health: crate::edge::health::HealthConfig::default(),
         },
-        providers: vec![spec("p1", "a", 1), spec("p2", "a", 2), spec("p3", "b", 1)],
-        generation_floor: 100,
-        known_nodes: None,
-        health: crate::edge::health::HealthConfig::default(),
-    })
+    )
     .expect("valid config")
 }
 
