@@ -171,6 +171,7 @@ enum HubMsg {
     Snapshot {
         reply: oneshot::Sender<HubSnapshot>,
     },
+    Shutdown,
     ProbeAnswer {
         ticket: ProbeTicket,
         answer: Result<(NodeId, Generation, CapabilitiesReport), HealthFailureCode>,
@@ -299,6 +300,11 @@ impl HubHandle {
         self.ask(|reply| HubMsg::Link { node, reply }).await
     }
 
+    /// Stop the hub: every link handle it holds is dropped.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(HubMsg::Shutdown);
+    }
+
     /// A state snapshot.
     pub async fn snapshot(&self) -> Result<HubSnapshot, HubGone> {
         self.ask(|reply| HubMsg::Snapshot { reply }).await
@@ -349,8 +355,8 @@ impl Hub {
             let deadline = self.dispatcher.poll_timeout();
             tokio::select! {
                 msg = rx.recv() => match msg {
+                    Some(HubMsg::Shutdown) | None => break,
                     Some(msg) => self.handle(msg),
-                    None => break,
                 },
                 () = self.clock.sleep_until(deadline) => {
                     self.dispatcher.handle_timeout(self.clock.now());
@@ -525,6 +531,7 @@ impl Hub {
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
+            HubMsg::Shutdown => {}
             HubMsg::ProbeAnswer { ticket, answer } => {
                 let answer = match &answer {
                     Ok((node, generation, report)) => Ok((node, *generation, report)),

@@ -82,9 +82,21 @@ impl RunningEdge {
             let endpoint = endpoint.clone();
             let hub = hub.clone();
             async move {
-                while let Some(incoming) = endpoint.accept().await {
-                    tokio::spawn(node_link::serve(incoming, hub.clone(), clock, settings));
+                // Link tasks live in this set: stopping the accept task
+                // stops them too, so no connection outlives the endpoint.
+                let mut links = tokio::task::JoinSet::new();
+                loop {
+                    tokio::select! {
+                        incoming = endpoint.accept() => match incoming {
+                            Some(incoming) => {
+                                links.spawn(node_link::serve(incoming, hub.clone(), clock, settings));
+                            }
+                            None => break,
+                        },
+                        Some(_) = links.join_next(), if !links.is_empty() => {}
+                    }
                 }
+                while links.join_next().await.is_some() {}
             }
         });
         tracing::info!(event = "edge_quic_listening", addr = %quic_addr);
@@ -118,12 +130,25 @@ impl RunningEdge {
     /// Stop accepting, close every node connection with `shutdown` and wait
     /// briefly for the closes to go out.
     pub async fn shutdown(self) {
-        self.accept_task.abort();
         self.http_task.abort();
+        // Refuse new handshakes first: nodes keep dialing while we drain.
+        self.endpoint.set_server_config(None);
         self.endpoint.close(
             CloseCode::Shutdown.code().into(),
             CloseCode::Shutdown.as_str().as_bytes(),
         );
+        // Every link sees its connection close and reports it; give them a
+        // moment, then stop whatever is left.
+        let mut accept = self.accept_task;
+        if tokio::time::timeout(std::time::Duration::from_secs(2), &mut accept)
+            .await
+            .is_err()
+        {
+            accept.abort();
+            let _ = accept.await;
+        }
+        self.hub.shutdown();
+        let _ = self.http_task.await;
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
             .await;
     }

@@ -195,10 +195,20 @@ async fn generations_keep_increasing_across_an_edge_restart() {
         let node = start_node(&pki, "node-1", first.quic_addr, "");
         let g1 = ready_generation(&first, "node-1").await;
         first.shutdown().await;
-        // Same state dir and port: the node reconnects on its own.
-        let second = RunningEdge::start(edge_config(&pki, port, NODE_PROVIDERS))
-            .await
-            .expect("edge restarts");
+        // Same state dir and port: the node reconnects on its own. In one
+        // process the old socket is released by its driver task shortly
+        // after shutdown, so binding is retried briefly.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let second = loop {
+            match RunningEdge::start(edge_config(&pki, port, NODE_PROVIDERS)).await {
+                Ok(edge) => break edge,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("edge restarts: {e}"),
+            }
+        };
         let g2 = ready_generation(&second, "node-1").await;
         assert!(g2 > g1, "R-GEN-1 across restarts: {g2} > {g1}");
         node.shutdown().await.unwrap();
