@@ -65,6 +65,7 @@ impl MockArgs {
             prefill_ms: self.prefill_ms,
             tokens: self.tokens,
             stall_after: self.stall_after,
+            resume_after_ms: None,
             hang_before_headers: self.hang_before_headers,
             http_error: self.http_error,
             malformed_after: self.malformed_after,

@@ -36,6 +36,7 @@
 //! | `tps` | [`MockScript::tokens_per_second`] | tokens per second, `0` = as fast as possible |
 //! | `prefill_ms` | [`MockScript::prefill_ms`] | delay before the first token (<= 600000) |
 //! | `stall_after` | [`MockScript::stall_after`] | hang forever after N tokens |
+//! | `resume_after_ms` | [`MockScript::resume_after_ms`] | with `stall_after`: resume after this pause instead of hanging |
 //! | `hang_headers` | [`MockScript::hang_before_headers`] | `1`/`true`: never send response headers |
 //! | `error` | [`MockScript::http_error`] | answer with this HTTP status (400-599) |
 //! | `malformed_after` | [`MockScript::malformed_after`] | send one unparseable chunk after N tokens |
@@ -110,6 +111,9 @@ pub struct MockScript {
     pub tokens: u32,
     /// Stop producing after N tokens and hang forever.
     pub stall_after: Option<u32>,
+    /// With `stall_after`: pause this long, then carry on (a slow, not dead,
+    /// provider) instead of hanging forever.
+    pub resume_after_ms: Option<u64>,
     /// Never send response headers.
     pub hang_before_headers: bool,
     /// Answer with this HTTP error status.
@@ -133,6 +137,7 @@ impl std::fmt::Debug for MockScript {
             .field("prefill_ms", &self.prefill_ms)
             .field("tokens", &self.tokens)
             .field("stall_after", &self.stall_after)
+            .field("resume_after_ms", &self.resume_after_ms)
             .field("hang_before_headers", &self.hang_before_headers)
             .field("http_error", &self.http_error)
             .field("malformed_after", &self.malformed_after)
@@ -155,6 +160,7 @@ impl Default for MockScript {
             prefill_ms: 0,
             tokens: 8,
             stall_after: None,
+            resume_after_ms: None,
             hang_before_headers: false,
             http_error: None,
             malformed_after: None,
@@ -220,6 +226,9 @@ impl MockScript {
                 "tps" => script.tokens_per_second = parse(value, "tps")?,
                 "prefill_ms" => script.prefill_ms = parse(value, "prefill_ms")?,
                 "stall_after" => script.stall_after = Some(parse(value, "stall_after")?),
+                "resume_after_ms" => {
+                    script.resume_after_ms = Some(parse(value, "resume_after_ms")?);
+                }
                 "hang_headers" => script.hang_before_headers = flag(value, "hang_headers")?,
                 "error" => script.http_error = Some(parse(value, "error")?),
                 "malformed_after" => {

@@ -78,7 +78,10 @@ pub fn play(script: &MockScript, prompt: MockPrompt) -> BoxStream<'static, MockS
         let tool = prompt.tool_name;
         for i in 0..=produced {
             if script.stall_after == Some(i) {
-                futures::future::pending::<()>().await;
+                match script.resume_after_ms {
+                    Some(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+                    None => futures::future::pending::<()>().await,
+                }
             }
             if script.malformed_after == Some(i) {
                 yield MockStep::Malformed;
