@@ -246,7 +246,7 @@ impl std::fmt::Debug for ApiKey {
 impl ApiKey {
     /// May this key use `model`?
     pub fn allows(&self, model: &str) -> bool {
-        self.models.iter().any(|m| m == "*" || m == model)
+        self.models.iter().any(|m| model_matches(m, model))
     }
 }
 
@@ -516,17 +516,38 @@ impl EdgeConfig {
         self.providers.iter().map(|p| p.spec.node.clone()).collect()
     }
 
-    /// The provider pool serving `model`.
+    /// The provider pool serving `model`: an exact route, else the longest
+    /// prefix route (`model = "llama3*"`).
     pub fn route(&self, model: &str) -> Option<&[ProviderId]> {
+        if let Some((_, pool)) = self.routes.iter().find(|(m, _)| m == model) {
+            return Some(pool);
+        }
         self.routes
             .iter()
-            .find(|(m, _)| m == model)
+            .filter(|(m, _)| m.ends_with('*') && model_matches(m, model))
+            .max_by_key(|(m, _)| m.len())
             .map(|(_, pool)| pool.as_slice())
+    }
+
+    /// Model names to list (exact routes only, not prefix patterns).
+    pub fn listed_models(&self) -> impl Iterator<Item = &str> {
+        self.routes
+            .iter()
+            .map(|(m, _)| m.as_str())
+            .filter(|m| !m.ends_with('*'))
     }
 
     /// A provider by id.
     pub fn provider(&self, id: &ProviderId) -> Option<&Provider> {
         self.providers.iter().find(|p| &p.spec.id == id)
+    }
+}
+
+/// Does `pattern` (an exact name, `*`, or a `prefix*`) match `model`?
+pub fn model_matches(pattern: &str, model: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => model.starts_with(prefix),
+        None => pattern == model,
     }
 }
 
@@ -595,6 +616,21 @@ key = "edge.key"
             &[ProviderId::from("a"), ProviderId::from("b")]
         );
         assert!(c.route("m2").is_none());
+    }
+
+    #[test]
+    fn prefix_routes_match_after_exact_ones() {
+        let c = parse(
+            "[[providers]]\nid='a'\nnode='n'\nadapter='mock'\ntarget='t'\n\
+             [[providers]]\nid='b'\nnode='n'\nadapter='mock'\ntarget='u'\n\
+             [[routes]]\nmodel='llama*'\nproviders=['a']\n\
+             [[routes]]\nmodel='llama3'\nproviders=['b']\n",
+        )
+        .unwrap();
+        assert_eq!(c.route("llama3").unwrap(), &[ProviderId::from("b")]);
+        assert_eq!(c.route("llama3.1").unwrap(), &[ProviderId::from("a")]);
+        assert!(c.route("mistral").is_none());
+        assert_eq!(c.listed_models().collect::<Vec<_>>(), vec!["llama3"]);
     }
 
     #[test]

@@ -419,10 +419,9 @@ async fn list_models(State(state): State<AppState>, headers: HeaderMap) -> Respo
     };
     let names: Vec<String> = state
         .config
-        .routes
-        .iter()
-        .map(|(m, _)| m.clone())
+        .listed_models()
         .filter(|m| key.allows(m))
+        .map(str::to_owned)
         .collect();
     axum::Json(models::models_list_json(&names, unix_now())).into_response()
 }
@@ -552,10 +551,9 @@ async fn ollama_tags(State(state): State<AppState>, headers: HeaderMap) -> Respo
     };
     let names: Vec<String> = state
         .config
-        .routes
-        .iter()
-        .map(|(m, _)| m.clone())
+        .listed_models()
         .filter(|m| key.allows(m))
+        .map(str::to_owned)
         .collect();
     axum::Json(ollama::tags_json(&names)).into_response()
 }

@@ -42,7 +42,7 @@ impl Deployment {
         }
         let pool: Vec<String> = (1..=mocks.len()).map(|i| format!("\"p{i}\"")).collect();
         let edge_extra = format!(
-            "{providers}\n[[routes]]\nmodel = \"m\"\nproviders = [{pool}]\n[[routes]]\nmodel = \"mock\"\nproviders = [{pool}]\n\
+            "{providers}\n[[routes]]\nmodel = \"m\"\nproviders = [{pool}]\n[[routes]]\nmodel = \"mock\"\nproviders = [{pool}]\n[[routes]]\nmodel = \"mock:*\"\nproviders = [{pool}]\n\
              [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\nadmin = true\n{extra_edge}",
             pool = pool.join(", ")
         );
@@ -365,7 +365,10 @@ async fn full_queue_answers_429_with_retry_after() {
                     .body(chat_body("mock", true))
                     .send()
                     .await
-                    .map(|r| r.status().as_u16())
+                    .unwrap()
+                    // Keep reading: the stream holds its lease until the end.
+                    .text()
+                    .await
             }));
         }
         wait_for(&d.edge, "queue full", |s| s.queue_depth == 64).await;
