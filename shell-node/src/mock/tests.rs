@@ -401,6 +401,7 @@ fn cli_flags_build_the_default_script() {
             prefill_ms: 150,
             tokens: 4,
             stall_after: Some(2),
+            resume_after_ms: None,
             hang_before_headers: true,
             http_error: Some(502),
             malformed_after: Some(1),
