@@ -33,22 +33,38 @@ pub use world::{Bug, RunOptions, RunReport, Stats, run};
 /// Steps per seed when none is given.
 pub const DEFAULT_STEPS: u64 = 5_000;
 
-/// Run `count` seeds from `start` with `steps` steps each; return every
-/// failing run.
-pub fn swarm(start: u64, count: u64, steps: u64, bugs: &std::collections::BTreeSet<Bug>) -> Vec<RunReport> {
-    (start..start.saturating_add(count))
-        .map(|seed| {
-            run(
-                seed,
-                RunOptions {
-                    steps,
-                    bugs: bugs.clone(),
-                    ..RunOptions::default()
-                },
-            )
-        })
-        .filter(|r| r.violation.is_some())
-        .collect()
+/// What a swarm found.
+#[derive(Debug, Clone, Default)]
+pub struct SwarmReport {
+    /// Every failing run.
+    pub failures: Vec<RunReport>,
+    /// Counters summed over every run (coverage).
+    pub totals: Stats,
+}
+
+/// Run `count` seeds from `start` with `steps` steps each.
+pub fn swarm(
+    start: u64,
+    count: u64,
+    steps: u64,
+    bugs: &std::collections::BTreeSet<Bug>,
+) -> SwarmReport {
+    let mut report = SwarmReport::default();
+    for seed in start..start.saturating_add(count) {
+        let r = run(
+            seed,
+            RunOptions {
+                steps,
+                bugs: bugs.clone(),
+                ..RunOptions::default()
+            },
+        );
+        report.totals.add(&r.stats);
+        if r.violation.is_some() {
+            report.failures.push(r);
+        }
+    }
+    report
 }
 
 /// The outcome of running a seed twice.

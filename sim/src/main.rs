@@ -176,11 +176,17 @@ fn real_main() -> Result<ExitCode, String> {
         } => {
             let bugs = bugs(&bug)?;
             let started = WallInstant::now();
-            let failures = swarm(start, seeds, steps, &bugs);
+            let report = swarm(start, seeds, steps, &bugs);
+            let failures = report.failures;
+            let secs = started.elapsed().as_secs_f64();
             println!(
-                "{seeds} seeds from {start} x {steps} steps in {:.1}s: {} failed",
-                started.elapsed().as_secs_f64(),
+                "{seeds} seeds from {start} x {steps} steps in {secs:.1}s ({:.0} steps/s): {} failed",
+                report.totals.steps as f64 / secs.max(f64::EPSILON),
                 failures.len()
+            );
+            println!(
+                "coverage: {}",
+                serde_json::to_string(&report.totals).unwrap_or_default()
             );
             for r in &failures {
                 if let Some(v) = &r.violation {

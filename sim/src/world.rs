@@ -182,6 +182,46 @@ pub struct Stats {
     pub provider_calls: u64,
     /// Overlay recoveries by CAPABILITIES.
     pub recoveries: u64,
+    /// Overlay lowerings by fresh `unavailable` stall evidence.
+    pub lowerings: u64,
+    /// Leases refused by the pre-send fence (R-GEN-4).
+    pub pre_send_refenced: u64,
+    /// Leases fenced before their run was sent (re-admitted).
+    pub fenced_before_send: u64,
+    /// Failed requests by failure kind (`GateFailure::as_str`).
+    pub failures: BTreeMap<String, u64>,
+}
+
+impl Stats {
+    /// Add another run's counters.
+    pub fn add(&mut self, o: &Stats) {
+        self.steps += o.steps;
+        self.drain_steps += o.drain_steps;
+        self.virtual_us += o.virtual_us;
+        self.requests += o.requests;
+        self.finished += o.finished;
+        self.failed += o.failed;
+        self.client_left += o.client_left;
+        self.edge_lost += o.edge_lost;
+        self.readmissions += o.readmissions;
+        self.stalls += o.stalls;
+        self.fenced_outputs += o.fenced_outputs;
+        self.fences += o.fences;
+        self.heartbeat_timeouts += o.heartbeat_timeouts;
+        self.node_crashes += o.node_crashes;
+        self.edge_restarts += o.edge_restarts;
+        self.partitions += o.partitions;
+        self.conns_killed += o.conns_killed;
+        self.messages_lost += o.messages_lost;
+        self.provider_calls += o.provider_calls;
+        self.recoveries += o.recoveries;
+        self.lowerings += o.lowerings;
+        self.pre_send_refenced += o.pre_send_refenced;
+        self.fenced_before_send += o.fenced_before_send;
+        for (k, v) in &o.failures {
+            *self.failures.entry(k.clone()).or_default() += v;
+        }
+    }
 }
 
 /// The result of one run.
@@ -1260,6 +1300,7 @@ impl World {
             match edge.dispatcher.pre_send(now, lease_id) {
                 PreSend::Send(lease) => lease,
                 PreSend::Refenced => {
+                    self.stats.pre_send_refenced += 1;
                     self.checker.lease_released(lease_id, "pre-send fence");
                     if let Some(r) = edge.requests.get_mut(&rid) {
                         r.phase = ReqPhase::Admitting;
@@ -1356,6 +1397,7 @@ impl World {
                     return;
                 }
                 // Nothing was sent: ask again (as the request driver does).
+                self.stats.fenced_before_send += 1;
                 self.admit(lease.request_id);
             }
             _ => {}
@@ -1405,6 +1447,13 @@ impl World {
                     failure.as_ref(),
                 );
                 self.checker.terminal_applied(&verdict, failure.as_ref());
+                if let TerminalVerdict::Applied {
+                    evidence: Some(iop_core::edge::overlay::EvidenceOutcome::Lowered),
+                    ..
+                } = &verdict
+                {
+                    self.stats.lowerings += 1;
+                }
                 if let Some(c) = edge.conns.get_mut(&conn) {
                     c.runs.remove(&ev.run_id);
                 }
@@ -1565,10 +1614,16 @@ impl World {
             GateOutput::FailBeforeCommit { .. }
             | GateOutput::FailInStream { .. }
             | GateOutput::Finish => {
-                if out == GateOutput::Finish {
-                    self.stats.finished += 1;
-                } else {
-                    self.stats.failed += 1;
+                match out {
+                    GateOutput::FailBeforeCommit { kind } | GateOutput::FailInStream { kind } => {
+                        self.stats.failed += 1;
+                        *self
+                            .stats
+                            .failures
+                            .entry(kind.as_str().to_owned())
+                            .or_default() += 1;
+                    }
+                    _ => self.stats.finished += 1,
                 }
                 self.checker.client(key, ClientSaw::Terminal);
                 self.recorder
