@@ -90,6 +90,22 @@ struct LeaseModel {
     sent: bool,
 }
 
+/// Known issues of `iop-core` the simulator found. They are reported as
+/// findings (with their reproduction) and become violations with
+/// `--strict`.
+///
+/// * `R-SEL-1` (same input): when a node generation becomes ready,
+///   `Dispatcher::pump` brings that node's providers online one at a time
+///   and drains the queue after each, so a queued re-admission that avoids
+///   provider A can be given A while alternate B of the same node comes
+///   online a moment later in the same `ready()` call (and then serves
+///   requests queued behind it). Fix in core: bring every provider of the
+///   node online (and set its eligibility) first, then drain the queue once.
+pub const KNOWN_CORE_ISSUES: &[&str] = &["R-SEL-1 (same input)"];
+
+/// How many findings a run keeps.
+const MAX_FINDINGS: usize = 16;
+
 /// How many released lease ids and ended requests the checker remembers to
 /// recognise a second release or a late delivery (bounded model).
 const REMEMBERED: usize = 8192;
@@ -118,6 +134,9 @@ pub struct Checker {
     step: u64,
     now: Instant,
     violation: Option<Violation>,
+    strict: bool,
+    findings: Vec<Violation>,
+    selectable_at_step_start: BTreeSet<ProviderId>,
     // Edge, current incarnation: held leases and recently released ids.
     leases: BTreeMap<LeaseId, LeaseModel>,
     released: BTreeSet<LeaseId>,
@@ -143,6 +162,9 @@ impl Checker {
             step: 0,
             now: Instant::ZERO,
             violation: None,
+            strict: false,
+            findings: Vec::new(),
+            selectable_at_step_start: BTreeSet::new(),
             leases: BTreeMap::new(),
             released: BTreeSet::new(),
             last_seq: BTreeMap::new(),
@@ -167,6 +189,42 @@ impl Checker {
                 step: self.step,
                 at_us: self.now.as_micros(),
             });
+        }
+    }
+
+    /// Treat known core issues ([`KNOWN_CORE_ISSUES`]) as violations.
+    pub fn set_strict(&mut self, strict: bool) {
+        self.strict = strict;
+    }
+
+    /// Record a known core issue: a finding, or a violation in strict mode.
+    fn finding(&mut self, rule: &'static str, detail: String) {
+        if self.strict {
+            self.fail(rule, detail);
+        } else if self.findings.len() < MAX_FINDINGS {
+            self.findings.push(Violation {
+                rule,
+                detail,
+                step: self.step,
+                at_us: self.now.as_micros(),
+            });
+        }
+    }
+
+    /// Known core issues seen (not violations unless strict).
+    pub fn findings(&self) -> &[Violation] {
+        &self.findings
+    }
+
+    /// Remember which providers are selectable before the step's input.
+    pub fn step_started(&mut self, d: Option<&Dispatcher>, providers: &[ProviderId]) {
+        self.selectable_at_step_start.clear();
+        if let Some(d) = d {
+            for p in providers {
+                if d.admission().is_selectable(p) {
+                    self.selectable_at_step_start.insert(p.clone());
+                }
+            }
         }
     }
 
@@ -260,6 +318,49 @@ impl Checker {
                 "R-LEASE-1",
                 format!("lease id {} granted twice", lease.lease_id),
             );
+        }
+    }
+
+    /// R-SEL-1: the avoided provider is chosen only with the fallback flag
+    /// and only when no alternate in the pool is runtime-eligible.
+    pub fn selection(
+        &mut self,
+        d: &Dispatcher,
+        lease: &Lease,
+        avoid: Option<&ProviderId>,
+        allow_avoided: bool,
+        pool: &[ProviderId],
+    ) {
+        if avoid != Some(&lease.provider_id) {
+            return;
+        }
+        if !allow_avoided {
+            self.fail(
+                "R-SEL-1",
+                format!(
+                    "avoided provider {} chosen without the fallback flag",
+                    lease.provider_id
+                ),
+            );
+            return;
+        }
+        if let Some(alternate) = pool
+            .iter()
+            .find(|p| Some(*p) != avoid && d.admission().is_selectable(p))
+        {
+            let detail = format!(
+                "avoided provider {} chosen while {alternate} is eligible",
+                lease.provider_id
+            );
+            if self.selectable_at_step_start.contains(alternate) {
+                self.fail("R-SEL-1", detail);
+            } else {
+                // The alternate came online within the same input.
+                self.finding(
+                    "R-SEL-1",
+                    format!("{detail} (it came online in the same input)"),
+                );
+            }
         }
     }
 

@@ -38,6 +38,8 @@ pub const DEFAULT_STEPS: u64 = 5_000;
 pub struct SwarmReport {
     /// Every failing run.
     pub failures: Vec<RunReport>,
+    /// Every passing run with findings (known core issues).
+    pub with_findings: Vec<RunReport>,
     /// Counters summed over every run (coverage).
     pub totals: Stats,
 }
@@ -48,6 +50,7 @@ pub fn swarm(
     count: u64,
     steps: u64,
     bugs: &std::collections::BTreeSet<Bug>,
+    strict: bool,
 ) -> SwarmReport {
     let mut report = SwarmReport::default();
     for seed in start..start.saturating_add(count) {
@@ -56,12 +59,15 @@ pub fn swarm(
             RunOptions {
                 steps,
                 bugs: bugs.clone(),
+                strict,
                 ..RunOptions::default()
             },
         );
         report.totals.add(&r.stats);
         if r.violation.is_some() {
             report.failures.push(r);
+        } else if !r.findings.is_empty() {
+            report.with_findings.push(r);
         }
     }
     report

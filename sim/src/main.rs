@@ -43,6 +43,9 @@ enum Cmd {
         /// Plant a driver bug (to see the invariants bite).
         #[arg(long, value_name = "BUG")]
         bug: Vec<String>,
+        /// Treat known core issues as violations.
+        #[arg(long)]
+        strict: bool,
     },
     /// Run many seeds; report the failing ones.
     Swarm {
@@ -58,6 +61,9 @@ enum Cmd {
         /// Plant a driver bug.
         #[arg(long, value_name = "BUG")]
         bug: Vec<String>,
+        /// Treat known core issues as violations.
+        #[arg(long)]
+        strict: bool,
     },
     /// Run a seed twice and compare the trace hashes.
     CheckDeterminism {
@@ -105,6 +111,7 @@ fn real_main() -> Result<ExitCode, String> {
             machine,
             instance,
             bug,
+            strict,
         } => {
             let bugs = bugs(&bug)?;
             let capture = match record_trace {
@@ -129,6 +136,7 @@ fn real_main() -> Result<ExitCode, String> {
                     hash: true,
                     capture,
                     bugs: bugs.clone(),
+                    strict,
                 },
             );
             let secs = started.elapsed().as_secs_f64();
@@ -159,11 +167,22 @@ fn real_main() -> Result<ExitCode, String> {
                 "{:.0} steps/s wall",
                 s.steps as f64 / secs.max(f64::EPSILON)
             );
+            for f in &report.findings {
+                println!("finding (known core issue): {f}");
+            }
+            if !report.findings.is_empty() && report.violation.is_none() {
+                println!("reproduce as a violation: {}", report.strict_repro_command());
+            }
             match &report.violation {
                 None => Ok(ExitCode::SUCCESS),
                 Some(v) => {
                     println!("FAILED: {v}");
-                    println!("reproduce: {}{}", report.repro_command(), bug_flags(&bugs));
+                    let strict_flag = if strict { " --strict" } else { "" };
+                    println!(
+                        "reproduce: {}{}{strict_flag}",
+                        report.repro_command(),
+                        bug_flags(&bugs)
+                    );
                     Ok(ExitCode::FAILURE)
                 }
             }
@@ -173,10 +192,11 @@ fn real_main() -> Result<ExitCode, String> {
             start,
             steps,
             bug,
+            strict,
         } => {
             let bugs = bugs(&bug)?;
             let started = WallInstant::now();
-            let report = swarm(start, seeds, steps, &bugs);
+            let report = swarm(start, seeds, steps, &bugs, strict);
             let failures = report.failures;
             let secs = started.elapsed().as_secs_f64();
             println!(
@@ -188,10 +208,27 @@ fn real_main() -> Result<ExitCode, String> {
                 "coverage: {}",
                 serde_json::to_string(&report.totals).unwrap_or_default()
             );
+            let strict_flag = if strict { " --strict" } else { "" };
             for r in &failures {
                 if let Some(v) = &r.violation {
                     println!("seed {}: {v}", r.seed);
-                    println!("  reproduce: {}{}", r.repro_command(), bug_flags(&bugs));
+                    println!(
+                        "  reproduce: {}{}{strict_flag}",
+                        r.repro_command(),
+                        bug_flags(&bugs)
+                    );
+                }
+            }
+            if !report.with_findings.is_empty() {
+                println!(
+                    "{} seeds passed with findings (known core issues):",
+                    report.with_findings.len()
+                );
+                for r in report.with_findings.iter().take(10) {
+                    if let Some(f) = r.findings.first() {
+                        println!("seed {}: {f}", r.seed);
+                        println!("  reproduce as a violation: {}", r.strict_repro_command());
+                    }
                 }
             }
             Ok(if failures.is_empty() {

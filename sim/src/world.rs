@@ -137,6 +137,8 @@ pub struct RunOptions {
     pub capture: Option<Capture>,
     /// Planted driver bugs.
     pub bugs: BTreeSet<Bug>,
+    /// Treat known core issues as violations.
+    pub strict: bool,
 }
 
 /// Counters of one run.
@@ -233,6 +235,8 @@ pub struct RunReport {
     pub steps: u64,
     /// The first violation, if any.
     pub violation: Option<Violation>,
+    /// Known core issues seen (see `invariants::KNOWN_CORE_ISSUES`).
+    pub findings: Vec<Violation>,
     /// The determinism hash (hex) and lines hashed, if kept.
     pub trace_hash: Option<(String, u64)>,
     /// Counters.
@@ -243,6 +247,11 @@ impl RunReport {
     /// The one command that reproduces this run.
     pub fn repro_command(&self) -> String {
         format!("iop-sim run {} --steps {}", self.seed, self.steps)
+    }
+
+    /// The command that reproduces a finding as a violation.
+    pub fn strict_repro_command(&self) -> String {
+        format!("{} --strict", self.repro_command())
     }
 }
 
@@ -259,6 +268,7 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
         seed,
         steps,
         violation,
+        findings: world.checker.findings().to_vec(),
         trace_hash: world.recorder.digest(),
         stats: world.stats,
     }
@@ -452,6 +462,11 @@ impl World {
                     .collect(),
             })
             .collect();
+        let mut checker = Checker::new(WatchdogTiming {
+            close_grace: cfg.close_grace,
+            probe_bound: cfg.probe_bound,
+        });
+        checker.set_strict(options.strict);
         let mut world = Self {
             rng: Rng::new(cfg.seed),
             now: Instant::ZERO,
@@ -466,10 +481,7 @@ impl World {
             persisted_high_water: 0,
             nodes,
             providers,
-            checker: Checker::new(WatchdogTiming {
-                close_grace: cfg.close_grace,
-                probe_bound: cfg.probe_bound,
-            }),
+            checker,
             recorder: Recorder::new(options.hash, options.capture),
             bugs: options.bugs,
             stats: Stats::default(),
@@ -540,6 +552,10 @@ impl World {
                 return Err(self.violation().unwrap_or_else(|| unreachable_violation()));
             }
             if !self.step_once()? {
+                self.checker.fail(
+                    "liveness-drain",
+                    "nothing left to do but the world has not settled",
+                );
                 break;
             }
         }
@@ -599,6 +615,9 @@ impl World {
         let timer = self.earliest_timer();
         let event_at = self.queue.keys().next().map(|(t, _)| *t);
         let before = self.now;
+        let ids: Vec<ProviderId> = self.providers.iter().map(|p| p.id.clone()).collect();
+        self.checker
+            .step_started(self.edge.as_ref().map(|e| e.dispatcher.inner()), &ids);
         match (timer, event_at) {
             (None, None) => return Ok(false),
             (Some(t), e) if e.is_none_or(|e| t <= e) => {
@@ -1264,6 +1283,13 @@ impl World {
             self.checker.fail("R-LEASE-2", detail);
             return;
         };
+        self.checker.selection(
+            edge.dispatcher.inner(),
+            &lease,
+            r.avoid.as_ref(),
+            r.allow_avoided,
+            &r.pool,
+        );
         let (request_id, lease_id) = (lease.request_id, lease.lease_id);
         r.phase = ReqPhase::PreSend(lease);
         // The shell awaits the hub between lease and send: fences slip in.
