@@ -1976,6 +1976,15 @@ impl World {
             nc.watchdog.cancel_all(now, CancelReason::Disconnect);
         }
         self.drain_watchdog(node);
+        if let Some(nc) = nconn(&mut self.nodes, node)
+            && nc.watchdog.inner().active_runs() > 0
+        {
+            let left = nc.watchdog.inner().active_runs();
+            self.checker.fail(
+                "R-DISC-1",
+                format!("{left} runs still watched after the connection ended"),
+            );
+        }
         self.checker.node_conn_ended(conn);
         self.schedule_redial(node);
     }
