@@ -266,13 +266,16 @@ impl SimConfig {
     }
 
     /// Liveness bound B_node: after faults stop at `T_q`, every node is
-    /// connected and ready (on both sides) by `T_q + B_node`.
+    /// connected and ready (on both sides) by `T_q + B_node`, where
     ///
-    /// `B_node = edge_down_max + node_down_max + (heartbeat interval + wait)
-    /// + connect_timeout + backoff_max + partition_max + 10 × latency_max`:
-    /// the Edge comes back, a crashed node restarts, a dead connection is
-    /// noticed by the heartbeat, a dial in flight fails, the backoff wait
-    /// (capped) passes, held partition traffic drains, and a fresh
+    /// ```text
+    /// B_node = edge_down_max + node_down_max + heartbeat_interval + heartbeat_wait
+    ///        + connect_timeout + backoff_max + partition_max + 10 * latency_max
+    /// ```
+    ///
+    /// The Edge comes back, a crashed node restarts, a dead connection is
+    /// noticed by the heartbeat, a dial in flight fails, the (capped) backoff
+    /// wait passes, held partition traffic drains, and a fresh
     /// dial-register-ready handshake completes.
     pub fn node_recovery_bound(&self) -> Duration {
         self.faults.edge_down_max
@@ -286,13 +289,17 @@ impl SimConfig {
     }
 
     /// Liveness bound B_eligible: after faults stop at `T_q`, every provider
-    /// of a ready node is selectable again by `T_q + B_eligible`.
+    /// is selectable again by `T_q + B_eligible`, where
     ///
-    /// `B_eligible = max(B_node, request_budget + latency_max) + 2 ×
-    /// capabilities_interval + probe_delay_max + 4 × latency_max`: the last
-    /// stall evidence of a pre-quiet request lands at most one request budget
-    /// after `T_q`; the next two CAPABILITIES rounds (one may cross the stall
-    /// terminal on another stream) carry a strictly newer `available`.
+    /// ```text
+    /// B_eligible = max(B_node, request_budget + latency_max)
+    ///            + 2 * capabilities_interval + probe_delay_max + 4 * latency_max
+    /// ```
+    ///
+    /// The last stall evidence of a request opened before `T_q` lands at
+    /// most one request budget after `T_q`; of the next two CAPABILITIES
+    /// rounds, one may cross that stall terminal on another stream, the
+    /// other carries a strictly newer `available`.
     pub fn eligibility_bound(&self) -> Duration {
         self.node_recovery_bound()
             .max(self.request_budget + self.latency_max())

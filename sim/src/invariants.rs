@@ -594,7 +594,8 @@ impl Checker {
                 format!("provider called twice for run {run_id} on {conn:?}"),
             );
         }
-        self.node_runs.insert((conn, run_id), NodeRunModel::default());
+        self.node_runs
+            .insert((conn, run_id), NodeRunModel::default());
     }
 
     /// The watchdog claimed a stall of the run (it asked for a probe).
@@ -668,7 +669,10 @@ impl Checker {
             return;
         }
         let Some(claim) = r.claimed_at else {
-            self.fail("R-WD-2", format!("stall terminal of run {run_id} without a claim"));
+            self.fail(
+                "R-WD-2",
+                format!("stall terminal of run {run_id} without a claim"),
+            );
             return;
         };
         let latest = claim + timing.close_grace.max(timing.probe_bound);

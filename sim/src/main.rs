@@ -171,7 +171,10 @@ fn real_main() -> Result<ExitCode, String> {
                 println!("finding (known core issue): {f}");
             }
             if !report.findings.is_empty() && report.violation.is_none() {
-                println!("reproduce as a violation: {}", report.strict_repro_command());
+                println!(
+                    "reproduce as a violation: {}",
+                    report.strict_repro_command()
+                );
             }
             match &report.violation {
                 None => Ok(ExitCode::SUCCESS),
@@ -245,13 +248,15 @@ fn real_main() -> Result<ExitCode, String> {
                 println!("deterministic");
                 Ok(ExitCode::SUCCESS)
             } else {
-                println!("NOT deterministic; reproduce: iop-sim check-determinism {seed} --steps {steps}");
+                println!(
+                    "NOT deterministic; reproduce: iop-sim check-determinism {seed} --steps {steps}"
+                );
                 Ok(ExitCode::FAILURE)
             }
         }
         Cmd::Replay { trace } => {
-            let file = File::open(&trace)
-                .map_err(|e| format!("cannot open {}: {e}", trace.display()))?;
+            let file =
+                File::open(&trace).map_err(|e| format!("cannot open {}: {e}", trace.display()))?;
             let reader = TraceReader::new(BufReader::new(file)).map_err(|e| e.to_string())?;
             match replay(reader) {
                 Ok(report) => {
@@ -273,5 +278,7 @@ fn real_main() -> Result<ExitCode, String> {
 }
 
 fn bug_flags(bugs: &BTreeSet<Bug>) -> String {
-    bugs.iter().map(|b| format!(" --bug {}", b.as_str())).collect()
+    bugs.iter()
+        .map(|b| format!(" --bug {}", b.as_str()))
+        .collect()
 }

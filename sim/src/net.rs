@@ -197,7 +197,13 @@ impl Network {
     }
 
     /// Block `node`'s link for `duration` (extends a running partition).
-    pub fn partition(&mut self, node: usize, kind: PartitionKind, now: Instant, duration: Duration) {
+    pub fn partition(
+        &mut self,
+        node: usize,
+        kind: PartitionKind,
+        now: Instant,
+        duration: Duration,
+    ) {
         let until = now + duration;
         let dirs: &[Dir] = match kind {
             PartitionKind::Symmetric => &[Dir::EdgeToNode, Dir::NodeToEdge],
@@ -380,16 +386,26 @@ mod tests {
         let mut crossed = false;
         for i in 0..200u64 {
             let now = Instant::from_micros(i * 100);
-            let SendOutcome::Deliver(a) =
-                n.send(&mut rng, now, c, Dir::NodeToEdge, StreamKey::Control, &ping())
-            else {
+            let SendOutcome::Deliver(a) = n.send(
+                &mut rng,
+                now,
+                c,
+                Dir::NodeToEdge,
+                StreamKey::Control,
+                &ping(),
+            ) else {
                 panic!("no faults configured");
             };
             assert!(a >= last, "control stream reordered");
             last = a;
-            let SendOutcome::Deliver(b) =
-                n.send(&mut rng, now, c, Dir::NodeToEdge, StreamKey::Run(i), &ping())
-            else {
+            let SendOutcome::Deliver(b) = n.send(
+                &mut rng,
+                now,
+                c,
+                Dir::NodeToEdge,
+                StreamKey::Run(i),
+                &ping(),
+            ) else {
                 panic!("no faults configured");
             };
             crossed |= b < a;
@@ -401,7 +417,12 @@ mod tests {
     fn partition_holds_traffic_and_blocks_dials_and_close_frames() {
         let (mut n, mut rng) = net();
         let (c, _) = n.dial(&mut rng, Instant::ZERO, 0, Some(0)).unwrap();
-        n.partition(0, PartitionKind::NodeToEdge, Instant::ZERO, Duration::from_secs(5));
+        n.partition(
+            0,
+            PartitionKind::NodeToEdge,
+            Instant::ZERO,
+            Duration::from_secs(5),
+        );
         let SendOutcome::Deliver(at) = n.send(
             &mut rng,
             Instant::ZERO,
@@ -437,7 +458,10 @@ mod tests {
         );
         assert!(n.dial(&mut rng, Instant::ZERO, 0, Some(0)).is_none());
         n.heal(Instant::from_millis(1));
-        assert!(n.dial(&mut rng, Instant::from_millis(1), 0, Some(0)).is_some());
+        assert!(
+            n.dial(&mut rng, Instant::from_millis(1), 0, Some(0))
+                .is_some()
+        );
     }
 
     #[test]
@@ -446,9 +470,19 @@ mod tests {
         let (c, _) = n.dial(&mut rng, Instant::ZERO, 0, Some(0)).unwrap();
         n.close(c);
         assert_eq!(
-            n.send(&mut rng, Instant::ZERO, c, Dir::EdgeToNode, StreamKey::Control, &ping()),
+            n.send(
+                &mut rng,
+                Instant::ZERO,
+                c,
+                Dir::EdgeToNode,
+                StreamKey::Control,
+                &ping()
+            ),
             SendOutcome::Dead
         );
-        assert!(n.dial(&mut rng, Instant::ZERO, 0, None).is_none(), "edge down");
+        assert!(
+            n.dial(&mut rng, Instant::ZERO, 0, None).is_none(),
+            "edge down"
+        );
     }
 }

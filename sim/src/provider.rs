@@ -149,7 +149,9 @@ impl ProbeAnswer {
     pub fn outcome(self) -> Option<ProbeOutcome> {
         match self {
             ProbeAnswer::Healthy => Some(ProbeOutcome::Healthy),
-            ProbeAnswer::Unhealthy => Some(ProbeOutcome::Unhealthy(Some(HealthFailureCode::Http5xx))),
+            ProbeAnswer::Unhealthy => {
+                Some(ProbeOutcome::Unhealthy(Some(HealthFailureCode::Http5xx)))
+            }
             ProbeAnswer::Error => Some(ProbeOutcome::Failed),
             ProbeAnswer::Timeout => None,
         }

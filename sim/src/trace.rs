@@ -49,12 +49,11 @@ use std::time::Duration;
 
 use iop_core::Instant;
 use iop_core::edge::admission::{
-    Admit, AdmitRejection, AdmissionConfig, DispatchRequest, Lease, LeaseId, PreSend,
-    ProviderSpec, RequestId,
+    AdmissionConfig, Admit, AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec,
+    RequestId,
 };
 use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, IgnoredTerminal,
-    TerminalVerdict,
+    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, IgnoredTerminal, TerminalVerdict,
 };
 use iop_core::edge::gate::ConfirmedStall;
 use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
@@ -1108,7 +1107,9 @@ impl TracedDispatcher {
             self.input(now, &DispatchInput::Cancel { request_id });
         }
         let r = self.inner.cancel(now, request_id);
-        self.ret(now, || DispatchRet::Canceled(r.as_ref().map(LeaseRec::from)));
+        self.ret(now, || {
+            DispatchRet::Canceled(r.as_ref().map(LeaseRec::from))
+        });
         r
     }
 
@@ -1130,9 +1131,7 @@ impl TracedDispatcher {
                 },
             );
         }
-        let r = self
-            .inner
-            .apply_capabilities(now, node, generation, report);
+        let r = self.inner.apply_capabilities(now, node, generation, report);
         self.ret(now, || {
             DispatchRet::Capabilities(r.iter().map(CapabilityVerdictRec::from).collect())
         });
@@ -1165,14 +1164,15 @@ impl TracedDispatcher {
     /// Feed one recorded input (replay).
     pub fn apply(&mut self, now: Instant, input: DispatchInput) -> DispatchRet {
         match input {
-            DispatchInput::Register { node, request } => match self.register(now, &node, &request)
-            {
-                Ok((generation, config)) => DispatchRet::Registered { generation, config },
-                Err(e) => DispatchRet::Rejected {
-                    reason: e.reason,
-                    message: e.message,
-                },
-            },
+            DispatchInput::Register { node, request } => {
+                match self.register(now, &node, &request) {
+                    Ok((generation, config)) => DispatchRet::Registered { generation, config },
+                    Err(e) => DispatchRet::Rejected {
+                        reason: e.reason,
+                        message: e.message,
+                    },
+                }
+            }
             DispatchInput::Ready { node, generation } => {
                 DispatchRet::Accepted(self.ready(now, &node, generation))
             }
@@ -1664,9 +1664,7 @@ impl TracedWatchdog {
                 },
             );
         }
-        let r = self
-            .inner
-            .start(now, run_id, kind, stall_timeout, deadline);
+        let r = self.inner.start(now, run_id, kind, stall_timeout, deadline);
         if self.tap.is_on() {
             let ret = WatchdogRet::Started(r.as_ref().map(|_| ()).map_err(WatchdogErrorRec::from));
             self.ret(now, ret);
@@ -1675,7 +1673,12 @@ impl TracedWatchdog {
     }
 
     /// [`Watchdog::provider_event`].
-    pub fn provider_event(&mut self, now: Instant, run_id: RunId, event: ProviderEvent) -> Emission {
+    pub fn provider_event(
+        &mut self,
+        now: Instant,
+        run_id: RunId,
+        event: ProviderEvent,
+    ) -> Emission {
         if self.tap.is_on() {
             self.record(
                 now,

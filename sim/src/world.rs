@@ -42,7 +42,8 @@ use iop_core::edge::admission::{
 };
 use iop_core::edge::dispatch::{DispatchConfig, DispatchOutput, TerminalVerdict};
 use iop_core::edge::gate::{
-    AdmissionFailure, AttemptEvent, AttemptId, GateBudget, GateEnd, GateInput, GateOutput, StreamGate,
+    AdmissionFailure, AttemptEvent, AttemptId, GateBudget, GateEnd, GateInput, GateOutput,
+    StreamGate,
 };
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
@@ -62,7 +63,9 @@ use serde::Serialize;
 
 use crate::config::{PPM, Rng, SimConfig};
 use crate::invariants::{Checker, ClientSaw, Violation, WatchdogTiming};
-use crate::net::{ConnId, Dir, Envelope, NetFaults, Network, PartitionKind, Payload, SendOutcome, StreamKey};
+use crate::net::{
+    ConnId, Dir, Envelope, NetFaults, Network, PartitionKind, Payload, SendOutcome, StreamKey,
+};
 use crate::provider::{CallPlan, Ending, ProbeAnswer};
 use crate::record::{Capture, Recorder};
 use crate::trace::{
@@ -289,21 +292,68 @@ enum Side {
 
 #[derive(Debug)]
 enum Event {
-    Deliver(Envelope),
-    ConnLost { conn: ConnId, side: Side },
-    NodeDial { node: usize, process: u64 },
-    DialDone { node: usize, process: u64, conn: Option<ConnId> },
-    NodeRestart { node: usize },
+    Deliver(Box<Envelope>),
+    ConnLost {
+        conn: ConnId,
+        side: Side,
+    },
+    NodeDial {
+        node: usize,
+        process: u64,
+    },
+    DialDone {
+        node: usize,
+        process: u64,
+        conn: Option<ConnId>,
+    },
+    NodeRestart {
+        node: usize,
+    },
     EdgeStart,
-    ProviderStep { node: usize, process: u64, conn: ConnId, run_id: RunId },
-    ProviderCancel { node: usize, process: u64, conn: ConnId, run_id: RunId },
-    ProviderReturn { node: usize, process: u64, conn: ConnId, run_id: RunId },
-    ProbeDone { node: usize, process: u64, conn: ConnId, run_id: RunId, answer: ProbeAnswer },
-    CapsAnswer { node: usize, process: u64, conn: ConnId, command_id: u64 },
-    CapsTick { incarnation: u64 },
+    ProviderStep {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+    },
+    ProviderCancel {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+    },
+    ProviderReturn {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+    },
+    ProbeDone {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+        answer: ProbeAnswer,
+    },
+    CapsAnswer {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        command_id: u64,
+    },
+    CapsTick {
+        incarnation: u64,
+    },
     ClientArrival,
-    ClientLeave { incarnation: u64, request_id: RequestId },
-    PreSend { incarnation: u64, request_id: RequestId, lease_id: LeaseId },
+    ClientLeave {
+        incarnation: u64,
+        request_id: RequestId,
+    },
+    PreSend {
+        incarnation: u64,
+        request_id: RequestId,
+        lease_id: LeaseId,
+    },
     FaultTick,
     CheckNodes,
     CheckEligible,
@@ -492,7 +542,13 @@ impl World {
         world.set_net_faults();
         world.start_edge();
         for n in 0..world.nodes.len() {
-            world.schedule(Instant::ZERO, Event::NodeDial { node: n, process: 0 });
+            world.schedule(
+                Instant::ZERO,
+                Event::NodeDial {
+                    node: n,
+                    process: 0,
+                },
+            );
         }
         world.schedule(Instant::ZERO, Event::ClientArrival);
         world.schedule(Instant::ZERO + world.cfg.fault_tick, Event::FaultTick);
@@ -549,7 +605,7 @@ impl World {
                         self.checker.open_requests()
                     ),
                 );
-                return Err(self.violation().unwrap_or_else(|| unreachable_violation()));
+                return Err(self.violation().unwrap_or_else(unreachable_violation));
             }
             if !self.step_once()? {
                 self.checker.fail(
@@ -660,8 +716,7 @@ impl World {
                 .iter()
                 .map(|p| (p.id.clone(), p.node.clone()))
                 .collect();
-            self.checker
-                .check_edge(edge.dispatcher.inner(), &providers);
+            self.checker.check_edge(edge.dispatcher.inner(), &providers);
         }
         self.checker.check_deadlines();
     }
@@ -726,10 +781,14 @@ impl World {
 
     fn handle_event(&mut self, event: Event) {
         match event {
-            Event::Deliver(env) => self.deliver(env),
+            Event::Deliver(env) => self.deliver(*env),
             Event::ConnLost { conn, side } => match side {
                 Side::Edge => {
-                    if self.edge.as_ref().is_some_and(|e| e.conns.contains_key(&conn)) {
+                    if self
+                        .edge
+                        .as_ref()
+                        .is_some_and(|e| e.conns.contains_key(&conn))
+                    {
                         self.edge_conn_ended(conn, CloseCode::Normal);
                     }
                 }
@@ -814,12 +873,12 @@ impl World {
         {
             SendOutcome::Deliver(at) => self.schedule(
                 at,
-                Event::Deliver(Envelope {
+                Event::Deliver(Box::new(Envelope {
                     conn,
                     dir,
                     stream,
                     payload,
-                }),
+                })),
             ),
             SendOutcome::Lost | SendOutcome::Dead => {}
             SendOutcome::Killed => self.conn_killed(conn),
@@ -856,9 +915,9 @@ impl World {
     }
 
     fn node_with_conn(&self, conn: ConnId) -> Option<usize> {
-        self.nodes.iter().position(
-            |n| matches!(&n.link, Link::Connected(nc) if nc.conn == conn) && n.up,
-        )
+        self.nodes
+            .iter()
+            .position(|n| matches!(&n.link, Link::Connected(nc) if nc.conn == conn) && n.up)
     }
 
     // ---- Edge: process and connections ----------------------------------------
@@ -922,7 +981,9 @@ impl World {
                 );
             }
         }
-        let down = self.rng.millis(10, duration_ms(self.cfg.faults.edge_down_max));
+        let down = self
+            .rng
+            .millis(10, duration_ms(self.cfg.faults.edge_down_max));
         self.schedule(self.now + down, Event::EdgeStart);
     }
 
@@ -933,23 +994,21 @@ impl World {
         if self.net.edge_incarnation_of(conn) != Some(edge.incarnation) {
             return;
         }
-        if !edge.conns.contains_key(&conn) {
+        if let std::collections::btree_map::Entry::Vacant(slot) = edge.conns.entry(conn) {
             // Only a registration opens a connection at the Edge.
-            if !matches!(payload, Payload::NodeControl(NodeControl::Register(_))) {
-                return;
-            }
-            let Some(node) = self.net.node_of(conn) else {
+            let Some(node) = self
+                .net
+                .node_of(conn)
+                .filter(|_| matches!(payload, Payload::NodeControl(NodeControl::Register(_))))
+            else {
                 return;
             };
-            edge.conns.insert(
-                conn,
-                EdgeConn {
-                    node,
-                    generation: None,
-                    heartbeat: None,
-                    runs: BTreeMap::new(),
-                },
-            );
+            slot.insert(EdgeConn {
+                node,
+                generation: None,
+                heartbeat: None,
+                runs: BTreeMap::new(),
+            });
         }
         match payload {
             Payload::NodeControl(msg) => self.edge_control(conn, msg),
@@ -1092,7 +1151,12 @@ impl World {
 
     /// The Edge closes `conn` itself: a close frame, then the end.
     fn edge_close_conn(&mut self, conn: ConnId, code: CloseCode) {
-        self.transmit(conn, Dir::EdgeToNode, StreamKey::Close, Payload::Close(code));
+        self.transmit(
+            conn,
+            Dir::EdgeToNode,
+            StreamKey::Close,
+            Payload::Close(code),
+        );
         self.edge_conn_ended(conn, code);
     }
 
@@ -1144,8 +1208,7 @@ impl World {
                 DispatchOutput::NodeReady { .. } => {}
                 DispatchOutput::Leased(lease) => {
                     if let Some(edge) = &self.edge {
-                        self.checker
-                            .lease_granted(edge.dispatcher.inner(), &lease);
+                        self.checker.lease_granted(edge.dispatcher.inner(), &lease);
                     }
                     self.lease_granted(lease);
                 }
@@ -1182,11 +1245,14 @@ impl World {
         } else {
             let first = self.rng.index(n);
             let len = self.rng.range(1, 2) as usize;
-            (first..first + len).map(|i| provider_id(i % n)).collect::<BTreeSet<_>>().into_iter().collect()
+            (first..first + len)
+                .map(|i| provider_id(i % n))
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect()
         };
         let cancel = self.faults_on() && self.rng.chance(self.cfg.faults.client_cancel_ppm);
-        let disconnect =
-            self.faults_on() && self.rng.chance(self.cfg.faults.client_disconnect_ppm);
+        let disconnect = self.faults_on() && self.rng.chance(self.cfg.faults.client_disconnect_ppm);
         let leave_after = if cancel {
             Some(self.rng.millis(0, duration_ms(self.cfg.queue_timeout)))
         } else if disconnect {
@@ -1233,7 +1299,11 @@ impl World {
     }
 
     fn client_leave(&mut self, incarnation: u64, request_id: RequestId) {
-        if self.edge.as_ref().is_some_and(|e| e.incarnation == incarnation) {
+        if self
+            .edge
+            .as_ref()
+            .is_some_and(|e| e.incarnation == incarnation)
+        {
             self.gate_input(request_id, GateInput::ClientDisconnected);
         }
     }
@@ -1959,7 +2029,12 @@ impl World {
             return;
         };
         let conn = nc.conn;
-        self.transmit(conn, Dir::NodeToEdge, StreamKey::Close, Payload::Close(code));
+        self.transmit(
+            conn,
+            Dir::NodeToEdge,
+            StreamKey::Close,
+            Payload::Close(code),
+        );
         self.node_conn_ended(node, code);
     }
 
@@ -2037,7 +2112,10 @@ impl World {
                 return;
             }
         };
-        if let Err(_e) = nc.watchdog.start(now, run_id, RunKind::Normalized, stall, None) {
+        if let Err(_e) = nc
+            .watchdog
+            .start(now, run_id, RunKind::Normalized, stall, None)
+        {
             self.send_run_event(
                 node,
                 run_id,
@@ -2051,7 +2129,12 @@ impl World {
         }
         self.stats.provider_calls += 1;
         let plan = if faults {
-            CallPlan::faulty(&mut self.rng, &self.cfg.provider, stall, self.cfg.close_grace)
+            CallPlan::faulty(
+                &mut self.rng,
+                &self.cfg.provider,
+                stall,
+                self.cfg.close_grace,
+            )
         } else {
             CallPlan::healthy(&mut self.rng, stall, self.cfg.close_grace)
         };
@@ -2431,7 +2514,8 @@ impl World {
     fn check_nodes(&mut self) {
         self.checks_pending -= 1;
         let Some(edge) = &self.edge else {
-            self.checker.fail("liveness-nodes", "the Edge is still down");
+            self.checker
+                .fail("liveness-nodes", "the Edge is still down");
             return;
         };
         for (i, n) in self.nodes.iter().enumerate() {
@@ -2459,7 +2543,8 @@ impl World {
     fn check_eligible(&mut self) {
         self.checks_pending -= 1;
         let Some(edge) = &self.edge else {
-            self.checker.fail("liveness-eligible", "the Edge is still down");
+            self.checker
+                .fail("liveness-eligible", "the Edge is still down");
             return;
         };
         for p in &self.providers {

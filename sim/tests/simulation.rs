@@ -33,8 +33,13 @@ impl Write for SharedBuf {
 
 impl SharedBuf {
     fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap_or_else(PoisonError::into_inner).clone())
-            .expect("traces are UTF-8")
+        String::from_utf8(
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        )
+        .expect("traces are UTF-8")
     }
 }
 
@@ -66,11 +71,18 @@ fn bounded_swarm_holds_every_invariant() {
             format!(
                 "{} -> {}",
                 r.repro_command(),
-                r.violation.as_ref().map(ToString::to_string).unwrap_or_default()
+                r.violation
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
             )
         })
         .collect();
-    assert!(failures.is_empty(), "failing seeds:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "failing seeds:\n{}",
+        failures.join("\n")
+    );
     // The swarm actually exercised the faults it claims to.
     let t = &report.totals;
     assert!(t.stalls > 0 && t.readmissions > 0, "{t:?}");
@@ -141,9 +153,15 @@ fn malformed_traces_are_refused_with_a_reason() {
     let wrong = TraceReader::new(BufReader::new(
         &br#"{"format":"iop-trace","version":9,"machine":"heartbeat","config":{}}"#[..],
     ));
-    assert!(matches!(wrong, Err(TraceError::Unsupported { version: 9, .. })));
+    assert!(matches!(
+        wrong,
+        Err(TraceError::Unsupported { version: 9, .. })
+    ));
     let garbage = TraceReader::new(BufReader::new(&b"not json\n"[..]));
-    assert!(matches!(garbage, Err(TraceError::Malformed { line_no: 1, .. })));
+    assert!(matches!(
+        garbage,
+        Err(TraceError::Malformed { line_no: 1, .. })
+    ));
     let header = r#"{"format":"iop-trace","version":1,"machine":"heartbeat","config":{"interval_us":1000,"wait_us":2000,"created_at_us":0}}"#;
     let bad_line = format!("{header}\n{{\"t\":5}}\n");
     let reader = TraceReader::new(BufReader::new(bad_line.as_bytes())).expect("header");
