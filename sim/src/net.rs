@@ -464,6 +464,39 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Whatever the sends (streams, gaps, partitions), each stream of
+        /// each direction delivers in send order, and nothing arrives
+        /// before it was sent.
+        #[test]
+        fn every_stream_is_fifo_under_any_schedule(
+            seed in proptest::prelude::any::<u64>(),
+            sends in proptest::collection::vec((0u8..4, 0u8..2, 0u64..20_000, proptest::bool::weighted(0.05)), 1..200),
+        ) {
+            let (mut n, _) = net();
+            let mut rng = Rng::new(seed);
+            let (c, _) = n.dial(&mut rng, Instant::ZERO, 0, Some(0)).expect("dial");
+            let mut now = Instant::ZERO;
+            let mut last: BTreeMap<(Dir, StreamKey), Instant> = BTreeMap::new();
+            for (stream, dir, gap_us, partition) in sends {
+                now += Duration::from_micros(gap_us);
+                if partition {
+                    n.partition(0, PartitionKind::Symmetric, now, Duration::from_millis(50));
+                }
+                let stream = match stream {
+                    0 => StreamKey::Control,
+                    s => StreamKey::Run(u64::from(s)),
+                };
+                let dir = if dir == 0 { Dir::EdgeToNode } else { Dir::NodeToEdge };
+                if let SendOutcome::Deliver(at) = n.send(&mut rng, now, c, dir, stream, &ping()) {
+                    proptest::prop_assert!(at >= now);
+                    let prev = last.insert((dir, stream), at).unwrap_or(Instant::ZERO);
+                    proptest::prop_assert!(at >= prev, "stream {:?} reordered", stream);
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_closed_connection_delivers_nothing() {
         let (mut n, mut rng) = net();

@@ -12,12 +12,15 @@
 //!   fresh machine ([`DispatchConfigRec`], [`WatchdogConfigRec`],
 //!   [`HeartbeatConfigRec`]).
 //! * Every later line is one of
-//!   * `{"t":T,"in":INPUT}`: the driver fed `INPUT` at `T` microseconds
+//!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
 //!     ([`iop_core::Instant::as_micros`]);
-//!   * `{"t":T,"ret":VALUE}`: what that input call returned (every input has
+//!   * `{"ret":VALUE,"t":T}`: what that input call returned (every input has
 //!     exactly one `ret` line, right after it);
-//!   * `{"t":T,"out":OUTPUT}`: the driver drained `OUTPUT` with
+//!   * `{"out":OUTPUT,"t":T}`: the driver drained `OUTPUT` with
 //!     `poll_output()` at `T`.
+//!
+//!   Key order is not significant (the writer sorts keys); blank lines are
+//!   ignored; a line may be at most [`MAX_TRACE_LINE_BYTES`] long.
 //!
 //! Outputs are recorded *when the driver drains them*, not when the machine
 //! queues them, so a replay drains at exactly the same points and the two
@@ -1695,6 +1698,26 @@ impl TracedWatchdog {
         r
     }
 
+    /// [`Watchdog::progress`], recorded as a `provider_event`.
+    pub fn progress(&mut self, now: Instant, run_id: RunId, progress: Progress) -> Emission {
+        self.provider_event(now, run_id, ProviderEvent::Progress(progress))
+    }
+
+    /// [`Watchdog::neutral`], recorded as a `provider_event`.
+    pub fn neutral(&mut self, now: Instant, run_id: RunId) -> Emission {
+        self.provider_event(now, run_id, ProviderEvent::Neutral)
+    }
+
+    /// [`Watchdog::provider_returned`], recorded as a `provider_event`.
+    pub fn provider_returned(
+        &mut self,
+        now: Instant,
+        run_id: RunId,
+        outcome: ProviderOutcome,
+    ) -> Emission {
+        self.provider_event(now, run_id, ProviderEvent::Returned(outcome))
+    }
+
     /// [`Watchdog::probe_result`].
     pub fn probe_result(&mut self, now: Instant, run_id: RunId, outcome: ProbeOutcome) {
         if self.tap.is_on() {
@@ -1944,6 +1967,21 @@ impl TracedHeartbeat {
         HeartbeatRet::Done
     }
 
+    /// [`Heartbeat::handle_ping`].
+    pub fn handle_ping(&mut self, now: Instant, seq: u64) {
+        let _ = self.apply(now, HeartbeatInput::Ping { seq });
+    }
+
+    /// [`Heartbeat::handle_pong`].
+    pub fn handle_pong(&mut self, now: Instant, seq: u64) {
+        let _ = self.apply(now, HeartbeatInput::Pong { seq });
+    }
+
+    /// [`Heartbeat::handle_timeout`].
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let _ = self.apply(now, HeartbeatInput::HandleTimeout);
+    }
+
     /// [`Heartbeat::poll_timeout`] (not recorded).
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.inner.poll_timeout()
@@ -2130,4 +2168,70 @@ fn diverged(
         expected: expected.to_string(),
         actual: actual.map_or_else(|| "nothing".to_owned(), ToString::to_string),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send<T: Send>() {}
+
+    /// The shells own these in tokio tasks.
+    #[test]
+    fn traced_machines_and_writers_are_send() {
+        assert_send::<TracedDispatcher>();
+        assert_send::<TracedWatchdog>();
+        assert_send::<TracedHeartbeat>();
+        assert_send::<TraceWriter<std::io::BufWriter<std::fs::File>>>();
+    }
+
+    #[test]
+    fn a_heartbeat_trace_round_trips_through_writer_reader_and_replay() {
+        let config = HeartbeatConfigRec::new(
+            &HeartbeatConfig {
+                interval: Duration::from_millis(100),
+                wait: Duration::from_millis(150),
+            },
+            Instant::ZERO,
+        );
+        let buf = SharedBuf::default();
+        {
+            let writer = TraceWriter::new(buf.clone(), MachineKind::Heartbeat, &config);
+            let mut hb = TracedHeartbeat::new(config, Tap::to(writer));
+            let at = Instant::from_millis;
+            hb.handle_timeout(at(100));
+            while hb.poll_output(at(100)).is_some() {}
+            hb.handle_pong(at(120), 1);
+            hb.handle_ping(at(130), 7);
+            while hb.poll_output(at(130)).is_some() {}
+            hb.handle_timeout(at(200));
+            hb.handle_timeout(at(350));
+            while hb.poll_output(at(350)).is_some() {}
+        }
+        let bytes = buf.0.lock().map(|b| b.clone()).unwrap_or_default();
+        let text = String::from_utf8(bytes).expect("utf-8");
+        assert!(text.starts_with(r#"{"format":"iop-trace","version":1,"machine":"heartbeat""#));
+        assert!(
+            text.contains(r#"{"out":{"send_pong":7},"t":270000}"#),
+            "{text}"
+        );
+        let report = replay(TraceReader::new(text.as_bytes()).expect("header")).expect("replays");
+        assert_eq!(report.inputs, 6);
+    }
+
+    /// A buffer the test reads back after the writer is gone.
+    #[derive(Clone, Default)]
+    struct SharedBuf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for SharedBuf {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            if let Ok(mut b) = self.0.lock() {
+                b.extend_from_slice(bytes);
+            }
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
 }
