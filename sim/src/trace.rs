@@ -2212,11 +2212,12 @@ mod tests {
         let text = String::from_utf8(bytes).expect("utf-8");
         assert!(text.starts_with(r#"{"format":"iop-trace","version":1,"machine":"heartbeat""#));
         assert!(
-            text.contains(r#"{"out":{"send_pong":7},"t":270000}"#),
+            text.contains(r#"{"out":{"send_pong":7},"t":130000}"#),
             "{text}"
         );
+        assert!(text.contains(r#"{"out":"timed_out","t":350000}"#), "{text}");
         let report = replay(TraceReader::new(text.as_bytes()).expect("header")).expect("replays");
-        assert_eq!(report.inputs, 6);
+        assert_eq!(report.inputs, 5);
     }
 
     /// A buffer the test reads back after the writer is gone.
