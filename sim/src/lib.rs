@@ -19,6 +19,8 @@
 //!
 //! See `docs/simulation.md` for how to run, reproduce, record and replay.
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod invariants;
 pub mod net;
