@@ -1,3 +1,284 @@
-//! iop-sim
+//! `iop-sim`: run, swarm, check determinism, replay.
+//!
+//! A failing run prints the one command that reproduces it and exits with
+//! status 1.
 
-fn main() {}
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{BufReader, BufWriter};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant as WallInstant;
+
+use clap::{Parser, Subcommand};
+use iop_sim::trace::{MachineKind, TraceReader, replay};
+use iop_sim::{Bug, Capture, DEFAULT_STEPS, RunOptions, check_determinism, run, swarm};
+
+/// The deterministic simulator of iop.
+#[derive(Debug, Parser)]
+#[command(name = "iop-sim", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run one seed and check every invariant after every step.
+    Run {
+        /// The seed.
+        seed: u64,
+        /// Steps of the fault and quiet phases (the drain comes on top).
+        #[arg(long, default_value_t = DEFAULT_STEPS)]
+        steps: u64,
+        /// Write the trace of one core machine to this file.
+        #[arg(long, value_name = "FILE")]
+        record_trace: Option<PathBuf>,
+        /// Which machine to record: edge-dispatch, node-watchdog, heartbeat.
+        #[arg(long, default_value = "edge-dispatch")]
+        machine: String,
+        /// Which instance of that machine (0 = the first one created).
+        #[arg(long, default_value_t = 0)]
+        instance: u64,
+        /// Plant a driver bug (to see the invariants bite).
+        #[arg(long, value_name = "BUG")]
+        bug: Vec<String>,
+        /// Treat known core issues as violations.
+        #[arg(long)]
+        strict: bool,
+    },
+    /// Run many seeds; report the failing ones.
+    Swarm {
+        /// How many seeds.
+        #[arg(long)]
+        seeds: u64,
+        /// The first seed.
+        #[arg(long, default_value_t = 0)]
+        start: u64,
+        /// Steps per seed.
+        #[arg(long, default_value_t = DEFAULT_STEPS)]
+        steps: u64,
+        /// Plant a driver bug.
+        #[arg(long, value_name = "BUG")]
+        bug: Vec<String>,
+        /// Treat known core issues as violations.
+        #[arg(long)]
+        strict: bool,
+    },
+    /// Run a seed twice and compare the trace hashes.
+    CheckDeterminism {
+        /// The seed.
+        seed: u64,
+        /// Steps.
+        #[arg(long, default_value_t = DEFAULT_STEPS)]
+        steps: u64,
+    },
+    /// Feed a recorded trace through a fresh machine and compare outputs.
+    Replay {
+        /// The trace file.
+        trace: PathBuf,
+    },
+}
+
+fn bugs(names: &[String]) -> Result<BTreeSet<Bug>, String> {
+    names
+        .iter()
+        .map(|n| {
+            Bug::parse(n).ok_or_else(|| {
+                let all: Vec<&str> = Bug::ALL.iter().map(|b| b.as_str()).collect();
+                format!("unknown bug {n:?}; known: {}", all.join(", "))
+            })
+        })
+        .collect()
+}
+
+fn main() -> ExitCode {
+    match real_main() {
+        Ok(code) => code,
+        Err(message) => {
+            eprintln!("iop-sim: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn real_main() -> Result<ExitCode, String> {
+    match Cli::parse().command {
+        Cmd::Run {
+            seed,
+            steps,
+            record_trace,
+            machine,
+            instance,
+            bug,
+            strict,
+        } => {
+            let bugs = bugs(&bug)?;
+            let capture = match record_trace {
+                None => None,
+                Some(path) => {
+                    let machine = MachineKind::parse(&machine)
+                        .ok_or_else(|| format!("unknown machine {machine:?}"))?;
+                    let file = File::create(&path)
+                        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+                    Some(Capture {
+                        machine,
+                        instance,
+                        writer: Box::new(BufWriter::new(file)),
+                    })
+                }
+            };
+            let started = WallInstant::now();
+            let report = run(
+                seed,
+                RunOptions {
+                    steps,
+                    hash: true,
+                    capture,
+                    bugs: bugs.clone(),
+                    strict,
+                },
+            );
+            let secs = started.elapsed().as_secs_f64();
+            let s = &report.stats;
+            println!(
+                "seed {seed}: {} steps ({} drain), {:.1}s virtual, {} requests ({} finished, {} failed, {} left, {} lost with the edge), {} stalls, {} readmissions, {} fences, {} heartbeat timeouts, {} node crashes, {} edge restarts, {} partitions, {} connections killed",
+                s.steps,
+                s.drain_steps,
+                s.virtual_us as f64 / 1e6,
+                s.requests,
+                s.finished,
+                s.failed,
+                s.client_left,
+                s.edge_lost,
+                s.stalls,
+                s.readmissions,
+                s.fences,
+                s.heartbeat_timeouts,
+                s.node_crashes,
+                s.edge_restarts,
+                s.partitions,
+                s.conns_killed,
+            );
+            if let Some((hash, lines)) = &report.trace_hash {
+                println!("trace hash {hash} over {lines} lines");
+            }
+            println!(
+                "{:.0} steps/s wall",
+                s.steps as f64 / secs.max(f64::EPSILON)
+            );
+            for f in &report.findings {
+                println!("finding (known core issue): {f}");
+            }
+            if !report.findings.is_empty() && report.violation.is_none() {
+                println!(
+                    "reproduce as a violation: {}",
+                    report.strict_repro_command()
+                );
+            }
+            match &report.violation {
+                None => Ok(ExitCode::SUCCESS),
+                Some(v) => {
+                    println!("FAILED: {v}");
+                    let strict_flag = if strict { " --strict" } else { "" };
+                    println!(
+                        "reproduce: {}{}{strict_flag}",
+                        report.repro_command(),
+                        bug_flags(&bugs)
+                    );
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+        Cmd::Swarm {
+            seeds,
+            start,
+            steps,
+            bug,
+            strict,
+        } => {
+            let bugs = bugs(&bug)?;
+            let started = WallInstant::now();
+            let report = swarm(start, seeds, steps, &bugs, strict);
+            let failures = report.failures;
+            let secs = started.elapsed().as_secs_f64();
+            println!(
+                "{seeds} seeds from {start} x {steps} steps in {secs:.1}s ({:.0} steps/s): {} failed",
+                report.totals.steps as f64 / secs.max(f64::EPSILON),
+                failures.len()
+            );
+            println!(
+                "coverage: {}",
+                serde_json::to_string(&report.totals).unwrap_or_default()
+            );
+            let strict_flag = if strict { " --strict" } else { "" };
+            for r in &failures {
+                if let Some(v) = &r.violation {
+                    println!("seed {}: {v}", r.seed);
+                    println!(
+                        "  reproduce: {}{}{strict_flag}",
+                        r.repro_command(),
+                        bug_flags(&bugs)
+                    );
+                }
+            }
+            if !report.with_findings.is_empty() {
+                println!(
+                    "{} seeds passed with findings (known core issues):",
+                    report.with_findings.len()
+                );
+                for r in report.with_findings.iter().take(10) {
+                    if let Some(f) = r.findings.first() {
+                        println!("seed {}: {f}", r.seed);
+                        println!("  reproduce as a violation: {}", r.strict_repro_command());
+                    }
+                }
+            }
+            Ok(if failures.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Cmd::CheckDeterminism { seed, steps } => {
+            let report = check_determinism(seed, steps);
+            println!("run 1: {} over {} lines", report.first.0, report.first.1);
+            println!("run 2: {} over {} lines", report.second.0, report.second.1);
+            if report.is_deterministic() {
+                println!("deterministic");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                println!(
+                    "NOT deterministic; reproduce: iop-sim check-determinism {seed} --steps {steps}"
+                );
+                Ok(ExitCode::FAILURE)
+            }
+        }
+        Cmd::Replay { trace } => {
+            let file =
+                File::open(&trace).map_err(|e| format!("cannot open {}: {e}", trace.display()))?;
+            let reader = TraceReader::new(BufReader::new(file)).map_err(|e| e.to_string())?;
+            match replay(reader) {
+                Ok(report) => {
+                    println!(
+                        "replayed {} trace: {} inputs, {} returns and outputs match",
+                        report.machine.as_str(),
+                        report.inputs,
+                        report.checked
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(e) => {
+                    println!("replay failed: {e}");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+    }
+}
+
+fn bug_flags(bugs: &BTreeSet<Bug>) -> String {
+    bugs.iter()
+        .map(|b| format!(" --bug {}", b.as_str()))
+        .collect()
+}

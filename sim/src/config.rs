@@ -1,0 +1,353 @@
+//! What one simulated world looks like, all of it derived from the seed.
+//!
+//! Swarm testing (after TigerBeetle's VOPR): every seed first decides *which*
+//! faults are enabled and *how likely* each one is, then the world is built
+//! and run with that profile. Many seeds therefore explore many different
+//! mixes (a seed with only partitions, one with only provider stalls, one
+//! with everything) instead of one average mix that hides rare interactions.
+//!
+//! Probabilities are integers in parts per million (`*_ppm`), drawn with
+//! [`Rng::chance`]; durations carry their unit last (`*_us`, `*_ms`).
+
+use std::time::Duration;
+
+use iop_core::rng::{RandomSource, SplitMix64};
+
+/// One million: the denominator of every `*_ppm` probability.
+pub const PPM: u32 = 1_000_000;
+
+/// The simulator's only source of randomness: one seeded [`SplitMix64`].
+#[derive(Debug, Clone)]
+pub struct Rng(SplitMix64);
+
+impl Rng {
+    /// A generator fixed by `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(SplitMix64::new(seed))
+    }
+
+    /// A uniform value in `lo..=hi` (`lo` if `hi < lo`).
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        if hi <= lo {
+            return lo;
+        }
+        lo + self.0.below_inclusive(hi - lo)
+    }
+
+    /// True with probability `ppm / 1_000_000`.
+    pub fn chance(&mut self, ppm: u32) -> bool {
+        ppm > 0 && self.0.below_inclusive(u64::from(PPM) - 1) < u64::from(ppm)
+    }
+
+    /// A uniform index in `0..n` (`0` if `n == 0`).
+    pub fn index(&mut self, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        usize::try_from(self.0.below_inclusive(n as u64 - 1)).unwrap_or(0)
+    }
+
+    /// A duration uniform in `lo_ms..=hi_ms` milliseconds, at microsecond
+    /// resolution.
+    pub fn millis(&mut self, lo_ms: u64, hi_ms: u64) -> Duration {
+        Duration::from_micros(self.range(lo_ms * 1000, hi_ms * 1000))
+    }
+
+    /// A probability: with `enabled_ppm` the fault is switched on and gets a
+    /// probability uniform in `lo_ppm..=hi_ppm`; otherwise zero.
+    fn swarm(&mut self, enabled_ppm: u32, lo_ppm: u32, hi_ppm: u32) -> u32 {
+        if self.chance(enabled_ppm) {
+            u32::try_from(self.range(u64::from(lo_ppm), u64::from(hi_ppm))).unwrap_or(hi_ppm)
+        } else {
+            0
+        }
+    }
+}
+
+impl RandomSource for Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0.next_u64()
+    }
+}
+
+/// Faults that act on whole connections and processes (per fault tick).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultProfile {
+    /// Per message: the connection dies (loss that kills it).
+    pub conn_kill_ppm: u32,
+    /// Per heartbeat message (ping or pong): it is lost.
+    pub heartbeat_loss_ppm: u32,
+    /// Per tick and node: a partition starts.
+    pub partition_ppm: u32,
+    /// Of partitions, the share that is one-way.
+    pub partition_one_way_ppm: u32,
+    /// Longest partition.
+    pub partition_max: Duration,
+    /// Per tick and node: the node process crashes.
+    pub node_crash_ppm: u32,
+    /// Longest time a crashed node stays down.
+    pub node_down_max: Duration,
+    /// Per tick: the Edge process restarts.
+    pub edge_restart_ppm: u32,
+    /// Longest time the Edge stays down.
+    pub edge_down_max: Duration,
+    /// Per request: the client cancels early (before or while queued).
+    pub client_cancel_ppm: u32,
+    /// Per request: the client disconnects mid-stream.
+    pub client_disconnect_ppm: u32,
+    /// Of connection ends, the share the peer is told about at once (else
+    /// it finds out through its heartbeat).
+    pub close_notice_ppm: u32,
+}
+
+/// Provider behaviours drawn per attempt while faults are on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProviderProfile {
+    /// Prefill longer than the stall timeout.
+    pub slow_prefill_ppm: u32,
+    /// Stops emitting after some tokens (a mid-stream stall).
+    pub stall_ppm: u32,
+    /// Accepts the request and never emits anything.
+    pub hang_ppm: u32,
+    /// Returns a provider error.
+    pub error_ppm: u32,
+    /// Closes the provider connection abruptly.
+    pub abrupt_ppm: u32,
+    /// After a cancel, the call returns within the close grace (else after
+    /// it, or never).
+    pub return_within_grace_ppm: u32,
+    /// Of calls that do not return within the grace, the share that never
+    /// returns.
+    pub never_return_ppm: u32,
+    /// Probe answers: healthy share.
+    pub probe_ok_ppm: u32,
+    /// Probe answers: unhealthy share (of the rest).
+    pub probe_unhealthy_ppm: u32,
+    /// Probe answers: probe error share (of the rest; the remainder times
+    /// out).
+    pub probe_error_ppm: u32,
+}
+
+/// Everything about one simulated world.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimConfig {
+    /// The seed.
+    pub seed: u64,
+    /// Number of nodes.
+    pub nodes: usize,
+    /// Providers per node.
+    pub providers_per_node: usize,
+    /// Capacity of each provider.
+    pub capacity: Vec<u32>,
+    /// Stall timeout of each provider, ms (wire value).
+    pub stall_timeout_ms: Vec<u64>,
+    /// Admission queue capacity.
+    pub queue_capacity: usize,
+    /// Admission queue timeout.
+    pub queue_timeout: Duration,
+    /// Heartbeat interval (both sides).
+    pub heartbeat_interval: Duration,
+    /// Heartbeat wait (both sides).
+    pub heartbeat_wait: Duration,
+    /// Node reconnect backoff: first ceiling.
+    pub backoff_initial: Duration,
+    /// Node reconnect backoff: cap.
+    pub backoff_max: Duration,
+    /// How long a dial waits before it fails.
+    pub connect_timeout: Duration,
+    /// Watchdog close grace.
+    pub close_grace: Duration,
+    /// Watchdog probe bound.
+    pub probe_bound: Duration,
+    /// Longest time a probe takes to answer (when it answers).
+    pub probe_delay_max: Duration,
+    /// Gate: attempts per request.
+    pub max_attempts: u32,
+    /// Gate: total time per request.
+    pub request_budget: Duration,
+    /// Mean time between client requests.
+    pub client_gap_mean: Duration,
+    /// Edge CAPABILITIES cadence.
+    pub capabilities_interval: Duration,
+    /// One-way latency per node link, minimum.
+    pub latency_min: Vec<Duration>,
+    /// Jitter added on top, maximum, per node link.
+    pub jitter_max: Vec<Duration>,
+    /// Time between fault rolls.
+    pub fault_tick: Duration,
+    /// Process and network faults.
+    pub faults: FaultProfile,
+    /// Provider behaviours.
+    pub provider: ProviderProfile,
+}
+
+impl SimConfig {
+    /// The world of `seed` (swarm testing: the fault mix is part of it).
+    pub fn from_seed(seed: u64) -> Self {
+        // A separate stream for the configuration, so the world's own
+        // stream starts the same way whatever the config drew.
+        let mut rng = Rng::new(seed ^ 0x5EED_C0F1_6000_0001);
+        let nodes = rng.range(1, 3) as usize;
+        let providers_per_node = rng.range(1, 2) as usize;
+        let total = nodes * providers_per_node;
+        let capacity = (0..total).map(|_| rng.range(1, 3) as u32).collect();
+        let stall_timeout_ms = (0..total).map(|_| rng.range(300, 1500)).collect();
+        let heartbeat_interval = rng.millis(400, 2000);
+        let heartbeat_wait = heartbeat_interval + rng.millis(200, 1500);
+        let latency_min = (0..nodes).map(|_| rng.millis(1, 30)).collect();
+        let jitter_max = (0..nodes).map(|_| rng.millis(0, 20)).collect();
+        let faults = FaultProfile {
+            conn_kill_ppm: rng.swarm(400_000, 100, 3_000),
+            heartbeat_loss_ppm: rng.swarm(400_000, 1_000, 60_000),
+            partition_ppm: rng.swarm(500_000, 2_000, 40_000),
+            partition_one_way_ppm: rng.range(0, u64::from(PPM)) as u32,
+            partition_max: rng.millis(100, 6000),
+            node_crash_ppm: rng.swarm(500_000, 2_000, 25_000),
+            node_down_max: rng.millis(50, 2000),
+            edge_restart_ppm: rng.swarm(300_000, 1_000, 8_000),
+            edge_down_max: rng.millis(50, 1500),
+            client_cancel_ppm: rng.swarm(500_000, 10_000, 300_000),
+            client_disconnect_ppm: rng.swarm(500_000, 10_000, 300_000),
+            close_notice_ppm: rng.range(0, u64::from(PPM)) as u32,
+        };
+        let provider = ProviderProfile {
+            slow_prefill_ppm: rng.swarm(500_000, 10_000, 300_000),
+            stall_ppm: rng.swarm(500_000, 10_000, 300_000),
+            hang_ppm: rng.swarm(400_000, 10_000, 200_000),
+            error_ppm: rng.swarm(400_000, 10_000, 200_000),
+            abrupt_ppm: rng.swarm(400_000, 10_000, 200_000),
+            return_within_grace_ppm: rng.range(0, u64::from(PPM)) as u32,
+            never_return_ppm: rng.range(0, 500_000) as u32,
+            probe_ok_ppm: rng.range(0, u64::from(PPM)) as u32,
+            probe_unhealthy_ppm: rng.range(0, u64::from(PPM)) as u32,
+            probe_error_ppm: rng.range(0, u64::from(PPM)) as u32,
+        };
+        Self {
+            seed,
+            nodes,
+            providers_per_node,
+            capacity,
+            stall_timeout_ms,
+            queue_capacity: rng.range(1, 8) as usize,
+            queue_timeout: rng.millis(500, 4000),
+            heartbeat_interval,
+            heartbeat_wait,
+            backoff_initial: rng.millis(50, 300),
+            backoff_max: rng.millis(500, 3000),
+            connect_timeout: rng.millis(200, 1500),
+            close_grace: rng.millis(50, 800),
+            probe_bound: rng.millis(100, 1500),
+            probe_delay_max: rng.millis(10, 2000),
+            max_attempts: rng.range(1, 3) as u32,
+            request_budget: rng.millis(2000, 10_000),
+            client_gap_mean: rng.millis(20, 400),
+            capabilities_interval: rng.millis(500, 3000),
+            latency_min,
+            jitter_max,
+            fault_tick: Duration::from_millis(200),
+            faults,
+            provider,
+        }
+    }
+
+    /// Providers in the world.
+    pub fn providers(&self) -> usize {
+        self.nodes * self.providers_per_node
+    }
+
+    /// The longest one-way latency of any link.
+    pub fn latency_max(&self) -> Duration {
+        self.latency_min
+            .iter()
+            .zip(&self.jitter_max)
+            .map(|(l, j)| *l + *j)
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Liveness bound B_node: after faults stop at `T_q`, every node is
+    /// connected and ready (on both sides) by `T_q + B_node`, where
+    ///
+    /// ```text
+    /// B_node = edge_down_max + node_down_max + heartbeat_interval + heartbeat_wait
+    ///        + connect_timeout + backoff_max + partition_max + 10 * latency_max
+    /// ```
+    ///
+    /// The Edge comes back, a crashed node restarts, a dead connection is
+    /// noticed by the heartbeat, a dial in flight fails, the (capped) backoff
+    /// wait passes, held partition traffic drains, and a fresh
+    /// dial-register-ready handshake completes.
+    pub fn node_recovery_bound(&self) -> Duration {
+        self.faults.edge_down_max
+            + self.faults.node_down_max
+            + self.heartbeat_interval
+            + self.heartbeat_wait
+            + self.connect_timeout
+            + self.backoff_max
+            + self.faults.partition_max
+            + self.latency_max() * 10
+    }
+
+    /// Liveness bound B_eligible: after faults stop at `T_q`, every provider
+    /// is selectable again by `T_q + B_eligible`, where
+    ///
+    /// ```text
+    /// B_eligible = max(B_node, request_budget + latency_max)
+    ///            + 2 * capabilities_interval + probe_delay_max + 4 * latency_max
+    /// ```
+    ///
+    /// The last stall evidence of a request opened before `T_q` lands at
+    /// most one request budget after `T_q`; of the next two CAPABILITIES
+    /// rounds, one may cross that stall terminal on another stream, the
+    /// other carries a strictly newer `available`.
+    pub fn eligibility_bound(&self) -> Duration {
+        self.node_recovery_bound()
+            .max(self.request_budget + self.latency_max())
+            + self.capabilities_interval * 2
+            + self.probe_delay_max
+            + self.latency_max() * 4
+    }
+
+    /// Liveness bound B_request: every client request ends (one terminal, a
+    /// client disconnect, or the Edge process going away) at most
+    /// `request_budget` after it was accepted, faults or not: the gate's
+    /// total budget is its deadline.
+    pub fn request_bound(&self) -> Duration {
+        self.request_budget
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_fixes_its_world() {
+        assert_eq!(SimConfig::from_seed(7), SimConfig::from_seed(7));
+        assert_ne!(SimConfig::from_seed(7), SimConfig::from_seed(8));
+    }
+
+    #[test]
+    fn swarm_enables_different_fault_mixes() {
+        let mixes: std::collections::BTreeSet<(bool, bool, bool)> = (0..64)
+            .map(SimConfig::from_seed)
+            .map(|c| {
+                (
+                    c.faults.partition_ppm > 0,
+                    c.faults.node_crash_ppm > 0,
+                    c.provider.stall_ppm > 0,
+                )
+            })
+            .collect();
+        assert!(mixes.len() >= 6, "{mixes:?}");
+    }
+
+    #[test]
+    fn stall_timeouts_are_valid_wire_values() {
+        for seed in 0..64 {
+            for ms in SimConfig::from_seed(seed).stall_timeout_ms {
+                assert!(iop_core::node::watchdog::effective_stall_timeout(ms).is_ok());
+            }
+        }
+    }
+}

@@ -1,0 +1,2238 @@
+//! The trace format: a versioned JSON-lines record of one core state
+//! machine's inputs and outputs, and its replay.
+//!
+//! ## Format (version 1)
+//!
+//! A trace is UTF-8 text, one JSON object per line.
+//!
+//! * Line 1, the header:
+//!   `{"format":"iop-trace","version":1,"machine":"edge-dispatch","config":{...}}`.
+//!   `machine` is one of [`MachineKind`]'s names (`edge-dispatch`,
+//!   `node-watchdog`, `heartbeat`); `config` is everything needed to build a
+//!   fresh machine ([`DispatchConfigRec`], [`WatchdogConfigRec`],
+//!   [`HeartbeatConfigRec`]).
+//! * Every later line is one of
+//!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
+//!     ([`iop_core::Instant::as_micros`]);
+//!   * `{"ret":VALUE,"t":T}`: what that input call returned (every input has
+//!     exactly one `ret` line, right after it);
+//!   * `{"out":OUTPUT,"t":T}`: the driver drained `OUTPUT` with
+//!     `poll_output()` at `T`.
+//!
+//!   Key order is not significant (the writer sorts keys); blank lines are
+//!   ignored; a line may be at most [`MAX_TRACE_LINE_BYTES`] long.
+//!
+//! Outputs are recorded *when the driver drains them*, not when the machine
+//! queues them, so a replay drains at exactly the same points and the two
+//! sequences compare line by line. `poll_timeout()` is not recorded: a timer
+//! firing appears as the `handle_timeout` input.
+//!
+//! Inputs, returns and outputs are the serializable mirrors in this module
+//! ([`DispatchInput`], [`DispatchRet`], [`DispatchOutputRec`],
+//! [`WatchdogInput`], ...), externally tagged in `snake_case`; wire types
+//! (`iop_wire`) appear as they serialize themselves.
+//!
+//! ## Recording
+//!
+//! Wrap the machine in [`TracedDispatcher`], [`TracedWatchdog`] or
+//! [`TracedHeartbeat`] with a [`Tap`] over a [`TraceWriter`]. The wrappers
+//! expose the core API unchanged (core types in, core types out) and write a
+//! line per call; with [`Tap::off`] they cost nothing.
+//!
+//! ## Replay
+//!
+//! [`replay`] reads a trace with [`TraceReader`], builds a fresh machine from
+//! the header, feeds every `in` line, and checks every `ret` and `out` line
+//! against what the fresh machine produces. The first difference is reported
+//! as a [`Divergence`] with its line number.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, Write};
+use std::time::Duration;
+
+use iop_core::Instant;
+use iop_core::edge::admission::{
+    AdmissionConfig, Admit, AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec,
+    RequestId,
+};
+use iop_core::edge::dispatch::{
+    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, IgnoredTerminal, TerminalVerdict,
+};
+use iop_core::edge::gate::ConfirmedStall;
+use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
+use iop_core::edge::registry::Rejection;
+use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
+use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
+use iop_core::node::session::ObservationSequence;
+use iop_core::node::watchdog::{
+    CancelReason, Emission, ProbeOutcome, Progress, ProviderEvent, ProviderOutcome, RunKind,
+    RunTerminal, Watchdog, WatchdogConfig, WatchdogError, WatchdogOutput,
+};
+use iop_wire::{
+    AdapterKind, CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure,
+    HealthFailureCode, ProviderHealth, RegisterRequest, RejectReason,
+};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// The `format` value of every trace header.
+pub const TRACE_FORMAT: &str = "iop-trace";
+
+/// The trace format version this crate writes and reads.
+pub const TRACE_VERSION: u32 = 1;
+
+/// The longest trace line [`TraceReader`] accepts, in bytes (bounded input).
+pub const MAX_TRACE_LINE_BYTES: usize = 1 << 20;
+
+/// Which core machine a trace records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum MachineKind {
+    /// [`iop_core::edge::dispatch::Dispatcher`].
+    #[serde(rename = "edge-dispatch")]
+    EdgeDispatch,
+    /// [`iop_core::node::watchdog::Watchdog`] (with its observation sequence).
+    #[serde(rename = "node-watchdog")]
+    NodeWatchdog,
+    /// [`iop_core::liveness::heartbeat::Heartbeat`] (either side).
+    #[serde(rename = "heartbeat")]
+    Heartbeat,
+}
+
+impl MachineKind {
+    /// Every kind.
+    pub const ALL: [MachineKind; 3] = [
+        MachineKind::EdgeDispatch,
+        MachineKind::NodeWatchdog,
+        MachineKind::Heartbeat,
+    ];
+
+    /// The stable name used in the header and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MachineKind::EdgeDispatch => "edge-dispatch",
+            MachineKind::NodeWatchdog => "node-watchdog",
+            MachineKind::Heartbeat => "heartbeat",
+        }
+    }
+
+    /// Parse a name from the command line.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+/// The first line of a trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceHeader {
+    /// Always [`TRACE_FORMAT`].
+    pub format: String,
+    /// Always [`TRACE_VERSION`] for this crate.
+    pub version: u32,
+    /// The recorded machine.
+    pub machine: MachineKind,
+    /// Its configuration (one of the `*ConfigRec` types, by `machine`).
+    pub config: serde_json::Value,
+}
+
+/// What one trace line records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineKind {
+    /// An input call.
+    In,
+    /// The value the last input call returned.
+    Ret,
+    /// An output drained with `poll_output()`.
+    Out,
+}
+
+impl LineKind {
+    fn key(self) -> &'static str {
+        match self {
+            LineKind::In => "in",
+            LineKind::Ret => "ret",
+            LineKind::Out => "out",
+        }
+    }
+}
+
+/// A trace line as read back: its kind, time and undecoded payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawLine {
+    /// 1-based line number in the file (the header is line 1).
+    pub line_no: u64,
+    /// Time of the call, microseconds.
+    pub t: u64,
+    /// Which kind of record.
+    pub kind: LineKind,
+    /// The payload.
+    pub value: serde_json::Value,
+}
+
+/// A trace could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// Reading failed.
+    #[error("reading the trace failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// The file is empty.
+    #[error("the trace is empty (no header line)")]
+    Empty,
+    /// A line is not the JSON this format expects.
+    #[error("line {line_no}: {message}")]
+    Malformed {
+        /// 1-based line number.
+        line_no: u64,
+        /// What is wrong.
+        message: String,
+    },
+    /// The header names another format or an unsupported version.
+    #[error("unsupported trace: format {format:?} version {version}")]
+    Unsupported {
+        /// The header's format.
+        format: String,
+        /// The header's version.
+        version: u32,
+    },
+}
+
+/// Writes a trace: the header at creation, then one line per call.
+///
+/// Write errors are kept (the first one) and reported by
+/// [`TraceWriter::finish`]; recording never panics the recorded process.
+pub struct TraceWriter<W: Write> {
+    out: W,
+    error: Option<std::io::Error>,
+    lines: u64,
+}
+
+impl<W: Write> std::fmt::Debug for TraceWriter<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceWriter")
+            .field("lines", &self.lines)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W: Write> TraceWriter<W> {
+    /// Start a trace of `machine` built from `config`.
+    pub fn new(out: W, machine: MachineKind, config: &impl Serialize) -> Self {
+        let mut writer = Self {
+            out,
+            error: None,
+            lines: 0,
+        };
+        let header = TraceHeader {
+            format: TRACE_FORMAT.into(),
+            version: TRACE_VERSION,
+            machine,
+            config: serde_json::to_value(config).unwrap_or(serde_json::Value::Null),
+        };
+        match serde_json::to_string(&header) {
+            Ok(line) => writer.write_line(&line),
+            Err(e) => writer.error = Some(std::io::Error::other(e)),
+        }
+        writer
+    }
+
+    fn write_line(&mut self, line: &str) {
+        if self.error.is_some() {
+            return;
+        }
+        if let Err(e) = self
+            .out
+            .write_all(line.as_bytes())
+            .and_then(|()| self.out.write_all(b"\n"))
+        {
+            self.error = Some(e);
+        }
+        self.lines += 1;
+    }
+
+    /// Lines written so far, header included.
+    pub fn lines(&self) -> u64 {
+        self.lines
+    }
+
+    /// Flush and report the first write error, if any.
+    pub fn finish(mut self) -> Result<W, std::io::Error> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+/// Where a [`Tap`] sends its lines.
+pub trait TraceSink: Send {
+    /// One complete JSON line (without the newline).
+    fn line(&mut self, line: &str);
+}
+
+impl<W: Write + Send> TraceSink for TraceWriter<W> {
+    fn line(&mut self, line: &str) {
+        self.write_line(line);
+    }
+}
+
+/// A recording point attached to one machine: serializes each call into a
+/// trace line and hands it to its sinks. [`Tap::off`] records nothing and
+/// serializes nothing.
+#[derive(Default)]
+pub struct Tap {
+    sinks: Vec<Box<dyn TraceSink>>,
+}
+
+impl std::fmt::Debug for Tap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tap")
+            .field("sinks", &self.sinks.len())
+            .finish()
+    }
+}
+
+impl Tap {
+    /// Record nothing.
+    pub fn off() -> Self {
+        Self::default()
+    }
+
+    /// Record into `sink`.
+    pub fn to(sink: impl TraceSink + 'static) -> Self {
+        Self {
+            sinks: vec![Box::new(sink)],
+        }
+    }
+
+    /// Also record into `sink`.
+    pub fn add(&mut self, sink: Box<dyn TraceSink>) {
+        self.sinks.push(sink);
+    }
+
+    /// Whether anything is recorded.
+    pub fn is_on(&self) -> bool {
+        !self.sinks.is_empty()
+    }
+
+    fn emit<T: Serialize>(&mut self, now: Instant, kind: LineKind, value: &T) {
+        if self.sinks.is_empty() {
+            return;
+        }
+        let line = match serde_json::to_value(value) {
+            Ok(value) => {
+                let mut map = serde_json::Map::new();
+                map.insert("t".into(), serde_json::Value::from(now.as_micros()));
+                map.insert(kind.key().into(), value);
+                serde_json::Value::Object(map).to_string()
+            }
+            // Every mirror type serializes; keep the trace well-formed anyway.
+            Err(e) => format!(
+                "{{\"t\":{},\"error\":{}}}",
+                now.as_micros(),
+                serde_json::Value::from(e.to_string())
+            ),
+        };
+        for sink in &mut self.sinks {
+            sink.line(&line);
+        }
+    }
+}
+
+/// Reads a trace written by [`TraceWriter`].
+#[derive(Debug)]
+pub struct TraceReader<R: BufRead> {
+    input: R,
+    header: TraceHeader,
+    line_no: u64,
+    buf: String,
+}
+
+impl<R: BufRead> TraceReader<R> {
+    /// Read and check the header.
+    pub fn new(mut input: R) -> Result<Self, TraceError> {
+        let mut buf = String::new();
+        if read_bounded_line(&mut input, &mut buf, 1)? == 0 {
+            return Err(TraceError::Empty);
+        }
+        let header: TraceHeader =
+            serde_json::from_str(buf.trim_end()).map_err(|e| TraceError::Malformed {
+                line_no: 1,
+                message: format!("bad header: {e}"),
+            })?;
+        if header.format != TRACE_FORMAT || header.version != TRACE_VERSION {
+            return Err(TraceError::Unsupported {
+                format: header.format,
+                version: header.version,
+            });
+        }
+        Ok(Self {
+            input,
+            header,
+            line_no: 1,
+            buf,
+        })
+    }
+
+    /// The header.
+    pub fn header(&self) -> &TraceHeader {
+        &self.header
+    }
+
+    /// The next line, `None` at the end. Blank lines are skipped.
+    pub fn next_line(&mut self) -> Option<Result<RawLine, TraceError>> {
+        loop {
+            self.buf.clear();
+            self.line_no += 1;
+            match read_bounded_line(&mut self.input, &mut self.buf, self.line_no) {
+                Ok(0) => return None,
+                Ok(_) => {}
+                Err(e) => return Some(Err(e)),
+            }
+            let text = self.buf.trim();
+            if text.is_empty() {
+                continue;
+            }
+            return Some(parse_line(self.line_no, text));
+        }
+    }
+}
+
+fn read_bounded_line(
+    input: &mut impl BufRead,
+    buf: &mut String,
+    line_no: u64,
+) -> Result<usize, TraceError> {
+    let mut bytes = Vec::new();
+    let n = std::io::Read::take(&mut *input, MAX_TRACE_LINE_BYTES as u64 + 1)
+        .read_until(b'\n', &mut bytes)?;
+    if bytes.len() > MAX_TRACE_LINE_BYTES {
+        return Err(TraceError::Malformed {
+            line_no,
+            message: format!("line longer than {MAX_TRACE_LINE_BYTES} bytes"),
+        });
+    }
+    let text = String::from_utf8(bytes).map_err(|_| TraceError::Malformed {
+        line_no,
+        message: "not UTF-8".into(),
+    })?;
+    buf.push_str(&text);
+    Ok(n)
+}
+
+fn parse_line(line_no: u64, text: &str) -> Result<RawLine, TraceError> {
+    let malformed = |message: String| TraceError::Malformed { line_no, message };
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| malformed(format!("not JSON: {e}")))?;
+    let serde_json::Value::Object(mut map) = value else {
+        return Err(malformed("not a JSON object".into()));
+    };
+    let t = map
+        .remove("t")
+        .and_then(|t| t.as_u64())
+        .ok_or_else(|| malformed("missing time \"t\"".into()))?;
+    let mut found = None;
+    for kind in [LineKind::In, LineKind::Ret, LineKind::Out] {
+        if let Some(v) = map.remove(kind.key()) {
+            if found.is_some() {
+                return Err(malformed("more than one of in/ret/out".into()));
+            }
+            found = Some((kind, v));
+        }
+    }
+    let (kind, value) = found.ok_or_else(|| malformed("none of in/ret/out".into()))?;
+    Ok(RawLine {
+        line_no,
+        t,
+        kind,
+        value,
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Mirrors shared by several machines.
+// ---------------------------------------------------------------------------
+
+fn us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A [`Lease`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRec {
+    /// Lease id.
+    pub lease_id: LeaseId,
+    /// Request served.
+    pub request_id: RequestId,
+    /// Provider.
+    pub provider_id: ProviderId,
+    /// Adapter.
+    pub adapter: AdapterKind,
+    /// Target.
+    pub target: String,
+    /// Node.
+    pub node: NodeId,
+    /// Generation bound to.
+    pub generation: Generation,
+    /// Run id.
+    pub run_id: RunId,
+    /// Effective stall timeout.
+    pub stall_timeout_ms: u64,
+}
+
+impl From<&Lease> for LeaseRec {
+    fn from(l: &Lease) -> Self {
+        Self {
+            lease_id: l.lease_id,
+            request_id: l.request_id,
+            provider_id: l.provider_id.clone(),
+            adapter: l.adapter,
+            target: l.target.clone(),
+            node: l.node.clone(),
+            generation: l.generation,
+            run_id: l.run_id,
+            stall_timeout_ms: l.stall_timeout_ms,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// edge-dispatch
+// ---------------------------------------------------------------------------
+
+/// A configured provider ([`ProviderSpec`]), serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProviderSpecRec {
+    /// Stable id.
+    pub id: ProviderId,
+    /// Node.
+    pub node: NodeId,
+    /// Adapter.
+    pub adapter: AdapterKind,
+    /// Target.
+    pub target: String,
+    /// Capacity.
+    pub capacity: u32,
+    /// Configured stall timeout (wire value).
+    pub stall_timeout_ms: u64,
+}
+
+impl From<&ProviderSpec> for ProviderSpecRec {
+    fn from(p: &ProviderSpec) -> Self {
+        Self {
+            id: p.id.clone(),
+            node: p.node.clone(),
+            adapter: p.adapter,
+            target: p.target.clone(),
+            capacity: p.capacity,
+            stall_timeout_ms: p.stall_timeout_ms,
+        }
+    }
+}
+
+impl From<&ProviderSpecRec> for ProviderSpec {
+    fn from(p: &ProviderSpecRec) -> Self {
+        Self {
+            id: p.id.clone(),
+            node: p.node.clone(),
+            adapter: p.adapter,
+            target: p.target.clone(),
+            capacity: p.capacity,
+            stall_timeout_ms: p.stall_timeout_ms,
+        }
+    }
+}
+
+/// [`DispatchConfig`], serializable: the `config` of an `edge-dispatch`
+/// trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DispatchConfigRec {
+    /// Queue capacity.
+    pub queue_capacity: usize,
+    /// Queue timeout, microseconds.
+    pub queue_timeout_us: u64,
+    /// Every configured provider.
+    pub providers: Vec<ProviderSpecRec>,
+    /// Generations start above this.
+    pub generation_floor: Generation,
+    /// Only these nodes may register (`None`: any).
+    pub known_nodes: Option<Vec<NodeId>>,
+}
+
+impl From<&DispatchConfig> for DispatchConfigRec {
+    fn from(c: &DispatchConfig) -> Self {
+        Self {
+            queue_capacity: c.admission.queue_capacity,
+            queue_timeout_us: us(c.admission.queue_timeout),
+            providers: c.providers.iter().map(ProviderSpecRec::from).collect(),
+            generation_floor: c.generation_floor,
+            known_nodes: c.known_nodes.as_ref().map(|k| k.iter().cloned().collect()),
+        }
+    }
+}
+
+impl From<&DispatchConfigRec> for DispatchConfig {
+    fn from(c: &DispatchConfigRec) -> Self {
+        Self {
+            admission: AdmissionConfig {
+                queue_capacity: c.queue_capacity,
+                queue_timeout: Duration::from_micros(c.queue_timeout_us),
+            },
+            providers: c.providers.iter().map(ProviderSpec::from).collect(),
+            generation_floor: c.generation_floor,
+            known_nodes: c
+                .known_nodes
+                .as_ref()
+                .map(|k| k.iter().cloned().collect::<BTreeSet<_>>()),
+        }
+    }
+}
+
+/// A [`DispatchRequest`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DispatchRequestRec {
+    /// Request id.
+    pub request_id: RequestId,
+    /// Candidate providers.
+    pub pool: Vec<ProviderId>,
+    /// Provider to avoid.
+    pub avoid_provider_id: Option<ProviderId>,
+    /// Allow the avoided provider without an alternate.
+    pub allow_avoided_fallback: bool,
+    /// Kept stall timeout.
+    pub stall_timeout_ms: Option<u64>,
+}
+
+impl From<&DispatchRequest> for DispatchRequestRec {
+    fn from(r: &DispatchRequest) -> Self {
+        Self {
+            request_id: r.request_id,
+            pool: r.pool.clone(),
+            avoid_provider_id: r.avoid_provider_id.clone(),
+            allow_avoided_fallback: r.allow_avoided_fallback,
+            stall_timeout_ms: r.stall_timeout_ms,
+        }
+    }
+}
+
+impl From<DispatchRequestRec> for DispatchRequest {
+    fn from(r: DispatchRequestRec) -> Self {
+        Self {
+            request_id: r.request_id,
+            pool: r.pool,
+            avoid_provider_id: r.avoid_provider_id,
+            allow_avoided_fallback: r.allow_avoided_fallback,
+            stall_timeout_ms: r.stall_timeout_ms,
+        }
+    }
+}
+
+/// An input of the dispatcher (one method call).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DispatchInput {
+    /// [`Dispatcher::register`].
+    Register {
+        /// Node (from its certificate).
+        node: NodeId,
+        /// Its registration.
+        request: RegisterRequest,
+    },
+    /// [`Dispatcher::ready`].
+    Ready {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+    },
+    /// [`Dispatcher::connection_closed`].
+    ConnectionClosed {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// Why.
+        reason: CloseCode,
+    },
+    /// [`Dispatcher::admit_message`].
+    AdmitMessage {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+    },
+    /// [`Dispatcher::request`].
+    Request(DispatchRequestRec),
+    /// [`Dispatcher::pre_send`].
+    PreSend {
+        /// The lease.
+        lease_id: LeaseId,
+    },
+    /// [`Dispatcher::apply_terminal`].
+    ApplyTerminal {
+        /// The lease.
+        lease_id: LeaseId,
+        /// Reception node.
+        node: NodeId,
+        /// Reception generation.
+        generation: Generation,
+        /// The failure, if the terminal is one.
+        failure: Option<ExecutionFailure>,
+    },
+    /// [`Dispatcher::cancel`].
+    Cancel {
+        /// The request.
+        request_id: RequestId,
+    },
+    /// [`Dispatcher::apply_capabilities`].
+    ApplyCapabilities {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// The answer.
+        report: CapabilitiesReport,
+    },
+    /// [`Dispatcher::handle_timeout`].
+    HandleTimeout,
+}
+
+/// Why admission refused a request ([`AdmitRejection`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmitRejectionRec {
+    /// Queue full.
+    QueueFull,
+    /// No configured provider in the pool.
+    NoRoute,
+    /// The request id is already admitted or queued.
+    DuplicateRequest,
+}
+
+impl From<AdmitRejection> for AdmitRejectionRec {
+    fn from(r: AdmitRejection) -> Self {
+        match r {
+            AdmitRejection::QueueFull => Self::QueueFull,
+            AdmitRejection::NoRoute => Self::NoRoute,
+            AdmitRejection::DuplicateRequest => Self::DuplicateRequest,
+        }
+    }
+}
+
+/// [`Admit`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmitRec {
+    /// Leased now.
+    Leased(LeaseRec),
+    /// Queued.
+    Queued,
+    /// Refused.
+    Rejected(AdmitRejectionRec),
+}
+
+impl From<&Admit> for AdmitRec {
+    fn from(a: &Admit) -> Self {
+        match a {
+            Admit::Leased(l) => Self::Leased(l.into()),
+            Admit::Queued => Self::Queued,
+            Admit::Rejected(r) => Self::Rejected((*r).into()),
+        }
+    }
+}
+
+/// [`PreSend`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PreSendRec {
+    /// Send it.
+    Send(LeaseRec),
+    /// Stale: released and re-resolved.
+    Refenced,
+    /// Not held.
+    UnknownLease,
+}
+
+impl From<&PreSend> for PreSendRec {
+    fn from(p: &PreSend) -> Self {
+        match p {
+            PreSend::Send(l) => Self::Send(l.into()),
+            PreSend::Refenced => Self::Refenced,
+            PreSend::UnknownLease => Self::UnknownLease,
+        }
+    }
+}
+
+/// [`ConfirmedStall`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfirmedStallRec {
+    /// Provider.
+    pub provider_id: ProviderId,
+    /// Validated health.
+    pub health: ProviderHealth,
+}
+
+/// [`TerminalVerdict`], serializable. Closed outcomes use their `as_str()`
+/// names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TerminalVerdictRec {
+    /// Applied.
+    Applied {
+        /// The released lease.
+        lease: LeaseRec,
+        /// The stall handoff.
+        stall: Option<ConfirmedStallRec>,
+        /// [`EvidenceOutcome::as_str`].
+        evidence: Option<String>,
+    },
+    /// Ignored, [`IgnoredTerminal::as_str`].
+    Ignored(String),
+}
+
+impl From<&TerminalVerdict> for TerminalVerdictRec {
+    fn from(v: &TerminalVerdict) -> Self {
+        match v {
+            TerminalVerdict::Applied {
+                lease,
+                stall,
+                evidence,
+            } => Self::Applied {
+                lease: lease.into(),
+                stall: stall.as_ref().map(|s: &ConfirmedStall| ConfirmedStallRec {
+                    provider_id: s.provider_id.clone(),
+                    health: s.health,
+                }),
+                evidence: evidence.map(|e: EvidenceOutcome| e.as_str().to_owned()),
+            },
+            TerminalVerdict::Ignored(i) => Self::Ignored(IgnoredTerminal::as_str(*i).to_owned()),
+        }
+    }
+}
+
+/// [`CapabilityVerdict`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapabilityVerdictRec {
+    /// Provider matched.
+    pub provider_id: ProviderId,
+    /// The probe's verdict.
+    pub health: ProviderHealth,
+    /// [`RecoveryOutcome::as_str`].
+    pub recovery: String,
+}
+
+impl From<&CapabilityVerdict> for CapabilityVerdictRec {
+    fn from(v: &CapabilityVerdict) -> Self {
+        Self {
+            provider_id: v.provider_id.clone(),
+            health: v.health,
+            recovery: RecoveryOutcome::as_str(v.recovery).to_owned(),
+        }
+    }
+}
+
+/// What a dispatcher input call returned.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DispatchRet {
+    /// `register` accepted.
+    Registered {
+        /// The new generation.
+        generation: Generation,
+        /// The config snapshot.
+        config: ConfigSnapshot,
+    },
+    /// `register` refused.
+    Rejected {
+        /// Closed reason.
+        reason: RejectReason,
+        /// Detail.
+        message: String,
+    },
+    /// `ready` / `admit_message` answer.
+    Accepted(bool),
+    /// `request` answer.
+    Admit(AdmitRec),
+    /// `pre_send` answer.
+    PreSend(PreSendRec),
+    /// `apply_terminal` answer.
+    Terminal(TerminalVerdictRec),
+    /// `cancel` answer: the released lease.
+    Canceled(Option<LeaseRec>),
+    /// `apply_capabilities` answer.
+    Capabilities(Vec<CapabilityVerdictRec>),
+    /// Methods returning nothing.
+    Done,
+}
+
+/// [`DispatchOutput`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DispatchOutputRec {
+    /// Close a connection.
+    CloseConnection {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// Why.
+        code: CloseCode,
+    },
+    /// A generation was fenced.
+    Fenced {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// Why.
+        reason: CloseCode,
+    },
+    /// A generation became dispatchable.
+    NodeReady {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+    },
+    /// A queued request got a lease.
+    Leased(LeaseRec),
+    /// A queued request expired.
+    QueueExpired {
+        /// The request.
+        request_id: RequestId,
+    },
+    /// A lease was released by its generation's fence.
+    LeaseFenced(LeaseRec),
+}
+
+impl From<&DispatchOutput> for DispatchOutputRec {
+    fn from(o: &DispatchOutput) -> Self {
+        match o {
+            DispatchOutput::CloseConnection {
+                node,
+                generation,
+                code,
+            } => Self::CloseConnection {
+                node: node.clone(),
+                generation: *generation,
+                code: *code,
+            },
+            DispatchOutput::Fenced {
+                node,
+                generation,
+                reason,
+            } => Self::Fenced {
+                node: node.clone(),
+                generation: *generation,
+                reason: *reason,
+            },
+            DispatchOutput::NodeReady { node, generation } => Self::NodeReady {
+                node: node.clone(),
+                generation: *generation,
+            },
+            DispatchOutput::Leased(l) => Self::Leased(l.into()),
+            DispatchOutput::QueueExpired { request_id } => Self::QueueExpired {
+                request_id: *request_id,
+            },
+            DispatchOutput::LeaseFenced(l) => Self::LeaseFenced(l.into()),
+        }
+    }
+}
+
+/// A [`Dispatcher`] that records every call into its [`Tap`]. The API is the
+/// core one; read access goes through [`TracedDispatcher::inner`].
+#[derive(Debug)]
+pub struct TracedDispatcher {
+    inner: Dispatcher,
+    tap: Tap,
+}
+
+impl TracedDispatcher {
+    /// A dispatcher built from `config`, recording into `tap`. The tap's
+    /// sinks must already have the header (see [`TraceWriter::new`] with
+    /// [`DispatchConfigRec`]).
+    pub fn new(config: DispatchConfig, tap: Tap) -> Self {
+        Self {
+            inner: Dispatcher::new(config),
+            tap,
+        }
+    }
+
+    /// The wrapped dispatcher (read access).
+    pub fn inner(&self) -> &Dispatcher {
+        &self.inner
+    }
+
+    fn input(&mut self, now: Instant, input: &DispatchInput) {
+        self.tap.emit(now, LineKind::In, input);
+    }
+
+    fn ret(&mut self, now: Instant, ret: impl FnOnce() -> DispatchRet) {
+        if self.tap.is_on() {
+            let ret = ret();
+            self.tap.emit(now, LineKind::Ret, &ret);
+        }
+    }
+
+    /// [`Dispatcher::register`].
+    pub fn register(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        request: &RegisterRequest,
+    ) -> Result<(Generation, ConfigSnapshot), Rejection> {
+        if self.tap.is_on() {
+            self.input(
+                now,
+                &DispatchInput::Register {
+                    node: node.clone(),
+                    request: request.clone(),
+                },
+            );
+        }
+        let r = self.inner.register(now, node, request);
+        self.ret(now, || match &r {
+            Ok((generation, config)) => DispatchRet::Registered {
+                generation: *generation,
+                config: config.clone(),
+            },
+            Err(e) => DispatchRet::Rejected {
+                reason: e.reason,
+                message: e.message.clone(),
+            },
+        });
+        r
+    }
+
+    /// [`Dispatcher::ready`].
+    pub fn ready(&mut self, now: Instant, node: &NodeId, generation: Generation) -> bool {
+        if self.tap.is_on() {
+            self.input(
+                now,
+                &DispatchInput::Ready {
+                    node: node.clone(),
+                    generation,
+                },
+            );
+        }
+        let r = self.inner.ready(now, node, generation);
+        self.ret(now, || DispatchRet::Accepted(r));
+        r
+    }
+
+    /// [`Dispatcher::connection_closed`].
+    pub fn connection_closed(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        generation: Generation,
+        reason: CloseCode,
+    ) {
+        if self.tap.is_on() {
+            self.input(
+                now,
+                &DispatchInput::ConnectionClosed {
+                    node: node.clone(),
+                    generation,
+                    reason,
+                },
+            );
+        }
+        self.inner.connection_closed(now, node, generation, reason);
+        self.ret(now, || DispatchRet::Done);
+    }
+
+    /// [`Dispatcher::admit_message`].
+    pub fn admit_message(&mut self, now: Instant, node: &NodeId, generation: Generation) -> bool {
+        if self.tap.is_on() {
+            self.input(
+                now,
+                &DispatchInput::AdmitMessage {
+                    node: node.clone(),
+                    generation,
+                },
+            );
+        }
+        let r = self.inner.admit_message(node, generation);
+        self.ret(now, || DispatchRet::Accepted(r));
+        r
+    }
+
+    /// [`Dispatcher::request`].
+    pub fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
+        if self.tap.is_on() {
+            self.input(now, &DispatchInput::Request((&request).into()));
+        }
+        let r = self.inner.request(now, request);
+        self.ret(now, || DispatchRet::Admit((&r).into()));
+        r
+    }
+
+    /// [`Dispatcher::pre_send`].
+    pub fn pre_send(&mut self, now: Instant, lease_id: LeaseId) -> PreSend {
+        if self.tap.is_on() {
+            self.input(now, &DispatchInput::PreSend { lease_id });
+        }
+        let r = self.inner.pre_send(now, lease_id);
+        self.ret(now, || DispatchRet::PreSend((&r).into()));
+        r
+    }
+
+    /// [`Dispatcher::apply_terminal`].
+    pub fn apply_terminal(
+        &mut self,
+        now: Instant,
+        lease_id: LeaseId,
+        node: &NodeId,
+        generation: Generation,
+        failure: Option<&ExecutionFailure>,
+    ) -> TerminalVerdict {
+        if self.tap.is_on() {
+            self.input(
+                now,
+                &DispatchInput::ApplyTerminal {
+                    lease_id,
+                    node: node.clone(),
+                    generation,
+                    failure: failure.cloned(),
+                },
+            );
+        }
+        let r = self
+            .inner
+            .apply_terminal(now, lease_id, node, generation, failure);
+        self.ret(now, || DispatchRet::Terminal((&r).into()));
+        r
+    }
+
+    /// [`Dispatcher::cancel`].
+    pub fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
+        if self.tap.is_on() {
+            self.input(now, &DispatchInput::Cancel { request_id });
+        }
+        let r = self.inner.cancel(now, request_id);
+        self.ret(now, || {
+            DispatchRet::Canceled(r.as_ref().map(LeaseRec::from))
+        });
+        r
+    }
+
+    /// [`Dispatcher::apply_capabilities`].
+    pub fn apply_capabilities(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        generation: Generation,
+        report: &CapabilitiesReport,
+    ) -> Vec<CapabilityVerdict> {
+        if self.tap.is_on() {
+            self.input(
+                now,
+                &DispatchInput::ApplyCapabilities {
+                    node: node.clone(),
+                    generation,
+                    report: report.clone(),
+                },
+            );
+        }
+        let r = self.inner.apply_capabilities(now, node, generation, report);
+        self.ret(now, || {
+            DispatchRet::Capabilities(r.iter().map(CapabilityVerdictRec::from).collect())
+        });
+        r
+    }
+
+    /// [`Dispatcher::handle_timeout`].
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.input(now, &DispatchInput::HandleTimeout);
+        self.inner.handle_timeout(now);
+        self.ret(now, || DispatchRet::Done);
+    }
+
+    /// [`Dispatcher::poll_timeout`] (not recorded).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.inner.poll_timeout()
+    }
+
+    /// [`Dispatcher::poll_output`], recorded at `now`.
+    #[must_use]
+    pub fn poll_output(&mut self, now: Instant) -> Option<DispatchOutput> {
+        let out = self.inner.poll_output()?;
+        if self.tap.is_on() {
+            self.tap
+                .emit(now, LineKind::Out, &DispatchOutputRec::from(&out));
+        }
+        Some(out)
+    }
+
+    /// Feed one recorded input (replay).
+    pub fn apply(&mut self, now: Instant, input: DispatchInput) -> DispatchRet {
+        match input {
+            DispatchInput::Register { node, request } => {
+                match self.register(now, &node, &request) {
+                    Ok((generation, config)) => DispatchRet::Registered { generation, config },
+                    Err(e) => DispatchRet::Rejected {
+                        reason: e.reason,
+                        message: e.message,
+                    },
+                }
+            }
+            DispatchInput::Ready { node, generation } => {
+                DispatchRet::Accepted(self.ready(now, &node, generation))
+            }
+            DispatchInput::ConnectionClosed {
+                node,
+                generation,
+                reason,
+            } => {
+                self.connection_closed(now, &node, generation, reason);
+                DispatchRet::Done
+            }
+            DispatchInput::AdmitMessage { node, generation } => {
+                DispatchRet::Accepted(self.admit_message(now, &node, generation))
+            }
+            DispatchInput::Request(r) => DispatchRet::Admit((&self.request(now, r.into())).into()),
+            DispatchInput::PreSend { lease_id } => {
+                DispatchRet::PreSend((&self.pre_send(now, lease_id)).into())
+            }
+            DispatchInput::ApplyTerminal {
+                lease_id,
+                node,
+                generation,
+                failure,
+            } => DispatchRet::Terminal(
+                (&self.apply_terminal(now, lease_id, &node, generation, failure.as_ref())).into(),
+            ),
+            DispatchInput::Cancel { request_id } => {
+                DispatchRet::Canceled(self.cancel(now, request_id).as_ref().map(LeaseRec::from))
+            }
+            DispatchInput::ApplyCapabilities {
+                node,
+                generation,
+                report,
+            } => DispatchRet::Capabilities(
+                self.apply_capabilities(now, &node, generation, &report)
+                    .iter()
+                    .map(CapabilityVerdictRec::from)
+                    .collect(),
+            ),
+            DispatchInput::HandleTimeout => {
+                self.handle_timeout(now);
+                DispatchRet::Done
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// node-watchdog
+// ---------------------------------------------------------------------------
+
+/// [`WatchdogConfig`] plus whether the watchdog has an observation sequence:
+/// the `config` of a `node-watchdog` trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchdogConfigRec {
+    /// Close grace, microseconds.
+    pub close_grace_us: u64,
+    /// Probe bound, microseconds.
+    pub probe_bound_us: u64,
+    /// Most runs watched at once.
+    pub max_active_runs: usize,
+    /// Whether the watchdog has a (fresh) connection observation sequence.
+    pub bound_sequence: bool,
+}
+
+impl WatchdogConfigRec {
+    /// Mirror a config.
+    pub fn new(config: &WatchdogConfig, bound_sequence: bool) -> Self {
+        Self {
+            close_grace_us: us(config.close_grace),
+            probe_bound_us: us(config.probe_bound),
+            max_active_runs: config.max_active_runs,
+            bound_sequence,
+        }
+    }
+
+    /// The core config.
+    pub fn config(&self) -> WatchdogConfig {
+        WatchdogConfig {
+            close_grace: Duration::from_micros(self.close_grace_us),
+            probe_bound: Duration::from_micros(self.probe_bound_us),
+            max_active_runs: self.max_active_runs,
+        }
+    }
+}
+
+/// [`RunKind`], serializable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunKindRec {
+    /// Normalized run.
+    Normalized,
+    /// Tunnel.
+    Tunnel,
+}
+
+impl From<RunKind> for RunKindRec {
+    fn from(k: RunKind) -> Self {
+        match k {
+            RunKind::Normalized => Self::Normalized,
+            RunKind::Tunnel => Self::Tunnel,
+        }
+    }
+}
+
+impl From<RunKindRec> for RunKind {
+    fn from(k: RunKindRec) -> Self {
+        match k {
+            RunKindRec::Normalized => Self::Normalized,
+            RunKindRec::Tunnel => Self::Tunnel,
+        }
+    }
+}
+
+/// [`Progress`], serializable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProgressRec {
+    /// Content.
+    Content,
+    /// Tool call.
+    ToolCall,
+    /// Tunnel head.
+    TunnelHead,
+    /// Tunnel body.
+    TunnelBody,
+    /// Usage.
+    Usage,
+}
+
+impl From<Progress> for ProgressRec {
+    fn from(p: Progress) -> Self {
+        match p {
+            Progress::Content => Self::Content,
+            Progress::ToolCall => Self::ToolCall,
+            Progress::TunnelHead => Self::TunnelHead,
+            Progress::TunnelBody => Self::TunnelBody,
+            Progress::Usage => Self::Usage,
+        }
+    }
+}
+
+impl From<ProgressRec> for Progress {
+    fn from(p: ProgressRec) -> Self {
+        match p {
+            ProgressRec::Content => Self::Content,
+            ProgressRec::ToolCall => Self::ToolCall,
+            ProgressRec::TunnelHead => Self::TunnelHead,
+            ProgressRec::TunnelBody => Self::TunnelBody,
+            ProgressRec::Usage => Self::Usage,
+        }
+    }
+}
+
+/// [`ProviderEvent`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderEventRec {
+    /// Progress.
+    Progress(ProgressRec),
+    /// Forwarded, not progress.
+    Neutral,
+    /// The call returned normally.
+    Completed,
+    /// The call failed.
+    Failed(ExecutionFailure),
+}
+
+impl From<&ProviderEvent> for ProviderEventRec {
+    fn from(e: &ProviderEvent) -> Self {
+        match e {
+            ProviderEvent::Progress(p) => Self::Progress((*p).into()),
+            ProviderEvent::Neutral => Self::Neutral,
+            ProviderEvent::Returned(ProviderOutcome::Completed) => Self::Completed,
+            ProviderEvent::Returned(ProviderOutcome::Failed(f)) => Self::Failed(f.clone()),
+        }
+    }
+}
+
+impl From<ProviderEventRec> for ProviderEvent {
+    fn from(e: ProviderEventRec) -> Self {
+        match e {
+            ProviderEventRec::Progress(p) => Self::Progress(p.into()),
+            ProviderEventRec::Neutral => Self::Neutral,
+            ProviderEventRec::Completed => Self::Returned(ProviderOutcome::Completed),
+            ProviderEventRec::Failed(f) => Self::Returned(ProviderOutcome::Failed(f)),
+        }
+    }
+}
+
+/// [`ProbeOutcome`], serializable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeOutcomeRec {
+    /// Healthy.
+    Healthy,
+    /// Unhealthy.
+    Unhealthy(Option<HealthFailureCode>),
+    /// The probe failed.
+    Failed,
+}
+
+impl From<ProbeOutcome> for ProbeOutcomeRec {
+    fn from(p: ProbeOutcome) -> Self {
+        match p {
+            ProbeOutcome::Healthy => Self::Healthy,
+            ProbeOutcome::Unhealthy(c) => Self::Unhealthy(c),
+            ProbeOutcome::Failed => Self::Failed,
+        }
+    }
+}
+
+impl From<ProbeOutcomeRec> for ProbeOutcome {
+    fn from(p: ProbeOutcomeRec) -> Self {
+        match p {
+            ProbeOutcomeRec::Healthy => Self::Healthy,
+            ProbeOutcomeRec::Unhealthy(c) => Self::Unhealthy(c),
+            ProbeOutcomeRec::Failed => Self::Failed,
+        }
+    }
+}
+
+/// [`CancelReason`], serializable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CancelReasonRec {
+    /// The Edge canceled.
+    Client,
+    /// The connection ended.
+    Disconnect,
+}
+
+impl From<CancelReason> for CancelReasonRec {
+    fn from(r: CancelReason) -> Self {
+        match r {
+            CancelReason::Client => Self::Client,
+            CancelReason::Disconnect => Self::Disconnect,
+        }
+    }
+}
+
+impl From<CancelReasonRec> for CancelReason {
+    fn from(r: CancelReasonRec) -> Self {
+        match r {
+            CancelReasonRec::Client => Self::Client,
+            CancelReasonRec::Disconnect => Self::Disconnect,
+        }
+    }
+}
+
+/// An input of the watchdog (one method call).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchdogInput {
+    /// [`Watchdog::start`].
+    Start {
+        /// Run.
+        run_id: RunId,
+        /// Normalized or tunnel.
+        kind: RunKindRec,
+        /// Effective stall timeout, microseconds.
+        stall_timeout_us: u64,
+        /// Hard deadline, microseconds since the origin.
+        deadline_us: Option<u64>,
+    },
+    /// [`Watchdog::provider_event`] (also how `progress`, `neutral` and
+    /// `provider_returned` calls are recorded).
+    ProviderEvent {
+        /// Run.
+        run_id: RunId,
+        /// The classified output.
+        event: ProviderEventRec,
+    },
+    /// [`Watchdog::probe_result`].
+    ProbeResult {
+        /// Run.
+        run_id: RunId,
+        /// Verdict.
+        outcome: ProbeOutcomeRec,
+    },
+    /// [`Watchdog::cancel`].
+    Cancel {
+        /// Run.
+        run_id: RunId,
+        /// Why.
+        reason: CancelReasonRec,
+    },
+    /// [`Watchdog::cancel_all`].
+    CancelAll {
+        /// Why.
+        reason: CancelReasonRec,
+    },
+    /// [`Watchdog::handle_timeout`].
+    HandleTimeout,
+    /// [`Watchdog::take_observation_seq`].
+    TakeObservationSeq,
+}
+
+/// [`WatchdogError`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchdogErrorRec {
+    /// Duplicate run.
+    DuplicateRun,
+    /// Finished run reused.
+    FinishedRun,
+    /// At the limit.
+    TooManyRuns,
+    /// A kind this crate does not know yet.
+    Other(String),
+}
+
+impl From<&WatchdogError> for WatchdogErrorRec {
+    fn from(e: &WatchdogError) -> Self {
+        match e {
+            WatchdogError::DuplicateRun { .. } => Self::DuplicateRun,
+            WatchdogError::FinishedRun { .. } => Self::FinishedRun,
+            WatchdogError::TooManyRuns { .. } => Self::TooManyRuns,
+            other => Self::Other(other.to_string()),
+        }
+    }
+}
+
+/// [`Emission`], serializable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EmissionRec {
+    /// Forward.
+    Forward,
+    /// Drop.
+    Fenced,
+}
+
+impl From<Emission> for EmissionRec {
+    fn from(e: Emission) -> Self {
+        match e {
+            Emission::Forward => Self::Forward,
+            Emission::Fenced => Self::Fenced,
+        }
+    }
+}
+
+/// What a watchdog input call returned.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchdogRet {
+    /// `start` answer.
+    Started(Result<(), WatchdogErrorRec>),
+    /// `provider_event` answer.
+    Emission(EmissionRec),
+    /// `take_observation_seq` answer.
+    Seq(Option<u64>),
+    /// Methods returning nothing.
+    Done,
+}
+
+/// [`RunTerminal`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunTerminalRec {
+    /// Normal end.
+    Completed,
+    /// Failure.
+    Failed(ExecutionFailure),
+}
+
+impl From<&RunTerminal> for RunTerminalRec {
+    fn from(t: &RunTerminal) -> Self {
+        match t {
+            RunTerminal::Completed => Self::Completed,
+            RunTerminal::Failed(f) => Self::Failed(f.clone()),
+        }
+    }
+}
+
+/// [`WatchdogOutput`], serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchdogOutputRec {
+    /// Cancel the provider call.
+    CancelProvider {
+        /// Run.
+        run_id: RunId,
+    },
+    /// Start the probe.
+    StartProbe {
+        /// Run.
+        run_id: RunId,
+    },
+    /// The run's terminal.
+    Terminal {
+        /// Run.
+        run_id: RunId,
+        /// What to send.
+        terminal: RunTerminalRec,
+    },
+    /// A stall observation.
+    StallObserved {
+        /// Run.
+        run_id: RunId,
+        /// Kind.
+        kind: RunKindRec,
+        /// Time since progress at the claim.
+        elapsed_ms: u64,
+        /// Evidence.
+        health: ProviderHealth,
+        /// Probe failure.
+        probe_failure: Option<HealthFailureCode>,
+        /// Retryable.
+        retryable: bool,
+    },
+}
+
+impl From<&WatchdogOutput> for WatchdogOutputRec {
+    fn from(o: &WatchdogOutput) -> Self {
+        match o {
+            WatchdogOutput::CancelProvider { run_id } => Self::CancelProvider { run_id: *run_id },
+            WatchdogOutput::StartProbe { run_id } => Self::StartProbe { run_id: *run_id },
+            WatchdogOutput::Terminal { run_id, terminal } => Self::Terminal {
+                run_id: *run_id,
+                terminal: terminal.into(),
+            },
+            WatchdogOutput::StallObserved {
+                run_id,
+                kind,
+                elapsed_ms,
+                health,
+                probe_failure,
+                retryable,
+            } => Self::StallObserved {
+                run_id: *run_id,
+                kind: (*kind).into(),
+                elapsed_ms: *elapsed_ms,
+                health: *health,
+                probe_failure: *probe_failure,
+                retryable: *retryable,
+            },
+        }
+    }
+}
+
+/// A [`Watchdog`] that records every call into its [`Tap`].
+#[derive(Debug)]
+pub struct TracedWatchdog {
+    inner: Watchdog,
+    tap: Tap,
+}
+
+impl TracedWatchdog {
+    /// A watchdog built from `config`, recording into `tap`.
+    pub fn new(config: WatchdogConfigRec, tap: Tap) -> Self {
+        let sequence = config.bound_sequence.then(ObservationSequence::new);
+        Self {
+            inner: Watchdog::new(config.config(), sequence),
+            tap,
+        }
+    }
+
+    /// The wrapped watchdog (read access).
+    pub fn inner(&self) -> &Watchdog {
+        &self.inner
+    }
+
+    fn record(&mut self, now: Instant, input: WatchdogInput) {
+        self.tap.emit(now, LineKind::In, &input);
+    }
+
+    fn ret(&mut self, now: Instant, ret: WatchdogRet) {
+        self.tap.emit(now, LineKind::Ret, &ret);
+    }
+
+    /// [`Watchdog::start`].
+    pub fn start(
+        &mut self,
+        now: Instant,
+        run_id: RunId,
+        kind: RunKind,
+        stall_timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<(), WatchdogError> {
+        if self.tap.is_on() {
+            self.record(
+                now,
+                WatchdogInput::Start {
+                    run_id,
+                    kind: kind.into(),
+                    stall_timeout_us: us(stall_timeout),
+                    deadline_us: deadline.map(Instant::as_micros),
+                },
+            );
+        }
+        let r = self.inner.start(now, run_id, kind, stall_timeout, deadline);
+        if self.tap.is_on() {
+            let ret = WatchdogRet::Started(r.as_ref().map(|_| ()).map_err(WatchdogErrorRec::from));
+            self.ret(now, ret);
+        }
+        r
+    }
+
+    /// [`Watchdog::provider_event`].
+    pub fn provider_event(
+        &mut self,
+        now: Instant,
+        run_id: RunId,
+        event: ProviderEvent,
+    ) -> Emission {
+        if self.tap.is_on() {
+            self.record(
+                now,
+                WatchdogInput::ProviderEvent {
+                    run_id,
+                    event: (&event).into(),
+                },
+            );
+        }
+        let r = self.inner.provider_event(now, run_id, event);
+        if self.tap.is_on() {
+            self.ret(now, WatchdogRet::Emission(r.into()));
+        }
+        r
+    }
+
+    /// [`Watchdog::progress`], recorded as a `provider_event`.
+    pub fn progress(&mut self, now: Instant, run_id: RunId, progress: Progress) -> Emission {
+        self.provider_event(now, run_id, ProviderEvent::Progress(progress))
+    }
+
+    /// [`Watchdog::neutral`], recorded as a `provider_event`.
+    pub fn neutral(&mut self, now: Instant, run_id: RunId) -> Emission {
+        self.provider_event(now, run_id, ProviderEvent::Neutral)
+    }
+
+    /// [`Watchdog::provider_returned`], recorded as a `provider_event`.
+    pub fn provider_returned(
+        &mut self,
+        now: Instant,
+        run_id: RunId,
+        outcome: ProviderOutcome,
+    ) -> Emission {
+        self.provider_event(now, run_id, ProviderEvent::Returned(outcome))
+    }
+
+    /// [`Watchdog::probe_result`].
+    pub fn probe_result(&mut self, now: Instant, run_id: RunId, outcome: ProbeOutcome) {
+        if self.tap.is_on() {
+            self.record(
+                now,
+                WatchdogInput::ProbeResult {
+                    run_id,
+                    outcome: outcome.into(),
+                },
+            );
+        }
+        self.inner.probe_result(now, run_id, outcome);
+        if self.tap.is_on() {
+            self.ret(now, WatchdogRet::Done);
+        }
+    }
+
+    /// [`Watchdog::cancel`].
+    pub fn cancel(&mut self, now: Instant, run_id: RunId, reason: CancelReason) {
+        if self.tap.is_on() {
+            self.record(
+                now,
+                WatchdogInput::Cancel {
+                    run_id,
+                    reason: reason.into(),
+                },
+            );
+        }
+        self.inner.cancel(now, run_id, reason);
+        if self.tap.is_on() {
+            self.ret(now, WatchdogRet::Done);
+        }
+    }
+
+    /// [`Watchdog::cancel_all`].
+    pub fn cancel_all(&mut self, now: Instant, reason: CancelReason) {
+        if self.tap.is_on() {
+            self.record(
+                now,
+                WatchdogInput::CancelAll {
+                    reason: reason.into(),
+                },
+            );
+        }
+        self.inner.cancel_all(now, reason);
+        if self.tap.is_on() {
+            self.ret(now, WatchdogRet::Done);
+        }
+    }
+
+    /// [`Watchdog::handle_timeout`].
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.tap.is_on() {
+            self.record(now, WatchdogInput::HandleTimeout);
+        }
+        self.inner.handle_timeout(now);
+        if self.tap.is_on() {
+            self.ret(now, WatchdogRet::Done);
+        }
+    }
+
+    /// [`Watchdog::take_observation_seq`].
+    pub fn take_observation_seq(&mut self, now: Instant) -> Option<u64> {
+        if self.tap.is_on() {
+            self.record(now, WatchdogInput::TakeObservationSeq);
+        }
+        let r = self.inner.take_observation_seq();
+        if self.tap.is_on() {
+            self.ret(now, WatchdogRet::Seq(r));
+        }
+        r
+    }
+
+    /// [`Watchdog::poll_timeout`] (not recorded).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.inner.poll_timeout()
+    }
+
+    /// [`Watchdog::poll_output`], recorded at `now`.
+    #[must_use]
+    pub fn poll_output(&mut self, now: Instant) -> Option<WatchdogOutput> {
+        let out = self.inner.poll_output()?;
+        if self.tap.is_on() {
+            self.tap
+                .emit(now, LineKind::Out, &WatchdogOutputRec::from(&out));
+        }
+        Some(out)
+    }
+
+    /// Feed one recorded input (replay).
+    pub fn apply(&mut self, now: Instant, input: WatchdogInput) -> WatchdogRet {
+        match input {
+            WatchdogInput::Start {
+                run_id,
+                kind,
+                stall_timeout_us,
+                deadline_us,
+            } => WatchdogRet::Started(
+                self.start(
+                    now,
+                    run_id,
+                    kind.into(),
+                    Duration::from_micros(stall_timeout_us),
+                    deadline_us.map(Instant::from_micros),
+                )
+                .as_ref()
+                .map(|_| ())
+                .map_err(WatchdogErrorRec::from),
+            ),
+            WatchdogInput::ProviderEvent { run_id, event } => {
+                WatchdogRet::Emission(self.provider_event(now, run_id, event.into()).into())
+            }
+            WatchdogInput::ProbeResult { run_id, outcome } => {
+                self.probe_result(now, run_id, outcome.into());
+                WatchdogRet::Done
+            }
+            WatchdogInput::Cancel { run_id, reason } => {
+                self.cancel(now, run_id, reason.into());
+                WatchdogRet::Done
+            }
+            WatchdogInput::CancelAll { reason } => {
+                self.cancel_all(now, reason.into());
+                WatchdogRet::Done
+            }
+            WatchdogInput::HandleTimeout => {
+                self.handle_timeout(now);
+                WatchdogRet::Done
+            }
+            WatchdogInput::TakeObservationSeq => WatchdogRet::Seq(self.take_observation_seq(now)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// heartbeat
+// ---------------------------------------------------------------------------
+
+/// [`HeartbeatConfig`] and the moment the connection was established: the
+/// `config` of a `heartbeat` trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatConfigRec {
+    /// Ping interval, microseconds.
+    pub interval_us: u64,
+    /// Pong wait, microseconds.
+    pub wait_us: u64,
+    /// [`Heartbeat::new`]'s `now`, microseconds.
+    pub created_at_us: u64,
+}
+
+impl HeartbeatConfigRec {
+    /// Mirror a config.
+    pub fn new(config: &HeartbeatConfig, created_at: Instant) -> Self {
+        Self {
+            interval_us: us(config.interval),
+            wait_us: us(config.wait),
+            created_at_us: created_at.as_micros(),
+        }
+    }
+
+    /// The core config.
+    pub fn config(&self) -> HeartbeatConfig {
+        HeartbeatConfig {
+            interval: Duration::from_micros(self.interval_us),
+            wait: Duration::from_micros(self.wait_us),
+        }
+    }
+}
+
+/// An input of the heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeartbeatInput {
+    /// [`Heartbeat::handle_ping`].
+    Ping {
+        /// Sequence.
+        seq: u64,
+    },
+    /// [`Heartbeat::handle_pong`].
+    Pong {
+        /// Sequence.
+        seq: u64,
+    },
+    /// [`Heartbeat::handle_timeout`].
+    HandleTimeout,
+}
+
+/// What a heartbeat input call returned (always nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeartbeatRet {
+    /// Nothing.
+    Done,
+}
+
+/// [`HeartbeatOutput`], serializable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeartbeatOutputRec {
+    /// Send a ping.
+    SendPing(u64),
+    /// Answer a ping.
+    SendPong(u64),
+    /// The peer is dead.
+    TimedOut,
+}
+
+impl From<HeartbeatOutput> for HeartbeatOutputRec {
+    fn from(o: HeartbeatOutput) -> Self {
+        match o {
+            HeartbeatOutput::SendPing(s) => Self::SendPing(s),
+            HeartbeatOutput::SendPong(s) => Self::SendPong(s),
+            HeartbeatOutput::TimedOut => Self::TimedOut,
+        }
+    }
+}
+
+/// A [`Heartbeat`] that records every call into its [`Tap`].
+#[derive(Debug)]
+pub struct TracedHeartbeat {
+    inner: Heartbeat,
+    tap: Tap,
+}
+
+impl TracedHeartbeat {
+    /// A heartbeat built from `config`, recording into `tap`.
+    pub fn new(config: HeartbeatConfigRec, tap: Tap) -> Self {
+        Self {
+            inner: Heartbeat::new(Instant::from_micros(config.created_at_us), config.config()),
+            tap,
+        }
+    }
+
+    /// The wrapped heartbeat (read access).
+    pub fn inner(&self) -> &Heartbeat {
+        &self.inner
+    }
+
+    /// Feed one input.
+    pub fn apply(&mut self, now: Instant, input: HeartbeatInput) -> HeartbeatRet {
+        self.tap.emit(now, LineKind::In, &input);
+        match input {
+            HeartbeatInput::Ping { seq } => self.inner.handle_ping(now, seq),
+            HeartbeatInput::Pong { seq } => self.inner.handle_pong(now, seq),
+            HeartbeatInput::HandleTimeout => self.inner.handle_timeout(now),
+        }
+        self.tap.emit(now, LineKind::Ret, &HeartbeatRet::Done);
+        HeartbeatRet::Done
+    }
+
+    /// [`Heartbeat::handle_ping`].
+    pub fn handle_ping(&mut self, now: Instant, seq: u64) {
+        let _ = self.apply(now, HeartbeatInput::Ping { seq });
+    }
+
+    /// [`Heartbeat::handle_pong`].
+    pub fn handle_pong(&mut self, now: Instant, seq: u64) {
+        let _ = self.apply(now, HeartbeatInput::Pong { seq });
+    }
+
+    /// [`Heartbeat::handle_timeout`].
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let _ = self.apply(now, HeartbeatInput::HandleTimeout);
+    }
+
+    /// [`Heartbeat::poll_timeout`] (not recorded).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.inner.poll_timeout()
+    }
+
+    /// [`Heartbeat::poll_output`], recorded at `now`.
+    #[must_use]
+    pub fn poll_output(&mut self, now: Instant) -> Option<HeartbeatOutput> {
+        let out = self.inner.poll_output()?;
+        self.tap
+            .emit(now, LineKind::Out, &HeartbeatOutputRec::from(out));
+        Some(out)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// replay
+// ---------------------------------------------------------------------------
+
+/// The first place where a replay differed from its trace.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("line {line_no}: expected {expected}, the fresh machine produced {actual}")]
+pub struct Divergence {
+    /// 1-based line number of the recorded line.
+    pub line_no: u64,
+    /// The recorded line's payload (JSON).
+    pub expected: String,
+    /// What the fresh machine produced (JSON, or `nothing`).
+    pub actual: String,
+}
+
+/// Why a replay failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The trace could not be read.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// The machine diverged from the trace.
+    #[error("diverged at {0}")]
+    Diverged(Divergence),
+}
+
+/// What a successful replay checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayReport {
+    /// The replayed machine.
+    pub machine: MachineKind,
+    /// Inputs fed.
+    pub inputs: u64,
+    /// Return values and outputs compared.
+    pub checked: u64,
+}
+
+trait Replayable {
+    type Input: DeserializeOwned;
+    fn apply_value(&mut self, now: Instant, input: Self::Input) -> serde_json::Value;
+    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value>;
+}
+
+fn to_value(v: &impl Serialize) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
+}
+
+impl Replayable for TracedDispatcher {
+    type Input = DispatchInput;
+    fn apply_value(&mut self, now: Instant, input: DispatchInput) -> serde_json::Value {
+        to_value(&self.apply(now, input))
+    }
+    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
+        self.poll_output(now)
+            .map(|o| to_value(&DispatchOutputRec::from(&o)))
+    }
+}
+
+impl Replayable for TracedWatchdog {
+    type Input = WatchdogInput;
+    fn apply_value(&mut self, now: Instant, input: WatchdogInput) -> serde_json::Value {
+        to_value(&self.apply(now, input))
+    }
+    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
+        self.poll_output(now)
+            .map(|o| to_value(&WatchdogOutputRec::from(&o)))
+    }
+}
+
+impl Replayable for TracedHeartbeat {
+    type Input = HeartbeatInput;
+    fn apply_value(&mut self, now: Instant, input: HeartbeatInput) -> serde_json::Value {
+        to_value(&self.apply(now, input))
+    }
+    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
+        self.poll_output(now)
+            .map(|o| to_value(&HeartbeatOutputRec::from(o)))
+    }
+}
+
+fn config_of<T: DeserializeOwned>(header: &TraceHeader) -> Result<T, TraceError> {
+    serde_json::from_value(header.config.clone()).map_err(|e| TraceError::Malformed {
+        line_no: 1,
+        message: format!("bad {} config: {e}", header.machine.as_str()),
+    })
+}
+
+/// Replay a trace: build a fresh machine from its header, feed every input,
+/// and compare every recorded return value and output with what the fresh
+/// machine produces. Returns the first divergence as an error.
+pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, ReplayError> {
+    let header = reader.header().clone();
+    match header.machine {
+        MachineKind::EdgeDispatch => {
+            let config: DispatchConfigRec = config_of(&header)?;
+            let machine = TracedDispatcher::new((&config).into(), Tap::off());
+            replay_with(reader, machine, header.machine)
+        }
+        MachineKind::NodeWatchdog => {
+            let config: WatchdogConfigRec = config_of(&header)?;
+            replay_with(
+                reader,
+                TracedWatchdog::new(config, Tap::off()),
+                header.machine,
+            )
+        }
+        MachineKind::Heartbeat => {
+            let config: HeartbeatConfigRec = config_of(&header)?;
+            replay_with(
+                reader,
+                TracedHeartbeat::new(config, Tap::off()),
+                header.machine,
+            )
+        }
+    }
+}
+
+fn replay_with<R: BufRead, M: Replayable>(
+    mut reader: TraceReader<R>,
+    mut machine: M,
+    kind: MachineKind,
+) -> Result<ReplayReport, ReplayError> {
+    let mut report = ReplayReport {
+        machine: kind,
+        inputs: 0,
+        checked: 0,
+    };
+    let mut pending_ret: Option<serde_json::Value> = None;
+    while let Some(line) = reader.next_line() {
+        let line = line?;
+        let now = Instant::from_micros(line.t);
+        match line.kind {
+            LineKind::In => {
+                let input: M::Input =
+                    serde_json::from_value(line.value).map_err(|e| TraceError::Malformed {
+                        line_no: line.line_no,
+                        message: format!("bad {} input: {e}", kind.as_str()),
+                    })?;
+                pending_ret = Some(machine.apply_value(now, input));
+                report.inputs += 1;
+            }
+            LineKind::Ret => {
+                let actual = pending_ret.take();
+                if actual.as_ref() != Some(&line.value) {
+                    return Err(diverged(line.line_no, &line.value, actual.as_ref()));
+                }
+                report.checked += 1;
+            }
+            LineKind::Out => {
+                let actual = machine.poll_value(now);
+                if actual.as_ref() != Some(&line.value) {
+                    return Err(diverged(line.line_no, &line.value, actual.as_ref()));
+                }
+                report.checked += 1;
+            }
+        }
+    }
+    Ok(report)
+}
+
+fn diverged(
+    line_no: u64,
+    expected: &serde_json::Value,
+    actual: Option<&serde_json::Value>,
+) -> ReplayError {
+    ReplayError::Diverged(Divergence {
+        line_no,
+        expected: expected.to_string(),
+        actual: actual.map_or_else(|| "nothing".to_owned(), ToString::to_string),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send<T: Send>() {}
+
+    /// The shells own these in tokio tasks.
+    #[test]
+    fn traced_machines_and_writers_are_send() {
+        assert_send::<TracedDispatcher>();
+        assert_send::<TracedWatchdog>();
+        assert_send::<TracedHeartbeat>();
+        assert_send::<TraceWriter<std::io::BufWriter<std::fs::File>>>();
+    }
+
+    #[test]
+    fn a_heartbeat_trace_round_trips_through_writer_reader_and_replay() {
+        let config = HeartbeatConfigRec::new(
+            &HeartbeatConfig {
+                interval: Duration::from_millis(100),
+                wait: Duration::from_millis(150),
+            },
+            Instant::ZERO,
+        );
+        let buf = SharedBuf::default();
+        {
+            let writer = TraceWriter::new(buf.clone(), MachineKind::Heartbeat, &config);
+            let mut hb = TracedHeartbeat::new(config, Tap::to(writer));
+            let at = Instant::from_millis;
+            hb.handle_timeout(at(100));
+            while hb.poll_output(at(100)).is_some() {}
+            hb.handle_pong(at(120), 1);
+            hb.handle_ping(at(130), 7);
+            while hb.poll_output(at(130)).is_some() {}
+            hb.handle_timeout(at(200));
+            hb.handle_timeout(at(350));
+            while hb.poll_output(at(350)).is_some() {}
+        }
+        let bytes = buf.0.lock().map(|b| b.clone()).unwrap_or_default();
+        let text = String::from_utf8(bytes).expect("utf-8");
+        assert!(text.starts_with(r#"{"format":"iop-trace","version":1,"machine":"heartbeat""#));
+        assert!(
+            text.contains(r#"{"out":{"send_pong":7},"t":130000}"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"{"out":"timed_out","t":350000}"#), "{text}");
+        let report = replay(TraceReader::new(text.as_bytes()).expect("header")).expect("replays");
+        assert_eq!(report.inputs, 5);
+    }
+
+    /// A buffer the test reads back after the writer is gone.
+    #[derive(Clone, Default)]
+    struct SharedBuf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for SharedBuf {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            if let Ok(mut b) = self.0.lock() {
+                b.extend_from_slice(bytes);
+            }
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+}

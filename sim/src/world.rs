@@ -1,0 +1,2582 @@
+//! The simulated world: one Edge, its nodes, their providers and the
+//! clients, driven by one seeded RNG over virtual time.
+//!
+//! ## The step
+//!
+//! Like quinn-proto's test `Pair`, the world never sleeps: each step moves
+//! virtual time to the earliest of (a) every core machine's
+//! `poll_timeout()` and (b) the next scheduled event (a network delivery, a
+//! provider action, a client action, a fault), handles exactly that, drains
+//! every output it caused (the driver loop of `iop_core`, steps 2 and 3),
+//! and then checks every invariant ([`crate::invariants`]).
+//!
+//! ## The shells, in miniature
+//!
+//! * **Edge**: one [`TracedDispatcher`], one [`StreamGate`] per client
+//!   request, one [`TracedHeartbeat`] per node connection. It follows the
+//!   request driver of `iop-edge`: admit, pre-send fence (after a short
+//!   delay, so fences can slip in between), send, relay events into the
+//!   gate, apply the terminal, close and re-admit on a confirmed stall,
+//!   cancel on client disconnect. A CAPABILITIES round goes to every ready
+//!   node at a fixed cadence (R-CAP-1).
+//! * **Node**: per process a [`Backoff`] supervisor; per connection a
+//!   [`TracedHeartbeat`] and a [`TracedWatchdog`] with its observation
+//!   sequence; per run one provider call ([`CallPlan`]).
+//!
+//! ## Phases
+//!
+//! 1. *Faults* (the first two thirds of `steps`): faults fire as the seed's
+//!    profile says.
+//! 2. *Quiet* (the rest of `steps`): no new faults, partitions healed,
+//!    every provider call healthy; at its start `T_q` the liveness checks are
+//!    scheduled at `T_q + B_node` and `T_q + B_eligible`.
+//! 3. *Drain*: no new client requests; the world runs until every request
+//!    ended and both liveness checks ran (at most [`MAX_DRAIN_STEPS`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use iop_core::Instant;
+use iop_core::edge::admission::{
+    Admit, AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
+};
+use iop_core::edge::dispatch::{DispatchConfig, DispatchOutput, TerminalVerdict};
+use iop_core::edge::gate::{
+    AdmissionFailure, AttemptEvent, AttemptId, GateBudget, GateEnd, GateInput, GateOutput,
+    StreamGate,
+};
+use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
+use iop_core::liveness::backoff::{Backoff, BackoffConfig};
+use iop_core::liveness::heartbeat::{HeartbeatConfig, HeartbeatOutput};
+use iop_core::node::watchdog::{
+    CancelReason, Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, WatchdogConfig,
+    WatchdogOutput, effective_stall_timeout,
+};
+use iop_wire::{
+    AdapterKind, CapabilitiesReport, CloseCode, Command, CommandKind, CommandResult,
+    CommandResultBody, ConfigSnapshot, DataRequest, EdgeControl, ExecutionFailure, FailureCode,
+    FinishReason, GenerationParams, Heartbeat as HeartbeatMsg, NodeControl, NodeReadyRequest,
+    NodeReadyResponse, PROTOCOL_VERSION, RegisterRequest, RegisterResponse, RunApi, RunEvent,
+    RunEventKind, RunRequest, TargetHealth, Usage,
+};
+use serde::Serialize;
+
+use crate::config::{PPM, Rng, SimConfig};
+use crate::invariants::{Checker, ClientSaw, Violation, WatchdogTiming};
+use crate::net::{
+    ConnId, Dir, Envelope, NetFaults, Network, PartitionKind, Payload, SendOutcome, StreamKey,
+};
+use crate::provider::{CallPlan, Ending, ProbeAnswer};
+use crate::record::{Capture, Recorder};
+use crate::trace::{
+    DispatchConfigRec, HeartbeatConfigRec, HeartbeatInput, MachineKind, TracedDispatcher,
+    TracedHeartbeat, TracedWatchdog, WatchdogConfigRec,
+};
+
+/// The most steps the drain phase may take before the run is declared
+/// stuck.
+pub const MAX_DRAIN_STEPS: u64 = 400_000;
+
+/// The most steps in a row at one virtual instant (a timer that never
+/// advances is a liveness bug).
+pub const MAX_STEPS_AT_ONE_INSTANT: u64 = 20_000;
+
+/// A deliberate bug in the simulator's own driver, to prove the invariants
+/// bite without touching the core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Bug {
+    /// On `CancelRun`, do not cancel at the dispatcher (the lease leaks).
+    SkipCancelRelease,
+    /// Deliver every terminal to the client twice.
+    DuplicateTerminal,
+    /// Never fire the gates' timers (budgets never expire).
+    IgnoreGateTimeout,
+    /// Call the provider twice for one run.
+    DoubleProviderCall,
+    /// Restart the Edge without the persisted generation floor.
+    ForgetGenerationFloor,
+    /// Send on a lease without the pre-send fence, even after its
+    /// generation was fenced.
+    SkipPreSendFence,
+}
+
+impl Bug {
+    /// Every planted bug.
+    pub const ALL: [Bug; 6] = [
+        Bug::SkipCancelRelease,
+        Bug::DuplicateTerminal,
+        Bug::IgnoreGateTimeout,
+        Bug::DoubleProviderCall,
+        Bug::ForgetGenerationFloor,
+        Bug::SkipPreSendFence,
+    ];
+
+    /// The name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bug::SkipCancelRelease => "skip-cancel-release",
+            Bug::DuplicateTerminal => "duplicate-terminal",
+            Bug::IgnoreGateTimeout => "ignore-gate-timeout",
+            Bug::DoubleProviderCall => "double-provider-call",
+            Bug::ForgetGenerationFloor => "forget-generation-floor",
+            Bug::SkipPreSendFence => "skip-pre-send-fence",
+        }
+    }
+
+    /// Parse a command-line name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|b| b.as_str() == s)
+    }
+}
+
+/// How to run one seed.
+#[derive(Debug, Default)]
+pub struct RunOptions {
+    /// Steps of the fault and quiet phases (the drain comes on top).
+    pub steps: u64,
+    /// Keep the determinism hash.
+    pub hash: bool,
+    /// Write one machine's trace.
+    pub capture: Option<Capture>,
+    /// Planted driver bugs.
+    pub bugs: BTreeSet<Bug>,
+    /// Treat known core issues as violations.
+    pub strict: bool,
+}
+
+/// Counters of one run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    /// Steps, drain included.
+    pub steps: u64,
+    /// Steps of the drain phase.
+    pub drain_steps: u64,
+    /// Virtual time at the end, microseconds.
+    pub virtual_us: u64,
+    /// Client requests accepted.
+    pub requests: u64,
+    /// Requests that finished normally.
+    pub finished: u64,
+    /// Requests that ended with an error terminal.
+    pub failed: u64,
+    /// Requests whose client left.
+    pub client_left: u64,
+    /// Requests lost with the Edge process.
+    pub edge_lost: u64,
+    /// Stall re-admissions.
+    pub readmissions: u64,
+    /// Stall terminals emitted by nodes.
+    pub stalls: u64,
+    /// Provider outputs fenced (R-WD-6).
+    pub fenced_outputs: u64,
+    /// Generations fenced at the Edge.
+    pub fences: u64,
+    /// Heartbeat timeouts (both sides).
+    pub heartbeat_timeouts: u64,
+    /// Node crashes.
+    pub node_crashes: u64,
+    /// Edge restarts.
+    pub edge_restarts: u64,
+    /// Partitions started.
+    pub partitions: u64,
+    /// Connections killed by loss.
+    pub conns_killed: u64,
+    /// Messages lost (heartbeat loss, close frames into partitions).
+    pub messages_lost: u64,
+    /// Provider calls.
+    pub provider_calls: u64,
+    /// Overlay recoveries by CAPABILITIES.
+    pub recoveries: u64,
+    /// Overlay lowerings by fresh `unavailable` stall evidence.
+    pub lowerings: u64,
+    /// Leases refused by the pre-send fence (R-GEN-4).
+    pub pre_send_refenced: u64,
+    /// Leases fenced before their run was sent (re-admitted).
+    pub fenced_before_send: u64,
+    /// Failed requests by failure kind (`GateFailure::as_str`).
+    pub failures: BTreeMap<String, u64>,
+}
+
+impl Stats {
+    /// Add another run's counters.
+    pub fn add(&mut self, o: &Stats) {
+        self.steps += o.steps;
+        self.drain_steps += o.drain_steps;
+        self.virtual_us += o.virtual_us;
+        self.requests += o.requests;
+        self.finished += o.finished;
+        self.failed += o.failed;
+        self.client_left += o.client_left;
+        self.edge_lost += o.edge_lost;
+        self.readmissions += o.readmissions;
+        self.stalls += o.stalls;
+        self.fenced_outputs += o.fenced_outputs;
+        self.fences += o.fences;
+        self.heartbeat_timeouts += o.heartbeat_timeouts;
+        self.node_crashes += o.node_crashes;
+        self.edge_restarts += o.edge_restarts;
+        self.partitions += o.partitions;
+        self.conns_killed += o.conns_killed;
+        self.messages_lost += o.messages_lost;
+        self.provider_calls += o.provider_calls;
+        self.recoveries += o.recoveries;
+        self.lowerings += o.lowerings;
+        self.pre_send_refenced += o.pre_send_refenced;
+        self.fenced_before_send += o.fenced_before_send;
+        for (k, v) in &o.failures {
+            *self.failures.entry(k.clone()).or_default() += v;
+        }
+    }
+}
+
+/// The result of one run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunReport {
+    /// The seed.
+    pub seed: u64,
+    /// The `--steps` it ran with.
+    pub steps: u64,
+    /// The first violation, if any.
+    pub violation: Option<Violation>,
+    /// Known core issues seen (see `invariants::KNOWN_CORE_ISSUES`).
+    pub findings: Vec<Violation>,
+    /// The determinism hash (hex) and lines hashed, if kept.
+    pub trace_hash: Option<(String, u64)>,
+    /// Counters.
+    pub stats: Stats,
+}
+
+impl RunReport {
+    /// The one command that reproduces this run.
+    pub fn repro_command(&self) -> String {
+        format!("iop-sim run {} --steps {}", self.seed, self.steps)
+    }
+
+    /// The command that reproduces a finding as a violation.
+    pub fn strict_repro_command(&self) -> String {
+        format!("{} --strict", self.repro_command())
+    }
+}
+
+/// Run one seed.
+pub fn run(seed: u64, options: RunOptions) -> RunReport {
+    let steps = options.steps;
+    let mut world = World::new(SimConfig::from_seed(seed), options);
+    let violation = world.run_to_end(steps).err();
+    world.stats.steps = world.step;
+    world.stats.virtual_us = world.now.as_micros();
+    world.stats.conns_killed = world.net.killed;
+    world.stats.messages_lost = world.net.lost;
+    RunReport {
+        seed,
+        steps,
+        violation,
+        findings: world.checker.findings().to_vec(),
+        trace_hash: world.recorder.digest(),
+        stats: world.stats,
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Faults,
+    Quiet,
+    Drain,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Edge,
+    Node,
+}
+
+#[derive(Debug)]
+enum Event {
+    Deliver(Box<Envelope>),
+    ConnLost {
+        conn: ConnId,
+        side: Side,
+    },
+    NodeDial {
+        node: usize,
+        process: u64,
+    },
+    DialDone {
+        node: usize,
+        process: u64,
+        conn: Option<ConnId>,
+    },
+    NodeRestart {
+        node: usize,
+    },
+    EdgeStart,
+    ProviderStep {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+    },
+    ProviderCancel {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+    },
+    ProviderReturn {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+    },
+    ProbeDone {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+        answer: ProbeAnswer,
+    },
+    CapsAnswer {
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        command_id: u64,
+    },
+    CapsTick {
+        incarnation: u64,
+    },
+    ClientArrival,
+    ClientLeave {
+        incarnation: u64,
+        request_id: RequestId,
+    },
+    PreSend {
+        incarnation: u64,
+        request_id: RequestId,
+        lease_id: LeaseId,
+    },
+    FaultTick,
+    CheckNodes,
+    CheckEligible,
+}
+
+#[derive(Debug)]
+enum ReqPhase {
+    /// Waiting for admission (queued, or being re-admitted).
+    Admitting,
+    /// Leased; the pre-send fence runs shortly.
+    PreSend(Lease),
+    /// Sent on `conn`.
+    Running {
+        lease: Lease,
+        attempt: AttemptId,
+        conn: ConnId,
+    },
+}
+
+#[derive(Debug)]
+struct EdgeRequest {
+    gate: StreamGate,
+    pool: Vec<ProviderId>,
+    avoid: Option<ProviderId>,
+    allow_avoided: bool,
+    phase: ReqPhase,
+}
+
+#[derive(Debug)]
+struct EdgeConn {
+    node: usize,
+    generation: Option<Generation>,
+    heartbeat: Option<TracedHeartbeat>,
+    /// Runs sent on this connection, to their request.
+    runs: BTreeMap<RunId, RequestId>,
+}
+
+#[derive(Debug)]
+struct EdgeProc {
+    incarnation: u64,
+    dispatcher: TracedDispatcher,
+    conns: BTreeMap<ConnId, EdgeConn>,
+    by_generation: BTreeMap<(usize, Generation), ConnId>,
+    requests: BTreeMap<RequestId, EdgeRequest>,
+    next_request_id: RequestId,
+    next_command_id: u64,
+    commands: BTreeMap<u64, ConnId>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CallStage {
+    NotStarted,
+    Emitting(u32),
+    Idle,
+}
+
+#[derive(Debug)]
+struct Call {
+    plan: CallPlan,
+    stage: CallStage,
+    canceled: bool,
+    returned: bool,
+}
+
+#[derive(Debug)]
+struct NodeConn {
+    conn: ConnId,
+    heartbeat: TracedHeartbeat,
+    watchdog: TracedWatchdog,
+    generation: Option<Generation>,
+    ready: bool,
+    calls: BTreeMap<RunId, Call>,
+}
+
+#[derive(Debug)]
+enum Link {
+    /// Waiting for the next dial.
+    Idle,
+    /// Dialing on `conn` (`None`: the dial will fail).
+    Dialing,
+    /// Connected.
+    Connected(Box<NodeConn>),
+}
+
+#[derive(Debug)]
+struct SimNode {
+    id: NodeId,
+    process: u64,
+    up: bool,
+    backoff: Backoff,
+    link: Link,
+    providers: Vec<usize>,
+}
+
+/// One simulated world.
+pub struct World {
+    cfg: SimConfig,
+    rng: Rng,
+    now: Instant,
+    step: u64,
+    phase: Phase,
+    quiet_since: Option<Instant>,
+    queue: BTreeMap<(Instant, u64), Event>,
+    next_event: u64,
+    net: Network,
+    edge: Option<EdgeProc>,
+    edge_incarnations: u64,
+    persisted_high_water: Generation,
+    nodes: Vec<SimNode>,
+    providers: Vec<ProviderSpec>,
+    checker: Checker,
+    recorder: Recorder,
+    bugs: BTreeSet<Bug>,
+    stats: Stats,
+    checks_pending: u32,
+    steps_at_instant: u64,
+}
+
+fn provider_id(i: usize) -> ProviderId {
+    ProviderId::new(format!("p{i}"))
+}
+
+fn node_id(i: usize) -> NodeId {
+    NodeId::new(format!("n{i}"))
+}
+
+fn target(i: usize) -> String {
+    format!("t{i}")
+}
+
+impl World {
+    /// Build the world of `cfg`.
+    pub fn new(cfg: SimConfig, options: RunOptions) -> Self {
+        let providers: Vec<ProviderSpec> = (0..cfg.providers())
+            .map(|i| ProviderSpec {
+                id: provider_id(i),
+                node: node_id(i / cfg.providers_per_node),
+                adapter: AdapterKind::Mock,
+                target: target(i),
+                capacity: cfg.capacity[i],
+                stall_timeout_ms: cfg.stall_timeout_ms[i],
+            })
+            .collect();
+        let nodes = (0..cfg.nodes)
+            .map(|n| SimNode {
+                id: node_id(n),
+                process: 0,
+                up: true,
+                backoff: Backoff::new(BackoffConfig {
+                    initial: cfg.backoff_initial,
+                    max: cfg.backoff_max,
+                }),
+                link: Link::Idle,
+                providers: (0..cfg.providers_per_node)
+                    .map(|k| n * cfg.providers_per_node + k)
+                    .collect(),
+            })
+            .collect();
+        let mut checker = Checker::new(WatchdogTiming {
+            close_grace: cfg.close_grace,
+            probe_bound: cfg.probe_bound,
+        });
+        checker.set_strict(options.strict);
+        let mut world = Self {
+            rng: Rng::new(cfg.seed),
+            now: Instant::ZERO,
+            step: 0,
+            phase: Phase::Faults,
+            quiet_since: None,
+            queue: BTreeMap::new(),
+            next_event: 0,
+            net: Network::new(&cfg),
+            edge: None,
+            edge_incarnations: 0,
+            persisted_high_water: 0,
+            nodes,
+            providers,
+            checker,
+            recorder: Recorder::new(options.hash, options.capture),
+            bugs: options.bugs,
+            stats: Stats::default(),
+            checks_pending: 2,
+            steps_at_instant: 0,
+            cfg,
+        };
+        world.set_net_faults();
+        world.start_edge();
+        for n in 0..world.nodes.len() {
+            world.schedule(
+                Instant::ZERO,
+                Event::NodeDial {
+                    node: n,
+                    process: 0,
+                },
+            );
+        }
+        world.schedule(Instant::ZERO, Event::ClientArrival);
+        world.schedule(Instant::ZERO + world.cfg.fault_tick, Event::FaultTick);
+        world
+    }
+
+    fn faults_on(&self) -> bool {
+        self.phase == Phase::Faults
+    }
+
+    fn set_net_faults(&mut self) {
+        let faults = if self.faults_on() {
+            NetFaults {
+                conn_kill_ppm: self.cfg.faults.conn_kill_ppm,
+                heartbeat_loss_ppm: self.cfg.faults.heartbeat_loss_ppm,
+            }
+        } else {
+            NetFaults::default()
+        };
+        self.net.set_faults(faults);
+    }
+
+    fn schedule(&mut self, at: Instant, event: Event) {
+        let at = at.max(self.now);
+        self.queue.insert((at, self.next_event), event);
+        self.next_event += 1;
+    }
+
+    fn violation(&self) -> Option<Violation> {
+        self.checker.violation().cloned()
+    }
+
+    /// Run the fault and quiet phases for `steps` steps, then drain.
+    fn run_to_end(&mut self, steps: u64) -> Result<(), Violation> {
+        let quiet_at = steps * 2 / 3;
+        while self.step < steps {
+            if self.step == quiet_at && self.phase == Phase::Faults {
+                self.stop_faults();
+            }
+            self.step_once()?;
+        }
+        if self.phase == Phase::Faults {
+            self.stop_faults();
+        }
+        self.phase = Phase::Drain;
+        let drain_start = self.step;
+        while !self.settled() {
+            if self.step - drain_start > MAX_DRAIN_STEPS {
+                self.checker.at(self.step, self.now);
+                self.checker.fail(
+                    "liveness-drain",
+                    format!(
+                        "the world did not settle within {MAX_DRAIN_STEPS} drain steps ({} requests open)",
+                        self.checker.open_requests()
+                    ),
+                );
+                return Err(self.violation().unwrap_or_else(unreachable_violation));
+            }
+            if !self.step_once()? {
+                self.checker.fail(
+                    "liveness-drain",
+                    "nothing left to do but the world has not settled",
+                );
+                break;
+            }
+        }
+        self.stats.drain_steps = self.step - drain_start;
+        match self.violation() {
+            Some(v) => Err(v),
+            None => Ok(()),
+        }
+    }
+
+    fn settled(&self) -> bool {
+        self.checks_pending == 0 && self.checker.open_requests() == 0 && self.edge.is_some()
+    }
+
+    fn stop_faults(&mut self) {
+        self.phase = Phase::Quiet;
+        self.quiet_since = Some(self.now);
+        self.net.heal(self.now);
+        self.set_net_faults();
+        let node_check = self.now + self.cfg.node_recovery_bound();
+        let eligible_check = self.now + self.cfg.eligibility_bound();
+        self.schedule(node_check, Event::CheckNodes);
+        self.schedule(eligible_check, Event::CheckEligible);
+    }
+
+    fn earliest_timer(&self) -> Option<Instant> {
+        let mut t: Option<Instant> = None;
+        let mut consider = |x: Option<Instant>| {
+            if let Some(x) = x {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
+        if let Some(edge) = &self.edge {
+            consider(edge.dispatcher.poll_timeout());
+            if !self.bugs.contains(&Bug::IgnoreGateTimeout) {
+                for r in edge.requests.values() {
+                    consider(r.gate.poll_timeout());
+                }
+            }
+            for c in edge.conns.values() {
+                if let Some(hb) = &c.heartbeat {
+                    consider(hb.poll_timeout());
+                }
+            }
+        }
+        for n in &self.nodes {
+            if let Link::Connected(nc) = &n.link {
+                consider(nc.heartbeat.poll_timeout());
+                consider(nc.watchdog.poll_timeout());
+            }
+        }
+        t
+    }
+
+    /// One step. Returns `false` when nothing is left to do.
+    fn step_once(&mut self) -> Result<bool, Violation> {
+        let timer = self.earliest_timer();
+        let event_at = self.queue.keys().next().map(|(t, _)| *t);
+        let before = self.now;
+        let ids: Vec<ProviderId> = self.providers.iter().map(|p| p.id.clone()).collect();
+        self.checker
+            .step_started(self.edge.as_ref().map(|e| e.dispatcher.inner()), &ids);
+        match (timer, event_at) {
+            (None, None) => return Ok(false),
+            (Some(t), e) if e.is_none_or(|e| t <= e) => {
+                self.now = t.max(self.now);
+                self.checker.at(self.step, self.now);
+                self.fire_timers();
+            }
+            _ => {
+                let Some(((t, _), event)) = self.queue.pop_first() else {
+                    return Ok(false);
+                };
+                self.now = t.max(self.now);
+                self.checker.at(self.step, self.now);
+                self.handle_event(event);
+            }
+        }
+        self.step += 1;
+        if self.now == before {
+            self.steps_at_instant += 1;
+            if self.steps_at_instant > MAX_STEPS_AT_ONE_INSTANT {
+                self.checker.fail(
+                    "liveness-time",
+                    format!("{MAX_STEPS_AT_ONE_INSTANT} steps without time advancing"),
+                );
+            }
+        } else {
+            self.steps_at_instant = 0;
+        }
+        self.check_step();
+        match self.violation() {
+            Some(v) => Err(v),
+            None => Ok(true),
+        }
+    }
+
+    fn check_step(&mut self) {
+        if let Some(edge) = &self.edge {
+            let providers: Vec<(ProviderId, NodeId)> = self
+                .providers
+                .iter()
+                .map(|p| (p.id.clone(), p.node.clone()))
+                .collect();
+            self.checker.check_edge(edge.dispatcher.inner(), &providers);
+        }
+        self.checker.check_deadlines();
+    }
+
+    fn fire_timers(&mut self) {
+        let now = self.now;
+        let due = |t: Option<Instant>| t.is_some_and(|t| t <= now);
+        if let Some(edge) = &mut self.edge
+            && due(edge.dispatcher.poll_timeout())
+        {
+            edge.dispatcher.handle_timeout(now);
+            self.drain_dispatch();
+        }
+        if !self.bugs.contains(&Bug::IgnoreGateTimeout) {
+            let gates: Vec<RequestId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
+                e.requests
+                    .iter()
+                    .filter(|(_, r)| due(r.gate.poll_timeout()))
+                    .map(|(id, _)| *id)
+                    .collect()
+            });
+            for rid in gates {
+                if let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) {
+                    r.gate.handle_timeout(now);
+                    self.drive_gate(rid);
+                }
+            }
+        }
+        let conns: Vec<ConnId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
+            e.conns
+                .iter()
+                .filter(|(_, c)| due(c.heartbeat.as_ref().and_then(TracedHeartbeat::poll_timeout)))
+                .map(|(id, _)| *id)
+                .collect()
+        });
+        for conn in conns {
+            if let Some(hb) = self
+                .edge
+                .as_mut()
+                .and_then(|e| e.conns.get_mut(&conn))
+                .and_then(|c| c.heartbeat.as_mut())
+            {
+                let _ = hb.apply(now, HeartbeatInput::HandleTimeout);
+                self.drain_edge_heartbeat(conn);
+            }
+        }
+        for n in 0..self.nodes.len() {
+            if let Link::Connected(nc) = &mut self.nodes[n].link
+                && due(nc.heartbeat.poll_timeout())
+            {
+                let _ = nc.heartbeat.apply(now, HeartbeatInput::HandleTimeout);
+                self.drain_node_heartbeat(n);
+            }
+            if let Link::Connected(nc) = &mut self.nodes[n].link
+                && due(nc.watchdog.poll_timeout())
+            {
+                nc.watchdog.handle_timeout(now);
+                self.drain_watchdog(n);
+            }
+        }
+    }
+
+    fn handle_event(&mut self, event: Event) {
+        match event {
+            Event::Deliver(env) => self.deliver(*env),
+            Event::ConnLost { conn, side } => match side {
+                Side::Edge => {
+                    if self
+                        .edge
+                        .as_ref()
+                        .is_some_and(|e| e.conns.contains_key(&conn))
+                    {
+                        self.edge_conn_ended(conn, CloseCode::Normal);
+                    }
+                }
+                Side::Node => {
+                    if let Some(n) = self.node_with_conn(conn) {
+                        self.node_conn_ended(n, CloseCode::Normal);
+                    }
+                }
+            },
+            Event::NodeDial { node, process } => self.node_dial(node, process),
+            Event::DialDone {
+                node,
+                process,
+                conn,
+            } => self.node_dial_done(node, process, conn),
+            Event::NodeRestart { node } => {
+                let n = &mut self.nodes[node];
+                n.up = true;
+                n.backoff = Backoff::new(BackoffConfig {
+                    initial: self.cfg.backoff_initial,
+                    max: self.cfg.backoff_max,
+                });
+                n.link = Link::Idle;
+                let process = n.process;
+                self.schedule(self.now, Event::NodeDial { node, process });
+            }
+            Event::EdgeStart => self.start_edge(),
+            Event::ProviderStep {
+                node,
+                process,
+                conn,
+                run_id,
+            } => self.provider_step(node, process, conn, run_id),
+            Event::ProviderCancel {
+                node,
+                process,
+                conn,
+                run_id,
+            } => self.provider_cancel(node, process, conn, run_id),
+            Event::ProviderReturn {
+                node,
+                process,
+                conn,
+                run_id,
+            } => self.provider_return(node, process, conn, run_id),
+            Event::ProbeDone {
+                node,
+                process,
+                conn,
+                run_id,
+                answer,
+            } => self.probe_done(node, process, conn, run_id, answer),
+            Event::CapsAnswer {
+                node,
+                process,
+                conn,
+                command_id,
+            } => self.caps_answer(node, process, conn, command_id),
+            Event::CapsTick { incarnation } => self.caps_tick(incarnation),
+            Event::ClientArrival => self.client_arrival(),
+            Event::ClientLeave {
+                incarnation,
+                request_id,
+            } => self.client_leave(incarnation, request_id),
+            Event::PreSend {
+                incarnation,
+                request_id,
+                lease_id,
+            } => self.pre_send(incarnation, request_id, lease_id),
+            Event::FaultTick => self.fault_tick(),
+            Event::CheckNodes => self.check_nodes(),
+            Event::CheckEligible => self.check_eligible(),
+        }
+    }
+
+    // ---- Network -------------------------------------------------------------
+
+    fn transmit(&mut self, conn: ConnId, dir: Dir, stream: StreamKey, payload: Payload) {
+        match self
+            .net
+            .send(&mut self.rng, self.now, conn, dir, stream, &payload)
+        {
+            SendOutcome::Deliver(at) => self.schedule(
+                at,
+                Event::Deliver(Box::new(Envelope {
+                    conn,
+                    dir,
+                    stream,
+                    payload,
+                })),
+            ),
+            SendOutcome::Lost | SendOutcome::Dead => {}
+            SendOutcome::Killed => self.conn_killed(conn),
+        }
+    }
+
+    /// The network killed `conn`: each side is told after a short delay, or
+    /// finds out through its heartbeat.
+    fn conn_killed(&mut self, conn: ConnId) {
+        let Some(node) = self.net.node_of(conn) else {
+            return;
+        };
+        for side in [Side::Edge, Side::Node] {
+            if self.rng.chance(self.cfg.faults.close_notice_ppm) {
+                let delay = self.net.delay(&mut self.rng, node) * 2;
+                self.schedule(self.now + delay, Event::ConnLost { conn, side });
+            }
+        }
+    }
+
+    fn deliver(&mut self, env: Envelope) {
+        let is_close = matches!(env.payload, Payload::Close(_));
+        if !is_close && !self.net.is_alive(env.conn) {
+            return;
+        }
+        match env.dir {
+            Dir::NodeToEdge => self.edge_receive(env.conn, env.stream, env.payload),
+            Dir::EdgeToNode => {
+                if let Some(n) = self.node_with_conn(env.conn) {
+                    self.node_receive(n, env.stream, env.payload);
+                }
+            }
+        }
+    }
+
+    fn node_with_conn(&self, conn: ConnId) -> Option<usize> {
+        self.nodes
+            .iter()
+            .position(|n| matches!(&n.link, Link::Connected(nc) if nc.conn == conn) && n.up)
+    }
+
+    // ---- Edge: process and connections ----------------------------------------
+
+    fn start_edge(&mut self) {
+        let incarnation = self.edge_incarnations;
+        self.edge_incarnations += 1;
+        let floor = if self.bugs.contains(&Bug::ForgetGenerationFloor) {
+            0
+        } else {
+            self.persisted_high_water
+        };
+        let config = DispatchConfig {
+            admission: iop_core::edge::admission::AdmissionConfig {
+                queue_capacity: self.cfg.queue_capacity,
+                queue_timeout: self.cfg.queue_timeout,
+            },
+            providers: self.providers.clone(),
+            generation_floor: floor,
+            known_nodes: None,
+        };
+        let tap = self
+            .recorder
+            .tap(MachineKind::EdgeDispatch, &DispatchConfigRec::from(&config));
+        self.edge = Some(EdgeProc {
+            incarnation,
+            dispatcher: TracedDispatcher::new(config, tap),
+            conns: BTreeMap::new(),
+            by_generation: BTreeMap::new(),
+            requests: BTreeMap::new(),
+            next_request_id: 1,
+            next_command_id: 1,
+            commands: BTreeMap::new(),
+        });
+        self.checker.edge_started();
+        let at = self.now + self.cfg.capabilities_interval;
+        self.schedule(at, Event::CapsTick { incarnation });
+    }
+
+    fn crash_edge(&mut self) {
+        let Some(edge) = self.edge.take() else {
+            return;
+        };
+        self.stats.edge_restarts += 1;
+        self.stats.edge_lost += edge.requests.len() as u64;
+        self.checker.edge_lost(edge.incarnation);
+        self.recorder.world_line(&("edge_lost", edge.incarnation));
+        // Dials in progress die with the process too.
+        self.net.close_incarnation(edge.incarnation);
+        for conn in edge.conns.keys() {
+            self.net.close(*conn);
+            if self.rng.chance(self.cfg.faults.close_notice_ppm) {
+                let node = self.net.node_of(*conn).unwrap_or(0);
+                let delay = self.net.delay(&mut self.rng, node);
+                self.schedule(
+                    self.now + delay,
+                    Event::ConnLost {
+                        conn: *conn,
+                        side: Side::Node,
+                    },
+                );
+            }
+        }
+        let down = self
+            .rng
+            .millis(10, duration_ms(self.cfg.faults.edge_down_max));
+        self.schedule(self.now + down, Event::EdgeStart);
+    }
+
+    fn edge_receive(&mut self, conn: ConnId, stream: StreamKey, payload: Payload) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        if self.net.edge_incarnation_of(conn) != Some(edge.incarnation) {
+            return;
+        }
+        if let std::collections::btree_map::Entry::Vacant(slot) = edge.conns.entry(conn) {
+            // Only a registration opens a connection at the Edge.
+            let Some(node) = self
+                .net
+                .node_of(conn)
+                .filter(|_| matches!(payload, Payload::NodeControl(NodeControl::Register(_))))
+            else {
+                return;
+            };
+            slot.insert(EdgeConn {
+                node,
+                generation: None,
+                heartbeat: None,
+                runs: BTreeMap::new(),
+            });
+        }
+        match payload {
+            Payload::NodeControl(msg) => self.edge_control(conn, msg),
+            Payload::RunEvent(ev) => self.edge_run_event(conn, ev),
+            Payload::CommandResult(result) => self.edge_command_result(conn, stream, result),
+            Payload::Close(code) => self.edge_conn_ended(conn, code),
+            Payload::EdgeControl(_) | Payload::Data(_) => {}
+        }
+    }
+
+    fn edge_control(&mut self, conn: ConnId, msg: NodeControl) {
+        let now = self.now;
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(c) = edge.conns.get_mut(&conn) else {
+            return;
+        };
+        let node = c.node;
+        let node_id = node_id(node);
+        match msg {
+            NodeControl::Register(request) => {
+                if c.generation.is_some() {
+                    self.edge_close_conn(conn, CloseCode::ProtocolError);
+                    return;
+                }
+                match edge.dispatcher.register(now, &node_id, &request) {
+                    Ok((generation, config)) => {
+                        let high_water = edge.dispatcher.inner().registry().high_water();
+                        self.persisted_high_water = self.persisted_high_water.max(high_water);
+                        self.checker.generation_handed_out(&node_id, generation);
+                        let hb_config = HeartbeatConfigRec::new(&self.heartbeat_config(), now);
+                        let tap = self.recorder.tap(MachineKind::Heartbeat, &hb_config);
+                        let Some(edge) = &mut self.edge else {
+                            return;
+                        };
+                        if let Some(c) = edge.conns.get_mut(&conn) {
+                            c.generation = Some(generation);
+                            c.heartbeat = Some(TracedHeartbeat::new(hb_config, tap));
+                        }
+                        edge.by_generation.insert((node, generation), conn);
+                        self.transmit(
+                            conn,
+                            Dir::EdgeToNode,
+                            StreamKey::Control,
+                            Payload::EdgeControl(EdgeControl::Registered(
+                                RegisterResponse::Accepted { generation, config },
+                            )),
+                        );
+                        self.drain_dispatch();
+                    }
+                    Err(rejection) => {
+                        self.transmit(
+                            conn,
+                            Dir::EdgeToNode,
+                            StreamKey::Control,
+                            Payload::EdgeControl(EdgeControl::Registered(
+                                RegisterResponse::Rejected {
+                                    reason: rejection.reason,
+                                    message: rejection.message,
+                                    edge_protocol_version: PROTOCOL_VERSION,
+                                },
+                            )),
+                        );
+                        self.edge_close_conn(conn, CloseCode::RegistrationRejected);
+                    }
+                }
+            }
+            NodeControl::Ready(NodeReadyRequest { generation }) => {
+                let accepted = c.generation == Some(generation)
+                    && edge.dispatcher.ready(now, &node_id, generation);
+                self.transmit(
+                    conn,
+                    Dir::EdgeToNode,
+                    StreamKey::Control,
+                    Payload::EdgeControl(EdgeControl::ReadyAck(NodeReadyResponse {
+                        generation,
+                        accepted,
+                    })),
+                );
+                self.drain_dispatch();
+            }
+            NodeControl::Ping(HeartbeatMsg { seq }) => {
+                if let Some(hb) = &mut c.heartbeat {
+                    let _ = hb.apply(now, HeartbeatInput::Ping { seq });
+                    self.drain_edge_heartbeat(conn);
+                }
+            }
+            NodeControl::Pong(HeartbeatMsg { seq }) => {
+                if let Some(hb) = &mut c.heartbeat {
+                    let _ = hb.apply(now, HeartbeatInput::Pong { seq });
+                    self.drain_edge_heartbeat(conn);
+                }
+            }
+            NodeControl::Closing { code } => self.edge_conn_ended(conn, code),
+            NodeControl::ConfigApplied { .. } => {}
+        }
+    }
+
+    fn heartbeat_config(&self) -> HeartbeatConfig {
+        HeartbeatConfig {
+            interval: self.cfg.heartbeat_interval,
+            wait: self.cfg.heartbeat_wait,
+        }
+    }
+
+    fn drain_edge_heartbeat(&mut self, conn: ConnId) {
+        loop {
+            let now = self.now;
+            let Some(out) = self
+                .edge
+                .as_mut()
+                .and_then(|e| e.conns.get_mut(&conn))
+                .and_then(|c| c.heartbeat.as_mut())
+                .and_then(|hb| hb.poll_output(now))
+            else {
+                return;
+            };
+            match out {
+                HeartbeatOutput::SendPing(seq) => self.transmit(
+                    conn,
+                    Dir::EdgeToNode,
+                    StreamKey::Control,
+                    Payload::EdgeControl(EdgeControl::Ping(HeartbeatMsg { seq })),
+                ),
+                HeartbeatOutput::SendPong(seq) => self.transmit(
+                    conn,
+                    Dir::EdgeToNode,
+                    StreamKey::Control,
+                    Payload::EdgeControl(EdgeControl::Pong(HeartbeatMsg { seq })),
+                ),
+                HeartbeatOutput::TimedOut => {
+                    self.stats.heartbeat_timeouts += 1;
+                    self.edge_close_conn(conn, CloseCode::HeartbeatTimeout);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The Edge closes `conn` itself: a close frame, then the end.
+    fn edge_close_conn(&mut self, conn: ConnId, code: CloseCode) {
+        self.transmit(
+            conn,
+            Dir::EdgeToNode,
+            StreamKey::Close,
+            Payload::Close(code),
+        );
+        self.edge_conn_ended(conn, code);
+    }
+
+    /// `conn` is over at the Edge: fence its generation (R-GEN-3).
+    fn edge_conn_ended(&mut self, conn: ConnId, code: CloseCode) {
+        let now = self.now;
+        self.net.close(conn);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(c) = edge.conns.remove(&conn) else {
+            return;
+        };
+        edge.commands.retain(|_, c| *c != conn);
+        if let Some(generation) = c.generation {
+            edge.by_generation.remove(&(c.node, generation));
+            edge.dispatcher
+                .connection_closed(now, &node_id(c.node), generation, code);
+            self.drain_dispatch();
+        }
+    }
+
+    fn drain_dispatch(&mut self) {
+        loop {
+            let now = self.now;
+            let Some(out) = self
+                .edge
+                .as_mut()
+                .and_then(|e| e.dispatcher.poll_output(now))
+            else {
+                break;
+            };
+            match out {
+                DispatchOutput::CloseConnection {
+                    node,
+                    generation,
+                    code,
+                } => {
+                    let idx = self.node_index(&node);
+                    if let Some(conn) = self
+                        .edge
+                        .as_ref()
+                        .and_then(|e| e.by_generation.get(&(idx, generation)).copied())
+                    {
+                        self.edge_close_conn(conn, code);
+                    }
+                }
+                DispatchOutput::Fenced { .. } => self.stats.fences += 1,
+                DispatchOutput::NodeReady { .. } => {}
+                DispatchOutput::Leased(lease) => {
+                    if let Some(edge) = &self.edge {
+                        self.checker.lease_granted(edge.dispatcher.inner(), &lease);
+                    }
+                    self.lease_granted(lease);
+                }
+                DispatchOutput::QueueExpired { request_id } => {
+                    self.gate_input(
+                        request_id,
+                        GateInput::AdmissionFailed(AdmissionFailure::QueueTimeout),
+                    );
+                }
+                DispatchOutput::LeaseFenced(lease) => {
+                    self.checker.lease_released(lease.lease_id, "fence");
+                    self.lease_fenced(lease);
+                }
+            }
+        }
+    }
+
+    fn node_index(&self, node: &NodeId) -> usize {
+        self.nodes.iter().position(|n| &n.id == node).unwrap_or(0)
+    }
+
+    // ---- Edge: requests ----------------------------------------------------------
+
+    fn client_arrival(&mut self) {
+        if self.phase == Phase::Drain {
+            return;
+        }
+        let gap_us = u64::try_from(self.cfg.client_gap_mean.as_micros()).unwrap_or(1000);
+        let next = self.now + Duration::from_micros(self.rng.range(1, gap_us * 2));
+        self.schedule(next, Event::ClientArrival);
+        let n = self.providers.len();
+        let pool: Vec<ProviderId> = if self.rng.chance(PPM / 2) {
+            (0..n).map(provider_id).collect()
+        } else {
+            let first = self.rng.index(n);
+            let len = self.rng.range(1, 2) as usize;
+            (first..first + len)
+                .map(|i| provider_id(i % n))
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect()
+        };
+        let cancel = self.faults_on() && self.rng.chance(self.cfg.faults.client_cancel_ppm);
+        let disconnect = self.faults_on() && self.rng.chance(self.cfg.faults.client_disconnect_ppm);
+        let leave_after = if cancel {
+            Some(self.rng.millis(0, duration_ms(self.cfg.queue_timeout)))
+        } else if disconnect {
+            Some(self.rng.millis(0, duration_ms(self.cfg.request_budget)))
+        } else {
+            None
+        };
+        let now = self.now;
+        let Some(edge) = &mut self.edge else {
+            // Connection refused: never accepted, nothing to end.
+            return;
+        };
+        let Ok(budget) = GateBudget::new(self.cfg.max_attempts, self.cfg.request_budget) else {
+            return;
+        };
+        let rid = edge.next_request_id;
+        edge.next_request_id += 1;
+        let gate = StreamGate::new(now, budget);
+        let deadline = gate.deadline();
+        edge.requests.insert(
+            rid,
+            EdgeRequest {
+                gate,
+                pool,
+                avoid: None,
+                allow_avoided: false,
+                phase: ReqPhase::Admitting,
+            },
+        );
+        let incarnation = edge.incarnation;
+        self.stats.requests += 1;
+        self.checker.request_opened((incarnation, rid), deadline);
+        if let Some(after) = leave_after {
+            self.schedule(
+                now + after,
+                Event::ClientLeave {
+                    incarnation,
+                    request_id: rid,
+                },
+            );
+        }
+        self.admit(rid);
+        self.drain_dispatch();
+    }
+
+    fn client_leave(&mut self, incarnation: u64, request_id: RequestId) {
+        if self
+            .edge
+            .as_ref()
+            .is_some_and(|e| e.incarnation == incarnation)
+        {
+            self.gate_input(request_id, GateInput::ClientDisconnected);
+        }
+    }
+
+    /// Ask admission for the request's next attempt.
+    fn admit(&mut self, rid: RequestId) {
+        let now = self.now;
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(r) = edge.requests.get_mut(&rid) else {
+            return;
+        };
+        r.phase = ReqPhase::Admitting;
+        let request = DispatchRequest {
+            request_id: rid,
+            pool: r.pool.clone(),
+            avoid_provider_id: r.avoid.clone(),
+            allow_avoided_fallback: r.allow_avoided,
+            stall_timeout_ms: None,
+        };
+        match edge.dispatcher.request(now, request) {
+            Admit::Leased(lease) => {
+                self.checker.lease_granted(edge.dispatcher.inner(), &lease);
+                self.lease_granted(lease);
+            }
+            Admit::Queued => {}
+            Admit::Rejected(rejection) => {
+                let failure = match rejection {
+                    AdmitRejection::QueueFull => AdmissionFailure::QueueFull,
+                    AdmitRejection::NoRoute | AdmitRejection::DuplicateRequest => {
+                        AdmissionFailure::NoEligibleProvider
+                    }
+                };
+                self.gate_input(rid, GateInput::AdmissionFailed(failure));
+            }
+        }
+    }
+
+    fn lease_granted(&mut self, lease: Lease) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(r) = edge.requests.get_mut(&lease.request_id) else {
+            let detail = format!("lease {} granted to a finished request", lease.lease_id);
+            self.checker.fail("R-LEASE-2", detail);
+            return;
+        };
+        self.checker.selection(
+            edge.dispatcher.inner(),
+            &lease,
+            r.avoid.as_ref(),
+            r.allow_avoided,
+            &r.pool,
+        );
+        let (request_id, lease_id) = (lease.request_id, lease.lease_id);
+        r.phase = ReqPhase::PreSend(lease);
+        // The shell awaits the hub between lease and send: fences slip in.
+        let delay = self.rng.millis(0, 15);
+        self.schedule(
+            self.now + delay,
+            Event::PreSend {
+                incarnation,
+                request_id,
+                lease_id,
+            },
+        );
+    }
+
+    fn pre_send(&mut self, incarnation: u64, rid: RequestId, lease_id: LeaseId) {
+        let now = self.now;
+        let skip_fence = self.bugs.contains(&Bug::SkipPreSendFence);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        if edge.incarnation != incarnation {
+            return;
+        }
+        let Some(r) = edge.requests.get(&rid) else {
+            return;
+        };
+        let lease = match &r.phase {
+            ReqPhase::PreSend(l) if l.lease_id == lease_id => l.clone(),
+            _ => return,
+        };
+        let lease = if skip_fence {
+            lease
+        } else {
+            match edge.dispatcher.pre_send(now, lease_id) {
+                PreSend::Send(lease) => lease,
+                PreSend::Refenced => {
+                    self.stats.pre_send_refenced += 1;
+                    self.checker.lease_released(lease_id, "pre-send fence");
+                    if let Some(r) = edge.requests.get_mut(&rid) {
+                        r.phase = ReqPhase::Admitting;
+                    }
+                    self.drain_dispatch();
+                    return;
+                }
+                PreSend::UnknownLease => return,
+            }
+        };
+        let node = self.node_index(&lease.node);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let conn = edge.by_generation.get(&(node, lease.generation)).copied();
+        self.checker
+            .lease_sent(edge.dispatcher.inner(), &lease, conn.is_some());
+        let Some(conn) = conn else {
+            return;
+        };
+        let Some(r) = edge.requests.get_mut(&rid) else {
+            return;
+        };
+        let _ = r.gate.handle_input(
+            now,
+            GateInput::Dispatched {
+                provider_id: lease.provider_id.clone(),
+            },
+        );
+        let Some(attempt) = r.gate.current_attempt() else {
+            self.drive_gate(rid);
+            return;
+        };
+        let run_id = lease.run_id;
+        let request = RunRequest {
+            run_id,
+            session_id: format!("r{rid}"),
+            adapter: lease.adapter,
+            target: lease.target.clone(),
+            model: "sim".into(),
+            api: RunApi::Chat,
+            messages: vec![],
+            tools: vec![],
+            params: GenerationParams::default(),
+            response_stall_timeout_ms: lease.stall_timeout_ms,
+            deadline_ms: 0,
+            credential_lease: None,
+        };
+        r.phase = ReqPhase::Running {
+            lease,
+            attempt,
+            conn,
+        };
+        if let Some(c) = edge.conns.get_mut(&conn) {
+            c.runs.insert(run_id, rid);
+        }
+        self.transmit(
+            conn,
+            Dir::EdgeToNode,
+            StreamKey::Run(run_id),
+            Payload::Data(DataRequest::Run(request)),
+        );
+        self.drive_gate(rid);
+    }
+
+    fn lease_fenced(&mut self, lease: Lease) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(r) = edge.requests.get_mut(&lease.request_id) else {
+            return;
+        };
+        match &r.phase {
+            ReqPhase::Running {
+                lease: l,
+                attempt,
+                conn,
+            } if l.lease_id == lease.lease_id => {
+                let (attempt, conn) = (*attempt, *conn);
+                if let Some(c) = edge.conns.get_mut(&conn) {
+                    c.runs.remove(&lease.run_id);
+                }
+                self.gate_input(
+                    lease.request_id,
+                    GateInput::Attempt {
+                        attempt,
+                        event: AttemptEvent::TransportLost,
+                    },
+                );
+            }
+            ReqPhase::PreSend(l) if l.lease_id == lease.lease_id => {
+                if self.bugs.contains(&Bug::SkipPreSendFence) {
+                    // The planted bug keeps the stale lease and sends it.
+                    return;
+                }
+                // Nothing was sent: ask again (as the request driver does).
+                self.stats.fenced_before_send += 1;
+                self.admit(lease.request_id);
+            }
+            _ => {}
+        }
+    }
+
+    fn edge_run_event(&mut self, conn: ConnId, ev: RunEvent) {
+        let now = self.now;
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(c) = edge.conns.get(&conn) else {
+            return;
+        };
+        let (node, generation) = (c.node, c.generation);
+        let Some(&rid) = c.runs.get(&ev.run_id) else {
+            return;
+        };
+        let Some(r) = edge.requests.get(&rid) else {
+            return;
+        };
+        let ReqPhase::Running { lease, attempt, .. } = &r.phase else {
+            return;
+        };
+        if lease.run_id != ev.run_id {
+            return;
+        }
+        let (lease_id, attempt) = (lease.lease_id, *attempt);
+        let event = match ev.kind {
+            RunEventKind::Started { .. } => AttemptEvent::Started,
+            RunEventKind::TextDelta(t) if t.is_empty() => return,
+            RunEventKind::TextDelta(_) | RunEventKind::ToolCallDelta(_) => AttemptEvent::Content,
+            RunEventKind::Usage(_) => return,
+            RunEventKind::Completed { .. } | RunEventKind::Failed(_) => {
+                let failure = match &ev.kind {
+                    RunEventKind::Failed(f) => Some(f.clone()),
+                    _ => None,
+                };
+                let Some(generation) = generation else {
+                    return;
+                };
+                let verdict = edge.dispatcher.apply_terminal(
+                    now,
+                    lease_id,
+                    &node_id(node),
+                    generation,
+                    failure.as_ref(),
+                );
+                self.checker.terminal_applied(&verdict, failure.as_ref());
+                if let TerminalVerdict::Applied {
+                    evidence: Some(iop_core::edge::overlay::EvidenceOutcome::Lowered),
+                    ..
+                } = &verdict
+                {
+                    self.stats.lowerings += 1;
+                }
+                if let Some(c) = edge.conns.get_mut(&conn) {
+                    c.runs.remove(&ev.run_id);
+                }
+                self.net.stream_done(conn, StreamKey::Run(ev.run_id));
+                match verdict {
+                    TerminalVerdict::Applied {
+                        stall: Some(stall), ..
+                    } => AttemptEvent::Stalled(stall),
+                    TerminalVerdict::Applied { .. } => match failure {
+                        None => AttemptEvent::Completed,
+                        Some(f) => AttemptEvent::Failed { code: f.code },
+                    },
+                    TerminalVerdict::Ignored(_) => AttemptEvent::TransportLost,
+                }
+            }
+        };
+        let content = event == AttemptEvent::Content;
+        self.gate_input(rid, GateInput::Attempt { attempt, event });
+        if content {
+            self.deliver_content(rid);
+        }
+        self.drain_dispatch();
+    }
+
+    /// Forward a content chunk to the client if the gate committed.
+    fn deliver_content(&mut self, rid: RequestId) {
+        let Some(edge) = &self.edge else {
+            return;
+        };
+        let Some(r) = edge.requests.get(&rid) else {
+            return;
+        };
+        if r.gate.is_committed() && r.gate.end().is_none() {
+            let key = (edge.incarnation, rid);
+            self.checker.client(key, ClientSaw::Content);
+            self.recorder.world_line(&("content", key));
+        }
+    }
+
+    fn gate_input(&mut self, rid: RequestId, input: GateInput) {
+        let now = self.now;
+        let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
+            return;
+        };
+        let _ = r.gate.handle_input(now, input);
+        self.drive_gate(rid);
+    }
+
+    /// Carry out a gate's outputs (the request driver's `carry_out`), then
+    /// finish the request if the gate ended.
+    fn drive_gate(&mut self, rid: RequestId) {
+        loop {
+            let Some(edge) = &mut self.edge else {
+                return;
+            };
+            let incarnation = edge.incarnation;
+            let Some(r) = edge.requests.get_mut(&rid) else {
+                return;
+            };
+            while r.gate.poll_event().is_some() {}
+            let Some(out) = r.gate.poll_output() else {
+                break;
+            };
+            self.carry_out(incarnation, rid, out);
+        }
+        self.finish_if_ended(rid);
+    }
+
+    fn carry_out(&mut self, incarnation: u64, rid: RequestId, out: GateOutput) {
+        let now = self.now;
+        let key = (incarnation, rid);
+        match out {
+            GateOutput::Commit => {
+                self.checker.client(key, ClientSaw::Commit);
+                self.recorder.world_line(&("commit", key));
+            }
+            GateOutput::CloseTransport { attempt } => {
+                let Some(edge) = &mut self.edge else {
+                    return;
+                };
+                let Some(r) = edge.requests.get_mut(&rid) else {
+                    return;
+                };
+                let ReqPhase::Running {
+                    lease,
+                    attempt: running,
+                    conn,
+                } = &r.phase
+                else {
+                    return;
+                };
+                if *running != attempt {
+                    return;
+                }
+                let (run_id, conn) = (lease.run_id, *conn);
+                r.phase = ReqPhase::Admitting;
+                if let Some(c) = edge.conns.get_mut(&conn) {
+                    c.runs.remove(&run_id);
+                }
+                // The stream reset reaches the node as a cancel.
+                self.transmit(
+                    conn,
+                    Dir::EdgeToNode,
+                    StreamKey::Control,
+                    Payload::EdgeControl(EdgeControl::Cancel(iop_wire::Cancel { run_id })),
+                );
+            }
+            GateOutput::Readmit {
+                avoid_provider_id,
+                allow_avoided_fallback,
+            } => {
+                self.stats.readmissions += 1;
+                if let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) {
+                    r.avoid = Some(avoid_provider_id);
+                    r.allow_avoided = allow_avoided_fallback;
+                }
+                self.admit(rid);
+            }
+            GateOutput::CancelRun { .. } => {
+                let Some(edge) = &mut self.edge else {
+                    return;
+                };
+                let Some(r) = edge.requests.get_mut(&rid) else {
+                    return;
+                };
+                if let ReqPhase::Running { lease, conn, .. } = &r.phase {
+                    let (run_id, conn) = (lease.run_id, *conn);
+                    if let Some(c) = edge.conns.get_mut(&conn) {
+                        c.runs.remove(&run_id);
+                    }
+                }
+                r.phase = ReqPhase::Admitting;
+                if self.bugs.contains(&Bug::SkipCancelRelease) {
+                    return;
+                }
+                let Some(lease) = edge.dispatcher.cancel(now, rid) else {
+                    self.drain_dispatch();
+                    return;
+                };
+                self.checker.lease_released(lease.lease_id, "client cancel");
+                let node = self.node_index(&lease.node);
+                let conn = self
+                    .edge
+                    .as_ref()
+                    .and_then(|e| e.by_generation.get(&(node, lease.generation)).copied());
+                if let Some(conn) = conn {
+                    self.transmit(
+                        conn,
+                        Dir::EdgeToNode,
+                        StreamKey::Control,
+                        Payload::EdgeControl(EdgeControl::Cancel(iop_wire::Cancel {
+                            run_id: lease.run_id,
+                        })),
+                    );
+                }
+                self.drain_dispatch();
+            }
+            GateOutput::FailBeforeCommit { .. }
+            | GateOutput::FailInStream { .. }
+            | GateOutput::Finish => {
+                match out {
+                    GateOutput::FailBeforeCommit { kind } | GateOutput::FailInStream { kind } => {
+                        self.stats.failed += 1;
+                        *self
+                            .stats
+                            .failures
+                            .entry(kind.as_str().to_owned())
+                            .or_default() += 1;
+                    }
+                    _ => self.stats.finished += 1,
+                }
+                self.checker.client(key, ClientSaw::Terminal);
+                self.recorder
+                    .world_line(&("terminal", key, format!("{out:?}")));
+                if self.bugs.contains(&Bug::DuplicateTerminal) {
+                    self.checker.client(key, ClientSaw::Terminal);
+                }
+            }
+        }
+    }
+
+    /// The gate ended: the request is over.
+    fn finish_if_ended(&mut self, rid: RequestId) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(end) = edge.requests.get(&rid).and_then(|r| r.gate.end()) else {
+            return;
+        };
+        if end == GateEnd::ClientDisconnected {
+            self.stats.client_left += 1;
+            self.checker.client((incarnation, rid), ClientSaw::Left);
+            self.recorder.world_line(&("left", (incarnation, rid)));
+        }
+        if let Some(r) = edge.requests.remove(&rid)
+            && let ReqPhase::Running { lease, conn, .. } = &r.phase
+            && let Some(c) = edge.conns.get_mut(conn)
+        {
+            c.runs.remove(&lease.run_id);
+        }
+        self.checker.gate_ended(edge.dispatcher.inner(), rid);
+    }
+
+    fn caps_tick(&mut self, incarnation: u64) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        if edge.incarnation != incarnation {
+            return;
+        }
+        let ready: Vec<ConnId> = edge
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                c.generation.is_some_and(|g| {
+                    edge.dispatcher
+                        .inner()
+                        .registry()
+                        .is_dispatchable(&node_id(c.node), g)
+                })
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for conn in ready {
+            let Some(edge) = &mut self.edge else {
+                return;
+            };
+            let command_id = edge.next_command_id;
+            edge.next_command_id += 1;
+            edge.commands.insert(command_id, conn);
+            self.transmit(
+                conn,
+                Dir::EdgeToNode,
+                StreamKey::Command(command_id),
+                Payload::Data(DataRequest::Command(Command {
+                    command_id,
+                    session_id: "caps".into(),
+                    kind: CommandKind::Capabilities,
+                })),
+            );
+        }
+        let at = self.now + self.cfg.capabilities_interval;
+        self.schedule(at, Event::CapsTick { incarnation });
+    }
+
+    fn edge_command_result(&mut self, conn: ConnId, stream: StreamKey, result: CommandResult) {
+        let now = self.now;
+        self.net.stream_done(conn, stream);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        if edge.commands.remove(&result.command_id) != Some(conn) {
+            return;
+        }
+        let Some(c) = edge.conns.get(&conn) else {
+            return;
+        };
+        let (Some(generation), CommandResultBody::Capabilities(report)) =
+            (c.generation, &result.body)
+        else {
+            return;
+        };
+        let node = node_id(c.node);
+        let verdicts = edge
+            .dispatcher
+            .apply_capabilities(now, &node, generation, report);
+        self.stats.recoveries += verdicts
+            .iter()
+            .filter(|v| v.recovery == iop_core::edge::overlay::RecoveryOutcome::Recovered)
+            .count() as u64;
+        self.checker
+            .capabilities_applied(generation, report.health_observation_seq, &verdicts);
+        self.drain_dispatch();
+    }
+
+    // ---- Nodes ---------------------------------------------------------------------
+
+    fn node_dial(&mut self, node: usize, process: u64) {
+        let n = &self.nodes[node];
+        if !n.up || n.process != process || !matches!(n.link, Link::Idle) {
+            return;
+        }
+        let edge = self.edge.as_ref().map(|e| e.incarnation);
+        let dial = self.net.dial(&mut self.rng, self.now, node, edge);
+        self.nodes[node].link = Link::Dialing;
+        match dial {
+            Some((conn, at)) => self.schedule(
+                at,
+                Event::DialDone {
+                    node,
+                    process,
+                    conn: Some(conn),
+                },
+            ),
+            None => {
+                let at = self.now + self.cfg.connect_timeout;
+                self.schedule(
+                    at,
+                    Event::DialDone {
+                        node,
+                        process,
+                        conn: None,
+                    },
+                );
+            }
+        }
+    }
+
+    fn schedule_redial(&mut self, node: usize) {
+        let delay = self.nodes[node].backoff.next_delay(&mut self.rng);
+        let process = self.nodes[node].process;
+        self.nodes[node].link = Link::Idle;
+        self.schedule(self.now + delay, Event::NodeDial { node, process });
+    }
+
+    fn node_dial_done(&mut self, node: usize, process: u64, conn: Option<ConnId>) {
+        let now = self.now;
+        let n = &self.nodes[node];
+        if !n.up || n.process != process || !matches!(n.link, Link::Dialing) {
+            return;
+        }
+        let Some(conn) = conn.filter(|c| self.net.is_alive(*c)) else {
+            self.schedule_redial(node);
+            return;
+        };
+        let hb_config = HeartbeatConfigRec::new(&self.heartbeat_config(), now);
+        let hb_tap = self.recorder.tap(MachineKind::Heartbeat, &hb_config);
+        let wd_config = WatchdogConfigRec::new(
+            &WatchdogConfig {
+                close_grace: self.cfg.close_grace,
+                probe_bound: self.cfg.probe_bound,
+                max_active_runs: 64,
+            },
+            true,
+        );
+        let wd_tap = self.recorder.tap(MachineKind::NodeWatchdog, &wd_config);
+        self.nodes[node].link = Link::Connected(Box::new(NodeConn {
+            conn,
+            heartbeat: TracedHeartbeat::new(hb_config, hb_tap),
+            watchdog: TracedWatchdog::new(wd_config, wd_tap),
+            generation: None,
+            ready: false,
+            calls: BTreeMap::new(),
+        }));
+        let providers = self.nodes[node]
+            .providers
+            .iter()
+            .map(|&p| iop_wire::OfferedProvider {
+                adapter: AdapterKind::Mock,
+                target: target(p),
+                models: vec!["sim".into()],
+            })
+            .collect();
+        self.transmit(
+            conn,
+            Dir::NodeToEdge,
+            StreamKey::Control,
+            Payload::NodeControl(NodeControl::Register(RegisterRequest {
+                protocol_version: PROTOCOL_VERSION,
+                node_version: "sim".into(),
+                providers,
+                max_concurrent_runs: 64,
+                recipient_public_key: None,
+            })),
+        );
+    }
+
+    fn node_receive(&mut self, node: usize, stream: StreamKey, payload: Payload) {
+        let now = self.now;
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        let conn = nc.conn;
+        match payload {
+            Payload::EdgeControl(msg) => match msg {
+                EdgeControl::Registered(RegisterResponse::Accepted { generation, .. }) => {
+                    if nc.generation.is_some() {
+                        return;
+                    }
+                    nc.generation = Some(generation);
+                    self.checker.node_registered(node, generation);
+                    self.transmit(
+                        conn,
+                        Dir::NodeToEdge,
+                        StreamKey::Control,
+                        Payload::NodeControl(NodeControl::Ready(NodeReadyRequest { generation })),
+                    );
+                }
+                EdgeControl::Registered(RegisterResponse::Rejected { .. }) => {
+                    self.node_close(node, CloseCode::RegistrationRejected);
+                }
+                EdgeControl::ReadyAck(NodeReadyResponse {
+                    generation,
+                    accepted,
+                }) => {
+                    if accepted && nc.generation == Some(generation) {
+                        nc.ready = true;
+                        self.nodes[node].backoff.reset();
+                    } else {
+                        self.node_close(node, CloseCode::ProtocolError);
+                    }
+                }
+                EdgeControl::Ping(HeartbeatMsg { seq }) => {
+                    let _ = nc.heartbeat.apply(now, HeartbeatInput::Ping { seq });
+                    self.drain_node_heartbeat(node);
+                }
+                EdgeControl::Pong(HeartbeatMsg { seq }) => {
+                    let _ = nc.heartbeat.apply(now, HeartbeatInput::Pong { seq });
+                    self.drain_node_heartbeat(node);
+                }
+                EdgeControl::Cancel(iop_wire::Cancel { run_id }) => {
+                    nc.watchdog.cancel(now, run_id, CancelReason::Client);
+                    self.drain_watchdog(node);
+                }
+                EdgeControl::Closing { code } => self.node_conn_ended(node, code),
+                EdgeControl::ConfigRefresh(ConfigSnapshot { .. }) => {}
+            },
+            Payload::Data(DataRequest::Run(request)) => self.node_start_run(node, request),
+            Payload::Data(DataRequest::Command(command)) => {
+                if matches!(command.kind, CommandKind::Capabilities) {
+                    let delay = self.rng.millis(1, duration_ms(self.cfg.probe_delay_max));
+                    let process = self.nodes[node].process;
+                    self.schedule(
+                        now + delay,
+                        Event::CapsAnswer {
+                            node,
+                            process,
+                            conn,
+                            command_id: command.command_id,
+                        },
+                    );
+                }
+            }
+            Payload::Data(DataRequest::Tunnel(_)) => {}
+            Payload::Close(code) => self.node_conn_ended(node, code),
+            Payload::NodeControl(_) | Payload::RunEvent(_) | Payload::CommandResult(_) => {}
+        }
+        let _ = stream;
+    }
+
+    fn drain_node_heartbeat(&mut self, node: usize) {
+        loop {
+            let now = self.now;
+            let Some(nc) = nconn(&mut self.nodes, node) else {
+                return;
+            };
+            let conn = nc.conn;
+            let Some(out) = nc.heartbeat.poll_output(now) else {
+                return;
+            };
+            match out {
+                HeartbeatOutput::SendPing(seq) => self.transmit(
+                    conn,
+                    Dir::NodeToEdge,
+                    StreamKey::Control,
+                    Payload::NodeControl(NodeControl::Ping(HeartbeatMsg { seq })),
+                ),
+                HeartbeatOutput::SendPong(seq) => self.transmit(
+                    conn,
+                    Dir::NodeToEdge,
+                    StreamKey::Control,
+                    Payload::NodeControl(NodeControl::Pong(HeartbeatMsg { seq })),
+                ),
+                HeartbeatOutput::TimedOut => {
+                    self.stats.heartbeat_timeouts += 1;
+                    self.node_close(node, CloseCode::HeartbeatTimeout);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The node closes its connection itself.
+    fn node_close(&mut self, node: usize, code: CloseCode) {
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        let conn = nc.conn;
+        self.transmit(
+            conn,
+            Dir::NodeToEdge,
+            StreamKey::Close,
+            Payload::Close(code),
+        );
+        self.node_conn_ended(node, code);
+    }
+
+    /// The node's connection is over: cancel every run (R-DISC-1), back off,
+    /// reconnect.
+    fn node_conn_ended(&mut self, node: usize, _code: CloseCode) {
+        let now = self.now;
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        let conn = nc.conn;
+        self.net.close(conn);
+        if let Some(nc) = nconn(&mut self.nodes, node) {
+            nc.watchdog.cancel_all(now, CancelReason::Disconnect);
+        }
+        self.drain_watchdog(node);
+        if let Some(nc) = nconn(&mut self.nodes, node)
+            && nc.watchdog.inner().active_runs() > 0
+        {
+            let left = nc.watchdog.inner().active_runs();
+            self.checker.fail(
+                "R-DISC-1",
+                format!("{left} runs still watched after the connection ended"),
+            );
+        }
+        self.checker.node_conn_ended(conn);
+        self.schedule_redial(node);
+    }
+
+    fn crash_node(&mut self, node: usize) {
+        if !self.nodes[node].up {
+            return;
+        }
+        self.stats.node_crashes += 1;
+        if let Link::Connected(nc) = &self.nodes[node].link {
+            let conn = nc.conn;
+            self.net.close(conn);
+            self.checker.node_conn_ended(conn);
+            if self.rng.chance(self.cfg.faults.close_notice_ppm) {
+                let delay = self.net.delay(&mut self.rng, node);
+                self.schedule(
+                    self.now + delay,
+                    Event::ConnLost {
+                        conn,
+                        side: Side::Edge,
+                    },
+                );
+            }
+        }
+        let n = &mut self.nodes[node];
+        n.up = false;
+        n.process += 1;
+        n.link = Link::Idle;
+        let down = self
+            .rng
+            .millis(10, duration_ms(self.cfg.faults.node_down_max));
+        self.schedule(self.now + down, Event::NodeRestart { node });
+    }
+
+    fn node_start_run(&mut self, node: usize, request: RunRequest) {
+        let now = self.now;
+        let faults = self.faults_on();
+        let double = self.bugs.contains(&Bug::DoubleProviderCall);
+        let process = self.nodes[node].process;
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        let conn = nc.conn;
+        let run_id = request.run_id;
+        let stall = match effective_stall_timeout(request.response_stall_timeout_ms) {
+            Ok(stall) => stall,
+            Err(e) => {
+                let failure = e.failure();
+                self.send_run_event(node, run_id, RunEventKind::Failed(failure));
+                return;
+            }
+        };
+        if let Err(_e) = nc
+            .watchdog
+            .start(now, run_id, RunKind::Normalized, stall, None)
+        {
+            self.send_run_event(
+                node,
+                run_id,
+                RunEventKind::Failed(ExecutionFailure::new(FailureCode::InvalidRequest)),
+            );
+            return;
+        }
+        self.checker.provider_called(conn, run_id);
+        if double {
+            self.checker.provider_called(conn, run_id);
+        }
+        self.stats.provider_calls += 1;
+        let plan = if faults {
+            CallPlan::faulty(
+                &mut self.rng,
+                &self.cfg.provider,
+                stall,
+                self.cfg.close_grace,
+            )
+        } else {
+            CallPlan::healthy(&mut self.rng, stall, self.cfg.close_grace)
+        };
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        nc.calls.insert(
+            run_id,
+            Call {
+                plan,
+                stage: CallStage::NotStarted,
+                canceled: false,
+                returned: false,
+            },
+        );
+        self.schedule(
+            now + plan.start_delay,
+            Event::ProviderStep {
+                node,
+                process,
+                conn,
+                run_id,
+            },
+        );
+    }
+
+    fn send_run_event(&mut self, node: usize, run_id: RunId, kind: RunEventKind) {
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        let conn = nc.conn;
+        self.transmit(
+            conn,
+            Dir::NodeToEdge,
+            StreamKey::Run(run_id),
+            Payload::RunEvent(RunEvent { run_id, kind }),
+        );
+    }
+
+    fn call_of(
+        &mut self,
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+    ) -> Option<&mut Call> {
+        if self.nodes[node].process != process || !self.nodes[node].up {
+            return None;
+        }
+        let nc = nconn(&mut self.nodes, node)?;
+        if nc.conn != conn {
+            return None;
+        }
+        nc.calls.get_mut(&run_id)
+    }
+
+    fn provider_step(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
+        let now = self.now;
+        let Some(call) = self.call_of(node, process, conn, run_id) else {
+            return;
+        };
+        if call.canceled || call.returned {
+            return;
+        }
+        let plan = call.plan;
+        let (event, next) = match call.stage {
+            CallStage::NotStarted => {
+                call.stage = CallStage::Emitting(0);
+                let next = (plan.ending != Ending::Hang).then_some(plan.prefill);
+                if next.is_none() {
+                    call.stage = CallStage::Idle;
+                }
+                (ProviderEvent::Neutral, next)
+            }
+            CallStage::Emitting(k) => {
+                if matches!(plan.ending, Ending::StallAfter(s) if k >= s) {
+                    call.stage = CallStage::Idle;
+                    return;
+                }
+                if k < plan.tokens {
+                    call.stage = CallStage::Emitting(k + 1);
+                    (
+                        ProviderEvent::Progress(iop_core::node::watchdog::Progress::Content),
+                        Some(plan.token_gap),
+                    )
+                } else {
+                    call.stage = CallStage::Idle;
+                    call.returned = true;
+                    let outcome = match plan.ending {
+                        Ending::Error => ProviderOutcome::Failed(ExecutionFailure::new(
+                            FailureCode::ProviderError,
+                        )),
+                        Ending::Abrupt => ProviderOutcome::Failed(ExecutionFailure::new(
+                            FailureCode::ProviderUnreachable,
+                        )),
+                        Ending::Complete | Ending::StallAfter(_) | Ending::Hang => {
+                            ProviderOutcome::Completed
+                        }
+                    };
+                    (ProviderEvent::Returned(outcome), None)
+                }
+            }
+            CallStage::Idle => return,
+        };
+        if let Some(after) = next {
+            self.schedule(
+                now + after,
+                Event::ProviderStep {
+                    node,
+                    process,
+                    conn,
+                    run_id,
+                },
+            );
+        }
+        self.report_provider_event(node, conn, run_id, event);
+    }
+
+    /// Report a provider output to the watchdog and forward it if allowed.
+    fn report_provider_event(
+        &mut self,
+        node: usize,
+        conn: ConnId,
+        run_id: RunId,
+        event: ProviderEvent,
+    ) {
+        let now = self.now;
+        let returned = matches!(event, ProviderEvent::Returned(_));
+        let wire = match &event {
+            ProviderEvent::Neutral => Some(RunEventKind::Started {
+                session_id: format!("s{run_id}"),
+            }),
+            ProviderEvent::Progress(_) => Some(RunEventKind::TextDelta("tok".into())),
+            ProviderEvent::Returned(_) => None,
+        };
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        let emission = nc.watchdog.provider_event(now, run_id, event);
+        if returned {
+            self.checker.provider_returned(conn, run_id);
+            if let Some(nc) = nconn(&mut self.nodes, node) {
+                nc.calls.remove(&run_id);
+            }
+        }
+        match emission {
+            Emission::Forward => {
+                if let Some(kind) = wire {
+                    self.send_run_event(node, run_id, kind);
+                }
+            }
+            Emission::Fenced => self.stats.fenced_outputs += 1,
+        }
+        self.drain_watchdog(node);
+    }
+
+    fn provider_cancel(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
+        let now = self.now;
+        let Some(call) = self.call_of(node, process, conn, run_id) else {
+            return;
+        };
+        if call.canceled || call.returned {
+            return;
+        }
+        call.canceled = true;
+        call.stage = CallStage::Idle;
+        let Some(after) = call.plan.return_after_cancel else {
+            // It never returns: nothing more will come from it.
+            if let Some(nc) = nconn(&mut self.nodes, node) {
+                nc.calls.remove(&run_id);
+            }
+            return;
+        };
+        {
+            self.schedule(
+                now + after,
+                Event::ProviderReturn {
+                    node,
+                    process,
+                    conn,
+                    run_id,
+                },
+            );
+        }
+    }
+
+    fn provider_return(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
+        let Some(call) = self.call_of(node, process, conn, run_id) else {
+            return;
+        };
+        if call.returned {
+            return;
+        }
+        call.returned = true;
+        self.report_provider_event(
+            node,
+            conn,
+            run_id,
+            ProviderEvent::Returned(ProviderOutcome::Failed(ExecutionFailure::new(
+                FailureCode::Canceled,
+            ))),
+        );
+    }
+
+    fn probe_done(
+        &mut self,
+        node: usize,
+        process: u64,
+        conn: ConnId,
+        run_id: RunId,
+        answer: ProbeAnswer,
+    ) {
+        let now = self.now;
+        if self.nodes[node].process != process {
+            return;
+        }
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        if nc.conn != conn {
+            return;
+        }
+        let Some(outcome) = answer.outcome() else {
+            return;
+        };
+        nc.watchdog.probe_result(now, run_id, outcome);
+        self.checker.probe_answered(conn, run_id, answer.health());
+        self.drain_watchdog(node);
+    }
+
+    fn drain_watchdog(&mut self, node: usize) {
+        loop {
+            let now = self.now;
+            let faults = self.faults_on();
+            let process = self.nodes[node].process;
+            let Some(nc) = nconn(&mut self.nodes, node) else {
+                return;
+            };
+            let conn = nc.conn;
+            let Some(out) = nc.watchdog.poll_output(now) else {
+                return;
+            };
+            match out {
+                WatchdogOutput::CancelProvider { run_id } => {
+                    let latency = nc.calls.get(&run_id).map(|c| c.plan.cancel_latency);
+                    if let Some(latency) = latency {
+                        self.schedule(
+                            now + latency,
+                            Event::ProviderCancel {
+                                node,
+                                process,
+                                conn,
+                                run_id,
+                            },
+                        );
+                    }
+                }
+                WatchdogOutput::StartProbe { run_id } => {
+                    self.checker.stall_claimed(conn, run_id);
+                    let answer = ProbeAnswer::draw(&mut self.rng, &self.cfg.provider, faults);
+                    if answer.outcome().is_some() {
+                        let delay = self.rng.millis(0, duration_ms(self.cfg.probe_delay_max));
+                        self.schedule(
+                            now + delay,
+                            Event::ProbeDone {
+                                node,
+                                process,
+                                conn,
+                                run_id,
+                                answer,
+                            },
+                        );
+                    }
+                }
+                WatchdogOutput::Terminal { run_id, terminal } => {
+                    self.checker.node_terminal(conn, run_id, &terminal);
+                    let kind = match terminal {
+                        RunTerminal::Completed => RunEventKind::Completed {
+                            finish_reason: FinishReason::Stop,
+                            usage: Some(Usage {
+                                prompt_tokens: 1,
+                                completion_tokens: 1,
+                            }),
+                        },
+                        RunTerminal::Failed(f) => {
+                            if f.code == FailureCode::ResponseStalled {
+                                self.stats.stalls += 1;
+                                self.checker.observation_seq(conn, f.health_observation_seq);
+                            }
+                            RunEventKind::Failed(f)
+                        }
+                    };
+                    self.send_run_event(node, run_id, kind);
+                    self.net.stream_done(conn, StreamKey::Run(run_id));
+                }
+                WatchdogOutput::StallObserved { .. } => {}
+            }
+        }
+    }
+
+    fn caps_answer(&mut self, node: usize, process: u64, conn: ConnId, command_id: u64) {
+        let now = self.now;
+        let faults = self.faults_on();
+        if self.nodes[node].process != process {
+            return;
+        }
+        let providers = self.nodes[node].providers.clone();
+        let targets: Vec<TargetHealth> = providers
+            .iter()
+            .map(|&p| TargetHealth {
+                adapter: AdapterKind::Mock,
+                target: target(p),
+                status: ProbeAnswer::draw(&mut self.rng, &self.cfg.provider, faults).health(),
+                failure_code: None,
+                models: vec![],
+            })
+            .collect();
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        if nc.conn != conn {
+            return;
+        }
+        // Taken when the answer is finalized (R-SEQ-1).
+        let seq = nc.watchdog.take_observation_seq(now);
+        self.checker.observation_seq(conn, seq);
+        self.transmit(
+            conn,
+            Dir::NodeToEdge,
+            StreamKey::Command(command_id),
+            Payload::CommandResult(CommandResult {
+                command_id,
+                session_id: "caps".into(),
+                body: CommandResultBody::Capabilities(CapabilitiesReport {
+                    targets,
+                    health_observation_seq: seq.unwrap_or(0),
+                }),
+            }),
+        );
+    }
+
+    // ---- Faults and liveness checks -------------------------------------------------
+
+    fn fault_tick(&mut self) {
+        if !self.faults_on() {
+            return;
+        }
+        let f = self.cfg.faults;
+        for node in 0..self.nodes.len() {
+            if self.rng.chance(f.partition_ppm) {
+                self.stats.partitions += 1;
+                let kind = if self.rng.chance(f.partition_one_way_ppm) {
+                    if self.rng.chance(PPM / 2) {
+                        PartitionKind::EdgeToNode
+                    } else {
+                        PartitionKind::NodeToEdge
+                    }
+                } else {
+                    PartitionKind::Symmetric
+                };
+                let duration = self.rng.millis(50, duration_ms(f.partition_max));
+                self.net.partition(node, kind, self.now, duration);
+            }
+            if self.rng.chance(f.node_crash_ppm) {
+                self.crash_node(node);
+            }
+        }
+        if self.rng.chance(f.edge_restart_ppm) {
+            self.crash_edge();
+        }
+        let at = self.now + self.cfg.fault_tick;
+        self.schedule(at, Event::FaultTick);
+    }
+
+    /// Liveness: by `T_q + B_node` every node is up, connected and ready,
+    /// and the Edge agrees on its generation.
+    fn check_nodes(&mut self) {
+        self.checks_pending -= 1;
+        let Some(edge) = &self.edge else {
+            self.checker
+                .fail("liveness-nodes", "the Edge is still down");
+            return;
+        };
+        for (i, n) in self.nodes.iter().enumerate() {
+            let node_view = match &n.link {
+                Link::Connected(nc) if n.up && nc.ready => nc.generation,
+                _ => None,
+            };
+            let edge_view = edge
+                .dispatcher
+                .inner()
+                .registry()
+                .dispatchable_generation(&n.id);
+            if node_view.is_none() || node_view != edge_view {
+                let detail = format!(
+                    "node {i} not ready {}us after faults stopped (node sees {node_view:?}, edge {edge_view:?})",
+                    self.cfg.node_recovery_bound().as_micros()
+                );
+                self.checker.fail("liveness-nodes", detail);
+                return;
+            }
+        }
+    }
+
+    /// Liveness: by `T_q + B_eligible` every provider is selectable again.
+    fn check_eligible(&mut self) {
+        self.checks_pending -= 1;
+        let Some(edge) = &self.edge else {
+            self.checker
+                .fail("liveness-eligible", "the Edge is still down");
+            return;
+        };
+        for p in &self.providers {
+            if !edge.dispatcher.inner().admission().is_selectable(&p.id) {
+                let detail = format!(
+                    "provider {} not selectable {}us after faults stopped",
+                    p.id,
+                    self.cfg.eligibility_bound().as_micros()
+                );
+                self.checker.fail("liveness-eligible", detail);
+                return;
+            }
+        }
+    }
+}
+
+fn nconn(nodes: &mut [SimNode], node: usize) -> Option<&mut NodeConn> {
+    match &mut nodes[node].link {
+        Link::Connected(nc) => Some(nc),
+        _ => None,
+    }
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn unreachable_violation() -> Violation {
+    Violation {
+        rule: "internal",
+        detail: "a failure was recorded without a violation".into(),
+        step: 0,
+        at_us: 0,
+    }
+}
