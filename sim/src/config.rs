@@ -169,6 +169,9 @@ pub struct SimConfig {
     pub client_gap_mean: Duration,
     /// Edge CAPABILITIES cadence.
     pub capabilities_interval: Duration,
+    /// The Edge's provider health tracker (its refresh is the capabilities
+    /// cadence; its backoff cap stays within the eligibility bound).
+    pub health: iop_core::edge::health::HealthConfig,
     /// One-way latency per node link, minimum.
     pub latency_min: Vec<Duration>,
     /// Jitter added on top, maximum, per node link.
@@ -222,7 +225,7 @@ impl SimConfig {
             probe_unhealthy_ppm: rng.range(0, u64::from(PPM)) as u32,
             probe_error_ppm: rng.range(0, u64::from(PPM)) as u32,
         };
-        Self {
+        let mut config = Self {
             seed,
             nodes,
             providers_per_node,
@@ -242,12 +245,24 @@ impl SimConfig {
             request_budget: rng.millis(2000, 10_000),
             client_gap_mean: rng.millis(20, 400),
             capabilities_interval: rng.millis(500, 3000),
+            health: iop_core::edge::health::HealthConfig::default(),
             latency_min,
             jitter_max,
             fault_tick: Duration::from_millis(200),
             faults,
             provider,
-        }
+        };
+        // The tracker's refresh is the capabilities cadence; its backoff cap
+        // stays within the eligibility bound.
+        let caps = config.capabilities_interval;
+        config.health = iop_core::edge::health::HealthConfig {
+            refresh_interval: caps,
+            backoff_base: Duration::from_millis(100),
+            backoff_cap: caps,
+            stale_after: caps * 3,
+            probe_timeout: Duration::from_secs(5),
+        };
+        config
     }
 
     /// Providers in the world.
@@ -306,6 +321,10 @@ impl SimConfig {
             + self.capabilities_interval * 2
             + self.probe_delay_max
             + self.latency_max() * 4
+            // A provider whose probes failed during the faults waits for its
+            // capped backoff (R-HT-3) and one probe round trip.
+            + self.health.backoff_cap
+            + self.health.probe_timeout
     }
 
     /// Liveness bound B_request: every client request ends (one terminal, a

@@ -556,6 +556,11 @@ pub struct DispatchConfigRec {
     pub generation_floor: Generation,
     /// Only these nodes may register (`None`: any).
     pub known_nodes: Option<Vec<NodeId>>,
+    /// Health tracker: refresh, backoff base, backoff cap, stale-after and
+    /// probe timeout, microseconds.
+    pub health_us: [u64; 5],
+    /// When the dispatcher was created, microseconds.
+    pub created_us: u64,
 }
 
 impl From<&DispatchConfig> for DispatchConfigRec {
@@ -566,6 +571,14 @@ impl From<&DispatchConfig> for DispatchConfigRec {
             providers: c.providers.iter().map(ProviderSpecRec::from).collect(),
             generation_floor: c.generation_floor,
             known_nodes: c.known_nodes.as_ref().map(|k| k.iter().cloned().collect()),
+            health_us: [
+                us(c.health.refresh_interval),
+                us(c.health.backoff_base),
+                us(c.health.backoff_cap),
+                us(c.health.stale_after),
+                us(c.health.probe_timeout),
+            ],
+            created_us: 0,
         }
     }
 }
@@ -583,6 +596,13 @@ impl From<&DispatchConfigRec> for DispatchConfig {
                 .known_nodes
                 .as_ref()
                 .map(|k| k.iter().cloned().collect::<BTreeSet<_>>()),
+            health: iop_core::edge::health::HealthConfig {
+                refresh_interval: Duration::from_micros(c.health_us[0]),
+                backoff_base: Duration::from_micros(c.health_us[1]),
+                backoff_cap: Duration::from_micros(c.health_us[2]),
+                stale_after: Duration::from_micros(c.health_us[3]),
+                probe_timeout: Duration::from_micros(c.health_us[4]),
+            },
         }
     }
 }
@@ -692,8 +712,32 @@ pub enum DispatchInput {
         /// The answer.
         report: CapabilitiesReport,
     },
+    /// [`Dispatcher::probe_answer`] for the provider's outstanding ticket.
+    ProbeAnswer {
+        /// The ticket's provider.
+        provider: ProviderId,
+        /// The report and where it came from, or the failure.
+        answer: ProbeAnswerRec,
+    },
     /// [`Dispatcher::handle_timeout`].
     HandleTimeout,
+}
+
+/// The answer to a health probe, serializable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeAnswerRec {
+    /// A CAPABILITIES report from (node, generation).
+    Report {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// The report.
+        report: CapabilitiesReport,
+    },
+    /// No report: why.
+    Failure(iop_wire::HealthFailureCode),
 }
 
 /// Why admission refused a request ([`AdmitRejection`]).
@@ -860,6 +904,13 @@ pub enum DispatchRet {
     Canceled(Option<LeaseRec>),
     /// `apply_capabilities` answer.
     Capabilities(Vec<CapabilityVerdictRec>),
+    /// [`Dispatcher::probe_answer`]: whether it applied, and the verdicts.
+    Probe {
+        /// Applied (not stale).
+        applied: bool,
+        /// R-CAP-1 verdicts.
+        verdicts: Vec<CapabilityVerdictRec>,
+    },
     /// Methods returning nothing.
     Done,
 }
@@ -902,6 +953,24 @@ pub enum DispatchOutputRec {
     },
     /// A lease was released by its generation's fence.
     LeaseFenced(LeaseRec),
+    /// A health probe is due.
+    ProbeDue {
+        /// Provider.
+        provider: ProviderId,
+        /// Its node.
+        node: NodeId,
+        /// The node's ready generation.
+        generation: Option<Generation>,
+    },
+    /// A health lifecycle event.
+    Health {
+        /// Provider.
+        provider: ProviderId,
+        /// `detected`, `ongoing` or `recovered`.
+        lifecycle: String,
+        /// Failure class.
+        failure_code: Option<iop_wire::HealthFailureCode>,
+    },
 }
 
 impl From<&DispatchOutput> for DispatchOutputRec {
@@ -934,6 +1003,20 @@ impl From<&DispatchOutput> for DispatchOutputRec {
                 request_id: *request_id,
             },
             DispatchOutput::LeaseFenced(l) => Self::LeaseFenced(l.into()),
+            DispatchOutput::ProbeDue {
+                ticket,
+                node,
+                generation,
+            } => Self::ProbeDue {
+                provider: ticket.provider_id.clone(),
+                node: node.clone(),
+                generation: *generation,
+            },
+            DispatchOutput::Health(e) => Self::Health {
+                provider: e.provider_id.clone(),
+                lifecycle: e.lifecycle.as_str().to_owned(),
+                failure_code: e.failure_code,
+            },
         }
     }
 }
@@ -944,17 +1027,60 @@ impl From<&DispatchOutput> for DispatchOutputRec {
 pub struct TracedDispatcher {
     inner: Dispatcher,
     tap: Tap,
+    /// The latest ticket of each provider's due probe (replay answers by
+    /// provider).
+    tickets: std::collections::BTreeMap<ProviderId, iop_core::edge::health::ProbeTicket>,
 }
 
 impl TracedDispatcher {
     /// A dispatcher built from `config`, recording into `tap`. The tap's
     /// sinks must already have the header (see [`TraceWriter::new`] with
     /// [`DispatchConfigRec`]).
-    pub fn new(config: DispatchConfig, tap: Tap) -> Self {
-        Self {
-            inner: Dispatcher::new(config),
+    pub fn new(
+        now: Instant,
+        config: DispatchConfig,
+        tap: Tap,
+    ) -> Result<Self, iop_core::edge::health::HealthTrackerError> {
+        Ok(Self {
+            inner: Dispatcher::new(now, config)?,
             tap,
+            tickets: std::collections::BTreeMap::new(),
+        })
+    }
+
+    /// [`Dispatcher::probe_answer`].
+    pub fn probe_answer(
+        &mut self,
+        now: Instant,
+        ticket: &iop_core::edge::health::ProbeTicket,
+        answer: Result<(&NodeId, Generation, &CapabilitiesReport), iop_wire::HealthFailureCode>,
+    ) -> (
+        iop_core::edge::health::ProbeDisposition,
+        Vec<CapabilityVerdict>,
+    ) {
+        if self.tap.is_on() {
+            let rec = match &answer {
+                Ok((node, generation, report)) => ProbeAnswerRec::Report {
+                    node: (*node).clone(),
+                    generation: *generation,
+                    report: (*report).clone(),
+                },
+                Err(code) => ProbeAnswerRec::Failure(*code),
+            };
+            self.input(
+                now,
+                &DispatchInput::ProbeAnswer {
+                    provider: ticket.provider_id.clone(),
+                    answer: rec,
+                },
+            );
         }
+        let (disposition, verdicts) = self.inner.probe_answer(now, ticket, answer);
+        self.ret(now, || DispatchRet::Probe {
+            applied: disposition == iop_core::edge::health::ProbeDisposition::Applied,
+            verdicts: verdicts.iter().map(CapabilityVerdictRec::from).collect(),
+        });
+        (disposition, verdicts)
     }
 
     /// The wrapped dispatcher (read access).
@@ -1157,6 +1283,10 @@ impl TracedDispatcher {
     #[must_use]
     pub fn poll_output(&mut self, now: Instant) -> Option<DispatchOutput> {
         let out = self.inner.poll_output()?;
+        if let DispatchOutput::ProbeDue { ticket, .. } = &out {
+            self.tickets
+                .insert(ticket.provider_id.clone(), ticket.clone());
+        }
         if self.tap.is_on() {
             self.tap
                 .emit(now, LineKind::Out, &DispatchOutputRec::from(&out));
@@ -1215,6 +1345,26 @@ impl TracedDispatcher {
                     .map(CapabilityVerdictRec::from)
                     .collect(),
             ),
+            DispatchInput::ProbeAnswer { provider, answer } => {
+                let Some(ticket) = self.tickets.get(&provider).cloned() else {
+                    return DispatchRet::Probe {
+                        applied: false,
+                        verdicts: Vec::new(),
+                    };
+                };
+                let (disposition, verdicts) = match &answer {
+                    ProbeAnswerRec::Report {
+                        node,
+                        generation,
+                        report,
+                    } => self.probe_answer(now, &ticket, Ok((node, *generation, report))),
+                    ProbeAnswerRec::Failure(code) => self.probe_answer(now, &ticket, Err(*code)),
+                };
+                DispatchRet::Probe {
+                    applied: disposition == iop_core::edge::health::ProbeDisposition::Applied,
+                    verdicts: verdicts.iter().map(CapabilityVerdictRec::from).collect(),
+                }
+            }
             DispatchInput::HandleTimeout => {
                 self.handle_timeout(now);
                 DispatchRet::Done
@@ -2022,6 +2172,9 @@ pub enum ReplayError {
     /// The machine diverged from the trace.
     #[error("diverged at {0}")]
     Diverged(Divergence),
+    /// The trace's config cannot build the machine.
+    #[error("bad machine config in the trace header: {0}")]
+    Config(String),
 }
 
 /// What a successful replay checked.
@@ -2093,7 +2246,12 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
     match header.machine {
         MachineKind::EdgeDispatch => {
             let config: DispatchConfigRec = config_of(&header)?;
-            let machine = TracedDispatcher::new((&config).into(), Tap::off());
+            let machine = TracedDispatcher::new(
+                Instant::from_micros(config.created_us),
+                (&config).into(),
+                Tap::off(),
+            )
+            .map_err(|e| ReplayError::Config(e.to_string()))?;
             replay_with(reader, machine, header.machine)
         }
         MachineKind::NodeWatchdog => {

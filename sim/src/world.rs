@@ -401,6 +401,9 @@ struct EdgeProc {
     next_request_id: RequestId,
     next_command_id: u64,
     commands: BTreeMap<u64, ConnId>,
+    /// CAPABILITIES commands sent for a health probe the dispatcher asked
+    /// for, by command id.
+    probes: BTreeMap<u64, iop_core::edge::health::ProbeTicket>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -938,19 +941,25 @@ impl World {
             providers: self.providers.clone(),
             generation_floor: floor,
             known_nodes: None,
+            health: self.cfg.health,
         };
-        let tap = self
-            .recorder
-            .tap(MachineKind::EdgeDispatch, &DispatchConfigRec::from(&config));
+        let mut rec = DispatchConfigRec::from(&config);
+        rec.created_us = self.now.as_micros();
+        let tap = self.recorder.tap(MachineKind::EdgeDispatch, &rec);
+        let dispatcher = match TracedDispatcher::new(self.now, config, tap) {
+            Ok(d) => d,
+            Err(e) => panic!("sim health config is invalid: {e}"),
+        };
         self.edge = Some(EdgeProc {
             incarnation,
-            dispatcher: TracedDispatcher::new(config, tap),
+            dispatcher,
             conns: BTreeMap::new(),
             by_generation: BTreeMap::new(),
             requests: BTreeMap::new(),
             next_request_id: 1,
             next_command_id: 1,
             commands: BTreeMap::new(),
+            probes: BTreeMap::new(),
         });
         self.checker.edge_started();
         let at = self.now + self.cfg.capabilities_interval;
@@ -1222,8 +1231,52 @@ impl World {
                     self.checker.lease_released(lease.lease_id, "fence");
                     self.lease_fenced(lease);
                 }
+                DispatchOutput::ProbeDue {
+                    ticket,
+                    node,
+                    generation,
+                } => self.health_probe(ticket, &node, generation),
+                DispatchOutput::Health(_) => {}
             }
         }
+    }
+
+    /// A health probe the dispatcher asked for: a CAPABILITIES command on the
+    /// node's ready connection, or a transport failure at once.
+    fn health_probe(
+        &mut self,
+        ticket: iop_core::edge::health::ProbeTicket,
+        node: &NodeId,
+        generation: Option<Generation>,
+    ) {
+        let idx = self.node_index(node);
+        let now = self.now;
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let conn = generation.and_then(|g| edge.by_generation.get(&(idx, g)).copied());
+        let Some(conn) = conn else {
+            let _ = edge.dispatcher.probe_answer(
+                now,
+                &ticket,
+                Err(iop_wire::HealthFailureCode::TransportFailed),
+            );
+            return;
+        };
+        let command_id = edge.next_command_id;
+        edge.next_command_id += 1;
+        edge.commands.insert(command_id, conn);
+        edge.probes.insert(command_id, ticket);
+        self.transmit(
+            conn,
+            Dir::EdgeToNode,
+            StreamKey::Command(command_id),
+            Payload::Data(DataRequest::Command(Command {
+                command_id,
+                session_id: "probe".into(),
+                kind: CommandKind::Capabilities,
+            })),
+        );
     }
 
     fn node_index(&self, node: &NodeId) -> usize {
@@ -1814,9 +1867,16 @@ impl World {
             return;
         };
         let node = node_id(c.node);
-        let verdicts = edge
-            .dispatcher
-            .apply_capabilities(now, &node, generation, report);
+        let verdicts = match edge.probes.remove(&result.command_id) {
+            Some(ticket) => {
+                edge.dispatcher
+                    .probe_answer(now, &ticket, Ok((&node, generation, report)))
+                    .1
+            }
+            None => edge
+                .dispatcher
+                .apply_capabilities(now, &node, generation, report),
+        };
         self.stats.recoveries += verdicts
             .iter()
             .filter(|v| v.recovery == iop_core::edge::overlay::RecoveryOutcome::Recovered)

@@ -200,24 +200,10 @@ fn planted_driver_bugs_are_caught_by_the_invariants() {
     }
 }
 
-/// The known core issue (see `invariants::KNOWN_CORE_ISSUES`) is reported as
-/// a finding, and as a violation in strict mode. When the core is fixed,
-/// this seed passes strict mode too: flip this test then.
+/// Seed 416 found the R-SEL-1 ordering bug on readiness (fixed in core by
+/// `Admission::set_states`); it now passes in strict mode.
 #[test]
-fn known_core_issue_is_a_finding_and_a_violation_when_strict() {
-    let lenient = run(
-        416,
-        RunOptions {
-            steps: SWARM_STEPS,
-            ..RunOptions::default()
-        },
-    );
-    assert!(lenient.violation.is_none(), "{:?}", lenient.violation);
-    assert!(
-        lenient.findings.iter().any(|f| f.rule == "R-SEL-1"),
-        "{:?}",
-        lenient.findings
-    );
+fn seed_that_found_the_readiness_ordering_bug_passes_strict() {
     let strict = run(
         416,
         RunOptions {
@@ -226,7 +212,8 @@ fn known_core_issue_is_a_finding_and_a_violation_when_strict() {
             ..RunOptions::default()
         },
     );
-    assert_eq!(strict.violation.map(|v| v.rule), Some("R-SEL-1"));
+    assert!(strict.violation.is_none(), "{:?}", strict.violation);
+    assert!(strict.findings.is_empty(), "{:?}", strict.findings);
 }
 
 #[test]

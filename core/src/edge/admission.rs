@@ -481,6 +481,20 @@ impl Admission {
         self.drain_queue(now);
     }
 
+    /// Set several providers' online generation and eligibility at once,
+    /// then serve the queue once, so no request is placed before all of them
+    /// are in their new state (R-SEL-1: an avoided provider must not win
+    /// because its alternate came online a moment later).
+    pub fn set_states(&mut self, now: Instant, updates: &[(ProviderId, Option<Generation>, bool)]) {
+        for (provider, online, eligible) in updates {
+            if let Some(p) = self.providers.get_mut(provider) {
+                p.online = *online;
+                p.runtime_eligible = *eligible;
+            }
+        }
+        self.drain_queue(now);
+    }
+
     /// Whether the runtime overlay and health tracker allow `provider`.
     pub fn set_runtime_eligible(&mut self, now: Instant, provider: &ProviderId, eligible: bool) {
         if let Some(p) = self.providers.get_mut(provider) {

@@ -186,19 +186,23 @@ impl Dispatcher {
     /// `unavailable` or `stale` (fail closed). A provider no probe has
     /// answered yet is eligible once its node is ready.
     fn refresh_eligibility(&mut self, now: Instant, provider: &ProviderId) {
-        let lowered = self
+        let online = self
             .admission
             .capacity_view()
             .iter()
             .find(|c| &c.provider_id == provider)
-            .and_then(|c| c.online)
-            .is_some_and(|g| self.overlay.is_lowered(provider, g));
+            .and_then(|c| c.online);
+        let eligible = self.eligible(provider, online);
+        self.admission.set_runtime_eligible(now, provider, eligible);
+    }
+
+    fn eligible(&self, provider: &ProviderId, online: Option<Generation>) -> bool {
+        let lowered = online.is_some_and(|g| self.overlay.is_lowered(provider, g));
         let unhealthy = matches!(
             self.health.state(provider),
             Some(HealthState::Unavailable) | Some(HealthState::Stale)
         );
-        self.admission
-            .set_runtime_eligible(now, provider, !lowered && !unhealthy);
+        !lowered && !unhealthy
     }
 
     fn providers_of(&self, node: &NodeId) -> Vec<ProviderId> {
@@ -219,11 +223,12 @@ impl Dispatcher {
         now: Instant,
         ticket: &ProbeTicket,
         answer: Result<(&NodeId, Generation, &CapabilitiesReport), iop_wire::HealthFailureCode>,
-    ) -> ProbeDisposition {
+    ) -> (ProbeDisposition, Vec<CapabilityVerdict>) {
+        let mut verdicts = Vec::new();
         let result = match answer {
             Err(code) => ProbeResult::Failure(code),
             Ok((node, generation, report)) => {
-                let _ = self.apply_capabilities(now, node, generation, report);
+                verdicts = self.apply_capabilities(now, node, generation, report);
                 let spec = self.admission.provider(&ticket.provider_id).cloned();
                 let entries: Vec<&iop_wire::TargetHealth> = report
                     .targets
@@ -254,7 +259,7 @@ impl Dispatcher {
         let disposition = self.health.probe_result(now, ticket, result);
         self.refresh_eligibility(now, &ticket.provider_id);
         self.pump(now);
-        disposition
+        (disposition, verdicts)
     }
 
     /// Read access to the registry.
@@ -552,20 +557,25 @@ impl Dispatcher {
                         code,
                     }),
                     RegistryOutput::Ready { node, generation } => {
-                        let providers: Vec<ProviderId> = self
-                            .admission
-                            .providers()
-                            .filter(|p| p.node == node)
-                            .map(|p| p.id.clone())
-                            .collect();
-                        for p in providers {
-                            // The overlay is scoped to its generation: a new
-                            // generation starts clean (R-OVL-2); a fresh probe
-                            // is asked for at once.
-                            self.health.resume(now, &p);
-                            self.admission.set_online(now, &p, Some(generation));
-                            self.refresh_eligibility(now, &p);
+                        let providers = self.providers_of(&node);
+                        // The overlay is scoped to its generation: a new
+                        // generation starts clean (R-OVL-2); a fresh probe
+                        // is asked for at once. Every provider of the node
+                        // changes state before the queue is served once.
+                        for p in &providers {
+                            self.health.resume(now, p);
                         }
+                        let updates: Vec<(ProviderId, Option<Generation>, bool)> = providers
+                            .iter()
+                            .map(|p| {
+                                (
+                                    p.clone(),
+                                    Some(generation),
+                                    self.eligible(p, Some(generation)),
+                                )
+                            })
+                            .collect();
+                        self.admission.set_states(now, &updates);
                         self.outputs
                             .push_back(DispatchOutput::NodeReady { node, generation });
                     }
