@@ -98,8 +98,6 @@ struct LeaseModel {
 /// `Admission::set_states`.
 pub const KNOWN_CORE_ISSUES: &[&str] = &[];
 
-/// How many findings a run keeps.
-const MAX_FINDINGS: usize = 16;
 
 /// How many released lease ids and ended requests the checker remembers to
 /// recognise a second release or a late delivery (bounded model).
@@ -190,20 +188,6 @@ impl Checker {
     /// Treat known core issues ([`KNOWN_CORE_ISSUES`]) as violations.
     pub fn set_strict(&mut self, strict: bool) {
         self.strict = strict;
-    }
-
-    /// Record a known core issue: a finding, or a violation in strict mode.
-    fn finding(&mut self, rule: &'static str, detail: String) {
-        if self.strict {
-            self.fail(rule, detail);
-        } else if self.findings.len() < MAX_FINDINGS {
-            self.findings.push(Violation {
-                rule,
-                detail,
-                step: self.step,
-                at_us: self.now.as_micros(),
-            });
-        }
     }
 
     /// Known core issues seen (not violations unless strict).
