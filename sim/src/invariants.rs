@@ -98,7 +98,6 @@ struct LeaseModel {
 /// `Admission::set_states`.
 pub const KNOWN_CORE_ISSUES: &[&str] = &[];
 
-
 /// How many released lease ids and ended requests the checker remembers to
 /// recognise a second release or a late delivery (bounded model).
 const REMEMBERED: usize = 8192;
