@@ -517,3 +517,51 @@ async fn hard_deadline_wins_over_a_coincident_stall() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn saturated_tunnel_stream_does_not_close_the_connection() {
+    bounded(async {
+        // A large, fast answer the Edge side does not read for three times
+        // the heartbeat wait: flow control stalls the tunnel's stream while
+        // heartbeats keep flowing on the control stream.
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let rig = rig(&mock).await;
+        let (mut send, mut recv) = open_framed(&rig.conn).await.unwrap();
+        let body = br#"{"model":"mock:tokens=60000","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+        send.send(&DataRequest::Tunnel(ProviderTunnelRequest {
+            run_id: 77,
+            session_id: "s".into(),
+            adapter: AdapterKind::OpenAi,
+            target: "m".into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: body.to_vec(),
+            response_stall_timeout_ms: 0,
+            deadline_ms: 0,
+            credential_lease: None,
+        }))
+        .await
+        .unwrap();
+        let head = recv.recv::<ProviderTunnelFrame>().await.unwrap();
+        assert!(matches!(head, Some(ProviderTunnelFrame::Head { status: 200, .. })));
+        tokio::time::sleep(std::time::Duration::from_millis(3 * HB_WAIT_MS)).await;
+        let snap = rig.edge.hub.snapshot().await.unwrap();
+        assert_eq!(snap.fences, 0, "the connection stayed up: {snap:?}");
+        assert!(snap.closes_by_reason.is_empty());
+        // Now read everything: the tunnel completes.
+        let mut bytes = 0usize;
+        let mut terminal = None;
+        while let Some(f) = recv.recv::<ProviderTunnelFrame>().await.unwrap() {
+            match f {
+                ProviderTunnelFrame::Body(b) => bytes += b.len(),
+                other => terminal = Some(other),
+            }
+        }
+        assert!(matches!(terminal, Some(ProviderTunnelFrame::End)), "{terminal:?}");
+        assert!(bytes > 2 * 1024 * 1024, "large enough to saturate ({bytes} bytes)");
+        rig.node.shutdown().await.unwrap();
+        rig.edge.shutdown().await;
+    })
+    .await;
+}
