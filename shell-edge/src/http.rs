@@ -57,8 +57,14 @@ impl AppState {
     ) -> Self {
         let m = metrics.clone();
         let observe: Arc<dyn Fn(DriverObservation) + Send + Sync> = Arc::new(move |o| match o {
-            DriverObservation::Eligibility(e) => m.recovery_eligibility(e),
-            DriverObservation::Result(r) => m.recovery_result(r),
+            DriverObservation::Eligibility(e) => {
+                m.recovery_eligibility(e);
+                tracing::info!(event = "edge_liveness_recovery_observation", eligibility = e);
+            }
+            DriverObservation::Result(r) => {
+                m.recovery_result(r);
+                tracing::info!(event = "edge_liveness_recovery_observation", result = r);
+            }
             DriverObservation::Readmitted => {}
             DriverObservation::Ttft(route, d) => m.ttft(route, d),
         });

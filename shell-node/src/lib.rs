@@ -8,6 +8,7 @@
 pub mod adapter;
 pub mod config;
 pub mod link;
+pub mod metrics;
 pub mod mock;
 pub mod run;
 pub mod supervisor;
@@ -47,6 +48,29 @@ impl RunningNode {
             .collect();
         let shared = Arc::new(LinkShared::new(adapters, config.watchdog.probe_bound));
         let (shutdown, rx) = watch::channel(false);
+        if let Some(addr) = config.node.metrics_listen {
+            let shared = shared.clone();
+            let mut stop = rx.clone();
+            tokio::spawn(async move {
+                let app = axum::Router::new().route(
+                    "/metrics",
+                    axum::routing::get(move || {
+                        let shared = shared.clone();
+                        async move { shared.metrics.render() }
+                    }),
+                );
+                match tokio::net::TcpListener::bind(addr).await {
+                    Ok(listener) => {
+                        let _ = axum::serve(listener, app)
+                            .with_graceful_shutdown(async move {
+                                let _ = stop.changed().await;
+                            })
+                            .await;
+                    }
+                    Err(e) => tracing::error!(event = "node_metrics_bind_failed", error = %e),
+                }
+            });
+        }
         let task = tokio::spawn(supervisor::run(Arc::new(config), shared.clone(), rx));
         Self {
             shutdown,

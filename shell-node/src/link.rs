@@ -39,6 +39,8 @@ pub struct LinkShared {
     pub adapters: Vec<Adapter>,
     /// Bound of every exact-target probe (R-WD-3, R-CAP-1).
     pub probe_bound: std::time::Duration,
+    /// Stall metrics.
+    pub metrics: crate::metrics::NodeMetrics,
     /// Test hook: while true, the control loop stops reading and answering
     /// heartbeats (the connection itself stays up).
     pub pause_control: watch::Sender<bool>,
@@ -64,6 +66,7 @@ impl LinkShared {
         Self {
             adapters,
             probe_bound,
+            metrics: crate::metrics::NodeMetrics::new(),
             pause_control: watch::channel(false).0,
             fenced_late_outputs: AtomicU64::new(0),
             stalls: AtomicU64::new(0),
@@ -592,6 +595,9 @@ impl Link {
                     ..
                 } => {
                     self.shared.stalls.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .metrics
+                        .stall(kind.as_str(), health.as_str(), retryable, elapsed_ms);
                     tracing::warn!(
                         event = "node_response_stall_observation",
                         kind = kind.as_str(),

@@ -1,0 +1,150 @@
+//! R-OBS-1 sentinel: a known API key and raw payload markers are driven
+//! through success, a stall and a provider error; none of them may appear
+//! in `/metrics`, `/status` or the logs of the Edge and the Node, and every
+//! label value belongs to its closed set.
+
+mod common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use iop_edge::server::RunningEdge;
+use iop_node::mock::{MockScript, MockServer};
+
+const KEY: &str = "sk-SENTINEL-KEY-7f3a9c1e5b";
+const PAYLOAD: &str = "SENTINEL-PAYLOAD-d41d8cd9";
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut v) = self.0.lock() {
+            v.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    tracing_subscriber::fmt()
+        .json()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(move || writer.clone())
+        .init();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let edge = RunningEdge::start(edge_config(
+            &pki,
+            0,
+            "[[providers]]\nid = \"p1\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"t\"\nstall_timeout_ms = 300\n\
+             [[routes]]\nmodel = \"mock*\"\nproviders = [\"p1\"]\n\
+             [[api_keys]]\nprincipal = \"sentinel\"\nkey_file = \"key\"\nadmin = true\n",
+        ))
+        .await
+        .unwrap();
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                mock.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        let http = reqwest::Client::new();
+        let url = format!("http://{}", edge.http_addr);
+        for (model, stream) in [
+            ("mock", false),
+            ("mock", true),
+            ("mock:stall_after=1", true),
+            ("mock:stall_after=0", false),
+            ("mock:error=500", false),
+        ] {
+            let body = format!(
+                r#"{{"model":"{model}","stream":{stream},"messages":[{{"role":"user","content":"{PAYLOAD}"}}]}}"#
+            );
+            let _ = http
+                .post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(KEY)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await;
+        }
+        // A wrong key carrying the marker is refused without echoing it.
+        let r = http
+            .post(format!("{url}/v1/chat/completions"))
+            .bearer_auth(format!("{KEY}-wrong"))
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        assert!(!r.text().await.unwrap().contains(KEY));
+        wait_for(&edge, "idle", |s| s.leases_in_use == 0).await;
+
+        let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+        let status = http
+            .get(format!("{url}/status"))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        node.shutdown().await.unwrap();
+        edge.shutdown().await;
+        let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        assert!(logs.contains("\"event\""), "logs were captured");
+        for (surface, text) in [("metrics", &metrics), ("status", &status), ("logs", &logs)] {
+            for marker in [KEY, PAYLOAD, "SENTINEL"] {
+                assert!(!text.contains(marker), "{marker} leaked into {surface}");
+            }
+            assert!(!text.contains("run_id"), "run ids leaked into {surface}");
+        }
+        // Every label value is from its closed set.
+        let closed: &[(&str, &[&str])] = &[
+            ("route", &["chat", "responses", "ollama_chat", "ollama_generate"]),
+            ("outcome", &["ok", "invalid_request", "unauthorized", "not_found", "rate_limited",
+                "provider_error", "unavailable", "timeout", "client_disconnected", "internal",
+                "lowered", "recorded", "stale"]),
+            ("health", &["available", "unavailable", "unknown"]),
+            ("transition", &["lowered", "recovered"]),
+            ("eligibility", &["eligible", "not_eligible_committed", "not_eligible_attempts",
+                "not_eligible_budget", "not_eligible_unconfirmed"]),
+            ("result", &["readmitted", "recovered", "exhausted", "failed", "abandoned"]),
+        ];
+        let mut seen = 0;
+        for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+            let Some(labels) = line.split_once('{').and_then(|(_, r)| r.split_once('}')).map(|(l, _)| l) else {
+                continue;
+            };
+            for pair in labels.split(',') {
+                let Some((k, v)) = pair.split_once('=') else { continue };
+                let v = v.trim_matches('"');
+                if let Some((_, allowed)) = closed.iter().find(|(name, _)| *name == k) {
+                    assert!(allowed.contains(&v), "label {k}={v} is not in its closed set");
+                    seen += 1;
+                }
+            }
+        }
+        assert!(seen > 0, "labels were checked: {metrics}");
+    })
+    .await;
+}
