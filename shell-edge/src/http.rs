@@ -59,7 +59,10 @@ impl AppState {
         let observe: Arc<dyn Fn(DriverObservation) + Send + Sync> = Arc::new(move |o| match o {
             DriverObservation::Eligibility(e) => {
                 m.recovery_eligibility(e);
-                tracing::info!(event = "edge_liveness_recovery_observation", eligibility = e);
+                tracing::info!(
+                    event = "edge_liveness_recovery_observation",
+                    eligibility = e
+                );
             }
             DriverObservation::Result(r) => {
                 m.recovery_result(r);

@@ -595,9 +595,12 @@ impl Link {
                     ..
                 } => {
                     self.shared.stalls.fetch_add(1, Ordering::Relaxed);
-                    self.shared
-                        .metrics
-                        .stall(kind.as_str(), health.as_str(), retryable, elapsed_ms);
+                    self.shared.metrics.stall(
+                        kind.as_str(),
+                        health.as_str(),
+                        retryable,
+                        elapsed_ms,
+                    );
                     tracing::warn!(
                         event = "node_response_stall_observation",
                         kind = kind.as_str(),

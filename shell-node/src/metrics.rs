@@ -63,17 +63,21 @@ impl NodeMetrics {
     }
 
     /// One stall observation (closed labels only).
-    pub fn stall(&self, kind: &'static str, health: &'static str, retryable: bool, elapsed_ms: u64) {
+    pub fn stall(
+        &self,
+        kind: &'static str,
+        health: &'static str,
+        retryable: bool,
+        elapsed_ms: u64,
+    ) {
         let labels = [
             KeyValue::new("kind", kind),
             KeyValue::new("provider_health", health),
             KeyValue::new("retryable", if retryable { "true" } else { "false" }),
         ];
         self.stalls.add(1, &labels);
-        self.stall_duration.record(
-            elapsed_ms as f64 / 1000.0,
-            &[KeyValue::new("kind", kind)],
-        );
+        self.stall_duration
+            .record(elapsed_ms as f64 / 1000.0, &[KeyValue::new("kind", kind)]);
     }
 
     /// Prometheus text exposition.

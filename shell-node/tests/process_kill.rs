@@ -120,7 +120,10 @@ base_url = "{mock}"
         let errors = body.matches("\"error\"").count();
         assert_eq!(errors, 1, "one terminal error: {body}");
         assert!(!body.contains("[DONE]"), "no success terminal: {body}");
-        assert!(elapsed >= Duration::from_millis(300), "not before the wait: {elapsed:?}");
+        assert!(
+            elapsed >= Duration::from_millis(300),
+            "not before the wait: {elapsed:?}"
+        );
 
         // Every provider's capacity is back to full.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -129,7 +132,10 @@ base_url = "{mock}"
             if snap.leases_in_use == 0 && snap.providers.iter().all(|p| p.in_use == 0) {
                 break;
             }
-            assert!(tokio::time::Instant::now() < deadline, "capacity leaked: {snap:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "capacity leaked: {snap:?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
