@@ -44,6 +44,8 @@
 //!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE) and the
 //!   per-provider health tracker (R-HT).
 
+#![deny(missing_docs)]
+
 pub mod edge;
 pub mod ids;
 pub mod liveness;

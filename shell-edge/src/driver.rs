@@ -50,12 +50,35 @@ pub struct Work {
 /// The raw client request to relay to a tunnel-mode provider.
 #[derive(Debug, Clone)]
 pub struct TunnelBody {
+    /// Which provider API the raw request speaks: only a provider of that
+    /// API can take it as a tunnel.
+    pub api: TunnelApi,
     /// Path, e.g. `/v1/chat/completions`.
     pub path: String,
     /// Headers to pass on (content type, accept).
     pub headers: Vec<Header>,
     /// Body bytes.
     pub body: Vec<u8>,
+}
+
+/// The provider API of a raw client request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TunnelApi {
+    /// OpenAI (`/v1/...`): `openai` and `mock` adapters.
+    OpenAi,
+    /// Ollama (`/api/...`): `ollama` adapters.
+    Ollama,
+}
+
+impl TunnelApi {
+    /// Can a provider of `adapter` take this raw request?
+    pub fn spoken_by(self, adapter: iop_wire::AdapterKind) -> bool {
+        use iop_wire::AdapterKind as A;
+        matches!(
+            (self, adapter),
+            (TunnelApi::OpenAi, A::OpenAi | A::Mock) | (TunnelApi::Ollama, A::Ollama)
+        )
+    }
 }
 
 /// What the HTTP response receives, in order.
@@ -312,8 +335,14 @@ impl Driver {
 
     async fn open(&self, lease: &Lease, conn: &quinn::Connection) -> Result<Attempt, FramedError> {
         let (mut send, recv) = open_framed(conn).await?;
+        // A tunnel only to a tunnel-mode provider that speaks the client's
+        // API; anything else is a normalized run.
         let tunnel = self.ctx.modes.get(&lease.provider_id) == Some(&ProviderMode::Tunnel)
-            && self.work.tunnel.is_some();
+            && self
+                .work
+                .tunnel
+                .as_ref()
+                .is_some_and(|t| t.api.spoken_by(lease.adapter));
         let request = match (&self.work.tunnel, tunnel) {
             (Some(t), true) => DataRequest::Tunnel(ProviderTunnelRequest {
                 run_id: lease.run_id,

@@ -30,7 +30,9 @@ use tokio::sync::mpsc;
 use crate::api::error::ApiError;
 use crate::api::{chat, models, ollama, responses};
 use crate::config::{ApiKey, EdgeConfig};
-use crate::driver::{self, Delivery, DriverContext, DriverObservation, TunnelBody, Work};
+use crate::driver::{
+    self, Delivery, DriverContext, DriverObservation, TunnelApi, TunnelBody, Work,
+};
 use crate::hub::HubHandle;
 use crate::metrics::EdgeMetrics;
 
@@ -206,8 +208,9 @@ async fn first(
     }
 }
 
-fn tunnel_body(path: &str, body: &[u8]) -> TunnelBody {
+fn tunnel_body(api: TunnelApi, path: &str, body: &[u8]) -> TunnelBody {
     TunnelBody {
+        api,
         path: path.to_owned(),
         headers: vec![("content-type".into(), "application/json".into())],
         body: body.to_vec(),
@@ -260,7 +263,11 @@ async fn chat_completions(State(state): State<AppState>, request: Request) -> Re
         messages: req.messages.clone(),
         tools: req.tools.clone(),
         params: req.params.clone(),
-        tunnel: Some(tunnel_body("/v1/chat/completions", &body)),
+        tunnel: Some(tunnel_body(
+            TunnelApi::OpenAi,
+            "/v1/chat/completions",
+            &body,
+        )),
         route: "chat",
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
@@ -371,7 +378,7 @@ async fn create_response(State(state): State<AppState>, request: Request) -> Res
         messages: req.messages.clone(),
         tools: req.tools.clone(),
         params: req.params.clone(),
-        tunnel: Some(tunnel_body("/v1/responses", &body)),
+        tunnel: Some(tunnel_body(TunnelApi::OpenAi, "/v1/responses", &body)),
         route: "responses",
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
@@ -453,7 +460,7 @@ async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response 
         RunApi::Chat => ollama::parse_ollama_chat,
         RunApi::Generate => ollama::parse_ollama_generate,
     };
-    let (key, _body, req) = match admit_body(&state, request, &mut record, parse).await {
+    let (key, body, req) = match admit_body(&state, request, &mut record, parse).await {
         Ok(x) => x,
         Err(e) => return ollama_error_response(&e),
     };
@@ -475,13 +482,25 @@ async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response 
         messages: req.messages.clone(),
         tools: req.tools.clone(),
         params: req.params.clone(),
-        tunnel: None,
+        tunnel: Some(tunnel_body(
+            TunnelApi::Ollama,
+            match api {
+                RunApi::Chat => "/api/chat",
+                RunApi::Generate => "/api/generate",
+            },
+            &body,
+        )),
         route,
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
-    if let Err(e) = first(&mut rx).await {
-        record.error(&e);
-        return ollama_error_response(&e);
+    match first(&mut rx).await {
+        Err(e) => {
+            record.error(&e);
+            return ollama_error_response(&e);
+        }
+        // A tunnel-mode Ollama provider answered in its own format.
+        Ok(Some((status, headers))) => return tunnel_response(status, headers, rx, record),
+        Ok(None) => {}
     }
     if req.stream {
         let enc = ollama::OllamaStream::new(req.model.clone(), api, started);

@@ -530,3 +530,64 @@ async fn official_openai_python_sdk_end_to_end() {
     .await;
     let _ = Duration::ZERO;
 }
+
+/// Tunnel-mode providers: OpenAI requests relayed byte for byte to an
+/// `openai` provider, Ollama requests to an `ollama` provider, both under
+/// the same stream gate.
+#[tokio::test]
+async fn tunnel_mode_relays_openai_and_ollama_requests() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let edge = RunningEdge::start(edge_config(
+            &pki,
+            0,
+            "[[providers]]\nid = \"oa\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"oa\"\nmode = \"tunnel\"\nmodels = [\"mock\"]\n\
+             [[providers]]\nid = \"ol\"\nnode = \"node-1\"\nadapter = \"ollama\"\ntarget = \"ol\"\nmode = \"tunnel\"\n\
+             [[routes]]\nmodel = \"mock:*\"\nproviders = [\"ol\"]\n\
+             [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n",
+        ))
+        .await
+        .unwrap();
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"oa\"\nbase_url = \"{u}\"\n\
+                 [[providers]]\nadapter = \"ollama\"\ntarget = \"ol\"\nbase_url = \"{u}\"\n",
+                u = mock.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        let http = reqwest::Client::new();
+        let r = http
+            .post(format!("http://{}/v1/chat/completions", edge.http_addr))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .body(chat_body("mock", true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let (text, done, error) = sse_text(&r.text().await.unwrap());
+        assert!(text.contains("tok") && done && error.is_none());
+        let r = http
+            .post(format!("http://{}/api/chat", edge.http_addr))
+            .bearer_auth(KEY)
+            .body(r#"{"model":"mock:tokens=3","messages":[{"role":"user","content":"hi"}]}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body = r.text().await.unwrap();
+        let last: serde_json::Value = serde_json::from_str(body.lines().last().unwrap()).unwrap();
+        assert_eq!(last["done"], true, "{body}");
+        assert_eq!(mock.requests(), 2, "both went to the provider as tunnels");
+        wait_for(&edge, "idle", |s| s.leases_in_use == 0).await;
+        node.shutdown().await.unwrap();
+        edge.shutdown().await;
+    })
+    .await;
+}

@@ -565,3 +565,52 @@ async fn saturated_tunnel_stream_does_not_close_the_connection() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn ollama_api_command_streams_an_ollama_call() {
+    bounded(async {
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let providers = format!(
+            "[[providers]]\nadapter = \"ollama\"\ntarget = \"o\"\nbase_url = \"{}\"\n",
+            mock.base_url()
+        );
+        let rig = rig_with(&providers, "").await;
+        let (mut send, mut recv) = open_framed(&rig.conn).await.unwrap();
+        send.send(&DataRequest::Command(Command {
+            command_id: 5,
+            session_id: "o".into(),
+            kind: CommandKind::OllamaApi(iop_wire::OllamaApiCall {
+                target: "o".into(),
+                method: "POST".into(),
+                path: "/api/generate".into(),
+                body: br#"{"model":"mock:tokens=3","prompt":"hi"}"#.to_vec(),
+            }),
+        }))
+        .await
+        .unwrap();
+        let mut frames = Vec::new();
+        while let Some(r) = recv.recv::<CommandResult>().await.unwrap() {
+            match r.body {
+                CommandResultBody::OllamaApi(f) => frames.push(f),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(
+            frames.first(),
+            Some(ProviderTunnelFrame::Head { status: 200, .. })
+        ));
+        assert!(matches!(frames.last(), Some(ProviderTunnelFrame::End)));
+        let body: Vec<u8> = frames
+            .iter()
+            .filter_map(|f| match f {
+                ProviderTunnelFrame::Body(b) => Some(b.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert!(String::from_utf8_lossy(&body).contains("\"done\":true"));
+        rig.node.shutdown().await.unwrap();
+        rig.edge.shutdown().await;
+    })
+    .await;
+}

@@ -21,6 +21,8 @@
 //! postcard. [`FrameDecoder`] checks the length against its maximum before it
 //! reserves a single byte.
 
+#![deny(missing_docs)]
+
 mod codec;
 mod messages;
 
