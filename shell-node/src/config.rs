@@ -45,6 +45,8 @@ pub struct ReconnectSection {
     pub initial_ms: u64,
     /// Cap.
     pub max_ms: u64,
+    /// Bound of one connection attempt (QUIC handshake).
+    pub connect_timeout_ms: u64,
 }
 
 impl Default for ReconnectSection {
@@ -53,6 +55,7 @@ impl Default for ReconnectSection {
         Self {
             initial_ms: d.initial.as_millis() as u64,
             max_ms: d.max.as_millis() as u64,
+            connect_timeout_ms: 10_000,
         }
     }
 }
@@ -156,6 +159,8 @@ pub struct NodeConfig {
     pub heartbeat: HeartbeatConfig,
     /// Reconnect backoff.
     pub reconnect: BackoffConfig,
+    /// Bound of one connection attempt.
+    pub connect_timeout: Duration,
     /// Watchdog bounds.
     pub watchdog: WatchdogConfig,
     /// Providers.
@@ -264,6 +269,7 @@ impl NodeConfig {
                 initial: Duration::from_millis(r.initial_ms),
                 max: Duration::from_millis(r.max_ms),
             },
+            connect_timeout: Duration::from_millis(r.connect_timeout_ms),
             watchdog: WatchdogConfig {
                 close_grace: Duration::from_millis(w.close_grace_ms),
                 probe_bound: Duration::from_millis(w.probe_bound_ms),

@@ -112,6 +112,8 @@ pub enum LinkEnd {
     },
     /// The handshake failed.
     Failed(FramedError),
+    /// Registration and readiness did not complete in time.
+    HandshakeTimeout,
 }
 
 /// What the link tells one run handler.
@@ -228,7 +230,15 @@ pub async fn run(
         Ok(pair) => pair,
         Err(e) => return LinkEnd::Failed(e),
     };
-    let (generation, _config) = match handshake(&mut send, &mut recv, &config, &shared).await {
+    let handshake = tokio::time::timeout(
+        config.connect_timeout,
+        handshake(&mut send, &mut recv, &config, &shared),
+    );
+    let Ok(handshake) = handshake.await else {
+        close_connection(&conn, CloseCode::ProtocolError);
+        return LinkEnd::HandshakeTimeout;
+    };
+    let (generation, _config) = match handshake {
         Ok(Ok(g)) => g,
         Ok(Err((reason, message))) => {
             close_connection(&conn, CloseCode::RegistrationRejected);

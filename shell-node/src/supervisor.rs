@@ -50,12 +50,17 @@ pub async fn run(
             let addr = resolve(&config.node.edge)
                 .await
                 .ok_or("cannot resolve the edge address")?;
-            connect(&endpoint, addr, &config.node.edge_server_name)
-                .await
-                .map_err(|e| {
+            // A dead edge never answers a QUIC handshake: bound the attempt
+            // so the backoff schedule, not the idle timeout, paces retries.
+            let dial = connect(&endpoint, addr, &config.node.edge_server_name);
+            match tokio::time::timeout(config.connect_timeout, dial).await {
+                Ok(Ok(conn)) => Ok(conn),
+                Ok(Err(e)) => {
                     tracing::warn!(event = "node_connect_failed", error = %e);
-                    "connect failed"
-                })
+                    Err("connect failed")
+                }
+                Err(_) => Err("connect timed out"),
+            }
         };
         let end = tokio::select! {
             conn = attempt => match conn {
@@ -92,6 +97,9 @@ pub async fn run(
             }
             Some(LinkEnd::Failed(e)) => {
                 tracing::warn!(event = "node_link_failed", error = %e);
+            }
+            Some(LinkEnd::HandshakeTimeout) => {
+                tracing::warn!(event = "node_handshake_timeout");
             }
             None => {}
         }
