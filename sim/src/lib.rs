@@ -26,7 +26,7 @@ pub mod invariants;
 pub mod net;
 pub mod provider;
 mod record;
-pub mod trace;
+pub use iop_trace as trace;
 pub mod world;
 
 pub use record::Capture;
