@@ -10,11 +10,12 @@ use std::collections::{BTreeMap, HashMap};
 
 use iop_core::edge::admission::{Admit, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
 use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, TerminalVerdict,
+    CapabilityVerdict, DispatchConfig, DispatchOutput, TerminalVerdict,
 };
 use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::Rejection;
 use iop_core::ids::{Generation, NodeId};
+use iop_trace::{DispatchConfigRec, MachineKind, Tap, TraceWriter, TracedDispatcher};
 use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, RegisterRequest};
 use iop_wire::{
     Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode,
@@ -316,7 +317,7 @@ struct Hub {
     unix_origin_ms: u64,
     probe_bound: std::time::Duration,
     clock: Clock,
-    dispatcher: Dispatcher,
+    dispatcher: TracedDispatcher,
     store: Option<GenerationStore>,
     links: HashMap<(NodeId, Generation), LinkHandle>,
     waiters: BTreeMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
@@ -324,13 +325,24 @@ struct Hub {
     metrics: Arc<EdgeMetrics>,
 }
 
-/// Start the hub task.
+/// Start the hub task. With `trace`, every dispatcher input and output is
+/// recorded there (iop-trace format, machine `edge-dispatch`).
 pub fn spawn(
     config: DispatchConfig,
     store: Option<GenerationStore>,
     clock: Clock,
     metrics: Arc<EdgeMetrics>,
-) -> Result<HubHandle, iop_core::edge::health::HealthTrackerError> {
+    trace: Option<Box<dyn std::io::Write + Send>>,
+) -> Result<(HubHandle, tokio::task::JoinHandle<()>), iop_core::edge::health::HealthTrackerError> {
+    let now = clock.now();
+    let tap = match trace {
+        Some(out) => {
+            let mut rec = DispatchConfigRec::from(&config);
+            rec.created_us = now.as_micros();
+            Tap::to(TraceWriter::new(out, MachineKind::EdgeDispatch, &rec))
+        }
+        None => Tap::off(),
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let probe_bound = config.health.probe_timeout;
     let hub = Hub {
@@ -338,15 +350,15 @@ pub fn spawn(
         unix_origin_ms: iop_transport::clock::unix_ms().saturating_sub(clock.now().as_millis()),
         probe_bound,
         clock,
-        dispatcher: Dispatcher::new(clock.now(), config)?,
+        dispatcher: TracedDispatcher::new(now, config, tap)?,
         store,
         links: HashMap::new(),
         waiters: BTreeMap::new(),
         closes_by_reason: BTreeMap::new(),
         metrics,
     };
-    tokio::spawn(hub.run(rx));
-    Ok(HubHandle { tx })
+    let task = tokio::spawn(hub.run(rx));
+    Ok((HubHandle { tx }, task))
 }
 
 impl Hub {
@@ -369,8 +381,8 @@ impl Hub {
 
     fn publish_gauges(&self) {
         let g = &self.metrics.gauges;
-        let admission = self.dispatcher.admission();
-        let registry = self.dispatcher.registry();
+        let admission = self.dispatcher.inner().admission();
+        let registry = self.dispatcher.inner().registry();
         g.queue_depth
             .store(admission.queue_depth() as u64, Ordering::Relaxed);
         g.leases_in_use
@@ -394,7 +406,7 @@ impl Hub {
                 if let Ok((generation, _)) = &result {
                     self.links.insert((node.clone(), *generation), link);
                     if let Some(store) = &self.store
-                        && let Err(e) = store.save(self.dispatcher.registry().high_water())
+                        && let Err(e) = store.save(self.dispatcher.inner().registry().high_water())
                     {
                         tracing::error!(event = "generation_store_failed", error = %e);
                     }
@@ -418,7 +430,7 @@ impl Hub {
                     .connection_closed(now, &node, generation, reason);
             }
             HubMsg::LateMessage { node, generation } => {
-                let _ = self.dispatcher.admit_message(&node, generation);
+                let _ = self.dispatcher.admit_message(now, &node, generation);
             }
             HubMsg::Admit {
                 request,
@@ -523,6 +535,7 @@ impl Hub {
             HubMsg::Link { node, reply } => {
                 let link = self
                     .dispatcher
+                    .inner()
                     .registry()
                     .dispatchable_generation(&node)
                     .and_then(|g| self.links.get(&(node, g)).map(|l| (g, l.clone())));
@@ -543,7 +556,7 @@ impl Hub {
     }
 
     fn drain(&mut self) {
-        while let Some(out) = self.dispatcher.poll_output() {
+        while let Some(out) = self.dispatcher.poll_output(self.clock.now()) {
             match out {
                 DispatchOutput::CloseConnection {
                     node,
@@ -649,8 +662,8 @@ impl Hub {
     }
 
     fn snapshot(&self) -> HubSnapshot {
-        let registry = self.dispatcher.registry();
-        let admission = self.dispatcher.admission();
+        let registry = self.dispatcher.inner().registry();
+        let admission = self.dispatcher.inner().admission();
         let mut nodes: Vec<NodeId> = admission.providers().map(|p| p.node.clone()).collect();
         nodes.extend(self.links.keys().map(|(n, _)| n.clone()));
         nodes.sort();
@@ -671,6 +684,7 @@ impl Hub {
             closes_by_reason: self.closes_by_reason.clone(),
             health: self
                 .dispatcher
+                .inner()
                 .health()
                 .snapshot()
                 .into_iter()

@@ -24,6 +24,10 @@ enum Command {
         /// Path of the config file (see docs/operations.md).
         #[arg(long, short, env = "IOP_EDGE_CONFIG")]
         config: PathBuf,
+        /// Record every dispatcher input and output to this file, for
+        /// `iop-sim replay` (see docs/simulation.md).
+        #[arg(long)]
+        record_trace: Option<PathBuf>,
     },
     /// Run a complete local deployment (Edge + Node on loopback, dev
     /// certificates, Ollama if found, else the built-in mock provider) and
@@ -83,9 +87,13 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
         match cli.command {
-            Command::Run { config } => {
+            Command::Run {
+                config,
+                record_trace,
+            } => {
                 let config = iop_edge::config::EdgeConfig::load(&config)?;
-                let edge = iop_edge::server::RunningEdge::start(config).await?;
+                let options = iop_edge::server::EdgeOptions { record_trace };
+                let edge = iop_edge::server::RunningEdge::start_with(config, options).await?;
                 iop_transport::signals::shutdown_signal().await;
                 tracing::info!(event = "edge_shutdown");
                 edge.shutdown().await;

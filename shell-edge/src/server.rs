@@ -47,11 +47,30 @@ pub struct RunningEdge {
     endpoint: quinn::Endpoint,
     accept_task: JoinHandle<()>,
     http_task: JoinHandle<()>,
+    hub_task: JoinHandle<()>,
+}
+
+/// Process options that are not configuration.
+#[derive(Debug, Clone, Default)]
+pub struct EdgeOptions {
+    /// Record every dispatcher input and output to this file (iop-trace).
+    pub record_trace: Option<std::path::PathBuf>,
 }
 
 impl RunningEdge {
     /// Start listening for nodes.
     pub async fn start(config: EdgeConfig) -> Result<Self, StartError> {
+        Self::start_with(config, EdgeOptions::default()).await
+    }
+
+    /// Start with process options.
+    pub async fn start_with(config: EdgeConfig, options: EdgeOptions) -> Result<Self, StartError> {
+        let trace: Option<Box<dyn std::io::Write + Send>> = match &options.record_trace {
+            Some(path) => Some(Box::new(std::io::BufWriter::new(std::fs::File::create(
+                path,
+            )?))),
+            None => None,
+        };
         let tls = ServerTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
         let tuning = QuicTuning::for_heartbeat_wait(
             config.heartbeat.wait + config.heartbeat.interval,
@@ -63,7 +82,7 @@ impl RunningEdge {
         let floor = store.floor(unix_ms())?;
         let clock = Clock::new();
         let metrics = crate::metrics::EdgeMetrics::new();
-        let hub = hub::spawn(
+        let (hub, hub_task) = hub::spawn(
             DispatchConfig {
                 admission: config.admission_config(),
                 providers: config.providers.iter().map(|p| p.spec.clone()).collect(),
@@ -74,6 +93,7 @@ impl RunningEdge {
             Some(store),
             clock,
             metrics.clone(),
+            trace,
         )?;
         let settings = LinkSettings {
             heartbeat: config.heartbeat,
@@ -124,6 +144,7 @@ impl RunningEdge {
             endpoint,
             accept_task,
             http_task,
+            hub_task,
         })
     }
 
@@ -148,6 +169,8 @@ impl RunningEdge {
             let _ = accept.await;
         }
         self.hub.shutdown();
+        // The hub ends and drops its trace writer, flushing it.
+        let _ = self.hub_task.await;
         let _ = self.http_task.await;
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
             .await;

@@ -30,9 +30,22 @@ pub struct RunningNode {
     task: JoinHandle<Result<(), supervisor::StartError>>,
 }
 
+/// Process options that are not configuration.
+#[derive(Debug, Clone, Default)]
+pub struct NodeOptions {
+    /// Record each connection's watchdog inputs and outputs to
+    /// `<path>.<generation>` (iop-trace).
+    pub record_trace: Option<std::path::PathBuf>,
+}
+
 impl RunningNode {
     /// Start the supervisor: it dials the Edge and keeps reconnecting.
     pub fn start(config: NodeConfig) -> Self {
+        Self::start_with(config, NodeOptions::default())
+    }
+
+    /// Start with process options.
+    pub fn start_with(config: NodeConfig, options: NodeOptions) -> Self {
         // Tunnels pass redirects through as they are; runs have no overall
         // timeout on purpose: the stall watchdog bounds them.
         let http = reqwest::Client::builder()
@@ -46,7 +59,9 @@ impl RunningNode {
             .iter()
             .map(|p| Adapter::new(p, http.clone()))
             .collect();
-        let shared = Arc::new(LinkShared::new(adapters, config.watchdog.probe_bound));
+        let mut shared = LinkShared::new(adapters, config.watchdog.probe_bound);
+        shared.record_trace = options.record_trace;
+        let shared = Arc::new(shared);
         let (shutdown, rx) = watch::channel(false);
         if let Some(addr) = config.node.metrics_listen {
             let shared = shared.clone();

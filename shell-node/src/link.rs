@@ -13,11 +13,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use iop_core::ids::{Generation, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
-use iop_core::node::session::ObservationSequence;
 use iop_core::node::watchdog::{
-    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, Watchdog,
-    WatchdogOutput,
+    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogOutput,
 };
+use iop_trace::{MachineKind, Tap, TraceWriter, TracedWatchdog, WatchdogConfigRec};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend, open_framed};
@@ -56,6 +55,8 @@ pub struct LinkShared {
     pub disconnect_cancels: AtomicU64,
     /// Connection attempts that failed before readiness.
     pub failed_attempts: AtomicU64,
+    /// Where to record each connection's watchdog trace (`--record-trace`).
+    pub record_trace: Option<std::path::PathBuf>,
     /// The close code of the last connection that ended (`u64::MAX`: none).
     pub last_close_code: AtomicU64,
 }
@@ -75,6 +76,21 @@ impl LinkShared {
             disconnect_cancels: AtomicU64::new(0),
             failed_attempts: AtomicU64::new(0),
             last_close_code: AtomicU64::new(u64::MAX),
+            record_trace: None,
+        }
+    }
+
+    /// The trace file of the connection of `generation`
+    /// (`<record-trace>.<generation>`), if recording.
+    pub fn trace_file(&self, generation: u64) -> Option<Box<dyn std::io::Write + Send>> {
+        let base = self.record_trace.as_ref()?;
+        let path = std::path::PathBuf::from(format!("{}.{generation}", base.display()));
+        match std::fs::File::create(&path) {
+            Ok(f) => Some(Box::new(std::io::BufWriter::new(f))),
+            Err(e) => {
+                tracing::error!(event = "node_trace_open_failed", error = %e);
+                None
+            }
         }
     }
 
@@ -253,12 +269,23 @@ pub async fn run(
     shared.ready.store(true, Ordering::Relaxed);
     tracing::info!(event = "node_ready", generation);
 
+    // The watchdog (with its observation sequence) is this connection's own
+    // (R-SEQ-1); with --record-trace its inputs and outputs are recorded.
+    let config_rec = WatchdogConfigRec::new(&config.watchdog, true);
+    let tap = match shared.trace_file(generation) {
+        Some(out) => Tap::to(TraceWriter::new(
+            out,
+            MachineKind::NodeWatchdog,
+            &config_rec,
+        )),
+        None => Tap::off(),
+    };
     let mut link = Link {
         clock,
         generation,
         connected_at: clock.now(),
         heartbeat: Heartbeat::new(clock.now(), config.heartbeat),
-        watchdog: Watchdog::new(config.watchdog, Some(ObservationSequence::new())),
+        watchdog: TracedWatchdog::new(config_rec, tap),
         runs: HashMap::new(),
         max_runs: config.node.max_concurrent_runs as usize,
         shared: shared.clone(),
@@ -416,7 +443,7 @@ struct Link {
     generation: Generation,
     connected_at: iop_core::Instant,
     heartbeat: Heartbeat,
-    watchdog: Watchdog,
+    watchdog: TracedWatchdog,
     runs: HashMap<RunId, RunSlot>,
     max_runs: usize,
     shared: Arc<LinkShared>,
@@ -537,11 +564,15 @@ impl Link {
                         .last_rtt()
                         .map(iop_core::time::duration_ms),
                     fenced_late_outputs: self.shared.fenced_late_outputs.load(Ordering::Relaxed),
-                    next_health_observation_seq: self.watchdog.next_observation_seq().unwrap_or(0),
+                    next_health_observation_seq: self
+                        .watchdog
+                        .inner()
+                        .next_observation_seq()
+                        .unwrap_or(0),
                 });
             }
             LinkMsg::TakeObservationSeq { reply } => {
-                let _ = reply.send(self.watchdog.take_observation_seq().unwrap_or(0));
+                let _ = reply.send(self.watchdog.take_observation_seq(now).unwrap_or(0));
             }
         }
     }
@@ -564,7 +595,7 @@ impl Link {
                 return Some(CloseCode::Normal);
             }
         }
-        while let Some(out) = self.watchdog.poll_output() {
+        while let Some(out) = self.watchdog.poll_output(self.clock.now()) {
             match out {
                 WatchdogOutput::CancelProvider { run_id } => {
                     if let Some(slot) = self.runs.get(&run_id) {

@@ -24,6 +24,10 @@ enum Command {
         /// Path of the config file (see docs/operations.md).
         #[arg(long, short, env = "IOP_NODE_CONFIG")]
         config: PathBuf,
+        /// Record each connection's watchdog inputs and outputs to
+        /// `FILE.<generation>`, for `iop-sim replay` (docs/simulation.md).
+        #[arg(long, value_name = "FILE")]
+        record_trace: Option<PathBuf>,
     },
     /// Serve the built-in deterministic mock provider over HTTP
     /// (OpenAI- and Ollama-compatible), for tests and benchmarks.
@@ -37,9 +41,15 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
         match cli.command {
-            Command::Run { config } => {
+            Command::Run {
+                config,
+                record_trace,
+            } => {
                 let config = iop_node::config::NodeConfig::load(&config)?;
-                let node = iop_node::RunningNode::start(config);
+                let node = iop_node::RunningNode::start_with(
+                    config,
+                    iop_node::NodeOptions { record_trace },
+                );
                 iop_transport::signals::shutdown_signal().await;
                 tracing::info!(event = "node_shutdown");
                 node.shutdown().await?;
