@@ -623,6 +623,17 @@ impl Hub {
         let link = generation.and_then(|g| self.links.get(&(node.clone(), g)).cloned());
         let tx = self.tx.clone();
         let bound = self.probe_bound;
+        // Probe exactly this provider's target (R-HT-3: a failing provider
+        // is probed only on its own schedule, never as a side effect).
+        let target = self
+            .dispatcher
+            .inner()
+            .admission()
+            .provider(&ticket.provider_id)
+            .map(|p| iop_wire::ProbeTarget {
+                adapter: p.adapter,
+                target: p.target.clone(),
+            });
         let (Some(generation), Some(link)) = (generation, link) else {
             let _ = tx.send(HubMsg::ProbeAnswer {
                 ticket,
@@ -638,7 +649,7 @@ impl Hub {
                 send.send(&DataRequest::Command(Command {
                     command_id: 0,
                     session_id: String::new(),
-                    kind: CommandKind::Capabilities,
+                    kind: CommandKind::Capabilities { target },
                 }))
                 .await
                 .map_err(|_| HealthFailureCode::TransportFailed)?;

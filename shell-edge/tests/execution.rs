@@ -402,8 +402,8 @@ async fn commands_answer_transport_status_and_capabilities() {
         let mut last_seq = 0;
         for (id, kind) in [
             (1, CommandKind::TransportStatus),
-            (2, CommandKind::Capabilities),
-            (3, CommandKind::Capabilities),
+            (2, CommandKind::Capabilities { target: None }),
+            (3, CommandKind::Capabilities { target: None }),
         ] {
             let (mut send, mut recv) = open_framed(&rig.conn).await.unwrap();
             send.send(&DataRequest::Command(Command {

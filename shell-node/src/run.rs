@@ -315,10 +315,15 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
             Some(report) => CommandResultBody::TransportStatus(report),
             None => return,
         },
-        CommandKind::Capabilities => {
+        CommandKind::Capabilities { target } => {
             // The same bounded exact-target probe as the stall path (R-CAP-1).
             let bound = shared.probe_bound;
-            let probes = shared.adapters.iter().map(|a| async move {
+            let chosen = shared.adapters.iter().filter(|a| {
+                target
+                    .as_ref()
+                    .is_none_or(|t| t.adapter == a.kind() && t.target == a.target())
+            });
+            let probes = chosen.map(|a| async move {
                 let verdict = match tokio::time::timeout(bound, a.probe()).await {
                     Ok(v) => v,
                     Err(_) => crate::adapter::ProbeVerdict {

@@ -1274,7 +1274,7 @@ impl World {
             Payload::Data(DataRequest::Command(Command {
                 command_id,
                 session_id: "probe".into(),
-                kind: CommandKind::Capabilities,
+                kind: CommandKind::Capabilities { target: None },
             })),
         );
     }
@@ -1841,7 +1841,7 @@ impl World {
                 Payload::Data(DataRequest::Command(Command {
                     command_id,
                     session_id: "caps".into(),
-                    kind: CommandKind::Capabilities,
+                    kind: CommandKind::Capabilities { target: None },
                 })),
             );
         }
@@ -2030,7 +2030,7 @@ impl World {
             },
             Payload::Data(DataRequest::Run(request)) => self.node_start_run(node, request),
             Payload::Data(DataRequest::Command(command)) => {
-                if matches!(command.kind, CommandKind::Capabilities) {
+                if matches!(command.kind, CommandKind::Capabilities { .. }) {
                     let delay = self.rng.millis(1, duration_ms(self.cfg.probe_delay_max));
                     let process = self.nodes[node].process;
                     self.schedule(

@@ -752,12 +752,28 @@ pub struct OllamaApiCall {
     pub body: Vec<u8>,
 }
 
+/// One adapter/target to probe.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeTarget {
+    /// Adapter.
+    pub adapter: AdapterKind,
+    /// Target.
+    pub target: String,
+}
+
 /// The closed set of commands (SPEC §3). Nothing else: no shell, no host commands.
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CommandKind {
-    /// Exact-target health of every adapter/target, plus the next Session sequence.
-    Capabilities,
+    /// Exact-target health of every adapter/target (or only `target`), plus
+    /// the next Session sequence. The Edge's health tracker asks for one
+    /// target at a time, so a failing provider is probed only on its own
+    /// backoff (R-HT-3).
+    Capabilities {
+        /// Probe only this adapter/target; `None`: every one.
+        target: Option<ProbeTarget>,
+    },
     /// Transport state of this connection.
     TransportStatus,
     /// An Ollama API call, answered as a stream of tunnel frames.
