@@ -38,7 +38,7 @@ use iop_wire::{
 
 pub use error::ProviderCallError;
 pub use lines::{LineBuffer, LineError, MAX_LINE_BYTES};
-pub use sse::{MAX_EVENT_BYTES, SseDecoder, SseError, SseEvent};
+pub use sse::{MAX_EVENT_BYTES, SseGuardError, bounded as bounded_sse};
 
 use crate::mock::InProcessMock;
 

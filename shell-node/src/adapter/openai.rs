@@ -11,7 +11,11 @@ use iop_wire::{
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::{HttpTarget, ProbeVerdict, ProviderCallError, SseDecoder, failed_run, probe_http};
+use eventsource_stream::{EventStreamError, Eventsource};
+
+use super::{
+    HttpTarget, ProbeVerdict, ProviderCallError, SseGuardError, bounded_sse, failed_run, probe_http,
+};
 
 /// Stream a chat completion as normalized run events.
 pub(super) fn run(
@@ -49,41 +53,37 @@ pub(super) fn run(
             return;
         }
         yield RunEventKind::Started { session_id };
-        let mut bytes = response.bytes_stream();
-        let mut sse = SseDecoder::default();
+        let mut events = bounded_sse(response.bytes_stream()).eventsource();
         let mut state = ChunkState::default();
         loop {
-            let (events, eof) = match bytes.next().await {
-                Some(Ok(chunk)) => (sse.push(&chunk), false),
-                Some(Err(e)) => {
+            let event = match events.next().await {
+                Some(Ok(event)) => event,
+                Some(Err(EventStreamError::Transport(SseGuardError::Transport(e)))) => {
                     yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
                     return;
                 }
-                None => (sse.finish().map(|last| last.into_iter().collect()), true),
+                Some(Err(_)) => {
+                    yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
+                    return;
+                }
+                None => {
+                    yield state.terminal_at_eof();
+                    return;
+                }
             };
-            let Ok(events) = events else {
-                yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
-                return;
-            };
-            for event in events {
-                match state.on_data(&event.data) {
-                    Ok(items) => {
-                        for item in items {
-                            yield item;
-                        }
-                    }
-                    Err(e) => {
-                        yield RunEventKind::Failed(e.failure());
-                        return;
+            match state.on_data(&event.data) {
+                Ok(items) => {
+                    for item in items {
+                        yield item;
                     }
                 }
-                if state.done {
-                    yield state.completed();
+                Err(e) => {
+                    yield RunEventKind::Failed(e.failure());
                     return;
                 }
             }
-            if eof {
-                yield state.terminal_at_eof();
+            if state.done {
+                yield state.completed();
                 return;
             }
         }

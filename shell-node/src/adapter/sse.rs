@@ -1,151 +1,85 @@
-//! An incremental Server-Sent Events decoder (the WHATWG event-stream
-//! format): `data:` lines are joined, `event:` names the event, comments and
-//! other fields are ignored, a blank line dispatches. Bounded per event.
+//! Server-Sent Events from a provider: framing is the `eventsource-stream`
+//! crate's (the WHATWG event-stream format); this module only puts a bound
+//! on how much a provider may send before an event completes, so a
+//! misbehaving server cannot grow our buffers without limit.
 
-use super::lines::{LineBuffer, LineError};
+use bytes::Bytes;
+use futures::Stream;
+use futures::StreamExt;
 
-/// The largest accepted event payload.
+/// The largest accepted event (bytes between blank lines).
 pub const MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
 
-/// One dispatched event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SseEvent {
-    /// The `event:` field, if any.
-    pub event: Option<String>,
-    /// The joined `data:` lines.
-    pub data: String,
-}
-
-/// Why the event stream could not be decoded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum SseError {
-    /// A line was too long or not UTF-8.
+/// Why the byte stream was cut.
+#[derive(Debug, thiserror::Error)]
+pub enum SseGuardError {
+    /// The transport failed.
     #[error(transparent)]
-    Line(#[from] LineError),
+    Transport(#[from] reqwest::Error),
     /// An event exceeded [`MAX_EVENT_BYTES`].
     #[error("event larger than {MAX_EVENT_BYTES} bytes")]
     EventTooLarge,
 }
 
-/// Decodes a byte stream into [`SseEvent`]s.
-#[derive(Debug, Default)]
-pub struct SseDecoder {
-    lines: LineBuffer,
-    event: Option<String>,
-    data: String,
-    has_data: bool,
-}
-
-impl SseDecoder {
-    /// Feed a chunk; returns the events it completed.
-    pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<SseEvent>, SseError> {
-        let mut out = Vec::new();
-        for line in self.lines.push(chunk)? {
-            if let Some(event) = self.line(&line)? {
-                out.push(event);
+/// Pass `bytes` through, failing once more than [`MAX_EVENT_BYTES`] arrive
+/// without an event boundary (a blank line). Only counts; never frames.
+pub fn bounded(
+    bytes: impl Stream<Item = Result<Bytes, reqwest::Error>> + Send + 'static,
+) -> impl Stream<Item = Result<Bytes, SseGuardError>> + Send + 'static {
+    // (bytes since the last blank line, the last byte seen, a `\r` before it)
+    let mut since_boundary = 0usize;
+    let mut prev: [u8; 2] = [0, 0];
+    bytes.map(move |chunk| {
+        let chunk = chunk?;
+        for &b in chunk.iter() {
+            since_boundary += 1;
+            // "\n\n" or "\r\n\r\n" (the "\r\n" pair is seen as its "\n").
+            let blank = b == b'\n' && (prev[1] == b'\n' || (prev[1] == b'\r' && prev[0] == b'\n'));
+            if blank {
+                since_boundary = 0;
             }
+            prev = [prev[1], b];
         }
-        Ok(out)
-    }
-
-    /// End of stream: a last event without its blank line is still
-    /// dispatched (servers that close right after `data: [DONE]` exist).
-    pub fn finish(&mut self) -> Result<Option<SseEvent>, SseError> {
-        if let Some(line) = self.lines.finish()?
-            && let Some(event) = self.line(&line)?
-        {
-            return Ok(Some(event));
+        if since_boundary > MAX_EVENT_BYTES {
+            return Err(SseGuardError::EventTooLarge);
         }
-        Ok(self.dispatch())
-    }
-
-    fn line(&mut self, line: &str) -> Result<Option<SseEvent>, SseError> {
-        if line.is_empty() {
-            return Ok(self.dispatch());
-        }
-        if line.starts_with(':') {
-            return Ok(None);
-        }
-        let (field, value) = match line.split_once(':') {
-            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
-            None => (line, ""),
-        };
-        match field {
-            "data" => {
-                if self.data.len() + value.len() + 1 > MAX_EVENT_BYTES {
-                    return Err(SseError::EventTooLarge);
-                }
-                if self.has_data {
-                    self.data.push('\n');
-                }
-                self.data.push_str(value);
-                self.has_data = true;
-            }
-            "event" => self.event = Some(value.to_owned()),
-            _ => {}
-        }
-        Ok(None)
-    }
-
-    fn dispatch(&mut self) -> Option<SseEvent> {
-        let event = self.event.take();
-        if !self.has_data {
-            return None;
-        }
-        self.has_data = false;
-        Some(SseEvent {
-            event,
-            data: std::mem::take(&mut self.data),
-        })
-    }
+        Ok(chunk)
+    })
 }
 
 #[cfg(test)]
 mod tests {
+    use eventsource_stream::Eventsource;
+    use futures::StreamExt;
+
     use super::*;
 
-    fn decode_in_pieces(input: &[u8], piece: usize) -> Vec<SseEvent> {
-        let mut d = SseDecoder::default();
-        let mut out = Vec::new();
-        for c in input.chunks(piece) {
-            out.extend(d.push(c).unwrap());
-        }
-        out.extend(d.finish().unwrap());
-        out
+    async fn events(chunks: Vec<&'static [u8]>) -> Vec<(String, String)> {
+        let stream = futures::stream::iter(chunks.into_iter().map(|c| Ok(Bytes::from_static(c))));
+        bounded(stream)
+            .eventsource()
+            .filter_map(|e| async move { e.ok().map(|e| (e.event, e.data)) })
+            .collect()
+            .await
     }
 
-    #[test]
-    fn events_decode_the_same_whatever_the_chunking() {
-        let input =
-            b": comment\r\nevent: delta\r\ndata: {\"a\":\r\ndata:1}\r\n\r\ndata: [DONE]\n\n";
-        let want = vec![
-            SseEvent {
-                event: Some("delta".into()),
-                data: "{\"a\":\n1}".into(),
-            },
-            SseEvent {
-                event: None,
-                data: "[DONE]".into(),
-            },
-        ];
-        for piece in 1..input.len() {
-            assert_eq!(decode_in_pieces(input, piece), want, "piece {piece}");
-        }
+    #[tokio::test]
+    async fn events_decode_the_same_however_the_bytes_are_split() {
+        let whole: &[u8] =
+            b"data: a\n\n: comment\nevent: x\ndata: b\ndata: c\r\n\r\ndata: [DONE]\n\n";
+        let one = events(vec![whole]).await;
+        let split: Vec<&'static [u8]> = whole.chunks(3).collect();
+        assert_eq!(events(split).await, one);
+        assert_eq!(one[0].1, "a");
+        assert_eq!(one[1], ("x".to_owned(), "b\nc".to_owned()));
+        assert_eq!(one[2].1, "[DONE]");
     }
 
-    #[test]
-    fn a_last_event_without_its_blank_line_is_dispatched_at_the_end() {
-        assert_eq!(
-            decode_in_pieces(b"data: [DONE]", 4),
-            vec![SseEvent {
-                event: None,
-                data: "[DONE]".into()
-            }]
-        );
-    }
-
-    #[test]
-    fn blank_lines_without_data_dispatch_nothing() {
-        assert!(decode_in_pieces(b"\n\nevent: x\n\nid: 3\n\n", 3).is_empty());
+    #[tokio::test]
+    async fn an_event_without_end_is_cut_at_the_bound() {
+        let big = vec![b'x'; MAX_EVENT_BYTES + 1];
+        let stream = futures::stream::iter(vec![Ok::<_, reqwest::Error>(Bytes::from(big))]);
+        let out: Vec<_> = bounded(stream).collect().await;
+        assert!(matches!(out[0], Err(SseGuardError::EventTooLarge)));
     }
 }

@@ -436,6 +436,9 @@ async fn collect(mut steps: BoxStream<'static, MockStep>) -> Option<Collected> {
     Some(c)
 }
 
+// The mock writes SSE bytes itself, on purpose: as a fault-injecting test
+// double it must be able to emit malformed frames and cut streams mid-event,
+// which no SSE library will do.
 fn sse_data(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
