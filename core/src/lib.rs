@@ -46,6 +46,7 @@
 
 #![deny(missing_docs)]
 
+pub mod cred;
 pub mod edge;
 pub mod ids;
 pub mod liveness;
