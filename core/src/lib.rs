@@ -43,6 +43,9 @@
 //!   admission and leases (R-LEASE, R-SEL), the runtime health overlay and
 //!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE) and the
 //!   per-provider health tracker (R-HT).
+//! * [`cred`]: managed credential leases (R-CRED-1..3): sealing a secret
+//!   to a Node under a signed scope, and opening it fail-closed with a
+//!   bounded replay cache. Pure functions; RNG and time are injected.
 
 #![deny(missing_docs)]
 
