@@ -43,6 +43,8 @@
 //!   admission and leases (R-LEASE, R-SEL), the runtime health overlay and
 //!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE) and the
 //!   per-provider health tracker (R-HT).
+//! * `planted` (feature `planted-bugs`, test-only): known bugs a test can
+//!   switch on to prove that the simulator's invariants catch them.
 
 #![deny(missing_docs)]
 
@@ -50,6 +52,8 @@ pub mod edge;
 pub mod ids;
 pub mod liveness;
 pub mod node;
+#[cfg(feature = "planted-bugs")]
+pub mod planted;
 pub mod rng;
 pub mod time;
 
