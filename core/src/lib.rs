@@ -46,6 +46,8 @@
 //! * [`cred`]: managed credential leases (R-CRED-1..3): sealing a secret
 //!   to a Node under a signed scope, and opening it fail-closed with a
 //!   bounded replay cache. Pure functions; RNG and time are injected.
+//! * `planted` (feature `planted-bugs`, test-only): known bugs a test can
+//!   switch on to prove that the simulator's invariants catch them.
 
 #![deny(missing_docs)]
 
@@ -54,6 +56,8 @@ pub mod edge;
 pub mod ids;
 pub mod liveness;
 pub mod node;
+#[cfg(feature = "planted-bugs")]
+pub mod planted;
 pub mod rng;
 pub mod time;
 

@@ -98,6 +98,16 @@ pub struct FaultProfile {
     /// Of connection ends, the share the peer is told about at once (else
     /// it finds out through its heartbeat).
     pub close_notice_ppm: u32,
+    /// Per message: a lost packet is retransmitted and the message (and
+    /// its stream behind it) arrives late, so streams overtake each other.
+    pub retransmit_ppm: u32,
+    /// The longest retransmission delay.
+    pub retransmit_max: Duration,
+    /// Per tick and provider: the provider freezes (every call of it stops
+    /// emitting at once and its probes time out: correlated stalls).
+    pub provider_freeze_ppm: u32,
+    /// Longest freeze.
+    pub provider_freeze_max: Duration,
 }
 
 /// Provider behaviours drawn per attempt while faults are on.
@@ -212,6 +222,11 @@ impl SimConfig {
             client_cancel_ppm: rng.swarm(500_000, 10_000, 300_000),
             client_disconnect_ppm: rng.swarm(500_000, 10_000, 300_000),
             close_notice_ppm: rng.range(0, u64::from(PPM)) as u32,
+            // Drawn last (below), so the draws above stay what they were.
+            retransmit_ppm: 0,
+            retransmit_max: Duration::ZERO,
+            provider_freeze_ppm: 0,
+            provider_freeze_max: Duration::ZERO,
         };
         let provider = ProviderProfile {
             slow_prefill_ppm: rng.swarm(500_000, 10_000, 300_000),
@@ -262,6 +277,17 @@ impl SimConfig {
             stale_after: caps * 3,
             probe_timeout: Duration::from_secs(5),
         };
+        config.faults.retransmit_ppm = rng.swarm(500_000, 10_000, 150_000);
+        config.faults.retransmit_max = rng.millis(40, 1500);
+        config.faults.provider_freeze_ppm = rng.swarm(400_000, 5_000, 40_000);
+        config.faults.provider_freeze_max = rng.millis(200, 3000);
+        // Some worlds have big providers: many runs of one provider at once
+        // (concurrent stalls of one provider, evidence overtaking evidence).
+        if rng.chance(PPM / 2) {
+            for c in &mut config.capacity {
+                *c += rng.range(2, 6) as u32;
+            }
+        }
         config
     }
 
@@ -285,13 +311,14 @@ impl SimConfig {
     ///
     /// ```text
     /// B_node = edge_down_max + node_down_max + heartbeat_interval + heartbeat_wait
-    ///        + connect_timeout + backoff_max + partition_max + 10 * latency_max
+    ///        + connect_timeout + backoff_max + partition_max + retransmit_max
+    ///        + 10 * latency_max
     /// ```
     ///
     /// The Edge comes back, a crashed node restarts, a dead connection is
     /// noticed by the heartbeat, a dial in flight fails, the (capped) backoff
-    /// wait passes, held partition traffic drains, and a fresh
-    /// dial-register-ready handshake completes.
+    /// wait passes, held partition traffic and retransmissions drain, and a
+    /// fresh dial-register-ready handshake completes.
     pub fn node_recovery_bound(&self) -> Duration {
         self.faults.edge_down_max
             + self.faults.node_down_max
@@ -300,6 +327,7 @@ impl SimConfig {
             + self.connect_timeout
             + self.backoff_max
             + self.faults.partition_max
+            + self.faults.retransmit_max
             + self.latency_max() * 10
     }
 

@@ -23,7 +23,7 @@ use std::fmt;
 use std::time::Duration;
 
 use iop_core::Instant;
-use iop_core::edge::admission::{Lease, LeaseId, RequestId};
+use iop_core::edge::admission::{Lease, LeaseId, PreSend, RequestId};
 use iop_core::edge::dispatch::{CapabilityVerdict, Dispatcher, TerminalVerdict};
 use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
@@ -128,7 +128,6 @@ pub struct Checker {
     violation: Option<Violation>,
     strict: bool,
     findings: Vec<Violation>,
-    selectable_at_step_start: BTreeSet<ProviderId>,
     // Edge, current incarnation: held leases and recently released ids.
     leases: BTreeMap<LeaseId, LeaseModel>,
     released: BTreeSet<LeaseId>,
@@ -156,7 +155,6 @@ impl Checker {
             violation: None,
             strict: false,
             findings: Vec::new(),
-            selectable_at_step_start: BTreeSet::new(),
             leases: BTreeMap::new(),
             released: BTreeSet::new(),
             last_seq: BTreeMap::new(),
@@ -192,18 +190,6 @@ impl Checker {
     /// Known core issues seen (not violations unless strict).
     pub fn findings(&self) -> &[Violation] {
         &self.findings
-    }
-
-    /// Remember which providers are selectable before the step's input.
-    pub fn step_started(&mut self, d: Option<&Dispatcher>, providers: &[ProviderId]) {
-        self.selectable_at_step_start.clear();
-        if let Some(d) = d {
-            for p in providers {
-                if d.admission().is_selectable(p) {
-                    self.selectable_at_step_start.insert(p.clone());
-                }
-            }
-        }
     }
 
     /// The first violation, if any.
@@ -378,6 +364,56 @@ impl Checker {
             None => self.fail(
                 "R-LEASE-1",
                 format!("run sent on unknown lease {}", lease.lease_id),
+            ),
+        }
+    }
+
+    /// R-GEN-3: a message attributed to the fenced `generation` of `node`
+    /// reached the dispatcher; it must have been ignored and counted once.
+    pub fn fenced_message(
+        &mut self,
+        node: &NodeId,
+        generation: Generation,
+        ignored: bool,
+        counted: u64,
+    ) {
+        if !ignored {
+            self.fail(
+                "R-GEN-3",
+                format!("a message of {node}'s fenced generation {generation} was processed"),
+            );
+        } else if counted != 1 {
+            self.fail(
+                "R-GEN-3",
+                format!(
+                    "a message of {node}'s fenced generation {generation} was counted {counted} times"
+                ),
+            );
+        }
+    }
+
+    /// R-GEN-4: a pre-send for `lease` reached the dispatcher after the
+    /// lease's generation was fenced (and the lease released): it must not
+    /// be answered `Send`, nor release the lease again.
+    pub fn pre_send_after_fence(&mut self, d: &Dispatcher, lease: &Lease, answer: &PreSend) {
+        match answer {
+            PreSend::UnknownLease => {}
+            PreSend::Send(l) => {
+                let dispatchable = d.registry().is_dispatchable(&l.node, l.generation);
+                self.fail(
+                    "R-GEN-4",
+                    format!(
+                        "pre-send answered Send for lease {} after its generation {} of {} was fenced (dispatchable: {dispatchable})",
+                        lease.lease_id, lease.generation, lease.node
+                    ),
+                );
+            }
+            PreSend::Refenced => self.fail(
+                "R-LEASE-2",
+                format!(
+                    "pre-send released lease {} again after its fence",
+                    lease.lease_id
+                ),
             ),
         }
     }

@@ -14,6 +14,10 @@
 //! * [`provider`]: simulated provider calls and probes.
 //! * [`world`]: the world, the Edge and Node drivers in miniature, faults.
 //! * [`invariants`]: what must hold after every step.
+//! * [`core_bugs`]: bugs planted in the core machines (to prove the
+//!   invariants bite).
+//! * [`fuzzing`]: fuzz harness bodies for the core dispatcher and watchdog
+//!   (`fuzz/`), replayed from the committed corpus by `cargo test`.
 //! * [`trace`]: the versioned JSON-lines trace format of one core machine,
 //!   recording wrappers and replay.
 //!
@@ -22,6 +26,8 @@
 #![warn(missing_docs)]
 
 pub mod config;
+pub mod core_bugs;
+pub mod fuzzing;
 pub mod invariants;
 pub mod net;
 pub mod provider;
@@ -29,8 +35,12 @@ mod record;
 pub use iop_trace as trace;
 pub mod world;
 
+pub use core_bugs::CoreBugs;
 pub use record::Capture;
 pub use world::{Bug, RunOptions, RunReport, Stats, run};
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Steps per seed when none is given.
 pub const DEFAULT_STEPS: u64 = 5_000;
@@ -46,25 +56,78 @@ pub struct SwarmReport {
     pub totals: Stats,
 }
 
-/// Run `count` seeds from `start` with `steps` steps each.
-pub fn swarm(
-    start: u64,
-    count: u64,
-    steps: u64,
-    bugs: &std::collections::BTreeSet<Bug>,
-    strict: bool,
-) -> SwarmReport {
+/// How to run a swarm of seeds.
+#[derive(Debug, Clone)]
+pub struct SwarmOptions {
+    /// The first seed.
+    pub start: u64,
+    /// How many seeds.
+    pub count: u64,
+    /// Steps per seed.
+    pub steps: u64,
+    /// Planted driver bugs.
+    pub bugs: BTreeSet<Bug>,
+    /// Planted core bugs.
+    pub core_bugs: CoreBugs,
+    /// Treat known core issues as violations.
+    pub strict: bool,
+    /// Worker threads; the report is the same for any number.
+    pub threads: usize,
+}
+
+impl SwarmOptions {
+    /// `count` seeds from `start`, `steps` steps each, nothing planted, one
+    /// thread.
+    pub fn new(start: u64, count: u64, steps: u64) -> Self {
+        Self {
+            start,
+            count,
+            steps,
+            bugs: BTreeSet::new(),
+            core_bugs: CoreBugs::none(),
+            strict: false,
+            threads: 1,
+        }
+    }
+
+    fn run_options(&self) -> RunOptions {
+        RunOptions {
+            steps: self.steps,
+            bugs: self.bugs.clone(),
+            core_bugs: self.core_bugs.clone(),
+            strict: self.strict,
+            ..RunOptions::default()
+        }
+    }
+}
+
+/// Run every seed of `options` (on `options.threads` threads, each seed on
+/// its own world) and report them in seed order.
+pub fn swarm(options: &SwarmOptions) -> SwarmReport {
+    let end = options.start.saturating_add(options.count);
+    let next = AtomicU64::new(options.start);
+    let worker = || {
+        let mut done = Vec::new();
+        loop {
+            let seed = next.fetch_add(1, Ordering::Relaxed);
+            if seed >= end {
+                return done;
+            }
+            done.push(run(seed, options.run_options()));
+        }
+    };
+    let mut reports: Vec<RunReport> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..options.threads.max(1))
+            .map(|_| scope.spawn(worker))
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    reports.sort_by_key(|r| r.seed);
     let mut report = SwarmReport::default();
-    for seed in start..start.saturating_add(count) {
-        let r = run(
-            seed,
-            RunOptions {
-                steps,
-                bugs: bugs.clone(),
-                strict,
-                ..RunOptions::default()
-            },
-        );
+    for r in reports {
         report.totals.add(&r.stats);
         if r.violation.is_some() {
             report.failures.push(r);
@@ -73,6 +136,14 @@ pub fn swarm(
         }
     }
     report
+}
+
+/// Run the seeds of `options` in order, one at a time, until one fails;
+/// return that run.
+pub fn first_failure(options: &SwarmOptions) -> Option<RunReport> {
+    (options.start..options.start.saturating_add(options.count))
+        .map(|seed| run(seed, options.run_options()))
+        .find(|r| r.violation.is_some())
 }
 
 /// The outcome of running a seed twice.

@@ -12,7 +12,9 @@ use std::time::Instant as WallInstant;
 
 use clap::{Parser, Subcommand};
 use iop_sim::trace::{MachineKind, TraceReader, replay};
-use iop_sim::{Bug, Capture, DEFAULT_STEPS, RunOptions, check_determinism, run, swarm};
+use iop_sim::{
+    Bug, Capture, CoreBugs, DEFAULT_STEPS, RunOptions, SwarmOptions, check_determinism, run, swarm,
+};
 
 /// The deterministic simulator of iop.
 #[derive(Debug, Parser)]
@@ -43,6 +45,9 @@ enum Cmd {
         /// Plant a driver bug (to see the invariants bite).
         #[arg(long, value_name = "BUG")]
         bug: Vec<String>,
+        /// Plant a bug in the core machines (needs `--features planted-bugs`).
+        #[arg(long, value_name = "BUG")]
+        core_bug: Vec<String>,
         /// Treat known core issues as violations.
         #[arg(long)]
         strict: bool,
@@ -61,9 +66,15 @@ enum Cmd {
         /// Plant a driver bug.
         #[arg(long, value_name = "BUG")]
         bug: Vec<String>,
+        /// Plant a bug in the core machines (needs `--features planted-bugs`).
+        #[arg(long, value_name = "BUG")]
+        core_bug: Vec<String>,
         /// Treat known core issues as violations.
         #[arg(long)]
         strict: bool,
+        /// Worker threads (default: every core); the report is the same.
+        #[arg(long)]
+        threads: Option<usize>,
     },
     /// Run a seed twice and compare the trace hashes.
     CheckDeterminism {
@@ -92,6 +103,27 @@ fn bugs(names: &[String]) -> Result<BTreeSet<Bug>, String> {
         .collect()
 }
 
+#[cfg(feature = "planted-bugs")]
+fn core_bugs(names: &[String]) -> Result<CoreBugs, String> {
+    use iop_core::planted::PlantedBug;
+    names.iter().try_fold(CoreBugs::none(), |bugs, n| {
+        let bug = PlantedBug::parse(n).ok_or_else(|| {
+            let all: Vec<&str> = PlantedBug::ALL.iter().map(|b| b.as_str()).collect();
+            format!("unknown core bug {n:?}; known: {}", all.join(", "))
+        })?;
+        Ok(bugs.plant(bug))
+    })
+}
+
+#[cfg(not(feature = "planted-bugs"))]
+fn core_bugs(names: &[String]) -> Result<CoreBugs, String> {
+    if names.is_empty() {
+        Ok(CoreBugs::none())
+    } else {
+        Err("this iop-sim has no planted core bugs; build it with `--features planted-bugs`".into())
+    }
+}
+
 fn main() -> ExitCode {
     match real_main() {
         Ok(code) => code,
@@ -111,9 +143,11 @@ fn real_main() -> Result<ExitCode, String> {
             machine,
             instance,
             bug,
+            core_bug,
             strict,
         } => {
             let bugs = bugs(&bug)?;
+            let core_bugs = core_bugs(&core_bug)?;
             let capture = match record_trace {
                 None => None,
                 Some(path) => {
@@ -135,7 +169,8 @@ fn real_main() -> Result<ExitCode, String> {
                     steps,
                     hash: true,
                     capture,
-                    bugs: bugs.clone(),
+                    bugs,
+                    core_bugs,
                     strict,
                 },
             );
@@ -180,12 +215,7 @@ fn real_main() -> Result<ExitCode, String> {
                 None => Ok(ExitCode::SUCCESS),
                 Some(v) => {
                     println!("FAILED: {v}");
-                    let strict_flag = if strict { " --strict" } else { "" };
-                    println!(
-                        "reproduce: {}{}{strict_flag}",
-                        report.repro_command(),
-                        bug_flags(&bugs)
-                    );
+                    println!("reproduce: {}", report.repro_command());
                     Ok(ExitCode::FAILURE)
                 }
             }
@@ -195,15 +225,26 @@ fn real_main() -> Result<ExitCode, String> {
             start,
             steps,
             bug,
+            core_bug,
             strict,
+            threads,
         } => {
-            let bugs = bugs(&bug)?;
+            let threads = threads.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            });
+            let options = SwarmOptions {
+                bugs: bugs(&bug)?,
+                core_bugs: core_bugs(&core_bug)?,
+                strict,
+                threads,
+                ..SwarmOptions::new(start, seeds, steps)
+            };
             let started = WallInstant::now();
-            let report = swarm(start, seeds, steps, &bugs, strict);
+            let report = swarm(&options);
             let failures = report.failures;
             let secs = started.elapsed().as_secs_f64();
             println!(
-                "{seeds} seeds from {start} x {steps} steps in {secs:.1}s ({:.0} steps/s): {} failed",
+                "{seeds} seeds from {start} x {steps} steps on {threads} threads in {secs:.1}s ({:.0} steps/s): {} failed",
                 report.totals.steps as f64 / secs.max(f64::EPSILON),
                 failures.len()
             );
@@ -211,15 +252,10 @@ fn real_main() -> Result<ExitCode, String> {
                 "coverage: {}",
                 serde_json::to_string(&report.totals).unwrap_or_default()
             );
-            let strict_flag = if strict { " --strict" } else { "" };
             for r in &failures {
                 if let Some(v) = &r.violation {
                     println!("seed {}: {v}", r.seed);
-                    println!(
-                        "  reproduce: {}{}{strict_flag}",
-                        r.repro_command(),
-                        bug_flags(&bugs)
-                    );
+                    println!("  reproduce: {}", r.repro_command());
                 }
             }
             if !report.with_findings.is_empty() {
@@ -275,10 +311,4 @@ fn real_main() -> Result<ExitCode, String> {
             }
         }
     }
-}
-
-fn bug_flags(bugs: &BTreeSet<Bug>) -> String {
-    bugs.iter()
-        .map(|b| format!(" --bug {}", b.as_str()))
-        .collect()
 }

@@ -143,6 +143,12 @@ pub struct NetFaults {
     pub conn_kill_ppm: u32,
     /// Per heartbeat message: lose it.
     pub heartbeat_loss_ppm: u32,
+    /// Per message (close frames aside): a packet of it is lost and
+    /// retransmitted, so it (and its stream behind it) arrives up to
+    /// `retransmit_max` late while other streams go on.
+    pub retransmit_ppm: u32,
+    /// The longest retransmission delay.
+    pub retransmit_max: Duration,
 }
 
 /// The network model.
@@ -163,6 +169,8 @@ pub struct Network {
     pub lost: u64,
     /// Connections killed by loss.
     pub killed: u64,
+    /// Messages delayed by a retransmission.
+    pub retransmitted: u64,
 }
 
 impl Network {
@@ -178,6 +186,7 @@ impl Network {
             faults: NetFaults::default(),
             lost: 0,
             killed: 0,
+            retransmitted: 0,
         }
     }
 
@@ -334,6 +343,12 @@ impl Network {
             return SendOutcome::Killed;
         }
         let mut arrival = now + self.one_way(rng, node);
+        if rng.chance(self.faults.retransmit_ppm) {
+            // Head-of-line blocking within the stream only (QUIC).
+            self.retransmitted += 1;
+            let max_us = u64::try_from(self.faults.retransmit_max.as_micros()).unwrap_or(0);
+            arrival += Duration::from_micros(rng.range(max_us / 4, max_us));
+        }
         if let Some(until) = self.blocked(node, dir, now) {
             // Held and retransmitted once the partition heals.
             arrival = arrival.max(until + self.latency_min[node]);

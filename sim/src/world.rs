@@ -40,11 +40,12 @@ use iop_core::Instant;
 use iop_core::edge::admission::{
     Admit, AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
 };
-use iop_core::edge::dispatch::{DispatchConfig, DispatchOutput, TerminalVerdict};
+use iop_core::edge::dispatch::{DispatchConfig, DispatchOutput, IgnoredTerminal, TerminalVerdict};
 use iop_core::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptId, GateBudget, GateEnd, GateInput, GateOutput,
     StreamGate,
 };
+use iop_core::edge::overlay::EvidenceOutcome;
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
 use iop_core::liveness::heartbeat::{HeartbeatConfig, HeartbeatOutput};
@@ -62,6 +63,7 @@ use iop_wire::{
 use serde::Serialize;
 
 use crate::config::{PPM, Rng, SimConfig};
+use crate::core_bugs::CoreBugs;
 use crate::invariants::{Checker, ClientSaw, Violation, WatchdogTiming};
 use crate::net::{
     ConnId, Dir, Envelope, NetFaults, Network, PartitionKind, Payload, SendOutcome, StreamKey,
@@ -80,6 +82,12 @@ pub const MAX_DRAIN_STEPS: u64 = 400_000;
 /// The most steps in a row at one virtual instant (a timer that never
 /// advances is a liveness bug).
 pub const MAX_STEPS_AT_ONE_INSTANT: u64 = 20_000;
+
+/// How long after the Edge ends a live connection the messages already on
+/// their way still reach its dispatcher, attributed to the fenced
+/// generation: the shell's link task hands frames it read before the close
+/// to the hub after the hub fenced the generation (R-GEN-3).
+pub const LINK_DRAIN: Duration = Duration::from_millis(50);
 
 /// A deliberate bug in the simulator's own driver, to prove the invariants
 /// bite without touching the core.
@@ -140,6 +148,9 @@ pub struct RunOptions {
     pub capture: Option<Capture>,
     /// Planted driver bugs.
     pub bugs: BTreeSet<Bug>,
+    /// Bugs planted in the core machines (`iop-core` feature
+    /// `planted-bugs`).
+    pub core_bugs: CoreBugs,
     /// Treat known core issues as violations.
     pub strict: bool,
 }
@@ -183,16 +194,25 @@ pub struct Stats {
     pub conns_killed: u64,
     /// Messages lost (heartbeat loss, close frames into partitions).
     pub messages_lost: u64,
+    /// Messages delayed by a retransmission.
+    pub retransmits: u64,
+    /// Provider freezes (correlated stalls).
+    pub provider_freezes: u64,
     /// Provider calls.
     pub provider_calls: u64,
     /// Overlay recoveries by CAPABILITIES.
     pub recoveries: u64,
     /// Overlay lowerings by fresh `unavailable` stall evidence.
     pub lowerings: u64,
+    /// Stall evidence found stale (not strictly newer) by the overlay.
+    pub stale_evidence: u64,
     /// Leases refused by the pre-send fence (R-GEN-4).
     pub pre_send_refenced: u64,
     /// Leases fenced before their run was sent (re-admitted).
     pub fenced_before_send: u64,
+    /// Late terminals and CAPABILITIES answers of a fenced generation that
+    /// reached the dispatcher (R-GEN-3: ignored and counted).
+    pub late_fenced_messages: u64,
     /// Failed requests by failure kind (`GateFailure::as_str`).
     pub failures: BTreeMap<String, u64>,
 }
@@ -218,11 +238,15 @@ impl Stats {
         self.partitions += o.partitions;
         self.conns_killed += o.conns_killed;
         self.messages_lost += o.messages_lost;
+        self.retransmits += o.retransmits;
+        self.provider_freezes += o.provider_freezes;
         self.provider_calls += o.provider_calls;
         self.recoveries += o.recoveries;
         self.lowerings += o.lowerings;
+        self.stale_evidence += o.stale_evidence;
         self.pre_send_refenced += o.pre_send_refenced;
         self.fenced_before_send += o.fenced_before_send;
+        self.late_fenced_messages += o.late_fenced_messages;
         for (k, v) in &o.failures {
             *self.failures.entry(k.clone()).or_default() += v;
         }
@@ -236,6 +260,12 @@ pub struct RunReport {
     pub seed: u64,
     /// The `--steps` it ran with.
     pub steps: u64,
+    /// The planted driver bugs it ran with.
+    pub bugs: BTreeSet<Bug>,
+    /// The planted core bugs it ran with, by name.
+    pub core_bugs: Vec<&'static str>,
+    /// Whether known core issues counted as violations.
+    pub strict: bool,
     /// The first violation, if any.
     pub violation: Option<Violation>,
     /// Known core issues seen (see `invariants::KNOWN_CORE_ISSUES`).
@@ -247,29 +277,56 @@ pub struct RunReport {
 }
 
 impl RunReport {
-    /// The one command that reproduces this run.
+    /// The one command that reproduces this run, planted bugs included
+    /// (a `--core-bug` needs the binary built with `--features
+    /// planted-bugs`).
     pub fn repro_command(&self) -> String {
-        format!("iop-sim run {} --steps {}", self.seed, self.steps)
+        let strict = if self.strict { " --strict" } else { "" };
+        format!("{}{strict}", self.base_command())
     }
 
     /// The command that reproduces a finding as a violation.
     pub fn strict_repro_command(&self) -> String {
-        format!("{} --strict", self.repro_command())
+        format!("{} --strict", self.base_command())
+    }
+
+    fn base_command(&self) -> String {
+        let bugs: String = self
+            .bugs
+            .iter()
+            .map(|b| format!(" --bug {}", b.as_str()))
+            .collect();
+        let core: String = self
+            .core_bugs
+            .iter()
+            .map(|n| format!(" --core-bug {n}"))
+            .collect();
+        format!(
+            "iop-sim run {} --steps {}{bugs}{core}",
+            self.seed, self.steps
+        )
     }
 }
 
 /// Run one seed.
 pub fn run(seed: u64, options: RunOptions) -> RunReport {
     let steps = options.steps;
+    let bugs = options.bugs.clone();
+    let core_bugs = options.core_bugs.names().to_vec();
+    let strict = options.strict;
     let mut world = World::new(SimConfig::from_seed(seed), options);
     let violation = world.run_to_end(steps).err();
     world.stats.steps = world.step;
     world.stats.virtual_us = world.now.as_micros();
     world.stats.conns_killed = world.net.killed;
     world.stats.messages_lost = world.net.lost;
+    world.stats.retransmits = world.net.retransmitted;
     RunReport {
         seed,
         steps,
+        bugs,
+        core_bugs,
+        strict,
         violation,
         findings: world.checker.findings().to_vec(),
         trace_hash: world.recorder.digest(),
@@ -391,6 +448,17 @@ struct EdgeConn {
     runs: BTreeMap<RunId, RequestId>,
 }
 
+/// A connection the Edge ended while the network still carried it (see
+/// [`LINK_DRAIN`]).
+#[derive(Debug)]
+struct FencedLink {
+    node: usize,
+    generation: Generation,
+    until: Instant,
+    /// The lease of each run that was running on it.
+    leases: BTreeMap<RunId, LeaseId>,
+}
+
 #[derive(Debug)]
 struct EdgeProc {
     incarnation: u64,
@@ -404,6 +472,8 @@ struct EdgeProc {
     /// CAPABILITIES commands sent for a health probe the dispatcher asked
     /// for, by command id.
     probes: BTreeMap<u64, iop_core::edge::health::ProbeTicket>,
+    /// Connections ended within [`LINK_DRAIN`].
+    fenced_links: BTreeMap<ConnId, FencedLink>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -415,6 +485,8 @@ enum CallStage {
 
 #[derive(Debug)]
 struct Call {
+    /// The provider's index (from the run's target).
+    provider: usize,
     plan: CallPlan,
     stage: CallStage,
     canceled: bool,
@@ -467,12 +539,17 @@ pub struct World {
     persisted_high_water: Generation,
     nodes: Vec<SimNode>,
     providers: Vec<ProviderSpec>,
+    /// Each provider with its node (built once; the checks run every step).
+    provider_nodes: Vec<(ProviderId, NodeId)>,
     checker: Checker,
     recorder: Recorder,
     bugs: BTreeSet<Bug>,
+    core_bugs: CoreBugs,
     stats: Stats,
     checks_pending: u32,
     steps_at_instant: u64,
+    /// Per provider: frozen until this moment (a correlated stall).
+    frozen_until: Vec<Instant>,
 }
 
 fn provider_id(i: usize) -> ProviderId {
@@ -533,13 +610,19 @@ impl World {
             edge_incarnations: 0,
             persisted_high_water: 0,
             nodes,
+            provider_nodes: providers
+                .iter()
+                .map(|p| (p.id.clone(), p.node.clone()))
+                .collect(),
             providers,
             checker,
             recorder: Recorder::new(options.hash, options.capture),
             bugs: options.bugs,
+            core_bugs: options.core_bugs,
             stats: Stats::default(),
             checks_pending: 2,
             steps_at_instant: 0,
+            frozen_until: vec![Instant::ZERO; cfg.providers()],
             cfg,
         };
         world.set_net_faults();
@@ -567,6 +650,8 @@ impl World {
             NetFaults {
                 conn_kill_ppm: self.cfg.faults.conn_kill_ppm,
                 heartbeat_loss_ppm: self.cfg.faults.heartbeat_loss_ppm,
+                retransmit_ppm: self.cfg.faults.retransmit_ppm,
+                retransmit_max: self.cfg.faults.retransmit_max,
             }
         } else {
             NetFaults::default()
@@ -634,6 +719,10 @@ impl World {
         self.quiet_since = Some(self.now);
         self.net.heal(self.now);
         self.set_net_faults();
+        let now = self.now;
+        self.frozen_until
+            .iter_mut()
+            .for_each(|t| *t = (*t).min(now));
         let node_check = self.now + self.cfg.node_recovery_bound();
         let eligible_check = self.now + self.cfg.eligibility_bound();
         self.schedule(node_check, Event::CheckNodes);
@@ -674,9 +763,6 @@ impl World {
         let timer = self.earliest_timer();
         let event_at = self.queue.keys().next().map(|(t, _)| *t);
         let before = self.now;
-        let ids: Vec<ProviderId> = self.providers.iter().map(|p| p.id.clone()).collect();
-        self.checker
-            .step_started(self.edge.as_ref().map(|e| e.dispatcher.inner()), &ids);
         match (timer, event_at) {
             (None, None) => return Ok(false),
             (Some(t), e) if e.is_none_or(|e| t <= e) => {
@@ -714,12 +800,8 @@ impl World {
 
     fn check_step(&mut self) {
         if let Some(edge) = &self.edge {
-            let providers: Vec<(ProviderId, NodeId)> = self
-                .providers
-                .iter()
-                .map(|p| (p.id.clone(), p.node.clone()))
-                .collect();
-            self.checker.check_edge(edge.dispatcher.inner(), &providers);
+            self.checker
+                .check_edge(edge.dispatcher.inner(), &self.provider_nodes);
         }
         self.checker.check_deadlines();
     }
@@ -905,6 +987,9 @@ impl World {
     fn deliver(&mut self, env: Envelope) {
         let is_close = matches!(env.payload, Payload::Close(_));
         if !is_close && !self.net.is_alive(env.conn) {
+            if env.dir == Dir::NodeToEdge {
+                self.edge_late_message(env.conn, env.payload);
+            }
             return;
         }
         match env.dir {
@@ -950,6 +1035,7 @@ impl World {
             Ok(d) => d,
             Err(e) => panic!("sim health config is invalid: {e}"),
         };
+        self.core_bugs.plant_dispatcher(dispatcher.inner());
         self.edge = Some(EdgeProc {
             incarnation,
             dispatcher,
@@ -960,6 +1046,7 @@ impl World {
             next_command_id: 1,
             commands: BTreeMap::new(),
             probes: BTreeMap::new(),
+            fenced_links: BTreeMap::new(),
         });
         self.checker.edge_started();
         let at = self.now + self.cfg.capabilities_interval;
@@ -1172,6 +1259,7 @@ impl World {
     /// `conn` is over at the Edge: fence its generation (R-GEN-3).
     fn edge_conn_ended(&mut self, conn: ConnId, code: CloseCode) {
         let now = self.now;
+        let alive = self.net.is_alive(conn);
         self.net.close(conn);
         let Some(edge) = &mut self.edge else {
             return;
@@ -1181,11 +1269,91 @@ impl World {
         };
         edge.commands.retain(|_, c| *c != conn);
         if let Some(generation) = c.generation {
+            if alive {
+                // What is already on its way still reaches the dispatcher.
+                let leases = c
+                    .runs
+                    .iter()
+                    .filter_map(
+                        |(run_id, rid)| match edge.requests.get(rid).map(|r| &r.phase) {
+                            Some(ReqPhase::Running { lease, .. }) if lease.run_id == *run_id => {
+                                Some((*run_id, lease.lease_id))
+                            }
+                            _ => None,
+                        },
+                    )
+                    .collect();
+                edge.fenced_links.retain(|_, l| l.until >= now);
+                edge.fenced_links.insert(
+                    conn,
+                    FencedLink {
+                        node: c.node,
+                        generation,
+                        until: now + LINK_DRAIN,
+                        leases,
+                    },
+                );
+            }
             edge.by_generation.remove(&(c.node, generation));
             edge.dispatcher
                 .connection_closed(now, &node_id(c.node), generation, code);
             self.drain_dispatch();
         }
+    }
+
+    /// A message on a connection the Edge already ended, within
+    /// [`LINK_DRAIN`]: a terminal or CAPABILITIES answer reaches the
+    /// dispatcher attributed to the fenced generation, which must ignore and
+    /// count it (R-GEN-3). Nothing else of it is acted on.
+    fn edge_late_message(&mut self, conn: ConnId, payload: Payload) {
+        let now = self.now;
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(link) = edge.fenced_links.get(&conn) else {
+            return;
+        };
+        if now > link.until {
+            edge.fenced_links.remove(&conn);
+            return;
+        }
+        let (node, generation) = (node_id(link.node), link.generation);
+        let counted_before = edge.dispatcher.inner().registry().fenced_messages();
+        let ignored = match payload {
+            Payload::RunEvent(RunEvent {
+                run_id,
+                kind: kind @ (RunEventKind::Completed { .. } | RunEventKind::Failed(_)),
+            }) => {
+                let Some(&lease_id) = link.leases.get(&run_id) else {
+                    return;
+                };
+                let failure = match kind {
+                    RunEventKind::Failed(f) => Some(f),
+                    _ => None,
+                };
+                let verdict = edge.dispatcher.apply_terminal(
+                    now,
+                    lease_id,
+                    &node,
+                    generation,
+                    failure.as_ref(),
+                );
+                verdict == TerminalVerdict::Ignored(IgnoredTerminal::FencedGeneration)
+            }
+            Payload::CommandResult(CommandResult {
+                body: CommandResultBody::Capabilities(report),
+                ..
+            }) => edge
+                .dispatcher
+                .apply_capabilities(now, &node, generation, &report)
+                .is_empty(),
+            _ => return,
+        };
+        let counted = edge.dispatcher.inner().registry().fenced_messages() - counted_before;
+        self.stats.late_fenced_messages += 1;
+        self.checker
+            .fenced_message(&node, generation, ignored, counted);
+        self.drain_dispatch();
     }
 
     fn drain_dispatch(&mut self) {
@@ -1516,6 +1684,7 @@ impl World {
     }
 
     fn lease_fenced(&mut self, lease: Lease) {
+        let now = self.now;
         let Some(edge) = &mut self.edge else {
             return;
         };
@@ -1545,6 +1714,12 @@ impl World {
                     // The planted bug keeps the stale lease and sends it.
                     return;
                 }
+                // The request driver's pre-send may already be on its way
+                // to the hub: it reaches the dispatcher after the fence and
+                // must not be answered `Send` (R-GEN-4).
+                let answer = edge.dispatcher.pre_send(now, lease.lease_id);
+                self.checker
+                    .pre_send_after_fence(edge.dispatcher.inner(), &lease, &answer);
                 // Nothing was sent: ask again (as the request driver does).
                 self.stats.fenced_before_send += 1;
                 self.admit(lease.request_id);
@@ -1596,12 +1771,16 @@ impl World {
                     failure.as_ref(),
                 );
                 self.checker.terminal_applied(&verdict, failure.as_ref());
-                if let TerminalVerdict::Applied {
-                    evidence: Some(iop_core::edge::overlay::EvidenceOutcome::Lowered),
-                    ..
-                } = &verdict
-                {
-                    self.stats.lowerings += 1;
+                match &verdict {
+                    TerminalVerdict::Applied {
+                        evidence: Some(EvidenceOutcome::Lowered),
+                        ..
+                    } => self.stats.lowerings += 1,
+                    TerminalVerdict::Applied {
+                        evidence: Some(EvidenceOutcome::Stale),
+                        ..
+                    } => self.stats.stale_evidence += 1,
+                    _ => {}
                 }
                 if let Some(c) = edge.conns.get_mut(&conn) {
                     c.runs.remove(&ev.run_id);
@@ -1947,10 +2126,12 @@ impl World {
             true,
         );
         let wd_tap = self.recorder.tap(MachineKind::NodeWatchdog, &wd_config);
+        let watchdog = TracedWatchdog::new(wd_config, wd_tap);
+        self.core_bugs.plant_watchdog(watchdog.inner());
         self.nodes[node].link = Link::Connected(Box::new(NodeConn {
             conn,
             heartbeat: TracedHeartbeat::new(hb_config, hb_tap),
-            watchdog: TracedWatchdog::new(wd_config, wd_tap),
+            watchdog,
             generation: None,
             ready: false,
             calls: BTreeMap::new(),
@@ -2201,9 +2382,15 @@ impl World {
         let Some(nc) = nconn(&mut self.nodes, node) else {
             return;
         };
+        let provider = self
+            .providers
+            .iter()
+            .position(|p| p.target == request.target)
+            .unwrap_or(0);
         nc.calls.insert(
             run_id,
             Call {
+                provider,
                 plan,
                 stage: CallStage::NotStarted,
                 canceled: false,
@@ -2253,12 +2440,30 @@ impl World {
 
     fn provider_step(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
         let now = self.now;
+        let Some(provider) = self
+            .call_of(node, process, conn, run_id)
+            .filter(|c| !c.canceled && !c.returned)
+            .map(|c| c.provider)
+        else {
+            return;
+        };
+        let frozen_until = self.frozen_until[provider];
+        if frozen_until > now {
+            // Frozen: nothing comes out until the freeze ends.
+            self.schedule(
+                frozen_until,
+                Event::ProviderStep {
+                    node,
+                    process,
+                    conn,
+                    run_id,
+                },
+            );
+            return;
+        }
         let Some(call) = self.call_of(node, process, conn, run_id) else {
             return;
         };
-        if call.canceled || call.returned {
-            return;
-        }
         let plan = call.plan;
         let (event, next) = match call.stage {
             CallStage::NotStarted => {
@@ -2454,7 +2659,16 @@ impl World {
                 }
                 WatchdogOutput::StartProbe { run_id } => {
                     self.checker.stall_claimed(conn, run_id);
-                    let answer = ProbeAnswer::draw(&mut self.rng, &self.cfg.provider, faults);
+                    let frozen = nc
+                        .calls
+                        .get(&run_id)
+                        .is_some_and(|c| self.frozen_until[c.provider] > now);
+                    let answer = if frozen {
+                        // A frozen provider does not answer its probe either.
+                        ProbeAnswer::Timeout
+                    } else {
+                        ProbeAnswer::draw(&mut self.rng, &self.cfg.provider, faults)
+                    };
                     if answer.outcome().is_some() {
                         let delay = self.rng.millis(0, duration_ms(self.cfg.probe_delay_max));
                         self.schedule(
@@ -2560,6 +2774,13 @@ impl World {
             }
             if self.rng.chance(f.node_crash_ppm) {
                 self.crash_node(node);
+            }
+        }
+        for p in 0..self.frozen_until.len() {
+            if self.rng.chance(f.provider_freeze_ppm) {
+                self.stats.provider_freezes += 1;
+                let until = self.now + self.rng.millis(100, duration_ms(f.provider_freeze_max));
+                self.frozen_until[p] = self.frozen_until[p].max(until);
             }
         }
         if self.rng.chance(f.edge_restart_ppm) {

@@ -2,12 +2,11 @@
 //! deterministic, traces replay, replay finds divergences, and planted
 //! driver bugs are caught by the invariants.
 
-use std::collections::BTreeSet;
 use std::io::{BufReader, Write};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use iop_sim::trace::{MachineKind, ReplayError, TraceError, TraceReader, replay};
-use iop_sim::{Bug, Capture, RunOptions, check_determinism, run, swarm};
+use iop_sim::{Bug, Capture, RunOptions, SwarmOptions, check_determinism, run, swarm};
 
 /// Seeds in the bounded swarm of `cargo test`.
 const SWARM_SEEDS: u64 = 300;
@@ -63,7 +62,7 @@ fn record(seed: u64, steps: u64, machine: MachineKind, instance: u64) -> String 
 
 #[test]
 fn bounded_swarm_holds_every_invariant() {
-    let report = swarm(0, SWARM_SEEDS, SWARM_STEPS, &BTreeSet::new(), false);
+    let report = swarm(&SwarmOptions::new(0, SWARM_SEEDS, SWARM_STEPS));
     let failures: Vec<String> = report
         .failures
         .iter()
@@ -227,5 +226,8 @@ fn a_failure_names_the_command_that_reproduces_it() {
         },
     );
     assert!(report.violation.is_some());
-    assert_eq!(report.repro_command(), "iop-sim run 0 --steps 300");
+    assert_eq!(
+        report.repro_command(),
+        "iop-sim run 0 --steps 300 --bug double-provider-call"
+    );
 }

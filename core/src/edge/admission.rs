@@ -15,7 +15,14 @@ use std::time::Duration;
 use iop_wire::AdapterKind;
 
 use crate::ids::{Generation, NodeId, ProviderId, RunId};
+#[cfg(feature = "planted-bugs")]
+use crate::planted::{Planted, PlantedBug};
 use crate::time::Instant;
+
+/// How many leases released by a fence the planted `SkipPreSendFence` bug
+/// keeps answering `Send` for.
+#[cfg(feature = "planted-bugs")]
+const PLANTED_FENCED_REMEMBERED: usize = 1024;
 
 /// A client request's id, unique per Edge process.
 pub type RequestId = u64;
@@ -248,6 +255,12 @@ pub struct Admission {
     events: VecDeque<AdmissionEvent>,
     leases_granted: u64,
     leases_released: u64,
+    #[cfg(feature = "planted-bugs")]
+    planted: Planted,
+    /// Leases the fence released, kept only while `SkipPreSendFence` is
+    /// planted.
+    #[cfg(feature = "planted-bugs")]
+    planted_fenced: BTreeMap<LeaseId, Lease>,
 }
 
 impl Admission {
@@ -277,7 +290,27 @@ impl Admission {
             events: VecDeque::new(),
             leases_granted: 0,
             leases_released: 0,
+            #[cfg(feature = "planted-bugs")]
+            planted: Planted::default(),
+            #[cfg(feature = "planted-bugs")]
+            planted_fenced: BTreeMap::new(),
         }
+    }
+
+    /// Switch a planted bug on (test-only; see [`crate::planted`]).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&self, bug: PlantedBug) {
+        self.planted.plant(bug);
+    }
+
+    #[cfg(feature = "planted-bugs")]
+    fn planted_any(&self) -> bool {
+        self.planted.any()
+    }
+
+    #[cfg(not(feature = "planted-bugs"))]
+    fn planted_any(&self) -> bool {
+        false
     }
 
     /// The configuration.
@@ -413,9 +446,11 @@ impl Admission {
         _reason: ReleaseReason,
     ) -> Result<Lease, NotHeld> {
         let held = self.held.remove(&lease_id).ok_or(NotHeld(lease_id))?;
+        let planted = self.planted_any();
         if let Some(p) = self.providers.get_mut(&held.lease.provider_id) {
-            // Never negative: a held lease always counted one.
-            debug_assert!(p.in_use > 0);
+            // Never negative: a held lease always counted one (unless a
+            // planted bug broke the count on purpose).
+            debug_assert!(p.in_use > 0 || planted);
             p.in_use = p.in_use.saturating_sub(1);
         }
         self.leases_released += 1;
@@ -427,6 +462,17 @@ impl Admission {
     /// the online one. If not, release it and re-resolve the request at the
     /// head of the queue, keeping its effective stall timeout (R-SEL-2).
     pub fn pre_send(&mut self, now: Instant, lease_id: LeaseId) -> PreSend {
+        #[cfg(feature = "planted-bugs")]
+        if self.planted.has(PlantedBug::SkipPreSendFence) {
+            // Planted: no re-check at all, not even whether the lease is
+            // still held.
+            if let Some(held) = self.held.get(&lease_id) {
+                return PreSend::Send(held.lease.clone());
+            }
+            if let Some(lease) = self.planted_fenced.remove(&lease_id) {
+                return PreSend::Send(lease);
+            }
+        }
         let Some(held) = self.held.get(&lease_id) else {
             return PreSend::UnknownLease;
         };
@@ -519,8 +565,27 @@ impl Admission {
             .collect();
         for lease_id in fenced {
             if let Ok(lease) = self.release(now, lease_id, ReleaseReason::Fenced) {
+                #[cfg(feature = "planted-bugs")]
+                self.planted_after_fence(&lease);
                 self.events.push_back(AdmissionEvent::LeaseFenced(lease));
             }
+        }
+    }
+
+    #[cfg(feature = "planted-bugs")]
+    fn planted_after_fence(&mut self, lease: &Lease) {
+        if self.planted.has(PlantedBug::DoubleRelease) {
+            // Planted: the lease's capacity is given back a second time.
+            if let Some(p) = self.providers.get_mut(&lease.provider_id) {
+                p.in_use = p.in_use.saturating_sub(1);
+            }
+            self.leases_released += 1;
+        }
+        if self.planted.has(PlantedBug::SkipPreSendFence) {
+            if self.planted_fenced.len() >= PLANTED_FENCED_REMEMBERED {
+                self.planted_fenced.pop_first();
+            }
+            self.planted_fenced.insert(lease.lease_id, lease.clone());
         }
     }
 
@@ -631,6 +696,10 @@ impl Admission {
                     p.spec.id, p.in_use, p.spec.capacity
                 ));
             }
+        }
+        #[cfg(feature = "planted-bugs")]
+        if self.leases_released > self.leases_granted {
+            return Err("released more leases than were granted".into());
         }
         if self.leases_granted - self.leases_released != self.held.len() as u64 {
             return Err("granted - released != held".into());

@@ -23,6 +23,8 @@ use crate::edge::health::{
 use crate::edge::overlay::{EvidenceOutcome, Overlay, RecoveryOutcome};
 use crate::edge::registry::{Registry, RegistryOutput, Rejection};
 use crate::ids::{Generation, NodeId, ProviderId};
+#[cfg(feature = "planted-bugs")]
+use crate::planted::{Planted, PlantedBug};
 use crate::time::{Instant, earliest};
 
 /// Why a terminal was not applied (R-LEASE-1).
@@ -153,6 +155,8 @@ pub struct Dispatcher {
     health: HealthTracker,
     outputs: VecDeque<DispatchOutput>,
     ignored_terminals: u64,
+    #[cfg(feature = "planted-bugs")]
+    planted: Planted,
 }
 
 impl Dispatcher {
@@ -173,7 +177,31 @@ impl Dispatcher {
             health,
             outputs: VecDeque::new(),
             ignored_terminals: 0,
+            #[cfg(feature = "planted-bugs")]
+            planted: Planted::default(),
         })
+    }
+
+    /// Switch a planted bug on in this dispatcher and the registry,
+    /// admission and overlay it composes (test-only; see
+    /// [`crate::planted`]). Takes `&self`: the simulator holds its
+    /// dispatchers inside recording wrappers that give read access only.
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&self, bug: PlantedBug) {
+        self.planted.plant(bug);
+        self.registry.plant(bug);
+        self.admission.plant(bug);
+        self.overlay.plant(bug);
+    }
+
+    #[cfg(feature = "planted-bugs")]
+    fn planted_any(&self) -> bool {
+        self.planted.any()
+    }
+
+    #[cfg(not(feature = "planted-bugs"))]
+    fn planted_any(&self) -> bool {
+        false
     }
 
     /// Read access to the health tracker.
@@ -303,6 +331,8 @@ impl Dispatcher {
             })
             .collect();
         self.pump(now);
+        #[cfg(feature = "planted-bugs")]
+        self.planted_after_register(now, node, generation);
         Ok((
             generation,
             ConfigSnapshot {
@@ -310,6 +340,25 @@ impl Dispatcher {
                 ..ConfigSnapshot::default()
             },
         ))
+    }
+
+    /// Planted `DispatchBeforeReady`: bring the node's providers online on
+    /// the generation it just registered, before readiness.
+    #[cfg(feature = "planted-bugs")]
+    fn planted_after_register(&mut self, now: Instant, node: &NodeId, generation: Generation) {
+        if !self.planted.has(PlantedBug::DispatchBeforeReady) {
+            return;
+        }
+        let updates: Vec<(ProviderId, Option<Generation>, bool)> = self
+            .providers_of(node)
+            .into_iter()
+            .map(|p| {
+                let eligible = self.eligible(&p, Some(generation));
+                (p, Some(generation), eligible)
+            })
+            .collect();
+        self.admission.set_states(now, &updates);
+        self.pump(now);
     }
 
     /// The node completed readiness on `generation` (R-GEN-2).
@@ -353,7 +402,11 @@ impl Dispatcher {
         if let PreSend::Send(lease) = &answer {
             // Admission brings a generation online only from the registry's
             // Ready and takes it offline on its fence, so they agree here.
-            debug_assert!(self.registry.is_dispatchable(&lease.node, lease.generation));
+            // (A planted bug may break that on purpose; the simulator's
+            // invariants must report it, not this assertion.)
+            debug_assert!(
+                self.planted_any() || self.registry.is_dispatchable(&lease.node, lease.generation)
+            );
         }
         self.pump(now);
         answer

@@ -14,6 +14,8 @@ use std::collections::BTreeMap;
 use iop_wire::ProviderHealth;
 
 use crate::ids::{Generation, ProviderId};
+#[cfg(feature = "planted-bugs")]
+use crate::planted::{Planted, PlantedBug};
 
 /// What happened to one piece of stall evidence (R-OVL-2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,12 +76,20 @@ struct Entry {
 #[derive(Debug, Default)]
 pub struct Overlay {
     entries: BTreeMap<ProviderId, Entry>,
+    #[cfg(feature = "planted-bugs")]
+    planted: Planted,
 }
 
 impl Overlay {
     /// An empty overlay.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Switch a planted bug on (test-only; see [`crate::planted`]).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&self, bug: PlantedBug) {
+        self.planted.plant(bug);
     }
 
     fn entry(&mut self, provider: &ProviderId, generation: Generation) -> &mut Entry {
@@ -109,11 +119,15 @@ impl Overlay {
         seq: Option<u64>,
         health: ProviderHealth,
     ) -> EvidenceOutcome {
+        #[cfg(feature = "planted-bugs")]
+        let skip_freshness = self.planted.has(PlantedBug::LowerOnStaleEvidence);
+        #[cfg(not(feature = "planted-bugs"))]
+        let skip_freshness = false;
         let entry = self.entry(provider, generation);
         let Some(seq) = seq else {
             return EvidenceOutcome::Stale;
         };
-        if entry.last_seq.is_some_and(|last| seq <= last) {
+        if !skip_freshness && entry.last_seq.is_some_and(|last| seq <= last) {
             return EvidenceOutcome::Stale;
         }
         entry.last_seq = Some(seq);

@@ -14,6 +14,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use iop_wire::{CloseCode, PROTOCOL_VERSION, RegisterRequest, RejectReason};
 
 use crate::ids::{Generation, NodeId};
+#[cfg(feature = "planted-bugs")]
+use crate::planted::{Planted, PlantedBug};
 use crate::time::Instant;
 
 /// A registration the Edge refuses.
@@ -91,6 +93,8 @@ pub struct Registry {
     fenced_messages: u64,
     fences: u64,
     outputs: VecDeque<RegistryOutput>,
+    #[cfg(feature = "planted-bugs")]
+    planted: Planted,
 }
 
 impl Registry {
@@ -106,7 +110,15 @@ impl Registry {
             fenced_messages: 0,
             fences: 0,
             outputs: VecDeque::new(),
+            #[cfg(feature = "planted-bugs")]
+            planted: Planted::default(),
         }
+    }
+
+    /// Switch a planted bug on (test-only; see [`crate::planted`]).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&self, bug: PlantedBug) {
+        self.planted.plant(bug);
     }
 
     /// Restrict registration to these node ids (`None`: any node with a
@@ -216,6 +228,14 @@ impl Registry {
 
     /// Is `generation` the node's current generation?
     pub fn is_current(&self, node: &NodeId, generation: Generation) -> bool {
+        #[cfg(feature = "planted-bugs")]
+        if self.planted.has(PlantedBug::AcceptStaleGeneration) {
+            // Planted: any generation the node ever had counts.
+            return self
+                .nodes
+                .get(node)
+                .is_some_and(|r| generation <= r.last_generation);
+        }
         self.current(node).map(|c| c.generation) == Some(generation)
     }
 

@@ -62,6 +62,8 @@ use iop_wire::{
 
 use crate::ids::RunId;
 use crate::node::session::ObservationSequence;
+#[cfg(feature = "planted-bugs")]
+use crate::planted::{Planted, PlantedBug};
 use crate::time::{Instant, duration_ms};
 
 /// Default close grace: how long a canceled provider call may take to return
@@ -450,6 +452,8 @@ pub struct Watchdog {
     outputs: VecDeque<WatchdogOutput>,
     fenced_late_outputs: u64,
     unknown_run_outputs: u64,
+    #[cfg(feature = "planted-bugs")]
+    planted: Planted,
 }
 
 impl Watchdog {
@@ -469,7 +473,35 @@ impl Watchdog {
             outputs: VecDeque::new(),
             fenced_late_outputs: 0,
             unknown_run_outputs: 0,
+            #[cfg(feature = "planted-bugs")]
+            planted: Planted::default(),
         }
+    }
+
+    /// Switch a planted bug on (test-only; see [`crate::planted`]). Takes
+    /// `&self`: the simulator holds its watchdogs inside recording wrappers
+    /// that give read access only.
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&self, bug: PlantedBug) {
+        self.planted.plant(bug);
+    }
+
+    /// Planted `SecondTerminal`: a provider call that returns after its
+    /// run's terminal gets a terminal of its own instead of being fenced.
+    #[cfg(feature = "planted-bugs")]
+    fn planted_late_return(&mut self, run_id: RunId, outcome: &ProviderOutcome) -> bool {
+        if !self.planted.has(PlantedBug::SecondTerminal) || !self.finished.contains(&run_id) {
+            return false;
+        }
+        let terminal = match outcome {
+            ProviderOutcome::Completed => RunTerminal::Completed,
+            ProviderOutcome::Failed(failure) => {
+                RunTerminal::Failed(sanitize_provider_failure(failure.clone()))
+            }
+        };
+        self.outputs
+            .push_back(WatchdogOutput::Terminal { run_id, terminal });
+        true
     }
 
     /// The settings this watchdog runs with.
@@ -579,6 +611,10 @@ impl Watchdog {
         outcome: ProviderOutcome,
     ) -> Emission {
         self.fire_due(now, run_id);
+        #[cfg(feature = "planted-bugs")]
+        if !self.runs.contains_key(&run_id) && self.planted_late_return(run_id, &outcome) {
+            return Emission::Forward;
+        }
         let Some(run) = self.runs.get_mut(&run_id) else {
             return self.fence(run_id);
         };

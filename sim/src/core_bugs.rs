@@ -1,0 +1,94 @@
+//! Bugs planted in the core machines themselves (`iop-core`'s test-only
+//! feature `planted-bugs`, see `iop_core::planted`), switched on in every
+//! machine of the kind the world creates.
+//!
+//! The simulator's own library does not need the feature: a [`CoreBugs`]
+//! carries the calls that switch a bug on as closures, built by whoever has
+//! the feature — the `iop-sim` binary built with `--features planted-bugs`
+//! (`--core-bug NAME`), and `cargo test -p iop-sim`, whose dev-dependency
+//! turns the feature on. The names go into the reproduction command.
+
+use std::fmt;
+use std::sync::Arc;
+
+use iop_core::edge::dispatch::Dispatcher;
+use iop_core::node::watchdog::Watchdog;
+
+type DispatcherHook = Arc<dyn Fn(&Dispatcher) + Send + Sync>;
+type WatchdogHook = Arc<dyn Fn(&Watchdog) + Send + Sync>;
+
+/// Planted core bugs: their names and the calls that switch them on in each
+/// new dispatcher and watchdog. Empty by default.
+#[derive(Clone, Default)]
+pub struct CoreBugs {
+    names: Vec<&'static str>,
+    dispatcher: Vec<DispatcherHook>,
+    watchdog: Vec<WatchdogHook>,
+}
+
+impl CoreBugs {
+    /// No planted core bug.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Add a bug by name (`iop_core::planted::PlantedBug::as_str`) with the
+    /// calls that plant it in a dispatcher and in a watchdog (`plant` on
+    /// either forwards to the machines the bug lives in; on the others it
+    /// changes nothing).
+    pub fn with(
+        mut self,
+        name: &'static str,
+        dispatcher: impl Fn(&Dispatcher) + Send + Sync + 'static,
+        watchdog: impl Fn(&Watchdog) + Send + Sync + 'static,
+    ) -> Self {
+        self.names.push(name);
+        self.dispatcher.push(Arc::new(dispatcher));
+        self.watchdog.push(Arc::new(watchdog));
+        self
+    }
+
+    /// Plant `bug` (only with the feature, which the caller must have).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(self, bug: iop_core::planted::PlantedBug) -> Self {
+        self.with(bug.as_str(), move |d| d.plant(bug), move |w| w.plant(bug))
+    }
+
+    /// The planted bugs' names, in the order they were added.
+    pub fn names(&self) -> &[&'static str] {
+        &self.names
+    }
+
+    /// Whether nothing is planted.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// The command-line flags that plant these bugs again.
+    pub fn flags(&self) -> String {
+        self.names
+            .iter()
+            .map(|n| format!(" --core-bug {n}"))
+            .collect()
+    }
+
+    /// Switch the bugs on in a dispatcher the world just created.
+    pub(crate) fn plant_dispatcher(&self, dispatcher: &Dispatcher) {
+        for hook in &self.dispatcher {
+            hook(dispatcher);
+        }
+    }
+
+    /// Switch the bugs on in a watchdog the world just created.
+    pub(crate) fn plant_watchdog(&self, watchdog: &Watchdog) {
+        for hook in &self.watchdog {
+            hook(watchdog);
+        }
+    }
+}
+
+impl fmt::Debug for CoreBugs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("CoreBugs").field(&self.names).finish()
+    }
+}
