@@ -92,6 +92,56 @@ fn all_models() -> Vec<String> {
     vec!["*".into()]
 }
 
+/// One `[[credentials]]` entry: a managed credential profile. The secret
+/// comes from the environment or a file, never from this file, and is never
+/// logged.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialEntry {
+    /// Profile name providers refer to with `credential = "..."`.
+    pub profile: String,
+    /// Environment variable holding the secret.
+    #[serde(default)]
+    pub secret_env: Option<String>,
+    /// File holding the secret (first line).
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
+    /// Revision; bump it when the secret is rotated.
+    #[serde(default = "one")]
+    pub revision: u64,
+    /// A disabled profile's leases are refused by every Node.
+    #[serde(default)]
+    pub disabled: bool,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// A validated managed credential profile.
+#[derive(Clone)]
+pub struct CredentialProfile {
+    /// Profile name.
+    pub profile: String,
+    /// The secret (never logged: Debug is redacted).
+    pub secret: zeroize::Zeroizing<Vec<u8>>,
+    /// Current revision.
+    pub revision: u64,
+    /// False when disabled (or revoked at runtime).
+    pub active: bool,
+}
+
+impl std::fmt::Debug for CredentialProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CredentialProfile")
+            .field("profile", &self.profile)
+            .field("secret", &"<redacted>")
+            .field("revision", &self.revision)
+            .field("active", &self.active)
+            .finish()
+    }
+}
+
 /// `[admission]`.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -205,6 +255,9 @@ pub struct EdgeFile {
     /// `[[api_keys]]`.
     #[serde(default)]
     pub api_keys: Vec<ApiKeyEntry>,
+    /// `[[credentials]]`.
+    #[serde(default)]
+    pub credentials: Vec<CredentialEntry>,
 }
 
 /// A validated provider.
@@ -269,6 +322,8 @@ pub struct EdgeConfig {
     pub routes: Vec<(String, Vec<ProviderId>)>,
     /// API keys.
     pub api_keys: Vec<ApiKey>,
+    /// Managed credential profiles.
+    pub credentials: Vec<CredentialProfile>,
 }
 
 impl EdgeConfig {
@@ -315,6 +370,8 @@ impl EdgeConfig {
             return Err(field_err("edge.max_body_bytes", "must be > 0"));
         }
 
+        let credentials = parse_credentials(&file.credentials, base)?;
+
         let mut ids = BTreeSet::new();
         let mut providers = Vec::new();
         for (i, p) in file.providers.iter().enumerate() {
@@ -352,6 +409,14 @@ impl EdgeConfig {
                     format!(
                         "must be 0 (default 300000) or between {MIN_RESPONSE_STALL_TIMEOUT_MS} and {MAX_RESPONSE_STALL_TIMEOUT_MS}"
                     ),
+                ));
+            }
+            if let Some(profile) = &p.credential
+                && !credentials.iter().any(|c| &c.profile == profile)
+            {
+                return Err(field_err(
+                    f("credential"),
+                    format!("unknown credential profile `{profile}`"),
                 ));
             }
             providers.push(Provider {
@@ -488,7 +553,21 @@ impl EdgeConfig {
             providers,
             routes,
             api_keys,
+            credentials,
         })
+    }
+
+    /// Re-read only the `[[credentials]]` section of the file at `path`
+    /// (secrets, revisions, disabled flags), for a reload (SIGHUP).
+    pub fn load_credentials(path: &Path) -> Result<Vec<CredentialProfile>, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let file: EdgeFile =
+            toml::from_str(&text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        parse_credentials(&file.credentials, base)
     }
 
     /// The core's health tracker settings.
@@ -541,6 +620,75 @@ impl EdgeConfig {
     pub fn provider(&self, id: &ProviderId) -> Option<&Provider> {
         self.providers.iter().find(|p| &p.spec.id == id)
     }
+}
+
+fn parse_credentials(
+    entries: &[CredentialEntry],
+    base: &Path,
+) -> Result<Vec<CredentialProfile>, ConfigError> {
+    let mut out: Vec<CredentialProfile> = Vec::new();
+    for (i, c) in entries.iter().enumerate() {
+        let f = |name: &str| format!("credentials[{i}].{name}");
+        if !valid_name(&c.profile) {
+            return Err(field_err(
+                f("profile"),
+                "must be 1-128 chars of [A-Za-z0-9._-]",
+            ));
+        }
+        if out.iter().any(|p| p.profile == c.profile) {
+            return Err(field_err(
+                f("profile"),
+                format!("duplicate credential profile `{}`", c.profile),
+            ));
+        }
+        let secret = match (&c.secret_env, &c.secret_file) {
+            (Some(var), None) => std::env::var(var).map_err(|_| {
+                field_err(
+                    f("secret_env"),
+                    format!("environment variable `{var}` is not set"),
+                )
+            })?,
+            (None, Some(path)) => {
+                let path = if path.is_relative() {
+                    base.join(path)
+                } else {
+                    path.clone()
+                };
+                // The error names the file, never its content.
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    field_err(
+                        f("secret_file"),
+                        format!("cannot read {}: {}", path.display(), e.kind()),
+                    )
+                })?;
+                let text = zeroize::Zeroizing::new(text);
+                text.lines().next().unwrap_or("").trim().to_owned()
+            }
+            _ => {
+                return Err(field_err(
+                    f("secret_env"),
+                    "exactly one of `secret_env` or `secret_file` must be set",
+                ));
+            }
+        };
+        let secret = zeroize::Zeroizing::new(secret.into_bytes());
+        if secret.is_empty() || secret.len() > iop_core::cred::MAX_SECRET_BYTES {
+            return Err(field_err(
+                f("secret_env"),
+                "the secret must be 1 to 16384 bytes",
+            ));
+        }
+        if c.revision == 0 {
+            return Err(field_err(f("revision"), "must be > 0"));
+        }
+        out.push(CredentialProfile {
+            profile: c.profile.clone(),
+            secret,
+            revision: c.revision,
+            active: !c.disabled,
+        });
+    }
+    Ok(out)
 }
 
 /// Does `pattern` (an exact name, `*`, or a `prefix*`) match `model`?

@@ -45,6 +45,8 @@ pub struct Work {
     pub tunnel: Option<TunnelBody>,
     /// Route class for metrics (`chat`, `responses`, `ollama_chat`, ...).
     pub route: &'static str,
+    /// The principal of the API key (bound into credential leases).
+    pub principal: String,
 }
 
 /// The raw client request to relay to a tunnel-mode provider.
@@ -123,6 +125,10 @@ pub struct DriverContext {
     pub modes: Arc<std::collections::HashMap<ProviderId, ProviderMode>>,
     /// Observations for metrics.
     pub observe: Arc<dyn Fn(DriverObservation) + Send + Sync>,
+    /// Managed credentials (R-CRED-1).
+    pub creds: Arc<crate::cred::Credentials>,
+    /// Provider id -> managed credential profile.
+    pub profiles: Arc<std::collections::HashMap<ProviderId, String>>,
 }
 
 /// What the driver reports for metrics and logs (closed values only).
@@ -261,8 +267,8 @@ impl Driver {
                     }
                 };
                 match self.ctx.hub.pre_send(current.lease_id).await {
-                    Ok(PreSendAnswer::Send(lease, link)) => {
-                        match self.open(&lease, &link.conn).await {
+                    Ok(PreSendAnswer::Send(lease, link, recipient)) => {
+                        match self.open(&lease, &link.conn, recipient.as_ref()).await {
                             Ok(a) => break a,
                             Err(_) => {
                                 // The connection died under us: its fence will
@@ -333,7 +339,38 @@ impl Driver {
         }
     }
 
-    async fn open(&self, lease: &Lease, conn: &quinn::Connection) -> Result<Attempt, FramedError> {
+    async fn open(
+        &self,
+        lease: &Lease,
+        conn: &quinn::Connection,
+        recipient: Option<&x25519_dalek::PublicKey>,
+    ) -> Result<Attempt, FramedError> {
+        // R-CRED-1: a fresh lease per attempt, sealed after the pre-send
+        // fence. Without one the Node refuses the managed target (fail
+        // closed there: `credential_rejected`, no provider call).
+        let credential_lease = self
+            .ctx
+            .profiles
+            .get(&lease.provider_id)
+            .and_then(|profile| {
+                match self.ctx.creds.seal(
+                    profile,
+                    lease,
+                    recipient,
+                    &self.work.principal,
+                    &self.work.model,
+                ) {
+                    Ok(bytes) => Some(bytes),
+                    Err(why) => {
+                        tracing::warn!(
+                            event = "edge_credential_lease_unavailable",
+                            provider = %lease.provider_id,
+                            reason = ?why
+                        );
+                        None
+                    }
+                }
+            });
         let (mut send, recv) = open_framed(conn).await?;
         // A tunnel only to a tunnel-mode provider that speaks the client's
         // API; anything else is a normalized run.
@@ -355,7 +392,7 @@ impl Driver {
                 body: t.body.clone(),
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms: 0,
-                credential_lease: None,
+                credential_lease: credential_lease.clone(),
             }),
             _ => DataRequest::Run(RunRequest {
                 run_id: lease.run_id,
@@ -369,7 +406,7 @@ impl Driver {
                 params: self.work.params.clone(),
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms: 0,
-                credential_lease: None,
+                credential_lease: credential_lease.clone(),
             }),
         };
         send.send(&request).await?;

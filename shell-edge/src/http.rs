@@ -56,6 +56,7 @@ impl AppState {
         hub: HubHandle,
         clock: iop_transport::clock::Clock,
         metrics: Arc<EdgeMetrics>,
+        creds: Arc<crate::cred::Credentials>,
     ) -> Self {
         let m = metrics.clone();
         let observe: Arc<dyn Fn(DriverObservation) + Send + Sync> = Arc::new(move |o| match o {
@@ -83,8 +84,15 @@ impl AppState {
             .iter()
             .map(|p| (p.spec.id.clone(), p.mode))
             .collect();
+        let profiles = config
+            .providers
+            .iter()
+            .filter_map(|p| Some((p.spec.id.clone(), p.credential.clone()?)))
+            .collect();
         Self {
             ctx: DriverContext {
+                creds,
+                profiles: Arc::new(profiles),
                 hub: hub.clone(),
                 clock,
                 next_request_id: Arc::new(AtomicU64::new(1)),
@@ -124,6 +132,10 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/status", get(status))
         .route("/metrics", get(metrics_text))
+        .route(
+            "/admin/credentials/{profile}/revoke",
+            post(revoke_credential),
+        )
         .fallback(|| async { error_response(&ApiError::not_found("route")) })
         .with_state(state)
 }
@@ -269,6 +281,7 @@ async fn chat_completions(State(state): State<AppState>, request: Request) -> Re
             &body,
         )),
         route: "chat",
+        principal: key.principal.clone(),
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
     let head = match first(&mut rx).await {
@@ -380,6 +393,7 @@ async fn create_response(State(state): State<AppState>, request: Request) -> Res
         params: req.params.clone(),
         tunnel: Some(tunnel_body(TunnelApi::OpenAi, "/v1/responses", &body)),
         route: "responses",
+        principal: key.principal.clone(),
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
     let head = match first(&mut rx).await {
@@ -491,6 +505,7 @@ async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response 
             &body,
         )),
         route,
+        principal: key.principal.clone(),
     };
     let mut rx = driver::spawn(state.ctx.clone(), pool, work);
     match first(&mut rx).await {
@@ -655,6 +670,29 @@ async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
         Ok(snap) => axum::Json(crate::status::status_json(&state.config, &snap)).into_response(),
         Err(_) => error_response(&ApiError::internal()),
     }
+}
+
+/// `POST /admin/credentials/{profile}/revoke` (admin key): mark the profile
+/// inactive and push the new states to every connected Node; from then on
+/// every lease of it fails closed (R-CRED-3).
+async fn revoke_credential(
+    State(state): State<AppState>,
+    axum::extract::Path(profile): axum::extract::Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let key = match authenticate(&state, &headers) {
+        Ok(k) => k,
+        Err(e) => return error_response(&e),
+    };
+    if !key.admin {
+        return error_response(&ApiError::permission_denied());
+    }
+    if !state.ctx.creds.revoke(&profile) {
+        return error_response(&ApiError::not_found("credential profile"));
+    }
+    tracing::warn!(event = "edge_credential_revoked", profile = %profile, by = %key.principal);
+    state.hub.refresh_credentials();
+    axum::Json(serde_json::json!({ "profile": profile, "active": false })).into_response()
 }
 
 /// A tunnelled response: the provider's status and headers, then its body.

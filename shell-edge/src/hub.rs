@@ -36,6 +36,8 @@ pub enum LinkCommand {
     Close(CloseCode),
     /// Send a Cancel for this run on the control stream.
     Cancel(u64),
+    /// Push this config (new credential profile states) to the node.
+    Refresh(Box<ConfigSnapshot>),
 }
 
 /// A live node connection, as the hub and request handlers see it.
@@ -72,8 +74,9 @@ pub enum AdmitAnswer {
 /// The answer of the pre-send fence.
 #[derive(Debug)]
 pub enum PreSendAnswer {
-    /// Send on this link.
-    Send(Lease, LinkHandle),
+    /// Send on this link; the node's lease recipient key, if it registered
+    /// a valid one (without it the node gets no managed credentials).
+    Send(Lease, LinkHandle, Option<x25519_dalek::PublicKey>),
     /// Stale: re-resolved, a new event follows.
     Refenced,
     /// The lease is gone.
@@ -117,6 +120,11 @@ pub struct ProviderHealthView {
     pub failure_code: Option<&'static str>,
     /// Earliest recovery probe.
     pub next_retry_at_ms: Option<u64>,
+}
+
+struct Peer {
+    recipient: Option<x25519_dalek::PublicKey>,
+    snapshot: ConfigSnapshot,
 }
 
 enum HubMsg {
@@ -173,6 +181,7 @@ enum HubMsg {
         reply: oneshot::Sender<HubSnapshot>,
     },
     Shutdown,
+    RefreshCredentials,
     ProbeAnswer {
         ticket: ProbeTicket,
         answer: Result<(NodeId, Generation, CapabilitiesReport), HealthFailureCode>,
@@ -301,6 +310,11 @@ impl HubHandle {
         self.ask(|reply| HubMsg::Link { node, reply }).await
     }
 
+    /// The credential profiles changed: push them to every connected node.
+    pub fn refresh_credentials(&self) {
+        let _ = self.tx.send(HubMsg::RefreshCredentials);
+    }
+
     /// Stop the hub: every link handle it holds is dropped.
     pub fn shutdown(&self) {
         let _ = self.tx.send(HubMsg::Shutdown);
@@ -320,6 +334,11 @@ struct Hub {
     dispatcher: TracedDispatcher,
     store: Option<GenerationStore>,
     links: HashMap<(NodeId, Generation), LinkHandle>,
+    /// Per connection: the recipient key (if valid) and the snapshot it got.
+    peers: HashMap<(NodeId, Generation), Peer>,
+    creds: Arc<crate::cred::Credentials>,
+    /// Per node: its targets with a managed credential.
+    managed: HashMap<NodeId, Vec<iop_wire::ManagedTarget>>,
     waiters: BTreeMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
     closes_by_reason: BTreeMap<&'static str, u64>,
     metrics: Arc<EdgeMetrics>,
@@ -333,6 +352,8 @@ pub fn spawn(
     clock: Clock,
     metrics: Arc<EdgeMetrics>,
     trace: Option<Box<dyn std::io::Write + Send>>,
+    creds: Arc<crate::cred::Credentials>,
+    managed: HashMap<NodeId, Vec<iop_wire::ManagedTarget>>,
 ) -> Result<(HubHandle, tokio::task::JoinHandle<()>), iop_core::edge::health::HealthTrackerError> {
     let now = clock.now();
     let tap = match trace {
@@ -353,6 +374,9 @@ pub fn spawn(
         dispatcher: TracedDispatcher::new(now, config, tap)?,
         store,
         links: HashMap::new(),
+        peers: HashMap::new(),
+        creds,
+        managed,
         waiters: BTreeMap::new(),
         closes_by_reason: BTreeMap::new(),
         metrics,
@@ -402,8 +426,27 @@ impl Hub {
                 link,
                 reply,
             } => {
-                let result = self.dispatcher.register(now, &node, &request);
-                if let Ok((generation, _)) = &result {
+                let recipient = request.recipient_public_key.and_then(|bytes| {
+                    match iop_core::cred::keys::recipient_public_key_from_bytes(&bytes) {
+                        Ok(key) => Some(key),
+                        Err(e) => {
+                            tracing::warn!(event = "edge_recipient_key_refused", node = %node, error = %e);
+                            None
+                        }
+                    }
+                });
+                let mut result = self.dispatcher.register(now, &node, &request);
+                if let Ok((generation, snapshot)) = &mut result {
+                    snapshot.credential_profiles = self.creds.states();
+                    snapshot.lease_signing_key = Some(self.creds.verifying_key());
+                    snapshot.managed_targets = self.managed.get(&node).cloned().unwrap_or_default();
+                    self.peers.insert(
+                        (node.clone(), *generation),
+                        Peer {
+                            recipient,
+                            snapshot: snapshot.clone(),
+                        },
+                    );
                     self.links.insert((node.clone(), *generation), link);
                     if let Some(store) = &self.store
                         && let Err(e) = store.save(self.dispatcher.inner().registry().high_water())
@@ -426,6 +469,7 @@ impl Hub {
                 reason,
             } => {
                 self.links.remove(&(node.clone(), generation));
+                self.peers.remove(&(node.clone(), generation));
                 self.dispatcher
                     .connection_closed(now, &node, generation, reason);
             }
@@ -452,7 +496,13 @@ impl Hub {
                 let answer = match self.dispatcher.pre_send(now, lease_id) {
                     PreSend::Send(lease) => {
                         match self.links.get(&(lease.node.clone(), lease.generation)) {
-                            Some(link) => PreSendAnswer::Send(lease, link.clone()),
+                            Some(link) => {
+                                let recipient = self
+                                    .peers
+                                    .get(&(lease.node.clone(), lease.generation))
+                                    .and_then(|p| p.recipient);
+                                PreSendAnswer::Send(lease, link.clone(), recipient)
+                            }
                             // The link task has not yet reported its end: the
                             // connection is gone, so the fence will follow.
                             None => PreSendAnswer::Gone,
@@ -545,6 +595,21 @@ impl Hub {
                 let _ = reply.send(self.snapshot());
             }
             HubMsg::Shutdown => {}
+            HubMsg::RefreshCredentials => {
+                let states = self.creds.states();
+                tracing::info!(
+                    event = "edge_credentials_refreshed",
+                    profiles = states.len()
+                );
+                for (key, peer) in &mut self.peers {
+                    peer.snapshot.credential_profiles = states.clone();
+                    if let Some(link) = self.links.get(key) {
+                        let _ = link
+                            .commands
+                            .send(LinkCommand::Refresh(Box::new(peer.snapshot.clone())));
+                    }
+                }
+            }
             HubMsg::ProbeAnswer { ticket, answer } => {
                 let answer = match &answer {
                     Ok((node, generation, report)) => Ok((node, *generation, report)),

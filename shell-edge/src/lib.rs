@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod config;
+pub mod cred;
 pub mod demo;
 pub mod driver;
 pub mod generation_store;

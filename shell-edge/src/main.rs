@@ -91,10 +91,31 @@ fn main() -> anyhow::Result<()> {
                 config,
                 record_trace,
             } => {
-                let config = iop_edge::config::EdgeConfig::load(&config)?;
+                let path = config;
+                let config = iop_edge::config::EdgeConfig::load(&path)?;
                 let options = iop_edge::server::EdgeOptions { record_trace };
                 let edge = iop_edge::server::RunningEdge::start_with(config, options).await?;
-                iop_transport::signals::shutdown_signal().await;
+                let mut hup =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                        .context("installing the SIGHUP handler")?;
+                let shutdown = iop_transport::signals::shutdown_signal();
+                tokio::pin!(shutdown);
+                loop {
+                    tokio::select! {
+                        () = &mut shutdown => break,
+                        _ = hup.recv() => {
+                            // Re-read [[credentials]] only: secrets, revisions,
+                            // disabled flags (docs/credentials.md).
+                            match iop_edge::config::EdgeConfig::load_credentials(&path) {
+                                Ok(profiles) => {
+                                    tracing::info!(event = "edge_credentials_reloaded", profiles = profiles.len());
+                                    edge.reload_credentials(&profiles);
+                                }
+                                Err(e) => tracing::error!(event = "edge_credentials_reload_failed", error = %e),
+                            }
+                        }
+                    }
+                }
                 tracing::info!(event = "edge_shutdown");
                 edge.shutdown().await;
                 Ok(())

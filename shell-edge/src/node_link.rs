@@ -220,6 +220,11 @@ async fn control_loop(
                         return CloseCode::Normal;
                     }
                 }
+                Some(LinkCommand::Refresh(snapshot)) => {
+                    if send.send(&EdgeControl::ConfigRefresh(*snapshot)).await.is_err() {
+                        return CloseCode::Normal;
+                    }
+                }
                 None => return CloseCode::Shutdown,
             },
             err = conn.closed() => return close_code_of(&err).unwrap_or(CloseCode::Normal),

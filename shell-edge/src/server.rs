@@ -44,6 +44,8 @@ pub struct RunningEdge {
     pub config: Arc<EdgeConfig>,
     /// Metrics.
     pub metrics: Arc<crate::metrics::EdgeMetrics>,
+    /// Managed credentials (signing key, profiles).
+    pub creds: Arc<crate::cred::Credentials>,
     endpoint: quinn::Endpoint,
     accept_task: JoinHandle<()>,
     http_task: JoinHandle<()>,
@@ -82,6 +84,24 @@ impl RunningEdge {
         let floor = store.floor(unix_ms())?;
         let clock = Clock::new();
         let metrics = crate::metrics::EdgeMetrics::new();
+        let creds = Arc::new(crate::cred::Credentials::open(
+            &config.edge.state_dir,
+            &config.credentials,
+        )?);
+        let mut managed: std::collections::HashMap<_, Vec<iop_wire::ManagedTarget>> =
+            std::collections::HashMap::new();
+        for p in &config.providers {
+            if let Some(profile) = &p.credential {
+                managed
+                    .entry(p.spec.node.clone())
+                    .or_default()
+                    .push(iop_wire::ManagedTarget {
+                        adapter: p.spec.adapter,
+                        target: p.spec.target.clone(),
+                        profile: profile.clone(),
+                    });
+            }
+        }
         let (hub, hub_task) = hub::spawn(
             DispatchConfig {
                 admission: config.admission_config(),
@@ -94,6 +114,8 @@ impl RunningEdge {
             clock,
             metrics.clone(),
             trace,
+            creds.clone(),
+            managed,
         )?;
         let settings = LinkSettings {
             heartbeat: config.heartbeat,
@@ -128,6 +150,7 @@ impl RunningEdge {
             hub.clone(),
             clock,
             metrics.clone(),
+            creds.clone(),
         ));
         let http_task = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
@@ -141,6 +164,7 @@ impl RunningEdge {
             hub,
             config,
             metrics,
+            creds,
             endpoint,
             accept_task,
             http_task,
@@ -150,6 +174,20 @@ impl RunningEdge {
 
     /// Stop accepting, close every node connection with `shutdown` and wait
     /// briefly for the closes to go out.
+    /// Apply a re-read `[[credentials]]` section (SIGHUP): new secrets,
+    /// revisions and disabled flags, pushed to every connected node.
+    pub fn reload_credentials(&self, profiles: &[crate::config::CredentialProfile]) {
+        self.creds.replace(profiles);
+        self.hub.refresh_credentials();
+    }
+
+    /// Revoke a profile (mark it inactive) and push the new states.
+    pub fn revoke_credential(&self, profile: &str) -> bool {
+        let known = self.creds.revoke(profile);
+        self.hub.refresh_credentials();
+        known
+    }
+
     pub async fn shutdown(self) {
         self.http_task.abort();
         // Refuse new handshakes first: nodes keep dialing while we drain.

@@ -7,6 +7,7 @@
 
 pub mod adapter;
 pub mod config;
+pub mod keyfile;
 pub mod link;
 pub mod metrics;
 pub mod mock;
@@ -61,6 +62,21 @@ impl RunningNode {
             .collect();
         let mut shared = LinkShared::new(adapters, config.watchdog.probe_bound);
         shared.record_trace = options.record_trace;
+        // The lease recipient key and this node's id (R-CRED-1): a node
+        // that cannot load them does not start.
+        let identity = link::NodeIdentity::load(&config);
+        match identity {
+            Ok(identity) => shared.identity = Some(identity),
+            Err(e) => {
+                let (shutdown, _) = watch::channel(false);
+                let shared = Arc::new(shared);
+                return Self {
+                    shutdown,
+                    shared,
+                    task: tokio::spawn(async move { Err(e) }),
+                };
+            }
+        }
         let shared = Arc::new(shared);
         let (shutdown, rx) = watch::channel(false);
         if let Some(addr) = config.node.metrics_listen {

@@ -32,6 +32,52 @@ use crate::adapter::{Adapter, ProbeVerdict};
 use crate::config::NodeConfig;
 use crate::run;
 
+/// The file (in `state_dir`) holding the lease recipient key, mode 0600.
+pub const RECIPIENT_KEY_FILE: &str = "recipient.key";
+
+/// Who this node is, for credential leases (R-CRED-1): its id (from its own
+/// certificate) and its X25519 recipient key. Debug never shows the key.
+pub struct NodeIdentity {
+    /// The node id in this node's certificate (`node://<id>`).
+    pub node_id: String,
+    recipient: x25519_dalek::StaticSecret,
+}
+
+impl std::fmt::Debug for NodeIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeIdentity")
+            .field("node_id", &self.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeIdentity {
+    /// Load (or create, mode 0600) `state_dir/recipient.key` and read the
+    /// node id from the configured certificate.
+    pub fn load(config: &NodeConfig) -> Result<Self, crate::supervisor::StartError> {
+        use iop_core::cred::keys;
+        use rustls::pki_types::{CertificateDer, pem::PemObject};
+        let err = crate::supervisor::StartError::Credentials;
+        let cert = CertificateDer::from_pem_file(&config.tls.cert)
+            .map_err(|e| err(format!("{}: {e}", config.tls.cert.display())))?;
+        let node_id = iop_transport::node_id_from_cert(&cert)
+            .map_err(|e| err(format!("{}: {e}", config.tls.cert.display())))?;
+        let path = config.node.state_dir.join(RECIPIENT_KEY_FILE);
+        let bytes = crate::keyfile::load_or_create(&path, || {
+            keys::recipient_secret_to_bytes(&keys::generate_recipient_key(&mut rand::rng()))
+        })
+        .map_err(|e| err(e.to_string()))?;
+        let recipient = keys::recipient_secret_from_bytes(&bytes)
+            .map_err(|e| err(format!("{}: {e}", path.display())))?;
+        Ok(Self { node_id, recipient })
+    }
+
+    /// The public key leases are sealed to.
+    pub fn public_key(&self) -> [u8; 32] {
+        iop_core::cred::keys::recipient_public_key(&self.recipient).to_bytes()
+    }
+}
+
 /// State that outlives one connection.
 pub struct LinkShared {
     /// One adapter per configured provider target.
@@ -59,6 +105,18 @@ pub struct LinkShared {
     pub record_trace: Option<std::path::PathBuf>,
     /// The close code of the last connection that ended (`u64::MAX`: none).
     pub last_close_code: AtomicU64,
+    /// This node's id and lease recipient key (`None`: no managed
+    /// credentials; every lease is refused).
+    pub identity: Option<NodeIdentity>,
+    /// The process's one replay cache (R-CRED-3). Owned by the current
+    /// link task while a connection is up (taken at its start, handed back
+    /// at its end); this lock is never touched on the run path.
+    replay: std::sync::Mutex<Option<iop_core::cred::ReplayCache>>,
+    /// Credential leases refused, all connections.
+    pub credential_rejections: AtomicU64,
+    /// Targets whose credential the Edge manages, as of the latest snapshot
+    /// (read by health probes only; the lease path uses the link's copy).
+    managed: std::sync::RwLock<Vec<(AdapterKind, String)>>,
 }
 
 impl LinkShared {
@@ -77,6 +135,10 @@ impl LinkShared {
             failed_attempts: AtomicU64::new(0),
             last_close_code: AtomicU64::new(u64::MAX),
             record_trace: None,
+            identity: None,
+            replay: std::sync::Mutex::new(Some(iop_core::cred::ReplayCache::new())),
+            credential_rejections: AtomicU64::new(0),
+            managed: std::sync::RwLock::new(Vec::new()),
         }
     }
 
@@ -97,6 +159,39 @@ impl LinkShared {
     /// Why the last connection ended.
     pub fn last_close(&self) -> Option<CloseCode> {
         CloseCode::from_code(self.last_close_code.load(Ordering::Relaxed))
+    }
+
+    /// A probe verdict for `adapter`/`target`. The Node holds no credential
+    /// for a managed target, so its probe goes out without one: an
+    /// authentication refusal proves the server answers and counts as
+    /// available (the lease path checks the credential on every run).
+    pub fn probe_verdict(
+        &self,
+        adapter: AdapterKind,
+        target: &str,
+        verdict: ProbeVerdict,
+    ) -> ProbeVerdict {
+        let managed = self
+            .managed
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|(a, t)| *a == adapter && t == target);
+        if managed && verdict.failure == Some(iop_wire::HealthFailureCode::AuthenticationFailed) {
+            return ProbeVerdict {
+                health: iop_wire::ProviderHealth::Available,
+                failure: None,
+                models: Vec::new(),
+            };
+        }
+        verdict
+    }
+
+    fn set_managed(&self, managed: &[iop_wire::ManagedTarget]) {
+        *self.managed.write().unwrap_or_else(|e| e.into_inner()) = managed
+            .iter()
+            .map(|m| (m.adapter, m.target.clone()))
+            .collect();
     }
 
     /// The adapter serving `adapter`/`target`.
@@ -198,6 +293,23 @@ pub enum LinkMsg {
         /// The answer.
         reply: oneshot::Sender<TransportStatusReport>,
     },
+    /// Open the run's credential lease (R-CRED-2), after admission and
+    /// right before the provider call. `Ok(None)`: the target is not
+    /// managed and no lease came; `Err`: fail closed.
+    OpenLease {
+        /// The run (the lease's slot).
+        run_id: RunId,
+        /// Adapter of the target about to be called.
+        adapter: AdapterKind,
+        /// The target about to be called.
+        target: String,
+        /// The route (model) when the node can tell.
+        route: Option<String>,
+        /// The sealed lease, if one came.
+        lease: Option<Vec<u8>>,
+        /// The credential, or the closed rejection reason.
+        reply: oneshot::Sender<Result<Option<iop_core::cred::Secret>, &'static str>>,
+    },
     /// A `Capabilities` command: take the next observation sequence.
     TakeObservationSeq {
         /// The sequence.
@@ -254,7 +366,7 @@ pub async fn run(
         close_connection(&conn, CloseCode::ProtocolError);
         return LinkEnd::HandshakeTimeout;
     };
-    let (generation, _config) = match handshake {
+    let (generation, snapshot) = match handshake {
         Ok(Ok(g)) => g,
         Ok(Err((reason, message))) => {
             close_connection(&conn, CloseCode::RegistrationRejected);
@@ -290,7 +402,16 @@ pub async fn run(
         max_runs: config.node.max_concurrent_runs as usize,
         shared: shared.clone(),
         probes: JoinSet::new(),
+        creds: LinkCreds::default(),
+        replay: shared
+            .replay
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default(),
     };
+    link.creds.apply(&snapshot);
+    shared.set_managed(&snapshot.managed_targets);
     let (link_tx, mut link_rx) = mpsc::channel(LINK_QUEUE);
     let link_tx = LinkTx(link_tx);
     let mut handlers = JoinSet::new();
@@ -370,6 +491,9 @@ pub async fn run(
         .cancel_all(clock.now(), CancelReason::Disconnect);
     shared.ready.store(false, Ordering::Relaxed);
     shared.generation.store(0, Ordering::Relaxed);
+    // Hand the replay cache to the next connection (one per process).
+    *shared.replay.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some(std::mem::take(&mut link.replay));
     if let LinkEnd::Closed { code, .. } = &end {
         close_connection(&conn, *code);
     }
@@ -395,7 +519,7 @@ async fn handshake(
             })
             .collect(),
         max_concurrent_runs: config.node.max_concurrent_runs,
-        recipient_public_key: None,
+        recipient_public_key: shared.identity.as_ref().map(NodeIdentity::public_key),
     };
     send.send(&NodeControl::Register(request)).await?;
     let (generation, snapshot) = loop {
@@ -448,9 +572,94 @@ struct Link {
     max_runs: usize,
     shared: Arc<LinkShared>,
     probes: JoinSet<(RunId, ProbeOutcome)>,
+    creds: LinkCreds,
+    replay: iop_core::cred::ReplayCache,
+}
+
+/// The Edge's pushed credential configuration, as of the latest snapshot.
+#[derive(Default)]
+struct LinkCreds {
+    signing_key: Option<ed25519_dalek::VerifyingKey>,
+    /// Profile -> (current revision, active).
+    profiles: HashMap<String, (u64, bool)>,
+    managed: Vec<iop_wire::ManagedTarget>,
+}
+
+impl LinkCreds {
+    fn apply(&mut self, snapshot: &ConfigSnapshot) {
+        self.signing_key = snapshot.lease_signing_key.and_then(|bytes| {
+            match iop_core::cred::keys::verifying_key_from_bytes(&bytes) {
+                Ok(key) => Some(key),
+                Err(e) => {
+                    tracing::warn!(event = "node_lease_signing_key_refused", error = %e);
+                    None
+                }
+            }
+        });
+        self.profiles = snapshot
+            .credential_profiles
+            .iter()
+            .map(|p| (p.profile.clone(), (p.revision, p.active)))
+            .collect();
+        self.managed = snapshot.managed_targets.clone();
+    }
+
+    fn profile_of(&self, adapter: AdapterKind, target: &str) -> Option<&str> {
+        self.managed
+            .iter()
+            .find(|m| m.adapter == adapter && m.target == target)
+            .map(|m| m.profile.as_str())
+    }
 }
 
 impl Link {
+    /// Open one run's lease (R-CRED-2/3). Every check is `open_lease`'s.
+    fn open_lease(
+        &mut self,
+        run_id: RunId,
+        adapter: AdapterKind,
+        target: &str,
+        route: Option<&str>,
+        lease: Option<&[u8]>,
+    ) -> Result<Option<iop_core::cred::Secret>, &'static str> {
+        let profile = self.creds.profile_of(adapter, target);
+        let (lease, profile) = match (lease, profile) {
+            (None, None) => return Ok(None),
+            (None, Some(_)) => return Err("missing_lease"),
+            // A lease for a target this node was not told is managed: the
+            // expected profile is none, so the binding check refuses it.
+            (Some(lease), profile) => (lease, profile.unwrap_or("")),
+        };
+        let Some(identity) = self.shared.identity.as_ref() else {
+            return Err("no_recipient_key");
+        };
+        let Some(signing_key) = self.creds.signing_key.as_ref() else {
+            return Err("no_signing_key");
+        };
+        let expected = iop_core::cred::ExpectedBinding {
+            node: &identity.node_id,
+            generation: self.generation,
+            slot: run_id,
+            target,
+            profile,
+            route,
+            principal: None,
+        };
+        let profiles = &self.creds.profiles;
+        iop_core::cred::open_lease(
+            lease,
+            &expected,
+            signing_key,
+            &identity.recipient,
+            iop_transport::clock::unix_ms(),
+            iop_core::cred::DEFAULT_SKEW_TOLERANCE_MS,
+            &mut self.replay,
+            &|p: &str| profiles.get(p).copied(),
+        )
+        .map(Some)
+        .map_err(|rejected| rejection_label(rejected.reason))
+    }
+
     /// Handle one control frame; `Some(code)` ends the connection.
     async fn on_control(&mut self, msg: EdgeControl, send: &mut FramedSend) -> Option<CloseCode> {
         let now = self.clock.now();
@@ -458,7 +667,9 @@ impl Link {
             EdgeControl::Ping(hb) => self.heartbeat.handle_ping(now, hb.seq),
             EdgeControl::Pong(hb) => self.heartbeat.handle_pong(now, hb.seq),
             EdgeControl::Cancel(c) => self.watchdog.cancel(now, c.run_id, CancelReason::Client),
-            EdgeControl::ConfigRefresh(_) => {
+            EdgeControl::ConfigRefresh(snapshot) => {
+                self.creds.apply(&snapshot);
+                self.shared.set_managed(&snapshot.managed_targets);
                 let applied = NodeControl::ConfigApplied {
                     generation: self.generation,
                 };
@@ -571,6 +782,29 @@ impl Link {
                         .unwrap_or(0),
                 });
             }
+            LinkMsg::OpenLease {
+                run_id,
+                adapter,
+                target,
+                route,
+                lease,
+                reply,
+            } => {
+                let opened =
+                    self.open_lease(run_id, adapter, &target, route.as_deref(), lease.as_deref());
+                if let Err(reason) = &opened {
+                    self.shared
+                        .credential_rejections
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.shared.metrics.credential_rejected(reason);
+                    tracing::warn!(
+                        event = "node_credential_rejected",
+                        generation = self.generation,
+                        reason = *reason
+                    );
+                }
+                let _ = reply.send(opened);
+            }
             LinkMsg::TakeObservationSeq { reply } => {
                 let _ = reply.send(self.watchdog.take_observation_seq(now).unwrap_or(0));
             }
@@ -608,10 +842,15 @@ impl Link {
                         .get(&run_id)
                         .and_then(|slot| self.shared.adapter(slot.adapter, &slot.target).cloned());
                     let bound = self.shared.probe_bound;
+                    let shared = self.shared.clone();
                     self.probes.spawn(async move {
                         let outcome = match adapter {
                             Some(a) => match tokio::time::timeout(bound, a.probe()).await {
-                                Ok(verdict) => probe_outcome(verdict),
+                                Ok(verdict) => probe_outcome(shared.probe_verdict(
+                                    a.kind(),
+                                    a.target(),
+                                    verdict,
+                                )),
                                 // The watchdog treats its own bound the same
                                 // way; this only stops the task (R-WD-5).
                                 Err(_) => ProbeOutcome::Failed,
@@ -654,6 +893,23 @@ impl Link {
             }
         }
         None
+    }
+}
+
+/// A closed label for a refused lease; a binding mismatch names its field.
+pub fn rejection_label(reason: iop_core::cred::RejectionReason) -> &'static str {
+    use iop_core::cred::{BindingField as F, RejectionReason as R};
+    match reason {
+        R::BindingMismatch { field } => match field {
+            F::Node => "binding_mismatch_node",
+            F::Generation => "binding_mismatch_generation",
+            F::Slot => "binding_mismatch_slot",
+            F::Target => "binding_mismatch_target",
+            F::Profile => "binding_mismatch_profile",
+            F::Route => "binding_mismatch_route",
+            F::Principal => "binding_mismatch_principal",
+        },
+        other => other.as_str(),
     }
 }
 

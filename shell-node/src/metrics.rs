@@ -12,6 +12,7 @@ pub struct NodeMetrics {
     registry: prometheus::Registry,
     _provider: SdkMeterProvider,
     stalls: Counter<u64>,
+    credential_rejections: Counter<u64>,
     stall_duration: Histogram<f64>,
 }
 
@@ -57,6 +58,10 @@ impl NodeMetrics {
                     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                 ])
                 .build(),
+            credential_rejections: meter
+                .u64_counter("iop_node_credential_rejections")
+                .with_description("Credential leases refused (R-CRED-3), by closed reason")
+                .build(),
             registry,
             _provider: provider,
         }
@@ -78,6 +83,12 @@ impl NodeMetrics {
         self.stalls.add(1, &labels);
         self.stall_duration
             .record(elapsed_ms as f64 / 1000.0, &[KeyValue::new("kind", kind)]);
+    }
+
+    /// One refused credential lease (closed reason label only).
+    pub fn credential_rejected(&self, reason: &'static str) {
+        self.credential_rejections
+            .add(1, &[KeyValue::new("reason", reason)]);
     }
 
     /// Prometheus text exposition.

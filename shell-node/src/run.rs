@@ -47,6 +47,11 @@ pub async fn serve_stream(
             let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
             let adapter = shared.adapter(req.adapter, &req.target).cloned();
             let sink = RunSink { run_id };
+            let mut req = req;
+            let credential = Credential {
+                lease: req.credential_lease.take(),
+                route: Some(req.model.clone()),
+            };
             execute(
                 &mut send,
                 recv,
@@ -56,7 +61,8 @@ pub async fn serve_stream(
                 stall,
                 deadline,
                 adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
-                move |a| a.run(req, None),
+                credential,
+                move |a, auth| a.run(req, auth),
                 sink,
             )
             .await;
@@ -66,6 +72,11 @@ pub async fn serve_stream(
             let stall = req.response_stall_timeout_ms;
             let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
             let adapter = shared.adapter(req.adapter, &req.target).cloned();
+            let mut req = req;
+            let credential = Credential {
+                lease: req.credential_lease.take(),
+                route: None,
+            };
             execute(
                 &mut send,
                 recv,
@@ -75,13 +86,20 @@ pub async fn serve_stream(
                 stall,
                 deadline,
                 adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
-                move |a| a.tunnel(req, None),
+                credential,
+                move |a, auth| a.tunnel(req, auth),
                 TunnelSink,
             )
             .await;
         }
         DataRequest::Command(cmd) => command(&mut send, cmd, &link, &shared).await,
     }
+}
+
+/// A run's sealed credential lease and what the node can bind it to.
+struct Credential {
+    lease: Option<Vec<u8>>,
+    route: Option<String>,
 }
 
 /// How a stream's frames are shaped: run events or tunnel frames.
@@ -152,11 +170,12 @@ async fn execute<S, F>(
     stall_timeout_ms: u64,
     deadline: Option<Duration>,
     adapter: Option<(iop_wire::AdapterKind, String, crate::adapter::Adapter)>,
+    credential: Credential,
     start: F,
     sink: S,
 ) where
     S: Sink,
-    F: FnOnce(&crate::adapter::Adapter) -> BoxStream<'static, S::Item>,
+    F: FnOnce(&crate::adapter::Adapter, Option<String>) -> BoxStream<'static, S::Item>,
 {
     // Validated before any adapter is called (R-WD, SPEC §3).
     let stall_timeout = match effective_stall_timeout(stall_timeout_ms) {
@@ -179,7 +198,7 @@ async fn execute<S, F>(
             stall_timeout,
             deadline,
             adapter: adapter_kind,
-            target,
+            target: target.clone(),
             control: control_tx,
             reply,
         })
@@ -191,7 +210,45 @@ async fn execute<S, F>(
         None => return,
     }
 
-    let mut provider = Some(start(&adapter));
+    // R-CRED-2: the lease is opened only now, after capacity admission and
+    // right before the provider call; R-CRED-3: any refusal ends the run
+    // with `credential_rejected`, no provider call, no fallback credential.
+    let opened = link
+        .ask(|reply| LinkMsg::OpenLease {
+            run_id,
+            adapter: adapter_kind,
+            target,
+            route: credential.route,
+            lease: credential.lease,
+            reply,
+        })
+        .await;
+    let auth: Result<Option<String>, ()> = match opened {
+        Some(Ok(None)) => Ok(None),
+        // Only this one call sees it; `secret` is wiped when dropped here.
+        Some(Ok(Some(secret))) => std::str::from_utf8(secret.expose_secret())
+            .map(|text| Some(text.to_owned()))
+            .map_err(|_| ()),
+        Some(Err(_)) => Err(()),
+        None => return,
+    };
+    let auth = match auth {
+        Ok(auth) => auth,
+        Err(()) => {
+            let failure = ExecutionFailure::new(FailureCode::CredentialRejected);
+            let event = ProviderEvent::Returned(iop_core::node::watchdog::ProviderOutcome::Failed(
+                failure.clone(),
+            ));
+            if let Some(Emission::Forward) =
+                offer::<S>(link, run_id, &sink.failure(failure.clone()), event).await
+            {
+                write_terminal(send, &sink, failure).await;
+            }
+            link.tell(LinkMsg::Finished { run_id }).await;
+            return;
+        }
+    };
+    let mut provider = Some(start(&adapter, auth));
     let mut canceling = false;
     loop {
         tokio::select! {
@@ -325,7 +382,7 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
             });
             let probes = chosen.map(|a| async move {
                 let verdict = match tokio::time::timeout(bound, a.probe()).await {
-                    Ok(v) => v,
+                    Ok(v) => shared.probe_verdict(a.kind(), a.target(), v),
                     Err(_) => crate::adapter::ProbeVerdict {
                         health: iop_wire::ProviderHealth::Unknown,
                         failure: Some(iop_wire::HealthFailureCode::Timeout),

@@ -21,6 +21,9 @@ pub enum StartError {
     /// The QUIC endpoint could not be created.
     #[error("quic: {0}")]
     Transport(#[from] iop_transport::TransportError),
+    /// The lease recipient key or the node identity could not be loaded.
+    #[error("credentials: {0}")]
+    Credentials(String),
 }
 
 /// Resolve `host:port`.

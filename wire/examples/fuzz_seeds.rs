@@ -57,6 +57,7 @@ fn main() -> std::io::Result<()> {
                         active: true,
                     }],
                     lease_signing_key: None,
+                    managed_targets: Vec::new(),
                 },
             }))
             .unwrap(),

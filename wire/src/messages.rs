@@ -258,6 +258,21 @@ pub struct ConfigSnapshot {
     pub credential_profiles: Vec<CredentialProfileState>,
     /// Ed25519 public key the Edge signs credential lease scopes with.
     pub lease_signing_key: Option<[u8; 32]>,
+    /// Targets on this Node whose credential is managed by the Edge: a run
+    /// for one of them needs a valid lease of that profile (R-CRED-3).
+    pub managed_targets: Vec<ManagedTarget>,
+}
+
+/// One provider target whose credential comes in a sealed lease.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManagedTarget {
+    /// Kind of server.
+    pub adapter: AdapterKind,
+    /// Which server/model.
+    pub target: String,
+    /// The credential profile leased for it.
+    pub profile: String,
 }
 
 closed_enum! {

@@ -1,0 +1,143 @@
+//! Managed credential leases, the Edge's side (R-CRED-1): the lease signing
+//! key, the profiles (secret, revision, active) and sealing one lease per
+//! dispatch. Every check and all the cryptography is `iop_core::cred`; this
+//! module holds keys, reads the clock and the OS RNG, and moves bytes.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::RwLock;
+
+use ed25519_dalek::SigningKey;
+use iop_core::cred::{LeaseScope, keys, random_nonce, seal_lease};
+use iop_core::edge::admission::Lease;
+use iop_wire::CredentialProfileState;
+use x25519_dalek::PublicKey;
+
+use crate::config::CredentialProfile;
+
+/// The file (in `state_dir`) holding the lease signing key, mode 0600.
+pub const SIGNING_KEY_FILE: &str = "lease-signing.key";
+
+/// The Edge's credential state. Profiles change only on reload or revoke;
+/// a dispatch takes a read lock for the duration of one seal.
+pub struct Credentials {
+    signing: SigningKey,
+    verifying: [u8; 32],
+    profiles: RwLock<BTreeMap<String, CredentialProfile>>,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("profiles", &self.states())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why no lease could be sealed. Never carries secret bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoLease {
+    /// The profile is not configured (any more).
+    UnknownProfile,
+    /// The Node registered without a valid recipient key.
+    NoRecipient,
+    /// `seal_lease` refused.
+    SealFailed,
+}
+
+impl Credentials {
+    /// Load (or create, mode 0600) the signing key in `state_dir`.
+    pub fn open(state_dir: &Path, profiles: &[CredentialProfile]) -> std::io::Result<Self> {
+        let bytes = iop_node::keyfile::load_or_create(&state_dir.join(SIGNING_KEY_FILE), || {
+            keys::signing_key_to_bytes(&keys::generate_signing_key(&mut rand::rng()))
+        })?;
+        let signing = keys::signing_key_from_bytes(&bytes).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{SIGNING_KEY_FILE}: {e}"),
+            )
+        })?;
+        let verifying = keys::verifying_key_to_bytes(&signing.verifying_key());
+        let creds = Self {
+            signing,
+            verifying,
+            profiles: RwLock::new(BTreeMap::new()),
+        };
+        creds.replace(profiles);
+        Ok(creds)
+    }
+
+    /// The verifying key every Node gets.
+    pub fn verifying_key(&self) -> [u8; 32] {
+        self.verifying
+    }
+
+    /// Replace every profile (a reload).
+    pub fn replace(&self, profiles: &[CredentialProfile]) {
+        let map = profiles
+            .iter()
+            .map(|p| (p.profile.clone(), p.clone()))
+            .collect();
+        *self.profiles.write().unwrap_or_else(|e| e.into_inner()) = map;
+    }
+
+    /// Mark `profile` inactive; false if unknown.
+    pub fn revoke(&self, profile: &str) -> bool {
+        let mut map = self.profiles.write().unwrap_or_else(|e| e.into_inner());
+        match map.get_mut(profile) {
+            Some(p) => {
+                p.active = false;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Every profile's revision and active flag (no secrets).
+    pub fn states(&self) -> Vec<CredentialProfileState> {
+        self.profiles
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|p| CredentialProfileState {
+                profile: p.profile.clone(),
+                revision: p.revision,
+                active: p.active,
+            })
+            .collect()
+    }
+
+    /// Seal a fresh lease of `profile` for the dispatch `lease` (R-CRED-1).
+    /// The lease carries the profile's current state; an inactive profile's
+    /// lease is refused by the Node (fail closed there, visibly).
+    pub fn seal(
+        &self,
+        profile: &str,
+        lease: &Lease,
+        recipient: Option<&PublicKey>,
+        principal: &str,
+        route: &str,
+    ) -> Result<Vec<u8>, NoLease> {
+        let recipient = recipient.ok_or(NoLease::NoRecipient)?;
+        let map = self.profiles.read().unwrap_or_else(|e| e.into_inner());
+        let entry = map.get(profile).ok_or(NoLease::UnknownProfile)?;
+        let mut rng = rand::rng();
+        let now = iop_transport::clock::unix_ms();
+        let scope = LeaseScope {
+            principal: principal.to_owned(),
+            route: route.to_owned(),
+            slot: lease.run_id,
+            profile: profile.to_owned(),
+            target: lease.target.clone(),
+            node: lease.node.clone(),
+            credential_revision: entry.revision,
+            generation: lease.generation,
+            issued_at_unix_ms: now,
+            expires_at_unix_ms: now + iop_core::cred::DEFAULT_LEASE_LIFETIME_MS,
+            nonce: random_nonce(&mut rng),
+        };
+        seal_lease(&scope, &entry.secret, &self.signing, recipient, &mut rng)
+            .map(|sealed| sealed.to_bytes())
+            .map_err(|_| NoLease::SealFailed)
+    }
+}
