@@ -782,6 +782,42 @@ key = "edge.key"
     }
 
     #[test]
+    fn credentials_are_validated_by_field_and_never_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("cred"), "sk-managed-secret\n").unwrap();
+        let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
+        let c = parse_in(
+            "[[credentials]]\nprofile='k'\nsecret_file='cred'\nrevision=3\n\
+             [[providers]]\nid='a'\nnode='n'\nadapter='openai'\ntarget='t'\ncredential='k'\n",
+        )
+        .unwrap();
+        assert_eq!(c.credentials[0].secret.as_slice(), b"sk-managed-secret");
+        assert_eq!(c.credentials[0].revision, 3);
+        assert!(c.credentials[0].active);
+        assert!(!format!("{c:?}").contains("sk-managed-secret"));
+        let e = parse_in(
+            "[[providers]]\nid='a'\nnode='n'\nadapter='openai'\ntarget='t'\ncredential='ghost'\n",
+        )
+        .unwrap_err();
+        assert_eq!(field_of(e), "providers[0].credential");
+        let e = parse_in("[[credentials]]\nprofile='k'\n").unwrap_err();
+        assert_eq!(field_of(e), "credentials[0].secret_env");
+        let e = parse_in("[[credentials]]\nprofile='k'\nsecret_file='cred'\nsecret_env='X'\n")
+            .unwrap_err();
+        assert_eq!(field_of(e), "credentials[0].secret_env");
+        let e = parse_in("[[credentials]]\nprofile='k'\nsecret_file='missing'\n").unwrap_err();
+        assert_eq!(field_of(e), "credentials[0].secret_file");
+        let e = parse_in(
+            "[[credentials]]\nprofile='k'\nsecret_file='cred'\n[[credentials]]\nprofile='k'\nsecret_file='cred'\n",
+        )
+        .unwrap_err();
+        assert_eq!(field_of(e), "credentials[1].profile");
+        let c =
+            parse_in("[[credentials]]\nprofile='k'\nsecret_file='cred'\ndisabled=true\n").unwrap();
+        assert!(!c.credentials[0].active);
+    }
+
+    #[test]
     fn api_key_debug_never_shows_the_key() {
         let k = ApiKey {
             principal: "p".into(),

@@ -36,6 +36,10 @@ struct Rig {
 /// profile `k` (secret `configured`, `cred_extra` appended to its entry),
 /// and a Node pointing `m` at a mock that requires [`SECRET`].
 async fn rig(configured: &str, cred_extra: &str) -> Rig {
+    rig_with(configured, cred_extra, "").await
+}
+
+async fn rig_with(configured: &str, cred_extra: &str, provider_extra: &str) -> Rig {
     let pki = Pki::new(&["node-1"]);
     std::fs::write(pki.path().join("key"), KEY).unwrap();
     std::fs::write(pki.path().join("cred"), configured).unwrap();
@@ -50,7 +54,7 @@ async fn rig(configured: &str, cred_extra: &str) -> Rig {
         0,
         &format!(
             "[[credentials]]\nprofile = \"k\"\nsecret_file = \"cred\"\n{cred_extra}\n\
-             [[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"m\"\ncredential = \"k\"\n\
+             [[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"m\"\ncredential = \"k\"\n{provider_extra}\n\
              [[routes]]\nmodel = \"mock\"\nproviders = [\"p\"]\n\
              [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\nadmin = true\n"
         ),
@@ -232,6 +236,25 @@ async fn managed_provider_answers_through_the_edge_with_the_leased_key() {
                 .mode();
             assert_eq!(mode & 0o777, 0o600, "{file}");
         }
+        rig.node.shutdown().await.unwrap();
+        rig.edge.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_tunnel_mode_provider_gets_its_lease_too() {
+    bounded(async {
+        let rig = rig_with(SECRET, "", "mode = \"tunnel\"").await;
+        let (status, body) = rig.chat().await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(rig.mock.requests(), 1);
+        // Revoked: the tunnel fails closed as well, before any request.
+        assert!(rig.edge.revoke_credential("k"));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, body) = rig.chat().await;
+        assert_credential_rejected(status, &body);
+        assert_eq!(rig.mock.requests(), 1);
         rig.node.shutdown().await.unwrap();
         rig.edge.shutdown().await;
     })
