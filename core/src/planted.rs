@@ -99,7 +99,69 @@ impl Planted {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use iop_wire::{
+        AdapterKind, CloseCode, ExecutionFailure, FailureCode, PROTOCOL_VERSION, ProviderHealth,
+        RegisterRequest,
+    };
+
     use super::*;
+    use crate::Instant;
+    use crate::edge::admission::{AdmissionConfig, Admit, DispatchRequest, PreSend, ProviderSpec};
+    use crate::edge::dispatch::{DispatchConfig, Dispatcher};
+    use crate::edge::overlay::{EvidenceOutcome, Overlay};
+    use crate::edge::registry::Registry;
+    use crate::ids::{NodeId, ProviderId};
+    use crate::node::watchdog::{
+        CancelReason, Emission, ProviderOutcome, RunKind, Watchdog, WatchdogConfig, WatchdogOutput,
+    };
+
+    const T: Instant = Instant::ZERO;
+
+    fn dispatcher(capacity: u32) -> Dispatcher {
+        Dispatcher::new(
+            T,
+            DispatchConfig {
+                admission: AdmissionConfig::default(),
+                providers: vec![ProviderSpec {
+                    id: ProviderId::from("p"),
+                    node: NodeId::from("n"),
+                    adapter: AdapterKind::Mock,
+                    target: "t".into(),
+                    capacity,
+                    stall_timeout_ms: 1000,
+                }],
+                generation_floor: 0,
+                known_nodes: None,
+                health: crate::edge::health::HealthConfig::default(),
+            },
+        )
+        .expect("valid config")
+    }
+
+    fn register(d: &mut Dispatcher) -> u64 {
+        let request = RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node_version: "t".into(),
+            providers: vec![],
+            max_concurrent_runs: 4,
+            recipient_public_key: None,
+        };
+        d.register(T, &NodeId::from("n"), &request)
+            .expect("accepted")
+            .0
+    }
+
+    fn lease(d: &mut Dispatcher, request_id: u64) -> crate::edge::admission::Lease {
+        match d.request(
+            T,
+            DispatchRequest::new(request_id, vec![ProviderId::from("p")]),
+        ) {
+            Admit::Leased(lease) => lease,
+            other => panic!("expected a lease, got {other:?}"),
+        }
+    }
 
     #[test]
     fn names_round_trip_and_bits_are_distinct() {
@@ -114,5 +176,87 @@ mod tests {
         for bug in PlantedBug::ALL {
             assert_eq!(planted.has(bug), bug == PlantedBug::SecondTerminal);
         }
+    }
+
+    #[test]
+    fn double_release_breaks_the_lease_count_at_the_fence() {
+        let mut d = dispatcher(2);
+        let g = register(&mut d);
+        assert!(d.ready(T, &NodeId::from("n"), g));
+        lease(&mut d, 1);
+        lease(&mut d, 2);
+        d.plant(PlantedBug::DoubleRelease);
+        d.connection_closed(T, &NodeId::from("n"), g, CloseCode::HeartbeatTimeout);
+        assert!(d.admission().check_invariants().is_err());
+    }
+
+    #[test]
+    fn accept_stale_generation_admits_a_fenced_generation() {
+        let mut r = Registry::new(0);
+        let n = NodeId::from("n");
+        let request = RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node_version: "t".into(),
+            providers: vec![],
+            max_concurrent_runs: 4,
+            recipient_public_key: None,
+        };
+        let g1 = r.register(T, &n, &request).expect("accepted");
+        r.register(T, &n, &request).expect("accepted");
+        assert!(!r.is_current(&n, g1));
+        r.plant(PlantedBug::AcceptStaleGeneration);
+        assert!(r.admit_message(&n, g1), "the fenced generation is admitted");
+    }
+
+    #[test]
+    fn lower_on_stale_evidence_skips_the_freshness_check() {
+        let mut o = Overlay::new();
+        let p = ProviderId::from("p");
+        o.apply_stall_evidence(&p, 1, Some(5), ProviderHealth::Available);
+        o.plant(PlantedBug::LowerOnStaleEvidence);
+        assert_eq!(
+            o.apply_stall_evidence(&p, 1, Some(4), ProviderHealth::Unavailable),
+            EvidenceOutcome::Lowered
+        );
+    }
+
+    #[test]
+    fn second_terminal_lets_a_late_return_end_the_run_again() {
+        let mut w = Watchdog::new(WatchdogConfig::default(), None);
+        w.plant(PlantedBug::SecondTerminal);
+        w.start(T, 1, RunKind::Normalized, Duration::from_secs(1), None)
+            .expect("started");
+        w.cancel(T, 1, CancelReason::Client);
+        let late = w.provider_returned(
+            T,
+            1,
+            ProviderOutcome::Failed(ExecutionFailure::new(FailureCode::Canceled)),
+        );
+        assert_eq!(late, Emission::Forward);
+        let terminals = std::iter::from_fn(|| w.poll_output())
+            .filter(|o| matches!(o, WatchdogOutput::Terminal { .. }))
+            .count();
+        assert_eq!(terminals, 2);
+    }
+
+    #[test]
+    fn dispatch_before_ready_leases_on_a_registered_generation() {
+        let mut d = dispatcher(1);
+        d.plant(PlantedBug::DispatchBeforeReady);
+        let g = register(&mut d);
+        let l = lease(&mut d, 1);
+        assert_eq!(l.generation, g);
+        assert!(!d.registry().is_dispatchable(&l.node, g));
+    }
+
+    #[test]
+    fn skip_pre_send_fence_answers_send_for_a_fenced_lease() {
+        let mut d = dispatcher(1);
+        let g = register(&mut d);
+        assert!(d.ready(T, &NodeId::from("n"), g));
+        let l = lease(&mut d, 1);
+        d.plant(PlantedBug::SkipPreSendFence);
+        d.connection_closed(T, &NodeId::from("n"), g, CloseCode::HeartbeatTimeout);
+        assert!(matches!(d.pre_send(T, l.lease_id), PreSend::Send(_)));
     }
 }

@@ -541,7 +541,8 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
     }
     // Every node goes away: nothing may stay leased (R-LEASE-2).
     let now = m.now;
-    for (node, (g, _)) in std::mem::take(&mut m.current) {
+    // One at a time: the queue may drain to a node still connected.
+    while let Some((node, (g, _))) = m.current.pop_first() {
         d.connection_closed(now, &NodeId::from(NODES[node]), g, CloseCode::Normal);
         drain_dispatch(&mut d, &mut m);
     }

@@ -10,7 +10,7 @@
 //! | --- | --- |
 //! | R-LEASE-2 | capacity never leaks or goes negative (`Admission::check_invariants`); every lease is released exactly once; held leases are exactly the granted, unreleased ones; a finished request holds no lease and no queue slot; with no request open, no lease is in use and the queue is empty |
 //! | R-GEN-1 | each node's generations strictly increase, across Edge restarts, on both sides |
-//! | R-GEN-2/3/4 | nothing is leased or sent on a generation that is not current and ready; every held lease is bound to a dispatchable generation |
+//! | R-GEN-2/3/4 | nothing is leased or sent on a generation that is not current and ready; every held lease is bound to a dispatchable generation; a late message of a fenced generation is ignored and counted once; a pre-send after its lease's fence is not answered `Send` |
 //! | R-GATE-1/3/4 | every client request ends exactly once (one terminal, or a disconnect, or the Edge going away); nothing reaches the client after that; content only after the commit; at most one commit |
 //! | R-WD-* | one terminal per node run; a stall terminal comes within `claim + max(grace, probe bound)` (R-WD-3), is retryable exactly when the canceled call returned within the grace (R-WD-4), and carries the probe's evidence pair (R-WD-5) |
 //! | R-SEQ-1 | each connection's observation sequence starts at 1 and increases by one across stall terminals and CAPABILITIES answers |

@@ -18,7 +18,10 @@
 //!   delay, so fences can slip in between), send, relay events into the
 //!   gate, apply the terminal, close and re-admit on a confirmed stall,
 //!   cancel on client disconnect. A CAPABILITIES round goes to every ready
-//!   node at a fixed cadence (R-CAP-1).
+//!   node at a fixed cadence (R-CAP-1). Two races of the shell are modelled:
+//!   what a connection the Edge ended still had on its way reaches the
+//!   dispatcher for [`LINK_DRAIN`], attributed to the fenced generation, and
+//!   a request's pre-send reaches the dispatcher after its lease's fence.
 //! * **Node**: per process a [`Backoff`] supervisor; per connection a
 //!   [`TracedHeartbeat`] and a [`TracedWatchdog`] with its observation
 //!   sequence; per run one provider call ([`CallPlan`]).

@@ -13,6 +13,14 @@ const SWARM_SEEDS: u64 = 300;
 /// Steps per seed in the bounded swarm.
 const SWARM_STEPS: u64 = 2_000;
 
+/// The CI swarm: many short worlds (seeds apart from the other tests').
+const CI_SWARM_START: u64 = 10_000;
+/// Seeds in the CI swarm.
+const CI_SWARM_SEEDS: u64 = 2_000;
+/// Steps per seed in the CI swarm (the drain comes on top, about as many
+/// again).
+const CI_SWARM_STEPS: u64 = 600;
+
 /// A `Write` whose bytes the test can read back.
 #[derive(Clone, Default)]
 struct SharedBuf(Arc<Mutex<Vec<u8>>>);
@@ -60,15 +68,14 @@ fn record(seed: u64, steps: u64, machine: MachineKind, instance: u64) -> String 
     buf.text()
 }
 
-#[test]
-fn bounded_swarm_holds_every_invariant() {
-    let report = swarm(&SwarmOptions::new(0, SWARM_SEEDS, SWARM_STEPS));
-    let failures: Vec<String> = report
+/// Each failing seed with the one command that reproduces it.
+fn failures(report: &iop_sim::SwarmReport) -> String {
+    report
         .failures
         .iter()
         .map(|r| {
             format!(
-                "{} -> {}",
+                "reproduce: {}\n  {}",
                 r.repro_command(),
                 r.violation
                     .as_ref()
@@ -76,11 +83,18 @@ fn bounded_swarm_holds_every_invariant() {
                     .unwrap_or_default()
             )
         })
-        .collect();
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn bounded_swarm_holds_every_invariant() {
+    let report = swarm(&SwarmOptions::new(0, SWARM_SEEDS, SWARM_STEPS));
     assert!(
-        failures.is_empty(),
-        "failing seeds:\n{}",
-        failures.join("\n")
+        report.failures.is_empty(),
+        "{} of {SWARM_SEEDS} seeds failed:\n{}",
+        report.failures.len(),
+        failures(&report)
     );
     // The swarm actually exercised the faults it claims to.
     let t = &report.totals;
@@ -90,7 +104,44 @@ fn bounded_swarm_holds_every_invariant() {
     assert!(t.partitions > 0 && t.conns_killed > 0, "{t:?}");
     assert!(t.lowerings > 0 && t.recoveries > 0, "{t:?}");
     assert!(t.client_left > 0 && t.fenced_outputs > 0, "{t:?}");
+    assert!(t.retransmits > 0 && t.provider_freezes > 0, "{t:?}");
+    assert!(
+        t.late_fenced_messages > 0 && t.fenced_before_send > 0,
+        "{t:?}"
+    );
     assert!(t.finished > 0 && t.failed > 0, "{t:?}");
+}
+
+/// The swarm CI runs on every change: 2,000 seeds on every core, within a
+/// few minutes in debug. A failure names the command that reproduces each
+/// failing seed.
+#[test]
+fn ci_swarm_of_2000_seeds_holds_every_invariant() {
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let started = std::time::Instant::now();
+    let report = swarm(&SwarmOptions {
+        threads,
+        ..SwarmOptions::new(CI_SWARM_START, CI_SWARM_SEEDS, CI_SWARM_STEPS)
+    });
+    assert!(
+        report.failures.is_empty(),
+        "{} of {CI_SWARM_SEEDS} seeds failed:\n{}",
+        report.failures.len(),
+        failures(&report)
+    );
+    let t = &report.totals;
+    assert!(t.stalls > 0 && t.fences > 0 && t.node_crashes > 0, "{t:?}");
+    assert!(t.retransmits > 0 && t.provider_freezes > 0, "{t:?}");
+    assert!(
+        t.late_fenced_messages > 0 && t.fenced_before_send > 0,
+        "{t:?}"
+    );
+    assert!(t.stale_evidence > 0 && t.lowerings > 0, "{t:?}");
+    println!(
+        "CI swarm: {CI_SWARM_SEEDS} seeds x {CI_SWARM_STEPS} steps ({} steps with the drain) on {threads} threads in {:.1}s",
+        t.steps,
+        started.elapsed().as_secs_f64()
+    );
 }
 
 #[test]
