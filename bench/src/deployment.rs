@@ -1,0 +1,631 @@
+//! A real deployment on loopback, one OS process per component, so each
+//! one's memory and CPU can be read from `/proc`:
+//!
+//! * one `iop-node mock-provider` process per [`MockSpec`] (the upstream),
+//! * one `iop-edge run --config` process,
+//! * one `iop-node run --config` process per node; every node serves every
+//!   mock as a target of its `openai` adapter,
+//! * or, for the node-scale scenario, one `iop-bench fleet` process running
+//!   many nodes ([`crate::fleet`]).
+//!
+//! The Edge has, for each mock `m` and node `i`, a provider `m-norm-i`
+//! (`mode = "normalized"`) and `m-tun-i` (`mode = "tunnel"`); the model `m`
+//! routes to the normalized ones, `m-tunnel` to the tunnel ones. A model
+//! name that does not start with `mock:` makes the mock play its process
+//! defaults, so the same mock script serves every path.
+
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdout, Command};
+
+use crate::load::Target;
+use crate::procfs::{self, ProcError};
+
+/// The API key every deployment accepts (also an admin key).
+pub const API_KEY: &str = "sk-iop-bench-0123456789abcdef";
+
+/// How long a component may take to come up.
+const START_BOUND: Duration = Duration::from_secs(60);
+
+/// Why a deployment could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DeployError {
+    /// A binary is missing.
+    #[error(
+        "binary not found: {0} (build with `cargo build --release -p iop-edge -p iop-node -p iop-bench`)"
+    )]
+    MissingBinary(PathBuf),
+    /// File or process I/O failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Certificates could not be generated.
+    #[error("dev PKI: {0}")]
+    Pki(String),
+    /// A component exited early.
+    #[error("{name} exited ({status}); see {log}")]
+    Exited {
+        /// The component.
+        name: String,
+        /// Its exit status.
+        status: String,
+        /// Its log file.
+        log: PathBuf,
+    },
+    /// A component did not become ready in time.
+    #[error("{0} did not become ready within the start bound")]
+    NotReady(String),
+    /// `/proc` could not be read.
+    #[error(transparent)]
+    Proc(#[from] ProcError),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DeployError {
+    let what = what.into();
+    move |source| DeployError::Io { what, source }
+}
+
+/// The binaries a deployment runs.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    /// `iop-edge`.
+    pub edge: PathBuf,
+    /// `iop-node`.
+    pub node: PathBuf,
+    /// `iop-bench` (for `fleet`).
+    pub bench: PathBuf,
+}
+
+impl Binaries {
+    /// `iop-edge` and `iop-node` beside the running `iop-bench` (the same
+    /// target directory and profile).
+    pub fn beside_current_exe() -> Result<Self, DeployError> {
+        let bench = std::env::current_exe().map_err(io("locating iop-bench"))?;
+        let dir = bench.parent().map(Path::to_path_buf).unwrap_or_default();
+        let found = |name: &str| {
+            let p = dir.join(name);
+            if p.exists() {
+                Ok(p)
+            } else {
+                Err(DeployError::MissingBinary(p))
+            }
+        };
+        Ok(Self {
+            edge: found("iop-edge")?,
+            node: found("iop-node")?,
+            bench,
+        })
+    }
+}
+
+/// A loopback TCP port free right now.
+pub fn free_tcp_port() -> Result<u16, DeployError> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(io("finding a free TCP port"))?;
+    Ok(l.local_addr()
+        .map_err(io("finding a free TCP port"))?
+        .port())
+}
+
+/// A loopback UDP port free right now.
+pub fn free_udp_port() -> Result<u16, DeployError> {
+    let s = UdpSocket::bind("127.0.0.1:0").map_err(io("finding a free UDP port"))?;
+    Ok(s.local_addr()
+        .map_err(io("finding a free UDP port"))?
+        .port())
+}
+
+/// One child process; killed when dropped.
+#[derive(Debug)]
+pub struct Proc {
+    name: String,
+    child: Child,
+    pid: u32,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// Start `program args` in `dir`, stderr (and stdout unless piped) to
+    /// `dir/<name>.log`.
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        dir: &Path,
+        pipe_stdout: bool,
+    ) -> Result<Self, DeployError> {
+        let log = dir.join(format!("{name}.log"));
+        let file =
+            std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+        let err = file.try_clone().map_err(io("cloning a log handle"))?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .current_dir(dir)
+            .env(
+                "RUST_LOG",
+                std::env::var("IOP_BENCH_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stderr(Stdio::from(err))
+            .kill_on_drop(true);
+        if pipe_stdout {
+            cmd.stdout(Stdio::piped());
+        } else {
+            cmd.stdout(Stdio::from(file));
+        }
+        let child = cmd
+            .spawn()
+            .map_err(io(format!("starting {}", program.display())))?;
+        let pid = child.id().ok_or_else(|| DeployError::Exited {
+            name: name.to_owned(),
+            status: "at once".into(),
+            log: log.clone(),
+        })?;
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+            pid,
+            log,
+        })
+    }
+
+    /// The component's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The OS process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its piped stdout (once).
+    pub fn take_stdout(&mut self) -> Option<ChildStdout> {
+        self.child.stdout.take()
+    }
+
+    /// Resident memory now.
+    pub fn rss_bytes(&self) -> Result<u64, DeployError> {
+        Ok(procfs::rss_bytes(self.pid)?)
+    }
+
+    /// CPU time so far, in clock ticks.
+    pub fn cpu_ticks(&self) -> Result<u64, DeployError> {
+        Ok(procfs::cpu_ticks(self.pid)?)
+    }
+
+    /// An error if the process has exited.
+    pub fn check_alive(&mut self) -> Result<(), DeployError> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => Err(DeployError::Exited {
+                name: self.name.clone(),
+                status: status.to_string(),
+                log: self.log.clone(),
+            }),
+            Err(e) => Err(io(format!("waiting for {}", self.name))(e)),
+        }
+    }
+
+    /// Stop it (SIGKILL) and reap it.
+    pub async fn stop(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// One upstream mock process and the script it plays by default.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MockSpec {
+    /// Its name: the node target and the Edge model.
+    pub name: String,
+    /// Tokens per answer.
+    pub tokens: u32,
+    /// Tokens per second; 0 = as fast as possible.
+    pub tps: f64,
+    /// An already running mock to use instead of starting one (the peer
+    /// gateway scenario shares it).
+    pub external: Option<SocketAddr>,
+}
+
+/// What to deploy.
+#[derive(Debug, Clone)]
+pub struct DeploymentSpec {
+    /// Working directory (certificates, configs, logs); emptied first.
+    pub dir: PathBuf,
+    /// Upstream mocks.
+    pub mocks: Vec<MockSpec>,
+    /// Node processes.
+    pub nodes: usize,
+    /// Capacity of each Edge provider.
+    pub capacity: u32,
+    /// `max_concurrent_runs` of each node.
+    pub max_concurrent_runs: u32,
+    /// Edge admission queue.
+    pub queue_capacity: usize,
+}
+
+/// A running mock.
+#[derive(Debug)]
+pub struct RunningMock {
+    /// Its script.
+    pub spec: MockSpec,
+    /// Its address.
+    pub addr: SocketAddr,
+    /// Its process (`None` for an external mock).
+    pub proc: Option<Proc>,
+}
+
+/// A running deployment.
+#[derive(Debug)]
+pub struct Deployment {
+    /// The upstream mocks.
+    pub mocks: Vec<RunningMock>,
+    /// The Edge process.
+    pub edge: Proc,
+    /// The Edge's client-facing address.
+    pub edge_http: SocketAddr,
+    /// The Edge's QUIC address.
+    pub edge_quic: SocketAddr,
+    /// Node processes.
+    pub nodes: Vec<Proc>,
+    http: reqwest::Client,
+}
+
+fn fresh_dir(dir: &Path) -> Result<(), DeployError> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(io(format!("clearing {}", dir.display())))?;
+    }
+    std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))
+}
+
+fn write(path: &Path, text: &str) -> Result<(), DeployError> {
+    std::fs::write(path, text).map_err(io(format!("writing {}", path.display())))
+}
+
+/// The Edge config head: listeners, TLS, admission, the bench key.
+pub fn edge_config_head(quic_port: u16, http_port: u16, queue_capacity: usize) -> String {
+    format!(
+        r#"[edge]
+quic_listen = "127.0.0.1:{quic_port}"
+http_listen = "127.0.0.1:{http_port}"
+state_dir = "edge-state"
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[admission]
+queue_capacity = {queue_capacity}
+queue_timeout_ms = 30000
+[[api_keys]]
+principal = "bench"
+key_file = "api-key"
+admin = true
+"#
+    )
+}
+
+/// A node config (TLS from `certs/node-<id>.*`); `providers` is appended.
+pub fn node_config(
+    id: &str,
+    edge_quic: SocketAddr,
+    max_concurrent_runs: u32,
+    providers: &str,
+) -> String {
+    format!(
+        r#"[node]
+edge = "{edge_quic}"
+state_dir = "state-{id}"
+max_concurrent_runs = {max_concurrent_runs}
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/node-{id}.pem"
+key = "certs/node-{id}.key"
+{providers}"#
+    )
+}
+
+/// Certificates for `nodes` and the API key file, in `dir`.
+pub fn write_pki(dir: &Path, nodes: &[String]) -> Result<(), DeployError> {
+    let ids: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    iop_transport::generate_dev_pki(&dir.join("certs"), &ids, &[])
+        .map_err(|e| DeployError::Pki(e.to_string()))?;
+    write(&dir.join("api-key"), API_KEY)
+}
+
+/// Poll `url` until it answers 2xx (bounded by [`START_BOUND`]).
+pub async fn wait_http_ok(
+    http: &reqwest::Client,
+    url: &str,
+    what: &str,
+    proc: &mut Proc,
+) -> Result<(), DeployError> {
+    let deadline = Instant::now() + START_BOUND;
+    loop {
+        proc.check_alive()?;
+        if let Ok(r) = http.get(url).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(DeployError::NotReady(what.to_owned()));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Wait until `/status` shows every provider's node ready (bounded).
+pub async fn wait_providers_ready(
+    http: &reqwest::Client,
+    edge_http: SocketAddr,
+    edge: &mut Proc,
+) -> Result<(), DeployError> {
+    let deadline = Instant::now() + START_BOUND;
+    let url = format!("http://{edge_http}/status");
+    loop {
+        edge.check_alive()?;
+        if let Ok(r) = http.get(&url).bearer_auth(API_KEY).send().await
+            && let Ok(body) = r.bytes().await
+            && let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&body)
+            && let Some(ps) = doc["providers"].as_array()
+            && ps.iter().all(|p| p["node_ready"].as_bool() == Some(true))
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(DeployError::NotReady("nodes".into()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+impl Deployment {
+    /// Start everything and wait until a request through each route works.
+    pub async fn start(bins: &Binaries, spec: &DeploymentSpec) -> Result<Self, DeployError> {
+        let dir = &spec.dir;
+        fresh_dir(dir)?;
+        let node_ids: Vec<String> = (1..=spec.nodes).map(|i| format!("n{i}")).collect();
+        write_pki(dir, &node_ids)?;
+        let http = crate::load::client().map_err(|e| DeployError::Pki(e.to_string()))?;
+
+        let mut mocks = Vec::new();
+        for m in &spec.mocks {
+            if let Some(addr) = m.external {
+                mocks.push(RunningMock {
+                    spec: m.clone(),
+                    addr,
+                    proc: None,
+                });
+                continue;
+            }
+            let addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+            let args = vec![
+                "mock-provider".into(),
+                "--listen".into(),
+                addr.to_string(),
+                "--tokens".into(),
+                m.tokens.to_string(),
+                "--tps".into(),
+                m.tps.to_string(),
+            ];
+            let mut proc = Proc::spawn(&format!("mock-{}", m.name), &bins.node, &args, dir, false)?;
+            wait_http_ok(
+                &http,
+                &format!("http://{addr}/mock/stats"),
+                &m.name,
+                &mut proc,
+            )
+            .await?;
+            mocks.push(RunningMock {
+                spec: m.clone(),
+                addr,
+                proc: Some(proc),
+            });
+        }
+
+        let edge_quic = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
+        let edge_http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let mut edge_toml =
+            edge_config_head(edge_quic.port(), edge_http.port(), spec.queue_capacity);
+        for m in &spec.mocks {
+            for (mode, short) in [("normalized", "norm"), ("tunnel", "tun")] {
+                let mut pool = Vec::new();
+                for id in &node_ids {
+                    let pid = format!("{}-{short}-{id}", m.name);
+                    edge_toml.push_str(&format!(
+                        "[[providers]]\nid = \"{pid}\"\nnode = \"{id}\"\nadapter = \"openai\"\ntarget = \"{}\"\ncapacity = {}\nmode = \"{mode}\"\n",
+                        m.name, spec.capacity
+                    ));
+                    pool.push(format!("\"{pid}\""));
+                }
+                let model = if mode == "tunnel" {
+                    format!("{}-tunnel", m.name)
+                } else {
+                    m.name.clone()
+                };
+                edge_toml.push_str(&format!(
+                    "[[routes]]\nmodel = \"{model}\"\nproviders = [{}]\n",
+                    pool.join(", ")
+                ));
+            }
+        }
+        write(&dir.join("edge.toml"), &edge_toml)?;
+        let mut edge = Proc::spawn(
+            "edge",
+            &bins.edge,
+            &["run".into(), "--config".into(), "edge.toml".into()],
+            dir,
+            false,
+        )?;
+        wait_http_ok(
+            &http,
+            &format!("http://{edge_http}/healthz"),
+            "edge",
+            &mut edge,
+        )
+        .await?;
+
+        let targets: String = mocks
+            .iter()
+            .map(|m| {
+                format!(
+                    "[[providers]]\nadapter = \"openai\"\ntarget = \"{}\"\nbase_url = \"http://{}\"\n",
+                    m.spec.name, m.addr
+                )
+            })
+            .collect();
+        let mut nodes = Vec::new();
+        for id in &node_ids {
+            let file = format!("node-{id}.toml");
+            write(
+                &dir.join(&file),
+                &node_config(id, edge_quic, spec.max_concurrent_runs, &targets),
+            )?;
+            nodes.push(Proc::spawn(
+                &format!("node-{id}"),
+                &bins.node,
+                &["run".into(), "--config".into(), file],
+                dir,
+                false,
+            )?);
+        }
+        wait_providers_ready(&http, edge_http, &mut edge).await?;
+        let d = Self {
+            mocks,
+            edge,
+            edge_http,
+            edge_quic,
+            nodes,
+            http,
+        };
+        // One request through every route, retried until it works.
+        for m in &d.mocks {
+            for model in [m.spec.name.clone(), format!("{}-tunnel", m.spec.name)] {
+                d.wait_route(&model).await?;
+            }
+        }
+        Ok(d)
+    }
+
+    async fn wait_route(&self, model: &str) -> Result<(), DeployError> {
+        let deadline = Instant::now() + START_BOUND;
+        let body = crate::load::chat_body(model, false);
+        loop {
+            let r = self
+                .http
+                .post(format!("http://{}/v1/chat/completions", self.edge_http))
+                .bearer_auth(API_KEY)
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+                .await;
+            if let Ok(r) = r
+                && r.status().is_success()
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(DeployError::NotReady(format!("route {model}")));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Straight to mock `name`, bypassing iop.
+    pub fn direct(&self, name: &str) -> Option<Target> {
+        let m = self.mocks.iter().find(|m| m.spec.name == name)?;
+        Some(Target {
+            url: format!("http://{}/v1/chat/completions", m.addr),
+            api_key: None,
+            model: "mock".into(),
+        })
+    }
+
+    /// Through the Edge to mock `name`, normalized (`tunnel = false`) or
+    /// tunneled.
+    pub fn via(&self, name: &str, tunnel: bool) -> Target {
+        Target {
+            url: format!("http://{}/v1/chat/completions", self.edge_http),
+            api_key: Some(API_KEY.into()),
+            model: if tunnel {
+                format!("{name}-tunnel")
+            } else {
+                name.to_owned()
+            },
+        }
+    }
+
+    /// Provider calls the mock `name` is answering now.
+    pub async fn mock_in_flight(&self, name: &str) -> Option<u64> {
+        let m = self.mocks.iter().find(|m| m.spec.name == name)?;
+        let r = self
+            .http
+            .get(format!("http://{}/mock/stats", m.addr))
+            .send()
+            .await
+            .ok()?;
+        let body = r.bytes().await.ok()?;
+        let doc: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        doc["in_flight"].as_u64()
+    }
+
+    /// An error if any component has exited.
+    pub fn check_alive(&mut self) -> Result<(), DeployError> {
+        self.edge.check_alive()?;
+        for n in &mut self.nodes {
+            n.check_alive()?;
+        }
+        for m in &mut self.mocks {
+            if let Some(p) = &mut m.proc {
+                p.check_alive()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sum of the node processes' RSS.
+    pub fn nodes_rss_bytes(&self) -> Result<u64, DeployError> {
+        self.nodes.iter().map(Proc::rss_bytes).sum()
+    }
+
+    /// Stop every process.
+    pub async fn stop(self) {
+        for n in self.nodes {
+            n.stop().await;
+        }
+        self.edge.stop().await;
+        for m in self.mocks.into_iter().filter_map(|m| m.proc) {
+            m.stop().await;
+        }
+    }
+}
+
+/// Read lines of a child's stdout until one satisfies `pick` (bounded).
+pub async fn read_line_until<T>(
+    stdout: &mut BufReader<ChildStdout>,
+    bound: Duration,
+    mut pick: impl FnMut(&str) -> Option<T>,
+) -> Option<T> {
+    let work = async {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match stdout.read_line(&mut line).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => {
+                    if let Some(v) = pick(line.trim()) {
+                        return Some(v);
+                    }
+                }
+            }
+        }
+    };
+    tokio::time::timeout(bound, work).await.ok().flatten()
+}

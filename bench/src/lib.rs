@@ -1,0 +1,29 @@
+//! # iop-bench: load generator and end-to-end benchmarks
+//!
+//! * [`load`]: an OpenAI Chat Completions load generator, streamed or not,
+//!   in open loop (a fixed request rate; latency measured from each
+//!   request's *intended* send time, so a slow server cannot hide its
+//!   queueing: no coordinated omission) or closed loop (a fixed number of
+//!   concurrent clients). It reports p50/p90/p99/p99.9 of total latency,
+//!   time to first token and inter-chunk gap, throughput and errors.
+//! * [`report`]: the JSON report and its markdown tables.
+//! * [`deployment`]: a real deployment as separate processes (the mock
+//!   provider, `iop-edge run`, `iop-node run`, many nodes in one process) on
+//!   loopback, with their RSS and CPU time read from `/proc`.
+//! * [`scenario`]: the measured scenarios, each comparing against a baseline
+//!   in the same run (direct to the mock).
+//! * [`fleet`]: many Nodes in one process (the node-scale scenario).
+//!
+//! Speed is reported as numbers and ratios against a baseline of the same
+//! run, never asserted in tests: the tests here only check that the tools
+//! run and that their reports are well-formed.
+//!
+//! See `docs/benchmarks.md` for the method and the measured tables.
+
+pub mod deployment;
+pub mod fleet;
+pub mod load;
+pub mod procfs;
+pub mod report;
+pub mod scenario;
+pub mod sse;

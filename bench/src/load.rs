@@ -1,0 +1,610 @@
+//! The load generator: OpenAI Chat Completions requests, streamed or not,
+//! in open or closed loop.
+//!
+//! **Open loop** ([`LoadMode::Open`]): a pacing thread computes each
+//! request's intended send time `start + i / rate` and launches it then,
+//! whether or not earlier requests have finished. Latency is measured from
+//! the *intended* time, so a server that stalls the pacer's requests (or a
+//! pacer that falls behind) shows up in the percentiles instead of being
+//! omitted (coordinated omission). A request that cannot be launched
+//! because [`LoadSpec::max_in_flight`] are outstanding is counted as a
+//! `backlog` error rather than delayed.
+//!
+//! **Closed loop** ([`LoadMode::Closed`]): `concurrency` clients each send
+//! their next request when the previous one ends; latency is measured from
+//! the actual send time.
+//!
+//! Requests whose (intended) send time falls in the warm-up are sent but not
+//! counted; the run then waits for every request still in flight (each is
+//! bounded by [`LoadSpec::request_timeout`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use hdrhistogram::Histogram;
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use crate::report::{LoadMode, LoadReport, Percentiles};
+use crate::sse::{SseEvent, SseScanner};
+
+/// Outcomes buffered between request tasks and the collector.
+const OUTCOME_QUEUE: usize = 65_536;
+/// The largest latency a histogram holds (one hour, in microseconds).
+const HISTOGRAM_MAX_US: u64 = 3_600_000_000;
+/// The most requests one run may have in flight (the bound of
+/// [`LoadSpec::max_in_flight`]).
+pub const MAX_IN_FLIGHT_LIMIT: usize = 50_000;
+/// The highest open-loop rate the pacer accepts.
+pub const MAX_RATE_PER_S: f64 = 1_000_000.0;
+/// The most inter-chunk gaps kept per stream (the rest are counted as
+/// chunks but not timed).
+const MAX_GAPS_PER_STREAM: usize = 100_000;
+
+/// Where requests go.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// The full Chat Completions URL (`http://host:port/v1/chat/completions`).
+    pub url: String,
+    /// Bearer key, if the target needs one.
+    pub api_key: Option<String>,
+    /// The `model` of every request.
+    pub model: String,
+}
+
+/// One load run.
+#[derive(Debug, Clone)]
+pub struct LoadSpec {
+    /// Names the run in reports.
+    pub label: String,
+    /// Where requests go.
+    pub target: Target,
+    /// `"stream": true` (SSE) or not.
+    pub stream: bool,
+    /// Open or closed loop.
+    pub mode: LoadMode,
+    /// Whole run, warm-up included.
+    pub duration: Duration,
+    /// Leading part of the run that is sent but not counted.
+    pub warmup: Duration,
+    /// Open loop: requests outstanding at once before new ones are
+    /// counted as `backlog` errors instead of sent.
+    pub max_in_flight: usize,
+    /// Bound of one request, body included.
+    pub request_timeout: Duration,
+    /// Closed loop: start clients at this many per second (`None`: all at
+    /// once).
+    pub ramp_per_s: Option<f64>,
+}
+
+impl LoadSpec {
+    /// A spec with the usual bounds: 1 s warm-up, 4,096 in flight, 30 s per
+    /// request, no ramp.
+    pub fn new(
+        label: &str,
+        target: Target,
+        stream: bool,
+        mode: LoadMode,
+        duration: Duration,
+    ) -> Self {
+        Self {
+            label: label.to_owned(),
+            target,
+            stream,
+            mode,
+            duration,
+            warmup: Duration::from_secs(1).min(duration / 4),
+            max_in_flight: 4096,
+            request_timeout: Duration::from_secs(30),
+            ramp_per_s: None,
+        }
+    }
+}
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A field of the spec is out of range.
+    #[error("invalid load spec: {0}")]
+    InvalidSpec(&'static str),
+    /// The HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(#[from] reqwest::Error),
+    /// The bearer key is not a valid header value.
+    #[error("the API key is not a valid header value")]
+    InvalidKey,
+    /// A task of the run panicked.
+    #[error("a load task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Why one request failed; a closed vocabulary of report keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum RequestError {
+    /// Connect, reset or protocol failure.
+    Transport,
+    /// [`LoadSpec::request_timeout`] elapsed.
+    Timeout,
+    /// A non-2xx status.
+    Status(u16),
+    /// The stream carried an error event.
+    StreamError,
+    /// The stream ended without `[DONE]`.
+    Incomplete,
+    /// The body was not a chat completion or the SSE was malformed.
+    Malformed,
+    /// Open loop: not sent, [`LoadSpec::max_in_flight`] were outstanding.
+    Backlog,
+}
+
+impl RequestError {
+    /// The report key (`http_429`, `transport`, ...).
+    pub fn key(self) -> String {
+        match self {
+            RequestError::Transport => "transport".to_owned(),
+            RequestError::Timeout => "timeout".to_owned(),
+            RequestError::Status(code) => format!("http_{code}"),
+            RequestError::StreamError => "stream_error".to_owned(),
+            RequestError::Incomplete => "incomplete".to_owned(),
+            RequestError::Malformed => "malformed".to_owned(),
+            RequestError::Backlog => "backlog".to_owned(),
+        }
+    }
+}
+
+/// A successful request's timings.
+#[derive(Debug, Default)]
+struct Timings {
+    total_us: u64,
+    ttft_us: Option<u64>,
+    gaps_us: Vec<u32>,
+    chunks: u64,
+}
+
+struct Outcome {
+    /// Intended (open loop) or actual (closed loop) send time.
+    start: Instant,
+    result: Result<Timings, RequestError>,
+}
+
+/// What every request of a run shares.
+struct Prepared {
+    client: reqwest::Client,
+    url: reqwest::Url,
+    auth: Option<HeaderValue>,
+    body: Bytes,
+    stream: bool,
+    timeout: Duration,
+}
+
+/// An HTTP client for load: keep-alive pool without a size bound (each
+/// concurrent request gets its own HTTP/1.1 connection), no Nagle delay.
+pub fn client() -> Result<reqwest::Client, LoadError> {
+    // reqwest is built without a default crypto provider; plain http on
+    // loopback needs none, but the builder asks for one.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Ok(reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build()?)
+}
+
+/// The request body: one short user message.
+pub fn chat_body(model: &str, stream: bool) -> Bytes {
+    let body = serde_json::json!({
+        "model": model,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "hello"}],
+    });
+    Bytes::from(body.to_string())
+}
+
+fn prepare(
+    client: &reqwest::Client,
+    target: &Target,
+    stream: bool,
+    timeout: Duration,
+) -> Result<Arc<Prepared>, LoadError> {
+    let url = reqwest::Url::parse(&target.url).map_err(|_| LoadError::InvalidSpec("url"))?;
+    let auth = target
+        .api_key
+        .as_ref()
+        .map(|k| HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| LoadError::InvalidKey))
+        .transpose()?;
+    Ok(Arc::new(Prepared {
+        client: client.clone(),
+        url,
+        auth,
+        body: chat_body(&target.model, stream),
+        stream,
+        timeout,
+    }))
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn classify(e: &reqwest::Error) -> RequestError {
+    if e.is_timeout() {
+        RequestError::Timeout
+    } else {
+        RequestError::Transport
+    }
+}
+
+async fn send_one(p: &Prepared, start: Instant) -> Outcome {
+    let result = match tokio::time::timeout(p.timeout, exchange(p, start)).await {
+        Ok(result) => result,
+        Err(_) => Err(RequestError::Timeout),
+    };
+    Outcome { start, result }
+}
+
+async fn exchange(p: &Prepared, start: Instant) -> Result<Timings, RequestError> {
+    let mut req = p
+        .client
+        .post(p.url.clone())
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .body(p.body.clone());
+    if let Some(auth) = &p.auth {
+        req = req.header(AUTHORIZATION, auth.clone());
+    }
+    let resp = req.send().await.map_err(|e| classify(&e))?;
+    let status = resp.status();
+    if !status.is_success() {
+        // Read the body so the connection can be reused.
+        let _ = resp.bytes().await;
+        return Err(RequestError::Status(status.as_u16()));
+    }
+    let mut t = Timings::default();
+    if !p.stream {
+        let body = resp.bytes().await.map_err(|e| classify(&e))?;
+        if !body.windows(9).any(|w| w == b"\"choices\"") {
+            return Err(RequestError::Malformed);
+        }
+        t.total_us = micros(start.elapsed());
+        return Ok(t);
+    }
+    let mut scanner = SseScanner::new();
+    let mut body = resp.bytes_stream();
+    let mut last: Option<Instant> = None;
+    let (mut done, mut errored) = (false, false);
+    while let Some(piece) = body.next().await {
+        let piece = piece.map_err(|e| classify(&e))?;
+        let now = Instant::now();
+        scanner
+            .feed(&piece, |event| match event {
+                SseEvent::Content | SseEvent::Other => {
+                    t.chunks += 1;
+                    if event == SseEvent::Content && t.ttft_us.is_none() {
+                        t.ttft_us = Some(micros(now - start));
+                    }
+                    if let Some(prev) = last
+                        && t.gaps_us.len() < MAX_GAPS_PER_STREAM
+                    {
+                        t.gaps_us
+                            .push(u32::try_from(micros(now - prev)).unwrap_or(u32::MAX));
+                    }
+                    last = Some(now);
+                }
+                SseEvent::Done => done = true,
+                SseEvent::Error => errored = true,
+            })
+            .map_err(|_| RequestError::Malformed)?;
+    }
+    if errored {
+        return Err(RequestError::StreamError);
+    }
+    if !done {
+        return Err(RequestError::Incomplete);
+    }
+    t.total_us = micros(start.elapsed());
+    Ok(t)
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, HISTOGRAM_MAX_US, 3).expect("constant histogram bounds are valid")
+}
+
+/// Accumulates outcomes that fall in the measured window.
+struct Collector {
+    from: Instant,
+    until: Instant,
+    requests: u64,
+    ok: u64,
+    errors: BTreeMap<RequestError, u64>,
+    chunks: u64,
+    total: Histogram<u64>,
+    ttft: Histogram<u64>,
+    gap: Histogram<u64>,
+}
+
+impl Collector {
+    fn new(from: Instant, until: Instant) -> Self {
+        Self {
+            from,
+            until,
+            requests: 0,
+            ok: 0,
+            errors: BTreeMap::new(),
+            chunks: 0,
+            total: histogram(),
+            ttft: histogram(),
+            gap: histogram(),
+        }
+    }
+
+    fn add(&mut self, o: Outcome) {
+        if o.start < self.from || o.start >= self.until {
+            return;
+        }
+        self.requests += 1;
+        match o.result {
+            Ok(t) => {
+                self.ok += 1;
+                self.chunks += t.chunks;
+                self.total.saturating_record(t.total_us);
+                if let Some(ttft) = t.ttft_us {
+                    self.ttft.saturating_record(ttft);
+                }
+                for g in t.gaps_us {
+                    self.gap.saturating_record(u64::from(g));
+                }
+            }
+            Err(e) => *self.errors.entry(e).or_default() += 1,
+        }
+    }
+
+    fn report(self, spec: &LoadSpec) -> LoadReport {
+        let window_s = (self.until - self.from).as_secs_f64().max(1e-9);
+        LoadReport {
+            label: spec.label.clone(),
+            mode: spec.mode,
+            stream: spec.stream,
+            window_s,
+            requests: self.requests,
+            ok: self.ok,
+            errors: self.errors.iter().map(|(k, v)| (k.key(), *v)).collect(),
+            throughput_rps: self.ok as f64 / window_s,
+            chunks: self.chunks,
+            chunks_per_s: self.chunks as f64 / window_s,
+            total: Percentiles::of(&self.total),
+            ttft: Percentiles::of(&self.ttft),
+            gap: Percentiles::of(&self.gap),
+        }
+    }
+}
+
+/// Run one load and report what the measured window saw.
+pub async fn run(client: &reqwest::Client, spec: &LoadSpec) -> Result<LoadReport, LoadError> {
+    if spec.duration.is_zero() || spec.warmup >= spec.duration {
+        return Err(LoadError::InvalidSpec("duration must be > warmup"));
+    }
+    if spec.max_in_flight == 0 || spec.max_in_flight > MAX_IN_FLIGHT_LIMIT {
+        return Err(LoadError::InvalidSpec("max_in_flight must be 1..=50000"));
+    }
+    let prepared = prepare(client, &spec.target, spec.stream, spec.request_timeout)?;
+    let start = Instant::now();
+    let end = start + spec.duration;
+    let (tx, mut rx) = mpsc::channel::<Outcome>(OUTCOME_QUEUE);
+    let mut collector = Collector::new(start + spec.warmup, end);
+    let collect = tokio::spawn(async move {
+        while let Some(o) = rx.recv().await {
+            collector.add(o);
+        }
+        collector
+    });
+    match spec.mode {
+        LoadMode::Open { rate_per_s } => {
+            if !(rate_per_s > 0.0 && rate_per_s <= MAX_RATE_PER_S) {
+                return Err(LoadError::InvalidSpec("rate must be in (0, 1000000]"));
+            }
+            open_loop(prepared, start, end, rate_per_s, spec.max_in_flight, tx).await?;
+        }
+        LoadMode::Closed { concurrency } => {
+            if concurrency == 0 || concurrency as usize > MAX_IN_FLIGHT_LIMIT {
+                return Err(LoadError::InvalidSpec("concurrency must be 1..=50000"));
+            }
+            closed_loop(prepared, start, end, concurrency, spec.ramp_per_s, tx).await?;
+        }
+    }
+    Ok(collect.await?.report(spec))
+}
+
+async fn open_loop(
+    prepared: Arc<Prepared>,
+    start: Instant,
+    end: Instant,
+    rate_per_s: f64,
+    max_in_flight: usize,
+    tx: mpsc::Sender<Outcome>,
+) -> Result<(), LoadError> {
+    let handle = tokio::runtime::Handle::current();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    // A plain thread paces: its sleep is precise to tens of microseconds,
+    // the runtime's timer only to a millisecond.
+    let pacer = tokio::task::spawn_blocking(move || {
+        let interval = Duration::from_secs_f64(1.0 / rate_per_s);
+        let mut i: u32 = 0;
+        loop {
+            let intended = start + interval * i;
+            if intended >= end {
+                break;
+            }
+            let now = Instant::now();
+            if intended > now {
+                std::thread::sleep(intended - now);
+            }
+            if in_flight.load(Ordering::Relaxed) >= max_in_flight {
+                let _ = tx.blocking_send(Outcome {
+                    start: intended,
+                    result: Err(RequestError::Backlog),
+                });
+            } else {
+                in_flight.fetch_add(1, Ordering::Relaxed);
+                let (p, tx, in_flight) = (prepared.clone(), tx.clone(), in_flight.clone());
+                handle.spawn(async move {
+                    let outcome = send_one(&p, intended).await;
+                    in_flight.fetch_sub(1, Ordering::Relaxed);
+                    let _ = tx.send(outcome).await;
+                });
+            }
+            i = i.saturating_add(1);
+        }
+    });
+    pacer.await?;
+    Ok(())
+}
+
+async fn closed_loop(
+    prepared: Arc<Prepared>,
+    start: Instant,
+    end: Instant,
+    concurrency: u32,
+    ramp_per_s: Option<f64>,
+    tx: mpsc::Sender<Outcome>,
+) -> Result<(), LoadError> {
+    let mut clients = JoinSet::new();
+    for i in 0..concurrency {
+        let (p, tx) = (prepared.clone(), tx.clone());
+        let begin = match ramp_per_s {
+            Some(r) if r > 0.0 => start + Duration::from_secs_f64(f64::from(i) / r),
+            _ => start,
+        };
+        clients.spawn(async move {
+            tokio::time::sleep_until(begin.into()).await;
+            while Instant::now() < end {
+                let outcome = send_one(&p, Instant::now()).await;
+                if tx.send(outcome).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(tx);
+    while let Some(r) = clients.join_next().await {
+        r?;
+    }
+    Ok(())
+}
+
+/// Streams held open (the memory scenario). Dropping it aborts every
+/// stream, which the server sees as client disconnects.
+pub struct HeldStreams {
+    tasks: JoinSet<()>,
+    counts: Arc<HoldCounts>,
+}
+
+#[derive(Default)]
+struct HoldCounts {
+    started: AtomicU64,
+    first_chunk: AtomicU64,
+    failed: AtomicU64,
+    ended: AtomicU64,
+}
+
+/// Counters of [`HeldStreams`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldSnapshot {
+    /// Requests sent.
+    pub started: u64,
+    /// Streams that delivered their first chunk.
+    pub first_chunk: u64,
+    /// Streams that failed (status, transport, in-stream error).
+    pub failed: u64,
+    /// Streams that ended normally.
+    pub ended: u64,
+}
+
+impl HeldStreams {
+    /// The counters now.
+    pub fn snapshot(&self) -> HoldSnapshot {
+        let c = &self.counts;
+        HoldSnapshot {
+            started: c.started.load(Ordering::Relaxed),
+            first_chunk: c.first_chunk.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+            ended: c.ended.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Abort every stream and wait until their tasks are gone.
+    pub async fn close(mut self) {
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Open `count` streaming requests to `target`, `ramp_per_s` per second,
+/// and keep reading them until [`HeldStreams`] is dropped or closed.
+pub async fn hold_streams(
+    client: &reqwest::Client,
+    target: &Target,
+    count: usize,
+    ramp_per_s: f64,
+) -> Result<HeldStreams, LoadError> {
+    if count == 0 || count > MAX_IN_FLIGHT_LIMIT || !(ramp_per_s > 0.0) {
+        return Err(LoadError::InvalidSpec("count must be 1..=50000, ramp > 0"));
+    }
+    let prepared = prepare(client, target, true, Duration::from_secs(24 * 3600))?;
+    let counts = Arc::new(HoldCounts::default());
+    let mut tasks = JoinSet::new();
+    let start = Instant::now();
+    for i in 0..count {
+        let due = start + Duration::from_secs_f64(i as f64 / ramp_per_s);
+        tokio::time::sleep_until(due.into()).await;
+        let (p, counts) = (prepared.clone(), counts.clone());
+        counts.started.fetch_add(1, Ordering::Relaxed);
+        tasks.spawn(async move {
+            match hold_one(&p, &counts).await {
+                Ok(()) => counts.ended.fetch_add(1, Ordering::Relaxed),
+                Err(_) => counts.failed.fetch_add(1, Ordering::Relaxed),
+            };
+        });
+    }
+    Ok(HeldStreams { tasks, counts })
+}
+
+async fn hold_one(p: &Prepared, counts: &HoldCounts) -> Result<(), RequestError> {
+    let mut req = p
+        .client
+        .post(p.url.clone())
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .body(p.body.clone());
+    if let Some(auth) = &p.auth {
+        req = req.header(AUTHORIZATION, auth.clone());
+    }
+    let resp = req.send().await.map_err(|e| classify(&e))?;
+    if !resp.status().is_success() {
+        return Err(RequestError::Status(resp.status().as_u16()));
+    }
+    let mut scanner = SseScanner::new();
+    let mut body = resp.bytes_stream();
+    let (mut first, mut done, mut errored) = (true, false, false);
+    while let Some(piece) = body.next().await {
+        let piece = piece.map_err(|e| classify(&e))?;
+        scanner
+            .feed(&piece, |event| match event {
+                SseEvent::Content | SseEvent::Other => {
+                    if first {
+                        first = false;
+                        counts.first_chunk.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                SseEvent::Done => done = true,
+                SseEvent::Error => errored = true,
+            })
+            .map_err(|_| RequestError::Malformed)?;
+    }
+    match (errored, done) {
+        (true, _) => Err(RequestError::StreamError),
+        (false, false) => Err(RequestError::Incomplete),
+        (false, true) => Ok(()),
+    }
+}

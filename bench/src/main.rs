@@ -1,0 +1,338 @@
+//! `iop-bench`: the load generator and the end-to-end benchmark suite.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use iop_bench::deployment::{Binaries, Deployment};
+use iop_bench::load::{self, LoadSpec, Target};
+use iop_bench::report::{LoadMode, load_table};
+use iop_bench::scenario::{self, LatencySettings, Machine, SuiteReport};
+
+/// Load generator and end-to-end benchmarks of iop (docs/benchmarks.md).
+#[derive(Parser)]
+#[command(name = "iop-bench", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Offer load to one OpenAI-compatible endpoint and report latency
+    /// percentiles, TTFT, inter-chunk gaps, throughput and errors.
+    Load(LoadArgs),
+    /// Run the end-to-end scenarios against a fresh loopback deployment of
+    /// separate processes (mock, `iop-edge run`, `iop-node run`) and write
+    /// `report.json` and `report.md`.
+    Suite(SuiteArgs),
+    /// The added-latency scenario with a peer gateway measured alongside
+    /// iop, against the same mock (see scripts/bench-litellm).
+    Peer(PeerArgs),
+    /// Run many Nodes in this process (used by the node-scale scenario).
+    Fleet {
+        /// Directory holding `fleet-node-<i>.toml` and the certificates.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Nodes to run.
+        #[arg(long)]
+        count: usize,
+    },
+}
+
+#[derive(clap::Args)]
+struct LoadArgs {
+    /// Chat Completions URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080/v1/chat/completions")]
+    url: String,
+    /// `model` of every request.
+    #[arg(long, default_value = "mock")]
+    model: String,
+    /// Environment variable holding a bearer key.
+    #[arg(long)]
+    key_env: Option<String>,
+    /// Streamed requests (SSE).
+    #[arg(long)]
+    stream: bool,
+    /// Open loop: requests per second.
+    #[arg(
+        long,
+        conflicts_with = "concurrency",
+        required_unless_present = "concurrency"
+    )]
+    rate: Option<f64>,
+    /// Closed loop: concurrent clients.
+    #[arg(long)]
+    concurrency: Option<u32>,
+    /// Whole run, seconds (warm-up included).
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+    /// Warm-up not counted, seconds.
+    #[arg(long, default_value_t = 1.0)]
+    warmup_s: f64,
+    /// Open loop: outstanding requests before new ones count as `backlog`.
+    #[arg(long, default_value_t = 4096)]
+    max_in_flight: usize,
+    /// Bound of one request, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    timeout_s: f64,
+    /// Label in the report.
+    #[arg(long, default_value = "target")]
+    label: String,
+    /// Also write the JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ScenarioName {
+    Latency,
+    Streaming,
+    Memory,
+    Nodes,
+}
+
+#[derive(clap::Args)]
+struct SuiteArgs {
+    /// Where report.json and report.md go.
+    #[arg(long, default_value = "target/bench-results")]
+    out: PathBuf,
+    /// Working directory for configs, certificates and logs.
+    #[arg(long, default_value = "target/bench-work")]
+    work: PathBuf,
+    /// Scenarios to run (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Vec<ScenarioName>,
+    /// A short version of everything (seconds instead of minutes).
+    #[arg(long)]
+    quick: bool,
+    /// Open-loop rates of the latency scenario.
+    #[arg(long, value_delimiter = ',')]
+    rates: Vec<f64>,
+    /// Closed-loop concurrencies of the latency scenario (saturation).
+    #[arg(long, value_delimiter = ',')]
+    concurrency: Vec<u32>,
+    /// Closed-loop concurrencies of the streaming scenario.
+    #[arg(long, value_delimiter = ',')]
+    stream_concurrency: Vec<u32>,
+    /// Seconds per load run.
+    #[arg(long)]
+    duration_s: Option<f64>,
+    /// In-flight stream levels of the memory scenario.
+    #[arg(long, value_delimiter = ',')]
+    memory_levels: Vec<usize>,
+    /// Node processes of the memory scenario (a QUIC connection carries at
+    /// most 4,096 concurrent streams).
+    #[arg(long, default_value_t = 3)]
+    memory_nodes: usize,
+    /// Streams opened per second in the memory scenario.
+    #[arg(long, default_value_t = 1000.0)]
+    memory_ramp_per_s: f64,
+    /// Nodes of the node-scale scenario.
+    #[arg(long)]
+    fleet_nodes: Option<usize>,
+    /// Idle CPU window of the node-scale scenario, seconds.
+    #[arg(long)]
+    idle_window_s: Option<f64>,
+    /// Heartbeat interval of the node-scale scenario, ms (default: the
+    /// configured default, 30000).
+    #[arg(long)]
+    heartbeat_ms: Option<u64>,
+}
+
+#[derive(clap::Args)]
+struct PeerArgs {
+    /// The peer's name in the table.
+    #[arg(long, default_value = "litellm")]
+    name: String,
+    /// The peer's Chat Completions URL.
+    #[arg(long)]
+    url: String,
+    /// The model the peer routes to the mock.
+    #[arg(long, default_value = "mock")]
+    model: String,
+    /// Environment variable holding the peer's key.
+    #[arg(long)]
+    key_env: Option<String>,
+    /// The running mock the peer points at (iop uses it too).
+    #[arg(long)]
+    mock_addr: SocketAddr,
+    /// Open-loop rates.
+    #[arg(long, value_delimiter = ',', default_value = "100,250,500,1000")]
+    rates: Vec<f64>,
+    /// Closed-loop concurrencies (saturation).
+    #[arg(long, value_delimiter = ',', default_value = "16")]
+    concurrency: Vec<u32>,
+    /// Seconds per load run.
+    #[arg(long, default_value_t = 10.0)]
+    duration_s: f64,
+    /// Where report.json and report.md go.
+    #[arg(long, default_value = "target/bench-results/peer")]
+    out: PathBuf,
+    /// Working directory.
+    #[arg(long, default_value = "target/bench-work")]
+    work: PathBuf,
+}
+
+fn secs(s: f64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(s.is_finite() && s > 0.0, "durations must be > 0");
+    Ok(Duration::from_secs_f64(s))
+}
+
+fn key_from(env: Option<&String>) -> anyhow::Result<Option<String>> {
+    env.map(|var| {
+        std::env::var(var).with_context(|| format!("environment variable `{var}` is not set"))
+    })
+    .transpose()
+}
+
+fn command_line() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
+}
+
+async fn run_load(a: LoadArgs) -> anyhow::Result<()> {
+    let mode = match (a.rate, a.concurrency) {
+        (Some(r), _) => LoadMode::Open { rate_per_s: r },
+        (None, Some(c)) => LoadMode::Closed { concurrency: c },
+        (None, None) => anyhow::bail!("--rate or --concurrency is required"),
+    };
+    let target = Target {
+        url: a.url,
+        api_key: key_from(a.key_env.as_ref())?,
+        model: a.model,
+    };
+    let mut spec = LoadSpec::new(&a.label, target, a.stream, mode, secs(a.duration_s)?);
+    spec.warmup = Duration::from_secs_f64(a.warmup_s.max(0.0));
+    spec.max_in_flight = a.max_in_flight;
+    spec.request_timeout = secs(a.timeout_s)?;
+    let report = load::run(&load::client()?, &spec).await?;
+    let json = serde_json::to_string_pretty(&report)?;
+    if let Some(path) = &a.json {
+        std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    println!("{json}");
+    println!();
+    print!("{}", load_table(std::slice::from_ref(&report)));
+    Ok(())
+}
+
+fn or_default<T: Clone>(
+    given: &[T],
+    quick: bool,
+    quick_default: &[T],
+    full_default: &[T],
+) -> Vec<T> {
+    if !given.is_empty() {
+        given.to_vec()
+    } else if quick {
+        quick_default.to_vec()
+    } else {
+        full_default.to_vec()
+    }
+}
+
+async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
+    let bins = Binaries::beside_current_exe()?;
+    let want = |s: ScenarioName| a.only.is_empty() || a.only.contains(&s);
+    let q = a.quick;
+    let duration = secs(a.duration_s.unwrap_or(if q { 3.0 } else { 10.0 }))?;
+    let work = std::path::absolute(&a.work)?;
+    let mut report = SuiteReport {
+        machine: Machine::current(),
+        command: command_line(),
+        latency: None,
+        streaming: None,
+        memory: None,
+        nodes: None,
+    };
+    if want(ScenarioName::Latency) || want(ScenarioName::Streaming) {
+        let mut d = Deployment::start(&bins, &scenario::latency_deployment(&work, None)).await?;
+        if want(ScenarioName::Latency) {
+            let settings = LatencySettings {
+                rates: or_default(
+                    &a.rates,
+                    q,
+                    &[200.0, 1000.0],
+                    &[250.0, 500.0, 1000.0, 2000.0, 3000.0],
+                ),
+                concurrencies: or_default(&a.concurrency, q, &[8], &[16]),
+                duration,
+            };
+            report.latency = Some(scenario::latency(&d, &settings, &[]).await?);
+        }
+        if want(ScenarioName::Streaming) {
+            let cs = or_default(&a.stream_concurrency, q, &[8], &[1, 16, 64]);
+            report.streaming = Some(scenario::streaming(&d, &cs, 200.0, duration).await?);
+        }
+        d.check_alive()?;
+        d.stop().await;
+    }
+    if want(ScenarioName::Memory) {
+        let levels = or_default(&a.memory_levels, q, &[500], &[1000, 10_000]);
+        let max = levels.iter().copied().max().unwrap_or(1);
+        let spec = scenario::memory_deployment(&work, a.memory_nodes, max);
+        let mut d = Deployment::start(&bins, &spec).await?;
+        report.memory = Some(scenario::memory(&mut d, &levels, a.memory_ramp_per_s).await?);
+        d.stop().await;
+    }
+    if want(ScenarioName::Nodes) {
+        let count = a.fleet_nodes.unwrap_or(if q { 50 } else { 200 });
+        let window = secs(a.idle_window_s.unwrap_or(if q { 5.0 } else { 60.0 }))?;
+        report.nodes = Some(scenario::nodes(&bins, &work, count, window, a.heartbeat_ms).await?);
+    }
+    let (json, md) = report.write(&a.out)?;
+    print!("{}", report.markdown());
+    eprintln!("wrote {} and {}", json.display(), md.display());
+    Ok(())
+}
+
+async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
+    let bins = Binaries::beside_current_exe()?;
+    let work = std::path::absolute(&a.work)?;
+    let mut spec = scenario::latency_deployment(&work, Some(a.mock_addr));
+    spec.dir = work.join("peer");
+    let d = Deployment::start(&bins, &spec).await?;
+    let peer = Target {
+        url: a.url,
+        api_key: key_from(a.key_env.as_ref())?,
+        model: a.model,
+    };
+    let settings = LatencySettings {
+        rates: a.rates,
+        concurrencies: a.concurrency,
+        duration: secs(a.duration_s)?,
+    };
+    let latency = scenario::latency(&d, &settings, &[(a.name, peer)]).await?;
+    d.stop().await;
+    let report = SuiteReport {
+        machine: Machine::current(),
+        command: command_line(),
+        latency: Some(latency),
+        streaming: None,
+        memory: None,
+        nodes: None,
+    };
+    let (json, md) = report.write(&a.out)?;
+    print!("{}", report.markdown());
+    eprintln!("wrote {} and {}", json.display(), md.display());
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Load(a) => run_load(a).await,
+            Command::Suite(a) => run_suite(a).await,
+            Command::Peer(a) => run_peer(a).await,
+            Command::Fleet { dir, count } => {
+                iop_transport::logging::init(iop_transport::logging::LogFormat::Text);
+                iop_bench::fleet::run(&dir, count).await
+            }
+        }
+    })
+}

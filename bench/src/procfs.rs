@@ -1,0 +1,112 @@
+//! Resident memory and CPU time of a process, from `/proc` (Linux).
+
+use std::path::PathBuf;
+
+/// Why a `/proc` file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcError {
+    /// The file could not be read (the process is gone?).
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The file did not have the expected field.
+    #[error("{path}: no field {field}")]
+    Field {
+        /// The file.
+        path: PathBuf,
+        /// The missing field.
+        field: &'static str,
+    },
+}
+
+fn read(pid: u32, file: &str) -> Result<(PathBuf, String), ProcError> {
+    let path = PathBuf::from(format!("/proc/{pid}/{file}"));
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Ok((path, text)),
+        Err(source) => Err(ProcError::Read { path, source }),
+    }
+}
+
+/// A `kB` field of `/proc/PID/status`, in bytes.
+fn status_kb(pid: u32, field: &'static str) -> Result<u64, ProcError> {
+    let (path, text) = read(pid, "status")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .ok_or(ProcError::Field { path, field })
+}
+
+/// Resident set size (`VmRSS`), in bytes.
+pub fn rss_bytes(pid: u32) -> Result<u64, ProcError> {
+    status_kb(pid, "VmRSS")
+}
+
+/// Peak resident set size (`VmHWM`), in bytes.
+pub fn peak_rss_bytes(pid: u32) -> Result<u64, ProcError> {
+    status_kb(pid, "VmHWM")
+}
+
+/// Threads of the process.
+pub fn threads(pid: u32) -> Result<u64, ProcError> {
+    let (path, text) = read(pid, "status")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or(ProcError::Field {
+            path,
+            field: "Threads",
+        })
+}
+
+/// User plus system CPU time (`utime + stime` of `/proc/PID/stat`), in
+/// clock ticks.
+pub fn cpu_ticks(pid: u32) -> Result<u64, ProcError> {
+    let (path, text) = read(pid, "stat")?;
+    // The command name may hold spaces; fields resume after its `)`.
+    let fields: Vec<&str> = text
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // After `)`: state is field 3, utime field 14, stime field 15.
+    let tick = |i: usize| fields.get(i - 3).and_then(|v| v.parse::<u64>().ok());
+    match (tick(14), tick(15)) {
+        (Some(u), Some(s)) => Ok(u + s),
+        _ => Err(ProcError::Field {
+            path,
+            field: "utime/stime",
+        }),
+    }
+}
+
+/// Clock ticks per second (`sysconf(_SC_CLK_TCK)`); 100 on every Linux
+/// the project runs on (USER_HZ is fixed by the kernel ABI).
+pub const TICKS_PER_SECOND: u64 = 100;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_process_has_rss_and_cpu_time() {
+        let pid = std::process::id();
+        assert!(rss_bytes(pid).unwrap() > 0);
+        assert!(peak_rss_bytes(pid).unwrap() >= rss_bytes(pid).unwrap() / 2);
+        assert!(threads(pid).unwrap() >= 1);
+        let mut x = 0u64;
+        for i in 0..20_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(i);
+        }
+        std::hint::black_box(x);
+        cpu_ticks(pid).unwrap();
+    }
+
+    #[test]
+    fn a_missing_process_is_a_read_error() {
+        assert!(matches!(rss_bytes(u32::MAX), Err(ProcError::Read { .. })));
+    }
+}

@@ -1,0 +1,737 @@
+//! The measured scenarios. Each compares iop against a baseline measured
+//! in the same run, on the same machine, against the same mock process:
+//!
+//! * [`latency`]: added latency, direct to the mock vs through Edge+Node in
+//!   tunnel and in normalized mode, at the same open-loop rates up to
+//!   saturation, plus closed-loop saturation throughput;
+//! * [`streaming`]: relayed SSE chunks per second;
+//! * [`memory`]: RSS of the Edge and the Nodes with N streams in flight;
+//! * [`nodes`]: many Nodes on one Edge, memory per connection and idle CPU.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::BufReader;
+
+use crate::deployment::{
+    Binaries, DeployError, Deployment, DeploymentSpec, MockSpec, Proc, edge_config_head,
+    free_tcp_port, free_udp_port, node_config, read_line_until, wait_http_ok, wait_providers_ready,
+    write_pki,
+};
+use crate::load::{self, LoadError, LoadSpec, Target};
+use crate::procfs::TICKS_PER_SECOND;
+use crate::report::{Comparison, LoadMode, LoadReport, added_latency_table, load_table};
+
+/// Why a scenario failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// The deployment failed.
+    #[error(transparent)]
+    Deploy(#[from] DeployError),
+    /// The load generator failed.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// Something did not happen within its bound.
+    #[error("{0}")]
+    Timeout(String),
+}
+
+/// The machine a suite ran on.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Machine {
+    /// `nproc`.
+    pub cpus: usize,
+    /// `model name` of `/proc/cpuinfo`.
+    pub cpu_model: String,
+    /// `cpu MHz` of `/proc/cpuinfo`.
+    pub cpu_mhz: String,
+    /// `MemTotal` of `/proc/meminfo`.
+    pub mem_total: String,
+    /// Kernel release.
+    pub kernel: String,
+    /// Build profile of this binary.
+    pub profile: String,
+}
+
+impl Machine {
+    /// Read it from `/proc`.
+    pub fn current() -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let field = |text: &str, name: &str| {
+            text.lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    (k.trim() == name).then(|| v.trim().to_owned())
+                })
+                .unwrap_or_else(|| "unknown".into())
+        };
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        Self {
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu_model: field(&cpuinfo, "model name"),
+            cpu_mhz: field(&cpuinfo, "cpu MHz"),
+            mem_total: field(&meminfo, "MemTotal"),
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_else(|_| "unknown".into()),
+            profile: if cfg!(debug_assertions) {
+                "debug".into()
+            } else {
+                "release".into()
+            },
+        }
+    }
+
+    /// A markdown bullet list.
+    pub fn markdown(&self) -> String {
+        format!(
+            "- CPUs (nproc): {}\n- CPU: {} ({} MHz)\n- memory: {}\n- kernel: {}\n- build: {}\n",
+            self.cpus, self.cpu_model, self.cpu_mhz, self.mem_total, self.kernel, self.profile
+        )
+    }
+}
+
+/// The mock script of the latency scenario: 8 tokens, as fast as possible.
+pub const SHORT_MOCK: &str = "short";
+/// The mock script of the streaming scenario: 1,000 tokens, as fast as
+/// possible.
+pub const LONG_MOCK: &str = "long";
+/// The mock script of the memory scenario: one token a second for ten
+/// minutes, so streams stay in flight.
+pub const SLOW_MOCK: &str = "slow";
+
+/// The gateway paths every comparison measures.
+fn paths(d: &Deployment, mock: &str) -> Vec<(String, Target)> {
+    vec![
+        (
+            "direct".into(),
+            d.direct(mock).unwrap_or_else(|| d.via(mock, false)),
+        ),
+        ("iop tunnel".into(), d.via(mock, true)),
+        ("iop normalized".into(), d.via(mock, false)),
+    ]
+}
+
+/// The deployment of the latency and streaming scenarios: the short and
+/// long mocks behind one Node.
+pub fn latency_deployment(
+    work: &Path,
+    external_short_mock: Option<std::net::SocketAddr>,
+) -> DeploymentSpec {
+    DeploymentSpec {
+        dir: work.join("latency"),
+        mocks: vec![
+            MockSpec {
+                name: SHORT_MOCK.into(),
+                tokens: 8,
+                tps: 0.0,
+                external: external_short_mock,
+            },
+            MockSpec {
+                name: LONG_MOCK.into(),
+                tokens: 1000,
+                tps: 0.0,
+                external: None,
+            },
+        ],
+        nodes: 1,
+        capacity: 2048,
+        max_concurrent_runs: 2048,
+        queue_capacity: 4096,
+    }
+}
+
+/// Settings of the latency scenario.
+#[derive(Debug, Clone)]
+pub struct LatencySettings {
+    /// Open-loop rates, requests per second.
+    pub rates: Vec<f64>,
+    /// Closed-loop concurrencies for saturation.
+    pub concurrencies: Vec<u32>,
+    /// Length of each run, warm-up included.
+    pub duration: Duration,
+}
+
+/// Run `spec` against each path in turn (the order rotates per row so no
+/// path always goes first).
+async fn compare(
+    client: &reqwest::Client,
+    paths: &[(String, Target)],
+    stream: bool,
+    mode: LoadMode,
+    duration: Duration,
+    row: usize,
+) -> Result<Comparison, ScenarioError> {
+    let mut reports: Vec<Option<LoadReport>> = vec![None; paths.len()];
+    for k in 0..paths.len() {
+        let i = (k + row) % paths.len();
+        let (label, target) = &paths[i];
+        let spec = LoadSpec::new(label, target.clone(), stream, mode, duration);
+        let r = load::run(client, &spec).await?;
+        eprintln!(
+            "  {:<16} {:<14} ok {:>7} err {:>5} rps {:>8.0} p50 {} p99 {} ms chunks/s {:.0}",
+            label,
+            mode.label(),
+            r.ok,
+            r.error_count(),
+            r.throughput_rps,
+            r.total.map_or("-".into(), |p| crate::report::ms(p.p50_us)),
+            r.total.map_or("-".into(), |p| crate::report::ms(p.p99_us)),
+            r.chunks_per_s,
+        );
+        reports[i] = Some(r);
+        // Let sockets in TIME_WAIT and queued work drain between runs.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut reports = reports.into_iter().flatten();
+    let direct = reports
+        .next()
+        .ok_or_else(|| ScenarioError::Timeout("no baseline run".into()))?;
+    Ok(Comparison {
+        direct,
+        via: reports.collect(),
+    })
+}
+
+/// Results of the latency scenario.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LatencyResult {
+    /// Open-loop rows, one per rate.
+    pub open: Vec<Comparison>,
+    /// Closed-loop rows (saturation), one per concurrency.
+    pub closed: Vec<Comparison>,
+}
+
+/// Added latency (non-streaming): direct vs tunnel vs normalized at each
+/// rate, then closed-loop saturation. `extra` paths (a peer gateway) are
+/// measured alongside.
+pub async fn latency(
+    d: &Deployment,
+    settings: &LatencySettings,
+    extra: &[(String, Target)],
+) -> Result<LatencyResult, ScenarioError> {
+    let client = load::client()?;
+    let mut ps = paths(d, SHORT_MOCK);
+    ps.extend(extra.iter().cloned());
+    let mut open = Vec::new();
+    for (row, rate) in settings.rates.iter().enumerate() {
+        eprintln!("latency: open loop {rate}/s");
+        let mode = LoadMode::Open { rate_per_s: *rate };
+        open.push(compare(&client, &ps, false, mode, settings.duration, row).await?);
+    }
+    let mut closed = Vec::new();
+    for (row, c) in settings.concurrencies.iter().enumerate() {
+        eprintln!("latency: closed loop x{c}");
+        let mode = LoadMode::Closed { concurrency: *c };
+        closed.push(compare(&client, &ps, false, mode, settings.duration, row).await?);
+    }
+    Ok(LatencyResult { open, closed })
+}
+
+/// Results of the streaming scenario.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StreamingResult {
+    /// Long streams (1,000 chunks each), closed loop, per concurrency.
+    pub throughput: Vec<Comparison>,
+    /// Short streams (8 chunks) at a fixed rate: TTFT and gaps.
+    pub ttft: Vec<Comparison>,
+}
+
+/// Relayed SSE chunks per second (long streams, closed loop) and TTFT of
+/// short streams at a fixed rate.
+pub async fn streaming(
+    d: &Deployment,
+    concurrencies: &[u32],
+    ttft_rate: f64,
+    duration: Duration,
+) -> Result<StreamingResult, ScenarioError> {
+    let client = load::client()?;
+    let mut throughput = Vec::new();
+    for (row, c) in concurrencies.iter().enumerate() {
+        eprintln!("streaming: closed loop x{c}, 1000-token streams");
+        let mode = LoadMode::Closed { concurrency: *c };
+        throughput.push(compare(&client, &paths(d, LONG_MOCK), true, mode, duration, row).await?);
+    }
+    eprintln!("streaming: open loop {ttft_rate}/s, 8-token streams");
+    let mode = LoadMode::Open {
+        rate_per_s: ttft_rate,
+    };
+    let ttft = vec![compare(&client, &paths(d, SHORT_MOCK), true, mode, duration, 0).await?];
+    Ok(StreamingResult { throughput, ttft })
+}
+
+/// One memory measurement: N streams in flight.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemoryRow {
+    /// `normalized` or `tunnel`.
+    pub mode: String,
+    /// Streams opened.
+    pub streams: u64,
+    /// Streams that delivered a first chunk and were in flight at the mock
+    /// when RSS was read.
+    pub in_flight: u64,
+    /// Streams that failed.
+    pub failed: u64,
+    /// Edge RSS before the streams.
+    pub edge_rss_idle: u64,
+    /// Edge RSS with the streams in flight.
+    pub edge_rss_loaded: u64,
+    /// `(loaded - idle) / in_flight`.
+    pub edge_bytes_per_stream: f64,
+    /// Sum of node RSS before.
+    pub nodes_rss_idle: u64,
+    /// Sum of node RSS with the streams in flight.
+    pub nodes_rss_loaded: u64,
+    /// `(loaded - idle) / in_flight`.
+    pub nodes_bytes_per_stream: f64,
+    /// Edge threads with the streams in flight.
+    pub edge_threads: u64,
+}
+
+/// Results of the memory scenario.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemoryResult {
+    /// Node processes (each QUIC connection carries at most 4,096 streams).
+    pub nodes: usize,
+    /// One row per mode and level.
+    pub rows: Vec<MemoryRow>,
+}
+
+/// The memory deployment: the slow mock behind `nodes` Nodes.
+pub fn memory_deployment(work: &Path, nodes: usize, max_streams: usize) -> DeploymentSpec {
+    let per_node = (max_streams / nodes.max(1) + 256) as u32;
+    DeploymentSpec {
+        dir: work.join("memory"),
+        mocks: vec![MockSpec {
+            name: SLOW_MOCK.into(),
+            tokens: 600,
+            tps: 1.0,
+            external: None,
+        }],
+        nodes,
+        capacity: per_node,
+        max_concurrent_runs: per_node + 64,
+        queue_capacity: 1024,
+    }
+}
+
+async fn wait_mock_in_flight(
+    d: &Deployment,
+    what: &str,
+    bound: Duration,
+    cond: impl Fn(u64) -> bool,
+) -> Result<u64, ScenarioError> {
+    let deadline = Instant::now() + bound;
+    loop {
+        let n = d.mock_in_flight(SLOW_MOCK).await.unwrap_or(u64::MAX);
+        if n != u64::MAX && cond(n) {
+            return Ok(n);
+        }
+        if Instant::now() > deadline {
+            return Err(ScenarioError::Timeout(format!(
+                "{what}: mock in flight {n} after {bound:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// RSS of the Edge and the Nodes at each level of in-flight streams, in
+/// both modes.
+pub async fn memory(
+    d: &mut Deployment,
+    levels: &[usize],
+    ramp_per_s: f64,
+) -> Result<MemoryResult, ScenarioError> {
+    let client = load::client()?;
+    let mut rows = Vec::new();
+    for tunnel in [false, true] {
+        for &level in levels {
+            let mode = if tunnel { "tunnel" } else { "normalized" };
+            eprintln!("memory: {level} streams, {mode}");
+            wait_mock_in_flight(d, "drain before level", Duration::from_secs(120), |n| {
+                n == 0
+            })
+            .await?;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let edge_rss_idle = d.edge.rss_bytes()?;
+            let nodes_rss_idle = d.nodes_rss_bytes()?;
+            let target = d.via(SLOW_MOCK, tunnel);
+            let held = load::hold_streams(&client, &target, level, ramp_per_s).await?;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            loop {
+                let s = held.snapshot();
+                if s.first_chunk + s.failed >= level as u64 {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            // Let buffers settle, then read.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            d.check_alive()?;
+            let in_flight = d.mock_in_flight(SLOW_MOCK).await.unwrap_or(0);
+            let s = held.snapshot();
+            let edge_rss_loaded = d.edge.rss_bytes()?;
+            let nodes_rss_loaded = d.nodes_rss_bytes()?;
+            let edge_threads = crate::procfs::threads(d.edge.pid()).unwrap_or(0);
+            let per =
+                |loaded: u64, idle: u64| (loaded as f64 - idle as f64) / (in_flight.max(1) as f64);
+            let row = MemoryRow {
+                mode: mode.into(),
+                streams: level as u64,
+                in_flight,
+                failed: s.failed,
+                edge_rss_idle,
+                edge_rss_loaded,
+                edge_bytes_per_stream: per(edge_rss_loaded, edge_rss_idle),
+                nodes_rss_idle,
+                nodes_rss_loaded,
+                nodes_bytes_per_stream: per(nodes_rss_loaded, nodes_rss_idle),
+                edge_threads,
+            };
+            eprintln!(
+                "  in flight {} failed {} edge {:.1} KiB/stream nodes {:.1} KiB/stream",
+                row.in_flight,
+                row.failed,
+                row.edge_bytes_per_stream / 1024.0,
+                row.nodes_bytes_per_stream / 1024.0
+            );
+            rows.push(row);
+            held.close().await;
+        }
+    }
+    Ok(MemoryResult {
+        nodes: d.nodes.len(),
+        rows,
+    })
+}
+
+/// Results of the node-scale scenario.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeScaleResult {
+    /// Nodes connected.
+    pub nodes: usize,
+    /// Milliseconds until every node was ready.
+    pub ready_after_ms: u64,
+    /// Edge RSS with no node.
+    pub edge_rss_idle: u64,
+    /// Edge RSS with every node connected and ready.
+    pub edge_rss_connected: u64,
+    /// `(connected - idle) / nodes`.
+    pub edge_bytes_per_connection: f64,
+    /// Fleet RSS with configs loaded, before any node started.
+    pub fleet_rss_loaded: u64,
+    /// Fleet RSS with every node ready.
+    pub fleet_rss_connected: u64,
+    /// `(connected - loaded) / nodes`.
+    pub fleet_bytes_per_node: f64,
+    /// Idle measurement window, seconds.
+    pub idle_window_s: f64,
+    /// Heartbeat interval in force, ms.
+    pub heartbeat_interval_ms: u64,
+    /// Edge CPU seconds over the window.
+    pub edge_cpu_s: f64,
+    /// Fleet CPU seconds over the window.
+    pub fleet_cpu_s: f64,
+    /// Edge CPU as a percentage of one core.
+    pub edge_cpu_pct: f64,
+    /// Fleet CPU as a percentage of one core.
+    pub fleet_cpu_pct: f64,
+    /// Edge CPU per node connection, microseconds per second.
+    pub edge_cpu_us_per_node_s: f64,
+}
+
+/// Many nodes (one `iop-bench fleet` process) on one Edge: memory per
+/// connection and CPU at idle (heartbeats, QUIC keep-alives and health
+/// refresh at their configured cadence) over `window`.
+pub async fn nodes(
+    bins: &Binaries,
+    work: &Path,
+    count: usize,
+    window: Duration,
+    heartbeat_interval_ms: Option<u64>,
+) -> Result<NodeScaleResult, ScenarioError> {
+    let dir = work.join("nodes");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| DeployError::Io {
+            what: "clearing nodes dir".into(),
+            source: e,
+        })?;
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| DeployError::Io {
+        what: "creating nodes dir".into(),
+        source: e,
+    })?;
+    let ids: Vec<String> = (1..=count).map(crate::fleet::node_id).collect();
+    write_pki(&dir, &ids)?;
+    let quic = free_udp_port()?;
+    let http_port = free_tcp_port()?;
+    let heartbeat = heartbeat_interval_ms
+        .map(|ms| {
+            format!(
+                "[heartbeat]\ninterval_ms = {ms}\nwait_ms = {}\n",
+                ms * 3 / 2
+            )
+        })
+        .unwrap_or_default();
+    let mut edge_toml = edge_config_head(quic, http_port, 256);
+    edge_toml.push_str(&heartbeat);
+    for id in &ids {
+        edge_toml.push_str(&format!(
+            "[[providers]]\nid = \"p-{id}\"\nnode = \"{id}\"\nadapter = \"mock\"\ntarget = \"m\"\ncapacity = 1\n"
+        ));
+    }
+    let write = |name: &str, text: &str| {
+        std::fs::write(dir.join(name), text).map_err(|e| DeployError::Io {
+            what: format!("writing {name}"),
+            source: e,
+        })
+    };
+    write("edge.toml", &edge_toml)?;
+    let quic_addr = std::net::SocketAddr::from(([127, 0, 0, 1], quic));
+    for (i, id) in ids.iter().enumerate() {
+        let text = node_config(
+            id,
+            quic_addr,
+            4,
+            "[[providers]]\nadapter = \"mock\"\ntarget = \"m\"\n",
+        );
+        write(
+            &crate::fleet::node_config_file(i + 1),
+            &format!("{text}{heartbeat}"),
+        )?;
+    }
+    let http = load::client()?;
+    let edge_http = std::net::SocketAddr::from(([127, 0, 0, 1], http_port));
+    let mut edge = Proc::spawn(
+        "edge",
+        &bins.edge,
+        &["run".into(), "--config".into(), "edge.toml".into()],
+        &dir,
+        false,
+    )?;
+    wait_http_ok(
+        &http,
+        &format!("http://{edge_http}/healthz"),
+        "edge",
+        &mut edge,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let edge_rss_idle = edge.rss_bytes()?;
+
+    let mut fleet = Proc::spawn(
+        "fleet",
+        &bins.bench,
+        &[
+            "fleet".into(),
+            "--dir".into(),
+            dir.display().to_string(),
+            "--count".into(),
+            count.to_string(),
+        ],
+        &dir,
+        true,
+    )?;
+    let stdout = fleet
+        .take_stdout()
+        .ok_or_else(|| ScenarioError::Timeout("fleet stdout".into()))?;
+    let mut lines = BufReader::new(stdout);
+    let event = |name: &'static str| {
+        move |line: &str| {
+            let v: serde_json::Value = serde_json::from_str(line).ok()?;
+            (v["event"] == name).then_some(v)
+        }
+    };
+    let loaded = read_line_until(&mut lines, Duration::from_secs(60), event("fleet_loaded"))
+        .await
+        .ok_or_else(|| ScenarioError::Timeout("fleet did not load its configs".into()))?;
+    let ready = read_line_until(&mut lines, Duration::from_secs(150), event("fleet_ready"))
+        .await
+        .ok_or_else(|| ScenarioError::Timeout("fleet nodes did not become ready".into()))?;
+    wait_providers_ready(&http, edge_http, &mut edge).await?;
+    // Let connection setup finish (first health refresh, allocations).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let edge_rss_connected = edge.rss_bytes()?;
+    let fleet_rss_connected = fleet.rss_bytes()?;
+    eprintln!("nodes: {count} ready; idle CPU over {window:?}");
+    let (e0, f0, t0) = (edge.cpu_ticks()?, fleet.cpu_ticks()?, Instant::now());
+    tokio::time::sleep(window).await;
+    let (e1, f1, elapsed) = (edge.cpu_ticks()?, fleet.cpu_ticks()?, t0.elapsed());
+    edge.check_alive()?;
+    fleet.check_alive()?;
+    let secs = elapsed.as_secs_f64();
+    let edge_cpu_s = (e1 - e0) as f64 / TICKS_PER_SECOND as f64;
+    let fleet_cpu_s = (f1 - f0) as f64 / TICKS_PER_SECOND as f64;
+    let fleet_rss_loaded = loaded["rss_bytes"].as_u64().unwrap_or(0);
+    let result = NodeScaleResult {
+        nodes: count,
+        ready_after_ms: ready["ready_after_ms"].as_u64().unwrap_or(0),
+        edge_rss_idle,
+        edge_rss_connected,
+        edge_bytes_per_connection: (edge_rss_connected as f64 - edge_rss_idle as f64)
+            / count as f64,
+        fleet_rss_loaded,
+        fleet_rss_connected,
+        fleet_bytes_per_node: (fleet_rss_connected as f64 - fleet_rss_loaded as f64) / count as f64,
+        idle_window_s: secs,
+        heartbeat_interval_ms: heartbeat_interval_ms.unwrap_or(30_000),
+        edge_cpu_s,
+        fleet_cpu_s,
+        edge_cpu_pct: 100.0 * edge_cpu_s / secs,
+        fleet_cpu_pct: 100.0 * fleet_cpu_s / secs,
+        edge_cpu_us_per_node_s: 1e6 * edge_cpu_s / secs / count as f64,
+    };
+    fleet.stop().await;
+    edge.stop().await;
+    Ok(result)
+}
+
+/// Everything one suite run measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SuiteReport {
+    /// Where it ran.
+    pub machine: Machine,
+    /// The command that produced it.
+    pub command: String,
+    /// Added latency.
+    pub latency: Option<LatencyResult>,
+    /// Streaming throughput.
+    pub streaming: Option<StreamingResult>,
+    /// Memory per stream.
+    pub memory: Option<MemoryResult>,
+    /// Node scale.
+    pub nodes: Option<NodeScaleResult>,
+}
+
+fn kib(bytes: f64) -> String {
+    format!("{:.1}", bytes / 1024.0)
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// Ratio of each path's chunks/s to the direct baseline's.
+fn chunk_ratio_table(rows: &[Comparison]) -> String {
+    let mut out = String::from(
+        "| load | target | chunks/s | vs direct | streams/s | errors |\n| --- | --- | ---: | ---: | ---: | ---: |\n",
+    );
+    for row in rows {
+        let base = row.direct.chunks_per_s.max(1e-9);
+        for r in std::iter::once(&row.direct).chain(&row.via) {
+            out.push_str(&format!(
+                "| {} | {} | {:.0} | {:.2} | {:.1} | {} |\n",
+                r.mode.label(),
+                r.label,
+                r.chunks_per_s,
+                r.chunks_per_s / base,
+                r.throughput_rps,
+                r.error_count()
+            ));
+        }
+    }
+    out
+}
+
+impl SuiteReport {
+    /// The whole report as markdown.
+    pub fn markdown(&self) -> String {
+        let mut out = format!(
+            "## Machine\n\n{}\nCommand: `{}`\n\n",
+            self.machine.markdown(),
+            self.command
+        );
+        if let Some(l) = &self.latency {
+            out.push_str("## Added latency (non-streaming, 8-token answers; ms)\n\n");
+            out.push_str(&added_latency_table(&l.open));
+            out.push_str("\n### Saturation (closed loop)\n\n");
+            out.push_str(&added_latency_table(&l.closed));
+            out.push('\n');
+        }
+        if let Some(s) = &self.streaming {
+            out.push_str("## Streaming: relayed SSE chunks per second (1,000-chunk streams)\n\n");
+            out.push_str(&chunk_ratio_table(&s.throughput));
+            out.push_str("\n### Streaming detail (ms)\n\n");
+            let all: Vec<LoadReport> = s
+                .throughput
+                .iter()
+                .chain(&s.ttft)
+                .flat_map(|c| std::iter::once(c.direct.clone()).chain(c.via.iter().cloned()))
+                .collect();
+            out.push_str(&load_table(&all));
+            out.push('\n');
+        }
+        if let Some(m) = &self.memory {
+            out.push_str(&format!(
+                "## Memory per in-flight stream ({} node processes)\n\n\
+                 | mode | streams | in flight | failed | Edge RSS idle MiB | Edge RSS loaded MiB | Edge KiB/stream | Nodes RSS idle MiB | Nodes RSS loaded MiB | Nodes KiB/stream |\n\
+                 | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+                m.nodes
+            ));
+            for r in &m.rows {
+                out.push_str(&format!(
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    r.mode,
+                    r.streams,
+                    r.in_flight,
+                    r.failed,
+                    mib(r.edge_rss_idle),
+                    mib(r.edge_rss_loaded),
+                    kib(r.edge_bytes_per_stream),
+                    mib(r.nodes_rss_idle),
+                    mib(r.nodes_rss_loaded),
+                    kib(r.nodes_bytes_per_stream),
+                ));
+            }
+            out.push('\n');
+        }
+        if let Some(n) = &self.nodes {
+            out.push_str(&format!(
+                "## Node scale ({} nodes on one Edge)\n\n\
+                 | measure | value |\n| --- | ---: |\n\
+                 | all ready after | {} ms |\n\
+                 | Edge RSS, no node | {} MiB |\n\
+                 | Edge RSS, {} nodes | {} MiB |\n\
+                 | Edge memory per node connection | {} KiB |\n\
+                 | Fleet process RSS per node (its side: endpoint, connection, tasks) | {} KiB |\n\
+                 | idle window (heartbeat every {} ms) | {:.1} s |\n\
+                 | Edge CPU at idle | {:.2} % of a core ({:.2} s) |\n\
+                 | Edge CPU per node connection | {:.1} µs/s |\n\
+                 | Fleet CPU at idle | {:.2} % of a core ({:.2} s) |\n\n",
+                n.nodes,
+                n.ready_after_ms,
+                mib(n.edge_rss_idle),
+                n.nodes,
+                mib(n.edge_rss_connected),
+                kib(n.edge_bytes_per_connection),
+                kib(n.fleet_bytes_per_node),
+                n.heartbeat_interval_ms,
+                n.idle_window_s,
+                n.edge_cpu_pct,
+                n.edge_cpu_s,
+                n.edge_cpu_us_per_node_s,
+                n.fleet_cpu_pct,
+                n.fleet_cpu_s,
+            ));
+        }
+        out
+    }
+
+    /// Write `report.json` and `report.md` into `dir`.
+    pub fn write(&self, dir: &Path) -> std::io::Result<(PathBuf, PathBuf)> {
+        std::fs::create_dir_all(dir)?;
+        let json = dir.join("report.json");
+        let md = dir.join("report.md");
+        std::fs::write(
+            &json,
+            serde_json::to_string_pretty(self).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::write(&md, self.markdown())?;
+        Ok((json, md))
+    }
+}
