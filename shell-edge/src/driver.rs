@@ -259,10 +259,12 @@ impl Driver {
                                 self.carry_out(&mut gate, None).await;
                                 return;
                             }
-                            // A lease fenced before we sent anything: the
-                            // request is re-resolved by the hub? No: a fence
-                            // releases it; ask again.
-                            Some(RequestEvent::LeaseFenced(_)) => continue 'attempts,
+                            // While waiting here the request is queued (or
+                            // being re-resolved by the pre-send fence), so a
+                            // fence can only be about a lease this attempt
+                            // already gave up: ignore it rather than admit
+                            // the request a second time.
+                            Some(RequestEvent::LeaseFenced(_)) => continue,
                         }
                     }
                 };

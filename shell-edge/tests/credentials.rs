@@ -392,9 +392,10 @@ async fn every_bad_lease_fails_closed_with_no_provider_request() {
 
         // Replayed: the same frame again (same lease, same run id). On one
         // connection the watchdog's run-id uniqueness refuses it at
-        // admission, before the lease is opened (the replay cache is the
-        // second line, behind it); on another connection the generation
-        // binding refuses it. Either way: no provider request.
+        // admission, before the lease is opened, as `credential_rejected`
+        // (the replay cache is the second line, behind it); on another
+        // connection the generation binding refuses it. Either way: no
+        // provider request.
         let rejections = rig
             .node
             .shared()
@@ -402,7 +403,7 @@ async fn every_bad_lease_fails_closed_with_no_provider_request() {
             .load(std::sync::atomic::Ordering::Relaxed);
         let events = rig.run(100, Some(good.clone())).await;
         assert!(
-            matches!(events.as_slice(), [RunEventKind::Failed(f)] if f.code == FailureCode::InvalidRequest),
+            matches!(events.as_slice(), [RunEventKind::Failed(f)] if f.code == FailureCode::CredentialRejected),
             "{events:?}"
         );
         assert_eq!(rig.mock.requests(), 1, "a replay makes no provider request");

@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use iop_core::ids::{Generation, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
 use iop_core::node::watchdog::{
-    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogOutput,
+    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogError,
+    WatchdogOutput,
 };
 use iop_trace::{MachineKind, Tap, TraceWriter, TracedWatchdog, WatchdogConfigRec};
 use iop_transport::clock::Clock;
@@ -252,6 +253,8 @@ pub enum LinkMsg {
         adapter: AdapterKind,
         /// Target.
         target: String,
+        /// The request carries a sealed credential lease.
+        carries_lease: bool,
         /// Control channel to the handler.
         control: mpsc::UnboundedSender<RunControl>,
         /// Admitted, or the failure to answer with.
@@ -693,6 +696,7 @@ impl Link {
                 deadline,
                 adapter,
                 target,
+                carries_lease,
                 control,
                 reply,
             } => {
@@ -719,7 +723,18 @@ impl Link {
                     }
                     Err(e) => {
                         tracing::warn!(event = "node_run_refused", error = %e);
-                        let _ = reply.send(Err(FailureCode::InvalidRequest));
+                        // A run id this connection already ran, arriving
+                        // with a lease, is a replayed lease frame (R-CRED-3).
+                        let code = match e {
+                            WatchdogError::DuplicateRun { .. }
+                            | WatchdogError::FinishedRun { .. }
+                                if carries_lease =>
+                            {
+                                FailureCode::CredentialRejected
+                            }
+                            _ => FailureCode::InvalidRequest,
+                        };
+                        let _ = reply.send(Err(code));
                     }
                 }
             }

@@ -199,6 +199,7 @@ async fn execute<S, F>(
             deadline,
             adapter: adapter_kind,
             target: target.clone(),
+            carries_lease: credential.lease.is_some(),
             control: control_tx,
             reply,
         })
