@@ -30,6 +30,8 @@ pub const API_KEY: &str = "sk-iop-bench-0123456789abcdef";
 
 /// How long a component may take to come up.
 const START_BOUND: Duration = Duration::from_secs(60);
+/// Bound of one readiness or stats request.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a deployment could not start.
 #[derive(Debug, thiserror::Error)]
@@ -349,7 +351,7 @@ pub async fn wait_http_ok(
     let deadline = Instant::now() + START_BOUND;
     loop {
         proc.check_alive()?;
-        if let Ok(r) = http.get(url).send().await
+        if let Ok(r) = http.get(url).timeout(PROBE_TIMEOUT).send().await
             && r.status().is_success()
         {
             return Ok(());
@@ -371,7 +373,12 @@ pub async fn wait_providers_ready(
     let url = format!("http://{edge_http}/status");
     loop {
         edge.check_alive()?;
-        if let Ok(r) = http.get(&url).bearer_auth(API_KEY).send().await
+        if let Ok(r) = http
+            .get(&url)
+            .bearer_auth(API_KEY)
+            .timeout(PROBE_TIMEOUT)
+            .send()
+            .await
             && let Ok(body) = r.bytes().await
             && let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&body)
             && let Some(ps) = doc["providers"].as_array()
@@ -390,6 +397,12 @@ impl Deployment {
     /// Start everything and wait until a request through each route works.
     pub async fn start(bins: &Binaries, spec: &DeploymentSpec) -> Result<Self, DeployError> {
         let dir = &spec.dir;
+        eprintln!(
+            "deployment: {} mock(s), {} node(s) in {}",
+            spec.mocks.len(),
+            spec.nodes,
+            dir.display()
+        );
         fresh_dir(dir)?;
         let node_ids: Vec<String> = (1..=spec.nodes).map(|i| format!("n{i}")).collect();
         write_pki(dir, &node_ids)?;
@@ -516,7 +529,9 @@ impl Deployment {
 
     async fn wait_route(&self, model: &str) -> Result<(), DeployError> {
         let deadline = Instant::now() + START_BOUND;
-        let body = crate::load::chat_body(model, false);
+        // Streamed, and dropped after the status: a slow mock's whole
+        // answer may take minutes, its first chunk does not.
+        let body = crate::load::chat_body(model, true);
         loop {
             let r = self
                 .http
@@ -524,6 +539,7 @@ impl Deployment {
                 .bearer_auth(API_KEY)
                 .header("content-type", "application/json")
                 .body(body.clone())
+                .timeout(PROBE_TIMEOUT)
                 .send()
                 .await;
             if let Ok(r) = r
@@ -568,6 +584,7 @@ impl Deployment {
         let r = self
             .http
             .get(format!("http://{}/mock/stats", m.addr))
+            .timeout(PROBE_TIMEOUT)
             .send()
             .await
             .ok()?;

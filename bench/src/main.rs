@@ -140,6 +140,12 @@ struct SuiteArgs {
     /// configured default, 30000).
     #[arg(long)]
     heartbeat_ms: Option<u64>,
+    /// The `iop-edge` binary (default: beside this one).
+    #[arg(long)]
+    edge_bin: Option<PathBuf>,
+    /// The `iop-node` binary (default: beside this one).
+    #[arg(long)]
+    node_bin: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -234,7 +240,13 @@ fn or_default<T: Clone>(
 }
 
 async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
-    let bins = Binaries::beside_current_exe()?;
+    let mut bins = Binaries::beside_current_exe()?;
+    if let Some(p) = &a.edge_bin {
+        bins.edge = std::path::absolute(p)?;
+    }
+    if let Some(p) = &a.node_bin {
+        bins.node = std::path::absolute(p)?;
+    }
     let want = |s: ScenarioName| a.only.is_empty() || a.only.contains(&s);
     let q = a.quick;
     let duration = secs(a.duration_s.unwrap_or(if q { 3.0 } else { 10.0 }))?;
@@ -271,11 +283,9 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
     }
     if want(ScenarioName::Memory) {
         let levels = or_default(&a.memory_levels, q, &[500], &[1000, 10_000]);
-        let max = levels.iter().copied().max().unwrap_or(1);
-        let spec = scenario::memory_deployment(&work, a.memory_nodes, max);
-        let mut d = Deployment::start(&bins, &spec).await?;
-        report.memory = Some(scenario::memory(&mut d, &levels, a.memory_ramp_per_s).await?);
-        d.stop().await;
+        report.memory = Some(
+            scenario::memory(&bins, &work, a.memory_nodes, &levels, a.memory_ramp_per_s).await?,
+        );
     }
     if want(ScenarioName::Nodes) {
         let count = a.fleet_nodes.unwrap_or(if q { 50 } else { 200 });

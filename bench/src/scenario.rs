@@ -338,76 +338,90 @@ async fn wait_mock_in_flight(
 }
 
 /// RSS of the Edge and the Nodes at each level of in-flight streams, in
-/// both modes.
+/// both modes. Each row gets a fresh deployment, so memory the allocator
+/// kept from an earlier row does not hide in the idle baseline.
 pub async fn memory(
-    d: &mut Deployment,
+    bins: &Binaries,
+    work: &Path,
+    nodes: usize,
     levels: &[usize],
     ramp_per_s: f64,
 ) -> Result<MemoryResult, ScenarioError> {
     let client = load::client()?;
+    let max = levels.iter().copied().max().unwrap_or(1);
     let mut rows = Vec::new();
     for tunnel in [false, true] {
         for &level in levels {
             let mode = if tunnel { "tunnel" } else { "normalized" };
             eprintln!("memory: {level} streams, {mode}");
-            wait_mock_in_flight(d, "drain before level", Duration::from_secs(120), |n| {
-                n == 0
-            })
-            .await?;
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            let edge_rss_idle = d.edge.rss_bytes()?;
-            let nodes_rss_idle = d.nodes_rss_bytes()?;
-            let target = d.via(SLOW_MOCK, tunnel);
-            let held = load::hold_streams(&client, &target, level, ramp_per_s).await?;
-            let deadline = Instant::now() + Duration::from_secs(120);
-            loop {
-                let s = held.snapshot();
-                if s.first_chunk + s.failed >= level as u64 {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            // Let buffers settle, then read.
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            d.check_alive()?;
-            let in_flight = d.mock_in_flight(SLOW_MOCK).await.unwrap_or(0);
-            let s = held.snapshot();
-            let edge_rss_loaded = d.edge.rss_bytes()?;
-            let nodes_rss_loaded = d.nodes_rss_bytes()?;
-            let edge_threads = crate::procfs::threads(d.edge.pid()).unwrap_or(0);
-            let per =
-                |loaded: u64, idle: u64| (loaded as f64 - idle as f64) / (in_flight.max(1) as f64);
-            let row = MemoryRow {
-                mode: mode.into(),
-                streams: level as u64,
-                in_flight,
-                failed: s.failed,
-                edge_rss_idle,
-                edge_rss_loaded,
-                edge_bytes_per_stream: per(edge_rss_loaded, edge_rss_idle),
-                nodes_rss_idle,
-                nodes_rss_loaded,
-                nodes_bytes_per_stream: per(nodes_rss_loaded, nodes_rss_idle),
-                edge_threads,
-            };
-            eprintln!(
-                "  in flight {} failed {} edge {:.1} KiB/stream nodes {:.1} KiB/stream",
-                row.in_flight,
-                row.failed,
-                row.edge_bytes_per_stream / 1024.0,
-                row.nodes_bytes_per_stream / 1024.0
-            );
-            rows.push(row);
-            held.close().await;
+            let mut d = Deployment::start(bins, &memory_deployment(work, nodes, max)).await?;
+            let row = memory_row(&client, &mut d, tunnel, level, ramp_per_s).await;
+            d.stop().await;
+            rows.push(row?);
         }
     }
-    Ok(MemoryResult {
-        nodes: d.nodes.len(),
-        rows,
+    Ok(MemoryResult { nodes, rows })
+}
+
+async fn memory_row(
+    client: &reqwest::Client,
+    d: &mut Deployment,
+    tunnel: bool,
+    level: usize,
+    ramp_per_s: f64,
+) -> Result<MemoryRow, ScenarioError> {
+    let target = d.via(SLOW_MOCK, tunnel);
+    // Warm the path once, then let it settle.
+    let warm = load::hold_streams(client, &target, 8, 100.0).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    warm.close().await;
+    wait_mock_in_flight(d, "drain after warm-up", Duration::from_secs(60), |n| {
+        n == 0
     })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let edge_rss_idle = d.edge.rss_bytes()?;
+    let nodes_rss_idle = d.nodes_rss_bytes()?;
+    let held = load::hold_streams(client, &target, level, ramp_per_s).await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let s = held.snapshot();
+        if s.first_chunk + s.failed >= level as u64 || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Let buffers settle, then read.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    d.check_alive()?;
+    let in_flight = d.mock_in_flight(SLOW_MOCK).await.unwrap_or(0);
+    let s = held.snapshot();
+    let edge_rss_loaded = d.edge.rss_bytes()?;
+    let nodes_rss_loaded = d.nodes_rss_bytes()?;
+    let edge_threads = crate::procfs::threads(d.edge.pid()).unwrap_or(0);
+    let per = |loaded: u64, idle: u64| (loaded as f64 - idle as f64) / (in_flight.max(1) as f64);
+    let row = MemoryRow {
+        mode: if tunnel { "tunnel" } else { "normalized" }.into(),
+        streams: level as u64,
+        in_flight,
+        failed: s.failed,
+        edge_rss_idle,
+        edge_rss_loaded,
+        edge_bytes_per_stream: per(edge_rss_loaded, edge_rss_idle),
+        nodes_rss_idle,
+        nodes_rss_loaded,
+        nodes_bytes_per_stream: per(nodes_rss_loaded, nodes_rss_idle),
+        edge_threads,
+    };
+    eprintln!(
+        "  in flight {} failed {} edge {:.1} KiB/stream nodes {:.1} KiB/stream",
+        row.in_flight,
+        row.failed,
+        row.edge_bytes_per_stream / 1024.0,
+        row.nodes_bytes_per_stream / 1024.0
+    );
+    held.close().await;
+    Ok(row)
 }
 
 /// Results of the node-scale scenario.
