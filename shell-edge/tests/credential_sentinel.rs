@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
@@ -14,21 +12,6 @@ use iop_node::mock::{MockScript, MockServer};
 
 const KEY: &str = "sk-client-key-0123456789";
 const SECRET: &str = "sk-CREDSENTINEL-5e1f0a9b77";
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if let Ok(mut v) = self.0.lock() {
-            v.extend_from_slice(buf);
-        }
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[tokio::test]
 async fn the_managed_secret_never_leaks() {

@@ -5,30 +5,12 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use common::*;
 use iop_edge::server::RunningEdge;
 use iop_node::mock::{MockScript, MockServer};
 
 const KEY: &str = "sk-SENTINEL-KEY-7f3a9c1e5b";
 const PAYLOAD: &str = "SENTINEL-PAYLOAD-d41d8cd9";
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if let Ok(mut v) = self.0.lock() {
-            v.extend_from_slice(buf);
-        }
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[tokio::test]
 async fn no_secret_or_payload_reaches_metrics_status_or_logs() {

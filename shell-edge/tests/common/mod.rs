@@ -150,3 +150,19 @@ pub async fn bounded<T>(fut: impl Future<Output = T>) -> T {
         .await
         .expect("test exceeded its 60 s bound")
 }
+
+/// A log sink for sentinel tests: everything the global subscriber writes.
+#[derive(Clone, Default)]
+pub struct Captured(pub std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut v) = self.0.lock() {
+            v.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
