@@ -153,6 +153,12 @@ impl RunningEdge {
             creds.clone(),
         ));
         let http_task = tokio::spawn(async move {
+            // Responses go out in several writes (SSE events, tunnel frames):
+            // without TCP_NODELAY, Nagle holds each small write for the
+            // client's delayed ACK (~40 ms).
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(event = "edge_http_failed", error = %e);
             }

@@ -179,6 +179,12 @@ pub async fn serve(
     let counters = state.counters.clone();
     let app = router(state);
     let task = tokio::spawn(async move {
+        // Responses go out in several writes (SSE events, tunnel frames):
+        // without TCP_NODELAY, Nagle holds each small write for the
+        // client's delayed ACK (~40 ms).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         if let Err(e) = axum::serve(listener, app).await {
             tracing::warn!(event = "mock_server_stopped", error = %e);
         }
