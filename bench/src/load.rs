@@ -549,7 +549,7 @@ pub async fn hold_streams(
     count: usize,
     ramp_per_s: f64,
 ) -> Result<HeldStreams, LoadError> {
-    if count == 0 || count > MAX_IN_FLIGHT_LIMIT || !(ramp_per_s > 0.0) {
+    if count == 0 || count > MAX_IN_FLIGHT_LIMIT || ramp_per_s.is_nan() || ramp_per_s <= 0.0 {
         return Err(LoadError::InvalidSpec("count must be 1..=50000, ramp > 0"));
     }
     let prepared = prepare(client, target, true, Duration::from_secs(24 * 3600))?;
