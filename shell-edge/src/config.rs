@@ -10,6 +10,7 @@ use iop_core::edge::admission::{AdmissionConfig, ProviderSpec};
 use iop_core::ids::{NodeId, ProviderId};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
+use iop_transport::telemetry::OtlpSection;
 use iop_wire::{AdapterKind, MAX_RESPONSE_STALL_TIMEOUT_MS, MIN_RESPONSE_STALL_TIMEOUT_MS};
 use serde::Deserialize;
 
@@ -258,6 +259,9 @@ pub struct EdgeFile {
     /// `[[credentials]]`.
     #[serde(default)]
     pub credentials: Vec<CredentialEntry>,
+    /// `[otlp]`: optional OTLP metrics export.
+    #[serde(default)]
+    pub otlp: Option<OtlpSection>,
 }
 
 /// A validated provider.
@@ -324,6 +328,8 @@ pub struct EdgeConfig {
     pub api_keys: Vec<ApiKey>,
     /// Managed credential profiles.
     pub credentials: Vec<CredentialProfile>,
+    /// OTLP metrics export (`None`: off).
+    pub otlp: Option<OtlpSection>,
 }
 
 impl EdgeConfig {
@@ -346,6 +352,9 @@ impl EdgeConfig {
 
     fn validate(mut file: EdgeFile, base: &Path) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
+        if let Some(otlp) = &mut file.otlp {
+            otlp.validate("otlp")?;
+        }
         file.tls.resolve(base);
         if file.edge.state_dir.is_relative() {
             file.edge.state_dir = base.join(&file.edge.state_dir);
@@ -554,6 +563,7 @@ impl EdgeConfig {
             routes,
             api_keys,
             credentials,
+            otlp: file.otlp,
         })
     }
 
@@ -729,6 +739,11 @@ key = "edge.key"
         assert_eq!(c.heartbeat, HeartbeatConfig::default());
         assert_eq!(c.tls.ca, Path::new("/etc/iop/ca.pem"));
         assert_eq!(c.admission.queue_capacity, 256);
+        assert!(c.otlp.is_none(), "OTLP export is off unless configured");
+        let c = parse("[otlp]\nendpoint = 'http://collector:4318'\n").unwrap();
+        let otlp = c.otlp.unwrap();
+        assert_eq!(otlp.endpoint, "http://collector:4318/v1/metrics");
+        assert_eq!((otlp.interval_ms, otlp.timeout_ms), (15_000, 5_000));
     }
 
     #[test]
@@ -744,6 +759,10 @@ key = "edge.key"
         assert_eq!(field_of(e), "providers[0].stall_timeout_ms");
         let e = parse("[[routes]]\nmodel='m'\nproviders=['ghost']\n").unwrap_err();
         assert_eq!(field_of(e), "routes[0].providers[0]");
+        let e = parse("[otlp]\nendpoint = 'collector:4318'\n").unwrap_err();
+        assert_eq!(field_of(e), "otlp.endpoint");
+        let e = parse("[otlp]\nendpoint = 'http://c:4318'\ninterval_ms = 1\n").unwrap_err();
+        assert_eq!(field_of(e), "otlp.interval_ms");
     }
 
     #[test]

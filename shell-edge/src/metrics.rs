@@ -7,10 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use iop_transport::telemetry::MetricsPipeline;
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, MeterProvider as _};
-use opentelemetry_sdk::metrics::SdkMeterProvider;
-use prometheus::{Encoder, TextEncoder};
+use opentelemetry::metrics::{Counter, Histogram};
 
 /// Values the hub publishes for the gauges.
 #[derive(Debug, Default)]
@@ -27,8 +26,7 @@ pub struct Gauges {
 
 /// Every Edge instrument.
 pub struct EdgeMetrics {
-    registry: prometheus::Registry,
-    _provider: SdkMeterProvider,
+    pipeline: MetricsPipeline,
     /// Published by the hub.
     pub gauges: Arc<Gauges>,
     requests: Counter<u64>,
@@ -60,23 +58,10 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 impl EdgeMetrics {
-    /// Build the instruments on a private registry.
-    pub fn new() -> Arc<Self> {
-        let registry = prometheus::Registry::new();
-        let provider = match opentelemetry_prometheus::exporter()
-            .with_registry(registry.clone())
-            .without_units()
-            .without_target_info()
-            .scope_info_enabled(false)
-            .build()
-        {
-            Ok(exporter) => SdkMeterProvider::builder().with_reader(exporter).build(),
-            Err(e) => {
-                tracing::error!(event = "edge_metrics_exporter_failed", error = %e);
-                SdkMeterProvider::builder().build()
-            }
-        };
-        let meter = provider.meter("iop-edge");
+    /// Build the instruments on `pipeline` (Prometheus, and OTLP when
+    /// configured).
+    pub fn new(pipeline: MetricsPipeline) -> Arc<Self> {
+        let meter = pipeline.meter("iop-edge");
         let gauges = Arc::new(Gauges::default());
         let g = gauges.clone();
         let _queue = meter
@@ -144,19 +129,19 @@ impl EdgeMetrics {
                 .with_description("Stream-gate recovery results (R-GATE-2)")
                 .build(),
             gauges,
-            registry,
-            _provider: provider,
+            pipeline,
             _observers: (_queue, _leases, _nodes, _late),
         })
     }
 
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
-        let mut out = Vec::new();
-        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
-            tracing::error!(event = "edge_metrics_encode_failed", error = %e);
-        }
-        String::from_utf8(out).unwrap_or_default()
+        self.pipeline.render()
+    }
+
+    /// The pipeline (OTLP flush and shutdown).
+    pub fn pipeline(&self) -> &MetricsPipeline {
+        &self.pipeline
     }
 
     /// One finished client request.

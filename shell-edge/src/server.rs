@@ -30,6 +30,9 @@ pub enum StartError {
     /// The health settings are unusable.
     #[error("health config: {0}")]
     Health(#[from] iop_core::edge::health::HealthTrackerError),
+    /// The metrics pipeline (Prometheus or OTLP exporter) could not be built.
+    #[error("metrics: {0}")]
+    Metrics(#[from] iop_transport::telemetry::TelemetryError),
 }
 
 /// A running Edge.
@@ -83,7 +86,19 @@ impl RunningEdge {
         let store = GenerationStore::open(&config.edge.state_dir)?;
         let floor = store.floor(unix_ms())?;
         let clock = Clock::new();
-        let metrics = crate::metrics::EdgeMetrics::new();
+        let metrics =
+            crate::metrics::EdgeMetrics::new(iop_transport::telemetry::MetricsPipeline::new(
+                "iop-edge",
+                "iop-edge",
+                config.otlp.as_ref(),
+            )?);
+        if let Some(otlp) = &config.otlp {
+            tracing::info!(
+                event = "edge_otlp_export_enabled",
+                endpoint = %otlp.endpoint,
+                interval_ms = otlp.interval_ms
+            );
+        }
         let creds = Arc::new(crate::cred::Credentials::open(
             &config.edge.state_dir,
             &config.credentials,
@@ -178,8 +193,6 @@ impl RunningEdge {
         })
     }
 
-    /// Stop accepting, close every node connection with `shutdown` and wait
-    /// briefly for the closes to go out.
     /// Apply a re-read `[[credentials]]` section (SIGHUP): new secrets,
     /// revisions and disabled flags, pushed to every connected node.
     pub fn reload_credentials(&self, profiles: &[crate::config::CredentialProfile]) {
@@ -194,6 +207,9 @@ impl RunningEdge {
         known
     }
 
+    /// Stop accepting, close every node connection with `shutdown`, wait
+    /// briefly for the closes to go out, and push the final metrics to the
+    /// OTLP collector when one is configured.
     pub async fn shutdown(self) {
         self.http_task.abort();
         // Refuse new handshakes first: nodes keep dialing while we drain.
@@ -218,6 +234,8 @@ impl RunningEdge {
         let _ = self.http_task.await;
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
             .await;
+        let metrics = self.metrics;
+        let _ = tokio::task::spawn_blocking(move || metrics.pipeline().shutdown()).await;
     }
 
     /// Close one connection (tests use this to drop a node).

@@ -8,6 +8,7 @@ use iop_core::liveness::backoff::BackoffConfig;
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_core::node::watchdog::WatchdogConfig;
 use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
+use iop_transport::telemetry::OtlpSection;
 use iop_wire::AdapterKind;
 use serde::Deserialize;
 
@@ -119,6 +120,9 @@ pub struct NodeFile {
     /// `[[providers]]`.
     #[serde(default)]
     pub providers: Vec<ProviderEntry>,
+    /// `[otlp]`: optional OTLP metrics export.
+    #[serde(default)]
+    pub otlp: Option<OtlpSection>,
 }
 
 /// A validated provider.
@@ -165,6 +169,8 @@ pub struct NodeConfig {
     pub watchdog: WatchdogConfig,
     /// Providers.
     pub providers: Vec<ProviderTarget>,
+    /// OTLP metrics export (`None`: off).
+    pub otlp: Option<OtlpSection>,
 }
 
 impl NodeConfig {
@@ -182,6 +188,9 @@ impl NodeConfig {
         let mut file: NodeFile =
             toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         file.heartbeat.validate("heartbeat")?;
+        if let Some(otlp) = &mut file.otlp {
+            otlp.validate("otlp")?;
+        }
         file.tls.resolve(base);
         if file.node.state_dir.is_relative() {
             file.node.state_dir = base.join(&file.node.state_dir);
@@ -265,6 +274,7 @@ impl NodeConfig {
         }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
+            otlp: file.otlp,
             reconnect: BackoffConfig {
                 initial: Duration::from_millis(r.initial_ms),
                 max: Duration::from_millis(r.max_ms),
@@ -330,6 +340,11 @@ key = "node.key"
         assert_eq!(
             field_of("[watchdog]\nprobe_bound_ms = 0\n"),
             "watchdog.probe_bound_ms"
+        );
+        assert_eq!(field_of("[otlp]\nendpoint = 'udp://c'\n"), "otlp.endpoint");
+        assert_eq!(
+            field_of("[otlp]\nendpoint = 'http://c'\ntimeout_ms = 0\n"),
+            "otlp.timeout_ms"
         );
     }
 }

@@ -64,7 +64,16 @@ impl RunningNode {
         shared.record_trace = options.record_trace;
         // The lease recipient key and this node's id (R-CRED-1): a node
         // that cannot load them does not start.
-        let identity = link::NodeIdentity::load(&config);
+        let identity = link::NodeIdentity::load(&config).and_then(|identity| {
+            // The metrics pipeline is named after the node (OTLP resource).
+            shared.metrics =
+                metrics::NodeMetrics::new(iop_transport::telemetry::MetricsPipeline::new(
+                    "iop-node",
+                    &identity.node_id,
+                    config.otlp.as_ref(),
+                )?);
+            Ok(identity)
+        });
         match identity {
             Ok(identity) => shared.identity = Some(identity),
             Err(e) => {
@@ -130,13 +139,17 @@ impl RunningNode {
         &self.shared
     }
 
-    /// Close the connection with `shutdown` and stop.
+    /// Close the connection with `shutdown`, stop, and push the final
+    /// metrics to the OTLP collector when one is configured.
     pub async fn shutdown(self) -> Result<(), supervisor::StartError> {
         self.shutdown.send_replace(true);
-        match self.task.await {
+        let result = match self.task.await {
             Ok(result) => result,
             Err(_) => Ok(()),
-        }
+        };
+        let shared = self.shared;
+        let _ = tokio::task::spawn_blocking(move || shared.metrics.pipeline().shutdown()).await;
+        result
     }
 
     /// Stop without a goodbye (as a crash would): the task is aborted.

@@ -126,7 +126,7 @@ impl LinkShared {
         Self {
             adapters,
             probe_bound,
-            metrics: crate::metrics::NodeMetrics::new(),
+            metrics: crate::metrics::NodeMetrics::default(),
             pause_control: watch::channel(false).0,
             fenced_late_outputs: AtomicU64::new(0),
             stalls: AtomicU64::new(0),

@@ -1,16 +1,15 @@
 //! Node metrics: the stall watchdog's observations as OpenTelemetry
 //! instruments, exported as Prometheus text on the optional
-//! `[node] metrics_listen` address (R-OBS-1: closed label values only).
+//! `[node] metrics_listen` address and over OTLP when `[otlp]` is set
+//! (R-OBS-1: closed label values only).
 
+use iop_transport::telemetry::MetricsPipeline;
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, MeterProvider as _};
-use opentelemetry_sdk::metrics::SdkMeterProvider;
-use prometheus::{Encoder, TextEncoder};
+use opentelemetry::metrics::{Counter, Histogram};
 
 /// Every Node instrument.
 pub struct NodeMetrics {
-    registry: prometheus::Registry,
-    _provider: SdkMeterProvider,
+    pipeline: MetricsPipeline,
     stalls: Counter<u64>,
     credential_rejections: Counter<u64>,
     stall_duration: Histogram<f64>,
@@ -24,28 +23,15 @@ impl std::fmt::Debug for NodeMetrics {
 
 impl Default for NodeMetrics {
     fn default() -> Self {
-        Self::new()
+        Self::new(MetricsPipeline::prometheus_only("iop-node"))
     }
 }
 
 impl NodeMetrics {
-    /// Build the instruments on a private registry.
-    pub fn new() -> Self {
-        let registry = prometheus::Registry::new();
-        let provider = match opentelemetry_prometheus::exporter()
-            .with_registry(registry.clone())
-            .without_units()
-            .without_target_info()
-            .scope_info_enabled(false)
-            .build()
-        {
-            Ok(exporter) => SdkMeterProvider::builder().with_reader(exporter).build(),
-            Err(e) => {
-                tracing::error!(event = "node_metrics_exporter_failed", error = %e);
-                SdkMeterProvider::builder().build()
-            }
-        };
-        let meter = provider.meter("iop-node");
+    /// Build the instruments on `pipeline` (Prometheus, and OTLP when
+    /// configured).
+    pub fn new(pipeline: MetricsPipeline) -> Self {
+        let meter = pipeline.meter("iop-node");
         Self {
             stalls: meter
                 .u64_counter("iop_node_response_stalls")
@@ -62,8 +48,7 @@ impl NodeMetrics {
                 .u64_counter("iop_node_credential_rejections")
                 .with_description("Credential leases refused (R-CRED-3), by closed reason")
                 .build(),
-            registry,
-            _provider: provider,
+            pipeline,
         }
     }
 
@@ -93,10 +78,11 @@ impl NodeMetrics {
 
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
-        let mut out = Vec::new();
-        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
-            tracing::error!(event = "node_metrics_encode_failed", error = %e);
-        }
-        String::from_utf8(out).unwrap_or_default()
+        self.pipeline.render()
+    }
+
+    /// The pipeline (OTLP flush and shutdown).
+    pub fn pipeline(&self) -> &MetricsPipeline {
+        &self.pipeline
     }
 }

@@ -24,6 +24,9 @@ pub enum StartError {
     /// The lease recipient key or the node identity could not be loaded.
     #[error("credentials: {0}")]
     Credentials(String),
+    /// The metrics pipeline (Prometheus or OTLP exporter) could not be built.
+    #[error("metrics: {0}")]
+    Metrics(#[from] iop_transport::telemetry::TelemetryError),
 }
 
 /// Resolve `host:port`.

@@ -13,6 +13,8 @@
 //! * [`settings`], [`logging`], [`signals`], [`clock`]: what both shells
 //!   share beyond QUIC: config pieces, structured logs, graceful shutdown,
 //!   and the one place wall time becomes a core instant.
+//! * [`telemetry`]: the metrics pipeline (Prometheus text and optional
+//!   OTLP/HTTP export) both shells build their instruments on.
 //!
 //! Trust model (SPEC §3): both sides present certificates chained to one
 //! deployment CA. The Edge takes a Node's identity from its verified
@@ -21,8 +23,10 @@
 //! lets [`connect`] succeed and the refusal surfaces on the first stream
 //! read or write.
 //!
-//! This crate never installs a process-wide crypto provider: every rustls
-//! config is built with [`tls::crypto_provider`] (ring).
+//! Every rustls config here is built with [`tls::crypto_provider`] (ring).
+//! The one process-wide install is the OTLP exporter's: its HTTP client
+//! takes the process default, so enabling `[otlp]` installs ring as the
+//! default (idempotent; the binaries install the same at start).
 
 pub mod clock;
 pub mod close;
@@ -33,6 +37,7 @@ pub mod logging;
 pub mod pki;
 pub mod settings;
 pub mod signals;
+pub mod telemetry;
 pub mod tls;
 
 pub use close::{close_code_of, close_connection};

@@ -1,0 +1,364 @@
+//! The metrics pipeline both shells share (R-OBS-1): one OpenTelemetry
+//! meter provider with a Prometheus reader (scraped at `/metrics`) and, when
+//! an `[otlp]` section is configured, a periodic OTLP/HTTP (protobuf)
+//! exporter pushing the same instruments to a collector.
+//!
+//! Labels are the instruments' business: every shell records closed enum
+//! values only. The OTLP resource carries `service.name` (`iop-edge` or
+//! `iop-node`) and `service.instance.id` (the configured edge or node name),
+//! both bounded operator-chosen values.
+
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Meter, MeterProvider as _};
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider, Temporality};
+use prometheus::{Encoder as _, TextEncoder};
+use serde::Deserialize;
+
+use crate::settings::{ConfigError, field_err};
+
+/// Path appended to an OTLP endpoint given without one.
+pub const OTLP_METRICS_PATH: &str = "/v1/metrics";
+
+/// How cumulative sums and histograms are reported over OTLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OtlpTemporality {
+    /// Totals since start (what Prometheus-backed collectors expect).
+    #[default]
+    Cumulative,
+    /// Change since the previous export.
+    Delta,
+}
+
+/// `[otlp]`: optional OTLP/HTTP metrics export. Absent means off.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OtlpSection {
+    /// Collector URL, `http://host:4318/v1/metrics` (or `https://`). A URL
+    /// without a path gets `/v1/metrics`. Extra headers (for example an
+    /// authorization token) come from `OTEL_EXPORTER_OTLP_HEADERS`, never
+    /// from this file.
+    pub endpoint: String,
+    /// Export period.
+    #[serde(default = "default_interval_ms")]
+    pub interval_ms: u64,
+    /// Bound of one export request.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// `cumulative` (default) or `delta`.
+    #[serde(default)]
+    pub temporality: OtlpTemporality,
+    /// `service.instance.id` of the exported resource; defaults to the
+    /// node id on a Node and `iop-edge` on the Edge.
+    #[serde(default)]
+    pub instance: Option<String>,
+}
+
+fn default_interval_ms() -> u64 {
+    15_000
+}
+fn default_timeout_ms() -> u64 {
+    5_000
+}
+
+/// Shortest accepted export period.
+pub const MIN_OTLP_INTERVAL_MS: u64 = 100;
+
+impl OtlpSection {
+    /// Validate, naming `section.field`, and normalise the endpoint.
+    pub fn validate(&mut self, section: &str) -> Result<(), ConfigError> {
+        let endpoint = self.endpoint.trim();
+        let rest = endpoint
+            .strip_prefix("http://")
+            .or_else(|| endpoint.strip_prefix("https://"))
+            .ok_or_else(|| {
+                field_err(
+                    format!("{section}.endpoint"),
+                    "must be an http:// or https:// URL",
+                )
+            })?;
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, ""),
+        };
+        if authority.is_empty() || authority.contains(|c: char| c.is_whitespace() || c == '@') {
+            return Err(field_err(
+                format!("{section}.endpoint"),
+                "needs a host[:port] and no credentials",
+            ));
+        }
+        let mut normalised = endpoint.to_string();
+        if path.is_empty() || path == "/" {
+            normalised = format!("{}{OTLP_METRICS_PATH}", endpoint.trim_end_matches('/'));
+        }
+        if normalised.parse::<http::Uri>().is_err() {
+            return Err(field_err(
+                format!("{section}.endpoint"),
+                "is not a valid URL",
+            ));
+        }
+        self.endpoint = normalised;
+        if self.interval_ms < MIN_OTLP_INTERVAL_MS {
+            return Err(field_err(
+                format!("{section}.interval_ms"),
+                format!("must be >= {MIN_OTLP_INTERVAL_MS}"),
+            ));
+        }
+        if self.timeout_ms == 0 {
+            return Err(field_err(format!("{section}.timeout_ms"), "must be > 0"));
+        }
+        if let Some(instance) = &self.instance
+            && !crate::settings::valid_name(instance)
+        {
+            return Err(field_err(
+                format!("{section}.instance"),
+                "must be 1-128 chars of [A-Za-z0-9._-]",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why the metrics pipeline could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    /// The Prometheus reader could not be registered.
+    #[error("cannot build the Prometheus exporter: {0}")]
+    Prometheus(String),
+    /// The OTLP exporter refused its configuration.
+    #[error("cannot build the OTLP exporter for {endpoint}: {message}")]
+    Otlp {
+        /// Configured endpoint.
+        endpoint: String,
+        /// Cause.
+        message: String,
+    },
+}
+
+/// One meter provider: Prometheus always, OTLP when configured.
+pub struct MetricsPipeline {
+    registry: prometheus::Registry,
+    provider: SdkMeterProvider,
+    otlp: bool,
+}
+
+impl std::fmt::Debug for MetricsPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsPipeline")
+            .field("otlp", &self.otlp)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MetricsPipeline {
+    /// Build the pipeline for `service` (`iop-edge`, `iop-node`) named
+    /// `instance` (unless `otlp.instance` names it). With `otlp`, a background thread exports every
+    /// `interval_ms`; export failures are logged by the SDK and never
+    /// affect request handling.
+    pub fn new(
+        service: &'static str,
+        instance: &str,
+        otlp: Option<&OtlpSection>,
+    ) -> Result<Self, TelemetryError> {
+        let registry = prometheus::Registry::new();
+        let prometheus = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .without_units()
+            .without_target_info()
+            .scope_info_enabled(false)
+            .build()
+            .map_err(|e| TelemetryError::Prometheus(e.to_string()))?;
+        let resource = Resource::builder_empty()
+            .with_attributes([
+                KeyValue::new("service.name", service),
+                KeyValue::new(
+                    "service.instance.id",
+                    otlp.and_then(|o| o.instance.clone())
+                        .unwrap_or_else(|| instance.to_string()),
+                ),
+            ])
+            .build();
+        let mut builder = SdkMeterProvider::builder()
+            .with_resource(resource)
+            .with_reader(prometheus);
+        if let Some(otlp) = otlp {
+            // reqwest is built without a bundled crypto provider; an
+            // https collector needs the process default (ring, as for
+            // every other rustls config here). Idempotent.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let err = |e: &dyn std::fmt::Display| TelemetryError::Otlp {
+                endpoint: otlp.endpoint.clone(),
+                message: e.to_string(),
+            };
+            let exporter = opentelemetry_otlp::MetricExporter::builder()
+                .with_http()
+                .with_endpoint(otlp.endpoint.clone())
+                .with_timeout(Duration::from_millis(otlp.timeout_ms))
+                .with_temporality(match otlp.temporality {
+                    OtlpTemporality::Cumulative => Temporality::Cumulative,
+                    OtlpTemporality::Delta => Temporality::Delta,
+                })
+                .build()
+                .map_err(|e| err(&e))?;
+            let reader = PeriodicReader::builder(exporter)
+                .with_interval(Duration::from_millis(otlp.interval_ms))
+                .build();
+            builder = builder.with_reader(reader);
+        }
+        Ok(Self {
+            registry,
+            provider: builder.build(),
+            otlp: otlp.is_some(),
+        })
+    }
+
+    /// A pipeline with only the Prometheus reader (tests, tools).
+    pub fn prometheus_only(service: &'static str) -> Self {
+        match Self::new(service, service, None) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(event = "metrics_exporter_failed", error = %e);
+                Self {
+                    registry: prometheus::Registry::new(),
+                    provider: SdkMeterProvider::builder().build(),
+                    otlp: false,
+                }
+            }
+        }
+    }
+
+    /// The meter instruments are created on.
+    pub fn meter(&self, scope: &'static str) -> Meter {
+        self.provider.meter(scope)
+    }
+
+    /// Whether OTLP export is on.
+    pub fn otlp_enabled(&self) -> bool {
+        self.otlp
+    }
+
+    /// Prometheus text exposition of every instrument.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::error!(event = "metrics_encode_failed", error = %e);
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    /// Push what is pending to the collector now (blocking; bounded by the
+    /// export timeout). A no-op without OTLP.
+    pub fn flush(&self) {
+        if self.otlp
+            && let Err(e) = self.provider.force_flush()
+        {
+            tracing::warn!(event = "otlp_flush_failed", error = %e);
+        }
+    }
+
+    /// Final export and shutdown (blocking; bounded by the export timeout).
+    /// Call from a blocking context at graceful shutdown; afterwards the
+    /// instruments record nothing.
+    pub fn shutdown(&self) {
+        if self.otlp
+            && let Err(e) = self.provider.shutdown()
+        {
+            tracing::warn!(event = "otlp_shutdown_failed", error = %e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(endpoint: &str) -> OtlpSection {
+        OtlpSection {
+            endpoint: endpoint.into(),
+            interval_ms: default_interval_ms(),
+            timeout_ms: default_timeout_ms(),
+            temporality: OtlpTemporality::Cumulative,
+            instance: None,
+        }
+    }
+
+    fn field_of(e: ConfigError) -> String {
+        match e {
+            ConfigError::Field { field, .. } => field,
+            other => panic!("expected a field error, got {other}"),
+        }
+    }
+
+    #[test]
+    fn endpoint_without_path_gets_the_metrics_path() {
+        let mut s = section("http://collector:4318");
+        s.validate("otlp").unwrap();
+        assert_eq!(s.endpoint, "http://collector:4318/v1/metrics");
+        let mut s = section("https://collector:4318/");
+        s.validate("otlp").unwrap();
+        assert_eq!(s.endpoint, "https://collector:4318/v1/metrics");
+        let mut s = section("http://collector:4318/custom/metrics");
+        s.validate("otlp").unwrap();
+        assert_eq!(s.endpoint, "http://collector:4318/custom/metrics");
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        for bad in [
+            "collector:4318",
+            "ftp://x",
+            "http://",
+            "http://u:p@host/",
+            "http://a b",
+        ] {
+            assert_eq!(
+                field_of(section(bad).validate("otlp").unwrap_err()),
+                "otlp.endpoint",
+                "{bad}"
+            );
+        }
+        let mut s = section("http://c:4318");
+        s.interval_ms = 10;
+        assert_eq!(
+            field_of(s.validate("otlp").unwrap_err()),
+            "otlp.interval_ms"
+        );
+        let mut s = section("http://c:4318");
+        s.instance = Some("a b".into());
+        assert_eq!(field_of(s.validate("otlp").unwrap_err()), "otlp.instance");
+        let mut s = section("http://c:4318");
+        s.timeout_ms = 0;
+        assert_eq!(field_of(s.validate("otlp").unwrap_err()), "otlp.timeout_ms");
+    }
+
+    #[test]
+    fn prometheus_reader_renders_recorded_instruments() {
+        let p = MetricsPipeline::new("iop-test", "unit", None).unwrap();
+        assert!(!p.otlp_enabled());
+        let c = p.meter("iop-test").u64_counter("iop_test_things").build();
+        c.add(3, &[KeyValue::new("kind", "a")]);
+        let text = p.render();
+        assert!(
+            text.contains("iop_test_things_total{kind=\"a\"} 3"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn otlp_pipeline_builds_without_a_reachable_collector() {
+        // Building never dials; an unreachable collector only logs at export.
+        let mut s = section("http://127.0.0.1:9");
+        s.validate("otlp").unwrap();
+        let p = MetricsPipeline::new("iop-test", "unit", Some(&s)).unwrap();
+        assert!(p.otlp_enabled());
+        p.meter("iop-test")
+            .u64_counter("iop_test_x")
+            .build()
+            .add(1, &[]);
+        assert!(p.render().contains("iop_test_x_total 1"));
+    }
+}
