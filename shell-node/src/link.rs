@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use iop_core::ids::{Generation, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
+use iop_core::node::probe::{ProbeEvidence, TargetCredential};
 use iop_core::node::watchdog::{
     CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogError,
     WatchdogOutput,
@@ -162,10 +163,9 @@ impl LinkShared {
         CloseCode::from_code(self.last_close_code.load(Ordering::Relaxed))
     }
 
-    /// A probe verdict for `adapter`/`target`. The Node holds no credential
-    /// for a managed target, so its probe goes out without one: an
-    /// authentication refusal proves the server answers and counts as
-    /// available (the lease path checks the credential on every run).
+    /// A probe verdict for `adapter`/`target`, as core classifies it for
+    /// where that target's credential comes from (a managed target is
+    /// probed without one).
     pub fn probe_verdict(
         &self,
         adapter: AdapterKind,
@@ -178,14 +178,17 @@ impl LinkShared {
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .any(|(a, t)| *a == adapter && t == target);
-        if managed && verdict.failure == Some(iop_wire::HealthFailureCode::AuthenticationFailed) {
-            return ProbeVerdict {
-                health: iop_wire::ProviderHealth::Available,
-                failure: None,
-                models: Vec::new(),
-            };
+        let credential = if managed {
+            TargetCredential::Managed
+        } else {
+            TargetCredential::Standing
+        };
+        let evidence = ProbeEvidence::new(verdict.health, verdict.failure).for_target(credential);
+        ProbeVerdict {
+            health: evidence.health,
+            failure: evidence.failure,
+            models: verdict.models,
         }
-        verdict
     }
 
     fn set_managed(&self, managed: &[iop_wire::ManagedTarget]) {
@@ -861,11 +864,11 @@ impl Link {
                     self.probes.spawn(async move {
                         let outcome = match adapter {
                             Some(a) => match tokio::time::timeout(bound, a.probe()).await {
-                                Ok(verdict) => probe_outcome(shared.probe_verdict(
-                                    a.kind(),
-                                    a.target(),
-                                    verdict,
-                                )),
+                                Ok(verdict) => {
+                                    let verdict =
+                                        shared.probe_verdict(a.kind(), a.target(), verdict);
+                                    ProbeEvidence::new(verdict.health, verdict.failure).outcome()
+                                }
                                 // The watchdog treats its own bound the same
                                 // way; this only stops the task (R-WD-5).
                                 Err(_) => ProbeOutcome::Failed,
@@ -925,14 +928,5 @@ pub fn rejection_label(reason: iop_core::cred::RejectionReason) -> &'static str 
             F::Principal => "binding_mismatch_principal",
         },
         other => other.as_str(),
-    }
-}
-
-/// The watchdog's view of a probe verdict (R-WD-5).
-pub fn probe_outcome(verdict: ProbeVerdict) -> ProbeOutcome {
-    match verdict.health {
-        iop_wire::ProviderHealth::Available => ProbeOutcome::Healthy,
-        iop_wire::ProviderHealth::Unavailable => ProbeOutcome::Unhealthy(verdict.failure),
-        iop_wire::ProviderHealth::Unknown => ProbeOutcome::Failed,
     }
 }
