@@ -15,8 +15,7 @@ use iop_core::ids::{Generation, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
 use iop_core::node::probe::{ProbeEvidence, TargetCredential};
 use iop_core::node::watchdog::{
-    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogError,
-    WatchdogOutput,
+    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogOutput,
 };
 use iop_trace::{MachineKind, Tap, TraceWriter, TracedWatchdog, WatchdogConfigRec};
 use iop_transport::clock::Clock;
@@ -726,18 +725,8 @@ impl Link {
                     }
                     Err(e) => {
                         tracing::warn!(event = "node_run_refused", error = %e);
-                        // A run id this connection already ran, arriving
-                        // with a lease, is a replayed lease frame (R-CRED-3).
-                        let code = match e {
-                            WatchdogError::DuplicateRun { .. }
-                            | WatchdogError::FinishedRun { .. }
-                                if carries_lease =>
-                            {
-                                FailureCode::CredentialRejected
-                            }
-                            _ => FailureCode::InvalidRequest,
-                        };
-                        let _ = reply.send(Err(code));
+                        // A reused run id with a lease is a replay (R-CRED-3).
+                        let _ = reply.send(Err(e.failure_code(carries_lease)));
                     }
                 }
             }
