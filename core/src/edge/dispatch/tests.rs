@@ -1,7 +1,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use iop_wire::{AdapterKind, PROTOCOL_VERSION, TargetHealth};
+use iop_wire::{AdapterKind, HealthFailureCode, PROTOCOL_VERSION, TargetHealth};
 use proptest::prelude::*;
 
 use super::*;
@@ -229,6 +229,60 @@ fn capabilities_from_a_fenced_generation_are_ignored() {
         d.apply_capabilities(T, &a, g1, &caps("t-p1", ProviderHealth::Available, 9))
             .is_empty()
     );
+}
+
+#[test]
+fn capabilities_recovery_does_not_make_an_unavailable_provider_selectable() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let p1 = ProviderId::from("p1");
+    let ticket = std::iter::from_fn(|| d.poll_output())
+        .find_map(|o| match o {
+            DispatchOutput::ProbeDue { ticket, .. } if ticket.provider_id == p1 => Some(ticket),
+            _ => None,
+        })
+        .expect("readiness asks for a probe of p1");
+    // The overlay is lowered by a stall, and p1's own health probe fails.
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    d.apply_terminal(
+        T,
+        l.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    let (disposition, _) = d.probe_answer(T, &ticket, Err(HealthFailureCode::TransportFailed));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    assert_eq!(d.health().state(&p1), Some(HealthState::Unavailable));
+    // R-CAP-1 raises the overlay, but R-HT-5 still holds p1 back.
+    let v = d.apply_capabilities(T, &a, g, &caps("t-p1", ProviderHealth::Available, 2));
+    assert_eq!(v[0].recovery, RecoveryOutcome::Recovered);
+    assert!(!d.overlay().is_lowered(&p1, g));
+    assert!(!d.admission().is_selectable(&p1), "R-HT-5: fail closed");
+    assert_eq!(
+        d.request(T, DispatchRequest::new(2, vec![p1.clone()])),
+        Admit::Queued
+    );
+    assert_eq!(d.cancel(T, 2), None);
+    // Its recovery probe, due after the backoff, brings it back (R-HT-3).
+    let retry_at = d
+        .health()
+        .provider_snapshot(&p1)
+        .and_then(|s| s.next_retry_at)
+        .expect("a failing provider has a retry moment");
+    d.handle_timeout(retry_at);
+    let retry = std::iter::from_fn(|| d.poll_output())
+        .find_map(|o| match o {
+            DispatchOutput::ProbeDue { ticket, .. } if ticket.provider_id == p1 => Some(ticket),
+            _ => None,
+        })
+        .expect("the recovery probe is due");
+    let report = caps("t-p1", ProviderHealth::Available, 3);
+    let (disposition, _) = d.probe_answer(retry_at, &retry, Ok((&a, g, &report)));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    assert!(d.admission().is_selectable(&p1));
+    leased(d.request(retry_at, DispatchRequest::new(3, vec![p1])));
 }
 
 #[test]
