@@ -37,8 +37,9 @@
 //!
 //! * [`liveness`]: heartbeat liveness (R-HB-1, R-HB-2) and the reconnect
 //!   backoff schedule, used by both sides.
-//! * [`node`]: the Node's stall watchdog for runs and tunnels (R-WD-1..8)
-//!   and the connection-scoped observation sequence (R-SEQ-1).
+//! * [`node`]: the Node's stall watchdog for runs and tunnels (R-WD-1..8),
+//!   the connection-scoped observation sequence (R-SEQ-1) and what an
+//!   exact-target probe answer means (R-WD-5, R-CAP-1).
 //! * [`edge`]: the Edge's registry of node generations (R-GEN-1..4),
 //!   admission and leases (R-LEASE, R-SEL), the runtime health overlay and
 //!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE) and the

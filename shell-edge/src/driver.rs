@@ -12,7 +12,8 @@ use std::time::Duration;
 use iop_core::edge::admission::{AdmitRejection, DispatchRequest, Lease, RequestId};
 use iop_core::edge::dispatch::TerminalVerdict;
 use iop_core::edge::gate::{
-    AdmissionFailure, AttemptEvent, GateBudget, GateFailure, GateInput, GateOutput, StreamGate,
+    AdmissionFailure, AttemptEvent, AttemptFrame, GateBudget, GateFailure, GateInput, GateOutput,
+    StreamGate,
 };
 use iop_core::ids::ProviderId;
 use iop_transport::clock::Clock;
@@ -429,45 +430,56 @@ impl Driver {
         attempt_id: iop_core::edge::gate::AttemptId,
     ) -> Step {
         let clock = self.ctx.clock;
+        // Which frame is content (and so commits) is core's rule
+        // (R-GATE-2); this only relays the frame.
         let event = if attempt.tunnel {
             match attempt.recv.recv::<ProviderTunnelFrame>().await {
-                Ok(Some(ProviderTunnelFrame::Head { status, headers })) => {
-                    self.hold(Delivery::Commit {
-                        tunnel_head: Some((status, headers)),
-                    });
-                    AttemptEvent::Started
-                }
-                Ok(Some(ProviderTunnelFrame::Body(bytes))) => {
-                    let content = !bytes.is_empty();
-                    self.deliver_or_hold(Delivery::Body(bytes)).await;
-                    if content {
-                        AttemptEvent::Content
-                    } else {
-                        return Step::Continue;
-                    }
-                }
                 Ok(Some(ProviderTunnelFrame::End)) => self.terminal(attempt, None).await,
                 Ok(Some(ProviderTunnelFrame::Failure(f))) => self.terminal(attempt, Some(f)).await,
+                Ok(Some(frame)) => {
+                    let class = AttemptFrame::from_tunnel_frame(&frame);
+                    match frame {
+                        ProviderTunnelFrame::Head { status, headers } => {
+                            self.hold(Delivery::Commit {
+                                tunnel_head: Some((status, headers)),
+                            });
+                        }
+                        ProviderTunnelFrame::Body(bytes) => {
+                            self.deliver_or_hold(Delivery::Body(bytes)).await;
+                        }
+                        ProviderTunnelFrame::End | ProviderTunnelFrame::Failure(_) => {}
+                    }
+                    match class {
+                        AttemptFrame::Event(event) => event,
+                        AttemptFrame::NoEvent | AttemptFrame::Terminal => return Step::Continue,
+                    }
+                }
                 Ok(None) | Err(_) => self.broken(attempt).await,
             }
         } else {
             match attempt.recv.recv::<RunEvent>().await {
                 Ok(Some(RunEvent { kind, .. })) => match kind {
-                    RunEventKind::Started { .. } => AttemptEvent::Started,
-                    RunEventKind::TextDelta(ref t) if t.is_empty() => return Step::Continue,
-                    RunEventKind::TextDelta(_) | RunEventKind::ToolCallDelta(_) => {
-                        self.deliver_or_hold(Delivery::Event(kind)).await;
-                        AttemptEvent::Content
-                    }
-                    RunEventKind::Usage(_) => {
-                        self.deliver_or_hold(Delivery::Event(kind)).await;
-                        return Step::Continue;
-                    }
                     RunEventKind::Completed { .. } => {
                         self.hold_or_deliver_terminal(kind);
                         self.terminal(attempt, None).await
                     }
                     RunEventKind::Failed(f) => self.terminal(attempt, Some(f)).await,
+                    kind => {
+                        let class = AttemptFrame::from_run_event(&kind);
+                        match &kind {
+                            // A start is the gate's alone; an empty delta is
+                            // nothing to relay.
+                            RunEventKind::Started { .. } => {}
+                            RunEventKind::TextDelta(t) if t.is_empty() => {}
+                            _ => self.deliver_or_hold(Delivery::Event(kind)).await,
+                        }
+                        match class {
+                            AttemptFrame::Event(event) => event,
+                            AttemptFrame::NoEvent | AttemptFrame::Terminal => {
+                                return Step::Continue;
+                            }
+                        }
+                    }
                 },
                 Ok(None) | Err(_) => self.broken(attempt).await,
             }

@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use iop_core::ids::{Generation, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
+use iop_core::node::probe::{ProbeEvidence, TargetCredential};
 use iop_core::node::watchdog::{
-    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogError,
-    WatchdogOutput,
+    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogOutput,
 };
 use iop_trace::{MachineKind, Tap, TraceWriter, TracedWatchdog, WatchdogConfigRec};
 use iop_transport::clock::Clock;
@@ -162,10 +162,9 @@ impl LinkShared {
         CloseCode::from_code(self.last_close_code.load(Ordering::Relaxed))
     }
 
-    /// A probe verdict for `adapter`/`target`. The Node holds no credential
-    /// for a managed target, so its probe goes out without one: an
-    /// authentication refusal proves the server answers and counts as
-    /// available (the lease path checks the credential on every run).
+    /// A probe verdict for `adapter`/`target`, as core classifies it for
+    /// where that target's credential comes from (a managed target is
+    /// probed without one).
     pub fn probe_verdict(
         &self,
         adapter: AdapterKind,
@@ -178,14 +177,17 @@ impl LinkShared {
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .any(|(a, t)| *a == adapter && t == target);
-        if managed && verdict.failure == Some(iop_wire::HealthFailureCode::AuthenticationFailed) {
-            return ProbeVerdict {
-                health: iop_wire::ProviderHealth::Available,
-                failure: None,
-                models: Vec::new(),
-            };
+        let credential = if managed {
+            TargetCredential::Managed
+        } else {
+            TargetCredential::Standing
+        };
+        let evidence = ProbeEvidence::new(verdict.health, verdict.failure).for_target(credential);
+        ProbeVerdict {
+            health: evidence.health,
+            failure: evidence.failure,
+            models: verdict.models,
         }
-        verdict
     }
 
     fn set_managed(&self, managed: &[iop_wire::ManagedTarget]) {
@@ -723,18 +725,8 @@ impl Link {
                     }
                     Err(e) => {
                         tracing::warn!(event = "node_run_refused", error = %e);
-                        // A run id this connection already ran, arriving
-                        // with a lease, is a replayed lease frame (R-CRED-3).
-                        let code = match e {
-                            WatchdogError::DuplicateRun { .. }
-                            | WatchdogError::FinishedRun { .. }
-                                if carries_lease =>
-                            {
-                                FailureCode::CredentialRejected
-                            }
-                            _ => FailureCode::InvalidRequest,
-                        };
-                        let _ = reply.send(Err(code));
+                        // A reused run id with a lease is a replay (R-CRED-3).
+                        let _ = reply.send(Err(e.failure_code(carries_lease)));
                     }
                 }
             }
@@ -861,11 +853,11 @@ impl Link {
                     self.probes.spawn(async move {
                         let outcome = match adapter {
                             Some(a) => match tokio::time::timeout(bound, a.probe()).await {
-                                Ok(verdict) => probe_outcome(shared.probe_verdict(
-                                    a.kind(),
-                                    a.target(),
-                                    verdict,
-                                )),
+                                Ok(verdict) => {
+                                    let verdict =
+                                        shared.probe_verdict(a.kind(), a.target(), verdict);
+                                    ProbeEvidence::new(verdict.health, verdict.failure).outcome()
+                                }
                                 // The watchdog treats its own bound the same
                                 // way; this only stops the task (R-WD-5).
                                 Err(_) => ProbeOutcome::Failed,
@@ -925,14 +917,5 @@ pub fn rejection_label(reason: iop_core::cred::RejectionReason) -> &'static str 
             F::Principal => "binding_mismatch_principal",
         },
         other => other.as_str(),
-    }
-}
-
-/// The watchdog's view of a probe verdict (R-WD-5).
-pub fn probe_outcome(verdict: ProbeVerdict) -> ProbeOutcome {
-    match verdict.health {
-        iop_wire::ProviderHealth::Available => ProbeOutcome::Healthy,
-        iop_wire::ProviderHealth::Unavailable => ProbeOutcome::Unhealthy(verdict.failure),
-        iop_wire::ProviderHealth::Unknown => ProbeOutcome::Failed,
     }
 }

@@ -9,7 +9,8 @@
 //! it was granted on; the pre-send fence ([`Admission::pre_send`], R-GEN-4)
 //! refuses a lease whose generation is no longer the online one.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, DefaultHasher};
 use std::time::Duration;
 
 use iop_wire::AdapterKind;
@@ -228,6 +229,22 @@ struct Held {
     expires_at: Instant,
 }
 
+/// Where an admitted request is: each one is in exactly one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RequestSlot {
+    /// Waiting in the queue.
+    Queued,
+    /// Holding this lease.
+    Held(LeaseId),
+}
+
+/// Request id -> slot, so the duplicate check, cancel and
+/// [`Admission::lease_of_request`] are `O(1)`, not a scan of every held
+/// lease and queue entry. The hasher has fixed keys: std's `RandomState`
+/// seeds itself from the OS RNG, which core never touches. Request ids are
+/// the Edge's own counter, never chosen by a peer.
+type RequestIndex = HashMap<RequestId, RequestSlot, BuildHasherDefault<DefaultHasher>>;
+
 /// A provider's capacity view, for the status surface.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProviderCapacityView {
@@ -250,6 +267,8 @@ pub struct Admission {
     providers: BTreeMap<ProviderId, ProviderState>,
     held: BTreeMap<LeaseId, Held>,
     queue: VecDeque<Queued>,
+    /// Every request in `queue` or `held`, kept in sync with both.
+    requests: RequestIndex,
     next_lease_id: LeaseId,
     next_run_id: RunId,
     events: VecDeque<AdmissionEvent>,
@@ -285,6 +304,7 @@ impl Admission {
             providers,
             held: BTreeMap::new(),
             queue: VecDeque::new(),
+            requests: RequestIndex::default(),
             next_lease_id: 1,
             next_run_id: 1,
             events: VecDeque::new(),
@@ -330,15 +350,7 @@ impl Admission {
 
     /// Ask for a lease. Leased now, queued (an event follows), or refused.
     pub fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
-        if self
-            .queue
-            .iter()
-            .any(|q| q.request.request_id == request.request_id)
-            || self
-                .held
-                .values()
-                .any(|h| h.request.request_id == request.request_id)
-        {
+        if self.requests.contains_key(&request.request_id) {
             return Admit::Rejected(AdmitRejection::DuplicateRequest);
         }
         if !request.pool.iter().any(|p| self.providers.contains_key(p)) {
@@ -350,6 +362,8 @@ impl Admission {
         if self.queue.len() >= self.config.queue_capacity {
             return Admit::Rejected(AdmitRejection::QueueFull);
         }
+        self.requests
+            .insert(request.request_id, RequestSlot::Queued);
         self.queue.push_back(Queued {
             request,
             expires_at: now + self.config.queue_timeout,
@@ -413,6 +427,8 @@ impl Admission {
         self.next_lease_id += 1;
         self.next_run_id += 1;
         self.leases_granted += 1;
+        self.requests
+            .insert(request.request_id, RequestSlot::Held(lease.lease_id));
         self.held.insert(
             lease.lease_id,
             Held {
@@ -431,10 +447,10 @@ impl Admission {
 
     /// The lease currently serving `request_id`.
     pub fn lease_of_request(&self, request_id: RequestId) -> Option<&Lease> {
-        self.held
-            .values()
-            .find(|h| h.request.request_id == request_id)
-            .map(|h| &h.lease)
+        match self.requests.get(&request_id)? {
+            RequestSlot::Held(lease_id) => self.lease(*lease_id),
+            RequestSlot::Queued => None,
+        }
     }
 
     /// Release a lease exactly once (R-LEASE-2). A second release is an
@@ -446,6 +462,10 @@ impl Admission {
         _reason: ReleaseReason,
     ) -> Result<Lease, NotHeld> {
         let held = self.held.remove(&lease_id).ok_or(NotHeld(lease_id))?;
+        let request_id = held.request.request_id;
+        if self.requests.get(&request_id) == Some(&RequestSlot::Held(lease_id)) {
+            self.requests.remove(&request_id);
+        }
         let planted = self.planted_any();
         if let Some(p) = self.providers.get_mut(&held.lease.provider_id) {
             // Never negative: a held lease always counted one (unless a
@@ -492,10 +512,14 @@ impl Admission {
         {
             match self.try_lease(now, &request) {
                 Some(lease) => self.events.push_back(AdmissionEvent::Leased(lease)),
-                None => self.queue.push_front(Queued {
-                    request,
-                    expires_at,
-                }),
+                None => {
+                    self.requests
+                        .insert(request.request_id, RequestSlot::Queued);
+                    self.queue.push_front(Queued {
+                        request,
+                        expires_at,
+                    });
+                }
             }
         }
         PreSend::Refenced
@@ -504,14 +528,16 @@ impl Admission {
     /// The client went away: drop its queue entry or release its lease.
     /// Returns the released lease (so the driver can cancel the node run).
     pub fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
-        self.queue.retain(|q| q.request.request_id != request_id);
-        let lease_id = self
-            .held
-            .values()
-            .find(|h| h.request.request_id == request_id)
-            .map(|h| h.lease.lease_id)?;
-        self.release(now, lease_id, ReleaseReason::ClientCancel)
-            .ok()
+        match self.requests.get(&request_id).copied()? {
+            RequestSlot::Queued => {
+                self.requests.remove(&request_id);
+                self.queue.retain(|q| q.request.request_id != request_id);
+                None
+            }
+            RequestSlot::Held(lease_id) => self
+                .release(now, lease_id, ReleaseReason::ClientCancel)
+                .ok(),
+        }
     }
 
     /// `provider`'s node is dispatchable on `generation` (or on nothing).
@@ -596,6 +622,7 @@ impl Admission {
             let request = self.queue[i].request.clone();
             if !request.pool.iter().any(|p| self.providers.contains_key(p)) {
                 self.queue.remove(i);
+                self.requests.remove(&request.request_id);
                 self.events.push_back(AdmissionEvent::QueueExpired {
                     request_id: request.request_id,
                 });
@@ -615,6 +642,7 @@ impl Admission {
     pub fn handle_timeout(&mut self, now: Instant) {
         while let Some(pos) = self.queue.iter().position(|q| q.expires_at <= now) {
             if let Some(q) = self.queue.remove(pos) {
+                self.requests.remove(&q.request.request_id);
                 self.events.push_back(AdmissionEvent::QueueExpired {
                     request_id: q.request.request_id,
                 });
@@ -645,9 +673,7 @@ impl Admission {
 
     /// Is `request_id` waiting in the queue?
     pub fn is_queued(&self, request_id: RequestId) -> bool {
-        self.queue
-            .iter()
-            .any(|q| q.request.request_id == request_id)
+        self.requests.get(&request_id) == Some(&RequestSlot::Queued)
     }
 
     /// Leases held, all providers.
@@ -703,6 +729,36 @@ impl Admission {
         }
         if self.leases_granted - self.leases_released != self.held.len() as u64 {
             return Err("granted - released != held".into());
+        }
+        self.check_request_index()
+    }
+
+    /// The request index names exactly the queued and held requests, each
+    /// in its one place.
+    fn check_request_index(&self) -> Result<(), String> {
+        if self.requests.len() != self.queue.len() + self.held.len() {
+            return Err(format!(
+                "request index has {} entries for {} queued and {} held",
+                self.requests.len(),
+                self.queue.len(),
+                self.held.len()
+            ));
+        }
+        for q in &self.queue {
+            if self.requests.get(&q.request.request_id) != Some(&RequestSlot::Queued) {
+                return Err(format!(
+                    "queued request {} is not indexed as queued",
+                    q.request.request_id
+                ));
+            }
+        }
+        for (lease_id, h) in &self.held {
+            if self.requests.get(&h.request.request_id) != Some(&RequestSlot::Held(*lease_id)) {
+                return Err(format!(
+                    "request {} is not indexed as holding lease {lease_id}",
+                    h.request.request_id
+                ));
+            }
         }
         Ok(())
     }
@@ -923,6 +979,72 @@ mod tests {
         assert_eq!(a.cancel(ms(1), 1).map(|x| x.lease_id), Some(l.lease_id));
         assert_eq!(a.leases_in_use(), 0);
         assert_eq!(a.poll_event(), None, "the dropped entry is not served");
+    }
+
+    #[test]
+    fn a_request_id_is_a_duplicate_exactly_while_it_is_queued_or_holds_a_lease() {
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 1)]);
+        let dup = Admit::Rejected(AdmitRejection::DuplicateRequest);
+        let l1 = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        assert_eq!(a.request(ms(0), DispatchRequest::new(1, pool(&["q"]))), dup);
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))),
+            Admit::Queued
+        );
+        assert_eq!(a.request(ms(0), DispatchRequest::new(2, pool(&["q"]))), dup);
+        assert!(a.is_queued(2));
+        assert_eq!(a.lease_of_request(1), Some(&l1));
+        assert_eq!(a.lease_of_request(2), None);
+        a.check_invariants().unwrap();
+
+        // Released by its terminal: request 2 moves from the queue to the
+        // lease, and id 1 is free again.
+        a.release(ms(1), l1.lease_id, ReleaseReason::Terminal)
+            .unwrap();
+        let l2 = match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => l,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(l2.request_id, 2);
+        assert!(!a.is_queued(2));
+        assert_eq!(a.lease_of_request(2), Some(&l2));
+        assert_eq!(a.request(ms(1), DispatchRequest::new(2, pool(&["q"]))), dup);
+        let again = leased(a.request(ms(1), DispatchRequest::new(1, pool(&["q"]))));
+        a.check_invariants().unwrap();
+
+        // R-GEN-4: re-resolved by the pre-send fence, still the same request.
+        a.set_online(ms(2), &ProviderId::from("p"), Some(2));
+        assert_eq!(a.pre_send(ms(2), l2.lease_id), PreSend::Refenced);
+        let l2b = match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => l,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(l2b.request_id, 2);
+        assert_eq!(a.request(ms(2), DispatchRequest::new(2, pool(&["q"]))), dup);
+        a.check_invariants().unwrap();
+
+        // Canceled, expired or released: free again.
+        assert_eq!(a.cancel(ms(3), 1).map(|l| l.lease_id), Some(again.lease_id));
+        assert_eq!(
+            a.request(ms(3), DispatchRequest::new(3, pool(&["p"]))),
+            Admit::Queued
+        );
+        a.handle_timeout(ms(103));
+        assert_eq!(
+            a.poll_event(),
+            Some(AdmissionEvent::QueueExpired { request_id: 3 })
+        );
+        a.check_invariants().unwrap();
+        for id in [1, 3] {
+            let l = leased(a.request(ms(4), DispatchRequest::new(id, pool(&["q"]))));
+            a.release(ms(4), l.lease_id, ReleaseReason::Terminal)
+                .unwrap();
+        }
+        a.fence(ms(5), &NodeId::from("n"), 2);
+        assert_eq!(a.poll_event(), Some(AdmissionEvent::LeaseFenced(l2b)));
+        assert_eq!(a.cancel(ms(5), 2), None);
+        leased(a.request(ms(5), DispatchRequest::new(2, pool(&["q"]))));
+        a.check_invariants().unwrap();
     }
 
     #[test]

@@ -544,7 +544,9 @@ impl Dispatcher {
                 entry.status,
             );
             if recovery == RecoveryOutcome::Recovered {
-                self.admission.set_runtime_eligible(now, provider_id, true);
+                // The overlay no longer holds it back, but its health still
+                // may: unavailable or stale stays out (R-HT-5).
+                self.refresh_eligibility(now, provider_id);
             }
             verdicts.push(CapabilityVerdict {
                 provider_id: provider_id.clone(),

@@ -15,7 +15,9 @@
 //!    every later event of that attempt is tagged with that [`AttemptId`], so
 //!    a straggler of an older attempt can never commit or end the request.
 //! 3. The shell holds response headers and bytes until [`GateOutput::Commit`]
-//!    (the first content, R-GATE-2), then forwards directly.
+//!    (the first content, R-GATE-2), then forwards directly. It classifies
+//!    each node frame with [`AttemptFrame`], which says which frames are
+//!    content, and feeds the event it names.
 //! 4. Before commit, a confirmed typed stall ([`ConfirmedStall`], R-OVL-1)
 //!    re-admits the request within the shared budget: the gate emits
 //!    [`GateOutput::CloseTransport`] immediately followed by
@@ -37,7 +39,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use iop_wire::{FailureCode, ProviderHealth};
+use iop_wire::{FailureCode, ProviderHealth, ProviderTunnelFrame, RunEventKind};
 
 use crate::ids::ProviderId;
 use crate::time::Instant;
@@ -143,6 +145,55 @@ pub enum AttemptEvent {
     /// The node connection carrying this attempt ended (its generation is
     /// fenced, R-GEN-3).
     TransportLost,
+}
+
+/// What one frame of an attempt's node stream is to the gate: the commit
+/// rule of R-GATE-2, written once for tunnels and normalized runs.
+///
+/// Only content commits: the first non-empty tunnel body bytes, or the
+/// first text or tool-call delta. A run start or a tunnel head (status and
+/// headers) starts the attempt without committing, so a stalled prefill
+/// stays recoverable; an empty body chunk, an empty text delta and a usage
+/// report are relayed with the attempt's other output but are no gate event
+/// at all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptFrame {
+    /// Feed this event for the frame: [`AttemptEvent::Started`] or
+    /// [`AttemptEvent::Content`].
+    Event(AttemptEvent),
+    /// Not a gate event; it never commits.
+    NoEvent,
+    /// The attempt's terminal frame (`End`/`Failure`, `Completed`/`Failed`).
+    /// It becomes an event only once the dispatcher applied it (R-LEASE-1):
+    /// [`AttemptEvent::Completed`], [`AttemptEvent::Failed`] or
+    /// [`AttemptEvent::Stalled`] for an applied terminal,
+    /// [`AttemptEvent::TransportLost`] for an ignored one.
+    Terminal,
+}
+
+impl AttemptFrame {
+    /// Classify a tunnel frame (R-GATE-2).
+    pub fn from_tunnel_frame(frame: &ProviderTunnelFrame) -> Self {
+        match frame {
+            ProviderTunnelFrame::Head { .. } => AttemptFrame::Event(AttemptEvent::Started),
+            ProviderTunnelFrame::Body(bytes) if bytes.is_empty() => AttemptFrame::NoEvent,
+            ProviderTunnelFrame::Body(_) => AttemptFrame::Event(AttemptEvent::Content),
+            ProviderTunnelFrame::End | ProviderTunnelFrame::Failure(_) => AttemptFrame::Terminal,
+        }
+    }
+
+    /// Classify a normalized run event (R-GATE-2).
+    pub fn from_run_event(kind: &RunEventKind) -> Self {
+        match kind {
+            RunEventKind::Started { .. } => AttemptFrame::Event(AttemptEvent::Started),
+            RunEventKind::TextDelta(text) if text.is_empty() => AttemptFrame::NoEvent,
+            RunEventKind::TextDelta(_) | RunEventKind::ToolCallDelta(_) => {
+                AttemptFrame::Event(AttemptEvent::Content)
+            }
+            RunEventKind::Usage(_) => AttemptFrame::NoEvent,
+            RunEventKind::Completed { .. } | RunEventKind::Failed(_) => AttemptFrame::Terminal,
+        }
+    }
 }
 
 /// Why admission could not place an attempt.
@@ -804,6 +855,111 @@ mod tests {
     }
 
     #[test]
+    fn tunnel_frames_commit_on_the_first_non_empty_body_bytes_only() {
+        use iop_wire::ExecutionFailure;
+        let head = ProviderTunnelFrame::Head {
+            status: 200,
+            headers: vec![("content-type".into(), "text/event-stream".into())],
+        };
+        assert_eq!(
+            AttemptFrame::from_tunnel_frame(&head),
+            AttemptFrame::Event(AttemptEvent::Started)
+        );
+        assert_eq!(
+            AttemptFrame::from_tunnel_frame(&ProviderTunnelFrame::Body(Vec::new())),
+            AttemptFrame::NoEvent
+        );
+        assert_eq!(
+            AttemptFrame::from_tunnel_frame(&ProviderTunnelFrame::Body(b"d".to_vec())),
+            AttemptFrame::Event(AttemptEvent::Content)
+        );
+        for terminal in [
+            ProviderTunnelFrame::End,
+            ProviderTunnelFrame::Failure(ExecutionFailure::new(FailureCode::ProviderError)),
+        ] {
+            assert_eq!(
+                AttemptFrame::from_tunnel_frame(&terminal),
+                AttemptFrame::Terminal
+            );
+        }
+    }
+
+    #[test]
+    fn run_events_commit_on_the_first_text_or_tool_call_delta_only() {
+        use iop_wire::{ExecutionFailure, FinishReason, ToolCallDelta, Usage};
+        let content = AttemptFrame::Event(AttemptEvent::Content);
+        let cases = [
+            (
+                RunEventKind::Started {
+                    session_id: "s".into(),
+                },
+                AttemptFrame::Event(AttemptEvent::Started),
+            ),
+            (
+                RunEventKind::TextDelta(String::new()),
+                AttemptFrame::NoEvent,
+            ),
+            (RunEventKind::TextDelta("hi".into()), content.clone()),
+            (
+                RunEventKind::ToolCallDelta(ToolCallDelta {
+                    index: 0,
+                    id: Some("c".into()),
+                    name: Some("f".into()),
+                    arguments_delta: String::new(),
+                }),
+                content,
+            ),
+            (RunEventKind::Usage(Usage::default()), AttemptFrame::NoEvent),
+            (
+                RunEventKind::Completed {
+                    finish_reason: FinishReason::Stop,
+                    usage: Some(Usage::default()),
+                },
+                AttemptFrame::Terminal,
+            ),
+            (
+                RunEventKind::Failed(ExecutionFailure::new(FailureCode::ResponseStalled)),
+                AttemptFrame::Terminal,
+            ),
+        ];
+        for (kind, expected) in cases {
+            assert_eq!(AttemptFrame::from_run_event(&kind), expected, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_stalled_tunnel_that_sent_only_its_head_and_empty_chunks_stays_recoverable() {
+        let mut g = gate(2, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let frames = [
+            ProviderTunnelFrame::Head {
+                status: 200,
+                headers: Vec::new(),
+            },
+            ProviderTunnelFrame::Body(Vec::new()),
+        ];
+        for frame in &frames {
+            if let AttemptFrame::Event(event) = AttemptFrame::from_tunnel_frame(frame) {
+                assert!(attempt(&mut g, Instant::from_millis(1), a1, event).is_empty());
+            }
+        }
+        assert!(!g.is_committed());
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(2),
+            a1,
+            stall("p1", ProviderHealth::Available),
+        );
+        assert!(matches!(
+            out.as_slice(),
+            [
+                GateOutput::CloseTransport { .. },
+                GateOutput::Readmit { .. }
+            ]
+        ));
+    }
+
+    #[test]
     fn started_without_content_does_not_commit() {
         let mut g = gate(3, 60 * SECOND);
         let a1 = dispatch(&mut g, Instant::ZERO, "p1");
@@ -1384,6 +1540,43 @@ mod tests {
             prop_assert!(outcomes <= 1, "{events:?}");
             if g.end().is_some() && readmits > 0 {
                 prop_assert_eq!(outcomes, 1, "{:?}", events);
+            }
+        }
+    }
+
+    fn tunnel_frame() -> impl Strategy<Value = ProviderTunnelFrame> {
+        prop_oneof![
+            (100u16..600).prop_map(|status| ProviderTunnelFrame::Head {
+                status,
+                headers: Vec::new(),
+            }),
+            proptest::collection::vec(any::<u8>(), 0..3).prop_map(ProviderTunnelFrame::Body),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// R-GATE-2 through the classifier: a tunnel commits exactly at its
+        /// first non-empty body frame, whatever heads and empty chunks
+        /// come before it.
+        #[test]
+        fn tunnel_commits_exactly_at_its_first_non_empty_body(
+            frames in proptest::collection::vec(tunnel_frame(), 0..12),
+        ) {
+            let mut g = gate(1, 60 * SECOND);
+            let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+            let first_content = frames
+                .iter()
+                .position(|f| matches!(f, ProviderTunnelFrame::Body(b) if !b.is_empty()));
+            for (i, frame) in frames.iter().enumerate() {
+                let out = match AttemptFrame::from_tunnel_frame(frame) {
+                    AttemptFrame::Event(event) => attempt(&mut g, Instant::from_millis(1), a1, event),
+                    AttemptFrame::NoEvent => Vec::new(),
+                    AttemptFrame::Terminal => unreachable!("no terminal frames generated"),
+                };
+                prop_assert_eq!(out.contains(&GateOutput::Commit), Some(i) == first_content, "frame {}: {:?}", i, frame);
+                prop_assert_eq!(g.is_committed(), first_content.is_some_and(|c| c <= i));
             }
         }
     }

@@ -1,4 +1,6 @@
-//! Node-side rules: the stall watchdog and the connection-scoped session.
+//! Node-side rules: the stall watchdog, the connection-scoped session and
+//! the classification of exact-target probe answers.
 
+pub mod probe;
 pub mod session;
 pub mod watchdog;

@@ -147,6 +147,31 @@ pub enum WatchdogError {
     },
 }
 
+impl WatchdogError {
+    /// The failure code a refused run or tunnel is answered with;
+    /// `carries_lease` says whether its request brought a sealed credential
+    /// lease.
+    ///
+    /// A run id this connection is running or recently ran, arriving with a
+    /// lease, is a replayed lease frame: it fails closed as
+    /// `credential_rejected` (R-CRED-3), before any lease is opened or any
+    /// provider called. (Past [`FINISHED_RUNS_REMEMBERED`] the lease's own
+    /// single-use nonce still refuses it.) Without a lease a reused id is
+    /// the Edge's invalid request, as is a run beyond the watchdog's limit.
+    pub fn failure_code(&self, carries_lease: bool) -> FailureCode {
+        match self {
+            WatchdogError::DuplicateRun { .. } | WatchdogError::FinishedRun { .. }
+                if carries_lease =>
+            {
+                FailureCode::CredentialRejected
+            }
+            WatchdogError::DuplicateRun { .. }
+            | WatchdogError::FinishedRun { .. }
+            | WatchdogError::TooManyRuns { .. } => FailureCode::InvalidRequest,
+        }
+    }
+}
+
 /// Watchdog settings that are the Node's own (the stall timeout travels per
 /// request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1818,6 +1843,41 @@ mod tests {
         );
         let err = WatchdogError::DuplicateRun { run_id: 12345 };
         assert!(!err.to_string().contains("12345"), "no run id in messages");
+    }
+
+    #[test]
+    fn reused_run_id_with_a_lease_is_a_replay_answered_credential_rejected() {
+        let mut wd = bound();
+        wd.start(ms(0), 1, RunKind::Normalized, STALL, None)
+            .expect("start");
+        // R-CRED-3: the same lease frame again, while the run is watched...
+        let running = wd
+            .start(ms(1), 1, RunKind::Normalized, STALL, None)
+            .expect_err("a reused run id");
+        assert_eq!(running.failure_code(true), FailureCode::CredentialRejected);
+        // ...and after it finished on this connection.
+        let _ = wd.provider_returned(ms(2), 1, ProviderOutcome::Completed);
+        let _ = drain(&mut wd);
+        let finished = wd
+            .start(ms(3), 1, RunKind::Tunnel, STALL, None)
+            .expect_err("a reused run id");
+        assert_eq!(finished, WatchdogError::FinishedRun { run_id: 1 });
+        assert_eq!(finished.failure_code(true), FailureCode::CredentialRejected);
+        assert_eq!(wd.active_runs(), 0, "the replay started nothing");
+    }
+
+    #[test]
+    fn reused_run_id_without_a_lease_or_a_run_over_the_limit_is_invalid_request() {
+        for error in [
+            WatchdogError::DuplicateRun { run_id: 1 },
+            WatchdogError::FinishedRun { run_id: 1 },
+        ] {
+            assert_eq!(error.failure_code(false), FailureCode::InvalidRequest);
+        }
+        // The limit is not about the lease: the same answer with or without.
+        let full = WatchdogError::TooManyRuns { max_active_runs: 2 };
+        assert_eq!(full.failure_code(false), FailureCode::InvalidRequest);
+        assert_eq!(full.failure_code(true), FailureCode::InvalidRequest);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use iop_wire::{AdapterKind, PROTOCOL_VERSION, TargetHealth};
+use iop_wire::{AdapterKind, HealthFailureCode, PROTOCOL_VERSION, TargetHealth};
 use proptest::prelude::*;
 
 use super::*;
@@ -18,6 +18,10 @@ fn spec(id: &str, node: &str, capacity: u32) -> ProviderSpec {
 }
 
 fn dispatcher() -> Dispatcher {
+    dispatcher_with(HealthConfig::default())
+}
+
+fn dispatcher_with(health: HealthConfig) -> Dispatcher {
     Dispatcher::new(
         Instant::ZERO,
         DispatchConfig {
@@ -28,7 +32,7 @@ fn dispatcher() -> Dispatcher {
             providers: vec![spec("p1", "a", 1), spec("p2", "a", 2), spec("p3", "b", 1)],
             generation_floor: 100,
             known_nodes: None,
-            health: crate::edge::health::HealthConfig::default(),
+            health,
         },
     )
     .expect("valid config")
@@ -232,6 +236,60 @@ fn capabilities_from_a_fenced_generation_are_ignored() {
 }
 
 #[test]
+fn capabilities_recovery_does_not_make_an_unavailable_provider_selectable() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let p1 = ProviderId::from("p1");
+    let ticket = std::iter::from_fn(|| d.poll_output())
+        .find_map(|o| match o {
+            DispatchOutput::ProbeDue { ticket, .. } if ticket.provider_id == p1 => Some(ticket),
+            _ => None,
+        })
+        .expect("readiness asks for a probe of p1");
+    // The overlay is lowered by a stall, and p1's own health probe fails.
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    d.apply_terminal(
+        T,
+        l.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    let (disposition, _) = d.probe_answer(T, &ticket, Err(HealthFailureCode::TransportFailed));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    assert_eq!(d.health().state(&p1), Some(HealthState::Unavailable));
+    // R-CAP-1 raises the overlay, but R-HT-5 still holds p1 back.
+    let v = d.apply_capabilities(T, &a, g, &caps("t-p1", ProviderHealth::Available, 2));
+    assert_eq!(v[0].recovery, RecoveryOutcome::Recovered);
+    assert!(!d.overlay().is_lowered(&p1, g));
+    assert!(!d.admission().is_selectable(&p1), "R-HT-5: fail closed");
+    assert_eq!(
+        d.request(T, DispatchRequest::new(2, vec![p1.clone()])),
+        Admit::Queued
+    );
+    assert_eq!(d.cancel(T, 2), None);
+    // Its recovery probe, due after the backoff, brings it back (R-HT-3).
+    let retry_at = d
+        .health()
+        .provider_snapshot(&p1)
+        .and_then(|s| s.next_retry_at)
+        .expect("a failing provider has a retry moment");
+    d.handle_timeout(retry_at);
+    let retry = std::iter::from_fn(|| d.poll_output())
+        .find_map(|o| match o {
+            DispatchOutput::ProbeDue { ticket, .. } if ticket.provider_id == p1 => Some(ticket),
+            _ => None,
+        })
+        .expect("the recovery probe is due");
+    let report = caps("t-p1", ProviderHealth::Available, 3);
+    let (disposition, _) = d.probe_answer(retry_at, &retry, Ok((&a, g, &report)));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    assert!(d.admission().is_selectable(&p1));
+    leased(d.request(retry_at, DispatchRequest::new(3, vec![p1])));
+}
+
+#[test]
 fn stall_recovery_readmission_avoids_the_stalled_provider() {
     let mut d = dispatcher();
     up(&mut d, "a");
@@ -283,6 +341,12 @@ enum Op {
         seq_delta: i8,
         dup: bool,
     },
+    /// Answer one of the health probes the dispatcher asked for (or
+    /// answer one again).
+    ProbeAnswer {
+        probe: u8,
+        answer: ProbeChoice,
+    },
     Advance(u16),
 }
 
@@ -291,6 +355,40 @@ enum FailureChoice {
     None,
     Error,
     Stall { health: u8, seq_delta: i8 },
+}
+
+/// How a health probe's CAPABILITIES command came back.
+#[derive(Debug, Clone, Copy)]
+enum ProbeChoice {
+    /// The command failed before any report (transport, timeout, ...).
+    Failed(u8),
+    /// A report: one entry for the probed target with `status`, or
+    /// (`shape` 1) only an entry about another target, or (`shape` 2) the
+    /// probed target listed twice.
+    Report {
+        status: u8,
+        shape: u8,
+        seq_delta: i8,
+    },
+}
+
+/// Failure codes a probe command can end with.
+const PROBE_FAILURES: [HealthFailureCode; 3] = [
+    HealthFailureCode::TransportFailed,
+    HealthFailureCode::Timeout,
+    HealthFailureCode::MalformedResponse,
+];
+
+/// A health profile short enough for probes, probe timeouts, backoff and
+/// recovery probes to happen within one generated sequence.
+fn property_health() -> HealthConfig {
+    HealthConfig {
+        refresh_interval: Duration::from_millis(2000),
+        backoff_base: Duration::from_millis(250),
+        backoff_cap: Duration::from_millis(2000),
+        stale_after: Duration::from_millis(6000),
+        probe_timeout: Duration::from_millis(1000),
+    }
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -308,10 +406,18 @@ fn op() -> impl Strategy<Value = Op> {
             ])
             .prop_map(|(lease, reception, failure)| Op::Terminal { lease, reception, failure }),
         1 => any::<u8>().prop_map(Op::Cancel),
-        2 => (0u8..2, any::<bool>(), 0u8..3, 0u8..3, -2i8..3, prop::bool::weighted(0.1))
+        // Mostly current-generation answers, half of them `available`, so
+        // recoveries (and their interplay with health) happen often.
+        2 => (0u8..2, prop::bool::weighted(0.25), 0u8..3, prop_oneof![3 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)], -2i8..3, prop::bool::weighted(0.1))
             .prop_map(|(node, stale_gen, provider, status, seq_delta, dup)| Op::Capabilities {
                 node, stale_gen, provider, status, seq_delta, dup
             }),
+        3 => (any::<u8>(), prop_oneof![
+                1 => (0u8..3).prop_map(ProbeChoice::Failed),
+                3 => (0u8..3, prop_oneof![6 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)], -2i8..3)
+                    .prop_map(|(status, shape, seq_delta)| ProbeChoice::Report { status, shape, seq_delta }),
+            ])
+            .prop_map(|(probe, answer)| Op::ProbeAnswer { probe, answer }),
         1 => (1u16..400).prop_map(Op::Advance),
     ]
 }
@@ -339,6 +445,34 @@ struct Model {
     last_seq: BTreeMap<(String, Generation), u64>,
     /// Per node, the next sequence the (simulated) Session would hand out.
     next_seq: BTreeMap<(usize, Generation), u64>,
+    /// Health probes the dispatcher asked for, oldest first (bounded).
+    probes: Vec<ProbeCall>,
+}
+
+/// The most probes the model remembers; later ones time out unanswered.
+const PROBES_REMEMBERED: usize = 64;
+
+/// One [`DispatchOutput::ProbeDue`] and whether it was answered.
+#[derive(Debug, Clone)]
+struct ProbeCall {
+    ticket: ProbeTicket,
+    node: usize,
+    /// The ready generation the probe goes to.
+    generation: Generation,
+    issued_ms: u64,
+    answered: bool,
+}
+
+/// What the tracker remembers of one provider, apart from its schedule.
+fn health_record(d: &Dispatcher, p: &ProviderId) -> Option<(HealthState, u32, u64, u64)> {
+    d.health().provider_snapshot(p).map(|s| {
+        (
+            s.state,
+            s.consecutive_failures,
+            s.successes_total,
+            s.failures_total,
+        )
+    })
 }
 
 impl Model {
@@ -364,19 +498,238 @@ impl Model {
 }
 
 fn check_outputs(d: &mut Dispatcher, m: &mut Model) -> Result<(), TestCaseError> {
-    while let Some(out) = d.poll_output() {
-        match out {
-            DispatchOutput::Leased(lease) => {
-                prop_assert!(
-                    d.registry().is_dispatchable(&lease.node, lease.generation),
-                    "leased on a non-dispatchable generation: {:?} view {:?}",
-                    lease,
-                    d.registry().view(&lease.node)
-                );
-                m.granted.push(lease);
+    loop {
+        let mut unroutable = Vec::new();
+        while let Some(out) = d.poll_output() {
+            match out {
+                DispatchOutput::Leased(lease) => {
+                    prop_assert!(
+                        d.registry().is_dispatchable(&lease.node, lease.generation),
+                        "leased on a non-dispatchable generation: {:?} view {:?}",
+                        lease,
+                        d.registry().view(&lease.node)
+                    );
+                    m.granted.push(lease);
+                }
+                DispatchOutput::LeaseFenced(lease) => m.release(lease.lease_id)?,
+                DispatchOutput::ProbeDue {
+                    ticket,
+                    node,
+                    generation,
+                } => {
+                    let spec = d.admission().provider(&ticket.provider_id).cloned();
+                    prop_assert_eq!(spec.map(|s| s.node), Some(node.clone()));
+                    if let Some(g) = generation {
+                        prop_assert!(
+                            d.registry().is_dispatchable(&node, g),
+                            "a probe is due on a generation that is not current and ready"
+                        );
+                    }
+                    let node = NODES
+                        .iter()
+                        .position(|n| *n == node.as_str())
+                        .ok_or_else(|| TestCaseError::fail("probe of an unknown node"))?;
+                    match generation {
+                        // The driver answers a transport failure at once.
+                        None => unroutable.push(ticket),
+                        Some(generation) if m.probes.len() < PROBES_REMEMBERED => {
+                            m.probes.push(ProbeCall {
+                                ticket,
+                                node,
+                                generation,
+                                issued_ms: m.now_ms,
+                                answered: false,
+                            });
+                        }
+                        Some(_) => {}
+                    }
+                }
+                _ => {}
             }
-            DispatchOutput::LeaseFenced(lease) => m.release(lease.lease_id)?,
-            _ => {}
+        }
+        if unroutable.is_empty() {
+            return Ok(());
+        }
+        let now = Instant::from_millis(m.now_ms);
+        for ticket in unroutable {
+            let (disposition, verdicts) =
+                d.probe_answer(now, &ticket, Err(HealthFailureCode::TransportFailed));
+            prop_assert_eq!(disposition, ProbeDisposition::Applied);
+            prop_assert!(verdicts.is_empty());
+            prop_assert_eq!(
+                d.health().state(&ticket.provider_id),
+                Some(HealthState::Unavailable)
+            );
+        }
+    }
+}
+
+/// R-CAP-1 for one CAPABILITIES report from (`node`, `g`), given the
+/// overlay `before` it was applied: nothing is lowered; a provider is raised
+/// only by a current, unambiguous (one entry), strictly newer `available`
+/// entry about exactly its target.
+fn check_capabilities_effect(
+    d: &Dispatcher,
+    m: &mut Model,
+    (node, g): (usize, Generation),
+    report: &CapabilitiesReport,
+    before: &[bool],
+    verdicts: &[CapabilityVerdict],
+) -> Result<(), TestCaseError> {
+    let current = m.current_gen(d, node) == Some(g);
+    let ambiguous = report.targets.len() > 1;
+    let seq = report.health_observation_seq;
+    for (i, p) in PROVIDERS.iter().enumerate() {
+        let after = d.overlay().is_lowered(&ProviderId::from(*p), g);
+        prop_assert!(!after || before[i], "capabilities lowered a provider");
+        if before[i] && !after {
+            let target = format!("t-{p}");
+            prop_assert!(
+                current && !ambiguous,
+                "raised by a stale or ambiguous answer"
+            );
+            prop_assert!(
+                report.targets[0].target == target
+                    && report.targets[0].status == ProviderHealth::Available,
+                "raised without an available entry about it"
+            );
+            let key = (p.to_string(), g);
+            prop_assert!(m.last_seq.get(&key).is_none_or(|last| seq > *last));
+            m.last_seq.insert(key, seq);
+        }
+    }
+    if !current || ambiguous {
+        prop_assert!(verdicts.is_empty());
+    }
+    Ok(())
+}
+
+fn lowered_overlay(d: &Dispatcher, g: Generation) -> Vec<bool> {
+    PROVIDERS
+        .iter()
+        .map(|p| d.overlay().is_lowered(&ProviderId::from(*p), g))
+        .collect()
+}
+
+/// Answer probe `which` (R-HT-1..5, R-CAP-1): only the probed provider's
+/// health changes; a first answer within the probe timeout is applied and
+/// a repeated one is not; the result is what the report says about the
+/// probed target; an unavailable provider is out of selection.
+fn answer_probe(
+    d: &mut Dispatcher,
+    m: &mut Model,
+    which: u8,
+    answer: ProbeChoice,
+) -> Result<(), TestCaseError> {
+    if m.probes.is_empty() {
+        return Ok(());
+    }
+    let now = Instant::from_millis(m.now_ms);
+    let i = usize::from(which) % m.probes.len();
+    let call = m.probes[i].clone();
+    m.probes[i].answered = true;
+    let provider = call.ticket.provider_id.clone();
+    let others: Vec<_> = PROVIDERS
+        .iter()
+        .map(|p| ProviderId::from(*p))
+        .filter(|p| *p != provider)
+        .map(|p| (health_record(d, &p), p))
+        .collect();
+    let timeout_ms = crate::time::duration_ms(property_health().probe_timeout);
+    let in_time = m.now_ms < call.issued_ms + timeout_ms;
+    let g = call.generation;
+    let (disposition, expected) = match answer {
+        ProbeChoice::Failed(code) => {
+            let code = PROBE_FAILURES[usize::from(code) % PROBE_FAILURES.len()];
+            let (disposition, verdicts) = d.probe_answer(now, &call.ticket, Err(code));
+            prop_assert!(verdicts.is_empty());
+            (disposition, ProbeResult::Failure(code))
+        }
+        ProbeChoice::Report {
+            status,
+            shape,
+            seq_delta,
+        } => {
+            let pid = provider.as_str().to_owned();
+            let status = health_of(status);
+            let seq = m.seq(call.node, g, seq_delta);
+            let (target, dup, expected) = match shape {
+                0 => (
+                    format!("t-{pid}"),
+                    false,
+                    match status {
+                        ProviderHealth::Available => ProbeResult::Success,
+                        ProviderHealth::Unavailable => {
+                            ProbeResult::Failure(HealthFailureCode::ProviderRejected)
+                        }
+                        ProviderHealth::Unknown => ProbeResult::Failure(HealthFailureCode::Timeout),
+                    },
+                ),
+                1 => (
+                    "t-elsewhere".to_owned(),
+                    false,
+                    ProbeResult::Failure(HealthFailureCode::OwnershipMismatch),
+                ),
+                _ => (
+                    format!("t-{pid}"),
+                    true,
+                    ProbeResult::Failure(HealthFailureCode::MalformedResponse),
+                ),
+            };
+            let mut report = caps(&target, status, seq);
+            if dup {
+                report.targets.push(report.targets[0].clone());
+            }
+            let before = lowered_overlay(d, g);
+            let (disposition, verdicts) = d.probe_answer(
+                now,
+                &call.ticket,
+                Ok((&NodeId::from(NODES[call.node]), g, &report)),
+            );
+            check_capabilities_effect(d, m, (call.node, g), &report, &before, &verdicts)?;
+            (disposition, expected)
+        }
+    };
+    for (record, p) in &others {
+        prop_assert_eq!(
+            &health_record(d, p),
+            record,
+            "R-HT-1: probing {} changed {}",
+            provider,
+            p
+        );
+    }
+    if call.answered {
+        prop_assert_eq!(
+            disposition,
+            ProbeDisposition::Stale,
+            "a probe applied twice"
+        );
+    } else if in_time {
+        prop_assert_eq!(disposition, ProbeDisposition::Applied);
+    }
+    if disposition == ProbeDisposition::Applied {
+        let snapshot = d
+            .health()
+            .provider_snapshot(&provider)
+            .ok_or_else(|| TestCaseError::fail("probed provider is not followed"))?;
+        match expected {
+            ProbeResult::Success => {
+                prop_assert_eq!(snapshot.state, HealthState::Ok);
+                prop_assert_eq!(snapshot.consecutive_failures, 0);
+            }
+            ProbeResult::Failure(code) => {
+                prop_assert_eq!(snapshot.state, HealthState::Unavailable);
+                prop_assert_eq!(snapshot.failure_code, Some(code));
+                prop_assert!(
+                    snapshot.next_retry_at.is_some_and(|at| at > now),
+                    "R-HT-3: a failure backs off"
+                );
+                prop_assert!(
+                    !d.admission().is_selectable(&provider),
+                    "R-HT-5: an unavailable provider stays selectable"
+                );
+            }
         }
     }
     Ok(())
@@ -420,6 +773,23 @@ fn check_invariants(d: &Dispatcher, m: &Model) -> Result<(), TestCaseError> {
     for gens in m.generations.values() {
         prop_assert!(gens.windows(2).all(|w| w[0] < w[1]));
     }
+    // R-HT-5 and R-OVL-2 together: a provider that is unavailable or
+    // stale, or lowered in its online generation, is never selectable.
+    for view in d.admission().capacity_view() {
+        let p = &view.provider_id;
+        let unhealthy = matches!(
+            d.health().state(p),
+            Some(HealthState::Unavailable | HealthState::Stale)
+        );
+        let lowered = view.online.is_some_and(|g| d.overlay().is_lowered(p, g));
+        prop_assert!(
+            !(d.admission().is_selectable(p) && (unhealthy || lowered)),
+            "{} is selectable while {:?} and lowered={}",
+            p,
+            d.health().state(p),
+            lowered
+        );
+    }
     Ok(())
 }
 
@@ -447,7 +817,7 @@ fn check_avoid_rule(
 }
 
 fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let mut d = dispatcher();
+    let mut d = dispatcher_with(property_health());
     let mut m = Model::default();
     let mut requests: BTreeMap<RequestId, DispatchRequest> = BTreeMap::new();
     for op in ops {
@@ -640,28 +1010,11 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 if dup {
                     report.targets.push(report.targets[0].clone());
                 }
-                let before: Vec<bool> = PROVIDERS
-                    .iter()
-                    .map(|p| d.overlay().is_lowered(&ProviderId::from(*p), g))
-                    .collect();
+                let before = lowered_overlay(&d, g);
                 let verdicts = d.apply_capabilities(now, &NodeId::from(NODES[node]), g, &report);
-                let current = m.current_gen(&d, node) == Some(g);
-                for (i, p) in PROVIDERS.iter().enumerate() {
-                    let after = d.overlay().is_lowered(&ProviderId::from(*p), g);
-                    prop_assert!(!after || before[i], "capabilities lowered a provider");
-                    if before[i] && !after {
-                        // Raised: exactly one match, current, available, strictly newer.
-                        prop_assert!(current && !dup && *p == pid);
-                        prop_assert_eq!(status, ProviderHealth::Available);
-                        let key = (p.to_string(), g);
-                        prop_assert!(m.last_seq.get(&key).is_none_or(|last| seq > *last));
-                        m.last_seq.insert(key, seq);
-                    }
-                }
-                if !current || dup {
-                    prop_assert!(verdicts.is_empty());
-                }
+                check_capabilities_effect(&d, &mut m, (node, g), &report, &before, &verdicts)?;
             }
+            Op::ProbeAnswer { probe, answer } => answer_probe(&mut d, &mut m, probe, answer)?,
             Op::Advance(ms) => {
                 m.now_ms += u64::from(ms);
                 d.handle_timeout(Instant::from_millis(m.now_ms));
@@ -698,7 +1051,10 @@ proptest! {
     /// once; nothing is dispatched to a non-current or not-ready generation;
     /// the overlay is lowered only by fresh unavailable evidence and raised
     /// only by a strictly newer available with exactly one match; an avoided
-    /// provider is chosen only as R-SEL-1 allows.
+    /// provider is chosen only as R-SEL-1 allows. Health probes are answered
+    /// (or left to time out): each changes only its own provider's health,
+    /// applies once, and an unavailable or stale provider is never
+    /// selectable (R-HT-1, R-HT-3, R-HT-5).
     #[test]
     fn dispatcher_rules_hold_over_random_sequences(ops in proptest::collection::vec(op(), 1..120)) {
         run_ops(ops)?;
