@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use iop_core::edge::admission::{AdmitRejection, DispatchRequest, Lease, RequestId};
-use iop_core::edge::dispatch::TerminalVerdict;
 use iop_core::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptFrame, GateBudget, GateFailure, GateInput, GateOutput,
     StreamGate,
@@ -518,18 +517,10 @@ impl Driver {
                 failure,
             )
             .await;
-        match (verdict, code) {
-            (
-                Ok(TerminalVerdict::Applied {
-                    stall: Some(stall), ..
-                }),
-                _,
-            ) => AttemptEvent::Stalled(stall),
-            (Ok(TerminalVerdict::Applied { .. }), None) => AttemptEvent::Completed,
-            (Ok(TerminalVerdict::Applied { .. }), Some(code)) => AttemptEvent::Failed { code },
-            // Not applied: its generation was fenced; the fence released
-            // the lease and the attempt's transport is gone.
-            (Ok(TerminalVerdict::Ignored(_)), _) | (Err(_), _) => AttemptEvent::TransportLost,
+        match verdict {
+            Ok(verdict) => verdict.attempt_event(code),
+            // The hub is gone: so is the attempt's transport.
+            Err(_) => AttemptEvent::TransportLost,
         }
     }
 

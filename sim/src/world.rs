@@ -45,8 +45,8 @@ use iop_core::edge::admission::{
 };
 use iop_core::edge::dispatch::{DispatchConfig, DispatchOutput, IgnoredTerminal, TerminalVerdict};
 use iop_core::edge::gate::{
-    AdmissionFailure, AttemptEvent, AttemptId, GateBudget, GateEnd, GateInput, GateOutput,
-    StreamGate,
+    AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEnd, GateInput,
+    GateOutput, StreamGate,
 };
 use iop_core::edge::overlay::EvidenceOutcome;
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
@@ -1753,12 +1753,10 @@ impl World {
             return;
         }
         let (lease_id, attempt) = (lease.lease_id, *attempt);
-        let event = match ev.kind {
-            RunEventKind::Started { .. } => AttemptEvent::Started,
-            RunEventKind::TextDelta(t) if t.is_empty() => return,
-            RunEventKind::TextDelta(_) | RunEventKind::ToolCallDelta(_) => AttemptEvent::Content,
-            RunEventKind::Usage(_) => return,
-            RunEventKind::Completed { .. } | RunEventKind::Failed(_) => {
+        let event = match AttemptFrame::from_run_event(&ev.kind) {
+            AttemptFrame::Event(event) => event,
+            AttemptFrame::NoEvent => return,
+            AttemptFrame::Terminal => {
                 let failure = match &ev.kind {
                     RunEventKind::Failed(f) => Some(f.clone()),
                     _ => None,
@@ -1789,16 +1787,7 @@ impl World {
                     c.runs.remove(&ev.run_id);
                 }
                 self.net.stream_done(conn, StreamKey::Run(ev.run_id));
-                match verdict {
-                    TerminalVerdict::Applied {
-                        stall: Some(stall), ..
-                    } => AttemptEvent::Stalled(stall),
-                    TerminalVerdict::Applied { .. } => match failure {
-                        None => AttemptEvent::Completed,
-                        Some(f) => AttemptEvent::Failed { code: f.code },
-                    },
-                    TerminalVerdict::Ignored(_) => AttemptEvent::TransportLost,
-                }
+                verdict.attempt_event(failure.map(|f| f.code))
             }
         };
         let content = event == AttemptEvent::Content;

@@ -15,7 +15,7 @@ use crate::edge::admission::{
     Admission, AdmissionConfig, AdmissionEvent, Admit, DispatchRequest, Lease, LeaseId, PreSend,
     ProviderSpec, ReleaseReason, RequestId,
 };
-use crate::edge::gate::ConfirmedStall;
+use crate::edge::gate::{AttemptEvent, ConfirmedStall};
 use crate::edge::health::{
     HealthConfig, HealthEvent, HealthState, HealthTracker, HealthTrackerError, ProbeDisposition,
     ProbeResult, ProbeTicket,
@@ -63,6 +63,28 @@ pub enum TerminalVerdict {
     },
     /// Ignored; nothing changed.
     Ignored(IgnoredTerminal),
+}
+
+impl TerminalVerdict {
+    /// The stream gate's event for an attempt whose terminal got this
+    /// verdict (R-LEASE-1, R-GATE-2): a typed stall is
+    /// [`AttemptEvent::Stalled`], an applied success or failure is
+    /// [`AttemptEvent::Completed`] or [`AttemptEvent::Failed`], and an
+    /// ignored terminal means its generation was fenced and the attempt's
+    /// transport is gone: [`AttemptEvent::TransportLost`].
+    pub fn attempt_event(self, failure: Option<FailureCode>) -> AttemptEvent {
+        match (self, failure) {
+            (
+                TerminalVerdict::Applied {
+                    stall: Some(stall), ..
+                },
+                _,
+            ) => AttemptEvent::Stalled(stall),
+            (TerminalVerdict::Applied { .. }, None) => AttemptEvent::Completed,
+            (TerminalVerdict::Applied { .. }, Some(code)) => AttemptEvent::Failed { code },
+            (TerminalVerdict::Ignored(_), _) => AttemptEvent::TransportLost,
+        }
+    }
 }
 
 /// One provider's outcome from a CAPABILITIES answer.

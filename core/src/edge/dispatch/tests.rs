@@ -2,6 +2,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use iop_wire::{AdapterKind, HealthFailureCode, PROTOCOL_VERSION, TargetHealth};
+
+use crate::edge::gate::AttemptEvent;
 use proptest::prelude::*;
 
 use super::*;
@@ -1058,5 +1060,44 @@ proptest! {
     #[test]
     fn dispatcher_rules_hold_over_random_sequences(ops in proptest::collection::vec(op(), 1..120)) {
         run_ops(ops)?;
+    }
+}
+
+#[test]
+fn terminal_verdicts_become_the_gates_attempt_events() {
+    // R-LEASE-1, R-GATE-2: only an applied terminal ends an attempt with its
+    // own outcome; an ignored one means the transport is gone.
+    let mut d = dispatcher();
+    up(&mut d, "a");
+    let lease = leased(d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])));
+    let applied = |stall| TerminalVerdict::Applied {
+        lease: lease.clone(),
+        stall,
+        evidence: None,
+    };
+    assert_eq!(applied(None).attempt_event(None), AttemptEvent::Completed);
+    assert_eq!(
+        applied(None).attempt_event(Some(FailureCode::ProviderError)),
+        AttemptEvent::Failed {
+            code: FailureCode::ProviderError
+        }
+    );
+    let confirmed = ConfirmedStall {
+        provider_id: ProviderId::from("p1"),
+        health: ProviderHealth::Unknown,
+    };
+    assert_eq!(
+        applied(Some(confirmed.clone())).attempt_event(Some(FailureCode::ResponseStalled)),
+        AttemptEvent::Stalled(confirmed)
+    );
+    for ignored in [
+        IgnoredTerminal::NotHeld,
+        IgnoredTerminal::FencedGeneration,
+        IgnoredTerminal::Mismatch,
+    ] {
+        assert_eq!(
+            TerminalVerdict::Ignored(ignored).attempt_event(None),
+            AttemptEvent::TransportLost
+        );
     }
 }
