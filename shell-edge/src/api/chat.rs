@@ -14,14 +14,15 @@
 use std::collections::BTreeMap;
 
 use iop_wire::{
-    ChatMessage, ExecutionFailure, FailureCode, FinishReason, GenerationParams, Role, RunEventKind,
-    ToolCall, ToolCallDelta, ToolDefinition, Usage,
+    ChatMessage, FinishReason, GenerationParams, Role, RunEventKind, ToolCall, ToolCallDelta,
+    ToolDefinition, Usage,
 };
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body, type_name};
+use super::transcript::Transcript;
 
 /// Most tools one request may declare (OpenAI's limit).
 pub const MAX_TOOLS: usize = 128;
@@ -605,145 +606,53 @@ impl ChatStream {
     }
 }
 
-/// Tool calls assembled from streamed fragments, by call index.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct ToolCallAssembly {
-    calls: BTreeMap<u32, ToolCall>,
-}
-
-impl ToolCallAssembly {
-    /// Fold one fragment in; returns false if it was dropped at the bound.
-    pub(crate) fn push(&mut self, delta: &ToolCallDelta, id_parent: &str) -> bool {
-        if !self.calls.contains_key(&delta.index) && self.calls.len() >= MAX_TOOL_CALLS_PER_RUN {
-            return false;
-        }
-        let call = self.calls.entry(delta.index).or_insert_with(|| ToolCall {
-            id: String::new(),
-            name: String::new(),
-            arguments: String::new(),
-        });
-        if call.id.is_empty() {
-            call.id = delta
-                .id
-                .clone()
-                .unwrap_or_else(|| ids::derived_id("call_", id_parent, delta.index));
-        }
-        if call.name.is_empty()
-            && let Some(name) = &delta.name
-        {
-            call.name.clone_from(name);
-        }
-        call.arguments.push_str(&delta.arguments_delta);
-        true
-    }
-
-    /// The calls in index order.
-    pub(crate) fn calls(&self) -> impl Iterator<Item = &ToolCall> {
-        self.calls.values()
-    }
-
-    /// True when no call was seen.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.calls.is_empty()
-    }
-}
-
-/// How a run ended, as seen by an accumulator.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RunOutcome {
-    /// No terminal yet.
-    Running,
-    /// `Completed`.
-    Completed(FinishReason),
-    /// `Failed`.
-    Failed(ExecutionFailure),
-}
-
-impl RunOutcome {
-    /// The client error for a run that did not complete.
-    pub(crate) fn error(&self) -> Option<ApiError> {
-        match self {
-            RunOutcome::Completed(_) => None,
-            RunOutcome::Failed(failure) => Some(ApiError::from_execution_failure(failure)),
-            // The event stream ended without a terminal: the transport went away.
-            RunOutcome::Running => Some(ApiError::from_failure(FailureCode::TransportClosed)),
-        }
-    }
-}
-
 /// Folds run events into the non-streaming `chat.completion` object.
 #[derive(Debug, Clone)]
 pub struct ChatAccumulator {
     id: String,
     model: String,
     created_unix: u64,
-    content: String,
-    tool_calls: ToolCallAssembly,
-    usage: Option<Usage>,
-    outcome: RunOutcome,
+    transcript: Transcript,
 }
 
 impl ChatAccumulator {
     /// An accumulator for completion `id` of `model`.
     pub fn new(id: impl Into<String>, model: impl Into<String>, created_unix: u64) -> Self {
+        let id = id.into();
         Self {
-            id: id.into(),
+            transcript: Transcript::new(id.clone()),
+            id,
             model: model.into(),
             created_unix,
-            content: String::new(),
-            tool_calls: ToolCallAssembly::default(),
-            usage: None,
-            outcome: RunOutcome::Running,
         }
     }
 
     /// Fold one event in; events after the terminal are ignored.
     pub fn push(&mut self, event: &RunEventKind) {
-        if self.is_finished() {
-            return;
-        }
-        match event {
-            RunEventKind::Started { .. } => {}
-            RunEventKind::TextDelta(text) => self.content.push_str(text),
-            RunEventKind::ToolCallDelta(delta) => {
-                self.tool_calls.push(delta, &self.id);
-            }
-            RunEventKind::Usage(usage) => self.usage = Some(*usage),
-            RunEventKind::Completed {
-                finish_reason,
-                usage,
-            } => {
-                if usage.is_some() {
-                    self.usage = *usage;
-                }
-                self.outcome = RunOutcome::Completed(*finish_reason);
-            }
-            RunEventKind::Failed(failure) => self.outcome = RunOutcome::Failed(failure.clone()),
-        }
+        self.transcript.push(event);
     }
 
     /// True once a terminal event was folded in.
     pub fn is_finished(&self) -> bool {
-        self.outcome != RunOutcome::Running
+        self.transcript.is_finished()
     }
 
     /// The `chat.completion` object, or the error the run ended with.
     pub fn finish(&self) -> Result<Value, ApiError> {
-        let RunOutcome::Completed(finish_reason) = self.outcome else {
-            return Err(self.outcome.error().unwrap_or_else(ApiError::internal));
-        };
+        let finish_reason = self.transcript.finish_reason()?;
+        let text = self.transcript.text();
+        let tool_calls = self.transcript.tool_calls();
         let mut message = Map::new();
         message.insert("role".into(), json!("assistant"));
-        let content = if self.content.is_empty() && !self.tool_calls.is_empty() {
+        let content = if text.is_empty() && !tool_calls.is_empty() {
             Value::Null
         } else {
-            json!(self.content)
+            json!(text)
         };
         message.insert("content".into(), content);
         message.insert("refusal".into(), Value::Null);
-        if !self.tool_calls.is_empty() {
-            let calls: Vec<Value> = self
-                .tool_calls
+        if !tool_calls.is_empty() {
+            let calls: Vec<Value> = tool_calls
                 .calls()
                 .map(|call| {
                     json!({
@@ -767,7 +676,7 @@ impl ChatAccumulator {
                 "logprobs": null,
                 "finish_reason": finish_reason.as_str(),
             }],
-            "usage": usage_json(self.usage.unwrap_or_default()),
+            "usage": usage_json(self.transcript.usage()),
         }))
     }
 }
@@ -776,6 +685,7 @@ impl ChatAccumulator {
 mod tests {
     use super::*;
     use crate::api::arbitrary_body::{arbitrary_json, replace_nth_value};
+    use iop_wire::{ExecutionFailure, FailureCode};
     use proptest::prelude::*;
 
     fn parse(body: Value) -> Result<ChatRequest, ApiError> {

@@ -27,5 +27,6 @@ pub mod models;
 pub mod ollama;
 mod request_object;
 pub mod responses;
+mod transcript;
 
 pub use error::{ApiError, ErrorKind, OllamaError};

@@ -23,9 +23,10 @@ use iop_wire::{
 };
 use serde_json::{Map, Value, json};
 
-use super::chat::{RunOutcome, ToolCallAssembly, parse_function_tools, parse_model, parse_stop};
+use super::chat::{parse_function_tools, parse_model, parse_stop};
 use super::error::ApiError;
 use super::request_object::{RequestObject, element, parse_body};
+use super::transcript::{ToolCallAssembly, Transcript};
 
 /// Most stop sequences an Ollama request may give.
 pub const MAX_OLLAMA_STOP_SEQUENCES: usize = 16;
@@ -495,10 +496,7 @@ pub struct OllamaAccumulator {
     model: String,
     api: RunApi,
     started_unix_ms: u64,
-    content: String,
-    tool_calls: ToolCallAssembly,
-    usage: Option<Usage>,
-    outcome: RunOutcome,
+    transcript: Transcript,
 }
 
 impl OllamaAccumulator {
@@ -508,56 +506,32 @@ impl OllamaAccumulator {
             model: model.into(),
             api,
             started_unix_ms,
-            content: String::new(),
-            tool_calls: ToolCallAssembly::default(),
-            usage: None,
-            outcome: RunOutcome::Running,
+            transcript: Transcript::new(""),
         }
     }
 
     /// Fold one event in; events after the terminal are ignored.
     pub fn push(&mut self, event: &RunEventKind) {
-        if self.is_finished() {
-            return;
-        }
-        match event {
-            RunEventKind::Started { .. } => {}
-            RunEventKind::TextDelta(text) => self.content.push_str(text),
-            RunEventKind::ToolCallDelta(delta) => {
-                self.tool_calls.push(delta, "");
-            }
-            RunEventKind::Usage(usage) => self.usage = Some(*usage),
-            RunEventKind::Completed {
-                finish_reason,
-                usage,
-            } => {
-                if usage.is_some() {
-                    self.usage = *usage;
-                }
-                self.outcome = RunOutcome::Completed(*finish_reason);
-            }
-            RunEventKind::Failed(failure) => self.outcome = RunOutcome::Failed(failure.clone()),
-        }
+        self.transcript.push(event);
     }
 
     /// True once a terminal event was folded in.
     pub fn is_finished(&self) -> bool {
-        self.outcome != RunOutcome::Running
+        self.transcript.is_finished()
     }
 
     /// The final object at `now_unix_ms`, or the error the run ended with.
     pub fn finish(&self, now_unix_ms: u64) -> Result<Value, ApiError> {
-        let RunOutcome::Completed(finish_reason) = self.outcome else {
-            return Err(self.outcome.error().unwrap_or_else(ApiError::internal));
-        };
+        let finish_reason = self.transcript.finish_reason()?;
+        let calls = self.transcript.tool_calls();
         let mut object = object_head(&self.model, now_unix_ms);
-        let tool_calls = (self.api == RunApi::Chat && !self.tool_calls.is_empty())
-            .then(|| tool_calls_json(&self.tool_calls));
-        insert_text(&mut object, self.api, &self.content, tool_calls);
+        let tool_calls =
+            (self.api == RunApi::Chat && !calls.is_empty()).then(|| tool_calls_json(calls));
+        insert_text(&mut object, self.api, self.transcript.text(), tool_calls);
         insert_done(
             &mut object,
             finish_reason,
-            self.usage.unwrap_or_default(),
+            self.transcript.usage(),
             duration_ns(self.started_unix_ms, now_unix_ms),
         );
         Ok(Value::Object(object))

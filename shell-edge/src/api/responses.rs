@@ -33,12 +33,13 @@ use iop_wire::{
 use serde_json::{Map, Value, json};
 
 use super::chat::{
-    MAX_TOOL_CALLS_PER_RUN, MAX_TOOLS, RunOutcome, check_tool_choice_mode,
-    parse_function_definition, parse_model, parse_text_content,
+    MAX_TOOL_CALLS_PER_RUN, MAX_TOOLS, check_tool_choice_mode, parse_function_definition,
+    parse_model, parse_text_content,
 };
 use super::error::ApiError;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body};
+use super::transcript::RunOutcome;
 
 /// Request fields a `response` object echoes back to the client.
 #[derive(Debug, Clone, PartialEq)]
@@ -933,10 +934,8 @@ impl ResponsesAccumulator {
 
     /// The `response` object, or the error the run ended with.
     pub fn finish(&self) -> Result<Value, ApiError> {
-        match self.outcome {
-            RunOutcome::Completed(finish_reason) => Ok(self.draft.completed_json(finish_reason)),
-            _ => Err(self.outcome.error().unwrap_or_else(ApiError::internal)),
-        }
+        let finish_reason = self.outcome.finish_reason()?;
+        Ok(self.draft.completed_json(finish_reason))
     }
 }
 
