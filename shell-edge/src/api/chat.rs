@@ -14,11 +14,12 @@
 use std::collections::BTreeMap;
 
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, Role, RunEventKind, ToolCall, ToolCallDelta,
-    ToolDefinition, Usage,
+    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
+    ToolCallDelta, ToolDefinition, Usage,
 };
 use serde_json::{Map, Value, json};
 
+use super::NormalizedRun;
 use super::error::ApiError;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body, type_name};
@@ -40,18 +41,11 @@ pub const MAX_TOOL_CALLS_PER_RUN: usize = 128;
 /// A parsed Chat Completions request, ready to become a normalized run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatRequest {
-    /// The requested model (non-empty).
-    pub model: String,
-    /// `stream: true`: answer with SSE chunks.
-    pub stream: bool,
+    /// The run (`developer` messages become system ones; `stream: true`
+    /// answers with SSE chunks).
+    pub run: NormalizedRun,
     /// `stream_options.include_usage`: send a final usage chunk.
     pub include_usage: bool,
-    /// The conversation, roles normalized (`developer` -> system).
-    pub messages: Vec<ChatMessage>,
-    /// Function tools the model may call.
-    pub tools: Vec<ToolDefinition>,
-    /// Sampling and length parameters.
-    pub params: GenerationParams,
 }
 
 /// Parse a `POST /v1/chat/completions` body.
@@ -129,12 +123,15 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
     };
 
     Ok(ChatRequest {
-        model,
-        stream,
+        run: NormalizedRun {
+            model,
+            stream,
+            api: RunApi::Chat,
+            messages,
+            tools,
+            params,
+        },
         include_usage,
-        messages,
-        tools,
-        params,
     })
 }
 
@@ -765,42 +762,45 @@ mod tests {
     #[test]
     fn sdk_body_with_tools_usage_and_max_completion_tokens_parses() {
         let req = parse(sdk_body()).unwrap();
-        assert_eq!(req.model, "llama3");
-        assert!(req.stream);
+        assert_eq!(req.run.model, "llama3");
+        assert!(req.run.stream);
         assert!(req.include_usage);
-        assert_eq!(req.messages.len(), 5);
-        assert_eq!(req.messages[0].role, Role::System);
-        assert_eq!(req.messages[1].content, "Be nice.");
-        assert_eq!(req.messages[2].content, "Weather in\nParis?");
-        assert_eq!(req.messages[2].name.as_deref(), Some("alice"));
-        assert_eq!(req.messages[3].role, Role::Assistant);
-        assert_eq!(req.messages[3].content, "");
+        assert_eq!(req.run.messages.len(), 5);
+        assert_eq!(req.run.messages[0].role, Role::System);
+        assert_eq!(req.run.messages[1].content, "Be nice.");
+        assert_eq!(req.run.messages[2].content, "Weather in\nParis?");
+        assert_eq!(req.run.messages[2].name.as_deref(), Some("alice"));
+        assert_eq!(req.run.messages[3].role, Role::Assistant);
+        assert_eq!(req.run.messages[3].content, "");
         assert_eq!(
-            req.messages[3].tool_calls,
+            req.run.messages[3].tool_calls,
             vec![ToolCall {
                 id: "call_1".into(),
                 name: "get_weather".into(),
                 arguments: "{\"city\":\"Paris\"}".into()
             }]
         );
-        assert_eq!(req.messages[4].role, Role::Tool);
-        assert_eq!(req.messages[4].tool_call_id.as_deref(), Some("call_1"));
-        assert_eq!(req.tools.len(), 1);
-        assert_eq!(req.tools[0].name, "get_weather");
+        assert_eq!(req.run.messages[4].role, Role::Tool);
+        assert_eq!(req.run.messages[4].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(req.run.tools.len(), 1);
+        assert_eq!(req.run.tools[0].name, "get_weather");
         let schema: Value =
-            serde_json::from_str(req.tools[0].parameters_json.as_deref().unwrap()).unwrap();
+            serde_json::from_str(req.run.tools[0].parameters_json.as_deref().unwrap()).unwrap();
         assert_eq!(
             schema["properties"]["days"]["items"]["properties"]["d"]["type"],
             "integer"
         );
-        assert_eq!(req.params.max_tokens, Some(256));
-        assert_eq!(req.params.temperature, Some(0.7));
-        assert_eq!(req.params.top_p, Some(0.9));
-        assert_eq!(req.params.seed, Some(42));
-        assert_eq!(req.params.stop, vec!["\n\n".to_owned(), "END".to_owned()]);
-        assert_eq!(req.params.presence_penalty, Some(0.5));
-        assert_eq!(req.params.frequency_penalty, Some(-0.5));
-        assert_eq!(req.params.tool_choice_json.as_deref(), Some("\"auto\""));
+        assert_eq!(req.run.params.max_tokens, Some(256));
+        assert_eq!(req.run.params.temperature, Some(0.7));
+        assert_eq!(req.run.params.top_p, Some(0.9));
+        assert_eq!(req.run.params.seed, Some(42));
+        assert_eq!(
+            req.run.params.stop,
+            vec!["\n\n".to_owned(), "END".to_owned()]
+        );
+        assert_eq!(req.run.params.presence_penalty, Some(0.5));
+        assert_eq!(req.run.params.frequency_penalty, Some(-0.5));
+        assert_eq!(req.run.params.tool_choice_json.as_deref(), Some("\"auto\""));
     }
 
     #[test]
@@ -810,18 +810,18 @@ mod tests {
         //  tool_choice="auto")`, byte for byte.
         let body = br#"{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "stream_options": {"include_usage": true}, "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": true}}]}"#;
         let req = parse_chat_request(body).unwrap();
-        assert!(req.stream && req.include_usage);
-        assert_eq!(req.params.max_tokens, Some(5));
-        assert_eq!(req.tools[0].description.as_deref(), Some("w"));
+        assert!(req.run.stream && req.include_usage);
+        assert_eq!(req.run.params.max_tokens, Some(5));
+        assert_eq!(req.run.tools[0].description.as_deref(), Some("w"));
     }
 
     #[test]
     fn minimal_body_defaults() {
         let req = parse(minimal()).unwrap();
-        assert!(!req.stream);
+        assert!(!req.run.stream);
         assert!(!req.include_usage);
-        assert!(req.tools.is_empty());
-        assert_eq!(req.params, GenerationParams::default());
+        assert!(req.run.tools.is_empty());
+        assert_eq!(req.run.params, GenerationParams::default());
     }
 
     #[test]
@@ -831,15 +831,15 @@ mod tests {
         body["temperature"] = Value::Null;
         body["tools"] = Value::Null;
         let req = parse(body).unwrap();
-        assert_eq!(req.params.temperature, None);
+        assert_eq!(req.run.params.temperature, None);
     }
 
     #[test]
     fn max_tokens_is_read_when_max_completion_tokens_is_absent() {
         let req = parse(with("max_tokens", json!(7))).unwrap();
-        assert_eq!(req.params.max_tokens, Some(7));
+        assert_eq!(req.run.params.max_tokens, Some(7));
         let req = parse(with("stop", json!("x"))).unwrap();
-        assert_eq!(req.params.stop, vec!["x".to_owned()]);
+        assert_eq!(req.run.params.stop, vec!["x".to_owned()]);
     }
 
     #[test]
@@ -849,7 +849,8 @@ mod tests {
             json!({"type": "function", "function": {"name": "f"}}),
         ))
         .unwrap();
-        let choice: Value = serde_json::from_str(&req.params.tool_choice_json.unwrap()).unwrap();
+        let choice: Value =
+            serde_json::from_str(&req.run.params.tool_choice_json.unwrap()).unwrap();
         assert_eq!(choice["function"]["name"], "f");
     }
 
@@ -1043,24 +1044,29 @@ mod tests {
             .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
             .collect();
         assert_eq!(
-            parse(with("tools", json!(tools))).unwrap().tools.len(),
+            parse(with("tools", json!(tools))).unwrap().run.tools.len(),
             MAX_TOOLS
         );
         let stops: Vec<String> = (0..MAX_STOP_SEQUENCES).map(|i| i.to_string()).collect();
         assert_eq!(
-            parse(with("stop", json!(stops))).unwrap().params.stop.len(),
+            parse(with("stop", json!(stops)))
+                .unwrap()
+                .run
+                .params
+                .stop
+                .len(),
             MAX_STOP_SEQUENCES
         );
         let name = "m".repeat(MAX_MODEL_NAME_CHARS);
         assert_eq!(
-            parse(with("model", json!(name))).unwrap().model.len(),
+            parse(with("model", json!(name))).unwrap().run.model.len(),
             MAX_MODEL_NAME_CHARS
         );
         let req = parse(with("max_tokens", json!(u32::MAX))).unwrap();
-        assert_eq!(req.params.max_tokens, Some(u32::MAX));
+        assert_eq!(req.run.params.max_tokens, Some(u32::MAX));
         assert!(parse(with("max_tokens", json!(u64::from(u32::MAX) + 1))).is_err());
         let req = parse(with("temperature", json!(2))).unwrap();
-        assert_eq!(req.params.temperature, Some(2.0));
+        assert_eq!(req.run.params.temperature, Some(2.0));
         assert!(parse(with("temperature", json!(0))).is_ok());
     }
 
@@ -1307,7 +1313,7 @@ mod tests {
             body in arbitrary_json(4)
         ) {
             match parse_chat_request(body.to_string().as_bytes()) {
-                Ok(req) => prop_assert!(!req.model.is_empty() && !req.messages.is_empty()),
+                Ok(req) => prop_assert!(!req.run.model.is_empty() && !req.run.messages.is_empty()),
                 Err(err) => prop_assert!((400..500).contains(&err.status)),
             }
         }

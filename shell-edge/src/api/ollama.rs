@@ -18,11 +18,11 @@
 //! and finish times (load and eval durations are not measured and are 0).
 
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
-    ToolDefinition, Usage,
+    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall, Usage,
 };
 use serde_json::{Map, Value, json};
 
+use super::NormalizedRun;
 use super::chat::{parse_function_tools, parse_model, parse_stop};
 use super::error::ApiError;
 use super::request_object::{RequestObject, element, parse_body};
@@ -34,25 +34,17 @@ pub const MAX_OLLAMA_STOP_SEQUENCES: usize = 16;
 /// A parsed Ollama chat or generate request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OllamaRequest {
-    /// The requested model (non-empty).
-    pub model: String,
-    /// Stream NDJSON (Ollama's default) or answer with one object.
-    pub stream: bool,
-    /// [`RunApi::Chat`] for `/api/chat`, [`RunApi::Generate`] for `/api/generate`.
-    pub api: RunApi,
-    /// The conversation; empty for a load-only request.
-    pub messages: Vec<ChatMessage>,
-    /// Function tools (chat only).
-    pub tools: Vec<ToolDefinition>,
-    /// Parameters from `options`.
-    pub params: GenerationParams,
+    /// The run: [`RunApi::Chat`] for `/api/chat`, [`RunApi::Generate`] for
+    /// `/api/generate`; no messages for a load-only request; tools for chat
+    /// only; parameters from `options`; `stream` (NDJSON) by default.
+    pub run: NormalizedRun,
 }
 
 impl OllamaRequest {
     /// True when the request only asks to load the model (no messages or an
     /// empty prompt): answer with [`load_response_json`] instead of a run.
     pub fn is_load_only(&self) -> bool {
-        self.messages.is_empty()
+        self.run.messages.is_empty()
     }
 }
 
@@ -75,12 +67,14 @@ pub fn parse_ollama_chat(body: &[u8]) -> Result<OllamaRequest, ApiError> {
     let tools = parse_function_tools(&root, "tools")?;
     let params = parse_options(&root)?;
     Ok(OllamaRequest {
-        model,
-        stream,
-        api: RunApi::Chat,
-        messages,
-        tools,
-        params,
+        run: NormalizedRun {
+            model,
+            stream,
+            api: RunApi::Chat,
+            messages,
+            tools,
+            params,
+        },
     })
 }
 
@@ -123,12 +117,14 @@ pub fn parse_ollama_generate(body: &[u8]) -> Result<OllamaRequest, ApiError> {
     }
     let params = parse_options(&root)?;
     Ok(OllamaRequest {
-        model,
-        stream,
-        api: RunApi::Generate,
-        messages,
-        tools: Vec::new(),
-        params,
+        run: NormalizedRun {
+            model,
+            stream,
+            api: RunApi::Generate,
+            messages,
+            tools: Vec::new(),
+            params,
+        },
     })
 }
 
@@ -619,24 +615,30 @@ mod tests {
     #[test]
     fn chat_body_parses_with_stream_default_true() {
         let req = chat(chat_body()).unwrap();
-        assert_eq!(req.model, "llama3.2");
-        assert!(req.stream);
-        assert_eq!(req.api, RunApi::Chat);
-        assert_eq!(req.messages.len(), 5);
-        let calls = &req.messages[2].tool_calls;
+        assert_eq!(req.run.model, "llama3.2");
+        assert!(req.run.stream);
+        assert_eq!(req.run.api, RunApi::Chat);
+        assert_eq!(req.run.messages.len(), 5);
+        let calls = &req.run.messages[2].tool_calls;
         assert_eq!(calls[0].name, "get_time");
         assert_eq!(calls[0].arguments, "{}");
         assert_eq!(calls[1].arguments, "{\"city\":\"Paris\"}");
         assert_eq!(calls[0].id, "call_2_0");
-        assert_eq!(req.messages[3].tool_call_id.as_deref(), Some("call_2_1"));
-        assert_eq!(req.messages[3].name.as_deref(), Some("get_weather"));
-        assert_eq!(req.messages[4].tool_call_id.as_deref(), Some("call_2_0"));
-        assert_eq!(req.tools[0].name, "get_weather");
-        assert_eq!(req.params.temperature, Some(0.3));
-        assert_eq!(req.params.top_p, Some(0.8));
-        assert_eq!(req.params.max_tokens, Some(64));
-        assert_eq!(req.params.stop, vec!["###".to_owned()]);
-        assert_eq!(req.params.seed, Some(7));
+        assert_eq!(
+            req.run.messages[3].tool_call_id.as_deref(),
+            Some("call_2_1")
+        );
+        assert_eq!(req.run.messages[3].name.as_deref(), Some("get_weather"));
+        assert_eq!(
+            req.run.messages[4].tool_call_id.as_deref(),
+            Some("call_2_0")
+        );
+        assert_eq!(req.run.tools[0].name, "get_weather");
+        assert_eq!(req.run.params.temperature, Some(0.3));
+        assert_eq!(req.run.params.top_p, Some(0.8));
+        assert_eq!(req.run.params.max_tokens, Some(64));
+        assert_eq!(req.run.params.stop, vec!["###".to_owned()]);
+        assert_eq!(req.run.params.seed, Some(7));
         assert!(!req.is_load_only());
     }
 
@@ -645,18 +647,24 @@ mod tests {
         let req = generate(json!({"model": "m", "prompt": "Why?", "system": "Sys",
                                   "stream": false, "options": {"num_predict": -1}}))
         .unwrap();
-        assert_eq!(req.api, RunApi::Generate);
-        assert!(!req.stream);
-        assert_eq!(req.messages.len(), 2);
+        assert_eq!(req.run.api, RunApi::Generate);
+        assert!(!req.run.stream);
+        assert_eq!(req.run.messages.len(), 2);
         assert_eq!(
-            (req.messages[0].role, req.messages[0].content.as_str()),
+            (
+                req.run.messages[0].role,
+                req.run.messages[0].content.as_str()
+            ),
             (Role::System, "Sys")
         );
         assert_eq!(
-            (req.messages[1].role, req.messages[1].content.as_str()),
+            (
+                req.run.messages[1].role,
+                req.run.messages[1].content.as_str()
+            ),
             (Role::User, "Why?")
         );
-        assert_eq!(req.params.max_tokens, None);
+        assert_eq!(req.run.params.max_tokens, None);
     }
 
     #[test]
