@@ -379,31 +379,28 @@ async fn whole_answer<W: WholeAnswer>(
 }
 
 async fn list_models(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let key = match authenticate(&state, &headers) {
-        Ok(k) => k,
-        Err(e) => return e.into_response(),
-    };
-    let names: Vec<String> = state
-        .config
-        .listed_models()
-        .filter(|m| key.allows(m))
-        .map(str::to_owned)
-        .collect();
-    axum::Json(models::models_list_json(&names, unix_now())).into_response()
+    match listed_models(&state, &headers) {
+        Ok(names) => axum::Json(models::models_list_json(&names, unix_now())).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn ollama_tags(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let key = match authenticate(&state, &headers) {
-        Ok(k) => k,
-        Err(e) => return OllamaError(e).into_response(),
-    };
-    let names: Vec<String> = state
+    match listed_models(&state, &headers) {
+        Ok(names) => axum::Json(ollama::tags_json(&names)).into_response(),
+        Err(e) => OllamaError(e).into_response(),
+    }
+}
+
+/// The models the caller's key may use, in listing order.
+fn listed_models(state: &AppState, headers: &HeaderMap) -> Result<Vec<String>, ApiError> {
+    let key = authenticate(state, headers)?;
+    Ok(state
         .config
         .listed_models()
         .filter(|m| key.allows(m))
         .map(str::to_owned)
-        .collect();
-    axum::Json(ollama::tags_json(&names)).into_response()
+        .collect())
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
@@ -463,13 +460,18 @@ fn outcome_of(err: &ApiError) -> &'static str {
     }
 }
 
-async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let key = match authenticate(&state, &headers) {
-        Ok(k) => k,
-        Err(e) => return e.into_response(),
-    };
+/// The caller's key, if it is an admin key.
+fn authenticate_admin(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+    let key = authenticate(state, headers)?;
     if !key.admin {
-        return ApiError::permission_denied().into_response();
+        return Err(ApiError::permission_denied());
+    }
+    Ok(key)
+}
+
+async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authenticate_admin(&state, &headers) {
+        return e.into_response();
     }
     match state.hub.snapshot().await {
         Ok(snap) => axum::Json(crate::status::status_json(&state.config, &snap)).into_response(),
@@ -485,13 +487,10 @@ async fn revoke_credential(
     axum::extract::Path(profile): axum::extract::Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let key = match authenticate(&state, &headers) {
+    let key = match authenticate_admin(&state, &headers) {
         Ok(k) => k,
         Err(e) => return e.into_response(),
     };
-    if !key.admin {
-        return ApiError::permission_denied().into_response();
-    }
     if !state.ctx.creds.revoke(&profile) {
         return ApiError::not_found("credential profile").into_response();
     }
