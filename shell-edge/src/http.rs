@@ -304,10 +304,9 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
     }
     let start = AnswerStart {
         model: run.model,
-        api: run.api,
         id_seed: state.next_id(),
         admitted_unix_ms,
-        committed_unix_ms: iop_transport::clock::unix_ms(),
+        committed_unix: unix_now(),
     };
     if run.stream {
         E::Stream::response(answer_batches(rx, record, endpoint.stream(start, options)))

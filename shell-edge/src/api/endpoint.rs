@@ -42,7 +42,7 @@ pub trait RunEndpoint: Send + Sync + 'static {
     fn tunnel(&self) -> (TunnelApi, &'static str);
     /// The request body as a run and this API's options.
     fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, Self::Options), ApiError>;
-    /// An error before the answer started, in this API's error shape.
+    /// An error answered instead of the run's answer, in this API's shape.
     fn error_response(&self, err: ApiError) -> Response;
     /// The answer to a request that needs no run, if this is one (Ollama's
     /// load-only request); `now_unix_ms` is the admission time.
@@ -61,24 +61,16 @@ pub trait RunEndpoint: Send + Sync + 'static {
 }
 
 /// What an answer is labelled with, from the pipeline.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct AnswerStart {
     /// The model the client asked for.
     pub model: String,
-    /// Chat or generate.
-    pub api: RunApi,
     /// Seed of the answer's id (see [`ids`]).
     pub id_seed: u64,
     /// When the request was admitted (Ollama durations count from here).
     pub admitted_unix_ms: u64,
-    /// When the run committed (OpenAI `created` times).
-    pub committed_unix_ms: u64,
-}
-
-impl AnswerStart {
-    fn committed_unix(&self) -> u64 {
-        self.committed_unix_ms / 1000
-    }
+    /// When the run committed, in Unix seconds (OpenAI `created` times).
+    pub committed_unix: u64,
 }
 
 /// Encodes a run's events as one API's streamed answer.
@@ -137,13 +129,12 @@ impl RunEndpoint for ChatCompletions {
 
     fn stream(&self, start: AnswerStart, include_usage: bool) -> chat::ChatStream {
         let id = ids::chat_completion_id(start.id_seed);
-        chat::ChatStream::new(id, start.model.clone(), start.committed_unix())
-            .with_usage_chunk(include_usage)
+        chat::ChatStream::new(id, start.model, start.committed_unix).with_usage_chunk(include_usage)
     }
 
     fn whole(&self, start: AnswerStart, _include_usage: bool) -> chat::ChatAccumulator {
         let id = ids::chat_completion_id(start.id_seed);
-        chat::ChatAccumulator::new(id, start.model.clone(), start.committed_unix())
+        chat::ChatAccumulator::new(id, start.model, start.committed_unix)
     }
 }
 
@@ -205,14 +196,12 @@ impl RunEndpoint for Responses {
 
     fn stream(&self, start: AnswerStart, echo: responses::ResponseEcho) -> Self::Stream {
         let id = ids::response_id(start.id_seed);
-        responses::ResponsesStream::new(id, start.model.clone(), start.committed_unix())
-            .with_echo(echo)
+        responses::ResponsesStream::new(id, start.model, start.committed_unix).with_echo(echo)
     }
 
     fn whole(&self, start: AnswerStart, echo: responses::ResponseEcho) -> Self::Whole {
         let id = ids::response_id(start.id_seed);
-        responses::ResponsesAccumulator::new(id, start.model.clone(), start.committed_unix())
-            .with_echo(echo)
+        responses::ResponsesAccumulator::new(id, start.model, start.committed_unix).with_echo(echo)
     }
 }
 
@@ -295,11 +284,11 @@ impl RunEndpoint for Ollama {
     }
 
     fn stream(&self, start: AnswerStart, _load_only: bool) -> ollama::OllamaStream {
-        ollama::OllamaStream::new(start.model, start.api, start.admitted_unix_ms)
+        ollama::OllamaStream::new(start.model, self.0, start.admitted_unix_ms)
     }
 
     fn whole(&self, start: AnswerStart, _load_only: bool) -> ollama::OllamaAccumulator {
-        ollama::OllamaAccumulator::new(start.model, start.api, start.admitted_unix_ms)
+        ollama::OllamaAccumulator::new(start.model, self.0, start.admitted_unix_ms)
     }
 }
 
