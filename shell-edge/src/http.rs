@@ -5,7 +5,9 @@
 //!
 //! Handlers authenticate, parse and validate, then hand the request to a
 //! [`crate::driver`] task and turn its deliveries into the API's own wire
-//! format. Every error is the API's own error JSON.
+//! format. Every error is the API's own error JSON. The four run endpoints
+//! are one pipeline, `run_endpoint`, told apart only by their
+//! [`RunEndpoint`] (see [`crate::api::endpoint`]).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -16,19 +18,21 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures::Stream;
+use futures::StreamExt as _;
+use futures::stream::BoxStream;
 use iop_core::edge::gate::{AdmissionFailure, GateFailure};
 use iop_core::ids::ProviderId;
 use iop_wire::RunApi;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
-use crate::api::error::ApiError;
-use crate::api::{chat, models, ollama, responses};
+use crate::api::endpoint::{
+    AnswerStart, AnswerStream, ChatCompletions, Ollama, Responses, RunEndpoint, WholeAnswer,
+};
+use crate::api::{ApiError, NormalizedRun, OllamaError, models, ollama};
 use crate::config::{ApiKey, EdgeConfig};
 use crate::driver::{
     self, Delivery, DriverContext, DriverObservation, TunnelApi, TunnelBody, Work,
@@ -136,28 +140,8 @@ pub fn router(state: AppState) -> Router {
             "/admin/credentials/{profile}/revoke",
             post(revoke_credential),
         )
-        .fallback(|| async { error_response(&ApiError::not_found("route")) })
+        .fallback(|| async { ApiError::not_found("route").into_response() })
         .with_state(state)
-}
-
-/// The API's error as a response (with `Retry-After` when set).
-pub fn error_response(err: &ApiError) -> Response {
-    json_error(err, err.to_json())
-}
-
-fn ollama_error_response(err: &ApiError) -> Response {
-    json_error(err, err.to_ollama_json())
-}
-
-fn json_error(err: &ApiError, body: serde_json::Value) -> Response {
-    let status = StatusCode::from_u16(err.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = (status, axum::Json(body)).into_response();
-    if let Some(secs) = err.retry_after_secs
-        && let Ok(v) = HeaderValue::from_str(&secs.to_string())
-    {
-        resp.headers_mut().insert(header::RETRY_AFTER, v);
-    }
-    resp
 }
 
 fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
@@ -233,372 +217,189 @@ fn unix_now() -> u64 {
     iop_transport::clock::unix_ms() / 1000
 }
 
-/// Authenticate, read and parse a request body; any failure is the
-/// response to send.
-async fn admit_body<T>(
+/// What an admitted run request brings: the caller's key, the raw body (for
+/// a tunnel), the parsed run with its API's options, and the model's pool.
+struct Admitted<O> {
+    key: ApiKey,
+    body: bytes::Bytes,
+    run: NormalizedRun,
+    options: O,
+    pool: Vec<ProviderId>,
+}
+
+/// Authenticate, read and parse a run request and route its model; any
+/// failure is the response to send.
+async fn admit<E: RunEndpoint>(
     state: &AppState,
     request: Request,
-    record: &mut RequestRecord,
-    parse: impl FnOnce(&[u8]) -> Result<T, ApiError>,
-) -> Result<(ApiKey, bytes::Bytes, T), ApiError> {
+    endpoint: &E,
+) -> Result<Admitted<E::Options>, ApiError> {
     let (parts, body) = request.into_parts();
-    let result = async {
-        let key = authenticate(state, &parts.headers)?;
-        let body = read_body(state, body).await?;
-        let parsed = parse(&body)?;
-        Ok((key, body, parsed))
-    }
-    .await;
-    if let Err(e) = &result {
-        record.error(e);
-    }
-    result
+    let key = authenticate(state, &parts.headers)?;
+    let body = read_body(state, body).await?;
+    let (run, options) = endpoint.parse(&body)?;
+    let pool = pool_for(state, &key, &run.model)?;
+    Ok(Admitted {
+        key,
+        body,
+        run,
+        options,
+        pool,
+    })
 }
 
 async fn chat_completions(State(state): State<AppState>, request: Request) -> Response {
-    let mut record = RequestRecord::new(&state, "chat");
-    let (key, body, req) =
-        match admit_body(&state, request, &mut record, chat::parse_chat_request).await {
-            Ok(x) => x,
-            Err(e) => return error_response(&e),
-        };
-    let pool = match pool_for(&state, &key, &req.model) {
-        Ok(p) => p,
-        Err(e) => {
-            record.error(&e);
-            return error_response(&e);
-        }
+    run_endpoint(state, request, ChatCompletions).await
+}
+
+async fn create_response(State(state): State<AppState>, request: Request) -> Response {
+    run_endpoint(state, request, Responses).await
+}
+
+async fn ollama_chat(State(state): State<AppState>, request: Request) -> Response {
+    run_endpoint(state, request, Ollama(RunApi::Chat)).await
+}
+
+async fn ollama_generate(State(state): State<AppState>, request: Request) -> Response {
+    run_endpoint(state, request, Ollama(RunApi::Generate)).await
+}
+
+/// The one pipeline of every run endpoint; `endpoint` is what differs
+/// between the APIs (see [`crate::api::endpoint`]).
+async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoint: E) -> Response {
+    let route = endpoint.route();
+    let mut record = RequestRecord::new(&state, route);
+    // An error instead of an answer: recorded, then in the API's own shape.
+    let refuse = |mut record: RequestRecord, err: ApiError| {
+        record.error(&err);
+        endpoint.error_response(err)
     };
-    let work = Work {
-        model: req.model.clone(),
-        api: RunApi::Chat,
-        messages: req.messages.clone(),
-        tools: req.tools.clone(),
-        params: req.params.clone(),
-        tunnel: Some(tunnel_body(
-            TunnelApi::OpenAi,
-            "/v1/chat/completions",
-            &body,
-        )),
-        route: "chat",
-        principal: key.principal.clone(),
+    let admitted = match admit(&state, request, &endpoint).await {
+        Ok(admitted) => admitted,
+        Err(e) => return refuse(record, e),
     };
-    let mut rx = driver::spawn(state.ctx.clone(), pool, work);
-    let head = match first(&mut rx).await {
-        Ok(h) => h,
-        Err(e) => {
-            record.error(&e);
-            return error_response(&e);
-        }
-    };
-    if let Some((status, headers)) = head {
-        return tunnel_response(status, headers, rx, record);
+    let (run, options) = (admitted.run, admitted.options);
+    let admitted_unix_ms = iop_transport::clock::unix_ms();
+    if let Some(answer) = endpoint.answer_without_run(&run, &options, admitted_unix_ms) {
+        record.set("ok");
+        return axum::Json(answer).into_response();
     }
-    let id = crate::api::ids::chat_completion_id(state.next_id());
-    let created = unix_now();
-    if req.stream {
-        let mut enc = chat::ChatStream::new(id, req.model.clone(), created)
-            .with_usage_chunk(req.include_usage);
-        let stream = sse_stream(rx, record, move |d, record| match d {
-            Delivery::Event(ev) => enc.push(&ev).into_iter().map(data_event).collect(),
-            Delivery::Finish => {
-                record.set("ok");
-                vec![Event::default().data("[DONE]")]
-            }
-            Delivery::Fail { kind, .. } => {
-                let err = gate_error(kind);
-                record.error(&err);
-                enc.fail(&err).into_iter().map(data_event).collect()
-            }
-            _ => Vec::new(),
-        });
-        Sse::new(stream)
-            .keep_alive(KeepAlive::default())
-            .into_response()
+    let (tunnel_api, tunnel_path) = endpoint.tunnel();
+    let work = Work {
+        model: run.model.clone(),
+        api: run.api,
+        messages: run.messages,
+        tools: run.tools,
+        params: run.params,
+        tunnel: Some(tunnel_body(tunnel_api, tunnel_path, &admitted.body)),
+        route,
+        principal: admitted.key.principal,
+    };
+    let mut rx = driver::spawn(state.ctx.clone(), admitted.pool, work);
+    match first(&mut rx).await {
+        Err(e) => return refuse(record, e),
+        // A tunnel-mode provider answered in its own format.
+        Ok(Some((status, headers))) => return tunnel_response(status, headers, rx, record),
+        Ok(None) => {}
+    }
+    let start = AnswerStart {
+        model: run.model,
+        id_seed: state.next_id(),
+        admitted_unix_ms,
+        committed_unix: unix_now(),
+    };
+    if run.stream {
+        E::Stream::response(answer_batches(rx, record, endpoint.stream(start, options)))
     } else {
-        let mut acc = chat::ChatAccumulator::new(id, req.model.clone(), created);
-        let result = collect_events(&mut rx, &mut record)
-            .await
-            .and_then(|events| {
-                events.iter().for_each(|ev| acc.push(ev));
-                acc.finish()
-            });
-        json_or_error(&mut record, result)
+        match whole_answer(&mut rx, endpoint.whole(start, options)).await {
+            Ok(v) => {
+                record.set("ok");
+                axum::Json(v).into_response()
+            }
+            Err(e) => refuse(record, e),
+        }
     }
 }
 
-/// Drain a non-streaming request: its events, or the error to answer.
-async fn collect_events(
+/// The frames of a streamed answer, one batch per delivery (the opening
+/// frames go with the first), until the run's terminal.
+fn answer_batches<S: AnswerStream>(
+    rx: mpsc::Receiver<Delivery>,
+    record: RequestRecord,
+    mut encoder: S,
+) -> BoxStream<'static, Vec<S::Frame>> {
+    let opening = encoder.opening();
+    futures::stream::unfold(
+        (rx, encoder, record, opening, false),
+        |(mut rx, mut encoder, mut record, mut opening, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                let (frames, end) = match rx.recv().await? {
+                    Delivery::Event(ev) => {
+                        (encoder.event(&ev, iop_transport::clock::unix_ms()), false)
+                    }
+                    Delivery::Finish => {
+                        record.set("ok");
+                        (encoder.closing(), true)
+                    }
+                    Delivery::Fail { kind, .. } => {
+                        let err = gate_error(kind);
+                        record.error(&err);
+                        (encoder.failure(&err), true)
+                    }
+                    _ => continue,
+                };
+                let mut batch = std::mem::take(&mut opening);
+                batch.extend(frames);
+                return Some((batch, (rx, encoder, record, opening, end)));
+            }
+        },
+    )
+    .boxed()
+}
+
+/// Fold a non-streaming answer until the run ends: its JSON, or the error
+/// to answer.
+async fn whole_answer<W: WholeAnswer>(
     rx: &mut mpsc::Receiver<Delivery>,
-    record: &mut RequestRecord,
-) -> Result<Vec<iop_wire::RunEventKind>, ApiError> {
-    let mut events = Vec::new();
+    mut whole: W,
+) -> Result<serde_json::Value, ApiError> {
     while let Some(d) = rx.recv().await {
         match d {
-            Delivery::Event(ev) => events.push(ev),
-            Delivery::Finish => return Ok(events),
-            Delivery::Fail { kind, .. } => {
-                let e = gate_error(kind);
-                record.error(&e);
-                return Err(e);
-            }
+            Delivery::Event(ev) => whole.event(&ev),
+            Delivery::Finish => return whole.answer(iop_transport::clock::unix_ms()),
+            Delivery::Fail { kind, .. } => return Err(gate_error(kind)),
             _ => {}
         }
     }
     Err(ApiError::internal())
 }
 
-/// The final JSON of a non-streaming request, or its error.
-fn json_or_error(
-    record: &mut RequestRecord,
-    result: Result<serde_json::Value, ApiError>,
-) -> Response {
-    match result {
-        Ok(v) => {
-            record.set("ok");
-            axum::Json(v).into_response()
-        }
-        Err(e) => {
-            record.error(&e);
-            error_response(&e)
-        }
-    }
-}
-
-async fn create_response(State(state): State<AppState>, request: Request) -> Response {
-    let mut record = RequestRecord::new(&state, "responses");
-    let (key, body, req) = match admit_body(
-        &state,
-        request,
-        &mut record,
-        responses::parse_responses_request,
-    )
-    .await
-    {
-        Ok(x) => x,
-        Err(e) => return error_response(&e),
-    };
-    let pool = match pool_for(&state, &key, &req.model) {
-        Ok(p) => p,
-        Err(e) => {
-            record.error(&e);
-            return error_response(&e);
-        }
-    };
-    let work = Work {
-        model: req.model.clone(),
-        api: RunApi::Chat,
-        messages: req.messages.clone(),
-        tools: req.tools.clone(),
-        params: req.params.clone(),
-        tunnel: Some(tunnel_body(TunnelApi::OpenAi, "/v1/responses", &body)),
-        route: "responses",
-        principal: key.principal.clone(),
-    };
-    let mut rx = driver::spawn(state.ctx.clone(), pool, work);
-    let head = match first(&mut rx).await {
-        Ok(h) => h,
-        Err(e) => {
-            record.error(&e);
-            return error_response(&e);
-        }
-    };
-    if let Some((status, headers)) = head {
-        return tunnel_response(status, headers, rx, record);
-    }
-    let id = crate::api::ids::response_id(state.next_id());
-    let created = unix_now();
-    if req.stream {
-        let mut enc = responses::ResponsesStream::new(id, req.model.clone(), created)
-            .with_echo(req.echo.clone());
-        let mut opening: Vec<Event> = enc.start().into_iter().map(named_event).collect();
-        let stream = sse_stream(rx, record, move |d, record| {
-            let mut out = std::mem::take(&mut opening);
-            match d {
-                Delivery::Event(ev) => out.extend(enc.push(&ev).into_iter().map(named_event)),
-                Delivery::Finish => record.set("ok"),
-                Delivery::Fail { kind, .. } => {
-                    let err = gate_error(kind);
-                    record.error(&err);
-                    out.extend(enc.fail(&err).into_iter().map(named_event));
-                }
-                _ => {}
-            }
-            out
-        });
-        Sse::new(stream)
-            .keep_alive(KeepAlive::default())
-            .into_response()
-    } else {
-        let mut acc = responses::ResponsesAccumulator::new(id, req.model.clone(), created)
-            .with_echo(req.echo.clone());
-        let result = collect_events(&mut rx, &mut record)
-            .await
-            .and_then(|events| {
-                events.iter().for_each(|ev| acc.push(ev));
-                acc.finish()
-            });
-        json_or_error(&mut record, result)
-    }
-}
-
 async fn list_models(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let key = match authenticate(&state, &headers) {
-        Ok(k) => k,
-        Err(e) => return error_response(&e),
-    };
-    let names: Vec<String> = state
-        .config
-        .listed_models()
-        .filter(|m| key.allows(m))
-        .map(str::to_owned)
-        .collect();
-    axum::Json(models::models_list_json(&names, unix_now())).into_response()
-}
-
-async fn ollama_chat(State(state): State<AppState>, request: Request) -> Response {
-    ollama_run(state, request, RunApi::Chat).await
-}
-
-async fn ollama_generate(State(state): State<AppState>, request: Request) -> Response {
-    ollama_run(state, request, RunApi::Generate).await
-}
-
-async fn ollama_run(state: AppState, request: Request, api: RunApi) -> Response {
-    let route = match api {
-        RunApi::Chat => "ollama_chat",
-        RunApi::Generate => "ollama_generate",
-    };
-    let mut record = RequestRecord::new(&state, route);
-    let parse = match api {
-        RunApi::Chat => ollama::parse_ollama_chat,
-        RunApi::Generate => ollama::parse_ollama_generate,
-    };
-    let (key, body, req) = match admit_body(&state, request, &mut record, parse).await {
-        Ok(x) => x,
-        Err(e) => return ollama_error_response(&e),
-    };
-    let pool = match pool_for(&state, &key, &req.model) {
-        Ok(p) => p,
-        Err(e) => {
-            record.error(&e);
-            return ollama_error_response(&e);
-        }
-    };
-    let started = iop_transport::clock::unix_ms();
-    if req.is_load_only() {
-        record.set("ok");
-        return axum::Json(ollama::load_response_json(&req.model, api, started)).into_response();
-    }
-    let work = Work {
-        model: req.model.clone(),
-        api,
-        messages: req.messages.clone(),
-        tools: req.tools.clone(),
-        params: req.params.clone(),
-        tunnel: Some(tunnel_body(
-            TunnelApi::Ollama,
-            match api {
-                RunApi::Chat => "/api/chat",
-                RunApi::Generate => "/api/generate",
-            },
-            &body,
-        )),
-        route,
-        principal: key.principal.clone(),
-    };
-    let mut rx = driver::spawn(state.ctx.clone(), pool, work);
-    match first(&mut rx).await {
-        Err(e) => {
-            record.error(&e);
-            return ollama_error_response(&e);
-        }
-        // A tunnel-mode Ollama provider answered in its own format.
-        Ok(Some((status, headers))) => return tunnel_response(status, headers, rx, record),
-        Ok(None) => {}
-    }
-    if req.stream {
-        let enc = ollama::OllamaStream::new(req.model.clone(), api, started);
-        let lines = futures::stream::unfold(
-            (rx, enc, record, false),
-            |(mut rx, mut enc, mut record, done)| async move {
-                if done {
-                    return None;
-                }
-                loop {
-                    let d = rx.recv().await?;
-                    let (values, end) = match d {
-                        Delivery::Event(ev) => {
-                            (enc.push(&ev, iop_transport::clock::unix_ms()), false)
-                        }
-                        Delivery::Finish => {
-                            record.set("ok");
-                            (Vec::new(), true)
-                        }
-                        Delivery::Fail { kind, .. } => {
-                            let err = gate_error(kind);
-                            record.error(&err);
-                            (enc.fail(&err), true)
-                        }
-                        _ => continue,
-                    };
-                    let mut text = String::new();
-                    for v in values {
-                        text.push_str(&v.to_string());
-                        text.push('\n');
-                    }
-                    return Some((
-                        Ok::<_, Infallible>(bytes::Bytes::from(text)),
-                        (rx, enc, record, end),
-                    ));
-                }
-            },
-        );
-        Response::builder()
-            .header(header::CONTENT_TYPE, "application/x-ndjson")
-            .body(Body::from_stream(lines))
-            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-    } else {
-        let mut acc = ollama::OllamaAccumulator::new(req.model.clone(), api, started);
-        while let Some(d) = rx.recv().await {
-            match d {
-                Delivery::Event(ev) => acc.push(&ev),
-                Delivery::Finish => {
-                    return match acc.finish(iop_transport::clock::unix_ms()) {
-                        Ok(v) => {
-                            record.set("ok");
-                            axum::Json(v).into_response()
-                        }
-                        Err(e) => {
-                            record.error(&e);
-                            ollama_error_response(&e)
-                        }
-                    };
-                }
-                Delivery::Fail { kind, .. } => {
-                    let e = gate_error(kind);
-                    record.error(&e);
-                    return ollama_error_response(&e);
-                }
-                _ => {}
-            }
-        }
-        ollama_error_response(&ApiError::internal())
+    match listed_models(&state, &headers) {
+        Ok(names) => axum::Json(models::models_list_json(&names, unix_now())).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
 async fn ollama_tags(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let key = match authenticate(&state, &headers) {
-        Ok(k) => k,
-        Err(e) => return ollama_error_response(&e),
-    };
-    let names: Vec<String> = state
+    match listed_models(&state, &headers) {
+        Ok(names) => axum::Json(ollama::tags_json(&names)).into_response(),
+        Err(e) => OllamaError(e).into_response(),
+    }
+}
+
+/// The models the caller's key may use, in listing order.
+fn listed_models(state: &AppState, headers: &HeaderMap) -> Result<Vec<String>, ApiError> {
+    let key = authenticate(state, headers)?;
+    Ok(state
         .config
         .listed_models()
         .filter(|m| key.allows(m))
         .map(str::to_owned)
-        .collect();
-    axum::Json(ollama::tags_json(&names)).into_response()
+        .collect())
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
@@ -658,17 +459,22 @@ fn outcome_of(err: &ApiError) -> &'static str {
     }
 }
 
-async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let key = match authenticate(&state, &headers) {
-        Ok(k) => k,
-        Err(e) => return error_response(&e),
-    };
+/// The caller's key, if it is an admin key.
+fn authenticate_admin(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+    let key = authenticate(state, headers)?;
     if !key.admin {
-        return error_response(&ApiError::permission_denied());
+        return Err(ApiError::permission_denied());
+    }
+    Ok(key)
+}
+
+async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authenticate_admin(&state, &headers) {
+        return e.into_response();
     }
     match state.hub.snapshot().await {
         Ok(snap) => axum::Json(crate::status::status_json(&state.config, &snap)).into_response(),
-        Err(_) => error_response(&ApiError::internal()),
+        Err(_) => ApiError::internal().into_response(),
     }
 }
 
@@ -680,15 +486,12 @@ async fn revoke_credential(
     axum::extract::Path(profile): axum::extract::Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let key = match authenticate(&state, &headers) {
+    let key = match authenticate_admin(&state, &headers) {
         Ok(k) => k,
-        Err(e) => return error_response(&e),
+        Err(e) => return e.into_response(),
     };
-    if !key.admin {
-        return error_response(&ApiError::permission_denied());
-    }
     if !state.ctx.creds.revoke(&profile) {
-        return error_response(&ApiError::not_found("credential profile"));
+        return ApiError::not_found("credential profile").into_response();
     }
     tracing::warn!(event = "edge_credential_revoked", profile = %profile, by = %key.principal);
     state.hub.refresh_credentials();
@@ -736,40 +539,3 @@ fn tunnel_response(
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
 }
-
-fn data_event(json: serde_json::Value) -> Event {
-    Event::default().data(json.to_string())
-}
-
-fn named_event(ev: responses::ResponsesEvent) -> Event {
-    Event::default().event(ev.event).data(ev.data.to_string())
-}
-
-/// Turn driver deliveries into SSE events until the stream ends.
-fn sse_stream<F>(
-    rx: mpsc::Receiver<Delivery>,
-    record: RequestRecord,
-    f: F,
-) -> impl Stream<Item = Result<Event, Infallible>>
-where
-    F: FnMut(Delivery, &mut RequestRecord) -> Vec<Event> + Send + 'static,
-{
-    futures::stream::unfold(
-        (rx, f, record, false),
-        |(mut rx, mut f, mut record, done)| async move {
-            if done {
-                return None;
-            }
-            let d = rx.recv().await?;
-            let end = matches!(d, Delivery::Finish | Delivery::Fail { .. });
-            let events = f(d, &mut record);
-            Some((
-                futures::stream::iter(events.into_iter().map(Ok)),
-                (rx, f, record, end),
-            ))
-        },
-    )
-    .flatten()
-}
-
-use futures::StreamExt as _;

@@ -14,14 +14,16 @@
 use std::collections::BTreeMap;
 
 use iop_wire::{
-    ChatMessage, ExecutionFailure, FailureCode, FinishReason, GenerationParams, Role, RunEventKind,
-    ToolCall, ToolCallDelta, ToolDefinition, Usage,
+    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
+    ToolCallDelta, ToolDefinition, Usage,
 };
 use serde_json::{Map, Value, json};
 
+use super::NormalizedRun;
 use super::error::ApiError;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body, type_name};
+use super::transcript::Transcript;
 
 /// Most tools one request may declare (OpenAI's limit).
 pub const MAX_TOOLS: usize = 128;
@@ -39,18 +41,11 @@ pub const MAX_TOOL_CALLS_PER_RUN: usize = 128;
 /// A parsed Chat Completions request, ready to become a normalized run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatRequest {
-    /// The requested model (non-empty).
-    pub model: String,
-    /// `stream: true`: answer with SSE chunks.
-    pub stream: bool,
+    /// The run (`developer` messages become system ones; `stream: true`
+    /// answers with SSE chunks).
+    pub run: NormalizedRun,
     /// `stream_options.include_usage`: send a final usage chunk.
     pub include_usage: bool,
-    /// The conversation, roles normalized (`developer` -> system).
-    pub messages: Vec<ChatMessage>,
-    /// Function tools the model may call.
-    pub tools: Vec<ToolDefinition>,
-    /// Sampling and length parameters.
-    pub params: GenerationParams,
 }
 
 /// Parse a `POST /v1/chat/completions` body.
@@ -128,12 +123,15 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
     };
 
     Ok(ChatRequest {
-        model,
-        stream,
+        run: NormalizedRun {
+            model,
+            stream,
+            api: RunApi::Chat,
+            messages,
+            tools,
+            params,
+        },
         include_usage,
-        messages,
-        tools,
-        params,
     })
 }
 
@@ -605,145 +603,53 @@ impl ChatStream {
     }
 }
 
-/// Tool calls assembled from streamed fragments, by call index.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct ToolCallAssembly {
-    calls: BTreeMap<u32, ToolCall>,
-}
-
-impl ToolCallAssembly {
-    /// Fold one fragment in; returns false if it was dropped at the bound.
-    pub(crate) fn push(&mut self, delta: &ToolCallDelta, id_parent: &str) -> bool {
-        if !self.calls.contains_key(&delta.index) && self.calls.len() >= MAX_TOOL_CALLS_PER_RUN {
-            return false;
-        }
-        let call = self.calls.entry(delta.index).or_insert_with(|| ToolCall {
-            id: String::new(),
-            name: String::new(),
-            arguments: String::new(),
-        });
-        if call.id.is_empty() {
-            call.id = delta
-                .id
-                .clone()
-                .unwrap_or_else(|| ids::derived_id("call_", id_parent, delta.index));
-        }
-        if call.name.is_empty()
-            && let Some(name) = &delta.name
-        {
-            call.name.clone_from(name);
-        }
-        call.arguments.push_str(&delta.arguments_delta);
-        true
-    }
-
-    /// The calls in index order.
-    pub(crate) fn calls(&self) -> impl Iterator<Item = &ToolCall> {
-        self.calls.values()
-    }
-
-    /// True when no call was seen.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.calls.is_empty()
-    }
-}
-
-/// How a run ended, as seen by an accumulator.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RunOutcome {
-    /// No terminal yet.
-    Running,
-    /// `Completed`.
-    Completed(FinishReason),
-    /// `Failed`.
-    Failed(ExecutionFailure),
-}
-
-impl RunOutcome {
-    /// The client error for a run that did not complete.
-    pub(crate) fn error(&self) -> Option<ApiError> {
-        match self {
-            RunOutcome::Completed(_) => None,
-            RunOutcome::Failed(failure) => Some(ApiError::from_execution_failure(failure)),
-            // The event stream ended without a terminal: the transport went away.
-            RunOutcome::Running => Some(ApiError::from_failure(FailureCode::TransportClosed)),
-        }
-    }
-}
-
 /// Folds run events into the non-streaming `chat.completion` object.
 #[derive(Debug, Clone)]
 pub struct ChatAccumulator {
     id: String,
     model: String,
     created_unix: u64,
-    content: String,
-    tool_calls: ToolCallAssembly,
-    usage: Option<Usage>,
-    outcome: RunOutcome,
+    transcript: Transcript,
 }
 
 impl ChatAccumulator {
     /// An accumulator for completion `id` of `model`.
     pub fn new(id: impl Into<String>, model: impl Into<String>, created_unix: u64) -> Self {
+        let id = id.into();
         Self {
-            id: id.into(),
+            transcript: Transcript::new(id.clone()),
+            id,
             model: model.into(),
             created_unix,
-            content: String::new(),
-            tool_calls: ToolCallAssembly::default(),
-            usage: None,
-            outcome: RunOutcome::Running,
         }
     }
 
     /// Fold one event in; events after the terminal are ignored.
     pub fn push(&mut self, event: &RunEventKind) {
-        if self.is_finished() {
-            return;
-        }
-        match event {
-            RunEventKind::Started { .. } => {}
-            RunEventKind::TextDelta(text) => self.content.push_str(text),
-            RunEventKind::ToolCallDelta(delta) => {
-                self.tool_calls.push(delta, &self.id);
-            }
-            RunEventKind::Usage(usage) => self.usage = Some(*usage),
-            RunEventKind::Completed {
-                finish_reason,
-                usage,
-            } => {
-                if usage.is_some() {
-                    self.usage = *usage;
-                }
-                self.outcome = RunOutcome::Completed(*finish_reason);
-            }
-            RunEventKind::Failed(failure) => self.outcome = RunOutcome::Failed(failure.clone()),
-        }
+        self.transcript.push(event);
     }
 
     /// True once a terminal event was folded in.
     pub fn is_finished(&self) -> bool {
-        self.outcome != RunOutcome::Running
+        self.transcript.is_finished()
     }
 
     /// The `chat.completion` object, or the error the run ended with.
     pub fn finish(&self) -> Result<Value, ApiError> {
-        let RunOutcome::Completed(finish_reason) = self.outcome else {
-            return Err(self.outcome.error().unwrap_or_else(ApiError::internal));
-        };
+        let finish_reason = self.transcript.finish_reason()?;
+        let text = self.transcript.text();
+        let tool_calls = self.transcript.tool_calls();
         let mut message = Map::new();
         message.insert("role".into(), json!("assistant"));
-        let content = if self.content.is_empty() && !self.tool_calls.is_empty() {
+        let content = if text.is_empty() && !tool_calls.is_empty() {
             Value::Null
         } else {
-            json!(self.content)
+            json!(text)
         };
         message.insert("content".into(), content);
         message.insert("refusal".into(), Value::Null);
-        if !self.tool_calls.is_empty() {
-            let calls: Vec<Value> = self
-                .tool_calls
+        if !tool_calls.is_empty() {
+            let calls: Vec<Value> = tool_calls
                 .calls()
                 .map(|call| {
                     json!({
@@ -767,7 +673,7 @@ impl ChatAccumulator {
                 "logprobs": null,
                 "finish_reason": finish_reason.as_str(),
             }],
-            "usage": usage_json(self.usage.unwrap_or_default()),
+            "usage": usage_json(self.transcript.usage()),
         }))
     }
 }
@@ -776,6 +682,7 @@ impl ChatAccumulator {
 mod tests {
     use super::*;
     use crate::api::arbitrary_body::{arbitrary_json, replace_nth_value};
+    use iop_wire::{ExecutionFailure, FailureCode};
     use proptest::prelude::*;
 
     fn parse(body: Value) -> Result<ChatRequest, ApiError> {
@@ -855,42 +762,45 @@ mod tests {
     #[test]
     fn sdk_body_with_tools_usage_and_max_completion_tokens_parses() {
         let req = parse(sdk_body()).unwrap();
-        assert_eq!(req.model, "llama3");
-        assert!(req.stream);
+        assert_eq!(req.run.model, "llama3");
+        assert!(req.run.stream);
         assert!(req.include_usage);
-        assert_eq!(req.messages.len(), 5);
-        assert_eq!(req.messages[0].role, Role::System);
-        assert_eq!(req.messages[1].content, "Be nice.");
-        assert_eq!(req.messages[2].content, "Weather in\nParis?");
-        assert_eq!(req.messages[2].name.as_deref(), Some("alice"));
-        assert_eq!(req.messages[3].role, Role::Assistant);
-        assert_eq!(req.messages[3].content, "");
+        assert_eq!(req.run.messages.len(), 5);
+        assert_eq!(req.run.messages[0].role, Role::System);
+        assert_eq!(req.run.messages[1].content, "Be nice.");
+        assert_eq!(req.run.messages[2].content, "Weather in\nParis?");
+        assert_eq!(req.run.messages[2].name.as_deref(), Some("alice"));
+        assert_eq!(req.run.messages[3].role, Role::Assistant);
+        assert_eq!(req.run.messages[3].content, "");
         assert_eq!(
-            req.messages[3].tool_calls,
+            req.run.messages[3].tool_calls,
             vec![ToolCall {
                 id: "call_1".into(),
                 name: "get_weather".into(),
                 arguments: "{\"city\":\"Paris\"}".into()
             }]
         );
-        assert_eq!(req.messages[4].role, Role::Tool);
-        assert_eq!(req.messages[4].tool_call_id.as_deref(), Some("call_1"));
-        assert_eq!(req.tools.len(), 1);
-        assert_eq!(req.tools[0].name, "get_weather");
+        assert_eq!(req.run.messages[4].role, Role::Tool);
+        assert_eq!(req.run.messages[4].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(req.run.tools.len(), 1);
+        assert_eq!(req.run.tools[0].name, "get_weather");
         let schema: Value =
-            serde_json::from_str(req.tools[0].parameters_json.as_deref().unwrap()).unwrap();
+            serde_json::from_str(req.run.tools[0].parameters_json.as_deref().unwrap()).unwrap();
         assert_eq!(
             schema["properties"]["days"]["items"]["properties"]["d"]["type"],
             "integer"
         );
-        assert_eq!(req.params.max_tokens, Some(256));
-        assert_eq!(req.params.temperature, Some(0.7));
-        assert_eq!(req.params.top_p, Some(0.9));
-        assert_eq!(req.params.seed, Some(42));
-        assert_eq!(req.params.stop, vec!["\n\n".to_owned(), "END".to_owned()]);
-        assert_eq!(req.params.presence_penalty, Some(0.5));
-        assert_eq!(req.params.frequency_penalty, Some(-0.5));
-        assert_eq!(req.params.tool_choice_json.as_deref(), Some("\"auto\""));
+        assert_eq!(req.run.params.max_tokens, Some(256));
+        assert_eq!(req.run.params.temperature, Some(0.7));
+        assert_eq!(req.run.params.top_p, Some(0.9));
+        assert_eq!(req.run.params.seed, Some(42));
+        assert_eq!(
+            req.run.params.stop,
+            vec!["\n\n".to_owned(), "END".to_owned()]
+        );
+        assert_eq!(req.run.params.presence_penalty, Some(0.5));
+        assert_eq!(req.run.params.frequency_penalty, Some(-0.5));
+        assert_eq!(req.run.params.tool_choice_json.as_deref(), Some("\"auto\""));
     }
 
     #[test]
@@ -900,18 +810,18 @@ mod tests {
         //  tool_choice="auto")`, byte for byte.
         let body = br#"{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "stream_options": {"include_usage": true}, "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": true}}]}"#;
         let req = parse_chat_request(body).unwrap();
-        assert!(req.stream && req.include_usage);
-        assert_eq!(req.params.max_tokens, Some(5));
-        assert_eq!(req.tools[0].description.as_deref(), Some("w"));
+        assert!(req.run.stream && req.include_usage);
+        assert_eq!(req.run.params.max_tokens, Some(5));
+        assert_eq!(req.run.tools[0].description.as_deref(), Some("w"));
     }
 
     #[test]
     fn minimal_body_defaults() {
         let req = parse(minimal()).unwrap();
-        assert!(!req.stream);
+        assert!(!req.run.stream);
         assert!(!req.include_usage);
-        assert!(req.tools.is_empty());
-        assert_eq!(req.params, GenerationParams::default());
+        assert!(req.run.tools.is_empty());
+        assert_eq!(req.run.params, GenerationParams::default());
     }
 
     #[test]
@@ -921,15 +831,15 @@ mod tests {
         body["temperature"] = Value::Null;
         body["tools"] = Value::Null;
         let req = parse(body).unwrap();
-        assert_eq!(req.params.temperature, None);
+        assert_eq!(req.run.params.temperature, None);
     }
 
     #[test]
     fn max_tokens_is_read_when_max_completion_tokens_is_absent() {
         let req = parse(with("max_tokens", json!(7))).unwrap();
-        assert_eq!(req.params.max_tokens, Some(7));
+        assert_eq!(req.run.params.max_tokens, Some(7));
         let req = parse(with("stop", json!("x"))).unwrap();
-        assert_eq!(req.params.stop, vec!["x".to_owned()]);
+        assert_eq!(req.run.params.stop, vec!["x".to_owned()]);
     }
 
     #[test]
@@ -939,7 +849,8 @@ mod tests {
             json!({"type": "function", "function": {"name": "f"}}),
         ))
         .unwrap();
-        let choice: Value = serde_json::from_str(&req.params.tool_choice_json.unwrap()).unwrap();
+        let choice: Value =
+            serde_json::from_str(&req.run.params.tool_choice_json.unwrap()).unwrap();
         assert_eq!(choice["function"]["name"], "f");
     }
 
@@ -1133,24 +1044,29 @@ mod tests {
             .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
             .collect();
         assert_eq!(
-            parse(with("tools", json!(tools))).unwrap().tools.len(),
+            parse(with("tools", json!(tools))).unwrap().run.tools.len(),
             MAX_TOOLS
         );
         let stops: Vec<String> = (0..MAX_STOP_SEQUENCES).map(|i| i.to_string()).collect();
         assert_eq!(
-            parse(with("stop", json!(stops))).unwrap().params.stop.len(),
+            parse(with("stop", json!(stops)))
+                .unwrap()
+                .run
+                .params
+                .stop
+                .len(),
             MAX_STOP_SEQUENCES
         );
         let name = "m".repeat(MAX_MODEL_NAME_CHARS);
         assert_eq!(
-            parse(with("model", json!(name))).unwrap().model.len(),
+            parse(with("model", json!(name))).unwrap().run.model.len(),
             MAX_MODEL_NAME_CHARS
         );
         let req = parse(with("max_tokens", json!(u32::MAX))).unwrap();
-        assert_eq!(req.params.max_tokens, Some(u32::MAX));
+        assert_eq!(req.run.params.max_tokens, Some(u32::MAX));
         assert!(parse(with("max_tokens", json!(u64::from(u32::MAX) + 1))).is_err());
         let req = parse(with("temperature", json!(2))).unwrap();
-        assert_eq!(req.params.temperature, Some(2.0));
+        assert_eq!(req.run.params.temperature, Some(2.0));
         assert!(parse(with("temperature", json!(0))).is_ok());
     }
 
@@ -1397,7 +1313,7 @@ mod tests {
             body in arbitrary_json(4)
         ) {
             match parse_chat_request(body.to_string().as_bytes()) {
-                Ok(req) => prop_assert!(!req.model.is_empty() && !req.messages.is_empty()),
+                Ok(req) => prop_assert!(!req.run.model.is_empty() && !req.run.messages.is_empty()),
                 Err(err) => prop_assert!((400..500).contains(&err.status)),
             }
         }

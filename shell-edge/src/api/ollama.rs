@@ -18,14 +18,15 @@
 //! and finish times (load and eval durations are not measured and are 0).
 
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
-    ToolDefinition, Usage,
+    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall, Usage,
 };
 use serde_json::{Map, Value, json};
 
-use super::chat::{RunOutcome, ToolCallAssembly, parse_function_tools, parse_model, parse_stop};
+use super::NormalizedRun;
+use super::chat::{parse_function_tools, parse_model, parse_stop};
 use super::error::ApiError;
 use super::request_object::{RequestObject, element, parse_body};
+use super::transcript::{ToolCallAssembly, Transcript};
 
 /// Most stop sequences an Ollama request may give.
 pub const MAX_OLLAMA_STOP_SEQUENCES: usize = 16;
@@ -33,25 +34,17 @@ pub const MAX_OLLAMA_STOP_SEQUENCES: usize = 16;
 /// A parsed Ollama chat or generate request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OllamaRequest {
-    /// The requested model (non-empty).
-    pub model: String,
-    /// Stream NDJSON (Ollama's default) or answer with one object.
-    pub stream: bool,
-    /// [`RunApi::Chat`] for `/api/chat`, [`RunApi::Generate`] for `/api/generate`.
-    pub api: RunApi,
-    /// The conversation; empty for a load-only request.
-    pub messages: Vec<ChatMessage>,
-    /// Function tools (chat only).
-    pub tools: Vec<ToolDefinition>,
-    /// Parameters from `options`.
-    pub params: GenerationParams,
+    /// The run: [`RunApi::Chat`] for `/api/chat`, [`RunApi::Generate`] for
+    /// `/api/generate`; no messages for a load-only request; tools for chat
+    /// only; parameters from `options`; `stream` (NDJSON) by default.
+    pub run: NormalizedRun,
 }
 
 impl OllamaRequest {
     /// True when the request only asks to load the model (no messages or an
     /// empty prompt): answer with [`load_response_json`] instead of a run.
     pub fn is_load_only(&self) -> bool {
-        self.messages.is_empty()
+        self.run.messages.is_empty()
     }
 }
 
@@ -74,12 +67,14 @@ pub fn parse_ollama_chat(body: &[u8]) -> Result<OllamaRequest, ApiError> {
     let tools = parse_function_tools(&root, "tools")?;
     let params = parse_options(&root)?;
     Ok(OllamaRequest {
-        model,
-        stream,
-        api: RunApi::Chat,
-        messages,
-        tools,
-        params,
+        run: NormalizedRun {
+            model,
+            stream,
+            api: RunApi::Chat,
+            messages,
+            tools,
+            params,
+        },
     })
 }
 
@@ -122,12 +117,14 @@ pub fn parse_ollama_generate(body: &[u8]) -> Result<OllamaRequest, ApiError> {
     }
     let params = parse_options(&root)?;
     Ok(OllamaRequest {
-        model,
-        stream,
-        api: RunApi::Generate,
-        messages,
-        tools: Vec::new(),
-        params,
+        run: NormalizedRun {
+            model,
+            stream,
+            api: RunApi::Generate,
+            messages,
+            tools: Vec::new(),
+            params,
+        },
     })
 }
 
@@ -495,10 +492,7 @@ pub struct OllamaAccumulator {
     model: String,
     api: RunApi,
     started_unix_ms: u64,
-    content: String,
-    tool_calls: ToolCallAssembly,
-    usage: Option<Usage>,
-    outcome: RunOutcome,
+    transcript: Transcript,
 }
 
 impl OllamaAccumulator {
@@ -508,56 +502,32 @@ impl OllamaAccumulator {
             model: model.into(),
             api,
             started_unix_ms,
-            content: String::new(),
-            tool_calls: ToolCallAssembly::default(),
-            usage: None,
-            outcome: RunOutcome::Running,
+            transcript: Transcript::new(""),
         }
     }
 
     /// Fold one event in; events after the terminal are ignored.
     pub fn push(&mut self, event: &RunEventKind) {
-        if self.is_finished() {
-            return;
-        }
-        match event {
-            RunEventKind::Started { .. } => {}
-            RunEventKind::TextDelta(text) => self.content.push_str(text),
-            RunEventKind::ToolCallDelta(delta) => {
-                self.tool_calls.push(delta, "");
-            }
-            RunEventKind::Usage(usage) => self.usage = Some(*usage),
-            RunEventKind::Completed {
-                finish_reason,
-                usage,
-            } => {
-                if usage.is_some() {
-                    self.usage = *usage;
-                }
-                self.outcome = RunOutcome::Completed(*finish_reason);
-            }
-            RunEventKind::Failed(failure) => self.outcome = RunOutcome::Failed(failure.clone()),
-        }
+        self.transcript.push(event);
     }
 
     /// True once a terminal event was folded in.
     pub fn is_finished(&self) -> bool {
-        self.outcome != RunOutcome::Running
+        self.transcript.is_finished()
     }
 
     /// The final object at `now_unix_ms`, or the error the run ended with.
     pub fn finish(&self, now_unix_ms: u64) -> Result<Value, ApiError> {
-        let RunOutcome::Completed(finish_reason) = self.outcome else {
-            return Err(self.outcome.error().unwrap_or_else(ApiError::internal));
-        };
+        let finish_reason = self.transcript.finish_reason()?;
+        let calls = self.transcript.tool_calls();
         let mut object = object_head(&self.model, now_unix_ms);
-        let tool_calls = (self.api == RunApi::Chat && !self.tool_calls.is_empty())
-            .then(|| tool_calls_json(&self.tool_calls));
-        insert_text(&mut object, self.api, &self.content, tool_calls);
+        let tool_calls =
+            (self.api == RunApi::Chat && !calls.is_empty()).then(|| tool_calls_json(calls));
+        insert_text(&mut object, self.api, self.transcript.text(), tool_calls);
         insert_done(
             &mut object,
             finish_reason,
-            self.usage.unwrap_or_default(),
+            self.transcript.usage(),
             duration_ns(self.started_unix_ms, now_unix_ms),
         );
         Ok(Value::Object(object))
@@ -645,24 +615,30 @@ mod tests {
     #[test]
     fn chat_body_parses_with_stream_default_true() {
         let req = chat(chat_body()).unwrap();
-        assert_eq!(req.model, "llama3.2");
-        assert!(req.stream);
-        assert_eq!(req.api, RunApi::Chat);
-        assert_eq!(req.messages.len(), 5);
-        let calls = &req.messages[2].tool_calls;
+        assert_eq!(req.run.model, "llama3.2");
+        assert!(req.run.stream);
+        assert_eq!(req.run.api, RunApi::Chat);
+        assert_eq!(req.run.messages.len(), 5);
+        let calls = &req.run.messages[2].tool_calls;
         assert_eq!(calls[0].name, "get_time");
         assert_eq!(calls[0].arguments, "{}");
         assert_eq!(calls[1].arguments, "{\"city\":\"Paris\"}");
         assert_eq!(calls[0].id, "call_2_0");
-        assert_eq!(req.messages[3].tool_call_id.as_deref(), Some("call_2_1"));
-        assert_eq!(req.messages[3].name.as_deref(), Some("get_weather"));
-        assert_eq!(req.messages[4].tool_call_id.as_deref(), Some("call_2_0"));
-        assert_eq!(req.tools[0].name, "get_weather");
-        assert_eq!(req.params.temperature, Some(0.3));
-        assert_eq!(req.params.top_p, Some(0.8));
-        assert_eq!(req.params.max_tokens, Some(64));
-        assert_eq!(req.params.stop, vec!["###".to_owned()]);
-        assert_eq!(req.params.seed, Some(7));
+        assert_eq!(
+            req.run.messages[3].tool_call_id.as_deref(),
+            Some("call_2_1")
+        );
+        assert_eq!(req.run.messages[3].name.as_deref(), Some("get_weather"));
+        assert_eq!(
+            req.run.messages[4].tool_call_id.as_deref(),
+            Some("call_2_0")
+        );
+        assert_eq!(req.run.tools[0].name, "get_weather");
+        assert_eq!(req.run.params.temperature, Some(0.3));
+        assert_eq!(req.run.params.top_p, Some(0.8));
+        assert_eq!(req.run.params.max_tokens, Some(64));
+        assert_eq!(req.run.params.stop, vec!["###".to_owned()]);
+        assert_eq!(req.run.params.seed, Some(7));
         assert!(!req.is_load_only());
     }
 
@@ -671,18 +647,24 @@ mod tests {
         let req = generate(json!({"model": "m", "prompt": "Why?", "system": "Sys",
                                   "stream": false, "options": {"num_predict": -1}}))
         .unwrap();
-        assert_eq!(req.api, RunApi::Generate);
-        assert!(!req.stream);
-        assert_eq!(req.messages.len(), 2);
+        assert_eq!(req.run.api, RunApi::Generate);
+        assert!(!req.run.stream);
+        assert_eq!(req.run.messages.len(), 2);
         assert_eq!(
-            (req.messages[0].role, req.messages[0].content.as_str()),
+            (
+                req.run.messages[0].role,
+                req.run.messages[0].content.as_str()
+            ),
             (Role::System, "Sys")
         );
         assert_eq!(
-            (req.messages[1].role, req.messages[1].content.as_str()),
+            (
+                req.run.messages[1].role,
+                req.run.messages[1].content.as_str()
+            ),
             (Role::User, "Why?")
         );
-        assert_eq!(req.params.max_tokens, None);
+        assert_eq!(req.run.params.max_tokens, None);
     }
 
     #[test]

@@ -27,18 +27,20 @@
 use std::collections::BTreeMap;
 
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, Role, RunEventKind, ToolCall, ToolCallDelta,
-    ToolDefinition, Usage,
+    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
+    ToolCallDelta, ToolDefinition, Usage,
 };
 use serde_json::{Map, Value, json};
 
+use super::NormalizedRun;
 use super::chat::{
-    MAX_TOOL_CALLS_PER_RUN, MAX_TOOLS, RunOutcome, check_tool_choice_mode,
-    parse_function_definition, parse_model, parse_text_content,
+    MAX_TOOL_CALLS_PER_RUN, MAX_TOOLS, check_tool_choice_mode, parse_function_definition,
+    parse_model, parse_text_content,
 };
 use super::error::ApiError;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body};
+use super::transcript::RunOutcome;
 
 /// Request fields a `response` object echoes back to the client.
 #[derive(Debug, Clone, PartialEq)]
@@ -79,16 +81,9 @@ impl Default for ResponseEcho {
 /// A parsed Responses request, ready to become a normalized run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResponsesRequest {
-    /// The requested model (non-empty).
-    pub model: String,
-    /// `stream: true`: answer with SSE events.
-    pub stream: bool,
-    /// The conversation (instructions first, as a system message).
-    pub messages: Vec<ChatMessage>,
-    /// Function tools the model may call.
-    pub tools: Vec<ToolDefinition>,
-    /// Sampling and length parameters (`tool_choice_json` in the Chat shape).
-    pub params: GenerationParams,
+    /// The run (instructions first, as a system message; `tool_choice_json`
+    /// in the Chat shape; `stream: true` answers with SSE events).
+    pub run: NormalizedRun,
     /// Fields to echo in the `response` object.
     pub echo: ResponseEcho,
 }
@@ -178,11 +173,14 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
     };
 
     Ok(ResponsesRequest {
-        model,
-        stream,
-        messages,
-        tools,
-        params,
+        run: NormalizedRun {
+            model,
+            stream,
+            api: RunApi::Chat,
+            messages,
+            tools,
+            params,
+        },
         echo,
     })
 }
@@ -933,10 +931,8 @@ impl ResponsesAccumulator {
 
     /// The `response` object, or the error the run ended with.
     pub fn finish(&self) -> Result<Value, ApiError> {
-        match self.outcome {
-            RunOutcome::Completed(finish_reason) => Ok(self.draft.completed_json(finish_reason)),
-            _ => Err(self.outcome.error().unwrap_or_else(ApiError::internal)),
-        }
+        let finish_reason = self.outcome.finish_reason()?;
+        Ok(self.draft.completed_json(finish_reason))
     }
 }
 
@@ -994,9 +990,9 @@ mod tests {
     #[test]
     fn sdk_body_parses_into_a_normalized_conversation() {
         let req = parse(sdk_body()).unwrap();
-        assert_eq!(req.model, "llama3");
-        assert!(req.stream);
-        let m = &req.messages;
+        assert_eq!(req.run.model, "llama3");
+        assert!(req.run.stream);
+        let m = &req.run.messages;
         assert_eq!(m.len(), 6);
         assert_eq!(
             (m[0].role, m[0].content.as_str()),
@@ -1019,18 +1015,18 @@ mod tests {
             (m[5].role, m[5].content.as_str()),
             (Role::System, "Answer now.")
         );
-        assert_eq!(req.tools.len(), 1);
+        assert_eq!(req.run.tools.len(), 1);
         assert!(
-            req.tools[0]
+            req.run.tools[0]
                 .parameters_json
                 .as_deref()
                 .unwrap()
                 .contains("city")
         );
-        assert_eq!(req.params.max_tokens, Some(100));
-        assert_eq!(req.params.temperature, Some(0.2));
+        assert_eq!(req.run.params.max_tokens, Some(100));
+        assert_eq!(req.run.params.temperature, Some(0.2));
         let choice: Value =
-            serde_json::from_str(req.params.tool_choice_json.as_deref().unwrap()).unwrap();
+            serde_json::from_str(req.run.params.tool_choice_json.as_deref().unwrap()).unwrap();
         assert_eq!(
             choice,
             json!({"type": "function", "function": {"name": "get_weather"}})
@@ -1046,17 +1042,17 @@ mod tests {
         // `client.responses.create(model="m", input=[...], tools=[...], stream=True)`.
         let body = br#"{"model": "m", "stream": true, "input": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}, "strict": true}]}"#;
         let req = parse_responses_request(body).unwrap();
-        assert!(req.stream);
-        assert_eq!(req.messages[0].content, "hi");
-        assert_eq!(req.tools[0].name, "f");
+        assert!(req.run.stream);
+        assert_eq!(req.run.messages[0].content, "hi");
+        assert_eq!(req.run.tools[0].name, "f");
     }
 
     #[test]
     fn string_input_is_one_user_message() {
         let req = parse(json!({"model": "m", "input": "hello"})).unwrap();
-        assert_eq!(req.messages.len(), 1);
-        assert_eq!(req.messages[0].role, Role::User);
-        assert!(!req.stream);
+        assert_eq!(req.run.messages.len(), 1);
+        assert_eq!(req.run.messages[0].role, Role::User);
+        assert!(!req.run.stream);
         assert_eq!(req.echo, ResponseEcho::default());
     }
 

@@ -108,6 +108,72 @@ impl HttpTarget {
     pub(crate) fn bearer(&self, auth: Option<String>) -> Option<String> {
         auth.or_else(|| self.api_key.clone())
     }
+
+    /// Send `request` with the call's bearer ([`HttpTarget::bearer`]); the
+    /// answer whatever its status, or the typed transport failure.
+    pub(crate) async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+        auth: Option<String>,
+    ) -> Result<reqwest::Response, ProviderCallError> {
+        let request = match self.bearer(auth) {
+            Some(key) => request.bearer_auth(key),
+            None => request,
+        };
+        request
+            .send()
+            .await
+            .map_err(|e| ProviderCallError::from_reqwest(&e, false))
+    }
+
+    /// [`HttpTarget::send`], with an HTTP error status a failure too. The
+    /// error body is the provider's text: it is never read into a failure.
+    pub(crate) async fn send_expecting_success(
+        &self,
+        request: reqwest::RequestBuilder,
+        auth: Option<String>,
+    ) -> Result<reqwest::Response, ProviderCallError> {
+        let response = self.send(request, auth).await?;
+        if !response.status().is_success() {
+            let status = response.status().as_u16();
+            return Err(ProviderCallError::Status { status });
+        }
+        Ok(response)
+    }
+
+    /// The streamed JSON `POST` of a run to `path`.
+    pub(crate) fn run_request(&self, path: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+        self.http
+            .post(format!("{}{path}", self.base_url))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+    }
+}
+
+/// A run over HTTP: send `request`, then `Started` and the events `decode`
+/// reads from the successful answer. Failing to send or an error status is
+/// the run's one `Failed`, and `Started` is never sent.
+pub(crate) fn http_run(
+    target: HttpTarget,
+    request: reqwest::RequestBuilder,
+    auth: Option<String>,
+    session_id: String,
+    decode: fn(reqwest::Response) -> BoxStream<'static, RunEventKind>,
+) -> BoxStream<'static, RunEventKind> {
+    Box::pin(async_stream::stream! {
+        let response = match target.send_expecting_success(request, auth).await {
+            Ok(r) => r,
+            Err(e) => {
+                yield RunEventKind::Failed(e.failure());
+                return;
+            }
+        };
+        yield RunEventKind::Started { session_id };
+        let mut events = decode(response);
+        while let Some(event) = events.next().await {
+            yield event;
+        }
+    })
 }
 
 #[derive(Clone)]
@@ -327,23 +393,19 @@ async fn probe_http(
     path: &str,
     models: fn(&[u8]) -> Option<Vec<String>>,
 ) -> ProbeVerdict {
-    let mut request = target
+    let request = target
         .http
         .get(format!("{}{path}", target.base_url))
         .timeout(PROBE_TIMEOUT);
-    if let Some(key) = target.bearer(None) {
-        request = request.bearer_auth(key);
-    }
-    let mut response = match request.send().await {
+    let mut response = match target.send_expecting_success(request, None).await {
         Ok(r) => r,
-        Err(e) => return probe_failure(ProviderCallError::from_reqwest(&e, false)),
+        Err(ProviderCallError::Status { status }) => {
+            return ProbeVerdict::unavailable(
+                classify_status(status).unwrap_or(HealthFailureCode::ProviderRejected),
+            );
+        }
+        Err(e) => return probe_failure(e),
     };
-    let status = response.status().as_u16();
-    if !response.status().is_success() {
-        return ProbeVerdict::unavailable(
-            classify_status(status).unwrap_or(HealthFailureCode::ProviderRejected),
-        );
-    }
     let mut body = Vec::new();
     loop {
         match response.chunk().await {

@@ -11,7 +11,9 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::openai::{generate_prompt, tool_json};
-use super::{HttpTarget, LineBuffer, ProbeVerdict, ProviderCallError, failed_run, probe_http};
+use super::{
+    HttpTarget, LineBuffer, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http,
+};
 
 /// Stream an Ollama chat or generate call as normalized run events.
 pub(super) fn run(
@@ -23,30 +25,13 @@ pub(super) fn run(
         Ok(x) => x,
         Err(e) => return failed_run(e),
     };
-    let url = format!("{}{path}", target.base_url);
-    let session_id = req.session_id;
+    let request = target.run_request(path, body);
+    http_run(target, request, auth, req.session_id, decode)
+}
+
+/// The run events of a successful NDJSON answer.
+fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
-        let mut request = target
-            .http
-            .post(url)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body);
-        if let Some(key) = target.bearer(auth) {
-            request = request.bearer_auth(key);
-        }
-        let response = match request.send().await {
-            Ok(r) => r,
-            Err(e) => {
-                yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, false).failure());
-                return;
-            }
-        };
-        if !response.status().is_success() {
-            let status = response.status().as_u16();
-            yield RunEventKind::Failed(ProviderCallError::Status { status }.failure());
-            return;
-        }
-        yield RunEventKind::Started { session_id };
         let mut bytes = response.bytes_stream();
         let mut lines = LineBuffer::default();
         let mut state = LineState::default();

@@ -14,7 +14,8 @@ use serde_json::{Map, Value, json};
 use eventsource_stream::{EventStreamError, Eventsource};
 
 use super::{
-    HttpTarget, ProbeVerdict, ProviderCallError, SseGuardError, bounded_sse, failed_run, probe_http,
+    HttpTarget, ProbeVerdict, ProviderCallError, SseGuardError, bounded_sse, failed_run, http_run,
+    probe_http,
 };
 
 /// Stream a chat completion as normalized run events.
@@ -27,32 +28,15 @@ pub(super) fn run(
         Ok(body) => body,
         Err(e) => return failed_run(e),
     };
-    let url = format!("{}/v1/chat/completions", target.base_url);
-    let session_id = req.session_id;
+    let request = target
+        .run_request("/v1/chat/completions", body)
+        .header(reqwest::header::ACCEPT, "text/event-stream");
+    http_run(target, request, auth, req.session_id, decode)
+}
+
+/// The run events of a successful streaming answer.
+fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
-        let mut request = target
-            .http
-            .post(url)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(reqwest::header::ACCEPT, "text/event-stream")
-            .body(body);
-        if let Some(key) = target.bearer(auth) {
-            request = request.bearer_auth(key);
-        }
-        let response = match request.send().await {
-            Ok(r) => r,
-            Err(e) => {
-                yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, false).failure());
-                return;
-            }
-        };
-        if !response.status().is_success() {
-            // The error body is the provider's text: never read into a failure.
-            let status = response.status().as_u16();
-            yield RunEventKind::Failed(ProviderCallError::Status { status }.failure());
-            return;
-        }
-        yield RunEventKind::Started { session_id };
         let mut events = bounded_sse(response.bytes_stream()).eventsource();
         let mut state = ChunkState::default();
         loop {

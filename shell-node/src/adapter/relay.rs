@@ -151,14 +151,11 @@ pub(super) fn relay(
     let url = format!("{}{path}", target.base_url);
     let body = call.body;
     Box::pin(async_stream::stream! {
-        let mut request = target.http.request(method, url).headers(headers).body(body);
-        if let Some(key) = target.bearer(auth) {
-            request = request.bearer_auth(key);
-        }
-        let response = match request.send().await {
+        let request = target.http.request(method, url).headers(headers).body(body);
+        let response = match target.send(request, auth).await {
             Ok(r) => r,
             Err(e) => {
-                yield ProviderTunnelFrame::Failure(ProviderCallError::from_reqwest(&e, false).failure());
+                yield ProviderTunnelFrame::Failure(e.failure());
                 return;
             }
         };

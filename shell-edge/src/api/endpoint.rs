@@ -1,0 +1,348 @@
+//! The per-API half of a run endpoint.
+//!
+//! `POST /v1/chat/completions`, `/v1/responses`, `/api/chat` and
+//! `/api/generate` share one pipeline in [`crate::http`]: authenticate, read
+//! and parse the body, route the model, dispatch the run, relay a tunnelled
+//! answer as it is, and otherwise answer with a stream or with one object.
+//! A [`RunEndpoint`] holds everything that differs between them:
+//!
+//! | | parse | error body | stream ([`AnswerStream`]) | one object ([`WholeAnswer`]) |
+//! | --- | --- | --- | --- | --- |
+//! | [`ChatCompletions`] | [`chat::parse_chat_request`] | OpenAI | SSE `data:` chunks, then `data: [DONE]` | [`chat::ChatAccumulator`] |
+//! | [`Responses`] | [`responses::parse_responses_request`] | OpenAI | SSE `event:` + `data:` | [`responses::ResponsesAccumulator`] |
+//! | [`Ollama`] | [`ollama::parse_ollama_chat`], [`ollama::parse_ollama_generate`] | Ollama | NDJSON lines | [`ollama::OllamaAccumulator`] |
+
+use std::convert::Infallible;
+
+use axum::body::Body;
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt as _;
+use futures::stream::BoxStream;
+use iop_wire::{RunApi, RunEventKind};
+use serde_json::Value;
+
+use super::error::{ApiError, OllamaError};
+use super::{NormalizedRun, chat, ids, ollama, responses};
+use crate::driver::TunnelApi;
+
+/// What one run API adds to the shared pipeline.
+pub trait RunEndpoint: Send + Sync + 'static {
+    /// Request fields only this API's answer uses.
+    type Options: Send + 'static;
+    /// The streamed answer.
+    type Stream: AnswerStream;
+    /// The non-streaming answer.
+    type Whole: WholeAnswer;
+
+    /// The route label of the request's metrics and its run.
+    fn route(&self) -> &'static str;
+    /// The provider API and path a tunnel-mode provider takes the raw body on.
+    fn tunnel(&self) -> (TunnelApi, &'static str);
+    /// The request body as a run and this API's options.
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, Self::Options), ApiError>;
+    /// An error answered instead of the run's answer, in this API's shape.
+    fn error_response(&self, err: ApiError) -> Response;
+    /// The answer to a request that needs no run, if this is one (Ollama's
+    /// load-only request); `now_unix_ms` is the admission time.
+    fn answer_without_run(
+        &self,
+        _run: &NormalizedRun,
+        _options: &Self::Options,
+        _now_unix_ms: u64,
+    ) -> Option<Value> {
+        None
+    }
+    /// The encoder of a streamed answer.
+    fn stream(&self, start: AnswerStart, options: Self::Options) -> Self::Stream;
+    /// The accumulator of a non-streaming answer.
+    fn whole(&self, start: AnswerStart, options: Self::Options) -> Self::Whole;
+}
+
+/// What an answer is labelled with, from the pipeline.
+#[derive(Debug)]
+pub struct AnswerStart {
+    /// The model the client asked for.
+    pub model: String,
+    /// Seed of the answer's id (see [`ids`]).
+    pub id_seed: u64,
+    /// When the request was admitted (Ollama durations count from here).
+    pub admitted_unix_ms: u64,
+    /// When the run committed, in Unix seconds (OpenAI `created` times).
+    pub committed_unix: u64,
+}
+
+/// Encodes a run's events as one API's streamed answer.
+pub trait AnswerStream: Send + 'static {
+    /// One piece of the stream (an SSE event, an NDJSON object).
+    type Frame: Send + 'static;
+    /// The frames due before the first event.
+    fn opening(&mut self) -> Vec<Self::Frame> {
+        Vec::new()
+    }
+    /// The frames for one run event at `now_unix_ms`.
+    fn event(&mut self, event: &RunEventKind, now_unix_ms: u64) -> Vec<Self::Frame>;
+    /// The frames after the run finished normally.
+    fn closing(&mut self) -> Vec<Self::Frame> {
+        Vec::new()
+    }
+    /// The frames ending the stream with `err` (R-GATE-3).
+    fn failure(&mut self, err: &ApiError) -> Vec<Self::Frame>;
+    /// The response carrying the frames, batched as they became due.
+    fn response(batches: BoxStream<'static, Vec<Self::Frame>>) -> Response;
+}
+
+/// Folds a run's events into one API's non-streaming answer.
+pub trait WholeAnswer: Send + 'static {
+    /// Fold one event in.
+    fn event(&mut self, event: &RunEventKind);
+    /// The answer at `now_unix_ms`, or the error the run ended with.
+    fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError>;
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Copy)]
+pub struct ChatCompletions;
+
+impl RunEndpoint for ChatCompletions {
+    type Options = bool;
+    type Stream = chat::ChatStream;
+    type Whole = chat::ChatAccumulator;
+
+    fn route(&self) -> &'static str {
+        "chat"
+    }
+
+    fn tunnel(&self) -> (TunnelApi, &'static str) {
+        (TunnelApi::OpenAi, "/v1/chat/completions")
+    }
+
+    /// The options are `stream_options.include_usage`.
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, bool), ApiError> {
+        chat::parse_chat_request(body).map(|r| (r.run, r.include_usage))
+    }
+
+    fn error_response(&self, err: ApiError) -> Response {
+        err.into_response()
+    }
+
+    fn stream(&self, start: AnswerStart, include_usage: bool) -> chat::ChatStream {
+        let id = ids::chat_completion_id(start.id_seed);
+        chat::ChatStream::new(id, start.model, start.committed_unix).with_usage_chunk(include_usage)
+    }
+
+    fn whole(&self, start: AnswerStart, _include_usage: bool) -> chat::ChatAccumulator {
+        let id = ids::chat_completion_id(start.id_seed);
+        chat::ChatAccumulator::new(id, start.model, start.committed_unix)
+    }
+}
+
+impl AnswerStream for chat::ChatStream {
+    type Frame = Event;
+
+    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64) -> Vec<Event> {
+        self.push(event).into_iter().map(data_event).collect()
+    }
+
+    fn closing(&mut self) -> Vec<Event> {
+        vec![Event::default().data("[DONE]")]
+    }
+
+    fn failure(&mut self, err: &ApiError) -> Vec<Event> {
+        self.fail(err).into_iter().map(data_event).collect()
+    }
+
+    fn response(batches: BoxStream<'static, Vec<Event>>) -> Response {
+        sse_response(batches)
+    }
+}
+
+impl WholeAnswer for chat::ChatAccumulator {
+    fn event(&mut self, event: &RunEventKind) {
+        self.push(event);
+    }
+
+    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
+        self.finish()
+    }
+}
+
+/// `POST /v1/responses`.
+#[derive(Debug, Clone, Copy)]
+pub struct Responses;
+
+impl RunEndpoint for Responses {
+    type Options = responses::ResponseEcho;
+    type Stream = responses::ResponsesStream;
+    type Whole = responses::ResponsesAccumulator;
+
+    fn route(&self) -> &'static str {
+        "responses"
+    }
+
+    fn tunnel(&self) -> (TunnelApi, &'static str) {
+        (TunnelApi::OpenAi, "/v1/responses")
+    }
+
+    /// The options are the request fields the `response` object echoes.
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, responses::ResponseEcho), ApiError> {
+        responses::parse_responses_request(body).map(|r| (r.run, r.echo))
+    }
+
+    fn error_response(&self, err: ApiError) -> Response {
+        err.into_response()
+    }
+
+    fn stream(&self, start: AnswerStart, echo: responses::ResponseEcho) -> Self::Stream {
+        let id = ids::response_id(start.id_seed);
+        responses::ResponsesStream::new(id, start.model, start.committed_unix).with_echo(echo)
+    }
+
+    fn whole(&self, start: AnswerStart, echo: responses::ResponseEcho) -> Self::Whole {
+        let id = ids::response_id(start.id_seed);
+        responses::ResponsesAccumulator::new(id, start.model, start.committed_unix).with_echo(echo)
+    }
+}
+
+impl AnswerStream for responses::ResponsesStream {
+    type Frame = Event;
+
+    fn opening(&mut self) -> Vec<Event> {
+        self.start().into_iter().map(named_event).collect()
+    }
+
+    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64) -> Vec<Event> {
+        self.push(event).into_iter().map(named_event).collect()
+    }
+
+    fn failure(&mut self, err: &ApiError) -> Vec<Event> {
+        self.fail(err).into_iter().map(named_event).collect()
+    }
+
+    fn response(batches: BoxStream<'static, Vec<Event>>) -> Response {
+        sse_response(batches)
+    }
+}
+
+impl WholeAnswer for responses::ResponsesAccumulator {
+    fn event(&mut self, event: &RunEventKind) {
+        self.push(event);
+    }
+
+    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
+        self.finish()
+    }
+}
+
+/// `POST /api/chat` ([`RunApi::Chat`]) or `POST /api/generate`
+/// ([`RunApi::Generate`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Ollama(pub RunApi);
+
+impl RunEndpoint for Ollama {
+    /// Whether the request only asks to load the model.
+    type Options = bool;
+    type Stream = ollama::OllamaStream;
+    type Whole = ollama::OllamaAccumulator;
+
+    fn route(&self) -> &'static str {
+        match self.0 {
+            RunApi::Chat => "ollama_chat",
+            RunApi::Generate => "ollama_generate",
+        }
+    }
+
+    fn tunnel(&self) -> (TunnelApi, &'static str) {
+        match self.0 {
+            RunApi::Chat => (TunnelApi::Ollama, "/api/chat"),
+            RunApi::Generate => (TunnelApi::Ollama, "/api/generate"),
+        }
+    }
+
+    /// The options say whether the request only asks to load the model.
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, bool), ApiError> {
+        let request = match self.0 {
+            RunApi::Chat => ollama::parse_ollama_chat(body)?,
+            RunApi::Generate => ollama::parse_ollama_generate(body)?,
+        };
+        let load_only = request.is_load_only();
+        Ok((request.run, load_only))
+    }
+
+    fn error_response(&self, err: ApiError) -> Response {
+        OllamaError(err).into_response()
+    }
+
+    fn answer_without_run(
+        &self,
+        run: &NormalizedRun,
+        load_only: &bool,
+        now_unix_ms: u64,
+    ) -> Option<Value> {
+        load_only.then(|| ollama::load_response_json(&run.model, run.api, now_unix_ms))
+    }
+
+    fn stream(&self, start: AnswerStart, _load_only: bool) -> ollama::OllamaStream {
+        ollama::OllamaStream::new(start.model, self.0, start.admitted_unix_ms)
+    }
+
+    fn whole(&self, start: AnswerStart, _load_only: bool) -> ollama::OllamaAccumulator {
+        ollama::OllamaAccumulator::new(start.model, self.0, start.admitted_unix_ms)
+    }
+}
+
+impl AnswerStream for ollama::OllamaStream {
+    type Frame = Value;
+
+    fn event(&mut self, event: &RunEventKind, now_unix_ms: u64) -> Vec<Value> {
+        self.push(event, now_unix_ms)
+    }
+
+    fn failure(&mut self, err: &ApiError) -> Vec<Value> {
+        self.fail(err)
+    }
+
+    /// NDJSON: each batch is one body chunk, one object per line.
+    fn response(batches: BoxStream<'static, Vec<Value>>) -> Response {
+        let body = batches.map(|objects| {
+            let mut text = String::new();
+            for object in objects {
+                text.push_str(&object.to_string());
+                text.push('\n');
+            }
+            Ok::<_, Infallible>(bytes::Bytes::from(text))
+        });
+        Response::builder()
+            .header(header::CONTENT_TYPE, "application/x-ndjson")
+            .body(Body::from_stream(body))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    }
+}
+
+impl WholeAnswer for ollama::OllamaAccumulator {
+    fn event(&mut self, event: &RunEventKind) {
+        self.push(event);
+    }
+
+    fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError> {
+        self.finish(now_unix_ms)
+    }
+}
+
+/// An SSE answer with keep-alive comments, one event per frame.
+fn sse_response(batches: BoxStream<'static, Vec<Event>>) -> Response {
+    let events =
+        batches.flat_map(|batch| futures::stream::iter(batch.into_iter().map(Ok::<_, Infallible>)));
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+fn data_event(json: Value) -> Event {
+    Event::default().data(json.to_string())
+}
+
+fn named_event(ev: responses::ResponsesEvent) -> Event {
+    Event::default().event(ev.event).data(ev.data.to_string())
+}
