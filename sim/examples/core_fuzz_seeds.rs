@@ -1,5 +1,5 @@
 //! Writes the seed corpus of the core fuzz targets:
-//! `cargo run -p iop-sim --example fuzz_seeds -- fuzz/corpus`.
+//! `cargo run -p iop-sim --example core_fuzz_seeds -- fuzz/corpus`.
 //!
 //! A few hand-written scenarios (in the byte format `iop_sim::fuzzing`
 //! decodes) plus a few inputs from a fixed generator; `cargo test -p

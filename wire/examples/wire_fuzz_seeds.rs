@@ -1,4 +1,4 @@
-//! Writes the fuzz seed corpus: `cargo run -p iop-wire --example fuzz_seeds -- fuzz/corpus`.
+//! Writes the fuzz seed corpus: `cargo run -p iop-wire --example wire_fuzz_seeds -- fuzz/corpus`.
 //!
 //! The seeds are valid frames of every stream's message types, so the fuzzers
 //! start from the interesting part of the input space.
