@@ -6,7 +6,7 @@
 
 use iop_wire::{ExecutionFailure, FailureCode, HealthFailureCode};
 
-use super::classify_status;
+use iop_core::edge::health::classify_http_status;
 
 /// Why a provider call failed, by who is at fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -75,7 +75,7 @@ impl ProviderCallError {
             ),
             ProviderCallError::Status { status } => (
                 FailureCode::ProviderError,
-                classify_status(status),
+                classify_http_status(status),
                 Some(status),
             ),
             ProviderCallError::Reported => (

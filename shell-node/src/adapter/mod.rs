@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use iop_core::edge::health::classify_http_status;
 use iop_wire::{
     AdapterKind, HealthFailureCode, OllamaApiCall, ProviderHealth, ProviderTunnelFrame,
     ProviderTunnelRequest, RunEventKind, RunRequest,
@@ -79,17 +80,6 @@ impl ProbeVerdict {
             failure: Some(failure),
             models: Vec::new(),
         }
-    }
-}
-
-/// The health class of an HTTP error status (R-HT-1); `None` for non-errors.
-pub fn classify_status(status: u16) -> Option<HealthFailureCode> {
-    match status {
-        401 => Some(HealthFailureCode::AuthenticationFailed),
-        403 => Some(HealthFailureCode::AuthorizationFailed),
-        400..=499 => Some(HealthFailureCode::Http4xx),
-        500..=599 => Some(HealthFailureCode::Http5xx),
-        _ => None,
     }
 }
 
@@ -401,7 +391,7 @@ async fn probe_http(
         Ok(r) => r,
         Err(ProviderCallError::Status { status }) => {
             return ProbeVerdict::unavailable(
-                classify_status(status).unwrap_or(HealthFailureCode::ProviderRejected),
+                classify_http_status(status).unwrap_or(HealthFailureCode::ProviderRejected),
             );
         }
         Err(e) => return probe_failure(e),

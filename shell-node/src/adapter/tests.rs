@@ -911,21 +911,3 @@ async fn probes_are_counted_apart_from_requests_in_process_and_over_http() {
     server.reset_counts();
     assert_eq!(server.stats(), MockStats::default());
 }
-
-#[test]
-fn status_classes_follow_r_ht_1() {
-    assert_eq!(
-        classify_status(401),
-        Some(HealthFailureCode::AuthenticationFailed)
-    );
-    assert_eq!(
-        classify_status(403),
-        Some(HealthFailureCode::AuthorizationFailed)
-    );
-    assert_eq!(classify_status(404), Some(HealthFailureCode::Http4xx));
-    assert_eq!(classify_status(429), Some(HealthFailureCode::Http4xx));
-    assert_eq!(classify_status(500), Some(HealthFailureCode::Http5xx));
-    assert_eq!(classify_status(599), Some(HealthFailureCode::Http5xx));
-    assert_eq!(classify_status(200), None);
-    assert_eq!(classify_status(302), None);
-}
