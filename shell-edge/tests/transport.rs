@@ -162,6 +162,22 @@ async fn dropped_connection_reconnects_with_a_greater_generation_and_late_messag
         )
         .await;
         assert!(snap.fences >= 1);
+        // The node's own metrics show it connected again (the node marks
+        // itself ready when the Edge acknowledges, so poll, bounded).
+        let connected = || {
+            let text = node.shared().metrics.render();
+            (
+                iop_edge::metrics::scrape_value(&text, "iop_node_connected", &[]) == 1.0,
+                text,
+            )
+        };
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !connected().0 {
+            assert!(tokio::time::Instant::now() < deadline, "{}", connected().1);
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let text = connected().1;
+        assert!(text.contains("iop_node_disconnect_cancels_total"), "{text}");
 
         // A message attributed to a fenced generation is ignored and counted.
         let mut raw = RawNode::connect(&pki, "node-2", &edge).await;

@@ -87,6 +87,7 @@ impl RunningNode {
             }
         }
         let shared = Arc::new(shared);
+        shared.metrics.observe_link(&shared);
         let (shutdown, rx) = watch::channel(false);
         if let Some(addr) = config.node.metrics_listen {
             let shared = shared.clone();

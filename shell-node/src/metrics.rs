@@ -7,6 +7,9 @@ use iop_transport::telemetry::MetricsPipeline;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram};
 
+/// Reads one value off the link's shared state.
+type ReadLink = fn(&crate::link::LinkShared) -> u64;
+
 /// Every Node instrument.
 pub struct NodeMetrics {
     pipeline: MetricsPipeline,
@@ -79,6 +82,59 @@ impl NodeMetrics {
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         self.pipeline.render()
+    }
+
+    /// Gauges and counters read from the link's shared state at each
+    /// collection: whether a connection is ready, and the connection and
+    /// fencing counters. Holds only a weak reference (the state owns these
+    /// metrics).
+    pub fn observe_link(&self, shared: &std::sync::Arc<crate::link::LinkShared>) {
+        use std::sync::atomic::Ordering;
+        let meter = self.pipeline.meter("iop-node");
+        let weak = std::sync::Arc::downgrade(shared);
+        let read = move |f: ReadLink| {
+            let weak = weak.clone();
+            move || weak.upgrade().map(|s| f(&s))
+        };
+        let connected = read(|s| u64::from(s.ready.load(Ordering::Relaxed)));
+        meter
+            .u64_observable_gauge("iop_node_connected")
+            .with_description("1 while a connection to the Edge is ready, else 0")
+            .with_callback(move |o| {
+                if let Some(v) = connected() {
+                    o.observe(v, &[])
+                }
+            })
+            .build();
+        let counters: [(&'static str, &'static str, ReadLink); 3] = [
+            (
+                "iop_node_failed_connection_attempts",
+                "Connection attempts that failed before readiness",
+                |s| s.failed_attempts.load(Ordering::Relaxed),
+            ),
+            (
+                "iop_node_disconnect_cancels",
+                "Provider calls canceled because their connection ended (R-DISC-1)",
+                |s| s.disconnect_cancels.load(Ordering::Relaxed),
+            ),
+            (
+                "iop_node_fenced_late_outputs",
+                "Provider outputs dropped after their run's terminal (R-WD-6)",
+                |s| s.fenced_late_outputs.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, description, f) in counters {
+            let value = read(f);
+            meter
+                .u64_observable_counter(name)
+                .with_description(description)
+                .with_callback(move |o| {
+                    if let Some(v) = value() {
+                        o.observe(v, &[])
+                    }
+                })
+                .build();
+        }
     }
 
     /// The pipeline (OTLP flush and shutdown).
