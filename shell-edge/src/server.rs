@@ -35,6 +35,10 @@ pub enum StartError {
     Metrics(#[from] iop_transport::telemetry::TelemetryError),
 }
 
+/// Streams a node may have open towards the Edge: its control stream, and
+/// one spare for a control stream reopened while the old one closes.
+const NODE_OPENED_STREAMS: u32 = 2;
+
 /// A running Edge.
 pub struct RunningEdge {
     /// Where nodes connect.
@@ -77,10 +81,14 @@ impl RunningEdge {
             None => None,
         };
         let tls = ServerTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
-        let tuning = QuicTuning::for_heartbeat_wait(
+        let mut tuning = QuicTuning::for_heartbeat_wait(
             config.heartbeat.wait + config.heartbeat.interval,
             std::time::Duration::from_secs(5),
         );
+        // A node opens only its control stream (every run, tunnel and
+        // command stream is opened by the Edge): bound what a peer can pin
+        // in unread streams.
+        tuning.max_concurrent_bidi_streams = NODE_OPENED_STREAMS;
         let endpoint = server_endpoint(&tls, config.edge.quic_listen, &tuning)?;
         let quic_addr = endpoint.local_addr()?;
         let store = GenerationStore::open(&config.edge.state_dir)?;
