@@ -215,6 +215,28 @@ pub struct EdgeSection {
     /// Only nodes named by providers may register.
     #[serde(default = "yes")]
     pub restrict_nodes: bool,
+    /// Client connections open at once; past it, accepting waits.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// A client's request head must arrive within this.
+    #[serde(default = "default_header_read_timeout_ms")]
+    pub header_read_timeout_ms: u64,
+    /// At shutdown, how long in-flight responses may take to finish.
+    #[serde(default = "default_drain_timeout_ms")]
+    pub drain_timeout_ms: u64,
+}
+
+fn default_max_connections() -> usize {
+    4096
+}
+fn default_header_read_timeout_ms() -> u64 {
+    // Also the idle keep-alive timeout (hyper starts the clock when it
+    // waits for the next request head): long enough that pooled clients
+    // rarely reuse a connection the Edge is closing.
+    30_000
+}
+fn default_drain_timeout_ms() -> u64 {
+    30_000
 }
 
 fn default_quic_listen() -> SocketAddr {
@@ -377,6 +399,12 @@ impl EdgeConfig {
         }
         if file.edge.max_body_bytes == 0 {
             return Err(field_err("edge.max_body_bytes", "must be > 0"));
+        }
+        if file.edge.max_connections == 0 {
+            return Err(field_err("edge.max_connections", "must be > 0"));
+        }
+        if file.edge.header_read_timeout_ms == 0 {
+            return Err(field_err("edge.header_read_timeout_ms", "must be > 0"));
         }
 
         let credentials = parse_credentials(&file.credentials, base)?;

@@ -14,5 +14,6 @@ pub mod http;
 pub mod hub;
 pub mod metrics;
 pub mod node_link;
+pub mod serve;
 pub mod server;
 pub mod status;

@@ -54,6 +54,7 @@ pub struct RunningEdge {
     /// Managed credentials (signing key, profiles).
     pub creds: Arc<crate::cred::Credentials>,
     endpoint: quinn::Endpoint,
+    http_stop: tokio::sync::watch::Sender<bool>,
     accept_task: JoinHandle<()>,
     http_task: JoinHandle<()>,
     hub_task: JoinHandle<()>,
@@ -175,17 +176,15 @@ impl RunningEdge {
             metrics.clone(),
             creds.clone(),
         ));
-        let http_task = tokio::spawn(async move {
-            // Responses go out in several writes (SSE events, tunnel frames):
-            // without TCP_NODELAY, Nagle holds each small write for the
-            // client's delayed ACK (~40 ms).
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::error!(event = "edge_http_failed", error = %e);
-            }
-        });
+        let (http_stop, stop) = tokio::sync::watch::channel(false);
+        let limits = crate::serve::HttpLimits {
+            header_read_timeout: std::time::Duration::from_millis(
+                config.edge.header_read_timeout_ms,
+            ),
+            max_connections: config.edge.max_connections,
+            drain_timeout: std::time::Duration::from_millis(config.edge.drain_timeout_ms),
+        };
+        let http_task = tokio::spawn(crate::serve::serve(listener, app, limits, stop));
         tracing::info!(event = "edge_http_listening", addr = %http_addr);
         Ok(Self {
             quic_addr,
@@ -195,6 +194,7 @@ impl RunningEdge {
             metrics,
             creds,
             endpoint,
+            http_stop,
             accept_task,
             http_task,
             hub_task,
@@ -215,11 +215,13 @@ impl RunningEdge {
         known
     }
 
-    /// Stop accepting, close every node connection with `shutdown`, wait
-    /// briefly for the closes to go out, and push the final metrics to the
-    /// OTLP collector when one is configured.
+    /// Stop accepting clients and let in-flight responses finish (at most
+    /// `[edge] drain_timeout_ms`), then close every node connection with
+    /// `shutdown`, wait briefly for the closes to go out, and push the final
+    /// metrics to the OTLP collector when one is configured.
     pub async fn shutdown(self) {
-        self.http_task.abort();
+        self.http_stop.send_replace(true);
+        let _ = self.http_task.await;
         // Refuse new handshakes first: nodes keep dialing while we drain.
         self.endpoint.set_server_config(None);
         self.endpoint.close(
@@ -239,7 +241,6 @@ impl RunningEdge {
         self.hub.shutdown();
         // The hub ends and drops its trace writer, flushing it.
         let _ = self.hub_task.await;
-        let _ = self.http_task.await;
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
             .await;
         let metrics = self.metrics;

@@ -53,12 +53,19 @@ impl Pki {
 /// Edge TOML with the short heartbeat profile; `extra` appends providers,
 /// routes and keys.
 pub fn edge_config(pki: &Pki, quic_port: u16, extra: &str) -> EdgeConfig {
+    edge_config_with(pki, quic_port, "", extra)
+}
+
+/// [`edge_config`] with `edge_lines` added to the `[edge]` section.
+pub fn edge_config_with(pki: &Pki, quic_port: u16, edge_lines: &str, extra: &str) -> EdgeConfig {
     let text = format!(
         r#"
 [edge]
 quic_listen = "127.0.0.1:{quic_port}"
 http_listen = "127.0.0.1:0"
 state_dir = "edge-state"
+drain_timeout_ms = 2000
+{edge_lines}
 [tls]
 ca = "certs/ca.pem"
 cert = "certs/edge.pem"

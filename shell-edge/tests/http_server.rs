@@ -1,0 +1,91 @@
+//! The client-facing HTTP server's limits: a client that never finishes its
+//! request head is dropped after `[edge] header_read_timeout_ms`, and a
+//! graceful shutdown lets an in-flight stream finish before the node links
+//! close.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use iop_edge::server::RunningEdge;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const KEY: &str = "sk-http-server-test-0123456789";
+
+fn providers() -> String {
+    String::from(
+        "[[providers]]\nid = \"p1\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"m\"\nmodels = [\"mock*\"]\n\
+         [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n",
+    )
+}
+
+#[tokio::test]
+async fn a_request_head_that_never_completes_is_dropped() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        let edge = RunningEdge::start(edge_config_with(
+            &pki,
+            0,
+            "header_read_timeout_ms = 300",
+            &providers(),
+        ))
+        .await
+        .unwrap();
+        // Slowloris: a partial head, then nothing.
+        let mut tcp = tokio::net::TcpStream::connect(edge.http_addr)
+            .await
+            .unwrap();
+        tcp.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let mut buf = [0u8; 1024];
+        // The Edge closes the connection (EOF or reset) instead of holding it.
+        let read = tokio::time::timeout(Duration::from_secs(10), tcp.read(&mut buf))
+            .await
+            .expect("the edge must drop a stalled request head");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        assert!(started.elapsed() >= Duration::from_millis(250));
+        // Well-behaved clients are unaffected.
+        let r = reqwest::get(format!("http://{}/metrics", edge.http_addr))
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+        edge.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn shutdown_lets_an_in_flight_stream_finish() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        let edge = RunningEdge::start(edge_config(&pki, 0, &providers()))
+            .await
+            .unwrap();
+        let node = start_node(&pki, "node-1", edge.quic_addr, &mock_provider_node("m"));
+        ready_generation(&edge, "node-1").await;
+        let url = format!("http://{}/v1/chat/completions", edge.http_addr);
+        // 10 tokens at 20/s: about half a second of streaming.
+        let response = reqwest::Client::new()
+            .post(url)
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .body(r#"{"model":"mock:tokens=10,tps=20","stream":true,"messages":[{"role":"user","content":"hi"}]}"#)
+            .send()
+            .await
+            .unwrap();
+        assert!(response.status().is_success());
+        // Shut down while the stream is in flight.
+        let stopping = tokio::spawn(edge.shutdown());
+        let body = response.text().await.unwrap();
+        assert!(body.contains("tok9"), "the whole answer arrived: {body}");
+        assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+        stopping.await.unwrap();
+        node.shutdown().await.unwrap();
+    })
+    .await;
+}
