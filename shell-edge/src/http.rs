@@ -10,7 +10,6 @@
 //! [`RunEndpoint`] (see [`crate::api::endpoint`]).
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -176,6 +175,17 @@ fn pool_for(state: &AppState, key: &ApiKey, model: &str) -> Result<Vec<ProviderI
         // does not exist.
         _ => Err(ApiError::model_not_found(model)),
     }
+}
+
+/// How a tunnelled body is framed, for the one error it may carry.
+#[derive(Debug, Clone, Copy)]
+enum TunnelFraming {
+    /// `text/event-stream`: an SSE `data:` event.
+    Sse,
+    /// `application/x-ndjson` (Ollama): one JSON line.
+    Ndjson,
+    /// Anything else: the body is cut off.
+    Opaque,
 }
 
 /// The error a gate failure becomes.
@@ -505,22 +515,52 @@ fn tunnel_response(
     rx: mpsc::Receiver<Delivery>,
     record: RequestRecord,
 ) -> Response {
-    let body = futures::stream::unfold((rx, record), |(mut rx, mut record)| async move {
+    // After commit a failure must not look like a complete answer
+    // (R-GATE-3): an event stream gets one in-stream error event in its own
+    // format, any other body is cut off (the client sees an incomplete
+    // message, never a clean end).
+    let content_type = headers
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        .map(|(_, value)| value.to_ascii_lowercase())
+        .unwrap_or_default();
+    let framing = if content_type.starts_with("text/event-stream") {
+        TunnelFraming::Sse
+    } else if content_type.starts_with("application/x-ndjson") {
+        TunnelFraming::Ndjson
+    } else {
+        TunnelFraming::Opaque
+    };
+    let body = futures::stream::unfold(Some((rx, record)), move |state| async move {
+        let (mut rx, mut record) = state?;
         loop {
-            match rx.recv().await? {
-                Delivery::Body(bytes) => {
-                    return Some((Ok::<_, Infallible>(bytes::Bytes::from(bytes)), (rx, record)));
+            let err = match rx.recv().await {
+                Some(Delivery::Body(bytes)) => {
+                    return Some((Ok(bytes::Bytes::from(bytes)), Some((rx, record))));
                 }
-                Delivery::Finish => {
+                Some(Delivery::Finish) => {
                     record.set("ok");
                     return None;
                 }
-                Delivery::Fail { kind, .. } => {
-                    record.error(&gate_error(kind));
-                    return None;
+                Some(Delivery::Fail { kind, .. }) => gate_error(kind),
+                Some(_) => continue,
+                // The driver ended without a terminal.
+                None => ApiError::internal(),
+            };
+            record.error(&err);
+            let item = match framing {
+                TunnelFraming::Sse => Ok(bytes::Bytes::from(format!(
+                    "\n\ndata: {}\n\n",
+                    err.to_json()
+                ))),
+                TunnelFraming::Ndjson => {
+                    Ok(bytes::Bytes::from(format!("\n{}\n", err.to_ollama_json())))
                 }
-                _ => continue,
-            }
+                TunnelFraming::Opaque => Err(std::io::Error::other(
+                    "provider response failed after commit",
+                )),
+            };
+            return Some((item, None));
         }
     });
     let mut builder =

@@ -89,3 +89,73 @@ async fn shutdown_lets_an_in_flight_stream_finish() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_tunnel_that_fails_after_commit_ends_with_an_error_not_a_clean_end() {
+    // R-GATE-3: after commit the client gets one terminal in its API's own
+    // format; a truncated tunnel never looks like a complete answer.
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        let mock = iop_node::mock::MockServer::start(iop_node::mock::MockScript::default())
+            .await
+            .unwrap();
+        let edge = RunningEdge::start(edge_config(
+            &pki,
+            0,
+            "[[providers]]\nid = \"oa\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"oa\"\nmode = \"tunnel\"\nstall_timeout_ms = 300\nmodels = [\"mock:stall_after=2\"]\n\
+             [[providers]]\nid = \"ol\"\nnode = \"node-1\"\nadapter = \"ollama\"\ntarget = \"ol\"\nmode = \"tunnel\"\nstall_timeout_ms = 300\n\
+             [[routes]]\nmodel = \"mock:stall_after=3\"\nproviders = [\"ol\"]\n\
+             [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n",
+        ))
+        .await
+        .unwrap();
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"oa\"\nbase_url = \"{u}\"\n\
+                 [[providers]]\nadapter = \"ollama\"\ntarget = \"ol\"\nbase_url = \"{u}\"\n",
+                u = mock.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        let http = reqwest::Client::new();
+        let body = http
+            .post(format!("http://{}/v1/chat/completions", edge.http_addr))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .body(r#"{"model":"mock:stall_after=2","stream":true,"messages":[{"role":"user","content":"hi"}]}"#)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(body.contains("tok1"), "content was relayed before the stall: {body}");
+        assert!(!body.contains("[DONE]"), "{body}");
+        let last = body.lines().rfind(|l| l.starts_with("data: ")).unwrap();
+        let event: serde_json::Value = serde_json::from_str(&last["data: ".len()..]).unwrap();
+        assert_eq!(event["error"]["code"], "response_stalled", "{body}");
+
+        let body = http
+            .post(format!("http://{}/api/chat", edge.http_addr))
+            .bearer_auth(KEY)
+            .body(r#"{"model":"mock:stall_after=3","messages":[{"role":"user","content":"hi"}]}"#)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let last: serde_json::Value =
+            serde_json::from_str(body.lines().rfind(|l| !l.trim().is_empty()).unwrap()).unwrap();
+        assert!(last["error"].is_string(), "an Ollama error line ends the stream: {body}");
+        assert_ne!(last["done"], true);
+        wait_for(&edge, "idle", |s| s.leases_in_use == 0).await;
+        node.shutdown().await.unwrap();
+        edge.shutdown().await;
+    })
+    .await;
+}
