@@ -11,7 +11,8 @@ use common::*;
 use iop_edge::server::RunningEdge;
 use iop_transport::{ClientTls, FramedRecv, FramedSend, QuicTuning, client_endpoint, connect};
 use iop_wire::{
-    EdgeControl, NodeControl, NodeReadyRequest, PROTOCOL_VERSION, RegisterRequest, RegisterResponse,
+    DataRequest, EdgeControl, NodeControl, NodeReadyRequest, PROTOCOL_VERSION, RegisterRequest,
+    RegisterResponse, RunEvent, RunEventKind, Usage,
 };
 
 const KEY: &str = "sk-test-0123456789abcdef";
@@ -115,6 +116,138 @@ impl RawNode {
         });
         conn
     }
+}
+
+/// What a hand-driven node does with a run stream.
+#[derive(Clone, Copy)]
+enum OnRun {
+    /// Start, then send usage reports (never content) until the Edge stops
+    /// reading.
+    FloodWithoutContent,
+    /// Close the whole connection.
+    DropConnection,
+}
+
+/// Serve the Edge's data streams on `conn`: health probes are held open
+/// unanswered (the provider stays eligible), runs get `on_run`. Returns how
+/// many frames were sent on runs.
+fn serve_data_streams(
+    conn: quinn::Connection,
+    on_run: OnRun,
+) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = sent.clone();
+    tokio::spawn(async move {
+        while let Ok((mut send, mut recv)) = iop_transport::accept_framed(&conn).await {
+            let conn = conn.clone();
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let Ok(Some(DataRequest::Run(run))) = recv.recv::<DataRequest>().await else {
+                    // A probe: never answered, never closed.
+                    std::future::pending::<()>().await;
+                    return;
+                };
+                match on_run {
+                    OnRun::DropConnection => conn.close(0u32.into(), b"gone"),
+                    OnRun::FloodWithoutContent => {
+                        let started = RunEventKind::Started {
+                            session_id: run.session_id.clone(),
+                        };
+                        let usage = RunEventKind::Usage(Usage {
+                            prompt_tokens: 1,
+                            completion_tokens: 0,
+                        });
+                        for kind in std::iter::once(started).chain(std::iter::repeat(usage)) {
+                            let event = RunEvent {
+                                run_id: run.run_id,
+                                kind,
+                            };
+                            if send.send(&event).await.is_err() {
+                                return;
+                            }
+                            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    sent
+}
+
+async fn chat(edge: &RunningEdge) -> (u16, String) {
+    let response = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", edge.http_addr))
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(r#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#)
+        .send()
+        .await
+        .expect("http");
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn node_sending_only_non_content_frames_fails_the_attempt_at_the_held_bound() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let edge = edge(&pki).await;
+        let mut raw = RawNode::connect(&pki, &edge, 16).await;
+        let generation = raw.register().await;
+        let conn = raw.ready_and_keep_alive(generation).await;
+        ready_generation(&edge, "node-1").await;
+        let sent = serve_data_streams(conn, OnRun::FloodWithoutContent);
+
+        let started = Instant::now();
+        let (status, body) = chat(&edge).await;
+        // The Edge held at most MAX_HELD_DELIVERIES of them, then failed the
+        // attempt well before the request's budget.
+        assert_eq!(status, 502, "{body}");
+        assert!(body.contains("malformed_response"), "{body}");
+        assert!(
+            started.elapsed() < Duration::from_millis(REQUEST_BUDGET_MS),
+            "failed at the bound, not at the budget"
+        );
+        let held = iop_edge::driver::MAX_HELD_DELIVERIES as u64;
+        assert!(
+            sent.load(std::sync::atomic::Ordering::Relaxed) > held,
+            "the node sent past the bound"
+        );
+        wait_for(&edge, "the request to leave the hub", |s| {
+            s.leases_in_use == 0 && s.queue_depth == 0 && s.waiters == 0
+        })
+        .await;
+        edge.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn request_fenced_with_its_connection_ends_once_and_leaves_no_waiter() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let edge = edge(&pki).await;
+        let before = edge.hub.snapshot().await.unwrap().fences;
+        let mut raw = RawNode::connect(&pki, &edge, 16).await;
+        let generation = raw.register().await;
+        let conn = raw.ready_and_keep_alive(generation).await;
+        ready_generation(&edge, "node-1").await;
+        let _sent = serve_data_streams(conn, OnRun::DropConnection);
+
+        // R-GEN-3: the generation's fence ends the run with one transport
+        // terminal; the request's lease and waiter go with it.
+        let (status, body) = chat(&edge).await;
+        assert_eq!(status, 502, "{body}");
+        let snap = wait_for(&edge, "the fence to clear the hub", |s| {
+            s.leases_in_use == 0 && s.waiters == 0 && s.links == 0
+        })
+        .await;
+        assert_eq!(snap.fences, before + 1);
+        assert_eq!(node_state(&snap, "node-1").0, None);
+        edge.shutdown().await;
+    })
+    .await;
 }
 
 #[tokio::test]
