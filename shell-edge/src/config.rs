@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use iop_core::edge::admission::{AdmissionConfig, ProviderSpec};
+use iop_core::edge::gate::{GateBudget, GateBudgetError};
 use iop_core::ids::{NodeId, ProviderId};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
@@ -156,6 +157,26 @@ pub struct AdmissionSection {
     /// Total time budget per client request across attempts.
     pub request_budget_ms: u64,
 }
+
+impl AdmissionSection {
+    /// The per-request budget of attempts and total time, as core's
+    /// [`GateBudget`] (bounded by
+    /// [`iop_core::edge::gate::MAX_ATTEMPTS_LIMIT`]).
+    pub fn gate_budget(&self) -> Result<GateBudget, GateBudgetError> {
+        GateBudget::new(
+            self.max_attempts,
+            Duration::from_millis(self.request_budget_ms),
+        )
+    }
+}
+
+/// Bytes of a node request frame kept for everything but the client's body
+/// (run id, target, model, headers, credential lease, encoding overhead).
+pub const WIRE_HEADROOM_BYTES: usize = 64 * 1024;
+
+/// The largest `edge.max_body_bytes`: a request body must fit in one wire
+/// frame ([`iop_wire::MAX_FRAME_LEN`]) with [`WIRE_HEADROOM_BYTES`] to spare.
+pub const MAX_BODY_BYTES_LIMIT: usize = iop_wire::MAX_FRAME_LEN - WIRE_HEADROOM_BYTES;
 
 impl Default for AdmissionSection {
     fn default() -> Self {
@@ -388,14 +409,14 @@ impl EdgeConfig {
         if a.queue_timeout_ms == 0 {
             return Err(field_err("admission.queue_timeout_ms", "must be > 0"));
         }
-        if a.max_attempts == 0 || a.max_attempts > 10 {
-            return Err(field_err(
-                "admission.max_attempts",
-                "must be between 1 and 10",
-            ));
-        }
-        if a.request_budget_ms == 0 {
-            return Err(field_err("admission.request_budget_ms", "must be > 0"));
+        // The request budget is core's (R-GATE-2): validate it with core's
+        // own constructor so the driver can never be handed one it refuses.
+        if let Err(e) = a.gate_budget() {
+            let field = match e {
+                GateBudgetError::MaxAttemptsOutOfRange(_) => "admission.max_attempts",
+                GateBudgetError::ZeroTotal => "admission.request_budget_ms",
+            };
+            return Err(field_err(field, e.to_string()));
         }
         if file.edge.max_body_bytes == 0 {
             return Err(field_err("edge.max_body_bytes", "must be > 0"));
@@ -405,6 +426,17 @@ impl EdgeConfig {
         }
         if file.edge.header_read_timeout_ms == 0 {
             return Err(field_err("edge.header_read_timeout_ms", "must be > 0"));
+        }
+        if file.edge.max_body_bytes > MAX_BODY_BYTES_LIMIT {
+            return Err(field_err(
+                "edge.max_body_bytes",
+                format!(
+                    "must be <= {MAX_BODY_BYTES_LIMIT}: a body travels to the node in one wire \
+                     frame of at most {} bytes, with {WIRE_HEADROOM_BYTES} bytes kept for the \
+                     rest of the request",
+                    iop_wire::MAX_FRAME_LEN
+                ),
+            ));
         }
 
         let credentials = parse_credentials(&file.credentials, base)?;
@@ -515,19 +547,23 @@ impl EdgeConfig {
             }
         }
 
-        let mut api_keys = Vec::new();
+        let mut api_keys: Vec<ApiKey> = Vec::new();
         for (i, k) in file.api_keys.iter().enumerate() {
             let f = |name: &str| format!("api_keys[{i}].{name}");
             if k.principal.is_empty() {
                 return Err(field_err(f("principal"), "must not be empty"));
             }
-            let key = match (&k.key_env, &k.key_file) {
-                (Some(var), None) => std::env::var(var).map_err(|_| {
-                    field_err(
-                        f("key_env"),
-                        format!("environment variable `{var}` is not set"),
-                    )
-                })?,
+            // Errors name the field the key actually came from.
+            let (key, source) = match (&k.key_env, &k.key_file) {
+                (Some(var), None) => {
+                    let key = std::env::var(var).map_err(|_| {
+                        field_err(
+                            f("key_env"),
+                            format!("environment variable `{var}` is not set"),
+                        )
+                    })?;
+                    (key, "key_env")
+                }
                 (None, Some(path)) => {
                     let path = if path.is_relative() {
                         base.join(path)
@@ -537,10 +573,13 @@ impl EdgeConfig {
                     let text = std::fs::read_to_string(&path).map_err(|e| {
                         field_err(
                             f("key_file"),
-                            format!("cannot read {}: {e}", path.display()),
+                            format!("cannot read {}: {}", path.display(), e.kind()),
                         )
                     })?;
-                    text.lines().next().unwrap_or("").trim().to_owned()
+                    (
+                        text.lines().next().unwrap_or("").trim().to_owned(),
+                        "key_file",
+                    )
                 }
                 _ => {
                     return Err(field_err(
@@ -551,8 +590,16 @@ impl EdgeConfig {
             };
             if key.len() < 16 {
                 return Err(field_err(
-                    f("key_env"),
+                    f(source),
                     "the key must be at least 16 characters",
+                ));
+            }
+            // Two entries with one key would silently share (or steal) a
+            // principal; the error names the second entry, never the key.
+            if let Some(first) = api_keys.iter().position(|a| a.key == key) {
+                return Err(field_err(
+                    f(source),
+                    format!("the same key as api_keys[{first}]"),
                 ));
             }
             api_keys.push(ApiKey {
@@ -679,13 +726,16 @@ fn parse_credentials(
                 format!("duplicate credential profile `{}`", c.profile),
             ));
         }
-        let secret = match (&c.secret_env, &c.secret_file) {
-            (Some(var), None) => std::env::var(var).map_err(|_| {
-                field_err(
-                    f("secret_env"),
-                    format!("environment variable `{var}` is not set"),
-                )
-            })?,
+        let (secret, source) = match (&c.secret_env, &c.secret_file) {
+            (Some(var), None) => {
+                let secret = std::env::var(var).map_err(|_| {
+                    field_err(
+                        f("secret_env"),
+                        format!("environment variable `{var}` is not set"),
+                    )
+                })?;
+                (secret, "secret_env")
+            }
             (None, Some(path)) => {
                 let path = if path.is_relative() {
                     base.join(path)
@@ -700,7 +750,10 @@ fn parse_credentials(
                     )
                 })?;
                 let text = zeroize::Zeroizing::new(text);
-                text.lines().next().unwrap_or("").trim().to_owned()
+                (
+                    text.lines().next().unwrap_or("").trim().to_owned(),
+                    "secret_file",
+                )
             }
             _ => {
                 return Err(field_err(
@@ -712,8 +765,11 @@ fn parse_credentials(
         let secret = zeroize::Zeroizing::new(secret.into_bytes());
         if secret.is_empty() || secret.len() > iop_core::cred::MAX_SECRET_BYTES {
             return Err(field_err(
-                f("secret_env"),
-                "the secret must be 1 to 16384 bytes",
+                f(source),
+                format!(
+                    "the secret must be 1 to {} bytes",
+                    iop_core::cred::MAX_SECRET_BYTES
+                ),
             ));
         }
         if c.revision == 0 {
@@ -862,6 +918,64 @@ key = "edge.key"
         let c =
             parse_in("[[credentials]]\nprofile='k'\nsecret_file='cred'\ndisabled=true\n").unwrap();
         assert!(!c.credentials[0].active);
+    }
+
+    #[test]
+    fn request_budget_is_validated_against_cores_limits() {
+        let limit = iop_core::edge::gate::MAX_ATTEMPTS_LIMIT;
+        let c = parse(&format!("[admission]\nmax_attempts = {limit}\n")).unwrap();
+        assert_eq!(c.admission.gate_budget().unwrap().max_attempts(), limit);
+        for bad in [0, limit + 1, 10] {
+            let e = parse(&format!("[admission]\nmax_attempts = {bad}\n")).unwrap_err();
+            assert_eq!(
+                field_of(e),
+                "admission.max_attempts",
+                "max_attempts = {bad}"
+            );
+        }
+        let e = parse("[admission]\nrequest_budget_ms = 0\n").unwrap_err();
+        assert_eq!(field_of(e), "admission.request_budget_ms");
+    }
+
+    #[test]
+    fn max_body_bytes_leaves_room_in_one_wire_frame() {
+        let with_body_limit = |bytes: usize| {
+            let text = BASE.replace("[edge]\n", &format!("[edge]\nmax_body_bytes = {bytes}\n"));
+            EdgeConfig::parse(&text, Path::new("/etc/iop"))
+        };
+        let c = with_body_limit(MAX_BODY_BYTES_LIMIT).unwrap();
+        assert_eq!(c.edge.max_body_bytes, MAX_BODY_BYTES_LIMIT);
+        for bad in [MAX_BODY_BYTES_LIMIT + 1, iop_wire::MAX_FRAME_LEN] {
+            let e = with_body_limit(bad).unwrap_err();
+            assert_eq!(field_of(e), "edge.max_body_bytes", "max_body_bytes = {bad}");
+        }
+    }
+
+    #[test]
+    fn api_key_errors_name_the_field_used_and_duplicates_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("short"), "too-short\n").unwrap();
+        std::fs::write(dir.path().join("k1"), "sk-first-key-0123456789\n").unwrap();
+        std::fs::write(dir.path().join("k2"), "sk-first-key-0123456789\n").unwrap();
+        let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
+        let e = parse_in("[[api_keys]]\nprincipal='a'\nkey_file='short'\n").unwrap_err();
+        assert_eq!(field_of(e), "api_keys[0].key_file");
+        let e = parse_in("[[api_keys]]\nprincipal='a'\nkey_file='missing'\n").unwrap_err();
+        assert_eq!(field_of(e), "api_keys[0].key_file");
+        let e = parse_in(
+            "[[api_keys]]\nprincipal='a'\nkey_file='k1'\n\
+             [[api_keys]]\nprincipal='b'\nkey_file='k2'\n",
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            !text.contains("sk-first-key"),
+            "the key is never shown: {text}"
+        );
+        assert_eq!(field_of(e), "api_keys[1].key_file");
+        std::fs::write(dir.path().join("tiny"), "\n").unwrap();
+        let e = parse_in("[[credentials]]\nprofile='k'\nsecret_file='tiny'\n").unwrap_err();
+        assert_eq!(field_of(e), "credentials[0].secret_file");
     }
 
     #[test]

@@ -39,6 +39,9 @@ impl std::fmt::Debug for Credentials {
 pub enum NoLease {
     /// The profile is not configured (any more).
     UnknownProfile,
+    /// The profile is revoked or disabled (R-CRED-3): no lease, so the Node
+    /// answers `credential_rejected` without calling the provider.
+    InactiveProfile,
     /// The Node registered without a valid recipient key.
     NoRecipient,
     /// `seal_lease` refused.
@@ -108,8 +111,8 @@ impl Credentials {
     }
 
     /// Seal a fresh lease of `profile` for the dispatch `lease` (R-CRED-1).
-    /// The lease carries the profile's current state; an inactive profile's
-    /// lease is refused by the Node (fail closed there, visibly).
+    /// An inactive (revoked or disabled) profile gets no lease at all, even
+    /// before the Node heard the refresh (R-CRED-3, fail closed here too).
     pub fn seal(
         &self,
         profile: &str,
@@ -121,6 +124,9 @@ impl Credentials {
         let recipient = recipient.ok_or(NoLease::NoRecipient)?;
         let map = self.profiles.read().unwrap_or_else(|e| e.into_inner());
         let entry = map.get(profile).ok_or(NoLease::UnknownProfile)?;
+        if !entry.active {
+            return Err(NoLease::InactiveProfile);
+        }
         let mut rng = rand::rng();
         let now = iop_transport::clock::unix_ms();
         let scope = LeaseScope {
@@ -139,5 +145,62 @@ impl Credentials {
         seal_lease(&scope, &entry.secret, &self.signing, recipient, &mut rng)
             .map(|sealed| sealed.to_bytes())
             .map_err(|_| NoLease::SealFailed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iop_core::ids::{NodeId, ProviderId};
+
+    fn profile(active: bool) -> CredentialProfile {
+        CredentialProfile {
+            profile: "k".into(),
+            secret: zeroize::Zeroizing::new(b"sk-managed".to_vec()),
+            revision: 1,
+            active,
+        }
+    }
+
+    fn lease() -> Lease {
+        Lease {
+            lease_id: 1,
+            request_id: 1,
+            provider_id: ProviderId::from("p"),
+            adapter: iop_wire::AdapterKind::OpenAi,
+            target: "t".into(),
+            node: NodeId::from("n"),
+            generation: 1,
+            run_id: 7,
+            stall_timeout_ms: 0,
+        }
+    }
+
+    #[test]
+    fn revoked_or_disabled_profile_gets_no_lease() {
+        let dir = tempfile::tempdir().unwrap();
+        let recipient = keys::recipient_public_key(&keys::generate_recipient_key(&mut rand::rng()));
+        let creds = Credentials::open(dir.path(), &[profile(true)]).unwrap();
+        assert!(
+            creds
+                .seal("k", &lease(), Some(&recipient), "p", "m")
+                .is_ok()
+        );
+        // R-CRED-3: revoked before the Node heard the refresh.
+        assert!(creds.revoke("k"));
+        assert_eq!(
+            creds.seal("k", &lease(), Some(&recipient), "p", "m"),
+            Err(NoLease::InactiveProfile)
+        );
+        // Disabled in the configuration.
+        creds.replace(&[profile(false)]);
+        assert_eq!(
+            creds.seal("k", &lease(), Some(&recipient), "p", "m"),
+            Err(NoLease::InactiveProfile)
+        );
+        assert_eq!(
+            creds.seal("ghost", &lease(), Some(&recipient), "p", "m"),
+            Err(NoLease::UnknownProfile)
+        );
     }
 }

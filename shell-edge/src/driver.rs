@@ -150,15 +150,33 @@ pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Rec
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         let request_id = ctx.next_request_id.fetch_add(1, Ordering::Relaxed);
+        // The configuration is validated against core's limits at load
+        // (`admission.max_attempts`, `admission.request_budget_ms`), so this
+        // cannot fail; if it ever does the request fails loudly rather than
+        // run on a budget nobody configured.
+        let budget = match GateBudget::new(ctx.max_attempts, ctx.request_budget) {
+            Ok(budget) => budget,
+            Err(e) => {
+                debug_assert!(false, "unvalidated request budget: {e}");
+                tracing::error!(event = "edge_request_budget_invalid", error = %e);
+                let _ = tx
+                    .send(Delivery::Fail {
+                        kind: GateFailure::Attempt(FailureCode::Internal),
+                        in_stream: false,
+                    })
+                    .await;
+                return;
+            }
+        };
         let mut driver = Driver {
-            budget: GateBudget::new(ctx.max_attempts, ctx.request_budget)
-                .unwrap_or_else(|_| GateBudget::new(1, Duration::from_secs(600)).expect("valid")),
+            budget,
             ctx,
             request_id,
             pool,
             work,
             out: tx,
             held: VecDeque::new(),
+            held_bytes: 0,
             committed: false,
             started_at: tokio::time::Instant::now(),
         };
@@ -167,6 +185,19 @@ pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Rec
     rx
 }
 
+/// The most deliveries held before commit (R-GATE-2 holds everything that
+/// is not content). A node that keeps sending non-content frames past this
+/// fails its attempt instead of growing the buffer.
+pub const MAX_HELD_DELIVERIES: usize = 256;
+
+/// The most bytes (approximately: bodies, header names and values) held
+/// before commit; see [`MAX_HELD_DELIVERIES`].
+pub const MAX_HELD_BYTES: usize = 1024 * 1024;
+
+/// The pre-commit buffer is full: the attempt's node broke the bound.
+#[derive(Debug, Clone, Copy)]
+struct HeldOverflow;
+
 struct Driver {
     ctx: DriverContext,
     budget: GateBudget,
@@ -174,10 +205,23 @@ struct Driver {
     pool: Vec<ProviderId>,
     work: Work,
     out: mpsc::Sender<Delivery>,
-    /// Deliveries held until commit.
+    /// Deliveries held until commit, bounded by [`MAX_HELD_DELIVERIES`] and
+    /// [`MAX_HELD_BYTES`].
     held: VecDeque<Delivery>,
+    /// Approximate bytes in `held`.
+    held_bytes: usize,
     committed: bool,
     started_at: tokio::time::Instant,
+}
+
+impl Drop for Driver {
+    /// However the request ended, its place in the hub goes with it: the
+    /// waiter entry, a queue entry or a lease still held (an ignored terminal
+    /// keeps its lease until released, R-LEASE-2). Cancelling an already
+    /// finished request changes nothing.
+    fn drop(&mut self) {
+        self.ctx.hub.cancel(self.request_id);
+    }
 }
 
 /// One attempt's open node stream.
@@ -203,6 +247,16 @@ impl Driver {
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let mut hints: (Option<ProviderId>, bool) = (None, false);
         'attempts: loop {
+            // Every pass is bounded by the request's budget and ends on a
+            // client disconnect, however it got here (R-GATE-1, R-GATE-4).
+            gate.handle_timeout(clock.now());
+            if gate.end().is_none() && client.is_closed() {
+                let _ = gate.handle_input(clock.now(), GateInput::ClientDisconnected);
+            }
+            if gate.end().is_some() {
+                self.carry_out(&mut gate, None).await;
+                return;
+            }
             // Admission (first attempt with zero hints, R-SEL-1).
             let request = DispatchRequest {
                 request_id: self.request_id,
@@ -270,31 +324,69 @@ impl Driver {
                 };
                 match self.ctx.hub.pre_send(current.lease_id).await {
                     Ok(PreSendAnswer::Send(lease, link, recipient)) => {
-                        match self.open(&lease, &link.conn, recipient.as_ref()).await {
-                            Ok(a) => break a,
-                            Err(_) => {
-                                // The connection died under us: its fence will
-                                // release the lease; ask again.
+                        // The attempt counts from here: opening the stream and
+                        // sending the request are part of it, so a failure
+                        // there is an attempt event the gate's budget governs
+                        // (R-GATE-1), never a silent re-admission.
+                        let _ = gate.handle_input(
+                            clock.now(),
+                            GateInput::Dispatched {
+                                provider_id: lease.provider_id.clone(),
+                            },
+                        );
+                        let Some(attempt_id) = gate.current_attempt() else {
+                            return;
+                        };
+                        let deadline = gate.poll_timeout();
+                        let opened = tokio::select! {
+                            opened = self.open(&lease, &link.conn, recipient.as_ref()) => opened,
+                            () = clock.sleep_until(deadline) => {
+                                gate.handle_timeout(clock.now());
+                                self.carry_out(&mut gate, None).await;
+                                return;
+                            }
+                            () = client.closed() => {
+                                let _ = gate.handle_input(clock.now(), GateInput::ClientDisconnected);
+                                self.carry_out(&mut gate, None).await;
+                                return;
+                            }
+                        };
+                        match opened {
+                            Ok(a) => break (a, attempt_id),
+                            Err(e) => {
+                                tracing::warn!(
+                                    event = "edge_attempt_send_failed",
+                                    provider = %lease.provider_id,
+                                    error = %e
+                                );
+                                // Release the lease (the node never got the
+                                // run, or gets a cancel for it) and end the
+                                // attempt with its event.
                                 self.ctx.hub.cancel(self.request_id);
-                                continue 'attempts;
+                                let _ = gate.handle_input(
+                                    clock.now(),
+                                    GateInput::Attempt {
+                                        attempt: attempt_id,
+                                        event: send_failure_event(&e),
+                                    },
+                                );
+                                self.carry_out(&mut gate, None).await;
+                                return;
                             }
                         }
                     }
                     Ok(PreSendAnswer::Refenced) => continue,
-                    Ok(PreSendAnswer::Gone) => continue 'attempts,
+                    Ok(PreSendAnswer::Gone) => {
+                        // Its connection is gone: let go of whatever the
+                        // request still holds, then admit it again (bounded
+                        // by the budget check at the top of the loop).
+                        self.ctx.hub.cancel(self.request_id);
+                        continue 'attempts;
+                    }
                     Err(_) => return,
                 }
             };
-            let _ = gate.handle_input(
-                self.ctx.clock.now(),
-                GateInput::Dispatched {
-                    provider_id: attempt.lease.provider_id.clone(),
-                },
-            );
-            let Some(attempt_id) = gate.current_attempt() else {
-                return;
-            };
-            let mut attempt = attempt;
+            let (mut attempt, attempt_id) = attempt;
             // Relay the attempt.
             loop {
                 let deadline = gate.poll_timeout();
@@ -437,14 +529,26 @@ impl Driver {
                 Ok(Some(ProviderTunnelFrame::Failure(f))) => self.terminal(attempt, Some(f)).await,
                 Ok(Some(frame)) => {
                     let class = AttemptFrame::from_tunnel_frame(&frame);
+                    let content = class == AttemptFrame::Event(AttemptEvent::Content);
                     match frame {
                         ProviderTunnelFrame::Head { status, headers } => {
-                            self.hold(Delivery::Commit {
-                                tunnel_head: Some((status, headers)),
-                            });
+                            if self
+                                .hold(Delivery::Commit {
+                                    tunnel_head: Some((status, headers)),
+                                })
+                                .is_err()
+                            {
+                                return self.overflowed(gate, attempt_id);
+                            }
                         }
                         ProviderTunnelFrame::Body(bytes) => {
-                            self.deliver_or_hold(Delivery::Body(bytes)).await;
+                            if self
+                                .deliver_or_hold(Delivery::Body(bytes), content)
+                                .await
+                                .is_err()
+                            {
+                                return self.overflowed(gate, attempt_id);
+                            }
                         }
                         ProviderTunnelFrame::End | ProviderTunnelFrame::Failure(_) => {}
                     }
@@ -465,12 +569,21 @@ impl Driver {
                     RunEventKind::Failed(f) => self.terminal(attempt, Some(f)).await,
                     kind => {
                         let class = AttemptFrame::from_run_event(&kind);
+                        let content = class == AttemptFrame::Event(AttemptEvent::Content);
                         match &kind {
                             // A start is the gate's alone; an empty delta is
                             // nothing to relay.
                             RunEventKind::Started { .. } => {}
                             RunEventKind::TextDelta(t) if t.is_empty() => {}
-                            _ => self.deliver_or_hold(Delivery::Event(kind)).await,
+                            _ => {
+                                if self
+                                    .deliver_or_hold(Delivery::Event(kind), content)
+                                    .await
+                                    .is_err()
+                                {
+                                    return self.overflowed(gate, attempt_id);
+                                }
+                            }
                         }
                         match class {
                             AttemptFrame::Event(event) => event,
@@ -524,6 +637,31 @@ impl Driver {
         }
     }
 
+    /// The node sent more than the pre-commit buffer holds: the attempt fails
+    /// (its lease is released and its run canceled when the request ends).
+    fn overflowed(
+        &mut self,
+        gate: &mut StreamGate,
+        attempt_id: iop_core::edge::gate::AttemptId,
+    ) -> Step {
+        tracing::warn!(
+            event = "edge_attempt_held_overflow",
+            held = self.held.len(),
+            held_bytes = self.held_bytes
+        );
+        self.ctx.hub.cancel(self.request_id);
+        let _ = gate.handle_input(
+            self.ctx.clock.now(),
+            GateInput::Attempt {
+                attempt: attempt_id,
+                event: AttemptEvent::Failed {
+                    code: FailureCode::MalformedResponse,
+                },
+            },
+        );
+        Step::AttemptOver
+    }
+
     /// The node stream broke without a terminal.
     async fn broken(&mut self, _attempt: &Attempt) -> AttemptEvent {
         // Release the lease if the fence has not already (exactly once either
@@ -532,21 +670,46 @@ impl Driver {
         AttemptEvent::TransportLost
     }
 
-    fn hold(&mut self, d: Delivery) {
+    /// Hold `d` until commit, within [`MAX_HELD_DELIVERIES`] and
+    /// [`MAX_HELD_BYTES`].
+    fn hold(&mut self, d: Delivery) -> Result<(), HeldOverflow> {
+        let bytes = delivery_bytes(&d);
+        if self.held.len() >= MAX_HELD_DELIVERIES
+            || self.held_bytes.saturating_add(bytes) > MAX_HELD_BYTES
+        {
+            return Err(HeldOverflow);
+        }
+        self.held_bytes += bytes;
         self.held.push_back(d);
+        Ok(())
+    }
+
+    /// Forget everything held (after a flush, a re-admission or a failure).
+    fn clear_held(&mut self) {
+        self.held.clear();
+        self.held_bytes = 0;
     }
 
     fn hold_or_deliver_terminal(&mut self, kind: RunEventKind) {
         // The Completed event carries final usage; it is delivered before
-        // Finish whatever the commit state.
+        // Finish whatever the commit state. It ends the attempt, so it is
+        // held at most once past the bound.
         self.held.push_back(Delivery::Event(kind));
     }
 
-    async fn deliver_or_hold(&mut self, d: Delivery) {
+    /// Forward `d` after commit, hold it before. `content` is core's
+    /// classification of the frame it came from ([`AttemptFrame`]).
+    async fn deliver_or_hold(&mut self, d: Delivery, content: bool) -> Result<(), HeldOverflow> {
         if self.committed {
             let _ = self.out.send(d).await;
-        } else {
+            Ok(())
+        } else if content {
+            // Content: the gate commits on it right away (R-GATE-2), so it
+            // never stays held and is not counted against the bound.
             self.held.push_back(d);
+            Ok(())
+        } else {
+            self.hold(d)
         }
     }
 
@@ -583,6 +746,7 @@ impl Driver {
                     while let Some(d) = self.held.pop_front() {
                         let _ = self.out.send(d).await;
                     }
+                    self.held_bytes = 0;
                 }
                 GateOutput::CloseTransport { .. } => {
                     // R-GATE-2: the old transport is closed before re-admission.
@@ -590,7 +754,7 @@ impl Driver {
                         let _ = a.send.reset(StreamErrorCode::Canceled);
                         let _ = a.recv.stop(StreamErrorCode::Canceled);
                     }
-                    self.held.clear();
+                    self.clear_held();
                 }
                 GateOutput::Readmit {
                     avoid_provider_id,
@@ -615,11 +779,12 @@ impl Driver {
                             let _ = self.out.send(d).await;
                         }
                     }
+                    self.held_bytes = 0;
                     let _ = self.out.send(Delivery::Finish).await;
                     next = Next::Done;
                 }
                 GateOutput::FailBeforeCommit { kind } => {
-                    self.held.clear();
+                    self.clear_held();
                     let _ = self
                         .out
                         .send(Delivery::Fail {
@@ -643,6 +808,37 @@ impl Driver {
         }
         next
     }
+}
+
+/// The gate's event for an attempt whose node stream could not be opened or
+/// whose request could not be sent: a request the wire cannot carry is the
+/// client's (it can never be sent); anything else lost the transport.
+fn send_failure_event(error: &FramedError) -> AttemptEvent {
+    match error {
+        FramedError::Encode(_) => AttemptEvent::Failed {
+            code: FailureCode::InvalidRequest,
+        },
+        _ => AttemptEvent::TransportLost,
+    }
+}
+
+/// Approximate size of a held delivery for [`MAX_HELD_BYTES`].
+fn delivery_bytes(d: &Delivery) -> usize {
+    const ITEM_OVERHEAD: usize = 16;
+    ITEM_OVERHEAD
+        + match d {
+            Delivery::Commit {
+                tunnel_head: Some((_, headers)),
+            } => headers
+                .iter()
+                .map(|(name, value)| name.len().saturating_add(value.len()))
+                .fold(0usize, usize::saturating_add),
+            Delivery::Body(bytes) => bytes.len(),
+            Delivery::Event(_)
+            | Delivery::Commit { tunnel_head: None }
+            | Delivery::Finish
+            | Delivery::Fail { .. } => 0,
+        }
 }
 
 enum Next {

@@ -5,7 +5,10 @@
 //! restarts even if the state file is lost (as long as the clock does not
 //! jump back), and across clock jumps as long as the file survives.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
+
+use iop_core::edge::registry::GENERATION_LIMIT;
 
 /// Where the mark lives.
 #[derive(Debug, Clone)]
@@ -34,14 +37,39 @@ impl GenerationStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
             Err(e) => return Err(e),
         };
+        // A mark at or past the limit leaves no generation to hand out
+        // (R-GEN-1 forbids wrapping): refuse to start and name the file.
+        if persisted >= GENERATION_LIMIT {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "{}: generation high-water mark {persisted} is not below the limit \
+                     {GENERATION_LIMIT}",
+                    self.path.display()
+                ),
+            ));
+        }
         Ok(persisted.max(unix_ms))
     }
 
-    /// Persist `high_water` (write to a temp file, then rename).
+    /// Persist `high_water` durably: write a temp file, fsync it, rename it
+    /// over the mark, then fsync the directory so the rename survives a
+    /// crash too (R-GEN-1 across restarts).
     pub fn save(&self, high_water: u64) -> std::io::Result<()> {
         let tmp = self.path.with_extension("tmp");
-        std::fs::write(&tmp, format!("{high_water}\n"))?;
-        std::fs::rename(&tmp, &self.path)
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(format!("{high_water}\n").as_bytes())?;
+        file.sync_all()?;
+        drop(file);
+        std::fs::rename(&tmp, &self.path)?;
+        if let Some(dir) = self.path.parent() {
+            // Directories cannot be opened for syncing on every platform;
+            // where they can, a failure is an error.
+            if let Ok(dir) = std::fs::File::open(dir) {
+                dir.sync_all()?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -58,5 +86,23 @@ mod tests {
         assert_eq!(store.floor(5).unwrap(), 1_000);
         assert_eq!(store.floor(2_000).unwrap(), 2_000);
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_mark_at_the_generation_limit_refuses_to_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = GenerationStore::open(dir.path()).unwrap();
+        store.save(GENERATION_LIMIT - 1).unwrap();
+        assert_eq!(store.floor(5).unwrap(), GENERATION_LIMIT - 1);
+        for corrupt in [GENERATION_LIMIT, u64::MAX] {
+            store.save(corrupt).unwrap();
+            let e = store.floor(5).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+            assert!(e.to_string().contains("generation"), "{e}");
+        }
+        assert!(
+            !dir.path().join("generation.tmp").exists(),
+            "the temp file was renamed"
+        );
     }
 }

@@ -102,6 +102,11 @@ pub struct HubSnapshot {
     pub closes_by_reason: BTreeMap<&'static str, u64>,
     /// Per-provider health (R-HT-1), times as Unix milliseconds.
     pub health: Vec<ProviderHealthView>,
+    /// Requests whose events the hub still routes (queued or leased, or
+    /// about to be told their lease was fenced); 0 once every request ended.
+    pub waiters: usize,
+    /// Node connections the hub holds a link to (registered, not fenced).
+    pub links: usize,
 }
 
 /// One provider's health for the status surface (R-HT-6: no secrets, no
@@ -166,12 +171,6 @@ enum HubMsg {
     },
     Cancel {
         request_id: RequestId,
-    },
-    Capabilities {
-        node: NodeId,
-        generation: Generation,
-        report: CapabilitiesReport,
-        reply: oneshot::Sender<Vec<CapabilityVerdict>>,
     },
     Link {
         node: NodeId,
@@ -287,22 +286,6 @@ impl HubHandle {
     /// cancel its node run.
     pub fn cancel(&self, request_id: RequestId) {
         let _ = self.tx.send(HubMsg::Cancel { request_id });
-    }
-
-    /// Apply a CAPABILITIES answer.
-    pub async fn capabilities(
-        &self,
-        node: NodeId,
-        generation: Generation,
-        report: CapabilitiesReport,
-    ) -> Result<Vec<CapabilityVerdict>, HubGone> {
-        self.ask(|reply| HubMsg::Capabilities {
-            node,
-            generation,
-            report,
-            reply,
-        })
-        .await
     }
 
     /// The current ready link of a node.
@@ -560,28 +543,6 @@ impl Hub {
                     let _ = link.commands.send(LinkCommand::Cancel(lease.run_id));
                 }
             }
-            HubMsg::Capabilities {
-                node,
-                generation,
-                report,
-                reply,
-            } => {
-                let verdicts = self
-                    .dispatcher
-                    .apply_capabilities(now, &node, generation, &report);
-                for v in &verdicts {
-                    if v.recovery == RecoveryOutcome::Recovered {
-                        self.metrics.health_transition("recovered");
-                        tracing::info!(
-                            event = "edge_provider_health_observation",
-                            provider = %v.provider_id,
-                            health = v.health.as_str(),
-                            outcome = v.recovery.as_str()
-                        );
-                    }
-                }
-                let _ = reply.send(verdicts);
-            }
             HubMsg::Link { node, reply } => {
                 let link = self
                     .dispatcher
@@ -615,12 +576,33 @@ impl Hub {
                     Ok((node, generation, report)) => Ok((node, *generation, report)),
                     Err(code) => Err(*code),
                 };
-                let _ = self.dispatcher.probe_answer(now, &ticket, answer);
+                // R-CAP-1: a probe's report may recover a lowered provider;
+                // each recovery is observed once, here.
+                let (_, verdicts) = self.dispatcher.probe_answer(now, &ticket, answer);
+                self.observe_capabilities(&verdicts);
+            }
+        }
+    }
+
+    /// Count and log every overlay recovery among `verdicts` (closed labels).
+    fn observe_capabilities(&self, verdicts: &[CapabilityVerdict]) {
+        for v in verdicts {
+            if v.recovery == RecoveryOutcome::Recovered {
+                self.metrics.health_transition("recovered");
+                tracing::info!(
+                    event = "edge_provider_health_observation",
+                    provider = %v.provider_id,
+                    health = v.health.as_str(),
+                    outcome = v.recovery.as_str()
+                );
             }
         }
     }
 
     fn drain(&mut self) {
+        // Connections fenced in this batch; their link and peer entries go
+        // once every output (a close order among them) was carried out.
+        let mut fenced = Vec::new();
         while let Some(out) = self.dispatcher.poll_output(self.clock.now()) {
             match out {
                 DispatchOutput::CloseConnection {
@@ -637,6 +619,7 @@ impl Hub {
                     generation,
                     reason,
                 } => {
+                    fenced.push((node.clone(), generation));
                     *self.closes_by_reason.entry(reason.as_str()).or_default() += 1;
                     self.metrics.fence(reason.as_str());
                     tracing::info!(
@@ -660,8 +643,18 @@ impl Hub {
                     }
                 }
                 DispatchOutput::LeaseFenced(lease) => {
-                    if let Some(w) = self.waiters.get(&lease.request_id) {
+                    let request_id = lease.request_id;
+                    if let Some(w) = self.waiters.get(&request_id) {
                         let _ = w.send(RequestEvent::LeaseFenced(lease));
+                    }
+                    // The fence ended the request's place unless it is
+                    // already queued or leased again: then its driver still
+                    // waits for what comes next.
+                    let admission = self.dispatcher.inner().admission();
+                    if !admission.is_queued(request_id)
+                        && admission.lease_of_request(request_id).is_none()
+                    {
+                        self.waiters.remove(&request_id);
                     }
                 }
                 DispatchOutput::ProbeDue {
@@ -679,6 +672,13 @@ impl Hub {
                     );
                 }
             }
+        }
+        // R-GEN-3: a fenced generation is never dispatched to again, so
+        // nothing of it stays behind (a connection that never reports its
+        // end leaks nothing either).
+        for key in fenced {
+            self.links.remove(&key);
+            self.peers.remove(&key);
         }
     }
 
@@ -758,6 +758,8 @@ impl Hub {
             fenced_messages: registry.fenced_messages(),
             fences: registry.fences(),
             closes_by_reason: self.closes_by_reason.clone(),
+            waiters: self.waiters.len(),
+            links: self.links.len(),
             health: self
                 .dispatcher
                 .inner()

@@ -58,18 +58,31 @@ pub async fn serve(
         conn: conn.clone(),
         commands: cmd_tx,
     };
-    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&conn, &node, &hub, link));
+    // Set as soon as the hub accepted the registration: from then on every
+    // way out reports the generation's end, so it is fenced (R-GEN-3).
+    let mut registered = None;
+    let handshake = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        handshake(&conn, &node, &hub, link, &mut registered),
+    );
     let (generation, send, recv) = match handshake.await {
         Ok(Ok(Some(done))) => done,
         Ok(Ok(None)) => return,
         Ok(Err(e)) => {
             tracing::warn!(event = "edge_handshake_failed", node = %node, error = %e);
-            close_connection(&conn, protocol_close_code(&e));
+            let code = protocol_close_code(&e);
+            close_connection(&conn, code);
+            if let Some(generation) = registered {
+                hub.link_closed(node, generation, code);
+            }
             return;
         }
         Err(_) => {
             tracing::warn!(event = "edge_handshake_timeout", node = %node);
             close_connection(&conn, CloseCode::ProtocolError);
+            if let Some(generation) = registered {
+                hub.link_closed(node, generation, CloseCode::ProtocolError);
+            }
             return;
         }
     };
@@ -95,13 +108,17 @@ fn protocol_close_code(e: &FramedError) -> CloseCode {
     }
 }
 
-/// Register and ready. `Ok(None)` when the registration was refused (the
-/// connection is already closed).
+/// Register and ready. `Ok(None)` when the registration was refused or
+/// superseded (the connection is already closed and any generation
+/// reported closed). Once the hub accepts the registration its generation is
+/// stored in `registered`, so the caller can report its end whatever
+/// happens next.
 async fn handshake(
     conn: &quinn::Connection,
     node: &NodeId,
     hub: &HubHandle,
     link: LinkHandle,
+    registered: &mut Option<Generation>,
 ) -> Result<Option<(Generation, FramedSend, FramedRecv)>, FramedError> {
     let (mut send, mut recv) = accept_framed(conn).await?;
     let Some(NodeControl::Register(request)) = recv.recv::<NodeControl>().await? else {
@@ -115,6 +132,7 @@ async fn handshake(
     };
     let generation = match answer {
         Ok((generation, config)) => {
+            *registered = Some(generation);
             send.send(&EdgeControl::Registered(RegisterResponse::Accepted {
                 generation,
                 config,
@@ -127,6 +145,7 @@ async fn handshake(
                 event = "edge_registration_rejected",
                 node = %node,
                 reason = rejection.reason.as_str(),
+                cause = rejection.cause.as_str(),
                 detail = %rejection.message
             );
             send.send(&EdgeControl::Registered(RegisterResponse::Rejected {

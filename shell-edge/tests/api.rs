@@ -101,8 +101,9 @@ impl Deployment {
     }
 
     async fn wait_idle(&self) {
-        wait_for(&self.edge, "no leases in use", |s| {
-            s.leases_in_use == 0 && s.queue_depth == 0
+        // Every request also left the hub's event routing (no waiter leaks).
+        wait_for(&self.edge, "no leases in use and no waiters", |s| {
+            s.leases_in_use == 0 && s.queue_depth == 0 && s.waiters == 0
         })
         .await;
     }

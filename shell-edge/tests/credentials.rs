@@ -298,8 +298,9 @@ async fn revoked_by_the_admin_endpoint_fails_closed() {
             .await
             .unwrap();
         assert_eq!(unknown.status().as_u16(), 404);
-        // The refresh travels on the control stream.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // R-CRED-3: at once, before the node hears the refresh on the
+        // control stream, the Edge seals no lease for the revoked profile,
+        // so the node refuses the managed target without calling it.
         let before = rig.mock.requests();
         let (status, body) = rig.chat().await;
         assert_credential_rejected(status, &body);
@@ -309,8 +310,13 @@ async fn revoked_by_the_admin_endpoint_fails_closed() {
                 .shared()
                 .metrics
                 .render()
-                .contains("reason=\"disabled\"")
+                .contains("reason=\"missing_lease\"")
         );
+        // And still after the refresh arrived.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, body) = rig.chat().await;
+        assert_credential_rejected(status, &body);
+        assert_eq!(rig.mock.requests(), before, "no provider request");
         rig.node.shutdown().await.unwrap();
         rig.edge.shutdown().await;
     })

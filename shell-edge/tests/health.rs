@@ -147,3 +147,116 @@ async fn failing_provider_backs_off_to_its_cap_and_recovers() {
     })
     .await;
 }
+
+/// Bind a mock with `health` at `addr` (the previous server at that
+/// address was dropped; the port may take a moment to free).
+async fn rebind(addr: std::net::SocketAddr, health: ProbeHealth) -> iop_node::mock::MockServer {
+    let listener = loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => break l,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    serve(
+        listener,
+        MockScript {
+            health,
+            ..MockScript::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
+async fn transitions(http: &reqwest::Client, edge: &RunningEdge, transition: &str) -> f64 {
+    let text = http
+        .get(format!("http://{}/metrics", edge.http_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    iop_edge::metrics::scrape_value(
+        &text,
+        "iop_edge_provider_health_transitions_total",
+        &[("transition", transition)],
+    )
+}
+
+#[tokio::test]
+async fn probe_answer_recovering_a_lowered_provider_counts_the_transition() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        let first = MockServer::start(MockScript::default()).await.unwrap();
+        let addr = first.addr();
+        // A long regular cadence: no probe lands between the swaps below
+        // unless the test's own steps cause one.
+        let mut config = edge_config(
+            &pki,
+            0,
+            "[health]\nrefresh_interval_ms = 4000\nbackoff_base_ms = 50\nbackoff_cap_ms = 200\n\
+             stale_after_ms = 60000\nprobe_timeout_ms = 1000\n\
+             [[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"t\"\nstall_timeout_ms = 300\n\
+             [[routes]]\nmodel = \"mock*\"\nproviders = [\"p\"]\n\
+             [[api_keys]]\nprincipal = \"ops\"\nkey_file = \"key\"\n",
+        );
+        // No re-admission: the stall ends the request.
+        config.admission.max_attempts = 1;
+        let edge = RunningEdge::start(config).await.unwrap();
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                first.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        wait_for(&edge, "the first probe to succeed", |s| {
+            s.health.iter().any(|h| h.provider_id.as_str() == "p" && h.state == "ok")
+        })
+        .await;
+        let http = reqwest::Client::new();
+        let recovered_before = transitions(&http, &edge, "recovered").await;
+
+        // The provider turns unhealthy: a stall's exact-target probe says
+        // so, and the fresh `unavailable` evidence lowers the overlay
+        // (R-OVL-2).
+        drop(first);
+        let sick = rebind(addr, ProbeHealth::Unhealthy).await;
+        let _ = http
+            .post(format!("http://{}/v1/chat/completions", edge.http_addr))
+            .bearer_auth(KEY)
+            .body(r#"{"model":"mock:stall_after=0","messages":[{"role":"user","content":"x"}]}"#)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await;
+        assert!(transitions(&http, &edge, "lowered").await >= 1.0, "lowered");
+
+        // It heals: the next CAPABILITIES probe answers a strictly newer
+        // `available` (R-CAP-1), and the recovery is counted once.
+        drop(sick);
+        let _healed = rebind(addr, ProbeHealth::Ok).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while transitions(&http, &edge, "recovered").await < recovered_before + 1.0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no recovered transition was counted"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            transitions(&http, &edge, "recovered").await,
+            recovered_before + 1.0,
+            "counted once"
+        );
+        node.shutdown().await.unwrap();
+        edge.shutdown().await;
+    })
+    .await;
+}

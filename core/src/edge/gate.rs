@@ -222,7 +222,11 @@ impl AdmissionFailure {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GateInput {
     /// Admission placed the pending attempt: it holds a lease on
-    /// `provider_id` and was sent. Starts a new [`AttemptId`].
+    /// `provider_id` that passed the pre-send fence. Starts a new
+    /// [`AttemptId`]. Fed before the request is sent, so a failure to open
+    /// the node stream or to send is this attempt's event
+    /// ([`AttemptEvent::TransportLost`] or [`AttemptEvent::Failed`]) and the
+    /// shared budget governs it (R-GATE-1).
     Dispatched {
         /// The provider of the attempt's lease.
         provider_id: ProviderId,

@@ -18,13 +18,45 @@ use crate::ids::{Generation, NodeId};
 use crate::planted::{Planted, PlantedBug};
 use crate::time::Instant;
 
+/// The largest generation the registry hands out (R-GEN-1). Generations
+/// stay within a signed 64-bit integer, so every consumer (logs, metrics,
+/// status JSON) reads them exactly; a floor at or above this (a corrupted
+/// state file) refuses every registration instead of wrapping around.
+pub const GENERATION_LIMIT: Generation = i64::MAX as Generation;
+
 /// A registration the Edge refuses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
     /// Closed reason sent to the node.
     pub reason: RejectReason,
+    /// Why, as the Edge sees it.
+    pub cause: RejectCause,
     /// Detail for the node's log (no secrets).
     pub message: String,
+}
+
+/// Why a registration was refused, split by who is at fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectCause {
+    /// The node speaks another protocol version (the node's side).
+    ProtocolVersionMismatch,
+    /// The node id is not configured (the node's side).
+    UnknownNode,
+    /// No generation above the high-water mark is left below
+    /// [`GENERATION_LIMIT`] (the Edge's side: its persisted generation
+    /// state needs an operator). R-GEN-1 forbids reusing one.
+    GenerationsExhausted,
+}
+
+impl RejectCause {
+    /// The stable lower-case name (a closed label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectCause::ProtocolVersionMismatch => "protocol_version_mismatch",
+            RejectCause::UnknownNode => "unknown_node",
+            RejectCause::GenerationsExhausted => "generations_exhausted",
+        }
+    }
 }
 
 /// What the driver must do after a registry input.
@@ -144,6 +176,7 @@ impl Registry {
         if request.protocol_version != PROTOCOL_VERSION {
             return Err(Rejection {
                 reason: RejectReason::ProtocolVersionMismatch,
+                cause: RejectCause::ProtocolVersionMismatch,
                 message: format!(
                     "node speaks protocol {}, edge speaks {}",
                     request.protocol_version, PROTOCOL_VERSION
@@ -155,12 +188,26 @@ impl Registry {
         {
             return Err(Rejection {
                 reason: RejectReason::UnknownNode,
+                cause: RejectCause::UnknownNode,
                 message: "this node id is not configured on the edge".into(),
             });
         }
-        // R-GEN-1: strictly greater than every generation ever handed out.
-        self.high_water += 1;
-        let generation = self.high_water;
+        // R-GEN-1: strictly greater than every generation ever handed out,
+        // and never past the limit (no wrap-around to a reused generation).
+        let Some(generation) = self
+            .high_water
+            .checked_add(1)
+            .filter(|g| *g <= GENERATION_LIMIT)
+        else {
+            return Err(Rejection {
+                // The wire has no closer reason: this Edge can take no new
+                // connection until its generation state is repaired.
+                reason: RejectReason::ShuttingDown,
+                cause: RejectCause::GenerationsExhausted,
+                message: "the edge has no generation left to hand out".into(),
+            });
+        };
+        self.high_water = generation;
         let record = self.nodes.entry(node.clone()).or_default();
         debug_assert!(generation > record.last_generation);
         record.last_generation = generation;
@@ -409,6 +456,32 @@ mod tests {
         let err = r.register(T, &NodeId::from("a"), &bad).unwrap_err();
         assert_eq!(err.reason, RejectReason::ProtocolVersionMismatch);
         assert_eq!(r.high_water(), 0, "no generation consumed");
+    }
+
+    #[test]
+    fn registration_at_the_generation_limit_is_refused_without_wrapping() {
+        let a = NodeId::from("a");
+        let mut r = Registry::new(GENERATION_LIMIT - 1);
+        assert_eq!(r.register(T, &a, &req()), Ok(GENERATION_LIMIT));
+        for floor in [GENERATION_LIMIT, GENERATION_LIMIT + 1, Generation::MAX] {
+            let mut r = Registry::new(floor);
+            let err = r.register(T, &a, &req()).unwrap_err();
+            assert_eq!(
+                err.cause,
+                RejectCause::GenerationsExhausted,
+                "floor {floor}"
+            );
+            assert_eq!(err.reason, RejectReason::ShuttingDown);
+            assert_eq!(r.high_water(), floor, "no generation consumed");
+            assert_eq!(r.view(&a).generation, None, "nothing registered");
+            assert!(drain(&mut r).is_empty(), "nothing fenced");
+        }
+        // The limit also holds for the next registration after the last one.
+        let mut r = Registry::new(GENERATION_LIMIT - 1);
+        let g = r.register(T, &a, &req()).unwrap();
+        let err = r.register(T, &a, &req()).unwrap_err();
+        assert_eq!(err.cause, RejectCause::GenerationsExhausted);
+        assert_eq!(r.view(&a).generation, Some(g), "the current one stays");
     }
 
     #[test]
