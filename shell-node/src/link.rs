@@ -851,17 +851,15 @@ impl Link {
                     let bound = self.shared.probe_bound;
                     let shared = self.shared.clone();
                     self.probes.spawn(async move {
+                        // The probe is bounded like the watchdog's own
+                        // probe bound; either way a timeout is no verdict
+                        // (R-WD-5).
                         let outcome = match adapter {
-                            Some(a) => match tokio::time::timeout(bound, a.probe()).await {
-                                Ok(verdict) => {
-                                    let verdict =
-                                        shared.probe_verdict(a.kind(), a.target(), verdict);
-                                    ProbeEvidence::new(verdict.health, verdict.failure).outcome()
-                                }
-                                // The watchdog treats its own bound the same
-                                // way; this only stops the task (R-WD-5).
-                                Err(_) => ProbeOutcome::Failed,
-                            },
+                            Some(a) => {
+                                let verdict = a.probe(bound).await;
+                                let verdict = shared.probe_verdict(a.kind(), a.target(), verdict);
+                                ProbeEvidence::new(verdict.health, verdict.failure).outcome()
+                            }
                             None => ProbeOutcome::Failed,
                         };
                         (run_id, outcome)

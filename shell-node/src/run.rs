@@ -382,14 +382,7 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
                     .is_none_or(|t| t.adapter == a.kind() && t.target == a.target())
             });
             let probes = chosen.map(|a| async move {
-                let verdict = match tokio::time::timeout(bound, a.probe()).await {
-                    Ok(v) => shared.probe_verdict(a.kind(), a.target(), v),
-                    Err(_) => crate::adapter::ProbeVerdict {
-                        health: iop_wire::ProviderHealth::Unknown,
-                        failure: Some(iop_wire::HealthFailureCode::Timeout),
-                        models: Vec::new(),
-                    },
-                };
+                let verdict = shared.probe_verdict(a.kind(), a.target(), a.probe(bound).await);
                 TargetHealth {
                     adapter: a.kind(),
                     target: a.target().to_owned(),

@@ -291,6 +291,51 @@ fn capabilities_recovery_does_not_make_an_unavailable_provider_selectable() {
     leased(d.request(retry_at, DispatchRequest::new(3, vec![p1])));
 }
 
+/// The first health probe the dispatcher asks for `provider`.
+fn probe_due(d: &mut Dispatcher, provider: &ProviderId) -> ProbeTicket {
+    std::iter::from_fn(|| d.poll_output())
+        .find_map(|o| match o {
+            DispatchOutput::ProbeDue { ticket, .. } if &ticket.provider_id == provider => {
+                Some(ticket)
+            }
+            _ => None,
+        })
+        .expect("a probe is due")
+}
+
+#[test]
+fn a_refresh_probe_the_node_got_no_verdict_for_is_a_failure_with_its_code() {
+    // R-WD-5 makes a node-side probe error or timeout `unknown`; for the
+    // Edge's health tracker that refresh probe still failed (R-HT-1).
+    for (code, expected) in [
+        (
+            Some(HealthFailureCode::TransportFailed),
+            HealthFailureCode::TransportFailed,
+        ),
+        (Some(HealthFailureCode::Timeout), HealthFailureCode::Timeout),
+        (
+            Some(HealthFailureCode::MalformedResponse),
+            HealthFailureCode::MalformedResponse,
+        ),
+        (None, HealthFailureCode::Timeout),
+    ] {
+        let mut d = dispatcher();
+        let g = up(&mut d, "a");
+        let p1 = ProviderId::from("p1");
+        let ticket = probe_due(&mut d, &p1);
+        let mut report = caps("t-p1", ProviderHealth::Unknown, 1);
+        report.targets[0].failure_code = code;
+        let (disposition, _) = d.probe_answer(T, &ticket, Ok((&NodeId::from("a"), g, &report)));
+        assert_eq!(disposition, ProbeDisposition::Applied);
+        let snapshot = d.health().provider_snapshot(&p1).unwrap();
+        assert_eq!(snapshot.state, HealthState::Unavailable, "{code:?}");
+        assert_eq!(snapshot.failure_code, Some(expected), "{code:?}");
+        assert!(!d.admission().is_selectable(&p1), "R-HT-5");
+        // The overlay is not touched by an unknown answer (R-CAP-1).
+        assert!(!d.overlay().is_lowered(&p1, g));
+    }
+}
+
 #[test]
 fn stall_recovery_readmission_avoids_the_stalled_provider() {
     let mut d = dispatcher();
