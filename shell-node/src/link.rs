@@ -271,7 +271,8 @@ pub enum LinkMsg {
         /// Forward or drop.
         reply: oneshot::Sender<Emission>,
     },
-    /// The provider call ended after a cancel (R-WD-4 timing).
+    /// The handler dropped its provider call on a cancel: the call ended
+    /// (R-WD-4 timing).
     ProviderReturned {
         /// The run.
         run_id: RunId,
@@ -751,11 +752,17 @@ impl Link {
                 let _ = reply.send(emission);
             }
             LinkMsg::ProviderReturned { run_id } => {
-                let _ = self.watchdog.provider_event(
-                    now,
-                    run_id,
-                    ProviderEvent::Returned(iop_core::node::watchdog::ProviderOutcome::Completed),
-                );
+                // Only a run still joining its stall needs the timing
+                // (R-WD-4); after its terminal there is nothing to record.
+                if self.runs.contains_key(&run_id) {
+                    let _ = self.watchdog.provider_event(
+                        now,
+                        run_id,
+                        ProviderEvent::Returned(
+                            iop_core::node::watchdog::ProviderOutcome::Completed,
+                        ),
+                    );
+                }
             }
             LinkMsg::Finished { run_id } => {
                 // A handler that ended without a terminal (its stream broke)

@@ -3,7 +3,8 @@
 //! A handler never decides liveness: every provider output is classified
 //! and offered to the link's watchdog, and only what the watchdog forwards
 //! reaches the Edge (R-WD-1, R-WD-6). The watchdog's own terminals (stall,
-//! deadline, cancel) arrive on the handler's control channel.
+//! deadline, cancel) arrive on the handler's control channel; its
+//! `CancelProvider` drops the provider call at once (R-WD-2).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -250,17 +251,19 @@ async fn execute<S, F>(
         }
     };
     let mut provider = Some(start(&adapter, auth));
-    let mut canceling = false;
     loop {
         tokio::select! {
             biased;
             ctrl = control.recv() => match ctrl {
                 Some(RunControl::CancelProvider) => {
-                    // The stall is claimed: nothing more is forwarded (the
-                    // watchdog fences it). The provider call gets the close
-                    // grace to return on its own (R-WD-4); it is closed at
-                    // the latest when the stall terminal arrives.
-                    canceling = true;
+                    // R-WD-2: the claim cancels the provider call. Dropping
+                    // the stream drops the in-flight request, which closes
+                    // the provider connection, so a hung call stops holding
+                    // the provider's slot while the stall joins. The call
+                    // has then ended, within the close grace (R-WD-4).
+                    if provider.take().is_some() {
+                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
+                    }
                 }
                 Some(RunControl::Terminal(RunTerminal::Failed(failure))) => {
                     drop(provider.take());
@@ -278,11 +281,6 @@ async fn execute<S, F>(
             },
             item = next_item(&mut provider) => {
                 let Some(item) = item else {
-                    if canceling {
-                        provider = None;
-                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
-                        continue;
-                    }
                     // The provider stream ended without a terminal: a broken
                     // adapter; report it as a provider error.
                     provider = None;
@@ -298,16 +296,8 @@ async fn execute<S, F>(
                 };
                 let terminal = S::is_terminal(&item);
                 let event = S::event(&item);
-                if canceling {
-                    // Late output after the claim: offered so the watchdog
-                    // fences and counts it (R-WD-6); the call returned when
-                    // its terminal shows up.
-                    let _ = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await;
-                    if terminal {
-                        provider = None;
-                    }
-                    continue;
-                }
+                // Output the watchdog fences (it raced the claim, R-WD-6) is
+                // counted by the link and dropped here.
                 let Some(emission) = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await else {
                     break;
                 };
