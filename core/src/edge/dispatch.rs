@@ -677,6 +677,12 @@ impl Dispatcher {
                 self.outputs.push_back(DispatchOutput::Health(event));
                 self.refresh_eligibility(now, &provider);
             }
+            // Every health state change, including `ok -> stale` by time,
+            // which has no lifecycle event (R-HT-5).
+            while let Some(provider) = self.health.poll_state_change() {
+                progressed = true;
+                self.refresh_eligibility(now, &provider);
+            }
             if !progressed {
                 break;
             }
