@@ -571,6 +571,51 @@ async fn stall_claim_cancels_the_hung_provider_call_of_a_tunnel_too() {
 }
 
 #[tokio::test]
+async fn bad_data_stream_frames_are_closed_with_their_code_and_counted_on_the_node() {
+    bounded(async {
+        // SPEC §5: a malformed or oversize wire frame closes its stream with
+        // a protocol error code, and the node counts it by that code.
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let rig = rig(&mock).await;
+        for (bytes, code) in [
+            // A 3-byte frame that is no DataRequest.
+            (
+                vec![0u8, 0, 0, 3, 0xff, 0xff, 0xff],
+                StreamErrorCode::Malformed,
+            ),
+            // A length prefix far above the maximum frame size.
+            (vec![0xff; 4], StreamErrorCode::FrameTooLarge),
+        ] {
+            let (mut send, recv) = rig.conn.open_bi().await.unwrap();
+            send.write_all(&bytes).await.unwrap();
+            let _ = send.finish();
+            match FramedRecv::new(recv).recv::<RunEvent>().await {
+                Err(iop_transport::framed::FramedError::ResetByPeer { code: got, .. }) => {
+                    assert_eq!(got, Some(code))
+                }
+                other => panic!("expected a reset with {code:?}, got {other:?}"),
+            }
+        }
+        let text = rig.node.shared().metrics.render();
+        for code in ["malformed", "frame_too_large"] {
+            assert_eq!(
+                iop_edge::metrics::scrape_value(
+                    &text,
+                    "iop_node_wire_protocol_errors_total",
+                    &[("code", code)]
+                ),
+                1.0,
+                "{text}"
+            );
+        }
+        assert_eq!(mock.requests(), 0, "no provider call for a bad frame");
+        rig.node.shutdown().await.unwrap();
+        rig.edge.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn hard_deadline_wins_over_a_coincident_stall() {
     bounded(async {
         let mock = MockServer::start(MockScript::default()).await.unwrap();

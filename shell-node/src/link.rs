@@ -379,6 +379,7 @@ pub async fn run(
             return LinkEnd::Rejected { reason, message };
         }
         Err(e) => {
+            shared.metrics.wire_error(&e);
             close_connection(&conn, CloseCode::ProtocolError);
             return LinkEnd::Failed(e);
         }
@@ -439,6 +440,7 @@ pub async fn run(
                     break LinkEnd::Closed { was_ready: true, code: close_code.unwrap_or(CloseCode::Normal) };
                 }
                 Err(e) => {
+                    shared.metrics.wire_error(&e);
                     tracing::warn!(event = "node_control_stream_error", error = %e);
                     break LinkEnd::Closed { was_ready: true, code: CloseCode::ProtocolError };
                 }

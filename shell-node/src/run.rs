@@ -36,8 +36,20 @@ pub async fn serve_stream(
         Ok(Some(r)) => r,
         Ok(None) => return,
         Err(e) => {
-            tracing::debug!(event = "node_data_stream_refused", error = %e);
-            let _ = send.reset(StreamErrorCode::Malformed);
+            // SPEC §5: a bad frame closes the stream with its code and is
+            // counted; anything else (a reset, a lost connection) just ends.
+            shared.metrics.wire_error(&e);
+            let code = match &e {
+                FramedError::PeerProtocol { code, .. } => {
+                    tracing::warn!(event = "node_data_stream_refused", code = code.as_str());
+                    *code
+                }
+                _ => {
+                    tracing::debug!(event = "node_data_stream_ended", error = %e);
+                    StreamErrorCode::Canceled
+                }
+            };
+            let _ = send.reset(code);
             return;
         }
     };
@@ -57,6 +69,7 @@ pub async fn serve_stream(
                 &mut send,
                 recv,
                 &link,
+                &shared.metrics,
                 run_id,
                 RunKind::Normalized,
                 stall,
@@ -82,6 +95,7 @@ pub async fn serve_stream(
                 &mut send,
                 recv,
                 &link,
+                &shared.metrics,
                 run_id,
                 RunKind::Tunnel,
                 stall,
@@ -166,6 +180,7 @@ async fn execute<S, F>(
     send: &mut FramedSend,
     mut recv: FramedRecv,
     link: &LinkTx,
+    metrics: &crate::metrics::NodeMetrics,
     run_id: u64,
     kind: RunKind,
     stall_timeout_ms: u64,
@@ -273,7 +288,7 @@ async fn execute<S, F>(
                 Some(RunControl::Terminal(RunTerminal::Completed)) | None => break,
             },
             // The Edge stopped reading or reset: the run is canceled.
-            _ = recv_reset(&mut recv) => {
+            _ = recv_reset(&mut recv, metrics) => {
                 drop(provider.take());
                 link.tell(LinkMsg::Canceled { run_id }).await;
                 let _ = send.reset(StreamErrorCode::Canceled);
@@ -341,18 +356,19 @@ async fn next_item<T>(provider: &mut Option<BoxStream<'static, T>>) -> Option<T>
 }
 
 /// Resolves when the Edge resets our request stream or stops our response
-/// stream: either means the run was canceled.
-async fn recv_reset(recv: &mut FramedRecv) {
+/// stream: either means the run was canceled. A bad frame after the request
+/// is counted (SPEC §5) and ends the run the same way.
+async fn recv_reset(recv: &mut FramedRecv, metrics: &crate::metrics::NodeMetrics) {
     loop {
         match recv.recv::<DataRequest>().await {
             // Nothing more is expected after the request; a clean end of the
             // request half is normal, keep waiting for a reset.
             Ok(None) => return std::future::pending().await,
             Ok(Some(_)) => continue,
-            Err(FramedError::ResetByPeer { .. }) | Err(FramedError::ConnectionLost { .. }) => {
+            Err(e) => {
+                metrics.wire_error(&e);
                 return;
             }
-            Err(_) => return,
         }
     }
 }
