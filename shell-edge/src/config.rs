@@ -628,6 +628,18 @@ impl EdgeConfig {
                 "must be >= health.backoff_base_ms",
             ));
         }
+        // R-HT-5: a healthy provider's regular probe must be able to answer
+        // before its `ok` ages out, or it flaps to `stale` between probes.
+        if health.stale_after_ms
+            <= health
+                .refresh_interval_ms
+                .saturating_add(health.probe_timeout_ms)
+        {
+            return Err(field_err(
+                "health.stale_after_ms",
+                "must be > health.refresh_interval_ms + health.probe_timeout_ms",
+            ));
+        }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
             admission: file.admission,
@@ -853,6 +865,18 @@ key = "edge.key"
     fn unknown_fields_are_refused_with_their_name() {
         let e = parse("[admission]\nqueue_size = 3\n").unwrap_err();
         assert!(e.to_string().contains("queue_size"), "{e}");
+    }
+
+    #[test]
+    fn stale_after_must_exceed_refresh_interval_plus_probe_timeout() {
+        let health = |stale: u64| {
+            parse(&format!(
+                "[health]\nrefresh_interval_ms = 1000\nprobe_timeout_ms = 500\nstale_after_ms = {stale}\n"
+            ))
+        };
+        assert_eq!(field_of(health(1500).unwrap_err()), "health.stale_after_ms");
+        assert_eq!(field_of(health(900).unwrap_err()), "health.stale_after_ms");
+        assert_eq!(health(1501).unwrap().health.stale_after_ms, 1501);
     }
 
     #[test]

@@ -465,37 +465,150 @@ async fn ollama_adapter_runs_against_an_ollama_shaped_server() {
     .await;
 }
 
+/// A provider that stalls after two tokens and would only resume long after
+/// the stall terminal: a hung call.
+const HUNG_AFTER_TWO_TOKENS: &str = "mock:stall_after=2,resume_after_ms=5000,tokens=4";
+
+/// Well below the hung provider's resume: the request must be closed by the
+/// claim itself, not by the provider finishing.
+const CANCEL_SEEN_WITHIN: std::time::Duration = std::time::Duration::from_millis(2500);
+
+/// After a stall terminal: the mock saw its request canceled (dropped by the
+/// node, not finished by the provider), nothing arrived late, one stall.
+async fn assert_provider_call_was_canceled(rig: &Rig, mock: &MockServer) {
+    let stats = tokio::time::timeout(CANCEL_SEEN_WITHIN, mock.wait_for(|s| s.in_flight == 0))
+        .await
+        .expect("the claim closes the provider request (R-WD-2)");
+    assert_eq!(stats.disconnects, 1, "canceled, not finished: {stats:?}");
+    let shared = rig.node.shared();
+    assert_eq!(shared.stalls.load(std::sync::atomic::Ordering::Relaxed), 1);
+    // The dropped call produced nothing after the claim (R-WD-6 fencing of
+    // late output stays covered by core's watchdog tests).
+    assert_eq!(
+        shared
+            .fenced_late_outputs
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}
+
 #[tokio::test]
-async fn late_provider_output_after_a_stall_claim_is_fenced_and_counted() {
+async fn stall_claim_cancels_the_hung_provider_call_and_the_terminal_is_retryable() {
     bounded(async {
-        // Stalls for 400 ms after two tokens, then resumes: the watchdog
-        // claims at 300 ms; the resumed tokens arrive inside the grace.
+        // R-WD-2: the claim cancels the provider call, so a hung request
+        // stops holding the provider's slot; it ended within the close
+        // grace, so the stall is retryable (R-WD-4).
         let mock = MockServer::start(MockScript::default()).await.unwrap();
         let rig = rig(&mock).await;
-        let (_s, mut recv) = send_run(
-            &rig.conn,
-            run_request(1, "mock:stall_after=2,resume_after_ms=400,tokens=4", 300),
-        )
-        .await;
+        let (_s, mut recv) = send_run(&rig.conn, run_request(1, HUNG_AFTER_TWO_TOKENS, 300)).await;
         let events = collect(&mut recv).await;
         let f = failure(&events);
         assert_eq!(f.code, FailureCode::ResponseStalled);
-        assert!(
-            f.retryable,
-            "the provider returned within the grace (R-WD-4)"
-        );
+        assert!(f.retryable, "the call ended at the claim, within the grace");
         assert_eq!(
             text(&events).split_whitespace().count(),
             2,
-            "late tokens never forwarded"
+            "no late tokens are forwarded"
         );
-        assert!(
-            rig.node
-                .shared()
-                .fenced_late_outputs
-                .load(std::sync::atomic::Ordering::Relaxed)
-                >= 1
+        assert_provider_call_was_canceled(&rig, &mock).await;
+        rig.node.shutdown().await.unwrap();
+        rig.edge.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stall_claim_cancels_the_hung_provider_call_of_a_tunnel_too() {
+    bounded(async {
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let rig = rig(&mock).await;
+        let (mut send, mut recv) = open_framed(&rig.conn).await.unwrap();
+        let body = format!(
+            r#"{{"model":"{HUNG_AFTER_TWO_TOKENS}","stream":true,"messages":[{{"role":"user","content":"hi"}}]}}"#
         );
+        send.send(&DataRequest::Tunnel(ProviderTunnelRequest {
+            run_id: 5,
+            session_id: "s".into(),
+            adapter: AdapterKind::OpenAi,
+            target: "m".into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: body.into_bytes(),
+            response_stall_timeout_ms: 300,
+            deadline_ms: 0,
+            credential_lease: None,
+        }))
+        .await
+        .unwrap();
+        let mut frames = Vec::new();
+        while let Some(f) = recv.recv::<ProviderTunnelFrame>().await.unwrap() {
+            frames.push(f);
+        }
+        assert_eq!(frames.iter().filter(|f| f.is_terminal()).count(), 1);
+        match frames.last() {
+            Some(ProviderTunnelFrame::Failure(f)) => {
+                assert_eq!(f.code, FailureCode::ResponseStalled);
+                assert!(f.retryable, "the call ended at the claim, within the grace");
+            }
+            other => panic!("expected a stall terminal, got {other:?}"),
+        }
+        let body: Vec<u8> = frames
+            .iter()
+            .filter_map(|f| match f {
+                ProviderTunnelFrame::Body(b) => Some(b.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        let body = String::from_utf8(body).unwrap();
+        assert!(!body.contains("tok2"), "no late bytes are forwarded: {body}");
+        assert_provider_call_was_canceled(&rig, &mock).await;
+        rig.node.shutdown().await.unwrap();
+        rig.edge.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn bad_data_stream_frames_are_closed_with_their_code_and_counted_on_the_node() {
+    bounded(async {
+        // SPEC §5: a malformed or oversize wire frame closes its stream with
+        // a protocol error code, and the node counts it by that code.
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let rig = rig(&mock).await;
+        for (bytes, code) in [
+            // A 3-byte frame that is no DataRequest.
+            (
+                vec![0u8, 0, 0, 3, 0xff, 0xff, 0xff],
+                StreamErrorCode::Malformed,
+            ),
+            // A length prefix far above the maximum frame size.
+            (vec![0xff; 4], StreamErrorCode::FrameTooLarge),
+        ] {
+            let (mut send, recv) = rig.conn.open_bi().await.unwrap();
+            send.write_all(&bytes).await.unwrap();
+            let _ = send.finish();
+            match FramedRecv::new(recv).recv::<RunEvent>().await {
+                Err(iop_transport::framed::FramedError::ResetByPeer { code: got, .. }) => {
+                    assert_eq!(got, Some(code))
+                }
+                other => panic!("expected a reset with {code:?}, got {other:?}"),
+            }
+        }
+        let text = rig.node.shared().metrics.render();
+        for code in ["malformed", "frame_too_large"] {
+            assert_eq!(
+                iop_edge::metrics::scrape_value(
+                    &text,
+                    "iop_node_wire_protocol_errors_total",
+                    &[("code", code)]
+                ),
+                1.0,
+                "{text}"
+            );
+        }
+        assert_eq!(mock.requests(), 0, "no provider call for a bad frame");
         rig.node.shutdown().await.unwrap();
         rig.edge.shutdown().await;
     })

@@ -211,6 +211,10 @@ impl NodeConfig {
                 "must be >= reconnect.initial_ms",
             ));
         }
+        // A zero bound would time every dial out before its handshake.
+        if r.connect_timeout_ms == 0 {
+            return Err(field_err("reconnect.connect_timeout_ms", "must be > 0"));
+        }
         let w = file.watchdog;
         if w.close_grace_ms == 0 {
             return Err(field_err("watchdog.close_grace_ms", "must be > 0"));
@@ -328,6 +332,10 @@ key = "node.key"
         assert_eq!(
             field_of("[reconnect]\ninitial_ms = 0\n"),
             "reconnect.initial_ms"
+        );
+        assert_eq!(
+            field_of("[reconnect]\nconnect_timeout_ms = 0\n"),
+            "reconnect.connect_timeout_ms"
         );
         assert_eq!(
             field_of("[[providers]]\nadapter='openai'\ntarget='v'\n"),

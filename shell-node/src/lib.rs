@@ -28,7 +28,8 @@ use crate::link::LinkShared;
 pub struct RunningNode {
     shutdown: watch::Sender<bool>,
     shared: Arc<LinkShared>,
-    task: JoinHandle<Result<(), supervisor::StartError>>,
+    /// `None` once [`RunningNode::stopped`] has seen the task end.
+    task: Option<JoinHandle<Result<(), supervisor::StartError>>>,
 }
 
 /// Process options that are not configuration.
@@ -82,7 +83,7 @@ impl RunningNode {
                 return Self {
                     shutdown,
                     shared,
-                    task: tokio::spawn(async move { Err(e) }),
+                    task: Some(tokio::spawn(async move { Err(e) })),
                 };
             }
         }
@@ -116,7 +117,7 @@ impl RunningNode {
         Self {
             shutdown,
             shared,
-            task,
+            task: Some(task),
         }
     }
 
@@ -140,13 +141,30 @@ impl RunningNode {
         &self.shared
     }
 
+    /// Resolves when the supervisor ends on its own. Before [`shutdown`]
+    /// it only does so when the node cannot start (identity, recipient key,
+    /// certificates, QUIC endpoint, metrics pipeline): the binary waits on
+    /// this and on the shutdown signal together, so a start error ends the
+    /// process instead of leaving it running idle. Cancel-safe; after it
+    /// has resolved once it never resolves again.
+    ///
+    /// [`shutdown`]: RunningNode::shutdown
+    pub async fn stopped(&mut self) -> Result<(), supervisor::StartError> {
+        let Some(task) = self.task.as_mut() else {
+            return std::future::pending().await;
+        };
+        let result = task.await;
+        self.task = None;
+        result.unwrap_or(Ok(()))
+    }
+
     /// Close the connection with `shutdown`, stop, and push the final
     /// metrics to the OTLP collector when one is configured.
     pub async fn shutdown(self) -> Result<(), supervisor::StartError> {
         self.shutdown.send_replace(true);
-        let result = match self.task.await {
-            Ok(result) => result,
-            Err(_) => Ok(()),
+        let result = match self.task {
+            Some(task) => task.await.unwrap_or(Ok(())),
+            None => Ok(()),
         };
         let shared = self.shared;
         let _ = tokio::task::spawn_blocking(move || shared.metrics.pipeline().shutdown()).await;
@@ -155,6 +173,8 @@ impl RunningNode {
 
     /// Stop without a goodbye (as a crash would): the task is aborted.
     pub fn abort(self) {
-        self.task.abort();
+        if let Some(task) = self.task {
+            task.abort();
+        }
     }
 }

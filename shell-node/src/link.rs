@@ -271,7 +271,8 @@ pub enum LinkMsg {
         /// Forward or drop.
         reply: oneshot::Sender<Emission>,
     },
-    /// The provider call ended after a cancel (R-WD-4 timing).
+    /// The handler dropped its provider call on a cancel: the call ended
+    /// (R-WD-4 timing).
     ProviderReturned {
         /// The run.
         run_id: RunId,
@@ -378,6 +379,7 @@ pub async fn run(
             return LinkEnd::Rejected { reason, message };
         }
         Err(e) => {
+            shared.metrics.wire_error(&e);
             close_connection(&conn, CloseCode::ProtocolError);
             return LinkEnd::Failed(e);
         }
@@ -438,6 +440,7 @@ pub async fn run(
                     break LinkEnd::Closed { was_ready: true, code: close_code.unwrap_or(CloseCode::Normal) };
                 }
                 Err(e) => {
+                    shared.metrics.wire_error(&e);
                     tracing::warn!(event = "node_control_stream_error", error = %e);
                     break LinkEnd::Closed { was_ready: true, code: CloseCode::ProtocolError };
                 }
@@ -751,11 +754,17 @@ impl Link {
                 let _ = reply.send(emission);
             }
             LinkMsg::ProviderReturned { run_id } => {
-                let _ = self.watchdog.provider_event(
-                    now,
-                    run_id,
-                    ProviderEvent::Returned(iop_core::node::watchdog::ProviderOutcome::Completed),
-                );
+                // Only a run still joining its stall needs the timing
+                // (R-WD-4); after its terminal there is nothing to record.
+                if self.runs.contains_key(&run_id) {
+                    let _ = self.watchdog.provider_event(
+                        now,
+                        run_id,
+                        ProviderEvent::Returned(
+                            iop_core::node::watchdog::ProviderOutcome::Completed,
+                        ),
+                    );
+                }
             }
             LinkMsg::Finished { run_id } => {
                 // A handler that ended without a terminal (its stream broke)
@@ -851,17 +860,15 @@ impl Link {
                     let bound = self.shared.probe_bound;
                     let shared = self.shared.clone();
                     self.probes.spawn(async move {
+                        // The probe is bounded like the watchdog's own
+                        // probe bound; either way a timeout is no verdict
+                        // (R-WD-5).
                         let outcome = match adapter {
-                            Some(a) => match tokio::time::timeout(bound, a.probe()).await {
-                                Ok(verdict) => {
-                                    let verdict =
-                                        shared.probe_verdict(a.kind(), a.target(), verdict);
-                                    ProbeEvidence::new(verdict.health, verdict.failure).outcome()
-                                }
-                                // The watchdog treats its own bound the same
-                                // way; this only stops the task (R-WD-5).
-                                Err(_) => ProbeOutcome::Failed,
-                            },
+                            Some(a) => {
+                                let verdict = a.probe(bound).await;
+                                let verdict = shared.probe_verdict(a.kind(), a.target(), verdict);
+                                ProbeEvidence::new(verdict.health, verdict.failure).outcome()
+                            }
                             None => ProbeOutcome::Failed,
                         };
                         (run_id, outcome)

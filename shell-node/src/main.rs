@@ -46,14 +46,30 @@ fn main() -> anyhow::Result<()> {
                 record_trace,
             } => {
                 let config = iop_node::config::NodeConfig::load(&config)?;
-                let node = iop_node::RunningNode::start_with(
+                let mut node = iop_node::RunningNode::start_with(
                     config,
                     iop_node::NodeOptions { record_trace },
                 );
-                iop_transport::signals::shutdown_signal().await;
-                tracing::info!(event = "node_shutdown");
-                node.shutdown().await?;
-                Ok(())
+                // A node that cannot start (identity, recipient key,
+                // certificates, QUIC endpoint) ends the process with the
+                // cause instead of waiting idle for a signal.
+                let ended = tokio::select! {
+                    result = node.stopped() => Some(result),
+                    () = iop_transport::signals::shutdown_signal() => None,
+                };
+                match ended {
+                    Some(result) => {
+                        if let Err(e) = &result {
+                            tracing::error!(event = "node_start_failed", error = %e);
+                        }
+                        result.context("the node could not start")
+                    }
+                    None => {
+                        tracing::info!(event = "node_shutdown");
+                        node.shutdown().await?;
+                        Ok(())
+                    }
+                }
             }
             Command::MockProvider(args) => iop_node::mock::run_cli(args).await,
         }

@@ -15,6 +15,7 @@ pub struct NodeMetrics {
     pipeline: MetricsPipeline,
     stalls: Counter<u64>,
     credential_rejections: Counter<u64>,
+    wire_protocol_errors: Counter<u64>,
     stall_duration: Histogram<f64>,
 }
 
@@ -51,6 +52,13 @@ impl NodeMetrics {
                 .u64_counter("iop_node_credential_rejections")
                 .with_description("Credential leases refused (R-CRED-3), by closed reason")
                 .build(),
+            wire_protocol_errors: meter
+                .u64_counter("iop_node_wire_protocol_errors")
+                .with_description(
+                    "Malformed, oversize or truncated frames from the Edge; the stream or \
+                     connection was closed with this code (SPEC §5)",
+                )
+                .build(),
             pipeline,
         }
     }
@@ -77,6 +85,17 @@ impl NodeMetrics {
     pub fn credential_rejected(&self, reason: &'static str) {
         self.credential_rejections
             .add(1, &[KeyValue::new("reason", reason)]);
+    }
+
+    /// Count `error` if it is the peer's protocol error (a malformed,
+    /// oversize or truncated frame), labelled with the code the stream was
+    /// stopped with (a closed set). Other stream ends (resets, a lost
+    /// connection) are not protocol errors and are not counted.
+    pub fn wire_error(&self, error: &iop_transport::framed::FramedError) {
+        if let iop_transport::framed::FramedError::PeerProtocol { code, .. } = error {
+            self.wire_protocol_errors
+                .add(1, &[KeyValue::new("code", code.as_str())]);
+        }
     }
 
     /// Prometheus text exposition.

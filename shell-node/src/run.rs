@@ -3,7 +3,8 @@
 //! A handler never decides liveness: every provider output is classified
 //! and offered to the link's watchdog, and only what the watchdog forwards
 //! reaches the Edge (R-WD-1, R-WD-6). The watchdog's own terminals (stall,
-//! deadline, cancel) arrive on the handler's control channel.
+//! deadline, cancel) arrive on the handler's control channel; its
+//! `CancelProvider` drops the provider call at once (R-WD-2).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,8 +36,20 @@ pub async fn serve_stream(
         Ok(Some(r)) => r,
         Ok(None) => return,
         Err(e) => {
-            tracing::debug!(event = "node_data_stream_refused", error = %e);
-            let _ = send.reset(StreamErrorCode::Malformed);
+            // SPEC §5: a bad frame closes the stream with its code and is
+            // counted; anything else (a reset, a lost connection) just ends.
+            shared.metrics.wire_error(&e);
+            let code = match &e {
+                FramedError::PeerProtocol { code, .. } => {
+                    tracing::warn!(event = "node_data_stream_refused", code = code.as_str());
+                    *code
+                }
+                _ => {
+                    tracing::debug!(event = "node_data_stream_ended", error = %e);
+                    StreamErrorCode::Canceled
+                }
+            };
+            let _ = send.reset(code);
             return;
         }
     };
@@ -56,6 +69,7 @@ pub async fn serve_stream(
                 &mut send,
                 recv,
                 &link,
+                &shared.metrics,
                 run_id,
                 RunKind::Normalized,
                 stall,
@@ -81,6 +95,7 @@ pub async fn serve_stream(
                 &mut send,
                 recv,
                 &link,
+                &shared.metrics,
                 run_id,
                 RunKind::Tunnel,
                 stall,
@@ -165,6 +180,7 @@ async fn execute<S, F>(
     send: &mut FramedSend,
     mut recv: FramedRecv,
     link: &LinkTx,
+    metrics: &crate::metrics::NodeMetrics,
     run_id: u64,
     kind: RunKind,
     stall_timeout_ms: u64,
@@ -250,17 +266,19 @@ async fn execute<S, F>(
         }
     };
     let mut provider = Some(start(&adapter, auth));
-    let mut canceling = false;
     loop {
         tokio::select! {
             biased;
             ctrl = control.recv() => match ctrl {
                 Some(RunControl::CancelProvider) => {
-                    // The stall is claimed: nothing more is forwarded (the
-                    // watchdog fences it). The provider call gets the close
-                    // grace to return on its own (R-WD-4); it is closed at
-                    // the latest when the stall terminal arrives.
-                    canceling = true;
+                    // R-WD-2: the claim cancels the provider call. Dropping
+                    // the stream drops the in-flight request, which closes
+                    // the provider connection, so a hung call stops holding
+                    // the provider's slot while the stall joins. The call
+                    // has then ended, within the close grace (R-WD-4).
+                    if provider.take().is_some() {
+                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
+                    }
                 }
                 Some(RunControl::Terminal(RunTerminal::Failed(failure))) => {
                     drop(provider.take());
@@ -270,7 +288,7 @@ async fn execute<S, F>(
                 Some(RunControl::Terminal(RunTerminal::Completed)) | None => break,
             },
             // The Edge stopped reading or reset: the run is canceled.
-            _ = recv_reset(&mut recv) => {
+            _ = recv_reset(&mut recv, metrics) => {
                 drop(provider.take());
                 link.tell(LinkMsg::Canceled { run_id }).await;
                 let _ = send.reset(StreamErrorCode::Canceled);
@@ -278,11 +296,6 @@ async fn execute<S, F>(
             },
             item = next_item(&mut provider) => {
                 let Some(item) = item else {
-                    if canceling {
-                        provider = None;
-                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
-                        continue;
-                    }
                     // The provider stream ended without a terminal: a broken
                     // adapter; report it as a provider error.
                     provider = None;
@@ -298,16 +311,8 @@ async fn execute<S, F>(
                 };
                 let terminal = S::is_terminal(&item);
                 let event = S::event(&item);
-                if canceling {
-                    // Late output after the claim: offered so the watchdog
-                    // fences and counts it (R-WD-6); the call returned when
-                    // its terminal shows up.
-                    let _ = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await;
-                    if terminal {
-                        provider = None;
-                    }
-                    continue;
-                }
+                // Output the watchdog fences (it raced the claim, R-WD-6) is
+                // counted by the link and dropped here.
                 let Some(emission) = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await else {
                     break;
                 };
@@ -351,18 +356,19 @@ async fn next_item<T>(provider: &mut Option<BoxStream<'static, T>>) -> Option<T>
 }
 
 /// Resolves when the Edge resets our request stream or stops our response
-/// stream: either means the run was canceled.
-async fn recv_reset(recv: &mut FramedRecv) {
+/// stream: either means the run was canceled. A bad frame after the request
+/// is counted (SPEC §5) and ends the run the same way.
+async fn recv_reset(recv: &mut FramedRecv, metrics: &crate::metrics::NodeMetrics) {
     loop {
         match recv.recv::<DataRequest>().await {
             // Nothing more is expected after the request; a clean end of the
             // request half is normal, keep waiting for a reset.
             Ok(None) => return std::future::pending().await,
             Ok(Some(_)) => continue,
-            Err(FramedError::ResetByPeer { .. }) | Err(FramedError::ConnectionLost { .. }) => {
+            Err(e) => {
+                metrics.wire_error(&e);
                 return;
             }
-            Err(_) => return,
         }
     }
 }
@@ -382,14 +388,7 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
                     .is_none_or(|t| t.adapter == a.kind() && t.target == a.target())
             });
             let probes = chosen.map(|a| async move {
-                let verdict = match tokio::time::timeout(bound, a.probe()).await {
-                    Ok(v) => shared.probe_verdict(a.kind(), a.target(), v),
-                    Err(_) => crate::adapter::ProbeVerdict {
-                        health: iop_wire::ProviderHealth::Unknown,
-                        failure: Some(iop_wire::HealthFailureCode::Timeout),
-                        models: Vec::new(),
-                    },
-                };
+                let verdict = shared.probe_verdict(a.kind(), a.target(), a.probe(bound).await);
                 TargetHealth {
                     adapter: a.kind(),
                     target: a.target().to_owned(),

@@ -22,7 +22,7 @@ pub enum StartError {
     #[error("quic: {0}")]
     Transport(#[from] iop_transport::TransportError),
     /// The lease recipient key or the node identity could not be loaded.
-    #[error("credentials: {0}")]
+    #[error("node identity or recipient key: {0}")]
     Credentials(String),
     /// The metrics pipeline (Prometheus or OTLP exporter) could not be built.
     #[error("metrics: {0}")]

@@ -268,14 +268,17 @@ impl SimConfig {
             provider,
         };
         // The tracker's refresh is the capabilities cadence; its backoff cap
-        // stays within the eligibility bound.
+        // stays within the eligibility bound. As the Edge's config requires,
+        // an `ok` result outlives one refresh plus one probe timeout, so a
+        // healthy provider never goes stale between its probes (R-HT-5).
         let caps = config.capabilities_interval;
+        let probe_timeout = Duration::from_secs(5);
         config.health = iop_core::edge::health::HealthConfig {
             refresh_interval: caps,
             backoff_base: Duration::from_millis(100),
             backoff_cap: caps,
-            stale_after: caps * 3,
-            probe_timeout: Duration::from_secs(5),
+            stale_after: caps * 2 + probe_timeout,
+            probe_timeout,
         };
         config.faults.retransmit_ppm = rng.swarm(500_000, 10_000, 150_000);
         config.faults.retransmit_max = rng.millis(40, 1500);

@@ -290,17 +290,7 @@ impl Dispatcher {
                     })
                     .collect();
                 match entries.as_slice() {
-                    [entry] => match entry.status {
-                        ProviderHealth::Available => ProbeResult::Success,
-                        ProviderHealth::Unavailable => ProbeResult::Failure(
-                            entry
-                                .failure_code
-                                .unwrap_or(iop_wire::HealthFailureCode::ProviderRejected),
-                        ),
-                        ProviderHealth::Unknown => {
-                            ProbeResult::Failure(iop_wire::HealthFailureCode::Timeout)
-                        }
-                    },
+                    [entry] => refresh_result(entry),
                     [] => ProbeResult::Failure(iop_wire::HealthFailureCode::OwnershipMismatch),
                     _ => ProbeResult::Failure(iop_wire::HealthFailureCode::MalformedResponse),
                 }
@@ -687,9 +677,35 @@ impl Dispatcher {
                 self.outputs.push_back(DispatchOutput::Health(event));
                 self.refresh_eligibility(now, &provider);
             }
+            // Every health state change, including `ok -> stale` by time,
+            // which has no lifecycle event (R-HT-5).
+            while let Some(provider) = self.health.poll_state_change() {
+                progressed = true;
+                self.refresh_eligibility(now, &provider);
+            }
             if !progressed {
                 break;
             }
+        }
+    }
+}
+
+/// The health tracker's result for the one CAPABILITIES entry about a
+/// probed provider (R-HT-1). A refresh probe is a request to the provider
+/// like any other: when the node's probe got no verdict (`unknown`: its
+/// bound passed, the transport failed, the answer was unreadable) the
+/// refresh failed with that code; an `unknown` without a code is a timeout.
+fn refresh_result(entry: &iop_wire::TargetHealth) -> ProbeResult {
+    use iop_wire::HealthFailureCode;
+    match entry.status {
+        ProviderHealth::Available => ProbeResult::Success,
+        ProviderHealth::Unavailable => ProbeResult::Failure(
+            entry
+                .failure_code
+                .unwrap_or(HealthFailureCode::ProviderRejected),
+        ),
+        ProviderHealth::Unknown => {
+            ProbeResult::Failure(entry.failure_code.unwrap_or(HealthFailureCode::Timeout))
         }
     }
 }

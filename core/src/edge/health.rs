@@ -29,15 +29,17 @@
 //!
 //! After every input and on every wake-up: call [`HealthTracker::handle_timeout`],
 //! then start a probe for every ticket [`HealthTracker::poll_probe`] returns
-//! until `None`, drain [`HealthTracker::poll_event`], and sleep until
-//! [`HealthTracker::poll_timeout`]. A due probe keeps `poll_timeout` in the
-//! past until `poll_probe` hands it out.
+//! until `None`, drain [`HealthTracker::poll_event`] and
+//! [`HealthTracker::poll_state_change`] (re-evaluate each changed provider's
+//! eligibility: a provider can go `stale` by time alone, with no lifecycle
+//! event, R-HT-5), and sleep until [`HealthTracker::poll_timeout`]. A due
+//! probe keeps `poll_timeout` in the past until `poll_probe` hands it out.
 //!
 //! State is process-local (R-HT-4): a new tracker knows nothing, treats every
 //! provider as [`HealthState::Unknown`] (not available, R-HT-5), and reports
 //! the first failure as [`HealthLifecycle::Detected`] again.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use iop_wire::HealthFailureCode;
@@ -331,6 +333,9 @@ pub struct HealthTracker {
     providers: BTreeMap<ProviderId, ProviderEntry>,
     next_probe_seq: u64,
     events: VecDeque<HealthEvent>,
+    /// Providers whose state changed and were not yet polled; bounded by
+    /// the providers followed.
+    changed: BTreeSet<ProviderId>,
 }
 
 impl HealthTracker {
@@ -342,6 +347,7 @@ impl HealthTracker {
             providers: BTreeMap::new(),
             next_probe_seq: 0,
             events: VecDeque::new(),
+            changed: BTreeSet::new(),
         })
     }
 
@@ -370,6 +376,7 @@ impl HealthTracker {
     /// Stop following `provider_id`; its probe in flight, if any, becomes
     /// stale. Returns whether it was followed.
     pub fn remove_provider(&mut self, provider_id: &ProviderId) -> bool {
+        self.changed.remove(provider_id);
         self.providers.remove(provider_id).is_some()
     }
 
@@ -410,8 +417,12 @@ impl HealthTracker {
             _ => return ProbeDisposition::Stale,
         }
         entry.in_flight = None;
+        let before = entry.state;
         if let Some(event) = apply_result(&self.config, &ticket.provider_id, entry, now, result) {
             self.events.push_back(event);
+        }
+        if entry.state != before {
+            self.changed.insert(ticket.provider_id.clone());
         }
         ProbeDisposition::Applied
     }
@@ -423,6 +434,7 @@ impl HealthTracker {
         match self.providers.get_mut(provider_id) {
             Some(entry) if entry.state == HealthState::Ok => {
                 entry.state = HealthState::Stale;
+                self.changed.insert(provider_id.clone());
                 true
             }
             _ => false,
@@ -477,9 +489,12 @@ impl HealthTracker {
 
     /// Fire the timers due at `now`: unanswered probes become `timeout`
     /// failures, and `ok` results older than `stale_after` become `stale`.
+    /// Every provider whose state changed is reported by
+    /// [`Self::poll_state_change`].
     pub fn handle_timeout(&mut self, now: Instant) {
         let config = self.config;
         for (provider_id, entry) in &mut self.providers {
+            let before = entry.state;
             let timed_out = entry
                 .in_flight
                 .as_ref()
@@ -496,7 +511,12 @@ impl HealthTracker {
                     .last_success_at
                     .is_some_and(|at| at.saturating_add(config.stale_after) <= now)
             {
+                // R-HT-5: no lifecycle event marks this, so the change is
+                // reported for the owner to take it out of selection.
                 entry.state = HealthState::Stale;
+            }
+            if entry.state != before {
+                self.changed.insert(provider_id.clone());
             }
         }
     }
@@ -514,6 +534,16 @@ impl HealthTracker {
     #[must_use]
     pub fn poll_event(&mut self) -> Option<HealthEvent> {
         self.events.pop_front()
+    }
+
+    /// The next provider whose [`HealthState`] changed since it was last
+    /// returned (once however many times it changed); call until `None`
+    /// after every input. Unlike [`Self::poll_event`] this includes changes
+    /// without a lifecycle transition, such as `ok -> stale` by time
+    /// (R-HT-5), so whoever derives selection from the state can follow.
+    #[must_use]
+    pub fn poll_state_change(&mut self) -> Option<ProviderId> {
+        self.changed.pop_first()
     }
 
     /// Whether `provider_id` may be selected: only `ok` is; `unavailable`,
@@ -1029,6 +1059,48 @@ mod tests {
         aging.handle_timeout(at(90));
         assert_eq!(aging.state(&pid("a")), Some(HealthState::Stale));
         assert!(!aging.is_available(&pid("a")));
+    }
+
+    #[test]
+    fn going_stale_by_time_is_reported_as_a_state_change_without_an_event() {
+        // R-HT-5: ok -> stale by age has no lifecycle event; the change is
+        // still reported so the owner can take the provider out of
+        // selection. Refresh is slower than `stale_after` here.
+        let mut t = harness(
+            HealthConfig {
+                refresh_interval: 100 * SECOND,
+                ..config()
+            },
+            &["a", "b"],
+        );
+        probe(&mut t, Instant::ZERO, "a", ProbeResult::Success);
+        probe(&mut t, at(5), "b", ProbeResult::Success);
+        let drained: Vec<ProviderId> = std::iter::from_fn(|| t.poll_state_change()).collect();
+        assert_eq!(
+            drained,
+            vec![pid("a"), pid("b")],
+            "unknown -> ok, each once"
+        );
+        t.handle_timeout(at(89));
+        assert_eq!(t.poll_state_change(), None, "nothing changed yet");
+        t.handle_timeout(at(90));
+        assert_eq!(t.state(&pid("a")), Some(HealthState::Stale));
+        assert_eq!(t.poll_event(), None, "no lifecycle event for stale");
+        assert_eq!(t.poll_state_change(), Some(pid("a")));
+        assert_eq!(t.poll_state_change(), None, "only a went stale");
+        // Repeated timers report nothing new.
+        t.handle_timeout(at(91));
+        assert_eq!(t.poll_state_change(), None);
+        t.handle_timeout(at(95));
+        assert_eq!(t.poll_state_change(), Some(pid("b")));
+        // A disconnect's stale is reported too, once.
+        let mut gone = tracker(&["g"]);
+        probe(&mut gone, Instant::ZERO, "g", ProbeResult::Success);
+        while gone.poll_state_change().is_some() {}
+        assert!(gone.mark_stale(at(1), &pid("g")));
+        assert!(!gone.mark_stale(at(1), &pid("g")));
+        assert_eq!(gone.poll_state_change(), Some(pid("g")));
+        assert_eq!(gone.poll_state_change(), None);
     }
 
     #[test]

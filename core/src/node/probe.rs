@@ -3,9 +3,16 @@
 //! `Capabilities` answer (R-CAP-1, R-HT-1).
 //!
 //! The shell runs the probe (the adapter's cheapest real liveness call)
-//! and turns its answer into [`ProbeEvidence`]; the rules here decide what
-//! that answer means for the target being probed:
+//! and reports how it ended as a [`ProbeAnswer`]; the rules here decide what
+//! that means:
 //!
+//! * [`ProbeEvidence::classify`]: only an answer from the target is a
+//!   verdict. A valid model list is available; an error status (or a
+//!   built-in target's own unhealthy report) is unavailable with its
+//!   sanitized reason. A probe that got no verdict (its bound passed, the
+//!   transport failed, the answer could not be read) is unknown, carrying
+//!   the code of what went wrong (R-WD-5: probe error or timeout ->
+//!   `unknown/health_unknown`);
 //! * a target whose credential the Edge manages ([`TargetCredential::Managed`])
 //!   is probed without any credential, because the Node holds none (the
 //!   secret arrives only as a per-run lease, R-CRED-1, R-CRED-2). An
@@ -17,7 +24,28 @@
 
 use iop_wire::{HealthFailureCode, ProviderHealth};
 
+use crate::edge::health::classify_http_status;
 use crate::node::watchdog::ProbeOutcome;
+
+/// How one exact-target probe ended, as the shell saw it. The shell only
+/// reports what happened; [`ProbeEvidence::classify`] decides what it means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProbeAnswer {
+    /// The target answered with a valid model list, empty or not (R-HT-2).
+    Models,
+    /// The target answered with this HTTP status, not a success.
+    HttpStatus(u16),
+    /// A target reached without HTTP (the built-in mock, an adapter without
+    /// a base URL) reported itself unhealthy for this reason.
+    Unhealthy(HealthFailureCode),
+    /// The probe's bound passed before the answer was complete.
+    TimedOut,
+    /// The transport failed before or during the answer (connect, TLS,
+    /// reset).
+    TransportFailed,
+    /// An answer arrived but was not a model list (undecodable, too large).
+    Malformed,
+}
 
 /// Where the credential of a probed target comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -42,9 +70,30 @@ pub struct ProbeEvidence {
 }
 
 impl ProbeEvidence {
-    /// The probe's answer as the adapter gave it.
+    /// A probe's evidence as already classified (e.g. read back from a
+    /// verdict the shell carries).
     pub const fn new(health: ProviderHealth, failure: Option<HealthFailureCode>) -> Self {
         Self { health, failure }
+    }
+
+    /// What a probe's ending means (R-WD-5, fail closed): only an answer
+    /// from the target is a verdict. A probe error or timeout is `unknown`
+    /// with the code of what went wrong, which the Edge's health tracker
+    /// still counts as a failed refresh probe (R-HT-1).
+    pub fn classify(answer: ProbeAnswer) -> Self {
+        let unknown = |code| Self::new(ProviderHealth::Unknown, Some(code));
+        match answer {
+            ProbeAnswer::Models => Self::new(ProviderHealth::Available, None),
+            ProbeAnswer::HttpStatus(status) => match classify_http_status(status) {
+                Some(code) => Self::new(ProviderHealth::Unavailable, Some(code)),
+                // A success status without a model list is no verdict.
+                None => unknown(HealthFailureCode::MalformedResponse),
+            },
+            ProbeAnswer::Unhealthy(code) => Self::new(ProviderHealth::Unavailable, Some(code)),
+            ProbeAnswer::TimedOut => unknown(HealthFailureCode::Timeout),
+            ProbeAnswer::TransportFailed => unknown(HealthFailureCode::TransportFailed),
+            ProbeAnswer::Malformed => unknown(HealthFailureCode::MalformedResponse),
+        }
     }
 
     /// What the answer means for a target whose credential comes from
@@ -150,6 +199,74 @@ mod tests {
         let timeout = ProbeEvidence::new(ProviderHealth::Unknown, Some(HealthFailureCode::Timeout));
         assert_eq!(timeout.for_target(MANAGED), timeout);
         assert_eq!(timeout.for_target(MANAGED).outcome(), ProbeOutcome::Failed);
+    }
+
+    #[test]
+    fn only_an_answer_from_the_target_is_a_verdict_r_wd_5() {
+        let classify = ProbeEvidence::classify;
+        assert_eq!(classify(ProbeAnswer::Models), available());
+        assert_eq!(
+            classify(ProbeAnswer::HttpStatus(503)),
+            unavailable(HealthFailureCode::Http5xx)
+        );
+        assert_eq!(
+            classify(ProbeAnswer::HttpStatus(401)),
+            unavailable(HealthFailureCode::AuthenticationFailed)
+        );
+        assert_eq!(
+            classify(ProbeAnswer::HttpStatus(302)),
+            unavailable(HealthFailureCode::ProviderRejected)
+        );
+        assert_eq!(
+            classify(ProbeAnswer::Unhealthy(HealthFailureCode::Http5xx)),
+            unavailable(HealthFailureCode::Http5xx)
+        );
+        let unknown = |code| ProbeEvidence::new(ProviderHealth::Unknown, Some(code));
+        assert_eq!(
+            classify(ProbeAnswer::TimedOut),
+            unknown(HealthFailureCode::Timeout)
+        );
+        assert_eq!(
+            classify(ProbeAnswer::TransportFailed),
+            unknown(HealthFailureCode::TransportFailed)
+        );
+        assert_eq!(
+            classify(ProbeAnswer::Malformed),
+            unknown(HealthFailureCode::MalformedResponse)
+        );
+        // A success status that carried no model list is no verdict either.
+        assert_eq!(
+            classify(ProbeAnswer::HttpStatus(204)),
+            unknown(HealthFailureCode::MalformedResponse)
+        );
+    }
+
+    #[test]
+    fn probe_error_or_timeout_reads_as_health_unknown_to_the_watchdog() {
+        for answer in [
+            ProbeAnswer::TimedOut,
+            ProbeAnswer::TransportFailed,
+            ProbeAnswer::Malformed,
+        ] {
+            let evidence = ProbeEvidence::classify(answer);
+            assert_eq!(evidence.outcome(), ProbeOutcome::Failed, "{answer:?}");
+            assert_eq!(
+                evidence.health.liveness_classification(),
+                iop_wire::LivenessClassification::HealthUnknown
+            );
+            // Whatever the credential source: no verdict stays no verdict.
+            for credential in [MANAGED, STANDING] {
+                assert_eq!(evidence.for_target(credential), evidence, "{answer:?}");
+            }
+        }
+        assert_eq!(
+            ProbeEvidence::classify(ProbeAnswer::HttpStatus(500)).outcome(),
+            ProbeOutcome::Unhealthy(Some(HealthFailureCode::Http5xx))
+        );
+        assert_eq!(
+            ProbeEvidence::classify(ProbeAnswer::Models).outcome(),
+            ProbeOutcome::Healthy
+        );
     }
 
     #[test]

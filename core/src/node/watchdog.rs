@@ -340,8 +340,9 @@ pub enum RunTerminal {
 /// out in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchdogOutput {
-    /// Stop the provider HTTP call now; report when it returns with
-    /// [`Watchdog::provider_returned`] (R-WD-2, R-WD-4).
+    /// Stop the provider HTTP call now (drop it, which closes the request);
+    /// report that it ended with [`Watchdog::provider_returned`] (R-WD-2,
+    /// R-WD-4).
     CancelProvider {
         /// The run.
         run_id: RunId,

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use iop_core::edge::health::classify_http_status;
+use iop_core::node::probe::{ProbeAnswer, ProbeEvidence};
 use iop_wire::{
     AdapterKind, HealthFailureCode, OllamaApiCall, ProviderHealth, ProviderTunnelFrame,
     ProviderTunnelRequest, RunEventKind, RunRequest,
@@ -42,9 +42,6 @@ pub use lines::{LineBuffer, LineError, MAX_LINE_BYTES};
 pub use sse::{MAX_EVENT_BYTES, SseGuardError, bounded as bounded_sse};
 
 use crate::mock::InProcessMock;
-
-/// Bound of one exact-target health probe, HTTP included.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The largest probe answer read; more is malformed.
 pub const MAX_PROBE_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -64,22 +61,28 @@ pub struct ProbeVerdict {
 }
 
 impl ProbeVerdict {
-    /// The target answered with a valid (possibly empty) model list.
-    pub fn available(models: Vec<String>) -> Self {
+    /// How the probe ended, classified by core (R-WD-5): only an answer
+    /// from the target is a verdict; a probe error or timeout is `unknown`.
+    pub fn from_answer(answer: ProbeAnswer) -> Self {
+        let evidence = ProbeEvidence::classify(answer);
         Self {
-            health: ProviderHealth::Available,
-            failure: None,
-            models,
+            health: evidence.health,
+            failure: evidence.failure,
+            models: Vec::new(),
         }
     }
 
-    /// The target is unavailable for `failure`.
-    pub fn unavailable(failure: HealthFailureCode) -> Self {
+    /// The target answered with a valid (possibly empty) model list.
+    pub fn available(models: Vec<String>) -> Self {
         Self {
-            health: ProviderHealth::Unavailable,
-            failure: Some(failure),
-            models: Vec::new(),
+            models,
+            ..Self::from_answer(ProbeAnswer::Models)
         }
+    }
+
+    /// The target answered that it is unhealthy for `failure`.
+    pub fn unavailable(failure: HealthFailureCode) -> Self {
+        Self::from_answer(ProbeAnswer::Unhealthy(failure))
     }
 }
 
@@ -328,21 +331,26 @@ impl Adapter {
     /// The exact-target health probe: the adapter's cheapest real liveness
     /// call (openai: `GET /v1/models`; ollama: `GET /api/tags`; mock: its
     /// scripted health). An empty but valid model list is success (R-HT-2).
-    /// Bounded by [`PROBE_TIMEOUT`]; a timeout is `unavailable` + `timeout`.
-    pub async fn probe(&self) -> ProbeVerdict {
+    /// The whole probe, HTTP included, is bounded by `bound` (the node's
+    /// `[watchdog] probe_bound_ms`); reaching it drops the request. What
+    /// the ending means is core's decision ([`ProbeEvidence::classify`]):
+    /// a timeout, a transport error or an unreadable answer is `unknown`
+    /// (R-WD-5), an error status `unavailable`.
+    pub async fn probe(&self, bound: Duration) -> ProbeVerdict {
         let probe = async {
             match &self.inner.backend {
                 Backend::OpenAi(t) => openai::probe(t).await,
                 Backend::Ollama(t) => ollama::probe(t).await,
                 Backend::Mock(m) => m.probe(&self.inner.models).await,
+                // No base URL: this node can never reach the target.
                 Backend::Unconfigured(_) => {
                     ProbeVerdict::unavailable(HealthFailureCode::TransportFailed)
                 }
             }
         };
-        tokio::time::timeout(PROBE_TIMEOUT, probe)
+        tokio::time::timeout(bound, probe)
             .await
-            .unwrap_or_else(|_| ProbeVerdict::unavailable(HealthFailureCode::Timeout))
+            .unwrap_or_else(|_| ProbeVerdict::from_answer(ProbeAnswer::TimedOut))
     }
 }
 
@@ -377,22 +385,18 @@ fn one_terminal<T: Send + 'static>(
     })
 }
 
-/// GET `url` within [`PROBE_TIMEOUT`] and parse the answer with `models`.
+/// GET `path` and parse the answer with `models`. Unbounded here: the
+/// caller ([`Adapter::probe`]) bounds the whole probe.
 async fn probe_http(
     target: &HttpTarget,
     path: &str,
     models: fn(&[u8]) -> Option<Vec<String>>,
 ) -> ProbeVerdict {
-    let request = target
-        .http
-        .get(format!("{}{path}", target.base_url))
-        .timeout(PROBE_TIMEOUT);
+    let request = target.http.get(format!("{}{path}", target.base_url));
     let mut response = match target.send_expecting_success(request, None).await {
         Ok(r) => r,
         Err(ProviderCallError::Status { status }) => {
-            return ProbeVerdict::unavailable(
-                classify_http_status(status).unwrap_or(HealthFailureCode::ProviderRejected),
-            );
+            return ProbeVerdict::from_answer(ProbeAnswer::HttpStatus(status));
         }
         Err(e) => return probe_failure(e),
     };
@@ -401,7 +405,7 @@ async fn probe_http(
         match response.chunk().await {
             Ok(Some(chunk)) => {
                 if body.len() + chunk.len() > MAX_PROBE_BODY_BYTES {
-                    return ProbeVerdict::unavailable(HealthFailureCode::MalformedResponse);
+                    return ProbeVerdict::from_answer(ProbeAnswer::Malformed);
                 }
                 body.extend_from_slice(&chunk);
             }
@@ -411,16 +415,17 @@ async fn probe_http(
     }
     match models(&body) {
         Some(models) => ProbeVerdict::available(models),
-        None => ProbeVerdict::unavailable(HealthFailureCode::MalformedResponse),
+        None => ProbeVerdict::from_answer(ProbeAnswer::Malformed),
     }
 }
 
+/// A probe that failed before a complete answer: no verdict (R-WD-5).
 fn probe_failure(err: ProviderCallError) -> ProbeVerdict {
-    ProbeVerdict::unavailable(
-        err.failure()
-            .health_failure
-            .unwrap_or(HealthFailureCode::TransportFailed),
-    )
+    ProbeVerdict::from_answer(match err {
+        ProviderCallError::Timeout => ProbeAnswer::TimedOut,
+        ProviderCallError::Malformed | ProviderCallError::Truncated => ProbeAnswer::Malformed,
+        _ => ProbeAnswer::TransportFailed,
+    })
 }
 
 #[cfg(test)]

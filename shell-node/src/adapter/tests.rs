@@ -17,6 +17,14 @@ use crate::mock::{MockScript, MockServer, MockStats, ProbeHealth};
 /// Every test's bound on one whole stream: far above what the scripts take.
 const STREAM_BOUND: Duration = Duration::from_secs(10);
 
+/// The probe bound of these tests (the node default).
+const PROBE_BOUND: Duration = Duration::from_secs(5);
+
+/// What core makes of a probe that got no verdict (R-WD-5).
+fn no_verdict(answer: iop_core::node::probe::ProbeAnswer) -> ProbeVerdict {
+    ProbeVerdict::from_answer(answer)
+}
+
 pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest {
     RunRequest {
         run_id: 1,
@@ -268,7 +276,7 @@ async fn openai_probe_lists_models_and_is_not_a_request() {
     let server = mock(MockScript::default()).await;
     let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
     assert_eq!(
-        a.probe().await,
+        a.probe(PROBE_BOUND).await,
         ProbeVerdict::available(vec!["mock".into()])
     );
     assert_eq!((server.requests(), server.probes()), (0, 1));
@@ -283,13 +291,13 @@ async fn openai_probe_of_an_unhealthy_target_is_unavailable_http_5xx() {
     .await;
     let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
     assert_eq!(
-        a.probe().await,
+        a.probe(PROBE_BOUND).await,
         ProbeVerdict::unavailable(HealthFailureCode::Http5xx)
     );
 }
 
 #[tokio::test]
-async fn probe_of_an_empty_model_list_is_success_and_garbage_is_malformed() {
+async fn probe_of_an_empty_model_list_is_success_and_garbage_is_no_verdict() {
     use axum::routing::get;
     let app = axum::Router::new()
         .route(
@@ -301,24 +309,38 @@ async fn probe_of_an_empty_model_list_is_success_and_garbage_is_malformed() {
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
     let openai = adapter(AdapterKind::OpenAi, &base, None);
-    assert_eq!(openai.probe().await, ProbeVerdict::available(Vec::new()));
-    let ollama = adapter(AdapterKind::Ollama, &base, None);
     assert_eq!(
-        ollama.probe().await,
-        ProbeVerdict::unavailable(HealthFailureCode::MalformedResponse)
+        openai.probe(PROBE_BOUND).await,
+        ProbeVerdict::available(Vec::new())
+    );
+    let ollama = adapter(AdapterKind::Ollama, &base, None);
+    // An unreadable answer is a probe error, not an unhealthy verdict.
+    let verdict = ollama.probe(PROBE_BOUND).await;
+    assert_eq!(verdict, no_verdict(ProbeAnswer::Malformed));
+    assert_eq!(
+        (verdict.health, verdict.failure),
+        (
+            ProviderHealth::Unknown,
+            Some(HealthFailureCode::MalformedResponse)
+        )
     );
     server.abort();
 }
 
 #[tokio::test]
-async fn a_closed_port_is_unavailable_transport_failed_and_unreachable() {
+async fn a_closed_port_probes_unknown_transport_failed_and_runs_unreachable() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     drop(listener);
     let a = adapter(AdapterKind::OpenAi, &base, None);
+    // A transport error is a probe error: no verdict (R-WD-5).
+    let verdict = a.probe(PROBE_BOUND).await;
     assert_eq!(
-        a.probe().await,
-        ProbeVerdict::unavailable(HealthFailureCode::TransportFailed)
+        (verdict.health, verdict.failure),
+        (
+            ProviderHealth::Unknown,
+            Some(HealthFailureCode::TransportFailed)
+        )
     );
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
     assert_eq!(events.len(), 1);
@@ -345,7 +367,7 @@ async fn require_key_accepts_the_right_key_and_401s_a_wrong_one() {
         events.last(),
         Some(RunEventKind::Completed { .. })
     ));
-    assert_eq!(a.probe().await.health, ProviderHealth::Available);
+    assert_eq!(a.probe(PROBE_BOUND).await.health, ProviderHealth::Available);
 
     // A call's own secret wins over the static key.
     let events = collect(a.run(
@@ -363,7 +385,7 @@ async fn require_key_accepts_the_right_key_and_401s_a_wrong_one() {
 
     let keyless = adapter(AdapterKind::OpenAi, &server.base_url(), None);
     assert_eq!(
-        keyless.probe().await,
+        keyless.probe(PROBE_BOUND).await,
         ProbeVerdict::unavailable(HealthFailureCode::AuthenticationFailed)
     );
     // 401s are still provider requests.
@@ -503,7 +525,7 @@ async fn ollama_probe_reads_api_tags() {
     let server = mock(MockScript::default()).await;
     let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
     assert_eq!(
-        a.probe().await,
+        a.probe(PROBE_BOUND).await,
         ProbeVerdict::available(vec!["mock".into()])
     );
     assert_eq!((server.requests(), server.probes()), (0, 1));
@@ -822,7 +844,7 @@ async fn in_process_mock_tunnels_and_probes_like_the_http_mock() {
         assert_eq!(in_proc.last(), over_http.last(), "{path}");
     }
     assert_eq!(
-        local.probe().await,
+        local.probe(PROBE_BOUND).await,
         ProbeVerdict::available(vec!["mock".into()])
     );
 }
@@ -837,13 +859,13 @@ async fn in_process_mock_health_is_scripted() {
         },
     );
     assert_eq!(
-        sick.probe().await,
+        sick.probe(PROBE_BOUND).await,
         ProbeVerdict::unavailable(HealthFailureCode::Http5xx)
     );
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_hanging_probe_is_bounded_and_unavailable_timeout() {
+async fn a_hanging_probe_is_bounded_and_unknown_timeout() {
     let hung = Adapter::in_process_mock(
         "m",
         MockScript {
@@ -851,10 +873,47 @@ async fn a_hanging_probe_is_bounded_and_unavailable_timeout() {
             ..MockScript::default()
         },
     );
+    let started = tokio::time::Instant::now();
+    let verdict = hung.probe(PROBE_BOUND).await;
+    assert_eq!(started.elapsed(), PROBE_BOUND);
+    assert_eq!(verdict, no_verdict(ProbeAnswer::TimedOut));
     assert_eq!(
-        hung.probe().await,
-        ProbeVerdict::unavailable(HealthFailureCode::Timeout)
+        (verdict.health, verdict.failure),
+        (ProviderHealth::Unknown, Some(HealthFailureCode::Timeout))
     );
+}
+
+#[tokio::test]
+async fn an_http_probe_is_bounded_by_the_configured_bound_not_a_fixed_one() {
+    // A probe bound above 5 s is honoured (it once was capped silently)
+    // and one below it ends the HTTP request at the bound.
+    let server = mock(MockScript {
+        health: ProbeHealth::Hang,
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let bound = Duration::from_millis(300);
+    let started = std::time::Instant::now();
+    let verdict = a.probe(bound).await;
+    let elapsed = started.elapsed();
+    assert!(elapsed >= bound && elapsed < bound * 10, "{elapsed:?}");
+    assert_eq!(verdict, no_verdict(ProbeAnswer::TimedOut));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_bound_above_five_seconds_is_not_capped() {
+    let hung = Adapter::in_process_mock(
+        "m",
+        MockScript {
+            health: ProbeHealth::Hang,
+            ..MockScript::default()
+        },
+    );
+    let bound = Duration::from_secs(12);
+    let started = tokio::time::Instant::now();
+    assert_eq!(hung.probe(bound).await, no_verdict(ProbeAnswer::TimedOut));
+    assert_eq!(started.elapsed(), bound);
 }
 
 #[tokio::test]
@@ -869,7 +928,10 @@ async fn unconfigured_http_adapters_fail_closed() {
     let a = Adapter::new(&target, http_client());
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
     assert_eq!(failure(&events).code, FailureCode::Internal);
-    assert_eq!(a.probe().await.health, ProviderHealth::Unavailable);
+    assert_eq!(
+        a.probe(PROBE_BOUND).await.health,
+        ProviderHealth::Unavailable
+    );
 }
 
 // ---- counting ----
@@ -879,9 +941,9 @@ async fn probes_are_counted_apart_from_requests_in_process_and_over_http() {
     let server = mock(MockScript::default()).await;
     let openai = adapter(AdapterKind::OpenAi, &server.base_url(), None);
     let ollama = adapter(AdapterKind::Ollama, &server.base_url(), None);
-    openai.probe().await;
-    openai.probe().await;
-    ollama.probe().await;
+    openai.probe(PROBE_BOUND).await;
+    openai.probe(PROBE_BOUND).await;
+    ollama.probe(PROBE_BOUND).await;
     collect(openai.run(run_request("mock", RunApi::Chat, "x"), None)).await;
     assert_eq!((server.requests(), server.probes()), (1, 3));
 

@@ -291,6 +291,88 @@ fn capabilities_recovery_does_not_make_an_unavailable_provider_selectable() {
     leased(d.request(retry_at, DispatchRequest::new(3, vec![p1])));
 }
 
+/// The first health probe the dispatcher asks for `provider`.
+fn probe_due(d: &mut Dispatcher, provider: &ProviderId) -> ProbeTicket {
+    std::iter::from_fn(|| d.poll_output())
+        .find_map(|o| match o {
+            DispatchOutput::ProbeDue { ticket, .. } if &ticket.provider_id == provider => {
+                Some(ticket)
+            }
+            _ => None,
+        })
+        .expect("a probe is due")
+}
+
+#[test]
+fn a_refresh_probe_the_node_got_no_verdict_for_is_a_failure_with_its_code() {
+    // R-WD-5 makes a node-side probe error or timeout `unknown`; for the
+    // Edge's health tracker that refresh probe still failed (R-HT-1).
+    for (code, expected) in [
+        (
+            Some(HealthFailureCode::TransportFailed),
+            HealthFailureCode::TransportFailed,
+        ),
+        (Some(HealthFailureCode::Timeout), HealthFailureCode::Timeout),
+        (
+            Some(HealthFailureCode::MalformedResponse),
+            HealthFailureCode::MalformedResponse,
+        ),
+        (None, HealthFailureCode::Timeout),
+    ] {
+        let mut d = dispatcher();
+        let g = up(&mut d, "a");
+        let p1 = ProviderId::from("p1");
+        let ticket = probe_due(&mut d, &p1);
+        let mut report = caps("t-p1", ProviderHealth::Unknown, 1);
+        report.targets[0].failure_code = code;
+        let (disposition, _) = d.probe_answer(T, &ticket, Ok((&NodeId::from("a"), g, &report)));
+        assert_eq!(disposition, ProbeDisposition::Applied);
+        let snapshot = d.health().provider_snapshot(&p1).unwrap();
+        assert_eq!(snapshot.state, HealthState::Unavailable, "{code:?}");
+        assert_eq!(snapshot.failure_code, Some(expected), "{code:?}");
+        assert!(!d.admission().is_selectable(&p1), "R-HT-5");
+        // The overlay is not touched by an unknown answer (R-CAP-1).
+        assert!(!d.overlay().is_lowered(&p1, g));
+    }
+}
+
+#[test]
+fn a_provider_that_goes_stale_by_time_is_no_longer_selectable() {
+    // R-HT-5: with a refresh slower than `stale_after`, an `ok` provider
+    // turns `stale` by time alone (no lifecycle event); admission must
+    // follow at once, as /status does.
+    let mut d = dispatcher_with(HealthConfig {
+        refresh_interval: Duration::from_secs(60),
+        stale_after: Duration::from_secs(5),
+        probe_timeout: Duration::from_secs(1),
+        ..HealthConfig::default()
+    });
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let p1 = ProviderId::from("p1");
+    let ticket = probe_due(&mut d, &p1);
+    let report = caps("t-p1", ProviderHealth::Available, 1);
+    let (disposition, _) = d.probe_answer(T, &ticket, Ok((&a, g, &report)));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    assert_eq!(d.health().state(&p1), Some(HealthState::Ok));
+    assert!(d.admission().is_selectable(&p1));
+
+    let stale_at = T + Duration::from_secs(5);
+    assert!(d.poll_timeout().is_some_and(|at| at <= stale_at));
+    d.handle_timeout(T + Duration::from_millis(4999));
+    assert!(d.admission().is_selectable(&p1), "still fresh");
+    d.handle_timeout(stale_at);
+    assert_eq!(d.health().state(&p1), Some(HealthState::Stale));
+    assert!(
+        !d.admission().is_selectable(&p1),
+        "R-HT-5: stale is never selectable"
+    );
+    assert_eq!(
+        d.request(stale_at, DispatchRequest::new(1, vec![p1.clone()])),
+        Admit::Queued
+    );
+}
+
 #[test]
 fn stall_recovery_readmission_avoids_the_stalled_provider() {
     let mut d = dispatcher();
@@ -382,14 +464,28 @@ const PROBE_FAILURES: [HealthFailureCode; 3] = [
 ];
 
 /// A health profile short enough for probes, probe timeouts, backoff and
-/// recovery probes to happen within one generated sequence.
-fn property_health() -> HealthConfig {
-    HealthConfig {
+/// recovery probes to happen within one generated sequence. With
+/// `stale_prone` the regular refresh is slower than `stale_after`, so `ok`
+/// providers also go `stale` by time alone (R-HT-5).
+fn property_health(stale_prone: bool) -> HealthConfig {
+    let config = HealthConfig {
         refresh_interval: Duration::from_millis(2000),
         backoff_base: Duration::from_millis(250),
         backoff_cap: Duration::from_millis(2000),
         stale_after: Duration::from_millis(6000),
         probe_timeout: Duration::from_millis(1000),
+    };
+    if stale_prone {
+        // Short enough that an `ok` result ages out within a few time steps.
+        HealthConfig {
+            refresh_interval: Duration::from_millis(1000),
+            backoff_base: Duration::from_millis(50),
+            backoff_cap: Duration::from_millis(400),
+            stale_after: Duration::from_millis(300),
+            probe_timeout: Duration::from_millis(200),
+        }
+    } else {
+        config
     }
 }
 
@@ -434,6 +530,8 @@ fn health_of(i: u8) -> ProviderHealth {
 /// The model the properties are checked against.
 #[derive(Default)]
 struct Model {
+    /// The dispatcher's health profile.
+    health: HealthConfig,
     now_ms: u64,
     /// Every generation each node ever got, in order.
     generations: BTreeMap<usize, Vec<Generation>>,
@@ -637,7 +735,7 @@ fn answer_probe(
         .filter(|p| *p != provider)
         .map(|p| (health_record(d, &p), p))
         .collect();
-    let timeout_ms = crate::time::duration_ms(property_health().probe_timeout);
+    let timeout_ms = crate::time::duration_ms(m.health.probe_timeout);
     let in_time = m.now_ms < call.issued_ms + timeout_ms;
     let g = call.generation;
     let (disposition, expected) = match answer {
@@ -818,9 +916,13 @@ fn check_avoid_rule(
     Ok(())
 }
 
-fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let mut d = dispatcher_with(property_health());
-    let mut m = Model::default();
+fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
+    let health = property_health(stale_prone);
+    let mut d = dispatcher_with(health);
+    let mut m = Model {
+        health,
+        ..Model::default()
+    };
     let mut requests: BTreeMap<RequestId, DispatchRequest> = BTreeMap::new();
     for op in ops {
         let now = Instant::from_millis(m.now_ms);
@@ -1056,10 +1158,14 @@ proptest! {
     /// provider is chosen only as R-SEL-1 allows. Health probes are answered
     /// (or left to time out): each changes only its own provider's health,
     /// applies once, and an unavailable or stale provider is never
-    /// selectable (R-HT-1, R-HT-3, R-HT-5).
+    /// selectable (R-HT-1, R-HT-3, R-HT-5), also when it went stale by
+    /// time alone (`stale_prone` health profile).
     #[test]
-    fn dispatcher_rules_hold_over_random_sequences(ops in proptest::collection::vec(op(), 1..120)) {
-        run_ops(ops)?;
+    fn dispatcher_rules_hold_over_random_sequences(
+        ops in proptest::collection::vec(op(), 1..120),
+        stale_prone in any::<bool>(),
+    ) {
+        run_ops(ops, stale_prone)?;
     }
 }
 
