@@ -27,7 +27,7 @@ async fn edge(pki: &Pki) -> RunningEdge {
     std::fs::write(pki.path().join("key"), KEY).unwrap();
     let extra = "[[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"mock\"\nmodels = [\"m\"]\n\
          [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\n\
-         [health]\nprobe_timeout_ms = 60000\n";
+         [health]\nprobe_timeout_ms = 60000\nstale_after_ms = 120000\n";
     let mut config = edge_config(pki, 0, extra);
     config.admission.request_budget_ms = REQUEST_BUDGET_MS;
     RunningEdge::start(config).await.expect("edge starts")
