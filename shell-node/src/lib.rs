@@ -65,7 +65,22 @@ impl RunningNode {
         shared.record_trace = options.record_trace;
         // The lease recipient key and this node's id (R-CRED-1): a node
         // that cannot load them does not start.
-        let identity = link::NodeIdentity::load(&config).and_then(|identity| {
+        // The optional metrics address is bound now, so a taken port fails
+        // the start instead of leaving a node without its metrics.
+        let metrics_listener = config
+            .node
+            .metrics_listen
+            .map(|addr| {
+                std::net::TcpListener::bind(addr)
+                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                    .and_then(tokio::net::TcpListener::from_std)
+                    .map_err(|source| supervisor::StartError::MetricsListen { addr, source })
+            })
+            .transpose();
+        let identity = metrics_listener.and_then(|listener| {
+            link::NodeIdentity::load(&config).map(|identity| (identity, listener))
+        });
+        let identity = identity.and_then(|(identity, listener)| {
             // The metrics pipeline is named after the node (OTLP resource).
             shared.metrics =
                 metrics::NodeMetrics::new(iop_transport::telemetry::MetricsPipeline::new(
@@ -73,10 +88,13 @@ impl RunningNode {
                     &identity.node_id,
                     config.otlp.as_ref(),
                 )?);
-            Ok(identity)
+            Ok((identity, listener))
         });
-        match identity {
-            Ok(identity) => shared.identity = Some(identity),
+        let metrics_listener = match identity {
+            Ok((identity, listener)) => {
+                shared.identity = Some(identity);
+                listener
+            }
             Err(e) => {
                 let (shutdown, _) = watch::channel(false);
                 let shared = Arc::new(shared);
@@ -86,11 +104,11 @@ impl RunningNode {
                     task: Some(tokio::spawn(async move { Err(e) })),
                 };
             }
-        }
+        };
         let shared = Arc::new(shared);
         shared.metrics.observe_link(&shared);
         let (shutdown, rx) = watch::channel(false);
-        if let Some(addr) = config.node.metrics_listen {
+        if let Some(listener) = metrics_listener {
             let shared = shared.clone();
             let mut stop = rx.clone();
             tokio::spawn(async move {
@@ -101,16 +119,11 @@ impl RunningNode {
                         async move { shared.metrics.render() }
                     }),
                 );
-                match tokio::net::TcpListener::bind(addr).await {
-                    Ok(listener) => {
-                        let _ = axum::serve(listener, app)
-                            .with_graceful_shutdown(async move {
-                                let _ = stop.changed().await;
-                            })
-                            .await;
-                    }
-                    Err(e) => tracing::error!(event = "node_metrics_bind_failed", error = %e),
-                }
+                let _ = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stop.changed().await;
+                    })
+                    .await;
             });
         }
         let task = tokio::spawn(supervisor::run(Arc::new(config), shared.clone(), rx));

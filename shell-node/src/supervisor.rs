@@ -27,6 +27,14 @@ pub enum StartError {
     /// The metrics pipeline (Prometheus or OTLP exporter) could not be built.
     #[error("metrics: {0}")]
     Metrics(#[from] iop_transport::telemetry::TelemetryError),
+    /// The `[node] metrics_listen` address could not be bound.
+    #[error("metrics listen address {addr}: {source}")]
+    MetricsListen {
+        /// The configured address.
+        addr: SocketAddr,
+        /// Cause.
+        source: std::io::Error,
+    },
 }
 
 /// Resolve `host:port`.

@@ -82,3 +82,23 @@ async fn recipient_key_readable_by_others_exits_non_zero_and_names_the_mode() {
         "stderr must name the key file and its mode: {stderr}"
     );
 }
+
+#[tokio::test]
+async fn metrics_address_in_use_exits_non_zero_and_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    iop_transport::generate_dev_pki(&dir.path().join("certs"), &["node-1"], &[]).unwrap();
+    // Another process holds the port.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let toml = node_toml("certs/node-node-1.pem").replace(
+        "state_dir = \"node-state\"\n",
+        &format!("state_dir = \"node-state\"\nmetrics_listen = \"{addr}\"\n"),
+    );
+    let (status, stderr) = run_node(dir.path(), &toml).await;
+    assert!(!status.success(), "exit status {status}; stderr: {stderr}");
+    assert!(
+        stderr.contains(&addr.to_string()),
+        "stderr must name the metrics address: {stderr}"
+    );
+    drop(taken);
+}
