@@ -1330,6 +1330,84 @@ mod tests {
         assert!(fail(&mut stream, &ApiError::budget_expired()).is_empty());
     }
 
+    /// `payloads` as the SSE events the client reads.
+    fn sse(payloads: &[&str]) -> String {
+        payloads.iter().map(|p| format!("data: {p}\n\n")).collect()
+    }
+
+    // The exact bytes of a stream, as the JSON object model of serde_json
+    // wrote them before chunks were typed: keys sorted, compact, strings
+    // escaped the same way. A client must see these bytes unchanged.
+    #[test]
+    fn a_stream_with_usage_writes_these_exact_bytes() {
+        let mut stream =
+            ChatStream::new("chatcmpl-7", "m\"1", 1_700_000_000).with_usage_chunk(true);
+        let mut out = Vec::new();
+        for event in [
+            RunEventKind::Started {
+                session_id: "s".into(),
+            },
+            text("Hé\n\"x\""),
+            tool_delta(0, Some("call_a"), Some("get"), ""),
+            tool_delta(0, None, None, "{\"a\":1}"),
+            tool_delta(1, None, Some("t"), "{}"),
+            RunEventKind::Usage(usage(3, 2)),
+            completed(FinishReason::ToolCalls, None),
+        ] {
+            stream.push(&event, &mut out);
+        }
+        let fixed = r#""created":1700000000,"id":"chatcmpl-7","model":"m\"1","object":"chat.completion.chunk","system_fingerprint":null"#;
+        let chunk = |choice: &str| format!(r#"{{"choices":[{choice}],{fixed},"usage":null}}"#);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            sse(&[
+                &chunk(
+                    r#"{"delta":{"content":"","role":"assistant"},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"content":"Hé\n\"x\""},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"tool_calls":[{"function":{"arguments":"","name":"get"},"id":"call_a","index":0,"type":"function"}]},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"tool_calls":[{"function":{"arguments":"{\"a\":1}"},"index":0}]},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"tool_calls":[{"function":{"arguments":"{}","name":"t"},"id":"call_70001","index":1,"type":"function"}]},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(r#"{"delta":{},"finish_reason":"tool_calls","index":0,"logprobs":null}"#),
+                &format!(
+                    r#"{{"choices":[],{fixed},"usage":{{"completion_tokens":2,"prompt_tokens":3,"total_tokens":5}}}}"#
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn a_failing_stream_without_usage_writes_these_exact_bytes() {
+        let mut stream = ChatStream::new("c", "m", 5);
+        let mut out = Vec::new();
+        stream.push(&text("x"), &mut out);
+        stream.push(
+            &RunEventKind::Failed(ExecutionFailure::new(FailureCode::ResponseStalled)),
+            &mut out,
+        );
+        let fixed = r#""created":5,"id":"c","model":"m","object":"chat.completion.chunk","system_fingerprint":null"#;
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            sse(&[
+                &format!(
+                    r#"{{"choices":[{{"delta":{{"content":"","role":"assistant"}},"finish_reason":null,"index":0,"logprobs":null}}],{fixed}}}"#
+                ),
+                &format!(
+                    r#"{{"choices":[{{"delta":{{"content":"x"}},"finish_reason":null,"index":0,"logprobs":null}}],{fixed}}}"#
+                ),
+                r#"{"error":{"code":"response_stalled","message":"The provider stopped producing output (response stalled).","param":null,"type":"timeout_error"}}"#,
+            ])
+        );
+    }
+
     #[test]
     fn tool_call_indexes_are_bounded() {
         let mut stream = ChatStream::new("c", "m", 1);

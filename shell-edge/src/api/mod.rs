@@ -31,8 +31,6 @@ pub mod framing;
 pub mod ids;
 pub mod models;
 pub mod ollama;
-#[cfg(test)]
-mod reference;
 mod request_object;
 pub mod responses;
 mod transcript;

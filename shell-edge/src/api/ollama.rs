@@ -946,6 +946,49 @@ mod tests {
         assert_eq!(lines[1]["done_reason"], "stop");
     }
 
+    // The exact bytes of a stream, as the JSON object model of serde_json
+    // wrote them before text objects were typed (keys sorted, compact).
+    #[test]
+    fn streams_write_these_exact_lines() {
+        let mut chat = OllamaStream::new("llama3", RunApi::Chat, 1_000);
+        let mut out = Vec::new();
+        chat.push(&text("Hé\n\"x\""), 1_500, &mut out);
+        chat.push(
+            &RunEventKind::ToolCallDelta(ToolCallDelta {
+                index: 0,
+                id: Some("call_a".into()),
+                name: Some("get_weather".into()),
+                arguments_delta: "{\"city\":\"Paris\"}".into(),
+            }),
+            1_600,
+            &mut out,
+        );
+        chat.push(
+            &RunEventKind::Completed {
+                finish_reason: FinishReason::ToolCalls,
+                usage: Some(usage(12, 3)),
+            },
+            3_000,
+            &mut out,
+        );
+        let mut generate = OllamaStream::new("m", RunApi::Generate, 0);
+        generate.push(&text("The"), 86_400_001, &mut out);
+        generate.push(
+            &RunEventKind::Failed(ExecutionFailure::new(FailureCode::ResponseStalled)),
+            86_400_002,
+            &mut out,
+        );
+        let lines = [
+            r#"{"created_at":"1970-01-01T00:00:01.500Z","done":false,"message":{"content":"Hé\n\"x\"","role":"assistant"},"model":"llama3"}"#,
+            r#"{"created_at":"1970-01-01T00:00:03.000Z","done":false,"message":{"content":"","role":"assistant","tool_calls":[{"function":{"arguments":{"city":"Paris"},"index":0,"name":"get_weather"},"id":"call_a"}]},"model":"llama3"}"#,
+            r#"{"created_at":"1970-01-01T00:00:03.000Z","done":true,"done_reason":"stop","eval_count":3,"eval_duration":0,"load_duration":0,"message":{"content":"","role":"assistant"},"model":"llama3","prompt_eval_count":12,"prompt_eval_duration":0,"total_duration":2000000000}"#,
+            r#"{"created_at":"1970-01-02T00:00:00.001Z","done":false,"model":"m","response":"The"}"#,
+            r#"{"error":"The provider stopped producing output (response stalled)."}"#,
+        ];
+        let expected: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        assert_eq!(String::from_utf8(out).unwrap(), expected);
+    }
+
     #[test]
     fn stream_failure_is_one_error_line() {
         let mut stream = OllamaStream::new("m", RunApi::Chat, 0);
