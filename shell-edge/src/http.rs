@@ -383,7 +383,11 @@ impl<S: AnswerStream> AnswerBody<S> {
                     match tokio::time::timeout_at(self.keep_alive_at, self.rx.recv()).await {
                         Ok(delivery) => delivery,
                         Err(_) => {
-                            self.keep_alive_at += framing::SSE_KEEP_ALIVE_INTERVAL;
+                            // From now, as axum's keep-alive: a body not
+                            // polled for a while gets one comment, not a
+                            // burst of them.
+                            self.keep_alive_at =
+                                tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL;
                             return Some(Bytes::from_static(comment));
                         }
                     }
@@ -700,6 +704,18 @@ mod tests {
         tokio::time::advance(framing::SSE_KEEP_ALIVE_INTERVAL / 2).await;
         tx.send(text("y")).await.unwrap();
         assert_eq!(parse_sse(&body.next().await.unwrap()).len(), 1);
+        let sent = tokio::time::Instant::now();
+        assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
+        assert_eq!(sent.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_polled_late_gets_one_keep_alive_comment_not_a_burst() {
+        let (_tx, rx) = mpsc::channel::<Delivery>(8);
+        let mut body = answer_body(rx, record(), ChatStream::new("c", "m", 1));
+        // The client reads nothing for four intervals.
+        tokio::time::advance(4 * framing::SSE_KEEP_ALIVE_INTERVAL).await;
+        assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
         let sent = tokio::time::Instant::now();
         assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
         assert_eq!(sent.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
