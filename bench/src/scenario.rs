@@ -155,6 +155,9 @@ pub struct LatencySettings {
 
 /// Run `spec` against each path in turn (the order rotates per row so no
 /// path always goes first).
+///
+/// With `cpu`, the Edge's and the Nodes' CPU time over each run through
+/// iop (every path but the first, the direct one) is added to its list.
 async fn compare(
     client: &reqwest::Client,
     paths: &[(String, Target)],
@@ -162,13 +165,32 @@ async fn compare(
     mode: LoadMode,
     duration: Duration,
     row: usize,
+    mut cpu: Option<(&Deployment, &mut Vec<ChunkCpu>)>,
 ) -> Result<Comparison, ScenarioError> {
     let mut reports: Vec<Option<LoadReport>> = vec![None; paths.len()];
     for k in 0..paths.len() {
         let i = (k + row) % paths.len();
         let (label, target) = &paths[i];
         let spec = LoadSpec::new(label, target.clone(), stream, mode, duration);
+        let ticks_before = match &cpu {
+            Some((d, _)) if i > 0 => Some(iop_cpu_ticks(d)?),
+            _ => None,
+        };
+        let started = Instant::now();
         let r = load::run(client, &spec).await?;
+        if let (Some((d, rows)), Some((edge0, nodes0))) = (&mut cpu, ticks_before) {
+            let (edge1, nodes1) = iop_cpu_ticks(d)?;
+            // The chunk rate of the measured window, over the whole run
+            // (its warm-up included, as the CPU time is).
+            let chunks = (r.chunks_per_s * started.elapsed().as_secs_f64()).max(1.0);
+            let us_per_chunk = |ticks: u64| ticks as f64 * 1e6 / TICKS_PER_SECOND as f64 / chunks;
+            rows.push(ChunkCpu {
+                load: mode.label(),
+                target: label.clone(),
+                edge_us_per_chunk: us_per_chunk(edge1.saturating_sub(edge0)),
+                nodes_us_per_chunk: us_per_chunk(nodes1.saturating_sub(nodes0)),
+            });
+        }
         eprintln!(
             "  {:<16} {:<14} ok {:>7} err {:>5} rps {:>8.0} p50 {} p99 {} ms chunks/s {:.0}",
             label,
@@ -218,13 +240,13 @@ pub async fn latency(
     for (row, rate) in settings.rates.iter().enumerate() {
         eprintln!("latency: open loop {rate}/s");
         let mode = LoadMode::Open { rate_per_s: *rate };
-        open.push(compare(&client, &ps, false, mode, settings.duration, row).await?);
+        open.push(compare(&client, &ps, false, mode, settings.duration, row, None).await?);
     }
     let mut closed = Vec::new();
     for (row, c) in settings.concurrencies.iter().enumerate() {
         eprintln!("latency: closed loop x{c}");
         let mode = LoadMode::Closed { concurrency: *c };
-        closed.push(compare(&client, &ps, false, mode, settings.duration, row).await?);
+        closed.push(compare(&client, &ps, false, mode, settings.duration, row, None).await?);
     }
     Ok(LatencyResult { open, closed })
 }
@@ -236,6 +258,34 @@ pub struct StreamingResult {
     pub throughput: Vec<Comparison>,
     /// Short streams (8 chunks) at a fixed rate: TTFT and gaps.
     pub ttft: Vec<Comparison>,
+    /// CPU per relayed chunk of each long-stream run through iop.
+    #[serde(default)]
+    pub cpu: Vec<ChunkCpu>,
+}
+
+/// The CPU time the Edge and the Nodes spent per chunk the client
+/// received, over one streaming run through iop. Read from `/proc` in
+/// 10 ms ticks over the whole run, so it does not depend on how much CPU
+/// other processes left them, unlike chunks per second.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChunkCpu {
+    /// The load (`closed x64`).
+    pub load: String,
+    /// The path (`iop tunnel`, `iop normalized`).
+    pub target: String,
+    /// Edge CPU time per chunk, µs.
+    pub edge_us_per_chunk: f64,
+    /// CPU time of all node processes per chunk, µs.
+    pub nodes_us_per_chunk: f64,
+}
+
+/// CPU ticks so far of the Edge and of all node processes.
+fn iop_cpu_ticks(d: &Deployment) -> Result<(u64, u64), ScenarioError> {
+    let mut nodes = 0;
+    for node in &d.nodes {
+        nodes += node.cpu_ticks()?;
+    }
+    Ok((d.edge.cpu_ticks()?, nodes))
 }
 
 /// Relayed SSE chunks per second (long streams, closed loop) and TTFT of
@@ -248,17 +298,35 @@ pub async fn streaming(
 ) -> Result<StreamingResult, ScenarioError> {
     let client = load::client()?;
     let mut throughput = Vec::new();
+    let mut cpu = Vec::new();
     for (row, c) in concurrencies.iter().enumerate() {
         eprintln!("streaming: closed loop x{c}, 1000-token streams");
         let mode = LoadMode::Closed { concurrency: *c };
-        throughput.push(compare(&client, &paths(d, LONG_MOCK), true, mode, duration, row).await?);
+        let paths = paths(d, LONG_MOCK);
+        let cpu = Some((d, &mut cpu));
+        throughput.push(compare(&client, &paths, true, mode, duration, row, cpu).await?);
     }
     eprintln!("streaming: open loop {ttft_rate}/s, 8-token streams");
     let mode = LoadMode::Open {
         rate_per_s: ttft_rate,
     };
-    let ttft = vec![compare(&client, &paths(d, SHORT_MOCK), true, mode, duration, 0).await?];
-    Ok(StreamingResult { throughput, ttft })
+    let ttft = vec![
+        compare(
+            &client,
+            &paths(d, SHORT_MOCK),
+            true,
+            mode,
+            duration,
+            0,
+            None,
+        )
+        .await?,
+    ];
+    Ok(StreamingResult {
+        throughput,
+        ttft,
+        cpu,
+    })
 }
 
 /// One memory measurement: N streams in flight.
@@ -670,6 +738,18 @@ impl SuiteReport {
         if let Some(s) = &self.streaming {
             out.push_str("## Streaming: relayed SSE chunks per second (1,000-chunk streams)\n\n");
             out.push_str(&chunk_ratio_table(&s.throughput));
+            if !s.cpu.is_empty() {
+                out.push_str(
+                    "\n### CPU per relayed chunk (µs; from /proc, whole run)\n\n\
+                     | load | target | Edge µs/chunk | Nodes µs/chunk |\n| --- | --- | ---: | ---: |\n",
+                );
+                for c in &s.cpu {
+                    out.push_str(&format!(
+                        "| {} | {} | {:.2} | {:.2} |\n",
+                        c.load, c.target, c.edge_us_per_chunk, c.nodes_us_per_chunk
+                    ));
+                }
+            }
             out.push_str("\n### Streaming detail (ms)\n\n");
             let all: Vec<LoadReport> = s
                 .throughput

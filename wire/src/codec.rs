@@ -153,6 +153,25 @@ impl FrameDecoder {
 
     /// Take the next whole frame's payload, if one is buffered.
     pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, WireError> {
+        Ok(self
+            .next_frame_range()?
+            .map(|payload| self.buf[payload].to_vec()))
+    }
+
+    /// Take and decode the next whole frame as a `T`, straight from the
+    /// buffer (no copy of the payload).
+    pub fn next_message<T: DeserializeOwned>(&mut self) -> Result<Option<T>, WireError> {
+        match self.next_frame_range()? {
+            None => Ok(None),
+            Some(payload) => decode(&self.buf[payload]).map(Some).inspect_err(|e| {
+                self.error = Some(e.clone());
+            }),
+        }
+    }
+
+    /// Where in `buf` the next whole frame's payload is, if one is
+    /// buffered; it counts as taken.
+    fn next_frame_range(&mut self) -> Result<Option<std::ops::Range<usize>>, WireError> {
         if let Some(err) = &self.error {
             return Err(err.clone());
         }
@@ -173,19 +192,8 @@ impl FrameDecoder {
         if self.buf.len() - start < len {
             return Ok(None);
         }
-        let payload = self.buf[start..start + len].to_vec();
         self.pos = start + len;
-        Ok(Some(payload))
-    }
-
-    /// Take and decode the next whole frame as a `T`.
-    pub fn next_message<T: DeserializeOwned>(&mut self) -> Result<Option<T>, WireError> {
-        match self.next_frame()? {
-            None => Ok(None),
-            Some(payload) => decode(&payload).map(Some).inspect_err(|e| {
-                self.error = Some(e.clone());
-            }),
-        }
+        Ok(Some(start..start + len))
     }
 
     /// Call when the stream ended: an error if a frame was left half-read.

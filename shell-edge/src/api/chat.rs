@@ -6,21 +6,23 @@
 //!   ones); a known field of the wrong type or out of range is a 400 naming
 //!   the parameter; a known field whose meaning we cannot honour (`n > 1`,
 //!   image content, `response_format`) is a 400 `unsupported_parameter`.
-//! * [`ChatStream`] turns run events into `chat.completion.chunk` payloads
-//!   (the JSON after `data: `); the handler writes the SSE framing and the
-//!   final `data: [DONE]`.
+//! * [`ChatStream`] turns run events into `chat.completion.chunk` SSE events
+//!   written into the response body; the handler adds the final
+//!   `data: [DONE]`.
 //! * [`ChatAccumulator`] folds run events into one `chat.completion`.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 
 use iop_wire::{
     ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
     ToolCallDelta, ToolDefinition, Usage,
 };
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::NormalizedRun;
 use super::error::ApiError;
+use super::framing;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body, type_name};
 use super::transcript::Transcript;
@@ -426,7 +428,7 @@ pub fn error_payload(err: &ApiError) -> Value {
     err.to_json()
 }
 
-/// Encodes run events as `chat.completion.chunk` payloads.
+/// Encodes run events as `chat.completion.chunk` SSE events.
 ///
 /// Sequence: one role chunk (`delta: {role:"assistant", content:""}`) before
 /// the first content, tool call or finish; text and tool-call delta chunks;
@@ -435,29 +437,104 @@ pub fn error_payload(err: &ApiError) -> Value {
 /// failure yields one [`error_payload`] instead. After a terminal every
 /// further event yields nothing. The handler appends `data: [DONE]` after a
 /// successful finish.
+///
+/// Each chunk is written straight into the response body: the choice is a
+/// typed struct borrowing the event's text, and the fields every chunk
+/// repeats (`created`, `id`, `model`, `object`, `system_fingerprint`) are
+/// serialized once per stream. Keys appear in the order the JSON object
+/// model of `serde_json` (a sorted map) always gave them.
 #[derive(Debug, Clone)]
 pub struct ChatStream {
     id: String,
-    model: String,
-    created_unix: u64,
+    /// `,"created":…,"id":…,"model":…,"object":…,"system_fingerprint":null`:
+    /// every chunk's fields after `choices`, serialized once.
+    fixed_fields: Vec<u8>,
     include_usage: bool,
     role_sent: bool,
     finished: bool,
-    tool_call_indexes: BTreeMap<u32, ()>,
+    tool_call_indexes: BTreeSet<u32>,
     usage: Option<Usage>,
+}
+
+/// The one choice of a chunk (keys in sorted order, as every chunk had them).
+#[derive(Serialize)]
+struct ChunkChoice<'a> {
+    delta: ChunkDelta<'a>,
+    finish_reason: Option<&'static str>,
+    index: u32,
+    logprobs: (),
+}
+
+/// A chunk's `delta`: `{}`, the role, text or one tool-call fragment.
+#[derive(Serialize, Default)]
+struct ChunkDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<[ToolCallFragment<'a>; 1]>,
+}
+
+/// One `delta.tool_calls` entry: the first fragment of a call carries its
+/// id, type and name; later ones only `index` and `function.arguments`.
+#[derive(Serialize)]
+struct ToolCallFragment<'a> {
+    function: FunctionFragment<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    index: u32,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct FunctionFragment<'a> {
+    arguments: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+}
+
+/// The OpenAI `usage` object, typed (same keys as [`usage_json`]).
+#[derive(Serialize)]
+struct UsageFields {
+    completion_tokens: u64,
+    prompt_tokens: u64,
+    total_tokens: u64,
+}
+
+impl From<Usage> for UsageFields {
+    fn from(usage: Usage) -> Self {
+        Self {
+            completion_tokens: usage.completion_tokens,
+            prompt_tokens: usage.prompt_tokens,
+            total_tokens: usage.prompt_tokens.saturating_add(usage.completion_tokens),
+        }
+    }
 }
 
 impl ChatStream {
     /// A stream for completion `id` (see [`ids::chat_completion_id`]) of `model`.
     pub fn new(id: impl Into<String>, model: impl Into<String>, created_unix: u64) -> Self {
+        let id = id.into();
+        let model = model.into();
+        let mut fixed_fields = Vec::with_capacity(128 + id.len() + model.len());
+        fixed_fields.extend_from_slice(b",\"created\":");
+        framing::write_json(&mut fixed_fields, &created_unix);
+        fixed_fields.extend_from_slice(b",\"id\":");
+        framing::write_json(&mut fixed_fields, &id);
+        fixed_fields.extend_from_slice(b",\"model\":");
+        framing::write_json(&mut fixed_fields, &model);
+        fixed_fields.extend_from_slice(
+            b",\"object\":\"chat.completion.chunk\",\"system_fingerprint\":null",
+        );
         Self {
-            id: id.into(),
-            model: model.into(),
-            created_unix,
+            id,
+            fixed_fields,
             include_usage: false,
             role_sent: false,
             finished: false,
-            tool_call_indexes: BTreeMap::new(),
+            tool_call_indexes: BTreeSet::new(),
             usage: None,
         }
     }
@@ -479,127 +556,142 @@ impl ChatStream {
         self.finished
     }
 
-    /// The `data:` payloads for one run event, in order (possibly none).
-    #[must_use]
-    pub fn push(&mut self, event: &RunEventKind) -> Vec<Value> {
+    /// Append the SSE events for one run event to `out`, in order (possibly
+    /// none).
+    pub fn push(&mut self, event: &RunEventKind, out: &mut Vec<u8>) {
         if self.finished {
-            return Vec::new();
+            return;
         }
-        let mut out = Vec::new();
         match event {
             RunEventKind::Started { .. } => {}
             RunEventKind::Usage(usage) => self.usage = Some(*usage),
             RunEventKind::TextDelta(text) => {
-                self.ensure_role(&mut out);
+                self.ensure_role(out);
                 if !text.is_empty() {
-                    out.push(self.chunk(json!({ "content": text }), None));
+                    let delta = ChunkDelta {
+                        content: Some(text),
+                        ..ChunkDelta::default()
+                    };
+                    self.chunk(out, delta, None);
                 }
             }
-            RunEventKind::ToolCallDelta(delta) => {
-                if let Some(call) = self.tool_call_delta_json(delta) {
-                    self.ensure_role(&mut out);
-                    out.push(self.chunk(json!({ "tool_calls": [call] }), None));
-                }
-            }
+            RunEventKind::ToolCallDelta(delta) => self.tool_call_delta(delta, out),
             RunEventKind::Completed {
                 finish_reason,
                 usage,
             } => {
-                self.ensure_role(&mut out);
-                out.push(self.chunk(json!({}), Some(*finish_reason)));
+                self.ensure_role(out);
+                self.chunk(out, ChunkDelta::default(), Some(*finish_reason));
                 if self.include_usage {
                     let usage = usage.or(self.usage).unwrap_or_default();
-                    out.push(self.usage_chunk(usage));
+                    self.usage_chunk(out, usage);
                 }
                 self.finished = true;
             }
             RunEventKind::Failed(failure) => {
-                out.push(error_payload(&ApiError::from_execution_failure(failure)));
+                let err = ApiError::from_execution_failure(failure);
+                framing::sse_json(out, None, &error_payload(&err));
                 self.finished = true;
             }
         }
-        out
     }
 
     /// Encode an error as the stream's terminal (e.g. budget expiry after commit).
-    #[must_use]
-    pub fn fail(&mut self, err: &ApiError) -> Vec<Value> {
+    pub fn fail(&mut self, err: &ApiError, out: &mut Vec<u8>) {
         if self.finished {
-            return Vec::new();
+            return;
         }
         self.finished = true;
-        vec![error_payload(err)]
+        framing::sse_json(out, None, &error_payload(err));
     }
 
-    fn ensure_role(&mut self, out: &mut Vec<Value>) {
+    fn ensure_role(&mut self, out: &mut Vec<u8>) {
         if !self.role_sent {
             self.role_sent = true;
-            out.push(self.chunk(json!({ "role": "assistant", "content": "" }), None));
+            let delta = ChunkDelta {
+                content: Some(""),
+                role: Some("assistant"),
+                tool_calls: None,
+            };
+            self.chunk(out, delta, None);
         }
     }
 
-    fn tool_call_delta_json(&mut self, delta: &ToolCallDelta) -> Option<Value> {
-        if self.tool_call_indexes.contains_key(&delta.index) {
-            if delta.arguments_delta.is_empty() {
-                return None;
+    fn tool_call_delta(&mut self, delta: &ToolCallDelta, out: &mut Vec<u8>) {
+        let first = !self.tool_call_indexes.contains(&delta.index);
+        if first {
+            if self.tool_call_indexes.len() >= MAX_TOOL_CALLS_PER_RUN {
+                return;
             }
-            return Some(json!({
-                "index": delta.index,
-                "function": { "arguments": delta.arguments_delta },
-            }));
+            self.tool_call_indexes.insert(delta.index);
+        } else if delta.arguments_delta.is_empty() {
+            return;
         }
-        if self.tool_call_indexes.len() >= MAX_TOOL_CALLS_PER_RUN {
-            return None;
-        }
-        self.tool_call_indexes.insert(delta.index, ());
-        let id = delta
-            .id
-            .clone()
-            .unwrap_or_else(|| ids::derived_id("call_", &self.id, delta.index));
-        Some(json!({
-            "index": delta.index,
-            "id": id,
-            "type": "function",
-            "function": {
-                "name": delta.name.clone().unwrap_or_default(),
-                "arguments": delta.arguments_delta,
-            },
-        }))
+        self.ensure_role(out);
+        let derived_id;
+        let fragment = if first {
+            let id = match &delta.id {
+                Some(id) => id.as_str(),
+                None => {
+                    derived_id = ids::derived_id("call_", &self.id, delta.index);
+                    derived_id.as_str()
+                }
+            };
+            ToolCallFragment {
+                function: FunctionFragment {
+                    arguments: &delta.arguments_delta,
+                    name: Some(delta.name.as_deref().unwrap_or_default()),
+                },
+                id: Some(id),
+                index: delta.index,
+                kind: Some("function"),
+            }
+        } else {
+            ToolCallFragment {
+                function: FunctionFragment {
+                    arguments: &delta.arguments_delta,
+                    name: None,
+                },
+                id: None,
+                index: delta.index,
+                kind: None,
+            }
+        };
+        let delta = ChunkDelta {
+            tool_calls: Some([fragment]),
+            ..ChunkDelta::default()
+        };
+        self.chunk(out, delta, None);
     }
 
-    fn base(&self) -> Map<String, Value> {
-        let mut chunk = Map::new();
-        chunk.insert("id".into(), json!(self.id));
-        chunk.insert("object".into(), json!("chat.completion.chunk"));
-        chunk.insert("created".into(), json!(self.created_unix));
-        chunk.insert("model".into(), json!(self.model));
-        chunk.insert("system_fingerprint".into(), Value::Null);
-        chunk
+    fn chunk(&self, out: &mut Vec<u8>, delta: ChunkDelta<'_>, finish: Option<FinishReason>) {
+        let choice = ChunkChoice {
+            delta,
+            finish_reason: finish.map(FinishReason::as_str),
+            index: 0,
+            logprobs: (),
+        };
+        framing::sse_event(out, None, |out| {
+            out.extend_from_slice(b"{\"choices\":[");
+            framing::write_json(out, &choice);
+            out.push(b']');
+            out.extend_from_slice(&self.fixed_fields);
+            if self.include_usage {
+                // With include_usage OpenAI sends `usage: null` on every other chunk.
+                out.extend_from_slice(b",\"usage\":null");
+            }
+            out.push(b'}');
+        });
     }
 
-    fn chunk(&self, delta: Value, finish_reason: Option<FinishReason>) -> Value {
-        let mut chunk = self.base();
-        chunk.insert(
-            "choices".into(),
-            json!([{
-                "index": 0,
-                "delta": delta,
-                "logprobs": null,
-                "finish_reason": finish_reason.map(FinishReason::as_str),
-            }]),
-        );
-        if self.include_usage {
-            // With include_usage OpenAI sends `usage: null` on every other chunk.
-            chunk.insert("usage".into(), Value::Null);
-        }
-        Value::Object(chunk)
-    }
-
-    fn usage_chunk(&self, usage: Usage) -> Value {
-        let mut chunk = self.base();
-        chunk.insert("choices".into(), json!([]));
-        chunk.insert("usage".into(), usage_json(usage));
-        Value::Object(chunk)
+    fn usage_chunk(&self, out: &mut Vec<u8>, usage: Usage) {
+        framing::sse_event(out, None, |out| {
+            out.extend_from_slice(b"{\"choices\":[]");
+            out.extend_from_slice(&self.fixed_fields);
+            out.extend_from_slice(b",\"usage\":");
+            framing::write_json(out, &UsageFields::from(usage));
+            out.push(b'}');
+        });
     }
 }
 
@@ -1105,7 +1197,17 @@ mod tests {
     }
 
     fn run(stream: &mut ChatStream, events: &[RunEventKind]) -> Vec<Value> {
-        events.iter().flat_map(|e| stream.push(e)).collect()
+        let mut out = Vec::new();
+        for e in events {
+            stream.push(e, &mut out);
+        }
+        framing::sse_json_payloads(&out)
+    }
+
+    fn fail(stream: &mut ChatStream, err: &ApiError) -> Vec<Value> {
+        let mut out = Vec::new();
+        stream.fail(err, &mut out);
+        framing::sse_json_payloads(&out)
     }
 
     #[test]
@@ -1146,7 +1248,7 @@ mod tests {
             json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
         );
         assert!(stream.is_finished());
-        assert!(stream.push(&text("late")).is_empty());
+        assert!(run(&mut stream, &[text("late")]).is_empty());
     }
 
     #[test]
@@ -1215,14 +1317,95 @@ mod tests {
     fn failure_after_commit_is_one_error_payload() {
         let mut stream = ChatStream::new("c", "m", 1);
         let mut chunks = run(&mut stream, &[text("partial")]);
-        chunks.extend(stream.push(&RunEventKind::Failed(ExecutionFailure::new(
-            FailureCode::ResponseStalled,
-        ))));
+        chunks.extend(run(
+            &mut stream,
+            &[RunEventKind::Failed(ExecutionFailure::new(
+                FailureCode::ResponseStalled,
+            ))],
+        ));
         assert_eq!(chunks.len(), 3);
         assert_eq!(chunks[2]["error"]["code"], "response_stalled");
         assert_eq!(chunks[2]["error"]["type"], "timeout_error");
-        assert!(stream.push(&completed(FinishReason::Stop, None)).is_empty());
-        assert!(stream.fail(&ApiError::budget_expired()).is_empty());
+        assert!(run(&mut stream, &[completed(FinishReason::Stop, None)]).is_empty());
+        assert!(fail(&mut stream, &ApiError::budget_expired()).is_empty());
+    }
+
+    /// `payloads` as the SSE events the client reads.
+    fn sse(payloads: &[&str]) -> String {
+        payloads.iter().map(|p| format!("data: {p}\n\n")).collect()
+    }
+
+    // The exact bytes of a stream, as the JSON object model of serde_json
+    // wrote them before chunks were typed: keys sorted, compact, strings
+    // escaped the same way. A client must see these bytes unchanged.
+    #[test]
+    fn a_stream_with_usage_writes_these_exact_bytes() {
+        let mut stream =
+            ChatStream::new("chatcmpl-7", "m\"1", 1_700_000_000).with_usage_chunk(true);
+        let mut out = Vec::new();
+        for event in [
+            RunEventKind::Started {
+                session_id: "s".into(),
+            },
+            text("Hé\n\"x\""),
+            tool_delta(0, Some("call_a"), Some("get"), ""),
+            tool_delta(0, None, None, "{\"a\":1}"),
+            tool_delta(1, None, Some("t"), "{}"),
+            RunEventKind::Usage(usage(3, 2)),
+            completed(FinishReason::ToolCalls, None),
+        ] {
+            stream.push(&event, &mut out);
+        }
+        let fixed = r#""created":1700000000,"id":"chatcmpl-7","model":"m\"1","object":"chat.completion.chunk","system_fingerprint":null"#;
+        let chunk = |choice: &str| format!(r#"{{"choices":[{choice}],{fixed},"usage":null}}"#);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            sse(&[
+                &chunk(
+                    r#"{"delta":{"content":"","role":"assistant"},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"content":"Hé\n\"x\""},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"tool_calls":[{"function":{"arguments":"","name":"get"},"id":"call_a","index":0,"type":"function"}]},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"tool_calls":[{"function":{"arguments":"{\"a\":1}"},"index":0}]},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(
+                    r#"{"delta":{"tool_calls":[{"function":{"arguments":"{}","name":"t"},"id":"call_70001","index":1,"type":"function"}]},"finish_reason":null,"index":0,"logprobs":null}"#
+                ),
+                &chunk(r#"{"delta":{},"finish_reason":"tool_calls","index":0,"logprobs":null}"#),
+                &format!(
+                    r#"{{"choices":[],{fixed},"usage":{{"completion_tokens":2,"prompt_tokens":3,"total_tokens":5}}}}"#
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn a_failing_stream_without_usage_writes_these_exact_bytes() {
+        let mut stream = ChatStream::new("c", "m", 5);
+        let mut out = Vec::new();
+        stream.push(&text("x"), &mut out);
+        stream.push(
+            &RunEventKind::Failed(ExecutionFailure::new(FailureCode::ResponseStalled)),
+            &mut out,
+        );
+        let fixed = r#""created":5,"id":"c","model":"m","object":"chat.completion.chunk","system_fingerprint":null"#;
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            sse(&[
+                &format!(
+                    r#"{{"choices":[{{"delta":{{"content":"","role":"assistant"}},"finish_reason":null,"index":0,"logprobs":null}}],{fixed}}}"#
+                ),
+                &format!(
+                    r#"{{"choices":[{{"delta":{{"content":"x"}},"finish_reason":null,"index":0,"logprobs":null}}],{fixed}}}"#
+                ),
+                r#"{"error":{"code":"response_stalled","message":"The provider stopped producing output (response stalled).","param":null,"type":"timeout_error"}}"#,
+            ])
+        );
     }
 
     #[test]

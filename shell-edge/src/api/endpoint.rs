@@ -8,23 +8,23 @@
 //!
 //! | | parse | error body | stream ([`AnswerStream`]) | one object ([`WholeAnswer`]) |
 //! | --- | --- | --- | --- | --- |
-//! | [`ChatCompletions`] | [`chat::parse_chat_request`] | OpenAI | SSE `data:` chunks, then `data: [DONE]` | [`chat::ChatAccumulator`] |
-//! | [`Responses`] | [`responses::parse_responses_request`] | OpenAI | SSE `event:` + `data:` | [`responses::ResponsesAccumulator`] |
+//! | [`ChatCompletions`] | [`chat::parse_chat_request`] | OpenAI | SSE `data:` chunks, then `data: [DONE]`; keep-alive comments | [`chat::ChatAccumulator`] |
+//! | [`Responses`] | [`responses::parse_responses_request`] | OpenAI | SSE `event:` + `data:`; keep-alive comments | [`responses::ResponsesAccumulator`] |
 //! | [`Ollama`] | [`ollama::parse_ollama_chat`], [`ollama::parse_ollama_generate`] | Ollama | NDJSON lines | [`ollama::OllamaAccumulator`] |
 
 use std::convert::Infallible;
 
 use axum::body::Body;
 use axum::http::{StatusCode, header};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
 use iop_wire::{RunApi, RunEventKind};
 use serde_json::Value;
 
 use super::error::{ApiError, OllamaError};
-use super::{NormalizedRun, chat, ids, ollama, responses};
+use super::{NormalizedRun, chat, framing, ids, ollama, responses};
 use crate::driver::TunnelApi;
 
 /// What one run API adds to the shared pipeline.
@@ -73,24 +73,24 @@ pub struct AnswerStart {
     pub committed_unix: u64,
 }
 
-/// Encodes a run's events as one API's streamed answer.
+/// Encodes a run's events as one API's streamed answer, writing whole
+/// frames (SSE events, NDJSON lines) into the body bytes due at one moment
+/// (see [`framing`]).
 pub trait AnswerStream: Send + 'static {
-    /// One piece of the stream (an SSE event, an NDJSON object).
-    type Frame: Send + 'static;
-    /// The frames due before the first event.
-    fn opening(&mut self) -> Vec<Self::Frame> {
-        Vec::new()
-    }
-    /// The frames for one run event at `now_unix_ms`.
-    fn event(&mut self, event: &RunEventKind, now_unix_ms: u64) -> Vec<Self::Frame>;
-    /// The frames after the run finished normally.
-    fn closing(&mut self) -> Vec<Self::Frame> {
-        Vec::new()
-    }
-    /// The frames ending the stream with `err` (R-GATE-3).
-    fn failure(&mut self, err: &ApiError) -> Vec<Self::Frame>;
-    /// The response carrying the frames, batched as they became due.
-    fn response(batches: BoxStream<'static, Vec<Self::Frame>>) -> Response;
+    /// The comment sent after [`framing::SSE_KEEP_ALIVE_INTERVAL`] of
+    /// silence, if this API's stream has one.
+    const KEEP_ALIVE: Option<&'static [u8]> = None;
+    /// Append the frames due before the first event.
+    fn opening(&mut self, _out: &mut Vec<u8>) {}
+    /// Append the frames for one run event at `now_unix_ms`.
+    fn event(&mut self, event: &RunEventKind, now_unix_ms: u64, out: &mut Vec<u8>);
+    /// Append the frames after the run finished normally.
+    fn closing(&mut self, _out: &mut Vec<u8>) {}
+    /// Append the frames ending the stream with `err` (R-GATE-3).
+    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>);
+    /// The response whose body is `chunks`, each the frames that became due
+    /// together.
+    fn response(chunks: BoxStream<'static, Bytes>) -> Response;
 }
 
 /// Folds a run's events into one API's non-streaming answer.
@@ -139,22 +139,22 @@ impl RunEndpoint for ChatCompletions {
 }
 
 impl AnswerStream for chat::ChatStream {
-    type Frame = Event;
+    const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
 
-    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64) -> Vec<Event> {
-        self.push(event).into_iter().map(data_event).collect()
+    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
+        self.push(event, out);
     }
 
-    fn closing(&mut self) -> Vec<Event> {
-        vec![Event::default().data("[DONE]")]
+    fn closing(&mut self, out: &mut Vec<u8>) {
+        framing::sse_event(out, None, |out| out.extend_from_slice(b"[DONE]"));
     }
 
-    fn failure(&mut self, err: &ApiError) -> Vec<Event> {
-        self.fail(err).into_iter().map(data_event).collect()
+    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
+        self.fail(err, out);
     }
 
-    fn response(batches: BoxStream<'static, Vec<Event>>) -> Response {
-        sse_response(batches)
+    fn response(chunks: BoxStream<'static, Bytes>) -> Response {
+        streamed_response("text/event-stream", true, chunks)
     }
 }
 
@@ -206,22 +206,22 @@ impl RunEndpoint for Responses {
 }
 
 impl AnswerStream for responses::ResponsesStream {
-    type Frame = Event;
+    const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
 
-    fn opening(&mut self) -> Vec<Event> {
-        self.start().into_iter().map(named_event).collect()
+    fn opening(&mut self, out: &mut Vec<u8>) {
+        self.start(out);
     }
 
-    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64) -> Vec<Event> {
-        self.push(event).into_iter().map(named_event).collect()
+    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
+        self.push(event, out);
     }
 
-    fn failure(&mut self, err: &ApiError) -> Vec<Event> {
-        self.fail(err).into_iter().map(named_event).collect()
+    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
+        self.fail(err, out);
     }
 
-    fn response(batches: BoxStream<'static, Vec<Event>>) -> Response {
-        sse_response(batches)
+    fn response(chunks: BoxStream<'static, Bytes>) -> Response {
+        streamed_response("text/event-stream", true, chunks)
     }
 }
 
@@ -293,30 +293,16 @@ impl RunEndpoint for Ollama {
 }
 
 impl AnswerStream for ollama::OllamaStream {
-    type Frame = Value;
-
-    fn event(&mut self, event: &RunEventKind, now_unix_ms: u64) -> Vec<Value> {
-        self.push(event, now_unix_ms)
+    fn event(&mut self, event: &RunEventKind, now_unix_ms: u64, out: &mut Vec<u8>) {
+        self.push(event, now_unix_ms, out);
     }
 
-    fn failure(&mut self, err: &ApiError) -> Vec<Value> {
-        self.fail(err)
+    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
+        self.fail(err, out);
     }
 
-    /// NDJSON: each batch is one body chunk, one object per line.
-    fn response(batches: BoxStream<'static, Vec<Value>>) -> Response {
-        let body = batches.map(|objects| {
-            let mut text = String::new();
-            for object in objects {
-                text.push_str(&object.to_string());
-                text.push('\n');
-            }
-            Ok::<_, Infallible>(bytes::Bytes::from(text))
-        });
-        Response::builder()
-            .header(header::CONTENT_TYPE, "application/x-ndjson")
-            .body(Body::from_stream(body))
-            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    fn response(chunks: BoxStream<'static, Bytes>) -> Response {
+        streamed_response("application/x-ndjson", false, chunks)
     }
 }
 
@@ -330,19 +316,51 @@ impl WholeAnswer for ollama::OllamaAccumulator {
     }
 }
 
-/// An SSE answer with keep-alive comments, one event per frame.
-fn sse_response(batches: BoxStream<'static, Vec<Event>>) -> Response {
-    let events =
-        batches.flat_map(|batch| futures::stream::iter(batch.into_iter().map(Ok::<_, Infallible>)));
-    Sse::new(events)
-        .keep_alive(KeepAlive::default())
-        .into_response()
+/// A streamed answer: `content_type`, for SSE also `cache-control:
+/// no-cache` (the headers axum's `Sse` response had), and `chunks` as the
+/// body.
+fn streamed_response(
+    content_type: &'static str,
+    no_cache: bool,
+    chunks: BoxStream<'static, Bytes>,
+) -> Response {
+    let mut builder = Response::builder().header(header::CONTENT_TYPE, content_type);
+    if no_cache {
+        builder = builder.header(header::CACHE_CONTROL, "no-cache");
+    }
+    builder
+        .body(Body::from_stream(chunks.map(Ok::<_, Infallible>)))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
-fn data_event(json: Value) -> Event {
-    Event::default().data(json.to_string())
-}
+#[cfg(test)]
+mod tests {
+    use axum::response::sse::{Event, KeepAlive, Sse};
 
-fn named_event(ev: responses::ResponsesEvent) -> Event {
-    Event::default().event(ev.event).data(ev.data.to_string())
+    use super::*;
+
+    #[tokio::test]
+    async fn sse_answers_have_the_head_of_an_axum_sse_response() {
+        let axum_sse = Sse::new(futures::stream::empty::<Result<Event, Infallible>>())
+            .keep_alive(KeepAlive::default())
+            .into_response();
+        for ours in [
+            chat::ChatStream::response(futures::stream::empty().boxed()),
+            responses::ResponsesStream::response(futures::stream::empty().boxed()),
+        ] {
+            assert_eq!(ours.status(), axum_sse.status());
+            assert_eq!(ours.headers(), axum_sse.headers());
+        }
+    }
+
+    #[test]
+    fn ndjson_answers_are_typed_as_ndjson() {
+        let ours = ollama::OllamaStream::response(futures::stream::empty().boxed());
+        assert_eq!(ours.status(), StatusCode::OK);
+        assert_eq!(
+            ours.headers().get(header::CONTENT_TYPE).unwrap(),
+            "application/x-ndjson"
+        );
+        assert_eq!(ours.headers().len(), 1);
+    }
 }

@@ -9,14 +9,15 @@
 //!
 //! | endpoint | parse | stream | non-stream |
 //! | --- | --- | --- | --- |
-//! | `POST /v1/chat/completions` | [`chat::parse_chat_request`] | [`chat::ChatStream`] (SSE `data:` payloads) | [`chat::ChatAccumulator`] |
+//! | `POST /v1/chat/completions` | [`chat::parse_chat_request`] | [`chat::ChatStream`] (SSE `data:` events) | [`chat::ChatAccumulator`] |
 //! | `POST /v1/responses` | [`responses::parse_responses_request`] | [`responses::ResponsesStream`] (SSE `event:` + `data:`) | [`responses::ResponsesAccumulator`] |
 //! | `POST /api/chat`, `POST /api/generate` | [`ollama::parse_ollama_chat`], [`ollama::parse_ollama_generate`] | [`ollama::OllamaStream`] (NDJSON lines) | [`ollama::OllamaAccumulator`] |
 //! | `GET /v1/models` | | | [`models::models_list_json`] |
 //! | `GET /api/tags` | | | [`ollama::tags_json`] |
 //!
 //! [`endpoint`] binds each run API's parse, encoder and accumulator to the
-//! one HTTP pipeline all run endpoints share.
+//! one HTTP pipeline all run endpoints share; the encoders write whole SSE
+//! events or NDJSON lines into the response body ([`framing`]).
 //!
 //! Time and randomness are inputs: encoders take `created` timestamps and
 //! ids from the caller ([`ids`] formats a caller-supplied `u64`).
@@ -26,6 +27,7 @@ mod arbitrary_body;
 pub mod chat;
 pub mod endpoint;
 pub mod error;
+pub mod framing;
 pub mod ids;
 pub mod models;
 pub mod ollama;

@@ -20,11 +20,13 @@
 use iop_wire::{
     ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall, Usage,
 };
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::NormalizedRun;
 use super::chat::{parse_function_tools, parse_model, parse_stop};
 use super::error::ApiError;
+use super::framing;
 use super::request_object::{RequestObject, element, parse_body};
 use super::transcript::{ToolCallAssembly, Transcript};
 
@@ -295,16 +297,35 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
 
 /// `unix_ms` as RFC 3339 UTC with milliseconds: `2024-05-01T12:00:00.000Z`.
 pub fn rfc3339_utc(unix_ms: u64) -> String {
-    let secs = unix_ms / 1_000;
-    let (year, month, day) = civil_from_days(secs / 86_400);
-    let in_day = secs % 86_400;
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        in_day / 3_600,
-        in_day % 3_600 / 60,
-        in_day % 60,
-        unix_ms % 1_000
-    )
+    Rfc3339Utc(unix_ms).to_string()
+}
+
+/// A Unix millisecond time written as RFC 3339 UTC with milliseconds, as a
+/// JSON string too, without an intermediate `String`.
+#[derive(Debug, Clone, Copy)]
+struct Rfc3339Utc(u64);
+
+impl std::fmt::Display for Rfc3339Utc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let unix_ms = self.0;
+        let secs = unix_ms / 1_000;
+        let (year, month, day) = civil_from_days(secs / 86_400);
+        let in_day = secs % 86_400;
+        write!(
+            f,
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+            in_day / 3_600,
+            in_day % 3_600 / 60,
+            in_day % 60,
+            unix_ms % 1_000
+        )
+    }
+}
+
+impl Serialize for Rfc3339Utc {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
 }
 
 fn done_reason(finish_reason: FinishReason) -> &'static str {
@@ -390,8 +411,12 @@ fn duration_ns(started_unix_ms: u64, now_unix_ms: u64) -> u64 {
         .saturating_mul(1_000_000)
 }
 
-/// Encodes run events as Ollama NDJSON objects (one per line; the handler
-/// writes each followed by `\n`).
+/// Encodes run events as Ollama NDJSON objects, one per line.
+///
+/// A text chunk is a typed struct borrowing the event's text, written
+/// straight into the response body; its keys come in the order the sorted
+/// JSON object model of `serde_json` gave them (and the final object, built
+/// once per stream, still comes from that model).
 #[derive(Debug, Clone)]
 pub struct OllamaStream {
     model: String,
@@ -400,6 +425,24 @@ pub struct OllamaStream {
     tool_calls: ToolCallAssembly,
     usage: Option<Usage>,
     finished: bool,
+}
+
+/// A streamed text object: `message` (chat) or `response` (generate).
+#[derive(Serialize)]
+struct TextChunk<'a> {
+    created_at: Rfc3339Utc,
+    done: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<AssistantText<'a>>,
+    model: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct AssistantText<'a> {
+    content: &'a str,
+    role: &'static str,
 }
 
 impl OllamaStream {
@@ -420,22 +463,35 @@ impl OllamaStream {
         self.finished
     }
 
-    /// The objects for one run event at `now_unix_ms`, in order (possibly none).
-    #[must_use]
-    pub fn push(&mut self, event: &RunEventKind, now_unix_ms: u64) -> Vec<Value> {
+    /// Append the NDJSON lines for one run event at `now_unix_ms` to `out`,
+    /// in order (possibly none).
+    pub fn push(&mut self, event: &RunEventKind, now_unix_ms: u64, out: &mut Vec<u8>) {
         if self.finished {
-            return Vec::new();
+            return;
         }
-        let mut out = Vec::new();
         match event {
             RunEventKind::Started { .. } => {}
             RunEventKind::Usage(usage) => self.usage = Some(*usage),
             RunEventKind::TextDelta(text) => {
                 if !text.is_empty() {
-                    let mut object = object_head(&self.model, now_unix_ms);
-                    insert_text(&mut object, self.api, text, None);
-                    object.insert("done".into(), json!(false));
-                    out.push(Value::Object(object));
+                    let (message, response) = match self.api {
+                        RunApi::Chat => (
+                            Some(AssistantText {
+                                content: text,
+                                role: "assistant",
+                            }),
+                            None,
+                        ),
+                        RunApi::Generate => (None, Some(text.as_str())),
+                    };
+                    let chunk = TextChunk {
+                        created_at: Rfc3339Utc(now_unix_ms),
+                        done: false,
+                        message,
+                        model: &self.model,
+                        response,
+                    };
+                    framing::ndjson_line(out, &chunk);
                 }
             }
             RunEventKind::ToolCallDelta(delta) => {
@@ -455,7 +511,7 @@ impl OllamaStream {
                         Some(tool_calls_json(&self.tool_calls)),
                     );
                     object.insert("done".into(), json!(false));
-                    out.push(Value::Object(object));
+                    framing::ndjson_line(out, &object);
                 }
                 let mut object = object_head(&self.model, now_unix_ms);
                 insert_text(&mut object, self.api, "", None);
@@ -465,24 +521,22 @@ impl OllamaStream {
                     usage.or(self.usage).unwrap_or_default(),
                     duration_ns(self.started_unix_ms, now_unix_ms),
                 );
-                out.push(Value::Object(object));
+                framing::ndjson_line(out, &object);
                 self.finished = true;
             }
             RunEventKind::Failed(failure) => {
-                return self.fail(&ApiError::from_execution_failure(failure));
+                self.fail(&ApiError::from_execution_failure(failure), out);
             }
         }
-        out
     }
 
-    /// End the stream with one `{"error": "..."}` object (R-GATE-3).
-    #[must_use]
-    pub fn fail(&mut self, err: &ApiError) -> Vec<Value> {
+    /// End the stream with one `{"error": "..."}` line (R-GATE-3).
+    pub fn fail(&mut self, err: &ApiError, out: &mut Vec<u8>) {
         if self.finished {
-            return Vec::new();
+            return;
         }
         self.finished = true;
-        vec![err.to_ollama_json()]
+        framing::ndjson_line(out, &err.to_ollama_json());
     }
 }
 
@@ -800,12 +854,19 @@ mod tests {
         }
     }
 
+    fn push(stream: &mut OllamaStream, event: &RunEventKind, now_unix_ms: u64) -> Vec<Value> {
+        let mut out = Vec::new();
+        stream.push(event, now_unix_ms, &mut out);
+        framing::ndjson_values(&out)
+    }
+
     #[test]
     fn chat_stream_objects_have_the_ollama_shape() {
         let mut stream = OllamaStream::new("llama3", RunApi::Chat, 1_000);
-        let mut lines = stream.push(&text("Hi"), 1_500);
-        lines.extend(stream.push(&text(""), 1_600));
-        lines.extend(stream.push(
+        let mut lines = push(&mut stream, &text("Hi"), 1_500);
+        lines.extend(push(&mut stream, &text(""), 1_600));
+        lines.extend(push(
+            &mut stream,
             &RunEventKind::Completed {
                 finish_reason: FinishReason::Stop,
                 usage: Some(usage(12, 3)),
@@ -827,14 +888,15 @@ mod tests {
                    "eval_count": 3, "eval_duration": 0})
         );
         assert!(stream.is_finished());
-        assert!(stream.push(&text("late"), 4_000).is_empty());
+        assert!(push(&mut stream, &text("late"), 4_000).is_empty());
     }
 
     #[test]
     fn generate_stream_objects_carry_response_text() {
         let mut stream = OllamaStream::new("m", RunApi::Generate, 0);
-        let mut lines = stream.push(&text("The"), 0);
-        lines.extend(stream.push(
+        let mut lines = push(&mut stream, &text("The"), 0);
+        lines.extend(push(
+            &mut stream,
             &RunEventKind::Completed {
                 finish_reason: FinishReason::Length,
                 usage: None,
@@ -870,7 +932,10 @@ mod tests {
                 usage: None,
             },
         ];
-        let lines: Vec<Value> = events.iter().flat_map(|e| stream.push(e, 0)).collect();
+        let lines: Vec<Value> = events
+            .iter()
+            .flat_map(|e| push(&mut stream, e, 0))
+            .collect();
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0]["done"], false);
         assert_eq!(
@@ -881,17 +946,63 @@ mod tests {
         assert_eq!(lines[1]["done_reason"], "stop");
     }
 
+    // The exact bytes of a stream, as the JSON object model of serde_json
+    // wrote them before text objects were typed (keys sorted, compact).
+    #[test]
+    fn streams_write_these_exact_lines() {
+        let mut chat = OllamaStream::new("llama3", RunApi::Chat, 1_000);
+        let mut out = Vec::new();
+        chat.push(&text("Hé\n\"x\""), 1_500, &mut out);
+        chat.push(
+            &RunEventKind::ToolCallDelta(ToolCallDelta {
+                index: 0,
+                id: Some("call_a".into()),
+                name: Some("get_weather".into()),
+                arguments_delta: "{\"city\":\"Paris\"}".into(),
+            }),
+            1_600,
+            &mut out,
+        );
+        chat.push(
+            &RunEventKind::Completed {
+                finish_reason: FinishReason::ToolCalls,
+                usage: Some(usage(12, 3)),
+            },
+            3_000,
+            &mut out,
+        );
+        let mut generate = OllamaStream::new("m", RunApi::Generate, 0);
+        generate.push(&text("The"), 86_400_001, &mut out);
+        generate.push(
+            &RunEventKind::Failed(ExecutionFailure::new(FailureCode::ResponseStalled)),
+            86_400_002,
+            &mut out,
+        );
+        let lines = [
+            r#"{"created_at":"1970-01-01T00:00:01.500Z","done":false,"message":{"content":"Hé\n\"x\"","role":"assistant"},"model":"llama3"}"#,
+            r#"{"created_at":"1970-01-01T00:00:03.000Z","done":false,"message":{"content":"","role":"assistant","tool_calls":[{"function":{"arguments":{"city":"Paris"},"index":0,"name":"get_weather"},"id":"call_a"}]},"model":"llama3"}"#,
+            r#"{"created_at":"1970-01-01T00:00:03.000Z","done":true,"done_reason":"stop","eval_count":3,"eval_duration":0,"load_duration":0,"message":{"content":"","role":"assistant"},"model":"llama3","prompt_eval_count":12,"prompt_eval_duration":0,"total_duration":2000000000}"#,
+            r#"{"created_at":"1970-01-02T00:00:00.001Z","done":false,"model":"m","response":"The"}"#,
+            r#"{"error":"The provider stopped producing output (response stalled)."}"#,
+        ];
+        let expected: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        assert_eq!(String::from_utf8(out).unwrap(), expected);
+    }
+
     #[test]
     fn stream_failure_is_one_error_line() {
         let mut stream = OllamaStream::new("m", RunApi::Chat, 0);
-        let lines = stream.push(
+        let lines = push(
+            &mut stream,
             &RunEventKind::Failed(ExecutionFailure::new(FailureCode::ProviderUnreachable)),
             0,
         );
         assert_eq!(lines.len(), 1);
         assert!(lines[0]["error"].is_string());
         assert_eq!(lines[0].as_object().unwrap().len(), 1);
-        assert!(stream.fail(&ApiError::internal()).is_empty());
+        let mut out = Vec::new();
+        stream.fail(&ApiError::internal(), &mut out);
+        assert!(out.is_empty());
     }
 
     #[test]

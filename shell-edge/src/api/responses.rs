@@ -5,9 +5,9 @@
 //!   [`ResponsesRequest`]: `instructions` becomes a leading system message,
 //!   `function_call` items become assistant tool calls and
 //!   `function_call_output` items become tool messages.
-//! * [`ResponsesStream`] produces the documented event sequence, each event a
-//!   [`ResponsesEvent`] (`event:` name plus `data:` JSON with `type` and an
-//!   increasing `sequence_number`):
+//! * [`ResponsesStream`] writes the documented event sequence as SSE events
+//!   (`event:` name plus `data:` JSON with the same `type` and an increasing
+//!   `sequence_number`):
 //!
 //!   1. `response.created`, `response.in_progress`
 //!   2. for text: `response.output_item.added` (message),
@@ -30,6 +30,7 @@ use iop_wire::{
     ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
     ToolCallDelta, ToolDefinition, Usage,
 };
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::NormalizedRun;
@@ -38,6 +39,7 @@ use super::chat::{
     parse_model, parse_text_content,
 };
 use super::error::ApiError;
+use super::framing;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body};
 use super::transcript::RunOutcome;
@@ -472,12 +474,10 @@ impl ResponseDraft {
         })
     }
 
-    fn item_id(&self, index: usize) -> String {
+    fn item_id(&self, index: usize) -> &str {
         match self.items.get(index) {
-            Some(OutputItem::Message { id, .. } | OutputItem::FunctionCall { id, .. }) => {
-                id.clone()
-            }
-            None => String::new(),
+            Some(OutputItem::Message { id, .. } | OutputItem::FunctionCall { id, .. }) => id,
+            None => "",
         }
     }
 
@@ -599,18 +599,35 @@ fn response_error_json(err: &ApiError) -> Value {
     json!({ "code": code, "message": err.message })
 }
 
-/// One server-sent event of a streamed response.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ResponsesEvent {
-    /// The SSE `event:` name (equal to `data.type`).
-    pub event: &'static str,
-    /// The SSE `data:` JSON, with `type` and `sequence_number`.
-    pub data: Value,
+/// `response.output_text.delta`, typed: one per text chunk, so it is
+/// written without a JSON tree (keys sorted, as `emit` writes them).
+#[derive(Serialize)]
+struct OutputTextDelta<'a> {
+    content_index: u32,
+    delta: &'a str,
+    item_id: &'a str,
+    logprobs: [(); 0],
+    output_index: usize,
+    sequence_number: u64,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// `response.function_call_arguments.delta`, typed like [`OutputTextDelta`].
+#[derive(Serialize)]
+struct ArgumentsDelta<'a> {
+    delta: &'a str,
+    item_id: &'a str,
+    output_index: usize,
+    sequence_number: u64,
+    #[serde(rename = "type")]
+    kind: &'static str,
 }
 
 /// Encodes run events as the Responses streaming event sequence (see the
-/// module docs). Every event carries a `sequence_number` one greater than
-/// the previous, starting at 0.
+/// module docs), as SSE events (`event:` name, then `data:` JSON with the
+/// same `type` and a `sequence_number`). Every event's `sequence_number` is
+/// one greater than the previous, starting at 0.
 #[derive(Debug, Clone)]
 pub struct ResponsesStream {
     draft: ResponseDraft,
@@ -647,45 +664,42 @@ impl ResponsesStream {
         self.finished
     }
 
-    /// `response.created` and `response.in_progress`, once; later calls yield nothing.
+    /// Append `response.created` and `response.in_progress` to `out`, once;
+    /// later calls append nothing.
     ///
     /// [`ResponsesStream::push`] calls this itself before its first output,
     /// so a handler that commits on first content need not call it.
-    #[must_use]
-    pub fn start(&mut self) -> Vec<ResponsesEvent> {
-        let mut out = Vec::new();
-        self.ensure_started(&mut out);
-        out
+    pub fn start(&mut self, out: &mut Vec<u8>) {
+        self.ensure_started(out);
     }
 
-    /// The events for one run event, in order (possibly none).
-    #[must_use]
-    pub fn push(&mut self, event: &RunEventKind) -> Vec<ResponsesEvent> {
+    /// Append the SSE events for one run event to `out`, in order (possibly
+    /// none).
+    pub fn push(&mut self, event: &RunEventKind, out: &mut Vec<u8>) {
         if self.finished {
-            return Vec::new();
+            return;
         }
-        let mut out = Vec::new();
         match event {
             RunEventKind::Started { .. } => {}
             RunEventKind::Usage(usage) => self.draft.usage = Some(*usage),
             RunEventKind::TextDelta(text) => {
                 if text.is_empty() {
-                    return out;
+                    return;
                 }
-                self.ensure_started(&mut out);
+                self.ensure_started(out);
                 let touch = self.draft.add_text(text);
-                let item_id = self.draft.item_id(touch.output_index);
                 if touch.opened {
                     let item = self
                         .draft
                         .item_json(touch.output_index, "in_progress", false);
                     self.emit(
-                        &mut out,
+                        out,
                         "response.output_item.added",
                         json!({ "output_index": touch.output_index, "item": item }),
                     );
+                    let item_id = self.draft.item_id(touch.output_index);
                     self.emit(
-                        &mut out,
+                        out,
                         "response.content_part.added",
                         json!({
                             "item_id": item_id,
@@ -695,44 +709,45 @@ impl ResponsesStream {
                         }),
                     );
                 }
-                self.emit(
-                    &mut out,
-                    "response.output_text.delta",
-                    json!({
-                        "item_id": item_id,
-                        "output_index": touch.output_index,
-                        "content_index": 0,
-                        "delta": text,
-                        "logprobs": [],
-                    }),
-                );
+                const KIND: &str = "response.output_text.delta";
+                let delta = OutputTextDelta {
+                    content_index: 0,
+                    delta: text,
+                    item_id: self.draft.item_id(touch.output_index),
+                    logprobs: [],
+                    output_index: touch.output_index,
+                    sequence_number: self.next_sequence_number,
+                    kind: KIND,
+                };
+                framing::sse_json(out, Some(KIND), &delta);
+                self.next_sequence_number += 1;
             }
             RunEventKind::ToolCallDelta(delta) => {
-                self.ensure_started(&mut out);
+                self.ensure_started(out);
                 let Some(touch) = self.draft.add_tool_delta(delta) else {
-                    return out;
+                    return;
                 };
-                let item_id = self.draft.item_id(touch.output_index);
                 if touch.opened {
                     let item = self
                         .draft
                         .item_json(touch.output_index, "in_progress", false);
                     self.emit(
-                        &mut out,
+                        out,
                         "response.output_item.added",
                         json!({ "output_index": touch.output_index, "item": item }),
                     );
                 }
                 if !delta.arguments_delta.is_empty() {
-                    self.emit(
-                        &mut out,
-                        "response.function_call_arguments.delta",
-                        json!({
-                            "item_id": item_id,
-                            "output_index": touch.output_index,
-                            "delta": delta.arguments_delta,
-                        }),
-                    );
+                    const KIND: &str = "response.function_call_arguments.delta";
+                    let delta = ArgumentsDelta {
+                        delta: &delta.arguments_delta,
+                        item_id: self.draft.item_id(touch.output_index),
+                        output_index: touch.output_index,
+                        sequence_number: self.next_sequence_number,
+                        kind: KIND,
+                    };
+                    framing::sse_json(out, Some(KIND), &delta);
+                    self.next_sequence_number += 1;
                 }
             }
             RunEventKind::Completed {
@@ -742,10 +757,10 @@ impl ResponsesStream {
                 if usage.is_some() {
                     self.draft.usage = *usage;
                 }
-                self.ensure_started(&mut out);
+                self.ensure_started(out);
                 let (_, item_status, _) = ResponseDraft::completion_status(*finish_reason);
                 for index in 0..self.draft.items.len() {
-                    self.close_item(&mut out, index, item_status);
+                    self.close_item(out, index, item_status);
                 }
                 let response = self.draft.completed_json(*finish_reason);
                 let name = if response["status"] == "completed" {
@@ -753,30 +768,28 @@ impl ResponsesStream {
                 } else {
                     "response.incomplete"
                 };
-                self.emit(&mut out, name, json!({ "response": response }));
+                self.emit(out, name, json!({ "response": response }));
                 self.finished = true;
             }
             RunEventKind::Failed(failure) => {
-                return self.fail(&ApiError::from_execution_failure(failure));
+                self.fail(&ApiError::from_execution_failure(failure), out);
             }
         }
-        out
     }
 
-    /// End the stream with `error` then `response.failed` (R-GATE-3).
+    /// Append `error` then `response.failed` to `out`, ending the stream
+    /// (R-GATE-3).
     ///
     /// The `error` event carries the documented top-level `code`, `message`
     /// and `param`, plus the same fields under `error`, which makes the
     /// OpenAI SDKs raise an API error instead of yielding a plain event.
-    #[must_use]
-    pub fn fail(&mut self, err: &ApiError) -> Vec<ResponsesEvent> {
+    pub fn fail(&mut self, err: &ApiError, out: &mut Vec<u8>) {
         if self.finished {
-            return Vec::new();
+            return;
         }
-        let mut out = Vec::new();
-        self.ensure_started(&mut out);
+        self.ensure_started(out);
         self.emit(
-            &mut out,
+            out,
             "error",
             json!({
                 "code": err.code,
@@ -786,12 +799,11 @@ impl ResponsesStream {
             }),
         );
         let response = self.draft.failed_json(err);
-        self.emit(&mut out, "response.failed", json!({ "response": response }));
+        self.emit(out, "response.failed", json!({ "response": response }));
         self.finished = true;
-        out
     }
 
-    fn ensure_started(&mut self, out: &mut Vec<ResponsesEvent>) {
+    fn ensure_started(&mut self, out: &mut Vec<u8>) {
         if self.started {
             return;
         }
@@ -807,8 +819,8 @@ impl ResponsesStream {
         self.emit(out, "response.in_progress", json!({ "response": response }));
     }
 
-    fn close_item(&mut self, out: &mut Vec<ResponsesEvent>, index: usize, status: &str) {
-        let item_id = self.draft.item_id(index);
+    fn close_item(&mut self, out: &mut Vec<u8>, index: usize, status: &str) {
+        let item_id = self.draft.item_id(index).to_owned();
         match self.draft.items.get(index).cloned() {
             Some(OutputItem::Message { text, .. }) => {
                 self.emit(
@@ -857,7 +869,9 @@ impl ResponsesStream {
         );
     }
 
-    fn emit(&mut self, out: &mut Vec<ResponsesEvent>, event: &'static str, fields: Value) {
+    /// Append one event built as a JSON object: `fields` plus `type` and
+    /// `sequence_number` (for the events sent once or once per item).
+    fn emit(&mut self, out: &mut Vec<u8>, event: &'static str, fields: Value) {
         let mut data = Map::new();
         data.insert("type".into(), json!(event));
         data.insert("sequence_number".into(), json!(self.next_sequence_number));
@@ -865,10 +879,7 @@ impl ResponsesStream {
             data.extend(fields);
         }
         self.next_sequence_number += 1;
-        out.push(ResponsesEvent {
-            event,
-            data: Value::Object(data),
-        });
+        framing::sse_json(out, Some(event), &data);
     }
 }
 
@@ -1180,12 +1191,39 @@ mod tests {
         })
     }
 
-    fn names(events: &[ResponsesEvent]) -> Vec<&'static str> {
-        events.iter().map(|e| e.event).collect()
+    /// One streamed event as the client reads it.
+    #[derive(Debug)]
+    struct ResponsesEvent {
+        event: String,
+        data: Value,
+    }
+
+    fn events_of(body: &[u8]) -> Vec<ResponsesEvent> {
+        framing::parse_sse(body)
+            .into_iter()
+            .map(|(name, data)| ResponsesEvent {
+                event: name.expect("every Responses event is named"),
+                data: serde_json::from_str(&data).expect("JSON data"),
+            })
+            .collect()
+    }
+
+    fn names(events: &[ResponsesEvent]) -> Vec<&str> {
+        events.iter().map(|e| e.event.as_str()).collect()
     }
 
     fn run(stream: &mut ResponsesStream, events: &[RunEventKind]) -> Vec<ResponsesEvent> {
-        events.iter().flat_map(|e| stream.push(e)).collect()
+        let mut out = Vec::new();
+        for e in events {
+            stream.push(e, &mut out);
+        }
+        events_of(&out)
+    }
+
+    fn fail(stream: &mut ResponsesStream, err: &ApiError) -> Vec<ResponsesEvent> {
+        let mut out = Vec::new();
+        stream.fail(err, &mut out);
+        events_of(&out)
     }
 
     fn assert_sequence_numbers(events: &[ResponsesEvent]) {
@@ -1263,11 +1301,7 @@ mod tests {
         assert_eq!(done["usage"]["output_tokens"], 2);
         assert_eq!(done["usage"]["total_tokens"], 7);
         assert!(stream.is_finished());
-        assert!(
-            stream
-                .push(&RunEventKind::TextDelta("late".into()))
-                .is_empty()
-        );
+        assert!(run(&mut stream, &[RunEventKind::TextDelta("late".into())]).is_empty());
     }
 
     #[test]
@@ -1371,9 +1405,12 @@ mod tests {
     fn failure_after_commit_is_error_then_failed() {
         let mut stream = ResponsesStream::new("resp_5", "m", 1);
         let mut events = run(&mut stream, &[RunEventKind::TextDelta("par".into())]);
-        events.extend(stream.push(&RunEventKind::Failed(ExecutionFailure::new(
-            FailureCode::ResponseStalled,
-        ))));
+        events.extend(run(
+            &mut stream,
+            &[RunEventKind::Failed(ExecutionFailure::new(
+                FailureCode::ResponseStalled,
+            ))],
+        ));
         assert_eq!(&names(&events)[5..], &["error", "response.failed"]);
         assert_sequence_numbers(&events);
         let error = &events[5].data;
@@ -1384,13 +1421,13 @@ mod tests {
         assert_eq!(failed["status"], "failed");
         assert_eq!(failed["error"]["code"], "server_error");
         assert_eq!(failed["output"][0]["status"], "incomplete");
-        assert!(stream.fail(&ApiError::budget_expired()).is_empty());
+        assert!(fail(&mut stream, &ApiError::budget_expired()).is_empty());
     }
 
     #[test]
     fn failing_before_any_output_still_opens_the_stream() {
         let mut stream = ResponsesStream::new("resp_6", "m", 1);
-        let events = stream.fail(&ApiError::budget_expired());
+        let events = fail(&mut stream, &ApiError::budget_expired());
         assert_eq!(
             names(&events),
             vec![
@@ -1400,7 +1437,9 @@ mod tests {
                 "response.failed"
             ]
         );
-        assert!(stream.start().is_empty());
+        let mut out = Vec::new();
+        stream.start(&mut out);
+        assert!(out.is_empty());
     }
 
     #[test]
@@ -1491,18 +1530,59 @@ mod tests {
         }
 
         #[test]
+        fn typed_delta_events_write_what_the_json_object_model_wrote(
+            text in "\\PC{0,8}|[\"\\\\\\x00-\\x1f]{0,4}",
+            item_id in "[a-z_0-9\"]{0,8}",
+            output_index in 0usize..1_000,
+            sequence_number in any::<u64>(),
+        ) {
+            let typed = serde_json::to_string(&OutputTextDelta {
+                content_index: 0,
+                delta: &text,
+                item_id: &item_id,
+                logprobs: [],
+                output_index,
+                sequence_number,
+                kind: "response.output_text.delta",
+            }).unwrap();
+            let tree = json!({
+                "type": "response.output_text.delta",
+                "sequence_number": sequence_number,
+                "item_id": item_id,
+                "output_index": output_index,
+                "content_index": 0,
+                "delta": text,
+                "logprobs": [],
+            });
+            prop_assert_eq!(typed, tree.to_string());
+            let typed = serde_json::to_string(&ArgumentsDelta {
+                delta: &text,
+                item_id: &item_id,
+                output_index,
+                sequence_number,
+                kind: "response.function_call_arguments.delta",
+            }).unwrap();
+            let tree = json!({
+                "type": "response.function_call_arguments.delta",
+                "sequence_number": sequence_number,
+                "item_id": item_id,
+                "output_index": output_index,
+                "delta": text,
+            });
+            prop_assert_eq!(typed, tree.to_string());
+        }
+
+        #[test]
         fn stream_sequence_numbers_are_dense_for_any_event_order(
             events in proptest::collection::vec(any::<RunEventKindSample>(), 0..20)
         ) {
             let mut stream = ResponsesStream::new("resp_p", "m", 1);
-            let mut all = Vec::new();
-            for e in events {
-                all.extend(stream.push(&e.into_event()));
-            }
+            let events: Vec<RunEventKind> = events.into_iter().map(RunEventKindSample::into_event).collect();
+            let all = run(&mut stream, &events);
             for (i, e) in all.iter().enumerate() {
                 prop_assert_eq!(e.data["sequence_number"].as_u64(), Some(i as u64));
             }
-            let terminals = all.iter().filter(|e| matches!(e.event,
+            let terminals = all.iter().filter(|e| matches!(e.event.as_str(),
                 "response.completed" | "response.incomplete" | "response.failed")).count();
             prop_assert!(terminals <= 1);
         }

@@ -1,6 +1,8 @@
 //! The `ollama` adapter: Ollama's native API. Runs use streaming
 //! `/api/chat` or `/api/generate` (NDJSON); the probe is `GET /api/tags`.
 
+use std::borrow::Cow;
+
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_wire::{
@@ -35,30 +37,24 @@ fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
         let mut bytes = response.bytes_stream();
         let mut lines = LineBuffer::default();
         let mut state = LineState::default();
+        let mut events = Vec::new();
+        let mut eof = false;
         loop {
-            let (batch, eof) = match bytes.next().await {
-                Some(Ok(chunk)) => (lines.push(&chunk), false),
-                Some(Err(e)) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+            // Every line already received (at the end, the unterminated
+            // last one), then the next bytes.
+            loop {
+                let line = if eof { lines.last_line() } else { lines.next_line() };
+                let decoded = match line {
+                    Ok(Some(line)) => state.on_line(line, &mut events),
+                    Ok(None) => break,
+                    Err(_) => Err(ProviderCallError::Malformed),
+                };
+                if let Err(e) = decoded {
+                    yield RunEventKind::Failed(e.failure());
                     return;
                 }
-                None => (lines.finish().map(|last| last.into_iter().collect()), true),
-            };
-            let Ok(batch) = batch else {
-                yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
-                return;
-            };
-            for line in batch {
-                match state.on_line(&line) {
-                    Ok(items) => {
-                        for item in items {
-                            yield item;
-                        }
-                    }
-                    Err(e) => {
-                        yield RunEventKind::Failed(e.failure());
-                        return;
-                    }
+                for event in events.drain(..) {
+                    yield event;
                 }
                 if let Some(terminal) = state.terminal.take() {
                     yield terminal;
@@ -68,6 +64,14 @@ fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
             if eof {
                 yield RunEventKind::Failed(ProviderCallError::Truncated.failure());
                 return;
+            }
+            match bytes.next().await {
+                Some(Ok(chunk)) => lines.extend(&chunk),
+                Some(Err(e)) => {
+                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+                    return;
+                }
+                None => eof = true,
             }
         }
     })
@@ -185,16 +189,19 @@ fn options_json(p: &GenerationParams) -> Map<String, Value> {
     o
 }
 
+// One NDJSON line, read without a JSON tree (except tool-call arguments,
+// which are passed on re-serialized): strings borrow from the line unless
+// they hold escapes, and fields not named here are skipped unread.
 #[derive(Deserialize)]
-struct Line {
-    #[serde(default)]
-    message: Option<Message>,
-    #[serde(default)]
-    response: Option<String>,
+struct Line<'a> {
+    #[serde(default, borrow)]
+    message: Option<Message<'a>>,
+    #[serde(default, borrow)]
+    response: Option<Cow<'a, str>>,
     #[serde(default)]
     done: bool,
-    #[serde(default)]
-    done_reason: Option<String>,
+    #[serde(default, borrow)]
+    done_reason: Option<Cow<'a, str>>,
     #[serde(default)]
     prompt_eval_count: Option<u64>,
     #[serde(default)]
@@ -204,23 +211,25 @@ struct Line {
 }
 
 #[derive(Deserialize)]
-struct Message {
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    tool_calls: Option<Vec<ToolCall>>,
+struct Message<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    tool_calls: Option<Vec<ToolCall<'a>>>,
 }
 
 #[derive(Deserialize)]
-struct ToolCall {
-    #[serde(default)]
-    id: Option<String>,
-    function: Function,
+struct ToolCall<'a> {
+    #[serde(default, borrow)]
+    id: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    function: Function<'a>,
 }
 
 #[derive(Deserialize)]
-struct Function {
-    name: String,
+struct Function<'a> {
+    #[serde(borrow)]
+    name: Cow<'a, str>,
     #[serde(default)]
     arguments: Option<Value>,
 }
@@ -233,12 +242,18 @@ struct LineState {
 }
 
 impl LineState {
-    /// Decode one line into non-terminal events; a `done` line sets `terminal`.
-    fn on_line(&mut self, line: &str) -> Result<Vec<RunEventKind>, ProviderCallError> {
+    /// Decode one line into non-terminal events, appended to `out`; a
+    /// `done` line sets `terminal`.
+    fn on_line(
+        &mut self,
+        line: &str,
+        out: &mut Vec<RunEventKind>,
+    ) -> Result<(), ProviderCallError> {
         if line.trim().is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
-        let line: Line = serde_json::from_str(line).map_err(|_| ProviderCallError::Malformed)?;
+        let line: Line<'_> =
+            serde_json::from_str(line).map_err(|_| ProviderCallError::Malformed)?;
         if line.error.is_some() {
             return Err(ProviderCallError::Reported);
         }
@@ -246,9 +261,8 @@ impl LineState {
             Some(m) => (m.content, m.tool_calls.unwrap_or_default()),
             None => (line.response, Vec::new()),
         };
-        let mut out = Vec::new();
         if let Some(text) = text.filter(|t| !t.is_empty()) {
-            out.push(RunEventKind::TextDelta(text));
+            out.push(RunEventKind::TextDelta(text.into_owned()));
         }
         // Ollama sends whole calls: one delta per call.
         for call in calls {
@@ -261,8 +275,11 @@ impl LineState {
             };
             out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
                 index,
-                id: Some(call.id.unwrap_or_else(|| format!("call_{index}"))),
-                name: Some(call.function.name),
+                id: Some(match call.id {
+                    Some(id) => id.into_owned(),
+                    None => format!("call_{index}"),
+                }),
+                name: Some(call.function.name.into_owned()),
                 arguments_delta,
             }));
         }
@@ -284,7 +301,7 @@ impl LineState {
                 usage,
             });
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -292,16 +309,24 @@ impl LineState {
 mod tests {
     use super::*;
 
+    impl LineState {
+        fn on(&mut self, line: &str) -> Result<Vec<RunEventKind>, ProviderCallError> {
+            let mut out = Vec::new();
+            self.on_line(line, &mut out)?;
+            Ok(out)
+        }
+    }
+
     #[test]
     fn lines_decode_into_text_whole_tool_calls_and_a_final_usage() {
         let mut s = LineState::default();
         assert_eq!(
-            s.on_line(r#"{"message":{"role":"assistant","content":"hi"},"done":false}"#)
+            s.on(r#"{"message":{"role":"assistant","content":"hi"},"done":false}"#)
                 .unwrap(),
             vec![RunEventKind::TextDelta("hi".into())]
         );
         assert_eq!(
-            s.on_line(r#"{"message":{"role":"assistant","content":"","tool_calls":[{"function":{"name":"f","arguments":{"a":1}}}]},"done":false}"#)
+            s.on(r#"{"message":{"role":"assistant","content":"","tool_calls":[{"function":{"name":"f","arguments":{"a":1}}}]},"done":false}"#)
                 .unwrap(),
             vec![RunEventKind::ToolCallDelta(ToolCallDelta {
                 index: 0,
@@ -311,7 +336,7 @@ mod tests {
             })]
         );
         assert!(s.terminal.is_none());
-        s.on_line(r#"{"message":{"content":""},"done":true,"done_reason":"stop","prompt_eval_count":4,"eval_count":2}"#)
+        s.on(r#"{"message":{"content":""},"done":true,"done_reason":"stop","prompt_eval_count":4,"eval_count":2}"#)
             .unwrap();
         assert_eq!(
             s.terminal,
@@ -329,10 +354,10 @@ mod tests {
     fn generate_lines_and_length_finish() {
         let mut s = LineState::default();
         assert_eq!(
-            s.on_line(r#"{"response":"a","done":false}"#).unwrap(),
+            s.on(r#"{"response":"a","done":false}"#).unwrap(),
             vec![RunEventKind::TextDelta("a".into())]
         );
-        s.on_line(r#"{"response":"","done":true,"done_reason":"length"}"#)
+        s.on(r#"{"response":"","done":true,"done_reason":"length"}"#)
             .unwrap();
         assert_eq!(
             s.terminal,
@@ -347,13 +372,10 @@ mod tests {
     fn error_and_garbage_lines_fail_typed() {
         let mut s = LineState::default();
         assert_eq!(
-            s.on_line(r#"{"error":"model exploded: secret"}"#),
+            s.on(r#"{"error":"model exploded: secret"}"#),
             Err(ProviderCallError::Reported)
         );
-        assert_eq!(
-            s.on_line("{\"message\":"),
-            Err(ProviderCallError::Malformed)
-        );
+        assert_eq!(s.on("{\"message\":"), Err(ProviderCallError::Malformed));
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! server, LM Studio, cloud APIs). Runs use streaming Chat Completions with
 //! usage; the probe is `GET /v1/models`.
 
+use std::borrow::Cow;
+
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_wire::{
@@ -11,12 +13,8 @@ use iop_wire::{
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use eventsource_stream::{EventStreamError, Eventsource};
-
-use super::{
-    HttpTarget, ProbeVerdict, ProviderCallError, SseGuardError, bounded_sse, failed_run, http_run,
-    probe_http,
-};
+use super::sse::{EventTooLarge, SseDecoder};
+use super::{HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http};
 
 /// Stream a chat completion as normalized run events.
 pub(super) fn run(
@@ -37,38 +35,40 @@ pub(super) fn run(
 /// The run events of a successful streaming answer.
 fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
-        let mut events = bounded_sse(response.bytes_stream()).eventsource();
+        let mut bytes = response.bytes_stream();
+        let mut sse = SseDecoder::default();
         let mut state = ChunkState::default();
+        let mut events = Vec::new();
         loop {
-            let event = match events.next().await {
-                Some(Ok(event)) => event,
-                Some(Err(EventStreamError::Transport(SseGuardError::Transport(e)))) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+            // Every event already received, then the next bytes.
+            loop {
+                let decoded = match sse.next_data() {
+                    Ok(Some(data)) => state.on_data(data, &mut events),
+                    Ok(None) => break,
+                    Err(EventTooLarge) => Err(ProviderCallError::Malformed),
+                };
+                if let Err(e) = decoded {
+                    yield RunEventKind::Failed(e.failure());
                     return;
                 }
-                Some(Err(_)) => {
-                    yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
+                for event in events.drain(..) {
+                    yield event;
+                }
+                if state.done {
+                    yield state.completed();
+                    return;
+                }
+            }
+            match bytes.next().await {
+                Some(Ok(chunk)) => sse.push(&chunk),
+                Some(Err(e)) => {
+                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
                     return;
                 }
                 None => {
                     yield state.terminal_at_eof();
                     return;
                 }
-            };
-            match state.on_data(&event.data) {
-                Ok(items) => {
-                    for item in items {
-                        yield item;
-                    }
-                }
-                Err(e) => {
-                    yield RunEventKind::Failed(e.failure());
-                    return;
-                }
-            }
-            if state.done {
-                yield state.completed();
-                return;
             }
         }
     })
@@ -228,11 +228,14 @@ pub(crate) fn finish_reason(s: &str) -> FinishReason {
     }
 }
 
+// One streamed chunk, read without a JSON tree: strings borrow from the
+// event's bytes unless they hold escapes, and fields not named here are
+// skipped unread.
 #[derive(Deserialize)]
-struct Chunk {
+struct Chunk<'a> {
     // Some servers send `"choices": null` on usage-only chunks.
-    #[serde(default)]
-    choices: Option<Vec<Choice>>,
+    #[serde(default, borrow)]
+    choices: Option<Vec<Choice<'a>>>,
     #[serde(default)]
     usage: Option<WireUsage>,
     #[serde(default)]
@@ -240,39 +243,39 @@ struct Chunk {
 }
 
 #[derive(Deserialize)]
-struct Choice {
+struct Choice<'a> {
     #[serde(default)]
     index: u32,
-    #[serde(default)]
-    delta: Option<Delta>,
-    #[serde(default)]
-    finish_reason: Option<String>,
+    #[serde(default, borrow)]
+    delta: Option<Delta<'a>>,
+    #[serde(default, borrow)]
+    finish_reason: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
-struct Delta {
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    tool_calls: Option<Vec<ToolCallChunk>>,
+struct Delta<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    tool_calls: Option<Vec<ToolCallChunk<'a>>>,
 }
 
 #[derive(Deserialize)]
-struct ToolCallChunk {
+struct ToolCallChunk<'a> {
     #[serde(default)]
     index: Option<u32>,
-    #[serde(default)]
-    id: Option<String>,
-    #[serde(default)]
-    function: Option<FunctionChunk>,
+    #[serde(default, borrow)]
+    id: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    function: Option<FunctionChunk<'a>>,
 }
 
 #[derive(Deserialize)]
-struct FunctionChunk {
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default)]
-    arguments: Option<String>,
+struct FunctionChunk<'a> {
+    #[serde(default, borrow)]
+    name: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    arguments: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -281,6 +284,14 @@ struct WireUsage {
     prompt_tokens: u64,
     #[serde(default)]
     completion_tokens: u64,
+}
+
+/// `[DONE]`, with any whitespace around it.
+fn is_done_marker(data: &[u8]) -> bool {
+    let data = data.trim_ascii();
+    // Non-ASCII whitespace around it is rare enough to take the slow path.
+    data == b"[DONE]"
+        || (data.len() <= 32 && std::str::from_utf8(data).is_ok_and(|d| d.trim() == "[DONE]"))
 }
 
 /// What the chunks so far said about the end of the run.
@@ -293,27 +304,32 @@ struct ChunkState {
 }
 
 impl ChunkState {
-    /// Decode one SSE `data` payload into non-terminal events.
-    fn on_data(&mut self, data: &str) -> Result<Vec<RunEventKind>, ProviderCallError> {
-        if data.trim() == "[DONE]" {
+    /// Decode one SSE `data` payload into non-terminal events, appended
+    /// to `out`.
+    fn on_data(
+        &mut self,
+        data: &[u8],
+        out: &mut Vec<RunEventKind>,
+    ) -> Result<(), ProviderCallError> {
+        if is_done_marker(data) {
             self.done = true;
-            return Ok(Vec::new());
+            return Ok(());
         }
-        let chunk: Chunk = serde_json::from_str(data).map_err(|_| ProviderCallError::Malformed)?;
+        let chunk: Chunk<'_> =
+            serde_json::from_slice(data).map_err(|_| ProviderCallError::Malformed)?;
         if chunk.error.is_some() {
             return Err(ProviderCallError::Reported);
         }
-        let mut out = Vec::new();
         // n = 1: only the first choice is relayed.
         for choice in chunk.choices.into_iter().flatten().filter(|c| c.index == 0) {
             if let Some(delta) = choice.delta {
                 if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
-                    out.push(RunEventKind::TextDelta(text));
+                    out.push(RunEventKind::TextDelta(text.into_owned()));
                 }
                 for (pos, call) in delta.tool_calls.into_iter().flatten().enumerate() {
                     let (name, arguments) = match call.function {
                         Some(f) => (f.name, f.arguments.unwrap_or_default()),
-                        None => (None, String::new()),
+                        None => (None, Cow::Borrowed("")),
                     };
                     if call.id.is_none() && name.is_none() && arguments.is_empty() {
                         continue;
@@ -321,9 +337,9 @@ impl ChunkState {
                     self.saw_tool_call = true;
                     out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
                         index: call.index.unwrap_or(pos as u32),
-                        id: call.id,
-                        name,
-                        arguments_delta: arguments,
+                        id: call.id.map(Cow::into_owned),
+                        name: name.map(Cow::into_owned),
+                        arguments_delta: arguments.into_owned(),
                     }));
                 }
             }
@@ -339,7 +355,7 @@ impl ChunkState {
             self.usage = Some(usage);
             out.push(RunEventKind::Usage(usage));
         }
-        Ok(out)
+        Ok(())
     }
 
     fn completed(&self) -> RunEventKind {
@@ -368,21 +384,29 @@ impl ChunkState {
 mod tests {
     use super::*;
 
+    impl ChunkState {
+        fn on(&mut self, data: &str) -> Result<Vec<RunEventKind>, ProviderCallError> {
+            let mut out = Vec::new();
+            self.on_data(data.as_bytes(), &mut out)?;
+            Ok(out)
+        }
+    }
+
     #[test]
     fn chunks_decode_into_deltas_usage_and_finish() {
         let mut s = ChunkState::default();
         assert!(
-            s.on_data(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#)
+            s.on(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#)
                 .unwrap()
                 .is_empty()
         );
         assert_eq!(
-            s.on_data(r#"{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}],"usage":null}"#)
+            s.on(r#"{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}],"usage":null}"#)
                 .unwrap(),
             vec![RunEventKind::TextDelta("hi".into())]
         );
         assert_eq!(
-            s.on_data(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"f","arguments":""}}]}}]}"#)
+            s.on(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c","type":"function","function":{"name":"f","arguments":""}}]}}]}"#)
                 .unwrap(),
             vec![RunEventKind::ToolCallDelta(ToolCallDelta {
                 index: 0,
@@ -391,17 +415,17 @@ mod tests {
                 arguments_delta: String::new(),
             })]
         );
-        s.on_data(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#)
+        s.on(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#)
             .unwrap();
         assert_eq!(
-            s.on_data(r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#)
+            s.on(r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#)
                 .unwrap(),
             vec![RunEventKind::Usage(Usage {
                 prompt_tokens: 3,
                 completion_tokens: 2
             })]
         );
-        s.on_data("[DONE]").unwrap();
+        s.on("[DONE]").unwrap();
         assert!(s.done);
         assert_eq!(
             s.completed(),
@@ -418,12 +442,9 @@ mod tests {
     #[test]
     fn unparseable_and_error_chunks_are_typed_failures() {
         let mut s = ChunkState::default();
+        assert_eq!(s.on("{\"choices\":"), Err(ProviderCallError::Malformed));
         assert_eq!(
-            s.on_data("{\"choices\":"),
-            Err(ProviderCallError::Malformed)
-        );
-        assert_eq!(
-            s.on_data(r#"{"error":{"message":"secret payload"}}"#),
+            s.on(r#"{"error":{"message":"secret payload"}}"#),
             Err(ProviderCallError::Reported)
         );
         assert_eq!(
