@@ -554,40 +554,14 @@ impl EdgeConfig {
                 return Err(field_err(f("principal"), "must not be empty"));
             }
             // Errors name the field the key actually came from.
-            let (key, source) = match (&k.key_env, &k.key_file) {
-                (Some(var), None) => {
-                    let key = std::env::var(var).map_err(|_| {
-                        field_err(
-                            f("key_env"),
-                            format!("environment variable `{var}` is not set"),
-                        )
-                    })?;
-                    (key, "key_env")
-                }
-                (None, Some(path)) => {
-                    let path = if path.is_relative() {
-                        base.join(path)
-                    } else {
-                        path.clone()
-                    };
-                    let text = std::fs::read_to_string(&path).map_err(|e| {
-                        field_err(
-                            f("key_file"),
-                            format!("cannot read {}: {}", path.display(), e.kind()),
-                        )
-                    })?;
-                    (
-                        text.lines().next().unwrap_or("").trim().to_owned(),
-                        "key_file",
-                    )
-                }
-                _ => {
-                    return Err(field_err(
-                        f("key_env"),
-                        "exactly one of `key_env` or `key_file` must be set",
-                    ));
-                }
-            };
+            let (key, source) = read_secret(
+                k.key_env.as_deref(),
+                k.key_file.as_deref(),
+                base,
+                ("key_env", "key_file"),
+                &f,
+            )?;
+            let key: String = key.to_string();
             if key.len() < 16 {
                 return Err(field_err(
                     f(source),
@@ -738,43 +712,14 @@ fn parse_credentials(
                 format!("duplicate credential profile `{}`", c.profile),
             ));
         }
-        let (secret, source) = match (&c.secret_env, &c.secret_file) {
-            (Some(var), None) => {
-                let secret = std::env::var(var).map_err(|_| {
-                    field_err(
-                        f("secret_env"),
-                        format!("environment variable `{var}` is not set"),
-                    )
-                })?;
-                (secret, "secret_env")
-            }
-            (None, Some(path)) => {
-                let path = if path.is_relative() {
-                    base.join(path)
-                } else {
-                    path.clone()
-                };
-                // The error names the file, never its content.
-                let text = std::fs::read_to_string(&path).map_err(|e| {
-                    field_err(
-                        f("secret_file"),
-                        format!("cannot read {}: {}", path.display(), e.kind()),
-                    )
-                })?;
-                let text = zeroize::Zeroizing::new(text);
-                (
-                    text.lines().next().unwrap_or("").trim().to_owned(),
-                    "secret_file",
-                )
-            }
-            _ => {
-                return Err(field_err(
-                    f("secret_env"),
-                    "exactly one of `secret_env` or `secret_file` must be set",
-                ));
-            }
-        };
-        let secret = zeroize::Zeroizing::new(secret.into_bytes());
+        let (secret, source) = read_secret(
+            c.secret_env.as_deref(),
+            c.secret_file.as_deref(),
+            base,
+            ("secret_env", "secret_file"),
+            &f,
+        )?;
+        let secret = zeroize::Zeroizing::new(secret.as_bytes().to_vec());
         if secret.is_empty() || secret.len() > iop_core::cred::MAX_SECRET_BYTES {
             return Err(field_err(
                 f(source),
@@ -802,6 +747,48 @@ pub fn model_matches(pattern: &str, model: &str) -> bool {
     match pattern.strip_suffix('*') {
         Some(prefix) => model.starts_with(prefix),
         None => pattern == model,
+    }
+}
+
+/// A key or secret from exactly one of an environment variable or a file
+/// (its first line, trimmed), and the field it came from. Errors name that
+/// field and never show the value.
+fn read_secret(
+    env: Option<&str>,
+    file: Option<&Path>,
+    base: &Path,
+    (env_field, file_field): (&'static str, &'static str),
+    f: &dyn Fn(&str) -> String,
+) -> Result<(zeroize::Zeroizing<String>, &'static str), ConfigError> {
+    match (env, file) {
+        (Some(var), None) => {
+            let value = std::env::var(var).map_err(|_| {
+                field_err(
+                    f(env_field),
+                    format!("environment variable `{var}` is not set"),
+                )
+            })?;
+            Ok((zeroize::Zeroizing::new(value), env_field))
+        }
+        (None, Some(path)) => {
+            let path = if path.is_relative() {
+                base.join(path)
+            } else {
+                path.to_path_buf()
+            };
+            let text = zeroize::Zeroizing::new(std::fs::read_to_string(&path).map_err(|e| {
+                field_err(
+                    f(file_field),
+                    format!("cannot read {}: {}", path.display(), e.kind()),
+                )
+            })?);
+            let first = text.lines().next().unwrap_or("").trim().to_owned();
+            Ok((zeroize::Zeroizing::new(first), file_field))
+        }
+        _ => Err(field_err(
+            f(env_field),
+            format!("exactly one of `{env_field}` or `{file_field}` must be set"),
+        )),
     }
 }
 
