@@ -247,6 +247,9 @@ pub struct EdgeSection {
     pub drain_timeout_ms: u64,
 }
 
+/// Largest accepted `edge.max_connections` (one semaphore permit each).
+pub const MAX_CONNECTIONS_LIMIT: usize = 1_000_000;
+
 fn default_max_connections() -> usize {
     4096
 }
@@ -421,8 +424,11 @@ impl EdgeConfig {
         if file.edge.max_body_bytes == 0 {
             return Err(field_err("edge.max_body_bytes", "must be > 0"));
         }
-        if file.edge.max_connections == 0 {
-            return Err(field_err("edge.max_connections", "must be > 0"));
+        if file.edge.max_connections == 0 || file.edge.max_connections > MAX_CONNECTIONS_LIMIT {
+            return Err(field_err(
+                "edge.max_connections",
+                format!("must be between 1 and {MAX_CONNECTIONS_LIMIT}"),
+            ));
         }
         if file.edge.header_read_timeout_ms == 0 {
             return Err(field_err("edge.header_read_timeout_ms", "must be > 0"));
@@ -842,6 +848,14 @@ key = "edge.key"
         assert_eq!(field_of(e), "providers[0].stall_timeout_ms");
         let e = parse("[[routes]]\nmodel='m'\nproviders=['ghost']\n").unwrap_err();
         assert_eq!(field_of(e), "routes[0].providers[0]");
+        for bad in ["0", "99999999999"] {
+            let text = BASE.replace(
+                "state_dir = \"state\"",
+                &format!("state_dir = \"state\"\nmax_connections = {bad}"),
+            );
+            let e = EdgeConfig::parse(&text, Path::new("/etc/iop")).unwrap_err();
+            assert_eq!(field_of(e), "edge.max_connections");
+        }
         let e = parse("[otlp]\nendpoint = 'collector:4318'\n").unwrap_err();
         assert_eq!(field_of(e), "otlp.endpoint");
         let e = parse("[otlp]\nendpoint = 'http://c:4318'\ninterval_ms = 1\n").unwrap_err();
