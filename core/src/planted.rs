@@ -10,12 +10,13 @@
 //!
 //! The set is switched through a shared reference
 //! ([`crate::edge::dispatch::Dispatcher::plant`],
+//! [`crate::edge::request::Request::plant`],
 //! [`crate::node::watchdog::Watchdog::plant`]) because the simulator reaches
 //! its machines through recording wrappers that hand out read access only.
 //! It is an atomic bit set, read with relaxed ordering: no lock, no clock,
 //! and each machine still has one owner.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU16, Ordering};
 
 /// A known bug a test can plant in a core machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -40,18 +41,42 @@ pub enum PlantedBug {
     /// `Send` without re-checking the lease, also for a lease its
     /// generation's fence already released.
     SkipPreSendFence,
+    /// R-LEASE-2, R-GATE-4: a request that ends never lets go of what it
+    /// still holds (`Request`: no final cancel), so a client that leaves
+    /// mid-run leaks its lease.
+    SkipCancelRelease,
+    /// R-GATE-3: a request delivers its terminal to the client twice
+    /// (`Request`).
+    DuplicateTerminal,
+    /// R-GATE-3: a request's budget timer never fires (`Request`), so a
+    /// request stuck in the queue or on a silent node never ends.
+    IgnoreGateTimeout,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 6] = [
+    pub const ALL: [PlantedBug; 9] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
         PlantedBug::SecondTerminal,
         PlantedBug::DispatchBeforeReady,
         PlantedBug::SkipPreSendFence,
+        PlantedBug::SkipCancelRelease,
+        PlantedBug::DuplicateTerminal,
+        PlantedBug::IgnoreGateTimeout,
     ];
+
+    /// Whether the bug lives in the request machine (`Request`), which the
+    /// dispatcher and watchdog fuzz harnesses do not drive.
+    pub fn in_request_machine(self) -> bool {
+        matches!(
+            self,
+            PlantedBug::SkipCancelRelease
+                | PlantedBug::DuplicateTerminal
+                | PlantedBug::IgnoreGateTimeout
+        )
+    }
 
     /// The stable name (command line, reports).
     pub fn as_str(self) -> &'static str {
@@ -62,6 +87,9 @@ impl PlantedBug {
             PlantedBug::SecondTerminal => "second-terminal",
             PlantedBug::DispatchBeforeReady => "dispatch-before-ready",
             PlantedBug::SkipPreSendFence => "skip-pre-send-fence",
+            PlantedBug::SkipCancelRelease => "skip-cancel-release",
+            PlantedBug::DuplicateTerminal => "duplicate-terminal",
+            PlantedBug::IgnoreGateTimeout => "ignore-gate-timeout",
         }
     }
 
@@ -70,14 +98,14 @@ impl PlantedBug {
         Self::ALL.into_iter().find(|b| b.as_str() == name)
     }
 
-    fn bit(self) -> u8 {
+    fn bit(self) -> u16 {
         1 << (self as u8)
     }
 }
 
 /// The bugs planted in one machine; empty unless a test switches one on.
 #[derive(Debug, Default)]
-pub struct Planted(AtomicU8);
+pub struct Planted(AtomicU16);
 
 impl Planted {
     /// Switch `bug` on.

@@ -245,6 +245,11 @@ pub struct EdgeSection {
     /// At shutdown, how long in-flight responses may take to finish.
     #[serde(default = "default_drain_timeout_ms")]
     pub drain_timeout_ms: u64,
+    /// A response part must be taken by the client within this; a client
+    /// that stays connected but stops reading is then dropped and its
+    /// request's lease released (R-LIM-4).
+    #[serde(default = "default_client_write_timeout_ms")]
+    pub client_write_timeout_ms: u64,
 }
 
 /// Largest accepted `edge.max_connections` (one semaphore permit each).
@@ -260,6 +265,9 @@ fn default_header_read_timeout_ms() -> u64 {
     30_000
 }
 fn default_drain_timeout_ms() -> u64 {
+    30_000
+}
+fn default_client_write_timeout_ms() -> u64 {
     30_000
 }
 
@@ -429,6 +437,9 @@ impl EdgeConfig {
                 "edge.max_connections",
                 format!("must be between 1 and {MAX_CONNECTIONS_LIMIT}"),
             ));
+        }
+        if file.edge.client_write_timeout_ms == 0 {
+            return Err(field_err("edge.client_write_timeout_ms", "must be > 0"));
         }
         if file.edge.header_read_timeout_ms == 0 {
             return Err(field_err("edge.header_read_timeout_ms", "must be > 0"));

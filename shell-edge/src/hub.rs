@@ -8,15 +8,16 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use iop_core::edge::admission::{Admit, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
+use iop_core::edge::admission::{PreSend, RequestId};
 use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchOutput, TerminalVerdict,
+    CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, ProbeAnswer, RequestCommand,
+    RequestEvent,
 };
 use iop_core::edge::health::ProbeTicket;
-use iop_core::edge::registry::Rejection;
+use iop_core::edge::registry::{RejectCause, Rejection};
 use iop_core::ids::{Generation, NodeId};
 use iop_trace::{DispatchConfigRec, MachineKind, Tap, TraceWriter, TracedDispatcher};
-use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, RegisterRequest};
+use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, RegisterRequest, RejectReason};
 use iop_wire::{
     Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode,
 };
@@ -49,38 +50,17 @@ pub struct LinkHandle {
     pub commands: mpsc::UnboundedSender<LinkCommand>,
 }
 
-/// What a request handler learns about its request.
+/// What the hub carries to a request driver: the dispatcher's news about
+/// its request and, with a pre-send fence's `Send`, the connection to send
+/// on (`None`: its link task already reported its end).
 #[derive(Debug)]
-pub enum RequestEvent {
-    /// A lease was granted (immediately or from the queue).
-    Leased(Lease),
-    /// The queue timeout passed.
-    QueueExpired,
-    /// The lease's generation was fenced: the attempt's transport is gone.
-    LeaseFenced(Lease),
-}
-
-/// The answer to an admission request.
-#[derive(Debug)]
-pub enum AdmitAnswer {
-    /// Leased now.
-    Leased(Lease),
-    /// Queued: a [`RequestEvent`] follows on the request's channel.
-    Queued,
-    /// Refused.
-    Rejected(iop_core::edge::admission::AdmitRejection),
-}
-
-/// The answer of the pre-send fence.
-#[derive(Debug)]
-pub enum PreSendAnswer {
-    /// Send on this link; the node's lease recipient key, if it registered
-    /// a valid one (without it the node gets no managed credentials).
-    Send(Lease, LinkHandle, Option<x25519_dalek::PublicKey>),
-    /// Stale: re-resolved, a new event follows.
-    Refenced,
-    /// The lease is gone.
-    Gone,
+pub struct RequestNews {
+    /// The dispatcher's event, for the request machine.
+    pub event: RequestEvent,
+    /// With `PreSend(Send)`: the lease's connection and the node's lease
+    /// recipient key, if it registered a valid one (without it the node
+    /// gets no managed credentials).
+    pub link: Option<(LinkHandle, Option<x25519_dalek::PublicKey>)>,
 }
 
 /// A snapshot of the hub's state for `/status` and metrics.
@@ -127,6 +107,12 @@ pub struct ProviderHealthView {
     pub next_retry_at_ms: Option<u64>,
 }
 
+struct Registering {
+    link: LinkHandle,
+    recipient: Option<x25519_dalek::PublicKey>,
+    reply: oneshot::Sender<Result<(Generation, ConfigSnapshot), Rejection>>,
+}
+
 struct Peer {
     recipient: Option<x25519_dalek::PublicKey>,
     snapshot: ConfigSnapshot,
@@ -153,23 +139,12 @@ enum HubMsg {
         node: NodeId,
         generation: Generation,
     },
-    Admit {
-        request: DispatchRequest,
-        events: mpsc::UnboundedSender<RequestEvent>,
-        reply: oneshot::Sender<AdmitAnswer>,
+    Attach {
+        request_id: RequestId,
+        events: mpsc::UnboundedSender<RequestNews>,
     },
-    PreSend {
-        lease_id: LeaseId,
-        reply: oneshot::Sender<PreSendAnswer>,
-    },
-    Terminal {
-        lease_id: LeaseId,
-        node: NodeId,
-        generation: Generation,
-        failure: Option<ExecutionFailure>,
-        reply: oneshot::Sender<TerminalVerdict>,
-    },
-    Cancel {
+    Request(RequestCommand),
+    Detach {
         request_id: RequestId,
     },
     Link {
@@ -245,47 +220,22 @@ impl HubHandle {
         let _ = self.tx.send(HubMsg::LateMessage { node, generation });
     }
 
-    /// Ask for a lease; later events arrive on `events`.
-    pub async fn admit(
-        &self,
-        request: DispatchRequest,
-        events: mpsc::UnboundedSender<RequestEvent>,
-    ) -> Result<AdmitAnswer, HubGone> {
-        self.ask(|reply| HubMsg::Admit {
-            request,
-            events,
-            reply,
-        })
-        .await
+    /// Route the dispatcher's news about `request_id` to `events` until
+    /// [`Self::detach`].
+    pub fn attach(&self, request_id: RequestId, events: mpsc::UnboundedSender<RequestNews>) {
+        let _ = self.tx.send(HubMsg::Attach { request_id, events });
     }
 
-    /// The pre-send fence (R-GEN-4).
-    pub async fn pre_send(&self, lease_id: LeaseId) -> Result<PreSendAnswer, HubGone> {
-        self.ask(|reply| HubMsg::PreSend { lease_id, reply }).await
+    /// Carry a request machine's command to the dispatcher.
+    pub fn request(&self, command: RequestCommand) {
+        let _ = self.tx.send(HubMsg::Request(command));
     }
 
-    /// Apply a terminal received on (`node`, `generation`).
-    pub async fn terminal(
-        &self,
-        lease_id: LeaseId,
-        node: NodeId,
-        generation: Generation,
-        failure: Option<ExecutionFailure>,
-    ) -> Result<TerminalVerdict, HubGone> {
-        self.ask(|reply| HubMsg::Terminal {
-            lease_id,
-            node,
-            generation,
-            failure,
-            reply,
-        })
-        .await
-    }
-
-    /// The client is gone: drop its queue entry or release its lease, and
-    /// cancel its node run.
-    pub fn cancel(&self, request_id: RequestId) {
-        let _ = self.tx.send(HubMsg::Cancel { request_id });
+    /// The request's driver is gone: let go of whatever the request still
+    /// holds (a queue entry, a lease; its node run is canceled) and stop
+    /// routing its news. Harmless after the request ended.
+    pub fn detach(&self, request_id: RequestId) {
+        let _ = self.tx.send(HubMsg::Detach { request_id });
     }
 
     /// The current ready link of a node.
@@ -322,7 +272,12 @@ struct Hub {
     creds: Arc<crate::cred::Credentials>,
     /// Per node: its targets with a managed credential.
     managed: HashMap<NodeId, Vec<iop_wire::ManagedTarget>>,
-    waiters: BTreeMap<RequestId, mpsc::UnboundedSender<RequestEvent>>,
+    /// Request drivers by request, from attach to detach.
+    waiters: BTreeMap<RequestId, mpsc::UnboundedSender<RequestNews>>,
+    /// The registration being answered (its answer is an output).
+    registering: Option<Registering>,
+    /// The readiness being answered.
+    readying: Option<oneshot::Sender<bool>>,
     closes_by_reason: BTreeMap<&'static str, u64>,
     metrics: Arc<EdgeMetrics>,
 }
@@ -361,6 +316,8 @@ pub fn spawn(
         creds,
         managed,
         waiters: BTreeMap::new(),
+        registering: None,
+        readying: None,
         closes_by_reason: BTreeMap::new(),
         metrics,
     };
@@ -418,33 +375,22 @@ impl Hub {
                         }
                     }
                 });
-                let mut result = self.dispatcher.register(now, &node, &request);
-                if let Ok((generation, snapshot)) = &mut result {
-                    snapshot.credential_profiles = self.creds.states();
-                    snapshot.lease_signing_key = Some(self.creds.verifying_key());
-                    snapshot.managed_targets = self.managed.get(&node).cloned().unwrap_or_default();
-                    self.peers.insert(
-                        (node.clone(), *generation),
-                        Peer {
-                            recipient,
-                            snapshot: snapshot.clone(),
-                        },
-                    );
-                    self.links.insert((node.clone(), *generation), link);
-                    if let Some(store) = &self.store
-                        && let Err(e) = store.save(self.dispatcher.inner().registry().high_water())
-                    {
-                        tracing::error!(event = "generation_store_failed", error = %e);
-                    }
-                }
-                let _ = reply.send(result);
+                self.registering = Some(Registering {
+                    link,
+                    recipient,
+                    reply,
+                });
+                self.dispatcher
+                    .handle_input(now, DispatchInput::Register { node, request });
             }
             HubMsg::Ready {
                 node,
                 generation,
                 reply,
             } => {
-                let _ = reply.send(self.dispatcher.ready(now, &node, generation));
+                self.readying = Some(reply);
+                self.dispatcher
+                    .handle_input(now, DispatchInput::Ready { node, generation });
             }
             HubMsg::LinkClosed {
                 node,
@@ -453,95 +399,32 @@ impl Hub {
             } => {
                 self.links.remove(&(node.clone(), generation));
                 self.peers.remove(&(node.clone(), generation));
-                self.dispatcher
-                    .connection_closed(now, &node, generation, reason);
+                self.dispatcher.handle_input(
+                    now,
+                    DispatchInput::ConnectionClosed {
+                        node,
+                        generation,
+                        reason,
+                    },
+                );
             }
             HubMsg::LateMessage { node, generation } => {
-                let _ = self.dispatcher.admit_message(now, &node, generation);
+                self.dispatcher
+                    .handle_input(now, DispatchInput::Message { node, generation });
             }
-            HubMsg::Admit {
-                request,
-                events,
-                reply,
-            } => {
-                let request_id = request.request_id;
-                let answer = match self.dispatcher.request(now, request) {
-                    Admit::Leased(lease) => AdmitAnswer::Leased(lease),
-                    Admit::Queued => AdmitAnswer::Queued,
-                    Admit::Rejected(r) => AdmitAnswer::Rejected(r),
-                };
-                if !matches!(answer, AdmitAnswer::Rejected(_)) {
-                    self.waiters.insert(request_id, events);
-                }
-                let _ = reply.send(answer);
+            HubMsg::Attach { request_id, events } => {
+                self.waiters.insert(request_id, events);
             }
-            HubMsg::PreSend { lease_id, reply } => {
-                let answer = match self.dispatcher.pre_send(now, lease_id) {
-                    PreSend::Send(lease) => {
-                        match self.links.get(&(lease.node.clone(), lease.generation)) {
-                            Some(link) => {
-                                let recipient = self
-                                    .peers
-                                    .get(&(lease.node.clone(), lease.generation))
-                                    .and_then(|p| p.recipient);
-                                PreSendAnswer::Send(lease, link.clone(), recipient)
-                            }
-                            // The link task has not yet reported its end: the
-                            // connection is gone, so the fence will follow.
-                            None => PreSendAnswer::Gone,
-                        }
-                    }
-                    PreSend::Refenced => PreSendAnswer::Refenced,
-                    PreSend::UnknownLease => PreSendAnswer::Gone,
-                };
-                let _ = reply.send(answer);
+            HubMsg::Request(command) => {
+                self.dispatcher
+                    .handle_input(now, DispatchInput::Request(command));
             }
-            HubMsg::Terminal {
-                lease_id,
-                node,
-                generation,
-                failure,
-                reply,
-            } => {
-                let verdict = self.dispatcher.apply_terminal(
+            HubMsg::Detach { request_id } => {
+                self.dispatcher.handle_input(
                     now,
-                    lease_id,
-                    &node,
-                    generation,
-                    failure.as_ref(),
+                    DispatchInput::Request(RequestCommand::Cancel { request_id }),
                 );
-                if let TerminalVerdict::Applied {
-                    lease,
-                    stall,
-                    evidence,
-                } = &verdict
-                {
-                    self.waiters.remove(&lease.request_id);
-                    if let (Some(stall), Some(outcome)) = (stall, evidence) {
-                        // R-OVL-1/2 observation: closed labels only.
-                        self.metrics
-                            .health_evidence(stall.health.as_str(), outcome.as_str());
-                        tracing::info!(
-                            event = "edge_provider_health_observation",
-                            provider = %lease.provider_id,
-                            health = stall.health.as_str(),
-                            outcome = outcome.as_str(),
-                            recovery_handoff = "confirmed"
-                        );
-                        if *outcome == EvidenceOutcome::Lowered {
-                            self.metrics.health_transition("lowered");
-                        }
-                    }
-                }
-                let _ = reply.send(verdict);
-            }
-            HubMsg::Cancel { request_id } => {
                 self.waiters.remove(&request_id);
-                if let Some(lease) = self.dispatcher.cancel(now, request_id)
-                    && let Some(link) = self.links.get(&(lease.node.clone(), lease.generation))
-                {
-                    let _ = link.commands.send(LinkCommand::Cancel(lease.run_id));
-                }
             }
             HubMsg::Link { node, reply } => {
                 let link = self
@@ -572,31 +455,112 @@ impl Hub {
                 }
             }
             HubMsg::ProbeAnswer { ticket, answer } => {
-                let answer = match &answer {
-                    Ok((node, generation, report)) => Ok((node, *generation, report)),
-                    Err(code) => Err(*code),
+                let answer = match answer {
+                    Ok((node, generation, report)) => ProbeAnswer::Report {
+                        node,
+                        generation,
+                        report,
+                    },
+                    Err(code) => ProbeAnswer::Failure(code),
                 };
                 // R-CAP-1: a probe's report may recover a lowered provider;
-                // each recovery is observed once, here.
-                let (_, verdicts) = self.dispatcher.probe_answer(now, &ticket, answer);
-                self.observe_capabilities(&verdicts);
+                // each recovery is observed once, from the outputs.
+                self.dispatcher
+                    .handle_input(now, DispatchInput::ProbeAnswer { ticket, answer });
             }
         }
     }
 
-    /// Count and log every overlay recovery among `verdicts` (closed labels).
-    fn observe_capabilities(&self, verdicts: &[CapabilityVerdict]) {
-        for v in verdicts {
-            if v.recovery == RecoveryOutcome::Recovered {
-                self.metrics.health_transition("recovered");
-                tracing::info!(
-                    event = "edge_provider_health_observation",
-                    provider = %v.provider_id,
-                    health = v.health.as_str(),
-                    outcome = v.recovery.as_str()
-                );
-            }
+    /// Count and log an overlay recovery (closed labels).
+    fn observe_capability(&self, v: &CapabilityVerdict) {
+        if v.recovery == RecoveryOutcome::Recovered {
+            self.metrics.health_transition("recovered");
+            tracing::info!(
+                event = "edge_provider_health_observation",
+                provider = %v.provider_id,
+                health = v.health.as_str(),
+                outcome = v.recovery.as_str()
+            );
         }
+    }
+
+    /// A registration's answer: complete the peer's entry, make the
+    /// generation durable before it is used (R-GEN-1 across restarts), and
+    /// reply.
+    fn registered(
+        &mut self,
+        node: NodeId,
+        result: Result<(Generation, ConfigSnapshot), Rejection>,
+    ) {
+        let Some(Registering {
+            link,
+            recipient,
+            reply,
+        }) = self.registering.take()
+        else {
+            return;
+        };
+        let result = match result {
+            Ok((generation, mut snapshot)) => {
+                let saved = match &self.store {
+                    Some(store) => store.save(self.dispatcher.inner().registry().high_water()),
+                    None => Ok(()),
+                };
+                if let Err(e) = saved {
+                    tracing::error!(event = "generation_store_failed", node = %node, error = %e);
+                    // Refused: the generation is fenced at once and never
+                    // dispatched to.
+                    self.dispatcher.handle_input(
+                        self.clock.now(),
+                        DispatchInput::ConnectionClosed {
+                            node,
+                            generation,
+                            reason: CloseCode::RegistrationRejected,
+                        },
+                    );
+                    let _ = reply.send(Err(Rejection {
+                        reason: RejectReason::ShuttingDown,
+                        cause: RejectCause::GenerationNotDurable,
+                        message: "the edge could not store the connection generation".into(),
+                    }));
+                    return;
+                }
+                snapshot.credential_profiles = self.creds.states();
+                snapshot.lease_signing_key = Some(self.creds.verifying_key());
+                snapshot.managed_targets = self.managed.get(&node).cloned().unwrap_or_default();
+                self.peers.insert(
+                    (node.clone(), generation),
+                    Peer {
+                        recipient,
+                        snapshot: snapshot.clone(),
+                    },
+                );
+                self.links.insert((node, generation), link);
+                Ok((generation, snapshot))
+            }
+            Err(rejection) => Err(rejection),
+        };
+        let _ = reply.send(result);
+    }
+
+    /// Carry the dispatcher's news to the request's driver.
+    fn news_for_request(&self, request_id: RequestId, event: RequestEvent) {
+        let Some(waiter) = self.waiters.get(&request_id) else {
+            return;
+        };
+        let link = match &event {
+            RequestEvent::PreSend(PreSend::Send(lease)) => {
+                let key = (lease.node.clone(), lease.generation);
+                // No link: the link task has not yet reported its end, the
+                // connection is gone; the request machine decides.
+                self.links.get(&key).map(|link| {
+                    let recipient = self.peers.get(&key).and_then(|p| p.recipient);
+                    (link.clone(), recipient)
+                })
+            }
+            _ => None,
+        };
+        let _ = waiter.send(RequestNews { event, link });
     }
 
     fn drain(&mut self) {
@@ -632,31 +596,44 @@ impl Hub {
                 DispatchOutput::NodeReady { node, generation } => {
                     tracing::info!(event = "edge_node_ready", node = %node, generation);
                 }
-                DispatchOutput::Leased(lease) => {
-                    if let Some(w) = self.waiters.get(&lease.request_id) {
-                        let _ = w.send(RequestEvent::Leased(lease));
+                DispatchOutput::Registered { node, result } => self.registered(node, result),
+                DispatchOutput::ReadyAnswer { accepted, .. } => {
+                    if let Some(reply) = self.readying.take() {
+                        let _ = reply.send(accepted);
                     }
                 }
-                DispatchOutput::QueueExpired { request_id } => {
-                    if let Some(w) = self.waiters.remove(&request_id) {
-                        let _ = w.send(RequestEvent::QueueExpired);
+                DispatchOutput::ToRequest { request_id, event } => {
+                    self.news_for_request(request_id, event);
+                }
+                DispatchOutput::CancelRun {
+                    node,
+                    generation,
+                    run_id,
+                } => {
+                    if let Some(link) = self.links.get(&(node, generation)) {
+                        let _ = link.commands.send(LinkCommand::Cancel(run_id));
                     }
                 }
-                DispatchOutput::LeaseFenced(lease) => {
-                    let request_id = lease.request_id;
-                    if let Some(w) = self.waiters.get(&request_id) {
-                        let _ = w.send(RequestEvent::LeaseFenced(lease));
-                    }
-                    // The fence ended the request's place unless it is
-                    // already queued or leased again: then its driver still
-                    // waits for what comes next.
-                    let admission = self.dispatcher.inner().admission();
-                    if !admission.is_queued(request_id)
-                        && admission.lease_of_request(request_id).is_none()
-                    {
-                        self.waiters.remove(&request_id);
+                DispatchOutput::StallEvidence {
+                    provider_id,
+                    health,
+                    outcome,
+                } => {
+                    // R-OVL-1/2 observation: closed labels only.
+                    self.metrics
+                        .health_evidence(health.as_str(), outcome.as_str());
+                    tracing::info!(
+                        event = "edge_provider_health_observation",
+                        provider = %provider_id,
+                        health = health.as_str(),
+                        outcome = outcome.as_str(),
+                        recovery_handoff = "confirmed"
+                    );
+                    if outcome == EvidenceOutcome::Lowered {
+                        self.metrics.health_transition("lowered");
                     }
                 }
+                DispatchOutput::Capability(verdict) => self.observe_capability(&verdict),
                 DispatchOutput::ProbeDue {
                     ticket,
                     node,

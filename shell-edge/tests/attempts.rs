@@ -209,7 +209,7 @@ async fn node_sending_only_non_content_frames_fails_the_attempt_at_the_held_boun
             started.elapsed() < Duration::from_millis(REQUEST_BUDGET_MS),
             "failed at the bound, not at the budget"
         );
-        let held = iop_edge::driver::MAX_HELD_DELIVERIES as u64;
+        let held = iop_core::edge::request::MAX_HELD_DELIVERIES as u64;
         assert!(
             sent.load(std::sync::atomic::Ordering::Relaxed) > held,
             "the node sent past the bound"

@@ -12,10 +12,12 @@ use std::fmt;
 use std::sync::Arc;
 
 use iop_core::edge::dispatch::Dispatcher;
+use iop_core::edge::request::Request;
 use iop_core::node::watchdog::Watchdog;
 
 type DispatcherHook = Arc<dyn Fn(&Dispatcher) + Send + Sync>;
 type WatchdogHook = Arc<dyn Fn(&Watchdog) + Send + Sync>;
+type RequestHook = Arc<dyn Fn(&Request) + Send + Sync>;
 
 /// Planted core bugs: their names and the calls that switch them on in each
 /// new dispatcher and watchdog. Empty by default.
@@ -24,6 +26,7 @@ pub struct CoreBugs {
     names: Vec<&'static str>,
     dispatcher: Vec<DispatcherHook>,
     watchdog: Vec<WatchdogHook>,
+    request: Vec<RequestHook>,
 }
 
 impl CoreBugs {
@@ -33,25 +36,32 @@ impl CoreBugs {
     }
 
     /// Add a bug by name (`iop_core::planted::PlantedBug::as_str`) with the
-    /// calls that plant it in a dispatcher and in a watchdog (`plant` on
-    /// either forwards to the machines the bug lives in; on the others it
-    /// changes nothing).
+    /// calls that plant it in a dispatcher, a watchdog and a request machine
+    /// (`plant` on any of them forwards to the machines the bug lives in; on
+    /// the others it changes nothing).
     pub fn with(
         mut self,
         name: &'static str,
         dispatcher: impl Fn(&Dispatcher) + Send + Sync + 'static,
         watchdog: impl Fn(&Watchdog) + Send + Sync + 'static,
+        request: impl Fn(&Request) + Send + Sync + 'static,
     ) -> Self {
         self.names.push(name);
         self.dispatcher.push(Arc::new(dispatcher));
         self.watchdog.push(Arc::new(watchdog));
+        self.request.push(Arc::new(request));
         self
     }
 
     /// Plant `bug` (only with the feature, which the caller must have).
     #[cfg(feature = "planted-bugs")]
     pub fn plant(self, bug: iop_core::planted::PlantedBug) -> Self {
-        self.with(bug.as_str(), move |d| d.plant(bug), move |w| w.plant(bug))
+        self.with(
+            bug.as_str(),
+            move |d| d.plant(bug),
+            move |w| w.plant(bug),
+            move |r| r.plant(bug),
+        )
     }
 
     /// The planted bugs' names, in the order they were added.
@@ -76,6 +86,13 @@ impl CoreBugs {
     pub(crate) fn plant_dispatcher(&self, dispatcher: &Dispatcher) {
         for hook in &self.dispatcher {
             hook(dispatcher);
+        }
+    }
+
+    /// Switch the bugs on in a request machine the world just created.
+    pub(crate) fn plant_request(&self, request: &Request) {
+        for hook in &self.request {
+            hook(request);
         }
     }
 

@@ -32,7 +32,8 @@ use iop_core::edge::admission::{
     AdmissionConfig, Admit, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
 };
 use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, IgnoredTerminal, TerminalVerdict,
+    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, IgnoredTerminal, RequestEvent,
+    TerminalVerdict,
 };
 use iop_core::edge::health::{HealthConfig, ProbeTicket};
 use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
@@ -292,8 +293,14 @@ fn check_avoid_rule(d: &Dispatcher, request: &DispatchRequest, lease: &Lease) {
 fn drain_dispatch(d: &mut Dispatcher, m: &mut DispatchModel) {
     while let Some(out) = d.poll_output() {
         match out {
-            DispatchOutput::Leased(lease) => m.leased(d, lease),
-            DispatchOutput::LeaseFenced(lease) => {
+            DispatchOutput::ToRequest {
+                event: RequestEvent::Leased(lease),
+                ..
+            } => m.leased(d, lease),
+            DispatchOutput::ToRequest {
+                event: RequestEvent::LeaseFenced(lease),
+                ..
+            } => {
                 let node = DispatchModel::node_index(&lease.node);
                 assert!(
                     !m.is_current(node, lease.generation),
@@ -301,7 +308,10 @@ fn drain_dispatch(d: &mut Dispatcher, m: &mut DispatchModel) {
                 );
                 m.release(lease.lease_id, "the fence");
             }
-            DispatchOutput::QueueExpired { request_id } => {
+            DispatchOutput::ToRequest {
+                request_id,
+                event: RequestEvent::QueueExpired,
+            } => {
                 assert!(
                     d.admission().lease_of_request(request_id).is_none(),
                     "an expired request holds a lease"
@@ -326,6 +336,12 @@ fn drain_dispatch(d: &mut Dispatcher, m: &mut DispatchModel) {
             DispatchOutput::CloseConnection { .. }
             | DispatchOutput::Fenced { .. }
             | DispatchOutput::NodeReady { .. }
+            | DispatchOutput::Registered { .. }
+            | DispatchOutput::ReadyAnswer { .. }
+            | DispatchOutput::ToRequest { .. }
+            | DispatchOutput::CancelRun { .. }
+            | DispatchOutput::StallEvidence { .. }
+            | DispatchOutput::Capability(_)
             | DispatchOutput::Health(_) => {}
         }
     }

@@ -12,12 +12,14 @@
 //!
 //! ## The shells, in miniature
 //!
-//! * **Edge**: one [`TracedDispatcher`], one [`StreamGate`] per client
-//!   request, one [`TracedHeartbeat`] per node connection. It follows the
-//!   request driver of `iop-edge`: admit, pre-send fence (after a short
-//!   delay, so fences can slip in between), send, relay events into the
-//!   gate, apply the terminal, close and re-admit on a confirmed stall,
-//!   cancel on client disconnect. A CAPABILITIES round goes to every ready
+//! * **Edge**: one [`TracedDispatcher`], one core
+//!   [`Request`](iop_core::edge::request::Request) machine per client
+//!   request (the very machine `iop-edge`'s request driver drives), one
+//!   [`TracedHeartbeat`] per node connection. The world only carries the
+//!   request machine's traffic, as the driver and the hub do: its commands
+//!   to the dispatcher (the pre-send fence after a short delay, so fences
+//!   can slip in between), the dispatcher's news back, the run to the node,
+//!   its events back, deliveries to the client. A CAPABILITIES round goes to every ready
 //!   node at a fixed cadence (R-CAP-1). Two races of the shell are modelled:
 //!   what a connection the Edge ended still had on its way reaches the
 //!   dispatcher for [`LINK_DRAIN`], attributed to the fenced generation, and
@@ -41,14 +43,18 @@ use std::time::Duration;
 
 use iop_core::Instant;
 use iop_core::edge::admission::{
-    Admit, AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
+    DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
 };
-use iop_core::edge::dispatch::{DispatchConfig, DispatchOutput, IgnoredTerminal, TerminalVerdict};
-use iop_core::edge::gate::{
-    AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEnd, GateInput,
-    GateOutput, StreamGate,
+use iop_core::edge::dispatch::{
+    CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, IgnoredTerminal,
+    ProbeAnswer as DispatchProbeAnswer, RequestCommand, RequestEvent, TerminalVerdict,
 };
+use iop_core::edge::gate::{AttemptEvent, AttemptFrame, GateBudget, GateEnd};
 use iop_core::edge::overlay::EvidenceOutcome;
+use iop_core::edge::request::{
+    Delivery, NodeFrame, OpenFailure, Request, RequestInput, RequestObservation, RequestOutput,
+    RequestSpec,
+};
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
 use iop_core::liveness::heartbeat::{HeartbeatConfig, HeartbeatOutput};
@@ -92,45 +98,27 @@ pub const MAX_STEPS_AT_ONE_INSTANT: u64 = 20_000;
 /// to the hub after the hub fenced the generation (R-GEN-3).
 pub const LINK_DRAIN: Duration = Duration::from_millis(50);
 
-/// A deliberate bug in the simulator's own driver, to prove the invariants
-/// bite without touching the core.
+/// A deliberate fault in the simulated world outside the Edge's core
+/// machines (the node's provider calls, the Edge's generation store), to
+/// prove the invariants bite. Bugs of the request path live in the core
+/// machines themselves (`iop_core::planted`, [`CoreBugs`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Bug {
-    /// On `CancelRun`, do not cancel at the dispatcher (the lease leaks).
-    SkipCancelRelease,
-    /// Deliver every terminal to the client twice.
-    DuplicateTerminal,
-    /// Never fire the gates' timers (budgets never expire).
-    IgnoreGateTimeout,
     /// Call the provider twice for one run.
     DoubleProviderCall,
     /// Restart the Edge without the persisted generation floor.
     ForgetGenerationFloor,
-    /// Send on a lease without the pre-send fence, even after its
-    /// generation was fenced.
-    SkipPreSendFence,
 }
 
 impl Bug {
     /// Every planted bug.
-    pub const ALL: [Bug; 6] = [
-        Bug::SkipCancelRelease,
-        Bug::DuplicateTerminal,
-        Bug::IgnoreGateTimeout,
-        Bug::DoubleProviderCall,
-        Bug::ForgetGenerationFloor,
-        Bug::SkipPreSendFence,
-    ];
+    pub const ALL: [Bug; 2] = [Bug::DoubleProviderCall, Bug::ForgetGenerationFloor];
 
     /// The name on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
-            Bug::SkipCancelRelease => "skip-cancel-release",
-            Bug::DuplicateTerminal => "duplicate-terminal",
-            Bug::IgnoreGateTimeout => "ignore-gate-timeout",
             Bug::DoubleProviderCall => "double-provider-call",
             Bug::ForgetGenerationFloor => "forget-generation-floor",
-            Bug::SkipPreSendFence => "skip-pre-send-fence",
         }
     }
 
@@ -409,10 +397,9 @@ enum Event {
         incarnation: u64,
         request_id: RequestId,
     },
-    PreSend {
+    ToHub {
         incarnation: u64,
-        request_id: RequestId,
-        lease_id: LeaseId,
+        command: RequestCommand,
     },
     FaultTick,
     CheckNodes,
@@ -420,26 +407,14 @@ enum Event {
 }
 
 #[derive(Debug)]
-enum ReqPhase {
-    /// Waiting for admission (queued, or being re-admitted).
-    Admitting,
-    /// Leased; the pre-send fence runs shortly.
-    PreSend(Lease),
-    /// Sent on `conn`.
-    Running {
-        lease: Lease,
-        attempt: AttemptId,
-        conn: ConnId,
-    },
-}
-
-#[derive(Debug)]
 struct EdgeRequest {
-    gate: StreamGate,
-    pool: Vec<ProviderId>,
-    avoid: Option<ProviderId>,
-    allow_avoided: bool,
-    phase: ReqPhase,
+    /// The request machine the Edge's request driver drives.
+    machine: Request,
+    /// The attempt's run, once sent: its connection and run id.
+    running: Option<(ConnId, RunId)>,
+    /// The request's last admission command (its R-SEL-1 hints), for the
+    /// selection check.
+    admitted_with: Option<DispatchRequest>,
 }
 
 #[derive(Debug)]
@@ -458,8 +433,8 @@ struct FencedLink {
     node: usize,
     generation: Generation,
     until: Instant,
-    /// The lease of each run that was running on it.
-    leases: BTreeMap<RunId, LeaseId>,
+    /// The request and lease of each run that was running on it.
+    leases: BTreeMap<RunId, (RequestId, LeaseId)>,
 }
 
 #[derive(Debug)]
@@ -477,6 +452,9 @@ struct EdgeProc {
     probes: BTreeMap<u64, iop_core::edge::health::ProbeTicket>,
     /// Connections ended within [`LINK_DRAIN`].
     fenced_links: BTreeMap<ConnId, FencedLink>,
+    /// Leases released by their generation's fence (a pre-send that
+    /// arrives after the fence is checked against them).
+    fenced_leases: BTreeMap<LeaseId, Lease>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -741,10 +719,8 @@ impl World {
         };
         if let Some(edge) = &self.edge {
             consider(edge.dispatcher.poll_timeout());
-            if !self.bugs.contains(&Bug::IgnoreGateTimeout) {
-                for r in edge.requests.values() {
-                    consider(r.gate.poll_timeout());
-                }
+            for r in edge.requests.values() {
+                consider(r.machine.poll_timeout());
             }
             for c in edge.conns.values() {
                 if let Some(hb) = &c.heartbeat {
@@ -818,19 +794,17 @@ impl World {
             edge.dispatcher.handle_timeout(now);
             self.drain_dispatch();
         }
-        if !self.bugs.contains(&Bug::IgnoreGateTimeout) {
-            let gates: Vec<RequestId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
-                e.requests
-                    .iter()
-                    .filter(|(_, r)| due(r.gate.poll_timeout()))
-                    .map(|(id, _)| *id)
-                    .collect()
-            });
-            for rid in gates {
-                if let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) {
-                    r.gate.handle_timeout(now);
-                    self.drive_gate(rid);
-                }
+        let requests: Vec<RequestId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
+            e.requests
+                .iter()
+                .filter(|(_, r)| due(r.machine.poll_timeout()))
+                .map(|(id, _)| *id)
+                .collect()
+        });
+        for rid in requests {
+            if let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) {
+                r.machine.handle_timeout(now);
+                self.drive_request(rid);
             }
         }
         let conns: Vec<ConnId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
@@ -941,11 +915,10 @@ impl World {
                 incarnation,
                 request_id,
             } => self.client_leave(incarnation, request_id),
-            Event::PreSend {
+            Event::ToHub {
                 incarnation,
-                request_id,
-                lease_id,
-            } => self.pre_send(incarnation, request_id, lease_id),
+                command,
+            } => self.command_at_hub(incarnation, command),
             Event::FaultTick => self.fault_tick(),
             Event::CheckNodes => self.check_nodes(),
             Event::CheckEligible => self.check_eligible(),
@@ -1050,6 +1023,7 @@ impl World {
             commands: BTreeMap::new(),
             probes: BTreeMap::new(),
             fenced_links: BTreeMap::new(),
+            fenced_leases: BTreeMap::new(),
         });
         self.checker.edge_started();
         let at = self.now + self.cfg.capabilities_interval;
@@ -1134,7 +1108,23 @@ impl World {
                     self.edge_close_conn(conn, CloseCode::ProtocolError);
                     return;
                 }
-                match edge.dispatcher.register(now, &node_id, &request) {
+                let registered = self
+                    .dispatch(DispatchInput::Register {
+                        node: node_id.clone(),
+                        request,
+                    })
+                    .into_iter()
+                    .find_map(|o| match o {
+                        DispatchOutput::Registered { result, .. } => Some(result),
+                        _ => None,
+                    });
+                let Some(registered) = registered else {
+                    return;
+                };
+                let Some(edge) = &mut self.edge else {
+                    return;
+                };
+                match registered {
                     Ok((generation, config)) => {
                         let high_water = edge.dispatcher.inner().registry().high_water();
                         self.persisted_high_water = self.persisted_high_water.max(high_water);
@@ -1157,7 +1147,6 @@ impl World {
                                 RegisterResponse::Accepted { generation, config },
                             )),
                         );
-                        self.drain_dispatch();
                     }
                     Err(rejection) => {
                         self.transmit(
@@ -1178,7 +1167,13 @@ impl World {
             }
             NodeControl::Ready(NodeReadyRequest { generation }) => {
                 let accepted = c.generation == Some(generation)
-                    && edge.dispatcher.ready(now, &node_id, generation);
+                    && self
+                        .dispatch(DispatchInput::Ready {
+                            node: node_id,
+                            generation,
+                        })
+                        .iter()
+                        .any(|o| matches!(o, DispatchOutput::ReadyAnswer { accepted: true, .. }));
                 self.transmit(
                     conn,
                     Dir::EdgeToNode,
@@ -1188,7 +1183,6 @@ impl World {
                         accepted,
                     })),
                 );
-                self.drain_dispatch();
             }
             NodeControl::Ping(HeartbeatMsg { seq }) => {
                 if let Some(hb) = &mut c.heartbeat {
@@ -1277,14 +1271,10 @@ impl World {
                 let leases = c
                     .runs
                     .iter()
-                    .filter_map(
-                        |(run_id, rid)| match edge.requests.get(rid).map(|r| &r.phase) {
-                            Some(ReqPhase::Running { lease, .. }) if lease.run_id == *run_id => {
-                                Some((*run_id, lease.lease_id))
-                            }
-                            _ => None,
-                        },
-                    )
+                    .filter_map(|(run_id, rid)| {
+                        let lease = edge.requests.get(rid)?.machine.attempt_lease()?;
+                        (lease.run_id == *run_id).then_some((*run_id, (*rid, lease.lease_id)))
+                    })
                     .collect();
                 edge.fenced_links.retain(|_, l| l.until >= now);
                 edge.fenced_links.insert(
@@ -1298,9 +1288,11 @@ impl World {
                 );
             }
             edge.by_generation.remove(&(c.node, generation));
-            edge.dispatcher
-                .connection_closed(now, &node_id(c.node), generation, code);
-            self.drain_dispatch();
+            self.dispatch(DispatchInput::ConnectionClosed {
+                node: node_id(c.node),
+                generation,
+                reason: code,
+            });
         }
     }
 
@@ -1327,39 +1319,59 @@ impl World {
                 run_id,
                 kind: kind @ (RunEventKind::Completed { .. } | RunEventKind::Failed(_)),
             }) => {
-                let Some(&lease_id) = link.leases.get(&run_id) else {
+                let Some(&(request_id, lease_id)) = link.leases.get(&run_id) else {
                     return;
                 };
                 let failure = match kind {
                     RunEventKind::Failed(f) => Some(f),
                     _ => None,
                 };
-                let verdict = edge.dispatcher.apply_terminal(
-                    now,
+                let outs = self.dispatch(DispatchInput::Request(RequestCommand::Terminal {
+                    request_id,
                     lease_id,
-                    &node,
+                    node: node.clone(),
                     generation,
-                    failure.as_ref(),
-                );
-                verdict == TerminalVerdict::Ignored(IgnoredTerminal::FencedGeneration)
+                    failure,
+                }));
+                outs.iter().any(|o| {
+                    matches!(
+                        o,
+                        DispatchOutput::ToRequest {
+                            event: RequestEvent::Terminal {
+                                lease_id: l,
+                                verdict: TerminalVerdict::Ignored(IgnoredTerminal::FencedGeneration),
+                            },
+                            ..
+                        } if *l == lease_id
+                    )
+                })
             }
             Payload::CommandResult(CommandResult {
                 body: CommandResultBody::Capabilities(report),
                 ..
-            }) => edge
-                .dispatcher
-                .apply_capabilities(now, &node, generation, &report)
-                .is_empty(),
+            }) => !self
+                .dispatch(DispatchInput::Capabilities {
+                    node: node.clone(),
+                    generation,
+                    report,
+                })
+                .iter()
+                .any(|o| matches!(o, DispatchOutput::Capability(_))),
             _ => return,
+        };
+        let Some(edge) = &mut self.edge else {
+            return;
         };
         let counted = edge.dispatcher.inner().registry().fenced_messages() - counted_before;
         self.stats.late_fenced_messages += 1;
         self.checker
             .fenced_message(&node, generation, ignored, counted);
-        self.drain_dispatch();
     }
 
-    fn drain_dispatch(&mut self) {
+    /// Carry out the dispatcher's outputs (the hub's `drain`); returns them
+    /// all, in order, for the caller that wants an answer among them.
+    fn drain_dispatch(&mut self) -> Vec<DispatchOutput> {
+        let mut drained = Vec::new();
         loop {
             let now = self.now;
             let Some(out) = self
@@ -1369,6 +1381,7 @@ impl World {
             else {
                 break;
             };
+            drained.push(out.clone());
             match out {
                 DispatchOutput::CloseConnection {
                     node,
@@ -1385,31 +1398,384 @@ impl World {
                     }
                 }
                 DispatchOutput::Fenced { .. } => self.stats.fences += 1,
-                DispatchOutput::NodeReady { .. } => {}
-                DispatchOutput::Leased(lease) => {
-                    if let Some(edge) = &self.edge {
-                        self.checker.lease_granted(edge.dispatcher.inner(), &lease);
+                DispatchOutput::NodeReady { .. }
+                | DispatchOutput::Registered { .. }
+                | DispatchOutput::ReadyAnswer { .. }
+                | DispatchOutput::Health(_) => {}
+                DispatchOutput::StallEvidence { outcome, .. } => match outcome {
+                    EvidenceOutcome::Lowered => self.stats.lowerings += 1,
+                    EvidenceOutcome::Stale => self.stats.stale_evidence += 1,
+                    EvidenceOutcome::Recorded => {}
+                },
+                DispatchOutput::Capability(v) => {
+                    if v.recovery == iop_core::edge::overlay::RecoveryOutcome::Recovered {
+                        self.stats.recoveries += 1;
                     }
-                    self.lease_granted(lease);
                 }
-                DispatchOutput::QueueExpired { request_id } => {
-                    self.gate_input(
-                        request_id,
-                        GateInput::AdmissionFailed(AdmissionFailure::QueueTimeout),
-                    );
+                DispatchOutput::ToRequest { request_id, event } => {
+                    self.news_for_request(request_id, event);
                 }
-                DispatchOutput::LeaseFenced(lease) => {
-                    self.checker.lease_released(lease.lease_id, "fence");
-                    self.lease_fenced(lease);
+                DispatchOutput::CancelRun {
+                    node,
+                    generation,
+                    run_id,
+                } => {
+                    let idx = self.node_index(&node);
+                    if let Some(conn) = self
+                        .edge
+                        .as_ref()
+                        .and_then(|e| e.by_generation.get(&(idx, generation)).copied())
+                    {
+                        self.transmit(
+                            conn,
+                            Dir::EdgeToNode,
+                            StreamKey::Control,
+                            Payload::EdgeControl(EdgeControl::Cancel(iop_wire::Cancel { run_id })),
+                        );
+                    }
                 }
                 DispatchOutput::ProbeDue {
                     ticket,
                     node,
                     generation,
                 } => self.health_probe(ticket, &node, generation),
-                DispatchOutput::Health(_) => {}
             }
         }
+        drained
+    }
+
+    /// Feed one input to the dispatcher and carry out what it caused.
+    fn dispatch(&mut self, input: DispatchInput) -> Vec<DispatchOutput> {
+        let now = self.now;
+        let Some(edge) = &mut self.edge else {
+            return Vec::new();
+        };
+        edge.dispatcher.handle_input(now, input);
+        self.drain_dispatch()
+    }
+
+    /// The dispatcher's news about a request: the checks that watch the
+    /// traffic, then the request machine.
+    fn news_for_request(&mut self, rid: RequestId, event: RequestEvent) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        match &event {
+            RequestEvent::Leased(lease) => {
+                self.checker.lease_granted(edge.dispatcher.inner(), lease);
+                match edge.requests.get(&rid) {
+                    Some(r) => {
+                        if let Some(admit) = &r.admitted_with {
+                            self.checker.selection(
+                                edge.dispatcher.inner(),
+                                lease,
+                                admit.avoid_provider_id.as_ref(),
+                                admit.allow_avoided_fallback,
+                                &admit.pool,
+                            );
+                        }
+                    }
+                    None => {
+                        let detail =
+                            format!("lease {} granted to a finished request", lease.lease_id);
+                        self.checker.fail("R-LEASE-2", detail);
+                    }
+                }
+            }
+            RequestEvent::LeaseFenced(lease) => {
+                self.checker.lease_released(lease.lease_id, "fence");
+                edge.fenced_leases.insert(lease.lease_id, lease.clone());
+                if let Some(r) = edge.requests.get(&rid)
+                    && matches!(r.machine.attempt_lease(), Some(l) if l.lease_id == lease.lease_id)
+                {
+                    // The attempt's stream dies with its connection.
+                    if let Some(r) = edge.requests.get_mut(&rid) {
+                        r.running = None;
+                    }
+                }
+            }
+            _ => {}
+        }
+        self.request_input(rid, RequestInput::Dispatch(event));
+    }
+
+    /// Feed a request machine and carry out its outputs.
+    fn request_input(&mut self, rid: RequestId, input: RequestInput) {
+        let now = self.now;
+        let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
+            return;
+        };
+        r.machine.handle_input(now, input);
+        self.drive_request(rid);
+    }
+
+    /// Carry out a request machine's outputs (the request driver's
+    /// `carry_out`), then finish the request if it ended.
+    fn drive_request(&mut self, rid: RequestId) {
+        loop {
+            let Some(edge) = &mut self.edge else {
+                return;
+            };
+            let incarnation = edge.incarnation;
+            let Some(r) = edge.requests.get_mut(&rid) else {
+                return;
+            };
+            let Some(out) = r.machine.poll_output() else {
+                break;
+            };
+            self.carry_out(incarnation, rid, out);
+        }
+        self.finish_if_ended(rid);
+    }
+
+    fn carry_out(&mut self, incarnation: u64, rid: RequestId, out: RequestOutput) {
+        let key = (incarnation, rid);
+        match out {
+            // The pre-send fence reaches the hub after a hop, so fences
+            // slip in between (R-GEN-4); the other commands at once.
+            RequestOutput::Dispatch(command @ RequestCommand::PreSend { .. }) => {
+                let at = self.now + self.rng.millis(0, 15);
+                self.schedule(
+                    at,
+                    Event::ToHub {
+                        incarnation,
+                        command,
+                    },
+                );
+            }
+            RequestOutput::Dispatch(command) => self.command_at_hub(incarnation, command),
+            RequestOutput::Open {
+                lease,
+                tunnel: _,
+                deadline_ms,
+            } => self.open_attempt(rid, lease, deadline_ms),
+            RequestOutput::CloseAttempt => {
+                let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
+                    return;
+                };
+                if let Some((conn, run_id)) = r.running.take() {
+                    if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+                        c.runs.remove(&run_id);
+                    }
+                    // The stream reset reaches the node as a cancel.
+                    self.transmit(
+                        conn,
+                        Dir::EdgeToNode,
+                        StreamKey::Control,
+                        Payload::EdgeControl(EdgeControl::Cancel(iop_wire::Cancel { run_id })),
+                    );
+                }
+            }
+            RequestOutput::Deliver(delivery) => match delivery {
+                Delivery::Commit { .. } => {
+                    self.checker.client(key, ClientSaw::Commit);
+                    self.recorder.world_line(&("commit", key));
+                }
+                Delivery::Event(kind) => {
+                    if matches!(
+                        AttemptFrame::from_run_event(&kind),
+                        AttemptFrame::Event(AttemptEvent::Content)
+                    ) {
+                        self.checker.client(key, ClientSaw::Content);
+                        self.recorder.world_line(&("content", key));
+                    }
+                }
+                Delivery::Body(_) => {}
+                Delivery::Finish | Delivery::Fail { .. } => {
+                    match &delivery {
+                        Delivery::Fail { kind, .. } => {
+                            self.stats.failed += 1;
+                            *self
+                                .stats
+                                .failures
+                                .entry(kind.as_str().to_owned())
+                                .or_default() += 1;
+                        }
+                        _ => self.stats.finished += 1,
+                    }
+                    self.checker.client(key, ClientSaw::Terminal);
+                    self.recorder
+                        .world_line(&("terminal", key, format!("{delivery:?}")));
+                }
+            },
+            RequestOutput::Observe(RequestObservation::Readmitted) => {
+                self.stats.readmissions += 1;
+            }
+            RequestOutput::Observe(_) => {}
+        }
+    }
+
+    /// A request's command reaches the hub: feed it to the dispatcher, with
+    /// the checks that watch the answer.
+    fn command_at_hub(&mut self, incarnation: u64, command: RequestCommand) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        if edge.incarnation != incarnation {
+            return;
+        }
+        let rid = command.request_id();
+        let held = edge
+            .dispatcher
+            .inner()
+            .admission()
+            .lease_of_request(rid)
+            .cloned();
+        let check = match &command {
+            RequestCommand::Admit(request) => {
+                if let Some(r) = edge.requests.get_mut(&rid) {
+                    r.admitted_with = Some(request.clone());
+                }
+                HubCheck::None
+            }
+            RequestCommand::PreSend { lease_id, .. } => HubCheck::PreSend {
+                lease_id: *lease_id,
+                fenced: edge.fenced_leases.contains_key(lease_id),
+            },
+            RequestCommand::Terminal { failure, .. } => HubCheck::Terminal(failure.clone()),
+            RequestCommand::Cancel { .. } => HubCheck::Cancel(held),
+        };
+        let outs = self.dispatch(DispatchInput::Request(command));
+        // The answer among what the input caused (a nested drain may have
+        // carried out older outputs first).
+        let answer = outs.iter().find_map(|o| match (o, &check) {
+            (
+                DispatchOutput::ToRequest {
+                    request_id,
+                    event: event @ RequestEvent::PreSend(_),
+                },
+                HubCheck::PreSend { .. },
+            )
+            | (
+                DispatchOutput::ToRequest {
+                    request_id,
+                    event: event @ RequestEvent::Terminal { .. },
+                },
+                HubCheck::Terminal(_),
+            ) if *request_id == rid => Some(event.clone()),
+            _ => None,
+        });
+        match (check, answer) {
+            (HubCheck::PreSend { lease_id, fenced }, Some(RequestEvent::PreSend(answer))) => {
+                let answer = &answer;
+                if fenced {
+                    if let Some(edge) = &self.edge
+                        && let Some(lease) = edge.fenced_leases.get(&lease_id)
+                    {
+                        self.checker
+                            .pre_send_after_fence(edge.dispatcher.inner(), lease, answer);
+                    }
+                    self.stats.fenced_before_send += 1;
+                } else if *answer == PreSend::Refenced {
+                    self.stats.pre_send_refenced += 1;
+                    self.checker.lease_released(lease_id, "pre-send fence");
+                }
+            }
+            (HubCheck::Terminal(failure), Some(RequestEvent::Terminal { verdict, .. })) => {
+                self.checker.terminal_applied(&verdict, failure.as_ref());
+            }
+            (HubCheck::Cancel(Some(lease)), _) => {
+                let released = outs.iter().any(|o| {
+                    matches!(o, DispatchOutput::CancelRun { run_id, .. } if *run_id == lease.run_id)
+                });
+                if released {
+                    self.checker.lease_released(lease.lease_id, "client cancel");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The request's `Open`: send the run on the lease's connection.
+    fn open_attempt(&mut self, rid: RequestId, lease: Lease, deadline_ms: u64) {
+        let node = self.node_index(&lease.node);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let conn = edge.by_generation.get(&(node, lease.generation)).copied();
+        self.checker
+            .lease_sent(edge.dispatcher.inner(), &lease, conn.is_some());
+        let Some(conn) = conn else {
+            self.request_input(rid, RequestInput::OpenFailed(OpenFailure::NoConnection));
+            return;
+        };
+        let run_id = lease.run_id;
+        let request = RunRequest {
+            run_id,
+            session_id: format!("r{rid}"),
+            adapter: lease.adapter,
+            target: lease.target.clone(),
+            model: "sim".into(),
+            api: RunApi::Chat,
+            messages: vec![],
+            tools: vec![],
+            params: GenerationParams::default(),
+            response_stall_timeout_ms: lease.stall_timeout_ms,
+            deadline_ms,
+            credential_lease: None,
+        };
+        if let Some(r) = edge.requests.get_mut(&rid) {
+            r.running = Some((conn, run_id));
+        }
+        if let Some(c) = edge.conns.get_mut(&conn) {
+            c.runs.insert(run_id, rid);
+        }
+        self.transmit(
+            conn,
+            Dir::EdgeToNode,
+            StreamKey::Run(run_id),
+            Payload::Data(DataRequest::Run(request)),
+        );
+        self.request_input(rid, RequestInput::Opened);
+    }
+
+    fn edge_run_event(&mut self, conn: ConnId, ev: RunEvent) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(c) = edge.conns.get_mut(&conn) else {
+            return;
+        };
+        let Some(&rid) = c.runs.get(&ev.run_id) else {
+            return;
+        };
+        if ev.kind.is_terminal() {
+            c.runs.remove(&ev.run_id);
+            self.net.stream_done(conn, StreamKey::Run(ev.run_id));
+        }
+        let Some(r) = edge.requests.get(&rid) else {
+            return;
+        };
+        if r.running != Some((conn, ev.run_id)) {
+            return;
+        }
+        self.request_input(rid, RequestInput::Frame(NodeFrame::Run(ev.kind)));
+    }
+
+    /// The request ended: it is over.
+    fn finish_if_ended(&mut self, rid: RequestId) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(r) = edge.requests.get(&rid) else {
+            return;
+        };
+        if !r.machine.is_ended() {
+            return;
+        }
+        if r.machine.gate().end() == Some(GateEnd::ClientDisconnected) {
+            self.stats.client_left += 1;
+            self.checker.client((incarnation, rid), ClientSaw::Left);
+            self.recorder.world_line(&("left", (incarnation, rid)));
+        }
+        if let Some(r) = edge.requests.remove(&rid)
+            && let Some((conn, run_id)) = r.running
+            && let Some(c) = edge.conns.get_mut(&conn)
+        {
+            c.runs.remove(&run_id);
+        }
+        self.checker.gate_ended(edge.dispatcher.inner(), rid);
     }
 
     /// A health probe the dispatcher asked for: a CAPABILITIES command on the
@@ -1427,10 +1793,14 @@ impl World {
         };
         let conn = generation.and_then(|g| edge.by_generation.get(&(idx, g)).copied());
         let Some(conn) = conn else {
-            let _ = edge.dispatcher.probe_answer(
+            edge.dispatcher.handle_input(
                 now,
-                &ticket,
-                Err(iop_wire::HealthFailureCode::TransportFailed),
+                DispatchInput::ProbeAnswer {
+                    ticket,
+                    answer: DispatchProbeAnswer::Failure(
+                        iop_wire::HealthFailureCode::TransportFailed,
+                    ),
+                },
             );
             return;
         };
@@ -1494,16 +1864,24 @@ impl World {
         };
         let rid = edge.next_request_id;
         edge.next_request_id += 1;
-        let gate = StreamGate::new(now, budget);
-        let deadline = gate.deadline();
+        let machine = Request::new(
+            now,
+            RequestSpec {
+                request_id: rid,
+                pool,
+                budget,
+                tunnel_api: None,
+                tunnel_providers: Vec::new(),
+            },
+        );
+        self.core_bugs.plant_request(&machine);
+        let deadline = machine.gate().deadline();
         edge.requests.insert(
             rid,
             EdgeRequest {
-                gate,
-                pool,
-                avoid: None,
-                allow_avoided: false,
-                phase: ReqPhase::Admitting,
+                machine,
+                running: None,
+                admitted_with: None,
             },
         );
         let incarnation = edge.incarnation;
@@ -1518,8 +1896,7 @@ impl World {
                 },
             );
         }
-        self.admit(rid);
-        self.drain_dispatch();
+        self.drive_request(rid);
     }
 
     fn client_leave(&mut self, incarnation: u64, request_id: RequestId) {
@@ -1528,454 +1905,8 @@ impl World {
             .as_ref()
             .is_some_and(|e| e.incarnation == incarnation)
         {
-            self.gate_input(request_id, GateInput::ClientDisconnected);
+            self.request_input(request_id, RequestInput::ClientDisconnected);
         }
-    }
-
-    /// Ask admission for the request's next attempt.
-    fn admit(&mut self, rid: RequestId) {
-        let now = self.now;
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let Some(r) = edge.requests.get_mut(&rid) else {
-            return;
-        };
-        r.phase = ReqPhase::Admitting;
-        let request = DispatchRequest {
-            request_id: rid,
-            pool: r.pool.clone(),
-            avoid_provider_id: r.avoid.clone(),
-            allow_avoided_fallback: r.allow_avoided,
-            stall_timeout_ms: None,
-        };
-        match edge.dispatcher.request(now, request) {
-            Admit::Leased(lease) => {
-                self.checker.lease_granted(edge.dispatcher.inner(), &lease);
-                self.lease_granted(lease);
-            }
-            Admit::Queued => {}
-            Admit::Rejected(rejection) => {
-                let failure = match rejection {
-                    AdmitRejection::QueueFull => AdmissionFailure::QueueFull,
-                    AdmitRejection::NoRoute | AdmitRejection::DuplicateRequest => {
-                        AdmissionFailure::NoEligibleProvider
-                    }
-                };
-                self.gate_input(rid, GateInput::AdmissionFailed(failure));
-            }
-        }
-    }
-
-    fn lease_granted(&mut self, lease: Lease) {
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let incarnation = edge.incarnation;
-        let Some(r) = edge.requests.get_mut(&lease.request_id) else {
-            let detail = format!("lease {} granted to a finished request", lease.lease_id);
-            self.checker.fail("R-LEASE-2", detail);
-            return;
-        };
-        self.checker.selection(
-            edge.dispatcher.inner(),
-            &lease,
-            r.avoid.as_ref(),
-            r.allow_avoided,
-            &r.pool,
-        );
-        let (request_id, lease_id) = (lease.request_id, lease.lease_id);
-        r.phase = ReqPhase::PreSend(lease);
-        // The shell awaits the hub between lease and send: fences slip in.
-        let delay = self.rng.millis(0, 15);
-        self.schedule(
-            self.now + delay,
-            Event::PreSend {
-                incarnation,
-                request_id,
-                lease_id,
-            },
-        );
-    }
-
-    fn pre_send(&mut self, incarnation: u64, rid: RequestId, lease_id: LeaseId) {
-        let now = self.now;
-        let skip_fence = self.bugs.contains(&Bug::SkipPreSendFence);
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        if edge.incarnation != incarnation {
-            return;
-        }
-        let Some(r) = edge.requests.get(&rid) else {
-            return;
-        };
-        let lease = match &r.phase {
-            ReqPhase::PreSend(l) if l.lease_id == lease_id => l.clone(),
-            _ => return,
-        };
-        let lease = if skip_fence {
-            lease
-        } else {
-            match edge.dispatcher.pre_send(now, lease_id) {
-                PreSend::Send(lease) => lease,
-                PreSend::Refenced => {
-                    self.stats.pre_send_refenced += 1;
-                    self.checker.lease_released(lease_id, "pre-send fence");
-                    if let Some(r) = edge.requests.get_mut(&rid) {
-                        r.phase = ReqPhase::Admitting;
-                    }
-                    self.drain_dispatch();
-                    return;
-                }
-                PreSend::UnknownLease => return,
-            }
-        };
-        let node = self.node_index(&lease.node);
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let conn = edge.by_generation.get(&(node, lease.generation)).copied();
-        self.checker
-            .lease_sent(edge.dispatcher.inner(), &lease, conn.is_some());
-        let Some(conn) = conn else {
-            return;
-        };
-        let Some(r) = edge.requests.get_mut(&rid) else {
-            return;
-        };
-        let _ = r.gate.handle_input(
-            now,
-            GateInput::Dispatched {
-                provider_id: lease.provider_id.clone(),
-            },
-        );
-        let Some(attempt) = r.gate.current_attempt() else {
-            self.drive_gate(rid);
-            return;
-        };
-        let run_id = lease.run_id;
-        let request = RunRequest {
-            run_id,
-            session_id: format!("r{rid}"),
-            adapter: lease.adapter,
-            target: lease.target.clone(),
-            model: "sim".into(),
-            api: RunApi::Chat,
-            messages: vec![],
-            tools: vec![],
-            params: GenerationParams::default(),
-            response_stall_timeout_ms: lease.stall_timeout_ms,
-            deadline_ms: 0,
-            credential_lease: None,
-        };
-        r.phase = ReqPhase::Running {
-            lease,
-            attempt,
-            conn,
-        };
-        if let Some(c) = edge.conns.get_mut(&conn) {
-            c.runs.insert(run_id, rid);
-        }
-        self.transmit(
-            conn,
-            Dir::EdgeToNode,
-            StreamKey::Run(run_id),
-            Payload::Data(DataRequest::Run(request)),
-        );
-        self.drive_gate(rid);
-    }
-
-    fn lease_fenced(&mut self, lease: Lease) {
-        let now = self.now;
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let Some(r) = edge.requests.get_mut(&lease.request_id) else {
-            return;
-        };
-        match &r.phase {
-            ReqPhase::Running {
-                lease: l,
-                attempt,
-                conn,
-            } if l.lease_id == lease.lease_id => {
-                let (attempt, conn) = (*attempt, *conn);
-                if let Some(c) = edge.conns.get_mut(&conn) {
-                    c.runs.remove(&lease.run_id);
-                }
-                self.gate_input(
-                    lease.request_id,
-                    GateInput::Attempt {
-                        attempt,
-                        event: AttemptEvent::TransportLost,
-                    },
-                );
-            }
-            ReqPhase::PreSend(l) if l.lease_id == lease.lease_id => {
-                if self.bugs.contains(&Bug::SkipPreSendFence) {
-                    // The planted bug keeps the stale lease and sends it.
-                    return;
-                }
-                // The request driver's pre-send may already be on its way
-                // to the hub: it reaches the dispatcher after the fence and
-                // must not be answered `Send` (R-GEN-4).
-                let answer = edge.dispatcher.pre_send(now, lease.lease_id);
-                self.checker
-                    .pre_send_after_fence(edge.dispatcher.inner(), &lease, &answer);
-                // Nothing was sent: ask again (as the request driver does).
-                self.stats.fenced_before_send += 1;
-                self.admit(lease.request_id);
-            }
-            _ => {}
-        }
-    }
-
-    fn edge_run_event(&mut self, conn: ConnId, ev: RunEvent) {
-        let now = self.now;
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let Some(c) = edge.conns.get(&conn) else {
-            return;
-        };
-        let (node, generation) = (c.node, c.generation);
-        let Some(&rid) = c.runs.get(&ev.run_id) else {
-            return;
-        };
-        let Some(r) = edge.requests.get(&rid) else {
-            return;
-        };
-        let ReqPhase::Running { lease, attempt, .. } = &r.phase else {
-            return;
-        };
-        if lease.run_id != ev.run_id {
-            return;
-        }
-        let (lease_id, attempt) = (lease.lease_id, *attempt);
-        let event = match AttemptFrame::from_run_event(&ev.kind) {
-            AttemptFrame::Event(event) => event,
-            AttemptFrame::NoEvent => return,
-            AttemptFrame::Terminal => {
-                let failure = match &ev.kind {
-                    RunEventKind::Failed(f) => Some(f.clone()),
-                    _ => None,
-                };
-                let Some(generation) = generation else {
-                    return;
-                };
-                let verdict = edge.dispatcher.apply_terminal(
-                    now,
-                    lease_id,
-                    &node_id(node),
-                    generation,
-                    failure.as_ref(),
-                );
-                self.checker.terminal_applied(&verdict, failure.as_ref());
-                match &verdict {
-                    TerminalVerdict::Applied {
-                        evidence: Some(EvidenceOutcome::Lowered),
-                        ..
-                    } => self.stats.lowerings += 1,
-                    TerminalVerdict::Applied {
-                        evidence: Some(EvidenceOutcome::Stale),
-                        ..
-                    } => self.stats.stale_evidence += 1,
-                    _ => {}
-                }
-                if let Some(c) = edge.conns.get_mut(&conn) {
-                    c.runs.remove(&ev.run_id);
-                }
-                self.net.stream_done(conn, StreamKey::Run(ev.run_id));
-                verdict.attempt_event(failure.map(|f| f.code))
-            }
-        };
-        let content = event == AttemptEvent::Content;
-        self.gate_input(rid, GateInput::Attempt { attempt, event });
-        if content {
-            self.deliver_content(rid);
-        }
-        self.drain_dispatch();
-    }
-
-    /// Forward a content chunk to the client if the gate committed.
-    fn deliver_content(&mut self, rid: RequestId) {
-        let Some(edge) = &self.edge else {
-            return;
-        };
-        let Some(r) = edge.requests.get(&rid) else {
-            return;
-        };
-        if r.gate.is_committed() && r.gate.end().is_none() {
-            let key = (edge.incarnation, rid);
-            self.checker.client(key, ClientSaw::Content);
-            self.recorder.world_line(&("content", key));
-        }
-    }
-
-    fn gate_input(&mut self, rid: RequestId, input: GateInput) {
-        let now = self.now;
-        let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
-            return;
-        };
-        let _ = r.gate.handle_input(now, input);
-        self.drive_gate(rid);
-    }
-
-    /// Carry out a gate's outputs (the request driver's `carry_out`), then
-    /// finish the request if the gate ended.
-    fn drive_gate(&mut self, rid: RequestId) {
-        loop {
-            let Some(edge) = &mut self.edge else {
-                return;
-            };
-            let incarnation = edge.incarnation;
-            let Some(r) = edge.requests.get_mut(&rid) else {
-                return;
-            };
-            while r.gate.poll_event().is_some() {}
-            let Some(out) = r.gate.poll_output() else {
-                break;
-            };
-            self.carry_out(incarnation, rid, out);
-        }
-        self.finish_if_ended(rid);
-    }
-
-    fn carry_out(&mut self, incarnation: u64, rid: RequestId, out: GateOutput) {
-        let now = self.now;
-        let key = (incarnation, rid);
-        match out {
-            GateOutput::Commit => {
-                self.checker.client(key, ClientSaw::Commit);
-                self.recorder.world_line(&("commit", key));
-            }
-            GateOutput::CloseTransport { attempt } => {
-                let Some(edge) = &mut self.edge else {
-                    return;
-                };
-                let Some(r) = edge.requests.get_mut(&rid) else {
-                    return;
-                };
-                let ReqPhase::Running {
-                    lease,
-                    attempt: running,
-                    conn,
-                } = &r.phase
-                else {
-                    return;
-                };
-                if *running != attempt {
-                    return;
-                }
-                let (run_id, conn) = (lease.run_id, *conn);
-                r.phase = ReqPhase::Admitting;
-                if let Some(c) = edge.conns.get_mut(&conn) {
-                    c.runs.remove(&run_id);
-                }
-                // The stream reset reaches the node as a cancel.
-                self.transmit(
-                    conn,
-                    Dir::EdgeToNode,
-                    StreamKey::Control,
-                    Payload::EdgeControl(EdgeControl::Cancel(iop_wire::Cancel { run_id })),
-                );
-            }
-            GateOutput::Readmit {
-                avoid_provider_id,
-                allow_avoided_fallback,
-            } => {
-                self.stats.readmissions += 1;
-                if let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) {
-                    r.avoid = Some(avoid_provider_id);
-                    r.allow_avoided = allow_avoided_fallback;
-                }
-                self.admit(rid);
-            }
-            GateOutput::CancelRun { .. } => {
-                let Some(edge) = &mut self.edge else {
-                    return;
-                };
-                let Some(r) = edge.requests.get_mut(&rid) else {
-                    return;
-                };
-                if let ReqPhase::Running { lease, conn, .. } = &r.phase {
-                    let (run_id, conn) = (lease.run_id, *conn);
-                    if let Some(c) = edge.conns.get_mut(&conn) {
-                        c.runs.remove(&run_id);
-                    }
-                }
-                r.phase = ReqPhase::Admitting;
-                if self.bugs.contains(&Bug::SkipCancelRelease) {
-                    return;
-                }
-                let Some(lease) = edge.dispatcher.cancel(now, rid) else {
-                    self.drain_dispatch();
-                    return;
-                };
-                self.checker.lease_released(lease.lease_id, "client cancel");
-                let node = self.node_index(&lease.node);
-                let conn = self
-                    .edge
-                    .as_ref()
-                    .and_then(|e| e.by_generation.get(&(node, lease.generation)).copied());
-                if let Some(conn) = conn {
-                    self.transmit(
-                        conn,
-                        Dir::EdgeToNode,
-                        StreamKey::Control,
-                        Payload::EdgeControl(EdgeControl::Cancel(iop_wire::Cancel {
-                            run_id: lease.run_id,
-                        })),
-                    );
-                }
-                self.drain_dispatch();
-            }
-            GateOutput::FailBeforeCommit { .. }
-            | GateOutput::FailInStream { .. }
-            | GateOutput::Finish => {
-                match out {
-                    GateOutput::FailBeforeCommit { kind } | GateOutput::FailInStream { kind } => {
-                        self.stats.failed += 1;
-                        *self
-                            .stats
-                            .failures
-                            .entry(kind.as_str().to_owned())
-                            .or_default() += 1;
-                    }
-                    _ => self.stats.finished += 1,
-                }
-                self.checker.client(key, ClientSaw::Terminal);
-                self.recorder
-                    .world_line(&("terminal", key, format!("{out:?}")));
-                if self.bugs.contains(&Bug::DuplicateTerminal) {
-                    self.checker.client(key, ClientSaw::Terminal);
-                }
-            }
-        }
-    }
-
-    /// The gate ended: the request is over.
-    fn finish_if_ended(&mut self, rid: RequestId) {
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let incarnation = edge.incarnation;
-        let Some(end) = edge.requests.get(&rid).and_then(|r| r.gate.end()) else {
-            return;
-        };
-        if end == GateEnd::ClientDisconnected {
-            self.stats.client_left += 1;
-            self.checker.client((incarnation, rid), ClientSaw::Left);
-            self.recorder.world_line(&("left", (incarnation, rid)));
-        }
-        if let Some(r) = edge.requests.remove(&rid)
-            && let ReqPhase::Running { lease, conn, .. } = &r.phase
-            && let Some(c) = edge.conns.get_mut(conn)
-        {
-            c.runs.remove(&lease.run_id);
-        }
-        self.checker.gate_ended(edge.dispatcher.inner(), rid);
     }
 
     fn caps_tick(&mut self, incarnation: u64) {
@@ -2021,7 +1952,6 @@ impl World {
     }
 
     fn edge_command_result(&mut self, conn: ConnId, stream: StreamKey, result: CommandResult) {
-        let now = self.now;
         self.net.stream_done(conn, stream);
         let Some(edge) = &mut self.edge else {
             return;
@@ -2038,23 +1968,32 @@ impl World {
             return;
         };
         let node = node_id(c.node);
-        let verdicts = match edge.probes.remove(&result.command_id) {
-            Some(ticket) => {
-                edge.dispatcher
-                    .probe_answer(now, &ticket, Ok((&node, generation, report)))
-                    .1
-            }
-            None => edge
-                .dispatcher
-                .apply_capabilities(now, &node, generation, report),
+        let seq = report.health_observation_seq;
+        let input = match edge.probes.remove(&result.command_id) {
+            Some(ticket) => DispatchInput::ProbeAnswer {
+                ticket,
+                answer: DispatchProbeAnswer::Report {
+                    node,
+                    generation,
+                    report: report.clone(),
+                },
+            },
+            None => DispatchInput::Capabilities {
+                node,
+                generation,
+                report: report.clone(),
+            },
         };
-        self.stats.recoveries += verdicts
-            .iter()
-            .filter(|v| v.recovery == iop_core::edge::overlay::RecoveryOutcome::Recovered)
-            .count() as u64;
+        let verdicts: Vec<CapabilityVerdict> = self
+            .dispatch(input)
+            .into_iter()
+            .filter_map(|o| match o {
+                DispatchOutput::Capability(v) => Some(v),
+                _ => None,
+            })
+            .collect();
         self.checker
-            .capabilities_applied(generation, report.health_observation_seq, &verdicts);
-        self.drain_dispatch();
+            .capabilities_applied(generation, seq, &verdicts);
     }
 
     // ---- Nodes ---------------------------------------------------------------------
@@ -2832,6 +2771,14 @@ impl World {
             }
         }
     }
+}
+
+/// What the world checks about a request command's answer.
+enum HubCheck {
+    None,
+    PreSend { lease_id: LeaseId, fenced: bool },
+    Terminal(Option<ExecutionFailure>),
+    Cancel(Option<Lease>),
 }
 
 fn nconn(nodes: &mut [SimNode], node: usize) -> Option<&mut NodeConn> {

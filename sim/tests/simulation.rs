@@ -171,7 +171,12 @@ fn traces_recorded_by_the_simulator_replay_exactly() {
         assert_eq!(reader.header().machine, machine);
         let report = replay(reader).expect("replays");
         assert!(report.inputs > 5, "{machine:?}: {report:?}");
-        assert!(report.checked >= report.inputs);
+        if machine == MachineKind::EdgeDispatch {
+            // Its inputs return nothing: every output is checked.
+            assert!(report.checked > 5, "{machine:?}: {report:?}");
+        } else {
+            assert!(report.checked >= report.inputs, "{machine:?}: {report:?}");
+        }
     }
 }
 
@@ -184,7 +189,8 @@ fn replay_reports_the_first_divergence_with_its_line() {
         .iter()
         .position(|l| l.contains("\"registered\":"))
         .expect("a registration");
-    lines[at] = lines[at].replacen("\"generation\":1", "\"generation\":99", 1);
+    assert!(lines[at].contains("\"Ok\":[1,"), "{}", lines[at]);
+    lines[at] = lines[at].replacen("\"Ok\":[1,", "\"Ok\":[99,", 1);
     let tampered = lines.join("\n");
     let reader = TraceReader::new(BufReader::new(tampered.as_bytes())).expect("header");
     match replay(reader) {
@@ -221,17 +227,14 @@ fn malformed_traces_are_refused_with_a_reason() {
     }
 }
 
-/// Each planted bug is caught by an invariant within a few seeds: the
-/// invariants bite without touching the core.
+/// Each planted world fault is caught by an invariant within a few seeds
+/// (the request path's bugs are planted in the core machines themselves:
+/// `tests/planted_core_bugs.rs`).
 #[test]
-fn planted_driver_bugs_are_caught_by_the_invariants() {
-    let expectations: [(Bug, &[&str], u64); 6] = [
-        (Bug::SkipCancelRelease, &["R-LEASE-2", "quiet-zero"], 50),
-        (Bug::DuplicateTerminal, &["R-GATE-3"], 5),
-        (Bug::IgnoreGateTimeout, &["liveness-request"], 50),
+fn planted_world_bugs_are_caught_by_the_invariants() {
+    let expectations: [(Bug, &[&str], u64); 2] = [
         (Bug::DoubleProviderCall, &["provider-once"], 5),
         (Bug::ForgetGenerationFloor, &["R-GEN-1"], 200),
-        (Bug::SkipPreSendFence, &["R-GEN-4", "R-LEASE-2"], 300),
     ];
     for (bug, rules, max_seeds) in expectations {
         let caught = (0..max_seeds).find_map(|seed| {

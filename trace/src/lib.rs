@@ -14,8 +14,9 @@
 //! * Every later line is one of
 //!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
 //!     ([`iop_core::Instant::as_micros`]);
-//!   * `{"ret":VALUE,"t":T}`: what that input call returned (every input has
-//!     exactly one `ret` line, right after it);
+//!   * `{"ret":VALUE,"t":T}`: what that input call returned (every input of
+//!     a machine whose inputs return a value has exactly one `ret` line,
+//!     right after it);
 //!   * `{"out":OUTPUT,"t":T}`: the driver drained `OUTPUT` with
 //!     `poll_output()` at `T`.
 //!
@@ -27,10 +28,13 @@
 //! sequences compare line by line. `poll_timeout()` is not recorded: a timer
 //! firing appears as the `handle_timeout` input.
 //!
-//! Inputs, returns and outputs are the serializable mirrors in this module
-//! ([`DispatchInput`], [`DispatchRet`], [`DispatchOutputRec`],
-//! [`WatchdogInput`], ...), externally tagged in `snake_case`; wire types
-//! (`iop_wire`) appear as they serialize themselves.
+//! The dispatcher's inputs and outputs are the core enums themselves
+//! ([`DispatchInput`] inside a [`DispatchStep`], [`DispatchOutput`]); its
+//! inputs return nothing, so an `edge-dispatch` trace has no `ret` lines.
+//! The watchdog's and heartbeat's calls are still recorded through the
+//! serializable mirrors in this module ([`WatchdogInput`], ...). All are
+//! externally tagged in `snake_case`; wire types (`iop_wire`) appear as they
+//! serialize themselves.
 //!
 //! ## Recording
 //!
@@ -51,16 +55,8 @@ use std::io::{BufRead, Write};
 use std::time::Duration;
 
 use iop_core::Instant;
-use iop_core::edge::admission::{
-    AdmissionConfig, Admit, AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec,
-    RequestId,
-};
-use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, IgnoredTerminal, TerminalVerdict,
-};
-use iop_core::edge::gate::ConfirmedStall;
-use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
-use iop_core::edge::registry::Rejection;
+use iop_core::edge::admission::{AdmissionConfig, ProviderSpec};
+use iop_core::edge::dispatch::{DispatchConfig, DispatchInput, DispatchOutput, Dispatcher};
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
 use iop_core::node::session::ObservationSequence;
@@ -68,10 +64,7 @@ use iop_core::node::watchdog::{
     CancelReason, Emission, ProbeOutcome, Progress, ProviderEvent, ProviderOutcome, RunKind,
     RunTerminal, Watchdog, WatchdogConfig, WatchdogError, WatchdogOutput,
 };
-use iop_wire::{
-    AdapterKind, CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure,
-    HealthFailureCode, ProviderHealth, RegisterRequest, RejectReason,
-};
+use iop_wire::{AdapterKind, ExecutionFailure, HealthFailureCode, ProviderHealth};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -456,45 +449,6 @@ fn us(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
-/// A [`Lease`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LeaseRec {
-    /// Lease id.
-    pub lease_id: LeaseId,
-    /// Request served.
-    pub request_id: RequestId,
-    /// Provider.
-    pub provider_id: ProviderId,
-    /// Adapter.
-    pub adapter: AdapterKind,
-    /// Target.
-    pub target: String,
-    /// Node.
-    pub node: NodeId,
-    /// Generation bound to.
-    pub generation: Generation,
-    /// Run id.
-    pub run_id: RunId,
-    /// Effective stall timeout.
-    pub stall_timeout_ms: u64,
-}
-
-impl From<&Lease> for LeaseRec {
-    fn from(l: &Lease) -> Self {
-        Self {
-            lease_id: l.lease_id,
-            request_id: l.request_id,
-            provider_id: l.provider_id.clone(),
-            adapter: l.adapter,
-            target: l.target.clone(),
-            node: l.node.clone(),
-            generation: l.generation,
-            run_id: l.run_id,
-            stall_timeout_ms: l.stall_timeout_ms,
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------
 // edge-dispatch
 // ---------------------------------------------------------------------------
@@ -607,429 +561,23 @@ impl From<&DispatchConfigRec> for DispatchConfig {
     }
 }
 
-/// A [`DispatchRequest`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DispatchRequestRec {
-    /// Request id.
-    pub request_id: RequestId,
-    /// Candidate providers.
-    pub pool: Vec<ProviderId>,
-    /// Provider to avoid.
-    pub avoid_provider_id: Option<ProviderId>,
-    /// Allow the avoided provider without an alternate.
-    pub allow_avoided_fallback: bool,
-    /// Kept stall timeout.
-    pub stall_timeout_ms: Option<u64>,
-}
-
-impl From<&DispatchRequest> for DispatchRequestRec {
-    fn from(r: &DispatchRequest) -> Self {
-        Self {
-            request_id: r.request_id,
-            pool: r.pool.clone(),
-            avoid_provider_id: r.avoid_provider_id.clone(),
-            allow_avoided_fallback: r.allow_avoided_fallback,
-            stall_timeout_ms: r.stall_timeout_ms,
-        }
-    }
-}
-
-impl From<DispatchRequestRec> for DispatchRequest {
-    fn from(r: DispatchRequestRec) -> Self {
-        Self {
-            request_id: r.request_id,
-            pool: r.pool,
-            avoid_provider_id: r.avoid_provider_id,
-            allow_avoided_fallback: r.allow_avoided_fallback,
-            stall_timeout_ms: r.stall_timeout_ms,
-        }
-    }
-}
-
-/// An input of the dispatcher (one method call).
+/// One recorded step of the dispatcher: an input, or its timer firing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum DispatchInput {
-    /// [`Dispatcher::register`].
-    Register {
-        /// Node (from its certificate).
-        node: NodeId,
-        /// Its registration.
-        request: RegisterRequest,
-    },
-    /// [`Dispatcher::ready`].
-    Ready {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-    },
-    /// [`Dispatcher::connection_closed`].
-    ConnectionClosed {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-        /// Why.
-        reason: CloseCode,
-    },
-    /// [`Dispatcher::admit_message`].
-    AdmitMessage {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-    },
-    /// [`Dispatcher::request`].
-    Request(DispatchRequestRec),
-    /// [`Dispatcher::pre_send`].
-    PreSend {
-        /// The lease.
-        lease_id: LeaseId,
-    },
-    /// [`Dispatcher::apply_terminal`].
-    ApplyTerminal {
-        /// The lease.
-        lease_id: LeaseId,
-        /// Reception node.
-        node: NodeId,
-        /// Reception generation.
-        generation: Generation,
-        /// The failure, if the terminal is one.
-        failure: Option<ExecutionFailure>,
-    },
-    /// [`Dispatcher::cancel`].
-    Cancel {
-        /// The request.
-        request_id: RequestId,
-    },
-    /// [`Dispatcher::apply_capabilities`].
-    ApplyCapabilities {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-        /// The answer.
-        report: CapabilitiesReport,
-    },
-    /// [`Dispatcher::probe_answer`] for the provider's outstanding ticket.
-    ProbeAnswer {
-        /// The ticket's provider.
-        provider: ProviderId,
-        /// The report and where it came from, or the failure.
-        answer: ProbeAnswerRec,
-    },
+pub enum DispatchStep {
+    /// [`Dispatcher::handle_input`].
+    Input(DispatchInput),
     /// [`Dispatcher::handle_timeout`].
     HandleTimeout,
 }
 
-/// The answer to a health probe, serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ProbeAnswerRec {
-    /// A CAPABILITIES report from (node, generation).
-    Report {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-        /// The report.
-        report: CapabilitiesReport,
-    },
-    /// No report: why.
-    Failure(iop_wire::HealthFailureCode),
-}
-
-/// Why admission refused a request ([`AdmitRejection`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdmitRejectionRec {
-    /// Queue full.
-    QueueFull,
-    /// No configured provider in the pool.
-    NoRoute,
-    /// The request id is already admitted or queued.
-    DuplicateRequest,
-}
-
-impl From<AdmitRejection> for AdmitRejectionRec {
-    fn from(r: AdmitRejection) -> Self {
-        match r {
-            AdmitRejection::QueueFull => Self::QueueFull,
-            AdmitRejection::NoRoute => Self::NoRoute,
-            AdmitRejection::DuplicateRequest => Self::DuplicateRequest,
-        }
-    }
-}
-
-/// [`Admit`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdmitRec {
-    /// Leased now.
-    Leased(LeaseRec),
-    /// Queued.
-    Queued,
-    /// Refused.
-    Rejected(AdmitRejectionRec),
-}
-
-impl From<&Admit> for AdmitRec {
-    fn from(a: &Admit) -> Self {
-        match a {
-            Admit::Leased(l) => Self::Leased(l.into()),
-            Admit::Queued => Self::Queued,
-            Admit::Rejected(r) => Self::Rejected((*r).into()),
-        }
-    }
-}
-
-/// [`PreSend`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PreSendRec {
-    /// Send it.
-    Send(LeaseRec),
-    /// Stale: released and re-resolved.
-    Refenced,
-    /// Not held.
-    UnknownLease,
-}
-
-impl From<&PreSend> for PreSendRec {
-    fn from(p: &PreSend) -> Self {
-        match p {
-            PreSend::Send(l) => Self::Send(l.into()),
-            PreSend::Refenced => Self::Refenced,
-            PreSend::UnknownLease => Self::UnknownLease,
-        }
-    }
-}
-
-/// [`ConfirmedStall`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConfirmedStallRec {
-    /// Provider.
-    pub provider_id: ProviderId,
-    /// Validated health.
-    pub health: ProviderHealth,
-}
-
-/// [`TerminalVerdict`], serializable. Closed outcomes use their `as_str()`
-/// names.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TerminalVerdictRec {
-    /// Applied.
-    Applied {
-        /// The released lease.
-        lease: LeaseRec,
-        /// The stall handoff.
-        stall: Option<ConfirmedStallRec>,
-        /// [`EvidenceOutcome::as_str`].
-        evidence: Option<String>,
-    },
-    /// Ignored, [`IgnoredTerminal::as_str`].
-    Ignored(String),
-}
-
-impl From<&TerminalVerdict> for TerminalVerdictRec {
-    fn from(v: &TerminalVerdict) -> Self {
-        match v {
-            TerminalVerdict::Applied {
-                lease,
-                stall,
-                evidence,
-            } => Self::Applied {
-                lease: lease.into(),
-                stall: stall.as_ref().map(|s: &ConfirmedStall| ConfirmedStallRec {
-                    provider_id: s.provider_id.clone(),
-                    health: s.health,
-                }),
-                evidence: evidence.map(|e: EvidenceOutcome| e.as_str().to_owned()),
-            },
-            TerminalVerdict::Ignored(i) => Self::Ignored(IgnoredTerminal::as_str(*i).to_owned()),
-        }
-    }
-}
-
-/// [`CapabilityVerdict`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CapabilityVerdictRec {
-    /// Provider matched.
-    pub provider_id: ProviderId,
-    /// The probe's verdict.
-    pub health: ProviderHealth,
-    /// [`RecoveryOutcome::as_str`].
-    pub recovery: String,
-}
-
-impl From<&CapabilityVerdict> for CapabilityVerdictRec {
-    fn from(v: &CapabilityVerdict) -> Self {
-        Self {
-            provider_id: v.provider_id.clone(),
-            health: v.health,
-            recovery: RecoveryOutcome::as_str(v.recovery).to_owned(),
-        }
-    }
-}
-
-/// What a dispatcher input call returned.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DispatchRet {
-    /// `register` accepted.
-    Registered {
-        /// The new generation.
-        generation: Generation,
-        /// The config snapshot.
-        config: ConfigSnapshot,
-    },
-    /// `register` refused.
-    Rejected {
-        /// Closed reason.
-        reason: RejectReason,
-        /// Detail.
-        message: String,
-    },
-    /// `ready` / `admit_message` answer.
-    Accepted(bool),
-    /// `request` answer.
-    Admit(AdmitRec),
-    /// `pre_send` answer.
-    PreSend(PreSendRec),
-    /// `apply_terminal` answer.
-    Terminal(TerminalVerdictRec),
-    /// `cancel` answer: the released lease.
-    Canceled(Option<LeaseRec>),
-    /// `apply_capabilities` answer.
-    Capabilities(Vec<CapabilityVerdictRec>),
-    /// [`Dispatcher::probe_answer`]: whether it applied, and the verdicts.
-    Probe {
-        /// Applied (not stale).
-        applied: bool,
-        /// R-CAP-1 verdicts.
-        verdicts: Vec<CapabilityVerdictRec>,
-    },
-    /// Methods returning nothing.
-    Done,
-}
-
-/// [`DispatchOutput`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DispatchOutputRec {
-    /// Close a connection.
-    CloseConnection {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-        /// Why.
-        code: CloseCode,
-    },
-    /// A generation was fenced.
-    Fenced {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-        /// Why.
-        reason: CloseCode,
-    },
-    /// A generation became dispatchable.
-    NodeReady {
-        /// Node.
-        node: NodeId,
-        /// Generation.
-        generation: Generation,
-    },
-    /// A queued request got a lease.
-    Leased(LeaseRec),
-    /// A queued request expired.
-    QueueExpired {
-        /// The request.
-        request_id: RequestId,
-    },
-    /// A lease was released by its generation's fence.
-    LeaseFenced(LeaseRec),
-    /// A health probe is due.
-    ProbeDue {
-        /// Provider.
-        provider: ProviderId,
-        /// Its node.
-        node: NodeId,
-        /// The node's ready generation.
-        generation: Option<Generation>,
-    },
-    /// A health lifecycle event.
-    Health {
-        /// Provider.
-        provider: ProviderId,
-        /// `detected`, `ongoing` or `recovered`.
-        lifecycle: String,
-        /// Failure class.
-        failure_code: Option<iop_wire::HealthFailureCode>,
-    },
-}
-
-impl From<&DispatchOutput> for DispatchOutputRec {
-    fn from(o: &DispatchOutput) -> Self {
-        match o {
-            DispatchOutput::CloseConnection {
-                node,
-                generation,
-                code,
-            } => Self::CloseConnection {
-                node: node.clone(),
-                generation: *generation,
-                code: *code,
-            },
-            DispatchOutput::Fenced {
-                node,
-                generation,
-                reason,
-            } => Self::Fenced {
-                node: node.clone(),
-                generation: *generation,
-                reason: *reason,
-            },
-            DispatchOutput::NodeReady { node, generation } => Self::NodeReady {
-                node: node.clone(),
-                generation: *generation,
-            },
-            DispatchOutput::Leased(l) => Self::Leased(l.into()),
-            DispatchOutput::QueueExpired { request_id } => Self::QueueExpired {
-                request_id: *request_id,
-            },
-            DispatchOutput::LeaseFenced(l) => Self::LeaseFenced(l.into()),
-            DispatchOutput::ProbeDue {
-                ticket,
-                node,
-                generation,
-            } => Self::ProbeDue {
-                provider: ticket.provider_id.clone(),
-                node: node.clone(),
-                generation: *generation,
-            },
-            DispatchOutput::Health(e) => Self::Health {
-                provider: e.provider_id.clone(),
-                lifecycle: e.lifecycle.as_str().to_owned(),
-                failure_code: e.failure_code,
-            },
-        }
-    }
-}
-
-/// A [`Dispatcher`] that records every call into its [`Tap`]. The API is the
-/// core one; read access goes through [`TracedDispatcher::inner`].
+/// A [`Dispatcher`] that records every input and drained output into its
+/// [`Tap`], as the core types themselves. Read access goes through
+/// [`TracedDispatcher::inner`].
 #[derive(Debug)]
 pub struct TracedDispatcher {
     inner: Dispatcher,
     tap: Tap,
-    /// The latest ticket of each provider's due probe (replay answers by
-    /// provider).
-    tickets: std::collections::BTreeMap<ProviderId, iop_core::edge::health::ProbeTicket>,
 }
 
 impl TracedDispatcher {
@@ -1044,43 +592,7 @@ impl TracedDispatcher {
         Ok(Self {
             inner: Dispatcher::new(now, config)?,
             tap,
-            tickets: std::collections::BTreeMap::new(),
         })
-    }
-
-    /// [`Dispatcher::probe_answer`].
-    pub fn probe_answer(
-        &mut self,
-        now: Instant,
-        ticket: &iop_core::edge::health::ProbeTicket,
-        answer: Result<(&NodeId, Generation, &CapabilitiesReport), iop_wire::HealthFailureCode>,
-    ) -> (
-        iop_core::edge::health::ProbeDisposition,
-        Vec<CapabilityVerdict>,
-    ) {
-        if self.tap.is_on() {
-            let rec = match &answer {
-                Ok((node, generation, report)) => ProbeAnswerRec::Report {
-                    node: (*node).clone(),
-                    generation: *generation,
-                    report: (*report).clone(),
-                },
-                Err(code) => ProbeAnswerRec::Failure(*code),
-            };
-            self.input(
-                now,
-                &DispatchInput::ProbeAnswer {
-                    provider: ticket.provider_id.clone(),
-                    answer: rec,
-                },
-            );
-        }
-        let (disposition, verdicts) = self.inner.probe_answer(now, ticket, answer);
-        self.ret(now, || DispatchRet::Probe {
-            applied: disposition == iop_core::edge::health::ProbeDisposition::Applied,
-            verdicts: verdicts.iter().map(CapabilityVerdictRec::from).collect(),
-        });
-        (disposition, verdicts)
     }
 
     /// The wrapped dispatcher (read access).
@@ -1088,193 +600,23 @@ impl TracedDispatcher {
         &self.inner
     }
 
-    fn input(&mut self, now: Instant, input: &DispatchInput) {
-        self.tap.emit(now, LineKind::In, input);
-    }
-
-    fn ret(&mut self, now: Instant, ret: impl FnOnce() -> DispatchRet) {
+    /// [`Dispatcher::handle_input`], recorded.
+    pub fn handle_input(&mut self, now: Instant, input: DispatchInput) {
         if self.tap.is_on() {
-            let ret = ret();
-            self.tap.emit(now, LineKind::Ret, &ret);
+            self.tap
+                .emit(now, LineKind::In, &DispatchStep::Input(input.clone()));
         }
+        self.inner.handle_input(now, input);
     }
 
-    /// [`Dispatcher::register`].
-    pub fn register(
-        &mut self,
-        now: Instant,
-        node: &NodeId,
-        request: &RegisterRequest,
-    ) -> Result<(Generation, ConfigSnapshot), Rejection> {
-        if self.tap.is_on() {
-            self.input(
-                now,
-                &DispatchInput::Register {
-                    node: node.clone(),
-                    request: request.clone(),
-                },
-            );
-        }
-        let r = self.inner.register(now, node, request);
-        self.ret(now, || match &r {
-            Ok((generation, config)) => DispatchRet::Registered {
-                generation: *generation,
-                config: config.clone(),
-            },
-            Err(e) => DispatchRet::Rejected {
-                reason: e.reason,
-                message: e.message.clone(),
-            },
-        });
-        r
-    }
-
-    /// [`Dispatcher::ready`].
-    pub fn ready(&mut self, now: Instant, node: &NodeId, generation: Generation) -> bool {
-        if self.tap.is_on() {
-            self.input(
-                now,
-                &DispatchInput::Ready {
-                    node: node.clone(),
-                    generation,
-                },
-            );
-        }
-        let r = self.inner.ready(now, node, generation);
-        self.ret(now, || DispatchRet::Accepted(r));
-        r
-    }
-
-    /// [`Dispatcher::connection_closed`].
-    pub fn connection_closed(
-        &mut self,
-        now: Instant,
-        node: &NodeId,
-        generation: Generation,
-        reason: CloseCode,
-    ) {
-        if self.tap.is_on() {
-            self.input(
-                now,
-                &DispatchInput::ConnectionClosed {
-                    node: node.clone(),
-                    generation,
-                    reason,
-                },
-            );
-        }
-        self.inner.connection_closed(now, node, generation, reason);
-        self.ret(now, || DispatchRet::Done);
-    }
-
-    /// [`Dispatcher::admit_message`].
-    pub fn admit_message(&mut self, now: Instant, node: &NodeId, generation: Generation) -> bool {
-        if self.tap.is_on() {
-            self.input(
-                now,
-                &DispatchInput::AdmitMessage {
-                    node: node.clone(),
-                    generation,
-                },
-            );
-        }
-        let r = self.inner.admit_message(node, generation);
-        self.ret(now, || DispatchRet::Accepted(r));
-        r
-    }
-
-    /// [`Dispatcher::request`].
-    pub fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
-        if self.tap.is_on() {
-            self.input(now, &DispatchInput::Request((&request).into()));
-        }
-        let r = self.inner.request(now, request);
-        self.ret(now, || DispatchRet::Admit((&r).into()));
-        r
-    }
-
-    /// [`Dispatcher::pre_send`].
-    pub fn pre_send(&mut self, now: Instant, lease_id: LeaseId) -> PreSend {
-        if self.tap.is_on() {
-            self.input(now, &DispatchInput::PreSend { lease_id });
-        }
-        let r = self.inner.pre_send(now, lease_id);
-        self.ret(now, || DispatchRet::PreSend((&r).into()));
-        r
-    }
-
-    /// [`Dispatcher::apply_terminal`].
-    pub fn apply_terminal(
-        &mut self,
-        now: Instant,
-        lease_id: LeaseId,
-        node: &NodeId,
-        generation: Generation,
-        failure: Option<&ExecutionFailure>,
-    ) -> TerminalVerdict {
-        if self.tap.is_on() {
-            self.input(
-                now,
-                &DispatchInput::ApplyTerminal {
-                    lease_id,
-                    node: node.clone(),
-                    generation,
-                    failure: failure.cloned(),
-                },
-            );
-        }
-        let r = self
-            .inner
-            .apply_terminal(now, lease_id, node, generation, failure);
-        self.ret(now, || DispatchRet::Terminal((&r).into()));
-        r
-    }
-
-    /// [`Dispatcher::cancel`].
-    pub fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
-        if self.tap.is_on() {
-            self.input(now, &DispatchInput::Cancel { request_id });
-        }
-        let r = self.inner.cancel(now, request_id);
-        self.ret(now, || {
-            DispatchRet::Canceled(r.as_ref().map(LeaseRec::from))
-        });
-        r
-    }
-
-    /// [`Dispatcher::apply_capabilities`].
-    pub fn apply_capabilities(
-        &mut self,
-        now: Instant,
-        node: &NodeId,
-        generation: Generation,
-        report: &CapabilitiesReport,
-    ) -> Vec<CapabilityVerdict> {
-        if self.tap.is_on() {
-            self.input(
-                now,
-                &DispatchInput::ApplyCapabilities {
-                    node: node.clone(),
-                    generation,
-                    report: report.clone(),
-                },
-            );
-        }
-        let r = self.inner.apply_capabilities(now, node, generation, report);
-        self.ret(now, || {
-            DispatchRet::Capabilities(r.iter().map(CapabilityVerdictRec::from).collect())
-        });
-        r
-    }
-
-    /// [`Dispatcher::handle_timeout`].
+    /// [`Dispatcher::handle_timeout`], recorded.
     pub fn handle_timeout(&mut self, now: Instant) {
-        self.input(now, &DispatchInput::HandleTimeout);
+        self.tap
+            .emit(now, LineKind::In, &DispatchStep::HandleTimeout);
         self.inner.handle_timeout(now);
-        self.ret(now, || DispatchRet::Done);
     }
 
-    /// [`Dispatcher::poll_timeout`] (not recorded).
+    /// [`Dispatcher::poll_timeout`].
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.inner.poll_timeout()
     }
@@ -1283,92 +625,15 @@ impl TracedDispatcher {
     #[must_use]
     pub fn poll_output(&mut self, now: Instant) -> Option<DispatchOutput> {
         let out = self.inner.poll_output()?;
-        if let DispatchOutput::ProbeDue { ticket, .. } = &out {
-            self.tickets
-                .insert(ticket.provider_id.clone(), ticket.clone());
-        }
-        if self.tap.is_on() {
-            self.tap
-                .emit(now, LineKind::Out, &DispatchOutputRec::from(&out));
-        }
+        self.tap.emit(now, LineKind::Out, &out);
         Some(out)
     }
 
-    /// Feed one recorded input (replay).
-    pub fn apply(&mut self, now: Instant, input: DispatchInput) -> DispatchRet {
-        match input {
-            DispatchInput::Register { node, request } => {
-                match self.register(now, &node, &request) {
-                    Ok((generation, config)) => DispatchRet::Registered { generation, config },
-                    Err(e) => DispatchRet::Rejected {
-                        reason: e.reason,
-                        message: e.message,
-                    },
-                }
-            }
-            DispatchInput::Ready { node, generation } => {
-                DispatchRet::Accepted(self.ready(now, &node, generation))
-            }
-            DispatchInput::ConnectionClosed {
-                node,
-                generation,
-                reason,
-            } => {
-                self.connection_closed(now, &node, generation, reason);
-                DispatchRet::Done
-            }
-            DispatchInput::AdmitMessage { node, generation } => {
-                DispatchRet::Accepted(self.admit_message(now, &node, generation))
-            }
-            DispatchInput::Request(r) => DispatchRet::Admit((&self.request(now, r.into())).into()),
-            DispatchInput::PreSend { lease_id } => {
-                DispatchRet::PreSend((&self.pre_send(now, lease_id)).into())
-            }
-            DispatchInput::ApplyTerminal {
-                lease_id,
-                node,
-                generation,
-                failure,
-            } => DispatchRet::Terminal(
-                (&self.apply_terminal(now, lease_id, &node, generation, failure.as_ref())).into(),
-            ),
-            DispatchInput::Cancel { request_id } => {
-                DispatchRet::Canceled(self.cancel(now, request_id).as_ref().map(LeaseRec::from))
-            }
-            DispatchInput::ApplyCapabilities {
-                node,
-                generation,
-                report,
-            } => DispatchRet::Capabilities(
-                self.apply_capabilities(now, &node, generation, &report)
-                    .iter()
-                    .map(CapabilityVerdictRec::from)
-                    .collect(),
-            ),
-            DispatchInput::ProbeAnswer { provider, answer } => {
-                let Some(ticket) = self.tickets.get(&provider).cloned() else {
-                    return DispatchRet::Probe {
-                        applied: false,
-                        verdicts: Vec::new(),
-                    };
-                };
-                let (disposition, verdicts) = match &answer {
-                    ProbeAnswerRec::Report {
-                        node,
-                        generation,
-                        report,
-                    } => self.probe_answer(now, &ticket, Ok((node, *generation, report))),
-                    ProbeAnswerRec::Failure(code) => self.probe_answer(now, &ticket, Err(*code)),
-                };
-                DispatchRet::Probe {
-                    applied: disposition == iop_core::edge::health::ProbeDisposition::Applied,
-                    verdicts: verdicts.iter().map(CapabilityVerdictRec::from).collect(),
-                }
-            }
-            DispatchInput::HandleTimeout => {
-                self.handle_timeout(now);
-                DispatchRet::Done
-            }
+    /// Feed one recorded step (replay).
+    pub fn apply(&mut self, now: Instant, step: DispatchStep) {
+        match step {
+            DispatchStep::Input(input) => self.handle_input(now, input),
+            DispatchStep::HandleTimeout => self.handle_timeout(now),
         }
     }
 }
@@ -2199,13 +1464,13 @@ fn to_value(v: &impl Serialize) -> serde_json::Value {
 }
 
 impl Replayable for TracedDispatcher {
-    type Input = DispatchInput;
-    fn apply_value(&mut self, now: Instant, input: DispatchInput) -> serde_json::Value {
-        to_value(&self.apply(now, input))
+    type Input = DispatchStep;
+    fn apply_value(&mut self, now: Instant, input: DispatchStep) -> serde_json::Value {
+        self.apply(now, input);
+        serde_json::Value::Null
     }
     fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
-        self.poll_output(now)
-            .map(|o| to_value(&DispatchOutputRec::from(&o)))
+        self.poll_output(now).map(|o| to_value(&o))
     }
 }
 

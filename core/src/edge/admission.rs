@@ -67,7 +67,7 @@ impl Default for AdmissionConfig {
 }
 
 /// A request for a provider of a route's pool (R-SEL-1).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DispatchRequest {
     /// The client request.
     pub request_id: RequestId,
@@ -95,7 +95,7 @@ impl DispatchRequest {
 }
 
 /// An immutable capacity lease (R-LEASE-1).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Lease {
     /// Lease id.
     pub lease_id: LeaseId,
@@ -118,7 +118,8 @@ pub struct Lease {
 }
 
 /// Why a request could not be admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AdmitRejection {
     /// The queue is full (HTTP 429).
     QueueFull,
@@ -129,7 +130,8 @@ pub enum AdmitRejection {
 }
 
 /// The immediate answer to [`Admission::request`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Admit {
     /// Leased now.
     Leased(Lease),
@@ -140,7 +142,8 @@ pub enum Admit {
 }
 
 /// Why a lease was released (R-LEASE-2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ReleaseReason {
     /// Its valid current terminal arrived.
     Terminal,
@@ -183,7 +186,8 @@ pub enum AdmissionEvent {
 }
 
 /// The answer of the pre-send fence.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PreSend {
     /// Send it: the lease's generation is the online one.
     Send(Lease),

@@ -12,8 +12,8 @@ use iop_wire::{
 };
 
 use crate::edge::admission::{
-    Admission, AdmissionConfig, AdmissionEvent, Admit, DispatchRequest, Lease, LeaseId, PreSend,
-    ProviderSpec, ReleaseReason, RequestId,
+    Admission, AdmissionConfig, AdmissionEvent, Admit, AdmitRejection, DispatchRequest, Lease,
+    LeaseId, PreSend, ProviderSpec, ReleaseReason, RequestId,
 };
 use crate::edge::gate::{AttemptEvent, ConfirmedStall};
 use crate::edge::health::{
@@ -22,13 +22,14 @@ use crate::edge::health::{
 };
 use crate::edge::overlay::{EvidenceOutcome, Overlay, RecoveryOutcome};
 use crate::edge::registry::{Registry, RegistryOutput, Rejection};
-use crate::ids::{Generation, NodeId, ProviderId};
+use crate::ids::{Generation, NodeId, ProviderId, RunId};
 #[cfg(feature = "planted-bugs")]
 use crate::planted::{Planted, PlantedBug};
 use crate::time::{Instant, earliest};
 
 /// Why a terminal was not applied (R-LEASE-1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum IgnoredTerminal {
     /// The lease is not held (already released: a late or duplicate terminal).
     NotHeld,
@@ -50,7 +51,8 @@ impl IgnoredTerminal {
 }
 
 /// What applying a terminal did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TerminalVerdict {
     /// Applied: the lease was released exactly once.
     Applied {
@@ -88,7 +90,7 @@ impl TerminalVerdict {
 }
 
 /// One provider's outcome from a CAPABILITIES answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CapabilityVerdict {
     /// The provider the answer matched exactly.
     pub provider_id: ProviderId,
@@ -99,7 +101,8 @@ pub struct CapabilityVerdict {
 }
 
 /// What the driver must do.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DispatchOutput {
     /// Close a connection (a newer one of the same node replaced it).
     CloseConnection {
@@ -127,16 +130,54 @@ pub enum DispatchOutput {
         /// Generation.
         generation: Generation,
     },
-    /// A queued request got a lease: run the pre-send fence, then send.
-    Leased(Lease),
-    /// A queued request waited too long: answer it with an error.
-    QueueExpired {
+    /// The answer to [`DispatchInput::Register`]: the connection's
+    /// generation and config snapshot, or why it was refused.
+    Registered {
+        /// Node.
+        node: NodeId,
+        /// The generation and snapshot, or the rejection.
+        result: Result<(Generation, ConfigSnapshot), Rejection>,
+    },
+    /// The answer to [`DispatchInput::Ready`] (R-GEN-2).
+    ReadyAnswer {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// Whether that generation is now dispatchable.
+        accepted: bool,
+    },
+    /// Carry `event` to the request session `request_id` (its
+    /// [`crate::edge::request::Request`]).
+    ToRequest {
         /// The request.
         request_id: RequestId,
+        /// What the dispatcher tells it.
+        event: RequestEvent,
     },
-    /// A lease was released by its generation's fence: end that request's
-    /// run with one transport terminal (R-GEN-3).
-    LeaseFenced(Lease),
+    /// A lease was released while its run may still be going on the node
+    /// (client cancel, R-GATE-4): send `Cancel { run_id }` on that
+    /// connection.
+    CancelRun {
+        /// Node.
+        node: NodeId,
+        /// Generation of the connection the run was sent on.
+        generation: Generation,
+        /// The run.
+        run_id: RunId,
+    },
+    /// A validated current stall terminal's evidence was applied to the
+    /// overlay (R-OVL-1, R-OVL-2); for the evidence counter and log.
+    StallEvidence {
+        /// The stalled provider.
+        provider_id: ProviderId,
+        /// The validated evidence.
+        health: ProviderHealth,
+        /// What it did.
+        outcome: EvidenceOutcome,
+    },
+    /// A CAPABILITIES answer matched one provider exactly (R-CAP-1).
+    Capability(CapabilityVerdict),
     /// The health tracker wants `ticket`'s provider probed (R-HT-3): send a
     /// CAPABILITIES command to its node's current generation and answer with
     /// [`Dispatcher::probe_answer`]. With no ready generation, answer a
@@ -151,6 +192,159 @@ pub enum DispatchOutput {
     },
     /// A provider health lifecycle event (R-HT-4), once per transition.
     Health(HealthEvent),
+}
+
+/// What a request session asks of the dispatcher (after quinn-proto's
+/// `EndpointEvent`): the typed traffic from a
+/// [`crate::edge::request::Request`] to the [`Dispatcher`]. Every answer
+/// comes back as [`DispatchOutput::ToRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestCommand {
+    /// Ask for a lease (R-SEL-1 hints inside).
+    Admit(DispatchRequest),
+    /// The pre-send fence for a granted lease (R-GEN-4).
+    PreSend {
+        /// The request.
+        request_id: RequestId,
+        /// The lease to check.
+        lease_id: LeaseId,
+    },
+    /// The attempt's terminal arrived on (`node`, `generation`)
+    /// (R-LEASE-1).
+    Terminal {
+        /// The request.
+        request_id: RequestId,
+        /// The attempt's lease.
+        lease_id: LeaseId,
+        /// Reception node.
+        node: NodeId,
+        /// Reception generation.
+        generation: Generation,
+        /// The failure, if the terminal is one.
+        failure: Option<ExecutionFailure>,
+    },
+    /// Let go of everything the request holds: its queue entry or its lease
+    /// (the node run is canceled, [`DispatchOutput::CancelRun`]).
+    Cancel {
+        /// The request.
+        request_id: RequestId,
+    },
+}
+
+impl RequestCommand {
+    /// The request this command is about.
+    pub fn request_id(&self) -> RequestId {
+        match self {
+            RequestCommand::Admit(r) => r.request_id,
+            RequestCommand::PreSend { request_id, .. }
+            | RequestCommand::Terminal { request_id, .. }
+            | RequestCommand::Cancel { request_id } => *request_id,
+        }
+    }
+}
+
+/// What the dispatcher tells one request session (after quinn-proto's
+/// `ConnectionEvent`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestEvent {
+    /// A lease was granted, at once or from the queue: run the pre-send
+    /// fence.
+    Leased(Lease),
+    /// No capacity now: the request waits in the queue.
+    Queued,
+    /// Admission refused the request.
+    Rejected(AdmitRejection),
+    /// The pre-send fence's answer.
+    PreSend(PreSend),
+    /// The request waited in the queue past the queue timeout.
+    QueueExpired,
+    /// The lease's generation was fenced (R-GEN-3): its run ends with one
+    /// transport terminal.
+    LeaseFenced(Lease),
+    /// What applying the attempt's terminal did (R-LEASE-1).
+    Terminal {
+        /// The lease the terminal was about.
+        lease_id: LeaseId,
+        /// The verdict.
+        verdict: TerminalVerdict,
+    },
+}
+
+/// The answer to a [`DispatchOutput::ProbeDue`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeAnswer {
+    /// A CAPABILITIES report from (`node`, `generation`).
+    Report {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// The report.
+        report: CapabilitiesReport,
+    },
+    /// No report: why (closed code).
+    Failure(iop_wire::HealthFailureCode),
+}
+
+/// One input of the [`Dispatcher`]. Answers, when an input has one, are
+/// outputs ([`Dispatcher::poll_output`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DispatchInput {
+    /// A node registers on a new connection; answered by
+    /// [`DispatchOutput::Registered`].
+    Register {
+        /// Node (from its certificate).
+        node: NodeId,
+        /// Its registration.
+        request: RegisterRequest,
+    },
+    /// The node completed readiness on `generation` (R-GEN-2); answered by
+    /// [`DispatchOutput::ReadyAnswer`].
+    Ready {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+    },
+    /// A connection ended: fence its generation (R-GEN-3).
+    ConnectionClosed {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// Why.
+        reason: CloseCode,
+    },
+    /// A message attributed to `generation` arrived outside a request;
+    /// one of a fenced generation is counted (R-GEN-3).
+    Message {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+    },
+    /// A request session's command.
+    Request(RequestCommand),
+    /// A CAPABILITIES answer outside a probe (R-CAP-1).
+    Capabilities {
+        /// Node.
+        node: NodeId,
+        /// Generation.
+        generation: Generation,
+        /// The report.
+        report: CapabilitiesReport,
+    },
+    /// The answer to a [`DispatchOutput::ProbeDue`].
+    ProbeAnswer {
+        /// The ticket the output carried.
+        ticket: ProbeTicket,
+        /// The report, or why there is none.
+        answer: ProbeAnswer,
+    },
 }
 
 /// Configuration of the dispatch core.
@@ -570,6 +764,120 @@ impl Dispatcher {
         verdicts
     }
 
+    /// Feed one input at `now`, then drain [`Self::poll_output`]. An input
+    /// that has an answer ([`DispatchInput::Register`],
+    /// [`DispatchInput::Ready`], every [`RequestCommand`]) queues it before
+    /// anything else the input caused, so a request session learns the
+    /// answer to its command before later news about the same request (a
+    /// re-resolved lease after a stale pre-send fence, say).
+    pub fn handle_input(&mut self, now: Instant, input: DispatchInput) {
+        let mark = self.outputs.len();
+        let answer = match input {
+            DispatchInput::Register { node, request } => {
+                let result = self.register(now, &node, &request);
+                Some(DispatchOutput::Registered { node, result })
+            }
+            DispatchInput::Ready { node, generation } => {
+                let accepted = self.ready(now, &node, generation);
+                Some(DispatchOutput::ReadyAnswer {
+                    node,
+                    generation,
+                    accepted,
+                })
+            }
+            DispatchInput::ConnectionClosed {
+                node,
+                generation,
+                reason,
+            } => {
+                self.connection_closed(now, &node, generation, reason);
+                None
+            }
+            DispatchInput::Message { node, generation } => {
+                let _ = self.admit_message(&node, generation);
+                None
+            }
+            DispatchInput::Request(command) => self.request_command(now, command),
+            DispatchInput::Capabilities {
+                node,
+                generation,
+                report,
+            } => {
+                let verdicts = self.apply_capabilities(now, &node, generation, &report);
+                self.outputs
+                    .extend(verdicts.into_iter().map(DispatchOutput::Capability));
+                None
+            }
+            DispatchInput::ProbeAnswer { ticket, answer } => {
+                let answer = match &answer {
+                    ProbeAnswer::Report {
+                        node,
+                        generation,
+                        report,
+                    } => Ok((node, *generation, report)),
+                    ProbeAnswer::Failure(code) => Err(*code),
+                };
+                let (_, verdicts) = self.probe_answer(now, &ticket, answer);
+                self.outputs
+                    .extend(verdicts.into_iter().map(DispatchOutput::Capability));
+                None
+            }
+        };
+        if let Some(answer) = answer {
+            self.outputs.insert(mark, answer);
+        }
+    }
+
+    fn request_command(&mut self, now: Instant, command: RequestCommand) -> Option<DispatchOutput> {
+        let request_id = command.request_id();
+        let event = match command {
+            RequestCommand::Admit(request) => match self.request(now, request) {
+                Admit::Leased(lease) => RequestEvent::Leased(lease),
+                Admit::Queued => RequestEvent::Queued,
+                Admit::Rejected(why) => RequestEvent::Rejected(why),
+            },
+            RequestCommand::PreSend { lease_id, .. } => {
+                RequestEvent::PreSend(self.pre_send(now, lease_id))
+            }
+            RequestCommand::Terminal {
+                lease_id,
+                node,
+                generation,
+                failure,
+                ..
+            } => {
+                let verdict =
+                    self.apply_terminal(now, lease_id, &node, generation, failure.as_ref());
+                if let TerminalVerdict::Applied {
+                    lease,
+                    stall: Some(stall),
+                    evidence: Some(outcome),
+                } = &verdict
+                {
+                    self.outputs.push_back(DispatchOutput::StallEvidence {
+                        provider_id: lease.provider_id.clone(),
+                        health: stall.health,
+                        outcome: *outcome,
+                    });
+                }
+                RequestEvent::Terminal { lease_id, verdict }
+            }
+            RequestCommand::Cancel { .. } => {
+                // Nothing to answer: a released lease's run is canceled on
+                // its node; a withdrawn queue entry needs nothing more.
+                if let Some(lease) = self.cancel(now, request_id) {
+                    self.outputs.push_back(DispatchOutput::CancelRun {
+                        node: lease.node,
+                        generation: lease.generation,
+                        run_id: lease.run_id,
+                    });
+                }
+                return None;
+            }
+        };
+        Some(DispatchOutput::ToRequest { request_id, event })
+    }
+
     /// Fire due timers (queue expiry, health probes).
     pub fn handle_timeout(&mut self, now: Instant) {
         self.admission.handle_timeout(now);
@@ -650,13 +958,19 @@ impl Dispatcher {
             }
             while let Some(event) = self.admission.poll_event() {
                 progressed = true;
-                self.outputs.push_back(match event {
-                    AdmissionEvent::Leased(lease) => DispatchOutput::Leased(lease),
-                    AdmissionEvent::QueueExpired { request_id } => {
-                        DispatchOutput::QueueExpired { request_id }
+                let (request_id, event) = match event {
+                    AdmissionEvent::Leased(lease) => {
+                        (lease.request_id, RequestEvent::Leased(lease))
                     }
-                    AdmissionEvent::LeaseFenced(lease) => DispatchOutput::LeaseFenced(lease),
-                });
+                    AdmissionEvent::QueueExpired { request_id } => {
+                        (request_id, RequestEvent::QueueExpired)
+                    }
+                    AdmissionEvent::LeaseFenced(lease) => {
+                        (lease.request_id, RequestEvent::LeaseFenced(lease))
+                    }
+                };
+                self.outputs
+                    .push_back(DispatchOutput::ToRequest { request_id, event });
             }
             while let Some(ticket) = self.health.poll_probe(now) {
                 progressed = true;

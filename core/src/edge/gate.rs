@@ -55,7 +55,7 @@ pub const MAX_ATTEMPTS_LIMIT: u32 = 8;
 const OUTPUT_QUEUE_BOUND: usize = 2;
 
 /// The shared budget of one request: attempts and total time (R-GATE-2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GateBudget {
     max_attempts: u32,
     total: Duration,
@@ -104,7 +104,7 @@ impl GateBudget {
 /// current stall terminal. It carries no raw payload.
 ///
 /// The handoff alone never grants replay: the gate decides eligibility.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ConfirmedStall {
     /// The provider of the stalled lease.
     pub provider_id: ProviderId,
@@ -113,7 +113,9 @@ pub struct ConfirmedStall {
 }
 
 /// One attempt of a request, numbered from 1 in dispatch order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct AttemptId(u32);
 
 impl AttemptId {
@@ -124,7 +126,8 @@ impl AttemptId {
 }
 
 /// Something that happened to one attempt.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AttemptEvent {
     /// The provider accepted the request (a run start or a tunnel head) but
     /// sent no content yet. Not a commit: a stalled prefill stays
@@ -197,7 +200,8 @@ impl AttemptFrame {
 }
 
 /// Why admission could not place an attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AdmissionFailure {
     /// The queue is full (SPEC §5: 429 with Retry-After).
     QueueFull,
@@ -219,7 +223,8 @@ impl AdmissionFailure {
 }
 
 /// An input to the gate.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GateInput {
     /// Admission placed the pending attempt: it holds a lease on
     /// `provider_id` that passed the pre-send fence. Starts a new
@@ -278,7 +283,8 @@ pub enum InputDisposition {
 
 /// Why a request failed. Closed; the shell picks the HTTP status or SSE
 /// error body from it (R-GATE-3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GateFailure {
     /// Admission could not place an attempt.
     Admission(AdmissionFailure),
@@ -302,7 +308,8 @@ impl GateFailure {
 }
 
 /// What the shell must do, in the order given.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GateOutput {
     /// Flush the held headers and bytes to the client; from now on forward
     /// directly. At most once per gate, never followed by a re-admission.
@@ -356,7 +363,8 @@ impl GateOutput {
 
 /// Whether a stall could be recovered, one per stall the gate sees.
 /// Label of `iop_edge_liveness_recovery_eligibility_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RecoveryEligibility {
     /// A confirmed stall before commit within budget: re-admitted.
     Eligible,
@@ -392,7 +400,8 @@ impl RecoveryEligibility {
 /// `Readmitted` counts every re-admission. Besides, a request emits at most
 /// one outcome (`Recovered`, `Exhausted`, `Failed` or `Abandoned`), and
 /// exactly one if it was ever re-admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RecoveryResult {
     /// A re-admission was issued.
     Readmitted,
@@ -425,7 +434,8 @@ impl RecoveryResult {
 
 /// An observation for the recovery counters and the
 /// `edge_liveness_recovery_observation` log event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GateEvent {
     /// Count once in `iop_edge_liveness_recovery_eligibility_total`.
     Eligibility(RecoveryEligibility),
@@ -434,7 +444,8 @@ pub enum GateEvent {
 }
 
 /// How a gate ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GateEnd {
     /// [`GateOutput::Finish`] was emitted.
     Finished,

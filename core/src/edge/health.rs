@@ -125,7 +125,7 @@ impl HealthConfig {
 
 /// A provider's health state (R-HT-1). Closed, for the status surface and
 /// labels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HealthState {
     /// No probe has answered yet in this process. Not available (R-HT-5).
@@ -151,7 +151,7 @@ impl HealthState {
 }
 
 /// An outage lifecycle transition (R-HT-4), each emitted once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HealthLifecycle {
     /// The first failure after `ok` or `unknown`.
@@ -174,7 +174,7 @@ impl HealthLifecycle {
 }
 
 /// A lifecycle event for alerts and logs; plain data, no secrets (R-HT-6).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HealthEvent {
     /// Whose outage.
     pub provider_id: ProviderId,
@@ -190,7 +190,8 @@ pub struct HealthEvent {
 }
 
 /// What a probe found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ProbeResult {
     /// A valid answer, even an empty one such as an empty model list (R-HT-2).
     Success,
@@ -200,7 +201,7 @@ pub enum ProbeResult {
 
 /// A probe the shell must run, handed out by [`HealthTracker::poll_probe`];
 /// give it back with the result.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProbeTicket {
     /// Which provider to probe.
     pub provider_id: ProviderId,
@@ -208,7 +209,8 @@ pub struct ProbeTicket {
 }
 
 /// What the tracker did with a probe result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 #[must_use]
 pub enum ProbeDisposition {
     /// The result was applied.
@@ -220,7 +222,7 @@ pub enum ProbeDisposition {
 
 /// One provider's health, as the status surface shows it (R-HT-6): states,
 /// counters and times only.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProviderHealthSnapshot {
     /// The provider.
     pub provider_id: ProviderId,

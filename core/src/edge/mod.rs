@@ -7,3 +7,4 @@ pub mod gate;
 pub mod health;
 pub mod overlay;
 pub mod registry;
+pub mod request;

@@ -18,7 +18,8 @@ use crate::ids::{Generation, ProviderId};
 use crate::planted::{Planted, PlantedBug};
 
 /// What happened to one piece of stall evidence (R-OVL-2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum EvidenceOutcome {
     /// Fresh `unavailable`: the provider is now lowered.
     Lowered,
@@ -41,7 +42,8 @@ impl EvidenceOutcome {
 }
 
 /// What a CAPABILITIES answer did for one provider (R-CAP-1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RecoveryOutcome {
     /// A strictly newer `available` raised the lowered provider.
     Recovered,

@@ -25,7 +25,7 @@ use crate::time::Instant;
 pub const GENERATION_LIMIT: Generation = i64::MAX as Generation;
 
 /// A registration the Edge refuses.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Rejection {
     /// Closed reason sent to the node.
     pub reason: RejectReason,
@@ -36,7 +36,8 @@ pub struct Rejection {
 }
 
 /// Why a registration was refused, split by who is at fault.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RejectCause {
     /// The node speaks another protocol version (the node's side).
     ProtocolVersionMismatch,
@@ -46,6 +47,10 @@ pub enum RejectCause {
     /// [`GENERATION_LIMIT`] (the Edge's side: its persisted generation
     /// state needs an operator). R-GEN-1 forbids reusing one.
     GenerationsExhausted,
+    /// The new generation could not be made durable before use (the Edge's
+    /// side: its state directory failed). R-GEN-1 across restarts needs it
+    /// stored, so the connection is refused and its generation fenced.
+    GenerationNotDurable,
 }
 
 impl RejectCause {
@@ -55,6 +60,7 @@ impl RejectCause {
             RejectCause::ProtocolVersionMismatch => "protocol_version_mismatch",
             RejectCause::UnknownNode => "unknown_node",
             RejectCause::GenerationsExhausted => "generations_exhausted",
+            RejectCause::GenerationNotDurable => "generation_not_durable",
         }
     }
 }

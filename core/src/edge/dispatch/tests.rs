@@ -123,7 +123,7 @@ fn nothing_is_leased_before_readiness() {
     let outs: Vec<_> = std::iter::from_fn(|| d.poll_output()).collect();
     assert!(
         outs.iter()
-            .any(|o| matches!(o, DispatchOutput::Leased(l) if l.generation == g))
+            .any(|o| matches!(o, DispatchOutput::ToRequest { event: RequestEvent::Leased(l), .. } if l.generation == g))
     );
 }
 
@@ -134,7 +134,10 @@ fn disconnect_releases_leases_of_that_generation_and_reports_them() {
     let l = leased(d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])));
     d.connection_closed(T, &NodeId::from("a"), g, CloseCode::HeartbeatTimeout);
     let outs: Vec<_> = std::iter::from_fn(|| d.poll_output()).collect();
-    assert!(outs.contains(&DispatchOutput::LeaseFenced(l.clone())));
+    assert!(outs.contains(&DispatchOutput::ToRequest {
+        request_id: 1,
+        event: RequestEvent::LeaseFenced(l.clone())
+    }));
     assert_eq!(d.admission().leases_in_use(), 0);
     // Its late terminal is ignored and counted.
     let v = d.apply_terminal(T, l.lease_id, &NodeId::from("a"), g, None);
@@ -602,7 +605,10 @@ fn check_outputs(d: &mut Dispatcher, m: &mut Model) -> Result<(), TestCaseError>
         let mut unroutable = Vec::new();
         while let Some(out) = d.poll_output() {
             match out {
-                DispatchOutput::Leased(lease) => {
+                DispatchOutput::ToRequest {
+                    event: RequestEvent::Leased(lease),
+                    ..
+                } => {
                     prop_assert!(
                         d.registry().is_dispatchable(&lease.node, lease.generation),
                         "leased on a non-dispatchable generation: {:?} view {:?}",
@@ -611,7 +617,10 @@ fn check_outputs(d: &mut Dispatcher, m: &mut Model) -> Result<(), TestCaseError>
                     );
                     m.granted.push(lease);
                 }
-                DispatchOutput::LeaseFenced(lease) => m.release(lease.lease_id)?,
+                DispatchOutput::ToRequest {
+                    event: RequestEvent::LeaseFenced(lease),
+                    ..
+                } => m.release(lease.lease_id)?,
                 DispatchOutput::ProbeDue {
                     ticket,
                     node,

@@ -1,0 +1,895 @@
+//! One client request, as a sans-IO session machine.
+//!
+//! A [`Request`] owns everything one Chat Completions / Responses / Ollama
+//! request decides between the HTTP handler and the node stream: its
+//! [`StreamGate`] (commit, attempts, the shared budget, R-GATE-1..4), the
+//! attempt and lease it holds, the R-SEL-1 hints of a re-admission, the
+//! pre-commit hold buffer and its bounds, the mapping of an admission
+//! refusal, the tunnel-or-run choice, the classification of a failure to
+//! open the node stream, and what a fence means in each phase (R-GEN-3,
+//! R-GEN-4). The Edge's request driver and the simulator drive the same
+//! machine; neither decides anything about a request.
+//!
+//! ## Traffic
+//!
+//! * With the [`Dispatcher`](crate::edge::dispatch::Dispatcher): the
+//!   request emits [`RequestOutput::Dispatch`] carrying a
+//!   [`RequestCommand`]; the driver feeds it to the dispatcher as
+//!   [`DispatchInput::Request`](crate::edge::dispatch::DispatchInput::Request)
+//!   and carries every
+//!   [`DispatchOutput::ToRequest`](crate::edge::dispatch::DispatchOutput::ToRequest)
+//!   back as [`RequestInput::Dispatch`].
+//! * With the node: [`RequestOutput::Open`] asks the driver to open the
+//!   node stream and send the request (answered by [`RequestInput::Opened`]
+//!   or [`RequestInput::OpenFailed`]); every frame read from it is a
+//!   [`RequestInput::Frame`]; a stream that ends without a terminal is
+//!   [`RequestInput::StreamEnded`]. [`RequestOutput::CloseAttempt`] resets
+//!   it.
+//! * With the client: [`RequestOutput::Deliver`] in order; a client that
+//!   went away is [`RequestInput::ClientDisconnected`].
+//!
+//! ## Driver loop
+//!
+//! As every machine of this crate: feed an input or fire
+//! [`Request::handle_timeout`], drain [`Request::poll_output`] until `None`,
+//! sleep until [`Request::poll_timeout`]. [`Request::is_ended`] says when
+//! the driver may stop: every output has then been queued, the last of them
+//! a [`RequestCommand::Cancel`] that lets go of whatever the request still
+//! held.
+
+use std::collections::VecDeque;
+
+use iop_wire::{
+    AdapterKind, ExecutionFailure, FailureCode, Header, ProviderTunnelFrame, RunEventKind,
+};
+
+use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
+use crate::edge::dispatch::{RequestCommand, RequestEvent};
+use crate::edge::gate::{
+    AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEvent, GateFailure,
+    GateInput, GateOutput, StreamGate,
+};
+use crate::ids::ProviderId;
+#[cfg(feature = "planted-bugs")]
+use crate::planted::{Planted, PlantedBug};
+use crate::time::Instant;
+
+/// The most deliveries held before commit (R-GATE-2 holds everything that
+/// is not content). An attempt whose node keeps sending non-content frames
+/// past this fails instead of growing the buffer (R-LIM-3).
+pub const MAX_HELD_DELIVERIES: usize = 256;
+
+/// The most bytes held before commit, counted as decoded (text, tool-call
+/// fields, body bytes, header names and values); see
+/// [`MAX_HELD_DELIVERIES`].
+pub const MAX_HELD_BYTES: usize = 1024 * 1024;
+
+/// Bytes counted per held delivery on top of its payload (the enum and
+/// queue slot), so that many empty items also reach the bound.
+const HELD_ITEM_OVERHEAD: usize = 64;
+
+/// The provider API a raw client request speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TunnelApi {
+    /// OpenAI (`/v1/...`): `openai` and `mock` adapters.
+    OpenAi,
+    /// Ollama (`/api/...`): `ollama` adapters.
+    Ollama,
+}
+
+impl TunnelApi {
+    /// Can a provider of `adapter` take this raw request?
+    pub fn spoken_by(self, adapter: AdapterKind) -> bool {
+        matches!(
+            (self, adapter),
+            (TunnelApi::OpenAi, AdapterKind::OpenAi | AdapterKind::Mock)
+                | (TunnelApi::Ollama, AdapterKind::Ollama)
+        )
+    }
+}
+
+/// What a [`Request`] is created with.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RequestSpec {
+    /// The request's id, unique per Edge process.
+    pub request_id: RequestId,
+    /// Candidate providers, in preference order.
+    pub pool: Vec<ProviderId>,
+    /// Attempts and total time (R-GATE-2).
+    pub budget: GateBudget,
+    /// The API of the raw client request, when it can be relayed as a
+    /// tunnel (`None`: normalized runs only).
+    pub tunnel_api: Option<TunnelApi>,
+    /// The providers of the pool configured in tunnel mode.
+    pub tunnel_providers: Vec<ProviderId>,
+}
+
+/// Why the node stream of an attempt could not be opened or the request
+/// not sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpenFailure {
+    /// The lease's connection is not there any more.
+    NoConnection,
+    /// Opening the stream or writing the request failed.
+    Transport,
+    /// The request cannot be encoded on the wire (too large): the client's
+    /// fault, never retried.
+    Unencodable,
+}
+
+/// One frame read from the attempt's node stream.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeFrame {
+    /// A normalized run event.
+    Run(RunEventKind),
+    /// A tunnel frame.
+    Tunnel(ProviderTunnelFrame),
+}
+
+/// One input of a [`Request`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestInput {
+    /// What the dispatcher answered or decided about this request.
+    Dispatch(RequestEvent),
+    /// The node stream of the pending [`RequestOutput::Open`] is open and
+    /// the request was sent.
+    Opened,
+    /// The pending [`RequestOutput::Open`] failed.
+    OpenFailed(OpenFailure),
+    /// A frame of the current attempt's node stream.
+    Frame(NodeFrame),
+    /// The current attempt's node stream ended without a terminal frame.
+    StreamEnded,
+    /// The client went away (R-GATE-4).
+    ClientDisconnected,
+}
+
+/// What the HTTP response receives, in order.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Delivery {
+    /// Send the response head now (R-GATE-2: the first content arrived, or
+    /// the answer completed without any). A tunnel's own status and headers
+    /// ride along.
+    Commit {
+        /// `Some` for a tunnelled response.
+        tunnel_head: Option<(u16, Vec<Header>)>,
+    },
+    /// A normalized event.
+    Event(RunEventKind),
+    /// Tunnelled body bytes.
+    Body(Vec<u8>),
+    /// Normal end.
+    Finish,
+    /// The one error terminal (R-GATE-3): before commit as an HTTP error,
+    /// after commit in the stream.
+    Fail {
+        /// Why.
+        kind: GateFailure,
+        /// After commit?
+        in_stream: bool,
+    },
+}
+
+/// An observation for metrics and logs (closed values only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestObservation {
+    /// A recovery eligibility decision or result (the gate's).
+    Gate(GateEvent),
+    /// A re-admission was issued.
+    Readmitted,
+    /// The response was committed (time to first content).
+    Committed,
+}
+
+/// What the driver must do, in order.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestOutput {
+    /// Feed this to the dispatcher.
+    Dispatch(RequestCommand),
+    /// Open a node stream on the lease's connection and send the request:
+    /// a tunnel of the raw request when `tunnel`, else a normalized run,
+    /// with `deadline_ms` as its hard deadline (R-WD-7). Answer with
+    /// [`RequestInput::Opened`] or [`RequestInput::OpenFailed`].
+    Open {
+        /// The lease that passed the pre-send fence (R-GEN-4).
+        lease: Lease,
+        /// Relay the raw request instead of a normalized run.
+        tunnel: bool,
+        /// What is left of the request's budget, in ms (at least 1).
+        deadline_ms: u64,
+    },
+    /// Reset the current attempt's node stream (the node cancels the run).
+    CloseAttempt,
+    /// Send this to the client.
+    Deliver(Delivery),
+    /// Count or log this.
+    Observe(RequestObservation),
+}
+
+/// Where the request is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// An admission command is out; its answer is awaited.
+    Admitting,
+    /// Waiting in the dispatcher's queue (or being re-resolved after a
+    /// stale pre-send fence).
+    Queued,
+    /// A lease was granted; its pre-send fence is out.
+    PreSending(LeaseId),
+    /// The attempt was dispatched; its node stream is being opened.
+    Opening { lease: Lease, attempt: AttemptId },
+    /// The attempt's node stream is open.
+    Running {
+        lease: Lease,
+        attempt: AttemptId,
+        tunnel: bool,
+        head_seen: bool,
+    },
+    /// The attempt's terminal went to the dispatcher; its verdict is
+    /// awaited (R-LEASE-1).
+    AwaitingVerdict {
+        lease_id: LeaseId,
+        attempt: AttemptId,
+        code: Option<FailureCode>,
+    },
+    /// Over; nothing more is output.
+    Ended,
+}
+
+/// One client request's session (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Request {
+    spec: RequestSpec,
+    gate: StreamGate,
+    phase: Phase,
+    avoid_provider_id: Option<ProviderId>,
+    allow_avoided_fallback: bool,
+    held: VecDeque<Delivery>,
+    held_bytes: usize,
+    head_delivered: bool,
+    outputs: VecDeque<RequestOutput>,
+    #[cfg(feature = "planted-bugs")]
+    planted: Planted,
+}
+
+/// The pre-commit buffer is full.
+#[derive(Debug, Clone, Copy)]
+struct HeldOverflow;
+
+impl Request {
+    /// A request accepted at `now`. Its first admission (zero R-SEL-1
+    /// hints) is queued as the first output.
+    pub fn new(now: Instant, spec: RequestSpec) -> Self {
+        let gate = StreamGate::new(now, spec.budget);
+        let mut request = Self {
+            spec,
+            gate,
+            phase: Phase::Admitting,
+            avoid_provider_id: None,
+            allow_avoided_fallback: false,
+            held: VecDeque::new(),
+            held_bytes: 0,
+            head_delivered: false,
+            outputs: VecDeque::new(),
+            #[cfg(feature = "planted-bugs")]
+            planted: Planted::default(),
+        };
+        request.admit();
+        request
+    }
+
+    /// Switch a planted bug on in this request (test-only; see
+    /// [`crate::planted`]).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&self, bug: PlantedBug) {
+        self.planted.plant(bug);
+    }
+
+    #[cfg(feature = "planted-bugs")]
+    fn planted(&self, bug: PlantedBug) -> bool {
+        self.planted.has(bug)
+    }
+
+    /// The request's id.
+    pub fn request_id(&self) -> RequestId {
+        self.spec.request_id
+    }
+
+    /// The request's gate (read access: commit state, attempts, end).
+    pub fn gate(&self) -> &StreamGate {
+        &self.gate
+    }
+
+    /// The lease of the attempt in flight, if one is being opened or runs.
+    pub fn attempt_lease(&self) -> Option<&Lease> {
+        match &self.phase {
+            Phase::Opening { lease, .. } | Phase::Running { lease, .. } => Some(lease),
+            _ => None,
+        }
+    }
+
+    /// Whether the request is over: nothing more will be output.
+    pub fn is_ended(&self) -> bool {
+        self.phase == Phase::Ended
+    }
+
+    /// Whether an attempt's node stream may be open (being opened, running,
+    /// or waiting for its terminal's verdict).
+    fn has_stream(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Opening { .. } | Phase::Running { .. } | Phase::AwaitingVerdict { .. }
+        )
+    }
+
+    /// Approximate bytes held before commit.
+    pub fn held_bytes(&self) -> usize {
+        self.held_bytes
+    }
+
+    /// Feed one input at `now`, then drain [`Self::poll_output`].
+    pub fn handle_input(&mut self, now: Instant, input: RequestInput) {
+        if self.phase == Phase::Ended {
+            return;
+        }
+        match input {
+            RequestInput::Dispatch(event) => self.on_dispatch(now, event),
+            RequestInput::Opened => {
+                if let Phase::Opening { lease, attempt } = &self.phase {
+                    self.phase = Phase::Running {
+                        lease: lease.clone(),
+                        attempt: *attempt,
+                        tunnel: self.tunnel_for(lease),
+                        head_seen: false,
+                    };
+                }
+            }
+            RequestInput::OpenFailed(failure) => {
+                if let Phase::Opening { attempt, .. } = self.phase {
+                    // The node never got the run or gets a cancel for it;
+                    // the attempt ends with its event (R-GATE-1).
+                    let event = match failure {
+                        OpenFailure::Unencodable => AttemptEvent::Failed {
+                            code: FailureCode::InvalidRequest,
+                        },
+                        OpenFailure::NoConnection | OpenFailure::Transport => {
+                            AttemptEvent::TransportLost
+                        }
+                    };
+                    self.abandon_attempt(now, attempt, event);
+                }
+            }
+            RequestInput::Frame(frame) => self.on_frame(now, frame),
+            RequestInput::StreamEnded => match self.phase {
+                Phase::Opening { attempt, .. } | Phase::Running { attempt, .. } => {
+                    self.abandon_attempt(now, attempt, AttemptEvent::TransportLost);
+                }
+                _ => {}
+            },
+            RequestInput::ClientDisconnected => {
+                let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
+                self.drain_gate(now);
+            }
+        }
+    }
+
+    /// Next output, until `None`.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<RequestOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When to call [`Self::handle_timeout`]: the end of the request's
+    /// budget, `None` once it ended.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.phase == Phase::Ended {
+            return None;
+        }
+        #[cfg(feature = "planted-bugs")]
+        if self.planted(PlantedBug::IgnoreGateTimeout) {
+            return None;
+        }
+        self.gate.poll_timeout()
+    }
+
+    /// Fire the budget timer (R-GATE-3: at or after the deadline the run is
+    /// canceled and the request ends).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.phase == Phase::Ended {
+            return;
+        }
+        #[cfg(feature = "planted-bugs")]
+        if self.planted(PlantedBug::IgnoreGateTimeout) {
+            return;
+        }
+        self.gate.handle_timeout(now);
+        self.drain_gate(now);
+    }
+
+    fn admit(&mut self) {
+        self.phase = Phase::Admitting;
+        self.outputs
+            .push_back(RequestOutput::Dispatch(RequestCommand::Admit(
+                DispatchRequest {
+                    request_id: self.spec.request_id,
+                    pool: self.spec.pool.clone(),
+                    avoid_provider_id: self.avoid_provider_id.clone(),
+                    allow_avoided_fallback: self.allow_avoided_fallback,
+                    stall_timeout_ms: None,
+                },
+            )));
+    }
+
+    fn cancel(&mut self) {
+        self.outputs
+            .push_back(RequestOutput::Dispatch(RequestCommand::Cancel {
+                request_id: self.spec.request_id,
+            }));
+    }
+
+    /// A tunnel only to a tunnel-mode provider that speaks the client's
+    /// API; anything else is a normalized run.
+    fn tunnel_for(&self, lease: &Lease) -> bool {
+        self.spec
+            .tunnel_api
+            .is_some_and(|api| api.spoken_by(lease.adapter))
+            && self.spec.tunnel_providers.contains(&lease.provider_id)
+    }
+
+    fn on_dispatch(&mut self, now: Instant, event: RequestEvent) {
+        match event {
+            RequestEvent::Leased(lease) => {
+                if matches!(self.phase, Phase::Admitting | Phase::Queued) {
+                    self.phase = Phase::PreSending(lease.lease_id);
+                    self.outputs
+                        .push_back(RequestOutput::Dispatch(RequestCommand::PreSend {
+                            request_id: self.spec.request_id,
+                            lease_id: lease.lease_id,
+                        }));
+                }
+            }
+            RequestEvent::Queued => {
+                if self.phase == Phase::Admitting {
+                    self.phase = Phase::Queued;
+                }
+            }
+            RequestEvent::Rejected(why) => {
+                if self.phase == Phase::Admitting {
+                    let failure = match why {
+                        AdmitRejection::QueueFull => AdmissionFailure::QueueFull,
+                        AdmitRejection::NoRoute | AdmitRejection::DuplicateRequest => {
+                            AdmissionFailure::NoEligibleProvider
+                        }
+                    };
+                    let _ = self
+                        .gate
+                        .handle_input(now, GateInput::AdmissionFailed(failure));
+                    self.drain_gate(now);
+                }
+            }
+            RequestEvent::QueueExpired => {
+                if matches!(self.phase, Phase::Admitting | Phase::Queued) {
+                    let _ = self.gate.handle_input(
+                        now,
+                        GateInput::AdmissionFailed(AdmissionFailure::QueueTimeout),
+                    );
+                    self.drain_gate(now);
+                }
+            }
+            RequestEvent::PreSend(answer) => self.on_pre_send(now, answer),
+            RequestEvent::LeaseFenced(lease) => match &self.phase {
+                // R-GEN-3: the attempt's transport is gone.
+                Phase::Opening { lease: l, attempt }
+                | Phase::Running {
+                    lease: l, attempt, ..
+                } if l.lease_id == lease.lease_id => {
+                    let attempt = *attempt;
+                    self.abandon_attempt(now, attempt, AttemptEvent::TransportLost);
+                }
+                // Waiting for admission or a pre-send answer, a fence can
+                // only be about a lease the request already gave up (or one
+                // whose pre-send answer will say so): never admit twice.
+                // Awaiting a verdict, the verdict says it (ignored:
+                // transport lost).
+                _ => {}
+            },
+            RequestEvent::Terminal { lease_id, verdict } => {
+                // Only the verdict about the terminal this request sent.
+                if let Phase::AwaitingVerdict {
+                    lease_id: awaited,
+                    attempt,
+                    code,
+                } = self.phase
+                    && awaited == lease_id
+                {
+                    let event = verdict.attempt_event(code);
+                    self.attempt_event(now, attempt, event);
+                }
+            }
+        }
+    }
+
+    fn on_pre_send(&mut self, now: Instant, answer: PreSend) {
+        let Phase::PreSending(lease_id) = self.phase else {
+            return;
+        };
+        match answer {
+            PreSend::Send(lease) if lease.lease_id == lease_id => {
+                // The attempt counts from here: opening the stream and
+                // sending are part of it (R-GATE-1).
+                let _ = self.gate.handle_input(
+                    now,
+                    GateInput::Dispatched {
+                        provider_id: lease.provider_id.clone(),
+                    },
+                );
+                let Some(attempt) = self.gate.current_attempt() else {
+                    // The gate refused the attempt: it ends the request.
+                    self.drain_gate(now);
+                    return;
+                };
+                let tunnel = self.tunnel_for(&lease);
+                let left = self.gate.deadline().saturating_duration_since(now);
+                let deadline_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
+                self.phase = Phase::Opening {
+                    lease: lease.clone(),
+                    attempt,
+                };
+                self.outputs.push_back(RequestOutput::Open {
+                    lease,
+                    tunnel,
+                    deadline_ms,
+                });
+            }
+            PreSend::Send(_) => {}
+            // Stale: admission released the lease and re-resolves the
+            // request; its next lease (or expiry) follows (R-GEN-4).
+            PreSend::Refenced => self.phase = Phase::Queued,
+            // The lease is gone (its generation was fenced before the
+            // fence ran): let go of anything left and admit again. The
+            // budget's deadline bounds the loop.
+            PreSend::UnknownLease => {
+                self.cancel();
+                self.admit();
+            }
+        }
+    }
+
+    fn on_frame(&mut self, now: Instant, frame: NodeFrame) {
+        let Phase::Running {
+            lease,
+            attempt,
+            tunnel,
+            head_seen,
+        } = &self.phase
+        else {
+            return;
+        };
+        let (attempt, tunnel, head_seen) = (*attempt, *tunnel, *head_seen);
+        let (lease_id, node, generation) = (lease.lease_id, lease.node.clone(), lease.generation);
+        let request_id = self.spec.request_id;
+        let terminal = move |failure: Option<ExecutionFailure>| RequestCommand::Terminal {
+            request_id,
+            lease_id,
+            node,
+            generation,
+            failure,
+        };
+        match (frame, tunnel) {
+            (NodeFrame::Tunnel(frame), true) => {
+                // Which frame is content (and so commits) is the gate's
+                // rule (R-GATE-2).
+                let class = AttemptFrame::from_tunnel_frame(&frame);
+                match frame {
+                    ProviderTunnelFrame::Head { status, headers } => {
+                        // One head per tunnel (R-LIM-3).
+                        if head_seen {
+                            self.fail_attempt_malformed(now, attempt);
+                            return;
+                        }
+                        if let Phase::Running { head_seen, .. } = &mut self.phase {
+                            *head_seen = true;
+                        }
+                        let head = Delivery::Commit {
+                            tunnel_head: Some((status, headers)),
+                        };
+                        if self.hold(head).is_err() {
+                            self.fail_attempt_malformed(now, attempt);
+                            return;
+                        }
+                        if let AttemptFrame::Event(event) = class {
+                            self.attempt_event(now, attempt, event);
+                        }
+                    }
+                    ProviderTunnelFrame::Body(bytes) => {
+                        self.relay(now, attempt, Delivery::Body(bytes), class);
+                    }
+                    ProviderTunnelFrame::End => self.await_verdict(attempt, None, terminal(None)),
+                    ProviderTunnelFrame::Failure(f) => {
+                        let code = Some(f.code);
+                        self.await_verdict(attempt, code, terminal(Some(f)));
+                    }
+                }
+            }
+            (NodeFrame::Run(kind), false) => match (AttemptFrame::from_run_event(&kind), kind) {
+                (AttemptFrame::Terminal, RunEventKind::Failed(f)) => {
+                    let code = Some(f.code);
+                    self.await_verdict(attempt, code, terminal(Some(f)));
+                }
+                (AttemptFrame::Terminal, completed) => {
+                    // The completion carries final usage: it reaches the
+                    // client before Finish whatever the commit state. It
+                    // ends the attempt, so it passes the bound at most once.
+                    self.push_held(Delivery::Event(completed));
+                    self.await_verdict(attempt, None, terminal(None));
+                }
+                // A start is the gate's alone.
+                (AttemptFrame::Event(AttemptEvent::Started), _) => {
+                    self.attempt_event(now, attempt, AttemptEvent::Started);
+                }
+                // An empty delta is nothing to relay.
+                (AttemptFrame::NoEvent, RunEventKind::TextDelta(text)) if text.is_empty() => {}
+                (class, kind) => self.relay(now, attempt, Delivery::Event(kind), class),
+            },
+            // A frame of the other kind than the attempt's stream carries is
+            // the node's protocol error.
+            (NodeFrame::Tunnel(_), false) | (NodeFrame::Run(_), true) => {
+                self.fail_attempt_malformed(now, attempt);
+            }
+        }
+    }
+
+    /// Forward `delivery` after commit, hold it before; then feed the
+    /// frame's gate event (content commits, R-GATE-2).
+    fn relay(&mut self, now: Instant, attempt: AttemptId, delivery: Delivery, class: AttemptFrame) {
+        let content = class == AttemptFrame::Event(AttemptEvent::Content);
+        if self.gate.is_committed() {
+            self.outputs.push_back(RequestOutput::Deliver(delivery));
+        } else if content {
+            // The gate commits on it right away, so it never stays held and
+            // is not counted against the bound.
+            self.push_held(delivery);
+        } else if self.hold(delivery).is_err() {
+            self.fail_attempt_malformed(now, attempt);
+            return;
+        }
+        if let AttemptFrame::Event(event) = class {
+            self.attempt_event(now, attempt, event);
+        }
+    }
+
+    fn await_verdict(
+        &mut self,
+        attempt: AttemptId,
+        code: Option<FailureCode>,
+        command: RequestCommand,
+    ) {
+        let RequestCommand::Terminal { lease_id, .. } = command else {
+            return;
+        };
+        self.phase = Phase::AwaitingVerdict {
+            lease_id,
+            attempt,
+            code,
+        };
+        self.outputs.push_back(RequestOutput::Dispatch(command));
+    }
+
+    /// The node broke the attempt's protocol or the pre-commit bound.
+    fn fail_attempt_malformed(&mut self, now: Instant, attempt: AttemptId) {
+        self.abandon_attempt(
+            now,
+            attempt,
+            AttemptEvent::Failed {
+                code: FailureCode::MalformedResponse,
+            },
+        );
+    }
+
+    /// End the attempt without an applied terminal: close its stream, let go
+    /// of its lease (the node run is canceled), then feed `event`.
+    fn abandon_attempt(&mut self, now: Instant, attempt: AttemptId, event: AttemptEvent) {
+        if self.has_stream() {
+            self.outputs.push_back(RequestOutput::CloseAttempt);
+        }
+        self.cancel();
+        self.attempt_event(now, attempt, event);
+    }
+
+    fn attempt_event(&mut self, now: Instant, attempt: AttemptId, event: AttemptEvent) {
+        let ends_attempt = matches!(
+            event,
+            AttemptEvent::Completed
+                | AttemptEvent::Stalled(_)
+                | AttemptEvent::Failed { .. }
+                | AttemptEvent::TransportLost
+        );
+        let _ = self
+            .gate
+            .handle_input(now, GateInput::Attempt { attempt, event });
+        self.drain_gate(now);
+        if ends_attempt && self.phase != Phase::Ended && !matches!(self.phase, Phase::Admitting) {
+            // The gate always ends or re-admits after an attempt ends.
+            debug_assert!(false, "an ended attempt left the request running");
+            self.end();
+        }
+    }
+
+    /// Carry out the gate's outputs.
+    fn drain_gate(&mut self, _now: Instant) {
+        while let Some(event) = self.gate.poll_event() {
+            self.outputs
+                .push_back(RequestOutput::Observe(RequestObservation::Gate(event)));
+        }
+        while let Some(out) = self.gate.poll_output() {
+            match out {
+                GateOutput::Commit => {
+                    self.outputs
+                        .push_back(RequestOutput::Observe(RequestObservation::Committed));
+                    self.deliver_head();
+                    self.flush_held();
+                }
+                GateOutput::CloseTransport { .. } => {
+                    // R-GATE-2: the old transport is closed before
+                    // re-admission.
+                    if self.has_stream() {
+                        self.outputs.push_back(RequestOutput::CloseAttempt);
+                    }
+                    self.clear_held();
+                }
+                GateOutput::Readmit {
+                    avoid_provider_id,
+                    allow_avoided_fallback,
+                } => {
+                    self.outputs
+                        .push_back(RequestOutput::Observe(RequestObservation::Readmitted));
+                    self.avoid_provider_id = Some(avoid_provider_id);
+                    self.allow_avoided_fallback = allow_avoided_fallback;
+                    // Whatever the old attempt still holds goes first.
+                    self.cancel();
+                    self.admit();
+                }
+                GateOutput::CancelRun { .. } => {
+                    // R-GATE-4: reset the stream; the cancel at the end
+                    // releases the lease and cancels the node run.
+                    if self.has_stream() {
+                        self.outputs.push_back(RequestOutput::CloseAttempt);
+                    }
+                }
+                GateOutput::Finish => {
+                    self.deliver_head();
+                    let held: Vec<Delivery> = self.held.drain(..).collect();
+                    self.held_bytes = 0;
+                    for d in held {
+                        if !matches!(d, Delivery::Commit { .. }) {
+                            self.outputs.push_back(RequestOutput::Deliver(d));
+                        }
+                    }
+                    self.deliver_terminal(Delivery::Finish);
+                }
+                GateOutput::FailBeforeCommit { kind } => {
+                    self.clear_held();
+                    self.deliver_terminal(Delivery::Fail {
+                        kind,
+                        in_stream: false,
+                    });
+                }
+                GateOutput::FailInStream { kind } => {
+                    self.deliver_terminal(Delivery::Fail {
+                        kind,
+                        in_stream: true,
+                    });
+                }
+            }
+        }
+        if self.gate.end().is_some() {
+            self.end();
+        }
+    }
+
+    /// The request is over: let go of whatever it still holds, once.
+    fn end(&mut self) {
+        if self.phase != Phase::Ended {
+            self.phase = Phase::Ended;
+            #[cfg(feature = "planted-bugs")]
+            if self.planted(PlantedBug::SkipCancelRelease) {
+                self.clear_held();
+                return;
+            }
+            self.cancel();
+            self.clear_held();
+        }
+    }
+
+    /// Deliver the one terminal (R-GATE-3).
+    fn deliver_terminal(&mut self, delivery: Delivery) {
+        #[cfg(feature = "planted-bugs")]
+        if self.planted(PlantedBug::DuplicateTerminal) {
+            self.outputs
+                .push_back(RequestOutput::Deliver(delivery.clone()));
+        }
+        self.outputs.push_back(RequestOutput::Deliver(delivery));
+    }
+
+    /// Send the response head, once: a tunnel's own if one is held.
+    fn deliver_head(&mut self) {
+        if self.head_delivered {
+            return;
+        }
+        self.head_delivered = true;
+        let head = self
+            .held
+            .iter()
+            .position(|d| matches!(d, Delivery::Commit { .. }))
+            .and_then(|i| self.held.remove(i))
+            .unwrap_or(Delivery::Commit { tunnel_head: None });
+        self.outputs.push_back(RequestOutput::Deliver(head));
+    }
+
+    fn flush_held(&mut self) {
+        while let Some(d) = self.held.pop_front() {
+            self.outputs.push_back(RequestOutput::Deliver(d));
+        }
+        self.held_bytes = 0;
+    }
+
+    fn clear_held(&mut self) {
+        self.held.clear();
+        self.held_bytes = 0;
+    }
+
+    fn push_held(&mut self, d: Delivery) {
+        self.held_bytes = self.held_bytes.saturating_add(delivery_bytes(&d));
+        self.held.push_back(d);
+    }
+
+    /// Hold `d` until commit, within [`MAX_HELD_DELIVERIES`] and
+    /// [`MAX_HELD_BYTES`].
+    fn hold(&mut self, d: Delivery) -> Result<(), HeldOverflow> {
+        let bytes = delivery_bytes(&d);
+        if self.held.len() >= MAX_HELD_DELIVERIES
+            || self.held_bytes.saturating_add(bytes) > MAX_HELD_BYTES
+        {
+            return Err(HeldOverflow);
+        }
+        self.push_held(d);
+        Ok(())
+    }
+}
+
+/// The decoded size of a held delivery, for [`MAX_HELD_BYTES`].
+fn delivery_bytes(d: &Delivery) -> usize {
+    let payload = match d {
+        Delivery::Commit {
+            tunnel_head: Some((_, headers)),
+        } => headers
+            .iter()
+            .map(|(name, value)| name.len().saturating_add(value.len()))
+            .fold(0usize, usize::saturating_add),
+        Delivery::Body(bytes) => bytes.len(),
+        Delivery::Event(kind) => run_event_bytes(kind),
+        Delivery::Commit { tunnel_head: None } | Delivery::Finish | Delivery::Fail { .. } => 0,
+    };
+    HELD_ITEM_OVERHEAD.saturating_add(payload)
+}
+
+/// The decoded size of a run event's variable parts.
+fn run_event_bytes(kind: &RunEventKind) -> usize {
+    match kind {
+        RunEventKind::TextDelta(text) => text.len(),
+        RunEventKind::ToolCallDelta(call) => {
+            postcard::experimental::serialized_size(call).unwrap_or(usize::MAX / 2)
+        }
+        other => postcard::experimental::serialized_size(other).unwrap_or(usize::MAX / 2),
+    }
+}
+
+#[cfg(test)]
+mod tests;

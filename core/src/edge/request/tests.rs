@@ -1,0 +1,697 @@
+//! The request machine, step by step with a manual clock.
+
+use std::time::Duration;
+
+use iop_wire::{
+    AdapterKind, ExecutionFailure, FailureCode, FinishReason, ProviderHealth, ProviderTunnelFrame,
+    RunEventKind, Usage,
+};
+
+use super::*;
+use crate::edge::admission::{AdmitRejection, Lease, PreSend};
+use crate::edge::dispatch::{RequestCommand, RequestEvent, TerminalVerdict};
+use crate::edge::gate::{AdmissionFailure, ConfirmedStall, GateBudget, GateFailure};
+use crate::ids::{NodeId, ProviderId};
+use crate::time::Instant;
+
+const RID: u64 = 7;
+
+fn t(ms: u64) -> Instant {
+    Instant::ZERO.saturating_add(Duration::from_millis(ms))
+}
+
+fn spec(tunnel_api: Option<TunnelApi>, tunnel_providers: &[&str]) -> RequestSpec {
+    RequestSpec {
+        request_id: RID,
+        pool: vec![ProviderId::from("p0"), ProviderId::from("p1")],
+        budget: GateBudget::new(3, Duration::from_secs(10)).unwrap(),
+        tunnel_api,
+        tunnel_providers: tunnel_providers
+            .iter()
+            .map(|p| ProviderId::from(*p))
+            .collect(),
+    }
+}
+
+fn lease(id: u64, provider: &str, adapter: AdapterKind) -> Lease {
+    Lease {
+        lease_id: id,
+        request_id: RID,
+        provider_id: ProviderId::from(provider),
+        adapter,
+        target: "m".into(),
+        node: NodeId::from("n0"),
+        generation: 3,
+        run_id: 100 + id,
+        stall_timeout_ms: 0,
+    }
+}
+
+fn drain(r: &mut Request) -> Vec<RequestOutput> {
+    std::iter::from_fn(|| r.poll_output()).collect()
+}
+
+fn deliveries(outs: &[RequestOutput]) -> Vec<Delivery> {
+    outs.iter()
+        .filter_map(|o| match o {
+            RequestOutput::Deliver(d) => Some(d.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn commands(outs: &[RequestOutput]) -> Vec<RequestCommand> {
+    outs.iter()
+        .filter_map(|o| match o {
+            RequestOutput::Dispatch(c) => Some(c.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn cancel() -> RequestCommand {
+    RequestCommand::Cancel { request_id: RID }
+}
+
+fn applied(l: &Lease) -> TerminalVerdict {
+    TerminalVerdict::Applied {
+        lease: l.clone(),
+        stall: None,
+        evidence: None,
+    }
+}
+
+/// Drive a new request to a running attempt on `l`; returns the outputs
+/// of the pre-send answer.
+fn running(r: &mut Request, l: &Lease) -> Vec<RequestOutput> {
+    drain(r);
+    r.handle_input(
+        t(0),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    assert_eq!(
+        commands(&drain(r)),
+        vec![RequestCommand::PreSend {
+            request_id: RID,
+            lease_id: l.lease_id
+        }]
+    );
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    let outs = drain(r);
+    r.handle_input(t(1), RequestInput::Opened);
+    assert!(drain(r).is_empty());
+    outs
+}
+
+fn run(kind: RunEventKind) -> RequestInput {
+    RequestInput::Frame(NodeFrame::Run(kind))
+}
+
+fn completed() -> RunEventKind {
+    RunEventKind::Completed {
+        finish_reason: FinishReason::Stop,
+        usage: Some(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+        }),
+    }
+}
+
+#[test]
+fn first_admission_has_zero_hints_r_sel_1() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let outs = drain(&mut r);
+    assert_eq!(
+        commands(&outs),
+        vec![RequestCommand::Admit(DispatchRequest {
+            request_id: RID,
+            pool: vec![ProviderId::from("p0"), ProviderId::from("p1")],
+            avoid_provider_id: None,
+            allow_avoided_fallback: false,
+            stall_timeout_ms: None,
+        })]
+    );
+}
+
+#[test]
+fn happy_path_commits_on_first_content_and_finishes_once_r_gate_2() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    let outs = running(&mut r, &l);
+    // R-WD-7: the node gets what is left of the budget as its deadline.
+    assert_eq!(
+        outs,
+        vec![RequestOutput::Open {
+            lease: l.clone(),
+            tunnel: false,
+            deadline_ms: 9_999,
+        }]
+    );
+    r.handle_input(
+        t(2),
+        run(RunEventKind::Started {
+            session_id: "s".into(),
+        }),
+    );
+    assert!(
+        deliveries(&drain(&mut r)).is_empty(),
+        "a start never commits"
+    );
+    r.handle_input(t(3), run(RunEventKind::Usage(Usage::default())));
+    assert!(deliveries(&drain(&mut r)).is_empty(), "usage is held");
+    r.handle_input(t(4), run(RunEventKind::TextDelta("hi".into())));
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::Observe(RequestObservation::Committed)));
+    assert_eq!(
+        deliveries(&outs),
+        vec![
+            Delivery::Commit { tunnel_head: None },
+            Delivery::Event(RunEventKind::Usage(Usage::default())),
+            Delivery::Event(RunEventKind::TextDelta("hi".into())),
+        ]
+    );
+    r.handle_input(t(5), run(RunEventKind::TextDelta("!".into())));
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![Delivery::Event(RunEventKind::TextDelta("!".into()))]
+    );
+    r.handle_input(t(6), run(completed()));
+    assert_eq!(
+        commands(&drain(&mut r)),
+        vec![RequestCommand::Terminal {
+            request_id: RID,
+            lease_id: 1,
+            node: NodeId::from("n0"),
+            generation: 3,
+            failure: None,
+        }]
+    );
+    r.handle_input(
+        t(7),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(&l),
+        }),
+    );
+    let outs = drain(&mut r);
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Event(completed()), Delivery::Finish]
+    );
+    assert_eq!(commands(&outs), vec![cancel()]);
+    assert!(r.is_ended());
+    assert_eq!(r.poll_timeout(), None);
+    // Nothing after the end.
+    r.handle_input(t(8), run(RunEventKind::TextDelta("late".into())));
+    assert!(drain(&mut r).is_empty());
+}
+
+#[test]
+fn an_answer_without_content_still_commits_once() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(6), run(completed()));
+    drain(&mut r);
+    r.handle_input(
+        t(7),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(&l),
+        }),
+    );
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![
+            Delivery::Commit { tunnel_head: None },
+            Delivery::Event(completed()),
+            Delivery::Finish
+        ]
+    );
+}
+
+#[test]
+fn admission_refusals_map_to_their_failures() {
+    for (why, failure) in [
+        (AdmitRejection::QueueFull, AdmissionFailure::QueueFull),
+        (
+            AdmitRejection::NoRoute,
+            AdmissionFailure::NoEligibleProvider,
+        ),
+        (
+            AdmitRejection::DuplicateRequest,
+            AdmissionFailure::NoEligibleProvider,
+        ),
+    ] {
+        let mut r = Request::new(t(0), spec(None, &[]));
+        drain(&mut r);
+        r.handle_input(t(1), RequestInput::Dispatch(RequestEvent::Rejected(why)));
+        let outs = drain(&mut r);
+        assert_eq!(
+            deliveries(&outs),
+            vec![Delivery::Fail {
+                kind: GateFailure::Admission(failure),
+                in_stream: false
+            }]
+        );
+        assert_eq!(commands(&outs), vec![cancel()]);
+        assert!(r.is_ended());
+    }
+}
+
+#[test]
+fn queue_expiry_is_a_queue_timeout() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    r.handle_input(t(1), RequestInput::Dispatch(RequestEvent::Queued));
+    assert!(drain(&mut r).is_empty());
+    r.handle_input(t(2), RequestInput::Dispatch(RequestEvent::QueueExpired));
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![Delivery::Fail {
+            kind: GateFailure::Admission(AdmissionFailure::QueueTimeout),
+            in_stream: false
+        }]
+    );
+}
+
+#[test]
+fn a_stale_pre_send_fence_waits_for_the_re_resolved_lease_r_gen_4() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    let first = lease(1, "p0", AdapterKind::Mock);
+    r.handle_input(t(1), RequestInput::Dispatch(RequestEvent::Leased(first)));
+    drain(&mut r);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Refenced)),
+    );
+    assert!(drain(&mut r).is_empty(), "no second admission");
+    let second = lease(2, "p1", AdapterKind::Mock);
+    r.handle_input(t(3), RequestInput::Dispatch(RequestEvent::Leased(second)));
+    assert_eq!(
+        commands(&drain(&mut r)),
+        vec![RequestCommand::PreSend {
+            request_id: RID,
+            lease_id: 2
+        }]
+    );
+    assert_eq!(r.gate().attempts(), 0, "nothing was dispatched yet");
+}
+
+#[test]
+fn an_unknown_lease_at_the_fence_lets_go_and_admits_again() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Leased(lease(1, "p0", AdapterKind::Mock))),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::UnknownLease)),
+    );
+    let cmds = commands(&drain(&mut r));
+    assert_eq!(cmds.len(), 2);
+    assert_eq!(cmds[0], cancel());
+    assert!(matches!(cmds[1], RequestCommand::Admit(_)));
+}
+
+#[test]
+fn a_fence_while_queued_or_pre_sending_never_admits_twice() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    r.handle_input(t(1), RequestInput::Dispatch(RequestEvent::Queued));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    assert!(drain(&mut r).is_empty());
+    r.handle_input(
+        t(3),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(4),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    assert!(drain(&mut r).is_empty(), "the pre-send answer says it");
+}
+
+#[test]
+fn a_fence_of_the_running_attempt_is_one_transport_terminal_r_gen_3() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(RunEventKind::TextDelta("a".into())));
+    drain(&mut r);
+    r.handle_input(t(3), RequestInput::Dispatch(RequestEvent::LeaseFenced(l)));
+    let outs = drain(&mut r);
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::TransportClosed),
+            in_stream: true
+        }]
+    );
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert!(r.is_ended());
+}
+
+#[test]
+fn a_confirmed_stall_before_commit_readmits_with_the_avoid_hint_r_gate_2() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    let mut failure = ExecutionFailure::new(FailureCode::ResponseStalled);
+    failure.provider_health = Some(ProviderHealth::Available);
+    r.handle_input(t(2), run(RunEventKind::Failed(failure.clone())));
+    assert_eq!(
+        commands(&drain(&mut r)),
+        vec![RequestCommand::Terminal {
+            request_id: RID,
+            lease_id: 1,
+            node: NodeId::from("n0"),
+            generation: 3,
+            failure: Some(failure),
+        }]
+    );
+    r.handle_input(
+        t(3),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: 1,
+            verdict: TerminalVerdict::Applied {
+                lease: l.clone(),
+                stall: Some(ConfirmedStall {
+                    provider_id: l.provider_id.clone(),
+                    health: ProviderHealth::Available,
+                }),
+                evidence: None,
+            },
+        }),
+    );
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert!(outs.contains(&RequestOutput::Observe(RequestObservation::Readmitted)));
+    let admit = commands(&outs)
+        .into_iter()
+        .find_map(|c| match c {
+            RequestCommand::Admit(d) => Some(d),
+            _ => None,
+        })
+        .expect("re-admitted");
+    assert_eq!(admit.avoid_provider_id, Some(ProviderId::from("p0")));
+    assert!(admit.allow_avoided_fallback);
+    assert!(deliveries(&outs).is_empty());
+    // The second attempt runs and completes.
+    let second = lease(2, "p1", AdapterKind::Mock);
+    running(&mut r, &second);
+    assert_eq!(r.gate().attempts(), 2);
+}
+
+#[test]
+fn an_ignored_terminal_is_a_lost_transport_r_lease_1() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(completed()));
+    drain(&mut r);
+    r.handle_input(
+        t(3),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: 9,
+            verdict: TerminalVerdict::Ignored(crate::edge::dispatch::IgnoredTerminal::NotHeld),
+        }),
+    );
+    assert!(
+        drain(&mut r).is_empty(),
+        "a verdict about another lease changes nothing"
+    );
+    r.handle_input(
+        t(3),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: 1,
+            verdict: TerminalVerdict::Ignored(
+                crate::edge::dispatch::IgnoredTerminal::FencedGeneration,
+            ),
+        }),
+    );
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::TransportClosed),
+            in_stream: false
+        }]
+    );
+}
+
+#[test]
+fn the_tunnel_choice_needs_a_tunnel_provider_that_speaks_the_api() {
+    let cases = [
+        (
+            Some(TunnelApi::OpenAi),
+            &["p0"][..],
+            AdapterKind::OpenAi,
+            true,
+        ),
+        (
+            Some(TunnelApi::OpenAi),
+            &["p0"][..],
+            AdapterKind::Mock,
+            true,
+        ),
+        (
+            Some(TunnelApi::OpenAi),
+            &["p0"][..],
+            AdapterKind::Ollama,
+            false,
+        ),
+        (
+            Some(TunnelApi::Ollama),
+            &["p0"][..],
+            AdapterKind::Ollama,
+            true,
+        ),
+        (
+            Some(TunnelApi::OpenAi),
+            &["p1"][..],
+            AdapterKind::OpenAi,
+            false,
+        ),
+        (None, &["p0"][..], AdapterKind::OpenAi, false),
+    ];
+    for (api, providers, adapter, tunnel) in cases {
+        let mut r = Request::new(t(0), spec(api, providers));
+        let outs = running(&mut r, &lease(1, "p0", adapter));
+        assert!(
+            matches!(&outs[..], [RequestOutput::Open { tunnel: got, .. }] if *got == tunnel),
+            "{api:?} {providers:?} {adapter:?}: {outs:?}"
+        );
+    }
+}
+
+#[test]
+fn a_tunnel_commits_on_body_bytes_with_its_own_head() {
+    let mut r = Request::new(t(0), spec(Some(TunnelApi::OpenAi), &["p0"]));
+    let l = lease(1, "p0", AdapterKind::OpenAi);
+    running(&mut r, &l);
+    let headers = vec![("content-type".to_owned(), "text/event-stream".to_owned())];
+    r.handle_input(
+        t(2),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+            status: 200,
+            headers: headers.clone(),
+        })),
+    );
+    assert!(deliveries(&drain(&mut r)).is_empty());
+    r.handle_input(
+        t(3),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Body(vec![]))),
+    );
+    assert!(
+        deliveries(&drain(&mut r)).is_empty(),
+        "empty body: no commit"
+    );
+    r.handle_input(
+        t(4),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Body(b"x".to_vec()))),
+    );
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![
+            Delivery::Commit {
+                tunnel_head: Some((200, headers))
+            },
+            Delivery::Body(vec![]),
+            Delivery::Body(b"x".to_vec()),
+        ]
+    );
+}
+
+#[test]
+fn a_second_tunnel_head_fails_the_attempt_r_lim_3() {
+    let mut r = Request::new(t(0), spec(Some(TunnelApi::OpenAi), &["p0"]));
+    running(&mut r, &lease(1, "p0", AdapterKind::OpenAi));
+    let head = || {
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+            status: 200,
+            headers: vec![],
+        }))
+    };
+    r.handle_input(t(2), head());
+    drain(&mut r);
+    r.handle_input(t(3), head());
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::MalformedResponse),
+            in_stream: false
+        }]
+    );
+}
+
+#[test]
+fn a_frame_of_the_wrong_kind_fails_the_attempt() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &lease(1, "p0", AdapterKind::Mock));
+    r.handle_input(
+        t(2),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::End)),
+    );
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::MalformedResponse),
+            in_stream: false
+        }]
+    );
+}
+
+#[test]
+fn the_pre_commit_buffer_is_bounded_in_items() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &lease(1, "p0", AdapterKind::Mock));
+    for _ in 0..MAX_HELD_DELIVERIES {
+        r.handle_input(t(2), run(RunEventKind::Usage(Usage::default())));
+        assert!(deliveries(&drain(&mut r)).is_empty());
+    }
+    assert!(r.held_bytes() <= MAX_HELD_BYTES);
+    r.handle_input(t(3), run(RunEventKind::Usage(Usage::default())));
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::MalformedResponse),
+            in_stream: false
+        }]
+    );
+    assert_eq!(r.held_bytes(), 0);
+}
+
+#[test]
+fn the_pre_commit_buffer_is_bounded_in_decoded_bytes() {
+    let mut r = Request::new(t(0), spec(Some(TunnelApi::OpenAi), &["p0"]));
+    running(&mut r, &lease(1, "p0", AdapterKind::OpenAi));
+    let big = vec![("x".repeat(200_000), "y".repeat(200_000))];
+    r.handle_input(
+        t(2),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+            status: 200,
+            headers: [big.clone(), big.clone(), big].concat(),
+        })),
+    );
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::MalformedResponse),
+            in_stream: false
+        }]
+    );
+}
+
+#[test]
+fn open_failures_are_attempt_events_r_gate_1() {
+    for (failure, code) in [
+        (OpenFailure::Unencodable, FailureCode::InvalidRequest),
+        (OpenFailure::Transport, FailureCode::TransportClosed),
+        (OpenFailure::NoConnection, FailureCode::TransportClosed),
+    ] {
+        let mut r = Request::new(t(0), spec(None, &[]));
+        drain(&mut r);
+        let l = lease(1, "p0", AdapterKind::Mock);
+        r.handle_input(
+            t(0),
+            RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+        );
+        r.handle_input(
+            t(1),
+            RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l))),
+        );
+        drain(&mut r);
+        r.handle_input(t(2), RequestInput::OpenFailed(failure));
+        let outs = drain(&mut r);
+        assert_eq!(commands(&outs)[0], cancel(), "the lease goes first");
+        assert_eq!(
+            deliveries(&outs),
+            vec![Delivery::Fail {
+                kind: GateFailure::Attempt(code),
+                in_stream: false
+            }]
+        );
+        assert_eq!(r.gate().attempts(), 1, "the open counted as the attempt");
+    }
+}
+
+#[test]
+fn a_client_disconnect_cancels_the_run_and_sends_nothing_r_gate_4() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &lease(1, "p0", AdapterKind::Mock));
+    r.handle_input(t(2), RequestInput::ClientDisconnected);
+    let outs = drain(&mut r);
+    assert!(deliveries(&outs).is_empty());
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert_eq!(commands(&outs), vec![cancel()]);
+    assert!(r.is_ended());
+}
+
+#[test]
+fn the_budget_deadline_ends_the_request_r_gate_3() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &lease(1, "p0", AdapterKind::Mock));
+    assert_eq!(r.poll_timeout(), Some(t(10_000)));
+    r.handle_timeout(t(9_999));
+    assert!(drain(&mut r).is_empty(), "nothing fires early");
+    r.handle_timeout(t(10_000));
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Fail {
+            kind: GateFailure::BudgetExpired,
+            in_stream: false
+        }]
+    );
+    assert_eq!(commands(&outs), vec![cancel()]);
+}
+
+#[test]
+fn a_stream_that_ends_without_a_terminal_is_a_lost_transport() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &lease(1, "p0", AdapterKind::Mock));
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    let outs = drain(&mut r);
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::TransportClosed),
+            in_stream: false
+        }]
+    );
+}
