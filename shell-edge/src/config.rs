@@ -245,7 +245,69 @@ pub struct EdgeSection {
     /// At shutdown, how long in-flight responses may take to finish.
     #[serde(default = "default_drain_timeout_ms")]
     pub drain_timeout_ms: u64,
+    /// From accept to the first complete request head: first byte,
+    /// HTTP/1-or-2 detection and headers (R-LIM-1).
+    #[serde(default = "default_first_request_timeout_ms")]
+    pub first_request_timeout_ms: u64,
+    /// A client connection with no request in flight is closed after this
+    /// (HTTP/1 keep-alive and HTTP/2 alike).
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// A client connection stops taking requests at this age and is closed
+    /// `admission.request_budget_ms` later whatever it is doing.
+    #[serde(default = "default_max_connection_age_ms")]
+    pub max_connection_age_ms: u64,
+    /// Client connections one source address may hold (its share of
+    /// `max_connections`); defaults to a quarter of `max_connections`.
+    /// Behind a reverse proxy every client has the proxy's address: set it
+    /// to `max_connections` there.
+    #[serde(default)]
+    pub max_connections_per_source: Option<usize>,
+    /// Concurrent streams on one HTTP/2 client connection.
+    #[serde(default = "default_h2_max_concurrent_streams")]
+    pub h2_max_concurrent_streams: u32,
+    /// Request body bytes held at once across all connections (R-LIM-2);
+    /// a request whose body does not fit gets a fast 503.
+    #[serde(default = "default_max_body_bytes_in_flight")]
+    pub max_body_bytes_in_flight: usize,
+    /// A request body must arrive within this once its head has.
+    #[serde(default = "default_body_read_timeout_ms")]
+    pub body_read_timeout_ms: u64,
 }
+
+impl EdgeSection {
+    /// `max_connections_per_source`, with its default applied.
+    pub fn connections_per_source(&self) -> usize {
+        self.max_connections_per_source
+            .unwrap_or((self.max_connections / 4).max(1))
+    }
+}
+
+fn default_first_request_timeout_ms() -> u64 {
+    10_000
+}
+fn default_idle_timeout_ms() -> u64 {
+    60_000
+}
+fn default_max_connection_age_ms() -> u64 {
+    3_600_000
+}
+fn default_h2_max_concurrent_streams() -> u32 {
+    100
+}
+fn default_max_body_bytes_in_flight() -> usize {
+    256 * 1024 * 1024
+}
+fn default_body_read_timeout_ms() -> u64 {
+    30_000
+}
+
+/// Largest accepted `edge.max_body_bytes_in_flight` (one semaphore
+/// permit per byte, taken at most [`u32::MAX`] at a time).
+pub const MAX_BODY_BYTES_IN_FLIGHT_LIMIT: usize = u32::MAX as usize;
+
+/// Largest accepted `edge.h2_max_concurrent_streams`.
+pub const MAX_H2_CONCURRENT_STREAMS_LIMIT: u32 = 10_000;
 
 /// Largest accepted `edge.max_connections` (one semaphore permit each).
 pub const MAX_CONNECTIONS_LIMIT: usize = 1_000_000;
@@ -261,6 +323,51 @@ fn default_header_read_timeout_ms() -> u64 {
 }
 fn default_drain_timeout_ms() -> u64 {
     30_000
+}
+
+/// R-LIM-1/2: the client connection and body limits.
+fn validate_client_limits(e: &EdgeSection) -> Result<(), ConfigError> {
+    for (field, value) in [
+        ("edge.first_request_timeout_ms", e.first_request_timeout_ms),
+        ("edge.idle_timeout_ms", e.idle_timeout_ms),
+        ("edge.max_connection_age_ms", e.max_connection_age_ms),
+        ("edge.body_read_timeout_ms", e.body_read_timeout_ms),
+    ] {
+        if value == 0 {
+            return Err(field_err(field, "must be > 0"));
+        }
+    }
+    if let Some(share) = e.max_connections_per_source
+        && (share == 0 || share > e.max_connections)
+    {
+        return Err(field_err(
+            "edge.max_connections_per_source",
+            format!(
+                "must be between 1 and edge.max_connections ({})",
+                e.max_connections
+            ),
+        ));
+    }
+    if e.h2_max_concurrent_streams == 0
+        || e.h2_max_concurrent_streams > MAX_H2_CONCURRENT_STREAMS_LIMIT
+    {
+        return Err(field_err(
+            "edge.h2_max_concurrent_streams",
+            format!("must be between 1 and {MAX_H2_CONCURRENT_STREAMS_LIMIT}"),
+        ));
+    }
+    if e.max_body_bytes_in_flight < e.max_body_bytes
+        || e.max_body_bytes_in_flight > MAX_BODY_BYTES_IN_FLIGHT_LIMIT
+    {
+        return Err(field_err(
+            "edge.max_body_bytes_in_flight",
+            format!(
+                "must be between edge.max_body_bytes ({}) and {MAX_BODY_BYTES_IN_FLIGHT_LIMIT}",
+                e.max_body_bytes
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn default_quic_listen() -> SocketAddr {
@@ -433,6 +540,7 @@ impl EdgeConfig {
         if file.edge.header_read_timeout_ms == 0 {
             return Err(field_err("edge.header_read_timeout_ms", "must be > 0"));
         }
+        validate_client_limits(&file.edge)?;
         if file.edge.max_body_bytes > MAX_BODY_BYTES_LIMIT {
             return Err(field_err(
                 "edge.max_body_bytes",
@@ -860,6 +968,52 @@ key = "edge.key"
         assert_eq!(field_of(e), "otlp.endpoint");
         let e = parse("[otlp]\nendpoint = 'http://c:4318'\ninterval_ms = 1\n").unwrap_err();
         assert_eq!(field_of(e), "otlp.interval_ms");
+    }
+
+    #[test]
+    fn client_limits_have_defaults_and_bad_values_name_their_field() {
+        // R-LIM-1, R-LIM-2.
+        let c = parse("").unwrap();
+        assert_eq!(c.edge.connections_per_source(), 1024);
+        assert_eq!(c.edge.first_request_timeout_ms, 10_000);
+        assert_eq!(c.edge.max_body_bytes_in_flight, 256 * 1024 * 1024);
+        let edge = |line: &str| {
+            let text = BASE.replace("[edge]\n", &format!("[edge]\n{line}\n"));
+            EdgeConfig::parse(&text, Path::new("/etc/iop"))
+        };
+        for (line, field) in [
+            (
+                "first_request_timeout_ms = 0",
+                "edge.first_request_timeout_ms",
+            ),
+            ("idle_timeout_ms = 0", "edge.idle_timeout_ms"),
+            ("max_connection_age_ms = 0", "edge.max_connection_age_ms"),
+            ("body_read_timeout_ms = 0", "edge.body_read_timeout_ms"),
+            (
+                "max_connections_per_source = 0",
+                "edge.max_connections_per_source",
+            ),
+            (
+                "max_connections_per_source = 4097",
+                "edge.max_connections_per_source",
+            ),
+            (
+                "h2_max_concurrent_streams = 0",
+                "edge.h2_max_concurrent_streams",
+            ),
+            (
+                "max_body_bytes_in_flight = 1024",
+                "edge.max_body_bytes_in_flight",
+            ),
+            (
+                "max_body_bytes_in_flight = 99999999999",
+                "edge.max_body_bytes_in_flight",
+            ),
+        ] {
+            assert_eq!(field_of(edge(line).unwrap_err()), field, "{line}");
+        }
+        let c = edge("max_connections = 10\nmax_connections_per_source = 10").unwrap();
+        assert_eq!(c.edge.connections_per_source(), 10);
     }
 
     #[test]

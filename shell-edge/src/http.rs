@@ -27,7 +27,7 @@ use iop_core::edge::gate::{AdmissionFailure, GateFailure};
 use iop_core::ids::ProviderId;
 use iop_wire::RunApi;
 use sha2::{Digest, Sha256};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::api::endpoint::{
     AnswerStart, AnswerStream, ChatCompletions, Ollama, Responses, RunEndpoint, WholeAnswer,
@@ -39,6 +39,7 @@ use crate::driver::{
 };
 use crate::hub::HubHandle;
 use crate::metrics::EdgeMetrics;
+use crate::request_body::{BodyBudget, BodyError, CLIENT_CLOSED_CODE};
 
 /// Shared state of every handler.
 #[derive(Clone)]
@@ -51,6 +52,8 @@ pub struct AppState {
     hub: HubHandle,
     ids: Arc<AtomicU64>,
     metrics: Arc<EdgeMetrics>,
+    /// R-LIM-2: every request body is read under this budget.
+    bodies: BodyBudget,
 }
 
 impl AppState {
@@ -106,6 +109,11 @@ impl AppState {
                 observe,
             },
             keys: Arc::new(keys),
+            bodies: BodyBudget::new(
+                config.edge.max_body_bytes_in_flight,
+                config.edge.max_body_bytes,
+                Duration::from_millis(config.edge.body_read_timeout_ms),
+            ),
             hub,
             ids: Arc::new(AtomicU64::new(1)),
             config,
@@ -159,13 +167,6 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiErro
         .get(&digest(token))
         .cloned()
         .ok_or_else(ApiError::invalid_api_key)
-}
-
-async fn read_body(state: &AppState, body: Body) -> Result<bytes::Bytes, ApiError> {
-    let limit = state.config.edge.max_body_bytes;
-    axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::body_too_large(limit))
 }
 
 /// The pool for `model`, if the key may use it.
@@ -233,6 +234,8 @@ fn unix_now() -> u64 {
 struct Admitted<O> {
     key: ApiKey,
     body: bytes::Bytes,
+    /// The body's share of the budget, held while the request lives.
+    body_permit: OwnedSemaphorePermit,
     run: NormalizedRun,
     options: O,
     pool: Vec<ProviderId>,
@@ -247,12 +250,17 @@ async fn admit<E: RunEndpoint>(
 ) -> Result<Admitted<E::Options>, ApiError> {
     let (parts, body) = request.into_parts();
     let key = authenticate(state, &parts.headers)?;
-    let body = read_body(state, body).await?;
-    let (run, options) = endpoint.parse(&body)?;
+    let held = state
+        .bodies
+        .read(&parts.headers, body)
+        .await
+        .map_err(BodyError::to_api_error)?;
+    let (run, options) = endpoint.parse(&held.bytes)?;
     let pool = pool_for(state, &key, &run.model)?;
     Ok(Admitted {
         key,
-        body,
+        body: held.bytes,
+        body_permit: held.permit,
         run,
         options,
         pool,
@@ -290,6 +298,8 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         Err(e) => return refuse(record, e),
     };
     let (run, options) = (admitted.run, admitted.options);
+    // The body and what was parsed from it live as long as the request.
+    record.body_permit = Some(admitted.body_permit);
     let admitted_unix_ms = iop_transport::clock::unix_ms();
     if let Some(answer) = endpoint.answer_without_run(&run, &options, admitted_unix_ms) {
         record.set("ok");
@@ -513,6 +523,8 @@ struct RequestRecord {
     route: &'static str,
     started: std::time::Instant,
     outcome: &'static str,
+    /// The request body's share of the budget (R-LIM-2).
+    body_permit: Option<OwnedSemaphorePermit>,
 }
 
 impl RequestRecord {
@@ -522,6 +534,7 @@ impl RequestRecord {
             route,
             started: std::time::Instant::now(),
             outcome: "client_disconnected",
+            body_permit: None,
         }
     }
 
@@ -543,6 +556,10 @@ impl Drop for RequestRecord {
 
 /// The closed outcome class of an error.
 fn outcome_of(err: &ApiError) -> &'static str {
+    if err.code == Some(CLIENT_CLOSED_CODE) {
+        // The client went away mid-body: not a bad request (R-LIM-2).
+        return "client_disconnected";
+    }
     match err.status {
         400 | 413 | 422 => "invalid_request",
         401 | 403 => "unauthorized",
@@ -682,6 +699,7 @@ mod tests {
             route: "chat",
             started: std::time::Instant::now(),
             outcome: "client_disconnected",
+            body_permit: None,
         }
     }
 

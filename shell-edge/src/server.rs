@@ -177,13 +177,7 @@ impl RunningEdge {
             creds.clone(),
         ));
         let (http_stop, stop) = tokio::sync::watch::channel(false);
-        let limits = crate::serve::HttpLimits {
-            header_read_timeout: std::time::Duration::from_millis(
-                config.edge.header_read_timeout_ms,
-            ),
-            max_connections: config.edge.max_connections,
-            drain_timeout: std::time::Duration::from_millis(config.edge.drain_timeout_ms),
-        };
+        let limits = crate::serve::HttpLimits::from_config(&config);
         let http_task = tokio::spawn(crate::serve::serve(listener, app, limits, stop));
         tracing::info!(event = "edge_http_listening", addr = %http_addr);
         Ok(Self {
