@@ -45,7 +45,9 @@ pub use endpoint::{
     QuicTuning, TransportError, client_endpoint, client_endpoint_on, connect, peer_node_id,
     server_endpoint,
 };
-pub use framed::{FramedError, FramedRecv, FramedSend, accept_framed, open_framed};
+pub use framed::{
+    FrameLimits, FramedError, FramedRecv, FramedSend, accept_framed, framed_for_side, open_framed,
+};
 pub use identity::{IdentityError, node_id_from_cert, validate_node_id};
 pub use pki::{
     DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki, issue_node_cert,

@@ -190,7 +190,9 @@ fn register_request(model_count: usize) -> RegisterRequest {
         providers: vec![OfferedProvider {
             adapter: AdapterKind::Ollama,
             target: "http://127.0.0.1:11434".into(),
-            models: (0..model_count).map(|i| format!("model-{i:06}")).collect(),
+            models: (0..model_count)
+                .map(|i| format!("model-{i:06}-with-a-longer-name"))
+                .collect(),
         }],
         max_concurrent_runs: 64,
         recipient_public_key: Some([7; 32]),
@@ -384,9 +386,9 @@ async fn framed_messages_round_trip_over_a_stream() {
     within_timeout(async {
         let deployment = Deployment::start(&["node-a"]);
         let (edge_conn, node_conn) = deployment.connected("node-a").await;
-        // A register of ~100 KB spans several 64 KiB reads.
+        // A register of ~140 KB spans several 64 KiB reads.
         let sent = vec![
-            NodeControl::Register(register_request(8_000)),
+            NodeControl::Register(register_request(4_000)),
             NodeControl::Ping(Heartbeat { seq: 1 }),
             NodeControl::ConfigApplied { generation: 7 },
             NodeControl::Pong(Heartbeat { seq: 2 }),
@@ -619,6 +621,54 @@ async fn send_refuses_a_frame_above_its_maximum_before_writing() {
         send.send(&NodeControl::Ping(Heartbeat { seq: 1 }))
             .await
             .expect("small frame");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn frames_are_limited_per_direction_node_to_edge_much_smaller() {
+    // R-LIM-3: a node's frames are bounded far below an edge request's.
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a"]);
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+        let big = iop_wire::NODE_FRAME_MAX_LEN + 1;
+
+        // The Edge sends a request larger than any node frame: it arrives.
+        let (mut edge_send, _edge_recv) = open_framed(&edge_conn).await.expect("open");
+        let request = iop_wire::ProviderTunnelFrame::Body(vec![7; big]);
+        let receive = async {
+            let (_node_send, mut node_recv) = accept_framed(&node_conn).await.expect("accept");
+            node_recv
+                .recv::<iop_wire::ProviderTunnelFrame>()
+                .await
+                .expect("recv")
+        };
+        let (sent, received) = tokio::join!(edge_send.send(&request), receive);
+        sent.expect("an edge frame may be large");
+        assert_eq!(received, Some(request));
+
+        // The node refuses to send one that large ...
+        let (mut node_send, _node_recv) = open_framed(&node_conn).await.expect("open");
+        let oversize = iop_wire::ProviderTunnelFrame::Body(vec![7; big]);
+        assert!(matches!(
+            node_send.send(&oversize).await,
+            Err(FramedError::Encode(WireError::FrameTooLarge { .. }))
+        ));
+        node_send.finish().expect("finish");
+        let (_s, mut empty) = accept_framed(&edge_conn).await.expect("accept");
+        assert!(matches!(empty.recv::<NodeControl>().await, Ok(None)));
+        // ... and the Edge stops a stream whose frame announces it.
+        let mut raw = u32::try_from(big).expect("fits").to_be_bytes().to_vec();
+        raw.extend_from_slice(&[0u8; 64]);
+        let _raw = open_raw(&node_conn, &raw).await;
+        let (_s, mut edge_recv) = accept_framed(&edge_conn).await.expect("accept");
+        match edge_recv.recv::<NodeControl>().await {
+            Err(FramedError::PeerProtocol {
+                error: WireError::FrameTooLarge { max, .. },
+                code: StreamErrorCode::FrameTooLarge,
+            }) => assert_eq!(max, iop_wire::NODE_FRAME_MAX_LEN),
+            other => panic!("expected FrameTooLarge, got {other:?}"),
+        }
     })
     .await;
 }
