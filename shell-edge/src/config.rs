@@ -882,7 +882,8 @@ fn read_secret(
                     format!("environment variable `{var}` is not set"),
                 )
             })?;
-            Ok((zeroize::Zeroizing::new(value), env_field))
+            // Trimmed as a file's line is, and as a presented key is.
+            Ok((zeroize::Zeroizing::new(value.trim().to_owned()), env_field))
         }
         (None, Some(path)) => {
             let path = if path.is_relative() {
@@ -890,6 +891,25 @@ fn read_secret(
             } else {
                 path.to_path_buf()
             };
+            match iop_transport::insecure_secret_file_mode(&path) {
+                Ok(None) => {}
+                Ok(Some(mode)) => {
+                    return Err(field_err(
+                        f(file_field),
+                        format!(
+                            "{} has mode {mode:o}: a secret file must not be readable by its \
+                             group or others (chmod 600)",
+                            path.display()
+                        ),
+                    ));
+                }
+                Err(e) => {
+                    return Err(field_err(
+                        f(file_field),
+                        format!("cannot read {}: {}", path.display(), e.kind()),
+                    ));
+                }
+            }
             let text = zeroize::Zeroizing::new(std::fs::read_to_string(&path).map_err(|e| {
                 field_err(
                     f(file_field),
@@ -921,6 +941,19 @@ key = "edge.key"
 
     fn parse(extra: &str) -> Result<EdgeConfig, ConfigError> {
         EdgeConfig::parse(&format!("{BASE}{extra}"), Path::new("/etc/iop"))
+    }
+
+    /// A secret file as an operator must write it: mode 0600.
+    fn write_secret(path: &Path, text: &str) {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)
+            .unwrap();
+        std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
     }
 
     fn field_of(e: ConfigError) -> String {
@@ -968,6 +1001,22 @@ key = "edge.key"
         assert_eq!(field_of(e), "otlp.endpoint");
         let e = parse("[otlp]\nendpoint = 'http://c:4318'\ninterval_ms = 1\n").unwrap_err();
         assert_eq!(field_of(e), "otlp.interval_ms");
+    }
+
+    #[test]
+    fn a_secret_file_readable_by_its_group_or_others_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k");
+        write_secret(&path, "sk-team-key-0123456789\n");
+        let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
+        parse_in("[[api_keys]]\nprincipal='a'\nkey_file='k'\n").unwrap();
+        for mode in [0o640, 0o604] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = parse_in("[[api_keys]]\nprincipal='a'\nkey_file='k'\n").unwrap_err();
+            assert!(e.to_string().contains("chmod 600"), "{e}");
+            assert_eq!(field_of(e), "api_keys[0].key_file");
+        }
     }
 
     #[test]
@@ -1066,7 +1115,7 @@ key = "edge.key"
     #[test]
     fn credentials_are_validated_by_field_and_never_shown() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("cred"), "sk-managed-secret\n").unwrap();
+        write_secret(&dir.path().join("cred"), "sk-managed-secret\n");
         let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
         let c = parse_in(
             "[[credentials]]\nprofile='k'\nsecret_file='cred'\nrevision=3\n\
@@ -1133,9 +1182,9 @@ key = "edge.key"
     #[test]
     fn api_key_errors_name_the_field_used_and_duplicates_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("short"), "too-short\n").unwrap();
-        std::fs::write(dir.path().join("k1"), "sk-first-key-0123456789\n").unwrap();
-        std::fs::write(dir.path().join("k2"), "sk-first-key-0123456789\n").unwrap();
+        write_secret(&dir.path().join("short"), "too-short\n");
+        write_secret(&dir.path().join("k1"), "sk-first-key-0123456789\n");
+        write_secret(&dir.path().join("k2"), "sk-first-key-0123456789\n");
         let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
         let e = parse_in("[[api_keys]]\nprincipal='a'\nkey_file='short'\n").unwrap_err();
         assert_eq!(field_of(e), "api_keys[0].key_file");
@@ -1152,7 +1201,7 @@ key = "edge.key"
             "the key is never shown: {text}"
         );
         assert_eq!(field_of(e), "api_keys[1].key_file");
-        std::fs::write(dir.path().join("tiny"), "\n").unwrap();
+        write_secret(&dir.path().join("tiny"), "\n");
         let e = parse_in("[[credentials]]\nprofile='k'\nsecret_file='tiny'\n").unwrap_err();
         assert_eq!(field_of(e), "credentials[0].secret_file");
     }

@@ -603,8 +603,16 @@ async fn revoke_credential(
         Ok(k) => k,
         Err(e) => return e.into_response(),
     };
-    if !state.ctx.creds.revoke(&profile) {
-        return ApiError::not_found("credential profile").into_response();
+    match state.ctx.creds.revoke(&profile) {
+        Ok(true) => {}
+        Ok(false) => return ApiError::not_found("credential profile").into_response(),
+        Err(e) => {
+            // Inactive in this process already; the record for the next
+            // start is missing: the operator must know.
+            tracing::error!(event = "edge_credential_revocation_not_persisted", profile = %profile, error = %e);
+            state.hub.refresh_credentials();
+            return ApiError::internal().into_response();
+        }
     }
     tracing::warn!(event = "edge_credential_revoked", profile = %profile, by = %key.principal);
     state.hub.refresh_credentials();

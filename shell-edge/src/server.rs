@@ -204,7 +204,15 @@ impl RunningEdge {
 
     /// Revoke a profile (mark it inactive) and push the new states.
     pub fn revoke_credential(&self, profile: &str) -> bool {
-        let known = self.creds.revoke(profile);
+        let known = match self.creds.revoke(profile) {
+            Ok(known) => known,
+            Err(e) => {
+                // Revoked in this process; only the record for the next
+                // start is missing.
+                tracing::error!(event = "edge_credential_revocation_not_persisted", profile = %profile, error = %e);
+                true
+            }
+        };
         self.hub.refresh_credentials();
         known
     }

@@ -19,7 +19,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 async fn edge(edge_lines: &str) -> (Pki, RunningEdge) {
     let pki = Pki::new(&["node-1"]);
-    std::fs::write(pki.path().join("key"), KEY).unwrap();
+    write_secret(&pki.path().join("key"), KEY);
     let edge = RunningEdge::start(edge_config_with(
         &pki,
         0,

@@ -50,7 +50,7 @@ pub use framed::{
 };
 pub use identity::{IdentityError, node_id_from_cert, validate_node_id};
 pub use pki::{
-    DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki, issue_node_cert,
-    load_ca, load_cert_chain, load_private_key,
+    DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki,
+    insecure_secret_file_mode, issue_node_cert, load_ca, load_cert_chain, load_private_key,
 };
 pub use tls::{ClientTls, ServerTls};
