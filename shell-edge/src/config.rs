@@ -273,9 +273,36 @@ pub struct EdgeSection {
     /// A request body must arrive within this once its head has.
     #[serde(default = "default_body_read_timeout_ms")]
     pub body_read_timeout_ms: u64,
+    /// SHA-256 fingerprints (hex, `:` optional) of node certificates the
+    /// Edge refuses although they chain to the CA; re-read on SIGHUP.
+    #[serde(default)]
+    pub revoked_node_certificates: Vec<String>,
+    /// Answer a new node connection with a QUIC Retry first, so its source
+    /// address is proven before any handshake work (spoofed floods).
+    #[serde(default = "yes")]
+    pub quic_address_validation: bool,
+    /// Node connections open (or handshaking) at once; past it new ones
+    /// are refused.
+    #[serde(default = "default_max_node_connections")]
+    pub max_node_connections: usize,
 }
 
+fn default_max_node_connections() -> usize {
+    1024
+}
+
+/// Largest accepted `edge.max_node_connections`.
+pub const MAX_NODE_CONNECTIONS_LIMIT: usize = 65_536;
+
 impl EdgeSection {
+    /// The parsed `revoked_node_certificates` (validated at load).
+    pub fn revoked_fingerprints(&self) -> Vec<iop_transport::tls::CertFingerprint> {
+        self.revoked_node_certificates
+            .iter()
+            .filter_map(|f| iop_transport::parse_fingerprint(f))
+            .collect()
+    }
+
     /// `max_connections_per_source`, with its default applied.
     pub fn connections_per_source(&self) -> usize {
         self.max_connections_per_source
@@ -346,6 +373,20 @@ fn validate_client_limits(e: &EdgeSection) -> Result<(), ConfigError> {
                 "must be between 1 and edge.max_connections ({})",
                 e.max_connections
             ),
+        ));
+    }
+    for (i, f) in e.revoked_node_certificates.iter().enumerate() {
+        if iop_transport::parse_fingerprint(f).is_none() {
+            return Err(field_err(
+                format!("edge.revoked_node_certificates[{i}]"),
+                "must be a SHA-256 fingerprint: 64 hex digits, `:` optional",
+            ));
+        }
+    }
+    if e.max_node_connections == 0 || e.max_node_connections > MAX_NODE_CONNECTIONS_LIMIT {
+        return Err(field_err(
+            "edge.max_node_connections",
+            format!("must be between 1 and {MAX_NODE_CONNECTIONS_LIMIT}"),
         ));
     }
     if e.h2_max_concurrent_streams == 0
@@ -1057,6 +1098,11 @@ key = "edge.key"
             (
                 "max_body_bytes_in_flight = 99999999999",
                 "edge.max_body_bytes_in_flight",
+            ),
+            ("max_node_connections = 0", "edge.max_node_connections"),
+            (
+                "revoked_node_certificates = ['ab']",
+                "edge.revoked_node_certificates[0]",
             ),
         ] {
             assert_eq!(field_of(edge(line).unwrap_err()), field, "{line}");

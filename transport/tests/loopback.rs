@@ -13,9 +13,9 @@ use iop_transport::framed::{FramedError, FramedRecv, FramedSend, accept_framed, 
 use iop_transport::pki::{IssuedCert, generate_ca, issue_client_cert_without_node_identity};
 use iop_transport::tls::crypto_provider;
 use iop_transport::{
-    ClientTls, DevPki, IdentityError, QuicTuning, ServerTls, TransportError, Validity,
-    client_endpoint, close_code_of, close_connection, connect, generate_dev_pki, issue_node_cert,
-    load_ca, peer_node_id, server_endpoint,
+    CertDenylist, ClientTls, DevPki, IdentityError, QuicTuning, ServerTls, TransportError,
+    Validity, client_endpoint, close_code_of, close_connection, connect, generate_dev_pki,
+    issue_node_cert, load_ca, peer_node_id, server_endpoint_with_denylist,
 };
 use iop_wire::{
     AdapterKind, CloseCode, EdgeControl, Heartbeat, NodeControl, OfferedProvider, RegisterRequest,
@@ -45,16 +45,21 @@ struct Deployment {
 
 impl Deployment {
     fn start(node_ids: &[&str]) -> Self {
+        Self::start_with_denylist(node_ids, CertDenylist::default())
+    }
+
+    fn start_with_denylist(node_ids: &[&str], denylist: CertDenylist) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let pki = generate_dev_pki(dir.path(), node_ids, &["edge.test"]).expect("dev pki");
         let ca_cert_pem = std::fs::read_to_string(&pki.ca_cert).expect("read ca.pem");
         let ca_key_pem = std::fs::read_to_string(&pki.ca_key).expect("read ca.key");
         let server_tls =
             ServerTls::from_files(&pki.edge_cert, &pki.edge_key, &pki.ca_cert).expect("edge tls");
-        let edge = server_endpoint(
+        let edge = server_endpoint_with_denylist(
             &server_tls,
             SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             &QuicTuning::default(),
+            denylist,
         )
         .expect("edge endpoint");
         let edge_addr = edge.local_addr().expect("edge addr");
@@ -671,4 +676,46 @@ async fn frames_are_limited_per_direction_node_to_edge_much_smaller() {
         }
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_node_certificate_on_the_denylist_is_refused_until_removed() {
+    // Revocation of one node's certificate, reloadable without a restart.
+    within_timeout(async {
+        let denylist = CertDenylist::default();
+        let deployment = Deployment::start_with_denylist(&["node-a", "node-b"], denylist.clone());
+        let revoked = deployment.node_tls("node-a");
+        let fingerprint = iop_transport::cert_fingerprint(&revoked.cert_chain[0]);
+        denylist.replace([fingerprint]);
+        let (edge, node) = deployment.handshake(&revoked).await;
+        assert_edge_refused(edge, AlertDescription::CertificateRevoked);
+        assert_node_sees_refusal(node, AlertDescription::CertificateRevoked).await;
+        // Another node of the same CA is unaffected.
+        let (edge, _node) = deployment.handshake(&deployment.node_tls("node-b")).await;
+        edge.expect("node-b accepted");
+        // Taken off the list (a reload), node-a gets in again.
+        denylist.replace([]);
+        let (edge, _node) = deployment.handshake(&revoked).await;
+        edge.expect("node-a accepted again");
+    })
+    .await;
+}
+
+#[test]
+fn fingerprints_parse_from_hex_with_or_without_colons() {
+    let hex = "00112233445566778899aabbccddeeff00112233445566778899AABBCCDDEEFF";
+    let parsed = iop_transport::parse_fingerprint(hex).expect("hex");
+    assert_eq!(parsed[1], 0x11);
+    assert_eq!(parsed[31], 0xff);
+    let colons: Vec<String> = hex
+        .as_bytes()
+        .chunks(2)
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    assert_eq!(
+        iop_transport::parse_fingerprint(&colons.join(":")),
+        Some(parsed)
+    );
+    assert_eq!(iop_transport::parse_fingerprint("abc"), None);
+    assert_eq!(iop_transport::parse_fingerprint(&"zz".repeat(32)), None);
 }
