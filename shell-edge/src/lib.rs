@@ -9,6 +9,7 @@ pub mod config;
 pub mod cred;
 pub mod demo;
 pub mod driver;
+pub mod fuzzing;
 pub mod generation_store;
 pub mod http;
 pub mod hub;

@@ -16,7 +16,9 @@ pub fn fuzz_frames(data: &[u8]) {
         Some((seed, rest)) => (usize::from(*seed), rest),
         None => return,
     };
-    let mut decoder = FrameDecoder::new(64 * 1024);
+    // The production limit (the largest, Edge -> Node): what a peer can
+    // make a real decoder buffer and decode, memory blow-ups included.
+    let mut decoder = FrameDecoder::new(crate::MAX_FRAME_LEN);
     let step = split_seed.max(1);
     for chunk in body.chunks(step) {
         if decoder.push(chunk).is_err() {
