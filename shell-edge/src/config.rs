@@ -266,10 +266,15 @@ pub struct EdgeSection {
     /// Concurrent streams on one HTTP/2 client connection.
     #[serde(default = "default_h2_max_concurrent_streams")]
     pub h2_max_concurrent_streams: u32,
-    /// Request body bytes held at once across all connections (R-LIM-2);
-    /// a request whose body does not fit gets a fast 503.
-    #[serde(default = "default_max_body_bytes_in_flight")]
-    pub max_body_bytes_in_flight: usize,
+    /// Memory request bodies may take at once across all connections,
+    /// accounted as decoded (R-LIM-2); a request whose body does not fit
+    /// gets a fast 503.
+    #[serde(default = "default_request_memory_bytes")]
+    pub request_memory_bytes: usize,
+    /// The share of `request_memory_bytes` one principal (API key owner)
+    /// may take; defaults to a quarter of it.
+    #[serde(default)]
+    pub request_memory_bytes_per_key: Option<usize>,
     /// A request body must arrive within this once its head has.
     #[serde(default = "default_body_read_timeout_ms")]
     pub body_read_timeout_ms: u64,
@@ -303,6 +308,12 @@ impl EdgeSection {
             .collect()
     }
 
+    /// `request_memory_bytes_per_key`, with its default applied.
+    pub fn request_memory_per_key(&self) -> usize {
+        self.request_memory_bytes_per_key
+            .unwrap_or(self.request_memory_bytes / 4)
+    }
+
     /// `max_connections_per_source`, with its default applied.
     pub fn connections_per_source(&self) -> usize {
         self.max_connections_per_source
@@ -322,16 +333,16 @@ fn default_max_connection_age_ms() -> u64 {
 fn default_h2_max_concurrent_streams() -> u32 {
     100
 }
-fn default_max_body_bytes_in_flight() -> usize {
-    256 * 1024 * 1024
+fn default_request_memory_bytes() -> usize {
+    1024 * 1024 * 1024
 }
 fn default_body_read_timeout_ms() -> u64 {
     30_000
 }
 
-/// Largest accepted `edge.max_body_bytes_in_flight` (one semaphore
-/// permit per byte, taken at most [`u32::MAX`] at a time).
-pub const MAX_BODY_BYTES_IN_FLIGHT_LIMIT: usize = u32::MAX as usize;
+/// Largest accepted `edge.request_memory_bytes` (one semaphore permit per
+/// byte).
+pub const MAX_REQUEST_MEMORY_BYTES_LIMIT: usize = 1 << 40;
 
 /// Largest accepted `edge.h2_max_concurrent_streams`.
 pub const MAX_H2_CONCURRENT_STREAMS_LIMIT: u32 = 10_000;
@@ -397,14 +408,29 @@ fn validate_client_limits(e: &EdgeSection) -> Result<(), ConfigError> {
             format!("must be between 1 and {MAX_H2_CONCURRENT_STREAMS_LIMIT}"),
         ));
     }
-    if e.max_body_bytes_in_flight < e.max_body_bytes
-        || e.max_body_bytes_in_flight > MAX_BODY_BYTES_IN_FLIGHT_LIMIT
+    // One body of the largest size, decoded, must fit both budgets.
+    let one_body = e
+        .max_body_bytes
+        .saturating_mul(crate::request_body::DECODED_BYTES_PER_BODY_BYTE);
+    if e.request_memory_bytes < one_body || e.request_memory_bytes > MAX_REQUEST_MEMORY_BYTES_LIMIT
     {
         return Err(field_err(
-            "edge.max_body_bytes_in_flight",
+            "edge.request_memory_bytes",
             format!(
-                "must be between edge.max_body_bytes ({}) and {MAX_BODY_BYTES_IN_FLIGHT_LIMIT}",
-                e.max_body_bytes
+                "must be between {one_body} (edge.max_body_bytes x {} decoded bytes per body \
+                 byte) and {MAX_REQUEST_MEMORY_BYTES_LIMIT}",
+                crate::request_body::DECODED_BYTES_PER_BODY_BYTE
+            ),
+        ));
+    }
+    let per_key = e.request_memory_per_key();
+    if per_key < one_body || per_key > e.request_memory_bytes {
+        return Err(field_err(
+            "edge.request_memory_bytes_per_key",
+            format!(
+                "must be between {one_body} (one largest body, decoded) and \
+                 edge.request_memory_bytes ({})",
+                e.request_memory_bytes
             ),
         ));
     }
@@ -1066,7 +1092,8 @@ key = "edge.key"
         let c = parse("").unwrap();
         assert_eq!(c.edge.connections_per_source(), 1024);
         assert_eq!(c.edge.first_request_timeout_ms, 10_000);
-        assert_eq!(c.edge.max_body_bytes_in_flight, 256 * 1024 * 1024);
+        assert_eq!(c.edge.request_memory_bytes, 1024 * 1024 * 1024);
+        assert_eq!(c.edge.request_memory_per_key(), 256 * 1024 * 1024);
         let edge = |line: &str| {
             let text = BASE.replace("[edge]\n", &format!("[edge]\n{line}\n"));
             EdgeConfig::parse(&text, Path::new("/etc/iop"))
@@ -1091,13 +1118,14 @@ key = "edge.key"
                 "h2_max_concurrent_streams = 0",
                 "edge.h2_max_concurrent_streams",
             ),
+            ("request_memory_bytes = 1024", "edge.request_memory_bytes"),
             (
-                "max_body_bytes_in_flight = 1024",
-                "edge.max_body_bytes_in_flight",
+                "request_memory_bytes = 99999999999999",
+                "edge.request_memory_bytes",
             ),
             (
-                "max_body_bytes_in_flight = 99999999999",
-                "edge.max_body_bytes_in_flight",
+                "request_memory_bytes_per_key = 1024",
+                "edge.request_memory_bytes_per_key",
             ),
             ("max_node_connections = 0", "edge.max_node_connections"),
             (

@@ -27,7 +27,7 @@ use iop_core::edge::gate::{AdmissionFailure, GateFailure};
 use iop_core::ids::ProviderId;
 use iop_wire::RunApi;
 use sha2::{Digest, Sha256};
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::sync::mpsc;
 
 use crate::api::endpoint::{
     AnswerStart, AnswerStream, ChatCompletions, Ollama, Responses, RunEndpoint, WholeAnswer,
@@ -39,7 +39,9 @@ use crate::driver::{
 };
 use crate::hub::HubHandle;
 use crate::metrics::EdgeMetrics;
-use crate::request_body::{BodyBudget, BodyError, CLIENT_CLOSED_CODE};
+use crate::request_body::{
+    BodyBudget, BodyError, BodyPermit, CLIENT_CLOSED_CODE, KEPT_BYTES_PER_BODY_BYTE,
+};
 
 /// Shared state of every handler.
 #[derive(Clone)]
@@ -110,7 +112,8 @@ impl AppState {
             },
             keys: Arc::new(keys),
             bodies: BodyBudget::new(
-                config.edge.max_body_bytes_in_flight,
+                config.edge.request_memory_bytes,
+                config.edge.request_memory_per_key(),
                 config.edge.max_body_bytes,
                 Duration::from_millis(config.edge.body_read_timeout_ms),
             ),
@@ -235,7 +238,7 @@ struct Admitted<O> {
     key: ApiKey,
     body: bytes::Bytes,
     /// The body's share of the budget, held while the request lives.
-    body_permit: OwnedSemaphorePermit,
+    body_permit: BodyPermit,
     run: NormalizedRun,
     options: O,
     pool: Vec<ProviderId>,
@@ -250,12 +253,15 @@ async fn admit<E: RunEndpoint>(
 ) -> Result<Admitted<E::Options>, ApiError> {
     let (parts, body) = request.into_parts();
     let key = authenticate(state, &parts.headers)?;
-    let held = state
+    let mut held = state
         .bodies
-        .read(&parts.headers, body)
+        .read(&key.principal, &parts.headers, body)
         .await
         .map_err(BodyError::to_api_error)?;
     let (run, options) = endpoint.parse(&held.bytes)?;
+    // The decoded tree is gone; the body and the run remain.
+    held.permit
+        .shrink_to(held.bytes.len() * KEPT_BYTES_PER_BODY_BYTE);
     let pool = pool_for(state, &key, &run.model)?;
     Ok(Admitted {
         key,
@@ -524,7 +530,7 @@ struct RequestRecord {
     started: std::time::Instant,
     outcome: &'static str,
     /// The request body's share of the budget (R-LIM-2).
-    body_permit: Option<OwnedSemaphorePermit>,
+    body_permit: Option<BodyPermit>,
 }
 
 impl RequestRecord {

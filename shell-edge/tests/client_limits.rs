@@ -308,7 +308,7 @@ async fn bodies_in_flight_are_bounded_in_total_and_refused_fast_beyond() {
     // R-LIM-2: the budget is taken before the body is read.
     bounded(async {
         let (_pki, edge) = edge(
-            "max_body_bytes = 1000\nmax_body_bytes_in_flight = 1500\nbody_read_timeout_ms = 30000",
+            "max_body_bytes = 1000\nrequest_memory_bytes = 24000\nrequest_memory_bytes_per_key = 24000\nbody_read_timeout_ms = 30000",
         )
         .await;
         let head = |len: usize| {
