@@ -567,7 +567,7 @@ fn outcome_of(err: &ApiError) -> &'static str {
         return "client_disconnected";
     }
     match err.status {
-        400 | 413 | 422 => "invalid_request",
+        400 | 408 | 413 | 422 => "invalid_request",
         401 | 403 => "unauthorized",
         404 => "not_found",
         429 => "rate_limited",
