@@ -56,6 +56,9 @@ where
         // Compared as encodings: a NaN float is a valid value that is not
         // equal to itself.
         let frame_again = encode_frame(&again).expect("it re-encodes again");
-        assert_eq!(frame, frame_again, "round trip changed the message: {value:?}");
+        assert_eq!(
+            frame, frame_again,
+            "round trip changed the message: {value:?}"
+        );
     }
 }
