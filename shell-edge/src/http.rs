@@ -160,16 +160,23 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiErro
         .get(header::AUTHORIZATION)
         .ok_or_else(ApiError::missing_api_key)?;
     let value = value.to_str().map_err(|_| ApiError::invalid_api_key())?;
-    let token = value
-        .strip_prefix("Bearer ")
-        .or_else(|| value.strip_prefix("bearer "))
-        .ok_or_else(ApiError::invalid_api_key)?
-        .trim();
+    let token = bearer_token(value).ok_or_else(ApiError::invalid_api_key)?;
     state
         .keys
         .get(&digest(token))
         .cloned()
         .ok_or_else(ApiError::invalid_api_key)
+}
+
+/// The key in an `Authorization` value: the scheme `Bearer` in any case
+/// (RFC 9110 schemes are case-insensitive), then the key trimmed of
+/// surrounding whitespace, as configured keys are.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.trim_start().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    Some(rest.trim()).filter(|t| !t.is_empty())
 }
 
 /// The pool for `model`, if the key may use it.
@@ -338,7 +345,13 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
     if run.stream {
         E::Stream::response(answer_body(rx, record, endpoint.stream(start, options)))
     } else {
-        match whole_answer(&mut rx, endpoint.whole(start, options)).await {
+        match whole_answer(
+            &mut rx,
+            endpoint.whole(start, options),
+            MAX_WHOLE_ANSWER_BYTES,
+        )
+        .await
+        {
             Ok(v) => {
                 record.set("ok");
                 axum::Json(v).into_response()
@@ -472,15 +485,55 @@ fn answer_body<S: AnswerStream>(
     .boxed()
 }
 
+/// The most text and tool-call bytes a non-streaming answer accumulates:
+/// the whole answer is built in memory before a byte is sent (R-LIM-3).
+pub const MAX_WHOLE_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
+/// The error of an answer past [`MAX_WHOLE_ANSWER_BYTES`].
+fn answer_too_large(limit_bytes: usize) -> ApiError {
+    ApiError {
+        status: 502,
+        kind: crate::api::ErrorKind::Server,
+        code: Some("response_too_large"),
+        message: format!(
+            "The provider's answer exceeds {limit_bytes} bytes; request it with \"stream\": true."
+        ),
+        param: None,
+        retry_after_secs: None,
+    }
+}
+
+/// Bytes an event adds to an accumulated answer.
+fn accumulated_bytes(event: &iop_wire::RunEventKind) -> usize {
+    match event {
+        iop_wire::RunEventKind::TextDelta(text) => text.len(),
+        iop_wire::RunEventKind::ToolCallDelta(d) => {
+            d.arguments_delta.len()
+                + d.id.as_ref().map_or(0, String::len)
+                + d.name.as_ref().map_or(0, String::len)
+        }
+        _ => 0,
+    }
+}
+
 /// Fold a non-streaming answer until the run ends: its JSON, or the error
-/// to answer.
+/// to answer. Past `max_bytes` of text and tool calls the run is abandoned
+/// (dropping the receiver cancels it).
 async fn whole_answer<W: WholeAnswer>(
     rx: &mut mpsc::Receiver<Delivery>,
     mut whole: W,
+    max_bytes: usize,
 ) -> Result<serde_json::Value, ApiError> {
+    let mut accumulated = 0usize;
     while let Some(d) = rx.recv().await {
         match d {
-            Delivery::Event(ev) => whole.event(&ev),
+            Delivery::Event(ev) => {
+                accumulated = accumulated.saturating_add(accumulated_bytes(&ev));
+                if accumulated > max_bytes {
+                    return Err(answer_too_large(max_bytes));
+                }
+                whole.event(&ev)
+            }
             Delivery::Finish => return whole.answer(iop_transport::clock::unix_ms()),
             Delivery::Fail { kind, .. } => return Err(gate_error(kind)),
             _ => {}
@@ -799,6 +852,49 @@ mod tests {
         let mut body = answer_body(rx, record(), OllamaStream::new("m", RunApi::Chat, 0));
         let silent = tokio::time::timeout(10 * framing::SSE_KEEP_ALIVE_INTERVAL, body.next()).await;
         assert!(silent.is_err(), "nothing is sent on a silent NDJSON stream");
+    }
+
+    #[test]
+    fn a_bearer_token_is_read_with_any_scheme_case_and_trimmed() {
+        for value in ["Bearer k1", "bearer k1", "BEARER  k1 ", " Bearer k1\t"] {
+            assert_eq!(bearer_token(value), Some("k1"), "{value:?}");
+        }
+        for value in ["Basic k1", "Bearer", "Bearer   ", "Bearerk1", "k1"] {
+            assert_eq!(bearer_token(value), None, "{value:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_whole_answer_past_its_bound_is_refused_not_accumulated() {
+        // R-LIM-3: a non-streaming answer's text and tool arguments are
+        // bounded before the Edge builds it in memory.
+        use crate::api::endpoint::{AnswerStart, ChatCompletions, RunEndpoint as _};
+        let start = || AnswerStart {
+            model: "m".into(),
+            id_seed: 1,
+            admitted_unix_ms: 0,
+            committed_unix: 0,
+        };
+        let (tx, mut rx) = mpsc::channel(8);
+        tx.send(text("12345")).await.unwrap();
+        tx.send(text("678")).await.unwrap();
+        let err = whole_answer(&mut rx, ChatCompletions.whole(start(), false), 7)
+            .await
+            .unwrap_err();
+        assert_eq!((err.status, err.code), (502, Some("response_too_large")));
+        let (tx, mut rx) = mpsc::channel(8);
+        tx.send(text("1234567")).await.unwrap();
+        tx.send(Delivery::Event(RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: None,
+        }))
+        .await
+        .unwrap();
+        tx.send(Delivery::Finish).await.unwrap();
+        let answer = whole_answer(&mut rx, ChatCompletions.whole(start(), false), 7)
+            .await
+            .unwrap();
+        assert_eq!(answer["choices"][0]["message"]["content"], "1234567");
     }
 
     #[tokio::test]
