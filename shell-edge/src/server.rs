@@ -215,6 +215,13 @@ impl RunningEdge {
         })
     }
 
+    /// The node certificate denylist the TLS verifier reads; a node link
+    /// runs [`iop_transport::enforce_denylist`] with it to end a
+    /// connection whose certificate is revoked while it is open.
+    pub fn node_denylist(&self) -> CertDenylist {
+        self.denylist.clone()
+    }
+
     /// Apply a re-read `[edge] revoked_node_certificates` (SIGHUP): the
     /// next handshake of a listed certificate is refused.
     pub fn reload_revoked_node_certificates(&self, config: &EdgeConfig) {

@@ -53,4 +53,6 @@ pub use pki::{
     DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki,
     insecure_secret_file_mode, issue_node_cert, load_ca, load_cert_chain, load_private_key,
 };
-pub use tls::{CertDenylist, ClientTls, ServerTls, cert_fingerprint, parse_fingerprint};
+pub use tls::{
+    CertDenylist, ClientTls, ServerTls, cert_fingerprint, enforce_denylist, parse_fingerprint,
+};

@@ -94,9 +94,23 @@ pub fn parse_fingerprint(text: &str) -> Option<CertFingerprint> {
 /// Node certificates the Edge refuses although they chain to the CA: a
 /// revoked (lost, leaked) node's certificate, by fingerprint. Shared with
 /// the TLS verifier, so [`CertDenylist::replace`] (a reload) applies to
-/// the next handshake.
-#[derive(Debug, Clone, Default)]
-pub struct CertDenylist(Arc<RwLock<HashSet<CertFingerprint>>>);
+/// the next handshake; [`enforce_denylist`] applies it to a connection
+/// already open.
+#[derive(Debug, Clone)]
+pub struct CertDenylist {
+    entries: Arc<RwLock<HashSet<CertFingerprint>>>,
+    /// Bumped on every replace.
+    version: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Default for CertDenylist {
+    fn default() -> Self {
+        Self {
+            entries: Arc::default(),
+            version: Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
+    }
+}
 
 impl CertDenylist {
     /// A denylist of `fingerprints`.
@@ -108,12 +122,14 @@ impl CertDenylist {
 
     /// Replace every entry.
     pub fn replace(&self, fingerprints: impl IntoIterator<Item = CertFingerprint>) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = fingerprints.into_iter().collect();
+        *self.entries.write().unwrap_or_else(|e| e.into_inner()) =
+            fingerprints.into_iter().collect();
+        self.version.send_modify(|v| *v += 1);
     }
 
     /// Whether `cert` is denied.
     pub fn denies(&self, cert: &CertificateDer<'_>) -> bool {
-        self.0
+        self.entries
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .contains(&cert_fingerprint(cert))
@@ -121,12 +137,50 @@ impl CertDenylist {
 
     /// Entries.
     pub fn len(&self) -> usize {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// No entries.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Resolves once `cert` is denied (at once if it already is).
+    pub async fn denied(&self, cert: &CertificateDer<'_>) {
+        let mut changes = self.version.subscribe();
+        loop {
+            if self.denies(cert) {
+                return;
+            }
+            if changes.changed().await.is_err() {
+                // The list can no longer change.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// Close `conn` with `unauthorized` as soon as its peer's leaf certificate
+/// is on `denylist` (at once if it already is); ends with the connection.
+/// The Edge runs one per node connection, so a revocation (a SIGHUP
+/// reload) ends a connection already open, not only the next handshake.
+pub async fn enforce_denylist(conn: quinn::Connection, denylist: CertDenylist) {
+    let leaf = conn
+        .peer_identity()
+        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .and_then(|chain| chain.first().cloned());
+    let Some(leaf) = leaf else {
+        return;
+    };
+    tokio::select! {
+        () = denylist.denied(&leaf) => {
+            tracing::warn!(
+                event = "edge_revoked_node_connection_closed",
+                fingerprint = %hex(&cert_fingerprint(&leaf))
+            );
+            crate::close_connection(&conn, iop_wire::CloseCode::Unauthorized);
+        }
+        _ = conn.closed() => {}
     }
 }
 

@@ -719,3 +719,32 @@ fn fingerprints_parse_from_hex_with_or_without_colons() {
     assert_eq!(iop_transport::parse_fingerprint("abc"), None);
     assert_eq!(iop_transport::parse_fingerprint(&"zz".repeat(32)), None);
 }
+
+#[tokio::test]
+async fn a_connection_open_when_its_certificate_is_revoked_is_closed_unauthorized() {
+    within_timeout(async {
+        let denylist = CertDenylist::default();
+        let deployment = Deployment::start_with_denylist(&["node-a"], denylist.clone());
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+        let enforcing = tokio::spawn(iop_transport::enforce_denylist(
+            edge_conn.clone(),
+            denylist.clone(),
+        ));
+        // An unrelated entry changes nothing.
+        denylist.replace([[9u8; 32]]);
+        tokio::task::yield_now().await;
+        assert!(edge_conn.close_reason().is_none());
+        let leaf = deployment.node_tls("node-a").cert_chain[0].clone();
+        denylist.replace([iop_transport::cert_fingerprint(&leaf)]);
+        let closed = node_conn.closed().await;
+        assert_eq!(
+            close_code_of(&closed),
+            Some(CloseCode::Unauthorized),
+            "{closed}"
+        );
+        enforcing
+            .await
+            .expect("the enforcer ends with the connection");
+    })
+    .await;
+}
