@@ -236,10 +236,12 @@ pub struct EdgeSection {
     /// Only nodes named by providers may register.
     #[serde(default = "yes")]
     pub restrict_nodes: bool,
-    /// Client connections open at once; past it, accepting waits.
+    /// Client connections open at once; past it an idle one makes room or
+    /// the newcomer gets a fast 503 (R-LIM-1).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
-    /// A client's request head must arrive within this.
+    /// An HTTP/1 request head must arrive within this once hyper waits for
+    /// it (after the first request, this also bounds keep-alive idleness).
     #[serde(default = "default_header_read_timeout_ms")]
     pub header_read_timeout_ms: u64,
     /// At shutdown, how long in-flight responses may take to finish.
@@ -325,7 +327,7 @@ fn default_first_request_timeout_ms() -> u64 {
     10_000
 }
 fn default_idle_timeout_ms() -> u64 {
-    60_000
+    30_000
 }
 fn default_max_connection_age_ms() -> u64 {
     3_600_000
@@ -354,9 +356,10 @@ fn default_max_connections() -> usize {
     4096
 }
 fn default_header_read_timeout_ms() -> u64 {
-    // Also the idle keep-alive timeout (hyper starts the clock when it
-    // waits for the next request head): long enough that pooled clients
-    // rarely reuse a connection the Edge is closing.
+    // hyper starts this clock when it waits for the next HTTP/1 request
+    // head, so it also bounds keep-alive idleness: the same as
+    // `idle_timeout_ms`, long enough that pooled clients rarely reuse a
+    // connection the Edge is closing.
     30_000
 }
 fn default_drain_timeout_ms() -> u64 {
