@@ -314,10 +314,11 @@ pub async fn serve(
                 }
             },
         };
-        let admission = registry
-            .lock()
-            .map(|mut r| r.admit(peer.ip(), Instant::now(), &limits))
-            .unwrap_or(Admission::Refused);
+        let admission = registry.lock().unwrap_or_else(|e| e.into_inner()).admit(
+            peer.ip(),
+            Instant::now(),
+            &limits,
+        );
         let track = match admission {
             Admission::Admitted(track) => track,
             Admission::Refused => {
@@ -457,9 +458,10 @@ async fn serve_connection(
             }
         }
     };
-    if let Ok(mut r) = registry.lock() {
-        r.remove(track.id);
-    }
+    registry
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(track.id);
     if closed != Closed::Finished {
         tracing::debug!(
             event = "edge_http_connection_closed",
