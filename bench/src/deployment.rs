@@ -338,7 +338,16 @@ pub fn write_pki(dir: &Path, nodes: &[String]) -> Result<(), DeployError> {
     let ids: Vec<&str> = nodes.iter().map(String::as_str).collect();
     iop_transport::generate_dev_pki(&dir.join("certs"), &ids, &[])
         .map_err(|e| DeployError::Pki(e.to_string()))?;
-    write(&dir.join("api-key"), API_KEY)
+    let path = dir.join("api-key");
+    write(&path, API_KEY)?;
+    // The Edge refuses a secret file other users could read.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .map_err(io(format!("chmod {}", path.display())))?;
+    }
+    Ok(())
 }
 
 /// Poll `url` until it answers 2xx (bounded by [`START_BOUND`]).

@@ -236,10 +236,12 @@ pub struct EdgeSection {
     /// Only nodes named by providers may register.
     #[serde(default = "yes")]
     pub restrict_nodes: bool,
-    /// Client connections open at once; past it, accepting waits.
+    /// Client connections open at once; past it an idle one makes room or
+    /// the newcomer gets a fast 503 (R-LIM-1).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
-    /// A client's request head must arrive within this.
+    /// An HTTP/1 request head must arrive within this once hyper waits for
+    /// it (after the first request, this also bounds keep-alive idleness).
     #[serde(default = "default_header_read_timeout_ms")]
     pub header_read_timeout_ms: u64,
     /// At shutdown, how long in-flight responses may take to finish.
@@ -250,7 +252,107 @@ pub struct EdgeSection {
     /// request's lease released (R-LIM-4).
     #[serde(default = "default_client_write_timeout_ms")]
     pub client_write_timeout_ms: u64,
+    /// From accept to the first complete request head: first byte,
+    /// HTTP/1-or-2 detection and headers (R-LIM-1).
+    #[serde(default = "default_first_request_timeout_ms")]
+    pub first_request_timeout_ms: u64,
+    /// A client connection with no request in flight is closed after this
+    /// (HTTP/1 keep-alive and HTTP/2 alike).
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// A client connection stops taking requests at this age and is closed
+    /// `admission.request_budget_ms` later whatever it is doing.
+    #[serde(default = "default_max_connection_age_ms")]
+    pub max_connection_age_ms: u64,
+    /// Client connections one source address may hold (its share of
+    /// `max_connections`); defaults to a quarter of `max_connections`.
+    /// Behind a reverse proxy every client has the proxy's address: set it
+    /// to `max_connections` there.
+    #[serde(default)]
+    pub max_connections_per_source: Option<usize>,
+    /// Concurrent streams on one HTTP/2 client connection.
+    #[serde(default = "default_h2_max_concurrent_streams")]
+    pub h2_max_concurrent_streams: u32,
+    /// Memory request bodies may take at once across all connections,
+    /// accounted as decoded (R-LIM-2); a request whose body does not fit
+    /// gets a fast 503.
+    #[serde(default = "default_request_memory_bytes")]
+    pub request_memory_bytes: usize,
+    /// The share of `request_memory_bytes` one principal (API key owner)
+    /// may take; defaults to a quarter of it.
+    #[serde(default)]
+    pub request_memory_bytes_per_key: Option<usize>,
+    /// A request body must arrive within this once its head has.
+    #[serde(default = "default_body_read_timeout_ms")]
+    pub body_read_timeout_ms: u64,
+    /// SHA-256 fingerprints (hex, `:` optional) of node certificates the
+    /// Edge refuses although they chain to the CA; re-read on SIGHUP.
+    #[serde(default)]
+    pub revoked_node_certificates: Vec<String>,
+    /// Answer a new node connection with a QUIC Retry first, so its source
+    /// address is proven before any handshake work (spoofed floods).
+    #[serde(default = "yes")]
+    pub quic_address_validation: bool,
+    /// Node connections open (or handshaking) at once; past it new ones
+    /// are refused.
+    #[serde(default = "default_max_node_connections")]
+    pub max_node_connections: usize,
 }
+
+fn default_max_node_connections() -> usize {
+    1024
+}
+
+/// Largest accepted `edge.max_node_connections`.
+pub const MAX_NODE_CONNECTIONS_LIMIT: usize = 65_536;
+
+impl EdgeSection {
+    /// The parsed `revoked_node_certificates` (validated at load).
+    pub fn revoked_fingerprints(&self) -> Vec<iop_transport::tls::CertFingerprint> {
+        self.revoked_node_certificates
+            .iter()
+            .filter_map(|f| iop_transport::parse_fingerprint(f))
+            .collect()
+    }
+
+    /// `request_memory_bytes_per_key`, with its default applied.
+    pub fn request_memory_per_key(&self) -> usize {
+        self.request_memory_bytes_per_key
+            .unwrap_or(self.request_memory_bytes / 4)
+    }
+
+    /// `max_connections_per_source`, with its default applied.
+    pub fn connections_per_source(&self) -> usize {
+        self.max_connections_per_source
+            .unwrap_or((self.max_connections / 4).max(1))
+    }
+}
+
+fn default_first_request_timeout_ms() -> u64 {
+    10_000
+}
+fn default_idle_timeout_ms() -> u64 {
+    30_000
+}
+fn default_max_connection_age_ms() -> u64 {
+    3_600_000
+}
+fn default_h2_max_concurrent_streams() -> u32 {
+    100
+}
+fn default_request_memory_bytes() -> usize {
+    1024 * 1024 * 1024
+}
+fn default_body_read_timeout_ms() -> u64 {
+    30_000
+}
+
+/// Largest accepted `edge.request_memory_bytes` (one semaphore permit per
+/// byte).
+pub const MAX_REQUEST_MEMORY_BYTES_LIMIT: usize = 1 << 40;
+
+/// Largest accepted `edge.h2_max_concurrent_streams`.
+pub const MAX_H2_CONCURRENT_STREAMS_LIMIT: u32 = 10_000;
 
 /// Largest accepted `edge.max_connections` (one semaphore permit each).
 pub const MAX_CONNECTIONS_LIMIT: usize = 1_000_000;
@@ -259,9 +361,10 @@ fn default_max_connections() -> usize {
     4096
 }
 fn default_header_read_timeout_ms() -> u64 {
-    // Also the idle keep-alive timeout (hyper starts the clock when it
-    // waits for the next request head): long enough that pooled clients
-    // rarely reuse a connection the Edge is closing.
+    // hyper starts this clock when it waits for the next HTTP/1 request
+    // head, so it also bounds keep-alive idleness: the same as
+    // `idle_timeout_ms`, long enough that pooled clients rarely reuse a
+    // connection the Edge is closing.
     30_000
 }
 fn default_drain_timeout_ms() -> u64 {
@@ -269,6 +372,80 @@ fn default_drain_timeout_ms() -> u64 {
 }
 fn default_client_write_timeout_ms() -> u64 {
     30_000
+}
+
+/// R-LIM-1/2: the client connection and body limits.
+fn validate_client_limits(e: &EdgeSection) -> Result<(), ConfigError> {
+    for (field, value) in [
+        ("edge.first_request_timeout_ms", e.first_request_timeout_ms),
+        ("edge.idle_timeout_ms", e.idle_timeout_ms),
+        ("edge.max_connection_age_ms", e.max_connection_age_ms),
+        ("edge.body_read_timeout_ms", e.body_read_timeout_ms),
+    ] {
+        if value == 0 {
+            return Err(field_err(field, "must be > 0"));
+        }
+    }
+    if let Some(share) = e.max_connections_per_source
+        && (share == 0 || share > e.max_connections)
+    {
+        return Err(field_err(
+            "edge.max_connections_per_source",
+            format!(
+                "must be between 1 and edge.max_connections ({})",
+                e.max_connections
+            ),
+        ));
+    }
+    for (i, f) in e.revoked_node_certificates.iter().enumerate() {
+        if iop_transport::parse_fingerprint(f).is_none() {
+            return Err(field_err(
+                format!("edge.revoked_node_certificates[{i}]"),
+                "must be a SHA-256 fingerprint: 64 hex digits, `:` optional",
+            ));
+        }
+    }
+    if e.max_node_connections == 0 || e.max_node_connections > MAX_NODE_CONNECTIONS_LIMIT {
+        return Err(field_err(
+            "edge.max_node_connections",
+            format!("must be between 1 and {MAX_NODE_CONNECTIONS_LIMIT}"),
+        ));
+    }
+    if e.h2_max_concurrent_streams == 0
+        || e.h2_max_concurrent_streams > MAX_H2_CONCURRENT_STREAMS_LIMIT
+    {
+        return Err(field_err(
+            "edge.h2_max_concurrent_streams",
+            format!("must be between 1 and {MAX_H2_CONCURRENT_STREAMS_LIMIT}"),
+        ));
+    }
+    // One body of the largest size, decoded, must fit both budgets.
+    let one_body = e
+        .max_body_bytes
+        .saturating_mul(crate::request_body::DECODED_BYTES_PER_BODY_BYTE);
+    if e.request_memory_bytes < one_body || e.request_memory_bytes > MAX_REQUEST_MEMORY_BYTES_LIMIT
+    {
+        return Err(field_err(
+            "edge.request_memory_bytes",
+            format!(
+                "must be between {one_body} (edge.max_body_bytes x {} decoded bytes per body \
+                 byte) and {MAX_REQUEST_MEMORY_BYTES_LIMIT}",
+                crate::request_body::DECODED_BYTES_PER_BODY_BYTE
+            ),
+        ));
+    }
+    let per_key = e.request_memory_per_key();
+    if per_key < one_body || per_key > e.request_memory_bytes {
+        return Err(field_err(
+            "edge.request_memory_bytes_per_key",
+            format!(
+                "must be between {one_body} (one largest body, decoded) and \
+                 edge.request_memory_bytes ({})",
+                e.request_memory_bytes
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn default_quic_listen() -> SocketAddr {
@@ -444,6 +621,7 @@ impl EdgeConfig {
         if file.edge.header_read_timeout_ms == 0 {
             return Err(field_err("edge.header_read_timeout_ms", "must be > 0"));
         }
+        validate_client_limits(&file.edge)?;
         if file.edge.max_body_bytes > MAX_BODY_BYTES_LIMIT {
             return Err(field_err(
                 "edge.max_body_bytes",
@@ -785,7 +963,8 @@ fn read_secret(
                     format!("environment variable `{var}` is not set"),
                 )
             })?;
-            Ok((zeroize::Zeroizing::new(value), env_field))
+            // Trimmed as a file's line is, and as a presented key is.
+            Ok((zeroize::Zeroizing::new(value.trim().to_owned()), env_field))
         }
         (None, Some(path)) => {
             let path = if path.is_relative() {
@@ -793,6 +972,25 @@ fn read_secret(
             } else {
                 path.to_path_buf()
             };
+            match iop_transport::insecure_secret_file_mode(&path) {
+                Ok(None) => {}
+                Ok(Some(mode)) => {
+                    return Err(field_err(
+                        f(file_field),
+                        format!(
+                            "{} has mode {mode:o}: a secret file must not be readable by its \
+                             group or others (chmod 600)",
+                            path.display()
+                        ),
+                    ));
+                }
+                Err(e) => {
+                    return Err(field_err(
+                        f(file_field),
+                        format!("cannot read {}: {}", path.display(), e.kind()),
+                    ));
+                }
+            }
             let text = zeroize::Zeroizing::new(std::fs::read_to_string(&path).map_err(|e| {
                 field_err(
                     f(file_field),
@@ -824,6 +1022,19 @@ key = "edge.key"
 
     fn parse(extra: &str) -> Result<EdgeConfig, ConfigError> {
         EdgeConfig::parse(&format!("{BASE}{extra}"), Path::new("/etc/iop"))
+    }
+
+    /// A secret file as an operator must write it: mode 0600.
+    fn write_secret(path: &Path, text: &str) {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)
+            .unwrap();
+        std::io::Write::write_all(&mut file, text.as_bytes()).unwrap();
     }
 
     fn field_of(e: ConfigError) -> String {
@@ -871,6 +1082,75 @@ key = "edge.key"
         assert_eq!(field_of(e), "otlp.endpoint");
         let e = parse("[otlp]\nendpoint = 'http://c:4318'\ninterval_ms = 1\n").unwrap_err();
         assert_eq!(field_of(e), "otlp.interval_ms");
+    }
+
+    #[test]
+    fn a_secret_file_readable_by_its_group_or_others_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k");
+        write_secret(&path, "sk-team-key-0123456789\n");
+        let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
+        parse_in("[[api_keys]]\nprincipal='a'\nkey_file='k'\n").unwrap();
+        for mode in [0o640, 0o604] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = parse_in("[[api_keys]]\nprincipal='a'\nkey_file='k'\n").unwrap_err();
+            assert!(e.to_string().contains("chmod 600"), "{e}");
+            assert_eq!(field_of(e), "api_keys[0].key_file");
+        }
+    }
+
+    #[test]
+    fn client_limits_have_defaults_and_bad_values_name_their_field() {
+        // R-LIM-1, R-LIM-2.
+        let c = parse("").unwrap();
+        assert_eq!(c.edge.connections_per_source(), 1024);
+        assert_eq!(c.edge.first_request_timeout_ms, 10_000);
+        assert_eq!(c.edge.request_memory_bytes, 1024 * 1024 * 1024);
+        assert_eq!(c.edge.request_memory_per_key(), 256 * 1024 * 1024);
+        let edge = |line: &str| {
+            let text = BASE.replace("[edge]\n", &format!("[edge]\n{line}\n"));
+            EdgeConfig::parse(&text, Path::new("/etc/iop"))
+        };
+        for (line, field) in [
+            (
+                "first_request_timeout_ms = 0",
+                "edge.first_request_timeout_ms",
+            ),
+            ("idle_timeout_ms = 0", "edge.idle_timeout_ms"),
+            ("max_connection_age_ms = 0", "edge.max_connection_age_ms"),
+            ("body_read_timeout_ms = 0", "edge.body_read_timeout_ms"),
+            (
+                "max_connections_per_source = 0",
+                "edge.max_connections_per_source",
+            ),
+            (
+                "max_connections_per_source = 4097",
+                "edge.max_connections_per_source",
+            ),
+            (
+                "h2_max_concurrent_streams = 0",
+                "edge.h2_max_concurrent_streams",
+            ),
+            ("request_memory_bytes = 1024", "edge.request_memory_bytes"),
+            (
+                "request_memory_bytes = 99999999999999",
+                "edge.request_memory_bytes",
+            ),
+            (
+                "request_memory_bytes_per_key = 1024",
+                "edge.request_memory_bytes_per_key",
+            ),
+            ("max_node_connections = 0", "edge.max_node_connections"),
+            (
+                "revoked_node_certificates = ['ab']",
+                "edge.revoked_node_certificates[0]",
+            ),
+        ] {
+            assert_eq!(field_of(edge(line).unwrap_err()), field, "{line}");
+        }
+        let c = edge("max_connections = 10\nmax_connections_per_source = 10").unwrap();
+        assert_eq!(c.edge.connections_per_source(), 10);
     }
 
     #[test]
@@ -923,7 +1203,7 @@ key = "edge.key"
     #[test]
     fn credentials_are_validated_by_field_and_never_shown() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("cred"), "sk-managed-secret\n").unwrap();
+        write_secret(&dir.path().join("cred"), "sk-managed-secret\n");
         let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
         let c = parse_in(
             "[[credentials]]\nprofile='k'\nsecret_file='cred'\nrevision=3\n\
@@ -990,9 +1270,9 @@ key = "edge.key"
     #[test]
     fn api_key_errors_name_the_field_used_and_duplicates_are_refused() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("short"), "too-short\n").unwrap();
-        std::fs::write(dir.path().join("k1"), "sk-first-key-0123456789\n").unwrap();
-        std::fs::write(dir.path().join("k2"), "sk-first-key-0123456789\n").unwrap();
+        write_secret(&dir.path().join("short"), "too-short\n");
+        write_secret(&dir.path().join("k1"), "sk-first-key-0123456789\n");
+        write_secret(&dir.path().join("k2"), "sk-first-key-0123456789\n");
         let parse_in = |extra: &str| EdgeConfig::parse(&format!("{BASE}{extra}"), dir.path());
         let e = parse_in("[[api_keys]]\nprincipal='a'\nkey_file='short'\n").unwrap_err();
         assert_eq!(field_of(e), "api_keys[0].key_file");
@@ -1009,7 +1289,7 @@ key = "edge.key"
             "the key is never shown: {text}"
         );
         assert_eq!(field_of(e), "api_keys[1].key_file");
-        std::fs::write(dir.path().join("tiny"), "\n").unwrap();
+        write_secret(&dir.path().join("tiny"), "\n");
         let e = parse_in("[[credentials]]\nprofile='k'\nsecret_file='tiny'\n").unwrap_err();
         assert_eq!(field_of(e), "credentials[0].secret_file");
     }

@@ -18,12 +18,20 @@ use crate::config::CredentialProfile;
 /// The file (in `state_dir`) holding the lease signing key, mode 0600.
 pub const SIGNING_KEY_FILE: &str = "lease-signing.key";
 
+/// The file (in `state_dir`) where revocations are kept across restarts
+/// and reloads: a JSON object, profile -> the revision revoked.
+pub const REVOCATIONS_FILE: &str = "revoked-credentials.json";
+
 /// The Edge's credential state. Profiles change only on reload or revoke;
 /// a dispatch takes a read lock for the duration of one seal.
 pub struct Credentials {
     signing: SigningKey,
     verifying: [u8; 32],
     profiles: RwLock<BTreeMap<String, CredentialProfile>>,
+    /// Profile -> highest revoked revision. A revocation holds until the
+    /// profile is configured with a higher revision (a rotated secret).
+    revoked: RwLock<BTreeMap<String, u64>>,
+    revocations_path: std::path::PathBuf,
 }
 
 impl std::fmt::Debug for Credentials {
@@ -61,10 +69,14 @@ impl Credentials {
             )
         })?;
         let verifying = keys::verifying_key_to_bytes(&signing.verifying_key());
+        let revocations_path = state_dir.join(REVOCATIONS_FILE);
+        let revoked = load_revocations(&revocations_path)?;
         let creds = Self {
             signing,
             verifying,
             profiles: RwLock::new(BTreeMap::new()),
+            revoked: RwLock::new(revoked),
+            revocations_path,
         };
         creds.replace(profiles);
         Ok(creds)
@@ -75,25 +87,46 @@ impl Credentials {
         self.verifying
     }
 
-    /// Replace every profile (a reload).
+    /// Replace every profile (a reload). A profile revoked at its current
+    /// revision or later stays inactive.
     pub fn replace(&self, profiles: &[CredentialProfile]) {
+        let revoked = self.revoked.read().unwrap_or_else(|e| e.into_inner());
         let map = profiles
             .iter()
-            .map(|p| (p.profile.clone(), p.clone()))
+            .map(|p| {
+                let mut p = p.clone();
+                if revoked.get(&p.profile).is_some_and(|r| p.revision <= *r) {
+                    p.active = false;
+                }
+                (p.profile.clone(), p)
+            })
             .collect();
         *self.profiles.write().unwrap_or_else(|e| e.into_inner()) = map;
     }
 
-    /// Mark `profile` inactive; false if unknown.
-    pub fn revoke(&self, profile: &str) -> bool {
-        let mut map = self.profiles.write().unwrap_or_else(|e| e.into_inner());
-        match map.get_mut(profile) {
-            Some(p) => {
-                p.active = false;
-                true
+    /// Mark `profile` inactive at its current revision, and persist that in
+    /// `state_dir` so a restart or reload keeps it revoked; `Ok(false)` if
+    /// unknown. On a write error the profile is still inactive in this
+    /// process.
+    pub fn revoke(&self, profile: &str) -> std::io::Result<bool> {
+        let revision = {
+            let mut map = self.profiles.write().unwrap_or_else(|e| e.into_inner());
+            match map.get_mut(profile) {
+                Some(p) => {
+                    p.active = false;
+                    p.revision
+                }
+                None => return Ok(false),
             }
-            None => false,
-        }
+        };
+        let snapshot = {
+            let mut revoked = self.revoked.write().unwrap_or_else(|e| e.into_inner());
+            let entry = revoked.entry(profile.to_owned()).or_insert(revision);
+            *entry = (*entry).max(revision);
+            revoked.clone()
+        };
+        store_revocations(&self.revocations_path, &snapshot)?;
+        Ok(true)
     }
 
     /// Every profile's revision and active flag (no secrets).
@@ -148,6 +181,35 @@ impl Credentials {
     }
 }
 
+/// Read the revocations file; a missing file is no revocation.
+fn load_revocations(path: &Path) -> std::io::Result<BTreeMap<String, u64>> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: {e}", path.display()),
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Replace the revocations file atomically (write, sync, rename, sync dir).
+fn store_revocations(path: &Path, revoked: &BTreeMap<String, u64>) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let tmp = path.with_extension("json.tmp");
+    let bytes = serde_json::to_vec_pretty(revoked).map_err(std::io::Error::other)?;
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,7 +249,7 @@ mod tests {
                 .is_ok()
         );
         // R-CRED-3: revoked before the Node heard the refresh.
-        assert!(creds.revoke("k"));
+        assert!(creds.revoke("k").unwrap());
         assert_eq!(
             creds.seal("k", &lease(), Some(&recipient), "p", "m"),
             Err(NoLease::InactiveProfile)
@@ -201,6 +263,37 @@ mod tests {
         assert_eq!(
             creds.seal("ghost", &lease(), Some(&recipient), "p", "m"),
             Err(NoLease::UnknownProfile)
+        );
+    }
+
+    #[test]
+    fn a_revocation_survives_a_restart_and_a_reload_until_the_revision_rises() {
+        let dir = tempfile::tempdir().unwrap();
+        let recipient = keys::recipient_public_key(&keys::generate_recipient_key(&mut rand::rng()));
+        let creds = Credentials::open(dir.path(), &[profile(true)]).unwrap();
+        assert!(creds.revoke("k").unwrap());
+        assert!(!creds.revoke("ghost").unwrap());
+        // A reload (SIGHUP) of the same configuration keeps it revoked.
+        creds.replace(&[profile(true)]);
+        assert_eq!(
+            creds.seal("k", &lease(), Some(&recipient), "p", "m"),
+            Err(NoLease::InactiveProfile)
+        );
+        drop(creds);
+        // So does a restart.
+        let creds = Credentials::open(dir.path(), &[profile(true)]).unwrap();
+        assert_eq!(
+            creds.seal("k", &lease(), Some(&recipient), "p", "m"),
+            Err(NoLease::InactiveProfile)
+        );
+        // A rotated secret (a higher revision) is active again.
+        let mut rotated = profile(true);
+        rotated.revision = 2;
+        creds.replace(&[rotated]);
+        assert!(
+            creds
+                .seal("k", &lease(), Some(&recipient), "p", "m")
+                .is_ok()
         );
     }
 }

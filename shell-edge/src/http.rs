@@ -39,6 +39,9 @@ use crate::driver::{
 };
 use crate::hub::HubHandle;
 use crate::metrics::EdgeMetrics;
+use crate::request_body::{
+    BodyBudget, BodyError, BodyPermit, CLIENT_CLOSED_CODE, KEPT_BYTES_PER_BODY_BYTE,
+};
 
 /// Shared state of every handler.
 #[derive(Clone)]
@@ -51,6 +54,8 @@ pub struct AppState {
     hub: HubHandle,
     ids: Arc<AtomicU64>,
     metrics: Arc<EdgeMetrics>,
+    /// R-LIM-2: every request body is read under this budget.
+    bodies: BodyBudget,
 }
 
 impl AppState {
@@ -106,6 +111,12 @@ impl AppState {
                 observe,
             },
             keys: Arc::new(keys),
+            bodies: BodyBudget::new(
+                config.edge.request_memory_bytes,
+                config.edge.request_memory_per_key(),
+                config.edge.max_body_bytes,
+                Duration::from_millis(config.edge.body_read_timeout_ms),
+            ),
             hub,
             ids: Arc::new(AtomicU64::new(1)),
             config,
@@ -149,11 +160,7 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiErro
         .get(header::AUTHORIZATION)
         .ok_or_else(ApiError::missing_api_key)?;
     let value = value.to_str().map_err(|_| ApiError::invalid_api_key())?;
-    let token = value
-        .strip_prefix("Bearer ")
-        .or_else(|| value.strip_prefix("bearer "))
-        .ok_or_else(ApiError::invalid_api_key)?
-        .trim();
+    let token = bearer_token(value).ok_or_else(ApiError::invalid_api_key)?;
     state
         .keys
         .get(&digest(token))
@@ -161,11 +168,15 @@ fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiErro
         .ok_or_else(ApiError::invalid_api_key)
 }
 
-async fn read_body(state: &AppState, body: Body) -> Result<bytes::Bytes, ApiError> {
-    let limit = state.config.edge.max_body_bytes;
-    axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::body_too_large(limit))
+/// The key in an `Authorization` value: the scheme `Bearer` in any case
+/// (RFC 9110 schemes are case-insensitive), then the key trimmed of
+/// surrounding whitespace, as configured keys are.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.trim_start().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    Some(rest.trim()).filter(|t| !t.is_empty())
 }
 
 /// The pool for `model`, if the key may use it.
@@ -233,6 +244,8 @@ fn unix_now() -> u64 {
 struct Admitted<O> {
     key: ApiKey,
     body: bytes::Bytes,
+    /// The body's share of the budget, held while the request lives.
+    body_permit: BodyPermit,
     run: NormalizedRun,
     options: O,
     pool: Vec<ProviderId>,
@@ -247,12 +260,20 @@ async fn admit<E: RunEndpoint>(
 ) -> Result<Admitted<E::Options>, ApiError> {
     let (parts, body) = request.into_parts();
     let key = authenticate(state, &parts.headers)?;
-    let body = read_body(state, body).await?;
-    let (run, options) = endpoint.parse(&body)?;
+    let mut held = state
+        .bodies
+        .read(&key.principal, &parts.headers, body)
+        .await
+        .map_err(BodyError::to_api_error)?;
+    let (run, options) = endpoint.parse(&held.bytes)?;
+    // The decoded tree is gone; the body and the run remain.
+    held.permit
+        .shrink_to(held.bytes.len() * KEPT_BYTES_PER_BODY_BYTE);
     let pool = pool_for(state, &key, &run.model)?;
     Ok(Admitted {
         key,
-        body,
+        body: held.bytes,
+        body_permit: held.permit,
         run,
         options,
         pool,
@@ -290,6 +311,8 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         Err(e) => return refuse(record, e),
     };
     let (run, options) = (admitted.run, admitted.options);
+    // The body and what was parsed from it live as long as the request.
+    record.body_permit = Some(admitted.body_permit);
     let admitted_unix_ms = iop_transport::clock::unix_ms();
     if let Some(answer) = endpoint.answer_without_run(&run, &options, admitted_unix_ms) {
         record.set("ok");
@@ -322,7 +345,13 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
     if run.stream {
         E::Stream::response(answer_body(rx, record, endpoint.stream(start, options)))
     } else {
-        match whole_answer(&mut rx, endpoint.whole(start, options)).await {
+        match whole_answer(
+            &mut rx,
+            endpoint.whole(start, options),
+            MAX_WHOLE_ANSWER_BYTES,
+        )
+        .await
+        {
             Ok(v) => {
                 record.set("ok");
                 axum::Json(v).into_response()
@@ -456,15 +485,55 @@ fn answer_body<S: AnswerStream>(
     .boxed()
 }
 
+/// The most text and tool-call bytes a non-streaming answer accumulates:
+/// the whole answer is built in memory before a byte is sent (R-LIM-3).
+pub const MAX_WHOLE_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
+/// The error of an answer past [`MAX_WHOLE_ANSWER_BYTES`].
+fn answer_too_large(limit_bytes: usize) -> ApiError {
+    ApiError {
+        status: 502,
+        kind: crate::api::ErrorKind::Server,
+        code: Some("response_too_large"),
+        message: format!(
+            "The provider's answer exceeds {limit_bytes} bytes; request it with \"stream\": true."
+        ),
+        param: None,
+        retry_after_secs: None,
+    }
+}
+
+/// Bytes an event adds to an accumulated answer.
+fn accumulated_bytes(event: &iop_wire::RunEventKind) -> usize {
+    match event {
+        iop_wire::RunEventKind::TextDelta(text) => text.len(),
+        iop_wire::RunEventKind::ToolCallDelta(d) => {
+            d.arguments_delta.len()
+                + d.id.as_ref().map_or(0, String::len)
+                + d.name.as_ref().map_or(0, String::len)
+        }
+        _ => 0,
+    }
+}
+
 /// Fold a non-streaming answer until the run ends: its JSON, or the error
-/// to answer.
+/// to answer. Past `max_bytes` of text and tool calls the run is abandoned
+/// (dropping the receiver cancels it).
 async fn whole_answer<W: WholeAnswer>(
     rx: &mut mpsc::Receiver<Delivery>,
     mut whole: W,
+    max_bytes: usize,
 ) -> Result<serde_json::Value, ApiError> {
+    let mut accumulated = 0usize;
     while let Some(d) = rx.recv().await {
         match d {
-            Delivery::Event(ev) => whole.event(&ev),
+            Delivery::Event(ev) => {
+                accumulated = accumulated.saturating_add(accumulated_bytes(&ev));
+                if accumulated > max_bytes {
+                    return Err(answer_too_large(max_bytes));
+                }
+                whole.event(&ev)
+            }
             Delivery::Finish => return whole.answer(iop_transport::clock::unix_ms()),
             Delivery::Fail { kind, .. } => return Err(gate_error(kind)),
             _ => {}
@@ -513,6 +582,8 @@ struct RequestRecord {
     route: &'static str,
     started: std::time::Instant,
     outcome: &'static str,
+    /// The request body's share of the budget (R-LIM-2).
+    body_permit: Option<BodyPermit>,
 }
 
 impl RequestRecord {
@@ -522,6 +593,7 @@ impl RequestRecord {
             route,
             started: std::time::Instant::now(),
             outcome: "client_disconnected",
+            body_permit: None,
         }
     }
 
@@ -543,8 +615,12 @@ impl Drop for RequestRecord {
 
 /// The closed outcome class of an error.
 fn outcome_of(err: &ApiError) -> &'static str {
+    if err.code == Some(CLIENT_CLOSED_CODE) {
+        // The client went away mid-body: not a bad request (R-LIM-2).
+        return "client_disconnected";
+    }
     match err.status {
-        400 | 413 | 422 => "invalid_request",
+        400 | 408 | 413 | 422 => "invalid_request",
         401 | 403 => "unauthorized",
         404 => "not_found",
         429 => "rate_limited",
@@ -586,8 +662,16 @@ async fn revoke_credential(
         Ok(k) => k,
         Err(e) => return e.into_response(),
     };
-    if !state.ctx.creds.revoke(&profile) {
-        return ApiError::not_found("credential profile").into_response();
+    match state.ctx.creds.revoke(&profile) {
+        Ok(true) => {}
+        Ok(false) => return ApiError::not_found("credential profile").into_response(),
+        Err(e) => {
+            // Inactive in this process already; the record for the next
+            // start is missing: the operator must know.
+            tracing::error!(event = "edge_credential_revocation_not_persisted", profile = %profile, error = %e);
+            state.hub.refresh_credentials();
+            return ApiError::internal().into_response();
+        }
     }
     tracing::warn!(event = "edge_credential_revoked", profile = %profile, by = %key.principal);
     state.hub.refresh_credentials();
@@ -682,6 +766,7 @@ mod tests {
             route: "chat",
             started: std::time::Instant::now(),
             outcome: "client_disconnected",
+            body_permit: None,
         }
     }
 
@@ -767,6 +852,49 @@ mod tests {
         let mut body = answer_body(rx, record(), OllamaStream::new("m", RunApi::Chat, 0));
         let silent = tokio::time::timeout(10 * framing::SSE_KEEP_ALIVE_INTERVAL, body.next()).await;
         assert!(silent.is_err(), "nothing is sent on a silent NDJSON stream");
+    }
+
+    #[test]
+    fn a_bearer_token_is_read_with_any_scheme_case_and_trimmed() {
+        for value in ["Bearer k1", "bearer k1", "BEARER  k1 ", " Bearer k1\t"] {
+            assert_eq!(bearer_token(value), Some("k1"), "{value:?}");
+        }
+        for value in ["Basic k1", "Bearer", "Bearer   ", "Bearerk1", "k1"] {
+            assert_eq!(bearer_token(value), None, "{value:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_whole_answer_past_its_bound_is_refused_not_accumulated() {
+        // R-LIM-3: a non-streaming answer's text and tool arguments are
+        // bounded before the Edge builds it in memory.
+        use crate::api::endpoint::{AnswerStart, ChatCompletions, RunEndpoint as _};
+        let start = || AnswerStart {
+            model: "m".into(),
+            id_seed: 1,
+            admitted_unix_ms: 0,
+            committed_unix: 0,
+        };
+        let (tx, mut rx) = mpsc::channel(8);
+        tx.send(text("12345")).await.unwrap();
+        tx.send(text("678")).await.unwrap();
+        let err = whole_answer(&mut rx, ChatCompletions.whole(start(), false), 7)
+            .await
+            .unwrap_err();
+        assert_eq!((err.status, err.code), (502, Some("response_too_large")));
+        let (tx, mut rx) = mpsc::channel(8);
+        tx.send(text("1234567")).await.unwrap();
+        tx.send(Delivery::Event(RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: None,
+        }))
+        .await
+        .unwrap();
+        tx.send(Delivery::Finish).await.unwrap();
+        let answer = whole_answer(&mut rx, ChatCompletions.whole(start(), false), 7)
+            .await
+            .unwrap();
+        assert_eq!(answer["choices"][0]["message"]["content"], "1234567");
     }
 
     #[tokio::test]

@@ -113,6 +113,17 @@ fn main() -> anyhow::Result<()> {
                                 }
                                 Err(e) => tracing::error!(event = "edge_credentials_reload_failed", error = %e),
                             }
+                            // And the node certificate denylist.
+                            match iop_edge::config::EdgeConfig::load(&path) {
+                                Ok(reloaded) => {
+                                    tracing::info!(
+                                        event = "edge_revoked_node_certificates_reloaded",
+                                        revoked = reloaded.edge.revoked_node_certificates.len()
+                                    );
+                                    edge.reload_revoked_node_certificates(&reloaded);
+                                }
+                                Err(e) => tracing::error!(event = "edge_revoked_node_certificates_reload_failed", error = %e),
+                            }
                         }
                     }
                 }

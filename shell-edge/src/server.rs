@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use iop_core::edge::dispatch::DispatchConfig;
-use iop_transport::{QuicTuning, ServerTls, close_connection, server_endpoint};
+use iop_transport::{
+    CertDenylist, QuicTuning, ServerTls, close_connection, server_endpoint_with_denylist,
+};
 use iop_wire::CloseCode;
 use tokio::task::JoinHandle;
 
@@ -54,6 +56,7 @@ pub struct RunningEdge {
     /// Managed credentials (signing key, profiles).
     pub creds: Arc<crate::cred::Credentials>,
     endpoint: quinn::Endpoint,
+    denylist: CertDenylist,
     http_stop: tokio::sync::watch::Sender<bool>,
     accept_task: JoinHandle<()>,
     http_task: JoinHandle<()>,
@@ -90,7 +93,13 @@ impl RunningEdge {
         // command stream is opened by the Edge): bound what a peer can pin
         // in unread streams.
         tuning.max_concurrent_bidi_streams = NODE_OPENED_STREAMS;
-        let endpoint = server_endpoint(&tls, config.edge.quic_listen, &tuning)?;
+        let denylist = CertDenylist::new(config.edge.revoked_fingerprints());
+        let endpoint = server_endpoint_with_denylist(
+            &tls,
+            config.edge.quic_listen,
+            &tuning,
+            denylist.clone(),
+        )?;
         let quic_addr = endpoint.local_addr()?;
         let store = GenerationStore::open(&config.edge.state_dir)?;
         let floor = store.floor(unix_ms())?;
@@ -144,6 +153,8 @@ impl RunningEdge {
         let settings = LinkSettings {
             heartbeat: config.heartbeat,
         };
+        let validate_addresses = config.edge.quic_address_validation;
+        let max_node_connections = config.edge.max_node_connections;
         let accept_task = tokio::spawn({
             let endpoint = endpoint.clone();
             let hub = hub.clone();
@@ -155,7 +166,15 @@ impl RunningEdge {
                     tokio::select! {
                         incoming = endpoint.accept() => match incoming {
                             Some(incoming) => {
-                                links.spawn(node_link::serve(incoming, hub.clone(), clock, settings));
+                                match admit_node_connection(&incoming, validate_addresses, links.len(), max_node_connections) {
+                                    NodeAdmission::Accept => {
+                                        links.spawn(node_link::serve(incoming, hub.clone(), clock, settings));
+                                    }
+                                    NodeAdmission::Retry => {
+                                        let _ = incoming.retry();
+                                    }
+                                    NodeAdmission::Refuse => incoming.refuse(),
+                                }
                             }
                             None => break,
                         },
@@ -177,16 +196,11 @@ impl RunningEdge {
             creds.clone(),
         ));
         let (http_stop, stop) = tokio::sync::watch::channel(false);
-        let limits = crate::serve::HttpLimits {
-            header_read_timeout: std::time::Duration::from_millis(
-                config.edge.header_read_timeout_ms,
-            ),
-            max_connections: config.edge.max_connections,
-            drain_timeout: std::time::Duration::from_millis(config.edge.drain_timeout_ms),
-        };
+        let limits = crate::serve::HttpLimits::from_config(&config);
         let http_task = tokio::spawn(crate::serve::serve(listener, app, limits, stop));
         tracing::info!(event = "edge_http_listening", addr = %http_addr);
         Ok(Self {
+            denylist,
             quic_addr,
             http_addr,
             hub,
@@ -201,6 +215,19 @@ impl RunningEdge {
         })
     }
 
+    /// The node certificate denylist the TLS verifier reads; a node link
+    /// runs [`iop_transport::enforce_denylist`] with it to end a
+    /// connection whose certificate is revoked while it is open.
+    pub fn node_denylist(&self) -> CertDenylist {
+        self.denylist.clone()
+    }
+
+    /// Apply a re-read `[edge] revoked_node_certificates` (SIGHUP): the
+    /// next handshake of a listed certificate is refused.
+    pub fn reload_revoked_node_certificates(&self, config: &EdgeConfig) {
+        self.denylist.replace(config.edge.revoked_fingerprints());
+    }
+
     /// Apply a re-read `[[credentials]]` section (SIGHUP): new secrets,
     /// revisions and disabled flags, pushed to every connected node.
     pub fn reload_credentials(&self, profiles: &[crate::config::CredentialProfile]) {
@@ -210,7 +237,15 @@ impl RunningEdge {
 
     /// Revoke a profile (mark it inactive) and push the new states.
     pub fn revoke_credential(&self, profile: &str) -> bool {
-        let known = self.creds.revoke(profile);
+        let known = match self.creds.revoke(profile) {
+            Ok(known) => known,
+            Err(e) => {
+                // Revoked in this process; only the record for the next
+                // start is missing.
+                tracing::error!(event = "edge_credential_revocation_not_persisted", profile = %profile, error = %e);
+                true
+            }
+        };
         self.hub.refresh_credentials();
         known
     }
@@ -251,4 +286,35 @@ impl RunningEdge {
     pub fn close(conn: &quinn::Connection, code: CloseCode) {
         close_connection(conn, code);
     }
+}
+
+/// What the accept loop does with a node's connection attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NodeAdmission {
+    Accept,
+    /// Prove the source address first (QUIC Retry): a spoofed flood costs
+    /// one stateless packet each, no handshake.
+    Retry,
+    /// Past `max_node_connections`.
+    Refuse,
+}
+
+fn admit_node_connection(
+    incoming: &quinn::Incoming,
+    validate_addresses: bool,
+    open: usize,
+    max_open: usize,
+) -> NodeAdmission {
+    if validate_addresses && !incoming.remote_address_validated() && incoming.may_retry() {
+        return NodeAdmission::Retry;
+    }
+    if open >= max_open {
+        tracing::warn!(
+            event = "edge_node_connection_refused",
+            reason = "max_node_connections",
+            open
+        );
+        return NodeAdmission::Refuse;
+    }
+    NodeAdmission::Accept
 }

@@ -28,7 +28,7 @@ impl Deployment {
         let ids: Vec<String> = (1..=scripts.len()).map(|i| format!("node-{i}")).collect();
         let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
         let pki = Pki::new(&id_refs);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let mut mocks = Vec::new();
         for s in scripts {
             mocks.push(MockServer::start(s).await.unwrap());
@@ -539,7 +539,7 @@ async fn official_openai_python_sdk_end_to_end() {
 async fn tunnel_mode_relays_openai_and_ollama_requests() {
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let mock = MockServer::start(MockScript::default()).await.unwrap();
         let edge = RunningEdge::start(edge_config(
             &pki,

@@ -24,7 +24,7 @@ const REQUEST_BUDGET_MS: u64 = 1_500;
 /// budget, and health probes that never time out during a test (so the
 /// provider stays eligible while its node answers nothing).
 async fn edge(pki: &Pki) -> RunningEdge {
-    std::fs::write(pki.path().join("key"), KEY).unwrap();
+    write_secret(&pki.path().join("key"), KEY);
     let extra = "[[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"mock\"\nmodels = [\"m\"]\n\
          [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\n\
          [health]\nprobe_timeout_ms = 60000\nstale_after_ms = 120000\n";

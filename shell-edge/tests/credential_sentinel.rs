@@ -26,8 +26,8 @@ async fn the_managed_secret_never_leaks() {
 
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
-        std::fs::write(pki.path().join("cred"), SECRET).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
+        write_secret(&pki.path().join("cred"), SECRET);
         let mock = MockServer::start(MockScript {
             require_key: Some(SECRET.into()),
             ..MockScript::default()

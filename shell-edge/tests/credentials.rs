@@ -41,8 +41,8 @@ async fn rig(configured: &str, cred_extra: &str) -> Rig {
 
 async fn rig_with(configured: &str, cred_extra: &str, provider_extra: &str) -> Rig {
     let pki = Pki::new(&["node-1"]);
-    std::fs::write(pki.path().join("key"), KEY).unwrap();
-    std::fs::write(pki.path().join("cred"), configured).unwrap();
+    write_secret(&pki.path().join("key"), KEY);
+    write_secret(&pki.path().join("cred"), configured);
     let mock = MockServer::start(MockScript {
         require_key: Some(SECRET.into()),
         ..MockScript::default()

@@ -29,7 +29,7 @@ async fn status(http: &reqwest::Client, edge: &RunningEdge) -> serde_json::Value
 async fn failing_provider_backs_off_to_its_cap_and_recovers() {
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let sick = MockServer::start(MockScript {
             health: ProbeHealth::Unhealthy,
             ..MockScript::default()
@@ -188,7 +188,7 @@ async fn transitions(http: &reqwest::Client, edge: &RunningEdge, transition: &st
 async fn probe_answer_recovering_a_lowered_provider_counts_the_transition() {
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let first = MockServer::start(MockScript::default()).await.unwrap();
         let addr = first.addr();
         // A long regular cadence: no probe lands between the swaps below

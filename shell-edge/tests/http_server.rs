@@ -24,7 +24,7 @@ fn providers() -> String {
 async fn a_request_head_that_never_completes_is_dropped() {
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let edge = RunningEdge::start(edge_config_with(
             &pki,
             0,
@@ -62,7 +62,7 @@ async fn a_request_head_that_never_completes_is_dropped() {
 async fn shutdown_lets_an_in_flight_stream_finish() {
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let edge = RunningEdge::start(edge_config(&pki, 0, &providers()))
             .await
             .unwrap();
@@ -96,7 +96,7 @@ async fn a_tunnel_that_fails_after_commit_ends_with_an_error_not_a_clean_end() {
     // format; a truncated tunnel never looks like a complete answer.
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let mock = iop_node::mock::MockServer::start(iop_node::mock::MockScript::default())
             .await
             .unwrap();

@@ -187,7 +187,7 @@ async fn edge_and_node_export_metrics_over_otlp() {
         let addr = collector.start().await;
         let otlp = format!("[otlp]\nendpoint = \"http://{addr}\"\ninterval_ms = 200\n");
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let mock = MockServer::start(MockScript::default()).await.unwrap();
         let edge = RunningEdge::start(edge_config(
             &pki,

@@ -25,7 +25,7 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
 
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let mock = MockServer::start(MockScript::default()).await.unwrap();
         let edge = RunningEdge::start(edge_config(
             &pki,

@@ -17,7 +17,7 @@ const KEY: &str = "sk-trace-test-0123456789";
 async fn recorded_edge_and_node_traces_replay_identically() {
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        write_secret(&pki.path().join("key"), KEY);
         let mock = MockServer::start(MockScript::default()).await.unwrap();
         let edge_trace = pki.path().join("edge.trace");
         let node_trace = pki.path().join("node.trace");

@@ -2,7 +2,9 @@
 //! Edge's lease signing key. Never logs key bytes.
 
 use std::io::{Read, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::OpenOptionsExt;
+#[cfg(test)]
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use zeroize::Zeroizing;
@@ -17,8 +19,7 @@ pub fn load_or_create(
 ) -> std::io::Result<Zeroizing<Vec<u8>>> {
     match std::fs::File::open(path) {
         Ok(mut file) => {
-            let mode = file.metadata()?.permissions().mode() & 0o777;
-            if mode & 0o077 != 0 {
+            if let Some(mode) = iop_transport::insecure_secret_file_mode(path)? {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
                     format!(

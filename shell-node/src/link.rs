@@ -20,7 +20,7 @@ use iop_core::node::watchdog::{
 use iop_trace::{MachineKind, Tap, TraceWriter, TracedWatchdog, WatchdogConfigRec};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
-use iop_transport::framed::{FramedError, FramedRecv, FramedSend, open_framed};
+use iop_transport::framed::{FramedError, FramedRecv, FramedSend, framed_for_side, open_framed};
 use iop_wire::{
     AdapterKind, CloseCode, ConfigSnapshot, EdgeControl, FailureCode, NodeControl,
     NodeReadyRequest, OfferedProvider, PROTOCOL_VERSION, RegisterRequest, RegisterResponse,
@@ -453,9 +453,10 @@ pub async fn run(
             _ = paused.changed() => {},
             stream = conn.accept_bi() => match stream {
                 Ok((s, r)) => {
+                    let (s, r) = framed_for_side(conn.side(), s, r);
                     handlers.spawn(run::serve_stream(
-                        FramedSend::new(s),
-                        FramedRecv::new(r),
+                        s,
+                        r,
                         link_tx.clone(),
                         shared.clone(),
                     ));

@@ -17,7 +17,7 @@ async fn node_killed_mid_stream_ends_the_stream_and_frees_capacity() {
     let dir = tempfile::tempdir().unwrap();
     let certs = dir.path().join("certs");
     iop_transport::generate_dev_pki(&certs, &["node-1"], &[]).unwrap();
-    std::fs::write(dir.path().join("key"), KEY).unwrap();
+    write_secret(&dir.path().join("key"), KEY);
     let mock = MockServer::start(MockScript {
         tokens_per_second: 20.0,
         tokens: 2000,
@@ -143,4 +143,17 @@ base_url = "{mock}"
         .await
         .expect("bounded");
     edge.shutdown().await;
+}
+
+/// Write a secret file as an operator must: mode 0600.
+fn write_secret(path: &std::path::Path, text: &str) {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .expect("secret file");
+    std::io::Write::write_all(&mut file, text.as_bytes()).expect("secret written");
 }

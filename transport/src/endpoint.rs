@@ -11,7 +11,7 @@ use rustls::pki_types::CertificateDer;
 
 use crate::close::close_code_of;
 use crate::identity::{IdentityError, node_id_from_cert};
-use crate::tls::{ClientTls, ServerTls, client_config, server_config};
+use crate::tls::{CertDenylist, ClientTls, ServerTls, client_config, server_config_with_denylist};
 use iop_wire::CloseCode;
 
 /// Why an endpoint could not be built or a connection could not be made.
@@ -172,10 +172,27 @@ pub fn server_endpoint(
     listen: SocketAddr,
     tuning: &QuicTuning,
 ) -> Result<quinn::Endpoint, TransportError> {
-    let crypto = QuicServerConfig::try_from(server_config(cfg)?)
+    server_endpoint_with_denylist(cfg, listen, tuning, CertDenylist::default())
+}
+
+/// Connection attempts the Edge holds before it has decided on them
+/// (accept, retry or refuse); past it quinn refuses new ones at once.
+pub const MAX_PENDING_INCOMING: usize = 1024;
+
+/// [`server_endpoint`], refusing node certificates on `denylist` (which
+/// may be replaced while the endpoint runs).
+pub fn server_endpoint_with_denylist(
+    cfg: &ServerTls,
+    listen: SocketAddr,
+    tuning: &QuicTuning,
+    denylist: CertDenylist,
+) -> Result<quinn::Endpoint, TransportError> {
+    let crypto = QuicServerConfig::try_from(server_config_with_denylist(cfg, denylist)?)
         .map_err(TransportError::NoInitialCipherSuite)?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server.transport_config(Arc::new(tuning.transport_config()?));
+    // R-LIM-4: a flood of Initial packets cannot queue without bound.
+    server.max_incoming(MAX_PENDING_INCOMING);
     quinn::Endpoint::server(server, listen).map_err(|source| TransportError::Bind {
         addr: listen,
         source,

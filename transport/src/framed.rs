@@ -7,7 +7,10 @@
 //! [`StreamErrorCode`], so the sender sees STOP with that code. Other
 //! streams on the connection are untouched.
 
-use iop_wire::{CloseCode, FrameDecoder, MAX_FRAME_LEN, StreamErrorCode, WireError};
+use iop_wire::{
+    CloseCode, EDGE_FRAME_MAX_LEN, FrameDecoder, MAX_FRAME_LEN, NODE_FRAME_MAX_LEN,
+    StreamErrorCode, WireError,
+};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -144,6 +147,48 @@ impl From<quinn::ClosedStream> for FramedError {
             what: "stream already finished, reset or stopped",
         }
     }
+}
+
+/// The frame limits of one endpoint's streams, per direction (R-LIM-3).
+/// The Edge is the QUIC server, the Node the client: a server receives
+/// node frames ([`NODE_FRAME_MAX_LEN`], much smaller than a request) and
+/// sends edge frames ([`EDGE_FRAME_MAX_LEN`]); a client the other way round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameLimits {
+    /// Largest payload this side sends.
+    pub send: usize,
+    /// Largest payload this side accepts.
+    pub recv: usize,
+}
+
+impl FrameLimits {
+    /// The limits of the endpoint on `side` of a connection.
+    pub fn for_side(side: quinn::Side) -> Self {
+        match side {
+            quinn::Side::Server => Self {
+                send: EDGE_FRAME_MAX_LEN,
+                recv: NODE_FRAME_MAX_LEN,
+            },
+            quinn::Side::Client => Self {
+                send: NODE_FRAME_MAX_LEN,
+                recv: EDGE_FRAME_MAX_LEN,
+            },
+        }
+    }
+}
+
+/// Wrap both halves of a stream on `side`'s end of a connection with that
+/// side's per-direction frame limits.
+pub fn framed_for_side(
+    side: quinn::Side,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+) -> (FramedSend, FramedRecv) {
+    let limits = FrameLimits::for_side(side);
+    (
+        FramedSend::with_max_frame_len(send, limits.send),
+        FramedRecv::with_max_frame_len(recv, limits.recv),
+    )
 }
 
 /// The sending half of a stream, carrying typed messages as frames.
@@ -329,16 +374,18 @@ impl FramedRecv {
     }
 }
 
-/// Open a bidirectional stream on `conn` as framed halves. The peer learns
-/// of the stream only when the first frame is sent.
+/// Open a bidirectional stream on `conn` as framed halves, with this side's
+/// frame limits ([`FrameLimits::for_side`]). The peer learns of the stream
+/// only when the first frame is sent.
 pub async fn open_framed(
     conn: &quinn::Connection,
 ) -> Result<(FramedSend, FramedRecv), FramedError> {
     let (send, recv) = conn.open_bi().await.map_err(FramedError::from_connection)?;
-    Ok((FramedSend::new(send), FramedRecv::new(recv)))
+    Ok(framed_for_side(conn.side(), send, recv))
 }
 
-/// Accept the peer's next bidirectional stream on `conn` as framed halves.
+/// Accept the peer's next bidirectional stream on `conn` as framed halves,
+/// with this side's frame limits ([`FrameLimits::for_side`]).
 pub async fn accept_framed(
     conn: &quinn::Connection,
 ) -> Result<(FramedSend, FramedRecv), FramedError> {
@@ -346,5 +393,5 @@ pub async fn accept_framed(
         .accept_bi()
         .await
         .map_err(FramedError::from_connection)?;
-    Ok((FramedSend::new(send), FramedRecv::new(recv)))
+    Ok(framed_for_side(conn.side(), send, recv))
 }

@@ -43,12 +43,16 @@ pub mod tls;
 pub use close::{close_code_of, close_connection};
 pub use endpoint::{
     QuicTuning, TransportError, client_endpoint, client_endpoint_on, connect, peer_node_id,
-    server_endpoint,
+    server_endpoint, server_endpoint_with_denylist,
 };
-pub use framed::{FramedError, FramedRecv, FramedSend, accept_framed, open_framed};
+pub use framed::{
+    FrameLimits, FramedError, FramedRecv, FramedSend, accept_framed, framed_for_side, open_framed,
+};
 pub use identity::{IdentityError, node_id_from_cert, validate_node_id};
 pub use pki::{
-    DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki, issue_node_cert,
-    load_ca, load_cert_chain, load_private_key,
+    DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki,
+    insecure_secret_file_mode, issue_node_cert, load_ca, load_cert_chain, load_private_key,
 };
-pub use tls::{ClientTls, ServerTls};
+pub use tls::{
+    CertDenylist, ClientTls, ServerTls, cert_fingerprint, enforce_denylist, parse_fingerprint,
+};

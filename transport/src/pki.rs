@@ -107,6 +107,14 @@ pub enum PkiError {
         /// The file.
         path: PathBuf,
     },
+    /// A private key file grants access to its group or others.
+    #[error("{} has mode {mode:o}; a key file must be mode 0600 or stricter", path.display())]
+    InsecureKeyFile {
+        /// The file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// The CA certificate or key given to an `issue_*` function is unusable
     /// (not PEM, not a certificate, unsupported key).
     #[error("the CA certificate or key is unusable: {0}")]
@@ -440,8 +448,42 @@ pub fn load_cert_chain(path: &Path) -> Result<Vec<CertificateDer<'static>>, PkiE
     Ok(certs)
 }
 
-/// Load the first private key (PKCS#8, PKCS#1 or SEC1) in a PEM file.
+/// The permission bits of a secret file (a key, an API key, a credential)
+/// if they grant anything to its group or others: such a file is refused,
+/// the process must not run with a secret other users could have read.
+/// `Ok(None)` when the mode is 0600 or stricter (and on non-Unix systems).
+pub fn insecure_secret_file_mode(path: &Path) -> io::Result<Option<u32>> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(path)?.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Ok(Some(mode));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(None)
+}
+
+/// Load the first private key (PKCS#8, PKCS#1 or SEC1) in a PEM file;
+/// a file readable by its group or others is refused.
 pub fn load_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, PkiError> {
+    match insecure_secret_file_mode(path) {
+        Ok(None) => {}
+        Ok(Some(mode)) => {
+            return Err(PkiError::InsecureKeyFile {
+                path: path.to_owned(),
+                mode,
+            });
+        }
+        Err(source) => {
+            return Err(PkiError::Read {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    }
     PrivateKeyDer::from_pem_file(path).map_err(|e| match e {
         pem::Error::NoItemsFound => PkiError::NoPrivateKey {
             path: path.to_owned(),
@@ -601,6 +643,25 @@ mod tests {
     }
 
     #[test]
+    fn a_private_key_readable_by_its_group_or_others_is_refused() -> Result<(), PkiError> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempdir();
+        let pki = generate_dev_pki(&dir.path().join("pki"), &["n"], &[])?;
+        load_private_key(&pki.edge_key)?;
+        std::fs::set_permissions(&pki.edge_key, std::fs::Permissions::from_mode(0o640)).map_err(
+            |source| PkiError::Write {
+                path: pki.edge_key.clone(),
+                source,
+            },
+        )?;
+        assert!(matches!(
+            load_private_key(&pki.edge_key),
+            Err(PkiError::InsecureKeyFile { mode: 0o640, .. })
+        ));
+        Ok(())
+    }
+
+    #[test]
     fn dev_pki_writes_every_file_with_owner_only_keys() -> Result<(), PkiError> {
         let dir = tempdir();
         let out = dir.path().join("pki");
@@ -699,6 +760,11 @@ mod tests {
         assert!(fs::write(&empty, "no pem here\n").is_ok());
         let err = load_cert_chain(&empty).err();
         assert!(matches!(&err, Some(PkiError::NoCertificate { path }) if *path == empty));
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let owner_only = fs::Permissions::from_mode(0o600);
+            assert!(fs::set_permissions(&empty, owner_only).is_ok());
+        }
         let err = load_private_key(&empty).err();
         assert!(matches!(&err, Some(PkiError::NoPrivateKey { path }) if *path == empty));
         assert!(

@@ -4,13 +4,16 @@
 //! it) and ALPN [`iop_wire::ALPN`]. No process-default crypto provider is
 //! needed.
 
+use std::collections::HashSet;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
-use rustls::RootCertStore;
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
+use sha2::{Digest as _, Sha256};
 
 use crate::endpoint::TransportError;
 use crate::pki::{PkiError, load_ca, load_cert_chain, load_private_key};
@@ -64,14 +67,209 @@ pub fn crypto_provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// A SHA-256 fingerprint of a certificate's DER encoding.
+pub type CertFingerprint = [u8; 32];
+
+/// The SHA-256 fingerprint of `cert` (what `openssl x509 -outform der |
+/// sha256sum` prints).
+pub fn cert_fingerprint(cert: &CertificateDer<'_>) -> CertFingerprint {
+    Sha256::digest(cert.as_ref()).into()
+}
+
+/// Parse a fingerprint written as 64 hex digits, optionally separated by
+/// `:` (either case).
+pub fn parse_fingerprint(text: &str) -> Option<CertFingerprint> {
+    let hex: Vec<u8> = text.bytes().filter(|b| *b != b':').collect();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, pair) in hex.chunks(2).enumerate() {
+        let text = std::str::from_utf8(pair).ok()?;
+        out[i] = u8::from_str_radix(text, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Node certificates the Edge refuses although they chain to the CA: a
+/// revoked (lost, leaked) node's certificate, by fingerprint. Shared with
+/// the TLS verifier, so [`CertDenylist::replace`] (a reload) applies to
+/// the next handshake; [`enforce_denylist`] applies it to a connection
+/// already open.
+#[derive(Debug, Clone)]
+pub struct CertDenylist {
+    entries: Arc<RwLock<HashSet<CertFingerprint>>>,
+    /// Bumped on every replace.
+    version: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Default for CertDenylist {
+    fn default() -> Self {
+        Self {
+            entries: Arc::default(),
+            version: Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
+    }
+}
+
+impl CertDenylist {
+    /// A denylist of `fingerprints`.
+    pub fn new(fingerprints: impl IntoIterator<Item = CertFingerprint>) -> Self {
+        let list = Self::default();
+        list.replace(fingerprints);
+        list
+    }
+
+    /// Replace every entry.
+    pub fn replace(&self, fingerprints: impl IntoIterator<Item = CertFingerprint>) {
+        *self.entries.write().unwrap_or_else(|e| e.into_inner()) =
+            fingerprints.into_iter().collect();
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Whether `cert` is denied.
+    pub fn denies(&self, cert: &CertificateDer<'_>) -> bool {
+        self.entries
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&cert_fingerprint(cert))
+    }
+
+    /// Entries.
+    pub fn len(&self) -> usize {
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// No entries.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Resolves once `cert` is denied (at once if it already is).
+    pub async fn denied(&self, cert: &CertificateDer<'_>) {
+        let mut changes = self.version.subscribe();
+        loop {
+            if self.denies(cert) {
+                return;
+            }
+            if changes.changed().await.is_err() {
+                // The list can no longer change.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// Close `conn` with `unauthorized` as soon as its peer's leaf certificate
+/// is on `denylist` (at once if it already is); ends with the connection.
+/// The Edge runs one per node connection, so a revocation (a SIGHUP
+/// reload) ends a connection already open, not only the next handshake.
+pub async fn enforce_denylist(conn: quinn::Connection, denylist: CertDenylist) {
+    let leaf = conn
+        .peer_identity()
+        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .and_then(|chain| chain.first().cloned());
+    let Some(leaf) = leaf else {
+        return;
+    };
+    tokio::select! {
+        () = denylist.denied(&leaf) => {
+            tracing::warn!(
+                event = "edge_revoked_node_connection_closed",
+                fingerprint = %hex(&cert_fingerprint(&leaf))
+            );
+            crate::close_connection(&conn, iop_wire::CloseCode::Unauthorized);
+        }
+        _ = conn.closed() => {}
+    }
+}
+
+/// The CA's verifier, then the denylist.
+#[derive(Debug)]
+struct DenylistVerifier {
+    inner: Arc<dyn ClientCertVerifier>,
+    denylist: CertDenylist,
+}
+
+impl ClientCertVerifier for DenylistVerifier {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        if self.denylist.denies(end_entity) {
+            tracing::warn!(
+                event = "edge_revoked_node_certificate_refused",
+                fingerprint = %hex(&cert_fingerprint(end_entity))
+            );
+            return Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::Revoked,
+            ));
+        }
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// Lowercase hex.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The Edge's rustls config: presents `cfg.cert_chain`, requires a client
 /// certificate chained to `cfg.client_ca`, negotiates ALPN `iop/1`.
 pub fn server_config(cfg: &ServerTls) -> Result<rustls::ServerConfig, TransportError> {
+    server_config_with_denylist(cfg, CertDenylist::default())
+}
+
+/// [`server_config`], refusing node certificates on `denylist` as well.
+pub fn server_config_with_denylist(
+    cfg: &ServerTls,
+    denylist: CertDenylist,
+) -> Result<rustls::ServerConfig, TransportError> {
     let provider = crypto_provider();
     let roots = Arc::new(root_store(&cfg.client_ca)?);
-    let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
+    let inner = WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
         .build()
         .map_err(TransportError::ClientVerifier)?;
+    let verifier = Arc::new(DenylistVerifier { inner, denylist });
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(TransportError::LocalTlsConfig)?

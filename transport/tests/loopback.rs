@@ -13,9 +13,9 @@ use iop_transport::framed::{FramedError, FramedRecv, FramedSend, accept_framed, 
 use iop_transport::pki::{IssuedCert, generate_ca, issue_client_cert_without_node_identity};
 use iop_transport::tls::crypto_provider;
 use iop_transport::{
-    ClientTls, DevPki, IdentityError, QuicTuning, ServerTls, TransportError, Validity,
-    client_endpoint, close_code_of, close_connection, connect, generate_dev_pki, issue_node_cert,
-    load_ca, peer_node_id, server_endpoint,
+    CertDenylist, ClientTls, DevPki, IdentityError, QuicTuning, ServerTls, TransportError,
+    Validity, client_endpoint, close_code_of, close_connection, connect, generate_dev_pki,
+    issue_node_cert, load_ca, peer_node_id, server_endpoint_with_denylist,
 };
 use iop_wire::{
     AdapterKind, CloseCode, EdgeControl, Heartbeat, NodeControl, OfferedProvider, RegisterRequest,
@@ -45,16 +45,21 @@ struct Deployment {
 
 impl Deployment {
     fn start(node_ids: &[&str]) -> Self {
+        Self::start_with_denylist(node_ids, CertDenylist::default())
+    }
+
+    fn start_with_denylist(node_ids: &[&str], denylist: CertDenylist) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let pki = generate_dev_pki(dir.path(), node_ids, &["edge.test"]).expect("dev pki");
         let ca_cert_pem = std::fs::read_to_string(&pki.ca_cert).expect("read ca.pem");
         let ca_key_pem = std::fs::read_to_string(&pki.ca_key).expect("read ca.key");
         let server_tls =
             ServerTls::from_files(&pki.edge_cert, &pki.edge_key, &pki.ca_cert).expect("edge tls");
-        let edge = server_endpoint(
+        let edge = server_endpoint_with_denylist(
             &server_tls,
             SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             &QuicTuning::default(),
+            denylist,
         )
         .expect("edge endpoint");
         let edge_addr = edge.local_addr().expect("edge addr");
@@ -190,7 +195,9 @@ fn register_request(model_count: usize) -> RegisterRequest {
         providers: vec![OfferedProvider {
             adapter: AdapterKind::Ollama,
             target: "http://127.0.0.1:11434".into(),
-            models: (0..model_count).map(|i| format!("model-{i:06}")).collect(),
+            models: (0..model_count)
+                .map(|i| format!("model-{i:06}-with-a-longer-name"))
+                .collect(),
         }],
         max_concurrent_runs: 64,
         recipient_public_key: Some([7; 32]),
@@ -384,9 +391,9 @@ async fn framed_messages_round_trip_over_a_stream() {
     within_timeout(async {
         let deployment = Deployment::start(&["node-a"]);
         let (edge_conn, node_conn) = deployment.connected("node-a").await;
-        // A register of ~100 KB spans several 64 KiB reads.
+        // A register of ~140 KB spans several 64 KiB reads.
         let sent = vec![
-            NodeControl::Register(register_request(8_000)),
+            NodeControl::Register(register_request(4_000)),
             NodeControl::Ping(Heartbeat { seq: 1 }),
             NodeControl::ConfigApplied { generation: 7 },
             NodeControl::Pong(Heartbeat { seq: 2 }),
@@ -619,6 +626,125 @@ async fn send_refuses_a_frame_above_its_maximum_before_writing() {
         send.send(&NodeControl::Ping(Heartbeat { seq: 1 }))
             .await
             .expect("small frame");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn frames_are_limited_per_direction_node_to_edge_much_smaller() {
+    // R-LIM-3: a node's frames are bounded far below an edge request's.
+    within_timeout(async {
+        let deployment = Deployment::start(&["node-a"]);
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+        let big = iop_wire::NODE_FRAME_MAX_LEN + 1;
+
+        // The Edge sends a request larger than any node frame: it arrives.
+        let (mut edge_send, _edge_recv) = open_framed(&edge_conn).await.expect("open");
+        let request = iop_wire::ProviderTunnelFrame::Body(vec![7; big]);
+        let receive = async {
+            let (_node_send, mut node_recv) = accept_framed(&node_conn).await.expect("accept");
+            node_recv
+                .recv::<iop_wire::ProviderTunnelFrame>()
+                .await
+                .expect("recv")
+        };
+        let (sent, received) = tokio::join!(edge_send.send(&request), receive);
+        sent.expect("an edge frame may be large");
+        assert_eq!(received, Some(request));
+
+        // The node refuses to send one that large ...
+        let (mut node_send, _node_recv) = open_framed(&node_conn).await.expect("open");
+        let oversize = iop_wire::ProviderTunnelFrame::Body(vec![7; big]);
+        assert!(matches!(
+            node_send.send(&oversize).await,
+            Err(FramedError::Encode(WireError::FrameTooLarge { .. }))
+        ));
+        node_send.finish().expect("finish");
+        let (_s, mut empty) = accept_framed(&edge_conn).await.expect("accept");
+        assert!(matches!(empty.recv::<NodeControl>().await, Ok(None)));
+        // ... and the Edge stops a stream whose frame announces it.
+        let mut raw = u32::try_from(big).expect("fits").to_be_bytes().to_vec();
+        raw.extend_from_slice(&[0u8; 64]);
+        let _raw = open_raw(&node_conn, &raw).await;
+        let (_s, mut edge_recv) = accept_framed(&edge_conn).await.expect("accept");
+        match edge_recv.recv::<NodeControl>().await {
+            Err(FramedError::PeerProtocol {
+                error: WireError::FrameTooLarge { max, .. },
+                code: StreamErrorCode::FrameTooLarge,
+            }) => assert_eq!(max, iop_wire::NODE_FRAME_MAX_LEN),
+            other => panic!("expected FrameTooLarge, got {other:?}"),
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_node_certificate_on_the_denylist_is_refused_until_removed() {
+    // Revocation of one node's certificate, reloadable without a restart.
+    within_timeout(async {
+        let denylist = CertDenylist::default();
+        let deployment = Deployment::start_with_denylist(&["node-a", "node-b"], denylist.clone());
+        let revoked = deployment.node_tls("node-a");
+        let fingerprint = iop_transport::cert_fingerprint(&revoked.cert_chain[0]);
+        denylist.replace([fingerprint]);
+        let (edge, node) = deployment.handshake(&revoked).await;
+        assert_edge_refused(edge, AlertDescription::CertificateRevoked);
+        assert_node_sees_refusal(node, AlertDescription::CertificateRevoked).await;
+        // Another node of the same CA is unaffected.
+        let (edge, _node) = deployment.handshake(&deployment.node_tls("node-b")).await;
+        edge.expect("node-b accepted");
+        // Taken off the list (a reload), node-a gets in again.
+        denylist.replace([]);
+        let (edge, _node) = deployment.handshake(&revoked).await;
+        edge.expect("node-a accepted again");
+    })
+    .await;
+}
+
+#[test]
+fn fingerprints_parse_from_hex_with_or_without_colons() {
+    let hex = "00112233445566778899aabbccddeeff00112233445566778899AABBCCDDEEFF";
+    let parsed = iop_transport::parse_fingerprint(hex).expect("hex");
+    assert_eq!(parsed[1], 0x11);
+    assert_eq!(parsed[31], 0xff);
+    let colons: Vec<String> = hex
+        .as_bytes()
+        .chunks(2)
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    assert_eq!(
+        iop_transport::parse_fingerprint(&colons.join(":")),
+        Some(parsed)
+    );
+    assert_eq!(iop_transport::parse_fingerprint("abc"), None);
+    assert_eq!(iop_transport::parse_fingerprint(&"zz".repeat(32)), None);
+}
+
+#[tokio::test]
+async fn a_connection_open_when_its_certificate_is_revoked_is_closed_unauthorized() {
+    within_timeout(async {
+        let denylist = CertDenylist::default();
+        let deployment = Deployment::start_with_denylist(&["node-a"], denylist.clone());
+        let (edge_conn, node_conn) = deployment.connected("node-a").await;
+        let enforcing = tokio::spawn(iop_transport::enforce_denylist(
+            edge_conn.clone(),
+            denylist.clone(),
+        ));
+        // An unrelated entry changes nothing.
+        denylist.replace([[9u8; 32]]);
+        tokio::task::yield_now().await;
+        assert!(edge_conn.close_reason().is_none());
+        let leaf = deployment.node_tls("node-a").cert_chain[0].clone();
+        denylist.replace([iop_transport::cert_fingerprint(&leaf)]);
+        let closed = node_conn.closed().await;
+        assert_eq!(
+            close_code_of(&closed),
+            Some(CloseCode::Unauthorized),
+            "{closed}"
+        );
+        enforcing
+            .await
+            .expect("the enforcer ends with the connection");
     })
     .await;
 }

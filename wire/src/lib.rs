@@ -23,6 +23,7 @@
 
 #![deny(missing_docs)]
 
+mod bounded;
 mod codec;
 mod messages;
 
@@ -40,6 +41,34 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// A prompt with a very long context fits; anything larger is a protocol
 /// error that closes the stream.
 pub const MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
+
+/// The maximum payload of a frame a Node sends to the Edge (4 MiB + 64
+/// KiB), much smaller than [`MAX_FRAME_LEN`] (R-LIM-3): what a node sends
+/// is a provider's output, relayed in pieces (one SSE event of at most
+/// 4 MiB, tunnel body chunks of 64 KiB), never a client's whole prompt.
+pub const NODE_FRAME_MAX_LEN: usize = 4 * 1024 * 1024 + 64 * 1024;
+
+/// The maximum payload of a frame the Edge sends to a Node: a request
+/// carries the client's whole body.
+pub const EDGE_FRAME_MAX_LEN: usize = MAX_FRAME_LEN;
+
+/// Most headers in one tunnelled request or response head (R-LIM-3).
+pub const MAX_HEADERS: usize = 128;
+
+/// Most bytes of one header, name plus value (R-LIM-3).
+pub const MAX_HEADER_BYTES: usize = 16 * 1024;
+
+/// Most models one target may list (registration, capabilities) (R-LIM-3).
+pub const MAX_MODELS_PER_TARGET: usize = 4096;
+
+/// Most bytes of one model name (R-LIM-3).
+pub const MAX_MODEL_NAME_BYTES: usize = 1024;
+
+/// Most providers a Node may offer at registration (R-LIM-3).
+pub const MAX_OFFERED_PROVIDERS: usize = 256;
+
+/// Most targets in one capabilities report (R-LIM-3).
+pub const MAX_CAPABILITY_TARGETS: usize = 256;
 
 /// Wire value `0` for `response_stall_timeout_ms`: use this default (R-WD).
 pub const DEFAULT_RESPONSE_STALL_TIMEOUT_MS: u64 = 300_000;

@@ -203,6 +203,7 @@ pub struct OfferedProvider {
     /// Which server/model on this Node.
     pub target: String,
     /// Models the target serves (informational; the Edge config is authoritative).
+    #[serde(deserialize_with = "crate::bounded::models")]
     pub models: Vec<String>,
 }
 
@@ -215,6 +216,7 @@ pub struct RegisterRequest {
     /// The Node's software version (informational).
     pub node_version: String,
     /// Providers this Node can execute.
+    #[serde(deserialize_with = "crate::bounded::offered_providers")]
     pub providers: Vec<OfferedProvider>,
     /// The Node's concurrent-run limit.
     pub max_concurrent_runs: u32,
@@ -713,6 +715,7 @@ pub struct ProviderTunnelRequest {
     /// Path and query, starting with `/`.
     pub path: String,
     /// Request headers (hop-by-hop headers are dropped by the Node).
+    #[serde(deserialize_with = "crate::bounded::headers")]
     pub headers: Vec<Header>,
     /// Request body.
     pub body: Vec<u8>,
@@ -733,6 +736,7 @@ pub enum ProviderTunnelFrame {
         /// HTTP status.
         status: u16,
         /// Response headers.
+        #[serde(deserialize_with = "crate::bounded::headers")]
         headers: Vec<Header>,
     },
     /// Next body bytes, passed through unbuffered.
@@ -820,6 +824,7 @@ pub struct TargetHealth {
     /// Why, when not available.
     pub failure_code: Option<HealthFailureCode>,
     /// Models the target reports (empty is a valid answer, R-HT-2).
+    #[serde(deserialize_with = "crate::bounded::models")]
     pub models: Vec<String>,
 }
 
@@ -828,6 +833,7 @@ pub struct TargetHealth {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CapabilitiesReport {
     /// One entry per probed target.
+    #[serde(deserialize_with = "crate::bounded::capability_targets")]
     pub targets: Vec<TargetHealth>,
     /// The Session sequence this observation took (R-SEQ-1).
     pub health_observation_seq: u64,

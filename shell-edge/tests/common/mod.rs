@@ -173,3 +173,17 @@ impl std::io::Write for Captured {
         Ok(())
     }
 }
+
+/// Write a secret file (an API key, a credential) as an operator must:
+/// mode 0600, or the Edge refuses it.
+pub fn write_secret(path: &Path, text: &str) {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .expect("secret file");
+    std::io::Write::write_all(&mut file, text.as_bytes()).expect("secret written");
+}

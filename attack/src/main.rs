@@ -1,0 +1,537 @@
+//! # iop-attack: the hostile-input attack suite (SPEC §7, R-LIM-1..4)
+//!
+//! Starts a real deployment on loopback (an `iop-edge` process with its
+//! default limits, an `iop-node` process in front of a mock provider, and
+//! an in-process hostile node speaking the wire protocol with its own
+//! certificate), then runs each attack for a bounded time while a
+//! legitimate client sends requests at a fixed rate. For each attack it
+//! reports the legitimate client's success rate and latency percentiles
+//! and the Edge's peak RSS, and fails (exit 1) when the success rate falls
+//! under `--min-success` or the RSS goes over `--max-rss-mib`.
+//!
+//! `scripts/attack` builds the binaries and runs it.
+
+mod evil_node;
+mod flood;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use iop_bench::deployment::{
+    API_KEY, Binaries, Proc, edge_config_head, free_tcp_port, free_udp_port, node_config, write_pki,
+};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+/// The attacker's own valid API key (a tenant gone rogue).
+pub const ATTACKER_KEY: &str = "sk-attacker-0123456789abcdef";
+
+#[derive(Debug, Parser)]
+#[command(about = "Run the hostile-input attack suite against a live Edge + Node on loopback")]
+struct Cli {
+    /// Working directory (emptied first): certificates, configs, logs.
+    #[arg(long, default_value = "target/attack")]
+    dir: PathBuf,
+    /// Seconds each attack (and the baseline) runs.
+    #[arg(long, default_value_t = 15)]
+    seconds: u64,
+    /// Legitimate requests per second.
+    #[arg(long, default_value_t = 20)]
+    rate: u32,
+    /// Run only these attacks (by name); all when empty.
+    #[arg(long)]
+    only: Vec<String>,
+    /// Fail when the legitimate success rate is under this (percent).
+    #[arg(long, default_value_t = 99.0)]
+    min_success: f64,
+    /// Fail when the Edge's peak RSS is over this (MiB).
+    #[arg(long, default_value_t = 1024)]
+    max_rss_mib: u64,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// The attacks, in the order they run.
+const ATTACKS: &[&str] = &[
+    "idle_tcp_5000",
+    "slowloris_headers",
+    "half_http2_prefaces",
+    "junk_bodies_8mib_x200",
+    "stale_ready_flood",
+    "maximal_tunnel_heads",
+    "duplicate_node_certificate",
+];
+
+/// The running deployment.
+struct Rig {
+    dir: PathBuf,
+    bins: Binaries,
+    edge: Proc,
+    _mock: Proc,
+    _node: Proc,
+    http: SocketAddr,
+    quic: SocketAddr,
+}
+
+/// What one attack did to the legitimate client and the Edge.
+#[derive(Debug, Clone)]
+struct Row {
+    attack: String,
+    sent: u64,
+    ok: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+    peak_rss_mib: f64,
+    attacker: String,
+    first_errors: Vec<String>,
+}
+
+impl Row {
+    fn success_pct(&self) -> f64 {
+        if self.sent == 0 {
+            0.0
+        } else {
+            100.0 * self.ok as f64 / self.sent as f64
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    runtime.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let bins = Binaries::beside_current_exe()?;
+    let mut rig = Rig::start(bins, &cli.dir).await?;
+    let duration = Duration::from_secs(cli.seconds);
+    let mut rows = vec![attack_row(&mut rig, "baseline", duration, cli.rate).await?];
+    print_row(&rows[0]);
+    for name in ATTACKS {
+        if !cli.only.is_empty() && !cli.only.iter().any(|o| o == name) {
+            continue;
+        }
+        let row = attack_row(&mut rig, name, duration, cli.rate).await?;
+        print_row(&row);
+        rows.push(row);
+        // Let closed connections and evicted state settle.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        rig.edge.check_alive()?;
+    }
+    println!();
+    println!("{}", markdown_table(&rows));
+    if let Some(path) = &cli.json {
+        std::fs::write(path, json(&rows).to_string())?;
+    }
+    let mut failed = Vec::new();
+    for row in &rows {
+        if row.success_pct() < cli.min_success {
+            failed.push(format!(
+                "{}: legitimate success {:.2} % < {}",
+                row.attack,
+                row.success_pct(),
+                cli.min_success
+            ));
+        }
+        if row.peak_rss_mib > cli.max_rss_mib as f64 {
+            failed.push(format!(
+                "{}: Edge RSS {:.0} MiB > {}",
+                row.attack, row.peak_rss_mib, cli.max_rss_mib
+            ));
+        }
+    }
+    if !failed.is_empty() {
+        bail!("attacks not withstood:\n  {}", failed.join("\n  "));
+    }
+    Ok(())
+}
+
+fn print_row(row: &Row) {
+    eprintln!(
+        "{:<28} legit {}/{} ({:.2} %) p50 {:.1} ms p99 {:.1} ms max {:.1} ms, edge rss {:.0} MiB; attacker: {}{}",
+        row.attack,
+        row.ok,
+        row.sent,
+        row.success_pct(),
+        row.p50_ms,
+        row.p99_ms,
+        row.max_ms,
+        row.peak_rss_mib,
+        row.attacker,
+        if row.first_errors.is_empty() {
+            String::new()
+        } else {
+            format!("; errors: {}", row.first_errors.join(" | "))
+        }
+    );
+}
+
+fn markdown_table(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "| attack | legitimate success | p50 ms | p99 ms | max ms | Edge peak RSS MiB | attacker saw |\n\
+         | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {}/{} ({:.2} %) | {:.1} | {:.1} | {:.1} | {:.0} | {} |\n",
+            r.attack,
+            r.ok,
+            r.sent,
+            r.success_pct(),
+            r.p50_ms,
+            r.p99_ms,
+            r.max_ms,
+            r.peak_rss_mib,
+            r.attacker
+        ));
+    }
+    out
+}
+
+fn json(rows: &[Row]) -> serde_json::Value {
+    serde_json::Value::Array(
+        rows.iter()
+            .map(|r| {
+                serde_json::json!({
+                    "attack": r.attack,
+                    "sent": r.sent,
+                    "ok": r.ok,
+                    "success_pct": r.success_pct(),
+                    "p50_ms": r.p50_ms,
+                    "p99_ms": r.p99_ms,
+                    "max_ms": r.max_ms,
+                    "edge_peak_rss_mib": r.peak_rss_mib,
+                    "attacker": r.attacker,
+                    "first_errors": r.first_errors,
+                })
+            })
+            .collect(),
+    )
+}
+
+impl Rig {
+    async fn start(bins: Binaries, dir: &Path) -> anyhow::Result<Self> {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+        }
+        std::fs::create_dir_all(dir)?;
+        let dir = dir.canonicalize()?;
+        write_pki(&dir, &["n1".to_owned(), "evil".to_owned()])?;
+        write_secret(&dir.join("attacker-key"), ATTACKER_KEY)?;
+        let mock_addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let mock = Proc::spawn(
+            "mock",
+            &bins.node,
+            &[
+                "mock-provider".into(),
+                "--listen".into(),
+                mock_addr.to_string(),
+                "--tokens".into(),
+                "8".into(),
+                "--tps".into(),
+                "0".into(),
+            ],
+            &dir,
+            false,
+        )?;
+        let quic = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
+        let http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let mut edge_toml = edge_config_head(quic.port(), http.port(), 256);
+        edge_toml.push_str(
+            "[[api_keys]]\nprincipal = \"attacker\"\nkey_file = \"attacker-key\"\n\
+             [[providers]]\nid = \"legit\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"m\"\ncapacity = 64\n\
+             [[routes]]\nmodel = \"m\"\nproviders = [\"legit\"]\n\
+             [[providers]]\nid = \"evil\"\nnode = \"evil\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\nmode = \"tunnel\"\n\
+             [[routes]]\nmodel = \"evil\"\nproviders = [\"evil\"]\n",
+        );
+        std::fs::write(dir.join("edge.toml"), edge_toml)?;
+        let edge = Proc::spawn(
+            "edge",
+            &bins.edge,
+            &["run".into(), "--config".into(), "edge.toml".into()],
+            &dir,
+            false,
+        )?;
+        std::fs::write(
+            dir.join("node-n1.toml"),
+            node_config(
+                "n1",
+                quic,
+                256,
+                &format!(
+                    "[[providers]]\nadapter = \"openai\"\ntarget = \"m\"\nbase_url = \"http://{mock_addr}\"\n"
+                ),
+            ),
+        )?;
+        let node = Proc::spawn(
+            "node-n1",
+            &bins.node,
+            &["run".into(), "--config".into(), "node-n1.toml".into()],
+            &dir,
+            false,
+        )?;
+        let rig = Self {
+            dir,
+            bins,
+            edge,
+            _mock: mock,
+            _node: node,
+            http,
+            quic,
+        };
+        rig.wait_route().await?;
+        Ok(rig)
+    }
+
+    /// Until one legitimate request succeeds (bounded).
+    async fn wait_route(&self) -> anyhow::Result<()> {
+        let client = legit_client()?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if legit_request(&client, self.http).await.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the deployment never answered a request (logs in {})",
+                    self.dir.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Write a secret file with mode 0600 (the Edge refuses wider modes).
+fn write_secret(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(text.as_bytes())
+}
+
+fn legit_client() -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .timeout(Duration::from_secs(10))
+        .build()?)
+}
+
+/// One legitimate chat request; its latency when it succeeded.
+async fn legit_request(client: &reqwest::Client, http: SocketAddr) -> Result<Duration, String> {
+    let started = Instant::now();
+    let response = client
+        .post(format!("http://{http}/v1/chat/completions"))
+        .bearer_auth(API_KEY)
+        .header("content-type", "application/json")
+        .body(r#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#)
+        .send()
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    let status = response.status();
+    let body = response.bytes().await.map_err(|e| format!("body: {e}"))?;
+    if !status.is_success() {
+        return Err(format!(
+            "{status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(160)])
+        ));
+    }
+    Ok(started.elapsed())
+}
+
+/// Counters an attack reports.
+#[derive(Debug, Default)]
+pub struct AttackStats {
+    /// Free-form counters, by name.
+    pub counters: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl AttackStats {
+    /// Add one to `name`.
+    pub fn count(&self, name: impl Into<String>) {
+        let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        *c.entry(name.into()).or_insert(0) += 1;
+    }
+
+    fn summary(&self) -> String {
+        let c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        if c.is_empty() {
+            return "-".into();
+        }
+        c.iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// Run `name` for `duration` beside the legitimate client.
+async fn attack_row(
+    rig: &mut Rig,
+    name: &str,
+    duration: Duration,
+    rate: u32,
+) -> anyhow::Result<Row> {
+    let stats = Arc::new(AttackStats::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = JoinSet::new();
+    let mut extra_procs = Vec::new();
+    match name {
+        "baseline" => {}
+        "idle_tcp_5000" => flood::idle_tcp(&mut attackers, rig.http, 5000, &stop, &stats),
+        "slowloris_headers" => flood::slowloris(&mut attackers, rig.http, 1000, &stop, &stats),
+        "half_http2_prefaces" => {
+            flood::half_h2_preface(&mut attackers, rig.http, 1000, &stop, &stats)
+        }
+        "junk_bodies_8mib_x200" => flood::junk_bodies(&mut attackers, rig.http, 200, &stop, &stats),
+        "stale_ready_flood" => {
+            let node = evil_node::EvilNode::connect(&rig.dir, rig.quic).await?;
+            attackers.spawn(node.flood_stale_ready(stop.clone(), stats.clone()));
+        }
+        "maximal_tunnel_heads" => {
+            let node = evil_node::EvilNode::connect(&rig.dir, rig.quic).await?;
+            attackers.spawn(node.answer_with_maximal_heads(stop.clone(), stats.clone()));
+            flood::tunnel_requests(&mut attackers, rig.http, 32, &stop, &stats);
+        }
+        "duplicate_node_certificate" => {
+            // A second process with n1's certificate and configuration.
+            let config = std::fs::read_to_string(rig.dir.join("node-n1.toml"))?
+                .replace("state_dir = \"state-n1\"", "state_dir = \"state-n1-dup\"");
+            std::fs::write(rig.dir.join("node-n1-dup.toml"), config)?;
+            extra_procs.push(Proc::spawn(
+                "node-n1-dup",
+                &rig.bins.node,
+                &["run".into(), "--config".into(), "node-n1-dup.toml".into()],
+                &rig.dir,
+                false,
+            )?);
+        }
+        other => bail!("unknown attack {other}"),
+    }
+    // Let the attack take hold before measuring.
+    if name != "baseline" {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let edge_pid = rig.edge.pid();
+    let peak_rss = Arc::new(AtomicU64::new(0));
+    let sampling = Arc::new(AtomicBool::new(true));
+    let sampler = tokio::spawn({
+        let peak = peak_rss.clone();
+        let sampling = sampling.clone();
+        async move {
+            while sampling.load(Ordering::Relaxed) {
+                if let Ok(rss) = iop_bench::procfs::rss_bytes(edge_pid) {
+                    peak.fetch_max(rss, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
+    let outcome = legit_load(rig.http, rate, duration).await?;
+    stop.store(true, Ordering::Relaxed);
+    sampling.store(false, Ordering::Relaxed);
+    let _ = sampler.await;
+    // Attackers notice `stop` within a second or so; then they are gone.
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        while attackers.join_next().await.is_some() {}
+    })
+    .await;
+    attackers.abort_all();
+    for p in extra_procs {
+        p.stop().await;
+    }
+    Ok(Row {
+        attack: name.to_owned(),
+        sent: outcome.sent,
+        ok: outcome.ok,
+        p50_ms: outcome.percentile_ms(50.0),
+        p99_ms: outcome.percentile_ms(99.0),
+        max_ms: outcome.percentile_ms(100.0),
+        peak_rss_mib: peak_rss.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0),
+        attacker: stats.summary(),
+        first_errors: outcome.errors,
+    })
+}
+
+/// The legitimate client's view of one attack.
+struct LoadOutcome {
+    sent: u64,
+    ok: u64,
+    latencies: Vec<Duration>,
+    errors: Vec<String>,
+}
+
+impl LoadOutcome {
+    /// Latency percentile over every request sent; a failed request counts
+    /// as its time to fail (at most the client's 10 s timeout).
+    fn percentile_ms(&self, p: f64) -> f64 {
+        if self.latencies.is_empty() {
+            return 0.0;
+        }
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        let rank = ((p / 100.0) * (sorted.len() as f64)).ceil() as usize;
+        let index = rank.clamp(1, sorted.len()) - 1;
+        sorted[index].as_secs_f64() * 1000.0
+    }
+}
+
+/// Open-loop load: `rate` requests per second for `duration`, each on its
+/// own task (a slow answer does not delay the next request).
+async fn legit_load(
+    http: SocketAddr,
+    rate: u32,
+    duration: Duration,
+) -> anyhow::Result<LoadOutcome> {
+    let client = legit_client()?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate.max(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let until = Instant::now() + duration;
+    let mut requests = JoinSet::new();
+    while Instant::now() < until {
+        tick.tick().await;
+        let client = client.clone();
+        requests.spawn(async move {
+            let started = Instant::now();
+            let result = legit_request(&client, http).await;
+            (result, started.elapsed())
+        });
+    }
+    let mut outcome = LoadOutcome {
+        sent: 0,
+        ok: 0,
+        latencies: Vec::new(),
+        errors: Vec::new(),
+    };
+    while let Some(done) = requests.join_next().await {
+        let (result, elapsed) = done?;
+        outcome.sent += 1;
+        outcome.latencies.push(elapsed);
+        match result {
+            Ok(_) => outcome.ok += 1,
+            Err(e) => {
+                if outcome.errors.len() < 3 {
+                    outcome.errors.push(e);
+                }
+            }
+        }
+    }
+    Ok(outcome)
+}

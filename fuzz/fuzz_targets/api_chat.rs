@@ -1,0 +1,3 @@
+//! Arbitrary bytes as a client request body to the chat parser.
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| iop_edge::fuzzing::fuzz_chat(data));

@@ -1,0 +1,409 @@
+//! Reading a client's request body under R-LIM-2: a global budget of body
+//! bytes held at once, taken before a byte is read; a per-body size limit
+//! checked against `Content-Length` before reading; a read timeout; and a
+//! client that goes away mid-body told apart from one that sent too much.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, header};
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, LengthLimitError, Limited};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::api::ApiError;
+use crate::api::error::ErrorKind;
+
+/// The error code of a body the client stopped sending; its outcome is
+/// `client_disconnected`, never `invalid_request`.
+pub const CLIENT_CLOSED_CODE: &str = "client_closed_request";
+
+/// Why a body could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    /// Larger than `max_body_bytes` (declared or sent): the client's fault.
+    #[error("request body larger than {limit_bytes} bytes")]
+    TooLarge {
+        /// The per-body limit.
+        limit_bytes: usize,
+    },
+    /// The global budget of body bytes in flight has no room for it.
+    #[error("request body budget exhausted")]
+    BudgetExhausted,
+    /// The body did not arrive within the read timeout.
+    #[error("request body not received within {timeout_ms} ms")]
+    Timeout {
+        /// The read timeout.
+        timeout_ms: u64,
+    },
+    /// The client closed or reset the stream before the body ended.
+    #[error("client closed the request before its body ended")]
+    ClientClosed,
+}
+
+impl BodyError {
+    /// The client-facing error.
+    pub fn to_api_error(self) -> ApiError {
+        let (status, kind, code, message, retry_after_secs) = match self {
+            BodyError::TooLarge { limit_bytes } => return ApiError::body_too_large(limit_bytes),
+            BodyError::BudgetExhausted => (
+                503,
+                ErrorKind::ServiceUnavailable,
+                "server_busy",
+                "The server is receiving too many request bodies. Retry shortly.".to_owned(),
+                Some(1),
+            ),
+            BodyError::Timeout { timeout_ms } => (
+                408,
+                ErrorKind::InvalidRequest,
+                "request_timeout",
+                format!("The request body did not arrive within {timeout_ms} ms."),
+                None,
+            ),
+            BodyError::ClientClosed => (
+                400,
+                ErrorKind::InvalidRequest,
+                CLIENT_CLOSED_CODE,
+                "The client closed the request before its body ended.".to_owned(),
+                None,
+            ),
+        };
+        ApiError {
+            status,
+            kind,
+            code: Some(code),
+            message,
+            param: None,
+            retry_after_secs,
+        }
+    }
+}
+
+/// Bytes of memory a request body is accounted as while it is read and
+/// parsed, per byte of body: the API parsers build a `serde_json::Value`
+/// tree first, which costs up to 16 bytes per input byte (`0,` becomes a
+/// 32-byte `Value`). Once parsed, a request keeps [`KEPT_BYTES_PER_BODY_BYTE`].
+pub const DECODED_BYTES_PER_BODY_BYTE: usize = 16;
+
+/// Bytes a parsed request keeps accounted per body byte: the body (kept
+/// for a tunnel) and the run parsed from it.
+pub const KEPT_BYTES_PER_BODY_BYTE: usize = 2;
+
+/// A request's share of the memory budgets: the global one and its
+/// principal's; returned when dropped.
+#[derive(Debug)]
+pub struct BodyPermit {
+    total: OwnedSemaphorePermit,
+    principal: OwnedSemaphorePermit,
+}
+
+impl BodyPermit {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.total.num_permits()
+    }
+
+    /// Give back everything above `bytes` (at least one is kept).
+    pub fn shrink_to(&mut self, bytes: usize) {
+        let keep = bytes.max(1);
+        let held = self.total.num_permits();
+        if held > keep {
+            drop(self.total.split(held - keep));
+            drop(self.principal.split(held - keep));
+        }
+    }
+
+    fn merge(&mut self, more: BodyPermit) {
+        self.total.merge(more.total);
+        self.principal.merge(more.principal);
+    }
+}
+
+/// A body read whole, and its share of the budget.
+#[derive(Debug)]
+pub struct HeldBody {
+    /// The body.
+    pub bytes: Bytes,
+    /// Kept as long as the request holds the body or what was parsed from
+    /// it; [`BodyPermit::shrink_to`] once parsed.
+    pub permit: BodyPermit,
+}
+
+/// The memory budgets every request body is read under (R-LIM-2).
+#[derive(Debug, Clone)]
+pub struct BodyBudget {
+    total: Arc<Semaphore>,
+    /// One semaphore per principal, created on first use (principals come
+    /// from the configuration: bounded).
+    principals: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
+    principal_bytes: usize,
+    max_body_bytes: usize,
+    read_timeout: Duration,
+}
+
+impl BodyBudget {
+    /// `total_bytes` of request memory across every request, at most
+    /// `principal_bytes` of it for one principal; each body at most
+    /// `max_body_bytes` (whose decoded size must fit both), read within
+    /// `read_timeout`.
+    pub fn new(
+        total_bytes: usize,
+        principal_bytes: usize,
+        max_body_bytes: usize,
+        read_timeout: Duration,
+    ) -> Self {
+        Self {
+            total: Arc::new(Semaphore::new(total_bytes)),
+            principals: Arc::new(Mutex::new(HashMap::new())),
+            principal_bytes,
+            max_body_bytes,
+            read_timeout,
+        }
+    }
+
+    /// Bytes that may be taken now across every principal.
+    pub fn available_bytes(&self) -> usize {
+        self.total.available_permits()
+    }
+
+    fn principal(&self, principal: &str) -> Arc<Semaphore> {
+        let mut map = self.principals.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(principal.to_owned())
+            .or_insert_with(|| Arc::new(Semaphore::new(self.principal_bytes)))
+            .clone()
+    }
+
+    /// Take `bytes` from both budgets at once, or nothing.
+    fn take(&self, share: &Arc<Semaphore>, bytes: usize) -> Result<BodyPermit, BodyError> {
+        let n = u32::try_from(bytes.max(1)).map_err(|_| BodyError::BudgetExhausted)?;
+        let total = self
+            .total
+            .clone()
+            .try_acquire_many_owned(n)
+            .map_err(|_| BodyError::BudgetExhausted)?;
+        let principal = share
+            .clone()
+            .try_acquire_many_owned(n)
+            .map_err(|_| BodyError::BudgetExhausted)?;
+        Ok(BodyPermit { total, principal })
+    }
+
+    /// Read `body` of `principal`'s request whole. Its decoded size
+    /// ([`DECODED_BYTES_PER_BODY_BYTE`] per byte) is taken from the budgets
+    /// before reading when `Content-Length` declares it, else as the bytes
+    /// arrive. No room means a fast refusal, never a wait.
+    pub async fn read(
+        &self,
+        principal: &str,
+        headers: &HeaderMap,
+        body: Body,
+    ) -> Result<HeldBody, BodyError> {
+        let limit = self.max_body_bytes;
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let declared = match declared {
+            Some(n) if n > limit as u64 => return Err(BodyError::TooLarge { limit_bytes: limit }),
+            Some(n) => n as usize,
+            None => 0,
+        };
+        let share = self.principal(principal);
+        let mut permit = self.take(&share, declared * DECODED_BYTES_PER_BODY_BYTE)?;
+        let read = async {
+            let mut body = Limited::new(body, limit);
+            let mut chunks: Vec<Bytes> = Vec::new();
+            let mut received = 0usize;
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| {
+                    if e.downcast_ref::<LengthLimitError>().is_some() {
+                        BodyError::TooLarge { limit_bytes: limit }
+                    } else {
+                        // The stream ended early: a closed connection, an
+                        // HTTP/2 reset, a chunked body cut short.
+                        BodyError::ClientClosed
+                    }
+                })?;
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                received += data.len();
+                let needed = received * DECODED_BYTES_PER_BODY_BYTE;
+                if needed > permit.bytes() {
+                    let more = self.take(&share, needed - permit.bytes())?;
+                    permit.merge(more);
+                }
+                chunks.push(data);
+            }
+            Ok(match chunks.len() {
+                0 => Bytes::new(),
+                1 => chunks.swap_remove(0),
+                _ => {
+                    let mut all = Vec::with_capacity(received);
+                    for c in &chunks {
+                        all.extend_from_slice(c);
+                    }
+                    Bytes::from(all)
+                }
+            })
+        };
+        let bytes = match tokio::time::timeout(self.read_timeout, read).await {
+            Err(_) => {
+                return Err(BodyError::Timeout {
+                    timeout_ms: u64::try_from(self.read_timeout.as_millis()).unwrap_or(u64::MAX),
+                });
+            }
+            Ok(result) => result?,
+        };
+        permit.shrink_to(bytes.len() * DECODED_BYTES_PER_BODY_BYTE);
+        Ok(HeldBody { bytes, permit })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::StreamExt as _;
+
+    use super::*;
+
+    const D: usize = DECODED_BYTES_PER_BODY_BYTE;
+
+    fn headers(len: Option<usize>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(n) = len {
+            h.insert(header::CONTENT_LENGTH, n.into());
+        }
+        h
+    }
+
+    fn budget_of(total_body_bytes: usize, max_body_bytes: usize) -> BodyBudget {
+        BodyBudget::new(
+            total_body_bytes * D,
+            total_body_bytes * D,
+            max_body_bytes,
+            Duration::from_secs(1),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_over_the_limit_is_refused_before_reading() {
+        let budget = budget_of(100, 10);
+        let err = budget
+            .read("p", &headers(Some(11)), Body::from("x".repeat(11)))
+            .await
+            .unwrap_err();
+        assert_eq!(err, BodyError::TooLarge { limit_bytes: 10 });
+        assert_eq!(budget.available_bytes(), 100 * D);
+    }
+
+    #[tokio::test]
+    async fn a_body_holds_its_decoded_size_of_the_budget_until_dropped() {
+        // R-LIM-2: memory in flight is bounded across all requests, and
+        // accounted as decoded.
+        let budget = budget_of(15, 10);
+        let mut held = budget
+            .read("p", &headers(Some(8)), Body::from("12345678"))
+            .await
+            .unwrap();
+        assert_eq!(&held.bytes[..], b"12345678");
+        assert_eq!(budget.available_bytes(), 7 * D);
+        let err = budget
+            .read("q", &headers(Some(8)), Body::from("12345678"))
+            .await
+            .unwrap_err();
+        assert_eq!(err, BodyError::BudgetExhausted);
+        // Parsed: the request keeps less.
+        held.permit.shrink_to(8 * KEPT_BYTES_PER_BODY_BYTE);
+        assert_eq!(
+            budget.available_bytes(),
+            15 * D - 8 * KEPT_BYTES_PER_BODY_BYTE
+        );
+        drop(held);
+        assert_eq!(budget.available_bytes(), 15 * D);
+    }
+
+    #[tokio::test]
+    async fn one_principal_cannot_take_more_than_its_share() {
+        let budget = BodyBudget::new(100 * D, 10 * D, 10, Duration::from_secs(1));
+        let _a = budget
+            .read("a", &headers(Some(10)), Body::from("x".repeat(10)))
+            .await
+            .unwrap();
+        let err = budget
+            .read("a", &headers(Some(1)), Body::from("x"))
+            .await
+            .unwrap_err();
+        assert_eq!(err, BodyError::BudgetExhausted);
+        assert_eq!(budget.available_bytes(), 90 * D, "nothing taken on refusal");
+        budget
+            .read("b", &headers(Some(10)), Body::from("x".repeat(10)))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_body_of_unknown_length_is_accounted_as_it_arrives() {
+        let budget = budget_of(20, 10);
+        let stream = futures::stream::iter([
+            Ok::<_, std::io::Error>(Bytes::from("ab")),
+            Ok(Bytes::from("c")),
+        ]);
+        let held = budget
+            .read("p", &headers(None), Body::from_stream(stream))
+            .await
+            .unwrap();
+        assert_eq!(&held.bytes[..], b"abc");
+        assert_eq!(budget.available_bytes(), 17 * D);
+        drop(held);
+        let big = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from("x".repeat(11)))]);
+        let err = budget
+            .read("p", &headers(None), Body::from_stream(big))
+            .await
+            .unwrap_err();
+        assert_eq!(err, BodyError::TooLarge { limit_bytes: 10 });
+        assert_eq!(budget.available_bytes(), 20 * D);
+        // Chunks past the budget are refused as they arrive.
+        let small = budget_of(4, 10);
+        let chunks = futures::stream::iter([
+            Ok::<_, std::io::Error>(Bytes::from("abc")),
+            Ok(Bytes::from("de")),
+        ]);
+        let err = small
+            .read("p", &headers(None), Body::from_stream(chunks))
+            .await
+            .unwrap_err();
+        assert_eq!(err, BodyError::BudgetExhausted);
+        assert_eq!(small.available_bytes(), 4 * D);
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_breaks_mid_body_is_the_client_closing_not_too_large() {
+        let budget = budget_of(20, 10);
+        let stream = futures::stream::iter([
+            Ok(Bytes::from("ab")),
+            Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
+        ]);
+        let err = budget
+            .read("p", &headers(Some(9)), Body::from_stream(stream))
+            .await
+            .unwrap_err();
+        assert_eq!(err, BodyError::ClientClosed);
+        assert_eq!(err.to_api_error().code, Some(CLIENT_CLOSED_CODE));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stops_arriving_times_out() {
+        let budget = BodyBudget::new(20 * D, 20 * D, 10, Duration::from_millis(500));
+        let stream = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from("ab"))])
+            .chain(futures::stream::pending());
+        let err = budget
+            .read("p", &headers(Some(9)), Body::from_stream(stream))
+            .await
+            .unwrap_err();
+        assert_eq!(err, BodyError::Timeout { timeout_ms: 500 });
+        assert_eq!(err.to_api_error().status, 408);
+        assert_eq!(budget.available_bytes(), 20 * D);
+    }
+}
