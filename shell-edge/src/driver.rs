@@ -47,6 +47,8 @@ pub struct Work {
     pub route: &'static str,
     /// The principal of the API key (bound into credential leases).
     pub principal: String,
+    /// The trace context the Node's spans join (the request's span).
+    pub trace_context: Option<iop_wire::TraceContext>,
 }
 
 /// The raw client request to relay to a tunnel-mode provider.
@@ -487,6 +489,7 @@ impl Driver {
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms: 0,
                 credential_lease: credential_lease.clone(),
+                trace_context: self.work.trace_context,
             }),
             _ => DataRequest::Run(RunRequest {
                 run_id: lease.run_id,
@@ -501,6 +504,7 @@ impl Driver {
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms: 0,
                 credential_lease: credential_lease.clone(),
+                trace_context: self.work.trace_context,
             }),
         };
         send.send(&request).await?;

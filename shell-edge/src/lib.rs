@@ -14,6 +14,7 @@ pub mod http;
 pub mod hub;
 pub mod metrics;
 pub mod node_link;
+pub mod observe;
 pub mod serve;
 pub mod server;
 pub mod status;

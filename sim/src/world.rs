@@ -1668,6 +1668,7 @@ impl World {
             response_stall_timeout_ms: lease.stall_timeout_ms,
             deadline_ms: 0,
             credential_lease: None,
+            trace_context: None,
         };
         r.phase = ReqPhase::Running {
             lease,

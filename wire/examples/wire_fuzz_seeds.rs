@@ -86,6 +86,7 @@ fn main() -> std::io::Result<()> {
                 response_stall_timeout_ms: 0,
                 deadline_ms: 0,
                 credential_lease: None,
+                trace_context: None,
             }))
             .unwrap(),
         ),
