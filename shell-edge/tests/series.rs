@@ -282,3 +282,49 @@ async fn a_fresh_edge_and_node_expose_every_documented_series() {
     })
     .await;
 }
+
+/// Metric names a text refers to (`iop_...`, `process_...`), histogram
+/// suffixes removed.
+fn referenced(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let rest = &text[i..];
+        let starts = (rest.starts_with("iop_") || rest.starts_with("process_"))
+            && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        if starts {
+            let len = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(rest.len());
+            let name = &rest[..len];
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(name);
+            out.insert(base.to_owned());
+            i += len;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+#[test]
+fn the_alert_rules_and_the_dashboard_use_documented_series_only() {
+    let documented: BTreeSet<String> = documented().into_iter().map(|d| d.name).collect();
+    for file in ["alerts.yml", "grafana-dashboard.json"] {
+        let text =
+            std::fs::read_to_string(format!("{}/../docs/{file}", env!("CARGO_MANIFEST_DIR")))
+                .unwrap();
+        let names = referenced(&text);
+        assert!(names.len() > 5, "{file} refers to metrics: {names:?}");
+        for name in names {
+            assert!(
+                documented.contains(&name),
+                "{file} uses {name}, which docs/operations.md does not list"
+            );
+        }
+    }
+}
