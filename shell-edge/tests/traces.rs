@@ -286,7 +286,7 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
         }
         for s in collector.spans() {
             assert!(
-                ["edge.request", "node.run", "node.provider_call", "node.probe"]
+                ["edge.request", "node.run", "node.provider_call", "node.probe", "node.dial"]
                     .contains(&s.name.as_str()),
                 "unexpected span {}",
                 s.name
