@@ -305,3 +305,62 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
     })
     .await;
 }
+
+#[test]
+fn otlp_traces_config_errors_name_the_field_on_both_binaries() {
+    let pki = Pki::new(&["node-1"]);
+    let edge = |section: &str| {
+        let text = format!(
+            "[edge]\nquic_listen = \"127.0.0.1:0\"\nhttp_listen = \"127.0.0.1:0\"\nstate_dir = \"s\"\n\
+             [tls]\nca = \"certs/ca.pem\"\ncert = \"certs/edge.pem\"\nkey = \"certs/edge.key\"\n{section}"
+        );
+        iop_edge::config::EdgeConfig::parse(&text, pki.path())
+    };
+    let node = |section: &str| {
+        let text = format!(
+            "[node]\nedge = \"127.0.0.1:1\"\nstate_dir = \"n\"\n\
+             [tls]\nca = \"certs/ca.pem\"\ncert = \"certs/node-node-1.pem\"\nkey = \"certs/node-node-1.key\"\n{section}"
+        );
+        iop_node::config::NodeConfig::parse(&text, pki.path())
+    };
+    let ok = edge("[otlp_traces]\nendpoint = \"http://collector:4318\"\n").unwrap();
+    let traces = ok.otlp_traces.unwrap();
+    assert_eq!(traces.endpoint, "http://collector:4318/v1/traces");
+    assert_eq!((traces.sample_ratio, traces.max_queue_spans), (1.0, 2048));
+    assert!(
+        edge("").unwrap().otlp_traces.is_none(),
+        "span export is off unless configured"
+    );
+    assert!(
+        node("[otlp_traces]\nendpoint = \"https://c/v1/traces\"\n")
+            .unwrap()
+            .otlp_traces
+            .is_some()
+    );
+    for (section, field) in [
+        (
+            "[otlp_traces]\nendpoint = \"collector:4318\"\n",
+            "otlp_traces.endpoint",
+        ),
+        (
+            "[otlp_traces]\nendpoint = \"http://c\"\nsample_ratio = 2.0\n",
+            "otlp_traces.sample_ratio",
+        ),
+        (
+            "[otlp_traces]\nendpoint = \"http://c\"\nmax_queue_spans = 0\n",
+            "otlp_traces.max_queue_spans",
+        ),
+    ] {
+        let e = edge(section).unwrap_err().to_string();
+        assert!(e.contains(field), "edge: {e}");
+        let e = node(section).unwrap_err().to_string();
+        assert!(e.contains(field), "node: {e}");
+    }
+    let e = edge("[otlp_traces]\nendpoint = \"http://c\"\ntypo = 1\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("typo"),
+        "unknown fields are refused by name: {e}"
+    );
+}
