@@ -90,6 +90,7 @@ fn run_request() -> RunRequest {
         response_stall_timeout_ms: 0,
         deadline_ms: 0,
         credential_lease: None,
+        trace_context: None,
     }
 }
 

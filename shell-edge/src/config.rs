@@ -493,6 +493,9 @@ pub struct EdgeFile {
     /// `[otlp]`: optional OTLP metrics export.
     #[serde(default)]
     pub otlp: Option<OtlpSection>,
+    /// `[otlp_traces]`: optional OTLP span export.
+    #[serde(default)]
+    pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
 }
 
 /// A validated provider.
@@ -561,6 +564,8 @@ pub struct EdgeConfig {
     pub credentials: Vec<CredentialProfile>,
     /// OTLP metrics export (`None`: off).
     pub otlp: Option<OtlpSection>,
+    /// OTLP span export (`None`: off).
+    pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
 }
 
 impl EdgeConfig {
@@ -583,6 +588,9 @@ impl EdgeConfig {
 
     fn validate(mut file: EdgeFile, base: &Path) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
+        if let Some(traces) = &mut file.otlp_traces {
+            traces.validate("otlp_traces")?;
+        }
         if let Some(otlp) = &mut file.otlp {
             otlp.validate("otlp")?;
         }
@@ -820,6 +828,7 @@ impl EdgeConfig {
             api_keys,
             credentials,
             otlp: file.otlp,
+            otlp_traces: file.otlp_traces,
         })
     }
 

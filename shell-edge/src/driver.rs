@@ -52,6 +52,8 @@ pub struct Work {
     pub route: &'static str,
     /// The principal of the API key (bound into credential leases).
     pub principal: String,
+    /// The trace context the Node's spans join (the request's span).
+    pub trace_context: Option<iop_wire::TraceContext>,
 }
 
 /// The raw client request to relay to a tunnel-mode provider.
@@ -388,6 +390,7 @@ impl Driver {
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms,
                 credential_lease,
+                trace_context: self.work.trace_context,
             }),
             _ => DataRequest::Run(RunRequest {
                 run_id: lease.run_id,
@@ -402,6 +405,7 @@ impl Driver {
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms,
                 credential_lease,
+                trace_context: self.work.trace_context,
             }),
         }
     }

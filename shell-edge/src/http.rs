@@ -300,7 +300,7 @@ async fn ollama_generate(State(state): State<AppState>, request: Request) -> Res
 /// between the APIs (see [`crate::api::endpoint`]).
 async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoint: E) -> Response {
     let route = endpoint.route();
-    let mut record = RequestRecord::new(&state, route);
+    let mut record = RequestRecord::new(&state, route, request.headers());
     // An error instead of an answer: recorded, then in the API's own shape.
     let refuse = |mut record: RequestRecord, err: ApiError| {
         record.error(&err);
@@ -328,9 +328,14 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         tunnel: Some(tunnel_body(tunnel_api, tunnel_path, &admitted.body)),
         route,
         principal: admitted.key.principal,
+        trace_context: record.span.context(),
     };
     let mut rx = driver::spawn(state.ctx.clone(), admitted.pool, work);
-    match first(&mut rx).await {
+    let first = first(&mut rx).await;
+    if first.is_ok() {
+        record.span.event("committed", &[]);
+    }
+    match first {
         Err(e) => return refuse(record, e),
         // A tunnel-mode provider answered in its own format.
         Ok(Some((status, headers))) => return tunnel_response(status, headers, rx, record),
@@ -456,6 +461,7 @@ impl<S: AnswerStream> AnswerBody<S> {
                 .len()
                 .clamp(MIN_CHUNK_CAPACITY, MAX_CHUNK_BYTES);
             let chunk = std::mem::replace(&mut self.pending, Vec::with_capacity(capacity));
+            self.record.relayed_bytes += chunk.len() as u64;
             return Some(Bytes::from(chunk));
         }
     }
@@ -584,16 +590,22 @@ struct RequestRecord {
     outcome: &'static str,
     /// The request body's share of the budget (R-LIM-2).
     body_permit: Option<BodyPermit>,
+    /// The request's span (`edge.request`), ended with the record.
+    span: iop_transport::traces::TraceSpan,
+    /// Response body bytes streamed to the client.
+    relayed_bytes: u64,
 }
 
 impl RequestRecord {
-    fn new(state: &AppState, route: &'static str) -> Self {
+    fn new(state: &AppState, route: &'static str, headers: &HeaderMap) -> Self {
         Self {
             metrics: state.metrics.clone(),
             route,
             started: std::time::Instant::now(),
             outcome: "client_disconnected",
             body_permit: None,
+            span: crate::observe::start_request(&state.metrics, route, headers),
+            relayed_bytes: 0,
         }
     }
 
@@ -610,6 +622,8 @@ impl Drop for RequestRecord {
     fn drop(&mut self) {
         self.metrics
             .request(self.route, self.outcome, self.started.elapsed());
+        self.metrics.relayed(self.route, self.relayed_bytes);
+        crate::observe::finish_request(&self.span, self.outcome, self.relayed_bytes);
     }
 }
 
@@ -706,6 +720,7 @@ fn tunnel_response(
         loop {
             let err = match rx.recv().await {
                 Some(Delivery::Body(bytes)) => {
+                    record.relayed_bytes += bytes.len() as u64;
                     return Some((Ok(bytes::Bytes::from(bytes)), Some((rx, record))));
                 }
                 Some(Delivery::Finish) => {
@@ -767,6 +782,8 @@ mod tests {
             started: std::time::Instant::now(),
             outcome: "client_disconnected",
             body_permit: None,
+            span: iop_transport::traces::TraceSpan::none(),
+            relayed_bytes: 0,
         }
     }
 

@@ -15,6 +15,7 @@ pub mod http;
 pub mod hub;
 pub mod metrics;
 pub mod node_link;
+pub mod observe;
 pub mod request_body;
 pub mod serve;
 pub mod server;

@@ -1,15 +1,75 @@
 //! Edge metrics: OpenTelemetry instruments exported as Prometheus text at
 //! `/metrics` (R-OBS-1). Every label value is a closed, low-cardinality
-//! enum's `as_str()`; no key, run id, payload or other unbounded value ever
-//! becomes a label.
+//! enum's `as_str()` or an operator-configured name (provider id, route
+//! model); no key, run id, payload, client-supplied model name or other
+//! unbounded value ever becomes a label.
+//!
+//! Series from the start: every counter whose label set is closed is
+//! declared at 0 when the Edge starts ([`EdgeMetrics::declare_series`]), per
+//! configured provider where a label is a provider, so `increase()` and
+//! `absent()` alerts and dashboards work on a fresh deployment.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use iop_transport::telemetry::MetricsPipeline;
+use iop_transport::traces::{TracePipeline, Tracer};
+use iop_wire::{CloseCode, FailureCode, Usage};
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram};
+
+use crate::config::EdgeConfig;
+
+/// Route classes (`route` label).
+pub const ROUTES: &[&str] = &["chat", "responses", "ollama_chat", "ollama_generate"];
+/// Request outcomes (`outcome` label of `iop_edge_requests_total`).
+pub const REQUEST_OUTCOMES: &[&str] = &[
+    "ok",
+    "invalid_request",
+    "unauthorized",
+    "not_found",
+    "rate_limited",
+    "provider_error",
+    "unavailable",
+    "timeout",
+    "client_disconnected",
+    "internal",
+];
+/// Health evidence values (`health` label).
+pub const EVIDENCE_HEALTH: &[&str] = &["available", "unavailable", "unknown"];
+/// What happened to evidence (`outcome` label of the evidence counter).
+pub const EVIDENCE_OUTCOMES: &[&str] = &["lowered", "recorded", "stale"];
+/// Overlay transitions.
+pub const TRANSITIONS: &[&str] = &["lowered", "recovered"];
+/// Recovery eligibility decisions (R-GATE-2).
+pub const ELIGIBILITY: &[&str] = &[
+    "eligible",
+    "not_eligible_committed",
+    "not_eligible_attempts",
+    "not_eligible_budget",
+    "not_eligible_unconfirmed",
+];
+/// Recovery results (R-GATE-2).
+pub const RECOVERY_RESULTS: &[&str] = &[
+    "readmitted",
+    "recovered",
+    "exhausted",
+    "failed",
+    "abandoned",
+];
+/// Token directions (`kind` label of the token counter).
+pub const TOKEN_KINDS: &[&str] = &["input", "output"];
+/// The `model` label of a request whose model matched no configured route
+/// (cannot happen for an admitted request; kept so the label stays closed).
+pub const OTHER_MODEL: &str = "other";
+/// The outcome of an attempt that ended without a failure code.
+pub const ATTEMPT_OK: &str = "ok";
+
+/// Every attempt outcome: `ok` and each failure code.
+pub fn attempt_outcomes() -> impl Iterator<Item = &'static str> {
+    std::iter::once(ATTEMPT_OK).chain(FailureCode::ALL.iter().map(|c| c.as_str()))
+}
 
 /// Values the hub publishes for the gauges.
 #[derive(Debug, Default)]
@@ -38,6 +98,14 @@ pub struct EdgeMetrics {
     health_transitions: Counter<u64>,
     recovery_eligibility: Counter<u64>,
     recovery_results: Counter<u64>,
+    tokens: Counter<u64>,
+    attempts: Counter<u64>,
+    attempts_per_request: Histogram<u64>,
+    queue_wait: Histogram<f64>,
+    relayed_bytes: Counter<u64>,
+    traces: TracePipeline,
+    /// Configured route models (the `model` label), set once at start.
+    route_models: std::sync::OnceLock<Vec<String>>,
     _observers: (
         opentelemetry::metrics::ObservableGauge<u64>,
         opentelemetry::metrics::ObservableGauge<u64>,
@@ -59,9 +127,15 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 impl EdgeMetrics {
     /// Build the instruments on `pipeline` (Prometheus, and OTLP when
-    /// configured).
+    /// configured), with no span export.
     pub fn new(pipeline: MetricsPipeline) -> Arc<Self> {
+        Self::with_traces(pipeline, TracePipeline::disabled())
+    }
+
+    /// Build the instruments on `pipeline` and start spans on `traces`.
+    pub fn with_traces(pipeline: MetricsPipeline, traces: TracePipeline) -> Arc<Self> {
         let meter = pipeline.meter("iop-edge");
+        iop_transport::telemetry::observe_process(&meter, "iop_edge");
         let gauges = Arc::new(Gauges::default());
         let g = gauges.clone();
         let _queue = meter
@@ -128,6 +202,32 @@ impl EdgeMetrics {
                 .u64_counter("iop_edge_liveness_recovery_results")
                 .with_description("Stream-gate recovery results (R-GATE-2)")
                 .build(),
+            tokens: meter
+                .u64_counter("iop_edge_provider_tokens")
+                .with_description(
+                    "Tokens by provider, route model and kind (input, output), from provider usage",
+                )
+                .build(),
+            attempts: meter
+                .u64_counter("iop_edge_attempts")
+                .with_description("Attempts by provider and outcome (ok or the failure code)")
+                .build(),
+            attempts_per_request: meter
+                .u64_histogram("iop_edge_request_attempts")
+                .with_description("Attempts a finished request took (R-GATE-2, R-FAIL-1)")
+                .with_boundaries(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+                .build(),
+            queue_wait: meter
+                .f64_histogram("iop_edge_queue_wait_seconds")
+                .with_description("Time from admission to a granted lease, per attempt")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            relayed_bytes: meter
+                .u64_counter("iop_edge_relayed_bytes")
+                .with_description("Response body bytes streamed to clients, by route")
+                .build(),
+            traces,
+            route_models: std::sync::OnceLock::new(),
             gauges,
             pipeline,
             _observers: (_queue, _leases, _nodes, _late),
@@ -142,6 +242,169 @@ impl EdgeMetrics {
     /// The pipeline (OTLP flush and shutdown).
     pub fn pipeline(&self) -> &MetricsPipeline {
         &self.pipeline
+    }
+
+    /// The tracer request spans start on.
+    pub fn tracer(&self) -> Tracer {
+        self.traces.tracer()
+    }
+
+    /// The span pipeline (flush and shutdown).
+    pub fn traces(&self) -> &TracePipeline {
+        &self.traces
+    }
+
+    /// Final metric and span export (blocking; bounded by the export
+    /// timeouts). Call from a blocking context at graceful shutdown.
+    pub fn shutdown(&self) {
+        self.pipeline.shutdown();
+        self.traces.shutdown();
+    }
+
+    /// Declare every closed-label counter at 0 (series from the start):
+    /// requests per route and outcome, fences per close reason, health and
+    /// recovery observations, and per configured provider its attempts by
+    /// outcome and its tokens per route model.
+    pub fn declare_series(&self, config: &EdgeConfig) {
+        for route in ROUTES {
+            for outcome in REQUEST_OUTCOMES {
+                self.requests.add(
+                    0,
+                    &[
+                        KeyValue::new("route", *route),
+                        KeyValue::new("outcome", *outcome),
+                    ],
+                );
+            }
+            self.relayed_bytes.add(0, &[KeyValue::new("route", *route)]);
+        }
+        self.heartbeat_timeouts.add(0, &[]);
+        for reason in CloseCode::ALL {
+            self.generation_fences
+                .add(0, &[KeyValue::new("reason", reason.as_str())]);
+        }
+        for health in EVIDENCE_HEALTH {
+            for outcome in EVIDENCE_OUTCOMES {
+                self.health_evidence.add(
+                    0,
+                    &[
+                        KeyValue::new("health", *health),
+                        KeyValue::new("outcome", *outcome),
+                    ],
+                );
+            }
+        }
+        for t in TRANSITIONS {
+            self.health_transitions
+                .add(0, &[KeyValue::new("transition", *t)]);
+        }
+        for e in ELIGIBILITY {
+            self.recovery_eligibility
+                .add(0, &[KeyValue::new("eligibility", *e)]);
+        }
+        for r in RECOVERY_RESULTS {
+            self.recovery_results.add(0, &[KeyValue::new("result", *r)]);
+        }
+        for p in &config.providers {
+            let provider = p.spec.id.as_str().to_owned();
+            for outcome in attempt_outcomes() {
+                self.attempts.add(
+                    0,
+                    &[
+                        KeyValue::new("provider", provider.clone()),
+                        KeyValue::new("outcome", outcome),
+                    ],
+                );
+            }
+        }
+        self.set_route_models(config.routes.iter().map(|(m, _)| m.clone()).collect());
+        for (model, pool) in &config.routes {
+            for provider in pool {
+                for kind in TOKEN_KINDS {
+                    self.tokens.add(
+                        0,
+                        &[
+                            KeyValue::new("provider", provider.as_str().to_owned()),
+                            KeyValue::new("model", model.clone()),
+                            KeyValue::new("kind", *kind),
+                        ],
+                    );
+                }
+            }
+        }
+    }
+
+    /// Set the configured route models once (later calls change nothing).
+    pub fn set_route_models(&self, models: Vec<String>) {
+        let _ = self.route_models.set(models);
+    }
+
+    /// The `model` label for a client's model name: the configured route
+    /// it matched (exact, else the longest prefix pattern, as routing
+    /// does), never the client's own string.
+    pub fn route_model(&self, model: &str) -> &str {
+        let routes = self
+            .route_models
+            .get()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        if let Some(exact) = routes.iter().find(|m| *m == model) {
+            return exact;
+        }
+        routes
+            .iter()
+            .filter(|m| m.ends_with('*') && crate::config::model_matches(m, model))
+            .max_by_key(|m| m.len())
+            .map_or(OTHER_MODEL, String::as_str)
+    }
+
+    /// Provider-reported usage of one attempt, labelled with the provider
+    /// id and the route model (both from the configuration).
+    pub fn tokens(&self, provider: &str, route_model: &str, usage: Usage) {
+        for (kind, n) in [
+            ("input", usage.prompt_tokens),
+            ("output", usage.completion_tokens),
+        ] {
+            self.tokens.add(
+                n,
+                &[
+                    KeyValue::new("provider", provider.to_owned()),
+                    KeyValue::new("model", route_model.to_owned()),
+                    KeyValue::new("kind", kind),
+                ],
+            );
+        }
+    }
+
+    /// One finished attempt on `provider`: `ok` or its failure code.
+    pub fn attempt(&self, provider: &str, outcome: &'static str) {
+        self.attempts.add(
+            1,
+            &[
+                KeyValue::new("provider", provider.to_owned()),
+                KeyValue::new("outcome", outcome),
+            ],
+        );
+    }
+
+    /// The attempts a finished request took.
+    pub fn attempts_per_request(&self, route: &'static str, attempts: u32) {
+        self.attempts_per_request
+            .record(u64::from(attempts), &[KeyValue::new("route", route)]);
+    }
+
+    /// Time one attempt waited for its lease.
+    pub fn queue_wait(&self, route: &'static str, waited: Duration) {
+        self.queue_wait
+            .record(waited.as_secs_f64(), &[KeyValue::new("route", route)]);
+    }
+
+    /// Response body bytes streamed to a client.
+    pub fn relayed(&self, route: &'static str, bytes: u64) {
+        if bytes > 0 {
+            self.relayed_bytes
+                .add(bytes, &[KeyValue::new("route", route)]);
+        }
     }
 
     /// One finished client request.

@@ -104,12 +104,26 @@ impl RunningEdge {
         let store = GenerationStore::open(&config.edge.state_dir)?;
         let floor = store.floor(unix_ms())?;
         let clock = Clock::new();
-        let metrics =
-            crate::metrics::EdgeMetrics::new(iop_transport::telemetry::MetricsPipeline::new(
+        let metrics = crate::metrics::EdgeMetrics::with_traces(
+            iop_transport::telemetry::MetricsPipeline::new(
                 "iop-edge",
                 "iop-edge",
                 config.otlp.as_ref(),
-            )?);
+            )?,
+            iop_transport::traces::TracePipeline::new(
+                "iop-edge",
+                "iop-edge",
+                config.otlp_traces.as_ref(),
+            )?,
+        );
+        metrics.declare_series(&config);
+        if let Some(traces) = &config.otlp_traces {
+            tracing::info!(
+                event = "edge_otlp_traces_enabled",
+                endpoint = %traces.endpoint,
+                sample_ratio = traces.sample_ratio
+            );
+        }
         if let Some(otlp) = &config.otlp {
             tracing::info!(
                 event = "edge_otlp_export_enabled",
@@ -279,7 +293,7 @@ impl RunningEdge {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
             .await;
         let metrics = self.metrics;
-        let _ = tokio::task::spawn_blocking(move || metrics.pipeline().shutdown()).await;
+        let _ = tokio::task::spawn_blocking(move || metrics.shutdown()).await;
     }
 
     /// Close one connection (tests use this to drop a node).

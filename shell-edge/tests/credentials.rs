@@ -200,6 +200,7 @@ fn run_request(run_id: u64, lease: Option<Vec<u8>>) -> RunRequest {
         response_stall_timeout_ms: 0,
         deadline_ms: 0,
         credential_lease: lease,
+        trace_context: None,
     }
 }
 

@@ -80,6 +80,7 @@ fn run_request(run_id: u64, model: &str, stall_timeout_ms: u64) -> RunRequest {
         response_stall_timeout_ms: stall_timeout_ms,
         deadline_ms: 0,
         credential_lease: None,
+        trace_context: None,
     }
 }
 
@@ -368,6 +369,7 @@ async fn tunnel_relays_head_body_and_one_terminal() {
             response_stall_timeout_ms: 0,
             deadline_ms: 0,
             credential_lease: None,
+            trace_context: None,
         }))
         .await
         .unwrap();
@@ -538,6 +540,7 @@ async fn stall_claim_cancels_the_hung_provider_call_of_a_tunnel_too() {
             response_stall_timeout_ms: 300,
             deadline_ms: 0,
             credential_lease: None,
+            trace_context: None,
         }))
         .await
         .unwrap();
@@ -653,6 +656,7 @@ async fn saturated_tunnel_stream_does_not_close_the_connection() {
             response_stall_timeout_ms: 0,
             deadline_ms: 0,
             credential_lease: None,
+            trace_context: None,
         }))
         .await
         .unwrap();

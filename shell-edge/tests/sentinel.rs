@@ -101,11 +101,17 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
             assert!(!text.contains("run_id"), "run ids leaked into {surface}");
         }
         // Every label value is from its closed set.
+        // Attempt outcomes are `ok` or a wire failure code.
+        let mut outcomes = vec!["ok", "invalid_request", "unauthorized", "not_found", "rate_limited",
+            "provider_error", "unavailable", "timeout", "client_disconnected", "internal",
+            "lowered", "recorded", "stale"];
+        outcomes.extend(iop_wire::FailureCode::ALL.iter().map(|c| c.as_str()));
         let closed: &[(&str, &[&str])] = &[
             ("route", &["chat", "responses", "ollama_chat", "ollama_generate"]),
-            ("outcome", &["ok", "invalid_request", "unauthorized", "not_found", "rate_limited",
-                "provider_error", "unavailable", "timeout", "client_disconnected", "internal",
-                "lowered", "recorded", "stale"]),
+            ("outcome", &outcomes),
+            ("provider", &["p1"]),
+            ("model", &["mock*"]),
+            ("kind", &["input", "output"]),
             ("health", &["available", "unavailable", "unknown"]),
             ("transition", &["lowered", "recovered"]),
             ("eligibility", &["eligible", "not_eligible_committed", "not_eligible_attempts",

@@ -123,6 +123,9 @@ pub struct NodeFile {
     /// `[otlp]`: optional OTLP metrics export.
     #[serde(default)]
     pub otlp: Option<OtlpSection>,
+    /// `[otlp_traces]`: optional OTLP span export.
+    #[serde(default)]
+    pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
 }
 
 /// A validated provider.
@@ -171,6 +174,8 @@ pub struct NodeConfig {
     pub providers: Vec<ProviderTarget>,
     /// OTLP metrics export (`None`: off).
     pub otlp: Option<OtlpSection>,
+    /// OTLP span export (`None`: off).
+    pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
 }
 
 impl NodeConfig {
@@ -188,6 +193,9 @@ impl NodeConfig {
         let mut file: NodeFile =
             toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         file.heartbeat.validate("heartbeat")?;
+        if let Some(traces) = &mut file.otlp_traces {
+            traces.validate("otlp_traces")?;
+        }
         if let Some(otlp) = &mut file.otlp {
             otlp.validate("otlp")?;
         }
@@ -279,6 +287,7 @@ impl NodeConfig {
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
             otlp: file.otlp,
+            otlp_traces: file.otlp_traces,
             reconnect: BackoffConfig {
                 initial: Duration::from_millis(r.initial_ms),
                 max: Duration::from_millis(r.max_ms),

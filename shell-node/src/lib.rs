@@ -82,12 +82,18 @@ impl RunningNode {
         });
         let identity = identity.and_then(|(identity, listener)| {
             // The metrics pipeline is named after the node (OTLP resource).
-            shared.metrics =
-                metrics::NodeMetrics::new(iop_transport::telemetry::MetricsPipeline::new(
+            shared.metrics = metrics::NodeMetrics::with_traces(
+                iop_transport::telemetry::MetricsPipeline::new(
                     "iop-node",
                     &identity.node_id,
                     config.otlp.as_ref(),
-                )?);
+                )?,
+                iop_transport::traces::TracePipeline::new(
+                    "iop-node",
+                    &identity.node_id,
+                    config.otlp_traces.as_ref(),
+                )?,
+            );
             Ok((identity, listener))
         });
         let metrics_listener = match identity {
@@ -180,7 +186,7 @@ impl RunningNode {
             None => Ok(()),
         };
         let shared = self.shared;
-        let _ = tokio::task::spawn_blocking(move || shared.metrics.pipeline().shutdown()).await;
+        let _ = tokio::task::spawn_blocking(move || shared.metrics.shutdown()).await;
         result
     }
 

@@ -1,11 +1,59 @@
 //! Node metrics: the stall watchdog's observations as OpenTelemetry
 //! instruments, exported as Prometheus text on the optional
 //! `[node] metrics_listen` address and over OTLP when `[otlp]` is set
-//! (R-OBS-1: closed label values only).
+//! (R-OBS-1: closed label values only; `adapter` and `target` are the
+//! node's configured targets).
+//!
+//! Series from the start: every counter whose label set is closed is
+//! declared at 0 when the node starts, per configured target where a label
+//! is a target ([`NodeMetrics::observe_link`]).
+
+use std::time::{Duration, Instant};
 
 use iop_transport::telemetry::MetricsPipeline;
+use iop_transport::traces::{TracePipeline, TraceSpan, Tracer};
+use iop_wire::{AdapterKind, FailureCode, ProviderHealth, StreamErrorCode, Usage};
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram};
+
+/// Stall kinds (`kind` label).
+pub const RUN_KINDS: &[&str] = &["normalized", "tunnel"];
+/// Why a credential lease was refused (`reason` label), a closed set.
+pub const CREDENTIAL_REJECTION_REASONS: &[&str] = &[
+    "missing_lease",
+    "no_recipient_key",
+    "no_signing_key",
+    "revoked",
+    "disabled",
+    "expired",
+    "not_yet_valid",
+    "stale_revision",
+    "replayed",
+    "replay_cache_full",
+    "wrong_recipient",
+    "tampered",
+    "bad_signature",
+    "binding_mismatch_node",
+    "binding_mismatch_generation",
+    "binding_mismatch_slot",
+    "binding_mismatch_target",
+    "binding_mismatch_profile",
+    "binding_mismatch_route",
+    "binding_mismatch_principal",
+    "malformed",
+    "unsupported_version",
+];
+/// The outcome of a run or tunnel that ended without a failure.
+pub const RUN_OK: &str = "ok";
+
+/// Every run outcome: `ok` and each failure code.
+pub fn run_outcomes() -> impl Iterator<Item = &'static str> {
+    std::iter::once(RUN_OK).chain(FailureCode::ALL.iter().map(|c| c.as_str()))
+}
+
+const TTFT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
 
 /// Reads one value off the link's shared state.
 type ReadLink = fn(&crate::link::LinkShared) -> u64;
@@ -17,6 +65,12 @@ pub struct NodeMetrics {
     credential_rejections: Counter<u64>,
     wire_protocol_errors: Counter<u64>,
     stall_duration: Histogram<f64>,
+    runs: Counter<u64>,
+    tokens: Counter<u64>,
+    relayed_bytes: Counter<u64>,
+    ttft: Histogram<f64>,
+    probes: Counter<u64>,
+    traces: TracePipeline,
 }
 
 impl std::fmt::Debug for NodeMetrics {
@@ -35,8 +89,41 @@ impl NodeMetrics {
     /// Build the instruments on `pipeline` (Prometheus, and OTLP when
     /// configured).
     pub fn new(pipeline: MetricsPipeline) -> Self {
+        Self::with_traces(pipeline, TracePipeline::disabled())
+    }
+
+    /// Build the instruments on `pipeline` and start spans on `traces`.
+    pub fn with_traces(pipeline: MetricsPipeline, traces: TracePipeline) -> Self {
         let meter = pipeline.meter("iop-node");
-        Self {
+        iop_transport::telemetry::observe_process(&meter, "iop_node");
+        let this = Self {
+            runs: meter
+                .u64_counter("iop_node_runs")
+                .with_description(
+                    "Runs and tunnels ended, by target and outcome (ok or the failure code)",
+                )
+                .build(),
+            tokens: meter
+                .u64_counter("iop_node_provider_tokens")
+                .with_description("Tokens by target and kind (input, output), from provider usage")
+                .build(),
+            relayed_bytes: meter
+                .u64_counter("iop_node_relayed_bytes")
+                .with_description(
+                    "Provider output relayed to the Edge: text and tool-call bytes of runs, \
+                     body bytes of tunnels",
+                )
+                .build(),
+            ttft: meter
+                .f64_histogram("iop_node_provider_ttft_seconds")
+                .with_description("Time from the provider call to its first content")
+                .with_boundaries(TTFT_BUCKETS.to_vec())
+                .build(),
+            probes: meter
+                .u64_counter("iop_node_probes")
+                .with_description("Exact-target health probes by target and verdict")
+                .build(),
+            traces,
             stalls: meter
                 .u64_counter("iop_node_response_stalls")
                 .with_description("Response stalls claimed by the watchdog (R-WD-2)")
@@ -60,7 +147,84 @@ impl NodeMetrics {
                 )
                 .build(),
             pipeline,
+        };
+        this.declare_closed_series();
+        this
+    }
+
+    /// Counters whose labels do not name a target, declared at 0.
+    fn declare_closed_series(&self) {
+        for kind in RUN_KINDS {
+            for health in ProviderHealth::ALL {
+                for retryable in ["true", "false"] {
+                    self.stalls.add(
+                        0,
+                        &[
+                            KeyValue::new("kind", *kind),
+                            KeyValue::new("provider_health", health.as_str()),
+                            KeyValue::new("retryable", retryable),
+                        ],
+                    );
+                }
+            }
         }
+        for reason in CREDENTIAL_REJECTION_REASONS {
+            self.credential_rejections
+                .add(0, &[KeyValue::new("reason", *reason)]);
+        }
+        for code in StreamErrorCode::ALL {
+            self.wire_protocol_errors
+                .add(0, &[KeyValue::new("code", code.as_str())]);
+        }
+    }
+
+    /// Counters per configured target, declared at 0.
+    fn declare_target_series(&self, adapter: AdapterKind, target: &str) {
+        let base = [
+            KeyValue::new("adapter", adapter.as_str()),
+            KeyValue::new("target", target.to_owned()),
+        ];
+        let with = |k: &'static str, v: &'static str| {
+            let mut labels = base.to_vec();
+            labels.push(KeyValue::new(k, v));
+            labels
+        };
+        for outcome in run_outcomes() {
+            self.runs.add(0, &with("outcome", outcome));
+        }
+        for kind in ["input", "output"] {
+            self.tokens.add(0, &with("kind", kind));
+        }
+        for kind in RUN_KINDS {
+            self.relayed_bytes.add(0, &with("kind", kind));
+        }
+        for health in ProviderHealth::ALL {
+            self.probes.add(0, &with("status", health.as_str()));
+        }
+    }
+
+    /// The tracer run spans start on.
+    pub fn tracer(&self) -> Tracer {
+        self.traces.tracer()
+    }
+
+    /// Final metric and span export (blocking; bounded by the export
+    /// timeouts). Call from a blocking context at graceful shutdown.
+    pub fn shutdown(&self) {
+        self.pipeline.shutdown();
+        self.traces.shutdown();
+    }
+
+    /// One exact-target probe's verdict (R-CAP-1, R-WD-5).
+    pub fn probe(&self, adapter: AdapterKind, target: &str, status: ProviderHealth) {
+        self.probes.add(
+            1,
+            &[
+                KeyValue::new("adapter", adapter.as_str()),
+                KeyValue::new("target", target.to_owned()),
+                KeyValue::new("status", status.as_str()),
+            ],
+        );
     }
 
     /// One stall observation (closed labels only).
@@ -109,6 +273,9 @@ impl NodeMetrics {
     /// metrics).
     pub fn observe_link(&self, shared: &std::sync::Arc<crate::link::LinkShared>) {
         use std::sync::atomic::Ordering;
+        for a in &shared.adapters {
+            self.declare_target_series(a.kind(), a.target());
+        }
         let meter = self.pipeline.meter("iop-node");
         let weak = std::sync::Arc::downgrade(shared);
         let read = move |f: ReadLink| {
@@ -159,5 +326,150 @@ impl NodeMetrics {
     /// The pipeline (OTLP flush and shutdown).
     pub fn pipeline(&self) -> &MetricsPipeline {
         &self.pipeline
+    }
+}
+
+/// One run or tunnel on a configured target, from the provider call to its
+/// end: its `node.provider_call` span, time to first content, usage,
+/// relayed bytes and outcome, recorded when it is dropped (a run dropped
+/// without an outcome was canceled).
+#[derive(Debug)]
+pub struct RunRecord<'a> {
+    metrics: &'a NodeMetrics,
+    adapter: AdapterKind,
+    target: String,
+    kind: &'static str,
+    call: Option<TraceSpan>,
+    call_started: Option<Instant>,
+    first_content: bool,
+    usage: Option<Usage>,
+    relayed_bytes: u64,
+    outcome: Option<&'static str>,
+}
+
+impl<'a> RunRecord<'a> {
+    /// A run of `kind` (`normalized`, `tunnel`) on a configured target.
+    pub fn new(
+        metrics: &'a NodeMetrics,
+        adapter: AdapterKind,
+        target: &str,
+        kind: &'static str,
+    ) -> Self {
+        Self {
+            metrics,
+            adapter,
+            target: target.to_owned(),
+            kind,
+            call: None,
+            call_started: None,
+            first_content: false,
+            usage: None,
+            relayed_bytes: 0,
+            outcome: None,
+        }
+    }
+
+    /// The provider call starts now, as a child span of `run`.
+    pub fn provider_call(&mut self, run: &TraceSpan) {
+        let call = run.child("node.provider_call", iop_transport::traces::Kind::Client);
+        call.set("iop.adapter", self.adapter.as_str());
+        call.set_configured("iop.target", &self.target);
+        self.call = Some(call);
+        self.call_started = Some(Instant::now());
+    }
+
+    /// Provider output forwarded to the Edge: `content_bytes` of text,
+    /// tool-call arguments or tunnel body (0 for other events), and the
+    /// usage it reports.
+    pub fn forwarded(&mut self, content_bytes: u64, usage: Option<Usage>) {
+        if usage.is_some() {
+            self.usage = usage;
+        }
+        if content_bytes == 0 {
+            return;
+        }
+        self.relayed_bytes += content_bytes;
+        if !self.first_content {
+            self.first_content = true;
+            if let Some(started) = self.call_started {
+                let ttft = started.elapsed();
+                self.metrics.ttft.record(
+                    ttft.as_secs_f64(),
+                    &[
+                        KeyValue::new("adapter", self.adapter.as_str()),
+                        KeyValue::new("target", self.target.clone()),
+                    ],
+                );
+                if let Some(call) = &self.call {
+                    let ms = u64::try_from(ttft.as_millis()).unwrap_or(u64::MAX);
+                    call.set("iop.ttft_ms", ms);
+                    call.event("first_content", &[]);
+                }
+            }
+        }
+    }
+
+    /// The provider call was canceled (the watchdog's claim, R-WD-2): its
+    /// span ends now; the run goes on to its terminal.
+    pub fn call_canceled(&mut self) {
+        if let Some(call) = self.call.take() {
+            call.set("iop.outcome", FailureCode::Canceled.as_str());
+            call.fail(FailureCode::Canceled.as_str());
+        }
+    }
+
+    /// The run's outcome so far (`canceled` until one is set).
+    pub fn outcome(&self) -> &'static str {
+        self.outcome.unwrap_or(FailureCode::Canceled.as_str())
+    }
+
+    /// The run ended: `None` on success, else its failure code. The first
+    /// outcome set is kept.
+    pub fn finish(&mut self, failure: Option<FailureCode>) {
+        if self.outcome.is_none() {
+            self.outcome = Some(failure.map_or(RUN_OK, FailureCode::as_str));
+        }
+    }
+
+    /// Time since the provider call started, if it did.
+    pub fn call_elapsed(&self) -> Option<Duration> {
+        self.call_started.map(|s| s.elapsed())
+    }
+}
+
+impl Drop for RunRecord<'_> {
+    fn drop(&mut self) {
+        let outcome = self.outcome.unwrap_or(FailureCode::Canceled.as_str());
+        let base = [
+            KeyValue::new("adapter", self.adapter.as_str()),
+            KeyValue::new("target", self.target.clone()),
+        ];
+        let with = |k: &'static str, v: &'static str| {
+            let mut labels = base.to_vec();
+            labels.push(KeyValue::new(k, v));
+            labels
+        };
+        self.metrics.runs.add(1, &with("outcome", outcome));
+        if let Some(u) = self.usage {
+            self.metrics
+                .tokens
+                .add(u.prompt_tokens, &with("kind", "input"));
+            self.metrics
+                .tokens
+                .add(u.completion_tokens, &with("kind", "output"));
+        }
+        if self.relayed_bytes > 0 {
+            self.metrics
+                .relayed_bytes
+                .add(self.relayed_bytes, &with("kind", self.kind));
+        }
+        if let Some(call) = self.call.take() {
+            call.set("iop.outcome", outcome);
+            if outcome == RUN_OK {
+                call.ok();
+            } else {
+                call.fail(outcome);
+            }
+        }
     }
 }

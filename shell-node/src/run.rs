@@ -15,10 +15,11 @@ use iop_core::node::watchdog::{
     Emission, ProviderEvent, RunKind, RunTerminal, effective_stall_timeout,
 };
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend};
+use iop_transport::traces::{Kind, TraceSpan};
 use iop_wire::{
     CapabilitiesReport, Command, CommandKind, CommandResult, CommandResultBody, DataRequest,
     ExecutionFailure, FailureCode, ProviderTunnelFrame, RunEvent, RunEventKind, StreamErrorCode,
-    TargetHealth,
+    TargetHealth, Usage,
 };
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -55,6 +56,7 @@ pub async fn serve_stream(
     };
     match request {
         DataRequest::Run(req) => {
+            let span = run_span(&shared, "normalized", req.trace_context);
             let run_id = req.run_id;
             let stall = req.response_stall_timeout_ms;
             let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
@@ -78,10 +80,12 @@ pub async fn serve_stream(
                 credential,
                 move |a, auth| a.run(req, auth),
                 sink,
+                span,
             )
             .await;
         }
         DataRequest::Tunnel(req) => {
+            let span = run_span(&shared, "tunnel", req.trace_context);
             let run_id = req.run_id;
             let stall = req.response_stall_timeout_ms;
             let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
@@ -104,11 +108,28 @@ pub async fn serve_stream(
                 credential,
                 move |a, auth| a.tunnel(req, auth),
                 TunnelSink,
+                span,
             )
             .await;
         }
         DataRequest::Command(cmd) => command(&mut send, cmd, &link, &shared).await,
     }
+}
+
+/// The `node.run` span of a run or tunnel: a child of the Edge's span when
+/// the request carries a trace context (R-OBS-1: identifiers and closed
+/// values only).
+fn run_span(
+    shared: &LinkShared,
+    kind: &'static str,
+    parent: Option<iop_wire::TraceContext>,
+) -> TraceSpan {
+    let span = shared
+        .metrics
+        .tracer()
+        .start("node.run", Kind::Server, parent);
+    span.set("iop.kind", kind);
+    span
 }
 
 /// A run's sealed credential lease and what the node can bind it to.
@@ -125,6 +146,13 @@ trait Sink {
     fn frame(&self, item: Self::Item) -> Self::Frame;
     fn failure(&self, failure: ExecutionFailure) -> Self::Frame;
     fn is_terminal(item: &Self::Item) -> bool;
+    /// Content bytes relayed by `item` (text, tool-call arguments, body).
+    fn content_bytes(item: &Self::Item) -> u64;
+    /// Usage `item` reports.
+    fn usage(item: &Self::Item) -> Option<Usage>;
+    /// The failure code of a terminal `item` (`None`: success or not
+    /// terminal).
+    fn failure_code(item: &Self::Item) -> Option<FailureCode>;
 }
 
 struct RunSink {
@@ -149,6 +177,26 @@ impl Sink for RunSink {
     fn is_terminal(item: &RunEventKind) -> bool {
         item.is_terminal()
     }
+    fn content_bytes(item: &RunEventKind) -> u64 {
+        match item {
+            RunEventKind::TextDelta(t) => t.len() as u64,
+            RunEventKind::ToolCallDelta(d) => d.arguments_delta.len().max(1) as u64,
+            _ => 0,
+        }
+    }
+    fn usage(item: &RunEventKind) -> Option<Usage> {
+        match item {
+            RunEventKind::Usage(u) => Some(*u),
+            RunEventKind::Completed { usage, .. } => *usage,
+            _ => None,
+        }
+    }
+    fn failure_code(item: &RunEventKind) -> Option<FailureCode> {
+        match item {
+            RunEventKind::Failed(f) => Some(f.code),
+            _ => None,
+        }
+    }
 }
 
 struct TunnelSink;
@@ -167,6 +215,22 @@ impl Sink for TunnelSink {
     }
     fn is_terminal(item: &ProviderTunnelFrame) -> bool {
         item.is_terminal()
+    }
+    fn content_bytes(item: &ProviderTunnelFrame) -> u64 {
+        match item {
+            ProviderTunnelFrame::Body(b) => b.len() as u64,
+            _ => 0,
+        }
+    }
+    fn usage(_: &ProviderTunnelFrame) -> Option<Usage> {
+        // A tunnel relays the provider's bytes unparsed.
+        None
+    }
+    fn failure_code(item: &ProviderTunnelFrame) -> Option<FailureCode> {
+        match item {
+            ProviderTunnelFrame::Failure(f) => Some(f.code),
+            _ => None,
+        }
     }
 }
 
@@ -189,6 +253,7 @@ async fn execute<S, F>(
     credential: Credential,
     start: F,
     sink: S,
+    span: TraceSpan,
 ) where
     S: Sink,
     F: FnOnce(&crate::adapter::Adapter, Option<String>) -> BoxStream<'static, S::Item>,
@@ -199,6 +264,7 @@ async fn execute<S, F>(
         Err(e) => return write_terminal(send, &sink, e.failure()).await,
     };
     let Some((adapter_kind, target, adapter)) = adapter else {
+        span.fail(FailureCode::UnknownTarget.as_str());
         return write_terminal(
             send,
             &sink,
@@ -206,6 +272,14 @@ async fn execute<S, F>(
         )
         .await;
     };
+    span.set("iop.adapter", adapter_kind.as_str());
+    span.set_configured("iop.target", &target);
+    let kind_label = match kind {
+        RunKind::Normalized => "normalized",
+        RunKind::Tunnel => "tunnel",
+    };
+    let mut record = crate::metrics::RunRecord::new(metrics, adapter_kind, &target, kind_label);
+    let run = RunSpan(span);
     let (control_tx, mut control) = mpsc::unbounded_channel();
     let admitted = link
         .ask(|reply| LinkMsg::Start {
@@ -223,7 +297,11 @@ async fn execute<S, F>(
     match admitted {
         Some(Ok(())) => {}
         // Past the concurrent-run limit: no provider is called.
-        Some(Err(code)) => return write_terminal(send, &sink, ExecutionFailure::new(code)).await,
+        Some(Err(code)) => {
+            record.finish(Some(code));
+            run.end(&record);
+            return write_terminal(send, &sink, ExecutionFailure::new(code)).await;
+        }
         None => return,
     }
 
@@ -252,6 +330,7 @@ async fn execute<S, F>(
     let auth = match auth {
         Ok(auth) => auth,
         Err(()) => {
+            record.finish(Some(FailureCode::CredentialRejected));
             let failure = ExecutionFailure::new(FailureCode::CredentialRejected);
             let event = ProviderEvent::Returned(iop_core::node::watchdog::ProviderOutcome::Failed(
                 failure.clone(),
@@ -262,9 +341,11 @@ async fn execute<S, F>(
                 write_terminal(send, &sink, failure).await;
             }
             link.tell(LinkMsg::Finished { run_id }).await;
+            run.end(&record);
             return;
         }
     };
+    record.provider_call(&run.0);
     let mut provider = Some(start(&adapter, auth));
     loop {
         tokio::select! {
@@ -277,11 +358,13 @@ async fn execute<S, F>(
                     // the provider's slot while the stall joins. The call
                     // has then ended, within the close grace (R-WD-4).
                     if provider.take().is_some() {
+                        record.call_canceled();
                         link.tell(LinkMsg::ProviderReturned { run_id }).await;
                     }
                 }
                 Some(RunControl::Terminal(RunTerminal::Failed(failure))) => {
                     drop(provider.take());
+                    record.finish(Some(failure.code));
                     write_terminal(send, &sink, failure).await;
                     break;
                 }
@@ -304,6 +387,7 @@ async fn execute<S, F>(
                         iop_core::node::watchdog::ProviderOutcome::Failed(failure.clone()),
                     )).await else { break };
                     if emission == Emission::Forward {
+                        record.finish(Some(failure.code));
                         write_terminal(send, &sink, failure).await;
                         break;
                     }
@@ -319,6 +403,10 @@ async fn execute<S, F>(
                 if emission == Emission::Fenced {
                     continue;
                 }
+                record.forwarded(S::content_bytes(&item), S::usage(&item));
+                if terminal {
+                    record.finish(S::failure_code(&item));
+                }
                 if send.send(&sink.frame(item)).await.is_err() {
                     drop(provider.take());
                     link.tell(LinkMsg::Canceled { run_id }).await;
@@ -332,6 +420,22 @@ async fn execute<S, F>(
         }
     }
     link.tell(LinkMsg::Finished { run_id }).await;
+    run.end(&record);
+}
+
+/// The `node.run` span, ended with the run's outcome.
+struct RunSpan(TraceSpan);
+
+impl RunSpan {
+    fn end(&self, record: &crate::metrics::RunRecord<'_>) {
+        let outcome = record.outcome();
+        self.0.set("iop.outcome", outcome);
+        if outcome == crate::metrics::RUN_OK {
+            self.0.ok();
+        } else {
+            self.0.fail(outcome);
+        }
+    }
 }
 
 async fn offer<S: Sink>(
@@ -388,7 +492,19 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
                     .is_none_or(|t| t.adapter == a.kind() && t.target == a.target())
             });
             let probes = chosen.map(|a| async move {
+                let span = shared
+                    .metrics
+                    .tracer()
+                    .start("node.probe", Kind::Internal, None);
+                span.set("iop.adapter", a.kind().as_str());
+                span.set_configured("iop.target", a.target());
                 let verdict = shared.probe_verdict(a.kind(), a.target(), a.probe(bound).await);
+                shared.metrics.probe(a.kind(), a.target(), verdict.health);
+                span.set("iop.status", verdict.health.as_str());
+                match verdict.failure {
+                    Some(code) => span.fail(code.as_str()),
+                    None => span.ok(),
+                }
                 TargetHealth {
                     adapter: a.kind(),
                     target: a.target().to_owned(),

@@ -60,6 +60,13 @@ pub async fn run(
         if *shutdown.borrow() {
             break;
         }
+        // One `node.dial` span per attempt (its own trace): how long dialing
+        // took and, on failure, a closed error class.
+        let dial_span =
+            shared
+                .metrics
+                .tracer()
+                .start("node.dial", iop_transport::traces::Kind::Client, None);
         let attempt = async {
             let addr = resolve(&config.node.edge)
                 .await
@@ -78,8 +85,17 @@ pub async fn run(
         };
         let end = tokio::select! {
             conn = attempt => match conn {
-                Ok(conn) => Some(link::run(conn, config.clone(), shared.clone(), shutdown.clone()).await),
+                Ok(conn) => {
+                    dial_span.ok();
+                    drop(dial_span);
+                    Some(link::run(conn, config.clone(), shared.clone(), shutdown.clone()).await)
+                }
                 Err(why) => {
+                    dial_span.fail(match why {
+                        "cannot resolve the edge address" => "unresolved",
+                        "connect timed out" => "connect_timeout",
+                        _ => "connect_failed",
+                    });
                     tracing::warn!(event = "node_dial_failed", edge = %config.node.edge, reason = why);
                     None
                 }

@@ -1713,6 +1713,7 @@ impl World {
             response_stall_timeout_ms: lease.stall_timeout_ms,
             deadline_ms,
             credential_lease: None,
+            trace_context: None,
         };
         if let Some(r) = edge.requests.get_mut(&rid) {
             r.running = Some((conn, run_id));

@@ -14,7 +14,10 @@
 //!   share beyond QUIC: config pieces, structured logs, graceful shutdown,
 //!   and the one place wall time becomes a core instant.
 //! * [`telemetry`]: the metrics pipeline (Prometheus text and optional
-//!   OTLP/HTTP export) both shells build their instruments on.
+//!   OTLP/HTTP export) both shells build their instruments on, and the
+//!   process metrics and build info both binaries expose.
+//! * [`traces`]: OpenTelemetry spans, their optional OTLP/HTTP export, and
+//!   the W3C trace context that joins Edge and Node spans into one trace.
 //!
 //! Trust model (SPEC §3): both sides present certificates chained to one
 //! deployment CA. The Edge takes a Node's identity from its verified
@@ -39,6 +42,7 @@ pub mod settings;
 pub mod signals;
 pub mod telemetry;
 pub mod tls;
+pub mod traces;
 
 pub use close::{close_code_of, close_connection};
 pub use endpoint::{

@@ -71,37 +71,7 @@ pub const MIN_OTLP_INTERVAL_MS: u64 = 100;
 impl OtlpSection {
     /// Validate, naming `section.field`, and normalise the endpoint.
     pub fn validate(&mut self, section: &str) -> Result<(), ConfigError> {
-        let endpoint = self.endpoint.trim();
-        let rest = endpoint
-            .strip_prefix("http://")
-            .or_else(|| endpoint.strip_prefix("https://"))
-            .ok_or_else(|| {
-                field_err(
-                    format!("{section}.endpoint"),
-                    "must be an http:// or https:// URL",
-                )
-            })?;
-        let (authority, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, ""),
-        };
-        if authority.is_empty() || authority.contains(|c: char| c.is_whitespace() || c == '@') {
-            return Err(field_err(
-                format!("{section}.endpoint"),
-                "needs a host[:port] and no credentials",
-            ));
-        }
-        let mut normalised = endpoint.to_string();
-        if path.is_empty() || path == "/" {
-            normalised = format!("{}{OTLP_METRICS_PATH}", endpoint.trim_end_matches('/'));
-        }
-        if normalised.parse::<http::Uri>().is_err() {
-            return Err(field_err(
-                format!("{section}.endpoint"),
-                "is not a valid URL",
-            ));
-        }
-        self.endpoint = normalised;
+        self.endpoint = normalise_endpoint(section, &self.endpoint, OTLP_METRICS_PATH)?;
         if self.interval_ms < MIN_OTLP_INTERVAL_MS {
             return Err(field_err(
                 format!("{section}.interval_ms"),
@@ -121,6 +91,46 @@ impl OtlpSection {
         }
         Ok(())
     }
+}
+
+/// Check an OTLP/HTTP collector URL, naming `section.endpoint`, and give a
+/// URL without a path `default_path` (`/v1/metrics`, `/v1/traces`).
+pub(crate) fn normalise_endpoint(
+    section: &str,
+    endpoint: &str,
+    default_path: &str,
+) -> Result<String, ConfigError> {
+    let endpoint = endpoint.trim();
+    let rest = endpoint
+        .strip_prefix("http://")
+        .or_else(|| endpoint.strip_prefix("https://"))
+        .ok_or_else(|| {
+            field_err(
+                format!("{section}.endpoint"),
+                "must be an http:// or https:// URL",
+            )
+        })?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, ""),
+    };
+    if authority.is_empty() || authority.contains(|c: char| c.is_whitespace() || c == '@') {
+        return Err(field_err(
+            format!("{section}.endpoint"),
+            "needs a host[:port] and no credentials",
+        ));
+    }
+    let mut normalised = endpoint.to_string();
+    if path.is_empty() || path == "/" {
+        normalised = format!("{}{default_path}", endpoint.trim_end_matches('/'));
+    }
+    if normalised.parse::<http::Uri>().is_err() {
+        return Err(field_err(
+            format!("{section}.endpoint"),
+            "is not a valid URL",
+        ));
+    }
+    Ok(normalised)
 }
 
 /// Why the metrics pipeline could not be built.
@@ -272,6 +282,100 @@ impl MetricsPipeline {
     }
 }
 
+/// Observe the process (CPU seconds, resident memory, open and maximum
+/// file descriptors, start time) under the names Prometheus' own client
+/// libraries use, and `<prefix>_build_info{version}` at 1, on `meter`.
+/// Values are read from `/proc/self` at each collection; where it is
+/// absent (not Linux) the process series are simply not reported.
+pub fn observe_process(meter: &Meter, prefix: &'static str) {
+    meter
+        .f64_observable_counter("process_cpu_seconds")
+        .with_description("User and system CPU time spent, in seconds")
+        .with_callback(|o| {
+            if let Some(v) = process::cpu_seconds() {
+                o.observe(v, &[])
+            }
+        })
+        .build();
+    meter
+        .u64_observable_gauge("process_resident_memory_bytes")
+        .with_description("Resident memory size, in bytes")
+        .with_callback(|o| {
+            if let Some(v) = process::resident_bytes() {
+                o.observe(v, &[])
+            }
+        })
+        .build();
+    meter
+        .u64_observable_gauge("process_open_fds")
+        .with_description("Open file descriptors")
+        .with_callback(|o| {
+            if let Some(v) = process::open_fds() {
+                o.observe(v, &[])
+            }
+        })
+        .build();
+    meter
+        .u64_observable_gauge("process_max_fds")
+        .with_description("The soft limit of open file descriptors")
+        .with_callback(|o| {
+            if let Some(v) = process::max_fds() {
+                o.observe(v, &[])
+            }
+        })
+        .build();
+    let started = crate::clock::unix_ms() as f64 / 1000.0;
+    meter
+        .f64_observable_gauge("process_start_time_seconds")
+        .with_description("Start time of the process since the Unix epoch, in seconds")
+        .with_callback(move |o| o.observe(started, &[]))
+        .build();
+    meter
+        .u64_observable_gauge(format!("{prefix}_build_info"))
+        .with_description("Always 1; the labels say which build is running")
+        .with_callback(|o| o.observe(1, &[KeyValue::new("version", env!("CARGO_PKG_VERSION"))]))
+        .build();
+}
+
+/// Readers of `/proc/self` (Linux); `None` elsewhere or on a parse error.
+mod process {
+    /// `/proc` reports CPU times in USER_HZ ticks, 100 per second on Linux.
+    const TICKS_PER_SECOND: f64 = 100.0;
+
+    pub(super) fn cpu_seconds() -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // The command name (field 2) may hold spaces; fields after it are
+        // counted from its closing parenthesis. utime and stime are fields
+        // 14 and 15, the 12th and 13th after it.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let mut fields = rest.split_whitespace().skip(11);
+        let utime: u64 = fields.next()?.parse().ok()?;
+        let stime: u64 = fields.next()?.parse().ok()?;
+        Some((utime + stime) as f64 / TICKS_PER_SECOND)
+    }
+
+    pub(super) fn resident_bytes() -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+
+    pub(super) fn open_fds() -> Option<u64> {
+        Some(std::fs::read_dir("/proc/self/fd").ok()?.count() as u64)
+    }
+
+    pub(super) fn max_fds() -> Option<u64> {
+        let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+        let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+        line["Max open files".len()..]
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,6 +450,32 @@ mod tests {
             text.contains("iop_test_things_total{kind=\"a\"} 3"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn process_metrics_and_build_info_are_observed() {
+        let p = MetricsPipeline::new("iop-test", "unit", None).unwrap();
+        observe_process(&p.meter("iop-test"), "iop_test");
+        let text = p.render();
+        for name in [
+            "process_cpu_seconds_total ",
+            "process_resident_memory_bytes ",
+            "process_open_fds ",
+            "process_max_fds ",
+            "process_start_time_seconds ",
+        ] {
+            assert!(text.contains(name), "{name} missing: {text}");
+        }
+        assert!(
+            text.contains(&format!(
+                "iop_test_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{text}"
+        );
+        assert!(super::process::resident_bytes().unwrap() > 0);
+        assert!(super::process::open_fds().unwrap() > 0);
+        assert!(super::process::cpu_seconds().is_some());
     }
 
     #[test]

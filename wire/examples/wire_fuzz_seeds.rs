@@ -86,6 +86,11 @@ fn main() -> std::io::Result<()> {
                 response_stall_timeout_ms: 0,
                 deadline_ms: 0,
                 credential_lease: None,
+                trace_context: Some(TraceContext {
+                    trace_id: [0x4b; 16],
+                    parent_span_id: [0x0f; 8],
+                    flags: TraceContext::FLAG_SAMPLED,
+                }),
             }))
             .unwrap(),
         ),

@@ -581,6 +581,98 @@ pub enum RunApi {
     Generate,
 }
 
+/// A W3C trace context (`traceparent`, version `00`) in binary form: the
+/// trace, the sender's span that is the parent of the receiver's spans, and
+/// the trace flags. Random identifiers only, never anything from a payload.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TraceContext {
+    /// 16-byte trace id (never all zero when valid).
+    pub trace_id: [u8; 16],
+    /// 8-byte id of the parent span (never all zero when valid).
+    pub parent_span_id: [u8; 8],
+    /// Trace flags; bit 0 is `sampled`.
+    pub flags: u8,
+}
+
+impl TraceContext {
+    /// The `sampled` trace flag.
+    pub const FLAG_SAMPLED: u8 = 0x01;
+
+    /// Whether both identifiers are non-zero (W3C: an all-zero id is invalid).
+    pub fn is_valid(&self) -> bool {
+        self.trace_id != [0; 16] && self.parent_span_id != [0; 8]
+    }
+
+    /// Whether the sender sampled the trace.
+    pub fn is_sampled(&self) -> bool {
+        self.flags & Self::FLAG_SAMPLED != 0
+    }
+
+    /// The `traceparent` header value: `00-<trace id>-<parent id>-<flags>`.
+    pub fn to_traceparent(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::with_capacity(55);
+        out.push_str("00-");
+        for b in self.trace_id {
+            let _ = write!(out, "{b:02x}");
+        }
+        out.push('-');
+        for b in self.parent_span_id {
+            let _ = write!(out, "{b:02x}");
+        }
+        let _ = write!(out, "-{:02x}", self.flags);
+        out
+    }
+
+    /// Parse a `traceparent` header value (W3C Trace Context level 1):
+    /// version `00` exactly as specified; a higher version is read by its
+    /// first four fields. `None` for anything malformed or with an all-zero
+    /// id, so a bad header starts a new trace instead of failing a request.
+    pub fn from_traceparent(value: &str) -> Option<Self> {
+        let value = value.trim();
+        let mut parts = value.split('-');
+        let version = parts.next()?;
+        let trace = parts.next()?;
+        let parent = parts.next()?;
+        let flags = parts.next()?;
+        let rest = parts.next();
+        if version.len() != 2 || version == "ff" || !is_lower_hex(version) {
+            return None;
+        }
+        // Version 00 has exactly four fields; later versions may add more.
+        if version == "00" && (rest.is_some() || value.len() != 55) {
+            return None;
+        }
+        let mut ctx = TraceContext {
+            trace_id: [0; 16],
+            parent_span_id: [0; 8],
+            flags: 0,
+        };
+        decode_hex(trace, &mut ctx.trace_id)?;
+        decode_hex(parent, &mut ctx.parent_span_id)?;
+        let mut f = [0u8; 1];
+        decode_hex(flags, &mut f)?;
+        ctx.flags = f[0];
+        ctx.is_valid().then_some(ctx)
+    }
+}
+
+fn is_lower_hex(s: &str) -> bool {
+    s.bytes()
+        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn decode_hex(s: &str, out: &mut [u8]) -> Option<()> {
+    if s.len() != out.len() * 2 || !is_lower_hex(s) {
+        return None;
+    }
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(())
+}
+
 /// Edge -> Node: execute one normalized run.
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -609,6 +701,9 @@ pub struct RunRequest {
     pub deadline_ms: u64,
     /// A sealed credential lease for managed providers (R-CRED-1).
     pub credential_lease: Option<Vec<u8>>,
+    /// The trace this request belongs to (W3C trace context), so the
+    /// Node's spans join the Edge's trace. Identifiers only: no payload.
+    pub trace_context: Option<TraceContext>,
 }
 
 /// Token usage.
@@ -725,6 +820,9 @@ pub struct ProviderTunnelRequest {
     pub deadline_ms: u64,
     /// A sealed credential lease for managed providers (R-CRED-1).
     pub credential_lease: Option<Vec<u8>>,
+    /// The trace this request belongs to (W3C trace context), so the
+    /// Node's spans join the Edge's trace. Identifiers only: no payload.
+    pub trace_context: Option<TraceContext>,
 }
 
 /// Node -> Edge: one frame of a tunnelled response.

@@ -196,3 +196,49 @@ fn fuzz_seed_corpus_replays_without_panic() {
         "the seed corpus is committed ({replayed} files)"
     );
 }
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// A trace context survives its `traceparent` text form (W3C level 1).
+    #[test]
+    fn trace_context_round_trips_through_traceparent(cx in any::<TraceContext>()) {
+        let text = cx.to_traceparent();
+        prop_assert_eq!(text.len(), 55);
+        let parsed = TraceContext::from_traceparent(&text);
+        if cx.is_valid() {
+            prop_assert_eq!(parsed, Some(cx));
+        } else {
+            prop_assert_eq!(parsed, None, "an all-zero id is invalid");
+        }
+    }
+
+    /// Any header text parses to a valid context or to nothing, never a panic.
+    #[test]
+    fn arbitrary_traceparent_text_never_panics(text in ".{0,80}") {
+        if let Some(cx) = TraceContext::from_traceparent(&text) {
+            prop_assert!(cx.is_valid());
+        }
+    }
+}
+
+#[test]
+fn traceparent_parses_the_w3c_example_and_refuses_malformed_values() {
+    let cx =
+        TraceContext::from_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+            .unwrap();
+    assert_eq!(cx.trace_id[0], 0x4b);
+    assert_eq!(cx.parent_span_id[7], 0xb7);
+    assert!(cx.is_sampled());
+    for bad in [
+        "",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
+        "0-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0g",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    ] {
+        assert_eq!(TraceContext::from_traceparent(bad), None, "{bad}");
+    }
+}

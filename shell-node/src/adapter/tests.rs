@@ -45,6 +45,7 @@ pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest 
         response_stall_timeout_ms: 0,
         deadline_ms: 0,
         credential_lease: None,
+        trace_context: None,
     }
 }
 
@@ -605,6 +606,7 @@ fn tunnel_request(method: &str, path: &str, body: Vec<u8>) -> ProviderTunnelRequ
         response_stall_timeout_ms: 0,
         deadline_ms: 0,
         credential_lease: None,
+        trace_context: None,
     }
 }
 

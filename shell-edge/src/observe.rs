@@ -1,0 +1,353 @@
+//! What the Edge records about one client request beyond its outcome:
+//! the request span (the root of the request's trace on the Edge), one
+//! span per queue wait and per attempt, tokens from provider usage,
+//! attempts per request and time in queue (R-OBS-1: closed labels and
+//! configured names only; spans never hold a prompt, an output or a key).
+//!
+//! The request span is started where the HTTP request enters the run
+//! pipeline ([`start_request`]); its trace context comes from the client's
+//! `traceparent` header or is new, and travels to the Node in the run or
+//! tunnel request so the Node's spans join the same trace.
+//!
+//! The request driver reports each attempt through [`AttemptObservation`]
+//! and each wait for capacity through [`QueueWait`]:
+//!
+//! 1. before admission: `QueueWait::start(&metrics, work.trace_context, route)`;
+//!    when the lease is granted `wait.granted(&provider)`, else
+//!    `wait.failed(class)`;
+//! 2. when the lease is granted: `AttemptObservation::start(&metrics,
+//!    work.trace_context, route, &work.model, &provider, attempt_number)`,
+//!    and the request sent to the Node carries `attempt.context()` (so the
+//!    Node's `node.run` span is a child of `edge.attempt`);
+//! 3. every run event relayed: `attempt.event(&kind)`; tunnel body bytes:
+//!    `attempt.relayed_body()`;
+//! 4. the attempt's end: `attempt.finish(None)` on success, or
+//!    `attempt.finish(Some(code))` with its failure code;
+//! 5. the request's end: `metrics.attempts_per_request(route, attempts)`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use iop_core::ids::ProviderId;
+use iop_transport::traces::{Kind, TRACEPARENT_HEADER, TraceSpan, parse_traceparent};
+use iop_wire::{FailureCode, RunEventKind, TraceContext, Usage};
+
+use crate::metrics::{ATTEMPT_OK, EdgeMetrics};
+
+/// Span and attribute names (documented in `docs/operations.md`).
+pub mod names {
+    /// The client request on the Edge (kind server).
+    pub const REQUEST: &str = "edge.request";
+    /// One wait for a capacity lease.
+    pub const QUEUE_WAIT: &str = "edge.queue_wait";
+    /// One attempt on a provider (kind client; the Node's spans are its
+    /// children).
+    pub const ATTEMPT: &str = "edge.attempt";
+}
+
+/// Start the request span: a child of the client's `traceparent` when it
+/// sent a well-formed one, else the root of a new trace.
+pub fn start_request(metrics: &EdgeMetrics, route: &'static str, headers: &HeaderMap) -> TraceSpan {
+    let parent = parse_traceparent(headers.get(TRACEPARENT_HEADER).map(|v| v.as_bytes()));
+    let span = metrics.tracer().start(names::REQUEST, Kind::Server, parent);
+    span.set("iop.route", route);
+    span
+}
+
+/// End-of-request attributes: the closed outcome, the HTTP-level result
+/// and the bytes streamed.
+pub fn finish_request(span: &TraceSpan, outcome: &'static str, relayed_bytes: u64) {
+    span.set("iop.outcome", outcome);
+    span.set("iop.relayed_bytes", relayed_bytes);
+    if outcome == "ok" {
+        span.ok();
+    } else {
+        span.fail(outcome);
+    }
+}
+
+/// The usage an attempt reports: the latest report wins, and a terminal's
+/// usage replaces any earlier one (usage reports are cumulative).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UsageTally {
+    usage: Option<Usage>,
+}
+
+impl UsageTally {
+    /// Take `event`'s usage, if it carries one.
+    pub fn observe(&mut self, event: &RunEventKind) {
+        match event {
+            RunEventKind::Usage(u) => self.usage = Some(*u),
+            RunEventKind::Completed { usage: Some(u), .. } => self.usage = Some(*u),
+            _ => {}
+        }
+    }
+
+    /// The attempt's usage, if the provider reported any.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+}
+
+/// One wait for a capacity lease.
+#[derive(Debug)]
+pub struct QueueWait {
+    metrics: Arc<EdgeMetrics>,
+    span: TraceSpan,
+    route: &'static str,
+    started: Instant,
+}
+
+impl QueueWait {
+    /// The request asks for a lease now.
+    pub fn start(
+        metrics: &Arc<EdgeMetrics>,
+        parent: Option<TraceContext>,
+        route: &'static str,
+    ) -> Self {
+        let span = metrics
+            .tracer()
+            .start(names::QUEUE_WAIT, Kind::Internal, parent);
+        Self {
+            metrics: metrics.clone(),
+            span,
+            route,
+            started: Instant::now(),
+        }
+    }
+
+    /// A lease on `provider` was granted.
+    pub fn granted(self, provider: &ProviderId) -> Duration {
+        let waited = self.started.elapsed();
+        self.metrics.queue_wait(self.route, waited);
+        self.span.set_configured("iop.provider", provider.as_str());
+        self.span.ok();
+        waited
+    }
+
+    /// No lease: `class` is the closed admission failure
+    /// (`queue_full`, `no_eligible_provider`, `queue_timeout`, ...).
+    pub fn failed(self, class: &'static str) {
+        self.span.fail(class);
+    }
+}
+
+/// One attempt of a request on one provider.
+#[derive(Debug)]
+pub struct AttemptObservation {
+    metrics: Arc<EdgeMetrics>,
+    span: TraceSpan,
+    provider: String,
+    route_model: String,
+    usage: UsageTally,
+    started: Instant,
+    first_content: bool,
+    relayed_events: u64,
+}
+
+impl AttemptObservation {
+    /// Attempt `number` (1-based) of a request for `model` on `provider`
+    /// starts now.
+    pub fn start(
+        metrics: &Arc<EdgeMetrics>,
+        parent: Option<TraceContext>,
+        route: &'static str,
+        model: &str,
+        provider: &ProviderId,
+        number: u32,
+    ) -> Self {
+        let span = metrics.tracer().start(names::ATTEMPT, Kind::Client, parent);
+        span.set("iop.route", route);
+        span.set_configured("iop.provider", provider.as_str());
+        span.set("iop.attempt", number);
+        Self {
+            route_model: metrics.route_model(model).to_owned(),
+            metrics: metrics.clone(),
+            span,
+            provider: provider.as_str().to_owned(),
+            usage: UsageTally::default(),
+            started: Instant::now(),
+            first_content: false,
+            relayed_events: 0,
+        }
+    }
+
+    /// The trace context the Node's spans join (this attempt's span).
+    pub fn context(&self) -> Option<TraceContext> {
+        self.span.context()
+    }
+
+    /// One run event from the Node.
+    pub fn event(&mut self, event: &RunEventKind) {
+        self.usage.observe(event);
+        self.relayed_events += 1;
+        if !self.first_content
+            && matches!(
+                event,
+                RunEventKind::TextDelta(_) | RunEventKind::ToolCallDelta(_)
+            )
+        {
+            self.first_content();
+        }
+    }
+
+    /// Tunnelled body bytes arrived (their first is the first content).
+    pub fn relayed_body(&mut self) {
+        self.relayed_events += 1;
+        if !self.first_content {
+            self.first_content();
+        }
+    }
+
+    fn first_content(&mut self) {
+        self.first_content = true;
+        let ttft_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.span
+            .event("first_content", &[("iop.ttft_ms", ttft_ms.into())]);
+    }
+
+    /// The attempt ended: `None` on success, else its failure code.
+    pub fn finish(self, failure: Option<FailureCode>) {
+        let outcome = failure.map_or(ATTEMPT_OK, FailureCode::as_str);
+        self.metrics.attempt(&self.provider, outcome);
+        if let Some(usage) = self.usage.usage() {
+            self.metrics
+                .tokens(&self.provider, &self.route_model, usage);
+            self.span.set("iop.input_tokens", usage.prompt_tokens);
+            self.span.set("iop.output_tokens", usage.completion_tokens);
+        }
+        self.span.set("iop.relayed_events", self.relayed_events);
+        self.span.set("iop.outcome", outcome);
+        match failure {
+            None => self.span.ok(),
+            Some(code) => self.span.fail(code.as_str()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_transport::telemetry::MetricsPipeline;
+    use iop_wire::FinishReason;
+
+    use super::*;
+    use crate::metrics::scrape_value;
+
+    fn metrics() -> Arc<EdgeMetrics> {
+        let m = EdgeMetrics::new(MetricsPipeline::prometheus_only("iop-edge"));
+        m.set_route_models(vec!["llama3".into(), "mock*".into()]);
+        m
+    }
+
+    fn usage(p: u64, c: u64) -> Usage {
+        Usage {
+            prompt_tokens: p,
+            completion_tokens: c,
+        }
+    }
+
+    #[test]
+    fn usage_tally_keeps_the_latest_report_and_the_terminal_wins() {
+        let mut t = UsageTally::default();
+        assert_eq!(t.usage(), None);
+        t.observe(&RunEventKind::TextDelta("x".into()));
+        t.observe(&RunEventKind::Usage(usage(3, 1)));
+        t.observe(&RunEventKind::Usage(usage(3, 2)));
+        assert_eq!(t.usage(), Some(usage(3, 2)));
+        t.observe(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(3, 5)),
+        });
+        assert_eq!(t.usage(), Some(usage(3, 5)));
+        t.observe(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: None,
+        });
+        assert_eq!(
+            t.usage(),
+            Some(usage(3, 5)),
+            "a terminal without usage keeps the last"
+        );
+    }
+
+    #[test]
+    fn an_attempt_counts_its_outcome_and_provider_tokens_under_the_route_model() {
+        let m = metrics();
+        let p1 = ProviderId::new("p1");
+        let mut a = AttemptObservation::start(&m, None, "chat", "mock:tps=5", &p1, 1);
+        a.event(&RunEventKind::TextDelta("SENTINEL".into()));
+        a.event(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(7, 11)),
+        });
+        a.finish(None);
+        let b = AttemptObservation::start(&m, None, "chat", "llama3", &p1, 2);
+        b.finish(Some(FailureCode::ResponseStalled));
+        let text = m.render();
+        let v = |name, labels: &[(&str, &str)]| scrape_value(&text, name, labels);
+        assert_eq!(
+            v(
+                "iop_edge_provider_tokens_total",
+                &[("provider", "p1"), ("model", "mock*"), ("kind", "input")]
+            ),
+            7.0
+        );
+        assert_eq!(
+            v(
+                "iop_edge_provider_tokens_total",
+                &[("provider", "p1"), ("model", "mock*"), ("kind", "output")]
+            ),
+            11.0
+        );
+        assert_eq!(
+            v(
+                "iop_edge_attempts_total",
+                &[("provider", "p1"), ("outcome", "ok")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            v(
+                "iop_edge_attempts_total",
+                &[("provider", "p1"), ("outcome", "response_stalled")]
+            ),
+            1.0
+        );
+        assert!(!text.contains("SENTINEL") && !text.contains("mock:tps"));
+    }
+
+    #[test]
+    fn an_unrouted_model_is_labelled_other_never_by_its_name() {
+        let m = metrics();
+        assert_eq!(m.route_model("llama3"), "llama3");
+        assert_eq!(m.route_model("mock-anything"), "mock*");
+        assert_eq!(m.route_model("client-chosen-SENTINEL"), "other");
+    }
+
+    #[test]
+    fn queue_wait_and_attempts_per_request_are_histograms_by_route() {
+        let m = metrics();
+        let w = QueueWait::start(&m, None, "responses");
+        w.granted(&ProviderId::new("p1"));
+        QueueWait::start(&m, None, "responses").failed("queue_full");
+        m.attempts_per_request("responses", 2);
+        let text = m.render();
+        assert_eq!(
+            scrape_value(
+                &text,
+                "iop_edge_queue_wait_seconds_count",
+                &[("route", "responses")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            scrape_value(
+                &text,
+                "iop_edge_request_attempts_sum",
+                &[("route", "responses")]
+            ),
+            2.0
+        );
+    }
+}
