@@ -98,6 +98,13 @@ pub struct ProviderEntry {
     /// Environment variable with a static API key (unmanaged credentials).
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// Whether the provider's streams report usage when asked with
+    /// `stream_options.include_usage` (default true). Set it to false for a
+    /// server that never does (llama-cpp-python's): a client that takes its
+    /// answer whole is then served by a non-streamed call, whose usage is the
+    /// provider's own; a streamed answer reports no usage (`null`).
+    #[serde(default)]
+    pub stream_usage: Option<bool>,
 }
 
 /// The raw file.
@@ -138,6 +145,9 @@ pub struct ProviderTarget {
     pub models: Vec<String>,
     /// Static API key (never logged).
     pub api_key: Option<String>,
+    /// The provider's streams carry usage (default true); see
+    /// `[[providers]] stream_usage`.
+    pub stream_usage: bool,
 }
 
 impl std::fmt::Debug for ProviderTarget {
@@ -274,6 +284,7 @@ impl NodeConfig {
                 base_url,
                 models: p.models.clone(),
                 api_key,
+                stream_usage: p.stream_usage.unwrap_or(true),
             });
         }
         Ok(Self {

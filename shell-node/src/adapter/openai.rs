@@ -7,8 +7,8 @@ use std::borrow::Cow;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, RunRequest,
-    ToolCallDelta, ToolDefinition, Usage,
+    ChatMessage, Embedding, FinishReason, GenerationParams, Role, RunApi, RunEventKind, RunRequest,
+    TokenLogprob, ToolCallDelta, ToolDefinition, Usage,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -16,20 +16,183 @@ use serde_json::{Map, Value, json};
 use super::sse::{EventTooLarge, SseDecoder};
 use super::{HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http};
 
-/// Stream a chat completion as normalized run events.
+/// A run as normalized run events: a streamed chat completion; a
+/// streamed text completion (`/v1/completions`) for a completion or a
+/// generate run with a suffix; one embeddings call; or, for a client that
+/// takes the answer whole from a provider whose streams carry no usage, one
+/// non-streamed chat completion (its usage is the provider's own).
 pub(super) fn run(
     target: HttpTarget,
     req: RunRequest,
     auth: Option<String>,
 ) -> BoxStream<'static, RunEventKind> {
-    let body = match chat_body(&req) {
+    let completion = req.api == RunApi::Completion
+        || (req.api == RunApi::Generate && req.params.suffix.is_some());
+    let whole = req.params.whole_answer && !target.stream_usage;
+    let (path, body, decode): (
+        _,
+        _,
+        fn(reqwest::Response) -> BoxStream<'static, RunEventKind>,
+    ) = if req.api == RunApi::Embeddings {
+        ("/v1/embeddings", embeddings_body(&req), decode_embeddings)
+    } else if completion {
+        (
+            "/v1/completions",
+            completion_body(&req, !whole),
+            if whole { decode_whole } else { decode },
+        )
+    } else if whole {
+        (
+            "/v1/chat/completions",
+            chat_body_with(&req, false),
+            decode_whole,
+        )
+    } else {
+        ("/v1/chat/completions", chat_body(&req), decode)
+    };
+    let body = match body {
         Ok(body) => body,
         Err(e) => return failed_run(e),
     };
-    let request = target
-        .run_request("/v1/chat/completions", body)
-        .header(reqwest::header::ACCEPT, "text/event-stream");
+    let mut request = target.run_request(path, body);
+    if req.api != RunApi::Embeddings && !whole {
+        request = request.header(reqwest::header::ACCEPT, "text/event-stream");
+    }
     http_run(target, request, auth, req.session_id, decode)
+}
+
+/// The largest non-streamed answer read (a whole chat completion or an
+/// embeddings list); more is malformed.
+pub(crate) const MAX_WHOLE_ANSWER_BYTES: usize = 64 * 1024 * 1024;
+
+/// Read a whole answer body, bounded by [`MAX_WHOLE_ANSWER_BYTES`].
+async fn read_whole(mut response: reqwest::Response) -> Result<Vec<u8>, ProviderCallError> {
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > MAX_WHOLE_ANSWER_BYTES {
+                    return Err(ProviderCallError::Malformed);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(body),
+            Err(e) => return Err(ProviderCallError::from_reqwest(&e, true)),
+        }
+    }
+}
+
+/// The run events of one non-streamed chat or text completion.
+fn decode_whole(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+    Box::pin(async_stream::stream! {
+        let body = match read_whole(response).await {
+            Ok(body) => body,
+            Err(e) => {
+                yield RunEventKind::Failed(e.failure());
+                return;
+            }
+        };
+        let mut state = ChunkState::default();
+        let mut events = Vec::new();
+        match state.on_whole(&body, &mut events) {
+            Ok(()) => {
+                for event in events {
+                    yield event;
+                }
+                yield state.completed();
+            }
+            Err(e) => yield RunEventKind::Failed(e.failure()),
+        }
+    })
+}
+
+/// The run events of one embeddings answer: one `Embedding` per input,
+/// then `Completed` with the provider's prompt token count.
+fn decode_embeddings(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+    Box::pin(async_stream::stream! {
+        let body = match read_whole(response).await {
+            Ok(body) => body,
+            Err(e) => {
+                yield RunEventKind::Failed(e.failure());
+                return;
+            }
+        };
+        match parse_embeddings(&body) {
+            Some((vectors, usage)) => {
+                for vector in vectors {
+                    yield RunEventKind::Embedding(vector);
+                }
+                yield RunEventKind::Completed { finish_reason: FinishReason::Stop, usage };
+            }
+            None => yield RunEventKind::Failed(ProviderCallError::Malformed.failure()),
+        }
+    })
+}
+
+/// `{data: [{index, embedding: [..]}], usage: {prompt_tokens}}`.
+pub(crate) fn parse_embeddings(body: &[u8]) -> Option<(Vec<Embedding>, Option<Usage>)> {
+    #[derive(Deserialize)]
+    struct Answer {
+        data: Vec<Item>,
+        #[serde(default)]
+        usage: Option<WireUsage>,
+    }
+    #[derive(Deserialize)]
+    struct Item {
+        #[serde(default)]
+        index: Option<u32>,
+        embedding: Vec<f32>,
+    }
+    let answer: Answer = serde_json::from_slice(body).ok()?;
+    let vectors = answer
+        .data
+        .into_iter()
+        .enumerate()
+        .map(|(pos, item)| Embedding {
+            index: item.index.unwrap_or(pos as u32),
+            values: item.embedding,
+        })
+        .collect();
+    Some((vectors, answer.usage.map(WireUsage::usage)))
+}
+
+/// The embeddings request: one input per user message, floats back.
+fn embeddings_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> {
+    let mut body = Map::new();
+    body.insert("model".into(), Value::String(req.model.clone()));
+    let inputs: Vec<Value> = req
+        .messages
+        .iter()
+        .map(|m| Value::String(m.content.clone()))
+        .collect();
+    body.insert("input".into(), Value::Array(inputs));
+    body.insert("encoding_format".into(), json!("float"));
+    merge_extra(&req.params, &mut body)?;
+    serde_json::to_vec(&Value::Object(body))
+        .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))
+}
+
+/// The text completion request: the prompt (user turns joined), the
+/// suffix, the parameters.
+fn completion_body(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCallError> {
+    let (system, prompt) = generate_prompt(&req.messages);
+    let prompt = match system {
+        Some(system) => format!("{system}\n\n{prompt}"),
+        None => prompt,
+    };
+    let mut body = Map::new();
+    body.insert("model".into(), Value::String(req.model.clone()));
+    body.insert("prompt".into(), Value::String(prompt));
+    if let Some(suffix) = &req.params.suffix {
+        body.insert("suffix".into(), Value::String(suffix.clone()));
+    }
+    body.insert("stream".into(), Value::Bool(stream));
+    if stream {
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    params_json(&req.params, &mut body)?;
+    serde_json::to_vec(&Value::Object(body))
+        .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))
 }
 
 /// The run events of a successful streaming answer.
@@ -92,12 +255,17 @@ fn parse_models(body: &[u8]) -> Option<Vec<String>> {
     Some(models.data.into_iter().map(|m| m.id).collect())
 }
 
-/// The Chat Completions request body.
+/// The streamed Chat Completions request body.
 pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> {
+    chat_body_with(req, true)
+}
+
+/// The Chat Completions request body, streamed (asking for usage) or not.
+fn chat_body_with(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCallError> {
     let messages = match req.api {
         RunApi::Chat => req.messages.iter().map(message_json).collect(),
         // A plain completion is a chat with one user turn.
-        RunApi::Generate => {
+        RunApi::Generate | RunApi::Completion | RunApi::Embeddings => {
             let (system, prompt) = generate_prompt(&req.messages);
             let mut messages = Vec::new();
             if let Some(system) = system {
@@ -110,8 +278,10 @@ pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> 
     let mut body = Map::new();
     body.insert("model".into(), Value::String(req.model.clone()));
     body.insert("messages".into(), Value::Array(messages));
-    body.insert("stream".into(), Value::Bool(true));
-    body.insert("stream_options".into(), json!({"include_usage": true}));
+    body.insert("stream".into(), Value::Bool(stream));
+    if stream {
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+    }
     // A plain completion (generate) offers no tools.
     if req.api == RunApi::Chat && !req.tools.is_empty() {
         let tools = req
@@ -121,7 +291,7 @@ pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> 
             .collect::<Result<Vec<_>, _>>()?;
         body.insert("tools".into(), Value::Array(tools));
     }
-    params_json(&req.params, &mut body);
+    params_json(&req.params, &mut body)?;
     serde_json::to_vec(&Value::Object(body))
         .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))
 }
@@ -143,7 +313,16 @@ pub(crate) fn generate_prompt(messages: &[ChatMessage]) -> (Option<String>, Stri
 fn message_json(m: &ChatMessage) -> Value {
     let mut out = Map::new();
     out.insert("role".into(), Value::String(m.role.as_str().into()));
-    if m.content.is_empty() && !m.tool_calls.is_empty() {
+    if !m.images.is_empty() {
+        let mut parts = Vec::with_capacity(m.images.len() + 1);
+        if !m.content.is_empty() {
+            parts.push(json!({"type": "text", "text": m.content}));
+        }
+        for url in &m.images {
+            parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+        }
+        out.insert("content".into(), Value::Array(parts));
+    } else if m.content.is_empty() && !m.tool_calls.is_empty() {
         out.insert("content".into(), Value::Null);
     } else {
         out.insert("content".into(), Value::String(m.content.clone()));
@@ -186,7 +365,12 @@ pub(crate) fn tool_json(t: &ToolDefinition) -> Result<Value, ProviderCallError> 
     Ok(json!({"type": "function", "function": Value::Object(function)}))
 }
 
-fn params_json(p: &GenerationParams, body: &mut Map<String, Value>) {
+/// The run's parameters into `body`; pass-through fields last, never
+/// over a field the run set itself.
+fn params_json(
+    p: &GenerationParams,
+    body: &mut Map<String, Value>,
+) -> Result<(), ProviderCallError> {
     let mut put = |k: &str, v: Value| {
         body.insert(k.into(), v);
     };
@@ -216,6 +400,43 @@ fn params_json(p: &GenerationParams, body: &mut Map<String, Value>) {
         let v = serde_json::from_str(choice).unwrap_or_else(|_| Value::String(choice.clone()));
         put("tool_choice", v);
     }
+    if let Some(format) = &p.response_format_json {
+        let v: Value = serde_json::from_str(format)
+            .map_err(|_| ProviderCallError::InvalidRequest("response_format is not JSON"))?;
+        put("response_format", v);
+    }
+    if p.logprobs {
+        put("logprobs", json!(true));
+        if let Some(n) = p.top_logprobs {
+            put("top_logprobs", json!(n));
+        }
+    }
+    if let Some(effort) = &p.reasoning_effort {
+        put("reasoning_effort", json!(effort));
+    }
+    if let Some(parallel) = p.parallel_tool_calls {
+        put("parallel_tool_calls", json!(parallel));
+    }
+    merge_extra(p, body)
+}
+
+/// The pass-through fields into `body`, never over a field already set.
+fn merge_extra(
+    p: &GenerationParams,
+    body: &mut Map<String, Value>,
+) -> Result<(), ProviderCallError> {
+    let Some(extra) = &p.extra_json else {
+        return Ok(());
+    };
+    let Ok(Value::Object(extra)) = serde_json::from_str::<Value>(extra) else {
+        return Err(ProviderCallError::InvalidRequest(
+            "pass-through fields are not a JSON object",
+        ));
+    };
+    for (key, value) in extra {
+        body.entry(key).or_insert(value);
+    }
+    Ok(())
 }
 
 /// The OpenAI finish reason vocabulary.
@@ -238,6 +459,9 @@ struct Chunk<'a> {
     choices: Option<Vec<Choice<'a>>>,
     #[serde(default)]
     usage: Option<WireUsage>,
+    // llama.cpp's server reports its own token counts here.
+    #[serde(default)]
+    timings: Option<Timings>,
     #[serde(default)]
     error: Option<serde::de::IgnoredAny>,
 }
@@ -246,18 +470,56 @@ struct Chunk<'a> {
 struct Choice<'a> {
     #[serde(default)]
     index: u32,
-    #[serde(default, borrow)]
+    // A streamed chat chunk has `delta`, a whole answer `message`.
+    #[serde(default, borrow, alias = "message")]
     delta: Option<Delta<'a>>,
+    // A text completion has `text`.
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     finish_reason: Option<Cow<'a, str>>,
+    #[serde(default)]
+    logprobs: Option<ChoiceLogprobs>,
 }
 
 #[derive(Deserialize)]
 struct Delta<'a> {
     #[serde(default, borrow)]
     content: Option<Cow<'a, str>>,
+    #[serde(default, borrow, alias = "reasoning")]
+    reasoning_content: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     tool_calls: Option<Vec<ToolCallChunk<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceLogprobs {
+    // Chat shape; a text completion's shape (`tokens`, `token_logprobs`)
+    // has no `content` and is read as none.
+    #[serde(default)]
+    content: Option<Vec<LogprobEntry>>,
+}
+
+#[derive(Deserialize)]
+struct LogprobEntry {
+    token: String,
+    logprob: f32,
+    #[serde(default)]
+    top_logprobs: Vec<TopEntry>,
+}
+
+#[derive(Deserialize)]
+struct TopEntry {
+    token: String,
+    logprob: f32,
+}
+
+#[derive(Deserialize)]
+struct Timings {
+    #[serde(default)]
+    prompt_n: Option<u64>,
+    #[serde(default)]
+    predicted_n: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -284,6 +546,15 @@ struct WireUsage {
     prompt_tokens: u64,
     #[serde(default)]
     completion_tokens: u64,
+}
+
+impl WireUsage {
+    fn usage(self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+        }
+    }
 }
 
 /// `[DONE]`, with any whitespace around it.
@@ -317,12 +588,37 @@ impl ChunkState {
         }
         let chunk: Chunk<'_> =
             serde_json::from_slice(data).map_err(|_| ProviderCallError::Malformed)?;
+        self.on_chunk(chunk, out, true)
+    }
+
+    /// Decode one whole (non-streamed) answer into non-terminal events.
+    fn on_whole(
+        &mut self,
+        body: &[u8],
+        out: &mut Vec<RunEventKind>,
+    ) -> Result<(), ProviderCallError> {
+        let chunk: Chunk<'_> =
+            serde_json::from_slice(body).map_err(|_| ProviderCallError::Malformed)?;
+        self.on_chunk(chunk, out, false)?;
+        self.done = true;
+        Ok(())
+    }
+
+    fn on_chunk(
+        &mut self,
+        chunk: Chunk<'_>,
+        out: &mut Vec<RunEventKind>,
+        streamed: bool,
+    ) -> Result<(), ProviderCallError> {
         if chunk.error.is_some() {
             return Err(ProviderCallError::Reported);
         }
         // n = 1: only the first choice is relayed.
         for choice in chunk.choices.into_iter().flatten().filter(|c| c.index == 0) {
             if let Some(delta) = choice.delta {
+                if let Some(text) = delta.reasoning_content.filter(|t| !t.is_empty()) {
+                    out.push(RunEventKind::ReasoningDelta(text.into_owned()));
+                }
                 if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
                     out.push(RunEventKind::TextDelta(text.into_owned()));
                 }
@@ -335,25 +631,64 @@ impl ChunkState {
                         continue;
                     }
                     self.saw_tool_call = true;
+                    // A whole answer's calls have no index: their position is one.
+                    let index = match (call.index, streamed) {
+                        (Some(i), true) => i,
+                        _ => pos as u32,
+                    };
                     out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
-                        index: call.index.unwrap_or(pos as u32),
+                        index,
                         id: call.id.map(Cow::into_owned),
                         name: name.map(Cow::into_owned),
                         arguments_delta: arguments.into_owned(),
                     }));
                 }
             }
+            if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
+                out.push(RunEventKind::TextDelta(text.into_owned()));
+            }
+            if let Some(entries) = choice.logprobs.and_then(|l| l.content)
+                && !entries.is_empty()
+            {
+                out.push(RunEventKind::Logprobs(
+                    entries
+                        .into_iter()
+                        .map(|e| TokenLogprob {
+                            token: e.token,
+                            logprob: e.logprob,
+                            top: e
+                                .top_logprobs
+                                .into_iter()
+                                .map(|t| (t.token, t.logprob))
+                                .collect(),
+                        })
+                        .collect(),
+                ));
+            }
             if let Some(reason) = choice.finish_reason {
                 self.finish = Some(finish_reason(&reason));
             }
         }
-        if let Some(u) = chunk.usage {
-            let usage = Usage {
-                prompt_tokens: u.prompt_tokens,
-                completion_tokens: u.completion_tokens,
-            };
+        let usage = match (chunk.usage, chunk.timings) {
+            (Some(u), _) => Some(u.usage()),
+            // No usage object: llama.cpp's own counts, when complete.
+            (
+                None,
+                Some(Timings {
+                    prompt_n: Some(p),
+                    predicted_n: Some(c),
+                }),
+            ) => Some(Usage {
+                prompt_tokens: p,
+                completion_tokens: c,
+            }),
+            (None, _) => None,
+        };
+        if let Some(usage) = usage {
             self.usage = Some(usage);
-            out.push(RunEventKind::Usage(usage));
+            if streamed {
+                out.push(RunEventKind::Usage(usage));
+            }
         }
         Ok(())
     }

@@ -39,6 +39,7 @@ pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest 
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            images: Vec::new(),
         }],
         tools: Vec::new(),
         params: GenerationParams::default(),
@@ -75,6 +76,7 @@ fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter 
         base_url: Some(base_url.to_owned()),
         models: Vec::new(),
         api_key: api_key.map(str::to_owned),
+        stream_usage: true,
     };
     Adapter::new(&target, http_client())
 }
@@ -780,6 +782,7 @@ fn in_process() -> Adapter {
         base_url: None,
         models: Vec::new(),
         api_key: None,
+        stream_usage: true,
     };
     Adapter::new(&target, http_client())
 }
@@ -924,6 +927,7 @@ async fn unconfigured_http_adapters_fail_closed() {
         base_url: None,
         models: Vec::new(),
         api_key: None,
+        stream_usage: true,
     };
     let a = Adapter::new(&target, http_client());
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
