@@ -140,6 +140,7 @@ fn node_decode(c: &mut Criterion) {
                 models: vec!["m".into()],
                 api_key: None,
                 stream_usage: true,
+                json_object_schema: false,
             },
             http.clone(),
         )

@@ -105,6 +105,12 @@ pub struct ProviderEntry {
     /// provider's own; a streamed answer reports no usage (`null`).
     #[serde(default)]
     pub stream_usage: Option<bool>,
+    /// How the provider takes a JSON Schema for structured output:
+    /// `json_schema` (the OpenAI form, default; vLLM, llama.cpp's own
+    /// server) or `json_object_schema` (`{"type":"json_object","schema":..}`,
+    /// llama-cpp-python's form).
+    #[serde(default)]
+    pub structured_output: Option<String>,
 }
 
 /// The raw file.
@@ -148,6 +154,9 @@ pub struct ProviderTarget {
     /// The provider's streams carry usage (default true); see
     /// `[[providers]] stream_usage`.
     pub stream_usage: bool,
+    /// The provider takes a JSON Schema as `{"type":"json_object","schema":..}`
+    /// (`[[providers]] structured_output = "json_object_schema"`).
+    pub json_object_schema: bool,
 }
 
 impl std::fmt::Debug for ProviderTarget {
@@ -285,6 +294,16 @@ impl NodeConfig {
                 models: p.models.clone(),
                 api_key,
                 stream_usage: p.stream_usage.unwrap_or(true),
+                json_object_schema: match p.structured_output.as_deref() {
+                    None | Some("json_schema") => false,
+                    Some("json_object_schema") => true,
+                    Some(_) => {
+                        return Err(field_err(
+                            f("structured_output"),
+                            "must be \"json_schema\" or \"json_object_schema\"",
+                        ));
+                    }
+                },
             });
         }
         Ok(Self {

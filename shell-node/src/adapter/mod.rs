@@ -98,6 +98,8 @@ pub(crate) struct HttpTarget {
     /// When false, a client that takes the answer whole is answered from a
     /// non-streamed call, whose usage is the provider's own.
     pub(crate) stream_usage: bool,
+    /// The target takes a JSON Schema as `{"type":"json_object","schema":..}`.
+    pub(crate) json_object_schema: bool,
 }
 
 impl HttpTarget {
@@ -215,6 +217,7 @@ impl Adapter {
             api_key: target.api_key.clone(),
             http: http.clone(),
             stream_usage: target.stream_usage,
+            json_object_schema: target.json_object_schema,
         };
         let backend = match (target.adapter, &target.base_url) {
             (AdapterKind::Mock, _) => Backend::Mock(InProcessMock::new(

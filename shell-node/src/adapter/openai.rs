@@ -23,9 +23,14 @@ use super::{HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, p
 /// non-streamed chat completion (its usage is the provider's own).
 pub(super) fn run(
     target: HttpTarget,
-    req: RunRequest,
+    mut req: RunRequest,
     auth: Option<String>,
 ) -> BoxStream<'static, RunEventKind> {
+    if target.json_object_schema
+        && let Some(format) = req.params.response_format_json.take()
+    {
+        req.params.response_format_json = Some(json_object_schema(&format));
+    }
     let completion = req.api == RunApi::Completion
         || (req.api == RunApi::Generate && req.params.suffix.is_some());
     let whole = req.params.whole_answer && !target.stream_usage;
@@ -59,6 +64,21 @@ pub(super) fn run(
         request = request.header(reqwest::header::ACCEPT, "text/event-stream");
     }
     http_run(target, request, auth, req.session_id, decode)
+}
+
+/// A `json_schema` response format in the `{"type":"json_object","schema"}`
+/// form some servers (llama-cpp-python) take instead; others unchanged.
+pub(crate) fn json_object_schema(format: &str) -> String {
+    match serde_json::from_str::<Value>(format) {
+        Ok(v) if v["type"] == "json_schema" => {
+            let mut out = json!({"type": "json_object"});
+            if v["json_schema"]["schema"].is_object() {
+                out["schema"] = v["json_schema"]["schema"].clone();
+            }
+            out.to_string()
+        }
+        _ => format.to_owned(),
+    }
 }
 
 /// The largest non-streamed answer read (a whole chat completion or an
@@ -141,19 +161,48 @@ pub(crate) fn parse_embeddings(body: &[u8]) -> Option<(Vec<Embedding>, Option<Us
     struct Item {
         #[serde(default)]
         index: Option<u32>,
-        embedding: Vec<f32>,
+        embedding: Values,
+    }
+    // A server without pooling (llama-cpp-python serving a causal model)
+    // answers one vector per token instead of one per input.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Values {
+        Pooled(Vec<f32>),
+        PerToken(Vec<Vec<f32>>),
     }
     let answer: Answer = serde_json::from_slice(body).ok()?;
     let vectors = answer
         .data
         .into_iter()
         .enumerate()
-        .map(|(pos, item)| Embedding {
-            index: item.index.unwrap_or(pos as u32),
-            values: item.embedding,
+        .map(|(pos, item)| {
+            let values = match item.embedding {
+                Values::Pooled(values) => values,
+                Values::PerToken(tokens) => mean_pool(&tokens)?,
+            };
+            Some(Embedding {
+                index: item.index.unwrap_or(pos as u32),
+                values,
+            })
         })
-        .collect();
+        .collect::<Option<Vec<_>>>()?;
     Some((vectors, answer.usage.map(WireUsage::usage)))
+}
+
+/// The mean of per-token vectors (llama.cpp's mean pooling); `None` when
+/// there are none or their lengths differ.
+fn mean_pool(tokens: &[Vec<f32>]) -> Option<Vec<f32>> {
+    let first = tokens.first()?;
+    if tokens.iter().any(|t| t.len() != first.len()) {
+        return None;
+    }
+    let n = tokens.len() as f32;
+    Some(
+        (0..first.len())
+            .map(|i| tokens.iter().map(|t| t[i]).sum::<f32>() / n)
+            .collect(),
+    )
 }
 
 /// The embeddings request: one input per user message, floats back.
@@ -762,6 +811,122 @@ mod tests {
         );
         s.on("[DONE]").unwrap();
         assert!(s.done);
+        assert_eq!(
+            s.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::ToolCalls,
+                usage: Some(Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 2
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn embeddings_are_read_pooled_or_mean_pooled_per_token() {
+        let (vectors, usage) = parse_embeddings(
+            br#"{"data":[{"index":0,"embedding":[1.0,2.0]},{"index":1,"embedding":[[1.0,0.0],[3.0,2.0]]}],"usage":{"prompt_tokens":4,"total_tokens":4}}"#,
+        )
+        .unwrap();
+        assert_eq!(vectors[0].values, vec![1.0, 2.0]);
+        assert_eq!(vectors[1].values, vec![2.0, 1.0]);
+        assert_eq!(usage.unwrap().prompt_tokens, 4);
+        assert!(parse_embeddings(br#"{"data":[{"embedding":[[1.0],[1.0,2.0]]}]}"#).is_none());
+        assert!(
+            parse_embeddings(br#"{"data":[{"embedding":[]}]}"#)
+                .unwrap()
+                .0[0]
+                .values
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_json_schema_format_takes_the_json_object_form_where_the_server_wants_it() {
+        let format =
+            r#"{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object"}}}"#;
+        let v: Value = serde_json::from_str(&json_object_schema(format)).unwrap();
+        assert_eq!(
+            v,
+            json!({"type": "json_object", "schema": {"type": "object"}})
+        );
+        let plain = r#"{"type":"json_object"}"#;
+        assert_eq!(json_object_schema(plain), plain);
+    }
+
+    #[test]
+    fn the_request_carries_the_surface_and_pass_through_fields() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Chat, "hello");
+        req.messages[0].images = vec!["data:image/png;base64,aGk=".into()];
+        req.params.response_format_json = Some(r#"{"type":"json_object"}"#.into());
+        req.params.logprobs = true;
+        req.params.top_logprobs = Some(2);
+        req.params.reasoning_effort = Some("low".into());
+        req.params.extra_json = Some(r#"{"top_k":5,"temperature":9}"#.into());
+        req.params.temperature = Some(0.5);
+        let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
+        assert_eq!(body["messages"][0]["content"][0]["text"], "hello");
+        assert_eq!(
+            body["messages"][0]["content"][1]["image_url"]["url"],
+            "data:image/png;base64,aGk="
+        );
+        assert_eq!(body["response_format"]["type"], "json_object");
+        assert_eq!(body["logprobs"], true);
+        assert_eq!(body["top_logprobs"], 2);
+        assert_eq!(body["reasoning_effort"], "low");
+        assert_eq!(body["top_k"], 5);
+        assert_eq!(
+            body["temperature"],
+            json!(0.5f32),
+            "a pass-through field never overrides the run's own"
+        );
+    }
+
+    #[test]
+    fn usage_comes_from_llama_cpp_timings_when_no_usage_object_does() {
+        let mut s = ChunkState::default();
+        s.on(r#"{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}],"timings":{"prompt_n":32,"predicted_n":8}}"#)
+            .unwrap();
+        s.on("[DONE]").unwrap();
+        assert_eq!(
+            s.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: Some(Usage {
+                    prompt_tokens: 32,
+                    completion_tokens: 8
+                }),
+            }
+        );
+        let mut none = ChunkState::default();
+        none.on(r#"{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}]}"#)
+            .unwrap();
+        assert_eq!(
+            none.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: None
+            },
+            "no usage reported is none, never zeros"
+        );
+    }
+
+    #[test]
+    fn a_whole_answer_decodes_reasoning_text_tool_calls_logprobs_and_usage() {
+        let mut s = ChunkState::default();
+        let mut out = Vec::new();
+        s.on_whole(
+            br#"{"choices":[{"index":0,"message":{"role":"assistant","reasoning_content":"hm","content":"hi","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},"logprobs":{"content":[{"token":"hi","logprob":-0.1,"top_logprobs":[]}]},"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":3,"completion_tokens":2}}"#,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out[0], RunEventKind::ReasoningDelta("hm".into()));
+        assert_eq!(out[1], RunEventKind::TextDelta("hi".into()));
+        assert!(
+            matches!(&out[2], RunEventKind::ToolCallDelta(d) if d.index == 0 && d.name.as_deref() == Some("f"))
+        );
+        assert!(matches!(&out[3], RunEventKind::Logprobs(l) if l[0].token == "hi"));
         assert_eq!(
             s.completed(),
             RunEventKind::Completed {

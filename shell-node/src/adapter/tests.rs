@@ -77,6 +77,7 @@ fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter 
         models: Vec::new(),
         api_key: api_key.map(str::to_owned),
         stream_usage: true,
+        json_object_schema: false,
     };
     Adapter::new(&target, http_client())
 }
@@ -783,6 +784,7 @@ fn in_process() -> Adapter {
         models: Vec::new(),
         api_key: None,
         stream_usage: true,
+        json_object_schema: false,
     };
     Adapter::new(&target, http_client())
 }
@@ -928,6 +930,7 @@ async fn unconfigured_http_adapters_fail_closed() {
         models: Vec::new(),
         api_key: None,
         stream_usage: true,
+        json_object_schema: false,
     };
     let a = Adapter::new(&target, http_client());
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
