@@ -184,8 +184,9 @@ fn pool_for(
     run: &NormalizedRun,
 ) -> Result<Vec<ProviderId>, ApiError> {
     let model = run.model.as_str();
-    let pool = match state.config.route(model) {
-        Some(pool) if key.allows(model) => pool,
+    let routed = routed_pool(state, model);
+    let pool = match &routed {
+        Some(pool) if key.allows(model) => pool.as_slice(),
         // A model the key may not use is indistinguishable from one that
         // does not exist.
         _ => return Err(ApiError::model_not_found(model)),
@@ -211,6 +212,26 @@ fn pool_for(
         Some(err) if capable.is_empty() => Err(err),
         _ => Ok(capable),
     }
+}
+
+/// The providers serving `model`: an exact `[[routes]]` entry (a pin), else
+/// the discovering providers that reported the model (`crate::catalog`),
+/// else the longest prefix route.
+fn routed_pool(state: &AppState, model: &str) -> Option<Vec<ProviderId>> {
+    if let Some(pool) = state.config.exact_route(model) {
+        return Some(pool.to_vec());
+    }
+    let discovered: Vec<ProviderId> = state
+        .hub
+        .catalog()
+        .pool_for(model)
+        .into_iter()
+        .filter(|id| state.config.provider(id).is_some_and(|p| p.discover_models))
+        .collect();
+    if !discovered.is_empty() {
+        return Some(discovered);
+    }
+    state.config.route(model).map(<[ProviderId]>::to_vec)
 }
 
 /// How a tunnelled body is framed, for the one error it may carry.
@@ -330,7 +351,7 @@ async fn ollama_show(State(state): State<AppState>, request: Request) -> Respons
         let key = authenticate(&state, &parts.headers)?;
         let body = read_body(&state, body).await?;
         let model = ollama::parse_show_request(&body)?;
-        let pool = match state.config.route(&model) {
+        let pool = match routed_pool(&state, &model) {
             Some(pool) if key.allows(&model) => pool,
             _ => return Err(ApiError::model_not_found(&model)),
         };
@@ -568,15 +589,25 @@ async fn ollama_tags(State(state): State<AppState>, headers: HeaderMap) -> Respo
     }
 }
 
-/// The models the caller's key may use, in listing order.
+/// The models the caller's key may use, in listing order: the configured
+/// routes, then the models discovering providers report now.
 fn listed_models(state: &AppState, headers: &HeaderMap) -> Result<Vec<String>, ApiError> {
     let key = authenticate(state, headers)?;
-    Ok(state
+    let mut names: Vec<String> = state
         .config
         .listed_models()
         .filter(|m| key.allows(m))
         .map(str::to_owned)
-        .collect())
+        .collect();
+    for model in state.hub.catalog().listed() {
+        if !names.contains(&model)
+            && key.allows(&model)
+            && routed_pool(state, &model).is_some_and(|pool| !pool.is_empty())
+        {
+            names.push(model);
+        }
+    }
+    Ok(names)
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {

@@ -95,11 +95,11 @@ async fn official_clients_against_a_real_llama_cpp_server() {
     let edge = RunningEdge::start(edge_config(
         &pki,
         0,
-        &format!(
-            "[[providers]]\nid = \"llama\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"llama\"\ncapacity = 2\n\
-             [[routes]]\nmodel = \"{MODEL}\"\nproviders = [\"llama\"]\n\
-             [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n"
-        ),
+        // No [[routes]] entry: the model is discovered from the
+        // provider's own /v1/models.
+        "[health]\nrefresh_interval_ms = 300\nprobe_timeout_ms = 2000\nstale_after_ms = 10000\n\
+         [[providers]]\nid = \"llama\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"llama\"\ncapacity = 2\n\
+         [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n"
     ))
     .await
     .expect("edge");
@@ -113,6 +113,10 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         ),
     );
     ready_generation(&edge, "node-1").await;
+    wait_for(&edge, "the model discovered", |_| {
+        edge.hub.catalog().pool_for(MODEL).len() == 1
+    })
+    .await;
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/real_provider/clients_e2e.py"

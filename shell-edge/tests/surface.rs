@@ -309,3 +309,67 @@ async fn ollama_show_and_ps_describe_routable_models() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_model_the_node_reports_is_listed_and_routed_without_edge_config() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        let edge = RunningEdge::start(edge_config(
+            &pki,
+            0,
+            "[health]\nrefresh_interval_ms = 100\nprobe_timeout_ms = 1000\nstale_after_ms = 5000\n\
+             [[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"mock\"\n\
+             [[providers]]\nid = \"quiet\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"quiet\"\ndiscover_models = false\n\
+             [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n",
+        ))
+        .await
+        .expect("edge");
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            "[[providers]]\nadapter = \"mock\"\ntarget = \"mock\"\nmodels = [\"found-model\"]\n\
+             [[providers]]\nadapter = \"mock\"\ntarget = \"quiet\"\nmodels = [\"hidden-model\"]\n",
+        );
+        ready_generation(&edge, "node-1").await;
+        wait_for(&edge, "the reported model", |_| {
+            edge.hub.catalog().pool_for("found-model").len() == 1
+                && edge.hub.catalog().pool_for("hidden-model").len() == 1
+        })
+        .await;
+        let http = reqwest::Client::new();
+        let url = |p: &str| format!("http://{}{p}", edge.http_addr);
+        let v: Value = http
+            .get(url("/v1/models"))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let ids: Vec<&str> = v["data"].as_array().unwrap().iter().filter_map(|m| m["id"].as_str()).collect();
+        assert_eq!(ids, vec!["found-model"], "discover_models = false keeps a provider's models out");
+        let r = http
+            .post(url("/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .json(&json!({"model": "found-model", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let r = http
+            .post(url("/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .json(&json!({"model": "hidden-model", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404);
+        wait_for(&edge, "idle", |s| s.leases_in_use == 0 && s.waiters == 0).await;
+        let _ = node.shutdown().await;
+        edge.shutdown().await;
+    })
+    .await;
+}
