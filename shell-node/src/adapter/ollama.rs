@@ -485,6 +485,72 @@ mod tests {
     }
 
     #[test]
+    fn the_request_maps_format_images_reasoning_and_options() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Chat, "what is this?");
+        req.messages[0].images = vec!["data:image/png;base64,aGk=".into()];
+        req.params.response_format_json = Some(
+            r#"{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object"}}}"#
+                .into(),
+        );
+        req.params.reasoning_effort = Some("none".into());
+        req.params.extra_json = Some(r#"{"top_k":7,"num_ctx":4096,"user":"u"}"#.into());
+        let (path, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(path, "/api/chat");
+        assert_eq!(body["messages"][0]["images"], json!(["aGk="]));
+        assert_eq!(body["format"], json!({"type": "object"}));
+        assert_eq!(body["think"], json!(false));
+        assert_eq!(body["options"]["top_k"], 7);
+        assert_eq!(body["options"]["num_ctx"], 4096);
+        assert!(
+            body["options"].get("user").is_none(),
+            "answer-neutral metadata stays out"
+        );
+
+        req.params.response_format_json = Some(r#"{"type":"json_object"}"#.into());
+        let (_, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["format"], "json");
+
+        req.messages[0].images = vec!["https://example.com/a.png".into()];
+        assert!(matches!(
+            request_body(&req),
+            Err(ProviderCallError::InvalidRequest(_))
+        ));
+    }
+
+    #[test]
+    fn embeddings_and_suffixed_completions_take_their_own_paths() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Embeddings, "a");
+        let (path, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(path, "/api/embed");
+        assert_eq!(body["input"], json!(["a"]));
+        assert!(body.get("stream").is_none());
+
+        req.api = RunApi::Completion;
+        req.params.suffix = Some("end".into());
+        let (path, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(path, "/api/generate");
+        assert_eq!(body["prompt"], "a");
+        assert_eq!(body["suffix"], "end");
+    }
+
+    #[test]
+    fn thinking_is_relayed_as_reasoning() {
+        let mut state = LineState::default();
+        let mut out = Vec::new();
+        state
+            .on_line(
+                r#"{"message":{"role":"assistant","content":"","thinking":"hm"},"done":false}"#,
+                &mut out,
+            )
+            .unwrap();
+        assert_eq!(out, vec![RunEventKind::ReasoningDelta("hm".into())]);
+    }
+
+    #[test]
     fn lines_decode_into_text_whole_tool_calls_and_a_final_usage() {
         let mut s = LineState::default();
         assert_eq!(

@@ -580,6 +580,24 @@ async fn ollama_tool_call_arrives_whole_with_json_arguments() {
 }
 
 #[tokio::test]
+async fn ollama_embed_is_one_event_per_input_with_prompt_eval_count() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock", RunApi::Embeddings, "abcdefgh"), None)).await;
+    assert_one_terminal(&events);
+    assert!(
+        matches!(&events[1], RunEventKind::Embedding(e) if e.values == crate::mock::mock_embedding("abcdefgh"))
+    );
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(2, 0)),
+        })
+    );
+}
+
+#[tokio::test]
 async fn ollama_errors_and_garbage_are_typed() {
     let server = mock(MockScript::default()).await;
     let a = adapter(AdapterKind::Ollama, &server.base_url(), None);

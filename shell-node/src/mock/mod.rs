@@ -54,7 +54,7 @@
 //! Usage is `(ceil(prompt chars / 4), tokens produced)`.
 //!
 //! Beyond text, for the normalized request surface: `POST /v1/embeddings`
-//! (and an in-process embeddings run) answers each input with a
+//! and `POST /api/embed` (and an in-process embeddings run) answers each input with a
 //! deterministic [`MOCK_EMBEDDING_DIMENSIONS`]-value vector
 //! ([`mock_embedding`]) and a prompt token count; a run asking for a
 //! `response_format` answers the JSON object `{"answer": "<the tokens>"}`;
