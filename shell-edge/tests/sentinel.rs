@@ -102,7 +102,7 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
         }
         // Every label value is from its closed set.
         let closed: &[(&str, &[&str])] = &[
-            ("route", &["chat", "responses", "ollama_chat", "ollama_generate"]),
+            ("route", &["chat", "responses", "completions", "embeddings", "ollama_chat", "ollama_generate", "ollama_embed"]),
             ("outcome", &["ok", "invalid_request", "unauthorized", "not_found", "rate_limited",
                 "provider_error", "unavailable", "timeout", "client_disconnected", "internal",
                 "lowered", "recorded", "stale"]),
