@@ -24,7 +24,16 @@ fn venv() -> Option<PathBuf> {
         Ok(p) => PathBuf::from(p),
         Err(_) => PathBuf::from(std::env::var("HOME").ok()?).join(".cache/iop/provider-venv"),
     };
-    path.join("bin/python").exists().then_some(path)
+    // Only a completed build (scripts/provider-venv stamps it last).
+    let ready = std::fs::read_dir(&path)
+        .ok()?
+        .filter_map(Result::ok)
+        .any(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(".iop-ready-"))
+        });
+    (ready && path.join("bin/python").exists()).then_some(path)
 }
 
 fn free_port() -> u16 {
@@ -84,7 +93,7 @@ async fn official_clients_against_a_real_llama_cpp_server() {
     let Some(venv) = venv() else {
         eprintln!(
             "SKIPPED official_clients_against_a_real_llama_cpp_server: no provider venv \
-             (run scripts/provider-venv, or set IOP_PROVIDER_VENV)"
+             (run scripts/provider-venv, or set IOP_PROVIDER_VENV to a completed one)"
         );
         return;
     };
