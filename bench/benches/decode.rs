@@ -84,6 +84,7 @@ fn run_request() -> RunRequest {
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            images: Vec::new(),
         }],
         tools: Vec::new(),
         params: GenerationParams::default(),
@@ -139,6 +140,8 @@ fn node_decode(c: &mut Criterion) {
                 base_url: Some(format!("http://{addr}{path}")),
                 models: vec!["m".into()],
                 api_key: None,
+                stream_usage: true,
+                json_object_schema: false,
             },
             http.clone(),
         )

@@ -53,6 +53,14 @@ pub struct ProviderEntry {
     /// Managed credential profile (sealed lease per dispatch).
     #[serde(default)]
     pub credential: Option<String>,
+    /// Route the models the provider reports (model discovery) without a
+    /// `[[routes]]` entry; default true.
+    #[serde(default = "default_true")]
+    pub discover_models: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_capacity() -> u32 {
@@ -509,6 +517,8 @@ pub struct Provider {
     pub mode: ProviderMode,
     /// Managed credential profile.
     pub credential: Option<String>,
+    /// Its reported models are routed without a `[[routes]]` entry.
+    pub discover_models: bool,
 }
 
 /// A validated API key.
@@ -703,6 +713,7 @@ impl EdgeConfig {
                 models: p.models.clone(),
                 mode: p.mode,
                 credential: p.credential.clone(),
+                discover_models: p.discover_models,
             });
         }
 
@@ -880,6 +891,15 @@ impl EdgeConfig {
             .iter()
             .filter(|(m, _)| m.ends_with('*') && model_matches(m, model))
             .max_by_key(|(m, _)| m.len())
+            .map(|(_, pool)| pool.as_slice())
+    }
+
+    /// The pool of an exact `[[routes]]` entry for `model` (a pin: it wins
+    /// over discovered models).
+    pub fn exact_route(&self, model: &str) -> Option<&[ProviderId]> {
+        self.routes
+            .iter()
+            .find(|(m, _)| m == model)
             .map(|(_, pool)| pool.as_slice())
     }
 

@@ -30,9 +30,10 @@ use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
 use crate::api::endpoint::{
-    AnswerStart, AnswerStream, ChatCompletions, Ollama, Responses, RunEndpoint, WholeAnswer,
+    AnswerStart, AnswerStream, ChatCompletions, Completions, Embeddings, Ollama, OllamaEmbed,
+    Responses, RunEndpoint, WholeAnswer,
 };
-use crate::api::{ApiError, NormalizedRun, OllamaError, framing, models, ollama};
+use crate::api::{ApiError, NormalizedRun, OllamaError, framing, models, ollama, surface};
 use crate::config::{ApiKey, EdgeConfig};
 use crate::driver::{
     self, Delivery, DriverContext, DriverObservation, TunnelApi, TunnelBody, Work,
@@ -144,6 +145,11 @@ pub fn router(state: AppState) -> Router {
         .route("/api/chat", post(ollama_chat))
         .route("/api/generate", post(ollama_generate))
         .route("/api/tags", get(ollama_tags))
+        .route("/v1/embeddings", post(create_embeddings))
+        .route("/v1/completions", post(create_completion))
+        .route("/api/embed", post(ollama_embed))
+        .route("/api/show", post(ollama_show))
+        .route("/api/ps", get(ollama_ps))
         .route("/healthz", get(|| async { "ok" }))
         .route("/status", get(status))
         .route("/metrics", get(metrics_text))
@@ -179,14 +185,64 @@ fn bearer_token(value: &str) -> Option<&str> {
     Some(rest.trim()).filter(|t| !t.is_empty())
 }
 
-/// The pool for `model`, if the key may use it.
-fn pool_for(state: &AppState, key: &ApiKey, model: &str) -> Result<Vec<ProviderId>, ApiError> {
-    match state.config.route(model) {
-        Some(pool) if key.allows(model) => Ok(pool.to_vec()),
+/// The pool for `run`'s model, if the key may use it: the providers that
+/// can honour the whole request. When the model has providers but none of
+/// them can, the answer is the 400 naming the parameter
+/// ([`surface::provider_refusal`]).
+fn pool_for(
+    state: &AppState,
+    key: &ApiKey,
+    run: &NormalizedRun,
+) -> Result<Vec<ProviderId>, ApiError> {
+    let model = run.model.as_str();
+    let routed = routed_pool(state, model);
+    let pool = match &routed {
+        Some(pool) if key.allows(model) => pool.as_slice(),
         // A model the key may not use is indistinguishable from one that
         // does not exist.
-        _ => Err(ApiError::model_not_found(model)),
+        _ => return Err(ApiError::model_not_found(model)),
+    };
+    let mut refusal = None;
+    let capable: Vec<ProviderId> = pool
+        .iter()
+        .filter(|id| {
+            let Some(provider) = state.config.provider(id) else {
+                return false;
+            };
+            match surface::provider_refusal(provider.spec.adapter, provider.mode, run) {
+                None => true,
+                Some(err) => {
+                    refusal.get_or_insert(err);
+                    false
+                }
+            }
+        })
+        .cloned()
+        .collect();
+    match refusal {
+        Some(err) if capable.is_empty() => Err(err),
+        _ => Ok(capable),
     }
+}
+
+/// The providers serving `model`: an exact `[[routes]]` entry (a pin), else
+/// the discovering providers that reported the model (`crate::catalog`),
+/// else the longest prefix route.
+fn routed_pool(state: &AppState, model: &str) -> Option<Vec<ProviderId>> {
+    if let Some(pool) = state.config.exact_route(model) {
+        return Some(pool.to_vec());
+    }
+    let discovered: Vec<ProviderId> = state
+        .hub
+        .catalog()
+        .pool_for(model)
+        .into_iter()
+        .filter(|id| state.config.provider(id).is_some_and(|p| p.discover_models))
+        .collect();
+    if !discovered.is_empty() {
+        return Some(discovered);
+    }
+    state.config.route(model).map(<[ProviderId]>::to_vec)
 }
 
 /// How a tunnelled body is framed, for the one error it may carry.
@@ -269,7 +325,7 @@ async fn admit<E: RunEndpoint>(
     // The decoded tree is gone; the body and the run remain.
     held.permit
         .shrink_to(held.bytes.len() * KEPT_BYTES_PER_BODY_BYTE);
-    let pool = pool_for(state, &key, &run.model)?;
+    let pool = pool_for(state, &key, &run)?;
     Ok(Admitted {
         key,
         body: held.bytes,
@@ -294,6 +350,57 @@ async fn ollama_chat(State(state): State<AppState>, request: Request) -> Respons
 
 async fn ollama_generate(State(state): State<AppState>, request: Request) -> Response {
     run_endpoint(state, request, Ollama(RunApi::Generate)).await
+}
+
+async fn create_embeddings(State(state): State<AppState>, request: Request) -> Response {
+    run_endpoint(state, request, Embeddings).await
+}
+
+async fn create_completion(State(state): State<AppState>, request: Request) -> Response {
+    run_endpoint(state, request, Completions).await
+}
+
+async fn ollama_embed(State(state): State<AppState>, request: Request) -> Response {
+    run_endpoint(state, request, OllamaEmbed).await
+}
+
+/// `POST /api/show`: what the Edge knows of a routable model (its
+/// providers' kinds); 404 for a model the key cannot use.
+async fn ollama_show(State(state): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let answer = async {
+        let key = authenticate(&state, &parts.headers)?;
+        // Through the body budget like every request body (R-LIM-2).
+        let held = state
+            .bodies
+            .read(&key.principal, &parts.headers, body)
+            .await
+            .map_err(BodyError::to_api_error)?;
+        let model = ollama::parse_show_request(&held.bytes)?;
+        let pool = match routed_pool(&state, &model) {
+            Some(pool) if key.allows(&model) => pool,
+            _ => return Err(ApiError::model_not_found(&model)),
+        };
+        let adapters: Vec<iop_wire::AdapterKind> = pool
+            .iter()
+            .filter_map(|id| state.config.provider(id))
+            .map(|p| p.spec.adapter)
+            .collect();
+        Ok(ollama::show_json(&model, &adapters))
+    }
+    .await;
+    match answer {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => OllamaError(e).into_response(),
+    }
+}
+
+/// `GET /api/ps`: the models routable now for the caller's key.
+async fn ollama_ps(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    match listed_models(&state, &headers) {
+        Ok(names) => axum::Json(ollama::ps_json(&names)).into_response(),
+        Err(e) => OllamaError(e).into_response(),
+    }
 }
 
 /// The one pipeline of every run endpoint; `endpoint` is what differs
@@ -562,15 +669,25 @@ async fn ollama_tags(State(state): State<AppState>, headers: HeaderMap) -> Respo
     }
 }
 
-/// The models the caller's key may use, in listing order.
+/// The models the caller's key may use, in listing order: the configured
+/// routes, then the models discovering providers report now.
 fn listed_models(state: &AppState, headers: &HeaderMap) -> Result<Vec<String>, ApiError> {
     let key = authenticate(state, headers)?;
-    Ok(state
+    let mut names: Vec<String> = state
         .config
         .listed_models()
         .filter(|m| key.allows(m))
         .map(str::to_owned)
-        .collect())
+        .collect();
+    for model in state.hub.catalog().listed() {
+        if !names.contains(&model)
+            && key.allows(&model)
+            && routed_pool(state, &model).is_some_and(|pool| !pool.is_empty())
+        {
+            names.push(model);
+        }
+    }
+    Ok(names)
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {

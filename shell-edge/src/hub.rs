@@ -171,9 +171,15 @@ pub struct HubGone;
 #[derive(Clone)]
 pub struct HubHandle {
     tx: mpsc::UnboundedSender<HubMsg>,
+    catalog: Arc<crate::catalog::ModelCatalog>,
 }
 
 impl HubHandle {
+    /// The models providers reported (model discovery, `crate::catalog`).
+    pub fn catalog(&self) -> &crate::catalog::ModelCatalog {
+        &self.catalog
+    }
+
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> HubMsg) -> Result<T, HubGone> {
         let (reply, rx) = oneshot::channel();
         self.tx.send(make(reply)).map_err(|_| HubGone)?;
@@ -280,6 +286,7 @@ struct Hub {
     readying: Option<oneshot::Sender<bool>>,
     closes_by_reason: BTreeMap<&'static str, u64>,
     metrics: Arc<EdgeMetrics>,
+    catalog: Arc<crate::catalog::ModelCatalog>,
 }
 
 /// Start the hub task. With `trace`, every dispatcher input and output is
@@ -304,7 +311,11 @@ pub fn spawn(
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let probe_bound = config.health.probe_timeout;
+    let catalog = Arc::new(crate::catalog::ModelCatalog::new(
+        config.providers.iter().map(|p| p.id.clone()).collect(),
+    ));
     let hub = Hub {
+        catalog: catalog.clone(),
         tx: tx.clone(),
         unix_origin_ms: iop_transport::clock::unix_ms().saturating_sub(clock.now().as_millis()),
         probe_bound,
@@ -322,7 +333,7 @@ pub fn spawn(
         metrics,
     };
     let task = tokio::spawn(hub.run(rx));
-    Ok((HubHandle { tx }, task))
+    Ok((HubHandle { tx, catalog }, task))
 }
 
 impl Hub {
@@ -455,6 +466,9 @@ impl Hub {
                 }
             }
             HubMsg::ProbeAnswer { ticket, answer } => {
+                if let Ok((_, _, report)) = &answer {
+                    self.catalog.observe(&ticket.provider_id, report);
+                }
                 let answer = match answer {
                     Ok((node, generation, report)) => ProbeAnswer::Report {
                         node,

@@ -5,6 +5,7 @@
 //! clients, with every policy decision made by `iop-core`.
 
 pub mod api;
+pub mod catalog;
 pub mod config;
 pub mod cred;
 pub mod demo;

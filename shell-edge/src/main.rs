@@ -151,7 +151,10 @@ fn main() -> anyhow::Result<()> {
                 if json {
                     println!("{}", serde_json::to_string_pretty(&doc)?);
                 } else {
-                    print!("{}", iop_edge::status::status_table(&doc));
+                    print!(
+                        "{}",
+                        iop_edge::status::status_table(&doc, iop_transport::clock::unix_ms())
+                    );
                 }
                 Ok(())
             }

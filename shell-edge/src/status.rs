@@ -50,15 +50,45 @@ pub fn status_json(config: &EdgeConfig, snap: &HubSnapshot) -> Value {
             "generation_fences": snap.fences,
             "fenced_late_messages": snap.fenced_messages,
             "connection_closes": snap.closes_by_reason,
+            // The Edge's clock, so a reader shows times as ages without
+            // trusting its own clock.
+            "now_unix_ms": iop_transport::clock::unix_ms(),
         },
         "providers": providers,
     })
 }
 
-/// `/status` as a fixed-width table for `iop-edge status`.
-pub fn status_table(doc: &Value) -> String {
+/// A moment as an age from `now_unix_ms`: "3 s ago", "in 12 s", "now";
+/// seconds under two minutes, then minutes, hours and days.
+pub fn age(now_unix_ms: u64, at_unix_ms: u64) -> String {
+    let (delta_ms, future) = if at_unix_ms >= now_unix_ms {
+        (at_unix_ms - now_unix_ms, true)
+    } else {
+        (now_unix_ms - at_unix_ms, false)
+    };
+    let secs = delta_ms / 1_000;
+    let span = match secs {
+        0 => return "now".to_owned(),
+        1..120 => format!("{secs} s"),
+        120..7_200 => format!("{} min", secs / 60),
+        7_200..172_800 => format!("{} h", secs / 3_600),
+        _ => format!("{} d", secs / 86_400),
+    };
+    if future {
+        format!("in {span}")
+    } else {
+        format!("{span} ago")
+    }
+}
+
+/// `/status` as a fixed-width table for `iop-edge status`; times are ages
+/// from the Edge's `now_unix_ms` (or `local_now_unix_ms` when the document
+/// has none).
+pub fn status_table(doc: &Value, local_now_unix_ms: u64) -> String {
     let mut out = String::new();
     let i = &doc["instance"];
+    let now = i["now_unix_ms"].as_u64().unwrap_or(local_now_unix_ms);
+    let when = |v: &Value| v.as_u64().map_or_else(|| "-".to_owned(), |at| age(now, at));
     out.push_str(&format!(
         "iop-edge {}  nodes connected: {}  queue depth: {}  leases in use: {}  fences: {}  late messages: {}\n\n",
         i["version"].as_str().unwrap_or("?"),
@@ -76,8 +106,8 @@ pub fn status_table(doc: &Value) -> String {
         "LEASES",
         "FAILURES",
         "FAILURE_CODE",
-        "LAST_SUCCESS_MS",
-        "NEXT_RETRY_MS",
+        "LAST_SUCCESS",
+        "NEXT_RETRY",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
     for p in doc["providers"].as_array().into_iter().flatten() {
@@ -102,8 +132,8 @@ pub fn status_table(doc: &Value) -> String {
             format!("{}/{}", p["leases_in_use"], p["capacity"]),
             show(&p["consecutive_failures"]),
             show(&p["failure_code"]),
-            show(&p["last_success_at"]),
-            show(&p["next_retry_at"]),
+            when(&p["last_success_at"]),
+            when(&p["next_retry_at"]),
         ]);
     }
     let widths: Vec<usize> = (0..header.len())
@@ -119,4 +149,29 @@ pub fn status_table(doc: &Value) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_shown_as_ages_not_epoch_milliseconds() {
+        let now = 1_800_000_000_000;
+        assert_eq!(age(now, now), "now");
+        assert_eq!(age(now, now - 3_000), "3 s ago");
+        assert_eq!(age(now, now + 12_400), "in 12 s");
+        assert_eq!(age(now, now - 300_000), "5 min ago");
+        assert_eq!(age(now, now - 3 * 3_600_000), "3 h ago");
+        assert_eq!(age(now, now - 3 * 86_400_000), "3 d ago");
+
+        let doc = json!({
+            "instance": {"version": "x", "now_unix_ms": now},
+            "providers": [{"id": "p", "node": "n", "node_ready": true, "capacity": 1,
+                "leases_in_use": 0, "last_success_at": now - 3_000, "next_retry_at": null}],
+        });
+        let table = status_table(&doc, 0);
+        assert!(table.contains("3 s ago"), "{table}");
+        assert!(!table.contains(&(now - 3_000).to_string()), "{table}");
+    }
 }

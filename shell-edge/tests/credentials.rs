@@ -194,6 +194,7 @@ fn run_request(run_id: u64, lease: Option<Vec<u8>>) -> RunRequest {
             tool_calls: vec![],
             tool_call_id: None,
             name: None,
+            images: Vec::new(),
         }],
         tools: vec![],
         params: GenerationParams::default(),

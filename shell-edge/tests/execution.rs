@@ -74,6 +74,7 @@ fn run_request(run_id: u64, model: &str, stall_timeout_ms: u64) -> RunRequest {
             tool_calls: vec![],
             tool_call_id: None,
             name: None,
+            images: Vec::new(),
         }],
         tools: vec![],
         params: GenerationParams::default(),

@@ -107,7 +107,7 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
             "lowered", "recorded", "stale"];
         outcomes.extend(iop_wire::FailureCode::ALL.iter().map(|c| c.as_str()));
         let closed: &[(&str, &[&str])] = &[
-            ("route", &["chat", "responses", "ollama_chat", "ollama_generate"]),
+            ("route", &["chat", "responses", "completions", "embeddings", "ollama_chat", "ollama_generate", "ollama_embed"]),
             ("outcome", &outcomes),
             ("provider", &["p1"]),
             ("model", &["mock*"]),

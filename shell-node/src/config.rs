@@ -98,6 +98,19 @@ pub struct ProviderEntry {
     /// Environment variable with a static API key (unmanaged credentials).
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// Whether the provider's streams report usage when asked with
+    /// `stream_options.include_usage` (default true). Set it to false for a
+    /// server that never does (llama-cpp-python's): a client that takes its
+    /// answer whole is then served by a non-streamed call, whose usage is the
+    /// provider's own; a streamed answer reports no usage (`null`).
+    #[serde(default)]
+    pub stream_usage: Option<bool>,
+    /// How the provider takes a JSON Schema for structured output:
+    /// `json_schema` (the OpenAI form, default; vLLM, llama.cpp's own
+    /// server) or `json_object_schema` (`{"type":"json_object","schema":..}`,
+    /// llama-cpp-python's form).
+    #[serde(default)]
+    pub structured_output: Option<String>,
 }
 
 /// The raw file.
@@ -141,6 +154,12 @@ pub struct ProviderTarget {
     pub models: Vec<String>,
     /// Static API key (never logged).
     pub api_key: Option<String>,
+    /// The provider's streams carry usage (default true); see
+    /// `[[providers]] stream_usage`.
+    pub stream_usage: bool,
+    /// The provider takes a JSON Schema as `{"type":"json_object","schema":..}`
+    /// (`[[providers]] structured_output = "json_object_schema"`).
+    pub json_object_schema: bool,
 }
 
 impl std::fmt::Debug for ProviderTarget {
@@ -282,6 +301,17 @@ impl NodeConfig {
                 base_url,
                 models: p.models.clone(),
                 api_key,
+                stream_usage: p.stream_usage.unwrap_or(true),
+                json_object_schema: match p.structured_output.as_deref() {
+                    None | Some("json_schema") => false,
+                    Some("json_object_schema") => true,
+                    Some(_) => {
+                        return Err(field_err(
+                            f("structured_output"),
+                            "must be \"json_schema\" or \"json_object_schema\"",
+                        ));
+                    }
+                },
             });
         }
         Ok(Self {

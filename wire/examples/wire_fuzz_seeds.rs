@@ -77,6 +77,7 @@ fn main() -> std::io::Result<()> {
                     tool_calls: vec![],
                     tool_call_id: None,
                     name: None,
+                    images: Vec::new(),
                 }],
                 tools: vec![],
                 params: GenerationParams {

@@ -529,6 +529,9 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     /// Optional author name.
     pub name: Option<String>,
+    /// Images attached to the message: `https://` URLs or `data:` URLs with
+    /// base64 content, in the order the client gave them.
+    pub images: Vec<String>,
 }
 
 /// A function the model may call.
@@ -567,6 +570,29 @@ pub struct GenerationParams {
     pub frequency_penalty: Option<f32>,
     /// Tool choice, JSON-encoded as the client sent it.
     pub tool_choice_json: Option<String>,
+    /// `response_format` as the client sent it (`json_object` or
+    /// `json_schema`), JSON-encoded; `None` for plain text.
+    pub response_format_json: Option<String>,
+    /// Return the log probability of each output token.
+    pub logprobs: bool,
+    /// With `logprobs`: how many most likely alternatives per token.
+    pub top_logprobs: Option<u8>,
+    /// How much the model should reason (`minimal`, `low`, `medium`,
+    /// `high`, ...), as the client sent it.
+    pub reasoning_effort: Option<String>,
+    /// Whether the model may call several tools in one turn.
+    pub parallel_tool_calls: Option<bool>,
+    /// Text after the insertion point of a fill-in-the-middle completion
+    /// ([`RunApi::Completion`]).
+    pub suffix: Option<String>,
+    /// Top-level request fields the Edge does not interpret, as one JSON
+    /// object: passed to OpenAI-compatible providers unchanged and mapped to
+    /// Ollama `options` where Ollama has them.
+    pub extra_json: Option<String>,
+    /// The client takes the answer whole (no stream): a provider whose
+    /// streams carry no usage may be called without streaming, so the
+    /// answer's usage is the provider's own.
+    pub whole_answer: bool,
 }
 
 impl Eq for GenerationParams {}
@@ -579,6 +605,12 @@ pub enum RunApi {
     Chat,
     /// Plain completion of a prompt (Ollama generate).
     Generate,
+    /// Embeddings: one user message per input text, answered with one
+    /// [`RunEventKind::Embedding`] per input.
+    Embeddings,
+    /// A legacy text completion (`/v1/completions`): the prompt is the one
+    /// user message, [`GenerationParams::suffix`] the text after it.
+    Completion,
 }
 
 /// A W3C trace context (`traceparent`, version `00`) in binary form: the
@@ -768,7 +800,48 @@ pub enum RunEventKind {
     },
     /// Terminal: failure.
     Failed(ExecutionFailure),
+    /// One embedding vector ([`RunApi::Embeddings`]).
+    Embedding(Embedding),
+    /// Next piece of the model's reasoning (`reasoning_content`).
+    ReasoningDelta(String),
+    /// Log probabilities of the tokens of the text deltas before it.
+    Logprobs(Vec<TokenLogprob>),
 }
+
+/// One embedding vector of a [`RunApi::Embeddings`] run.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Embedding {
+    /// Which input (0-based) it embeds.
+    pub index: u32,
+    /// The vector.
+    #[cfg_attr(
+        test,
+        proptest(strategy = "proptest::collection::vec(-1.0e6f32..1.0e6f32, 0..8)")
+    )]
+    pub values: Vec<f32>,
+}
+
+impl Eq for Embedding {}
+
+/// The log probability of one output token.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log probability.
+    #[cfg_attr(test, proptest(strategy = "-1.0e6f32..1.0e6f32"))]
+    pub logprob: f32,
+    /// The most likely alternatives at this position, best first.
+    #[cfg_attr(
+        test,
+        proptest(strategy = "proptest::collection::vec(crate::tests::top_logprob(), 0..3)")
+    )]
+    pub top: Vec<(String, f32)>,
+}
+
+impl Eq for TokenLogprob {}
 
 impl RunEventKind {
     /// True for `Completed` and `Failed`. A terminal wins over any payload it carries (R-WD-1).

@@ -8,6 +8,10 @@ pub(crate) fn finite_f32() -> impl Strategy<Value = Option<f32>> {
     proptest::option::of(-1.0e6f32..1.0e6f32)
 }
 
+pub(crate) fn top_logprob() -> impl Strategy<Value = (String, f32)> {
+    (".{0,4}", -1.0e6f32..1.0e6f32)
+}
+
 fn config() -> ProptestConfig {
     ProptestConfig {
         cases: 1000,

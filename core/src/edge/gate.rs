@@ -190,10 +190,14 @@ impl AttemptFrame {
         match kind {
             RunEventKind::Started { .. } => AttemptFrame::Event(AttemptEvent::Started),
             RunEventKind::TextDelta(text) if text.is_empty() => AttemptFrame::NoEvent,
-            RunEventKind::TextDelta(_) | RunEventKind::ToolCallDelta(_) => {
-                AttemptFrame::Event(AttemptEvent::Content)
-            }
-            RunEventKind::Usage(_) => AttemptFrame::NoEvent,
+            RunEventKind::ReasoningDelta(text) if text.is_empty() => AttemptFrame::NoEvent,
+            // Reasoning and embeddings are answer bytes a client sees.
+            RunEventKind::TextDelta(_)
+            | RunEventKind::ToolCallDelta(_)
+            | RunEventKind::ReasoningDelta(_)
+            | RunEventKind::Embedding(_) => AttemptFrame::Event(AttemptEvent::Content),
+            // Log probabilities annotate text already sent; usage is metadata.
+            RunEventKind::Usage(_) | RunEventKind::Logprobs(_) => AttemptFrame::NoEvent,
             RunEventKind::Completed { .. } | RunEventKind::Failed(_) => AttemptFrame::Terminal,
         }
     }
@@ -896,6 +900,37 @@ mod tests {
                 AttemptFrame::from_tunnel_frame(&terminal),
                 AttemptFrame::Terminal
             );
+        }
+    }
+
+    #[test]
+    fn reasoning_and_embeddings_commit_and_logprobs_do_not_r_gate_2() {
+        use iop_wire::{Embedding, TokenLogprob};
+        let content = AttemptFrame::Event(AttemptEvent::Content);
+        let cases = [
+            (
+                RunEventKind::ReasoningDelta(String::new()),
+                AttemptFrame::NoEvent,
+            ),
+            (RunEventKind::ReasoningDelta("hmm".into()), content.clone()),
+            (
+                RunEventKind::Embedding(Embedding {
+                    index: 0,
+                    values: vec![0.5],
+                }),
+                content,
+            ),
+            (
+                RunEventKind::Logprobs(vec![TokenLogprob {
+                    token: "a".into(),
+                    logprob: -0.1,
+                    top: Vec::new(),
+                }]),
+                AttemptFrame::NoEvent,
+            ),
+        ];
+        for (kind, expected) in cases {
+            assert_eq!(AttemptFrame::from_run_event(&kind), expected, "{kind:?}");
         }
     }
 

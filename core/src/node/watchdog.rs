@@ -261,6 +261,10 @@ impl ProviderEvent {
             RunEventKind::Started { .. } => ProviderEvent::Neutral,
             RunEventKind::TextDelta(text) if text.is_empty() => ProviderEvent::Neutral,
             RunEventKind::TextDelta(_) => ProviderEvent::Progress(Progress::Content),
+            RunEventKind::ReasoningDelta(text) if text.is_empty() => ProviderEvent::Neutral,
+            RunEventKind::ReasoningDelta(_)
+            | RunEventKind::Embedding(_)
+            | RunEventKind::Logprobs(_) => ProviderEvent::Progress(Progress::Content),
             RunEventKind::ToolCallDelta(_) => ProviderEvent::Progress(Progress::ToolCall),
             RunEventKind::Usage(_) => ProviderEvent::Progress(Progress::Usage),
             // A terminal wins over the usage it carries.

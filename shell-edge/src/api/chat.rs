@@ -14,8 +14,8 @@
 use std::collections::BTreeSet;
 
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
-    ToolCallDelta, ToolDefinition, Usage,
+    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, TokenLogprob,
+    ToolCall, ToolCallDelta, ToolDefinition, Usage,
 };
 use serde::Serialize;
 use serde_json::{Map, Value, json};
@@ -25,6 +25,10 @@ use super::error::ApiError;
 use super::framing;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body, type_name};
+use super::surface::{
+    CHAT_PARTS, parse_content, parse_logprobs, parse_reasoning_effort, parse_response_format,
+    pass_through_fields,
+};
 use super::transcript::Transcript;
 
 /// Most tools one request may declare (OpenAI's limit).
@@ -39,6 +43,34 @@ pub const MAX_MODEL_NAME_CHARS: usize = 256;
 /// Most distinct tool calls one run may stream; fragments of further calls
 /// are dropped, so a misbehaving Node cannot grow our state without bound.
 pub const MAX_TOOL_CALLS_PER_RUN: usize = 128;
+
+/// The Chat Completions fields the Edge interprets; every other top-level
+/// field passes through to the provider ([`pass_through_fields`]).
+pub const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "n",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "functions",
+    "function_call",
+    "audio",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "reasoning_effort",
+    "parallel_tool_calls",
+];
 
 /// A parsed Chat Completions request, ready to become a normalized run.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,40 +103,18 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
             "must contain at least one message.",
         ));
     }
+    let mut images_left = super::surface::MAX_IMAGES_PER_REQUEST;
     let messages = raw_messages
         .iter()
         .enumerate()
-        .map(|(i, m)| parse_message(m, element("messages", i)))
+        .map(|(i, m)| parse_message(m, element("messages", i), &mut images_left))
         .collect::<Result<Vec<_>, _>>()?;
 
     let tools = parse_function_tools(&root, "tools")?;
 
-    match root.get("n") {
-        None => {}
-        Some(n) if n.as_u64() == Some(1) => {}
-        Some(n) if n.is_u64() || n.is_i64() => {
-            return Err(ApiError::unsupported_parameter(
-                "n",
-                "Only n=1 is supported.",
-            ));
-        }
-        Some(_) => return Err(ApiError::invalid_type("n", "an integer")),
-    }
-    if let Some(format) = root.object("response_format")?
-        && format.required_string("type")? != "text"
-    {
-        return Err(ApiError::unsupported_parameter(
-            "response_format",
-            "Only the 'text' response format is supported.",
-        ));
-    }
-    if root.bool("logprobs")? == Some(true) {
-        return Err(ApiError::unsupported_parameter(
-            "logprobs",
-            "Log probabilities are not supported.",
-        ));
-    }
-    root.reject("top_logprobs", "Log probabilities are not supported.")?;
+    let choices = root.u32_at_least("n", 1)?.unwrap_or(1);
+    let response_format_json = parse_response_format(&root, "response_format")?;
+    let (logprobs, top_logprobs) = parse_logprobs(&root, "logprobs")?;
     root.reject("functions", "Use 'tools' instead.")?;
     root.reject("function_call", "Use 'tool_choice' instead.")?;
     root.reject("audio", "Audio output is not supported.")?;
@@ -122,6 +132,14 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
         presence_penalty: root.number_in("presence_penalty", -2.0, 2.0)?,
         frequency_penalty: root.number_in("frequency_penalty", -2.0, 2.0)?,
         tool_choice_json: parse_chat_tool_choice(&root)?,
+        response_format_json,
+        logprobs,
+        top_logprobs,
+        reasoning_effort: parse_reasoning_effort(&root, "reasoning_effort")?,
+        parallel_tool_calls: root.bool("parallel_tool_calls")?,
+        suffix: None,
+        extra_json: pass_through_fields(&root, CHAT_FIELDS)?,
+        whole_answer: !stream,
     };
 
     Ok(ChatRequest {
@@ -132,6 +150,7 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
             messages,
             tools,
             params,
+            choices,
         },
         include_usage,
     })
@@ -221,7 +240,11 @@ pub(crate) fn parse_text_content(
     }
 }
 
-fn parse_message(value: &Value, path: String) -> Result<ChatMessage, ApiError> {
+fn parse_message(
+    value: &Value,
+    path: String,
+    images_left: &mut usize,
+) -> Result<ChatMessage, ApiError> {
     let obj = RequestObject::at(value, path)?;
     let role = match obj.non_empty_string("role")? {
         "system" | "developer" => Role::System,
@@ -241,13 +264,12 @@ fn parse_message(value: &Value, path: String) -> Result<ChatMessage, ApiError> {
             ));
         }
     };
-    let content = match obj.get("content") {
-        Some(content) => Some(parse_text_content(
-            content,
-            &obj.param("content"),
-            &["text"],
-        )?),
-        None => None,
+    let (content, images) = match obj.get("content") {
+        Some(content) => {
+            let parsed = parse_content(content, &obj.param("content"), CHAT_PARTS, images_left)?;
+            (Some(parsed.text), parsed.images)
+        }
+        None => (None, Vec::new()),
     };
     let name = obj.string("name")?.map(str::to_owned);
 
@@ -290,6 +312,7 @@ fn parse_message(value: &Value, path: String) -> Result<ChatMessage, ApiError> {
             None
         },
         name,
+        images,
     })
 }
 
@@ -413,6 +436,21 @@ pub(crate) fn check_tool_choice_mode(mode: &str, param: &str) -> Result<(), ApiE
     }
 }
 
+/// A choice's `logprobs` object: `{"content": [{token, logprob, bytes,
+/// top_logprobs}]}`.
+pub(crate) fn logprobs_json(entries: &[TokenLogprob]) -> Value {
+    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let mut v = entry(&e.token, e.logprob);
+            v["top_logprobs"] = e.top.iter().map(|(t, lp)| entry(t, *lp)).collect();
+            v
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
 /// The OpenAI `usage` object.
 pub(crate) fn usage_json(usage: Usage) -> Value {
     json!({
@@ -462,7 +500,7 @@ struct ChunkChoice<'a> {
     delta: ChunkDelta<'a>,
     finish_reason: Option<&'static str>,
     index: u32,
-    logprobs: (),
+    logprobs: Option<Value>,
 }
 
 /// A chunk's `delta`: `{}`, the role, text or one tool-call fragment.
@@ -470,6 +508,8 @@ struct ChunkChoice<'a> {
 struct ChunkDelta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -576,6 +616,27 @@ impl ChatStream {
                 }
             }
             RunEventKind::ToolCallDelta(delta) => self.tool_call_delta(delta, out),
+            RunEventKind::ReasoningDelta(text) => {
+                self.ensure_role(out);
+                if !text.is_empty() {
+                    let delta = ChunkDelta {
+                        reasoning_content: Some(text),
+                        ..ChunkDelta::default()
+                    };
+                    self.chunk(out, delta, None);
+                }
+            }
+            RunEventKind::Logprobs(entries) => {
+                self.ensure_role(out);
+                self.chunk_with(
+                    out,
+                    ChunkDelta::default(),
+                    None,
+                    Some(logprobs_json(entries)),
+                );
+            }
+            // Not a chat answer: nothing to encode.
+            RunEventKind::Embedding(_) => {}
             RunEventKind::Completed {
                 finish_reason,
                 usage,
@@ -583,8 +644,8 @@ impl ChatStream {
                 self.ensure_role(out);
                 self.chunk(out, ChunkDelta::default(), Some(*finish_reason));
                 if self.include_usage {
-                    let usage = usage.or(self.usage).unwrap_or_default();
-                    self.usage_chunk(out, usage);
+                    // The provider's usage, or `null` when it reported none.
+                    self.usage_chunk(out, usage.or(self.usage));
                 }
                 self.finished = true;
             }
@@ -611,7 +672,7 @@ impl ChatStream {
             let delta = ChunkDelta {
                 content: Some(""),
                 role: Some("assistant"),
-                tool_calls: None,
+                ..ChunkDelta::default()
             };
             self.chunk(out, delta, None);
         }
@@ -665,11 +726,21 @@ impl ChatStream {
     }
 
     fn chunk(&self, out: &mut Vec<u8>, delta: ChunkDelta<'_>, finish: Option<FinishReason>) {
+        self.chunk_with(out, delta, finish, None);
+    }
+
+    fn chunk_with(
+        &self,
+        out: &mut Vec<u8>,
+        delta: ChunkDelta<'_>,
+        finish: Option<FinishReason>,
+        logprobs: Option<Value>,
+    ) {
         let choice = ChunkChoice {
             delta,
             finish_reason: finish.map(FinishReason::as_str),
             index: 0,
-            logprobs: (),
+            logprobs,
         };
         framing::sse_event(out, None, |out| {
             out.extend_from_slice(b"{\"choices\":[");
@@ -684,12 +755,12 @@ impl ChatStream {
         });
     }
 
-    fn usage_chunk(&self, out: &mut Vec<u8>, usage: Usage) {
+    fn usage_chunk(&self, out: &mut Vec<u8>, usage: Option<Usage>) {
         framing::sse_event(out, None, |out| {
             out.extend_from_slice(b"{\"choices\":[]");
             out.extend_from_slice(&self.fixed_fields);
             out.extend_from_slice(b",\"usage\":");
-            framing::write_json(out, &UsageFields::from(usage));
+            framing::write_json(out, &usage.map(UsageFields::from));
             out.push(b'}');
         });
     }
@@ -740,6 +811,12 @@ impl ChatAccumulator {
         };
         message.insert("content".into(), content);
         message.insert("refusal".into(), Value::Null);
+        if !self.transcript.reasoning().is_empty() {
+            message.insert(
+                "reasoning_content".into(),
+                json!(self.transcript.reasoning()),
+            );
+        }
         if !tool_calls.is_empty() {
             let calls: Vec<Value> = tool_calls
                 .calls()
@@ -762,10 +839,12 @@ impl ChatAccumulator {
             "choices": [{
                 "index": 0,
                 "message": message,
-                "logprobs": null,
+                "logprobs": (!self.transcript.logprobs().is_empty())
+                    .then(|| logprobs_json(self.transcript.logprobs())),
                 "finish_reason": finish_reason.as_str(),
             }],
-            "usage": usage_json(self.transcript.usage()),
+            // The provider's usage, or `null` when it reported none.
+            "usage": self.transcript.usage().map(usage_json),
         }))
     }
 }
@@ -913,7 +992,98 @@ mod tests {
         assert!(!req.run.stream);
         assert!(!req.include_usage);
         assert!(req.run.tools.is_empty());
-        assert_eq!(req.run.params, GenerationParams::default());
+        assert_eq!(
+            req.run.params,
+            GenerationParams {
+                whole_answer: true,
+                ..GenerationParams::default()
+            }
+        );
+    }
+
+    #[test]
+    fn the_request_surface_is_carried_not_dropped() {
+        let mut body = minimal();
+        body["messages"] = json!([{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}}]}]);
+        body["response_format"] = json!({"type": "json_object"});
+        body["logprobs"] = json!(true);
+        body["top_logprobs"] = json!(2);
+        body["reasoning_effort"] = json!("low");
+        body["parallel_tool_calls"] = json!(false);
+        body["top_k"] = json!(20);
+        body["repeat_penalty"] = json!(1.1);
+        let req = parse(body).unwrap();
+        let message = &req.run.messages[0];
+        assert_eq!(message.content, "what is this?");
+        assert_eq!(message.images.len(), 2);
+        let p = &req.run.params;
+        assert_eq!(
+            p.response_format_json.as_deref(),
+            Some(r#"{"type":"json_object"}"#)
+        );
+        assert!(p.logprobs);
+        assert_eq!(p.top_logprobs, Some(2));
+        assert_eq!(p.reasoning_effort.as_deref(), Some("low"));
+        assert_eq!(p.parallel_tool_calls, Some(false));
+        let extra: Value = serde_json::from_str(p.extra_json.as_deref().unwrap()).unwrap();
+        assert_eq!(extra, json!({"top_k": 20, "repeat_penalty": 1.1}));
+        assert_eq!(param_of(with("top_logprobs", json!(3))), "top_logprobs");
+        assert_eq!(
+            param_of(with("reasoning_effort", json!("max"))),
+            "reasoning_effort"
+        );
+    }
+
+    #[test]
+    fn reasoning_and_logprobs_are_streamed_and_accumulated() {
+        use iop_wire::TokenLogprob;
+        let events = [
+            RunEventKind::ReasoningDelta("think".into()),
+            RunEventKind::TextDelta("a".into()),
+            RunEventKind::Logprobs(vec![TokenLogprob {
+                token: "a".into(),
+                logprob: -0.5,
+                top: vec![("a".into(), -0.5)],
+            }]),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: None,
+            },
+        ];
+        let mut stream = ChatStream::new("c", "m", 1).with_usage_chunk(true);
+        let mut out = Vec::new();
+        for e in &events {
+            stream.push(e, &mut out);
+        }
+        let text = String::from_utf8(out).unwrap();
+        let chunks: Vec<Value> = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        assert_eq!(
+            chunks[1]["choices"][0]["delta"]["reasoning_content"],
+            "think"
+        );
+        assert_eq!(
+            chunks[3]["choices"][0]["logprobs"]["content"][0]["logprob"],
+            -0.5
+        );
+        // The usage chunk says the provider reported none.
+        assert!(chunks.last().unwrap()["usage"].is_null());
+        assert!(chunks.last().unwrap().get("usage").is_some());
+
+        let mut acc = ChatAccumulator::new("c", "m", 1);
+        for e in &events {
+            acc.push(e);
+        }
+        let v = acc.finish().unwrap();
+        assert_eq!(v["choices"][0]["message"]["reasoning_content"], "think");
+        assert_eq!(v["choices"][0]["logprobs"]["content"][0]["token"], "a");
+        assert!(v["usage"].is_null());
     }
 
     #[test]
@@ -996,9 +1166,17 @@ mod tests {
                 with(
                     "messages",
                     json!([{"role": "user", "content": "a"}, {"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": "http://x"}}]}]),
+                    {"type": "input_audio", "input_audio": {}}]}]),
                 ),
                 "messages[1].content",
+            ),
+            (
+                with(
+                    "messages",
+                    json!([{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "ftp://x"}}]}]),
+                ),
+                "messages[0].content[0].image_url",
             ),
             (
                 with(
@@ -1077,7 +1255,7 @@ mod tests {
             (with("seed", json!(u64::MAX)), "seed"),
             (with("presence_penalty", json!(3)), "presence_penalty"),
             (with("frequency_penalty", json!(-3)), "frequency_penalty"),
-            (with("n", json!(2)), "n"),
+            (with("n", json!(0)), "n"),
             (with("n", json!("1")), "n"),
             (with("tools", json!({})), "tools"),
             (
@@ -1118,11 +1296,12 @@ mod tests {
                 "tool_choice.function",
             ),
             (
-                with("response_format", json!({"type": "json_object"})),
-                "response_format",
+                with("response_format", json!({"type": "yaml"})),
+                "response_format.type",
             ),
-            (with("logprobs", json!(true)), "logprobs"),
+            (with("logprobs", json!(1)), "logprobs"),
             (with("top_logprobs", json!(2)), "top_logprobs"),
+            (with("top_logprobs", json!(21)), "top_logprobs"),
             (with("functions", json!([])), "functions"),
         ];
         for (body, expected) in cases {
@@ -1163,10 +1342,10 @@ mod tests {
     }
 
     #[test]
-    fn n_other_than_one_is_unsupported() {
-        let err = parse(with("n", json!(3))).unwrap_err();
-        assert_eq!(err.code, Some("unsupported_parameter"));
-        assert!(parse(with("n", json!(1))).is_ok());
+    fn n_is_parsed_and_left_to_the_providers_capabilities() {
+        assert_eq!(parse(with("n", json!(3))).unwrap().run.choices, 3);
+        assert_eq!(parse(minimal()).unwrap().run.choices, 1);
+        assert_eq!(param_of(with("n", json!(0))), "n");
     }
 
     fn text(s: &str) -> RunEventKind {
@@ -1470,7 +1649,8 @@ mod tests {
             ])
         );
         assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
-        assert_eq!(v["usage"]["total_tokens"], 0);
+        // No usage reported is none, never zeros.
+        assert!(v["usage"].is_null());
     }
 
     #[test]

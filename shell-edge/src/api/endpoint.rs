@@ -24,7 +24,7 @@ use iop_wire::{RunApi, RunEventKind};
 use serde_json::Value;
 
 use super::error::{ApiError, OllamaError};
-use super::{NormalizedRun, chat, framing, ids, ollama, responses};
+use super::{NormalizedRun, chat, embeddings, framing, ids, ollama, responses};
 use crate::driver::TunnelApi;
 
 /// What one run API adds to the shared pipeline.
@@ -249,14 +249,14 @@ impl RunEndpoint for Ollama {
     fn route(&self) -> &'static str {
         match self.0 {
             RunApi::Chat => "ollama_chat",
-            RunApi::Generate => "ollama_generate",
+            _ => "ollama_generate",
         }
     }
 
     fn tunnel(&self) -> (TunnelApi, &'static str) {
         match self.0 {
             RunApi::Chat => (TunnelApi::Ollama, "/api/chat"),
-            RunApi::Generate => (TunnelApi::Ollama, "/api/generate"),
+            _ => (TunnelApi::Ollama, "/api/generate"),
         }
     }
 
@@ -264,7 +264,7 @@ impl RunEndpoint for Ollama {
     fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, bool), ApiError> {
         let request = match self.0 {
             RunApi::Chat => ollama::parse_ollama_chat(body)?,
-            RunApi::Generate => ollama::parse_ollama_generate(body)?,
+            _ => ollama::parse_ollama_generate(body)?,
         };
         let load_only = request.is_load_only();
         Ok((request.run, load_only))
@@ -313,6 +313,184 @@ impl WholeAnswer for ollama::OllamaAccumulator {
 
     fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError> {
         self.finish(now_unix_ms)
+    }
+}
+
+/// `POST /v1/embeddings`: answered whole, never streamed.
+#[derive(Debug, Clone, Copy)]
+pub struct Embeddings;
+
+impl RunEndpoint for Embeddings {
+    /// Whether the vectors are answered base64-encoded.
+    type Options = bool;
+    // An embeddings run never streams; the type only completes the trait.
+    type Stream = chat::ChatStream;
+    type Whole = embeddings::EmbeddingsAccumulator;
+
+    fn route(&self) -> &'static str {
+        "embeddings"
+    }
+
+    fn tunnel(&self) -> (TunnelApi, &'static str) {
+        (TunnelApi::OpenAi, "/v1/embeddings")
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, bool), ApiError> {
+        embeddings::parse_embeddings_request(body)
+    }
+
+    fn error_response(&self, err: ApiError) -> Response {
+        err.into_response()
+    }
+
+    fn stream(&self, start: AnswerStart, _base64: bool) -> chat::ChatStream {
+        chat::ChatStream::new(ids::chat_completion_id(start.id_seed), start.model, 0)
+    }
+
+    fn whole(&self, start: AnswerStart, base64: bool) -> embeddings::EmbeddingsAccumulator {
+        embeddings::EmbeddingsAccumulator::new(start.model, base64)
+    }
+}
+
+impl WholeAnswer for embeddings::EmbeddingsAccumulator {
+    fn event(&mut self, event: &RunEventKind) {
+        self.push(event);
+    }
+
+    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
+        self.finish()
+    }
+}
+
+/// `POST /api/embed` (Ollama): answered whole.
+#[derive(Debug, Clone, Copy)]
+pub struct OllamaEmbed;
+
+/// Ollama's embed answer: the accumulator and when the request was admitted.
+#[derive(Debug)]
+pub struct OllamaEmbedAnswer {
+    inner: embeddings::EmbeddingsAccumulator,
+    admitted_unix_ms: u64,
+}
+
+impl RunEndpoint for OllamaEmbed {
+    type Options = ();
+    // An embeddings run never streams; the type only completes the trait.
+    type Stream = ollama::OllamaStream;
+    type Whole = OllamaEmbedAnswer;
+
+    fn route(&self) -> &'static str {
+        "ollama_embed"
+    }
+
+    fn tunnel(&self) -> (TunnelApi, &'static str) {
+        (TunnelApi::Ollama, "/api/embed")
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, ()), ApiError> {
+        embeddings::parse_ollama_embed(body).map(|run| (run, ()))
+    }
+
+    fn error_response(&self, err: ApiError) -> Response {
+        OllamaError(err).into_response()
+    }
+
+    fn stream(&self, start: AnswerStart, _: ()) -> ollama::OllamaStream {
+        ollama::OllamaStream::new(start.model, RunApi::Generate, start.admitted_unix_ms)
+    }
+
+    fn whole(&self, start: AnswerStart, _: ()) -> OllamaEmbedAnswer {
+        OllamaEmbedAnswer {
+            inner: embeddings::EmbeddingsAccumulator::new(start.model, false),
+            admitted_unix_ms: start.admitted_unix_ms,
+        }
+    }
+}
+
+impl WholeAnswer for OllamaEmbedAnswer {
+    fn event(&mut self, event: &RunEventKind) {
+        self.inner.push(event);
+    }
+
+    fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError> {
+        let total_ns = now_unix_ms
+            .saturating_sub(self.admitted_unix_ms)
+            .saturating_mul(1_000_000);
+        self.inner.finish_ollama(total_ns)
+    }
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Copy)]
+pub struct Completions;
+
+impl RunEndpoint for Completions {
+    /// `stream_options.include_usage`.
+    type Options = bool;
+    type Stream = embeddings::CompletionStream;
+    type Whole = embeddings::CompletionAccumulator;
+
+    fn route(&self) -> &'static str {
+        "completions"
+    }
+
+    fn tunnel(&self) -> (TunnelApi, &'static str) {
+        (TunnelApi::OpenAi, "/v1/completions")
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, bool), ApiError> {
+        embeddings::parse_completion_request(body).map(|r| (r.run, r.include_usage))
+    }
+
+    fn error_response(&self, err: ApiError) -> Response {
+        err.into_response()
+    }
+
+    fn stream(&self, start: AnswerStart, include_usage: bool) -> embeddings::CompletionStream {
+        embeddings::CompletionStream::new(
+            embeddings::completion_id(start.id_seed),
+            start.model,
+            start.committed_unix,
+            include_usage,
+        )
+    }
+
+    fn whole(&self, start: AnswerStart, _include_usage: bool) -> embeddings::CompletionAccumulator {
+        embeddings::CompletionAccumulator::new(
+            embeddings::completion_id(start.id_seed),
+            start.model,
+            start.committed_unix,
+        )
+    }
+}
+
+impl AnswerStream for embeddings::CompletionStream {
+    const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
+
+    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
+        self.push(event, out);
+    }
+
+    fn closing(&mut self, out: &mut Vec<u8>) {
+        framing::sse_event(out, None, |out| out.extend_from_slice(b"[DONE]"));
+    }
+
+    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
+        self.fail(err, out);
+    }
+
+    fn response(chunks: BoxStream<'static, Bytes>) -> Response {
+        streamed_response("text/event-stream", true, chunks)
+    }
+}
+
+impl WholeAnswer for embeddings::CompletionAccumulator {
+    fn event(&mut self, event: &RunEventKind) {
+        self.push(event);
+    }
+
+    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
+        self.finish()
     }
 }
 

@@ -25,6 +25,7 @@
 #[cfg(test)]
 mod arbitrary_body;
 pub mod chat;
+pub mod embeddings;
 pub mod endpoint;
 pub mod error;
 pub mod framing;
@@ -33,6 +34,7 @@ pub mod models;
 pub mod ollama;
 mod request_object;
 pub mod responses;
+pub mod surface;
 mod transcript;
 
 pub use error::{ApiError, ErrorKind, OllamaError};
@@ -55,6 +57,11 @@ pub struct NormalizedRun {
     pub messages: Vec<ChatMessage>,
     /// Function tools the model may call.
     pub tools: Vec<ToolDefinition>,
-    /// Sampling and length parameters.
+    /// Sampling and length parameters, and the rest of the request surface
+    /// (response format, log probabilities, pass-through fields).
     pub params: GenerationParams,
+    /// How many choices the client asked for (`n`); a normalized run
+    /// relays one, so more needs a tunnel-mode provider
+    /// ([`surface::provider_refusal`]).
+    pub choices: u32,
 }

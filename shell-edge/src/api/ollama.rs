@@ -56,7 +56,7 @@ pub fn parse_ollama_chat(body: &[u8]) -> Result<OllamaRequest, ApiError> {
     let root = RequestObject::root(&value)?;
     let model = parse_model(&root)?;
     let stream = root.bool("stream")?.unwrap_or(true);
-    reject_format(&root)?;
+    let response_format_json = parse_format(&root)?;
 
     let mut messages = Vec::new();
     let mut unanswered: Vec<ToolCall> = Vec::new();
@@ -67,7 +67,9 @@ pub fn parse_ollama_chat(body: &[u8]) -> Result<OllamaRequest, ApiError> {
         }
     }
     let tools = parse_function_tools(&root, "tools")?;
-    let params = parse_options(&root)?;
+    let mut params = parse_options(&root)?;
+    params.response_format_json = response_format_json;
+    params.whole_answer = !stream;
     Ok(OllamaRequest {
         run: NormalizedRun {
             model,
@@ -76,6 +78,7 @@ pub fn parse_ollama_chat(body: &[u8]) -> Result<OllamaRequest, ApiError> {
             messages,
             tools,
             params,
+            choices: 1,
         },
     })
 }
@@ -86,26 +89,24 @@ pub fn parse_ollama_generate(body: &[u8]) -> Result<OllamaRequest, ApiError> {
     let root = RequestObject::root(&value)?;
     let model = parse_model(&root)?;
     let stream = root.bool("stream")?.unwrap_or(true);
-    reject_format(&root)?;
+    let response_format_json = parse_format(&root)?;
     if root.bool("raw")? == Some(true) {
         return Err(ApiError::unsupported_parameter(
             "raw",
             "Raw prompts are not supported.",
         ));
     }
-    if root.string("suffix")?.is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::unsupported_parameter(
-            "suffix",
-            "Fill-in-the-middle suffixes are not supported.",
-        ));
-    }
+    let suffix = root
+        .string("suffix")?
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned);
     if root.string("template")?.is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported_parameter(
             "template",
             "Prompt templates are not supported.",
         ));
     }
-    reject_non_empty_array(&root, "images", "Images are not supported.")?;
+    let images = parse_images(&root)?;
     reject_non_empty_array(&root, "context", "Context token arrays are not supported.")?;
 
     let prompt = root.string("prompt")?.unwrap_or_default();
@@ -115,9 +116,14 @@ pub fn parse_ollama_generate(body: &[u8]) -> Result<OllamaRequest, ApiError> {
         if let Some(system) = system {
             messages.push(text_message(Role::System, system.to_owned()));
         }
-        messages.push(text_message(Role::User, prompt.to_owned()));
+        let mut user = text_message(Role::User, prompt.to_owned());
+        user.images = images;
+        messages.push(user);
     }
-    let params = parse_options(&root)?;
+    let mut params = parse_options(&root)?;
+    params.response_format_json = response_format_json;
+    params.suffix = suffix;
+    params.whole_answer = !stream;
     Ok(OllamaRequest {
         run: NormalizedRun {
             model,
@@ -126,6 +132,7 @@ pub fn parse_ollama_generate(body: &[u8]) -> Result<OllamaRequest, ApiError> {
             messages,
             tools: Vec::new(),
             params,
+            choices: 1,
         },
     })
 }
@@ -137,19 +144,69 @@ fn text_message(role: Role, content: String) -> ChatMessage {
         tool_calls: Vec::new(),
         tool_call_id: None,
         name: None,
+        images: Vec::new(),
     }
 }
 
-/// `format` (JSON mode or a schema) cannot be honoured by a normalized run.
-fn reject_format(root: &RequestObject<'_>) -> Result<(), ApiError> {
+/// `format`: `"json"` (JSON mode) or a JSON Schema object (structured
+/// output), as a `response_format` in the Chat shape.
+fn parse_format(root: &RequestObject<'_>) -> Result<Option<String>, ApiError> {
     match root.get("format") {
-        None => Ok(()),
-        Some(Value::String(s)) if s.is_empty() => Ok(()),
-        Some(_) => Err(ApiError::unsupported_parameter(
+        None => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) if s == "json" => {
+            Ok(Some(json!({"type": "json_object"}).to_string()))
+        }
+        Some(schema @ Value::Object(_)) => Ok(Some(
+            json!({"type": "json_schema",
+                   "json_schema": {"name": "response", "schema": schema, "strict": true}})
+            .to_string(),
+        )),
+        Some(_) => Err(ApiError::invalid_value(
             "format",
-            "Structured output formats are not supported.",
+            "must be \"json\" or a JSON Schema object.",
         )),
     }
+}
+
+/// `images`: base64 strings, as `data:` URLs (the type sniffed from the
+/// first bytes; PNG when unknown).
+fn parse_images(obj: &RequestObject<'_>) -> Result<Vec<String>, ApiError> {
+    let Some(items) = obj.array("images")? else {
+        return Ok(Vec::new());
+    };
+    let path = obj.param("images");
+    if items.len() > super::surface::MAX_IMAGES_PER_REQUEST {
+        return Err(ApiError::invalid_value(
+            &path,
+            &format!(
+                "must contain at most {} images.",
+                super::surface::MAX_IMAGES_PER_REQUEST
+            ),
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| match item {
+            Value::String(b64) if !b64.is_empty() => {
+                let mime = if b64.starts_with("/9j/") {
+                    "image/jpeg"
+                } else if b64.starts_with("R0lG") {
+                    "image/gif"
+                } else if b64.starts_with("UklG") {
+                    "image/webp"
+                } else {
+                    "image/png"
+                };
+                Ok(format!("data:{mime};base64,{b64}"))
+            }
+            _ => Err(ApiError::invalid_type(
+                &element(&path, i),
+                "a non-empty base64 string",
+            )),
+        })
+        .collect()
 }
 
 fn reject_non_empty_array(
@@ -185,9 +242,10 @@ fn parse_ollama_message(
         }
     };
     let content = obj.string("content")?.unwrap_or_default().to_owned();
-    reject_non_empty_array(&obj, "images", "Images are not supported.")?;
+    let images = parse_images(&obj)?;
 
     let mut message = text_message(role, content);
+    message.images = images;
     if let Some(calls) = obj.array("tool_calls")? {
         if role != Role::Assistant {
             return Err(ApiError::invalid_value(
@@ -250,8 +308,22 @@ fn parse_ollama_message(
     Ok(message)
 }
 
-/// `options`: temperature, top_p, num_predict, stop, seed and penalties.
-/// Other Ollama tuning knobs (num_ctx, top_k, ...) are ignored.
+/// The `options` the normalized run carries in its own fields.
+const NORMALIZED_OPTIONS: &[&str] = &[
+    "temperature",
+    "top_p",
+    "num_predict",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+];
+
+/// `options`: temperature, top_p, num_predict, stop, seed and penalties in
+/// the run's fields; every other option (num_ctx, top_k, min_p, ...) passes
+/// through: back into `options` for an Ollama provider, as a top-level
+/// field for an OpenAI-compatible one (llama.cpp and vLLM take `top_k`,
+/// `min_p`, `repeat_penalty`).
 fn parse_options(root: &RequestObject<'_>) -> Result<GenerationParams, ApiError> {
     let Some(options) = root.object("options")? else {
         return Ok(GenerationParams::default());
@@ -276,7 +348,8 @@ fn parse_options(root: &RequestObject<'_>) -> Result<GenerationParams, ApiError>
         seed: options.i64("seed")?,
         presence_penalty: options.number_in("presence_penalty", -2.0, 2.0)?,
         frequency_penalty: options.number_in("frequency_penalty", -2.0, 2.0)?,
-        tool_choice_json: None,
+        extra_json: super::surface::pass_through_fields(&options, NORMALIZED_OPTIONS)?,
+        ..GenerationParams::default()
     })
 }
 
@@ -382,8 +455,20 @@ fn insert_text(
             }
             object.insert("message".into(), Value::Object(message));
         }
-        RunApi::Generate => {
+        _ => {
             object.insert("response".into(), json!(text));
+        }
+    }
+}
+
+/// Ollama's `thinking`: in `message` (chat) or beside `response` (generate).
+fn insert_thinking(object: &mut Map<String, Value>, api: RunApi, text: &str) {
+    match (api, object.get_mut("message")) {
+        (RunApi::Chat, Some(Value::Object(message))) => {
+            message.insert("thinking".into(), json!(text));
+        }
+        _ => {
+            object.insert("thinking".into(), json!(text));
         }
     }
 }
@@ -392,17 +477,21 @@ fn insert_text(
 fn insert_done(
     object: &mut Map<String, Value>,
     finish_reason: FinishReason,
-    usage: Usage,
+    usage: Option<Usage>,
     total_duration_ns: u64,
 ) {
     object.insert("done".into(), json!(true));
     object.insert("done_reason".into(), json!(done_reason(finish_reason)));
     object.insert("total_duration".into(), json!(total_duration_ns));
     object.insert("load_duration".into(), json!(0));
-    object.insert("prompt_eval_count".into(), json!(usage.prompt_tokens));
-    object.insert("prompt_eval_duration".into(), json!(0));
-    object.insert("eval_count".into(), json!(usage.completion_tokens));
-    object.insert("eval_duration".into(), json!(0));
+    // The provider's token counts; absent when it reported none (never
+    // invented as zeros).
+    if let Some(usage) = usage {
+        object.insert("prompt_eval_count".into(), json!(usage.prompt_tokens));
+        object.insert("prompt_eval_duration".into(), json!(0));
+        object.insert("eval_count".into(), json!(usage.completion_tokens));
+        object.insert("eval_duration".into(), json!(0));
+    }
 }
 
 fn duration_ns(started_unix_ms: u64, now_unix_ms: u64) -> u64 {
@@ -482,7 +571,7 @@ impl OllamaStream {
                             }),
                             None,
                         ),
-                        RunApi::Generate => (None, Some(text.as_str())),
+                        _ => (None, Some(text.as_str())),
                     };
                     let chunk = TextChunk {
                         created_at: Rfc3339Utc(now_unix_ms),
@@ -498,6 +587,18 @@ impl OllamaStream {
                 // Ollama sends whole tool calls, so fragments are assembled first.
                 self.tool_calls.push(delta, "");
             }
+            RunEventKind::ReasoningDelta(text) => {
+                if !text.is_empty() {
+                    let mut object = object_head(&self.model, now_unix_ms);
+                    insert_text(&mut object, self.api, "", None);
+                    insert_thinking(&mut object, self.api, text);
+                    object.insert("done".into(), json!(false));
+                    framing::ndjson_line(out, &object);
+                }
+            }
+            // Ollama's chat and generate answers carry no log probabilities
+            // (the Edge refuses `logprobs` for them) and no embeddings.
+            RunEventKind::Logprobs(_) | RunEventKind::Embedding(_) => {}
             RunEventKind::Completed {
                 finish_reason,
                 usage,
@@ -518,7 +619,7 @@ impl OllamaStream {
                 insert_done(
                     &mut object,
                     *finish_reason,
-                    usage.or(self.usage).unwrap_or_default(),
+                    usage.or(self.usage),
                     duration_ns(self.started_unix_ms, now_unix_ms),
                 );
                 framing::ndjson_line(out, &object);
@@ -578,6 +679,9 @@ impl OllamaAccumulator {
         let tool_calls =
             (self.api == RunApi::Chat && !calls.is_empty()).then(|| tool_calls_json(calls));
         insert_text(&mut object, self.api, self.transcript.text(), tool_calls);
+        if !self.transcript.reasoning().is_empty() {
+            insert_thinking(&mut object, self.api, self.transcript.reasoning());
+        }
         insert_done(
             &mut object,
             finish_reason,
@@ -622,6 +726,59 @@ pub fn tags_json(models: &[String]) -> Value {
         })
         .collect();
     json!({ "models": models })
+}
+
+/// The model named by a `POST /api/show` body (`model`, or the older `name`).
+pub fn parse_show_request(body: &[u8]) -> Result<String, ApiError> {
+    let value = parse_body(body)?;
+    let root = RequestObject::root(&value)?;
+    match root.string("model")? {
+        Some(model) if !model.is_empty() => Ok(model.to_owned()),
+        _ => Ok(root.non_empty_string("name")?.to_owned()),
+    }
+}
+
+/// `POST /api/show` of a routable model: its capabilities as its providers'
+/// kinds allow (completion always; embeddings, tools and vision through
+/// providers that take them); no modelfile, template or weights details,
+/// which only the provider itself knows.
+pub fn show_json(model: &str, adapters: &[iop_wire::AdapterKind]) -> Value {
+    let mut capabilities = vec!["completion", "tools", "insert", "vision"];
+    if !adapters.is_empty() {
+        capabilities.push("embedding");
+    }
+    json!({
+        "modelfile": "",
+        "parameters": "",
+        "template": "",
+        "details": {
+            "parent_model": "",
+            "format": "",
+            "family": "",
+            "families": [],
+            "parameter_size": "",
+            "quantization_level": "",
+        },
+        "model_info": {"general.basename": model},
+        "capabilities": capabilities,
+        "modified_at": rfc3339_utc(0),
+    })
+}
+
+/// `GET /api/ps`: `{"models":[{name, model, size, digest, details,
+/// expires_at, size_vram}]}` for the models routable now.
+pub fn ps_json(models: &[String]) -> Value {
+    let mut tags = tags_json(models);
+    if let Some(Value::Array(items)) = tags.get_mut("models") {
+        for item in items {
+            if let Value::Object(m) = item {
+                m.remove("modified_at");
+                m.insert("expires_at".into(), json!(rfc3339_utc(0)));
+                m.insert("size_vram".into(), json!(0));
+            }
+        }
+    }
+    tags
 }
 
 /// `GET /api/version`: `{"version": "..."}`.
@@ -760,9 +917,9 @@ mod tests {
             ),
             (
                 chat(
-                    json!({"model": "m", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}),
+                    json!({"model": "m", "messages": [{"role": "user", "content": "x", "images": [""]}]}),
                 ),
-                "messages[0].images",
+                "messages[0].images[0]",
             ),
             (
                 chat(
@@ -780,7 +937,7 @@ mod tests {
                 chat(json!({"model": "m", "messages": [{"role": "user", "tool_calls": []}]})),
                 "messages[0].tool_calls",
             ),
-            (chat(json!({"model": "m", "format": "json"})), "format"),
+            (chat(json!({"model": "m", "format": "yaml"})), "format"),
             (
                 chat(json!({"model": "m", "tools": [{"type": "x"}]})),
                 "tools[0].type",
@@ -820,19 +977,15 @@ mod tests {
                 "raw",
             ),
             (
-                generate(json!({"model": "m", "prompt": "x", "suffix": "y"})),
-                "suffix",
-            ),
-            (
-                generate(json!({"model": "m", "prompt": "x", "images": ["a"]})),
-                "images",
+                generate(json!({"model": "m", "prompt": "x", "images": [1]})),
+                "images[0]",
             ),
             (
                 generate(json!({"model": "m", "prompt": "x", "context": [1, 2]})),
                 "context",
             ),
             (
-                generate(json!({"model": "m", "prompt": "x", "format": {"type": "object"}})),
+                generate(json!({"model": "m", "prompt": "x", "format": 3})),
                 "format",
             ),
         ];

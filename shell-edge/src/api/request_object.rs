@@ -72,6 +72,11 @@ impl<'a> RequestObject<'a> {
         }
     }
 
+    /// Every field of the object, in the body's order.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (&'a String, &'a Value)> {
+        self.map.iter()
+    }
+
     /// True when `key` is present and not null.
     pub(crate) fn has(&self, key: &str) -> bool {
         self.get(key).is_some()

@@ -42,6 +42,10 @@ use super::error::ApiError;
 use super::framing;
 use super::ids;
 use super::request_object::{RequestObject, element, parse_body};
+use super::surface::{
+    PartTypes, json_schema_spec, parse_content, parse_logprobs, parse_reasoning_effort,
+    pass_through_fields,
+};
 use super::transcript::RunOutcome;
 
 /// Request fields a `response` object echoes back to the client.
@@ -113,15 +117,11 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
             "Background responses are not supported.",
         ));
     }
-    if let Some(text) = root.object("text")?
-        && let Some(format) = text.object("format")?
-        && format.required_string("type")? != "text"
-    {
-        return Err(ApiError::unsupported_parameter(
-            &text.param("format"),
-            "Only the 'text' format is supported.",
-        ));
-    }
+    let response_format_json = parse_text_format(&root)?;
+    let reasoning_effort = match root.object("reasoning")? {
+        Some(reasoning) => parse_reasoning_effort(&reasoning, "effort")?,
+        None => None,
+    };
 
     let instructions = root.string("instructions")?.map(str::to_owned);
     let mut messages = Vec::new();
@@ -138,8 +138,9 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
                     "must contain at least one item.",
                 ));
             }
+            let mut images_left = super::surface::MAX_IMAGES_PER_REQUEST;
             for (i, item) in items.iter().enumerate() {
-                push_input_item(&mut messages, item, element("input", i))?;
+                push_input_item(&mut messages, item, element("input", i), &mut images_left)?;
             }
         }
         Some(_) => {
@@ -153,11 +154,19 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
     let (tools, tools_echo) = parse_response_tools(&root)?;
     let (tool_choice_json, tool_choice_echo) = parse_response_tool_choice(&root)?;
 
+    let (_, top_logprobs) = parse_logprobs(&root, "")?;
     let params = GenerationParams {
         temperature: root.number_in("temperature", 0.0, 2.0)?,
         top_p: root.number_in("top_p", 0.0, 1.0)?,
         max_tokens: root.u32_at_least("max_output_tokens", 1)?,
         tool_choice_json,
+        response_format_json,
+        logprobs: top_logprobs.is_some(),
+        top_logprobs,
+        reasoning_effort,
+        parallel_tool_calls: root.bool("parallel_tool_calls")?,
+        extra_json: pass_through_fields(&root, RESPONSES_FIELDS)?,
+        whole_answer: !stream,
         ..GenerationParams::default()
     };
     let echo = ResponseEcho {
@@ -182,6 +191,7 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
             messages,
             tools,
             params,
+            choices: 1,
         },
         echo,
     })
@@ -194,6 +204,72 @@ fn text_message(role: Role, content: String) -> ChatMessage {
         tool_calls: Vec::new(),
         tool_call_id: None,
         name: None,
+        images: Vec::new(),
+    }
+}
+
+/// The Responses fields the Edge interprets or that only mean something to
+/// a Responses server; every other top-level field passes through to the
+/// provider ([`pass_through_fields`]).
+pub const RESPONSES_FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "max_tool_calls",
+    "temperature",
+    "top_p",
+    "top_logprobs",
+    "text",
+    "reasoning",
+    "metadata",
+    "store",
+    "include",
+    "truncation",
+    "user",
+    "service_tier",
+    "background",
+    "previous_response_id",
+    "conversation",
+    "prompt",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
+/// Responses input parts: `input_text`/`output_text`/`text`, and
+/// `input_image` with `image_url` a URL string.
+const RESPONSES_PARTS: PartTypes = PartTypes {
+    text: &["input_text", "output_text", "text"],
+    image: Some(("input_image", false)),
+};
+
+/// `text.format`: `text` (None), `json_object`, or `json_schema` with
+/// `name`, `schema` and `strict` beside `type`; kept in the Chat shape.
+fn parse_text_format(root: &RequestObject<'_>) -> Result<Option<String>, ApiError> {
+    let Some(text) = root.object("text")? else {
+        return Ok(None);
+    };
+    let Some(format) = text.object("format")? else {
+        return Ok(None);
+    };
+    match format.required_string("type")? {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(json!({"type": "json_object"}).to_string())),
+        "json_schema" => {
+            let spec = json_schema_spec(&format)?;
+            Ok(Some(
+                json!({"type": "json_schema", "json_schema": spec}).to_string(),
+            ))
+        }
+        _ => Err(ApiError::invalid_value(
+            &format.param("type"),
+            "must be 'text', 'json_object' or 'json_schema'.",
+        )),
     }
 }
 
@@ -202,6 +278,7 @@ fn push_input_item(
     messages: &mut Vec<ChatMessage>,
     item: &Value,
     path: String,
+    images_left: &mut usize,
 ) -> Result<(), ApiError> {
     let obj = RequestObject::at(item, path)?;
     let kind = match obj.string("type")? {
@@ -225,12 +302,11 @@ fn push_input_item(
             let Some(content) = obj.get("content") else {
                 return Err(ApiError::missing_parameter(&obj.param("content")));
             };
-            let content = parse_text_content(
-                content,
-                &obj.param("content"),
-                &["input_text", "output_text", "text"],
-            )?;
-            messages.push(text_message(role, content));
+            let content =
+                parse_content(content, &obj.param("content"), RESPONSES_PARTS, images_left)?;
+            let mut message = text_message(role, content.text);
+            message.images = content.images;
+            messages.push(message);
         }
         "function_call" => {
             let call = ToolCall {
@@ -267,6 +343,7 @@ fn push_input_item(
                 tool_calls: Vec::new(),
                 tool_call_id: Some(call_id),
                 name,
+                images: Vec::new(),
             });
         }
         "reasoning" | "item_reference" => {
@@ -569,13 +646,7 @@ impl ResponseDraft {
 
     fn completed_json(&self, finish_reason: FinishReason) -> Value {
         let (status, item_status, incomplete) = Self::completion_status(finish_reason);
-        self.response_json(
-            status,
-            item_status,
-            Value::Null,
-            incomplete,
-            Some(self.usage.unwrap_or_default()),
-        )
+        self.response_json(status, item_status, Value::Null, incomplete, self.usage)
     }
 
     fn failed_json(&self, err: &ApiError) -> Value {
@@ -682,6 +753,11 @@ impl ResponsesStream {
         match event {
             RunEventKind::Started { .. } => {}
             RunEventKind::Usage(usage) => self.draft.usage = Some(*usage),
+            // A Responses answer carries neither chat reasoning text, token
+            // log probabilities, nor embeddings.
+            RunEventKind::ReasoningDelta(_)
+            | RunEventKind::Logprobs(_)
+            | RunEventKind::Embedding(_) => {}
             RunEventKind::TextDelta(text) => {
                 if text.is_empty() {
                     return;
@@ -922,6 +998,11 @@ impl ResponsesAccumulator {
                 self.draft.add_tool_delta(delta);
             }
             RunEventKind::Usage(usage) => self.draft.usage = Some(*usage),
+            // A Responses answer carries neither chat reasoning text, token
+            // log probabilities, nor embeddings.
+            RunEventKind::ReasoningDelta(_)
+            | RunEventKind::Logprobs(_)
+            | RunEventKind::Embedding(_) => {}
             RunEventKind::Completed {
                 finish_reason,
                 usage,
@@ -1086,7 +1167,7 @@ mod tests {
                     "input",
                     json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
                 ),
-                "input[0].content",
+                "input[0].content[0].image_url",
             ),
             (
                 with(
@@ -1164,7 +1245,7 @@ mod tests {
             (with("background", json!(true)), "background"),
             (
                 with("text", json!({"format": {"type": "json_schema"}})),
-                "text.format",
+                "text.format.name",
             ),
             (with("metadata", json!("x")), "metadata"),
         ];

@@ -8,7 +8,8 @@
 use std::collections::BTreeMap;
 
 use iop_wire::{
-    ExecutionFailure, FailureCode, FinishReason, RunEventKind, ToolCall, ToolCallDelta, Usage,
+    Embedding, ExecutionFailure, FailureCode, FinishReason, RunEventKind, TokenLogprob, ToolCall,
+    ToolCallDelta, Usage,
 };
 
 use super::chat::MAX_TOOL_CALLS_PER_RUN;
@@ -89,6 +90,9 @@ impl RunOutcome {
 pub(crate) struct Transcript {
     call_id_parent: String,
     text: String,
+    reasoning: String,
+    logprobs: Vec<TokenLogprob>,
+    embeddings: Vec<Embedding>,
     tool_calls: ToolCallAssembly,
     usage: Option<Usage>,
     outcome: RunOutcome,
@@ -101,6 +105,9 @@ impl Transcript {
         Self {
             call_id_parent: call_id_parent.into(),
             text: String::new(),
+            reasoning: String::new(),
+            logprobs: Vec::new(),
+            embeddings: Vec::new(),
             tool_calls: ToolCallAssembly::default(),
             usage: None,
             outcome: RunOutcome::Running,
@@ -129,7 +136,27 @@ impl Transcript {
                 self.outcome = RunOutcome::Completed(*finish_reason);
             }
             RunEventKind::Failed(failure) => self.outcome = RunOutcome::Failed(failure.clone()),
+            RunEventKind::ReasoningDelta(text) => self.reasoning.push_str(text),
+            RunEventKind::Logprobs(entries) => self.logprobs.extend_from_slice(entries),
+            RunEventKind::Embedding(embedding) => self.embeddings.push(embedding.clone()),
         }
+    }
+
+    /// All reasoning deltas, concatenated.
+    pub(crate) fn reasoning(&self) -> &str {
+        &self.reasoning
+    }
+
+    /// Every token's log probability, in order.
+    pub(crate) fn logprobs(&self) -> &[TokenLogprob] {
+        &self.logprobs
+    }
+
+    /// The embedding vectors, by input index.
+    pub(crate) fn embeddings(&self) -> Vec<&Embedding> {
+        let mut sorted: Vec<&Embedding> = self.embeddings.iter().collect();
+        sorted.sort_by_key(|e| e.index);
+        sorted
     }
 
     /// True once a terminal event was folded in.
@@ -152,8 +179,9 @@ impl Transcript {
         &self.tool_calls
     }
 
-    /// The last usage reported (zero when none was).
-    pub(crate) fn usage(&self) -> Usage {
-        self.usage.unwrap_or_default()
+    /// The last usage the provider reported; `None` when it reported none
+    /// (never invented).
+    pub(crate) fn usage(&self) -> Option<Usage> {
+        self.usage
     }
 }

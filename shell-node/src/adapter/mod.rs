@@ -94,6 +94,12 @@ pub(crate) struct HttpTarget {
     /// Static key of the target, used when a call brings none (never logged).
     pub(crate) api_key: Option<String>,
     pub(crate) http: reqwest::Client,
+    /// The target's streams carry usage (`stream_options.include_usage`).
+    /// When false, a client that takes the answer whole is answered from a
+    /// non-streamed call, whose usage is the provider's own.
+    pub(crate) stream_usage: bool,
+    /// The target takes a JSON Schema as `{"type":"json_object","schema":..}`.
+    pub(crate) json_object_schema: bool,
 }
 
 impl HttpTarget {
@@ -210,6 +216,8 @@ impl Adapter {
             base_url: base_url.trim_end_matches('/').to_owned(),
             api_key: target.api_key.clone(),
             http: http.clone(),
+            stream_usage: target.stream_usage,
+            json_object_schema: target.json_object_schema,
         };
         let backend = match (target.adapter, &target.base_url) {
             (AdapterKind::Mock, _) => Backend::Mock(InProcessMock::new(

@@ -6,8 +6,8 @@ use std::borrow::Cow;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, RunApi, RunEventKind, RunRequest, ToolCallDelta,
-    Usage,
+    ChatMessage, Embedding, FinishReason, GenerationParams, RunApi, RunEventKind, RunRequest,
+    ToolCallDelta, Usage,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -28,7 +28,50 @@ pub(super) fn run(
         Err(e) => return failed_run(e),
     };
     let request = target.run_request(path, body);
+    if req.api == RunApi::Embeddings {
+        return http_run(target, request, auth, req.session_id, decode_embed);
+    }
     http_run(target, request, auth, req.session_id, decode)
+}
+
+/// The run events of one `/api/embed` answer: one `Embedding` per input,
+/// then `Completed` with Ollama's `prompt_eval_count`.
+fn decode_embed(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+    #[derive(Deserialize)]
+    struct Answer {
+        embeddings: Vec<Vec<f32>>,
+        #[serde(default)]
+        prompt_eval_count: Option<u64>,
+    }
+    Box::pin(async_stream::stream! {
+        let mut response = response;
+        let mut body = Vec::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    if body.len() + chunk.len() > super::openai::MAX_WHOLE_ANSWER_BYTES {
+                        yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
+                        return;
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+                    return;
+                }
+            }
+        }
+        let Ok(answer) = serde_json::from_slice::<Answer>(&body) else {
+            yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
+            return;
+        };
+        for (index, values) in answer.embeddings.into_iter().enumerate() {
+            yield RunEventKind::Embedding(Embedding { index: index as u32, values });
+        }
+        let usage = answer.prompt_eval_count.map(|p| Usage { prompt_tokens: p, completion_tokens: 0 });
+        yield RunEventKind::Completed { finish_reason: FinishReason::Stop, usage };
+    })
 }
 
 /// The run events of a successful NDJSON answer.
@@ -118,16 +161,50 @@ pub(crate) fn request_body(req: &RunRequest) -> Result<(&'static str, Vec<u8>), 
             }
             "/api/chat"
         }
-        RunApi::Generate => {
+        RunApi::Generate | RunApi::Completion => {
             let (system, prompt) = generate_prompt(&req.messages);
             body.insert("prompt".into(), Value::String(prompt));
             if let Some(system) = system {
                 body.insert("system".into(), Value::String(system));
             }
+            if let Some(suffix) = &req.params.suffix {
+                body.insert("suffix".into(), Value::String(suffix.clone()));
+            }
+            let images: Vec<Value> = req
+                .messages
+                .iter()
+                .flat_map(|m| m.images.iter())
+                .map(|url| base64_of(url).map(Value::String))
+                .collect::<Result<_, _>>()?;
+            if !images.is_empty() {
+                body.insert("images".into(), Value::Array(images));
+            }
             "/api/generate"
         }
+        RunApi::Embeddings => {
+            body.remove("stream");
+            let inputs = req
+                .messages
+                .iter()
+                .map(|m| Value::String(m.content.clone()))
+                .collect();
+            body.insert("input".into(), Value::Array(inputs));
+            "/api/embed"
+        }
     };
-    let options = options_json(&req.params);
+    if let Some(format) = &req.params.response_format_json {
+        body.insert("format".into(), format_json(format)?);
+    }
+    if let Some(effort) = &req.params.reasoning_effort {
+        // Ollama's `think`: off, or on (with a level for models that take one).
+        let think = match effort.as_str() {
+            "none" | "minimal" => json!(false),
+            "low" | "medium" | "high" => json!(effort),
+            _ => json!(true),
+        };
+        body.insert("think".into(), think);
+    }
+    let options = options_json(&req.params)?;
     if !options.is_empty() {
         body.insert("options".into(), Value::Object(options));
     }
@@ -136,10 +213,42 @@ pub(crate) fn request_body(req: &RunRequest) -> Result<(&'static str, Vec<u8>), 
     Ok((path, body))
 }
 
+/// A `response_format` (Chat shape) as Ollama's `format`: `"json"` or the
+/// JSON Schema itself.
+fn format_json(format: &str) -> Result<Value, ProviderCallError> {
+    let format: Value = serde_json::from_str(format)
+        .map_err(|_| ProviderCallError::InvalidRequest("response_format is not JSON"))?;
+    match format["type"].as_str() {
+        Some("json_schema") => match &format["json_schema"]["schema"] {
+            schema @ Value::Object(_) => Ok(schema.clone()),
+            _ => Ok(json!("json")),
+        },
+        _ => Ok(json!("json")),
+    }
+}
+
+/// The base64 payload of a `data:` URL; Ollama takes nothing else.
+fn base64_of(url: &str) -> Result<String, ProviderCallError> {
+    url.split_once(";base64,")
+        .filter(|(head, _)| head.starts_with("data:"))
+        .map(|(_, data)| data.to_owned())
+        .ok_or(ProviderCallError::InvalidRequest(
+            "Ollama takes base64 data: images only",
+        ))
+}
+
 fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
     let mut out = Map::new();
     out.insert("role".into(), Value::String(m.role.as_str().into()));
     out.insert("content".into(), Value::String(m.content.clone()));
+    if !m.images.is_empty() {
+        let images = m
+            .images
+            .iter()
+            .map(|url| base64_of(url).map(Value::String))
+            .collect::<Result<Vec<_>, _>>()?;
+        out.insert("images".into(), Value::Array(images));
+    }
     if !m.tool_calls.is_empty() {
         // Ollama wants the arguments as an object, not a JSON string.
         let calls = m
@@ -163,8 +272,23 @@ fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
     Ok(Value::Object(out))
 }
 
-fn options_json(p: &GenerationParams) -> Map<String, Value> {
+/// Ollama's generation options: the run's own fields, then pass-through
+/// fields Ollama has as options (others were refused by the Edge; the
+/// answer-neutral ones are left out here).
+fn options_json(p: &GenerationParams) -> Result<Map<String, Value>, ProviderCallError> {
     let mut o = Map::new();
+    if let Some(extra) = &p.extra_json {
+        let Ok(Value::Object(extra)) = serde_json::from_str::<Value>(extra) else {
+            return Err(ProviderCallError::InvalidRequest(
+                "pass-through fields are not a JSON object",
+            ));
+        };
+        for (key, value) in extra {
+            if OLLAMA_OPTIONS.contains(&key.as_str()) {
+                o.insert(key, value);
+            }
+        }
+    }
     if let Some(v) = p.temperature {
         o.insert("temperature".into(), json!(v));
     }
@@ -186,8 +310,37 @@ fn options_json(p: &GenerationParams) -> Map<String, Value> {
     if let Some(v) = p.frequency_penalty {
         o.insert("frequency_penalty".into(), json!(v));
     }
-    o
+    Ok(o)
 }
+
+/// The names of Ollama's generation options.
+const OLLAMA_OPTIONS: &[&str] = &[
+    "num_keep",
+    "seed",
+    "num_predict",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repeat_last_n",
+    "temperature",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "penalize_newline",
+    "stop",
+    "numa",
+    "num_ctx",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "use_mmap",
+    "num_thread",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "tfs_z",
+];
 
 // One NDJSON line, read without a JSON tree (except tool-call arguments,
 // which are passed on re-serialized): strings borrow from the line unless
@@ -198,6 +351,8 @@ struct Line<'a> {
     message: Option<Message<'a>>,
     #[serde(default, borrow)]
     response: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    thinking: Option<Cow<'a, str>>,
     #[serde(default)]
     done: bool,
     #[serde(default, borrow)]
@@ -214,6 +369,8 @@ struct Line<'a> {
 struct Message<'a> {
     #[serde(default, borrow)]
     content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    thinking: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     tool_calls: Option<Vec<ToolCall<'a>>>,
 }
@@ -258,8 +415,18 @@ impl LineState {
             return Err(ProviderCallError::Reported);
         }
         let (text, calls) = match line.message {
-            Some(m) => (m.content, m.tool_calls.unwrap_or_default()),
-            None => (line.response, Vec::new()),
+            Some(m) => {
+                if let Some(thinking) = m.thinking.filter(|t| !t.is_empty()) {
+                    out.push(RunEventKind::ReasoningDelta(thinking.into_owned()));
+                }
+                (m.content, m.tool_calls.unwrap_or_default())
+            }
+            None => {
+                if let Some(thinking) = line.thinking.filter(|t| !t.is_empty()) {
+                    out.push(RunEventKind::ReasoningDelta(thinking.into_owned()));
+                }
+                (line.response, Vec::new())
+            }
         };
         if let Some(text) = text.filter(|t| !t.is_empty()) {
             out.push(RunEventKind::TextDelta(text.into_owned()));
@@ -315,6 +482,72 @@ mod tests {
             self.on_line(line, &mut out)?;
             Ok(out)
         }
+    }
+
+    #[test]
+    fn the_request_maps_format_images_reasoning_and_options() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Chat, "what is this?");
+        req.messages[0].images = vec!["data:image/png;base64,aGk=".into()];
+        req.params.response_format_json = Some(
+            r#"{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object"}}}"#
+                .into(),
+        );
+        req.params.reasoning_effort = Some("none".into());
+        req.params.extra_json = Some(r#"{"top_k":7,"num_ctx":4096,"user":"u"}"#.into());
+        let (path, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(path, "/api/chat");
+        assert_eq!(body["messages"][0]["images"], json!(["aGk="]));
+        assert_eq!(body["format"], json!({"type": "object"}));
+        assert_eq!(body["think"], json!(false));
+        assert_eq!(body["options"]["top_k"], 7);
+        assert_eq!(body["options"]["num_ctx"], 4096);
+        assert!(
+            body["options"].get("user").is_none(),
+            "answer-neutral metadata stays out"
+        );
+
+        req.params.response_format_json = Some(r#"{"type":"json_object"}"#.into());
+        let (_, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["format"], "json");
+
+        req.messages[0].images = vec!["https://example.com/a.png".into()];
+        assert!(matches!(
+            request_body(&req),
+            Err(ProviderCallError::InvalidRequest(_))
+        ));
+    }
+
+    #[test]
+    fn embeddings_and_suffixed_completions_take_their_own_paths() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Embeddings, "a");
+        let (path, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(path, "/api/embed");
+        assert_eq!(body["input"], json!(["a"]));
+        assert!(body.get("stream").is_none());
+
+        req.api = RunApi::Completion;
+        req.params.suffix = Some("end".into());
+        let (path, body) = request_body(&req).unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(path, "/api/generate");
+        assert_eq!(body["prompt"], "a");
+        assert_eq!(body["suffix"], "end");
+    }
+
+    #[test]
+    fn thinking_is_relayed_as_reasoning() {
+        let mut state = LineState::default();
+        let mut out = Vec::new();
+        state
+            .on_line(
+                r#"{"message":{"role":"assistant","content":"","thinking":"hm"},"done":false}"#,
+                &mut out,
+            )
+            .unwrap();
+        assert_eq!(out, vec![RunEventKind::ReasoningDelta("hm".into())]);
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::borrow::Cow;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_wire::{
-    ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, RunRequest,
-    ToolCallDelta, ToolDefinition, Usage,
+    ChatMessage, Embedding, FinishReason, GenerationParams, Role, RunApi, RunEventKind, RunRequest,
+    TokenLogprob, ToolCallDelta, ToolDefinition, Usage,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -16,20 +16,232 @@ use serde_json::{Map, Value, json};
 use super::sse::{EventTooLarge, SseDecoder};
 use super::{HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http};
 
-/// Stream a chat completion as normalized run events.
+/// A run as normalized run events: a streamed chat completion; a
+/// streamed text completion (`/v1/completions`) for a completion or a
+/// generate run with a suffix; one embeddings call; or, for a client that
+/// takes the answer whole from a provider whose streams carry no usage, one
+/// non-streamed chat completion (its usage is the provider's own).
 pub(super) fn run(
     target: HttpTarget,
-    req: RunRequest,
+    mut req: RunRequest,
     auth: Option<String>,
 ) -> BoxStream<'static, RunEventKind> {
-    let body = match chat_body(&req) {
+    if target.json_object_schema
+        && let Some(format) = req.params.response_format_json.take()
+    {
+        req.params.response_format_json = Some(json_object_schema(&format));
+    }
+    let completion = req.api == RunApi::Completion
+        || (req.api == RunApi::Generate && req.params.suffix.is_some());
+    let whole = req.params.whole_answer && !target.stream_usage;
+    let (path, body, decode): (
+        _,
+        _,
+        fn(reqwest::Response) -> BoxStream<'static, RunEventKind>,
+    ) = if req.api == RunApi::Embeddings {
+        ("/v1/embeddings", embeddings_body(&req), decode_embeddings)
+    } else if completion {
+        (
+            "/v1/completions",
+            completion_body(&req, !whole),
+            if whole { decode_whole } else { decode },
+        )
+    } else if whole {
+        (
+            "/v1/chat/completions",
+            chat_body_with(&req, false),
+            decode_whole,
+        )
+    } else {
+        ("/v1/chat/completions", chat_body(&req), decode)
+    };
+    let body = match body {
         Ok(body) => body,
         Err(e) => return failed_run(e),
     };
-    let request = target
-        .run_request("/v1/chat/completions", body)
-        .header(reqwest::header::ACCEPT, "text/event-stream");
+    let mut request = target.run_request(path, body);
+    if req.api != RunApi::Embeddings && !whole {
+        request = request.header(reqwest::header::ACCEPT, "text/event-stream");
+    }
     http_run(target, request, auth, req.session_id, decode)
+}
+
+/// A `json_schema` response format in the `{"type":"json_object","schema"}`
+/// form some servers (llama-cpp-python) take instead; others unchanged.
+pub(crate) fn json_object_schema(format: &str) -> String {
+    match serde_json::from_str::<Value>(format) {
+        Ok(v) if v["type"] == "json_schema" => {
+            let mut out = json!({"type": "json_object"});
+            if v["json_schema"]["schema"].is_object() {
+                out["schema"] = v["json_schema"]["schema"].clone();
+            }
+            out.to_string()
+        }
+        _ => format.to_owned(),
+    }
+}
+
+/// The largest non-streamed answer read (a whole chat completion or an
+/// embeddings list); more is malformed.
+pub(crate) const MAX_WHOLE_ANSWER_BYTES: usize = 64 * 1024 * 1024;
+
+/// Read a whole answer body, bounded by [`MAX_WHOLE_ANSWER_BYTES`].
+async fn read_whole(mut response: reqwest::Response) -> Result<Vec<u8>, ProviderCallError> {
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > MAX_WHOLE_ANSWER_BYTES {
+                    return Err(ProviderCallError::Malformed);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(body),
+            Err(e) => return Err(ProviderCallError::from_reqwest(&e, true)),
+        }
+    }
+}
+
+/// The run events of one non-streamed chat or text completion.
+fn decode_whole(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+    Box::pin(async_stream::stream! {
+        let body = match read_whole(response).await {
+            Ok(body) => body,
+            Err(e) => {
+                yield RunEventKind::Failed(e.failure());
+                return;
+            }
+        };
+        let mut state = ChunkState::default();
+        let mut events = Vec::new();
+        match state.on_whole(&body, &mut events) {
+            Ok(()) => {
+                for event in events {
+                    yield event;
+                }
+                yield state.completed();
+            }
+            Err(e) => yield RunEventKind::Failed(e.failure()),
+        }
+    })
+}
+
+/// The run events of one embeddings answer: one `Embedding` per input,
+/// then `Completed` with the provider's prompt token count.
+fn decode_embeddings(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+    Box::pin(async_stream::stream! {
+        let body = match read_whole(response).await {
+            Ok(body) => body,
+            Err(e) => {
+                yield RunEventKind::Failed(e.failure());
+                return;
+            }
+        };
+        match parse_embeddings(&body) {
+            Some((vectors, usage)) => {
+                for vector in vectors {
+                    yield RunEventKind::Embedding(vector);
+                }
+                yield RunEventKind::Completed { finish_reason: FinishReason::Stop, usage };
+            }
+            None => yield RunEventKind::Failed(ProviderCallError::Malformed.failure()),
+        }
+    })
+}
+
+/// `{data: [{index, embedding: [..]}], usage: {prompt_tokens}}`.
+pub(crate) fn parse_embeddings(body: &[u8]) -> Option<(Vec<Embedding>, Option<Usage>)> {
+    #[derive(Deserialize)]
+    struct Answer {
+        data: Vec<Item>,
+        #[serde(default)]
+        usage: Option<WireUsage>,
+    }
+    #[derive(Deserialize)]
+    struct Item {
+        #[serde(default)]
+        index: Option<u32>,
+        embedding: Values,
+    }
+    // A server without pooling (llama-cpp-python serving a causal model)
+    // answers one vector per token instead of one per input.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Values {
+        Pooled(Vec<f32>),
+        PerToken(Vec<Vec<f32>>),
+    }
+    let answer: Answer = serde_json::from_slice(body).ok()?;
+    let vectors = answer
+        .data
+        .into_iter()
+        .enumerate()
+        .map(|(pos, item)| {
+            let values = match item.embedding {
+                Values::Pooled(values) => values,
+                Values::PerToken(tokens) => mean_pool(&tokens)?,
+            };
+            Some(Embedding {
+                index: item.index.unwrap_or(pos as u32),
+                values,
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((vectors, answer.usage.map(WireUsage::usage)))
+}
+
+/// The mean of per-token vectors (llama.cpp's mean pooling); `None` when
+/// there are none or their lengths differ.
+fn mean_pool(tokens: &[Vec<f32>]) -> Option<Vec<f32>> {
+    let first = tokens.first()?;
+    if tokens.iter().any(|t| t.len() != first.len()) {
+        return None;
+    }
+    let n = tokens.len() as f32;
+    Some(
+        (0..first.len())
+            .map(|i| tokens.iter().map(|t| t[i]).sum::<f32>() / n)
+            .collect(),
+    )
+}
+
+/// The embeddings request: one input per user message, floats back.
+fn embeddings_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> {
+    let mut body = Map::new();
+    body.insert("model".into(), Value::String(req.model.clone()));
+    let inputs: Vec<Value> = req
+        .messages
+        .iter()
+        .map(|m| Value::String(m.content.clone()))
+        .collect();
+    body.insert("input".into(), Value::Array(inputs));
+    body.insert("encoding_format".into(), json!("float"));
+    merge_extra(&req.params, &mut body)?;
+    serde_json::to_vec(&Value::Object(body))
+        .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))
+}
+
+/// The text completion request: the prompt (user turns joined), the
+/// suffix, the parameters.
+fn completion_body(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCallError> {
+    let (system, prompt) = generate_prompt(&req.messages);
+    let prompt = match system {
+        Some(system) => format!("{system}\n\n{prompt}"),
+        None => prompt,
+    };
+    let mut body = Map::new();
+    body.insert("model".into(), Value::String(req.model.clone()));
+    body.insert("prompt".into(), Value::String(prompt));
+    if let Some(suffix) = &req.params.suffix {
+        body.insert("suffix".into(), Value::String(suffix.clone()));
+    }
+    body.insert("stream".into(), Value::Bool(stream));
+    if stream {
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    params_json(&req.params, &mut body)?;
+    serde_json::to_vec(&Value::Object(body))
+        .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))
 }
 
 /// The run events of a successful streaming answer.
@@ -92,12 +304,17 @@ fn parse_models(body: &[u8]) -> Option<Vec<String>> {
     Some(models.data.into_iter().map(|m| m.id).collect())
 }
 
-/// The Chat Completions request body.
+/// The streamed Chat Completions request body.
 pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> {
+    chat_body_with(req, true)
+}
+
+/// The Chat Completions request body, streamed (asking for usage) or not.
+fn chat_body_with(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCallError> {
     let messages = match req.api {
         RunApi::Chat => req.messages.iter().map(message_json).collect(),
         // A plain completion is a chat with one user turn.
-        RunApi::Generate => {
+        RunApi::Generate | RunApi::Completion | RunApi::Embeddings => {
             let (system, prompt) = generate_prompt(&req.messages);
             let mut messages = Vec::new();
             if let Some(system) = system {
@@ -110,8 +327,10 @@ pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> 
     let mut body = Map::new();
     body.insert("model".into(), Value::String(req.model.clone()));
     body.insert("messages".into(), Value::Array(messages));
-    body.insert("stream".into(), Value::Bool(true));
-    body.insert("stream_options".into(), json!({"include_usage": true}));
+    body.insert("stream".into(), Value::Bool(stream));
+    if stream {
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+    }
     // A plain completion (generate) offers no tools.
     if req.api == RunApi::Chat && !req.tools.is_empty() {
         let tools = req
@@ -121,7 +340,7 @@ pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> 
             .collect::<Result<Vec<_>, _>>()?;
         body.insert("tools".into(), Value::Array(tools));
     }
-    params_json(&req.params, &mut body);
+    params_json(&req.params, &mut body)?;
     serde_json::to_vec(&Value::Object(body))
         .map_err(|_| ProviderCallError::InvalidRequest("request is not serializable"))
 }
@@ -143,7 +362,16 @@ pub(crate) fn generate_prompt(messages: &[ChatMessage]) -> (Option<String>, Stri
 fn message_json(m: &ChatMessage) -> Value {
     let mut out = Map::new();
     out.insert("role".into(), Value::String(m.role.as_str().into()));
-    if m.content.is_empty() && !m.tool_calls.is_empty() {
+    if !m.images.is_empty() {
+        let mut parts = Vec::with_capacity(m.images.len() + 1);
+        if !m.content.is_empty() {
+            parts.push(json!({"type": "text", "text": m.content}));
+        }
+        for url in &m.images {
+            parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+        }
+        out.insert("content".into(), Value::Array(parts));
+    } else if m.content.is_empty() && !m.tool_calls.is_empty() {
         out.insert("content".into(), Value::Null);
     } else {
         out.insert("content".into(), Value::String(m.content.clone()));
@@ -186,7 +414,12 @@ pub(crate) fn tool_json(t: &ToolDefinition) -> Result<Value, ProviderCallError> 
     Ok(json!({"type": "function", "function": Value::Object(function)}))
 }
 
-fn params_json(p: &GenerationParams, body: &mut Map<String, Value>) {
+/// The run's parameters into `body`; pass-through fields last, never
+/// over a field the run set itself.
+fn params_json(
+    p: &GenerationParams,
+    body: &mut Map<String, Value>,
+) -> Result<(), ProviderCallError> {
     let mut put = |k: &str, v: Value| {
         body.insert(k.into(), v);
     };
@@ -216,6 +449,43 @@ fn params_json(p: &GenerationParams, body: &mut Map<String, Value>) {
         let v = serde_json::from_str(choice).unwrap_or_else(|_| Value::String(choice.clone()));
         put("tool_choice", v);
     }
+    if let Some(format) = &p.response_format_json {
+        let v: Value = serde_json::from_str(format)
+            .map_err(|_| ProviderCallError::InvalidRequest("response_format is not JSON"))?;
+        put("response_format", v);
+    }
+    if p.logprobs {
+        put("logprobs", json!(true));
+        if let Some(n) = p.top_logprobs {
+            put("top_logprobs", json!(n));
+        }
+    }
+    if let Some(effort) = &p.reasoning_effort {
+        put("reasoning_effort", json!(effort));
+    }
+    if let Some(parallel) = p.parallel_tool_calls {
+        put("parallel_tool_calls", json!(parallel));
+    }
+    merge_extra(p, body)
+}
+
+/// The pass-through fields into `body`, never over a field already set.
+fn merge_extra(
+    p: &GenerationParams,
+    body: &mut Map<String, Value>,
+) -> Result<(), ProviderCallError> {
+    let Some(extra) = &p.extra_json else {
+        return Ok(());
+    };
+    let Ok(Value::Object(extra)) = serde_json::from_str::<Value>(extra) else {
+        return Err(ProviderCallError::InvalidRequest(
+            "pass-through fields are not a JSON object",
+        ));
+    };
+    for (key, value) in extra {
+        body.entry(key).or_insert(value);
+    }
+    Ok(())
 }
 
 /// The OpenAI finish reason vocabulary.
@@ -238,6 +508,9 @@ struct Chunk<'a> {
     choices: Option<Vec<Choice<'a>>>,
     #[serde(default)]
     usage: Option<WireUsage>,
+    // llama.cpp's server reports its own token counts here.
+    #[serde(default)]
+    timings: Option<Timings>,
     #[serde(default)]
     error: Option<serde::de::IgnoredAny>,
 }
@@ -246,18 +519,56 @@ struct Chunk<'a> {
 struct Choice<'a> {
     #[serde(default)]
     index: u32,
-    #[serde(default, borrow)]
+    // A streamed chat chunk has `delta`, a whole answer `message`.
+    #[serde(default, borrow, alias = "message")]
     delta: Option<Delta<'a>>,
+    // A text completion has `text`.
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     finish_reason: Option<Cow<'a, str>>,
+    #[serde(default)]
+    logprobs: Option<ChoiceLogprobs>,
 }
 
 #[derive(Deserialize)]
 struct Delta<'a> {
     #[serde(default, borrow)]
     content: Option<Cow<'a, str>>,
+    #[serde(default, borrow, alias = "reasoning")]
+    reasoning_content: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     tool_calls: Option<Vec<ToolCallChunk<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceLogprobs {
+    // Chat shape; a text completion's shape (`tokens`, `token_logprobs`)
+    // has no `content` and is read as none.
+    #[serde(default)]
+    content: Option<Vec<LogprobEntry>>,
+}
+
+#[derive(Deserialize)]
+struct LogprobEntry {
+    token: String,
+    logprob: f32,
+    #[serde(default)]
+    top_logprobs: Vec<TopEntry>,
+}
+
+#[derive(Deserialize)]
+struct TopEntry {
+    token: String,
+    logprob: f32,
+}
+
+#[derive(Deserialize)]
+struct Timings {
+    #[serde(default)]
+    prompt_n: Option<u64>,
+    #[serde(default)]
+    predicted_n: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -284,6 +595,15 @@ struct WireUsage {
     prompt_tokens: u64,
     #[serde(default)]
     completion_tokens: u64,
+}
+
+impl WireUsage {
+    fn usage(self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+        }
+    }
 }
 
 /// `[DONE]`, with any whitespace around it.
@@ -317,12 +637,37 @@ impl ChunkState {
         }
         let chunk: Chunk<'_> =
             serde_json::from_slice(data).map_err(|_| ProviderCallError::Malformed)?;
+        self.on_chunk(chunk, out, true)
+    }
+
+    /// Decode one whole (non-streamed) answer into non-terminal events.
+    fn on_whole(
+        &mut self,
+        body: &[u8],
+        out: &mut Vec<RunEventKind>,
+    ) -> Result<(), ProviderCallError> {
+        let chunk: Chunk<'_> =
+            serde_json::from_slice(body).map_err(|_| ProviderCallError::Malformed)?;
+        self.on_chunk(chunk, out, false)?;
+        self.done = true;
+        Ok(())
+    }
+
+    fn on_chunk(
+        &mut self,
+        chunk: Chunk<'_>,
+        out: &mut Vec<RunEventKind>,
+        streamed: bool,
+    ) -> Result<(), ProviderCallError> {
         if chunk.error.is_some() {
             return Err(ProviderCallError::Reported);
         }
         // n = 1: only the first choice is relayed.
         for choice in chunk.choices.into_iter().flatten().filter(|c| c.index == 0) {
             if let Some(delta) = choice.delta {
+                if let Some(text) = delta.reasoning_content.filter(|t| !t.is_empty()) {
+                    out.push(RunEventKind::ReasoningDelta(text.into_owned()));
+                }
                 if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
                     out.push(RunEventKind::TextDelta(text.into_owned()));
                 }
@@ -335,25 +680,64 @@ impl ChunkState {
                         continue;
                     }
                     self.saw_tool_call = true;
+                    // A whole answer's calls have no index: their position is one.
+                    let index = match (call.index, streamed) {
+                        (Some(i), true) => i,
+                        _ => pos as u32,
+                    };
                     out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
-                        index: call.index.unwrap_or(pos as u32),
+                        index,
                         id: call.id.map(Cow::into_owned),
                         name: name.map(Cow::into_owned),
                         arguments_delta: arguments.into_owned(),
                     }));
                 }
             }
+            if let Some(text) = choice.text.filter(|t| !t.is_empty()) {
+                out.push(RunEventKind::TextDelta(text.into_owned()));
+            }
+            if let Some(entries) = choice.logprobs.and_then(|l| l.content)
+                && !entries.is_empty()
+            {
+                out.push(RunEventKind::Logprobs(
+                    entries
+                        .into_iter()
+                        .map(|e| TokenLogprob {
+                            token: e.token,
+                            logprob: e.logprob,
+                            top: e
+                                .top_logprobs
+                                .into_iter()
+                                .map(|t| (t.token, t.logprob))
+                                .collect(),
+                        })
+                        .collect(),
+                ));
+            }
             if let Some(reason) = choice.finish_reason {
                 self.finish = Some(finish_reason(&reason));
             }
         }
-        if let Some(u) = chunk.usage {
-            let usage = Usage {
-                prompt_tokens: u.prompt_tokens,
-                completion_tokens: u.completion_tokens,
-            };
+        let usage = match (chunk.usage, chunk.timings) {
+            (Some(u), _) => Some(u.usage()),
+            // No usage object: llama.cpp's own counts, when complete.
+            (
+                None,
+                Some(Timings {
+                    prompt_n: Some(p),
+                    predicted_n: Some(c),
+                }),
+            ) => Some(Usage {
+                prompt_tokens: p,
+                completion_tokens: c,
+            }),
+            (None, _) => None,
+        };
+        if let Some(usage) = usage {
             self.usage = Some(usage);
-            out.push(RunEventKind::Usage(usage));
+            if streamed {
+                out.push(RunEventKind::Usage(usage));
+            }
         }
         Ok(())
     }
@@ -427,6 +811,122 @@ mod tests {
         );
         s.on("[DONE]").unwrap();
         assert!(s.done);
+        assert_eq!(
+            s.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::ToolCalls,
+                usage: Some(Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 2
+                }),
+            }
+        );
+    }
+
+    #[test]
+    fn embeddings_are_read_pooled_or_mean_pooled_per_token() {
+        let (vectors, usage) = parse_embeddings(
+            br#"{"data":[{"index":0,"embedding":[1.0,2.0]},{"index":1,"embedding":[[1.0,0.0],[3.0,2.0]]}],"usage":{"prompt_tokens":4,"total_tokens":4}}"#,
+        )
+        .unwrap();
+        assert_eq!(vectors[0].values, vec![1.0, 2.0]);
+        assert_eq!(vectors[1].values, vec![2.0, 1.0]);
+        assert_eq!(usage.unwrap().prompt_tokens, 4);
+        assert!(parse_embeddings(br#"{"data":[{"embedding":[[1.0],[1.0,2.0]]}]}"#).is_none());
+        assert!(
+            parse_embeddings(br#"{"data":[{"embedding":[]}]}"#)
+                .unwrap()
+                .0[0]
+                .values
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_json_schema_format_takes_the_json_object_form_where_the_server_wants_it() {
+        let format =
+            r#"{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object"}}}"#;
+        let v: Value = serde_json::from_str(&json_object_schema(format)).unwrap();
+        assert_eq!(
+            v,
+            json!({"type": "json_object", "schema": {"type": "object"}})
+        );
+        let plain = r#"{"type":"json_object"}"#;
+        assert_eq!(json_object_schema(plain), plain);
+    }
+
+    #[test]
+    fn the_request_carries_the_surface_and_pass_through_fields() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Chat, "hello");
+        req.messages[0].images = vec!["data:image/png;base64,aGk=".into()];
+        req.params.response_format_json = Some(r#"{"type":"json_object"}"#.into());
+        req.params.logprobs = true;
+        req.params.top_logprobs = Some(2);
+        req.params.reasoning_effort = Some("low".into());
+        req.params.extra_json = Some(r#"{"top_k":5,"temperature":9}"#.into());
+        req.params.temperature = Some(0.5);
+        let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
+        assert_eq!(body["messages"][0]["content"][0]["text"], "hello");
+        assert_eq!(
+            body["messages"][0]["content"][1]["image_url"]["url"],
+            "data:image/png;base64,aGk="
+        );
+        assert_eq!(body["response_format"]["type"], "json_object");
+        assert_eq!(body["logprobs"], true);
+        assert_eq!(body["top_logprobs"], 2);
+        assert_eq!(body["reasoning_effort"], "low");
+        assert_eq!(body["top_k"], 5);
+        assert_eq!(
+            body["temperature"],
+            json!(0.5f32),
+            "a pass-through field never overrides the run's own"
+        );
+    }
+
+    #[test]
+    fn usage_comes_from_llama_cpp_timings_when_no_usage_object_does() {
+        let mut s = ChunkState::default();
+        s.on(r#"{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}],"timings":{"prompt_n":32,"predicted_n":8}}"#)
+            .unwrap();
+        s.on("[DONE]").unwrap();
+        assert_eq!(
+            s.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: Some(Usage {
+                    prompt_tokens: 32,
+                    completion_tokens: 8
+                }),
+            }
+        );
+        let mut none = ChunkState::default();
+        none.on(r#"{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}]}"#)
+            .unwrap();
+        assert_eq!(
+            none.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: None
+            },
+            "no usage reported is none, never zeros"
+        );
+    }
+
+    #[test]
+    fn a_whole_answer_decodes_reasoning_text_tool_calls_logprobs_and_usage() {
+        let mut s = ChunkState::default();
+        let mut out = Vec::new();
+        s.on_whole(
+            br#"{"choices":[{"index":0,"message":{"role":"assistant","reasoning_content":"hm","content":"hi","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},"logprobs":{"content":[{"token":"hi","logprob":-0.1,"top_logprobs":[]}]},"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":3,"completion_tokens":2}}"#,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out[0], RunEventKind::ReasoningDelta("hm".into()));
+        assert_eq!(out[1], RunEventKind::TextDelta("hi".into()));
+        assert!(
+            matches!(&out[2], RunEventKind::ToolCallDelta(d) if d.index == 0 && d.name.as_deref() == Some("f"))
+        );
+        assert!(matches!(&out[3], RunEventKind::Logprobs(l) if l[0].token == "hi"));
         assert_eq!(
             s.completed(),
             RunEventKind::Completed {

@@ -39,6 +39,7 @@ pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest 
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
+            images: Vec::new(),
         }],
         tools: Vec::new(),
         params: GenerationParams::default(),
@@ -76,6 +77,8 @@ fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter 
         base_url: Some(base_url.to_owned()),
         models: Vec::new(),
         api_key: api_key.map(str::to_owned),
+        stream_usage: true,
+        json_object_schema: false,
     };
     Adapter::new(&target, http_client())
 }
@@ -169,6 +172,80 @@ async fn openai_run_streams_text_usage_and_exactly_one_completed() {
         }
     );
     assert_eq!(server.requests(), 1);
+}
+
+#[tokio::test]
+async fn openai_usage_is_the_providers_or_none_never_zeros() {
+    let server = mock(MockScript {
+        tokens: 4,
+        stream_usage: false,
+        ..MockScript::default()
+    })
+    .await;
+    // A streamed run from a server whose streams carry no usage: none.
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock", RunApi::Chat, "hello world"), None)).await;
+    assert_one_terminal(&events);
+    assert!(!events.iter().any(|e| matches!(e, RunEventKind::Usage(_))));
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: None,
+        })
+    );
+    // With `stream_usage = false`, a whole answer comes from a non-streamed
+    // call and carries the provider's usage.
+    let target = ProviderTarget {
+        adapter: AdapterKind::OpenAi,
+        target: "t".into(),
+        base_url: Some(server.base_url()),
+        models: Vec::new(),
+        api_key: None,
+        stream_usage: false,
+        json_object_schema: false,
+    };
+    let whole = Adapter::new(&target, http_client());
+    let mut req = run_request("mock", RunApi::Chat, "hello world");
+    req.params.whole_answer = true;
+    let events = collect(whole.run(req, None)).await;
+    assert_one_terminal(&events);
+    assert_eq!(texts(&events), "tok0 tok1 tok2 tok3");
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(3, 4)),
+        })
+    );
+}
+
+#[tokio::test]
+async fn openai_embeddings_are_one_event_per_input_with_prompt_usage() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
+    let mut req = run_request("mock", RunApi::Embeddings, "abcd");
+    req.messages.push(req.messages[0].clone());
+    req.messages[1].content = "efgh".into();
+    let events = collect(a.run(req, None)).await;
+    assert_one_terminal(&events);
+    let vectors: Vec<&iop_wire::Embedding> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEventKind::Embedding(v) => Some(v),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(vectors.len(), 2);
+    assert_eq!(vectors[1].index, 1);
+    assert_eq!(vectors[0].values, crate::mock::mock_embedding("abcd"));
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(2, 0)),
+        })
+    );
 }
 
 #[tokio::test]
@@ -504,6 +581,24 @@ async fn ollama_tool_call_arrives_whole_with_json_arguments() {
 }
 
 #[tokio::test]
+async fn ollama_embed_is_one_event_per_input_with_prompt_eval_count() {
+    let server = mock(MockScript::default()).await;
+    let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
+    let events = collect(a.run(run_request("mock", RunApi::Embeddings, "abcdefgh"), None)).await;
+    assert_one_terminal(&events);
+    assert!(
+        matches!(&events[1], RunEventKind::Embedding(e) if e.values == crate::mock::mock_embedding("abcdefgh"))
+    );
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(2, 0)),
+        })
+    );
+}
+
+#[tokio::test]
 async fn ollama_errors_and_garbage_are_typed() {
     let server = mock(MockScript::default()).await;
     let a = adapter(AdapterKind::Ollama, &server.base_url(), None);
@@ -782,6 +877,8 @@ fn in_process() -> Adapter {
         base_url: None,
         models: Vec::new(),
         api_key: None,
+        stream_usage: true,
+        json_object_schema: false,
     };
     Adapter::new(&target, http_client())
 }
@@ -926,6 +1023,8 @@ async fn unconfigured_http_adapters_fail_closed() {
         base_url: None,
         models: Vec::new(),
         api_key: None,
+        stream_usage: true,
+        json_object_schema: false,
     };
     let a = Adapter::new(&target, http_client());
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;

@@ -40,6 +40,9 @@ pub struct MockArgs {
     /// Answer chat calls with one tool call instead of text.
     #[arg(long)]
     pub tool_call: bool,
+    /// Streams carry no usage even when asked (as llama-cpp-python's).
+    #[arg(long)]
+    pub no_stream_usage: bool,
     /// Require `Authorization: Bearer <KEY>` on every call (401 otherwise).
     #[arg(long, env = "IOP_MOCK_REQUIRE_KEY", hide_env_values = true)]
     pub require_key: Option<String>,
@@ -71,6 +74,7 @@ impl MockArgs {
             malformed_after: self.malformed_after,
             abrupt_close_after: self.close_after,
             tool_call: self.tool_call,
+            stream_usage: !self.no_stream_usage,
             health: self.health,
             require_key: self.require_key.clone(),
         }

@@ -9,13 +9,14 @@ use axum::http::{HeaderValue, Request, header};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_wire::{
-    HealthFailureCode, ProviderTunnelFrame, RunApi, RunEventKind, RunRequest, ToolCallDelta,
+    Embedding, FinishReason, HealthFailureCode, ProviderTunnelFrame, RunApi, RunEventKind,
+    RunRequest, TokenLogprob, ToolCallDelta, Usage,
 };
 use tower::ServiceExt;
 
 use super::script::{MockPrompt, MockStep, play};
 use super::server::{MockState, router};
-use super::{MockScript, ProbeHealth};
+use super::{MOCK_LOGPROB, MOCK_REASONING, MockScript, ProbeHealth, mock_embedding};
 use crate::adapter::openai::generate_prompt;
 use crate::adapter::relay::{RelayCall, body_frames, request_headers, response_headers, validate};
 use crate::adapter::{ProbeVerdict, ProviderCallError, failed_run, failed_tunnel};
@@ -63,6 +64,23 @@ impl InProcessMock {
                 }),
         };
         let session_id = req.session_id;
+        let api = req.api;
+        let inputs: Vec<String> = if api == RunApi::Embeddings {
+            req.messages.iter().map(|m| m.content.clone()).collect()
+        } else {
+            Vec::new()
+        };
+        let json_answer = req.params.response_format_json.is_some();
+        let logprobs = req
+            .params
+            .logprobs
+            .then_some(req.params.top_logprobs.unwrap_or(0));
+        let reasons = req
+            .params
+            .reasoning_effort
+            .as_deref()
+            .is_some_and(|e| e != "none");
+        let stream_usage = script.stream_usage || req.params.whole_answer;
         Box::pin(async_stream::stream! {
             if let Some(key) = &script.require_key
                 && bearer.as_deref() != Some(key.as_str()) {
@@ -77,10 +95,39 @@ impl InProcessMock {
                 return;
             }
             yield RunEventKind::Started { session_id };
+            if api == RunApi::Embeddings {
+                let chars: usize = inputs.iter().map(|i| i.chars().count()).sum();
+                for (index, input) in inputs.iter().enumerate() {
+                    yield RunEventKind::Embedding(Embedding {
+                        index: index as u32,
+                        values: mock_embedding(input),
+                    });
+                }
+                let usage = Usage { prompt_tokens: chars.div_ceil(4) as u64, completion_tokens: 0 };
+                yield RunEventKind::Completed { finish_reason: FinishReason::Stop, usage: Some(usage) };
+                return;
+            }
+            if reasons {
+                yield RunEventKind::ReasoningDelta(MOCK_REASONING.to_owned());
+            }
+            if json_answer {
+                yield RunEventKind::TextDelta("{\"answer\": \"".to_owned());
+            }
             let mut steps = play(&script, prompt);
             while let Some(step) = steps.next().await {
                 match step {
-                    MockStep::Text(t) => yield RunEventKind::TextDelta(t),
+                    MockStep::Text(t) => {
+                        let logprob = logprobs.map(|top| {
+                            let alternatives = (0..top).map(|i| {
+                                if i == 0 { (t.clone(), MOCK_LOGPROB) } else { (format!("alt{i}"), MOCK_LOGPROB - f32::from(i)) }
+                            });
+                            vec![TokenLogprob { token: t.clone(), logprob: MOCK_LOGPROB, top: alternatives.collect() }]
+                        });
+                        yield RunEventKind::TextDelta(t);
+                        if let Some(logprob) = logprob {
+                            yield RunEventKind::Logprobs(logprob);
+                        }
+                    }
                     MockStep::ToolCallStart { id, name } => {
                         yield RunEventKind::ToolCallDelta(ToolCallDelta {
                             index: 0,
@@ -106,7 +153,16 @@ impl InProcessMock {
                         return;
                     }
                     MockStep::Finish { finish_reason, usage } => {
-                        // As with `stream_options.include_usage`: usage, then the terminal.
+                        if json_answer {
+                            yield RunEventKind::TextDelta("\"}".to_owned());
+                        }
+                        // As with `stream_options.include_usage`: usage, then
+                        // the terminal; none from a server whose streams
+                        // carry none.
+                        if !stream_usage {
+                            yield RunEventKind::Completed { finish_reason, usage: None };
+                            return;
+                        }
                         yield RunEventKind::Usage(usage);
                         yield RunEventKind::Completed { finish_reason, usage: Some(usage) };
                         return;
@@ -195,8 +251,10 @@ impl InProcessMock {
 /// Prompt characters as the HTTP mock counts them for the same run.
 fn prompt_chars(req: &RunRequest) -> usize {
     match req.api {
-        RunApi::Chat => req.messages.iter().map(|m| m.content.chars().count()).sum(),
-        RunApi::Generate => {
+        RunApi::Chat | RunApi::Embeddings => {
+            req.messages.iter().map(|m| m.content.chars().count()).sum()
+        }
+        RunApi::Generate | RunApi::Completion => {
             let (system, prompt) = generate_prompt(&req.messages);
             system.map_or(0, |s| s.chars().count()) + prompt.chars().count()
         }

@@ -42,6 +42,7 @@
 //! | `malformed_after` | [`MockScript::malformed_after`] | send one unparseable chunk after N tokens |
 //! | `close_after` | [`MockScript::abrupt_close_after`] | cut the connection without a terminal after N tokens |
 //! | `tool_call` | [`MockScript::tool_call`] | `1`/`true`: answer with one tool call |
+//! | `usage` | [`MockScript::stream_usage`] | `0`/`false`: streams carry no usage, as llama-cpp-python's |
 //!
 //! Example: `mock:stall_after=3,prefill_ms=200,tokens=5,tps=50`. An unknown
 //! key or a bad value is refused with HTTP 400 (in process too).
@@ -50,7 +51,16 @@
 //! A malformed chunk does not end the answer: a correct client must fail on
 //! it rather than skip it.
 //!
-//! Usage is `(ceil(prompt chars / 4), tokens produced)`. A request's
+//! Usage is `(ceil(prompt chars / 4), tokens produced)`.
+//!
+//! Beyond text, for the normalized request surface: `POST /v1/embeddings`
+//! and `POST /api/embed` (and an in-process embeddings run) answers each input with a
+//! deterministic [`MOCK_EMBEDDING_DIMENSIONS`]-value vector
+//! ([`mock_embedding`]) and a prompt token count; a run asking for a
+//! `response_format` answers the JSON object `{"answer": "<the tokens>"}`;
+//! a run asking for `logprobs` gets one log probability ([`MOCK_LOGPROB`])
+//! per token; a run with a `reasoning_effort` other than `none` reasons
+//! first ([`MOCK_REASONING`]). A request's
 //! `max_tokens` (`num_predict`, `max_output_tokens`) below `tokens` truncates
 //! the answer with finish reason `length`.
 
@@ -63,6 +73,27 @@ pub use cli::{MockArgs, run_cli};
 pub(crate) use in_process::InProcessMock;
 pub use script::{MOCK_TOOL_CALL_ID, MockPrompt, MockStep, play, token_text};
 pub use server::{MockServer, MockServerError, MockStats, serve};
+
+/// Values in a mock embedding vector.
+pub const MOCK_EMBEDDING_DIMENSIONS: usize = 8;
+
+/// The log probability the mock gives every token.
+pub const MOCK_LOGPROB: f32 = -0.25;
+
+/// The reasoning the mock streams before its answer when asked to reason.
+pub const MOCK_REASONING: &str = "mock reasoning";
+
+/// A deterministic, unit-length embedding of `text`: equal texts embed
+/// equally, different texts (almost always) differently.
+pub fn mock_embedding(text: &str) -> Vec<f32> {
+    let mut values = [0f32; MOCK_EMBEDDING_DIMENSIONS];
+    for (i, byte) in text.bytes().enumerate() {
+        values[i % MOCK_EMBEDDING_DIMENSIONS] += f32::from(byte) / 255.0;
+    }
+    values[MOCK_EMBEDDING_DIMENSIONS - 1] += 1.0;
+    let norm = values.iter().map(|v| v * v).sum::<f32>().sqrt();
+    values.iter().map(|v| v / norm).collect()
+}
 
 /// The model name a mock reports when none is configured.
 pub const DEFAULT_MODEL: &str = "mock";
@@ -124,6 +155,10 @@ pub struct MockScript {
     pub abrupt_close_after: Option<u32>,
     /// Answer with one tool call instead of text.
     pub tool_call: bool,
+    /// Report usage in streamed answers when asked
+    /// (`stream_options.include_usage`). False plays a server whose streams
+    /// never carry usage (llama-cpp-python's); whole answers always do.
+    pub stream_usage: bool,
     /// What the probe endpoints answer.
     pub health: ProbeHealth,
     /// Require `Authorization: Bearer <key>` (never logged).
@@ -143,6 +178,7 @@ impl std::fmt::Debug for MockScript {
             .field("malformed_after", &self.malformed_after)
             .field("abrupt_close_after", &self.abrupt_close_after)
             .field("tool_call", &self.tool_call)
+            .field("stream_usage", &self.stream_usage)
             .field("health", &self.health)
             .field(
                 "require_key",
@@ -166,6 +202,7 @@ impl Default for MockScript {
             malformed_after: None,
             abrupt_close_after: None,
             tool_call: false,
+            stream_usage: true,
             health: ProbeHealth::Ok,
             require_key: None,
         }
@@ -236,6 +273,7 @@ impl MockScript {
                 }
                 "close_after" => script.abrupt_close_after = Some(parse(value, "close_after")?),
                 "tool_call" => script.tool_call = flag(value, "tool_call")?,
+                "usage" => script.stream_usage = flag(value, "usage")?,
                 other => return Err(ScriptError::UnknownKey(echo(other))),
             }
         }

@@ -141,12 +141,67 @@ pub(crate) fn router(state: MockState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(openai_models))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/api/embed", post(ollama_embed))
         .route("/api/chat", post(ollama_chat))
         .route("/api/generate", post(ollama_generate))
         .route("/api/tags", get(ollama_tags))
         .route("/mock/stats", get(stats))
         .route("/mock/reset", post(reset))
         .with_state(state)
+}
+
+/// `POST /v1/embeddings`: one [`super::mock_embedding`] per input, floats.
+async fn embeddings(body: Bytes) -> Response {
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return (axum::http::StatusCode::BAD_REQUEST, "invalid JSON").into_response();
+    };
+    let inputs: Vec<String> = match &request["input"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .filter_map(|i| i.as_str().map(str::to_owned))
+            .collect(),
+        _ => return (axum::http::StatusCode::BAD_REQUEST, "input").into_response(),
+    };
+    let chars: usize = inputs.iter().map(|i| i.chars().count()).sum();
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(index, input)| {
+            json!({"object": "embedding", "index": index, "embedding": super::mock_embedding(input)})
+        })
+        .collect();
+    axum::Json(json!({
+        "object": "list",
+        "data": data,
+        "model": request["model"],
+        "usage": {"prompt_tokens": chars.div_ceil(4), "total_tokens": chars.div_ceil(4)},
+    }))
+    .into_response()
+}
+
+/// `POST /api/embed`: Ollama's shape of [`embeddings`].
+async fn ollama_embed(body: Bytes) -> Response {
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return (axum::http::StatusCode::BAD_REQUEST, "invalid JSON").into_response();
+    };
+    let inputs: Vec<String> = match &request["input"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .filter_map(|i| i.as_str().map(str::to_owned))
+            .collect(),
+        _ => return (axum::http::StatusCode::BAD_REQUEST, "input").into_response(),
+    };
+    let chars: usize = inputs.iter().map(|i| i.chars().count()).sum();
+    let embeddings: Vec<Vec<f32>> = inputs.iter().map(|i| super::mock_embedding(i)).collect();
+    axum::Json(json!({
+        "model": request["model"],
+        "embeddings": embeddings,
+        "prompt_eval_count": chars.div_ceil(4),
+    }))
+    .into_response()
 }
 
 /// Why the mock server could not start.
@@ -554,7 +609,7 @@ async fn chat_completions(
                 }
                 MockStep::Finish { finish_reason, usage } => {
                     yield Ok(sse_data(&chat_chunk(&model, json!({}), Some(finish_reason.as_str()))));
-                    if include_usage {
+                    if include_usage && script.stream_usage {
                         yield Ok(sse_data(&json!({
                             "id": "chatcmpl-mock",
                             "object": "chat.completion.chunk",

@@ -407,6 +407,7 @@ fn cli_flags_build_the_default_script() {
             malformed_after: Some(1),
             abrupt_close_after: Some(3),
             tool_call: true,
+            stream_usage: true,
             health: ProbeHealth::Unhealthy,
             require_key: Some("sk-cli".into()),
         }

@@ -1,0 +1,101 @@
+"""End-to-end check of an iop Edge in front of a real llama.cpp server, with
+the official `openai` and `ollama` Python clients.
+
+Usage: clients_e2e.py EDGE_URL API_KEY MODEL
+
+Exits non-zero (with a message) on the first failed expectation.
+"""
+
+import json
+import sys
+
+import ollama
+from openai import OpenAI
+from pydantic import BaseModel
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+
+
+class Answer(BaseModel):
+    answer: str
+
+
+def main() -> None:
+    edge, key, model = sys.argv[1], sys.argv[2], sys.argv[3]
+    client = OpenAI(base_url=f"{edge}/v1", api_key=key, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Say hello in three words."}]
+
+    models = [m.id for m in client.models.list().data]
+    check(model in models, f"models list has {model}: {models}")
+
+    # Chat, whole: the provider's own usage.
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    check(r.choices[0].message.content, "chat: content")
+    check(r.usage is not None and r.usage.prompt_tokens > 0, f"chat: prompt usage {r.usage}")
+    check(r.usage.completion_tokens > 0, f"chat: completion usage {r.usage}")
+
+    # Chat, streamed: llama-cpp-python's streams carry no usage, so none is
+    # reported (never zeros).
+    text, usage_chunks = "", []
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if not chunk.choices:
+            usage_chunks.append(chunk.usage)
+    check(text, "chat stream: text")
+    check(usage_chunks == [None], f"chat stream: usage is null, not invented: {usage_chunks}")
+
+    # Responses, whole and streamed.
+    r = client.responses.create(model=model, input="Say hello.", max_output_tokens=8)
+    check(r.output_text, "responses: text")
+    check(r.usage is not None and r.usage.input_tokens > 0, f"responses: usage {r.usage}")
+    events = list(client.responses.create(model=model, input="Say hello.", max_output_tokens=8, stream=True))
+    # Eight tokens may cut the answer short: incomplete is a normal end.
+    last = events[-1]
+    check(last.type in ("response.completed", "response.incomplete"), f"responses stream: last {last.type}")
+    check(last.response.usage is None, f"responses stream: no invented usage {last.response.usage}")
+
+    # Structured output parsed by the SDK (grammar-constrained by llama.cpp).
+    parsed = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Reply with an answer."}],
+        response_format=Answer, max_tokens=40,
+    )
+    check(isinstance(parsed.choices[0].message.parsed, Answer), f"parse: {parsed.choices[0].message}")
+
+    # Pass-through of a field the Edge does not know (llama.cpp takes top_k).
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=4, extra_body={"top_k": 1})
+    check(r.choices[0].message.content is not None, "top_k pass-through")
+
+    # Embeddings (the SDK asks for base64 by default).
+    e = client.embeddings.create(model=model, input=["hello", "world"])
+    check(len(e.data) == 2 and len(e.data[0].embedding) > 0, "embeddings: two vectors")
+    check(e.data[0].embedding != e.data[1].embedding, "embeddings: differ")
+
+    # Text completion.
+    c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6)
+    check(c.choices[0].text, "completions: text")
+    check(c.usage is not None and c.usage.completion_tokens > 0, f"completions: usage {c.usage}")
+
+    # The official Ollama client against the same Edge.
+    oc = ollama.Client(host=edge, headers={"Authorization": f"Bearer {key}"})
+    tags = [m.model for m in oc.list().models]
+    check(model in tags, f"ollama tags: {tags}")
+    r = oc.chat(model=model, messages=messages, options={"num_predict": 8})
+    check(r.message.content, "ollama chat: content")
+    check((r.eval_count or 0) > 0 and (r.prompt_eval_count or 0) > 0, f"ollama chat: counts {r}")
+    parts = [p.message.content for p in oc.chat(model=model, messages=messages, stream=True, options={"num_predict": 8})]
+    check("".join(parts), "ollama chat stream: text")
+    em = oc.embed(model=model, input=["hello"])
+    check(len(em.embeddings) == 1 and len(em.embeddings[0]) > 0, "ollama embed")
+    print(json.dumps({"ok": True}))
+
+
+if __name__ == "__main__":
+    main()
