@@ -42,8 +42,11 @@
 //!   exact-target probe answer means (R-WD-5, R-CAP-1).
 //! * [`edge`]: the Edge's registry of node generations (R-GEN-1..4),
 //!   admission and leases (R-LEASE, R-SEL), the runtime health overlay and
-//!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE) and the
-//!   per-provider health tracker (R-HT).
+//!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE), the
+//!   per-provider health tracker (R-HT), and the per-request session
+//!   machine ([`edge::request::Request`]) that owns one client request and
+//!   talks to the [`edge::dispatch::Dispatcher`] in typed commands and
+//!   events.
 //! * [`cred`]: managed credential leases (R-CRED-1..3): sealing a secret
 //!   to a Node under a signed scope, and opening it fail-closed with a
 //!   bounded replay cache. Pure functions; RNG and time are injected.

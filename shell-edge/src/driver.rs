@@ -93,6 +93,8 @@ pub struct DriverContext {
     pub creds: Arc<crate::cred::Credentials>,
     /// Provider id -> managed credential profile.
     pub profiles: Arc<std::collections::HashMap<ProviderId, String>>,
+    /// Per-attempt metrics and spans ([`crate::observe`]).
+    pub metrics: Arc<crate::metrics::EdgeMetrics>,
 }
 
 /// What the driver reports for metrics and logs (closed values only).
@@ -161,6 +163,8 @@ pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Rec
             opening: None,
             stream: None,
             started_at: tokio::time::Instant::now(),
+            wait: None,
+            attempt: None,
         };
         driver.run().await;
     });
@@ -203,6 +207,10 @@ struct Driver {
     stream: Option<NodeStream>,
     started_at: tokio::time::Instant,
     detach: Detach,
+    /// The wait for a lease in progress (`edge.queue_wait`).
+    wait: Option<crate::observe::QueueWait>,
+    /// The attempt in flight (`edge.attempt`, its tokens and outcome).
+    attempt: Option<crate::observe::AttemptObservation>,
 }
 
 impl Driver {
@@ -249,7 +257,18 @@ impl Driver {
                         None => std::future::pending().await,
                     }
                 } => match frame {
-                    Some(frame) => RequestInput::Frame(frame),
+                    Some(frame) => {
+                        if let Some(attempt) = self.attempt.as_mut() {
+                            match &frame {
+                                NodeFrame::Run(kind) => attempt.event(kind),
+                                NodeFrame::Tunnel(ProviderTunnelFrame::Body(b)) if !b.is_empty() => {
+                                    attempt.relayed_body();
+                                }
+                                NodeFrame::Tunnel(_) => {}
+                            }
+                        }
+                        RequestInput::Frame(frame)
+                    }
                     None => {
                         self.stream = None;
                         RequestInput::StreamEnded
@@ -308,8 +327,54 @@ impl Driver {
         }
     }
 
-    fn observe(&self, observation: RequestObservation) {
+    fn observe(&mut self, observation: RequestObservation) {
+        use crate::observe::{AttemptObservation, QueueWait};
+        let route = self.work.route;
         let obs = match observation {
+            RequestObservation::Admitting => {
+                self.wait = Some(QueueWait::start(
+                    &self.ctx.metrics,
+                    self.work.trace_context,
+                    route,
+                ));
+                return;
+            }
+            RequestObservation::Leased { provider_id } => {
+                if let Some(wait) = self.wait.take() {
+                    wait.granted(&provider_id);
+                }
+                return;
+            }
+            RequestObservation::AdmissionFailed(failure) => {
+                if let Some(wait) = self.wait.take() {
+                    wait.failed(failure.as_str());
+                }
+                return;
+            }
+            RequestObservation::AttemptStarted {
+                provider_id,
+                attempt,
+            } => {
+                self.attempt = Some(AttemptObservation::start(
+                    &self.ctx.metrics,
+                    self.work.trace_context,
+                    route,
+                    &self.work.model,
+                    &provider_id,
+                    attempt,
+                ));
+                return;
+            }
+            RequestObservation::AttemptEnded { failure } => {
+                if let Some(attempt) = self.attempt.take() {
+                    attempt.finish(failure);
+                }
+                return;
+            }
+            RequestObservation::Ended { attempts } => {
+                self.ctx.metrics.attempts_per_request(route, attempts);
+                return;
+            }
             RequestObservation::Gate(GateEvent::Eligibility(e)) => {
                 DriverObservation::Eligibility(e.as_str())
             }
@@ -377,6 +442,12 @@ impl Driver {
                 }
             });
         let session_id = format!("r{}", self.detach.request_id);
+        // The Node's spans are children of this attempt's span.
+        let trace_context = self
+            .attempt
+            .as_ref()
+            .and_then(|a| a.context())
+            .or(self.work.trace_context);
         match (&self.work.tunnel, tunnel) {
             (Some(t), true) => DataRequest::Tunnel(ProviderTunnelRequest {
                 run_id: lease.run_id,
@@ -390,7 +461,7 @@ impl Driver {
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms,
                 credential_lease,
-                trace_context: self.work.trace_context,
+                trace_context,
             }),
             _ => DataRequest::Run(RunRequest {
                 run_id: lease.run_id,
@@ -405,7 +476,7 @@ impl Driver {
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms,
                 credential_lease,
-                trace_context: self.work.trace_context,
+                trace_context,
             }),
         }
     }

@@ -22,7 +22,15 @@ use opentelemetry::metrics::{Counter, Histogram};
 use crate::config::EdgeConfig;
 
 /// Route classes (`route` label).
-pub const ROUTES: &[&str] = &["chat", "responses", "ollama_chat", "ollama_generate"];
+pub const ROUTES: &[&str] = &[
+    "chat",
+    "responses",
+    "completions",
+    "embeddings",
+    "ollama_chat",
+    "ollama_generate",
+    "ollama_embed",
+];
 /// Request outcomes (`outcome` label of `iop_edge_requests_total`).
 pub const REQUEST_OUTCOMES: &[&str] = &[
     "ok",

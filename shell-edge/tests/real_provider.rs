@@ -100,7 +100,7 @@ async fn official_clients_against_a_real_llama_cpp_server() {
     init();
     let mut llama = LlamaServer::start(&venv).await;
     let pki = Pki::new(&["node-1"]);
-    std::fs::write(pki.path().join("key"), KEY).unwrap();
+    common::write_secret(&pki.path().join("key"), KEY);
     let edge = RunningEdge::start(edge_config(
         &pki,
         0,

@@ -25,7 +25,7 @@ impl Surface {
     /// dispatch).
     async fn start() -> Self {
         let pki = Pki::new(&["node-1", "node-2"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        common::write_secret(&pki.path().join("key"), KEY);
         let edge = RunningEdge::start(edge_config(
             &pki,
             0,
@@ -314,7 +314,7 @@ async fn ollama_show_and_ps_describe_routable_models() {
 async fn a_model_the_node_reports_is_listed_and_routed_without_edge_config() {
     bounded(async {
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        common::write_secret(&pki.path().join("key"), KEY);
         let edge = RunningEdge::start(edge_config(
             &pki,
             0,

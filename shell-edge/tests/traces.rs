@@ -157,7 +157,7 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
         let addr = collector.start().await;
         let traces = format!("[otlp_traces]\nendpoint = \"http://{addr}\"\ninterval_ms = 100\n");
         let pki = Pki::new(&["node-1"]);
-        std::fs::write(pki.path().join("key"), KEY).unwrap();
+        common::write_secret(&pki.path().join("key"), KEY);
         let mock = MockServer::start(MockScript::default()).await.unwrap();
         let edge = RunningEdge::start(edge_config(
             &pki,
@@ -215,15 +215,21 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
         collector
             .wait("the client's trace with its Node spans", |c| {
                 !c.find(CLIENT_TRACE, "edge.request").is_empty()
+                    && !c.find(CLIENT_TRACE, "edge.queue_wait").is_empty()
+                    && !c.find(CLIENT_TRACE, "edge.attempt").is_empty()
                     && !c.find(CLIENT_TRACE, "node.run").is_empty()
                     && !c.find(CLIENT_TRACE, "node.provider_call").is_empty()
             })
             .await;
         let request = one(&collector, CLIENT_TRACE, "edge.request", "iop-edge");
+        let wait = one(&collector, CLIENT_TRACE, "edge.queue_wait", "iop-edge");
+        let attempt = one(&collector, CLIENT_TRACE, "edge.attempt", "iop-edge");
         let run = one(&collector, CLIENT_TRACE, "node.run", "iop-node");
         let call = one(&collector, CLIENT_TRACE, "node.provider_call", "iop-node");
         assert_eq!(request.parent_span_id, CLIENT_SPAN, "edge.request is the client's child");
-        assert_eq!(run.parent_span_id, request.span_id, "node.run is edge.request's child");
+        assert_eq!(wait.parent_span_id, request.span_id, "edge.queue_wait is edge.request's child");
+        assert_eq!(attempt.parent_span_id, request.span_id, "edge.attempt is edge.request's child");
+        assert_eq!(run.parent_span_id, attempt.span_id, "node.run is edge.attempt's child");
         assert_eq!(call.parent_span_id, run.span_id, "node.provider_call is node.run's child");
         assert_eq!(attr(&request, "iop.route"), Some("chat"));
         assert_eq!(attr(&request, "iop.outcome"), Some("ok"));
@@ -254,9 +260,13 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
                 requests.len() == 2
                     && requests.iter().all(|r| {
                         r.parent_span_id.is_empty()
-                            && fresh
-                                .iter()
-                                .any(|s| s.name == "node.run" && s.parent_span_id == r.span_id)
+                            && fresh.iter().any(|a| {
+                                a.name == "edge.attempt"
+                                    && a.parent_span_id == r.span_id
+                                    && fresh.iter().any(|s| {
+                                        s.name == "node.run" && s.parent_span_id == a.span_id
+                                    })
+                            })
                     })
             })
             .await;
@@ -286,7 +296,7 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
         }
         for s in collector.spans() {
             assert!(
-                ["edge.request", "node.run", "node.provider_call", "node.probe", "node.dial"]
+                ["edge.request", "edge.queue_wait", "edge.attempt", "node.run", "node.provider_call", "node.probe", "node.dial"]
                     .contains(&s.name.as_str()),
                 "unexpected span {}",
                 s.name

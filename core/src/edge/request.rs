@@ -175,8 +175,9 @@ pub enum Delivery {
     },
 }
 
-/// An observation for metrics and logs (closed values only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// An observation for metrics, spans and logs (closed values and
+/// configured names only).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RequestObservation {
     /// A recovery eligibility decision or result (the gate's).
@@ -185,6 +186,33 @@ pub enum RequestObservation {
     Readmitted,
     /// The response was committed (time to first content).
     Committed,
+    /// An admission went out: the wait for a lease starts.
+    Admitting,
+    /// The wait ended with a lease on this provider.
+    Leased {
+        /// The lease's provider.
+        provider_id: ProviderId,
+    },
+    /// The wait ended without a lease.
+    AdmissionFailed(AdmissionFailure),
+    /// Attempt `attempt` (from 1) starts on this provider; its `Open`
+    /// follows.
+    AttemptStarted {
+        /// The attempt's provider.
+        provider_id: ProviderId,
+        /// Its number.
+        attempt: u32,
+    },
+    /// The attempt ended: `None` completed, else why not.
+    AttemptEnded {
+        /// Its failure, if any.
+        failure: Option<FailureCode>,
+    },
+    /// The request ended after this many attempts.
+    Ended {
+        /// Attempts dispatched.
+        attempts: u32,
+    },
 }
 
 /// What the driver must do, in order.
@@ -254,6 +282,8 @@ pub struct Request {
     held: VecDeque<Delivery>,
     held_bytes: usize,
     head_delivered: bool,
+    /// An attempt was started and its end not yet observed.
+    attempt_open: bool,
     outputs: VecDeque<RequestOutput>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
@@ -277,6 +307,7 @@ impl Request {
             held: VecDeque::new(),
             held_bytes: 0,
             head_delivered: false,
+            attempt_open: false,
             outputs: VecDeque::new(),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
@@ -413,8 +444,20 @@ impl Request {
         self.drain_gate(now);
     }
 
+    fn observe(&mut self, observation: RequestObservation) {
+        self.outputs.push_back(RequestOutput::Observe(observation));
+    }
+
+    /// Observe the end of the attempt in flight, once.
+    fn attempt_ended(&mut self, failure: Option<FailureCode>) {
+        if std::mem::take(&mut self.attempt_open) {
+            self.observe(RequestObservation::AttemptEnded { failure });
+        }
+    }
+
     fn admit(&mut self) {
         self.phase = Phase::Admitting;
+        self.observe(RequestObservation::Admitting);
         self.outputs
             .push_back(RequestOutput::Dispatch(RequestCommand::Admit(
                 DispatchRequest {
@@ -448,6 +491,9 @@ impl Request {
             RequestEvent::Leased(lease) => {
                 if matches!(self.phase, Phase::Admitting | Phase::Queued) {
                     self.phase = Phase::PreSending(lease.lease_id);
+                    self.observe(RequestObservation::Leased {
+                        provider_id: lease.provider_id.clone(),
+                    });
                     self.outputs
                         .push_back(RequestOutput::Dispatch(RequestCommand::PreSend {
                             request_id: self.spec.request_id,
@@ -468,6 +514,7 @@ impl Request {
                             AdmissionFailure::NoEligibleProvider
                         }
                     };
+                    self.observe(RequestObservation::AdmissionFailed(failure));
                     let _ = self
                         .gate
                         .handle_input(now, GateInput::AdmissionFailed(failure));
@@ -476,6 +523,9 @@ impl Request {
             }
             RequestEvent::QueueExpired => {
                 if matches!(self.phase, Phase::Admitting | Phase::Queued) {
+                    self.observe(RequestObservation::AdmissionFailed(
+                        AdmissionFailure::QueueTimeout,
+                    ));
                     let _ = self.gate.handle_input(
                         now,
                         GateInput::AdmissionFailed(AdmissionFailure::QueueTimeout),
@@ -542,6 +592,11 @@ impl Request {
                     lease: lease.clone(),
                     attempt,
                 };
+                self.attempt_open = true;
+                self.observe(RequestObservation::AttemptStarted {
+                    provider_id: lease.provider_id.clone(),
+                    attempt: attempt.get(),
+                });
                 self.outputs.push_back(RequestOutput::Open {
                     lease,
                     tunnel,
@@ -704,13 +759,17 @@ impl Request {
     }
 
     fn attempt_event(&mut self, now: Instant, attempt: AttemptId, event: AttemptEvent) {
-        let ends_attempt = matches!(
-            event,
-            AttemptEvent::Completed
-                | AttemptEvent::Stalled(_)
-                | AttemptEvent::Failed { .. }
-                | AttemptEvent::TransportLost
-        );
+        let ended = match &event {
+            AttemptEvent::Completed => Some(None),
+            AttemptEvent::Stalled(_) => Some(Some(FailureCode::ResponseStalled)),
+            AttemptEvent::Failed { code } => Some(Some(*code)),
+            AttemptEvent::TransportLost => Some(Some(FailureCode::TransportClosed)),
+            AttemptEvent::Started | AttemptEvent::Content => None,
+        };
+        let ends_attempt = ended.is_some();
+        if let Some(failure) = ended {
+            self.attempt_ended(failure);
+        }
         let _ = self
             .gate
             .handle_input(now, GateInput::Attempt { attempt, event });
@@ -798,6 +857,10 @@ impl Request {
     fn end(&mut self) {
         if self.phase != Phase::Ended {
             self.phase = Phase::Ended;
+            // An attempt cut short by the client or the budget.
+            self.attempt_ended(Some(FailureCode::Canceled));
+            let attempts = self.gate.attempts();
+            self.observe(RequestObservation::Ended { attempts });
             #[cfg(feature = "planted-bugs")]
             if self.planted(PlantedBug::SkipCancelRelease) {
                 self.clear_held();

@@ -103,7 +103,24 @@ fn running(r: &mut Request, l: &Lease) -> Vec<RequestOutput> {
     let outs = drain(r);
     r.handle_input(t(1), RequestInput::Opened);
     assert!(drain(r).is_empty());
-    outs
+    // The attempt starts observed, then opens.
+    assert!(matches!(
+        outs.first(),
+        Some(RequestOutput::Observe(RequestObservation::AttemptStarted { attempt, .. }))
+            if *attempt == r.gate().attempts()
+    ));
+    outs.into_iter()
+        .filter(|o| !matches!(o, RequestOutput::Observe(_)))
+        .collect()
+}
+
+fn observations(outs: &[RequestOutput]) -> Vec<RequestObservation> {
+    outs.iter()
+        .filter_map(|o| match o {
+            RequestOutput::Observe(obs) => Some(obs.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 fn run(kind: RunEventKind) -> RequestInput {
@@ -693,5 +710,69 @@ fn a_stream_that_ends_without_a_terminal_is_a_lost_transport() {
             kind: GateFailure::Attempt(FailureCode::TransportClosed),
             in_stream: false
         }]
+    );
+}
+
+#[test]
+fn every_wait_and_attempt_is_observed_once_with_its_outcome() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    assert_eq!(
+        observations(&drain(&mut r)),
+        vec![RequestObservation::Admitting]
+    );
+    let l = lease(1, "p0", AdapterKind::Mock);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    assert_eq!(
+        observations(&drain(&mut r)),
+        vec![RequestObservation::Leased {
+            provider_id: ProviderId::from("p0")
+        }]
+    );
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    r.handle_input(t(1), RequestInput::Opened);
+    drain(&mut r);
+    // A lost transport ends the attempt with its code, then the request.
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    assert_eq!(
+        observations(&drain(&mut r)),
+        vec![
+            RequestObservation::AttemptEnded {
+                failure: Some(FailureCode::TransportClosed)
+            },
+            RequestObservation::Ended { attempts: 1 },
+        ]
+    );
+    // A client that leaves mid-attempt ends it as canceled.
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::ClientDisconnected);
+    assert_eq!(
+        observations(&drain(&mut r)),
+        vec![
+            RequestObservation::AttemptEnded {
+                failure: Some(FailureCode::Canceled)
+            },
+            RequestObservation::Ended { attempts: 1 },
+        ]
+    );
+    // A refused admission ends the wait, not an attempt.
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Rejected(AdmitRejection::QueueFull)),
+    );
+    assert_eq!(
+        observations(&drain(&mut r)),
+        vec![
+            RequestObservation::AdmissionFailed(AdmissionFailure::QueueFull),
+            RequestObservation::Ended { attempts: 0 },
+        ]
     );
 }
