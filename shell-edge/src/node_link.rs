@@ -24,10 +24,13 @@ use iop_transport::clock::Clock;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Settings of every link.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LinkSettings {
     /// Heartbeat profile (R-HB-1).
     pub heartbeat: HeartbeatConfig,
+    /// Node certificates revoked while their connection is open end it
+    /// (re-read on SIGHUP).
+    pub denylist: iop_transport::CertDenylist,
 }
 
 /// Serve one incoming connection until it ends.
@@ -53,6 +56,11 @@ pub async fn serve(
             return;
         }
     };
+    // A certificate revoked while this connection is open ends it.
+    tokio::spawn(iop_transport::enforce_denylist(
+        conn.clone(),
+        settings.denylist.clone(),
+    ));
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
     let link = LinkHandle {
         conn: conn.clone(),

@@ -166,6 +166,7 @@ impl RunningEdge {
         )?;
         let settings = LinkSettings {
             heartbeat: config.heartbeat,
+            denylist: denylist.clone(),
         };
         let validate_addresses = config.edge.quic_address_validation;
         let max_node_connections = config.edge.max_node_connections;
@@ -182,7 +183,7 @@ impl RunningEdge {
                             Some(incoming) => {
                                 match admit_node_connection(&incoming, validate_addresses, links.len(), max_node_connections) {
                                     NodeAdmission::Accept => {
-                                        links.spawn(node_link::serve(incoming, hub.clone(), clock, settings));
+                                        links.spawn(node_link::serve(incoming, hub.clone(), clock, settings.clone()));
                                     }
                                     NodeAdmission::Retry => {
                                         let _ = incoming.retry();
@@ -229,9 +230,9 @@ impl RunningEdge {
         })
     }
 
-    /// The node certificate denylist the TLS verifier reads; a node link
-    /// runs [`iop_transport::enforce_denylist`] with it to end a
-    /// connection whose certificate is revoked while it is open.
+    /// The node certificate denylist the TLS verifier reads; every node
+    /// link runs [`iop_transport::enforce_denylist`] with it, so a
+    /// connection whose certificate is revoked while it is open ends.
     pub fn node_denylist(&self) -> CertDenylist {
         self.denylist.clone()
     }

@@ -41,6 +41,14 @@ async fn a_revoked_node_certificate_cannot_register_until_taken_off_the_list() {
         let reloaded: EdgeConfig = edge_config_with(&pki, 0, "", providers());
         edge.reload_revoked_node_certificates(&reloaded);
         ready_generation(&edge, "node-1").await;
+        // Revoked again while connected: the open connection ends at once
+        // (its generation is fenced), not only the next handshake.
+        let relisted = edge_config_with(&pki, 0, &lines, providers());
+        edge.reload_revoked_node_certificates(&relisted);
+        wait_for(&edge, "node-1's open connection ended", |s| {
+            !node_state(s, "node-1").1
+        })
+        .await;
         node1.shutdown().await.unwrap();
         node2.shutdown().await.unwrap();
         edge.shutdown().await;
