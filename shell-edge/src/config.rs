@@ -560,6 +560,8 @@ pub struct EdgeConfig {
     pub tls: TlsFiles,
     /// Heartbeat profile.
     pub heartbeat: HeartbeatConfig,
+    /// QUIC settings from `[heartbeat] loss_detect_ms` (R-FAIL-2).
+    pub quic_tuning: iop_transport::QuicTuning,
     /// Admission.
     pub admission: AdmissionSection,
     /// Health tracker.
@@ -830,6 +832,7 @@ impl EdgeConfig {
         }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
+            quic_tuning: file.heartbeat.quic_tuning(),
             admission: file.admission,
             health,
             edge: file.edge,

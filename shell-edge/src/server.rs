@@ -5,9 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use iop_core::edge::dispatch::DispatchConfig;
-use iop_transport::{
-    CertDenylist, QuicTuning, ServerTls, close_connection, server_endpoint_with_denylist,
-};
+use iop_transport::{CertDenylist, ServerTls, close_connection, server_endpoint_with_denylist};
 use iop_wire::CloseCode;
 use tokio::task::JoinHandle;
 
@@ -85,10 +83,7 @@ impl RunningEdge {
             None => None,
         };
         let tls = ServerTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
-        let mut tuning = QuicTuning::for_heartbeat_wait(
-            config.heartbeat.wait + config.heartbeat.interval,
-            std::time::Duration::from_secs(5),
-        );
+        let mut tuning = config.quic_tuning;
         // A node opens only its control stream (every run, tunnel and
         // command stream is opened by the Edge): bound what a peer can pin
         // in unread streams.

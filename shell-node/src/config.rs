@@ -183,6 +183,8 @@ pub struct NodeConfig {
     pub tls: TlsFiles,
     /// Heartbeat profile.
     pub heartbeat: HeartbeatConfig,
+    /// QUIC settings from `[heartbeat] loss_detect_ms` (R-FAIL-2).
+    pub quic_tuning: iop_transport::QuicTuning,
     /// Reconnect backoff.
     pub reconnect: BackoffConfig,
     /// Bound of one connection attempt.
@@ -316,6 +318,7 @@ impl NodeConfig {
         }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
+            quic_tuning: file.heartbeat.quic_tuning(),
             otlp: file.otlp,
             otlp_traces: file.otlp_traces,
             reconnect: BackoffConfig {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use iop_core::liveness::backoff::Backoff;
 use iop_core::rng::SplitMix64;
-use iop_transport::{ClientTls, QuicTuning, client_endpoint, connect};
+use iop_transport::{ClientTls, client_endpoint, connect};
 use tokio::sync::watch;
 
 use crate::config::NodeConfig;
@@ -49,10 +49,7 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), StartError> {
     let tls = ClientTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
-    let tuning = QuicTuning::for_heartbeat_wait(
-        config.heartbeat.wait + config.heartbeat.interval,
-        std::time::Duration::from_secs(5),
-    );
+    let tuning = config.quic_tuning;
     let endpoint = client_endpoint(&tls, &tuning)?;
     let mut backoff = Backoff::new(config.reconnect);
     let mut rng = SplitMix64::new(rand::random());

@@ -75,7 +75,7 @@ pub enum TransportError {
 /// application heartbeat (R-HB-1) detects a dead peer; the QUIC idle timeout
 /// is only a backstop and must be longer than the heartbeat wait so the
 /// connection ends with `heartbeat_timeout`, not with a QUIC idle timeout.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuicTuning {
     /// Close the connection after this long without any packet from the
     /// peer. Must be non-zero and longer than the app heartbeat wait.
@@ -106,13 +106,16 @@ impl Default for QuicTuning {
 }
 
 impl QuicTuning {
-    /// The defaults with an idle timeout `margin` longer than
-    /// `heartbeat_wait` and a keep-alive at a third of the idle timeout.
-    pub fn for_heartbeat_wait(heartbeat_wait: Duration, margin: Duration) -> Self {
-        let idle_timeout = heartbeat_wait.saturating_add(margin);
+    /// The defaults with a peer that stops acknowledging declared lost
+    /// after `loss_detect` (R-FAIL-2): QUIC PINGs every quarter of it keep
+    /// a live path busy (the peer's stack acknowledges them whatever its
+    /// application is doing), and the idle timeout at `loss_detect` ends a
+    /// connection that heard nothing for that long: a frozen or vanished
+    /// peer, a partition.
+    pub fn for_loss_detection(loss_detect: Duration) -> Self {
         Self {
-            idle_timeout,
-            keep_alive: Some(idle_timeout / 3),
+            idle_timeout: loss_detect,
+            keep_alive: Some(loss_detect / 4),
             ..Self::default()
         }
     }
@@ -273,14 +276,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn default_tuning_is_valid_and_outlasts_the_heartbeat_wait() {
+    fn default_tuning_is_valid_and_loss_detection_keeps_alive_four_times_per_bound() {
         let tuning = QuicTuning::default();
         assert!(tuning.transport_config().is_ok());
-        assert!(tuning.idle_timeout > Duration::from_secs(45));
-        let derived =
-            QuicTuning::for_heartbeat_wait(Duration::from_millis(300), Duration::from_millis(200));
-        assert_eq!(derived.idle_timeout, Duration::from_millis(500));
+        // R-FAIL-2: lost after `loss_detect` of silence, probed 4 times in it.
+        let derived = QuicTuning::for_loss_detection(Duration::from_millis(5_000));
+        assert_eq!(derived.idle_timeout, Duration::from_millis(5_000));
+        assert_eq!(derived.keep_alive, Some(Duration::from_millis(1_250)));
         assert!(derived.transport_config().is_ok());
+        let smallest = QuicTuning::for_loss_detection(Duration::from_millis(
+            crate::settings::MIN_LOSS_DETECT_MS,
+        ));
+        assert!(smallest.transport_config().is_ok());
     }
 
     #[test]

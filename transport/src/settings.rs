@@ -59,7 +59,23 @@ pub struct HeartbeatSection {
     pub interval_ms: u64,
     /// Pong wait.
     pub wait_ms: u64,
+    /// A connection whose peer stops acknowledging at the transport level
+    /// is lost after this (R-FAIL-2): QUIC keep-alives every quarter of it,
+    /// and the idle timeout at it. Independent of the application
+    /// heartbeat; a slow provider or a back-pressured stream never trips
+    /// it, because the peer's QUIC stack still acknowledges.
+    pub loss_detect_ms: u64,
 }
+
+/// Default of `[heartbeat] loss_detect_ms` (R-FAIL-2).
+pub const DEFAULT_LOSS_DETECT_MS: u64 = 5_000;
+
+/// Smallest accepted `loss_detect_ms`: a keep-alive and its
+/// acknowledgement must fit several times into it.
+pub const MIN_LOSS_DETECT_MS: u64 = 200;
+
+/// Largest accepted `loss_detect_ms`.
+pub const MAX_LOSS_DETECT_MS: u64 = 600_000;
 
 impl Default for HeartbeatSection {
     fn default() -> Self {
@@ -67,6 +83,7 @@ impl Default for HeartbeatSection {
         Self {
             interval_ms: d.interval.as_millis() as u64,
             wait_ms: d.wait.as_millis() as u64,
+            loss_detect_ms: DEFAULT_LOSS_DETECT_MS,
         }
     }
 }
@@ -88,7 +105,19 @@ impl HeartbeatSection {
         if self.wait_ms == 0 {
             return Err(field_err(format!("{section}.wait_ms"), "must be > 0"));
         }
+        if !(MIN_LOSS_DETECT_MS..=MAX_LOSS_DETECT_MS).contains(&self.loss_detect_ms) {
+            return Err(field_err(
+                format!("{section}.loss_detect_ms"),
+                format!("must be between {MIN_LOSS_DETECT_MS} and {MAX_LOSS_DETECT_MS}"),
+            ));
+        }
         Ok(())
+    }
+
+    /// The QUIC settings that detect a lost peer within `loss_detect_ms`
+    /// (R-FAIL-2).
+    pub fn quic_tuning(&self) -> crate::QuicTuning {
+        crate::QuicTuning::for_loss_detection(Duration::from_millis(self.loss_detect_ms))
     }
 }
 
