@@ -75,6 +75,17 @@ impl TerminalVerdict {
     /// ignored terminal means its generation was fenced and the attempt's
     /// transport is gone: [`AttemptEvent::TransportLost`].
     pub fn attempt_event(self, failure: Option<FailureCode>) -> AttemptEvent {
+        self.attempt_event_with(failure, false)
+    }
+
+    /// [`Self::attempt_event`] for a failure that may fail over
+    /// ([`crate::edge::gate::failure_may_fail_over`], R-FAIL-1): an applied
+    /// one becomes [`AttemptEvent::FailedRetryable`].
+    pub fn attempt_event_with(
+        self,
+        failure: Option<FailureCode>,
+        may_fail_over: bool,
+    ) -> AttemptEvent {
         match (self, failure) {
             (
                 TerminalVerdict::Applied {
@@ -83,6 +94,9 @@ impl TerminalVerdict {
                 _,
             ) => AttemptEvent::Stalled(stall),
             (TerminalVerdict::Applied { .. }, None) => AttemptEvent::Completed,
+            (TerminalVerdict::Applied { .. }, Some(code)) if may_fail_over => {
+                AttemptEvent::FailedRetryable { code }
+            }
             (TerminalVerdict::Applied { .. }, Some(code)) => AttemptEvent::Failed { code },
             (TerminalVerdict::Ignored(_), _) => AttemptEvent::TransportLost,
         }

@@ -146,8 +146,40 @@ pub enum AttemptEvent {
         code: FailureCode,
     },
     /// The node connection carrying this attempt ended (its generation is
-    /// fenced, R-GEN-3).
+    /// fenced, R-GEN-3). Before commit it may fail over (R-FAIL-1): the
+    /// node cancels every run of a lost connection (R-DISC-1).
     TransportLost,
+    /// A failure whose provider call is known to have ended and that another
+    /// provider may answer (the node marked it retryable: overloaded,
+    /// unreachable, 5xx/429; see [`failure_may_fail_over`]). Before commit
+    /// it fails over within the budget (R-FAIL-1); otherwise it ends the
+    /// request like [`AttemptEvent::Failed`].
+    FailedRetryable {
+        /// The typed failure code.
+        code: FailureCode,
+    },
+}
+
+/// R-FAIL-1: may this terminal failure be re-admitted to another provider
+/// before commit? Only when the node marked it retryable (the provider call
+/// ended: R-WD-4) and it is not the client's: overloaded, unreachable,
+/// a provider 5xx or 429, a lost connection. A client error (invalid
+/// request, 4xx other than 429), a rejected credential, a cancel or a
+/// deadline never is; a stall has its own path (R-GATE-2).
+pub fn failure_may_fail_over(failure: &iop_wire::ExecutionFailure) -> bool {
+    if !failure.retryable {
+        return false;
+    }
+    match failure.code {
+        FailureCode::NodeOverloaded
+        | FailureCode::ProviderUnreachable
+        | FailureCode::TransportClosed => true,
+        FailureCode::ProviderError => match failure.http_status {
+            Some(status) => status == 429 || (500..600).contains(&status),
+            None => true,
+        },
+        _ => false,
+    }
 }
 
 /// What one frame of an attempt's node stream is to the gate: the commit
@@ -489,6 +521,9 @@ pub struct StreamGate {
     committed: bool,
     started: bool,
     outcome_emitted: bool,
+    /// Whether a failed attempt may go to another provider (R-FAIL-1):
+    /// only when the request's pool has one.
+    failover: bool,
     outputs: VecDeque<GateOutput>,
     events: VecDeque<GateEvent>,
 }
@@ -506,9 +541,17 @@ impl StreamGate {
             committed: false,
             started: false,
             outcome_emitted: false,
+            failover: true,
             outputs: VecDeque::with_capacity(OUTPUT_QUEUE_BOUND),
             events: VecDeque::new(),
         }
+    }
+
+    /// Whether a failed attempt may be re-admitted to another provider
+    /// (R-FAIL-1); on by default. Off for a request whose pool has a single
+    /// provider: avoiding it would leave nothing to choose.
+    pub fn set_failover(&mut self, failover: bool) {
+        self.failover = failover;
     }
 
     /// Feed one input at `now`, then drain [`Self::poll_output`] and
@@ -679,14 +722,47 @@ impl StreamGate {
                 self.fail(GateFailure::Attempt(code), RecoveryResult::Failed);
             }
             AttemptEvent::TransportLost => {
-                // R-GEN-3: one transport terminal towards the client.
-                self.fail(
-                    GateFailure::Attempt(FailureCode::TransportClosed),
-                    RecoveryResult::Failed,
-                );
+                // R-GEN-3: one transport terminal towards the client,
+                // unless another provider can still answer (R-FAIL-1).
+                if !self.fail_over(now, attempt, provider_id) {
+                    self.fail(
+                        GateFailure::Attempt(FailureCode::TransportClosed),
+                        RecoveryResult::Failed,
+                    );
+                }
+            }
+            AttemptEvent::FailedRetryable { code } => {
+                if !self.fail_over(now, attempt, provider_id) {
+                    self.fail(GateFailure::Attempt(code), RecoveryResult::Failed);
+                }
             }
         }
         InputDisposition::Applied
+    }
+
+    /// R-FAIL-1: before commit, within the shared budget, re-admit a failed
+    /// attempt to another provider (the failed one avoided, never allowed
+    /// back by this hint). Returns whether it did.
+    fn fail_over(&mut self, now: Instant, attempt: AttemptId, provider_id: ProviderId) -> bool {
+        if !self.failover
+            || self.committed
+            || self.attempts >= self.budget.max_attempts
+            || now >= self.deadline
+        {
+            return false;
+        }
+        self.readmissions += 1;
+        // The old transport is closed before re-admission (R-GATE-2).
+        self.push_output(GateOutput::CloseTransport { attempt });
+        self.push_output(GateOutput::Readmit {
+            avoid_provider_id: provider_id,
+            allow_avoided_fallback: false,
+        });
+        self.events
+            .push_back(GateEvent::Result(RecoveryResult::Readmitted));
+        self.started = false;
+        self.phase = Phase::Admitting;
+        true
     }
 
     /// R-GATE-2: before commit, a confirmed stall of the current attempt's
@@ -1408,7 +1484,8 @@ mod tests {
             }]
         );
 
-        let mut g = gate(2, 60 * SECOND);
+        // With no attempt to spare, a lost transport ends the request.
+        let mut g = gate(1, 60 * SECOND);
         let a1 = dispatch(&mut g, Instant::ZERO, "p1");
         assert_eq!(
             g.handle_input(
@@ -1428,6 +1505,114 @@ mod tests {
                 kind: GateFailure::Attempt(FailureCode::TransportClosed)
             }]
         );
+    }
+
+    #[test]
+    fn a_retryable_failure_or_lost_transport_before_commit_fails_over_r_fail_1() {
+        for event in [
+            AttemptEvent::TransportLost,
+            AttemptEvent::FailedRetryable {
+                code: FailureCode::NodeOverloaded,
+            },
+        ] {
+            let mut g = gate(2, 60 * SECOND);
+            let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+            assert_eq!(
+                attempt(&mut g, Instant::from_millis(1), a1, event.clone()),
+                vec![
+                    GateOutput::CloseTransport { attempt: a1 },
+                    GateOutput::Readmit {
+                        avoid_provider_id: ProviderId::new("p1"),
+                        allow_avoided_fallback: false,
+                    },
+                ],
+                "{event:?}"
+            );
+            assert_eq!(
+                drain_events(&mut g),
+                vec![GateEvent::Result(RecoveryResult::Readmitted)]
+            );
+            // The second attempt has none to spare: the failure ends it.
+            let a2 = dispatch(&mut g, Instant::from_millis(2), "p2");
+            let out = attempt(&mut g, Instant::from_millis(3), a2, event);
+            assert!(
+                matches!(out.as_slice(), [GateOutput::FailBeforeCommit { .. }]),
+                "{out:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_non_retryable_failure_after_commit_or_without_failover_never_readmits_r_fail_1() {
+        // Not retryable (its provider call may still run, R-WD-4).
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(1),
+            a1,
+            AttemptEvent::Failed {
+                code: FailureCode::ProviderError,
+            },
+        );
+        assert!(
+            matches!(out.as_slice(), [GateOutput::FailBeforeCommit { .. }]),
+            "{out:?}"
+        );
+        // After commit.
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let _ = attempt(&mut g, Instant::from_millis(1), a1, AttemptEvent::Content);
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(2),
+            a1,
+            AttemptEvent::TransportLost,
+        );
+        assert!(
+            matches!(out.as_slice(), [GateOutput::FailInStream { .. }]),
+            "{out:?}"
+        );
+        // A pool of one: nowhere to fail over to.
+        let mut g = gate(3, 60 * SECOND);
+        g.set_failover(false);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let out = attempt(
+            &mut g,
+            Instant::from_millis(1),
+            a1,
+            AttemptEvent::TransportLost,
+        );
+        assert!(
+            matches!(out.as_slice(), [GateOutput::FailBeforeCommit { .. }]),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn only_retryable_non_client_failures_may_fail_over_r_fail_1() {
+        use iop_wire::ExecutionFailure;
+        let failure = |code, retryable, http_status| {
+            let mut f = ExecutionFailure::new(code);
+            f.retryable = retryable;
+            f.http_status = http_status;
+            f
+        };
+        for (f, expected) in [
+            (failure(FailureCode::NodeOverloaded, true, None), true),
+            (failure(FailureCode::ProviderUnreachable, true, None), true),
+            (failure(FailureCode::ProviderError, true, Some(503)), true),
+            (failure(FailureCode::ProviderError, true, Some(429)), true),
+            (failure(FailureCode::ProviderError, true, Some(400)), false),
+            (failure(FailureCode::ProviderError, false, Some(503)), false),
+            (failure(FailureCode::NodeOverloaded, false, None), false),
+            (failure(FailureCode::InvalidRequest, true, None), false),
+            (failure(FailureCode::CredentialRejected, true, None), false),
+            (failure(FailureCode::Canceled, true, None), false),
+            (failure(FailureCode::DeadlineExceeded, true, None), false),
+        ] {
+            assert_eq!(failure_may_fail_over(&f), expected, "{f:?}");
+        }
     }
 
     #[derive(Debug, Clone)]
@@ -1466,6 +1651,7 @@ mod tests {
             1 => Just(AttemptEvent::Failed { code: FailureCode::ProviderError }),
             1 => Just(AttemptEvent::Failed { code: FailureCode::ResponseStalled }),
             1 => Just(AttemptEvent::TransportLost),
+            1 => Just(AttemptEvent::FailedRetryable { code: FailureCode::NodeOverloaded }),
         ]
     }
 
@@ -1500,6 +1686,7 @@ mod tests {
             let mut ended_at: Option<usize> = None;
             let mut last_attempt: Option<AttemptId> = None;
             let mut dispatched = ProviderId::new("p0");
+            let mut failovers = 0usize;
             let target_of = |g: &StreamGate, last: Option<AttemptId>, stale: bool| match g.current_attempt().or(last) {
                 Some(a) if stale && a.get() > 1 => AttemptId(a.get() - 1),
                 Some(a) => a,
@@ -1520,7 +1707,15 @@ mod tests {
                     }
                     Op::Attempt { stale, event } => {
                         let attempt = target_of(&g, last_attempt, stale);
+                        let failing = matches!(
+                            event,
+                            AttemptEvent::TransportLost | AttemptEvent::FailedRetryable { .. }
+                        );
+                        let before = g.readmissions();
                         let _ = g.handle_input(now, GateInput::Attempt { attempt, event });
+                        if failing && g.readmissions() > before {
+                            failovers += 1;
+                        }
                     }
                     Op::Stall { stale, same_provider, health } => {
                         let attempt = target_of(&g, last_attempt, stale);
@@ -1584,7 +1779,8 @@ mod tests {
             let readmitted = events.iter().filter(|e| **e == GateEvent::Result(RecoveryResult::Readmitted)).count();
             prop_assert_eq!(readmitted, readmits);
             let eligible = events.iter().filter(|e| **e == GateEvent::Eligibility(RecoveryEligibility::Eligible)).count();
-            prop_assert_eq!(eligible, readmits);
+            // Every re-admission is an eligible stall or a failover (R-FAIL-1).
+            prop_assert_eq!(eligible + failovers, readmits);
             // At most one recovery outcome; exactly one once a re-admitted gate ended.
             let outcomes = events.iter().filter(|e| matches!(e, GateEvent::Result(r) if *r != RecoveryResult::Readmitted)).count();
             prop_assert!(outcomes <= 1, "{events:?}");

@@ -47,7 +47,7 @@ use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, Pr
 use crate::edge::dispatch::{RequestCommand, RequestEvent};
 use crate::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEvent, GateFailure,
-    GateInput, GateOutput, StreamGate,
+    GateInput, GateOutput, StreamGate, failure_may_fail_over,
 };
 use crate::ids::ProviderId;
 #[cfg(feature = "planted-bugs")]
@@ -266,6 +266,8 @@ enum Phase {
         lease_id: LeaseId,
         attempt: AttemptId,
         code: Option<FailureCode>,
+        /// The failure may go to another provider (R-FAIL-1).
+        may_fail_over: bool,
     },
     /// Over; nothing more is output.
     Ended,
@@ -297,7 +299,10 @@ impl Request {
     /// A request accepted at `now`. Its first admission (zero R-SEL-1
     /// hints) is queued as the first output.
     pub fn new(now: Instant, spec: RequestSpec) -> Self {
-        let gate = StreamGate::new(now, spec.budget);
+        let mut gate = StreamGate::new(now, spec.budget);
+        // R-FAIL-1: a failed attempt can go elsewhere only if there is an
+        // elsewhere.
+        gate.set_failover(spec.pool.len() > 1);
         let mut request = Self {
             spec,
             gate,
@@ -556,10 +561,11 @@ impl Request {
                     lease_id: awaited,
                     attempt,
                     code,
+                    may_fail_over,
                 } = self.phase
                     && awaited == lease_id
                 {
-                    let event = verdict.attempt_event(code);
+                    let event = verdict.attempt_event_with(code, may_fail_over);
                     self.attempt_event(now, attempt, event);
                 }
             }
@@ -726,13 +732,17 @@ impl Request {
         code: Option<FailureCode>,
         command: RequestCommand,
     ) {
-        let RequestCommand::Terminal { lease_id, .. } = command else {
+        let RequestCommand::Terminal {
+            lease_id, failure, ..
+        } = &command
+        else {
             return;
         };
         self.phase = Phase::AwaitingVerdict {
-            lease_id,
+            lease_id: *lease_id,
             attempt,
             code,
+            may_fail_over: failure.as_ref().is_some_and(failure_may_fail_over),
         };
         self.outputs.push_back(RequestOutput::Dispatch(command));
     }
@@ -762,7 +772,9 @@ impl Request {
         let ended = match &event {
             AttemptEvent::Completed => Some(None),
             AttemptEvent::Stalled(_) => Some(Some(FailureCode::ResponseStalled)),
-            AttemptEvent::Failed { code } => Some(Some(*code)),
+            AttemptEvent::Failed { code } | AttemptEvent::FailedRetryable { code } => {
+                Some(Some(*code))
+            }
             AttemptEvent::TransportLost => Some(Some(FailureCode::TransportClosed)),
             AttemptEvent::Started | AttemptEvent::Content => None,
         };

@@ -33,6 +33,12 @@ fn spec(tunnel_api: Option<TunnelApi>, tunnel_providers: &[&str]) -> RequestSpec
     }
 }
 
+/// A pool of one provider: a failed attempt has nowhere to fail over to.
+fn single(mut spec: RequestSpec) -> RequestSpec {
+    spec.pool.truncate(1);
+    spec
+}
+
 fn lease(id: u64, provider: &str, adapter: AdapterKind) -> Lease {
     Lease {
         lease_id: id,
@@ -434,7 +440,7 @@ fn a_confirmed_stall_before_commit_readmits_with_the_avoid_hint_r_gate_2() {
 
 #[test]
 fn an_ignored_terminal_is_a_lost_transport_r_lease_1() {
-    let mut r = Request::new(t(0), spec(None, &[]));
+    let mut r = Request::new(t(0), single(spec(None, &[])));
     let l = lease(1, "p0", AdapterKind::Mock);
     running(&mut r, &l);
     r.handle_input(t(2), run(completed()));
@@ -640,7 +646,7 @@ fn open_failures_are_attempt_events_r_gate_1() {
         (OpenFailure::Transport, FailureCode::TransportClosed),
         (OpenFailure::NoConnection, FailureCode::TransportClosed),
     ] {
-        let mut r = Request::new(t(0), spec(None, &[]));
+        let mut r = Request::new(t(0), single(spec(None, &[])));
         drain(&mut r);
         let l = lease(1, "p0", AdapterKind::Mock);
         r.handle_input(
@@ -700,7 +706,7 @@ fn the_budget_deadline_ends_the_request_r_gate_3() {
 
 #[test]
 fn a_stream_that_ends_without_a_terminal_is_a_lost_transport() {
-    let mut r = Request::new(t(0), spec(None, &[]));
+    let mut r = Request::new(t(0), single(spec(None, &[])));
     running(&mut r, &lease(1, "p0", AdapterKind::Mock));
     r.handle_input(t(2), RequestInput::StreamEnded);
     let outs = drain(&mut r);
@@ -715,7 +721,7 @@ fn a_stream_that_ends_without_a_terminal_is_a_lost_transport() {
 
 #[test]
 fn every_wait_and_attempt_is_observed_once_with_its_outcome() {
-    let mut r = Request::new(t(0), spec(None, &[]));
+    let mut r = Request::new(t(0), single(spec(None, &[])));
     assert_eq!(
         observations(&drain(&mut r)),
         vec![RequestObservation::Admitting]
@@ -749,7 +755,7 @@ fn every_wait_and_attempt_is_observed_once_with_its_outcome() {
         ]
     );
     // A client that leaves mid-attempt ends it as canceled.
-    let mut r = Request::new(t(0), spec(None, &[]));
+    let mut r = Request::new(t(0), single(spec(None, &[])));
     running(&mut r, &l);
     r.handle_input(t(2), RequestInput::ClientDisconnected);
     assert_eq!(
@@ -762,7 +768,7 @@ fn every_wait_and_attempt_is_observed_once_with_its_outcome() {
         ]
     );
     // A refused admission ends the wait, not an attempt.
-    let mut r = Request::new(t(0), spec(None, &[]));
+    let mut r = Request::new(t(0), single(spec(None, &[])));
     drain(&mut r);
     r.handle_input(
         t(1),
@@ -775,4 +781,49 @@ fn every_wait_and_attempt_is_observed_once_with_its_outcome() {
             RequestObservation::Ended { attempts: 0 },
         ]
     );
+}
+
+#[test]
+fn a_lost_transport_before_commit_fails_over_avoiding_the_provider_r_fail_1() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    let outs = drain(&mut r);
+    assert!(deliveries(&outs).is_empty(), "the client sees nothing yet");
+    let admit = commands(&outs)
+        .into_iter()
+        .find_map(|c| match c {
+            RequestCommand::Admit(d) => Some(d),
+            _ => None,
+        })
+        .expect("re-admitted");
+    assert_eq!(admit.avoid_provider_id, Some(ProviderId::from("p0")));
+    assert!(!admit.allow_avoided_fallback);
+}
+
+#[test]
+fn a_retryable_provider_failure_fails_over_and_a_non_retryable_one_never_r_fail_1() {
+    for (retryable, fails_over) in [(true, true), (false, false)] {
+        let mut r = Request::new(t(0), spec(None, &[]));
+        let l = lease(1, "p0", AdapterKind::Mock);
+        running(&mut r, &l);
+        let mut failure = ExecutionFailure::new(FailureCode::NodeOverloaded);
+        failure.retryable = retryable;
+        r.handle_input(t(2), run(RunEventKind::Failed(failure)));
+        drain(&mut r);
+        r.handle_input(
+            t(3),
+            RequestInput::Dispatch(RequestEvent::Terminal {
+                lease_id: 1,
+                verdict: applied(&l),
+            }),
+        );
+        let outs = drain(&mut r);
+        let readmitted = commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_)));
+        assert_eq!(readmitted, fails_over, "retryable={retryable}: {outs:?}");
+        assert_eq!(deliveries(&outs).is_empty(), fails_over);
+    }
 }
