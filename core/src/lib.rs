@@ -50,6 +50,8 @@
 //! * [`cred`]: managed credential leases (R-CRED-1..3): sealing a secret
 //!   to a Node under a signed scope, and opening it fail-closed with a
 //!   bounded replay cache. Pure functions; RNG and time are injected.
+//! * [`retry`]: which failures another provider may answer (R-FAIL-1),
+//!   shared by the Node's `retryable` mark and the Edge's failover.
 //! * `planted` (feature `planted-bugs`, test-only): known bugs a test can
 //!   switch on to prove that the simulator's invariants catch them.
 
@@ -62,6 +64,7 @@ pub mod liveness;
 pub mod node;
 #[cfg(feature = "planted-bugs")]
 pub mod planted;
+pub mod retry;
 pub mod rng;
 pub mod time;
 

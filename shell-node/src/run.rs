@@ -153,6 +153,8 @@ trait Sink {
     /// The failure code of a terminal `item` (`None`: success or not
     /// terminal).
     fn failure_code(item: &Self::Item) -> Option<FailureCode>;
+    /// The failure a terminal `item` carries, to be sanitized by core.
+    fn failure_mut(item: &mut Self::Item) -> Option<&mut ExecutionFailure>;
 }
 
 struct RunSink {
@@ -197,6 +199,12 @@ impl Sink for RunSink {
             _ => None,
         }
     }
+    fn failure_mut(item: &mut RunEventKind) -> Option<&mut ExecutionFailure> {
+        match item {
+            RunEventKind::Failed(f) => Some(f),
+            _ => None,
+        }
+    }
 }
 
 struct TunnelSink;
@@ -229,6 +237,12 @@ impl Sink for TunnelSink {
     fn failure_code(item: &ProviderTunnelFrame) -> Option<FailureCode> {
         match item {
             ProviderTunnelFrame::Failure(f) => Some(f.code),
+            _ => None,
+        }
+    }
+    fn failure_mut(item: &mut ProviderTunnelFrame) -> Option<&mut ExecutionFailure> {
+        match item {
+            ProviderTunnelFrame::Failure(f) => Some(f),
             _ => None,
         }
     }
@@ -296,11 +310,14 @@ async fn execute<S, F>(
         .await;
     match admitted {
         Some(Ok(())) => {}
-        // Past the concurrent-run limit: no provider is called.
+        // Past the concurrent-run limit: no provider is called, so another
+        // provider may take the request (R-FAIL-1).
         Some(Err(code)) => {
             record.finish(Some(code));
             run.end(&record);
-            return write_terminal(send, &sink, ExecutionFailure::new(code)).await;
+            let mut failure = ExecutionFailure::new(code);
+            failure.retryable = iop_core::retry::class_may_fail_over(code, None);
+            return write_terminal(send, &sink, failure).await;
         }
         None => return,
     }
@@ -406,6 +423,13 @@ async fn execute<S, F>(
                 record.forwarded(S::content_bytes(&item), S::usage(&item));
                 if terminal {
                     record.finish(S::failure_code(&item));
+                }
+                // The provider's failure as core says the node forwards it:
+                // no evidence it did not observe, retryable by class
+                // (R-WD-8, R-FAIL-1).
+                let mut item = item;
+                if let Some(failure) = S::failure_mut(&mut item) {
+                    *failure = iop_core::node::watchdog::sanitize_provider_failure(failure.clone());
                 }
                 if send.send(&sink.frame(item)).await.is_err() {
                     drop(provider.take());

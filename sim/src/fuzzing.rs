@@ -883,9 +883,15 @@ fn drain_watchdog(w: &mut Watchdog, m: &mut WatchdogModel) {
                     );
                     m.next_seq(f.health_observation_seq, "a stall terminal");
                 } else if let RunTerminal::Failed(f) = &terminal {
+                    let may_fail_over = matches!(
+                        f.code,
+                        FailureCode::ProviderUnreachable | FailureCode::NodeOverloaded
+                    ) || (f.code == FailureCode::ProviderError
+                        && f.http_status
+                            .is_none_or(|s| s == 429 || (500..=599).contains(&s)));
                     assert!(
-                        !f.retryable && f.provider_health.is_none(),
-                        "R-WD-8: a non-stall terminal carries retry or evidence"
+                        f.retryable == may_fail_over && f.provider_health.is_none(),
+                        "R-WD-8, R-FAIL-1: a non-stall terminal carries a wrong retry hint or evidence"
                     );
                 }
             }

@@ -666,10 +666,20 @@ impl Checker {
             return;
         };
         if f.code != FailureCode::ResponseStalled {
-            if f.retryable || f.provider_health.is_some() {
+            // Outside a stall the node marks retryable exactly what another
+            // provider may answer (R-FAIL-1) and carries no evidence.
+            let may_fail_over = matches!(
+                f.code,
+                FailureCode::ProviderUnreachable | FailureCode::NodeOverloaded
+            ) || (f.code == FailureCode::ProviderError
+                && f.http_status
+                    .is_none_or(|s| s == 429 || (500..=599).contains(&s)));
+            if f.retryable != may_fail_over || f.provider_health.is_some() {
                 self.fail(
                     "R-WD-8",
-                    format!("non-stall terminal of run {run_id} carries retry or evidence"),
+                    format!(
+                        "non-stall terminal of run {run_id} carries a wrong retry hint or evidence"
+                    ),
                 );
             }
             return;

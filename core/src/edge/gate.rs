@@ -167,19 +167,7 @@ pub enum AttemptEvent {
 /// request, 4xx other than 429), a rejected credential, a cancel or a
 /// deadline never is; a stall has its own path (R-GATE-2).
 pub fn failure_may_fail_over(failure: &iop_wire::ExecutionFailure) -> bool {
-    if !failure.retryable {
-        return false;
-    }
-    match failure.code {
-        FailureCode::NodeOverloaded
-        | FailureCode::ProviderUnreachable
-        | FailureCode::TransportClosed => true,
-        FailureCode::ProviderError => match failure.http_status {
-            Some(status) => status == 429 || (500..600).contains(&status),
-            None => true,
-        },
-        _ => false,
-    }
+    failure.retryable && crate::retry::class_may_fail_over(failure.code, failure.http_status)
 }
 
 /// What one frame of an attempt's node stream is to the gate: the commit

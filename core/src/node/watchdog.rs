@@ -959,15 +959,18 @@ impl Watchdog {
     }
 }
 
-/// A provider's own failure, before any stall claim: the Node grants no
-/// retry hint for it and carries no stall evidence it did not observe
-/// itself (R-WD-2, R-WD-4, R-WD-5, R-WD-8, R-SEQ-1).
-fn sanitize_provider_failure(mut failure: ExecutionFailure) -> ExecutionFailure {
+/// A provider's own failure as the node forwards it, before any stall
+/// claim: it carries no stall
+/// evidence the Node did not observe itself (R-WD-2, R-WD-5, R-SEQ-1). The
+/// provider call has ended, so it is `retryable` exactly when another
+/// provider may answer it (R-FAIL-1, R-WD-4); the Node itself never
+/// retries (R-WD-8).
+pub fn sanitize_provider_failure(mut failure: ExecutionFailure) -> ExecutionFailure {
     if failure.code == FailureCode::ResponseStalled {
         // Only the watchdog claims stalls (R-WD-2).
         failure.code = FailureCode::ProviderError;
     }
-    failure.retryable = false;
+    failure.retryable = crate::retry::class_may_fail_over(failure.code, failure.http_status);
     failure.provider_health = None;
     failure.liveness_classification = None;
     failure.health_observation_seq = None;
@@ -1538,7 +1541,7 @@ mod tests {
     }
 
     #[test]
-    fn provider_failure_before_a_stall_is_forwarded_without_retry_or_evidence() {
+    fn provider_failure_before_a_stall_is_forwarded_without_evidence_and_retryable_by_class() {
         let mut wd = bound();
         wd.start(ms(0), 1, RunKind::Tunnel, STALL, None)
             .expect("start");
@@ -1559,7 +1562,10 @@ mod tests {
             wd.provider_returned(ms(500), 1, ProviderOutcome::Failed(forged)),
             Emission::Forward
         );
+        // Stripped of forged stall evidence; retryable because the call
+        // ended with a 5xx another provider may answer (R-FAIL-1).
         let expected = ExecutionFailure {
+            retryable: true,
             http_status: Some(503),
             health_failure: Some(HealthFailureCode::Http5xx),
             ..ExecutionFailure::new(FailureCode::ProviderError)
@@ -2467,7 +2473,18 @@ mod tests {
                 };
                 if failure.code != FailureCode::ResponseStalled {
                     assert!(!observed, "only stalls are observed");
-                    assert!(!failure.retryable, "no retry hint outside a stall (R-WD-4)");
+                    // Outside a stall the call has ended: retryable exactly
+                    // for what another provider may answer (R-FAIL-1).
+                    let other_provider_may_answer = failure.code
+                        == FailureCode::ProviderUnreachable
+                        || (failure.code == FailureCode::ProviderError
+                            && failure
+                                .http_status
+                                .is_none_or(|s| s == 429 || (500..=599).contains(&s)));
+                    assert_eq!(
+                        failure.retryable, other_provider_may_answer,
+                        "retry hint outside a stall (R-FAIL-1): {failure:?}"
+                    );
                     assert_eq!(failure.provider_health, None);
                     assert_eq!(failure.health_observation_seq, None);
                     assert_eq!(failure.stall, None);

@@ -1,0 +1,107 @@
+//! Failover before commit over real QUIC and real HTTP (R-FAIL-1): a
+//! provider that answers 503 leaves the request to another provider of the
+//! pool, called once each; a client error (400) is never retried.
+
+mod common;
+
+use common::*;
+use iop_edge::server::RunningEdge;
+use iop_node::mock::{MockScript, MockServer};
+
+const KEY: &str = "sk-failover-0123456789";
+
+/// Providers `p1` (node-1, answering with `first_status` if set) and `p2`
+/// (node-2, healthy) both serving model `m`.
+async fn deployment(
+    pki: &Pki,
+    first_status: u16,
+) -> (
+    RunningEdge,
+    Vec<iop_node::RunningNode>,
+    MockServer,
+    MockServer,
+) {
+    write_secret(&pki.path().join("key"), KEY);
+    let failing = MockServer::start(MockScript {
+        http_error: Some(first_status),
+        ..MockScript::default()
+    })
+    .await
+    .unwrap();
+    let healthy = MockServer::start(MockScript::default()).await.unwrap();
+    let extra = "[[providers]]\nid = \"p1\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"t\"\nmodels = [\"m\"]\n\
+         [[providers]]\nid = \"p2\"\nnode = \"node-2\"\nadapter = \"openai\"\ntarget = \"t\"\nmodels = [\"m\"]\n\
+         [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\n";
+    let edge = RunningEdge::start(edge_config(pki, 0, extra))
+        .await
+        .unwrap();
+    let node = |url: String| {
+        format!("[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{url}\"\n")
+    };
+    let nodes = vec![
+        start_node(pki, "node-1", edge.quic_addr, &node(failing.base_url())),
+        start_node(pki, "node-2", edge.quic_addr, &node(healthy.base_url())),
+    ];
+    ready_generation(&edge, "node-1").await;
+    ready_generation(&edge, "node-2").await;
+    (edge, nodes, failing, healthy)
+}
+
+async fn chat(edge: &RunningEdge, stream: bool) -> (u16, String) {
+    let body = format!(
+        r#"{{"model":"m","stream":{stream},"messages":[{{"role":"user","content":"hi"}}]}}"#
+    );
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", edge.http_addr))
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn a_provider_5xx_before_commit_fails_over_to_the_other_provider_r_fail_1() {
+    bounded(async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        let (edge, nodes, failing, healthy) = deployment(&pki, 503).await;
+        for i in 0..6 {
+            let (status, body) = chat(&edge, i % 2 == 0).await;
+            assert_eq!(status, 200, "{body}");
+            assert!(!body.contains("\"error\""), "{body}");
+        }
+        // Every request reached a provider that answered it exactly once;
+        // the failing one was tried at most once per request.
+        assert_eq!(healthy.requests(), 6, "each request answered once");
+        assert!(failing.requests() <= 6, "{}", failing.requests());
+        assert!(failing.requests() >= 1, "the failing provider was tried");
+        let snap = wait_for(&edge, "idle", |s| s.leases_in_use == 0).await;
+        assert_eq!(snap.queue_depth, 0);
+        for n in nodes {
+            n.shutdown().await.unwrap();
+        }
+        edge.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_client_error_is_never_retried_r_fail_1() {
+    bounded(async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        let (edge, nodes, failing, healthy) = deployment(&pki, 400).await;
+        // Both providers are empty: the pool's first (p1) is chosen.
+        let (status, body) = chat(&edge, false).await;
+        assert_eq!(failing.requests(), 1, "p1 was chosen first");
+        assert_ne!(status, 200, "the 400 reaches the client: {body}");
+        assert_eq!(healthy.requests(), 0, "no second provider call");
+        for n in nodes {
+            n.shutdown().await.unwrap();
+        }
+        edge.shutdown().await;
+    })
+    .await;
+}
