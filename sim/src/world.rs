@@ -1388,12 +1388,7 @@ impl World {
                     generation,
                     code,
                 } => {
-                    let idx = self.node_index(&node);
-                    if let Some(conn) = self
-                        .edge
-                        .as_ref()
-                        .and_then(|e| e.by_generation.get(&(idx, generation)).copied())
-                    {
+                    if let Some(conn) = self.edge_conn_of(&node, generation) {
                         self.edge_close_conn(conn, code);
                     }
                 }
@@ -1420,12 +1415,7 @@ impl World {
                     generation,
                     run_id,
                 } => {
-                    let idx = self.node_index(&node);
-                    if let Some(conn) = self
-                        .edge
-                        .as_ref()
-                        .and_then(|e| e.by_generation.get(&(idx, generation)).copied())
-                    {
+                    if let Some(conn) = self.edge_conn_of(&node, generation) {
                         self.transmit(
                             conn,
                             Dir::EdgeToNode,
@@ -1442,6 +1432,14 @@ impl World {
             }
         }
         drained
+    }
+
+    /// The Edge's connection of (`node`, `generation`), if it still has it.
+    fn edge_conn_of(&self, node: &NodeId, generation: Generation) -> Option<ConnId> {
+        let idx = self.node_index(node);
+        self.edge
+            .as_ref()
+            .and_then(|e| e.by_generation.get(&(idx, generation)).copied())
     }
 
     /// Feed one input to the dispatcher and carry out what it caused.
