@@ -23,6 +23,22 @@ use iop_transport::clock::Clock;
 /// and report ready.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The most frames attributed to another (stale) generation one connection
+/// may send. A node racing its own reconnect sends a handful; past this the
+/// connection is a flood and is closed with `protocol_error` (R-LIM-4), so
+/// a peer cannot fill the hub's queue with them.
+pub const MAX_STALE_FRAMES_PER_CONNECTION: u32 = 64;
+
+/// Count one stale frame of `node`'s connection; `Err` once past the bound.
+fn stale_frame(node: &NodeId, count: &mut u32) -> Result<(), CloseCode> {
+    *count = count.saturating_add(1);
+    if *count > MAX_STALE_FRAMES_PER_CONNECTION {
+        tracing::warn!(event = "edge_node_stale_frame_flood", node = %node);
+        return Err(CloseCode::ProtocolError);
+    }
+    Ok(())
+}
+
 /// Settings of every link.
 #[derive(Debug, Clone)]
 pub struct LinkSettings {
@@ -169,6 +185,7 @@ async fn handshake(
             return Ok(None);
         }
     };
+    let mut stale = 0u32;
     loop {
         match recv.recv::<NodeControl>().await? {
             Some(NodeControl::Ready(ready)) if ready.generation == generation => {
@@ -186,8 +203,13 @@ async fn handshake(
                 }
                 return Ok(Some((generation, send, recv)));
             }
-            Some(NodeControl::Ready(stale)) => {
-                hub.late_message(node.clone(), stale.generation);
+            Some(NodeControl::Ready(late)) => {
+                if let Err(code) = stale_frame(node, &mut stale) {
+                    close_connection(conn, code);
+                    hub.link_closed(node.clone(), generation, code);
+                    return Ok(None);
+                }
+                hub.late_message(node.clone(), late.generation);
             }
             Some(NodeControl::Ping(hb)) => {
                 send.send(&EdgeControl::Pong(hb)).await?;
@@ -215,6 +237,7 @@ async fn control_loop(
     settings: LinkSettings,
 ) -> CloseCode {
     let mut heartbeat = Heartbeat::new(clock.now(), settings.heartbeat);
+    let mut stale = 0u32;
     loop {
         let wake = heartbeat.poll_timeout();
         tokio::select! {
@@ -223,9 +246,15 @@ async fn control_loop(
                 Ok(Some(NodeControl::Pong(hb))) => heartbeat.handle_pong(clock.now(), hb.seq),
                 Ok(Some(NodeControl::Closing { code })) => return code,
                 Ok(Some(NodeControl::Ready(r))) if r.generation != generation => {
+                    if let Err(code) = stale_frame(node, &mut stale) {
+                        return code;
+                    }
                     hub.late_message(node.clone(), r.generation);
                 }
                 Ok(Some(NodeControl::ConfigApplied { generation: g })) if g != generation => {
+                    if let Err(code) = stale_frame(node, &mut stale) {
+                        return code;
+                    }
                     hub.late_message(node.clone(), g);
                 }
                 Ok(Some(NodeControl::Register(_))) => return CloseCode::ProtocolError,

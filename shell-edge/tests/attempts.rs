@@ -338,3 +338,41 @@ async fn handshake_ending_after_registration_fences_the_generation() {
     })
     .await;
 }
+
+/// R-LIM-4: a node that floods frames of a stale generation is
+/// disconnected (protocol error), instead of filling the hub's queue; a few
+/// (a reconnect race) are only counted.
+#[tokio::test]
+async fn a_node_flooding_stale_frames_is_disconnected() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let edge = edge(&pki).await;
+        let mut raw = RawNode::connect(&pki, &edge, 4).await;
+        let generation = raw.register().await;
+        let stale = NodeControl::Ready(NodeReadyRequest {
+            generation: generation.wrapping_add(1000),
+        });
+        for _ in 0..iop_edge::node_link::MAX_STALE_FRAMES_PER_CONNECTION {
+            raw.send.send(&stale).await.unwrap();
+        }
+        // At the bound the connection is still there and can get ready.
+        let conn = raw.conn.clone();
+        let mut raw = raw;
+        raw.send.send(&stale).await.unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(5), conn.closed())
+            .await
+            .expect("closed past the bound");
+        let code = iop_transport::close_code_of(&closed);
+        assert_eq!(code, Some(iop_wire::CloseCode::ProtocolError), "{closed:?}");
+        let snap = wait_for(&edge, "the generation fenced", |s| {
+            s.closes_by_reason.get("protocol_error").copied() == Some(1)
+        })
+        .await;
+        assert_eq!(
+            snap.fenced_messages,
+            u64::from(iop_edge::node_link::MAX_STALE_FRAMES_PER_CONNECTION)
+        );
+        edge.shutdown().await;
+    })
+    .await;
+}
