@@ -92,10 +92,13 @@ struct LeaseModel {
 
 /// Known issues of `iop-core` the simulator found and that are not fixed
 /// yet. They are reported as findings (with their reproduction) and become
-/// violations with `--strict`. The one found so far (R-SEL-1: a node's
-/// providers came online one at a time on readiness, so an avoided
-/// provider could win before its alternate was online) is fixed in
-/// `Admission::set_states`.
+/// violations with `--strict`. The two found so far are fixed: R-SEL-1 on
+/// readiness (a node's providers came online one at a time, so an avoided
+/// provider could win before its alternate was online; `Admission::set_states`)
+/// and R-SEL-1 on queued re-resolution (the queue was served between two
+/// state changes of one input, e.g. a CAPABILITIES answer raising the
+/// avoided provider before the same probe recovered its alternate; the
+/// queue is now served once per input, at `Admission::poll_event`).
 pub const KNOWN_CORE_ISSUES: &[&str] = &[];
 
 /// How many released lease ids and ended requests the checker remembers to

@@ -266,6 +266,47 @@ fn seed_that_found_the_readiness_ordering_bug_passes_strict() {
     assert!(strict.findings.is_empty(), "{:?}", strict.findings);
 }
 
+/// The seeds of the 20,000-seed strict swarm from 7,000,000 that found the
+/// R-SEL-1 ordering bug of queued re-resolution: the queue was served
+/// between two provider state changes of one input (a CAPABILITIES answer
+/// raising one provider while the same probe recovered another, or a stall
+/// terminal freeing capacity just before lowering its provider), so an
+/// avoided provider won while its alternate was becoming eligible. Fixed in
+/// core (the queue is served once per input, at `Admission::poll_event`);
+/// every seed must now pass in strict mode with the swarm's step count.
+const SEL_1_QUEUE_SEEDS: [u64; 9] = [
+    7_002_944, 7_008_954, 7_010_104, 7_011_620, 7_014_021, 7_015_093, 7_015_240, 7_015_466,
+    7_018_728,
+];
+
+#[test]
+fn seeds_that_found_the_queued_reselection_bug_pass_strict() {
+    for seed in SEL_1_QUEUE_SEEDS {
+        let report = run(
+            seed,
+            RunOptions {
+                steps: iop_sim::DEFAULT_STEPS,
+                strict: true,
+                ..RunOptions::default()
+            },
+        );
+        assert!(
+            report.violation.is_none(),
+            "reproduce: {}\n{:?}",
+            report.repro_command(),
+            report.violation
+        );
+        assert!(report.findings.is_empty(), "{:?}", report.findings);
+        // The seed still reaches the situation it found: re-admissions
+        // after stalls.
+        assert!(
+            report.stats.readmissions > 0,
+            "seed {seed}: {:?}",
+            report.stats
+        );
+    }
+}
+
 #[test]
 fn a_failure_names_the_command_that_reproduces_it() {
     let report = run(

@@ -272,6 +272,11 @@ pub struct Admission {
     next_lease_id: LeaseId,
     next_run_id: RunId,
     events: VecDeque<AdmissionEvent>,
+    /// Set by every change that may let a queued request be served
+    /// (capacity freed, a provider online or eligible): the queue is served
+    /// once, at the next [`Admission::poll_event`], after every change of
+    /// the caller's input is applied (R-SEL-1).
+    serve_queue_at: Option<Instant>,
     leases_granted: u64,
     leases_released: u64,
     #[cfg(feature = "planted-bugs")]
@@ -308,6 +313,7 @@ impl Admission {
             next_lease_id: 1,
             next_run_id: 1,
             events: VecDeque::new(),
+            serve_queue_at: None,
             leases_granted: 0,
             leases_released: 0,
             #[cfg(feature = "planted-bugs")]
@@ -474,7 +480,7 @@ impl Admission {
             p.in_use = p.in_use.saturating_sub(1);
         }
         self.leases_released += 1;
-        self.drain_queue(now);
+        self.queue_may_move(now);
         Ok(held.lease)
     }
 
@@ -541,6 +547,7 @@ impl Admission {
     }
 
     /// `provider`'s node is dispatchable on `generation` (or on nothing).
+    /// The queue is served at the next [`Self::poll_event`].
     pub fn set_online(
         &mut self,
         now: Instant,
@@ -550,13 +557,13 @@ impl Admission {
         if let Some(p) = self.providers.get_mut(provider) {
             p.online = generation;
         }
-        self.drain_queue(now);
+        self.queue_may_move(now);
     }
 
-    /// Set several providers' online generation and eligibility at once,
-    /// then serve the queue once, so no request is placed before all of them
-    /// are in their new state (R-SEL-1: an avoided provider must not win
-    /// because its alternate came online a moment later).
+    /// Set several providers' online generation and eligibility at once.
+    /// The queue is served at the next [`Self::poll_event`], after all of
+    /// them are in their new state (R-SEL-1: an avoided provider must not
+    /// win because its alternate came online a moment later).
     pub fn set_states(&mut self, now: Instant, updates: &[(ProviderId, Option<Generation>, bool)]) {
         for (provider, online, eligible) in updates {
             if let Some(p) = self.providers.get_mut(provider) {
@@ -564,15 +571,25 @@ impl Admission {
                 p.runtime_eligible = *eligible;
             }
         }
-        self.drain_queue(now);
+        self.queue_may_move(now);
     }
 
     /// Whether the runtime overlay and health tracker allow `provider`.
+    /// The queue is served at the next [`Self::poll_event`], so the other
+    /// changes of the same input (another provider's recovery in the same
+    /// CAPABILITIES answer) land first (R-SEL-1).
     pub fn set_runtime_eligible(&mut self, now: Instant, provider: &ProviderId, eligible: bool) {
         if let Some(p) = self.providers.get_mut(provider) {
             p.runtime_eligible = eligible;
         }
-        self.drain_queue(now);
+        self.queue_may_move(now);
+    }
+
+    /// Something changed that may let a queued request be served: serve
+    /// the queue at the next [`Self::poll_event`], not in the middle of
+    /// the caller's input.
+    fn queue_may_move(&mut self, now: Instant) {
+        self.serve_queue_at = Some(now);
     }
 
     /// R-GEN-3: release every lease bound to `node`'s `generation` exactly
@@ -655,9 +672,15 @@ impl Admission {
         self.queue.iter().map(|q| q.expires_at).min()
     }
 
-    /// Next event, until `None`.
+    /// Next event, until `None`. Call it after the input's changes are all
+    /// applied: the first call serves the queue (FIFO, wherever capacity
+    /// allows) on the state as it is now, once for any number of changes
+    /// (R-SEL-1: selection never sees half of an input).
     #[must_use]
     pub fn poll_event(&mut self) -> Option<AdmissionEvent> {
+        if let Some(now) = self.serve_queue_at.take() {
+            self.drain_queue(now);
+        }
         self.events.pop_front()
     }
 

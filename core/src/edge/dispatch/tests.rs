@@ -396,6 +396,193 @@ fn stall_recovery_readmission_avoids_the_stalled_provider() {
     assert_ne!(l2.provider_id, stalled);
 }
 
+/// A CAPABILITIES report from node `a` about several targets at once.
+fn caps_of(entries: &[(&str, ProviderHealth)], seq: u64) -> CapabilitiesReport {
+    CapabilitiesReport {
+        targets: entries
+            .iter()
+            .map(|(target, status)| TargetHealth {
+                adapter: AdapterKind::Mock,
+                target: (*target).into(),
+                status: *status,
+                failure_code: None,
+                models: vec![],
+            })
+            .collect(),
+        health_observation_seq: seq,
+    }
+}
+
+/// A queued re-admission that avoids `avoid` (with the fallback flag) over
+/// the pool `p1, p2`.
+fn readmission(request_id: RequestId, avoid: &str) -> DispatchRequest {
+    DispatchRequest {
+        avoid_provider_id: Some(ProviderId::from(avoid)),
+        allow_avoided_fallback: true,
+        ..DispatchRequest::new(
+            request_id,
+            vec![ProviderId::from("p1"), ProviderId::from("p2")],
+        )
+    }
+}
+
+fn leases_of(d: &mut Dispatcher) -> Vec<Lease> {
+    std::iter::from_fn(|| d.poll_output())
+        .filter_map(|o| match o {
+            DispatchOutput::Leased(l) => Some(l),
+            _ => None,
+        })
+        .collect()
+}
+
+/// R-SEL-1 on queued re-resolution (swarm seeds 7002944, 7010104, 7011620,
+/// 7014021, 7015240, 7015466, 7018728): one health probe's CAPABILITIES
+/// answer raises the avoided provider's overlay *and* recovers the
+/// alternate's health. The queue is served once, after both: the alternate
+/// wins. (The queue used to be served between the two, so the avoided
+/// provider won as "the only one eligible".)
+#[test]
+fn queued_readmission_takes_the_alternate_that_the_same_probe_answer_recovers() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let (p1, p2) = (ProviderId::from("p1"), ProviderId::from("p2"));
+    let outs: Vec<_> = std::iter::from_fn(|| d.poll_output()).collect();
+    let ticket_of = |p: &ProviderId| {
+        outs.iter()
+            .find_map(|o| match o {
+                DispatchOutput::ProbeDue { ticket, .. } if &ticket.provider_id == p => {
+                    Some(ticket.clone())
+                }
+                _ => None,
+            })
+            .expect("readiness asks for a probe of each provider")
+    };
+    let p2_ticket = ticket_of(&p2);
+    // p1 stalls with unavailable evidence (overlay lowered); p2's health
+    // probe fails (tracker unavailable): nothing is eligible.
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    d.apply_terminal(
+        T,
+        l.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    let (disposition, _) = d.probe_answer(T, &p2_ticket, Err(HealthFailureCode::TransportFailed));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    assert!(!d.admission().is_selectable(&p1) && !d.admission().is_selectable(&p2));
+    // p2's recovery probe is due; the stalled request waits in the queue.
+    let retry_at = d
+        .health()
+        .provider_snapshot(&p2)
+        .and_then(|s| s.next_retry_at)
+        .expect("a failing provider has a retry moment");
+    d.handle_timeout(retry_at);
+    let retry = probe_due(&mut d, &p2);
+    assert_eq!(d.request(retry_at, readmission(1, "p1")), Admit::Queued);
+    assert!(leases_of(&mut d).is_empty());
+    // The node reports both targets available.
+    let report = caps_of(
+        &[
+            ("t-p1", ProviderHealth::Available),
+            ("t-p2", ProviderHealth::Available),
+        ],
+        2,
+    );
+    let (_, verdicts) = d.probe_answer(retry_at, &retry, Ok((&a, g, &report)));
+    assert_eq!(
+        verdicts[0].recovery,
+        RecoveryOutcome::Recovered,
+        "p1 raised"
+    );
+    assert!(d.admission().is_selectable(&p1) && d.admission().is_selectable(&p2));
+    let leases = leases_of(&mut d);
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0].request_id, 1);
+    assert_eq!(leases[0].provider_id, p2, "R-SEL-1: the alternate, not p1");
+}
+
+/// R-SEL-1 (swarm seeds 7008954, 7015093): one CAPABILITIES answer raises
+/// two lowered providers; the avoided one is listed first. The queue is
+/// served after the whole answer.
+#[test]
+fn queued_readmission_takes_the_alternate_raised_by_the_same_capabilities_answer() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let (p1, p2) = (ProviderId::from("p1"), ProviderId::from("p2"));
+    // Lower both by fresh unavailable stall evidence.
+    let l1 = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    let l2 = leased(d.request(T, DispatchRequest::new(2, vec![p2.clone()])));
+    d.apply_terminal(
+        T,
+        l1.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    d.apply_terminal(
+        T,
+        l2.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 2)),
+    );
+    assert!(d.overlay().is_lowered(&p1, g) && d.overlay().is_lowered(&p2, g));
+    assert_eq!(d.request(T, readmission(1, "p1")), Admit::Queued);
+    assert!(leases_of(&mut d).is_empty());
+    let report = caps_of(
+        &[
+            ("t-p1", ProviderHealth::Available),
+            ("t-p2", ProviderHealth::Available),
+        ],
+        3,
+    );
+    let verdicts = d.apply_capabilities(T, &a, g, &report);
+    assert!(
+        verdicts
+            .iter()
+            .all(|v| v.recovery == RecoveryOutcome::Recovered)
+    );
+    let leases = leases_of(&mut d);
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0].provider_id, p2, "R-SEL-1: the alternate, not p1");
+}
+
+/// R-OVL-2 with R-HT-5: a stall terminal frees its lease and lowers its
+/// provider in one input; a request waiting for that provider is not handed
+/// the capacity the terminal freed (it used to be, a moment before the
+/// lowering).
+#[test]
+fn capacity_freed_by_an_unavailable_stall_terminal_does_not_go_to_its_provider() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let p1 = ProviderId::from("p1");
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    assert_eq!(
+        d.request(T, DispatchRequest::new(2, vec![p1.clone()])),
+        Admit::Queued,
+        "p1 has capacity 1"
+    );
+    d.apply_terminal(
+        T,
+        l.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    assert!(leases_of(&mut d).is_empty(), "p1 is lowered");
+    assert!(d.admission().is_queued(2));
+    // A success terminal frees capacity and the queue is served.
+    let report = caps("t-p1", ProviderHealth::Available, 2);
+    d.apply_capabilities(T, &a, g, &report);
+    let leases = leases_of(&mut d);
+    assert_eq!(leases.len(), 1);
+    assert_eq!((leases[0].request_id, &leases[0].provider_id), (2, &p1));
+}
+
 // ---------------------------------------------------------------------------
 // Property test: long random sequences against the composed dispatcher.
 // ---------------------------------------------------------------------------
