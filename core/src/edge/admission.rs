@@ -684,6 +684,12 @@ impl Admission {
         self.events.pop_front()
     }
 
+    /// The requests waiting in the queue, oldest first (for the simulator's
+    /// checks and the status surface).
+    pub fn queued_requests(&self) -> impl Iterator<Item = &DispatchRequest> {
+        self.queue.iter().map(|q| &q.request)
+    }
+
     /// Is `provider` online and runtime-eligible right now?
     pub fn is_selectable(&self, provider: &ProviderId) -> bool {
         self.providers.get(provider).is_some_and(|p| p.selectable())
