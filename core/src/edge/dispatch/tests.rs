@@ -734,6 +734,15 @@ struct Model {
     next_seq: BTreeMap<(usize, Generation), u64>,
     /// Health probes the dispatcher asked for, oldest first (bounded).
     probes: Vec<ProbeCall>,
+    /// Each node's current generation and whether it completed readiness,
+    /// kept from the inputs alone (R-GEN-1, R-GEN-2).
+    current: BTreeMap<usize, (Generation, bool)>,
+    /// The overlay as the rules say it must be: (provider, generation)
+    /// lowered by fresh unavailable evidence, not yet raised (R-OVL-2,
+    /// R-CAP-1).
+    lowered: BTreeSet<(String, Generation)>,
+    /// Every request asked for, by id (R-SEL-1 on leases from the queue).
+    requests: BTreeMap<RequestId, DispatchRequest>,
 }
 
 /// The most probes the model remembers; later ones time out unanswered.
@@ -770,8 +779,18 @@ impl Model {
         Ok(())
     }
 
-    fn current_gen(&self, d: &Dispatcher, node: usize) -> Option<Generation> {
-        d.registry().view(&NodeId::from(NODES[node])).generation
+    /// The node's current generation, from the model (not the registry).
+    fn current_gen(&self, node: usize) -> Option<Generation> {
+        self.current.get(&node).map(|(g, _)| *g)
+    }
+
+    /// Current and ready, from the model.
+    fn dispatchable(&self, node: &NodeId, generation: Generation) -> bool {
+        NODES
+            .iter()
+            .position(|n| *n == node.as_str())
+            .and_then(|i| self.current.get(&i))
+            == Some(&(generation, true))
     }
 
     fn seq(&mut self, node: usize, generation: Generation, delta: i8) -> u64 {
@@ -791,11 +810,19 @@ fn check_outputs(d: &mut Dispatcher, m: &mut Model) -> Result<(), TestCaseError>
             match out {
                 DispatchOutput::Leased(lease) => {
                     prop_assert!(
-                        d.registry().is_dispatchable(&lease.node, lease.generation),
+                        m.dispatchable(&lease.node, lease.generation),
                         "leased on a non-dispatchable generation: {:?} view {:?}",
                         lease,
                         d.registry().view(&lease.node)
                     );
+                    // R-SEL-1 on queued re-resolution too: judged on the
+                    // state after the whole input.
+                    let req = m
+                        .requests
+                        .get(&lease.request_id)
+                        .cloned()
+                        .ok_or_else(|| TestCaseError::fail("lease for an unknown request"))?;
+                    check_avoid_rule(d, m, &req, &lease)?;
                     m.granted.push(lease);
                 }
                 DispatchOutput::LeaseFenced(lease) => m.release(lease.lease_id)?,
@@ -851,10 +878,11 @@ fn check_outputs(d: &mut Dispatcher, m: &mut Model) -> Result<(), TestCaseError>
     }
 }
 
-/// R-CAP-1 for one CAPABILITIES report from (`node`, `g`), given the
-/// overlay `before` it was applied: nothing is lowered; a provider is raised
-/// only by a current, unambiguous (one entry), strictly newer `available`
-/// entry about exactly its target.
+/// R-CAP-1 for one CAPABILITIES report from (`node`, `g`), against the
+/// model: nothing is lowered; a provider is raised exactly when the model
+/// has it lowered in `g`, `g` is current, the answer is unambiguous (one
+/// entry) about exactly its target, `available`, and strictly newer than
+/// the last sequence applied; each verdict is the one the model expects.
 fn check_capabilities_effect(
     d: &Dispatcher,
     m: &mut Model,
@@ -863,31 +891,56 @@ fn check_capabilities_effect(
     before: &[bool],
     verdicts: &[CapabilityVerdict],
 ) -> Result<(), TestCaseError> {
-    let current = m.current_gen(d, node) == Some(g);
+    let current = m.current_gen(node) == Some(g);
     let ambiguous = report.targets.len() > 1;
     let seq = report.health_observation_seq;
+    let mut expected_verdicts = Vec::new();
     for (i, p) in PROVIDERS.iter().enumerate() {
+        let key = (p.to_string(), g);
         let after = d.overlay().is_lowered(&ProviderId::from(*p), g);
-        prop_assert!(!after || before[i], "capabilities lowered a provider");
-        if before[i] && !after {
-            let target = format!("t-{p}");
-            prop_assert!(
-                current && !ambiguous,
-                "raised by a stale or ambiguous answer"
-            );
-            prop_assert!(
-                report.targets[0].target == target
-                    && report.targets[0].status == ProviderHealth::Available,
-                "raised without an available entry about it"
-            );
-            let key = (p.to_string(), g);
-            prop_assert!(m.last_seq.get(&key).is_none_or(|last| seq > *last));
+        if current {
+            prop_assert_eq!(before[i], m.lowered.contains(&key), "overlay before");
+        }
+        let about_it = current
+            && !ambiguous
+            && d.admission()
+                .provider(&ProviderId::from(*p))
+                .is_some_and(|s| s.node.as_str() == NODES[node])
+            && report.targets[0].target == format!("t-{p}");
+        if !about_it {
+            prop_assert_eq!(after, before[i], "{} changed by an answer not about it", p);
+            continue;
+        }
+        let status = report.targets[0].status;
+        let fresh = m.last_seq.get(&key).is_none_or(|last| seq > *last);
+        let expected = if !fresh {
+            RecoveryOutcome::Stale
+        } else if status != ProviderHealth::Available {
+            RecoveryOutcome::NotAvailable
+        } else if !m.lowered.contains(&key) {
+            RecoveryOutcome::NotLowered
+        } else {
+            RecoveryOutcome::Recovered
+        };
+        if expected == RecoveryOutcome::Recovered {
+            m.lowered.remove(&key);
             m.last_seq.insert(key, seq);
         }
+        prop_assert_eq!(
+            after,
+            before[i] && expected != RecoveryOutcome::Recovered,
+            "{} lowered={} after {:?}",
+            p,
+            after,
+            expected
+        );
+        expected_verdicts.push((ProviderId::from(*p), status, expected));
     }
-    if !current || ambiguous {
-        prop_assert!(verdicts.is_empty());
-    }
+    let actual: Vec<_> = verdicts
+        .iter()
+        .map(|v| (v.provider_id.clone(), v.health, v.recovery))
+        .collect();
+    prop_assert_eq!(actual, expected_verdicts);
     Ok(())
 }
 
@@ -1060,6 +1113,50 @@ fn check_invariants(d: &Dispatcher, m: &Model) -> Result<(), TestCaseError> {
     for gens in m.generations.values() {
         prop_assert!(gens.windows(2).all(|w| w[0] < w[1]));
     }
+    // The registry agrees with the model of generations (R-GEN-1/2).
+    for (i, node) in NODES.iter().enumerate() {
+        let n = NodeId::from(*node);
+        prop_assert_eq!(d.registry().view(&n).generation, m.current_gen(i));
+        for g in m.generations.get(&i).into_iter().flatten() {
+            prop_assert_eq!(
+                d.registry().is_dispatchable(&n, *g),
+                m.dispatchable(&n, *g),
+                "dispatchable {} generation {}",
+                node,
+                g
+            );
+        }
+    }
+    // The overlay is exactly the model's in each node's current generation
+    // (R-OVL-2, R-CAP-1; it is scoped to its generation), and selectable is
+    // exactly the model's eligibility.
+    for (i, node) in NODES.iter().enumerate() {
+        for g in m.current_gen(i).iter() {
+            for p in PROVIDERS {
+                let pid = ProviderId::from(p);
+                if d.admission().provider(&pid).map(|s| s.node.as_str()) != Some(*node) {
+                    continue;
+                }
+                prop_assert_eq!(
+                    d.overlay().is_lowered(&pid, *g),
+                    m.lowered.contains(&(p.to_string(), *g)),
+                    "overlay of {} in generation {}",
+                    p,
+                    g
+                );
+            }
+        }
+    }
+    for p in PROVIDERS {
+        let pid = ProviderId::from(p);
+        prop_assert_eq!(
+            d.admission().is_selectable(&pid),
+            eligible_in_model(d, m, &pid),
+            "{} selectable",
+            p
+        );
+    }
+    check_queue_is_served(d, m)?;
     // R-HT-5 and R-OVL-2 together: a provider that is unavailable or
     // stale, or lowered in its online generation, is never selectable.
     for view in d.admission().capacity_view() {
@@ -1080,11 +1177,45 @@ fn check_invariants(d: &Dispatcher, m: &Model) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Whether `p` may be selected, from the model's facts: its node's
+/// generation is current and ready, the model has not lowered it there,
+/// and its health is neither unavailable nor stale (R-GEN-2, R-OVL-2,
+/// R-HT-5).
+fn eligible_in_model(d: &Dispatcher, m: &Model, p: &ProviderId) -> bool {
+    let Some(spec) = d.admission().provider(p) else {
+        return false;
+    };
+    let Some(node) = NODES.iter().position(|n| *n == spec.node.as_str()) else {
+        return false;
+    };
+    let Some(&(g, true)) = m.current.get(&node) else {
+        return false;
+    };
+    !m.lowered.contains(&(p.to_string(), g))
+        && !matches!(
+            d.health().state(p),
+            Some(HealthState::Unavailable | HealthState::Stale)
+        )
+}
+
+/// R-SEL-1 for one lease (granted at once or from the queue): the avoided
+/// provider only with the flag and only when no alternate of the pool is
+/// eligible.
 fn check_avoid_rule(
     d: &Dispatcher,
+    m: &Model,
     req: &DispatchRequest,
     lease: &Lease,
 ) -> Result<(), TestCaseError> {
+    prop_assert!(
+        req.pool.contains(&lease.provider_id),
+        "leased outside the pool"
+    );
+    prop_assert!(
+        eligible_in_model(d, m, &lease.provider_id),
+        "leased an ineligible provider {}",
+        lease.provider_id
+    );
     if req.avoid_provider_id.as_ref() == Some(&lease.provider_id) {
         prop_assert!(
             req.allow_avoided_fallback,
@@ -1094,11 +1225,52 @@ fn check_avoid_rule(
             .pool
             .iter()
             .filter(|p| Some(*p) != req.avoid_provider_id.as_ref())
-            .any(|p| d.admission().is_selectable(p));
+            .find(|p| eligible_in_model(d, m, p));
         prop_assert!(
-            !alternate,
-            "avoided provider chosen while an alternate exists"
+            alternate.is_none(),
+            "avoided provider chosen while {:?} is eligible",
+            alternate
         );
+    }
+    Ok(())
+}
+
+/// The other side of R-SEL-1: no queued request could be served (an
+/// eligible alternate with room, or the flagged avoided provider with room
+/// when no alternate is eligible).
+fn check_queue_is_served(d: &Dispatcher, m: &Model) -> Result<(), TestCaseError> {
+    let room = |p: &ProviderId| {
+        d.admission()
+            .capacity_view()
+            .iter()
+            .any(|c| &c.provider_id == p && c.in_use < c.capacity)
+    };
+    for r in d.admission().queued_requests() {
+        let avoided = r.avoid_provider_id.as_ref();
+        let alternates: Vec<&ProviderId> = r
+            .pool
+            .iter()
+            .filter(|p| Some(*p) != avoided && eligible_in_model(d, m, p))
+            .collect();
+        let servable = alternates.iter().find(|p| room(p));
+        prop_assert!(
+            servable.is_none(),
+            "request {} queued while {:?} is eligible with room",
+            r.request_id,
+            servable
+        );
+        if let Some(p) = avoided {
+            prop_assert!(
+                !(alternates.is_empty()
+                    && r.allow_avoided_fallback
+                    && r.pool.contains(p)
+                    && eligible_in_model(d, m, p)
+                    && room(p)),
+                "request {} queued while its flagged avoided {} is the only eligible one, with room",
+                r.request_id,
+                p
+            );
+        }
     }
     Ok(())
 }
@@ -1110,7 +1282,6 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
         health,
         ..Model::default()
     };
-    let mut requests: BTreeMap<RequestId, DispatchRequest> = BTreeMap::new();
     for op in ops {
         let now = Instant::from_millis(m.now_ms);
         match op {
@@ -1120,6 +1291,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                     .register(now, &NodeId::from(NODES[node]), &register_req())
                     .map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
                 m.generations.entry(node).or_default().push(g);
+                m.current.insert(node, (g, false));
             }
             Op::Ready(n, stale) => {
                 let node = usize::from(n);
@@ -1127,7 +1299,13 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                 let g = if stale { gens.first() } else { gens.last() };
                 if let Some(&g) = g {
                     let accepted = d.ready(now, &NodeId::from(NODES[node]), g);
-                    prop_assert_eq!(accepted, m.current_gen(&d, node) == Some(g));
+                    // R-GEN-2: only the current generation completes
+                    // readiness (the model's, kept from the inputs).
+                    let expected = m.current_gen(node) == Some(g);
+                    prop_assert_eq!(accepted, expected);
+                    if expected {
+                        m.current.insert(node, (g, true));
+                    }
                 }
             }
             Op::Disconnect(n, stale) => {
@@ -1141,6 +1319,9 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                         g,
                         CloseCode::HeartbeatTimeout,
                     );
+                    if m.current_gen(node) == Some(g) {
+                        m.current.remove(&node);
+                    }
                 }
             }
             Op::Request { pool, avoid, allow } => {
@@ -1157,10 +1338,10 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                     allow_avoided_fallback: allow,
                     stall_timeout_ms: None,
                 };
-                requests.insert(req.request_id, req.clone());
+                m.requests.insert(req.request_id, req.clone());
                 if let Admit::Leased(lease) = d.request(now, req.clone()) {
-                    prop_assert!(d.registry().is_dispatchable(&lease.node, lease.generation));
-                    check_avoid_rule(&d, &req, &lease)?;
+                    prop_assert!(m.dispatchable(&lease.node, lease.generation));
+                    check_avoid_rule(&d, &m, &req, &lease)?;
                     m.granted.push(lease);
                 }
             }
@@ -1172,7 +1353,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                 {
                     match d.pre_send(now, lease.lease_id) {
                         PreSend::Send(l) => prop_assert!(
-                            d.registry().is_dispatchable(&l.node, l.generation),
+                            m.dispatchable(&l.node, l.generation),
                             "pre-send passed a non-current generation"
                         ),
                         PreSend::Refenced => m.release(lease.lease_id)?,
@@ -1204,7 +1385,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                     0 | 1 => (lease_node, lease.generation),
                     2 => {
                         let other = 1 - lease_node;
-                        (other, m.current_gen(&d, other).unwrap_or(1))
+                        (other, m.current_gen(other).unwrap_or(1))
                     }
                     _ => (lease_node, m.generations[&lease_node][0]),
                 };
@@ -1237,28 +1418,34 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                         );
                         prop_assert_eq!(NODES[rnode], lease.node.as_str());
                         m.release(l.lease_id)?;
+                        let is_stall = matches!(failure, FailureChoice::Stall { .. });
+                        prop_assert_eq!(
+                            stall.is_some(),
+                            is_stall,
+                            "R-OVL-1: exactly the valid stalls are handed off"
+                        );
+                        prop_assert_eq!(evidence.is_some(), is_stall);
                         if let (Some(f), Some(outcome)) = (fail.as_ref(), evidence) {
-                            prop_assert!(
-                                stall.is_some(),
-                                "R-OVL-1: every valid stall is handed off"
-                            );
+                            // R-OVL-2, both ways: fresh unavailable evidence
+                            // lowers, fresh other evidence is recorded,
+                            // anything not strictly newer is stale.
                             let key = (l.provider_id.to_string(), l.generation);
                             let seq = f.health_observation_seq.unwrap_or(0);
                             let fresh = m.last_seq.get(&key).is_none_or(|last| seq > *last);
-                            if outcome == EvidenceOutcome::Lowered {
-                                prop_assert!(fresh, "lowered on stale evidence");
-                                prop_assert_eq!(
-                                    f.provider_health,
-                                    Some(ProviderHealth::Unavailable)
-                                );
-                            }
+                            let expected = match (fresh, f.provider_health) {
+                                (false, _) => EvidenceOutcome::Stale,
+                                (true, Some(ProviderHealth::Unavailable)) => {
+                                    EvidenceOutcome::Lowered
+                                }
+                                (true, _) => EvidenceOutcome::Recorded,
+                            };
+                            prop_assert_eq!(outcome, expected, "evidence seq {} of {:?}", seq, key);
                             if fresh {
-                                m.last_seq.insert(key, seq);
-                            } else {
-                                prop_assert_eq!(outcome, EvidenceOutcome::Stale);
+                                m.last_seq.insert(key.clone(), seq);
                             }
-                        } else {
-                            prop_assert!(stall.is_none());
+                            if expected == EvidenceOutcome::Lowered {
+                                m.lowered.insert(key);
+                            }
                         }
                     }
                     TerminalVerdict::Ignored(_) => {
@@ -1323,6 +1510,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                 g,
                 CloseCode::Normal,
             );
+            m.current.remove(&node);
         }
         check_outputs(&mut d, &mut m)?;
     }
