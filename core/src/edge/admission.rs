@@ -996,6 +996,50 @@ mod tests {
     }
 
     #[test]
+    fn least_loaded_compares_load_ratios_not_counts() {
+        // q (capacity 4) holds 1 lease: 1/4 loaded; p (capacity 1) is idle:
+        // 0/1. p is the less loaded one although q has more free slots.
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 4)]);
+        let q = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["q"]))));
+        assert_eq!(q.provider_id, ProviderId::from("q"));
+        let next = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["q", "p"]))));
+        assert_eq!(next.provider_id, ProviderId::from("p"));
+        // Now p is full (1/1) and q is 1/4: q.
+        let last = leased(a.request(ms(0), DispatchRequest::new(3, pool(&["p", "q"]))));
+        assert_eq!(last.provider_id, ProviderId::from("q"));
+    }
+
+    #[test]
+    fn release_reasons_and_config_are_what_was_given() {
+        let labels = [
+            ReleaseReason::Terminal,
+            ReleaseReason::Fenced,
+            ReleaseReason::ClientCancel,
+            ReleaseReason::PreSendFence,
+            ReleaseReason::Deadline,
+        ]
+        .map(ReleaseReason::as_str);
+        assert_eq!(
+            labels,
+            [
+                "terminal",
+                "fenced",
+                "client_cancel",
+                "pre_send_fence",
+                "deadline"
+            ]
+        );
+        let a = admission(vec![spec("p", "n", 1)]);
+        assert_eq!(
+            a.config(),
+            AdmissionConfig {
+                queue_capacity: 2,
+                queue_timeout: Duration::from_millis(100),
+            }
+        );
+    }
+
+    #[test]
     fn client_cancel_releases_the_lease_or_drops_the_queue_entry() {
         let mut a = admission(vec![spec("p", "n", 1)]);
         let l = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));

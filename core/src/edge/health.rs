@@ -1126,6 +1126,52 @@ mod tests {
     }
 
     #[test]
+    fn a_suspended_provider_asks_for_no_timer() {
+        let mut t = tracker(&["a"]);
+        let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
+        let _ = t.probe_result(Instant::ZERO, &ticket, ProbeResult::Success);
+        assert!(
+            t.poll_timeout().is_some(),
+            "refresh and ageing are scheduled"
+        );
+        assert!(t.suspend(at(1), &pid("a")));
+        assert_eq!(t.poll_timeout(), None, "nothing to do until resume");
+        assert!(t.resume(at(2), &pid("a")));
+        assert_eq!(t.poll_timeout(), Some(at(2)), "a probe at once");
+    }
+
+    #[test]
+    fn labels_config_and_removal_are_what_was_given() {
+        // R-OBS-1: closed label values.
+        let states = [
+            HealthState::Unknown,
+            HealthState::Ok,
+            HealthState::Unavailable,
+            HealthState::Stale,
+        ]
+        .map(HealthState::as_str);
+        assert_eq!(states, ["unknown", "ok", "unavailable", "stale"]);
+        let lifecycles = [
+            HealthLifecycle::Detected,
+            HealthLifecycle::Ongoing,
+            HealthLifecycle::Recovered,
+        ]
+        .map(HealthLifecycle::as_str);
+        assert_eq!(lifecycles, ["detected", "ongoing", "recovered"]);
+        // A backoff base equal to its cap is valid (held at once).
+        let flat = HealthConfig {
+            backoff_base: 4 * SECOND,
+            backoff_cap: 4 * SECOND,
+            ..config()
+        };
+        assert_eq!(flat.validate(), Ok(()));
+        let mut t = harness(flat, &["a"]);
+        assert_eq!(t.config(), &flat);
+        assert!(t.remove_provider(&pid("a")));
+        assert!(!t.remove_provider(&pid("a")), "not followed any more");
+    }
+
+    #[test]
     fn late_answer_of_a_timed_out_probe_is_ignored() {
         let mut t = tracker(&["a"]);
         let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
