@@ -1002,11 +1002,60 @@ mod tests {
         let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 4)]);
         let q = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["q"]))));
         assert_eq!(q.provider_id, ProviderId::from("q"));
-        let next = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["q", "p"]))));
+        let next = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["p", "q"]))));
         assert_eq!(next.provider_id, ProviderId::from("p"));
         // Now p is full (1/1) and q is 1/4: q.
         let last = leased(a.request(ms(0), DispatchRequest::new(3, pool(&["p", "q"]))));
         assert_eq!(last.provider_id, ProviderId::from("q"));
+        // r (capacity 4) holds 1: 1/4; s (capacity 2) holds 1: 1/2. r wins
+        // from either end of the pool.
+        let mut a = admission(vec![spec("r", "n", 4), spec("s", "m", 2)]);
+        leased(a.request(ms(0), DispatchRequest::new(1, pool(&["r"]))));
+        leased(a.request(ms(0), DispatchRequest::new(2, pool(&["s"]))));
+        for (id, order) in [(3, ["r", "s"]), (4, ["s", "r"])] {
+            let l = leased(a.request(ms(0), DispatchRequest::new(id, pool(&order))));
+            assert_eq!(l.provider_id, ProviderId::from("r"), "{order:?}");
+            a.release(ms(0), l.lease_id, ReleaseReason::Terminal)
+                .expect("held");
+        }
+    }
+
+    #[test]
+    fn each_lease_gets_its_own_lease_and_run_id_and_the_counters_follow() {
+        let mut a = admission(vec![spec("p", "n", 2)]);
+        let first = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        let second = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))));
+        assert_ne!(first.lease_id, second.lease_id);
+        assert_ne!(first.run_id, second.run_id);
+        assert_eq!(a.lease_totals(), (2, 0));
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(3, pool(&["p"]))),
+            Admit::Queued
+        );
+        assert_eq!(a.queue_depth(), 1);
+        let queued: Vec<RequestId> = a.queued_requests().map(|r| r.request_id).collect();
+        assert_eq!(queued, vec![3]);
+        a.release(ms(1), first.lease_id, ReleaseReason::Terminal)
+            .expect("held");
+        assert_eq!(a.lease_totals(), (2, 1), "served at the next poll");
+        let third = match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => l,
+            other => panic!("expected the queued request's lease, got {other:?}"),
+        };
+        assert_eq!(third.request_id, 3);
+        assert!(third.run_id != first.run_id && third.run_id != second.run_id);
+        assert_eq!(a.lease_totals(), (3, 1));
+        assert_eq!(a.queue_depth(), 0);
+    }
+
+    #[test]
+    fn a_fence_takes_only_that_nodes_providers_offline() {
+        // Both nodes happen to be on generation 1: fencing n's generation 1
+        // leaves m's provider online (R-GEN-3 is per node).
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 1)]);
+        a.fence(ms(0), &NodeId::from("n"), 1);
+        assert!(!a.is_selectable(&ProviderId::from("p")));
+        assert!(a.is_selectable(&ProviderId::from("q")));
     }
 
     #[test]
