@@ -1126,6 +1126,22 @@ mod tests {
     }
 
     #[test]
+    fn a_refresh_brings_forward_only_a_later_probe() {
+        let mut t = tracker(&["a"]);
+        // The first probe is due at once: nothing to bring forward.
+        assert!(!t.request_refresh(Instant::ZERO, &pid("a")));
+        let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
+        assert!(!t.request_refresh(at(1), &pid("a")), "one in flight");
+        let _ = t.probe_result(at(1), &ticket, ProbeResult::Success);
+        assert!(
+            t.request_refresh(at(2), &pid("a")),
+            "the next refresh was later"
+        );
+        assert!(!t.request_refresh(at(2), &pid("a")), "already due now");
+        assert!(!t.request_refresh(at(2), &pid("zz")), "not followed");
+    }
+
+    #[test]
     fn a_suspended_provider_asks_for_no_timer() {
         let mut t = tracker(&["a"]);
         let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
