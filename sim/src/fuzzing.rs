@@ -45,7 +45,7 @@ use iop_core::node::watchdog::{
 };
 use iop_wire::{
     AdapterKind, CapabilitiesReport, CloseCode, ExecutionFailure, FailureCode, HealthFailureCode,
-    PROTOCOL_VERSION, ProviderHealth, RegisterRequest, TargetHealth,
+    LivenessClassification, PROTOCOL_VERSION, ProviderHealth, RegisterRequest, TargetHealth,
 };
 
 /// The most inputs one harness run decodes.
@@ -791,7 +791,31 @@ fn advance_dispatch(d: &mut Dispatcher, m: &mut DispatchModel, step: Duration) {
 #[derive(Debug, Clone, Copy, Default)]
 struct RunModel {
     claimed_at: Option<Instant>,
+    /// When the provider call returned after the claim (first time).
+    returned_at: Option<Instant>,
+    /// The first probe verdict after the claim, and when.
+    probe: Option<(Instant, ProbeOutcome)>,
     terminal: bool,
+}
+
+/// R-WD-5 as the rule states it, independently of the watchdog's code: the
+/// evidence pair a stall terminal must carry for the probe verdict that
+/// arrived within its bound (none: fail closed).
+fn expected_evidence(probe: Option<ProbeOutcome>) -> (ProviderHealth, LivenessClassification) {
+    match probe {
+        Some(ProbeOutcome::Healthy) => (
+            ProviderHealth::Available,
+            LivenessClassification::RequestStalled,
+        ),
+        Some(ProbeOutcome::Unhealthy(_)) => (
+            ProviderHealth::Unavailable,
+            LivenessClassification::ProviderUnhealthy,
+        ),
+        Some(ProbeOutcome::Failed) | None => (
+            ProviderHealth::Unknown,
+            LivenessClassification::HealthUnknown,
+        ),
+    }
 }
 
 #[derive(Debug, Default)]
@@ -866,6 +890,7 @@ fn drain_watchdog(w: &mut Watchdog, m: &mut WatchdogModel) {
                 assert!(!run.terminal, "R-WD-6: second terminal for run {run_id}");
                 run.terminal = true;
                 let claimed_at = run.claimed_at;
+                let (returned_at, probe) = (run.returned_at, run.probe);
                 if let RunTerminal::Failed(f) = &terminal
                     && f.code == FailureCode::ResponseStalled
                 {
@@ -876,10 +901,24 @@ fn drain_watchdog(w: &mut Watchdog, m: &mut WatchdogModel) {
                         now <= claim + latest,
                         "R-WD-3: stall terminal of run {run_id} after claim + max(grace, probe bound)"
                     );
+                    // R-WD-5 against the probe verdict the model saw
+                    // within the bound (a verdict at or after it is no
+                    // evidence).
+                    let in_bound = probe
+                        .filter(|(at, _)| *at < claim + m.probe_bound)
+                        .map(|(_, outcome)| outcome);
+                    let (health, classification) = expected_evidence(in_bound);
                     assert_eq!(
-                        f.liveness_classification,
-                        f.provider_health.map(|h| h.liveness_classification()),
-                        "R-WD-5: evidence pairs"
+                        (f.provider_health, f.liveness_classification),
+                        (Some(health), Some(classification)),
+                        "R-WD-5: run {run_id}'s evidence for probe {probe:?} claimed at {claim:?}"
+                    );
+                    // R-WD-4: retryable exactly when the call returned
+                    // within the close grace.
+                    let within_grace = returned_at.is_some_and(|at| at < claim + m.grace);
+                    assert_eq!(
+                        f.retryable, within_grace,
+                        "R-WD-4: run {run_id} returned at {returned_at:?}, claimed at {claim:?}"
                     );
                     m.next_seq(f.health_observation_seq, "a stall terminal");
                 } else if let RunTerminal::Failed(f) = &terminal {
@@ -1006,6 +1045,13 @@ pub fn fuzz_watchdog_sequence_with(data: &[u8], setup: impl FnOnce(&Watchdog)) {
                     f.provider_health = input.flag().then_some(ProviderHealth::Available);
                     ProviderOutcome::Failed(f)
                 };
+                if let Some(r) = m.runs.get_mut(&run_id)
+                    && r.claimed_at.is_some()
+                    && !r.terminal
+                    && r.returned_at.is_none()
+                {
+                    r.returned_at = Some(now);
+                }
                 let emission = w.provider_returned(now, run_id, outcome);
                 check_emission(&mut w, &mut m, run_id, emission, true);
             }
@@ -1017,6 +1063,13 @@ pub fn fuzz_watchdog_sequence_with(data: &[u8], setup: impl FnOnce(&Watchdog)) {
                     2 => ProbeOutcome::Unhealthy(Some(HealthFailureCode::Http5xx)),
                     _ => ProbeOutcome::Failed,
                 };
+                if let Some(r) = m.runs.get_mut(&run_id)
+                    && r.claimed_at.is_some()
+                    && !r.terminal
+                    && r.probe.is_none()
+                {
+                    r.probe = Some((now, outcome));
+                }
                 w.probe_result(now, run_id, outcome);
             }
             7 => {

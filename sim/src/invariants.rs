@@ -15,6 +15,7 @@
 //! | R-WD-* | one terminal per node run; a stall terminal comes within `claim + max(grace, probe bound)` (R-WD-3), is retryable exactly when the canceled call returned within the grace (R-WD-4), and carries the probe's evidence pair (R-WD-5) |
 //! | R-SEQ-1 | each connection's observation sequence starts at 1 and increases by one across stall terminals and CAPABILITIES answers |
 //! | R-OVL-2, R-CAP-1 | the overlay is lowered only by fresh `unavailable` evidence and raised only by a strictly newer `available`; it always equals the checker's model |
+//! | R-SEL-1 | an avoided provider is leased (immediately or from the queue) only with the fallback flag and no eligible alternate; after every step no queued request could be served (an eligible alternate with room, or the flagged avoided provider with room when no alternate is eligible) |
 //! | provider | each attempt calls its provider at most once |
 //! | liveness | every request ends within its budget; after faults stop, nodes are ready within B_node and providers selectable within B_eligible (see [`crate::config::SimConfig`]) |
 
@@ -92,10 +93,13 @@ struct LeaseModel {
 
 /// Known issues of `iop-core` the simulator found and that are not fixed
 /// yet. They are reported as findings (with their reproduction) and become
-/// violations with `--strict`. The one found so far (R-SEL-1: a node's
-/// providers came online one at a time on readiness, so an avoided
-/// provider could win before its alternate was online) is fixed in
-/// `Admission::set_states`.
+/// violations with `--strict`. The two found so far are fixed: R-SEL-1 on
+/// readiness (a node's providers came online one at a time, so an avoided
+/// provider could win before its alternate was online; `Admission::set_states`)
+/// and R-SEL-1 on queued re-resolution (the queue was served between two
+/// state changes of one input, e.g. a CAPABILITIES answer raising the
+/// avoided provider before the same probe recovered its alternate; the
+/// queue is now served once per input, at `Admission::poll_event`).
 pub const KNOWN_CORE_ISSUES: &[&str] = &[];
 
 /// How many released lease ids and ended requests the checker remembers to
@@ -792,6 +796,10 @@ impl Checker {
                 return;
             }
         }
+        if let Some(detail) = servable_queued_request(d) {
+            self.fail("R-SEL-1", detail);
+            return;
+        }
         if self.open == 0 && (d.admission().leases_in_use() > 0 || d.admission().queue_depth() > 0)
         {
             let detail = format!(
@@ -815,4 +823,47 @@ impl Checker {
             self.fail("liveness-request", detail);
         }
     }
+}
+
+/// The other side of R-SEL-1: after every step, no queued request could be
+/// served. A request waits only while no provider it may take has room: an
+/// eligible alternate (not the avoided one) with room, or, with the
+/// fallback flag and no eligible alternate at all, the avoided provider
+/// with room.
+fn servable_queued_request(d: &Dispatcher) -> Option<String> {
+    let capacity: BTreeMap<ProviderId, bool> = d
+        .admission()
+        .capacity_view()
+        .into_iter()
+        .map(|c| (c.provider_id, c.in_use < c.capacity))
+        .collect();
+    let selectable = |p: &ProviderId| d.admission().is_selectable(p);
+    let has_room = |p: &ProviderId| capacity.get(p).copied().unwrap_or(false);
+    for r in d.admission().queued_requests() {
+        let avoided = r.avoid_provider_id.as_ref();
+        let alternates: Vec<&ProviderId> = r
+            .pool
+            .iter()
+            .filter(|p| Some(*p) != avoided && selectable(p))
+            .collect();
+        if let Some(p) = alternates.iter().find(|p| has_room(p)) {
+            return Some(format!(
+                "request {} waits in the queue while {p} is eligible with room",
+                r.request_id
+            ));
+        }
+        if let Some(p) = avoided
+            && alternates.is_empty()
+            && r.allow_avoided_fallback
+            && r.pool.contains(p)
+            && selectable(p)
+            && has_room(p)
+        {
+            return Some(format!(
+                "request {} waits in the queue while its avoided {p} is its only eligible provider, with room and the fallback flag",
+                r.request_id
+            ));
+        }
+    }
+    None
 }

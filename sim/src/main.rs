@@ -75,6 +75,11 @@ enum Cmd {
         /// Worker threads (default: every core); the report is the same.
         #[arg(long)]
         threads: Option<usize>,
+        /// Run the seeds in chunks of this many and print a progress line
+        /// after each (a long swarm stopped early still says how far it
+        /// got); memory stays bounded by one chunk.
+        #[arg(long, default_value_t = DEFAULT_CHUNK_SEEDS)]
+        chunk: u64,
     },
     /// Run a seed twice and compare the trace hashes.
     CheckDeterminism {
@@ -89,6 +94,20 @@ enum Cmd {
         /// The trace file.
         trace: PathBuf,
     },
+}
+
+/// Seeds per chunk of `iop-sim swarm` unless `--chunk` says otherwise.
+const DEFAULT_CHUNK_SEEDS: u64 = 50_000;
+
+/// Faults a swarm injected (the sum of its fault counters).
+fn faults_injected(t: &iop_sim::Stats) -> u64 {
+    t.node_crashes
+        + t.edge_restarts
+        + t.partitions
+        + t.conns_killed
+        + t.messages_lost
+        + t.provider_freezes
+        + t.heartbeat_timeouts
 }
 
 fn bugs(names: &[String]) -> Result<BTreeSet<Bug>, String> {
@@ -228,10 +247,12 @@ fn real_main() -> Result<ExitCode, String> {
             core_bug,
             strict,
             threads,
+            chunk,
         } => {
             let threads = threads.unwrap_or_else(|| {
                 std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
             });
+            let chunk = chunk.max(1);
             let options = SwarmOptions {
                 bugs: bugs(&bug)?,
                 core_bugs: core_bugs(&core_bug)?,
@@ -240,30 +261,50 @@ fn real_main() -> Result<ExitCode, String> {
                 ..SwarmOptions::new(start, seeds, steps)
             };
             let started = WallInstant::now();
-            let report = swarm(&options);
-            let failures = report.failures;
+            let mut totals = iop_sim::Stats::default();
+            let mut failures = Vec::new();
+            let mut with_findings = Vec::new();
+            let mut done = 0u64;
+            while done < seeds {
+                let count = chunk.min(seeds - done);
+                let report = swarm(&SwarmOptions {
+                    start: start.saturating_add(done),
+                    count,
+                    ..options.clone()
+                });
+                done += count;
+                totals.add(&report.totals);
+                for r in &report.failures {
+                    if let Some(v) = &r.violation {
+                        println!("seed {}: {v}", r.seed);
+                        println!("  reproduce: {}", r.repro_command());
+                    }
+                }
+                failures.extend(report.failures);
+                with_findings.extend(report.with_findings.into_iter().take(10));
+                if seeds > chunk {
+                    println!(
+                        "progress: {done} of {seeds} seeds from {start}, {} failed, {} faults injected, {:.0}s",
+                        failures.len(),
+                        faults_injected(&totals),
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+            }
             let secs = started.elapsed().as_secs_f64();
             println!(
-                "{seeds} seeds from {start} x {steps} steps on {threads} threads in {secs:.1}s ({:.0} steps/s): {} failed",
-                report.totals.steps as f64 / secs.max(f64::EPSILON),
-                failures.len()
+                "{seeds} seeds from {start} x {steps} steps on {threads} threads in {secs:.1}s ({:.0} steps/s): {} failed, {} faults injected",
+                totals.steps as f64 / secs.max(f64::EPSILON),
+                failures.len(),
+                faults_injected(&totals)
             );
             println!(
                 "coverage: {}",
-                serde_json::to_string(&report.totals).unwrap_or_default()
+                serde_json::to_string(&totals).unwrap_or_default()
             );
-            for r in &failures {
-                if let Some(v) = &r.violation {
-                    println!("seed {}: {v}", r.seed);
-                    println!("  reproduce: {}", r.repro_command());
-                }
-            }
-            if !report.with_findings.is_empty() {
-                println!(
-                    "{} seeds passed with findings (known core issues):",
-                    report.with_findings.len()
-                );
-                for r in report.with_findings.iter().take(10) {
+            if !with_findings.is_empty() {
+                println!("seeds passed with findings (known core issues):");
+                for r in with_findings.iter().take(10) {
                     if let Some(f) = r.findings.first() {
                         println!("seed {}: {f}", r.seed);
                         println!("  reproduce as a violation: {}", r.strict_repro_command());

@@ -276,6 +276,11 @@ pub struct Admission {
     next_lease_id: LeaseId,
     next_run_id: RunId,
     events: VecDeque<AdmissionEvent>,
+    /// Set by every change that may let a queued request be served
+    /// (capacity freed, a provider online or eligible): the queue is served
+    /// once, at the next [`Admission::poll_event`], after every change of
+    /// the caller's input is applied (R-SEL-1).
+    serve_queue_at: Option<Instant>,
     leases_granted: u64,
     leases_released: u64,
     #[cfg(feature = "planted-bugs")]
@@ -312,6 +317,7 @@ impl Admission {
             next_lease_id: 1,
             next_run_id: 1,
             events: VecDeque::new(),
+            serve_queue_at: None,
             leases_granted: 0,
             leases_released: 0,
             #[cfg(feature = "planted-bugs")]
@@ -478,7 +484,7 @@ impl Admission {
             p.in_use = p.in_use.saturating_sub(1);
         }
         self.leases_released += 1;
-        self.drain_queue(now);
+        self.queue_may_move(now);
         Ok(held.lease)
     }
 
@@ -545,6 +551,7 @@ impl Admission {
     }
 
     /// `provider`'s node is dispatchable on `generation` (or on nothing).
+    /// The queue is served at the next [`Self::poll_event`].
     pub fn set_online(
         &mut self,
         now: Instant,
@@ -554,13 +561,13 @@ impl Admission {
         if let Some(p) = self.providers.get_mut(provider) {
             p.online = generation;
         }
-        self.drain_queue(now);
+        self.queue_may_move(now);
     }
 
-    /// Set several providers' online generation and eligibility at once,
-    /// then serve the queue once, so no request is placed before all of them
-    /// are in their new state (R-SEL-1: an avoided provider must not win
-    /// because its alternate came online a moment later).
+    /// Set several providers' online generation and eligibility at once.
+    /// The queue is served at the next [`Self::poll_event`], after all of
+    /// them are in their new state (R-SEL-1: an avoided provider must not
+    /// win because its alternate came online a moment later).
     pub fn set_states(&mut self, now: Instant, updates: &[(ProviderId, Option<Generation>, bool)]) {
         for (provider, online, eligible) in updates {
             if let Some(p) = self.providers.get_mut(provider) {
@@ -568,15 +575,25 @@ impl Admission {
                 p.runtime_eligible = *eligible;
             }
         }
-        self.drain_queue(now);
+        self.queue_may_move(now);
     }
 
     /// Whether the runtime overlay and health tracker allow `provider`.
+    /// The queue is served at the next [`Self::poll_event`], so the other
+    /// changes of the same input (another provider's recovery in the same
+    /// CAPABILITIES answer) land first (R-SEL-1).
     pub fn set_runtime_eligible(&mut self, now: Instant, provider: &ProviderId, eligible: bool) {
         if let Some(p) = self.providers.get_mut(provider) {
             p.runtime_eligible = eligible;
         }
-        self.drain_queue(now);
+        self.queue_may_move(now);
+    }
+
+    /// Something changed that may let a queued request be served: serve
+    /// the queue at the next [`Self::poll_event`], not in the middle of
+    /// the caller's input.
+    fn queue_may_move(&mut self, now: Instant) {
+        self.serve_queue_at = Some(now);
     }
 
     /// R-GEN-3: release every lease bound to `node`'s `generation` exactly
@@ -659,10 +676,22 @@ impl Admission {
         self.queue.iter().map(|q| q.expires_at).min()
     }
 
-    /// Next event, until `None`.
+    /// Next event, until `None`. Call it after the input's changes are all
+    /// applied: the first call serves the queue (FIFO, wherever capacity
+    /// allows) on the state as it is now, once for any number of changes
+    /// (R-SEL-1: selection never sees half of an input).
     #[must_use]
     pub fn poll_event(&mut self) -> Option<AdmissionEvent> {
+        if let Some(now) = self.serve_queue_at.take() {
+            self.drain_queue(now);
+        }
         self.events.pop_front()
+    }
+
+    /// The requests waiting in the queue, oldest first (for the simulator's
+    /// checks and the status surface).
+    pub fn queued_requests(&self) -> impl Iterator<Item = &DispatchRequest> {
+        self.queue.iter().map(|q| &q.request)
     }
 
     /// Is `provider` online and runtime-eligible right now?
@@ -968,6 +997,99 @@ mod tests {
         let first = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p", "q"]))));
         let second = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["p", "q"]))));
         assert_ne!(first.provider_id, second.provider_id);
+    }
+
+    #[test]
+    fn least_loaded_compares_load_ratios_not_counts() {
+        // q (capacity 4) holds 1 lease: 1/4 loaded; p (capacity 1) is idle:
+        // 0/1. p is the less loaded one although q has more free slots.
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 4)]);
+        let q = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["q"]))));
+        assert_eq!(q.provider_id, ProviderId::from("q"));
+        let next = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["p", "q"]))));
+        assert_eq!(next.provider_id, ProviderId::from("p"));
+        // Now p is full (1/1) and q is 1/4: q.
+        let last = leased(a.request(ms(0), DispatchRequest::new(3, pool(&["p", "q"]))));
+        assert_eq!(last.provider_id, ProviderId::from("q"));
+        // r (capacity 4) holds 1: 1/4; s (capacity 2) holds 1: 1/2. r wins
+        // from either end of the pool.
+        let mut a = admission(vec![spec("r", "n", 4), spec("s", "m", 2)]);
+        leased(a.request(ms(0), DispatchRequest::new(1, pool(&["r"]))));
+        leased(a.request(ms(0), DispatchRequest::new(2, pool(&["s"]))));
+        for (id, order) in [(3, ["r", "s"]), (4, ["s", "r"])] {
+            let l = leased(a.request(ms(0), DispatchRequest::new(id, pool(&order))));
+            assert_eq!(l.provider_id, ProviderId::from("r"), "{order:?}");
+            a.release(ms(0), l.lease_id, ReleaseReason::Terminal)
+                .expect("held");
+        }
+    }
+
+    #[test]
+    fn each_lease_gets_its_own_lease_and_run_id_and_the_counters_follow() {
+        let mut a = admission(vec![spec("p", "n", 2)]);
+        let first = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        let second = leased(a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))));
+        assert_ne!(first.lease_id, second.lease_id);
+        assert_ne!(first.run_id, second.run_id);
+        assert_eq!(a.lease_totals(), (2, 0));
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(3, pool(&["p"]))),
+            Admit::Queued
+        );
+        assert_eq!(a.queue_depth(), 1);
+        let queued: Vec<RequestId> = a.queued_requests().map(|r| r.request_id).collect();
+        assert_eq!(queued, vec![3]);
+        a.release(ms(1), first.lease_id, ReleaseReason::Terminal)
+            .expect("held");
+        assert_eq!(a.lease_totals(), (2, 1), "served at the next poll");
+        let third = match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => l,
+            other => panic!("expected the queued request's lease, got {other:?}"),
+        };
+        assert_eq!(third.request_id, 3);
+        assert!(third.run_id != first.run_id && third.run_id != second.run_id);
+        assert_eq!(a.lease_totals(), (3, 1));
+        assert_eq!(a.queue_depth(), 0);
+    }
+
+    #[test]
+    fn a_fence_takes_only_that_nodes_providers_offline() {
+        // Both nodes happen to be on generation 1: fencing n's generation 1
+        // leaves m's provider online (R-GEN-3 is per node).
+        let mut a = admission(vec![spec("p", "n", 1), spec("q", "m", 1)]);
+        a.fence(ms(0), &NodeId::from("n"), 1);
+        assert!(!a.is_selectable(&ProviderId::from("p")));
+        assert!(a.is_selectable(&ProviderId::from("q")));
+    }
+
+    #[test]
+    fn release_reasons_and_config_are_what_was_given() {
+        let labels = [
+            ReleaseReason::Terminal,
+            ReleaseReason::Fenced,
+            ReleaseReason::ClientCancel,
+            ReleaseReason::PreSendFence,
+            ReleaseReason::Deadline,
+        ]
+        .map(ReleaseReason::as_str);
+        assert_eq!(
+            labels,
+            [
+                "terminal",
+                "fenced",
+                "client_cancel",
+                "pre_send_fence",
+                "deadline"
+            ]
+        );
+        let a = admission(vec![spec("p", "n", 1)]);
+        assert_eq!(
+            a.config(),
+            AdmissionConfig {
+                queue_capacity: 2,
+                queue_timeout: Duration::from_millis(100),
+            }
+        );
     }
 
     #[test]

@@ -486,7 +486,8 @@ impl Dispatcher {
         let result = match answer {
             Err(code) => ProbeResult::Failure(code),
             Ok((node, generation, report)) => {
-                verdicts = self.apply_capabilities(now, node, generation, report);
+                // R-SEL-1: no pump between the report and the probe result.
+                verdicts = self.apply_capabilities_report(now, node, generation, report);
                 let spec = self.admission.provider(&ticket.provider_id).cloned();
                 let entries: Vec<&iop_wire::TargetHealth> = report
                     .targets
@@ -733,6 +734,20 @@ impl Dispatcher {
         generation: Generation,
         report: &CapabilitiesReport,
     ) -> Vec<CapabilityVerdict> {
+        let verdicts = self.apply_capabilities_report(now, node, generation, report);
+        self.pump(now);
+        verdicts
+    }
+
+    /// [`Self::apply_capabilities`] without serving the queue: the caller
+    /// pumps once its whole input is applied (R-SEL-1).
+    fn apply_capabilities_report(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        generation: Generation,
+        report: &CapabilitiesReport,
+    ) -> Vec<CapabilityVerdict> {
         if !self.registry.admit_message(node, generation) {
             return Vec::new();
         }
@@ -774,7 +789,6 @@ impl Dispatcher {
                 recovery,
             });
         }
-        self.pump(now);
         verdicts
     }
 

@@ -872,6 +872,30 @@ mod tests {
         ProviderId::new(s)
     }
 
+    #[test]
+    fn budget_and_labels_are_what_was_given() {
+        let budget = GateBudget::new(3, 7 * SECOND).expect("valid");
+        assert_eq!((budget.max_attempts(), budget.total()), (3, 7 * SECOND));
+        // R-OBS-1: closed label values.
+        let failures = [
+            AdmissionFailure::QueueFull,
+            AdmissionFailure::NoEligibleProvider,
+            AdmissionFailure::QueueTimeout,
+        ]
+        .map(AdmissionFailure::as_str);
+        assert_eq!(
+            failures,
+            ["queue_full", "no_eligible_provider", "queue_timeout"]
+        );
+        let ignored = [
+            IgnoredInput::Ended,
+            IgnoredInput::NotCurrentAttempt,
+            IgnoredInput::NotAdmitting,
+        ]
+        .map(IgnoredInput::as_str);
+        assert_eq!(ignored, ["ended", "not_current_attempt", "not_admitting"]);
+    }
+
     fn gate(max_attempts: u32, total: Duration) -> StreamGate {
         let budget = GateBudget::new(max_attempts, total).expect("valid test budget");
         StreamGate::new(Instant::ZERO, budget)

@@ -1128,6 +1128,68 @@ mod tests {
     }
 
     #[test]
+    fn a_refresh_brings_forward_only_a_later_probe() {
+        let mut t = tracker(&["a"]);
+        // The first probe is due at once: nothing to bring forward.
+        assert!(!t.request_refresh(Instant::ZERO, &pid("a")));
+        let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
+        assert!(!t.request_refresh(at(1), &pid("a")), "one in flight");
+        let _ = t.probe_result(at(1), &ticket, ProbeResult::Success);
+        assert!(
+            t.request_refresh(at(2), &pid("a")),
+            "the next refresh was later"
+        );
+        assert!(!t.request_refresh(at(2), &pid("a")), "already due now");
+        assert!(!t.request_refresh(at(2), &pid("zz")), "not followed");
+    }
+
+    #[test]
+    fn a_suspended_provider_asks_for_no_timer() {
+        let mut t = tracker(&["a"]);
+        let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
+        let _ = t.probe_result(Instant::ZERO, &ticket, ProbeResult::Success);
+        assert!(
+            t.poll_timeout().is_some(),
+            "refresh and ageing are scheduled"
+        );
+        assert!(t.suspend(at(1), &pid("a")));
+        assert_eq!(t.poll_timeout(), None, "nothing to do until resume");
+        assert!(t.resume(at(2), &pid("a")));
+        assert_eq!(t.poll_timeout(), Some(at(2)), "a probe at once");
+    }
+
+    #[test]
+    fn labels_config_and_removal_are_what_was_given() {
+        // R-OBS-1: closed label values.
+        let states = [
+            HealthState::Unknown,
+            HealthState::Ok,
+            HealthState::Unavailable,
+            HealthState::Stale,
+        ]
+        .map(HealthState::as_str);
+        assert_eq!(states, ["unknown", "ok", "unavailable", "stale"]);
+        let lifecycles = [
+            HealthLifecycle::Detected,
+            HealthLifecycle::Ongoing,
+            HealthLifecycle::Recovered,
+        ]
+        .map(HealthLifecycle::as_str);
+        assert_eq!(lifecycles, ["detected", "ongoing", "recovered"]);
+        // A backoff base equal to its cap is valid (held at once).
+        let flat = HealthConfig {
+            backoff_base: 4 * SECOND,
+            backoff_cap: 4 * SECOND,
+            ..config()
+        };
+        assert_eq!(flat.validate(), Ok(()));
+        let mut t = harness(flat, &["a"]);
+        assert_eq!(t.config(), &flat);
+        assert!(t.remove_provider(&pid("a")));
+        assert!(!t.remove_provider(&pid("a")), "not followed any more");
+    }
+
+    #[test]
     fn late_answer_of_a_timed_out_probe_is_ignored() {
         let mut t = tracker(&["a"]);
         let ticket = take_probe(&mut t, Instant::ZERO, "a").expect("due");
@@ -1176,6 +1238,63 @@ mod tests {
         ]
     }
 
+    /// The reference model of one provider's health, written from the
+    /// rules (R-HT-1, R-HT-3, R-HT-5), not from the tracker: the last
+    /// applied success, the failures since, whether it was marked or aged
+    /// stale, and the probe in flight.
+    #[derive(Debug, Clone, Default)]
+    struct RefHealth {
+        success_at: Option<Instant>,
+        failures: u32,
+        last_failure_at: Option<Instant>,
+        stale: bool,
+        in_flight: Option<Instant>,
+    }
+
+    impl RefHealth {
+        fn state(&self) -> HealthState {
+            if self.failures > 0 {
+                HealthState::Unavailable
+            } else if self.success_at.is_none() {
+                HealthState::Unknown
+            } else if self.stale {
+                HealthState::Stale
+            } else {
+                HealthState::Ok
+            }
+        }
+
+        fn fail(&mut self, now: Instant) {
+            self.failures += 1;
+            self.last_failure_at = Some(now);
+        }
+    }
+
+    /// R-HT-3 backoff by repeated doubling from the base, held at the cap:
+    /// a second statement of the rule, beside the tracker's shift.
+    fn reference_backoff(base: Duration, cap: Duration, failures: u32) -> Duration {
+        let mut backoff = base.min(cap);
+        for _ in 1..failures {
+            backoff = (backoff * 2).min(cap);
+        }
+        backoff
+    }
+
+    #[test]
+    fn backoff_doubles_from_the_base_and_holds_at_the_cap() {
+        let cfg = HealthConfig {
+            backoff_cap: 4 * SECOND,
+            ..config()
+        };
+        let expected_s = [1, 2, 4, 4, 4, 4];
+        for (i, s) in expected_s.iter().enumerate() {
+            let failures = i as u32 + 1;
+            assert_eq!(cfg.backoff(failures), *s * SECOND, "{failures} failures");
+            assert_eq!(reference_backoff(SECOND, 4 * SECOND, failures), *s * SECOND);
+        }
+        assert_eq!(cfg.backoff(u32::MAX), 4 * SECOND, "no overflow");
+    }
+
     fn others(t: &HealthTracker, provider: usize) -> Vec<ProviderHealthSnapshot> {
         t.snapshot()
             .into_iter()
@@ -1187,17 +1306,38 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
         #[test]
-        fn health_invariants_hold_for_any_sequence(ops in proptest::collection::vec(op(), 0..60)) {
-            // A small cap, so long outages in a short sequence hold at it.
-            let cfg = HealthConfig { backoff_cap: 4 * SECOND, ..config() };
+        fn health_invariants_hold_for_any_sequence(
+            ops in proptest::collection::vec(op(), 0..60),
+            stale_prone in any::<bool>(),
+        ) {
+            // A small cap, so long outages in a short sequence hold at it;
+            // with `stale_prone`, an `ok` ages out before the next refresh
+            // (R-HT-5 by time alone).
+            let stale_after = if stale_prone { 15 * SECOND } else { config().stale_after };
+            let cfg = HealthConfig { backoff_cap: 4 * SECOND, stale_after, ..config() };
             let mut t = harness(cfg, &PROVIDERS);
             let mut now = Instant::ZERO;
             let mut tickets: BTreeMap<String, ProbeTicket> = BTreeMap::new();
             let mut lifecycles: BTreeMap<String, Vec<HealthLifecycle>> = BTreeMap::new();
+            let mut model: BTreeMap<String, RefHealth> =
+                PROVIDERS.iter().map(|p| (p.to_string(), RefHealth::default())).collect();
             for op in ops {
                 match op {
                     Op::Advance(ms) => now += Duration::from_millis(ms),
-                    Op::Timeout => t.handle_timeout(now),
+                    Op::Timeout => {
+                        t.handle_timeout(now);
+                        for r in model.values_mut() {
+                            if r.in_flight.is_some_and(|at| at + cfg.probe_timeout <= now) {
+                                r.in_flight = None;
+                                r.fail(now);
+                            }
+                            if r.state() == HealthState::Ok
+                                && r.success_at.is_some_and(|at| at + cfg.stale_after <= now)
+                            {
+                                r.stale = true;
+                            }
+                        }
+                    }
                     Op::PollProbes => {
                         let before = t.snapshot();
                         while let Some(ticket) = t.poll_probe(now) {
@@ -1206,20 +1346,50 @@ mod tests {
                             prop_assert!(snap.next_retry_at.is_none_or(|r| r <= now), "early probe {snap:?} at {now:?}");
                             prop_assert!(!snap.probe_in_flight);
                             prop_assert!(snap.next_probe_at <= now);
+                            if let Some(r) = model.get_mut(&ticket.provider_id.0) {
+                                r.in_flight = Some(now);
+                            }
                             tickets.insert(ticket.provider_id.0.clone(), ticket);
                         }
                     }
                     Op::Answer { provider, result } => {
                         let others_before = others(&t, provider);
                         if let Some(ticket) = tickets.remove(PROVIDERS[provider]) {
-                            let result = result.map_or(ProbeResult::Success, ProbeResult::Failure);
-                            let _ = t.probe_result(now, &ticket, result);
+                            let r = model.get_mut(PROVIDERS[provider]).expect("modelled");
+                            let outcome = result.map_or(ProbeResult::Success, ProbeResult::Failure);
+                            let disposition = t.probe_result(now, &ticket, outcome);
+                            // A probe the timeout already failed is stale;
+                            // one answered within its bound applies.
+                            match r.in_flight {
+                                None => prop_assert_eq!(disposition, ProbeDisposition::Stale),
+                                Some(at) if now < at + cfg.probe_timeout => {
+                                    prop_assert_eq!(disposition, ProbeDisposition::Applied);
+                                }
+                                Some(_) => {}
+                            }
+                            if disposition == ProbeDisposition::Applied {
+                                r.in_flight = None;
+                                match outcome {
+                                    ProbeResult::Success => {
+                                        r.success_at = Some(now);
+                                        r.failures = 0;
+                                        r.last_failure_at = None;
+                                        r.stale = false;
+                                    }
+                                    ProbeResult::Failure(_) => r.fail(now),
+                                }
+                            }
                         }
                         prop_assert_eq!(others(&t, provider), others_before, "isolation");
                     }
                     Op::MarkStale(provider) => {
                         let others_before = others(&t, provider);
-                        let _ = t.mark_stale(now, &pid(PROVIDERS[provider]));
+                        let marked = t.mark_stale(now, &pid(PROVIDERS[provider]));
+                        let r = model.get_mut(PROVIDERS[provider]).expect("modelled");
+                        prop_assert_eq!(marked, r.state() == HealthState::Ok, "only ok goes stale");
+                        if marked {
+                            r.stale = true;
+                        }
                         prop_assert_eq!(others(&t, provider), others_before, "isolation");
                     }
                     Op::Refresh(provider) => {
@@ -1237,21 +1407,24 @@ mod tests {
                     lifecycles.entry(event.provider_id.0.clone()).or_default().push(event.lifecycle);
                 }
                 for snap in t.snapshot() {
-                    // Backoff never exceeds the cap; a failing provider's
-                    // next probe is its next retry.
-                    if let Some(retry_at) = snap.next_retry_at {
-                        let failed_at = snap.last_failure_at.expect("failure recorded");
-                        prop_assert!(retry_at - failed_at <= cfg.backoff_cap);
-                        prop_assert_eq!(retry_at - failed_at, cfg.backoff(snap.consecutive_failures));
+                    // Against the reference model: state, failures, the
+                    // retry moment (failure + doubling backoff held at the
+                    // cap) and availability (ok only: R-HT-5).
+                    let r = &model[&snap.provider_id.0];
+                    prop_assert_eq!(snap.state, r.state(), "{:?} vs {:?}", snap, r);
+                    prop_assert_eq!(snap.consecutive_failures, r.failures);
+                    let expected_retry = r.last_failure_at.filter(|_| r.failures > 0).map(|at| {
+                        at + reference_backoff(cfg.backoff_base, cfg.backoff_cap, r.failures)
+                    });
+                    prop_assert_eq!(snap.next_retry_at, expected_retry, "{:?} vs {:?}", snap, r);
+                    if let Some(retry_at) = expected_retry {
                         prop_assert_eq!(snap.next_probe_at, retry_at);
-                        prop_assert!(snap.consecutive_failures > 0);
-                        prop_assert_eq!(snap.state, HealthState::Unavailable);
-                    } else {
-                        prop_assert_eq!(snap.consecutive_failures, 0);
                     }
                     prop_assert_eq!(
                         t.is_available(&snap.provider_id),
-                        snap.state == HealthState::Ok
+                        r.state() == HealthState::Ok,
+                        "{:?}",
+                        r
                     );
                 }
             }

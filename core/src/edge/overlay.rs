@@ -245,6 +245,44 @@ mod tests {
     }
 
     #[test]
+    fn last_seq_is_the_last_applied_in_that_generation_only() {
+        let mut o = Overlay::new();
+        assert_eq!(o.last_seq(&p(), 1), None, "nothing applied yet");
+        o.apply_stall_evidence(&p(), 1, Some(7), ProviderHealth::Unavailable);
+        assert_eq!(o.last_seq(&p(), 1), Some(7));
+        assert_eq!(o.last_seq(&p(), 2), None, "another generation");
+        assert_eq!(o.last_seq(&ProviderId::from("q"), 1), None);
+        // Stale evidence leaves it; a recovery advances it.
+        o.apply_stall_evidence(&p(), 1, Some(6), ProviderHealth::Unavailable);
+        assert_eq!(o.last_seq(&p(), 1), Some(7));
+        o.apply_capability(&p(), 1, 9, ProviderHealth::Available);
+        assert_eq!(o.last_seq(&p(), 1), Some(9));
+    }
+
+    #[test]
+    fn outcome_labels_are_closed_snake_case_values() {
+        // R-OBS-1: these are metric label values; dashboards depend on them.
+        let evidence = [
+            EvidenceOutcome::Lowered,
+            EvidenceOutcome::Recorded,
+            EvidenceOutcome::Stale,
+        ]
+        .map(EvidenceOutcome::as_str);
+        assert_eq!(evidence, ["lowered", "recorded", "stale"]);
+        let recovery = [
+            RecoveryOutcome::Recovered,
+            RecoveryOutcome::NotLowered,
+            RecoveryOutcome::Stale,
+            RecoveryOutcome::NotAvailable,
+        ]
+        .map(RecoveryOutcome::as_str);
+        assert_eq!(
+            recovery,
+            ["recovered", "not_lowered", "stale", "not_available"]
+        );
+    }
+
+    #[test]
     fn capabilities_recover_only_from_strictly_newer_available() {
         let mut o = Overlay::new();
         o.apply_stall_evidence(&p(), 1, Some(3), ProviderHealth::Unavailable);

@@ -1148,6 +1148,20 @@ mod tests {
     }
 
     #[test]
+    fn text_and_tool_call_deltas_are_progress() {
+        // R-WD-1: content resets the stall timer; only an empty delta is
+        // neutral.
+        assert_eq!(
+            ProviderEvent::from_run_event(&RunEventKind::TextDelta("hi".into())),
+            ProviderEvent::Progress(Progress::Content)
+        );
+        assert_eq!(
+            ProviderEvent::from_run_event(&RunEventKind::TextDelta(" ".into())),
+            ProviderEvent::Progress(Progress::Content)
+        );
+    }
+
+    #[test]
     fn usage_is_progress_but_terminal_wins() {
         let usage = Usage {
             prompt_tokens: 3,

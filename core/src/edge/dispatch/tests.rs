@@ -399,6 +399,196 @@ fn stall_recovery_readmission_avoids_the_stalled_provider() {
     assert_ne!(l2.provider_id, stalled);
 }
 
+/// A CAPABILITIES report from node `a` about several targets at once.
+fn caps_of(entries: &[(&str, ProviderHealth)], seq: u64) -> CapabilitiesReport {
+    CapabilitiesReport {
+        targets: entries
+            .iter()
+            .map(|(target, status)| TargetHealth {
+                adapter: AdapterKind::Mock,
+                target: (*target).into(),
+                status: *status,
+                failure_code: None,
+                models: vec![],
+            })
+            .collect(),
+        health_observation_seq: seq,
+    }
+}
+
+/// A queued re-admission that avoids `avoid` (with the fallback flag) over
+/// the pool `p1, p2`.
+fn readmission(request_id: RequestId, avoid: &str) -> DispatchRequest {
+    DispatchRequest {
+        avoid_provider_id: Some(ProviderId::from(avoid)),
+        allow_avoided_fallback: true,
+        ..DispatchRequest::new(
+            request_id,
+            vec![ProviderId::from("p1"), ProviderId::from("p2")],
+        )
+    }
+}
+
+fn leases_of(d: &mut Dispatcher) -> Vec<Lease> {
+    std::iter::from_fn(|| d.poll_output())
+        .filter_map(|o| match o {
+            DispatchOutput::ToRequest {
+                event: RequestEvent::Leased(l),
+                ..
+            } => Some(l),
+            _ => None,
+        })
+        .collect()
+}
+
+/// R-SEL-1 on queued re-resolution (swarm seeds 7002944, 7010104, 7011620,
+/// 7014021, 7015240, 7015466, 7018728): one health probe's CAPABILITIES
+/// answer raises the avoided provider's overlay *and* recovers the
+/// alternate's health. The queue is served once, after both: the alternate
+/// wins. (The queue used to be served between the two, so the avoided
+/// provider won as "the only one eligible".)
+#[test]
+fn queued_readmission_takes_the_alternate_that_the_same_probe_answer_recovers() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let (p1, p2) = (ProviderId::from("p1"), ProviderId::from("p2"));
+    let outs: Vec<_> = std::iter::from_fn(|| d.poll_output()).collect();
+    let ticket_of = |p: &ProviderId| {
+        outs.iter()
+            .find_map(|o| match o {
+                DispatchOutput::ProbeDue { ticket, .. } if &ticket.provider_id == p => {
+                    Some(ticket.clone())
+                }
+                _ => None,
+            })
+            .expect("readiness asks for a probe of each provider")
+    };
+    let p2_ticket = ticket_of(&p2);
+    // p1 stalls with unavailable evidence (overlay lowered); p2's health
+    // probe fails (tracker unavailable): nothing is eligible.
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    d.apply_terminal(
+        T,
+        l.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    let (disposition, _) = d.probe_answer(T, &p2_ticket, Err(HealthFailureCode::TransportFailed));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    assert!(!d.admission().is_selectable(&p1) && !d.admission().is_selectable(&p2));
+    // p2's recovery probe is due; the stalled request waits in the queue.
+    let retry_at = d
+        .health()
+        .provider_snapshot(&p2)
+        .and_then(|s| s.next_retry_at)
+        .expect("a failing provider has a retry moment");
+    d.handle_timeout(retry_at);
+    let retry = probe_due(&mut d, &p2);
+    assert_eq!(d.request(retry_at, readmission(1, "p1")), Admit::Queued);
+    assert!(leases_of(&mut d).is_empty());
+    // The node reports both targets available.
+    let report = caps_of(
+        &[
+            ("t-p1", ProviderHealth::Available),
+            ("t-p2", ProviderHealth::Available),
+        ],
+        2,
+    );
+    let (_, verdicts) = d.probe_answer(retry_at, &retry, Ok((&a, g, &report)));
+    assert_eq!(
+        verdicts[0].recovery,
+        RecoveryOutcome::Recovered,
+        "p1 raised"
+    );
+    assert!(d.admission().is_selectable(&p1) && d.admission().is_selectable(&p2));
+    let leases = leases_of(&mut d);
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0].request_id, 1);
+    assert_eq!(leases[0].provider_id, p2, "R-SEL-1: the alternate, not p1");
+}
+
+/// R-SEL-1 (swarm seeds 7008954, 7015093): one CAPABILITIES answer raises
+/// two lowered providers; the avoided one is listed first. The queue is
+/// served after the whole answer.
+#[test]
+fn queued_readmission_takes_the_alternate_raised_by_the_same_capabilities_answer() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let (p1, p2) = (ProviderId::from("p1"), ProviderId::from("p2"));
+    // Lower both by fresh unavailable stall evidence.
+    let l1 = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    let l2 = leased(d.request(T, DispatchRequest::new(2, vec![p2.clone()])));
+    d.apply_terminal(
+        T,
+        l1.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    d.apply_terminal(
+        T,
+        l2.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 2)),
+    );
+    assert!(d.overlay().is_lowered(&p1, g) && d.overlay().is_lowered(&p2, g));
+    assert_eq!(d.request(T, readmission(1, "p1")), Admit::Queued);
+    assert!(leases_of(&mut d).is_empty());
+    let report = caps_of(
+        &[
+            ("t-p1", ProviderHealth::Available),
+            ("t-p2", ProviderHealth::Available),
+        ],
+        3,
+    );
+    let verdicts = d.apply_capabilities(T, &a, g, &report);
+    assert!(
+        verdicts
+            .iter()
+            .all(|v| v.recovery == RecoveryOutcome::Recovered)
+    );
+    let leases = leases_of(&mut d);
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0].provider_id, p2, "R-SEL-1: the alternate, not p1");
+}
+
+/// R-OVL-2 with R-HT-5: a stall terminal frees its lease and lowers its
+/// provider in one input; a request waiting for that provider is not handed
+/// the capacity the terminal freed (it used to be, a moment before the
+/// lowering).
+#[test]
+fn capacity_freed_by_an_unavailable_stall_terminal_does_not_go_to_its_provider() {
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let p1 = ProviderId::from("p1");
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
+    assert_eq!(
+        d.request(T, DispatchRequest::new(2, vec![p1.clone()])),
+        Admit::Queued,
+        "p1 has capacity 1"
+    );
+    d.apply_terminal(
+        T,
+        l.lease_id,
+        &a,
+        g,
+        Some(&stall(ProviderHealth::Unavailable, 1)),
+    );
+    assert!(leases_of(&mut d).is_empty(), "p1 is lowered");
+    assert!(d.admission().is_queued(2));
+    // A success terminal frees capacity and the queue is served.
+    let report = caps("t-p1", ProviderHealth::Available, 2);
+    d.apply_capabilities(T, &a, g, &report);
+    let leases = leases_of(&mut d);
+    assert_eq!(leases.len(), 1);
+    assert_eq!((leases[0].request_id, &leases[0].provider_id), (2, &p1));
+}
+
 // ---------------------------------------------------------------------------
 // Property test: long random sequences against the composed dispatcher.
 // ---------------------------------------------------------------------------
@@ -550,6 +740,15 @@ struct Model {
     next_seq: BTreeMap<(usize, Generation), u64>,
     /// Health probes the dispatcher asked for, oldest first (bounded).
     probes: Vec<ProbeCall>,
+    /// Each node's current generation and whether it completed readiness,
+    /// kept from the inputs alone (R-GEN-1, R-GEN-2).
+    current: BTreeMap<usize, (Generation, bool)>,
+    /// The overlay as the rules say it must be: (provider, generation)
+    /// lowered by fresh unavailable evidence, not yet raised (R-OVL-2,
+    /// R-CAP-1).
+    lowered: BTreeSet<(String, Generation)>,
+    /// Every request asked for, by id (R-SEL-1 on leases from the queue).
+    requests: BTreeMap<RequestId, DispatchRequest>,
 }
 
 /// The most probes the model remembers; later ones time out unanswered.
@@ -586,8 +785,18 @@ impl Model {
         Ok(())
     }
 
-    fn current_gen(&self, d: &Dispatcher, node: usize) -> Option<Generation> {
-        d.registry().view(&NodeId::from(NODES[node])).generation
+    /// The node's current generation, from the model (not the registry).
+    fn current_gen(&self, node: usize) -> Option<Generation> {
+        self.current.get(&node).map(|(g, _)| *g)
+    }
+
+    /// Current and ready, from the model.
+    fn dispatchable(&self, node: &NodeId, generation: Generation) -> bool {
+        NODES
+            .iter()
+            .position(|n| *n == node.as_str())
+            .and_then(|i| self.current.get(&i))
+            == Some(&(generation, true))
     }
 
     fn seq(&mut self, node: usize, generation: Generation, delta: i8) -> u64 {
@@ -610,11 +819,19 @@ fn check_outputs(d: &mut Dispatcher, m: &mut Model) -> Result<(), TestCaseError>
                     ..
                 } => {
                     prop_assert!(
-                        d.registry().is_dispatchable(&lease.node, lease.generation),
+                        m.dispatchable(&lease.node, lease.generation),
                         "leased on a non-dispatchable generation: {:?} view {:?}",
                         lease,
                         d.registry().view(&lease.node)
                     );
+                    // R-SEL-1 on queued re-resolution too: judged on the
+                    // state after the whole input.
+                    let req = m
+                        .requests
+                        .get(&lease.request_id)
+                        .cloned()
+                        .ok_or_else(|| TestCaseError::fail("lease for an unknown request"))?;
+                    check_avoid_rule(d, m, &req, &lease)?;
                     m.granted.push(lease);
                 }
                 DispatchOutput::ToRequest {
@@ -673,10 +890,11 @@ fn check_outputs(d: &mut Dispatcher, m: &mut Model) -> Result<(), TestCaseError>
     }
 }
 
-/// R-CAP-1 for one CAPABILITIES report from (`node`, `g`), given the
-/// overlay `before` it was applied: nothing is lowered; a provider is raised
-/// only by a current, unambiguous (one entry), strictly newer `available`
-/// entry about exactly its target.
+/// R-CAP-1 for one CAPABILITIES report from (`node`, `g`), against the
+/// model: nothing is lowered; a provider is raised exactly when the model
+/// has it lowered in `g`, `g` is current, the answer is unambiguous (one
+/// entry) about exactly its target, `available`, and strictly newer than
+/// the last sequence applied; each verdict is the one the model expects.
 fn check_capabilities_effect(
     d: &Dispatcher,
     m: &mut Model,
@@ -685,31 +903,56 @@ fn check_capabilities_effect(
     before: &[bool],
     verdicts: &[CapabilityVerdict],
 ) -> Result<(), TestCaseError> {
-    let current = m.current_gen(d, node) == Some(g);
+    let current = m.current_gen(node) == Some(g);
     let ambiguous = report.targets.len() > 1;
     let seq = report.health_observation_seq;
+    let mut expected_verdicts = Vec::new();
     for (i, p) in PROVIDERS.iter().enumerate() {
+        let key = (p.to_string(), g);
         let after = d.overlay().is_lowered(&ProviderId::from(*p), g);
-        prop_assert!(!after || before[i], "capabilities lowered a provider");
-        if before[i] && !after {
-            let target = format!("t-{p}");
-            prop_assert!(
-                current && !ambiguous,
-                "raised by a stale or ambiguous answer"
-            );
-            prop_assert!(
-                report.targets[0].target == target
-                    && report.targets[0].status == ProviderHealth::Available,
-                "raised without an available entry about it"
-            );
-            let key = (p.to_string(), g);
-            prop_assert!(m.last_seq.get(&key).is_none_or(|last| seq > *last));
+        if current {
+            prop_assert_eq!(before[i], m.lowered.contains(&key), "overlay before");
+        }
+        let about_it = current
+            && !ambiguous
+            && d.admission()
+                .provider(&ProviderId::from(*p))
+                .is_some_and(|s| s.node.as_str() == NODES[node])
+            && report.targets[0].target == format!("t-{p}");
+        if !about_it {
+            prop_assert_eq!(after, before[i], "{} changed by an answer not about it", p);
+            continue;
+        }
+        let status = report.targets[0].status;
+        let fresh = m.last_seq.get(&key).is_none_or(|last| seq > *last);
+        let expected = if !fresh {
+            RecoveryOutcome::Stale
+        } else if status != ProviderHealth::Available {
+            RecoveryOutcome::NotAvailable
+        } else if !m.lowered.contains(&key) {
+            RecoveryOutcome::NotLowered
+        } else {
+            RecoveryOutcome::Recovered
+        };
+        if expected == RecoveryOutcome::Recovered {
+            m.lowered.remove(&key);
             m.last_seq.insert(key, seq);
         }
+        prop_assert_eq!(
+            after,
+            before[i] && expected != RecoveryOutcome::Recovered,
+            "{} lowered={} after {:?}",
+            p,
+            after,
+            expected
+        );
+        expected_verdicts.push((ProviderId::from(*p), status, expected));
     }
-    if !current || ambiguous {
-        prop_assert!(verdicts.is_empty());
-    }
+    let actual: Vec<_> = verdicts
+        .iter()
+        .map(|v| (v.provider_id.clone(), v.health, v.recovery))
+        .collect();
+    prop_assert_eq!(actual, expected_verdicts);
     Ok(())
 }
 
@@ -882,6 +1125,50 @@ fn check_invariants(d: &Dispatcher, m: &Model) -> Result<(), TestCaseError> {
     for gens in m.generations.values() {
         prop_assert!(gens.windows(2).all(|w| w[0] < w[1]));
     }
+    // The registry agrees with the model of generations (R-GEN-1/2).
+    for (i, node) in NODES.iter().enumerate() {
+        let n = NodeId::from(*node);
+        prop_assert_eq!(d.registry().view(&n).generation, m.current_gen(i));
+        for g in m.generations.get(&i).into_iter().flatten() {
+            prop_assert_eq!(
+                d.registry().is_dispatchable(&n, *g),
+                m.dispatchable(&n, *g),
+                "dispatchable {} generation {}",
+                node,
+                g
+            );
+        }
+    }
+    // The overlay is exactly the model's in each node's current generation
+    // (R-OVL-2, R-CAP-1; it is scoped to its generation), and selectable is
+    // exactly the model's eligibility.
+    for (i, node) in NODES.iter().enumerate() {
+        for g in m.current_gen(i).iter() {
+            for p in PROVIDERS {
+                let pid = ProviderId::from(p);
+                if d.admission().provider(&pid).map(|s| s.node.as_str()) != Some(*node) {
+                    continue;
+                }
+                prop_assert_eq!(
+                    d.overlay().is_lowered(&pid, *g),
+                    m.lowered.contains(&(p.to_string(), *g)),
+                    "overlay of {} in generation {}",
+                    p,
+                    g
+                );
+            }
+        }
+    }
+    for p in PROVIDERS {
+        let pid = ProviderId::from(p);
+        prop_assert_eq!(
+            d.admission().is_selectable(&pid),
+            eligible_in_model(d, m, &pid),
+            "{} selectable",
+            p
+        );
+    }
+    check_queue_is_served(d, m)?;
     // R-HT-5 and R-OVL-2 together: a provider that is unavailable or
     // stale, or lowered in its online generation, is never selectable.
     for view in d.admission().capacity_view() {
@@ -902,11 +1189,45 @@ fn check_invariants(d: &Dispatcher, m: &Model) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Whether `p` may be selected, from the model's facts: its node's
+/// generation is current and ready, the model has not lowered it there,
+/// and its health is neither unavailable nor stale (R-GEN-2, R-OVL-2,
+/// R-HT-5).
+fn eligible_in_model(d: &Dispatcher, m: &Model, p: &ProviderId) -> bool {
+    let Some(spec) = d.admission().provider(p) else {
+        return false;
+    };
+    let Some(node) = NODES.iter().position(|n| *n == spec.node.as_str()) else {
+        return false;
+    };
+    let Some(&(g, true)) = m.current.get(&node) else {
+        return false;
+    };
+    !m.lowered.contains(&(p.to_string(), g))
+        && !matches!(
+            d.health().state(p),
+            Some(HealthState::Unavailable | HealthState::Stale)
+        )
+}
+
+/// R-SEL-1 for one lease (granted at once or from the queue): the avoided
+/// provider only with the flag and only when no alternate of the pool is
+/// eligible.
 fn check_avoid_rule(
     d: &Dispatcher,
+    m: &Model,
     req: &DispatchRequest,
     lease: &Lease,
 ) -> Result<(), TestCaseError> {
+    prop_assert!(
+        req.pool.contains(&lease.provider_id),
+        "leased outside the pool"
+    );
+    prop_assert!(
+        eligible_in_model(d, m, &lease.provider_id),
+        "leased an ineligible provider {}",
+        lease.provider_id
+    );
     if req.avoid_provider_id.as_ref() == Some(&lease.provider_id) {
         prop_assert!(
             req.allow_avoided_fallback,
@@ -916,11 +1237,52 @@ fn check_avoid_rule(
             .pool
             .iter()
             .filter(|p| Some(*p) != req.avoid_provider_id.as_ref())
-            .any(|p| d.admission().is_selectable(p));
+            .find(|p| eligible_in_model(d, m, p));
         prop_assert!(
-            !alternate,
-            "avoided provider chosen while an alternate exists"
+            alternate.is_none(),
+            "avoided provider chosen while {:?} is eligible",
+            alternate
         );
+    }
+    Ok(())
+}
+
+/// The other side of R-SEL-1: no queued request could be served (an
+/// eligible alternate with room, or the flagged avoided provider with room
+/// when no alternate is eligible).
+fn check_queue_is_served(d: &Dispatcher, m: &Model) -> Result<(), TestCaseError> {
+    let room = |p: &ProviderId| {
+        d.admission()
+            .capacity_view()
+            .iter()
+            .any(|c| &c.provider_id == p && c.in_use < c.capacity)
+    };
+    for r in d.admission().queued_requests() {
+        let avoided = r.avoid_provider_id.as_ref();
+        let alternates: Vec<&ProviderId> = r
+            .pool
+            .iter()
+            .filter(|p| Some(*p) != avoided && eligible_in_model(d, m, p))
+            .collect();
+        let servable = alternates.iter().find(|p| room(p));
+        prop_assert!(
+            servable.is_none(),
+            "request {} queued while {:?} is eligible with room",
+            r.request_id,
+            servable
+        );
+        if let Some(p) = avoided {
+            prop_assert!(
+                !(alternates.is_empty()
+                    && r.allow_avoided_fallback
+                    && r.pool.contains(p)
+                    && eligible_in_model(d, m, p)
+                    && room(p)),
+                "request {} queued while its flagged avoided {} is the only eligible one, with room",
+                r.request_id,
+                p
+            );
+        }
     }
     Ok(())
 }
@@ -932,7 +1294,6 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
         health,
         ..Model::default()
     };
-    let mut requests: BTreeMap<RequestId, DispatchRequest> = BTreeMap::new();
     for op in ops {
         let now = Instant::from_millis(m.now_ms);
         match op {
@@ -942,6 +1303,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                     .register(now, &NodeId::from(NODES[node]), &register_req())
                     .map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
                 m.generations.entry(node).or_default().push(g);
+                m.current.insert(node, (g, false));
             }
             Op::Ready(n, stale) => {
                 let node = usize::from(n);
@@ -949,7 +1311,13 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                 let g = if stale { gens.first() } else { gens.last() };
                 if let Some(&g) = g {
                     let accepted = d.ready(now, &NodeId::from(NODES[node]), g);
-                    prop_assert_eq!(accepted, m.current_gen(&d, node) == Some(g));
+                    // R-GEN-2: only the current generation completes
+                    // readiness (the model's, kept from the inputs).
+                    let expected = m.current_gen(node) == Some(g);
+                    prop_assert_eq!(accepted, expected);
+                    if expected {
+                        m.current.insert(node, (g, true));
+                    }
                 }
             }
             Op::Disconnect(n, stale) => {
@@ -963,6 +1331,9 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                         g,
                         CloseCode::HeartbeatTimeout,
                     );
+                    if m.current_gen(node) == Some(g) {
+                        m.current.remove(&node);
+                    }
                 }
             }
             Op::Request { pool, avoid, allow } => {
@@ -979,10 +1350,10 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                     allow_avoided_fallback: allow,
                     stall_timeout_ms: None,
                 };
-                requests.insert(req.request_id, req.clone());
+                m.requests.insert(req.request_id, req.clone());
                 if let Admit::Leased(lease) = d.request(now, req.clone()) {
-                    prop_assert!(d.registry().is_dispatchable(&lease.node, lease.generation));
-                    check_avoid_rule(&d, &req, &lease)?;
+                    prop_assert!(m.dispatchable(&lease.node, lease.generation));
+                    check_avoid_rule(&d, &m, &req, &lease)?;
                     m.granted.push(lease);
                 }
             }
@@ -994,7 +1365,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                 {
                     match d.pre_send(now, lease.lease_id) {
                         PreSend::Send(l) => prop_assert!(
-                            d.registry().is_dispatchable(&l.node, l.generation),
+                            m.dispatchable(&l.node, l.generation),
                             "pre-send passed a non-current generation"
                         ),
                         PreSend::Refenced => m.release(lease.lease_id)?,
@@ -1026,7 +1397,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                     0 | 1 => (lease_node, lease.generation),
                     2 => {
                         let other = 1 - lease_node;
-                        (other, m.current_gen(&d, other).unwrap_or(1))
+                        (other, m.current_gen(other).unwrap_or(1))
                     }
                     _ => (lease_node, m.generations[&lease_node][0]),
                 };
@@ -1059,28 +1430,34 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                         );
                         prop_assert_eq!(NODES[rnode], lease.node.as_str());
                         m.release(l.lease_id)?;
+                        let is_stall = matches!(failure, FailureChoice::Stall { .. });
+                        prop_assert_eq!(
+                            stall.is_some(),
+                            is_stall,
+                            "R-OVL-1: exactly the valid stalls are handed off"
+                        );
+                        prop_assert_eq!(evidence.is_some(), is_stall);
                         if let (Some(f), Some(outcome)) = (fail.as_ref(), evidence) {
-                            prop_assert!(
-                                stall.is_some(),
-                                "R-OVL-1: every valid stall is handed off"
-                            );
+                            // R-OVL-2, both ways: fresh unavailable evidence
+                            // lowers, fresh other evidence is recorded,
+                            // anything not strictly newer is stale.
                             let key = (l.provider_id.to_string(), l.generation);
                             let seq = f.health_observation_seq.unwrap_or(0);
                             let fresh = m.last_seq.get(&key).is_none_or(|last| seq > *last);
-                            if outcome == EvidenceOutcome::Lowered {
-                                prop_assert!(fresh, "lowered on stale evidence");
-                                prop_assert_eq!(
-                                    f.provider_health,
-                                    Some(ProviderHealth::Unavailable)
-                                );
-                            }
+                            let expected = match (fresh, f.provider_health) {
+                                (false, _) => EvidenceOutcome::Stale,
+                                (true, Some(ProviderHealth::Unavailable)) => {
+                                    EvidenceOutcome::Lowered
+                                }
+                                (true, _) => EvidenceOutcome::Recorded,
+                            };
+                            prop_assert_eq!(outcome, expected, "evidence seq {} of {:?}", seq, key);
                             if fresh {
-                                m.last_seq.insert(key, seq);
-                            } else {
-                                prop_assert_eq!(outcome, EvidenceOutcome::Stale);
+                                m.last_seq.insert(key.clone(), seq);
                             }
-                        } else {
-                            prop_assert!(stall.is_none());
+                            if expected == EvidenceOutcome::Lowered {
+                                m.lowered.insert(key);
+                            }
                         }
                     }
                     TerminalVerdict::Ignored(_) => {
@@ -1145,6 +1522,7 @@ fn run_ops(ops: Vec<Op>, stale_prone: bool) -> Result<(), TestCaseError> {
                 g,
                 CloseCode::Normal,
             );
+            m.current.remove(&node);
         }
         check_outputs(&mut d, &mut m)?;
     }
