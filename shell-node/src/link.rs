@@ -866,8 +866,24 @@ impl Link {
                         // (R-WD-5).
                         let outcome = match adapter {
                             Some(a) => {
+                                // The same `node.probe` span as a
+                                // CAPABILITIES probe, marked as a stall's.
+                                let span = shared.metrics.tracer().start(
+                                    "node.probe",
+                                    iop_transport::traces::Kind::Internal,
+                                    None,
+                                );
+                                span.set("iop.adapter", a.kind().as_str());
+                                span.set_configured("iop.target", a.target());
+                                span.set("iop.reason", "stall");
                                 let verdict = a.probe(bound).await;
                                 let verdict = shared.probe_verdict(a.kind(), a.target(), verdict);
+                                shared.metrics.probe(a.kind(), a.target(), verdict.health);
+                                span.set("iop.status", verdict.health.as_str());
+                                match verdict.failure {
+                                    Some(code) => span.fail(code.as_str()),
+                                    None => span.ok(),
+                                }
                                 ProbeEvidence::new(verdict.health, verdict.failure).outcome()
                             }
                             None => ProbeOutcome::Failed,

@@ -522,6 +522,7 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
                     .start("node.probe", Kind::Internal, None);
                 span.set("iop.adapter", a.kind().as_str());
                 span.set_configured("iop.target", a.target());
+                span.set("iop.reason", "capabilities");
                 let verdict = shared.probe_verdict(a.kind(), a.target(), a.probe(bound).await);
                 shared.metrics.probe(a.kind(), a.target(), verdict.health);
                 span.set("iop.status", verdict.health.as_str());
