@@ -83,3 +83,34 @@ pub mod fuzzing;
 
 #[cfg(test)]
 mod tests;
+
+/// Ollama's generation `options`: a pass-through request field of one of
+/// these names goes into `options` for an Ollama provider (the Node maps
+/// it; the Edge decides the provider can take the request).
+pub const OLLAMA_OPTIONS: &[&str] = &[
+    "num_keep",
+    "seed",
+    "num_predict",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repeat_last_n",
+    "temperature",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "penalize_newline",
+    "stop",
+    "numa",
+    "num_ctx",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "use_mmap",
+    "num_thread",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "tfs_z",
+];

@@ -32,35 +32,7 @@ pub const MAX_SCHEMA_NAME_CHARS: usize = 64;
 /// The `reasoning_effort` values the OpenAI API defines.
 pub const REASONING_EFFORTS: &[&str] = &["none", "minimal", "low", "medium", "high", "xhigh"];
 
-/// Ollama's generation `options`: a pass-through field of this name is
-/// mapped into `options` for an Ollama provider.
-pub const OLLAMA_OPTIONS: &[&str] = &[
-    "num_keep",
-    "seed",
-    "num_predict",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "repeat_last_n",
-    "temperature",
-    "repeat_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "penalize_newline",
-    "stop",
-    "numa",
-    "num_ctx",
-    "num_batch",
-    "num_gpu",
-    "main_gpu",
-    "use_mmap",
-    "num_thread",
-    "mirostat",
-    "mirostat_tau",
-    "mirostat_eta",
-    "tfs_z",
-];
+pub use iop_wire::OLLAMA_OPTIONS;
 
 /// Request metadata that does not change the answer (end-user ids, tags,
 /// caching hints). It passes through to OpenAI-compatible providers; an

@@ -1,6 +1,7 @@
 //! The `ollama` adapter: Ollama's native API. Runs use streaming
 //! `/api/chat` or `/api/generate` (NDJSON); the probe is `GET /api/tags`.
 
+use iop_wire::OLLAMA_OPTIONS;
 use std::borrow::Cow;
 
 use futures::StreamExt;
@@ -312,35 +313,6 @@ fn options_json(p: &GenerationParams) -> Result<Map<String, Value>, ProviderCall
     }
     Ok(o)
 }
-
-/// The names of Ollama's generation options.
-const OLLAMA_OPTIONS: &[&str] = &[
-    "num_keep",
-    "seed",
-    "num_predict",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "repeat_last_n",
-    "temperature",
-    "repeat_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "penalize_newline",
-    "stop",
-    "numa",
-    "num_ctx",
-    "num_batch",
-    "num_gpu",
-    "main_gpu",
-    "use_mmap",
-    "num_thread",
-    "mirostat",
-    "mirostat_tau",
-    "mirostat_eta",
-    "tfs_z",
-];
 
 // One NDJSON line, read without a JSON tree (except tool-call arguments,
 // which are passed on re-serialized): strings borrow from the line unless
