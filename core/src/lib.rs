@@ -50,6 +50,9 @@
 //! * [`cred`]: managed credential leases (R-CRED-1..3): sealing a secret
 //!   to a Node under a signed scope, and opening it fail-closed with a
 //!   bounded replay cache. Pure functions; RNG and time are injected.
+//! * [`journal`]: the rules of durable responses (R-JRN-1..5, R-IDEM-1):
+//!   numbering, writer-epoch fencing, one terminal, retention, byte bounds,
+//!   group commit. Every store runs them inside its own transactions.
 //! * [`retry`]: which failures another provider may answer (R-FAIL-1),
 //!   shared by the Node's `retryable` mark and the Edge's failover.
 //! * `planted` (feature `planted-bugs`, test-only): known bugs a test can
@@ -60,6 +63,7 @@
 pub mod cred;
 pub mod edge;
 pub mod ids;
+pub mod journal;
 pub mod liveness;
 pub mod node;
 #[cfg(feature = "planted-bugs")]

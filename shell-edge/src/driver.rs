@@ -145,6 +145,7 @@ pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Rec
             budget,
             tunnel_api: work.tunnel.as_ref().map(|t| t.api),
             tunnel_providers,
+            journal: None,
         };
         let (events_tx, events) = mpsc::unbounded_channel();
         ctx.hub.attach(request_id, events_tx);
@@ -288,6 +289,8 @@ impl Driver {
     async fn carry_out(&mut self) {
         while let Some(out) = self.machine.poll_output() {
             match out {
+                // Only durable requests journal; this driver runs none yet.
+                RequestOutput::Journal(_) => {}
                 RequestOutput::Dispatch(command) => self.ctx.hub.request(command),
                 RequestOutput::Open {
                     lease,

@@ -1529,6 +1529,8 @@ impl World {
     fn carry_out(&mut self, incarnation: u64, rid: RequestId, out: RequestOutput) {
         let key = (incarnation, rid);
         match out {
+            // The simulated requests are ephemeral: nothing is journaled.
+            RequestOutput::Journal(_) => {}
             // The pre-send fence reaches the hub after a hop, so fences
             // slip in between (R-GEN-4); the other commands at once.
             RequestOutput::Dispatch(command @ RequestCommand::PreSend { .. }) => {
@@ -1871,6 +1873,7 @@ impl World {
                 budget,
                 tunnel_api: None,
                 tunnel_providers: Vec::new(),
+                journal: None,
             },
         );
         self.core_bugs.plant_request(&machine);

@@ -3,6 +3,7 @@
 
 pub mod admission;
 pub mod dispatch;
+pub mod durable;
 pub mod gate;
 pub mod health;
 pub mod overlay;

@@ -45,11 +45,13 @@ use iop_wire::{
 
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
 use crate::edge::dispatch::{RequestCommand, RequestEvent};
+use crate::edge::durable::{JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher};
 use crate::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEvent, GateFailure,
     GateInput, GateOutput, StreamGate, failure_may_fail_over,
 };
 use crate::ids::ProviderId;
+use crate::journal::{JournalError, RecordStatus, Terminal};
 #[cfg(feature = "planted-bugs")]
 use crate::planted::{Planted, PlantedBug};
 use crate::time::Instant;
@@ -103,6 +105,11 @@ pub struct RequestSpec {
     pub tunnel_api: Option<TunnelApi>,
     /// The providers of the pool configured in tunnel mode.
     pub tunnel_providers: Vec<ProviderId>,
+    /// The record a durable response writes (R-JRN-1): every delivery is
+    /// journaled before it reaches the client, and the client going away
+    /// does not end the request. `None`: an ephemeral stream.
+    #[serde(default)]
+    pub journal: Option<JournalSpec>,
 }
 
 /// Why the node stream of an attempt could not be opened or the request
@@ -144,8 +151,15 @@ pub enum RequestInput {
     Frame(NodeFrame),
     /// The current attempt's node stream ended without a terminal frame.
     StreamEnded,
-    /// The client went away (R-GATE-4).
+    /// The client went away (R-GATE-4). A durable response ignores it: its
+    /// answer outlives the client (SPEC §6); only [`RequestInput::Cancel`]
+    /// ends it.
     ClientDisconnected,
+    /// The client asked to cancel the response (`POST .../cancel`): the run
+    /// is canceled and a durable record ends `cancelled`.
+    Cancel,
+    /// The store answered the pending [`RequestOutput::Journal`].
+    Journaled(JournalAck),
 }
 
 /// What the HTTP response receives, in order.
@@ -237,6 +251,9 @@ pub enum RequestOutput {
     CloseAttempt,
     /// Send this to the client.
     Deliver(Delivery),
+    /// Write this to the response's journal and answer with
+    /// [`RequestInput::Journaled`]; one write is in flight at a time.
+    Journal(JournalWrite),
     /// Count or log this.
     Observe(RequestObservation),
 }
@@ -284,9 +301,13 @@ pub struct Request {
     held: VecDeque<Delivery>,
     held_bytes: usize,
     head_delivered: bool,
+    /// A journal refusal's error terminal went to the client.
+    journal_failure_delivered: bool,
     /// An attempt was started and its end not yet observed.
     attempt_open: bool,
     outputs: VecDeque<RequestOutput>,
+    /// Publish after durable, for a durable response (R-JRN-1).
+    publisher: Option<Publisher>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -303,6 +324,10 @@ impl Request {
         // R-FAIL-1: a failed attempt can go elsewhere only if there is an
         // elsewhere.
         gate.set_failover(spec.pool.len() > 1);
+        let publisher = spec
+            .journal
+            .clone()
+            .map(|journal| Publisher::new(journal, 0));
         let mut request = Self {
             spec,
             gate,
@@ -312,8 +337,10 @@ impl Request {
             held: VecDeque::new(),
             held_bytes: 0,
             head_delivered: false,
+            journal_failure_delivered: false,
             attempt_open: false,
             outputs: VecDeque::new(),
+            publisher,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
@@ -351,9 +378,25 @@ impl Request {
         }
     }
 
-    /// Whether the request is over: nothing more will be output.
+    /// Whether the request is over: nothing more will be output (for a
+    /// durable response: and its journal writes are done).
     pub fn is_ended(&self) -> bool {
-        self.phase == Phase::Ended
+        self.phase == Phase::Ended && self.publisher.as_ref().is_none_or(Publisher::is_idle)
+    }
+
+    /// Whether the driver may read the next node frame: a durable response
+    /// whose journal falls behind stops reading (the provider is
+    /// back-pressured) until its appends catch up (R-JRN-1, R-LIM-4).
+    pub fn wants_frames(&self) -> bool {
+        self.publisher
+            .as_ref()
+            .is_none_or(|p| p.backlog() < MAX_UNPUBLISHED)
+    }
+
+    /// The last journal event acknowledged durable (0 for an ephemeral
+    /// request).
+    pub fn durable_seq(&self) -> u64 {
+        self.publisher.as_ref().map_or(0, Publisher::durable_seq)
     }
 
     /// Whether an attempt's node stream may be open (being opened, running,
@@ -372,10 +415,15 @@ impl Request {
 
     /// Feed one input at `now`, then drain [`Self::poll_output`].
     pub fn handle_input(&mut self, now: Instant, input: RequestInput) {
+        if let RequestInput::Journaled(ack) = input {
+            self.on_journaled(now, ack);
+            return;
+        }
         if self.phase == Phase::Ended {
             return;
         }
         match input {
+            RequestInput::Journaled(_) => {}
             RequestInput::Dispatch(event) => self.on_dispatch(now, event),
             RequestInput::Opened => {
                 if let Phase::Opening { lease, attempt } = &self.phase {
@@ -410,9 +458,84 @@ impl Request {
                 _ => {}
             },
             RequestInput::ClientDisconnected => {
+                if self.publisher.is_none() {
+                    let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
+                    self.drain_gate(now);
+                }
+            }
+            RequestInput::Cancel => {
+                let in_stream = self.head_delivered;
+                let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
+                self.drain_gate(now);
+                // The gate ends without a terminal for a client that is
+                // gone; a cancelled response still gets its one terminal.
+                self.deliver_terminal(Delivery::Fail {
+                    kind: GateFailure::Attempt(FailureCode::Canceled),
+                    in_stream,
+                });
+            }
+        }
+    }
+
+    /// The store answered the journal write in flight.
+    fn on_journaled(&mut self, now: Instant, ack: JournalAck) {
+        let Some(publisher) = self.publisher.as_mut() else {
+            return;
+        };
+        publisher.ack(ack);
+        if let Some(error) = publisher.refused().cloned() {
+            // Nothing unjournaled reaches the client (R-JRN-1): the run
+            // stops and the client gets one error terminal outside the
+            // journal.
+            publisher.discard();
+            let may_still_end =
+                matches!(error, JournalError::RecordTooLarge | JournalError::Store(_));
+            if may_still_end && !publisher.has_terminal() {
+                publisher.finish_after_refusal(Terminal {
+                    status: RecordStatus::Failed,
+                    reason: Some(journal_failure_reason(&error).to_owned()),
+                    message: None,
+                    at_unix_ms: 0,
+                });
+            }
+            if self.phase != Phase::Ended {
                 let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
                 self.drain_gate(now);
             }
+            if !std::mem::replace(&mut self.journal_failure_delivered, true) {
+                self.outputs
+                    .push_back(RequestOutput::Deliver(Delivery::Fail {
+                        kind: GateFailure::Attempt(FailureCode::Internal),
+                        in_stream: self.head_delivered,
+                    }));
+            }
+        }
+        self.pump_journal();
+    }
+
+    /// Deliver to the client: at once for an ephemeral request, through
+    /// the journal for a durable one.
+    fn deliver(&mut self, delivery: Delivery) {
+        match self.publisher.as_mut() {
+            None => self.outputs.push_back(RequestOutput::Deliver(delivery)),
+            Some(publisher) => {
+                publisher.push(delivery);
+                self.pump_journal();
+            }
+        }
+    }
+
+    /// Move what the journal allows into the outputs: durable deliveries,
+    /// then the next write.
+    fn pump_journal(&mut self) {
+        let Some(publisher) = self.publisher.as_mut() else {
+            return;
+        };
+        while let Some(delivery) = publisher.poll_publish() {
+            self.outputs.push_back(RequestOutput::Deliver(delivery));
+        }
+        if let Some(write) = publisher.poll_write() {
+            self.outputs.push_back(RequestOutput::Journal(write));
         }
     }
 
@@ -712,7 +835,7 @@ impl Request {
     fn relay(&mut self, now: Instant, attempt: AttemptId, delivery: Delivery, class: AttemptFrame) {
         let content = class == AttemptFrame::Event(AttemptEvent::Content);
         if self.gate.is_committed() {
-            self.outputs.push_back(RequestOutput::Deliver(delivery));
+            self.deliver(delivery);
         } else if content {
             // The gate commits on it right away, so it never stays held and
             // is not counted against the bound.
@@ -840,7 +963,7 @@ impl Request {
                     self.held_bytes = 0;
                     for d in held {
                         if !matches!(d, Delivery::Commit { .. }) {
-                            self.outputs.push_back(RequestOutput::Deliver(d));
+                            self.deliver(d);
                         }
                     }
                     self.deliver_terminal(Delivery::Finish);
@@ -890,7 +1013,7 @@ impl Request {
             self.outputs
                 .push_back(RequestOutput::Deliver(delivery.clone()));
         }
-        self.outputs.push_back(RequestOutput::Deliver(delivery));
+        self.deliver(delivery);
     }
 
     /// Send the response head, once: a tunnel's own if one is held.
@@ -905,12 +1028,12 @@ impl Request {
             .position(|d| matches!(d, Delivery::Commit { .. }))
             .and_then(|i| self.held.remove(i))
             .unwrap_or(Delivery::Commit { tunnel_head: None });
-        self.outputs.push_back(RequestOutput::Deliver(head));
+        self.deliver(head);
     }
 
     fn flush_held(&mut self) {
         while let Some(d) = self.held.pop_front() {
-            self.outputs.push_back(RequestOutput::Deliver(d));
+            self.deliver(d);
         }
         self.held_bytes = 0;
     }
@@ -936,6 +1059,14 @@ impl Request {
         }
         self.push_held(d);
         Ok(())
+    }
+}
+
+/// The closed reason a record ends with when the journal refused a write.
+fn journal_failure_reason(error: &JournalError) -> &'static str {
+    match error {
+        JournalError::RecordTooLarge => "response_too_large",
+        _ => "journal_unavailable",
     }
 }
 

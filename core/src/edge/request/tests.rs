@@ -30,6 +30,7 @@ fn spec(tunnel_api: Option<TunnelApi>, tunnel_providers: &[&str]) -> RequestSpec
             .iter()
             .map(|p| ProviderId::from(*p))
             .collect(),
+        journal: None,
     }
 }
 
@@ -826,4 +827,190 @@ fn a_retryable_provider_failure_fails_over_and_a_non_retryable_one_never_r_fail_
         assert_eq!(readmitted, fails_over, "retryable={retryable}: {outs:?}");
         assert_eq!(deliveries(&outs).is_empty(), fails_over);
     }
+}
+
+fn durable_spec() -> RequestSpec {
+    let mut s = spec(None, &[]);
+    s.journal = Some(crate::edge::durable::JournalSpec {
+        response_id: "resp_1".into(),
+        epoch: 1,
+    });
+    s
+}
+
+fn journal_writes(outs: &[RequestOutput]) -> Vec<crate::edge::durable::JournalWrite> {
+    outs.iter()
+        .filter_map(|o| match o {
+            RequestOutput::Journal(w) => Some(w.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn text(s: &str) -> RunEventKind {
+    RunEventKind::TextDelta(s.into())
+}
+
+#[test]
+fn r_jrn_1_a_durable_response_publishes_content_only_after_it_is_durable() {
+    use crate::edge::durable::{JournalAck, JournalWrite};
+    let mut r = Request::new(t(0), durable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("Hel")));
+    let outs = drain(&mut r);
+    // The head goes out; the content waits for its append.
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Commit { tunnel_head: None }]
+    );
+    let writes = journal_writes(&outs);
+    assert!(matches!(&writes[..], [JournalWrite::Append { events, .. }] if events.len() == 1));
+    // More content while the append syncs: held, no second write.
+    r.handle_input(t(3), run(text("lo")));
+    let outs = drain(&mut r);
+    assert!(deliveries(&outs).is_empty());
+    assert!(journal_writes(&outs).is_empty());
+    r.handle_input(t(4), RequestInput::Journaled(JournalAck::Appended));
+    let outs = drain(&mut r);
+    assert_eq!(deliveries(&outs), vec![Delivery::Event(text("Hel"))]);
+    assert!(
+        matches!(&journal_writes(&outs)[..], [JournalWrite::Append { events, .. }] if events[0].seq == 2)
+    );
+    r.handle_input(t(5), RequestInput::Journaled(JournalAck::Appended));
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![Delivery::Event(text("lo"))]
+    );
+    assert_eq!(r.durable_seq(), 2);
+    // The terminal: the completion event is journaled, then the terminal
+    // written, and only then Finish reaches the client.
+    r.handle_input(t(6), run(completed()));
+    drain(&mut r);
+    r.handle_input(
+        t(7),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(&l),
+        }),
+    );
+    let outs = drain(&mut r);
+    assert!(deliveries(&outs).is_empty());
+    assert!(!r.is_ended(), "journal writes are pending");
+    r.handle_input(t(8), RequestInput::Journaled(JournalAck::Appended));
+    let outs = drain(&mut r);
+    assert_eq!(deliveries(&outs), vec![Delivery::Event(completed())]);
+    assert!(matches!(
+        &journal_writes(&outs)[..],
+        [JournalWrite::Finish { terminal, .. }] if terminal.status == crate::journal::RecordStatus::Completed
+    ));
+    r.handle_input(t(9), RequestInput::Journaled(JournalAck::Finished));
+    assert_eq!(deliveries(&drain(&mut r)), vec![Delivery::Finish]);
+    assert!(r.is_ended());
+}
+
+#[test]
+fn a_durable_response_outlives_its_client_and_ends_cancelled_on_cancel() {
+    use crate::edge::durable::{JournalAck, JournalWrite};
+    let mut r = Request::new(t(0), durable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::ClientDisconnected);
+    let outs = drain(&mut r);
+    assert!(commands(&outs).is_empty(), "the run goes on: {outs:?}");
+    assert!(!r.is_ended());
+    r.handle_input(t(3), RequestInput::Cancel);
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert!(commands(&outs).contains(&cancel()));
+    assert!(matches!(
+        &journal_writes(&outs)[..],
+        [JournalWrite::Finish { terminal, .. }] if terminal.status == crate::journal::RecordStatus::Cancelled
+    ));
+    r.handle_input(t(4), RequestInput::Journaled(JournalAck::Finished));
+    assert!(matches!(
+        &deliveries(&drain(&mut r))[..],
+        [Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::Canceled),
+            ..
+        }]
+    ));
+    assert!(r.is_ended());
+}
+
+#[test]
+fn r_jrn_3_a_fenced_durable_response_stops_its_run_and_publishes_nothing_more() {
+    use crate::edge::durable::JournalAck;
+    use crate::journal::JournalError;
+    let mut r = Request::new(t(0), durable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("a")));
+    drain(&mut r);
+    r.handle_input(
+        t(3),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Fenced {
+            current: 2,
+            writer: 1,
+        })),
+    );
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert!(
+        journal_writes(&outs).is_empty(),
+        "a fenced writer writes nothing"
+    );
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::Internal),
+            in_stream: true
+        }],
+        "the unjournaled text never reaches the client"
+    );
+    assert!(r.is_ended());
+}
+
+#[test]
+fn a_durable_record_past_its_bound_still_gets_a_failed_terminal() {
+    use crate::edge::durable::{JournalAck, JournalWrite};
+    use crate::journal::{JournalError, RecordStatus};
+    let mut r = Request::new(t(0), durable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("a")));
+    drain(&mut r);
+    r.handle_input(
+        t(3),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::RecordTooLarge)),
+    );
+    let outs = drain(&mut r);
+    assert!(matches!(
+        &journal_writes(&outs)[..],
+        [JournalWrite::Finish { terminal, .. }]
+            if terminal.status == RecordStatus::Failed
+                && terminal.reason.as_deref() == Some("response_too_large")
+    ));
+    assert!(!r.is_ended());
+    r.handle_input(t(4), RequestInput::Journaled(JournalAck::Finished));
+    assert!(deliveries(&drain(&mut r)).is_empty(), "one terminal only");
+    assert!(r.is_ended());
+}
+
+#[test]
+fn a_durable_response_stops_reading_when_its_journal_falls_behind() {
+    let mut r = Request::new(t(0), durable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    for _ in 0..crate::edge::durable::MAX_UNPUBLISHED {
+        assert!(r.wants_frames());
+        r.handle_input(t(2), run(text("x")));
+    }
+    drain(&mut r);
+    assert!(!r.wants_frames());
+    r.handle_input(
+        t(3),
+        RequestInput::Journaled(crate::edge::durable::JournalAck::Appended),
+    );
+    assert!(r.wants_frames());
 }

@@ -1,0 +1,447 @@
+//! Publish after durable (R-JRN-1, R-JRN-2, R-JRN-4), as the part of a
+//! [`Request`](crate::edge::request::Request) that a durable response
+//! switches on.
+//!
+//! Every delivery of a durable response passes through a [`Publisher`]:
+//! content gets the next event number and waits until its append is
+//! acknowledged as durable; the one terminal waits until it is written.
+//! Only then does the delivery reach the client. Appends are batched: all
+//! deliveries that arrive while one append is being synced go in the next
+//! one (group commit per response; the store batches across responses).
+//! A refused write (fenced epoch, full record, failed store) publishes
+//! nothing more from the journal.
+
+use std::collections::VecDeque;
+
+use iop_wire::FailureCode;
+
+use crate::edge::gate::GateFailure;
+use crate::edge::request::Delivery;
+use crate::journal::{JournalError, JournalEvent, RecordStatus, Terminal};
+
+/// Most events one append carries.
+pub const MAX_EVENTS_PER_APPEND: usize = 256;
+
+/// Most payload bytes one append carries (past its first event).
+pub const MAX_BYTES_PER_APPEND: usize = 256 * 1024;
+
+/// Deliveries waiting for durability past which the request stops reading
+/// its node stream (back-pressure on the provider, R-LIM-4).
+pub const MAX_UNPUBLISHED: usize = 4096;
+
+/// Which record a durable request writes, and as which writer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct JournalSpec {
+    /// The record's id (the response id).
+    pub response_id: String,
+    /// The writer epoch every write carries (R-JRN-3).
+    pub epoch: u64,
+}
+
+/// A write for the store. Answer with [`JournalAck`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JournalWrite {
+    /// Append these numbered events.
+    Append {
+        /// The record.
+        response_id: String,
+        /// The writer epoch.
+        epoch: u64,
+        /// Events, numbered without gap from the record's last one.
+        events: Vec<JournalEvent>,
+    },
+    /// Write the record's terminal. `terminal.at_unix_ms` is 0: the driver
+    /// stamps the wall-clock time before writing (core reads no clock).
+    Finish {
+        /// The record.
+        response_id: String,
+        /// The writer epoch.
+        epoch: u64,
+        /// The terminal.
+        terminal: Terminal,
+    },
+}
+
+/// The store's answer to the pending [`JournalWrite`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JournalAck {
+    /// The append is durable.
+    Appended,
+    /// The terminal is durable.
+    Finished,
+    /// The store refused the write.
+    Refused(JournalError),
+}
+
+/// Encode a delivery as a journal event payload.
+pub fn encode_delivery(delivery: &Delivery) -> Vec<u8> {
+    // Deliveries are plain data; postcard cannot fail on them short of
+    // running out of memory.
+    postcard::to_allocvec(delivery).unwrap_or_default()
+}
+
+/// Decode a journal event payload; `None` for bytes this build does not
+/// understand.
+pub fn decode_delivery(payload: &[u8]) -> Option<Delivery> {
+    postcard::from_bytes(payload).ok()
+}
+
+/// The record terminal a terminal delivery stands for.
+pub fn terminal_of(delivery: &Delivery) -> Option<Terminal> {
+    let (status, reason) = match delivery {
+        Delivery::Finish => (RecordStatus::Completed, None),
+        Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::Canceled),
+            ..
+        } => (RecordStatus::Cancelled, Some("cancelled".to_owned())),
+        Delivery::Fail { kind, .. } => (RecordStatus::Failed, Some(kind.as_str().to_owned())),
+        _ => return None,
+    };
+    Some(Terminal {
+        status,
+        reason,
+        message: None,
+        at_unix_ms: 0,
+    })
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InFlight {
+    /// An append of events up to this number.
+    Append(u64),
+    /// The terminal.
+    Finish,
+}
+
+/// The publish-after-durable queue of one response (see the module docs).
+#[derive(Debug)]
+pub struct Publisher {
+    spec: JournalSpec,
+    /// The number the next event gets.
+    next_seq: u64,
+    /// The last event acknowledged durable.
+    durable_seq: u64,
+    /// Deliveries not yet published, with their event number (0 for those
+    /// that are not journal events: the head, the terminal).
+    waiting: VecDeque<(u64, Delivery)>,
+    /// Events numbered but not yet sent to the store.
+    unwritten: VecDeque<JournalEvent>,
+    /// The terminal, once known, and whether it was sent.
+    terminal: Option<(Terminal, bool)>,
+    /// The terminal is durable.
+    finished: bool,
+    in_flight: Option<InFlight>,
+    /// The store refused a write: nothing more is written or published
+    /// from the journal.
+    refused: Option<JournalError>,
+}
+
+impl Publisher {
+    /// A publisher for a record whose last durable event is `after` (0 for
+    /// a new record).
+    pub fn new(spec: JournalSpec, after: u64) -> Self {
+        Publisher {
+            spec,
+            next_seq: after + 1,
+            durable_seq: after,
+            waiting: VecDeque::new(),
+            unwritten: VecDeque::new(),
+            terminal: None,
+            finished: false,
+            in_flight: None,
+            refused: None,
+        }
+    }
+
+    /// The record this publisher writes.
+    pub fn spec(&self) -> &JournalSpec {
+        &self.spec
+    }
+
+    /// The last event acknowledged durable.
+    pub fn durable_seq(&self) -> u64 {
+        self.durable_seq
+    }
+
+    /// Deliveries waiting to be published.
+    pub fn backlog(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Nothing is waiting, in flight or unwritten.
+    pub fn is_idle(&self) -> bool {
+        self.in_flight.is_none()
+            && (self.refused.is_some()
+                || (self.waiting.is_empty()
+                    && self.unwritten.is_empty()
+                    && self.terminal.as_ref().is_none_or(|_| self.finished)))
+    }
+
+    /// The write the store refused, if any.
+    pub fn refused(&self) -> Option<&JournalError> {
+        self.refused.as_ref()
+    }
+
+    /// Has the terminal been taken (written or waiting)?
+    pub fn has_terminal(&self) -> bool {
+        self.terminal.is_some()
+    }
+
+    /// Queue a delivery for publication.
+    pub fn push(&mut self, delivery: Delivery) {
+        if self.refused.is_some() || self.terminal.is_some() {
+            // R-JRN-4: nothing after the terminal.
+            return;
+        }
+        if let Some(terminal) = terminal_of(&delivery) {
+            self.terminal = Some((terminal, false));
+            self.waiting.push_back((0, delivery));
+            return;
+        }
+        if matches!(delivery, Delivery::Commit { .. }) {
+            self.waiting.push_back((0, delivery));
+            return;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.unwritten.push_back(JournalEvent {
+            seq,
+            payload: encode_delivery(&delivery),
+        });
+        self.waiting.push_back((seq, delivery));
+    }
+
+    /// The next write for the store, when none is in flight.
+    pub fn poll_write(&mut self) -> Option<JournalWrite> {
+        if self.in_flight.is_some() || self.refused.is_some() {
+            return None;
+        }
+        if !self.unwritten.is_empty() {
+            let mut events = Vec::new();
+            let mut bytes = 0usize;
+            while let Some(event) = self.unwritten.front() {
+                if !events.is_empty()
+                    && (events.len() >= MAX_EVENTS_PER_APPEND
+                        || bytes + event.payload.len() > MAX_BYTES_PER_APPEND)
+                {
+                    break;
+                }
+                bytes += event.payload.len();
+                events.extend(self.unwritten.pop_front());
+            }
+            let through = events.last().map_or(self.durable_seq, |e| e.seq);
+            self.in_flight = Some(InFlight::Append(through));
+            return Some(JournalWrite::Append {
+                response_id: self.spec.response_id.clone(),
+                epoch: self.spec.epoch,
+                events,
+            });
+        }
+        match &mut self.terminal {
+            Some((terminal, sent @ false)) => {
+                *sent = true;
+                self.in_flight = Some(InFlight::Finish);
+                Some(JournalWrite::Finish {
+                    response_id: self.spec.response_id.clone(),
+                    epoch: self.spec.epoch,
+                    terminal: terminal.clone(),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The store answered the write in flight.
+    pub fn ack(&mut self, ack: JournalAck) {
+        let Some(in_flight) = self.in_flight.take() else {
+            return;
+        };
+        match (in_flight, ack) {
+            (InFlight::Append(through), JournalAck::Appended) => self.durable_seq = through,
+            (InFlight::Finish, JournalAck::Finished) => self.finished = true,
+            (_, JournalAck::Refused(e)) => self.refused = Some(e),
+            // An answer of the other kind is the driver's bug: treat it as
+            // a failed store rather than publish what is not durable.
+            (_, _) => self.refused = Some(JournalError::Store("mismatched answer".into())),
+        }
+    }
+
+    /// The next delivery that may reach the client: content once durable
+    /// (R-JRN-1), the terminal once written, the head at once.
+    pub fn poll_publish(&mut self) -> Option<Delivery> {
+        if self.refused.is_some() {
+            return None;
+        }
+        let (seq, delivery) = self.waiting.front()?;
+        let ready = match delivery {
+            Delivery::Commit { .. } => true,
+            Delivery::Finish | Delivery::Fail { .. } => self.finished,
+            _ => *seq <= self.durable_seq,
+        };
+        if !ready {
+            return None;
+        }
+        self.waiting.pop_front().map(|(_, d)| d)
+    }
+
+    /// Drop everything not yet published (after a refusal the request ends
+    /// outside the journal).
+    pub fn discard(&mut self) {
+        self.waiting.clear();
+        self.unwritten.clear();
+    }
+
+    /// Take over the terminal after a refusal that still lets the record
+    /// end (a record grown past its bound, a failed store): the record gets
+    /// this terminal instead of the refused remainder.
+    pub fn finish_after_refusal(&mut self, terminal: Terminal) {
+        if self.in_flight.is_some() || self.finished {
+            return;
+        }
+        self.refused = None;
+        self.waiting.clear();
+        self.unwritten.clear();
+        self.terminal = Some((terminal, false));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_wire::RunEventKind;
+
+    use super::*;
+
+    fn spec() -> JournalSpec {
+        JournalSpec {
+            response_id: "resp_1".into(),
+            epoch: 1,
+        }
+    }
+
+    fn text(s: &str) -> Delivery {
+        Delivery::Event(RunEventKind::TextDelta(s.into()))
+    }
+
+    fn drain(p: &mut Publisher) -> Vec<Delivery> {
+        std::iter::from_fn(|| p.poll_publish()).collect()
+    }
+
+    #[test]
+    fn r_jrn_1_content_is_published_only_after_its_append_is_durable() {
+        let mut p = Publisher::new(spec(), 0);
+        p.push(Delivery::Commit { tunnel_head: None });
+        p.push(text("a"));
+        assert_eq!(drain(&mut p), vec![Delivery::Commit { tunnel_head: None }]);
+        let Some(JournalWrite::Append { events, epoch, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!((events[0].seq, epoch), (1, 1));
+        assert_eq!(decode_delivery(&events[0].payload), Some(text("a")));
+        assert!(drain(&mut p).is_empty(), "not durable yet");
+        p.ack(JournalAck::Appended);
+        assert_eq!(drain(&mut p), vec![text("a")]);
+    }
+
+    #[test]
+    fn r_jrn_1_deliveries_during_a_sync_share_the_next_append() {
+        let mut p = Publisher::new(spec(), 0);
+        p.push(text("a"));
+        assert!(p.poll_write().is_some());
+        for s in ["b", "c", "d"] {
+            p.push(text(s));
+            assert!(p.poll_write().is_none(), "one write in flight");
+        }
+        p.ack(JournalAck::Appended);
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![2, 3, 4],
+            "R-JRN-2: numbered without gap"
+        );
+    }
+
+    #[test]
+    fn r_jrn_4_the_terminal_is_written_after_every_event_and_published_last() {
+        let mut p = Publisher::new(spec(), 0);
+        p.push(text("a"));
+        p.push(Delivery::Finish);
+        p.push(text("late"));
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(events.len(), 1, "nothing after the terminal");
+        p.ack(JournalAck::Appended);
+        assert_eq!(drain(&mut p), vec![text("a")]);
+        let Some(JournalWrite::Finish { terminal, .. }) = p.poll_write() else {
+            panic!("the terminal");
+        };
+        assert_eq!(terminal.status, RecordStatus::Completed);
+        assert!(!p.is_idle());
+        p.ack(JournalAck::Finished);
+        assert_eq!(drain(&mut p), vec![Delivery::Finish]);
+        assert!(p.is_idle());
+        assert!(p.poll_write().is_none());
+    }
+
+    #[test]
+    fn a_refused_write_publishes_nothing_more() {
+        let mut p = Publisher::new(spec(), 0);
+        p.push(text("a"));
+        let _ = p.poll_write();
+        p.ack(JournalAck::Refused(JournalError::Fenced {
+            current: 2,
+            writer: 1,
+        }));
+        assert!(drain(&mut p).is_empty());
+        p.push(text("b"));
+        assert!(p.poll_write().is_none());
+        assert!(p.is_idle());
+    }
+
+    #[test]
+    fn a_resumed_writer_numbers_from_the_durable_prefix() {
+        let mut p = Publisher::new(spec(), 7);
+        p.push(text("a"));
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(events[0].seq, 8);
+    }
+
+    #[test]
+    fn appends_are_bounded_in_events() {
+        let mut p = Publisher::new(spec(), 0);
+        for _ in 0..MAX_EVENTS_PER_APPEND + 3 {
+            p.push(text("x"));
+        }
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(events.len(), MAX_EVENTS_PER_APPEND);
+    }
+
+    #[test]
+    fn terminals_map_to_record_statuses() {
+        let status = |d: Delivery| terminal_of(&d).map(|t| t.status);
+        assert_eq!(status(Delivery::Finish), Some(RecordStatus::Completed));
+        assert_eq!(
+            status(Delivery::Fail {
+                kind: GateFailure::Attempt(FailureCode::Canceled),
+                in_stream: true
+            }),
+            Some(RecordStatus::Cancelled)
+        );
+        assert_eq!(
+            status(Delivery::Fail {
+                kind: GateFailure::BudgetExpired,
+                in_stream: true
+            }),
+            Some(RecordStatus::Failed)
+        );
+        assert_eq!(status(text("a")), None);
+    }
+}

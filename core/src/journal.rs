@@ -1,0 +1,568 @@
+//! Durable responses: the journal's rules (SPEC §6: R-JRN-1..5, R-IDEM-1,
+//! R-TAKE-1).
+//!
+//! A *record* is one durable response: who asked (principal), what
+//! (model, API, a fingerprint of the request, the hashed idempotency key),
+//! its writer epoch, how many events it has, and at most one terminal.
+//! Its *events* are numbered 1, 2, 3, ... and their payloads are opaque
+//! here (the Edge stores its encoded deliveries).
+//!
+//! Every store (the embedded one, a distributed one) keeps records and
+//! events and runs each operation inside one of its transactions through
+//! the `check_*` functions of this module: they decide, the store only
+//! reads and writes. So the rules are the same whichever store runs:
+//!
+//! * [`check_create`]: idempotency (R-IDEM-1) and the byte bound for new
+//!   records (R-JRN-5);
+//! * [`check_append`]: writer epoch (R-JRN-3), no gap or duplicate
+//!   (R-JRN-2), nothing after the terminal (R-JRN-4), the per-record bound;
+//! * [`check_finish`]: exactly one terminal (R-JRN-4), fenced like an
+//!   append;
+//! * [`check_raise_epoch`]: the compare-and-set a takeover wins before its
+//!   first append (R-JRN-3, R-TAKE-1);
+//! * [`expired`]: retention; a record without a terminal never expires
+//!   (R-JRN-5).
+//!
+//! [`GroupCommit`] is the batching rule of R-JRN-1 (many appends, one
+//! sync), as a sans-IO queue the store's writer drives.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The API a durable response was asked through: it decides how its
+/// events are rendered when fetched or resumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JournalApi {
+    /// `POST /v1/responses`.
+    Responses,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /api/chat`.
+    OllamaChat,
+    /// `POST /api/generate`.
+    OllamaGenerate,
+}
+
+impl JournalApi {
+    /// The stable lower-case name (a closed label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JournalApi::Responses => "responses",
+            JournalApi::ChatCompletions => "chat",
+            JournalApi::Completions => "completions",
+            JournalApi::OllamaChat => "ollama_chat",
+            JournalApi::OllamaGenerate => "ollama_generate",
+        }
+    }
+}
+
+/// Where a record is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordStatus {
+    /// Running (or, after a restart, waiting for its takeover).
+    InProgress,
+    /// Ended normally.
+    Completed,
+    /// Ended with a partial answer: its durable prefix is all there is.
+    Incomplete,
+    /// Ended with an error.
+    Failed,
+    /// Cancelled by its client.
+    Cancelled,
+}
+
+impl RecordStatus {
+    /// Is this a terminal status?
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, RecordStatus::InProgress)
+    }
+
+    /// The stable lower-case name, as the Responses API spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordStatus::InProgress => "in_progress",
+            RecordStatus::Completed => "completed",
+            RecordStatus::Incomplete => "incomplete",
+            RecordStatus::Failed => "failed",
+            RecordStatus::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A record's one terminal (R-JRN-4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Terminal {
+    /// How it ended; never [`RecordStatus::InProgress`].
+    pub status: RecordStatus,
+    /// A closed reason code (`edge_restart`, a failure code, ...).
+    pub reason: Option<String>,
+    /// A message for the client, for failures.
+    pub message: Option<String>,
+    /// When, in Unix milliseconds.
+    pub at_unix_ms: u64,
+}
+
+/// A hash of what the client sent: two requests with the same fingerprint
+/// are the same request (R-IDEM-1).
+pub type Fingerprint = [u8; 32];
+
+/// The fingerprint of a request: its route and body bytes.
+pub fn fingerprint(route: &str, body: &[u8]) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update((route.len() as u64).to_be_bytes());
+    h.update(route.as_bytes());
+    h.update(body);
+    h.finalize().into()
+}
+
+/// How an idempotency key is stored: hashed with its principal, so a key
+/// names a response only for the principal that sent it and the store
+/// never holds the key itself (R-IDEM-1).
+pub fn idempotency_hash(principal: &str, key: &str) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"iop-idempotency-key\0");
+    h.update((principal.len() as u64).to_be_bytes());
+    h.update(principal.as_bytes());
+    h.update(key.as_bytes());
+    h.finalize().into()
+}
+
+/// A record to create.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NewRecord {
+    /// The response id (unique, chosen by the Edge).
+    pub id: String,
+    /// The principal of the API key that asked.
+    pub principal: String,
+    /// The API asked through.
+    pub api: JournalApi,
+    /// The model asked for.
+    pub model: String,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The hashed idempotency key ([`idempotency_hash`]), if one was sent.
+    pub idempotency_key: Option<[u8; 32]>,
+    /// Run in the background (`background: true`): no client waits.
+    pub background: bool,
+    /// The stored request (opaque here: what rendering, `input_items` and
+    /// `previous_response_id` need).
+    pub request: Vec<u8>,
+    /// When, in Unix milliseconds.
+    pub created_unix_ms: u64,
+}
+
+/// A record as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordMeta {
+    /// The response id.
+    pub id: String,
+    /// The principal of the API key that asked.
+    pub principal: String,
+    /// The API asked through.
+    pub api: JournalApi,
+    /// The model asked for.
+    pub model: String,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The hashed idempotency key, if one was sent.
+    pub idempotency_key: Option<[u8; 32]>,
+    /// Run in the background.
+    pub background: bool,
+    /// When it was created, Unix milliseconds.
+    pub created_unix_ms: u64,
+    /// The writer epoch: appends and the terminal must carry it (R-JRN-3).
+    pub epoch: u64,
+    /// The number of the last event appended (0: none yet).
+    pub last_seq: u64,
+    /// The terminal, once there is one.
+    pub terminal: Option<Terminal>,
+    /// When it may be removed, Unix milliseconds (set at the terminal;
+    /// `u64::MAX` before: a running record never expires, R-JRN-5).
+    pub expires_unix_ms: u64,
+    /// Bytes it holds in the store (request and event payloads).
+    pub stored_bytes: u64,
+}
+
+impl RecordMeta {
+    /// Its status.
+    pub fn status(&self) -> RecordStatus {
+        self.terminal
+            .as_ref()
+            .map_or(RecordStatus::InProgress, |t| t.status)
+    }
+}
+
+/// One journal event: number and payload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalEvent {
+    /// 1, 2, 3, ... per record (R-JRN-2).
+    pub seq: u64,
+    /// The payload, opaque to the journal.
+    pub payload: Vec<u8>,
+}
+
+/// Bytes an event is counted as: its payload and a fixed overhead for its
+/// key and framing, so that many empty events also count.
+pub fn event_bytes(event: &JournalEvent) -> u64 {
+    event.payload.len() as u64 + EVENT_OVERHEAD_BYTES
+}
+
+/// Bytes counted per event beyond its payload.
+pub const EVENT_OVERHEAD_BYTES: u64 = 32;
+
+/// Bytes counted per record beyond its request and events.
+pub const RECORD_OVERHEAD_BYTES: u64 = 256;
+
+/// The journal's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalLimits {
+    /// How long a finished record is kept (and its idempotency key holds).
+    pub retention_ms: u64,
+    /// The store's byte bound: a new record is refused once the store
+    /// holds this much (R-JRN-5). Records already accepted may still grow
+    /// to their terminal, each by at most `max_record_bytes`.
+    pub max_bytes: u64,
+    /// The most bytes one record may hold; an append past it is refused
+    /// and the response ends `failed` instead.
+    pub max_record_bytes: u64,
+}
+
+impl Default for JournalLimits {
+    fn default() -> Self {
+        JournalLimits {
+            retention_ms: 24 * 60 * 60 * 1000,
+            max_bytes: 1024 * 1024 * 1024,
+            max_record_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+/// A limit outside what the journal accepts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JournalLimitsError {
+    /// Retention must be between one second and one year.
+    #[error("retention_ms must be between 1000 and 31536000000, got {0}")]
+    Retention(u64),
+    /// The store bound must hold at least one full record.
+    #[error("max_bytes ({max_bytes}) must be at least max_record_bytes ({max_record_bytes})")]
+    MaxBytes {
+        /// The configured store bound.
+        max_bytes: u64,
+        /// The configured record bound.
+        max_record_bytes: u64,
+    },
+    /// A record bound below 64 KiB cannot hold a useful answer.
+    #[error("max_record_bytes must be at least 65536, got {0}")]
+    MaxRecordBytes(u64),
+}
+
+impl JournalLimits {
+    /// Check the limits; the error names the field.
+    pub fn validate(&self) -> Result<(), JournalLimitsError> {
+        if !(1000..=365 * 24 * 60 * 60 * 1000).contains(&self.retention_ms) {
+            return Err(JournalLimitsError::Retention(self.retention_ms));
+        }
+        if self.max_record_bytes < 64 * 1024 {
+            return Err(JournalLimitsError::MaxRecordBytes(self.max_record_bytes));
+        }
+        if self.max_bytes < self.max_record_bytes {
+            return Err(JournalLimitsError::MaxBytes {
+                max_bytes: self.max_bytes,
+                max_record_bytes: self.max_record_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why a journal operation was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JournalError {
+    /// No such record (or it expired).
+    #[error("no such response")]
+    NotFound,
+    /// The operation carried an epoch that is not the record's (R-JRN-3).
+    #[error("fenced: the record's epoch is {current}, the writer's {writer}")]
+    Fenced {
+        /// The record's epoch.
+        current: u64,
+        /// The epoch the writer carried.
+        writer: u64,
+    },
+    /// The record already has its terminal (R-JRN-4).
+    #[error("the response has already ended")]
+    Terminated,
+    /// Events must continue the record's numbering (R-JRN-2).
+    #[error("out of order: expected event {expected}, got {got}")]
+    OutOfOrder {
+        /// The next number the record takes.
+        expected: u64,
+        /// What was sent.
+        got: u64,
+    },
+    /// The idempotency key already names a response with another request
+    /// (R-IDEM-1).
+    #[error("the idempotency key was used with a different request")]
+    IdempotencyConflict,
+    /// A record with this id exists already.
+    #[error("a response with this id exists")]
+    DuplicateId,
+    /// The store is full: new durable requests are refused (R-JRN-5).
+    #[error("the response store is full")]
+    Full,
+    /// The record would grow past `max_record_bytes`.
+    #[error("the response exceeds the store's per-response bound")]
+    RecordTooLarge,
+    /// The store could not run the operation (I/O, corruption, shutdown).
+    #[error("the response store failed: {0}")]
+    Store(String),
+}
+
+/// What [`check_create`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CreateOutcome {
+    /// Create this record (epoch 1, no events).
+    Create(RecordMeta),
+    /// The idempotency key names this live record with the same request:
+    /// the caller gets it, and nothing runs again (R-IDEM-1).
+    Existing(RecordMeta),
+}
+
+/// Decide a create. `same_id` is the record stored under `new.id`, if any;
+/// `same_key` the one the idempotency key names, if any (expired ones are
+/// passed as `None` or are treated so); `used_bytes` what the store holds.
+pub fn check_create(
+    now_unix_ms: u64,
+    limits: &JournalLimits,
+    used_bytes: u64,
+    same_id: Option<&RecordMeta>,
+    same_key: Option<&RecordMeta>,
+    new: &NewRecord,
+) -> Result<CreateOutcome, JournalError> {
+    if let Some(existing) = same_key.filter(|r| !expired(r, now_unix_ms)) {
+        // R-IDEM-1: one response per (principal, key); the principal is
+        // inside the hash, the check here guards a hash collision.
+        if existing.principal == new.principal
+            && existing.fingerprint == new.fingerprint
+            && existing.api == new.api
+        {
+            return Ok(CreateOutcome::Existing(existing.clone()));
+        }
+        return Err(JournalError::IdempotencyConflict);
+    }
+    if same_id.is_some_and(|r| !expired(r, now_unix_ms)) {
+        return Err(JournalError::DuplicateId);
+    }
+    let bytes = new.request.len() as u64 + RECORD_OVERHEAD_BYTES;
+    if bytes > limits.max_record_bytes {
+        return Err(JournalError::RecordTooLarge);
+    }
+    // R-JRN-5: a full store refuses new records; it never drops accepted
+    // ones to make room.
+    if used_bytes.saturating_add(bytes) > limits.max_bytes {
+        return Err(JournalError::Full);
+    }
+    Ok(CreateOutcome::Create(RecordMeta {
+        id: new.id.clone(),
+        principal: new.principal.clone(),
+        api: new.api,
+        model: new.model.clone(),
+        fingerprint: new.fingerprint,
+        idempotency_key: new.idempotency_key,
+        background: new.background,
+        created_unix_ms: new.created_unix_ms,
+        epoch: 1,
+        last_seq: 0,
+        terminal: None,
+        expires_unix_ms: u64::MAX,
+        stored_bytes: bytes,
+    }))
+}
+
+/// The writer-epoch check shared by appends and terminals (R-JRN-3, R-JRN-4).
+fn check_writer(meta: &RecordMeta, epoch: u64) -> Result<(), JournalError> {
+    if meta.epoch != epoch {
+        return Err(JournalError::Fenced {
+            current: meta.epoch,
+            writer: epoch,
+        });
+    }
+    if meta.terminal.is_some() {
+        return Err(JournalError::Terminated);
+    }
+    Ok(())
+}
+
+/// Decide an append of `events` by a writer of `epoch`: the record after
+/// it, or why not. Events must be numbered `last_seq + 1, + 2, ...`.
+pub fn check_append(
+    limits: &JournalLimits,
+    meta: &RecordMeta,
+    epoch: u64,
+    events: &[JournalEvent],
+) -> Result<RecordMeta, JournalError> {
+    check_writer(meta, epoch)?;
+    let mut next = meta.clone();
+    for event in events {
+        let expected = next.last_seq + 1;
+        if event.seq != expected {
+            return Err(JournalError::OutOfOrder {
+                expected,
+                got: event.seq,
+            });
+        }
+        next.last_seq = expected;
+        next.stored_bytes = next.stored_bytes.saturating_add(event_bytes(event));
+    }
+    if next.stored_bytes > limits.max_record_bytes {
+        return Err(JournalError::RecordTooLarge);
+    }
+    Ok(next)
+}
+
+/// Decide the terminal of a record by a writer of `epoch` (R-JRN-4): the
+/// record after it, with its retention clock started.
+pub fn check_finish(
+    limits: &JournalLimits,
+    meta: &RecordMeta,
+    epoch: u64,
+    terminal: &Terminal,
+) -> Result<RecordMeta, JournalError> {
+    check_writer(meta, epoch)?;
+    let mut next = meta.clone();
+    let mut terminal = terminal.clone();
+    if !terminal.status.is_terminal() {
+        // A terminal that says "in progress" is a caller's bug; it still
+        // ends the record rather than leave it open forever.
+        terminal.status = RecordStatus::Failed;
+    }
+    next.expires_unix_ms = terminal.at_unix_ms.saturating_add(limits.retention_ms);
+    next.terminal = Some(terminal);
+    Ok(next)
+}
+
+/// Decide a takeover: the record's epoch moves from `expected` to
+/// `expected + 1` only if it still is `expected` (compare-and-set,
+/// R-JRN-3). The winner writes with the new epoch; the former owner's
+/// appends are refused from then on.
+pub fn check_raise_epoch(meta: &RecordMeta, expected: u64) -> Result<RecordMeta, JournalError> {
+    if meta.epoch != expected {
+        return Err(JournalError::Fenced {
+            current: meta.epoch,
+            writer: expected,
+        });
+    }
+    if meta.terminal.is_some() {
+        return Err(JournalError::Terminated);
+    }
+    let mut next = meta.clone();
+    next.epoch = expected + 1;
+    Ok(next)
+}
+
+/// May the record be removed now? Only a finished record past its
+/// retention; a running record never expires (R-JRN-5).
+pub fn expired(meta: &RecordMeta, now_unix_ms: u64) -> bool {
+    meta.terminal.is_some() && meta.expires_unix_ms <= now_unix_ms
+}
+
+/// A ticket naming one submitted operation in [`GroupCommit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Ticket(pub u64);
+
+/// The group-commit rule of R-JRN-1: operations submitted while a sync is
+/// running wait and go together in the next one, so many appends (of one
+/// response or many) share one sync. The queue is bounded (R-LIM-4): a
+/// full queue refuses the submit, and the caller fails that request
+/// rather than wait without bound.
+#[derive(Debug)]
+pub struct GroupCommit<Op> {
+    queue: VecDeque<(Ticket, Op, usize)>,
+    queued_bytes: usize,
+    syncing: bool,
+    max_queued: usize,
+    max_batch_ops: usize,
+    max_batch_bytes: usize,
+}
+
+/// The queue of [`GroupCommit`] is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the journal's write queue is full")]
+pub struct QueueFull;
+
+impl<Op> GroupCommit<Op> {
+    /// A queue holding at most `max_queued` operations; a batch takes at
+    /// most `max_batch_ops` operations and, past its first, at most
+    /// `max_batch_bytes` bytes.
+    pub fn new(max_queued: usize, max_batch_ops: usize, max_batch_bytes: usize) -> Self {
+        GroupCommit {
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            syncing: false,
+            max_queued: max_queued.max(1),
+            max_batch_ops: max_batch_ops.max(1),
+            max_batch_bytes,
+        }
+    }
+
+    /// Queue an operation of `bytes` bytes.
+    pub fn submit(&mut self, ticket: Ticket, op: Op, bytes: usize) -> Result<(), QueueFull> {
+        if self.queue.len() >= self.max_queued {
+            return Err(QueueFull);
+        }
+        self.queued_bytes += bytes;
+        self.queue.push_back((ticket, op, bytes));
+        Ok(())
+    }
+
+    /// The next batch to write and sync, if no sync is running and
+    /// something waits. The caller writes the batch in one transaction,
+    /// syncs once, answers every ticket, then calls [`GroupCommit::synced`].
+    pub fn poll_batch(&mut self) -> Option<Vec<(Ticket, Op)>> {
+        if self.syncing || self.queue.is_empty() {
+            return None;
+        }
+        let mut batch = Vec::new();
+        let mut bytes = 0usize;
+        while let Some((_, _, b)) = self.queue.front() {
+            if !batch.is_empty()
+                && (batch.len() >= self.max_batch_ops || bytes + b > self.max_batch_bytes)
+            {
+                break;
+            }
+            let Some((ticket, op, b)) = self.queue.pop_front() else {
+                break;
+            };
+            bytes += b;
+            self.queued_bytes -= b;
+            batch.push((ticket, op));
+        }
+        self.syncing = true;
+        Some(batch)
+    }
+
+    /// The running sync finished.
+    pub fn synced(&mut self) {
+        self.syncing = false;
+    }
+
+    /// Operations waiting.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Bytes waiting.
+    pub fn queued_bytes(&self) -> usize {
+        self.queued_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests;
