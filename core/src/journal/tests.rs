@@ -215,19 +215,25 @@ fn a_record_cannot_grow_past_its_bound() {
 #[test]
 fn limits_are_validated_by_field() {
     assert!(JournalLimits::default().validate().is_ok());
-    let mut l = JournalLimits::default();
-    l.retention_ms = 10;
+    let l = JournalLimits {
+        retention_ms: 10,
+        ..JournalLimits::default()
+    };
     assert!(
         l.validate()
             .unwrap_err()
             .to_string()
             .contains("retention_ms")
     );
-    let mut l = JournalLimits::default();
-    l.max_bytes = 1;
+    let l = JournalLimits {
+        max_bytes: 1,
+        ..JournalLimits::default()
+    };
     assert!(l.validate().unwrap_err().to_string().contains("max_bytes"));
-    let mut l = JournalLimits::default();
-    l.max_record_bytes = 1;
+    let l = JournalLimits {
+        max_record_bytes: 1,
+        ..JournalLimits::default()
+    };
     assert!(
         l.validate()
             .unwrap_err()
