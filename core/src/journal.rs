@@ -46,6 +46,10 @@ pub enum JournalApi {
     OllamaChat,
     /// `POST /api/generate`.
     OllamaGenerate,
+    /// `POST /v1/embeddings`.
+    Embeddings,
+    /// `POST /api/embed`.
+    OllamaEmbed,
 }
 
 impl JournalApi {
@@ -57,6 +61,8 @@ impl JournalApi {
             JournalApi::Completions => "completions",
             JournalApi::OllamaChat => "ollama_chat",
             JournalApi::OllamaGenerate => "ollama_generate",
+            JournalApi::Embeddings => "embeddings",
+            JournalApi::OllamaEmbed => "ollama_embed",
         }
     }
 }
@@ -337,7 +343,9 @@ pub enum CreateOutcome {
 
 /// Decide a create. `same_id` is the record stored under `new.id`, if any;
 /// `same_key` the one the idempotency key names, if any (expired ones are
-/// passed as `None` or are treated so); `used_bytes` what the store holds.
+/// passed as `None` or are treated so, and so are [`superseded`] ones);
+/// `used_bytes` what the store holds. On [`CreateOutcome::Create`] the store
+/// removes whatever record still holds the key.
 pub fn check_create(
     now_unix_ms: u64,
     limits: &JournalLimits,
@@ -346,7 +354,7 @@ pub fn check_create(
     same_key: Option<&RecordMeta>,
     new: &NewRecord,
 ) -> Result<CreateOutcome, JournalError> {
-    if let Some(existing) = same_key.filter(|r| !expired(r, now_unix_ms)) {
+    if let Some(existing) = same_key.filter(|r| !expired(r, now_unix_ms) && !superseded(r)) {
         // R-IDEM-1: one response per (principal, key); the principal is
         // inside the hash, the check here guards a hash collision.
         if existing.principal == new.principal
@@ -384,6 +392,19 @@ pub fn check_create(
         expires_unix_ms: u64::MAX,
         stored_bytes: bytes,
     }))
+}
+
+/// A record its idempotency key no longer names: it failed before any
+/// event (admission refused it, its attempts failed before commit), so
+/// nothing of it was ever published and a retry with the same key runs
+/// afresh instead of being told the same failure again (R-IDEM-1). The
+/// store replaces it under the key.
+pub fn superseded(meta: &RecordMeta) -> bool {
+    meta.last_seq == 0
+        && meta
+            .terminal
+            .as_ref()
+            .is_some_and(|t| t.status == RecordStatus::Failed)
 }
 
 /// The writer-epoch check shared by appends and terminals (R-JRN-3, R-JRN-4).

@@ -244,6 +244,17 @@ impl AdmissionFailure {
             AdmissionFailure::QueueTimeout => "queue_timeout",
         }
     }
+
+    /// The failure named `s` ([`Self::as_str`]'s inverse).
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            AdmissionFailure::QueueFull,
+            AdmissionFailure::NoEligibleProvider,
+            AdmissionFailure::QueueTimeout,
+        ]
+        .into_iter()
+        .find(|f| f.as_str() == s)
+    }
 }
 
 /// An input to the gate.
@@ -328,6 +339,17 @@ impl GateFailure {
             GateFailure::Attempt(code) => code.as_str(),
             GateFailure::BudgetExpired => "budget_expired",
         }
+    }
+
+    /// The failure named `s` ([`Self::as_str`]'s inverse): a journal
+    /// record keeps its failure by name.
+    pub fn parse(s: &str) -> Option<Self> {
+        if s == "budget_expired" {
+            return Some(GateFailure::BudgetExpired);
+        }
+        AdmissionFailure::parse(s)
+            .map(GateFailure::Admission)
+            .or_else(|| FailureCode::parse(s).map(GateFailure::Attempt))
     }
 }
 
@@ -870,6 +892,24 @@ mod tests {
 
     fn pid(s: &str) -> ProviderId {
         ProviderId::new(s)
+    }
+
+    #[test]
+    fn every_gate_failure_parses_back_from_its_name() {
+        let mut all = vec![GateFailure::BudgetExpired];
+        all.extend(
+            [
+                AdmissionFailure::QueueFull,
+                AdmissionFailure::NoEligibleProvider,
+                AdmissionFailure::QueueTimeout,
+            ]
+            .map(GateFailure::Admission),
+        );
+        all.extend(FailureCode::ALL.iter().copied().map(GateFailure::Attempt));
+        for failure in all {
+            assert_eq!(GateFailure::parse(failure.as_str()), Some(failure));
+        }
+        assert_eq!(GateFailure::parse("nonsense"), None);
     }
 
     #[test]

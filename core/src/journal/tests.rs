@@ -91,6 +91,29 @@ fn r_idem_1_an_expired_response_frees_its_key() {
 }
 
 #[test]
+fn r_idem_1_a_response_that_failed_before_any_event_frees_its_key() {
+    let first = created(&new_record("r1", Some("k"), b"1"));
+    let refused = check_finish(&limits(), &first, 1, &done(RecordStatus::Failed)).unwrap();
+    let again = new_record("r2", Some("k"), b"1");
+    assert!(superseded(&refused));
+    assert!(matches!(
+        check_create(NOW, &limits(), 0, None, Some(&refused), &again),
+        Ok(CreateOutcome::Create(m)) if m.id == "r2"
+    ));
+    // Once an event was published the failure is the response.
+    let started = check_append(&limits(), &first, 1, &[ev(1)]).unwrap();
+    let failed = check_finish(&limits(), &started, 1, &done(RecordStatus::Failed)).unwrap();
+    assert!(!superseded(&failed));
+    assert!(matches!(
+        check_create(NOW, &limits(), 0, None, Some(&failed), &again),
+        Ok(CreateOutcome::Existing(m)) if m.id == "r1"
+    ));
+    // A cancelled or incomplete one stays too.
+    let cancelled = check_finish(&limits(), &first, 1, &done(RecordStatus::Cancelled)).unwrap();
+    assert!(!superseded(&cancelled));
+}
+
+#[test]
 fn r_jrn_5_a_full_store_refuses_new_records() {
     let new = new_record("r1", None, b"body");
     let l = limits();
