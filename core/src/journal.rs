@@ -331,6 +331,36 @@ pub enum JournalError {
     Store(String),
 }
 
+impl JournalError {
+    /// The stable lower-case name (a closed label value).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            JournalError::NotFound => "not_found",
+            JournalError::Fenced { .. } => "fenced",
+            JournalError::Terminated => "terminated",
+            JournalError::OutOfOrder { .. } => "out_of_order",
+            JournalError::IdempotencyConflict => "idempotency_conflict",
+            JournalError::DuplicateId => "duplicate_id",
+            JournalError::Full => "full",
+            JournalError::RecordTooLarge => "record_too_large",
+            JournalError::Store(_) => "store_error",
+        }
+    }
+
+    /// Every name [`Self::as_str`] gives.
+    pub const NAMES: &'static [&'static str] = &[
+        "not_found",
+        "fenced",
+        "terminated",
+        "out_of_order",
+        "idempotency_conflict",
+        "duplicate_id",
+        "full",
+        "record_too_large",
+        "store_error",
+    ];
+}
+
 /// What [`check_create`] decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CreateOutcome {

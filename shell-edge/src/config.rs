@@ -504,6 +504,129 @@ pub struct EdgeFile {
     /// `[otlp_traces]`: optional OTLP span export.
     #[serde(default)]
     pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
+    /// `[journal]`: where durable responses are kept (SPEC §6).
+    #[serde(default)]
+    pub journal: JournalSection,
+}
+
+/// Which store keeps the journal of durable responses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum JournalStoreKind {
+    /// An embedded ACID store in one file under `state_dir` (no server to
+    /// run; survives a crash and a restart).
+    Embedded,
+    /// Process memory: lost at a restart. For tests and throwaway
+    /// deployments only.
+    #[default]
+    Memory,
+}
+
+/// `[journal]`: durable responses (SPEC §6): stored and background
+/// Responses, stored chat completions, `Idempotency-Key` requests.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JournalSection {
+    /// The store.
+    #[serde(default)]
+    pub store: JournalStoreKind,
+    /// The embedded store's file (default `<state_dir>/journal.redb`;
+    /// relative paths resolve against the config file's directory).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Whether a Responses request that does not send `store` is stored
+    /// (OpenAI's default is `true`).
+    #[serde(default = "yes")]
+    pub responses_store_default: bool,
+    /// How long a finished response is kept, and its `Idempotency-Key`
+    /// holds.
+    #[serde(default = "default_journal_retention_ms")]
+    pub retention_ms: u64,
+    /// The store's bound in bytes: past it new durable requests get 503
+    /// (accepted ones still finish, R-JRN-5).
+    #[serde(default = "default_journal_max_bytes")]
+    pub max_bytes: u64,
+    /// The most bytes one response (its request and events) may hold.
+    #[serde(default = "default_journal_max_record_bytes")]
+    pub max_record_bytes: u64,
+    /// How often expired responses are removed.
+    #[serde(default = "default_journal_sweep_interval_ms")]
+    pub sweep_interval_ms: u64,
+}
+
+impl Default for JournalSection {
+    fn default() -> Self {
+        JournalSection {
+            store: JournalStoreKind::default(),
+            path: None,
+            responses_store_default: true,
+            retention_ms: default_journal_retention_ms(),
+            max_bytes: default_journal_max_bytes(),
+            max_record_bytes: default_journal_max_record_bytes(),
+            sweep_interval_ms: default_journal_sweep_interval_ms(),
+        }
+    }
+}
+
+fn default_journal_retention_ms() -> u64 {
+    iop_core::journal::JournalLimits::default().retention_ms
+}
+
+fn default_journal_max_bytes() -> u64 {
+    iop_core::journal::JournalLimits::default().max_bytes
+}
+
+fn default_journal_max_record_bytes() -> u64 {
+    iop_core::journal::JournalLimits::default().max_record_bytes
+}
+
+fn default_journal_sweep_interval_ms() -> u64 {
+    60_000
+}
+
+impl JournalSection {
+    /// The journal's limits (validated against core's rules at load).
+    pub fn limits(&self) -> iop_core::journal::JournalLimits {
+        iop_core::journal::JournalLimits {
+            retention_ms: self.retention_ms,
+            max_bytes: self.max_bytes,
+            max_record_bytes: self.max_record_bytes,
+        }
+    }
+
+    /// The embedded store's file.
+    pub fn file(&self, state_dir: &Path) -> PathBuf {
+        self.path
+            .clone()
+            .unwrap_or_else(|| state_dir.join("journal.redb"))
+    }
+
+    fn validate(&mut self, base: &Path) -> Result<(), ConfigError> {
+        use iop_core::journal::JournalLimitsError;
+        if let Err(e) = self.limits().validate() {
+            let field = match e {
+                JournalLimitsError::Retention(_) => "journal.retention_ms",
+                JournalLimitsError::MaxBytes { .. } => "journal.max_bytes",
+                JournalLimitsError::MaxRecordBytes(_) => "journal.max_record_bytes",
+            };
+            return Err(field_err(field, e.to_string()));
+        }
+        if !(1000..=3_600_000).contains(&self.sweep_interval_ms) {
+            return Err(field_err(
+                "journal.sweep_interval_ms",
+                "must be between 1000 and 3600000",
+            ));
+        }
+        if let Some(path) = &mut self.path {
+            if path.as_os_str().is_empty() {
+                return Err(field_err("journal.path", "must not be empty"));
+            }
+            if path.is_relative() {
+                *path = base.join(&*path);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A validated provider.
@@ -578,6 +701,8 @@ pub struct EdgeConfig {
     pub otlp: Option<OtlpSection>,
     /// OTLP span export (`None`: off).
     pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
+    /// Durable responses.
+    pub journal: JournalSection,
 }
 
 impl EdgeConfig {
@@ -607,6 +732,7 @@ impl EdgeConfig {
             otlp.validate("otlp")?;
         }
         file.tls.resolve(base);
+        file.journal.validate(base)?;
         if file.edge.state_dir.is_relative() {
             file.edge.state_dir = base.join(&file.edge.state_dir);
         }
@@ -843,6 +969,7 @@ impl EdgeConfig {
             credentials,
             otlp: file.otlp,
             otlp_traces: file.otlp_traces,
+            journal: file.journal,
         })
     }
 

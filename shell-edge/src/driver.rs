@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use iop_core::edge::admission::{Lease, RequestId};
+use iop_core::edge::durable::{JournalAck, JournalSpec};
 use iop_core::edge::gate::{GateBudget, GateBudgetError, GateEvent};
 use iop_core::edge::request::{
     NodeFrame, OpenFailure, Request, RequestInput, RequestObservation, RequestOutput, RequestSpec,
@@ -114,6 +115,41 @@ pub enum DriverObservation {
 /// receiver. Dropping the receiver is a client disconnect (R-GATE-4).
 pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Receiver<Delivery> {
     let (tx, rx) = mpsc::channel(64);
+    start(ctx, pool, work, Some(tx), None);
+    rx
+}
+
+/// What a durable request's driver writes to (SPEC §6).
+pub struct DurableRun {
+    /// The record and the writer epoch.
+    pub spec: JournalSpec,
+    /// The Edge's durable responses (the store the record lives in).
+    pub durable: Arc<crate::durable::Durable>,
+    /// Cancels the run (`POST .../cancel`, `DELETE`).
+    pub cancel: mpsc::Receiver<()>,
+    /// Held while the run goes on.
+    pub live: crate::durable::LiveRun,
+}
+
+/// Start the driver of a durable request: its deliveries go to the
+/// response's journal only (R-JRN-1); clients follow the journal
+/// ([`crate::durable::Follower`]), so the run goes on without them and
+/// ends only with its terminal or a cancel.
+pub fn spawn_durable(ctx: DriverContext, pool: Vec<ProviderId>, mut work: Work, run: DurableRun) {
+    // A durable answer is rendered by the Edge (numbered, replayable):
+    // never a provider's own bytes.
+    work.tunnel = None;
+    start(ctx, pool, work, None, Some(run));
+}
+
+fn start(
+    ctx: DriverContext,
+    pool: Vec<ProviderId>,
+    work: Work,
+    out: Option<mpsc::Sender<Delivery>>,
+    durable: Option<DurableRun>,
+) {
+    let tx = out;
     tokio::spawn(async move {
         let request_id = ctx.next_request_id.fetch_add(1, Ordering::Relaxed);
         // The configuration is validated against core's limits at load
@@ -125,12 +161,14 @@ pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Rec
             Err(e) => {
                 debug_assert!(false, "unvalidated request budget: {e}");
                 tracing::error!(event = "edge_request_budget_invalid", error = %e);
-                let _ = tx
-                    .send(Delivery::Fail {
-                        kind: iop_core::edge::gate::GateFailure::Attempt(FailureCode::Internal),
-                        in_stream: false,
-                    })
-                    .await;
+                if let Some(tx) = tx {
+                    let _ = tx
+                        .send(Delivery::Fail {
+                            kind: iop_core::edge::gate::GateFailure::Attempt(FailureCode::Internal),
+                            in_stream: false,
+                        })
+                        .await;
+                }
                 return;
             }
         };
@@ -145,7 +183,7 @@ pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Rec
             budget,
             tunnel_api: work.tunnel.as_ref().map(|t| t.api),
             tunnel_providers,
-            journal: None,
+            journal: durable.as_ref().map(|d| d.spec.clone()),
         };
         let (events_tx, events) = mpsc::unbounded_channel();
         ctx.hub.attach(request_id, events_tx);
@@ -166,10 +204,27 @@ pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Rec
             started_at: tokio::time::Instant::now(),
             wait: None,
             attempt: None,
+            journal_write: None,
+            cancel: None,
+            journal: None,
         };
+        if let Some(run) = durable {
+            driver.cancel = Some(run.cancel);
+            driver.journal = Some(DriverJournal {
+                durable: run.durable,
+                _live: run.live,
+            });
+        }
         driver.run().await;
     });
-    rx
+}
+
+type JournalFuture = Pin<Box<dyn Future<Output = JournalAck> + Send>>;
+
+/// A durable request's journal and its registration as a live run.
+struct DriverJournal {
+    durable: Arc<crate::durable::Durable>,
+    _live: crate::durable::LiveRun,
 }
 
 /// However the request ended (even if its task died), its place in the hub
@@ -197,7 +252,9 @@ struct NodeStream {
 struct Driver {
     ctx: DriverContext,
     work: Work,
-    out: mpsc::Sender<Delivery>,
+    /// The client's deliveries; `None` for a durable request (its readers
+    /// follow the journal).
+    out: Option<mpsc::Sender<Delivery>>,
     events: mpsc::UnboundedReceiver<RequestNews>,
     machine: Request,
     /// The connection of the lease that last passed the pre-send fence.
@@ -212,6 +269,12 @@ struct Driver {
     wait: Option<crate::observe::QueueWait>,
     /// The attempt in flight (`edge.attempt`, its tokens and outcome).
     attempt: Option<crate::observe::AttemptObservation>,
+    /// A durable request's journal.
+    journal: Option<DriverJournal>,
+    /// Its write in flight (one at a time, as the request machine asks).
+    journal_write: Option<JournalFuture>,
+    /// Cancels a durable request.
+    cancel: Option<mpsc::Receiver<()>>,
 }
 
 impl Driver {
@@ -252,12 +315,36 @@ impl Driver {
                         }
                     }
                 },
+                ack = async {
+                    match self.journal_write.as_mut() {
+                        Some(write) => write.await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    self.journal_write = None;
+                    RequestInput::Journaled(ack)
+                },
+                cancel = async {
+                    match self.cancel.as_mut() {
+                        Some(cancel) => cancel.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => match cancel {
+                    Some(()) => RequestInput::Cancel,
+                    None => {
+                        // Nothing can cancel it any more; it runs to its end.
+                        self.cancel = None;
+                        continue;
+                    }
+                },
+                // A durable response whose journal falls behind stops
+                // reading its node stream (R-JRN-1, R-LIM-4).
                 frame = async {
                     match self.stream.as_mut() {
                         Some(stream) => read_frame(stream).await,
                         None => std::future::pending().await,
                     }
-                } => match frame {
+                }, if self.machine.wants_frames() => match frame {
                     Some(frame) => {
                         if let Some(attempt) = self.attempt.as_mut() {
                             match &frame {
@@ -279,7 +366,12 @@ impl Driver {
                     self.machine.handle_timeout(clock.now());
                     continue;
                 }
-                () = self.out.closed() => RequestInput::ClientDisconnected,
+                () = async {
+                    match self.out.as_ref() {
+                        Some(out) => out.closed().await,
+                        None => std::future::pending().await,
+                    }
+                } => RequestInput::ClientDisconnected,
             };
             self.machine.handle_input(clock.now(), input);
         }
@@ -289,8 +381,24 @@ impl Driver {
     async fn carry_out(&mut self) {
         while let Some(out) = self.machine.poll_output() {
             match out {
-                // Only durable requests journal; this driver runs none yet.
-                RequestOutput::Journal(_) => {}
+                RequestOutput::Journal(write) => match self.journal.as_ref() {
+                    Some(journal) => {
+                        debug_assert!(self.journal_write.is_none(), "one journal write at a time");
+                        self.journal_write = Some(Box::pin(journal.durable.clone().write(write)));
+                    }
+                    None => {
+                        // Only a durable request journals; a machine that
+                        // asks otherwise is told the write failed, so it
+                        // publishes nothing unjournaled.
+                        tracing::error!(event = "edge_driver_protocol_bug", output = "journal");
+                        self.machine.handle_input(
+                            self.ctx.clock.now(),
+                            RequestInput::Journaled(JournalAck::Refused(
+                                iop_core::journal::JournalError::Store("not durable".into()),
+                            )),
+                        );
+                    }
+                },
                 RequestOutput::Dispatch(command) => self.ctx.hub.request(command),
                 RequestOutput::Open {
                     lease,
@@ -315,7 +423,11 @@ impl Driver {
     /// Send one delivery; a client that does not take it within the write
     /// timeout is gone (R-LIM-4).
     async fn deliver(&mut self, delivery: Delivery) {
-        let sent = tokio::time::timeout(self.ctx.client_write_timeout, self.out.send(delivery));
+        // A durable response's readers follow its journal instead.
+        let Some(out) = self.out.as_ref() else {
+            return;
+        };
+        let sent = tokio::time::timeout(self.ctx.client_write_timeout, out.send(delivery));
         match sent.await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => {

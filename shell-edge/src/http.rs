@@ -57,6 +57,8 @@ pub struct AppState {
     metrics: Arc<EdgeMetrics>,
     /// R-LIM-2: every request body is read under this budget.
     bodies: BodyBudget,
+    /// Durable responses (SPEC §6).
+    durable: Arc<crate::durable::Durable>,
 }
 
 impl AppState {
@@ -67,6 +69,7 @@ impl AppState {
         clock: iop_transport::clock::Clock,
         metrics: Arc<EdgeMetrics>,
         creds: Arc<crate::cred::Credentials>,
+        durable: Arc<crate::durable::Durable>,
     ) -> Self {
         let m = metrics.clone();
         let observe: Arc<dyn Fn(DriverObservation) + Send + Sync> = Arc::new(move |o| match o {
@@ -123,7 +126,18 @@ impl AppState {
             ids: Arc::new(AtomicU64::new(1)),
             config,
             metrics,
+            durable,
         }
+    }
+
+    /// Durable responses.
+    pub fn durable(&self) -> &Arc<crate::durable::Durable> {
+        &self.durable
+    }
+
+    /// What a request's driver needs.
+    pub fn driver_context(&self) -> &DriverContext {
+        &self.ctx
     }
 
     fn next_id(&self) -> u64 {
@@ -141,7 +155,24 @@ fn digest(key: &str) -> [u8; 32] {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
+        .route(
+            "/v1/chat/completions/{id}",
+            get(crate::stored::retrieve_chat_completion)
+                .delete(crate::stored::delete_chat_completion),
+        )
         .route("/v1/responses", post(create_response))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::stored::retrieve_response).delete(crate::stored::delete_response),
+        )
+        .route(
+            "/v1/responses/{id}/cancel",
+            post(crate::stored::cancel_response),
+        )
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(crate::stored::input_items),
+        )
         .route("/v1/models", get(list_models))
         .route("/api/chat", post(ollama_chat))
         .route("/api/generate", post(ollama_generate))
@@ -162,7 +193,7 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
     let value = headers
         .get(header::AUTHORIZATION)
         .ok_or_else(ApiError::missing_api_key)?;
@@ -298,14 +329,14 @@ fn unix_now() -> u64 {
 
 /// What an admitted run request brings: the caller's key, the raw body (for
 /// a tunnel), the parsed run with its API's options, and the model's pool.
-struct Admitted<O> {
-    key: ApiKey,
-    body: bytes::Bytes,
+pub(crate) struct Admitted<O> {
+    pub(crate) key: ApiKey,
+    pub(crate) body: bytes::Bytes,
     /// The body's share of the budget, held while the request lives.
-    body_permit: BodyPermit,
-    run: NormalizedRun,
-    options: O,
-    pool: Vec<ProviderId>,
+    pub(crate) body_permit: BodyPermit,
+    pub(crate) run: NormalizedRun,
+    pub(crate) options: O,
+    pub(crate) pool: Vec<ProviderId>,
 }
 
 /// Authenticate, read and parse a run request and route its model; any
@@ -414,10 +445,45 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         record.error(&err);
         endpoint.error_response(err)
     };
-    let admitted = match admit(&state, request, &endpoint).await {
+    let idempotency = match crate::stored::idempotency_key(request.headers()) {
+        Ok(key) => key,
+        Err(e) => return refuse(record, e),
+    };
+    let mut admitted = match admit(&state, request, &endpoint).await {
         Ok(admitted) => admitted,
         Err(e) => return refuse(record, e),
     };
+    // A continued conversation: the stored response's messages go between
+    // this request's instructions and its input.
+    let mut history = None;
+    if let Some(previous) = endpoint.previous_response(&admitted.options) {
+        match crate::stored::history(&state, &admitted.key, &previous).await {
+            Ok(messages) => {
+                crate::stored::continue_conversation(
+                    &mut admitted.run.messages,
+                    endpoint.instruction_messages(&admitted.options),
+                    &messages,
+                );
+                history = Some(messages);
+            }
+            Err(e) => return refuse(record, e),
+        }
+    }
+    // SPEC §6: kept (`store`, `background`) or idempotent requests are
+    // durable.
+    let keep = endpoint.keep(&admitted.options, state.durable.responses_store_default());
+    if keep.store || keep.background || idempotency.is_some() {
+        return crate::stored::run_durable(
+            &state,
+            endpoint,
+            admitted,
+            keep,
+            history,
+            idempotency,
+            record,
+        )
+        .await;
+    }
     let (run, options) = (admitted.run, admitted.options);
     // The body and what was parsed from it live as long as the request.
     record.body_permit = Some(admitted.body_permit);
@@ -604,7 +670,7 @@ fn answer_body<S: AnswerStream>(
 pub const MAX_WHOLE_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
 /// The error of an answer past [`MAX_WHOLE_ANSWER_BYTES`].
-fn answer_too_large(limit_bytes: usize) -> ApiError {
+pub(crate) fn answer_too_large(limit_bytes: usize) -> ApiError {
     ApiError {
         status: 502,
         kind: crate::api::ErrorKind::Server,
@@ -618,7 +684,7 @@ fn answer_too_large(limit_bytes: usize) -> ApiError {
 }
 
 /// Bytes an event adds to an accumulated answer.
-fn accumulated_bytes(event: &iop_wire::RunEventKind) -> usize {
+pub(crate) fn accumulated_bytes(event: &iop_wire::RunEventKind) -> usize {
     match event {
         iop_wire::RunEventKind::TextDelta(text) => text.len(),
         iop_wire::RunEventKind::ToolCallDelta(d) => {
@@ -701,21 +767,21 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
 
 /// Records one client request's outcome in the metrics when dropped; a
 /// request dropped before an outcome was set was abandoned by its client.
-struct RequestRecord {
+pub(crate) struct RequestRecord {
     metrics: Arc<EdgeMetrics>,
     route: &'static str,
     started: std::time::Instant,
     outcome: &'static str,
     /// The request body's share of the budget (R-LIM-2).
-    body_permit: Option<BodyPermit>,
+    pub(crate) body_permit: Option<BodyPermit>,
     /// The request's span (`edge.request`), ended with the record.
-    span: iop_transport::traces::TraceSpan,
+    pub(crate) span: iop_transport::traces::TraceSpan,
     /// Response body bytes streamed to the client.
-    relayed_bytes: u64,
+    pub(crate) relayed_bytes: u64,
 }
 
 impl RequestRecord {
-    fn new(state: &AppState, route: &'static str, headers: &HeaderMap) -> Self {
+    pub(crate) fn new(state: &AppState, route: &'static str, headers: &HeaderMap) -> Self {
         Self {
             metrics: state.metrics.clone(),
             route,
@@ -727,11 +793,11 @@ impl RequestRecord {
         }
     }
 
-    fn set(&mut self, outcome: &'static str) {
+    pub(crate) fn set(&mut self, outcome: &'static str) {
         self.outcome = outcome;
     }
 
-    fn error(&mut self, err: &ApiError) {
+    pub(crate) fn error(&mut self, err: &ApiError) {
         self.outcome = outcome_of(err);
     }
 }
@@ -1003,7 +1069,7 @@ mod tests {
     async fn a_whole_answer_past_its_bound_is_refused_not_accumulated() {
         // R-LIM-3: a non-streaming answer's text and tool arguments are
         // bounded before the Edge builds it in memory.
-        use crate::api::endpoint::{AnswerStart, ChatCompletions, RunEndpoint as _};
+        use crate::api::endpoint::{AnswerStart, ChatCompletions, ChatOptions, RunEndpoint as _};
         let start = || AnswerStart {
             model: "m".into(),
             id_seed: 1,
@@ -1013,9 +1079,19 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(8);
         tx.send(text("12345")).await.unwrap();
         tx.send(text("678")).await.unwrap();
-        let err = whole_answer(&mut rx, ChatCompletions.whole(start(), false), 7)
-            .await
-            .unwrap_err();
+        let err = whole_answer(
+            &mut rx,
+            ChatCompletions.whole(
+                start(),
+                ChatOptions {
+                    include_usage: false,
+                    store: false,
+                },
+            ),
+            7,
+        )
+        .await
+        .unwrap_err();
         assert_eq!((err.status, err.code), (502, Some("response_too_large")));
         let (tx, mut rx) = mpsc::channel(8);
         tx.send(text("1234567")).await.unwrap();
@@ -1026,9 +1102,19 @@ mod tests {
         .await
         .unwrap();
         tx.send(Delivery::Finish).await.unwrap();
-        let answer = whole_answer(&mut rx, ChatCompletions.whole(start(), false), 7)
-            .await
-            .unwrap();
+        let answer = whole_answer(
+            &mut rx,
+            ChatCompletions.whole(
+                start(),
+                ChatOptions {
+                    include_usage: false,
+                    store: false,
+                },
+            ),
+            7,
+        )
+        .await
+        .unwrap();
         assert_eq!(answer["choices"][0]["message"]["content"], "1234567");
     }
 

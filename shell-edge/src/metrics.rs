@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use iop_core::journal::JournalError;
 use iop_transport::telemetry::MetricsPipeline;
 use iop_transport::traces::{TracePipeline, Tracer};
 use iop_wire::{CloseCode, FailureCode, Usage};
@@ -30,7 +31,12 @@ pub const ROUTES: &[&str] = &[
     "ollama_chat",
     "ollama_generate",
     "ollama_embed",
+    "retrieve",
 ];
+/// Journal operations (`op` label of the journal metrics, SPEC §6).
+pub const JOURNAL_OPS: &[&str] = &["create", "append", "finish", "raise_epoch"];
+/// The `outcome` of a journal write that succeeded.
+pub const JOURNAL_OK: &str = "ok";
 /// Request outcomes (`outcome` label of `iop_edge_requests_total`).
 pub const REQUEST_OUTCOMES: &[&str] = &[
     "ok",
@@ -90,6 +96,10 @@ pub struct Gauges {
     pub nodes_connected: AtomicU64,
     /// Messages ignored because their generation was fenced (monotonic).
     pub fenced_late_messages: AtomicU64,
+    /// Durable responses held by the journal store.
+    pub journal_records: AtomicU64,
+    /// Bytes the journal store holds (as its bound counts them).
+    pub journal_bytes: AtomicU64,
 }
 
 /// Every Edge instrument.
@@ -111,13 +121,14 @@ pub struct EdgeMetrics {
     attempts_per_request: Histogram<u64>,
     queue_wait: Histogram<f64>,
     relayed_bytes: Counter<u64>,
+    journal_writes: Counter<u64>,
+    journal_write_seconds: Histogram<f64>,
     traces: TracePipeline,
     /// Configured route models (the `model` label), set once at start.
     route_models: std::sync::OnceLock<Vec<String>>,
+    /// The observable instruments, kept alive with the rest.
     _observers: (
-        opentelemetry::metrics::ObservableGauge<u64>,
-        opentelemetry::metrics::ObservableGauge<u64>,
-        opentelemetry::metrics::ObservableGauge<u64>,
+        Vec<opentelemetry::metrics::ObservableGauge<u64>>,
         opentelemetry::metrics::ObservableCounter<u64>,
     ),
 }
@@ -168,6 +179,18 @@ impl EdgeMetrics {
             .u64_observable_counter("iop_edge_fenced_late_messages")
             .with_description("Messages ignored because their generation was fenced (R-GEN-3)")
             .with_callback(move |o| o.observe(g.fenced_late_messages.load(Ordering::Relaxed), &[]))
+            .build();
+        let g = gauges.clone();
+        let _journal_records = meter
+            .u64_observable_gauge("iop_edge_journal_records")
+            .with_description("Durable responses held by the journal store (SPEC §6)")
+            .with_callback(move |o| o.observe(g.journal_records.load(Ordering::Relaxed), &[]))
+            .build();
+        let g = gauges.clone();
+        let _journal_bytes = meter
+            .u64_observable_gauge("iop_edge_journal_bytes")
+            .with_description("Bytes the journal store holds, as its bound counts them (R-JRN-5)")
+            .with_callback(move |o| o.observe(g.journal_bytes.load(Ordering::Relaxed), &[]))
             .build();
         Arc::new(Self {
             requests: meter
@@ -234,11 +257,26 @@ impl EdgeMetrics {
                 .u64_counter("iop_edge_relayed_bytes")
                 .with_description("Response body bytes streamed to clients, by route")
                 .build(),
+            journal_writes: meter
+                .u64_counter("iop_edge_journal_writes")
+                .with_description("Journal store operations by op and outcome (SPEC §6)")
+                .build(),
+            journal_write_seconds: meter
+                .f64_histogram("iop_edge_journal_write_seconds")
+                .with_description("Time until a journal operation was durable (R-JRN-1)")
+                .with_boundaries(vec![
+                    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                    0.5, 1.0, 2.5,
+                ])
+                .build(),
             traces,
             route_models: std::sync::OnceLock::new(),
             gauges,
             pipeline,
-            _observers: (_queue, _leases, _nodes, _late),
+            _observers: (
+                vec![_queue, _leases, _nodes, _journal_records, _journal_bytes],
+                _late,
+            ),
         })
     }
 
@@ -285,6 +323,14 @@ impl EdgeMetrics {
                 );
             }
             self.relayed_bytes.add(0, &[KeyValue::new("route", *route)]);
+        }
+        for op in JOURNAL_OPS {
+            for outcome in std::iter::once(JOURNAL_OK).chain(JournalError::NAMES.iter().copied()) {
+                self.journal_writes.add(
+                    0,
+                    &[KeyValue::new("op", *op), KeyValue::new("outcome", outcome)],
+                );
+            }
         }
         self.heartbeat_timeouts.add(0, &[]);
         for reason in CloseCode::ALL {
@@ -423,6 +469,25 @@ impl EdgeMetrics {
         ];
         self.requests.add(1, &labels);
         self.duration.record(total.as_secs_f64(), &labels);
+    }
+
+    /// One journal operation (`op` of [`JOURNAL_OPS`]) and how it ended.
+    pub fn journal_write(
+        &self,
+        op: &'static str,
+        result: Result<(), &JournalError>,
+        took: Duration,
+    ) {
+        let outcome = match result {
+            Ok(()) => JOURNAL_OK,
+            Err(e) => e.as_str(),
+        };
+        self.journal_writes.add(
+            1,
+            &[KeyValue::new("op", op), KeyValue::new("outcome", outcome)],
+        );
+        self.journal_write_seconds
+            .record(took.as_secs_f64(), &[KeyValue::new("op", op)]);
     }
 
     /// Time to first content of a request.

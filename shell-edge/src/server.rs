@@ -33,6 +33,12 @@ pub enum StartError {
     /// The metrics pipeline (Prometheus or OTLP exporter) could not be built.
     #[error("metrics: {0}")]
     Metrics(#[from] iop_transport::telemetry::TelemetryError),
+    /// The journal of durable responses could not be opened.
+    #[error("{0}")]
+    Journal(#[from] crate::durable::OpenError),
+    /// The journal's restart scan failed (R-TAKE-1).
+    #[error("journal: {0}")]
+    JournalScan(#[from] iop_core::journal::JournalError),
 }
 
 /// Streams a node may have open towards the Edge: its control stream, and
@@ -59,6 +65,8 @@ pub struct RunningEdge {
     accept_task: JoinHandle<()>,
     http_task: JoinHandle<()>,
     hub_task: JoinHandle<()>,
+    /// Removes expired durable responses.
+    sweeper: JoinHandle<()>,
 }
 
 /// Process options that are not configuration.
@@ -195,6 +203,24 @@ impl RunningEdge {
             }
         });
         tracing::info!(event = "edge_quic_listening", addr = %quic_addr);
+        // R-TAKE-1: before any client is served, every response a former
+        // run of this Edge left unfinished gets its terminal.
+        let durable = Arc::new(crate::durable::Durable::open(
+            &config.journal,
+            &config.edge.state_dir,
+            metrics.clone(),
+        )?);
+        let orphans = durable.end_orphans().await?;
+        if orphans > 0 {
+            tracing::warn!(
+                event = "edge_journal_orphans_ended",
+                records = orphans,
+                reason = crate::durable::EDGE_RESTART_REASON
+            );
+        }
+        let sweeper = durable.spawn_sweeper(std::time::Duration::from_millis(
+            config.journal.sweep_interval_ms,
+        ));
         let config = Arc::new(config);
         let listener = tokio::net::TcpListener::bind(config.edge.http_listen).await?;
         let http_addr = listener.local_addr()?;
@@ -204,6 +230,7 @@ impl RunningEdge {
             clock,
             metrics.clone(),
             creds.clone(),
+            durable,
         ));
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
@@ -222,6 +249,7 @@ impl RunningEdge {
             accept_task,
             http_task,
             hub_task,
+            sweeper,
         })
     }
 
@@ -265,6 +293,7 @@ impl RunningEdge {
     /// `shutdown`, wait briefly for the closes to go out, and push the final
     /// metrics to the OTLP collector when one is configured.
     pub async fn shutdown(self) {
+        self.sweeper.abort();
         self.http_stop.send_replace(true);
         let _ = self.http_task.await;
         // Refuse new handshakes first: nodes keep dialing while we drain.

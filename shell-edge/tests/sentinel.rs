@@ -106,8 +106,10 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
             "provider_error", "unavailable", "timeout", "client_disconnected", "internal",
             "lowered", "recorded", "stale"];
         outcomes.extend(iop_wire::FailureCode::ALL.iter().map(|c| c.as_str()));
+        outcomes.extend(iop_core::journal::JournalError::NAMES);
         let closed: &[(&str, &[&str])] = &[
-            ("route", &["chat", "responses", "completions", "embeddings", "ollama_chat", "ollama_generate", "ollama_embed"]),
+            ("route", &["chat", "responses", "completions", "embeddings", "ollama_chat", "ollama_generate", "ollama_embed", "retrieve"]),
+            ("op", &["create", "append", "finish", "raise_epoch"]),
             ("outcome", &outcomes),
             ("provider", &["p1"]),
             ("model", &["mock*"]),

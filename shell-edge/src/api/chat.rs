@@ -80,6 +80,9 @@ pub struct ChatRequest {
     pub run: NormalizedRun,
     /// `stream_options.include_usage`: send a final usage chunk.
     pub include_usage: bool,
+    /// `store`: keep the completion to fetch it later (and resume its
+    /// stream).
+    pub store: bool,
 }
 
 /// Parse a `POST /v1/chat/completions` body.
@@ -93,6 +96,7 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
         Some(options) => options.bool("include_usage")?.unwrap_or(false),
         None => false,
     };
+    let store = root.bool("store")?.unwrap_or(false);
 
     let Some(raw_messages) = root.array("messages")? else {
         return Err(ApiError::missing_parameter("messages"));
@@ -153,6 +157,7 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
             choices,
         },
         include_usage,
+        store,
     })
 }
 
@@ -800,6 +805,20 @@ impl ChatAccumulator {
     /// The `chat.completion` object, or the error the run ended with.
     pub fn finish(&self) -> Result<Value, ApiError> {
         let finish_reason = self.transcript.finish_reason()?;
+        Ok(self.completion_json(Some(finish_reason.as_str())))
+    }
+
+    /// The `chat.completion` object as it stands: a stored completion
+    /// fetched before it finished, or one that ended without its answer,
+    /// has `finish_reason` `null`.
+    pub fn snapshot(&self) -> Value {
+        match self.transcript.finish_reason() {
+            Ok(reason) => self.completion_json(Some(reason.as_str())),
+            Err(_) => self.completion_json(None),
+        }
+    }
+
+    fn completion_json(&self, finish_reason: Option<&str>) -> Value {
         let text = self.transcript.text();
         let tool_calls = self.transcript.tool_calls();
         let mut message = Map::new();
@@ -830,7 +849,7 @@ impl ChatAccumulator {
                 .collect();
             message.insert("tool_calls".into(), Value::Array(calls));
         }
-        Ok(json!({
+        json!({
             "id": self.id,
             "object": "chat.completion",
             "created": self.created_unix,
@@ -841,11 +860,11 @@ impl ChatAccumulator {
                 "message": message,
                 "logprobs": (!self.transcript.logprobs().is_empty())
                     .then(|| logprobs_json(self.transcript.logprobs())),
-                "finish_reason": finish_reason.as_str(),
+                "finish_reason": finish_reason,
             }],
             // The provider's usage, or `null` when it reported none.
             "usage": self.transcript.usage().map(usage_json),
-        }))
+        })
     }
 }
 

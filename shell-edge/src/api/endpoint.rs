@@ -26,6 +26,7 @@ use serde_json::Value;
 use super::error::{ApiError, OllamaError};
 use super::{NormalizedRun, chat, embeddings, framing, ids, ollama, responses};
 use crate::driver::TunnelApi;
+use iop_core::journal::JournalApi;
 
 /// What one run API adds to the shared pipeline.
 pub trait RunEndpoint: Send + Sync + 'static {
@@ -58,6 +59,38 @@ pub trait RunEndpoint: Send + Sync + 'static {
     fn stream(&self, start: AnswerStart, options: Self::Options) -> Self::Stream;
     /// The accumulator of a non-streaming answer.
     fn whole(&self, start: AnswerStart, options: Self::Options) -> Self::Whole;
+    /// The journal's name of this API (durable responses, SPEC §6).
+    fn journal_api(&self) -> JournalApi;
+    /// The `id` that [`Self::stream`] and [`Self::whole`] give an answer
+    /// started with `seed`: a durable response is stored under it.
+    fn object_id(&self, seed: u64) -> String {
+        format!("run_{seed:016x}")
+    }
+    /// What the request asks to be kept (`store`, `background`), with
+    /// `store_default` the Edge's default for this API where it has one.
+    fn keep(&self, _options: &Self::Options, _store_default: bool) -> Keep {
+        Keep::default()
+    }
+    /// Mark the options with what is kept, so the answer echoes it.
+    fn mark_kept(&self, _options: &mut Self::Options, _keep: Keep) {}
+    /// The stored response this request continues (`previous_response_id`).
+    fn previous_response(&self, _options: &Self::Options) -> Option<String> {
+        None
+    }
+    /// How many leading messages of the parsed run are this request's
+    /// instructions (they are not carried into a continued conversation).
+    fn instruction_messages(&self, _options: &Self::Options) -> usize {
+        0
+    }
+}
+
+/// What a request asks the Edge to keep of its answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Keep {
+    /// Store it to fetch later (a durable response).
+    pub store: bool,
+    /// Run it without a waiting client; answer at once.
+    pub background: bool,
 }
 
 /// What an answer is labelled with, from the pipeline.
@@ -88,6 +121,16 @@ pub trait AnswerStream: Send + 'static {
     fn closing(&mut self, _out: &mut Vec<u8>) {}
     /// Append the frames ending the stream with `err` (R-GATE-3).
     fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>);
+    /// Append the frames ending the stream of a durable response that
+    /// ended without its answer (`reason`: `edge_restart`, `cancelled`).
+    fn interrupted(&mut self, reason: &str, out: &mut Vec<u8>) {
+        self.failure(&ApiError::response_interrupted(reason), out);
+    }
+    /// Whether this API's stream is SSE: a durable stream then numbers its
+    /// events with `id:` lines (0, 1, 2, ... in the order written, the
+    /// same for every rendering of the record), so a client can resume
+    /// after the last one it has (`Last-Event-ID`, `starting_after`).
+    const SSE_IDS: bool = false;
     /// The response whose body is `chunks`, each the frames that became due
     /// together.
     fn response(chunks: BoxStream<'static, Bytes>) -> Response;
@@ -99,14 +142,29 @@ pub trait WholeAnswer: Send + 'static {
     fn event(&mut self, event: &RunEventKind);
     /// The answer at `now_unix_ms`, or the error the run ended with.
     fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError>;
+    /// The answer of a durable response that ended without one (`reason`:
+    /// `edge_restart`, `cancelled`): by default the error saying so; an API
+    /// whose objects have a status shows what there is.
+    fn interrupted(&self, reason: &str) -> Result<Value, ApiError> {
+        Err(ApiError::response_interrupted(reason))
+    }
 }
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Copy)]
 pub struct ChatCompletions;
 
+/// Chat Completions options: `stream_options.include_usage` and `store`.
+#[derive(Debug, Clone, Copy)]
+pub struct ChatOptions {
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+    /// `store`.
+    pub store: bool,
+}
+
 impl RunEndpoint for ChatCompletions {
-    type Options = bool;
+    type Options = ChatOptions;
     type Stream = chat::ChatStream;
     type Whole = chat::ChatAccumulator;
 
@@ -118,28 +176,52 @@ impl RunEndpoint for ChatCompletions {
         (TunnelApi::OpenAi, "/v1/chat/completions")
     }
 
-    /// The options are `stream_options.include_usage`.
-    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, bool), ApiError> {
-        chat::parse_chat_request(body).map(|r| (r.run, r.include_usage))
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, ChatOptions), ApiError> {
+        chat::parse_chat_request(body).map(|r| {
+            (
+                r.run,
+                ChatOptions {
+                    include_usage: r.include_usage,
+                    store: r.store,
+                },
+            )
+        })
     }
 
     fn error_response(&self, err: ApiError) -> Response {
         err.into_response()
     }
 
-    fn stream(&self, start: AnswerStart, include_usage: bool) -> chat::ChatStream {
+    fn stream(&self, start: AnswerStart, options: ChatOptions) -> chat::ChatStream {
         let id = ids::chat_completion_id(start.id_seed);
-        chat::ChatStream::new(id, start.model, start.committed_unix).with_usage_chunk(include_usage)
+        chat::ChatStream::new(id, start.model, start.committed_unix)
+            .with_usage_chunk(options.include_usage)
     }
 
-    fn whole(&self, start: AnswerStart, _include_usage: bool) -> chat::ChatAccumulator {
+    fn whole(&self, start: AnswerStart, _options: ChatOptions) -> chat::ChatAccumulator {
         let id = ids::chat_completion_id(start.id_seed);
         chat::ChatAccumulator::new(id, start.model, start.committed_unix)
+    }
+
+    fn journal_api(&self) -> JournalApi {
+        JournalApi::ChatCompletions
+    }
+
+    fn object_id(&self, seed: u64) -> String {
+        ids::chat_completion_id(seed)
+    }
+
+    fn keep(&self, options: &ChatOptions, _store_default: bool) -> Keep {
+        Keep {
+            store: options.store,
+            background: false,
+        }
     }
 }
 
 impl AnswerStream for chat::ChatStream {
     const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
+    const SSE_IDS: bool = true;
 
     fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
         self.push(event, out);
@@ -203,10 +285,41 @@ impl RunEndpoint for Responses {
         let id = ids::response_id(start.id_seed);
         responses::ResponsesAccumulator::new(id, start.model, start.committed_unix).with_echo(echo)
     }
+
+    fn journal_api(&self) -> JournalApi {
+        JournalApi::Responses
+    }
+
+    fn object_id(&self, seed: u64) -> String {
+        ids::response_id(seed)
+    }
+
+    /// `store` defaults to the Edge's setting (OpenAI's default is
+    /// `true`); a background response is always stored.
+    fn keep(&self, echo: &responses::ResponseEcho, store_default: bool) -> Keep {
+        Keep {
+            store: echo.store_requested.unwrap_or(store_default) || echo.background,
+            background: echo.background,
+        }
+    }
+
+    fn mark_kept(&self, echo: &mut responses::ResponseEcho, keep: Keep) {
+        echo.store = keep.store;
+        echo.background = keep.background;
+    }
+
+    fn previous_response(&self, echo: &responses::ResponseEcho) -> Option<String> {
+        echo.previous_response_id.clone()
+    }
+
+    fn instruction_messages(&self, echo: &responses::ResponseEcho) -> usize {
+        usize::from(echo.instructions.is_some())
+    }
 }
 
 impl AnswerStream for responses::ResponsesStream {
     const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
+    const SSE_IDS: bool = true;
 
     fn opening(&mut self, out: &mut Vec<u8>) {
         self.start(out);
@@ -218,6 +331,11 @@ impl AnswerStream for responses::ResponsesStream {
 
     fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
         self.fail(err, out);
+    }
+
+    /// `response.incomplete`, its `status` `incomplete` or `cancelled`.
+    fn interrupted(&mut self, reason: &str, out: &mut Vec<u8>) {
+        self.end_interrupted(reason, out);
     }
 
     fn response(chunks: BoxStream<'static, Bytes>) -> Response {
@@ -232,6 +350,10 @@ impl WholeAnswer for responses::ResponsesAccumulator {
 
     fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
         self.finish()
+    }
+
+    fn interrupted(&self, reason: &str) -> Result<Value, ApiError> {
+        Ok(self.interrupted_snapshot(reason))
     }
 }
 
@@ -289,6 +411,13 @@ impl RunEndpoint for Ollama {
 
     fn whole(&self, start: AnswerStart, _load_only: bool) -> ollama::OllamaAccumulator {
         ollama::OllamaAccumulator::new(start.model, self.0, start.admitted_unix_ms)
+    }
+
+    fn journal_api(&self) -> JournalApi {
+        match self.0 {
+            RunApi::Chat => JournalApi::OllamaChat,
+            _ => JournalApi::OllamaGenerate,
+        }
     }
 }
 
@@ -350,6 +479,10 @@ impl RunEndpoint for Embeddings {
     fn whole(&self, start: AnswerStart, base64: bool) -> embeddings::EmbeddingsAccumulator {
         embeddings::EmbeddingsAccumulator::new(start.model, base64)
     }
+
+    fn journal_api(&self) -> JournalApi {
+        JournalApi::Embeddings
+    }
 }
 
 impl WholeAnswer for embeddings::EmbeddingsAccumulator {
@@ -404,6 +537,10 @@ impl RunEndpoint for OllamaEmbed {
             inner: embeddings::EmbeddingsAccumulator::new(start.model, false),
             admitted_unix_ms: start.admitted_unix_ms,
         }
+    }
+
+    fn journal_api(&self) -> JournalApi {
+        JournalApi::OllamaEmbed
     }
 }
 
@@ -462,10 +599,19 @@ impl RunEndpoint for Completions {
             start.committed_unix,
         )
     }
+
+    fn journal_api(&self) -> JournalApi {
+        JournalApi::Completions
+    }
+
+    fn object_id(&self, seed: u64) -> String {
+        embeddings::completion_id(seed)
+    }
 }
 
 impl AnswerStream for embeddings::CompletionStream {
     const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
+    const SSE_IDS: bool = true;
 
     fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
         self.push(event, out);

@@ -313,6 +313,81 @@ impl ApiError {
         )
     }
 
+    /// 409: the `Idempotency-Key` already names a response to a different
+    /// request (R-IDEM-1).
+    pub fn idempotency_key_conflict() -> Self {
+        Self::new(
+            409,
+            ErrorKind::InvalidRequest,
+            Some("idempotency_key_conflict"),
+            "This Idempotency-Key was already used with a different request; use a new key."
+                .to_owned(),
+        )
+        .with_param("Idempotency-Key")
+    }
+
+    /// 503: the response store cannot take a new durable request (it is
+    /// full, or it failed); requests without `store`, `background` or an
+    /// `Idempotency-Key` are still served (R-JRN-5).
+    pub fn journal_unavailable(full: bool) -> Self {
+        let (code, message) = if full {
+            (
+                "response_store_full",
+                "The response store is full; retry later or send the request with \"store\": false and no Idempotency-Key.",
+            )
+        } else {
+            (
+                "response_store_unavailable",
+                "The response store is unavailable; retry later or send the request with \"store\": false and no Idempotency-Key.",
+            )
+        };
+        let mut err = Self::new(
+            503,
+            ErrorKind::ServiceUnavailable,
+            Some(code),
+            message.to_owned(),
+        );
+        err.retry_after_secs = Some(1);
+        err
+    }
+
+    /// 400: `previous_response_id` names a response that cannot be
+    /// continued yet (it is still running).
+    pub fn previous_response_running() -> Self {
+        Self::new(
+            400,
+            ErrorKind::InvalidRequest,
+            Some("previous_response_in_progress"),
+            "The previous response is still in progress; wait for it to finish.".to_owned(),
+        )
+        .with_param("previous_response_id")
+    }
+
+    /// 404: `previous_response_id` names no stored response of this key.
+    pub fn previous_response_not_found() -> Self {
+        Self::new(
+            404,
+            ErrorKind::InvalidRequest,
+            Some("previous_response_not_found"),
+            "The previous response was not found (it was not stored, or it expired).".to_owned(),
+        )
+        .with_param("previous_response_id")
+    }
+
+    /// 502: a durable response ended without its answer: the Edge that ran
+    /// it restarted (`reason` `edge_restart`) or it was cancelled. Its
+    /// durable prefix is what was delivered.
+    pub fn response_interrupted(reason: &str) -> Self {
+        let (code, message) = match reason {
+            "cancelled" => ("response_cancelled", "The response was cancelled."),
+            _ => (
+                "response_incomplete",
+                "The response ended before it was complete (the gateway running it restarted).",
+            ),
+        };
+        Self::new(502, ErrorKind::Server, Some(code), message.to_owned())
+    }
+
     /// 500: a failure inside the gateway.
     pub fn internal() -> Self {
         Self::new(

@@ -36,6 +36,51 @@ pub fn sse_event(out: &mut Vec<u8>, name: Option<&str>, payload: impl FnOnce(&mu
     out.extend_from_slice(b"\n\n");
 }
 
+/// Numbers the SSE events of a durable stream with `id:` lines, 0, 1, 2,
+/// ... in the order written, and leaves out those a resumed client already
+/// has (`skip_through`: the last id it received). Every rendering of a
+/// record writes the same events in the same order, so an event's id is
+/// the same in every rendering (R-JRN-2).
+#[derive(Debug, Clone, Default)]
+pub struct SseNumbering {
+    next_id: u64,
+    skip_through: Option<u64>,
+}
+
+impl SseNumbering {
+    /// Number from 0, writing only events after `skip_through`.
+    pub fn after(skip_through: Option<u64>) -> Self {
+        Self {
+            next_id: 0,
+            skip_through,
+        }
+    }
+
+    /// Copy the whole SSE events in `events` to `out`, each numbered, the
+    /// skipped ones left out. `events` holds complete events only (as the
+    /// encoders write them).
+    pub fn number(&mut self, events: &[u8], out: &mut Vec<u8>) {
+        let mut rest = events;
+        while !rest.is_empty() {
+            let end = rest
+                .windows(2)
+                .position(|w| w == b"\n\n")
+                .map_or(rest.len(), |i| i + 2);
+            let (event, tail) = rest.split_at(end);
+            rest = tail;
+            let id = self.next_id;
+            self.next_id += 1;
+            if self.skip_through.is_some_and(|skip| id <= skip) {
+                continue;
+            }
+            out.extend_from_slice(b"id: ");
+            out.extend_from_slice(id.to_string().as_bytes());
+            out.push(b'\n');
+            out.extend_from_slice(event);
+        }
+    }
+}
+
 /// Append one SSE `data:` event whose payload is `value` as JSON.
 pub fn sse_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, name: Option<&str>, value: &T) {
     sse_event(out, name, |out| write_json(out, value));
@@ -129,5 +174,45 @@ mod tests {
             out,
             b"{\"done\":false,\"model\":\"m\"}\n{\"error\":\"e\"}\n"
         );
+    }
+
+    fn events(n: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for i in 0..n {
+            sse_json(&mut out, Some("e"), &serde_json::json!({ "i": i }));
+        }
+        out
+    }
+
+    #[test]
+    fn durable_sse_events_are_numbered_in_order_across_writes() {
+        let mut numbering = SseNumbering::after(None);
+        let mut out = Vec::new();
+        numbering.number(&events(2), &mut out);
+        numbering.number(&events(1), &mut out);
+        let ids: Vec<&str> = std::str::from_utf8(&out)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("id: "))
+            .collect();
+        assert_eq!(ids, ["0", "1", "2"]);
+        assert!(out.ends_with(b"\n\n"));
+    }
+
+    #[test]
+    fn a_resumed_stream_writes_exactly_the_events_after_its_id() {
+        let all = events(5);
+        let mut whole = Vec::new();
+        SseNumbering::after(None).number(&all, &mut whole);
+        for skip in 0..5u64 {
+            let mut rest = Vec::new();
+            SseNumbering::after(Some(skip)).number(&all, &mut rest);
+            let text = std::str::from_utf8(&whole).unwrap();
+            let expected: Vec<&str> = text
+                .split_inclusive("\n\n")
+                .skip(skip as usize + 1)
+                .collect();
+            assert_eq!(std::str::from_utf8(&rest).unwrap(), expected.concat());
+        }
     }
 }

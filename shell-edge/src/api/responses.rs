@@ -67,6 +67,14 @@ pub struct ResponseEcho {
     pub parallel_tool_calls: bool,
     /// `metadata` as sent, or `{}`.
     pub metadata: Value,
+    /// `store` as sent (`None`: the Edge's default decides).
+    pub store_requested: Option<bool>,
+    /// Whether the response is stored (decided by the Edge; echoed).
+    pub store: bool,
+    /// `background: true` was sent.
+    pub background: bool,
+    /// `previous_response_id` as sent.
+    pub previous_response_id: Option<String>,
 }
 
 impl Default for ResponseEcho {
@@ -80,6 +88,10 @@ impl Default for ResponseEcho {
             max_output_tokens: None,
             parallel_tool_calls: true,
             metadata: json!({}),
+            store_requested: None,
+            store: false,
+            background: false,
+            previous_response_id: None,
         }
     }
 }
@@ -102,21 +114,20 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
     let model = parse_model(&root)?;
     let stream = root.bool("stream")?.unwrap_or(false);
 
-    root.reject(
-        "previous_response_id",
-        "This gateway does not store responses; send the full conversation in 'input'.",
-    )?;
+    let previous_response_id = root.string("previous_response_id")?.map(str::to_owned);
+    let store_requested = root.bool("store")?;
+    let background = root.bool("background")?.unwrap_or(false);
+    if background && store_requested == Some(false) {
+        return Err(ApiError::invalid_value(
+            "store",
+            "must be true for a background response (it is fetched later).",
+        ));
+    }
     root.reject(
         "conversation",
         "This gateway does not store conversations; send the full conversation in 'input'.",
     )?;
     root.reject("prompt", "Prompt templates are not supported.")?;
-    if root.bool("background")? == Some(true) {
-        return Err(ApiError::unsupported_parameter(
-            "background",
-            "Background responses are not supported.",
-        ));
-    }
     let response_format_json = parse_text_format(&root)?;
     let reasoning_effort = match root.object("reasoning")? {
         Some(reasoning) => parse_reasoning_effort(&reasoning, "effort")?,
@@ -181,6 +192,10 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
             Some(_) => root.get("metadata").cloned().unwrap_or_else(|| json!({})),
             None => json!({}),
         },
+        store_requested,
+        store: false,
+        background,
+        previous_response_id,
     };
 
     Ok(ResponsesRequest {
@@ -195,6 +210,59 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
         },
         echo,
     })
+}
+
+/// The input items of a Responses request body, as
+/// `GET /v1/responses/{id}/input_items` lists them (oldest first): each as
+/// sent, with `type`, `id` (derived from `response_id` where the client
+/// gave none) and a message's string `content` as one text part.
+pub fn input_items(body: &[u8], response_id: &str) -> Result<Vec<Value>, ApiError> {
+    let root = parse_body(body)?;
+    let items = match root.get("input") {
+        Some(Value::String(text)) => vec![json!({
+            "type": "message",
+            "role": "user",
+            "content": text,
+        })],
+        Some(Value::Array(items)) => items.clone(),
+        _ => Vec::new(),
+    };
+    Ok(items
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut item)| {
+            let Some(fields) = item.as_object_mut() else {
+                return item;
+            };
+            if !fields.contains_key("type") && fields.contains_key("role") {
+                fields.insert("type".into(), json!("message"));
+            }
+            let kind = fields.get("type").and_then(Value::as_str).unwrap_or("");
+            let prefix = match kind {
+                "message" => "msg_",
+                "function_call" => "fc_",
+                "function_call_output" => "fco_",
+                _ => "item_",
+            };
+            if kind == "message" {
+                let part = if fields.get("role").and_then(Value::as_str) == Some("assistant") {
+                    "output_text"
+                } else {
+                    "input_text"
+                };
+                if let Some(Value::String(text)) = fields.get("content") {
+                    let text = text.clone();
+                    fields.insert("content".into(), json!([{ "type": part, "text": text }]));
+                }
+                fields.entry("status").or_insert(json!("completed"));
+            }
+            let index = u32::try_from(i).unwrap_or(u32::MAX);
+            fields
+                .entry("id")
+                .or_insert_with(|| json!(ids::derived_id(prefix, response_id, index)));
+            item
+        })
+        .collect())
 }
 
 fn text_message(role: Role, content: String) -> ChatMessage {
@@ -612,9 +680,10 @@ impl ResponseDraft {
             "model": self.model,
             "output": output,
             "parallel_tool_calls": self.echo.parallel_tool_calls,
-            "previous_response_id": null,
+            "previous_response_id": self.echo.previous_response_id,
             "reasoning": { "effort": null, "summary": null },
-            "store": false,
+            "store": self.echo.store,
+            "background": self.echo.background,
             "temperature": self.echo.temperature,
             "text": { "format": { "type": "text" } },
             "tool_choice": self.echo.tool_choice,
@@ -647,6 +716,22 @@ impl ResponseDraft {
     fn completed_json(&self, finish_reason: FinishReason) -> Value {
         let (status, item_status, incomplete) = Self::completion_status(finish_reason);
         self.response_json(status, item_status, Value::Null, incomplete, self.usage)
+    }
+
+    /// A durable response that ended without its answer.
+    fn interrupted_json(&self, reason: &str) -> Value {
+        let status = if reason == "cancelled" {
+            "cancelled"
+        } else {
+            "incomplete"
+        };
+        self.response_json(
+            status,
+            "incomplete",
+            Value::Null,
+            json!({ "reason": reason }),
+            self.usage,
+        )
     }
 
     fn failed_json(&self, err: &ApiError) -> Value {
@@ -879,6 +964,23 @@ impl ResponsesStream {
         self.finished = true;
     }
 
+    /// Append the end of a durable response that ended without its
+    /// answer (`reason`: `edge_restart`, or `cancelled`): its items close
+    /// `incomplete` and `response.incomplete` carries the response with
+    /// `status` `incomplete` (or `cancelled`) and the reason.
+    pub fn end_interrupted(&mut self, reason: &str, out: &mut Vec<u8>) {
+        if self.finished {
+            return;
+        }
+        self.ensure_started(out);
+        for index in 0..self.draft.items.len() {
+            self.close_item(out, index, "incomplete");
+        }
+        let response = self.draft.interrupted_json(reason);
+        self.emit(out, "response.incomplete", json!({ "response": response }));
+        self.finished = true;
+    }
+
     fn ensure_started(&mut self, out: &mut Vec<u8>) {
         if self.started {
             return;
@@ -1019,6 +1121,59 @@ impl ResponsesAccumulator {
     /// True once a terminal event was folded in.
     pub fn is_finished(&self) -> bool {
         self.outcome != RunOutcome::Running
+    }
+
+    /// The `response` object as it stands, with `status` given: a stored
+    /// response fetched while it runs (`in_progress`), or one that ended
+    /// without a terminal event of its own (`incomplete`, `cancelled`,
+    /// `failed`), with `error` and `incomplete_details` as given.
+    pub fn snapshot(&self, status: &str, error: Value, incomplete_details: Value) -> Value {
+        let item_status = if status == "in_progress" {
+            "in_progress"
+        } else {
+            "incomplete"
+        };
+        self.draft.response_json(
+            status,
+            item_status,
+            error,
+            incomplete_details,
+            self.draft.usage,
+        )
+    }
+
+    /// The `response` object of a durable response that ended without
+    /// its answer (`reason`: `edge_restart`, `cancelled`).
+    pub fn interrupted_snapshot(&self, reason: &str) -> Value {
+        self.draft.interrupted_json(reason)
+    }
+
+    /// The output so far as one assistant message (its text and function
+    /// calls, with the call ids the client saw): what a response that
+    /// continues this one (`previous_response_id`) is given.
+    pub fn assistant_message(&self) -> ChatMessage {
+        let mut message = text_message(Role::Assistant, String::new());
+        for item in &self.draft.items {
+            match item {
+                OutputItem::Message { text, .. } => message.content.push_str(text),
+                OutputItem::FunctionCall {
+                    call_id,
+                    name,
+                    arguments,
+                    ..
+                } => message.tool_calls.push(ToolCall {
+                    id: call_id.clone(),
+                    name: name.clone(),
+                    arguments: arguments.clone(),
+                }),
+            }
+        }
+        message
+    }
+
+    /// The `response` object of a stored response that failed with `err`.
+    pub fn failed_snapshot(&self, err: &ApiError) -> Value {
+        self.draft.failed_json(err)
     }
 
     /// The `response` object, or the error the run ended with.
@@ -1239,10 +1394,18 @@ mod tests {
             (with("max_output_tokens", json!(0)), "max_output_tokens"),
             (with("stream", json!(1)), "stream"),
             (
-                with("previous_response_id", json!("resp_1")),
+                with("previous_response_id", json!(1)),
                 "previous_response_id",
             ),
-            (with("background", json!(true)), "background"),
+            (with("background", json!(1)), "background"),
+            (
+                {
+                    let mut body = with("background", json!(true));
+                    body["store"] = json!(false);
+                    body
+                },
+                "store",
+            ),
             (
                 with("text", json!({"format": {"type": "json_schema"}})),
                 "text.format.name",

@@ -100,6 +100,8 @@ def main() -> None:
     )
     check(any(item.type == "function_call" for item in resp.output), f"responses: function call {resp.output}")
 
+    durable_responses(client)
+
     # Errors come back typed.
     try:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
@@ -107,6 +109,58 @@ def main() -> None:
     except Exception as e:  # openai.NotFoundError
         check(getattr(e, "status_code", None) == 404, f"unknown model: {e!r}")
     print("openai sdk e2e: ok")
+
+
+def durable_responses(client) -> None:
+    """Stored responses (SPEC §6): retrieve, resume, background, cancel, delete."""
+    # Stored by default, as OpenAI's: the streamed events, then the same
+    # stream from the store, and a resume after any sequence number.
+    live = list(client.responses.create(model="mock:tokens=6", input="keep", stream=True))
+    check(live[-1].type == "response.completed", f"durable: completed {live[-1].type}")
+    rid = live[0].response.id
+    got = client.responses.retrieve(rid)
+    check(got.status == "completed" and got.output_text == live[-1].response.output_text,
+          f"durable: retrieve {got.status} {got.output_text!r}")
+    numbers = [e.sequence_number for e in live]
+    check(numbers == list(range(len(live))), f"durable: sequence numbers {numbers}")
+    for n in (0, 4, len(live) - 2):
+        rest = list(client.responses.retrieve(rid, stream=True, starting_after=n))
+        check([e.sequence_number for e in rest] == numbers[n + 1:],
+              f"durable: resume after {n}: {[e.sequence_number for e in rest]}")
+        check([e.type for e in rest] == [e.type for e in live[n + 1:]], "durable: same events")
+
+    # The input of the response, and a continued conversation.
+    items = client.responses.input_items.list(rid)
+    check(len(items.data) == 1, f"durable: input items {items}")
+    follow = client.responses.create(model="mock:tokens=2", input="more", previous_response_id=rid)
+    check(follow.previous_response_id == rid, "durable: previous_response_id echoed")
+    check(follow.usage.input_tokens > got.usage.input_tokens, "durable: history reached the provider")
+
+    # Background: answered at once, then fetched, cancelled, deleted.
+    bg = client.responses.create(model="mock:tokens=400,tps=50", input="slow", background=True)
+    check(bg.background and bg.status in ("queued", "in_progress"), f"durable: background {bg.status}")
+    cancelled = client.responses.cancel(bg.id)
+    check(cancelled.status == "cancelled", f"durable: cancel {cancelled.status}")
+    client.responses.delete(bg.id)
+    try:
+        client.responses.retrieve(bg.id)
+        check(False, "durable: a deleted response is gone")
+    except Exception as e:  # openai.NotFoundError
+        check(getattr(e, "status_code", None) == 404, f"durable: deleted: {e!r}")
+
+    # Stored chat completions, and an idempotent retry.
+    c = client.chat.completions.create(
+        model="mock:tokens=3", messages=[{"role": "user", "content": "hi"}], store=True)
+    again = client.chat.completions.retrieve(c.id)
+    check(again.choices[0].message.content == c.choices[0].message.content, "durable: stored chat")
+    first = client.chat.completions.create(
+        model="mock:tokens=3", messages=[{"role": "user", "content": "once"}],
+        extra_headers={"Idempotency-Key": "sdk-e2e-1"})
+    second = client.chat.completions.with_raw_response.create(
+        model="mock:tokens=3", messages=[{"role": "user", "content": "once"}],
+        extra_headers={"Idempotency-Key": "sdk-e2e-1"})
+    check(second.headers.get("idempotent-replayed") == "true", "durable: replayed header")
+    check(second.parse().id == first.id, "durable: the same completion")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,931 @@
+//! The HTTP side of durable responses (SPEC §6): a durable run request,
+//! and the routes that fetch, resume, cancel and delete stored responses.
+//!
+//! A run request is durable when it asks to be kept (`store`, `background`)
+//! or sends an `Idempotency-Key`. Its record is created first (R-IDEM-1: a
+//! repeat of the same request finds the record and runs nothing), its run
+//! writes the journal ([`crate::driver::spawn_durable`]), and its answer,
+//! like every later read of it, follows the journal
+//! ([`crate::durable::Follower`]): the API's own encoder renders the
+//! record's events from the first one, so a resumed stream continues the
+//! very stream the client had (R-JRN-2). SSE events are numbered with `id:`
+//! lines ([`framing::SseNumbering`]); a client resumes after the last one it
+//! has with `starting_after=N` or `Last-Event-ID: N`.
+//!
+//! | route | what |
+//! | --- | --- |
+//! | `GET /v1/responses/{id}` | the response object now; `?stream=true[&starting_after=N]` replays then follows |
+//! | `POST /v1/responses/{id}/cancel` | cancel a running response; the object |
+//! | `DELETE /v1/responses/{id}` | cancel if running, then remove |
+//! | `GET /v1/responses/{id}/input_items` | the request's input items (`order`, `limit`, `after`) |
+//! | `GET /v1/chat/completions/{id}` | a stored completion; `?stream=true` resumes (iop extension) |
+//! | `DELETE /v1/chat/completions/{id}` | remove it |
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, Uri};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::StreamExt as _;
+use futures::stream::BoxStream;
+use iop_core::edge::durable::JournalSpec;
+use iop_core::edge::gate::GateFailure;
+use iop_core::edge::request::Delivery;
+use iop_core::journal::{
+    CreateOutcome, JournalApi, JournalError, NewRecord, RecordMeta, RecordStatus, Terminal,
+    fingerprint, idempotency_hash,
+};
+use iop_wire::ChatMessage;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::api::endpoint::{
+    AnswerStart, AnswerStream, ChatCompletions, Keep, Responses, RunEndpoint, WholeAnswer,
+};
+use crate::api::{ApiError, framing, ids};
+use crate::config::ApiKey;
+use crate::driver::{self, DurableRun, Work};
+use crate::durable::{Followed, Follower, StoredRequest};
+use crate::http::{Admitted, AppState, RequestRecord, authenticate, gate_error};
+
+/// The longest `Idempotency-Key` accepted.
+pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
+
+/// The `Idempotency-Key` header, if sent: 1 to 255 visible ASCII
+/// characters.
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .map(str::trim)
+        .filter(|k| {
+            !k.is_empty()
+                && k.len() <= MAX_IDEMPOTENCY_KEY_CHARS
+                && k.bytes().all(|b| b.is_ascii_graphic())
+        })
+        .ok_or_else(|| {
+            ApiError::invalid_value(
+                "Idempotency-Key",
+                "must be 1 to 255 visible ASCII characters.",
+            )
+        })?;
+    Ok(Some(key.to_owned()))
+}
+
+/// The error a journal refusal is answered with.
+fn journal_error(e: &JournalError) -> ApiError {
+    match e {
+        JournalError::IdempotencyConflict => ApiError::idempotency_key_conflict(),
+        JournalError::Full => ApiError::journal_unavailable(true),
+        JournalError::RecordTooLarge => ApiError::body_too_large(0),
+        JournalError::NotFound => ApiError::not_found("response"),
+        _ => {
+            tracing::warn!(event = "edge_journal_error", error = %e);
+            ApiError::journal_unavailable(false)
+        }
+    }
+}
+
+/// The error a failed or interrupted record's terminal stands for.
+fn terminal_error(terminal: &Terminal) -> ApiError {
+    let reason = terminal.reason.as_deref().unwrap_or("");
+    match terminal.status {
+        RecordStatus::Failed => match GateFailure::parse(reason) {
+            Some(kind) => gate_error(kind),
+            None if reason == "response_too_large" => crate::http::answer_too_large(0),
+            None if reason == "journal_unavailable" => ApiError::journal_unavailable(false),
+            None => ApiError::internal(),
+        },
+        RecordStatus::Cancelled => ApiError::response_interrupted("cancelled"),
+        RecordStatus::Incomplete => ApiError::response_interrupted(reason),
+        RecordStatus::Completed | RecordStatus::InProgress => ApiError::internal(),
+    }
+}
+
+/// The reason an interrupted record shows: `cancelled`, or its own.
+fn interrupted_reason(terminal: &Terminal) -> &str {
+    match terminal.status {
+        RecordStatus::Cancelled => "cancelled",
+        _ => terminal.reason.as_deref().unwrap_or("incomplete"),
+    }
+}
+
+/// The answer's labels of a stored request.
+fn answer_start(run_model: &str, stored: &StoredRequest) -> AnswerStart {
+    AnswerStart {
+        model: run_model.to_owned(),
+        id_seed: stored.id_seed,
+        admitted_unix_ms: stored.created_unix_ms,
+        committed_unix: stored.created_unix_ms / 1000,
+    }
+}
+
+/// The conversation a response continues (`previous_response_id`): the
+/// stored response's history, its own input (without its instructions)
+/// and its output, as the key that asks may see it.
+pub(crate) async fn history(
+    state: &AppState,
+    key: &ApiKey,
+    previous_id: &str,
+) -> Result<Vec<ChatMessage>, ApiError> {
+    let store = state.durable().store().clone();
+    let (meta, request) = store
+        .get(previous_id.to_owned(), iop_transport::clock::unix_ms())
+        .await
+        .map_err(|e| journal_error(&e))?
+        .filter(|(meta, _)| meta.principal == key.principal && meta.api == JournalApi::Responses)
+        .ok_or_else(ApiError::previous_response_not_found)?;
+    if !meta.status().is_terminal() {
+        return Err(ApiError::previous_response_running());
+    }
+    let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
+    let (run, options) = Responses
+        .parse(&stored.body)
+        .map_err(|_| ApiError::internal())?;
+    let own = &run.messages[Responses
+        .instruction_messages(&options)
+        .min(run.messages.len())..];
+    let mut messages = stored.history.clone().unwrap_or_default();
+    messages.extend_from_slice(own);
+    let mut output = Responses.whole(answer_start(&run.model, &stored), options);
+    let mut follower = Follower::open(store, &meta.id)
+        .await
+        .map_err(|e| journal_error(&e))?;
+    while let Some(Followed::Event(Delivery::Event(event))) =
+        follower.next_now().await.map_err(|e| journal_error(&e))?
+    {
+        output.push(&event);
+    }
+    let answer = output.assistant_message();
+    if !answer.content.is_empty() || !answer.tool_calls.is_empty() {
+        messages.push(answer);
+    }
+    Ok(messages)
+}
+
+/// Put `history` between the request's instructions and its own input.
+pub fn continue_conversation(
+    messages: &mut Vec<ChatMessage>,
+    instructions: usize,
+    history: &[ChatMessage],
+) {
+    let at = instructions.min(messages.len());
+    messages.splice(at..at, history.iter().cloned());
+}
+
+/// Run a durable request: create its record (or find the one its
+/// `Idempotency-Key` names), start its run, answer from the journal.
+pub(crate) async fn run_durable<E: RunEndpoint>(
+    state: &AppState,
+    endpoint: E,
+    admitted: Admitted<E::Options>,
+    keep: Keep,
+    history: Option<Vec<ChatMessage>>,
+    idempotency: Option<String>,
+    mut record: RequestRecord,
+) -> Response {
+    let Admitted {
+        key,
+        body,
+        body_permit,
+        run,
+        mut options,
+        pool,
+    } = admitted;
+    record.body_permit = Some(body_permit);
+    endpoint.mark_kept(&mut options, keep);
+    let durable = state.durable().clone();
+    let created_unix_ms = iop_transport::clock::unix_ms();
+    // Ids must be unique across restarts and Edges: random, not counted.
+    let id_seed: u64 = rand::random();
+    let stored = StoredRequest {
+        id_seed,
+        created_unix_ms,
+        store: keep.store,
+        background: keep.background,
+        body: body.to_vec(),
+        history,
+    };
+    let new = NewRecord {
+        id: endpoint.object_id(id_seed),
+        principal: key.principal.clone(),
+        api: endpoint.journal_api(),
+        model: run.model.clone(),
+        fingerprint: fingerprint(endpoint.route(), &body),
+        idempotency_key: idempotency
+            .as_deref()
+            .map(|k| idempotency_hash(&key.principal, k)),
+        background: keep.background,
+        request: stored.encode(),
+        created_unix_ms,
+    };
+    let (meta, stored, replayed) = match durable.create(new).await {
+        Ok(CreateOutcome::Create(meta)) => {
+            let (live, cancel) = durable.register(&meta.id);
+            let work = Work {
+                model: run.model.clone(),
+                api: run.api,
+                messages: run.messages,
+                tools: run.tools,
+                params: run.params,
+                tunnel: None,
+                route: endpoint.route(),
+                principal: key.principal,
+                trace_context: record.span.context(),
+            };
+            driver::spawn_durable(
+                state.driver_context().clone(),
+                pool,
+                work,
+                DurableRun {
+                    spec: JournalSpec {
+                        response_id: meta.id.clone(),
+                        epoch: meta.epoch,
+                    },
+                    durable: durable.clone(),
+                    cancel,
+                    live,
+                },
+            );
+            (meta, stored, false)
+        }
+        Ok(CreateOutcome::Existing(meta)) => {
+            // R-IDEM-1: the same request again; nothing runs. Its answer is
+            // the stored one's (its own ids and times).
+            let found = durable
+                .store()
+                .get(meta.id.clone(), 0)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|(meta, request)| Some((meta, StoredRequest::decode(&request)?)));
+            let Some((meta, stored)) = found else {
+                return refuse(&endpoint, record, ApiError::internal());
+            };
+            (meta, stored, true)
+        }
+        Err(e) => return refuse(&endpoint, record, journal_error(&e)),
+    };
+    let start = answer_start(&run.model, &stored);
+    let mut response = if keep.background && !run.stream {
+        // Answered at once; the client polls or resumes.
+        record.set("ok");
+        match responses_object(state, &meta.id).await {
+            Ok(v) => axum::Json(v).into_response(),
+            Err(e) => refuse(&endpoint, record, e),
+        }
+    } else {
+        answer(
+            state, &endpoint, &meta.id, start, options, run.stream, record,
+        )
+        .await
+    };
+    if replayed {
+        response
+            .headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    response
+}
+
+fn refuse<E: RunEndpoint>(endpoint: &E, mut record: RequestRecord, err: ApiError) -> Response {
+    record.error(&err);
+    endpoint.error_response(err)
+}
+
+/// Answer a durable request from its journal: wait for its first event
+/// (the commit) or its terminal, then stream (`stream`) or fold the whole
+/// answer.
+async fn answer<E: RunEndpoint>(
+    state: &AppState,
+    endpoint: &E,
+    id: &str,
+    start: AnswerStart,
+    options: E::Options,
+    stream: bool,
+    record: RequestRecord,
+) -> Response {
+    let mut follower = match Follower::open(state.durable().store().clone(), id).await {
+        Ok(f) => f,
+        Err(e) => return refuse(endpoint, record, journal_error(&e)),
+    };
+    // Before the first event the answer may still be an HTTP error
+    // (R-GATE-3): wait for it.
+    let first = match follower.next().await {
+        Ok(Some(first)) => first,
+        Ok(None) => return refuse(endpoint, record, ApiError::internal()),
+        Err(e) => return refuse(endpoint, record, journal_error(&e)),
+    };
+    if let Followed::Ended(terminal) = &first
+        && terminal.status != RecordStatus::Completed
+        && follower.taken() == 0
+    {
+        return refuse(endpoint, record, terminal_error(terminal));
+    }
+    if stream {
+        let numbering = E::Stream::SSE_IDS.then(|| framing::SseNumbering::after(None));
+        E::Stream::response(follow_body(
+            follower,
+            Some(first),
+            endpoint.stream(start, options),
+            numbering,
+            record,
+        ))
+    } else {
+        whole_from_journal(
+            follower,
+            first,
+            endpoint.whole(start, options),
+            record,
+            endpoint,
+        )
+        .await
+    }
+}
+
+/// Fold a durable answer into one object.
+async fn whole_from_journal<E: RunEndpoint>(
+    mut follower: Follower,
+    first: Followed,
+    mut whole: E::Whole,
+    mut record: RequestRecord,
+    endpoint: &E,
+) -> Response {
+    let mut next = Some(first);
+    let mut accumulated = 0usize;
+    loop {
+        let item = match next.take() {
+            Some(item) => item,
+            None => match follower.next().await {
+                Ok(Some(item)) => item,
+                Ok(None) => return refuse(endpoint, record, ApiError::internal()),
+                Err(e) => return refuse(endpoint, record, journal_error(&e)),
+            },
+        };
+        match item {
+            Followed::Event(Delivery::Event(event)) => {
+                accumulated = accumulated.saturating_add(crate::http::accumulated_bytes(&event));
+                if accumulated > crate::http::MAX_WHOLE_ANSWER_BYTES {
+                    return refuse(
+                        endpoint,
+                        record,
+                        crate::http::answer_too_large(crate::http::MAX_WHOLE_ANSWER_BYTES),
+                    );
+                }
+                whole.event(&event);
+            }
+            Followed::Event(_) => {}
+            Followed::Ended(terminal) => {
+                let answer = match terminal.status {
+                    RecordStatus::Completed => whole.answer(iop_transport::clock::unix_ms()),
+                    RecordStatus::Incomplete | RecordStatus::Cancelled => {
+                        whole.interrupted(interrupted_reason(&terminal))
+                    }
+                    _ => Err(terminal_error(&terminal)),
+                };
+                return match answer {
+                    Ok(v) => {
+                        record.set("ok");
+                        axum::Json(v).into_response()
+                    }
+                    Err(e) => refuse(endpoint, record, e),
+                };
+            }
+        }
+    }
+}
+
+/// A streamed answer read from the journal.
+struct FollowBody<S> {
+    follower: Follower,
+    first: Option<Followed>,
+    encoder: S,
+    numbering: Option<framing::SseNumbering>,
+    record: RequestRecord,
+    /// Frames the encoder wrote, before numbering.
+    written: Vec<u8>,
+    done: bool,
+    keep_alive_at: tokio::time::Instant,
+}
+
+impl<S: AnswerStream> FollowBody<S> {
+    fn take(&mut self, item: Followed) {
+        match item {
+            Followed::Event(Delivery::Event(event)) => {
+                self.encoder
+                    .event(&event, iop_transport::clock::unix_ms(), &mut self.written);
+            }
+            // Only run events are journal events.
+            Followed::Event(_) => {}
+            Followed::Ended(terminal) => {
+                match terminal.status {
+                    RecordStatus::Completed => {
+                        self.record.set("ok");
+                        self.encoder.closing(&mut self.written);
+                    }
+                    RecordStatus::Incomplete | RecordStatus::Cancelled => {
+                        let err = terminal_error(&terminal);
+                        self.record.error(&err);
+                        self.encoder
+                            .interrupted(interrupted_reason(&terminal), &mut self.written);
+                    }
+                    _ => {
+                        let err = terminal_error(&terminal);
+                        self.record.error(&err);
+                        self.encoder.failure(&err, &mut self.written);
+                    }
+                }
+                self.done = true;
+            }
+        }
+    }
+
+    fn fail(&mut self, e: &JournalError) {
+        let err = journal_error(e);
+        self.record.error(&err);
+        self.encoder.failure(&err, &mut self.written);
+        self.done = true;
+    }
+
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        loop {
+            if self.done && self.written.is_empty() {
+                return None;
+            }
+            if !self.done {
+                let item = match self.first.take() {
+                    Some(item) => Ok(Some(item)),
+                    None => match S::KEEP_ALIVE {
+                        None => self.follower.next().await,
+                        Some(comment) => {
+                            match tokio::time::timeout_at(self.keep_alive_at, self.follower.next())
+                                .await
+                            {
+                                Ok(item) => item,
+                                Err(_) => {
+                                    self.keep_alive_at = tokio::time::Instant::now()
+                                        + framing::SSE_KEEP_ALIVE_INTERVAL;
+                                    return Some(Bytes::from_static(comment));
+                                }
+                            }
+                        }
+                    },
+                };
+                match item {
+                    Ok(Some(item)) => self.take(item),
+                    Ok(None) => self.done = true,
+                    Err(e) => self.fail(&e),
+                }
+                // What is already read goes into the same chunk.
+                let mut taken = 1;
+                while !self.done
+                    && taken < crate::http::MAX_DELIVERIES_PER_CHUNK
+                    && self.written.len() < crate::http::MAX_CHUNK_BYTES
+                {
+                    let Some(item) = self.follower.ready() else {
+                        break;
+                    };
+                    self.take(item);
+                    taken += 1;
+                }
+            }
+            let chunk = match self.numbering.as_mut() {
+                Some(numbering) => {
+                    let mut out = Vec::with_capacity(self.written.len() + 64);
+                    numbering.number(&self.written, &mut out);
+                    self.written.clear();
+                    out
+                }
+                None => std::mem::take(&mut self.written),
+            };
+            if chunk.is_empty() {
+                continue;
+            }
+            self.keep_alive_at = tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL;
+            self.record.relayed_bytes += chunk.len() as u64;
+            return Some(Bytes::from(chunk));
+        }
+    }
+}
+
+/// The body of a durable stream: the encoder's opening frames, then the
+/// record's events as they become durable, then its terminal.
+fn follow_body<S: AnswerStream>(
+    follower: Follower,
+    first: Option<Followed>,
+    mut encoder: S,
+    numbering: Option<framing::SseNumbering>,
+    record: RequestRecord,
+) -> BoxStream<'static, Bytes> {
+    let mut written = Vec::new();
+    encoder.opening(&mut written);
+    let body = FollowBody {
+        follower,
+        first,
+        encoder,
+        numbering,
+        record,
+        written,
+        done: false,
+        keep_alive_at: tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL,
+    };
+    futures::stream::unfold(body, |mut body| async move {
+        let chunk = body.next_chunk().await?;
+        Some((chunk, body))
+    })
+    .boxed()
+}
+
+/// A stored record the caller's key may read, with its stored request.
+async fn readable(
+    state: &AppState,
+    key: &ApiKey,
+    id: &str,
+    api: JournalApi,
+) -> Result<(RecordMeta, StoredRequest), ApiError> {
+    let found = state
+        .durable()
+        .store()
+        .get(id.to_owned(), iop_transport::clock::unix_ms())
+        .await
+        .map_err(|e| journal_error(&e))?;
+    // Another key's response is indistinguishable from none.
+    let (meta, request) = found
+        .filter(|(meta, _)| meta.principal == key.principal && meta.api == api)
+        .ok_or_else(|| ApiError::not_found("response"))?;
+    let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
+    Ok((meta, stored))
+}
+
+/// The parsed run and options of a stored request, marked as kept.
+fn reparse<E: RunEndpoint>(
+    endpoint: &E,
+    stored: &StoredRequest,
+) -> Result<(crate::api::NormalizedRun, E::Options), ApiError> {
+    let (run, mut options) = endpoint
+        .parse(&stored.body)
+        .map_err(|_| ApiError::internal())?;
+    endpoint.mark_kept(
+        &mut options,
+        Keep {
+            store: stored.store,
+            background: stored.background,
+        },
+    );
+    Ok((run, options))
+}
+
+/// The `response` object of a stored response as it is now.
+async fn responses_object(state: &AppState, id: &str) -> Result<Value, ApiError> {
+    let store = state.durable().store().clone();
+    let (meta, request) = store
+        .get(id.to_owned(), 0)
+        .await
+        .map_err(|e| journal_error(&e))?
+        .ok_or_else(|| ApiError::not_found("response"))?;
+    let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
+    let (run, options) = reparse(&Responses, &stored)?;
+    let mut acc = Responses.whole(answer_start(&run.model, &stored), options);
+    let mut follower = Follower::open(store, id)
+        .await
+        .map_err(|e| journal_error(&e))?;
+    loop {
+        match follower.next_now().await.map_err(|e| journal_error(&e))? {
+            Some(Followed::Event(Delivery::Event(event))) => acc.push(&event),
+            Some(Followed::Event(_)) => {}
+            Some(Followed::Ended(terminal)) => {
+                return Ok(match terminal.status {
+                    RecordStatus::Completed => match acc.finish() {
+                        Ok(v) => v,
+                        Err(e) => acc.failed_snapshot(&e),
+                    },
+                    RecordStatus::Failed => acc.failed_snapshot(&terminal_error(&terminal)),
+                    _ => acc.interrupted_snapshot(interrupted_reason(&terminal)),
+                });
+            }
+            None => {
+                let status = if meta.background && follower.taken() == 0 {
+                    "queued"
+                } else {
+                    "in_progress"
+                };
+                return Ok(acc.snapshot(status, Value::Null, Value::Null));
+            }
+        }
+    }
+}
+
+/// Query of a stored object's `GET`.
+#[derive(Debug, Deserialize, Default)]
+pub struct RetrieveQuery {
+    /// Stream the response: replay, then follow.
+    #[serde(default)]
+    stream: Option<bool>,
+    /// Leave out the stream's events up to this `sequence_number` / SSE id.
+    #[serde(default)]
+    starting_after: Option<u64>,
+}
+
+/// The query string as `T`; a malformed one is a 400 naming it.
+fn query_of<T: serde::de::DeserializeOwned + Default>(uri: &Uri) -> Result<T, ApiError> {
+    if uri.query().is_none_or(str::is_empty) {
+        return Ok(T::default());
+    }
+    Query::<T>::try_from_uri(uri).map(|q| q.0).map_err(|_| {
+        ApiError::invalid_value("query", "is not a valid query string for this route.")
+    })
+}
+
+/// The resume point: `starting_after`, else `Last-Event-ID`.
+fn resume_point(query: &RetrieveQuery, headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    if query.starting_after.is_some() {
+        return Ok(query.starting_after);
+    }
+    match headers.get("last-event-id") {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .map(Some)
+            .ok_or_else(|| ApiError::invalid_value("Last-Event-ID", "must be an event id.")),
+    }
+}
+
+/// `GET /v1/responses/{id}`.
+pub async fn retrieve_response(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    match query_of(&uri) {
+        Ok(query) => retrieve(&state, Responses, &id, &query, &headers).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /v1/chat/completions/{id}`: a stored completion, or with
+/// `?stream=true` its stream resumed (an iop extension).
+pub async fn retrieve_chat_completion(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    match query_of(&uri) {
+        Ok(query) => retrieve(&state, ChatCompletions, &id, &query, &headers).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn retrieve<E: RunEndpoint>(
+    state: &AppState,
+    endpoint: E,
+    id: &str,
+    query: &RetrieveQuery,
+    headers: &HeaderMap,
+) -> Response {
+    let record = RequestRecord::new(state, "retrieve", headers);
+    let found = async {
+        let key = authenticate(state, headers)?;
+        let skip = resume_point(query, headers)?;
+        let (meta, stored) = readable(state, &key, id, endpoint.journal_api()).await?;
+        Ok::<_, ApiError>((meta, stored, skip))
+    }
+    .await;
+    let (meta, stored, skip) = match found {
+        Ok(found) => found,
+        Err(e) => return refuse(&endpoint, record, e),
+    };
+    let (run, options) = match reparse(&endpoint, &stored) {
+        Ok(parsed) => parsed,
+        Err(e) => return refuse(&endpoint, record, e),
+    };
+    let start = answer_start(&run.model, &stored);
+    if query.stream == Some(true) {
+        let follower = match Follower::open(state.durable().store().clone(), &meta.id).await {
+            Ok(f) => f,
+            Err(e) => return refuse(&endpoint, record, journal_error(&e)),
+        };
+        let numbering = E::Stream::SSE_IDS.then(|| framing::SseNumbering::after(skip));
+        return E::Stream::response(follow_body(
+            follower,
+            None,
+            endpoint.stream(start, options),
+            numbering,
+            record,
+        ));
+    }
+    let object = match endpoint.journal_api() {
+        JournalApi::Responses => responses_object(state, &meta.id).await,
+        _ => chat_object(state, &meta.id, start).await,
+    };
+    let mut record = record;
+    match object {
+        Ok(v) => {
+            record.set("ok");
+            axum::Json(v).into_response()
+        }
+        Err(e) => refuse(&endpoint, record, e),
+    }
+}
+
+/// A stored `chat.completion` as it is now.
+async fn chat_object(state: &AppState, id: &str, start: AnswerStart) -> Result<Value, ApiError> {
+    let mut acc = crate::api::chat::ChatAccumulator::new(
+        ids::chat_completion_id(start.id_seed),
+        start.model,
+        start.committed_unix,
+    );
+    let mut follower = Follower::open(state.durable().store().clone(), id)
+        .await
+        .map_err(|e| journal_error(&e))?;
+    while let Some(item) = follower.next_now().await.map_err(|e| journal_error(&e))? {
+        match item {
+            Followed::Event(Delivery::Event(event)) => acc.push(&event),
+            Followed::Event(_) => {}
+            Followed::Ended(terminal) if terminal.status == RecordStatus::Failed => {
+                return Err(terminal_error(&terminal));
+            }
+            Followed::Ended(_) => break,
+        }
+    }
+    Ok(acc.snapshot())
+}
+
+/// `POST /v1/responses/{id}/cancel`: cancel a running response; the
+/// response object (`cancelled`, or as it ended if it had already).
+pub async fn cancel_response(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let answer = async {
+        let key = authenticate(&state, &headers)?;
+        let (meta, _) = readable(&state, &key, &id, JournalApi::Responses).await?;
+        if !meta.status().is_terminal() {
+            cancel_and_wait(&state, &meta).await?;
+        }
+        responses_object(&state, &id).await
+    }
+    .await;
+    match answer {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// How long a cancel waits for the run's terminal to be written.
+const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Cancel a running record and wait (bounded) for its terminal. A run this
+/// Edge writes is cancelled through its driver; a record no live run
+/// writes (its Edge is gone) is taken over and ended `cancelled` here
+/// (R-JRN-3: raising the epoch fences whatever still writes it).
+async fn cancel_and_wait(state: &AppState, meta: &RecordMeta) -> Result<(), ApiError> {
+    let durable = state.durable();
+    let store = durable.store().clone();
+    if durable.cancel(&meta.id) {
+        let mut progress = store
+            .watch(meta.id.clone())
+            .await
+            .map_err(|e| journal_error(&e))?;
+        let ended = tokio::time::timeout(CANCEL_WAIT, progress.wait_for(|p| p.ended)).await;
+        if ended.is_err() {
+            tracing::warn!(event = "edge_response_cancel_slow", response = %meta.id);
+        }
+        return Ok(());
+    }
+    match durable
+        .end_as(meta, RecordStatus::Cancelled, "cancelled")
+        .await
+    {
+        Ok(()) | Err(JournalError::Terminated | JournalError::Fenced { .. }) => Ok(()),
+        Err(e) => Err(journal_error(&e)),
+    }
+}
+
+async fn delete_stored(
+    state: &AppState,
+    headers: &HeaderMap,
+    id: &str,
+    api: JournalApi,
+    object: &str,
+) -> Response {
+    let answer = async {
+        let key = authenticate(state, headers)?;
+        let (meta, _) = readable(state, &key, id, api).await?;
+        if !meta.status().is_terminal() {
+            cancel_and_wait(state, &meta).await?;
+        }
+        match state.durable().store().delete(id.to_owned()).await {
+            Ok(()) | Err(JournalError::NotFound) => {}
+            Err(e) => return Err(journal_error(&e)),
+        }
+        Ok(json!({ "id": id, "object": object, "deleted": true }))
+    }
+    .await;
+    match answer {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`.
+pub async fn delete_response(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    delete_stored(&state, &headers, &id, JournalApi::Responses, "response").await
+}
+
+/// `DELETE /v1/chat/completions/{id}`.
+pub async fn delete_chat_completion(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    delete_stored(
+        &state,
+        &headers,
+        &id,
+        JournalApi::ChatCompletions,
+        "chat.completion.deleted",
+    )
+    .await
+}
+
+/// Query of `GET /v1/responses/{id}/input_items`.
+#[derive(Debug, Deserialize, Default)]
+pub struct InputItemsQuery {
+    #[serde(default)]
+    order: Option<String>,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default)]
+    after: Option<String>,
+}
+
+/// `GET /v1/responses/{id}/input_items`: the request's input items, each
+/// with an id, as a list (`order` `desc` by default, `limit` 1..=100,
+/// default 20, `after` an item id).
+pub async fn input_items(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let answer = async {
+        let query: InputItemsQuery = query_of(&uri)?;
+        let key = authenticate(&state, &headers)?;
+        let (_, stored) = readable(&state, &key, &id, JournalApi::Responses).await?;
+        let limit = query.limit.unwrap_or(20);
+        if !(1..=100).contains(&limit) {
+            return Err(ApiError::invalid_value(
+                "limit",
+                "must be between 1 and 100.",
+            ));
+        }
+        let descending = match query.order.as_deref() {
+            None | Some("desc") => true,
+            Some("asc") => false,
+            Some(_) => return Err(ApiError::invalid_value("order", "must be 'asc' or 'desc'.")),
+        };
+        let mut items = crate::api::responses::input_items(&stored.body, &id)
+            .map_err(|_| ApiError::internal())?;
+        if descending {
+            items.reverse();
+        }
+        if let Some(after) = &query.after {
+            match items.iter().position(|item| item["id"] == after.as_str()) {
+                Some(i) => {
+                    items.drain(..=i);
+                }
+                None => {
+                    return Err(ApiError::invalid_value(
+                        "after",
+                        "is not an item of this response.",
+                    ));
+                }
+            }
+        }
+        let has_more = items.len() > limit;
+        items.truncate(limit);
+        Ok(json!({
+            "object": "list",
+            "first_id": items.first().map(|i| i["id"].clone()),
+            "last_id": items.last().map(|i| i["id"].clone()),
+            "has_more": has_more,
+            "data": items,
+        }))
+    }
+    .await;
+    match answer {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

@@ -1,0 +1,532 @@
+//! Durable responses over real QUIC and real HTTP (SPEC §6): stored
+//! Responses and chat completions fetched and resumed, idempotency keys,
+//! background responses, cancel and delete, continued conversations; the
+//! mock provider's request counter shows what ran (R-JRN-1, R-JRN-2,
+//! R-IDEM-1).
+
+mod common;
+
+use common::*;
+use iop_edge::server::RunningEdge;
+use iop_node::mock::{MockScript, MockServer};
+use serde_json::{Value, json};
+
+const KEY: &str = "sk-durable-0123456789";
+const OTHER_KEY: &str = "sk-durable-other-0123";
+
+struct Deployment {
+    edge: RunningEdge,
+    node: iop_node::RunningNode,
+    mock: MockServer,
+}
+
+impl Deployment {
+    async fn start(pki: &Pki, script: MockScript, journal: &str) -> Self {
+        write_secret(&pki.path().join("key"), KEY);
+        write_secret(&pki.path().join("other"), OTHER_KEY);
+        let mock = MockServer::start(script).await.unwrap();
+        let extra = format!(
+            "[[providers]]\nid = \"p1\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"t\"\nmodels = [\"m\"]\n\
+             [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\n\
+             [[api_keys]]\nprincipal = \"other\"\nkey_file = \"other\"\n{journal}"
+        );
+        let edge = RunningEdge::start(edge_config(pki, 0, &extra))
+            .await
+            .unwrap();
+        let node = start_node(
+            pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                mock.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        Deployment { edge, node, mock }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.edge.http_addr)
+    }
+
+    async fn post(&self, path: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
+        let mut r = reqwest::Client::new()
+            .post(self.url(path))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        for (name, value) in headers {
+            r = r.header(*name, *value);
+        }
+        let r = r.send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.text().await.unwrap())
+    }
+
+    async fn get(&self, path: &str, key: &str, headers: &[(&str, &str)]) -> (u16, String) {
+        let mut r = reqwest::Client::new().get(self.url(path)).bearer_auth(key);
+        for (name, value) in headers {
+            r = r.header(*name, *value);
+        }
+        let r = r.send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.text().await.unwrap())
+    }
+
+    async fn shutdown(self) {
+        self.node.shutdown().await.unwrap();
+        self.edge.shutdown().await;
+    }
+}
+
+/// `(id, event name, data)` of each SSE event of a body.
+fn sse(body: &str) -> Vec<(Option<u64>, String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.trim().is_empty() && !e.starts_with(':'))
+        .map(|event| {
+            let mut id = None;
+            let mut name = String::new();
+            let mut data = Value::Null;
+            for line in event.lines() {
+                if let Some(v) = line.strip_prefix("id: ") {
+                    id = v.parse().ok();
+                } else if let Some(v) = line.strip_prefix("event: ") {
+                    name = v.to_owned();
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(v).unwrap_or(Value::String(v.to_owned()));
+                }
+            }
+            (id, name, data)
+        })
+        .collect()
+}
+
+fn json_of(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+#[tokio::test]
+async fn a_stored_response_is_fetched_and_its_stream_resumed_exactly_r_jrn_2() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = Deployment::start(&pki, MockScript::default(), "").await;
+        let (status, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "hello", "stream": true}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let live = sse(&body);
+        let ids: Vec<u64> = live.iter().map(|e| e.0.expect("numbered")).collect();
+        assert_eq!(
+            ids,
+            (0..live.len() as u64).collect::<Vec<_>>(),
+            "0, 1, 2, ..."
+        );
+        for (id, _, data) in &live {
+            assert_eq!(
+                data["sequence_number"].as_u64(),
+                *id,
+                "id = sequence_number"
+            );
+        }
+        let id = live[0].2["response"]["id"].as_str().unwrap().to_owned();
+        assert_eq!(live.last().unwrap().1, "response.completed");
+        assert_eq!(d.mock.requests(), 1);
+
+        // The whole object, as stored.
+        let (status, body) = d.get(&format!("/v1/responses/{id}"), KEY, &[]).await;
+        assert_eq!(status, 200, "{body}");
+        let object = json_of(&body);
+        assert_eq!(object["status"], "completed");
+        assert_eq!(object["store"], true, "OpenAI's default is to store");
+        let completed = &live.last().unwrap().2["response"];
+        assert_eq!(&object, completed, "the stored object is the streamed one");
+
+        // A replay is the same stream, and every resume point gives exactly
+        // the rest (R-JRN-2).
+        let (_, replay) = d
+            .get(&format!("/v1/responses/{id}?stream=true"), KEY, &[])
+            .await;
+        assert_eq!(sse(&replay), live);
+        for n in [0, 3, live.len() as u64 - 2] {
+            let (_, rest) = d
+                .get(
+                    &format!("/v1/responses/{id}?stream=true&starting_after={n}"),
+                    KEY,
+                    &[],
+                )
+                .await;
+            assert_eq!(sse(&rest), live[n as usize + 1..].to_vec(), "after {n}");
+            let (_, rest) = d
+                .get(
+                    &format!("/v1/responses/{id}?stream=true"),
+                    KEY,
+                    &[("last-event-id", &n.to_string())],
+                )
+                .await;
+            assert_eq!(
+                sse(&rest),
+                live[n as usize + 1..].to_vec(),
+                "Last-Event-ID {n}"
+            );
+        }
+        assert_eq!(d.mock.requests(), 1, "reads never call the provider");
+
+        // Another key sees nothing.
+        let (status, _) = d.get(&format!("/v1/responses/{id}"), OTHER_KEY, &[]).await;
+        assert_eq!(status, 404);
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn store_false_is_not_kept_and_an_operator_may_change_the_default() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = Deployment::start(
+            &pki,
+            MockScript::default(),
+            "[journal]\nstore = \"memory\"\nresponses_store_default = false\n",
+        )
+        .await;
+        let (status, body) = d
+            .post("/v1/responses", &json!({"model": "m", "input": "hi"}), &[])
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let object = json_of(&body);
+        assert_eq!(object["store"], false);
+        let (status, _) = d
+            .get(
+                &format!("/v1/responses/{}", object["id"].as_str().unwrap()),
+                KEY,
+                &[],
+            )
+            .await;
+        assert_eq!(status, 404, "not stored");
+        let (_, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "hi", "store": true}),
+                &[],
+            )
+            .await;
+        let object = json_of(&body);
+        assert_eq!(object["store"], true);
+        let (status, _) = d
+            .get(
+                &format!("/v1/responses/{}", object["id"].as_str().unwrap()),
+                KEY,
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "stored when asked");
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_idempotent_retry_storm_makes_one_provider_call_r_idem_1() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let script = MockScript {
+            tokens: 20,
+            tokens_per_second: 200.0,
+            ..MockScript::default()
+        };
+        let d = Deployment::start(&pki, script, "").await;
+        let body = json!({"model": "m", "stream": true,
+            "messages": [{"role": "user", "content": "once"}]});
+        let d = std::sync::Arc::new(d);
+        let mut tasks = Vec::new();
+        for _ in 0..50 {
+            let d = d.clone();
+            let body = body.clone();
+            tasks.push(tokio::spawn(async move {
+                d.post(
+                    "/v1/chat/completions",
+                    &body,
+                    &[("idempotency-key", "storm-1")],
+                )
+                .await
+            }));
+        }
+        let mut texts = Vec::new();
+        for t in tasks {
+            let (status, body) = t.await.unwrap();
+            assert_eq!(status, 200, "{body}");
+            let text: String = sse(&body)
+                .iter()
+                .filter_map(|(_, _, data)| data["choices"][0]["delta"]["content"].as_str())
+                .collect();
+            texts.push(text);
+        }
+        assert_eq!(d.mock.requests(), 1, "one provider call for 50 requests");
+        assert!(texts.iter().all(|t| t == &texts[0]), "one answer");
+        assert!(texts[0].starts_with("tok0 tok1"), "{}", texts[0]);
+        // The same key with another body is a conflict, not a second run.
+        let other = json!({"model": "m", "messages": [{"role": "user", "content": "other"}]});
+        let (status, body) = d
+            .post(
+                "/v1/chat/completions",
+                &other,
+                &[("idempotency-key", "storm-1")],
+            )
+            .await;
+        assert_eq!(status, 409, "{body}");
+        assert_eq!(json_of(&body)["error"]["code"], "idempotency_key_conflict");
+        // Keys are per principal: another key's identical request runs.
+        assert_eq!(d.mock.requests(), 1);
+        let d = std::sync::Arc::into_inner(d).unwrap();
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_stored_chat_completion_is_fetched_and_resumed_with_last_event_id() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = Deployment::start(&pki, MockScript::default(), "").await;
+        let (status, body) = d
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": "m", "store": true, "stream": true,
+                    "messages": [{"role": "user", "content": "hi"}]}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let live = sse(&body);
+        assert_eq!(live.last().unwrap().2, Value::String("[DONE]".into()));
+        let id = live[0].2["id"].as_str().unwrap().to_owned();
+        let (status, body) = d.get(&format!("/v1/chat/completions/{id}"), KEY, &[]).await;
+        assert_eq!(status, 200, "{body}");
+        let object = json_of(&body);
+        assert_eq!(object["object"], "chat.completion");
+        assert_eq!(object["id"], id.as_str());
+        assert_eq!(
+            object["choices"][0]["message"]["content"],
+            "tok0 tok1 tok2 tok3 tok4 tok5 tok6 tok7"
+        );
+        assert_eq!(object["choices"][0]["finish_reason"], "stop");
+        let (_, rest) = d
+            .get(
+                &format!("/v1/chat/completions/{id}?stream=true"),
+                KEY,
+                &[("last-event-id", "2")],
+            )
+            .await;
+        assert_eq!(sse(&rest), live[3..].to_vec());
+        // Deleted, it is gone.
+        let (status, body) = reqwest::Client::new()
+            .delete(d.url(&format!("/v1/chat/completions/{id}")))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .map(|r| (r.status().as_u16(), r))
+            .unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(body.json::<Value>().await.unwrap()["deleted"], true);
+        let (status, _) = d.get(&format!("/v1/chat/completions/{id}"), KEY, &[]).await;
+        assert_eq!(status, 404);
+        // Without `store` nothing is kept.
+        let (_, body) = d
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+                &[],
+            )
+            .await;
+        let id = json_of(&body)["id"].as_str().unwrap().to_owned();
+        let (status, _) = d.get(&format!("/v1/chat/completions/{id}"), KEY, &[]).await;
+        assert_eq!(status, 404);
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_durable_run_outlives_its_client_and_a_background_one_is_cancelled() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let script = MockScript {
+            tokens: 40,
+            tokens_per_second: 100.0,
+            ..MockScript::default()
+        };
+        let d = Deployment::start(&pki, script, "").await;
+        // A streaming client that leaves after the head: the run goes on.
+        let r = reqwest::Client::new()
+            .post(d.url("/v1/responses"))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .body(json!({"model": "m", "input": "x", "stream": true}).to_string())
+            .send()
+            .await
+            .unwrap();
+        let mut stream = r.bytes_stream();
+        use futures::StreamExt as _;
+        let first = stream.next().await.unwrap().unwrap();
+        let first = String::from_utf8_lossy(&first).to_string();
+        let id = sse(&first)[0].2["response"]["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        drop(stream);
+        let stats = d
+            .mock
+            .wait_for(|s| s.in_flight == 0 && s.requests == 1)
+            .await;
+        assert_eq!(stats.disconnects, 0, "the provider call was not cut");
+        let (_, body) = d.get(&format!("/v1/responses/{id}"), KEY, &[]).await;
+        let object = json_of(&body);
+        assert_eq!(object["status"], "completed", "{object}");
+
+        // Background: answered at once, then cancelled.
+        let (status, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "y", "background": true}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let object = json_of(&body);
+        assert!(
+            matches!(object["status"].as_str(), Some("queued" | "in_progress")),
+            "{object}"
+        );
+        assert_eq!(object["background"], true);
+        let id = object["id"].as_str().unwrap().to_owned();
+        d.mock.wait_for(|s| s.in_flight == 1).await;
+        let r = reqwest::Client::new()
+            .post(d.url(&format!("/v1/responses/{id}/cancel")))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let object: Value = r.json().await.unwrap();
+        assert_eq!(object["status"], "cancelled", "{object}");
+        d.mock.wait_for(|s| s.in_flight == 0).await;
+        let (_, body) = d.get(&format!("/v1/responses/{id}"), KEY, &[]).await;
+        assert_eq!(json_of(&body)["status"], "cancelled");
+        // Deleting removes it.
+        let r = reqwest::Client::new()
+            .delete(d.url(&format!("/v1/responses/{id}")))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let (status, _) = d.get(&format!("/v1/responses/{id}"), KEY, &[]).await;
+        assert_eq!(status, 404);
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn previous_response_id_continues_the_stored_conversation() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = Deployment::start(&pki, MockScript::default(), "").await;
+        let (_, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "a long first question to count",
+                    "instructions": "be brief"}),
+                &[],
+            )
+            .await;
+        let first = json_of(&body);
+        let first_id = first["id"].as_str().unwrap();
+        let first_prompt = first["usage"]["input_tokens"].as_u64().unwrap();
+        let (status, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "and?", "previous_response_id": first_id}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let second = json_of(&body);
+        assert_eq!(second["previous_response_id"], first_id);
+        let second_prompt = second["usage"]["input_tokens"].as_u64().unwrap();
+        // The provider was given the first question, its answer (8 mock
+        // tokens of text) and the new input, not the old instructions.
+        assert!(
+            second_prompt > first_prompt + 8,
+            "{first_prompt} -> {second_prompt}"
+        );
+        // The input items are the request's own.
+        let (_, body) = d
+            .get(
+                &format!(
+                    "/v1/responses/{}/input_items",
+                    second["id"].as_str().unwrap()
+                ),
+                KEY,
+                &[],
+            )
+            .await;
+        let items = json_of(&body);
+        assert_eq!(items["data"].as_array().unwrap().len(), 1, "{items}");
+        assert_eq!(items["data"][0]["content"][0]["text"], "and?");
+        // Unknown, or another key's: 404 naming the parameter.
+        let (status, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "x", "previous_response_id": "resp_nope"}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 404, "{body}");
+        assert_eq!(json_of(&body)["error"]["param"], "previous_response_id");
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_request_that_fails_before_any_event_frees_its_idempotency_key() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let script = MockScript {
+            http_error: Some(400),
+            ..MockScript::default()
+        };
+        let d = Deployment::start(&pki, script, "").await;
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+        let (ephemeral, _) = d.post("/v1/chat/completions", &body, &[]).await;
+        assert_ne!(ephemeral, 200);
+        let (status, _) = d
+            .post("/v1/chat/completions", &body, &[("idempotency-key", "k-1")])
+            .await;
+        assert_eq!(
+            status, ephemeral,
+            "the same error as without a key, before commit"
+        );
+        assert_eq!(d.mock.requests(), 2);
+        // The retry runs afresh rather than replaying the failure.
+        let (status, _) = d
+            .post("/v1/chat/completions", &body, &[("idempotency-key", "k-1")])
+            .await;
+        assert_eq!(status, ephemeral);
+        assert_eq!(d.mock.requests(), 3);
+        // A malformed key is refused by name.
+        let (status, body) = d
+            .post("/v1/chat/completions", &body, &[("idempotency-key", "")])
+            .await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(json_of(&body)["error"]["param"], "Idempotency-Key");
+        d.shutdown().await;
+    })
+    .await;
+}
