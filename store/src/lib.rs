@@ -7,6 +7,10 @@
 //!
 //! * [`MemoryStore`]: in process memory; for tests and the simulator (not
 //!   durable across a restart).
+//!
+//! With the `conformance` feature, [`conformance`] is the suite of
+//! behaviours every store must show, whatever its engine: each store's
+//! tests run it.
 
 #![deny(missing_docs)]
 
@@ -17,6 +21,8 @@ pub use iop_core::journal::{
     CreateOutcome, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta, Terminal,
 };
 
+#[cfg(any(test, feature = "conformance"))]
+pub mod conformance;
 mod memory;
 
 pub use memory::MemoryStore;
@@ -46,6 +52,10 @@ pub struct StoreStats {
     /// Operations written.
     pub ops: u64,
 }
+
+/// A record as [`JournalStore::get`] returns it: its metadata and its
+/// stored request bytes.
+pub type StoredRecord = (RecordMeta, Vec<u8>);
 
 /// One store of durable responses; every method is one transaction,
 /// durable when it returns `Ok` (R-JRN-1).
@@ -81,7 +91,7 @@ pub trait JournalStore: Send + Sync + 'static {
         &self,
         id: String,
         now_unix_ms: u64,
-    ) -> BoxFuture<'_, Result<Option<(RecordMeta, Vec<u8>)>, JournalError>>;
+    ) -> BoxFuture<'_, Result<Option<StoredRecord>, JournalError>>;
     /// Events with `seq > after`, in order, at most `max`.
     fn events(
         &self,

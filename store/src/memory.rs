@@ -10,7 +10,7 @@ use iop_core::journal::{
 };
 use tokio::sync::watch;
 
-use crate::{BoxFuture, JournalStore, Progress, StoreStats};
+use crate::{BoxFuture, JournalStore, Progress, StoreStats, StoredRecord};
 
 #[derive(Default)]
 struct State {
@@ -194,7 +194,7 @@ impl JournalStore for MemoryStore {
         &self,
         id: String,
         now_unix_ms: u64,
-    ) -> BoxFuture<'_, Result<Option<(RecordMeta, Vec<u8>)>, JournalError>> {
+    ) -> BoxFuture<'_, Result<Option<StoredRecord>, JournalError>> {
         let st = self.state();
         let found = st
             .records
@@ -296,6 +296,11 @@ mod tests {
             request: b"{}".to_vec(),
             created_unix_ms: 1,
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_memory_store_conforms() {
+        crate::conformance::run_all(|limits| async move { MemoryStore::new(limits) }).await;
     }
 
     #[tokio::test]
