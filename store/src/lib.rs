@@ -5,10 +5,13 @@
 //! none decides anything itself, so the rules (R-JRN-1..5, R-IDEM-1) hold
 //! the same whichever store runs.
 //!
+//! * [`EmbeddedStore`] ([`embedded`]): one local file on redb, group-committed with one
+//!   fsync per batch (R-JRN-1); survives a crash or a restart. The store of
+//!   a single Edge.
 //! * [`MemoryStore`]: in process memory; for tests and the simulator (not
 //!   durable across a restart).
 //!
-//! With the `conformance` feature, [`conformance`] is the suite of
+//! With the `conformance` feature, `iop_store::conformance` is the suite of
 //! behaviours every store must show, whatever its engine: each store's
 //! tests run it.
 
@@ -23,8 +26,10 @@ pub use iop_core::journal::{
 
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+pub mod embedded;
 mod memory;
 
+pub use embedded::{EmbeddedOptions, EmbeddedStore, OpenError, SWEEP_BATCH_RECORDS, VerifyReport};
 pub use memory::MemoryStore;
 
 /// A boxed future, so the trait can be used as `dyn JournalStore`.

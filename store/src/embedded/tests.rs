@@ -1,0 +1,769 @@
+use std::io;
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use iop_core::journal::{JournalApi, RecordStatus, fingerprint};
+use proptest::prelude::*;
+use redb::backends::FileBackend;
+use redb::{BackendError, TableDefinition};
+
+use super::*;
+use crate::MemoryStore;
+use crate::conformance::{self, LIMITS, event, new_record, terminal};
+
+fn store_path(dir: &tempfile::TempDir, name: &str) -> PathBuf {
+    dir.path().join(name)
+}
+
+fn open(path: &Path) -> EmbeddedStore {
+    match EmbeddedStore::open(path, LIMITS) {
+        Ok(store) => store,
+        Err(e) => panic!("open: {e}"),
+    }
+}
+
+async fn assert_sound(store: &EmbeddedStore) -> VerifyReport {
+    let report = store.verify().await.unwrap();
+    assert!(report.problems.is_empty(), "{:#?}", report.problems);
+    assert_eq!(report.used_bytes, store.stats().used_bytes);
+    assert_eq!(report.records, store.stats().records);
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_store_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut n = 0;
+    conformance::run_all(|limits| {
+        n += 1;
+        let path = store_path(&dir, &format!("conformance-{n}.redb"));
+        async move {
+            match EmbeddedStore::open(&path, limits) {
+                Ok(store) => store,
+                Err(e) => panic!("open: {e}"),
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn records_events_keys_and_bytes_survive_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    let (running, done, stats) = {
+        let store = open(&path);
+        store
+            .create(new_record("running", Some("k1"), b"{\"a\":1}", 10))
+            .await
+            .unwrap();
+        store
+            .append("running".into(), 1, (1..=5).map(event).collect())
+            .await
+            .unwrap();
+        store.raise_epoch("running".into(), 1).await.unwrap();
+        store
+            .create(new_record("done", Some("k2"), b"{}", 10))
+            .await
+            .unwrap();
+        store
+            .append("done".into(), 1, (1..=3).map(event).collect())
+            .await
+            .unwrap();
+        let done = store
+            .finish("done".into(), 1, terminal(RecordStatus::Completed, 20))
+            .await
+            .unwrap();
+        store
+            .create(new_record("gone", None, b"{}", 10))
+            .await
+            .unwrap();
+        store.delete("gone".into()).await.unwrap();
+        let stats = store.stats();
+        assert_sound(&store).await;
+        (
+            store.get("running".into(), 0).await.unwrap().unwrap(),
+            done,
+            stats,
+        )
+    };
+    let store = open(&path);
+    assert_eq!(
+        (store.stats().records, store.stats().used_bytes),
+        (stats.records, stats.used_bytes)
+    );
+    assert_eq!(store.get("running".into(), 0).await.unwrap(), Some(running));
+    assert_eq!(store.get("done".into(), 0).await.unwrap().unwrap().0, done);
+    assert_eq!(store.get("gone".into(), 0).await, Ok(None));
+    assert_eq!(
+        store.events("running".into(), 0, 100).await.unwrap(),
+        (1..=5).map(event).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        store.events("done".into(), 1, 100).await.unwrap(),
+        (2..=3).map(event).collect::<Vec<_>>()
+    );
+    // Keys survive: a repeat gets the stored record.
+    assert!(matches!(
+        store.create(new_record("again", Some("k2"), b"{}", 30)).await,
+        Ok(CreateOutcome::Existing(m)) if m.id == "done"
+    ));
+    // After a restart, exactly the running records are unfinished, and a
+    // takeover continues them (R-TAKE-1).
+    let unfinished = store.unfinished().await.unwrap();
+    assert_eq!(
+        unfinished.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
+        ["running"]
+    );
+    let taken = store
+        .raise_epoch("running".into(), unfinished[0].epoch)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .append("running".into(), taken.epoch, vec![event(6)])
+            .await
+            .unwrap()
+            .last_seq,
+        6
+    );
+    assert_sound(&store).await;
+}
+
+#[tokio::test]
+async fn the_file_is_private_and_its_directory_is_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a").join("b").join("journal.redb");
+    let _store = open(&path);
+    assert!(path.is_file());
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+}
+
+#[tokio::test]
+async fn a_second_open_of_the_same_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    let _store = open(&path);
+    match EmbeddedStore::open(&path, LIMITS) {
+        Err(OpenError::AlreadyOpen { path: p }) => assert_eq!(p, path),
+        other => panic!("expected AlreadyOpen, got {other:?}"),
+    }
+}
+
+#[test]
+fn invalid_limits_are_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = JournalLimits {
+        max_record_bytes: 10,
+        ..LIMITS
+    };
+    let err = EmbeddedStore::open(&store_path(&dir, "j.redb"), limits).unwrap_err();
+    assert!(matches!(err, OpenError::Limits { .. }), "{err}");
+}
+
+#[test]
+fn a_file_of_an_unknown_format_version_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    drop(open(&path));
+    {
+        let db = redb::Database::create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(tables::META)
+            .unwrap()
+            .insert(tables::META_FORMAT_VERSION, 99)
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    match EmbeddedStore::open(&path, LIMITS) {
+        Err(e @ OpenError::UnknownFormat { found: 99, .. }) => {
+            assert!(e.to_string().contains("journal.redb"), "{e}");
+        }
+        other => panic!("expected UnknownFormat, got {other:?}"),
+    }
+}
+
+#[test]
+fn another_programs_database_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "other.redb");
+    {
+        let db = redb::Database::create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        let table: TableDefinition<'_, u64, u64> = TableDefinition::new("theirs");
+        txn.open_table(table).unwrap().insert(1, 2).unwrap();
+        txn.commit().unwrap();
+    }
+    assert!(matches!(
+        EmbeddedStore::open(&path, LIMITS),
+        Err(OpenError::NotAJournal { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_corrupt_file_is_an_error_never_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    // Not a database at all.
+    let garbage = store_path(&dir, "garbage.redb");
+    std::fs::write(&garbage, vec![0xa5; 64 * 1024]).unwrap();
+    assert!(matches!(
+        EmbeddedStore::open(&garbage, LIMITS),
+        Err(OpenError::Corrupt { .. })
+    ));
+    // A journal with bytes flipped all over: whatever opens answers with
+    // errors or data, never a panic.
+    let path = store_path(&dir, "journal.redb");
+    {
+        let store = open(&path);
+        for i in 0..20 {
+            let id = format!("r{i}");
+            store
+                .create(new_record(&id, Some(&id), b"{}", 0))
+                .await
+                .unwrap();
+            store
+                .append(id, 1, (1..=20).map(event).collect())
+                .await
+                .unwrap();
+        }
+    }
+    let clean = std::fs::read(&path).unwrap();
+    for (round, stride) in [4093usize, 997, 64 * 1024 + 7, 409].into_iter().enumerate() {
+        let mut bytes = clean.clone();
+        let mut at = 512 + round * 31;
+        while at < bytes.len() {
+            bytes[at] ^= 0x5a;
+            at += stride;
+        }
+        let damaged = store_path(&dir, &format!("damaged-{round}.redb"));
+        std::fs::write(&damaged, &bytes).unwrap();
+        if let Ok(store) = EmbeddedStore::open(&damaged, LIMITS) {
+            let _ = store.get("r1".into(), 0).await;
+            let _ = store.events("r2".into(), 0, 100).await;
+            let _ = store.unfinished().await;
+            let _ = store.verify().await;
+            let _ = store.append("r3".into(), 1, vec![event(21)]).await;
+            let _ = store.sweep(u64::MAX).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_full_write_queue_refuses_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = EmbeddedOptions {
+        max_queued_ops: 8,
+        max_batch_ops: 4,
+        ..EmbeddedOptions::default()
+    };
+    let store =
+        EmbeddedStore::open_with(&store_path(&dir, "journal.redb"), LIMITS, options).unwrap();
+    const N: usize = 8 + 4 + 1;
+    for i in 0..N {
+        store
+            .create(new_record(&format!("r{i}"), None, b"{}", 0))
+            .await
+            .unwrap();
+    }
+    // Hold the writer after its next batch (it tells watchers under this
+    // lock), so what is submitted meanwhile stays queued.
+    let held = store.shared.watchers();
+    let pending: Vec<_> = (0..N)
+        .map(|i| store.append(format!("r{i}"), 1, vec![event(1)]))
+        .collect();
+    drop(held);
+    let mut refused = 0;
+    for result in futures_join(pending).await {
+        match result {
+            Ok(meta) => assert_eq!(meta.last_seq, 1),
+            Err(JournalError::Store(msg)) => {
+                assert!(msg.contains("queue is full"), "{msg}");
+                refused += 1;
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    // The writer took at most one batch (4) before it was held; the queue
+    // holds 8: of 13, at least one was refused.
+    assert!(refused >= 1);
+    assert_sound(&store).await;
+}
+
+#[tokio::test]
+async fn appends_waiting_on_a_sync_share_the_next_one() {
+    const WRITERS: usize = 32;
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&store_path(&dir, "journal.redb"));
+    for i in 0..WRITERS {
+        store
+            .create(new_record(&format!("r{i}"), None, b"{}", 0))
+            .await
+            .unwrap();
+    }
+    let before = store.stats();
+    let held = store.shared.watchers();
+    let pending: Vec<_> = (0..WRITERS)
+        .map(|i| store.append(format!("r{i}"), 1, vec![event(1)]))
+        .collect();
+    drop(held);
+    for result in futures_join(pending).await {
+        assert_eq!(result.unwrap().last_seq, 1);
+    }
+    let after = store.stats();
+    // R-JRN-1: one batch may have gone before the writer was held; every
+    // other append waited and went in one more.
+    assert_eq!(after.ops - before.ops, WRITERS as u64);
+    assert!(after.syncs - before.syncs <= 2, "{before:?} -> {after:?}");
+}
+
+/// Await every future in order (they were all submitted already).
+async fn futures_join<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<T> {
+    let mut out = Vec::with_capacity(futures.len());
+    for f in futures {
+        out.push(f.await);
+    }
+    out
+}
+
+/// A file backend whose writes and syncs fail on demand.
+#[derive(Debug)]
+struct FailingDisk {
+    inner: FileBackend,
+    failing: Arc<AtomicBool>,
+}
+
+impl FailingDisk {
+    fn check(&self) -> Result<(), io::Error> {
+        if self.failing.load(Ordering::SeqCst) {
+            Err(io::Error::other("injected disk failure"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl StorageBackend for FailingDisk {
+    fn len(&self) -> Result<u64, io::Error> {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), io::Error> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> Result<(), io::Error> {
+        self.check()?;
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> Result<(), io::Error> {
+        self.check()?;
+        self.inner.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
+        self.check()?;
+        self.inner.write(offset, data)
+    }
+    fn close(&self) -> Result<(), io::Error> {
+        self.inner.close()
+    }
+    fn try_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.inner.try_lock_range(start, end)
+    }
+    fn try_lock_shared_range(
+        &self,
+        start: Bound<u64>,
+        end: Bound<u64>,
+    ) -> Result<bool, BackendError> {
+        self.inner.try_lock_shared_range(start, end)
+    }
+    fn lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.inner.lock_range(start, end)
+    }
+    fn lock_shared_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.inner.lock_shared_range(start, end)
+    }
+    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.inner.unlock_range(start, end)
+    }
+    fn query_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.inner.query_lock_range(start, end)
+    }
+}
+
+#[tokio::test]
+async fn a_failed_commit_fails_its_whole_batch_and_tells_no_watcher() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    let failing = Arc::new(AtomicBool::new(false));
+    {
+        let disk = FailingDisk {
+            inner: FileBackend::new(create_file(&path).unwrap()).unwrap(),
+            failing: failing.clone(),
+        };
+        let store =
+            EmbeddedStore::open_backend(&path, disk, LIMITS, EmbeddedOptions::default()).unwrap();
+        store
+            .create(new_record("r1", None, b"{}", 0))
+            .await
+            .unwrap();
+        store.append("r1".into(), 1, vec![event(1)]).await.unwrap();
+        let watcher = store.watch("r1".into()).await.unwrap();
+        let stats = store.stats();
+
+        failing.store(true, Ordering::SeqCst);
+        let pending = vec![
+            store.append("r1".into(), 1, vec![event(2)]),
+            store.finish("r1".into(), 1, terminal(RecordStatus::Completed, 1)),
+        ];
+        let create = store.create(new_record("r2", None, b"{}", 0));
+        for result in futures_join(pending).await {
+            assert!(matches!(result, Err(JournalError::Store(_))), "{result:?}");
+        }
+        assert!(matches!(create.await, Err(JournalError::Store(_))));
+        // Nothing of the failed batch was published.
+        assert_eq!(
+            *watcher.borrow(),
+            Progress {
+                last_seq: 1,
+                ended: false
+            }
+        );
+        assert_eq!(store.stats().used_bytes, stats.used_bytes);
+        assert_eq!(store.stats().syncs, stats.syncs);
+        // The disk's state is unknown after a failed write: the engine
+        // writes nothing more until the file is reopened.
+        failing.store(false, Ordering::SeqCst);
+        assert!(matches!(
+            store.append("r1".into(), 1, vec![event(2)]).await,
+            Err(JournalError::Store(_))
+        ));
+        failing.store(true, Ordering::SeqCst);
+    }
+    // What was acknowledged is there; what failed is not.
+    let store = open(&path);
+    let (meta, _) = store.get("r1".into(), 0).await.unwrap().unwrap();
+    assert_eq!((meta.last_seq, meta.terminal), (1, None));
+    assert_eq!(store.get("r2".into(), 0).await, Ok(None));
+    assert_sound(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_of_many_transactions_removes_every_expired_record() {
+    let n = SWEEP_BATCH_RECORDS + SWEEP_BATCH_RECORDS / 2;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(open(&store_path(&dir, "journal.redb")));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let store = store.clone();
+        tasks.spawn(async move {
+            let id = format!("r{i:05}");
+            store.create(new_record(&id, None, b"{}", 0)).await?;
+            store
+                .finish(id, 1, terminal(RecordStatus::Completed, 1))
+                .await
+        });
+    }
+    store
+        .create(new_record("running", None, b"{}", 0))
+        .await
+        .unwrap();
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap().unwrap();
+    }
+    assert_eq!(store.stats().records, n as u64 + 1);
+    assert_eq!(store.sweep(u64::MAX).await, Ok(n));
+    assert_eq!(store.stats().records, 1);
+    assert_sound(&store).await;
+}
+
+// --- The embedded store answers as the in-memory reference does. ---
+
+const MODEL_LIMITS: JournalLimits = JournalLimits {
+    retention_ms: 1000,
+    max_bytes: 64 * 1024,
+    max_record_bytes: 64 * 1024,
+};
+
+#[derive(Debug, Clone)]
+enum ModelOp {
+    Create {
+        id: u8,
+        key: Option<u8>,
+        body: u8,
+        big: bool,
+        at: u64,
+    },
+    Append {
+        id: u8,
+        epoch_delta: i8,
+        seq_delta: i8,
+        count: u8,
+        big: bool,
+    },
+    Finish {
+        id: u8,
+        epoch_delta: i8,
+        status: u8,
+        at: u64,
+    },
+    RaiseEpoch {
+        id: u8,
+        epoch_delta: i8,
+    },
+    Get {
+        id: u8,
+        now: u64,
+    },
+    Events {
+        id: u8,
+        after: u64,
+        max: usize,
+    },
+    Delete {
+        id: u8,
+    },
+    Unfinished,
+    Sweep {
+        now: u64,
+    },
+    Watch {
+        id: u8,
+    },
+    Reopen,
+}
+
+fn delta() -> impl Strategy<Value = i8> {
+    prop_oneof![6 => Just(0i8), 1 => Just(-1i8), 1 => Just(1i8)]
+}
+
+fn model_op() -> impl Strategy<Value = ModelOp> {
+    let id = 0u8..4;
+    let at = 0u64..2500;
+    prop_oneof![
+        5 => (id.clone(), proptest::option::of(0u8..2), 0u8..2, proptest::bool::weighted(0.15), at.clone())
+            .prop_map(|(id, key, body, big, at)| ModelOp::Create { id, key, body, big, at }),
+        10 => (id.clone(), delta(), delta(), 0u8..4, proptest::bool::weighted(0.25))
+            .prop_map(|(id, epoch_delta, seq_delta, count, big)| ModelOp::Append { id, epoch_delta, seq_delta, count, big }),
+        3 => (id.clone(), delta(), 0u8..5, at.clone())
+            .prop_map(|(id, epoch_delta, status, at)| ModelOp::Finish { id, epoch_delta, status, at }),
+        2 => (id.clone(), delta()).prop_map(|(id, epoch_delta)| ModelOp::RaiseEpoch { id, epoch_delta }),
+        2 => (id.clone(), at.clone()).prop_map(|(id, now)| ModelOp::Get { id, now }),
+        2 => (id.clone(), 0u64..6, 0usize..4).prop_map(|(id, after, max)| ModelOp::Events { id, after, max }),
+        1 => id.clone().prop_map(|id| ModelOp::Delete { id }),
+        1 => Just(ModelOp::Unfinished),
+        1 => (0u64..4000).prop_map(|now| ModelOp::Sweep { now }),
+        2 => id.prop_map(|id| ModelOp::Watch { id }),
+        1 => Just(ModelOp::Reopen),
+    ]
+}
+
+fn apply_delta(base: u64, delta: i8) -> u64 {
+    base.saturating_add_signed(i64::from(delta))
+}
+
+/// The record's epoch and next sequence number in the reference store.
+async fn position(memory: &MemoryStore, id: &str) -> (u64, u64) {
+    // now = 0 never hides a record: expiry is at least the retention.
+    match memory.get(id.into(), 0).await {
+        Ok(Some((meta, _))) => (meta.epoch, meta.last_seq + 1),
+        _ => (1, 1),
+    }
+}
+
+/// Run `ops` on both stores; every answer, the counters and what watchers
+/// see must agree.
+async fn run_model(ops: Vec<ModelOp>) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "model.redb");
+    let memory = MemoryStore::new(MODEL_LIMITS);
+    let mut embedded = Some(EmbeddedStore::open(&path, MODEL_LIMITS).unwrap());
+    let mut watchers: Vec<(watch::Receiver<Progress>, watch::Receiver<Progress>)> = Vec::new();
+    for op in ops {
+        let Some(disk) = embedded.as_ref() else {
+            unreachable!("reopened below")
+        };
+        let name = |id: u8| format!("r{id}");
+        match op.clone() {
+            ModelOp::Create {
+                id,
+                key,
+                body,
+                big,
+                at,
+            } => {
+                let mut record = new_record(
+                    &name(id),
+                    key.map(|k| format!("k{k}")).as_deref(),
+                    if body == 0 { b"{}" } else { b"{\"b\":1}" },
+                    at,
+                );
+                if big {
+                    record.request = vec![b'q'; 30_000];
+                    record.fingerprint = fingerprint("/v1/responses", &record.request);
+                }
+                if id == 3 && body == 1 {
+                    record.api = JournalApi::ChatCompletions;
+                }
+                prop_assert_eq!(
+                    memory.create(record.clone()).await,
+                    disk.create(record).await,
+                    "{:?}",
+                    op
+                );
+            }
+            ModelOp::Append {
+                id,
+                epoch_delta,
+                seq_delta,
+                count,
+                big,
+            } => {
+                let (epoch, next) = position(&memory, &name(id)).await;
+                let first = apply_delta(next, seq_delta);
+                let events: Vec<JournalEvent> = (first..first + u64::from(count))
+                    .map(|seq| JournalEvent {
+                        seq,
+                        payload: if big {
+                            vec![b'e'; 20_000]
+                        } else {
+                            format!("e{seq}").into_bytes()
+                        },
+                    })
+                    .collect();
+                let epoch = apply_delta(epoch, epoch_delta);
+                prop_assert_eq!(
+                    memory.append(name(id), epoch, events.clone()).await,
+                    disk.append(name(id), epoch, events).await,
+                    "{:?}",
+                    op
+                );
+            }
+            ModelOp::Finish {
+                id,
+                epoch_delta,
+                status,
+                at,
+            } => {
+                let (epoch, _) = position(&memory, &name(id)).await;
+                let epoch = apply_delta(epoch, epoch_delta);
+                let status = [
+                    RecordStatus::Completed,
+                    RecordStatus::Incomplete,
+                    RecordStatus::Failed,
+                    RecordStatus::Cancelled,
+                    RecordStatus::InProgress,
+                ][usize::from(status)];
+                let t = terminal(status, at);
+                prop_assert_eq!(
+                    memory.finish(name(id), epoch, t.clone()).await,
+                    disk.finish(name(id), epoch, t).await,
+                    "{:?}",
+                    op
+                );
+            }
+            ModelOp::RaiseEpoch { id, epoch_delta } => {
+                let (epoch, _) = position(&memory, &name(id)).await;
+                let expected = apply_delta(epoch, epoch_delta);
+                prop_assert_eq!(
+                    memory.raise_epoch(name(id), expected).await,
+                    disk.raise_epoch(name(id), expected).await,
+                    "{:?}",
+                    op
+                );
+            }
+            ModelOp::Get { id, now } => {
+                prop_assert_eq!(
+                    memory.get(name(id), now).await,
+                    disk.get(name(id), now).await,
+                    "{:?}",
+                    op
+                );
+            }
+            ModelOp::Events { id, after, max } => {
+                prop_assert_eq!(
+                    memory.events(name(id), after, max).await,
+                    disk.events(name(id), after, max).await,
+                    "{:?}",
+                    op
+                );
+            }
+            ModelOp::Delete { id } => {
+                prop_assert_eq!(
+                    memory.delete(name(id)).await,
+                    disk.delete(name(id)).await,
+                    "{:?}",
+                    op
+                );
+            }
+            ModelOp::Unfinished => {
+                let sorted = |r: Result<Vec<RecordMeta>, JournalError>| {
+                    r.map(|mut v| {
+                        v.sort_by(|a, b| a.id.cmp(&b.id));
+                        v
+                    })
+                };
+                prop_assert_eq!(
+                    sorted(memory.unfinished().await),
+                    sorted(disk.unfinished().await)
+                );
+            }
+            ModelOp::Sweep { now } => {
+                prop_assert_eq!(memory.sweep(now).await, disk.sweep(now).await, "{:?}", op);
+            }
+            ModelOp::Watch { id } => {
+                match (memory.watch(name(id)).await, disk.watch(name(id)).await) {
+                    (Ok(a), Ok(b)) => {
+                        prop_assert_eq!(*a.borrow(), *b.borrow());
+                        watchers.push((a, b));
+                    }
+                    (a, b) => prop_assert_eq!(a.err(), b.err()),
+                }
+            }
+            ModelOp::Reopen => {
+                // Close the file (the writer thread ends) before opening it again.
+                drop(embedded.take());
+                embedded = Some(EmbeddedStore::open(&path, MODEL_LIMITS).unwrap());
+                // A restart ends every watch; the reference has none.
+                watchers.clear();
+            }
+        }
+        let Some(disk) = embedded.as_ref() else {
+            unreachable!("open")
+        };
+        let (m, d) = (memory.stats(), disk.stats());
+        prop_assert_eq!((m.records, m.used_bytes), (d.records, d.used_bytes));
+        for (a, b) in &watchers {
+            prop_assert_eq!(*a.borrow(), *b.borrow(), "after {:?}", op);
+            prop_assert_eq!(a.has_changed().is_err(), b.has_changed().is_err());
+        }
+    }
+    if let Some(disk) = &embedded {
+        let report = disk.verify().await.unwrap();
+        prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn the_embedded_store_answers_as_the_memory_store_does(
+        ops in proptest::collection::vec(model_op(), 1..60)
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(run_model(ops))?;
+    }
+}

@@ -1,0 +1,361 @@
+//! The one writer of the file: group commit (R-JRN-1).
+//!
+//! Callers submit operations into a bounded queue ([`GroupCommit`], R-LIM-4)
+//! and await a oneshot answer. One dedicated thread takes everything
+//! waiting (a bounded batch), runs each operation through the journal's
+//! rules inside **one** write transaction, commits it with one fsync, tells
+//! the watchers, and only then answers every operation of the batch.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use iop_core::journal::{
+    CreateOutcome, GroupCommit, JournalError, JournalEvent, JournalLimits, NewRecord, QueueFull,
+    RecordMeta, Terminal, Ticket,
+};
+use redb::{Database, Durability};
+use tokio::sync::{oneshot, watch};
+
+use super::tables::{Fault, WriteTables};
+use crate::{Progress, StoreStats};
+
+/// One write operation, as the writer thread runs it.
+#[derive(Debug)]
+pub(super) enum Request {
+    Create(NewRecord),
+    Append {
+        id: String,
+        epoch: u64,
+        events: Vec<JournalEvent>,
+    },
+    Finish {
+        id: String,
+        epoch: u64,
+        terminal: Terminal,
+    },
+    RaiseEpoch {
+        id: String,
+        expected: u64,
+    },
+    Delete {
+        id: String,
+    },
+    /// Remove at most `max_records` expired records.
+    Sweep {
+        now_unix_ms: u64,
+        max_records: usize,
+    },
+}
+
+impl Request {
+    /// Bytes the operation carries, for the batch's byte bound.
+    fn bytes(&self) -> usize {
+        match self {
+            Request::Create(record) => record.request.len(),
+            Request::Append { events, .. } => events.iter().map(|e| e.payload.len()).sum(),
+            _ => 0,
+        }
+    }
+}
+
+/// What the rules answered one operation (inside a transaction that may
+/// still fail to commit).
+#[derive(Debug)]
+pub(super) enum Reply {
+    Create(Result<CreateOutcome, JournalError>),
+    Meta(Result<RecordMeta, JournalError>),
+    Deleted(Result<(), JournalError>),
+    /// How many records were removed, and whether the scan stopped at its
+    /// bound (more may be expired).
+    Swept {
+        removed: usize,
+        more: bool,
+    },
+}
+
+impl Reply {
+    /// Did the operation change the store?
+    fn accepted(&self) -> bool {
+        match self {
+            Reply::Create(r) => matches!(r, Ok(CreateOutcome::Create(_))),
+            Reply::Meta(r) => r.is_ok(),
+            Reply::Deleted(r) => r.is_ok(),
+            Reply::Swept { removed, .. } => *removed > 0,
+        }
+    }
+}
+
+/// The answer a caller receives: the rules' reply once the batch is
+/// durable, or the store's failure for the whole batch.
+pub(super) type Answer = Result<Reply, JournalError>;
+
+/// What watchers learn once a batch is durable.
+#[derive(Debug)]
+pub(super) enum Notice {
+    /// The record now stands here.
+    Progress(String, Progress),
+    /// The record is gone: its watchers' senders are dropped.
+    Gone(String),
+}
+
+/// Bounds of the writer's queue and batches (R-LIM-4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct QueueBounds {
+    pub(super) max_queued_ops: usize,
+    pub(super) max_batch_ops: usize,
+    pub(super) max_batch_bytes: usize,
+}
+
+struct Queued {
+    request: Request,
+    answer: oneshot::Sender<Answer>,
+}
+
+struct QueueState {
+    commit: GroupCommit<Queued>,
+    next_ticket: u64,
+    /// No more submissions: the store is closing or the writer stopped.
+    closed: bool,
+}
+
+/// What the callers and the writer thread share.
+pub(super) struct Shared {
+    queue: Mutex<QueueState>,
+    wake: Condvar,
+    /// Senders of the records being watched; changed only by the writer
+    /// (after a commit) and by `watch` (which reads the record while it
+    /// holds this lock, so no commit's notice falls between its read and
+    /// its subscription).
+    watchers: Mutex<HashMap<String, watch::Sender<Progress>>>,
+    records: AtomicU64,
+    used_bytes: AtomicU64,
+    syncs: AtomicU64,
+    ops: AtomicU64,
+    writer_alive: AtomicBool,
+}
+
+impl Shared {
+    pub(super) fn new(bounds: QueueBounds, records: u64, used_bytes: u64) -> Self {
+        Shared {
+            queue: Mutex::new(QueueState {
+                commit: GroupCommit::new(
+                    bounds.max_queued_ops,
+                    bounds.max_batch_ops,
+                    bounds.max_batch_bytes,
+                ),
+                next_ticket: 0,
+                closed: false,
+            }),
+            wake: Condvar::new(),
+            watchers: Mutex::new(HashMap::new()),
+            records: AtomicU64::new(records),
+            used_bytes: AtomicU64::new(used_bytes),
+            syncs: AtomicU64::new(0),
+            ops: AtomicU64::new(0),
+            writer_alive: AtomicBool::new(true),
+        }
+    }
+
+    fn queue(&self) -> MutexGuard<'_, QueueState> {
+        // Every mutation under this lock is one queue call: a panic
+        // elsewhere leaves it consistent.
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn watchers(&self) -> MutexGuard<'_, HashMap<String, watch::Sender<Progress>>> {
+        self.watchers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queue `request`; the receiver answers once its batch is durable.
+    /// A full queue refuses at once (R-LIM-4).
+    pub(super) fn submit(
+        &self,
+        request: Request,
+    ) -> Result<oneshot::Receiver<Answer>, JournalError> {
+        let (tx, rx) = oneshot::channel();
+        let bytes = request.bytes();
+        let mut q = self.queue();
+        if q.closed || !self.writer_alive.load(Ordering::Acquire) {
+            return Err(JournalError::Store("the journal writer has stopped".into()));
+        }
+        let ticket = Ticket(q.next_ticket);
+        q.next_ticket = q.next_ticket.wrapping_add(1);
+        q.commit
+            .submit(
+                ticket,
+                Queued {
+                    request,
+                    answer: tx,
+                },
+                bytes,
+            )
+            .map_err(|QueueFull| JournalError::Store(QueueFull.to_string()))?;
+        drop(q);
+        self.wake.notify_one();
+        Ok(rx)
+    }
+
+    /// Stop taking submissions; the writer finishes what is queued, then
+    /// exits.
+    pub(super) fn close(&self) {
+        self.queue().closed = true;
+        self.wake.notify_all();
+    }
+
+    pub(super) fn stats(&self) -> StoreStats {
+        StoreStats {
+            records: self.records.load(Ordering::Acquire),
+            used_bytes: self.used_bytes.load(Ordering::Acquire),
+            syncs: self.syncs.load(Ordering::Acquire),
+            ops: self.ops.load(Ordering::Acquire),
+        }
+    }
+
+    /// The next batch, waiting for one; `None` once closed and drained.
+    fn next_batch(&self) -> Option<Vec<(Ticket, Queued)>> {
+        let mut q = self.queue();
+        loop {
+            if let Some(batch) = q.commit.poll_batch() {
+                return Some(batch);
+            }
+            if q.closed {
+                return None;
+            }
+            q = self.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn batch_done(&self) {
+        self.queue().commit.synced();
+    }
+
+    /// Apply the notices of a durable batch, in commit order.
+    fn notify(&self, notices: Vec<Notice>) {
+        if notices.is_empty() {
+            return;
+        }
+        let mut watchers = self.watchers();
+        for notice in notices {
+            match notice {
+                Notice::Progress(id, progress) => {
+                    if let Some(tx) = watchers.get(&id) {
+                        tx.send_replace(progress);
+                        // Nobody follows it any more: a later `watch`
+                        // starts again from the stored record. Keeps the
+                        // map to the records someone watches.
+                        if tx.receiver_count() == 0 {
+                            watchers.remove(&id);
+                        }
+                    }
+                }
+                Notice::Gone(id) => {
+                    watchers.remove(&id);
+                }
+            }
+        }
+    }
+}
+
+/// Marks the writer gone however its thread ends (a panic included), so
+/// submissions fail at once instead of waiting on a queue nobody drains;
+/// what is still queued is dropped, and its callers get an error.
+struct WriterExit<'a>(&'a Shared);
+
+impl Drop for WriterExit<'_> {
+    fn drop(&mut self) {
+        self.0.writer_alive.store(false, Ordering::Release);
+        let mut q = self.0.queue();
+        q.closed = true;
+        q.commit.synced();
+        while let Some(batch) = q.commit.poll_batch() {
+            q.commit.synced();
+            drop(batch);
+        }
+    }
+}
+
+/// The writer thread's loop.
+pub(super) fn run(db: Arc<Database>, shared: Arc<Shared>, limits: JournalLimits) {
+    let _exit = WriterExit(&shared);
+    while let Some(batch) = shared.next_batch() {
+        write_batch(&db, &shared, &limits, batch);
+        shared.batch_done();
+    }
+}
+
+/// What one committed batch changed.
+struct Committed {
+    replies: Vec<Reply>,
+    notices: Vec<Notice>,
+    used_bytes: u64,
+    records: u64,
+    synced: bool,
+}
+
+fn write_batch(
+    db: &Database,
+    shared: &Shared,
+    limits: &JournalLimits,
+    batch: Vec<(Ticket, Queued)>,
+) {
+    let (requests, answers): (Vec<Request>, Vec<oneshot::Sender<Answer>>) = batch
+        .into_iter()
+        .map(|(_, q)| (q.request, q.answer))
+        .unzip();
+    match apply_and_commit(db, limits, requests) {
+        Ok(done) => {
+            if done.synced {
+                shared.syncs.fetch_add(1, Ordering::AcqRel);
+            }
+            let accepted = done.replies.iter().filter(|r| r.accepted()).count() as u64;
+            shared.ops.fetch_add(accepted, Ordering::AcqRel);
+            shared.used_bytes.store(done.used_bytes, Ordering::Release);
+            shared.records.store(done.records, Ordering::Release);
+            // R-JRN-1: watchers (and so clients) learn of a change only
+            // once it is durable.
+            shared.notify(done.notices);
+            for (tx, reply) in answers.into_iter().zip(done.replies) {
+                // A caller that went away does not need its answer.
+                let _ = tx.send(Ok(reply));
+            }
+        }
+        Err(fault) => {
+            tracing::error!(error = %fault, "journal batch not committed");
+            let err = JournalError::from(fault);
+            for tx in answers {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+    }
+}
+
+/// Run every request of the batch in one transaction and commit it with
+/// one sync (nothing to sync when no request changed anything). A request
+/// the rules refuse writes nothing and does not disturb the others.
+fn apply_and_commit(
+    db: &Database,
+    limits: &JournalLimits,
+    requests: Vec<Request>,
+) -> Result<Committed, Fault> {
+    let mut txn = db.begin_write()?;
+    txn.set_durability(Durability::Immediate)?;
+    let mut tables = WriteTables::open(&txn, *limits)?;
+    let mut replies = Vec::with_capacity(requests.len());
+    for request in requests {
+        replies.push(tables.apply(request)?);
+    }
+    let summary = tables.close()?;
+    if summary.dirty {
+        txn.commit()?;
+    } else {
+        txn.abort()?;
+    }
+    Ok(Committed {
+        replies,
+        notices: summary.notices,
+        used_bytes: summary.used_bytes,
+        records: summary.records,
+        synced: summary.dirty,
+    })
+}
