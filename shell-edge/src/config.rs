@@ -513,12 +513,12 @@ pub struct EdgeFile {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum JournalStoreKind {
-    /// An embedded ACID store in one file under `state_dir` (no server to
-    /// run; survives a crash and a restart).
+    /// An embedded ACID store in one file under `state_dir` (the default:
+    /// no server to run; survives a crash and a restart).
+    #[default]
     Embedded,
     /// Process memory: lost at a restart. For tests and throwaway
     /// deployments only.
-    #[default]
     Memory,
 }
 

@@ -25,7 +25,7 @@ use iop_core::edge::request::Delivery;
 use iop_core::journal::{
     CreateOutcome, JournalError, NewRecord, RecordMeta, RecordStatus, Terminal,
 };
-use iop_store::{JournalStore, MemoryStore, Progress};
+use iop_store::{EmbeddedStore, JournalStore, MemoryStore, Progress};
 use iop_wire::ChatMessage;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -118,10 +118,12 @@ impl Durable {
         let store: Arc<dyn JournalStore> = match section.store {
             JournalStoreKind::Memory => Arc::new(MemoryStore::new(limits)),
             JournalStoreKind::Embedded => {
-                return Err(OpenError::Store {
-                    path: section.file(state_dir),
-                    message: "the embedded store is not part of this build; set [journal] store = \"memory\"".into(),
-                });
+                let path = section.file(state_dir);
+                let store = EmbeddedStore::open(&path, limits).map_err(|e| OpenError::Store {
+                    path: path.clone(),
+                    message: e.to_string(),
+                })?;
+                Arc::new(store)
             }
         };
         let mut durable = Self::with_store(store, section.responses_store_default);

@@ -74,6 +74,20 @@ impl Deployment {
         (status, r.text().await.unwrap())
     }
 
+    /// The response object once it has its terminal (bounded wait).
+    async fn wait_terminal(&self, id: &str) -> Value {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let (_, body) = self.get(&format!("/v1/responses/{id}"), KEY, &[]).await;
+            let object = json_of(&body);
+            if !matches!(object["status"].as_str(), Some("queued" | "in_progress")) {
+                return object;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{object}");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     async fn shutdown(self) {
         self.node.shutdown().await.unwrap();
         self.edge.shutdown().await;
@@ -384,9 +398,14 @@ async fn a_durable_run_outlives_its_client_and_a_background_one_is_cancelled() {
             .wait_for(|s| s.in_flight == 0 && s.requests == 1)
             .await;
         assert_eq!(stats.disconnects, 0, "the provider call was not cut");
-        let (_, body) = d.get(&format!("/v1/responses/{id}"), KEY, &[]).await;
-        let object = json_of(&body);
+        let object = d.wait_terminal(&id).await;
         assert_eq!(object["status"], "completed", "{object}");
+        assert!(
+            object["output"][0]["content"][0]["text"]
+                .as_str()
+                .unwrap()
+                .ends_with("tok39")
+        );
 
         // Background: answered at once, then cancelled.
         let (status, body) = d
