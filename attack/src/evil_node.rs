@@ -52,6 +52,7 @@ impl EvilNode {
             }],
             max_concurrent_runs: 256,
             recipient_public_key: None,
+            parked: Vec::new(),
         }))
         .await?;
         let generation = loop {

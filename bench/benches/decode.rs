@@ -92,6 +92,7 @@ fn run_request() -> RunRequest {
         deadline_ms: 0,
         credential_lease: None,
         trace_context: None,
+        park: None,
     }
 }
 

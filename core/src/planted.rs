@@ -175,6 +175,7 @@ mod tests {
             providers: vec![],
             max_concurrent_runs: 4,
             recipient_public_key: None,
+            parked: Vec::new(),
         };
         d.register(T, &NodeId::from("n"), &request)
             .expect("accepted")
@@ -228,6 +229,7 @@ mod tests {
             providers: vec![],
             max_concurrent_runs: 4,
             recipient_public_key: None,
+            parked: Vec::new(),
         };
         let g1 = r.register(T, &n, &request).expect("accepted");
         r.register(T, &n, &request).expect("accepted");

@@ -552,6 +552,16 @@ pub struct JournalSection {
     /// How often expired responses are removed.
     #[serde(default = "default_journal_sweep_interval_ms")]
     pub sweep_interval_ms: u64,
+    /// How long a node keeps a durable run going after losing its Edge
+    /// connection, for an Edge to adopt it (R-PARK-1); after an Edge
+    /// restart, records not adopted within it (plus a few seconds) end
+    /// `incomplete`.
+    #[serde(default = "default_park_grace_ms")]
+    pub park_grace_ms: u64,
+}
+
+fn default_park_grace_ms() -> u64 {
+    iop_wire::DEFAULT_PARK_GRACE_MS
 }
 
 impl Default for JournalSection {
@@ -564,6 +574,7 @@ impl Default for JournalSection {
             max_bytes: default_journal_max_bytes(),
             max_record_bytes: default_journal_max_record_bytes(),
             sweep_interval_ms: default_journal_sweep_interval_ms(),
+            park_grace_ms: default_park_grace_ms(),
         }
     }
 }
@@ -615,6 +626,12 @@ impl JournalSection {
             return Err(field_err(
                 "journal.sweep_interval_ms",
                 "must be between 1000 and 3600000",
+            ));
+        }
+        if !(100..=600_000).contains(&self.park_grace_ms) {
+            return Err(field_err(
+                "journal.park_grace_ms",
+                "must be between 100 and 600000",
             ));
         }
         if let Some(path) = &mut self.path {

@@ -17,14 +17,16 @@ use iop_core::edge::admission::{Lease, RequestId};
 use iop_core::edge::durable::{JournalAck, JournalSpec};
 use iop_core::edge::gate::{GateBudget, GateBudgetError, GateEvent};
 use iop_core::edge::request::{
-    NodeFrame, OpenFailure, Request, RequestInput, RequestObservation, RequestOutput, RequestSpec,
+    AdoptSpec, NodeFrame, OpenFailure, Request, RequestInput, RequestObservation, RequestOutput,
+    RequestSpec,
 };
 use iop_core::ids::ProviderId;
 use iop_transport::clock::Clock;
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend, open_framed};
 use iop_wire::{
-    ChatMessage, DataRequest, FailureCode, GenerationParams, Header, ProviderTunnelFrame,
-    ProviderTunnelRequest, RunApi, RunEvent, RunRequest, StreamErrorCode, ToolDefinition,
+    AdoptRequest, ChatMessage, DataRequest, FailureCode, GenerationParams, Header,
+    ProviderTunnelFrame, ProviderTunnelRequest, RunApi, RunEvent, RunRequest, RunStreamFrame,
+    StreamErrorCode, ToolDefinition,
 };
 use tokio::sync::mpsc;
 
@@ -115,7 +117,7 @@ pub enum DriverObservation {
 /// receiver. Dropping the receiver is a client disconnect (R-GATE-4).
 pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Receiver<Delivery> {
     let (tx, rx) = mpsc::channel(64);
-    start(ctx, pool, work, Some(tx), None);
+    start(ctx, pool, work, Some(tx), None, None);
     rx
 }
 
@@ -125,10 +127,23 @@ pub struct DurableRun {
     pub spec: JournalSpec,
     /// The Edge's durable responses (the store the record lives in).
     pub durable: Arc<crate::durable::Durable>,
-    /// Cancels the run (`POST .../cancel`, `DELETE`).
-    pub cancel: mpsc::Receiver<()>,
+    /// Cancels the run (`POST .../cancel`, `DELETE`) and brings it the
+    /// report of its parked run (R-PARK-2).
+    pub commands: mpsc::Receiver<crate::durable::LiveCommand>,
     /// Held while the run goes on.
     pub live: crate::durable::LiveRun,
+    /// How long its run may stay parked on its node (R-PARK-1).
+    pub park_grace_ms: u64,
+}
+
+/// Where an adopting driver takes a parked run over (R-TAKE-1).
+pub struct Takeover {
+    /// The node's report.
+    pub offer: iop_core::edge::dispatch::ParkedOffer,
+    /// Events durable in the record.
+    pub last_seq: u64,
+    /// The run's frame the last of them came from.
+    pub resume_after_frame: u64,
 }
 
 /// Start the driver of a durable request: its deliveries go to the
@@ -139,7 +154,16 @@ pub fn spawn_durable(ctx: DriverContext, pool: Vec<ProviderId>, mut work: Work, 
     // A durable answer is rendered by the Edge (numbered, replayable):
     // never a provider's own bytes.
     work.tunnel = None;
-    start(ctx, pool, work, None, Some(run));
+    start(ctx, pool, work, None, Some(run), None);
+}
+
+/// Start a driver that takes over a record whose run is parked on a node
+/// (R-TAKE-1, R-PARK-2): it adopts the run and writes the rest of the
+/// record; it never starts the prompt again.
+pub fn spawn_takeover(ctx: DriverContext, mut work: Work, run: DurableRun, takeover: Takeover) {
+    work.tunnel = None;
+    let pool = vec![takeover.offer.provider_id.clone()];
+    start(ctx, pool, work, None, Some(run), Some(takeover));
 }
 
 fn start(
@@ -148,6 +172,7 @@ fn start(
     work: Work,
     out: Option<mpsc::Sender<Delivery>>,
     durable: Option<DurableRun>,
+    takeover: Option<Takeover>,
 ) {
     let tx = out;
     tokio::spawn(async move {
@@ -184,10 +209,20 @@ fn start(
             tunnel_api: work.tunnel.as_ref().map(|t| t.api),
             tunnel_providers,
             journal: durable.as_ref().map(|d| d.spec.clone()),
+            park_grace_ms: durable.as_ref().map_or(0, |d| d.park_grace_ms),
         };
         let (events_tx, events) = mpsc::unbounded_channel();
         ctx.hub.attach(request_id, events_tx);
-        let machine = Request::new(ctx.clock.now(), spec);
+        let machine = match &takeover {
+            Some(t) => Request::adopting(
+                ctx.clock.now(),
+                spec,
+                &t.offer,
+                t.last_seq,
+                t.resume_after_frame,
+            ),
+            None => Request::new(ctx.clock.now(), spec),
+        };
         let mut driver = Driver {
             detach: Detach {
                 hub: ctx.hub.clone(),
@@ -205,12 +240,14 @@ fn start(
             wait: None,
             attempt: None,
             journal_write: None,
-            cancel: None,
+            commands: None,
             journal: None,
         };
         if let Some(run) = durable {
-            driver.cancel = Some(run.cancel);
+            driver.commands = Some(run.commands);
             driver.journal = Some(DriverJournal {
+                response_id: run.spec.response_id.clone(),
+                park_grace_ms: run.park_grace_ms,
                 durable: run.durable,
                 _live: run.live,
             });
@@ -224,6 +261,9 @@ type JournalFuture = Pin<Box<dyn Future<Output = JournalAck> + Send>>;
 /// A durable request's journal and its registration as a live run.
 struct DriverJournal {
     durable: Arc<crate::durable::Durable>,
+    /// The record (what the node reports if the run parks).
+    response_id: String,
+    park_grace_ms: u64,
     _live: crate::durable::LiveRun,
 }
 
@@ -273,8 +313,8 @@ struct Driver {
     journal: Option<DriverJournal>,
     /// Its write in flight (one at a time, as the request machine asks).
     journal_write: Option<JournalFuture>,
-    /// Cancels a durable request.
-    cancel: Option<mpsc::Receiver<()>>,
+    /// Cancels a durable request, or brings its parked run's report.
+    commands: Option<mpsc::Receiver<crate::durable::LiveCommand>>,
 }
 
 impl Driver {
@@ -324,16 +364,24 @@ impl Driver {
                     self.journal_write = None;
                     RequestInput::Journaled(ack)
                 },
-                cancel = async {
-                    match self.cancel.as_mut() {
-                        Some(cancel) => cancel.recv().await,
+                command = async {
+                    match self.commands.as_mut() {
+                        Some(commands) => commands.recv().await,
                         None => std::future::pending().await,
                     }
-                } => match cancel {
-                    Some(()) => RequestInput::Cancel,
+                } => match command {
+                    Some(crate::durable::LiveCommand::Cancel) => RequestInput::Cancel,
+                    Some(crate::durable::LiveCommand::Parked(offer)) => {
+                        if !self.machine.awaits_parked(offer.run.key) {
+                            // Not this request's wait: let its capacity go.
+                            self.ctx.hub.release_parked(offer.run.key);
+                            continue;
+                        }
+                        RequestInput::ParkedRun(offer)
+                    }
                     None => {
                         // Nothing can cancel it any more; it runs to its end.
-                        self.cancel = None;
+                        self.commands = None;
                         continue;
                     }
                 },
@@ -404,7 +452,17 @@ impl Driver {
                     lease,
                     tunnel,
                     deadline_ms,
-                } => self.open(lease, tunnel, deadline_ms),
+                    adopt,
+                } => self.open(lease, tunnel, deadline_ms, adopt),
+                RequestOutput::AckFrames { through_frame } => {
+                    // R-PARK-1: the node may drop what the journal holds.
+                    if let Some(stream) = self.stream.as_mut() {
+                        let _ = stream
+                            .send
+                            .send(&RunStreamFrame::Ack { through_frame })
+                            .await;
+                    }
+                }
                 RequestOutput::CloseAttempt => {
                     // The node cancels the run on the reset (R-GATE-2,
                     // R-GATE-4); an open in flight is dropped.
@@ -486,6 +544,14 @@ impl Driver {
                 }
                 return;
             }
+            RequestObservation::Parked => {
+                tracing::info!(event = "edge_durable_run_parked", route);
+                return;
+            }
+            RequestObservation::Adopted => {
+                tracing::info!(event = "edge_durable_run_adopted", route);
+                return;
+            }
             RequestObservation::Ended { attempts } => {
                 self.ctx.metrics.attempts_per_request(route, attempts);
                 return;
@@ -503,7 +569,7 @@ impl Driver {
     }
 
     /// Start opening the attempt's node stream and sending its request.
-    fn open(&mut self, lease: Lease, tunnel: bool, deadline_ms: u64) {
+    fn open(&mut self, lease: Lease, tunnel: bool, deadline_ms: u64, adopt: Option<AdoptSpec>) {
         let Some((link, recipient)) = self.link.take() else {
             self.machine.handle_input(
                 self.ctx.clock.now(),
@@ -511,12 +577,27 @@ impl Driver {
             );
             return;
         };
-        let request = self.request_for(&lease, tunnel, deadline_ms, recipient.as_ref());
+        let request = match adopt {
+            // R-PARK-2: continue the parked run after the journal's last
+            // frame of it.
+            Some(adopt) => DataRequest::Adopt(AdoptRequest {
+                run_id: lease.run_id,
+                key: adopt.key,
+                resume_after_frame: adopt.resume_after_frame,
+                response_stall_timeout_ms: lease.stall_timeout_ms,
+                deadline_ms,
+            }),
+            None => self.request_for(&lease, tunnel, deadline_ms, recipient.as_ref()),
+        };
+        // A durable run's stream stays open both ways: its acks go on it.
+        let acks = self.journal.is_some() && !tunnel;
         let conn = link.conn;
         self.opening = Some(Box::pin(async move {
             let (mut send, recv) = open_framed(&conn).await?;
             send.send(&request).await?;
-            let _ = send.finish();
+            if !acks {
+                let _ = send.finish();
+            }
             Ok(NodeStream { send, recv, tunnel })
         }));
     }
@@ -592,6 +673,11 @@ impl Driver {
                 deadline_ms,
                 credential_lease,
                 trace_context,
+                // A durable run outlives its connection (R-PARK-1).
+                park: self.journal.as_ref().map(|j| iop_wire::ParkSpec {
+                    response_id: j.response_id.clone(),
+                    grace_ms: j.park_grace_ms,
+                }),
             }),
         }
     }

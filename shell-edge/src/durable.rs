@@ -20,7 +20,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery};
+use iop_core::edge::dispatch::ParkedOffer;
+use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery, decode_entry};
 use iop_core::edge::request::Delivery;
 use iop_core::journal::{
     CreateOutcome, JournalError, NewRecord, RecordMeta, RecordStatus, Terminal,
@@ -103,8 +104,18 @@ pub struct Durable {
     store: Arc<dyn JournalStore>,
     metrics: Option<Arc<EdgeMetrics>>,
     responses_store_default: bool,
-    /// Cancel handles of the runs this Edge writes, by response id.
-    live: Mutex<HashMap<String, mpsc::Sender<()>>>,
+    park_grace_ms: u64,
+    /// The runs this Edge writes, by response id.
+    live: Mutex<HashMap<String, mpsc::Sender<LiveCommand>>>,
+}
+
+/// What reaches a run this Edge writes.
+#[derive(Debug)]
+pub enum LiveCommand {
+    /// Cancel it.
+    Cancel,
+    /// Its node reported its run parked (R-PARK-2).
+    Parked(iop_core::edge::dispatch::ParkedOffer),
 }
 
 impl Durable {
@@ -128,6 +139,7 @@ impl Durable {
         };
         let mut durable = Self::with_store(store, section.responses_store_default);
         durable.metrics = Some(metrics);
+        durable.park_grace_ms = section.park_grace_ms;
         durable.publish_stats();
         Ok(durable)
     }
@@ -138,6 +150,7 @@ impl Durable {
             store,
             metrics: None,
             responses_store_default,
+            park_grace_ms: iop_wire::DEFAULT_PARK_GRACE_MS,
             live: Mutex::new(HashMap::new()),
         }
     }
@@ -147,12 +160,17 @@ impl Durable {
         &self.store
     }
 
+    /// How long a durable run may stay parked on its node (R-PARK-1).
+    pub fn park_grace_ms(&self) -> u64 {
+        self.park_grace_ms
+    }
+
     /// Whether a Responses request without `store` is stored.
     pub fn responses_store_default(&self) -> bool {
         self.responses_store_default
     }
 
-    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, mpsc::Sender<()>>> {
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, mpsc::Sender<LiveCommand>>> {
         // The map's entries are inserted and removed whole: a panic while
         // holding the lock leaves it consistent.
         self.live.lock().unwrap_or_else(|e| e.into_inner())
@@ -160,8 +178,8 @@ impl Durable {
 
     /// Register the run of `response_id` as written by this Edge: its
     /// cancel receiver, and a guard that unregisters it when the run ends.
-    pub fn register(self: &Arc<Self>, response_id: &str) -> (LiveRun, mpsc::Receiver<()>) {
-        let (tx, rx) = mpsc::channel(1);
+    pub fn register(self: &Arc<Self>, response_id: &str) -> (LiveRun, mpsc::Receiver<LiveCommand>) {
+        let (tx, rx) = mpsc::channel(8);
         self.live().insert(response_id.to_owned(), tx);
         (
             LiveRun {
@@ -178,7 +196,7 @@ impl Durable {
         match self.live().get(response_id) {
             Some(tx) => {
                 // A full channel already carries a cancel.
-                let _ = tx.try_send(());
+                let _ = tx.try_send(LiveCommand::Cancel);
                 true
             }
             None => false,
@@ -266,8 +284,24 @@ impl Durable {
     /// `incomplete` with its durable prefix, so every reader gets a
     /// terminal. Returns how many were ended.
     pub async fn end_orphans(&self) -> Result<usize, JournalError> {
+        let unfinished = self.store.unfinished().await?;
+        self.end_unadopted(unfinished).await
+    }
+
+    /// End `candidates` that are still unfinished and that no run of this
+    /// Edge writes (none adopted them), `incomplete` (R-TAKE-1).
+    async fn end_unadopted(&self, candidates: Vec<RecordMeta>) -> Result<usize, JournalError> {
         let mut ended = 0;
-        for meta in self.store.unfinished().await? {
+        for candidate in candidates {
+            if self.is_live(&candidate.id) {
+                continue;
+            }
+            let Some((meta, _)) = self.store.get(candidate.id.clone(), 0).await? else {
+                continue;
+            };
+            if meta.terminal.is_some() {
+                continue;
+            }
             match self.end_incomplete(&meta, EDGE_RESTART_REASON).await {
                 Ok(()) => ended += 1,
                 // Another writer got there first: it owns the record.
@@ -307,6 +341,151 @@ impl Durable {
             .await;
         self.observe("finish", started, &finished);
         finished.map(|_| ())
+    }
+
+    /// R-TAKE-1 at start: the records a former run of this Edge left
+    /// unfinished wait `window` for their nodes to report their parked runs
+    /// (R-PARK-2); those nobody adopted by then end `incomplete`.
+    pub async fn spawn_orphan_ending(
+        self: &Arc<Self>,
+        window: Duration,
+    ) -> Result<tokio::task::JoinHandle<()>, JournalError> {
+        let orphans = self.store.unfinished().await?;
+        let durable = self.clone();
+        Ok(tokio::spawn(async move {
+            if orphans.is_empty() {
+                return;
+            }
+            tracing::info!(
+                event = "edge_journal_orphans_waiting",
+                records = orphans.len(),
+                window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX)
+            );
+            tokio::time::sleep(window).await;
+            match durable.end_unadopted(orphans).await {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(
+                    event = "edge_journal_orphans_ended",
+                    records = n,
+                    reason = EDGE_RESTART_REASON
+                ),
+                Err(e) => tracing::warn!(event = "edge_journal_orphans_failed", error = %e),
+            }
+        }))
+    }
+
+    /// Carry the parked runs nodes report (R-PARK-2) to the runs that wait
+    /// for them, or take their records over (R-TAKE-1), for as long as the
+    /// Edge runs. A run nobody takes has its held capacity let go.
+    pub fn spawn_adoptions(
+        self: &Arc<Self>,
+        mut parked: mpsc::UnboundedReceiver<Vec<ParkedOffer>>,
+        ctx: crate::driver::DriverContext,
+    ) -> tokio::task::JoinHandle<()> {
+        let durable = self.clone();
+        tokio::spawn(async move {
+            while let Some(runs) = parked.recv().await {
+                for offer in runs {
+                    let key = offer.run.key;
+                    if let Err(why) = durable.offer(&ctx, offer).await {
+                        tracing::info!(event = "edge_parked_run_not_adopted", reason = why);
+                        ctx.hub.release_parked(key);
+                    }
+                }
+            }
+        })
+    }
+
+    /// Offer one parked run: to the run of this Edge that waits for it, or
+    /// take its record over.
+    async fn offer(
+        self: &Arc<Self>,
+        ctx: &crate::driver::DriverContext,
+        offer: ParkedOffer,
+    ) -> Result<(), &'static str> {
+        let live = self.live().get(&offer.run.response_id).cloned();
+        if let Some(tx) = live {
+            // Its driver adopts it, or lets it go if it no longer waits.
+            return tx
+                .send(LiveCommand::Parked(offer))
+                .await
+                .map_err(|_| "run_gone");
+        }
+        let id = offer.run.response_id.clone();
+        let (meta, _) = self
+            .store
+            .get(id.clone(), 0)
+            .await
+            .map_err(|_| "store_error")?
+            .ok_or("unknown_response")?;
+        if meta.terminal.is_some() {
+            return Err("response_ended");
+        }
+        // R-PARK-2: resume after the last frame of this run the journal
+        // holds; a record whose last event came from another run is not
+        // this run's any more.
+        let resume_after_frame = if meta.last_seq == 0 {
+            0
+        } else {
+            let last = self
+                .store
+                .events(id.clone(), meta.last_seq - 1, 1)
+                .await
+                .map_err(|_| "store_error")?;
+            let source = last
+                .first()
+                .and_then(|e| decode_entry(&e.payload))
+                .and_then(|e| e.source)
+                .ok_or("no_frame_source")?;
+            if source.key != offer.run.key {
+                return Err("another_run");
+            }
+            source.frame
+        };
+        // R-JRN-3: win the record's epoch before writing anything; a lost
+        // race means another writer has it.
+        let started = std::time::Instant::now();
+        let raised = self.store.raise_epoch(id.clone(), meta.epoch).await;
+        self.observe("raise_epoch", started, &raised);
+        let raised = raised.map_err(|_| "epoch_lost")?;
+        tracing::info!(
+            event = "edge_response_taken_over",
+            response = %id,
+            epoch = raised.epoch,
+            resume_after_frame
+        );
+        let work = crate::driver::Work {
+            model: meta.model.clone(),
+            api: iop_wire::RunApi::Chat,
+            messages: Vec::new(),
+            tools: Vec::new(),
+            params: iop_wire::GenerationParams::default(),
+            tunnel: None,
+            route: meta.api.as_str(),
+            principal: meta.principal.clone(),
+            trace_context: None,
+        };
+        let (live, commands) = self.register(&id);
+        crate::driver::spawn_takeover(
+            ctx.clone(),
+            work,
+            crate::driver::DurableRun {
+                spec: iop_core::edge::durable::JournalSpec {
+                    response_id: id,
+                    epoch: raised.epoch,
+                },
+                durable: self.clone(),
+                commands,
+                live,
+                park_grace_ms: self.park_grace_ms,
+            },
+            crate::driver::Takeover {
+                offer,
+                last_seq: meta.last_seq,
+                resume_after_frame,
+            },
+        );
+        Ok(())
     }
 
     /// Remove expired records every `interval`, for as long as the Edge
@@ -603,7 +782,7 @@ mod tests {
         let (live, mut cancel) = durable.register("r");
         assert!(durable.is_live("r"));
         assert!(durable.cancel("r"));
-        assert_eq!(cancel.recv().await, Some(()));
+        assert!(matches!(cancel.recv().await, Some(LiveCommand::Cancel)));
         drop(live);
         assert!(!durable.is_live("r"), "unregistered when the run ends");
         assert!(!durable.cancel("r"));

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use iop_core::edge::admission::{PreSend, RequestId};
 use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, ProbeAnswer, RequestCommand,
-    RequestEvent,
+    CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, ParkedOffer, ProbeAnswer,
+    RequestCommand, RequestEvent,
 };
 use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::{RejectCause, Rejection};
@@ -156,6 +156,10 @@ enum HubMsg {
     },
     Shutdown,
     RefreshCredentials,
+    ReleaseParked {
+        key: iop_wire::RunKey,
+    },
+    ParkedSink(mpsc::UnboundedSender<Vec<ParkedOffer>>),
     ProbeAnswer {
         ticket: ProbeTicket,
         answer: Result<(NodeId, Generation, CapabilitiesReport), HealthFailureCode>,
@@ -249,6 +253,19 @@ impl HubHandle {
         self.ask(|reply| HubMsg::Link { node, reply }).await
     }
 
+    /// Parked runs nodes report (R-PARK-2) go to the returned receiver from
+    /// now on; without one they are let go at once.
+    pub fn parked_runs(&self) -> mpsc::UnboundedReceiver<Vec<ParkedOffer>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = self.tx.send(HubMsg::ParkedSink(tx));
+        rx
+    }
+
+    /// No request adopts parked run `key`: let its held capacity go.
+    pub fn release_parked(&self, key: iop_wire::RunKey) {
+        let _ = self.tx.send(HubMsg::ReleaseParked { key });
+    }
+
     /// The credential profiles changed: push them to every connected node.
     pub fn refresh_credentials(&self) {
         let _ = self.tx.send(HubMsg::RefreshCredentials);
@@ -287,6 +304,8 @@ struct Hub {
     closes_by_reason: BTreeMap<&'static str, u64>,
     metrics: Arc<EdgeMetrics>,
     catalog: Arc<crate::catalog::ModelCatalog>,
+    /// Where parked runs nodes report go to be adopted (R-PARK-2).
+    parked: Option<mpsc::UnboundedSender<Vec<ParkedOffer>>>,
 }
 
 /// Start the hub task. With `trace`, every dispatcher input and output is
@@ -331,6 +350,7 @@ pub fn spawn(
         readying: None,
         closes_by_reason: BTreeMap::new(),
         metrics,
+        parked: None,
     };
     let task = tokio::spawn(hub.run(rx));
     Ok((HubHandle { tx, catalog }, task))
@@ -429,6 +449,11 @@ impl Hub {
             HubMsg::Request(command) => {
                 self.dispatcher
                     .handle_input(now, DispatchInput::Request(command));
+            }
+            HubMsg::ParkedSink(tx) => self.parked = Some(tx),
+            HubMsg::ReleaseParked { key } => {
+                self.dispatcher
+                    .handle_input(now, DispatchInput::ReleaseParked { key });
             }
             HubMsg::Detach { request_id } => {
                 self.dispatcher.handle_input(
@@ -653,6 +678,28 @@ impl Hub {
                     node,
                     generation,
                 } => self.probe(ticket, node, generation),
+                DispatchOutput::ParkedRuns {
+                    node,
+                    generation,
+                    runs,
+                } => {
+                    tracing::info!(
+                        event = "edge_parked_runs_reported",
+                        node = %node,
+                        generation,
+                        runs = runs.len()
+                    );
+                    let unclaimed = match &self.parked {
+                        Some(tx) => tx.send(runs).err().map(|e| e.0),
+                        None => Some(runs),
+                    };
+                    for offer in unclaimed.into_iter().flatten() {
+                        self.dispatcher.handle_input(
+                            self.clock.now(),
+                            DispatchInput::ReleaseParked { key: offer.run.key },
+                        );
+                    }
+                }
                 DispatchOutput::Health(event) => {
                     tracing::warn!(
                         event = "edge_provider_health_lifecycle",

@@ -67,6 +67,8 @@ pub struct RunningEdge {
     hub_task: JoinHandle<()>,
     /// Removes expired durable responses.
     sweeper: JoinHandle<()>,
+    /// The restart scan's orphan ending and the adoption of parked runs.
+    background: Vec<JoinHandle<()>>,
 }
 
 /// Process options that are not configuration.
@@ -210,28 +212,29 @@ impl RunningEdge {
             &config.edge.state_dir,
             metrics.clone(),
         )?);
-        let orphans = durable.end_orphans().await?;
-        if orphans > 0 {
-            tracing::warn!(
-                event = "edge_journal_orphans_ended",
-                records = orphans,
-                reason = crate::durable::EDGE_RESTART_REASON
-            );
-        }
+        // R-TAKE-1: a response a former run of this Edge left unfinished is
+        // adopted when its node reports the run parked (R-PARK-2), or ends
+        // `incomplete` when none does within the park grace.
+        let park_window = std::time::Duration::from_millis(config.journal.park_grace_ms)
+            + iop_core::edge::request::PARK_REPORT_SLACK;
+        let orphan_task = durable.spawn_orphan_ending(park_window).await?;
+        let parked = hub.parked_runs();
         let sweeper = durable.spawn_sweeper(std::time::Duration::from_millis(
             config.journal.sweep_interval_ms,
         ));
         let config = Arc::new(config);
         let listener = tokio::net::TcpListener::bind(config.edge.http_listen).await?;
         let http_addr = listener.local_addr()?;
-        let app = crate::http::router(crate::http::AppState::new(
+        let state = crate::http::AppState::new(
             config.clone(),
             hub.clone(),
             clock,
             metrics.clone(),
             creds.clone(),
-            durable,
-        ));
+            durable.clone(),
+        );
+        let adoptions = durable.spawn_adoptions(parked, state.driver_context().clone());
+        let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
         let http_task = tokio::spawn(crate::serve::serve(listener, app, limits, stop));
@@ -250,6 +253,7 @@ impl RunningEdge {
             http_task,
             hub_task,
             sweeper,
+            background: vec![orphan_task, adoptions],
         })
     }
 
@@ -294,6 +298,9 @@ impl RunningEdge {
     /// metrics to the OTLP collector when one is configured.
     pub async fn shutdown(self) {
         self.sweeper.abort();
+        for task in &self.background {
+            task.abort();
+        }
         self.http_stop.send_replace(true);
         let _ = self.http_task.await;
         // Refuse new handshakes first: nodes keep dialing while we drain.

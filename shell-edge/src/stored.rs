@@ -245,8 +245,9 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
                         epoch: meta.epoch,
                     },
                     durable: durable.clone(),
-                    cancel,
+                    commands: cancel,
                     live,
+                    park_grace_ms: durable.park_grace_ms(),
                 },
             );
             (meta, stored, false)

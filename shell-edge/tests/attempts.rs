@@ -70,6 +70,7 @@ impl RawNode {
                 providers: vec![],
                 max_concurrent_runs: 4,
                 recipient_public_key: None,
+                parked: Vec::new(),
             }))
             .await
             .unwrap();

@@ -202,6 +202,7 @@ fn run_request(run_id: u64, lease: Option<Vec<u8>>) -> RunRequest {
         deadline_ms: 0,
         credential_lease: lease,
         trace_context: None,
+        park: None,
     }
 }
 

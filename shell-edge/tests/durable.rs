@@ -549,3 +549,60 @@ async fn a_request_that_fails_before_any_event_frees_its_idempotency_key() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn r_park_2_a_durable_stream_goes_on_when_its_node_connection_is_lost_and_comes_back() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let script = MockScript {
+            tokens: 60,
+            tokens_per_second: 100.0,
+            ..MockScript::default()
+        };
+        let d = Deployment::start(&pki, script, "").await;
+        let mut r = reqwest::Client::new()
+            .post(d.url("/v1/responses"))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .body(json!({"model": "m", "input": "x", "stream": true}).to_string())
+            .send()
+            .await
+            .unwrap();
+        let mut body = String::new();
+        while !body.contains("tok5") {
+            let chunk = r.chunk().await.unwrap().expect("stream open");
+            body.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        // The node's connection goes away mid-answer (no goodbye for its
+        // runs); the node reconnects, reports the run parked, and the
+        // Edge adopts it (R-PARK-1, R-PARK-2).
+        let (generation, link) = d.edge.hub.link("node-1".into()).await.unwrap().unwrap();
+        RunningEdge::close(&link.conn, iop_wire::CloseCode::ProtocolError);
+        while let Some(chunk) = r.chunk().await.unwrap() {
+            body.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let events = sse(&body);
+        let ids: Vec<u64> = events.iter().map(|e| e.0.expect("numbered")).collect();
+        assert_eq!(ids, (0..events.len() as u64).collect::<Vec<_>>());
+        assert!(
+            !events
+                .iter()
+                .any(|(_, name, _)| name == "error" || name == "response.failed"),
+            "no error: {body}"
+        );
+        assert_eq!(events.last().unwrap().1, "response.completed");
+        let text: String = events
+            .iter()
+            .filter_map(|(_, _, data)| data["delta"].as_str())
+            .collect();
+        let expected: String = (0..60).map(iop_node::mock::token_text).collect();
+        assert_eq!(text, expected, "no lost or repeated text");
+        assert_eq!(d.mock.requests(), 1, "the provider was called once");
+        let (now, _) = d.edge.hub.link("node-1".into()).await.unwrap().unwrap();
+        assert!(now > generation, "it went on over a new connection");
+        let snap = wait_for(&d.edge, "idle", |s| s.leases_in_use == 0).await;
+        assert!(snap.providers.iter().all(|p| p.in_use == 0), "{snap:?}");
+        d.shutdown().await;
+    })
+    .await;
+}

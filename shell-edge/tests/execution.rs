@@ -82,6 +82,7 @@ fn run_request(run_id: u64, model: &str, stall_timeout_ms: u64) -> RunRequest {
         deadline_ms: 0,
         credential_lease: None,
         trace_context: None,
+        park: None,
     }
 }
 

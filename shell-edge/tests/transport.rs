@@ -55,6 +55,7 @@ impl RawNode {
                 providers: vec![],
                 max_concurrent_runs: 1,
                 recipient_public_key: None,
+                parked: Vec::new(),
             }))
             .await
             .unwrap();

@@ -29,6 +29,15 @@ pub struct NodeSection {
     /// Optional Prometheus listen address.
     #[serde(default)]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Bytes of output one durable run keeps until its Edge acknowledges
+    /// them durable (and while it is parked without a connection,
+    /// R-PARK-1); past it the run stops reading from its provider.
+    #[serde(default = "default_park_buffer_bytes")]
+    pub park_buffer_bytes: usize,
+}
+
+fn default_park_buffer_bytes() -> usize {
+    iop_core::node::park::DEFAULT_MAX_KEPT_BYTES
 }
 
 fn default_server_name() -> String {
@@ -226,6 +235,12 @@ impl NodeConfig {
         }
         if file.node.edge.is_empty() || !file.node.edge.contains(':') {
             return Err(field_err("node.edge", "must be `host:port`"));
+        }
+        if !(64 * 1024..=1024 * 1024 * 1024).contains(&file.node.park_buffer_bytes) {
+            return Err(field_err(
+                "node.park_buffer_bytes",
+                "must be between 65536 and 1073741824",
+            ));
         }
         if file.node.max_concurrent_runs == 0 {
             return Err(field_err("node.max_concurrent_runs", "must be > 0"));

@@ -11,6 +11,7 @@ pub mod keyfile;
 pub mod link;
 pub mod metrics;
 pub mod mock;
+pub mod park;
 pub mod run;
 pub mod supervisor;
 
@@ -63,6 +64,7 @@ impl RunningNode {
             .collect();
         let mut shared = LinkShared::new(adapters, config.watchdog.probe_bound);
         shared.record_trace = options.record_trace;
+        shared.park_buffer_bytes = config.node.park_buffer_bytes;
         // The lease recipient key and this node's id (R-CRED-1): a node
         // that cannot load them does not start.
         // The optional metrics address is bound now, so a taken port fails

@@ -118,6 +118,11 @@ pub struct LinkShared {
     /// Targets whose credential the Edge manages, as of the latest snapshot
     /// (read by health probes only; the lease path uses the link's copy).
     managed: std::sync::RwLock<Vec<(AdapterKind, String)>>,
+    /// Durable runs, which outlive their connection (R-PARK-1).
+    pub parking: crate::park::ParkingLot,
+    /// Bytes one durable run keeps until acknowledged (`[node]
+    /// park_buffer_bytes`).
+    pub park_buffer_bytes: usize,
 }
 
 impl LinkShared {
@@ -140,6 +145,8 @@ impl LinkShared {
             replay: std::sync::Mutex::new(Some(iop_core::cred::ReplayCache::new())),
             credential_rejections: AtomicU64::new(0),
             managed: std::sync::RwLock::new(Vec::new()),
+            parking: crate::park::ParkingLot::default(),
+            park_buffer_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
         }
     }
 
@@ -231,12 +238,27 @@ pub enum LinkEnd {
 }
 
 /// What the link tells one run handler.
-#[derive(Debug)]
 pub enum RunControl {
     /// Stop the provider call now (stall claimed, canceled, disconnected).
     CancelProvider,
     /// Write this terminal and end (the watchdog's decision).
     Terminal(RunTerminal),
+    /// A connection adopts this parked durable run (R-PARK-2).
+    Attach(Box<crate::park::Attach>),
+}
+
+impl std::fmt::Debug for RunControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunControl::CancelProvider => f.write_str("CancelProvider"),
+            RunControl::Terminal(t) => f.debug_tuple("Terminal").field(t).finish(),
+            RunControl::Attach(a) => f
+                .debug_struct("Attach")
+                .field("run_id", &a.request.run_id)
+                .field("key", &a.request.key)
+                .finish_non_exhaustive(),
+        }
+    }
 }
 
 /// What run handlers tell the link.
@@ -459,6 +481,8 @@ pub async fn run(
                         r,
                         link_tx.clone(),
                         shared.clone(),
+                        conn.clone(),
+                        generation,
                     ));
                 }
                 Err(e) => {
@@ -529,6 +553,8 @@ async fn handshake(
             .collect(),
         max_concurrent_runs: config.node.max_concurrent_runs,
         recipient_public_key: shared.identity.as_ref().map(NodeIdentity::public_key),
+        // R-PARK-2: the durable runs an Edge may adopt.
+        parked: shared.parking.reports(),
     };
     send.send(&NodeControl::Register(request)).await?;
     let (generation, snapshot) = loop {
@@ -706,7 +732,8 @@ impl Link {
                 control,
                 reply,
             } => {
-                if self.runs.len() >= self.max_runs {
+                // Parked durable runs still hold their provider (R-PARK-1).
+                if self.runs.len() + self.shared.parking.parked() >= self.max_runs {
                     let _ = reply.send(Err(FailureCode::NodeOverloaded));
                     return;
                 }

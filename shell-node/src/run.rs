@@ -32,6 +32,8 @@ pub async fn serve_stream(
     mut recv: FramedRecv,
     link: LinkTx,
     shared: Arc<LinkShared>,
+    conn: quinn::Connection,
+    generation: u64,
 ) {
     let request = match recv.recv::<DataRequest>().await {
         Ok(Some(r)) => r,
@@ -55,6 +57,30 @@ pub async fn serve_stream(
         }
     };
     match request {
+        DataRequest::Run(mut req) if req.park.is_some() => {
+            // A durable run outlives this connection (R-PARK-1): it runs in
+            // a task of its own, not in the link's.
+            if let Some(park) = req.park.take() {
+                tokio::spawn(crate::park::run_durable(
+                    send, recv, link, conn, shared, req, park, generation,
+                ));
+            }
+        }
+        DataRequest::Adopt(request) => {
+            let key = request.key;
+            let attach = crate::park::Attach {
+                send,
+                recv,
+                link,
+                conn,
+                request,
+            };
+            if !shared.parking.adopt(key, attach) {
+                // No such run (expired, over, never here): the Edge sees
+                // the stream end without a frame.
+                tracing::info!(event = "node_adoption_unknown_run", run_id = key.run_id);
+            }
+        }
         DataRequest::Run(req) => {
             let span = run_span(&shared, "normalized", req.trace_context);
             let run_id = req.run_id;
@@ -119,7 +145,7 @@ pub async fn serve_stream(
 /// The `node.run` span of a run or tunnel: a child of the Edge's span when
 /// the request carries a trace context (R-OBS-1: identifiers and closed
 /// values only).
-fn run_span(
+pub(crate) fn run_span(
     shared: &LinkShared,
     kind: &'static str,
     parent: Option<iop_wire::TraceContext>,
@@ -386,6 +412,8 @@ async fn execute<S, F>(
                     break;
                 }
                 Some(RunControl::Terminal(RunTerminal::Completed)) | None => break,
+                // Only a durable run is adopted.
+                Some(RunControl::Attach(_)) => {}
             },
             // The Edge stopped reading or reset: the run is canceled.
             _ = recv_reset(&mut recv, metrics) => {
@@ -448,10 +476,10 @@ async fn execute<S, F>(
 }
 
 /// The `node.run` span, ended with the run's outcome.
-struct RunSpan(TraceSpan);
+pub(crate) struct RunSpan(pub(crate) TraceSpan);
 
 impl RunSpan {
-    fn end(&self, record: &crate::metrics::RunRecord<'_>) {
+    pub(crate) fn end(&self, record: &crate::metrics::RunRecord<'_>) {
         let outcome = record.outcome();
         self.0.set("iop.outcome", outcome);
         if outcome == crate::metrics::RUN_OK {

@@ -106,6 +106,7 @@ fn register_request() -> RegisterRequest {
         providers: vec![],
         max_concurrent_runs: 8,
         recipient_public_key: None,
+        parked: Vec::new(),
     }
 }
 
@@ -342,7 +343,8 @@ fn drain_dispatch(d: &mut Dispatcher, m: &mut DispatchModel) {
             | DispatchOutput::CancelRun { .. }
             | DispatchOutput::StallEvidence { .. }
             | DispatchOutput::Capability(_)
-            | DispatchOutput::Health(_) => {}
+            | DispatchOutput::Health(_)
+            | DispatchOutput::ParkedRuns { .. } => {}
         }
     }
 }

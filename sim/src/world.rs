@@ -1397,6 +1397,8 @@ impl World {
                 | DispatchOutput::Registered { .. }
                 | DispatchOutput::ReadyAnswer { .. }
                 | DispatchOutput::Health(_) => {}
+                // Simulated nodes park nothing: no run is reported.
+                DispatchOutput::ParkedRuns { .. } => {}
                 DispatchOutput::StallEvidence { outcome, .. } => match outcome {
                     EvidenceOutcome::Lowered => self.stats.lowerings += 1,
                     EvidenceOutcome::Stale => self.stats.stale_evidence += 1,
@@ -1548,7 +1550,10 @@ impl World {
                 lease,
                 tunnel: _,
                 deadline_ms,
+                adopt: _,
             } => self.open_attempt(rid, lease, deadline_ms),
+            // Simulated runs are never parked (R-PARK-1 is the node's).
+            RequestOutput::AckFrames { .. } => {}
             RequestOutput::CloseAttempt => {
                 let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
                     return;
@@ -1628,6 +1633,7 @@ impl World {
                 }
                 HubCheck::None
             }
+            RequestCommand::Adopt { .. } => HubCheck::None,
             RequestCommand::PreSend { lease_id, .. } => HubCheck::PreSend {
                 lease_id: *lease_id,
                 fenced: edge.fenced_leases.contains_key(lease_id),
@@ -1714,6 +1720,7 @@ impl World {
             deadline_ms,
             credential_lease: None,
             trace_context: None,
+            park: None,
         };
         if let Some(r) = edge.requests.get_mut(&rid) {
             r.running = Some((conn, run_id));
@@ -1874,6 +1881,7 @@ impl World {
                 tunnel_api: None,
                 tunnel_providers: Vec::new(),
                 journal: None,
+                park_grace_ms: 0,
             },
         );
         self.core_bugs.plant_request(&machine);
@@ -2088,6 +2096,7 @@ impl World {
                 providers,
                 max_concurrent_runs: 64,
                 recipient_public_key: None,
+                parked: Vec::new(),
             })),
         );
     }
@@ -2143,6 +2152,8 @@ impl World {
                 EdgeControl::ConfigRefresh(ConfigSnapshot { .. }) => {}
             },
             Payload::Data(DataRequest::Run(request)) => self.node_start_run(node, request),
+            // Simulated nodes park nothing, so there is nothing to adopt.
+            Payload::Data(DataRequest::Adopt(_)) => {}
             Payload::Data(DataRequest::Command(command)) => {
                 if matches!(command.kind, CommandKind::Capabilities { .. }) {
                     let delay = self.rng.millis(1, duration_ms(self.cfg.probe_delay_max));

@@ -201,6 +201,7 @@ fn register_request(model_count: usize) -> RegisterRequest {
         }],
         max_concurrent_runs: 64,
         recipient_public_key: Some([7; 32]),
+        parked: Vec::new(),
     }
 }
 

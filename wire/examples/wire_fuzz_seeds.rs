@@ -33,6 +33,7 @@ fn main() -> std::io::Result<()> {
                 }],
                 max_concurrent_runs: 8,
                 recipient_public_key: Some([7; 32]),
+                parked: Vec::new(),
             }))
             .unwrap(),
         ),
@@ -92,6 +93,7 @@ fn main() -> std::io::Result<()> {
                     parent_span_id: [0x0f; 8],
                     flags: TraceContext::FLAG_SAMPLED,
                 }),
+                park: None,
             }))
             .unwrap(),
         ),

@@ -13,7 +13,8 @@ use serde::de::{Deserialize, Deserializer, Error as _, SeqAccess, Visitor};
 
 use crate::{
     Header, MAX_CAPABILITY_TARGETS, MAX_HEADER_BYTES, MAX_HEADERS, MAX_MODEL_NAME_BYTES,
-    MAX_MODELS_PER_TARGET, MAX_OFFERED_PROVIDERS, OfferedProvider, TargetHealth,
+    MAX_MODELS_PER_TARGET, MAX_OFFERED_PROVIDERS, MAX_PARKED_RUNS, MAX_RESPONSE_ID_BYTES,
+    MAX_TARGET_BYTES, OfferedProvider, ParkedRun, TargetHealth,
 };
 
 struct BoundedVec<T> {
@@ -105,6 +106,37 @@ pub(crate) fn offered_providers<'de, D: Deserializer<'de>>(
     bounded(d, "offered providers", MAX_OFFERED_PROVIDERS, |_| Ok(()))
 }
 
+/// Parked runs of one registration: at most [`MAX_PARKED_RUNS`].
+pub(crate) fn parked_runs<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ParkedRun>, D::Error> {
+    bounded(d, "parked runs", MAX_PARKED_RUNS, |_| Ok(()))
+}
+
+/// A string of at most `max` bytes, refused while decoding.
+fn bounded_string<'de, D: Deserializer<'de>>(
+    d: D,
+    what: &'static str,
+    max: usize,
+) -> Result<String, D::Error> {
+    let s = String::deserialize(d)?;
+    if s.len() > max {
+        return Err(serde::de::Error::custom(format!(
+            "a {what} of {} bytes exceeds the maximum of {max}",
+            s.len()
+        )));
+    }
+    Ok(s)
+}
+
+/// A response id: at most [`MAX_RESPONSE_ID_BYTES`].
+pub(crate) fn response_id<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    bounded_string(d, "response id", MAX_RESPONSE_ID_BYTES)
+}
+
+/// A target name: at most [`MAX_TARGET_BYTES`].
+pub(crate) fn target<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    bounded_string(d, "target", MAX_TARGET_BYTES)
+}
+
 /// Targets of one capabilities report: at most [`MAX_CAPABILITY_TARGETS`].
 pub(crate) fn capability_targets<'de, D: Deserializer<'de>>(
     d: D,
@@ -166,6 +198,7 @@ mod tests {
             }],
             max_concurrent_runs: 1,
             recipient_public_key: None,
+            parked: Vec::new(),
         };
         assert!(roundtrip(&register).is_err());
         let report = CapabilitiesReport {
@@ -187,5 +220,42 @@ mod tests {
             health_observation_seq: 1,
         };
         assert!(roundtrip(&long_name).is_err());
+    }
+
+    #[test]
+    fn parked_run_reports_are_capped_in_count_and_name_lengths() {
+        let run = crate::ParkedRun {
+            key: crate::RunKey {
+                generation: 1,
+                run_id: 1,
+            },
+            response_id: "resp_1".into(),
+            adapter: crate::AdapterKind::Mock,
+            target: "t".into(),
+            first_kept_frame: 1,
+            last_frame: 0,
+            ended: false,
+        };
+        let register = |parked: Vec<crate::ParkedRun>| RegisterRequest {
+            protocol_version: crate::PROTOCOL_VERSION,
+            node_version: "v".into(),
+            providers: Vec::new(),
+            max_concurrent_runs: 1,
+            recipient_public_key: None,
+            parked,
+        };
+        let ok = register(vec![run.clone(); 3]);
+        assert_eq!(roundtrip(&ok).unwrap(), ok);
+        assert!(roundtrip(&register(vec![run.clone(); crate::MAX_PARKED_RUNS + 1])).is_err());
+        let long_id = crate::ParkedRun {
+            response_id: "r".repeat(crate::MAX_RESPONSE_ID_BYTES + 1),
+            ..run.clone()
+        };
+        assert!(roundtrip(&register(vec![long_id])).is_err());
+        let long_target = crate::ParkedRun {
+            target: "t".repeat(crate::MAX_TARGET_BYTES + 1),
+            ..run
+        };
+        assert!(roundtrip(&register(vec![long_target])).is_err());
     }
 }

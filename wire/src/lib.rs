@@ -34,7 +34,7 @@ pub use messages::*;
 pub const ALPN: &[u8] = b"iop/1";
 
 /// The protocol version a Node announces in its [`RegisterRequest`].
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The hard maximum length of one frame's payload, in bytes (16 MiB).
 ///
@@ -66,6 +66,18 @@ pub const MAX_MODEL_NAME_BYTES: usize = 1024;
 
 /// Most providers a Node may offer at registration (R-LIM-3).
 pub const MAX_OFFERED_PROVIDERS: usize = 256;
+
+/// Most parked runs one registration reports (R-LIM-3).
+pub const MAX_PARKED_RUNS: usize = 4096;
+
+/// Most bytes of a response id (R-LIM-3).
+pub const MAX_RESPONSE_ID_BYTES: usize = 128;
+
+/// Most bytes of a target name in a parked-run report (R-LIM-3).
+pub const MAX_TARGET_BYTES: usize = 1024;
+
+/// The park grace a [`ParkSpec`] with `grace_ms = 0` means (R-PARK-1).
+pub const DEFAULT_PARK_GRACE_MS: u64 = 30_000;
 
 /// Most targets in one capabilities report (R-LIM-3).
 pub const MAX_CAPABILITY_TARGETS: usize = 256;

@@ -222,6 +222,93 @@ pub struct RegisterRequest {
     pub max_concurrent_runs: u32,
     /// X25519 public key credential leases are sealed to (R-CRED-1).
     pub recipient_public_key: Option<[u8; 32]>,
+    /// Durable runs the Node keeps going without a connection (R-PARK-2):
+    /// an Edge may adopt them.
+    #[serde(deserialize_with = "crate::bounded::parked_runs")]
+    pub parked: Vec<ParkedRun>,
+}
+
+/// A run's identity for its whole life: the generation of the connection
+/// it was started on and its run id there. A run keeps it when another
+/// connection adopts it (R-PARK-2).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RunKey {
+    /// The generation the run was started on.
+    pub generation: u64,
+    /// Its run id on that connection.
+    pub run_id: u64,
+}
+
+/// Node -> Edge, at registration: a durable run whose connection was lost,
+/// its provider call still going (R-PARK-1).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParkedRun {
+    /// The run.
+    pub key: RunKey,
+    /// The durable response it writes.
+    #[serde(deserialize_with = "crate::bounded::response_id")]
+    #[cfg_attr(test, proptest(strategy = "\"[a-z0-9_]{0,40}\""))]
+    pub response_id: String,
+    /// Its adapter.
+    pub adapter: AdapterKind,
+    /// Its target.
+    #[serde(deserialize_with = "crate::bounded::target")]
+    #[cfg_attr(test, proptest(strategy = "\"[a-z0-9:._-]{0,40}\""))]
+    pub target: String,
+    /// The first frame the Node still keeps (frames before it were
+    /// acknowledged durable).
+    pub first_kept_frame: u64,
+    /// The last frame the run produced (0: none yet).
+    pub last_frame: u64,
+    /// The run's terminal frame is among them (its provider call ended).
+    pub ended: bool,
+}
+
+/// Edge -> Node, in a [`RunRequest`]: the run writes a durable response
+/// (SPEC §6), so it outlives its connection (R-PARK-1).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParkSpec {
+    /// The response's id (what the Node reports when it parks the run).
+    #[serde(deserialize_with = "crate::bounded::response_id")]
+    #[cfg_attr(test, proptest(strategy = "\"[a-z0-9_]{0,40}\""))]
+    pub response_id: String,
+    /// How long the Node keeps the run going without a connection; `0`
+    /// means [`crate::DEFAULT_PARK_GRACE_MS`].
+    pub grace_ms: u64,
+}
+
+/// Edge -> Node: continue the parked run `key` on this stream as run
+/// `run_id` (R-PARK-2); answered with [`RunEvent`]s, starting with frame
+/// `resume_after_frame + 1`.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdoptRequest {
+    /// The run id the run has on this connection from now on.
+    pub run_id: u64,
+    /// The parked run.
+    pub key: RunKey,
+    /// The last frame the Edge's journal holds (0: none).
+    pub resume_after_frame: u64,
+    /// As in [`RunRequest`]: the stall timeout from now on.
+    pub response_stall_timeout_ms: u64,
+    /// As in [`RunRequest`]: the hard deadline from now on; `0` none.
+    pub deadline_ms: u64,
+}
+
+/// Edge -> Node, on a durable run's stream after its request: the frames
+/// the Edge's journal holds durably (R-PARK-1). The Node drops kept frames
+/// through the acknowledged one.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RunStreamFrame {
+    /// Every frame through `through_frame` is durable.
+    Ack {
+        /// The last durable frame.
+        through_frame: u64,
+    },
 }
 
 /// The Edge's view of one provider, sent to its Node.
@@ -736,6 +823,9 @@ pub struct RunRequest {
     /// The trace this request belongs to (W3C trace context), so the
     /// Node's spans join the Edge's trace. Identifiers only: no payload.
     pub trace_context: Option<TraceContext>,
+    /// The durable response the run writes; `None`: an ephemeral run,
+    /// canceled with its connection (R-DISC-1).
+    pub park: Option<ParkSpec>,
 }
 
 /// Token usage.
@@ -1071,6 +1161,9 @@ impl CommandResult {
 /// Edge -> Node: the first frame on a data stream.
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+// One per data stream, decoded once and moved into its handler: the size of
+// the run variant costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum DataRequest {
     /// A normalized run; answered with [`RunEvent`]s.
     Run(RunRequest),
@@ -1078,4 +1171,6 @@ pub enum DataRequest {
     Tunnel(ProviderTunnelRequest),
     /// A command; answered with [`CommandResult`]s.
     Command(Command),
+    /// Adopt a parked run (R-PARK-2); answered with [`RunEvent`]s.
+    Adopt(AdoptRequest),
 }

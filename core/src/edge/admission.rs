@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, DefaultHasher};
 use std::time::Duration;
 
-use iop_wire::AdapterKind;
+use iop_wire::{AdapterKind, RunKey};
 
 use crate::ids::{Generation, NodeId, ProviderId, RunId};
 #[cfg(feature = "planted-bugs")]
@@ -220,6 +220,29 @@ impl ProviderState {
     }
 }
 
+/// Capacity held for one parked run.
+#[derive(Debug, Clone)]
+struct Hold {
+    provider_id: ProviderId,
+    node: NodeId,
+    generation: Generation,
+    expires_at: Instant,
+}
+
+/// Why a parked run's capacity could not be held or adopted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldRefusal {
+    /// No configured provider is that node's adapter and target.
+    UnknownProvider,
+    /// The provider is at capacity already.
+    NoRoom,
+    /// No hold for that run (expired, fenced, adopted already).
+    NoHold,
+    /// The hold's generation is not the provider's online one.
+    NotOnline,
+}
+
 #[derive(Debug)]
 struct Queued {
     request: DispatchRequest,
@@ -283,6 +306,10 @@ pub struct Admission {
     serve_queue_at: Option<Instant>,
     leases_granted: u64,
     leases_released: u64,
+    /// Capacity held for parked durable runs (R-PARK-2): their provider call
+    /// goes on while no lease names them, so they count in `in_use` until a
+    /// request adopts them (the hold becomes its lease) or the hold ends.
+    holds: BTreeMap<RunKey, Hold>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
     /// Leases the fence released, kept only while `SkipPreSendFence` is
@@ -320,6 +347,7 @@ impl Admission {
             serve_queue_at: None,
             leases_granted: 0,
             leases_released: 0,
+            holds: BTreeMap::new(),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
             #[cfg(feature = "planted-bugs")]
@@ -448,6 +476,106 @@ impl Admission {
             },
         );
         Some(lease)
+    }
+
+    /// Hold one unit of `provider_id`'s capacity for the parked run `key`,
+    /// reported by `node` registering `generation` (R-PARK-2), until
+    /// `expires_at`: the run's provider call is going on, so the capacity is
+    /// in use before any lease names it. Refused past the provider's
+    /// capacity.
+    pub fn hold(
+        &mut self,
+        key: RunKey,
+        provider_id: &ProviderId,
+        generation: Generation,
+        expires_at: Instant,
+    ) -> Result<(), HoldRefusal> {
+        if self.holds.contains_key(&key) {
+            return Ok(());
+        }
+        let provider = self
+            .providers
+            .get_mut(provider_id)
+            .ok_or(HoldRefusal::UnknownProvider)?;
+        if !provider.has_room() {
+            return Err(HoldRefusal::NoRoom);
+        }
+        provider.in_use += 1;
+        self.holds.insert(
+            key,
+            Hold {
+                provider_id: provider_id.clone(),
+                node: provider.spec.node.clone(),
+                generation,
+                expires_at,
+            },
+        );
+        Ok(())
+    }
+
+    /// Turn the hold of parked run `key` into a lease for `request`, on the
+    /// provider's online generation (R-PARK-2): the run is adopted. The
+    /// capacity counted stays the same.
+    pub fn adopt(
+        &mut self,
+        now: Instant,
+        key: RunKey,
+        request: DispatchRequest,
+    ) -> Result<Lease, HoldRefusal> {
+        let hold = self.holds.get(&key).ok_or(HoldRefusal::NoHold)?;
+        let provider = self
+            .providers
+            .get(&hold.provider_id)
+            .ok_or(HoldRefusal::UnknownProvider)?;
+        if provider.online != Some(hold.generation) {
+            return Err(HoldRefusal::NotOnline);
+        }
+        if self.requests.contains_key(&request.request_id) {
+            return Err(HoldRefusal::NoHold);
+        }
+        let hold = self.holds.remove(&key).ok_or(HoldRefusal::NoHold)?;
+        let lease = Lease {
+            lease_id: self.next_lease_id,
+            request_id: request.request_id,
+            provider_id: hold.provider_id,
+            adapter: provider.spec.adapter,
+            target: provider.spec.target.clone(),
+            node: provider.spec.node.clone(),
+            generation: hold.generation,
+            run_id: self.next_run_id,
+            stall_timeout_ms: request
+                .stall_timeout_ms
+                .unwrap_or(provider.spec.stall_timeout_ms),
+        };
+        self.next_lease_id += 1;
+        self.next_run_id += 1;
+        self.leases_granted += 1;
+        self.requests
+            .insert(request.request_id, RequestSlot::Held(lease.lease_id));
+        self.held.insert(
+            lease.lease_id,
+            Held {
+                lease: lease.clone(),
+                request,
+                expires_at: now + self.config.queue_timeout,
+            },
+        );
+        Ok(lease)
+    }
+
+    /// Let go of a hold (its run ended or was refused); the queue may move.
+    pub fn release_hold(&mut self, now: Instant, key: RunKey) {
+        if let Some(hold) = self.holds.remove(&key) {
+            if let Some(p) = self.providers.get_mut(&hold.provider_id) {
+                p.in_use = p.in_use.saturating_sub(1);
+            }
+            self.queue_may_move(now);
+        }
+    }
+
+    /// Parked runs whose capacity is held.
+    pub fn holds(&self) -> usize {
+        self.holds.len()
     }
 
     /// A held lease.
@@ -604,6 +732,16 @@ impl Admission {
                 p.online = None;
             }
         }
+        // Holds taken for runs that generation reported go with it.
+        let gone: Vec<RunKey> = self
+            .holds
+            .iter()
+            .filter(|(_, h)| &h.node == node && h.generation == generation)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in gone {
+            self.release_hold(now, key);
+        }
         let fenced: Vec<LeaseId> = self
             .held
             .values()
@@ -659,8 +797,18 @@ impl Admission {
         }
     }
 
-    /// Expire queued requests whose wait passed.
+    /// Expire queued requests whose wait passed, and holds no request
+    /// adopted in time.
     pub fn handle_timeout(&mut self, now: Instant) {
+        let expired: Vec<RunKey> = self
+            .holds
+            .iter()
+            .filter(|(_, h)| h.expires_at <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in expired {
+            self.release_hold(now, key);
+        }
         while let Some(pos) = self.queue.iter().position(|q| q.expires_at <= now) {
             if let Some(q) = self.queue.remove(pos) {
                 self.requests.remove(&q.request.request_id);
@@ -671,9 +819,13 @@ impl Admission {
         }
     }
 
-    /// When the next queued request expires.
+    /// When the next queued request or hold expires.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.queue.iter().map(|q| q.expires_at).min()
+        self.queue
+            .iter()
+            .map(|q| q.expires_at)
+            .chain(self.holds.values().map(|h| h.expires_at))
+            .min()
     }
 
     /// Next event, until `None`. Call it after the input's changes are all
@@ -742,10 +894,15 @@ impl Admission {
                 .held
                 .values()
                 .filter(|h| h.lease.provider_id == p.spec.id)
-                .count() as u64;
+                .count() as u64
+                + self
+                    .holds
+                    .values()
+                    .filter(|h| h.provider_id == p.spec.id)
+                    .count() as u64;
             if u64::from(p.in_use) != held {
                 return Err(format!(
-                    "provider {} counts {} in use but holds {held} leases",
+                    "provider {} counts {} in use but holds {held} leases and parked runs",
                     p.spec.id, p.in_use
                 ));
             }

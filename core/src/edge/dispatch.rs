@@ -4,11 +4,12 @@
 //! overlay and takes the provider out of selection) is written here once and
 //! not in a shell.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
 
 use iop_wire::{
-    CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, FailureCode, ProviderHealth,
-    ProviderSnapshot, RegisterRequest,
+    CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, FailureCode, ParkedRun,
+    ProviderHealth, ProviderSnapshot, RegisterRequest, RunKey,
 };
 
 use crate::edge::admission::{
@@ -206,7 +207,33 @@ pub enum DispatchOutput {
     },
     /// A provider health lifecycle event (R-HT-4), once per transition.
     Health(HealthEvent),
+    /// A node that just became ready on `generation` reported durable runs
+    /// it kept going without a connection (R-PARK-2); their capacity is
+    /// held. Offer each to the request that writes its response (or a new
+    /// one that adopts it); one nobody adopts is let go with
+    /// [`DispatchInput::ReleaseParked`] or when its hold expires.
+    ParkedRuns {
+        /// Node.
+        node: NodeId,
+        /// The generation they may be adopted on.
+        generation: Generation,
+        /// The runs and their providers.
+        runs: Vec<ParkedOffer>,
+    },
 }
+
+/// A parked run a node reported, with the provider it runs on.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParkedOffer {
+    /// The report.
+    pub run: ParkedRun,
+    /// The provider: the node's adapter and target.
+    pub provider_id: ProviderId,
+}
+
+/// How long the capacity of a reported parked run is held for its
+/// adoption (R-PARK-2); adoption takes a moment after readiness.
+pub const PARKED_HOLD: Duration = Duration::from_secs(10);
 
 /// What a request session asks of the dispatcher (after quinn-proto's
 /// `EndpointEvent`): the typed traffic from a
@@ -244,6 +271,15 @@ pub enum RequestCommand {
         /// The request.
         request_id: RequestId,
     },
+    /// Adopt the parked run `key` (R-PARK-2): its held capacity becomes a
+    /// lease on its node's current generation; answered with
+    /// [`RequestEvent::Leased`] or [`RequestEvent::Rejected`].
+    Adopt {
+        /// The request.
+        request_id: RequestId,
+        /// The parked run.
+        key: RunKey,
+    },
 }
 
 impl RequestCommand {
@@ -253,7 +289,8 @@ impl RequestCommand {
             RequestCommand::Admit(r) => r.request_id,
             RequestCommand::PreSend { request_id, .. }
             | RequestCommand::Terminal { request_id, .. }
-            | RequestCommand::Cancel { request_id } => *request_id,
+            | RequestCommand::Cancel { request_id }
+            | RequestCommand::Adopt { request_id, .. } => *request_id,
         }
     }
 }
@@ -359,6 +396,11 @@ pub enum DispatchInput {
         /// The report, or why there is none.
         answer: ProbeAnswer,
     },
+    /// No request adopts this parked run: let its capacity go.
+    ReleaseParked {
+        /// The run.
+        key: RunKey,
+    },
 }
 
 /// Configuration of the dispatch core.
@@ -385,6 +427,8 @@ pub struct Dispatcher {
     health: HealthTracker,
     outputs: VecDeque<DispatchOutput>,
     ignored_terminals: u64,
+    /// Parked runs reported at registration, offered at readiness.
+    parked: BTreeMap<(NodeId, Generation), Vec<ParkedOffer>>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -407,6 +451,7 @@ impl Dispatcher {
             health,
             outputs: VecDeque::new(),
             ignored_terminals: 0,
+            parked: BTreeMap::new(),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         })
@@ -540,6 +585,7 @@ impl Dispatcher {
         request: &RegisterRequest,
     ) -> Result<(Generation, ConfigSnapshot), Rejection> {
         let generation = self.registry.register(now, node, request)?;
+        self.hold_parked(now, node, generation, &request.parked);
         let providers = self
             .admission
             .providers()
@@ -561,6 +607,43 @@ impl Dispatcher {
                 ..ConfigSnapshot::default()
             },
         ))
+    }
+
+    /// R-PARK-2: hold capacity for each parked run the node reported on
+    /// `generation` (its provider call is running), to offer them at
+    /// readiness. A run whose provider is unknown or full is not held; its
+    /// grace on the node ends it.
+    fn hold_parked(
+        &mut self,
+        now: Instant,
+        node: &NodeId,
+        generation: Generation,
+        parked: &[ParkedRun],
+    ) {
+        let mut offers = Vec::new();
+        for run in parked {
+            let provider_id = self
+                .admission
+                .providers()
+                .find(|p| &p.node == node && p.adapter == run.adapter && p.target == run.target)
+                .map(|p| p.id.clone());
+            let Some(provider_id) = provider_id else {
+                continue;
+            };
+            if self
+                .admission
+                .hold(run.key, &provider_id, generation, now + PARKED_HOLD)
+                .is_ok()
+            {
+                offers.push(ParkedOffer {
+                    run: run.clone(),
+                    provider_id,
+                });
+            }
+        }
+        if !offers.is_empty() {
+            self.parked.insert((node.clone(), generation), offers);
+        }
     }
 
     /// Planted `DispatchBeforeReady`: bring the node's providers online on
@@ -850,6 +933,11 @@ impl Dispatcher {
                     .extend(verdicts.into_iter().map(DispatchOutput::Capability));
                 None
             }
+            DispatchInput::ReleaseParked { key } => {
+                self.admission.release_hold(now, key);
+                self.pump(now);
+                None
+            }
         };
         if let Some(answer) = answer {
             self.outputs.insert(mark, answer);
@@ -889,6 +977,15 @@ impl Dispatcher {
                     });
                 }
                 RequestEvent::Terminal { lease_id, verdict }
+            }
+            RequestCommand::Adopt { key, .. } => {
+                let request = DispatchRequest::new(request_id, Vec::new());
+                let event = match self.admission.adopt(now, key, request) {
+                    Ok(lease) => RequestEvent::Leased(lease),
+                    Err(_) => RequestEvent::Rejected(AdmitRejection::NoRoute),
+                };
+                self.pump(now);
+                event
             }
             RequestCommand::Cancel { .. } => {
                 // Nothing to answer: a released lease's run is canceled on
@@ -943,6 +1040,7 @@ impl Dispatcher {
                             reason,
                         });
                         self.admission.fence(now, &node, generation);
+                        self.parked.remove(&(node.clone(), generation));
                         if self.registry.view(&node).generation.is_none() {
                             for p in self.providers_of(&node) {
                                 self.health.suspend(now, &p);
@@ -979,8 +1077,18 @@ impl Dispatcher {
                             })
                             .collect();
                         self.admission.set_states(now, &updates);
-                        self.outputs
-                            .push_back(DispatchOutput::NodeReady { node, generation });
+                        let parked = self.parked.remove(&(node.clone(), generation));
+                        self.outputs.push_back(DispatchOutput::NodeReady {
+                            node: node.clone(),
+                            generation,
+                        });
+                        if let Some(runs) = parked {
+                            self.outputs.push_back(DispatchOutput::ParkedRuns {
+                                node,
+                                generation,
+                                runs,
+                            });
+                        }
                     }
                 }
             }

@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 
-use iop_wire::FailureCode;
+use iop_wire::{FailureCode, RunKey};
 
 use crate::edge::gate::GateFailure;
 use crate::edge::request::Delivery;
@@ -75,17 +75,58 @@ pub enum JournalAck {
     Refused(JournalError),
 }
 
-/// Encode a delivery as a journal event payload.
-pub fn encode_delivery(delivery: &Delivery) -> Vec<u8> {
-    // Deliveries are plain data; postcard cannot fail on them short of
-    // running out of memory.
-    postcard::to_allocvec(delivery).unwrap_or_default()
+/// Which node frame a journal event came from: the run (by the identity
+/// it keeps for life, R-PARK-2) and the frame's number in it. An Edge that
+/// adopts the run resumes after the last frame its journal holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FrameSource {
+    /// The run.
+    pub key: RunKey,
+    /// Its frame, from 1.
+    pub frame: u64,
+}
+
+/// What one journal event holds: a delivery and the frame it came from.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct JournalEntry {
+    /// The delivery.
+    pub delivery: Delivery,
+    /// Its node frame, when it came from one.
+    pub source: Option<FrameSource>,
+}
+
+/// The format byte in front of every encoded [`JournalEntry`].
+const ENTRY_FORMAT: u8 = 1;
+
+/// Encode a journal event payload.
+pub fn encode_entry(delivery: &Delivery, source: Option<FrameSource>) -> Vec<u8> {
+    let entry = JournalEntry {
+        delivery: delivery.clone(),
+        source,
+    };
+    // Plain data: postcard cannot fail on it short of running out of memory.
+    let mut out = vec![ENTRY_FORMAT];
+    out.extend(postcard::to_allocvec(&entry).unwrap_or_default());
+    out
 }
 
 /// Decode a journal event payload; `None` for bytes this build does not
 /// understand.
+pub fn decode_entry(payload: &[u8]) -> Option<JournalEntry> {
+    match payload.split_first() {
+        Some((&ENTRY_FORMAT, rest)) => postcard::from_bytes(rest).ok(),
+        _ => None,
+    }
+}
+
+/// Encode a delivery with no frame as a journal event payload.
+pub fn encode_delivery(delivery: &Delivery) -> Vec<u8> {
+    encode_entry(delivery, None)
+}
+
+/// The delivery of a journal event payload.
 pub fn decode_delivery(payload: &[u8]) -> Option<Delivery> {
-    postcard::from_bytes(payload).ok()
+    decode_entry(payload).map(|e| e.delivery)
 }
 
 /// The record terminal a terminal delivery stands for.
@@ -189,8 +230,23 @@ impl Publisher {
         self.terminal.is_some()
     }
 
+    /// The number of the last event given out (0: none), durable or not.
+    pub fn last_assigned(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// The terminal is durable.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
     /// Queue a delivery for publication.
     pub fn push(&mut self, delivery: Delivery) {
+        self.push_from(delivery, None);
+    }
+
+    /// Queue a delivery that came from node frame `source`.
+    pub fn push_from(&mut self, delivery: Delivery, source: Option<FrameSource>) {
         if self.refused.is_some() || self.terminal.is_some() {
             // R-JRN-4: nothing after the terminal.
             return;
@@ -208,7 +264,7 @@ impl Publisher {
         self.next_seq += 1;
         self.unwritten.push_back(JournalEvent {
             seq,
-            payload: encode_delivery(&delivery),
+            payload: encode_entry(&delivery, source),
         });
         self.waiting.push_back((seq, delivery));
     }

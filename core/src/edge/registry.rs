@@ -368,6 +368,7 @@ mod tests {
             providers: vec![],
             max_concurrent_runs: 4,
             recipient_public_key: None,
+            parked: Vec::new(),
         }
     }
 

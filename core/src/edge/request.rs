@@ -40,12 +40,14 @@
 use std::collections::VecDeque;
 
 use iop_wire::{
-    AdapterKind, ExecutionFailure, FailureCode, Header, ProviderTunnelFrame, RunEventKind,
+    AdapterKind, ExecutionFailure, FailureCode, Header, ProviderTunnelFrame, RunEventKind, RunKey,
 };
 
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
-use crate::edge::dispatch::{RequestCommand, RequestEvent};
-use crate::edge::durable::{JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher};
+use crate::edge::dispatch::{ParkedOffer, RequestCommand, RequestEvent};
+use crate::edge::durable::{
+    FrameSource, JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher,
+};
 use crate::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEvent, GateFailure,
     GateInput, GateOutput, StreamGate, failure_may_fail_over,
@@ -110,6 +112,25 @@ pub struct RequestSpec {
     /// does not end the request. `None`: an ephemeral stream.
     #[serde(default)]
     pub journal: Option<JournalSpec>,
+    /// How long a durable run may stay on its node without a connection
+    /// (R-PARK-1); `0`: the request does not wait for an adoption, a lost
+    /// connection after commit ends it.
+    #[serde(default)]
+    pub park_grace_ms: u64,
+}
+
+/// How much longer than the park grace a durable request waits for its
+/// parked run to be reported (the node must reconnect and register).
+pub const PARK_REPORT_SLACK: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// An attempt that continues a parked run instead of starting one
+/// (R-PARK-2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AdoptSpec {
+    /// The parked run.
+    pub key: RunKey,
+    /// The last of its frames the journal holds.
+    pub resume_after_frame: u64,
 }
 
 /// Why the node stream of an attempt could not be opened or the request
@@ -160,6 +181,9 @@ pub enum RequestInput {
     Cancel,
     /// The store answered the pending [`RequestOutput::Journal`].
     Journaled(JournalAck),
+    /// A node reported a parked run (R-PARK-2): if it is this request's,
+    /// the request adopts it.
+    ParkedRun(ParkedOffer),
 }
 
 /// What the HTTP response receives, in order.
@@ -227,6 +251,11 @@ pub enum RequestObservation {
         /// Attempts dispatched.
         attempts: u32,
     },
+    /// Its committed run lost its connection and is waited for on its node
+    /// (R-PARK-1).
+    Parked,
+    /// Its parked run was adopted on a new connection (R-PARK-2).
+    Adopted,
 }
 
 /// What the driver must do, in order.
@@ -246,6 +275,14 @@ pub enum RequestOutput {
         tunnel: bool,
         /// What is left of the request's budget, in ms (at least 1).
         deadline_ms: u64,
+        /// Continue this parked run instead of starting one (R-PARK-2).
+        adopt: Option<AdoptSpec>,
+    },
+    /// Tell the node every frame of the run through `through_frame` is
+    /// durable (R-PARK-1): it drops them.
+    AckFrames {
+        /// The last durable frame.
+        through_frame: u64,
     },
     /// Reset the current attempt's node stream (the node cancels the run).
     CloseAttempt,
@@ -276,7 +313,21 @@ enum Phase {
         attempt: AttemptId,
         tunnel: bool,
         head_seen: bool,
+        /// The run's identity for life (R-PARK-2).
+        key: RunKey,
+        /// The last frame received from it.
+        frames: u64,
     },
+    /// The committed run lost its connection; its node keeps it (R-PARK-1)
+    /// until `until`, when the attempt counts as lost.
+    Parked {
+        attempt: AttemptId,
+        key: RunKey,
+        resume_after: u64,
+        until: Instant,
+    },
+    /// The adoption command is out (R-PARK-2).
+    Adopting,
     /// The attempt's terminal went to the dispatcher; its verdict is
     /// awaited (R-LEASE-1).
     AwaitingVerdict {
@@ -308,6 +359,14 @@ pub struct Request {
     outputs: VecDeque<RequestOutput>,
     /// Publish after durable, for a durable response (R-JRN-1).
     publisher: Option<Publisher>,
+    /// The adoption in progress: the attempt it continues, the run and its
+    /// resume point (R-PARK-2).
+    adopting: Option<(AttemptId, AdoptSpec)>,
+    /// The node frame being processed, for the journal events it makes.
+    source: Option<FrameSource>,
+    /// (journal event that must be durable, frame): a frame is acked once
+    /// its mark's event is durable; `u64::MAX` waits for the terminal.
+    marks: VecDeque<(u64, u64)>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -341,11 +400,71 @@ impl Request {
             attempt_open: false,
             outputs: VecDeque::new(),
             publisher,
+            adopting: None,
+            source: None,
+            marks: VecDeque::new(),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
         request.admit();
         request
+    }
+
+    /// A request that takes over a record whose run is parked on a node
+    /// (R-TAKE-1, R-PARK-2): the record's epoch was raised for it
+    /// (`spec.journal`), `last_seq` events are durable and the last of
+    /// them came from frame `resume_after_frame` of the run. It adopts the
+    /// run at once; it never starts the prompt again, so a lost adoption
+    /// ends it in the stream.
+    pub fn adopting(
+        now: Instant,
+        spec: RequestSpec,
+        offer: &ParkedOffer,
+        last_seq: u64,
+        resume_after_frame: u64,
+    ) -> Self {
+        let mut request = Self::new(now, spec);
+        // Replace the first admission with the adoption: the attempt is the
+        // run's, already started and, for the client, committed.
+        request.outputs.clear();
+        request.publisher = request
+            .spec
+            .journal
+            .clone()
+            .map(|journal| Publisher::new(journal, last_seq));
+        request.gate.set_failover(false);
+        let _ = request.gate.handle_input(
+            now,
+            GateInput::Dispatched {
+                provider_id: offer.provider_id.clone(),
+            },
+        );
+        if let Some(attempt) = request.gate.current_attempt() {
+            let _ = request.gate.handle_input(
+                now,
+                GateInput::Attempt {
+                    attempt,
+                    event: AttemptEvent::Content,
+                },
+            );
+            request.head_delivered = true;
+            request.attempt_open = true;
+            request.drain_gate(now);
+            request.outputs.clear();
+            request.phase = Phase::Parked {
+                attempt,
+                key: offer.run.key,
+                resume_after: resume_after_frame,
+                until: now.saturating_add(PARK_REPORT_SLACK),
+            };
+            request.handle_input(now, RequestInput::ParkedRun(offer.clone()));
+        }
+        request
+    }
+
+    /// Whether the request waits for parked run `key` (R-PARK-2).
+    pub fn awaits_parked(&self, key: RunKey) -> bool {
+        matches!(self.phase, Phase::Parked { key: k, .. } if k == key)
     }
 
     /// Switch a planted bug on in this request (test-only; see
@@ -427,12 +546,34 @@ impl Request {
             RequestInput::Dispatch(event) => self.on_dispatch(now, event),
             RequestInput::Opened => {
                 if let Phase::Opening { lease, attempt } = &self.phase {
-                    self.phase = Phase::Running {
-                        lease: lease.clone(),
-                        attempt: *attempt,
-                        tunnel: self.tunnel_for(lease),
-                        head_seen: false,
+                    let (lease, attempt) = (lease.clone(), *attempt);
+                    // An adopted run keeps its identity and numbering.
+                    let (key, frames) = match self.adopting.take() {
+                        Some((_, adopt)) => {
+                            self.observe(RequestObservation::Adopted);
+                            (adopt.key, adopt.resume_after_frame)
+                        }
+                        None => (
+                            RunKey {
+                                generation: lease.generation,
+                                run_id: lease.run_id,
+                            },
+                            0,
+                        ),
                     };
+                    self.phase = Phase::Running {
+                        tunnel: self.tunnel_for(&lease),
+                        lease,
+                        attempt,
+                        head_seen: false,
+                        key,
+                        frames,
+                    };
+                }
+            }
+            RequestInput::OpenFailed(_) if self.adopting.is_some() => {
+                if let Phase::Opening { .. } = self.phase {
+                    self.repark(now);
                 }
             }
             RequestInput::OpenFailed(failure) => {
@@ -452,11 +593,39 @@ impl Request {
             }
             RequestInput::Frame(frame) => self.on_frame(now, frame),
             RequestInput::StreamEnded => match self.phase {
-                Phase::Opening { attempt, .. } | Phase::Running { attempt, .. } => {
+                Phase::Running { attempt, .. } => self.lose_stream(now, attempt),
+                Phase::Opening { .. } if self.adopting.is_some() => self.repark(now),
+                Phase::Opening { attempt, .. } => {
                     self.abandon_attempt(now, attempt, AttemptEvent::TransportLost);
                 }
                 _ => {}
             },
+            RequestInput::ParkedRun(offer) => {
+                if let Phase::Parked {
+                    attempt,
+                    key,
+                    resume_after,
+                    ..
+                } = self.phase
+                    && key == offer.run.key
+                {
+                    // R-PARK-2: its held capacity becomes this request's
+                    // lease on the node's new connection.
+                    self.adopting = Some((
+                        attempt,
+                        AdoptSpec {
+                            key,
+                            resume_after_frame: resume_after,
+                        },
+                    ));
+                    self.phase = Phase::Adopting;
+                    self.outputs
+                        .push_back(RequestOutput::Dispatch(RequestCommand::Adopt {
+                            request_id: self.spec.request_id,
+                            key,
+                        }));
+                }
+            }
             RequestInput::ClientDisconnected => {
                 if self.publisher.is_none() {
                     let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
@@ -483,6 +652,10 @@ impl Request {
             return;
         };
         publisher.ack(ack);
+        self.ack_marks();
+        let Some(publisher) = self.publisher.as_mut() else {
+            return;
+        };
         if let Some(error) = publisher.refused().cloned() {
             // Nothing unjournaled reaches the client (R-JRN-1): the run
             // stops and the client gets one error terminal outside the
@@ -519,7 +692,7 @@ impl Request {
         match self.publisher.as_mut() {
             None => self.outputs.push_back(RequestOutput::Deliver(delivery)),
             Some(publisher) => {
-                publisher.push(delivery);
+                publisher.push_from(delivery, self.source);
                 self.pump_journal();
             }
         }
@@ -555,7 +728,11 @@ impl Request {
         if self.planted(PlantedBug::IgnoreGateTimeout) {
             return None;
         }
-        self.gate.poll_timeout()
+        let parked = match self.phase {
+            Phase::Parked { until, .. } => Some(until),
+            _ => None,
+        };
+        crate::time::earliest(self.gate.poll_timeout(), parked)
     }
 
     /// Fire the budget timer (R-GATE-3: at or after the deadline the run is
@@ -568,8 +745,107 @@ impl Request {
         if self.planted(PlantedBug::IgnoreGateTimeout) {
             return;
         }
+        if let Phase::Parked { until, .. } = self.phase
+            && now >= until
+        {
+            // No node reported the run in time: it is lost (R-PARK-1).
+            self.adopt_failed(now);
+            if self.phase == Phase::Ended {
+                return;
+            }
+        }
         self.gate.handle_timeout(now);
         self.drain_gate(now);
+    }
+
+    /// Whether losing the current stream parks the run instead of ending
+    /// the attempt: a committed durable normalized run (R-PARK-1).
+    fn parks(&self) -> bool {
+        self.spec.park_grace_ms > 0
+            && self.publisher.is_some()
+            && self.gate.is_committed()
+            && matches!(self.phase, Phase::Running { tunnel: false, .. })
+    }
+
+    /// The current attempt's stream or connection is gone.
+    fn lose_stream(&mut self, now: Instant, attempt: AttemptId) {
+        if !self.parks() {
+            self.abandon_attempt(now, attempt, AttemptEvent::TransportLost);
+            return;
+        }
+        let Phase::Running { key, frames, .. } = self.phase else {
+            return;
+        };
+        // Every frame received is in the journal (or on its way there):
+        // an adoption resumes after the last one (R-PARK-2).
+        self.outputs.push_back(RequestOutput::CloseAttempt);
+        self.cancel();
+        self.marks.clear();
+        let grace = std::time::Duration::from_millis(self.spec.park_grace_ms);
+        self.phase = Phase::Parked {
+            attempt,
+            key,
+            resume_after: frames,
+            until: now.saturating_add(grace + PARK_REPORT_SLACK),
+        };
+        self.observe(RequestObservation::Parked);
+    }
+
+    /// An adoption's stream failed before it opened: wait for the run's
+    /// next report (the node keeps it while its grace lasts).
+    fn repark(&mut self, now: Instant) {
+        let Some((attempt, adopt)) = self.adopting.take() else {
+            return;
+        };
+        self.outputs.push_back(RequestOutput::CloseAttempt);
+        self.cancel();
+        let grace = std::time::Duration::from_millis(self.spec.park_grace_ms.max(1));
+        self.phase = Phase::Parked {
+            attempt,
+            key: adopt.key,
+            resume_after: adopt.resume_after_frame,
+            until: now.saturating_add(grace + PARK_REPORT_SLACK),
+        };
+    }
+
+    /// The parked run cannot be adopted: the attempt is lost (R-GATE-3:
+    /// after commit, one in-stream error).
+    fn adopt_failed(&mut self, now: Instant) {
+        let attempt = match (&self.phase, self.adopting.take()) {
+            (_, Some((attempt, _))) => attempt,
+            (Phase::Parked { attempt, .. }, None) => *attempt,
+            _ => return,
+        };
+        // Let go of an adoption lease, if one was granted.
+        self.cancel();
+        self.phase = Phase::Admitting;
+        self.attempt_event(now, attempt, AttemptEvent::TransportLost);
+    }
+
+    /// Acknowledge to the node every frame whose journal events are
+    /// durable (R-PARK-1).
+    fn ack_marks(&mut self) {
+        let Some(publisher) = self.publisher.as_ref() else {
+            return;
+        };
+        let (durable, finished) = (publisher.durable_seq(), publisher.is_finished());
+        let mut through = None;
+        while let Some(&(needed, frame)) = self.marks.front() {
+            let done = if needed == u64::MAX {
+                finished
+            } else {
+                needed <= durable
+            };
+            if !done {
+                break;
+            }
+            through = Some(frame);
+            self.marks.pop_front();
+        }
+        if let Some(through_frame) = through {
+            self.outputs
+                .push_back(RequestOutput::AckFrames { through_frame });
+        }
     }
 
     fn observe(&mut self, observation: RequestObservation) {
@@ -617,7 +893,10 @@ impl Request {
     fn on_dispatch(&mut self, now: Instant, event: RequestEvent) {
         match event {
             RequestEvent::Leased(lease) => {
-                if matches!(self.phase, Phase::Admitting | Phase::Queued) {
+                if matches!(
+                    self.phase,
+                    Phase::Admitting | Phase::Queued | Phase::Adopting
+                ) {
                     self.phase = Phase::PreSending(lease.lease_id);
                     self.observe(RequestObservation::Leased {
                         provider_id: lease.provider_id.clone(),
@@ -633,6 +912,10 @@ impl Request {
                 if self.phase == Phase::Admitting {
                     self.phase = Phase::Queued;
                 }
+            }
+            RequestEvent::Rejected(_) if self.phase == Phase::Adopting => {
+                // The hold is gone (expired, fenced): the run is lost.
+                self.adopt_failed(now);
             }
             RequestEvent::Rejected(why) => {
                 if self.phase == Phase::Admitting {
@@ -663,11 +946,20 @@ impl Request {
             }
             RequestEvent::PreSend(answer) => self.on_pre_send(now, answer),
             RequestEvent::LeaseFenced(lease) => match &self.phase {
-                // R-GEN-3: the attempt's transport is gone.
-                Phase::Opening { lease: l, attempt }
-                | Phase::Running {
+                // R-GEN-3: the attempt's transport is gone; a committed
+                // durable run waits on its node (R-PARK-1).
+                Phase::Running {
                     lease: l, attempt, ..
                 } if l.lease_id == lease.lease_id => {
+                    let attempt = *attempt;
+                    self.lose_stream(now, attempt);
+                }
+                Phase::Opening { lease: l, .. }
+                    if l.lease_id == lease.lease_id && self.adopting.is_some() =>
+                {
+                    self.repark(now);
+                }
+                Phase::Opening { lease: l, attempt } if l.lease_id == lease.lease_id => {
                     let attempt = *attempt;
                     self.abandon_attempt(now, attempt, AttemptEvent::TransportLost);
                 }
@@ -699,6 +991,28 @@ impl Request {
         let Phase::PreSending(lease_id) = self.phase else {
             return;
         };
+        if let Some((attempt, adopt)) = self.adopting {
+            // An adoption continues its attempt: no new one starts.
+            match answer {
+                PreSend::Send(lease) if lease.lease_id == lease_id => {
+                    let left = self.gate.deadline().saturating_duration_since(now);
+                    let deadline_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
+                    self.phase = Phase::Opening {
+                        lease: lease.clone(),
+                        attempt,
+                    };
+                    self.outputs.push_back(RequestOutput::Open {
+                        lease,
+                        tunnel: false,
+                        deadline_ms,
+                        adopt: Some(adopt),
+                    });
+                }
+                PreSend::Send(_) => {}
+                PreSend::Refenced | PreSend::UnknownLease => self.adopt_failed(now),
+            }
+            return;
+        }
         match answer {
             PreSend::Send(lease) if lease.lease_id == lease_id => {
                 // The attempt counts from here: opening the stream and
@@ -730,6 +1044,7 @@ impl Request {
                     lease,
                     tunnel,
                     deadline_ms,
+                    adopt: None,
                 });
             }
             PreSend::Send(_) => {}
@@ -747,11 +1062,42 @@ impl Request {
     }
 
     fn on_frame(&mut self, now: Instant, frame: NodeFrame) {
+        let terminal_frame = match &frame {
+            NodeFrame::Run(kind) => kind.is_terminal(),
+            NodeFrame::Tunnel(_) => false,
+        };
+        let durable_run = self.publisher.is_some() && matches!(frame, NodeFrame::Run(_));
+        if durable_run && let Phase::Running { key, frames, .. } = &mut self.phase {
+            // R-PARK-2: each journal event records the frame it came from.
+            *frames += 1;
+            self.source = Some(FrameSource {
+                key: *key,
+                frame: *frames,
+            });
+        }
+        self.on_frame_inner(now, frame);
+        if let Some(source) = self.source.take()
+            && self.gate.is_committed()
+        {
+            // The frame is durable once the last event given out so far is
+            // (a terminal frame: once the terminal is).
+            let needed = match (terminal_frame, self.publisher.as_ref()) {
+                (true, _) => u64::MAX,
+                (false, Some(p)) => p.last_assigned(),
+                (false, None) => 0,
+            };
+            self.marks.push_back((needed, source.frame));
+            self.ack_marks();
+        }
+    }
+
+    fn on_frame_inner(&mut self, now: Instant, frame: NodeFrame) {
         let Phase::Running {
             lease,
             attempt,
             tunnel,
             head_seen,
+            ..
         } = &self.phase
         else {
             return;

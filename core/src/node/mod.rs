@@ -1,6 +1,7 @@
 //! Node-side rules: the stall watchdog, the connection-scoped session and
 //! the classification of exact-target probe answers.
 
+pub mod park;
 pub mod probe;
 pub mod session;
 pub mod watchdog;

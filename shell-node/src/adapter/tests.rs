@@ -47,6 +47,7 @@ pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest 
         deadline_ms: 0,
         credential_lease: None,
         trace_context: None,
+        park: None,
     }
 }
 

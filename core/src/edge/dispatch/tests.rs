@@ -47,6 +47,7 @@ fn register_req() -> RegisterRequest {
         providers: vec![],
         max_concurrent_runs: 8,
         recipient_public_key: None,
+        parked: Vec::new(),
     }
 }
 
@@ -1593,4 +1594,166 @@ fn terminal_verdicts_become_the_gates_attempt_events() {
             AttemptEvent::TransportLost
         );
     }
+}
+
+fn parked(generation: u64, run_id: u64, target: &str) -> iop_wire::ParkedRun {
+    iop_wire::ParkedRun {
+        key: iop_wire::RunKey { generation, run_id },
+        response_id: format!("resp_{run_id}"),
+        adapter: AdapterKind::Mock,
+        target: target.into(),
+        first_kept_frame: 1,
+        last_frame: 4,
+        ended: false,
+    }
+}
+
+fn drain_outputs(d: &mut Dispatcher) -> Vec<DispatchOutput> {
+    std::iter::from_fn(|| d.poll_output()).collect()
+}
+
+#[test]
+fn r_park_2_a_reported_parked_run_holds_its_capacity_and_is_offered_at_readiness() {
+    let mut d = dispatcher();
+    let a = NodeId::from("a");
+    let mut req = register_req();
+    req.parked = vec![parked(90, 7, "t-p1"), parked(90, 8, "t-unknown")];
+    let (g, _) = d.register(T, &a, &req).unwrap();
+    drain_outputs(&mut d);
+    // p1 (capacity 1) is held for the parked run before any request can
+    // take it at readiness.
+    d.handle_input(
+        T,
+        DispatchInput::Request(RequestCommand::Admit(DispatchRequest::new(
+            1,
+            vec![ProviderId::from("p1")],
+        ))),
+    );
+    d.handle_input(
+        T,
+        DispatchInput::Ready {
+            node: a.clone(),
+            generation: g,
+        },
+    );
+    let outs = drain_outputs(&mut d);
+    let offered: Vec<_> = outs
+        .iter()
+        .filter_map(|o| match o {
+            DispatchOutput::ParkedRuns {
+                runs, generation, ..
+            } if *generation == g => Some(runs.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(
+        offered.len(),
+        1,
+        "only the run of a known provider: {outs:?}"
+    );
+    assert_eq!(offered[0].provider_id, ProviderId::from("p1"));
+    assert!(
+        !outs.iter().any(|o| matches!(
+            o,
+            DispatchOutput::ToRequest {
+                event: RequestEvent::Leased(_),
+                ..
+            }
+        )),
+        "the queued request does not take the held capacity"
+    );
+    // The request that writes its response adopts it: the hold becomes
+    // its lease on the new generation.
+    d.handle_input(
+        T,
+        DispatchInput::Request(RequestCommand::Adopt {
+            request_id: 2,
+            key: offered[0].run.key,
+        }),
+    );
+    let outs = drain_outputs(&mut d);
+    let lease = outs
+        .iter()
+        .find_map(|o| match o {
+            DispatchOutput::ToRequest {
+                request_id: 2,
+                event: RequestEvent::Leased(l),
+            } => Some(l.clone()),
+            _ => None,
+        })
+        .expect("adopted");
+    assert_eq!((lease.provider_id.as_str(), lease.generation), ("p1", g));
+    assert!(d.admission().check_invariants().is_ok());
+    // A second adoption of the same run finds no hold.
+    d.handle_input(
+        T,
+        DispatchInput::Request(RequestCommand::Adopt {
+            request_id: 3,
+            key: offered[0].run.key,
+        }),
+    );
+    assert!(drain_outputs(&mut d).iter().any(|o| matches!(
+        o,
+        DispatchOutput::ToRequest {
+            request_id: 3,
+            event: RequestEvent::Rejected(_)
+        }
+    )));
+}
+
+#[test]
+fn r_park_2_a_hold_nobody_adopts_is_let_go_and_the_queue_moves() {
+    let mut d = dispatcher();
+    let a = NodeId::from("a");
+    let mut req = register_req();
+    req.parked = vec![parked(90, 7, "t-p1")];
+    let (g, _) = d.register(T, &a, &req).unwrap();
+    d.handle_input(
+        T,
+        DispatchInput::Ready {
+            node: a.clone(),
+            generation: g,
+        },
+    );
+    drain_outputs(&mut d);
+    assert_eq!(
+        d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])),
+        Admit::Queued,
+        "held"
+    );
+    d.handle_input(
+        T,
+        DispatchInput::ReleaseParked {
+            key: iop_wire::RunKey {
+                generation: 90,
+                run_id: 7,
+            },
+        },
+    );
+    assert!(drain_outputs(&mut d).iter().any(|o| matches!(
+        o,
+        DispatchOutput::ToRequest {
+            request_id: 1,
+            event: RequestEvent::Leased(_)
+        }
+    )));
+    // A hold also ends with its generation, or when it expires.
+    let mut d = dispatcher();
+    let (g, _) = d.register(T, &a, &req).unwrap();
+    assert_eq!(d.admission().holds(), 1);
+    d.handle_input(
+        T,
+        DispatchInput::ConnectionClosed {
+            node: a.clone(),
+            generation: g,
+            reason: CloseCode::Normal,
+        },
+    );
+    assert_eq!(d.admission().holds(), 0);
+    let (_g, _) = d.register(T, &a, &req).unwrap();
+    assert_eq!(d.admission().holds(), 1);
+    d.handle_timeout(T.saturating_add(PARKED_HOLD));
+    assert_eq!(d.admission().holds(), 0);
+    assert!(d.admission().check_invariants().is_ok());
 }

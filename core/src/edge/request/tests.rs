@@ -31,6 +31,7 @@ fn spec(tunnel_api: Option<TunnelApi>, tunnel_providers: &[&str]) -> RequestSpec
             .map(|p| ProviderId::from(*p))
             .collect(),
         journal: None,
+        park_grace_ms: 0,
     }
 }
 
@@ -172,6 +173,7 @@ fn happy_path_commits_on_first_content_and_finishes_once_r_gate_2() {
             lease: l.clone(),
             tunnel: false,
             deadline_ms: 9_999,
+            adopt: None,
         }]
     );
     r.handle_input(
@@ -1013,4 +1015,305 @@ fn a_durable_response_stops_reading_when_its_journal_falls_behind() {
         RequestInput::Journaled(crate::edge::durable::JournalAck::Appended),
     );
     assert!(r.wants_frames());
+}
+
+fn parkable_spec() -> RequestSpec {
+    let mut s = durable_spec();
+    s.park_grace_ms = 30_000;
+    s
+}
+
+fn acks(outs: &[RequestOutput]) -> Vec<u64> {
+    outs.iter()
+        .filter_map(|o| match o {
+            RequestOutput::AckFrames { through_frame } => Some(*through_frame),
+            _ => None,
+        })
+        .collect()
+}
+
+fn appended_sources(outs: &[RequestOutput]) -> Vec<Option<crate::edge::durable::FrameSource>> {
+    journal_writes(outs)
+        .into_iter()
+        .flat_map(|w| match w {
+            crate::edge::durable::JournalWrite::Append { events, .. } => events,
+            _ => Vec::new(),
+        })
+        .map(|e| crate::edge::durable::decode_entry(&e.payload).and_then(|e| e.source))
+        .collect()
+}
+
+fn offer(key: iop_wire::RunKey, last_frame: u64) -> ParkedOffer {
+    ParkedOffer {
+        run: iop_wire::ParkedRun {
+            key,
+            response_id: "resp_1".into(),
+            adapter: AdapterKind::Mock,
+            target: "m".into(),
+            first_kept_frame: 1,
+            last_frame,
+            ended: false,
+        },
+        provider_id: ProviderId::from("p0"),
+    }
+}
+
+/// A durable run on `l` with two text frames, both durable.
+fn durable_with_two_frames(r: &mut Request, l: &Lease) -> Vec<RequestOutput> {
+    running(r, l);
+    r.handle_input(t(2), run(text("a")));
+    let mut outs = drain(r);
+    r.handle_input(t(3), RequestInput::Journaled(JournalAck::Appended));
+    outs.extend(drain(r));
+    r.handle_input(t(4), run(text("b")));
+    outs.extend(drain(r));
+    r.handle_input(t(5), RequestInput::Journaled(JournalAck::Appended));
+    outs.extend(drain(r));
+    outs
+}
+
+#[test]
+fn r_park_1_frames_are_acked_once_their_journal_events_are_durable() {
+    let mut r = Request::new(t(0), parkable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("a")));
+    let outs = drain(&mut r);
+    assert!(acks(&outs).is_empty(), "not durable yet");
+    let key = iop_wire::RunKey {
+        generation: l.generation,
+        run_id: l.run_id,
+    };
+    assert_eq!(
+        appended_sources(&outs),
+        vec![Some(crate::edge::durable::FrameSource { key, frame: 1 })],
+        "each journal event names its frame"
+    );
+    r.handle_input(t(3), RequestInput::Journaled(JournalAck::Appended));
+    assert_eq!(acks(&drain(&mut r)), vec![1]);
+    // The terminal frame is acked only once the record's terminal is.
+    r.handle_input(t(4), run(completed()));
+    r.handle_input(
+        t(5),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(&l),
+        }),
+    );
+    drain(&mut r);
+    r.handle_input(t(5), RequestInput::Journaled(JournalAck::Appended));
+    assert!(
+        acks(&drain(&mut r)).is_empty(),
+        "the completion is durable, not the terminal"
+    );
+    r.handle_input(t(6), RequestInput::Journaled(JournalAck::Finished));
+    assert_eq!(acks(&drain(&mut r)), vec![2]);
+    assert!(r.is_ended());
+}
+
+#[test]
+fn r_park_2_a_committed_durable_run_that_loses_its_connection_is_adopted_where_it_left_off() {
+    let mut r = Request::new(t(0), parkable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    durable_with_two_frames(&mut r, &l);
+    let key = iop_wire::RunKey {
+        generation: l.generation,
+        run_id: l.run_id,
+    };
+    // R-GEN-3: the connection is gone; the run waits on its node.
+    r.handle_input(
+        t(6),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert!(outs.contains(&RequestOutput::Observe(RequestObservation::Parked)));
+    assert!(deliveries(&outs).is_empty(), "no error: the run is parked");
+    assert!(r.awaits_parked(key));
+    // Another run's report is not this request's.
+    let other = iop_wire::RunKey {
+        generation: 9,
+        run_id: 9,
+    };
+    r.handle_input(t(7), RequestInput::ParkedRun(offer(other, 5)));
+    assert!(drain(&mut r).is_empty());
+    // Its node reports it on a new connection: adopt it.
+    r.handle_input(t(8), RequestInput::ParkedRun(offer(key, 3)));
+    assert_eq!(
+        commands(&drain(&mut r)),
+        vec![RequestCommand::Adopt {
+            request_id: RID,
+            key
+        }]
+    );
+    let mut l2 = lease(2, "p0", AdapterKind::Mock);
+    l2.generation = 4;
+    r.handle_input(
+        t(9),
+        RequestInput::Dispatch(RequestEvent::Leased(l2.clone())),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(9),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l2.clone()))),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        matches!(
+            &outs[..],
+            [RequestOutput::Open { adopt: Some(AdoptSpec { key: k, resume_after_frame: 2 }), tunnel: false, .. }] if *k == key
+        ),
+        "resume after the last frame the journal holds: {outs:?}"
+    );
+    assert_eq!(r.gate().attempts(), 1, "the same attempt goes on");
+    r.handle_input(t(10), RequestInput::Opened);
+    assert!(drain(&mut r).contains(&RequestOutput::Observe(RequestObservation::Adopted)));
+    // The node's next frame is frame 3 of the same run.
+    r.handle_input(t(11), run(text("c")));
+    let outs = drain(&mut r);
+    assert_eq!(
+        appended_sources(&outs),
+        vec![Some(crate::edge::durable::FrameSource { key, frame: 3 })]
+    );
+}
+
+#[test]
+fn r_park_1_a_parked_run_no_node_reports_in_time_ends_with_one_in_stream_error() {
+    let mut r = Request::new(t(0), parkable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    durable_with_two_frames(&mut r, &l);
+    r.handle_input(t(6), RequestInput::StreamEnded);
+    drain(&mut r);
+    let until = r.poll_timeout().expect("the park wait is timed");
+    assert_eq!(
+        until,
+        t(6).saturating_add(Duration::from_millis(30_000) + PARK_REPORT_SLACK)
+            .min(r.gate().deadline())
+    );
+    r.handle_timeout(r.gate().deadline().min(until));
+    let outs = drain(&mut r);
+    let finish = journal_writes(&outs);
+    assert!(
+        matches!(&finish[..], [crate::edge::durable::JournalWrite::Finish { terminal, .. }]
+            if terminal.status == crate::journal::RecordStatus::Failed),
+        "{outs:?}"
+    );
+}
+
+#[test]
+fn an_ephemeral_or_uncommitted_run_is_not_parked() {
+    // Ephemeral: the lost connection re-admits as before (R-FAIL-1).
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_)))
+    );
+    // Durable but not committed: also re-admitted, never parked.
+    let mut r = Request::new(t(0), parkable_spec());
+    running(&mut r, &l);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    let outs = drain(&mut r);
+    assert!(!outs.contains(&RequestOutput::Observe(RequestObservation::Parked)));
+    assert!(
+        commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_)))
+    );
+}
+
+#[test]
+fn r_take_1_an_adopter_resumes_the_parked_run_and_never_starts_the_prompt_again() {
+    let key = iop_wire::RunKey {
+        generation: 3,
+        run_id: 101,
+    };
+    let mut spec = parkable_spec();
+    if let Some(j) = &mut spec.journal {
+        j.epoch = 2;
+    }
+    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3);
+    let outs = drain(&mut r);
+    assert_eq!(
+        commands(&outs),
+        vec![RequestCommand::Adopt {
+            request_id: RID,
+            key
+        }],
+        "no admission: {outs:?}"
+    );
+    // The hold is gone: the record ends in the stream, nothing re-admitted.
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Rejected(AdmitRejection::NoRoute)),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        !commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_)))
+    );
+    assert!(matches!(
+        &journal_writes(&outs)[..],
+        [crate::edge::durable::JournalWrite::Finish { epoch: 2, .. }]
+    ));
+}
+
+#[test]
+fn r_take_1_an_adopter_appends_after_the_durable_prefix_with_its_epoch() {
+    let key = iop_wire::RunKey {
+        generation: 3,
+        run_id: 101,
+    };
+    let mut spec = parkable_spec();
+    if let Some(j) = &mut spec.journal {
+        j.epoch = 2;
+    }
+    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3);
+    drain(&mut r);
+    let l = lease(2, "p0", AdapterKind::Mock);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    let outs = drain(&mut r);
+    assert!(matches!(
+        &outs[..],
+        [RequestOutput::Open {
+            adopt: Some(AdoptSpec {
+                resume_after_frame: 3,
+                ..
+            }),
+            ..
+        }]
+    ));
+    r.handle_input(t(2), RequestInput::Opened);
+    drain(&mut r);
+    r.handle_input(t(3), run(text("d")));
+    let outs = drain(&mut r);
+    match &journal_writes(&outs)[..] {
+        [crate::edge::durable::JournalWrite::Append { epoch, events, .. }] => {
+            assert_eq!((*epoch, events[0].seq), (2, 5), "after event 4, as epoch 2");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        appended_sources(&outs),
+        vec![Some(crate::edge::durable::FrameSource { key, frame: 4 })]
+    );
 }

@@ -1,0 +1,515 @@
+//! A durable run's life without its Edge connection (SPEC §6: R-PARK-1,
+//! R-PARK-2), on the node.
+//!
+//! A run that writes a durable response keeps every frame it produced
+//! until the Edge acknowledges it durable (the Edge acks a frame once the
+//! journal holds what it carried). When the run's connection is lost the
+//! run is *parked*: its provider call goes on, its frames are kept, for at
+//! most the park grace. An Edge adopts it by asking to resume after the
+//! last frame its journal holds; the run then replays the frames after it
+//! and goes on live. Every decision is here:
+//!
+//! * frames are numbered 1, 2, 3, ... for the run's whole life (across
+//!   connections), so a resume point means the same frame everywhere;
+//! * the kept frames are bounded in bytes: past the bound the run stops
+//!   reading from its provider ([`RunPark::wants_provider`]), it never drops
+//!   a frame (R-PARK-1, R-LIM-4);
+//! * a parked run not adopted within the grace is cancelled
+//!   ([`ParkOutput::Expired`]);
+//! * a run is attached to at most one connection: an adoption of a run that
+//!   is attached is refused, and so is one asking for frames the run no
+//!   longer has or never produced (R-PARK-2);
+//! * a run is over when its terminal frame is acknowledged, or when it
+//!   expires.
+//!
+//! The machine holds the frames (of any type `F`, with their sizes); the
+//! shell keeps one per durable run, feeds it inputs with `now`, and carries
+//! out [`RunPark::poll_output`].
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::time::Instant;
+
+/// The default park grace (R-PARK-1).
+pub const DEFAULT_PARK_GRACE: Duration = Duration::from_millis(30_000);
+
+/// The longest park grace a request may ask for.
+pub const MAX_PARK_GRACE: Duration = Duration::from_millis(600_000);
+
+/// The default bound of the frames one run keeps.
+pub const DEFAULT_MAX_KEPT_BYTES: usize = 8 * 1024 * 1024;
+
+/// The park grace a request's `grace_ms` means: `0` is the default, larger
+/// than [`MAX_PARK_GRACE`] is cut to it.
+pub fn effective_park_grace(grace_ms: u64) -> Duration {
+    if grace_ms == 0 {
+        DEFAULT_PARK_GRACE
+    } else {
+        Duration::from_millis(grace_ms).min(MAX_PARK_GRACE)
+    }
+}
+
+/// Where a durable run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkState {
+    /// On a connection: its frames go to the Edge as they come.
+    Attached,
+    /// Without a connection since it lost its own, until `until`.
+    Parked {
+        /// When the grace ends.
+        until: Instant,
+    },
+    /// Over: its terminal was acknowledged, or its grace ended.
+    Over,
+}
+
+/// Why an adoption was refused (R-PARK-2).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum AdoptRefusal {
+    /// The run is on a connection already: it is handed to one at a time.
+    #[error("the run is attached to another connection")]
+    Attached,
+    /// The run is over.
+    #[error("the run is over")]
+    Over,
+    /// The frames after the resume point were acknowledged and dropped:
+    /// the asking Edge's journal is behind what another Edge acknowledged.
+    #[error("frames after {resume_after} were already dropped (first kept: {first_kept})")]
+    Gap {
+        /// The asked resume point.
+        resume_after: u64,
+        /// The first frame still kept.
+        first_kept: u64,
+    },
+    /// The resume point is past every frame the run produced.
+    #[error("frame {resume_after} was never produced (last: {last})")]
+    Ahead {
+        /// The asked resume point.
+        resume_after: u64,
+        /// The last frame produced.
+        last: u64,
+    },
+}
+
+/// What the shell must do.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkOutput {
+    /// The grace ended without an adoption: cancel the provider call and
+    /// forget the run (R-PARK-1).
+    Expired,
+    /// The terminal frame was acknowledged: the run is done.
+    Done,
+}
+
+/// A summary of a parked run, for the report at registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParkSummary {
+    /// The first frame still kept (`last + 1` when none is).
+    pub first_kept: u64,
+    /// The last frame produced (0: none).
+    pub last: u64,
+    /// The terminal frame is among the produced ones.
+    pub ended: bool,
+}
+
+/// One durable run's frames and attachment (see the module docs).
+#[derive(Debug)]
+pub struct RunPark<F> {
+    grace: Duration,
+    max_kept_bytes: usize,
+    /// Kept frames: number, frame, counted bytes.
+    kept: VecDeque<(u64, F, usize)>,
+    kept_bytes: usize,
+    /// The last frame produced.
+    last: u64,
+    /// The last frame acknowledged durable.
+    acked: u64,
+    /// The number of the terminal frame, once produced.
+    terminal: Option<u64>,
+    state: ParkState,
+    outputs: VecDeque<ParkOutput>,
+}
+
+impl<F: Clone> RunPark<F> {
+    /// A run attached to the connection it started on.
+    pub fn new(grace: Duration, max_kept_bytes: usize) -> Self {
+        RunPark {
+            grace,
+            max_kept_bytes: max_kept_bytes.max(1),
+            kept: VecDeque::new(),
+            kept_bytes: 0,
+            last: 0,
+            acked: 0,
+            terminal: None,
+            state: ParkState::Attached,
+            outputs: VecDeque::new(),
+        }
+    }
+
+    /// Where the run is.
+    pub fn state(&self) -> ParkState {
+        self.state
+    }
+
+    /// The summary a registration reports.
+    pub fn summary(&self) -> ParkSummary {
+        ParkSummary {
+            first_kept: self.kept.front().map_or(self.last + 1, |(n, ..)| *n),
+            last: self.last,
+            ended: self.terminal.is_some(),
+        }
+    }
+
+    /// Whether the shell may read the provider's next output: the kept
+    /// frames are under their bound and the run is not over. A run past
+    /// its bound waits (back-pressure on the provider), it drops nothing.
+    pub fn wants_provider(&self) -> bool {
+        self.state != ParkState::Over
+            && self.terminal.is_none()
+            && self.kept_bytes < self.max_kept_bytes
+    }
+
+    /// The provider produced `frame` (`bytes` counted against the bound);
+    /// `terminal` if it is the run's last. Returns its number. The frame is
+    /// kept until acknowledged; the shell sends it now if attached.
+    pub fn produced(&mut self, frame: F, bytes: usize, terminal: bool) -> u64 {
+        self.last += 1;
+        let n = self.last;
+        if terminal {
+            self.terminal = Some(n);
+        }
+        self.kept.push_back((n, frame, bytes));
+        self.kept_bytes += bytes;
+        n
+    }
+
+    /// The Edge acknowledged every frame through `through` as durable:
+    /// they are dropped. An ack past the last frame counts only up to it.
+    pub fn acked(&mut self, through: u64) {
+        let through = through.min(self.last);
+        if through <= self.acked {
+            return;
+        }
+        self.acked = through;
+        while let Some((n, _, bytes)) = self.kept.front() {
+            if *n > through {
+                break;
+            }
+            self.kept_bytes -= *bytes;
+            self.kept.pop_front();
+        }
+        if self.terminal.is_some_and(|t| t <= through) && self.state != ParkState::Over {
+            self.state = ParkState::Over;
+            self.outputs.push_back(ParkOutput::Done);
+        }
+    }
+
+    /// The run's connection was lost: it parks for the grace (R-PARK-1).
+    pub fn detached(&mut self, now: Instant) {
+        if self.state == ParkState::Attached {
+            self.state = ParkState::Parked {
+                until: now.saturating_add(self.grace),
+            };
+        }
+    }
+
+    /// An Edge asks to adopt the run and resume after frame
+    /// `resume_after` (the last its journal holds): the frames to replay,
+    /// in order, or why not (R-PARK-2). On success the run is attached and
+    /// every frame through `resume_after` counts as acknowledged.
+    pub fn adopt(&mut self, resume_after: u64) -> Result<Vec<(u64, F)>, AdoptRefusal> {
+        match self.state {
+            ParkState::Attached => return Err(AdoptRefusal::Attached),
+            ParkState::Over => return Err(AdoptRefusal::Over),
+            ParkState::Parked { .. } => {}
+        }
+        if resume_after > self.last {
+            return Err(AdoptRefusal::Ahead {
+                resume_after,
+                last: self.last,
+            });
+        }
+        let first_kept = self.summary().first_kept;
+        if resume_after + 1 < first_kept {
+            return Err(AdoptRefusal::Gap {
+                resume_after,
+                first_kept,
+            });
+        }
+        self.state = ParkState::Attached;
+        self.acked(resume_after);
+        if self.state == ParkState::Over {
+            // The terminal itself was already in the Edge's journal.
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .kept
+            .iter()
+            .filter(|(n, ..)| *n > resume_after)
+            .map(|(n, f, _)| (*n, f.clone()))
+            .collect())
+    }
+
+    /// The run was cancelled (by its Edge, or its provider call could not
+    /// go on): it is over without a terminal of its own.
+    pub fn cancelled(&mut self) {
+        self.state = ParkState::Over;
+        self.kept.clear();
+        self.kept_bytes = 0;
+    }
+
+    /// When to call [`Self::handle_timeout`].
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            ParkState::Parked { until } => Some(until),
+            _ => None,
+        }
+    }
+
+    /// Time passed: a parked run whose grace ended expires.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if let ParkState::Parked { until } = self.state
+            && now >= until
+        {
+            self.state = ParkState::Over;
+            self.kept.clear();
+            self.kept_bytes = 0;
+            self.outputs.push_back(ParkOutput::Expired);
+        }
+    }
+
+    /// The next thing to do, if any.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<ParkOutput> {
+        self.outputs.pop_front()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const GRACE: Duration = Duration::from_secs(30);
+
+    fn park() -> RunPark<&'static str> {
+        RunPark::new(GRACE, 100)
+    }
+
+    #[test]
+    fn frames_are_numbered_for_the_runs_life_and_kept_until_acked() {
+        let mut p = park();
+        assert_eq!(p.produced("a", 10, false), 1);
+        assert_eq!(p.produced("b", 10, false), 2);
+        p.acked(1);
+        assert_eq!(
+            p.summary(),
+            ParkSummary {
+                first_kept: 2,
+                last: 2,
+                ended: false
+            }
+        );
+        p.acked(7);
+        assert_eq!(
+            p.summary().first_kept,
+            3,
+            "an ack counts up to the last frame"
+        );
+        assert_eq!(p.produced("c", 10, false), 3);
+    }
+
+    #[test]
+    fn r_park_1_a_full_buffer_stops_reading_the_provider_and_drops_nothing() {
+        let mut p = park();
+        for _ in 0..10 {
+            assert!(p.wants_provider());
+            p.produced("x", 10, false);
+        }
+        assert!(!p.wants_provider(), "at the bound");
+        assert_eq!(p.summary().first_kept, 1, "nothing dropped");
+        p.acked(5);
+        assert!(p.wants_provider(), "acks make room");
+    }
+
+    #[test]
+    fn r_park_1_a_parked_run_not_adopted_within_the_grace_expires() {
+        let mut p = park();
+        p.produced("a", 1, false);
+        let t0 = Instant::from_millis(1000);
+        p.detached(t0);
+        assert_eq!(p.poll_timeout(), Some(t0.saturating_add(GRACE)));
+        p.handle_timeout(t0.saturating_add(GRACE - Duration::from_millis(1)));
+        assert_eq!(p.poll_output(), None);
+        p.handle_timeout(t0.saturating_add(GRACE));
+        assert_eq!(p.poll_output(), Some(ParkOutput::Expired));
+        assert_eq!(p.state(), ParkState::Over);
+        assert_eq!(p.adopt(0), Err(AdoptRefusal::Over));
+    }
+
+    #[test]
+    fn r_park_2_adoption_replays_after_the_journals_last_frame_and_attaches_once() {
+        let mut p = park();
+        for f in ["a", "b", "c"] {
+            p.produced(f, 1, false);
+        }
+        p.acked(1);
+        assert_eq!(p.adopt(1), Err(AdoptRefusal::Attached), "still attached");
+        p.detached(Instant::ZERO);
+        // The journal holds through frame 2 (its ack was lost).
+        assert_eq!(p.adopt(2), Ok(vec![(3, "c")]));
+        assert_eq!(p.state(), ParkState::Attached);
+        assert_eq!(
+            p.adopt(2),
+            Err(AdoptRefusal::Attached),
+            "one connection at a time"
+        );
+        assert_eq!(p.poll_timeout(), None, "no grace while attached");
+    }
+
+    #[test]
+    fn r_park_2_an_adoption_asking_for_dropped_or_unproduced_frames_is_refused() {
+        let mut p = park();
+        for f in ["a", "b", "c"] {
+            p.produced(f, 1, false);
+        }
+        p.acked(2);
+        p.detached(Instant::ZERO);
+        assert_eq!(
+            p.adopt(0),
+            Err(AdoptRefusal::Gap {
+                resume_after: 0,
+                first_kept: 3
+            })
+        );
+        assert_eq!(
+            p.adopt(4),
+            Err(AdoptRefusal::Ahead {
+                resume_after: 4,
+                last: 3
+            })
+        );
+        assert_eq!(
+            p.state(),
+            ParkState::Parked {
+                until: Instant::ZERO.saturating_add(GRACE)
+            }
+        );
+        assert_eq!(p.adopt(2), Ok(vec![(3, "c")]));
+    }
+
+    #[test]
+    fn the_run_is_done_when_its_terminal_is_acked_even_through_an_adoption() {
+        let mut p = park();
+        p.produced("a", 1, false);
+        p.produced("end", 1, true);
+        assert!(!p.wants_provider(), "nothing is read after the terminal");
+        p.detached(Instant::ZERO);
+        assert!(p.summary().ended);
+        // The journal already had the terminal frame.
+        assert_eq!(p.adopt(2), Ok(Vec::new()));
+        assert_eq!(p.poll_output(), Some(ParkOutput::Done));
+        assert_eq!(p.state(), ParkState::Over);
+    }
+
+    #[test]
+    fn park_grace_zero_is_the_default_and_is_bounded() {
+        assert_eq!(effective_park_grace(0), DEFAULT_PARK_GRACE);
+        assert_eq!(effective_park_grace(5), Duration::from_millis(5));
+        assert_eq!(effective_park_grace(u64::MAX), MAX_PARK_GRACE);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Produce(usize, bool),
+        Ack(u64),
+        Detach,
+        Adopt(u64),
+        Tick(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (1usize..40, prop::bool::weighted(0.05)).prop_map(|(b, t)| Op::Produce(b, t)),
+            2 => (0u64..40).prop_map(Op::Ack),
+            1 => Just(Op::Detach),
+            2 => (0u64..40).prop_map(Op::Adopt),
+            1 => (0u64..60_000).prop_map(Op::Tick),
+        ]
+    }
+
+    proptest! {
+        /// Against a model that keeps every frame: whatever the sequence,
+        /// an accepted adoption replays exactly the frames after its resume
+        /// point that the model has, nothing is dropped before its ack,
+        /// the kept bytes never pass the bound by more than one frame, and
+        /// a run is attached to at most one connection.
+        #[test]
+        fn frames_are_never_lost_before_their_ack(ops in proptest::collection::vec(op(), 0..80)) {
+            let mut p: RunPark<u64> = RunPark::new(GRACE, 100);
+            let mut all: Vec<u64> = Vec::new();
+            let mut acked = 0u64;
+            let mut now = Instant::ZERO;
+            let mut attached = true;
+            for op in ops {
+                match op {
+                    Op::Produce(bytes, terminal) => {
+                        if p.wants_provider() {
+                            let n = p.produced(all.len() as u64 + 1, bytes, terminal);
+                            all.push(n);
+                            prop_assert_eq!(n, all.len() as u64);
+                        }
+                    }
+                    Op::Ack(k) => {
+                        // An Edge acks only what it was sent (attached).
+                        if attached {
+                            p.acked(k);
+                            acked = acked.max(k.min(all.len() as u64));
+                        }
+                    }
+                    Op::Detach => {
+                        p.detached(now);
+                        attached = false;
+                    }
+                    Op::Adopt(k) => match p.adopt(k) {
+                        Ok(replay) => {
+                            prop_assert!(!attached, "adopted while attached");
+                            prop_assert!(k >= acked || k + 1 >= p.summary().first_kept);
+                            let expected: Vec<u64> = all.iter().copied().filter(|n| *n > k).collect();
+                            if p.state() == ParkState::Attached {
+                                let got: Vec<u64> = replay.iter().map(|(n, f)| { assert_eq!(n, f); *n }).collect();
+                                prop_assert_eq!(got, expected);
+                            }
+                            acked = acked.max(k);
+                            attached = p.state() == ParkState::Attached;
+                        }
+                        Err(AdoptRefusal::Attached) => prop_assert!(attached),
+                        Err(AdoptRefusal::Gap { first_kept, .. }) => prop_assert!(k + 1 < first_kept && first_kept > acked.min(first_kept)),
+                        Err(AdoptRefusal::Ahead { last, .. }) => prop_assert!(k > last),
+                        Err(AdoptRefusal::Over) => prop_assert_eq!(p.state(), ParkState::Over),
+                    },
+                    Op::Tick(ms) => {
+                        now = now.saturating_add(Duration::from_millis(ms));
+                        p.handle_timeout(now);
+                    }
+                }
+                if p.state() != ParkState::Over {
+                    // Nothing after the last ack is gone.
+                    prop_assert!(p.summary().first_kept <= acked + 1);
+                    prop_assert!(p.kept_bytes < 100 + 40);
+                }
+                while let Some(out) = p.poll_output() {
+                    prop_assert!(matches!(out, ParkOutput::Expired | ParkOutput::Done));
+                    attached = false;
+                }
+            }
+        }
+    }
+}
