@@ -17,7 +17,10 @@
 //! | R-OVL-2, R-CAP-1 | the overlay is lowered only by fresh `unavailable` evidence and raised only by a strictly newer `available`; it always equals the checker's model |
 //! | R-SEL-1 | an avoided provider is leased (immediately or from the queue) only with the fallback flag and no eligible alternate; after every step no queued request could be served (an eligible alternate with room, or the flagged avoided provider with room when no alternate is eligible) |
 //! | provider | each attempt calls its provider at most once |
-//! | liveness | every request ends within its budget; after faults stop, nodes are ready within B_node and providers selectable within B_eligible (see [`crate::config::SimConfig`]) |
+//! | liveness | every request ends within its budget (a durable one within B_durable more); after faults stop, nodes are ready within B_node and providers selectable within B_eligible (see [`crate::config::SimConfig`]) |
+//!
+//! Durable responses (R-JRN-1..4, R-TAKE-1) have their own model of the
+//! journal, in [`journal`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -33,6 +36,8 @@ use iop_wire::{ExecutionFailure, FailureCode, ProviderHealth};
 use serde::Serialize;
 
 use crate::net::ConnId;
+
+pub mod journal;
 
 /// A broken invariant: which rule, what happened, and when.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -147,6 +152,8 @@ pub struct Checker {
     provider_calls: BTreeSet<(ConnId, RunId)>,
     node_runs: BTreeMap<(ConnId, RunId), NodeRunModel>,
     conn_seq: BTreeMap<ConnId, u64>,
+    // Durable responses, across incarnations.
+    journal: journal::JournalModel,
 }
 
 impl Checker {
@@ -171,6 +178,7 @@ impl Checker {
             provider_calls: BTreeSet::new(),
             node_runs: BTreeMap::new(),
             conn_seq: BTreeMap::new(),
+            journal: journal::JournalModel::default(),
         }
     }
 

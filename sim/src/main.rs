@@ -51,6 +51,10 @@ enum Cmd {
         /// Treat known core issues as violations.
         #[arg(long)]
         strict: bool,
+        /// No durable requests, whatever the seed says (the world as it was
+        /// before durable responses).
+        #[arg(long)]
+        ephemeral_only: bool,
     },
     /// Run many seeds; report the failing ones.
     Swarm {
@@ -72,6 +76,9 @@ enum Cmd {
         /// Treat known core issues as violations.
         #[arg(long)]
         strict: bool,
+        /// No durable requests, whatever the seeds say.
+        #[arg(long)]
+        ephemeral_only: bool,
         /// Worker threads (default: every core); the report is the same.
         #[arg(long)]
         threads: Option<usize>,
@@ -164,6 +171,7 @@ fn real_main() -> Result<ExitCode, String> {
             bug,
             core_bug,
             strict,
+            ephemeral_only,
         } => {
             let bugs = bugs(&bug)?;
             let core_bugs = core_bugs(&core_bug)?;
@@ -191,6 +199,7 @@ fn real_main() -> Result<ExitCode, String> {
                     bugs,
                     core_bugs,
                     strict,
+                    ephemeral_only,
                 },
             );
             let secs = started.elapsed().as_secs_f64();
@@ -214,6 +223,26 @@ fn real_main() -> Result<ExitCode, String> {
                 s.partitions,
                 s.conns_killed,
             );
+            if s.durable_requests > 0 || s.journal_writes > 0 {
+                println!(
+                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried), {} lost and {} unacknowledged at crashes, {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read)",
+                    s.durable_requests,
+                    s.journal_writes,
+                    s.journal_syncs,
+                    s.journal_batched,
+                    s.takeovers,
+                    s.takeover_retries,
+                    s.journal_lost,
+                    s.journal_unacked,
+                    s.zombies,
+                    s.zombies_accepted,
+                    s.zombies_fenced,
+                    s.durable_left,
+                    s.durable_cancels,
+                    s.resumes,
+                    s.resumed_events,
+                );
+            }
             if let Some((hash, lines)) = &report.trace_hash {
                 println!("trace hash {hash} over {lines} lines");
             }
@@ -246,6 +275,7 @@ fn real_main() -> Result<ExitCode, String> {
             bug,
             core_bug,
             strict,
+            ephemeral_only,
             threads,
             chunk,
         } => {
@@ -258,6 +288,7 @@ fn real_main() -> Result<ExitCode, String> {
                 core_bugs: core_bugs(&core_bug)?,
                 strict,
                 threads,
+                ephemeral_only,
                 ..SwarmOptions::new(start, seeds, steps)
             };
             let started = WallInstant::now();
