@@ -171,6 +171,10 @@ pub struct JournalProfile {
     /// point of the store, before the sync completed or after it, before
     /// its answers went out (half each).
     pub crash_point_ppm: u32,
+    /// Per sync while faults are on, with store faults switched on
+    /// (`--store-faults`): the sync fails (an I/O error); none of its
+    /// writes is applied and each is answered `Store(..)`.
+    pub sync_failure_ppm: u32,
 }
 
 impl JournalProfile {
@@ -325,6 +329,7 @@ impl SimConfig {
                 zombie_late_ppm: 0,
                 zombie_late_max: Duration::ZERO,
                 crash_point_ppm: 0,
+                sync_failure_ppm: 0,
             },
         };
         // The tracker's refresh is the capabilities cadence; its backoff cap
@@ -366,11 +371,13 @@ impl SimConfig {
             zombie_late_ppm: rng.range(300_000, u64::from(PPM)) as u32,
             zombie_late_max: Duration::ZERO,
             crash_point_ppm: rng.swarm(500_000, 1_000, 40_000),
+            sync_failure_ppm: 0,
         };
         // Late zombies land around the takeover's raise and terminal: within
         // one or two of the store's longest round trips of the start.
         config.journal.zombie_late_max =
             config.journal.round_trip_max() * rng.range(1, 2) as u32 + Duration::from_millis(1);
+        config.journal.sync_failure_ppm = rng.swarm(500_000, 5_000, 60_000);
         config
     }
 

@@ -328,6 +328,31 @@ impl SimJournal {
             .collect()
     }
 
+    /// The running sync of `generation` failed (an I/O error): none of its
+    /// writes is applied, each is answered `Store(..)`.
+    pub fn fail_sync(&mut self, generation: u64) -> Vec<(PendingWrite, OpResult)> {
+        if generation != self.writer_generation {
+            return Vec::new();
+        }
+        let Some(batch) = self.running.take() else {
+            return Vec::new();
+        };
+        self.queue.synced();
+        batch
+            .into_iter()
+            .map(|(_, write)| {
+                let result = OpResult::Refused(JournalError::Store("sync failed".into()));
+                self.decisions.push(Decision {
+                    writer: write.writer.clone(),
+                    op: write.op.clone(),
+                    result: result.clone(),
+                    zombie: false,
+                });
+                (write, result)
+            })
+            .collect()
+    }
+
     /// Apply one write in its own transaction, now (a zombie: a dead
     /// owner's write arriving late). Nobody gets the answer.
     pub fn apply_now(&mut self, write: &PendingWrite, now_unix_ms: u64) -> OpResult {

@@ -79,6 +79,8 @@ pub struct SwarmOptions {
     pub threads: usize,
     /// No durable requests, whatever the seeds say.
     pub ephemeral_only: bool,
+    /// Let the journal store fail syncs.
+    pub store_faults: bool,
 }
 
 impl SwarmOptions {
@@ -94,6 +96,7 @@ impl SwarmOptions {
             strict: false,
             threads: 1,
             ephemeral_only: false,
+            store_faults: false,
         }
     }
 
@@ -104,6 +107,7 @@ impl SwarmOptions {
             core_bugs: self.core_bugs.clone(),
             strict: self.strict,
             ephemeral_only: self.ephemeral_only,
+            store_faults: self.store_faults,
             ..RunOptions::default()
         }
     }

@@ -55,6 +55,9 @@ enum Cmd {
         /// before durable responses).
         #[arg(long)]
         ephemeral_only: bool,
+        /// Let the journal store fail syncs (I/O errors) while faults are on.
+        #[arg(long)]
+        store_faults: bool,
     },
     /// Run many seeds; report the failing ones.
     Swarm {
@@ -79,6 +82,9 @@ enum Cmd {
         /// No durable requests, whatever the seeds say.
         #[arg(long)]
         ephemeral_only: bool,
+        /// Let the journal store fail syncs (I/O errors) while faults are on.
+        #[arg(long)]
+        store_faults: bool,
         /// Worker threads (default: every core); the report is the same.
         #[arg(long)]
         threads: Option<usize>,
@@ -172,6 +178,7 @@ fn real_main() -> Result<ExitCode, String> {
             core_bug,
             strict,
             ephemeral_only,
+            store_faults,
         } => {
             let bugs = bugs(&bug)?;
             let core_bugs = core_bugs(&core_bug)?;
@@ -200,6 +207,7 @@ fn real_main() -> Result<ExitCode, String> {
                     core_bugs,
                     strict,
                     ephemeral_only,
+                    store_faults,
                 },
             );
             let secs = started.elapsed().as_secs_f64();
@@ -276,6 +284,7 @@ fn real_main() -> Result<ExitCode, String> {
             core_bug,
             strict,
             ephemeral_only,
+            store_faults,
             threads,
             chunk,
         } => {
@@ -289,6 +298,7 @@ fn real_main() -> Result<ExitCode, String> {
                 strict,
                 threads,
                 ephemeral_only,
+                store_faults,
                 ..SwarmOptions::new(start, seeds, steps)
             };
             let started = WallInstant::now();

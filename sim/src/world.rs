@@ -24,6 +24,13 @@
 //!   what a connection the Edge ended still had on its way reaches the
 //!   dispatcher for [`LINK_DRAIN`], attributed to the fenced generation, and
 //!   a request's pre-send reaches the dispatcher after its lease's fence.
+//! * **Durable responses** (`world/durable.rs`): a seeded share of requests
+//!   writes its record in the simulated journal store
+//!   ([`crate::journal_store`], the Edge's disk); the world carries the
+//!   request machine's journal writes and the store's answers, takes over
+//!   at every Edge start what the dead incarnation left open (R-TAKE-1),
+//!   crashes the Edge at the store's crash points, replays lost writes as
+//!   zombies, and lets clients leave, resume and cancel.
 //! * **Node**: per process a [`Backoff`] supervisor; per connection a
 //!   [`TracedHeartbeat`] and a [`TracedWatchdog`] with its observation
 //!   sequence; per run one provider call ([`CallPlan`]).
@@ -150,6 +157,8 @@ pub struct RunOptions {
     /// No durable requests, whatever the seed says: the world as it was
     /// before durable responses (for seeds found then).
     pub ephemeral_only: bool,
+    /// Let the journal store fail syncs (I/O errors) while faults are on.
+    pub store_faults: bool,
 }
 
 /// Counters of one run.
@@ -220,6 +229,8 @@ pub struct Stats {
     pub journal_batched: u64,
     /// Edge crashes at a crash point of the journal store (during a sync).
     pub crash_points: u64,
+    /// Syncs that failed (store faults).
+    pub sync_failures: u64,
     /// Writes lost by an Edge crash (never durable).
     pub journal_lost: u64,
     /// Writes made durable by a sync that completed just before an Edge
@@ -285,6 +296,7 @@ impl Stats {
         self.journal_syncs += o.journal_syncs;
         self.journal_batched += o.journal_batched;
         self.crash_points += o.crash_points;
+        self.sync_failures += o.sync_failures;
         self.journal_lost += o.journal_lost;
         self.journal_unacked += o.journal_unacked;
         self.zombies += o.zombies;
@@ -318,6 +330,8 @@ pub struct RunReport {
     pub strict: bool,
     /// Whether durable requests were switched off.
     pub ephemeral_only: bool,
+    /// Whether the journal store failed syncs.
+    pub store_faults: bool,
     /// The first violation, if any.
     pub violation: Option<Violation>,
     /// Known core issues seen (see `invariants::KNOWN_CORE_ISSUES`).
@@ -358,8 +372,13 @@ impl RunReport {
         } else {
             ""
         };
+        let store = if self.store_faults {
+            " --store-faults"
+        } else {
+            ""
+        };
         format!(
-            "iop-sim run {} --steps {}{ephemeral}{bugs}{core}",
+            "iop-sim run {} --steps {}{ephemeral}{store}{bugs}{core}",
             self.seed, self.steps
         )
     }
@@ -372,9 +391,13 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
     let core_bugs = options.core_bugs.names().to_vec();
     let strict = options.strict;
     let ephemeral_only = options.ephemeral_only;
+    let store_faults = options.store_faults;
     let mut cfg = SimConfig::from_seed(seed);
     if ephemeral_only {
         cfg.journal.durable_ppm = 0;
+    }
+    if !store_faults {
+        cfg.journal.sync_failure_ppm = 0;
     }
     let mut world = World::new(cfg, options);
     let violation = world.run_to_end(steps).err();
@@ -393,6 +416,7 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
         core_bugs,
         strict,
         ephemeral_only,
+        store_faults,
         violation,
         findings: world.checker.findings().to_vec(),
         trace_hash: world.recorder.digest(),
@@ -564,8 +588,8 @@ struct EdgeProc {
     fenced_leases: BTreeMap<LeaseId, Lease>,
     /// Durable requests whose record is being created.
     pending_creates: BTreeMap<RequestId, durable::PendingCreate>,
-    /// Records being taken over, with the raises tried.
-    takeovers: BTreeMap<String, u32>,
+    /// Records being taken over.
+    takeovers: BTreeMap<String, durable::Takeover>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -647,6 +671,9 @@ pub struct World {
     journal: SimJournal,
     /// The clients of durable responses, by record.
     durable_clients: BTreeMap<String, durable::DurableClient>,
+    /// Records their request left open (a known core issue, reported as a
+    /// finding): the drain does not wait for them.
+    orphans: BTreeSet<String>,
 }
 
 impl Drop for World {
@@ -730,8 +757,12 @@ impl World {
             frozen_until: vec![Instant::ZERO; cfg.providers()],
             journal: SimJournal::new(iop_core::journal::JournalLimits::default()),
             durable_clients: BTreeMap::new(),
+            orphans: BTreeSet::new(),
             cfg,
         };
+        world
+            .checker
+            .set_journal_retry_allowance(world.cfg.journal.round_trip_max());
         world.set_net_faults();
         world.start_edge();
         for n in 0..world.nodes.len() {
@@ -822,7 +853,7 @@ impl World {
             && self.checker.open_requests() == 0
             && self.edge.is_some()
             && !self.journal.is_busy()
-            && self.journal.unfinished_count() == 0
+            && self.only_orphans_open()
             && self.followers_done()
     }
 

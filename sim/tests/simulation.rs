@@ -205,6 +205,46 @@ fn ephemeral_only_runs_a_seed_without_durable_requests() {
     );
 }
 
+/// With store faults (syncs that fail), the only deviation is the known
+/// core issue `journal-orphan` (see `invariants::KNOWN_CORE_ISSUES`): a
+/// finding, a violation with `--strict`. When core fixes it this test
+/// fails on purpose: take the issue off the list and assert none is found.
+#[test]
+fn store_faults_find_only_the_known_orphaned_record_issue() {
+    let report = swarm(&SwarmOptions {
+        store_faults: true,
+        ..SwarmOptions::new(0, 60, SWARM_STEPS)
+    });
+    assert!(
+        report.failures.is_empty(),
+        "{} seeds failed:\n{}",
+        report.failures.len(),
+        failures(&report)
+    );
+    assert!(report.totals.sync_failures > 0, "{:?}", report.totals);
+    let finding = report
+        .with_findings
+        .iter()
+        .find_map(|r| r.findings.first().map(|f| (r, f)));
+    let (r, f) = finding.expect("the known issue shows with store faults");
+    assert_eq!(f.rule, "journal-orphan", "{f}");
+    let strict = run(
+        r.seed,
+        RunOptions {
+            steps: SWARM_STEPS,
+            strict: true,
+            store_faults: true,
+            ..RunOptions::default()
+        },
+    );
+    assert_eq!(strict.violation.map(|v| v.rule), Some("journal-orphan"));
+    assert!(
+        r.strict_repro_command().contains("--store-faults --strict"),
+        "{}",
+        r.strict_repro_command()
+    );
+}
+
 #[test]
 fn traces_recorded_by_the_simulator_replay_exactly() {
     for (machine, instance) in [
