@@ -169,7 +169,7 @@ pub struct JournalProfile {
     pub zombie_late_max: Duration,
     /// Per sync while faults are on: the Edge process dies at this crash
     /// point of the store, before the sync completed or after it, before
-    /// its answers went out (half each).
+    /// its answers went out (half each). Only in worlds whose Edge restarts.
     pub crash_point_ppm: u32,
     /// Per sync while faults are on, with store faults switched on
     /// (`--store-faults`): the sync fails (an I/O error); none of its
@@ -370,7 +370,7 @@ impl SimConfig {
             zombie_ppm: rng.swarm(800_000, 300_000, PPM),
             zombie_late_ppm: rng.range(300_000, u64::from(PPM)) as u32,
             zombie_late_max: Duration::ZERO,
-            crash_point_ppm: rng.swarm(500_000, 1_000, 40_000),
+            crash_point_ppm: rng.swarm(700_000, 1_000, 40_000),
             sync_failure_ppm: 0,
         };
         // Late zombies land around the takeover's raise and terminal: within
@@ -378,6 +378,11 @@ impl SimConfig {
         config.journal.zombie_late_max =
             config.journal.round_trip_max() * rng.range(1, 2) as u32 + Duration::from_millis(1);
         config.journal.sync_failure_ppm = rng.swarm(500_000, 5_000, 60_000);
+        // Crash points are Edge restarts: only worlds that restart their
+        // Edge have them (the others keep their coverage of everything else).
+        if config.faults.edge_restart_ppm == 0 {
+            config.journal.crash_point_ppm = 0;
+        }
         config
     }
 

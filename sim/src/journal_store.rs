@@ -414,6 +414,11 @@ impl SimJournal {
         self.used_bytes
     }
 
+    /// Whether decisions were made since the last [`SimJournal::take_decisions`].
+    pub fn has_decisions(&self) -> bool {
+        !self.decisions.is_empty()
+    }
+
     /// The decisions made since the last call, in order.
     pub fn take_decisions(&mut self) -> Vec<Decision> {
         std::mem::take(&mut self.decisions)

@@ -106,8 +106,8 @@ impl Checker {
     /// After every step: the store's decisions since the last step, in
     /// order, then the state of every record they touched.
     pub fn check_journal(&mut self, store: &mut SimJournal) {
-        let decisions = store.take_decisions();
-        if !decisions.is_empty() {
+        if store.has_decisions() {
+            let decisions = store.take_decisions();
             let mut touched = BTreeSet::new();
             for d in decisions {
                 touched.insert(d.op.record_id().to_owned());
@@ -448,11 +448,13 @@ impl Checker {
     }
 
     fn journal_deadlines(&mut self, store: &SimJournal) {
-        while let Some((deadline, id)) = self.journal.deadlines.first().cloned() {
-            if deadline >= self.now {
+        while let Some((deadline, _)) = self.journal.deadlines.first() {
+            if *deadline >= self.now {
                 return;
             }
-            self.journal.deadlines.pop_first();
+            let Some((deadline, id)) = self.journal.deadlines.pop_first() else {
+                return;
+            };
             if store.record(&id).is_some_and(|r| r.meta.terminal.is_none()) {
                 let detail = format!(
                     "{id} still has no terminal {}us past its takeover deadline",
