@@ -459,6 +459,12 @@ pub fn check_append(
     epoch: u64,
     events: &[JournalEvent],
 ) -> Result<RecordMeta, JournalError> {
+    #[cfg(feature = "planted-bugs")]
+    let epoch = if crate::planted::in_thread(crate::planted::PlantedBug::AppendIgnoresEpoch) {
+        meta.epoch
+    } else {
+        epoch
+    };
     check_writer(meta, epoch)?;
     let mut next = meta.clone();
     for event in events {
@@ -515,6 +521,10 @@ pub fn check_raise_epoch(meta: &RecordMeta, expected: u64) -> Result<RecordMeta,
     }
     let mut next = meta.clone();
     next.epoch = expected + 1;
+    #[cfg(feature = "planted-bugs")]
+    if crate::planted::in_thread(crate::planted::PlantedBug::TakeoverWithoutRaise) {
+        next.epoch = expected;
+    }
     Ok(next)
 }
 

@@ -15,7 +15,17 @@
 //! its machines through recording wrappers that hand out read access only.
 //! It is an atomic bit set, read with relaxed ordering: no lock, no clock,
 //! and each machine still has one owner.
+//!
+//! The bugs of durable responses live where there is no machine to plant
+//! them in: the journal's rules are pure functions every store calls
+//! ([`crate::journal`]), and the [`Publisher`](crate::edge::durable::Publisher)
+//! is built inside its request. They are planted for the current thread
+//! instead ([`plant_in_thread`], [`in_thread`], [`clear_thread`]): the
+//! simulator runs each world on one thread and switches the set on for the
+//! world's lifetime, so parallel worlds with different bugs never see each
+//! other's ([`PlantedBug::in_thread_scope`] says which bugs these are).
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU16, Ordering};
 
 /// A known bug a test can plant in a core machine.
@@ -51,11 +61,27 @@ pub enum PlantedBug {
     /// R-GATE-3: a request's budget timer never fires (`Request`), so a
     /// request stuck in the queue or on a silent node never ends.
     IgnoreGateTimeout,
+    /// R-JRN-1: the publisher hands content to the client before its
+    /// append is acknowledged durable (`Publisher::poll_publish`); a crash
+    /// then loses what a client already saw.
+    PublishBeforeDurable,
+    /// R-JRN-3: an append is checked against the record's own epoch instead
+    /// of the writer's (`journal::check_append`), so a fenced former owner's
+    /// late append is accepted after a takeover raised the epoch.
+    AppendIgnoresEpoch,
+    /// R-JRN-4: once its terminal is durable the publisher writes it again
+    /// (`Publisher::ack`): a second terminal for one record.
+    SecondJournalTerminal,
+    /// R-JRN-3, R-TAKE-1: the takeover's compare-and-set answers success
+    /// without moving the epoch (`journal::check_raise_epoch`), so the
+    /// restart scan ends records under the dead owner's epoch and a zombie
+    /// write of that owner still lands.
+    TakeoverWithoutRaise,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 9] = [
+    pub const ALL: [PlantedBug; 13] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -65,6 +91,10 @@ impl PlantedBug {
         PlantedBug::SkipCancelRelease,
         PlantedBug::DuplicateTerminal,
         PlantedBug::IgnoreGateTimeout,
+        PlantedBug::PublishBeforeDurable,
+        PlantedBug::AppendIgnoresEpoch,
+        PlantedBug::SecondJournalTerminal,
+        PlantedBug::TakeoverWithoutRaise,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -75,6 +105,19 @@ impl PlantedBug {
             PlantedBug::SkipCancelRelease
                 | PlantedBug::DuplicateTerminal
                 | PlantedBug::IgnoreGateTimeout
+        )
+    }
+
+    /// Whether the bug is planted for a thread ([`plant_in_thread`]) rather
+    /// than in one machine: it lives in the journal's rules or the publisher
+    /// of durable responses, which neither fuzz harness drives.
+    pub fn in_thread_scope(self) -> bool {
+        matches!(
+            self,
+            PlantedBug::PublishBeforeDurable
+                | PlantedBug::AppendIgnoresEpoch
+                | PlantedBug::SecondJournalTerminal
+                | PlantedBug::TakeoverWithoutRaise
         )
     }
 
@@ -90,6 +133,10 @@ impl PlantedBug {
             PlantedBug::SkipCancelRelease => "skip-cancel-release",
             PlantedBug::DuplicateTerminal => "duplicate-terminal",
             PlantedBug::IgnoreGateTimeout => "ignore-gate-timeout",
+            PlantedBug::PublishBeforeDurable => "publish-before-durable",
+            PlantedBug::AppendIgnoresEpoch => "append-ignores-epoch",
+            PlantedBug::SecondJournalTerminal => "second-journal-terminal",
+            PlantedBug::TakeoverWithoutRaise => "takeover-without-raise",
         }
     }
 
@@ -123,6 +170,27 @@ impl Planted {
     pub fn any(&self) -> bool {
         self.0.load(Ordering::Relaxed) != 0
     }
+}
+
+thread_local! {
+    /// The bugs planted for this thread (see the module docs).
+    static THREAD: Cell<u16> = const { Cell::new(0) };
+}
+
+/// Switch `bug` on for the current thread: the journal's rules and every
+/// publisher running on it see it until [`clear_thread`].
+pub fn plant_in_thread(bug: PlantedBug) {
+    THREAD.with(|t| t.set(t.get() | bug.bit()));
+}
+
+/// Is `bug` switched on for the current thread?
+pub fn in_thread(bug: PlantedBug) -> bool {
+    THREAD.with(|t| t.get() & bug.bit() != 0)
+}
+
+/// Switch every bug of the current thread off.
+pub fn clear_thread() {
+    THREAD.with(|t| t.set(0));
 }
 
 #[cfg(test)]
@@ -205,6 +273,123 @@ mod tests {
         for bug in PlantedBug::ALL {
             assert_eq!(planted.has(bug), bug == PlantedBug::SecondTerminal);
         }
+    }
+
+    /// Runs `f` with `bug` planted for this thread, then clears the set
+    /// (each test runs on its own thread).
+    fn with_thread_bug<T>(bug: PlantedBug, f: impl FnOnce() -> T) -> T {
+        plant_in_thread(bug);
+        let out = f();
+        clear_thread();
+        out
+    }
+
+    fn record() -> crate::journal::RecordMeta {
+        use crate::journal::{CreateOutcome, JournalApi, JournalLimits, NewRecord, check_create};
+        let new = NewRecord {
+            id: "r".into(),
+            principal: "p".into(),
+            api: JournalApi::Responses,
+            model: "m".into(),
+            fingerprint: [0; 32],
+            idempotency_key: None,
+            background: false,
+            request: vec![],
+            created_unix_ms: 0,
+        };
+        match check_create(0, &JournalLimits::default(), 0, None, None, &new) {
+            Ok(CreateOutcome::Create(meta)) => meta,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn thread_scoped_bugs_are_per_thread_and_cleared() {
+        plant_in_thread(PlantedBug::AppendIgnoresEpoch);
+        assert!(in_thread(PlantedBug::AppendIgnoresEpoch));
+        assert!(!in_thread(PlantedBug::TakeoverWithoutRaise));
+        let elsewhere = std::thread::spawn(|| in_thread(PlantedBug::AppendIgnoresEpoch))
+            .join()
+            .expect("joined");
+        assert!(!elsewhere, "another thread sees nothing");
+        clear_thread();
+        assert!(!in_thread(PlantedBug::AppendIgnoresEpoch));
+        for bug in PlantedBug::ALL {
+            assert_eq!(
+                bug.in_thread_scope(),
+                matches!(
+                    bug,
+                    PlantedBug::PublishBeforeDurable
+                        | PlantedBug::AppendIgnoresEpoch
+                        | PlantedBug::SecondJournalTerminal
+                        | PlantedBug::TakeoverWithoutRaise
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn append_ignores_epoch_accepts_a_fenced_writer() {
+        use crate::journal::{JournalEvent, JournalLimits, check_append, check_raise_epoch};
+        let raised = check_raise_epoch(&record(), 1).expect("raised");
+        let event = [JournalEvent {
+            seq: 1,
+            payload: vec![],
+        }];
+        let limits = JournalLimits::default();
+        assert!(check_append(&limits, &raised, 1, &event).is_err());
+        let planted = with_thread_bug(PlantedBug::AppendIgnoresEpoch, || {
+            check_append(&limits, &raised, 1, &event)
+        });
+        assert!(planted.is_ok(), "the fenced epoch-1 writer is accepted");
+    }
+
+    #[test]
+    fn takeover_without_raise_leaves_the_epoch_where_it_was() {
+        use crate::journal::check_raise_epoch;
+        let raised = with_thread_bug(PlantedBug::TakeoverWithoutRaise, || {
+            check_raise_epoch(&record(), 1)
+        });
+        assert_eq!(raised.map(|m| m.epoch), Ok(1));
+    }
+
+    #[test]
+    fn publish_before_durable_publishes_content_before_its_ack() {
+        use crate::edge::durable::{JournalSpec, Publisher};
+        use crate::edge::request::Delivery;
+        let spec = JournalSpec {
+            response_id: "r".into(),
+            epoch: 1,
+        };
+        let text = Delivery::Event(iop_wire::RunEventKind::TextDelta("a".into()));
+        let published = with_thread_bug(PlantedBug::PublishBeforeDurable, || {
+            let mut p = Publisher::new(spec, 0);
+            p.push(text.clone());
+            let _write = p.poll_write();
+            p.poll_publish()
+        });
+        assert_eq!(published, Some(text), "published with its append in flight");
+    }
+
+    #[test]
+    fn second_journal_terminal_writes_the_terminal_again() {
+        use crate::edge::durable::{JournalAck, JournalSpec, JournalWrite, Publisher};
+        use crate::edge::request::Delivery;
+        let spec = JournalSpec {
+            response_id: "r".into(),
+            epoch: 1,
+        };
+        let again = with_thread_bug(PlantedBug::SecondJournalTerminal, || {
+            let mut p = Publisher::new(spec, 0);
+            p.push(Delivery::Finish);
+            assert!(matches!(p.poll_write(), Some(JournalWrite::Finish { .. })));
+            p.ack(JournalAck::Finished);
+            p.poll_write()
+        });
+        assert!(
+            matches!(again, Some(JournalWrite::Finish { .. })),
+            "{again:?}"
+        );
     }
 
     #[test]

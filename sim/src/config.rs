@@ -138,6 +138,54 @@ pub struct ProviderProfile {
     pub probe_error_ppm: u32,
 }
 
+/// Durable responses (SPEC §6): how many requests are durable, how the
+/// simulated journal store behaves, what their clients do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalProfile {
+    /// Of client requests, the share that is durable (0: the world has no
+    /// journal traffic and runs exactly as before durable responses).
+    pub durable_ppm: u32,
+    /// Shortest sync of the store.
+    pub sync_min: Duration,
+    /// Longest sync of the store.
+    pub sync_max: Duration,
+    /// Longest time an answer of the store takes back to its writer.
+    pub ack_max: Duration,
+    /// Of durable clients that went away (left, or lost their Edge), the
+    /// share that resumes (`starting_after` the last event it saw).
+    pub resume_ppm: u32,
+    /// Longest time before a client resumes.
+    pub resume_delay_max: Duration,
+    /// At an Edge crash, the share of running syncs that completed just
+    /// before it (durable but unacknowledged).
+    pub sync_survives_ppm: u32,
+    /// Of the writes a crash lost, the share that still reaches the store
+    /// late as a zombie (a dead owner's write, with its old epoch).
+    pub zombie_ppm: u32,
+    /// Of zombies, the share that arrives after the next Edge start (the
+    /// rest while the Edge is down).
+    pub zombie_late_ppm: u32,
+    /// Longest time after the next Edge start a late zombie arrives.
+    pub zombie_late_max: Duration,
+    /// Per sync while faults are on: the Edge process dies at this crash
+    /// point of the store, before the sync completed or after it, before
+    /// its answers went out (half each). Only in worlds whose Edge restarts.
+    pub crash_point_ppm: u32,
+    /// Per sync while faults are on, with store faults switched on
+    /// (`--store-faults`): the sync fails (an I/O error); none of its
+    /// writes is applied and each is answered `Store(..)`.
+    pub sync_failure_ppm: u32,
+}
+
+impl JournalProfile {
+    /// The longest round trip of one write: a sync already running, its
+    /// own sync, the answer's way back (the queue holds less than one
+    /// batch in these worlds).
+    pub fn round_trip_max(&self) -> Duration {
+        self.sync_max * 2 + self.ack_max
+    }
+}
+
 /// Everything about one simulated world.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SimConfig {
@@ -192,6 +240,8 @@ pub struct SimConfig {
     pub faults: FaultProfile,
     /// Provider behaviours.
     pub provider: ProviderProfile,
+    /// Durable responses.
+    pub journal: JournalProfile,
 }
 
 impl SimConfig {
@@ -266,6 +316,21 @@ impl SimConfig {
             fault_tick: Duration::from_millis(200),
             faults,
             provider,
+            // Drawn last (below), so the draws above stay what they were.
+            journal: JournalProfile {
+                durable_ppm: 0,
+                sync_min: Duration::ZERO,
+                sync_max: Duration::ZERO,
+                ack_max: Duration::ZERO,
+                resume_ppm: 0,
+                resume_delay_max: Duration::ZERO,
+                sync_survives_ppm: 0,
+                zombie_ppm: 0,
+                zombie_late_ppm: 0,
+                zombie_late_max: Duration::ZERO,
+                crash_point_ppm: 0,
+                sync_failure_ppm: 0,
+            },
         };
         // The tracker's refresh is the capabilities cadence; its backoff cap
         // stays within the eligibility bound. As the Edge's config requires,
@@ -290,6 +355,33 @@ impl SimConfig {
             for c in &mut config.capacity {
                 *c += rng.range(2, 6) as u32;
             }
+        }
+        // Durable responses, drawn after everything else: a seed without
+        // them keeps its world (and its run) exactly.
+        let sync_min = Duration::from_micros(rng.range(100, 3_000));
+        config.journal = JournalProfile {
+            durable_ppm: rng.swarm(600_000, 100_000, PPM),
+            sync_min,
+            sync_max: sync_min + rng.millis(0, 30),
+            ack_max: rng.millis(0, 3),
+            resume_ppm: rng.range(0, u64::from(PPM)) as u32,
+            resume_delay_max: rng.millis(10, 2_000),
+            sync_survives_ppm: rng.range(0, u64::from(PPM)) as u32,
+            zombie_ppm: rng.swarm(800_000, 300_000, PPM),
+            zombie_late_ppm: rng.range(300_000, u64::from(PPM)) as u32,
+            zombie_late_max: Duration::ZERO,
+            crash_point_ppm: rng.swarm(700_000, 1_000, 40_000),
+            sync_failure_ppm: 0,
+        };
+        // Late zombies land around the takeover's raise and terminal: within
+        // one or two of the store's longest round trips of the start.
+        config.journal.zombie_late_max =
+            config.journal.round_trip_max() * rng.range(1, 2) as u32 + Duration::from_millis(1);
+        config.journal.sync_failure_ppm = rng.swarm(500_000, 5_000, 60_000);
+        // Crash points are Edge restarts: only worlds that restart their
+        // Edge have them (the others keep their coverage of everything else).
+        if config.faults.edge_restart_ppm == 0 {
+            config.journal.crash_point_ppm = 0;
         }
         config
     }
@@ -356,6 +448,35 @@ impl SimConfig {
             // capped backoff (R-HT-3) and one probe round trip.
             + self.health.backoff_cap
             + self.health.probe_timeout
+    }
+
+    /// Liveness bound B_durable: how much later than an ephemeral request
+    /// a durable one may end. At its deadline it may still have one write
+    /// in flight, one append of what is not yet written (a few events, one
+    /// append) and its terminal to write (R-JRN-1: its terminal reaches the
+    /// client only once durable):
+    ///
+    /// ```text
+    /// B_durable = 3 * (2 * sync_max + ack_max)
+    /// ```
+    pub fn durable_flush_bound(&self) -> Duration {
+        self.journal.round_trip_max() * 3
+    }
+
+    /// Liveness bound B_takeover: every record without a terminal at an
+    /// Edge start ends within B_takeover of it, unless the Edge dies
+    /// again first (R-TAKE-1):
+    ///
+    /// ```text
+    /// B_takeover = zombie_late_max + 4 * (2 * sync_max + ack_max)
+    /// ```
+    ///
+    /// The last zombie of an older incarnation lands by `zombie_late_max`;
+    /// a raise in flight then may be refused by it (one round trip), the
+    /// raise from the epoch read again wins (one) and the terminal is
+    /// written (one); one more covers the first raise.
+    pub fn takeover_bound(&self) -> Duration {
+        self.journal.zombie_late_max + self.journal.round_trip_max() * 4
     }
 
     /// Liveness bound B_request: every client request ends (one terminal, a

@@ -18,15 +18,18 @@ use iop_core::node::watchdog::Watchdog;
 type DispatcherHook = Arc<dyn Fn(&Dispatcher) + Send + Sync>;
 type WatchdogHook = Arc<dyn Fn(&Watchdog) + Send + Sync>;
 type RequestHook = Arc<dyn Fn(&Request) + Send + Sync>;
+type ThreadHook = Arc<dyn Fn(bool) + Send + Sync>;
 
 /// Planted core bugs: their names and the calls that switch them on in each
-/// new dispatcher and watchdog. Empty by default.
+/// new dispatcher, watchdog and request machine, or for the world's thread.
+/// Empty by default.
 #[derive(Clone, Default)]
 pub struct CoreBugs {
     names: Vec<&'static str>,
     dispatcher: Vec<DispatcherHook>,
     watchdog: Vec<WatchdogHook>,
     request: Vec<RequestHook>,
+    thread: Vec<ThreadHook>,
 }
 
 impl CoreBugs {
@@ -53,9 +56,34 @@ impl CoreBugs {
         self
     }
 
+    /// Add a bug by name that is planted for the world's thread rather than
+    /// in a machine (`iop_core::planted::plant_in_thread`: the journal's
+    /// rules and the publisher of durable responses). `switch(true)` plants
+    /// it when the world is built, `switch(false)` clears the thread's set
+    /// when the world is dropped.
+    pub fn with_thread_scope(
+        mut self,
+        name: &'static str,
+        switch: impl Fn(bool) + Send + Sync + 'static,
+    ) -> Self {
+        self.names.push(name);
+        self.thread.push(Arc::new(switch));
+        self
+    }
+
     /// Plant `bug` (only with the feature, which the caller must have).
     #[cfg(feature = "planted-bugs")]
     pub fn plant(self, bug: iop_core::planted::PlantedBug) -> Self {
+        use iop_core::planted;
+        if bug.in_thread_scope() {
+            return self.with_thread_scope(bug.as_str(), move |on| {
+                if on {
+                    planted::plant_in_thread(bug);
+                } else {
+                    planted::clear_thread();
+                }
+            });
+        }
         self.with(
             bug.as_str(),
             move |d| d.plant(bug),
@@ -93,6 +121,20 @@ impl CoreBugs {
     pub(crate) fn plant_request(&self, request: &Request) {
         for hook in &self.request {
             hook(request);
+        }
+    }
+
+    /// Switch the thread-scoped bugs on for the world being built.
+    pub(crate) fn plant_thread(&self) {
+        for hook in &self.thread {
+            hook(true);
+        }
+    }
+
+    /// Switch the thread-scoped bugs off again (the world is dropped).
+    pub(crate) fn clear_thread(&self) {
+        for hook in &self.thread {
+            hook(false);
         }
     }
 

@@ -17,7 +17,10 @@
 //! | R-OVL-2, R-CAP-1 | the overlay is lowered only by fresh `unavailable` evidence and raised only by a strictly newer `available`; it always equals the checker's model |
 //! | R-SEL-1 | an avoided provider is leased (immediately or from the queue) only with the fallback flag and no eligible alternate; after every step no queued request could be served (an eligible alternate with room, or the flagged avoided provider with room when no alternate is eligible) |
 //! | provider | each attempt calls its provider at most once |
-//! | liveness | every request ends within its budget; after faults stop, nodes are ready within B_node and providers selectable within B_eligible (see [`crate::config::SimConfig`]) |
+//! | liveness | every request ends within its budget (a durable one within B_durable more); after faults stop, nodes are ready within B_node and providers selectable within B_eligible (see [`crate::config::SimConfig`]) |
+//!
+//! Durable responses (R-JRN-1..4, R-TAKE-1) have their own model of the
+//! journal, in [`journal`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -33,6 +36,8 @@ use iop_wire::{ExecutionFailure, FailureCode, ProviderHealth};
 use serde::Serialize;
 
 use crate::net::ConnId;
+
+pub mod journal;
 
 /// A broken invariant: which rule, what happened, and when.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -92,15 +97,29 @@ struct LeaseModel {
 }
 
 /// Known issues of `iop-core` the simulator found and that are not fixed
-/// yet. They are reported as findings (with their reproduction) and become
-/// violations with `--strict`. The two found so far are fixed: R-SEL-1 on
+/// yet, by the rule name they are reported under. They are reported as
+/// findings (with their reproduction) and become violations with
+/// `--strict`.
+///
+/// * `journal-orphan` (only with `--store-faults`): a durable request whose
+///   append or terminal the store refused with an I/O error ends and leaves
+///   its record without a terminal. `Request` writes a `failed` terminal
+///   after a refusal only if it had not taken its terminal yet, and never
+///   writes again after a refused terminal; nothing takes the record over
+///   until the next Edge start (R-TAKE-1 covers restarts only), so it stays
+///   `in_progress` and its idempotency key keeps attaching repeats to it.
+///
+/// Fixed so far: R-SEL-1 on
 /// readiness (a node's providers came online one at a time, so an avoided
 /// provider could win before its alternate was online; `Admission::set_states`)
 /// and R-SEL-1 on queued re-resolution (the queue was served between two
 /// state changes of one input, e.g. a CAPABILITIES answer raising the
 /// avoided provider before the same probe recovered its alternate; the
 /// queue is now served once per input, at `Admission::poll_event`).
-pub const KNOWN_CORE_ISSUES: &[&str] = &[];
+pub const KNOWN_CORE_ISSUES: &[&str] = &[journal::JOURNAL_ORPHAN];
+
+/// The most findings one run keeps.
+const MAX_FINDINGS: usize = 16;
 
 /// How many released lease ids and ended requests the checker remembers to
 /// recognise a second release or a late delivery (bounded model).
@@ -147,6 +166,8 @@ pub struct Checker {
     provider_calls: BTreeSet<(ConnId, RunId)>,
     node_runs: BTreeMap<(ConnId, RunId), NodeRunModel>,
     conn_seq: BTreeMap<ConnId, u64>,
+    // Durable responses, across incarnations.
+    journal: journal::JournalModel,
 }
 
 impl Checker {
@@ -171,18 +192,27 @@ impl Checker {
             provider_calls: BTreeSet::new(),
             node_runs: BTreeMap::new(),
             conn_seq: BTreeMap::new(),
+            journal: journal::JournalModel::default(),
         }
     }
 
-    /// Record a violation (the first one wins).
+    /// Record a violation (the first one wins); a known core issue
+    /// ([`KNOWN_CORE_ISSUES`]) is a finding unless strict.
     pub fn fail(&mut self, rule: &'static str, detail: impl Into<String>) {
+        let v = Violation {
+            rule,
+            detail: detail.into(),
+            step: self.step,
+            at_us: self.now.as_micros(),
+        };
+        if !self.strict && KNOWN_CORE_ISSUES.contains(&rule) {
+            if self.findings.len() < MAX_FINDINGS {
+                self.findings.push(v);
+            }
+            return;
+        }
         if self.violation.is_none() {
-            self.violation = Some(Violation {
-                rule,
-                detail: detail.into(),
-                step: self.step,
-                at_us: self.now.as_micros(),
-            });
+            self.violation = Some(v);
         }
     }
 

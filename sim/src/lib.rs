@@ -13,6 +13,9 @@
 //!   that kills connections, heartbeat loss, partitions).
 //! * [`provider`]: simulated provider calls and probes.
 //! * [`world`]: the world, the Edge and Node drivers in miniature, faults.
+//! * [`journal_store`]: the simulated journal store of durable responses
+//!   (group commit, crash points), deciding every write by the core's
+//!   journal rules.
 //! * [`invariants`]: what must hold after every step.
 //! * [`core_bugs`]: bugs planted in the core machines (to prove the
 //!   invariants bite).
@@ -29,6 +32,7 @@ pub mod config;
 pub mod core_bugs;
 pub mod fuzzing;
 pub mod invariants;
+pub mod journal_store;
 pub mod net;
 pub mod provider;
 mod record;
@@ -73,6 +77,10 @@ pub struct SwarmOptions {
     pub strict: bool,
     /// Worker threads; the report is the same for any number.
     pub threads: usize,
+    /// No durable requests, whatever the seeds say.
+    pub ephemeral_only: bool,
+    /// Let the journal store fail syncs.
+    pub store_faults: bool,
 }
 
 impl SwarmOptions {
@@ -87,6 +95,8 @@ impl SwarmOptions {
             core_bugs: CoreBugs::none(),
             strict: false,
             threads: 1,
+            ephemeral_only: false,
+            store_faults: false,
         }
     }
 
@@ -96,6 +106,8 @@ impl SwarmOptions {
             bugs: self.bugs.clone(),
             core_bugs: self.core_bugs.clone(),
             strict: self.strict,
+            ephemeral_only: self.ephemeral_only,
+            store_faults: self.store_faults,
             ..RunOptions::default()
         }
     }

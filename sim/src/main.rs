@@ -51,6 +51,13 @@ enum Cmd {
         /// Treat known core issues as violations.
         #[arg(long)]
         strict: bool,
+        /// No durable requests, whatever the seed says (the world as it was
+        /// before durable responses).
+        #[arg(long)]
+        ephemeral_only: bool,
+        /// Let the journal store fail syncs (I/O errors) while faults are on.
+        #[arg(long)]
+        store_faults: bool,
     },
     /// Run many seeds; report the failing ones.
     Swarm {
@@ -72,6 +79,12 @@ enum Cmd {
         /// Treat known core issues as violations.
         #[arg(long)]
         strict: bool,
+        /// No durable requests, whatever the seeds say.
+        #[arg(long)]
+        ephemeral_only: bool,
+        /// Let the journal store fail syncs (I/O errors) while faults are on.
+        #[arg(long)]
+        store_faults: bool,
         /// Worker threads (default: every core); the report is the same.
         #[arg(long)]
         threads: Option<usize>,
@@ -164,6 +177,8 @@ fn real_main() -> Result<ExitCode, String> {
             bug,
             core_bug,
             strict,
+            ephemeral_only,
+            store_faults,
         } => {
             let bugs = bugs(&bug)?;
             let core_bugs = core_bugs(&core_bug)?;
@@ -191,6 +206,8 @@ fn real_main() -> Result<ExitCode, String> {
                     bugs,
                     core_bugs,
                     strict,
+                    ephemeral_only,
+                    store_faults,
                 },
             );
             let secs = started.elapsed().as_secs_f64();
@@ -214,6 +231,26 @@ fn real_main() -> Result<ExitCode, String> {
                 s.partitions,
                 s.conns_killed,
             );
+            if s.durable_requests > 0 || s.journal_writes > 0 {
+                println!(
+                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried), {} lost and {} unacknowledged at crashes, {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read)",
+                    s.durable_requests,
+                    s.journal_writes,
+                    s.journal_syncs,
+                    s.journal_batched,
+                    s.takeovers,
+                    s.takeover_retries,
+                    s.journal_lost,
+                    s.journal_unacked,
+                    s.zombies,
+                    s.zombies_accepted,
+                    s.zombies_fenced,
+                    s.durable_left,
+                    s.durable_cancels,
+                    s.resumes,
+                    s.resumed_events,
+                );
+            }
             if let Some((hash, lines)) = &report.trace_hash {
                 println!("trace hash {hash} over {lines} lines");
             }
@@ -246,6 +283,8 @@ fn real_main() -> Result<ExitCode, String> {
             bug,
             core_bug,
             strict,
+            ephemeral_only,
+            store_faults,
             threads,
             chunk,
         } => {
@@ -258,6 +297,8 @@ fn real_main() -> Result<ExitCode, String> {
                 core_bugs: core_bugs(&core_bug)?,
                 strict,
                 threads,
+                ephemeral_only,
+                store_faults,
                 ..SwarmOptions::new(start, seeds, steps)
             };
             let started = WallInstant::now();

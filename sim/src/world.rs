@@ -24,6 +24,13 @@
 //!   what a connection the Edge ended still had on its way reaches the
 //!   dispatcher for [`LINK_DRAIN`], attributed to the fenced generation, and
 //!   a request's pre-send reaches the dispatcher after its lease's fence.
+//! * **Durable responses** (`world/durable.rs`): a seeded share of requests
+//!   writes its record in the simulated journal store
+//!   ([`crate::journal_store`], the Edge's disk); the world carries the
+//!   request machine's journal writes and the store's answers, takes over
+//!   at every Edge start what the dead incarnation left open (R-TAKE-1),
+//!   crashes the Edge at the store's crash points, replays lost writes as
+//!   zombies, and lets clients leave, resume and cancel.
 //! * **Node**: per process a [`Backoff`] supervisor; per connection a
 //!   [`TracedHeartbeat`] and a [`TracedWatchdog`] with its observation
 //!   sequence; per run one provider call ([`CallPlan`]).
@@ -74,6 +81,7 @@ use serde::Serialize;
 use crate::config::{PPM, Rng, SimConfig};
 use crate::core_bugs::CoreBugs;
 use crate::invariants::{Checker, ClientSaw, Violation, WatchdogTiming};
+use crate::journal_store::{OpKind, OpResult, PendingWrite, SimJournal, Writer};
 use crate::net::{
     ConnId, Dir, Envelope, NetFaults, Network, PartitionKind, Payload, SendOutcome, StreamKey,
 };
@@ -83,6 +91,8 @@ use crate::trace::{
     DispatchConfigRec, HeartbeatConfigRec, HeartbeatInput, MachineKind, TracedDispatcher,
     TracedHeartbeat, TracedWatchdog, WatchdogConfigRec,
 };
+
+mod durable;
 
 /// The most steps the drain phase may take before the run is declared
 /// stuck.
@@ -144,6 +154,11 @@ pub struct RunOptions {
     pub core_bugs: CoreBugs,
     /// Treat known core issues as violations.
     pub strict: bool,
+    /// No durable requests, whatever the seed says: the world as it was
+    /// before durable responses (for seeds found then).
+    pub ephemeral_only: bool,
+    /// Let the journal store fail syncs (I/O errors) while faults are on.
+    pub store_faults: bool,
 }
 
 /// Counters of one run.
@@ -204,6 +219,44 @@ pub struct Stats {
     /// Late terminals and CAPABILITIES answers of a fenced generation that
     /// reached the dispatcher (R-GEN-3: ignored and counted).
     pub late_fenced_messages: u64,
+    /// Durable client requests accepted (their record created).
+    pub durable_requests: u64,
+    /// Journal writes applied by a sync (accepted or refused).
+    pub journal_writes: u64,
+    /// Syncs of the journal store.
+    pub journal_syncs: u64,
+    /// Writes that shared their sync with another write (group commit).
+    pub journal_batched: u64,
+    /// Edge crashes at a crash point of the journal store (during a sync).
+    pub crash_points: u64,
+    /// Syncs that failed (store faults).
+    pub sync_failures: u64,
+    /// Writes lost by an Edge crash (never durable).
+    pub journal_lost: u64,
+    /// Writes made durable by a sync that completed just before an Edge
+    /// crash, never acknowledged.
+    pub journal_unacked: u64,
+    /// Zombie writes (a dead owner's, late) that reached the store.
+    pub zombies: u64,
+    /// Zombies the store accepted (their epoch was still current).
+    pub zombies_accepted: u64,
+    /// Zombies the store refused as fenced (R-JRN-3).
+    pub zombies_fenced: u64,
+    /// Of those, the ones whose record was still open: only the epoch
+    /// stood between them and the record (a takeover had raised it).
+    pub zombies_fenced_open: u64,
+    /// Records ended `incomplete` by a takeover (R-TAKE-1).
+    pub takeovers: u64,
+    /// Takeover raises tried again after losing the epoch to a zombie.
+    pub takeover_retries: u64,
+    /// Durable clients that left while their request went on.
+    pub durable_left: u64,
+    /// Durable responses cancelled by their client.
+    pub durable_cancels: u64,
+    /// Client resumes (`starting_after`).
+    pub resumes: u64,
+    /// Events resumed clients read from the store.
+    pub resumed_events: u64,
     /// Failed requests by failure kind (`GateFailure::as_str`).
     pub failures: BTreeMap<String, u64>,
 }
@@ -238,6 +291,24 @@ impl Stats {
         self.pre_send_refenced += o.pre_send_refenced;
         self.fenced_before_send += o.fenced_before_send;
         self.late_fenced_messages += o.late_fenced_messages;
+        self.durable_requests += o.durable_requests;
+        self.journal_writes += o.journal_writes;
+        self.journal_syncs += o.journal_syncs;
+        self.journal_batched += o.journal_batched;
+        self.crash_points += o.crash_points;
+        self.sync_failures += o.sync_failures;
+        self.journal_lost += o.journal_lost;
+        self.journal_unacked += o.journal_unacked;
+        self.zombies += o.zombies;
+        self.zombies_accepted += o.zombies_accepted;
+        self.zombies_fenced += o.zombies_fenced;
+        self.zombies_fenced_open += o.zombies_fenced_open;
+        self.takeovers += o.takeovers;
+        self.takeover_retries += o.takeover_retries;
+        self.durable_left += o.durable_left;
+        self.durable_cancels += o.durable_cancels;
+        self.resumes += o.resumes;
+        self.resumed_events += o.resumed_events;
         for (k, v) in &o.failures {
             *self.failures.entry(k.clone()).or_default() += v;
         }
@@ -257,6 +328,10 @@ pub struct RunReport {
     pub core_bugs: Vec<&'static str>,
     /// Whether known core issues counted as violations.
     pub strict: bool,
+    /// Whether durable requests were switched off.
+    pub ephemeral_only: bool,
+    /// Whether the journal store failed syncs.
+    pub store_faults: bool,
     /// The first violation, if any.
     pub violation: Option<Violation>,
     /// Known core issues seen (see `invariants::KNOWN_CORE_ISSUES`).
@@ -292,8 +367,18 @@ impl RunReport {
             .iter()
             .map(|n| format!(" --core-bug {n}"))
             .collect();
+        let ephemeral = if self.ephemeral_only {
+            " --ephemeral-only"
+        } else {
+            ""
+        };
+        let store = if self.store_faults {
+            " --store-faults"
+        } else {
+            ""
+        };
         format!(
-            "iop-sim run {} --steps {}{bugs}{core}",
+            "iop-sim run {} --steps {}{ephemeral}{store}{bugs}{core}",
             self.seed, self.steps
         )
     }
@@ -305,23 +390,37 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
     let bugs = options.bugs.clone();
     let core_bugs = options.core_bugs.names().to_vec();
     let strict = options.strict;
-    let mut world = World::new(SimConfig::from_seed(seed), options);
+    let ephemeral_only = options.ephemeral_only;
+    let store_faults = options.store_faults;
+    let mut cfg = SimConfig::from_seed(seed);
+    if ephemeral_only {
+        cfg.journal.durable_ppm = 0;
+    }
+    if !store_faults {
+        cfg.journal.sync_failure_ppm = 0;
+    }
+    let mut world = World::new(cfg, options);
     let violation = world.run_to_end(steps).err();
     world.stats.steps = world.step;
     world.stats.virtual_us = world.now.as_micros();
     world.stats.conns_killed = world.net.killed;
     world.stats.messages_lost = world.net.lost;
     world.stats.retransmits = world.net.retransmitted;
+    let journal = world.journal.stats();
+    world.stats.journal_syncs = journal.syncs;
+    world.stats.journal_batched = journal.batched_ops;
     RunReport {
         seed,
         steps,
         bugs,
         core_bugs,
         strict,
+        ephemeral_only,
+        store_faults,
         violation,
         findings: world.checker.findings().to_vec(),
         trace_hash: world.recorder.digest(),
-        stats: world.stats,
+        stats: std::mem::take(&mut world.stats),
     }
 }
 
@@ -404,6 +503,33 @@ enum Event {
     FaultTick,
     CheckNodes,
     CheckEligible,
+    /// The journal store's running sync of this writer generation ends.
+    JournalSync {
+        generation: u64,
+    },
+    /// The store's answer reaches its writer.
+    JournalAnswer {
+        writer: Writer,
+        record: String,
+        kind: OpKind,
+        result: Box<OpResult>,
+    },
+    /// A dead owner's write reaches the store late.
+    Zombie(Box<PendingWrite>),
+    /// A durable client cancels its response.
+    ClientCancel {
+        incarnation: u64,
+        request_id: RequestId,
+    },
+    /// A durable client resumes.
+    ClientResume {
+        record: String,
+    },
+    /// A resumed client leaves again.
+    FollowerLeave {
+        record: String,
+        incarnation: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -415,6 +541,11 @@ struct EdgeRequest {
     /// The request's last admission command (its R-SEL-1 hints), for the
     /// selection check.
     admitted_with: Option<DispatchRequest>,
+    /// The record of a durable request.
+    durable: Option<String>,
+    /// Its client is still on the request's stream (a durable request goes
+    /// on without it).
+    client_attached: bool,
 }
 
 #[derive(Debug)]
@@ -455,6 +586,10 @@ struct EdgeProc {
     /// Leases released by their generation's fence (a pre-send that
     /// arrives after the fence is checked against them).
     fenced_leases: BTreeMap<LeaseId, Lease>,
+    /// Durable requests whose record is being created.
+    pending_creates: BTreeMap<RequestId, durable::PendingCreate>,
+    /// Records being taken over.
+    takeovers: BTreeMap<String, durable::Takeover>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -531,6 +666,21 @@ pub struct World {
     steps_at_instant: u64,
     /// Per provider: frozen until this moment (a correlated stall).
     frozen_until: Vec<Instant>,
+    /// The journal store of durable responses (the Edge's disk: it
+    /// survives Edge restarts).
+    journal: SimJournal,
+    /// The clients of durable responses, by record.
+    durable_clients: BTreeMap<String, durable::DurableClient>,
+    /// Records their request left open (a known core issue, reported as a
+    /// finding): the drain does not wait for them.
+    orphans: BTreeSet<String>,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        // Bugs planted for the thread live as long as the world.
+        self.core_bugs.clear_thread();
+    }
 }
 
 fn provider_id(i: usize) -> ProviderId {
@@ -578,6 +728,7 @@ impl World {
             probe_bound: cfg.probe_bound,
         });
         checker.set_strict(options.strict);
+        options.core_bugs.plant_thread();
         let mut world = Self {
             rng: Rng::new(cfg.seed),
             now: Instant::ZERO,
@@ -604,8 +755,14 @@ impl World {
             checks_pending: 2,
             steps_at_instant: 0,
             frozen_until: vec![Instant::ZERO; cfg.providers()],
+            journal: SimJournal::new(iop_core::journal::JournalLimits::default()),
+            durable_clients: BTreeMap::new(),
+            orphans: BTreeSet::new(),
             cfg,
         };
+        world
+            .checker
+            .set_journal_retry_allowance(world.cfg.journal.round_trip_max());
         world.set_net_faults();
         world.start_edge();
         for n in 0..world.nodes.len() {
@@ -692,7 +849,12 @@ impl World {
     }
 
     fn settled(&self) -> bool {
-        self.checks_pending == 0 && self.checker.open_requests() == 0 && self.edge.is_some()
+        self.checks_pending == 0
+            && self.checker.open_requests() == 0
+            && self.edge.is_some()
+            && !self.journal.is_busy()
+            && self.only_orphans_open()
+            && self.followers_done()
     }
 
     fn stop_faults(&mut self) {
@@ -783,6 +945,7 @@ impl World {
                 .check_edge(edge.dispatcher.inner(), &self.provider_nodes);
         }
         self.checker.check_deadlines();
+        self.checker.check_journal(&mut self.journal);
     }
 
     fn fire_timers(&mut self) {
@@ -922,6 +1085,23 @@ impl World {
             Event::FaultTick => self.fault_tick(),
             Event::CheckNodes => self.check_nodes(),
             Event::CheckEligible => self.check_eligible(),
+            Event::JournalSync { generation } => self.journal_sync_done(generation),
+            Event::JournalAnswer {
+                writer,
+                record,
+                kind,
+                result,
+            } => self.journal_answer(writer, record, kind, *result),
+            Event::Zombie(write) => self.journal_zombie(*write),
+            Event::ClientCancel {
+                incarnation,
+                request_id,
+            } => self.client_cancel(incarnation, request_id),
+            Event::ClientResume { record } => self.client_resume(record),
+            Event::FollowerLeave {
+                record,
+                incarnation,
+            } => self.follower_leave(record, incarnation),
         }
     }
 
@@ -1024,13 +1204,20 @@ impl World {
             probes: BTreeMap::new(),
             fenced_links: BTreeMap::new(),
             fenced_leases: BTreeMap::new(),
+            pending_creates: BTreeMap::new(),
+            takeovers: BTreeMap::new(),
         });
         self.checker.edge_started();
         let at = self.now + self.cfg.capabilities_interval;
         self.schedule(at, Event::CapsTick { incarnation });
+        // R-TAKE-1: what the dead incarnation left open is ended first.
+        self.takeover_scan();
     }
 
-    fn crash_edge(&mut self) {
+    /// The Edge process dies. `sync_completed` fixes whether the store's
+    /// running sync completed first (a crash point of the store); `None`
+    /// lets the seed say.
+    fn crash_edge(&mut self, sync_completed: Option<bool>) {
         let Some(edge) = self.edge.take() else {
             return;
         };
@@ -1058,6 +1245,7 @@ impl World {
             .rng
             .millis(10, duration_ms(self.cfg.faults.edge_down_max));
         self.schedule(self.now + down, Event::EdgeStart);
+        self.journal_crash(edge.incarnation, self.now + down, sync_completed);
     }
 
     fn edge_receive(&mut self, conn: ConnId, stream: StreamKey, payload: Payload) {
@@ -1531,8 +1719,7 @@ impl World {
     fn carry_out(&mut self, incarnation: u64, rid: RequestId, out: RequestOutput) {
         let key = (incarnation, rid);
         match out {
-            // The simulated requests are ephemeral: nothing is journaled.
-            RequestOutput::Journal(_) => {}
+            RequestOutput::Journal(write) => self.request_journal_write(incarnation, rid, write),
             // The pre-send fence reaches the hub after a hop, so fences
             // slip in between (R-GEN-4); the other commands at once.
             RequestOutput::Dispatch(command @ RequestCommand::PreSend { .. }) => {
@@ -1571,42 +1758,60 @@ impl World {
                     );
                 }
             }
-            RequestOutput::Deliver(delivery) => match delivery {
-                Delivery::Commit { .. } => {
-                    self.checker.client(key, ClientSaw::Commit);
-                    self.recorder.world_line(&("commit", key));
+            RequestOutput::Deliver(delivery) => {
+                let record = self
+                    .edge
+                    .as_ref()
+                    .and_then(|e| e.requests.get(&rid))
+                    .and_then(|r| r.durable.clone());
+                if let Some(record) = record
+                    && !self.durable_delivery(&record, &delivery)
+                {
+                    // Its client left: the delivery goes nowhere.
+                    return;
                 }
-                Delivery::Event(kind) => {
-                    if matches!(
-                        AttemptFrame::from_run_event(&kind),
-                        AttemptFrame::Event(AttemptEvent::Content)
-                    ) {
-                        self.checker.client(key, ClientSaw::Content);
-                        self.recorder.world_line(&("content", key));
-                    }
-                }
-                Delivery::Body(_) => {}
-                Delivery::Finish | Delivery::Fail { .. } => {
-                    match &delivery {
-                        Delivery::Fail { kind, .. } => {
-                            self.stats.failed += 1;
-                            *self
-                                .stats
-                                .failures
-                                .entry(kind.as_str().to_owned())
-                                .or_default() += 1;
-                        }
-                        _ => self.stats.finished += 1,
-                    }
-                    self.checker.client(key, ClientSaw::Terminal);
-                    self.recorder
-                        .world_line(&("terminal", key, format!("{delivery:?}")));
-                }
-            },
+                self.client_delivery(key, delivery);
+            }
             RequestOutput::Observe(RequestObservation::Readmitted) => {
                 self.stats.readmissions += 1;
             }
             RequestOutput::Observe(_) => {}
+        }
+    }
+
+    /// A delivery reached the request's client: the checks that watch it.
+    fn client_delivery(&mut self, key: (u64, RequestId), delivery: Delivery) {
+        match delivery {
+            Delivery::Commit { .. } => {
+                self.checker.client(key, ClientSaw::Commit);
+                self.recorder.world_line(&("commit", key));
+            }
+            Delivery::Event(kind) => {
+                if matches!(
+                    AttemptFrame::from_run_event(&kind),
+                    AttemptFrame::Event(AttemptEvent::Content)
+                ) {
+                    self.checker.client(key, ClientSaw::Content);
+                    self.recorder.world_line(&("content", key));
+                }
+            }
+            Delivery::Body(_) => {}
+            Delivery::Finish | Delivery::Fail { .. } => {
+                match &delivery {
+                    Delivery::Fail { kind, .. } => {
+                        self.stats.failed += 1;
+                        *self
+                            .stats
+                            .failures
+                            .entry(kind.as_str().to_owned())
+                            .or_default() += 1;
+                    }
+                    _ => self.stats.finished += 1,
+                }
+                self.checker.client(key, ClientSaw::Terminal);
+                self.recorder
+                    .world_line(&("terminal", key, format!("{delivery:?}")));
+            }
         }
     }
 
@@ -1772,7 +1977,14 @@ impl World {
         if !r.machine.is_ended() {
             return;
         }
-        if r.machine.gate().end() == Some(GateEnd::ClientDisconnected) {
+        // A durable request goes on without its client (only a cancel ends
+        // it early); its client saw the terminal unless it left.
+        let left = match &r.durable {
+            Some(_) => !r.client_attached,
+            None => r.machine.gate().end() == Some(GateEnd::ClientDisconnected),
+        };
+        let record = r.durable.clone();
+        if left {
             self.stats.client_left += 1;
             self.checker.client((incarnation, rid), ClientSaw::Left);
             self.recorder.world_line(&("left", (incarnation, rid)));
@@ -1784,6 +1996,9 @@ impl World {
             c.runs.remove(&run_id);
         }
         self.checker.gate_ended(edge.dispatcher.inner(), rid);
+        if let Some(record) = record {
+            self.durable_request_ended(&record);
+        }
     }
 
     /// A health probe the dispatcher asked for: a CAPABILITIES command on the
@@ -1872,6 +2087,30 @@ impl World {
         };
         let rid = edge.next_request_id;
         edge.next_request_id += 1;
+        let incarnation = edge.incarnation;
+        if self.rng.chance(self.cfg.journal.durable_ppm) {
+            // Durable (SPEC §6): the record first, then the request. Its
+            // client may cancel the response or leave while it goes on.
+            if let Some(after) = leave_after {
+                let event = if cancel {
+                    Event::ClientCancel {
+                        incarnation,
+                        request_id: rid,
+                    }
+                } else {
+                    Event::ClientLeave {
+                        incarnation,
+                        request_id: rid,
+                    }
+                };
+                self.schedule(now + after, event);
+            }
+            self.durable_arrival(rid, pool, budget);
+            return;
+        }
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
         let machine = Request::new(
             now,
             RequestSpec {
@@ -1892,9 +2131,10 @@ impl World {
                 machine,
                 running: None,
                 admitted_with: None,
+                durable: None,
+                client_attached: true,
             },
         );
-        let incarnation = edge.incarnation;
         self.stats.requests += 1;
         self.checker.request_opened((incarnation, rid), deadline);
         if let Some(after) = leave_after {
@@ -1915,6 +2155,9 @@ impl World {
             .as_ref()
             .is_some_and(|e| e.incarnation == incarnation)
         {
+            // A durable request ignores it and goes on (SPEC §6); the
+            // driver still reports it.
+            self.durable_leave(request_id);
             self.request_input(request_id, RequestInput::ClientDisconnected);
         }
     }
@@ -2728,7 +2971,7 @@ impl World {
             }
         }
         if self.rng.chance(f.edge_restart_ppm) {
-            self.crash_edge();
+            self.crash_edge(None);
         }
         let at = self.now + self.cfg.fault_tick;
         self.schedule(at, Event::FaultTick);

@@ -110,6 +110,15 @@ fn bounded_swarm_holds_every_invariant() {
         "{t:?}"
     );
     assert!(t.finished > 0 && t.failed > 0, "{t:?}");
+    // Durable responses: group commit, crash points, zombies on both sides
+    // of a takeover's raise, takeovers, clients that left, cancelled and
+    // resumed.
+    assert!(t.durable_requests > 0 && t.journal_batched > 0, "{t:?}");
+    assert!(t.crash_points > 0 && t.journal_lost > 0, "{t:?}");
+    assert!(t.journal_unacked > 0 && t.takeovers > 0, "{t:?}");
+    assert!(t.zombies_accepted > 0 && t.zombies_fenced_open > 0, "{t:?}");
+    assert!(t.durable_left > 0 && t.durable_cancels > 0, "{t:?}");
+    assert!(t.resumes > 0 && t.resumed_events > 0, "{t:?}");
 }
 
 /// The swarm `cargo test` runs on every change: 2,000 strict seeds on every
@@ -139,6 +148,8 @@ fn ci_swarm_of_2000_seeds_holds_every_invariant() {
         "{t:?}"
     );
     assert!(t.stale_evidence > 0 && t.lowerings > 0, "{t:?}");
+    assert!(t.durable_requests > 0 && t.takeovers > 0, "{t:?}");
+    assert!(t.zombies_fenced > 0 && t.resumes > 0, "{t:?}");
     println!(
         "CI swarm: {CI_SWARM_SEEDS} seeds x {CI_SWARM_STEPS} steps ({} steps with the drain) on {threads} threads in {:.1}s",
         t.steps,
@@ -157,6 +168,80 @@ fn a_seed_replays_to_the_same_trace_hash() {
         check_determinism(1, 500).first,
         check_determinism(2, 500).first,
         "different seeds, different runs"
+    );
+}
+
+/// `ephemeral_only` switches durable requests off: no journal traffic at
+/// all, and the reproduction command says so.
+#[test]
+fn ephemeral_only_runs_a_seed_without_durable_requests() {
+    let durable = run(
+        1,
+        RunOptions {
+            steps: 500,
+            ..RunOptions::default()
+        },
+    );
+    assert!(durable.stats.durable_requests > 0, "{:?}", durable.stats);
+    let ephemeral = run(
+        1,
+        RunOptions {
+            steps: 500,
+            ephemeral_only: true,
+            ..RunOptions::default()
+        },
+    );
+    assert!(ephemeral.violation.is_none(), "{:?}", ephemeral.violation);
+    assert_eq!(
+        (
+            ephemeral.stats.durable_requests,
+            ephemeral.stats.journal_writes
+        ),
+        (0, 0)
+    );
+    assert_eq!(
+        ephemeral.repro_command(),
+        "iop-sim run 1 --steps 500 --ephemeral-only"
+    );
+}
+
+/// With store faults (syncs that fail), the only deviation is the known
+/// core issue `journal-orphan` (see `invariants::KNOWN_CORE_ISSUES`): a
+/// finding, a violation with `--strict`. When core fixes it this test
+/// fails on purpose: take the issue off the list and assert none is found.
+#[test]
+fn store_faults_find_only_the_known_orphaned_record_issue() {
+    let report = swarm(&SwarmOptions {
+        store_faults: true,
+        ..SwarmOptions::new(0, 60, SWARM_STEPS)
+    });
+    assert!(
+        report.failures.is_empty(),
+        "{} seeds failed:\n{}",
+        report.failures.len(),
+        failures(&report)
+    );
+    assert!(report.totals.sync_failures > 0, "{:?}", report.totals);
+    let finding = report
+        .with_findings
+        .iter()
+        .find_map(|r| r.findings.first().map(|f| (r, f)));
+    let (r, f) = finding.expect("the known issue shows with store faults");
+    assert_eq!(f.rule, "journal-orphan", "{f}");
+    let strict = run(
+        r.seed,
+        RunOptions {
+            steps: SWARM_STEPS,
+            strict: true,
+            store_faults: true,
+            ..RunOptions::default()
+        },
+    );
+    assert_eq!(strict.violation.map(|v| v.rule), Some("journal-orphan"));
+    assert!(
+        r.strict_repro_command().contains("--store-faults --strict"),
+        "{}",
+        r.strict_repro_command()
     );
 }
 
@@ -286,12 +371,18 @@ const SEL_1_QUEUE_SEEDS: [u64; 9] = [
 
 #[test]
 fn seeds_that_found_the_queued_reselection_bug_pass_strict() {
-    for seed in SEL_1_QUEUE_SEEDS {
+    // Each seed in the world that found it (no durable requests, so the run
+    // is the very one) and in today's world.
+    for (seed, ephemeral_only) in SEL_1_QUEUE_SEEDS
+        .into_iter()
+        .flat_map(|seed| [(seed, true), (seed, false)])
+    {
         let report = run(
             seed,
             RunOptions {
                 steps: iop_sim::DEFAULT_STEPS,
                 strict: true,
+                ephemeral_only,
                 ..RunOptions::default()
             },
         );

@@ -322,6 +322,13 @@ impl Publisher {
             // a failed store rather than publish what is not durable.
             (_, _) => self.refused = Some(JournalError::Store("mismatched answer".into())),
         }
+        #[cfg(feature = "planted-bugs")]
+        if self.finished
+            && crate::planted::in_thread(crate::planted::PlantedBug::SecondJournalTerminal)
+            && let Some((_, sent)) = &mut self.terminal
+        {
+            *sent = false;
+        }
     }
 
     /// The next delivery that may reach the client: content once durable
@@ -336,6 +343,10 @@ impl Publisher {
             Delivery::Finish | Delivery::Fail { .. } => self.finished,
             _ => *seq <= self.durable_seq,
         };
+        #[cfg(feature = "planted-bugs")]
+        let ready = ready
+            || (*seq > 0
+                && crate::planted::in_thread(crate::planted::PlantedBug::PublishBeforeDurable));
         if !ready {
             return None;
         }

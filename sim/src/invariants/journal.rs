@@ -1,0 +1,505 @@
+//! The invariants of durable responses (SPEC §6), checked against the
+//! simulated store and what the clients saw.
+//!
+//! The checker keeps its own model of every record, built only from the
+//! writes the store accepted (in the order it decided them) and the spec:
+//! a record starts at epoch 1 with no event; an accepted raise moves the
+//! epoch by exactly one and makes its writer the epoch's owner; an accepted
+//! append adds the next numbers; an accepted terminal ends it. It never
+//! asks the core why; it compares.
+//!
+//! | rule | checked |
+//! | --- | --- |
+//! | R-JRN-2 | every accepted append continues the record's numbering; the stored events are 1..n without gap or duplicate and agree with the model |
+//! | R-JRN-3 | no append or terminal is accepted from an epoch that is not the record's current one at that moment, nor from a writer that does not own that epoch (a takeover that did not raise first shares the dead owner's epoch); an accepted raise moves the stored epoch by exactly one |
+//! | R-JRN-4 | at most one terminal is accepted and no event after it; a writer whose terminal was accepted writes nothing more to that record; a client receives one terminal |
+//! | R-JRN-1 | every event a client receives (the first client or a resumer) is durable in the store when it is received, with the same payload; a terminal is durable and the record's |
+//! | R-JRN-2 (clients) | a client receives the events one by one from 1, without gap or repeat, across resumes (`starting_after` the last it saw), and by its terminal it has all of them |
+//! | liveness | a durable request that ended left its record ended; every record without a terminal at an Edge start ends within B_takeover unless the Edge dies again first |
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use iop_core::Instant;
+use iop_core::journal::{CreateOutcome, JournalError, RecordStatus};
+
+use std::time::Duration;
+
+use super::Checker;
+use crate::journal_store::{Decision, JournalOp, OpResult, SimJournal, Writer};
+
+/// The rule a durable request's orphaned record is reported under (a
+/// known core issue, see [`super::KNOWN_CORE_ISSUES`]).
+pub const JOURNAL_ORPHAN: &str = "journal-orphan";
+
+/// What the checker knows of one record.
+#[derive(Debug, Clone)]
+struct RecordModel {
+    /// The current epoch.
+    epoch: u64,
+    /// Who holds it (created the record or won the last raise).
+    owner: Writer,
+    /// Events accepted.
+    events: u64,
+    /// The writer whose terminal was accepted.
+    ended_by: Option<Writer>,
+    /// Stored events already compared with the model.
+    verified: u64,
+    /// The store refused a live writer of this record (the request then
+    /// ends its client outside the journal): the kind of the last write
+    /// refused.
+    refused: Option<&'static str>,
+}
+
+/// What one durable client has received, across resumes.
+#[derive(Debug, Clone, Copy, Default)]
+struct ClientModel {
+    /// Events received (the last event number seen).
+    received: u64,
+    /// The terminal was received.
+    ended: bool,
+}
+
+/// The journal part of the checker.
+#[derive(Debug, Default)]
+pub(super) struct JournalModel {
+    records: BTreeMap<String, RecordModel>,
+    clients: BTreeMap<String, ClientModel>,
+    /// Records that must have ended by a moment (R-TAKE-1 liveness).
+    deadlines: BTreeSet<(Instant, String)>,
+    /// How much later a takeover may end a record for each of its writes
+    /// the store refused with an I/O error (it tries again).
+    retry_allowance: Duration,
+}
+
+/// The status a client's terminal delivery stands for (SPEC §6: completed,
+/// cancelled, failed).
+pub fn delivered_status(delivery: &iop_core::edge::request::Delivery) -> Option<RecordStatus> {
+    use iop_core::edge::gate::GateFailure;
+    use iop_core::edge::request::Delivery;
+    match delivery {
+        Delivery::Finish => Some(RecordStatus::Completed),
+        Delivery::Fail {
+            kind: GateFailure::Attempt(iop_wire::FailureCode::Canceled),
+            ..
+        } => Some(RecordStatus::Cancelled),
+        Delivery::Fail { .. } => Some(RecordStatus::Failed),
+        _ => None,
+    }
+}
+
+impl Checker {
+    /// A writer submitted `op` (R-JRN-4: nothing after its own accepted
+    /// terminal).
+    pub fn journal_submitted(&mut self, writer: &Writer, op: &JournalOp) {
+        let id = op.record_id();
+        if let Some(r) = self.journal.records.get(id)
+            && r.ended_by.as_ref() == Some(writer)
+        {
+            let detail = format!(
+                "{writer:?} wrote {} to {id} after its terminal was accepted",
+                op.kind()
+            );
+            self.fail("R-JRN-4", detail);
+        }
+    }
+
+    /// After every step: the store's decisions since the last step, in
+    /// order, then the state of every record they touched.
+    pub fn check_journal(&mut self, store: &mut SimJournal) {
+        if store.has_decisions() {
+            let decisions = store.take_decisions();
+            let mut touched = BTreeSet::new();
+            for d in decisions {
+                touched.insert(d.op.record_id().to_owned());
+                self.journal_decision(d);
+            }
+            for id in touched {
+                self.journal_record_state(store, &id);
+            }
+        }
+        self.journal_deadlines(store);
+    }
+
+    fn journal_decision(&mut self, d: Decision) {
+        let id = d.op.record_id().to_owned();
+        let zombie = if d.zombie { " (zombie)" } else { "" };
+        match (&d.op, &d.result) {
+            (JournalOp::Create(_), OpResult::Created(CreateOutcome::Create(_))) => {
+                let model = RecordModel {
+                    epoch: 1,
+                    owner: d.writer,
+                    events: 0,
+                    ended_by: None,
+                    verified: 0,
+                    refused: None,
+                };
+                if self.journal.records.insert(id.clone(), model).is_some() {
+                    self.fail("R-JRN-2", format!("record {id} created twice"));
+                }
+            }
+            (JournalOp::Create(_), _) => {}
+            (_, OpResult::Refused(e)) => {
+                if !d.zombie
+                    && matches!(d.writer, Writer::Request { .. })
+                    && !matches!(e, JournalError::Fenced { .. })
+                    && let Some(r) = self.journal.records.get_mut(&id)
+                {
+                    r.refused = Some(d.op.kind());
+                }
+                if matches!(d.writer, Writer::Takeover { .. })
+                    && matches!(e, JournalError::Store(_))
+                {
+                    self.journal_extend_deadline(&id);
+                }
+            }
+            (op, OpResult::Written(_) | OpResult::Created(_)) => {
+                let Some(r) = self.journal.records.get_mut(&id) else {
+                    let detail = format!("{} accepted for {id}, never created", op.kind());
+                    self.fail("R-JRN-2", detail);
+                    return;
+                };
+                let mut failure: Option<(&'static str, String)> = None;
+                match op {
+                    JournalOp::RaiseEpoch { expected, .. } => {
+                        if *expected != r.epoch {
+                            failure = Some((
+                                "R-JRN-3",
+                                format!(
+                                    "raise of {id} from epoch {expected} accepted while its epoch is {}{zombie}",
+                                    r.epoch
+                                ),
+                            ));
+                        }
+                        r.epoch += 1;
+                        r.owner = d.writer;
+                    }
+                    JournalOp::Append { epoch, events, .. } => {
+                        failure = writer_fault(r, &d.writer, *epoch, &id, "an event", zombie);
+                        for (i, event) in events.iter().enumerate() {
+                            let expected = r.events + 1 + i as u64;
+                            if event.seq != expected && failure.is_none() {
+                                failure = Some((
+                                    "R-JRN-2",
+                                    format!(
+                                        "{id} accepted event {} where {expected} was next",
+                                        event.seq
+                                    ),
+                                ));
+                            }
+                        }
+                        r.events += events.len() as u64;
+                    }
+                    JournalOp::Finish { epoch, .. } => {
+                        failure = writer_fault(r, &d.writer, *epoch, &id, "a terminal", zombie);
+                        r.ended_by = Some(d.writer);
+                    }
+                    JournalOp::Create(_) => {}
+                }
+                if let Some((rule, detail)) = failure {
+                    self.fail(rule, detail);
+                }
+            }
+        }
+    }
+
+    /// Compare a record's stored state with the model.
+    fn journal_record_state(&mut self, store: &SimJournal, id: &str) {
+        let Some(model) = self.journal.records.get_mut(id) else {
+            return;
+        };
+        let Some(stored) = store.record(id) else {
+            self.fail("R-JRN-2", format!("record {id} vanished"));
+            return;
+        };
+        let meta = &stored.meta;
+        let mut failure: Option<(&'static str, String)> = None;
+        if meta.epoch != model.epoch {
+            failure = Some((
+                "R-JRN-3",
+                format!(
+                    "{id} is stored at epoch {}, its accepted raises make it {}",
+                    meta.epoch, model.epoch
+                ),
+            ));
+        } else if meta.last_seq != model.events || stored.events.len() as u64 != meta.last_seq {
+            failure = Some((
+                "R-JRN-2",
+                format!(
+                    "{id} stores {} events (last_seq {}), {} were accepted",
+                    stored.events.len(),
+                    meta.last_seq,
+                    model.events
+                ),
+            ));
+        } else if meta.terminal.is_some() != model.ended_by.is_some() {
+            failure = Some((
+                "R-JRN-4",
+                format!(
+                    "{id} stored terminal {:?}, accepted terminal {}",
+                    meta.terminal.as_ref().map(|t| t.status),
+                    model.ended_by.is_some()
+                ),
+            ));
+        } else {
+            let from = model.verified;
+            for (i, event) in stored.events.iter().enumerate().skip(from as usize) {
+                if event.seq != i as u64 + 1 {
+                    failure = Some((
+                        "R-JRN-2",
+                        format!("{id} stores event {} at position {}", event.seq, i + 1),
+                    ));
+                    break;
+                }
+            }
+            model.verified = meta.last_seq;
+        }
+        if let Some((rule, detail)) = failure {
+            self.fail(rule, detail);
+        }
+    }
+
+    // ---- Clients ---------------------------------------------------------
+
+    /// The first client of a durable request is connected: it has seen
+    /// nothing yet.
+    pub fn durable_client_opened(&mut self, id: &str) {
+        self.journal
+            .clients
+            .insert(id.to_owned(), ClientModel::default());
+    }
+
+    /// The client of record `id` received an event: the next one it has
+    /// not seen (`seq`, when the store says which, for a resumer; the
+    /// first client's are numbered by arrival).
+    pub fn durable_client_event(
+        &mut self,
+        store: &SimJournal,
+        id: &str,
+        seq: Option<u64>,
+        payload: &[u8],
+    ) {
+        let Some(c) = self.journal.clients.get_mut(id) else {
+            self.fail(
+                "R-JRN-1",
+                format!("an event of {id} reached an unknown client"),
+            );
+            return;
+        };
+        let next = c.received + 1;
+        let seq = seq.unwrap_or(next);
+        if c.ended {
+            self.fail(
+                "R-JRN-4",
+                format!("event {seq} of {id} reached its client after its terminal"),
+            );
+            return;
+        }
+        c.received = seq;
+        if seq != next {
+            let detail = format!("the client of {id} received event {seq} where {next} was next");
+            self.fail("R-JRN-2", detail);
+            return;
+        }
+        // The store holds durable events only.
+        let durable = store.record(id).and_then(|r| {
+            let index = usize::try_from(seq.checked_sub(1)?).ok()?;
+            r.events.get(index)
+        });
+        match durable {
+            None => {
+                let last = store.record(id).map_or(0, |r| r.meta.last_seq);
+                let detail = format!(
+                    "the client of {id} received event {seq} while the journal holds {last} durable"
+                );
+                self.fail("R-JRN-1", detail);
+            }
+            Some(e) if e.payload != payload => {
+                let detail =
+                    format!("the client of {id} received an event {seq} that is not the journal's");
+                self.fail("R-JRN-1", detail);
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// The client of record `id` received its terminal, standing for
+    /// `status`.
+    pub fn durable_client_terminal(&mut self, store: &SimJournal, id: &str, status: RecordStatus) {
+        let refused = self
+            .journal
+            .records
+            .get(id)
+            .is_some_and(|r| r.refused.is_some());
+        let Some(c) = self.journal.clients.get_mut(id) else {
+            self.fail(
+                "R-JRN-1",
+                format!("the terminal of {id} reached an unknown client"),
+            );
+            return;
+        };
+        if std::mem::replace(&mut c.ended, true) {
+            self.fail(
+                "R-JRN-4",
+                format!("a second terminal of {id} reached its client"),
+            );
+            return;
+        }
+        let received = c.received;
+        if refused {
+            // The store refused its writer: the client's one terminal comes
+            // from outside the journal (the request's error).
+            return;
+        }
+        let Some(stored) = store.record(id) else {
+            self.fail(
+                "R-JRN-1",
+                format!("the client of {id} got a terminal of no record"),
+            );
+            return;
+        };
+        let meta = &stored.meta;
+        match &meta.terminal {
+            None => {
+                let detail = format!(
+                    "the client of {id} received a terminal ({}) that is not durable",
+                    status.as_str()
+                );
+                self.fail("R-JRN-1", detail);
+            }
+            Some(t) if t.status != status => {
+                let detail = format!(
+                    "the client of {id} received {} where the journal says {}",
+                    status.as_str(),
+                    t.status.as_str()
+                );
+                self.fail("R-JRN-1", detail);
+            }
+            Some(_) if received != meta.last_seq => {
+                let detail = format!(
+                    "the client of {id} ended with {received} of its {} events",
+                    meta.last_seq
+                );
+                self.fail("R-JRN-2", detail);
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// The events the client of `id` has received (where it resumes).
+    pub fn durable_client_received(&self, id: &str) -> u64 {
+        self.journal.clients.get(id).map_or(0, |c| c.received)
+    }
+
+    // ---- Liveness --------------------------------------------------------
+
+    /// A durable request's machine ended: its record has its terminal.
+    /// Returns whether it was left open.
+    pub fn durable_request_ended(&mut self, store: &SimJournal, id: &str) -> bool {
+        if store.record(id).is_some_and(|r| r.meta.terminal.is_some()) {
+            return false;
+        }
+        if let Some(kind) = self.journal.records.get(id).and_then(|r| r.refused) {
+            let detail = format!(
+                "the request of {id} ended after the store refused its {kind} and left its record without a terminal (nothing takes it over before the next Edge start)"
+            );
+            self.fail(JOURNAL_ORPHAN, detail);
+        } else {
+            let detail =
+                format!("the request of {id} ended and left its record without a terminal");
+            self.fail("liveness-journal", detail);
+        }
+        true
+    }
+
+    /// A takeover tries again after a write the store refused with an I/O
+    /// error: allow it one more try (see [`Checker::set_journal_retry_allowance`]).
+    pub fn set_journal_retry_allowance(&mut self, allowance: Duration) {
+        self.journal.retry_allowance = allowance;
+    }
+
+    fn journal_extend_deadline(&mut self, id: &str) {
+        let allowance = self.journal.retry_allowance;
+        let extended: Vec<(Instant, String)> = self
+            .journal
+            .deadlines
+            .iter()
+            .filter(|(_, r)| r == id)
+            .cloned()
+            .collect();
+        for (deadline, record) in extended {
+            self.journal.deadlines.remove(&(deadline, record.clone()));
+            self.journal
+                .deadlines
+                .insert((deadline + allowance, record));
+        }
+    }
+
+    /// An Edge incarnation started: each of `unfinished` must end by
+    /// `deadline` unless the Edge dies again first (R-TAKE-1).
+    pub fn journal_edge_started(&mut self, unfinished: &[String], deadline: Instant) {
+        for id in unfinished {
+            self.journal.deadlines.insert((deadline, id.clone()));
+        }
+    }
+
+    /// The Edge process died: the next start sets the deadlines again.
+    pub fn journal_edge_lost(&mut self) {
+        self.journal.deadlines.clear();
+    }
+
+    fn journal_deadlines(&mut self, store: &SimJournal) {
+        while let Some((deadline, _)) = self.journal.deadlines.first() {
+            if *deadline >= self.now {
+                return;
+            }
+            let Some((deadline, id)) = self.journal.deadlines.pop_first() else {
+                return;
+            };
+            if store.record(&id).is_some_and(|r| r.meta.terminal.is_none()) {
+                let detail = format!(
+                    "{id} still has no terminal {}us past its takeover deadline",
+                    (self.now - deadline).as_micros()
+                );
+                self.fail("liveness-journal", detail);
+                return;
+            }
+        }
+    }
+}
+
+/// R-JRN-3 and R-JRN-4 for an accepted append or terminal of `writer` at
+/// `epoch`.
+fn writer_fault(
+    r: &RecordModel,
+    writer: &Writer,
+    epoch: u64,
+    id: &str,
+    what: &str,
+    zombie: &str,
+) -> Option<(&'static str, String)> {
+    if r.ended_by.is_some() {
+        return Some((
+            "R-JRN-4",
+            format!("{id} accepted {what} after its terminal{zombie}"),
+        ));
+    }
+    if epoch != r.epoch {
+        return Some((
+            "R-JRN-3",
+            format!(
+                "{id} accepted {what} from epoch {epoch} while its epoch is {}{zombie}",
+                r.epoch
+            ),
+        ));
+    }
+    if *writer != r.owner {
+        return Some((
+            "R-JRN-3",
+            format!(
+                "{id} accepted {what} of {writer:?} under epoch {epoch}, which {:?} holds{zombie}",
+                r.owner
+            ),
+        ));
+    }
+    None
+}

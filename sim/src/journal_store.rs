@@ -1,0 +1,687 @@
+//! The simulated journal store of durable responses: the disk of the
+//! simulated Edge.
+//!
+//! Records and their events live in memory and survive Edge crashes (the
+//! store is the disk, the Edge's writer is process memory). Every operation
+//! is decided by the journal's rules in `iop_core::journal`
+//! (`check_create`, `check_append`, `check_finish`, `check_raise_epoch`);
+//! the store only reads and writes, as every real store does.
+//!
+//! ## Group commit and virtual time
+//!
+//! Writes queue in the core's [`GroupCommit`] (R-JRN-1: many writes, one
+//! sync; bounded, R-LIM-4). When no sync runs and something waits, the
+//! world takes the next batch ([`SimJournal::begin_sync`]) and schedules
+//! its end after a seeded sync latency; at that moment the whole batch is
+//! applied, op by op against the state the earlier ops left
+//! ([`SimJournal::complete_sync`]), and becomes durable. The answers travel
+//! back to their writers after a seeded delay. So several requests' writes
+//! are answered by one simulated sync, and an op refused by the rules does
+//! not stop the others of its batch.
+//!
+//! ## Crash points
+//!
+//! When the Edge process dies ([`SimJournal::crash`]) its writer dies
+//! with it. A batch whose sync was running either completed just before the
+//! crash (durable, never acknowledged) or not (lost), as the seed says; the
+//! ops still queued are lost. Ops already applied whose answers were on
+//! their way are durable but unacknowledged. The world may replay a lost
+//! write later as a *zombie* ([`SimJournal::apply_now`]): the write of a
+//! dead owner that reaches a shared store late, with its old epoch, so
+//! writer-epoch fencing (R-JRN-3) has something to refuse.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use iop_core::edge::admission::RequestId;
+use iop_core::journal::{
+    CreateOutcome, GroupCommit, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta,
+    Terminal, Ticket, check_append, check_create, check_finish, check_raise_epoch,
+};
+use serde::Serialize;
+
+/// The most writes waiting for a sync (R-LIM-4); a write past it is
+/// refused with [`JournalError::Store`].
+pub const MAX_QUEUED_WRITES: usize = 4096;
+
+/// The most writes one sync takes.
+pub const MAX_BATCH_WRITES: usize = 256;
+
+/// The most payload bytes one sync takes past its first write.
+pub const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
+
+/// Who wrote: the owner an epoch stands for (R-JRN-3).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum Writer {
+    /// A client request of one Edge incarnation: its shell created the
+    /// record, its request machine writes it.
+    Request {
+        /// The Edge incarnation.
+        incarnation: u64,
+        /// The request.
+        request_id: RequestId,
+    },
+    /// The restart scan of one Edge incarnation taking a record over
+    /// (R-TAKE-1).
+    Takeover {
+        /// The Edge incarnation.
+        incarnation: u64,
+    },
+}
+
+impl Writer {
+    /// The Edge incarnation the writer belongs to.
+    pub fn incarnation(&self) -> u64 {
+        match self {
+            Writer::Request { incarnation, .. } | Writer::Takeover { incarnation } => *incarnation,
+        }
+    }
+}
+
+/// One store operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum JournalOp {
+    /// Create a record (epoch 1).
+    Create(NewRecord),
+    /// Append numbered events under `epoch`.
+    Append {
+        /// The record.
+        id: String,
+        /// The writer epoch.
+        epoch: u64,
+        /// The events.
+        events: Vec<JournalEvent>,
+    },
+    /// Write the one terminal under `epoch`.
+    Finish {
+        /// The record.
+        id: String,
+        /// The writer epoch.
+        epoch: u64,
+        /// The terminal.
+        terminal: Terminal,
+    },
+    /// Compare-and-set the epoch from `expected` to `expected + 1`.
+    RaiseEpoch {
+        /// The record.
+        id: String,
+        /// The epoch the writer read.
+        expected: u64,
+    },
+}
+
+impl JournalOp {
+    /// The record the op is about.
+    pub fn record_id(&self) -> &str {
+        match self {
+            JournalOp::Create(new) => &new.id,
+            JournalOp::Append { id, .. }
+            | JournalOp::Finish { id, .. }
+            | JournalOp::RaiseEpoch { id, .. } => id,
+        }
+    }
+
+    /// The op's kind.
+    pub fn op_kind(&self) -> OpKind {
+        match self {
+            JournalOp::Create(_) => OpKind::Create,
+            JournalOp::Append { .. } => OpKind::Append,
+            JournalOp::Finish { .. } => OpKind::Finish,
+            JournalOp::RaiseEpoch { .. } => OpKind::RaiseEpoch,
+        }
+    }
+
+    /// The stable name of the op's kind.
+    pub fn kind(&self) -> &'static str {
+        self.op_kind().as_str()
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            JournalOp::Create(new) => new.request.len(),
+            JournalOp::Append { events, .. } => events.iter().map(|e| e.payload.len()).sum(),
+            JournalOp::Finish { .. } | JournalOp::RaiseEpoch { .. } => 0,
+        }
+    }
+}
+
+/// The kind of a [`JournalOp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum OpKind {
+    /// [`JournalOp::Create`].
+    Create,
+    /// [`JournalOp::Append`].
+    Append,
+    /// [`JournalOp::Finish`].
+    Finish,
+    /// [`JournalOp::RaiseEpoch`].
+    RaiseEpoch,
+}
+
+impl OpKind {
+    /// The stable name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpKind::Create => "create",
+            OpKind::Append => "append",
+            OpKind::Finish => "finish",
+            OpKind::RaiseEpoch => "raise_epoch",
+        }
+    }
+}
+
+/// What the store answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpResult {
+    /// A create's outcome.
+    Created(CreateOutcome),
+    /// The record after an accepted append, terminal or raise.
+    Written(RecordMeta),
+    /// The rules (or the store) refused the op.
+    Refused(JournalError),
+}
+
+impl OpResult {
+    /// Whether the op changed the store.
+    pub fn accepted(&self) -> bool {
+        matches!(
+            self,
+            OpResult::Created(CreateOutcome::Create(_)) | OpResult::Written(_)
+        )
+    }
+}
+
+/// A write waiting for its sync.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingWrite {
+    /// Who wrote.
+    pub writer: Writer,
+    /// What.
+    pub op: JournalOp,
+}
+
+/// One decision of the store, in the order they were made (what the
+/// invariant checker reads).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Who wrote.
+    pub writer: Writer,
+    /// What.
+    pub op: JournalOp,
+    /// The answer.
+    pub result: OpResult,
+    /// Whether it reached the store as a zombie (a dead owner's late write).
+    pub zombie: bool,
+}
+
+/// One record as stored.
+#[derive(Debug, Clone)]
+pub struct StoredRecord {
+    /// Its metadata.
+    pub meta: RecordMeta,
+    /// Its events, in order.
+    pub events: Vec<JournalEvent>,
+}
+
+/// What [`SimJournal::crash`] did to the writes in flight.
+#[derive(Debug, Default)]
+pub struct CrashOutcome {
+    /// Writes of the running sync that became durable at the crash without
+    /// an answer.
+    pub durable_unacked: usize,
+    /// Writes that never became durable (the world may replay some as
+    /// zombies).
+    pub lost: Vec<PendingWrite>,
+}
+
+/// Counters of the store.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct JournalStats {
+    /// Syncs completed.
+    pub syncs: u64,
+    /// Ops applied (accepted or refused), zombies included.
+    pub ops: u64,
+    /// Ops that shared their sync with another op.
+    pub batched_ops: u64,
+}
+
+/// The simulated store (see the module docs).
+#[derive(Debug)]
+pub struct SimJournal {
+    limits: JournalLimits,
+    records: BTreeMap<String, StoredRecord>,
+    used_bytes: u64,
+    unfinished: BTreeSet<String>,
+    queue: GroupCommit<PendingWrite>,
+    running: Option<Vec<(Ticket, PendingWrite)>>,
+    next_ticket: u64,
+    /// Bumped at every crash: a sync end of a dead writer is ignored.
+    writer_generation: u64,
+    decisions: Vec<Decision>,
+    stats: JournalStats,
+}
+
+impl SimJournal {
+    /// An empty store with these limits.
+    pub fn new(limits: JournalLimits) -> Self {
+        Self {
+            limits,
+            records: BTreeMap::new(),
+            used_bytes: 0,
+            unfinished: BTreeSet::new(),
+            queue: new_queue(),
+            running: None,
+            next_ticket: 1,
+            writer_generation: 0,
+            decisions: Vec::new(),
+            stats: JournalStats::default(),
+        }
+    }
+
+    /// Queue a write for the next sync. A full queue refuses it at once
+    /// (R-LIM-4).
+    pub fn submit(&mut self, write: PendingWrite) -> Result<Ticket, JournalError> {
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        let bytes = write.op.bytes();
+        self.queue
+            .submit(ticket, write, bytes)
+            .map(|()| ticket)
+            .map_err(|full| JournalError::Store(full.to_string()))
+    }
+
+    /// Start the next sync if none runs and writes wait: the writer
+    /// generation the sync belongs to (pass it to
+    /// [`SimJournal::complete_sync`]).
+    pub fn begin_sync(&mut self) -> Option<u64> {
+        if self.running.is_some() {
+            return None;
+        }
+        let batch = self.queue.poll_batch()?;
+        self.running = Some(batch);
+        Some(self.writer_generation)
+    }
+
+    /// The running sync of `generation` ended: apply its batch, in order,
+    /// at `now_unix_ms`; each write with its answer.
+    pub fn complete_sync(
+        &mut self,
+        generation: u64,
+        now_unix_ms: u64,
+    ) -> Vec<(PendingWrite, OpResult)> {
+        if generation != self.writer_generation {
+            return Vec::new();
+        }
+        let Some(batch) = self.running.take() else {
+            return Vec::new();
+        };
+        self.queue.synced();
+        self.stats.syncs += 1;
+        if batch.len() > 1 {
+            self.stats.batched_ops += batch.len() as u64;
+        }
+        batch
+            .into_iter()
+            .map(|(_, write)| {
+                let result = self.apply(&write, now_unix_ms, false);
+                (write, result)
+            })
+            .collect()
+    }
+
+    /// The running sync of `generation` failed (an I/O error): none of its
+    /// writes is applied, each is answered `Store(..)`.
+    pub fn fail_sync(&mut self, generation: u64) -> Vec<(PendingWrite, OpResult)> {
+        if generation != self.writer_generation {
+            return Vec::new();
+        }
+        let Some(batch) = self.running.take() else {
+            return Vec::new();
+        };
+        self.queue.synced();
+        batch
+            .into_iter()
+            .map(|(_, write)| {
+                let result = OpResult::Refused(JournalError::Store("sync failed".into()));
+                self.decisions.push(Decision {
+                    writer: write.writer.clone(),
+                    op: write.op.clone(),
+                    result: result.clone(),
+                    zombie: false,
+                });
+                (write, result)
+            })
+            .collect()
+    }
+
+    /// Apply one write in its own transaction, now (a zombie: a dead
+    /// owner's write arriving late). Nobody gets the answer.
+    pub fn apply_now(&mut self, write: &PendingWrite, now_unix_ms: u64) -> OpResult {
+        self.apply(write, now_unix_ms, true)
+    }
+
+    /// The Edge process died: its writer with it (see the module docs).
+    /// `sync_completed` says whether the running sync, if any, finished
+    /// before the crash.
+    pub fn crash(&mut self, sync_completed: bool, now_unix_ms: u64) -> CrashOutcome {
+        let mut outcome = CrashOutcome::default();
+        if let Some(batch) = self.running.take() {
+            if sync_completed {
+                outcome.durable_unacked = batch.len();
+                self.stats.syncs += 1;
+                for (_, write) in batch {
+                    self.apply(&write, now_unix_ms, false);
+                }
+            } else {
+                outcome.lost.extend(batch.into_iter().map(|(_, w)| w));
+            }
+        }
+        self.queue.synced();
+        while let Some(batch) = self.queue.poll_batch() {
+            outcome.lost.extend(batch.into_iter().map(|(_, w)| w));
+            self.queue.synced();
+        }
+        self.queue = new_queue();
+        self.writer_generation += 1;
+        outcome
+    }
+
+    /// Whether a sync runs or writes wait.
+    pub fn is_busy(&self) -> bool {
+        self.running.is_some() || self.queue.queued() > 0
+    }
+
+    /// The record `id`, if stored.
+    pub fn record(&self, id: &str) -> Option<&StoredRecord> {
+        self.records.get(id)
+    }
+
+    /// Every record without a terminal (the R-TAKE-1 scan), in id order.
+    pub fn unfinished(&self) -> Vec<RecordMeta> {
+        self.unfinished
+            .iter()
+            .filter_map(|id| self.records.get(id))
+            .map(|r| r.meta.clone())
+            .collect()
+    }
+
+    /// How many records have no terminal.
+    pub fn unfinished_count(&self) -> usize {
+        self.unfinished.len()
+    }
+
+    /// Bytes held, as the journal's rules count them.
+    pub fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+
+    /// Whether decisions were made since the last [`SimJournal::take_decisions`].
+    pub fn has_decisions(&self) -> bool {
+        !self.decisions.is_empty()
+    }
+
+    /// The decisions made since the last call, in order.
+    pub fn take_decisions(&mut self) -> Vec<Decision> {
+        std::mem::take(&mut self.decisions)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> JournalStats {
+        self.stats
+    }
+
+    /// Run one write through the journal's rules and store what they
+    /// accept.
+    fn apply(&mut self, write: &PendingWrite, now_unix_ms: u64, zombie: bool) -> OpResult {
+        self.stats.ops += 1;
+        let result = match &write.op {
+            JournalOp::Create(new) => self.create(new, now_unix_ms),
+            JournalOp::Append { id, epoch, events } => {
+                match self.decide(id, |limits, meta| {
+                    check_append(limits, meta, *epoch, events)
+                }) {
+                    Ok(next) => {
+                        if let Some(r) = self.records.get_mut(id) {
+                            r.events.extend(events.iter().cloned());
+                        }
+                        self.put(next)
+                    }
+                    Err(e) => OpResult::Refused(e),
+                }
+            }
+            JournalOp::Finish {
+                id,
+                epoch,
+                terminal,
+            } => match self.decide(id, |limits, meta| {
+                check_finish(limits, meta, *epoch, terminal)
+            }) {
+                Ok(next) => self.put(next),
+                Err(e) => OpResult::Refused(e),
+            },
+            JournalOp::RaiseEpoch { id, expected } => {
+                match self.decide(id, |_, meta| check_raise_epoch(meta, *expected)) {
+                    Ok(next) => self.put(next),
+                    Err(e) => OpResult::Refused(e),
+                }
+            }
+        };
+        self.decisions.push(Decision {
+            writer: write.writer.clone(),
+            op: write.op.clone(),
+            result: result.clone(),
+            zombie,
+        });
+        result
+    }
+
+    fn decide(
+        &self,
+        id: &str,
+        rule: impl FnOnce(&JournalLimits, &RecordMeta) -> Result<RecordMeta, JournalError>,
+    ) -> Result<RecordMeta, JournalError> {
+        let meta = &self.records.get(id).ok_or(JournalError::NotFound)?.meta;
+        rule(&self.limits, meta)
+    }
+
+    fn create(&mut self, new: &NewRecord, now_unix_ms: u64) -> OpResult {
+        // The simulated records carry no idempotency key.
+        let same_id = self.records.get(&new.id).map(|r| &r.meta);
+        match check_create(
+            now_unix_ms,
+            &self.limits,
+            self.used_bytes,
+            same_id,
+            None,
+            new,
+        ) {
+            Ok(CreateOutcome::Create(meta)) => {
+                if let Some(old) = self.records.remove(&new.id) {
+                    // An expired record under the same id gives way.
+                    self.used_bytes -= old.meta.stored_bytes;
+                    self.unfinished.remove(&new.id);
+                }
+                self.used_bytes += meta.stored_bytes;
+                self.unfinished.insert(new.id.clone());
+                self.records.insert(
+                    new.id.clone(),
+                    StoredRecord {
+                        meta: meta.clone(),
+                        events: Vec::new(),
+                    },
+                );
+                OpResult::Created(CreateOutcome::Create(meta))
+            }
+            Ok(existing @ CreateOutcome::Existing(_)) => OpResult::Created(existing),
+            Err(e) => OpResult::Refused(e),
+        }
+    }
+
+    /// Store `meta` (its record exists) and keep the byte count and the
+    /// unfinished index.
+    fn put(&mut self, meta: RecordMeta) -> OpResult {
+        let Some(r) = self.records.get_mut(&meta.id) else {
+            return OpResult::Refused(JournalError::NotFound);
+        };
+        self.used_bytes = self.used_bytes - r.meta.stored_bytes + meta.stored_bytes;
+        if meta.terminal.is_some() {
+            self.unfinished.remove(&meta.id);
+        } else {
+            self.unfinished.insert(meta.id.clone());
+        }
+        r.meta = meta.clone();
+        OpResult::Written(meta)
+    }
+}
+
+fn new_queue() -> GroupCommit<PendingWrite> {
+    GroupCommit::new(MAX_QUEUED_WRITES, MAX_BATCH_WRITES, MAX_BATCH_BYTES)
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_core::journal::{JournalApi, RecordStatus};
+
+    use super::*;
+
+    fn writer() -> Writer {
+        Writer::Request {
+            incarnation: 0,
+            request_id: 1,
+        }
+    }
+
+    fn new_record(id: &str) -> NewRecord {
+        NewRecord {
+            id: id.into(),
+            principal: "sim".into(),
+            api: JournalApi::ChatCompletions,
+            model: "sim".into(),
+            fingerprint: [0; 32],
+            idempotency_key: None,
+            background: false,
+            request: vec![],
+            created_unix_ms: 0,
+        }
+    }
+
+    fn append(id: &str, epoch: u64, seq: u64) -> JournalOp {
+        JournalOp::Append {
+            id: id.into(),
+            epoch,
+            events: vec![JournalEvent {
+                seq,
+                payload: vec![1],
+            }],
+        }
+    }
+
+    fn sync(store: &mut SimJournal, writes: Vec<JournalOp>) -> Vec<OpResult> {
+        for op in writes {
+            assert!(
+                store
+                    .submit(PendingWrite {
+                        writer: writer(),
+                        op
+                    })
+                    .is_ok()
+            );
+        }
+        let generation = store.begin_sync().expect("a batch");
+        store
+            .complete_sync(generation, 0)
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect()
+    }
+
+    #[test]
+    fn one_sync_answers_every_write_of_its_batch_and_a_refusal_stops_none() {
+        let mut store = SimJournal::new(JournalLimits::default());
+        let results = sync(
+            &mut store,
+            vec![
+                JournalOp::Create(new_record("a")),
+                append("a", 1, 1),
+                append("a", 1, 5),
+                append("a", 1, 2),
+            ],
+        );
+        assert!(results[0].accepted() && results[1].accepted() && results[3].accepted());
+        assert!(matches!(
+            results[2],
+            OpResult::Refused(JournalError::OutOfOrder { .. })
+        ));
+        assert_eq!(store.stats().syncs, 1);
+        assert_eq!(store.record("a").map(|r| r.events.len()), Some(2));
+        assert_eq!(store.unfinished_count(), 1);
+        let held = store.record("a").map(|r| r.meta.stored_bytes);
+        assert_eq!(
+            Some(store.used_bytes()),
+            held,
+            "R-JRN-5: bytes as the rules count"
+        );
+    }
+
+    #[test]
+    fn a_crash_loses_the_queue_and_the_unfinished_sync_unless_it_completed() {
+        for completed in [false, true] {
+            let mut store = SimJournal::new(JournalLimits::default());
+            sync(&mut store, vec![JournalOp::Create(new_record("a"))]);
+            for seq in [1, 2] {
+                let op = append("a", 1, seq);
+                assert!(
+                    store
+                        .submit(PendingWrite {
+                            writer: writer(),
+                            op
+                        })
+                        .is_ok()
+                );
+                if seq == 1 {
+                    assert!(store.begin_sync().is_some());
+                }
+            }
+            let outcome = store.crash(completed, 0);
+            assert_eq!(outcome.durable_unacked, usize::from(completed));
+            assert_eq!(outcome.lost.len(), if completed { 1 } else { 2 });
+            let last = store.record("a").map(|r| r.meta.last_seq);
+            assert_eq!(last, Some(u64::from(completed)));
+            assert!(!store.is_busy());
+        }
+    }
+
+    #[test]
+    fn a_zombie_of_the_old_epoch_is_fenced_after_a_raise() {
+        let mut store = SimJournal::new(JournalLimits::default());
+        sync(&mut store, vec![JournalOp::Create(new_record("a"))]);
+        let raise = JournalOp::RaiseEpoch {
+            id: "a".into(),
+            expected: 1,
+        };
+        assert!(sync(&mut store, vec![raise])[0].accepted());
+        let zombie = PendingWrite {
+            writer: writer(),
+            op: append("a", 1, 1),
+        };
+        assert!(matches!(
+            store.apply_now(&zombie, 0),
+            OpResult::Refused(JournalError::Fenced {
+                current: 2,
+                writer: 1
+            })
+        ));
+        let finish = JournalOp::Finish {
+            id: "a".into(),
+            epoch: 2,
+            terminal: Terminal {
+                status: RecordStatus::Incomplete,
+                reason: Some("edge_restart".into()),
+                message: None,
+                at_unix_ms: 0,
+            },
+        };
+        assert!(sync(&mut store, vec![finish])[0].accepted());
+        assert_eq!(store.unfinished_count(), 0);
+        assert_eq!(store.take_decisions().len(), 4);
+    }
+}

@@ -1,0 +1,774 @@
+//! Durable responses in the world (SPEC §6): the Edge's journal traffic,
+//! the restart takeover, crash points, zombies, and clients that leave,
+//! resume and cancel.
+//!
+//! * A seeded share of client requests is durable. The Edge creates the
+//!   record first (a store write like any other); once it is durable the
+//!   request's core machine starts with `journal: Some(..)` and every
+//!   `RequestOutput::Journal` it emits goes to the simulated store
+//!   ([`crate::journal_store`]); the answer comes back as
+//!   `RequestInput::Journaled` after the store's sync and the way back.
+//! * A client of a durable request may leave: the request goes on (the
+//!   machine ignores `ClientDisconnected`). It, or a client that lost its
+//!   Edge, may resume: it reads the events after the last one it saw from
+//!   the store, then follows the record, receiving each event once it is
+//!   durable, then the terminal. Some clients cancel (`RequestInput::Cancel`).
+//! * At each Edge start every record without a terminal is taken over
+//!   (R-TAKE-1, its first step): the epoch is raised by compare-and-set,
+//!   then the record ends `incomplete` (`edge_restart`) with its durable
+//!   prefix. The sequence is written here because `iop-core` has no
+//!   takeover machine yet; it uses only the store's answers.
+//! * An Edge crash is a crash point of the store (see
+//!   [`crate::journal_store`]); lost writes may come back as zombies,
+//!   while the Edge is down or shortly after its next start.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use iop_core::edge::admission::RequestId;
+use iop_core::edge::durable::{JournalAck, JournalSpec, JournalWrite, encode_delivery};
+use iop_core::edge::gate::GateBudget;
+use iop_core::edge::request::{Delivery, Request, RequestInput, RequestSpec};
+use iop_core::ids::ProviderId;
+use iop_core::journal::{
+    CreateOutcome, JournalApi, JournalError, NewRecord, RecordStatus, Terminal, fingerprint,
+};
+
+use super::{EdgeRequest, Event, World};
+use crate::config::PPM;
+use crate::invariants::journal::delivered_status;
+use crate::journal_store::{JournalOp, OpKind, OpResult, PendingWrite, Writer};
+
+/// The Unix time of virtual time zero, milliseconds (what the driver
+/// stamps on terminals and records).
+const UNIX_EPOCH_OFFSET_MS: u64 = 1_800_000_000_000;
+
+/// The most writes one takeover of a record tries (a raise beaten by a
+/// zombie raise of an older incarnation, or a write the store failed, is
+/// tried again).
+const MAX_TAKEOVER_WRITES: u32 = 32;
+
+/// The most times one client resumes.
+const MAX_RESUMES: u32 = 3;
+
+/// A durable request waiting for its record to be created.
+#[derive(Debug)]
+pub(super) struct PendingCreate {
+    pub(super) record: String,
+    pub(super) pool: Vec<ProviderId>,
+    pub(super) budget: GateBudget,
+    /// The client left before it learnt the response id.
+    pub(super) client_left: bool,
+}
+
+/// One record being taken over (R-TAKE-1).
+#[derive(Debug, Default)]
+pub(super) struct Takeover {
+    /// Writes tried.
+    attempts: u32,
+    /// The epoch its raise won.
+    epoch: Option<u64>,
+}
+
+/// Where the client of a durable response is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ClientState {
+    /// On the request's own stream.
+    Attached {
+        incarnation: u64,
+        request_id: RequestId,
+    },
+    /// Gone (it left, or its Edge died); it may resume.
+    Away,
+    /// Resumed on this incarnation and following the record.
+    Following { incarnation: u64 },
+    /// It received the terminal, or gave up.
+    Done,
+}
+
+/// The client of one durable response, as the client knows itself.
+#[derive(Debug)]
+pub(super) struct DurableClient {
+    pub(super) state: ClientState,
+    /// The last event number it saw.
+    pub(super) received: u64,
+    pub(super) resumes_left: u32,
+}
+
+impl World {
+    /// Virtual time as the Unix milliseconds a driver would stamp.
+    pub(super) fn unix_ms(&self) -> u64 {
+        UNIX_EPOCH_OFFSET_MS + self.now.as_micros() / 1000
+    }
+
+    // ---- The store's traffic ----------------------------------------------
+
+    /// A writer's op goes to the store's queue.
+    pub(super) fn journal_submit(&mut self, writer: Writer, op: JournalOp) {
+        self.checker.journal_submitted(&writer, &op);
+        self.recorder
+            .world_line(&("journal_submit", &writer, op.kind(), op.record_id()));
+        let record = op.record_id().to_owned();
+        let kind = op.op_kind();
+        match self.journal.submit(PendingWrite {
+            writer: writer.clone(),
+            op,
+        }) {
+            Ok(_) => self.pump_journal(),
+            Err(refused) => self.answer_later(writer, record, kind, OpResult::Refused(refused)),
+        }
+    }
+
+    /// Start the next sync if the store is free and writes wait.
+    fn pump_journal(&mut self) {
+        if let Some(generation) = self.journal.begin_sync() {
+            let p = self.cfg.journal;
+            let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+            let latency = Duration::from_micros(self.rng.range(us(p.sync_min), us(p.sync_max)));
+            self.schedule(self.now + latency, Event::JournalSync { generation });
+        }
+    }
+
+    fn answer_later(&mut self, writer: Writer, record: String, kind: OpKind, result: OpResult) {
+        let ack_us = u64::try_from(self.cfg.journal.ack_max.as_micros()).unwrap_or(0);
+        let at = self.now + Duration::from_micros(self.rng.range(0, ack_us));
+        self.schedule(
+            at,
+            Event::JournalAnswer {
+                writer,
+                record,
+                kind,
+                result: Box::new(result),
+            },
+        );
+    }
+
+    /// A sync ended: its writes are durable; their answers travel back.
+    /// Or the Edge dies at this crash point.
+    pub(super) fn journal_sync_done(&mut self, generation: u64) {
+        let now_unix = self.unix_ms();
+        if self.faults_on()
+            && self.edge.is_some()
+            && self.rng.chance(self.cfg.journal.crash_point_ppm)
+        {
+            self.stats.crash_points += 1;
+            if self.rng.chance(PPM / 2) {
+                // After the sync, before its answers: durable, never
+                // acknowledged (nobody is told, no follower either).
+                let applied = self.journal.complete_sync(generation, now_unix);
+                self.stats.journal_unacked += applied.len() as u64;
+                self.crash_edge(None);
+            } else {
+                // Before the sync completed: the batch is lost.
+                self.crash_edge(Some(false));
+            }
+            return;
+        }
+        let answers = if self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm) {
+            self.stats.sync_failures += 1;
+            self.journal.fail_sync(generation)
+        } else {
+            self.journal.complete_sync(generation, now_unix)
+        };
+        let mut touched = BTreeSet::new();
+        for (write, result) in answers {
+            self.stats.journal_writes += 1;
+            self.recorder.world_line(&(
+                "journal_applied",
+                &write.writer,
+                write.op.kind(),
+                write.op.record_id(),
+                result.accepted(),
+            ));
+            touched.insert(write.op.record_id().to_owned());
+            let kind = write.op.op_kind();
+            let record = write.op.record_id().to_owned();
+            self.answer_later(write.writer, record, kind, result);
+        }
+        self.pump_journal();
+        self.notify_followers(&touched);
+    }
+
+    /// The store's answer reached its writer (if the writer's process is
+    /// still the one that asked).
+    pub(super) fn journal_answer(
+        &mut self,
+        writer: Writer,
+        record: String,
+        kind: OpKind,
+        result: OpResult,
+    ) {
+        if self.edge.as_ref().map(|e| e.incarnation) != Some(writer.incarnation()) {
+            // Durable but unacknowledged: the process that asked is gone.
+            return;
+        }
+        match (writer, kind) {
+            (Writer::Request { request_id, .. }, OpKind::Create) => {
+                self.record_created(request_id, result);
+            }
+            (Writer::Request { request_id, .. }, _) => {
+                let ack = match (kind, result) {
+                    (_, OpResult::Refused(e)) => JournalAck::Refused(e),
+                    (OpKind::Finish, _) => JournalAck::Finished,
+                    _ => JournalAck::Appended,
+                };
+                self.request_input(request_id, RequestInput::Journaled(ack));
+            }
+            (Writer::Takeover { .. }, kind) => self.takeover_answer(record, kind, result),
+        }
+    }
+
+    /// A request's journal write (`RequestOutput::Journal`).
+    pub(super) fn request_journal_write(
+        &mut self,
+        incarnation: u64,
+        request_id: RequestId,
+        write: JournalWrite,
+    ) {
+        let op = match write {
+            JournalWrite::Append {
+                response_id,
+                epoch,
+                events,
+            } => JournalOp::Append {
+                id: response_id,
+                epoch,
+                events,
+            },
+            JournalWrite::Finish {
+                response_id,
+                epoch,
+                mut terminal,
+            } => {
+                // The driver stamps the wall-clock time (core reads none).
+                terminal.at_unix_ms = self.unix_ms();
+                JournalOp::Finish {
+                    id: response_id,
+                    epoch,
+                    terminal,
+                }
+            }
+        };
+        self.journal_submit(
+            Writer::Request {
+                incarnation,
+                request_id,
+            },
+            op,
+        );
+    }
+
+    /// A zombie write reaches the store: a dead owner's, late.
+    pub(super) fn journal_zombie(&mut self, write: PendingWrite) {
+        let now_unix = self.unix_ms();
+        let open = self
+            .journal
+            .record(write.op.record_id())
+            .is_some_and(|r| r.meta.terminal.is_none());
+        let result = self.journal.apply_now(&write, now_unix);
+        self.stats.zombies += 1;
+        if result.accepted() {
+            self.stats.zombies_accepted += 1;
+        } else if matches!(result, OpResult::Refused(JournalError::Fenced { .. })) {
+            self.stats.zombies_fenced += 1;
+            if open {
+                // Only the epoch stood between it and the record.
+                self.stats.zombies_fenced_open += 1;
+            }
+        }
+        self.recorder.world_line(&(
+            "journal_zombie",
+            &write.writer,
+            write.op.kind(),
+            write.op.record_id(),
+            result.accepted(),
+        ));
+        let touched = BTreeSet::from([write.op.record_id().to_owned()]);
+        self.notify_followers(&touched);
+    }
+
+    /// The Edge process died: the store's crash point, zombies, and the
+    /// durable clients it served. `next_start` is when it comes back.
+    pub(super) fn journal_crash(
+        &mut self,
+        incarnation: u64,
+        next_start: iop_core::Instant,
+        sync_completed: Option<bool>,
+    ) {
+        self.checker.journal_edge_lost();
+        if self.journal.is_busy() {
+            let survives = match sync_completed {
+                Some(completed) => completed,
+                None => self.rng.chance(self.cfg.journal.sync_survives_ppm),
+            };
+            let now_unix = self.unix_ms();
+            let outcome = self.journal.crash(survives, now_unix);
+            self.stats.journal_unacked += outcome.durable_unacked as u64;
+            self.stats.journal_lost += outcome.lost.len() as u64;
+            let p = self.cfg.journal;
+            for write in outcome.lost {
+                // A create never comes back: the record it would make has
+                // no owner that could know it (see docs/simulation.md).
+                if matches!(write.op, JournalOp::Create(_)) || !self.rng.chance(p.zombie_ppm) {
+                    continue;
+                }
+                let at = if self.rng.chance(p.zombie_late_ppm) {
+                    let late_us = u64::try_from(p.zombie_late_max.as_micros()).unwrap_or(0);
+                    next_start + Duration::from_micros(self.rng.range(0, late_us))
+                } else {
+                    let down_us = (next_start - self.now).as_micros() as u64;
+                    self.now + Duration::from_micros(self.rng.range(0, down_us))
+                };
+                self.schedule(at, Event::Zombie(Box::new(write)));
+            }
+        }
+        let gone: Vec<String> = self
+            .durable_clients
+            .iter()
+            .filter(|(_, c)| match c.state {
+                ClientState::Attached { incarnation: i, .. }
+                | ClientState::Following { incarnation: i } => i == incarnation,
+                ClientState::Away | ClientState::Done => false,
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            self.client_away(&id);
+        }
+    }
+
+    // ---- Durable requests -----------------------------------------------------
+
+    /// A durable client request arrives: create its record first.
+    pub(super) fn durable_arrival(
+        &mut self,
+        request_id: RequestId,
+        pool: Vec<ProviderId>,
+        budget: GateBudget,
+    ) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let record = format!("resp-{incarnation}-{request_id}");
+        edge.pending_creates.insert(
+            request_id,
+            PendingCreate {
+                record: record.clone(),
+                pool,
+                budget,
+                client_left: false,
+            },
+        );
+        let new = NewRecord {
+            id: record.clone(),
+            principal: "sim".into(),
+            api: JournalApi::ChatCompletions,
+            model: "sim".into(),
+            fingerprint: fingerprint("/v1/chat/completions", record.as_bytes()),
+            idempotency_key: None,
+            background: false,
+            request: Vec::new(),
+            created_unix_ms: self.unix_ms(),
+        };
+        self.journal_submit(
+            Writer::Request {
+                incarnation,
+                request_id,
+            },
+            JournalOp::Create(new),
+        );
+    }
+
+    /// The record of a durable request is durable (or was refused): start
+    /// its request machine.
+    fn record_created(&mut self, request_id: RequestId, result: OpResult) {
+        let now = self.now;
+        let flush = self.cfg.durable_flush_bound();
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(pending) = edge.pending_creates.remove(&request_id) else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        if !matches!(result, OpResult::Created(CreateOutcome::Create(_))) {
+            // R-JRN-5: a full store refuses new durable requests (503).
+            self.stats.failed += 1;
+            *self
+                .stats
+                .failures
+                .entry("journal_refused".into())
+                .or_default() += 1;
+            return;
+        }
+        let machine = Request::new(
+            now,
+            RequestSpec {
+                request_id,
+                pool: pending.pool,
+                budget: pending.budget,
+                tunnel_api: None,
+                tunnel_providers: Vec::new(),
+                journal: Some(JournalSpec {
+                    response_id: pending.record.clone(),
+                    epoch: 1,
+                }),
+            },
+        );
+        self.core_bugs.plant_request(&machine);
+        let deadline = machine.gate().deadline() + flush;
+        let attached = !pending.client_left;
+        edge.requests.insert(
+            request_id,
+            EdgeRequest {
+                machine,
+                running: None,
+                admitted_with: None,
+                durable: Some(pending.record.clone()),
+                client_attached: attached,
+            },
+        );
+        self.stats.requests += 1;
+        self.stats.durable_requests += 1;
+        self.checker
+            .request_opened((incarnation, request_id), deadline);
+        self.checker.durable_client_opened(&pending.record);
+        let state = if attached {
+            ClientState::Attached {
+                incarnation,
+                request_id,
+            }
+        } else {
+            ClientState::Done
+        };
+        self.durable_clients.insert(
+            pending.record,
+            DurableClient {
+                state,
+                received: 0,
+                resumes_left: MAX_RESUMES,
+            },
+        );
+        self.drive_request(request_id);
+    }
+
+    /// A delivery of a durable request for its first client: checked
+    /// against the journal (R-JRN-1, R-JRN-2). `false` if the client is
+    /// gone and the delivery goes nowhere.
+    pub(super) fn durable_delivery(&mut self, record: &str, delivery: &Delivery) -> bool {
+        let Some(client) = self.durable_clients.get_mut(record) else {
+            return false;
+        };
+        if !matches!(client.state, ClientState::Attached { .. }) {
+            return false;
+        }
+        match delivery {
+            Delivery::Event(_) | Delivery::Body(_) => {
+                client.received += 1;
+                let seq = client.received;
+                let payload = encode_delivery(delivery);
+                self.checker
+                    .durable_client_event(&self.journal, record, Some(seq), &payload);
+            }
+            Delivery::Finish | Delivery::Fail { .. } => {
+                client.state = ClientState::Done;
+                if let Some(status) = delivered_status(delivery) {
+                    self.checker
+                        .durable_client_terminal(&self.journal, record, status);
+                }
+            }
+            Delivery::Commit { .. } => {}
+        }
+        true
+    }
+
+    /// The client of a durable request leaves: the request goes on.
+    /// Returns whether the request was durable.
+    pub(super) fn durable_leave(&mut self, request_id: RequestId) -> bool {
+        let Some(edge) = &mut self.edge else {
+            return false;
+        };
+        if let Some(pending) = edge.pending_creates.get_mut(&request_id) {
+            pending.client_left = true;
+            return true;
+        }
+        let Some(r) = edge.requests.get_mut(&request_id) else {
+            return false;
+        };
+        let Some(record) = r.durable.clone() else {
+            return false;
+        };
+        let attached = self
+            .durable_clients
+            .get(&record)
+            .is_some_and(|c| matches!(c.state, ClientState::Attached { .. }));
+        // A client that already has its terminal (one from outside the
+        // journal, after a refused write) is done, not away.
+        if r.client_attached && attached {
+            r.client_attached = false;
+            self.stats.durable_left += 1;
+            self.client_away(&record);
+        }
+        true
+    }
+
+    /// A durable client cancels its response (`POST .../cancel`).
+    pub(super) fn client_cancel(&mut self, incarnation: u64, request_id: RequestId) {
+        if self.edge.as_ref().map(|e| e.incarnation) != Some(incarnation) {
+            return;
+        }
+        self.stats.durable_cancels += 1;
+        self.request_input(request_id, RequestInput::Cancel);
+    }
+
+    /// A durable request's machine ended.
+    pub(super) fn durable_request_ended(&mut self, record: &str) {
+        if self.checker.durable_request_ended(&self.journal, record) {
+            self.orphans.insert(record.to_owned());
+        }
+    }
+
+    /// Whether every record without a terminal was left open by its
+    /// request (a known core issue the drain does not wait for).
+    pub(super) fn only_orphans_open(&self) -> bool {
+        let open = self.journal.unfinished_count();
+        open == 0
+            || (open <= self.orphans.len()
+                && self
+                    .journal
+                    .unfinished()
+                    .iter()
+                    .all(|m| self.orphans.contains(&m.id)))
+    }
+
+    // ---- Clients away, resuming, following --------------------------------------
+
+    /// The client of `record` lost its stream: it may resume later.
+    fn client_away(&mut self, record: &str) {
+        let resume_ppm = self.cfg.journal.resume_ppm;
+        let delay_max_ms = super::duration_ms(self.cfg.journal.resume_delay_max);
+        let Some(client) = self.durable_clients.get_mut(record) else {
+            return;
+        };
+        client.state = ClientState::Away;
+        if client.resumes_left == 0 || !self.rng.chance(resume_ppm) {
+            client.state = ClientState::Done;
+            return;
+        }
+        client.resumes_left -= 1;
+        let at = self.now + self.rng.millis(1, delay_max_ms.max(1));
+        self.schedule(
+            at,
+            Event::ClientResume {
+                record: record.to_owned(),
+            },
+        );
+    }
+
+    /// The client of `record` resumes after the last event it saw: the
+    /// durable events it misses, then the live tail.
+    pub(super) fn client_resume(&mut self, record: String) {
+        let Some(client) = self.durable_clients.get(&record) else {
+            return;
+        };
+        if client.state != ClientState::Away {
+            return;
+        }
+        let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) else {
+            // Connection refused: try again later.
+            let at = self.now + self.rng.millis(10, 100);
+            self.schedule(at, Event::ClientResume { record });
+            return;
+        };
+        if self.journal.record(&record).is_none() {
+            // Its record never became durable: nothing to resume.
+            if let Some(c) = self.durable_clients.get_mut(&record) {
+                c.state = ClientState::Done;
+            }
+            return;
+        }
+        self.stats.resumes += 1;
+        if let Some(c) = self.durable_clients.get_mut(&record) {
+            c.state = ClientState::Following { incarnation };
+        }
+        self.recorder.world_line(&("resume", &record));
+        self.follow(&record);
+        // Some resumed clients leave again.
+        let following = self
+            .durable_clients
+            .get(&record)
+            .is_some_and(|c| matches!(c.state, ClientState::Following { .. }));
+        if following && self.rng.chance(PPM / 4) {
+            let at = self.now + self.rng.millis(1, 500);
+            self.schedule(
+                at,
+                Event::FollowerLeave {
+                    record,
+                    incarnation,
+                },
+            );
+        }
+    }
+
+    /// A resumed client leaves again.
+    pub(super) fn follower_leave(&mut self, record: String, incarnation: u64) {
+        if self
+            .durable_clients
+            .get(&record)
+            .is_some_and(|c| c.state == ClientState::Following { incarnation })
+        {
+            self.client_away(&record);
+        }
+    }
+
+    /// Every follower of a touched record receives what became durable.
+    fn notify_followers(&mut self, touched: &BTreeSet<String>) {
+        for record in touched {
+            if self
+                .durable_clients
+                .get(record)
+                .is_some_and(|c| matches!(c.state, ClientState::Following { .. }))
+            {
+                self.follow(record);
+            }
+        }
+    }
+
+    /// Deliver to the follower of `record` the durable events after the
+    /// last one it saw, then the terminal if there is one.
+    fn follow(&mut self, record: &str) {
+        let Some(client) = self.durable_clients.get_mut(record) else {
+            return;
+        };
+        let Some(stored) = self.journal.record(record) else {
+            return;
+        };
+        let after = usize::try_from(client.received).unwrap_or(usize::MAX);
+        for event in stored.events.iter().skip(after) {
+            client.received = event.seq;
+            self.stats.resumed_events += 1;
+            self.checker.durable_client_event(
+                &self.journal,
+                record,
+                Some(event.seq),
+                &event.payload,
+            );
+        }
+        if let Some(terminal) = &stored.meta.terminal {
+            client.state = ClientState::Done;
+            self.checker
+                .durable_client_terminal(&self.journal, record, terminal.status);
+        }
+    }
+
+    /// Whether no durable client is still following a record (but one its
+    /// request left open, which never ends).
+    pub(super) fn followers_done(&self) -> bool {
+        !self.durable_clients.iter().any(|(record, c)| {
+            matches!(c.state, ClientState::Following { .. }) && !self.orphans.contains(record)
+        })
+    }
+
+    // ---- Takeover (R-TAKE-1) -------------------------------------------------
+
+    /// A new incarnation takes over every record without a terminal: raise
+    /// its epoch, then end it `incomplete` with its durable prefix.
+    pub(super) fn takeover_scan(&mut self) {
+        let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) else {
+            return;
+        };
+        let unfinished = self.journal.unfinished();
+        let ids: Vec<String> = unfinished.iter().map(|m| m.id.clone()).collect();
+        let deadline = self.now + self.cfg.takeover_bound();
+        self.checker.journal_edge_started(&ids, deadline);
+        for meta in unfinished {
+            if let Some(edge) = &mut self.edge {
+                edge.takeovers.insert(meta.id.clone(), Takeover::default());
+            }
+            self.journal_submit(
+                Writer::Takeover { incarnation },
+                JournalOp::RaiseEpoch {
+                    id: meta.id,
+                    expected: meta.epoch,
+                },
+            );
+        }
+    }
+
+    fn takeover_answer(&mut self, record: String, kind: OpKind, result: OpResult) {
+        let now_unix = self.unix_ms();
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let writer = Writer::Takeover { incarnation };
+        let Some(takeover) = edge.takeovers.get_mut(&record) else {
+            return;
+        };
+        takeover.attempts += 1;
+        let finish = |epoch: u64| JournalOp::Finish {
+            id: record.clone(),
+            epoch,
+            terminal: Terminal {
+                status: RecordStatus::Incomplete,
+                reason: Some("edge_restart".into()),
+                message: None,
+                at_unix_ms: now_unix,
+            },
+        };
+        let open = self
+            .journal
+            .record(&record)
+            .is_some_and(|r| r.meta.terminal.is_none());
+        // The next write, and whether it tries a write again.
+        let next = match (kind, result) {
+            (OpKind::RaiseEpoch, OpResult::Written(meta)) => {
+                takeover.epoch = Some(meta.epoch);
+                Some((finish(meta.epoch), false))
+            }
+            // Beaten to the epoch (a raise of an older incarnation landed
+            // late): raise again from the epoch the record has now.
+            (
+                OpKind::RaiseEpoch | OpKind::Finish,
+                OpResult::Refused(JournalError::Fenced { current, .. }),
+            ) if open => {
+                takeover.epoch = None;
+                let raise = JournalOp::RaiseEpoch {
+                    id: record.clone(),
+                    expected: current,
+                };
+                Some((raise, true))
+            }
+            // The store failed (an I/O error): the same write again.
+            (OpKind::RaiseEpoch, OpResult::Refused(JournalError::Store(_))) if open => {
+                let expected = self.journal.record(&record).map_or(0, |r| r.meta.epoch);
+                let raise = JournalOp::RaiseEpoch {
+                    id: record.clone(),
+                    expected,
+                };
+                Some((raise, true))
+            }
+            (OpKind::Finish, OpResult::Refused(JournalError::Store(_))) if open => {
+                takeover.epoch.map(|epoch| (finish(epoch), true))
+            }
+            (OpKind::Finish, OpResult::Written(_)) => {
+                self.stats.takeovers += 1;
+                None
+            }
+            // Ended meanwhile (a zombie terminal), or gone.
+            _ => None,
+        };
+        match next {
+            Some((op, retry)) if takeover.attempts < MAX_TAKEOVER_WRITES => {
+                if retry {
+                    self.stats.takeover_retries += 1;
+                }
+                self.journal_submit(writer, op);
+            }
+            _ => {
+                edge.takeovers.remove(&record);
+            }
+        }
+    }
+}
