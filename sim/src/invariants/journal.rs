@@ -313,7 +313,12 @@ impl Checker {
                 );
                 self.fail("R-JRN-1", detail);
             }
-            Some(e) if e.payload != payload => {
+            // The same delivery (the stored event also names the node frame
+            // it came from, R-PARK-2).
+            Some(e)
+                if iop_core::edge::durable::decode_delivery(&e.payload)
+                    != iop_core::edge::durable::decode_delivery(payload) =>
+            {
                 let detail =
                     format!("the client of {id} received an event {seq} that is not the journal's");
                 self.fail("R-JRN-1", detail);

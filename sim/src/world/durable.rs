@@ -414,6 +414,9 @@ impl World {
                     response_id: pending.record.clone(),
                     epoch: 1,
                 }),
+                // Simulated nodes do not park runs (R-PARK-1 is tested on
+                // the node and over real QUIC).
+                park_grace_ms: 0,
             },
         );
         self.core_bugs.plant_request(&machine);
