@@ -454,13 +454,21 @@ impl SimConfig {
     /// a durable one may end. At its deadline it may still have one write
     /// in flight, one append of what is not yet written (a few events, one
     /// append) and its terminal to write (R-JRN-1: its terminal reaches the
-    /// client only once durable):
+    /// client only once durable), and a terminal the store failed is
+    /// written again after `JOURNAL_RETRY`, up to `MAX_TERMINAL_WRITES`
+    /// times (R-JRN-4):
     ///
     /// ```text
     /// B_durable = 3 * (2 * sync_max + ack_max)
+    ///           + MAX_TERMINAL_WRITES * (JOURNAL_RETRY + 2 * sync_max + ack_max)
     /// ```
     pub fn durable_flush_bound(&self) -> Duration {
+        // A terminal the store failed is written again after
+        // `JOURNAL_RETRY`, at most `MAX_TERMINAL_WRITES` times in all
+        // (R-JRN-4).
+        let retries = iop_core::edge::durable::MAX_TERMINAL_WRITES;
         self.journal.round_trip_max() * 3
+            + (iop_core::edge::request::JOURNAL_RETRY + self.journal.round_trip_max()) * retries
     }
 
     /// Liveness bound B_takeover: every record without a terminal at an

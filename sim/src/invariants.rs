@@ -101,22 +101,17 @@ struct LeaseModel {
 /// findings (with their reproduction) and become violations with
 /// `--strict`.
 ///
-/// * `journal-orphan` (only with `--store-faults`): a durable request whose
-///   append or terminal the store refused with an I/O error ends and leaves
-///   its record without a terminal. `Request` writes a `failed` terminal
-///   after a refusal only if it had not taken its terminal yet, and never
-///   writes again after a refused terminal; nothing takes the record over
-///   until the next Edge start (R-TAKE-1 covers restarts only), so it stays
-///   `in_progress` and its idempotency key keeps attaching repeats to it.
-///
-/// Fixed so far: R-SEL-1 on
+/// None is open. Fixed so far: `journal-orphan` (with `--store-faults`: a
+/// durable request whose append or terminal the store refused left its
+/// record without a terminal; a refused append now ends it `failed` and a
+/// failed terminal is written again, R-JRN-4), R-SEL-1 on
 /// readiness (a node's providers came online one at a time, so an avoided
 /// provider could win before its alternate was online; `Admission::set_states`)
 /// and R-SEL-1 on queued re-resolution (the queue was served between two
 /// state changes of one input, e.g. a CAPABILITIES answer raising the
 /// avoided provider before the same probe recovered its alternate; the
 /// queue is now served once per input, at `Admission::poll_event`).
-pub const KNOWN_CORE_ISSUES: &[&str] = &[journal::JOURNAL_ORPHAN];
+pub const KNOWN_CORE_ISSUES: &[&str] = &[];
 
 /// The most findings one run keeps.
 const MAX_FINDINGS: usize = 16;

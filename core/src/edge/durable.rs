@@ -177,6 +177,30 @@ pub struct Publisher {
     /// The store refused a write: nothing more is written or published
     /// from the journal.
     refused: Option<JournalError>,
+    /// The refused write was the terminal.
+    refused_terminal: bool,
+    /// Terminal writes issued so far.
+    terminal_writes: u32,
+    /// A refused terminal waits to be written again.
+    terminal_delayed: bool,
+}
+
+/// The most times a record's terminal is written before the request gives
+/// up on it (the restart scan ends the record then, R-TAKE-1).
+pub const MAX_TERMINAL_WRITES: u32 = 5;
+
+/// What a request does after the store refused a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterRefusal {
+    /// Write the terminal again later (the store failed it; R-JRN-4: the
+    /// record still gets its one terminal).
+    RetryTerminalLater,
+    /// The record ends with the fallback terminal, written next (an append
+    /// was refused: what followed it can never be written).
+    WriteFallback,
+    /// Nothing more is written (fenced: another writer owns the record;
+    /// or the terminal was tried too often).
+    GiveUp,
 }
 
 impl Publisher {
@@ -193,6 +217,9 @@ impl Publisher {
             finished: false,
             in_flight: None,
             refused: None,
+            refused_terminal: false,
+            terminal_writes: 0,
+            terminal_delayed: false,
         }
     }
 
@@ -296,8 +323,10 @@ impl Publisher {
             });
         }
         match &mut self.terminal {
+            Some((_, false)) if self.terminal_delayed => None,
             Some((terminal, sent @ false)) => {
                 *sent = true;
+                self.terminal_writes += 1;
                 self.in_flight = Some(InFlight::Finish);
                 Some(JournalWrite::Finish {
                     response_id: self.spec.response_id.clone(),
@@ -317,7 +346,10 @@ impl Publisher {
         match (in_flight, ack) {
             (InFlight::Append(through), JournalAck::Appended) => self.durable_seq = through,
             (InFlight::Finish, JournalAck::Finished) => self.finished = true,
-            (_, JournalAck::Refused(e)) => self.refused = Some(e),
+            (in_flight, JournalAck::Refused(e)) => {
+                self.refused_terminal = in_flight == InFlight::Finish;
+                self.refused = Some(e);
+            }
             // An answer of the other kind is the driver's bug: treat it as
             // a failed store rather than publish what is not durable.
             (_, _) => self.refused = Some(JournalError::Store("mismatched answer".into())),
@@ -358,6 +390,45 @@ impl Publisher {
     pub fn discard(&mut self) {
         self.waiting.clear();
         self.unwritten.clear();
+    }
+
+    /// The store refused the write in flight (see [`Self::refused`]):
+    /// decide how the record still gets its one terminal (R-JRN-4).
+    /// `fallback` ends it when an append was refused; a terminal the store
+    /// failed is written again later, at most [`MAX_TERMINAL_WRITES`]
+    /// times in all. A fenced writer writes nothing more (R-JRN-3).
+    pub fn after_refusal(&mut self, fallback: Terminal) -> AfterRefusal {
+        let Some(error) = self.refused.clone() else {
+            return AfterRefusal::GiveUp;
+        };
+        let may_still_end = matches!(error, JournalError::RecordTooLarge | JournalError::Store(_));
+        if !may_still_end || self.terminal_writes >= MAX_TERMINAL_WRITES {
+            return AfterRefusal::GiveUp;
+        }
+        if self.refused_terminal && matches!(error, JournalError::Store(_)) {
+            // The same terminal again, once the store had a moment.
+            self.refused = None;
+            self.waiting
+                .retain(|(seq, d)| *seq == 0 && terminal_of(d).is_some());
+            self.unwritten.clear();
+            if let Some((_, sent)) = &mut self.terminal {
+                *sent = false;
+            }
+            self.terminal_delayed = true;
+            return AfterRefusal::RetryTerminalLater;
+        }
+        self.finish_after_refusal(fallback);
+        AfterRefusal::WriteFallback
+    }
+
+    /// Whether a refused terminal waits for [`Self::retry_terminal`].
+    pub fn terminal_delayed(&self) -> bool {
+        self.terminal_delayed
+    }
+
+    /// Write the delayed terminal now.
+    pub fn retry_terminal(&mut self) {
+        self.terminal_delayed = false;
     }
 
     /// Take over the terminal after a refusal that still lets the record

@@ -46,7 +46,7 @@ use iop_wire::{
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
 use crate::edge::dispatch::{ParkedOffer, RequestCommand, RequestEvent};
 use crate::edge::durable::{
-    FrameSource, JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher,
+    AfterRefusal, FrameSource, JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher,
 };
 use crate::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEvent, GateFailure,
@@ -118,6 +118,9 @@ pub struct RequestSpec {
     #[serde(default)]
     pub park_grace_ms: u64,
 }
+
+/// How long a terminal the store refused waits before it is written again.
+pub const JOURNAL_RETRY: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// How much longer than the park grace a durable request waits for its
 /// parked run to be reported (the node must reconnect and register).
@@ -367,6 +370,8 @@ pub struct Request {
     /// (journal event that must be durable, frame): a frame is acked once
     /// its mark's event is durable; `u64::MAX` waits for the terminal.
     marks: VecDeque<(u64, u64)>,
+    /// When a terminal the store refused is written again.
+    journal_retry_at: Option<Instant>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -403,6 +408,7 @@ impl Request {
             adopting: None,
             source: None,
             marks: VecDeque::new(),
+            journal_retry_at: None,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
@@ -660,16 +666,21 @@ impl Request {
             // Nothing unjournaled reaches the client (R-JRN-1): the run
             // stops and the client gets one error terminal outside the
             // journal.
-            publisher.discard();
-            let may_still_end =
-                matches!(error, JournalError::RecordTooLarge | JournalError::Store(_));
-            if may_still_end && !publisher.has_terminal() {
-                publisher.finish_after_refusal(Terminal {
-                    status: RecordStatus::Failed,
-                    reason: Some(journal_failure_reason(&error).to_owned()),
-                    message: None,
-                    at_unix_ms: 0,
-                });
+            let next = publisher.after_refusal(Terminal {
+                status: RecordStatus::Failed,
+                reason: Some(journal_failure_reason(&error).to_owned()),
+                message: None,
+                at_unix_ms: 0,
+            });
+            if next == AfterRefusal::RetryTerminalLater {
+                // R-JRN-4: the record still gets its terminal; the store
+                // gets a moment first.
+                self.journal_retry_at = Some(now.saturating_add(JOURNAL_RETRY));
+                self.pump_journal();
+                return;
+            }
+            if next == AfterRefusal::GiveUp {
+                publisher.discard();
             }
             if self.phase != Phase::Ended {
                 let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
@@ -722,7 +733,7 @@ impl Request {
     /// budget, `None` once it ended.
     pub fn poll_timeout(&self) -> Option<Instant> {
         if self.phase == Phase::Ended {
-            return None;
+            return self.journal_retry_at;
         }
         #[cfg(feature = "planted-bugs")]
         if self.planted(PlantedBug::IgnoreGateTimeout) {
@@ -732,12 +743,22 @@ impl Request {
             Phase::Parked { until, .. } => Some(until),
             _ => None,
         };
-        crate::time::earliest(self.gate.poll_timeout(), parked)
+        crate::time::earliest(
+            crate::time::earliest(self.gate.poll_timeout(), parked),
+            self.journal_retry_at,
+        )
     }
 
     /// Fire the budget timer (R-GATE-3: at or after the deadline the run is
     /// canceled and the request ends).
     pub fn handle_timeout(&mut self, now: Instant) {
+        if self.journal_retry_at.is_some_and(|at| now >= at) {
+            self.journal_retry_at = None;
+            if let Some(p) = self.publisher.as_mut() {
+                p.retry_terminal();
+            }
+            self.pump_journal();
+        }
         if self.phase == Phase::Ended {
             return;
         }

@@ -1317,3 +1317,102 @@ fn r_take_1_an_adopter_appends_after_the_durable_prefix_with_its_epoch() {
         vec![Some(crate::edge::durable::FrameSource { key, frame: 4 })]
     );
 }
+
+/// A durable request whose run completed: its completion event is
+/// journaled and its terminal is next.
+fn durable_completed(r: &mut Request) -> Lease {
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(r, &l);
+    r.handle_input(t(2), run(text("a")));
+    r.handle_input(t(3), RequestInput::Journaled(JournalAck::Appended));
+    r.handle_input(t(4), run(completed()));
+    r.handle_input(
+        t(5),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(&l),
+        }),
+    );
+    drain(r);
+    l
+}
+
+#[test]
+fn r_jrn_4_an_append_refused_while_the_terminal_waits_still_ends_the_record() {
+    use crate::edge::durable::JournalWrite;
+    use crate::journal::{JournalError, RecordStatus};
+    let mut r = Request::new(t(0), durable_spec());
+    durable_completed(&mut r);
+    // The completion's append fails; the Completed terminal waited behind it.
+    r.handle_input(
+        t(6),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Store("disk".into()))),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        matches!(&journal_writes(&outs)[..], [JournalWrite::Finish { terminal, .. }]
+            if terminal.status == RecordStatus::Failed),
+        "the record ends failed: {outs:?}"
+    );
+    assert!(!r.is_ended(), "its terminal write is out");
+    r.handle_input(t(7), RequestInput::Journaled(JournalAck::Finished));
+    assert!(r.is_ended());
+}
+
+#[test]
+fn r_jrn_4_a_terminal_the_store_failed_is_written_again_then_given_up() {
+    use crate::edge::durable::{JournalWrite, MAX_TERMINAL_WRITES};
+    use crate::journal::{JournalError, RecordStatus};
+    let mut r = Request::new(t(0), durable_spec());
+    durable_completed(&mut r);
+    r.handle_input(t(6), RequestInput::Journaled(JournalAck::Appended));
+    let outs = drain(&mut r);
+    assert!(matches!(
+        &journal_writes(&outs)[..],
+        [JournalWrite::Finish { .. }]
+    ));
+    let mut now = t(6);
+    for attempt in 1..MAX_TERMINAL_WRITES {
+        r.handle_input(
+            now,
+            RequestInput::Journaled(JournalAck::Refused(JournalError::Store("disk".into()))),
+        );
+        assert!(journal_writes(&drain(&mut r)).is_empty(), "not at once");
+        assert!(
+            !r.is_ended(),
+            "attempt {attempt}: the terminal is still owed"
+        );
+        let at = r.poll_timeout().expect("a retry is timed");
+        assert_eq!(at, now.saturating_add(JOURNAL_RETRY));
+        r.handle_timeout(at);
+        now = at;
+        let outs = drain(&mut r);
+        assert!(
+            matches!(&journal_writes(&outs)[..], [JournalWrite::Finish { terminal, .. }]
+                if terminal.status == RecordStatus::Completed),
+            "the same terminal again: {outs:?}"
+        );
+    }
+    // Past the bound it gives up (the restart scan ends the record).
+    r.handle_input(
+        now,
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Store("disk".into()))),
+    );
+    drain(&mut r);
+    assert!(r.is_ended());
+    // And a terminal that is accepted ends it at once.
+    let mut r = Request::new(t(0), durable_spec());
+    durable_completed(&mut r);
+    r.handle_input(t(6), RequestInput::Journaled(JournalAck::Appended));
+    drain(&mut r);
+    r.handle_input(
+        t(7),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Store("disk".into()))),
+    );
+    r.handle_timeout(t(7).saturating_add(JOURNAL_RETRY));
+    drain(&mut r);
+    r.handle_input(t(8), RequestInput::Journaled(JournalAck::Finished));
+    let outs = drain(&mut r);
+    assert!(deliveries(&outs).contains(&Delivery::Finish));
+    assert!(r.is_ended());
+}
