@@ -348,65 +348,106 @@ impl Inner {
         Ok((first, last))
     }
 
-    /// Remove the orphans after the committed message `committed_last` of
-    /// `subject`, for a writer that decided on record revision
-    /// `base_revision`. `true`: the subject ends at `committed_last` now.
+    /// After a refused publish: the subject's last message, if the append
+    /// may go after it, for a writer that read the record `tok` at
+    /// `*revision` as `value`. `None`: read the record again.
     ///
-    /// A message whose base revision is below `base_revision` can never be
+    /// A message decided on a revision below `*revision` can never be
     /// committed: its writer's compare-and-set expects that older revision
-    /// and the record has moved past it. One decided on this revision or a
-    /// later one may still be, so it is left and the caller reads again.
-    async fn clear_orphans(
+    /// and the record has left it. It is an orphan. One decided on
+    /// `*revision` itself belongs to a writer that has not committed: still
+    /// in flight, or given up (its commit failed, its ack was lost with a
+    /// server restart). The record is then written again unchanged, a
+    /// compare-and-set like any commit (and `*revision` moves to it): from
+    /// then on that writer's commit can never succeed, and its message is
+    /// an orphan too. One decided on a later revision means this read is
+    /// stale.
+    async fn orphans_end(
+        &self,
+        tok: &str,
+        subject: &str,
+        revision: &mut u64,
+        value: &RecordValue,
+    ) -> Result<Option<u64>, JournalError> {
+        let last = match self.events.direct_get_last_for_subject(subject).await {
+            Ok(m) => m,
+            Err(e) if e.kind() == DirectGetErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(store_error("reading the last append", e)),
+        };
+        if last.sequence <= value.events_last_msg {
+            return Ok(None);
+        }
+        // A message that is not an append was never written by a store:
+        // nothing commits it either.
+        let base = AppendHead::parse(&last.payload).map_or(0, |(h, _)| h.base_revision);
+        if base > *revision {
+            return Ok(None);
+        }
+        if base == *revision {
+            let encoded = value
+                .encode()
+                .map_err(|e| store_error("encoding a record", e))?;
+            match self
+                .kv_write(&Names::record_key(tok), *revision, Some(encoded))
+                .await
+            {
+                Ok(fenced) => {
+                    self.dir().put(tok, fenced, value);
+                    *revision = fenced;
+                }
+                Err(Failure::Conflict) => return Ok(None),
+                Err(f) => return Err(f.into()),
+            }
+        }
+        Ok(Some(last.sequence))
+    }
+
+    /// Remove the orphans between the record's committed end and this
+    /// writer's first message `first_msg`, before it commits: then the
+    /// messages up to the record's end are exactly its committed appends.
+    /// (The subject's last message is never removed while others stay: a
+    /// 2.9 server loses track of a subject's last sequence then.)
+    async fn remove_orphans(
         &self,
         subject: &str,
         committed_last: u64,
-        base_revision: u64,
-    ) -> Result<bool, JournalError> {
+        first_msg: u64,
+    ) -> Result<(), JournalError> {
+        if committed_last == 0 {
+            // Nothing of this record is committed: everything before its
+            // first append goes at once (orphans, or an earlier record's
+            // messages under the same id).
+            return self
+                .events
+                .purge()
+                .filter(subject)
+                .sequence(first_msg)
+                .await
+                .map(|_| ())
+                .map_err(|e| store_error("removing orphaned appends", e));
+        }
         for _ in 0..MAX_ORPHANS {
-            let last = match self.events.direct_get_last_for_subject(subject).await {
+            let m = match self
+                .events
+                .direct_get_next_for_subject(subject, Some(committed_last + 1))
+                .await
+            {
                 Ok(m) => m,
-                Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
-                    return Ok(committed_last == 0);
-                }
-                Err(e) => return Err(store_error("reading the last append", e)),
+                Err(e) => return Err(store_error("reading orphaned appends", e)),
             };
-            if last.sequence <= committed_last {
-                return Ok(last.sequence == committed_last);
+            if m.sequence >= first_msg {
+                return Ok(());
             }
-            // A message that is not an append was never written by a
-            // store: nothing commits it either.
-            let orphan_base = AppendHead::parse(&last.payload).map_or(0, |(h, _)| h.base_revision);
-            if orphan_base >= base_revision {
-                return Ok(false);
+            tracing::debug!(subject, seq = m.sequence, "removing an orphaned append");
+            match self.events.delete_message(m.sequence).await {
+                Ok(_) => {}
+                Err(e) => match e.kind() {
+                    async_nats::jetstream::stream::DeleteMessageErrorKind::JetStream(js)
+                        if js.error_code() == ErrorCode::NO_MESSAGE_FOUND
+                            || js.error_code() == ErrorCode::SEQUENCE_NOT_FOUND => {}
+                    _ => return Err(store_error("removing an orphaned append", e)),
+                },
             }
-            tracing::debug!(subject, seq = last.sequence, "removing an orphaned append");
-            let removed = if committed_last == 0 {
-                // Nothing of this record is committed, and no message
-                // decided on a newer revision can come before one decided
-                // on an older (it would have expected it as the subject's
-                // last): the whole subject goes at once.
-                self.events
-                    .purge()
-                    .filter(subject)
-                    .sequence(last.sequence + 1)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            } else {
-                match self.events.delete_message(last.sequence).await {
-                    Ok(_) => Ok(()),
-                    Err(e) => match e.kind() {
-                        async_nats::jetstream::stream::DeleteMessageErrorKind::JetStream(js)
-                            if js.error_code() == ErrorCode::NO_MESSAGE_FOUND
-                                || js.error_code() == ErrorCode::SEQUENCE_NOT_FOUND =>
-                        {
-                            Ok(())
-                        }
-                        _ => Err(e.to_string()),
-                    },
-                }
-            };
-            removed.map_err(|e| store_error("removing an orphaned append", e))?;
         }
         Err(JournalError::Store("too many orphaned appends".into()))
     }
@@ -655,23 +696,37 @@ impl Inner {
                 return Ok(next);
             }
             fresh = true;
-            let bodies = frame_append(revision, epoch, &events, self.max_message_bytes)
-                .map_err(|e| store_error("framing an append", e))?;
-            let (first_msg, last_msg) = match self
-                .publish_append(&subject, value.events_last_msg, &bodies)
-                .await
-            {
-                Ok(seqs) => seqs,
-                Err(Failure::Conflict) => {
-                    // Something is after the committed end: orphans of
-                    // a writer that lost its commit, or a write still
-                    // deciding. Clear what can never commit, read again.
-                    self.clear_orphans(&subject, value.events_last_msg, revision)
-                        .await?;
-                    continue;
+            let mut revision = revision;
+            let mut expected = value.events_last_msg;
+            let mut published = None;
+            for _ in 0..MAX_ORPHANS {
+                let bodies = frame_append(revision, epoch, &events, self.max_message_bytes)
+                    .map_err(|e| store_error("framing an append", e))?;
+                match self.publish_append(&subject, expected, &bodies).await {
+                    Ok(seqs) => {
+                        published = Some(seqs);
+                        break;
+                    }
+                    // Something is after the committed end: orphans of a
+                    // writer that lost its commit, or a write deciding on
+                    // another value of the record.
+                    Err(Failure::Conflict) => {
+                        match self
+                            .orphans_end(&tok, &subject, &mut revision, &value)
+                            .await?
+                        {
+                            Some(last) => expected = last,
+                            None => break,
+                        }
+                    }
+                    Err(f) => return Err(f.into()),
                 }
-                Err(f) => return Err(f.into()),
+            }
+            let Some((first_msg, last_msg)) = published else {
+                continue;
             };
+            self.remove_orphans(&subject, value.events_last_msg, first_msg)
+                .await?;
             #[cfg(test)]
             self.hooks.before_commit().await;
             let committed = RecordValue {
