@@ -133,6 +133,10 @@
 
 #![deny(missing_docs)]
 
+// The test harness of `tests/` names the crate, as integration tests do.
+#[cfg(test)]
+extern crate self as iop_store_nats;
+
 use std::sync::{Arc, Mutex};
 
 use iop_core::journal::{
