@@ -51,41 +51,48 @@
 //! that message's sequence as its new end. Group commit (R-JRN-1): all
 //! the events of an append are one message and one ack, and the record's
 //! set is one more; appends of different responses run concurrently on
-//! one connection. A publish is durable when acknowledged (written by the
-//! server before the ack; by a quorum with replicas), and the record is
-//! set only after it.
+//! one connection. (An append larger than a message is split, each part
+//! expecting the previous one, so nothing can land between them.) The
+//! record is set only after the ack, and an acknowledged message is
+//! written by the server (SIGKILL of the server loses none); for power
+//! loss, run the stream and bucket with 3 replicas (acked by a quorum).
 //!
 //! The message also carries the record revision its writer decided on. If
 //! the writer's set then loses (a takeover raised the epoch between its
-//! read and its set), the message is an **orphan**:
+//! read and its set), or never comes (its Edge died, or the server did
+//! before the set), the message is an **orphan**:
 //!
 //! * *Never visible.* Readers read a record's events only up to the last
-//!   committed message its value names. An orphan is after that end, and
-//!   nothing after it can be committed without removing it first (below).
-//!   The events of one record up to its end are therefore exactly its
-//!   committed appends, in order, and a fenced writer can make no event
-//!   visible; nor a terminal, which is the record's value alone.
-//! * *Removed by the next writer.* The next append's expected last
-//!   sequence fails while the orphan is on the subject. That writer reads
-//!   the subject's last message: if it was decided on a revision older
-//!   than the one the writer decided on, its own set can never succeed
-//!   (it expects a revision the record has left) and it is deleted; one
-//!   decided on the same or a newer revision may still commit, so the
-//!   writer reads the record again instead. Before a record's first
-//!   committed append, everything on its subject is such an orphan (or an
-//!   earlier record's with the same id) and is purged at once.
+//!   committed message its value names, and a writer commits only once
+//!   the orphans between that end and its own message are deleted. So the
+//!   messages of a record up to its end are exactly its committed appends,
+//!   in order: a fenced writer can make no event visible, nor a terminal
+//!   (the record's value alone).
+//! * *Cleared by the next writer.* The next append's publish is refused
+//!   while an orphan is the subject's last message. That writer looks at
+//!   it: decided on a revision older than its own, it can never commit
+//!   (its set expects a revision the record has left); decided on the
+//!   same revision, its writer has not committed (in flight or gone), and
+//!   the record is written again unchanged, a set like any commit, after
+//!   which it can never commit either; decided on a newer one, this
+//!   writer's read is stale and it reads again. It then publishes after
+//!   the orphan, deletes the orphans before its own message (all of one
+//!   record's before its first append at once), and commits. (It never
+//!   deletes the subject's last message while others stay: a 2.9 server
+//!   then loses the subject's last sequence.)
 //!
 //! A request is published before its record is created; the record names
 //! its parts' sequences, and the first is the record's *incarnation* (an
 //! id reused after expiry is a new incarnation; events are read only from
 //! after it). Removing a record (delete, sweep, an expired record giving
 //! its key or id way) writes its delete marker (the commit), frees its key
-//! and purges its messages up to the sequences it named.
+//! and purges its messages up to the sequences it named (an orphan after
+//! them stays until the id is used again).
 //!
 //! ## Idempotency keys
 //!
 //! A create writes its record first, then claims its key with a
-//! compare-and-set (a key never written is claimed with "create"). So a
+//! compare-and-set (on revision 0 for a key never written). So a
 //! key entry always names a record that was written, and one naming a
 //! missing record, or a record that does not carry that key, is stale and
 //! free. A create that loses its key to a concurrent one removes its own
@@ -111,7 +118,9 @@
 //!
 //! The journal's bound is core's: `check_create` refuses a new record once
 //! the records (as every Edge's directory counts them) hold `max_bytes`,
-//! and running records may still grow to their terminal. Underneath, the
+//! and running records may still grow to their terminal. (Edges deciding
+//! at the same moment each count without the other's new record: the
+//! bound may be passed by the creates in flight at once.) Underneath, the
 //! stream and the bucket have `max_bytes` limits with discard `new`: the
 //! hard stop, which a write meets as [`JournalError::Full`]. So that an
 //! accepted record never meets it, a create is also refused once the

@@ -392,3 +392,32 @@ async fn an_incompatible_existing_stream_is_refused_naming_the_field() {
     // The same options connect again.
     drop(connect(&server, "compat", LIMITS).await);
 }
+
+/// A server that wants a user and password: the right ones connect, wrong
+/// ones are a connect error, not a panic or a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_are_sent_and_wrong_ones_refused() {
+    let Some(server) = NatsServer::start_with(&["--user", "edge", "--pass", "s3cret"]) else {
+        return;
+    };
+    let mut o = options(&server.url(), "auth", LIMITS);
+    o.auth = iop_store_nats::NatsAuth::UserPassword {
+        user: "edge".into(),
+        password: "s3cret".into(),
+    };
+    let store = NatsStore::connect(o.clone()).await.unwrap();
+    create(&store, "r1", b"{}").await;
+    o.auth = iop_store_nats::NatsAuth::UserPassword {
+        user: "edge".into(),
+        password: "wrong".into(),
+    };
+    assert!(matches!(
+        NatsStore::connect(o.clone()).await,
+        Err(ConnectError::Connect { .. })
+    ));
+    o.auth = iop_store_nats::NatsAuth::CredentialsFile("/nonexistent/edge.creds".into());
+    assert!(matches!(
+        NatsStore::connect(o).await,
+        Err(ConnectError::Credentials { .. })
+    ));
+}
