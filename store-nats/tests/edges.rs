@@ -421,3 +421,49 @@ async fn credentials_are_sent_and_wrong_ones_refused() {
         Err(ConnectError::Credentials { .. })
     ));
 }
+
+/// R-IDEM-1 across Edges: many creates with one idempotency key, on two
+/// Edges at once, make one response; every other gets that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_with_one_key_on_two_edges_make_one_response() {
+    const PER_EDGE: usize = 8;
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    let a = Arc::new(connect(&server, "idem", LIMITS).await);
+    let b = Arc::new(connect(&server, "idem", LIMITS).await);
+    let mut tasks = Vec::new();
+    for (e, store) in [&a, &b].into_iter().enumerate() {
+        for i in 0..PER_EDGE {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut r = record(&format!("r{e}-{i}"), b"{\"same\":true}");
+                r.idempotency_key = Some(iop_core::journal::idempotency_hash("p", "order-42"));
+                store.create(r).await
+            }));
+        }
+    }
+    let mut created = Vec::new();
+    let mut existing = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(CreateOutcome::Create(m)) => created.push(m.id),
+            Ok(CreateOutcome::Existing(m)) => existing.push(m.id),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(created.len(), 1, "{created:?}");
+    assert!(existing.iter().all(|id| *id == created[0]), "{existing:?}");
+    // Only the one response is stored, on either Edge.
+    until("both Edges to count one record", || async {
+        a.stats().records == 1 && b.stats().records == 1
+    })
+    .await;
+    for (e, store) in [&a, &b].into_iter().enumerate() {
+        for i in 0..PER_EDGE {
+            let id = format!("r{e}-{i}");
+            let found = store.get(id.clone(), 0).await.unwrap().is_some();
+            assert_eq!(found, id == created[0], "{id}");
+        }
+    }
+}
