@@ -273,6 +273,20 @@ impl Inner {
         Ok(ack.sequence)
     }
 
+    /// Commit `value` as the record `tok` if its revision is still
+    /// `expected`; the directory (and the record's watchers) learn it at
+    /// once. The new revision.
+    async fn commit(&self, tok: &str, expected: u64, value: &RecordValue) -> Result<u64, Failure> {
+        let encoded = value
+            .encode()
+            .map_err(|e| Failure::Store(format!("encoding a record: {e}")))?;
+        let revision = self
+            .kv_write(&Names::record_key(tok), expected, Some(encoded))
+            .await?;
+        self.dir().put(tok, revision, value);
+        Ok(revision)
+    }
+
     /// Publish the parts of a request, all before waiting for any ack. The
     /// parts' stream sequences.
     async fn publish_request(&self, tok: &str, request: &[u8]) -> Result<Vec<u64>, JournalError> {
@@ -384,17 +398,8 @@ impl Inner {
             return Ok(None);
         }
         if base == *revision {
-            let encoded = value
-                .encode()
-                .map_err(|e| store_error("encoding a record", e))?;
-            match self
-                .kv_write(&Names::record_key(tok), *revision, Some(encoded))
-                .await
-            {
-                Ok(fenced) => {
-                    self.dir().put(tok, fenced, value);
-                    *revision = fenced;
-                }
+            match self.commit(tok, *revision, value).await {
+                Ok(fenced) => *revision = fenced,
                 Err(Failure::Conflict) => return Ok(None),
                 Err(f) => return Err(f.into()),
             }
@@ -556,7 +561,6 @@ impl Inner {
 
     pub(crate) async fn create(&self, new: NewRecord) -> Result<CreateOutcome, JournalError> {
         let tok = token(&new.id);
-        let rec_key = Names::record_key(&tok);
         let key = new.idempotency_key.as_ref().map(Names::idempotency_key);
         for _ in 0..MAX_ATTEMPTS {
             let same_id = self.read_record(&tok).await?;
@@ -605,14 +609,8 @@ impl Inner {
                 request_parts: parts.clone(),
                 events_last_msg: 0,
             };
-            let encoded = value
-                .encode()
-                .map_err(|e| store_error("encoding a record", e))?;
             // 2. The record: the commit point of the create.
-            let revision = match self
-                .kv_write(&rec_key, same_id.revision(), Some(encoded))
-                .await
-            {
+            let revision = match self.commit(&tok, same_id.revision(), &value).await {
                 Ok(r) => r,
                 Err(Failure::Conflict) => {
                     self.discard(&parts).await;
@@ -623,7 +621,6 @@ impl Inner {
                     return Err(f.into());
                 }
             };
-            self.dir().put(&tok, revision, &value);
             // 3. The key, claimed after the record so that a key entry
             // always names a record that was written: one naming a missing
             // record is stale, never a create in flight. Losing it means
@@ -734,15 +731,8 @@ impl Inner {
                 events_last_msg: last_msg,
                 ..value
             };
-            let encoded = committed
-                .encode()
-                .map_err(|e| store_error("encoding a record", e))?;
-            match self
-                .kv_write(&Names::record_key(&tok), revision, Some(encoded))
-                .await
-            {
-                Ok(new_revision) => {
-                    self.dir().put(&tok, new_revision, &committed);
+            match self.commit(&tok, revision, &committed).await {
+                Ok(_) => {
                     self.anchors().note(
                         &tok,
                         Anchor {
@@ -788,15 +778,8 @@ impl Inner {
                 meta: next.clone(),
                 ..value
             };
-            let encoded = committed
-                .encode()
-                .map_err(|e| store_error("encoding a record", e))?;
-            match self
-                .kv_write(&Names::record_key(&tok), revision, Some(encoded))
-                .await
-            {
-                Ok(new_revision) => {
-                    self.dir().put(&tok, new_revision, &committed);
+            match self.commit(&tok, revision, &committed).await {
+                Ok(_) => {
                     self.done();
                     return Ok(next);
                 }

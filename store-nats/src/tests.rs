@@ -41,8 +41,7 @@ use std::sync::Arc;
 
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use iop_core::journal::{
-    CreateOutcome, JournalApi, JournalError, JournalEvent, JournalLimits, NewRecord, RecordStatus,
-    Terminal, fingerprint,
+    CreateOutcome, JournalError, JournalEvent, JournalLimits, RecordStatus, Terminal,
 };
 use iop_store::JournalStore;
 
@@ -76,17 +75,7 @@ async fn edge(server: &NatsServer) -> Arc<NatsStore> {
 }
 
 async fn create(store: &NatsStore, id: &str) {
-    let record = NewRecord {
-        id: id.into(),
-        principal: "p".into(),
-        api: JournalApi::Responses,
-        model: "m".into(),
-        fingerprint: fingerprint("/v1/responses", b"{}"),
-        idempotency_key: None,
-        background: false,
-        request: b"{}".to_vec(),
-        created_unix_ms: 1,
-    };
+    let record = support::record(id, b"{}");
     assert!(matches!(
         store.create(record).await,
         Ok(CreateOutcome::Create(_))

@@ -9,32 +9,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iop_core::journal::{
-    CreateOutcome, JournalApi, JournalError, JournalEvent, JournalLimits, NewRecord, RecordStatus,
-    Terminal, fingerprint,
+    CreateOutcome, JournalError, JournalEvent, JournalLimits, RecordStatus, Terminal,
 };
 use iop_store::{JournalStore, Progress};
 use iop_store_nats::{ConnectError, NatsStore};
-use support::{NatsServer, WAIT, options, until};
+use support::{NatsServer, WAIT, options, record, until};
 
 const LIMITS: JournalLimits = JournalLimits {
     retention_ms: 60_000,
     max_bytes: 64 * 1024 * 1024,
     max_record_bytes: 1024 * 1024,
 };
-
-fn record(id: &str, request: &[u8]) -> NewRecord {
-    NewRecord {
-        id: id.into(),
-        principal: "p".into(),
-        api: JournalApi::Responses,
-        model: "m".into(),
-        fingerprint: fingerprint("/v1/responses", request),
-        idempotency_key: None,
-        background: false,
-        request: request.to_vec(),
-        created_unix_ms: 1,
-    }
-}
 
 fn event(seq: u64) -> JournalEvent {
     JournalEvent {

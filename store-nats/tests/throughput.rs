@@ -7,9 +7,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Instant;
 
-use iop_core::journal::{
-    CreateOutcome, JournalApi, JournalEvent, JournalLimits, NewRecord, fingerprint,
-};
+use iop_core::journal::{CreateOutcome, JournalEvent, JournalLimits};
 use iop_store::JournalStore;
 use iop_store_nats::NatsStore;
 
@@ -21,17 +19,7 @@ const LIMITS: JournalLimits = JournalLimits {
 
 async fn run(store: Arc<NatsStore>, writers: usize, appends: u64, events_per_append: u64) -> f64 {
     for w in 0..writers {
-        let record = NewRecord {
-            id: format!("w{writers}-{events_per_append}-{w}"),
-            principal: "p".into(),
-            api: JournalApi::Responses,
-            model: "m".into(),
-            fingerprint: fingerprint("/v1/responses", b"{}"),
-            idempotency_key: None,
-            background: false,
-            request: b"{}".to_vec(),
-            created_unix_ms: 1,
-        };
+        let record = support::record(&format!("w{writers}-{events_per_append}-{w}"), b"{}");
         assert!(matches!(
             store.create(record).await,
             Ok(CreateOutcome::Create(_))

@@ -180,3 +180,18 @@ where
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A new record `id` (principal `p`) with `request`.
+pub fn record(id: &str, request: &[u8]) -> iop_core::journal::NewRecord {
+    iop_core::journal::NewRecord {
+        id: id.into(),
+        principal: "p".into(),
+        api: iop_core::journal::JournalApi::Responses,
+        model: "m".into(),
+        fingerprint: iop_core::journal::fingerprint("/v1/responses", request),
+        idempotency_key: None,
+        background: false,
+        request: request.to_vec(),
+        created_unix_ms: 1,
+    }
+}
