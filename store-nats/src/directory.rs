@@ -1,0 +1,349 @@
+//! What one store knows of every record in the bucket: the latest value
+//! and revision of each (from its own commits, its reads and the bucket
+//! watch), the bytes they hold, and the local followers of each.
+//!
+//! It is a cache ordered by revision, never the truth: every decision is
+//! committed by a compare-and-set on the bucket, which refuses one made on
+//! a stale value. It gives the store what must not cost a round trip:
+//! `used_bytes` for [`check_create`](iop_core::journal::check_create),
+//! [`stats`](iop_store::JournalStore::stats), and the progress
+//! of every watched record, changed by the same call that commits a write
+//! (so a watcher has seen an append when it returns) or as soon as the
+//! bucket watch delivers another Edge's write.
+//!
+//! Revisions order everything: a value older than the one held is
+//! ignored, and a record this store deleted leaves a tombstone (the
+//! delete marker's revision) that hides older values the bucket watch may
+//! still deliver, until the watch has passed that marker.
+
+use std::collections::{BTreeMap, HashMap};
+
+use iop_core::journal::{RecordMeta, expired};
+use iop_store::Progress;
+use tokio::sync::watch;
+
+use crate::layout::RecordValue;
+
+/// The most delete markers remembered for purging; past it new ones are
+/// not remembered (they stay in the bucket, a few dozen bytes each).
+pub(crate) const MAX_MARKERS: usize = 1_000_000;
+
+#[derive(Debug)]
+struct Known {
+    revision: u64,
+    value: RecordValue,
+}
+
+/// A delete marker in the bucket, to purge once every follower has seen it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Marker {
+    /// The bucket key it marks.
+    pub key: String,
+    /// Its revision.
+    pub revision: u64,
+    /// When it was written (server time, Unix ms).
+    pub written_unix_ms: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Directory {
+    /// By record token.
+    records: HashMap<String, Known>,
+    used_bytes: u64,
+    /// Record token -> revision of the delete marker this store wrote.
+    tombstones: HashMap<String, u64>,
+    /// The last revision the bucket watch delivered.
+    followed_revision: u64,
+    watchers: HashMap<String, watch::Sender<Progress>>,
+    markers: BTreeMap<u64, Marker>,
+}
+
+fn progress(meta: &RecordMeta) -> Progress {
+    Progress {
+        last_seq: meta.last_seq,
+        ended: meta.terminal.is_some(),
+    }
+}
+
+impl Directory {
+    /// `value` is the record `tok` at `revision`.
+    pub(crate) fn put(&mut self, tok: &str, revision: u64, value: &RecordValue) {
+        if self.tombstones.get(tok).is_some_and(|&r| revision < r) {
+            return;
+        }
+        if self
+            .records
+            .get(tok)
+            .is_some_and(|k| k.revision >= revision)
+        {
+            return;
+        }
+        let new_bytes = value.meta.stored_bytes;
+        let old = self.records.insert(
+            tok.to_owned(),
+            Known {
+                revision,
+                value: value.clone(),
+            },
+        );
+        let old_bytes = old.as_ref().map_or(0, |k| k.value.meta.stored_bytes);
+        self.used_bytes = self.used_bytes.saturating_sub(old_bytes) + new_bytes;
+        let replaced = old.is_some_and(|k| k.value.incarnation != value.incarnation);
+        if replaced {
+            // A new record under the same id: followers of the old one end,
+            // as if it was deleted.
+            self.watchers.remove(tok);
+        } else if let Some(tx) = self.watchers.get(tok) {
+            let now = progress(&value.meta);
+            tx.send_if_modified(|p| {
+                let changed = *p != now;
+                *p = now;
+                changed
+            });
+            if tx.receiver_count() == 0 {
+                self.watchers.remove(tok);
+            }
+        }
+    }
+
+    /// The record `tok` was deleted by the marker at `marker_revision`.
+    pub(crate) fn delete(&mut self, tok: &str, marker_revision: u64) {
+        if self
+            .records
+            .get(tok)
+            .is_some_and(|k| k.revision < marker_revision)
+            && let Some(old) = self.records.remove(tok)
+        {
+            self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
+            self.watchers.remove(tok);
+        }
+        if marker_revision > self.followed_revision {
+            let r = self.tombstones.entry(tok.to_owned()).or_insert(0);
+            *r = (*r).max(marker_revision);
+        }
+    }
+
+    /// The bucket watch delivered everything up to `revision`.
+    pub(crate) fn followed(&mut self, revision: u64) {
+        if revision <= self.followed_revision {
+            return;
+        }
+        self.followed_revision = revision;
+        if !self.tombstones.is_empty() {
+            self.tombstones.retain(|_, r| *r > revision);
+        }
+    }
+
+    /// The last revision the bucket watch delivered.
+    pub(crate) fn followed_revision(&self) -> u64 {
+        self.followed_revision
+    }
+
+    /// Forget `tok` if it is still at `revision` (a read found it gone and
+    /// its delete marker already purged).
+    pub(crate) fn forget(&mut self, tok: &str, revision: u64) {
+        if self
+            .records
+            .get(tok)
+            .is_some_and(|k| k.revision == revision)
+            && let Some(old) = self.records.remove(tok)
+        {
+            self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
+            self.watchers.remove(tok);
+        }
+    }
+
+    /// The latest known value of `tok` and its revision.
+    pub(crate) fn get(&self, tok: &str) -> Option<(u64, RecordValue)> {
+        self.records.get(tok).map(|k| (k.revision, k.value.clone()))
+    }
+
+    /// Follow `tok`'s progress, if it is known.
+    pub(crate) fn subscribe(&mut self, tok: &str) -> Option<watch::Receiver<Progress>> {
+        let known = self.records.get(tok)?;
+        let now = progress(&known.value.meta);
+        Some(
+            self.watchers
+                .entry(tok.to_owned())
+                .or_insert_with(|| watch::channel(now).0)
+                .subscribe(),
+        )
+    }
+
+    /// Drop followers nobody listens to.
+    pub(crate) fn prune_watchers(&mut self) {
+        self.watchers.retain(|_, tx| tx.receiver_count() > 0);
+    }
+
+    /// Remember a delete marker to purge later.
+    pub(crate) fn marker(&mut self, marker: Marker) {
+        if self.markers.len() < MAX_MARKERS {
+            self.markers.insert(marker.revision, marker);
+        }
+    }
+
+    /// Markers older than `grace_ms` at `now_unix_ms` that this store's
+    /// watch has passed, oldest first, at most `max`.
+    pub(crate) fn due_markers(&self, now_unix_ms: u64, grace_ms: u64, max: usize) -> Vec<Marker> {
+        self.markers
+            .values()
+            .take_while(|m| m.revision <= self.followed_revision)
+            .filter(|m| m.written_unix_ms.saturating_add(grace_ms) <= now_unix_ms)
+            .take(max)
+            .cloned()
+            .collect()
+    }
+
+    pub(crate) fn marker_purged(&mut self, revision: u64) {
+        self.markers.remove(&revision);
+    }
+
+    /// Bytes of every known record, as the journal counts them.
+    pub(crate) fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+
+    pub(crate) fn records(&self) -> u64 {
+        self.records.len() as u64
+    }
+
+    /// Tokens of the known records without a terminal.
+    pub(crate) fn unfinished(&self) -> Vec<String> {
+        self.records
+            .iter()
+            .filter(|(_, k)| k.value.meta.terminal.is_none())
+            .map(|(t, _)| t.clone())
+            .collect()
+    }
+
+    /// Tokens and revisions of the known records expired at `now_unix_ms`.
+    pub(crate) fn expired(&self, now_unix_ms: u64) -> Vec<(String, u64)> {
+        self.records
+            .iter()
+            .filter(|(_, k)| expired(&k.value.meta, now_unix_ms))
+            .map(|(t, k)| (t.clone(), k.revision))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_core::journal::{JournalApi, RecordStatus, Terminal};
+
+    use super::*;
+
+    fn value(incarnation: u64, last_seq: u64, bytes: u64, ended: bool) -> RecordValue {
+        RecordValue {
+            meta: RecordMeta {
+                id: "r".into(),
+                principal: "p".into(),
+                api: JournalApi::Responses,
+                model: "m".into(),
+                fingerprint: [0; 32],
+                idempotency_key: None,
+                background: false,
+                created_unix_ms: 0,
+                epoch: 1,
+                last_seq,
+                terminal: ended.then_some(Terminal {
+                    status: RecordStatus::Completed,
+                    reason: None,
+                    message: None,
+                    at_unix_ms: 5,
+                }),
+                expires_unix_ms: if ended { 10 } else { u64::MAX },
+                stored_bytes: bytes,
+            },
+            incarnation,
+            request_parts: vec![incarnation],
+            events_last_msg: 0,
+        }
+    }
+
+    #[test]
+    fn values_apply_in_revision_order_and_count_bytes() {
+        let mut d = Directory::default();
+        d.put("r", 5, &value(1, 2, 300, false));
+        d.put("r", 4, &value(1, 1, 280, false));
+        assert_eq!(
+            d.get("r").map(|(rev, v)| (rev, v.meta.last_seq)),
+            Some((5, 2))
+        );
+        assert_eq!(d.used_bytes(), 300);
+        d.put("s", 6, &value(2, 0, 256, false));
+        assert_eq!((d.records(), d.used_bytes()), (2, 556));
+        d.put("r", 7, &value(1, 3, 310, true));
+        assert_eq!(d.used_bytes(), 566);
+        assert_eq!(d.unfinished(), vec!["s".to_string()]);
+        assert_eq!(d.expired(9), vec![]);
+        assert_eq!(d.expired(10), vec![("r".to_string(), 7)]);
+    }
+
+    #[test]
+    fn a_deleted_record_hides_older_values_until_the_watch_passes_its_marker() {
+        let mut d = Directory::default();
+        d.put("r", 5, &value(1, 2, 300, false));
+        let mut rx = d.subscribe("r").unwrap();
+        rx.borrow_and_update();
+        d.delete("r", 8);
+        assert!(rx.has_changed().is_err(), "the follower ends");
+        assert_eq!((d.records(), d.used_bytes()), (0, 0));
+        // The watch still delivers the old value: hidden.
+        d.put("r", 5, &value(1, 2, 300, false));
+        d.followed(5);
+        assert_eq!(d.records(), 0);
+        // Past the marker the tombstone goes; a newer record shows.
+        d.followed(8);
+        d.put("r", 9, &value(9, 0, 256, false));
+        assert_eq!(d.records(), 1);
+    }
+
+    #[test]
+    fn followers_see_progress_and_end_when_the_id_is_reused() {
+        let mut d = Directory::default();
+        assert!(d.subscribe("r").is_none());
+        d.put("r", 5, &value(1, 2, 300, false));
+        let mut rx = d.subscribe("r").unwrap();
+        assert_eq!(
+            *rx.borrow_and_update(),
+            Progress {
+                last_seq: 2,
+                ended: false
+            }
+        );
+        d.put("r", 6, &value(1, 4, 330, false));
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().last_seq, 4);
+        d.put("r", 7, &value(1, 4, 330, true));
+        assert!(rx.borrow_and_update().ended);
+        d.put("r", 9, &value(8, 0, 256, false));
+        assert!(rx.has_changed().is_err());
+        drop(rx);
+        let rx = d.subscribe("r").unwrap();
+        drop(rx);
+        d.prune_watchers();
+        assert!(d.watchers.is_empty());
+    }
+
+    #[test]
+    fn markers_are_due_after_their_grace_once_followed() {
+        let mut d = Directory::default();
+        for (revision, at) in [(3, 100), (5, 200), (9, 300)] {
+            d.marker(Marker {
+                key: format!("rec.{revision}"),
+                revision,
+                written_unix_ms: at,
+            });
+        }
+        d.followed(5);
+        let due: Vec<u64> = d
+            .due_markers(1200, 1000, 10)
+            .iter()
+            .map(|m| m.revision)
+            .collect();
+        assert_eq!(due, vec![3, 5]);
+        assert_eq!(d.due_markers(1150, 1000, 10).len(), 1);
+        d.marker_purged(3);
+        assert_eq!(d.due_markers(u64::MAX, 1000, 1)[0].revision, 5);
+    }
+}

@@ -1,0 +1,163 @@
+//! The bucket watch: one ordered consumer per store over every key of the
+//! bucket, feeding the [`Directory`] with every record any Edge writes.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{
+    self,
+    consumer::{DeliverPolicy, ReplayPolicy, push},
+    stream::Stream,
+};
+use futures::StreamExt;
+
+use crate::ConnectError;
+use crate::directory::{Directory, Marker};
+use crate::layout::{Names, RECORD_KEY_PREFIX, RecordValue};
+
+const KV_OPERATION: &str = "KV-Operation";
+
+/// Is this bucket message a delete (or purge) marker?
+pub(crate) fn is_marker(headers: Option<&async_nats::HeaderMap>) -> bool {
+    headers
+        .and_then(|h| h.get(KV_OPERATION))
+        .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
+}
+
+pub(crate) fn lock(dir: &Mutex<Directory>) -> std::sync::MutexGuard<'_, Directory> {
+    // Every change of the directory is a single insert or remove: a panic
+    // while it was held leaves it consistent.
+    dir.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Apply one bucket message to the directory.
+fn apply(dir: &Mutex<Directory>, names: &Names, message: &jetstream::Message) {
+    let info = match message.info() {
+        Ok(info) => info,
+        Err(e) => {
+            tracing::warn!(error = %e, "bucket watch: a message without metadata");
+            return;
+        }
+    };
+    let revision = info.stream_sequence;
+    let written_unix_ms =
+        u64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
+    let marker = is_marker(message.headers.as_ref());
+    let mut d = lock(dir);
+    if let Some(key) = message.subject.as_str().strip_prefix(&names.kv_prefix) {
+        if let Some(tok) = key.strip_prefix(RECORD_KEY_PREFIX) {
+            if marker {
+                d.delete(tok, revision);
+            } else {
+                match RecordValue::decode(&message.payload) {
+                    Ok(value) => d.put(tok, revision, &value),
+                    Err(e) => {
+                        tracing::warn!(key, error = %e, "bucket watch: an unreadable record")
+                    }
+                }
+            }
+        }
+        if marker {
+            d.marker(Marker {
+                key: key.to_owned(),
+                revision,
+                written_unix_ms,
+            });
+        }
+    }
+    d.followed(revision);
+}
+
+async fn consumer(
+    kv: &Stream,
+    client: &async_nats::Client,
+    names: &Names,
+    deliver_policy: DeliverPolicy,
+) -> Result<(u64, push::Ordered), String> {
+    let consumer = kv
+        .create_consumer(push::OrderedConfig {
+            deliver_subject: client.new_inbox(),
+            description: Some("iop journal directory".into()),
+            filter_subject: format!("{}>", names.kv_prefix),
+            replay_policy: ReplayPolicy::Instant,
+            deliver_policy,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let pending = consumer.cached_info().num_pending;
+    let messages = consumer.messages().await.map_err(|e| e.to_string())?;
+    Ok((pending, messages))
+}
+
+/// Load every record of the bucket into `dir`, then follow the bucket in
+/// a task (aborted when the store is dropped).
+pub(crate) async fn start(
+    kv: Stream,
+    client: async_nats::Client,
+    names: Names,
+    dir: Arc<Mutex<Directory>>,
+    timeout: Duration,
+) -> Result<tokio::task::JoinHandle<()>, ConnectError> {
+    let load = async {
+        let (mut pending, mut messages) =
+            consumer(&kv, &client, &names, DeliverPolicy::LastPerSubject).await?;
+        while pending > 0 {
+            match messages.next().await {
+                Some(Ok(message)) => {
+                    pending = message.info().map(|i| i.pending).unwrap_or(0);
+                    apply(&dir, &names, &message);
+                }
+                Some(Err(e)) => return Err(e.to_string()),
+                None => return Err("the watch ended".to_string()),
+            }
+        }
+        Ok(messages)
+    };
+    let messages = tokio::time::timeout(timeout, load)
+        .await
+        .map_err(|_| ConnectError::Load(format!("not done within {timeout:?}")))?
+        .map_err(ConnectError::Load)?;
+    Ok(tokio::spawn(follow(kv, client, names, dir, messages)))
+}
+
+async fn follow(
+    kv: Stream,
+    client: async_nats::Client,
+    names: Names,
+    dir: Arc<Mutex<Directory>>,
+    mut messages: push::Ordered,
+) {
+    // Bounded pause between attempts to start the watch again.
+    const RETRY: Duration = Duration::from_secs(1);
+    loop {
+        match messages.next().await {
+            Some(Ok(message)) => apply(&dir, &names, &message),
+            // The ordered consumer starts itself again after a lost
+            // connection; what it says meanwhile is only logged.
+            Some(Err(e)) => tracing::warn!(error = %e, "bucket watch"),
+            None => loop {
+                let from = lock(&dir).followed_revision() + 1;
+                match consumer(
+                    &kv,
+                    &client,
+                    &names,
+                    DeliverPolicy::ByStartSequence {
+                        start_sequence: from,
+                    },
+                )
+                .await
+                {
+                    Ok((_, m)) => {
+                        messages = m;
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "bucket watch: starting again");
+                        tokio::time::sleep(RETRY).await;
+                    }
+                }
+            },
+        }
+    }
+}
