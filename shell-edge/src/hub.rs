@@ -160,6 +160,11 @@ enum HubMsg {
         key: iop_wire::RunKey,
     },
     ParkedSink(mpsc::UnboundedSender<Vec<ParkedOffer>>),
+    Parked {
+        node: NodeId,
+        generation: Generation,
+        runs: Vec<iop_wire::ParkedRun>,
+    },
     ProbeAnswer {
         ticket: ProbeTicket,
         answer: Result<(NodeId, Generation, CapabilitiesReport), HealthFailureCode>,
@@ -259,6 +264,15 @@ impl HubHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let _ = self.tx.send(HubMsg::ParkedSink(tx));
         rx
+    }
+
+    /// A ready connection reports runs that parked since it registered.
+    pub fn parked(&self, node: NodeId, generation: Generation, runs: Vec<iop_wire::ParkedRun>) {
+        let _ = self.tx.send(HubMsg::Parked {
+            node,
+            generation,
+            runs,
+        });
     }
 
     /// No request adopts parked run `key`: let its held capacity go.
@@ -451,6 +465,20 @@ impl Hub {
                     .handle_input(now, DispatchInput::Request(command));
             }
             HubMsg::ParkedSink(tx) => self.parked = Some(tx),
+            HubMsg::Parked {
+                node,
+                generation,
+                runs,
+            } => {
+                self.dispatcher.handle_input(
+                    now,
+                    DispatchInput::Parked {
+                        node,
+                        generation,
+                        runs,
+                    },
+                );
+            }
             HubMsg::ReleaseParked { key } => {
                 self.dispatcher
                     .handle_input(now, DispatchInput::ReleaseParked { key });

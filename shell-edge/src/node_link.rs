@@ -257,6 +257,9 @@ async fn control_loop(
                     }
                     hub.late_message(node.clone(), g);
                 }
+                Ok(Some(NodeControl::Parked { runs })) => {
+                    hub.parked(node.clone(), generation, runs);
+                }
                 Ok(Some(NodeControl::Register(_))) => return CloseCode::ProtocolError,
                 Ok(Some(_)) => {}
                 Ok(None) => return CloseCode::Normal,

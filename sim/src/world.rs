@@ -1385,6 +1385,8 @@ impl World {
                 }
             }
             NodeControl::Closing { code } => self.edge_conn_ended(conn, code),
+            // Simulated nodes park nothing.
+            NodeControl::Parked { .. } => {}
             NodeControl::ConfigApplied { .. } => {}
         }
     }

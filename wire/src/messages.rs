@@ -539,6 +539,14 @@ pub enum NodeControl {
         /// Why.
         code: CloseCode,
     },
+    /// Durable runs that parked since this connection registered (their
+    /// own connection, to another Edge, was lost): this Edge may adopt
+    /// them (R-PARK-2, R-TAKE-1, R-MULTI-1).
+    Parked {
+        /// The runs.
+        #[serde(deserialize_with = "crate::bounded::parked_runs")]
+        runs: Vec<ParkedRun>,
+    },
 }
 
 /// Edge -> Node frames on the control stream.

@@ -396,6 +396,16 @@ pub enum DispatchInput {
         /// The report, or why there is none.
         answer: ProbeAnswer,
     },
+    /// A ready connection reported runs that parked since it registered
+    /// (R-PARK-2): their capacity is held and they are offered at once.
+    Parked {
+        /// Node.
+        node: NodeId,
+        /// The reporting generation.
+        generation: Generation,
+        /// The runs.
+        runs: Vec<ParkedRun>,
+    },
     /// No request adopts this parked run: let its capacity go.
     ReleaseParked {
         /// The run.
@@ -931,6 +941,27 @@ impl Dispatcher {
                 let (_, verdicts) = self.probe_answer(now, &ticket, answer);
                 self.outputs
                     .extend(verdicts.into_iter().map(DispatchOutput::Capability));
+                None
+            }
+            DispatchInput::Parked {
+                node,
+                generation,
+                runs,
+            } => {
+                // Only a current, ready generation is adopted on (R-GEN-2,
+                // R-GEN-3).
+                if self.registry.is_dispatchable(&node, generation) {
+                    self.hold_parked(now, &node, generation, &runs);
+                    if let Some(runs) = self.parked.remove(&(node.clone(), generation)) {
+                        self.outputs.push_back(DispatchOutput::ParkedRuns {
+                            node,
+                            generation,
+                            runs,
+                        });
+                    }
+                } else {
+                    let _ = self.admit_message(&node, generation);
+                }
                 None
             }
             DispatchInput::ReleaseParked { key } => {

@@ -1757,3 +1757,35 @@ fn r_park_2_a_hold_nobody_adopts_is_let_go_and_the_queue_moves() {
     assert_eq!(d.admission().holds(), 0);
     assert!(d.admission().check_invariants().is_ok());
 }
+
+#[test]
+fn r_park_2_runs_parked_later_are_offered_on_a_ready_connection_only() {
+    let mut d = dispatcher();
+    let a = NodeId::from("a");
+    let (g, _) = d.register(T, &a, &register_req()).unwrap();
+    // Not ready yet: nothing is held or offered.
+    d.handle_input(
+        T,
+        DispatchInput::Parked {
+            node: a.clone(),
+            generation: g,
+            runs: vec![parked(90, 7, "t-p2")],
+        },
+    );
+    assert_eq!(d.admission().holds(), 0);
+    assert!(d.ready(T, &a, g));
+    drain_outputs(&mut d);
+    d.handle_input(
+        T,
+        DispatchInput::Parked {
+            node: a.clone(),
+            generation: g,
+            runs: vec![parked(90, 7, "t-p2")],
+        },
+    );
+    assert_eq!(d.admission().holds(), 1);
+    assert!(drain_outputs(&mut d).iter().any(|o| matches!(
+        o,
+        DispatchOutput::ParkedRuns { runs, .. } if runs.len() == 1
+    )));
+}
