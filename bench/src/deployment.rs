@@ -19,10 +19,11 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 
-use crate::load::Target;
+use crate::load::{Durability, Target};
 use crate::procfs::{self, ProcError};
 
 /// The API key every deployment accepts (also an admin key).
@@ -236,6 +237,34 @@ pub struct MockSpec {
     pub external: Option<SocketAddr>,
 }
 
+/// Which store the Edge keeps durable responses in (`[journal] store`,
+/// docs/durability.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum JournalStore {
+    /// The default: one redb file under the Edge's `state_dir`, an fsync
+    /// per group commit.
+    #[default]
+    Embedded,
+    /// Process memory: no file, no fsync.
+    Memory,
+}
+
+impl JournalStore {
+    /// The value of `[journal] store`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JournalStore::Embedded => "embedded",
+            JournalStore::Memory => "memory",
+        }
+    }
+
+    /// The Edge's `[journal]` section selecting this store.
+    pub fn config_section(self) -> String {
+        format!("[journal]\nstore = \"{}\"\n", self.as_str())
+    }
+}
+
 /// What to deploy.
 #[derive(Debug, Clone)]
 pub struct DeploymentSpec {
@@ -251,6 +280,8 @@ pub struct DeploymentSpec {
     pub max_concurrent_runs: u32,
     /// Edge admission queue.
     pub queue_capacity: usize,
+    /// The Edge's journal store.
+    pub journal: JournalStore,
 }
 
 /// A running mock.
@@ -456,6 +487,7 @@ impl Deployment {
         let edge_http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
         let mut edge_toml =
             edge_config_head(edge_quic.port(), edge_http.port(), spec.queue_capacity);
+        edge_toml.push_str(&spec.journal.config_section());
         for m in &spec.mocks {
             for (mode, short) in [("normalized", "norm"), ("tunnel", "tun")] {
                 let mut pool = Vec::new();
@@ -570,6 +602,7 @@ impl Deployment {
             url: format!("http://{}/v1/chat/completions", m.addr),
             api_key: None,
             model: "mock".into(),
+            durability: Durability::Ephemeral,
         })
     }
 
@@ -584,6 +617,7 @@ impl Deployment {
             } else {
                 name.to_owned()
             },
+            durability: Durability::Ephemeral,
         }
     }
 

@@ -13,6 +13,8 @@
 //! * [`scenario`]: the measured scenarios, each comparing against a baseline
 //!   in the same run (direct to the mock).
 //! * [`fleet`]: many Nodes in one process (the node-scale scenario).
+//! * [`journal`]: the Edge's journal metrics read around a run (the durable
+//!   scenario).
 //!
 //! Speed is reported as numbers and ratios against a baseline of the same
 //! run, never asserted in tests: the tests here only check that the tools
@@ -22,6 +24,7 @@
 
 pub mod deployment;
 pub mod fleet;
+pub mod journal;
 pub mod load;
 pub mod procfs;
 pub mod report;

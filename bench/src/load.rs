@@ -46,7 +46,7 @@ pub const MAX_RATE_PER_S: f64 = 1_000_000.0;
 /// chunks but not timed).
 const MAX_GAPS_PER_STREAM: usize = 100_000;
 
-/// Where requests go.
+/// Where requests go, and whether the gateway is asked to keep them.
 #[derive(Debug, Clone)]
 pub struct Target {
     /// The full Chat Completions URL (`http://host:port/v1/chat/completions`).
@@ -55,6 +55,33 @@ pub struct Target {
     pub api_key: Option<String>,
     /// The `model` of every request.
     pub model: String,
+    /// Whether every request asks for a durable response.
+    pub durability: Durability,
+}
+
+/// How a request asks iop to keep its response (docs/durability.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Durability {
+    /// Neither `store` nor an `Idempotency-Key`: nothing is journaled.
+    #[default]
+    Ephemeral,
+    /// `"store": true` in every body.
+    Store,
+    /// A fresh `Idempotency-Key` header on every request (unique across
+    /// runs and processes, so no request is ever a replay).
+    IdempotencyKey,
+}
+
+impl Durability {
+    /// `ephemeral`, `store`, `idempotency_key`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Durability::Ephemeral => "ephemeral",
+            Durability::Store => "store",
+            Durability::IdempotencyKey => "idempotency_key",
+        }
+    }
 }
 
 /// One load run.
@@ -180,6 +207,50 @@ struct Prepared {
     body: Bytes,
     stream: bool,
     timeout: Duration,
+    /// With [`Durability::IdempotencyKey`]: the prefix of every key, unique
+    /// to this run.
+    key_prefix: Option<String>,
+    /// The number of the next key.
+    next_key: AtomicU64,
+}
+
+impl Prepared {
+    /// The request, with its headers and body.
+    fn request(&self) -> reqwest::RequestBuilder {
+        let mut req = self
+            .client
+            .post(self.url.clone())
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .body(self.body.clone());
+        if let Some(auth) = &self.auth {
+            req = req.header(AUTHORIZATION, auth.clone());
+        }
+        if let Some(prefix) = &self.key_prefix {
+            let n = self.next_key.fetch_add(1, Ordering::Relaxed);
+            // Visible ASCII only: always a valid header value.
+            if let Ok(key) = HeaderValue::from_str(&format!("{prefix}-{n}")) {
+                req = req.header(IDEMPOTENCY_KEY, key);
+            }
+        }
+        req
+    }
+}
+
+/// The header that makes a request durable and idempotent.
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// A prefix no other run, of this process or another, uses: the process
+/// id, the wall clock in nanoseconds and a per-process counter.
+fn unique_key_prefix() -> String {
+    static RUNS: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "bench-{:x}-{nanos:x}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// An HTTP client for load: keep-alive pool without a size bound (each
@@ -196,11 +267,19 @@ pub fn client() -> Result<reqwest::Client, LoadError> {
 
 /// The request body: one short user message.
 pub fn chat_body(model: &str, stream: bool) -> Bytes {
-    let body = serde_json::json!({
+    chat_body_kept(model, stream, false)
+}
+
+/// The request body, with `"store": true` when `store`.
+fn chat_body_kept(model: &str, stream: bool, store: bool) -> Bytes {
+    let mut body = serde_json::json!({
         "model": model,
         "stream": stream,
         "messages": [{"role": "user", "content": "hello"}],
     });
+    if store {
+        body["store"] = serde_json::Value::Bool(true);
+    }
     Bytes::from(body.to_string())
 }
 
@@ -216,13 +295,16 @@ fn prepare(
         .as_ref()
         .map(|k| HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| LoadError::InvalidKey))
         .transpose()?;
+    let store = target.durability == Durability::Store;
     Ok(Arc::new(Prepared {
         client: client.clone(),
         url,
         auth,
-        body: chat_body(&target.model, stream),
+        body: chat_body_kept(&target.model, stream, store),
         stream,
         timeout,
+        key_prefix: (target.durability == Durability::IdempotencyKey).then(unique_key_prefix),
+        next_key: AtomicU64::new(0),
     }))
 }
 
@@ -247,15 +329,7 @@ async fn send_one(p: &Prepared, start: Instant) -> Outcome {
 }
 
 async fn exchange(p: &Prepared, start: Instant) -> Result<Timings, RequestError> {
-    let mut req = p
-        .client
-        .post(p.url.clone())
-        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-        .body(p.body.clone());
-    if let Some(auth) = &p.auth {
-        req = req.header(AUTHORIZATION, auth.clone());
-    }
-    let resp = req.send().await.map_err(|e| classify(&e))?;
+    let resp = p.request().send().await.map_err(|e| classify(&e))?;
     let status = resp.status();
     if !status.is_success() {
         // Read the body so the connection can be reused.
@@ -572,15 +646,7 @@ pub async fn hold_streams(
 }
 
 async fn hold_one(p: &Prepared, counts: &HoldCounts) -> Result<(), RequestError> {
-    let mut req = p
-        .client
-        .post(p.url.clone())
-        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-        .body(p.body.clone());
-    if let Some(auth) = &p.auth {
-        req = req.header(AUTHORIZATION, auth.clone());
-    }
-    let resp = req.send().await.map_err(|e| classify(&e))?;
+    let resp = p.request().send().await.map_err(|e| classify(&e))?;
     if !resp.status().is_success() {
         return Err(RequestError::Status(resp.status().as_u16()));
     }

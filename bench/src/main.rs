@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use iop_bench::deployment::{Binaries, Deployment};
-use iop_bench::load::{self, LoadSpec, Target};
+use iop_bench::deployment::{Binaries, Deployment, JournalStore};
+use iop_bench::load::{self, Durability, LoadSpec, Target};
 use iop_bench::report::{LoadMode, load_table};
-use iop_bench::scenario::{self, LatencySettings, Machine, SuiteReport};
+use iop_bench::scenario::{self, DurableSettings, LatencySettings, Machine, SuiteReport};
 
 /// Load generator and end-to-end benchmarks of iop (docs/benchmarks.md).
 #[derive(Parser)]
@@ -56,6 +56,10 @@ struct LoadArgs {
     /// Streamed requests (SSE).
     #[arg(long)]
     stream: bool,
+    /// Ask for durable responses: `store` (`"store": true`) or
+    /// `idempotency-key` (a fresh `Idempotency-Key` per request).
+    #[arg(long, value_enum, default_value_t = DurableArg::No)]
+    durable: DurableArg,
     /// Open loop: requests per second.
     #[arg(
         long,
@@ -92,6 +96,28 @@ enum ScenarioName {
     Streaming,
     Memory,
     Nodes,
+    Durable,
+}
+
+/// How requests ask for a durable response.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DurableArg {
+    /// Ephemeral: neither `store` nor an `Idempotency-Key`.
+    No,
+    /// `"store": true` in the body.
+    Store,
+    /// A fresh `Idempotency-Key` header per request.
+    IdempotencyKey,
+}
+
+impl DurableArg {
+    fn durability(self) -> Durability {
+        match self {
+            DurableArg::No => Durability::Ephemeral,
+            DurableArg::Store => Durability::Store,
+            DurableArg::IdempotencyKey => Durability::IdempotencyKey,
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -140,6 +166,18 @@ struct SuiteArgs {
     /// configured default, 30000).
     #[arg(long)]
     heartbeat_ms: Option<u64>,
+    /// Journal stores of the durable scenario, one deployment each.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    journal_stores: Vec<JournalStore>,
+    /// Closed-loop stream concurrencies of the durable scenario.
+    #[arg(long, value_delimiter = ',')]
+    durable_stream_concurrency: Vec<u32>,
+    /// Open-loop rates of the durable scenario's non-streamed calls.
+    #[arg(long, value_delimiter = ',')]
+    durable_rates: Vec<f64>,
+    /// How the durable scenario's durable requests ask for it.
+    #[arg(long, value_enum, default_value_t = DurableArg::IdempotencyKey)]
+    durable_via: DurableArg,
     /// The `iop-edge` binary (default: beside this one).
     #[arg(long)]
     edge_bin: Option<PathBuf>,
@@ -208,6 +246,7 @@ async fn run_load(a: LoadArgs) -> anyhow::Result<()> {
         url: a.url,
         api_key: key_from(a.key_env.as_ref())?,
         model: a.model,
+        durability: a.durable.durability(),
     };
     let mut spec = LoadSpec::new(&a.label, target, a.stream, mode, secs(a.duration_s)?);
     spec.warmup = Duration::from_secs_f64(a.warmup_s.max(0.0));
@@ -258,6 +297,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         streaming: None,
         memory: None,
         nodes: None,
+        durable: None,
     };
     if want(ScenarioName::Latency) || want(ScenarioName::Streaming) {
         let mut d = Deployment::start(&bins, &scenario::latency_deployment(&work, None)).await?;
@@ -287,6 +327,25 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
             scenario::memory(&bins, &work, a.memory_nodes, &levels, a.memory_ramp_per_s).await?,
         );
     }
+    if want(ScenarioName::Durable) {
+        anyhow::ensure!(
+            a.durable_via != DurableArg::No,
+            "--durable-via must ask for durable responses"
+        );
+        let settings = DurableSettings {
+            stores: or_default(
+                &a.journal_stores,
+                q,
+                &[JournalStore::Embedded, JournalStore::Memory],
+                &[JournalStore::Embedded, JournalStore::Memory],
+            ),
+            stream_concurrencies: or_default(&a.durable_stream_concurrency, q, &[8], &[1, 16, 64]),
+            rates: or_default(&a.durable_rates, q, &[200.0], &[250.0, 500.0, 1000.0]),
+            duration,
+            durability: a.durable_via.durability(),
+        };
+        report.durable = Some(scenario::durable(&bins, &work, &settings).await?);
+    }
     if want(ScenarioName::Nodes) {
         let count = a.fleet_nodes.unwrap_or(if q { 50 } else { 200 });
         let window = secs(a.idle_window_s.unwrap_or(if q { 5.0 } else { 60.0 }))?;
@@ -308,6 +367,7 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         url: a.url,
         api_key: key_from(a.key_env.as_ref())?,
         model: a.model,
+        durability: Durability::Ephemeral,
     };
     let settings = LatencySettings {
         rates: a.rates,
@@ -323,6 +383,7 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         streaming: None,
         memory: None,
         nodes: None,
+        durable: None,
     };
     let (json, md) = report.write(&a.out)?;
     print!("{}", report.markdown());

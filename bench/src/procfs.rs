@@ -83,6 +83,24 @@ pub fn cpu_ticks(pid: u32) -> Result<u64, ProcError> {
     }
 }
 
+/// The system's load averages over 1, 5 and 15 minutes (`/proc/loadavg`):
+/// how busy the machine was around a run, other jobs included.
+pub fn load_average() -> Result<[f64; 3], ProcError> {
+    let path = PathBuf::from("/proc/loadavg");
+    let text = std::fs::read_to_string(&path).map_err(|source| ProcError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let mut fields = text.split_whitespace().map(|v| v.parse::<f64>().ok());
+    match (fields.next(), fields.next(), fields.next()) {
+        (Some(Some(one)), Some(Some(five)), Some(Some(fifteen))) => Ok([one, five, fifteen]),
+        _ => Err(ProcError::Field {
+            path,
+            field: "load averages",
+        }),
+    }
+}
+
 /// Clock ticks per second (`sysconf(_SC_CLK_TCK)`); 100 on every Linux
 /// the project runs on (USER_HZ is fixed by the kernel ABI).
 pub const TICKS_PER_SECOND: u64 = 100;
@@ -103,6 +121,7 @@ mod tests {
         }
         std::hint::black_box(x);
         cpu_ticks(pid).unwrap();
+        assert!(load_average().unwrap().iter().all(|l| *l >= 0.0));
     }
 
     #[test]

@@ -6,8 +6,12 @@
 //!   saturation, plus closed-loop saturation throughput;
 //! * [`streaming`]: relayed SSE chunks per second;
 //! * [`memory`]: RSS of the Edge and the Nodes with N streams in flight;
-//! * [`nodes`]: many Nodes on one Edge, memory per connection and idle CPU.
+//! * [`nodes`]: many Nodes on one Edge, memory per connection and idle CPU;
+//! * [`durable`]: durable vs ephemeral responses, streamed (chunks/s) and
+//!   not (added latency), on each journal store, with the journal's own
+//!   metrics.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -15,13 +19,16 @@ use serde::{Deserialize, Serialize};
 use tokio::io::BufReader;
 
 use crate::deployment::{
-    Binaries, DeployError, Deployment, DeploymentSpec, MockSpec, Proc, edge_config_head,
-    free_tcp_port, free_udp_port, node_config, read_line_until, wait_http_ok, wait_providers_ready,
-    write_pki,
+    Binaries, DeployError, Deployment, DeploymentSpec, JournalStore, MockSpec, Proc,
+    edge_config_head, free_tcp_port, free_udp_port, node_config, read_line_until, wait_http_ok,
+    wait_providers_ready, write_pki,
 };
-use crate::load::{self, LoadError, LoadSpec, Target};
+use crate::journal::{self, OpStats, ScrapeError};
+use crate::load::{self, Durability, LoadError, LoadSpec, Target};
 use crate::procfs::TICKS_PER_SECOND;
-use crate::report::{Comparison, LoadMode, LoadReport, added_latency_table, load_table};
+use crate::report::{
+    Comparison, LoadMode, LoadReport, added_latency_table, added_us, load_table, ms_signed,
+};
 
 /// Why a scenario failed.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +42,42 @@ pub enum ScenarioError {
     /// Something did not happen within its bound.
     #[error("{0}")]
     Timeout(String),
+    /// The Edge's metrics could not be read.
+    #[error(transparent)]
+    Scrape(#[from] ScrapeError),
+}
+
+/// What a scenario runs against: a [`Deployment`] of separate processes,
+/// or (in tests) an Edge, a Node and a mock in the test's own process.
+pub trait Gateway {
+    /// Straight to mock `name`, bypassing iop (`None` if it has no own
+    /// address).
+    fn direct(&self, mock: &str) -> Option<Target>;
+    /// Through the Edge to mock `name`, normalized or tunnelled.
+    fn via(&self, mock: &str, tunnel: bool) -> Target;
+    /// The Edge's client-facing address (its `/metrics` too).
+    fn edge_http(&self) -> SocketAddr;
+    /// CPU ticks so far of the Edge and of all node processes, when they
+    /// are processes of their own.
+    fn cpu_ticks(&self) -> Option<Result<(u64, u64), DeployError>>;
+}
+
+impl Gateway for Deployment {
+    fn direct(&self, mock: &str) -> Option<Target> {
+        Deployment::direct(self, mock)
+    }
+
+    fn via(&self, mock: &str, tunnel: bool) -> Target {
+        Deployment::via(self, mock, tunnel)
+    }
+
+    fn edge_http(&self) -> SocketAddr {
+        self.edge_http
+    }
+
+    fn cpu_ticks(&self) -> Option<Result<(u64, u64), DeployError>> {
+        Some(iop_cpu_ticks(self))
+    }
 }
 
 /// The machine a suite ran on.
@@ -102,7 +145,7 @@ pub const LONG_MOCK: &str = "long";
 pub const SLOW_MOCK: &str = "slow";
 
 /// The gateway paths every comparison measures.
-fn paths(d: &Deployment, mock: &str) -> Vec<(String, Target)> {
+fn paths(d: &dyn Gateway, mock: &str) -> Vec<(String, Target)> {
     vec![
         (
             "direct".into(),
@@ -139,6 +182,7 @@ pub fn latency_deployment(
         capacity: 2048,
         max_concurrent_runs: 2048,
         queue_capacity: 4096,
+        journal: JournalStore::default(),
     }
 }
 
@@ -153,36 +197,92 @@ pub struct LatencySettings {
     pub duration: Duration,
 }
 
+/// How long after a run its last journal operations take to be counted.
+const METRICS_SETTLE: Duration = Duration::from_millis(200);
+
+/// What to read around each run through iop (every path but the first,
+/// the direct one).
+#[derive(Debug, Default)]
+struct Probes {
+    /// The Edge's and the Nodes' CPU time per chunk (streams only).
+    cpu: Option<Vec<ChunkCpu>>,
+    /// The Edge's journal metrics.
+    journal: Option<Vec<JournalRun>>,
+}
+
+impl Probes {
+    fn cpu() -> Self {
+        Probes {
+            cpu: Some(Vec::new()),
+            journal: None,
+        }
+    }
+
+    fn cpu_and_journal() -> Self {
+        Probes {
+            cpu: Some(Vec::new()),
+            journal: Some(Vec::new()),
+        }
+    }
+}
+
 /// Run `spec` against each path in turn (the order rotates per row so no
-/// path always goes first).
-///
-/// With `cpu`, the Edge's and the Nodes' CPU time over each run through
-/// iop (every path but the first, the direct one) is added to its list.
+/// path always goes first), reading `probes` around each run through iop.
+#[allow(clippy::too_many_arguments)]
 async fn compare(
     client: &reqwest::Client,
+    gateway: &dyn Gateway,
     paths: &[(String, Target)],
     stream: bool,
     mode: LoadMode,
     duration: Duration,
     row: usize,
-    mut cpu: Option<(&Deployment, &mut Vec<ChunkCpu>)>,
+    probes: &mut Probes,
 ) -> Result<Comparison, ScenarioError> {
     let mut reports: Vec<Option<LoadReport>> = vec![None; paths.len()];
     for k in 0..paths.len() {
         let i = (k + row) % paths.len();
         let (label, target) = &paths[i];
         let spec = LoadSpec::new(label, target.clone(), stream, mode, duration);
-        let ticks_before = match &cpu {
-            Some((d, _)) if i > 0 => Some(iop_cpu_ticks(d)?),
+        let via = i > 0;
+        let ticks_before = match (&probes.cpu, via) {
+            (Some(_), true) => gateway.cpu_ticks().transpose()?,
+            _ => None,
+        };
+        let journal_before = match (&probes.journal, via) {
+            (Some(_), true) => Some(journal::scrape(client, gateway.edge_http()).await?),
             _ => None,
         };
         let started = Instant::now();
         let r = load::run(client, &spec).await?;
-        if let (Some((d, rows)), Some((edge0, nodes0))) = (&mut cpu, ticks_before) {
-            let (edge1, nodes1) = iop_cpu_ticks(d)?;
+        let elapsed_s = started.elapsed().as_secs_f64();
+        if let (Some(before), Some(runs)) = (journal_before, probes.journal.as_mut()) {
+            // Every request of the run has ended when `load::run` returns,
+            // and each one's last operation was durable before its answer;
+            // the Edge counts an operation just after its answer, hence the
+            // pause.
+            tokio::time::sleep(METRICS_SETTLE).await;
+            let after = journal::scrape(client, gateway.edge_http()).await?;
+            runs.push(JournalRun {
+                load: mode.label(),
+                target: label.clone(),
+                durability: target.durability,
+                stream,
+                chunks_per_ok: if r.ok > 0 {
+                    r.chunks as f64 / r.ok as f64
+                } else {
+                    0.0
+                },
+                ops: after.since(&before),
+            });
+        }
+        if let (Some(rows), Some((edge0, nodes0))) = (probes.cpu.as_mut(), ticks_before)
+            && let Some(ticks) = gateway.cpu_ticks()
+        {
+            let (edge1, nodes1) = ticks?;
             // The chunk rate of the measured window, over the whole run
             // (its warm-up included, as the CPU time is).
-            let chunks = (r.chunks_per_s * started.elapsed().as_secs_f64()).max(1.0);
+            let chunks = (r.chunks_per_s * elapsed_s).max(1.0);
             let us_per_chunk = |ticks: u64| ticks as f64 * 1e6 / TICKS_PER_SECOND as f64 / chunks;
             rows.push(ChunkCpu {
                 load: mode.label(),
@@ -229,7 +329,7 @@ pub struct LatencyResult {
 /// rate, then closed-loop saturation. `extra` paths (a peer gateway) are
 /// measured alongside.
 pub async fn latency(
-    d: &Deployment,
+    d: &dyn Gateway,
     settings: &LatencySettings,
     extra: &[(String, Target)],
 ) -> Result<LatencyResult, ScenarioError> {
@@ -240,13 +340,15 @@ pub async fn latency(
     for (row, rate) in settings.rates.iter().enumerate() {
         eprintln!("latency: open loop {rate}/s");
         let mode = LoadMode::Open { rate_per_s: *rate };
-        open.push(compare(&client, &ps, false, mode, settings.duration, row, None).await?);
+        let none = &mut Probes::default();
+        open.push(compare(&client, d, &ps, false, mode, settings.duration, row, none).await?);
     }
     let mut closed = Vec::new();
     for (row, c) in settings.concurrencies.iter().enumerate() {
         eprintln!("latency: closed loop x{c}");
         let mode = LoadMode::Closed { concurrency: *c };
-        closed.push(compare(&client, &ps, false, mode, settings.duration, row, None).await?);
+        let none = &mut Probes::default();
+        closed.push(compare(&client, d, &ps, false, mode, settings.duration, row, none).await?);
     }
     Ok(LatencyResult { open, closed })
 }
@@ -267,7 +369,7 @@ pub struct StreamingResult {
 /// received, over one streaming run through iop. Read from `/proc` in
 /// 10 ms ticks over the whole run, so it does not depend on how much CPU
 /// other processes left them, unlike chunks per second.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChunkCpu {
     /// The load (`closed x64`).
     pub load: String,
@@ -280,7 +382,7 @@ pub struct ChunkCpu {
 }
 
 /// CPU ticks so far of the Edge and of all node processes.
-fn iop_cpu_ticks(d: &Deployment) -> Result<(u64, u64), ScenarioError> {
+fn iop_cpu_ticks(d: &Deployment) -> Result<(u64, u64), DeployError> {
     let mut nodes = 0;
     for node in &d.nodes {
         nodes += node.cpu_ticks()?;
@@ -291,41 +393,31 @@ fn iop_cpu_ticks(d: &Deployment) -> Result<(u64, u64), ScenarioError> {
 /// Relayed SSE chunks per second (long streams, closed loop) and TTFT of
 /// short streams at a fixed rate.
 pub async fn streaming(
-    d: &Deployment,
+    d: &dyn Gateway,
     concurrencies: &[u32],
     ttft_rate: f64,
     duration: Duration,
 ) -> Result<StreamingResult, ScenarioError> {
     let client = load::client()?;
     let mut throughput = Vec::new();
-    let mut cpu = Vec::new();
+    let mut probes = Probes::cpu();
     for (row, c) in concurrencies.iter().enumerate() {
         eprintln!("streaming: closed loop x{c}, 1000-token streams");
         let mode = LoadMode::Closed { concurrency: *c };
         let paths = paths(d, LONG_MOCK);
-        let cpu = Some((d, &mut cpu));
-        throughput.push(compare(&client, &paths, true, mode, duration, row, cpu).await?);
+        throughput.push(compare(&client, d, &paths, true, mode, duration, row, &mut probes).await?);
     }
     eprintln!("streaming: open loop {ttft_rate}/s, 8-token streams");
     let mode = LoadMode::Open {
         rate_per_s: ttft_rate,
     };
-    let ttft = vec![
-        compare(
-            &client,
-            &paths(d, SHORT_MOCK),
-            true,
-            mode,
-            duration,
-            0,
-            None,
-        )
-        .await?,
-    ];
+    let paths = paths(d, SHORT_MOCK);
+    let none = &mut Probes::default();
+    let ttft = vec![compare(&client, d, &paths, true, mode, duration, 0, none).await?];
     Ok(StreamingResult {
         throughput,
         ttft,
-        cpu,
+        cpu: probes.cpu.unwrap_or_default(),
     })
 }
 
@@ -381,6 +473,7 @@ pub fn memory_deployment(work: &Path, nodes: usize, max_streams: usize) -> Deplo
         capacity: per_node,
         max_concurrent_runs: per_node + 64,
         queue_capacity: 1024,
+        journal: JournalStore::default(),
     }
 }
 
@@ -673,6 +766,396 @@ pub async fn nodes(
     Ok(result)
 }
 
+/// The label of ephemeral runs through iop in the durable scenario
+/// (normalized mode: a durable answer is always rendered by the Edge).
+pub const EPHEMERAL: &str = "iop ephemeral";
+/// The label of durable runs through iop.
+pub const DURABLE: &str = "iop durable";
+
+/// Settings of the durable scenario.
+#[derive(Debug, Clone)]
+pub struct DurableSettings {
+    /// Journal stores to measure, one deployment each.
+    pub stores: Vec<JournalStore>,
+    /// Closed-loop concurrencies of the long streams (1,000 chunks).
+    pub stream_concurrencies: Vec<u32>,
+    /// Open-loop rates of the non-streamed calls (8-token answers).
+    pub rates: Vec<f64>,
+    /// Length of each run, warm-up included.
+    pub duration: Duration,
+    /// How the durable requests ask for it.
+    pub durability: Durability,
+}
+
+/// What the journal did during one run through iop, from the Edge's
+/// `/metrics` read before and after it (warm-up included).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JournalRun {
+    /// The load (`closed x16`, `open 500/s`).
+    pub load: String,
+    /// The path (`iop ephemeral`, `iop durable`).
+    pub target: String,
+    /// How its requests asked to be kept.
+    pub durability: Durability,
+    /// Streamed or not.
+    pub stream: bool,
+    /// SSE chunks per successful stream (0 when not streamed).
+    pub chunks_per_ok: f64,
+    /// Operations by kind.
+    pub ops: Vec<OpStats>,
+}
+
+impl JournalRun {
+    /// One kind's operations, if any happened.
+    pub fn op(&self, op: &str) -> Option<&OpStats> {
+        self.ops.iter().find(|o| o.op == op)
+    }
+
+    /// Durable responses the run created (one `create` each).
+    pub fn responses(&self) -> u64 {
+        self.op("create").map_or(0, |o| o.ok)
+    }
+
+    /// Appends per durable response: one per group commit of its events.
+    pub fn appends_per_response(&self) -> Option<f64> {
+        let responses = self.responses();
+        (responses > 0).then(|| self.op("append").map_or(0, |o| o.ok) as f64 / responses as f64)
+    }
+
+    /// Operations that did not succeed.
+    pub fn failed(&self) -> u64 {
+        self.ops.iter().map(|o| o.failed).sum()
+    }
+}
+
+/// One row of the durable scenario: direct, ephemeral and durable at the
+/// same load, with what was read around the runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DurableRow {
+    /// `direct`, then `iop ephemeral` and `iop durable`.
+    pub comparison: Comparison,
+    /// The journal's operations during each run through iop.
+    pub journal: Vec<JournalRun>,
+    /// CPU per chunk of each run through iop (streams, separate
+    /// processes only).
+    pub cpu: Vec<ChunkCpu>,
+    /// `/proc/loadavg` (1, 5, 15 min) before the row's first run.
+    pub load_avg_before: [f64; 3],
+    /// And after its last.
+    pub load_avg_after: [f64; 3],
+}
+
+impl DurableRow {
+    fn report(&self, label: &str) -> Option<&LoadReport> {
+        self.comparison.via.iter().find(|r| r.label == label)
+    }
+
+    fn cpu_of(&self, label: &str) -> Option<&ChunkCpu> {
+        self.cpu.iter().find(|c| c.target == label)
+    }
+
+    /// Durable chunks/s over ephemeral chunks/s.
+    pub fn durable_over_ephemeral_chunks(&self) -> Option<f64> {
+        let e = self.report(EPHEMERAL)?.chunks_per_s;
+        let d = self.report(DURABLE)?.chunks_per_s;
+        (e > 0.0).then(|| d / e)
+    }
+}
+
+/// The durable scenario on one journal store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DurableStoreResult {
+    /// The Edge's `[journal] store`.
+    pub store: JournalStore,
+    /// How the durable requests asked for it.
+    pub durability: Durability,
+    /// Long streams, closed loop, per concurrency.
+    pub streaming: Vec<DurableRow>,
+    /// Non-streamed calls, open loop, per rate.
+    pub latency: Vec<DurableRow>,
+}
+
+/// Results of the durable scenario.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DurableResult {
+    /// One per journal store.
+    pub stores: Vec<DurableStoreResult>,
+}
+
+/// Direct, ephemeral (normalized) and durable (normalized, asked as
+/// `durability`) to mock `mock`.
+fn durable_paths(g: &dyn Gateway, mock: &str, durability: Durability) -> Vec<(String, Target)> {
+    let ephemeral = g.via(mock, false);
+    let mut durable = ephemeral.clone();
+    durable.durability = durability;
+    vec![
+        (
+            "direct".into(),
+            g.direct(mock).unwrap_or_else(|| ephemeral.clone()),
+        ),
+        (EPHEMERAL.into(), ephemeral),
+        (DURABLE.into(), durable),
+    ]
+}
+
+/// The deployment of the durable scenario: the latency scenario's shape
+/// (the short and long mocks behind one Node) with the Edge's journal on
+/// `store`.
+pub fn durable_deployment(work: &Path, store: JournalStore) -> DeploymentSpec {
+    let mut spec = latency_deployment(work, None);
+    spec.dir = work.join(format!("durable-{}", store.as_str()));
+    spec.journal = store;
+    spec
+}
+
+/// Durable vs ephemeral responses on each journal store, each on a fresh
+/// deployment of separate processes.
+pub async fn durable(
+    bins: &Binaries,
+    work: &Path,
+    settings: &DurableSettings,
+) -> Result<DurableResult, ScenarioError> {
+    let mut stores = Vec::new();
+    for &store in &settings.stores {
+        let mut d = Deployment::start(bins, &durable_deployment(work, store)).await?;
+        let result = durable_runs(&d, store, settings).await;
+        let alive = d.check_alive();
+        d.stop().await;
+        alive?;
+        stores.push(result?);
+    }
+    Ok(DurableResult { stores })
+}
+
+/// The durable scenario against one gateway whose Edge keeps its journal
+/// on `store`: relayed chunks/s of long streams (closed loop), then added
+/// latency of non-streamed calls (open loop), each direct vs ephemeral vs
+/// durable in the same row, with the journal's metrics around every run
+/// through iop.
+pub async fn durable_runs(
+    g: &dyn Gateway,
+    store: JournalStore,
+    settings: &DurableSettings,
+) -> Result<DurableStoreResult, ScenarioError> {
+    let client = load::client()?;
+    let mut streaming = Vec::new();
+    for (row, c) in settings.stream_concurrencies.iter().enumerate() {
+        eprintln!(
+            "durable ({} store): closed loop x{c}, 1000-token streams",
+            store.as_str()
+        );
+        let mode = LoadMode::Closed { concurrency: *c };
+        let paths = durable_paths(g, LONG_MOCK, settings.durability);
+        let probes = Probes::cpu_and_journal();
+        streaming.push(
+            durable_row(
+                &client,
+                g,
+                &paths,
+                true,
+                mode,
+                settings.duration,
+                row,
+                probes,
+            )
+            .await?,
+        );
+    }
+    let mut latency = Vec::new();
+    for (row, rate) in settings.rates.iter().enumerate() {
+        eprintln!(
+            "durable ({} store): open loop {rate}/s, not streamed",
+            store.as_str()
+        );
+        let mode = LoadMode::Open { rate_per_s: *rate };
+        let paths = durable_paths(g, SHORT_MOCK, settings.durability);
+        let probes = Probes {
+            cpu: None,
+            journal: Some(Vec::new()),
+        };
+        latency.push(
+            durable_row(
+                &client,
+                g,
+                &paths,
+                false,
+                mode,
+                settings.duration,
+                row,
+                probes,
+            )
+            .await?,
+        );
+    }
+    Ok(DurableStoreResult {
+        store,
+        durability: settings.durability,
+        streaming,
+        latency,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn durable_row(
+    client: &reqwest::Client,
+    g: &dyn Gateway,
+    paths: &[(String, Target)],
+    stream: bool,
+    mode: LoadMode,
+    duration: Duration,
+    row: usize,
+    mut probes: Probes,
+) -> Result<DurableRow, ScenarioError> {
+    let load_avg_before = crate::procfs::load_average().unwrap_or_default();
+    let comparison = compare(client, g, paths, stream, mode, duration, row, &mut probes).await?;
+    Ok(DurableRow {
+        comparison,
+        journal: probes.journal.unwrap_or_default(),
+        cpu: probes.cpu.unwrap_or_default(),
+        load_avg_before,
+        load_avg_after: crate::procfs::load_average().unwrap_or_default(),
+    })
+}
+
+/// `1.2 → 3.4` (one-minute load average before and after).
+fn load_cell(row: &DurableRow) -> String {
+    format!(
+        "{:.1} → {:.1}",
+        row.load_avg_before[0], row.load_avg_after[0]
+    )
+}
+
+fn ratio_cell(num: f64, den: f64) -> String {
+    if den > 0.0 {
+        format!("{:.2}", num / den)
+    } else {
+        "-".into()
+    }
+}
+
+fn opt_ms(s: Option<f64>) -> String {
+    s.map_or_else(|| "-".into(), |s| format!("{:.3}", s * 1e3))
+}
+
+impl DurableResult {
+    /// The scenario's tables: streaming ratios, added latency, journal
+    /// operations.
+    pub fn markdown(&self) -> String {
+        let mut out = String::from(
+            "### Durable vs ephemeral streaming (1,000-chunk streams; chunks/s)\n\n\
+             | store | load | direct | ephemeral | durable | ephemeral / direct | durable / direct | durable / ephemeral | errors (eph / dur) | Edge µs/chunk eph | Edge µs/chunk dur | load avg |\n\
+             | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |\n",
+        );
+        for s in &self.stores {
+            for row in &s.streaming {
+                let (Some(e), Some(d)) = (row.report(EPHEMERAL), row.report(DURABLE)) else {
+                    continue;
+                };
+                let base = row.comparison.direct.chunks_per_s;
+                let cpu = |label: &str| {
+                    row.cpu_of(label)
+                        .map_or_else(|| "-".into(), |c| format!("{:.2}", c.edge_us_per_chunk))
+                };
+                out.push_str(&format!(
+                    "| {} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} / {} | {} | {} | {} |\n",
+                    s.store.as_str(),
+                    row.comparison.direct.mode.label(),
+                    base,
+                    e.chunks_per_s,
+                    d.chunks_per_s,
+                    ratio_cell(e.chunks_per_s, base),
+                    ratio_cell(d.chunks_per_s, base),
+                    ratio_cell(d.chunks_per_s, e.chunks_per_s),
+                    e.error_count(),
+                    d.error_count(),
+                    cpu(EPHEMERAL),
+                    cpu(DURABLE),
+                    load_cell(row),
+                ));
+            }
+        }
+        out.push_str(
+            "\n### Durable vs ephemeral, not streamed (8-token answers; ms, added = via − direct)\n\n\
+             | store | load | direct p50 | direct p99 | eph added p50 | eph added p90 | eph added p99 | dur added p50 | dur added p90 | dur added p99 | dur − eph p50 | errors (eph / dur) | load avg |\n\
+             | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |\n",
+        );
+        for s in &self.stores {
+            for row in &s.latency {
+                let (Some(e), Some(d)) = (row.report(EPHEMERAL), row.report(DURABLE)) else {
+                    continue;
+                };
+                let direct = &row.comparison.direct;
+                let (ae, ad) = (added_us(direct, e), added_us(direct, d));
+                let cell = |a: Option<[i64; 4]>, i: usize| {
+                    a.map_or_else(|| "-".into(), |a| ms_signed(a[i]))
+                };
+                let between = match (e.total, d.total) {
+                    (Some(e), Some(d)) => ms_signed(d.p50_us as i64 - e.p50_us as i64),
+                    _ => "-".into(),
+                };
+                out.push_str(&format!(
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |\n",
+                    s.store.as_str(),
+                    direct.mode.label(),
+                    direct
+                        .total
+                        .map_or("-".into(), |p| crate::report::ms(p.p50_us)),
+                    direct
+                        .total
+                        .map_or("-".into(), |p| crate::report::ms(p.p99_us)),
+                    cell(ae, 0),
+                    cell(ae, 1),
+                    cell(ae, 2),
+                    cell(ad, 0),
+                    cell(ad, 1),
+                    cell(ad, 2),
+                    between,
+                    e.error_count(),
+                    d.error_count(),
+                    load_cell(row),
+                ));
+            }
+        }
+        out.push_str(
+            "\n### The journal during each run (Edge `/metrics`, warm-up included; ms until durable)\n\n\
+             | store | load | target | responses | appends / response | chunks / append | append mean | append p50 ≤ | append p99 ≤ | create mean | finish mean | failed ops |\n\
+             | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        );
+        for s in &self.stores {
+            for row in s.streaming.iter().chain(&s.latency) {
+                // An ephemeral run that journaled nothing has no row; one
+                // that did would show here.
+                for j in row.journal.iter().filter(|j| !j.ops.is_empty()) {
+                    let append = j.op("append");
+                    let per = j.appends_per_response();
+                    let chunks_per_append = match per {
+                        Some(per) if j.stream && per > 0.0 => {
+                            format!("{:.1}", j.chunks_per_ok / per)
+                        }
+                        _ => "-".into(),
+                    };
+                    out.push_str(&format!(
+                        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                        s.store.as_str(),
+                        j.load,
+                        j.target,
+                        j.responses(),
+                        per.map_or_else(|| "-".into(), |p| format!("{p:.1}")),
+                        chunks_per_append,
+                        opt_ms(append.and_then(OpStats::mean_s)),
+                        opt_ms(append.and_then(|a| a.p50_at_most_s)),
+                        opt_ms(append.and_then(|a| a.p99_at_most_s)),
+                        opt_ms(j.op("create").and_then(OpStats::mean_s)),
+                        opt_ms(j.op("finish").and_then(OpStats::mean_s)),
+                        j.failed(),
+                    ));
+                }
+            }
+        }
+        out
+    }
+}
+
 /// Everything one suite run measured.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SuiteReport {
@@ -688,6 +1171,9 @@ pub struct SuiteReport {
     pub memory: Option<MemoryResult>,
     /// Node scale.
     pub nodes: Option<NodeScaleResult>,
+    /// Durable vs ephemeral responses.
+    #[serde(default)]
+    pub durable: Option<DurableResult>,
 }
 
 fn kib(bytes: f64) -> String {
@@ -782,6 +1268,11 @@ impl SuiteReport {
                     kib(r.nodes_bytes_per_stream),
                 ));
             }
+            out.push('\n');
+        }
+        if let Some(dr) = &self.durable {
+            out.push_str("## Durable vs ephemeral responses\n\n");
+            out.push_str(&dr.markdown());
             out.push('\n');
         }
         if let Some(n) = &self.nodes {

@@ -6,9 +6,12 @@
 
 use std::time::Duration;
 
-use iop_bench::deployment::{API_KEY, edge_config_head, node_config, write_pki};
-use iop_bench::load::{self, LoadSpec, Target};
+use iop_bench::deployment::{
+    API_KEY, DeployError, JournalStore, edge_config_head, node_config, write_pki,
+};
+use iop_bench::load::{self, Durability, LoadSpec, Target};
 use iop_bench::report::{LoadMode, LoadReport, added_latency_table, load_table};
+use iop_bench::scenario::{self, DURABLE, DurableSettings, EPHEMERAL, Gateway};
 use iop_edge::config::EdgeConfig;
 use iop_edge::server::RunningEdge;
 use iop_node::RunningNode;
@@ -26,6 +29,11 @@ impl InProcess {
     /// A mock, an Edge with a normalized (`mock`, `mock:*`) and a tunnel
     /// (`mock-tunnel`) provider, and one Node, all in this process.
     async fn start() -> Self {
+        Self::start_with(JournalStore::default()).await
+    }
+
+    /// The same, with the Edge's journal on `journal`.
+    async fn start_with(journal: JournalStore) -> Self {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = tempfile::tempdir().expect("tempdir");
         write_pki(dir.path(), &["n1".to_owned()]).expect("pki");
@@ -33,6 +41,7 @@ impl InProcess {
             .await
             .expect("mock");
         let mut edge_toml = edge_config_head(0, 0, 256);
+        edge_toml.push_str(&journal.config_section());
         edge_toml.push_str(
             "[[providers]]\nid = \"norm\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\n\
              [[providers]]\nid = \"tun\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\nmode = \"tunnel\"\n\
@@ -69,6 +78,7 @@ impl InProcess {
             url: format!("http://{}/v1/chat/completions", self.edge.http_addr),
             api_key: Some(API_KEY.to_owned()),
             model: model.to_owned(),
+            durability: Durability::Ephemeral,
         }
     }
 
@@ -77,12 +87,44 @@ impl InProcess {
             url: format!("{}/v1/chat/completions", self.mock.base_url()),
             api_key: None,
             model: "mock".to_owned(),
+            durability: Durability::Ephemeral,
         }
     }
 
     async fn stop(self) {
         let _ = self.node.shutdown().await;
         self.edge.shutdown().await;
+    }
+}
+
+/// The scenarios' mocks, played by the one in-process mock through
+/// per-request scripts (short forms of the real ones).
+fn mock_model(mock: &str) -> String {
+    match mock {
+        scenario::LONG_MOCK => "mock:tokens=50".to_owned(),
+        _ => "mock:tokens=8".to_owned(),
+    }
+}
+
+impl Gateway for InProcess {
+    fn direct(&self, mock: &str) -> Option<Target> {
+        let mut t = InProcess::direct(self);
+        t.model = mock_model(mock);
+        Some(t)
+    }
+
+    fn via(&self, mock: &str, tunnel: bool) -> Target {
+        assert!(!tunnel, "the durable scenario runs normalized only");
+        InProcess::via(self, &mock_model(mock))
+    }
+
+    fn edge_http(&self) -> std::net::SocketAddr {
+        self.edge.http_addr
+    }
+
+    fn cpu_ticks(&self) -> Option<Result<(u64, u64), DeployError>> {
+        // One process: no CPU time of the Edge's own.
+        None
     }
 }
 
@@ -315,4 +357,91 @@ async fn fleet_command_connects_every_node_to_one_edge() {
     );
     let _ = fleet.kill().await;
     edge.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_scenario_journals_every_durable_run_and_no_ephemeral_one_on_both_stores() {
+    for store in [JournalStore::Memory, JournalStore::Embedded] {
+        let d = InProcess::start_with(store).await;
+        let settings = DurableSettings {
+            stores: vec![store],
+            stream_concurrencies: vec![2],
+            rates: vec![40.0],
+            duration: Duration::from_millis(1500),
+            durability: Durability::IdempotencyKey,
+        };
+        let r = scenario::durable_runs(&d, store, &settings)
+            .await
+            .expect("durable scenario");
+        assert_eq!(r.store, store);
+        assert_eq!((r.streaming.len(), r.latency.len()), (1, 1));
+        for (row, stream) in [(&r.streaming[0], true), (&r.latency[0], false)] {
+            let c = &row.comparison;
+            assert_eq!(c.direct.label, "direct");
+            let labels: Vec<&str> = c.via.iter().map(|v| v.label.as_str()).collect();
+            assert_eq!(labels, [EPHEMERAL, DURABLE]);
+            for report in std::iter::once(&c.direct).chain(&c.via) {
+                assert_well_formed(report, stream);
+            }
+            assert!(row.load_avg_before.iter().all(|l| *l >= 0.0));
+            // The journal was read around both runs through iop.
+            assert_eq!(row.journal.len(), 2, "{store:?}: {:?}", row.journal);
+            let ephemeral = row.journal.iter().find(|j| j.target == EPHEMERAL).unwrap();
+            assert!(
+                ephemeral.ops.is_empty(),
+                "{store:?}: an ephemeral run journaled {:?}",
+                ephemeral.ops
+            );
+            let durable = row.journal.iter().find(|j| j.target == DURABLE).unwrap();
+            assert_eq!(durable.durability, Durability::IdempotencyKey);
+            assert_eq!(durable.failed(), 0, "{store:?}: {:?}", durable.ops);
+            // Every durable response (warm-up included) was created once,
+            // appended at least once and finished once.
+            let responses = durable.responses();
+            assert!(responses >= c.via[1].ok, "{store:?}: {:?}", durable.ops);
+            assert!(durable.appends_per_response().unwrap() >= 1.0);
+            assert_eq!(durable.op("finish").map(|f| f.ok), Some(responses));
+            let append = durable.op("append").unwrap();
+            assert_eq!(append.count, append.ok, "every append timed");
+            assert!(append.mean_s().unwrap() >= 0.0);
+            assert!(append.p50_at_most_s <= append.p99_at_most_s);
+            if stream {
+                assert!(durable.chunks_per_ok >= 50.0, "{durable:?}");
+                assert!(row.durable_over_ephemeral_chunks().unwrap() > 0.0);
+            }
+            // In process: no CPU of the Edge's own to read.
+            assert!(row.cpu.is_empty());
+        }
+        let result = scenario::DurableResult { stores: vec![r] };
+        let json = serde_json::to_string(&result).expect("json");
+        let back: scenario::DurableResult = serde_json::from_str(&json).expect("json round trip");
+        assert_eq!(back, result);
+        let md = result.markdown();
+        // Three tables: one row each for streaming and latency, one journal
+        // row per durable run.
+        let rows = md
+            .lines()
+            .filter(|l| l.starts_with(&format!("| {} |", store.as_str())));
+        assert_eq!(rows.count(), 4, "{md}");
+
+        // `"store": true` is the other way to ask: every request journaled.
+        let client = load::client().expect("client");
+        let before = iop_bench::journal::scrape(&client, d.edge.http_addr)
+            .await
+            .expect("scrape");
+        let mut target = d.via("mock");
+        target.durability = Durability::Store;
+        let mut s = spec("stored", target, false, LoadMode::Closed { concurrency: 1 });
+        s.warmup = Duration::ZERO;
+        let r = load::run(&client, &s).await.expect("run");
+        assert_well_formed(&r, false);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let after = iop_bench::journal::scrape(&client, d.edge.http_addr)
+            .await
+            .expect("scrape");
+        let ops = after.since(&before);
+        let created = ops.iter().find(|o| o.op == "create").map_or(0, |o| o.ok);
+        assert_eq!(created, r.requests, "{ops:?}");
+        d.stop().await;
+    }
 }
