@@ -93,6 +93,7 @@ fn run_request() -> RunRequest {
         credential_lease: None,
         trace_context: None,
         park: None,
+        continue_final: false,
     }
 }
 

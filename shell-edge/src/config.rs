@@ -75,6 +75,11 @@ pub struct RouteEntry {
     pub model: String,
     /// Provider ids, in preference order.
     pub providers: Vec<String>,
+    /// R-CONT-1: continue a committed answer on another provider of the
+    /// pool when its own fails for good (default: `[admission]
+    /// continuation`).
+    #[serde(default)]
+    pub continuation: Option<bool>,
 }
 
 /// One `[[api_keys]]` entry. The key itself comes from a file or the
@@ -164,6 +169,11 @@ pub struct AdmissionSection {
     pub max_attempts: u32,
     /// Total time budget per client request across attempts.
     pub request_budget_ms: u64,
+    /// R-CONT-1: whether a committed answer whose provider fails for good
+    /// continues on another provider of its pool, for routes that do not
+    /// say (`[[routes]] continuation`). Off by default: the continued part
+    /// comes from another model instance.
+    pub continuation: bool,
 }
 
 impl AdmissionSection {
@@ -193,6 +203,7 @@ impl Default for AdmissionSection {
             queue_timeout_ms: 30_000,
             max_attempts: 2,
             request_budget_ms: 600_000,
+            continuation: false,
         }
     }
 }
@@ -710,6 +721,8 @@ pub struct EdgeConfig {
     pub providers: Vec<Provider>,
     /// Routes: model -> provider pool.
     pub routes: Vec<(String, Vec<ProviderId>)>,
+    /// Routes that say whether they continue answers (R-CONT-1).
+    pub continuation_routes: Vec<(String, bool)>,
     /// API keys.
     pub api_keys: Vec<ApiKey>,
     /// Managed credential profiles.
@@ -863,6 +876,7 @@ impl EdgeConfig {
         }
 
         let mut routes = Vec::new();
+        let mut continuation_routes = Vec::new();
         let mut models = BTreeSet::new();
         for (i, r) in file.routes.iter().enumerate() {
             if r.model.is_empty() {
@@ -892,6 +906,9 @@ impl EdgeConfig {
                 r.model.clone(),
                 r.providers.iter().map(ProviderId::new).collect::<Vec<_>>(),
             ));
+            if let Some(continuation) = r.continuation {
+                continuation_routes.push((r.model.clone(), continuation));
+            }
         }
         // Providers' own model lists become implicit routes.
         for p in &providers {
@@ -982,6 +999,7 @@ impl EdgeConfig {
             tls: file.tls,
             providers,
             routes,
+            continuation_routes,
             api_keys,
             credentials,
             otlp: file.otlp,
@@ -1039,6 +1057,20 @@ impl EdgeConfig {
             .filter(|(m, _)| m.ends_with('*') && model_matches(m, model))
             .max_by_key(|(m, _)| m.len())
             .map(|(_, pool)| pool.as_slice())
+    }
+
+    /// Whether answers of `model` continue on another provider when theirs
+    /// fails after commit (R-CONT-1): its route's setting (exact, else the
+    /// longest matching pattern), else `[admission] continuation`.
+    pub fn continuation_for(&self, model: &str) -> bool {
+        if let Some((_, c)) = self.continuation_routes.iter().find(|(m, _)| m == model) {
+            return *c;
+        }
+        self.continuation_routes
+            .iter()
+            .filter(|(m, _)| m.ends_with('*') && model_matches(m, model))
+            .max_by_key(|(m, _)| m.len())
+            .map_or(self.admission.continuation, |(_, c)| *c)
     }
 
     /// The pool of an exact `[[routes]]` entry for `model` (a pin: it wins

@@ -57,6 +57,9 @@ pub struct Work {
     pub principal: String,
     /// The trace context the Node's spans join (the request's span).
     pub trace_context: Option<iop_wire::TraceContext>,
+    /// R-CONT-1: the route continues a committed answer on another
+    /// provider when its own fails for good.
+    pub continuation: bool,
 }
 
 /// The raw client request to relay to a tunnel-mode provider.
@@ -210,6 +213,7 @@ fn start(
             tunnel_providers,
             journal: durable.as_ref().map(|d| d.spec.clone()),
             park_grace_ms: durable.as_ref().map_or(0, |d| d.park_grace_ms),
+            continuation: work.continuation,
         };
         let (events_tx, events) = mpsc::unbounded_channel();
         ctx.hub.attach(request_id, events_tx);
@@ -453,7 +457,8 @@ impl Driver {
                     tunnel,
                     deadline_ms,
                     adopt,
-                } => self.open(lease, tunnel, deadline_ms, adopt),
+                    continuation,
+                } => self.open(lease, tunnel, deadline_ms, adopt, continuation),
                 RequestOutput::AckFrames { through_frame } => {
                     // R-PARK-1: the node may drop what the journal holds.
                     if let Some(stream) = self.stream.as_mut() {
@@ -569,7 +574,14 @@ impl Driver {
     }
 
     /// Start opening the attempt's node stream and sending its request.
-    fn open(&mut self, lease: Lease, tunnel: bool, deadline_ms: u64, adopt: Option<AdoptSpec>) {
+    fn open(
+        &mut self,
+        lease: Lease,
+        tunnel: bool,
+        deadline_ms: u64,
+        adopt: Option<AdoptSpec>,
+        continuation: Option<String>,
+    ) {
         let Some((link, recipient)) = self.link.take() else {
             self.machine.handle_input(
                 self.ctx.clock.now(),
@@ -587,7 +599,13 @@ impl Driver {
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms,
             }),
-            None => self.request_for(&lease, tunnel, deadline_ms, recipient.as_ref()),
+            None => self.request_for(
+                &lease,
+                tunnel,
+                deadline_ms,
+                recipient.as_ref(),
+                continuation,
+            ),
         };
         // A durable run's stream stays open both ways: its acks go on it.
         let acks = self.journal.is_some() && !tunnel;
@@ -610,6 +628,7 @@ impl Driver {
         tunnel: bool,
         deadline_ms: u64,
         recipient: Option<&x25519_dalek::PublicKey>,
+        continuation: Option<String>,
     ) -> DataRequest {
         // R-CRED-1: a fresh lease per attempt, sealed after the pre-send
         // fence. Without one the Node refuses the managed target (fail
@@ -666,7 +685,7 @@ impl Driver {
                 target: lease.target.clone(),
                 model: self.work.model.clone(),
                 api: self.work.api,
-                messages: self.work.messages.clone(),
+                messages: continued_messages(&self.work.messages, continuation.as_deref()),
                 tools: self.work.tools.clone(),
                 params: self.work.params.clone(),
                 response_stall_timeout_ms: lease.stall_timeout_ms,
@@ -678,9 +697,27 @@ impl Driver {
                     response_id: j.response_id.clone(),
                     grace_ms: j.park_grace_ms,
                 }),
+                continue_final: continuation.is_some(),
             }),
         }
     }
+}
+
+/// The conversation an attempt sends: the request's, and for a continued
+/// answer (R-CONT-1) the answer so far as the final assistant message.
+fn continued_messages(messages: &[ChatMessage], continuation: Option<&str>) -> Vec<ChatMessage> {
+    let mut messages = messages.to_vec();
+    if let Some(prefix) = continuation {
+        messages.push(ChatMessage {
+            role: iop_wire::Role::Assistant,
+            content: prefix.to_owned(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+            images: Vec::new(),
+        });
+    }
+    messages
 }
 
 /// Read the attempt's next frame; `None` when the stream ended without one

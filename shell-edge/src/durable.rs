@@ -464,6 +464,8 @@ impl Durable {
             route: meta.api.as_str(),
             principal: meta.principal.clone(),
             trace_context: None,
+            // An adopted run is not continued elsewhere after a restart.
+            continuation: false,
         };
         let (live, commands) = self.register(&id);
         crate::driver::spawn_takeover(

@@ -130,6 +130,11 @@ impl AppState {
         }
     }
 
+    /// The configuration.
+    pub fn config(&self) -> &EdgeConfig {
+        &self.config
+    }
+
     /// Durable responses.
     pub fn durable(&self) -> &Arc<crate::durable::Durable> {
         &self.durable
@@ -503,6 +508,7 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         route,
         principal: admitted.key.principal,
         trace_context: record.span.context(),
+        continuation: run.api == RunApi::Chat && state.config.continuation_for(&run.model),
     };
     let mut rx = driver::spawn(state.ctx.clone(), admitted.pool, work);
     let first = first(&mut rx).await;

@@ -234,6 +234,8 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
                 route: endpoint.route(),
                 principal: key.principal,
                 trace_context: record.span.context(),
+                continuation: run.api == iop_wire::RunApi::Chat
+                    && state.config().continuation_for(&run.model),
             };
             driver::spawn_durable(
                 state.driver_context().clone(),

@@ -203,6 +203,7 @@ fn run_request(run_id: u64, lease: Option<Vec<u8>>) -> RunRequest {
         credential_lease: lease,
         trace_context: None,
         park: None,
+        continue_final: false,
     }
 }
 

@@ -83,6 +83,7 @@ fn run_request(run_id: u64, model: &str, stall_timeout_ms: u64) -> RunRequest {
         credential_lease: None,
         trace_context: None,
         park: None,
+        continue_final: false,
     }
 }
 

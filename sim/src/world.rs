@@ -1740,6 +1740,7 @@ impl World {
                 tunnel: _,
                 deadline_ms,
                 adopt: _,
+                continuation: _,
             } => self.open_attempt(rid, lease, deadline_ms),
             // Simulated runs are never parked (R-PARK-1 is the node's).
             RequestOutput::AckFrames { .. } => {}
@@ -1928,6 +1929,7 @@ impl World {
             credential_lease: None,
             trace_context: None,
             park: None,
+            continue_final: false,
         };
         if let Some(r) = edge.requests.get_mut(&rid) {
             r.running = Some((conn, run_id));
@@ -2123,6 +2125,7 @@ impl World {
                 tunnel_providers: Vec::new(),
                 journal: None,
                 park_grace_ms: 0,
+                continuation: false,
             },
         );
         self.core_bugs.plant_request(&machine);

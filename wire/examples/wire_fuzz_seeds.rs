@@ -94,6 +94,7 @@ fn main() -> std::io::Result<()> {
                     flags: TraceContext::FLAG_SAMPLED,
                 }),
                 park: None,
+                continue_final: false,
             }))
             .unwrap(),
         ),

@@ -834,6 +834,10 @@ pub struct RunRequest {
     /// The durable response the run writes; `None`: an ephemeral run,
     /// canceled with its connection (R-DISC-1).
     pub park: Option<ParkSpec>,
+    /// R-CONT-1: the last message is the assistant's partial answer (what
+    /// the client already has from another provider); continue it, do not
+    /// answer anew.
+    pub continue_final: bool,
 }
 
 /// Token usage.

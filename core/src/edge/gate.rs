@@ -374,6 +374,14 @@ pub enum GateOutput {
         /// alternate exists; true only on probe-backed `available` evidence.
         allow_avoided_fallback: bool,
     },
+    /// R-CONT-1: after commit, admit a new attempt that continues the
+    /// answer the client already has (the committed attempt failed for
+    /// good). Always right after [`GateOutput::CloseTransport`]; the failed
+    /// provider is avoided.
+    Continue {
+        /// The failed attempt's provider.
+        avoid_provider_id: ProviderId,
+    },
     /// Cancel the run on the node and release its lease, or withdraw the
     /// pending admission when `attempt` is `None` (R-GATE-4, R-LEASE-2).
     CancelRun {
@@ -534,6 +542,10 @@ pub struct StreamGate {
     /// Whether a failed attempt may go to another provider (R-FAIL-1):
     /// only when the request's pool has one.
     failover: bool,
+    /// Whether a committed attempt that failed for good may be continued
+    /// on another provider (R-CONT-1): the route opted in and no tool call
+    /// is half-written.
+    continuation: bool,
     outputs: VecDeque<GateOutput>,
     events: VecDeque<GateEvent>,
 }
@@ -552,6 +564,7 @@ impl StreamGate {
             started: false,
             outcome_emitted: false,
             failover: true,
+            continuation: false,
             outputs: VecDeque::with_capacity(OUTPUT_QUEUE_BOUND),
             events: VecDeque::new(),
         }
@@ -562,6 +575,13 @@ impl StreamGate {
     /// provider: avoiding it would leave nothing to choose.
     pub fn set_failover(&mut self, failover: bool) {
         self.failover = failover;
+    }
+
+    /// Whether a committed attempt that fails for good may be continued on
+    /// another provider of the pool (R-CONT-1); off by default. The request
+    /// turns it off for good once a tool call was partly delivered.
+    pub fn set_continuation(&mut self, continuation: bool) {
+        self.continuation = continuation;
     }
 
     /// Feed one input at `now`, then drain [`Self::poll_output`] and
@@ -719,6 +739,9 @@ impl StreamGate {
                 self.phase = Phase::Ended(GateEnd::Finished);
             }
             AttemptEvent::Stalled(stall) => self.on_stall(now, attempt, &provider_id, stall),
+            AttemptEvent::Failed { code } if self.may_continue(now, code) => {
+                self.continue_answer(attempt, provider_id);
+            }
             AttemptEvent::Failed { code } => {
                 if code == FailureCode::ResponseStalled {
                     // A stall without the Edge's confirmation never re-admits.
@@ -731,6 +754,9 @@ impl StreamGate {
                 }
                 self.fail(GateFailure::Attempt(code), RecoveryResult::Failed);
             }
+            AttemptEvent::TransportLost if self.may_continue(now, FailureCode::TransportClosed) => {
+                self.continue_answer(attempt, provider_id);
+            }
             AttemptEvent::TransportLost => {
                 // R-GEN-3: one transport terminal towards the client,
                 // unless another provider can still answer (R-FAIL-1).
@@ -741,6 +767,9 @@ impl StreamGate {
                     );
                 }
             }
+            AttemptEvent::FailedRetryable { code } if self.may_continue(now, code) => {
+                self.continue_answer(attempt, provider_id);
+            }
             AttemptEvent::FailedRetryable { code } => {
                 if !self.fail_over(now, attempt, provider_id) {
                     self.fail(GateFailure::Attempt(code), RecoveryResult::Failed);
@@ -748,6 +777,42 @@ impl StreamGate {
             }
         }
         InputDisposition::Applied
+    }
+
+    /// R-CONT-1: may a committed attempt that failed with `code` be
+    /// continued on another provider? Only with continuation on, an attempt
+    /// and time to spare, and a failure of the provider or its transport (a
+    /// cancel, a client error or a refused credential is the answer).
+    fn may_continue(&self, now: Instant, code: FailureCode) -> bool {
+        let provider_side = matches!(
+            code,
+            FailureCode::ProviderError
+                | FailureCode::ProviderUnreachable
+                | FailureCode::ResponseStalled
+                | FailureCode::MalformedResponse
+                | FailureCode::TransportClosed
+                | FailureCode::NodeOverloaded
+                | FailureCode::Internal
+        );
+        self.committed
+            && self.continuation
+            && self.failover
+            && provider_side
+            && self.attempts < self.budget.max_attempts
+            && now < self.deadline
+    }
+
+    /// R-CONT-1: close the failed attempt and admit the one that continues.
+    fn continue_answer(&mut self, attempt: AttemptId, provider_id: ProviderId) {
+        self.readmissions += 1;
+        self.push_output(GateOutput::CloseTransport { attempt });
+        self.push_output(GateOutput::Continue {
+            avoid_provider_id: provider_id,
+        });
+        self.events
+            .push_back(GateEvent::Result(RecoveryResult::Readmitted));
+        self.started = false;
+        self.phase = Phase::Admitting;
     }
 
     /// R-FAIL-1: before commit, within the shared budget, re-admit a failed
@@ -784,6 +849,15 @@ impl StreamGate {
         provider_id: &ProviderId,
         stall: ConfirmedStall,
     ) {
+        if self.may_continue(now, FailureCode::ResponseStalled) {
+            // R-CONT-1: a committed answer whose provider stalled goes on
+            // elsewhere.
+            self.events.push_back(GateEvent::Eligibility(
+                RecoveryEligibility::NotEligibleCommitted,
+            ));
+            self.continue_answer(attempt, provider_id.clone());
+            return;
+        }
         let eligibility = if self.committed {
             RecoveryEligibility::NotEligibleCommitted
         } else if stall.provider_id != *provider_id {
@@ -980,6 +1054,150 @@ mod tests {
             provider_id: pid(provider),
             health,
         })
+    }
+
+    /// A committed gate on attempt 1 of `p1`, continuation as given.
+    fn committed(continuation: bool, attempts: u32) -> StreamGate {
+        let mut g = StreamGate::new(
+            Instant::ZERO,
+            GateBudget::new(attempts, 10 * SECOND).unwrap(),
+        );
+        g.set_continuation(continuation);
+        let _ = g.handle_input(
+            Instant::ZERO,
+            GateInput::Dispatched {
+                provider_id: pid("p1"),
+            },
+        );
+        let attempt = g.current_attempt().unwrap();
+        let _ = g.handle_input(
+            Instant::ZERO,
+            GateInput::Attempt {
+                attempt,
+                event: AttemptEvent::Content,
+            },
+        );
+        while g.poll_output().is_some() {}
+        g
+    }
+
+    fn outputs(g: &mut StreamGate) -> Vec<GateOutput> {
+        std::iter::from_fn(|| g.poll_output()).collect()
+    }
+
+    #[test]
+    fn r_cont_1_a_committed_attempt_that_fails_for_good_continues_elsewhere_when_opted_in() {
+        for event in [
+            AttemptEvent::TransportLost,
+            AttemptEvent::FailedRetryable {
+                code: FailureCode::ProviderError,
+            },
+            AttemptEvent::Failed {
+                code: FailureCode::MalformedResponse,
+            },
+        ] {
+            let mut g = committed(true, 3);
+            let attempt = g.current_attempt().unwrap();
+            let _ = g.handle_input(
+                Instant::ZERO.saturating_add(SECOND),
+                GateInput::Attempt {
+                    attempt,
+                    event: event.clone(),
+                },
+            );
+            assert_eq!(
+                outputs(&mut g),
+                vec![
+                    GateOutput::CloseTransport { attempt },
+                    GateOutput::Continue {
+                        avoid_provider_id: pid("p1")
+                    }
+                ],
+                "{event:?}"
+            );
+            // The next attempt goes on committed: its content commits
+            // nothing again, its completion finishes.
+            let _ = g.handle_input(
+                Instant::ZERO.saturating_add(SECOND),
+                GateInput::Dispatched {
+                    provider_id: pid("p2"),
+                },
+            );
+            let next = g.current_attempt().unwrap();
+            assert_ne!(next, attempt);
+            let _ = g.handle_input(
+                Instant::ZERO.saturating_add(SECOND),
+                GateInput::Attempt {
+                    attempt: next,
+                    event: AttemptEvent::Content,
+                },
+            );
+            assert!(outputs(&mut g).is_empty());
+            let _ = g.handle_input(
+                Instant::ZERO.saturating_add(SECOND),
+                GateInput::Attempt {
+                    attempt: next,
+                    event: AttemptEvent::Completed,
+                },
+            );
+            assert_eq!(outputs(&mut g), vec![GateOutput::Finish]);
+        }
+    }
+
+    #[test]
+    fn r_cont_1_no_continuation_when_off_canceled_a_client_error_or_out_of_attempts() {
+        let lost = AttemptEvent::TransportLost;
+        let cases = [
+            (committed(false, 3), lost.clone()),
+            (committed(true, 1), lost),
+            (
+                committed(true, 3),
+                AttemptEvent::Failed {
+                    code: FailureCode::Canceled,
+                },
+            ),
+            (
+                committed(true, 3),
+                AttemptEvent::Failed {
+                    code: FailureCode::InvalidRequest,
+                },
+            ),
+            (
+                committed(true, 3),
+                AttemptEvent::Failed {
+                    code: FailureCode::CredentialRejected,
+                },
+            ),
+        ];
+        for (mut g, event) in cases {
+            let attempt = g.current_attempt().unwrap();
+            let _ = g.handle_input(
+                Instant::ZERO.saturating_add(SECOND),
+                GateInput::Attempt {
+                    attempt,
+                    event: event.clone(),
+                },
+            );
+            let outs = outputs(&mut g);
+            assert!(
+                matches!(&outs[..], [GateOutput::FailInStream { .. }]),
+                "{event:?}: {outs:?}"
+            );
+        }
+        // Past the deadline, neither.
+        let mut g = committed(true, 3);
+        let attempt = g.current_attempt().unwrap();
+        let _ = g.handle_input(
+            Instant::ZERO.saturating_add(20 * SECOND),
+            GateInput::Attempt {
+                attempt,
+                event: AttemptEvent::TransportLost,
+            },
+        );
+        assert!(matches!(
+            &outputs(&mut g)[..],
+            [GateOutput::FailInStream { .. }]
+        ));
     }
 
     #[test]

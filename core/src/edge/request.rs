@@ -41,6 +41,7 @@ use std::collections::VecDeque;
 
 use iop_wire::{
     AdapterKind, ExecutionFailure, FailureCode, Header, ProviderTunnelFrame, RunEventKind, RunKey,
+    Usage,
 };
 
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
@@ -117,6 +118,11 @@ pub struct RequestSpec {
     /// connection after commit ends it.
     #[serde(default)]
     pub park_grace_ms: u64,
+    /// R-CONT-1 (opt-in per route): after commit, an attempt that failed
+    /// for good continues on another provider of the pool from what the
+    /// client already has.
+    #[serde(default)]
+    pub continuation: bool,
 }
 
 /// How long a terminal the store refused waits before it is written again.
@@ -124,7 +130,7 @@ pub const JOURNAL_RETRY: std::time::Duration = std::time::Duration::from_millis(
 
 /// How much longer than the park grace a durable request waits for its
 /// parked run to be reported (the node must reconnect and register).
-pub const PARK_REPORT_SLACK: std::time::Duration = std::time::Duration::from_secs(5);
+pub const PARK_REPORT_SLACK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// An attempt that continues a parked run instead of starting one
 /// (R-PARK-2).
@@ -280,6 +286,9 @@ pub enum RequestOutput {
         deadline_ms: u64,
         /// Continue this parked run instead of starting one (R-PARK-2).
         adopt: Option<AdoptSpec>,
+        /// R-CONT-1: the answer so far; the provider continues it (it is
+        /// the conversation's final, partial assistant message).
+        continuation: Option<String>,
     },
     /// Tell the node every frame of the run through `through_frame` is
     /// durable (R-PARK-1): it drops them.
@@ -372,6 +381,15 @@ pub struct Request {
     marks: VecDeque<(u64, u64)>,
     /// When a terminal the store refused is written again.
     journal_retry_at: Option<Instant>,
+    /// The answer's text the client has (R-CONT-1).
+    delivered_text: String,
+    /// The next attempt continues the answer (R-CONT-1).
+    continuing: bool,
+    /// Usage reported by attempts before the current one (R-CONT-1: the
+    /// answer's usage is the sum of its attempts').
+    usage_carry: Option<Usage>,
+    /// Usage the current attempt reported so far.
+    attempt_usage: Option<Usage>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -388,6 +406,7 @@ impl Request {
         // R-FAIL-1: a failed attempt can go elsewhere only if there is an
         // elsewhere.
         gate.set_failover(spec.pool.len() > 1);
+        gate.set_continuation(spec.continuation);
         let publisher = spec
             .journal
             .clone()
@@ -409,6 +428,10 @@ impl Request {
             source: None,
             marks: VecDeque::new(),
             journal_retry_at: None,
+            delivered_text: String::new(),
+            continuing: false,
+            usage_carry: None,
+            attempt_usage: None,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
@@ -699,7 +722,27 @@ impl Request {
 
     /// Deliver to the client: at once for an ephemeral request, through
     /// the journal for a durable one.
-    fn deliver(&mut self, delivery: Delivery) {
+    fn deliver(&mut self, mut delivery: Delivery) {
+        match &mut delivery {
+            Delivery::Event(RunEventKind::TextDelta(text)) => self.delivered_text.push_str(text),
+            // R-CONT-1: never continued while a tool call is partly out.
+            Delivery::Event(RunEventKind::ToolCallDelta(_)) => self.gate.set_continuation(false),
+            Delivery::Event(RunEventKind::Usage(usage)) => {
+                self.attempt_usage = Some(*usage);
+                if let Some(sum) = sum_usage(self.usage_carry, Some(*usage)) {
+                    *usage = sum;
+                }
+            }
+            Delivery::Event(RunEventKind::Completed { usage, .. }) => {
+                if usage.is_some() {
+                    self.attempt_usage = *usage;
+                }
+                if self.usage_carry.is_some() {
+                    *usage = sum_usage(self.usage_carry, *usage);
+                }
+            }
+            _ => {}
+        }
         match self.publisher.as_mut() {
             None => self.outputs.push_back(RequestOutput::Deliver(delivery)),
             Some(publisher) => {
@@ -905,9 +948,12 @@ impl Request {
     /// A tunnel only to a tunnel-mode provider that speaks the client's
     /// API; anything else is a normalized run.
     fn tunnel_for(&self, lease: &Lease) -> bool {
-        self.spec
-            .tunnel_api
-            .is_some_and(|api| api.spoken_by(lease.adapter))
+        // A continued answer is the Edge's to assemble (R-CONT-1).
+        !self.continuing
+            && self
+                .spec
+                .tunnel_api
+                .is_some_and(|api| api.spoken_by(lease.adapter))
             && self.spec.tunnel_providers.contains(&lease.provider_id)
     }
 
@@ -1027,6 +1073,7 @@ impl Request {
                         tunnel: false,
                         deadline_ms,
                         adopt: Some(adopt),
+                        continuation: None,
                     });
                 }
                 PreSend::Send(_) => {}
@@ -1066,6 +1113,7 @@ impl Request {
                     tunnel,
                     deadline_ms,
                     adopt: None,
+                    continuation: self.continuing.then(|| self.delivered_text.clone()),
                 });
             }
             PreSend::Send(_) => {}
@@ -1317,6 +1365,17 @@ impl Request {
                     self.cancel();
                     self.admit();
                 }
+                GateOutput::Continue { avoid_provider_id } => {
+                    // R-CONT-1: another provider continues the answer.
+                    self.outputs
+                        .push_back(RequestOutput::Observe(RequestObservation::Readmitted));
+                    self.avoid_provider_id = Some(avoid_provider_id);
+                    self.allow_avoided_fallback = false;
+                    self.continuing = true;
+                    self.usage_carry = sum_usage(self.usage_carry, self.attempt_usage.take());
+                    self.cancel();
+                    self.admit();
+                }
                 GateOutput::CancelRun { .. } => {
                     // R-GATE-4: reset the stream; the cancel at the end
                     // releases the lease and cancels the node run.
@@ -1426,6 +1485,18 @@ impl Request {
         }
         self.push_held(d);
         Ok(())
+    }
+}
+
+/// The sum of two usage reports (R-CONT-1: a continued answer's usage is
+/// its attempts' together); `None` when neither reported any.
+fn sum_usage(a: Option<Usage>, b: Option<Usage>) -> Option<Usage> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(Usage {
+            prompt_tokens: a.prompt_tokens.saturating_add(b.prompt_tokens),
+            completion_tokens: a.completion_tokens.saturating_add(b.completion_tokens),
+        }),
+        (a, b) => a.or(b),
     }
 }
 

@@ -331,6 +331,13 @@ fn chat_body_with(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCal
     if stream {
         body.insert("stream_options".into(), json!({"include_usage": true}));
     }
+    if req.continue_final && req.api == RunApi::Chat {
+        // R-CONT-1: the final assistant message is a partial answer to
+        // continue (vLLM's names; servers that prefill a final assistant
+        // message, as llama.cpp's, continue it anyway).
+        body.insert("continue_final_message".into(), Value::Bool(true));
+        body.insert("add_generation_prompt".into(), Value::Bool(false));
+    }
     // A plain completion (generate) offers no tools.
     if req.api == RunApi::Chat && !req.tools.is_empty() {
         let tools = req

@@ -48,6 +48,7 @@ pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest 
         credential_lease: None,
         trace_context: None,
         park: None,
+        continue_final: false,
     }
 }
 

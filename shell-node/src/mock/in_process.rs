@@ -62,6 +62,12 @@ impl InProcessMock {
                     (RunApi::Chat, Some(tool)) => tool.name.clone(),
                     _ => DEFAULT_TOOL.to_owned(),
                 }),
+            continue_from: super::script::continued_tokens(
+                req.messages
+                    .last()
+                    .filter(|m| m.role == iop_wire::Role::Assistant)
+                    .map(|m| m.content.as_str()),
+            ),
         };
         let session_id = req.session_id;
         let api = req.api;

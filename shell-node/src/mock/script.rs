@@ -19,6 +19,25 @@ pub struct MockPrompt {
     pub max_tokens: Option<u32>,
     /// `Some(name)`: answer with one call of this tool instead of text.
     pub tool_name: Option<String>,
+    /// Tokens of the answer the request already has (its final assistant
+    /// message, R-CONT-1): the answer continues after them.
+    pub continue_from: u32,
+}
+
+/// How many of the script's tokens a partial answer already holds: `tok0
+/// tok1 ... tokK` (exactly the script's text) holds `K + 1`; anything else
+/// holds none (the answer starts anew).
+pub(crate) fn continued_tokens(partial: Option<&str>) -> u32 {
+    let Some(text) = partial else {
+        return 0;
+    };
+    let mut expected = String::new();
+    let mut n = 0u32;
+    while expected.len() < text.len() {
+        expected.push_str(&token_text(n));
+        n += 1;
+    }
+    if expected == text { n } else { 0 }
 }
 
 /// One step of a scripted answer.
@@ -71,12 +90,21 @@ pub fn play(script: &MockScript, prompt: MockPrompt) -> BoxStream<'static, MockS
         if script.prefill_ms > 0 {
             tokio::time::sleep(Duration::from_millis(script.prefill_ms)).await;
         }
-        let produced = script.tokens.min(prompt.max_tokens.unwrap_or(u32::MAX));
+        let tool = prompt.tool_name;
+        // A continued answer (R-CONT-1) picks up at its next token; the
+        // request's limit counts what this call produces.
+        let start = if tool.is_none() {
+            prompt.continue_from.min(script.tokens)
+        } else {
+            0
+        };
+        let produced = script
+            .tokens
+            .min(start.saturating_add(prompt.max_tokens.unwrap_or(u32::MAX)));
         let truncated = produced < script.tokens;
         let interval = (script.tokens_per_second > 0.0)
             .then(|| Duration::from_secs_f64(1.0 / script.tokens_per_second));
-        let tool = prompt.tool_name;
-        for i in 0..=produced {
+        for i in start..=produced {
             if script.stall_after == Some(i) {
                 match script.resume_after_ms {
                     Some(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
@@ -93,7 +121,7 @@ pub fn play(script: &MockScript, prompt: MockPrompt) -> BoxStream<'static, MockS
             if i == produced {
                 break;
             }
-            if let (Some(interval), true) = (interval, i > 0) {
+            if let (Some(interval), true) = (interval, i > start) {
                 tokio::time::sleep(interval).await;
             }
             match &tool {
@@ -133,7 +161,7 @@ pub fn play(script: &MockScript, prompt: MockPrompt) -> BoxStream<'static, MockS
             finish_reason,
             usage: Usage {
                 prompt_tokens: prompt.prompt_chars.div_ceil(4) as u64,
-                completion_tokens: u64::from(produced),
+                completion_tokens: u64::from(produced - start),
             },
         };
     })

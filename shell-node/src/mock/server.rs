@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
-use super::script::{MockPrompt, MockStep, play};
+use super::script::{MockPrompt, MockStep, continued_tokens, play};
 use super::{DEFAULT_MODEL, MockScript, ProbeHealth, ScriptError};
 
 const CREATED_AT: &str = "1970-01-01T00:00:00Z";
@@ -413,6 +413,17 @@ fn content_chars(content: &Value) -> usize {
     }
 }
 
+/// The text of the conversation's final message when it is the
+/// assistant's (a partial answer to continue, R-CONT-1).
+fn final_assistant(messages: &Value) -> Option<&str> {
+    let last = messages.as_array()?.last()?;
+    if last["role"] == "assistant" {
+        last["content"].as_str()
+    } else {
+        None
+    }
+}
+
 fn messages_chars(messages: &Value) -> usize {
     messages.as_array().map_or(0, |ms| {
         ms.iter().map(|m| content_chars(&m["content"])).sum()
@@ -547,6 +558,7 @@ async fn chat_completions(
         max_tokens: max_tokens(&request["max_completion_tokens"])
             .or_else(|| max_tokens(&request["max_tokens"])),
         tool_name: tool_name(&script, &request["tools"]),
+        continue_from: continued_tokens(final_assistant(&request["messages"])),
     };
     let steps = play(&script, prompt);
     if request["stream"].as_bool() != Some(true) {
@@ -697,6 +709,7 @@ async fn responses(State(state): State<MockState>, headers: HeaderMap, body: Byt
         prompt_chars: responses_prompt_chars(&request),
         max_tokens: max_tokens(&request["max_output_tokens"]),
         tool_name: tool_name(&script, &request["tools"]),
+        continue_from: 0,
     };
     let steps = play(&script, prompt);
     if request["stream"].as_bool() != Some(true) {
@@ -836,6 +849,11 @@ async fn ollama_call(
             tool_name(&script, &request["tools"])
         } else {
             None
+        },
+        continue_from: if chat {
+            continued_tokens(final_assistant(&request["messages"]))
+        } else {
+            0
         },
     };
     let steps = play(&script, prompt);

@@ -415,3 +415,41 @@ fn cli_flags_build_the_default_script() {
     assert!(!format!("{:?}", cli.mock).contains("sk-cli"));
     assert!(Cli::try_parse_from(["m", "--http-error", "200"]).is_err());
 }
+
+#[test]
+fn a_partial_answer_of_the_scripts_own_tokens_is_continued_r_cont_1() {
+    use super::script::continued_tokens;
+    assert_eq!(continued_tokens(None), 0);
+    assert_eq!(continued_tokens(Some("")), 0);
+    assert_eq!(continued_tokens(Some("tok0")), 1);
+    assert_eq!(continued_tokens(Some("tok0 tok1 tok2")), 3);
+    // Anything else is a new answer.
+    assert_eq!(continued_tokens(Some("tok0 tok2")), 0);
+    assert_eq!(continued_tokens(Some("hello")), 0);
+    assert_eq!(continued_tokens(Some("tok0 to")), 0);
+}
+
+#[tokio::test]
+async fn a_continued_answer_picks_up_at_its_next_token() {
+    let script = MockScript {
+        tokens: 5,
+        ..MockScript::default()
+    };
+    let prompt = MockPrompt {
+        continue_from: 3,
+        ..MockPrompt::default()
+    };
+    let steps: Vec<_> = play(&script, prompt).collect().await;
+    let text: String = steps
+        .iter()
+        .filter_map(|s| match s {
+            MockStep::Text(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(text, " tok3 tok4");
+    assert!(matches!(
+        steps.last(),
+        Some(MockStep::Finish { usage, .. }) if usage.completion_tokens == 2
+    ));
+}

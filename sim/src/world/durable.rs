@@ -417,6 +417,7 @@ impl World {
                 // Simulated nodes do not park runs (R-PARK-1 is tested on
                 // the node and over real QUIC).
                 park_grace_ms: 0,
+                continuation: false,
             },
         );
         self.core_bugs.plant_request(&machine);

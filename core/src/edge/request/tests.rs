@@ -32,6 +32,7 @@ fn spec(tunnel_api: Option<TunnelApi>, tunnel_providers: &[&str]) -> RequestSpec
             .collect(),
         journal: None,
         park_grace_ms: 0,
+        continuation: false,
     }
 }
 
@@ -174,6 +175,7 @@ fn happy_path_commits_on_first_content_and_finishes_once_r_gate_2() {
             tunnel: false,
             deadline_ms: 9_999,
             adopt: None,
+            continuation: None,
         }]
     );
     r.handle_input(
@@ -1415,4 +1417,138 @@ fn r_jrn_4_a_terminal_the_store_failed_is_written_again_then_given_up() {
     let outs = drain(&mut r);
     assert!(deliveries(&outs).contains(&Delivery::Finish));
     assert!(r.is_ended());
+}
+
+fn continuing_spec() -> RequestSpec {
+    let mut s = spec(None, &[]);
+    s.continuation = true;
+    s
+}
+
+/// Lease, pre-send and open `l` on a request that is (re)admitting.
+fn reopen(r: &mut Request, l: &Lease) -> Vec<RequestOutput> {
+    r.handle_input(
+        t(20),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    drain(r);
+    r.handle_input(
+        t(20),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    let outs = drain(r);
+    r.handle_input(t(21), RequestInput::Opened);
+    drain(r);
+    outs
+}
+
+#[test]
+fn r_cont_1_a_lost_committed_attempt_continues_with_the_answer_so_far() {
+    let mut r = Request::new(t(0), continuing_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("tok0")));
+    r.handle_input(t(3), run(text(" tok1")));
+    r.handle_input(
+        t(4),
+        run(RunEventKind::Usage(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+        })),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(5),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    let outs = drain(&mut r);
+    assert!(deliveries(&outs).is_empty(), "no error: the answer goes on");
+    let admit = commands(&outs)
+        .into_iter()
+        .find_map(|c| match c {
+            RequestCommand::Admit(a) => Some(a),
+            _ => None,
+        })
+        .expect("re-admitted");
+    assert_eq!(admit.avoid_provider_id, Some(ProviderId::from("p0")));
+    let l2 = lease(2, "p1", AdapterKind::Mock);
+    let outs = reopen(&mut r, &l2);
+    let open = outs
+        .iter()
+        .find_map(|o| match o {
+            RequestOutput::Open {
+                continuation,
+                tunnel,
+                ..
+            } => Some((continuation.clone(), *tunnel)),
+            _ => None,
+        })
+        .expect("opened");
+    assert_eq!(
+        open,
+        (Some("tok0 tok1".to_owned()), false),
+        "the prefix, never a tunnel"
+    );
+    // The continued attempt's text follows; the usage is both attempts'.
+    r.handle_input(t(22), run(text(" tok2")));
+    r.handle_input(
+        t(23),
+        run(RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(Usage {
+                prompt_tokens: 5,
+                completion_tokens: 1,
+            }),
+        }),
+    );
+    r.handle_input(
+        t(24),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l2.lease_id,
+            verdict: applied(&l2),
+        }),
+    );
+    let ds = deliveries(&drain(&mut r));
+    assert_eq!(ds.first(), Some(&Delivery::Event(text(" tok2"))));
+    assert!(ds.contains(&Delivery::Event(RunEventKind::Completed {
+        finish_reason: FinishReason::Stop,
+        usage: Some(Usage {
+            prompt_tokens: 8,
+            completion_tokens: 3
+        }),
+    })));
+    assert_eq!(ds.last(), Some(&Delivery::Finish));
+    assert_eq!(r.gate().attempts(), 2);
+}
+
+#[test]
+fn r_cont_1_never_while_a_tool_call_is_partly_out() {
+    let mut r = Request::new(t(0), continuing_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(
+        t(2),
+        run(RunEventKind::ToolCallDelta(iop_wire::ToolCallDelta {
+            index: 0,
+            id: Some("call_1".into()),
+            name: Some("f".into()),
+            arguments_delta: "{\"a".into(),
+        })),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(3),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        deliveries(&outs).iter().any(|d| matches!(
+            d,
+            Delivery::Fail {
+                in_stream: true,
+                ..
+            }
+        )),
+        "one in-stream error: {outs:?}"
+    );
 }
