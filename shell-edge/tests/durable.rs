@@ -606,3 +606,68 @@ async fn r_park_2_a_durable_stream_goes_on_when_its_node_connection_is_lost_and_
     })
     .await;
 }
+
+#[tokio::test]
+async fn r_idem_1_every_run_endpoint_honours_an_idempotency_key() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = Deployment::start(&pki, MockScript::default(), "").await;
+        // (`/v1/completions` goes through the same pipeline; the HTTP mock
+        // has no completions route.)
+        let cases = [
+            ("/v1/embeddings", json!({"model": "m", "input": ["a", "b"]})),
+            (
+                "/api/chat",
+                json!({"model": "m", "messages": [{"role": "user", "content": "once"}]}),
+            ),
+            (
+                "/api/generate",
+                json!({"model": "m", "prompt": "once", "stream": false}),
+            ),
+            ("/api/embed", json!({"model": "m", "input": "a"})),
+            (
+                "/v1/responses",
+                json!({"model": "m", "input": "once", "store": false}),
+            ),
+        ];
+        for (i, (path, body)) in cases.iter().enumerate() {
+            let key = format!("every-endpoint-{i}");
+            let before = d.mock.requests();
+            let (status, first) = d.post(path, body, &[("idempotency-key", &key)]).await;
+            assert_eq!(status, 200, "{path}: {first}");
+            let (status, again) = d.post(path, body, &[("idempotency-key", &key)]).await;
+            assert_eq!(status, 200, "{path}: {again}");
+            // (The HTTP mock counts chat, generate and responses calls.)
+            if !path.contains("embed") {
+                assert_eq!(d.mock.requests(), before + 1, "{path}: one provider call");
+            }
+            // The same answer: the same ids and text (Ollama's durations
+            // aside, which count from the replay).
+            let strip = |s: &str| -> String {
+                s.lines()
+                    .map(
+                        |l| match serde_json::from_str::<Value>(l.trim_start_matches("data: ")) {
+                            Ok(mut v) => {
+                                for f in [
+                                    "total_duration",
+                                    "load_duration",
+                                    "prompt_eval_duration",
+                                    "eval_duration",
+                                    "created_at",
+                                ] {
+                                    v.as_object_mut().map(|o| o.remove(f));
+                                }
+                                v.to_string()
+                            }
+                            Err(_) => l.to_owned(),
+                        },
+                    )
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            assert_eq!(strip(&first), strip(&again), "{path}: the same response");
+        }
+        d.shutdown().await;
+    })
+    .await;
+}
