@@ -360,6 +360,7 @@ mod tests {
         let spec = JournalSpec {
             response_id: "r".into(),
             epoch: 1,
+            batch_until_terminal: false,
         };
         let text = Delivery::Event(iop_wire::RunEventKind::TextDelta("a".into()));
         let published = with_thread_bug(PlantedBug::PublishBeforeDurable, || {
@@ -378,6 +379,7 @@ mod tests {
         let spec = JournalSpec {
             response_id: "r".into(),
             epoch: 1,
+            batch_until_terminal: false,
         };
         let again = with_thread_bug(PlantedBug::SecondJournalTerminal, || {
             let mut p = Publisher::new(spec, 0);

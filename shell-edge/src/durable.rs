@@ -475,6 +475,7 @@ impl Durable {
                 spec: iop_core::edge::durable::JournalSpec {
                     response_id: id,
                     epoch: raised.epoch,
+                    batch_until_terminal: false,
                 },
                 durable: self.clone(),
                 commands,

@@ -245,6 +245,8 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
                     spec: JournalSpec {
                         response_id: meta.id.clone(),
                         epoch: meta.epoch,
+                        // Nobody streams a whole answer as it comes.
+                        batch_until_terminal: !run.stream,
                     },
                     durable: durable.clone(),
                     commands: cancel,

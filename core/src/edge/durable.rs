@@ -36,6 +36,14 @@ pub struct JournalSpec {
     pub response_id: String,
     /// The writer epoch every write carries (R-JRN-3).
     pub epoch: u64,
+    /// Nobody reads the answer as it streams (the client asked for the
+    /// whole answer, or runs it in the background): its events are written
+    /// together with the last of them, in appends of at most
+    /// [`MAX_BYTES_PER_APPEND`], rather than as they come. Nothing is
+    /// published before the terminal either way, so this saves syncs, not
+    /// safety: the node keeps every frame until it is acknowledged.
+    #[serde(default)]
+    pub batch_until_terminal: bool,
 }
 
 /// A write for the store. Answer with [`JournalAck`].
@@ -301,7 +309,16 @@ impl Publisher {
         if self.in_flight.is_some() || self.refused.is_some() {
             return None;
         }
-        if !self.unwritten.is_empty() {
+        let held = self.spec.batch_until_terminal
+            && self.terminal.is_none()
+            && self.unwritten.len() < MAX_EVENTS_PER_APPEND
+            && self
+                .unwritten
+                .iter()
+                .map(|e| e.payload.len())
+                .sum::<usize>()
+                < MAX_BYTES_PER_APPEND;
+        if !self.unwritten.is_empty() && !held {
             let mut events = Vec::new();
             let mut bytes = 0usize;
             while let Some(event) = self.unwritten.front() {
@@ -455,6 +472,7 @@ mod tests {
         JournalSpec {
             response_id: "resp_1".into(),
             epoch: 1,
+            batch_until_terminal: false,
         }
     }
 
@@ -548,6 +566,41 @@ mod tests {
             panic!("an append");
         };
         assert_eq!(events[0].seq, 8);
+    }
+
+    #[test]
+    fn a_whole_answer_is_written_with_its_last_events_in_one_append() {
+        let mut p = Publisher::new(
+            JournalSpec {
+                batch_until_terminal: true,
+                ..spec()
+            },
+            0,
+        );
+        p.push(text("a"));
+        p.push(text("b"));
+        assert!(p.poll_write().is_none(), "held until the terminal");
+        p.push(Delivery::Finish);
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(events.len(), 2, "both events in one append");
+        p.ack(JournalAck::Appended);
+        assert!(matches!(p.poll_write(), Some(JournalWrite::Finish { .. })));
+        // A large answer is still written as it grows.
+        let mut p = Publisher::new(
+            JournalSpec {
+                batch_until_terminal: true,
+                ..spec()
+            },
+            0,
+        );
+        let big = "x".repeat(MAX_BYTES_PER_APPEND);
+        p.push(text(&big));
+        assert!(
+            p.poll_write().is_some(),
+            "past the byte bound it is written"
+        );
     }
 
     #[test]

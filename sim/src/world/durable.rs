@@ -413,6 +413,7 @@ impl World {
                 journal: Some(JournalSpec {
                     response_id: pending.record.clone(),
                     epoch: 1,
+                    batch_until_terminal: false,
                 }),
                 // Simulated nodes do not park runs (R-PARK-1 is tested on
                 // the node and over real QUIC).

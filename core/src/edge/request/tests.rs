@@ -838,6 +838,7 @@ fn durable_spec() -> RequestSpec {
     s.journal = Some(crate::edge::durable::JournalSpec {
         response_id: "resp_1".into(),
         epoch: 1,
+        batch_until_terminal: false,
     });
     s
 }
