@@ -424,8 +424,9 @@ pub fn check_create(
     }))
 }
 
-/// A record its idempotency key no longer names: it failed before any
-/// event (admission refused it, its attempts failed before commit), so
+/// A record its idempotency key no longer names: it failed (or was cut
+/// short by an Edge restart) before any event (admission refused it, its
+/// attempts failed before commit, its Edge died before its first event), so
 /// nothing of it was ever published and a retry with the same key runs
 /// afresh instead of being told the same failure again (R-IDEM-1). The
 /// store replaces it under the key.
@@ -434,7 +435,7 @@ pub fn superseded(meta: &RecordMeta) -> bool {
         && meta
             .terminal
             .as_ref()
-            .is_some_and(|t| t.status == RecordStatus::Failed)
+            .is_some_and(|t| matches!(t.status, RecordStatus::Failed | RecordStatus::Incomplete))
 }
 
 /// The writer-epoch check shared by appends and terminals (R-JRN-3, R-JRN-4).

@@ -424,24 +424,26 @@ impl Durable {
         // R-PARK-2: resume after the last frame of this run the journal
         // holds; a record whose last event came from another run is not
         // this run's any more.
-        let resume_after_frame = if meta.last_seq == 0 {
-            0
-        } else {
-            let last = self
-                .store
-                .events(id.clone(), meta.last_seq - 1, 1)
-                .await
-                .map_err(|_| "store_error")?;
-            let source = last
-                .first()
-                .and_then(|e| decode_entry(&e.payload))
-                .and_then(|e| e.source)
-                .ok_or("no_frame_source")?;
-            if source.key != offer.run.key {
-                return Err("another_run");
-            }
-            source.frame
-        };
+        // Only a run whose frames the journal already holds is taken over,
+        // and only from the node that ran it: a report cannot name someone
+        // else's response into it (the provider is the reporting node's).
+        if meta.last_seq == 0 {
+            return Err("nothing_journaled");
+        }
+        let last = self
+            .store
+            .events(id.clone(), meta.last_seq - 1, 1)
+            .await
+            .map_err(|_| "store_error")?;
+        let source = last
+            .first()
+            .and_then(|e| decode_entry(&e.payload))
+            .and_then(|e| e.source)
+            .ok_or("no_frame_source")?;
+        if source.key != offer.run.key || source.provider_id != offer.provider_id {
+            return Err("another_run");
+        }
+        let resume_after_frame = source.frame;
         // R-JRN-3: win the record's epoch before writing anything; a lost
         // race means another writer has it.
         let started = std::time::Instant::now();

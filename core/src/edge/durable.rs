@@ -15,6 +15,8 @@ use std::collections::VecDeque;
 
 use iop_wire::{FailureCode, RunKey};
 
+use crate::ids::ProviderId;
+
 use crate::edge::gate::GateFailure;
 use crate::edge::request::Delivery;
 use crate::journal::{JournalError, JournalEvent, RecordStatus, Terminal};
@@ -86,12 +88,15 @@ pub enum JournalAck {
 /// Which node frame a journal event came from: the run (by the identity
 /// it keeps for life, R-PARK-2) and the frame's number in it. An Edge that
 /// adopts the run resumes after the last frame its journal holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FrameSource {
     /// The run.
     pub key: RunKey,
     /// Its frame, from 1.
     pub frame: u64,
+    /// The provider it ran on: only a report of that provider's node can
+    /// take the run over (R-PARK-2).
+    pub provider_id: ProviderId,
 }
 
 /// What one journal event holds: a delivery and the frame it came from.

@@ -390,6 +390,9 @@ pub struct Request {
     usage_carry: Option<Usage>,
     /// Usage the current attempt reported so far.
     attempt_usage: Option<Usage>,
+    /// The provider of the parked run: only its node's report is this
+    /// request's run (R-PARK-2).
+    parked_provider: Option<ProviderId>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -432,6 +435,7 @@ impl Request {
             continuing: false,
             usage_carry: None,
             attempt_usage: None,
+            parked_provider: None,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
@@ -480,6 +484,7 @@ impl Request {
             request.attempt_open = true;
             request.drain_gate(now);
             request.outputs.clear();
+            request.parked_provider = Some(offer.provider_id.clone());
             request.phase = Phase::Parked {
                 attempt,
                 key: offer.run.key,
@@ -637,6 +642,7 @@ impl Request {
                     ..
                 } = self.phase
                     && key == offer.run.key
+                    && self.parked_provider.as_ref() == Some(&offer.provider_id)
                 {
                     // R-PARK-2: its held capacity becomes this request's
                     // lease on the node's new connection.
@@ -746,7 +752,7 @@ impl Request {
         match self.publisher.as_mut() {
             None => self.outputs.push_back(RequestOutput::Deliver(delivery)),
             Some(publisher) => {
-                publisher.push_from(delivery, self.source);
+                publisher.push_from(delivery, self.source.clone());
                 self.pump_journal();
             }
         }
@@ -837,9 +843,16 @@ impl Request {
             self.abandon_attempt(now, attempt, AttemptEvent::TransportLost);
             return;
         }
-        let Phase::Running { key, frames, .. } = self.phase else {
+        let Phase::Running {
+            key,
+            frames,
+            ref lease,
+            ..
+        } = self.phase
+        else {
             return;
         };
+        self.parked_provider = Some(lease.provider_id.clone());
         // Every frame received is in the journal (or on its way there):
         // an adoption resumes after the last one (R-PARK-2).
         self.outputs.push_back(RequestOutput::CloseAttempt);
@@ -1136,12 +1149,17 @@ impl Request {
             NodeFrame::Tunnel(_) => false,
         };
         let durable_run = self.publisher.is_some() && matches!(frame, NodeFrame::Run(_));
-        if durable_run && let Phase::Running { key, frames, .. } = &mut self.phase {
+        if durable_run
+            && let Phase::Running {
+                key, frames, lease, ..
+            } = &mut self.phase
+        {
             // R-PARK-2: each journal event records the frame it came from.
             *frames += 1;
             self.source = Some(FrameSource {
                 key: *key,
                 frame: *frames,
+                provider_id: lease.provider_id.clone(),
             });
         }
         self.on_frame_inner(now, frame);

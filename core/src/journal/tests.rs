@@ -108,9 +108,14 @@ fn r_idem_1_a_response_that_failed_before_any_event_frees_its_key() {
         check_create(NOW, &limits(), 0, None, Some(&failed), &again),
         Ok(CreateOutcome::Existing(m)) if m.id == "r1"
     ));
-    // A cancelled or incomplete one stays too.
+    // A cancelled one stays; one its Edge's restart ended before any event
+    // gives way like a failed one.
     let cancelled = check_finish(&limits(), &first, 1, &done(RecordStatus::Cancelled)).unwrap();
     assert!(!superseded(&cancelled));
+    let cut = check_finish(&limits(), &first, 1, &done(RecordStatus::Incomplete)).unwrap();
+    assert!(superseded(&cut));
+    let cut_later = check_finish(&limits(), &started, 1, &done(RecordStatus::Incomplete)).unwrap();
+    assert!(!superseded(&cut_later));
 }
 
 #[test]

@@ -1089,7 +1089,11 @@ fn r_park_1_frames_are_acked_once_their_journal_events_are_durable() {
     };
     assert_eq!(
         appended_sources(&outs),
-        vec![Some(crate::edge::durable::FrameSource { key, frame: 1 })],
+        vec![Some(crate::edge::durable::FrameSource {
+            key,
+            frame: 1,
+            provider_id: ProviderId::from("p0"),
+        })],
         "each journal event names its frame"
     );
     r.handle_input(t(3), RequestInput::Journaled(JournalAck::Appended));
@@ -1176,7 +1180,11 @@ fn r_park_2_a_committed_durable_run_that_loses_its_connection_is_adopted_where_i
     let outs = drain(&mut r);
     assert_eq!(
         appended_sources(&outs),
-        vec![Some(crate::edge::durable::FrameSource { key, frame: 3 })]
+        vec![Some(crate::edge::durable::FrameSource {
+            key,
+            frame: 3,
+            provider_id: ProviderId::from("p0"),
+        })]
     );
 }
 
@@ -1317,7 +1325,11 @@ fn r_take_1_an_adopter_appends_after_the_durable_prefix_with_its_epoch() {
     }
     assert_eq!(
         appended_sources(&outs),
-        vec![Some(crate::edge::durable::FrameSource { key, frame: 4 })]
+        vec![Some(crate::edge::durable::FrameSource {
+            key,
+            frame: 4,
+            provider_id: ProviderId::from("p0"),
+        })]
     );
 }
 
@@ -1552,4 +1564,28 @@ fn r_cont_1_never_while_a_tool_call_is_partly_out() {
         )),
         "one in-stream error: {outs:?}"
     );
+}
+
+#[test]
+fn r_park_2_a_report_of_the_same_run_from_another_provider_is_not_adopted() {
+    let mut r = Request::new(t(0), parkable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    durable_with_two_frames(&mut r, &l);
+    let key = iop_wire::RunKey {
+        generation: l.generation,
+        run_id: l.run_id,
+    };
+    r.handle_input(
+        t(6),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    drain(&mut r);
+    let mut foreign = offer(key, 3);
+    foreign.provider_id = ProviderId::from("p1");
+    r.handle_input(t(7), RequestInput::ParkedRun(foreign));
+    assert!(
+        commands(&drain(&mut r)).is_empty(),
+        "another node cannot take this run"
+    );
+    assert!(r.awaits_parked(key));
 }
