@@ -62,6 +62,24 @@ def main() -> None:
     check(last.type in ("response.completed", "response.incomplete"), f"responses stream: last {last.type}")
     check(last.response.usage is None, f"responses stream: no invented usage {last.response.usage}")
 
+    # Stored by default (SPEC §6): the real answer is fetched and its stream
+    # resumed from the journal, with no second provider call.
+    rid = events[0].response.id
+    got = client.responses.retrieve(rid)
+    check(got.output_text == last.response.output_text, f"stored: {got.output_text!r}")
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=2))
+    check([e.sequence_number for e in rest] == [e.sequence_number for e in events[3:]],
+          "stored: resume after sequence number 2")
+    follow = client.responses.create(model=model, input="And again.", max_output_tokens=8,
+                                     previous_response_id=rid)
+    check(follow.usage.input_tokens > r.usage.input_tokens, "stored: the history reached llama.cpp")
+    c1 = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                        extra_headers={"Idempotency-Key": "real-provider-1"})
+    c2 = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                        extra_headers={"Idempotency-Key": "real-provider-1"})
+    check(c1.id == c2.id and c1.choices[0].message.content == c2.choices[0].message.content,
+          "idempotent: one answer")
+
     # Structured output parsed by the SDK (grammar-constrained by llama.cpp).
     parsed = client.chat.completions.parse(
         model=model, messages=[{"role": "user", "content": "Reply with an answer."}],
