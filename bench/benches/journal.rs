@@ -78,6 +78,7 @@ fn record(id: &str) -> NewRecord {
         background: false,
         request: body.to_vec(),
         created_unix_ms: iop_transport::clock::unix_ms(),
+        owner: "bench".into(),
     }
 }
 

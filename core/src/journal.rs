@@ -19,14 +19,41 @@
 //! * [`check_finish`]: exactly one terminal (R-JRN-4), fenced like an
 //!   append;
 //! * [`check_raise_epoch`]: the compare-and-set a takeover wins before its
-//!   first append (R-JRN-3, R-TAKE-1);
+//!   first append (R-JRN-3, R-TAKE-1); the winner becomes the record's
+//!   owner;
 //! * [`expired`]: retention; a record without a terminal never expires
 //!   (R-JRN-5).
 //!
 //! [`GroupCommit`] is the batching rule of R-JRN-1 (many appends, one
 //! sync), as a sans-IO queue the store's writer drives.
+//!
+//! # Ownership and takeover (R-TAKE-1, R-MULTI-1)
+//!
+//! Every record names its *owner*: the Edge (its `edge_id`) that created
+//! it, or that last won its epoch. Every Edge keeps an *ownership lease*
+//! in the store ([`EdgeLease`]), a value it rewrites every third of its
+//! `ttl_ms`; each write gives the lease a new store revision. Another
+//! Edge tells a live owner from a dead one without comparing clocks: a
+//! [`LeaseView`] notes, on the observer's own monotonic clock, when it
+//! first saw each lease's current revision, and a lease whose revision
+//! has not moved for its `ttl_ms` of continuous observation is
+//! [`LeaseState::Expired`] (a failed store read restarts every clock, so
+//! an outage that stopped every Edge from writing never reads as death).
+//!
+//! A [`TakeoverScan`] decides, record by record, with [`orphan`]: a
+//! record without a terminal and not written by a run of this Edge is an
+//! orphan when its owner is this Edge (its previous incarnation, found at
+//! start) or an Edge whose lease expired. An orphan waits the *park
+//! window* (its node may report the run parked, and an Edge adopt it,
+//! R-PARK-2), then is ended `incomplete` ([`EDGE_RESTART_REASON`],
+//! [`EDGE_LOST_REASON`]) with its durable prefix. A record a live Edge
+//! owns is never ended, and a takeover race has one winner: the epoch's
+//! compare-and-set.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use crate::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -161,6 +188,8 @@ pub struct NewRecord {
     pub request: Vec<u8>,
     /// When, in Unix milliseconds.
     pub created_unix_ms: u64,
+    /// The Edge that creates it (its `edge_id`): the record's first owner.
+    pub owner: String,
 }
 
 /// A record as stored.
@@ -193,7 +222,15 @@ pub struct RecordMeta {
     pub expires_unix_ms: u64,
     /// Bytes it holds in the store (request and event payloads).
     pub stored_bytes: u64,
+    /// The Edge that writes it: its creator, or the last Edge that won
+    /// its epoch ([`check_raise_epoch`]); [`NO_OWNER`] for a record stored
+    /// before owners were recorded.
+    pub owner: String,
 }
+
+/// The owner of a record stored before records named their owner: the
+/// one Edge that wrote that store, so a takeover treats it as its own.
+pub const NO_OWNER: &str = "";
 
 impl RecordMeta {
     /// Its status.
@@ -421,6 +458,7 @@ pub fn check_create(
         terminal: None,
         expires_unix_ms: u64::MAX,
         stored_bytes: bytes,
+        owner: new.owner.clone(),
     }))
 }
 
@@ -508,9 +546,14 @@ pub fn check_finish(
 
 /// Decide a takeover: the record's epoch moves from `expected` to
 /// `expected + 1` only if it still is `expected` (compare-and-set,
-/// R-JRN-3). The winner writes with the new epoch; the former owner's
-/// appends are refused from then on.
-pub fn check_raise_epoch(meta: &RecordMeta, expected: u64) -> Result<RecordMeta, JournalError> {
+/// R-JRN-3), and `owner` (the winning Edge's id) becomes its owner. The
+/// winner writes with the new epoch; the former owner's appends are
+/// refused from then on.
+pub fn check_raise_epoch(
+    meta: &RecordMeta,
+    expected: u64,
+    owner: &str,
+) -> Result<RecordMeta, JournalError> {
     if meta.epoch != expected {
         return Err(JournalError::Fenced {
             current: meta.epoch,
@@ -522,6 +565,7 @@ pub fn check_raise_epoch(meta: &RecordMeta, expected: u64) -> Result<RecordMeta,
     }
     let mut next = meta.clone();
     next.epoch = expected + 1;
+    owner.clone_into(&mut next.owner);
     #[cfg(feature = "planted-bugs")]
     if crate::planted::in_thread(crate::planted::PlantedBug::TakeoverWithoutRaise) {
         next.epoch = expected;
@@ -533,6 +577,423 @@ pub fn check_raise_epoch(meta: &RecordMeta, expected: u64) -> Result<RecordMeta,
 /// retention; a running record never expires (R-JRN-5).
 pub fn expired(meta: &RecordMeta, now_unix_ms: u64) -> bool {
     meta.terminal.is_some() && meta.expires_unix_ms <= now_unix_ms
+}
+
+/// The `incomplete` reason of a record whose owner was this Edge before
+/// it restarted (R-TAKE-1).
+pub const EDGE_RESTART_REASON: &str = "edge_restart";
+
+/// The `incomplete` reason of a record whose owner was another Edge whose
+/// ownership lease expired (R-TAKE-1, R-MULTI-1).
+pub const EDGE_LOST_REASON: &str = "edge_lost";
+
+/// The shortest lease TTL an Edge may promise.
+pub const MIN_LEASE_TTL_MS: u64 = 1_000;
+
+/// The longest lease TTL an Edge may promise (and an observer waits).
+pub const MAX_LEASE_TTL_MS: u64 = 600_000;
+
+/// Edges a [`LeaseView`] follows at most; one more is not followed (its
+/// records are never taken over by that view: the safe side).
+pub const MAX_TRACKED_EDGES: usize = 1024;
+
+/// An Edge's ownership lease, one per `edge_id` in the store: the Edge
+/// rewrites it every [`EdgeLease::renew_interval`], and each write gives
+/// it a new store revision (R-TAKE-1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EdgeLease {
+    /// The Edge's `edge_id`.
+    pub edge_id: String,
+    /// Random per process start: tells a restart (or a second process
+    /// configured with the same id) from a renewal.
+    pub incarnation: u64,
+    /// How long the lease holds without a renewal, as its Edge promises.
+    pub ttl_ms: u64,
+    /// When it was last written, in its Edge's Unix milliseconds (for
+    /// operators: no decision compares another Edge's clock).
+    pub renewed_unix_ms: u64,
+}
+
+impl EdgeLease {
+    /// The TTL observers apply: `ttl_ms` within
+    /// [`MIN_LEASE_TTL_MS`]..=[`MAX_LEASE_TTL_MS`].
+    pub fn ttl(&self) -> Duration {
+        Duration::from_millis(self.ttl_ms.clamp(MIN_LEASE_TTL_MS, MAX_LEASE_TTL_MS))
+    }
+
+    /// How often its Edge rewrites it: a third of its TTL, so two lost
+    /// renewals in a row still leave it alive.
+    pub fn renew_interval(&self) -> Duration {
+        self.ttl() / 3
+    }
+}
+
+/// A lease as read from the store: its value and the store's revision of
+/// it (every write makes a new, greater one).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredLease {
+    /// The store's revision of this value.
+    pub revision: u64,
+    /// The value.
+    pub lease: EdgeLease,
+}
+
+/// Decide a lease write: it replaces the stored lease only if that is
+/// still at revision `expected` (0: no lease), so an Edge learns when
+/// something else (a second process with its `edge_id`) wrote it.
+pub fn check_put_lease(stored: Option<&StoredLease>, expected: u64) -> Result<(), JournalError> {
+    let current = stored.map_or(0, |s| s.revision);
+    if current != expected {
+        return Err(JournalError::Fenced {
+            current,
+            writer: expected,
+        });
+    }
+    Ok(())
+}
+
+/// What an observer concludes of an Edge's lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseState {
+    /// Seen to change while observed, the last change within its TTL: its
+    /// Edge is alive.
+    Renewing,
+    /// Not seen to change yet, and not observed for a whole TTL either
+    /// (this Edge just started, or a store read failed): treated as alive.
+    Unconfirmed,
+    /// Unchanged (or absent) for its whole TTL of continuous observation:
+    /// its Edge is gone.
+    Expired,
+}
+
+impl LeaseState {
+    /// The stable lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseState::Renewing => "renewing",
+            LeaseState::Unconfirmed => "unconfirmed",
+            LeaseState::Expired => "expired",
+        }
+    }
+}
+
+/// One Edge as a [`LeaseView`] follows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SeenLease {
+    /// The revision last read; `None`: no lease was there.
+    revision: Option<u64>,
+    /// The value last read, if any.
+    lease: Option<EdgeLease>,
+    /// When this revision (or this absence) was first read, or the last
+    /// failed read, whichever is later.
+    since: Instant,
+    /// A change was seen while observing (evidence of life).
+    changed: bool,
+}
+
+/// An Edge's view of every Edge's lease, on its own clock (see the module
+/// docs): when it first read each lease's current revision. A revision
+/// that does not move for the lease's TTL of continuous observation means
+/// its Edge stopped renewing; nothing compares two Edges' clocks.
+#[derive(Debug, Clone)]
+pub struct LeaseView {
+    /// The TTL an absent lease is judged by.
+    default_ttl: Duration,
+    edges: BTreeMap<String, SeenLease>,
+}
+
+/// One Edge's lease as a [`LeaseView`] sees it now (for status surfaces).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerLease {
+    /// The Edge's id.
+    pub edge_id: String,
+    /// What the view concludes.
+    pub state: LeaseState,
+    /// The lease last read, if there was one.
+    pub lease: Option<EdgeLease>,
+}
+
+impl LeaseView {
+    /// A view that judges an absent lease by `default_ttl` (the observer's
+    /// own TTL).
+    pub fn new(default_ttl: Duration) -> Self {
+        LeaseView {
+            default_ttl,
+            edges: BTreeMap::new(),
+        }
+    }
+
+    /// A fresh read of `edge_id`'s lease at `now`: its stored value, or
+    /// `None` when the store holds none.
+    pub fn observe(&mut self, edge_id: &str, read: Option<&StoredLease>, now: Instant) {
+        let revision = read.map(|l| l.revision);
+        let lease = read.map(|l| l.lease.clone());
+        let full = self.edges.len() >= MAX_TRACKED_EDGES;
+        match self.edges.get_mut(edge_id) {
+            Some(seen) if seen.revision == revision => {
+                if lease.is_some() {
+                    seen.lease = lease;
+                }
+            }
+            Some(seen) => {
+                // A write while observed is life; a removal is not.
+                seen.changed = read.is_some();
+                seen.revision = revision;
+                if lease.is_some() {
+                    seen.lease = lease;
+                }
+                seen.since = now;
+            }
+            None if full => {}
+            None => {
+                self.edges.insert(
+                    edge_id.to_owned(),
+                    SeenLease {
+                        revision,
+                        lease,
+                        since: now,
+                        changed: false,
+                    },
+                );
+            }
+        }
+    }
+
+    /// A read of every lease the store holds: each Edge followed and not
+    /// in `leases` has none now.
+    pub fn observe_all(&mut self, leases: &[StoredLease], now: Instant) {
+        for stored in leases {
+            self.observe(&stored.lease.edge_id, Some(stored), now);
+        }
+        let absent: Vec<String> = self
+            .edges
+            .keys()
+            .filter(|id| !leases.iter().any(|l| &l.lease.edge_id == *id))
+            .cloned()
+            .collect();
+        for id in absent {
+            self.observe(&id, None, now);
+        }
+    }
+
+    /// A store read failed at `now`: what was seen before says nothing of
+    /// the time since (the store may have been out for every Edge, none
+    /// could renew), so every clock starts again.
+    pub fn read_failed(&mut self, now: Instant) {
+        for seen in self.edges.values_mut() {
+            seen.since = seen.since.max(now);
+        }
+    }
+
+    /// What the view concludes of `edge_id` at `now`; `None`: never read.
+    pub fn state(&self, edge_id: &str, now: Instant) -> Option<LeaseState> {
+        let seen = self.edges.get(edge_id)?;
+        let ttl = seen.lease.as_ref().map_or(self.default_ttl, EdgeLease::ttl);
+        Some(if now.saturating_duration_since(seen.since) >= ttl {
+            LeaseState::Expired
+        } else if seen.changed && seen.revision.is_some() {
+            LeaseState::Renewing
+        } else {
+            LeaseState::Unconfirmed
+        })
+    }
+
+    /// Every Edge followed, as seen at `now`, by id.
+    pub fn peers(&self, now: Instant) -> Vec<PeerLease> {
+        self.edges
+            .iter()
+            .filter_map(|(id, seen)| {
+                Some(PeerLease {
+                    edge_id: id.clone(),
+                    state: self.state(id, now)?,
+                    lease: seen.revision.and(seen.lease.clone()),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Why a record without a terminal lost its writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Orphan {
+    /// Its owner is this Edge, and no run of this Edge writes it: this
+    /// Edge's previous incarnation wrote it (or its run ended without its
+    /// terminal).
+    EdgeRestart,
+    /// Its owner is another Edge whose lease expired.
+    EdgeLost,
+}
+
+impl Orphan {
+    /// The closed `incomplete` reason a takeover ends it with.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Orphan::EdgeRestart => EDGE_RESTART_REASON,
+            Orphan::EdgeLost => EDGE_LOST_REASON,
+        }
+    }
+}
+
+/// Is `meta` an orphan for Edge `me` (R-TAKE-1)? `live_here`: a run of
+/// this Edge writes it; `owner`: its owner's lease as `me` sees it
+/// (`None`: not read). A record with a terminal, one this Edge runs, and
+/// one whose owner is not seen expired (renewing, unconfirmed, unread)
+/// is not.
+pub fn orphan(
+    meta: &RecordMeta,
+    me: &str,
+    live_here: bool,
+    owner: Option<LeaseState>,
+) -> Option<Orphan> {
+    if meta.terminal.is_some() || live_here {
+        return None;
+    }
+    if meta.owner == me || meta.owner == NO_OWNER {
+        return Some(Orphan::EdgeRestart);
+    }
+    (owner == Some(LeaseState::Expired)).then_some(Orphan::EdgeLost)
+}
+
+/// What [`TakeoverScan::decide`] says of one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TakeoverDecision {
+    /// Not an orphan: leave it to its writer.
+    Keep,
+    /// An orphan within its park window: its node may still report the
+    /// run parked (R-PARK-2). Look again at `until`.
+    Wait {
+        /// When the window ends.
+        until: Instant,
+    },
+    /// An orphan past its park window: take it over (raise its epoch,
+    /// R-JRN-3) and end it `incomplete` with [`Orphan::reason`] and its
+    /// durable prefix. The caller decides again on a fresh read of the
+    /// record and its owner's lease before it acts.
+    End(Orphan),
+}
+
+/// The takeover scan's memory from one scan to the next (R-TAKE-1): the
+/// leases it has seen ([`LeaseView`]) and since when each orphan waits.
+/// Its size is bounded by the records passed in ([`TakeoverScan::retain`]
+/// after each scan) and [`MAX_TRACKED_EDGES`].
+#[derive(Debug, Clone)]
+pub struct TakeoverScan {
+    me: String,
+    park_window: Duration,
+    /// The store is this Edge's alone (embedded, in memory): every record
+    /// in it is this Edge's, whatever owner it names (an `edge_id` changed
+    /// between two runs).
+    sole: bool,
+    leases: LeaseView,
+    waiting: HashMap<String, (Instant, Orphan)>,
+}
+
+impl TakeoverScan {
+    /// The scan of Edge `me`: an orphan waits `park_window` (the nodes'
+    /// park grace and the slack for their reports); an absent lease is
+    /// judged by `lease_ttl` (this Edge's own).
+    pub fn new(me: &str, park_window: Duration, lease_ttl: Duration) -> Self {
+        TakeoverScan {
+            me: me.to_owned(),
+            park_window,
+            sole: false,
+            leases: LeaseView::new(lease_ttl),
+            waiting: HashMap::new(),
+        }
+    }
+
+    /// The scan of Edge `me` on a store no other Edge opens (embedded, in
+    /// memory): no other Edge can be alive, so every record it did not
+    /// write in this run is its own previous run's
+    /// ([`Orphan::EdgeRestart`]), whatever owner it names.
+    pub fn sole(me: &str, park_window: Duration) -> Self {
+        TakeoverScan {
+            sole: true,
+            ..Self::new(me, park_window, Duration::from_millis(MIN_LEASE_TTL_MS))
+        }
+    }
+
+    /// Is the store this Edge's alone ([`Self::sole`])?
+    pub fn is_sole(&self) -> bool {
+        self.sole
+    }
+
+    /// This Edge's id.
+    pub fn me(&self) -> &str {
+        &self.me
+    }
+
+    /// The leases seen.
+    pub fn leases(&self) -> &LeaseView {
+        &self.leases
+    }
+
+    /// The leases seen, to feed reads to.
+    pub fn leases_mut(&mut self) -> &mut LeaseView {
+        &mut self.leases
+    }
+
+    /// Decide on `meta` as read at `now`; `live_here`: a run of this Edge
+    /// writes it. An orphan's park window starts when it is first found an
+    /// orphan; one that stops being one (adopted, its owner back, ended)
+    /// is forgotten.
+    pub fn decide(&mut self, meta: &RecordMeta, live_here: bool, now: Instant) -> TakeoverDecision {
+        let found = if self.sole {
+            orphan(meta, &meta.owner, live_here, None)
+        } else {
+            orphan(
+                meta,
+                &self.me,
+                live_here,
+                self.leases.state(&meta.owner, now),
+            )
+        };
+        let Some(kind) = found else {
+            self.waiting.remove(&meta.id);
+            return TakeoverDecision::Keep;
+        };
+        let (since, seen_kind) = self.waiting.entry(meta.id.clone()).or_insert((now, kind));
+        if *seen_kind != kind {
+            *seen_kind = kind;
+            *since = now;
+        }
+        let until = since.saturating_add(self.park_window);
+        if now >= until {
+            TakeoverDecision::End(kind)
+        } else {
+            TakeoverDecision::Wait { until }
+        }
+    }
+
+    /// Forget `id` (ended, or found gone).
+    pub fn forget(&mut self, id: &str) {
+        self.waiting.remove(id);
+    }
+
+    /// Keep only the orphans `keep` names (the records still unfinished).
+    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.waiting.retain(|id, _| keep(id));
+    }
+
+    /// Orphans waiting for their park window.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Is `id` an orphan waiting for its park window?
+    pub fn is_waiting(&self, id: &str) -> bool {
+        self.waiting.contains_key(id)
+    }
+
+    /// When the first waiting orphan's park window ends.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.waiting
+            .values()
+            .map(|(since, _)| since.saturating_add(self.park_window))
+            .min()
+    }
 }
 
 /// A ticket naming one submitted operation in [`GroupCommit`].

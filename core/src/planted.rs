@@ -296,6 +296,7 @@ mod tests {
             background: false,
             request: vec![],
             created_unix_ms: 0,
+            owner: "edge".into(),
         };
         match check_create(0, &JournalLimits::default(), 0, None, None, &new) {
             Ok(CreateOutcome::Create(meta)) => meta,
@@ -331,7 +332,7 @@ mod tests {
     #[test]
     fn append_ignores_epoch_accepts_a_fenced_writer() {
         use crate::journal::{JournalEvent, JournalLimits, check_append, check_raise_epoch};
-        let raised = check_raise_epoch(&record(), 1).expect("raised");
+        let raised = check_raise_epoch(&record(), 1, "edge").expect("raised");
         let event = [JournalEvent {
             seq: 1,
             payload: vec![],
@@ -348,7 +349,7 @@ mod tests {
     fn takeover_without_raise_leaves_the_epoch_where_it_was() {
         use crate::journal::check_raise_epoch;
         let raised = with_thread_bug(PlantedBug::TakeoverWithoutRaise, || {
-            check_raise_epoch(&record(), 1)
+            check_raise_epoch(&record(), 1, "edge")
         });
         assert_eq!(raised.map(|m| m.epoch), Ok(1));
     }

@@ -12,11 +12,21 @@
 //! encoder renders the record's events from the first one and the reader
 //! skips what it already has.
 //!
+//! Every Edge keeps an ownership lease in the store ([`Durable::take_lease`],
+//! renewed by [`Durable::spawn_lease_renewal`]) and runs a takeover scan
+//! ([`Durable::spawn_takeover`]) at start and then periodically: a record
+//! without a terminal that this Edge's previous run, or an Edge whose lease
+//! expired, left behind waits the park window (its node may report the run
+//! parked, and an Edge adopt it: [`Durable::spawn_adoptions`]) and then ends
+//! `incomplete` with its durable prefix (R-TAKE-1, R-MULTI-1).
+//!
 //! Nothing here decides a journal rule: numbering, fencing, the one
-//! terminal, retention and idempotency are `iop_core::journal`'s, applied by
-//! the store ([`iop_store::JournalStore`]).
+//! terminal, retention, idempotency, lease expiry and which record is an
+//! orphan are `iop_core::journal`'s, applied by the store
+//! ([`iop_store::JournalStore`]) or by [`TakeoverScan`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,9 +34,11 @@ use iop_core::edge::dispatch::ParkedOffer;
 use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery, decode_entry};
 use iop_core::edge::request::Delivery;
 use iop_core::journal::{
-    CreateOutcome, JournalError, NewRecord, RecordMeta, RecordStatus, Terminal,
+    CreateOutcome, EdgeLease, JournalError, LeaseState, NO_OWNER, NewRecord, PeerLease, RecordMeta,
+    RecordStatus, TakeoverDecision, TakeoverScan, Terminal,
 };
 use iop_store::{EmbeddedStore, JournalStore, MemoryStore, Progress};
+use iop_transport::clock::Clock;
 use iop_wire::ChatMessage;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -37,9 +49,19 @@ use crate::metrics::EdgeMetrics;
 /// Events read from the store at a time by a follower.
 const FOLLOW_BATCH: usize = 256;
 
-/// The closed reason of a record ended at start because the Edge that ran
-/// it is gone (R-TAKE-1).
-pub const EDGE_RESTART_REASON: &str = "edge_restart";
+/// Records one takeover scan ends at most; the rest wait for the next.
+const MAX_TAKEOVERS_PER_SCAN: usize = 256;
+
+/// The shortest pause between two takeover scans.
+const MIN_SCAN_PAUSE: Duration = Duration::from_millis(50);
+
+/// The closed reason of a record ended because the Edge that ran it
+/// restarted (R-TAKE-1).
+pub const EDGE_RESTART_REASON: &str = iop_core::journal::EDGE_RESTART_REASON;
+
+/// The closed reason of a record ended because the Edge that ran it is
+/// gone: its ownership lease expired (R-TAKE-1, R-MULTI-1).
+pub const EDGE_LOST_REASON: &str = iop_core::journal::EDGE_LOST_REASON;
 
 /// What a durable record keeps of its request: enough to render its
 /// answer again (the API's own encoder over the stored events), to list
@@ -85,7 +107,7 @@ impl StoredRequest {
 /// The format byte in front of a [`StoredRequest`].
 const STORED_REQUEST_FORMAT: u8 = 1;
 
-/// Why a durable response could not be opened.
+/// Why the journal of durable responses could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// The store's file could not be opened or created.
@@ -96,17 +118,99 @@ pub enum OpenError {
         /// Why.
         message: String,
     },
+    /// The NATS JetStream store could not be reached or set up.
+    #[error("journal store on NATS ({servers}): {message}")]
+    Nats {
+        /// The configured server URLs.
+        servers: String,
+        /// Why (naming what failed).
+        message: String,
+    },
+    /// `[journal.nats]` is unusable (checked at load; the environment may
+    /// have changed since).
+    #[error("{0}")]
+    Config(#[from] iop_transport::settings::ConfigError),
+}
+
+/// How the journal store has answered lately (for `/status` and the
+/// `iop_edge_journal_store_up` gauge): only a store failure
+/// ([`JournalError::Store`]) counts against it, never a rule's refusal.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StoreHealth {
+    /// The last operation the store answered, Unix ms.
+    pub last_ok_unix_ms: Option<u64>,
+    /// The last operation the store failed, Unix ms.
+    pub last_error_unix_ms: Option<u64>,
+    /// What that failure was (a closed code).
+    pub last_error: Option<&'static str>,
+    /// Store failures since start.
+    pub errors: u64,
+}
+
+impl StoreHealth {
+    /// `ok`, `failing` (the last answer was a failure) or `unknown`
+    /// (nothing asked yet).
+    pub fn state(&self) -> &'static str {
+        match (self.last_ok_unix_ms, self.last_error_unix_ms) {
+            (_, None) if self.last_ok_unix_ms.is_some() => "ok",
+            (None, None) => "unknown",
+            (Some(ok), Some(err)) if ok > err => "ok",
+            _ => "failing",
+        }
+    }
+}
+
+/// What `/status` shows of the journal.
+#[derive(Debug, Clone, Serialize)]
+pub struct JournalStatus {
+    /// `embedded`, `memory` or `nats`.
+    pub store: &'static str,
+    /// This Edge's id.
+    pub edge_id: String,
+    /// The store's recent answers.
+    pub health: StoreHealth,
+    /// Records held.
+    pub records: u64,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Orphans waiting for their park window (R-TAKE-1).
+    pub orphans_waiting: usize,
+    /// The Edges whose ownership leases the last takeover scan read.
+    pub edges: Vec<PeerLease>,
+}
+
+/// What the takeover scan last saw, for `/status`.
+#[derive(Debug, Clone, Default)]
+struct ScanView {
+    orphans_waiting: usize,
+    edges: Vec<PeerLease>,
+}
+
+/// This Edge's lease as it holds it: the value and the revision it last
+/// wrote.
+#[derive(Debug, Clone)]
+pub struct HeldLease {
+    /// The value.
+    pub lease: EdgeLease,
+    /// The store's revision of the last write.
+    pub revision: u64,
 }
 
 /// The Edge's durable responses: the store and the runs this process
 /// writes.
 pub struct Durable {
     store: Arc<dyn JournalStore>,
+    store_kind: JournalStoreKind,
+    /// This Edge's id: records it creates or takes over name it.
+    edge_id: String,
     metrics: Option<Arc<EdgeMetrics>>,
     responses_store_default: bool,
     park_grace_ms: u64,
+    lease_ttl_ms: u64,
     /// The runs this Edge writes, by response id.
     live: Mutex<HashMap<String, mpsc::Sender<LiveCommand>>>,
+    health: Mutex<StoreHealth>,
+    scan_view: Mutex<ScanView>,
 }
 
 /// What reaches a run this Edge writes.
@@ -119,10 +223,14 @@ pub enum LiveCommand {
 }
 
 impl Durable {
-    /// Open the store `section` names; `state_dir` holds its default file.
-    pub fn open(
+    /// Open the store `section` names, as Edge `edge_id`; `state_dir`
+    /// holds the embedded store's default file. A NATS store is connected
+    /// here, bounded by `[journal.nats] connect_timeout_ms`, and its stream
+    /// and bucket created if missing.
+    pub async fn open(
         section: &JournalSection,
         state_dir: &std::path::Path,
+        edge_id: &str,
         metrics: Arc<EdgeMetrics>,
     ) -> Result<Self, OpenError> {
         let limits = section.limits();
@@ -136,28 +244,75 @@ impl Durable {
                 })?;
                 Arc::new(store)
             }
+            JournalStoreKind::Nats => {
+                let nats = section.nats.as_ref().ok_or_else(|| {
+                    iop_transport::settings::field_err("journal.nats", "required")
+                })?;
+                // Paths were resolved at load.
+                let options = nats.options(limits, state_dir)?;
+                let servers = options.servers.join(",");
+                // Bounded twice: the client's connect and the bucket load
+                // each by the timeout, the stream checks by the request
+                // timeout; the whole start by the sum.
+                let bound = options.connect_timeout * 2 + options.request_timeout * 4;
+                let connected =
+                    tokio::time::timeout(bound, iop_store_nats::NatsStore::connect(options))
+                        .await
+                        .map_err(|_| OpenError::Nats {
+                            servers: servers.clone(),
+                            message: format!("not connected and set up within {bound:?}"),
+                        })?
+                        .map_err(|e| OpenError::Nats {
+                            servers: servers.clone(),
+                            message: e.to_string(),
+                        })?;
+                tracing::info!(event = "edge_journal_nats_connected", servers = %servers);
+                Arc::new(connected)
+            }
         };
         let mut durable = Self::with_store(store, section.responses_store_default);
+        durable.store_kind = section.store;
+        edge_id.clone_into(&mut durable.edge_id);
         durable.metrics = Some(metrics);
         durable.park_grace_ms = section.park_grace_ms;
+        durable.lease_ttl_ms = section.lease_ttl_ms;
         durable.publish_stats();
         Ok(durable)
     }
 
-    /// Durable responses on `store`.
+    /// Durable responses on `store`, as the only Edge
+    /// ([`crate::config::DEFAULT_EDGE_ID`]).
     pub fn with_store(store: Arc<dyn JournalStore>, responses_store_default: bool) -> Self {
         Durable {
             store,
+            store_kind: JournalStoreKind::Memory,
+            edge_id: crate::config::DEFAULT_EDGE_ID.to_owned(),
             metrics: None,
             responses_store_default,
             park_grace_ms: iop_wire::DEFAULT_PARK_GRACE_MS,
+            lease_ttl_ms: 15_000,
             live: Mutex::new(HashMap::new()),
+            health: Mutex::new(StoreHealth::default()),
+            scan_view: Mutex::new(ScanView::default()),
         }
+    }
+
+    /// As Edge `edge_id` with a lease of `lease_ttl_ms` (several Edges on
+    /// one store in a test).
+    pub fn with_identity(mut self, edge_id: &str, lease_ttl_ms: u64) -> Self {
+        edge_id.clone_into(&mut self.edge_id);
+        self.lease_ttl_ms = lease_ttl_ms;
+        self
     }
 
     /// The store.
     pub fn store(&self) -> &Arc<dyn JournalStore> {
         &self.store
+    }
+
+    /// This Edge's id: the owner of the records it creates or takes over.
+    pub fn edge_id(&self) -> &str {
+        &self.edge_id
     }
 
     /// How long a durable run may stay parked on its node (R-PARK-1).
@@ -218,7 +373,54 @@ impl Durable {
         if let Some(metrics) = &self.metrics {
             metrics.journal_write(op, result.as_ref().map(|_| ()), started.elapsed());
         }
+        self.note(result.as_ref().map(|_| ()));
         self.publish_stats();
+    }
+
+    /// The store answered (`Ok`, or a rule's refusal) or failed.
+    fn note(&self, result: Result<(), &JournalError>) {
+        let now = iop_transport::clock::unix_ms();
+        let up = {
+            let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+            match result {
+                Err(e @ JournalError::Store(_)) => {
+                    h.last_error_unix_ms = Some(now);
+                    h.last_error = Some(e.as_str());
+                    h.errors += 1;
+                    false
+                }
+                _ => {
+                    h.last_ok_unix_ms = Some(now);
+                    true
+                }
+            }
+        };
+        if let Some(metrics) = &self.metrics {
+            metrics
+                .gauges
+                .journal_store_up
+                .store(u64::from(up), Ordering::Relaxed);
+        }
+    }
+
+    /// What `/status` shows of the journal.
+    pub fn status(&self) -> JournalStatus {
+        let stats = self.store.stats();
+        let health = *self.health.lock().unwrap_or_else(|e| e.into_inner());
+        let view = self
+            .scan_view
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        JournalStatus {
+            store: self.store_kind.as_str(),
+            edge_id: self.edge_id.clone(),
+            health,
+            records: stats.records,
+            bytes: stats.used_bytes,
+            orphans_waiting: view.orphans_waiting,
+            edges: view.edges,
+        }
     }
 
     fn publish_stats(&self) {
@@ -277,48 +479,289 @@ impl Durable {
         }
     }
 
-    /// R-TAKE-1, at start: every record without a terminal was being
-    /// written by an Edge that is gone (this one, before it restarted).
-    /// Each is taken over (its epoch raised first, R-JRN-3, so a write
-    /// still on its way from the old owner is refused) and ended
-    /// `incomplete` with its durable prefix, so every reader gets a
-    /// terminal. Returns how many were ended.
-    pub async fn end_orphans(&self) -> Result<usize, JournalError> {
-        let unfinished = self.store.unfinished().await?;
-        self.end_unadopted(unfinished).await
+    /// Take this Edge's ownership lease at start (R-TAKE-1), before any
+    /// record is created or taken over: whatever lease its id had (its
+    /// previous run's) is replaced by this run's.
+    pub async fn take_lease(&self) -> Result<HeldLease, JournalError> {
+        let lease = EdgeLease {
+            edge_id: self.edge_id.clone(),
+            incarnation: rand::random(),
+            ttl_ms: self.lease_ttl_ms,
+            renewed_unix_ms: iop_transport::clock::unix_ms(),
+        };
+        let current = self.store.lease(self.edge_id.clone()).await;
+        self.note(current.as_ref().map(|_| ()));
+        let current = current?;
+        if let Some(previous) = &current {
+            tracing::info!(
+                event = "edge_lease_taken",
+                edge_id = %self.edge_id,
+                previous_renewed_unix_ms = previous.lease.renewed_unix_ms
+            );
+        }
+        let revision = self
+            .store
+            .put_lease(lease.clone(), current.map_or(0, |c| c.revision))
+            .await;
+        self.note(revision.as_ref().map(|_| ()));
+        Ok(HeldLease {
+            lease,
+            revision: revision?,
+        })
     }
 
-    /// End `candidates` that are still unfinished and that no run of this
-    /// Edge writes (none adopted them), `incomplete` (R-TAKE-1).
-    async fn end_unadopted(&self, candidates: Vec<RecordMeta>) -> Result<usize, JournalError> {
-        let mut ended = 0;
-        for candidate in candidates {
-            if self.is_live(&candidate.id) {
-                continue;
+    /// Renew `held` every third of its TTL for as long as the Edge runs.
+    /// A renewal refused because something else wrote the lease (a second
+    /// process configured with this `edge_id`) is logged
+    /// (`edge_lease_conflict`) and the lease taken again; a store failure
+    /// is retried at the next renewal.
+    pub fn spawn_lease_renewal(
+        self: &Arc<Self>,
+        mut held: HeldLease,
+    ) -> tokio::task::JoinHandle<()> {
+        let durable = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(held.lease.renew_interval());
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                held.lease.renewed_unix_ms = iop_transport::clock::unix_ms();
+                let written = durable
+                    .store
+                    .put_lease(held.lease.clone(), held.revision)
+                    .await;
+                durable.note(written.as_ref().map(|_| ()));
+                match written {
+                    Ok(revision) => held.revision = revision,
+                    Err(JournalError::Fenced { current, .. }) => {
+                        tracing::error!(
+                            event = "edge_lease_conflict",
+                            edge_id = %durable.edge_id,
+                            "another writer holds this edge_id's lease: every Edge needs its own edge_id"
+                        );
+                        held.revision = current;
+                    }
+                    Err(e) => {
+                        tracing::warn!(event = "edge_lease_renewal_failed", error = %e);
+                    }
+                }
             }
-            let Some((meta, _)) = self.store.get(candidate.id.clone(), 0).await? else {
-                continue;
+        })
+    }
+
+    /// R-TAKE-1 at start and then every `interval`: the takeover scan.
+    /// The first scan reads every unfinished record from the store (a
+    /// failure fails the start); on a shared store later ones take the
+    /// store's view ([`JournalStore::unfinished_hint`]), for as long as the
+    /// Edge runs. On a store only this Edge opens, orphans can only be its
+    /// previous run's: later scans look again at those still waiting, and
+    /// the task ends with the last. Orphans (this Edge's previous run's
+    /// records, those of Edges whose lease expired) wait `window` for their
+    /// nodes to report their parked runs (R-PARK-2); those still
+    /// unfinished and not run here then end `incomplete`.
+    pub async fn spawn_takeover(
+        self: &Arc<Self>,
+        window: Duration,
+        interval: Duration,
+    ) -> Result<tokio::task::JoinHandle<()>, JournalError> {
+        let first = self.store.unfinished().await;
+        self.note(first.as_ref().map(|_| ()));
+        let first = first?;
+        let durable = self.clone();
+        let clock = Clock::new();
+        let shared = self.store_kind.is_shared();
+        let mut scan = if shared {
+            TakeoverScan::new(
+                &self.edge_id,
+                window,
+                Duration::from_millis(self.lease_ttl_ms),
+            )
+        } else {
+            TakeoverScan::sole(&self.edge_id, window)
+        };
+        Ok(tokio::spawn(async move {
+            let now = || clock.now();
+            let mut start = first.clone();
+            let mut records = Some(first);
+            loop {
+                let batch = match records.take() {
+                    Some(r) => Ok(r),
+                    None if shared => durable.store.unfinished_hint().await,
+                    None => {
+                        // Decided again on a fresh read before any is ended.
+                        start.retain(|m| scan.is_waiting(&m.id));
+                        if start.is_empty() {
+                            return;
+                        }
+                        Ok(start.clone())
+                    }
+                };
+                match batch {
+                    Ok(batch) => {
+                        durable.scan(&mut scan, &now, batch).await;
+                    }
+                    Err(e) => {
+                        durable.note(Err(&e));
+                        scan.leases_mut().read_failed(now());
+                    }
+                }
+                let mut pause = interval;
+                if let Some(at) = scan.poll_timeout() {
+                    pause = pause.min(at.saturating_duration_since(now()));
+                }
+                tokio::time::sleep(pause.max(MIN_SCAN_PAUSE)).await;
+            }
+        }))
+    }
+
+    /// One takeover scan over `records` (the unfinished records as read):
+    /// read the leases, decide each record with `scan`, and end those past
+    /// their park window, each decided again on a fresh read first.
+    /// Returns how many were ended. `now` is the scan's clock.
+    pub async fn scan(
+        &self,
+        scan: &mut TakeoverScan,
+        now: &(dyn Fn() -> iop_core::time::Instant + Send + Sync),
+        records: Vec<RecordMeta>,
+    ) -> usize {
+        let ended = self.scan_inner(scan, now, &records).await;
+        let ids: HashSet<&str> = records.iter().map(|m| m.id.as_str()).collect();
+        scan.retain(|id| ids.contains(id));
+        // A store of this Edge's own has no other Edges to show.
+        let edges = if scan.is_sole() {
+            Vec::new()
+        } else {
+            scan.leases().peers(now())
+        };
+        if let Some(metrics) = &self.metrics {
+            let live = if scan.is_sole() {
+                1
+            } else {
+                edges
+                    .iter()
+                    .filter(|p| p.lease.is_some() && p.state != LeaseState::Expired)
+                    .count()
             };
-            if meta.terminal.is_some() {
-                continue;
-            }
-            match self.end_incomplete(&meta, EDGE_RESTART_REASON).await {
-                Ok(()) => ended += 1,
-                // Another writer got there first: it owns the record.
-                Err(JournalError::Fenced { .. } | JournalError::Terminated) => {}
-                Err(e) => return Err(e),
+            metrics
+                .gauges
+                .journal_live_edges
+                .store(live as u64, Ordering::Relaxed);
+        }
+        *self.scan_view.lock().unwrap_or_else(|e| e.into_inner()) = ScanView {
+            orphans_waiting: scan.waiting(),
+            edges,
+        };
+        ended
+    }
+
+    async fn scan_inner(
+        &self,
+        scan: &mut TakeoverScan,
+        now: &(dyn Fn() -> iop_core::time::Instant + Send + Sync),
+        records: &[RecordMeta],
+    ) -> usize {
+        let leases = self.store.leases().await;
+        self.note(leases.as_ref().map(|_| ()));
+        match leases {
+            Ok(leases) => scan.leases_mut().observe_all(&leases, now()),
+            Err(e) => {
+                tracing::warn!(event = "edge_journal_scan_failed", error = %e);
+                scan.leases_mut().read_failed(now());
+                return 0;
             }
         }
-        Ok(ended)
+        // Owners the listing did not name (the store's view lags behind
+        // a new Edge): read each.
+        let unknown: BTreeSet<&str> = records
+            .iter()
+            .map(|m| m.owner.as_str())
+            .filter(|o| *o != self.edge_id && *o != NO_OWNER)
+            .filter(|o| scan.leases().state(o, now()).is_none())
+            .take(iop_core::journal::MAX_TRACKED_EDGES)
+            .collect();
+        for owner in unknown {
+            match self.store.lease(owner.to_owned()).await {
+                Ok(lease) => scan.leases_mut().observe(owner, lease.as_ref(), now()),
+                Err(e) => {
+                    self.note(Err(&e));
+                    scan.leases_mut().read_failed(now());
+                    return 0;
+                }
+            }
+        }
+        let waiting_before = scan.waiting();
+        let mut due = Vec::new();
+        for meta in records {
+            if let TakeoverDecision::End(_) = scan.decide(meta, self.is_live(&meta.id), now()) {
+                due.push(meta.id.clone());
+            }
+        }
+        if scan.waiting() > waiting_before {
+            tracing::info!(
+                event = "edge_journal_orphans_waiting",
+                records = scan.waiting()
+            );
+        }
+        let mut ended: BTreeMap<&'static str, usize> = BTreeMap::new();
+        for id in due.into_iter().take(MAX_TAKEOVERS_PER_SCAN) {
+            match self.take_over(scan, now, &id).await {
+                Ok(Some(reason)) => *ended.entry(reason).or_default() += 1,
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(event = "edge_journal_orphans_failed", error = %e);
+                    scan.leases_mut().read_failed(now());
+                    break;
+                }
+            }
+        }
+        for (reason, records) in &ended {
+            tracing::warn!(event = "edge_journal_orphans_ended", records, reason);
+        }
+        ended.values().sum()
     }
 
-    async fn end_incomplete(&self, meta: &RecordMeta, reason: &str) -> Result<(), JournalError> {
-        self.end_as(meta, RecordStatus::Incomplete, reason).await
+    /// End the orphan `id` if a fresh read of it and of its owner's lease
+    /// still says so: taken over (its epoch raised, so whatever still
+    /// writes it is fenced, R-JRN-3) and ended `incomplete` with its
+    /// durable prefix. `None`: not ended (adopted, ended or taken by
+    /// another Edge meanwhile, its owner back).
+    async fn take_over(
+        &self,
+        scan: &mut TakeoverScan,
+        now: &(dyn Fn() -> iop_core::time::Instant + Send + Sync),
+        id: &str,
+    ) -> Result<Option<&'static str>, JournalError> {
+        let found = self.store.get(id.to_owned(), 0).await;
+        self.note(found.as_ref().map(|_| ()));
+        let Some((meta, _)) = found? else {
+            scan.forget(id);
+            return Ok(None);
+        };
+        if meta.owner != self.edge_id && meta.owner != NO_OWNER {
+            let lease = self.store.lease(meta.owner.clone()).await;
+            self.note(lease.as_ref().map(|_| ()));
+            scan.leases_mut()
+                .observe(&meta.owner, lease?.as_ref(), now());
+        }
+        let TakeoverDecision::End(orphan) = scan.decide(&meta, self.is_live(id), now()) else {
+            return Ok(None);
+        };
+        scan.forget(id);
+        match self
+            .end_as(&meta, RecordStatus::Incomplete, orphan.reason())
+            .await
+        {
+            Ok(()) => Ok(Some(orphan.reason())),
+            // Another writer won the epoch first: it owns the record.
+            Err(JournalError::Fenced { .. } | JournalError::Terminated) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Take a record over and end it (`status`, `reason`) with its durable
-    /// prefix: its epoch is raised first (R-JRN-3), so whatever still
-    /// writes it is fenced from then on.
+    /// prefix: its epoch is raised first (R-JRN-3), with this Edge as its
+    /// owner, so whatever still writes it is fenced from then on.
     pub async fn end_as(
         &self,
         meta: &RecordMeta,
@@ -326,7 +769,10 @@ impl Durable {
         reason: &str,
     ) -> Result<(), JournalError> {
         let started = std::time::Instant::now();
-        let raised = self.store.raise_epoch(meta.id.clone(), meta.epoch).await;
+        let raised = self
+            .store
+            .raise_epoch(meta.id.clone(), meta.epoch, self.edge_id.clone())
+            .await;
         self.observe("raise_epoch", started, &raised);
         let terminal = Terminal {
             status,
@@ -341,37 +787,6 @@ impl Durable {
             .await;
         self.observe("finish", started, &finished);
         finished.map(|_| ())
-    }
-
-    /// R-TAKE-1 at start: the records a former run of this Edge left
-    /// unfinished wait `window` for their nodes to report their parked runs
-    /// (R-PARK-2); those nobody adopted by then end `incomplete`.
-    pub async fn spawn_orphan_ending(
-        self: &Arc<Self>,
-        window: Duration,
-    ) -> Result<tokio::task::JoinHandle<()>, JournalError> {
-        let orphans = self.store.unfinished().await?;
-        let durable = self.clone();
-        Ok(tokio::spawn(async move {
-            if orphans.is_empty() {
-                return;
-            }
-            tracing::info!(
-                event = "edge_journal_orphans_waiting",
-                records = orphans.len(),
-                window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX)
-            );
-            tokio::time::sleep(window).await;
-            match durable.end_unadopted(orphans).await {
-                Ok(0) => {}
-                Ok(n) => tracing::warn!(
-                    event = "edge_journal_orphans_ended",
-                    records = n,
-                    reason = EDGE_RESTART_REASON
-                ),
-                Err(e) => tracing::warn!(event = "edge_journal_orphans_failed", error = %e),
-            }
-        }))
     }
 
     /// Carry the parked runs nodes report (R-PARK-2) to the runs that wait
@@ -447,7 +862,10 @@ impl Durable {
         // R-JRN-3: win the record's epoch before writing anything; a lost
         // race means another writer has it.
         let started = std::time::Instant::now();
-        let raised = self.store.raise_epoch(id.clone(), meta.epoch).await;
+        let raised = self
+            .store
+            .raise_epoch(id.clone(), meta.epoch, self.edge_id.clone())
+            .await;
         self.observe("raise_epoch", started, &raised);
         let raised = raised.map_err(|_| "epoch_lost")?;
         tracing::info!(
@@ -668,6 +1086,10 @@ mod tests {
     }
 
     async fn create(store: &Arc<dyn JournalStore>, id: &str) -> RecordMeta {
+        create_as(store, id, crate::config::DEFAULT_EDGE_ID).await
+    }
+
+    async fn create_as(store: &Arc<dyn JournalStore>, id: &str, owner: &str) -> RecordMeta {
         let new = NewRecord {
             id: id.into(),
             principal: "p".into(),
@@ -678,6 +1100,7 @@ mod tests {
             background: false,
             request: stored().encode(),
             created_unix_ms: 1,
+            owner: owner.into(),
         };
         match store.create(new).await.unwrap() {
             iop_store::CreateOutcome::Create(meta) => meta,
@@ -752,8 +1175,35 @@ mod tests {
         assert_eq!(waiting.await.unwrap(), Err(JournalError::NotFound));
     }
 
+    /// A manual clock for the takeover scan, in milliseconds.
+    #[derive(Clone, Default)]
+    struct ManualClock(Arc<std::sync::atomic::AtomicU64>);
+
+    impl ManualClock {
+        fn at(&self, ms: u64) -> &Self {
+            self.0.store(ms, Ordering::Relaxed);
+            self
+        }
+
+        fn now(&self) -> impl Fn() -> iop_core::time::Instant + Send + Sync + use<> {
+            let t = self.0.clone();
+            move || iop_core::time::Instant::from_millis(t.load(Ordering::Relaxed))
+        }
+    }
+
+    const WINDOW: Duration = Duration::from_secs(10);
+    const TTL_MS: u64 = 3_000;
+
+    fn scan_of(durable: &Durable) -> TakeoverScan {
+        TakeoverScan::new(durable.edge_id(), WINDOW, Duration::from_millis(TTL_MS))
+    }
+
+    async fn unfinished(store: &Arc<dyn JournalStore>) -> Vec<RecordMeta> {
+        store.unfinished().await.unwrap()
+    }
+
     #[tokio::test]
-    async fn r_take_1_orphans_are_taken_over_then_ended_incomplete_and_fenced() {
+    async fn r_take_1_a_restarted_edges_records_wait_the_park_window_then_end_incomplete_fenced() {
         let store = memory();
         let meta = create(&store, "r").await;
         store
@@ -761,7 +1211,24 @@ mod tests {
             .await
             .unwrap();
         let durable = Durable::with_store(store.clone(), true);
-        assert_eq!(durable.end_orphans().await.unwrap(), 1);
+        let clock = ManualClock::default();
+        let mut scan = scan_of(&durable);
+        let now = clock.now();
+        assert_eq!(
+            durable
+                .scan(&mut scan, &now, unfinished(&store).await)
+                .await,
+            0,
+            "its node may still report the run parked"
+        );
+        assert_eq!(durable.status().orphans_waiting, 1);
+        clock.at(WINDOW.as_millis() as u64);
+        assert_eq!(
+            durable
+                .scan(&mut scan, &now, unfinished(&store).await)
+                .await,
+            1
+        );
         let (after, _) = store.get("r".into(), 0).await.unwrap().unwrap();
         assert_eq!(after.epoch, meta.epoch + 1, "raised before the terminal");
         let t = after.terminal.clone().unwrap();
@@ -777,7 +1244,179 @@ mod tests {
                 .await,
             Err(JournalError::Fenced { .. })
         ));
-        assert_eq!(durable.end_orphans().await.unwrap(), 0, "nothing left");
+        assert_eq!(
+            durable
+                .scan(&mut scan, &now, unfinished(&store).await)
+                .await,
+            0
+        );
+        assert_eq!(durable.status().orphans_waiting, 0);
+    }
+
+    #[tokio::test]
+    async fn r_take_1_on_a_store_of_its_own_a_record_under_a_former_edge_id_is_ended_too() {
+        let store = memory();
+        create_as(&store, "r", "old-name").await;
+        let durable = Durable::with_store(store.clone(), true);
+        let clock = ManualClock::default();
+        let now = clock.now();
+        let mut scan = TakeoverScan::sole(durable.edge_id(), WINDOW);
+        assert_eq!(
+            durable
+                .scan(&mut scan, &now, unfinished(&store).await)
+                .await,
+            0
+        );
+        clock.at(WINDOW.as_millis() as u64);
+        assert_eq!(
+            durable
+                .scan(&mut scan, &now, unfinished(&store).await)
+                .await,
+            1
+        );
+        let (after, _) = store.get("r".into(), 0).await.unwrap().unwrap();
+        assert_eq!(
+            after.terminal.and_then(|t| t.reason).as_deref(),
+            Some(EDGE_RESTART_REASON)
+        );
+        assert_eq!(after.owner, durable.edge_id());
+        assert!(durable.status().edges.is_empty(), "no other Edges to show");
+    }
+
+    #[tokio::test]
+    async fn r_take_1_a_record_run_here_is_never_ended() {
+        let store = memory();
+        create(&store, "r").await;
+        let durable = Arc::new(Durable::with_store(store.clone(), true));
+        let (_live, _commands) = durable.register("r");
+        let clock = ManualClock::default();
+        let mut scan = scan_of(&durable);
+        let now = clock.now();
+        for at in [0, 60_000, 120_000] {
+            clock.at(at);
+            assert_eq!(
+                durable
+                    .scan(&mut scan, &now, unfinished(&store).await)
+                    .await,
+                0
+            );
+        }
+        assert_eq!(durable.status().orphans_waiting, 0);
+    }
+
+    #[tokio::test]
+    async fn r_multi_1_a_dead_edges_records_are_taken_over_only_once_its_lease_expired() {
+        let store = memory();
+        let a = Durable::with_store(store.clone(), true).with_identity("edge-a", TTL_MS);
+        let b = Durable::with_store(store.clone(), true).with_identity("edge-b", TTL_MS);
+        let mut held = a.take_lease().await.unwrap();
+        b.take_lease().await.unwrap();
+        let theirs = create_as(&store, "theirs", "edge-a").await;
+        let clock = ManualClock::default();
+        let now = clock.now();
+        let mut scan = scan_of(&b);
+        let records = || async { unfinished(&store).await };
+        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
+        // A renews: alive, its record stays its own.
+        held.revision = store
+            .put_lease(held.lease.clone(), held.revision)
+            .await
+            .unwrap();
+        clock.at(2_000);
+        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
+        let peers = b.status().edges;
+        assert!(
+            peers
+                .iter()
+                .any(|p| p.edge_id == "edge-a" && p.state == LeaseState::Renewing),
+            "{peers:?}"
+        );
+        clock.at(4_999);
+        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
+        assert_eq!(b.status().orphans_waiting, 0, "a live Edge's record");
+        // A stopped renewing at 2 s: expired at 5 s, then the park window.
+        clock.at(5_000);
+        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
+        assert_eq!(b.status().orphans_waiting, 1);
+        clock.at(5_000 + WINDOW.as_millis() as u64);
+        assert_eq!(b.scan(&mut scan, &now, records().await).await, 1);
+        let (after, _) = store.get("theirs".into(), 0).await.unwrap().unwrap();
+        assert_eq!(after.owner, "edge-b", "taken over by B");
+        assert_eq!(after.epoch, theirs.epoch + 1);
+        let t = after.terminal.unwrap();
+        assert_eq!(
+            (t.status, t.reason.as_deref()),
+            (RecordStatus::Incomplete, Some(EDGE_LOST_REASON))
+        );
+    }
+
+    #[tokio::test]
+    async fn r_take_1_an_edge_that_renews_again_keeps_its_records() {
+        let store = memory();
+        let a = Durable::with_store(store.clone(), true).with_identity("edge-a", TTL_MS);
+        let b = Durable::with_store(store.clone(), true).with_identity("edge-b", TTL_MS);
+        let mut held = a.take_lease().await.unwrap();
+        create_as(&store, "theirs", "edge-a").await;
+        let clock = ManualClock::default();
+        let now = clock.now();
+        let mut scan = scan_of(&b);
+        b.scan(&mut scan, &now, unfinished(&store).await).await;
+        clock.at(TTL_MS);
+        b.scan(&mut scan, &now, unfinished(&store).await).await;
+        assert_eq!(b.status().orphans_waiting, 1, "seen expired: waits");
+        // A comes back (a long pause, a partition healed) within the window.
+        held.revision = store
+            .put_lease(held.lease.clone(), held.revision)
+            .await
+            .unwrap();
+        clock.at(TTL_MS + WINDOW.as_millis() as u64);
+        assert_eq!(b.scan(&mut scan, &now, unfinished(&store).await).await, 0);
+        let (meta, _) = store.get("theirs".into(), 0).await.unwrap().unwrap();
+        assert!(meta.terminal.is_none(), "never ended under a live owner");
+        assert_eq!(b.status().orphans_waiting, 0);
+    }
+
+    #[tokio::test]
+    async fn r_take_1_two_edges_taking_a_dead_edges_record_over_make_one_terminal() {
+        let store = memory();
+        create_as(&store, "theirs", "edge-gone").await;
+        let b = Durable::with_store(store.clone(), true).with_identity("edge-b", TTL_MS);
+        let c = Durable::with_store(store.clone(), true).with_identity("edge-c", TTL_MS);
+        let clock = ManualClock::default();
+        let now = clock.now();
+        let (mut sb, mut sc) = (scan_of(&b), scan_of(&c));
+        // No lease at all: absent for a TTL, then the window.
+        for at in [0, TTL_MS] {
+            clock.at(at);
+            b.scan(&mut sb, &now, unfinished(&store).await).await;
+            c.scan(&mut sc, &now, unfinished(&store).await).await;
+        }
+        clock.at(TTL_MS + WINDOW.as_millis() as u64);
+        let records = unfinished(&store).await;
+        let (nb, nc) = tokio::join!(
+            b.scan(&mut sb, &now, records.clone()),
+            c.scan(&mut sc, &now, records)
+        );
+        assert_eq!(nb + nc, 1, "one winner");
+        let (meta, _) = store.get("theirs".into(), 0).await.unwrap().unwrap();
+        assert_eq!(meta.epoch, 2, "one raise");
+        assert!(meta.terminal.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_lease_written_by_another_process_with_this_id_is_taken_again() {
+        let store = memory();
+        let a = Durable::with_store(store.clone(), true).with_identity("edge-a", TTL_MS);
+        let first = a.take_lease().await.unwrap();
+        let twin = Durable::with_store(store.clone(), true).with_identity("edge-a", TTL_MS);
+        let second = twin.take_lease().await.unwrap();
+        assert!(second.revision > first.revision);
+        assert_ne!(first.lease.incarnation, second.lease.incarnation);
+        assert!(matches!(
+            store.put_lease(first.lease.clone(), first.revision).await,
+            Err(JournalError::Fenced { current, .. }) if current == second.revision
+        ));
+        assert_eq!(a.status().health.state(), "ok");
     }
 
     #[tokio::test]

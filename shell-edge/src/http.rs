@@ -849,7 +849,12 @@ async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
         return e.into_response();
     }
     match state.hub.snapshot().await {
-        Ok(snap) => axum::Json(crate::status::status_json(&state.config, &snap)).into_response(),
+        Ok(snap) => axum::Json(crate::status::status_json(
+            &state.config,
+            &snap,
+            &state.durable.status(),
+        ))
+        .into_response(),
         Err(_) => ApiError::internal().into_response(),
     }
 }

@@ -20,6 +20,12 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the Edge from a TOML config file until SIGINT/SIGTERM.
+    ///
+    /// Durable responses are kept in `[journal] store`: `embedded` (one
+    /// file under `state_dir`, the default), `memory`, or `nats` (NATS
+    /// JetStream, `[journal.nats]`, shared by every Edge of a deployment,
+    /// each with its own `[edge] edge_id`): the Edge connects at start,
+    /// within `connect_timeout_ms`, or exits naming the servers.
     Run {
         /// Path of the config file (see docs/operations.md).
         #[arg(long, short, env = "IOP_EDGE_CONFIG")]

@@ -100,6 +100,11 @@ pub struct Gauges {
     pub journal_records: AtomicU64,
     /// Bytes the journal store holds (as its bound counts them).
     pub journal_bytes: AtomicU64,
+    /// 1 while the journal store's last answer was not a failure.
+    pub journal_store_up: AtomicU64,
+    /// Edges (this one included) whose ownership lease the last takeover
+    /// scan saw live.
+    pub journal_live_edges: AtomicU64,
 }
 
 /// Every Edge instrument.
@@ -185,6 +190,20 @@ impl EdgeMetrics {
             .u64_observable_gauge("iop_edge_journal_records")
             .with_description("Durable responses held by the journal store (SPEC §6)")
             .with_callback(move |o| o.observe(g.journal_records.load(Ordering::Relaxed), &[]))
+            .build();
+        let g = gauges.clone();
+        let _journal_store_up = meter
+            .u64_observable_gauge("iop_edge_journal_store_up")
+            .with_description("1 while the journal store's last answer was not a failure (SPEC §6)")
+            .with_callback(move |o| o.observe(g.journal_store_up.load(Ordering::Relaxed), &[]))
+            .build();
+        let g = gauges.clone();
+        let _journal_live_edges = meter
+            .u64_observable_gauge("iop_edge_journal_live_edges")
+            .with_description(
+                "Edges whose ownership lease the last takeover scan saw live (R-MULTI-1)",
+            )
+            .with_callback(move |o| o.observe(g.journal_live_edges.load(Ordering::Relaxed), &[]))
             .build();
         let g = gauges.clone();
         let _journal_bytes = meter
@@ -274,7 +293,15 @@ impl EdgeMetrics {
             gauges,
             pipeline,
             _observers: (
-                vec![_queue, _leases, _nodes, _journal_records, _journal_bytes],
+                vec![
+                    _queue,
+                    _leases,
+                    _nodes,
+                    _journal_records,
+                    _journal_bytes,
+                    _journal_store_up,
+                    _journal_live_edges,
+                ],
                 _late,
             ),
         })

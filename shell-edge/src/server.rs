@@ -36,7 +36,8 @@ pub enum StartError {
     /// The journal of durable responses could not be opened.
     #[error("{0}")]
     Journal(#[from] crate::durable::OpenError),
-    /// The journal's restart scan failed (R-TAKE-1).
+    /// The journal's ownership lease or its first takeover scan failed
+    /// (R-TAKE-1).
     #[error("journal: {0}")]
     JournalScan(#[from] iop_core::journal::JournalError),
 }
@@ -67,7 +68,8 @@ pub struct RunningEdge {
     hub_task: JoinHandle<()>,
     /// Removes expired durable responses.
     sweeper: JoinHandle<()>,
-    /// The restart scan's orphan ending and the adoption of parked runs.
+    /// The ownership lease's renewal, the takeover scan and the adoption
+    /// of parked runs.
     background: Vec<JoinHandle<()>>,
 }
 
@@ -205,19 +207,32 @@ impl RunningEdge {
             }
         });
         tracing::info!(event = "edge_quic_listening", addr = %quic_addr);
-        // R-TAKE-1: before any client is served, every response a former
-        // run of this Edge left unfinished gets its terminal.
-        let durable = Arc::new(crate::durable::Durable::open(
-            &config.journal,
-            &config.edge.state_dir,
-            metrics.clone(),
-        )?);
-        // R-TAKE-1: a response a former run of this Edge left unfinished is
-        // adopted when its node reports the run parked (R-PARK-2), or ends
-        // `incomplete` when none does within the park grace.
-        let park_window = std::time::Duration::from_millis(config.journal.park_grace_ms)
-            + iop_core::edge::request::PARK_REPORT_SLACK;
-        let orphan_task = durable.spawn_orphan_ending(park_window).await?;
+        // The journal of durable responses; a shared store (NATS) is
+        // connected here, bounded, or the start fails naming it.
+        let durable = Arc::new(
+            crate::durable::Durable::open(
+                &config.journal,
+                &config.edge.state_dir,
+                config.edge.edge_id(),
+                metrics.clone(),
+            )
+            .await?,
+        );
+        // R-TAKE-1: this Edge's ownership lease, before any record is
+        // created or taken over under its id, renewed for as long as it
+        // runs; other Edges take its responses over once it stops.
+        let lease = durable.take_lease().await?;
+        let lease_task = durable.spawn_lease_renewal(lease);
+        // R-TAKE-1: at start and then periodically, a response this Edge's
+        // former run, or a dead Edge, left unfinished is adopted when its
+        // node reports the run parked (R-PARK-2), or ends `incomplete` when
+        // none does within the park window.
+        let takeover_task = durable
+            .spawn_takeover(
+                config.journal.park_window(),
+                std::time::Duration::from_millis(config.journal.takeover_scan_interval_ms),
+            )
+            .await?;
         let parked = hub.parked_runs();
         let sweeper = durable.spawn_sweeper(std::time::Duration::from_millis(
             config.journal.sweep_interval_ms,
@@ -253,7 +268,7 @@ impl RunningEdge {
             http_task,
             hub_task,
             sweeper,
-            background: vec![orphan_task, adoptions],
+            background: vec![lease_task, takeover_task, adoptions],
         })
     }
 

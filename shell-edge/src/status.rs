@@ -1,16 +1,48 @@
 //! The operator status surface: `GET /status` and `iop-edge status`.
 //!
-//! Shows per instance and per provider state, counters and times; never
-//! account names, tokens, credentials, raw provider payloads or error text
-//! (R-HT-6).
+//! Shows per instance and per provider state, counters and times, the
+//! journal store's health and the Edges sharing it (their ownership
+//! leases, R-TAKE-1); never account names, tokens, credentials, raw
+//! provider payloads or error text (R-HT-6).
 
 use serde_json::{Value, json};
 
 use crate::config::EdgeConfig;
+use crate::durable::JournalStatus;
 use crate::hub::HubSnapshot;
 
+/// The `journal` part of `/status`.
+fn journal_json(j: &JournalStatus) -> Value {
+    let edges: Vec<Value> = j
+        .edges
+        .iter()
+        .map(|p| {
+            json!({
+                "edge_id": p.edge_id,
+                "this_edge": p.edge_id == j.edge_id,
+                "state": if p.lease.is_some() { p.state.as_str() } else { "no_lease" },
+                "renewed_at": p.lease.as_ref().map(|l| l.renewed_unix_ms),
+                "ttl_ms": p.lease.as_ref().map(|l| l.ttl_ms),
+            })
+        })
+        .collect();
+    json!({
+        "store": j.store,
+        "edge_id": j.edge_id,
+        "state": j.health.state(),
+        "last_ok_at": j.health.last_ok_unix_ms,
+        "last_error_at": j.health.last_error_unix_ms,
+        "last_error": j.health.last_error,
+        "errors": j.health.errors,
+        "records": j.records,
+        "bytes": j.bytes,
+        "orphans_waiting": j.orphans_waiting,
+        "edges": edges,
+    })
+}
+
 /// The `/status` document.
-pub fn status_json(config: &EdgeConfig, snap: &HubSnapshot) -> Value {
+pub fn status_json(config: &EdgeConfig, snap: &HubSnapshot, journal: &JournalStatus) -> Value {
     let providers: Vec<Value> = config
         .providers
         .iter()
@@ -55,6 +87,7 @@ pub fn status_json(config: &EdgeConfig, snap: &HubSnapshot) -> Value {
             "now_unix_ms": iop_transport::clock::unix_ms(),
         },
         "providers": providers,
+        "journal": journal_json(journal),
     })
 }
 
@@ -136,7 +169,59 @@ pub fn status_table(doc: &Value, local_now_unix_ms: u64) -> String {
             when(&p["next_retry_at"]),
         ]);
     }
-    let widths: Vec<usize> = (0..header.len())
+    table(&mut out, rows);
+    let j = &doc["journal"];
+    if j.is_object() {
+        let show = |v: &Value| match v {
+            Value::Null => "-".to_owned(),
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        out.push_str(&format!(
+            "\njournal: {}  edge: {}  state: {}  last ok: {}  last error: {} {}  errors: {}  records: {}  orphans waiting: {}\n",
+            show(&j["store"]),
+            show(&j["edge_id"]),
+            show(&j["state"]),
+            when(&j["last_ok_at"]),
+            when(&j["last_error_at"]),
+            show(&j["last_error"]),
+            show(&j["errors"]),
+            show(&j["records"]),
+            show(&j["orphans_waiting"]),
+        ));
+        let mut edges = vec![
+            ["EDGE", "LEASE", "RENEWED", "TTL_MS"]
+                .map(str::to_owned)
+                .to_vec(),
+        ];
+        for e in j["edges"].as_array().into_iter().flatten() {
+            edges.push(vec![
+                format!(
+                    "{}{}",
+                    show(&e["edge_id"]),
+                    if e["this_edge"] == true {
+                        " (this)"
+                    } else {
+                        ""
+                    }
+                ),
+                show(&e["state"]),
+                when(&e["renewed_at"]),
+                show(&e["ttl_ms"]),
+            ]);
+        }
+        if edges.len() > 1 {
+            out.push('\n');
+            table(&mut out, edges);
+        }
+    }
+    out
+}
+
+/// Rows as left-aligned columns two spaces apart.
+fn table(out: &mut String, rows: Vec<Vec<String>>) {
+    let columns = rows.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..columns)
         .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
         .collect();
     for r in rows {
@@ -148,7 +233,6 @@ pub fn status_table(doc: &Value, local_now_unix_ms: u64) -> String {
         out.push_str(line.join("  ").trim_end());
         out.push('\n');
     }
-    out
 }
 
 #[cfg(test)]
@@ -173,5 +257,62 @@ mod tests {
         let table = status_table(&doc, 0);
         assert!(table.contains("3 s ago"), "{table}");
         assert!(!table.contains(&(now - 3_000).to_string()), "{table}");
+    }
+
+    #[test]
+    fn the_journal_shows_its_store_health_and_the_edges_sharing_it() {
+        use iop_core::journal::{EdgeLease, LeaseState, PeerLease};
+        let now = 1_800_000_000_000;
+        let status = JournalStatus {
+            store: "nats",
+            edge_id: "edge-a".into(),
+            health: crate::durable::StoreHealth {
+                last_ok_unix_ms: Some(now - 2_000),
+                last_error_unix_ms: Some(now - 60_000),
+                last_error: Some("store_error"),
+                errors: 3,
+            },
+            records: 7,
+            bytes: 1024,
+            orphans_waiting: 1,
+            edges: ["edge-a", "edge-b"]
+                .into_iter()
+                .map(|id| PeerLease {
+                    edge_id: id.into(),
+                    state: LeaseState::Renewing,
+                    lease: Some(EdgeLease {
+                        edge_id: id.into(),
+                        incarnation: 1,
+                        ttl_ms: 15_000,
+                        renewed_unix_ms: now - 4_000,
+                    }),
+                })
+                .chain(std::iter::once(PeerLease {
+                    edge_id: "edge-c".into(),
+                    state: LeaseState::Expired,
+                    lease: None,
+                }))
+                .collect(),
+        };
+        let journal = journal_json(&status);
+        assert_eq!(journal["state"], "ok");
+        assert_eq!(journal["edges"][0]["this_edge"], true);
+        assert_eq!(journal["edges"][2]["state"], "no_lease");
+        let doc = json!({
+            "instance": {"version": "x", "now_unix_ms": now},
+            "providers": [],
+            "journal": journal,
+        });
+        let table = status_table(&doc, 0);
+        assert!(
+            table.contains("journal: nats  edge: edge-a  state: ok  last ok: 2 s ago"),
+            "{table}"
+        );
+        assert!(table.contains("edge-a (this)  renewing"), "{table}");
+        assert!(
+            table.contains("edge-b         renewing  4 s ago"),
+            "{table}"
+        );
+        assert!(table.contains("edge-c         no_lease"), "{table}");
     }
 }

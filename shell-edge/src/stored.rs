@@ -220,6 +220,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         background: keep.background,
         request: stored.encode(),
         created_unix_ms,
+        owner: durable.edge_id().to_owned(),
     };
     let (meta, stored, replayed) = match durable.create(new).await {
         Ok(CreateOutcome::Create(meta)) => {

@@ -49,6 +49,10 @@ pub const MAX_BATCH_WRITES: usize = 256;
 /// The most payload bytes one sync takes past its first write.
 pub const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
 
+/// The owner every simulated record names: the simulated world has one
+/// Edge, whatever its incarnation.
+pub const SIM_EDGE: &str = "sim-edge";
+
 /// Who wrote: the owner an epoch stands for (R-JRN-3).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Writer {
@@ -459,7 +463,7 @@ impl SimJournal {
                 Err(e) => OpResult::Refused(e),
             },
             JournalOp::RaiseEpoch { id, expected } => {
-                match self.decide(id, |_, meta| check_raise_epoch(meta, *expected)) {
+                match self.decide(id, |_, meta| check_raise_epoch(meta, *expected, SIM_EDGE)) {
                     Ok(next) => self.put(next),
                     Err(e) => OpResult::Refused(e),
                 }
@@ -561,6 +565,7 @@ mod tests {
             background: false,
             request: vec![],
             created_unix_ms: 0,
+            owner: SIM_EDGE.into(),
         }
     }
 

@@ -56,7 +56,13 @@ pub(crate) struct Directory {
     followed_revision: u64,
     watchers: HashMap<String, watch::Sender<Progress>>,
     markers: BTreeMap<u64, Marker>,
+    /// The bucket keys of Edges' ownership leases, with the last revision
+    /// seen (at most [`MAX_LEASE_KEYS`]).
+    lease_keys: BTreeMap<String, u64>,
 }
+
+/// Lease keys the directory remembers at most (Edges of one deployment).
+pub(crate) const MAX_LEASE_KEYS: usize = iop_core::journal::MAX_TRACKED_EDGES;
 
 fn progress(meta: &RecordMeta) -> Progress {
     Progress {
@@ -198,6 +204,27 @@ impl Directory {
         self.markers.remove(&revision);
     }
 
+    /// The lease under bucket key `key` was written at `revision`.
+    pub(crate) fn lease_key(&mut self, key: &str, revision: u64) {
+        if let Some(r) = self.lease_keys.get_mut(key) {
+            *r = (*r).max(revision);
+        } else if self.lease_keys.len() < MAX_LEASE_KEYS {
+            self.lease_keys.insert(key.to_owned(), revision);
+        }
+    }
+
+    /// The lease under `key` was removed by the marker at `revision`.
+    pub(crate) fn lease_key_deleted(&mut self, key: &str, revision: u64) {
+        if self.lease_keys.get(key).is_some_and(|&r| r < revision) {
+            self.lease_keys.remove(key);
+        }
+    }
+
+    /// The bucket keys of every lease known here.
+    pub(crate) fn lease_keys(&self) -> Vec<String> {
+        self.lease_keys.keys().cloned().collect()
+    }
+
     /// Bytes of every known record, as the journal counts them.
     pub(crate) fn used_bytes(&self) -> u64 {
         self.used_bytes
@@ -213,6 +240,15 @@ impl Directory {
             .iter()
             .filter(|(_, k)| k.value.meta.terminal.is_none())
             .map(|(t, _)| t.clone())
+            .collect()
+    }
+
+    /// The known records without a terminal.
+    pub(crate) fn unfinished_metas(&self) -> Vec<RecordMeta> {
+        self.records
+            .values()
+            .filter(|k| k.value.meta.terminal.is_none())
+            .map(|k| k.value.meta.clone())
             .collect()
     }
 
@@ -253,6 +289,7 @@ mod tests {
                 }),
                 expires_unix_ms: if ended { 10 } else { u64::MAX },
                 stored_bytes: bytes,
+                owner: "edge".into(),
             },
             incarnation,
             request_parts: vec![incarnation],
@@ -275,6 +312,7 @@ mod tests {
         d.put("r", 7, &value(1, 3, 310, true));
         assert_eq!(d.used_bytes(), 566);
         assert_eq!(d.unfinished(), vec!["s".to_string()]);
+        assert_eq!(d.unfinished_metas().len(), 1);
         assert_eq!(d.expired(9), vec![]);
         assert_eq!(d.expired(10), vec![("r".to_string(), 7)]);
     }

@@ -13,7 +13,7 @@ use futures::StreamExt;
 
 use crate::ConnectError;
 use crate::directory::{Directory, Marker};
-use crate::layout::{Names, RECORD_KEY_PREFIX, RecordValue};
+use crate::layout::{LEASE_KEY_PREFIX, Names, RECORD_KEY_PREFIX, RecordValue};
 
 const KV_OPERATION: &str = "KV-Operation";
 
@@ -55,6 +55,13 @@ fn apply(dir: &Mutex<Directory>, names: &Names, message: &jetstream::Message) {
                         tracing::warn!(key, error = %e, "bucket watch: an unreadable record")
                     }
                 }
+            }
+        }
+        if key.starts_with(LEASE_KEY_PREFIX) {
+            if marker {
+                d.lease_key_deleted(key, revision);
+            } else {
+                d.lease_key(key, revision);
             }
         }
         if marker {

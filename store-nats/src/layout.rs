@@ -4,7 +4,7 @@
 //! Everything here is pure (no I/O), so it is unit-tested alone.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use iop_core::journal::{JournalEvent, RecordMeta};
+use iop_core::journal::{EdgeLease, JournalEvent, RecordMeta};
 use serde::{Deserialize, Serialize};
 
 /// A response id as one subject token and key segment: `[A-Za-z0-9_-]`
@@ -63,6 +63,11 @@ impl Names {
         format!("{RECORD_KEY_PREFIX}{tok}")
     }
 
+    /// The key of an Edge's ownership lease.
+    pub(crate) fn lease_key(edge_id: &str) -> String {
+        format!("{LEASE_KEY_PREFIX}{}", token(edge_id))
+    }
+
     /// The key of an idempotency key entry (the hash, never the key).
     pub(crate) fn idempotency_key(hash: &[u8; 32]) -> String {
         format!("{IDEMPOTENCY_KEY_PREFIX}{}", hex(hash))
@@ -94,6 +99,8 @@ impl Names {
 pub(crate) const RECORD_KEY_PREFIX: &str = "rec.";
 /// Keys of idempotency key entries start with this.
 pub(crate) const IDEMPOTENCY_KEY_PREFIX: &str = "key.";
+/// Keys of Edges' ownership leases start with this.
+pub(crate) const LEASE_KEY_PREFIX: &str = "lease.";
 
 /// A record as the bucket holds it: the journal's [`RecordMeta`] and where
 /// its request and committed events are in the events stream. This value,
@@ -113,7 +120,22 @@ pub(crate) struct RecordValue {
     pub events_last_msg: u64,
 }
 
-const RECORD_FORMAT: u8 = 1;
+/// The record format this build writes: 2, the record names its owner.
+const RECORD_FORMAT: u8 = 2;
+/// The format before records named their owner: read, never written.
+const RECORD_FORMAT_UNOWNED: u8 = 1;
+
+/// A record value of format 1 ([`RECORD_FORMAT_UNOWNED`]).
+#[derive(Deserialize)]
+struct RecordValueV1 {
+    meta: iop_store::legacy::RecordMetaV1,
+    incarnation: u64,
+    request_parts: Vec<u64>,
+    events_last_msg: u64,
+}
+
+/// The lease format this build writes and reads.
+const LEASE_FORMAT: u8 = 1;
 
 /// Why a stored value could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -135,13 +157,41 @@ impl RecordValue {
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let malformed = |e: postcard::Error| DecodeError::Record(e.to_string());
         match bytes.split_first() {
-            Some((&RECORD_FORMAT, body)) => {
-                postcard::from_bytes(body).map_err(|e| DecodeError::Record(e.to_string()))
+            Some((&RECORD_FORMAT, body)) => postcard::from_bytes(body).map_err(malformed),
+            Some((&RECORD_FORMAT_UNOWNED, body)) => {
+                let old: RecordValueV1 = postcard::from_bytes(body).map_err(malformed)?;
+                Ok(RecordValue {
+                    meta: old.meta.upgrade(),
+                    incarnation: old.incarnation,
+                    request_parts: old.request_parts,
+                    events_last_msg: old.events_last_msg,
+                })
             }
             Some((&other, _)) => Err(DecodeError::RecordFormat(other)),
             None => Err(DecodeError::Record("empty".into())),
         }
+    }
+}
+
+/// An Edge's ownership lease as the bucket holds it under
+/// `lease.<token(edge_id)>`: a format byte, then postcard.
+pub(crate) fn encode_lease(lease: &EdgeLease) -> Result<Bytes, DecodeError> {
+    let mut out = vec![LEASE_FORMAT];
+    let body = postcard::to_allocvec(lease).map_err(|e| DecodeError::Record(e.to_string()))?;
+    out.extend_from_slice(&body);
+    Ok(out.into())
+}
+
+/// A lease value back.
+pub(crate) fn decode_lease(bytes: &[u8]) -> Result<EdgeLease, DecodeError> {
+    match bytes.split_first() {
+        Some((&LEASE_FORMAT, body)) => {
+            postcard::from_bytes(body).map_err(|e| DecodeError::Record(e.to_string()))
+        }
+        Some((&other, _)) => Err(DecodeError::RecordFormat(other)),
+        None => Err(DecodeError::Record("empty".into())),
     }
 }
 
@@ -435,6 +485,7 @@ mod tests {
                 }),
                 expires_unix_ms: 11,
                 stored_bytes: 12,
+                owner: "edge-a".into(),
             },
             incarnation: 40,
             request_parts: vec![40, 41],
@@ -442,6 +493,49 @@ mod tests {
         };
         let bytes = value.encode().unwrap();
         assert_eq!(RecordValue::decode(&bytes).unwrap(), value);
+        // Format 1, before records named their owner, reads as unowned.
+        #[derive(Serialize)]
+        struct V1<'a> {
+            meta: iop_store::legacy::RecordMetaV1,
+            incarnation: u64,
+            request_parts: &'a [u64],
+            events_last_msg: u64,
+        }
+        let m = &value.meta;
+        let v1 = V1 {
+            meta: iop_store::legacy::RecordMetaV1 {
+                id: m.id.clone(),
+                principal: m.principal.clone(),
+                api: m.api,
+                model: m.model.clone(),
+                fingerprint: m.fingerprint,
+                idempotency_key: m.idempotency_key,
+                background: m.background,
+                created_unix_ms: m.created_unix_ms,
+                epoch: m.epoch,
+                last_seq: m.last_seq,
+                terminal: m.terminal.clone(),
+                expires_unix_ms: m.expires_unix_ms,
+                stored_bytes: m.stored_bytes,
+            },
+            incarnation: value.incarnation,
+            request_parts: &value.request_parts,
+            events_last_msg: value.events_last_msg,
+        };
+        let mut old = vec![1u8];
+        old.extend(postcard::to_allocvec(&v1).unwrap());
+        let upgraded = RecordValue::decode(&old).unwrap();
+        assert_eq!(upgraded.meta.owner, iop_core::journal::NO_OWNER);
+        assert_eq!(
+            RecordValue {
+                meta: RecordMeta {
+                    owner: "edge-a".into(),
+                    ..upgraded.meta
+                },
+                ..upgraded
+            },
+            value
+        );
         let mut other = bytes.to_vec();
         other[0] = 9;
         assert_eq!(
@@ -449,5 +543,18 @@ mod tests {
             Err(DecodeError::RecordFormat(9))
         );
         assert!(RecordValue::decode(&[]).is_err());
+    }
+
+    #[test]
+    fn a_lease_round_trips_and_its_key_is_one_token() {
+        let lease = EdgeLease {
+            edge_id: "edge.a".into(),
+            incarnation: 3,
+            ttl_ms: 15_000,
+            renewed_unix_ms: 99,
+        };
+        assert_eq!(decode_lease(&encode_lease(&lease).unwrap()).unwrap(), lease);
+        assert_eq!(Names::lease_key("edge.a"), "lease.edge=2Ea");
+        assert!(decode_lease(&[7, 1]).is_err());
     }
 }

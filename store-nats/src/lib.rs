@@ -15,7 +15,12 @@
 //!   its request and events are in the stream, including the stream
 //!   sequence of its last committed append message. Idempotency keys are
 //!   entries `key.<hash>` naming a response id (the key is only ever
-//!   stored hashed with its principal, R-IDEM-1).
+//!   stored hashed with its principal, R-IDEM-1). Each Edge's ownership
+//!   lease (R-TAKE-1) is an entry `lease.<edge id>`; the record names its
+//!   owner (the Edge that created it or last won its epoch). Values start
+//!   with a format byte: records are format 2 (with their owner); format 1
+//!   (before owners) is still read, as owned by
+//!   [`NO_OWNER`](iop_core::journal::NO_OWNER).
 //! * A **stream** (`IOP_JOURNAL`) holds, per response, its request on
 //!   `<prefix>.req.<id>` and its events on `<prefix>.ev.<id>`: one message
 //!   per append, carrying every event of the append (more messages only
@@ -111,8 +116,10 @@
 //! watch delivers another Edge's write; it ends when the record is deleted
 //! or its id reused. One consumer per Edge, however many clients follow.
 //! The directory also gives `used_bytes` (the sum of the records' journal
-//! bytes, for `check_create`), `stats`, the candidates of `sweep` and the
-//! restart scan (each read again before it is acted on).
+//! bytes, for `check_create`), `stats`, the candidates of `sweep`, of the
+//! restart scan and of the periodic takeover scan
+//! ([`unfinished_hint`](iop_store::JournalStore::unfinished_hint)), each
+//! read again before it is acted on.
 //!
 //! ## Bounds (R-JRN-5)
 //!
@@ -133,12 +140,28 @@
 //! records past their retention, then purges delete markers older than
 //! `marker_grace`.
 //!
+//! ## Ownership leases
+//!
+//! [`put_lease`](iop_store::JournalStore::put_lease) writes an Edge's
+//! lease with a compare-and-set on the revision its writer last read, so
+//! each renewal is a new bucket revision and a second writer of one
+//! `edge_id` is refused (`Fenced`). [`lease`](iop_store::JournalStore::lease)
+//! and [`leases`](iop_store::JournalStore::leases) read from the bucket
+//! stream's leader, never a replica that may lag: a takeover decides on
+//! them (its rule, in `iop_core::journal::LeaseView`, waits for a lease's
+//! revision to stand still for its TTL; the bucket keeps no TTL of its
+//! own). The directory knows every lease key, so `leases` is one leader
+//! read per Edge.
+//!
 //! ## Failures
 //!
 //! A limit answer is [`JournalError::Full`]; any other server error, and
 //! a write whose ack did not come (its outcome unknown: a later read
 //! shows it), is [`JournalError::Store`]. The connection reconnects by
-//! itself; operations during an outage fail and may be retried.
+//! itself; while it is down every operation fails at once with
+//! [`JournalError::Store`] (the client's connection state is asked first),
+//! so durable requests are refused without waiting for a timeout, and may
+//! be retried.
 
 #![deny(missing_docs)]
 
@@ -149,7 +172,8 @@ extern crate self as iop_store_nats;
 use std::sync::{Arc, Mutex};
 
 use iop_core::journal::{
-    CreateOutcome, JournalError, JournalEvent, NewRecord, RecordMeta, Terminal,
+    CreateOutcome, EdgeLease, JournalError, JournalEvent, NewRecord, RecordMeta, StoredLease,
+    Terminal,
 };
 use iop_store::{BoxFuture, JournalStore, Progress, StoreStats, StoredRecord};
 use tokio::sync::watch;
@@ -205,6 +229,7 @@ impl NatsStore {
         let max_message_bytes = setup::max_message_bytes(&options, &client);
         Ok(NatsStore {
             inner: Arc::new(Inner::new(
+                client,
                 js,
                 events,
                 kv,
@@ -245,8 +270,9 @@ impl JournalStore for NatsStore {
         &self,
         id: String,
         expected: u64,
+        owner: String,
     ) -> BoxFuture<'_, Result<RecordMeta, JournalError>> {
-        Box::pin(async move { self.inner.raise_epoch(&id, expected).await })
+        Box::pin(async move { self.inner.raise_epoch(&id, expected, &owner).await })
     }
 
     fn get(
@@ -282,7 +308,28 @@ impl JournalStore for NatsStore {
         Box::pin(async move { self.inner.watch(&id).await })
     }
 
+    fn unfinished_hint(&self) -> BoxFuture<'_, Result<Vec<RecordMeta>, JournalError>> {
+        let hint = self.inner.unfinished_hint();
+        Box::pin(async move { hint })
+    }
+
     fn stats(&self) -> StoreStats {
         self.inner.stats()
+    }
+
+    fn put_lease(
+        &self,
+        lease: EdgeLease,
+        expected: u64,
+    ) -> BoxFuture<'_, Result<u64, JournalError>> {
+        Box::pin(async move { self.inner.put_lease(lease, expected).await })
+    }
+
+    fn lease(&self, edge_id: String) -> BoxFuture<'_, Result<Option<StoredLease>, JournalError>> {
+        Box::pin(async move { self.inner.lease(&edge_id).await })
+    }
+
+    fn leases(&self) -> BoxFuture<'_, Result<Vec<StoredLease>, JournalError>> {
+        Box::pin(async move { self.inner.leases().await })
     }
 }

@@ -7,8 +7,9 @@ use iop_core::journal::JournalLimits;
 
 use crate::ConnectError;
 
-/// How the store authenticates to the server.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// How the store authenticates to the server. `Debug` never shows a
+/// password or a token.
+#[derive(Clone, Default, PartialEq, Eq)]
 pub enum NatsAuth {
     /// No credentials.
     #[default]
@@ -24,6 +25,23 @@ pub enum NatsAuth {
     },
     /// A token.
     Token(String),
+}
+
+impl std::fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NatsAuth::None => f.write_str("None"),
+            NatsAuth::CredentialsFile(path) => {
+                f.debug_tuple("CredentialsFile").field(path).finish()
+            }
+            NatsAuth::UserPassword { user, .. } => f
+                .debug_struct("UserPassword")
+                .field("user", user)
+                .field("password", &"<redacted>")
+                .finish(),
+            NatsAuth::Token(_) => f.write_str("Token(<redacted>)"),
+        }
+    }
 }
 
 /// The options of [`NatsStore::connect`](crate::NatsStore::connect).
@@ -107,6 +125,11 @@ impl NatsOptions {
         if self.servers.is_empty() {
             return bad("servers", "at least one server URL".into());
         }
+        for server in &self.servers {
+            if let Err(e) = server.parse::<async_nats::ServerAddr>() {
+                return bad("servers", format!("{server}: {e}"));
+            }
+        }
         if let Err(e) = self.limits.validate() {
             return bad("limits", e.to_string());
         }
@@ -188,6 +211,17 @@ mod tests {
         let mut o = ok.clone();
         o.servers.clear();
         assert_eq!(field(o), "servers");
+        let mut o = ok.clone();
+        o.servers = vec!["ftp://[::1".into()];
+        assert_eq!(field(o), "servers");
+        let mut o = ok.clone();
+        o.auth = NatsAuth::UserPassword {
+            user: "u".into(),
+            password: "SECRET-PASSWORD".into(),
+        };
+        assert!(!format!("{o:?}").contains("SECRET"), "{o:?}");
+        o.auth = NatsAuth::Token("SECRET-TOKEN".into());
+        assert!(!format!("{o:?}").contains("SECRET"), "{o:?}");
         let mut o = ok.clone();
         o.bucket = "a.b".into();
         assert_eq!(field(o), "bucket");

@@ -13,8 +13,9 @@ use async_nats::jetstream::{self, ErrorCode, stream::DirectGetErrorKind, stream:
 use bytes::Bytes;
 use futures::StreamExt;
 use iop_core::journal::{
-    CreateOutcome, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta, Terminal,
-    check_append, check_create, check_finish, check_raise_epoch, expired,
+    CreateOutcome, EdgeLease, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta,
+    StoredLease, Terminal, check_append, check_create, check_finish, check_put_lease,
+    check_raise_epoch, expired,
 };
 use iop_store::{Progress, StoreStats, StoredRecord};
 use tokio::sync::watch;
@@ -23,8 +24,8 @@ use crate::directory::Directory;
 use crate::error::{Failure, publish_failure, store_error};
 use crate::follow::{is_marker, lock};
 use crate::layout::{
-    AppendHead, Names, RecordValue, frame_append, frame_request, token, unframe_append,
-    unframe_request_part,
+    AppendHead, Names, RecordValue, decode_lease, encode_lease, frame_append, frame_request, token,
+    unframe_append, unframe_request_part,
 };
 use crate::options::NatsOptions;
 
@@ -119,6 +120,10 @@ struct Usage {
 }
 
 pub(crate) struct Inner {
+    /// The connection, asked for its state before every operation: during
+    /// an outage an operation fails at once instead of waiting for its
+    /// answer's timeout.
+    client: async_nats::Client,
     pub(crate) js: jetstream::Context,
     pub(crate) events: Stream,
     pub(crate) kv: Stream,
@@ -139,7 +144,9 @@ fn contention() -> JournalError {
 }
 
 impl Inner {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
+        client: async_nats::Client,
         js: jetstream::Context,
         events: Stream,
         kv: Stream,
@@ -149,6 +156,7 @@ impl Inner {
         directory: Arc<Mutex<Directory>>,
     ) -> Self {
         Inner {
+            client,
             js,
             events,
             kv,
@@ -167,6 +175,18 @@ impl Inner {
 
     fn limits(&self) -> &JournalLimits {
         &self.opts.limits
+    }
+
+    /// Fail at once when the connection to the server is down (it
+    /// reconnects by itself): a durable request then gets its 503 without
+    /// waiting for a timeout, and nothing is written.
+    fn reachable(&self) -> Result<(), JournalError> {
+        match self.client.connection_state() {
+            async_nats::connection::State::Connected => Ok(()),
+            _ => Err(JournalError::Store(
+                "not connected to the NATS server (reconnecting)".into(),
+            )),
+        }
     }
 
     fn dir(&self) -> std::sync::MutexGuard<'_, Directory> {
@@ -560,6 +580,7 @@ impl Inner {
     // ---- the operations --------------------------------------------------
 
     pub(crate) async fn create(&self, new: NewRecord) -> Result<CreateOutcome, JournalError> {
+        self.reachable()?;
         let tok = token(&new.id);
         let key = new.idempotency_key.as_ref().map(Names::idempotency_key);
         for _ in 0..MAX_ATTEMPTS {
@@ -674,6 +695,7 @@ impl Inner {
         epoch: u64,
         events: Vec<JournalEvent>,
     ) -> Result<RecordMeta, JournalError> {
+        self.reachable()?;
         let tok = token(id);
         let subject = self.names.events_subject(&tok);
         let mut fresh = false;
@@ -761,6 +783,7 @@ impl Inner {
         id: &str,
         decide: impl Fn(&RecordMeta) -> Result<RecordMeta, JournalError>,
     ) -> Result<RecordMeta, JournalError> {
+        self.reachable()?;
         let tok = token(id);
         let mut fresh = false;
         for _ in 0..MAX_ATTEMPTS {
@@ -805,8 +828,9 @@ impl Inner {
         &self,
         id: &str,
         expected: u64,
+        owner: &str,
     ) -> Result<RecordMeta, JournalError> {
-        self.update(id, |meta| check_raise_epoch(meta, expected))
+        self.update(id, |meta| check_raise_epoch(meta, expected, owner))
             .await
     }
 
@@ -815,6 +839,7 @@ impl Inner {
         id: &str,
         now_unix_ms: u64,
     ) -> Result<Option<StoredRecord>, JournalError> {
+        self.reachable()?;
         let tok = token(id);
         let Slot::Present(_, value) = self.read_record(&tok).await? else {
             return Ok(None);
@@ -855,6 +880,7 @@ impl Inner {
         after: u64,
         max: usize,
     ) -> Result<Vec<JournalEvent>, JournalError> {
+        self.reachable()?;
         let tok = token(id);
         let Slot::Present(_, value) = self.read_record(&tok).await? else {
             return Err(JournalError::NotFound);
@@ -957,6 +983,7 @@ impl Inner {
     }
 
     pub(crate) async fn delete(&self, id: &str) -> Result<(), JournalError> {
+        self.reachable()?;
         let tok = token(id);
         for _ in 0..MAX_ATTEMPTS {
             let Slot::Present(revision, value) = self.read_record(&tok).await? else {
@@ -971,6 +998,7 @@ impl Inner {
     }
 
     pub(crate) async fn unfinished(&self) -> Result<Vec<RecordMeta>, JournalError> {
+        self.reachable()?;
         let toks = self.dir().unfinished();
         let reads = futures::stream::iter(toks)
             .map(|tok| async move { self.read_record(&tok).await })
@@ -988,7 +1016,15 @@ impl Inner {
         Ok(out)
     }
 
+    /// The records without a terminal as the directory knows them (no
+    /// round trip; the takeover scan reads each again before it acts).
+    pub(crate) fn unfinished_hint(&self) -> Result<Vec<RecordMeta>, JournalError> {
+        self.reachable()?;
+        Ok(self.dir().unfinished_metas())
+    }
+
     pub(crate) async fn sweep(&self, now_unix_ms: u64) -> Result<usize, JournalError> {
+        self.reachable()?;
         let candidates = self.dir().expired(now_unix_ms);
         let results = futures::stream::iter(candidates)
             .map(|(tok, known_revision)| async move {
@@ -1048,12 +1084,89 @@ impl Inner {
         if let Some(rx) = self.dir().subscribe(&tok) {
             return Ok(rx);
         }
+        self.reachable()?;
         // Not known here yet (another Edge's record the watch has not
         // delivered): the read teaches the directory.
         match self.read_record(&tok).await? {
             Slot::Present(..) => self.dir().subscribe(&tok).ok_or(JournalError::NotFound),
             _ => Err(JournalError::NotFound),
         }
+    }
+
+    // ---- ownership leases (R-TAKE-1) -------------------------------------
+
+    /// The lease stored under `key`, read from the stream's leader (a
+    /// direct get may be answered by a replica that lags, and a takeover
+    /// decides on this read).
+    async fn read_lease(&self, key: &str) -> Result<Option<StoredLease>, JournalError> {
+        let subject = self.names.kv_subject(key);
+        match self.kv.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) if is_marker(Some(&m.headers)) => Ok(None),
+            Ok(m) => {
+                let lease =
+                    decode_lease(&m.payload).map_err(|e| store_error("reading a lease", e))?;
+                Ok(Some(StoredLease {
+                    revision: m.sequence,
+                    lease,
+                }))
+            }
+            Err(e)
+                if e.kind()
+                    == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(store_error("reading a lease", e)),
+        }
+    }
+
+    pub(crate) async fn put_lease(
+        &self,
+        lease: EdgeLease,
+        expected: u64,
+    ) -> Result<u64, JournalError> {
+        self.reachable()?;
+        let key = Names::lease_key(&lease.edge_id);
+        let value = encode_lease(&lease).map_err(|e| store_error("encoding a lease", e))?;
+        match self.kv_write(&key, expected, Some(value)).await {
+            Ok(revision) => {
+                self.dir().lease_key(&key, revision);
+                Ok(revision)
+            }
+            // The stored lease is not the one this writer read: say which
+            // it is, as the journal's rule words it.
+            Err(Failure::Conflict) => {
+                let stored = self.read_lease(&key).await?;
+                check_put_lease(stored.as_ref(), expected)?;
+                Err(JournalError::Fenced {
+                    current: stored.map_or(0, |s| s.revision),
+                    writer: expected,
+                })
+            }
+            Err(f) => Err(f.into()),
+        }
+    }
+
+    pub(crate) async fn lease(&self, edge_id: &str) -> Result<Option<StoredLease>, JournalError> {
+        self.reachable()?;
+        self.read_lease(&Names::lease_key(edge_id)).await
+    }
+
+    pub(crate) async fn leases(&self) -> Result<Vec<StoredLease>, JournalError> {
+        self.reachable()?;
+        let keys = self.dir().lease_keys();
+        let reads = futures::stream::iter(keys)
+            .map(|key| async move { self.read_lease(&key).await })
+            .buffer_unordered(SCAN_CONCURRENCY)
+            .collect::<Vec<_>>()
+            .await;
+        let mut out = Vec::new();
+        for read in reads {
+            if let Some(lease) = read? {
+                out.push(lease);
+            }
+        }
+        Ok(out)
     }
 
     pub(crate) fn stats(&self) -> StoreStats {

@@ -153,7 +153,10 @@ async fn a_zombie_append_racing_a_takeover_never_shows_and_the_new_owner_appends
         2,
         "the zombie's append is on the stream"
     );
-    owner.raise_epoch("r1".into(), 1).await.unwrap();
+    owner
+        .raise_epoch("r1".into(), 1, "taker".into())
+        .await
+        .unwrap();
     for store in [&owner, &zombie] {
         assert_eq!(
             read(store, "r1").await,
@@ -204,7 +207,10 @@ async fn a_zombie_append_racing_a_takeover_never_shows_and_the_new_owner_appends
         })
     };
     tokio::time::timeout(WAIT, reached).await.unwrap().unwrap();
-    owner.raise_epoch("r2".into(), 1).await.unwrap();
+    owner
+        .raise_epoch("r2".into(), 1, "taker".into())
+        .await
+        .unwrap();
     let _ = resume.send(());
     assert!(matches!(
         z.await.unwrap(),

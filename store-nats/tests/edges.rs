@@ -151,7 +151,9 @@ async fn a_takeover_race_between_edges_has_exactly_one_winner() {
             for _ in 0..PER_EDGE {
                 let store = store.clone();
                 racers.push(tokio::spawn(async move {
-                    store.raise_epoch("r1".into(), expected).await
+                    store
+                        .raise_epoch("r1".into(), expected, "taker".into())
+                        .await
                 }));
             }
         }
@@ -451,4 +453,101 @@ async fn concurrent_creates_with_one_key_on_two_edges_make_one_response() {
             assert_eq!(found, id == created[0], "{id}");
         }
     }
+}
+
+fn lease(edge: &str, incarnation: u64) -> iop_core::journal::EdgeLease {
+    iop_core::journal::EdgeLease {
+        edge_id: edge.into(),
+        incarnation,
+        ttl_ms: 15_000,
+        renewed_unix_ms: 1,
+    }
+}
+
+/// R-TAKE-1: an Edge's ownership lease is a bucket key every Edge reads:
+/// each renewal is a new revision, another Edge sees it at once (a read
+/// from the stream's leader), and a writer that did not read the current
+/// revision is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ownership_leases_are_shared_and_renewed_by_compare_and_set() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    let a = connect(&server, "lease", LIMITS).await;
+    let b = connect(&server, "lease", LIMITS).await;
+    let first = a.put_lease(lease("edge-a", 1), 0).await.unwrap();
+    let seen = b
+        .lease("edge-a".into())
+        .await
+        .unwrap()
+        .expect("b reads a's lease");
+    assert_eq!((seen.revision, seen.lease.incarnation), (first, 1));
+    let renewed = a.put_lease(lease("edge-a", 1), first).await.unwrap();
+    assert!(renewed > first);
+    assert_eq!(
+        b.lease("edge-a".into()).await.unwrap().map(|l| l.revision),
+        Some(renewed),
+        "a renewal is seen by the other Edge's next read"
+    );
+    // A second process with the same id that read the old revision.
+    assert_eq!(
+        b.put_lease(lease("edge-a", 2), first).await,
+        Err(JournalError::Fenced {
+            current: renewed,
+            writer: first
+        })
+    );
+    b.put_lease(lease("edge-b", 5), 0).await.unwrap();
+    until("each Edge to list both leases", || async {
+        let mut ids: Vec<String> = match a.leases().await {
+            Ok(all) => all.into_iter().map(|l| l.lease.edge_id).collect(),
+            Err(_) => return false,
+        };
+        ids.sort();
+        ids == ["edge-a", "edge-b"]
+    })
+    .await;
+    assert_eq!(b.lease("edge-c".into()).await, Ok(None));
+}
+
+/// A store outage: while the server is down every operation fails at
+/// once with a store error (no waiting for the answer's timeout, which
+/// is far longer here), and once it is back the same store works again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_an_outage_operations_fail_at_once_and_work_again_after() {
+    let Some(mut server) = NatsServer::start() else {
+        return;
+    };
+    let mut o = options(&server.url(), "outage", LIMITS);
+    o.request_timeout = Duration::from_secs(120);
+    let store = NatsStore::connect(o).await.unwrap();
+    create(&store, "r1", b"{}").await;
+    server.kill();
+    until("the outage to be seen", || async {
+        matches!(
+            store.create(record("r2", b"{}")).await,
+            Err(JournalError::Store(_))
+        )
+    })
+    .await;
+    for outcome in [
+        store.append("r1".into(), 1, vec![event(1)]).await.err(),
+        store.get("r1".into(), 0).await.err(),
+        store.put_lease(lease("edge-a", 1), 0).await.err(),
+        store.leases().await.err(),
+    ] {
+        assert!(
+            matches!(outcome, Some(JournalError::Store(_))),
+            "{outcome:?}"
+        );
+    }
+    server.restart();
+    until("the store to work again", || async {
+        store.append("r1".into(), 1, vec![event(1)]).await.is_ok()
+    })
+    .await;
+    assert_eq!(
+        store.events("r1".into(), 0, 10).await.unwrap(),
+        vec![event(1)]
+    );
 }

@@ -57,6 +57,7 @@ async fn run(
                 background: false,
                 request: vec![b'r'; 512],
                 created_unix_ms: 0,
+                owner: "edge".into(),
             })
             .await?;
     }

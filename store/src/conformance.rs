@@ -19,9 +19,9 @@ use std::future::Future;
 use std::sync::Arc;
 
 use iop_core::journal::{
-    CreateOutcome, EVENT_OVERHEAD_BYTES, JournalApi, JournalError, JournalEvent, JournalLimits,
-    NewRecord, RECORD_OVERHEAD_BYTES, RecordMeta, RecordStatus, Terminal, fingerprint,
-    idempotency_hash,
+    CreateOutcome, EVENT_OVERHEAD_BYTES, EdgeLease, JournalApi, JournalError, JournalEvent,
+    JournalLimits, NewRecord, RECORD_OVERHEAD_BYTES, RecordMeta, RecordStatus, Terminal,
+    fingerprint, idempotency_hash,
 };
 
 use crate::{BoxFuture, JournalStore, Progress};
@@ -85,6 +85,8 @@ pub fn behaviours() -> Vec<Behaviour> {
         behaviour!(sweep_removes_only_expired_finished_records),
         behaviour!(delete_removes_the_record_its_events_request_and_key),
         behaviour!(unfinished_lists_exactly_the_running_records),
+        behaviour!(a_record_names_its_owner_and_the_winner_of_its_epoch),
+        behaviour!(a_lease_is_written_only_over_the_revision_its_writer_read),
     ]
 }
 
@@ -117,6 +119,7 @@ pub fn new_record(id: &str, key: Option<&str>, body: &[u8], at: u64) -> NewRecor
         background: false,
         request: body.to_vec(),
         created_unix_ms: at,
+        owner: "edge-a".into(),
     }
 }
 
@@ -385,8 +388,9 @@ pub async fn a_fenced_writer_appends_nothing_not_even_a_terminal(store: Arc<dyn 
             writer: 2
         })
     );
-    let raised = s.raise_epoch("r1".into(), 1).await.unwrap();
+    let raised = s.raise_epoch("r1".into(), 1, "taker".into()).await.unwrap();
     assert_eq!((raised.epoch, raised.last_seq), (2, 1));
+    assert_eq!(raised.owner, "taker", "the winner owns it (R-TAKE-1)");
     let fenced = Err(JournalError::Fenced {
         current: 2,
         writer: 1,
@@ -397,7 +401,7 @@ pub async fn a_fenced_writer_appends_nothing_not_even_a_terminal(store: Arc<dyn 
             .await,
         fenced
     );
-    assert_eq!(s.raise_epoch("r1".into(), 1).await, fenced);
+    assert_eq!(s.raise_epoch("r1".into(), 1, "taker".into()).await, fenced);
     // The new owner continues the numbering.
     assert_eq!(
         s.append("r1".into(), 2, events([2]))
@@ -413,7 +417,7 @@ pub async fn a_fenced_writer_appends_nothing_not_even_a_terminal(store: Arc<dyn 
     assert_eq!(done.status(), RecordStatus::Incomplete);
     assert_eq!(seqs(s, "r1").await, vec![1, 2]);
     assert_eq!(
-        s.raise_epoch("nope".into(), 1).await,
+        s.raise_epoch("nope".into(), 1, "taker".into()).await,
         Err(JournalError::NotFound)
     );
 }
@@ -439,7 +443,7 @@ pub async fn a_record_gets_exactly_one_terminal(store: Arc<dyn JournalStore>) {
         Err(JournalError::Terminated)
     );
     assert_eq!(
-        s.raise_epoch("r1".into(), 1).await,
+        s.raise_epoch("r1".into(), 1, "taker".into()).await,
         Err(JournalError::Terminated)
     );
     assert_eq!(seqs(s, "r1").await, vec![1, 2]);
@@ -468,7 +472,9 @@ pub async fn raise_epoch_has_exactly_one_winner_under_concurrency(store: Arc<dyn
         for _ in 0..RACERS {
             let store = store.clone();
             racers.push(tokio::spawn(async move {
-                store.raise_epoch("r1".into(), expected).await
+                store
+                    .raise_epoch("r1".into(), expected, "taker".into())
+                    .await
             }));
         }
         let mut winners = 0;
@@ -796,7 +802,7 @@ pub async fn unfinished_lists_exactly_the_running_records(store: Arc<dyn Journal
         create(s, new_record(id, None, b"{}", 0)).await;
     }
     s.append("b".into(), 1, events(1..=2)).await.unwrap();
-    s.raise_epoch("c".into(), 1).await.unwrap();
+    s.raise_epoch("c".into(), 1, "taker".into()).await.unwrap();
     s.finish("d".into(), 1, terminal(RecordStatus::Completed, 1))
         .await
         .unwrap();
@@ -806,4 +812,86 @@ pub async fn unfinished_lists_exactly_the_running_records(store: Arc<dyn Journal
     assert_eq!(ids, ["a", "b", "c"]);
     assert_eq!(running[1].last_seq, 2);
     assert_eq!(running[2].epoch, 2);
+}
+
+/// R-TAKE-1: a record names the Edge that created it, then the Edge that
+/// won its epoch; the owner survives every later write and is listed by
+/// the takeover scans.
+pub async fn a_record_names_its_owner_and_the_winner_of_its_epoch(store: Arc<dyn JournalStore>) {
+    let s = &*store;
+    let meta = create(s, new_record("r1", None, b"{}", 0)).await;
+    assert_eq!(meta.owner, "edge-a");
+    let appended = s.append("r1".into(), 1, events([1])).await.unwrap();
+    assert_eq!(appended.owner, "edge-a");
+    let raised = s
+        .raise_epoch("r1".into(), 1, "edge-b".into())
+        .await
+        .unwrap();
+    assert_eq!(raised.owner, "edge-b");
+    let (stored, _) = s.get("r1".into(), 0).await.unwrap().unwrap();
+    assert_eq!((stored.owner.as_str(), stored.epoch), ("edge-b", 2));
+    let hint = s.unfinished_hint().await.unwrap();
+    assert!(
+        hint.iter().any(|m| m.id == "r1"),
+        "the scan's candidates include it: {hint:?}"
+    );
+    let listed = s.unfinished().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].owner, "edge-b");
+    // A lost race changes nobody's ownership.
+    assert!(
+        s.raise_epoch("r1".into(), 1, "edge-c".into())
+            .await
+            .is_err()
+    );
+    let done = s
+        .finish("r1".into(), 2, terminal(RecordStatus::Incomplete, 3))
+        .await
+        .unwrap();
+    assert_eq!(done.owner, "edge-b");
+}
+
+fn lease(edge: &str, incarnation: u64) -> EdgeLease {
+    EdgeLease {
+        edge_id: edge.into(),
+        incarnation,
+        ttl_ms: 15_000,
+        renewed_unix_ms: 1,
+    }
+}
+
+/// R-TAKE-1: an Edge's lease is replaced only over the revision its writer
+/// read, every write makes a greater revision, and reads are of the
+/// stored value.
+pub async fn a_lease_is_written_only_over_the_revision_its_writer_read(
+    store: Arc<dyn JournalStore>,
+) {
+    let s = &*store;
+    assert_eq!(s.lease("edge-a".into()).await, Ok(None));
+    assert_eq!(s.leases().await, Ok(Vec::new()));
+    let first = s.put_lease(lease("edge-a", 1), 0).await.unwrap();
+    assert!(first > 0);
+    assert!(
+        matches!(
+            s.put_lease(lease("edge-a", 2), 0).await,
+            Err(JournalError::Fenced { current, writer: 0 }) if current == first
+        ),
+        "a second writer that read no lease is refused"
+    );
+    let second = s.put_lease(lease("edge-a", 1), first).await.unwrap();
+    assert!(second > first, "{second} after {first}");
+    let other = s.put_lease(lease("edge-b", 9), 0).await.unwrap();
+    let read = s.lease("edge-a".into()).await.unwrap().unwrap();
+    assert_eq!((read.revision, read.lease.incarnation), (second, 1));
+    let mut all = s.leases().await.unwrap();
+    all.sort_by(|x, y| x.lease.edge_id.cmp(&y.lease.edge_id));
+    let ids: Vec<(&str, u64)> = all
+        .iter()
+        .map(|l| (l.lease.edge_id.as_str(), l.revision))
+        .collect();
+    assert_eq!(ids, [("edge-a", second), ("edge-b", other)]);
+    assert!(
+        s.put_lease(lease("edge-a", 1), first).await.is_err(),
+        "an old revision is refused"
+    );
 }

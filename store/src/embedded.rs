@@ -81,13 +81,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use iop_core::journal::{
-    CreateOutcome, JournalError, JournalEvent, JournalLimits, JournalLimitsError, NewRecord,
-    RecordMeta, Terminal,
+    CreateOutcome, EdgeLease, JournalError, JournalEvent, JournalLimits, JournalLimitsError,
+    NewRecord, RecordMeta, StoredLease, Terminal,
 };
 use redb::{Database, ReadableDatabase, StorageBackend};
 use tokio::sync::watch;
 
-use crate::{BoxFuture, JournalStore, Progress, StoreStats, StoredRecord};
+use crate::{BoxFuture, JournalStore, LeaseTable, Progress, StoreStats, StoredRecord};
 
 mod tables;
 mod writer;
@@ -199,6 +199,9 @@ pub struct EmbeddedStore {
     db: Arc<Database>,
     shared: Arc<Shared>,
     writer: Option<JoinHandle<()>>,
+    /// The ownership lease of the one Edge that opens the file, kept in
+    /// its process (see [`LeaseTable`]).
+    leases: LeaseTable,
 }
 
 impl std::fmt::Debug for EmbeddedStore {
@@ -310,6 +313,7 @@ impl EmbeddedStore {
             db,
             shared,
             writer: Some(writer),
+            leases: LeaseTable::default(),
         })
     }
 
@@ -431,8 +435,13 @@ impl JournalStore for EmbeddedStore {
         &self,
         id: String,
         expected: u64,
+        owner: String,
     ) -> BoxFuture<'_, Result<RecordMeta, JournalError>> {
-        meta_reply(self.write(Request::RaiseEpoch { id, expected }))
+        meta_reply(self.write(Request::RaiseEpoch {
+            id,
+            expected,
+            owner,
+        }))
     }
 
     fn get(
@@ -519,6 +528,25 @@ impl JournalStore for EmbeddedStore {
 
     fn stats(&self) -> StoreStats {
         self.shared.stats()
+    }
+
+    fn put_lease(
+        &self,
+        lease: EdgeLease,
+        expected: u64,
+    ) -> BoxFuture<'_, Result<u64, JournalError>> {
+        let result = self.leases.put(lease, expected);
+        Box::pin(async move { result })
+    }
+
+    fn lease(&self, edge_id: String) -> BoxFuture<'_, Result<Option<StoredLease>, JournalError>> {
+        let found = self.leases.get(&edge_id);
+        Box::pin(async move { Ok(found) })
+    }
+
+    fn leases(&self) -> BoxFuture<'_, Result<Vec<StoredLease>, JournalError>> {
+        let all = self.leases.all();
+        Box::pin(async move { Ok(all) })
     }
 }
 

@@ -11,6 +11,12 @@
 //! * [`MemoryStore`]: in process memory; for tests and the simulator (not
 //!   durable across a restart).
 //!
+//! Every store also keeps the Edges' ownership leases
+//! ([`JournalStore::put_lease`], R-TAKE-1): a store shared by many Edges
+//! (NATS JetStream, `iop-store-nats`) in its own storage; the embedded and
+//! in-memory stores, each opened by one process only, in that process
+//! ([`LeaseTable`]).
+//!
 //! With the `conformance` feature, `iop_store::conformance` is the suite of
 //! behaviours every store must show, whatever its engine: each store's
 //! tests run it.
@@ -21,15 +27,19 @@ use std::future::Future;
 use std::pin::Pin;
 
 pub use iop_core::journal::{
-    CreateOutcome, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta, Terminal,
+    CreateOutcome, EdgeLease, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta,
+    StoredLease, Terminal,
 };
 
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 pub mod embedded;
+mod lease;
+pub mod legacy;
 mod memory;
 
 pub use embedded::{EmbeddedOptions, EmbeddedStore, OpenError, SWEEP_BATCH_RECORDS, VerifyReport};
+pub use lease::LeaseTable;
 pub use memory::MemoryStore;
 
 /// A boxed future, so the trait can be used as `dyn JournalStore`.
@@ -84,11 +94,13 @@ pub trait JournalStore: Send + Sync + 'static {
         epoch: u64,
         terminal: Terminal,
     ) -> BoxFuture<'_, Result<RecordMeta, JournalError>>;
-    /// Compare-and-set the epoch from `expected` to `expected + 1`.
+    /// Compare-and-set the epoch from `expected` to `expected + 1`; `owner`
+    /// (the winning Edge's id) becomes the record's owner.
     fn raise_epoch(
         &self,
         id: String,
         expected: u64,
+        owner: String,
     ) -> BoxFuture<'_, Result<RecordMeta, JournalError>>;
     /// The record and its stored request bytes; `None` if absent or
     /// expired.
@@ -106,8 +118,17 @@ pub trait JournalStore: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<Vec<JournalEvent>, JournalError>>;
     /// Remove a record, its events and its idempotency key.
     fn delete(&self, id: String) -> BoxFuture<'_, Result<(), JournalError>>;
-    /// Every record without a terminal (the R-TAKE-1 scan at start).
+    /// Every record without a terminal, as stored (the R-TAKE-1 scan at
+    /// start).
     fn unfinished(&self) -> BoxFuture<'_, Result<Vec<RecordMeta>, JournalError>>;
+    /// The records without a terminal as this store knows them now,
+    /// without a round trip when it keeps such a view (a shared store's
+    /// local directory may lag a moment behind other Edges' writes): the
+    /// candidates of the periodic takeover scan, each read again before it
+    /// is acted on. By default [`Self::unfinished`].
+    fn unfinished_hint(&self) -> BoxFuture<'_, Result<Vec<RecordMeta>, JournalError>> {
+        self.unfinished()
+    }
     /// Remove expired records; how many.
     fn sweep(&self, now_unix_ms: u64) -> BoxFuture<'_, Result<usize, JournalError>>;
     /// Follow a record's progress: the value changes after every durable
@@ -118,4 +139,19 @@ pub trait JournalStore: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<tokio::sync::watch::Receiver<Progress>, JournalError>>;
     /// Counters.
     fn stats(&self) -> StoreStats;
+    /// Write `lease`, an Edge's ownership lease (R-TAKE-1), if the stored
+    /// lease of its `edge_id` is still at revision `expected` (0: none):
+    /// the new revision, greater than every earlier one. Refused with
+    /// [`JournalError::Fenced`] (`current`: the stored revision) when it is
+    /// not ([`check_put_lease`](iop_core::journal::check_put_lease)).
+    fn put_lease(
+        &self,
+        lease: EdgeLease,
+        expected: u64,
+    ) -> BoxFuture<'_, Result<u64, JournalError>>;
+    /// The lease of `edge_id` as stored now (a fresh read, never a cached
+    /// value: a takeover decides on it).
+    fn lease(&self, edge_id: String) -> BoxFuture<'_, Result<Option<StoredLease>, JournalError>>;
+    /// Every lease the store holds, read fresh.
+    fn leases(&self) -> BoxFuture<'_, Result<Vec<StoredLease>, JournalError>>;
 }

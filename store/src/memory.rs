@@ -5,12 +5,12 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use iop_core::journal::{
-    CreateOutcome, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta, Terminal,
-    check_append, check_create, check_finish, check_raise_epoch, expired,
+    CreateOutcome, EdgeLease, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta,
+    StoredLease, Terminal, check_append, check_create, check_finish, check_raise_epoch, expired,
 };
 use tokio::sync::watch;
 
-use crate::{BoxFuture, JournalStore, Progress, StoreStats, StoredRecord};
+use crate::{BoxFuture, JournalStore, LeaseTable, Progress, StoreStats, StoredRecord};
 
 #[derive(Default)]
 struct State {
@@ -72,6 +72,7 @@ impl State {
 pub struct MemoryStore {
     limits: JournalLimits,
     state: Mutex<State>,
+    leases: LeaseTable,
 }
 
 impl MemoryStore {
@@ -80,6 +81,7 @@ impl MemoryStore {
         MemoryStore {
             limits,
             state: Mutex::new(State::default()),
+            leases: LeaseTable::default(),
         }
     }
 
@@ -147,9 +149,9 @@ impl MemoryStore {
         Ok(next)
     }
 
-    fn raise_now(&self, id: &str, expected: u64) -> Result<RecordMeta, JournalError> {
+    fn raise_now(&self, id: &str, expected: u64, owner: &str) -> Result<RecordMeta, JournalError> {
         let mut st = self.state();
-        let next = check_raise_epoch(st.live(id)?, expected)?;
+        let next = check_raise_epoch(st.live(id)?, expected, owner)?;
         st.put(next.clone());
         Ok(next)
     }
@@ -185,8 +187,9 @@ impl JournalStore for MemoryStore {
         &self,
         id: String,
         expected: u64,
+        owner: String,
     ) -> BoxFuture<'_, Result<RecordMeta, JournalError>> {
-        let result = self.raise_now(&id, expected);
+        let result = self.raise_now(&id, expected, &owner);
         Box::pin(async move { result })
     }
 
@@ -276,6 +279,25 @@ impl JournalStore for MemoryStore {
     fn stats(&self) -> StoreStats {
         self.state().stats
     }
+
+    fn put_lease(
+        &self,
+        lease: EdgeLease,
+        expected: u64,
+    ) -> BoxFuture<'_, Result<u64, JournalError>> {
+        let result = self.leases.put(lease, expected);
+        Box::pin(async move { result })
+    }
+
+    fn lease(&self, edge_id: String) -> BoxFuture<'_, Result<Option<StoredLease>, JournalError>> {
+        let found = self.leases.get(&edge_id);
+        Box::pin(async move { Ok(found) })
+    }
+
+    fn leases(&self) -> BoxFuture<'_, Result<Vec<StoredLease>, JournalError>> {
+        let all = self.leases.all();
+        Box::pin(async move { Ok(all) })
+    }
 }
 
 #[cfg(test)]
@@ -295,6 +317,7 @@ mod tests {
             background: false,
             request: b"{}".to_vec(),
             created_unix_ms: 1,
+            owner: "edge".into(),
         }
     }
 

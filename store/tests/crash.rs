@@ -57,6 +57,7 @@ fn new_record(id: &str) -> NewRecord {
         background: false,
         request: id.as_bytes().to_vec(),
         created_unix_ms: 0,
+        owner: "edge".into(),
     }
 }
 
@@ -107,7 +108,7 @@ async fn worker(store: Arc<EmbeddedStore>, round: usize, w: usize, inherited: Ve
     let mut queue = VecDeque::new();
     for meta in inherited {
         let taken = store
-            .raise_epoch(meta.id.clone(), meta.epoch)
+            .raise_epoch(meta.id.clone(), meta.epoch, "taker".into())
             .await
             .unwrap();
         say(&format!("@take {} {}", taken.id, taken.epoch));

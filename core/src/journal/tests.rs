@@ -23,6 +23,7 @@ fn new_record(id: &str, key: Option<&str>, body: &[u8]) -> NewRecord {
         background: false,
         request: body.to_vec(),
         created_unix_ms: NOW,
+        owner: "edge-a".into(),
     }
 }
 
@@ -53,6 +54,7 @@ fn done(status: RecordStatus) -> Terminal {
 fn a_new_record_starts_at_epoch_one_with_no_events_and_never_expires_while_running() {
     let meta = created(&new_record("r1", None, b"{}"));
     assert_eq!((meta.epoch, meta.last_seq, &meta.terminal), (1, 0, &None));
+    assert_eq!(meta.owner, "edge-a", "its creator owns it");
     assert!(!expired(&meta, u64::MAX), "R-JRN-5: running never expires");
 }
 
@@ -180,8 +182,9 @@ fn r_jrn_2_appends_continue_the_numbering_without_gap_or_duplicate() {
 #[test]
 fn r_jrn_3_a_fenced_writer_appends_nothing_not_even_a_terminal() {
     let meta = created(&new_record("r1", None, b"1"));
-    let taken = check_raise_epoch(&meta, 1).unwrap();
+    let taken = check_raise_epoch(&meta, 1, "edge-b").unwrap();
     assert_eq!(taken.epoch, 2);
+    assert_eq!(taken.owner, "edge-b", "the winner owns it");
     let fenced = Err(JournalError::Fenced {
         current: 2,
         writer: 1,
@@ -193,7 +196,7 @@ fn r_jrn_3_a_fenced_writer_appends_nothing_not_even_a_terminal() {
     );
     // The compare-and-set: a second takeover from the same epoch loses.
     assert_eq!(
-        check_raise_epoch(&taken, 1),
+        check_raise_epoch(&taken, 1, "edge-c"),
         Err(JournalError::Fenced {
             current: 2,
             writer: 1
@@ -216,7 +219,10 @@ fn r_jrn_4_one_terminal_and_nothing_after_it() {
         check_append(&limits(), &meta, 1, &[ev(1)]),
         Err(JournalError::Terminated)
     );
-    assert_eq!(check_raise_epoch(&meta, 1), Err(JournalError::Terminated));
+    assert_eq!(
+        check_raise_epoch(&meta, 1, "edge-b"),
+        Err(JournalError::Terminated)
+    );
 }
 
 #[test]
@@ -302,6 +308,295 @@ fn group_commit_is_bounded_in_queue_and_batch() {
     assert_eq!(g.queued_bytes(), 12);
 }
 
+fn ms(n: u64) -> Instant {
+    Instant::from_millis(n)
+}
+
+fn lease(edge: &str, revision: u64, ttl_ms: u64) -> StoredLease {
+    StoredLease {
+        revision,
+        lease: EdgeLease {
+            edge_id: edge.into(),
+            incarnation: 7,
+            ttl_ms,
+            renewed_unix_ms: NOW,
+        },
+    }
+}
+
+#[test]
+fn a_lease_write_replaces_only_the_revision_it_read() {
+    assert_eq!(check_put_lease(None, 0), Ok(()));
+    let stored = lease("a", 5, 3_000);
+    assert_eq!(check_put_lease(Some(&stored), 5), Ok(()));
+    assert_eq!(
+        check_put_lease(Some(&stored), 4),
+        Err(JournalError::Fenced {
+            current: 5,
+            writer: 4
+        })
+    );
+    assert_eq!(
+        check_put_lease(None, 5),
+        Err(JournalError::Fenced {
+            current: 0,
+            writer: 5
+        }),
+        "a lease gone from the store is not ours to renew blindly"
+    );
+    assert_eq!(stored.lease.renew_interval(), Duration::from_secs(1));
+    let silly = lease("a", 1, 1);
+    assert_eq!(silly.lease.ttl(), Duration::from_millis(MIN_LEASE_TTL_MS));
+}
+
+#[test]
+fn r_take_1_a_lease_expires_only_after_its_ttl_without_a_change_on_the_observers_clock() {
+    let mut view = LeaseView::new(Duration::from_secs(10));
+    assert_eq!(view.state("a", ms(0)), None, "never read");
+    view.observe("a", Some(&lease("a", 5, 3_000)), ms(1_000));
+    // First seen: not yet known to renew, and not observed for a TTL.
+    assert_eq!(view.state("a", ms(3_999)), Some(LeaseState::Unconfirmed));
+    view.observe("a", Some(&lease("a", 9, 3_000)), ms(2_000));
+    assert_eq!(view.state("a", ms(4_999)), Some(LeaseState::Renewing));
+    // The same revision read again does not restart its clock.
+    view.observe("a", Some(&lease("a", 9, 3_000)), ms(4_000));
+    assert_eq!(view.state("a", ms(5_000)), Some(LeaseState::Expired));
+    // A renewal brings it back.
+    view.observe("a", Some(&lease("a", 12, 3_000)), ms(6_000));
+    assert_eq!(view.state("a", ms(6_001)), Some(LeaseState::Renewing));
+}
+
+#[test]
+fn r_take_1_a_failed_read_restarts_every_clock_so_an_outage_is_not_a_death() {
+    let mut view = LeaseView::new(Duration::from_secs(10));
+    view.observe("a", Some(&lease("a", 5, 3_000)), ms(0));
+    // The store was out from 1 s to 20 s: nobody could renew.
+    view.read_failed(ms(20_000));
+    view.observe("a", Some(&lease("a", 5, 3_000)), ms(21_000));
+    assert_eq!(view.state("a", ms(21_000)), Some(LeaseState::Unconfirmed));
+    assert_eq!(view.state("a", ms(22_999)), Some(LeaseState::Unconfirmed));
+    assert_eq!(view.state("a", ms(23_000)), Some(LeaseState::Expired));
+}
+
+#[test]
+fn r_take_1_an_absent_lease_expires_after_the_observers_ttl() {
+    let mut view = LeaseView::new(Duration::from_secs(10));
+    view.observe("gone", None, ms(0));
+    assert_eq!(view.state("gone", ms(9_999)), Some(LeaseState::Unconfirmed));
+    assert_eq!(view.state("gone", ms(10_000)), Some(LeaseState::Expired));
+    // A listing without an Edge it followed: that lease is gone now, and
+    // judged by the TTL it had.
+    view.observe_all(&[lease("a", 1, 3_000)], ms(0));
+    view.observe_all(&[], ms(1_000));
+    assert_eq!(view.state("a", ms(3_999)), Some(LeaseState::Unconfirmed));
+    assert_eq!(view.state("a", ms(4_000)), Some(LeaseState::Expired));
+    let peers = view.peers(ms(4_000));
+    assert_eq!(peers.len(), 2);
+    assert!(peers.iter().all(|p| p.lease.is_none()), "{peers:?}");
+}
+
+#[test]
+fn a_lease_view_follows_a_bounded_number_of_edges() {
+    let mut view = LeaseView::new(Duration::from_secs(1));
+    for i in 0..MAX_TRACKED_EDGES + 5 {
+        view.observe(&format!("e{i}"), None, ms(0));
+    }
+    assert_eq!(view.peers(ms(0)).len(), MAX_TRACKED_EDGES);
+    let extra = format!("e{}", MAX_TRACKED_EDGES + 1);
+    assert_eq!(
+        view.state(&extra, ms(u64::MAX / 2_000)),
+        None,
+        "not followed: never expired"
+    );
+}
+
+fn owned_by(owner: &str) -> RecordMeta {
+    let mut meta = created(&new_record("r1", None, b"1"));
+    meta.owner = owner.into();
+    meta
+}
+
+#[test]
+fn r_take_1_orphans_are_this_edges_unrun_records_and_those_of_expired_owners() {
+    let mine = owned_by("edge-a");
+    assert_eq!(
+        orphan(&mine, "edge-a", false, None),
+        Some(Orphan::EdgeRestart)
+    );
+    assert_eq!(orphan(&mine, "edge-a", true, None), None, "running here");
+    assert_eq!(
+        orphan(&owned_by(NO_OWNER), "edge-a", false, None),
+        Some(Orphan::EdgeRestart),
+        "stored before owners were recorded: this store's one Edge"
+    );
+    let theirs = owned_by("edge-b");
+    for alive in [
+        None,
+        Some(LeaseState::Unconfirmed),
+        Some(LeaseState::Renewing),
+    ] {
+        assert_eq!(
+            orphan(&theirs, "edge-a", false, alive),
+            None,
+            "a live Edge's record is never taken: {alive:?}"
+        );
+    }
+    assert_eq!(
+        orphan(&theirs, "edge-a", false, Some(LeaseState::Expired)),
+        Some(Orphan::EdgeLost)
+    );
+    let ended = check_finish(&limits(), &theirs, 1, &done(RecordStatus::Completed)).unwrap();
+    assert_eq!(
+        orphan(&ended, "edge-a", false, Some(LeaseState::Expired)),
+        None
+    );
+    assert_eq!(Orphan::EdgeRestart.reason(), EDGE_RESTART_REASON);
+    assert_eq!(Orphan::EdgeLost.reason(), EDGE_LOST_REASON);
+}
+
+#[test]
+fn r_take_1_an_orphan_waits_the_park_window_then_ends() {
+    let window = Duration::from_secs(35);
+    let mut scan = TakeoverScan::new("edge-a", window, Duration::from_secs(15));
+    let mine = owned_by("edge-a");
+    assert_eq!(
+        scan.decide(&mine, false, ms(0)),
+        TakeoverDecision::Wait { until: ms(35_000) }
+    );
+    assert_eq!(scan.poll_timeout(), Some(ms(35_000)));
+    assert!(scan.is_waiting("r1"));
+    assert_eq!(
+        scan.decide(&mine, false, ms(34_999)),
+        TakeoverDecision::Wait { until: ms(35_000) },
+        "the window counts from when it was first found"
+    );
+    assert_eq!(
+        scan.decide(&mine, false, ms(35_000)),
+        TakeoverDecision::End(Orphan::EdgeRestart)
+    );
+    // Adopted meanwhile (a run of this Edge writes it now): kept, forgotten.
+    assert_eq!(scan.decide(&mine, true, ms(35_000)), TakeoverDecision::Keep);
+    assert_eq!(scan.waiting(), 0);
+    assert_eq!(scan.poll_timeout(), None);
+    scan.decide(&mine, false, ms(40_000));
+    scan.retain(|_| false);
+    assert_eq!(
+        scan.waiting(),
+        0,
+        "retain bounds it to the records passed in"
+    );
+}
+
+#[test]
+fn r_take_1_a_dead_edges_record_waits_from_its_expiry_and_an_edge_that_returns_keeps_it() {
+    let mut scan = TakeoverScan::new("edge-a", Duration::from_secs(35), Duration::from_secs(15));
+    let theirs = owned_by("edge-b");
+    scan.leases_mut()
+        .observe("edge-b", Some(&lease("edge-b", 3, 15_000)), ms(0));
+    assert_eq!(
+        scan.decide(&theirs, false, ms(14_999)),
+        TakeoverDecision::Keep
+    );
+    assert_eq!(
+        scan.decide(&theirs, false, ms(15_000)),
+        TakeoverDecision::Wait { until: ms(50_000) }
+    );
+    // It renews again before the window ends: its record stays its own.
+    scan.leases_mut()
+        .observe("edge-b", Some(&lease("edge-b", 4, 15_000)), ms(20_000));
+    assert_eq!(
+        scan.decide(&theirs, false, ms(20_001)),
+        TakeoverDecision::Keep
+    );
+    assert_eq!(scan.waiting(), 0);
+    // Dead for good: a new window from the new expiry.
+    assert_eq!(
+        scan.decide(&theirs, false, ms(35_000)),
+        TakeoverDecision::Wait { until: ms(70_000) }
+    );
+    assert_eq!(
+        scan.decide(&theirs, false, ms(70_000)),
+        TakeoverDecision::End(Orphan::EdgeLost)
+    );
+    assert_eq!(scan.me(), "edge-a");
+}
+
+#[test]
+fn r_take_1_on_a_store_of_its_own_every_unrun_record_is_this_edges() {
+    let mut scan = TakeoverScan::sole("edge-a", Duration::from_secs(1));
+    assert!(scan.is_sole());
+    // Written under another edge_id by an earlier run of this Edge.
+    let renamed = owned_by("old-name");
+    assert_eq!(
+        scan.decide(&renamed, false, ms(0)),
+        TakeoverDecision::Wait { until: ms(1_000) }
+    );
+    assert_eq!(
+        scan.decide(&renamed, false, ms(1_000)),
+        TakeoverDecision::End(Orphan::EdgeRestart)
+    );
+    assert_eq!(
+        scan.decide(&renamed, true, ms(2_000)),
+        TakeoverDecision::Keep
+    );
+    assert!(!TakeoverScan::new("edge-a", Duration::ZERO, Duration::from_secs(1)).is_sole());
+}
+
+#[test]
+fn r_take_1_a_takeover_race_has_one_winner() {
+    let theirs = owned_by("edge-b");
+    let won = check_raise_epoch(&theirs, theirs.epoch, "edge-a").unwrap();
+    assert_eq!(
+        check_raise_epoch(&won, theirs.epoch, "edge-c"),
+        Err(JournalError::Fenced {
+            current: 2,
+            writer: 1
+        })
+    );
+    // The winner is the live owner now: no other Edge takes it.
+    let mut scan = TakeoverScan::new("edge-c", Duration::ZERO, Duration::from_secs(15));
+    scan.leases_mut()
+        .observe("edge-a", Some(&lease("edge-a", 8, 15_000)), ms(0));
+    assert_eq!(scan.decide(&won, false, ms(1)), TakeoverDecision::Keep);
+}
+
+proptest! {
+    /// R-TAKE-1: an Edge that renews within its TTL is never seen
+    /// expired, however the observer's reads fall and fail.
+    #[test]
+    fn a_lease_renewed_within_its_ttl_never_reads_expired(
+        gaps in proptest::collection::vec(1u64..3_000, 1..40),
+        reads in proptest::collection::vec((0u64..60_000, proptest::bool::ANY), 1..80),
+    ) {
+        let ttl_ms = 3_000;
+        let mut writes = Vec::new();
+        let mut at = 0;
+        for gap in gaps {
+            at += gap;
+            writes.push(at);
+        }
+        let last_write = *writes.last().unwrap_or(&0);
+        let mut reads = reads;
+        reads.sort();
+        let mut view = LeaseView::new(Duration::from_millis(ttl_ms));
+        for (t, fails) in reads {
+            if t > last_write {
+                break;
+            }
+            if fails {
+                view.read_failed(ms(t));
+                continue;
+            }
+            let revision = writes.iter().filter(|w| **w <= t).count() as u64;
+            let read = (revision > 0).then(|| lease("a", revision, ttl_ms));
+            view.observe("a", read.as_ref(), ms(t));
+            if revision > 0 {
+                prop_assert_ne!(view.state("a", ms(t)), Some(LeaseState::Expired));
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Append { epoch: u64, seq: u64 },
@@ -332,7 +627,7 @@ proptest! {
             let result = match op {
                 Op::Append { epoch, seq } => check_append(&l, &meta, epoch, &[ev(seq)]).map(|m| (m, Some((epoch, seq)))),
                 Op::Finish { epoch } => check_finish(&l, &meta, epoch, &done(RecordStatus::Completed)).map(|m| (m, None)),
-                Op::Raise { expected } => check_raise_epoch(&meta, expected).map(|m| (m, None)),
+                Op::Raise { expected } => check_raise_epoch(&meta, expected, "edge-b").map(|m| (m, None)),
             };
             if let Ok((next, appended)) = result {
                 if let Some((epoch, seq)) = appended {

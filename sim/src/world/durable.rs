@@ -370,6 +370,7 @@ impl World {
             background: false,
             request: Vec::new(),
             created_unix_ms: self.unix_ms(),
+            owner: crate::journal_store::SIM_EDGE.into(),
         };
         self.journal_submit(
             Writer::Request {

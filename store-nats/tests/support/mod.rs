@@ -193,5 +193,6 @@ pub fn record(id: &str, request: &[u8]) -> iop_core::journal::NewRecord {
         background: false,
         request: request.to_vec(),
         created_unix_ms: 1,
+        owner: "edge".into(),
     }
 }

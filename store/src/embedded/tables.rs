@@ -35,8 +35,13 @@ pub(super) const EXPIRY: TableDefinition<'static, (u64, &str), ()> = TableDefini
 /// Counters and the format version: name -> u64.
 pub(super) const META: TableDefinition<'static, &str, u64> = TableDefinition::new("meta");
 
-/// The layout this build writes and reads.
-pub(super) const FORMAT_VERSION: u64 = 1;
+/// The layout this build writes and reads: 2, records name their owner
+/// (R-TAKE-1). A file of format 1 ([`FORMAT_VERSION_UNOWNED`]) is upgraded
+/// at open.
+pub(super) const FORMAT_VERSION: u64 = 2;
+/// The format before records named their owner; its records are rewritten
+/// at open with [`NO_OWNER`](iop_core::journal::NO_OWNER).
+pub(super) const FORMAT_VERSION_UNOWNED: u64 = 1;
 pub(super) const META_FORMAT_VERSION: &str = "format_version";
 /// Bytes held, as the journal's rules count them (the sum of every
 /// record's `stored_bytes`), kept in the same transactions as the records.
@@ -92,6 +97,34 @@ pub(super) fn decode_meta(id: &str, bytes: &[u8]) -> Result<RecordMeta, Fault> {
     Ok(meta)
 }
 
+/// Rewrite every record of a format-1 file in the current format (owned
+/// by [`NO_OWNER`](iop_core::journal::NO_OWNER): the one Edge that wrote
+/// the file), in the opening transaction: the file is all format 1 or all
+/// format 2, never a mix.
+fn upgrade_unowned(txn: &WriteTransaction) -> Result<(), Fault> {
+    let mut records = txn.open_table(RECORDS)?;
+    let mut upgraded = Vec::new();
+    for entry in records.iter()? {
+        let (id, bytes) = entry?;
+        let old: crate::legacy::RecordMetaV1 = postcard::from_bytes(bytes.value())
+            .map_err(|e| Fault::Corrupt(format!("record {:?} does not decode: {e}", id.value())))?;
+        upgraded.push(old.upgrade());
+    }
+    for meta in &upgraded {
+        records.insert(meta.id.as_str(), encode_meta(meta)?.as_slice())?;
+    }
+    drop(records);
+    txn.open_table(META)?
+        .insert(META_FORMAT_VERSION, FORMAT_VERSION)?;
+    tracing::info!(
+        event = "journal_file_upgraded",
+        records = upgraded.len(),
+        from = FORMAT_VERSION_UNOWNED,
+        to = FORMAT_VERSION
+    );
+    Ok(())
+}
+
 pub(super) fn progress(meta: &RecordMeta) -> Progress {
     Progress {
         last_seq: meta.last_seq,
@@ -122,6 +155,7 @@ pub(super) fn init(txn: &WriteTransaction) -> Result<(Format, u64, u64), Fault> 
         None
     };
     match version {
+        Some(FORMAT_VERSION_UNOWNED) => upgrade_unowned(txn)?,
         Some(v) if v != FORMAT_VERSION => return Ok((Format::Unknown(v), 0, 0)),
         None if !existing.is_empty() => return Ok((Format::Foreign, 0, 0)),
         _ => {}
@@ -221,9 +255,13 @@ impl<'t> WriteTables<'t> {
             } => Reply::Meta(self.with_live(&id, |limits, meta| {
                 check_finish(limits, meta, epoch, &terminal)
             })?),
-            Request::RaiseEpoch { id, expected } => {
-                Reply::Meta(self.with_live(&id, |_, meta| check_raise_epoch(meta, expected))?)
-            }
+            Request::RaiseEpoch {
+                id,
+                expected,
+                owner,
+            } => Reply::Meta(
+                self.with_live(&id, |_, meta| check_raise_epoch(meta, expected, &owner))?,
+            ),
             Request::Delete { id } => Reply::Deleted(if self.remove(&id)? {
                 Ok(())
             } else {

@@ -63,7 +63,10 @@ async fn records_events_keys_and_bytes_survive_a_reopen() {
             .append("running".into(), 1, (1..=5).map(event).collect())
             .await
             .unwrap();
-        store.raise_epoch("running".into(), 1).await.unwrap();
+        store
+            .raise_epoch("running".into(), 1, "taker".into())
+            .await
+            .unwrap();
         store
             .create(new_record("done", Some("k2"), b"{}", 10))
             .await
@@ -118,7 +121,7 @@ async fn records_events_keys_and_bytes_survive_a_reopen() {
         ["running"]
     );
     let taken = store
-        .raise_epoch("running".into(), unfinished[0].epoch)
+        .raise_epoch("running".into(), unfinished[0].epoch, "taker".into())
         .await
         .unwrap();
     assert_eq!(
@@ -188,6 +191,104 @@ fn a_file_of_an_unknown_format_version_is_refused() {
         }
         other => panic!("expected UnknownFormat, got {other:?}"),
     }
+}
+
+/// A file written before records named their owner (format 1) is
+/// upgraded at open: every record reads back, owned by `NO_OWNER`, and
+/// the file is format 2 from then on.
+#[tokio::test]
+async fn a_format_1_file_is_upgraded_at_open_with_unowned_records() {
+    use redb::{ReadableDatabase, ReadableTable};
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    {
+        let store = open(&path);
+        store
+            .create(new_record("running", Some("k"), b"{}", 0))
+            .await
+            .unwrap();
+        store
+            .append("running".into(), 1, vec![event(1)])
+            .await
+            .unwrap();
+        store
+            .create(new_record("done", None, b"{}", 0))
+            .await
+            .unwrap();
+        store
+            .finish("done".into(), 1, terminal(RecordStatus::Completed, 1))
+            .await
+            .unwrap();
+    }
+    // Rewrite it as an earlier build left it: records without an owner.
+    {
+        let db = redb::Database::create(&path).unwrap();
+        let metas: Vec<RecordMeta> = {
+            let txn = db.begin_read().unwrap();
+            let table = txn.open_table(tables::RECORDS).unwrap();
+            table
+                .iter()
+                .unwrap()
+                .map(|e| {
+                    let (id, bytes) = e.unwrap();
+                    tables::decode_meta(id.value(), bytes.value()).unwrap()
+                })
+                .collect()
+        };
+        let txn = db.begin_write().unwrap();
+        {
+            let mut table = txn.open_table(tables::RECORDS).unwrap();
+            for m in &metas {
+                let old = crate::legacy::RecordMetaV1 {
+                    id: m.id.clone(),
+                    principal: m.principal.clone(),
+                    api: m.api,
+                    model: m.model.clone(),
+                    fingerprint: m.fingerprint,
+                    idempotency_key: m.idempotency_key,
+                    background: m.background,
+                    created_unix_ms: m.created_unix_ms,
+                    epoch: m.epoch,
+                    last_seq: m.last_seq,
+                    terminal: m.terminal.clone(),
+                    expires_unix_ms: m.expires_unix_ms,
+                    stored_bytes: m.stored_bytes,
+                };
+                let bytes = postcard::to_allocvec(&old).unwrap();
+                table.insert(m.id.as_str(), bytes.as_slice()).unwrap();
+            }
+            txn.open_table(tables::META)
+                .unwrap()
+                .insert(tables::META_FORMAT_VERSION, tables::FORMAT_VERSION_UNOWNED)
+                .unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = open(&path);
+    let unfinished = store.unfinished().await.unwrap();
+    assert_eq!(unfinished.len(), 1);
+    assert_eq!(
+        (unfinished[0].id.as_str(), unfinished[0].owner.as_str()),
+        ("running", iop_core::journal::NO_OWNER)
+    );
+    let (done, _) = store.get("done".into(), 0).await.unwrap().unwrap();
+    assert_eq!(done.status(), RecordStatus::Completed);
+    assert_sound(&store).await;
+    let raised = store
+        .raise_epoch("running".into(), 1, "edge-a".into())
+        .await
+        .unwrap();
+    assert_eq!(raised.owner, "edge-a");
+    drop(store);
+    let db = redb::Database::create(&path).unwrap();
+    let txn = db.begin_read().unwrap();
+    let version = txn
+        .open_table(tables::META)
+        .unwrap()
+        .get(tables::META_FORMAT_VERSION)
+        .unwrap()
+        .map(|v| v.value());
+    assert_eq!(version, Some(tables::FORMAT_VERSION));
 }
 
 #[test]
@@ -670,8 +771,8 @@ async fn run_model(ops: Vec<ModelOp>) -> Result<(), TestCaseError> {
                 let (epoch, _) = position(&memory, &name(id)).await;
                 let expected = apply_delta(epoch, epoch_delta);
                 prop_assert_eq!(
-                    memory.raise_epoch(name(id), expected).await,
-                    disk.raise_epoch(name(id), expected).await,
+                    memory.raise_epoch(name(id), expected, "taker".into()).await,
+                    disk.raise_epoch(name(id), expected, "taker".into()).await,
                     "{:?}",
                     op
                 );

@@ -37,6 +37,7 @@ pub(super) enum Request {
     RaiseEpoch {
         id: String,
         expected: u64,
+        owner: String,
     },
     Delete {
         id: String,
