@@ -144,6 +144,7 @@ fn node_decode(c: &mut Criterion) {
                 api_key: None,
                 stream_usage: true,
                 json_object_schema: false,
+                max_concurrent_runs: None,
             },
             http.clone(),
         )

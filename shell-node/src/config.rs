@@ -16,14 +16,21 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeSection {
-    /// The Edge's QUIC address, `host:port`.
-    pub edge: String,
-    /// The name the Edge's certificate is checked against.
+    /// The Edge's QUIC address, `host:port` (one Edge; or `edges`).
+    #[serde(default)]
+    pub edge: Option<String>,
+    /// Every Edge's QUIC address, `host:port` each (many Edges, SPEC §8
+    /// R-MULTI-1): the node keeps one connection to each, with its own
+    /// generation, heartbeat and readiness.
+    #[serde(default)]
+    pub edges: Vec<String>,
+    /// The name the Edges' certificates are checked against.
     #[serde(default = "default_server_name")]
     pub edge_server_name: String,
     /// Where the node keeps its recipient key.
     pub state_dir: PathBuf,
-    /// Concurrent runs and tunnels; past it the node answers `node_overloaded`.
+    /// Concurrent runs and tunnels over every Edge connection (parked
+    /// durable runs included); past it the node answers `node_overloaded`.
     #[serde(default = "default_max_runs")]
     pub max_concurrent_runs: u32,
     /// Optional Prometheus listen address.
@@ -39,6 +46,9 @@ pub struct NodeSection {
 fn default_park_buffer_bytes() -> usize {
     iop_core::node::park::DEFAULT_MAX_KEPT_BYTES
 }
+
+/// Edges one node connects to at most.
+pub const MAX_EDGES: usize = 16;
 
 fn default_server_name() -> String {
     "localhost".into()
@@ -107,6 +117,11 @@ pub struct ProviderEntry {
     /// Environment variable with a static API key (unmanaged credentials).
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// Concurrent runs this provider takes, whichever Edges dispatch to it
+    /// (none: only `[node] max_concurrent_runs` bounds it); past it the
+    /// node answers `node_overloaded` and the Edge re-admits the request.
+    #[serde(default)]
+    pub max_concurrent_runs: Option<u32>,
     /// Whether the provider's streams report usage when asked with
     /// `stream_options.include_usage` (default true). Set it to false for a
     /// server that never does (llama-cpp-python's): a client that takes its
@@ -169,6 +184,8 @@ pub struct ProviderTarget {
     /// The provider takes a JSON Schema as `{"type":"json_object","schema":..}`
     /// (`[[providers]] structured_output = "json_object_schema"`).
     pub json_object_schema: bool,
+    /// Its own run limit over every Edge connection, if it sets one.
+    pub max_concurrent_runs: Option<u32>,
 }
 
 impl std::fmt::Debug for ProviderTarget {
@@ -188,6 +205,9 @@ impl std::fmt::Debug for ProviderTarget {
 pub struct NodeConfig {
     /// `[node]`.
     pub node: NodeSection,
+    /// The Edges to connect to (`[node] edge` or `[node] edges`), each
+    /// `host:port`, at least one.
+    pub edges: Vec<String>,
     /// `[tls]`.
     pub tls: TlsFiles,
     /// Heartbeat profile.
@@ -233,9 +253,43 @@ impl NodeConfig {
         if file.node.state_dir.is_relative() {
             file.node.state_dir = base.join(&file.node.state_dir);
         }
-        if file.node.edge.is_empty() || !file.node.edge.contains(':') {
-            return Err(field_err("node.edge", "must be `host:port`"));
-        }
+        let edges = match (file.node.edge.take(), std::mem::take(&mut file.node.edges)) {
+            (Some(_), edges) if !edges.is_empty() => {
+                return Err(field_err(
+                    "node.edges",
+                    "give `edge` (one Edge) or `edges` (many), not both",
+                ));
+            }
+            (Some(edge), _) => {
+                if edge.is_empty() || !edge.contains(':') {
+                    return Err(field_err("node.edge", "must be `host:port`"));
+                }
+                vec![edge]
+            }
+            (None, edges) if edges.is_empty() => {
+                return Err(field_err(
+                    "node.edge",
+                    "required: the Edge's QUIC address `host:port` (or `edges` for many)",
+                ));
+            }
+            (None, edges) => {
+                if edges.len() > MAX_EDGES {
+                    return Err(field_err(
+                        "node.edges",
+                        format!("at most {MAX_EDGES} Edges"),
+                    ));
+                }
+                for (i, edge) in edges.iter().enumerate() {
+                    if edge.is_empty() || !edge.contains(':') {
+                        return Err(field_err(format!("node.edges[{i}]"), "must be `host:port`"));
+                    }
+                    if edges[..i].contains(edge) {
+                        return Err(field_err(format!("node.edges[{i}]"), "listed twice"));
+                    }
+                }
+                edges
+            }
+        };
         if !(64 * 1024..=1024 * 1024 * 1024).contains(&file.node.park_buffer_bytes) {
             return Err(field_err(
                 "node.park_buffer_bytes",
@@ -303,6 +357,9 @@ impl NodeConfig {
                     Some(url.trim_end_matches('/').to_owned())
                 }
             };
+            if p.max_concurrent_runs == Some(0) {
+                return Err(field_err(f("max_concurrent_runs"), "must be > 0"));
+            }
             let api_key = match &p.api_key_env {
                 None => None,
                 Some(var) => Some(std::env::var(var).map_err(|_| {
@@ -329,6 +386,7 @@ impl NodeConfig {
                         ));
                     }
                 },
+                max_concurrent_runs: p.max_concurrent_runs,
             });
         }
         Ok(Self {
@@ -349,6 +407,7 @@ impl NodeConfig {
                 max_active_runs: file.node.max_concurrent_runs as usize + 16,
             },
             node: file.node,
+            edges,
             tls: file.tls,
             providers,
         })
@@ -384,6 +443,38 @@ key = "node.key"
         assert_eq!(c.tls.cert, Path::new("/x/node.pem"));
     }
 
+    fn edges_of(node: &str) -> Result<Vec<String>, String> {
+        let text = BASE.replace("edge = \"127.0.0.1:7443\"\n", node);
+        match NodeConfig::parse(&text, Path::new("/x")) {
+            Ok(c) => Ok(c.edges),
+            Err(ConfigError::Field { field, .. }) => Err(field),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn r_multi_1_one_edge_or_many() {
+        assert_eq!(edges_of("edge = \"e:1\"\n"), Ok(vec!["e:1".to_owned()]));
+        assert_eq!(
+            edges_of("edges = [\"a:1\", \"b:1\"]\n"),
+            Ok(vec!["a:1".to_owned(), "b:1".to_owned()])
+        );
+        assert_eq!(edges_of(""), Err("node.edge".to_owned()));
+        assert_eq!(edges_of("edges = []\n"), Err("node.edge".to_owned()));
+        assert_eq!(
+            edges_of("edge = \"a:1\"\nedges = [\"b:1\"]\n"),
+            Err("node.edges".to_owned())
+        );
+        assert_eq!(
+            edges_of("edges = [\"a:1\", \"b\"]\n"),
+            Err("node.edges[1]".to_owned())
+        );
+        assert_eq!(
+            edges_of("edges = [\"a:1\", \"a:1\"]\n"),
+            Err("node.edges[1]".to_owned())
+        );
+    }
+
     #[test]
     fn errors_name_the_bad_field() {
         assert_eq!(
@@ -407,6 +498,10 @@ key = "node.key"
             "watchdog.probe_bound_ms"
         );
         assert_eq!(field_of("[otlp]\nendpoint = 'udp://c'\n"), "otlp.endpoint");
+        assert_eq!(
+            field_of("[[providers]]\nadapter='mock'\ntarget='v'\nmax_concurrent_runs=0\n"),
+            "providers[0].max_concurrent_runs"
+        );
         assert_eq!(
             field_of("[otlp]\nendpoint = 'http://c'\ntimeout_ms = 0\n"),
             "otlp.timeout_ms"

@@ -16,7 +16,6 @@ pub mod run;
 pub mod supervisor;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -62,7 +61,20 @@ impl RunningNode {
             .iter()
             .map(|p| Adapter::new(p, http.clone()))
             .collect();
-        let mut shared = LinkShared::new(adapters, config.watchdog.probe_bound);
+        // One run count over every Edge connection (R-MULTI-1).
+        let capacity = config.providers.iter().fold(
+            iop_core::node::capacity::NodeCapacity::new(config.node.max_concurrent_runs as usize),
+            |c, p| match p.max_concurrent_runs {
+                Some(cap) => c.with_target_cap(p.adapter, &p.target, cap as usize),
+                None => c,
+            },
+        );
+        let mut shared = LinkShared::new(
+            adapters,
+            config.watchdog.probe_bound,
+            &config.edges,
+            capacity,
+        );
         shared.record_trace = options.record_trace;
         shared.park_buffer_bytes = config.node.park_buffer_bytes;
         // The lease recipient key and this node's id (R-CRED-1): a node
@@ -148,13 +160,20 @@ impl RunningNode {
         self.shared.pause_control.send_replace(paused);
     }
 
-    /// The current connection's generation, once ready.
+    /// The generation of the current connection to the first configured
+    /// Edge, once ready.
     pub fn generation(&self) -> Option<u64> {
+        self.shared.edges.first().and_then(|e| e.ready_generation())
+    }
+
+    /// Each configured Edge's current generation, once ready, in
+    /// configuration order (R-MULTI-1).
+    pub fn generations(&self) -> Vec<Option<u64>> {
         self.shared
-            .ready
-            .load(Ordering::Relaxed)
-            .then(|| self.shared.generation.load(Ordering::Relaxed))
-            .filter(|g| *g != 0)
+            .edges
+            .iter()
+            .map(link::EdgeSlot::ready_generation)
+            .collect()
     }
 
     /// Shared counters (fenced late outputs, stalls, disconnect cancels).

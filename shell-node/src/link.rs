@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use iop_core::ids::{Generation, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
+use iop_core::node::capacity::NodeCapacity;
 use iop_core::node::probe::{ProbeEvidence, TargetCredential};
 use iop_core::node::watchdog::{
     CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogOutput,
@@ -79,6 +80,49 @@ impl NodeIdentity {
     }
 }
 
+/// One configured Edge's connection, as the rest of the node sees it.
+pub struct EdgeSlot {
+    /// Its address as configured (`host:port`).
+    pub address: String,
+    /// The generation of its current connection (0 when disconnected).
+    pub generation: AtomicU64,
+    /// Whether its current connection completed readiness.
+    pub ready: AtomicBool,
+    /// The close code of its last connection that ended (`u64::MAX`: none).
+    pub last_close_code: AtomicU64,
+    /// The replay cache of this Edge's leases (R-CRED-3): owned by the
+    /// current link task while a connection is up (taken at its start,
+    /// handed back at its end); this lock is never touched on the run
+    /// path. Each Edge seals its own leases, so each has its own cache.
+    replay: std::sync::Mutex<Option<iop_core::cred::ReplayCache>>,
+}
+
+impl EdgeSlot {
+    /// The slot of the Edge at `address`.
+    pub fn new(address: &str) -> Self {
+        Self {
+            address: address.to_owned(),
+            generation: AtomicU64::new(0),
+            ready: AtomicBool::new(false),
+            last_close_code: AtomicU64::new(u64::MAX),
+            replay: std::sync::Mutex::new(Some(iop_core::cred::ReplayCache::new())),
+        }
+    }
+
+    /// Why its last connection ended.
+    pub fn last_close(&self) -> Option<CloseCode> {
+        CloseCode::from_code(self.last_close_code.load(Ordering::Relaxed))
+    }
+
+    /// Its current connection's generation, once ready.
+    pub fn ready_generation(&self) -> Option<u64> {
+        self.ready
+            .load(Ordering::Relaxed)
+            .then(|| self.generation.load(Ordering::Relaxed))
+            .filter(|g| *g != 0)
+    }
+}
+
 /// State that outlives one connection.
 pub struct LinkShared {
     /// One adapter per configured provider target.
@@ -87,32 +131,24 @@ pub struct LinkShared {
     pub probe_bound: std::time::Duration,
     /// Stall metrics.
     pub metrics: crate::metrics::NodeMetrics,
-    /// Test hook: while true, the control loop stops reading and answering
-    /// heartbeats (the connection itself stays up).
+    /// Test hook: while true, the control loops stop reading and answering
+    /// heartbeats (the connections themselves stay up).
     pub pause_control: watch::Sender<bool>,
     /// Late provider outputs fenced after a terminal, all connections (R-WD-6).
     pub fenced_late_outputs: AtomicU64,
     /// Stalls observed, all connections.
     pub stalls: AtomicU64,
-    /// The generation of the current connection (0 when disconnected).
-    pub generation: AtomicU64,
-    /// Whether the current connection completed readiness.
-    pub ready: AtomicBool,
+    /// One slot per configured Edge, in configuration order (R-MULTI-1).
+    pub edges: Vec<EdgeSlot>,
     /// Handlers canceled because their connection ended (R-DISC-1).
     pub disconnect_cancels: AtomicU64,
     /// Connection attempts that failed before readiness.
     pub failed_attempts: AtomicU64,
     /// Where to record each connection's watchdog trace (`--record-trace`).
     pub record_trace: Option<std::path::PathBuf>,
-    /// The close code of the last connection that ended (`u64::MAX`: none).
-    pub last_close_code: AtomicU64,
     /// This node's id and lease recipient key (`None`: no managed
     /// credentials; every lease is refused).
     pub identity: Option<NodeIdentity>,
-    /// The process's one replay cache (R-CRED-3). Owned by the current
-    /// link task while a connection is up (taken at its start, handed back
-    /// at its end); this lock is never touched on the run path.
-    replay: std::sync::Mutex<Option<iop_core::cred::ReplayCache>>,
     /// Credential leases refused, all connections.
     pub credential_rejections: AtomicU64,
     /// Targets whose credential the Edge manages, as of the latest snapshot
@@ -123,11 +159,20 @@ pub struct LinkShared {
     /// Bytes one durable run keeps until acknowledged (`[node]
     /// park_buffer_bytes`).
     pub park_buffer_bytes: usize,
+    /// The node's one run count over every connection (R-MULTI-1): the
+    /// core's rule, shared by the links.
+    capacity: std::sync::Mutex<NodeCapacity>,
 }
 
 impl LinkShared {
-    /// Shared state for `adapters`.
-    pub fn new(adapters: Vec<Adapter>, probe_bound: std::time::Duration) -> Self {
+    /// Shared state for `adapters`, one Edge at `edges` each, at most
+    /// `capacity` runs.
+    pub fn new(
+        adapters: Vec<Adapter>,
+        probe_bound: std::time::Duration,
+        edges: &[String],
+        capacity: NodeCapacity,
+    ) -> Self {
         Self {
             adapters,
             probe_bound,
@@ -135,19 +180,35 @@ impl LinkShared {
             pause_control: watch::channel(false).0,
             fenced_late_outputs: AtomicU64::new(0),
             stalls: AtomicU64::new(0),
-            generation: AtomicU64::new(0),
-            ready: AtomicBool::new(false),
+            edges: edges.iter().map(|e| EdgeSlot::new(e)).collect(),
             disconnect_cancels: AtomicU64::new(0),
             failed_attempts: AtomicU64::new(0),
-            last_close_code: AtomicU64::new(u64::MAX),
             record_trace: None,
             identity: None,
-            replay: std::sync::Mutex::new(Some(iop_core::cred::ReplayCache::new())),
             credential_rejections: AtomicU64::new(0),
             managed: std::sync::RwLock::new(Vec::new()),
             parking: crate::park::ParkingLot::default(),
             park_buffer_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
+            capacity: std::sync::Mutex::new(capacity),
         }
+    }
+
+    fn capacity(&self) -> std::sync::MutexGuard<'_, NodeCapacity> {
+        // Every change is one call on the count.
+        self.capacity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs attached to a connection now, over every connection.
+    pub fn running(&self) -> usize {
+        self.capacity().running()
+    }
+
+    /// Edge connections that completed readiness now.
+    pub fn ready_edges(&self) -> usize {
+        self.edges
+            .iter()
+            .filter(|e| e.ready.load(Ordering::Relaxed))
+            .count()
     }
 
     /// The trace file of the connection of `generation`
@@ -164,9 +225,9 @@ impl LinkShared {
         }
     }
 
-    /// Why the last connection ended.
+    /// Why the last connection to the first Edge ended.
     pub fn last_close(&self) -> Option<CloseCode> {
-        CloseCode::from_code(self.last_close_code.load(Ordering::Relaxed))
+        self.edges.first().and_then(EdgeSlot::last_close)
     }
 
     /// A probe verdict for `adapter`/`target`, as core classifies it for
@@ -279,6 +340,8 @@ pub enum LinkMsg {
         target: String,
         /// The request carries a sealed credential lease.
         carries_lease: bool,
+        /// A parked run being adopted: it already holds its capacity.
+        adopted: bool,
         /// Control channel to the handler.
         control: mpsc::UnboundedSender<RunControl>,
         /// Admitted, or the failure to answer with.
@@ -374,13 +437,15 @@ struct RunSlot {
 /// Bound of messages in flight from handlers to the link.
 const LINK_QUEUE: usize = 1024;
 
-/// Run one connection until it ends.
+/// Run one connection to the Edge of slot `edge` until it ends.
 pub async fn run(
     conn: quinn::Connection,
     config: Arc<NodeConfig>,
     shared: Arc<LinkShared>,
+    edge: usize,
     mut shutdown: watch::Receiver<bool>,
 ) -> LinkEnd {
+    let slot = &shared.edges[edge];
     let clock = Clock::new();
     let (mut send, mut recv) = match open_framed(&conn).await {
         Ok(pair) => pair,
@@ -406,9 +471,9 @@ pub async fn run(
             return LinkEnd::Failed(e);
         }
     };
-    shared.generation.store(generation, Ordering::Relaxed);
-    shared.ready.store(true, Ordering::Relaxed);
-    tracing::info!(event = "node_ready", generation);
+    slot.generation.store(generation, Ordering::Relaxed);
+    slot.ready.store(true, Ordering::Relaxed);
+    tracing::info!(event = "node_ready", edge = %slot.address, generation);
 
     // The watchdog (with its observation sequence) is this connection's own
     // (R-SEQ-1); with --record-trace its inputs and outputs are recorded.
@@ -432,7 +497,7 @@ pub async fn run(
         shared: shared.clone(),
         probes: JoinSet::new(),
         creds: LinkCreds::default(),
-        replay: shared
+        replay: slot
             .replay
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -445,6 +510,11 @@ pub async fn run(
     let link_tx = LinkTx(link_tx);
     let mut handlers = JoinSet::new();
     let mut paused = shared.pause_control.subscribe();
+    // Runs that park from now on (their own connection, to another Edge,
+    // lost) are reported here: this Edge may adopt them (R-PARK-2,
+    // R-MULTI-1). Those parked before were in the registration.
+    let mut parked = shared.parking.subscribe();
+    parked.borrow_and_update();
 
     let end = loop {
         let wake =
@@ -493,6 +563,12 @@ pub async fn run(
                 }
             },
             Some(msg) = link_rx.recv() => link.on_link_msg(msg),
+            Ok(()) = parked.changed() => {
+                let runs = shared.parking.parked_reports();
+                if !runs.is_empty() && send.send(&NodeControl::Parked { runs }).await.is_err() {
+                    break LinkEnd::Closed { was_ready: true, code: CloseCode::Normal };
+                }
+            },
             Some(done) = link.probes.join_next(), if !link.probes.is_empty() => {
                 if let Ok((run_id, outcome)) = done {
                     link.watchdog.probe_result(clock.now(), run_id, outcome);
@@ -522,11 +598,10 @@ pub async fn run(
     link.probes.abort_all();
     link.watchdog
         .cancel_all(clock.now(), CancelReason::Disconnect);
-    shared.ready.store(false, Ordering::Relaxed);
-    shared.generation.store(0, Ordering::Relaxed);
-    // Hand the replay cache to the next connection (one per process).
-    *shared.replay.lock().unwrap_or_else(|e| e.into_inner()) =
-        Some(std::mem::take(&mut link.replay));
+    slot.ready.store(false, Ordering::Relaxed);
+    slot.generation.store(0, Ordering::Relaxed);
+    // Hand the replay cache to this Edge's next connection.
+    *slot.replay.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::mem::take(&mut link.replay));
     if let LinkEnd::Closed { code, .. } = &end {
         close_connection(&conn, *code);
     }
@@ -609,6 +684,17 @@ struct Link {
     probes: JoinSet<(RunId, ProbeOutcome)>,
     creds: LinkCreds,
     replay: iop_core::cred::ReplayCache,
+}
+
+impl Drop for Link {
+    /// Runs still attached when the connection ends leave it: their count
+    /// goes (a durable one that parks is counted parked instead).
+    fn drop(&mut self) {
+        let mut capacity = self.shared.capacity();
+        for slot in self.runs.values() {
+            capacity.finish(slot.adapter, &slot.target);
+        }
+    }
 }
 
 /// The Edge's pushed credential configuration, as of the latest snapshot.
@@ -729,13 +815,21 @@ impl Link {
                 adapter,
                 target,
                 carries_lease,
+                adopted,
                 control,
                 reply,
             } => {
-                // Parked durable runs still hold their provider (R-PARK-1).
-                if self.runs.len() + self.shared.parking.parked() >= self.max_runs {
-                    let _ = reply.send(Err(FailureCode::NodeOverloaded));
-                    return;
+                // One count over every Edge connection; parked durable runs
+                // still hold their provider (R-PARK-1, R-MULTI-1).
+                if adopted {
+                    self.shared.capacity().adopt(adapter, &target);
+                } else {
+                    let parked = self.shared.parking.parked_runs(adapter, &target);
+                    let admitted = self.shared.capacity().start(adapter, &target, parked);
+                    if let Err(code) = admitted {
+                        let _ = reply.send(Err(code));
+                        return;
+                    }
                 }
                 let deadline = deadline.map(|d| now + d);
                 match self
@@ -755,6 +849,7 @@ impl Link {
                         let _ = reply.send(Ok(()));
                     }
                     Err(e) => {
+                        self.shared.capacity().finish(adapter, &target);
                         tracing::warn!(event = "node_run_refused", error = %e);
                         // A reused run id with a lease is a replay (R-CRED-3).
                         let _ = reply.send(Err(e.failure_code(carries_lease)));
@@ -919,10 +1014,11 @@ impl Link {
                     });
                 }
                 WatchdogOutput::Terminal { run_id, terminal } => {
-                    if let Some(slot) = self.runs.remove(&run_id)
-                        && !slot.self_terminated
-                    {
-                        let _ = slot.control.send(RunControl::Terminal(terminal));
+                    if let Some(slot) = self.runs.remove(&run_id) {
+                        self.shared.capacity().finish(slot.adapter, &slot.target);
+                        if !slot.self_terminated {
+                            let _ = slot.control.send(RunControl::Terminal(terminal));
+                        }
                     }
                 }
                 WatchdogOutput::StallObserved {

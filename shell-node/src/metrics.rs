@@ -282,10 +282,12 @@ impl NodeMetrics {
             let weak = weak.clone();
             move || weak.upgrade().map(|s| f(&s))
         };
-        let connected = read(|s| u64::from(s.ready.load(Ordering::Relaxed)));
+        let connected = read(|s| s.ready_edges() as u64);
         meter
             .u64_observable_gauge("iop_node_connected")
-            .with_description("1 while a connection to the Edge is ready, else 0")
+            .with_description(
+                "Edge connections ready now (1 with one Edge; up to the Edges configured)",
+            )
             .with_callback(move |o| {
                 if let Some(v) = connected() {
                     o.observe(v, &[])

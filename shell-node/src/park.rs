@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
+use iop_core::node::capacity::ParkedRuns;
 use iop_core::node::park::{ParkOutput, ParkState, RunPark, effective_park_grace};
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, effective_stall_timeout,
@@ -42,9 +43,20 @@ struct ParkEntry {
 }
 
 /// The node's durable runs, by [`RunKey`].
-#[derive(Default)]
 pub struct ParkingLot {
     runs: Mutex<HashMap<RunKey, ParkEntry>>,
+    /// Bumped each time a run parks: every live connection then reports
+    /// the parked runs to its Edge (R-PARK-2, R-MULTI-1).
+    parked_changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for ParkingLot {
+    fn default() -> Self {
+        Self {
+            runs: Mutex::default(),
+            parked_changed: tokio::sync::watch::channel(0).0,
+        }
+    }
 }
 
 impl ParkingLot {
@@ -68,13 +80,41 @@ impl ParkingLot {
         reports
     }
 
-    /// Durable runs without a connection now: they still hold provider
-    /// capacity (the node's run limit counts them).
-    pub fn parked(&self) -> usize {
-        self.runs()
+    /// The runs parked now (without a connection), as a live connection
+    /// reports them (R-PARK-2, R-MULTI-1).
+    pub fn parked_reports(&self) -> Vec<ParkedRun> {
+        let mut reports: Vec<ParkedRun> = self
+            .runs()
             .values()
             .filter(|e| matches!(e.state, ParkState::Parked { .. }))
-            .count()
+            .map(|e| e.report.clone())
+            .collect();
+        reports.sort_by_key(|r| r.key);
+        reports.truncate(iop_wire::MAX_PARKED_RUNS);
+        reports
+    }
+
+    /// Told each time a run parks.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.parked_changed.subscribe()
+    }
+
+    /// Durable runs without a connection now, in all and on
+    /// `adapter`/`target`: they still hold provider capacity (the node's
+    /// run limit counts them).
+    pub fn parked_runs(&self, adapter: iop_wire::AdapterKind, target: &str) -> ParkedRuns {
+        let runs = self.runs();
+        let parked = runs
+            .values()
+            .filter(|e| matches!(e.state, ParkState::Parked { .. }));
+        let mut counts = ParkedRuns::default();
+        for e in parked {
+            counts.total += 1;
+            if e.report.adapter == adapter && e.report.target == target {
+                counts.on_target += 1;
+            }
+        }
+        counts
     }
 
     /// Hand an adoption to the run it names; false if there is none.
@@ -93,9 +133,14 @@ impl ParkingLot {
     }
 
     fn update(&self, key: RunKey, park: &RunPark<RunEventKind>) {
-        if let Some(entry) = self.runs().get_mut(&key) {
+        let mut runs = self.runs();
+        if let Some(entry) = runs.get_mut(&key) {
             let summary = park.summary();
+            let was_parked = matches!(entry.state, ParkState::Parked { .. });
             entry.state = park.state();
+            if !was_parked && matches!(entry.state, ParkState::Parked { .. }) {
+                self.parked_changed.send_modify(|n| *n = n.wrapping_add(1));
+            }
             entry.report.first_kept_frame = summary.first_kept;
             entry.report.last_frame = summary.last;
             entry.report.ended = summary.ended;
@@ -261,6 +306,7 @@ pub async fn run_durable(
             adapter: adapter_kind,
             target: target.clone(),
             carries_lease: req.credential_lease.is_some(),
+            adopted: false,
             control: control_tx.clone(),
             reply,
         })
@@ -546,6 +592,7 @@ async fn adopt(
             adapter,
             target: target.to_owned(),
             carries_lease: false,
+            adopted: true,
             control: control.clone(),
             reply,
         })

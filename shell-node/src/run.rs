@@ -330,6 +330,7 @@ async fn execute<S, F>(
             adapter: adapter_kind,
             target: target.clone(),
             carries_lease: credential.lease.is_some(),
+            adopted: false,
             control: control_tx,
             reply,
         })

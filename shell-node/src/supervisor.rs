@@ -1,5 +1,8 @@
-//! The reconnect supervisor: dial the Edge, run the link until it ends,
-//! back off (capped, jittered, from the core's schedule) and dial again.
+//! The reconnect supervisor: for every configured Edge (R-MULTI-1), dial
+//! it, run the link until it ends, back off (capped, jittered, from the
+//! core's schedule) and dial again. Each Edge has its own loop, backoff
+//! and connection (its own generation, heartbeat and readiness); they
+//! share one QUIC endpoint and the node's state.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -42,15 +45,42 @@ async fn resolve(edge: &str) -> Option<SocketAddr> {
     tokio::net::lookup_host(edge).await.ok()?.next()
 }
 
-/// Dial, serve, back off, until `shutdown` turns true.
+/// Dial, serve, back off, for every Edge, until `shutdown` turns true.
 pub async fn run(
     config: Arc<NodeConfig>,
     shared: Arc<LinkShared>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> Result<(), StartError> {
     let tls = ClientTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
     let tuning = config.quic_tuning;
     let endpoint = client_endpoint(&tls, &tuning)?;
+    let loops = (0..config.edges.len()).map(|edge| {
+        edge_loop(
+            config.clone(),
+            shared.clone(),
+            endpoint.clone(),
+            edge,
+            shutdown.clone(),
+        )
+    });
+    futures::future::join_all(loops).await;
+    endpoint.close(
+        iop_wire::CloseCode::Shutdown.code().into(),
+        iop_wire::CloseCode::Shutdown.as_str().as_bytes(),
+    );
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
+    Ok(())
+}
+
+/// One Edge's loop: dial, serve, back off, until `shutdown` turns true.
+async fn edge_loop(
+    config: Arc<NodeConfig>,
+    shared: Arc<LinkShared>,
+    endpoint: quinn::Endpoint,
+    edge: usize,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let address = &config.edges[edge];
     let mut backoff = Backoff::new(config.reconnect);
     let mut rng = SplitMix64::new(rand::random());
     loop {
@@ -65,7 +95,7 @@ pub async fn run(
                 .tracer()
                 .start("node.dial", iop_transport::traces::Kind::Client, None);
         let attempt = async {
-            let addr = resolve(&config.node.edge)
+            let addr = resolve(address)
                 .await
                 .ok_or("cannot resolve the edge address")?;
             // A dead edge never answers a QUIC handshake: bound the attempt
@@ -74,7 +104,7 @@ pub async fn run(
             match tokio::time::timeout(config.connect_timeout, dial).await {
                 Ok(Ok(conn)) => Ok(conn),
                 Ok(Err(e)) => {
-                    tracing::warn!(event = "node_connect_failed", error = %e);
+                    tracing::warn!(event = "node_connect_failed", edge = %address, error = %e);
                     Err("connect failed")
                 }
                 Err(_) => Err("connect timed out"),
@@ -85,7 +115,7 @@ pub async fn run(
                 Ok(conn) => {
                     dial_span.ok();
                     drop(dial_span);
-                    Some(link::run(conn, config.clone(), shared.clone(), shutdown.clone()).await)
+                    Some(link::run(conn, config.clone(), shared.clone(), edge, shutdown.clone()).await)
                 }
                 Err(why) => {
                     dial_span.fail(match why {
@@ -93,7 +123,7 @@ pub async fn run(
                         "connect timed out" => "connect_timeout",
                         _ => "connect_failed",
                     });
-                    tracing::warn!(event = "node_dial_failed", edge = %config.node.edge, reason = why);
+                    tracing::warn!(event = "node_dial_failed", edge = %address, reason = why);
                     None
                 }
             },
@@ -107,10 +137,10 @@ pub async fn run(
         match end {
             Some(LinkEnd::Shutdown) => break,
             Some(LinkEnd::Closed { was_ready, code }) => {
-                shared
+                shared.edges[edge]
                     .last_close_code
                     .store(u64::from(code.code()), std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(event = "node_link_closed", reason = code.as_str());
+                tracing::warn!(event = "node_link_closed", edge = %address, reason = code.as_str());
                 if was_ready {
                     backoff.reset();
                 }
@@ -118,21 +148,23 @@ pub async fn run(
             Some(LinkEnd::Rejected { reason, message }) => {
                 tracing::error!(
                     event = "node_registration_rejected",
+                    edge = %address,
                     reason = reason.as_str(),
                     detail = %message
                 );
             }
             Some(LinkEnd::Failed(e)) => {
-                tracing::warn!(event = "node_link_failed", error = %e);
+                tracing::warn!(event = "node_link_failed", edge = %address, error = %e);
             }
             Some(LinkEnd::HandshakeTimeout) => {
-                tracing::warn!(event = "node_handshake_timeout");
+                tracing::warn!(event = "node_handshake_timeout", edge = %address);
             }
             None => {}
         }
         let delay = backoff.next_delay(&mut rng);
         tracing::info!(
             event = "node_reconnect_backoff",
+            edge = %address,
             delay_ms = delay.as_millis() as u64,
             attempt = backoff.attempt()
         );
@@ -141,10 +173,4 @@ pub async fn run(
             _ = shutdown.changed() => break,
         }
     }
-    endpoint.close(
-        iop_wire::CloseCode::Shutdown.code().into(),
-        iop_wire::CloseCode::Shutdown.as_str().as_bytes(),
-    );
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), endpoint.wait_idle()).await;
-    Ok(())
 }

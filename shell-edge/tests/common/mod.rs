@@ -83,10 +83,17 @@ queue_timeout_ms = 5000
 }
 
 pub fn node_config(pki: &Pki, node: &str, edge: SocketAddr, extra: &str) -> NodeConfig {
+    node_config_edges(pki, node, &[edge], extra)
+}
+
+/// A node connected to every Edge of `edges` (R-MULTI-1).
+pub fn node_config_edges(pki: &Pki, node: &str, edges: &[SocketAddr], extra: &str) -> NodeConfig {
+    let edges: Vec<String> = edges.iter().map(|e| format!("\"{e}\"")).collect();
+    let edges = edges.join(", ");
     let text = format!(
         r#"
 [node]
-edge = "{edge}"
+edges = [{edges}]
 state_dir = "node-{node}-state"
 max_concurrent_runs = 256
 [tls]

@@ -81,6 +81,7 @@ fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter 
         api_key: api_key.map(str::to_owned),
         stream_usage: true,
         json_object_schema: false,
+        max_concurrent_runs: None,
     };
     Adapter::new(&target, http_client())
 }
@@ -206,6 +207,7 @@ async fn openai_usage_is_the_providers_or_none_never_zeros() {
         api_key: None,
         stream_usage: false,
         json_object_schema: false,
+        max_concurrent_runs: None,
     };
     let whole = Adapter::new(&target, http_client());
     let mut req = run_request("mock", RunApi::Chat, "hello world");
@@ -881,6 +883,7 @@ fn in_process() -> Adapter {
         api_key: None,
         stream_usage: true,
         json_object_schema: false,
+        max_concurrent_runs: None,
     };
     Adapter::new(&target, http_client())
 }
@@ -1027,6 +1030,7 @@ async fn unconfigured_http_adapters_fail_closed() {
         api_key: None,
         stream_usage: true,
         json_object_schema: false,
+        max_concurrent_runs: None,
     };
     let a = Adapter::new(&target, http_client());
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
@@ -1068,6 +1072,7 @@ async fn probes_are_counted_apart_from_requests_in_process_and_over_http() {
             requests: 1,
             probes: 3,
             in_flight: 0,
+            max_in_flight: 1,
             disconnects: 0
         }
     );

@@ -36,6 +36,9 @@ pub struct MockStats {
     pub probes: u64,
     /// Provider calls being answered now.
     pub in_flight: u64,
+    /// The most provider calls answered at once since the start (or the
+    /// last reset).
+    pub max_in_flight: u64,
     /// Provider calls the client abandoned before their answer ended.
     pub disconnects: u64,
 }
@@ -46,6 +49,7 @@ pub(crate) struct MockCounters {
     requests: AtomicU64,
     probes: AtomicU64,
     in_flight: AtomicU64,
+    max_in_flight: AtomicU64,
     disconnects: AtomicU64,
     changed: Notify,
 }
@@ -61,6 +65,7 @@ impl MockCounters {
             requests: self.requests.load(Ordering::SeqCst),
             probes: self.probes.load(Ordering::SeqCst),
             in_flight: self.in_flight.load(Ordering::SeqCst),
+            max_in_flight: self.max_in_flight.load(Ordering::SeqCst),
             disconnects: self.disconnects.load(Ordering::SeqCst),
         }
     }
@@ -70,6 +75,8 @@ impl MockCounters {
         self.requests.store(0, Ordering::SeqCst);
         self.probes.store(0, Ordering::SeqCst);
         self.disconnects.store(0, Ordering::SeqCst);
+        self.max_in_flight
+            .store(self.in_flight.load(Ordering::SeqCst), Ordering::SeqCst);
         self.changed.notify_waiters();
     }
 
@@ -96,7 +103,9 @@ struct InFlight {
 
 impl InFlight {
     fn new(counters: &Arc<MockCounters>) -> Self {
-        counters.bump(&counters.in_flight);
+        let now = counters.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        counters.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        counters.changed.notify_waiters();
         Self {
             counters: counters.clone(),
             finished: false,
@@ -282,6 +291,11 @@ impl MockServer {
         self.stats().in_flight
     }
 
+    /// The most provider calls answered at once.
+    pub fn max_in_flight(&self) -> u64 {
+        self.stats().max_in_flight
+    }
+
     /// Provider calls the client abandoned.
     pub fn disconnects(&self) -> u64 {
         self.stats().disconnects
@@ -292,7 +306,8 @@ impl MockServer {
         self.counters.snapshot()
     }
 
-    /// Zero `requests`, `probes` and `disconnects`.
+    /// Zero `requests`, `probes` and `disconnects`; `max_in_flight` starts
+    /// again from the calls in flight now.
     pub fn reset_counts(&self) {
         self.counters.reset();
     }

@@ -1,0 +1,987 @@
+//! Many Edges on one NATS JetStream journal (SPEC §8, R-MULTI-1), with a
+//! real `nats-server` on loopback: a durable stream written through one
+//! Edge is resumed live on another, receiving exactly the rest (R-JRN-2);
+//! an idempotent retry sent to the other Edge attaches to the same
+//! response and calls no provider (R-IDEM-1); an Edge killed with SIGKILL
+//! has its streams adopted by another Edge through the nodes connected to
+//! both, and the clients resume there exactly, with one provider call each
+//! (R-PARK-2, R-TAKE-1); when no node reports a run, its response is
+//! ended `incomplete` (`edge_lost`) by a live Edge once the dead one's
+//! ownership lease expired (R-TAKE-1); a NATS restart
+//! loses no acknowledged event; a store outage makes durable requests
+//! fail fast with 503 while ephemeral ones succeed.
+//!
+//! Without `nats-server` installed each test says why and passes, unless
+//! `CI` is set (then it fails), as the store's own tests do.
+
+mod common;
+#[path = "../../store-nats/tests/support/mod.rs"]
+mod nats;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use iop_edge::config::EdgeConfig;
+use iop_edge::server::RunningEdge;
+use iop_node::mock::{MockScript, MockServer};
+use nats::NatsServer;
+use serde_json::{Value, json};
+
+const KEY: &str = "sk-many-edges-0123456789";
+/// Tokens of each answer.
+const TOKENS: u32 = 40;
+/// The ownership lease's TTL in these tests (renewed every third of it).
+const LEASE_TTL_MS: u64 = 1_000;
+/// How long a parked run waits for an Edge (short: nothing adopts here).
+const PARK_GRACE_MS: u64 = 500;
+
+/// The whole text of an answer of `tokens` mock tokens.
+fn expected_text(tokens: u32) -> String {
+    (0..tokens).map(iop_node::mock::token_text).collect()
+}
+
+/// The config of Edge `edge_id` on the journal at `nats_url`; its own
+/// state directory, its QUIC and HTTP ports (0: any).
+fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
+    edge_toml_with(edge_id, nats_url, quic_port, http_port, PARK_GRACE_MS, "")
+}
+
+/// [`edge_toml`] with its park grace and `extra` TOML at the end.
+fn edge_toml_with(
+    edge_id: &str,
+    nats_url: &str,
+    quic_port: u16,
+    http_port: u16,
+    park_grace_ms: u64,
+    extra: &str,
+) -> String {
+    format!(
+        r#"
+[edge]
+edge_id = "{edge_id}"
+quic_listen = "127.0.0.1:{quic_port}"
+http_listen = "127.0.0.1:{http_port}"
+state_dir = "{edge_id}-state"
+drain_timeout_ms = 500
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[admission]
+queue_capacity = 64
+queue_timeout_ms = 5000
+[journal]
+store = "nats"
+lease_ttl_ms = {LEASE_TTL_MS}
+takeover_scan_interval_ms = 200
+park_grace_ms = {park_grace_ms}
+[journal.nats]
+servers = ["{nats_url}"]
+stream = "EDGES_JOURNAL"
+bucket = "edges_journal"
+subject_prefix = "edges.journal"
+connect_timeout_ms = 5000
+request_timeout_ms = 30000
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t"
+models = ["m"]
+capacity = 64
+[[api_keys]]
+principal = "tester"
+key_file = "key"
+admin = true
+{extra}
+"#
+    )
+}
+
+fn edge_config(pki: &Pki, edge_id: &str, nats_url: &str) -> EdgeConfig {
+    EdgeConfig::parse(&edge_toml(edge_id, nats_url, 0, 0), pki.path()).expect("edge config")
+}
+
+/// Two Edges on one NATS server and a node connected to the first.
+struct TwoEdges {
+    a: RunningEdge,
+    b: RunningEdge,
+    node: iop_node::RunningNode,
+    mock: MockServer,
+}
+
+impl TwoEdges {
+    async fn start(pki: &Pki, server: &NatsServer, script: MockScript) -> Self {
+        write_secret(&pki.path().join("key"), KEY);
+        let mock = MockServer::start(script).await.unwrap();
+        let a = RunningEdge::start(edge_config(pki, "edge-a", &server.url()))
+            .await
+            .unwrap();
+        let b = RunningEdge::start(edge_config(pki, "edge-b", &server.url()))
+            .await
+            .unwrap();
+        let node = start_node(pki, "node-1", a.quic_addr, &node_providers(&mock));
+        ready_generation(&a, "node-1").await;
+        TwoEdges { a, b, node, mock }
+    }
+
+    async fn shutdown(self) {
+        self.node.shutdown().await.unwrap();
+        self.a.shutdown().await;
+        self.b.shutdown().await;
+    }
+}
+
+fn node_providers(mock: &MockServer) -> String {
+    format!(
+        "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+        mock.base_url()
+    )
+}
+
+fn url(edge: &RunningEdge, path: &str) -> String {
+    format!("http://{}{path}", edge.http_addr)
+}
+
+/// `(id, data)` of each complete SSE event of `text`.
+fn events(text: &str) -> Vec<(u64, Value)> {
+    let complete = match text.rfind("\n\n") {
+        Some(end) => &text[..end + 2],
+        None => "",
+    };
+    complete
+        .split("\n\n")
+        .filter_map(|event| {
+            let mut id = None;
+            let mut data = None;
+            for line in event.lines() {
+                if let Some(v) = line.strip_prefix("id: ") {
+                    id = v.parse().ok();
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(v).ok();
+                }
+            }
+            Some((id?, data?))
+        })
+        .collect()
+}
+
+fn text_of(events: &[(u64, Value)]) -> String {
+    events
+        .iter()
+        .filter(|(_, d)| d["type"] == "response.output_text.delta")
+        .filter_map(|(_, d)| d["delta"].as_str())
+        .collect()
+}
+
+async fn get(url: String) -> (u16, String) {
+    let r = reqwest::Client::new()
+        .get(url)
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+fn post(url: String, body: &Value, key: Option<&str>) -> reqwest::RequestBuilder {
+    let mut r = reqwest::Client::new()
+        .post(url)
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    if let Some(key) = key {
+        r = r.header("idempotency-key", key);
+    }
+    r
+}
+
+/// The response object from `edge` once `done` holds of it (bounded).
+async fn object_when(edge_url: &str, id: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = get(format!("{edge_url}/v1/responses/{id}")).await;
+        if status == 200 {
+            let object: Value = serde_json::from_str(&body).unwrap();
+            if done(&object) {
+                return object;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {object}"
+            );
+        } else {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {status} {body}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Read SSE events from `r` until `n` complete events arrived; the
+/// events and the text read.
+async fn read_events(r: &mut reqwest::Response, n: usize) -> Vec<(u64, Value)> {
+    let mut text = String::new();
+    loop {
+        let seen = events(&text);
+        if seen.len() >= n {
+            return seen;
+        }
+        match r.chunk().await.unwrap() {
+            Some(chunk) => text.push_str(&String::from_utf8_lossy(&chunk)),
+            None => return seen,
+        }
+    }
+}
+
+/// R-MULTI-1, R-JRN-2, R-IDEM-1: a client streams through Edge A, leaves,
+/// and resumes on Edge B while the answer is still being written: B
+/// follows A's appends live (through its own watch of the store) and the
+/// client gets exactly the rest. An idempotent retry sent to B attaches to
+/// the same response: the provider is called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_through_one_edge_resumes_live_on_another_and_a_retry_there_attaches() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = TwoEdges::start(
+            &pki,
+            &server,
+            MockScript {
+                tokens: TOKENS,
+                tokens_per_second: 10.0,
+                ..MockScript::default()
+            },
+        )
+        .await;
+        let body = json!({"model": "m", "input": "hello", "stream": true});
+        let mut on_a = post(url(&d.a, "/v1/responses"), &body, Some("order-1"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(on_a.status(), 200);
+        let seen = read_events(&mut on_a, 6).await;
+        drop(on_a);
+        let id = seen[0].1["response"]["id"].as_str().unwrap().to_owned();
+        let last = seen.last().unwrap().0;
+        // Still being written through A when the client comes to B.
+        let object = object_when(&url(&d.b, ""), &id, "the record on B", |_| true).await;
+        assert_eq!(object["status"], "in_progress", "{object}");
+        let (status, rest) = get(url(
+            &d.b,
+            &format!("/v1/responses/{id}?stream=true&starting_after={last}"),
+        ))
+        .await;
+        assert_eq!(status, 200, "{rest}");
+        let rest = events(&rest);
+        assert_eq!(
+            rest.first().map(|(n, _)| *n),
+            Some(last + 1),
+            "exactly after the last event seen"
+        );
+        assert_eq!(
+            rest.last().and_then(|(_, d)| d["type"].as_str()),
+            Some("response.completed")
+        );
+        let mut joined = seen.clone();
+        joined.extend(rest);
+        let (_, full) = get(url(&d.b, &format!("/v1/responses/{id}?stream=true"))).await;
+        assert_eq!(joined, events(&full), "the concatenation is the stream");
+        assert_eq!(text_of(&joined), expected_text(TOKENS));
+        // The same request again, on B: the same response, nothing runs.
+        let retry = post(url(&d.b, "/v1/responses"), &body, Some("order-1"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(retry.status(), 200);
+        assert_eq!(
+            retry
+                .headers()
+                .get("idempotent-replayed")
+                .and_then(|v| v.to_str().ok()),
+            Some("true")
+        );
+        let replayed = events(&retry.text().await.unwrap());
+        assert_eq!(replayed, joined);
+        assert_eq!(d.mock.requests(), 1, "one provider call (R-IDEM-1)");
+        // Each Edge sees the other's lease.
+        let (_, status) = get(url(&d.b, "/status")).await;
+        let status: Value = serde_json::from_str(&status).unwrap();
+        let journal = &status["journal"];
+        assert_eq!(
+            (journal["store"].as_str(), journal["edge_id"].as_str()),
+            (Some("nats"), Some("edge-b"))
+        );
+        assert_eq!(journal["state"], "ok", "{journal}");
+        let edges: Vec<&str> = journal["edges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["edge_id"].as_str())
+            .collect();
+        assert!(
+            edges.contains(&"edge-a") && edges.contains(&"edge-b"),
+            "{journal}"
+        );
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// A real Edge process started on a config file.
+struct EdgeProcess {
+    child: tokio::process::Child,
+    http: String,
+}
+
+fn free_tcp_port() -> u16 {
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    tcp.local_addr().unwrap().port()
+}
+
+fn free_udp_port() -> u16 {
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    udp.local_addr().unwrap().port()
+}
+
+/// Start `iop-edge run` and wait until its node is ready (bounded).
+async fn start_edge_process(config: &std::path::Path, http_port: u16) -> EdgeProcess {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_iop-edge"))
+        .args(["run", "--config"])
+        .arg(config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn iop-edge");
+    let http = format!("http://127.0.0.1:{http_port}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = reqwest::Client::new()
+            .get(format!("{http}/status"))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .ok();
+        if let Some(r) = ready
+            && let Ok(v) = r.json::<Value>().await
+            && v.to_string().contains("\"node_ready\":true")
+        {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "edge not ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    EdgeProcess { child, http }
+}
+
+/// R-TAKE-1, R-MULTI-1: Edge A, a real process, is killed with SIGKILL
+/// while durable streams run through it. Edge B sees A's ownership lease
+/// stop moving; once it expired and the park window passed (A's node
+/// reported its parked runs to nobody: it knows only A), B takes each of
+/// A's unfinished responses over and ends it `incomplete` (`edge_lost`)
+/// with its durable prefix: every event a client saw through A is in it
+/// (R-JRN-1), and a resume on B gets the rest up to one terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_edges_unfinished_responses_are_ended_by_a_live_one_after_its_lease_expired() {
+    const STREAMS: usize = 3;
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let mock = MockServer::start(MockScript {
+            tokens: 400,
+            tokens_per_second: 20.0,
+            ..MockScript::default()
+        })
+        .await
+        .unwrap();
+        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let config = pki.path().join("edge-a.toml");
+        std::fs::write(
+            &config,
+            edge_toml("edge-a", &server.url(), quic_port, http_port),
+        )
+        .unwrap();
+        let mut a = start_edge_process_with_node(&pki, &config, quic_port, http_port, &mock).await;
+        let b = RunningEdge::start(edge_config(&pki, "edge-b", &server.url()))
+            .await
+            .unwrap();
+        let b_url = url(&b, "");
+        // Streams through A, each read until it has a few events.
+        let mut seen_all = Vec::new();
+        let mut open = Vec::new();
+        for n in 0..STREAMS {
+            let body = json!({"model": "m", "input": format!("stream {n}"), "stream": true});
+            let mut r = post(format!("{}/v1/responses", a.edge.http), &body, None)
+                .send()
+                .await
+                .unwrap();
+            let seen = read_events(&mut r, 5).await;
+            open.push(r);
+            seen_all.push(seen);
+        }
+        a.edge.child.start_kill().unwrap();
+        let _ = a.edge.child.wait().await;
+        for mut r in open {
+            // Whatever else arrived before the kill was seen too.
+            while let Ok(Some(_)) = r.chunk().await {}
+        }
+        for seen in &seen_all {
+            let id = seen[0].1["response"]["id"].as_str().unwrap();
+            let object = object_when(&b_url, id, "B to end A's response", |o| {
+                o["status"] == "incomplete"
+            })
+            .await;
+            assert_eq!(
+                object["incomplete_details"]["reason"], "edge_lost",
+                "{object}"
+            );
+            let (_, full) = get(format!("{b_url}/v1/responses/{id}?stream=true")).await;
+            let full = events(&full);
+            assert!(
+                full.len() > seen.len() && full[..seen.len()] == seen[..],
+                "{id}: every event a client saw is durable and in place (R-JRN-1)"
+            );
+            assert_eq!(
+                full.last().and_then(|(_, d)| d["type"].as_str()),
+                Some("response.incomplete"),
+                "one terminal"
+            );
+            let last = seen.last().unwrap().0;
+            let (_, rest) = get(format!(
+                "{b_url}/v1/responses/{id}?stream=true&starting_after={last}"
+            ))
+            .await;
+            let mut joined = seen.clone();
+            joined.extend(events(&rest));
+            assert_eq!(
+                joined, full,
+                "{id}: the resume is exactly the rest (R-JRN-2)"
+            );
+        }
+        assert_eq!(mock.requests(), STREAMS as u64, "no run was sent again");
+        let (_, status) = get(format!("{b_url}/status")).await;
+        let status: Value = serde_json::from_str(&status).unwrap();
+        let edge_a = status["journal"]["edges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["edge_id"] == "edge-a")
+            .cloned();
+        assert_eq!(
+            edge_a.as_ref().map(|e| e["state"].clone()),
+            Some(json!("expired")),
+            "{status}"
+        );
+        a.node.shutdown().await.unwrap();
+        b.shutdown().await;
+    })
+    .await
+    .expect("test exceeded its bound");
+}
+
+/// R-MULTI-1, R-PARK-2, R-TAKE-1, R-JRN-2, R-IDEM-1: two Edges on one
+/// NATS server, two nodes each connected to both. Edge A, a real process,
+/// is killed with SIGKILL while durable streams run through it. The nodes
+/// see A's connection go, park its runs and report them to B on their live
+/// connections; B wins each record's epoch and adopts the run where A's
+/// journal left it. Each client resumes on B after the last event it saw
+/// and receives exactly the missing events up to `response.completed`; an
+/// idempotent retry sent to B attaches to the same response; the
+/// providers were called once per stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_edges_streams_are_adopted_by_another_edge_and_resume_there_exactly() {
+    const STREAMS: usize = 4;
+    const LONG_TOKENS: u32 = 120;
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let script = MockScript {
+            tokens: LONG_TOKENS,
+            tokens_per_second: 20.0,
+            ..MockScript::default()
+        };
+        let mocks = [
+            MockServer::start(script.clone()).await.unwrap(),
+            MockServer::start(script).await.unwrap(),
+        ];
+        let second_provider = r#"
+[[providers]]
+id = "p2"
+node = "node-2"
+adapter = "openai"
+target = "t"
+models = ["m"]
+capacity = 64
+"#;
+        // Long enough for B to adopt what the nodes park.
+        let park_grace_ms = 20_000;
+        let b_config = EdgeConfig::parse(
+            &edge_toml_with(
+                "edge-b",
+                &server.url(),
+                0,
+                0,
+                park_grace_ms,
+                second_provider,
+            ),
+            pki.path(),
+        )
+        .unwrap();
+        let b = RunningEdge::start(b_config).await.unwrap();
+        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let a_config = pki.path().join("edge-a.toml");
+        std::fs::write(
+            &a_config,
+            edge_toml_with(
+                "edge-a",
+                &server.url(),
+                quic_port,
+                http_port,
+                park_grace_ms,
+                second_provider,
+            ),
+        )
+        .unwrap();
+        let a_quic: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
+        let nodes: Vec<iop_node::RunningNode> = ["node-1", "node-2"]
+            .iter()
+            .zip(&mocks)
+            .map(|(name, mock)| {
+                iop_node::RunningNode::start(node_config_edges(
+                    &pki,
+                    name,
+                    &[a_quic, b.quic_addr],
+                    &node_providers(mock),
+                ))
+            })
+            .collect();
+        let mut a = start_edge_process(&a_config, http_port).await;
+        // Each node ready on both Edges, each with its own generation.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !nodes
+            .iter()
+            .all(|n| n.generations().iter().all(Option::is_some))
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "nodes not ready on both Edges"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let b_url = url(&b, "");
+        let mut seen_all = Vec::new();
+        let mut open = Vec::new();
+        for n in 0..STREAMS {
+            let body = json!({"model": "m", "input": format!("stream {n}"), "stream": true});
+            let key = (n == 0).then_some("retry-me");
+            let mut r = post(format!("{}/v1/responses", a.http), &body, key)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let seen = read_events(&mut r, 6).await;
+            open.push(r);
+            seen_all.push((body, seen));
+        }
+        a.child.start_kill().unwrap();
+        let _ = a.child.wait().await;
+        for mut r in open {
+            // Whatever else arrived before the kill was seen too.
+            while let Ok(Some(_)) = r.chunk().await {}
+        }
+        for (n, (body, seen)) in seen_all.iter().enumerate() {
+            let id = seen[0].1["response"]["id"].as_str().unwrap();
+            let last = seen.last().unwrap().0;
+            let (status, rest) = get(format!(
+                "{b_url}/v1/responses/{id}?stream=true&starting_after={last}"
+            ))
+            .await;
+            assert_eq!(status, 200, "{rest}");
+            let rest = events(&rest);
+            assert_eq!(
+                rest.first().map(|(n, _)| *n),
+                Some(last + 1),
+                "{id}: exactly after the last event seen (R-JRN-2)"
+            );
+            assert_eq!(
+                rest.last().and_then(|(_, d)| d["type"].as_str()),
+                Some("response.completed"),
+                "{id}: adopted and finished on B, not ended incomplete"
+            );
+            let mut joined = seen.clone();
+            joined.extend(rest);
+            let (_, full) = get(format!("{b_url}/v1/responses/{id}?stream=true")).await;
+            assert_eq!(
+                joined,
+                events(&full),
+                "{id}: the concatenation is the stream"
+            );
+            assert_eq!(text_of(&joined), expected_text(LONG_TOKENS), "{id}");
+            if n == 0 {
+                // The same request again, on B: the same response.
+                let retry = post(format!("{b_url}/v1/responses"), body, Some("retry-me"))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(retry.status(), 200);
+                assert_eq!(events(&retry.text().await.unwrap()), joined);
+            }
+        }
+        let calls: u64 = mocks.iter().map(MockServer::requests).sum();
+        assert_eq!(
+            calls, STREAMS as u64,
+            "each provider called once per stream"
+        );
+        for node in nodes {
+            node.shutdown().await.unwrap();
+        }
+        b.shutdown().await;
+    })
+    .await
+    .expect("test exceeded its bound");
+}
+
+/// An Edge on its own embedded journal (`state_dir` of its own) with two
+/// providers on node-1: `p1` on target `t1`, `p2` on target `t2`.
+fn two_target_edge(pki: &Pki, name: &str) -> EdgeConfig {
+    let text = format!(
+        r#"
+[edge]
+quic_listen = "127.0.0.1:0"
+http_listen = "127.0.0.1:0"
+state_dir = "{name}-state"
+drain_timeout_ms = 500
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[admission]
+queue_capacity = 64
+queue_timeout_ms = 5000
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t1"
+models = ["m"]
+capacity = 8
+[[providers]]
+id = "p2"
+node = "node-1"
+adapter = "openai"
+target = "t2"
+models = ["m"]
+capacity = 8
+[[api_keys]]
+principal = "tester"
+key_file = "key"
+"#
+    );
+    EdgeConfig::parse(&text, pki.path()).expect("edge config")
+}
+
+/// R-MULTI-1, R-FAIL-1: a provider's capacity holds however many Edges
+/// dispatch to it. One node connected to two Edges; its target `t1` takes
+/// one run at a time (`[[providers]] max_concurrent_runs = 1`) while each
+/// Edge believes it takes 8. Streams sent through both Edges at once: the
+/// node refuses every run past the limit with `node_overloaded` before
+/// calling the provider, each Edge re-admits those to `t2`, and every
+/// client gets its whole answer; `t1`'s server never answers two calls at
+/// once, and no provider call is made twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_providers_capacity_holds_across_edges_and_the_overflow_goes_elsewhere() {
+    const PER_EDGE: usize = 3;
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let script = MockScript {
+            tokens: TOKENS,
+            tokens_per_second: 40.0,
+            ..MockScript::default()
+        };
+        let small = MockServer::start(script.clone()).await.unwrap();
+        let big = MockServer::start(script).await.unwrap();
+        let a = RunningEdge::start(two_target_edge(&pki, "cap-a")).await.unwrap();
+        let b = RunningEdge::start(two_target_edge(&pki, "cap-b")).await.unwrap();
+        let providers = format!(
+            "[[providers]]\nadapter = \"openai\"\ntarget = \"t1\"\nbase_url = \"{}\"\nmax_concurrent_runs = 1\n\
+             [[providers]]\nadapter = \"openai\"\ntarget = \"t2\"\nbase_url = \"{}\"\n",
+            small.base_url(),
+            big.base_url()
+        );
+        let node = iop_node::RunningNode::start(node_config_edges(
+            &pki,
+            "node-1",
+            &[a.quic_addr, b.quic_addr],
+            &providers,
+        ));
+        ready_generation(&a, "node-1").await;
+        ready_generation(&b, "node-1").await;
+        let generations = node.generations();
+        assert!(
+            generations.iter().all(Option::is_some),
+            "one ready connection per Edge: {generations:?}"
+        );
+        let body = json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "hello"}],
+            "stream": true
+        });
+        let mut calls = Vec::new();
+        for edge in [&a, &b] {
+            for _ in 0..PER_EDGE {
+                let r = post(url(edge, "/v1/chat/completions"), &body, None).send();
+                calls.push(tokio::spawn(async move {
+                    let r = r.await.unwrap();
+                    (r.status().as_u16(), r.text().await.unwrap())
+                }));
+            }
+        }
+        for call in calls {
+            let (status, text) = call.await.unwrap();
+            assert_eq!(status, 200, "{text}");
+            let content: String = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+                .collect();
+            assert_eq!(content, expected_text(TOKENS), "a whole answer: {text}");
+        }
+        assert!(small.requests() >= 1, "t1 served some");
+        assert_eq!(
+            small.max_in_flight(),
+            1,
+            "t1 never ran more than its limit, whichever Edge sent the run"
+        );
+        assert_eq!(
+            small.requests() + big.requests(),
+            (2 * PER_EDGE) as u64,
+            "a refused run called no provider"
+        );
+        node.shutdown().await.unwrap();
+        a.shutdown().await;
+        b.shutdown().await;
+    })
+    .await;
+}
+
+struct ProcessDeployment {
+    edge: EdgeProcess,
+    node: iop_node::RunningNode,
+}
+
+async fn start_edge_process_with_node(
+    pki: &Pki,
+    config: &std::path::Path,
+    quic_port: u16,
+    http_port: u16,
+    mock: &MockServer,
+) -> ProcessDeployment {
+    let edge_addr: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
+    let node = start_node(pki, "node-1", edge_addr, &node_providers(mock));
+    let edge = start_edge_process(config, http_port).await;
+    ProcessDeployment { edge, node }
+}
+
+/// A NATS server restart (SIGKILL, then started on the same store
+/// directory) loses no acknowledged event: a response finished before it
+/// reads back whole from either Edge after it, and its idempotent retry
+/// still runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_restart_loses_no_finished_response() {
+    let Some(mut server) = NatsServer::start() else {
+        return;
+    };
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = TwoEdges::start(
+            &pki,
+            &server,
+            MockScript {
+                tokens: TOKENS,
+                ..MockScript::default()
+            },
+        )
+        .await;
+        let body = json!({"model": "m", "input": "keep me"});
+        let r = post(url(&d.a, "/v1/responses"), &body, Some("kept-1"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let before: Value = r.json().await.unwrap();
+        assert_eq!(before["status"], "completed");
+        let id = before["id"].as_str().unwrap().to_owned();
+        server.restart();
+        for edge in [&d.a, &d.b] {
+            let after =
+                object_when(&url(edge, ""), &id, "the store to answer again", |_| true).await;
+            assert_eq!(after["status"], "completed");
+            assert_eq!(after["output"], before["output"], "the same answer");
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let retry = loop {
+            let r = post(url(&d.b, "/v1/responses"), &body, Some("kept-1"))
+                .send()
+                .await
+                .unwrap();
+            if r.status() == 200 {
+                break r;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{}", r.status());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let retried: Value = retry.json().await.unwrap();
+        assert_eq!(retried["id"], before["id"]);
+        assert_eq!(d.mock.requests(), 1, "the retry ran nothing (R-IDEM-1)");
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// A store outage (the NATS server killed): durable requests fail fast
+/// with 503 `response_store_unavailable` (the store's 30 s answer timeout
+/// is never waited for: the client here gives up after 10 s), ephemeral
+/// ones succeed, `/status` shows the store failing; once the server is
+/// back durable requests work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_fails_durable_requests_fast_and_leaves_ephemeral_ones_alone() {
+    let Some(mut server) = NatsServer::start() else {
+        return;
+    };
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = TwoEdges::start(
+            &pki,
+            &server,
+            MockScript {
+                tokens: 5,
+                ..MockScript::default()
+            },
+        )
+        .await;
+        server.kill();
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        let durable = json!({"model": "m", "input": "keep me"});
+        let mut refused = None;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while refused.is_none() {
+            let r = client
+                .post(url(&d.a, "/v1/responses"))
+                .bearer_auth(KEY)
+                .header("content-type", "application/json")
+                .body(durable.to_string())
+                .send()
+                .await
+                .expect("answered within the client's bound");
+            if r.status() == 503 {
+                refused = Some(r.json::<Value>().await.unwrap());
+            } else {
+                assert!(tokio::time::Instant::now() < deadline, "{}", r.status());
+            }
+        }
+        let refused = refused.unwrap();
+        assert_eq!(
+            refused["error"]["code"], "response_store_unavailable",
+            "{refused}"
+        );
+        let keyed = client
+            .post(url(&d.a, "/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .header("idempotency-key", "during-outage")
+            .body(
+                json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string(),
+            )
+            .send()
+            .await
+            .expect("answered within the client's bound");
+        assert_eq!(keyed.status(), 503);
+        // Ephemeral traffic never touches the store.
+        for (path, body) in [
+            (
+                "/v1/chat/completions",
+                json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            ),
+            (
+                "/v1/responses",
+                json!({"model": "m", "input": "hi", "store": false}),
+            ),
+        ] {
+            let r = client
+                .post(url(&d.a, path))
+                .bearer_auth(KEY)
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
+        }
+        let (_, status) = get(url(&d.a, "/status")).await;
+        let status: Value = serde_json::from_str(&status).unwrap();
+        assert_eq!(status["journal"]["state"], "failing", "{status}");
+        assert!(status["journal"]["errors"].as_u64() > Some(0));
+        server.restart();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = post(url(&d.a, "/v1/responses"), &durable, None)
+                .send()
+                .await
+                .unwrap();
+            if r.status() == 200 {
+                let object: Value = r.json().await.unwrap();
+                assert_eq!(object["status"], "completed");
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the store came back"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// An Edge that cannot reach its NATS servers refuses to start, naming
+/// them, within its connect bound.
+#[tokio::test]
+async fn an_unreachable_nats_server_fails_the_start_naming_it() {
+    let pki = Pki::new(&["node-1"]);
+    write_secret(&pki.path().join("key"), KEY);
+    let dead = format!("nats://127.0.0.1:{}", free_tcp_port());
+    let err = tokio::time::timeout(
+        Duration::from_secs(60),
+        RunningEdge::start(edge_config(&pki, "edge-a", &dead)),
+    )
+    .await
+    .expect("the start is bounded")
+    .err()
+    .expect("the start fails");
+    let text = err.to_string();
+    assert!(text.contains(&dead), "{text}");
+}
