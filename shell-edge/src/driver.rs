@@ -595,6 +595,11 @@ impl Driver {
             Some(adopt) => DataRequest::Adopt(AdoptRequest {
                 run_id: lease.run_id,
                 key: adopt.key,
+                response_id: self
+                    .journal
+                    .as_ref()
+                    .map(|j| j.response_id.clone())
+                    .unwrap_or_default(),
                 resume_after_frame: adopt.resume_after_frame,
                 response_stall_timeout_ms: lease.stall_timeout_ms,
                 deadline_ms,

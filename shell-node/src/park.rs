@@ -42,9 +42,15 @@ struct ParkEntry {
     state: ParkState,
 }
 
-/// The node's durable runs, by [`RunKey`].
+/// A durable run in the [`ParkingLot`]: its [`RunKey`] and its response.
+/// The key alone is not enough on a node connected to several Edges: two
+/// Edges started in the same millisecond hand out the same generations
+/// (R-MULTI-1), so their run keys can coincide; a response id cannot.
+type LotKey = (RunKey, String);
+
+/// The node's durable runs, by [`RunKey`] and response.
 pub struct ParkingLot {
-    runs: Mutex<HashMap<RunKey, ParkEntry>>,
+    runs: Mutex<HashMap<LotKey, ParkEntry>>,
     /// Bumped each time a run parks: every live connection then reports
     /// the parked runs to its Edge (R-PARK-2, R-MULTI-1).
     parked_changed: tokio::sync::watch::Sender<u64>,
@@ -60,7 +66,7 @@ impl Default for ParkingLot {
 }
 
 impl ParkingLot {
-    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<RunKey, ParkEntry>> {
+    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<LotKey, ParkEntry>> {
         // Entries are inserted, updated and removed whole.
         self.runs.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -118,8 +124,8 @@ impl ParkingLot {
     }
 
     /// Hand an adoption to the run it names; false if there is none.
-    pub fn adopt(&self, key: RunKey, attach: Attach) -> bool {
-        match self.runs().get(&key) {
+    pub fn adopt(&self, key: RunKey, response_id: &str, attach: Attach) -> bool {
+        match self.runs().get(&(key, response_id.to_owned())) {
             Some(entry) => entry
                 .control
                 .send(RunControl::Attach(Box::new(attach)))
@@ -128,13 +134,13 @@ impl ParkingLot {
         }
     }
 
-    fn insert(&self, key: RunKey, entry: ParkEntry) {
+    fn insert(&self, key: LotKey, entry: ParkEntry) {
         self.runs().insert(key, entry);
     }
 
-    fn update(&self, key: RunKey, park: &RunPark<RunEventKind>) {
+    fn update(&self, key: &LotKey, park: &RunPark<RunEventKind>) {
         let mut runs = self.runs();
-        if let Some(entry) = runs.get_mut(&key) {
+        if let Some(entry) = runs.get_mut(key) {
             let summary = park.summary();
             let was_parked = matches!(entry.state, ParkState::Parked { .. });
             entry.state = park.state();
@@ -147,8 +153,8 @@ impl ParkingLot {
         }
     }
 
-    fn remove(&self, key: RunKey) {
-        self.runs().remove(&key);
+    fn remove(&self, key: &LotKey) {
+        self.runs().remove(key);
     }
 }
 
@@ -351,8 +357,9 @@ pub async fn run_durable(
 
     let grace = effective_park_grace(park_spec.grace_ms);
     let mut park: RunPark<RunEventKind> = RunPark::new(grace, shared.park_buffer_bytes);
+    let lot_key = (key, park_spec.response_id.clone());
     shared.parking.insert(
-        key,
+        lot_key.clone(),
         ParkEntry {
             control: control_tx.clone(),
             report: ParkedRun {
@@ -459,7 +466,7 @@ pub async fn run_durable(
                 park.handle_timeout(clock.now());
             },
         }
-        shared.parking.update(key, &park);
+        shared.parking.update(&lot_key, &park);
         let mut over = false;
         while let Some(out) = park.poll_output() {
             match out {
@@ -483,7 +490,7 @@ pub async fn run_durable(
         let _ = a.send.finish();
         a.link.tell(LinkMsg::Finished { run_id: a.run_id }).await;
     }
-    shared.parking.remove(key);
+    shared.parking.remove(&lot_key);
     run_span.end(&record);
 }
 
@@ -641,5 +648,62 @@ fn usage(kind: &RunEventKind) -> Option<iop_wire::Usage> {
         RunEventKind::Usage(u) => Some(*u),
         RunEventKind::Completed { usage, .. } => *usage,
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(key: RunKey, response_id: &str, state: ParkState) -> ParkEntry {
+        ParkEntry {
+            control: mpsc::unbounded_channel().0,
+            report: ParkedRun {
+                key,
+                response_id: response_id.to_owned(),
+                adapter: iop_wire::AdapterKind::Mock,
+                target: "m".into(),
+                first_kept_frame: 1,
+                last_frame: 0,
+                ended: false,
+            },
+            state,
+        }
+    }
+
+    /// R-MULTI-1, R-PARK-2: two Edges started in the same millisecond hand
+    /// a node the same generation, so runs they started can share a run
+    /// key; the lot keeps both apart by their responses, reports both, and
+    /// counts both as holding their provider.
+    #[test]
+    fn runs_of_two_edges_with_one_key_are_kept_apart_by_their_responses() {
+        let lot = ParkingLot::default();
+        let key = RunKey {
+            generation: 1_796_180_068_867,
+            run_id: 1,
+        };
+        let parked = ParkState::Parked {
+            until: iop_core::time::Instant::from_millis(1_000),
+        };
+        lot.insert((key, "resp_a".into()), entry(key, "resp_a", parked));
+        lot.insert((key, "resp_b".into()), entry(key, "resp_b", parked));
+        let reports = lot.parked_reports();
+        let ids: Vec<&str> = reports.iter().map(|r| r.response_id.as_str()).collect();
+        assert_eq!(ids.len(), 2, "{ids:?}");
+        assert!(ids.contains(&"resp_a") && ids.contains(&"resp_b"));
+        assert_eq!(
+            lot.parked_runs(iop_wire::AdapterKind::Mock, "m"),
+            ParkedRuns {
+                total: 2,
+                on_target: 2
+            }
+        );
+        lot.remove(&(key, "resp_a".into()));
+        let left: Vec<String> = lot
+            .parked_reports()
+            .into_iter()
+            .map(|r| r.response_id)
+            .collect();
+        assert_eq!(left, ["resp_b"]);
     }
 }

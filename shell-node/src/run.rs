@@ -68,6 +68,7 @@ pub async fn serve_stream(
         }
         DataRequest::Adopt(request) => {
             let key = request.key;
+            let response_id = request.response_id.clone();
             let attach = crate::park::Attach {
                 send,
                 recv,
@@ -75,7 +76,7 @@ pub async fn serve_stream(
                 conn,
                 request,
             };
-            if !shared.parking.adopt(key, attach) {
+            if !shared.parking.adopt(key, &response_id, attach) {
                 // No such run (expired, over, never here): the Edge sees
                 // the stream end without a frame.
                 tracing::info!(event = "node_adoption_unknown_run", run_id = key.run_id);

@@ -290,6 +290,12 @@ pub struct AdoptRequest {
     pub run_id: u64,
     /// The parked run.
     pub key: RunKey,
+    /// The durable response it writes: with `key`, it names the run on a
+    /// node connected to several Edges, whose generations may coincide
+    /// (R-MULTI-1).
+    #[serde(deserialize_with = "crate::bounded::response_id")]
+    #[cfg_attr(test, proptest(strategy = "\"[a-z0-9_]{0,40}\""))]
+    pub response_id: String,
     /// The last frame the Edge's journal holds (0: none).
     pub resume_after_frame: u64,
     /// As in [`RunRequest`]: the stall timeout from now on.
