@@ -13,6 +13,7 @@ use iop_core::edge::dispatch::{
     CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, ParkedOffer, ProbeAnswer,
     RequestCommand, RequestEvent,
 };
+use iop_core::edge::generations::GenerationReserve;
 use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::{RejectCause, Rejection};
 use iop_core::ids::{Generation, NodeId};
@@ -169,6 +170,11 @@ enum HubMsg {
         ticket: ProbeTicket,
         answer: Result<(NodeId, Generation, CapabilitiesReport), HealthFailureCode>,
     },
+    /// A save of the generation mark `mark` ended (off the hub's task).
+    GenerationsSaved {
+        mark: Generation,
+        saved: Result<(), String>,
+    },
 }
 
 /// The hub stopped (the process is shutting down).
@@ -303,6 +309,8 @@ struct Hub {
     clock: Clock,
     dispatcher: TracedDispatcher,
     store: Option<GenerationStore>,
+    /// Generations durable before use (R-GEN-1), saved off this task.
+    reserve: GenerationReserve,
     links: HashMap<(NodeId, Generation), LinkHandle>,
     /// Per connection: the recipient key (if valid) and the snapshot it got.
     peers: HashMap<(NodeId, Generation), Peer>,
@@ -326,7 +334,7 @@ struct Hub {
 /// recorded there (iop-trace format, machine `edge-dispatch`).
 pub fn spawn(
     config: DispatchConfig,
-    store: Option<GenerationStore>,
+    store: Option<(GenerationStore, GenerationReserve)>,
     clock: Clock,
     metrics: Arc<EdgeMetrics>,
     trace: Option<Box<dyn std::io::Write + Send>>,
@@ -354,7 +362,10 @@ pub fn spawn(
         probe_bound,
         clock,
         dispatcher: TracedDispatcher::new(now, config, tap)?,
-        store,
+        reserve: store
+            .as_ref()
+            .map_or_else(GenerationReserve::unbounded, |(_, r)| r.clone()),
+        store: store.map(|(s, _)| s),
         links: HashMap::new(),
         peers: HashMap::new(),
         creds,
@@ -502,6 +513,13 @@ impl Hub {
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
+            HubMsg::GenerationsSaved { mark, saved } => match saved {
+                Ok(()) => self.reserve.saved(mark),
+                Err(error) => {
+                    tracing::error!(event = "generation_store_failed", error = %error);
+                    self.reserve.save_failed(mark);
+                }
+            },
             HubMsg::Shutdown => {}
             HubMsg::RefreshCredentials => {
                 let states = self.creds.states();
@@ -569,12 +587,13 @@ impl Hub {
         };
         let result = match result {
             Ok((generation, mut snapshot)) => {
-                let saved = match &self.store {
-                    Some(store) => store.save(self.dispatcher.inner().registry().high_water()),
-                    None => Ok(()),
-                };
-                if let Err(e) = saved {
-                    tracing::error!(event = "generation_store_failed", node = %node, error = %e);
+                self.reserve_generations();
+                if !self.reserve.covers(generation) {
+                    tracing::error!(
+                        event = "generation_not_durable",
+                        node = %node,
+                        durable_mark = self.reserve.durable()
+                    );
                     // Refused: the generation is fenced at once and never
                     // dispatched to.
                     self.dispatcher.handle_input(
@@ -608,6 +627,24 @@ impl Hub {
             Err(rejection) => Err(rejection),
         };
         let _ = reply.send(result);
+    }
+
+    /// Persist the next generation mark off this task when one is due
+    /// (`iop_core::edge::generations`): its fsync never holds up a
+    /// registration or a request (R-LIM-4).
+    fn reserve_generations(&mut self) {
+        let Some(store) = &self.store else {
+            return;
+        };
+        let high_water = self.dispatcher.inner().registry().high_water();
+        let Some(mark) = self.reserve.poll_save(high_water) else {
+            return;
+        };
+        let (store, tx) = (store.clone(), self.tx.clone());
+        tokio::task::spawn_blocking(move || {
+            let saved = store.save(mark).map_err(|e| e.to_string());
+            let _ = tx.send(HubMsg::GenerationsSaved { mark, saved });
+        });
     }
 
     /// Carry the dispatcher's news to the request's driver.

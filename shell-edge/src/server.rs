@@ -110,6 +110,11 @@ impl RunningEdge {
         let quic_addr = endpoint.local_addr()?;
         let store = GenerationStore::open(&config.edge.state_dir)?;
         let floor = store.floor(unix_ms())?;
+        // R-GEN-1: a reservation ahead of every generation this run hands
+        // out is durable before any node registers; later ones are saved
+        // off the hub's task.
+        let mark = iop_core::edge::generations::initial_mark(floor);
+        store.save(mark)?;
         let clock = Clock::new();
         let metrics = crate::metrics::EdgeMetrics::with_traces(
             iop_transport::telemetry::MetricsPipeline::new(
@@ -164,7 +169,10 @@ impl RunningEdge {
                 known_nodes: config.edge.restrict_nodes.then(|| config.known_nodes()),
                 health: config.health_config(),
             },
-            Some(store),
+            Some((
+                store,
+                iop_core::edge::generations::GenerationReserve::new(mark),
+            )),
             clock,
             metrics.clone(),
             trace,

@@ -5,6 +5,7 @@ pub mod admission;
 pub mod dispatch;
 pub mod durable;
 pub mod gate;
+pub mod generations;
 pub mod health;
 pub mod overlay;
 pub mod registry;
