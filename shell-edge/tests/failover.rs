@@ -1,6 +1,8 @@
 //! Failover before commit over real QUIC and real HTTP (R-FAIL-1): a
 //! provider that answers 503 leaves the request to another provider of the
-//! pool, called once each; a client error (400) is never retried.
+//! pool, called once each; a client error (400) is never retried. A
+//! provider whose runs keep failing while its probes answer leaves
+//! selection (R-FAIL-3).
 
 mod common;
 
@@ -98,6 +100,53 @@ async fn a_client_error_is_never_retried_r_fail_1() {
         assert_eq!(failing.requests(), 1, "p1 was chosen first");
         assert_ne!(status, 200, "the 400 reaches the client: {body}");
         assert_eq!(healthy.requests(), 0, "no second provider call");
+        for n in nodes {
+            n.shutdown().await.unwrap();
+        }
+        edge.shutdown().await;
+    })
+    .await;
+}
+
+/// R-FAIL-3: p1's server answers its health probes but fails every run
+/// with 503. Its run failures reach the health tracker: after
+/// `RUN_FAILURES_TO_UNAVAILABLE` in a row it is `unavailable` and no
+/// longer chosen, so twenty requests in quick succession call it only
+/// that many times (without the rule it is chosen for about half of
+/// them), every client is answered by p2, and `/status` shows p1's
+/// outage with its class.
+#[tokio::test]
+async fn a_provider_failing_its_runs_leaves_selection_r_fail_3() {
+    bounded(async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        let (edge, nodes, failing, healthy) = deployment(&pki, 503).await;
+        // Both answered their first probe (the mock's probe is healthy).
+        wait_for(&edge, "both providers ok", |s| {
+            s.health.iter().filter(|h| h.state == "ok").count() == 2
+        })
+        .await;
+        for i in 0..20 {
+            let (status, body) = chat(&edge, i % 2 == 0).await;
+            assert_eq!(status, 200, "{body}");
+        }
+        assert_eq!(healthy.requests(), 20, "each request answered by p2");
+        assert_eq!(
+            failing.requests(),
+            u64::from(iop_core::edge::health::RUN_FAILURES_TO_UNAVAILABLE),
+            "p1 left selection after its failures in a row"
+        );
+        let snap = wait_for(&edge, "p1 unavailable", |s| {
+            s.health
+                .iter()
+                .any(|h| h.provider_id.as_str() == "p1" && h.state == "unavailable")
+        })
+        .await;
+        let p1 = snap
+            .health
+            .iter()
+            .find(|h| h.provider_id.as_str() == "p1")
+            .unwrap();
+        assert_eq!(p1.failure_code, Some("http_5xx"));
         for n in nodes {
             n.shutdown().await.unwrap();
         }

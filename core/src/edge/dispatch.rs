@@ -777,6 +777,12 @@ impl Dispatcher {
             }
             _ => (None, None),
         };
+        // R-FAIL-3: the run's outcome is evidence of its provider's health.
+        let _ = self.health.run_outcome(
+            now,
+            &lease.provider_id,
+            crate::edge::health::run_health(failure),
+        );
         self.pump(now);
         TerminalVerdict::Applied {
             lease,

@@ -276,6 +276,14 @@ struct ProviderEntry {
     failures_total: u64,
     /// Its node has no ready connection: nothing to probe through.
     suspended: bool,
+    /// Run and tunnel failures in a row since its last successful run
+    /// (R-FAIL-3).
+    run_failures: u32,
+    /// Outages its runs caused since its last successful run: a provider
+    /// whose probe answers but whose runs keep failing backs off longer
+    /// each time (R-HT-3), even though each probe success resets
+    /// `consecutive_failures`.
+    run_trips: u32,
 }
 
 impl ProviderEntry {
@@ -290,6 +298,8 @@ impl ProviderEntry {
             next_probe_at: now,
             in_flight: None,
             suspended: false,
+            run_failures: 0,
+            run_trips: 0,
             outage: Outage::None,
             successes_total: 0,
             failures_total: 0,
@@ -427,6 +437,59 @@ impl HealthTracker {
             self.changed.insert(ticket.provider_id.clone());
         }
         ProbeDisposition::Applied
+    }
+
+    /// A run or tunnel of `provider_id` ended (R-FAIL-3): a success ends
+    /// its streak of run failures; the [`RUN_FAILURES_TO_UNAVAILABLE`]th
+    /// failure in a row counts as a failed probe: the provider becomes
+    /// `unavailable`, its outage is reported (R-HT-4) and its recovery
+    /// probe waits for the capped backoff (R-HT-3). Only that provider
+    /// changes (R-HT-1). Returns whether its state changed.
+    pub fn run_outcome(
+        &mut self,
+        now: Instant,
+        provider_id: &ProviderId,
+        outcome: RunHealth,
+    ) -> bool {
+        let Some(entry) = self.providers.get_mut(provider_id) else {
+            return false;
+        };
+        match outcome {
+            RunHealth::Neutral => false,
+            RunHealth::Succeeded => {
+                entry.run_failures = 0;
+                entry.run_trips = 0;
+                false
+            }
+            RunHealth::Failed(code) => {
+                entry.run_failures = entry.run_failures.saturating_add(1);
+                if entry.run_failures < RUN_FAILURES_TO_UNAVAILABLE {
+                    return false;
+                }
+                entry.run_failures = 0;
+                entry.run_trips = entry.run_trips.saturating_add(1);
+                // The backoff grows with every outage since the last good
+                // run, not only with failed probes in a row.
+                entry.consecutive_failures = entry
+                    .consecutive_failures
+                    .max(entry.run_trips.saturating_sub(1));
+                let before = entry.state;
+                if let Some(event) = apply_result(
+                    &self.config,
+                    provider_id,
+                    entry,
+                    now,
+                    ProbeResult::Failure(code),
+                ) {
+                    self.events.push_back(event);
+                }
+                let changed = entry.state != before;
+                if changed {
+                    self.changed.insert(provider_id.clone());
+                }
+                changed
+            }
+        }
     }
 
     /// Mark an `ok` provider `stale` (e.g. its node disconnected). An
@@ -644,6 +707,61 @@ fn retry_respected(entry: &ProviderEntry, now: Instant) -> bool {
     entry.next_retry_at.is_none_or(|at| at <= now)
 }
 
+/// Run failures in a row that make a provider `unavailable` (R-FAIL-3):
+/// one error is no outage, a provider failing every run is.
+pub const RUN_FAILURES_TO_UNAVAILABLE: u32 = 3;
+
+/// What one run or tunnel terminal says of its provider's health
+/// (R-FAIL-3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunHealth {
+    /// The provider answered the run to its end.
+    Succeeded,
+    /// The provider failed the run, with its class.
+    Failed(HealthFailureCode),
+    /// Nothing about the provider: the client's error or cancel, a deadline,
+    /// the node's capacity or connection, or a stall (whose evidence goes
+    /// through the overlay, R-OVL).
+    Neutral,
+}
+
+/// Classify a run's terminal failure (`None`: it completed) for the
+/// provider's health (R-FAIL-3). A provider's own failures count: a 5xx,
+/// an unreachable or malformed provider, a refused key or credential.
+/// A client's 4xx, a 429 (the provider is alive and busy), a cancel, a
+/// deadline, a full node, a lost node connection or a stall do not.
+pub fn run_health(failure: Option<&iop_wire::ExecutionFailure>) -> RunHealth {
+    use iop_wire::FailureCode as C;
+    let Some(f) = failure else {
+        return RunHealth::Succeeded;
+    };
+    match f.code {
+        C::CredentialRejected => RunHealth::Failed(HealthFailureCode::CredentialFailed),
+        C::ProviderUnreachable => RunHealth::Failed(HealthFailureCode::TransportFailed),
+        C::MalformedResponse => RunHealth::Failed(HealthFailureCode::MalformedResponse),
+        C::ProviderError => match f.http_status {
+            Some(429) => RunHealth::Neutral,
+            Some(status) => match classify_http_status(status) {
+                Some(HealthFailureCode::Http4xx) | None => RunHealth::Neutral,
+                Some(code) => RunHealth::Failed(code),
+            },
+            None => RunHealth::Failed(
+                f.health_failure
+                    .unwrap_or(HealthFailureCode::ProviderRejected),
+            ),
+        },
+        C::ResponseStalled
+        | C::Canceled
+        | C::DeadlineExceeded
+        | C::InvalidRequest
+        | C::NodeOverloaded
+        | C::UnknownTarget
+        | C::TransportClosed
+        | C::Internal => RunHealth::Neutral,
+    }
+}
+
 /// The sanitized failure class of a provider's HTTP status (R-HT-1):
 /// `None` for 2xx.
 pub fn classify_http_status(status: u16) -> Option<HealthFailureCode> {
@@ -747,6 +865,142 @@ mod tests {
 
     fn fail(code: HealthFailureCode) -> ProbeResult {
         ProbeResult::Failure(code)
+    }
+
+    fn run_failed(h: &mut Harness, now: Instant, provider: &str, code: HealthFailureCode) -> bool {
+        h.t.run_outcome(now, &pid(provider), RunHealth::Failed(code))
+    }
+
+    #[test]
+    fn r_fail_3_run_failures_in_a_row_make_only_that_provider_unavailable() {
+        let mut t = tracker(&["a", "b"]);
+        probe(&mut t, Instant::ZERO, "a", ProbeResult::Success);
+        probe(&mut t, Instant::ZERO, "b", ProbeResult::Success);
+        let _ = events(&mut t);
+        for _ in 1..RUN_FAILURES_TO_UNAVAILABLE {
+            assert!(!run_failed(&mut t, at(1), "a", HealthFailureCode::Http5xx));
+            assert_eq!(
+                t.state(&pid("a")),
+                Some(HealthState::Ok),
+                "one error is no outage"
+            );
+        }
+        assert!(run_failed(&mut t, at(1), "a", HealthFailureCode::Http5xx));
+        assert_eq!(t.state(&pid("a")), Some(HealthState::Unavailable));
+        assert_eq!(
+            t.state(&pid("b")),
+            Some(HealthState::Ok),
+            "isolation (R-HT-1)"
+        );
+        assert_eq!(
+            events(&mut t),
+            vec![("a".to_owned(), HealthLifecycle::Detected)]
+        );
+        let snap = t.provider_snapshot(&pid("a")).unwrap();
+        assert_eq!(snap.failure_code, Some(HealthFailureCode::Http5xx));
+        assert_eq!(snap.next_retry_at, Some(at(1) + SECOND), "R-HT-3 backoff");
+        // Its recovery probe comes after the backoff, not before.
+        assert!(take_probe(&mut t, at(1), "a").is_none());
+        probe(&mut t, at(2), "a", ProbeResult::Success);
+        assert_eq!(t.state(&pid("a")), Some(HealthState::Ok));
+    }
+
+    #[test]
+    fn r_fail_3_a_successful_run_ends_the_streak_and_neutral_outcomes_change_nothing() {
+        let mut t = tracker(&["a"]);
+        probe(&mut t, Instant::ZERO, "a", ProbeResult::Success);
+        for _ in 0..10 {
+            for _ in 1..RUN_FAILURES_TO_UNAVAILABLE {
+                run_failed(&mut t, at(1), "a", HealthFailureCode::Http5xx);
+            }
+            assert!(!t.run_outcome(at(1), &pid("a"), RunHealth::Succeeded));
+            assert!(!t.run_outcome(at(1), &pid("a"), RunHealth::Neutral));
+        }
+        assert_eq!(t.state(&pid("a")), Some(HealthState::Ok));
+        assert!(!run_failed(
+            &mut t,
+            at(1),
+            "unknown-provider",
+            HealthFailureCode::Http5xx
+        ));
+    }
+
+    #[test]
+    fn r_fail_3_a_provider_whose_probe_answers_but_whose_runs_fail_backs_off_longer_each_time() {
+        let mut t = tracker(&["a"]);
+        probe(&mut t, Instant::ZERO, "a", ProbeResult::Success);
+        let mut now = at(1);
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            for _ in 0..RUN_FAILURES_TO_UNAVAILABLE {
+                run_failed(&mut t, now, "a", HealthFailureCode::CredentialFailed);
+            }
+            let retry = t
+                .provider_snapshot(&pid("a"))
+                .unwrap()
+                .next_retry_at
+                .unwrap();
+            waits.push(retry.saturating_duration_since(now));
+            // The probe answers (a managed target's probe carries no key).
+            probe(&mut t, retry, "a", ProbeResult::Success);
+            now = retry;
+        }
+        assert_eq!(waits[0], SECOND);
+        assert!(waits.windows(2).all(|w| w[1] >= w[0]), "{waits:?}");
+        assert_eq!(*waits.last().unwrap(), 60 * SECOND, "capped: {waits:?}");
+    }
+
+    #[test]
+    fn r_fail_3_which_terminals_are_the_providers_fault() {
+        use iop_wire::{ExecutionFailure, FailureCode as C};
+        let with_status = |code, status| {
+            let mut f = ExecutionFailure::new(code);
+            f.http_status = status;
+            f
+        };
+        let cases = [
+            (
+                C::ProviderError,
+                Some(503),
+                RunHealth::Failed(HealthFailureCode::Http5xx),
+            ),
+            (
+                C::ProviderError,
+                Some(401),
+                RunHealth::Failed(HealthFailureCode::AuthenticationFailed),
+            ),
+            (C::ProviderError, Some(429), RunHealth::Neutral),
+            (C::ProviderError, Some(400), RunHealth::Neutral),
+            (
+                C::ProviderUnreachable,
+                None,
+                RunHealth::Failed(HealthFailureCode::TransportFailed),
+            ),
+            (
+                C::MalformedResponse,
+                None,
+                RunHealth::Failed(HealthFailureCode::MalformedResponse),
+            ),
+            (
+                C::CredentialRejected,
+                None,
+                RunHealth::Failed(HealthFailureCode::CredentialFailed),
+            ),
+            (C::ResponseStalled, None, RunHealth::Neutral),
+            (C::Canceled, None, RunHealth::Neutral),
+            (C::DeadlineExceeded, None, RunHealth::Neutral),
+            (C::InvalidRequest, None, RunHealth::Neutral),
+            (C::NodeOverloaded, None, RunHealth::Neutral),
+            (C::TransportClosed, None, RunHealth::Neutral),
+        ];
+        for (code, status, expected) in cases {
+            assert_eq!(
+                run_health(Some(&with_status(code, status))),
+                expected,
+                "{code:?} {status:?}"
+            );
+        }
+        assert_eq!(run_health(None), RunHealth::Succeeded);
     }
 
     #[test]

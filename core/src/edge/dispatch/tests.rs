@@ -149,6 +149,57 @@ fn disconnect_releases_leases_of_that_generation_and_reports_them() {
     assert_eq!(d.registry().fenced_messages(), 1);
 }
 
+/// R-FAIL-3: a provider whose runs fail (a 5xx each) leaves selection
+/// after `RUN_FAILURES_TO_UNAVAILABLE` in a row, with its outage reported;
+/// the other providers of the node stay selectable; a client's 4xx or a
+/// cancel counts for nothing.
+#[test]
+fn r_fail_3_a_provider_failing_its_runs_leaves_selection_and_only_it() {
+    use crate::edge::health::RUN_FAILURES_TO_UNAVAILABLE;
+    let mut d = dispatcher();
+    let g = up(&mut d, "a");
+    let a = NodeId::from("a");
+    let p1 = ProviderId::from("p1");
+    let failure = |code, status| ExecutionFailure {
+        http_status: status,
+        ..ExecutionFailure::new(code)
+    };
+    let mut request_id = 0;
+    let mut run = |d: &mut Dispatcher, f: ExecutionFailure| {
+        request_id += 1;
+        let l = leased(d.request(T, DispatchRequest::new(request_id, vec![p1.clone()])));
+        let v = d.apply_terminal(T, l.lease_id, &a, g, Some(&f));
+        assert!(matches!(v, TerminalVerdict::Applied { .. }), "{v:?}");
+    };
+    // Neither the client's error nor a cancel is the provider's fault.
+    for _ in 0..5 {
+        run(&mut d, failure(FailureCode::ProviderError, Some(400)));
+        run(&mut d, failure(FailureCode::Canceled, None));
+    }
+    assert!(d.admission().is_selectable(&p1));
+    let _ = drain_outputs(&mut d);
+    for _ in 0..RUN_FAILURES_TO_UNAVAILABLE {
+        assert!(d.admission().is_selectable(&p1));
+        run(&mut d, failure(FailureCode::ProviderError, Some(503)));
+    }
+    assert!(!d.admission().is_selectable(&p1), "out of selection");
+    assert!(
+        d.admission().is_selectable(&ProviderId::from("p2")),
+        "isolation"
+    );
+    let outputs = drain_outputs(&mut d);
+    assert!(
+        outputs.iter().any(|o| matches!(
+            o,
+            DispatchOutput::Health(e)
+                if e.provider_id == p1
+                    && e.lifecycle == crate::edge::health::HealthLifecycle::Detected
+                    && e.failure_code == Some(HealthFailureCode::Http5xx)
+        )),
+        "{outputs:?}"
+    );
+}
+
 #[test]
 fn terminal_from_a_foreign_generation_is_ignored_and_keeps_the_lease() {
     let mut d = dispatcher();
