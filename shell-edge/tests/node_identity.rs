@@ -1,6 +1,7 @@
 //! Node identity under hostile conditions: a revoked node certificate is
 //! refused at the handshake (and admitted again when taken off the list, a
-//! SIGHUP reload), and node connections are capped.
+//! SIGHUP reload), node connections are capped, and two processes with one
+//! node certificate do not take the node from each other every second.
 
 mod common;
 
@@ -79,6 +80,49 @@ async fn node_connections_past_the_cap_are_refused() {
         // The slot freed, node-2 gets in.
         ready_generation(&edge, "node-2").await;
         node2.shutdown().await.unwrap();
+        edge.shutdown().await;
+    })
+    .await;
+}
+
+/// R-LIM-4: two node processes run with one certificate. Each new
+/// connection supersedes the other's (R-GEN-1), so without a rule they
+/// take turns at the reconnect backoff (50-400 ms in these tests) forever.
+/// The superseded one waits long instead (core's `SUPERSEDED_BACKOFF`,
+/// 30 s doubling), counts it and says so: over two seconds the Edge sees
+/// at most two supersessions, not dozens.
+#[tokio::test]
+async fn two_processes_with_one_node_certificate_do_not_flap() {
+    bounded(async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        let edge = RunningEdge::start(edge_config(&pki, 0, providers()))
+            .await
+            .unwrap();
+        let first = start_node(&pki, "node-1", edge.quic_addr, &mock_provider_node("m"));
+        ready_generation(&edge, "node-1").await;
+        let second = start_node(&pki, "node-1", edge.quic_addr, &mock_provider_node("m"));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let superseded = |n: &iop_node::RunningNode| {
+            n.shared()
+                .superseded
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        while superseded(&first) + superseded(&second) == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "no supersession");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let snap = edge.hub.snapshot().await.unwrap();
+        let at_edge = snap
+            .closes_by_reason
+            .get("superseded")
+            .copied()
+            .unwrap_or(0);
+        assert!(at_edge <= 2, "the two processes flap: {snap:?}");
+        assert_eq!(superseded(&first) + superseded(&second), at_edge);
+        assert!(node_state(&snap, "node-1").1, "one of them holds the node");
+        first.shutdown().await.unwrap();
+        second.shutdown().await.unwrap();
         edge.shutdown().await;
     })
     .await;

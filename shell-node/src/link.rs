@@ -144,6 +144,9 @@ pub struct LinkShared {
     pub disconnect_cancels: AtomicU64,
     /// Connection attempts that failed before readiness.
     pub failed_attempts: AtomicU64,
+    /// Connections the Edge closed as superseded: another process with
+    /// this node's certificate connected.
+    pub superseded: AtomicU64,
     /// Where to record each connection's watchdog trace (`--record-trace`).
     pub record_trace: Option<std::path::PathBuf>,
     /// This node's id and lease recipient key (`None`: no managed
@@ -183,6 +186,7 @@ impl LinkShared {
             edges: edges.iter().map(|e| EdgeSlot::new(e)).collect(),
             disconnect_cancels: AtomicU64::new(0),
             failed_attempts: AtomicU64::new(0),
+            superseded: AtomicU64::new(0),
             record_trace: None,
             identity: None,
             credential_rejections: AtomicU64::new(0),

@@ -294,7 +294,12 @@ impl NodeMetrics {
                 }
             })
             .build();
-        let counters: [(&'static str, &'static str, ReadLink); 3] = [
+        let counters: [(&'static str, &'static str, ReadLink); 4] = [
+            (
+                "iop_node_superseded",
+                "Connections the Edge closed as superseded: another process connected with this node's certificate",
+                |s| s.superseded.load(Ordering::Relaxed),
+            ),
             (
                 "iop_node_failed_connection_attempts",
                 "Connection attempts that failed before readiness",

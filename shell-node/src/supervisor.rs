@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use iop_core::liveness::backoff::Backoff;
+use iop_core::liveness::backoff::{Backoff, Supersession};
 use iop_core::rng::SplitMix64;
 use iop_transport::{ClientTls, client_endpoint, connect};
 use tokio::sync::watch;
@@ -82,6 +82,7 @@ async fn edge_loop(
 ) {
     let address = &config.edges[edge];
     let mut backoff = Backoff::new(config.reconnect);
+    let mut supersession = Supersession::default();
     let mut rng = SplitMix64::new(rand::random());
     loop {
         if *shutdown.borrow() {
@@ -110,12 +111,16 @@ async fn edge_loop(
                 Err(_) => Err("connect timed out"),
             }
         };
+        let mut lasted = std::time::Duration::ZERO;
         let end = tokio::select! {
             conn = attempt => match conn {
                 Ok(conn) => {
                     dial_span.ok();
                     drop(dial_span);
-                    Some(link::run(conn, config.clone(), shared.clone(), edge, shutdown.clone()).await)
+                    let started = tokio::time::Instant::now();
+                    let end = link::run(conn, config.clone(), shared.clone(), edge, shutdown.clone()).await;
+                    lasted = started.elapsed();
+                    Some(end)
                 }
                 Err(why) => {
                     dial_span.fail(match why {
@@ -134,9 +139,34 @@ async fn edge_loop(
                 .failed_attempts
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        let mut superseded = None;
         match end {
             Some(LinkEnd::Shutdown) => break,
+            Some(LinkEnd::Closed {
+                code: iop_wire::CloseCode::Superseded,
+                ..
+            }) => {
+                // Another process with this node's certificate connected:
+                // wait long before taking the node back (core's rule).
+                let delay = supersession.superseded(lasted, &mut rng);
+                shared
+                    .superseded
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                shared.edges[edge].last_close_code.store(
+                    u64::from(iop_wire::CloseCode::Superseded.code()),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                tracing::error!(
+                    event = "node_superseded",
+                    edge = %address,
+                    in_a_row = supersession.count(),
+                    delay_ms = delay.as_millis() as u64,
+                    detail = "another process connected with this node's certificate"
+                );
+                superseded = Some(delay);
+            }
             Some(LinkEnd::Closed { was_ready, code }) => {
+                supersession.ended(lasted);
                 shared.edges[edge]
                     .last_close_code
                     .store(u64::from(code.code()), std::sync::atomic::Ordering::Relaxed);
@@ -161,7 +191,7 @@ async fn edge_loop(
             }
             None => {}
         }
-        let delay = backoff.next_delay(&mut rng);
+        let delay = superseded.unwrap_or_else(|| backoff.next_delay(&mut rng));
         tracing::info!(
             event = "node_reconnect_backoff",
             edge = %address,

@@ -68,9 +68,82 @@ impl Backoff {
     }
 }
 
+/// How a node backs off after the Edge closed its connection as
+/// `superseded`: another process with the same node certificate connected
+/// (R-LIM-4). Reconnecting at once would supersede that one in turn, and
+/// the two would take turns forever; so the loser waits long, and longer
+/// each time it loses again.
+pub const SUPERSEDED_BACKOFF: BackoffConfig = BackoffConfig {
+    initial: Duration::from_secs(30),
+    max: Duration::from_secs(15 * 60),
+};
+
+/// A connection that lasted this long ends a run of supersessions: the
+/// other process is gone (restarted or stopped), this one is the node.
+pub const SUPERSEDED_RESET_AFTER: Duration = Duration::from_secs(10 * 60);
+
+/// The node's supersession count (see [`SUPERSEDED_BACKOFF`]).
+#[derive(Debug, Clone)]
+pub struct Supersession {
+    backoff: Backoff,
+}
+
+impl Default for Supersession {
+    fn default() -> Self {
+        Self {
+            backoff: Backoff::new(SUPERSEDED_BACKOFF),
+        }
+    }
+}
+
+impl Supersession {
+    /// A connection that lasted `lasted` ended as `superseded`: the delay
+    /// before dialing again (jittered, doubling up to the cap).
+    pub fn superseded(&mut self, lasted: Duration, rng: &mut impl RandomSource) -> Duration {
+        if lasted >= SUPERSEDED_RESET_AFTER {
+            self.backoff.reset();
+        }
+        self.backoff.next_delay(rng)
+    }
+
+    /// A connection that lasted `lasted` ended for another reason.
+    pub fn ended(&mut self, lasted: Duration) {
+        if lasted >= SUPERSEDED_RESET_AFTER {
+            self.backoff.reset();
+        }
+    }
+
+    /// Supersessions in a row so far.
+    pub fn count(&self) -> u32 {
+        self.backoff.attempt()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_superseded_node_waits_long_and_longer_each_time_until_it_holds_a_connection() {
+        let mut rng = SplitMix64::new(1);
+        let mut s = Supersession::default();
+        let short = Duration::from_secs(1);
+        let first = s.superseded(short, &mut rng);
+        assert!(first >= Duration::from_secs(15) && first <= Duration::from_secs(30));
+        let ceilings: Vec<Duration> = (0..8).map(|_| s.superseded(short, &mut rng)).collect();
+        assert!(ceilings.iter().all(|d| *d <= SUPERSEDED_BACKOFF.max));
+        assert!(
+            *ceilings.last().unwrap() >= SUPERSEDED_BACKOFF.max / 2,
+            "{ceilings:?}"
+        );
+        // Another kind of end does not forget it; a long connection does.
+        s.ended(short);
+        assert_eq!(s.count(), 9);
+        s.ended(SUPERSEDED_RESET_AFTER);
+        assert_eq!(s.count(), 0);
+        let again = s.superseded(short, &mut rng);
+        assert!(again <= Duration::from_secs(30));
+    }
     use crate::rng::SplitMix64;
     use proptest::prelude::*;
 
