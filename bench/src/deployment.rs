@@ -6,7 +6,9 @@
 //! * one `iop-node run --config` process per node; every node serves every
 //!   mock as a target of its `openai` adapter,
 //! * or, for the node-scale scenario, one `iop-bench fleet` process running
-//!   many nodes ([`crate::fleet`]).
+//!   many nodes ([`crate::fleet`]);
+//! * with the journal on NATS JetStream, one `nats-server -js` process
+//!   ([`NatsServer`]).
 //!
 //! The Edge has, for each mock `m` and node `i`, a provider `m-norm-i`
 //! (`mode = "normalized"`) and `m-tun-i` (`mode = "tunnel"`); the model `m`
@@ -33,6 +35,8 @@ pub const API_KEY: &str = "sk-iop-bench-0123456789abcdef";
 const START_BOUND: Duration = Duration::from_secs(60);
 /// Bound of one readiness or stats request.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `nats-server` may take to accept TCP connections.
+const NATS_START_BOUND: Duration = Duration::from_secs(20);
 
 /// Why a deployment could not start.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +46,14 @@ pub enum DeployError {
         "binary not found: {0} (build with `cargo build --release -p iop-edge -p iop-node -p iop-bench`)"
     )]
     MissingBinary(PathBuf),
+    /// The journal store `nats` needs `nats-server`, which is not installed.
+    #[error(
+        "the nats journal store needs `nats-server` (not found on PATH, in /usr/sbin or /usr/local/bin, nor in $NATS_SERVER): install the Debian package `nats-server` (apt-get install nats-server), or measure other stores (--journal-stores embedded,memory)"
+    )]
+    MissingNatsServer,
+    /// The journal store `nats` was configured without a server URL.
+    #[error("the nats journal store needs a NATS server URL")]
+    NoNatsUrl,
     /// File or process I/O failed.
     #[error("{what}: {source}")]
     Io {
@@ -66,6 +78,9 @@ pub enum DeployError {
     /// A component did not become ready in time.
     #[error("{0} did not become ready within the start bound")]
     NotReady(String),
+    /// A config could not be written.
+    #[error("config: {0}")]
+    Config(String),
     /// `/proc` could not be read.
     #[error(transparent)]
     Proc(#[from] ProcError),
@@ -248,7 +263,13 @@ pub enum JournalStore {
     Embedded,
     /// Process memory: no file, no fsync.
     Memory,
+    /// NATS JetStream (`[journal.nats]`): a local `nats-server -js` the
+    /// deployment starts, its store directory in the deployment's.
+    Nats,
 }
+
+/// The Edge's `edge_id` when its journal store is shared (`nats`).
+pub const BENCH_EDGE_ID: &str = "bench-edge";
 
 impl JournalStore {
     /// The value of `[journal] store`.
@@ -256,12 +277,113 @@ impl JournalStore {
         match self {
             JournalStore::Embedded => "embedded",
             JournalStore::Memory => "memory",
+            JournalStore::Nats => "nats",
         }
     }
 
-    /// The Edge's `[journal]` section selecting this store.
-    pub fn config_section(self) -> String {
-        format!("[journal]\nstore = \"{}\"\n", self.as_str())
+    /// Does a deployment with this store need a NATS server?
+    pub fn needs_nats(self) -> bool {
+        matches!(self, JournalStore::Nats)
+    }
+
+    /// The Edge's `[journal]` section selecting this store; `nats_url` is
+    /// the server of the `nats` store (ignored by the others).
+    pub fn config_section(self, nats_url: Option<&str>) -> Result<String, DeployError> {
+        let mut out = format!("[journal]\nstore = \"{}\"\n", self.as_str());
+        if self.needs_nats() {
+            let url = nats_url.ok_or(DeployError::NoNatsUrl)?;
+            out.push_str(&format!("[journal.nats]\nservers = [\"{url}\"]\n"));
+        }
+        Ok(out)
+    }
+
+    /// Add this store to an Edge config that starts with
+    /// [`edge_config_head`]: the `edge_id` a shared store requires goes
+    /// into the head's `[edge]` table (TOML forbids a second one), the
+    /// `[journal]` section after the head.
+    pub fn add_to_edge_config(
+        self,
+        edge_toml: &mut String,
+        nats_url: Option<&str>,
+    ) -> Result<(), DeployError> {
+        if self.needs_nats() {
+            let id = format!("[edge]\nedge_id = \"{BENCH_EDGE_ID}\"\n");
+            let Some(rest) = edge_toml.strip_prefix("[edge]\n") else {
+                return Err(DeployError::Config(
+                    "the Edge config does not start with its [edge] table".into(),
+                ));
+            };
+            *edge_toml = format!("{id}{rest}");
+        }
+        edge_toml.push_str(&self.config_section(nats_url)?);
+        Ok(())
+    }
+}
+
+/// Where `nats-server` is: `$NATS_SERVER`, else on `PATH`, else in
+/// `/usr/sbin` (the Debian package) or `/usr/local/bin`.
+pub fn nats_server_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("NATS_SERVER") {
+        return Some(PathBuf::from(p));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/local/bin"].map(PathBuf::from))
+        .map(|d| d.join("nats-server"))
+        .find(|p| p.is_file())
+}
+
+/// A `nats-server` with JetStream on a free loopback port, its store in
+/// `<dir>/nats-js`, its log in `<dir>/nats-server.log`; killed when
+/// stopped or dropped.
+#[derive(Debug)]
+pub struct NatsServer {
+    /// The process.
+    pub proc: Proc,
+    /// Its client address.
+    pub addr: SocketAddr,
+}
+
+impl NatsServer {
+    /// Start it and wait (bounded) until it accepts TCP connections.
+    pub async fn start(dir: &Path) -> Result<Self, DeployError> {
+        let binary = nats_server_binary().ok_or(DeployError::MissingNatsServer)?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let store = dir.join("nats-js");
+        std::fs::create_dir_all(&store).map_err(io(format!("creating {}", store.display())))?;
+        let args = vec![
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            addr.port().to_string(),
+            "-js".into(),
+            "-sd".into(),
+            store.display().to_string(),
+        ];
+        let mut proc = Proc::spawn("nats-server", &binary, &args, dir, false)?;
+        let deadline = Instant::now() + NATS_START_BOUND;
+        loop {
+            proc.check_alive()?;
+            if let Ok(Ok(_)) =
+                tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)).await
+            {
+                return Ok(Self { proc, addr });
+            }
+            if Instant::now() > deadline {
+                return Err(DeployError::NotReady("nats-server".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://{}", self.addr)
+    }
+
+    /// Stop it (SIGKILL) and reap it.
+    pub async fn stop(self) {
+        self.proc.stop().await;
     }
 }
 
@@ -308,6 +430,8 @@ pub struct Deployment {
     pub edge_quic: SocketAddr,
     /// Node processes.
     pub nodes: Vec<Proc>,
+    /// The NATS server of the `nats` journal store.
+    pub nats: Option<NatsServer>,
     http: reqwest::Client,
 }
 
@@ -483,11 +607,22 @@ impl Deployment {
             });
         }
 
+        let nats = if spec.journal.needs_nats() {
+            let server = NatsServer::start(dir).await?;
+            eprintln!("deployment: nats-server -js at {}", server.url());
+            Some(server)
+        } else {
+            None
+        };
+
         let edge_quic = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
         let edge_http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
         let mut edge_toml =
             edge_config_head(edge_quic.port(), edge_http.port(), spec.queue_capacity);
-        edge_toml.push_str(&spec.journal.config_section());
+        spec.journal.add_to_edge_config(
+            &mut edge_toml,
+            nats.as_ref().map(NatsServer::url).as_deref(),
+        )?;
         for m in &spec.mocks {
             for (mode, short) in [("normalized", "norm"), ("tunnel", "tun")] {
                 let mut pool = Vec::new();
@@ -557,6 +692,7 @@ impl Deployment {
             edge_http,
             edge_quic,
             nodes,
+            nats,
             http,
         };
         // One request through every route, retried until it works.
@@ -638,6 +774,9 @@ impl Deployment {
 
     /// An error if any component has exited.
     pub fn check_alive(&mut self) -> Result<(), DeployError> {
+        if let Some(n) = &mut self.nats {
+            n.proc.check_alive()?;
+        }
         self.edge.check_alive()?;
         for n in &mut self.nodes {
             n.check_alive()?;
@@ -663,6 +802,9 @@ impl Deployment {
         self.edge.stop().await;
         for m in self.mocks.into_iter().filter_map(|m| m.proc) {
             m.stop().await;
+        }
+        if let Some(n) = self.nats {
+            n.stop().await;
         }
     }
 }

@@ -166,7 +166,9 @@ struct SuiteArgs {
     /// configured default, 30000).
     #[arg(long)]
     heartbeat_ms: Option<u64>,
-    /// Journal stores of the durable scenario, one deployment each.
+    /// Journal stores of the durable scenario, one deployment each
+    /// (default: embedded,memory,nats; `nats` starts a local `nats-server
+    /// -js`, from the Debian package `nats-server`).
     #[arg(long, value_enum, value_delimiter = ',')]
     journal_stores: Vec<JournalStore>,
     /// Closed-loop stream concurrencies of the durable scenario.
@@ -263,6 +265,15 @@ async fn run_load(a: LoadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The durable scenario's stores unless `--journal-stores` says otherwise
+/// (with `--quick` too): NATS is measured against the embedded store in
+/// the same run.
+const DURABLE_STORES: &[JournalStore] = &[
+    JournalStore::Embedded,
+    JournalStore::Memory,
+    JournalStore::Nats,
+];
+
 fn or_default<T: Clone>(
     given: &[T],
     quick: bool,
@@ -333,12 +344,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
             "--durable-via must ask for durable responses"
         );
         let settings = DurableSettings {
-            stores: or_default(
-                &a.journal_stores,
-                q,
-                &[JournalStore::Embedded, JournalStore::Memory],
-                &[JournalStore::Embedded, JournalStore::Memory],
-            ),
+            stores: or_default(&a.journal_stores, q, DURABLE_STORES, DURABLE_STORES),
             stream_concurrencies: or_default(&a.durable_stream_concurrency, q, &[8], &[1, 16, 64]),
             rates: or_default(&a.durable_rates, q, &[200.0], &[250.0, 500.0, 1000.0]),
             duration,

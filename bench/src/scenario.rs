@@ -60,6 +60,11 @@ pub trait Gateway {
     /// CPU ticks so far of the Edge and of all node processes, when they
     /// are processes of their own.
     fn cpu_ticks(&self) -> Option<Result<(u64, u64), DeployError>>;
+    /// CPU ticks so far of the journal store's own server process (the
+    /// `nats` store's `nats-server`), when there is one.
+    fn store_cpu_ticks(&self) -> Option<Result<u64, DeployError>> {
+        None
+    }
 }
 
 impl Gateway for Deployment {
@@ -77,6 +82,10 @@ impl Gateway for Deployment {
 
     fn cpu_ticks(&self) -> Option<Result<(u64, u64), DeployError>> {
         Some(iop_cpu_ticks(self))
+    }
+
+    fn store_cpu_ticks(&self) -> Option<Result<u64, DeployError>> {
+        self.nats.as_ref().map(|n| n.proc.cpu_ticks())
     }
 }
 
@@ -249,6 +258,10 @@ async fn compare(
             (Some(_), true) => gateway.cpu_ticks().transpose()?,
             _ => None,
         };
+        let store_ticks_before = match (&probes.cpu, via) {
+            (Some(_), true) => gateway.store_cpu_ticks().transpose()?,
+            _ => None,
+        };
         let journal_before = match (&probes.journal, via) {
             (Some(_), true) => Some(journal::scrape(client, gateway.edge_http()).await?),
             _ => None,
@@ -280,6 +293,7 @@ async fn compare(
             && let Some(ticks) = gateway.cpu_ticks()
         {
             let (edge1, nodes1) = ticks?;
+            let store1 = gateway.store_cpu_ticks().transpose()?;
             // The chunk rate of the measured window, over the whole run
             // (its warm-up included, as the CPU time is).
             let chunks = (r.chunks_per_s * elapsed_s).max(1.0);
@@ -289,6 +303,9 @@ async fn compare(
                 target: label.clone(),
                 edge_us_per_chunk: us_per_chunk(edge1.saturating_sub(edge0)),
                 nodes_us_per_chunk: us_per_chunk(nodes1.saturating_sub(nodes0)),
+                store_us_per_chunk: store_ticks_before
+                    .zip(store1)
+                    .map(|(before, after)| us_per_chunk(after.saturating_sub(before))),
             });
         }
         eprintln!(
@@ -379,6 +396,10 @@ pub struct ChunkCpu {
     pub edge_us_per_chunk: f64,
     /// CPU time of all node processes per chunk, µs.
     pub nodes_us_per_chunk: f64,
+    /// CPU time of the journal store's server (`nats-server`) per chunk,
+    /// µs, when the store has one.
+    #[serde(default)]
+    pub store_us_per_chunk: Option<f64>,
 }
 
 /// CPU ticks so far of the Edge and of all node processes.
@@ -1025,6 +1046,21 @@ fn load_cell(row: &DurableRow) -> String {
     )
 }
 
+/// Rows of `rows` and `base` at the same load.
+fn pair_rows<'a>(
+    rows: &'a [DurableRow],
+    base: &'a [DurableRow],
+) -> Vec<(&'a DurableRow, &'a DurableRow)> {
+    rows.iter()
+        .filter_map(|r| {
+            let mode = r.comparison.direct.mode;
+            base.iter()
+                .find(|b| b.comparison.direct.mode == mode)
+                .map(|b| (r, b))
+        })
+        .collect()
+}
+
 fn ratio_cell(num: f64, den: f64) -> String {
     if den > 0.0 {
         format!("{:.2}", num / den)
@@ -1038,13 +1074,149 @@ fn opt_ms(s: Option<f64>) -> String {
 }
 
 impl DurableResult {
+    /// The result on `store`, if it was measured.
+    pub fn store(&self, store: JournalStore) -> Option<&DurableStoreResult> {
+        self.stores.iter().find(|s| s.store == store)
+    }
+
+    /// Pairs of streaming rows at the same load on `store` and on the
+    /// embedded store (measured in the same run).
+    fn streaming_pairs(&self, store: JournalStore) -> Vec<(&DurableRow, &DurableRow)> {
+        let (Some(s), Some(base)) = (self.store(store), self.store(JournalStore::Embedded)) else {
+            return Vec::new();
+        };
+        pair_rows(&s.streaming, &base.streaming)
+    }
+
+    /// Durable chunks/s on `store` over durable chunks/s on the embedded
+    /// store, per streaming load (`closed x16`), from the same run.
+    pub fn durable_chunks_vs_embedded(&self, store: JournalStore) -> Vec<(String, f64)> {
+        self.streaming_pairs(store)
+            .into_iter()
+            .filter_map(|(r, b)| {
+                let d = r.report(DURABLE)?.chunks_per_s;
+                let base = b.report(DURABLE)?.chunks_per_s;
+                (base > 0.0).then(|| (r.comparison.direct.mode.label(), d / base))
+            })
+            .collect()
+    }
+
+    /// Every measured store but the embedded one, when the embedded one
+    /// was measured too.
+    fn others(&self) -> Vec<JournalStore> {
+        if self.store(JournalStore::Embedded).is_none() {
+            return Vec::new();
+        }
+        self.stores
+            .iter()
+            .map(|s| s.store)
+            .filter(|s| *s != JournalStore::Embedded)
+            .collect()
+    }
+
+    /// The streaming rows of each other store against the embedded
+    /// store's, at the same load (empty without the embedded store).
+    fn versus_embedded_streaming(&self) -> String {
+        let others = self.others();
+        if others.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "\n#### Each store against the embedded store, same run (streaming)\n\n\
+             | stores | load | durable chunks/s | embedded durable chunks/s | **durable chunks/s on store / on embedded** | ephemeral chunks/s, store / embedded (control) | durable / ephemeral on store | durable / ephemeral on embedded | (durable / ephemeral) store ÷ embedded |\n\
+             | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        );
+        for store in others {
+            for (r, b) in self.streaming_pairs(store) {
+                let (Some(rd), Some(re), Some(bd), Some(be)) = (
+                    r.report(DURABLE),
+                    r.report(EPHEMERAL),
+                    b.report(DURABLE),
+                    b.report(EPHEMERAL),
+                ) else {
+                    continue;
+                };
+                // Each store's durable rate over its own ephemeral one,
+                // relative: what is left when both deployments ran at
+                // different speeds (other load on the machine).
+                let relative = if re.chunks_per_s > 0.0 && be.chunks_per_s > 0.0 {
+                    ratio_cell(
+                        rd.chunks_per_s / re.chunks_per_s,
+                        bd.chunks_per_s / be.chunks_per_s,
+                    )
+                } else {
+                    "-".into()
+                };
+                out.push_str(&format!(
+                    "| {} / embedded | {} | {:.0} | {:.0} | **{}** | {} | {} | {} | {} |\n",
+                    store.as_str(),
+                    r.comparison.direct.mode.label(),
+                    rd.chunks_per_s,
+                    bd.chunks_per_s,
+                    ratio_cell(rd.chunks_per_s, bd.chunks_per_s),
+                    ratio_cell(re.chunks_per_s, be.chunks_per_s),
+                    ratio_cell(rd.chunks_per_s, re.chunks_per_s),
+                    ratio_cell(bd.chunks_per_s, be.chunks_per_s),
+                    relative,
+                ));
+            }
+        }
+        out
+    }
+
+    /// The non-streamed rows of each other store against the embedded
+    /// store's, at the same load (empty without the embedded store).
+    fn versus_embedded_latency(&self) -> String {
+        let others = self.others();
+        let Some(base) = self.store(JournalStore::Embedded) else {
+            return String::new();
+        };
+        if others.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "\n#### Each store against the embedded store, same run (not streamed; ms)\n\n\
+             | stores | load | dur − eph p50 on store | dur − eph p50 on embedded | dur added p50 on store | dur added p50 on embedded | dur added p99 on store | dur added p99 on embedded |\n\
+             | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        );
+        let between = |row: &DurableRow| match (
+            row.report(EPHEMERAL).and_then(|r| r.total),
+            row.report(DURABLE).and_then(|r| r.total),
+        ) {
+            (Some(e), Some(d)) => ms_signed(d.p50_us as i64 - e.p50_us as i64),
+            _ => "-".into(),
+        };
+        let added = |row: &DurableRow, i: usize| {
+            row.report(DURABLE)
+                .and_then(|d| added_us(&row.comparison.direct, d))
+                .map_or_else(|| "-".into(), |a| ms_signed(a[i]))
+        };
+        for store in others {
+            let Some(s) = self.store(store) else { continue };
+            for (r, b) in pair_rows(&s.latency, &base.latency) {
+                out.push_str(&format!(
+                    "| {} / embedded | {} | {} | {} | {} | {} | {} | {} |\n",
+                    store.as_str(),
+                    r.comparison.direct.mode.label(),
+                    between(r),
+                    between(b),
+                    added(r, 0),
+                    added(b, 0),
+                    added(r, 2),
+                    added(b, 2),
+                ));
+            }
+        }
+        out
+    }
+
     /// The scenario's tables: streaming ratios, added latency, journal
     /// operations.
     pub fn markdown(&self) -> String {
         let mut out = String::from(
             "### Durable vs ephemeral streaming (1,000-chunk streams; chunks/s)\n\n\
-             | store | load | direct | ephemeral | durable | ephemeral / direct | durable / direct | durable / ephemeral | errors (eph / dur) | Edge µs/chunk eph | Edge µs/chunk dur | load avg |\n\
-             | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |\n",
+             | store | load | direct | ephemeral | durable | ephemeral / direct | durable / direct | durable / ephemeral | errors (eph / dur) | Edge µs/chunk eph | Edge µs/chunk dur | store server µs/chunk dur | load avg |\n\
+             | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |\n",
         );
         for s in &self.stores {
             for row in &s.streaming {
@@ -1056,8 +1228,12 @@ impl DurableResult {
                     row.cpu_of(label)
                         .map_or_else(|| "-".into(), |c| format!("{:.2}", c.edge_us_per_chunk))
                 };
+                let store_cpu = row
+                    .cpu_of(DURABLE)
+                    .and_then(|c| c.store_us_per_chunk)
+                    .map_or_else(|| "-".into(), |us| format!("{us:.2}"));
                 out.push_str(&format!(
-                    "| {} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} / {} | {} | {} | {} |\n",
+                    "| {} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} / {} | {} | {} | {} | {} |\n",
                     s.store.as_str(),
                     row.comparison.direct.mode.label(),
                     base,
@@ -1070,10 +1246,12 @@ impl DurableResult {
                     d.error_count(),
                     cpu(EPHEMERAL),
                     cpu(DURABLE),
+                    store_cpu,
                     load_cell(row),
                 ));
             }
         }
+        out.push_str(&self.versus_embedded_streaming());
         out.push_str(
             "\n### Durable vs ephemeral, not streamed (8-token answers; ms, added = via − direct)\n\n\
              | store | load | direct p50 | direct p99 | eph added p50 | eph added p90 | eph added p99 | dur added p50 | dur added p90 | dur added p99 | dur − eph p50 | errors (eph / dur) | load avg |\n\
@@ -1116,6 +1294,7 @@ impl DurableResult {
                 ));
             }
         }
+        out.push_str(&self.versus_embedded_latency());
         out.push_str(
             "\n### The journal during each run (Edge `/metrics`, warm-up included; ms until durable)\n\n\
              | store | load | target | responses | appends / response | chunks / append | append mean | append p50 ≤ | append p99 ≤ | create mean | finish mean | failed ops |\n\
@@ -1318,5 +1497,136 @@ impl SuiteReport {
         )?;
         std::fs::write(&md, self.markdown())?;
         Ok((json, md))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::report::Percentiles;
+
+    fn run(label: &str, mode: LoadMode, chunks_per_s: f64, p50_us: u64) -> LoadReport {
+        LoadReport {
+            label: label.to_owned(),
+            mode,
+            stream: chunks_per_s > 0.0,
+            window_s: 1.0,
+            requests: 10,
+            ok: 10,
+            errors: BTreeMap::new(),
+            throughput_rps: 10.0,
+            chunks: chunks_per_s as u64,
+            chunks_per_s,
+            total: Some(Percentiles {
+                count: 10,
+                p50_us,
+                p90_us: p50_us,
+                p99_us: p50_us,
+                p999_us: p50_us,
+                max_us: p50_us,
+                mean_us: p50_us as f64,
+            }),
+            ttft: None,
+            gap: None,
+        }
+    }
+
+    fn row(mode: LoadMode, [direct, eph, dur]: [f64; 3], p50_us: [u64; 3]) -> DurableRow {
+        DurableRow {
+            comparison: Comparison {
+                direct: run("direct", mode, direct, p50_us[0]),
+                via: vec![
+                    run(EPHEMERAL, mode, eph, p50_us[1]),
+                    run(DURABLE, mode, dur, p50_us[2]),
+                ],
+            },
+            journal: Vec::new(),
+            cpu: Vec::new(),
+            load_avg_before: [0.0; 3],
+            load_avg_after: [0.0; 3],
+        }
+    }
+
+    fn store(store: JournalStore, eph: f64, dur: f64, dur_p50_us: u64) -> DurableStoreResult {
+        let closed = LoadMode::Closed { concurrency: 16 };
+        let open = LoadMode::Open { rate_per_s: 250.0 };
+        DurableStoreResult {
+            store,
+            durability: Durability::IdempotencyKey,
+            streaming: vec![row(closed, [300_000.0, eph, dur], [1, 1, 1])],
+            latency: vec![row(open, [0.0; 3], [500, 1_500, dur_p50_us])],
+        }
+    }
+
+    #[test]
+    fn nats_is_compared_with_the_embedded_store_of_the_same_run() {
+        let r = DurableResult {
+            stores: vec![
+                store(JournalStore::Embedded, 100_000.0, 80_000.0, 4_500),
+                store(JournalStore::Memory, 100_000.0, 100_000.0, 1_600),
+                store(JournalStore::Nats, 110_000.0, 40_000.0, 6_500),
+            ],
+        };
+        assert_eq!(
+            r.durable_chunks_vs_embedded(JournalStore::Nats),
+            vec![("closed x16".to_owned(), 0.5)]
+        );
+        let md = r.markdown();
+        assert!(
+            md.contains(
+                "| nats / embedded | closed x16 | 40000 | 80000 | **0.50** | 1.10 | 0.36 | 0.80 | 0.45 |"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "| nats / embedded | open 250/s | +5.000 | +3.000 | +6.000 | +4.000 | +6.000 | +4.000 |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| memory / embedded | closed x16 |"), "{md}");
+        // Every store keeps its rows in the per-store tables.
+        for s in ["embedded", "memory", "nats"] {
+            let rows = md.lines().filter(|l| l.starts_with(&format!("| {s} |")));
+            assert_eq!(rows.count(), 2, "{s}: {md}");
+        }
+        // Without the embedded store there is nothing to compare with.
+        let alone = DurableResult {
+            stores: vec![store(JournalStore::Nats, 1.0, 1.0, 1)],
+        };
+        assert!(
+            alone
+                .durable_chunks_vs_embedded(JournalStore::Nats)
+                .is_empty()
+        );
+        assert!(!alone.markdown().contains("/ embedded"));
+    }
+
+    #[test]
+    fn the_nats_store_config_puts_edge_id_in_the_edge_table() {
+        let mut toml = crate::deployment::edge_config_head(1, 2, 3);
+        JournalStore::Nats
+            .add_to_edge_config(&mut toml, Some("nats://127.0.0.1:4222"))
+            .unwrap();
+        assert_eq!(toml.matches("[edge]").count(), 1, "{toml}");
+        assert!(
+            toml.starts_with("[edge]\nedge_id = \"bench-edge\"\n"),
+            "{toml}"
+        );
+        assert!(toml.ends_with(
+            "[journal]\nstore = \"nats\"\n[journal.nats]\nservers = [\"nats://127.0.0.1:4222\"]\n"
+        ));
+        assert!(matches!(
+            JournalStore::Nats.config_section(None),
+            Err(DeployError::NoNatsUrl)
+        ));
+        let mut toml = crate::deployment::edge_config_head(1, 2, 3);
+        JournalStore::Embedded
+            .add_to_edge_config(&mut toml, None)
+            .unwrap();
+        assert!(!toml.contains("edge_id"));
+        assert!(toml.ends_with("[journal]\nstore = \"embedded\"\n"));
     }
 }

@@ -7,7 +7,8 @@
 use std::time::Duration;
 
 use iop_bench::deployment::{
-    API_KEY, DeployError, JournalStore, edge_config_head, node_config, write_pki,
+    API_KEY, DeployError, JournalStore, NatsServer, edge_config_head, nats_server_binary,
+    node_config, write_pki,
 };
 use iop_bench::load::{self, Durability, LoadSpec, Target};
 use iop_bench::report::{LoadMode, LoadReport, added_latency_table, load_table};
@@ -23,6 +24,8 @@ struct InProcess {
     edge: RunningEdge,
     node: RunningNode,
     mock: MockServer,
+    /// The `nats` store's server (a process; killed when dropped).
+    nats: Option<NatsServer>,
 }
 
 impl InProcess {
@@ -40,8 +43,18 @@ impl InProcess {
         let mock = MockServer::start(MockScript::default())
             .await
             .expect("mock");
+        let nats = if journal.needs_nats() {
+            Some(NatsServer::start(dir.path()).await.expect("nats-server"))
+        } else {
+            None
+        };
         let mut edge_toml = edge_config_head(0, 0, 256);
-        edge_toml.push_str(&journal.config_section());
+        journal
+            .add_to_edge_config(
+                &mut edge_toml,
+                nats.as_ref().map(NatsServer::url).as_deref(),
+            )
+            .expect("journal config");
         edge_toml.push_str(
             "[[providers]]\nid = \"norm\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\n\
              [[providers]]\nid = \"tun\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\nmode = \"tunnel\"\n\
@@ -70,6 +83,7 @@ impl InProcess {
             edge,
             node,
             mock,
+            nats,
         }
     }
 
@@ -94,6 +108,9 @@ impl InProcess {
     async fn stop(self) {
         let _ = self.node.shutdown().await;
         self.edge.shutdown().await;
+        if let Some(n) = self.nats {
+            n.stop().await;
+        }
     }
 }
 
@@ -362,86 +379,108 @@ async fn fleet_command_connects_every_node_to_one_edge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_scenario_journals_every_durable_run_and_no_ephemeral_one_on_both_stores() {
     for store in [JournalStore::Memory, JournalStore::Embedded] {
-        let d = InProcess::start_with(store).await;
-        let settings = DurableSettings {
-            stores: vec![store],
-            stream_concurrencies: vec![2],
-            rates: vec![40.0],
-            duration: Duration::from_millis(1500),
-            durability: Durability::IdempotencyKey,
-        };
-        let r = scenario::durable_runs(&d, store, &settings)
-            .await
-            .expect("durable scenario");
-        assert_eq!(r.store, store);
-        assert_eq!((r.streaming.len(), r.latency.len()), (1, 1));
-        for (row, stream) in [(&r.streaming[0], true), (&r.latency[0], false)] {
-            let c = &row.comparison;
-            assert_eq!(c.direct.label, "direct");
-            let labels: Vec<&str> = c.via.iter().map(|v| v.label.as_str()).collect();
-            assert_eq!(labels, [EPHEMERAL, DURABLE]);
-            for report in std::iter::once(&c.direct).chain(&c.via) {
-                assert_well_formed(report, stream);
-            }
-            assert!(row.load_avg_before.iter().all(|l| *l >= 0.0));
-            // The journal was read around both runs through iop.
-            assert_eq!(row.journal.len(), 2, "{store:?}: {:?}", row.journal);
-            let ephemeral = row.journal.iter().find(|j| j.target == EPHEMERAL).unwrap();
-            assert!(
-                ephemeral.ops.is_empty(),
-                "{store:?}: an ephemeral run journaled {:?}",
-                ephemeral.ops
-            );
-            let durable = row.journal.iter().find(|j| j.target == DURABLE).unwrap();
-            assert_eq!(durable.durability, Durability::IdempotencyKey);
-            assert_eq!(durable.failed(), 0, "{store:?}: {:?}", durable.ops);
-            // Every durable response (warm-up included) was created once,
-            // appended at least once and finished once.
-            let responses = durable.responses();
-            assert!(responses >= c.via[1].ok, "{store:?}: {:?}", durable.ops);
-            assert!(durable.appends_per_response().unwrap() >= 1.0);
-            assert_eq!(durable.op("finish").map(|f| f.ok), Some(responses));
-            let append = durable.op("append").unwrap();
-            assert_eq!(append.count, append.ok, "every append timed");
-            assert!(append.mean_s().unwrap() >= 0.0);
-            assert!(append.p50_at_most_s <= append.p99_at_most_s);
-            if stream {
-                assert!(durable.chunks_per_ok >= 50.0, "{durable:?}");
-                assert!(row.durable_over_ephemeral_chunks().unwrap() > 0.0);
-            }
-            // In process: no CPU of the Edge's own to read.
-            assert!(row.cpu.is_empty());
-        }
-        let result = scenario::DurableResult { stores: vec![r] };
-        let json = serde_json::to_string(&result).expect("json");
-        let back: scenario::DurableResult = serde_json::from_str(&json).expect("json round trip");
-        assert_eq!(back, result);
-        let md = result.markdown();
-        // Three tables: one row each for streaming and latency, one journal
-        // row per durable run.
-        let rows = md
-            .lines()
-            .filter(|l| l.starts_with(&format!("| {} |", store.as_str())));
-        assert_eq!(rows.count(), 4, "{md}");
-
-        // `"store": true` is the other way to ask: every request journaled.
-        let client = load::client().expect("client");
-        let before = iop_bench::journal::scrape(&client, d.edge.http_addr)
-            .await
-            .expect("scrape");
-        let mut target = d.via("mock");
-        target.durability = Durability::Store;
-        let mut s = spec("stored", target, false, LoadMode::Closed { concurrency: 1 });
-        s.warmup = Duration::ZERO;
-        let r = load::run(&client, &s).await.expect("run");
-        assert_well_formed(&r, false);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let after = iop_bench::journal::scrape(&client, d.edge.http_addr)
-            .await
-            .expect("scrape");
-        let ops = after.since(&before);
-        let created = ops.iter().find(|o| o.op == "create").map_or(0, |o| o.ok);
-        assert_eq!(created, r.requests, "{ops:?}");
-        d.stop().await;
+        durable_scenario_on(store).await;
     }
+}
+
+/// The same on a real `nats-server` (JetStream), when it is installed;
+/// without it the test says why and passes, unless `CI` is set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_scenario_journals_every_durable_run_and_no_ephemeral_one_on_nats() {
+    if nats_server_binary().is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "nats-server is not installed and CI is set: install it (apt-get install -y nats-server)"
+        );
+        eprintln!("skipped: nats-server is not installed (apt-get install -y nats-server)");
+        return;
+    }
+    durable_scenario_on(JournalStore::Nats).await;
+}
+
+/// The durable scenario, shortest form, on an in-process Edge whose journal
+/// is on `store`: well-formed runs, one record per durable response, none
+/// for an ephemeral one.
+async fn durable_scenario_on(store: JournalStore) {
+    let d = InProcess::start_with(store).await;
+    let settings = DurableSettings {
+        stores: vec![store],
+        stream_concurrencies: vec![2],
+        rates: vec![40.0],
+        duration: Duration::from_millis(1500),
+        durability: Durability::IdempotencyKey,
+    };
+    let r = scenario::durable_runs(&d, store, &settings)
+        .await
+        .expect("durable scenario");
+    assert_eq!(r.store, store);
+    assert_eq!((r.streaming.len(), r.latency.len()), (1, 1));
+    for (row, stream) in [(&r.streaming[0], true), (&r.latency[0], false)] {
+        let c = &row.comparison;
+        assert_eq!(c.direct.label, "direct");
+        let labels: Vec<&str> = c.via.iter().map(|v| v.label.as_str()).collect();
+        assert_eq!(labels, [EPHEMERAL, DURABLE]);
+        for report in std::iter::once(&c.direct).chain(&c.via) {
+            assert_well_formed(report, stream);
+        }
+        assert!(row.load_avg_before.iter().all(|l| *l >= 0.0));
+        // The journal was read around both runs through iop.
+        assert_eq!(row.journal.len(), 2, "{store:?}: {:?}", row.journal);
+        let ephemeral = row.journal.iter().find(|j| j.target == EPHEMERAL).unwrap();
+        assert!(
+            ephemeral.ops.is_empty(),
+            "{store:?}: an ephemeral run journaled {:?}",
+            ephemeral.ops
+        );
+        let durable = row.journal.iter().find(|j| j.target == DURABLE).unwrap();
+        assert_eq!(durable.durability, Durability::IdempotencyKey);
+        assert_eq!(durable.failed(), 0, "{store:?}: {:?}", durable.ops);
+        // Every durable response (warm-up included) was created once,
+        // appended at least once and finished once.
+        let responses = durable.responses();
+        assert!(responses >= c.via[1].ok, "{store:?}: {:?}", durable.ops);
+        assert!(durable.appends_per_response().unwrap() >= 1.0);
+        assert_eq!(durable.op("finish").map(|f| f.ok), Some(responses));
+        let append = durable.op("append").unwrap();
+        assert_eq!(append.count, append.ok, "every append timed");
+        assert!(append.mean_s().unwrap() >= 0.0);
+        assert!(append.p50_at_most_s <= append.p99_at_most_s);
+        if stream {
+            assert!(durable.chunks_per_ok >= 50.0, "{durable:?}");
+            assert!(row.durable_over_ephemeral_chunks().unwrap() > 0.0);
+        }
+        // In process: no CPU of the Edge's own to read.
+        assert!(row.cpu.is_empty());
+    }
+    let result = scenario::DurableResult { stores: vec![r] };
+    let json = serde_json::to_string(&result).expect("json");
+    let back: scenario::DurableResult = serde_json::from_str(&json).expect("json round trip");
+    assert_eq!(back, result);
+    let md = result.markdown();
+    // Three tables: one row each for streaming and latency, one journal
+    // row per durable run.
+    let rows = md
+        .lines()
+        .filter(|l| l.starts_with(&format!("| {} |", store.as_str())));
+    assert_eq!(rows.count(), 4, "{md}");
+
+    // `"store": true` is the other way to ask: every request journaled.
+    let client = load::client().expect("client");
+    let before = iop_bench::journal::scrape(&client, d.edge.http_addr)
+        .await
+        .expect("scrape");
+    let mut target = d.via("mock");
+    target.durability = Durability::Store;
+    let mut s = spec("stored", target, false, LoadMode::Closed { concurrency: 1 });
+    s.warmup = Duration::ZERO;
+    let r = load::run(&client, &s).await.expect("run");
+    assert_well_formed(&r, false);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let after = iop_bench::journal::scrape(&client, d.edge.http_addr)
+        .await
+        .expect("scrape");
+    let ops = after.since(&before);
+    let created = ops.iter().find(|o| o.op == "create").map_or(0, |o| o.ok);
+    assert_eq!(created, r.requests, "{ops:?}");
+    d.stop().await;
 }
