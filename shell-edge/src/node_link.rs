@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use iop_core::edge::flood::{Flood, FrameBudget};
 use iop_core::ids::{Generation, NodeId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend, accept_framed};
@@ -24,19 +25,16 @@ use iop_transport::clock::Clock;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The most frames attributed to another (stale) generation one connection
-/// may send. A node racing its own reconnect sends a handful; past this the
-/// connection is a flood and is closed with `protocol_error` (R-LIM-4), so
-/// a peer cannot fill the hub's queue with them.
-pub const MAX_STALE_FRAMES_PER_CONNECTION: u32 = 64;
+/// may send (core's rule, `iop_core::edge::flood`).
+pub use iop_core::edge::flood::MAX_STALE_FRAMES_PER_CONNECTION;
 
-/// Count one stale frame of `node`'s connection; `Err` once past the bound.
-fn stale_frame(node: &NodeId, count: &mut u32) -> Result<(), CloseCode> {
-    *count = count.saturating_add(1);
-    if *count > MAX_STALE_FRAMES_PER_CONNECTION {
-        tracing::warn!(event = "edge_node_stale_frame_flood", node = %node);
-        return Err(CloseCode::ProtocolError);
-    }
-    Ok(())
+/// A connection past one of its budgets (R-LIM-4) is closed with
+/// `protocol_error`.
+fn flooded(node: &NodeId, result: Result<(), Flood>) -> Result<(), CloseCode> {
+    result.map_err(|flood| {
+        tracing::warn!(event = "edge_node_frame_flood", node = %node, flood = flood.as_str());
+        CloseCode::ProtocolError
+    })
 }
 
 /// Settings of every link.
@@ -185,7 +183,7 @@ async fn handshake(
             return Ok(None);
         }
     };
-    let mut stale = 0u32;
+    let mut budget = FrameBudget::new(iop_core::time::Instant::ZERO);
     loop {
         match recv.recv::<NodeControl>().await? {
             Some(NodeControl::Ready(ready)) if ready.generation == generation => {
@@ -204,7 +202,7 @@ async fn handshake(
                 return Ok(Some((generation, send, recv)));
             }
             Some(NodeControl::Ready(late)) => {
-                if let Err(code) = stale_frame(node, &mut stale) {
+                if let Err(code) = flooded(node, budget.stale_frame()) {
                     close_connection(conn, code);
                     hub.link_closed(node.clone(), generation, code);
                     return Ok(None);
@@ -237,7 +235,7 @@ async fn control_loop(
     settings: LinkSettings,
 ) -> CloseCode {
     let mut heartbeat = Heartbeat::new(clock.now(), settings.heartbeat);
-    let mut stale = 0u32;
+    let mut budget = FrameBudget::new(clock.now());
     loop {
         let wake = heartbeat.poll_timeout();
         tokio::select! {
@@ -246,18 +244,21 @@ async fn control_loop(
                 Ok(Some(NodeControl::Pong(hb))) => heartbeat.handle_pong(clock.now(), hb.seq),
                 Ok(Some(NodeControl::Closing { code })) => return code,
                 Ok(Some(NodeControl::Ready(r))) if r.generation != generation => {
-                    if let Err(code) = stale_frame(node, &mut stale) {
+                    if let Err(code) = flooded(node, budget.stale_frame()) {
                         return code;
                     }
                     hub.late_message(node.clone(), r.generation);
                 }
                 Ok(Some(NodeControl::ConfigApplied { generation: g })) if g != generation => {
-                    if let Err(code) = stale_frame(node, &mut stale) {
+                    if let Err(code) = flooded(node, budget.stale_frame()) {
                         return code;
                     }
                     hub.late_message(node.clone(), g);
                 }
                 Ok(Some(NodeControl::Parked { runs })) => {
+                    if let Err(code) = flooded(node, budget.parked_report(clock.now())) {
+                        return code;
+                    }
                     hub.parked(node.clone(), generation, runs);
                 }
                 Ok(Some(NodeControl::Register(_))) => return CloseCode::ProtocolError,

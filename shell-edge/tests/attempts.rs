@@ -377,3 +377,45 @@ async fn a_node_flooding_stale_frames_is_disconnected() {
     })
     .await;
 }
+
+/// R-LIM-4: parked-run reports on a live connection (R-PARK-2) are
+/// budgeted per window: a node within it is served, one past it is
+/// disconnected (protocol error), so it cannot fill the hub's queue.
+#[tokio::test]
+async fn a_node_flooding_parked_run_reports_is_disconnected() {
+    use iop_core::edge::flood::PARKED_REPORTS_PER_WINDOW;
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let edge = edge(&pki).await;
+        let mut raw = RawNode::connect(&pki, &edge, 4).await;
+        let generation = raw.register().await;
+        raw.send
+            .send(&NodeControl::Ready(NodeReadyRequest { generation }))
+            .await
+            .unwrap();
+        loop {
+            match raw.recv.recv::<EdgeControl>().await.unwrap() {
+                Some(EdgeControl::ReadyAck(a)) => {
+                    assert!(a.accepted);
+                    break;
+                }
+                Some(_) => continue,
+                None => panic!("control stream ended"),
+            }
+        }
+        let report = NodeControl::Parked { runs: Vec::new() };
+        for _ in 0..PARKED_REPORTS_PER_WINDOW {
+            raw.send.send(&report).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(raw.conn.close_reason().is_none(), "within the budget");
+        raw.send.send(&report).await.unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(5), raw.conn.closed())
+            .await
+            .expect("closed past the budget");
+        let code = iop_transport::close_code_of(&closed);
+        assert_eq!(code, Some(iop_wire::CloseCode::ProtocolError), "{closed:?}");
+        edge.shutdown().await;
+    })
+    .await;
+}

@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod dispatch;
 pub mod durable;
+pub mod flood;
 pub mod gate;
 pub mod generations;
 pub mod health;

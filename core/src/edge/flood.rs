@@ -1,0 +1,117 @@
+//! What one node connection may send that costs the Edge work without an
+//! answer (R-LIM-4): past its budget the connection is a flood, closed with
+//! `protocol_error` and counted, so a peer cannot fill the hub's queue.
+//!
+//! * Frames of another (stale) generation: a node racing its own reconnect
+//!   sends a handful; [`MAX_STALE_FRAMES_PER_CONNECTION`] over the
+//!   connection's life.
+//! * Parked-run reports on a live connection (R-PARK-2, R-MULTI-1): a node
+//!   sends one when runs park because another Edge's connection was lost;
+//!   [`PARKED_REPORTS_PER_WINDOW`] per [`PARKED_REPORT_WINDOW`].
+
+use std::time::Duration;
+
+use crate::time::Instant;
+
+/// Stale-generation frames one connection may send in its life.
+pub const MAX_STALE_FRAMES_PER_CONNECTION: u32 = 64;
+
+/// Parked-run reports one connection may send per [`PARKED_REPORT_WINDOW`].
+pub const PARKED_REPORTS_PER_WINDOW: u32 = 32;
+
+/// The window of [`PARKED_REPORTS_PER_WINDOW`].
+pub const PARKED_REPORT_WINDOW: Duration = Duration::from_secs(10);
+
+/// Which budget a connection overran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Flood {
+    /// Frames of another generation.
+    StaleFrames,
+    /// Parked-run reports.
+    ParkedReports,
+}
+
+impl Flood {
+    /// The stable lower-case name (a closed log and metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Flood::StaleFrames => "stale_frames",
+            Flood::ParkedReports => "parked_reports",
+        }
+    }
+}
+
+/// One connection's budgets (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrameBudget {
+    stale: u32,
+    parked_since: Instant,
+    parked: u32,
+}
+
+impl FrameBudget {
+    /// The budgets of a connection ready at `now`.
+    pub fn new(now: Instant) -> Self {
+        Self {
+            stale: 0,
+            parked_since: now,
+            parked: 0,
+        }
+    }
+
+    /// One more frame of a stale generation.
+    pub fn stale_frame(&mut self) -> Result<(), Flood> {
+        self.stale = self.stale.saturating_add(1);
+        if self.stale > MAX_STALE_FRAMES_PER_CONNECTION {
+            return Err(Flood::StaleFrames);
+        }
+        Ok(())
+    }
+
+    /// One more parked-run report at `now`.
+    pub fn parked_report(&mut self, now: Instant) -> Result<(), Flood> {
+        if now.saturating_duration_since(self.parked_since) >= PARKED_REPORT_WINDOW {
+            self.parked_since = now;
+            self.parked = 0;
+        }
+        self.parked = self.parked.saturating_add(1);
+        if self.parked > PARKED_REPORTS_PER_WINDOW {
+            return Err(Flood::ParkedReports);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn r_lim_4_stale_frames_are_a_flood_past_the_bound_of_the_connection() {
+        let mut b = FrameBudget::new(Instant::ZERO);
+        for _ in 0..MAX_STALE_FRAMES_PER_CONNECTION {
+            assert_eq!(b.stale_frame(), Ok(()));
+        }
+        assert_eq!(b.stale_frame(), Err(Flood::StaleFrames));
+    }
+
+    #[test]
+    fn r_lim_4_parked_reports_are_budgeted_per_window() {
+        let t0 = Instant::from_millis(1_000);
+        let mut b = FrameBudget::new(t0);
+        for _ in 0..PARKED_REPORTS_PER_WINDOW {
+            assert_eq!(b.parked_report(t0), Ok(()));
+        }
+        assert_eq!(b.parked_report(t0), Err(Flood::ParkedReports));
+        // A node that reports at a steady pace never runs out.
+        let mut b = FrameBudget::new(t0);
+        let step = PARKED_REPORT_WINDOW / PARKED_REPORTS_PER_WINDOW;
+        let mut now = t0;
+        for _ in 0..10 * PARKED_REPORTS_PER_WINDOW {
+            assert_eq!(b.parked_report(now), Ok(()));
+            now = now.saturating_add(step);
+        }
+        assert_eq!(Flood::ParkedReports.as_str(), "parked_reports");
+    }
+}
