@@ -519,6 +519,9 @@ pub async fn run(
     // R-MULTI-1). Those parked before were in the registration.
     let mut parked = shared.parking.subscribe();
     parked.borrow_and_update();
+    // A report waits a moment, gathering the runs that park meanwhile, so
+    // the node's pace stays within the Edge's budget (R-LIM-4).
+    let mut report_due: Option<tokio::time::Instant> = None;
 
     let end = loop {
         let wake =
@@ -567,7 +570,13 @@ pub async fn run(
                 }
             },
             Some(msg) = link_rx.recv() => link.on_link_msg(msg),
-            Ok(()) = parked.changed() => {
+            Ok(()) = parked.changed(), if report_due.is_none() => {
+                report_due = Some(
+                    tokio::time::Instant::now() + iop_core::edge::flood::PARKED_REPORT_DELAY,
+                );
+            },
+            () = tokio::time::sleep_until(report_due.unwrap_or_else(tokio::time::Instant::now)), if report_due.is_some() => {
+                report_due = None;
                 let runs = shared.parking.parked_reports();
                 if !runs.is_empty() && send.send(&NodeControl::Parked { runs }).await.is_err() {
                     break LinkEnd::Closed { was_ready: true, code: CloseCode::Normal };

@@ -22,6 +22,11 @@ pub const PARKED_REPORTS_PER_WINDOW: u32 = 32;
 /// The window of [`PARKED_REPORTS_PER_WINDOW`].
 pub const PARKED_REPORT_WINDOW: Duration = Duration::from_secs(10);
 
+/// How long a node waits after runs park before it reports them on a live
+/// connection, gathering the runs that park meanwhile into one report:
+/// its pace stays well within [`PARKED_REPORTS_PER_WINDOW`].
+pub const PARKED_REPORT_DELAY: Duration = Duration::from_millis(500);
+
 /// Which budget a connection overran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -113,5 +118,11 @@ mod tests {
             now = now.saturating_add(step);
         }
         assert_eq!(Flood::ParkedReports.as_str(), "parked_reports");
+    }
+
+    #[test]
+    fn a_node_reporting_at_its_own_pace_stays_within_the_edges_budget() {
+        let most = PARKED_REPORT_WINDOW.as_millis() / PARKED_REPORT_DELAY.as_millis() + 1;
+        assert!(most < u128::from(PARKED_REPORTS_PER_WINDOW), "{most}");
     }
 }
