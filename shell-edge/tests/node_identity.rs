@@ -1,6 +1,7 @@
 //! Node identity under hostile conditions: a revoked node certificate is
 //! refused at the handshake (and admitted again when taken off the list, a
-//! SIGHUP reload), node connections are capped, and two processes with one
+//! SIGHUP reload), a connection ends when its certificate expires, node
+//! connections are capped, and two processes with one
 //! node certificate do not take the node from each other every second.
 
 mod common;
@@ -123,6 +124,56 @@ async fn two_processes_with_one_node_certificate_do_not_flap() {
         assert!(node_state(&snap, "node-1").1, "one of them holds the node");
         first.shutdown().await.unwrap();
         second.shutdown().await.unwrap();
+        edge.shutdown().await;
+    })
+    .await;
+}
+
+/// A node connection lives no longer than its certificate: node-1's
+/// certificate expires three seconds after it connects; the Edge closes
+/// the open connection `unauthorized` then (the handshake alone would let
+/// it run for as long as it stays up), and the node's redials are refused.
+#[tokio::test]
+async fn a_node_connection_ends_when_its_certificate_expires() {
+    bounded(async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        let certs = pki.certs();
+        let ca_cert = std::fs::read_to_string(certs.join("ca.pem")).unwrap();
+        let ca_key = std::fs::read_to_string(certs.join("ca.key")).unwrap();
+        let short = iop_transport::pki::issue_node_cert(
+            &ca_cert,
+            &ca_key,
+            "node-1",
+            iop_transport::pki::Validity::from_now(Duration::from_secs(3)),
+        )
+        .unwrap();
+        std::fs::write(certs.join("node-node-1.pem"), &short.cert_pem).unwrap();
+        std::fs::write(certs.join("node-node-1.key"), &short.key_pem).unwrap();
+        let edge = RunningEdge::start(edge_config(&pki, 0, providers()))
+            .await
+            .unwrap();
+        let node = start_node(&pki, "node-1", edge.quic_addr, &mock_provider_node("m"));
+        ready_generation(&edge, "node-1").await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        let closed = |n: &iop_node::RunningNode| n.shared().edges[0].last_close();
+        while closed(&node) != Some(iop_wire::CloseCode::Unauthorized) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "still open: {:?}",
+                closed(&node)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let snap = edge.hub.snapshot().await.unwrap();
+        assert!(!node_state(&snap, "node-1").1, "{snap:?}");
+        let registrations = snap.fences;
+        // Redials with the expired certificate never get past the TLS
+        // handshake (no session ticket resumes it): no registration more.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let snap = edge.hub.snapshot().await.unwrap();
+        assert!(!node_state(&snap, "node-1").1, "{snap:?}");
+        assert_eq!(snap.fences, registrations, "{snap:?}");
+        node.shutdown().await.unwrap();
         edge.shutdown().await;
     })
     .await;

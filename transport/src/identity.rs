@@ -70,6 +70,13 @@ pub fn validate_node_id(id: &str) -> Result<(), IdentityError> {
     Ok(())
 }
 
+/// The last second a DER certificate is valid (its `notAfter`), in Unix
+/// seconds; `None` if it cannot be read.
+pub fn cert_not_after_unix(der: &[u8]) -> Option<i64> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    Some(cert.validity().not_after.timestamp())
+}
+
 /// The node id a DER certificate carries as its SAN URI `node://<id>`.
 ///
 /// Refuses certificates without such a URI, with two different ones, or

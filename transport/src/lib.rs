@@ -52,7 +52,7 @@ pub use endpoint::{
 pub use framed::{
     FrameLimits, FramedError, FramedRecv, FramedSend, accept_framed, framed_for_side, open_framed,
 };
-pub use identity::{IdentityError, node_id_from_cert, validate_node_id};
+pub use identity::{IdentityError, cert_not_after_unix, node_id_from_cert, validate_node_id};
 pub use pki::{
     DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki,
     insecure_secret_file_mode, issue_node_cert, load_ca, load_cert_chain, load_private_key,

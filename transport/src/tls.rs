@@ -161,9 +161,11 @@ impl CertDenylist {
 }
 
 /// Close `conn` with `unauthorized` as soon as its peer's leaf certificate
-/// is on `denylist` (at once if it already is); ends with the connection.
-/// The Edge runs one per node connection, so a revocation (a SIGHUP
-/// reload) ends a connection already open, not only the next handshake.
+/// is on `denylist` (at once if it already is), or expires; ends with the
+/// connection. The Edge runs one per node connection, so a revocation (a
+/// SIGHUP reload) or an expiry ends a connection already open, not only
+/// the next handshake (R-LIM-1's maximum age, for node connections: a
+/// certificate's own lifetime).
 pub async fn enforce_denylist(conn: quinn::Connection, denylist: CertDenylist) {
     let leaf = conn
         .peer_identity()
@@ -172,6 +174,7 @@ pub async fn enforce_denylist(conn: quinn::Connection, denylist: CertDenylist) {
     let Some(leaf) = leaf else {
         return;
     };
+    let not_after = crate::identity::cert_not_after_unix(&leaf);
     tokio::select! {
         () = denylist.denied(&leaf) => {
             tracing::warn!(
@@ -180,7 +183,36 @@ pub async fn enforce_denylist(conn: quinn::Connection, denylist: CertDenylist) {
             );
             crate::close_connection(&conn, iop_wire::CloseCode::Unauthorized);
         }
+        () = expiry(not_after) => {
+            tracing::warn!(
+                event = "edge_expired_node_connection_closed",
+                fingerprint = %hex(&cert_fingerprint(&leaf))
+            );
+            crate::close_connection(&conn, iop_wire::CloseCode::Unauthorized);
+        }
         _ = conn.closed() => {}
+    }
+}
+
+/// Resolves once the wall clock is past `not_after` (Unix seconds; the
+/// certificate is valid through that second); never without one. Sleeps
+/// at most an hour at a time and reads the clock again, so a long-lived
+/// certificate or a clock step is handled.
+async fn expiry(not_after: Option<i64>) {
+    let Some(not_after) = not_after else {
+        return std::future::pending().await;
+    };
+    let end_ms = u64::try_from(not_after.saturating_add(1))
+        .unwrap_or(0)
+        .saturating_mul(1000);
+    loop {
+        let now = crate::clock::unix_ms();
+        if now >= end_ms {
+            return;
+        }
+        let wait = std::time::Duration::from_millis(end_ms - now)
+            .min(std::time::Duration::from_secs(3600));
+        tokio::time::sleep(wait).await;
     }
 }
 
@@ -277,6 +309,12 @@ pub fn server_config_with_denylist(
         .with_single_cert(cfg.cert_chain.clone(), cfg.key.clone_key())
         .map_err(TransportError::LocalTlsConfig)?;
     config.alpn_protocols = vec![iop_wire::ALPN.to_vec()];
+    // No session resumption: a resumed handshake skips the client
+    // certificate's verification, so a node whose certificate expired or
+    // was revoked could come back on a ticket of its last connection.
+    // Every node connection proves its certificate again.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
     Ok(config)
 }
 
