@@ -88,9 +88,8 @@ impl RawNode {
         }
     }
 
-    /// Report ready, then answer heartbeats in the background for as long
-    /// as the connection lives.
-    async fn ready_and_keep_alive(mut self, generation: u64) -> quinn::Connection {
+    /// Report ready and wait until the Edge accepts it.
+    async fn ready(&mut self, generation: u64) {
         self.send
             .send(&NodeControl::Ready(NodeReadyRequest { generation }))
             .await
@@ -99,12 +98,18 @@ impl RawNode {
             match self.recv.recv::<EdgeControl>().await.unwrap() {
                 Some(EdgeControl::ReadyAck(a)) => {
                     assert!(a.accepted);
-                    break;
+                    return;
                 }
                 Some(_) => continue,
                 None => panic!("control stream ended"),
             }
         }
+    }
+
+    /// Report ready, then answer heartbeats in the background for as long
+    /// as the connection lives.
+    async fn ready_and_keep_alive(mut self, generation: u64) -> quinn::Connection {
+        self.ready(generation).await;
         let conn = self.conn.clone();
         tokio::spawn(async move {
             while let Ok(Some(frame)) = self.recv.recv::<EdgeControl>().await {
@@ -389,20 +394,7 @@ async fn a_node_flooding_parked_run_reports_is_disconnected() {
         let edge = edge(&pki).await;
         let mut raw = RawNode::connect(&pki, &edge, 4).await;
         let generation = raw.register().await;
-        raw.send
-            .send(&NodeControl::Ready(NodeReadyRequest { generation }))
-            .await
-            .unwrap();
-        loop {
-            match raw.recv.recv::<EdgeControl>().await.unwrap() {
-                Some(EdgeControl::ReadyAck(a)) => {
-                    assert!(a.accepted);
-                    break;
-                }
-                Some(_) => continue,
-                None => panic!("control stream ended"),
-            }
-        }
+        raw.ready(generation).await;
         let report = NodeControl::Parked { runs: Vec::new() };
         for _ in 0..PARKED_REPORTS_PER_WINDOW {
             raw.send.send(&report).await.unwrap();

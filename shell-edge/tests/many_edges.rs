@@ -36,11 +36,6 @@ const LEASE_TTL_MS: u64 = 1_000;
 /// How long a parked run waits for an Edge (short: nothing adopts here).
 const PARK_GRACE_MS: u64 = 500;
 
-/// The whole text of an answer of `tokens` mock tokens.
-fn expected_text(tokens: u32) -> String {
-    (0..tokens).map(iop_node::mock::token_text).collect()
-}
-
 /// The config of Edge `edge_id` on the journal at `nats_url`; its own
 /// state directory, its QUIC and HTTP ports (0: any).
 fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
@@ -147,29 +142,6 @@ fn url(edge: &RunningEdge, path: &str) -> String {
     format!("http://{}{path}", edge.http_addr)
 }
 
-/// `(id, data)` of each complete SSE event of `text`.
-fn events(text: &str) -> Vec<(u64, Value)> {
-    let complete = match text.rfind("\n\n") {
-        Some(end) => &text[..end + 2],
-        None => "",
-    };
-    complete
-        .split("\n\n")
-        .filter_map(|event| {
-            let mut id = None;
-            let mut data = None;
-            for line in event.lines() {
-                if let Some(v) = line.strip_prefix("id: ") {
-                    id = v.parse().ok();
-                } else if let Some(v) = line.strip_prefix("data: ") {
-                    data = serde_json::from_str(v).ok();
-                }
-            }
-            Some((id?, data?))
-        })
-        .collect()
-}
-
 fn text_of(events: &[(u64, Value)]) -> String {
     events
         .iter()
@@ -229,7 +201,7 @@ async fn object_when(edge_url: &str, id: &str, what: &str, done: impl Fn(&Value)
 async fn read_events(r: &mut reqwest::Response, n: usize) -> Vec<(u64, Value)> {
     let mut text = String::new();
     loop {
-        let seen = events(&text);
+        let seen = sse_events(&text);
         if seen.len() >= n {
             return seen;
         }
@@ -281,7 +253,7 @@ async fn a_stream_through_one_edge_resumes_live_on_another_and_a_retry_there_att
         ))
         .await;
         assert_eq!(status, 200, "{rest}");
-        let rest = events(&rest);
+        let rest = sse_events(&rest);
         assert_eq!(
             rest.first().map(|(n, _)| *n),
             Some(last + 1),
@@ -294,7 +266,7 @@ async fn a_stream_through_one_edge_resumes_live_on_another_and_a_retry_there_att
         let mut joined = seen.clone();
         joined.extend(rest);
         let (_, full) = get(url(&d.b, &format!("/v1/responses/{id}?stream=true"))).await;
-        assert_eq!(joined, events(&full), "the concatenation is the stream");
+        assert_eq!(joined, sse_events(&full), "the concatenation is the stream");
         assert_eq!(text_of(&joined), expected_text(TOKENS));
         // The same request again, on B: the same response, nothing runs.
         let retry = post(url(&d.b, "/v1/responses"), &body, Some("order-1"))
@@ -309,7 +281,7 @@ async fn a_stream_through_one_edge_resumes_live_on_another_and_a_retry_there_att
                 .and_then(|v| v.to_str().ok()),
             Some("true")
         );
-        let replayed = events(&retry.text().await.unwrap());
+        let replayed = sse_events(&retry.text().await.unwrap());
         assert_eq!(replayed, joined);
         assert_eq!(d.mock.requests(), 1, "one provider call (R-IDEM-1)");
         // Each Edge sees the other's lease.
@@ -340,16 +312,6 @@ async fn a_stream_through_one_edge_resumes_live_on_another_and_a_retry_there_att
 struct EdgeProcess {
     child: tokio::process::Child,
     http: String,
-}
-
-fn free_tcp_port() -> u16 {
-    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    tcp.local_addr().unwrap().port()
-}
-
-fn free_udp_port() -> u16 {
-    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    udp.local_addr().unwrap().port()
 }
 
 /// Start `iop-edge run` and wait until its node is ready (bounded).
@@ -448,7 +410,7 @@ async fn a_killed_edges_unfinished_responses_are_ended_by_a_live_one_after_its_l
                 "{object}"
             );
             let (_, full) = get(format!("{b_url}/v1/responses/{id}?stream=true")).await;
-            let full = events(&full);
+            let full = sse_events(&full);
             assert!(
                 full.len() > seen.len() && full[..seen.len()] == seen[..],
                 "{id}: every event a client saw is durable and in place (R-JRN-1)"
@@ -464,7 +426,7 @@ async fn a_killed_edges_unfinished_responses_are_ended_by_a_live_one_after_its_l
             ))
             .await;
             let mut joined = seen.clone();
-            joined.extend(events(&rest));
+            joined.extend(sse_events(&rest));
             assert_eq!(
                 joined, full,
                 "{id}: the resume is exactly the rest (R-JRN-2)"
@@ -612,7 +574,7 @@ capacity = 64
             ))
             .await;
             assert_eq!(status, 200, "{rest}");
-            let rest = events(&rest);
+            let rest = sse_events(&rest);
             assert_eq!(
                 rest.first().map(|(n, _)| *n),
                 Some(last + 1),
@@ -628,7 +590,7 @@ capacity = 64
             let (_, full) = get(format!("{b_url}/v1/responses/{id}?stream=true")).await;
             assert_eq!(
                 joined,
-                events(&full),
+                sse_events(&full),
                 "{id}: the concatenation is the stream"
             );
             assert_eq!(text_of(&joined), expected_text(LONG_TOKENS), "{id}");
@@ -639,7 +601,7 @@ capacity = 64
                     .await
                     .unwrap();
                 assert_eq!(retry.status(), 200);
-                assert_eq!(events(&retry.text().await.unwrap()), joined);
+                assert_eq!(sse_events(&retry.text().await.unwrap()), joined);
             }
         }
         let calls: u64 = mocks.iter().map(MockServer::requests).sum();

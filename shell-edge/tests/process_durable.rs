@@ -25,23 +25,6 @@ const STREAMS: usize = 8;
 /// Tokens of each answer.
 const TOKENS: u32 = 60;
 
-/// The whole text of an answer of `tokens` mock tokens.
-fn expected_text(tokens: u32) -> String {
-    (0..tokens).map(iop_node::mock::token_text).collect()
-}
-
-/// A TCP port free now (the Edge binds it a moment later).
-fn free_tcp_port() -> u16 {
-    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    tcp.local_addr().unwrap().port()
-}
-
-/// A UDP port free now.
-fn free_udp_port() -> u16 {
-    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    udp.local_addr().unwrap().port()
-}
-
 struct EdgeProcess {
     child: tokio::process::Child,
     http: String,
@@ -88,29 +71,6 @@ async fn start_edge(config: &std::path::Path, http_port: u16) -> EdgeProcess {
     EdgeProcess { child, http }
 }
 
-/// `(id, data)` of each SSE event in `text` (complete events only).
-fn events(text: &str) -> Vec<(u64, Value)> {
-    let complete = match text.rfind("\n\n") {
-        Some(end) => &text[..end + 2],
-        None => "",
-    };
-    complete
-        .split("\n\n")
-        .filter_map(|event| {
-            let mut id = None;
-            let mut data = None;
-            for line in event.lines() {
-                if let Some(v) = line.strip_prefix("id: ") {
-                    id = v.parse().ok();
-                } else if let Some(v) = line.strip_prefix("data: ") {
-                    data = serde_json::from_str(v).ok();
-                }
-            }
-            Some((id?, data?))
-        })
-        .collect()
-}
-
 /// Stream one durable response until the connection breaks or ends: its
 /// id and the events the client saw.
 async fn stream_until_cut(http: String, n: usize) -> (Option<String>, Vec<(u64, Value)>) {
@@ -129,7 +89,7 @@ async fn stream_until_cut(http: String, n: usize) -> (Option<String>, Vec<(u64, 
     while let Ok(Some(chunk)) = r.chunk().await {
         text.push_str(&String::from_utf8_lossy(&chunk));
     }
-    let seen = events(&text);
+    let seen = sse_events(&text);
     let id = seen
         .first()
         .and_then(|(_, d)| d["response"]["id"].as_str())
@@ -236,15 +196,16 @@ admin = true
                 let after = seen
                     .last()
                     .map_or(String::new(), |(n, _)| format!("&starting_after={n}"));
-                let rest = events(
+                let rest = sse_events(
                     &get_text(format!(
                         "{}/v1/responses/{id}?stream=true{after}",
                         edge.http
                     ))
                     .await,
                 );
-                let full =
-                    events(&get_text(format!("{}/v1/responses/{id}?stream=true", edge.http)).await);
+                let full = sse_events(
+                    &get_text(format!("{}/v1/responses/{id}?stream=true", edge.http)).await,
+                );
                 assert!(
                     full.len() >= seen.len() && full[..seen.len()] == seen[..],
                     "{id}: every event a client saw is durable and in place (R-JRN-1)"

@@ -194,3 +194,44 @@ pub fn write_secret(path: &Path, text: &str) {
         .expect("secret file");
     std::io::Write::write_all(&mut file, text.as_bytes()).expect("secret written");
 }
+
+/// The whole text of an answer of `tokens` mock tokens.
+pub fn expected_text(tokens: u32) -> String {
+    (0..tokens).map(iop_node::mock::token_text).collect()
+}
+
+/// A TCP port free now (a process binds it a moment later).
+pub fn free_tcp_port() -> u16 {
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    tcp.local_addr().unwrap().port()
+}
+
+/// A UDP port free now.
+pub fn free_udp_port() -> u16 {
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    udp.local_addr().unwrap().port()
+}
+
+/// `(id, data)` of each SSE event in `text` with both an `id:` and a JSON
+/// `data:` line (complete events only).
+pub fn sse_events(text: &str) -> Vec<(u64, serde_json::Value)> {
+    let complete = match text.rfind("\n\n") {
+        Some(end) => &text[..end + 2],
+        None => "",
+    };
+    complete
+        .split("\n\n")
+        .filter_map(|event| {
+            let mut id = None;
+            let mut data = None;
+            for line in event.lines() {
+                if let Some(v) = line.strip_prefix("id: ") {
+                    id = v.parse().ok();
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(v).ok();
+                }
+            }
+            Some((id?, data?))
+        })
+        .collect()
+}
