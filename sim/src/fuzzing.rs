@@ -266,6 +266,12 @@ impl DispatchModel {
             assert_eq!(v.recovery, expected, "R-CAP-1: {key:?} seq {seq}");
             if expected == RecoveryOutcome::Recovered {
                 self.lowered.remove(&key);
+            }
+            // Every fresh `available` moves the freshness mark (R-OVL-2).
+            if matches!(
+                expected,
+                RecoveryOutcome::Recovered | RecoveryOutcome::NotLowered
+            ) {
                 self.last_seq.insert(key, seq);
             }
         }

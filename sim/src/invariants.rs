@@ -541,6 +541,12 @@ impl Checker {
             }
             if expected == RecoveryOutcome::Recovered {
                 self.lowered.remove(&key);
+            }
+            // Every fresh `available` moves the freshness mark (R-OVL-2).
+            if matches!(
+                expected,
+                RecoveryOutcome::Recovered | RecoveryOutcome::NotLowered
+            ) {
                 self.last_seq.insert(key, seq);
             }
         }

@@ -158,10 +158,13 @@ impl Overlay {
         if health != ProviderHealth::Available {
             return RecoveryOutcome::NotAvailable;
         }
+        // A newer `available` is applied even when there is nothing to
+        // raise: evidence older than it must not lower the provider later
+        // (R-OVL-2's freshness mark moves with it).
+        entry.last_seq = Some(seq);
         if !entry.lowered {
             return RecoveryOutcome::NotLowered;
         }
-        entry.last_seq = Some(seq);
         entry.lowered = false;
         RecoveryOutcome::Recovered
     }
@@ -189,6 +192,28 @@ mod tests {
 
     fn p() -> ProviderId {
         ProviderId::from("p")
+    }
+
+    /// R-OVL-2, R-CAP-1: a newer `available` answer that finds the
+    /// provider not lowered still moves the freshness mark, so stall
+    /// evidence older than it, arriving later, does not lower it.
+    #[test]
+    fn a_newer_available_answer_moves_the_freshness_mark_even_with_nothing_to_raise() {
+        let mut o = Overlay::new();
+        assert_eq!(
+            o.apply_capability(&p(), 1, 5, ProviderHealth::Available),
+            RecoveryOutcome::NotLowered
+        );
+        assert_eq!(o.last_seq(&p(), 1), Some(5));
+        assert_eq!(
+            o.apply_stall_evidence(&p(), 1, Some(3), ProviderHealth::Unavailable),
+            EvidenceOutcome::Stale
+        );
+        assert!(!o.is_lowered(&p(), 1), "older evidence does not lower it");
+        assert_eq!(
+            o.apply_stall_evidence(&p(), 1, Some(6), ProviderHealth::Unavailable),
+            EvidenceOutcome::Lowered
+        );
     }
 
     #[test]

@@ -988,6 +988,13 @@ fn check_capabilities_effect(
         };
         if expected == RecoveryOutcome::Recovered {
             m.lowered.remove(&key);
+        }
+        // Every fresh `available` is applied, with or without a provider
+        // to raise: it moves the freshness mark (R-OVL-2).
+        if matches!(
+            expected,
+            RecoveryOutcome::Recovered | RecoveryOutcome::NotLowered
+        ) {
             m.last_seq.insert(key, seq);
         }
         prop_assert_eq!(
