@@ -77,11 +77,20 @@ pub enum PlantedBug {
     /// restart scan ends records under the dead owner's epoch and a zombie
     /// write of that owner still lands.
     TakeoverWithoutRaise,
+    /// R-PARK-2: an adoption replays every frame the parked run still
+    /// keeps, as if the Edge resumed from frame 0, instead of those after
+    /// the Edge's resume point (`RunPark::adopt`): frames the journal
+    /// already holds but the node had no ack for yet are published again.
+    ResumeFromZero,
+    /// R-PARK-2, R-JRN-2: an off-by-one in the adoption's replay filter
+    /// (`RunPark::adopt`) skips the first frame after the resume point: the
+    /// client's answer loses the output the provider produced there.
+    ReplaySkipsAFrame,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 13] = [
+    pub const ALL: [PlantedBug; 15] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -95,6 +104,8 @@ impl PlantedBug {
         PlantedBug::AppendIgnoresEpoch,
         PlantedBug::SecondJournalTerminal,
         PlantedBug::TakeoverWithoutRaise,
+        PlantedBug::ResumeFromZero,
+        PlantedBug::ReplaySkipsAFrame,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -109,8 +120,9 @@ impl PlantedBug {
     }
 
     /// Whether the bug is planted for a thread ([`plant_in_thread`]) rather
-    /// than in one machine: it lives in the journal's rules or the publisher
-    /// of durable responses, which neither fuzz harness drives.
+    /// than in one machine: it lives in the journal's rules, the publisher
+    /// of durable responses or a node's park machine (one per durable run,
+    /// generic over its frames), which neither fuzz harness drives.
     pub fn in_thread_scope(self) -> bool {
         matches!(
             self,
@@ -118,6 +130,8 @@ impl PlantedBug {
                 | PlantedBug::AppendIgnoresEpoch
                 | PlantedBug::SecondJournalTerminal
                 | PlantedBug::TakeoverWithoutRaise
+                | PlantedBug::ResumeFromZero
+                | PlantedBug::ReplaySkipsAFrame
         )
     }
 
@@ -137,6 +151,8 @@ impl PlantedBug {
             PlantedBug::AppendIgnoresEpoch => "append-ignores-epoch",
             PlantedBug::SecondJournalTerminal => "second-journal-terminal",
             PlantedBug::TakeoverWithoutRaise => "takeover-without-raise",
+            PlantedBug::ResumeFromZero => "resume-from-zero",
+            PlantedBug::ReplaySkipsAFrame => "replay-skips-a-frame",
         }
     }
 
@@ -324,6 +340,8 @@ mod tests {
                         | PlantedBug::AppendIgnoresEpoch
                         | PlantedBug::SecondJournalTerminal
                         | PlantedBug::TakeoverWithoutRaise
+                        | PlantedBug::ResumeFromZero
+                        | PlantedBug::ReplaySkipsAFrame
                 )
             );
         }
@@ -393,6 +411,35 @@ mod tests {
             matches!(again, Some(JournalWrite::Finish { .. })),
             "{again:?}"
         );
+    }
+
+    #[test]
+    fn resume_from_zero_replays_frames_the_journal_already_holds() {
+        use crate::node::park::RunPark;
+        let replay = with_thread_bug(PlantedBug::ResumeFromZero, || {
+            let mut p: RunPark<u64> = RunPark::new(Duration::from_secs(1), 100);
+            for f in 1..=3 {
+                p.produced(f, 1, false);
+            }
+            p.acked(1);
+            p.detached(T);
+            p.adopt(2).expect("adopted")
+        });
+        assert_eq!(replay, vec![(2, 2), (3, 3)], "frame 2 again");
+    }
+
+    #[test]
+    fn replay_skips_a_frame_loses_the_first_frame_after_the_resume_point() {
+        use crate::node::park::RunPark;
+        let replay = with_thread_bug(PlantedBug::ReplaySkipsAFrame, || {
+            let mut p: RunPark<u64> = RunPark::new(Duration::from_secs(1), 100);
+            for f in 1..=3 {
+                p.produced(f, 1, false);
+            }
+            p.detached(T);
+            p.adopt(1).expect("adopted")
+        });
+        assert_eq!(replay, vec![(3, 3)], "frame 2 lost");
     }
 
     #[test]

@@ -175,6 +175,13 @@ pub struct JournalProfile {
     /// (`--store-faults`): the sync fails (an I/O error); none of its
     /// writes is applied and each is answered `Store(..)`.
     pub sync_failure_ppm: u32,
+    /// How long a node keeps a durable run going without its connection
+    /// (R-PARK-1); zero: durable runs do not park (the request's
+    /// `park_grace_ms` is 0 and its run carries no `ParkSpec`).
+    pub park_grace: Duration,
+    /// The bytes of frames one parked run keeps before it stops reading
+    /// its provider (R-PARK-1: a full buffer pauses the provider).
+    pub park_kept_bytes: usize,
 }
 
 impl JournalProfile {
@@ -330,6 +337,8 @@ impl SimConfig {
                 zombie_late_max: Duration::ZERO,
                 crash_point_ppm: 0,
                 sync_failure_ppm: 0,
+                park_grace: Duration::ZERO,
+                park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
             },
         };
         // The tracker's refresh is the capabilities cadence; its backoff cap
@@ -372,6 +381,8 @@ impl SimConfig {
             zombie_late_max: Duration::ZERO,
             crash_point_ppm: rng.swarm(700_000, 1_000, 40_000),
             sync_failure_ppm: 0,
+            park_grace: Duration::ZERO,
+            park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
         };
         // Late zombies land around the takeover's raise and terminal: within
         // one or two of the store's longest round trips of the start.
@@ -382,6 +393,16 @@ impl SimConfig {
         // Edge have them (the others keep their coverage of everything else).
         if config.faults.edge_restart_ppm == 0 {
             config.journal.crash_point_ppm = 0;
+        }
+        // Parked runs (R-PARK-1/2), drawn last: in 7 worlds of 10 durable
+        // runs park for a grace from shorter than a reconnect (they expire)
+        // to long enough for any; in a third of those the kept frames are
+        // bounded tightly enough to pause the provider.
+        if rng.chance(700_000) {
+            config.journal.park_grace = rng.millis(50, 4_000);
+            if rng.chance(PPM / 3) {
+                config.journal.park_kept_bytes = rng.range(64, 800) as usize;
+            }
         }
         config
     }
@@ -485,6 +506,18 @@ impl SimConfig {
     /// written (one); one more covers the first raise.
     pub fn takeover_bound(&self) -> Duration {
         self.journal.zombie_late_max + self.journal.round_trip_max() * 4
+    }
+
+    /// How long an Edge start leaves a record it did not write for its
+    /// node to report the run parked (R-TAKE-1, R-PARK-2): the park grace
+    /// and the slack for the node's reconnect and report (the shell's
+    /// `park_window`); zero when runs do not park.
+    pub fn park_window(&self) -> Duration {
+        if self.journal.park_grace.is_zero() {
+            Duration::ZERO
+        } else {
+            self.journal.park_grace + iop_core::edge::request::PARK_REPORT_SLACK
+        }
     }
 
     /// Liveness bound B_request: every client request ends (one terminal, a

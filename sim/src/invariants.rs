@@ -161,6 +161,9 @@ pub struct Checker {
     provider_calls: BTreeSet<(ConnId, RunId)>,
     node_runs: BTreeMap<(ConnId, RunId), NodeRunModel>,
     conn_seq: BTreeMap<ConnId, u64>,
+    /// Observation sequence numbers each connection issued for stall
+    /// terminals (R-SEQ-1 at the Edge).
+    stall_seqs: BTreeSet<(ConnId, u64)>,
     // Durable responses, across incarnations.
     journal: journal::JournalModel,
 }
@@ -187,6 +190,7 @@ impl Checker {
             provider_calls: BTreeSet::new(),
             node_runs: BTreeMap::new(),
             conn_seq: BTreeMap::new(),
+            stall_seqs: BTreeSet::new(),
             journal: journal::JournalModel::default(),
         }
     }
@@ -769,8 +773,34 @@ impl Checker {
         }
     }
 
+    /// A node emitted a stall terminal on `conn` with observation sequence
+    /// number `seq`.
+    pub fn stall_seq_issued(&mut self, conn: ConnId, seq: Option<u64>) {
+        if let Some(seq) = seq {
+            self.stall_seqs.insert((conn, seq));
+        }
+    }
+
+    /// The Edge read a stall terminal on `conn` carrying `seq`: it must be
+    /// one that connection's sequence issued for a stall terminal (R-SEQ-1:
+    /// evidence is read under the generation of the connection it arrives
+    /// on, so evidence of another connection would be misattributed).
+    pub fn stall_evidence_received(&mut self, conn: ConnId, seq: Option<u64>) {
+        if let Some(seq) = seq
+            && !self.stall_seqs.contains(&(conn, seq))
+        {
+            self.fail(
+                "R-SEQ-1",
+                format!(
+                    "a stall terminal on {conn:?} carries observation sequence number {seq}, which that connection did not issue (evidence of another connection)"
+                ),
+            );
+        }
+    }
+
     /// A node connection ended: forget its runs (bounded state).
     pub fn node_conn_ended(&mut self, conn: ConnId) {
+        self.stall_seqs.retain(|(c, _)| *c != conn);
         self.node_runs.retain(|(c, _), _| *c != conn);
         self.provider_calls.retain(|(c, _)| *c != conn);
         self.conn_seq.remove(&conn);

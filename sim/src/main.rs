@@ -251,6 +251,21 @@ fn real_main() -> Result<ExitCode, String> {
                     s.resumed_events,
                 );
             }
+            if s.runs_parked > 0 || s.parked_reported > 0 {
+                println!(
+                    "parked runs: {} parked, {} reported, {} adoptions sent ({} accepted, {} refused), {} taken over by adoption, {} expired, {} died with their node, {} offers let go, {} provider reads put off",
+                    s.runs_parked,
+                    s.parked_reported,
+                    s.adoptions_sent,
+                    s.node_adoptions,
+                    s.adoptions_refused,
+                    s.takeover_adoptions,
+                    s.park_expired,
+                    s.durable_runs_crashed,
+                    s.offers_released,
+                    s.park_paused,
+                );
+            }
             if let Some((hash, lines)) = &report.trace_hash {
                 println!("trace hash {hash} over {lines} lines");
             }

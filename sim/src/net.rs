@@ -82,6 +82,20 @@ pub enum Payload {
     CommandResult(CommandResult),
     /// The connection-close frame with its code.
     Close(CloseCode),
+    /// Edge to Node, on a durable run's stream: every frame through
+    /// `through_frame` is durable (`RunStreamFrame::Ack`, R-PARK-1).
+    RunAck {
+        /// The run on this connection.
+        run_id: u64,
+        /// The last durable frame.
+        through_frame: u64,
+    },
+    /// Node to Edge: the run's stream was reset (an adoption the node
+    /// refused, R-PARK-2); the Edge reads the stream's end.
+    RunReset {
+        /// The run on this connection.
+        run_id: u64,
+    },
 }
 
 impl Payload {

@@ -59,8 +59,8 @@ use iop_core::edge::dispatch::{
 use iop_core::edge::gate::{AttemptEvent, AttemptFrame, GateBudget, GateEnd};
 use iop_core::edge::overlay::EvidenceOutcome;
 use iop_core::edge::request::{
-    Delivery, NodeFrame, OpenFailure, Request, RequestInput, RequestObservation, RequestOutput,
-    RequestSpec,
+    AdoptSpec, Delivery, NodeFrame, OpenFailure, Request, RequestInput, RequestObservation,
+    RequestOutput, RequestSpec,
 };
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
@@ -74,7 +74,7 @@ use iop_wire::{
     CommandResultBody, ConfigSnapshot, DataRequest, EdgeControl, ExecutionFailure, FailureCode,
     FinishReason, GenerationParams, Heartbeat as HeartbeatMsg, NodeControl, NodeReadyRequest,
     NodeReadyResponse, PROTOCOL_VERSION, RegisterRequest, RegisterResponse, RunApi, RunEvent,
-    RunEventKind, RunRequest, TargetHealth, Usage,
+    RunEventKind, RunKey, RunRequest, TargetHealth, Usage,
 };
 use serde::Serialize;
 
@@ -93,6 +93,7 @@ use crate::trace::{
 };
 
 mod durable;
+mod park;
 
 /// The most steps the drain phase may take before the run is declared
 /// stuck.
@@ -118,17 +119,27 @@ pub enum Bug {
     DoubleProviderCall,
     /// Restart the Edge without the persisted generation floor.
     ForgetGenerationFloor,
+    /// A node replays a parked run's stall terminal verbatim on the
+    /// adopting connection, with the observation sequence number and
+    /// evidence of the connection it was produced on (what `iop-node`
+    /// does today, see docs/simulation.md).
+    ReplayStaleEvidence,
 }
 
 impl Bug {
     /// Every planted bug.
-    pub const ALL: [Bug; 2] = [Bug::DoubleProviderCall, Bug::ForgetGenerationFloor];
+    pub const ALL: [Bug; 3] = [
+        Bug::DoubleProviderCall,
+        Bug::ForgetGenerationFloor,
+        Bug::ReplayStaleEvidence,
+    ];
 
     /// The name on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
             Bug::DoubleProviderCall => "double-provider-call",
             Bug::ForgetGenerationFloor => "forget-generation-floor",
+            Bug::ReplayStaleEvidence => "replay-stale-evidence",
         }
     }
 
@@ -257,6 +268,30 @@ pub struct Stats {
     pub resumes: u64,
     /// Events resumed clients read from the store.
     pub resumed_events: u64,
+    /// Durable runs parked by their node when their connection ended (R-PARK-1).
+    pub runs_parked: u64,
+    /// Provider reads a parked or attached durable run put off because its kept frames were at their bound (R-PARK-1).
+    pub park_paused: u64,
+    /// Parked runs whose grace ended without an adoption (R-PARK-1).
+    pub park_expired: u64,
+    /// Durable runs (attached or parked) that died with their node's process.
+    pub durable_runs_crashed: u64,
+    /// Parked runs a node reported at registration and the dispatcher held (R-PARK-2).
+    pub parked_reported: u64,
+    /// Adoptions sent to a node (R-PARK-2).
+    pub adoptions_sent: u64,
+    /// Adoptions a node accepted: the run replayed after the resume point and went on live.
+    pub node_adoptions: u64,
+    /// Adoptions a node refused (the run attached, over, or without the frames asked for) or did not know.
+    pub adoptions_refused: u64,
+    /// Records taken over by adopting their parked run after an Edge restart (R-TAKE-1): the epoch raised, the run adopted.
+    pub takeover_adoptions: u64,
+    /// Parked runs offered that no request took (their held capacity let go).
+    pub offers_released: u64,
+    /// Adoptions whose record gained events between the offer's read and
+    /// the raise (a dead owner's append): the resume point read after the
+    /// raise is used.
+    pub adoption_reads_moved: u64,
     /// Failed requests by failure kind (`GateFailure::as_str`).
     pub failures: BTreeMap<String, u64>,
 }
@@ -309,6 +344,17 @@ impl Stats {
         self.durable_cancels += o.durable_cancels;
         self.resumes += o.resumes;
         self.resumed_events += o.resumed_events;
+        self.runs_parked += o.runs_parked;
+        self.park_paused += o.park_paused;
+        self.park_expired += o.park_expired;
+        self.durable_runs_crashed += o.durable_runs_crashed;
+        self.parked_reported += o.parked_reported;
+        self.adoptions_sent += o.adoptions_sent;
+        self.node_adoptions += o.node_adoptions;
+        self.adoptions_refused += o.adoptions_refused;
+        self.takeover_adoptions += o.takeover_adoptions;
+        self.offers_released += o.offers_released;
+        self.adoption_reads_moved += o.adoption_reads_moved;
         for (k, v) in &o.failures {
             *self.failures.entry(k.clone()).or_default() += v;
         }
@@ -530,6 +576,42 @@ enum Event {
         record: String,
         incarnation: u64,
     },
+    /// The provider call of a durable run takes its next step (the run
+    /// outlives its connection, so it is named by its key).
+    DurableStep {
+        node: usize,
+        process: u64,
+        key: RunKey,
+    },
+    /// A cancel reaches a durable run's provider.
+    DurableCancel {
+        node: usize,
+        process: u64,
+        key: RunKey,
+    },
+    /// A canceled durable run's provider call returns.
+    DurableReturn {
+        node: usize,
+        process: u64,
+        key: RunKey,
+    },
+    /// A parked run's grace may have ended (R-PARK-1).
+    ParkExpire {
+        node: usize,
+        process: u64,
+        key: RunKey,
+    },
+    /// Parked runs a node reported reach the Edge's adoption task
+    /// (R-PARK-2).
+    ParkedOffers {
+        incarnation: u64,
+        offers: Vec<iop_core::edge::dispatch::ParkedOffer>,
+    },
+    /// The takeover scan looks again at the records it leaves for their
+    /// nodes to report (R-TAKE-1).
+    TakeoverScan {
+        incarnation: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -590,6 +672,13 @@ struct EdgeProc {
     pending_creates: BTreeMap<RequestId, durable::PendingCreate>,
     /// Records being taken over.
     takeovers: BTreeMap<String, durable::Takeover>,
+    /// Parked runs being taken over: their record's epoch is being raised
+    /// for the request that will adopt them (R-TAKE-1, R-PARK-2).
+    adoptions: BTreeMap<RequestId, park::PendingAdoption>,
+    /// The takeover scan, when records wait for their nodes' reports.
+    scan: Option<iop_core::journal::TakeoverScan>,
+    /// The records the scan still waits on (those unfinished at start).
+    scan_waiting: BTreeSet<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -607,6 +696,63 @@ struct Call {
     stage: CallStage,
     canceled: bool,
     returned: bool,
+}
+
+impl Call {
+    /// The call's next output by its plan and when the one after it is
+    /// due; `None` when nothing comes out (a stall, or it is idle).
+    fn advance(&mut self) -> Option<(ProviderEvent, Option<Duration>)> {
+        let plan = self.plan;
+        match self.stage {
+            CallStage::NotStarted => {
+                self.stage = CallStage::Emitting(0);
+                let next = (plan.ending != Ending::Hang).then_some(plan.prefill);
+                if next.is_none() {
+                    self.stage = CallStage::Idle;
+                }
+                Some((ProviderEvent::Neutral, next))
+            }
+            CallStage::Emitting(k) => {
+                if matches!(plan.ending, Ending::StallAfter(s) if k >= s) {
+                    self.stage = CallStage::Idle;
+                    return None;
+                }
+                if k < plan.tokens {
+                    self.stage = CallStage::Emitting(k + 1);
+                    Some((
+                        ProviderEvent::Progress(iop_core::node::watchdog::Progress::Content),
+                        Some(plan.token_gap),
+                    ))
+                } else {
+                    self.stage = CallStage::Idle;
+                    self.returned = true;
+                    let outcome = match plan.ending {
+                        Ending::Error => ProviderOutcome::Failed(ExecutionFailure::new(
+                            FailureCode::ProviderError,
+                        )),
+                        Ending::Abrupt => ProviderOutcome::Failed(ExecutionFailure::new(
+                            FailureCode::ProviderUnreachable,
+                        )),
+                        Ending::Complete | Ending::StallAfter(_) | Ending::Hang => {
+                            ProviderOutcome::Completed
+                        }
+                    };
+                    Some((ProviderEvent::Returned(outcome), None))
+                }
+            }
+            CallStage::Idle => None,
+        }
+    }
+
+    /// The token the call emitted last (1 for its first), for the text it
+    /// carries: each token of one call is told apart, so output published
+    /// twice is seen (R-PARK-2).
+    fn token(&self) -> u32 {
+        match self.stage {
+            CallStage::Emitting(k) => k,
+            _ => 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -637,6 +783,9 @@ struct SimNode {
     backoff: Backoff,
     link: Link,
     providers: Vec<usize>,
+    /// Durable runs (R-PARK-1), attached or parked: they outlive their
+    /// connection, not their process.
+    durable: BTreeMap<RunKey, park::NodeDurableRun>,
 }
 
 /// One simulated world.
@@ -674,6 +823,10 @@ pub struct World {
     /// Records their request left open (a known core issue, reported as a
     /// finding): the drain does not wait for them.
     orphans: BTreeSet<String>,
+    /// The record of each durable run sent and not yet started on its
+    /// node, by connection and run id: the provider-once check of
+    /// R-PARK-2 counts provider calls per response.
+    run_records: BTreeMap<(ConnId, RunId), String>,
 }
 
 impl Drop for World {
@@ -721,6 +874,7 @@ impl World {
                 providers: (0..cfg.providers_per_node)
                     .map(|k| n * cfg.providers_per_node + k)
                     .collect(),
+                durable: BTreeMap::new(),
             })
             .collect();
         let mut checker = Checker::new(WatchdogTiming {
@@ -758,6 +912,7 @@ impl World {
             journal: SimJournal::new(iop_core::journal::JournalLimits::default()),
             durable_clients: BTreeMap::new(),
             orphans: BTreeSet::new(),
+            run_records: BTreeMap::new(),
             cfg,
         };
         world
@@ -1102,6 +1257,19 @@ impl World {
                 record,
                 incarnation,
             } => self.follower_leave(record, incarnation),
+            Event::DurableStep { node, process, key } => self.durable_step(node, process, key),
+            Event::DurableCancel { node, process, key } => {
+                self.durable_cancel(node, process, key);
+            }
+            Event::DurableReturn { node, process, key } => {
+                self.durable_return(node, process, key);
+            }
+            Event::ParkExpire { node, process, key } => self.park_expire(node, process, key),
+            Event::ParkedOffers {
+                incarnation,
+                offers,
+            } => self.parked_offers(incarnation, offers),
+            Event::TakeoverScan { incarnation } => self.takeover_rescan(incarnation),
         }
     }
 
@@ -1206,6 +1374,9 @@ impl World {
             fenced_leases: BTreeMap::new(),
             pending_creates: BTreeMap::new(),
             takeovers: BTreeMap::new(),
+            adoptions: BTreeMap::new(),
+            scan: None,
+            scan_waiting: BTreeSet::new(),
         });
         self.checker.edge_started();
         let at = self.now + self.cfg.capabilities_interval;
@@ -1276,7 +1447,8 @@ impl World {
             Payload::RunEvent(ev) => self.edge_run_event(conn, ev),
             Payload::CommandResult(result) => self.edge_command_result(conn, stream, result),
             Payload::Close(code) => self.edge_conn_ended(conn, code),
-            Payload::EdgeControl(_) | Payload::Data(_) => {}
+            Payload::RunReset { run_id } => self.edge_run_reset(conn, run_id),
+            Payload::EdgeControl(_) | Payload::Data(_) | Payload::RunAck { .. } => {}
         }
     }
 
@@ -1385,7 +1557,10 @@ impl World {
                 }
             }
             NodeControl::Closing { code } => self.edge_conn_ended(conn, code),
-            // Simulated nodes park nothing.
+            // A live connection's report of runs parked since it
+            // registered: with one Edge a node's runs park only when its
+            // one connection ends, so simulated nodes never send it (they
+            // report at registration).
             NodeControl::Parked { .. } => {}
             NodeControl::ConfigApplied { .. } => {}
         }
@@ -1587,8 +1762,19 @@ impl World {
                 | DispatchOutput::Registered { .. }
                 | DispatchOutput::ReadyAnswer { .. }
                 | DispatchOutput::Health(_) => {}
-                // Simulated nodes park nothing: no run is reported.
-                DispatchOutput::ParkedRuns { .. } => {}
+                // R-PARK-2: the adoption task takes them (a hop later).
+                DispatchOutput::ParkedRuns { runs, .. } => {
+                    if let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) {
+                        self.stats.parked_reported += runs.len() as u64;
+                        self.schedule(
+                            self.now,
+                            Event::ParkedOffers {
+                                incarnation,
+                                offers: runs,
+                            },
+                        );
+                    }
+                }
                 DispatchOutput::StallEvidence { outcome, .. } => match outcome {
                     EvidenceOutcome::Lowered => self.stats.lowerings += 1,
                     EvidenceOutcome::Stale => self.stats.stale_evidence += 1,
@@ -1739,11 +1925,28 @@ impl World {
                 lease,
                 tunnel: _,
                 deadline_ms,
-                adopt: _,
+                adopt,
                 continuation: _,
-            } => self.open_attempt(rid, lease, deadline_ms),
-            // Simulated runs are never parked (R-PARK-1 is the node's).
-            RequestOutput::AckFrames { .. } => {}
+            } => self.open_attempt(rid, lease, deadline_ms, adopt),
+            // The node drops what is durable (R-PARK-1).
+            RequestOutput::AckFrames { through_frame } => {
+                let running = self
+                    .edge
+                    .as_ref()
+                    .and_then(|e| e.requests.get(&rid))
+                    .and_then(|r| r.running);
+                if let Some((conn, run_id)) = running {
+                    self.transmit(
+                        conn,
+                        Dir::EdgeToNode,
+                        StreamKey::Run(run_id),
+                        Payload::RunAck {
+                            run_id,
+                            through_frame,
+                        },
+                    );
+                }
+            }
             RequestOutput::CloseAttempt => {
                 let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
                     return;
@@ -1841,7 +2044,14 @@ impl World {
                 }
                 HubCheck::None
             }
-            RequestCommand::Adopt { .. } => HubCheck::None,
+            RequestCommand::Adopt { .. } => {
+                // An adoption's lease comes from its run's held capacity,
+                // not from a selection (R-PARK-2): no R-SEL-1 hints apply.
+                if let Some(r) = edge.requests.get_mut(&rid) {
+                    r.admitted_with = None;
+                }
+                HubCheck::None
+            }
             RequestCommand::PreSend { lease_id, .. } => HubCheck::PreSend {
                 lease_id: *lease_id,
                 fenced: edge.fenced_leases.contains_key(lease_id),
@@ -1900,8 +2110,16 @@ impl World {
         }
     }
 
-    /// The request's `Open`: send the run on the lease's connection.
-    fn open_attempt(&mut self, rid: RequestId, lease: Lease, deadline_ms: u64) {
+    /// The request's `Open`: send the run on the lease's connection (or
+    /// the adoption of its parked run, R-PARK-2).
+    fn open_attempt(
+        &mut self,
+        rid: RequestId,
+        lease: Lease,
+        deadline_ms: u64,
+        adopt: Option<AdoptSpec>,
+    ) {
+        let park_grace_ms = duration_ms(self.cfg.journal.park_grace);
         let node = self.node_index(&lease.node);
         let Some(edge) = &mut self.edge else {
             return;
@@ -1914,6 +2132,43 @@ impl World {
             return;
         };
         let run_id = lease.run_id;
+        let record = edge.requests.get(&rid).and_then(|r| r.durable.clone());
+        if let Some(r) = edge.requests.get_mut(&rid) {
+            r.running = Some((conn, run_id));
+        }
+        if let Some(c) = edge.conns.get_mut(&conn) {
+            c.runs.insert(run_id, rid);
+        }
+        if let Some(adopt) = adopt {
+            let request = iop_wire::AdoptRequest {
+                run_id,
+                key: adopt.key,
+                response_id: record.unwrap_or_default(),
+                resume_after_frame: adopt.resume_after_frame,
+                response_stall_timeout_ms: lease.stall_timeout_ms,
+                deadline_ms,
+            };
+            self.stats.adoptions_sent += 1;
+            self.transmit(
+                conn,
+                Dir::EdgeToNode,
+                StreamKey::Run(run_id),
+                Payload::Data(DataRequest::Adopt(request)),
+            );
+            self.request_input(rid, RequestInput::Opened);
+            return;
+        }
+        // A durable run outlives its connection when runs park (R-PARK-1).
+        let park = record
+            .as_ref()
+            .filter(|_| park_grace_ms > 0)
+            .map(|record| iop_wire::ParkSpec {
+                response_id: record.clone(),
+                grace_ms: park_grace_ms,
+            });
+        if let Some(record) = record {
+            self.run_records.insert((conn, run_id), record);
+        }
         let request = RunRequest {
             run_id,
             session_id: format!("r{rid}"),
@@ -1928,15 +2183,9 @@ impl World {
             deadline_ms,
             credential_lease: None,
             trace_context: None,
-            park: None,
+            park,
             continue_final: false,
         };
-        if let Some(r) = edge.requests.get_mut(&rid) {
-            r.running = Some((conn, run_id));
-        }
-        if let Some(c) = edge.conns.get_mut(&conn) {
-            c.runs.insert(run_id, rid);
-        }
         self.transmit(
             conn,
             Dir::EdgeToNode,
@@ -1959,6 +2208,12 @@ impl World {
         if ev.kind.is_terminal() {
             c.runs.remove(&ev.run_id);
             self.net.stream_done(conn, StreamKey::Run(ev.run_id));
+        }
+        if let RunEventKind::Failed(f) = &ev.kind
+            && f.code == FailureCode::ResponseStalled
+        {
+            self.checker
+                .stall_evidence_received(conn, f.health_observation_seq);
         }
         let Some(r) = edge.requests.get(&rid) else {
             return;
@@ -2344,7 +2599,8 @@ impl World {
                 providers,
                 max_concurrent_runs: 64,
                 recipient_public_key: None,
-                parked: Vec::new(),
+                // R-PARK-2: the durable runs an Edge may adopt.
+                parked: self.parked_reports(node),
             })),
         );
     }
@@ -2393,6 +2649,11 @@ impl World {
                     self.drain_node_heartbeat(node);
                 }
                 EdgeControl::Cancel(iop_wire::Cancel { run_id }) => {
+                    // A durable run's Edge canceled it: it ends here.
+                    self.durable_canceled(node, conn, run_id);
+                    let Some(nc) = nconn(&mut self.nodes, node) else {
+                        return;
+                    };
                     nc.watchdog.cancel(now, run_id, CancelReason::Client);
                     self.drain_watchdog(node);
                 }
@@ -2400,8 +2661,11 @@ impl World {
                 EdgeControl::ConfigRefresh(ConfigSnapshot { .. }) => {}
             },
             Payload::Data(DataRequest::Run(request)) => self.node_start_run(node, request),
-            // Simulated nodes park nothing, so there is nothing to adopt.
-            Payload::Data(DataRequest::Adopt(_)) => {}
+            Payload::Data(DataRequest::Adopt(request)) => self.node_adopt(node, conn, request),
+            Payload::RunAck {
+                run_id,
+                through_frame,
+            } => self.node_run_ack(node, conn, run_id, through_frame),
             Payload::Data(DataRequest::Command(command)) => {
                 if matches!(command.kind, CommandKind::Capabilities { .. }) {
                     let delay = self.rng.millis(1, duration_ms(self.cfg.probe_delay_max));
@@ -2419,7 +2683,10 @@ impl World {
             }
             Payload::Data(DataRequest::Tunnel(_)) => {}
             Payload::Close(code) => self.node_conn_ended(node, code),
-            Payload::NodeControl(_) | Payload::RunEvent(_) | Payload::CommandResult(_) => {}
+            Payload::NodeControl(_)
+            | Payload::RunEvent(_)
+            | Payload::CommandResult(_)
+            | Payload::RunReset { .. } => {}
         }
         let _ = stream;
     }
@@ -2480,6 +2747,8 @@ impl World {
         };
         let conn = nc.conn;
         self.net.close(conn);
+        // Durable runs park instead of being canceled (R-DISC-1, R-PARK-1).
+        self.detach_durable(node, conn);
         if let Some(nc) = nconn(&mut self.nodes, node) {
             nc.watchdog.cancel_all(now, CancelReason::Disconnect);
         }
@@ -2517,10 +2786,14 @@ impl World {
                 );
             }
         }
+        // Its durable runs die with it, parked or not: their provider calls
+        // end (nothing reports them any more).
+        self.stats.durable_runs_crashed += self.nodes[node].durable.len() as u64;
         let n = &mut self.nodes[node];
         n.up = false;
         n.process += 1;
         n.link = Link::Idle;
+        n.durable.clear();
         let down = self
             .rng
             .millis(10, duration_ms(self.cfg.faults.node_down_max));
@@ -2560,6 +2833,10 @@ impl World {
         if double {
             self.checker.provider_called(conn, run_id);
         }
+        if let Some(record) = self.run_records.remove(&(conn, run_id)) {
+            // R-PARK-2: one provider call per durable response.
+            self.checker.durable_provider_called(&self.journal, &record);
+        }
         self.stats.provider_calls += 1;
         let plan = if faults {
             CallPlan::faulty(
@@ -2579,6 +2856,21 @@ impl World {
             .iter()
             .position(|p| p.target == request.target)
             .unwrap_or(0);
+        if let Some(spec) = request.park {
+            let generation = nc.generation.unwrap_or(0);
+            self.start_durable(
+                node,
+                conn,
+                &request.target,
+                spec,
+                provider,
+                plan,
+                stall,
+                generation,
+                run_id,
+            );
+            return;
+        }
         nc.calls.insert(
             run_id,
             Call {
@@ -2656,46 +2948,10 @@ impl World {
         let Some(call) = self.call_of(node, process, conn, run_id) else {
             return;
         };
-        let plan = call.plan;
-        let (event, next) = match call.stage {
-            CallStage::NotStarted => {
-                call.stage = CallStage::Emitting(0);
-                let next = (plan.ending != Ending::Hang).then_some(plan.prefill);
-                if next.is_none() {
-                    call.stage = CallStage::Idle;
-                }
-                (ProviderEvent::Neutral, next)
-            }
-            CallStage::Emitting(k) => {
-                if matches!(plan.ending, Ending::StallAfter(s) if k >= s) {
-                    call.stage = CallStage::Idle;
-                    return;
-                }
-                if k < plan.tokens {
-                    call.stage = CallStage::Emitting(k + 1);
-                    (
-                        ProviderEvent::Progress(iop_core::node::watchdog::Progress::Content),
-                        Some(plan.token_gap),
-                    )
-                } else {
-                    call.stage = CallStage::Idle;
-                    call.returned = true;
-                    let outcome = match plan.ending {
-                        Ending::Error => ProviderOutcome::Failed(ExecutionFailure::new(
-                            FailureCode::ProviderError,
-                        )),
-                        Ending::Abrupt => ProviderOutcome::Failed(ExecutionFailure::new(
-                            FailureCode::ProviderUnreachable,
-                        )),
-                        Ending::Complete | Ending::StallAfter(_) | Ending::Hang => {
-                            ProviderOutcome::Completed
-                        }
-                    };
-                    (ProviderEvent::Returned(outcome), None)
-                }
-            }
-            CallStage::Idle => return,
+        let Some((event, next)) = call.advance() else {
+            return;
         };
+        let token = call.token();
         if let Some(after) = next {
             self.schedule(
                 now + after,
@@ -2707,7 +2963,7 @@ impl World {
                 },
             );
         }
-        self.report_provider_event(node, conn, run_id, event);
+        self.report_provider_event(node, conn, run_id, event, token);
     }
 
     /// Report a provider output to the watchdog and forward it if allowed.
@@ -2717,6 +2973,7 @@ impl World {
         conn: ConnId,
         run_id: RunId,
         event: ProviderEvent,
+        token: u32,
     ) {
         let now = self.now;
         let returned = matches!(event, ProviderEvent::Returned(_));
@@ -2724,7 +2981,7 @@ impl World {
             ProviderEvent::Neutral => Some(RunEventKind::Started {
                 session_id: format!("s{run_id}"),
             }),
-            ProviderEvent::Progress(_) => Some(RunEventKind::TextDelta("tok".into())),
+            ProviderEvent::Progress(_) => Some(RunEventKind::TextDelta(format!("tok{token}"))),
             ProviderEvent::Returned(_) => None,
         };
         let Some(nc) = nconn(&mut self.nodes, node) else {
@@ -2793,6 +3050,7 @@ impl World {
             ProviderEvent::Returned(ProviderOutcome::Failed(ExecutionFailure::new(
                 FailureCode::Canceled,
             ))),
+            0,
         );
     }
 
@@ -2836,6 +3094,13 @@ impl World {
             };
             match out {
                 WatchdogOutput::CancelProvider { run_id } => {
+                    if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
+                        self.durable_cancel_later(node, key);
+                        continue;
+                    }
+                    let Some(nc) = nconn(&mut self.nodes, node) else {
+                        return;
+                    };
                     let latency = nc.calls.get(&run_id).map(|c| c.plan.cancel_latency);
                     if let Some(latency) = latency {
                         self.schedule(
@@ -2851,10 +3116,12 @@ impl World {
                 }
                 WatchdogOutput::StartProbe { run_id } => {
                     self.checker.stall_claimed(conn, run_id);
-                    let frozen = nc
-                        .calls
-                        .get(&run_id)
-                        .is_some_and(|c| self.frozen_until[c.provider] > now);
+                    let provider = nc.calls.get(&run_id).map(|c| c.provider).or_else(|| {
+                        park::attached_key(&self.nodes[node], conn, run_id)
+                            .and_then(|k| self.nodes[node].durable.get(&k))
+                            .map(|r| r.call.provider)
+                    });
+                    let frozen = provider.is_some_and(|p| self.frozen_until[p] > now);
                     let answer = if frozen {
                         // A frozen provider does not answer its probe either.
                         ProbeAnswer::Timeout
@@ -2889,11 +3156,18 @@ impl World {
                             if f.code == FailureCode::ResponseStalled {
                                 self.stats.stalls += 1;
                                 self.checker.observation_seq(conn, f.health_observation_seq);
+                                self.checker
+                                    .stall_seq_issued(conn, f.health_observation_seq);
                             }
                             RunEventKind::Failed(f)
                         }
                     };
-                    self.send_run_event(node, run_id, kind);
+                    if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
+                        // A durable run's last frame, kept until acked.
+                        self.durable_produce(node, key, kind, true);
+                    } else {
+                        self.send_run_event(node, run_id, kind);
+                    }
                     self.net.stream_done(conn, StreamKey::Run(run_id));
                 }
                 WatchdogOutput::StallObserved { .. } => {}

@@ -119,6 +119,14 @@ fn bounded_swarm_holds_every_invariant() {
     assert!(t.zombies_accepted > 0 && t.zombies_fenced_open > 0, "{t:?}");
     assert!(t.durable_left > 0 && t.durable_cancels > 0, "{t:?}");
     assert!(t.resumes > 0 && t.resumed_events > 0, "{t:?}");
+    // Parked runs (R-PARK-1/2, R-TAKE-1): runs parked when their
+    // connection ended, reported, adopted by the request waiting for them
+    // and, after an Edge restart, by a takeover; parked runs that expired
+    // or died with their node, and providers put off by a full buffer.
+    assert!(t.runs_parked > 0 && t.parked_reported > 0, "{t:?}");
+    assert!(t.node_adoptions > 0 && t.takeover_adoptions > 0, "{t:?}");
+    assert!(t.park_expired > 0 && t.durable_runs_crashed > 0, "{t:?}");
+    assert!(t.park_paused > 0, "{t:?}");
 }
 
 /// The swarm `cargo test` runs on every change: 2,000 strict seeds on every
@@ -150,6 +158,8 @@ fn ci_swarm_of_2000_seeds_holds_every_invariant() {
     assert!(t.stale_evidence > 0 && t.lowerings > 0, "{t:?}");
     assert!(t.durable_requests > 0 && t.takeovers > 0, "{t:?}");
     assert!(t.zombies_fenced > 0 && t.resumes > 0, "{t:?}");
+    assert!(t.runs_parked > 0 && t.node_adoptions > 0, "{t:?}");
+    assert!(t.takeover_adoptions > 0 && t.park_expired > 0, "{t:?}");
     println!(
         "CI swarm: {CI_SWARM_SEEDS} seeds x {CI_SWARM_STEPS} steps ({} steps with the drain) on {threads} threads in {:.1}s",
         t.steps,
@@ -313,9 +323,10 @@ fn malformed_traces_are_refused_with_a_reason() {
 /// `tests/planted_core_bugs.rs`).
 #[test]
 fn planted_world_bugs_are_caught_by_the_invariants() {
-    let expectations: [(Bug, &[&str], u64); 2] = [
+    let expectations: [(Bug, &[&str], u64); 3] = [
         (Bug::DoubleProviderCall, &["provider-once"], 5),
         (Bug::ForgetGenerationFloor, &["R-GEN-1"], 200),
+        (Bug::ReplayStaleEvidence, &["R-SEQ-1"], 400),
     ];
     for (bug, rules, max_seeds) in expectations {
         let caught = (0..max_seeds).find_map(|seed| {

@@ -242,6 +242,8 @@ impl<F: Clone> RunPark<F> {
                 first_kept,
             });
         }
+        #[cfg(feature = "planted-bugs")]
+        let resume_after = planted_resume_point(resume_after);
         self.state = ParkState::Attached;
         self.acked(resume_after);
         if self.state == ParkState::Over {
@@ -288,6 +290,20 @@ impl<F: Clone> RunPark<F> {
     #[must_use]
     pub fn poll_output(&mut self) -> Option<ParkOutput> {
         self.outputs.pop_front()
+    }
+}
+
+/// Planted `ResumeFromZero` and `ReplaySkipsAFrame`: the replay's
+/// filter starts at frame 0, or one frame late (see [`crate::planted`]).
+#[cfg(feature = "planted-bugs")]
+fn planted_resume_point(resume_after: u64) -> u64 {
+    use crate::planted::{PlantedBug, in_thread};
+    if in_thread(PlantedBug::ResumeFromZero) {
+        0
+    } else if in_thread(PlantedBug::ReplaySkipsAFrame) {
+        resume_after + 1
+    } else {
+        resume_after
     }
 }
 

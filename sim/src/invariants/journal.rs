@@ -15,6 +15,9 @@
 //! | R-JRN-4 | at most one terminal is accepted and no event after it; a writer whose terminal was accepted writes nothing more to that record; a client receives one terminal |
 //! | R-JRN-1 | every event a client receives (the first client or a resumer) is durable in the store when it is received, with the same payload; a terminal is durable and the record's |
 //! | R-JRN-2 (clients) | a client receives the events one by one from 1, without gap or repeat, across resumes (`starting_after` the last it saw), and by its terminal it has all of them |
+//! | R-JRN-3 (one owner per epoch) | the writer model above: an append or terminal is accepted only from the writer that created the record or won its last raise, so no two writers (a live request, a takeover, an adopter, a dead owner's zombie) ever have writes accepted under one (response, epoch) |
+//! | R-PARK-2 (provider once) | the provider is called at most once per durable response once anything of it is durable: a provider call for a response whose record already holds events is a violation (the simulator has no continuation, R-CONT-1, the only exception) |
+//! | R-PARK-2 (output once) | every token of the provider's output is journaled exactly once and in order: each call's tokens are numbered (`tok1`, `tok2`, ...); an accepted append whose token is not past the record's last is output published twice (an adoption that replayed frames the journal already held), one that skips a token lost output (a replay that resumed too late) |
 //! | liveness | a durable request that ended left its record ended; every record without a terminal at an Edge start ends within B_takeover unless the Edge dies again first |
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -48,6 +51,8 @@ struct RecordModel {
     /// ends its client outside the journal): the kind of the last write
     /// refused.
     refused: Option<&'static str>,
+    /// The last provider token journaled (R-PARK-2: output once).
+    last_token: u64,
 }
 
 /// What one durable client has received, across resumes.
@@ -132,6 +137,7 @@ impl Checker {
                     ended_by: None,
                     verified: 0,
                     refused: None,
+                    last_token: 0,
                 };
                 if self.journal.records.insert(id.clone(), model).is_some() {
                     self.fail("R-JRN-2", format!("record {id} created twice"));
@@ -188,6 +194,29 @@ impl Checker {
                             }
                         }
                         r.events += events.len() as u64;
+                        for event in events {
+                            let Some(token) = journaled_token(&event.payload) else {
+                                continue;
+                            };
+                            if token <= r.last_token && failure.is_none() {
+                                failure = Some((
+                                    "R-PARK-2",
+                                    format!(
+                                        "{id} accepted provider token {token} as event {} after token {} was journaled: output published twice{zombie}",
+                                        event.seq, r.last_token
+                                    ),
+                                ));
+                            } else if token > r.last_token + 1 && failure.is_none() {
+                                failure = Some((
+                                    "R-PARK-2",
+                                    format!(
+                                        "{id} accepted provider token {token} as event {} after token {}: the output between them was lost{zombie}",
+                                        event.seq, r.last_token
+                                    ),
+                                ));
+                            }
+                            r.last_token = r.last_token.max(token);
+                        }
                     }
                     JournalOp::Finish { epoch, .. } => {
                         failure = writer_fault(r, &d.writer, *epoch, &id, "a terminal", zombie);
@@ -439,6 +468,20 @@ impl Checker {
         }
     }
 
+    /// A node starts the provider call of a run of durable response `id`
+    /// (R-PARK-2: the provider is called once; before anything of the
+    /// response is durable an attempt may still fail over, after it the
+    /// run is adopted, never called again).
+    pub fn durable_provider_called(&mut self, store: &SimJournal, id: &str) {
+        let events = store.record(id).map_or(0, |r| r.events.len());
+        if events > 0 {
+            let detail = format!(
+                "the provider was called again for {id}, whose journal already holds {events} events"
+            );
+            self.fail("R-PARK-2", detail);
+        }
+    }
+
     /// An Edge incarnation started: each of `unfinished` must end by
     /// `deadline` unless the Edge dies again first (R-TAKE-1).
     pub fn journal_edge_started(&mut self, unfinished: &[String], deadline: Instant) {
@@ -507,4 +550,15 @@ fn writer_fault(
         ));
     }
     None
+}
+
+/// The provider token a journaled event carries (`tok{k}`), if it is text.
+fn journaled_token(payload: &[u8]) -> Option<u64> {
+    use iop_core::edge::request::Delivery;
+    match iop_core::edge::durable::decode_entry(payload)?.delivery {
+        Delivery::Event(iop_wire::RunEventKind::TextDelta(text)) => {
+            text.strip_prefix("tok")?.parse().ok()
+        }
+        _ => None,
+    }
 }

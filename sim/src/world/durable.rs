@@ -206,6 +206,10 @@ impl World {
             (Writer::Request { request_id, .. }, OpKind::Create) => {
                 self.record_created(request_id, result);
             }
+            // The raise for an adoption (R-TAKE-1, R-PARK-2).
+            (Writer::Request { request_id, .. }, OpKind::RaiseEpoch) => {
+                self.adoption_raised(request_id, result);
+            }
             (Writer::Request { request_id, .. }, _) => {
                 let ack = match (kind, result) {
                     (_, OpResult::Refused(e)) => JournalAck::Refused(e),
@@ -385,6 +389,7 @@ impl World {
     /// its request machine.
     fn record_created(&mut self, request_id: RequestId, result: OpResult) {
         let now = self.now;
+        let park_grace = self.cfg.journal.park_grace;
         let flush = self.cfg.durable_flush_bound();
         let Some(edge) = &mut self.edge else {
             return;
@@ -416,9 +421,9 @@ impl World {
                     epoch: 1,
                     batch_until_terminal: false,
                 }),
-                // Simulated nodes do not park runs (R-PARK-1 is tested on
-                // the node and over real QUIC).
-                park_grace_ms: 0,
+                // Runs park on their node in worlds that say so (R-PARK-1);
+                // 0: a lost connection after commit ends the request.
+                park_grace_ms: super::duration_ms(park_grace),
                 continuation: false,
             },
         );
@@ -680,26 +685,56 @@ impl World {
 
     /// A new incarnation takes over every record without a terminal: raise
     /// its epoch, then end it `incomplete` with its durable prefix.
+    ///
+    /// Where runs park, a record first waits the park window for its node
+    /// to report the run (the core's `TakeoverScan` decides, as the shell's
+    /// scan does): an adopted record is left to its adopter
+    /// ([`Self::takeover_rescan`]).
     pub(super) fn takeover_scan(&mut self) {
         let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) else {
             return;
         };
         let unfinished = self.journal.unfinished();
         let ids: Vec<String> = unfinished.iter().map(|m| m.id.clone()).collect();
+        let window = self.cfg.park_window();
+        if !window.is_zero() {
+            // A record may be adopted: its adopter then has its budget to
+            // end it.
+            let deadline = self.now
+                + window
+                + self.cfg.request_budget
+                + self.cfg.durable_flush_bound()
+                + self.cfg.takeover_bound();
+            self.checker.journal_edge_started(&ids, deadline);
+            if let Some(edge) = &mut self.edge {
+                edge.scan = Some(iop_core::journal::TakeoverScan::sole(
+                    crate::journal_store::SIM_EDGE,
+                    window,
+                ));
+                edge.scan_waiting = ids.into_iter().collect();
+            }
+            self.takeover_rescan(incarnation);
+            return;
+        }
         let deadline = self.now + self.cfg.takeover_bound();
         self.checker.journal_edge_started(&ids, deadline);
         for meta in unfinished {
-            if let Some(edge) = &mut self.edge {
-                edge.takeovers.insert(meta.id.clone(), Takeover::default());
-            }
-            self.journal_submit(
-                Writer::Takeover { incarnation },
-                JournalOp::RaiseEpoch {
-                    id: meta.id,
-                    expected: meta.epoch,
-                },
-            );
+            self.takeover_start(incarnation, meta);
         }
+    }
+
+    /// Take `meta` over: raise its epoch from the one read (R-JRN-3).
+    pub(super) fn takeover_start(&mut self, incarnation: u64, meta: iop_core::journal::RecordMeta) {
+        if let Some(edge) = &mut self.edge {
+            edge.takeovers.insert(meta.id.clone(), Takeover::default());
+        }
+        self.journal_submit(
+            Writer::Takeover { incarnation },
+            JournalOp::RaiseEpoch {
+                id: meta.id,
+                expected: meta.epoch,
+            },
+        );
     }
 
     fn takeover_answer(&mut self, record: String, kind: OpKind, result: OpResult) {
@@ -723,10 +758,19 @@ impl World {
                 at_unix_ms: now_unix,
             },
         };
+        // A request of this Edge adopted it meanwhile: it owns the record
+        // (the scan never takes over what is written here).
         let open = self
             .journal
             .record(&record)
-            .is_some_and(|r| r.meta.terminal.is_none());
+            .is_some_and(|r| r.meta.terminal.is_none())
+            && !self.record_live_here(&record);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(takeover) = edge.takeovers.get_mut(&record) else {
+            return;
+        };
         // The next write, and whether it tries a write again.
         let next = match (kind, result) {
             (OpKind::RaiseEpoch, OpResult::Written(meta)) => {

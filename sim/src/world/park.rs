@@ -1,0 +1,799 @@
+//! Durable runs that outlive their connection (SPEC §6: R-PARK-1,
+//! R-PARK-2, R-TAKE-1), on both sides of the world.
+//!
+//! * **The node** keeps one core [`RunPark`] per durable run (a run whose
+//!   request carries a `ParkSpec`), as `iop-node`'s durable run task does:
+//!   every frame the run produces is numbered for the run's life and kept
+//!   until the Edge acknowledges it durable; the kept bytes are bounded (a
+//!   full buffer puts off the provider's next output). While the run is
+//!   attached its connection's watchdog sees every output; when the
+//!   connection ends the run *parks* instead of being canceled: its
+//!   provider call goes on, for the park grace, after which it expires.
+//!   The next registration reports it (`RegisterRequest::parked`); an
+//!   adoption (`DataRequest::Adopt`) is decided by [`RunPark::adopt`]: the
+//!   run replays the frames after the Edge's resume point on the new
+//!   connection and goes on live, or the stream is reset. A node crash
+//!   ends its durable runs, parked or not.
+//! * **The Edge** carries the dispatcher's `ParkedRuns` to the adoption
+//!   task (`Durable::offer` in `iop-edge`): a live request waiting for its
+//!   parked run gets `RequestInput::ParkedRun`; otherwise the record is
+//!   taken over: the run's last journaled frame is read from the store, the
+//!   record's epoch is raised by compare-and-set for a new request
+//!   (R-JRN-3), and that request is [`Request::adopting`]. A run nobody
+//!   takes has its held capacity let go (`DispatchInput::ReleaseParked`).
+//! * **The restart takeover** (R-TAKE-1) leaves each record unfinished at
+//!   an Edge start for its node to report, for the park window (the core's
+//!   [`TakeoverScan`](iop_core::journal::TakeoverScan) decides), and only
+//!   then ends it `incomplete` (see `durable.rs`).
+//!
+//! Every rule is the core's; this module carries inputs and outputs.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use iop_core::edge::admission::RequestId;
+use iop_core::edge::dispatch::{DispatchInput, ParkedOffer};
+use iop_core::edge::durable::{JournalSpec, decode_entry};
+use iop_core::edge::gate::GateBudget;
+use iop_core::edge::request::{Request, RequestSpec};
+use iop_core::ids::RunId;
+use iop_core::journal::RecordMeta;
+use iop_core::node::park::{ParkOutput, ParkState, RunPark};
+use iop_core::node::watchdog::{
+    Emission, ProviderEvent, ProviderOutcome, RunKind, effective_stall_timeout,
+    sanitize_provider_failure,
+};
+use iop_wire::{
+    AdapterKind, AdoptRequest, FinishReason, ParkSpec, ParkedRun, RunEvent, RunEventKind, RunKey,
+    Usage,
+};
+
+use super::{Call, CallStage, EdgeRequest, Event, SimNode, World, nconn};
+use crate::journal_store::{JournalOp, OpResult, Writer};
+use crate::net::{ConnId, Dir, Payload, StreamKey};
+use crate::provider::CallPlan;
+
+/// One durable run on its node.
+#[derive(Debug)]
+pub(super) struct NodeDurableRun {
+    /// The response it writes (what the node reports).
+    response_id: String,
+    /// Its provider's target.
+    target: String,
+    /// Its provider call.
+    pub(super) call: Call,
+    /// Its frames and attachment (the core's).
+    park: RunPark<RunEventKind>,
+    /// The connection and run id it is attached to, if any.
+    attached: Option<(ConnId, RunId)>,
+    /// The stall timeout it was started with.
+    stall: Duration,
+}
+
+/// A parked run being taken over: the record's epoch is being raised for
+/// request `request_id` (the key of [`super::EdgeProc::adoptions`]).
+#[derive(Debug)]
+pub(super) struct PendingAdoption {
+    record: String,
+    offer: ParkedOffer,
+    /// What the offer read before the raise.
+    last_seq: u64,
+}
+
+/// Bytes a frame counts against the park bound (`iop-node`'s
+/// `frame_bytes`).
+fn frame_bytes(kind: &RunEventKind) -> usize {
+    let payload = match kind {
+        RunEventKind::TextDelta(t) | RunEventKind::ReasoningDelta(t) => t.len(),
+        _ => 0,
+    };
+    payload + 64
+}
+
+/// The durable run attached to `conn` as `run_id`, if any.
+pub(super) fn attached_key(node: &SimNode, conn: ConnId, run_id: RunId) -> Option<RunKey> {
+    node.durable
+        .iter()
+        .find(|(_, r)| r.attached == Some((conn, run_id)))
+        .map(|(k, _)| *k)
+}
+
+impl World {
+    // ---- The node ------------------------------------------------------------
+
+    /// The node's durable runs a registration reports (R-PARK-2): every one
+    /// that is not over.
+    pub(super) fn parked_reports(&self, node: usize) -> Vec<ParkedRun> {
+        let mut reports: Vec<ParkedRun> = self.nodes[node]
+            .durable
+            .iter()
+            .filter(|(_, r)| r.park.state() != ParkState::Over)
+            .map(|(key, r)| {
+                let summary = r.park.summary();
+                ParkedRun {
+                    key: *key,
+                    response_id: r.response_id.clone(),
+                    adapter: AdapterKind::Mock,
+                    target: r.target.clone(),
+                    first_kept_frame: summary.first_kept,
+                    last_frame: summary.last,
+                    ended: summary.ended,
+                }
+            })
+            .collect();
+        reports.truncate(iop_wire::MAX_PARKED_RUNS);
+        reports
+    }
+
+    /// A run with a `ParkSpec` starts: it is attached to `conn` (its
+    /// watchdog already watches it) and keeps its frames.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn start_durable(
+        &mut self,
+        node: usize,
+        conn: ConnId,
+        target: &str,
+        spec: ParkSpec,
+        provider: usize,
+        plan: CallPlan,
+        stall: Duration,
+        generation: u64,
+        run_id: RunId,
+    ) {
+        let key = RunKey { generation, run_id };
+        let grace = iop_core::node::park::effective_park_grace(spec.grace_ms);
+        let process = self.nodes[node].process;
+        self.nodes[node].durable.insert(
+            key,
+            NodeDurableRun {
+                response_id: spec.response_id,
+                target: target.to_owned(),
+                call: Call {
+                    provider,
+                    plan,
+                    stage: CallStage::NotStarted,
+                    canceled: false,
+                    returned: false,
+                },
+                park: RunPark::new(grace, self.cfg.journal.park_kept_bytes),
+                attached: Some((conn, run_id)),
+                stall,
+            },
+        );
+        self.schedule(
+            self.now + plan.start_delay,
+            Event::DurableStep { node, process, key },
+        );
+    }
+
+    fn durable_run(
+        &mut self,
+        node: usize,
+        process: u64,
+        key: RunKey,
+    ) -> Option<&mut NodeDurableRun> {
+        let n = &mut self.nodes[node];
+        if n.process != process || !n.up {
+            return None;
+        }
+        n.durable.get_mut(&key)
+    }
+
+    /// The provider call of a durable run takes its next step.
+    pub(super) fn durable_step(&mut self, node: usize, process: u64, key: RunKey) {
+        let now = self.now;
+        let again = Event::DurableStep { node, process, key };
+        let Some(run) = self.durable_run(node, process, key) else {
+            return;
+        };
+        if run.call.canceled || run.call.returned {
+            return;
+        }
+        let provider = run.call.provider;
+        let frozen_until = self.frozen_until[provider];
+        if frozen_until > now {
+            self.schedule(frozen_until, again);
+            return;
+        }
+        let Some(run) = self.durable_run(node, process, key) else {
+            return;
+        };
+        if !run.park.wants_provider() {
+            // R-PARK-1: a full buffer puts the provider off; acks (or the
+            // run's end) make room. Nothing is dropped.
+            let gap = run.call.plan.token_gap.max(Duration::from_millis(1));
+            self.stats.park_paused += 1;
+            self.schedule(now + gap, again);
+            return;
+        }
+        let Some((event, next)) = run.call.advance() else {
+            return;
+        };
+        let token = run.call.token();
+        if let Some(after) = next {
+            self.schedule(now + after, again);
+        }
+        self.durable_provider_event(node, key, event, token);
+    }
+
+    /// A provider output of a durable run: through its connection's
+    /// watchdog while attached (R-WD-1), straight into its frames while
+    /// parked (no watchdog runs; the grace bounds it).
+    fn durable_provider_event(
+        &mut self,
+        node: usize,
+        key: RunKey,
+        event: ProviderEvent,
+        token: u32,
+    ) {
+        let now = self.now;
+        let Some(run) = self.nodes[node].durable.get(&key) else {
+            return;
+        };
+        let wire = match &event {
+            ProviderEvent::Neutral => Some(RunEventKind::Started {
+                session_id: format!("s{}", key.run_id),
+            }),
+            ProviderEvent::Progress(_) => Some(RunEventKind::TextDelta(format!("tok{token}"))),
+            ProviderEvent::Returned(_) => None,
+        };
+        let attached = run
+            .attached
+            .filter(|(conn, _)| matches!(&self.nodes[node].link, super::Link::Connected(nc) if nc.conn == *conn));
+        match attached {
+            Some((conn, run_id)) => {
+                let returned = matches!(event, ProviderEvent::Returned(_));
+                let Some(nc) = nconn(&mut self.nodes, node) else {
+                    return;
+                };
+                let emission = nc.watchdog.provider_event(now, run_id, event);
+                if returned {
+                    self.checker.provider_returned(conn, run_id);
+                }
+                match emission {
+                    Emission::Forward => {
+                        if let Some(kind) = wire {
+                            self.durable_produce(node, key, kind, false);
+                        }
+                    }
+                    Emission::Fenced => self.stats.fenced_outputs += 1,
+                }
+                self.drain_watchdog(node);
+            }
+            None => {
+                // Parked: the provider's end is the run's last frame.
+                let (kind, terminal) = match event {
+                    ProviderEvent::Returned(ProviderOutcome::Completed) => (
+                        Some(RunEventKind::Completed {
+                            finish_reason: FinishReason::Stop,
+                            usage: Some(Usage {
+                                prompt_tokens: 1,
+                                completion_tokens: 1,
+                            }),
+                        }),
+                        true,
+                    ),
+                    ProviderEvent::Returned(ProviderOutcome::Failed(f)) => (
+                        Some(RunEventKind::Failed(sanitize_provider_failure(f))),
+                        true,
+                    ),
+                    _ => (wire, false),
+                };
+                if let Some(kind) = kind {
+                    self.durable_produce(node, key, kind, terminal);
+                }
+            }
+        }
+    }
+
+    /// The run produced `kind`: kept (numbered for the run's life) and sent
+    /// if attached. Nothing comes after its terminal frame.
+    pub(super) fn durable_produce(
+        &mut self,
+        node: usize,
+        key: RunKey,
+        kind: RunEventKind,
+        terminal: bool,
+    ) {
+        let Some(run) = self.nodes[node].durable.get_mut(&key) else {
+            return;
+        };
+        if run.park.summary().ended || run.park.state() == ParkState::Over {
+            return;
+        }
+        let bytes = frame_bytes(&kind);
+        run.park.produced(kind.clone(), bytes, terminal);
+        if terminal {
+            run.call.returned = true;
+        }
+        if let Some((conn, run_id)) = run.attached {
+            self.transmit(
+                conn,
+                Dir::NodeToEdge,
+                StreamKey::Run(run_id),
+                Payload::RunEvent(RunEvent { run_id, kind }),
+            );
+        }
+    }
+
+    /// The watchdog canceled a durable run's provider call: it reaches the
+    /// provider after its latency.
+    pub(super) fn durable_cancel_later(&mut self, node: usize, key: RunKey) {
+        let process = self.nodes[node].process;
+        let Some(run) = self.nodes[node].durable.get(&key) else {
+            return;
+        };
+        let at = self.now + run.call.plan.cancel_latency;
+        self.schedule(at, Event::DurableCancel { node, process, key });
+    }
+
+    pub(super) fn durable_cancel(&mut self, node: usize, process: u64, key: RunKey) {
+        let now = self.now;
+        let Some(run) = self.durable_run(node, process, key) else {
+            return;
+        };
+        if run.call.canceled || run.call.returned {
+            return;
+        }
+        run.call.canceled = true;
+        run.call.stage = CallStage::Idle;
+        if let Some(after) = run.call.plan.return_after_cancel {
+            self.schedule(now + after, Event::DurableReturn { node, process, key });
+        }
+    }
+
+    /// A canceled durable call returns: its watchdog (if it is attached)
+    /// joins it (R-WD-4).
+    pub(super) fn durable_return(&mut self, node: usize, process: u64, key: RunKey) {
+        let now = self.now;
+        let Some(run) = self.durable_run(node, process, key) else {
+            return;
+        };
+        if run.call.returned {
+            return;
+        }
+        run.call.returned = true;
+        let Some((conn, run_id)) = run.attached else {
+            return;
+        };
+        let Some(nc) = nconn(&mut self.nodes, node).filter(|nc| nc.conn == conn) else {
+            return;
+        };
+        let _ = nc.watchdog.provider_event(
+            now,
+            run_id,
+            ProviderEvent::Returned(ProviderOutcome::Failed(iop_wire::ExecutionFailure::new(
+                iop_wire::FailureCode::Canceled,
+            ))),
+        );
+        self.checker.provider_returned(conn, run_id);
+        self.drain_watchdog(node);
+    }
+
+    /// The node's connection `conn` ended: its durable runs park for their
+    /// grace (R-PARK-1) instead of being canceled.
+    pub(super) fn detach_durable(&mut self, node: usize, conn: ConnId) {
+        let now = self.now;
+        let process = self.nodes[node].process;
+        let mut parked = Vec::new();
+        for (key, run) in &mut self.nodes[node].durable {
+            if run.attached.is_some_and(|(c, _)| c == conn) {
+                run.attached = None;
+                run.park.detached(now);
+                if let Some(until) = run.park.poll_timeout() {
+                    parked.push((*key, until));
+                }
+            }
+        }
+        for (key, until) in parked {
+            self.stats.runs_parked += 1;
+            self.schedule(until, Event::ParkExpire { node, process, key });
+        }
+    }
+
+    /// A parked run's grace may have ended.
+    pub(super) fn park_expire(&mut self, node: usize, process: u64, key: RunKey) {
+        let now = self.now;
+        let Some(run) = self.durable_run(node, process, key) else {
+            return;
+        };
+        run.park.handle_timeout(now);
+        self.durable_outputs(node, key);
+    }
+
+    /// Carry out what a run's park machine says.
+    fn durable_outputs(&mut self, node: usize, key: RunKey) {
+        let Some(run) = self.nodes[node].durable.get_mut(&key) else {
+            return;
+        };
+        let mut over = false;
+        while let Some(out) = run.park.poll_output() {
+            match out {
+                // R-PARK-1: no Edge took it within the grace; its provider
+                // call is canceled.
+                ParkOutput::Expired => {
+                    self.stats.park_expired += 1;
+                    over = true;
+                }
+                ParkOutput::Done => over = true,
+            }
+        }
+        if over || run.park.state() == ParkState::Over {
+            self.nodes[node].durable.remove(&key);
+        }
+    }
+
+    /// The Edge acknowledged a durable run's frames (R-PARK-1).
+    pub(super) fn node_run_ack(&mut self, node: usize, conn: ConnId, run_id: RunId, through: u64) {
+        let Some(key) = attached_key(&self.nodes[node], conn, run_id) else {
+            return;
+        };
+        if let Some(run) = self.nodes[node].durable.get_mut(&key) {
+            run.park.acked(through);
+        }
+        self.durable_outputs(node, key);
+    }
+
+    /// The Edge canceled the run on `conn`: a durable one ends here.
+    pub(super) fn durable_canceled(&mut self, node: usize, conn: ConnId, run_id: RunId) {
+        if let Some(key) = attached_key(&self.nodes[node], conn, run_id)
+            && let Some(mut run) = self.nodes[node].durable.remove(&key)
+        {
+            run.park.cancelled();
+        }
+    }
+
+    /// An Edge asks to adopt a parked run on `conn` (R-PARK-2): the run's
+    /// park machine decides; accepted, the run joins this connection's
+    /// watchdog and replays the frames after the resume point.
+    pub(super) fn node_adopt(&mut self, node: usize, conn: ConnId, request: AdoptRequest) {
+        let now = self.now;
+        let run_id = request.run_id;
+        let key = request.key;
+        let reset = |world: &mut World| {
+            world.stats.adoptions_refused += 1;
+            world.transmit(
+                conn,
+                Dir::NodeToEdge,
+                StreamKey::Run(run_id),
+                Payload::RunReset { run_id },
+            );
+        };
+        let Some(run) = self.nodes[node]
+            .durable
+            .get_mut(&key)
+            .filter(|r| r.response_id == request.response_id)
+        else {
+            return reset(self);
+        };
+        let replay = match run.park.adopt(request.resume_after_frame) {
+            Ok(replay) => replay,
+            Err(_) => {
+                self.durable_outputs(node, key);
+                return reset(self);
+            }
+        };
+        let stall = effective_stall_timeout(request.response_stall_timeout_ms).unwrap_or(run.stall);
+        let deadline = (request.deadline_ms > 0)
+            .then(|| now.saturating_add(Duration::from_millis(request.deadline_ms)));
+        let ended = run.park.summary().ended;
+        let Some(nc) = nconn(&mut self.nodes, node) else {
+            return;
+        };
+        if nc
+            .watchdog
+            .start(now, run_id, RunKind::Normalized, stall, deadline)
+            .is_err()
+        {
+            // The new connection would not take it: it stays parked.
+            if let Some(run) = self.nodes[node].durable.get_mut(&key) {
+                run.park.detached(now);
+                if let Some(until) = run.park.poll_timeout() {
+                    let process = self.nodes[node].process;
+                    self.schedule(until, Event::ParkExpire { node, process, key });
+                }
+            }
+            return reset(self);
+        }
+        self.stats.node_adoptions += 1;
+        if let Some(run) = self.nodes[node].durable.get_mut(&key) {
+            run.attached = Some((conn, run_id));
+        }
+        let verbatim = self.bugs.contains(&super::Bug::ReplayStaleEvidence);
+        for (_, mut kind) in replay {
+            // A stall terminal produced on the run's old connection carries
+            // that connection's observation sequence number and probe
+            // evidence; on this connection they would be read as this
+            // generation's (R-SEQ-1, R-OVL-2): it is replayed as a stall
+            // without evidence. (`iop-node` replays it verbatim: the
+            // `replay-stale-evidence` world bug shows what that does.)
+            if let RunEventKind::Failed(f) = &mut kind
+                && f.code == iop_wire::FailureCode::ResponseStalled
+                && !verbatim
+            {
+                f.health_observation_seq = None;
+                f.provider_health = Some(iop_wire::ProviderHealth::Unknown);
+            }
+            self.transmit(
+                conn,
+                Dir::NodeToEdge,
+                StreamKey::Run(run_id),
+                Payload::RunEvent(RunEvent { run_id, kind }),
+            );
+        }
+        if ended {
+            // Its provider call is over: the watchdog has nothing to
+            // watch (its terminal is the one already produced).
+            if let Some(nc) = nconn(&mut self.nodes, node) {
+                let _ = nc.watchdog.provider_event(
+                    now,
+                    run_id,
+                    ProviderEvent::Returned(ProviderOutcome::Completed),
+                );
+            }
+            self.drain_watchdog(node);
+        }
+        self.durable_outputs(node, key);
+    }
+
+    // ---- The Edge --------------------------------------------------------------
+
+    /// The node stream of `run_id` on `conn` was reset by the node.
+    pub(super) fn edge_run_reset(&mut self, conn: ConnId, run_id: RunId) {
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let Some(c) = edge.conns.get_mut(&conn) else {
+            return;
+        };
+        let Some(rid) = c.runs.remove(&run_id) else {
+            return;
+        };
+        let Some(r) = edge.requests.get_mut(&rid) else {
+            return;
+        };
+        if r.running != Some((conn, run_id)) {
+            return;
+        }
+        r.running = None;
+        self.request_input(rid, iop_core::edge::request::RequestInput::StreamEnded);
+    }
+
+    /// No request takes this parked run: let its held capacity go.
+    fn release_parked(&mut self, key: RunKey) {
+        self.stats.offers_released += 1;
+        self.dispatch(DispatchInput::ReleaseParked { key });
+    }
+
+    /// Whether a request of this Edge writes `record`, or is about to
+    /// (its epoch being raised for an adoption).
+    pub(super) fn record_live_here(&self, record: &str) -> bool {
+        self.edge.as_ref().is_some_and(|e| {
+            e.requests
+                .values()
+                .any(|r| r.durable.as_deref() == Some(record))
+                || e.adoptions.values().any(|a| a.record == record)
+        })
+    }
+
+    /// The parked runs a node reported reach the adoption task: each goes
+    /// to the request waiting for it, or its record is taken over
+    /// (`Durable::offer`).
+    pub(super) fn parked_offers(&mut self, incarnation: u64, offers: Vec<ParkedOffer>) {
+        for offer in offers {
+            if self.edge.as_ref().map(|e| e.incarnation) != Some(incarnation) {
+                return;
+            }
+            self.offer_parked(incarnation, offer);
+        }
+    }
+
+    fn offer_parked(&mut self, incarnation: u64, offer: ParkedOffer) {
+        let key = offer.run.key;
+        let record = offer.run.response_id.clone();
+        let Some(edge) = &self.edge else {
+            return;
+        };
+        let live = edge
+            .requests
+            .iter()
+            .find(|(_, r)| r.durable.as_deref() == Some(record.as_str()))
+            .map(|(rid, r)| (*rid, r.machine.awaits_parked(key)));
+        if let Some((rid, awaits)) = live {
+            // Its driver adopts it, or lets it go if it no longer waits.
+            if awaits {
+                self.request_input(rid, iop_core::edge::request::RequestInput::ParkedRun(offer));
+            } else {
+                self.release_parked(key);
+            }
+            return;
+        }
+        let Some(stored) = self.journal.record(&record) else {
+            return self.release_parked(key);
+        };
+        let meta: &RecordMeta = &stored.meta;
+        if meta.terminal.is_some() || meta.last_seq == 0 {
+            return self.release_parked(key);
+        }
+        // R-PARK-2: resume after the last frame of this run the journal
+        // holds; a record whose last event came from another run (or
+        // another provider) is not this run's.
+        let source = stored
+            .events
+            .last()
+            .and_then(|e| decode_entry(&e.payload))
+            .and_then(|e| e.source);
+        if !source.is_some_and(|s| s.key == key && s.provider_id == offer.provider_id) {
+            return self.release_parked(key);
+        }
+        let (expected, last_seq) = (meta.epoch, meta.last_seq);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let rid = edge.next_request_id;
+        edge.next_request_id += 1;
+        edge.adoptions.insert(
+            rid,
+            PendingAdoption {
+                record: record.clone(),
+                offer,
+                last_seq,
+            },
+        );
+        // R-JRN-3: win the record's epoch before writing anything.
+        self.journal_submit(
+            Writer::Request {
+                incarnation,
+                request_id: rid,
+            },
+            JournalOp::RaiseEpoch {
+                id: record,
+                expected,
+            },
+        );
+    }
+
+    /// The raise for an adoption was answered: adopt the run, or let it go.
+    pub(super) fn adoption_raised(&mut self, rid: RequestId, result: OpResult) {
+        let now = self.now;
+        let flush = self.cfg.durable_flush_bound();
+        let park_grace_ms = super::duration_ms(self.cfg.journal.park_grace);
+        let Ok(budget) = GateBudget::new(self.cfg.max_attempts, self.cfg.request_budget) else {
+            return;
+        };
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(pending) = edge.adoptions.remove(&rid) else {
+            return;
+        };
+        let OpResult::Written(meta) = result else {
+            // Another writer won the epoch: it owns the record.
+            return self.release_parked(pending.offer.run.key);
+        };
+        // The resume point is read again now that the raise fenced every
+        // other writer: a dead owner's append may have landed between the
+        // offer's read and the raise (the shell reads only before its
+        // raise, see docs/simulation.md). Still this run's, or let go (the
+        // takeover scan ends the record).
+        let (last_seq, resume_after_frame) = match self.journal.record(&pending.record) {
+            Some(stored) => (
+                stored.meta.last_seq,
+                stored
+                    .events
+                    .last()
+                    .and_then(|e| decode_entry(&e.payload))
+                    .and_then(|e| e.source)
+                    .filter(|s| {
+                        s.key == pending.offer.run.key && s.provider_id == pending.offer.provider_id
+                    })
+                    .map(|s| s.frame),
+            ),
+            None => (0, None),
+        };
+        if last_seq != pending.last_seq {
+            self.stats.adoption_reads_moved += 1;
+        }
+        let Some(resume_after_frame) = resume_after_frame else {
+            return self.release_parked(pending.offer.run.key);
+        };
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
+        let machine = Request::adopting(
+            now,
+            RequestSpec {
+                request_id: rid,
+                pool: vec![pending.offer.provider_id.clone()],
+                budget,
+                tunnel_api: None,
+                tunnel_providers: Vec::new(),
+                journal: Some(JournalSpec {
+                    response_id: pending.record.clone(),
+                    epoch: meta.epoch,
+                    batch_until_terminal: false,
+                }),
+                park_grace_ms,
+                continuation: false,
+            },
+            &pending.offer,
+            last_seq,
+            resume_after_frame,
+        );
+        self.core_bugs.plant_request(&machine);
+        let deadline = machine.gate().deadline() + flush;
+        edge.requests.insert(
+            rid,
+            EdgeRequest {
+                machine,
+                running: None,
+                admitted_with: None,
+                durable: Some(pending.record),
+                client_attached: false,
+            },
+        );
+        self.stats.takeover_adoptions += 1;
+        self.checker.request_opened((incarnation, rid), deadline);
+        self.drive_request(rid);
+    }
+
+    /// The scan looks again at the records unfinished at this Edge's start:
+    /// those past their park window and not written here are taken over
+    /// (R-TAKE-1); the others wait.
+    pub(super) fn takeover_rescan(&mut self, incarnation: u64) {
+        let now = self.now;
+        if self.edge.as_ref().map(|e| e.incarnation) != Some(incarnation) {
+            return;
+        }
+        let waiting: Vec<String> = self
+            .edge
+            .as_ref()
+            .map(|e| e.scan_waiting.iter().cloned().collect())
+            .unwrap_or_default();
+        let mut due = Vec::new();
+        let mut next: Option<iop_core::Instant> = None;
+        let mut done = BTreeSet::new();
+        for id in waiting {
+            let meta = self.journal.record(&id).map(|r| r.meta.clone());
+            let live = self.record_live_here(&id)
+                || self
+                    .edge
+                    .as_ref()
+                    .is_some_and(|e| e.takeovers.contains_key(&id));
+            let Some(edge) = &mut self.edge else {
+                return;
+            };
+            let Some(scan) = edge.scan.as_mut() else {
+                return;
+            };
+            let Some(meta) = meta else {
+                scan.forget(&id);
+                done.insert(id);
+                continue;
+            };
+            match scan.decide(&meta, live, now) {
+                iop_core::journal::TakeoverDecision::Keep => {
+                    done.insert(id);
+                }
+                iop_core::journal::TakeoverDecision::Wait { until } => {
+                    next = Some(next.map_or(until, |n| n.min(until)));
+                }
+                iop_core::journal::TakeoverDecision::End(_) => {
+                    scan.forget(&id);
+                    done.insert(id);
+                    due.push(meta);
+                }
+            }
+        }
+        if let Some(edge) = &mut self.edge {
+            edge.scan_waiting.retain(|id| !done.contains(id));
+        }
+        for meta in due {
+            self.takeover_start(incarnation, meta);
+        }
+        if let Some(at) = next {
+            self.schedule(at, Event::TakeoverScan { incarnation });
+        }
+    }
+}
