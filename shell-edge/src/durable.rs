@@ -842,23 +842,7 @@ impl Durable {
         // Only a run whose frames the journal already holds is taken over,
         // and only from the node that ran it: a report cannot name someone
         // else's response into it (the provider is the reporting node's).
-        if meta.last_seq == 0 {
-            return Err("nothing_journaled");
-        }
-        let last = self
-            .store
-            .events(id.clone(), meta.last_seq - 1, 1)
-            .await
-            .map_err(|_| "store_error")?;
-        let source = last
-            .first()
-            .and_then(|e| decode_entry(&e.payload))
-            .and_then(|e| e.source)
-            .ok_or("no_frame_source")?;
-        if source.key != offer.run.key || source.provider_id != offer.provider_id {
-            return Err("another_run");
-        }
-        let resume_after_frame = source.frame;
+        self.last_frame_of(&id, meta.last_seq, &offer).await?;
         // R-JRN-3: win the record's epoch before writing anything; a lost
         // race means another writer has it.
         let started = std::time::Instant::now();
@@ -868,10 +852,15 @@ impl Durable {
             .await;
         self.observe("raise_epoch", started, &raised);
         let raised = raised.map_err(|_| "epoch_lost")?;
+        // The resume point is read again now that nothing else can write:
+        // the former writer may have appended after the first read and
+        // before the raise (its epoch was still current then).
+        let resume_after_frame = self.last_frame_of(&id, raised.last_seq, &offer).await?;
+        let meta = raised;
         tracing::info!(
             event = "edge_response_taken_over",
             response = %id,
-            epoch = raised.epoch,
+            epoch = meta.epoch,
             resume_after_frame
         );
         let work = crate::driver::Work {
@@ -894,7 +883,7 @@ impl Durable {
             crate::driver::DurableRun {
                 spec: iop_core::edge::durable::JournalSpec {
                     response_id: id,
-                    epoch: raised.epoch,
+                    epoch: meta.epoch,
                     batch_until_terminal: false,
                 },
                 durable: self.clone(),
@@ -909,6 +898,35 @@ impl Durable {
             },
         );
         Ok(())
+    }
+
+    /// The frame of `offer`'s run that the last of the record's `last_seq`
+    /// events holds (R-PARK-2): only a run whose frames the journal holds
+    /// is taken over, and only from the node that ran it, so a report
+    /// cannot name someone else's response into its run.
+    async fn last_frame_of(
+        &self,
+        id: &str,
+        last_seq: u64,
+        offer: &ParkedOffer,
+    ) -> Result<u64, &'static str> {
+        if last_seq == 0 {
+            return Err("nothing_journaled");
+        }
+        let last = self
+            .store
+            .events(id.to_owned(), last_seq - 1, 1)
+            .await
+            .map_err(|_| "store_error")?;
+        let source = last
+            .first()
+            .and_then(|e| decode_entry(&e.payload))
+            .and_then(|e| e.source)
+            .ok_or("no_frame_source")?;
+        if source.key != offer.run.key || source.provider_id != offer.provider_id {
+            return Err("another_run");
+        }
+        Ok(source.frame)
     }
 
     /// Remove expired records every `interval`, for as long as the Edge

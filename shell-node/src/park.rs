@@ -628,6 +628,8 @@ async fn adopt(
         let Some(a) = attached.as_mut() else {
             return;
         };
+        // The old connection's health evidence does not travel (core).
+        let kind = iop_core::node::park::replayed(kind);
         if a.send.send(&RunEvent { run_id, kind }).await.is_err() {
             detach(attached, park, clock).await;
             return;

@@ -293,6 +293,25 @@ impl<F: Clone> RunPark<F> {
     }
 }
 
+/// A frame replayed to the connection that adopts a run (R-PARK-2). A
+/// stall terminal made on the run's old connection carries that
+/// connection's observation sequence number and probe evidence; on the
+/// new connection its Edge would read them as the new generation's
+/// (R-SEQ-1, R-OVL-2) and could lower the provider with a number the new
+/// connection's answers never pass. So it is replayed as a stall without
+/// evidence (`unknown`, which never lowers), everything else as it was.
+pub fn replayed(mut kind: iop_wire::RunEventKind) -> iop_wire::RunEventKind {
+    if let iop_wire::RunEventKind::Failed(f) = &mut kind
+        && f.code == iop_wire::FailureCode::ResponseStalled
+    {
+        f.health_observation_seq = None;
+        f.provider_health = Some(iop_wire::ProviderHealth::Unknown);
+        f.liveness_classification =
+            Some(iop_wire::ProviderHealth::Unknown.liveness_classification());
+    }
+    kind
+}
+
 /// Planted `ResumeFromZero` and `ReplaySkipsAFrame`: the replay's
 /// filter starts at frame 0, or one frame late (see [`crate::planted`]).
 #[cfg(feature = "planted-bugs")]
@@ -312,6 +331,29 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// R-SEQ-1, R-OVL-2: a replayed stall terminal loses the old
+    /// connection's evidence; other frames are replayed as they were.
+    #[test]
+    fn a_replayed_stall_terminal_carries_no_evidence_of_the_old_connection() {
+        use iop_wire::{ExecutionFailure, FailureCode, ProviderHealth, RunEventKind};
+        let stall = ExecutionFailure {
+            provider_health: Some(ProviderHealth::Unavailable),
+            liveness_classification: Some(ProviderHealth::Unavailable.liveness_classification()),
+            health_observation_seq: Some(41),
+            ..ExecutionFailure::new(FailureCode::ResponseStalled)
+        };
+        let RunEventKind::Failed(f) = replayed(RunEventKind::Failed(stall)) else {
+            panic!("still a failure");
+        };
+        assert_eq!(f.code, FailureCode::ResponseStalled);
+        assert_eq!(f.health_observation_seq, None);
+        assert_eq!(f.provider_health, Some(ProviderHealth::Unknown));
+        let other = RunEventKind::Failed(ExecutionFailure::new(FailureCode::ProviderError));
+        assert_eq!(replayed(other.clone()), other);
+        let text = RunEventKind::TextDelta("tok1".into());
+        assert_eq!(replayed(text.clone()), text);
+    }
 
     const GRACE: Duration = Duration::from_secs(30);
 

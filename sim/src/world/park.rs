@@ -500,20 +500,16 @@ impl World {
             run.attached = Some((conn, run_id));
         }
         let verbatim = self.bugs.contains(&super::Bug::ReplayStaleEvidence);
-        for (_, mut kind) in replay {
-            // A stall terminal produced on the run's old connection carries
-            // that connection's observation sequence number and probe
-            // evidence; on this connection they would be read as this
-            // generation's (R-SEQ-1, R-OVL-2): it is replayed as a stall
-            // without evidence. (`iop-node` replays it verbatim: the
-            // `replay-stale-evidence` world bug shows what that does.)
-            if let RunEventKind::Failed(f) = &mut kind
-                && f.code == iop_wire::FailureCode::ResponseStalled
-                && !verbatim
-            {
-                f.health_observation_seq = None;
-                f.provider_health = Some(iop_wire::ProviderHealth::Unknown);
-            }
+        for (_, kind) in replay {
+            // The old connection's health evidence does not travel: the
+            // core's rule, as `iop-node` applies it (the
+            // `replay-stale-evidence` world bug replays it verbatim to show
+            // what that did).
+            let kind = if verbatim {
+                kind
+            } else {
+                iop_core::node::park::replayed(kind)
+            };
             self.transmit(
                 conn,
                 Dir::NodeToEdge,
