@@ -777,12 +777,17 @@ impl Dispatcher {
             }
             _ => (None, None),
         };
-        // R-FAIL-3: the run's outcome is evidence of its provider's health.
-        let _ = self.health.run_outcome(
+        // R-FAIL-3: the run's outcome is evidence of its provider's health,
+        // applied before the capacity it freed is handed out (as a stall's
+        // evidence is), so it never goes to a provider this very terminal
+        // takes out of selection.
+        if self.health.run_outcome(
             now,
             &lease.provider_id,
             crate::edge::health::run_health(failure),
-        );
+        ) {
+            self.refresh_eligibility(now, &lease.provider_id);
+        }
         self.pump(now);
         TerminalVerdict::Applied {
             lease,
