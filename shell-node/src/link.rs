@@ -903,9 +903,13 @@ impl Link {
                 }
             }
             LinkMsg::Finished { run_id } => {
-                // A handler that ended without a terminal (its stream broke)
-                // is canceled so the watchdog forgets it.
-                if self.runs.contains_key(&run_id) {
+                // The handler left this connection: it ended without a
+                // terminal (its stream broke), or it is a durable run that
+                // parks (R-PARK-1). The watchdog forgets it, and nothing of
+                // that goes to the handler: a parked run's provider call
+                // must go on, not be canceled by its old link.
+                if let Some(slot) = self.runs.remove(&run_id) {
+                    self.shared.capacity().finish(slot.adapter, &slot.target);
                     self.watchdog.cancel(now, run_id, CancelReason::Client);
                 }
             }
