@@ -109,7 +109,13 @@ impl RunningEdge {
         )?;
         let quic_addr = endpoint.local_addr()?;
         let store = GenerationStore::open(&config.edge.state_dir)?;
-        let floor = store.floor(unix_ms())?;
+        // Plus a random offset under 2^20: two Edges started in the same
+        // millisecond would otherwise hand a node the same generations,
+        // and their runs the same keys (R-MULTI-1). The floor only grows
+        // (R-GEN-1).
+        let floor = store
+            .floor(unix_ms())?
+            .saturating_add(rand::random::<u64>() % (1 << 20));
         // R-GEN-1: a reservation ahead of every generation this run hands
         // out is durable before any node registers; later ones are saved
         // off the hub's task.
