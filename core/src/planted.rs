@@ -325,10 +325,8 @@ mod tests {
         plant_in_thread(PlantedBug::AppendIgnoresEpoch);
         assert!(in_thread(PlantedBug::AppendIgnoresEpoch));
         assert!(!in_thread(PlantedBug::TakeoverWithoutRaise));
-        let elsewhere = std::thread::spawn(|| in_thread(PlantedBug::AppendIgnoresEpoch))
-            .join()
-            .expect("joined");
-        assert!(!elsewhere, "another thread sees nothing");
+        // That another thread sees nothing is checked outside core, where
+        // threads may be spawned (sim/tests/planted_core_bugs.rs).
         clear_thread();
         assert!(!in_thread(PlantedBug::AppendIgnoresEpoch));
         for bug in PlantedBug::ALL {

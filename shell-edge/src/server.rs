@@ -109,13 +109,9 @@ impl RunningEdge {
         )?;
         let quic_addr = endpoint.local_addr()?;
         let store = GenerationStore::open(&config.edge.state_dir)?;
-        // Plus a random offset under 2^20: two Edges started in the same
-        // millisecond would otherwise hand a node the same generations,
-        // and their runs the same keys (R-MULTI-1). The floor only grows
-        // (R-GEN-1).
-        let floor = store
-            .floor(unix_ms())?
-            .saturating_add(rand::random::<u64>() % (1 << 20));
+        // Plus a random offset (core's rule, R-MULTI-1).
+        let floor =
+            iop_core::edge::generations::start_floor(store.floor(unix_ms())?, rand::random());
         // R-GEN-1: a reservation ahead of every generation this run hands
         // out is durable before any node registers; later ones are saved
         // off the hub's task.

@@ -18,7 +18,6 @@ mod common;
 #[path = "../../store-nats/tests/support/mod.rs"]
 mod nats;
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
@@ -308,43 +307,6 @@ async fn a_stream_through_one_edge_resumes_live_on_another_and_a_retry_there_att
     .await;
 }
 
-/// A real Edge process started on a config file.
-struct EdgeProcess {
-    child: tokio::process::Child,
-    http: String,
-}
-
-/// Start `iop-edge run` and wait until its node is ready (bounded).
-async fn start_edge_process(config: &std::path::Path, http_port: u16) -> EdgeProcess {
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_iop-edge"))
-        .args(["run", "--config"])
-        .arg(config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn iop-edge");
-    let http = format!("http://127.0.0.1:{http_port}");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let ready = reqwest::Client::new()
-            .get(format!("{http}/status"))
-            .bearer_auth(KEY)
-            .send()
-            .await
-            .ok();
-        if let Some(r) = ready
-            && let Ok(v) = r.json::<Value>().await
-            && v.to_string().contains("\"node_ready\":true")
-        {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "edge not ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    EdgeProcess { child, http }
-}
-
 /// R-TAKE-1, R-MULTI-1: Edge A, a real process, is killed with SIGKILL
 /// while durable streams run through it. Edge B sees A's ownership lease
 /// stop moving; once it expired and the park window passed (A's node
@@ -532,7 +494,7 @@ capacity = 64
                 ))
             })
             .collect();
-        let mut a = start_edge_process(&a_config, http_port).await;
+        let mut a = start_edge_process(&a_config, http_port, KEY).await;
         // Each node ready on both Edges, each with its own generation.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         while !nodes
@@ -760,7 +722,7 @@ async fn start_edge_process_with_node(
 ) -> ProcessDeployment {
     let edge_addr: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
     let node = start_node(pki, "node-1", edge_addr, &node_providers(mock));
-    let edge = start_edge_process(config, http_port).await;
+    let edge = start_edge_process(config, http_port, KEY).await;
     ProcessDeployment { edge, node }
 }
 

@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
@@ -24,52 +23,6 @@ const ROUNDS: usize = 4;
 const STREAMS: usize = 8;
 /// Tokens of each answer.
 const TOKENS: u32 = 60;
-
-struct EdgeProcess {
-    child: tokio::process::Child,
-    http: String,
-}
-
-async fn start_edge(config: &std::path::Path, http_port: u16) -> EdgeProcess {
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_iop-edge"))
-        .args(["run", "--config"])
-        .arg(config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn iop-edge");
-    let http = format!("http://127.0.0.1:{http_port}");
-    // Up when its model is routable: the node reconnected and is ready.
-    let client = reqwest::Client::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let listed = client
-            .get(format!("{http}/v1/models"))
-            .bearer_auth(KEY)
-            .send()
-            .await;
-        if let Ok(r) = listed
-            && r.status() == 200
-        {
-            let ready = client
-                .get(format!("{http}/status"))
-                .bearer_auth(KEY)
-                .send()
-                .await
-                .ok();
-            if let Some(r) = ready
-                && let Ok(v) = r.json::<Value>().await
-                && v.to_string().contains("\"node_ready\":true")
-            {
-                break;
-            }
-        }
-        assert!(tokio::time::Instant::now() < deadline, "edge not ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    EdgeProcess { child, http }
-}
 
 /// Stream one durable response until the connection breaks or ends: its
 /// id and the events the client saw.
@@ -166,7 +119,7 @@ admin = true
         );
         let mut seen_all: Vec<(String, Vec<(u64, Value)>)> = Vec::new();
         let mut cut = std::collections::HashSet::new();
-        let mut edge = start_edge(&config, http_port).await;
+        let mut edge = start_edge_process(&config, http_port, KEY).await;
         for round in 0..ROUNDS {
             let before = mock.requests();
             let streams: Vec<_> = (0..STREAMS)
@@ -183,7 +136,7 @@ admin = true
                 let id = id.expect("every stream was created before the kill");
                 seen_all.push((id, seen));
             }
-            edge = start_edge(&config, http_port).await;
+            edge = start_edge_process(&config, http_port, KEY).await;
             // After the restart, with the node alive, each stream cut by the
             // kill goes on (R-PARK-2, R-TAKE-1): a resume after the last
             // event the client saw gives exactly the missing events up to

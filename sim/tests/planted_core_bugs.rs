@@ -175,3 +175,17 @@ fn the_fuzz_harnesses_catch_every_planted_core_bug() {
         fuzz_watchdog_sequence_with(&data, |_| {});
     }
 }
+
+/// A bug planted in one thread (the swarm runs a seed per thread) is not
+/// seen by another.
+#[test]
+fn a_thread_scoped_bug_is_not_seen_by_another_thread() {
+    use iop_core::planted::{clear_thread, in_thread, plant_in_thread};
+    plant_in_thread(PlantedBug::AppendIgnoresEpoch);
+    assert!(in_thread(PlantedBug::AppendIgnoresEpoch));
+    let elsewhere = std::thread::spawn(|| in_thread(PlantedBug::AppendIgnoresEpoch))
+        .join()
+        .expect("joined");
+    assert!(!elsewhere, "another thread sees nothing");
+    clear_thread();
+}

@@ -24,6 +24,21 @@ use crate::ids::Generation;
 /// How far ahead of the generations handed out the persisted mark runs.
 pub const RESERVE_AHEAD: u64 = 4096;
 
+/// The range of the random offset a new Edge process adds to its floor.
+pub const START_OFFSET_RANGE: u64 = 1 << 20;
+
+/// The generation floor of a new Edge process: `floor` (the larger of the
+/// persisted mark and the wall clock in milliseconds) plus a random offset
+/// under [`START_OFFSET_RANGE`] drawn from `random`. Two Edges started in
+/// the same millisecond would otherwise hand a node the same generations,
+/// and their runs the same keys (R-MULTI-1); the floor only grows, so
+/// R-GEN-1 holds across restarts.
+pub fn start_floor(floor: Generation, random: u64) -> Generation {
+    floor
+        .saturating_add(random % START_OFFSET_RANGE)
+        .min(GENERATION_LIMIT)
+}
+
 /// The first mark to persist at start, for the generation `floor` read
 /// from the store and the clock.
 pub fn initial_mark(floor: Generation) -> Generation {
@@ -145,6 +160,22 @@ mod tests {
         let mut r = GenerationReserve::new(GENERATION_LIMIT);
         assert_eq!(r.poll_save(GENERATION_LIMIT - 1), None);
         assert!(GenerationReserve::unbounded().covers(GENERATION_LIMIT));
+    }
+
+    #[test]
+    fn r_multi_1_two_edges_started_in_one_millisecond_start_apart_and_never_below_the_floor() {
+        let floor = 1_796_180_068_867;
+        let a = start_floor(floor, 17);
+        let b = start_floor(floor, 900_001);
+        assert_ne!(a, b);
+        for random in [0, 1, START_OFFSET_RANGE - 1, START_OFFSET_RANGE, u64::MAX] {
+            let start = start_floor(floor, random);
+            assert!(start >= floor && start < floor + START_OFFSET_RANGE);
+        }
+        assert_eq!(
+            start_floor(GENERATION_LIMIT - 1, u64::MAX),
+            GENERATION_LIMIT
+        );
     }
 
     #[test]

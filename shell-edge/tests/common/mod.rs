@@ -235,3 +235,49 @@ pub fn sse_events(text: &str) -> Vec<(u64, serde_json::Value)> {
         })
         .collect()
 }
+
+/// A real `iop-edge run` process (killed when dropped).
+pub struct EdgeProcess {
+    pub child: tokio::process::Child,
+    /// Its base URL, `http://127.0.0.1:<port>`.
+    pub http: String,
+}
+
+/// Start `iop-edge run --config <config>` listening on `http_port`, and
+/// wait (bounded) until a node is ready on it and its models are routable,
+/// read with the admin key `key`.
+pub async fn start_edge_process(config: &Path, http_port: u16, key: &str) -> EdgeProcess {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_iop-edge"))
+        .args(["run", "--config"])
+        .arg(config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn iop-edge");
+    let http = format!("http://127.0.0.1:{http_port}");
+    let client = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let routable = client
+            .get(format!("{http}/v1/models"))
+            .bearer_auth(key)
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200);
+        if routable
+            && let Ok(r) = client
+                .get(format!("{http}/status"))
+                .bearer_auth(key)
+                .send()
+                .await
+            && let Ok(v) = r.json::<serde_json::Value>().await
+            && v.to_string().contains("\"node_ready\":true")
+        {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "edge not ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    EdgeProcess { child, http }
+}
