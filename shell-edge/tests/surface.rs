@@ -238,6 +238,40 @@ async fn json_answers_logprobs_and_reasoning_reach_the_client() {
     .await;
 }
 
+/// Reasoning a provider streams reaches a Responses client as a reasoning
+/// item (its `reasoning_text` deltas), before the message, streamed or not.
+#[tokio::test]
+async fn reasoning_reaches_a_responses_client_as_a_reasoning_item() {
+    bounded(async {
+        let s = Surface::start().await;
+        let ask = |stream: bool| {
+            json!({"model": "mock:tokens=2", "input": "hi", "stream": stream,
+                   "reasoning": {"effort": "low"}})
+        };
+        let (status, body) = s.post("/v1/responses", ask(true)).await;
+        assert_eq!(status, 200, "{body}");
+        let events = sse_json(&body);
+        let reasoning: String = events
+            .iter()
+            .filter(|e| e["type"] == "response.reasoning_text.delta")
+            .filter_map(|e| e["delta"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(reasoning, iop_node::mock::MOCK_REASONING, "{body}");
+        let done = events.last().unwrap();
+        assert_eq!(done["type"], "response.completed", "{body}");
+        let output = &done["response"]["output"];
+        assert_eq!(output[0]["type"], "reasoning");
+        assert_eq!(output[0]["content"][0]["text"], iop_node::mock::MOCK_REASONING);
+        assert_eq!(output[1]["type"], "message");
+        assert_eq!(done["response"]["reasoning"]["effort"], "low");
+        let whole = s.post_json("/v1/responses", ask(false)).await;
+        assert_eq!(whole["output"][0]["type"], "reasoning", "{whole}");
+        assert_eq!(whole["output"][0]["content"], output[0]["content"]);
+        s.stop().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn what_a_provider_cannot_do_is_a_400_naming_the_parameter() {
     bounded(async {

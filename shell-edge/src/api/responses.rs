@@ -10,15 +10,21 @@
 //!   `sequence_number`):
 //!
 //!   1. `response.created`, `response.in_progress`
-//!   2. for text: `response.output_item.added` (message),
+//!   2. for reasoning the provider streams (`reasoning_content`, Ollama's
+//!      `thinking`): `response.output_item.added` (reasoning),
+//!      `response.content_part.added` (`reasoning_text`),
+//!      `response.reasoning_text.delta`…
+//!   3. for text: `response.output_item.added` (message),
 //!      `response.content_part.added`, `response.output_text.delta`…
-//!   3. for each tool call: `response.output_item.added` (function_call),
+//!   4. for each tool call: `response.output_item.added` (function_call),
 //!      `response.function_call_arguments.delta`…
-//!   4. at the end, per item in output order: `response.output_text.done`,
-//!      `response.content_part.done`, `response.output_item.done` (message) or
+//!   5. at the end, per item in output order: `response.reasoning_text.done`,
+//!      `response.content_part.done`, `response.output_item.done`
+//!      (reasoning); `response.output_text.done`,
+//!      `response.content_part.done`, `response.output_item.done` (message);
 //!      `response.function_call_arguments.done`, `response.output_item.done`
 //!      (function call)
-//!   5. `response.completed` (or `response.incomplete` when the token limit
+//!   6. `response.completed` (or `response.incomplete` when the token limit
 //!      or a content filter ended generation), carrying `usage`
 //!
 //!   A failure ends the stream with `error` and then `response.failed`.
@@ -75,6 +81,8 @@ pub struct ResponseEcho {
     pub background: bool,
     /// `previous_response_id` as sent.
     pub previous_response_id: Option<String>,
+    /// `reasoning.effort` as sent.
+    pub reasoning_effort: Option<String>,
 }
 
 impl Default for ResponseEcho {
@@ -92,6 +100,7 @@ impl Default for ResponseEcho {
             store: false,
             background: false,
             previous_response_id: None,
+            reasoning_effort: None,
         }
     }
 }
@@ -196,6 +205,7 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
         store: false,
         background,
         previous_response_id,
+        reasoning_effort: params.reasoning_effort.clone(),
     };
 
     Ok(ResponsesRequest {
@@ -414,16 +424,20 @@ fn push_input_item(
                 images: Vec::new(),
             });
         }
-        "reasoning" | "item_reference" => {
+        // A reasoning item a client passes back (managing its own
+        // context) is the model's earlier chain of thought: providers behind
+        // the chat API take none, so it is accepted and left out.
+        "reasoning" => {}
+        "item_reference" => {
             return Err(ApiError::unsupported_parameter(
                 &obj.param("type"),
-                "Only 'message', 'function_call' and 'function_call_output' input items are supported.",
+                "Only 'message', 'reasoning', 'function_call' and 'function_call_output' input items are supported.",
             ));
         }
         _ => {
             return Err(ApiError::invalid_value(
                 &obj.param("type"),
-                "must be 'message', 'function_call' or 'function_call_output'.",
+                "must be 'message', 'reasoning', 'function_call' or 'function_call_output'.",
             ));
         }
     }
@@ -505,6 +519,10 @@ fn usage_json(usage: Usage) -> Value {
 /// One output item being built.
 #[derive(Debug, Clone)]
 enum OutputItem {
+    Reasoning {
+        id: String,
+        text: String,
+    },
     Message {
         id: String,
         text: String,
@@ -533,6 +551,7 @@ struct ResponseDraft {
     echo: ResponseEcho,
     items: Vec<OutputItem>,
     message_item: Option<usize>,
+    reasoning_item: Option<usize>,
     call_items: BTreeMap<u32, usize>,
     usage: Option<Usage>,
 }
@@ -546,6 +565,7 @@ impl ResponseDraft {
             echo: ResponseEcho::default(),
             items: Vec::new(),
             message_item: None,
+            reasoning_item: None,
             call_items: BTreeMap::new(),
             usage: None,
         }
@@ -573,6 +593,30 @@ impl ResponseDraft {
             text: text.to_owned(),
         });
         self.message_item = Some(index);
+        ItemTouch {
+            output_index: index,
+            opened: true,
+        }
+    }
+
+    /// All reasoning goes to one reasoning item, opened at the first
+    /// reasoning text.
+    fn add_reasoning(&mut self, text: &str) -> ItemTouch {
+        if let Some(index) = self.reasoning_item {
+            if let Some(OutputItem::Reasoning { text: all, .. }) = self.items.get_mut(index) {
+                all.push_str(text);
+            }
+            return ItemTouch {
+                output_index: index,
+                opened: false,
+            };
+        }
+        let index = self.items.len();
+        self.items.push(OutputItem::Reasoning {
+            id: self.next_item_id("rs_"),
+            text: text.to_owned(),
+        });
+        self.reasoning_item = Some(index);
         ItemTouch {
             output_index: index,
             opened: true,
@@ -621,7 +665,11 @@ impl ResponseDraft {
 
     fn item_id(&self, index: usize) -> &str {
         match self.items.get(index) {
-            Some(OutputItem::Message { id, .. } | OutputItem::FunctionCall { id, .. }) => id,
+            Some(
+                OutputItem::Message { id, .. }
+                | OutputItem::Reasoning { id, .. }
+                | OutputItem::FunctionCall { id, .. },
+            ) => id,
             None => "",
         }
     }
@@ -630,9 +678,20 @@ impl ResponseDraft {
         json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
     }
 
+    fn reasoning_text_part(text: &str) -> Value {
+        json!({ "type": "reasoning_text", "text": text })
+    }
+
     /// An item as JSON; `full` false gives the just-opened (empty) shape.
     fn item_json(&self, index: usize, status: &str, full: bool) -> Value {
         match self.items.get(index) {
+            Some(OutputItem::Reasoning { id, text }) => json!({
+                "id": id,
+                "type": "reasoning",
+                "status": status,
+                "summary": [],
+                "content": if full { json!([Self::reasoning_text_part(text)]) } else { json!([]) },
+            }),
             Some(OutputItem::Message { id, text }) => json!({
                 "id": id,
                 "type": "message",
@@ -681,7 +740,7 @@ impl ResponseDraft {
             "output": output,
             "parallel_tool_calls": self.echo.parallel_tool_calls,
             "previous_response_id": self.echo.previous_response_id,
-            "reasoning": { "effort": null, "summary": null },
+            "reasoning": { "effort": self.echo.reasoning_effort, "summary": null },
             "store": self.echo.store,
             "background": self.echo.background,
             "temperature": self.echo.temperature,
@@ -769,6 +828,18 @@ struct OutputTextDelta<'a> {
     kind: &'static str,
 }
 
+/// `response.reasoning_text.delta`, typed like [`OutputTextDelta`].
+#[derive(Serialize)]
+struct ReasoningTextDelta<'a> {
+    content_index: u32,
+    delta: &'a str,
+    item_id: &'a str,
+    output_index: usize,
+    sequence_number: u64,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
 /// `response.function_call_arguments.delta`, typed like [`OutputTextDelta`].
 #[derive(Serialize)]
 struct ArgumentsDelta<'a> {
@@ -838,11 +909,48 @@ impl ResponsesStream {
         match event {
             RunEventKind::Started { .. } => {}
             RunEventKind::Usage(usage) => self.draft.usage = Some(*usage),
-            // A Responses answer carries neither chat reasoning text, token
-            // log probabilities, nor embeddings.
-            RunEventKind::ReasoningDelta(_)
-            | RunEventKind::Logprobs(_)
-            | RunEventKind::Embedding(_) => {}
+            // A Responses answer carries neither token log probabilities nor
+            // embeddings.
+            RunEventKind::Logprobs(_) | RunEventKind::Embedding(_) => {}
+            RunEventKind::ReasoningDelta(text) => {
+                if text.is_empty() {
+                    return;
+                }
+                self.ensure_started(out);
+                let touch = self.draft.add_reasoning(text);
+                if touch.opened {
+                    let item = self
+                        .draft
+                        .item_json(touch.output_index, "in_progress", false);
+                    self.emit(
+                        out,
+                        "response.output_item.added",
+                        json!({ "output_index": touch.output_index, "item": item }),
+                    );
+                    let item_id = self.draft.item_id(touch.output_index);
+                    self.emit(
+                        out,
+                        "response.content_part.added",
+                        json!({
+                            "item_id": item_id,
+                            "output_index": touch.output_index,
+                            "content_index": 0,
+                            "part": ResponseDraft::reasoning_text_part(""),
+                        }),
+                    );
+                }
+                const KIND: &str = "response.reasoning_text.delta";
+                let delta = ReasoningTextDelta {
+                    content_index: 0,
+                    delta: text,
+                    item_id: self.draft.item_id(touch.output_index),
+                    output_index: touch.output_index,
+                    sequence_number: self.next_sequence_number,
+                    kind: KIND,
+                };
+                framing::sse_json(out, Some(KIND), &delta);
+                self.next_sequence_number += 1;
+            }
             RunEventKind::TextDelta(text) => {
                 if text.is_empty() {
                     return;
@@ -1000,6 +1108,28 @@ impl ResponsesStream {
     fn close_item(&mut self, out: &mut Vec<u8>, index: usize, status: &str) {
         let item_id = self.draft.item_id(index).to_owned();
         match self.draft.items.get(index).cloned() {
+            Some(OutputItem::Reasoning { text, .. }) => {
+                self.emit(
+                    out,
+                    "response.reasoning_text.done",
+                    json!({
+                        "item_id": item_id,
+                        "output_index": index,
+                        "content_index": 0,
+                        "text": text,
+                    }),
+                );
+                self.emit(
+                    out,
+                    "response.content_part.done",
+                    json!({
+                        "item_id": item_id,
+                        "output_index": index,
+                        "content_index": 0,
+                        "part": ResponseDraft::reasoning_text_part(&text),
+                    }),
+                );
+            }
             Some(OutputItem::Message { text, .. }) => {
                 self.emit(
                     out,
@@ -1099,12 +1229,15 @@ impl ResponsesAccumulator {
             RunEventKind::ToolCallDelta(delta) => {
                 self.draft.add_tool_delta(delta);
             }
+            RunEventKind::ReasoningDelta(text) => {
+                if !text.is_empty() {
+                    self.draft.add_reasoning(text);
+                }
+            }
             RunEventKind::Usage(usage) => self.draft.usage = Some(*usage),
-            // A Responses answer carries neither chat reasoning text, token
-            // log probabilities, nor embeddings.
-            RunEventKind::ReasoningDelta(_)
-            | RunEventKind::Logprobs(_)
-            | RunEventKind::Embedding(_) => {}
+            // A Responses answer carries neither token log probabilities nor
+            // embeddings.
+            RunEventKind::Logprobs(_) | RunEventKind::Embedding(_) => {}
             RunEventKind::Completed {
                 finish_reason,
                 usage,
@@ -1155,6 +1288,8 @@ impl ResponsesAccumulator {
         let mut message = text_message(Role::Assistant, String::new());
         for item in &self.draft.items {
             match item {
+                // The chat API takes no earlier reasoning back.
+                OutputItem::Reasoning { .. } => {}
                 OutputItem::Message { text, .. } => message.content.push_str(text),
                 OutputItem::FunctionCall {
                     call_id,
@@ -1360,7 +1495,7 @@ mod tests {
                 "input[0].call_id",
             ),
             (
-                with("input", json!([{"type": "reasoning", "summary": []}])),
+                with("input", json!([{"type": "item_reference", "id": "msg_1"}])),
                 "input[0].type",
             ),
             (with("input", json!([{"type": "bogus"}])), "input[0].type"),
@@ -1546,6 +1681,106 @@ mod tests {
         assert_eq!(done["usage"]["total_tokens"], 7);
         assert!(stream.is_finished());
         assert!(run(&mut stream, &[RunEventKind::TextDelta("late".into())]).is_empty());
+    }
+
+    #[test]
+    fn reasoning_is_a_reasoning_item_before_the_message() {
+        let mut stream = ResponsesStream::new("resp_r", "m", 1);
+        let events = run(
+            &mut stream,
+            &[
+                RunEventKind::ReasoningDelta("Let me ".into()),
+                RunEventKind::ReasoningDelta("think.".into()),
+                RunEventKind::TextDelta("Hi".into()),
+                RunEventKind::Completed {
+                    finish_reason: FinishReason::Stop,
+                    usage: Some(usage(3, 4)),
+                },
+            ],
+        );
+        assert_eq!(
+            names(&events),
+            vec![
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        assert_sequence_numbers(&events);
+        let added = &events[2].data;
+        assert_eq!(added["output_index"], 0);
+        assert_eq!(added["item"]["type"], "reasoning");
+        assert_eq!(added["item"]["summary"], json!([]));
+        assert_eq!(added["item"]["content"], json!([]));
+        let item_id = added["item"]["id"].as_str().unwrap().to_owned();
+        assert!(item_id.starts_with("rs_"));
+        assert_eq!(events[3].data["part"], json!({"type": "reasoning_text", "text": ""}));
+        assert_eq!(events[4].data["delta"], "Let me ");
+        assert_eq!(events[4].data["item_id"], item_id.as_str());
+        assert_eq!(events[4].data["content_index"], 0);
+        assert_eq!(events[6].data["output_index"], 1);
+        assert_eq!(events[9].data["text"], "Let me think.");
+        assert_eq!(events[10].data["part"]["text"], "Let me think.");
+        assert_eq!(events[11].data["item"]["status"], "completed");
+        let done = &events[15].data["response"];
+        assert_eq!(
+            done["output"][0]["content"],
+            json!([{"type": "reasoning_text", "text": "Let me think."}])
+        );
+        assert_eq!(done["output"][1]["type"], "message");
+        assert_eq!(done["output"][1]["content"][0]["text"], "Hi");
+
+        // The whole answer holds the same items.
+        let mut acc = ResponsesAccumulator::new("resp_r", "m", 1);
+        for e in [
+            RunEventKind::ReasoningDelta("Let me think.".into()),
+            RunEventKind::TextDelta("Hi".into()),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: None,
+            },
+        ] {
+            acc.push(&e);
+        }
+        let whole = acc.finish().unwrap();
+        assert_eq!(whole["output"][0], done["output"][0]);
+        assert_eq!(whole["output"][1]["content"], done["output"][1]["content"]);
+        // What a continuation is given leaves the reasoning out.
+        assert_eq!(acc.assistant_message().content, "Hi");
+    }
+
+    #[test]
+    fn reasoning_items_passed_back_are_accepted_and_left_out() {
+        let mut body = sdk_body();
+        body["input"] = json!([
+            {"role": "user", "content": "q"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "hm"}]},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "q2"},
+        ]);
+        body["reasoning"] = json!({"effort": "high"});
+        let parsed = parse(body).unwrap();
+        let roles: Vec<Role> = parsed.run.messages.iter().map(|m| m.role).collect();
+        assert!(!parsed.run.messages.iter().any(|m| m.content.contains("hm")));
+        assert_eq!(&roles[roles.len() - 3..], &[Role::User, Role::Assistant, Role::User]);
+        assert_eq!(parsed.echo.reasoning_effort.as_deref(), Some("high"));
+        let mut stream = ResponsesStream::new("r", "m", 1).with_echo(parsed.echo);
+        let created = &run(&mut stream, &[RunEventKind::TextDelta("x".into())])[0];
+        assert_eq!(created.data["response"]["reasoning"]["effort"], "high");
     }
 
     #[test]
@@ -1814,6 +2049,23 @@ mod tests {
                 "delta": text,
             });
             prop_assert_eq!(typed, tree.to_string());
+            let typed = serde_json::to_string(&ReasoningTextDelta {
+                content_index: 0,
+                delta: &text,
+                item_id: &item_id,
+                output_index,
+                sequence_number,
+                kind: "response.reasoning_text.delta",
+            }).unwrap();
+            let tree = json!({
+                "type": "response.reasoning_text.delta",
+                "sequence_number": sequence_number,
+                "item_id": item_id,
+                "output_index": output_index,
+                "content_index": 0,
+                "delta": text,
+            });
+            prop_assert_eq!(typed, tree.to_string());
         }
 
         #[test]
@@ -1836,6 +2088,7 @@ mod tests {
     #[derive(Debug, Clone)]
     enum RunEventKindSample {
         Text(String),
+        Reasoning(String),
         Tool(u32, bool, String),
         Usage(u8, u8),
         Done(u8),
@@ -1848,6 +2101,7 @@ mod tests {
         fn arbitrary_with((): ()) -> Self::Strategy {
             prop_oneof![
                 4 => ".{0,4}".prop_map(RunEventKindSample::Text),
+                2 => ".{0,4}".prop_map(RunEventKindSample::Reasoning),
                 3 => (0u32..3, any::<bool>(), ".{0,4}")
                     .prop_map(|(i, first, a)| RunEventKindSample::Tool(i, first, a)),
                 1 => (any::<u8>(), any::<u8>()).prop_map(|(p, c)| RunEventKindSample::Usage(p, c)),
@@ -1862,6 +2116,7 @@ mod tests {
         fn into_event(self) -> RunEventKind {
             match self {
                 RunEventKindSample::Text(t) => RunEventKind::TextDelta(t),
+                RunEventKindSample::Reasoning(t) => RunEventKind::ReasoningDelta(t),
                 RunEventKindSample::Tool(index, first, args) => {
                     RunEventKind::ToolCallDelta(ToolCallDelta {
                         index,

@@ -100,6 +100,28 @@ def main() -> None:
     )
     check(any(item.type == "function_call" for item in resp.output), f"responses: function call {resp.output}")
 
+    # Reasoning the provider streams is a reasoning item before the message.
+    reasoning, completed = "", None
+    with client.responses.stream(model="mock:tokens=2", input="think", reasoning={"effort": "low"}) as stream:
+        for event in stream:
+            if event.type == "response.reasoning_text.delta":
+                reasoning += event.delta
+        completed = stream.get_final_response()
+    check(reasoning, "responses stream: reasoning deltas")
+    kinds = [item.type for item in completed.output]
+    check(kinds == ["reasoning", "message"], f"responses stream: items {kinds}")
+    check(completed.output[0].content[0].text == reasoning, "responses stream: reasoning item text")
+    check(completed.reasoning.effort == "low", f"responses: reasoning echo {completed.reasoning}")
+    resp = client.responses.create(model="mock:tokens=2", input="think", reasoning={"effort": "low"})
+    check(resp.output[0].type == "reasoning" and resp.output_text, f"responses: reasoning item {resp.output}")
+    # Passed back (manual context), the reasoning item is accepted.
+    again = client.responses.create(
+        model="mock:tokens=2",
+        input=[{"role": "user", "content": "think"}, *[i.model_dump(exclude_none=True) for i in resp.output],
+               {"role": "user", "content": "more"}],
+    )
+    check(again.output_text, "responses: reasoning item passed back")
+
     durable_responses(client)
 
     # Errors come back typed.

@@ -60,7 +60,7 @@
 //! `response_format` answers the JSON object `{"answer": "<the tokens>"}`;
 //! a run asking for `logprobs` gets one log probability ([`MOCK_LOGPROB`])
 //! per token; a run with a `reasoning_effort` other than `none` reasons
-//! first ([`MOCK_REASONING`]). A request's
+//! first ([`MOCK_REASONING`]; the HTTP server as `reasoning_content`). A request's
 //! `max_tokens` (`num_predict`, `max_output_tokens`) below `tokens` truncates
 //! the answer with finish reason `length`.
 

@@ -575,6 +575,11 @@ async fn chat_completions(
         tool_name: tool_name(&script, &request["tools"]),
         continue_from: continued_tokens(final_assistant(&request["messages"])),
     };
+    // Like a reasoning model behind vLLM or llama.cpp: `reasoning_content`
+    // before the answer when a reasoning effort other than `none` is asked.
+    let reasons = request["reasoning_effort"]
+        .as_str()
+        .is_some_and(|e| e != "none");
     let steps = play(&script, prompt);
     if request["stream"].as_bool() != Some(true) {
         let Some(c) = collect(steps).await else {
@@ -588,7 +593,7 @@ async fn chat_completions(
         let (finish, usage) = c
             .finish
             .unwrap_or((FinishReason::Stop, iop_wire::Usage::default()));
-        let message = match &c.tool {
+        let mut message = match &c.tool {
             Some((id, name, args)) => json!({
                 "role": "assistant",
                 "content": null,
@@ -596,6 +601,9 @@ async fn chat_completions(
             }),
             None => json!({"role": "assistant", "content": c.text}),
         };
+        if reasons {
+            message["reasoning_content"] = json!(super::MOCK_REASONING);
+        }
         return axum::Json(json!({
             "id": "chatcmpl-mock",
             "object": "chat.completion",
@@ -614,6 +622,10 @@ async fn chat_completions(
             if !role_sent {
                 role_sent = true;
                 yield Ok(sse_data(&chat_chunk(&model, json!({"role": "assistant", "content": ""}), None)));
+                if reasons {
+                    let delta = json!({"reasoning_content": super::MOCK_REASONING});
+                    yield Ok(sse_data(&chat_chunk(&model, delta, None)));
+                }
             }
             match step {
                 MockStep::Text(t) => yield Ok(sse_data(&chat_chunk(&model, json!({"content": t}), None))),
