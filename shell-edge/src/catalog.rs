@@ -13,8 +13,10 @@
 //!
 //! The operator keeps control: an exact `[[routes]]` entry wins over
 //! discovery (pin), `discover_models = false` on a provider keeps its
-//! models out, and each API key's `models` still restricts what it may
-//! use. Lists are bounded ([`MAX_MODELS_PER_PROVIDER`],
+//! models out, `[discovered_models] hide` keeps matching names out,
+//! `[discovered_models.rename]` gives a model the name clients use
+//! ([`ModelNames`]), and each API key's `models` still restricts what it
+//! may use (by the name clients use). Lists are bounded ([`MAX_MODELS_PER_PROVIDER`],
 //! [`MAX_MODEL_NAME_BYTES`]): a Node cannot grow the Edge's memory without
 //! bound.
 
@@ -97,6 +99,66 @@ impl ModelCatalog {
     }
 }
 
+/// How discovered model names become the names clients use
+/// (`[discovered_models]`): some are hidden, some renamed.
+///
+/// A rename is one name for both directions: clients ask for and see the
+/// new name, the providers are asked for the old one, on every route (a
+/// pinned or prefix route of the new name too). The old name is no longer
+/// routed by discovery; an exact `[[routes]]` entry may still name it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelNames {
+    /// Patterns (exact, or a prefix ending in `*`) of discovered names
+    /// neither listed nor routed by discovery.
+    hide: Vec<String>,
+    /// Discovered name -> the name clients use.
+    rename: BTreeMap<String, String>,
+}
+
+impl ModelNames {
+    /// Names with these hide patterns and renames (validated by the
+    /// configuration).
+    pub fn new(hide: Vec<String>, rename: BTreeMap<String, String>) -> Self {
+        Self { hide, rename }
+    }
+
+    /// The name clients use for discovered model `discovered`; `None`
+    /// when it is hidden.
+    pub fn client_name<'a>(&'a self, discovered: &'a str) -> Option<&'a str> {
+        if self
+            .hide
+            .iter()
+            .any(|p| crate::config::model_matches(p, discovered))
+        {
+            return None;
+        }
+        Some(
+            self.rename
+                .get(discovered)
+                .map_or(discovered, String::as_str),
+        )
+    }
+
+    /// The discovered name a client's `model` routes to through discovery:
+    /// a renamed model's old name; `None` for an old name (renamed away)
+    /// or a hidden one.
+    pub fn discovered_name<'a>(&'a self, model: &'a str) -> Option<&'a str> {
+        let discovered = self.provider_model(model);
+        if discovered == model && self.rename.contains_key(model) {
+            return None;
+        }
+        (self.client_name(discovered) == Some(model)).then_some(discovered)
+    }
+
+    /// The name a provider is asked for when a client asks for `model`.
+    pub fn provider_model<'a>(&'a self, model: &'a str) -> &'a str {
+        self.rename
+            .iter()
+            .find(|(_, to)| *to == model)
+            .map_or(model, |(from, _)| from.as_str())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use iop_wire::{AdapterKind, TargetHealth};
@@ -149,6 +211,31 @@ mod tests {
             &report(ProviderHealth::Available, &["m"]),
         );
         assert!(catalog.listed().is_empty());
+    }
+
+    #[test]
+    fn hidden_names_are_gone_and_renamed_ones_answer_to_their_new_name() {
+        let names = ModelNames::new(
+            vec!["embed*".into(), "secret".into()],
+            BTreeMap::from([("llama3.2:1b".to_owned(), "fast".to_owned())]),
+        );
+        assert_eq!(names.client_name("embed-small"), None);
+        assert_eq!(names.client_name("secret"), None);
+        assert_eq!(names.client_name("secret-2"), Some("secret-2"));
+        assert_eq!(names.client_name("llama3.2:1b"), Some("fast"));
+        assert_eq!(names.discovered_name("fast"), Some("llama3.2:1b"));
+        assert_eq!(names.discovered_name("llama3.2:1b"), None, "renamed away");
+        assert_eq!(names.discovered_name("embed-small"), None, "hidden");
+        assert_eq!(names.discovered_name("qwen"), Some("qwen"));
+        assert_eq!(names.provider_model("fast"), "llama3.2:1b");
+        assert_eq!(names.provider_model("qwen"), "qwen");
+        // A hidden old name cannot be reached under its new name either.
+        let hidden = ModelNames::new(
+            vec!["llama*".into()],
+            BTreeMap::from([("llama3".to_owned(), "fast".to_owned())]),
+        );
+        assert_eq!(hidden.discovered_name("fast"), None);
+        assert_eq!(ModelNames::default().discovered_name("m"), Some("m"));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The Edge's TOML configuration, validated at load. Every error names the
 //! field that is wrong.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -80,6 +80,21 @@ pub struct RouteEntry {
     /// continuation`).
     #[serde(default)]
     pub continuation: Option<bool>,
+}
+
+/// `[discovered_models]`: what clients see of the models providers report
+/// (model discovery, [`crate::catalog`]).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveredModelsSection {
+    /// Discovered names (exact, or a prefix ending in `*`) neither listed
+    /// nor routed by discovery.
+    #[serde(default)]
+    pub hide: Vec<String>,
+    /// Discovered name = the name clients use for it; providers are still
+    /// asked for the discovered name.
+    #[serde(default)]
+    pub rename: BTreeMap<String, String>,
 }
 
 /// One `[[api_keys]]` entry. The key itself comes from a file or the
@@ -521,6 +536,9 @@ pub struct EdgeFile {
     /// `[[api_keys]]`.
     #[serde(default)]
     pub api_keys: Vec<ApiKeyEntry>,
+    /// `[discovered_models]`: hide or rename models providers report.
+    #[serde(default)]
+    pub discovered_models: DiscoveredModelsSection,
     /// `[[credentials]]`.
     #[serde(default)]
     pub credentials: Vec<CredentialEntry>,
@@ -1027,6 +1045,8 @@ pub struct EdgeConfig {
     pub routes: Vec<(String, Vec<ProviderId>)>,
     /// Routes that say whether they continue answers (R-CONT-1).
     pub continuation_routes: Vec<(String, bool)>,
+    /// `[discovered_models]`: hidden and renamed models.
+    pub model_names: crate::catalog::ModelNames,
     /// API keys.
     pub api_keys: Vec<ApiKey>,
     /// Managed credential profiles.
@@ -1243,6 +1263,8 @@ impl EdgeConfig {
             }
         }
 
+        let model_names = file.discovered_models.validate()?;
+
         let mut api_keys: Vec<ApiKey> = Vec::new();
         for (i, k) in file.api_keys.iter().enumerate() {
             let f = |name: &str| format!("api_keys[{i}].{name}");
@@ -1320,6 +1342,7 @@ impl EdgeConfig {
             providers,
             routes,
             continuation_routes,
+            model_names,
             api_keys,
             credentials,
             otlp: file.otlp,
@@ -1470,6 +1493,53 @@ pub fn model_matches(pattern: &str, model: &str) -> bool {
     match pattern.strip_suffix('*') {
         Some(prefix) => model.starts_with(prefix),
         None => pattern == model,
+    }
+}
+
+impl DiscoveredModelsSection {
+    /// The names, or the first field that is wrong.
+    fn validate(&self) -> Result<crate::catalog::ModelNames, ConfigError> {
+        for (i, pattern) in self.hide.iter().enumerate() {
+            let field = format!("discovered_models.hide[{i}]");
+            if pattern.is_empty() || pattern == "*" {
+                return Err(field_err(
+                    field,
+                    "must name models (exact, or a prefix ending in `*`), not be empty or `*`",
+                ));
+            }
+            if pattern.trim_end_matches('*').contains('*') {
+                return Err(field_err(field, "`*` may only end a pattern"));
+            }
+        }
+        let mut targets = BTreeSet::new();
+        for (from, to) in &self.rename {
+            let field = format!("discovered_models.rename.{from:?}");
+            if from.is_empty() || from.contains('*') || to.is_empty() || to.contains('*') {
+                return Err(field_err(
+                    field,
+                    "both names must be non-empty and without `*`",
+                ));
+            }
+            if from == to {
+                return Err(field_err(field, "renames a model to its own name"));
+            }
+            if !targets.insert(to.as_str()) {
+                return Err(field_err(
+                    field,
+                    format!("`{to}` is already the new name of another model"),
+                ));
+            }
+            if self.rename.contains_key(to) {
+                return Err(field_err(
+                    field,
+                    format!("`{to}` is itself renamed; renames do not chain"),
+                ));
+            }
+        }
+        Ok(crate::catalog::ModelNames::new(
+            self.hide.clone(),
+            self.rename.clone(),
+        ))
     }
 }
 
@@ -1711,6 +1781,49 @@ key = "edge.key"
             &[ProviderId::from("a"), ProviderId::from("b")]
         );
         assert!(c.route("m2").is_none());
+    }
+
+    #[test]
+    fn discovered_model_names_are_validated_by_field() {
+        let ok = parse(
+            "[discovered_models]\nhide = ['embed*', 'x']\n\
+             [discovered_models.rename]\n'llama3.2:1b' = 'fast'\n",
+        )
+        .unwrap();
+        assert_eq!(ok.model_names.provider_model("fast"), "llama3.2:1b");
+        assert_eq!(ok.model_names.client_name("embed-1"), None);
+        for (extra, field) in [
+            (
+                "[discovered_models]\nhide = ['*']\n",
+                "discovered_models.hide[0]",
+            ),
+            (
+                "[discovered_models]\nhide = ['a', '']\n",
+                "discovered_models.hide[1]",
+            ),
+            (
+                "[discovered_models]\nhide = ['*a']\n",
+                "discovered_models.hide[0]",
+            ),
+            (
+                "[discovered_models.rename]\na = 'a'\n",
+                "discovered_models.rename.\"a\"",
+            ),
+            (
+                "[discovered_models.rename]\na = 'c'\nb = 'c'\n",
+                "discovered_models.rename.\"b\"",
+            ),
+            (
+                "[discovered_models.rename]\na = 'b'\nb = 'c'\n",
+                "discovered_models.rename.\"a\"",
+            ),
+            (
+                "[discovered_models.rename]\n'a*' = 'b'\n",
+                "discovered_models.rename.\"a*\"",
+            ),
+        ] {
+            assert_eq!(field_of(parse(extra).unwrap_err()), field, "{extra}");
+        }
     }
 
     #[test]

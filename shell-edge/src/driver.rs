@@ -38,7 +38,8 @@ use crate::hub::{HubHandle, LinkHandle, RequestNews};
 /// What the request asks a provider to do.
 #[derive(Debug, Clone)]
 pub struct Work {
-    /// The model clients asked for.
+    /// The model the provider is asked for: the one clients asked for, or
+    /// a renamed model's discovered name (`[discovered_models.rename]`).
     pub model: String,
     /// Chat or generate.
     pub api: RunApi,

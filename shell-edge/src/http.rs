@@ -263,19 +263,23 @@ fn pool_for(
 }
 
 /// The providers serving `model`: an exact `[[routes]]` entry (a pin), else
-/// the discovering providers that reported the model (`crate::catalog`),
-/// else the longest prefix route.
+/// the discovering providers that reported the model under its discovered
+/// name (`crate::catalog`: hidden names are not routed, a renamed model by
+/// its new name only), else the longest prefix route.
 fn routed_pool(state: &AppState, model: &str) -> Option<Vec<ProviderId>> {
     if let Some(pool) = state.config.exact_route(model) {
         return Some(pool.to_vec());
     }
-    let discovered: Vec<ProviderId> = state
-        .hub
-        .catalog()
-        .pool_for(model)
-        .into_iter()
-        .filter(|id| state.config.provider(id).is_some_and(|p| p.discover_models))
-        .collect();
+    let discovered: Vec<ProviderId> = match state.config.model_names.discovered_name(model) {
+        Some(name) => state
+            .hub
+            .catalog()
+            .pool_for(name)
+            .into_iter()
+            .filter(|id| state.config.provider(id).is_some_and(|p| p.discover_models))
+            .collect(),
+        None => Vec::new(),
+    };
     if !discovered.is_empty() {
         return Some(discovered);
     }
@@ -319,6 +323,19 @@ async fn first(
     }
 }
 
+/// `body` (a JSON object, already parsed once) with its `model` replaced.
+fn body_naming_model(body: &[u8], model: &str) -> Result<bytes::Bytes, ApiError> {
+    let mut value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|_| ApiError::internal())?;
+    let Some(object) = value.as_object_mut() else {
+        return Err(ApiError::internal());
+    };
+    object.insert("model".into(), serde_json::Value::from(model));
+    serde_json::to_vec(&value)
+        .map(bytes::Bytes::from)
+        .map_err(|_| ApiError::internal())
+}
+
 fn tunnel_body(api: TunnelApi, path: &str, body: &[u8]) -> TunnelBody {
     TunnelBody {
         api,
@@ -342,6 +359,12 @@ pub(crate) struct Admitted<O> {
     pub(crate) run: NormalizedRun,
     pub(crate) options: O,
     pub(crate) pool: Vec<ProviderId>,
+    /// The model the providers are asked for (a renamed model's
+    /// discovered name, `[discovered_models.rename]`).
+    pub(crate) provider_model: String,
+    /// For a renamed model with tunnel-mode providers in its pool: the body
+    /// they get, naming `provider_model`.
+    pub(crate) renamed_body: Option<bytes::Bytes>,
 }
 
 /// Authenticate, read and parse a run request and route its model; any
@@ -359,10 +382,24 @@ async fn admit<E: RunEndpoint>(
         .await
         .map_err(BodyError::to_api_error)?;
     let (run, options) = endpoint.parse(&held.bytes)?;
+    let pool = pool_for(state, &key, &run)?;
+    let provider_model = state.config.model_names.provider_model(&run.model);
+    // Rewritten while the body's decoded share is still held (R-LIM-2).
+    let renamed_body = if provider_model != run.model
+        && pool.iter().any(|id| {
+            state
+                .config
+                .provider(id)
+                .is_some_and(|p| p.mode == crate::config::ProviderMode::Tunnel)
+        }) {
+        Some(body_naming_model(&held.bytes, provider_model)?)
+    } else {
+        None
+    };
+    let provider_model = provider_model.to_owned();
     // The decoded tree is gone; the body and the run remain.
     held.permit
         .shrink_to(held.bytes.len() * KEPT_BYTES_PER_BODY_BYTE);
-    let pool = pool_for(state, &key, &run)?;
     Ok(Admitted {
         key,
         body: held.bytes,
@@ -370,6 +407,8 @@ async fn admit<E: RunEndpoint>(
         run,
         options,
         pool,
+        provider_model,
+        renamed_body,
     })
 }
 
@@ -498,13 +537,14 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         return axum::Json(answer).into_response();
     }
     let (tunnel_api, tunnel_path) = endpoint.tunnel();
+    let tunnelled = admitted.renamed_body.as_ref().unwrap_or(&admitted.body);
     let work = Work {
-        model: run.model.clone(),
+        model: admitted.provider_model,
         api: run.api,
         messages: run.messages,
         tools: run.tools,
         params: run.params,
-        tunnel: Some(tunnel_body(tunnel_api, tunnel_path, &admitted.body)),
+        tunnel: Some(tunnel_body(tunnel_api, tunnel_path, tunnelled)),
         route,
         principal: admitted.key.principal,
         trace_context: record.span.context(),
@@ -752,12 +792,15 @@ fn listed_models(state: &AppState, headers: &HeaderMap) -> Result<Vec<String>, A
         .filter(|m| key.allows(m))
         .map(str::to_owned)
         .collect();
-    for model in state.hub.catalog().listed() {
-        if !names.contains(&model)
-            && key.allows(&model)
-            && routed_pool(state, &model).is_some_and(|pool| !pool.is_empty())
+    for discovered in state.hub.catalog().listed() {
+        let Some(model) = state.config.model_names.client_name(&discovered) else {
+            continue;
+        };
+        if !names.iter().any(|n| n == model)
+            && key.allows(model)
+            && routed_pool(state, model).is_some_and(|pool| !pool.is_empty())
         {
-            names.push(model);
+            names.push(model.to_owned());
         }
     }
     Ok(names)

@@ -193,6 +193,9 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         run,
         mut options,
         pool,
+        provider_model,
+        // Durable runs are never tunnelled.
+        renamed_body: _,
     } = admitted;
     record.body_permit = Some(body_permit);
     endpoint.mark_kept(&mut options, keep);
@@ -226,7 +229,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         Ok(CreateOutcome::Create(meta)) => {
             let (live, cancel) = durable.register(&meta.id);
             let work = Work {
-                model: run.model.clone(),
+                model: provider_model,
                 api: run.api,
                 messages: run.messages,
                 tools: run.tools,

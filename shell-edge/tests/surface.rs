@@ -261,7 +261,10 @@ async fn reasoning_reaches_a_responses_client_as_a_reasoning_item() {
         assert_eq!(done["type"], "response.completed", "{body}");
         let output = &done["response"]["output"];
         assert_eq!(output[0]["type"], "reasoning");
-        assert_eq!(output[0]["content"][0]["text"], iop_node::mock::MOCK_REASONING);
+        assert_eq!(
+            output[0]["content"][0]["text"],
+            iop_node::mock::MOCK_REASONING
+        );
         assert_eq!(output[1]["type"], "message");
         assert_eq!(done["response"]["reasoning"]["effort"], "low");
         let whole = s.post_json("/v1/responses", ask(false)).await;
@@ -401,6 +404,105 @@ async fn a_model_the_node_reports_is_listed_and_routed_without_edge_config() {
             .await
             .unwrap();
         assert_eq!(r.status(), 404);
+        wait_for(&edge, "idle", |s| s.leases_in_use == 0 && s.waiters == 0).await;
+        let _ = node.shutdown().await;
+        edge.shutdown().await;
+    })
+    .await;
+}
+
+/// `[discovered_models]`: a hidden model is neither listed nor routed; a
+/// renamed one is listed and asked for by its new name only, and its
+/// providers are asked for the discovered name, normalized (the mock's
+/// script is in that name) and tunnelled (the provider's own answer names
+/// what it was asked for); API keys restrict by the new name.
+#[tokio::test]
+async fn discovered_models_can_be_hidden_and_renamed() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        common::write_secret(&pki.path().join("key"), KEY);
+        common::write_secret(&pki.path().join("key2"), "sk-surface-fast-only-key");
+        let mock = iop_node::mock::MockServer::start(iop_node::mock::MockScript::default())
+            .await
+            .unwrap();
+        let edge = RunningEdge::start(edge_config(
+            &pki,
+            0,
+            "[health]\nrefresh_interval_ms = 100\nprobe_timeout_ms = 1000\nstale_after_ms = 5000\n\
+             [[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"mock\"\n\
+             [[providers]]\nid = \"t\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"oa\"\nmode = \"tunnel\"\n\
+             [discovered_models]\nhide = [\"embed*\"]\n\
+             [discovered_models.rename]\n\"mock:tokens=3\" = \"fast\"\n\"mock\" = \"tunnelled\"\n\
+             [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n\
+             [[api_keys]]\nprincipal = \"r\"\nkey_file = \"key2\"\nmodels = [\"fast\"]\n",
+        ))
+        .await
+        .expect("edge");
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"mock\"\ntarget = \"mock\"\nmodels = [\"mock:tokens=3\", \"embed-small\", \"other\"]\n\
+                 [[providers]]\nadapter = \"openai\"\ntarget = \"oa\"\nbase_url = \"{}\"\n",
+                mock.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        wait_for(&edge, "the reported models", |_| {
+            edge.hub.catalog().pool_for("mock:tokens=3").len() == 1
+                && edge.hub.catalog().pool_for("mock").len() == 1
+        })
+        .await;
+        let http = reqwest::Client::new();
+        let url = |p: &str| format!("http://{}{p}", edge.http_addr);
+        let listed = |key: &'static str| {
+            let http = http.clone();
+            let u = url("/v1/models");
+            async move {
+                let v: Value = http.get(u).bearer_auth(key).send().await.unwrap().json().await.unwrap();
+                let mut ids: Vec<String> = v["data"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|m| m["id"].as_str().map(str::to_owned))
+                    .collect();
+                ids.sort();
+                ids
+            }
+        };
+        assert_eq!(listed(KEY).await, vec!["fast", "other", "tunnelled"]);
+        assert_eq!(listed("sk-surface-fast-only-key").await, vec!["fast"]);
+        let chat = |key: &'static str, model: &str| {
+            http.post(url("/v1/chat/completions"))
+                .bearer_auth(key)
+                .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+        };
+        let r = chat(KEY, "fast").await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["model"], "fast", "the client's name in the answer");
+        assert_eq!(
+            v["choices"][0]["message"]["content"], "tok0 tok1 tok2",
+            "the provider was asked for the discovered name: {v}"
+        );
+        for (key, model) in [
+            (KEY, "mock:tokens=3"),
+            (KEY, "embed-small"),
+            ("sk-surface-fast-only-key", "other"),
+        ] {
+            assert_eq!(chat(key, model).await.unwrap().status(), 404, "{model}");
+        }
+        assert_eq!(
+            chat("sk-surface-fast-only-key", "fast").await.unwrap().status(),
+            200
+        );
+        let r = chat(KEY, "tunnelled").await.unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["model"], "mock", "the tunnelled body named the discovered model: {v}");
+        assert_eq!(mock.requests(), 1);
         wait_for(&edge, "idle", |s| s.leases_in_use == 0 && s.waiters == 0).await;
         let _ = node.shutdown().await;
         edge.shutdown().await;
