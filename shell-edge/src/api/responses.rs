@@ -1727,7 +1727,10 @@ mod tests {
         assert_eq!(added["item"]["content"], json!([]));
         let item_id = added["item"]["id"].as_str().unwrap().to_owned();
         assert!(item_id.starts_with("rs_"));
-        assert_eq!(events[3].data["part"], json!({"type": "reasoning_text", "text": ""}));
+        assert_eq!(
+            events[3].data["part"],
+            json!({"type": "reasoning_text", "text": ""})
+        );
         assert_eq!(events[4].data["delta"], "Let me ");
         assert_eq!(events[4].data["item_id"], item_id.as_str());
         assert_eq!(events[4].data["content_index"], 0);
@@ -1776,7 +1779,10 @@ mod tests {
         let parsed = parse(body).unwrap();
         let roles: Vec<Role> = parsed.run.messages.iter().map(|m| m.role).collect();
         assert!(!parsed.run.messages.iter().any(|m| m.content.contains("hm")));
-        assert_eq!(&roles[roles.len() - 3..], &[Role::User, Role::Assistant, Role::User]);
+        assert_eq!(
+            &roles[roles.len() - 3..],
+            &[Role::User, Role::Assistant, Role::User]
+        );
         assert_eq!(parsed.echo.reasoning_effort.as_deref(), Some("high"));
         let mut stream = ResponsesStream::new("r", "m", 1).with_echo(parsed.echo);
         let created = &run(&mut stream, &[RunEventKind::TextDelta("x".into())])[0];
