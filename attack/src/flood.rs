@@ -132,13 +132,15 @@ pub(crate) fn half_h2_preface(
 }
 
 /// A chat body of just under 8 MiB whose messages are a junk array of
-/// numbers (the worst case for a JSON tree: 16 bytes per input byte).
+/// small objects (the worst case for a JSON tree: each `{"":0},` would
+/// become a map node of several hundred bytes, about 100 bytes per input
+/// byte; the Edge must refuse it from its decoded size, unparsed).
 fn junk_body() -> Bytes {
     let target = 8 * 1024 * 1024 - 1024;
     let mut body = String::with_capacity(target + 64);
     body.push_str(r#"{"model":"m","messages":["#);
     while body.len() < target {
-        body.push_str("0,");
+        body.push_str(r#"{"":0},"#);
     }
     body.push_str("0]}");
     Bytes::from(body)

@@ -8,6 +8,7 @@ pub mod api;
 pub mod catalog;
 pub mod config;
 pub mod cred;
+pub mod decoded_size;
 pub mod demo;
 pub mod driver;
 pub mod durable;

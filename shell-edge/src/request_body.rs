@@ -41,6 +41,15 @@ pub enum BodyError {
     /// The client closed or reset the stream before the body ended.
     #[error("client closed the request before its body ended")]
     ClientClosed,
+    /// Its decoded form would take more than a body of the largest size
+    /// is allowed ([`crate::decoded_size`]): small nested values in bulk.
+    #[error("request body decodes to {decoded_bytes} bytes, over {limit_bytes}")]
+    TooComplex {
+        /// What the decoded tree would take.
+        decoded_bytes: usize,
+        /// The most one body may take decoded.
+        limit_bytes: usize,
+    },
 }
 
 impl BodyError {
@@ -48,6 +57,19 @@ impl BodyError {
     pub fn to_api_error(self) -> ApiError {
         let (status, kind, code, message, retry_after_secs) = match self {
             BodyError::TooLarge { limit_bytes } => return ApiError::body_too_large(limit_bytes),
+            BodyError::TooComplex {
+                decoded_bytes,
+                limit_bytes,
+            } => (
+                413,
+                ErrorKind::InvalidRequest,
+                "request_too_complex",
+                format!(
+                    "The request body would take {decoded_bytes} bytes of memory once decoded, \
+                     over the limit of {limit_bytes}: send fewer, larger values."
+                ),
+                None,
+            ),
             BodyError::BudgetExhausted => (
                 503,
                 ErrorKind::ServiceUnavailable,
@@ -81,10 +103,10 @@ impl BodyError {
     }
 }
 
-/// Bytes of memory a request body is accounted as while it is read and
-/// parsed, per byte of body: the API parsers build a `serde_json::Value`
-/// tree first, which costs up to 16 bytes per input byte (`0,` becomes a
-/// 32-byte `Value`). Once parsed, a request keeps [`KEPT_BYTES_PER_BODY_BYTE`].
+/// Bytes of memory a request body is accounted as while it is read, per
+/// byte of body. Once read, it is accounted at what its decoded tree will
+/// take ([`crate::decoded_size`], up to this much per byte of the largest
+/// body) until parsed; then it keeps [`KEPT_BYTES_PER_BODY_BYTE`].
 pub const DECODED_BYTES_PER_BODY_BYTE: usize = 16;
 
 /// Bytes a parsed request keeps accounted per body byte: the body (kept
@@ -190,10 +212,12 @@ impl BodyBudget {
         Ok(BodyPermit { total, principal })
     }
 
-    /// Read `body` of `principal`'s request whole. Its decoded size
+    /// Read `body` of `principal`'s request whole. Its size as read
     /// ([`DECODED_BYTES_PER_BODY_BYTE`] per byte) is taken from the budgets
     /// before reading when `Content-Length` declares it, else as the bytes
-    /// arrive. No room means a fast refusal, never a wait.
+    /// arrive; once read, what its decoded tree will take (R-LIM-2). No room
+    /// means a fast refusal, never a wait; a body whose tree would take more
+    /// than the largest body may is refused ([`BodyError::TooComplex`]).
     pub async fn read(
         &self,
         principal: &str,
@@ -257,7 +281,26 @@ impl BodyBudget {
             }
             Ok(result) => result?,
         };
-        permit.shrink_to(bytes.len() * DECODED_BYTES_PER_BODY_BYTE);
+        // What the parse will really take: the body and its decoded tree.
+        // A body that is not JSON is refused by the parser; until then it
+        // is accounted as read.
+        let needed = match crate::decoded_size::decoded_size(&bytes) {
+            Ok(tree) => tree.saturating_add(bytes.len()),
+            Err(_) => bytes.len() * DECODED_BYTES_PER_BODY_BYTE,
+        };
+        let most = limit.saturating_mul(DECODED_BYTES_PER_BODY_BYTE);
+        if needed > most {
+            return Err(BodyError::TooComplex {
+                decoded_bytes: needed,
+                limit_bytes: most,
+            });
+        }
+        if needed > permit.bytes() {
+            let more = self.take(&share, needed - permit.bytes())?;
+            permit.merge(more);
+        } else {
+            permit.shrink_to(needed);
+        }
         Ok(HeldBody { bytes, permit })
     }
 }
@@ -304,13 +347,13 @@ mod tests {
         // accounted as decoded.
         let budget = budget_of(15, 10);
         let mut held = budget
-            .read("p", &headers(Some(8)), Body::from("12345678"))
+            .read("p", &headers(Some(8)), Body::from("not json"))
             .await
             .unwrap();
-        assert_eq!(&held.bytes[..], b"12345678");
+        assert_eq!(&held.bytes[..], b"not json");
         assert_eq!(budget.available_bytes(), 7 * D);
         let err = budget
-            .read("q", &headers(Some(8)), Body::from("12345678"))
+            .read("q", &headers(Some(8)), Body::from("not json"))
             .await
             .unwrap_err();
         assert_eq!(err, BodyError::BudgetExhausted);
@@ -322,6 +365,54 @@ mod tests {
         );
         drop(held);
         assert_eq!(budget.available_bytes(), 15 * D);
+    }
+
+    #[tokio::test]
+    async fn once_read_a_body_holds_what_its_decoded_tree_takes() {
+        let d = |body: &str| crate::decoded_size::decoded_size(body.as_bytes()).unwrap();
+        // Text: far less than 16x.
+        let budget = budget_of(1_000, 1_000);
+        let text = format!("\"{}\"", "x".repeat(500));
+        let held = budget
+            .read("p", &headers(Some(text.len())), Body::from(text.clone()))
+            .await
+            .unwrap();
+        assert_eq!(held.permit.bytes(), d(&text) + text.len());
+        drop(held);
+        // Small objects: more than 16x, taken before the parse.
+        let objects = format!("[{}{{}}]", "{\"\":0},".repeat(20));
+        let need = d(&objects) + objects.len();
+        assert!(need > objects.len() * D);
+        let held = budget
+            .read(
+                "p",
+                &headers(Some(objects.len())),
+                Body::from(objects.clone()),
+            )
+            .await
+            .unwrap();
+        assert_eq!(held.permit.bytes(), need);
+        assert_eq!(budget.available_bytes(), 1_000 * D - need);
+        drop(held);
+        // Beyond what the largest body may take: refused, nothing held.
+        let small = budget_of(1_000, objects.len());
+        let err = small
+            .read(
+                "p",
+                &headers(Some(objects.len())),
+                Body::from(objects.clone()),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err,
+            BodyError::TooComplex {
+                decoded_bytes: need,
+                limit_bytes: objects.len() * D
+            }
+        );
+        assert_eq!(err.to_api_error().status, 413);
+        assert_eq!(small.available_bytes(), 1_000 * D);
     }
 
     #[tokio::test]
@@ -355,7 +446,7 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(&held.bytes[..], b"abc");
-        assert_eq!(budget.available_bytes(), 17 * D);
+        assert_eq!(budget.available_bytes(), 17 * D, "not JSON: as read");
         drop(held);
         let big = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from("x".repeat(11)))]);
         let err = budget

@@ -352,6 +352,45 @@ async fn bodies_in_flight_are_bounded_in_total_and_refused_fast_beyond() {
     .await;
 }
 
+/// R-LIM-2, accounted as decoded: a body of small objects (each would
+/// become a map node of hundreds of bytes) is refused 413 unparsed, while
+/// text of the same length is parsed; neither takes the budget from the
+/// other.
+#[tokio::test]
+async fn a_body_is_charged_what_it_decodes_to_r_lim_2() {
+    bounded(async {
+        let (_pki, edge) = edge(
+            "max_body_bytes = 100000\nrequest_memory_bytes = 4000000\nrequest_memory_bytes_per_key = 4000000",
+        )
+        .await;
+        let post = |body: String| {
+            reqwest::Client::new()
+                .post(format!("http://{}/v1/chat/completions", edge.http_addr))
+                .bearer_auth(KEY)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+        };
+        let mut objects = String::from(r#"{"model":"nope","messages":["#);
+        while objects.len() < 90_000 {
+            objects.push_str(r#"{"":0},"#);
+        }
+        objects.push_str("0]}");
+        let r = post(objects.clone()).await.unwrap();
+        assert_eq!(r.status(), 413);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "request_too_complex", "{v}");
+        let text = format!(
+            r#"{{"model":"nope","messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "x".repeat(objects.len() - 60)
+        );
+        let r = post(text).await.unwrap();
+        assert_eq!(r.status(), 404, "parsed: the model does not exist");
+        edge.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_client_that_leaves_mid_body_is_counted_as_disconnected_not_413() {
     // R-LIM-2: a client abort is not a body-too-large.
