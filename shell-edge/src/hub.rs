@@ -396,6 +396,10 @@ impl Hub {
             }
             self.drain();
             self.publish_gauges();
+            self.metrics
+                .gauges
+                .hub_backlog
+                .store(rx.len() as u64, Ordering::Relaxed);
         }
     }
 

@@ -96,6 +96,8 @@ pub struct Gauges {
     pub nodes_connected: AtomicU64,
     /// Messages ignored because their generation was fenced (monotonic).
     pub fenced_late_messages: AtomicU64,
+    /// Messages waiting for the hub (the dispatch task), R-LIM-4.
+    pub hub_backlog: AtomicU64,
     /// Durable responses held by the journal store.
     pub journal_records: AtomicU64,
     /// Bytes the journal store holds (as its bound counts them).
@@ -178,6 +180,12 @@ impl EdgeMetrics {
             .u64_observable_gauge("iop_edge_nodes_connected")
             .with_description("Nodes with a current connection")
             .with_callback(move |o| o.observe(g.nodes_connected.load(Ordering::Relaxed), &[]))
+            .build();
+        let g = gauges.clone();
+        let _backlog = meter
+            .u64_observable_gauge("iop_edge_hub_backlog")
+            .with_description("Messages waiting for the Edge's dispatch task (R-LIM-4)")
+            .with_callback(move |o| o.observe(g.hub_backlog.load(Ordering::Relaxed), &[]))
             .build();
         let g = gauges.clone();
         let _late = meter
@@ -297,6 +305,7 @@ impl EdgeMetrics {
                     _queue,
                     _leases,
                     _nodes,
+                    _backlog,
                     _journal_records,
                     _journal_bytes,
                     _journal_store_up,
