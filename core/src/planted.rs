@@ -26,7 +26,7 @@
 //! other's ([`PlantedBug::in_thread_scope`] says which bugs these are).
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// A known bug a test can plant in a core machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,11 +86,21 @@ pub enum PlantedBug {
     /// (`RunPark::adopt`) skips the first frame after the resume point: the
     /// client's answer loses the output the provider produced there.
     ReplaySkipsAFrame,
+    /// R-FAIL-1, R-WD-4: the request machine re-admits a confirmed stall
+    /// whatever the node's `retryable` mark (`Request`, at the terminal's
+    /// verdict), so a stall whose provider call may still be running gets
+    /// a second attempt elsewhere.
+    ReadmitUnretryableStall,
+    /// R-FAIL-2, R-GEN-3: a connection the Edge declared lost by its
+    /// liveness detection (`heartbeat_timeout`) is not fenced
+    /// (`Registry::connection_closed`): its generation stays current and
+    /// ready, and requests are dispatched to it past its loss deadline.
+    KeepLostConnection,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 15] = [
+    pub const ALL: [PlantedBug; 17] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -106,6 +116,8 @@ impl PlantedBug {
         PlantedBug::TakeoverWithoutRaise,
         PlantedBug::ResumeFromZero,
         PlantedBug::ReplaySkipsAFrame,
+        PlantedBug::ReadmitUnretryableStall,
+        PlantedBug::KeepLostConnection,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -116,6 +128,7 @@ impl PlantedBug {
             PlantedBug::SkipCancelRelease
                 | PlantedBug::DuplicateTerminal
                 | PlantedBug::IgnoreGateTimeout
+                | PlantedBug::ReadmitUnretryableStall
         )
     }
 
@@ -153,6 +166,8 @@ impl PlantedBug {
             PlantedBug::TakeoverWithoutRaise => "takeover-without-raise",
             PlantedBug::ResumeFromZero => "resume-from-zero",
             PlantedBug::ReplaySkipsAFrame => "replay-skips-a-frame",
+            PlantedBug::ReadmitUnretryableStall => "readmit-unretryable-stall",
+            PlantedBug::KeepLostConnection => "keep-lost-connection",
         }
     }
 
@@ -161,14 +176,14 @@ impl PlantedBug {
         Self::ALL.into_iter().find(|b| b.as_str() == name)
     }
 
-    fn bit(self) -> u16 {
+    fn bit(self) -> u32 {
         1 << (self as u8)
     }
 }
 
 /// The bugs planted in one machine; empty unless a test switches one on.
 #[derive(Debug, Default)]
-pub struct Planted(AtomicU16);
+pub struct Planted(AtomicU32);
 
 impl Planted {
     /// Switch `bug` on.
@@ -190,7 +205,7 @@ impl Planted {
 
 thread_local! {
     /// The bugs planted for this thread (see the module docs).
-    static THREAD: Cell<u16> = const { Cell::new(0) };
+    static THREAD: Cell<u32> = const { Cell::new(0) };
 }
 
 /// Switch `bug` on for the current thread: the journal's rules and every
@@ -510,6 +525,20 @@ mod tests {
         let l = lease(&mut d, 1);
         assert_eq!(l.generation, g);
         assert!(!d.registry().is_dispatchable(&l.node, g));
+    }
+
+    #[test]
+    fn keep_lost_connection_leaves_a_timed_out_generation_dispatchable() {
+        let mut d = dispatcher(1);
+        let g = register(&mut d);
+        assert!(d.ready(T, &NodeId::from("n"), g));
+        d.plant(PlantedBug::KeepLostConnection);
+        // Only a loss found by liveness detection is kept.
+        d.connection_closed(T, &NodeId::from("n"), g, CloseCode::HeartbeatTimeout);
+        assert!(d.registry().is_dispatchable(&NodeId::from("n"), g));
+        lease(&mut d, 1);
+        d.connection_closed(T, &NodeId::from("n"), g, CloseCode::Normal);
+        assert!(!d.registry().is_dispatchable(&NodeId::from("n"), g));
     }
 
     #[test]

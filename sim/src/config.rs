@@ -108,6 +108,17 @@ pub struct FaultProfile {
     pub provider_freeze_ppm: u32,
     /// Longest freeze.
     pub provider_freeze_max: Duration,
+    /// Per tick and node: the node process freezes (silent node loss, as a
+    /// `SIGSTOP` or a power cut would: it sends nothing, acknowledges
+    /// nothing, its timers and its provider calls stop; no close notice
+    /// reaches the Edge, which finds out only through its loss detection).
+    pub node_freeze_ppm: u32,
+    /// Of node freezes, the share that lasts until the faults stop (the
+    /// others end after at most `node_freeze_max` and the process goes on
+    /// where it stopped).
+    pub node_freeze_forever_ppm: u32,
+    /// Longest bounded node freeze.
+    pub node_freeze_max: Duration,
 }
 
 /// Provider behaviours drawn per attempt while faults are on.
@@ -119,8 +130,13 @@ pub struct ProviderProfile {
     pub stall_ppm: u32,
     /// Accepts the request and never emits anything.
     pub hang_ppm: u32,
-    /// Returns a provider error.
+    /// Returns a provider error (reported by the provider in its stream,
+    /// after some tokens or none).
     pub error_ppm: u32,
+    /// Answers HTTP 5xx before any content: the call fails at once, without
+    /// a `Started` (what `iop-node`'s HTTP adapters report for an error
+    /// status: `provider_error` with the status and `http_5xx` health).
+    pub http_5xx_ppm: u32,
     /// Closes the provider connection abruptly.
     pub abrupt_ppm: u32,
     /// After a cancel, the call returns within the close grace (else after
@@ -284,12 +300,17 @@ impl SimConfig {
             retransmit_max: Duration::ZERO,
             provider_freeze_ppm: 0,
             provider_freeze_max: Duration::ZERO,
+            node_freeze_ppm: 0,
+            node_freeze_forever_ppm: 0,
+            node_freeze_max: Duration::ZERO,
         };
         let provider = ProviderProfile {
             slow_prefill_ppm: rng.swarm(500_000, 10_000, 300_000),
             stall_ppm: rng.swarm(500_000, 10_000, 300_000),
             hang_ppm: rng.swarm(400_000, 10_000, 200_000),
             error_ppm: rng.swarm(400_000, 10_000, 200_000),
+            // Drawn last (below), so the draws above stay what they were.
+            http_5xx_ppm: 0,
             abrupt_ppm: rng.swarm(400_000, 10_000, 200_000),
             return_within_grace_ppm: rng.range(0, u64::from(PPM)) as u32,
             never_return_ppm: rng.range(0, 500_000) as u32,
@@ -404,6 +425,13 @@ impl SimConfig {
                 config.journal.park_kept_bytes = rng.range(64, 800) as usize;
             }
         }
+        // Silent node loss and provider 5xx, drawn after everything else: a
+        // seed where neither is enabled keeps its world and its run (a
+        // disabled fault draws nothing from the world's stream).
+        config.faults.node_freeze_ppm = rng.swarm(400_000, 2_000, 20_000);
+        config.faults.node_freeze_forever_ppm = rng.range(0, 300_000) as u32;
+        config.faults.node_freeze_max = rng.millis(100, 8_000);
+        config.provider.http_5xx_ppm = rng.swarm(400_000, 10_000, 250_000);
         config
     }
 

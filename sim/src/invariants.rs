@@ -16,11 +16,14 @@
 //! | R-SEQ-1 | each connection's observation sequence starts at 1 and increases by one across stall terminals and CAPABILITIES answers |
 //! | R-OVL-2, R-CAP-1 | the overlay is lowered only by fresh `unavailable` evidence and raised only by a strictly newer `available`; it always equals the checker's model |
 //! | R-SEL-1 | an avoided provider is leased (immediately or from the queue) only with the fallback flag and no eligible alternate; after every step no queued request could be served (an eligible alternate with room, or the flagged avoided provider with room when no alternate is eligible) |
+//! | R-FAIL-1 | no request is admitted, leased or sent again after an attempt of it ended with an applied terminal that is not retryable |
+//! | R-FAIL-2 | no lease is granted on and no run sent to a node connection past its loss deadline (last heard + heartbeat interval + wait, or the moment it was declared lost); after every step no generation is dispatchable past it |
 //! | provider | each attempt calls its provider at most once |
 //! | liveness | every request ends within its budget (a durable one within B_durable more); after faults stop, nodes are ready within B_node and providers selectable within B_eligible (see [`crate::config::SimConfig`]) |
 //!
 //! Durable responses (R-JRN-1..4, R-TAKE-1) have their own model of the
-//! journal, in [`journal`].
+//! journal, in [`journal`]; the failover rules (R-FAIL-1, R-FAIL-2) theirs,
+//! in [`failover`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -37,6 +40,7 @@ use serde::Serialize;
 
 use crate::net::ConnId;
 
+pub mod failover;
 pub mod journal;
 
 /// A broken invariant: which rule, what happened, and when.
@@ -89,6 +93,9 @@ struct NodeRunModel {
     returned_at: Option<Instant>,
     probe: Option<(Instant, ProviderHealth)>,
     terminated: bool,
+    /// How long the node process was frozen after the claim: R-WD-3's
+    /// bound is the process's running time.
+    frozen: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -166,6 +173,8 @@ pub struct Checker {
     stall_seqs: BTreeSet<(ConnId, u64)>,
     // Durable responses, across incarnations.
     journal: journal::JournalModel,
+    // Failover (R-FAIL-1, R-FAIL-2).
+    failover: failover::FailoverModel,
 }
 
 impl Checker {
@@ -192,6 +201,7 @@ impl Checker {
             conn_seq: BTreeMap::new(),
             stall_seqs: BTreeSet::new(),
             journal: journal::JournalModel::default(),
+            failover: failover::FailoverModel::default(),
         }
     }
 
@@ -249,6 +259,7 @@ impl Checker {
         self.released.clear();
         self.last_seq.clear();
         self.lowered.clear();
+        self.failover_edge_started();
     }
 
     /// The Edge process went away: every open request ended with it.
@@ -730,7 +741,7 @@ impl Checker {
             );
             return;
         };
-        let latest = claim + timing.close_grace.max(timing.probe_bound);
+        let latest = claim + timing.close_grace.max(timing.probe_bound) + r.frozen;
         if now > latest {
             self.fail(
                 "R-WD-3",
@@ -795,6 +806,17 @@ impl Checker {
                     "a stall terminal on {conn:?} carries observation sequence number {seq}, which that connection did not issue (evidence of another connection)"
                 ),
             );
+        }
+    }
+
+    /// The node process of `conn` went on after a freeze of `frozen`: a
+    /// stall it had claimed gets its terminal that much later (R-WD-3
+    /// bounds the process's running time).
+    pub fn node_thawed(&mut self, conn: ConnId, frozen: Duration) {
+        for ((c, _), r) in &mut self.node_runs {
+            if *c == conn && r.claimed_at.is_some() && !r.terminated {
+                r.frozen += frozen;
+            }
         }
     }
 

@@ -120,6 +120,8 @@ fn faults_injected(t: &iop_sim::Stats) -> u64 {
         + t.conns_killed
         + t.messages_lost
         + t.provider_freezes
+        + t.node_freezes
+        + t.provider_5xx
         + t.heartbeat_timeouts
 }
 

@@ -3,10 +3,10 @@
 //!
 //! A [`CallPlan`] is drawn when the Node starts the call. While faults are
 //! on it may prefill for longer than the stall timeout, stall mid-stream,
-//! hang, fail, or close abruptly; once the call is canceled it returns
-//! within the close grace, after it, or never (a late provider return). In
-//! the fault-free part of a run every call is healthy and quick and every
-//! probe answers healthy.
+//! hang, fail, answer HTTP 5xx before any content, or close abruptly; once
+//! the call is canceled it returns within the close grace, after it, or
+//! never (a late provider return). In the fault-free part of a run every
+//! call is healthy and quick and every probe answers healthy.
 
 use std::time::Duration;
 
@@ -19,6 +19,9 @@ use crate::config::{PPM, ProviderProfile, Rng};
 /// known service time.
 pub const HEALTHY_TOKENS_MAX: u32 = 12;
 
+/// The 5xx statuses a provider answers with ([`Ending::Http5xx`]).
+pub const HTTP_5XX: [u16; 4] = [500, 502, 503, 504];
+
 /// How a call ends if nothing cancels it first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -26,6 +29,11 @@ pub enum Ending {
     Complete,
     /// A provider error after the tokens.
     Error,
+    /// An HTTP 5xx status (500, 502, 503 or 504) before any content: the
+    /// call fails without a `Started`, as `iop-node`'s HTTP adapters report
+    /// an error status (`provider_error` with the status, `http_5xx`
+    /// health), and the node marks it retryable (R-FAIL-1).
+    Http5xx(u16),
     /// The provider connection drops after the tokens.
     Abrupt,
     /// Emits `n` tokens, then nothing, ever (a mid-stream stall).
@@ -83,7 +91,11 @@ impl CallPlan {
             // Sometimes just under, usually over the stall timeout.
             plan.prefill = rng.millis(stall_ms / 2, stall_ms * 3);
         }
-        plan.ending = if rng.chance(profile.hang_ppm) {
+        // A disabled fault draws nothing, so worlds without 5xx keep their
+        // calls.
+        plan.ending = if rng.chance(profile.http_5xx_ppm) {
+            Ending::Http5xx(HTTP_5XX[rng.index(HTTP_5XX.len())])
+        } else if rng.chance(profile.hang_ppm) {
             Ending::Hang
         } else if rng.chance(profile.stall_ppm) {
             Ending::StallAfter(rng.range(0, u64::from(plan.tokens)) as u32)

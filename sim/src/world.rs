@@ -215,6 +215,19 @@ pub struct Stats {
     pub retransmits: u64,
     /// Provider freezes (correlated stalls).
     pub provider_freezes: u64,
+    /// Node processes frozen (silent node loss: no close notice, nothing
+    /// sent or acknowledged until it thaws, if ever before the faults stop).
+    pub node_freezes: u64,
+    /// Of those, the freezes that last until the faults stop.
+    pub node_freezes_forever: u64,
+    /// Connections to a frozen node the Edge's loss detection (its
+    /// heartbeat) declared lost while the node was frozen (R-FAIL-2).
+    pub freeze_losses: u64,
+    /// Provider calls that answered HTTP 5xx before any content.
+    pub provider_5xx: u64,
+    /// Provider outages the Edge's health tracker detected from an HTTP
+    /// 5xx run failure (R-FAIL-3: run evidence, `run_health`).
+    pub outages_5xx: u64,
     /// Provider calls.
     pub provider_calls: u64,
     /// Overlay recoveries by CAPABILITIES.
@@ -319,6 +332,11 @@ impl Stats {
         self.messages_lost += o.messages_lost;
         self.retransmits += o.retransmits;
         self.provider_freezes += o.provider_freezes;
+        self.node_freezes += o.node_freezes;
+        self.node_freezes_forever += o.node_freezes_forever;
+        self.freeze_losses += o.freeze_losses;
+        self.provider_5xx += o.provider_5xx;
+        self.outages_5xx += o.outages_5xx;
         self.provider_calls += o.provider_calls;
         self.recoveries += o.recoveries;
         self.lowerings += o.lowerings;
@@ -612,6 +630,11 @@ enum Event {
     TakeoverScan {
         incarnation: u64,
     },
+    /// A frozen node process goes on (the freeze that began at `since`).
+    NodeThaw {
+        node: usize,
+        since: Instant,
+    },
 }
 
 #[derive(Debug)]
@@ -705,6 +728,15 @@ impl Call {
         let plan = self.plan;
         match self.stage {
             CallStage::NotStarted => {
+                if let Ending::Http5xx(status) = plan.ending {
+                    // An error status before any content: no `Started`.
+                    self.stage = CallStage::Idle;
+                    self.returned = true;
+                    return Some((
+                        ProviderEvent::Returned(ProviderOutcome::Failed(http_5xx(status))),
+                        None,
+                    ));
+                }
                 self.stage = CallStage::Emitting(0);
                 let next = (plan.ending != Ending::Hang).then_some(plan.prefill);
                 if next.is_none() {
@@ -733,9 +765,10 @@ impl Call {
                         Ending::Abrupt => ProviderOutcome::Failed(ExecutionFailure::new(
                             FailureCode::ProviderUnreachable,
                         )),
-                        Ending::Complete | Ending::StallAfter(_) | Ending::Hang => {
-                            ProviderOutcome::Completed
-                        }
+                        Ending::Complete
+                        | Ending::StallAfter(_)
+                        | Ending::Hang
+                        | Ending::Http5xx(_) => ProviderOutcome::Completed,
                     };
                     Some((ProviderEvent::Returned(outcome), None))
                 }
@@ -753,6 +786,27 @@ impl Call {
             _ => 0,
         }
     }
+}
+
+/// The failure `iop-node`'s HTTP adapters report for an error status
+/// (`ProviderCallError::Status`): `provider_error` with the status and its
+/// health class (`http_5xx`); the watchdog marks it retryable by class
+/// (R-FAIL-1) and the Edge's health tracker takes it as run evidence
+/// (`run_health`, R-FAIL-3).
+fn http_5xx(status: u16) -> ExecutionFailure {
+    let mut failure = ExecutionFailure::new(FailureCode::ProviderError);
+    failure.http_status = Some(status);
+    failure.health_failure = iop_core::edge::health::classify_http_status(status);
+    failure
+}
+
+/// Whether a provider event is the end of a call that answered HTTP 5xx.
+fn is_http_5xx(event: &ProviderEvent) -> bool {
+    matches!(
+        event,
+        ProviderEvent::Returned(ProviderOutcome::Failed(f))
+            if f.http_status.is_some_and(|s| (500..=599).contains(&s))
+    )
 }
 
 #[derive(Debug)]
@@ -775,11 +829,24 @@ enum Link {
     Connected(Box<NodeConn>),
 }
 
+/// A node process that stopped (silent node loss): what reached it
+/// meanwhile waits, in order, until it goes on.
+#[derive(Debug)]
+struct Freeze {
+    since: Instant,
+    /// What reached the stopped process (deliveries, its provider calls'
+    /// steps, its dials and timers' events), in the order it came.
+    held: Vec<Event>,
+}
+
 #[derive(Debug)]
 struct SimNode {
     id: NodeId,
     process: u64,
     up: bool,
+    /// Frozen: the process is stopped (`SIGSTOP`, a power cut): it sends
+    /// nothing, acknowledges nothing, its timers do not fire.
+    frozen: Option<Freeze>,
     backoff: Backoff,
     link: Link,
     providers: Vec<usize>,
@@ -866,6 +933,7 @@ impl World {
                 id: node_id(n),
                 process: 0,
                 up: true,
+                frozen: None,
                 backoff: Backoff::new(BackoffConfig {
                     initial: cfg.backoff_initial,
                     max: cfg.backoff_max,
@@ -918,6 +986,9 @@ impl World {
         world
             .checker
             .set_journal_retry_allowance(world.cfg.journal.round_trip_max());
+        world
+            .checker
+            .set_loss_bound(world.cfg.heartbeat_interval + world.cfg.heartbeat_wait);
         world.set_net_faults();
         world.start_edge();
         for n in 0..world.nodes.len() {
@@ -1021,6 +1092,12 @@ impl World {
         self.frozen_until
             .iter_mut()
             .for_each(|t| *t = (*t).min(now));
+        // Frozen node processes go on.
+        for node in 0..self.nodes.len() {
+            if let Some(since) = self.nodes[node].frozen.as_ref().map(|f| f.since) {
+                self.schedule(now, Event::NodeThaw { node, since });
+            }
+        }
         let node_check = self.now + self.cfg.node_recovery_bound();
         let eligible_check = self.now + self.cfg.eligibility_bound();
         self.schedule(node_check, Event::CheckNodes);
@@ -1045,7 +1122,7 @@ impl World {
                 }
             }
         }
-        for n in &self.nodes {
+        for n in self.nodes.iter().filter(|n| n.frozen.is_none()) {
             if let Link::Connected(nc) = &n.link {
                 consider(nc.heartbeat.poll_timeout());
                 consider(nc.watchdog.poll_timeout());
@@ -1098,6 +1175,8 @@ impl World {
         if let Some(edge) = &self.edge {
             self.checker
                 .check_edge(edge.dispatcher.inner(), &self.provider_nodes);
+            self.checker
+                .check_links(edge.dispatcher.inner(), &self.provider_nodes);
         }
         self.checker.check_deadlines();
         self.checker.check_journal(&mut self.journal);
@@ -1144,6 +1223,9 @@ impl World {
             }
         }
         for n in 0..self.nodes.len() {
+            if self.nodes[n].frozen.is_some() {
+                continue;
+            }
             if let Link::Connected(nc) = &mut self.nodes[n].link
                 && due(nc.heartbeat.poll_timeout())
             {
@@ -1160,6 +1242,13 @@ impl World {
     }
 
     fn handle_event(&mut self, event: Event) {
+        if let Some(node) = self.event_node(&event)
+            && let Some(freeze) = &mut self.nodes[node].frozen
+        {
+            // The process is stopped: it waits.
+            freeze.held.push(event);
+            return;
+        }
         match event {
             Event::Deliver(env) => self.deliver(*env),
             Event::ConnLost { conn, side } => match side {
@@ -1270,6 +1359,31 @@ impl World {
                 offers,
             } => self.parked_offers(incarnation, offers),
             Event::TakeoverScan { incarnation } => self.takeover_rescan(incarnation),
+            Event::NodeThaw { node, since } => self.thaw_node(node, since),
+        }
+    }
+
+    /// The node process an event happens in, if it happens in one (a
+    /// frozen process holds it until it goes on).
+    fn event_node(&self, event: &Event) -> Option<usize> {
+        match event {
+            Event::Deliver(env) if env.dir == Dir::EdgeToNode => self.net.node_of(env.conn),
+            Event::ConnLost {
+                conn,
+                side: Side::Node,
+            } => self.net.node_of(*conn),
+            Event::NodeDial { node, .. }
+            | Event::DialDone { node, .. }
+            | Event::ProviderStep { node, .. }
+            | Event::ProviderCancel { node, .. }
+            | Event::ProviderReturn { node, .. }
+            | Event::ProbeDone { node, .. }
+            | Event::CapsAnswer { node, .. }
+            | Event::DurableStep { node, .. }
+            | Event::DurableCancel { node, .. }
+            | Event::DurableReturn { node, .. }
+            | Event::ParkExpire { node, .. } => Some(*node),
+            _ => None,
         }
     }
 
@@ -1489,6 +1603,7 @@ impl World {
                         let high_water = edge.dispatcher.inner().registry().high_water();
                         self.persisted_high_water = self.persisted_high_water.max(high_water);
                         self.checker.generation_handed_out(&node_id, generation);
+                        self.checker.link_opened(&node_id, generation);
                         let hb_config = HeartbeatConfigRec::new(&self.heartbeat_config(), now);
                         let tap = self.recorder.tap(MachineKind::Heartbeat, &hb_config);
                         let Some(edge) = &mut self.edge else {
@@ -1552,7 +1667,15 @@ impl World {
             }
             NodeControl::Pong(HeartbeatMsg { seq }) => {
                 if let Some(hb) = &mut c.heartbeat {
+                    // An answer the heartbeat took (its outstanding ping's)
+                    // moves its timer: the peer was heard (R-FAIL-2).
+                    let before = hb.poll_timeout();
                     let _ = hb.apply(now, HeartbeatInput::Pong { seq });
+                    if hb.poll_timeout() != before
+                        && let Some(generation) = c.generation
+                    {
+                        self.checker.link_heard(&node_id, generation);
+                    }
                     self.drain_edge_heartbeat(conn);
                 }
             }
@@ -1600,6 +1723,14 @@ impl World {
                 ),
                 HeartbeatOutput::TimedOut => {
                     self.stats.heartbeat_timeouts += 1;
+                    let node = self
+                        .edge
+                        .as_ref()
+                        .and_then(|e| e.conns.get(&conn))
+                        .map(|c| c.node);
+                    if node.is_some_and(|n| self.nodes[n].frozen.is_some()) {
+                        self.stats.freeze_losses += 1;
+                    }
                     self.edge_close_conn(conn, CloseCode::HeartbeatTimeout);
                     return;
                 }
@@ -1653,6 +1784,8 @@ impl World {
                 );
             }
             edge.by_generation.remove(&(c.node, generation));
+            self.checker
+                .link_declared_lost(&node_id(c.node), generation);
             self.dispatch(DispatchInput::ConnectionClosed {
                 node: node_id(c.node),
                 generation,
@@ -1760,8 +1893,14 @@ impl World {
                 DispatchOutput::Fenced { .. } => self.stats.fences += 1,
                 DispatchOutput::NodeReady { .. }
                 | DispatchOutput::Registered { .. }
-                | DispatchOutput::ReadyAnswer { .. }
-                | DispatchOutput::Health(_) => {}
+                | DispatchOutput::ReadyAnswer { .. } => {}
+                DispatchOutput::Health(event) => {
+                    if event.lifecycle == iop_core::edge::health::HealthLifecycle::Detected
+                        && event.failure_code == Some(iop_wire::HealthFailureCode::Http5xx)
+                    {
+                        self.stats.outages_5xx += 1;
+                    }
+                }
                 // R-PARK-2: the adoption task takes them (a hop later).
                 DispatchOutput::ParkedRuns { runs, .. } => {
                     if let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) {
@@ -1836,9 +1975,13 @@ impl World {
         let Some(edge) = &mut self.edge else {
             return;
         };
+        let key = (edge.incarnation, rid);
         match &event {
             RequestEvent::Leased(lease) => {
                 self.checker.lease_granted(edge.dispatcher.inner(), lease);
+                self.checker
+                    .dispatch_to_link(&lease.node, lease.generation, "lease granted");
+                self.checker.request_dispatched(key, "leased");
                 match edge.requests.get(&rid) {
                     Some(r) => {
                         if let Some(admit) = &r.admitted_with {
@@ -1857,6 +2000,9 @@ impl World {
                         self.checker.fail("R-LEASE-2", detail);
                     }
                 }
+            }
+            RequestEvent::Terminal { lease_id, verdict } => {
+                self.checker.terminal_verdict(key, *lease_id, verdict);
             }
             RequestEvent::LeaseFenced(lease) => {
                 self.checker.lease_released(lease.lease_id, "fence");
@@ -2039,6 +2185,8 @@ impl World {
             .cloned();
         let check = match &command {
             RequestCommand::Admit(request) => {
+                self.checker
+                    .request_dispatched((incarnation, rid), "admitted again");
                 if let Some(r) = edge.requests.get_mut(&rid) {
                     r.admitted_with = Some(request.clone());
                 }
@@ -2056,7 +2204,12 @@ impl World {
                 lease_id: *lease_id,
                 fenced: edge.fenced_leases.contains_key(lease_id),
             },
-            RequestCommand::Terminal { failure, .. } => HubCheck::Terminal(failure.clone()),
+            RequestCommand::Terminal {
+                failure, lease_id, ..
+            } => {
+                self.checker.terminal_sent(*lease_id, failure.as_ref());
+                HubCheck::Terminal(failure.clone())
+            }
             RequestCommand::Cancel { .. } => HubCheck::Cancel(held),
         };
         let outs = self.dispatch(DispatchInput::Request(command));
@@ -2127,6 +2280,10 @@ impl World {
         let conn = edge.by_generation.get(&(node, lease.generation)).copied();
         self.checker
             .lease_sent(edge.dispatcher.inner(), &lease, conn.is_some());
+        self.checker
+            .dispatch_to_link(&lease.node, lease.generation, "run sent");
+        self.checker
+            .request_dispatched((edge.incarnation, rid), "sent a run");
         let Some(conn) = conn else {
             self.request_input(rid, RequestInput::OpenFailed(OpenFailure::NoConnection));
             return;
@@ -2790,6 +2947,9 @@ impl World {
         // end (nothing reports them any more).
         self.stats.durable_runs_crashed += self.nodes[node].durable.len() as u64;
         let n = &mut self.nodes[node];
+        // A frozen process can be killed too: what it held is for a
+        // process that no longer exists.
+        n.frozen = None;
         n.up = false;
         n.process += 1;
         n.link = Link::Idle;
@@ -2798,6 +2958,50 @@ impl World {
             .rng
             .millis(10, duration_ms(self.cfg.faults.node_down_max));
         self.schedule(self.now + down, Event::NodeRestart { node });
+    }
+
+    /// The node process stops (silent node loss: `SIGSTOP`, a power cut):
+    /// no close notice, nothing sent or acknowledged, its timers and its
+    /// provider calls stop. The Edge finds out only through its loss
+    /// detection (R-FAIL-2). It goes on after at most `node_freeze_max`,
+    /// or only when the faults stop.
+    fn freeze_node(&mut self, node: usize) {
+        let f = self.cfg.faults;
+        let n = &self.nodes[node];
+        if !n.up || n.frozen.is_some() {
+            return;
+        }
+        self.stats.node_freezes += 1;
+        let since = self.now;
+        if self.rng.chance(f.node_freeze_forever_ppm) {
+            self.stats.node_freezes_forever += 1;
+        } else {
+            let until = since + self.rng.millis(50, duration_ms(f.node_freeze_max));
+            self.schedule(until, Event::NodeThaw { node, since });
+        }
+        self.recorder.world_line(&("node_frozen", node));
+        self.nodes[node].frozen = Some(Freeze {
+            since,
+            held: Vec::new(),
+        });
+    }
+
+    /// The frozen node process goes on where it stopped: what reached it
+    /// meanwhile happens now, in order; its timers fire late.
+    fn thaw_node(&mut self, node: usize, since: Instant) {
+        if self.nodes[node].frozen.as_ref().map(|f| f.since) != Some(since) {
+            return;
+        }
+        let Some(freeze) = self.nodes[node].frozen.take() else {
+            return;
+        };
+        if let Link::Connected(nc) = &self.nodes[node].link {
+            self.checker.node_thawed(nc.conn, self.now - since);
+        }
+        self.recorder.world_line(&("node_thawed", node));
+        for event in freeze.held {
+            self.handle_event(event);
+        }
     }
 
     fn node_start_run(&mut self, node: usize, request: RunRequest) {
@@ -2952,6 +3156,9 @@ impl World {
             return;
         };
         let token = call.token();
+        if is_http_5xx(&event) {
+            self.stats.provider_5xx += 1;
+        }
         if let Some(after) = next {
             self.schedule(
                 now + after,
@@ -3240,6 +3447,9 @@ impl World {
             }
             if self.rng.chance(f.node_crash_ppm) {
                 self.crash_node(node);
+            }
+            if self.rng.chance(f.node_freeze_ppm) {
+                self.freeze_node(node);
             }
         }
         for p in 0..self.frozen_until.len() {

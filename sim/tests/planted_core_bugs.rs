@@ -15,7 +15,7 @@ const STEPS: u64 = 2_000;
 
 /// Each planted bug, the rules that may report it, and the seeds (from 0)
 /// within which the swarm must catch it.
-const EXPECTATIONS: [(PlantedBug, &[&str], u64); 15] = [
+const EXPECTATIONS: [(PlantedBug, &[&str], u64); 17] = [
     (PlantedBug::DoubleRelease, &["R-LEASE-2"], 10),
     (PlantedBug::AcceptStaleGeneration, &["R-GEN-3"], 150),
     (PlantedBug::LowerOnStaleEvidence, &["R-OVL-2"], 200),
@@ -38,9 +38,14 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64); 15] = [
     (PlantedBug::TakeoverWithoutRaise, &["R-JRN-3"], 150),
     // An adoption of a parked run (R-PARK-2) with frames the journal holds
     // that the node had no ack for yet (about 7 % of seeds at 2,000 steps;
-    // first at seed 19).
+    // first at seeds 7 and 19).
     (PlantedBug::ResumeFromZero, &["R-PARK-2"], 150),
     (PlantedBug::ReplaySkipsAFrame, &["R-PARK-2"], 150),
+    // A stall whose canceled call returns after the grace (first at seed 1).
+    (PlantedBug::ReadmitUnretryableStall, &["R-FAIL-1"], 10),
+    // A connection the heartbeat declared lost: a node freeze, a crash or a
+    // killed connection without a close notice (first at seed 1).
+    (PlantedBug::KeepLostConnection, &["R-FAIL-2"], 10),
 ];
 
 fn planted(bug: PlantedBug) -> CoreBugs {

@@ -127,6 +127,12 @@ fn bounded_swarm_holds_every_invariant() {
     assert!(t.node_adoptions > 0 && t.takeover_adoptions > 0, "{t:?}");
     assert!(t.park_expired > 0 && t.durable_runs_crashed > 0, "{t:?}");
     assert!(t.park_paused > 0, "{t:?}");
+    // Silent node loss found by the Edge's loss detection (R-FAIL-2), and
+    // provider 5xx before any content failing over and feeding the health
+    // tracker (R-FAIL-1, R-FAIL-3).
+    assert!(t.node_freezes > 0 && t.node_freezes_forever > 0, "{t:?}");
+    assert!(t.freeze_losses > 0, "{t:?}");
+    assert!(t.provider_5xx > 0 && t.outages_5xx > 0, "{t:?}");
 }
 
 /// The swarm `cargo test` runs on every change: 2,000 strict seeds on every
@@ -160,6 +166,8 @@ fn ci_swarm_of_2000_seeds_holds_every_invariant() {
     assert!(t.zombies_fenced > 0 && t.resumes > 0, "{t:?}");
     assert!(t.runs_parked > 0 && t.node_adoptions > 0, "{t:?}");
     assert!(t.takeover_adoptions > 0 && t.park_expired > 0, "{t:?}");
+    assert!(t.node_freezes > 0 && t.freeze_losses > 0, "{t:?}");
+    assert!(t.provider_5xx > 0, "{t:?}");
     println!(
         "CI swarm: {CI_SWARM_SEEDS} seeds x {CI_SWARM_STEPS} steps ({} steps with the drain) on {threads} threads in {:.1}s",
         t.steps,

@@ -348,6 +348,10 @@ enum Phase {
         code: Option<FailureCode>,
         /// The failure may go to another provider (R-FAIL-1).
         may_fail_over: bool,
+        /// The node marked the terminal `retryable`: its provider call
+        /// ended (R-WD-4). A stall without it is never re-admitted
+        /// (R-FAIL-1).
+        retryable: bool,
     },
     /// Over; nothing more is output.
     Ended,
@@ -511,6 +515,16 @@ impl Request {
     #[cfg(feature = "planted-bugs")]
     fn planted(&self, bug: PlantedBug) -> bool {
         self.planted.has(bug)
+    }
+
+    /// Planted (R-FAIL-1): a confirmed stall re-admits whatever its
+    /// `retryable` mark. Always false without the feature.
+    fn readmits_any_stall(&self) -> bool {
+        #[cfg(feature = "planted-bugs")]
+        if self.planted(PlantedBug::ReadmitUnretryableStall) {
+            return true;
+        }
+        false
     }
 
     /// The request's id.
@@ -1057,10 +1071,22 @@ impl Request {
                     attempt,
                     code,
                     may_fail_over,
+                    retryable,
                 } = self.phase
                     && awaited == lease_id
                 {
-                    let event = verdict.attempt_event_with(code, may_fail_over);
+                    let event = match verdict.attempt_event_with(code, may_fail_over) {
+                        // R-FAIL-1: a stall the node did not mark retryable
+                        // (its provider call may still be running, R-WD-4)
+                        // is never re-admitted; it ends the attempt like
+                        // any other failure.
+                        AttemptEvent::Stalled(_) if !retryable && !self.readmits_any_stall() => {
+                            AttemptEvent::Failed {
+                                code: FailureCode::ResponseStalled,
+                            }
+                        }
+                        event => event,
+                    };
                     self.attempt_event(now, attempt, event);
                 }
             }
@@ -1299,6 +1325,7 @@ impl Request {
             attempt,
             code,
             may_fail_over: failure.as_ref().is_some_and(failure_may_fail_over),
+            retryable: failure.as_ref().is_some_and(|f| f.retryable),
         };
         self.outputs.push_back(RequestOutput::Dispatch(command));
     }

@@ -210,6 +210,9 @@ impl World {
             return;
         };
         let token = run.call.token();
+        if super::is_http_5xx(&event) {
+            self.stats.provider_5xx += 1;
+        }
         if let Some(after) = next {
             self.schedule(now + after, again);
         }
@@ -316,13 +319,20 @@ impl World {
         }
     }
 
-    /// The watchdog canceled a durable run's provider call: it reaches the
-    /// provider after its latency.
+    /// The watchdog canceled a durable run's provider call: the run stops
+    /// reading it at once (`iop-node`'s durable run task drops the call on
+    /// `CancelProvider`, which its control channel delivers before any
+    /// further provider output), and the cancel reaches the provider after
+    /// its latency. Output the provider still makes meanwhile is never
+    /// read: were it kept, a run that parks before the cancel lands would
+    /// keep output after the frames the claim fenced (R-PARK-2: output
+    /// lost between them).
     pub(super) fn durable_cancel_later(&mut self, node: usize, key: RunKey) {
         let process = self.nodes[node].process;
-        let Some(run) = self.nodes[node].durable.get(&key) else {
+        let Some(run) = self.nodes[node].durable.get_mut(&key) else {
             return;
         };
+        run.call.stage = CallStage::Idle;
         let at = self.now + run.call.plan.cancel_latency;
         self.schedule(at, Event::DurableCancel { node, process, key });
     }

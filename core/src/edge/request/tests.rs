@@ -399,6 +399,8 @@ fn a_confirmed_stall_before_commit_readmits_with_the_avoid_hint_r_gate_2() {
     running(&mut r, &l);
     let mut failure = ExecutionFailure::new(FailureCode::ResponseStalled);
     failure.provider_health = Some(ProviderHealth::Available);
+    // The canceled provider call returned within the grace (R-WD-4).
+    failure.retryable = true;
     r.handle_input(t(2), run(RunEventKind::Failed(failure.clone())));
     assert_eq!(
         commands(&drain(&mut r)),
@@ -441,6 +443,93 @@ fn a_confirmed_stall_before_commit_readmits_with_the_avoid_hint_r_gate_2() {
     let second = lease(2, "p1", AdapterKind::Mock);
     running(&mut r, &second);
     assert_eq!(r.gate().attempts(), 2);
+}
+
+/// A confirmed stall before commit, `retryable` as the node marked it:
+/// what the request outputs after the dispatcher's verdict.
+fn stall_verdict(retryable: bool) -> (Request, Vec<RequestOutput>) {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    let mut failure = ExecutionFailure::new(FailureCode::ResponseStalled);
+    failure.provider_health = Some(ProviderHealth::Available);
+    failure.retryable = retryable;
+    r.handle_input(t(2), run(RunEventKind::Failed(failure)));
+    drain(&mut r);
+    r.handle_input(
+        t(3),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: 1,
+            verdict: TerminalVerdict::Applied {
+                lease: l.clone(),
+                stall: Some(ConfirmedStall {
+                    provider_id: l.provider_id.clone(),
+                    health: ProviderHealth::Available,
+                }),
+                evidence: None,
+            },
+        }),
+    );
+    let outs = drain(&mut r);
+    (r, outs)
+}
+
+#[test]
+fn a_stall_the_node_did_not_mark_retryable_is_never_readmitted_r_fail_1() {
+    // Found by the simulator's R-FAIL-1 invariant: a confirmed stall was
+    // re-admitted whatever its mark, so a provider call that may still be
+    // running (it did not return within the close grace, R-WD-4) got a
+    // second attempt on another provider.
+    let (r, outs) = stall_verdict(false);
+    assert!(
+        !commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_))),
+        "{outs:?}"
+    );
+    assert!(!outs.contains(&RequestOutput::Observe(RequestObservation::Readmitted)));
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::ResponseStalled),
+            in_stream: false
+        }]
+    );
+    assert!(r.is_ended());
+    // The same stall marked retryable is re-admitted (R-GATE-2).
+    let (r, outs) = stall_verdict(true);
+    assert!(outs.contains(&RequestOutput::Observe(RequestObservation::Readmitted)));
+    assert!(!r.is_ended());
+}
+
+#[cfg(feature = "planted-bugs")]
+#[test]
+fn planted_readmit_unretryable_stall_readmits_a_stall_without_the_mark() {
+    use crate::planted::PlantedBug;
+    let mut r = Request::new(t(0), spec(None, &[]));
+    r.plant(PlantedBug::ReadmitUnretryableStall);
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    let failure = ExecutionFailure::new(FailureCode::ResponseStalled);
+    assert!(!failure.retryable);
+    r.handle_input(t(2), run(RunEventKind::Failed(failure)));
+    drain(&mut r);
+    r.handle_input(
+        t(3),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: 1,
+            verdict: TerminalVerdict::Applied {
+                lease: l.clone(),
+                stall: Some(ConfirmedStall {
+                    provider_id: l.provider_id.clone(),
+                    health: ProviderHealth::Unknown,
+                }),
+                evidence: None,
+            },
+        }),
+    );
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::Observe(RequestObservation::Readmitted)));
 }
 
 #[test]
