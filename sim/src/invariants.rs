@@ -108,7 +108,10 @@ struct LeaseModel {
 /// findings (with their reproduction) and become violations with
 /// `--strict`.
 ///
-/// None is open. Fixed so far: `journal-orphan` (with `--store-faults`: a
+/// None is open. Fixed so far: R-FAIL-1 on stalls (a confirmed stall was
+/// re-admitted whatever the node's `retryable` mark; the request machine
+/// now ends the attempt when it is not set), `journal-orphan` (with
+/// `--store-faults`: a
 /// durable request whose append or terminal the store refused left its
 /// record without a terminal; a refused append now ends it `failed` and a
 /// failed terminal is written again, R-JRN-4), R-SEL-1 on

@@ -233,6 +233,16 @@ fn real_main() -> Result<ExitCode, String> {
                 s.partitions,
                 s.conns_killed,
             );
+            if s.node_freezes > 0 || s.provider_5xx > 0 {
+                println!(
+                    "failover: {} node freezes ({} until the faults stopped, {} found lost by the Edge's heartbeat), {} provider 5xx answers ({} outages detected from them)",
+                    s.node_freezes,
+                    s.node_freezes_forever,
+                    s.freeze_losses,
+                    s.provider_5xx,
+                    s.outages_5xx,
+                );
+            }
             if s.durable_requests > 0 || s.journal_writes > 0 {
                 println!(
                     "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried), {} lost and {} unacknowledged at crashes, {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read)",

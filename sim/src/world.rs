@@ -40,7 +40,7 @@
 //! 1. *Faults* (the first two thirds of `steps`): faults fire as the seed's
 //!    profile says.
 //! 2. *Quiet* (the rest of `steps`): no new faults, partitions healed,
-//!    every provider call healthy; at its start `T_q` the liveness checks are
+//!    frozen nodes going on, every provider call healthy; at its start `T_q` the liveness checks are
 //!    scheduled at `T_q + B_node` and `T_q + B_eligible`.
 //! 3. *Drain*: no new client requests; the world runs until every request
 //!    ended and both liveness checks ran (at most [`MAX_DRAIN_STEPS`]).

@@ -32,7 +32,7 @@
 //! close notice, the heartbeat's own timeout) moves the deadline to that
 //! moment: a connection declared lost is lost.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use iop_core::Instant;
@@ -65,7 +65,7 @@ pub(super) struct FailoverModel {
     pending: BTreeMap<LeaseId, bool>,
     /// Requests whose attempt ended with an applied terminal that is not
     /// retryable (R-FAIL-1), by Edge incarnation.
-    closed: std::collections::BTreeSet<(u64, RequestId)>,
+    closed: BTreeSet<(u64, RequestId)>,
 }
 
 impl Checker {
