@@ -49,6 +49,7 @@ impl EvilNode {
                 adapter: AdapterKind::OpenAi,
                 target: "t".into(),
                 models: Vec::new(),
+                max_concurrent_runs: None,
             }],
             max_concurrent_runs: 256,
             recipient_public_key: None,

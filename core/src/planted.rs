@@ -262,6 +262,7 @@ mod tests {
                 generation_floor: 0,
                 known_nodes: None,
                 health: crate::edge::health::HealthConfig::default(),
+                capacity_from_node: Default::default(),
             },
         )
         .expect("valid config")
@@ -279,6 +280,33 @@ mod tests {
         d.register(T, &NodeId::from("n"), &request)
             .expect("accepted")
             .0
+    }
+
+    /// Ready generation `g` of node `n` and answer its provider's first
+    /// probe `available` (R-HT-5: before that it is not eligible).
+    fn ready(d: &mut Dispatcher, g: u64) {
+        use crate::edge::dispatch::DispatchOutput;
+        assert!(d.ready(T, &NodeId::from("n"), g));
+        let tickets: Vec<_> = std::iter::from_fn(|| d.poll_output())
+            .filter_map(|o| match o {
+                DispatchOutput::ProbeDue { ticket, .. } => Some(ticket),
+                _ => None,
+            })
+            .collect();
+        let report = iop_wire::CapabilitiesReport {
+            targets: vec![iop_wire::TargetHealth {
+                adapter: AdapterKind::Mock,
+                target: "t".into(),
+                status: iop_wire::ProviderHealth::Available,
+                failure_code: None,
+                models: vec![],
+            }],
+            health_observation_seq: 0,
+        };
+        for ticket in tickets {
+            let _ = d.probe_answer(T, &ticket, Ok((&NodeId::from("n"), g, &report)));
+        }
+        assert!(d.health().is_available(&ProviderId::from("p")));
     }
 
     fn lease(d: &mut Dispatcher, request_id: u64) -> crate::edge::admission::Lease {
@@ -459,7 +487,7 @@ mod tests {
     fn double_release_breaks_the_lease_count_at_the_fence() {
         let mut d = dispatcher(2);
         let g = register(&mut d);
-        assert!(d.ready(T, &NodeId::from("n"), g));
+        ready(&mut d, g);
         lease(&mut d, 1);
         lease(&mut d, 2);
         d.plant(PlantedBug::DoubleRelease);
@@ -531,7 +559,7 @@ mod tests {
     fn keep_lost_connection_leaves_a_timed_out_generation_dispatchable() {
         let mut d = dispatcher(1);
         let g = register(&mut d);
-        assert!(d.ready(T, &NodeId::from("n"), g));
+        ready(&mut d, g);
         d.plant(PlantedBug::KeepLostConnection);
         // Only a loss found by liveness detection is kept.
         d.connection_closed(T, &NodeId::from("n"), g, CloseCode::HeartbeatTimeout);
@@ -545,7 +573,7 @@ mod tests {
     fn skip_pre_send_fence_answers_send_for_a_fenced_lease() {
         let mut d = dispatcher(1);
         let g = register(&mut d);
-        assert!(d.ready(T, &NodeId::from("n"), g));
+        ready(&mut d, g);
         let l = lease(&mut d, 1);
         d.plant(PlantedBug::SkipPreSendFence);
         d.connection_closed(T, &NodeId::from("n"), g, CloseCode::HeartbeatTimeout);

@@ -41,9 +41,10 @@ pub struct ProviderEntry {
     /// Models served.
     #[serde(default)]
     pub models: Vec<String>,
-    /// Concurrent requests.
-    #[serde(default = "default_capacity")]
-    pub capacity: u32,
+    /// Concurrent requests. Without it: what the node reports for the
+    /// target (its `[[providers]] max_concurrent_runs`), else 4.
+    #[serde(default)]
+    pub capacity: Option<u32>,
     /// Stall timeout; 0 = 300000 ms.
     #[serde(default)]
     pub stall_timeout_ms: u64,
@@ -992,6 +993,9 @@ pub struct Provider {
     pub credential: Option<String>,
     /// Its reported models are routed without a `[[routes]]` entry.
     pub discover_models: bool,
+    /// No `capacity` configured: its node's reported limit for the target,
+    /// if any, is its capacity.
+    pub capacity_from_node: bool,
 }
 
 /// A validated API key.
@@ -1177,7 +1181,7 @@ impl EdgeConfig {
             if p.target.is_empty() {
                 return Err(field_err(f("target"), "must not be empty"));
             }
-            if p.capacity == 0 {
+            if p.capacity == Some(0) {
                 return Err(field_err(f("capacity"), "must be > 0"));
             }
             if p.stall_timeout_ms != 0
@@ -1205,13 +1209,14 @@ impl EdgeConfig {
                     node: NodeId::new(&p.node),
                     adapter,
                     target: p.target.clone(),
-                    capacity: p.capacity,
+                    capacity: p.capacity.unwrap_or_else(default_capacity),
                     stall_timeout_ms: p.stall_timeout_ms,
                 },
                 models: p.models.clone(),
                 mode: p.mode,
                 credential: p.credential.clone(),
                 discover_models: p.discover_models,
+                capacity_from_node: p.capacity.is_none(),
             });
         }
 
@@ -1382,6 +1387,16 @@ impl EdgeConfig {
             queue_capacity: self.admission.queue_capacity,
             queue_timeout: Duration::from_millis(self.admission.queue_timeout_ms),
         }
+    }
+
+    /// Providers without a configured `capacity`: their node's reported
+    /// limit for the target becomes their capacity.
+    pub fn capacity_from_node(&self) -> BTreeSet<ProviderId> {
+        self.providers
+            .iter()
+            .filter(|p| p.capacity_from_node)
+            .map(|p| p.spec.id.clone())
+            .collect()
     }
 
     /// Node ids named by providers.

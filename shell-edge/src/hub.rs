@@ -106,6 +106,8 @@ pub struct ProviderHealthView {
     pub failure_code: Option<&'static str>,
     /// Earliest recovery probe.
     pub next_retry_at_ms: Option<u64>,
+    /// Probes that ended without a verdict (R-CAP-1).
+    pub no_verdicts_total: u64,
 }
 
 struct Registering {
@@ -879,6 +881,7 @@ impl Hub {
                     consecutive_failures: h.consecutive_failures,
                     failure_code: h.failure_code.map(|c| c.as_str()),
                     next_retry_at_ms: h.next_retry_at.map(|t| self.unix_ms(t)),
+                    no_verdicts_total: h.no_verdicts_total,
                     provider_id: h.provider_id,
                 })
                 .collect(),

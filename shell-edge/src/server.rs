@@ -170,6 +170,7 @@ impl RunningEdge {
                 generation_floor: floor,
                 known_nodes: config.edge.restrict_nodes.then(|| config.known_nodes()),
                 health: config.health_config(),
+                capacity_from_node: config.capacity_from_node(),
             },
             Some((
                 store,

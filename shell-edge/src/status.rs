@@ -63,13 +63,15 @@ pub fn status_json(config: &EdgeConfig, snap: &HubSnapshot, journal: &JournalSta
                 "node_ready": node.is_some_and(|(_, _, ready, _)| *ready),
                 "node_generation": node.and_then(|(_, g, ..)| *g),
                 "leases_in_use": cap.map_or(0, |c| c.in_use),
-                "capacity": p.spec.capacity,
+                // Effective: a node's reported limit where the config gives none.
+                "capacity": cap.map_or(p.spec.capacity, |c| c.capacity),
                 "runtime_eligible": cap.is_some_and(|c| c.runtime_eligible),
                 "state": health.map_or("unknown", |h| h.state),
                 "last_success_at": health.and_then(|h| h.last_success_at_ms),
                 "consecutive_failures": health.map_or(0, |h| h.consecutive_failures),
                 "failure_code": health.and_then(|h| h.failure_code),
                 "next_retry_at": health.and_then(|h| h.next_retry_at_ms),
+                "no_verdicts_total": health.map_or(0, |h| h.no_verdicts_total),
             })
         })
         .collect();

@@ -21,8 +21,8 @@ const KEY: &str = "sk-test-0123456789abcdef";
 const REQUEST_BUDGET_MS: u64 = 1_500;
 
 /// An edge with provider `p` on `node-1` serving model `m`, a short request
-/// budget, and health probes that never time out during a test (so the
-/// provider stays eligible while its node answers nothing).
+/// budget, and health that stays as the first probe answer left it for the
+/// whole test.
 async fn edge(pki: &Pki) -> RunningEdge {
     write_secret(&pki.path().join("key"), KEY);
     let extra = "[[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"mock\"\nmodels = [\"m\"]\n\
@@ -134,9 +134,9 @@ enum OnRun {
     DropConnection,
 }
 
-/// Serve the Edge's data streams on `conn`: health probes are held open
-/// unanswered (the provider stays eligible), runs get `on_run`. Returns how
-/// many frames were sent on runs.
+/// Serve the Edge's data streams on `conn`: health probes are answered
+/// `available` (R-HT-5: the provider is eligible only then), runs get
+/// `on_run`. Returns how many frames were sent on runs.
 fn serve_data_streams(
     conn: quinn::Connection,
     on_run: OnRun,
@@ -148,10 +148,32 @@ fn serve_data_streams(
             let conn = conn.clone();
             let counter = counter.clone();
             tokio::spawn(async move {
-                let Ok(Some(DataRequest::Run(run))) = recv.recv::<DataRequest>().await else {
-                    // A probe: never answered, never closed.
-                    std::future::pending::<()>().await;
-                    return;
+                let run = match recv.recv::<DataRequest>().await {
+                    Ok(Some(DataRequest::Run(run))) => run,
+                    Ok(Some(DataRequest::Command(cmd))) => {
+                        let _ = send
+                            .send(&iop_wire::CommandResult {
+                                command_id: cmd.command_id,
+                                session_id: cmd.session_id,
+                                body: iop_wire::CommandResultBody::Capabilities(
+                                    iop_wire::CapabilitiesReport {
+                                        targets: vec![iop_wire::TargetHealth {
+                                            adapter: iop_wire::AdapterKind::Mock,
+                                            target: "mock".into(),
+                                            status: iop_wire::ProviderHealth::Available,
+                                            failure_code: None,
+                                            models: vec!["m".into()],
+                                        }],
+                                        health_observation_seq: 1,
+                                    },
+                                ),
+                            })
+                            .await;
+                        let _ = send.finish();
+                        std::future::pending::<()>().await;
+                        return;
+                    }
+                    _ => return,
                 };
                 match on_run {
                     OnRun::DropConnection => conn.close(0u32.into(), b"gone"),

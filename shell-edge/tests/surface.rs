@@ -509,3 +509,56 @@ async fn discovered_models_can_be_hidden_and_renamed() {
     })
     .await;
 }
+
+/// Capacity from the node: an Edge provider entry without `capacity` takes
+/// the node's `[[providers]] max_concurrent_runs` for its target, so two
+/// slow requests to a provider the node limits to one run: the second waits
+/// in the Edge's queue (never a `node_overloaded` refusal) and both answer.
+#[tokio::test]
+async fn a_provider_without_capacity_takes_the_nodes_limit() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        common::write_secret(&pki.path().join("key"), KEY);
+        let edge = RunningEdge::start(edge_config(
+            &pki,
+            0,
+            "[[providers]]\nid = \"p\"\nnode = \"node-1\"\nadapter = \"mock\"\ntarget = \"mock\"\n\
+             [[routes]]\nmodel = \"mock:*\"\nproviders = [\"p\"]\n\
+             [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n",
+        ))
+        .await
+        .expect("edge");
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            "[[providers]]\nadapter = \"mock\"\ntarget = \"mock\"\nmax_concurrent_runs = 1\n",
+        );
+        ready_generation(&edge, "node-1").await;
+        let snap = edge.hub.snapshot().await.unwrap();
+        let view = snap
+            .providers
+            .iter()
+            .find(|c| c.provider_id.as_str() == "p")
+            .unwrap();
+        assert_eq!(view.capacity, 1, "the node's limit, not the default 4");
+        let http = reqwest::Client::new();
+        let ask = || {
+            http.post(format!("http://{}/v1/chat/completions", edge.http_addr))
+                .bearer_auth(KEY)
+                .json(&json!({"model": "mock:tokens=10,tps=20",
+                              "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+        };
+        let (a, b) = tokio::join!(ask(), ask());
+        for r in [a, b] {
+            let r = r.unwrap();
+            assert_eq!(r.status(), 200);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        }
+        let _ = node.shutdown().await;
+        edge.shutdown().await;
+    })
+    .await;
+}

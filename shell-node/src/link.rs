@@ -637,6 +637,11 @@ async fn handshake(
                 adapter: a.kind(),
                 target: a.target().to_owned(),
                 models: a.models().to_vec(),
+                max_concurrent_runs: config
+                    .providers
+                    .iter()
+                    .find(|p| p.adapter == a.kind() && p.target == a.target())
+                    .and_then(|p| p.max_concurrent_runs),
             })
             .collect(),
         max_concurrent_runs: config.node.max_concurrent_runs,

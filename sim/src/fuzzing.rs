@@ -439,6 +439,7 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
             stale_after: Duration::from_millis(refresh_ms * 3),
             probe_timeout: Duration::from_millis(500),
         },
+        capacity_from_node: Default::default(),
     };
     let Ok(mut d) = Dispatcher::new(Instant::ZERO, config) else {
         return;

@@ -1465,6 +1465,7 @@ impl World {
             generation_floor: floor,
             known_nodes: None,
             health: self.cfg.health,
+            capacity_from_node: Default::default(),
         };
         let mut rec = DispatchConfigRec::from(&config);
         rec.created_us = self.now.as_micros();
@@ -2744,6 +2745,7 @@ impl World {
                 adapter: AdapterKind::Mock,
                 target: target(p),
                 models: vec!["sim".into()],
+                max_concurrent_runs: None,
             })
             .collect();
         self.transmit(

@@ -515,6 +515,9 @@ pub struct DispatchConfigRec {
     pub health_us: [u64; 5],
     /// When the dispatcher was created, microseconds.
     pub created_us: u64,
+    /// Providers whose capacity comes from their node's registration.
+    #[serde(default)]
+    pub capacity_from_node: Vec<ProviderId>,
 }
 
 impl From<&DispatchConfig> for DispatchConfigRec {
@@ -533,6 +536,7 @@ impl From<&DispatchConfig> for DispatchConfigRec {
                 us(c.health.probe_timeout),
             ],
             created_us: 0,
+            capacity_from_node: c.capacity_from_node.iter().cloned().collect(),
         }
     }
 }
@@ -557,6 +561,7 @@ impl From<&DispatchConfigRec> for DispatchConfig {
                 stale_after: Duration::from_micros(c.health_us[3]),
                 probe_timeout: Duration::from_micros(c.health_us[4]),
             },
+            capacity_from_node: c.capacity_from_node.iter().cloned().collect(),
         }
     }
 }

@@ -198,6 +198,7 @@ fn register_request(model_count: usize) -> RegisterRequest {
             models: (0..model_count)
                 .map(|i| format!("model-{i:06}-with-a-longer-name"))
                 .collect(),
+            max_concurrent_runs: None,
         }],
         max_concurrent_runs: 64,
         recipient_public_key: Some([7; 32]),

@@ -30,6 +30,7 @@ fn main() -> std::io::Result<()> {
                     adapter: AdapterKind::Mock,
                     target: "mock".into(),
                     models: vec!["m".into()],
+                    max_concurrent_runs: Some(2),
                 }],
                 max_concurrent_runs: 8,
                 recipient_public_key: Some([7; 32]),

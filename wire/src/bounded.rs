@@ -195,6 +195,7 @@ mod tests {
                 adapter: crate::AdapterKind::Mock,
                 target: "t".into(),
                 models: models.clone(),
+                max_concurrent_runs: None,
             }],
             max_concurrent_runs: 1,
             recipient_public_key: None,

@@ -205,6 +205,10 @@ pub struct OfferedProvider {
     /// Models the target serves (informational; the Edge config is authoritative).
     #[serde(deserialize_with = "crate::bounded::models")]
     pub models: Vec<String>,
+    /// The most runs the Node takes for this target at once over every
+    /// Edge (its `[[providers]] max_concurrent_runs`), if it sets one: the
+    /// provider's capacity where the Edge's configuration gives none.
+    pub max_concurrent_runs: Option<u32>,
 }
 
 /// Node -> Edge, first frame on the control stream.

@@ -706,6 +706,19 @@ impl Admission {
         self.queue_may_move(now);
     }
 
+    /// `provider`'s capacity as its node reports it (`capacity_from_node`
+    /// providers, whose Edge configuration gives none).
+    pub fn set_capacity(&mut self, now: Instant, provider: &ProviderId, capacity: u32) {
+        if let Some(p) = self.providers.get_mut(provider) {
+            // At least one: a provider is configured to take work.
+            p.spec.capacity = capacity.max(1);
+        }
+        // Leases held above a lowered capacity stay; no new one is granted
+        // until they fall under it (R-LEASE-2: capacity never goes
+        // negative). A raised capacity may serve the queue.
+        self.queue_may_move(now);
+    }
+
     /// Whether the runtime overlay and health tracker allow `provider`.
     /// The queue is served at the next [`Self::poll_event`], so the other
     /// changes of the same input (another provider's recovery in the same

@@ -426,6 +426,11 @@ pub struct DispatchConfig {
     pub known_nodes: Option<std::collections::BTreeSet<NodeId>>,
     /// Provider health tracking.
     pub health: HealthConfig,
+    /// Providers whose configuration gives no capacity: their node's
+    /// reported `max_concurrent_runs` for the target, when it reports one,
+    /// is their capacity from its registration on (their spec's capacity
+    /// until then).
+    pub capacity_from_node: std::collections::BTreeSet<ProviderId>,
 }
 
 /// The composed Edge dispatch state.
@@ -437,6 +442,8 @@ pub struct Dispatcher {
     health: HealthTracker,
     outputs: VecDeque<DispatchOutput>,
     ignored_terminals: u64,
+    /// See [`DispatchConfig::capacity_from_node`].
+    capacity_from_node: std::collections::BTreeSet<ProviderId>,
     /// Parked runs reported at registration, offered at readiness.
     parked: BTreeMap<(NodeId, Generation), Vec<ParkedOffer>>,
     #[cfg(feature = "planted-bugs")]
@@ -462,6 +469,7 @@ impl Dispatcher {
             outputs: VecDeque::new(),
             ignored_terminals: 0,
             parked: BTreeMap::new(),
+            capacity_from_node: config.capacity_from_node,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         })
@@ -494,10 +502,11 @@ impl Dispatcher {
         &self.health
     }
 
-    /// R-HT-5 and R-OVL-2 together: a provider is runtime-eligible unless
-    /// the overlay lowered it in its current generation or its health is
-    /// `unavailable` or `stale` (fail closed). A provider no probe has
-    /// answered yet is eligible once its node is ready.
+    /// R-HT-5 and R-OVL-2 together: a provider is runtime-eligible only
+    /// when its health is `ok` and the overlay did not lower it in its
+    /// current generation. `unavailable`, `stale` and `unknown` (no probe
+    /// has answered yet: requests wait in the queue for the first answer,
+    /// asked for as soon as its node is ready) are not (fail closed).
     fn refresh_eligibility(&mut self, now: Instant, provider: &ProviderId) {
         let online = self
             .admission
@@ -511,11 +520,7 @@ impl Dispatcher {
 
     fn eligible(&self, provider: &ProviderId, online: Option<Generation>) -> bool {
         let lowered = online.is_some_and(|g| self.overlay.is_lowered(provider, g));
-        let unhealthy = matches!(
-            self.health.state(provider),
-            Some(HealthState::Unavailable) | Some(HealthState::Stale)
-        );
-        !lowered && !unhealthy
+        !lowered && self.health.is_available(provider)
     }
 
     fn providers_of(&self, node: &NodeId) -> Vec<ProviderId> {
@@ -595,6 +600,7 @@ impl Dispatcher {
         request: &RegisterRequest,
     ) -> Result<(Generation, ConfigSnapshot), Rejection> {
         let generation = self.registry.register(now, node, request)?;
+        self.take_reported_capacity(now, node, request);
         self.hold_parked(now, node, generation, &request.parked);
         let providers = self
             .admission
@@ -617,6 +623,27 @@ impl Dispatcher {
                 ..ConfigSnapshot::default()
             },
         ))
+    }
+
+    /// The capacity a registering node reports for its targets becomes
+    /// that of each `capacity_from_node` provider on the same adapter and
+    /// target (the Edge's own configuration wins where it gives one).
+    fn take_reported_capacity(&mut self, now: Instant, node: &NodeId, request: &RegisterRequest) {
+        let updates: Vec<(ProviderId, u32)> = self
+            .admission
+            .providers()
+            .filter(|p| &p.node == node && self.capacity_from_node.contains(&p.id))
+            .filter_map(|p| {
+                let offered = request
+                    .providers
+                    .iter()
+                    .find(|o| o.adapter == p.adapter && o.target == p.target)?;
+                Some((p.id.clone(), offered.max_concurrent_runs?))
+            })
+            .collect();
+        for (provider, capacity) in updates {
+            self.admission.set_capacity(now, &provider, capacity);
+        }
     }
 
     /// R-PARK-2: hold capacity for each parked run the node reported on
@@ -656,8 +683,9 @@ impl Dispatcher {
         }
     }
 
-    /// Planted `DispatchBeforeReady`: bring the node's providers online on
-    /// the generation it just registered, before readiness.
+    /// Planted `DispatchBeforeReady`: bring the node's providers online and
+    /// eligible on the generation it just registered, before readiness
+    /// (and so before any probe of that generation answered).
     #[cfg(feature = "planted-bugs")]
     fn planted_after_register(&mut self, now: Instant, node: &NodeId, generation: Generation) {
         if !self.planted.has(PlantedBug::DispatchBeforeReady) {
@@ -666,10 +694,7 @@ impl Dispatcher {
         let updates: Vec<(ProviderId, Option<Generation>, bool)> = self
             .providers_of(node)
             .into_iter()
-            .map(|p| {
-                let eligible = self.eligible(&p, Some(generation));
-                (p, Some(generation), eligible)
-            })
+            .map(|p| (p, Some(generation), true))
             .collect();
         self.admission.set_states(now, &updates);
         self.pump(now);
@@ -1183,10 +1208,11 @@ impl Dispatcher {
 }
 
 /// The health tracker's result for the one CAPABILITIES entry about a
-/// probed provider (R-HT-1). A refresh probe is a request to the provider
-/// like any other: when the node's probe got no verdict (`unknown`: its
-/// bound passed, the transport failed, the answer was unreadable) the
-/// refresh failed with that code; an `unknown` without a code is a timeout.
+/// probed provider (R-HT-1). When the node's probe got no verdict
+/// (`unknown`: its bound passed, the transport failed, the answer was
+/// unreadable) nothing changes (R-CAP-1): an `ok` provider stays `ok` until
+/// its `stale_after` passes without a verdict, and its runs' failures still
+/// count (R-FAIL-3).
 fn refresh_result(entry: &iop_wire::TargetHealth) -> ProbeResult {
     use iop_wire::HealthFailureCode;
     match entry.status {
@@ -1197,7 +1223,7 @@ fn refresh_result(entry: &iop_wire::TargetHealth) -> ProbeResult {
                 .unwrap_or(HealthFailureCode::ProviderRejected),
         ),
         ProviderHealth::Unknown => {
-            ProbeResult::Failure(entry.failure_code.unwrap_or(HealthFailureCode::Timeout))
+            ProbeResult::NoVerdict(entry.failure_code.unwrap_or(HealthFailureCode::Timeout))
         }
     }
 }

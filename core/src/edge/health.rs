@@ -197,6 +197,13 @@ pub enum ProbeResult {
     Success,
     /// A failure, already sanitized into a closed code.
     Failure(HealthFailureCode),
+    /// The probe ended without a verdict about the provider (the node's own
+    /// probe timed out, could not connect or could not read the answer:
+    /// `unknown`, R-CAP-1). It changes nothing: not the state, not the
+    /// failure streak. An `ok` provider keeps its regular cadence and goes
+    /// `stale` if no verdict comes within `stale_after` (R-HT-5); any other
+    /// is probed again after its current backoff.
+    NoVerdict(HealthFailureCode),
 }
 
 /// A probe the shell must run, handed out by [`HealthTracker::poll_probe`];
@@ -246,6 +253,8 @@ pub struct ProviderHealthSnapshot {
     pub successes_total: u64,
     /// Failed probes in this process.
     pub failures_total: u64,
+    /// Probes that ended without a verdict in this process (R-CAP-1).
+    pub no_verdicts_total: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,6 +283,8 @@ struct ProviderEntry {
     outage: Outage,
     successes_total: u64,
     failures_total: u64,
+    /// Probes that ended without a verdict ([`ProbeResult::NoVerdict`]).
+    no_verdicts_total: u64,
     /// Its node has no ready connection: nothing to probe through.
     suspended: bool,
     /// Run and tunnel failures in a row since its last successful run
@@ -303,6 +314,7 @@ impl ProviderEntry {
             outage: Outage::None,
             successes_total: 0,
             failures_total: 0,
+            no_verdicts_total: 0,
         }
     }
 
@@ -319,6 +331,7 @@ impl ProviderEntry {
             probe_in_flight: self.in_flight.is_some(),
             successes_total: self.successes_total,
             failures_total: self.failures_total,
+            no_verdicts_total: self.no_verdicts_total,
         }
     }
 
@@ -429,6 +442,21 @@ impl HealthTracker {
             _ => return ProbeDisposition::Stale,
         }
         entry.in_flight = None;
+        if let ProbeResult::NoVerdict(_) = result {
+            // The streak stays; a failing provider's backoff starts again
+            // from now (R-HT-3: never sooner than that).
+            let wait = if entry.state == HealthState::Ok {
+                self.config.refresh_interval
+            } else {
+                self.config.backoff(entry.consecutive_failures.max(1))
+            };
+            entry.next_probe_at = now.saturating_add(wait);
+            if entry.next_retry_at.is_some() {
+                entry.next_retry_at = Some(entry.next_probe_at);
+            }
+            entry.no_verdicts_total = entry.no_verdicts_total.saturating_add(1);
+            return ProbeDisposition::Applied;
+        }
         let before = entry.state;
         if let Some(event) = apply_result(&self.config, &ticket.provider_id, entry, now, result) {
             self.events.push_back(event);
@@ -675,6 +703,8 @@ fn apply_result(
             entry.successes_total = entry.successes_total.saturating_add(1);
             recovered
         }
+        // Handled by the caller: nothing changes.
+        ProbeResult::NoVerdict(_) => None,
         ProbeResult::Failure(code) => {
             entry.state = HealthState::Unavailable;
             entry.last_failure_at = Some(now);
@@ -1247,6 +1277,65 @@ mod tests {
     }
 
     #[test]
+    fn a_probe_without_a_verdict_changes_nothing_r_cap_1() {
+        let no_verdict = ProbeResult::NoVerdict(HealthFailureCode::Timeout);
+        let mut t = tracker(&["new", "down", "ok"]);
+        // Never answered: stays unknown (not available), asked again soon.
+        probe(&mut t, Instant::ZERO, "new", no_verdict);
+        let s = t.provider_snapshot(&pid("new")).unwrap();
+        assert_eq!((s.state, s.next_probe_at), (HealthState::Unknown, at(1)));
+        assert!(!t.is_available(&pid("new")));
+        // Failing: the streak neither grows nor ends; the backoff holds.
+        probe(
+            &mut t,
+            Instant::ZERO,
+            "down",
+            fail(HealthFailureCode::Http5xx),
+        );
+        probe(&mut t, at(1), "down", fail(HealthFailureCode::Http5xx));
+        probe(&mut t, at(3), "down", no_verdict);
+        let s = t.provider_snapshot(&pid("down")).unwrap();
+        assert_eq!(
+            (
+                s.state,
+                s.consecutive_failures,
+                s.failure_code,
+                s.next_probe_at
+            ),
+            (
+                HealthState::Unavailable,
+                2,
+                Some(HealthFailureCode::Http5xx),
+                at(5)
+            )
+        );
+        assert_eq!(
+            events(&mut t),
+            vec![
+                ("down".to_owned(), HealthLifecycle::Detected),
+                ("down".to_owned(), HealthLifecycle::Ongoing)
+            ],
+            "no lifecycle event for a probe without a verdict"
+        );
+        // ok: stays ok at its regular cadence; goes stale only when no
+        // verdict came within stale_after (R-HT-5).
+        let mut t = tracker(&["ok"]);
+        probe(&mut t, Instant::ZERO, "ok", ProbeResult::Success);
+        probe(&mut t, at(30), "ok", no_verdict);
+        let s = t.provider_snapshot(&pid("ok")).unwrap();
+        assert_eq!(
+            (s.state, s.consecutive_failures, s.failures_total),
+            (HealthState::Ok, 0, 0)
+        );
+        assert_eq!((s.next_probe_at, s.no_verdicts_total), (at(60), 1));
+        assert!(t.is_available(&pid("ok")));
+        probe(&mut t, at(60), "ok", no_verdict);
+        assert!(take_probe(&mut t, at(89), "ok").is_none());
+        t.handle_timeout(at(90));
+        assert_eq!(t.state(&pid("ok")), Some(HealthState::Stale));
+    }
+
+    #[test]
     fn new_tracker_reports_detected_again() {
         let mut t = tracker(&["a"]);
         probe(&mut t, Instant::ZERO, "a", fail(HealthFailureCode::Http5xx));
@@ -1474,6 +1563,8 @@ mod tests {
         },
         MarkStale(usize),
         Refresh(usize),
+        /// The probe of this provider ends without a verdict (R-CAP-1).
+        NoVerdict(usize),
     }
 
     fn code() -> impl Strategy<Value = HealthFailureCode> {
@@ -1489,6 +1580,7 @@ mod tests {
                 .prop_map(|(provider, result)| Op::Answer { provider, result }),
             1 => (0..PROVIDERS.len()).prop_map(Op::MarkStale),
             1 => (0..PROVIDERS.len()).prop_map(Op::Refresh),
+            2 => (0..PROVIDERS.len()).prop_map(Op::NoVerdict),
         ]
     }
 
@@ -1631,6 +1723,24 @@ mod tests {
                                         r.stale = false;
                                     }
                                     ProbeResult::Failure(_) => r.fail(now),
+                                    ProbeResult::NoVerdict(_) => {}
+                                }
+                            }
+                        }
+                        prop_assert_eq!(others(&t, provider), others_before, "isolation");
+                    }
+                    Op::NoVerdict(provider) => {
+                        let others_before = others(&t, provider);
+                        if let Some(ticket) = tickets.remove(PROVIDERS[provider]) {
+                            let r = model.get_mut(PROVIDERS[provider]).expect("modelled");
+                            let result = ProbeResult::NoVerdict(HealthFailureCode::Timeout);
+                            if t.probe_result(now, &ticket, result) == ProbeDisposition::Applied {
+                                // Nothing else changes (checked below
+                                // against the model) but a failing
+                                // provider's backoff, which starts again.
+                                r.in_flight = None;
+                                if r.failures > 0 {
+                                    r.last_failure_at = Some(now);
                                 }
                             }
                         }

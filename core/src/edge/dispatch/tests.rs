@@ -35,6 +35,7 @@ fn dispatcher_with(health: HealthConfig) -> Dispatcher {
             generation_floor: 100,
             known_nodes: None,
             health,
+            capacity_from_node: Default::default(),
         },
     )
     .expect("valid config")
@@ -75,7 +76,42 @@ fn caps(target: &str, status: ProviderHealth, seq: u64) -> CapabilitiesReport {
 
 const T: Instant = Instant::ZERO;
 
+/// Register and ready `node`; its providers' first probes are answered
+/// `available` (observation sequence 0), so they are selectable (R-HT-5:
+/// before that first answer they are `unknown`, not eligible). Outputs
+/// other than those probes are left in the queue, in order.
 fn up(d: &mut Dispatcher, node: &str) -> Generation {
+    let g = up_unprobed(d, node);
+    answer_first_probes(d, node, g);
+    g
+}
+
+/// Answer the probes due for `node`'s providers `available` (observation
+/// sequence 0); other outputs stay queued, in order.
+fn answer_first_probes(d: &mut Dispatcher, node: &str, g: Generation) {
+    let n = NodeId::from(node);
+    let mut kept = Vec::new();
+    let mut tickets = Vec::new();
+    while let Some(out) = d.poll_output() {
+        match out {
+            DispatchOutput::ProbeDue {
+                ticket, node: of, ..
+            } if of == n => tickets.push(ticket),
+            other => kept.push(other),
+        }
+    }
+    for ticket in tickets {
+        let target = format!("t-{}", ticket.provider_id.as_str());
+        let report = caps(&target, ProviderHealth::Available, 0);
+        let (disposition, _) = d.probe_answer(T, &ticket, Ok((&n, g, &report)));
+        assert_eq!(disposition, ProbeDisposition::Applied);
+    }
+    kept.extend(std::iter::from_fn(|| d.poll_output()));
+    d.outputs.extend(kept);
+}
+
+/// Register and ready `node` with its first probes still unanswered.
+fn up_unprobed(d: &mut Dispatcher, node: &str) -> Generation {
     let n = NodeId::from(node);
     let (g, _) = d.register(T, &n, &register_req()).unwrap();
     assert!(d.ready(T, &n, g));
@@ -111,6 +147,58 @@ fn register_snapshot_lists_that_nodes_providers_with_stall_timeouts() {
     );
 }
 
+/// A provider without a configured capacity takes its node's reported
+/// limit for the target at registration; a configured one keeps its own.
+#[test]
+fn a_provider_without_configured_capacity_takes_its_nodes_reported_limit() {
+    let mut d = Dispatcher::new(
+        T,
+        DispatchConfig {
+            admission: AdmissionConfig {
+                queue_capacity: 4,
+                queue_timeout: Duration::from_millis(500),
+            },
+            providers: vec![spec("p1", "a", 4), spec("p2", "a", 4)],
+            generation_floor: 100,
+            known_nodes: None,
+            health: HealthConfig::default(),
+            capacity_from_node: [ProviderId::from("p1")].into_iter().collect(),
+        },
+    )
+    .expect("valid config");
+    let offered = |target: &str, limit: Option<u32>| iop_wire::OfferedProvider {
+        adapter: AdapterKind::Mock,
+        target: target.into(),
+        models: vec![],
+        max_concurrent_runs: limit,
+    };
+    let mut req = register_req();
+    req.providers = vec![offered("t-p1", Some(2)), offered("t-p2", Some(9))];
+    let a = NodeId::from("a");
+    let (g, _) = d.register(T, &a, &req).unwrap();
+    assert!(d.ready(T, &a, g));
+    answer_first_probes(&mut d, "a", g);
+    let capacity = |d: &Dispatcher, p: &str| {
+        d.admission()
+            .capacity_view()
+            .into_iter()
+            .find(|c| c.provider_id.as_str() == p)
+            .map(|c| c.capacity)
+    };
+    assert_eq!(capacity(&d, "p1"), Some(2), "the node's limit");
+    assert_eq!(capacity(&d, "p2"), Some(4), "the configured capacity wins");
+    // Two leases on p1, the third request waits.
+    let pool = vec![ProviderId::from("p1")];
+    leased(d.request(T, DispatchRequest::new(1, pool.clone())));
+    leased(d.request(T, DispatchRequest::new(2, pool.clone())));
+    assert_eq!(d.request(T, DispatchRequest::new(3, pool)), Admit::Queued);
+    // A node that reports none leaves the capacity as it was.
+    d.connection_closed(T, &a, g, CloseCode::Normal);
+    req.providers = vec![offered("t-p1", None)];
+    d.register(T, &a, &req).unwrap();
+    assert_eq!(capacity(&d, "p1"), Some(2));
+}
+
 #[test]
 fn nothing_is_leased_before_readiness() {
     let mut d = dispatcher();
@@ -121,6 +209,8 @@ fn nothing_is_leased_before_readiness() {
         Admit::Queued
     );
     d.ready(T, &a, g);
+    // Leased once its provider's first probe answered (R-HT-5).
+    answer_first_probes(&mut d, "a", g);
     let outs: Vec<_> = std::iter::from_fn(|| d.poll_output()).collect();
     assert!(
         outs.iter()
@@ -298,13 +388,7 @@ fn capabilities_recovery_does_not_make_an_unavailable_provider_selectable() {
     let g = up(&mut d, "a");
     let a = NodeId::from("a");
     let p1 = ProviderId::from("p1");
-    let ticket = std::iter::from_fn(|| d.poll_output())
-        .find_map(|o| match o {
-            DispatchOutput::ProbeDue { ticket, .. } if ticket.provider_id == p1 => Some(ticket),
-            _ => None,
-        })
-        .expect("readiness asks for a probe of p1");
-    // The overlay is lowered by a stall, and p1's own health probe fails.
+    // The overlay is lowered by a stall, and p1's next health probe fails.
     let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
     d.apply_terminal(
         T,
@@ -313,19 +397,22 @@ fn capabilities_recovery_does_not_make_an_unavailable_provider_selectable() {
         g,
         Some(&stall(ProviderHealth::Unavailable, 1)),
     );
-    let (disposition, _) = d.probe_answer(T, &ticket, Err(HealthFailureCode::TransportFailed));
+    let later = T + Duration::from_secs(30);
+    d.handle_timeout(later);
+    let ticket = probe_due(&mut d, &p1);
+    let (disposition, _) = d.probe_answer(later, &ticket, Err(HealthFailureCode::TransportFailed));
     assert_eq!(disposition, ProbeDisposition::Applied);
     assert_eq!(d.health().state(&p1), Some(HealthState::Unavailable));
     // R-CAP-1 raises the overlay, but R-HT-5 still holds p1 back.
-    let v = d.apply_capabilities(T, &a, g, &caps("t-p1", ProviderHealth::Available, 2));
+    let v = d.apply_capabilities(later, &a, g, &caps("t-p1", ProviderHealth::Available, 2));
     assert_eq!(v[0].recovery, RecoveryOutcome::Recovered);
     assert!(!d.overlay().is_lowered(&p1, g));
     assert!(!d.admission().is_selectable(&p1), "R-HT-5: fail closed");
     assert_eq!(
-        d.request(T, DispatchRequest::new(2, vec![p1.clone()])),
+        d.request(later, DispatchRequest::new(2, vec![p1.clone()])),
         Admit::Queued
     );
-    assert_eq!(d.cancel(T, 2), None);
+    assert_eq!(d.cancel(later, 2), None);
     // Its recovery probe, due after the backoff, brings it back (R-HT-3).
     let retry_at = d
         .health()
@@ -359,23 +446,19 @@ fn probe_due(d: &mut Dispatcher, provider: &ProviderId) -> ProbeTicket {
 }
 
 #[test]
-fn a_refresh_probe_the_node_got_no_verdict_for_is_a_failure_with_its_code() {
-    // R-WD-5 makes a node-side probe error or timeout `unknown`; for the
-    // Edge's health tracker that refresh probe still failed (R-HT-1).
-    for (code, expected) in [
-        (
-            Some(HealthFailureCode::TransportFailed),
-            HealthFailureCode::TransportFailed,
-        ),
-        (Some(HealthFailureCode::Timeout), HealthFailureCode::Timeout),
-        (
-            Some(HealthFailureCode::MalformedResponse),
-            HealthFailureCode::MalformedResponse,
-        ),
-        (None, HealthFailureCode::Timeout),
+fn a_probe_answer_without_a_verdict_changes_nothing_r_cap_1() {
+    // R-WD-5 makes a node-side probe error or timeout `unknown`: no
+    // verdict. It neither pulls an `ok` provider nor makes an `unknown` one
+    // selectable, and the overlay is not touched (R-CAP-1).
+    for code in [
+        Some(HealthFailureCode::TransportFailed),
+        Some(HealthFailureCode::Timeout),
+        Some(HealthFailureCode::MalformedResponse),
+        None,
     ] {
+        // Never answered before: stays unknown, not selectable (R-HT-5).
         let mut d = dispatcher();
-        let g = up(&mut d, "a");
+        let g = up_unprobed(&mut d, "a");
         let p1 = ProviderId::from("p1");
         let ticket = probe_due(&mut d, &p1);
         let mut report = caps("t-p1", ProviderHealth::Unknown, 1);
@@ -383,12 +466,44 @@ fn a_refresh_probe_the_node_got_no_verdict_for_is_a_failure_with_its_code() {
         let (disposition, _) = d.probe_answer(T, &ticket, Ok((&NodeId::from("a"), g, &report)));
         assert_eq!(disposition, ProbeDisposition::Applied);
         let snapshot = d.health().provider_snapshot(&p1).unwrap();
-        assert_eq!(snapshot.state, HealthState::Unavailable, "{code:?}");
-        assert_eq!(snapshot.failure_code, Some(expected), "{code:?}");
+        assert_eq!(snapshot.state, HealthState::Unknown, "{code:?}");
+        assert_eq!(snapshot.failures_total, 0, "{code:?}");
         assert!(!d.admission().is_selectable(&p1), "R-HT-5");
-        // The overlay is not touched by an unknown answer (R-CAP-1).
         assert!(!d.overlay().is_lowered(&p1, g));
+        // Healthy: stays healthy and selectable.
+        let mut d = dispatcher();
+        let g = up(&mut d, "a");
+        let later = T + Duration::from_secs(30);
+        d.handle_timeout(later);
+        let ticket = probe_due(&mut d, &p1);
+        let (disposition, _) = d.probe_answer(later, &ticket, Ok((&NodeId::from("a"), g, &report)));
+        assert_eq!(disposition, ProbeDisposition::Applied);
+        assert_eq!(d.health().state(&p1), Some(HealthState::Ok), "{code:?}");
+        assert!(d.admission().is_selectable(&p1), "{code:?}");
     }
+}
+
+#[test]
+fn a_provider_is_eligible_only_after_its_first_probe_answers_r_ht_5() {
+    let mut d = dispatcher();
+    let g = up_unprobed(&mut d, "a");
+    let p1 = ProviderId::from("p1");
+    // Unknown: the request waits in the queue.
+    assert_eq!(
+        d.request(T, DispatchRequest::new(1, vec![p1.clone()])),
+        Admit::Queued
+    );
+    let ticket = probe_due(&mut d, &p1);
+    let report = caps("t-p1", ProviderHealth::Available, 1);
+    let (disposition, _) = d.probe_answer(T, &ticket, Ok((&NodeId::from("a"), g, &report)));
+    assert_eq!(disposition, ProbeDisposition::Applied);
+    let outs: Vec<_> = std::iter::from_fn(|| d.poll_output()).collect();
+    assert!(
+        outs.iter().any(|o| matches!(o,
+            DispatchOutput::ToRequest { event: RequestEvent::Leased(l), .. }
+                if l.provider_id == p1)),
+        "{outs:?}"
+    );
 }
 
 #[test]
@@ -402,13 +517,9 @@ fn a_provider_that_goes_stale_by_time_is_no_longer_selectable() {
         probe_timeout: Duration::from_secs(1),
         ..HealthConfig::default()
     });
-    let g = up(&mut d, "a");
-    let a = NodeId::from("a");
+    up(&mut d, "a");
     let p1 = ProviderId::from("p1");
-    let ticket = probe_due(&mut d, &p1);
-    let report = caps("t-p1", ProviderHealth::Available, 1);
-    let (disposition, _) = d.probe_answer(T, &ticket, Ok((&a, g, &report)));
-    assert_eq!(disposition, ProbeDisposition::Applied);
+    // `up` answered its first probe available at T.
     assert_eq!(d.health().state(&p1), Some(HealthState::Ok));
     assert!(d.admission().is_selectable(&p1));
 
@@ -502,7 +613,7 @@ fn leases_of(d: &mut Dispatcher) -> Vec<Lease> {
 #[test]
 fn queued_readmission_takes_the_alternate_that_the_same_probe_answer_recovers() {
     let mut d = dispatcher();
-    let g = up(&mut d, "a");
+    let g = up_unprobed(&mut d, "a");
     let a = NodeId::from("a");
     let (p1, p2) = (ProviderId::from("p1"), ProviderId::from("p2"));
     let outs: Vec<_> = std::iter::from_fn(|| d.poll_output()).collect();
@@ -517,6 +628,13 @@ fn queued_readmission_takes_the_alternate_that_the_same_probe_answer_recovers() 
             .expect("readiness asks for a probe of each provider")
     };
     let p2_ticket = ticket_of(&p2);
+    // p1's first probe answers available (R-HT-5: it may be leased).
+    let (disposition, _) = d.probe_answer(
+        T,
+        &ticket_of(&p1),
+        Ok((&a, g, &caps("t-p1", ProviderHealth::Available, 0))),
+    );
+    assert_eq!(disposition, ProbeDisposition::Applied);
     // p1 stalls with unavailable evidence (overlay lowered); p2's health
     // probe fails (tracker unavailable): nothing is eligible.
     let l = leased(d.request(T, DispatchRequest::new(1, vec![p1.clone()])));
@@ -1048,6 +1166,7 @@ fn answer_probe(
         .collect();
     let timeout_ms = crate::time::duration_ms(m.health.probe_timeout);
     let in_time = m.now_ms < call.issued_ms + timeout_ms;
+    let prior = d.health().provider_snapshot(&provider);
     let g = call.generation;
     let (disposition, expected) = match answer {
         ProbeChoice::Failed(code) => {
@@ -1073,7 +1192,9 @@ fn answer_probe(
                         ProviderHealth::Unavailable => {
                             ProbeResult::Failure(HealthFailureCode::ProviderRejected)
                         }
-                        ProviderHealth::Unknown => ProbeResult::Failure(HealthFailureCode::Timeout),
+                        ProviderHealth::Unknown => {
+                            ProbeResult::NoVerdict(HealthFailureCode::Timeout)
+                        }
                     },
                 ),
                 1 => (
@@ -1128,6 +1249,14 @@ fn answer_probe(
             ProbeResult::Success => {
                 prop_assert_eq!(snapshot.state, HealthState::Ok);
                 prop_assert_eq!(snapshot.consecutive_failures, 0);
+            }
+            ProbeResult::NoVerdict(_) => {
+                // R-CAP-1: no verdict changes nothing.
+                let prior = prior.ok_or_else(|| TestCaseError::fail("not followed before"))?;
+                prop_assert_eq!(snapshot.state, prior.state);
+                prop_assert_eq!(snapshot.consecutive_failures, prior.consecutive_failures);
+                prop_assert_eq!(snapshot.failure_code, prior.failure_code);
+                prop_assert_eq!(snapshot.failures_total, prior.failures_total);
             }
             ProbeResult::Failure(code) => {
                 prop_assert_eq!(snapshot.state, HealthState::Unavailable);
@@ -1262,11 +1391,7 @@ fn eligible_in_model(d: &Dispatcher, m: &Model, p: &ProviderId) -> bool {
     let Some(&(g, true)) = m.current.get(&node) else {
         return false;
     };
-    !m.lowered.contains(&(p.to_string(), g))
-        && !matches!(
-            d.health().state(p),
-            Some(HealthState::Unavailable | HealthState::Stale)
-        )
+    !m.lowered.contains(&(p.to_string(), g)) && d.health().state(p) == Some(HealthState::Ok)
 }
 
 /// R-SEL-1 for one lease (granted at once or from the queue): the avoided
@@ -1774,6 +1899,7 @@ fn r_park_2_a_hold_nobody_adopts_is_let_go_and_the_queue_moves() {
             generation: g,
         },
     );
+    answer_first_probes(&mut d, "a", g);
     drain_outputs(&mut d);
     assert_eq!(
         d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])),
