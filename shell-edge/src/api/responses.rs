@@ -919,25 +919,7 @@ impl ResponsesStream {
                 self.ensure_started(out);
                 let touch = self.draft.add_reasoning(text);
                 if touch.opened {
-                    let item = self
-                        .draft
-                        .item_json(touch.output_index, "in_progress", false);
-                    self.emit(
-                        out,
-                        "response.output_item.added",
-                        json!({ "output_index": touch.output_index, "item": item }),
-                    );
-                    let item_id = self.draft.item_id(touch.output_index);
-                    self.emit(
-                        out,
-                        "response.content_part.added",
-                        json!({
-                            "item_id": item_id,
-                            "output_index": touch.output_index,
-                            "content_index": 0,
-                            "part": ResponseDraft::reasoning_text_part(""),
-                        }),
-                    );
+                    self.open_item_with_part(out, touch, ResponseDraft::reasoning_text_part(""));
                 }
                 const KIND: &str = "response.reasoning_text.delta";
                 let delta = ReasoningTextDelta {
@@ -958,25 +940,7 @@ impl ResponsesStream {
                 self.ensure_started(out);
                 let touch = self.draft.add_text(text);
                 if touch.opened {
-                    let item = self
-                        .draft
-                        .item_json(touch.output_index, "in_progress", false);
-                    self.emit(
-                        out,
-                        "response.output_item.added",
-                        json!({ "output_index": touch.output_index, "item": item }),
-                    );
-                    let item_id = self.draft.item_id(touch.output_index);
-                    self.emit(
-                        out,
-                        "response.content_part.added",
-                        json!({
-                            "item_id": item_id,
-                            "output_index": touch.output_index,
-                            "content_index": 0,
-                            "part": ResponseDraft::output_text_part(""),
-                        }),
-                    );
+                    self.open_item_with_part(out, touch, ResponseDraft::output_text_part(""));
                 }
                 const KIND: &str = "response.output_text.delta";
                 let delta = OutputTextDelta {
@@ -1087,6 +1051,30 @@ impl ResponsesStream {
         let response = self.draft.interrupted_json(reason);
         self.emit(out, "response.incomplete", json!({ "response": response }));
         self.finished = true;
+    }
+
+    /// `response.output_item.added` for the item just opened, then
+    /// `response.content_part.added` with its empty first `part`.
+    fn open_item_with_part(&mut self, out: &mut Vec<u8>, touch: ItemTouch, part: Value) {
+        let item = self
+            .draft
+            .item_json(touch.output_index, "in_progress", false);
+        self.emit(
+            out,
+            "response.output_item.added",
+            json!({ "output_index": touch.output_index, "item": item }),
+        );
+        let item_id = self.draft.item_id(touch.output_index);
+        self.emit(
+            out,
+            "response.content_part.added",
+            json!({
+                "item_id": item_id,
+                "output_index": touch.output_index,
+                "content_index": 0,
+                "part": part,
+            }),
+        );
     }
 
     fn ensure_started(&mut self, out: &mut Vec<u8>) {
