@@ -59,9 +59,10 @@ pub enum NoLease {
 impl Credentials {
     /// Load (or create, mode 0600) the signing key in `state_dir`.
     pub fn open(state_dir: &Path, profiles: &[CredentialProfile]) -> std::io::Result<Self> {
-        let bytes = iop_node::keyfile::load_or_create(&state_dir.join(SIGNING_KEY_FILE), || {
-            keys::signing_key_to_bytes(&keys::generate_signing_key(&mut rand::rng()))
-        })?;
+        let bytes =
+            iop_transport::keyfile::load_or_create(&state_dir.join(SIGNING_KEY_FILE), || {
+                keys::signing_key_to_bytes(&keys::generate_signing_key(&mut rand::rng()))
+            })?;
         let signing = keys::signing_key_from_bytes(&bytes).map_err(|e| {
             std::io::Error::new(
                 std::io::ErrorKind::InvalidData,

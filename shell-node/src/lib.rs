@@ -7,7 +7,6 @@
 
 pub mod adapter;
 pub mod config;
-pub mod keyfile;
 pub mod link;
 pub mod metrics;
 pub mod mock;

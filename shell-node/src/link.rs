@@ -65,7 +65,7 @@ impl NodeIdentity {
         let node_id = iop_transport::node_id_from_cert(&cert)
             .map_err(|e| err(format!("{}: {e}", config.tls.cert.display())))?;
         let path = config.node.state_dir.join(RECIPIENT_KEY_FILE);
-        let bytes = crate::keyfile::load_or_create(&path, || {
+        let bytes = iop_transport::keyfile::load_or_create(&path, || {
             keys::recipient_secret_to_bytes(&keys::generate_recipient_key(&mut rand::rng()))
         })
         .map_err(|e| err(e.to_string()))?;

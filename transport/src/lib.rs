@@ -36,6 +36,7 @@ pub mod close;
 pub mod endpoint;
 pub mod framed;
 pub mod identity;
+pub mod keyfile;
 pub mod logging;
 pub mod pki;
 pub mod settings;

@@ -18,8 +18,8 @@ use crate::edge::admission::{
 };
 use crate::edge::gate::{AttemptEvent, ConfirmedStall};
 use crate::edge::health::{
-    HealthConfig, HealthEvent, HealthState, HealthTracker, HealthTrackerError, ProbeDisposition,
-    ProbeResult, ProbeTicket,
+    HealthConfig, HealthEvent, HealthTracker, HealthTrackerError, ProbeDisposition, ProbeResult,
+    ProbeTicket,
 };
 use crate::edge::overlay::{EvidenceOutcome, Overlay, RecoveryOutcome};
 use crate::edge::registry::{Registry, RegistryOutput, Rejection};

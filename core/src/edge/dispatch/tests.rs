@@ -4,6 +4,7 @@ use std::time::Duration;
 use iop_wire::{AdapterKind, HealthFailureCode, PROTOCOL_VERSION, TargetHealth};
 
 use crate::edge::gate::AttemptEvent;
+use crate::edge::health::HealthState;
 use proptest::prelude::*;
 
 use super::*;

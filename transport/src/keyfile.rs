@@ -19,7 +19,7 @@ pub fn load_or_create(
 ) -> std::io::Result<Zeroizing<Vec<u8>>> {
     match std::fs::File::open(path) {
         Ok(mut file) => {
-            if let Some(mode) = iop_transport::insecure_secret_file_mode(path)? {
+            if let Some(mode) = crate::insecure_secret_file_mode(path)? {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
                     format!(
