@@ -240,6 +240,19 @@ pub struct HealthSection {
     pub probe_timeout_ms: u64,
 }
 
+impl HealthSection {
+    /// The core's tracker settings.
+    pub fn to_core(&self) -> iop_core::edge::health::HealthConfig {
+        iop_core::edge::health::HealthConfig {
+            refresh_interval: Duration::from_millis(self.refresh_interval_ms),
+            backoff_base: Duration::from_millis(self.backoff_base_ms),
+            backoff_cap: Duration::from_millis(self.backoff_cap_ms),
+            stale_after: Duration::from_millis(self.stale_after_ms),
+            probe_timeout: Duration::from_millis(self.probe_timeout_ms),
+        }
+    }
+}
+
 impl Default for HealthSection {
     fn default() -> Self {
         let d = iop_core::edge::health::HealthConfig::default();
@@ -1308,34 +1321,21 @@ impl EdgeConfig {
         }
 
         let health = file.health;
-        for (name, v) in [
-            ("health.refresh_interval_ms", health.refresh_interval_ms),
-            ("health.backoff_base_ms", health.backoff_base_ms),
-            ("health.backoff_cap_ms", health.backoff_cap_ms),
-            ("health.stale_after_ms", health.stale_after_ms),
-            ("health.probe_timeout_ms", health.probe_timeout_ms),
-        ] {
-            if v == 0 {
-                return Err(field_err(name, "must be > 0"));
-            }
-        }
-        if health.backoff_base_ms > health.backoff_cap_ms {
-            return Err(field_err(
-                "health.backoff_cap_ms",
-                "must be >= health.backoff_base_ms",
-            ));
-        }
-        // R-HT-5: a healthy provider's regular probe must be able to answer
-        // before its `ok` ages out, or it flaps to `stale` between probes.
-        if health.stale_after_ms
-            <= health
-                .refresh_interval_ms
-                .saturating_add(health.probe_timeout_ms)
-        {
-            return Err(field_err(
-                "health.stale_after_ms",
-                "must be > health.refresh_interval_ms + health.probe_timeout_ms",
-            ));
+        // The rules are core's (`HealthConfig::validate_deployment`); the
+        // error is given the field's name here.
+        if let Err(e) = health.to_core().validate_deployment() {
+            use iop_core::edge::health::HealthTrackerError as E;
+            return Err(match e {
+                E::ZeroDuration(name) => field_err(format!("health.{name}_ms"), "must be > 0"),
+                E::BackoffBaseAboveCap => {
+                    field_err("health.backoff_cap_ms", "must be >= health.backoff_base_ms")
+                }
+                E::StaleBeforeNextProbe => field_err(
+                    "health.stale_after_ms",
+                    "must be > health.refresh_interval_ms + health.probe_timeout_ms",
+                ),
+                other => field_err("health", other.to_string()),
+            });
         }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
@@ -1371,14 +1371,7 @@ impl EdgeConfig {
 
     /// The core's health tracker settings.
     pub fn health_config(&self) -> iop_core::edge::health::HealthConfig {
-        let h = self.health;
-        iop_core::edge::health::HealthConfig {
-            refresh_interval: Duration::from_millis(h.refresh_interval_ms),
-            backoff_base: Duration::from_millis(h.backoff_base_ms),
-            backoff_cap: Duration::from_millis(h.backoff_cap_ms),
-            stale_after: Duration::from_millis(h.stale_after_ms),
-            probe_timeout: Duration::from_millis(h.probe_timeout_ms),
-        }
+        self.health.to_core()
     }
 
     /// The core's admission bounds.

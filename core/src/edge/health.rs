@@ -91,6 +91,10 @@ pub enum HealthTrackerError {
     /// The provider limit was reached.
     #[error("the health tracker already follows {MAX_TRACKED_PROVIDERS} providers")]
     TooManyProviders,
+    /// `stale_after` does not exceed `refresh_interval + probe_timeout`: a
+    /// healthy provider would flap to `stale` between its probes (R-HT-5).
+    #[error("health tracker stale_after must exceed refresh_interval + probe_timeout")]
+    StaleBeforeNextProbe,
 }
 
 impl HealthConfig {
@@ -109,6 +113,18 @@ impl HealthConfig {
         }
         if self.backoff_base > self.backoff_cap {
             return Err(HealthTrackerError::BackoffBaseAboveCap);
+        }
+        Ok(())
+    }
+
+    /// [`Self::validate`], and what a deployment also needs (R-HT-5): a
+    /// healthy provider's regular probe can answer before its `ok` ages
+    /// out, so it does not flap to `stale` between probes. (Tests and the
+    /// simulator use profiles that age out on purpose.)
+    pub fn validate_deployment(&self) -> Result<(), HealthTrackerError> {
+        self.validate()?;
+        if self.stale_after <= self.refresh_interval.saturating_add(self.probe_timeout) {
+            return Err(HealthTrackerError::StaleBeforeNextProbe);
         }
         Ok(())
     }
@@ -1333,6 +1349,28 @@ mod tests {
         assert!(take_probe(&mut t, at(89), "ok").is_none());
         t.handle_timeout(at(90));
         assert_eq!(t.state(&pid("ok")), Some(HealthState::Stale));
+    }
+
+    #[test]
+    fn a_deployment_profile_cannot_go_stale_between_its_probes_r_ht_5() {
+        assert_eq!(config().validate_deployment(), Ok(()));
+        let flapping = HealthConfig {
+            stale_after: 40 * SECOND,
+            ..config()
+        };
+        assert_eq!(flapping.validate(), Ok(()), "a test profile may");
+        assert_eq!(
+            flapping.validate_deployment(),
+            Err(HealthTrackerError::StaleBeforeNextProbe)
+        );
+        let zero = HealthConfig {
+            probe_timeout: Duration::ZERO,
+            ..config()
+        };
+        assert_eq!(
+            zero.validate_deployment(),
+            Err(HealthTrackerError::ZeroDuration("probe_timeout"))
+        );
     }
 
     #[test]

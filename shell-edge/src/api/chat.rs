@@ -40,9 +40,7 @@ pub const MAX_STOP_SEQUENCES: usize = 4;
 /// Longest accepted model name, in characters.
 pub const MAX_MODEL_NAME_CHARS: usize = 256;
 
-/// Most distinct tool calls one run may stream; fragments of further calls
-/// are dropped, so a misbehaving Node cannot grow our state without bound.
-pub const MAX_TOOL_CALLS_PER_RUN: usize = 128;
+pub use super::transcript::MAX_TOOL_CALLS_PER_RUN;
 
 /// The Chat Completions fields the Edge interprets; every other top-level
 /// field passes through to the provider ([`pass_through_fields`]).

@@ -12,9 +12,12 @@ use iop_wire::{
     ToolCallDelta, Usage,
 };
 
-use super::chat::MAX_TOOL_CALLS_PER_RUN;
 use super::error::ApiError;
 use super::ids;
+
+/// Most distinct tool calls one run may stream; fragments of further calls
+/// are dropped, so a misbehaving Node cannot grow our state without bound.
+pub const MAX_TOOL_CALLS_PER_RUN: usize = 128;
 
 /// Tool calls assembled from streamed fragments, by call index.
 #[derive(Debug, Clone, Default)]
