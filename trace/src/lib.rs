@@ -682,80 +682,12 @@ impl WatchdogConfigRec {
     }
 }
 
-/// [`RunKind`], serializable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RunKindRec {
-    /// Normalized run.
-    Normalized,
-    /// Tunnel.
-    Tunnel,
-}
-
-impl From<RunKind> for RunKindRec {
-    fn from(k: RunKind) -> Self {
-        match k {
-            RunKind::Normalized => Self::Normalized,
-            RunKind::Tunnel => Self::Tunnel,
-        }
-    }
-}
-
-impl From<RunKindRec> for RunKind {
-    fn from(k: RunKindRec) -> Self {
-        match k {
-            RunKindRec::Normalized => Self::Normalized,
-            RunKindRec::Tunnel => Self::Tunnel,
-        }
-    }
-}
-
-/// [`Progress`], serializable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ProgressRec {
-    /// Content.
-    Content,
-    /// Tool call.
-    ToolCall,
-    /// Tunnel head.
-    TunnelHead,
-    /// Tunnel body.
-    TunnelBody,
-    /// Usage.
-    Usage,
-}
-
-impl From<Progress> for ProgressRec {
-    fn from(p: Progress) -> Self {
-        match p {
-            Progress::Content => Self::Content,
-            Progress::ToolCall => Self::ToolCall,
-            Progress::TunnelHead => Self::TunnelHead,
-            Progress::TunnelBody => Self::TunnelBody,
-            Progress::Usage => Self::Usage,
-        }
-    }
-}
-
-impl From<ProgressRec> for Progress {
-    fn from(p: ProgressRec) -> Self {
-        match p {
-            ProgressRec::Content => Self::Content,
-            ProgressRec::ToolCall => Self::ToolCall,
-            ProgressRec::TunnelHead => Self::TunnelHead,
-            ProgressRec::TunnelBody => Self::TunnelBody,
-            ProgressRec::Usage => Self::Usage,
-        }
-    }
-}
-
 /// [`ProviderEvent`], serializable.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ProviderEventRec {
     /// Progress.
-    Progress(ProgressRec),
+    Progress(Progress),
     /// Forwarded, not progress.
     Neutral,
     /// The call returned normally.
@@ -767,7 +699,7 @@ pub enum ProviderEventRec {
 impl From<&ProviderEvent> for ProviderEventRec {
     fn from(e: &ProviderEvent) -> Self {
         match e {
-            ProviderEvent::Progress(p) => Self::Progress((*p).into()),
+            ProviderEvent::Progress(p) => Self::Progress(*p),
             ProviderEvent::Neutral => Self::Neutral,
             ProviderEvent::Returned(ProviderOutcome::Completed) => Self::Completed,
             ProviderEvent::Returned(ProviderOutcome::Failed(f)) => Self::Failed(f.clone()),
@@ -778,70 +710,10 @@ impl From<&ProviderEvent> for ProviderEventRec {
 impl From<ProviderEventRec> for ProviderEvent {
     fn from(e: ProviderEventRec) -> Self {
         match e {
-            ProviderEventRec::Progress(p) => Self::Progress(p.into()),
+            ProviderEventRec::Progress(p) => Self::Progress(p),
             ProviderEventRec::Neutral => Self::Neutral,
             ProviderEventRec::Completed => Self::Returned(ProviderOutcome::Completed),
             ProviderEventRec::Failed(f) => Self::Returned(ProviderOutcome::Failed(f)),
-        }
-    }
-}
-
-/// [`ProbeOutcome`], serializable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ProbeOutcomeRec {
-    /// Healthy.
-    Healthy,
-    /// Unhealthy.
-    Unhealthy(Option<HealthFailureCode>),
-    /// The probe failed.
-    Failed,
-}
-
-impl From<ProbeOutcome> for ProbeOutcomeRec {
-    fn from(p: ProbeOutcome) -> Self {
-        match p {
-            ProbeOutcome::Healthy => Self::Healthy,
-            ProbeOutcome::Unhealthy(c) => Self::Unhealthy(c),
-            ProbeOutcome::Failed => Self::Failed,
-        }
-    }
-}
-
-impl From<ProbeOutcomeRec> for ProbeOutcome {
-    fn from(p: ProbeOutcomeRec) -> Self {
-        match p {
-            ProbeOutcomeRec::Healthy => Self::Healthy,
-            ProbeOutcomeRec::Unhealthy(c) => Self::Unhealthy(c),
-            ProbeOutcomeRec::Failed => Self::Failed,
-        }
-    }
-}
-
-/// [`CancelReason`], serializable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CancelReasonRec {
-    /// The Edge canceled.
-    Client,
-    /// The connection ended.
-    Disconnect,
-}
-
-impl From<CancelReason> for CancelReasonRec {
-    fn from(r: CancelReason) -> Self {
-        match r {
-            CancelReason::Client => Self::Client,
-            CancelReason::Disconnect => Self::Disconnect,
-        }
-    }
-}
-
-impl From<CancelReasonRec> for CancelReason {
-    fn from(r: CancelReasonRec) -> Self {
-        match r {
-            CancelReasonRec::Client => Self::Client,
-            CancelReasonRec::Disconnect => Self::Disconnect,
         }
     }
 }
@@ -855,7 +727,7 @@ pub enum WatchdogInput {
         /// Run.
         run_id: RunId,
         /// Normalized or tunnel.
-        kind: RunKindRec,
+        kind: RunKind,
         /// Effective stall timeout, microseconds.
         stall_timeout_us: u64,
         /// Hard deadline, microseconds since the origin.
@@ -874,19 +746,19 @@ pub enum WatchdogInput {
         /// Run.
         run_id: RunId,
         /// Verdict.
-        outcome: ProbeOutcomeRec,
+        outcome: ProbeOutcome,
     },
     /// [`Watchdog::cancel`].
     Cancel {
         /// Run.
         run_id: RunId,
         /// Why.
-        reason: CancelReasonRec,
+        reason: CancelReason,
     },
     /// [`Watchdog::cancel_all`].
     CancelAll {
         /// Why.
-        reason: CancelReasonRec,
+        reason: CancelReason,
     },
     /// [`Watchdog::handle_timeout`].
     HandleTimeout,
@@ -919,25 +791,6 @@ impl From<&WatchdogError> for WatchdogErrorRec {
     }
 }
 
-/// [`Emission`], serializable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EmissionRec {
-    /// Forward.
-    Forward,
-    /// Drop.
-    Fenced,
-}
-
-impl From<Emission> for EmissionRec {
-    fn from(e: Emission) -> Self {
-        match e {
-            Emission::Forward => Self::Forward,
-            Emission::Fenced => Self::Fenced,
-        }
-    }
-}
-
 /// What a watchdog input call returned.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -945,7 +798,7 @@ pub enum WatchdogRet {
     /// `start` answer.
     Started(Result<(), WatchdogErrorRec>),
     /// `provider_event` answer.
-    Emission(EmissionRec),
+    Emission(Emission),
     /// `take_observation_seq` answer.
     Seq(Option<u64>),
     /// Methods returning nothing.
@@ -997,7 +850,7 @@ pub enum WatchdogOutputRec {
         /// Run.
         run_id: RunId,
         /// Kind.
-        kind: RunKindRec,
+        kind: RunKind,
         /// Time since progress at the claim.
         elapsed_ms: u64,
         /// Evidence.
@@ -1027,7 +880,7 @@ impl From<&WatchdogOutput> for WatchdogOutputRec {
                 retryable,
             } => Self::StallObserved {
                 run_id: *run_id,
-                kind: (*kind).into(),
+                kind: (*kind),
                 elapsed_ms: *elapsed_ms,
                 health: *health,
                 probe_failure: *probe_failure,
@@ -1081,7 +934,7 @@ impl TracedWatchdog {
                 now,
                 WatchdogInput::Start {
                     run_id,
-                    kind: kind.into(),
+                    kind,
                     stall_timeout_us: us(stall_timeout),
                     deadline_us: deadline.map(Instant::as_micros),
                 },
@@ -1113,7 +966,7 @@ impl TracedWatchdog {
         }
         let r = self.inner.provider_event(now, run_id, event);
         if self.tap.is_on() {
-            self.ret(now, WatchdogRet::Emission(r.into()));
+            self.ret(now, WatchdogRet::Emission(r));
         }
         r
     }
@@ -1141,13 +994,7 @@ impl TracedWatchdog {
     /// [`Watchdog::probe_result`].
     pub fn probe_result(&mut self, now: Instant, run_id: RunId, outcome: ProbeOutcome) {
         if self.tap.is_on() {
-            self.record(
-                now,
-                WatchdogInput::ProbeResult {
-                    run_id,
-                    outcome: outcome.into(),
-                },
-            );
+            self.record(now, WatchdogInput::ProbeResult { run_id, outcome });
         }
         self.inner.probe_result(now, run_id, outcome);
         if self.tap.is_on() {
@@ -1158,13 +1005,7 @@ impl TracedWatchdog {
     /// [`Watchdog::cancel`].
     pub fn cancel(&mut self, now: Instant, run_id: RunId, reason: CancelReason) {
         if self.tap.is_on() {
-            self.record(
-                now,
-                WatchdogInput::Cancel {
-                    run_id,
-                    reason: reason.into(),
-                },
-            );
+            self.record(now, WatchdogInput::Cancel { run_id, reason });
         }
         self.inner.cancel(now, run_id, reason);
         if self.tap.is_on() {
@@ -1175,12 +1016,7 @@ impl TracedWatchdog {
     /// [`Watchdog::cancel_all`].
     pub fn cancel_all(&mut self, now: Instant, reason: CancelReason) {
         if self.tap.is_on() {
-            self.record(
-                now,
-                WatchdogInput::CancelAll {
-                    reason: reason.into(),
-                },
-            );
+            self.record(now, WatchdogInput::CancelAll { reason });
         }
         self.inner.cancel_all(now, reason);
         if self.tap.is_on() {
@@ -1239,7 +1075,7 @@ impl TracedWatchdog {
                 self.start(
                     now,
                     run_id,
-                    kind.into(),
+                    kind,
                     Duration::from_micros(stall_timeout_us),
                     deadline_us.map(Instant::from_micros),
                 )
@@ -1248,18 +1084,18 @@ impl TracedWatchdog {
                 .map_err(WatchdogErrorRec::from),
             ),
             WatchdogInput::ProviderEvent { run_id, event } => {
-                WatchdogRet::Emission(self.provider_event(now, run_id, event.into()).into())
+                WatchdogRet::Emission(self.provider_event(now, run_id, event.into()))
             }
             WatchdogInput::ProbeResult { run_id, outcome } => {
-                self.probe_result(now, run_id, outcome.into());
+                self.probe_result(now, run_id, outcome);
                 WatchdogRet::Done
             }
             WatchdogInput::Cancel { run_id, reason } => {
-                self.cancel(now, run_id, reason.into());
+                self.cancel(now, run_id, reason);
                 WatchdogRet::Done
             }
             WatchdogInput::CancelAll { reason } => {
-                self.cancel_all(now, reason.into());
+                self.cancel_all(now, reason);
                 WatchdogRet::Done
             }
             WatchdogInput::HandleTimeout => {

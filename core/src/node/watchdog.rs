@@ -197,7 +197,8 @@ impl Default for WatchdogConfig {
 }
 
 /// What is being watched. One coordinator serves both (R-WD-1..8).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RunKind {
     /// A normalized run (`RunRequest` -> `RunEvent`s).
     Normalized,
@@ -216,7 +217,8 @@ impl RunKind {
 }
 
 /// Provider output that resets the stall timer (R-WD-1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Progress {
     /// A non-empty piece of generated text.
     Content,
@@ -290,7 +292,8 @@ impl ProviderEvent {
 }
 
 /// The verdict of the exact-target health probe started at a stall claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ProbeOutcome {
     /// The target answered healthy.
     Healthy,
@@ -301,7 +304,8 @@ pub enum ProbeOutcome {
 }
 
 /// Why a run is canceled from outside.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum CancelReason {
     /// The Edge sent `Cancel { run_id }` or reset the run's stream.
     Client,
@@ -320,7 +324,8 @@ impl CancelReason {
 
 /// What the driver does with a provider output it just reported.
 #[must_use = "fenced provider output must not reach the Edge (R-WD-6)"]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Emission {
     /// Forward it to the Edge (for a returned call: a `Terminal` is queued).
     Forward,
