@@ -62,9 +62,9 @@ use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput}
 use iop_core::node::session::ObservationSequence;
 use iop_core::node::watchdog::{
     CancelReason, Emission, ProbeOutcome, Progress, ProviderEvent, ProviderOutcome, RunKind,
-    RunTerminal, Watchdog, WatchdogConfig, WatchdogError, WatchdogOutput,
+    Watchdog, WatchdogConfig, WatchdogError, WatchdogOutput,
 };
-use iop_wire::{AdapterKind, ExecutionFailure, HealthFailureCode, ProviderHealth};
+use iop_wire::{AdapterKind, ExecutionFailure};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -805,91 +805,6 @@ pub enum WatchdogRet {
     Done,
 }
 
-/// [`RunTerminal`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RunTerminalRec {
-    /// Normal end.
-    Completed,
-    /// Failure.
-    Failed(ExecutionFailure),
-}
-
-impl From<&RunTerminal> for RunTerminalRec {
-    fn from(t: &RunTerminal) -> Self {
-        match t {
-            RunTerminal::Completed => Self::Completed,
-            RunTerminal::Failed(f) => Self::Failed(f.clone()),
-        }
-    }
-}
-
-/// [`WatchdogOutput`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WatchdogOutputRec {
-    /// Cancel the provider call.
-    CancelProvider {
-        /// Run.
-        run_id: RunId,
-    },
-    /// Start the probe.
-    StartProbe {
-        /// Run.
-        run_id: RunId,
-    },
-    /// The run's terminal.
-    Terminal {
-        /// Run.
-        run_id: RunId,
-        /// What to send.
-        terminal: RunTerminalRec,
-    },
-    /// A stall observation.
-    StallObserved {
-        /// Run.
-        run_id: RunId,
-        /// Kind.
-        kind: RunKind,
-        /// Time since progress at the claim.
-        elapsed_ms: u64,
-        /// Evidence.
-        health: ProviderHealth,
-        /// Probe failure.
-        probe_failure: Option<HealthFailureCode>,
-        /// Retryable.
-        retryable: bool,
-    },
-}
-
-impl From<&WatchdogOutput> for WatchdogOutputRec {
-    fn from(o: &WatchdogOutput) -> Self {
-        match o {
-            WatchdogOutput::CancelProvider { run_id } => Self::CancelProvider { run_id: *run_id },
-            WatchdogOutput::StartProbe { run_id } => Self::StartProbe { run_id: *run_id },
-            WatchdogOutput::Terminal { run_id, terminal } => Self::Terminal {
-                run_id: *run_id,
-                terminal: terminal.into(),
-            },
-            WatchdogOutput::StallObserved {
-                run_id,
-                kind,
-                elapsed_ms,
-                health,
-                probe_failure,
-                retryable,
-            } => Self::StallObserved {
-                run_id: *run_id,
-                kind: (*kind),
-                elapsed_ms: *elapsed_ms,
-                health: *health,
-                probe_failure: *probe_failure,
-                retryable: *retryable,
-            },
-        }
-    }
-}
-
 /// A [`Watchdog`] that records every call into its [`Tap`].
 #[derive(Debug)]
 pub struct TracedWatchdog {
@@ -1057,8 +972,7 @@ impl TracedWatchdog {
     pub fn poll_output(&mut self, now: Instant) -> Option<WatchdogOutput> {
         let out = self.inner.poll_output()?;
         if self.tap.is_on() {
-            self.tap
-                .emit(now, LineKind::Out, &WatchdogOutputRec::from(&out));
+            self.tap.emit(now, LineKind::Out, &out);
         }
         Some(out)
     }
@@ -1321,8 +1235,7 @@ impl Replayable for TracedWatchdog {
         to_value(&self.apply(now, input))
     }
     fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
-        self.poll_output(now)
-            .map(|o| to_value(&WatchdogOutputRec::from(&o)))
+        self.poll_output(now).map(|o| to_value(&o))
     }
 }
 

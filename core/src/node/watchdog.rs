@@ -335,7 +335,8 @@ pub enum Emission {
 }
 
 /// The one terminal of a run or tunnel.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RunTerminal {
     /// The provider's own normal end; the driver forwards its payload
     /// (`Completed { finish_reason, usage }` or the tunnel's `End`).
@@ -347,7 +348,8 @@ pub enum RunTerminal {
 
 /// Work for the driver, drained with [`Watchdog::poll_output`] and carried
 /// out in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum WatchdogOutput {
     /// Stop the provider HTTP call now (drop it, which closes the request);
     /// report that it ended with [`Watchdog::provider_returned`] (R-WD-2,
