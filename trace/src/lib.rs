@@ -1082,28 +1082,6 @@ pub enum HeartbeatRet {
     Done,
 }
 
-/// [`HeartbeatOutput`], serializable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeartbeatOutputRec {
-    /// Send a ping.
-    SendPing(u64),
-    /// Answer a ping.
-    SendPong(u64),
-    /// The peer is dead.
-    TimedOut,
-}
-
-impl From<HeartbeatOutput> for HeartbeatOutputRec {
-    fn from(o: HeartbeatOutput) -> Self {
-        match o {
-            HeartbeatOutput::SendPing(s) => Self::SendPing(s),
-            HeartbeatOutput::SendPong(s) => Self::SendPong(s),
-            HeartbeatOutput::TimedOut => Self::TimedOut,
-        }
-    }
-}
-
 /// A [`Heartbeat`] that records every call into its [`Tap`].
 #[derive(Debug)]
 pub struct TracedHeartbeat {
@@ -1161,8 +1139,7 @@ impl TracedHeartbeat {
     #[must_use]
     pub fn poll_output(&mut self, now: Instant) -> Option<HeartbeatOutput> {
         let out = self.inner.poll_output()?;
-        self.tap
-            .emit(now, LineKind::Out, &HeartbeatOutputRec::from(out));
+        self.tap.emit(now, LineKind::Out, &out);
         Some(out)
     }
 }
@@ -1245,8 +1222,7 @@ impl Replayable for TracedHeartbeat {
         to_value(&self.apply(now, input))
     }
     fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
-        self.poll_output(now)
-            .map(|o| to_value(&HeartbeatOutputRec::from(o)))
+        self.poll_output(now).map(|o| to_value(&o))
     }
 }
 

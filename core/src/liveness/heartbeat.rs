@@ -55,7 +55,8 @@ impl HeartbeatConfig {
 }
 
 /// What the driver must do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum HeartbeatOutput {
     /// Send a ping with this sequence on the control stream.
     SendPing(u64),
