@@ -64,7 +64,7 @@ use iop_core::node::watchdog::{
     CancelReason, Emission, ProbeOutcome, Progress, ProviderEvent, ProviderOutcome, RunKind,
     Watchdog, WatchdogConfig, WatchdogError, WatchdogOutput,
 };
-use iop_wire::{AdapterKind, ExecutionFailure};
+use iop_wire::ExecutionFailure;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -453,49 +453,6 @@ fn us(d: Duration) -> u64 {
 // edge-dispatch
 // ---------------------------------------------------------------------------
 
-/// A configured provider ([`ProviderSpec`]), serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ProviderSpecRec {
-    /// Stable id.
-    pub id: ProviderId,
-    /// Node.
-    pub node: NodeId,
-    /// Adapter.
-    pub adapter: AdapterKind,
-    /// Target.
-    pub target: String,
-    /// Capacity.
-    pub capacity: u32,
-    /// Configured stall timeout (wire value).
-    pub stall_timeout_ms: u64,
-}
-
-impl From<&ProviderSpec> for ProviderSpecRec {
-    fn from(p: &ProviderSpec) -> Self {
-        Self {
-            id: p.id.clone(),
-            node: p.node.clone(),
-            adapter: p.adapter,
-            target: p.target.clone(),
-            capacity: p.capacity,
-            stall_timeout_ms: p.stall_timeout_ms,
-        }
-    }
-}
-
-impl From<&ProviderSpecRec> for ProviderSpec {
-    fn from(p: &ProviderSpecRec) -> Self {
-        Self {
-            id: p.id.clone(),
-            node: p.node.clone(),
-            adapter: p.adapter,
-            target: p.target.clone(),
-            capacity: p.capacity,
-            stall_timeout_ms: p.stall_timeout_ms,
-        }
-    }
-}
-
 /// [`DispatchConfig`], serializable: the `config` of an `edge-dispatch`
 /// trace.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -505,7 +462,7 @@ pub struct DispatchConfigRec {
     /// Queue timeout, microseconds.
     pub queue_timeout_us: u64,
     /// Every configured provider.
-    pub providers: Vec<ProviderSpecRec>,
+    pub providers: Vec<ProviderSpec>,
     /// Generations start above this.
     pub generation_floor: Generation,
     /// Only these nodes may register (`None`: any).
@@ -525,7 +482,7 @@ impl From<&DispatchConfig> for DispatchConfigRec {
         Self {
             queue_capacity: c.admission.queue_capacity,
             queue_timeout_us: us(c.admission.queue_timeout),
-            providers: c.providers.iter().map(ProviderSpecRec::from).collect(),
+            providers: c.providers.clone(),
             generation_floor: c.generation_floor,
             known_nodes: c.known_nodes.as_ref().map(|k| k.iter().cloned().collect()),
             health_us: [
@@ -548,7 +505,7 @@ impl From<&DispatchConfigRec> for DispatchConfig {
                 queue_capacity: c.queue_capacity,
                 queue_timeout: Duration::from_micros(c.queue_timeout_us),
             },
-            providers: c.providers.iter().map(ProviderSpec::from).collect(),
+            providers: c.providers.clone(),
             generation_floor: c.generation_floor,
             known_nodes: c
                 .known_nodes

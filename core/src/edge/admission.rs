@@ -32,7 +32,7 @@ pub type RequestId = u64;
 pub type LeaseId = u64;
 
 /// A provider as configured on the Edge.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProviderSpec {
     /// Stable id.
     pub id: ProviderId,
