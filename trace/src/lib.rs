@@ -31,10 +31,12 @@
 //! The dispatcher's inputs and outputs are the core enums themselves
 //! ([`DispatchInput`] inside a [`DispatchStep`], [`DispatchOutput`]); its
 //! inputs return nothing, so an `edge-dispatch` trace has no `ret` lines.
-//! The watchdog's and heartbeat's calls are still recorded through the
-//! serializable mirrors in this module ([`WatchdogInput`], ...). All are
-//! externally tagged in `snake_case`; wire types (`iop_wire`) appear as they
-//! serialize themselves.
+//! The watchdog's and heartbeat's outputs are their core enums too
+//! (`WatchdogOutput`, `HeartbeatOutput`); their inputs are method calls,
+//! recorded as one enum per machine in this module ([`WatchdogInput`],
+//! [`HeartbeatInput`], with [`WatchdogRet`] for what a call returned). All
+//! are externally tagged in `snake_case`; wire types (`iop_wire`) appear as
+//! they serialize themselves.
 //!
 //! ## Recording
 //!
