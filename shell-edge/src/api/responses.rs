@@ -578,32 +578,27 @@ impl ResponseDraft {
 
     /// All text goes to one message item, opened at the first text.
     fn add_text(&mut self, text: &str) -> ItemTouch {
-        if let Some(index) = self.message_item {
-            if let Some(OutputItem::Message { text: all, .. }) = self.items.get_mut(index) {
-                all.push_str(text);
-            }
-            return ItemTouch {
-                output_index: index,
-                opened: false,
-            };
-        }
-        let index = self.items.len();
-        self.items.push(OutputItem::Message {
-            id: self.next_item_id("msg_"),
-            text: text.to_owned(),
-        });
-        self.message_item = Some(index);
-        ItemTouch {
-            output_index: index,
-            opened: true,
-        }
+        self.append(text, false)
     }
 
     /// All reasoning goes to one reasoning item, opened at the first
     /// reasoning text.
     fn add_reasoning(&mut self, text: &str) -> ItemTouch {
-        if let Some(index) = self.reasoning_item {
-            if let Some(OutputItem::Reasoning { text: all, .. }) = self.items.get_mut(index) {
+        self.append(text, true)
+    }
+
+    /// Append `text` to the message (or reasoning) item, opening it first.
+    fn append(&mut self, text: &str, reasoning: bool) -> ItemTouch {
+        let open = if reasoning {
+            self.reasoning_item
+        } else {
+            self.message_item
+        };
+        if let Some(index) = open {
+            if let Some(
+                OutputItem::Message { text: all, .. } | OutputItem::Reasoning { text: all, .. },
+            ) = self.items.get_mut(index)
+            {
                 all.push_str(text);
             }
             return ItemTouch {
@@ -612,11 +607,16 @@ impl ResponseDraft {
             };
         }
         let index = self.items.len();
-        self.items.push(OutputItem::Reasoning {
-            id: self.next_item_id("rs_"),
-            text: text.to_owned(),
-        });
-        self.reasoning_item = Some(index);
+        let text = text.to_owned();
+        if reasoning {
+            let id = self.next_item_id("rs_");
+            self.items.push(OutputItem::Reasoning { id, text });
+            self.reasoning_item = Some(index);
+        } else {
+            let id = self.next_item_id("msg_");
+            self.items.push(OutputItem::Message { id, text });
+            self.message_item = Some(index);
+        }
         ItemTouch {
             output_index: index,
             opened: true,
