@@ -385,6 +385,40 @@ mod tests {
     const T: Instant = Instant::ZERO;
 
     #[test]
+    fn the_views_count_what_happened() {
+        let mut r = Registry::new(0);
+        let (a, b) = (NodeId::from("a"), NodeId::from("b"));
+        assert_eq!((r.connected_nodes(), r.fenced_messages()), (0, 0));
+        let ga = r.register(T, &a, &req()).unwrap();
+        let gb = r.register(T, &b, &req()).unwrap();
+        assert_eq!(r.connected_nodes(), 2);
+        assert_eq!(r.dispatchable_generation(&a), None, "not before ready");
+        assert!(r.ready(T, &a, ga));
+        assert_eq!(r.dispatchable_generation(&a), Some(ga));
+        r.connection_closed(T, &b, gb, CloseCode::Normal);
+        assert_eq!(r.connected_nodes(), 1);
+        assert!(!r.admit_message(&b, gb));
+        assert!(!r.admit_message(&b, gb));
+        assert!(r.admit_message(&a, ga));
+        assert_eq!(r.fenced_messages(), 2, "each stale message counted once");
+    }
+
+    #[test]
+    fn reject_causes_have_their_closed_labels() {
+        for (cause, label) in [
+            (
+                RejectCause::ProtocolVersionMismatch,
+                "protocol_version_mismatch",
+            ),
+            (RejectCause::UnknownNode, "unknown_node"),
+            (RejectCause::GenerationsExhausted, "generations_exhausted"),
+            (RejectCause::GenerationNotDurable, "generation_not_durable"),
+        ] {
+            assert_eq!(cause.as_str(), label);
+        }
+    }
+
+    #[test]
     fn dispatch_is_refused_before_readiness() {
         let mut r = Registry::new(0);
         let a = NodeId::from("a");
