@@ -1356,6 +1356,51 @@ mod tests {
     }
 
     #[test]
+    fn only_the_three_terminals_are_terminal_and_labels_are_closed() {
+        let kind = GateFailure::Attempt(FailureCode::ProviderError);
+        assert!(GateOutput::FailBeforeCommit { kind }.is_terminal());
+        assert!(GateOutput::FailInStream { kind }.is_terminal());
+        assert!(GateOutput::Finish.is_terminal());
+        assert!(!GateOutput::Commit.is_terminal());
+        for (e, label) in [
+            (RecoveryEligibility::Eligible, "eligible"),
+            (
+                RecoveryEligibility::NotEligibleCommitted,
+                "not_eligible_committed",
+            ),
+            (
+                RecoveryEligibility::NotEligibleAttempts,
+                "not_eligible_attempts",
+            ),
+            (
+                RecoveryEligibility::NotEligibleBudget,
+                "not_eligible_budget",
+            ),
+            (
+                RecoveryEligibility::NotEligibleUnconfirmed,
+                "not_eligible_unconfirmed",
+            ),
+        ] {
+            assert_eq!(e.as_str(), label);
+        }
+        for (r, label) in [
+            (RecoveryResult::Readmitted, "readmitted"),
+            (RecoveryResult::Recovered, "recovered"),
+            (RecoveryResult::Exhausted, "exhausted"),
+            (RecoveryResult::Failed, "failed"),
+            (RecoveryResult::Abandoned, "abandoned"),
+        ] {
+            assert_eq!(r.as_str(), label);
+        }
+        // Not started until the provider accepts the attempt.
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        assert!(!g.is_started());
+        let _ = attempt(&mut g, Instant::ZERO, a1, AttemptEvent::Started);
+        assert!(g.is_started());
+    }
+
+    #[test]
     fn started_without_content_does_not_commit() {
         let mut g = gate(3, 60 * SECOND);
         let a1 = dispatch(&mut g, Instant::ZERO, "p1");
