@@ -1086,6 +1086,73 @@ mod tests {
     }
 
     #[test]
+    fn a_continuation_counts_as_a_readmission_and_needs_an_attempt_left() {
+        let failed = AttemptEvent::Failed {
+            code: FailureCode::MalformedResponse,
+        };
+        // Attempts left: continued, counted once.
+        let mut g = committed(true, 2);
+        let a1 = g.current_attempt().unwrap();
+        let out = attempt(&mut g, Instant::ZERO, a1, failed.clone());
+        assert!(
+            out.iter().any(|o| matches!(o, GateOutput::Continue { .. })),
+            "{out:?}"
+        );
+        assert_eq!(g.readmissions(), 1);
+        // The one attempt was the last: one in-stream error, no continuation.
+        let mut g = committed(true, 1);
+        let a1 = g.current_attempt().unwrap();
+        let out = attempt(&mut g, Instant::ZERO, a1, failed);
+        assert!(
+            out.iter()
+                .any(|o| matches!(o, GateOutput::FailInStream { .. }))
+                && !out.iter().any(|o| matches!(o, GateOutput::Continue { .. })),
+            "{out:?}"
+        );
+        assert_eq!(g.readmissions(), 0);
+        // At the deadline itself no time is left to continue in.
+        let mut g = committed(true, 3);
+        let a1 = g.current_attempt().unwrap();
+        let failed = AttemptEvent::Failed {
+            code: FailureCode::MalformedResponse,
+        };
+        let out = attempt(
+            &mut g,
+            Instant::ZERO.saturating_add(10 * SECOND),
+            a1,
+            failed,
+        );
+        assert!(
+            !out.iter().any(|o| matches!(o, GateOutput::Continue { .. })),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn only_a_stall_failure_reports_its_recovery_eligibility() {
+        for (code, expected) in [
+            (
+                FailureCode::ResponseStalled,
+                vec![RecoveryEligibility::NotEligibleUnconfirmed],
+            ),
+            (FailureCode::ProviderError, vec![]),
+        ] {
+            let mut g = gate(3, 60 * SECOND);
+            let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+            let _ = drain_events(&mut g);
+            let _ = attempt(&mut g, Instant::ZERO, a1, AttemptEvent::Failed { code });
+            let eligibility: Vec<RecoveryEligibility> = drain_events(&mut g)
+                .into_iter()
+                .filter_map(|e| match e {
+                    GateEvent::Eligibility(e) => Some(e),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(eligibility, expected, "{code:?}");
+        }
+    }
+
+    #[test]
     fn r_cont_1_a_committed_attempt_that_fails_for_good_continues_elsewhere_when_opted_in() {
         for event in [
             AttemptEvent::TransportLost,
