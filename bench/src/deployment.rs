@@ -247,9 +247,36 @@ pub struct MockSpec {
     pub tokens: u32,
     /// Tokens per second; 0 = as fast as possible.
     pub tps: f64,
+    /// Delay before the first token, ms.
+    pub prefill_ms: u64,
     /// An already running mock to use instead of starting one (the peer
     /// gateway scenario shares it).
     pub external: Option<SocketAddr>,
+    /// Leave Nagle's algorithm on for the mock's accepted connections
+    /// (`--nagle`), as many real provider servers do; otherwise the mock
+    /// sets `TCP_NODELAY`.
+    pub nagle: bool,
+}
+
+impl MockSpec {
+    /// The arguments of `iop-node` that start this mock on `addr`.
+    pub fn args(&self, addr: SocketAddr) -> Vec<String> {
+        let mut args = vec![
+            "mock-provider".into(),
+            "--listen".into(),
+            addr.to_string(),
+            "--tokens".into(),
+            self.tokens.to_string(),
+            "--tps".into(),
+            self.tps.to_string(),
+            "--prefill-ms".into(),
+            self.prefill_ms.to_string(),
+        ];
+        if self.nagle {
+            args.push("--nagle".into());
+        }
+        args
+    }
 }
 
 /// Which store the Edge keeps durable responses in (`[journal] store`,
@@ -583,15 +610,7 @@ impl Deployment {
                 continue;
             }
             let addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
-            let args = vec![
-                "mock-provider".into(),
-                "--listen".into(),
-                addr.to_string(),
-                "--tokens".into(),
-                m.tokens.to_string(),
-                "--tps".into(),
-                m.tps.to_string(),
-            ];
+            let args = m.args(addr);
             let mut proc = Proc::spawn(&format!("mock-{}", m.name), &bins.node, &args, dir, false)?;
             wait_http_ok(
                 &http,

@@ -90,13 +90,26 @@ struct LoadArgs {
     json: Option<PathBuf>,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ScenarioName {
+    /// Added latency, non-streaming (direct vs tunnel vs normalized).
     Latency,
+    /// The latency scenario against a provider with Nagle's algorithm on
+    /// (a mock without `TCP_NODELAY`, as many real servers are).
+    Nagle,
+    /// Relayed SSE chunks per second, TTFT and chunk gaps.
     Streaming,
+    /// Memory per in-flight stream.
     Memory,
+    /// Many Nodes on one Edge.
     Nodes,
+    /// Durable vs ephemeral responses on each journal store.
     Durable,
+}
+
+/// Does a suite run with `--only only` run scenario `s` (none = all)?
+fn wants(only: &[ScenarioName], s: ScenarioName) -> bool {
+    only.is_empty() || only.contains(&s)
 }
 
 /// How requests ask for a durable response.
@@ -128,16 +141,17 @@ struct SuiteArgs {
     /// Working directory for configs, certificates and logs.
     #[arg(long, default_value = "target/bench-work")]
     work: PathBuf,
-    /// Scenarios to run (default: all).
+    /// Scenarios to run, comma-separated (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<ScenarioName>,
     /// A short version of everything (seconds instead of minutes).
     #[arg(long)]
     quick: bool,
-    /// Open-loop rates of the latency scenario.
+    /// Open-loop rates of the latency and nagle scenarios.
     #[arg(long, value_delimiter = ',')]
     rates: Vec<f64>,
-    /// Closed-loop concurrencies of the latency scenario (saturation).
+    /// Closed-loop concurrencies of the latency and nagle scenarios
+    /// (saturation).
     #[arg(long, value_delimiter = ',')]
     concurrency: Vec<u32>,
     /// Closed-loop concurrencies of the streaming scenario.
@@ -297,7 +311,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
     if let Some(p) = &a.node_bin {
         bins.node = std::path::absolute(p)?;
     }
-    let want = |s: ScenarioName| a.only.is_empty() || a.only.contains(&s);
+    let want = |s: ScenarioName| wants(&a.only, s);
     let q = a.quick;
     let duration = secs(a.duration_s.unwrap_or(if q { 3.0 } else { 10.0 }))?;
     let work = std::path::absolute(&a.work)?;
@@ -305,25 +319,34 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         machine: Machine::current(),
         command: command_line(),
         latency: None,
+        nagle: None,
         streaming: None,
         memory: None,
         nodes: None,
         durable: None,
     };
-    if want(ScenarioName::Latency) || want(ScenarioName::Streaming) {
-        let mut d = Deployment::start(&bins, &scenario::latency_deployment(&work, None)).await?;
+    let latency_settings = LatencySettings {
+        rates: or_default(
+            &a.rates,
+            q,
+            &[200.0, 1000.0],
+            &[250.0, 500.0, 1000.0, 2000.0, 3000.0],
+        ),
+        concurrencies: or_default(&a.concurrency, q, &[8], &[16]),
+        duration,
+    };
+    if want(ScenarioName::Latency) || want(ScenarioName::Nagle) || want(ScenarioName::Streaming) {
+        let mut spec = scenario::latency_deployment(&work, None);
+        if want(ScenarioName::Nagle) {
+            spec.mocks.push(scenario::nagle_mock());
+        }
+        let mut d = Deployment::start(&bins, &spec).await?;
         if want(ScenarioName::Latency) {
-            let settings = LatencySettings {
-                rates: or_default(
-                    &a.rates,
-                    q,
-                    &[200.0, 1000.0],
-                    &[250.0, 500.0, 1000.0, 2000.0, 3000.0],
-                ),
-                concurrencies: or_default(&a.concurrency, q, &[8], &[16]),
-                duration,
-            };
-            report.latency = Some(scenario::latency(&d, &settings, &[]).await?);
+            report.latency = Some(scenario::latency(&d, &latency_settings, &[]).await?);
+        }
+        if want(ScenarioName::Nagle) {
+            let nagle = scenario::latency_to(&d, scenario::NAGLE_MOCK, &latency_settings, &[]);
+            report.nagle = Some(nagle.await?);
         }
         if want(ScenarioName::Streaming) {
             let cs = or_default(&a.stream_concurrency, q, &[8], &[1, 16, 64]);
@@ -386,6 +409,7 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         machine: Machine::current(),
         command: command_line(),
         latency: Some(latency),
+        nagle: None,
         streaming: None,
         memory: None,
         nodes: None,
@@ -412,4 +436,34 @@ fn main() -> anyhow::Result<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn only(args: &[&str]) -> Vec<ScenarioName> {
+        let cli = Cli::try_parse_from(["iop-bench", "suite"].iter().chain(args)).unwrap();
+        match cli.command {
+            Command::Suite(a) => a.only,
+            _ => unreachable!("a suite command"),
+        }
+    }
+
+    #[test]
+    fn only_selects_scenarios_and_none_selects_all() {
+        use ScenarioName::*;
+        let all = [Latency, Nagle, Streaming, Memory, Nodes, Durable];
+        // The default full run includes every scenario, nagle too.
+        assert!(all.iter().all(|&s| wants(&only(&[]), s)));
+        let nagle = only(&["--only", "nagle"]);
+        assert_eq!(nagle, [Nagle]);
+        assert!(wants(&nagle, Nagle) && !wants(&nagle, Latency));
+        assert_eq!(only(&["--only", "latency,nagle"]), [Latency, Nagle]);
+        assert_eq!(
+            only(&["--only", "latency", "--only", "nagle"]),
+            [Latency, Nagle]
+        );
+        assert!(Cli::try_parse_from(["iop-bench", "suite", "--only", "nagel"]).is_err());
+    }
 }

@@ -4,6 +4,9 @@
 //! * [`latency`]: added latency, direct to the mock vs through Edge+Node in
 //!   tunnel and in normalized mode, at the same open-loop rates up to
 //!   saturation, plus closed-loop saturation throughput;
+//! * the nagle scenario: the same measurement ([`latency_to`]) against a
+//!   mock that leaves Nagle's algorithm on ([`NAGLE_MOCK`]), as many real
+//!   provider servers do;
 //! * [`streaming`]: relayed SSE chunks per second;
 //! * [`memory`]: RSS of the Edge and the Nodes with N streams in flight;
 //! * [`nodes`]: many Nodes on one Edge, memory per connection and idle CPU;
@@ -146,6 +149,17 @@ impl Machine {
 
 /// The mock script of the latency scenario: 8 tokens, as fast as possible.
 pub const SHORT_MOCK: &str = "short";
+/// The mock of the nagle scenario: a process that leaves Nagle's
+/// algorithm on for its accepted connections (no `TCP_NODELAY`), as many
+/// real provider servers do (axum's `serve` by default, cpp-httplib and so
+/// llama.cpp's server), playing the latency scenario's script (8 tokens, as
+/// fast as possible) after [`NAGLE_PREFILL_MS`].
+pub const NAGLE_MOCK: &str = "short-nagle";
+/// The nagle mock's delay before its first token, ms. A streamed answer
+/// (normalized runs ask the provider for one) then goes out as a real
+/// server's does, in more than one write: the headers, then the tokens. With
+/// no delay the mock's whole answer is one write, which Nagle never holds.
+pub const NAGLE_PREFILL_MS: u64 = 1;
 /// The mock script of the streaming scenario: 1,000 tokens, as fast as
 /// possible.
 pub const LONG_MOCK: &str = "long";
@@ -178,13 +192,17 @@ pub fn latency_deployment(
                 name: SHORT_MOCK.into(),
                 tokens: 8,
                 tps: 0.0,
+                prefill_ms: 0,
                 external: external_short_mock,
+                nagle: false,
             },
             MockSpec {
                 name: LONG_MOCK.into(),
                 tokens: 1000,
                 tps: 0.0,
+                prefill_ms: 0,
                 external: None,
+                nagle: false,
             },
         ],
         nodes: 1,
@@ -195,7 +213,19 @@ pub fn latency_deployment(
     }
 }
 
-/// Settings of the latency scenario.
+/// The mock of the nagle scenario, to add to [`latency_deployment`].
+pub fn nagle_mock() -> MockSpec {
+    MockSpec {
+        name: NAGLE_MOCK.into(),
+        tokens: 8,
+        tps: 0.0,
+        prefill_ms: NAGLE_PREFILL_MS,
+        external: None,
+        nagle: true,
+    }
+}
+
+/// Settings of the latency scenario (and of the nagle scenario).
 #[derive(Debug, Clone)]
 pub struct LatencySettings {
     /// Open-loop rates, requests per second.
@@ -343,31 +373,53 @@ pub struct LatencyResult {
 }
 
 /// Added latency (non-streaming): direct vs tunnel vs normalized at each
-/// rate, then closed-loop saturation. `extra` paths (a peer gateway) are
-/// measured alongside.
+/// rate, then closed-loop saturation, against [`SHORT_MOCK`]. `extra`
+/// paths (a peer gateway) are measured alongside.
 pub async fn latency(
     d: &dyn Gateway,
     settings: &LatencySettings,
     extra: &[(String, Target)],
 ) -> Result<LatencyResult, ScenarioError> {
+    latency_to(d, SHORT_MOCK, settings, extra).await
+}
+
+/// [`latency`] against mock `mock` (the nagle scenario: [`NAGLE_MOCK`]).
+pub async fn latency_to(
+    d: &dyn Gateway,
+    mock: &str,
+    settings: &LatencySettings,
+    extra: &[(String, Target)],
+) -> Result<LatencyResult, ScenarioError> {
     let client = load::client()?;
-    let mut ps = paths(d, SHORT_MOCK);
+    let mut ps = paths(d, mock);
     ps.extend(extra.iter().cloned());
     let mut open = Vec::new();
     for (row, rate) in settings.rates.iter().enumerate() {
-        eprintln!("latency: open loop {rate}/s");
+        eprintln!("latency ({mock}): open loop {rate}/s");
         let mode = LoadMode::Open { rate_per_s: *rate };
         let none = &mut Probes::default();
         open.push(compare(&client, d, &ps, false, mode, settings.duration, row, none).await?);
     }
     let mut closed = Vec::new();
     for (row, c) in settings.concurrencies.iter().enumerate() {
-        eprintln!("latency: closed loop x{c}");
+        eprintln!("latency ({mock}): closed loop x{c}");
         let mode = LoadMode::Closed { concurrency: *c };
         let none = &mut Probes::default();
         closed.push(compare(&client, d, &ps, false, mode, settings.duration, row, none).await?);
     }
     Ok(LatencyResult { open, closed })
+}
+
+impl LatencyResult {
+    /// The open-loop and saturation tables, `what` added to their titles.
+    pub fn markdown(&self, what: &str) -> String {
+        format!(
+            "## Added latency{what} (non-streaming, 8-token answers; ms)\n\n{}\n\
+             ### Saturation (closed loop){what}\n\n{}\n",
+            added_latency_table(&self.open),
+            added_latency_table(&self.closed),
+        )
+    }
 }
 
 /// Results of the streaming scenario.
@@ -488,7 +540,9 @@ pub fn memory_deployment(work: &Path, nodes: usize, max_streams: usize) -> Deplo
             name: SLOW_MOCK.into(),
             tokens: 600,
             tps: 1.0,
+            prefill_ms: 0,
             external: None,
+            nagle: false,
         }],
         nodes,
         capacity: per_node,
@@ -1344,6 +1398,9 @@ pub struct SuiteReport {
     pub command: String,
     /// Added latency.
     pub latency: Option<LatencyResult>,
+    /// Added latency against a provider with Nagle's algorithm on.
+    #[serde(default)]
+    pub nagle: Option<LatencyResult>,
     /// Streaming throughput.
     pub streaming: Option<StreamingResult>,
     /// Memory per stream.
@@ -1394,11 +1451,10 @@ impl SuiteReport {
             self.command
         );
         if let Some(l) = &self.latency {
-            out.push_str("## Added latency (non-streaming, 8-token answers; ms)\n\n");
-            out.push_str(&added_latency_table(&l.open));
-            out.push_str("\n### Saturation (closed loop)\n\n");
-            out.push_str(&added_latency_table(&l.closed));
-            out.push('\n');
+            out.push_str(&l.markdown(""));
+        }
+        if let Some(l) = &self.nagle {
+            out.push_str(&l.markdown(", provider with Nagle on"));
         }
         if let Some(s) = &self.streaming {
             out.push_str("## Streaming: relayed SSE chunks per second (1,000-chunk streams)\n\n");
@@ -1602,6 +1658,59 @@ mod tests {
                 .is_empty()
         );
         assert!(!alone.markdown().contains("/ embedded"));
+    }
+
+    #[test]
+    fn the_nagle_scenario_has_its_own_mock_and_its_own_tables() {
+        let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let mock = nagle_mock();
+        let args = mock.args(addr).join(" ");
+        assert!(args.ends_with("--prefill-ms 1 --nagle"), "{args}");
+        let latency = latency_deployment(Path::new("w"), None);
+        for m in &latency.mocks {
+            assert!(!m.args(addr).contains(&"--nagle".to_owned()), "{m:?}");
+            assert_ne!(m.name, mock.name);
+        }
+        let open = LoadMode::Open { rate_per_s: 250.0 };
+        let closed = LoadMode::Closed { concurrency: 16 };
+        let result = |p50_us: u64| LatencyResult {
+            open: vec![Comparison {
+                direct: run("direct", open, 0.0, 300),
+                via: vec![run("iop normalized", open, 0.0, p50_us)],
+            }],
+            closed: vec![Comparison {
+                direct: run("direct", closed, 0.0, 300),
+                via: vec![run("iop normalized", closed, 0.0, p50_us)],
+            }],
+        };
+        let mut report = SuiteReport {
+            machine: Machine::current(),
+            command: "iop-bench suite".into(),
+            latency: Some(result(1_000)),
+            nagle: Some(result(41_000)),
+            streaming: None,
+            memory: None,
+            nodes: None,
+            durable: None,
+        };
+        let md = report.markdown();
+        let plain = md
+            .find("## Added latency (non-streaming, 8-token answers; ms)")
+            .expect(&md);
+        let nagle = md
+            .find("## Added latency, provider with Nagle on (non-streaming, 8-token answers; ms)")
+            .expect(&md);
+        assert!(plain < nagle, "{md}");
+        assert!(md.contains("### Saturation (closed loop), provider with Nagle on"));
+        assert!(md[..nagle].contains("| open 250/s | iop normalized |"));
+        assert!(md[nagle..].contains("+40.700"), "{md}");
+        // Reports written before the scenario existed still read.
+        report.nagle = None;
+        let mut json: serde_json::Value = serde_json::to_value(&report).unwrap();
+        json.as_object_mut().unwrap().remove("nagle");
+        let back: SuiteReport = serde_json::from_value(json).unwrap();
+        assert!(back.nagle.is_none());
+        assert!(!back.markdown().contains("Nagle"));
     }
 
     #[test]

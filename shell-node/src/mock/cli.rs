@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 
-use super::{MockScript, ProbeHealth, serve};
+use super::{MockScript, ProbeHealth, ServeOptions, serve_with};
 
 /// Flags of `iop-node mock-provider`. Every flag sets a default of the
 /// script; a request's model name may still override it (see [`crate::mock`]).
@@ -49,6 +49,11 @@ pub struct MockArgs {
     /// What `GET /v1/models` and `GET /api/tags` answer.
     #[arg(long, value_enum, default_value_t = ProbeHealth::Ok)]
     pub health: ProbeHealth,
+    /// Leave Nagle's algorithm on for accepted connections (no
+    /// `TCP_NODELAY`), as many real servers do: a small write then waits
+    /// for the client's delayed ACK of the previous one.
+    #[arg(long)]
+    pub nagle: bool,
 }
 
 impl std::fmt::Debug for MockArgs {
@@ -56,11 +61,19 @@ impl std::fmt::Debug for MockArgs {
         f.debug_struct("MockArgs")
             .field("listen", &self.listen)
             .field("script", &self.script())
+            .field("nagle", &self.nagle)
             .finish()
     }
 }
 
 impl MockArgs {
+    /// How the server treats accepted connections.
+    pub fn serve_options(&self) -> ServeOptions {
+        ServeOptions {
+            nodelay: !self.nagle,
+        }
+    }
+
     /// The default script these flags describe.
     pub fn script(&self) -> MockScript {
         MockScript {
@@ -86,7 +99,7 @@ pub async fn run_cli(args: MockArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    let server = serve(listener, args.script())
+    let server = serve_with(listener, args.script(), args.serve_options())
         .await
         .context("starting the mock provider")?;
     println!("iop mock provider listening on http://{}", server.addr());

@@ -72,7 +72,7 @@ mod server;
 pub use cli::{MockArgs, run_cli};
 pub(crate) use in_process::InProcessMock;
 pub use script::{MOCK_TOOL_CALL_ID, MockPrompt, MockStep, play, token_text};
-pub use server::{MockServer, MockServerError, MockStats, serve};
+pub use server::{MockServer, MockServerError, MockStats, ServeOptions, serve, serve_with};
 
 /// Values in a mock embedding vector.
 pub const MOCK_EMBEDDING_DIMENSIONS: usize = 8;

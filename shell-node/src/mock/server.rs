@@ -232,22 +232,51 @@ pub struct MockServer {
     task: tokio::task::JoinHandle<()>,
 }
 
-/// Serve the mock on `listener` with `defaults` until the handle is dropped.
+/// How [`serve_with`] sets up the connections it accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeOptions {
+    /// Set `TCP_NODELAY` on every accepted connection (the default). Off,
+    /// Nagle's algorithm stays on, as it does by default in many real
+    /// servers (axum's `serve`, cpp-httplib and so llama.cpp's server): a
+    /// small write waits until the previous one is ACKed, which the
+    /// client may delay (~40 ms on Linux).
+    pub nodelay: bool,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self { nodelay: true }
+    }
+}
+
+/// Serve the mock on `listener` with `defaults` until the handle is dropped,
+/// with `TCP_NODELAY` on every accepted connection.
 pub async fn serve(
     listener: TcpListener,
     defaults: MockScript,
+) -> Result<MockServer, MockServerError> {
+    serve_with(listener, defaults, ServeOptions::default()).await
+}
+
+/// [`serve`] with `options`.
+pub async fn serve_with(
+    listener: TcpListener,
+    defaults: MockScript,
+    options: ServeOptions,
 ) -> Result<MockServer, MockServerError> {
     defaults.validate()?;
     let addr = listener.local_addr()?;
     let state = MockState::new(defaults);
     let counters = state.counters.clone();
     let app = router(state);
+    let nodelay = options.nodelay;
     let task = tokio::spawn(async move {
         // Responses go out in several writes (SSE events, tunnel frames):
         // without TCP_NODELAY, Nagle holds each small write for the
-        // client's delayed ACK (~40 ms).
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
+        // client's delayed ACK (~40 ms). Set either way, so that off means
+        // off whatever the listener passes on.
+        let listener = axum::serve::ListenerExt::tap_io(listener, move |tcp| {
+            let _ = tcp.set_nodelay(nodelay);
         });
         if let Err(e) = axum::serve(listener, app).await {
             tracing::warn!(event = "mock_server_stopped", error = %e);

@@ -414,6 +414,41 @@ fn cli_flags_build_the_default_script() {
     );
     assert!(!format!("{:?}", cli.mock).contains("sk-cli"));
     assert!(Cli::try_parse_from(["m", "--http-error", "200"]).is_err());
+    // TCP_NODELAY unless `--nagle`.
+    assert_eq!(cli.mock.serve_options(), ServeOptions { nodelay: true });
+    assert_eq!(ServeOptions::default(), ServeOptions { nodelay: true });
+    let nagle = Cli::try_parse_from(["m", "--nagle"]).unwrap();
+    assert_eq!(nagle.mock.serve_options(), ServeOptions { nodelay: false });
+}
+
+#[tokio::test]
+async fn a_mock_with_nagle_on_answers_like_the_default() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = serve_with(
+        listener,
+        MockScript::default(),
+        ServeOptions { nodelay: false },
+    )
+    .await
+    .unwrap();
+    let (status, body) = post(
+        &server,
+        "/v1/chat/completions",
+        json!({"model": "mock", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let doc: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(doc["choices"][0]["finish_reason"], "stop");
+    let (status, body) = post(
+        &server,
+        "/v1/chat/completions",
+        json!({"model": "mock", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    assert_eq!(server.requests(), 2);
 }
 
 #[test]
