@@ -133,7 +133,7 @@ fn node_decode(c: &mut Criterion) {
         tokio::spawn(async move { axum::serve(listener, app).await });
         addr
     });
-    let http = reqwest::Client::new();
+    let http = iop_node::adapter::ProviderHttp::new();
     let adapter = |path: &str| {
         Adapter::new(
             &ProviderTarget {

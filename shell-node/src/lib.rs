@@ -49,12 +49,7 @@ impl RunningNode {
     pub fn start_with(config: NodeConfig, options: NodeOptions) -> Self {
         // Tunnels pass redirects through as they are; runs have no overall
         // timeout on purpose: the stall watchdog bounds them.
-        let http = reqwest::Client::builder()
-            .pool_idle_timeout(std::time::Duration::from_secs(30))
-            .connect_timeout(std::time::Duration::from_secs(10))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .unwrap_or_default();
+        let http = adapter::ProviderHttp::new();
         let adapters = config
             .providers
             .iter()

@@ -4,6 +4,7 @@
 //! Errors carry classes and HTTP statuses only: never a provider payload, a
 //! URL with its query, or a credential.
 
+use super::client::HttpError;
 use iop_wire::{ExecutionFailure, FailureCode, HealthFailureCode};
 
 use iop_core::edge::health::classify_http_status;
@@ -45,16 +46,15 @@ pub enum ProviderCallError {
 }
 
 impl ProviderCallError {
-    /// Classify a reqwest error. Its text is never kept: it may name URLs.
-    pub fn from_reqwest(err: &reqwest::Error, mid_body: bool) -> Self {
-        if err.is_timeout() {
-            ProviderCallError::Timeout
-        } else if err.is_builder() {
-            ProviderCallError::InvalidRequest("request could not be built")
-        } else if mid_body || err.is_body() || err.is_decode() {
-            ProviderCallError::ConnectionBroke
-        } else {
-            ProviderCallError::Unreachable
+    /// Classify a failed provider call; `mid_body` if the answer's body was
+    /// being read.
+    pub fn from_http(err: HttpError, mid_body: bool) -> Self {
+        match err {
+            HttpError::Timeout => ProviderCallError::Timeout,
+            HttpError::Builder => ProviderCallError::InvalidRequest("request could not be built"),
+            HttpError::Body => ProviderCallError::ConnectionBroke,
+            HttpError::Unreachable if mid_body => ProviderCallError::ConnectionBroke,
+            HttpError::Unreachable => ProviderCallError::Unreachable,
         }
     }
 

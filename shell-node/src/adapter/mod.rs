@@ -11,7 +11,7 @@
 //! * [`Adapter::ollama_api`]: an Ollama API call relayed like a tunnel;
 //! * [`Adapter::probe`]: the exact-target health probe (R-WD-2, R-CAP-1).
 //!
-//! Dropping a returned stream drops the in-flight reqwest future, which
+//! Dropping a returned stream drops the in-flight HTTP future, which
 //! closes the provider connection: cancellation (R-WD-2, R-DISC-1) relies on
 //! it. Adapters never retry (R-WD-8).
 //!
@@ -19,6 +19,7 @@
 //! [`iop_wire::ExecutionFailure`] with a sanitized [`HealthFailureCode`]; provider
 //! payload text and credentials never enter a failure or a log line.
 
+pub mod client;
 mod error;
 mod lines;
 mod ollama;
@@ -37,6 +38,8 @@ use iop_wire::{
     ProviderTunnelRequest, RunEventKind, RunRequest,
 };
 
+pub use client::{HttpError, ProviderHttp};
+use client::{ProviderRequest, ProviderResponse};
 pub use error::ProviderCallError;
 pub use lines::{LineBuffer, LineError, MAX_LINE_BYTES};
 pub use sse::{MAX_EVENT_BYTES, SseGuardError, bounded as bounded_sse};
@@ -93,7 +96,7 @@ pub(crate) struct HttpTarget {
     pub(crate) base_url: String,
     /// Static key of the target, used when a call brings none (never logged).
     pub(crate) api_key: Option<String>,
-    pub(crate) http: reqwest::Client,
+    pub(crate) http: ProviderHttp,
     /// The target's streams carry usage (`stream_options.include_usage`).
     /// When false, a client that takes the answer whole is answered from a
     /// non-streamed call, whose usage is the provider's own.
@@ -112,26 +115,26 @@ impl HttpTarget {
     /// answer whatever its status, or the typed transport failure.
     pub(crate) async fn send(
         &self,
-        request: reqwest::RequestBuilder,
+        request: ProviderRequest,
         auth: Option<String>,
-    ) -> Result<reqwest::Response, ProviderCallError> {
+    ) -> Result<ProviderResponse, ProviderCallError> {
         let request = match self.bearer(auth) {
-            Some(key) => request.bearer_auth(key),
+            Some(key) => request.bearer_auth(&key),
             None => request,
         };
         request
             .send()
             .await
-            .map_err(|e| ProviderCallError::from_reqwest(&e, false))
+            .map_err(|e| ProviderCallError::from_http(e, false))
     }
 
     /// [`HttpTarget::send`], with an HTTP error status a failure too. The
     /// error body is the provider's text: it is never read into a failure.
     pub(crate) async fn send_expecting_success(
         &self,
-        request: reqwest::RequestBuilder,
+        request: ProviderRequest,
         auth: Option<String>,
-    ) -> Result<reqwest::Response, ProviderCallError> {
+    ) -> Result<ProviderResponse, ProviderCallError> {
         let response = self.send(request, auth).await?;
         if !response.status().is_success() {
             let status = response.status().as_u16();
@@ -141,10 +144,10 @@ impl HttpTarget {
     }
 
     /// The streamed JSON `POST` of a run to `path`.
-    pub(crate) fn run_request(&self, path: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+    pub(crate) fn run_request(&self, path: &str, body: Vec<u8>) -> ProviderRequest {
         self.http
             .post(format!("{}{path}", self.base_url))
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(http::header::CONTENT_TYPE, "application/json")
             .body(body)
     }
 }
@@ -154,10 +157,10 @@ impl HttpTarget {
 /// the run's one `Failed`, and `Started` is never sent.
 pub(crate) fn http_run(
     target: HttpTarget,
-    request: reqwest::RequestBuilder,
+    request: ProviderRequest,
     auth: Option<String>,
     session_id: String,
-    decode: fn(reqwest::Response) -> BoxStream<'static, RunEventKind>,
+    decode: fn(ProviderResponse) -> BoxStream<'static, RunEventKind>,
 ) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
         let response = match target.send_expecting_success(request, auth).await {
@@ -211,7 +214,7 @@ impl std::fmt::Debug for Adapter {
 impl Adapter {
     /// The adapter for a validated provider entry. `http` is shared by every
     /// adapter of the process; the mock ignores it.
-    pub fn new(target: &crate::config::ProviderTarget, http: reqwest::Client) -> Self {
+    pub fn new(target: &crate::config::ProviderTarget, http: ProviderHttp) -> Self {
         let http_target = |base_url: &String| HttpTarget {
             base_url: base_url.trim_end_matches('/').to_owned(),
             api_key: target.api_key.clone(),
@@ -418,7 +421,7 @@ async fn probe_http(
                 body.extend_from_slice(&chunk);
             }
             Ok(None) => break,
-            Err(e) => return probe_failure(ProviderCallError::from_reqwest(&e, true)),
+            Err(e) => return probe_failure(ProviderCallError::from_http(e, true)),
         }
     }
     match models(&body) {

@@ -13,6 +13,7 @@ use iop_wire::{
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+use super::client::ProviderResponse;
 use super::openai::{generate_prompt, tool_json};
 use super::{
     HttpTarget, LineBuffer, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http,
@@ -37,7 +38,7 @@ pub(super) fn run(
 
 /// The run events of one `/api/embed` answer: one `Embedding` per input,
 /// then `Completed` with Ollama's `prompt_eval_count`.
-fn decode_embed(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+fn decode_embed(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
     #[derive(Deserialize)]
     struct Answer {
         embeddings: Vec<Vec<f32>>,
@@ -58,7 +59,7 @@ fn decode_embed(response: reqwest::Response) -> BoxStream<'static, RunEventKind>
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+                    yield RunEventKind::Failed(ProviderCallError::from_http(e, true).failure());
                     return;
                 }
             }
@@ -76,7 +77,7 @@ fn decode_embed(response: reqwest::Response) -> BoxStream<'static, RunEventKind>
 }
 
 /// The run events of a successful NDJSON answer.
-fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
         let mut bytes = response.bytes_stream();
         let mut lines = LineBuffer::default();
@@ -112,7 +113,7 @@ fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
             match bytes.next().await {
                 Some(Ok(chunk)) => lines.extend(&chunk),
                 Some(Err(e)) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+                    yield RunEventKind::Failed(ProviderCallError::from_http(e, true).failure());
                     return;
                 }
                 None => eof = true,

@@ -13,6 +13,7 @@ use iop_wire::{
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+use super::client::ProviderResponse;
 use super::sse::{EventTooLarge, SseDecoder};
 use super::{HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http};
 
@@ -37,7 +38,7 @@ pub(super) fn run(
     let (path, body, decode): (
         _,
         _,
-        fn(reqwest::Response) -> BoxStream<'static, RunEventKind>,
+        fn(ProviderResponse) -> BoxStream<'static, RunEventKind>,
     ) = if req.api == RunApi::Embeddings {
         ("/v1/embeddings", embeddings_body(&req), decode_embeddings)
     } else if completion {
@@ -61,7 +62,7 @@ pub(super) fn run(
     };
     let mut request = target.run_request(path, body);
     if req.api != RunApi::Embeddings && !whole {
-        request = request.header(reqwest::header::ACCEPT, "text/event-stream");
+        request = request.header(http::header::ACCEPT, "text/event-stream");
     }
     http_run(target, request, auth, req.session_id, decode)
 }
@@ -86,7 +87,7 @@ pub(crate) fn json_object_schema(format: &str) -> String {
 pub(crate) const MAX_WHOLE_ANSWER_BYTES: usize = 64 * 1024 * 1024;
 
 /// Read a whole answer body, bounded by [`MAX_WHOLE_ANSWER_BYTES`].
-async fn read_whole(mut response: reqwest::Response) -> Result<Vec<u8>, ProviderCallError> {
+async fn read_whole(mut response: ProviderResponse) -> Result<Vec<u8>, ProviderCallError> {
     let mut body = Vec::new();
     loop {
         match response.chunk().await {
@@ -97,13 +98,13 @@ async fn read_whole(mut response: reqwest::Response) -> Result<Vec<u8>, Provider
                 body.extend_from_slice(&chunk);
             }
             Ok(None) => return Ok(body),
-            Err(e) => return Err(ProviderCallError::from_reqwest(&e, true)),
+            Err(e) => return Err(ProviderCallError::from_http(e, true)),
         }
     }
 }
 
 /// The run events of one non-streamed chat or text completion.
-fn decode_whole(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+fn decode_whole(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
         let body = match read_whole(response).await {
             Ok(body) => body,
@@ -128,7 +129,7 @@ fn decode_whole(response: reqwest::Response) -> BoxStream<'static, RunEventKind>
 
 /// The run events of one embeddings answer: one `Embedding` per input,
 /// then `Completed` with the provider's prompt token count.
-fn decode_embeddings(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+fn decode_embeddings(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
         let body = match read_whole(response).await {
             Ok(body) => body,
@@ -245,7 +246,7 @@ fn completion_body(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCa
 }
 
 /// The run events of a successful streaming answer.
-fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
+fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
         let mut bytes = response.bytes_stream();
         let mut sse = SseDecoder::default();
@@ -274,7 +275,7 @@ fn decode(response: reqwest::Response) -> BoxStream<'static, RunEventKind> {
             match bytes.next().await {
                 Some(Ok(chunk)) => sse.push(&chunk),
                 Some(Err(e)) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_reqwest(&e, true).failure());
+                    yield RunEventKind::Failed(ProviderCallError::from_http(e, true).failure());
                     return;
                 }
                 None => {

@@ -5,8 +5,8 @@
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use http::header::{HeaderMap, HeaderName, HeaderValue};
 use iop_wire::{Header, ProviderTunnelFrame};
-use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 
 use super::{HttpTarget, MAX_BODY_CHUNK_BYTES, ProviderCallError, failed_tunnel};
 
@@ -51,8 +51,8 @@ const REQUEST_ONLY: &[&str] = &["host", "authorization", "accept-encoding"];
 
 /// The method and the normalized path (with query) of a call, or why it is
 /// refused before any provider call.
-pub(crate) fn validate(call: &RelayCall) -> Result<(reqwest::Method, String), ProviderCallError> {
-    let method = reqwest::Method::from_bytes(call.method.as_bytes())
+pub(crate) fn validate(call: &RelayCall) -> Result<(http::Method, String), ProviderCallError> {
+    let method = http::Method::from_bytes(call.method.as_bytes())
         .map_err(|_| ProviderCallError::InvalidRequest("invalid HTTP method"))?;
     if !call.path.starts_with('/') || call.path.starts_with("//") {
         return Err(ProviderCallError::InvalidRequest(
@@ -65,7 +65,7 @@ pub(crate) fn validate(call: &RelayCall) -> Result<(reqwest::Method, String), Pr
         ));
     }
     // Normalize dot segments (`/api/../v1`) before checking the scope.
-    let url = reqwest::Url::parse(&format!("http://target{}", call.path))
+    let url = url::Url::parse(&format!("http://target{}", call.path))
         .map_err(|_| ProviderCallError::InvalidRequest("invalid path"))?;
     if url.host_str() != Some("target") {
         return Err(ProviderCallError::InvalidRequest("invalid path"));
@@ -172,7 +172,7 @@ pub(super) fn relay(
                     }
                 }
                 Err(e) => {
-                    yield ProviderTunnelFrame::Failure(ProviderCallError::from_reqwest(&e, true).failure());
+                    yield ProviderTunnelFrame::Failure(ProviderCallError::from_http(e, true).failure());
                     return;
                 }
             }

@@ -24,7 +24,7 @@ const BOM: &[u8] = b"\xEF\xBB\xBF";
 pub enum SseGuardError {
     /// The transport failed.
     #[error(transparent)]
-    Transport(#[from] reqwest::Error),
+    Transport(#[from] super::client::HttpError),
     /// An event exceeded [`MAX_EVENT_BYTES`].
     #[error("event larger than {MAX_EVENT_BYTES} bytes")]
     EventTooLarge,
@@ -34,7 +34,7 @@ pub enum SseGuardError {
 /// without an event boundary (a blank line). Only counts; never frames.
 /// ([`SseDecoder`] enforces the same bound while it frames.)
 pub fn bounded(
-    bytes: impl Stream<Item = Result<Bytes, reqwest::Error>> + Send + 'static,
+    bytes: impl Stream<Item = Result<Bytes, super::client::HttpError>> + Send + 'static,
 ) -> impl Stream<Item = Result<Bytes, SseGuardError>> + Send + 'static {
     // (bytes since the last blank line, the last byte seen, a `\r` before it)
     let mut since_boundary = 0usize;
@@ -287,7 +287,8 @@ mod tests {
     #[tokio::test]
     async fn the_byte_guard_cuts_an_event_without_end_at_the_bound() {
         let big = vec![b'x'; MAX_EVENT_BYTES + 1];
-        let stream = futures::stream::iter(vec![Ok::<_, reqwest::Error>(Bytes::from(big))]);
+        let stream =
+            futures::stream::iter(vec![Ok::<_, crate::adapter::HttpError>(Bytes::from(big))]);
         let out: Vec<_> = bounded(stream).collect().await;
         assert!(matches!(out[0], Err(SseGuardError::EventTooLarge)));
     }

@@ -72,6 +72,12 @@ pub(crate) fn http_client() -> reqwest::Client {
         .expect("a plain HTTP client builds")
 }
 
+/// The Node's own provider client, as a running Node builds it.
+pub(crate) fn provider_http() -> super::ProviderHttp {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    super::ProviderHttp::new()
+}
+
 fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter {
     let target = ProviderTarget {
         adapter: kind,
@@ -83,7 +89,7 @@ fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter 
         json_object_schema: false,
         max_concurrent_runs: None,
     };
-    Adapter::new(&target, http_client())
+    Adapter::new(&target, provider_http())
 }
 
 async fn mock(script: MockScript) -> MockServer {
@@ -209,7 +215,7 @@ async fn openai_usage_is_the_providers_or_none_never_zeros() {
         json_object_schema: false,
         max_concurrent_runs: None,
     };
-    let whole = Adapter::new(&target, http_client());
+    let whole = Adapter::new(&target, provider_http());
     let mut req = run_request("mock", RunApi::Chat, "hello world");
     req.params.whole_answer = true;
     let events = collect(whole.run(req, None)).await;
@@ -885,7 +891,7 @@ fn in_process() -> Adapter {
         json_object_schema: false,
         max_concurrent_runs: None,
     };
-    Adapter::new(&target, http_client())
+    Adapter::new(&target, provider_http())
 }
 
 #[tokio::test]
@@ -1032,7 +1038,7 @@ async fn unconfigured_http_adapters_fail_closed() {
         json_object_schema: false,
         max_concurrent_runs: None,
     };
-    let a = Adapter::new(&target, http_client());
+    let a = Adapter::new(&target, provider_http());
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
     assert_eq!(failure(&events).code, FailureCode::Internal);
     assert_eq!(
