@@ -360,6 +360,16 @@ pub enum LinkMsg {
         /// Forward or drop.
         reply: oneshot::Sender<Emission>,
     },
+    /// Several outputs of one run that were ready together, in order: one
+    /// message instead of one per output.
+    Events {
+        /// The run.
+        run_id: RunId,
+        /// Classified outputs, in the order the provider produced them.
+        events: Vec<ProviderEvent>,
+        /// Forward or drop, one per output.
+        reply: oneshot::Sender<Vec<Emission>>,
+    },
     /// The handler dropped its provider call on a cancel: the call ended
     /// (R-WD-4 timing).
     ProviderReturned {
@@ -752,6 +762,30 @@ impl LinkCreds {
 }
 
 impl Link {
+    /// Offer one provider output of `run_id` to the watchdog: forward it,
+    /// or drop it as fenced (R-WD-6, counted).
+    fn provider_event(
+        &mut self,
+        now: iop_core::Instant,
+        run_id: RunId,
+        event: ProviderEvent,
+    ) -> Emission {
+        let returned = matches!(event, ProviderEvent::Returned(_));
+        let emission = self.watchdog.provider_event(now, run_id, event);
+        if emission == Emission::Forward
+            && returned
+            && let Some(slot) = self.runs.get_mut(&run_id)
+        {
+            slot.self_terminated = true;
+        }
+        if emission == Emission::Fenced {
+            self.shared
+                .fenced_late_outputs
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        emission
+    }
+
     /// Open one run's lease (R-CRED-2/3). Every check is `open_lease`'s.
     fn open_lease(
         &mut self,
@@ -879,20 +913,18 @@ impl Link {
                 event,
                 reply,
             } => {
-                let returned = matches!(event, ProviderEvent::Returned(_));
-                let emission = self.watchdog.provider_event(now, run_id, event);
-                if emission == Emission::Forward
-                    && returned
-                    && let Some(slot) = self.runs.get_mut(&run_id)
-                {
-                    slot.self_terminated = true;
-                }
-                if emission == Emission::Fenced {
-                    self.shared
-                        .fenced_late_outputs
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                let _ = reply.send(emission);
+                let _ = reply.send(self.provider_event(now, run_id, event));
+            }
+            LinkMsg::Events {
+                run_id,
+                events,
+                reply,
+            } => {
+                let emissions = events
+                    .into_iter()
+                    .map(|event| self.provider_event(now, run_id, event))
+                    .collect();
+                let _ = reply.send(emissions);
             }
             LinkMsg::ProviderReturned { run_id } => {
                 // Only a run still joining its stall needs the timing

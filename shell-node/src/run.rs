@@ -9,8 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, RunKind, RunTerminal, effective_stall_timeout,
 };
@@ -440,35 +440,42 @@ async fn execute<S, F>(
                     }
                     continue;
                 };
-                let terminal = S::is_terminal(&item);
-                let event = S::event(&item);
+                // Every output the provider already produced goes to the
+                // watchdog in one message, not one round trip each.
+                let mut items = vec![item];
+                if !S::is_terminal(&items[0]) {
+                    while items.len() < MAX_READY_BATCH {
+                        match provider.as_mut().and_then(|p| p.next().now_or_never()) {
+                            Some(Some(item)) => {
+                                let terminal = S::is_terminal(&item);
+                                items.push(item);
+                                if terminal {
+                                    break;
+                                }
+                            }
+                            // Ended: the next turn of the loop reports it.
+                            Some(None) => {
+                                provider = Some(Box::pin(futures::stream::empty()));
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                }
+                let events = items.iter().map(S::event).collect();
                 // Output the watchdog fences (it raced the claim, R-WD-6) is
                 // counted by the link and dropped here.
-                let Some(emission) = link.ask(|reply| LinkMsg::Event { run_id, event, reply }).await else {
+                let Some(emissions) = link.ask(|reply| LinkMsg::Events { run_id, events, reply }).await else {
                     break;
                 };
-                if emission == Emission::Fenced {
-                    continue;
-                }
-                record.forwarded(S::content_bytes(&item), S::usage(&item));
-                if terminal {
-                    record.finish(S::failure_code(&item));
-                }
-                // The provider's failure as core says the node forwards it:
-                // no evidence it did not observe, retryable by class
-                // (R-WD-8, R-FAIL-1).
-                let mut item = item;
-                if let Some(failure) = S::failure_mut(&mut item) {
-                    *failure = iop_core::node::watchdog::sanitize_provider_failure(failure.clone());
-                }
-                if send.send(&sink.frame(item)).await.is_err() {
-                    drop(provider.take());
-                    link.tell(LinkMsg::Canceled { run_id }).await;
-                    break;
-                }
-                if terminal {
-                    let _ = send.finish();
-                    break;
+                match forward_ready(send, &sink, &mut record, items, emissions).await {
+                    Forwarded::More => {}
+                    Forwarded::Terminal => break,
+                    Forwarded::StreamGone => {
+                        drop(provider.take());
+                        link.tell(LinkMsg::Canceled { run_id }).await;
+                        break;
+                    }
                 }
             }
         }
@@ -490,6 +497,53 @@ impl RunSpan {
             self.0.fail(outcome);
         }
     }
+}
+
+/// The most outputs of one run offered to the watchdog in one message.
+const MAX_READY_BATCH: usize = 64;
+
+/// What writing a run's ready outputs came to.
+enum Forwarded {
+    /// Written; the run goes on.
+    More,
+    /// Its terminal was written.
+    Terminal,
+    /// The Edge's stream is gone: the caller cancels the provider call.
+    StreamGone,
+}
+
+/// Write the outputs the watchdog let through, in order.
+async fn forward_ready<S: Sink>(
+    send: &mut FramedSend,
+    sink: &S,
+    record: &mut crate::metrics::RunRecord<'_>,
+    items: Vec<S::Item>,
+    emissions: Vec<Emission>,
+) -> Forwarded {
+    for (mut item, emission) in items.into_iter().zip(emissions) {
+        if emission == Emission::Fenced {
+            continue;
+        }
+        let terminal = S::is_terminal(&item);
+        record.forwarded(S::content_bytes(&item), S::usage(&item));
+        if terminal {
+            record.finish(S::failure_code(&item));
+        }
+        // The provider's failure as core says the node forwards it: no
+        // evidence it did not observe, retryable by class (R-WD-8,
+        // R-FAIL-1).
+        if let Some(failure) = S::failure_mut(&mut item) {
+            *failure = iop_core::node::watchdog::sanitize_provider_failure(failure.clone());
+        }
+        if send.send(&sink.frame(item)).await.is_err() {
+            return Forwarded::StreamGone;
+        }
+        if terminal {
+            let _ = send.finish();
+            return Forwarded::Terminal;
+        }
+    }
+    Forwarded::More
 }
 
 async fn offer<S: Sink>(
