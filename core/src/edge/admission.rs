@@ -1223,6 +1223,109 @@ mod tests {
     }
 
     #[test]
+    fn an_adopted_run_gets_its_own_lease_and_run_id_r_park_2() {
+        let mut a = admission(vec![spec("p", "n", 3)]);
+        let first = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        let key = RunKey {
+            generation: 1,
+            run_id: 77,
+        };
+        a.hold(key, &ProviderId::from("p"), 1, ms(50))
+            .expect("room for the parked run");
+        let adopted = a
+            .adopt(ms(1), key, DispatchRequest::new(2, pool(&["p"])))
+            .expect("held and online");
+        let after = leased(a.request(ms(2), DispatchRequest::new(3, pool(&["p"]))));
+        let leases = [first.lease_id, adopted.lease_id, after.lease_id];
+        let runs = [first.run_id, adopted.run_id, after.run_id];
+        for i in 0..3 {
+            for j in i + 1..3 {
+                assert_ne!(leases[i], leases[j], "lease ids {leases:?}");
+                assert_ne!(runs[i], runs[j], "run ids {runs:?}");
+            }
+        }
+        assert!(leases[0] < leases[1] && leases[1] < leases[2], "{leases:?}");
+        assert!(runs[0] < runs[1] && runs[1] < runs[2], "{runs:?}");
+        assert_eq!(a.lease_totals(), (3, 0));
+        assert_eq!(a.holds(), 0);
+    }
+
+    #[test]
+    fn a_fence_releases_only_that_nodes_holds_of_that_generation_r_gen_3() {
+        let mut a = admission(vec![spec("p", "n", 2), spec("q", "m", 2)]);
+        let key = |run_id| RunKey {
+            generation: 1,
+            run_id,
+        };
+        // n's run on generation 1, n's on generation 2 (a later
+        // registration), and m's on generation 1 (the same number).
+        a.hold(key(1), &ProviderId::from("p"), 1, ms(50)).unwrap();
+        a.hold(key(2), &ProviderId::from("p"), 2, ms(50)).unwrap();
+        a.hold(key(3), &ProviderId::from("q"), 1, ms(50)).unwrap();
+        a.fence(ms(1), &NodeId::from("n"), 1);
+        assert_eq!(a.holds(), 2, "only n's generation-1 hold goes");
+        assert_eq!(
+            a.adopt(ms(1), key(1), DispatchRequest::new(1, pool(&["p"]))),
+            Err(HoldRefusal::NoHold)
+        );
+        let kept = a
+            .adopt(ms(1), key(3), DispatchRequest::new(3, pool(&["q"])))
+            .expect("m's hold and provider survive n's fence");
+        assert_eq!(kept.provider_id, ProviderId::from("q"));
+    }
+
+    /// The self-check the tests and the simulator use as an oracle passes
+    /// every reachable state and fails each corruption of the counts.
+    #[test]
+    fn the_self_check_holds_on_real_states_and_finds_each_corruption() {
+        // A lease granted and released, and a parked run's hold, on p;
+        // nothing on q.
+        let state = || {
+            let mut a = admission(vec![spec("p", "n", 3), spec("q", "m", 3)]);
+            assert_eq!(a.check_invariants(), Ok(()));
+            let l = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+            let key = RunKey {
+                generation: 1,
+                run_id: 9,
+            };
+            a.hold(key, &ProviderId::from("p"), 1, ms(50)).unwrap();
+            assert_eq!(a.check_invariants(), Ok(()), "a lease and a hold");
+            a.release(ms(1), l.lease_id, ReleaseReason::Terminal)
+                .expect("held");
+            assert_eq!(a.lease_totals(), (1, 1));
+            a
+        };
+        assert_eq!(state().check_invariants(), Ok(()), "granted == released");
+
+        let mut miscounted = state();
+        miscounted
+            .providers
+            .get_mut(&ProviderId::from("p"))
+            .unwrap()
+            .in_use += 1;
+        assert!(miscounted.check_invariants().is_err(), "in use off by one");
+        let mut lost_hold = state();
+        lost_hold.holds.clear();
+        assert!(lost_hold.check_invariants().is_err(), "a hold not counted");
+        let mut stray = state();
+        stray.requests.insert(42, RequestSlot::Queued);
+        assert!(
+            stray.check_invariants().is_err(),
+            "an indexed request in no place"
+        );
+        // Only built with the planted bugs, which can over-release.
+        #[cfg(feature = "planted-bugs")]
+        {
+            let mut over_released = state();
+            over_released.leases_released += 1;
+            assert!(
+                over_released.check_invariants().is_err(),
+                "released > granted"
+            );
+        }
+    }
+
+    #[test]
     fn a_fence_takes_only_that_nodes_providers_offline() {
         // Both nodes happen to be on generation 1: fencing n's generation 1
         // leaves m's provider online (R-GEN-3 is per node).
