@@ -219,6 +219,10 @@ struct PeerArgs {
     /// The running mock the peer points at (iop uses it too).
     #[arg(long)]
     mock_addr: SocketAddr,
+    /// The peer's process: its CPU time per request is reported beside
+    /// iop's (closed-loop runs).
+    #[arg(long)]
+    peer_pid: Option<u32>,
     /// Open-loop rates.
     #[arg(long, value_delimiter = ',', default_value = "100,250,500,1000")]
     rates: Vec<f64>,
@@ -334,6 +338,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         ),
         concurrencies: or_default(&a.concurrency, q, &[8], &[16]),
         duration,
+        peer_pids: Vec::new(),
     };
     if want(ScenarioName::Latency) || want(ScenarioName::Nagle) || want(ScenarioName::Streaming) {
         let mut spec = scenario::latency_deployment(&work, None);
@@ -402,6 +407,11 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         rates: a.rates,
         concurrencies: a.concurrency,
         duration: secs(a.duration_s)?,
+        peer_pids: a
+            .peer_pid
+            .map(|pid| (a.name.clone(), pid))
+            .into_iter()
+            .collect(),
     };
     let latency = scenario::latency(&d, &settings, &[(a.name, peer)]).await?;
     d.stop().await;

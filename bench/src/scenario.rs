@@ -234,6 +234,9 @@ pub struct LatencySettings {
     pub concurrencies: Vec<u32>,
     /// Length of each run, warm-up included.
     pub duration: Duration,
+    /// Extra paths served by another process (a peer gateway): its CPU
+    /// time, not iop's, is what a request on that path costs.
+    pub peer_pids: Vec<(String, u32)>,
 }
 
 /// How long after a run its last journal operations take to be counted.
@@ -247,13 +250,18 @@ struct Probes {
     cpu: Option<Vec<ChunkCpu>>,
     /// The Edge's journal metrics.
     journal: Option<Vec<JournalRun>>,
+    /// CPU time per answered request of each run (iop's Edge and Nodes,
+    /// or the peer process of a peer path).
+    request_cpu: Option<Vec<RequestCpu>>,
+    /// Paths served by another process, and its pid.
+    peer_pids: Vec<(String, u32)>,
 }
 
 impl Probes {
     fn cpu() -> Self {
         Probes {
             cpu: Some(Vec::new()),
-            journal: None,
+            ..Probes::default()
         }
     }
 
@@ -261,7 +269,31 @@ impl Probes {
         Probes {
             cpu: Some(Vec::new()),
             journal: Some(Vec::new()),
+            ..Probes::default()
         }
+    }
+
+    fn request_cpu(peer_pids: &[(String, u32)]) -> Self {
+        Probes {
+            request_cpu: Some(Vec::new()),
+            peer_pids: peer_pids.to_vec(),
+            ..Probes::default()
+        }
+    }
+
+    /// CPU ticks so far of whatever serves path `label` (`None`: not
+    /// measured).
+    fn ticks_of(&self, gateway: &dyn Gateway, label: &str) -> Result<Option<u64>, ScenarioError> {
+        if self.request_cpu.is_none() {
+            return Ok(None);
+        }
+        if let Some((_, pid)) = self.peer_pids.iter().find(|(l, _)| l == label) {
+            return Ok(crate::procfs::cpu_ticks(*pid).ok());
+        }
+        Ok(gateway
+            .cpu_ticks()
+            .transpose()?
+            .map(|(edge, nodes)| edge + nodes))
     }
 }
 
@@ -296,9 +328,26 @@ async fn compare(
             (Some(_), true) => Some(journal::scrape(client, gateway.edge_http()).await?),
             _ => None,
         };
+        let request_ticks_before = if via {
+            probes.ticks_of(gateway, label)?
+        } else {
+            None
+        };
         let started = Instant::now();
         let r = load::run(client, &spec).await?;
         let elapsed_s = started.elapsed().as_secs_f64();
+        if let Some(before) = request_ticks_before
+            && let Some(after) = probes.ticks_of(gateway, label)?
+            && let Some(rows) = probes.request_cpu.as_mut()
+        {
+            rows.push(RequestCpu {
+                load: mode.label(),
+                target: label.clone(),
+                us_per_request: after.saturating_sub(before) as f64 * 1e6
+                    / TICKS_PER_SECOND as f64
+                    / r.ok.max(1) as f64,
+            });
+        }
         if let (Some(before), Some(runs)) = (journal_before, probes.journal.as_mut()) {
             // Every request of the run has ended when `load::run` returns,
             // and each one's last operation was durable before its answer;
@@ -370,6 +419,22 @@ pub struct LatencyResult {
     pub open: Vec<Comparison>,
     /// Closed-loop rows (saturation), one per concurrency.
     pub closed: Vec<Comparison>,
+    /// CPU per request of each closed-loop run through iop or a peer.
+    #[serde(default)]
+    pub cpu: Vec<RequestCpu>,
+}
+
+/// The CPU time spent per answered request over one run: iop's Edge and
+/// Nodes together, or a peer gateway's process (its threads; not child
+/// processes). Read from `/proc` in 10 ms ticks over the whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestCpu {
+    /// The load (`closed x16`).
+    pub load: String,
+    /// The path (`iop tunnel`, `iop normalized`, a peer).
+    pub target: String,
+    /// CPU time per answered request, µs.
+    pub us_per_request: f64,
 }
 
 /// Added latency (non-streaming): direct vs tunnel vs normalized at each
@@ -401,24 +466,56 @@ pub async fn latency_to(
         open.push(compare(&client, d, &ps, false, mode, settings.duration, row, none).await?);
     }
     let mut closed = Vec::new();
+    // CPU per request where the CPUs are busy: the closed-loop runs.
+    let mut cpu = Probes::request_cpu(&settings.peer_pids);
     for (row, c) in settings.concurrencies.iter().enumerate() {
         eprintln!("latency ({mock}): closed loop x{c}");
         let mode = LoadMode::Closed { concurrency: *c };
-        let none = &mut Probes::default();
-        closed.push(compare(&client, d, &ps, false, mode, settings.duration, row, none).await?);
+        closed.push(
+            compare(
+                &client,
+                d,
+                &ps,
+                false,
+                mode,
+                settings.duration,
+                row,
+                &mut cpu,
+            )
+            .await?,
+        );
     }
-    Ok(LatencyResult { open, closed })
+    Ok(LatencyResult {
+        open,
+        closed,
+        cpu: cpu.request_cpu.unwrap_or_default(),
+    })
 }
 
 impl LatencyResult {
     /// The open-loop and saturation tables, `what` added to their titles.
     pub fn markdown(&self, what: &str) -> String {
-        format!(
+        let mut out = format!(
             "## Added latency{what} (non-streaming, 8-token answers; ms)\n\n{}\n\
              ### Saturation (closed loop){what}\n\n{}\n",
             added_latency_table(&self.open),
             added_latency_table(&self.closed),
-        )
+        );
+        if !self.cpu.is_empty() {
+            out.push_str(&format!(
+                "### CPU per request{what} (closed loop; µs; from /proc, whole run)\n\n\
+                 | load | target | µs/request (iop: Edge + Nodes; a peer: its process) |\n\
+                 | --- | --- | ---: |\n"
+            ));
+            for c in &self.cpu {
+                out.push_str(&format!(
+                    "| {} | {} | {:.1} |\n",
+                    c.load, c.target, c.us_per_request
+                ));
+            }
+            out.push('\n');
+        }
+        out
     }
 }
 
@@ -1045,8 +1142,8 @@ pub async fn durable_runs(
         let mode = LoadMode::Open { rate_per_s: *rate };
         let paths = durable_paths(g, SHORT_MOCK, settings.durability);
         let probes = Probes {
-            cpu: None,
             journal: Some(Vec::new()),
+            ..Probes::default()
         };
         latency.push(
             durable_row(
@@ -1682,6 +1779,11 @@ mod tests {
                 direct: run("direct", closed, 0.0, 300),
                 via: vec![run("iop normalized", closed, 0.0, p50_us)],
             }],
+            cpu: vec![RequestCpu {
+                load: closed.label(),
+                target: "iop normalized".into(),
+                us_per_request: 123.4,
+            }],
         };
         let mut report = SuiteReport {
             machine: Machine::current(),
@@ -1704,7 +1806,17 @@ mod tests {
         assert!(md.contains("### Saturation (closed loop), provider with Nagle on"));
         assert!(md[..nagle].contains("| open 250/s | iop normalized |"));
         assert!(md[nagle..].contains("+40.700"), "{md}");
-        // Reports written before the scenario existed still read.
+        assert!(
+            md.contains("### CPU per request, provider with Nagle on (closed loop")
+                && md.contains("| closed x16 | iop normalized | 123.4 |"),
+            "{md}"
+        );
+        // Reports written before the scenario (and the CPU rows) existed
+        // still read.
+        let mut old = serde_json::to_value(&report).unwrap();
+        old["latency"].as_object_mut().unwrap().remove("cpu");
+        let old: SuiteReport = serde_json::from_value(old).unwrap();
+        assert!(old.latency.unwrap().cpu.is_empty());
         report.nagle = None;
         let mut json: serde_json::Value = serde_json::to_value(&report).unwrap();
         json.as_object_mut().unwrap().remove("nagle");
