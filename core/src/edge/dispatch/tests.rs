@@ -174,7 +174,9 @@ fn a_provider_without_configured_capacity_takes_its_nodes_reported_limit() {
         max_concurrent_runs: limit,
     };
     let mut req = register_req();
-    req.providers = vec![offered("t-p1", Some(2)), offered("t-p2", Some(9))];
+    // Listed out of order: each provider takes its own entry, matched by
+    // adapter and target both.
+    req.providers = vec![offered("t-p2", Some(9)), offered("t-p1", Some(2))];
     let a = NodeId::from("a");
     let (g, _) = d.register(T, &a, &req).unwrap();
     assert!(d.ready(T, &a, g));
@@ -300,6 +302,39 @@ fn terminal_from_a_foreign_generation_is_ignored_and_keeps_the_lease() {
     let v = d.apply_terminal(T, l.lease_id, &NodeId::from("b"), gb, None);
     assert_eq!(v, TerminalVerdict::Ignored(IgnoredTerminal::Mismatch));
     assert!(d.admission().lease(l.lease_id).is_some());
+}
+
+#[test]
+fn ignored_terminals_are_counted_under_closed_labels_r_lease_1() {
+    let mut d = dispatcher();
+    let ga = up(&mut d, "a");
+    let gb = up(&mut d, "b");
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])));
+    assert_eq!(d.ignored_terminals(), 0);
+    d.apply_terminal(T, l.lease_id, &NodeId::from("b"), gb, None);
+    assert_eq!(d.ignored_terminals(), 1);
+    d.apply_terminal(T, l.lease_id + 1000, &NodeId::from("a"), ga, None);
+    assert_eq!(d.ignored_terminals(), 2);
+    let labels = [
+        IgnoredTerminal::NotHeld,
+        IgnoredTerminal::FencedGeneration,
+        IgnoredTerminal::Mismatch,
+    ]
+    .map(IgnoredTerminal::as_str);
+    assert_eq!(labels, ["not_held", "fenced_generation", "mismatch"]);
+}
+
+#[test]
+fn only_the_current_generations_messages_are_admitted_r_gen_3() {
+    let mut d = dispatcher();
+    let a = NodeId::from("a");
+    let g1 = up(&mut d, "a");
+    assert!(d.admit_message(&a, g1));
+    d.connection_closed(T, &a, g1, CloseCode::Normal);
+    let g2 = up(&mut d, "a");
+    assert!(g2 > g1);
+    assert!(d.admit_message(&a, g2), "the new connection's");
+    assert!(!d.admit_message(&a, g1), "the fenced one's");
 }
 
 #[test]
@@ -1794,6 +1829,40 @@ fn parked(generation: u64, run_id: u64, target: &str) -> iop_wire::ParkedRun {
 
 fn drain_outputs(d: &mut Dispatcher) -> Vec<DispatchOutput> {
     std::iter::from_fn(|| d.poll_output()).collect()
+}
+
+#[test]
+fn a_parked_run_holds_the_provider_of_its_own_node_adapter_and_target_r_park_2() {
+    // Node a has p1 (capacity 1) and p2; its run is p2's: p1 stays free.
+    let mut d = dispatcher();
+    let a = NodeId::from("a");
+    let mut req = register_req();
+    req.parked = vec![parked(90, 7, "t-p2")];
+    let (g, _) = d.register(T, &a, &req).unwrap();
+    assert!(d.ready(T, &a, g));
+    answer_first_probes(&mut d, "a", g);
+    let outs = drain_outputs(&mut d);
+    let held: Vec<ProviderId> = outs
+        .iter()
+        .filter_map(|o| match o {
+            DispatchOutput::ParkedRuns { runs, .. } => Some(
+                runs.iter()
+                    .map(|r| r.provider_id.clone())
+                    .collect::<Vec<_>>(),
+            ),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(held, vec![ProviderId::from("p2")], "{outs:?}");
+    leased(d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])));
+    // Node b reports a run for a's target: not a's provider's to hold.
+    let b = NodeId::from("b");
+    let mut req = register_req();
+    req.parked = vec![parked(91, 8, "t-p2")];
+    let (gb, _) = d.register(T, &b, &req).unwrap();
+    assert!(d.ready(T, &b, gb));
+    assert_eq!(d.admission().holds(), 1, "only a's run is held");
 }
 
 #[test]
