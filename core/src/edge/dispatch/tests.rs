@@ -325,6 +325,21 @@ fn ignored_terminals_are_counted_under_closed_labels_r_lease_1() {
 }
 
 #[test]
+fn a_cancel_returns_the_lease_it_released_so_its_run_is_canceled_r_gate_4() {
+    let mut d = dispatcher();
+    up(&mut d, "a");
+    let l = leased(d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])));
+    assert_eq!(
+        d.request(T, DispatchRequest::new(2, vec![ProviderId::from("p1")])),
+        Admit::Queued
+    );
+    assert_eq!(d.cancel(T, 2), None, "a queued request holds no lease");
+    assert_eq!(d.cancel(T, 1), Some(l.clone()));
+    assert!(d.admission().lease(l.lease_id).is_none());
+    assert_eq!(d.cancel(T, 1), None, "released once");
+}
+
+#[test]
 fn only_the_current_generations_messages_are_admitted_r_gen_3() {
     let mut d = dispatcher();
     let a = NodeId::from("a");
