@@ -340,6 +340,22 @@ fn a_cancel_returns_the_lease_it_released_so_its_run_is_canceled_r_gate_4() {
 }
 
 #[test]
+fn the_timer_is_the_earliest_due_deadline_and_none_when_idle() {
+    let mut d = dispatcher();
+    assert_eq!(d.poll_timeout(), None, "no node, no queue, no probe");
+    // A request queued with nothing online expires after the queue timeout.
+    assert_eq!(
+        d.request(T, DispatchRequest::new(1, vec![ProviderId::from("p1")])),
+        Admit::Queued
+    );
+    assert_eq!(
+        d.poll_timeout(),
+        Some(T + Duration::from_millis(500)),
+        "the queue entry's expiry"
+    );
+}
+
+#[test]
 fn only_the_current_generations_messages_are_admitted_r_gen_3() {
     let mut d = dispatcher();
     let a = NodeId::from("a");
