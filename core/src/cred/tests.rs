@@ -212,9 +212,22 @@ fn the_largest_secret_and_scope_fit_the_envelope_bound() {
     let bytes = seal_lease(&f.scope, &big_secret, &f.edge, &recipient, &mut f.rng)
         .expect("largest lease seals")
         .to_bytes();
-    assert!(bytes.len() <= MAX_SEALED_LEASE_BYTES);
+    // The bound is the largest lease exactly: what this one lacks of it is
+    // what its scope lacks of the largest scope.
+    assert_eq!(MAX_SEALED_LEASE_BYTES - bytes.len(), MAX_SCOPE_BYTES - len);
     let secret = f.open(&bytes).expect("largest lease opens");
     assert_eq!(secret.expose_secret(), &big_secret[..]);
+}
+
+/// The limits docs/credentials.md states (R-LIM: what a stranger's lease
+/// may make a Node spend).
+#[test]
+fn the_limits_are_the_documented_ones() {
+    assert_eq!(MAX_SCOPE_BYTES, 4 * 1024, "4 KiB");
+    assert_eq!(MAX_SECRET_BYTES, 16 * 1024, "16 KiB");
+    assert_eq!(MAX_LEASE_LIFETIME_MS, 15 * 60_000, "15 min");
+    assert_eq!(DEFAULT_LEASE_LIFETIME_MS, 2 * 60_000, "2 min");
+    assert_eq!(DEFAULT_SKEW_TOLERANCE_MS, 30_000, "30 s");
 }
 
 // --- R-CRED-3: every rejection fails closed with its reason ---------------
