@@ -219,6 +219,21 @@ fn the_largest_secret_and_scope_fit_the_envelope_bound() {
     assert_eq!(secret.expose_secret(), &big_secret[..]);
 }
 
+#[test]
+fn a_sealed_leases_debug_output_shows_only_lengths() {
+    let mut f = Fixture::new(8);
+    let recipient = recipient_public_key(&f.node);
+    let sealed = seal_lease(&f.scope, SECRET, &f.edge, &recipient, &mut f.rng).expect("seals");
+    let scope_len = postcard::to_allocvec(&f.scope).expect("encodes").len();
+    let shown = format!("{sealed:?}");
+    assert!(
+        shown.starts_with("SealedLease { version: 1, scope_len: ")
+            && shown.contains(&format!("scope_len: {scope_len},")),
+        "{shown}"
+    );
+    assert!(shown.ends_with(".. }"), "{shown}");
+}
+
 /// The limits docs/credentials.md states (R-LIM: what a stranger's lease
 /// may make a Node spend).
 #[test]
