@@ -617,6 +617,24 @@ fn malformed_envelopes_are_refused() {
     let mut tag_only = bytes[..range.start].to_vec();
     tag_only.extend_from_slice(&bytes[range.end - TAG_LEN..]);
     assert_rejected(f.open(&tag_only), RejectionReason::Malformed);
+    // A ciphertext one byte longer than the largest secret's, under a small
+    // scope, so the whole is within the sealed-lease bound.
+    let mut over = bytes[..range.start].to_vec();
+    over.resize(over.len() + MAX_SECRET_BYTES + TAG_LEN + 1, 0);
+    over.extend_from_slice(&bytes[bytes.len() - SIGNATURE_LEN..]);
+    assert!(over.len() <= MAX_SEALED_LEASE_BYTES);
+    assert_rejected(f.open(&over), RejectionReason::Malformed);
+}
+
+#[test]
+fn the_shortest_lease_a_one_byte_secret_opens() {
+    let mut f = Fixture::new(31);
+    let recipient = recipient_public_key(&f.node);
+    let bytes = seal_lease(&f.scope, b"x", &f.edge, &recipient, &mut f.rng)
+        .expect("a one-byte secret seals")
+        .to_bytes();
+    let secret = f.open(&bytes).expect("and opens");
+    assert_eq!(secret.expose_secret(), b"x");
 }
 
 #[test]
