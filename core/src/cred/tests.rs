@@ -589,6 +589,7 @@ fn a_refused_lease_does_not_consume_its_nonce() {
     assert_rejected(result, RejectionReason::Disabled);
     assert!(replay.is_empty());
     assert!(f.open_at(&bytes, NOW_MS, &mut replay).is_ok());
+    assert!(!replay.is_empty(), "an opened lease's nonce is kept");
 }
 
 #[test]
@@ -624,6 +625,15 @@ fn malformed_envelopes_are_refused() {
     over.extend_from_slice(&bytes[bytes.len() - SIGNATURE_LEN..]);
     assert!(over.len() <= MAX_SEALED_LEASE_BYTES);
     assert_rejected(f.open(&over), RejectionReason::Malformed);
+}
+
+#[test]
+fn a_secret_reports_its_length() {
+    let empty = Secret::new(zeroize::Zeroizing::new(Vec::new()));
+    assert!(empty.is_empty());
+    assert_eq!(empty.expose_secret(), b"");
+    let one = Secret::new(zeroize::Zeroizing::new(b"k".to_vec()));
+    assert!(!one.is_empty() && one.len() == 1);
 }
 
 #[test]
