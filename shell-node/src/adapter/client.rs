@@ -127,13 +127,20 @@ impl Default for ProviderHttp {
 }
 
 fn tls_config(provider: Arc<rustls::crypto::CryptoProvider>) -> rustls::ClientConfig {
-    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+    // A process provider without TLS 1.2/1.3 suites: ring's, which has them.
+    let (provider, builder) = match rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .unwrap_or_else(|_| {
-            rustls::ClientConfig::builder_with_provider(provider.clone())
-                .with_protocol_versions(rustls::DEFAULT_VERSIONS)
-                .expect("the default TLS versions are supported by a crypto provider")
-        });
+    {
+        Ok(builder) => (provider, builder),
+        Err(e) => {
+            tracing::warn!(event = "provider_tls_crypto_fallback", error = %e);
+            let ring = Arc::new(rustls::crypto::ring::default_provider());
+            let builder = rustls::ClientConfig::builder_with_provider(ring.clone())
+                .with_safe_default_protocol_versions()
+                .expect("ring supports the default TLS versions");
+            (ring, builder)
+        }
+    };
     let mut config = match rustls_platform_verifier::Verifier::new(provider) {
         Ok(verifier) => builder
             .dangerous()
