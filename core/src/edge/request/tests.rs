@@ -1678,3 +1678,375 @@ fn r_park_2_a_report_of_the_same_run_from_another_provider_is_not_adopted() {
     );
     assert!(r.awaits_parked(key));
 }
+
+// Tests below were written against mutants of this module that survived
+// (docs/simulation.md, "Mutation testing").
+
+#[test]
+fn the_accessors_report_the_request_its_attempts_lease_and_what_it_holds() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    assert_eq!(r.request_id(), RID);
+    assert_eq!(r.attempt_lease(), None, "admitting: no attempt");
+    drain(&mut r);
+    let l = lease(1, "p0", AdapterKind::Mock);
+    r.handle_input(
+        t(0),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    assert_eq!(r.attempt_lease(), None, "pre-sending: not yet an attempt");
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    assert_eq!(r.attempt_lease(), Some(&l), "opening");
+    r.handle_input(t(1), RequestInput::Opened);
+    assert_eq!(r.attempt_lease(), Some(&l), "running");
+    drain(&mut r);
+    // A held non-content event counts its decoded size and the item's
+    // overhead (R-LIM-3).
+    let usage = RunEventKind::Usage(Usage {
+        prompt_tokens: 300,
+        completion_tokens: 70_000,
+    });
+    let size = postcard::experimental::serialized_size(&usage).unwrap();
+    assert!(size > 1);
+    r.handle_input(t(2), run(usage));
+    assert_eq!(r.held_bytes(), HELD_ITEM_OVERHEAD + size);
+    r.handle_input(t(3), run(text("a")));
+    drain(&mut r);
+    assert_eq!(r.held_bytes(), 0, "commit flushed the buffer");
+    r.handle_input(t(4), run(completed()));
+    assert_eq!(r.attempt_lease(), None, "awaiting the verdict");
+}
+
+#[test]
+fn a_client_that_leaves_while_queued_closes_no_stream_r_gate_4() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    r.handle_input(t(1), RequestInput::Dispatch(RequestEvent::Queued));
+    r.handle_input(t(2), RequestInput::ClientDisconnected);
+    let outs = drain(&mut r);
+    assert!(
+        !outs.contains(&RequestOutput::CloseAttempt),
+        "there is no node stream: {outs:?}"
+    );
+    assert_eq!(commands(&outs), vec![cancel()]);
+    assert!(r.is_ended());
+}
+
+#[test]
+fn a_stale_queued_answer_leaves_a_running_attempt_running() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::Dispatch(RequestEvent::Queued));
+    assert!(drain(&mut r).is_empty());
+    r.handle_input(t(3), run(text("a")));
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![
+            Delivery::Commit { tunnel_head: None },
+            Delivery::Event(text("a"))
+        ]
+    );
+    // And a rejection after the queue answer is not this request's any
+    // more (the queue answer came first).
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    r.handle_input(t(1), RequestInput::Dispatch(RequestEvent::Queued));
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::Rejected(AdmitRejection::QueueFull)),
+    );
+    assert!(drain(&mut r).is_empty());
+    assert!(!r.is_ended());
+}
+
+#[test]
+fn only_a_fence_of_the_attempts_own_lease_ends_it_r_gen_3() {
+    let l = lease(1, "p0", AdapterKind::Mock);
+    let other = lease(9, "p1", AdapterKind::Mock);
+    // Running.
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &l);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(other.clone())),
+    );
+    assert!(drain(&mut r).is_empty());
+    r.handle_input(t(3), run(text("a")));
+    assert_eq!(deliveries(&drain(&mut r)).len(), 2, "still running");
+    // Opening.
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    r.handle_input(
+        t(0),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(other)),
+    );
+    assert!(drain(&mut r).is_empty());
+    assert_eq!(r.attempt_lease(), Some(&l));
+    r.handle_input(t(3), RequestInput::Dispatch(RequestEvent::LeaseFenced(l)));
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert!(
+        outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
+            failure: Some(FailureCode::TransportClosed)
+        }))
+    );
+    assert!(
+        commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_))),
+        "a lost transport before commit fails over: {outs:?}"
+    );
+}
+
+#[test]
+fn a_pre_send_answer_about_another_lease_is_ignored_r_gen_4() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    let l = lease(1, "p0", AdapterKind::Mock);
+    r.handle_input(
+        t(0),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(lease(
+            2,
+            "p1",
+            AdapterKind::Mock,
+        )))),
+    );
+    assert!(drain(&mut r).is_empty());
+    assert_eq!(r.gate().attempts(), 0);
+    r.handle_input(
+        t(2),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    assert!(
+        drain(&mut r)
+            .iter()
+            .any(|o| matches!(o, RequestOutput::Open { lease, .. } if *lease == l))
+    );
+}
+
+/// A durable request whose committed run lost its stream at `t(6)` and is
+/// parked on its node with a grace of one second.
+fn parked_briefly() -> (Request, Lease, iop_wire::RunKey) {
+    let mut s = durable_spec();
+    s.park_grace_ms = 1_000;
+    let mut r = Request::new(t(0), s);
+    let l = lease(1, "p0", AdapterKind::Mock);
+    durable_with_two_frames(&mut r, &l);
+    let key = iop_wire::RunKey {
+        generation: l.generation,
+        run_id: l.run_id,
+    };
+    assert!(!r.awaits_parked(key), "running, not parked");
+    r.handle_input(t(6), RequestInput::StreamEnded);
+    assert!(drain(&mut r).contains(&RequestOutput::Observe(RequestObservation::Parked)));
+    assert!(r.awaits_parked(key));
+    assert!(!r.awaits_parked(iop_wire::RunKey {
+        generation: 9,
+        run_id: 9
+    }));
+    (r, l, key)
+}
+
+#[test]
+fn r_park_1_the_park_wait_is_its_grace_and_slack_and_ends_at_that_instant() {
+    let (mut r, _, _) = parked_briefly();
+    let wait = Duration::from_millis(1_000) + PARK_REPORT_SLACK;
+    let until = t(6).saturating_add(wait);
+    assert!(until < r.gate().deadline());
+    assert_eq!(r.poll_timeout(), Some(until));
+    r.handle_timeout(t(5).saturating_add(wait));
+    assert!(drain(&mut r).is_empty(), "nothing fires early");
+    r.handle_timeout(until);
+    let outs = drain(&mut r);
+    assert!(
+        outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
+            failure: Some(FailureCode::TransportClosed)
+        })),
+        "{outs:?}"
+    );
+    assert!(matches!(
+        &journal_writes(&outs)[..],
+        [crate::edge::durable::JournalWrite::Finish { terminal, .. }]
+            if terminal.status == crate::journal::RecordStatus::Failed
+    ));
+}
+
+/// Drive a parked request's adoption to its `Open`, on lease 2.
+fn adoption_opening(r: &mut Request, key: iop_wire::RunKey, at: u64) -> Lease {
+    r.handle_input(t(at), RequestInput::ParkedRun(offer(key, 3)));
+    assert_eq!(
+        commands(&drain(r)),
+        vec![RequestCommand::Adopt {
+            request_id: RID,
+            key
+        }]
+    );
+    let mut l2 = lease(2, "p0", AdapterKind::Mock);
+    l2.generation = 4;
+    r.handle_input(
+        t(at),
+        RequestInput::Dispatch(RequestEvent::Leased(l2.clone())),
+    );
+    drain(r);
+    // An answer about another lease changes nothing.
+    r.handle_input(
+        t(at),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(lease(
+            5,
+            "p0",
+            AdapterKind::Mock,
+        )))),
+    );
+    assert!(drain(r).is_empty());
+    r.handle_input(
+        t(at),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l2.clone()))),
+    );
+    assert!(matches!(
+        &drain(r)[..],
+        [RequestOutput::Open { adopt: Some(_), .. }]
+    ));
+    l2
+}
+
+#[test]
+fn r_park_2_an_adoption_that_cannot_open_waits_for_the_runs_next_report() {
+    for fail in ["open failed", "stream ended", "fenced"] {
+        let (mut r, _, key) = parked_briefly();
+        let l2 = adoption_opening(&mut r, key, 100);
+        assert!(!r.awaits_parked(key), "{fail}: adopting");
+        let input = match fail {
+            "open failed" => RequestInput::OpenFailed(OpenFailure::Transport),
+            "stream ended" => RequestInput::StreamEnded,
+            _ => RequestInput::Dispatch(RequestEvent::LeaseFenced(l2.clone())),
+        };
+        r.handle_input(t(200), input);
+        let outs = drain(&mut r);
+        assert!(outs.contains(&RequestOutput::CloseAttempt), "{fail}");
+        assert_eq!(commands(&outs), vec![cancel()], "{fail}: {outs:?}");
+        assert!(deliveries(&outs).is_empty(), "{fail}: still parked");
+        assert!(
+            observations(&outs).is_empty(),
+            "{fail}: the attempt goes on"
+        );
+        assert!(r.awaits_parked(key), "{fail}");
+        assert_eq!(
+            r.poll_timeout(),
+            Some(t(200).saturating_add(Duration::from_millis(1_000) + PARK_REPORT_SLACK)),
+            "{fail}: a fresh wait"
+        );
+        // The next report is adopted again, as the same attempt.
+        adoption_opening(&mut r, key, 300);
+        assert_eq!(r.gate().attempts(), 1, "{fail}");
+    }
+}
+
+#[test]
+fn r_park_1_a_durable_run_without_a_park_grace_is_not_parked() {
+    let mut r = Request::new(t(0), durable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    durable_with_two_frames(&mut r, &l);
+    r.handle_input(t(6), RequestInput::StreamEnded);
+    let outs = drain(&mut r);
+    assert!(!outs.contains(&RequestOutput::Observe(RequestObservation::Parked)));
+    assert!(
+        outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
+            failure: Some(FailureCode::TransportClosed)
+        }))
+    );
+}
+
+#[test]
+fn r_park_1_a_tunnels_frames_are_never_acked() {
+    // The node keeps frames of normalized durable runs only.
+    let mut s = durable_spec();
+    s.park_grace_ms = 30_000;
+    s.tunnel_api = Some(TunnelApi::OpenAi);
+    s.tunnel_providers = vec![ProviderId::from("p0")];
+    let mut r = Request::new(t(0), s);
+    running(&mut r, &lease(1, "p0", AdapterKind::OpenAi));
+    let mut outs = Vec::new();
+    r.handle_input(
+        t(2),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+            status: 200,
+            headers: vec![],
+        })),
+    );
+    outs.extend(drain(&mut r));
+    for (i, chunk) in ["a", "b"].into_iter().enumerate() {
+        r.handle_input(
+            t(3 + i as u64),
+            RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Body(
+                chunk.as_bytes().to_vec(),
+            ))),
+        );
+        outs.extend(drain(&mut r));
+        r.handle_input(
+            t(3 + i as u64),
+            RequestInput::Journaled(JournalAck::Appended),
+        );
+        outs.extend(drain(&mut r));
+    }
+    assert!(
+        deliveries(&outs).contains(&Delivery::Body(b"b".to_vec())),
+        "{outs:?}"
+    );
+    assert!(acks(&outs).is_empty(), "{outs:?}");
+    assert!(appended_sources(&outs).iter().all(Option::is_none));
+}
+
+#[test]
+fn an_empty_text_delta_is_never_relayed() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    running(&mut r, &lease(1, "p0", AdapterKind::Mock));
+    r.handle_input(t(2), run(text("")));
+    r.handle_input(t(3), run(text("a")));
+    r.handle_input(t(4), run(text("")));
+    assert_eq!(
+        deliveries(&drain(&mut r)),
+        vec![
+            Delivery::Commit { tunnel_head: None },
+            Delivery::Event(text("a"))
+        ]
+    );
+}
+
+#[test]
+fn the_pre_commit_buffer_takes_exactly_its_byte_bound_r_lim_3() {
+    for (extra, fails) in [(0, false), (1, true)] {
+        let mut r = Request::new(t(0), spec(Some(TunnelApi::OpenAi), &["p0"]));
+        running(&mut r, &lease(1, "p0", AdapterKind::OpenAi));
+        // A head counts its header names and values and the item overhead.
+        let value = "y".repeat(MAX_HELD_BYTES - HELD_ITEM_OVERHEAD - 1 + extra);
+        r.handle_input(
+            t(2),
+            RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+                status: 200,
+                headers: vec![("x".into(), value)],
+            })),
+        );
+        let outs = deliveries(&drain(&mut r));
+        assert_eq!(!outs.is_empty(), fails, "extra {extra}: {outs:?}");
+        if !fails {
+            assert_eq!(r.held_bytes(), MAX_HELD_BYTES);
+        }
+    }
+}
