@@ -7,11 +7,15 @@
 
 pub mod adapter;
 pub mod config;
+pub mod control;
+pub mod error;
 pub mod link;
 pub mod metrics;
 pub mod mock;
 pub mod park;
+pub mod parking;
 pub mod run;
+pub mod state;
 pub mod supervisor;
 
 use std::sync::Arc;
@@ -21,14 +25,14 @@ use tokio::task::JoinHandle;
 
 use crate::adapter::Adapter;
 use crate::config::NodeConfig;
-use crate::link::LinkShared;
+use crate::state::LinkShared;
 
 /// A running node (the supervisor task and its shared state).
 pub struct RunningNode {
     shutdown: watch::Sender<bool>,
     shared: Arc<LinkShared>,
     /// `None` once [`RunningNode::stopped`] has seen the task end.
-    task: Option<JoinHandle<Result<(), supervisor::StartError>>>,
+    task: Option<JoinHandle<Result<(), error::StartError>>>,
 }
 
 /// Process options that are not configuration.
@@ -82,11 +86,11 @@ impl RunningNode {
                 std::net::TcpListener::bind(addr)
                     .and_then(|l| l.set_nonblocking(true).map(|()| l))
                     .and_then(tokio::net::TcpListener::from_std)
-                    .map_err(|source| supervisor::StartError::MetricsListen { addr, source })
+                    .map_err(|source| error::StartError::MetricsListen { addr, source })
             })
             .transpose();
         let identity = metrics_listener.and_then(|listener| {
-            link::NodeIdentity::load(&config).map(|identity| (identity, listener))
+            state::NodeIdentity::load(&config).map(|identity| (identity, listener))
         });
         let identity = identity.and_then(|(identity, listener)| {
             // The metrics pipeline is named after the node (OTLP resource).
@@ -120,7 +124,7 @@ impl RunningNode {
             }
         };
         let shared = Arc::new(shared);
-        shared.metrics.observe_link(&shared);
+        LinkShared::observe_metrics(&shared);
         let (shutdown, rx) = watch::channel(false);
         if let Some(listener) = metrics_listener {
             let shared = shared.clone();
@@ -166,7 +170,7 @@ impl RunningNode {
         self.shared
             .edges
             .iter()
-            .map(link::EdgeSlot::ready_generation)
+            .map(state::EdgeSlot::ready_generation)
             .collect()
     }
 
@@ -183,7 +187,7 @@ impl RunningNode {
     /// has resolved once it never resolves again.
     ///
     /// [`shutdown`]: RunningNode::shutdown
-    pub async fn stopped(&mut self) -> Result<(), supervisor::StartError> {
+    pub async fn stopped(&mut self) -> Result<(), error::StartError> {
         let Some(task) = self.task.as_mut() else {
             return std::future::pending().await;
         };
@@ -194,7 +198,7 @@ impl RunningNode {
 
     /// Close the connection with `shutdown`, stop, and push the final
     /// metrics to the OTLP collector when one is configured.
-    pub async fn shutdown(self) -> Result<(), supervisor::StartError> {
+    pub async fn shutdown(self) -> Result<(), error::StartError> {
         self.shutdown.send_replace(true);
         let result = match self.task {
             Some(task) => task.await.unwrap_or(Ok(())),

@@ -9,273 +9,30 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use iop_core::ids::{Generation, RunId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
-use iop_core::node::capacity::NodeCapacity;
-use iop_core::node::probe::{ProbeEvidence, TargetCredential};
+use iop_core::node::probe::ProbeEvidence;
 use iop_core::node::watchdog::{
-    CancelReason, Emission, ProbeOutcome, ProviderEvent, RunKind, RunTerminal, WatchdogOutput,
+    CancelReason, Emission, ProbeOutcome, ProviderEvent, WatchdogOutput,
 };
 use iop_trace::{MachineKind, Tap, TraceWriter, TracedWatchdog, WatchdogConfigRec};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend, framed_for_side, open_framed};
 use iop_wire::{
-    AdapterKind, CloseCode, ConfigSnapshot, EdgeControl, FailureCode, NodeControl,
-    NodeReadyRequest, OfferedProvider, PROTOCOL_VERSION, RegisterRequest, RegisterResponse,
-    RejectReason, TransportStatusReport,
+    AdapterKind, CloseCode, ConfigSnapshot, EdgeControl, NodeControl, NodeReadyRequest,
+    OfferedProvider, PROTOCOL_VERSION, RegisterRequest, RegisterResponse, RejectReason,
+    TransportStatusReport,
 };
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
-use crate::adapter::{Adapter, ProbeVerdict};
 use crate::config::NodeConfig;
+use crate::control::{LinkMsg, LinkTx, RunControl};
 use crate::run;
-
-/// The file (in `state_dir`) holding the lease recipient key, mode 0600.
-pub const RECIPIENT_KEY_FILE: &str = "recipient.key";
-
-/// Who this node is, for credential leases (R-CRED-1): its id (from its own
-/// certificate) and its X25519 recipient key. Debug never shows the key.
-pub struct NodeIdentity {
-    /// The node id in this node's certificate (`node://<id>`).
-    pub node_id: String,
-    recipient: x25519_dalek::StaticSecret,
-}
-
-impl std::fmt::Debug for NodeIdentity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodeIdentity")
-            .field("node_id", &self.node_id)
-            .finish_non_exhaustive()
-    }
-}
-
-impl NodeIdentity {
-    /// Load (or create, mode 0600) `state_dir/recipient.key` and read the
-    /// node id from the configured certificate.
-    pub fn load(config: &NodeConfig) -> Result<Self, crate::supervisor::StartError> {
-        use iop_core::cred::keys;
-        use rustls::pki_types::{CertificateDer, pem::PemObject};
-        let err = crate::supervisor::StartError::Credentials;
-        let cert = CertificateDer::from_pem_file(&config.tls.cert)
-            .map_err(|e| err(format!("{}: {e}", config.tls.cert.display())))?;
-        let node_id = iop_transport::node_id_from_cert(&cert)
-            .map_err(|e| err(format!("{}: {e}", config.tls.cert.display())))?;
-        let path = config.node.state_dir.join(RECIPIENT_KEY_FILE);
-        let bytes = iop_transport::keyfile::load_or_create(&path, || {
-            keys::recipient_secret_to_bytes(&keys::generate_recipient_key(&mut rand::rng()))
-        })
-        .map_err(|e| err(e.to_string()))?;
-        let recipient = keys::recipient_secret_from_bytes(&bytes)
-            .map_err(|e| err(format!("{}: {e}", path.display())))?;
-        Ok(Self { node_id, recipient })
-    }
-
-    /// The public key leases are sealed to.
-    pub fn public_key(&self) -> [u8; 32] {
-        iop_core::cred::keys::recipient_public_key(&self.recipient).to_bytes()
-    }
-}
-
-/// One configured Edge's connection, as the rest of the node sees it.
-pub struct EdgeSlot {
-    /// Its address as configured (`host:port`).
-    pub address: String,
-    /// The generation of its current connection (0 when disconnected).
-    pub generation: AtomicU64,
-    /// Whether its current connection completed readiness.
-    pub ready: AtomicBool,
-    /// The close code of its last connection that ended (`u64::MAX`: none).
-    pub last_close_code: AtomicU64,
-    /// The replay cache of this Edge's leases (R-CRED-3): owned by the
-    /// current link task while a connection is up (taken at its start,
-    /// handed back at its end); this lock is never touched on the run
-    /// path. Each Edge seals its own leases, so each has its own cache.
-    replay: std::sync::Mutex<Option<iop_core::cred::ReplayCache>>,
-}
-
-impl EdgeSlot {
-    /// The slot of the Edge at `address`.
-    pub fn new(address: &str) -> Self {
-        Self {
-            address: address.to_owned(),
-            generation: AtomicU64::new(0),
-            ready: AtomicBool::new(false),
-            last_close_code: AtomicU64::new(u64::MAX),
-            replay: std::sync::Mutex::new(Some(iop_core::cred::ReplayCache::new())),
-        }
-    }
-
-    /// Why its last connection ended.
-    pub fn last_close(&self) -> Option<CloseCode> {
-        CloseCode::from_code(self.last_close_code.load(Ordering::Relaxed))
-    }
-
-    /// Its current connection's generation, once ready.
-    pub fn ready_generation(&self) -> Option<u64> {
-        self.ready
-            .load(Ordering::Relaxed)
-            .then(|| self.generation.load(Ordering::Relaxed))
-            .filter(|g| *g != 0)
-    }
-}
-
-/// State that outlives one connection.
-pub struct LinkShared {
-    /// One adapter per configured provider target.
-    pub adapters: Vec<Adapter>,
-    /// Bound of every exact-target probe (R-WD-3, R-CAP-1).
-    pub probe_bound: std::time::Duration,
-    /// Stall metrics.
-    pub metrics: crate::metrics::NodeMetrics,
-    /// Test hook: while true, the control loops stop reading and answering
-    /// heartbeats (the connections themselves stay up).
-    pub pause_control: watch::Sender<bool>,
-    /// Late provider outputs fenced after a terminal, all connections (R-WD-6).
-    pub fenced_late_outputs: AtomicU64,
-    /// Stalls observed, all connections.
-    pub stalls: AtomicU64,
-    /// One slot per configured Edge, in configuration order (R-MULTI-1).
-    pub edges: Vec<EdgeSlot>,
-    /// Handlers canceled because their connection ended (R-DISC-1).
-    pub disconnect_cancels: AtomicU64,
-    /// Connection attempts that failed before readiness.
-    pub failed_attempts: AtomicU64,
-    /// Connections the Edge closed as superseded: another process with
-    /// this node's certificate connected.
-    pub superseded: AtomicU64,
-    /// Where to record each connection's watchdog trace (`--record-trace`).
-    pub record_trace: Option<std::path::PathBuf>,
-    /// This node's id and lease recipient key (`None`: no managed
-    /// credentials; every lease is refused).
-    pub identity: Option<NodeIdentity>,
-    /// Credential leases refused, all connections.
-    pub credential_rejections: AtomicU64,
-    /// Targets whose credential the Edge manages, as of the latest snapshot
-    /// (read by health probes only; the lease path uses the link's copy).
-    managed: std::sync::RwLock<Vec<(AdapterKind, String)>>,
-    /// Durable runs, which outlive their connection (R-PARK-1).
-    pub parking: crate::park::ParkingLot,
-    /// Bytes one durable run keeps until acknowledged (`[node]
-    /// park_buffer_bytes`).
-    pub park_buffer_bytes: usize,
-    /// The node's one run count over every connection (R-MULTI-1): the
-    /// core's rule, shared by the links.
-    capacity: std::sync::Mutex<NodeCapacity>,
-}
-
-impl LinkShared {
-    /// Shared state for `adapters`, one Edge at `edges` each, at most
-    /// `capacity` runs.
-    pub fn new(
-        adapters: Vec<Adapter>,
-        probe_bound: std::time::Duration,
-        edges: &[String],
-        capacity: NodeCapacity,
-    ) -> Self {
-        Self {
-            adapters,
-            probe_bound,
-            metrics: crate::metrics::NodeMetrics::default(),
-            pause_control: watch::channel(false).0,
-            fenced_late_outputs: AtomicU64::new(0),
-            stalls: AtomicU64::new(0),
-            edges: edges.iter().map(|e| EdgeSlot::new(e)).collect(),
-            disconnect_cancels: AtomicU64::new(0),
-            failed_attempts: AtomicU64::new(0),
-            superseded: AtomicU64::new(0),
-            record_trace: None,
-            identity: None,
-            credential_rejections: AtomicU64::new(0),
-            managed: std::sync::RwLock::new(Vec::new()),
-            parking: crate::park::ParkingLot::default(),
-            park_buffer_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
-            capacity: std::sync::Mutex::new(capacity),
-        }
-    }
-
-    fn capacity(&self) -> std::sync::MutexGuard<'_, NodeCapacity> {
-        // Every change is one call on the count.
-        self.capacity.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Runs attached to a connection now, over every connection.
-    pub fn running(&self) -> usize {
-        self.capacity().running()
-    }
-
-    /// Edge connections that completed readiness now.
-    pub fn ready_edges(&self) -> usize {
-        self.edges
-            .iter()
-            .filter(|e| e.ready.load(Ordering::Relaxed))
-            .count()
-    }
-
-    /// The trace file of the connection of `generation`
-    /// (`<record-trace>.<generation>`), if recording.
-    pub fn trace_file(&self, generation: u64) -> Option<Box<dyn std::io::Write + Send>> {
-        let base = self.record_trace.as_ref()?;
-        let path = std::path::PathBuf::from(format!("{}.{generation}", base.display()));
-        match std::fs::File::create(&path) {
-            Ok(f) => Some(Box::new(std::io::BufWriter::new(f))),
-            Err(e) => {
-                tracing::error!(event = "node_trace_open_failed", error = %e);
-                None
-            }
-        }
-    }
-
-    /// Why the last connection to the first Edge ended.
-    pub fn last_close(&self) -> Option<CloseCode> {
-        self.edges.first().and_then(EdgeSlot::last_close)
-    }
-
-    /// A probe verdict for `adapter`/`target`, as core classifies it for
-    /// where that target's credential comes from (a managed target is
-    /// probed without one).
-    pub fn probe_verdict(
-        &self,
-        adapter: AdapterKind,
-        target: &str,
-        verdict: ProbeVerdict,
-    ) -> ProbeVerdict {
-        let managed = self
-            .managed
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .any(|(a, t)| *a == adapter && t == target);
-        let credential = if managed {
-            TargetCredential::Managed
-        } else {
-            TargetCredential::Standing
-        };
-        let evidence = ProbeEvidence::new(verdict.health, verdict.failure).for_target(credential);
-        ProbeVerdict {
-            health: evidence.health,
-            failure: evidence.failure,
-            models: verdict.models,
-        }
-    }
-
-    fn set_managed(&self, managed: &[iop_wire::ManagedTarget]) {
-        *self.managed.write().unwrap_or_else(|e| e.into_inner()) = managed
-            .iter()
-            .map(|m| (m.adapter, m.target.clone()))
-            .collect();
-    }
-
-    /// The adapter serving `adapter`/`target`.
-    pub fn adapter(&self, adapter: AdapterKind, target: &str) -> Option<&Adapter> {
-        self.adapters
-            .iter()
-            .find(|a| a.kind() == adapter && a.target() == target)
-    }
-}
+use crate::state::{LinkShared, NodeIdentity};
 
 /// How a link ended.
 #[derive(Debug)]
@@ -300,144 +57,6 @@ pub enum LinkEnd {
     Failed(FramedError),
     /// Registration and readiness did not complete in time.
     HandshakeTimeout,
-}
-
-/// What the link tells one run handler.
-pub enum RunControl {
-    /// Stop the provider call now (stall claimed, canceled, disconnected).
-    CancelProvider,
-    /// Write this terminal and end (the watchdog's decision).
-    Terminal(RunTerminal),
-    /// A connection adopts this parked durable run (R-PARK-2).
-    Attach(Box<crate::park::Attach>),
-}
-
-impl std::fmt::Debug for RunControl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RunControl::CancelProvider => f.write_str("CancelProvider"),
-            RunControl::Terminal(t) => f.debug_tuple("Terminal").field(t).finish(),
-            RunControl::Attach(a) => f
-                .debug_struct("Attach")
-                .field("run_id", &a.request.run_id)
-                .field("key", &a.request.key)
-                .finish_non_exhaustive(),
-        }
-    }
-}
-
-/// What run handlers tell the link.
-pub enum LinkMsg {
-    /// A handler wants to start a run (admission + watchdog start).
-    Start {
-        /// The run.
-        run_id: RunId,
-        /// Normalized or tunnel.
-        kind: RunKind,
-        /// Wire stall timeout (already validated).
-        stall_timeout: std::time::Duration,
-        /// Hard deadline, if any.
-        deadline: Option<std::time::Duration>,
-        /// Adapter/target (for the probe).
-        adapter: AdapterKind,
-        /// Target.
-        target: String,
-        /// The request carries a sealed credential lease.
-        carries_lease: bool,
-        /// A parked run being adopted: it already holds its capacity.
-        adopted: bool,
-        /// Control channel to the handler.
-        control: mpsc::UnboundedSender<RunControl>,
-        /// Admitted, or the failure to answer with.
-        reply: oneshot::Sender<Result<(), FailureCode>>,
-    },
-    /// A provider output; the reply says whether to forward it (R-WD-6).
-    Event {
-        /// The run.
-        run_id: RunId,
-        /// Classified output.
-        event: ProviderEvent,
-        /// Forward or drop.
-        reply: oneshot::Sender<Emission>,
-    },
-    /// Several outputs of one run that were ready together, in order: one
-    /// message instead of one per output.
-    Events {
-        /// The run.
-        run_id: RunId,
-        /// Classified outputs, in the order the provider produced them.
-        events: Vec<ProviderEvent>,
-        /// Forward or drop, one per output.
-        reply: oneshot::Sender<Vec<Emission>>,
-    },
-    /// The handler dropped its provider call on a cancel: the call ended
-    /// (R-WD-4 timing).
-    ProviderReturned {
-        /// The run.
-        run_id: RunId,
-    },
-    /// The handler ended.
-    Finished {
-        /// The run.
-        run_id: RunId,
-    },
-    /// The Edge canceled the run by resetting its stream.
-    Canceled {
-        /// The run.
-        run_id: RunId,
-    },
-    /// A probe finished.
-    ProbeDone {
-        /// The run.
-        run_id: RunId,
-        /// Its verdict.
-        outcome: ProbeOutcome,
-    },
-    /// A `TransportStatus` command.
-    Status {
-        /// The answer.
-        reply: oneshot::Sender<TransportStatusReport>,
-    },
-    /// Open the run's credential lease (R-CRED-2), after admission and
-    /// right before the provider call. `Ok(None)`: the target is not
-    /// managed and no lease came; `Err`: fail closed.
-    OpenLease {
-        /// The run (the lease's slot).
-        run_id: RunId,
-        /// Adapter of the target about to be called.
-        adapter: AdapterKind,
-        /// The target about to be called.
-        target: String,
-        /// The route (model) when the node can tell.
-        route: Option<String>,
-        /// The sealed lease, if one came.
-        lease: Option<Vec<u8>>,
-        /// The credential, or the closed rejection reason.
-        reply: oneshot::Sender<Result<Option<iop_core::cred::Secret>, &'static str>>,
-    },
-    /// A `Capabilities` command: take the next observation sequence.
-    TakeObservationSeq {
-        /// The sequence.
-        reply: oneshot::Sender<u64>,
-    },
-}
-
-/// A handle run handlers use to reach their link.
-#[derive(Clone)]
-pub struct LinkTx(pub(crate) mpsc::Sender<LinkMsg>);
-
-impl LinkTx {
-    /// Send a message and await its oneshot answer; `None` if the link ended.
-    pub async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> LinkMsg) -> Option<T> {
-        let (tx, rx) = oneshot::channel();
-        self.0.send(make(tx)).await.ok()?;
-        rx.await.ok()
-    }
-
-    /// Fire and forget.
-    pub async fn tell(&self, msg: LinkMsg) {
-        let _ = self.0.send(msg).await;
-    }
 }
 
 struct RunSlot {
@@ -511,12 +130,7 @@ pub async fn run(
         shared: shared.clone(),
         probes: JoinSet::new(),
         creds: LinkCreds::default(),
-        replay: slot
-            .replay
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_default(),
+        replay: slot.take_replay(),
     };
     link.creds.apply(&snapshot);
     shared.set_managed(&snapshot.managed_targets);
@@ -624,7 +238,7 @@ pub async fn run(
     slot.ready.store(false, Ordering::Relaxed);
     slot.generation.store(0, Ordering::Relaxed);
     // Hand the replay cache to this Edge's next connection.
-    *slot.replay.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::mem::take(&mut link.replay));
+    slot.return_replay(std::mem::take(&mut link.replay));
     if let LinkEnd::Closed { code, .. } = &end {
         close_connection(&conn, *code);
     }

@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use iop_transport::telemetry::MetricsPipeline;
-use iop_transport::traces::{TracePipeline, TraceSpan, Tracer};
+use iop_transport::traces::{Kind, TracePipeline, TraceSpan, Tracer};
 use iop_wire::{AdapterKind, FailureCode, ProviderHealth, StreamErrorCode, Usage};
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram};
@@ -54,9 +54,6 @@ pub fn run_outcomes() -> impl Iterator<Item = &'static str> {
 const TTFT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
-
-/// Reads one value off the link's shared state.
-type ReadLink = fn(&crate::link::LinkShared) -> u64;
 
 /// Every Node instrument.
 pub struct NodeMetrics {
@@ -179,7 +176,7 @@ impl NodeMetrics {
     }
 
     /// Counters per configured target, declared at 0.
-    fn declare_target_series(&self, adapter: AdapterKind, target: &str) {
+    pub(crate) fn declare_target_series(&self, adapter: AdapterKind, target: &str) {
         let base = [
             KeyValue::new("adapter", adapter.as_str()),
             KeyValue::new("target", target.to_owned()),
@@ -206,6 +203,24 @@ impl NodeMetrics {
     /// The tracer run spans start on.
     pub fn tracer(&self) -> Tracer {
         self.traces.tracer()
+    }
+
+    /// The meter of the node's own instruments.
+    pub(crate) fn meter(&self) -> opentelemetry::metrics::Meter {
+        self.pipeline.meter("iop-node")
+    }
+
+    /// The `node.run` span of a run or tunnel: a child of the Edge's span
+    /// when the request carries a trace context (R-OBS-1: identifiers and
+    /// closed values only).
+    pub(crate) fn run_span(
+        &self,
+        kind: &'static str,
+        parent: Option<iop_wire::TraceContext>,
+    ) -> TraceSpan {
+        let span = self.tracer().start("node.run", Kind::Server, parent);
+        span.set("iop.kind", kind);
+        span
     }
 
     /// Final metric and span export (blocking; bounded by the export
@@ -267,72 +282,24 @@ impl NodeMetrics {
         self.pipeline.render()
     }
 
-    /// Gauges and counters read from the link's shared state at each
-    /// collection: whether a connection is ready, and the connection and
-    /// fencing counters. Holds only a weak reference (the state owns these
-    /// metrics).
-    pub fn observe_link(&self, shared: &std::sync::Arc<crate::link::LinkShared>) {
-        use std::sync::atomic::Ordering;
-        for a in &shared.adapters {
-            self.declare_target_series(a.kind(), a.target());
-        }
-        let meter = self.pipeline.meter("iop-node");
-        let weak = std::sync::Arc::downgrade(shared);
-        let read = move |f: ReadLink| {
-            let weak = weak.clone();
-            move || weak.upgrade().map(|s| f(&s))
-        };
-        let connected = read(|s| s.ready_edges() as u64);
-        meter
-            .u64_observable_gauge("iop_node_connected")
-            .with_description(
-                "Edge connections ready now (1 with one Edge; up to the Edges configured)",
-            )
-            .with_callback(move |o| {
-                if let Some(v) = connected() {
-                    o.observe(v, &[])
-                }
-            })
-            .build();
-        let counters: [(&'static str, &'static str, ReadLink); 4] = [
-            (
-                "iop_node_superseded",
-                "Connections the Edge closed as superseded: another process connected with this node's certificate",
-                |s| s.superseded.load(Ordering::Relaxed),
-            ),
-            (
-                "iop_node_failed_connection_attempts",
-                "Connection attempts that failed before readiness",
-                |s| s.failed_attempts.load(Ordering::Relaxed),
-            ),
-            (
-                "iop_node_disconnect_cancels",
-                "Provider calls canceled because their connection ended (R-DISC-1)",
-                |s| s.disconnect_cancels.load(Ordering::Relaxed),
-            ),
-            (
-                "iop_node_fenced_late_outputs",
-                "Provider outputs dropped after their run's terminal (R-WD-6)",
-                |s| s.fenced_late_outputs.load(Ordering::Relaxed),
-            ),
-        ];
-        for (name, description, f) in counters {
-            let value = read(f);
-            meter
-                .u64_observable_counter(name)
-                .with_description(description)
-                .with_callback(move |o| {
-                    if let Some(v) = value() {
-                        o.observe(v, &[])
-                    }
-                })
-                .build();
-        }
-    }
-
     /// The pipeline (OTLP flush and shutdown).
     pub fn pipeline(&self) -> &MetricsPipeline {
         &self.pipeline
+    }
+}
+
+/// The `node.run` span, ended with the run's outcome.
+pub(crate) struct RunSpan(pub(crate) TraceSpan);
+
+impl RunSpan {
+    pub(crate) fn end(&self, record: &RunRecord<'_>) {
+        let outcome = record.outcome();
+        self.0.set("iop.outcome", outcome);
+        if outcome == RUN_OK {
+            self.0.ok();
+        } else {
+            self.0.fail(outcome);
+        }
     }
 }
 

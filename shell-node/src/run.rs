@@ -24,7 +24,9 @@ use iop_wire::{
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::link::{LinkMsg, LinkShared, LinkTx, RunControl};
+use crate::control::{LinkMsg, LinkTx, RunControl};
+use crate::metrics::RunSpan;
+use crate::state::LinkShared;
 
 /// Serve one data stream opened by the Edge.
 pub async fn serve_stream(
@@ -69,7 +71,7 @@ pub async fn serve_stream(
         DataRequest::Adopt(request) => {
             let key = request.key;
             let response_id = request.response_id.clone();
-            let attach = crate::park::Attach {
+            let attach = crate::control::Attach {
                 send,
                 recv,
                 link,
@@ -83,7 +85,7 @@ pub async fn serve_stream(
             }
         }
         DataRequest::Run(req) => {
-            let span = run_span(&shared, "normalized", req.trace_context);
+            let span = shared.metrics.run_span("normalized", req.trace_context);
             let run_id = req.run_id;
             let stall = req.response_stall_timeout_ms;
             let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
@@ -112,7 +114,7 @@ pub async fn serve_stream(
             .await;
         }
         DataRequest::Tunnel(req) => {
-            let span = run_span(&shared, "tunnel", req.trace_context);
+            let span = shared.metrics.run_span("tunnel", req.trace_context);
             let run_id = req.run_id;
             let stall = req.response_stall_timeout_ms;
             let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
@@ -141,22 +143,6 @@ pub async fn serve_stream(
         }
         DataRequest::Command(cmd) => command(&mut send, cmd, &link, &shared).await,
     }
-}
-
-/// The `node.run` span of a run or tunnel: a child of the Edge's span when
-/// the request carries a trace context (R-OBS-1: identifiers and closed
-/// values only).
-pub(crate) fn run_span(
-    shared: &LinkShared,
-    kind: &'static str,
-    parent: Option<iop_wire::TraceContext>,
-) -> TraceSpan {
-    let span = shared
-        .metrics
-        .tracer()
-        .start("node.run", Kind::Server, parent);
-    span.set("iop.kind", kind);
-    span
 }
 
 /// A run's sealed credential lease and what the node can bind it to.
@@ -482,21 +468,6 @@ async fn execute<S, F>(
     }
     link.tell(LinkMsg::Finished { run_id }).await;
     run.end(&record);
-}
-
-/// The `node.run` span, ended with the run's outcome.
-pub(crate) struct RunSpan(pub(crate) TraceSpan);
-
-impl RunSpan {
-    pub(crate) fn end(&self, record: &crate::metrics::RunRecord<'_>) {
-        let outcome = record.outcome();
-        self.0.set("iop.outcome", outcome);
-        if outcome == crate::metrics::RUN_OK {
-            self.0.ok();
-        } else {
-            self.0.fail(outcome);
-        }
-    }
 }
 
 /// The most outputs of one run offered to the watchdog in one message.

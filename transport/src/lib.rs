@@ -5,6 +5,8 @@
 //! * [`identity`]: the node id a certificate carries.
 //! * [`tls`] and [`endpoint`]: mutual-TLS quinn endpoints (ring provider,
 //!   TLS 1.3, ALPN `iop/1`), [`QuicTuning`], and [`peer_node_id`].
+//! * [`error`]: [`TransportError`], why an endpoint or a connection could
+//!   not be made (shared by [`tls`] and [`endpoint`]).
 //! * [`framed`]: typed messages over quinn streams as length-prefixed
 //!   postcard frames; malformed frames stop only their stream with a typed
 //!   code.
@@ -34,6 +36,7 @@
 pub mod clock;
 pub mod close;
 pub mod endpoint;
+pub mod error;
 pub mod framed;
 pub mod identity;
 pub mod keyfile;

@@ -15,7 +15,7 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
 use sha2::{Digest as _, Sha256};
 
-use crate::endpoint::TransportError;
+use crate::error::TransportError;
 use crate::pki::{PkiError, load_ca, load_cert_chain, load_private_key};
 
 /// What the Edge presents and whom it accepts.

@@ -1,5 +1,6 @@
-//! The mock inside the Node: runs play the script directly; tunnels go
-//! through the same router the HTTP mock serves, without a socket.
+//! The `mock` adapter: the built-in provider ([`crate::mock`]) inside the
+//! Node. Runs play the script directly; tunnels go through the same router
+//! the HTTP mock serves, without a socket.
 
 use std::sync::Arc;
 
@@ -14,12 +15,13 @@ use iop_wire::{
 };
 use tower::ServiceExt;
 
-use super::script::{MockPrompt, MockStep, play};
-use super::server::{MockState, router};
-use super::{MOCK_LOGPROB, MOCK_REASONING, MockScript, ProbeHealth, mock_embedding};
-use crate::adapter::openai::generate_prompt;
-use crate::adapter::relay::{RelayCall, body_frames, request_headers, response_headers, validate};
-use crate::adapter::{ProbeVerdict, ProviderCallError, failed_run, failed_tunnel};
+use super::openai::generate_prompt;
+use super::relay::{RelayCall, body_frames, request_headers, response_headers, validate};
+use super::{ProbeVerdict, ProviderCallError, failed_run, failed_tunnel};
+use crate::mock::{
+    MOCK_LOGPROB, MOCK_REASONING, MockPrompt, MockScript, MockState, MockStep, ProbeHealth,
+    mock_embedding, play, router,
+};
 
 const DEFAULT_TOOL: &str = "mock_tool";
 
@@ -62,7 +64,7 @@ impl InProcessMock {
                     (RunApi::Chat, Some(tool)) => tool.name.clone(),
                     _ => DEFAULT_TOOL.to_owned(),
                 }),
-            continue_from: super::script::continued_tokens(
+            continue_from: crate::mock::continued_tokens(
                 req.messages
                     .last()
                     .filter(|m| m.role == iop_wire::Role::Assistant)

@@ -22,9 +22,10 @@
 pub mod client;
 mod error;
 mod lines;
+mod mock;
 mod ollama;
-pub(crate) mod openai;
-pub(crate) mod relay;
+mod openai;
+mod relay;
 mod sse;
 
 use std::sync::Arc;
@@ -44,7 +45,7 @@ pub use error::ProviderCallError;
 pub use lines::{LineBuffer, LineError, MAX_LINE_BYTES};
 pub use sse::{MAX_EVENT_BYTES, SseGuardError, bounded as bounded_sse};
 
-use crate::mock::InProcessMock;
+use mock::InProcessMock;
 
 /// The largest probe answer read; more is malformed.
 pub const MAX_PROBE_BODY_BYTES: usize = 4 * 1024 * 1024;

@@ -7,7 +7,7 @@
 //!
 //! It runs two ways with the same [`MockScript`] engine:
 //!
-//! * **in process**: an [`crate::adapter::Adapter`] of kind `mock` runs the
+//! * **in process**: the Node's adapter of kind `mock` runs the
 //!   script directly (no HTTP) and yields the same run events and tunnel
 //!   frames an `openai` adapter yields against the HTTP mock;
 //! * **over HTTP** ([`serve`], [`MockServer`], `iop-node mock-provider`):
@@ -65,14 +65,14 @@
 //! the answer with finish reason `length`.
 
 mod cli;
-mod in_process;
 mod script;
 mod server;
 
 pub use cli::{MockArgs, run_cli};
-pub(crate) use in_process::InProcessMock;
+pub(crate) use script::continued_tokens;
 pub use script::{MOCK_TOOL_CALL_ID, MockPrompt, MockStep, play, token_text};
 pub use server::{MockServer, MockServerError, MockStats, ServeOptions, serve, serve_with};
+pub(crate) use server::{MockState, router};
 
 /// Values in a mock embedding vector.
 pub const MOCK_EMBEDDING_DIMENSIONS: usize = 8;

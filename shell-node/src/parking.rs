@@ -1,0 +1,194 @@
+//! The node's durable runs as other tasks see them (SPEC §6, R-PARK-1,
+//! R-PARK-2): how to reach each one and what a registration reports of it.
+//! Each run's own task (module `park`) keeps its entry current.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use iop_core::node::capacity::ParkedRuns;
+use iop_core::node::park::{ParkState, RunPark};
+use iop_wire::{ParkedRun, RunEventKind, RunKey};
+use tokio::sync::mpsc;
+
+use crate::control::{Attach, RunControl};
+
+/// What the node holds of one durable run for other tasks: how to reach
+/// it, and what a registration reports of it.
+pub(crate) struct ParkEntry {
+    pub(crate) control: mpsc::UnboundedSender<RunControl>,
+    pub(crate) report: ParkedRun,
+    pub(crate) state: ParkState,
+}
+
+/// A durable run in the [`ParkingLot`]: its [`RunKey`] and its response.
+/// The key alone is not enough on a node connected to several Edges: two
+/// Edges started in the same millisecond hand out the same generations
+/// (R-MULTI-1), so their run keys can coincide; a response id cannot.
+pub(crate) type LotKey = (RunKey, String);
+
+/// The node's durable runs, by [`RunKey`] and response.
+pub struct ParkingLot {
+    runs: Mutex<HashMap<LotKey, ParkEntry>>,
+    /// Bumped each time a run parks: every live connection then reports
+    /// the parked runs to its Edge (R-PARK-2, R-MULTI-1).
+    parked_changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for ParkingLot {
+    fn default() -> Self {
+        Self {
+            runs: Mutex::default(),
+            parked_changed: tokio::sync::watch::channel(0).0,
+        }
+    }
+}
+
+impl ParkingLot {
+    fn runs(&self) -> std::sync::MutexGuard<'_, HashMap<LotKey, ParkEntry>> {
+        // Entries are inserted, updated and removed whole.
+        self.runs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The durable runs a registration reports (R-PARK-2): every one that
+    /// is not over. A run still attached to a connection that is going
+    /// away is reported too; an adoption detaches it first.
+    pub fn reports(&self) -> Vec<ParkedRun> {
+        let mut reports: Vec<ParkedRun> = self
+            .runs()
+            .values()
+            .filter(|e| e.state != ParkState::Over)
+            .map(|e| e.report.clone())
+            .collect();
+        reports.sort_by_key(|r| r.key);
+        reports.truncate(iop_wire::MAX_PARKED_RUNS);
+        reports
+    }
+
+    /// The runs parked now (without a connection), as a live connection
+    /// reports them (R-PARK-2, R-MULTI-1).
+    pub fn parked_reports(&self) -> Vec<ParkedRun> {
+        let mut reports: Vec<ParkedRun> = self
+            .runs()
+            .values()
+            .filter(|e| matches!(e.state, ParkState::Parked { .. }))
+            .map(|e| e.report.clone())
+            .collect();
+        reports.sort_by_key(|r| r.key);
+        reports.truncate(iop_wire::MAX_PARKED_RUNS);
+        reports
+    }
+
+    /// Told each time a run parks.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.parked_changed.subscribe()
+    }
+
+    /// Durable runs without a connection now, in all and on
+    /// `adapter`/`target`: they still hold provider capacity (the node's
+    /// run limit counts them).
+    pub fn parked_runs(&self, adapter: iop_wire::AdapterKind, target: &str) -> ParkedRuns {
+        let runs = self.runs();
+        let parked = runs
+            .values()
+            .filter(|e| matches!(e.state, ParkState::Parked { .. }));
+        let mut counts = ParkedRuns::default();
+        for e in parked {
+            counts.total += 1;
+            if e.report.adapter == adapter && e.report.target == target {
+                counts.on_target += 1;
+            }
+        }
+        counts
+    }
+
+    /// Hand an adoption to the run it names; false if there is none.
+    pub fn adopt(&self, key: RunKey, response_id: &str, attach: Attach) -> bool {
+        match self.runs().get(&(key, response_id.to_owned())) {
+            Some(entry) => entry
+                .control
+                .send(RunControl::Attach(Box::new(attach)))
+                .is_ok(),
+            None => false,
+        }
+    }
+
+    pub(crate) fn insert(&self, key: LotKey, entry: ParkEntry) {
+        self.runs().insert(key, entry);
+    }
+
+    pub(crate) fn update(&self, key: &LotKey, park: &RunPark<RunEventKind>) {
+        let mut runs = self.runs();
+        if let Some(entry) = runs.get_mut(key) {
+            let summary = park.summary();
+            let was_parked = matches!(entry.state, ParkState::Parked { .. });
+            entry.state = park.state();
+            if !was_parked && matches!(entry.state, ParkState::Parked { .. }) {
+                self.parked_changed.send_modify(|n| *n = n.wrapping_add(1));
+            }
+            entry.report.first_kept_frame = summary.first_kept;
+            entry.report.last_frame = summary.last;
+            entry.report.ended = summary.ended;
+        }
+    }
+
+    pub(crate) fn remove(&self, key: &LotKey) {
+        self.runs().remove(key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(key: RunKey, response_id: &str, state: ParkState) -> ParkEntry {
+        ParkEntry {
+            control: mpsc::unbounded_channel().0,
+            report: ParkedRun {
+                key,
+                response_id: response_id.to_owned(),
+                adapter: iop_wire::AdapterKind::Mock,
+                target: "m".into(),
+                first_kept_frame: 1,
+                last_frame: 0,
+                ended: false,
+            },
+            state,
+        }
+    }
+
+    /// R-MULTI-1, R-PARK-2: two Edges started in the same millisecond hand
+    /// a node the same generation, so runs they started can share a run
+    /// key; the lot keeps both apart by their responses, reports both, and
+    /// counts both as holding their provider.
+    #[test]
+    fn runs_of_two_edges_with_one_key_are_kept_apart_by_their_responses() {
+        let lot = ParkingLot::default();
+        let key = RunKey {
+            generation: 1_796_180_068_867,
+            run_id: 1,
+        };
+        let parked = ParkState::Parked {
+            until: iop_core::time::Instant::from_millis(1_000),
+        };
+        lot.insert((key, "resp_a".into()), entry(key, "resp_a", parked));
+        lot.insert((key, "resp_b".into()), entry(key, "resp_b", parked));
+        let reports = lot.parked_reports();
+        let ids: Vec<&str> = reports.iter().map(|r| r.response_id.as_str()).collect();
+        assert_eq!(ids.len(), 2, "{ids:?}");
+        assert!(ids.contains(&"resp_a") && ids.contains(&"resp_b"));
+        assert_eq!(
+            lot.parked_runs(iop_wire::AdapterKind::Mock, "m"),
+            ParkedRuns {
+                total: 2,
+                on_target: 2
+            }
+        );
+        lot.remove(&(key, "resp_a".into()));
+        let left: Vec<String> = lot
+            .parked_reports()
+            .into_iter()
+            .map(|r| r.response_id)
+            .collect();
+        assert_eq!(left, ["resp_b"]);
+    }
+}
