@@ -621,6 +621,201 @@ mod tests {
     }
 
     #[test]
+    fn a_delivery_encodes_and_decodes_as_itself_without_a_frame() {
+        for d in [
+            text("a"),
+            Delivery::Finish,
+            Delivery::Body(vec![0, 1, 2]),
+            Delivery::Commit { tunnel_head: None },
+        ] {
+            let payload = encode_delivery(&d);
+            assert_eq!(payload[0], ENTRY_FORMAT);
+            assert_eq!(
+                decode_entry(&payload),
+                Some(JournalEntry {
+                    delivery: d.clone(),
+                    source: None
+                })
+            );
+            assert_eq!(decode_delivery(&payload), Some(d));
+        }
+        assert_eq!(decode_delivery(&[]), None);
+        assert_eq!(decode_delivery(&[ENTRY_FORMAT + 1, 0]), None);
+    }
+
+    #[test]
+    fn idle_means_nothing_waiting_in_flight_or_unwritten() {
+        let mut p = Publisher::new(spec(), 0);
+        assert!(p.is_idle(), "new");
+        p.push(text("a"));
+        assert!(!p.is_idle(), "waiting and unwritten");
+        let _ = p.poll_write();
+        assert!(!p.is_idle(), "in flight");
+        p.ack(JournalAck::Appended);
+        assert_eq!(p.backlog(), 1);
+        assert!(!p.is_idle(), "durable but not yet published");
+        assert_eq!(drain(&mut p), vec![text("a")]);
+        assert!(p.is_idle(), "published");
+    }
+
+    /// A text delivery whose journal payload is exactly `bytes` long.
+    fn text_of_payload(bytes: usize) -> Delivery {
+        let mut n = bytes.saturating_sub(16);
+        loop {
+            let d = text(&"x".repeat(n));
+            match encode_delivery(&d).len() {
+                len if len == bytes => return d,
+                len if len < bytes => n += 1,
+                _ => panic!("no text encodes to {bytes} bytes"),
+            }
+        }
+    }
+
+    #[test]
+    fn appends_are_bounded_in_bytes_and_take_exactly_the_bound() {
+        let half = text_of_payload(MAX_BYTES_PER_APPEND / 2);
+        let mut p = Publisher::new(spec(), 0);
+        for _ in 0..3 {
+            p.push(half.clone());
+        }
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1, 2],
+            "two halves fill the bound exactly; the third waits"
+        );
+        p.ack(JournalAck::Appended);
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(events.len(), 1);
+        // One event larger than the bound still goes out, alone.
+        let mut p = Publisher::new(spec(), 0);
+        p.push(text_of_payload(MAX_BYTES_PER_APPEND + 1));
+        p.push(text("y"));
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("an append");
+        };
+        assert_eq!(events.len(), 1);
+    }
+
+    #[test]
+    fn a_batched_answer_is_written_once_it_reaches_either_bound() {
+        let batched = || {
+            Publisher::new(
+                JournalSpec {
+                    batch_until_terminal: true,
+                    ..spec()
+                },
+                0,
+            )
+        };
+        // Events: one short of the bound is held, the bound is written.
+        let mut p = batched();
+        for _ in 0..MAX_EVENTS_PER_APPEND - 1 {
+            p.push(text("x"));
+        }
+        assert!(p.poll_write().is_none());
+        p.push(text("x"));
+        let Some(JournalWrite::Append { events, .. }) = p.poll_write() else {
+            panic!("written at the event bound");
+        };
+        assert_eq!(events.len(), MAX_EVENTS_PER_APPEND);
+        // Bytes: likewise.
+        let mut p = batched();
+        p.push(text_of_payload(MAX_BYTES_PER_APPEND - 1));
+        assert!(p.poll_write().is_none());
+        let mut p = batched();
+        p.push(text_of_payload(MAX_BYTES_PER_APPEND));
+        assert!(p.poll_write().is_some(), "written at the byte bound");
+    }
+
+    #[test]
+    fn the_terminal_and_the_last_number_are_reported() {
+        let mut p = Publisher::new(spec(), 7);
+        assert_eq!(p.last_assigned(), 7);
+        assert!(!p.has_terminal());
+        p.push(Delivery::Commit { tunnel_head: None });
+        assert_eq!(p.last_assigned(), 7, "the head is no journal event");
+        p.push(text("a"));
+        p.push(text("b"));
+        assert_eq!(p.last_assigned(), 9);
+        p.push(Delivery::Finish);
+        assert!(p.has_terminal());
+        assert_eq!(p.last_assigned(), 9);
+    }
+
+    #[test]
+    fn a_refused_terminal_keeps_only_itself_and_waits_for_its_retry_r_jrn_4() {
+        let mut p = Publisher::new(spec(), 0);
+        p.push(Delivery::Commit { tunnel_head: None });
+        p.push(text("a"));
+        p.push(Delivery::Finish);
+        let _ = p.poll_write();
+        p.ack(JournalAck::Appended);
+        assert!(matches!(p.poll_write(), Some(JournalWrite::Finish { .. })));
+        p.ack(JournalAck::Refused(JournalError::Store("disk".into())));
+        assert!(!p.terminal_delayed());
+        assert_eq!(
+            p.after_refusal(Terminal {
+                status: RecordStatus::Failed,
+                reason: None,
+                message: None,
+                at_unix_ms: 0,
+            }),
+            AfterRefusal::RetryTerminalLater
+        );
+        assert!(p.terminal_delayed());
+        assert_eq!(p.backlog(), 1, "only the terminal waits");
+        assert!(p.poll_write().is_none(), "not before its retry");
+        p.retry_terminal();
+        assert!(!p.terminal_delayed());
+        let Some(JournalWrite::Finish { terminal, .. }) = p.poll_write() else {
+            panic!("the same terminal again");
+        };
+        assert_eq!(terminal.status, RecordStatus::Completed);
+        p.ack(JournalAck::Finished);
+        assert_eq!(drain(&mut p), vec![Delivery::Finish]);
+    }
+
+    #[test]
+    fn discard_drops_everything_unpublished() {
+        let mut p = Publisher::new(spec(), 0);
+        p.push(text("a"));
+        p.push(text("b"));
+        p.discard();
+        assert_eq!(p.backlog(), 0);
+        assert!(p.poll_write().is_none(), "nothing unwritten");
+        assert!(p.is_idle());
+    }
+
+    #[test]
+    fn a_fallback_terminal_never_replaces_a_write_in_flight_or_a_durable_terminal() {
+        let fallback = Terminal {
+            status: RecordStatus::Failed,
+            reason: Some("journal_unavailable".into()),
+            message: None,
+            at_unix_ms: 0,
+        };
+        let mut p = Publisher::new(spec(), 0);
+        p.push(text("a"));
+        let _ = p.poll_write();
+        p.finish_after_refusal(fallback.clone());
+        assert!(!p.has_terminal(), "a write is in flight");
+        p.ack(JournalAck::Appended);
+        assert_eq!(drain(&mut p), vec![text("a")]);
+        // After the record's terminal is durable, nothing replaces it.
+        p.push(Delivery::Finish);
+        let _ = p.poll_write();
+        p.ack(JournalAck::Finished);
+        p.finish_after_refusal(fallback);
+        assert_eq!(drain(&mut p), vec![Delivery::Finish]);
+        assert!(p.poll_write().is_none());
+    }
+
+    #[test]
     fn terminals_map_to_record_statuses() {
         let status = |d: Delivery| terminal_of(&d).map(|t| t.status);
         assert_eq!(status(Delivery::Finish), Some(RecordStatus::Completed));
