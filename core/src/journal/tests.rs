@@ -277,6 +277,146 @@ fn limits_are_validated_by_field() {
 }
 
 #[test]
+fn limits_are_accepted_exactly_at_their_bounds() {
+    let ok = |l: JournalLimits| l.validate().is_ok();
+    let base = JournalLimits::default();
+    let year = 365 * 24 * 60 * 60 * 1000;
+    for (retention_ms, valid) in [(999, false), (1000, true), (year, true), (year + 1, false)] {
+        assert_eq!(
+            ok(JournalLimits {
+                retention_ms,
+                ..base
+            }),
+            valid,
+            "retention_ms {retention_ms}"
+        );
+    }
+    for (max_record_bytes, valid) in [(65_535, false), (65_536, true)] {
+        assert_eq!(
+            ok(JournalLimits {
+                max_record_bytes,
+                max_bytes: max_record_bytes,
+                ..base
+            }),
+            valid,
+            "max_record_bytes {max_record_bytes}"
+        );
+    }
+    assert!(ok(JournalLimits {
+        max_bytes: base.max_record_bytes,
+        ..base
+    }));
+    assert_eq!(
+        JournalLimits {
+            max_bytes: base.max_record_bytes - 1,
+            ..base
+        }
+        .validate(),
+        Err(JournalLimitsError::MaxBytes {
+            max_bytes: base.max_record_bytes - 1,
+            max_record_bytes: base.max_record_bytes
+        })
+    );
+}
+
+#[test]
+fn records_and_events_count_their_bytes_and_fit_exactly_at_the_bounds_r_jrn_5() {
+    let l = limits();
+    assert_eq!(event_bytes(&ev(1)), 10 + EVENT_OVERHEAD_BYTES);
+    let meta = created(&new_record("r1", None, b"12345"));
+    assert_eq!(meta.stored_bytes, 5 + RECORD_OVERHEAD_BYTES);
+    // A request that fills the record bound exactly is accepted; one byte
+    // more is not.
+    let fits = (l.max_record_bytes - RECORD_OVERHEAD_BYTES) as usize;
+    for (len, result) in [(fits, true), (fits + 1, false)] {
+        let outcome = check_create(
+            NOW,
+            &l,
+            0,
+            None,
+            None,
+            &new_record("r", None, &vec![b'x'; len]),
+        );
+        assert_eq!(outcome.is_ok(), result, "request of {len} bytes");
+    }
+    // A store filled exactly by the new record accepts it.
+    let small = new_record("r2", None, b"1");
+    let bytes = 1 + RECORD_OVERHEAD_BYTES;
+    assert!(check_create(NOW, &l, l.max_bytes - bytes, None, None, &small).is_ok());
+    assert_eq!(
+        check_create(NOW, &l, l.max_bytes - bytes + 1, None, None, &small),
+        Err(JournalError::Full)
+    );
+    // An append that fills the record bound exactly is accepted.
+    let room = l.max_record_bytes - meta.stored_bytes - EVENT_OVERHEAD_BYTES;
+    let event = |len: u64| JournalEvent {
+        seq: 1,
+        payload: vec![0; len as usize],
+    };
+    let next = check_append(&l, &meta, 1, &[event(room)]).unwrap();
+    assert_eq!(next.stored_bytes, l.max_record_bytes);
+    assert_eq!(
+        check_append(&l, &meta, 1, &[event(room + 1)]),
+        Err(JournalError::RecordTooLarge)
+    );
+}
+
+#[test]
+fn the_closed_names_are_the_documented_ones() {
+    let apis = [
+        (JournalApi::Responses, "responses"),
+        (JournalApi::ChatCompletions, "chat"),
+        (JournalApi::Completions, "completions"),
+        (JournalApi::OllamaChat, "ollama_chat"),
+        (JournalApi::OllamaGenerate, "ollama_generate"),
+        (JournalApi::Embeddings, "embeddings"),
+        (JournalApi::OllamaEmbed, "ollama_embed"),
+    ];
+    for (api, name) in apis {
+        assert_eq!(api.as_str(), name);
+    }
+    // The Responses API's spelling of each status.
+    let statuses = [
+        (RecordStatus::InProgress, "in_progress"),
+        (RecordStatus::Completed, "completed"),
+        (RecordStatus::Incomplete, "incomplete"),
+        (RecordStatus::Failed, "failed"),
+        (RecordStatus::Cancelled, "cancelled"),
+    ];
+    for (status, name) in statuses {
+        assert_eq!(status.as_str(), name);
+        assert_eq!(status.is_terminal(), status != RecordStatus::InProgress);
+    }
+    let errors = [
+        JournalError::NotFound,
+        JournalError::Fenced {
+            current: 2,
+            writer: 1,
+        },
+        JournalError::Terminated,
+        JournalError::OutOfOrder {
+            expected: 1,
+            got: 2,
+        },
+        JournalError::IdempotencyConflict,
+        JournalError::DuplicateId,
+        JournalError::Full,
+        JournalError::RecordTooLarge,
+        JournalError::Store("x".into()),
+    ];
+    let names: Vec<&str> = errors.iter().map(JournalError::as_str).collect();
+    assert_eq!(names, JournalError::NAMES);
+    let leases = [
+        (LeaseState::Renewing, "renewing"),
+        (LeaseState::Unconfirmed, "unconfirmed"),
+        (LeaseState::Expired, "expired"),
+    ];
+    for (state, name) in leases {
+        assert_eq!(state.as_str(), name);
+    }
+}
+
+#[test]
 fn r_jrn_1_group_commit_batches_what_arrives_during_a_sync() {
     let mut g = GroupCommit::new(100, 10, 1 << 20);
     g.submit(Ticket(1), "a", 1).unwrap();
