@@ -446,6 +446,14 @@ fn group_commit_is_bounded_in_queue_and_batch() {
     g.synced();
     assert_eq!(g.queued(), 2);
     assert_eq!(g.queued_bytes(), 12);
+    // A batch that fills the byte bound exactly takes both.
+    let mut g = GroupCommit::new(4, 4, 12);
+    for i in 0..3 {
+        g.submit(Ticket(i), i, 6).unwrap();
+    }
+    assert_eq!(g.poll_batch().unwrap().len(), 2);
+    g.synced();
+    assert_eq!(g.queued_bytes(), 6);
 }
 
 fn ms(n: u64) -> Instant {
@@ -624,6 +632,32 @@ fn r_take_1_an_orphan_waits_the_park_window_then_ends() {
         scan.waiting(),
         0,
         "retain bounds it to the records passed in"
+    );
+}
+
+#[test]
+fn r_take_1_a_forgotten_orphan_waits_a_whole_window_again() {
+    let window = Duration::from_secs(35);
+    let mut scan = TakeoverScan::new("edge-a", window, Duration::from_secs(15));
+    let mine = owned_by("edge-a");
+    assert!(!scan.is_waiting("r1"));
+    scan.decide(&mine, false, ms(0));
+    assert_eq!(scan.waiting(), 1);
+    assert!(scan.is_waiting("r1"));
+    assert!(!scan.is_waiting("r2"));
+    scan.forget("r2");
+    assert_eq!(
+        scan.waiting(),
+        1,
+        "forgetting another record changes nothing"
+    );
+    scan.forget("r1");
+    assert_eq!(scan.waiting(), 0);
+    assert!(!scan.is_waiting("r1"));
+    assert_eq!(
+        scan.decide(&mine, false, ms(30_000)),
+        TakeoverDecision::Wait { until: ms(65_000) },
+        "found again: its window starts again"
     );
 }
 
