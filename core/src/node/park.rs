@@ -484,6 +484,48 @@ mod tests {
         assert_eq!(effective_park_grace(u64::MAX), MAX_PARK_GRACE);
     }
 
+    #[test]
+    fn the_default_buffer_is_the_documented_8_mib() {
+        // docs/operations.md, `[node] park_buffer_bytes`.
+        assert_eq!(DEFAULT_MAX_KEPT_BYTES, 8 << 20);
+    }
+
+    #[test]
+    fn r_park_1_an_ack_frees_exactly_the_bytes_of_the_frames_it_drops() {
+        let mut p = park();
+        p.produced("a", 2, false);
+        p.produced("b", 100, false);
+        assert!(!p.wants_provider());
+        p.acked(1);
+        assert!(!p.wants_provider(), "100 bytes still kept, the bound");
+        p.acked(2);
+        assert!(p.wants_provider());
+    }
+
+    #[test]
+    fn r_park_2_an_adoption_whose_journal_holds_every_frame_replays_nothing() {
+        let mut p = park();
+        for f in ["a", "b", "c"] {
+            p.produced(f, 1, false);
+        }
+        p.detached(Instant::ZERO);
+        assert_eq!(p.adopt(3), Ok(Vec::new()));
+        assert_eq!(p.state(), ParkState::Attached);
+        assert_eq!(p.summary().first_kept, 4, "all three count as acked");
+    }
+
+    #[test]
+    fn a_cancelled_run_is_over_keeps_nothing_and_cannot_be_adopted() {
+        let mut p = park();
+        p.produced("a", 1, false);
+        p.detached(Instant::ZERO);
+        p.cancelled();
+        assert_eq!(p.state(), ParkState::Over);
+        assert_eq!(p.poll_timeout(), None);
+        assert!(!p.wants_provider());
+        assert_eq!(p.adopt(0), Err(AdoptRefusal::Over));
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Produce(usize, bool),
