@@ -177,6 +177,36 @@ mod tests {
         assert_ne!(run(7), run(8));
     }
 
+    #[test]
+    fn the_jitter_spans_the_whole_upper_half_of_the_window() {
+        let mut rng = SplitMix64::new(3);
+        let cfg = BackoffConfig {
+            initial: Duration::from_secs(10),
+            max: Duration::from_secs(10),
+        };
+        let delays: Vec<Duration> = (0..200)
+            .map(|_| Backoff::new(cfg).next_delay(&mut rng))
+            .collect();
+        let (lo, hi) = (delays.iter().min().unwrap(), delays.iter().max().unwrap());
+        assert!(
+            *lo >= Duration::from_secs(5) && *lo < Duration::from_secs(6),
+            "{lo:?}"
+        );
+        assert!(
+            *hi <= Duration::from_secs(10) && *hi > Duration::from_secs(9),
+            "{hi:?}"
+        );
+    }
+
+    #[test]
+    fn the_supersession_schedule_is_the_documented_one() {
+        // docs/operations.md, `iop_node_superseded_total`: 30 s, doubling
+        // up to 15 min; a connection of 10 min starts the count over.
+        assert_eq!(SUPERSEDED_BACKOFF.initial, Duration::from_secs(30));
+        assert_eq!(SUPERSEDED_BACKOFF.max, Duration::from_secs(900));
+        assert_eq!(SUPERSEDED_RESET_AFTER, Duration::from_secs(600));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 

@@ -229,11 +229,15 @@ mod tests {
         hb.handle_timeout(ms(30_000));
         assert_eq!(drain(&mut hb), vec![HeartbeatOutput::SendPing(1)]);
         assert_eq!(hb.poll_timeout(), Some(ms(75_000)));
+        assert_eq!(hb.config(), cfg);
+        assert!(!hb.is_timed_out());
         hb.handle_timeout(ms(74_999));
         assert!(drain(&mut hb).is_empty());
         hb.handle_timeout(ms(75_000));
         assert_eq!(drain(&mut hb), vec![HeartbeatOutput::TimedOut]);
         hb.handle_timeout(ms(200_000));
+        assert!(hb.is_timed_out());
+
         assert!(drain(&mut hb).is_empty(), "timed out only once");
         assert_eq!(hb.poll_timeout(), None);
     }

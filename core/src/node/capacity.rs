@@ -227,6 +227,21 @@ mod tests {
     }
 
     #[test]
+    fn an_adoption_counts_on_its_own_target_and_targets_are_told_apart() {
+        let mut c = NodeCapacity::new(10);
+        c.start(AdapterKind::OpenAi, "a", NONE).unwrap();
+        c.start(AdapterKind::OpenAi, "a", NONE).unwrap();
+        c.adopt(AdapterKind::OpenAi, "b");
+        assert_eq!(c.running(), 3);
+        assert_eq!(c.running_on(AdapterKind::OpenAi, "a"), 2);
+        assert_eq!(c.running_on(AdapterKind::OpenAi, "b"), 1);
+        assert_eq!(c.running_on(AdapterKind::Ollama, "a"), 0);
+        assert_eq!(c.running_on(AdapterKind::Ollama, "b"), 0);
+        c.adopt(AdapterKind::OpenAi, "b");
+        assert_eq!(c.running_on(AdapterKind::OpenAi, "b"), 2);
+    }
+
+    #[test]
     fn finish_without_start_never_underflows() {
         let mut c = NodeCapacity::new(1);
         c.finish(AdapterKind::Mock, "x");
