@@ -660,15 +660,11 @@ mod tests {
 
     /// A text delivery whose journal payload is exactly `bytes` long.
     fn text_of_payload(bytes: usize) -> Delivery {
-        let mut n = bytes.saturating_sub(16);
-        loop {
-            let d = text(&"x".repeat(n));
-            match encode_delivery(&d).len() {
-                len if len == bytes => return d,
-                len if len < bytes => n += 1,
-                _ => panic!("no text encodes to {bytes} bytes"),
-            }
-        }
+        let start = bytes.saturating_sub(16);
+        (start..start + 16)
+            .map(|n| text(&"x".repeat(n)))
+            .find(|d| encode_delivery(d).len() == bytes)
+            .unwrap_or_else(|| panic!("no text encodes to {bytes} bytes"))
     }
 
     #[test]

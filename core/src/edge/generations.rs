@@ -179,6 +179,28 @@ mod tests {
     }
 
     #[test]
+    fn r_gen_1_a_late_save_of_another_mark_leaves_the_pending_save_pending() {
+        let floor = 1_000;
+        let mut r = GenerationReserve::new(initial_mark(floor));
+        let high = floor + RESERVE_AHEAD / 2;
+        let mark = r.poll_save(high).expect("due");
+        r.saved(mark - 1);
+        assert_eq!(
+            r.poll_save(high),
+            None,
+            "the save of {mark} is still in flight"
+        );
+        r.save_failed(mark - 1);
+        assert_eq!(
+            r.poll_save(high),
+            None,
+            "a failure of another mark changes nothing"
+        );
+        r.saved(mark);
+        assert_eq!(r.durable(), mark);
+    }
+
+    #[test]
     fn a_late_save_of_an_older_mark_never_lowers_it() {
         let mut r = GenerationReserve::new(10_000);
         r.saved(9_000);

@@ -2050,3 +2050,33 @@ fn the_pre_commit_buffer_takes_exactly_its_byte_bound_r_lim_3() {
         }
     }
 }
+
+#[test]
+fn a_stream_that_ends_while_opening_is_a_lost_transport_r_gate_1() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    drain(&mut r);
+    let l = lease(1, "p0", AdapterKind::Mock);
+    r.handle_input(
+        t(0),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l))),
+    );
+    drain(&mut r);
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    let outs = drain(&mut r);
+    assert!(outs.contains(&RequestOutput::CloseAttempt), "{outs:?}");
+    assert!(
+        outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
+            failure: Some(FailureCode::TransportClosed)
+        }))
+    );
+    assert!(
+        commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_))),
+        "before commit it fails over: {outs:?}"
+    );
+}
