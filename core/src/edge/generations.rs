@@ -184,13 +184,13 @@ mod tests {
         let mut r = GenerationReserve::new(initial_mark(floor));
         let high = floor + RESERVE_AHEAD / 2;
         let mark = r.poll_save(high).expect("due");
-        r.saved(mark - 1);
+        r.saved(floor);
         assert_eq!(
             r.poll_save(high),
             None,
             "the save of {mark} is still in flight"
         );
-        r.save_failed(mark - 1);
+        r.save_failed(floor);
         assert_eq!(
             r.poll_save(high),
             None,

@@ -222,6 +222,16 @@ mod tests {
     }
 
     #[test]
+    fn a_heartbeat_reports_the_profile_it_runs() {
+        let cfg = HeartbeatConfig {
+            interval: Duration::from_millis(200),
+            wait: Duration::from_millis(700),
+        };
+        assert_ne!(cfg, HeartbeatConfig::default());
+        assert_eq!(Heartbeat::new(ms(0), cfg).config(), cfg);
+    }
+
+    #[test]
     fn no_pong_within_wait_times_out_once_within_interval_plus_wait() {
         let cfg = HeartbeatConfig::default();
         let mut hb = Heartbeat::new(ms(0), cfg);
@@ -229,7 +239,6 @@ mod tests {
         hb.handle_timeout(ms(30_000));
         assert_eq!(drain(&mut hb), vec![HeartbeatOutput::SendPing(1)]);
         assert_eq!(hb.poll_timeout(), Some(ms(75_000)));
-        assert_eq!(hb.config(), cfg);
         assert!(!hb.is_timed_out());
         hb.handle_timeout(ms(74_999));
         assert!(drain(&mut hb).is_empty());
