@@ -123,6 +123,19 @@ fn running(r: &mut Request, l: &Lease) -> Vec<RequestOutput> {
         .collect()
 }
 
+/// Lease `l` to a new request and pass its pre-send fence: the attempt's
+/// stream is being opened.
+fn opening(r: &mut Request, l: &Lease) {
+    r.handle_input(
+        t(0),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+}
+
 fn observations(outs: &[RequestOutput]) -> Vec<RequestObservation> {
     outs.iter()
         .filter_map(|o| match o {
@@ -743,14 +756,7 @@ fn open_failures_are_attempt_events_r_gate_1() {
         let mut r = Request::new(t(0), single(spec(None, &[])));
         drain(&mut r);
         let l = lease(1, "p0", AdapterKind::Mock);
-        r.handle_input(
-            t(0),
-            RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
-        );
-        r.handle_input(
-            t(1),
-            RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l))),
-        );
+        opening(&mut r, &l);
         drain(&mut r);
         r.handle_input(t(2), RequestInput::OpenFailed(failure));
         let outs = drain(&mut r);
@@ -1779,14 +1785,7 @@ fn only_a_fence_of_the_attempts_own_lease_ends_it_r_gen_3() {
     // Opening.
     let mut r = Request::new(t(0), spec(None, &[]));
     drain(&mut r);
-    r.handle_input(
-        t(0),
-        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
-    );
-    r.handle_input(
-        t(1),
-        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
-    );
+    opening(&mut r, &l);
     drain(&mut r);
     r.handle_input(
         t(2),
@@ -2056,14 +2055,7 @@ fn a_stream_that_ends_while_opening_is_a_lost_transport_r_gate_1() {
     let mut r = Request::new(t(0), spec(None, &[]));
     drain(&mut r);
     let l = lease(1, "p0", AdapterKind::Mock);
-    r.handle_input(
-        t(0),
-        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
-    );
-    r.handle_input(
-        t(1),
-        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l))),
-    );
+    opening(&mut r, &l);
     drain(&mut r);
     r.handle_input(t(2), RequestInput::StreamEnded);
     let outs = drain(&mut r);
