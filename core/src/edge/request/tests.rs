@@ -136,6 +136,20 @@ fn opening(r: &mut Request, l: &Lease) {
     );
 }
 
+/// The attempt ended as a lost transport.
+fn lost_transport(outs: &[RequestOutput]) -> bool {
+    outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
+        failure: Some(FailureCode::TransportClosed),
+    }))
+}
+
+/// An admission went out.
+fn admits(outs: &[RequestOutput]) -> bool {
+    commands(outs)
+        .iter()
+        .any(|c| matches!(c, RequestCommand::Admit(_)))
+}
+
 fn observations(outs: &[RequestOutput]) -> Vec<RequestObservation> {
     outs.iter()
         .filter_map(|o| match o {
@@ -1796,15 +1810,9 @@ fn only_a_fence_of_the_attempts_own_lease_ends_it_r_gen_3() {
     r.handle_input(t(3), RequestInput::Dispatch(RequestEvent::LeaseFenced(l)));
     let outs = drain(&mut r);
     assert!(outs.contains(&RequestOutput::CloseAttempt));
+    assert!(lost_transport(&outs), "{outs:?}");
     assert!(
-        outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
-            failure: Some(FailureCode::TransportClosed)
-        }))
-    );
-    assert!(
-        commands(&outs)
-            .iter()
-            .any(|c| matches!(c, RequestCommand::Admit(_))),
+        admits(&outs),
         "a lost transport before commit fails over: {outs:?}"
     );
 }
@@ -1965,11 +1973,7 @@ fn r_park_1_a_durable_run_without_a_park_grace_is_not_parked() {
     r.handle_input(t(6), RequestInput::StreamEnded);
     let outs = drain(&mut r);
     assert!(!outs.contains(&RequestOutput::Observe(RequestObservation::Parked)));
-    assert!(
-        outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
-            failure: Some(FailureCode::TransportClosed)
-        }))
-    );
+    assert!(lost_transport(&outs), "{outs:?}");
 }
 
 #[test]
@@ -2060,15 +2064,6 @@ fn a_stream_that_ends_while_opening_is_a_lost_transport_r_gate_1() {
     r.handle_input(t(2), RequestInput::StreamEnded);
     let outs = drain(&mut r);
     assert!(outs.contains(&RequestOutput::CloseAttempt), "{outs:?}");
-    assert!(
-        outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
-            failure: Some(FailureCode::TransportClosed)
-        }))
-    );
-    assert!(
-        commands(&outs)
-            .iter()
-            .any(|c| matches!(c, RequestCommand::Admit(_))),
-        "before commit it fails over: {outs:?}"
-    );
+    assert!(lost_transport(&outs), "{outs:?}");
+    assert!(admits(&outs), "before commit it fails over: {outs:?}");
 }
