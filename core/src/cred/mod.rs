@@ -30,12 +30,15 @@
 
 pub mod keys;
 mod lease;
+mod node_leases;
 mod rejection;
 mod replay;
 mod scope;
 mod secret;
 
+pub use keys::KeyError;
 pub use lease::{SealError, SealedLease, open_lease, seal_lease};
+pub use node_leases::{LeaseRefusal, NodeLeases, Recipient, RunLease};
 pub use rejection::{BindingField, CredentialRejected, RejectionReason};
 pub use replay::{ReplayCache, ReplayError};
 pub use scope::{ExpectedBinding, LeaseScope, random_nonce};

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::time::Instant;
 
 /// The heartbeat profile (R-HB-1). Defaults: 30 s interval, 45 s wait.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HeartbeatConfig {
     /// Time between pings.
     pub interval: Duration,

@@ -1,8 +1,11 @@
-//! Node-side rules: the run limit over every Edge connection, the stall
+//! Node-side rules: the run limit over every Edge connection, one
+//! connection's machine ([`link::NodeLink`]: handshake, heartbeat, the stall
+//! watchdog, each run's one terminal, its leases), the stall
 //! watchdog, the connection-scoped session and
 //! the classification of exact-target probe answers.
 
 pub mod capacity;
+pub mod link;
 pub mod park;
 pub mod probe;
 pub mod session;

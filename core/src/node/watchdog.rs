@@ -174,7 +174,7 @@ impl WatchdogError {
 
 /// Watchdog settings that are the Node's own (the stall timeout travels per
 /// request).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct WatchdogConfig {
     /// How long after a stall claim the canceled provider call may take to
     /// return and still earn `retryable` (R-WD-3, R-WD-4).
@@ -233,7 +233,8 @@ pub enum Progress {
 }
 
 /// How a provider call ended, as reported to [`Watchdog::provider_returned`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ProviderOutcome {
     /// The provider's own normal end (`RunEventKind::Completed`,
     /// `ProviderTunnelFrame::End`); the driver keeps its payload and forwards
@@ -244,7 +245,8 @@ pub enum ProviderOutcome {
 }
 
 /// One provider output, classified for the watchdog (R-WD-1).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ProviderEvent {
     /// Output that resets the stall timer.
     Progress(Progress),
