@@ -33,11 +33,23 @@
 //! drained are not carried out. Calling `handle_timeout` early is harmless;
 //! nothing fires before its moment.
 //!
+//! The machines a shell or the simulator drives directly have exactly
+//! these entry points, one input enum and one output enum, and implement
+//! [`Machine`]: the Edge's [`edge::dispatch::Dispatcher`] and per-request
+//! [`edge::request::Request`], and the Node's per-connection
+//! [`node::link::NodeLink`]. The machines they compose (admission, health,
+//! the stream gate, the watchdog) keep narrower method APIs, called only by
+//! their owner; so does the heartbeat, which the Edge's per-node connection
+//! task still drives itself.
+//!
 //! ## Map
 //!
 //! * [`liveness`]: heartbeat liveness (R-HB-1, R-HB-2) and the reconnect
 //!   backoff schedule, used by both sides.
-//! * [`node`]: the Node's stall watchdog for runs and tunnels (R-WD-1..8),
+//! * [`node`]: the Node's connection machine ([`node::link::NodeLink`]:
+//!   handshake, heartbeat, watchdog, each run's one terminal, its leases),
+//!   the run limit over every connection, the stall watchdog for runs and
+//!   tunnels (R-WD-1..8),
 //!   the connection-scoped observation sequence (R-SEQ-1) and what an
 //!   exact-target probe answer means (R-WD-5, R-CAP-1).
 //! * [`edge`]: the Edge's registry of node generations (R-GEN-1..4),
@@ -65,6 +77,7 @@ pub mod edge;
 pub mod ids;
 pub mod journal;
 pub mod liveness;
+pub mod machine;
 pub mod node;
 #[cfg(feature = "planted-bugs")]
 pub mod planted;
@@ -72,4 +85,5 @@ pub mod retry;
 pub mod rng;
 pub mod time;
 
+pub use machine::Machine;
 pub use time::Instant;

@@ -92,15 +92,16 @@ async fn recorded_edge_and_node_traces_replay_identically() {
         let report = replay(reader).expect("the edge trace replays identically");
         assert!(report.inputs > 10, "{report:?}");
 
-        for generation in [g1, g2] {
-            let path = format!("{}.{generation}", node_trace.display());
+        // One trace per connection of the node process, numbered from 1:
+        // the first connection and the reconnect.
+        assert!(g2 > g1);
+        for n in [1, 2] {
+            let path = format!("{}.{n}", node_trace.display());
             let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
             let reader = TraceReader::new(BufReader::new(file)).expect("node trace header");
-            assert_eq!(reader.header().machine, MachineKind::NodeWatchdog);
+            assert_eq!(reader.header().machine, MachineKind::NodeLink);
             let report = replay(reader).expect("the node trace replays identically");
-            if generation == g1 {
-                assert!(report.inputs > 4, "{report:?}");
-            }
+            assert!(report.inputs > 4, "{report:?}");
         }
     })
     .await;

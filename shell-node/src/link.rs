@@ -1,32 +1,31 @@
-//! One task per connection to the Edge. It owns that connection's core
-//! state (heartbeat, stall watchdog with its observation sequence) and runs
-//! one `select!` over control frames, the next core timeout, incoming data
-//! streams and messages from the run handlers, draining core outputs into
-//! I/O after every input.
+//! One task per connection to the Edge. The connection's rules are the core
+//! [`NodeLink`](iop_core::node::link::NodeLink)'s (handshake, heartbeat, stall watchdog with its
+//! observation sequence, each run's one terminal, lease opening); this task
+//! runs one `select!` over control frames, the machine's next timeout,
+//! incoming data streams and messages from the run handlers, feeds each as
+//! an input and carries out the outputs.
 //!
 //! When the connection ends, every run and tunnel handler bound to it is
 //! canceled (R-DISC-1): they live in this task's `JoinSet`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use iop_core::ids::{Generation, RunId};
-use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatOutput};
+use iop_core::cred::{Recipient, RunLease};
+use iop_core::ids::RunId;
+use iop_core::node::link::{NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
 use iop_core::node::probe::ProbeEvidence;
-use iop_core::node::watchdog::{
-    CancelReason, Emission, ProbeOutcome, ProviderEvent, WatchdogOutput,
-};
-use iop_trace::{MachineKind, Tap, TraceWriter, TracedWatchdog, WatchdogConfigRec};
+use iop_core::node::watchdog::{Emission, ProbeOutcome};
+use iop_trace::{MachineKind, NodeLinkConfigRec, Tap, TraceWriter, TracedNodeLink};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
-use iop_transport::framed::{FramedError, FramedRecv, FramedSend, framed_for_side, open_framed};
+use iop_transport::framed::{FramedError, FramedSend, framed_for_side, open_framed};
 use iop_wire::{
-    AdapterKind, CloseCode, ConfigSnapshot, EdgeControl, NodeControl, NodeReadyRequest,
-    OfferedProvider, PROTOCOL_VERSION, RegisterRequest, RegisterResponse, RejectReason,
-    TransportStatusReport,
+    AdapterKind, CloseCode, EdgeControl, FailureCode, NodeControl, OfferedProvider,
+    PROTOCOL_VERSION, RegisterRequest, RejectReason, TransportStatusReport,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
 use crate::config::NodeConfig;
@@ -59,12 +58,23 @@ pub enum LinkEnd {
     HandshakeTimeout,
 }
 
+/// A run attached to this connection: where its handler listens.
 struct RunSlot {
     control: mpsc::UnboundedSender<RunControl>,
     adapter: AdapterKind,
     target: String,
-    /// The handler wrote its own terminal (a forwarded provider terminal).
-    self_terminated: bool,
+}
+
+/// A run the machine is deciding on (its answer comes in this drain).
+struct PendingStart {
+    slot: RunSlot,
+    reply: oneshot::Sender<Result<(), FailureCode>>,
+}
+
+/// Where the answer to a run's offered outputs goes.
+enum EmissionsReply {
+    One(oneshot::Sender<Emission>),
+    Many(oneshot::Sender<Vec<Emission>>),
 }
 
 /// Bound of messages in flight from handlers to the link.
@@ -84,56 +94,39 @@ pub async fn run(
         Ok(pair) => pair,
         Err(e) => return LinkEnd::Failed(e),
     };
-    let handshake = tokio::time::timeout(
-        config.connect_timeout,
-        handshake(&mut send, &mut recv, &config, &shared),
-    );
-    let Ok(handshake) = handshake.await else {
-        close_connection(&conn, CloseCode::ProtocolError);
-        return LinkEnd::HandshakeTimeout;
+    let now = clock.now();
+    let link_config = NodeLinkConfig {
+        heartbeat: config.heartbeat,
+        watchdog: config.watchdog,
+        handshake_timeout: Some(config.connect_timeout),
     };
-    let (generation, snapshot) = match handshake {
-        Ok(Ok(g)) => g,
-        Ok(Err((reason, message))) => {
-            close_connection(&conn, CloseCode::RegistrationRejected);
-            return LinkEnd::Rejected { reason, message };
-        }
-        Err(e) => {
-            shared.metrics.wire_error(&e);
-            close_connection(&conn, CloseCode::ProtocolError);
-            return LinkEnd::Failed(e);
-        }
-    };
-    slot.generation.store(generation, Ordering::Relaxed);
-    slot.ready.store(true, Ordering::Relaxed);
-    tracing::info!(event = "node_ready", edge = %slot.address, generation);
-
-    // The watchdog (with its observation sequence) is this connection's own
-    // (R-SEQ-1); with --record-trace its inputs and outputs are recorded.
-    let config_rec = WatchdogConfigRec::new(&config.watchdog, true);
-    let tap = match shared.trace_file(generation) {
+    let register = register_request(&config, &shared);
+    // With --record-trace the machine's inputs and outputs are recorded.
+    let tap = match shared.trace_file() {
         Some(out) => Tap::to(TraceWriter::new(
             out,
-            MachineKind::NodeWatchdog,
-            &config_rec,
+            MachineKind::NodeLink,
+            &NodeLinkConfigRec {
+                config: link_config,
+                created_us: now.as_micros(),
+                register: register.clone(),
+            },
         )),
         None => Tap::off(),
     };
     let mut link = Link {
         clock,
-        generation,
-        connected_at: clock.now(),
-        heartbeat: Heartbeat::new(clock.now(), config.heartbeat),
-        watchdog: TracedWatchdog::new(config_rec, tap),
+        machine: TracedNodeLink::new_link(now, link_config, register, slot.take_replay(), tap),
+        edge,
+        was_ready: false,
         runs: HashMap::new(),
+        starting: HashMap::new(),
+        emissions: HashMap::new(),
+        seqs: VecDeque::new(),
         max_runs: config.node.max_concurrent_runs as usize,
         shared: shared.clone(),
         probes: JoinSet::new(),
-        creds: LinkCreds::default(),
-        replay: slot.take_replay(),
     };
-    link.creds.apply(&snapshot);
-    shared.set_managed(&snapshot.managed_targets);
     let (link_tx, mut link_rx) = mpsc::channel(LINK_QUEUE);
     let link_tx = LinkTx(link_tx);
     let mut handlers = JoinSet::new();
@@ -147,36 +140,40 @@ pub async fn run(
     // the node's pace stays within the Edge's budget (R-LIM-4).
     let mut report_due: Option<tokio::time::Instant> = None;
 
+    // The registration goes first.
+    let mut ended = link.drain(&mut send).await;
     let end = loop {
-        let wake =
-            iop_core::time::earliest(link.heartbeat.poll_timeout(), link.watchdog.poll_timeout());
+        if let Some(end) = ended.take() {
+            break end;
+        }
+        let wake = link.machine.poll_timeout();
         let is_paused = *paused.borrow();
+        let ready = link.was_ready;
         tokio::select! {
             frame = recv.recv::<EdgeControl>(), if !is_paused => match frame {
-                Ok(Some(msg)) => {
-                    if let Some(code) = link.on_control(msg, &mut send).await {
-                        break LinkEnd::Closed { was_ready: true, code };
-                    }
-                }
-                Ok(None) => break LinkEnd::Closed { was_ready: true, code: CloseCode::Normal },
-                Err(FramedError::ConnectionLost { close_code, .. }) => {
-                    break LinkEnd::Closed { was_ready: true, code: close_code.unwrap_or(CloseCode::Normal) };
+                Ok(Some(msg)) => link.input(NodeLinkInput::Control(msg)),
+                Ok(None) => break link.closed(CloseCode::Normal),
+                Err(FramedError::ConnectionLost { close_code, .. }) if ready => {
+                    break link.closed(close_code.unwrap_or(CloseCode::Normal));
                 }
                 Err(e) => {
                     shared.metrics.wire_error(&e);
+                    if !ready {
+                        close_connection(&conn, CloseCode::ProtocolError);
+                        break LinkEnd::Failed(e);
+                    }
                     tracing::warn!(event = "node_control_stream_error", error = %e);
-                    break LinkEnd::Closed { was_ready: true, code: CloseCode::ProtocolError };
+                    break link.closed(CloseCode::ProtocolError);
                 }
             },
             () = clock.sleep_until(wake), if !is_paused => {
-                let now = clock.now();
-                link.heartbeat.handle_timeout(now);
-                link.watchdog.handle_timeout(now);
+                link.machine.handle_timeout(clock.now());
             },
             _ = paused.changed() => {},
-            stream = conn.accept_bi() => match stream {
+            stream = conn.accept_bi(), if ready => match stream {
                 Ok((s, r)) => {
                     let (s, r) = framed_for_side(conn.side(), s, r);
+                    let generation = link.machine.inner().generation().unwrap_or(0);
                     handlers.spawn(run::serve_stream(
                         s,
                         r,
@@ -187,14 +184,13 @@ pub async fn run(
                     ));
                 }
                 Err(e) => {
-                    break LinkEnd::Closed {
-                        was_ready: true,
-                        code: iop_transport::close_code_of(&e).unwrap_or(CloseCode::Normal),
-                    };
+                    break link.closed(
+                        iop_transport::close_code_of(&e).unwrap_or(CloseCode::Normal),
+                    );
                 }
             },
             Some(msg) = link_rx.recv() => link.on_link_msg(msg),
-            Ok(()) = parked.changed(), if report_due.is_none() => {
+            Ok(()) = parked.changed(), if ready && report_due.is_none() => {
                 report_due = Some(
                     tokio::time::Instant::now() + iop_core::edge::flood::PARKED_REPORT_DELAY,
                 );
@@ -203,12 +199,12 @@ pub async fn run(
                 report_due = None;
                 let runs = shared.parking.parked_reports();
                 if !runs.is_empty() && send.send(&NodeControl::Parked { runs }).await.is_err() {
-                    break LinkEnd::Closed { was_ready: true, code: CloseCode::Normal };
+                    break link.closed(CloseCode::Normal);
                 }
             },
             Some(done) = link.probes.join_next(), if !link.probes.is_empty() => {
                 if let Ok((run_id, outcome)) = done {
-                    link.watchdog.probe_result(clock.now(), run_id, outcome);
+                    link.input(NodeLinkInput::ProbeDone { run_id, outcome });
                 }
             },
             Some(_) = handlers.join_next(), if !handlers.is_empty() => {},
@@ -218,12 +214,7 @@ pub async fn run(
                 break LinkEnd::Shutdown;
             },
         }
-        if let Some(code) = link.drain(&mut send).await {
-            break LinkEnd::Closed {
-                was_ready: true,
-                code,
-            };
-        }
+        ended = link.drain(&mut send).await;
     };
 
     // R-DISC-1: every handler bound to this connection is canceled.
@@ -233,25 +224,25 @@ pub async fn run(
         .fetch_add(canceled, Ordering::Relaxed);
     handlers.abort_all();
     link.probes.abort_all();
-    link.watchdog
-        .cancel_all(clock.now(), CancelReason::Disconnect);
+    link.input(NodeLinkInput::Disconnected);
+    let _ = link.drain(&mut send).await;
     slot.ready.store(false, Ordering::Relaxed);
     slot.generation.store(0, Ordering::Relaxed);
-    // Hand the replay cache to this Edge's next connection.
-    slot.return_replay(std::mem::take(&mut link.replay));
-    if let LinkEnd::Closed { code, .. } = &end {
-        close_connection(&conn, *code);
+    match &end {
+        LinkEnd::Closed { code, .. } => close_connection(&conn, *code),
+        LinkEnd::Rejected { .. } => close_connection(&conn, CloseCode::RegistrationRejected),
+        LinkEnd::HandshakeTimeout => close_connection(&conn, CloseCode::ProtocolError),
+        LinkEnd::Shutdown | LinkEnd::Failed(_) => {}
     }
+    // Hand the replay cache to this Edge's next connection.
+    slot.return_replay(link.machine.inner_mut().take_replay());
     end
 }
 
-async fn handshake(
-    send: &mut FramedSend,
-    recv: &mut FramedRecv,
-    config: &NodeConfig,
-    shared: &LinkShared,
-) -> Result<Result<(Generation, ConfigSnapshot), (RejectReason, String)>, FramedError> {
-    let request = RegisterRequest {
+/// What this node offers the Edge: its providers, its limit, its recipient
+/// key and its parked durable runs (R-PARK-2).
+fn register_request(config: &NodeConfig, shared: &LinkShared) -> RegisterRequest {
+    RegisterRequest {
         protocol_version: PROTOCOL_VERSION,
         node_version: env!("CARGO_PKG_VERSION").to_owned(),
         providers: shared
@@ -270,67 +261,30 @@ async fn handshake(
             .collect(),
         max_concurrent_runs: config.node.max_concurrent_runs,
         recipient_public_key: shared.identity.as_ref().map(NodeIdentity::public_key),
-        // R-PARK-2: the durable runs an Edge may adopt.
         parked: shared.parking.reports(),
-    };
-    send.send(&NodeControl::Register(request)).await?;
-    let (generation, snapshot) = loop {
-        match recv.recv::<EdgeControl>().await? {
-            Some(EdgeControl::Registered(RegisterResponse::Accepted { generation, config })) => {
-                break (generation, config);
-            }
-            Some(EdgeControl::Registered(RegisterResponse::Rejected {
-                reason, message, ..
-            })) => return Ok(Err((reason, message))),
-            Some(_) => continue,
-            None => {
-                return Err(FramedError::LocalMisuse {
-                    what: "control stream ended before registration",
-                });
-            }
-        }
-    };
-    send.send(&NodeControl::Ready(NodeReadyRequest { generation }))
-        .await?;
-    loop {
-        match recv.recv::<EdgeControl>().await? {
-            Some(EdgeControl::ReadyAck(ack)) if ack.generation == generation => {
-                if ack.accepted {
-                    return Ok(Ok((generation, snapshot)));
-                }
-                return Ok(Err((
-                    RejectReason::InvalidRegistration,
-                    "readiness refused: generation superseded".into(),
-                )));
-            }
-            Some(EdgeControl::Ping(hb)) => send.send(&NodeControl::Pong(hb)).await?,
-            Some(_) => continue,
-            None => {
-                return Err(FramedError::LocalMisuse {
-                    what: "control stream ended before readiness",
-                });
-            }
-        }
     }
 }
 
 struct Link {
     clock: Clock,
-    generation: Generation,
-    connected_at: iop_core::Instant,
-    heartbeat: Heartbeat,
-    watchdog: TracedWatchdog,
+    machine: TracedNodeLink,
+    edge: usize,
+    was_ready: bool,
+    /// Runs attached to this connection.
     runs: HashMap<RunId, RunSlot>,
+    /// Runs fed to the machine, awaiting its answer in this drain.
+    starting: HashMap<RunId, PendingStart>,
+    /// Offered outputs awaiting the machine's answer in this drain.
+    emissions: HashMap<RunId, EmissionsReply>,
+    /// Observation sequence requests, in order.
+    seqs: VecDeque<oneshot::Sender<u64>>,
     max_runs: usize,
     shared: Arc<LinkShared>,
     probes: JoinSet<(RunId, ProbeOutcome)>,
-    creds: LinkCreds,
-    replay: iop_core::cred::ReplayCache,
 }
 
 impl Drop for Link {
-    /// Runs still attached when the connection ends leave it: their count
-    /// goes (a durable one that parks is counted parked instead).
+    /// Runs still attached when the task ends leave it: their count goes.
     fn drop(&mut self) {
         let mut capacity = self.shared.capacity();
         for slot in self.runs.values() {
@@ -339,135 +293,44 @@ impl Drop for Link {
     }
 }
 
-/// The Edge's pushed credential configuration, as of the latest snapshot.
-#[derive(Default)]
-struct LinkCreds {
-    signing_key: Option<ed25519_dalek::VerifyingKey>,
-    /// Profile -> (current revision, active).
-    profiles: HashMap<String, (u64, bool)>,
-    managed: Vec<iop_wire::ManagedTarget>,
-}
-
-impl LinkCreds {
-    fn apply(&mut self, snapshot: &ConfigSnapshot) {
-        self.signing_key = snapshot.lease_signing_key.and_then(|bytes| {
-            match iop_core::cred::keys::verifying_key_from_bytes(&bytes) {
-                Ok(key) => Some(key),
-                Err(e) => {
-                    tracing::warn!(event = "node_lease_signing_key_refused", error = %e);
-                    None
-                }
-            }
-        });
-        self.profiles = snapshot
-            .credential_profiles
-            .iter()
-            .map(|p| (p.profile.clone(), (p.revision, p.active)))
-            .collect();
-        self.managed = snapshot.managed_targets.clone();
-    }
-
-    fn profile_of(&self, adapter: AdapterKind, target: &str) -> Option<&str> {
-        self.managed
-            .iter()
-            .find(|m| m.adapter == adapter && m.target == target)
-            .map(|m| m.profile.as_str())
-    }
-}
-
 impl Link {
-    /// Offer one provider output of `run_id` to the watchdog: forward it,
-    /// or drop it as fenced (R-WD-6, counted).
-    fn provider_event(
-        &mut self,
-        now: iop_core::Instant,
-        run_id: RunId,
-        event: ProviderEvent,
-    ) -> Emission {
-        let returned = matches!(event, ProviderEvent::Returned(_));
-        let emission = self.watchdog.provider_event(now, run_id, event);
-        if emission == Emission::Forward
-            && returned
-            && let Some(slot) = self.runs.get_mut(&run_id)
-        {
-            slot.self_terminated = true;
-        }
-        if emission == Emission::Fenced {
-            self.shared
-                .fenced_late_outputs
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        emission
+    fn input(&mut self, input: NodeLinkInput) {
+        self.machine.handle_input(self.clock.now(), input);
     }
 
-    /// Open one run's lease (R-CRED-2/3). Every check is `open_lease`'s.
+    fn closed(&self, code: CloseCode) -> LinkEnd {
+        LinkEnd::Closed {
+            was_ready: self.was_ready,
+            code,
+        }
+    }
+
+    /// Open one run's lease (R-CRED-2/3): the machine decides; a refusal
+    /// is counted and logged here.
     fn open_lease(
         &mut self,
-        run_id: RunId,
-        adapter: AdapterKind,
-        target: &str,
-        route: Option<&str>,
-        lease: Option<&[u8]>,
+        run: RunLease<'_>,
     ) -> Result<Option<iop_core::cred::Secret>, &'static str> {
-        let profile = self.creds.profile_of(adapter, target);
-        let (lease, profile) = match (lease, profile) {
-            (None, None) => return Ok(None),
-            (None, Some(_)) => return Err("missing_lease"),
-            // A lease for a target this node was not told is managed: the
-            // expected profile is none, so the binding check refuses it.
-            (Some(lease), profile) => (lease, profile.unwrap_or("")),
-        };
-        let Some(identity) = self.shared.identity.as_ref() else {
-            return Err("no_recipient_key");
-        };
-        let Some(signing_key) = self.creds.signing_key.as_ref() else {
-            return Err("no_signing_key");
-        };
-        let expected = iop_core::cred::ExpectedBinding {
-            node: &identity.node_id,
-            generation: self.generation,
-            slot: run_id,
-            target,
-            profile,
-            route,
-            principal: None,
-        };
-        let profiles = &self.creds.profiles;
-        iop_core::cred::open_lease(
-            lease,
-            &expected,
-            signing_key,
-            &identity.recipient,
-            iop_transport::clock::unix_ms(),
-            iop_core::cred::DEFAULT_SKEW_TOLERANCE_MS,
-            &mut self.replay,
-            &|p: &str| profiles.get(p).copied(),
-        )
-        .map(Some)
-        .map_err(|rejected| rejection_label(rejected.reason))
-    }
-
-    /// Handle one control frame; `Some(code)` ends the connection.
-    async fn on_control(&mut self, msg: EdgeControl, send: &mut FramedSend) -> Option<CloseCode> {
-        let now = self.clock.now();
-        match msg {
-            EdgeControl::Ping(hb) => self.heartbeat.handle_ping(now, hb.seq),
-            EdgeControl::Pong(hb) => self.heartbeat.handle_pong(now, hb.seq),
-            EdgeControl::Cancel(c) => self.watchdog.cancel(now, c.run_id, CancelReason::Client),
-            EdgeControl::ConfigRefresh(snapshot) => {
-                self.creds.apply(&snapshot);
-                self.shared.set_managed(&snapshot.managed_targets);
-                let applied = NodeControl::ConfigApplied {
-                    generation: self.generation,
-                };
-                if send.send(&applied).await.is_err() {
-                    return Some(CloseCode::Normal);
-                }
-            }
-            EdgeControl::Closing { code } => return Some(code),
-            EdgeControl::Registered(_) | EdgeControl::ReadyAck(_) => {}
+        let recipient = self.shared.identity.as_ref().map(|identity| Recipient {
+            node: identity.node_id.as_str(),
+            secret: &identity.recipient,
+        });
+        let opened =
+            self.machine
+                .inner_mut()
+                .open_lease(recipient, run, iop_transport::clock::unix_ms());
+        if let Err(reason) = &opened {
+            self.shared
+                .credential_rejections
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared.metrics.credential_rejected(reason);
+            tracing::warn!(
+                event = "node_credential_rejected",
+                generation = self.machine.inner().generation().unwrap_or(0),
+                reason = *reason
+            );
         }
-        None
+        opened
     }
 
     fn on_link_msg(&mut self, msg: LinkMsg) {
@@ -497,94 +360,69 @@ impl Link {
                         return;
                     }
                 }
-                let deadline = deadline.map(|d| now + d);
-                match self
-                    .watchdog
-                    .start(now, run_id, kind, stall_timeout, deadline)
-                {
-                    Ok(()) => {
-                        self.runs.insert(
-                            run_id,
-                            RunSlot {
-                                control,
-                                adapter,
-                                target,
-                                self_terminated: false,
-                            },
-                        );
-                        let _ = reply.send(Ok(()));
-                    }
-                    Err(e) => {
-                        self.shared.capacity().finish(adapter, &target);
-                        tracing::warn!(event = "node_run_refused", error = %e);
-                        // A reused run id with a lease is a replay (R-CRED-3).
-                        let _ = reply.send(Err(e.failure_code(carries_lease)));
-                    }
-                }
+                self.starting.insert(
+                    run_id,
+                    PendingStart {
+                        slot: RunSlot {
+                            control,
+                            adapter,
+                            target: target.clone(),
+                        },
+                        reply,
+                    },
+                );
+                self.input(NodeLinkInput::StartRun(RunStart {
+                    run_id,
+                    kind,
+                    stall_timeout,
+                    deadline: deadline.map(|d| now + d),
+                    adapter,
+                    target,
+                    carries_lease,
+                }));
             }
             LinkMsg::Event {
                 run_id,
                 event,
                 reply,
             } => {
-                let _ = reply.send(self.provider_event(now, run_id, event));
+                self.emissions.insert(run_id, EmissionsReply::One(reply));
+                self.input(NodeLinkInput::ProviderEvents {
+                    run_id,
+                    events: vec![event],
+                });
             }
             LinkMsg::Events {
                 run_id,
                 events,
                 reply,
             } => {
-                let emissions = events
-                    .into_iter()
-                    .map(|event| self.provider_event(now, run_id, event))
-                    .collect();
-                let _ = reply.send(emissions);
+                self.emissions.insert(run_id, EmissionsReply::Many(reply));
+                self.input(NodeLinkInput::ProviderEvents { run_id, events });
             }
             LinkMsg::ProviderReturned { run_id } => {
-                // Only a run still joining its stall needs the timing
-                // (R-WD-4); after its terminal there is nothing to record.
-                if self.runs.contains_key(&run_id) {
-                    let _ = self.watchdog.provider_event(
-                        now,
-                        run_id,
-                        ProviderEvent::Returned(
-                            iop_core::node::watchdog::ProviderOutcome::Completed,
-                        ),
-                    );
-                }
+                self.input(NodeLinkInput::ProviderDropped { run_id });
             }
-            LinkMsg::Finished { run_id } => {
-                // The handler left this connection: it ended without a
-                // terminal (its stream broke), or it is a durable run that
-                // parks (R-PARK-1). The watchdog forgets it, and nothing of
-                // that goes to the handler: a parked run's provider call
-                // must go on, not be canceled by its old link.
-                if let Some(slot) = self.runs.remove(&run_id) {
-                    self.shared.capacity().finish(slot.adapter, &slot.target);
-                    self.watchdog.cancel(now, run_id, CancelReason::Client);
-                }
-            }
-            LinkMsg::Canceled { run_id } => {
-                self.watchdog.cancel(now, run_id, CancelReason::Client);
-            }
+            LinkMsg::Finished { run_id } => self.input(NodeLinkInput::RunLeft { run_id }),
+            LinkMsg::Canceled { run_id } => self.input(NodeLinkInput::RunCanceled { run_id }),
             LinkMsg::ProbeDone { run_id, outcome } => {
-                self.watchdog.probe_result(now, run_id, outcome);
+                self.input(NodeLinkInput::ProbeDone { run_id, outcome });
             }
             LinkMsg::Status { reply } => {
+                let machine = self.machine.inner();
                 let _ = reply.send(TransportStatusReport {
-                    generation: self.generation,
-                    connected_for_ms: iop_core::time::duration_ms(now - self.connected_at),
+                    generation: machine.generation().unwrap_or(0),
+                    connected_for_ms: iop_core::time::duration_ms(now - machine.connected_at()),
                     active_runs: self.runs.len() as u32,
                     max_concurrent_runs: self.max_runs as u32,
-                    heartbeats_sent: self.heartbeat.pings_sent(),
-                    last_heartbeat_rtt_ms: self
-                        .heartbeat
+                    heartbeats_sent: machine.heartbeat().pings_sent(),
+                    last_heartbeat_rtt_ms: machine
+                        .heartbeat()
                         .last_rtt()
                         .map(iop_core::time::duration_ms),
                     fenced_late_outputs: self.shared.fenced_late_outputs.load(Ordering::Relaxed),
-                    next_health_observation_seq: self
-                        .watchdog
-                        .inner()
+                    next_health_observation_seq: machine
+                        .watchdog()
                         .next_observation_seq()
                         .unwrap_or(0),
                 });
@@ -597,99 +435,103 @@ impl Link {
                 lease,
                 reply,
             } => {
-                let opened =
-                    self.open_lease(run_id, adapter, &target, route.as_deref(), lease.as_deref());
-                if let Err(reason) = &opened {
-                    self.shared
-                        .credential_rejections
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.shared.metrics.credential_rejected(reason);
-                    tracing::warn!(
-                        event = "node_credential_rejected",
-                        generation = self.generation,
-                        reason = *reason
-                    );
-                }
+                let opened = self.open_lease(RunLease {
+                    run_id,
+                    adapter,
+                    target: &target,
+                    route: route.as_deref(),
+                    lease: lease.as_deref(),
+                });
                 let _ = reply.send(opened);
             }
             LinkMsg::TakeObservationSeq { reply } => {
-                let _ = reply.send(self.watchdog.take_observation_seq(now).unwrap_or(0));
+                self.seqs.push_back(reply);
+                self.input(NodeLinkInput::TakeObservationSeq);
             }
         }
     }
 
-    /// Carry out core outputs; `Some(code)` ends the connection.
-    async fn drain(&mut self, send: &mut FramedSend) -> Option<CloseCode> {
-        while let Some(out) = self.heartbeat.poll_output() {
-            let frame = match out {
-                HeartbeatOutput::SendPing(seq) => NodeControl::Ping(iop_wire::Heartbeat { seq }),
-                HeartbeatOutput::SendPong(seq) => NodeControl::Pong(iop_wire::Heartbeat { seq }),
-                HeartbeatOutput::TimedOut => {
-                    tracing::warn!(
-                        event = "node_heartbeat_timeout",
-                        generation = self.generation
-                    );
-                    return Some(CloseCode::HeartbeatTimeout);
-                }
-            };
-            if send.send(&frame).await.is_err() {
-                return Some(CloseCode::Normal);
-            }
-        }
-        while let Some(out) = self.watchdog.poll_output(self.clock.now()) {
+    /// Carry out the machine's outputs; `Some` ends the connection.
+    async fn drain(&mut self, send: &mut FramedSend) -> Option<LinkEnd> {
+        let mut end = None;
+        while let Some(out) = self.machine.poll_output(self.clock.now()) {
             match out {
-                WatchdogOutput::CancelProvider { run_id } => {
+                NodeLinkOutput::Send(frame) => {
+                    if send.send(&frame).await.is_err() && end.is_none() {
+                        end = Some(self.closed(CloseCode::Normal));
+                    }
+                }
+                NodeLinkOutput::Ready { generation } => {
+                    self.was_ready = true;
+                    let slot = &self.shared.edges[self.edge];
+                    slot.generation.store(generation, Ordering::Relaxed);
+                    slot.ready.store(true, Ordering::Relaxed);
+                    tracing::info!(event = "node_ready", edge = %slot.address, generation);
+                }
+                NodeLinkOutput::Managed(managed) => self.shared.set_managed(&managed),
+                NodeLinkOutput::SigningKeyRefused => {
+                    tracing::warn!(event = "node_lease_signing_key_refused");
+                }
+                NodeLinkOutput::End(link_end) => {
+                    use iop_core::node::link::LinkEnd as Core;
+                    end = Some(match link_end {
+                        Core::Closed(code) => {
+                            if code == CloseCode::HeartbeatTimeout {
+                                tracing::warn!(
+                                    event = "node_heartbeat_timeout",
+                                    generation = self.machine.inner().generation().unwrap_or(0)
+                                );
+                            }
+                            self.closed(code)
+                        }
+                        Core::Rejected { reason, message } => LinkEnd::Rejected { reason, message },
+                        Core::HandshakeTimedOut => LinkEnd::HandshakeTimeout,
+                    });
+                }
+                NodeLinkOutput::RunAdmitted { run_id } => {
+                    if let Some(pending) = self.starting.remove(&run_id) {
+                        self.runs.insert(run_id, pending.slot);
+                        let _ = pending.reply.send(Ok(()));
+                    }
+                }
+                NodeLinkOutput::RunRefused { run_id, code } => {
+                    if let Some(pending) = self.starting.remove(&run_id) {
+                        self.shared
+                            .capacity()
+                            .finish(pending.slot.adapter, &pending.slot.target);
+                        tracing::warn!(event = "node_run_refused", code = code.as_str());
+                        let _ = pending.reply.send(Err(code));
+                    }
+                }
+                NodeLinkOutput::Emissions { run_id, emissions } => {
+                    let fenced = emissions.iter().filter(|e| **e == Emission::Fenced).count();
+                    if fenced > 0 {
+                        self.shared
+                            .fenced_late_outputs
+                            .fetch_add(fenced as u64, Ordering::Relaxed);
+                    }
+                    match self.emissions.remove(&run_id) {
+                        Some(EmissionsReply::One(reply)) => {
+                            let _ =
+                                reply.send(emissions.first().copied().unwrap_or(Emission::Fenced));
+                        }
+                        Some(EmissionsReply::Many(reply)) => {
+                            let _ = reply.send(emissions);
+                        }
+                        None => {}
+                    }
+                }
+                NodeLinkOutput::CancelProvider { run_id } => {
                     if let Some(slot) = self.runs.get(&run_id) {
                         let _ = slot.control.send(RunControl::CancelProvider);
                     }
                 }
-                WatchdogOutput::StartProbe { run_id } => {
-                    let adapter = self
-                        .runs
-                        .get(&run_id)
-                        .and_then(|slot| self.shared.adapter(slot.adapter, &slot.target).cloned());
-                    let bound = self.shared.probe_bound;
-                    let shared = self.shared.clone();
-                    self.probes.spawn(async move {
-                        // The probe is bounded like the watchdog's own
-                        // probe bound; either way a timeout is no verdict
-                        // (R-WD-5).
-                        let outcome = match adapter {
-                            Some(a) => {
-                                // The same `node.probe` span as a
-                                // CAPABILITIES probe, marked as a stall's.
-                                let span = shared.metrics.tracer().start(
-                                    "node.probe",
-                                    iop_transport::traces::Kind::Internal,
-                                    None,
-                                );
-                                span.set("iop.adapter", a.kind().as_str());
-                                span.set_configured("iop.target", a.target());
-                                span.set("iop.reason", "stall");
-                                let verdict = a.probe(bound).await;
-                                let verdict = shared.probe_verdict(a.kind(), a.target(), verdict);
-                                shared.metrics.probe(a.kind(), a.target(), verdict.health);
-                                span.set("iop.status", verdict.health.as_str());
-                                match verdict.failure {
-                                    Some(code) => span.fail(code.as_str()),
-                                    None => span.ok(),
-                                }
-                                ProbeEvidence::new(verdict.health, verdict.failure).outcome()
-                            }
-                            None => ProbeOutcome::Failed,
-                        };
-                        (run_id, outcome)
-                    });
-                }
-                WatchdogOutput::Terminal { run_id, terminal } => {
-                    if let Some(slot) = self.runs.remove(&run_id) {
-                        self.shared.capacity().finish(slot.adapter, &slot.target);
-                        if !slot.self_terminated {
-                            let _ = slot.control.send(RunControl::Terminal(terminal));
-                        }
-                    }
-                }
-                WatchdogOutput::StallObserved {
+                NodeLinkOutput::StartProbe {
+                    run_id,
+                    adapter,
+                    target,
+                } => self.start_probe(run_id, adapter, &target),
+                NodeLinkOutput::StallObserved {
                     kind,
                     elapsed_ms,
                     health,
@@ -712,25 +554,70 @@ impl Link {
                         retryable
                     );
                 }
+                NodeLinkOutput::RunEnded {
+                    run_id,
+                    adapter,
+                    target,
+                    terminal,
+                    forwarded,
+                } => {
+                    self.shared.capacity().finish(adapter, &target);
+                    if let Some(slot) = self.runs.remove(&run_id)
+                        && !forwarded
+                    {
+                        let _ = slot.control.send(RunControl::Terminal(terminal));
+                    }
+                }
+                NodeLinkOutput::RunDetached {
+                    run_id,
+                    adapter,
+                    target,
+                } => {
+                    self.shared.capacity().finish(adapter, &target);
+                    self.runs.remove(&run_id);
+                }
+                NodeLinkOutput::ObservationSeq(seq) => {
+                    if let Some(reply) = self.seqs.pop_front() {
+                        let _ = reply.send(seq);
+                    }
+                }
             }
         }
-        None
+        end
     }
-}
 
-/// A closed label for a refused lease; a binding mismatch names its field.
-pub fn rejection_label(reason: iop_core::cred::RejectionReason) -> &'static str {
-    use iop_core::cred::{BindingField as F, RejectionReason as R};
-    match reason {
-        R::BindingMismatch { field } => match field {
-            F::Node => "binding_mismatch_node",
-            F::Generation => "binding_mismatch_generation",
-            F::Slot => "binding_mismatch_slot",
-            F::Target => "binding_mismatch_target",
-            F::Profile => "binding_mismatch_profile",
-            F::Route => "binding_mismatch_route",
-            F::Principal => "binding_mismatch_principal",
-        },
-        other => other.as_str(),
+    /// The exact-target probe of a stalled run, bounded like the watchdog's
+    /// own probe bound; either way a timeout is no verdict (R-WD-5).
+    fn start_probe(&mut self, run_id: RunId, adapter: AdapterKind, target: &str) {
+        let adapter = self.shared.adapter(adapter, target).cloned();
+        let bound = self.shared.probe_bound;
+        let shared = self.shared.clone();
+        self.probes.spawn(async move {
+            let outcome = match adapter {
+                Some(a) => {
+                    // The same `node.probe` span as a CAPABILITIES probe,
+                    // marked as a stall's.
+                    let span = shared.metrics.tracer().start(
+                        "node.probe",
+                        iop_transport::traces::Kind::Internal,
+                        None,
+                    );
+                    span.set("iop.adapter", a.kind().as_str());
+                    span.set_configured("iop.target", a.target());
+                    span.set("iop.reason", "stall");
+                    let verdict = a.probe(bound).await;
+                    let verdict = shared.probe_verdict(a.kind(), a.target(), verdict);
+                    shared.metrics.probe(a.kind(), a.target(), verdict.health);
+                    span.set("iop.status", verdict.health.as_str());
+                    match verdict.failure {
+                        Some(code) => span.fail(code.as_str()),
+                        None => span.ok(),
+                    }
+                    ProbeEvidence::new(verdict.health, verdict.failure).outcome()
+                }
+                None => ProbeOutcome::Failed,
+            };
+            (run_id, outcome)
+        });
     }
 }

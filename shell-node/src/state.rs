@@ -142,8 +142,10 @@ pub struct LinkShared {
     /// Connections the Edge closed as superseded: another process with
     /// this node's certificate connected.
     pub superseded: AtomicU64,
-    /// Where to record each connection's watchdog trace (`--record-trace`).
+    /// Where to record each connection's machine trace (`--record-trace`).
     pub record_trace: Option<std::path::PathBuf>,
+    /// Connections whose trace was opened so far.
+    pub traced_links: AtomicU64,
     /// This node's id and lease recipient key (`None`: no managed
     /// credentials; every lease is refused).
     pub identity: Option<NodeIdentity>,
@@ -186,6 +188,7 @@ impl LinkShared {
             failed_attempts: AtomicU64::new(0),
             superseded: AtomicU64::new(0),
             record_trace: None,
+            traced_links: AtomicU64::new(0),
             identity: None,
             credential_rejections: AtomicU64::new(0),
             managed: std::sync::RwLock::new(Vec::new()),
@@ -213,11 +216,12 @@ impl LinkShared {
             .count()
     }
 
-    /// The trace file of the connection of `generation`
-    /// (`<record-trace>.<generation>`), if recording.
-    pub fn trace_file(&self, generation: u64) -> Option<Box<dyn std::io::Write + Send>> {
+    /// The trace file of the next connection (`<record-trace>.<n>`, the
+    /// `n`th connection of this process, from 1), if recording.
+    pub fn trace_file(&self) -> Option<Box<dyn std::io::Write + Send>> {
         let base = self.record_trace.as_ref()?;
-        let path = std::path::PathBuf::from(format!("{}.{generation}", base.display()));
+        let n = self.traced_links.fetch_add(1, Ordering::Relaxed) + 1;
+        let path = std::path::PathBuf::from(format!("{}.{n}", base.display()));
         match std::fs::File::create(&path) {
             Ok(f) => Some(Box::new(std::io::BufWriter::new(f))),
             Err(e) => {

@@ -31,9 +31,13 @@
 //!   at every Edge start what the dead incarnation left open (R-TAKE-1),
 //!   crashes the Edge at the store's crash points, replays lost writes as
 //!   zombies, and lets clients leave, resume and cancel.
-//! * **Node**: per process a [`Backoff`] supervisor; per connection a
-//!   [`TracedHeartbeat`] and a [`TracedWatchdog`] with its observation
-//!   sequence; per run one provider call ([`CallPlan`]).
+//! * **Node**: per process a [`Backoff`] supervisor; per connection the
+//!   core's connection machine [`TracedNodeLink`] (the very machine
+//!   `iop-node`'s link task drives: handshake, heartbeat, watchdog with its
+//!   observation sequence, each run's one terminal); per run one provider
+//!   call ([`CallPlan`]), whose handler writes the provider's own terminal
+//!   when the machine lets it through and the watchdog's when the machine
+//!   ends the run, and reports a call it dropped on the watchdog's cancel.
 //!
 //! ## Phases
 //!
@@ -49,6 +53,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use iop_core::Instant;
+use iop_core::cred::ReplayCache;
 use iop_core::edge::admission::{
     DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
 };
@@ -65,16 +70,17 @@ use iop_core::edge::request::{
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
 use iop_core::liveness::heartbeat::{HeartbeatConfig, HeartbeatOutput};
+use iop_core::node::link::{LinkEnd, NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
 use iop_core::node::watchdog::{
-    CancelReason, Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, WatchdogConfig,
-    WatchdogOutput, effective_stall_timeout,
+    Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, WatchdogConfig,
+    effective_stall_timeout,
 };
 use iop_wire::{
     AdapterKind, CapabilitiesReport, CloseCode, Command, CommandKind, CommandResult,
-    CommandResultBody, ConfigSnapshot, DataRequest, EdgeControl, ExecutionFailure, FailureCode,
-    FinishReason, GenerationParams, Heartbeat as HeartbeatMsg, NodeControl, NodeReadyRequest,
-    NodeReadyResponse, PROTOCOL_VERSION, RegisterRequest, RegisterResponse, RunApi, RunEvent,
-    RunEventKind, RunKey, RunRequest, TargetHealth, Usage,
+    CommandResultBody, DataRequest, EdgeControl, ExecutionFailure, FailureCode, FinishReason,
+    GenerationParams, Heartbeat as HeartbeatMsg, NodeControl, NodeReadyRequest, NodeReadyResponse,
+    PROTOCOL_VERSION, RegisterRequest, RegisterResponse, RunApi, RunEvent, RunEventKind, RunKey,
+    RunRequest, TargetHealth, Usage,
 };
 use serde::Serialize;
 
@@ -88,8 +94,8 @@ use crate::net::{
 use crate::provider::{CallPlan, Ending, ProbeAnswer};
 use crate::record::{Capture, Recorder};
 use crate::trace::{
-    DispatchConfigRec, HeartbeatConfigRec, HeartbeatInput, MachineKind, TracedDispatcher,
-    TracedHeartbeat, TracedWatchdog, WatchdogConfigRec,
+    DispatchConfigRec, HeartbeatConfigRec, HeartbeatInput, MachineKind, NodeLinkConfigRec,
+    TracedDispatcher, TracedHeartbeat, TracedNodeLink,
 };
 
 mod durable;
@@ -809,13 +815,13 @@ fn is_http_5xx(event: &ProviderEvent) -> bool {
     )
 }
 
+/// A node's connection: the core connection machine the node shell drives
+/// (handshake, heartbeat, watchdog, each run's one terminal), and the
+/// provider calls of its runs.
 #[derive(Debug)]
 struct NodeConn {
     conn: ConnId,
-    heartbeat: TracedHeartbeat,
-    watchdog: TracedWatchdog,
-    generation: Option<Generation>,
-    ready: bool,
+    link: TracedNodeLink,
     calls: BTreeMap<RunId, Call>,
 }
 
@@ -1124,8 +1130,7 @@ impl World {
         }
         for n in self.nodes.iter().filter(|n| n.frozen.is_none()) {
             if let Link::Connected(nc) = &n.link {
-                consider(nc.heartbeat.poll_timeout());
-                consider(nc.watchdog.poll_timeout());
+                consider(nc.link.poll_timeout());
             }
         }
         t
@@ -1227,16 +1232,10 @@ impl World {
                 continue;
             }
             if let Link::Connected(nc) = &mut self.nodes[n].link
-                && due(nc.heartbeat.poll_timeout())
+                && due(nc.link.poll_timeout())
             {
-                let _ = nc.heartbeat.apply(now, HeartbeatInput::HandleTimeout);
-                self.drain_node_heartbeat(n);
-            }
-            if let Link::Connected(nc) = &mut self.nodes[n].link
-                && due(nc.watchdog.poll_timeout())
-            {
-                nc.watchdog.handle_timeout(now);
-                self.drain_watchdog(n);
+                nc.link.handle_timeout(now);
+                self.drain_node_link(n);
             }
         }
     }
@@ -2717,27 +2716,6 @@ impl World {
             self.schedule_redial(node);
             return;
         };
-        let hb_config = HeartbeatConfigRec::new(&self.heartbeat_config(), now);
-        let hb_tap = self.recorder.tap(MachineKind::Heartbeat, &hb_config);
-        let wd_config = WatchdogConfigRec::new(
-            &WatchdogConfig {
-                close_grace: self.cfg.close_grace,
-                probe_bound: self.cfg.probe_bound,
-                max_active_runs: 64,
-            },
-            true,
-        );
-        let wd_tap = self.recorder.tap(MachineKind::NodeWatchdog, &wd_config);
-        let watchdog = TracedWatchdog::new(wd_config, wd_tap);
-        self.core_bugs.plant_watchdog(watchdog.inner());
-        self.nodes[node].link = Link::Connected(Box::new(NodeConn {
-            conn,
-            heartbeat: TracedHeartbeat::new(hb_config, hb_tap),
-            watchdog,
-            generation: None,
-            ready: false,
-            calls: BTreeMap::new(),
-        }));
         let providers = self.nodes[node]
             .providers
             .iter()
@@ -2748,20 +2726,42 @@ impl World {
                 max_concurrent_runs: None,
             })
             .collect();
-        self.transmit(
-            conn,
-            Dir::NodeToEdge,
-            StreamKey::Control,
-            Payload::NodeControl(NodeControl::Register(RegisterRequest {
-                protocol_version: PROTOCOL_VERSION,
-                node_version: "sim".into(),
-                providers,
-                max_concurrent_runs: 64,
-                recipient_public_key: None,
-                // R-PARK-2: the durable runs an Edge may adopt.
-                parked: self.parked_reports(node),
-            })),
+        let register = RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node_version: "sim".into(),
+            providers,
+            max_concurrent_runs: 64,
+            recipient_public_key: None,
+            // R-PARK-2: the durable runs an Edge may adopt.
+            parked: self.parked_reports(node),
+        };
+        let config = NodeLinkConfig {
+            heartbeat: self.heartbeat_config(),
+            watchdog: WatchdogConfig {
+                close_grace: self.cfg.close_grace,
+                probe_bound: self.cfg.probe_bound,
+                max_active_runs: 64,
+            },
+            // The heartbeat bounds the handshake here.
+            handshake_timeout: None,
+        };
+        let tap = self.recorder.tap(
+            MachineKind::NodeLink,
+            &NodeLinkConfigRec {
+                config,
+                created_us: now.as_micros(),
+                register: register.clone(),
+            },
         );
+        let link = TracedNodeLink::new_link(now, config, register, ReplayCache::new(), tap);
+        self.core_bugs.plant_watchdog(link.inner().watchdog());
+        self.nodes[node].link = Link::Connected(Box::new(NodeConn {
+            conn,
+            link,
+            calls: BTreeMap::new(),
+        }));
+        // The registration goes first.
+        self.drain_node_link(node);
     }
 
     fn node_receive(&mut self, node: usize, stream: StreamKey, payload: Payload) {
@@ -2771,54 +2771,23 @@ impl World {
         };
         let conn = nc.conn;
         match payload {
-            Payload::EdgeControl(msg) => match msg {
-                EdgeControl::Registered(RegisterResponse::Accepted { generation, .. }) => {
-                    if nc.generation.is_some() {
-                        return;
-                    }
-                    nc.generation = Some(generation);
-                    self.checker.node_registered(node, generation);
-                    self.transmit(
-                        conn,
-                        Dir::NodeToEdge,
-                        StreamKey::Control,
-                        Payload::NodeControl(NodeControl::Ready(NodeReadyRequest { generation })),
-                    );
-                }
-                EdgeControl::Registered(RegisterResponse::Rejected { .. }) => {
-                    self.node_close(node, CloseCode::RegistrationRejected);
-                }
-                EdgeControl::ReadyAck(NodeReadyResponse {
-                    generation,
-                    accepted,
-                }) => {
-                    if accepted && nc.generation == Some(generation) {
-                        nc.ready = true;
-                        self.nodes[node].backoff.reset();
-                    } else {
-                        self.node_close(node, CloseCode::ProtocolError);
-                    }
-                }
-                EdgeControl::Ping(HeartbeatMsg { seq }) => {
-                    let _ = nc.heartbeat.apply(now, HeartbeatInput::Ping { seq });
-                    self.drain_node_heartbeat(node);
-                }
-                EdgeControl::Pong(HeartbeatMsg { seq }) => {
-                    let _ = nc.heartbeat.apply(now, HeartbeatInput::Pong { seq });
-                    self.drain_node_heartbeat(node);
-                }
-                EdgeControl::Cancel(iop_wire::Cancel { run_id }) => {
+            Payload::EdgeControl(msg) => {
+                if let EdgeControl::Cancel(iop_wire::Cancel { run_id }) = &msg {
                     // A durable run's Edge canceled it: it ends here.
-                    self.durable_canceled(node, conn, run_id);
-                    let Some(nc) = nconn(&mut self.nodes, node) else {
-                        return;
-                    };
-                    nc.watchdog.cancel(now, run_id, CancelReason::Client);
-                    self.drain_watchdog(node);
+                    self.durable_canceled(node, conn, *run_id);
                 }
-                EdgeControl::Closing { code } => self.node_conn_ended(node, code),
-                EdgeControl::ConfigRefresh(ConfigSnapshot { .. }) => {}
-            },
+                let Some(nc) = nconn(&mut self.nodes, node) else {
+                    return;
+                };
+                let registered = nc.link.inner().generation();
+                nc.link.handle_input(now, NodeLinkInput::Control(msg));
+                if registered.is_none()
+                    && let Some(generation) = nc.link.inner().generation()
+                {
+                    self.checker.node_registered(node, generation);
+                }
+                self.drain_node_link(node);
+            }
             Payload::Data(DataRequest::Run(request)) => self.node_start_run(node, request),
             Payload::Data(DataRequest::Adopt(request)) => self.node_adopt(node, conn, request),
             Payload::RunAck {
@@ -2850,38 +2819,6 @@ impl World {
         let _ = stream;
     }
 
-    fn drain_node_heartbeat(&mut self, node: usize) {
-        loop {
-            let now = self.now;
-            let Some(nc) = nconn(&mut self.nodes, node) else {
-                return;
-            };
-            let conn = nc.conn;
-            let Some(out) = nc.heartbeat.poll_output(now) else {
-                return;
-            };
-            match out {
-                HeartbeatOutput::SendPing(seq) => self.transmit(
-                    conn,
-                    Dir::NodeToEdge,
-                    StreamKey::Control,
-                    Payload::NodeControl(NodeControl::Ping(HeartbeatMsg { seq })),
-                ),
-                HeartbeatOutput::SendPong(seq) => self.transmit(
-                    conn,
-                    Dir::NodeToEdge,
-                    StreamKey::Control,
-                    Payload::NodeControl(NodeControl::Pong(HeartbeatMsg { seq })),
-                ),
-                HeartbeatOutput::TimedOut => {
-                    self.stats.heartbeat_timeouts += 1;
-                    self.node_close(node, CloseCode::HeartbeatTimeout);
-                    return;
-                }
-            }
-        }
-    }
-
     /// The node closes its connection itself.
     fn node_close(&mut self, node: usize, code: CloseCode) {
         let Some(nc) = nconn(&mut self.nodes, node) else {
@@ -2909,13 +2846,13 @@ impl World {
         // Durable runs park instead of being canceled (R-DISC-1, R-PARK-1).
         self.detach_durable(node, conn);
         if let Some(nc) = nconn(&mut self.nodes, node) {
-            nc.watchdog.cancel_all(now, CancelReason::Disconnect);
+            nc.link.handle_input(now, NodeLinkInput::Disconnected);
         }
-        self.drain_watchdog(node);
+        self.drain_node_link(node);
         if let Some(nc) = nconn(&mut self.nodes, node)
-            && nc.watchdog.inner().active_runs() > 0
+            && nc.link.inner().watchdog().active_runs() > 0
         {
-            let left = nc.watchdog.inner().active_runs();
+            let left = nc.link.inner().watchdog().active_runs();
             self.checker.fail(
                 "R-DISC-1",
                 format!("{left} runs still watched after the connection ended"),
@@ -3024,14 +2961,23 @@ impl World {
                 return;
             }
         };
-        if let Err(_e) = nc
-            .watchdog
-            .start(now, run_id, RunKind::Normalized, stall, None)
-        {
+        nc.link.handle_input(
+            now,
+            NodeLinkInput::StartRun(RunStart {
+                run_id,
+                kind: RunKind::Normalized,
+                stall_timeout: stall,
+                deadline: None,
+                adapter: AdapterKind::Mock,
+                target: request.target.clone(),
+                carries_lease: request.credential_lease.is_some(),
+            }),
+        );
+        if let Some(NodeLinkOutput::RunRefused { code, .. }) = self.node_link_answer(node) {
             self.send_run_event(
                 node,
                 run_id,
-                RunEventKind::Failed(ExecutionFailure::new(FailureCode::InvalidRequest)),
+                RunEventKind::Failed(ExecutionFailure::new(code)),
             );
             return;
         }
@@ -3063,7 +3009,7 @@ impl World {
             .position(|p| p.target == request.target)
             .unwrap_or(0);
         if let Some(spec) = request.park {
-            let generation = nc.generation.unwrap_or(0);
+            let generation = nc.link.inner().generation().unwrap_or(0);
             self.start_durable(
                 node,
                 conn,
@@ -3184,7 +3130,6 @@ impl World {
         event: ProviderEvent,
         token: u32,
     ) {
-        let now = self.now;
         let returned = matches!(event, ProviderEvent::Returned(_));
         let wire = match &event {
             ProviderEvent::Neutral => Some(RunEventKind::Started {
@@ -3193,10 +3138,9 @@ impl World {
             ProviderEvent::Progress(_) => Some(RunEventKind::TextDelta(format!("tok{token}"))),
             ProviderEvent::Returned(_) => None,
         };
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(emission) = self.offer_provider_event(node, run_id, event) else {
             return;
         };
-        let emission = nc.watchdog.provider_event(now, run_id, event);
         if returned {
             self.checker.provider_returned(conn, run_id);
             if let Some(nc) = nconn(&mut self.nodes, node) {
@@ -3211,7 +3155,84 @@ impl World {
             }
             Emission::Fenced => self.stats.fenced_outputs += 1,
         }
-        self.drain_watchdog(node);
+        self.drain_node_link(node);
+    }
+
+    /// Offer one provider output to the connection's machine (R-WD-6):
+    /// what to do with it, the rest of its outputs left to drain. A
+    /// provider's own terminal that is let through is written here, by the
+    /// run's handler, as `iop-node`'s handler writes it (the machine's
+    /// `RunEnded` then says it was forwarded).
+    fn offer_provider_event(
+        &mut self,
+        node: usize,
+        run_id: RunId,
+        event: ProviderEvent,
+    ) -> Option<Emission> {
+        let now = self.now;
+        let own_terminal = match &event {
+            ProviderEvent::Returned(ProviderOutcome::Completed) => Some(RunTerminal::Completed),
+            ProviderEvent::Returned(ProviderOutcome::Failed(f)) => Some(RunTerminal::Failed(
+                iop_core::node::watchdog::sanitize_provider_failure(f.clone()),
+            )),
+            ProviderEvent::Progress(_) | ProviderEvent::Neutral => None,
+        };
+        let nc = nconn(&mut self.nodes, node)?;
+        let conn = nc.conn;
+        nc.link.handle_input(
+            now,
+            NodeLinkInput::ProviderEvents {
+                run_id,
+                events: vec![event],
+            },
+        );
+        let emission = match self.node_link_answer(node) {
+            Some(NodeLinkOutput::Emissions { emissions, .. }) => emissions.first().copied(),
+            _ => None,
+        };
+        if emission == Some(Emission::Forward)
+            && let Some(terminal) = own_terminal
+        {
+            self.node_write_terminal(node, conn, run_id, terminal);
+        }
+        emission
+    }
+
+    /// A run's handler writes its one terminal: the provider's own, or the
+    /// watchdog's (a stall, a deadline, a cancel).
+    fn node_write_terminal(
+        &mut self,
+        node: usize,
+        conn: ConnId,
+        run_id: RunId,
+        terminal: RunTerminal,
+    ) {
+        self.checker.node_terminal(conn, run_id, &terminal);
+        let kind = match terminal {
+            RunTerminal::Completed => RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: Some(Usage {
+                    prompt_tokens: 1,
+                    completion_tokens: 1,
+                }),
+            },
+            RunTerminal::Failed(f) => {
+                if f.code == FailureCode::ResponseStalled {
+                    self.stats.stalls += 1;
+                    self.checker.observation_seq(conn, f.health_observation_seq);
+                    self.checker
+                        .stall_seq_issued(conn, f.health_observation_seq);
+                }
+                RunEventKind::Failed(f)
+            }
+        };
+        if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
+            // A durable run's last frame, kept until acked.
+            self.durable_produce(node, key, kind, true);
+        } else {
+            self.send_run_event(node, run_id, kind);
+        }
+        self.net.stream_done(conn, StreamKey::Run(run_id));
     }
 
     fn provider_cancel(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
@@ -3252,15 +3273,16 @@ impl World {
             return;
         }
         call.returned = true;
-        self.report_provider_event(
-            node,
-            conn,
-            run_id,
-            ProviderEvent::Returned(ProviderOutcome::Failed(ExecutionFailure::new(
-                FailureCode::Canceled,
-            ))),
-            0,
-        );
+        // The canceled call is over: the node's handler reports it dropped
+        // (R-WD-4 times it).
+        let now = self.now;
+        if let Some(nc) = nconn(&mut self.nodes, node) {
+            nc.calls.remove(&run_id);
+            nc.link
+                .handle_input(now, NodeLinkInput::ProviderDropped { run_id });
+        }
+        self.checker.provider_returned(conn, run_id);
+        self.drain_node_link(node);
     }
 
     fn probe_done(
@@ -3284,103 +3306,130 @@ impl World {
         let Some(outcome) = answer.outcome() else {
             return;
         };
-        nc.watchdog.probe_result(now, run_id, outcome);
+        nc.link
+            .handle_input(now, NodeLinkInput::ProbeDone { run_id, outcome });
         self.checker.probe_answered(conn, run_id, answer.health());
-        self.drain_watchdog(node);
+        self.drain_node_link(node);
     }
 
-    fn drain_watchdog(&mut self, node: usize) {
-        loop {
-            let now = self.now;
-            let faults = self.faults_on();
-            let process = self.nodes[node].process;
-            let Some(nc) = nconn(&mut self.nodes, node) else {
-                return;
-            };
-            let conn = nc.conn;
-            let Some(out) = nc.watchdog.poll_output(now) else {
-                return;
-            };
+    /// Carry out the node connection machine's outputs.
+    fn drain_node_link(&mut self, node: usize) {
+        while let Some(out) = self.poll_node_link(node) {
+            self.node_link_output(node, out);
+        }
+    }
+
+    fn poll_node_link(&mut self, node: usize) -> Option<NodeLinkOutput> {
+        let now = self.now;
+        nconn(&mut self.nodes, node)?.link.poll_output(now)
+    }
+
+    /// The answer to the input just fed (`RunAdmitted`, `RunRefused`,
+    /// `Emissions`, `ObservationSeq`), carrying out what came before it.
+    fn node_link_answer(&mut self, node: usize) -> Option<NodeLinkOutput> {
+        while let Some(out) = self.poll_node_link(node) {
             match out {
-                WatchdogOutput::CancelProvider { run_id } => {
-                    if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
-                        self.durable_cancel_later(node, key);
-                        continue;
-                    }
-                    let Some(nc) = nconn(&mut self.nodes, node) else {
-                        return;
-                    };
-                    let latency = nc.calls.get(&run_id).map(|c| c.plan.cancel_latency);
-                    if let Some(latency) = latency {
-                        self.schedule(
-                            now + latency,
-                            Event::ProviderCancel {
-                                node,
-                                process,
-                                conn,
-                                run_id,
-                            },
-                        );
-                    }
-                }
-                WatchdogOutput::StartProbe { run_id } => {
-                    self.checker.stall_claimed(conn, run_id);
-                    let provider = nc.calls.get(&run_id).map(|c| c.provider).or_else(|| {
-                        park::attached_key(&self.nodes[node], conn, run_id)
-                            .and_then(|k| self.nodes[node].durable.get(&k))
-                            .map(|r| r.call.provider)
-                    });
-                    let frozen = provider.is_some_and(|p| self.frozen_until[p] > now);
-                    let answer = if frozen {
-                        // A frozen provider does not answer its probe either.
-                        ProbeAnswer::Timeout
-                    } else {
-                        ProbeAnswer::draw(&mut self.rng, &self.cfg.provider, faults)
-                    };
-                    if answer.outcome().is_some() {
-                        let delay = self.rng.millis(0, duration_ms(self.cfg.probe_delay_max));
-                        self.schedule(
-                            now + delay,
-                            Event::ProbeDone {
-                                node,
-                                process,
-                                conn,
-                                run_id,
-                                answer,
-                            },
-                        );
-                    }
-                }
-                WatchdogOutput::Terminal { run_id, terminal } => {
-                    self.checker.node_terminal(conn, run_id, &terminal);
-                    let kind = match terminal {
-                        RunTerminal::Completed => RunEventKind::Completed {
-                            finish_reason: FinishReason::Stop,
-                            usage: Some(Usage {
-                                prompt_tokens: 1,
-                                completion_tokens: 1,
-                            }),
-                        },
-                        RunTerminal::Failed(f) => {
-                            if f.code == FailureCode::ResponseStalled {
-                                self.stats.stalls += 1;
-                                self.checker.observation_seq(conn, f.health_observation_seq);
-                                self.checker
-                                    .stall_seq_issued(conn, f.health_observation_seq);
-                            }
-                            RunEventKind::Failed(f)
-                        }
-                    };
-                    if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
-                        // A durable run's last frame, kept until acked.
-                        self.durable_produce(node, key, kind, true);
-                    } else {
-                        self.send_run_event(node, run_id, kind);
-                    }
-                    self.net.stream_done(conn, StreamKey::Run(run_id));
-                }
-                WatchdogOutput::StallObserved { .. } => {}
+                NodeLinkOutput::RunAdmitted { .. }
+                | NodeLinkOutput::RunRefused { .. }
+                | NodeLinkOutput::Emissions { .. }
+                | NodeLinkOutput::ObservationSeq(_) => return Some(out),
+                other => self.node_link_output(node, other),
             }
+        }
+        None
+    }
+
+    fn node_link_output(&mut self, node: usize, out: NodeLinkOutput) {
+        let now = self.now;
+        let faults = self.faults_on();
+        let process = self.nodes[node].process;
+        let Some(conn) = nconn(&mut self.nodes, node).map(|nc| nc.conn) else {
+            return;
+        };
+        match out {
+            NodeLinkOutput::Send(frame) => self.transmit(
+                conn,
+                Dir::NodeToEdge,
+                StreamKey::Control,
+                Payload::NodeControl(frame),
+            ),
+            NodeLinkOutput::Ready { .. } => self.nodes[node].backoff.reset(),
+            NodeLinkOutput::End(end) => {
+                if end == LinkEnd::Closed(CloseCode::HeartbeatTimeout) {
+                    self.stats.heartbeat_timeouts += 1;
+                }
+                self.node_close(node, end.close_code());
+            }
+            NodeLinkOutput::CancelProvider { run_id } => {
+                if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
+                    self.durable_cancel_later(node, key);
+                    return;
+                }
+                let Some(nc) = nconn(&mut self.nodes, node) else {
+                    return;
+                };
+                let latency = nc.calls.get(&run_id).map(|c| c.plan.cancel_latency);
+                if let Some(latency) = latency {
+                    self.schedule(
+                        now + latency,
+                        Event::ProviderCancel {
+                            node,
+                            process,
+                            conn,
+                            run_id,
+                        },
+                    );
+                }
+            }
+            NodeLinkOutput::StartProbe { run_id, .. } => {
+                self.checker.stall_claimed(conn, run_id);
+                let Some(nc) = nconn(&mut self.nodes, node) else {
+                    return;
+                };
+                let provider = nc.calls.get(&run_id).map(|c| c.provider).or_else(|| {
+                    park::attached_key(&self.nodes[node], conn, run_id)
+                        .and_then(|k| self.nodes[node].durable.get(&k))
+                        .map(|r| r.call.provider)
+                });
+                let frozen = provider.is_some_and(|p| self.frozen_until[p] > now);
+                let answer = if frozen {
+                    // A frozen provider does not answer its probe either.
+                    ProbeAnswer::Timeout
+                } else {
+                    ProbeAnswer::draw(&mut self.rng, &self.cfg.provider, faults)
+                };
+                if answer.outcome().is_some() {
+                    let delay = self.rng.millis(0, duration_ms(self.cfg.probe_delay_max));
+                    self.schedule(
+                        now + delay,
+                        Event::ProbeDone {
+                            node,
+                            process,
+                            conn,
+                            run_id,
+                            answer,
+                        },
+                    );
+                }
+            }
+            NodeLinkOutput::RunEnded {
+                run_id,
+                terminal,
+                forwarded,
+                ..
+            } => {
+                if !forwarded {
+                    self.node_write_terminal(node, conn, run_id, terminal);
+                }
+            }
+            NodeLinkOutput::Managed(_)
+            | NodeLinkOutput::SigningKeyRefused
+            | NodeLinkOutput::StallObserved { .. }
+            | NodeLinkOutput::RunDetached { .. }
+            | NodeLinkOutput::RunAdmitted { .. }
+            | NodeLinkOutput::RunRefused { .. }
+            | NodeLinkOutput::Emissions { .. }
+            | NodeLinkOutput::ObservationSeq(_) => {}
         }
     }
 
@@ -3408,7 +3457,11 @@ impl World {
             return;
         }
         // Taken when the answer is finalized (R-SEQ-1).
-        let seq = nc.watchdog.take_observation_seq(now);
+        nc.link.handle_input(now, NodeLinkInput::TakeObservationSeq);
+        let seq = match self.node_link_answer(node) {
+            Some(NodeLinkOutput::ObservationSeq(seq)) => Some(seq),
+            _ => None,
+        };
         self.checker.observation_seq(conn, seq);
         self.transmit(
             conn,
@@ -3479,7 +3532,9 @@ impl World {
         };
         for (i, n) in self.nodes.iter().enumerate() {
             let node_view = match &n.link {
-                Link::Connected(nc) if n.up && nc.ready => nc.generation,
+                Link::Connected(nc) if n.up && nc.link.inner().is_ready() => {
+                    nc.link.inner().generation()
+                }
                 _ => None,
             };
             let edge_view = edge

@@ -8,8 +8,8 @@
 //! * Line 1, the header:
 //!   `{"format":"iop-trace","version":1,"machine":"edge-dispatch","config":{...}}`.
 //!   `machine` is one of [`MachineKind`]'s names (`edge-dispatch`,
-//!   `node-watchdog`, `heartbeat`); `config` is everything needed to build a
-//!   fresh machine ([`DispatchConfigRec`], [`WatchdogConfigRec`],
+//!   `node-link`, `heartbeat`); `config` is everything needed to build a
+//!   fresh machine ([`DispatchConfigRec`], [`NodeLinkConfigRec`],
 //!   [`HeartbeatConfigRec`]).
 //! * Every later line is one of
 //!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
@@ -28,22 +28,21 @@
 //! sequences compare line by line. `poll_timeout()` is not recorded: a timer
 //! firing appears as the `handle_timeout` input.
 //!
-//! The dispatcher's inputs and outputs are the core enums themselves
-//! ([`DispatchInput`] inside a [`DispatchStep`], [`DispatchOutput`]); its
-//! inputs return nothing, so an `edge-dispatch` trace has no `ret` lines.
-//! The watchdog's and heartbeat's outputs are their core enums too
-//! (`WatchdogOutput`, `HeartbeatOutput`); their inputs are method calls,
-//! recorded as one enum per machine in this module ([`WatchdogInput`],
-//! [`HeartbeatInput`], with [`WatchdogRet`] for what a call returned). All
-//! are externally tagged in `snake_case`; wire types (`iop_wire`) appear as
-//! they serialize themselves.
+//! A [`Machine`]'s inputs and outputs are the core enums themselves: each
+//! input inside a [`Step`] (the dispatcher's [`DispatchInput`], the node
+//! connection's `NodeLinkInput`), each output as it is
+//! (`DispatchOutput`, `NodeLinkOutput`). Their inputs return nothing, so
+//! their traces have no `ret` lines. The heartbeat's outputs are its core
+//! enum too (`HeartbeatOutput`); its inputs are method calls, recorded as
+//! [`HeartbeatInput`]. All are externally tagged in `snake_case`; wire types
+//! (`iop_wire`) appear as they serialize themselves.
 //!
 //! ## Recording
 //!
-//! Wrap the machine in [`TracedDispatcher`], [`TracedWatchdog`] or
-//! [`TracedHeartbeat`] with a [`Tap`] over a [`TraceWriter`]. The wrappers
-//! expose the core API unchanged (core types in, core types out) and write a
-//! line per call; with [`Tap::off`] they cost nothing.
+//! Wrap the machine in [`Traced`] ([`TracedDispatcher`], [`TracedNodeLink`])
+//! or [`TracedHeartbeat`] with a [`Tap`] over a [`TraceWriter`]. The
+//! wrappers expose the core API unchanged (core types in, core types out)
+//! and write a line per call; with [`Tap::off`] they cost nothing.
 //!
 //! ## Replay
 //!
@@ -56,17 +55,13 @@ use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
 use std::time::Duration;
 
-use iop_core::Instant;
 use iop_core::edge::admission::{AdmissionConfig, ProviderSpec};
-use iop_core::edge::dispatch::{DispatchConfig, DispatchInput, DispatchOutput, Dispatcher};
-use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
+use iop_core::edge::dispatch::{DispatchConfig, DispatchInput, Dispatcher};
+use iop_core::ids::{Generation, NodeId, ProviderId};
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
-use iop_core::node::session::ObservationSequence;
-use iop_core::node::watchdog::{
-    CancelReason, Emission, ProbeOutcome, Progress, ProviderEvent, ProviderOutcome, RunKind,
-    Watchdog, WatchdogConfig, WatchdogError, WatchdogOutput,
-};
-use iop_wire::ExecutionFailure;
+use iop_core::node::link::{NodeLink, NodeLinkConfig};
+use iop_core::{Instant, Machine};
+use iop_wire::RegisterRequest;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -85,19 +80,19 @@ pub enum MachineKind {
     /// [`iop_core::edge::dispatch::Dispatcher`].
     #[serde(rename = "edge-dispatch")]
     EdgeDispatch,
-    /// [`iop_core::node::watchdog::Watchdog`] (with its observation sequence).
-    #[serde(rename = "node-watchdog")]
-    NodeWatchdog,
     /// [`iop_core::liveness::heartbeat::Heartbeat`] (either side).
     #[serde(rename = "heartbeat")]
     Heartbeat,
+    /// [`iop_core::node::link::NodeLink`]: one Node connection.
+    #[serde(rename = "node-link")]
+    NodeLink,
 }
 
 impl MachineKind {
     /// Every kind.
     pub const ALL: [MachineKind; 3] = [
         MachineKind::EdgeDispatch,
-        MachineKind::NodeWatchdog,
+        MachineKind::NodeLink,
         MachineKind::Heartbeat,
     ];
 
@@ -105,8 +100,8 @@ impl MachineKind {
     pub fn as_str(self) -> &'static str {
         match self {
             MachineKind::EdgeDispatch => "edge-dispatch",
-            MachineKind::NodeWatchdog => "node-watchdog",
             MachineKind::Heartbeat => "heartbeat",
+            MachineKind::NodeLink => "node-link",
         }
     }
 
@@ -525,26 +520,102 @@ impl From<&DispatchConfigRec> for DispatchConfig {
     }
 }
 
-/// One recorded step of the dispatcher: an input, or its timer firing.
+/// One recorded step of a machine: an input, or its timer firing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum DispatchStep {
-    /// [`Dispatcher::handle_input`].
-    Input(DispatchInput),
-    /// [`Dispatcher::handle_timeout`].
+pub enum Step<I> {
+    /// [`Machine::handle_input`].
+    Input(I),
+    /// [`Machine::handle_timeout`].
     HandleTimeout,
 }
 
-/// A [`Dispatcher`] that records every input and drained output into its
+/// One recorded step of the dispatcher.
+pub type DispatchStep = Step<DispatchInput>;
+
+/// A [`Machine`] that records every input and drained output into its
 /// [`Tap`], as the core types themselves. Read access goes through
-/// [`TracedDispatcher::inner`].
+/// [`Traced::inner`].
 #[derive(Debug)]
-pub struct TracedDispatcher {
-    inner: Dispatcher,
+pub struct Traced<M> {
+    inner: M,
     tap: Tap,
 }
 
-impl TracedDispatcher {
+/// The dispatcher, recorded.
+pub type TracedDispatcher = Traced<Dispatcher>;
+
+/// The node's connection machine, recorded.
+pub type TracedNodeLink = Traced<NodeLink>;
+
+impl<M> Traced<M>
+where
+    M: Machine,
+    M::Input: Serialize + Clone,
+    M::Output: Serialize,
+{
+    /// Record `inner` into `tap`. The tap's sinks must already have the
+    /// header (see [`TraceWriter::new`] with the machine's config record).
+    pub fn wrap(inner: M, tap: Tap) -> Self {
+        Self { inner, tap }
+    }
+
+    /// The wrapped machine (read access).
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    /// The wrapped machine, for a query that is not an input (it is not
+    /// recorded, so it must not change what the machine outputs; see
+    /// [`NodeLink::open_lease`]).
+    pub fn inner_mut(&mut self) -> &mut M {
+        &mut self.inner
+    }
+
+    /// The wrapped machine, unwrapped.
+    pub fn into_inner(self) -> M {
+        self.inner
+    }
+
+    /// [`Machine::handle_input`], recorded.
+    pub fn handle_input(&mut self, now: Instant, input: M::Input) {
+        if self.tap.is_on() {
+            self.tap
+                .emit(now, LineKind::In, &Step::Input(input.clone()));
+        }
+        self.inner.handle_input(now, input);
+    }
+
+    /// [`Machine::handle_timeout`], recorded.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.tap
+            .emit(now, LineKind::In, &Step::<M::Input>::HandleTimeout);
+        self.inner.handle_timeout(now);
+    }
+
+    /// [`Machine::poll_timeout`] (not recorded).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.inner.poll_timeout()
+    }
+
+    /// [`Machine::poll_output`], recorded at `now`.
+    #[must_use]
+    pub fn poll_output(&mut self, now: Instant) -> Option<M::Output> {
+        let out = self.inner.poll_output()?;
+        self.tap.emit(now, LineKind::Out, &out);
+        Some(out)
+    }
+
+    /// Feed one recorded step (replay).
+    pub fn apply(&mut self, now: Instant, step: Step<M::Input>) {
+        match step {
+            Step::Input(input) => self.handle_input(now, input),
+            Step::HandleTimeout => self.handle_timeout(now),
+        }
+    }
+}
+
+impl Traced<Dispatcher> {
     /// A dispatcher built from `config`, recording into `tap`. The tap's
     /// sinks must already have the header (see [`TraceWriter::new`] with
     /// [`DispatchConfigRec`]).
@@ -553,430 +624,38 @@ impl TracedDispatcher {
         config: DispatchConfig,
         tap: Tap,
     ) -> Result<Self, iop_core::edge::health::HealthTrackerError> {
-        Ok(Self {
-            inner: Dispatcher::new(now, config)?,
-            tap,
-        })
-    }
-
-    /// The wrapped dispatcher (read access).
-    pub fn inner(&self) -> &Dispatcher {
-        &self.inner
-    }
-
-    /// [`Dispatcher::handle_input`], recorded.
-    pub fn handle_input(&mut self, now: Instant, input: DispatchInput) {
-        if self.tap.is_on() {
-            self.tap
-                .emit(now, LineKind::In, &DispatchStep::Input(input.clone()));
-        }
-        self.inner.handle_input(now, input);
-    }
-
-    /// [`Dispatcher::handle_timeout`], recorded.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        self.tap
-            .emit(now, LineKind::In, &DispatchStep::HandleTimeout);
-        self.inner.handle_timeout(now);
-    }
-
-    /// [`Dispatcher::poll_timeout`].
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.inner.poll_timeout()
-    }
-
-    /// [`Dispatcher::poll_output`], recorded at `now`.
-    #[must_use]
-    pub fn poll_output(&mut self, now: Instant) -> Option<DispatchOutput> {
-        let out = self.inner.poll_output()?;
-        self.tap.emit(now, LineKind::Out, &out);
-        Some(out)
-    }
-
-    /// Feed one recorded step (replay).
-    pub fn apply(&mut self, now: Instant, step: DispatchStep) {
-        match step {
-            DispatchStep::Input(input) => self.handle_input(now, input),
-            DispatchStep::HandleTimeout => self.handle_timeout(now),
-        }
+        Ok(Self::wrap(Dispatcher::new(now, config)?, tap))
     }
 }
 
 // ---------------------------------------------------------------------------
-// node-watchdog
+// node-link
 // ---------------------------------------------------------------------------
 
-/// [`WatchdogConfig`] plus whether the watchdog has an observation sequence:
-/// the `config` of a `node-watchdog` trace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WatchdogConfigRec {
-    /// Close grace, microseconds.
-    pub close_grace_us: u64,
-    /// Probe bound, microseconds.
-    pub probe_bound_us: u64,
-    /// Most runs watched at once.
-    pub max_active_runs: usize,
-    /// Whether the watchdog has a (fresh) connection observation sequence.
-    pub bound_sequence: bool,
-}
-
-impl WatchdogConfigRec {
-    /// Mirror a config.
-    pub fn new(config: &WatchdogConfig, bound_sequence: bool) -> Self {
-        Self {
-            close_grace_us: us(config.close_grace),
-            probe_bound_us: us(config.probe_bound),
-            max_active_runs: config.max_active_runs,
-            bound_sequence,
-        }
-    }
-
-    /// The core config.
-    pub fn config(&self) -> WatchdogConfig {
-        WatchdogConfig {
-            close_grace: Duration::from_micros(self.close_grace_us),
-            probe_bound: Duration::from_micros(self.probe_bound_us),
-            max_active_runs: self.max_active_runs,
-        }
-    }
-}
-
-/// [`ProviderEvent`], serializable.
+/// What builds a fresh [`NodeLink`]: the `config` of a `node-link` trace.
+/// (The lease replay cache is not recorded: opening a lease is a query, not
+/// an input.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ProviderEventRec {
-    /// Progress.
-    Progress(Progress),
-    /// Forwarded, not progress.
-    Neutral,
-    /// The call returned normally.
-    Completed,
-    /// The call failed.
-    Failed(ExecutionFailure),
+pub struct NodeLinkConfigRec {
+    /// The connection's settings.
+    pub config: NodeLinkConfig,
+    /// When the connection was established, microseconds.
+    pub created_us: u64,
+    /// The registration it sends first.
+    pub register: RegisterRequest,
 }
 
-impl From<&ProviderEvent> for ProviderEventRec {
-    fn from(e: &ProviderEvent) -> Self {
-        match e {
-            ProviderEvent::Progress(p) => Self::Progress(*p),
-            ProviderEvent::Neutral => Self::Neutral,
-            ProviderEvent::Returned(ProviderOutcome::Completed) => Self::Completed,
-            ProviderEvent::Returned(ProviderOutcome::Failed(f)) => Self::Failed(f.clone()),
-        }
-    }
-}
-
-impl From<ProviderEventRec> for ProviderEvent {
-    fn from(e: ProviderEventRec) -> Self {
-        match e {
-            ProviderEventRec::Progress(p) => Self::Progress(p),
-            ProviderEventRec::Neutral => Self::Neutral,
-            ProviderEventRec::Completed => Self::Returned(ProviderOutcome::Completed),
-            ProviderEventRec::Failed(f) => Self::Returned(ProviderOutcome::Failed(f)),
-        }
-    }
-}
-
-/// An input of the watchdog (one method call).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WatchdogInput {
-    /// [`Watchdog::start`].
-    Start {
-        /// Run.
-        run_id: RunId,
-        /// Normalized or tunnel.
-        kind: RunKind,
-        /// Effective stall timeout, microseconds.
-        stall_timeout_us: u64,
-        /// Hard deadline, microseconds since the origin.
-        deadline_us: Option<u64>,
-    },
-    /// [`Watchdog::provider_event`] (also how `progress`, `neutral` and
-    /// `provider_returned` calls are recorded).
-    ProviderEvent {
-        /// Run.
-        run_id: RunId,
-        /// The classified output.
-        event: ProviderEventRec,
-    },
-    /// [`Watchdog::probe_result`].
-    ProbeResult {
-        /// Run.
-        run_id: RunId,
-        /// Verdict.
-        outcome: ProbeOutcome,
-    },
-    /// [`Watchdog::cancel`].
-    Cancel {
-        /// Run.
-        run_id: RunId,
-        /// Why.
-        reason: CancelReason,
-    },
-    /// [`Watchdog::cancel_all`].
-    CancelAll {
-        /// Why.
-        reason: CancelReason,
-    },
-    /// [`Watchdog::handle_timeout`].
-    HandleTimeout,
-    /// [`Watchdog::take_observation_seq`].
-    TakeObservationSeq,
-}
-
-/// [`WatchdogError`], serializable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WatchdogErrorRec {
-    /// Duplicate run.
-    DuplicateRun,
-    /// Finished run reused.
-    FinishedRun,
-    /// At the limit.
-    TooManyRuns,
-    /// A kind this crate does not know yet.
-    Other(String),
-}
-
-impl From<&WatchdogError> for WatchdogErrorRec {
-    fn from(e: &WatchdogError) -> Self {
-        match e {
-            WatchdogError::DuplicateRun { .. } => Self::DuplicateRun,
-            WatchdogError::FinishedRun { .. } => Self::FinishedRun,
-            WatchdogError::TooManyRuns { .. } => Self::TooManyRuns,
-            other => Self::Other(other.to_string()),
-        }
-    }
-}
-
-/// What a watchdog input call returned.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WatchdogRet {
-    /// `start` answer.
-    Started(Result<(), WatchdogErrorRec>),
-    /// `provider_event` answer.
-    Emission(Emission),
-    /// `take_observation_seq` answer.
-    Seq(Option<u64>),
-    /// Methods returning nothing.
-    Done,
-}
-
-/// A [`Watchdog`] that records every call into its [`Tap`].
-#[derive(Debug)]
-pub struct TracedWatchdog {
-    inner: Watchdog,
-    tap: Tap,
-}
-
-impl TracedWatchdog {
-    /// A watchdog built from `config`, recording into `tap`.
-    pub fn new(config: WatchdogConfigRec, tap: Tap) -> Self {
-        let sequence = config.bound_sequence.then(ObservationSequence::new);
-        Self {
-            inner: Watchdog::new(config.config(), sequence),
-            tap,
-        }
-    }
-
-    /// The wrapped watchdog (read access).
-    pub fn inner(&self) -> &Watchdog {
-        &self.inner
-    }
-
-    fn record(&mut self, now: Instant, input: WatchdogInput) {
-        self.tap.emit(now, LineKind::In, &input);
-    }
-
-    fn ret(&mut self, now: Instant, ret: WatchdogRet) {
-        self.tap.emit(now, LineKind::Ret, &ret);
-    }
-
-    /// [`Watchdog::start`].
-    pub fn start(
-        &mut self,
+impl Traced<NodeLink> {
+    /// A connection established at `now`, recording into `tap` (whose
+    /// sinks have the header with [`NodeLinkConfigRec`]).
+    pub fn new_link(
         now: Instant,
-        run_id: RunId,
-        kind: RunKind,
-        stall_timeout: Duration,
-        deadline: Option<Instant>,
-    ) -> Result<(), WatchdogError> {
-        if self.tap.is_on() {
-            self.record(
-                now,
-                WatchdogInput::Start {
-                    run_id,
-                    kind,
-                    stall_timeout_us: us(stall_timeout),
-                    deadline_us: deadline.map(Instant::as_micros),
-                },
-            );
-        }
-        let r = self.inner.start(now, run_id, kind, stall_timeout, deadline);
-        if self.tap.is_on() {
-            let ret = WatchdogRet::Started(r.as_ref().map(|_| ()).map_err(WatchdogErrorRec::from));
-            self.ret(now, ret);
-        }
-        r
-    }
-
-    /// [`Watchdog::provider_event`].
-    pub fn provider_event(
-        &mut self,
-        now: Instant,
-        run_id: RunId,
-        event: ProviderEvent,
-    ) -> Emission {
-        if self.tap.is_on() {
-            self.record(
-                now,
-                WatchdogInput::ProviderEvent {
-                    run_id,
-                    event: (&event).into(),
-                },
-            );
-        }
-        let r = self.inner.provider_event(now, run_id, event);
-        if self.tap.is_on() {
-            self.ret(now, WatchdogRet::Emission(r));
-        }
-        r
-    }
-
-    /// [`Watchdog::progress`], recorded as a `provider_event`.
-    pub fn progress(&mut self, now: Instant, run_id: RunId, progress: Progress) -> Emission {
-        self.provider_event(now, run_id, ProviderEvent::Progress(progress))
-    }
-
-    /// [`Watchdog::neutral`], recorded as a `provider_event`.
-    pub fn neutral(&mut self, now: Instant, run_id: RunId) -> Emission {
-        self.provider_event(now, run_id, ProviderEvent::Neutral)
-    }
-
-    /// [`Watchdog::provider_returned`], recorded as a `provider_event`.
-    pub fn provider_returned(
-        &mut self,
-        now: Instant,
-        run_id: RunId,
-        outcome: ProviderOutcome,
-    ) -> Emission {
-        self.provider_event(now, run_id, ProviderEvent::Returned(outcome))
-    }
-
-    /// [`Watchdog::probe_result`].
-    pub fn probe_result(&mut self, now: Instant, run_id: RunId, outcome: ProbeOutcome) {
-        if self.tap.is_on() {
-            self.record(now, WatchdogInput::ProbeResult { run_id, outcome });
-        }
-        self.inner.probe_result(now, run_id, outcome);
-        if self.tap.is_on() {
-            self.ret(now, WatchdogRet::Done);
-        }
-    }
-
-    /// [`Watchdog::cancel`].
-    pub fn cancel(&mut self, now: Instant, run_id: RunId, reason: CancelReason) {
-        if self.tap.is_on() {
-            self.record(now, WatchdogInput::Cancel { run_id, reason });
-        }
-        self.inner.cancel(now, run_id, reason);
-        if self.tap.is_on() {
-            self.ret(now, WatchdogRet::Done);
-        }
-    }
-
-    /// [`Watchdog::cancel_all`].
-    pub fn cancel_all(&mut self, now: Instant, reason: CancelReason) {
-        if self.tap.is_on() {
-            self.record(now, WatchdogInput::CancelAll { reason });
-        }
-        self.inner.cancel_all(now, reason);
-        if self.tap.is_on() {
-            self.ret(now, WatchdogRet::Done);
-        }
-    }
-
-    /// [`Watchdog::handle_timeout`].
-    pub fn handle_timeout(&mut self, now: Instant) {
-        if self.tap.is_on() {
-            self.record(now, WatchdogInput::HandleTimeout);
-        }
-        self.inner.handle_timeout(now);
-        if self.tap.is_on() {
-            self.ret(now, WatchdogRet::Done);
-        }
-    }
-
-    /// [`Watchdog::take_observation_seq`].
-    pub fn take_observation_seq(&mut self, now: Instant) -> Option<u64> {
-        if self.tap.is_on() {
-            self.record(now, WatchdogInput::TakeObservationSeq);
-        }
-        let r = self.inner.take_observation_seq();
-        if self.tap.is_on() {
-            self.ret(now, WatchdogRet::Seq(r));
-        }
-        r
-    }
-
-    /// [`Watchdog::poll_timeout`] (not recorded).
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.inner.poll_timeout()
-    }
-
-    /// [`Watchdog::poll_output`], recorded at `now`.
-    #[must_use]
-    pub fn poll_output(&mut self, now: Instant) -> Option<WatchdogOutput> {
-        let out = self.inner.poll_output()?;
-        if self.tap.is_on() {
-            self.tap.emit(now, LineKind::Out, &out);
-        }
-        Some(out)
-    }
-
-    /// Feed one recorded input (replay).
-    pub fn apply(&mut self, now: Instant, input: WatchdogInput) -> WatchdogRet {
-        match input {
-            WatchdogInput::Start {
-                run_id,
-                kind,
-                stall_timeout_us,
-                deadline_us,
-            } => WatchdogRet::Started(
-                self.start(
-                    now,
-                    run_id,
-                    kind,
-                    Duration::from_micros(stall_timeout_us),
-                    deadline_us.map(Instant::from_micros),
-                )
-                .as_ref()
-                .map(|_| ())
-                .map_err(WatchdogErrorRec::from),
-            ),
-            WatchdogInput::ProviderEvent { run_id, event } => {
-                WatchdogRet::Emission(self.provider_event(now, run_id, event.into()))
-            }
-            WatchdogInput::ProbeResult { run_id, outcome } => {
-                self.probe_result(now, run_id, outcome);
-                WatchdogRet::Done
-            }
-            WatchdogInput::Cancel { run_id, reason } => {
-                self.cancel(now, run_id, reason);
-                WatchdogRet::Done
-            }
-            WatchdogInput::CancelAll { reason } => {
-                self.cancel_all(now, reason);
-                WatchdogRet::Done
-            }
-            WatchdogInput::HandleTimeout => {
-                self.handle_timeout(now);
-                WatchdogRet::Done
-            }
-            WatchdogInput::TakeObservationSeq => WatchdogRet::Seq(self.take_observation_seq(now)),
-        }
+        config: NodeLinkConfig,
+        register: RegisterRequest,
+        replay: iop_core::cred::ReplayCache,
+        tap: Tap,
+    ) -> Self {
+        Self::wrap(NodeLink::new(now, config, register, replay), tap)
     }
 }
 
@@ -1154,21 +833,16 @@ fn to_value(v: &impl Serialize) -> serde_json::Value {
     serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
 }
 
-impl Replayable for TracedDispatcher {
-    type Input = DispatchStep;
-    fn apply_value(&mut self, now: Instant, input: DispatchStep) -> serde_json::Value {
+impl<M> Replayable for Traced<M>
+where
+    M: Machine,
+    M::Input: Serialize + DeserializeOwned + Clone,
+    M::Output: Serialize,
+{
+    type Input = Step<M::Input>;
+    fn apply_value(&mut self, now: Instant, input: Step<M::Input>) -> serde_json::Value {
         self.apply(now, input);
         serde_json::Value::Null
-    }
-    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
-        self.poll_output(now).map(|o| to_value(&o))
-    }
-}
-
-impl Replayable for TracedWatchdog {
-    type Input = WatchdogInput;
-    fn apply_value(&mut self, now: Instant, input: WatchdogInput) -> serde_json::Value {
-        to_value(&self.apply(now, input))
     }
     fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
         self.poll_output(now).map(|o| to_value(&o))
@@ -1208,13 +882,16 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
             .map_err(|e| ReplayError::Config(e.to_string()))?;
             replay_with(reader, machine, header.machine)
         }
-        MachineKind::NodeWatchdog => {
-            let config: WatchdogConfigRec = config_of(&header)?;
-            replay_with(
-                reader,
-                TracedWatchdog::new(config, Tap::off()),
-                header.machine,
-            )
+        MachineKind::NodeLink => {
+            let config: NodeLinkConfigRec = config_of(&header)?;
+            let machine = TracedNodeLink::new_link(
+                Instant::from_micros(config.created_us),
+                config.config,
+                config.register,
+                iop_core::cred::ReplayCache::new(),
+                Tap::off(),
+            );
+            replay_with(reader, machine, header.machine)
         }
         MachineKind::Heartbeat => {
             let config: HeartbeatConfigRec = config_of(&header)?;
@@ -1292,7 +969,7 @@ mod tests {
     #[test]
     fn traced_machines_and_writers_are_send() {
         assert_send::<TracedDispatcher>();
-        assert_send::<TracedWatchdog>();
+        assert_send::<TracedNodeLink>();
         assert_send::<TracedHeartbeat>();
         assert_send::<TraceWriter<std::io::BufWriter<std::fs::File>>>();
     }

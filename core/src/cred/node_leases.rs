@@ -96,9 +96,9 @@ impl NodeLeases {
         &self.managed
     }
 
-    /// The replay cache, to hand to the Edge's next connection.
-    pub fn into_replay(self) -> ReplayCache {
-        self.replay
+    /// Take the replay cache, to hand to the Edge's next connection.
+    pub fn take_replay(&mut self) -> ReplayCache {
+        std::mem::take(&mut self.replay)
     }
 
     fn profile_of<'m>(

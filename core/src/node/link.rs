@@ -470,9 +470,9 @@ impl NodeLink {
         self.leases.managed()
     }
 
-    /// The lease replay cache, for the Edge's next connection.
-    pub fn into_replay(self) -> ReplayCache {
-        self.leases.into_replay()
+    /// Take the lease replay cache, for the Edge's next connection.
+    pub fn take_replay(&mut self) -> ReplayCache {
+        self.leases.take_replay()
     }
 
     fn end(&mut self, end: LinkEnd) {

@@ -38,6 +38,7 @@ use iop_core::edge::gate::GateBudget;
 use iop_core::edge::request::{Request, RequestSpec};
 use iop_core::ids::RunId;
 use iop_core::journal::RecordMeta;
+use iop_core::node::link::{NodeLinkInput, NodeLinkOutput, RunStart};
 use iop_core::node::park::{ParkOutput, ParkState, RunPark};
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, ProviderOutcome, RunKind, effective_stall_timeout,
@@ -229,7 +230,6 @@ impl World {
         event: ProviderEvent,
         token: u32,
     ) {
-        let now = self.now;
         let Some(run) = self.nodes[node].durable.get(&key) else {
             return;
         };
@@ -246,10 +246,9 @@ impl World {
         match attached {
             Some((conn, run_id)) => {
                 let returned = matches!(event, ProviderEvent::Returned(_));
-                let Some(nc) = nconn(&mut self.nodes, node) else {
+                let Some(emission) = self.offer_provider_event(node, run_id, event) else {
                     return;
                 };
-                let emission = nc.watchdog.provider_event(now, run_id, event);
                 if returned {
                     self.checker.provider_returned(conn, run_id);
                 }
@@ -261,7 +260,7 @@ impl World {
                     }
                     Emission::Fenced => self.stats.fenced_outputs += 1,
                 }
-                self.drain_watchdog(node);
+                self.drain_node_link(node);
             }
             None => {
                 // Parked: the provider's end is the run's last frame.
@@ -369,15 +368,12 @@ impl World {
         let Some(nc) = nconn(&mut self.nodes, node).filter(|nc| nc.conn == conn) else {
             return;
         };
-        let _ = nc.watchdog.provider_event(
-            now,
-            run_id,
-            ProviderEvent::Returned(ProviderOutcome::Failed(iop_wire::ExecutionFailure::new(
-                iop_wire::FailureCode::Canceled,
-            ))),
-        );
+        // The durable run task reports its dropped call, as `iop-node`'s
+        // does.
+        nc.link
+            .handle_input(now, NodeLinkInput::ProviderDropped { run_id });
         self.checker.provider_returned(conn, run_id);
-        self.drain_watchdog(node);
+        self.drain_node_link(node);
     }
 
     /// The node's connection `conn` ended: its durable runs park for their
@@ -487,14 +483,26 @@ impl World {
         let deadline = (request.deadline_ms > 0)
             .then(|| now.saturating_add(Duration::from_millis(request.deadline_ms)));
         let ended = run.park.summary().ended;
+        let target = run.target.clone();
         let Some(nc) = nconn(&mut self.nodes, node) else {
             return;
         };
-        if nc
-            .watchdog
-            .start(now, run_id, RunKind::Normalized, stall, deadline)
-            .is_err()
-        {
+        nc.link.handle_input(
+            now,
+            NodeLinkInput::StartRun(RunStart {
+                run_id,
+                kind: RunKind::Normalized,
+                stall_timeout: stall,
+                deadline,
+                adapter: AdapterKind::Mock,
+                target,
+                carries_lease: false,
+            }),
+        );
+        if !matches!(
+            self.node_link_answer(node),
+            Some(NodeLinkOutput::RunAdmitted { .. })
+        ) {
             // The new connection would not take it: it stays parked.
             if let Some(run) = self.nodes[node].durable.get_mut(&key) {
                 run.park.detached(now);
@@ -530,14 +538,12 @@ impl World {
         if ended {
             // Its provider call is over: the watchdog has nothing to
             // watch (its terminal is the one already produced).
-            if let Some(nc) = nconn(&mut self.nodes, node) {
-                let _ = nc.watchdog.provider_event(
-                    now,
-                    run_id,
-                    ProviderEvent::Returned(ProviderOutcome::Completed),
-                );
-            }
-            self.drain_watchdog(node);
+            let _ = self.offer_provider_event(
+                node,
+                run_id,
+                ProviderEvent::Returned(ProviderOutcome::Completed),
+            );
+            self.drain_node_link(node);
         }
         self.durable_outputs(node, key);
     }

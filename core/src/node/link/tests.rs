@@ -756,7 +756,7 @@ fn r_cred_3_leases_open_once_on_their_generation_and_fail_closed() {
         Some("no_recipient_key")
     );
     // The Edge's next connection keeps refusing the used lease.
-    let mut next = fx.link(link.into_replay());
+    let mut next = fx.link(link.take_replay());
     assert_eq!(
         next.open_lease(fx.recipient(), run_lease(1, "m", Some(&lease)), NOW_MS)
             .err(),

@@ -1,0 +1,67 @@
+//! The shape every driven machine of this crate shares (see the crate docs'
+//! driver loop), as a trait, so a driver can be written once for any of
+//! them: the trace recorder, the simulator's loops, a shell's select loop.
+
+use crate::time::Instant;
+
+/// A sans-IO state machine: typed inputs in, typed outputs out, one timer.
+///
+/// Besides its constructor, these four methods are a machine's whole
+/// driving API; anything else it offers is read access (or, documented
+/// where it is, a query whose answer must not be queued, such as a secret).
+pub trait Machine {
+    /// Everything that can happen to the machine.
+    type Input;
+    /// Everything the machine asks its driver to do.
+    type Output;
+
+    /// Feed one input at `now`; drain [`Machine::poll_output`] after.
+    fn handle_input(&mut self, now: Instant, input: Self::Input);
+
+    /// The next output to carry out, in order, until `None`.
+    fn poll_output(&mut self) -> Option<Self::Output>;
+
+    /// The earliest moment [`Machine::handle_timeout`] is due, if any.
+    fn poll_timeout(&self) -> Option<Instant>;
+
+    /// Fire what is due at `now` (calling it early is harmless).
+    fn handle_timeout(&mut self, now: Instant);
+}
+
+/// Implement [`Machine`] by the inherent methods of the same names.
+macro_rules! machine_by_inherent_methods {
+    ($machine:ty, $input:ty, $output:ty) => {
+        impl $crate::machine::Machine for $machine {
+            type Input = $input;
+            type Output = $output;
+            fn handle_input(&mut self, now: $crate::time::Instant, input: $input) {
+                <$machine>::handle_input(self, now, input);
+            }
+            fn poll_output(&mut self) -> Option<$output> {
+                <$machine>::poll_output(self)
+            }
+            fn poll_timeout(&self) -> Option<$crate::time::Instant> {
+                <$machine>::poll_timeout(self)
+            }
+            fn handle_timeout(&mut self, now: $crate::time::Instant) {
+                <$machine>::handle_timeout(self, now);
+            }
+        }
+    };
+}
+
+machine_by_inherent_methods!(
+    crate::edge::dispatch::Dispatcher,
+    crate::edge::dispatch::DispatchInput,
+    crate::edge::dispatch::DispatchOutput
+);
+machine_by_inherent_methods!(
+    crate::edge::request::Request,
+    crate::edge::request::RequestInput,
+    crate::edge::request::RequestOutput
+);
+machine_by_inherent_methods!(
+    crate::node::link::NodeLink,
+    crate::node::link::NodeLinkInput,
+    crate::node::link::NodeLinkOutput
+);
