@@ -2961,16 +2961,12 @@ impl World {
                 return;
             }
         };
+        let start = sim_run_start(run_id, stall, None, request.target.clone());
         nc.link.handle_input(
             now,
             NodeLinkInput::StartRun(RunStart {
-                run_id,
-                kind: RunKind::Normalized,
-                stall_timeout: stall,
-                deadline: None,
-                adapter: AdapterKind::Mock,
-                target: request.target.clone(),
                 carries_lease: request.credential_lease.is_some(),
+                ..start
             }),
         );
         if let Some(NodeLinkOutput::RunRefused { code, .. }) = self.node_link_answer(node) {
@@ -3581,6 +3577,25 @@ enum HubCheck {
     PreSend { lease_id: LeaseId, fenced: bool },
     Terminal(Option<ExecutionFailure>),
     Cancel(Option<Lease>),
+}
+
+/// A normalized run of a simulated (mock) provider, as the node's handler
+/// asks its connection to watch it.
+fn sim_run_start(
+    run_id: RunId,
+    stall_timeout: Duration,
+    deadline: Option<Instant>,
+    target: String,
+) -> RunStart {
+    RunStart {
+        run_id,
+        kind: RunKind::Normalized,
+        stall_timeout,
+        deadline,
+        adapter: AdapterKind::Mock,
+        target,
+        carries_lease: false,
+    }
 }
 
 fn nconn(nodes: &mut [SimNode], node: usize) -> Option<&mut NodeConn> {

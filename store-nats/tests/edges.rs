@@ -250,15 +250,20 @@ async fn a_server_killed_mid_append_loses_no_acknowledged_event() {
         acked.insert(r, seq);
     }
     let before_restart = acked.clone();
+    // The kill came while the writers were writing.
+    assert!(
+        before_restart.values().any(|&n| n < EVENTS),
+        "{before_restart:?}"
+    );
     server.restart();
-    let mut failures = 0;
     for w in writers {
-        failures += tokio::time::timeout(Duration::from_secs(120), w)
+        // How many appends failed is up to timing: a writer with no append
+        // in flight at the kill reconnects without seeing an error.
+        tokio::time::timeout(Duration::from_secs(120), w)
             .await
             .expect("the writers finish after the restart")
             .expect("writer");
     }
-    assert!(failures > 0, "the kill was seen by the writers");
     // A fresh Edge reads everything back.
     let fresh = connect(&server, "crash", LIMITS).await;
     for (r, last_acked) in before_restart {

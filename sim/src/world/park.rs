@@ -38,11 +38,10 @@ use iop_core::edge::gate::GateBudget;
 use iop_core::edge::request::{Request, RequestSpec};
 use iop_core::ids::RunId;
 use iop_core::journal::RecordMeta;
-use iop_core::node::link::{NodeLinkInput, NodeLinkOutput, RunStart};
+use iop_core::node::link::{NodeLinkInput, NodeLinkOutput};
 use iop_core::node::park::{ParkOutput, ParkState, RunPark};
 use iop_core::node::watchdog::{
-    Emission, ProviderEvent, ProviderOutcome, RunKind, effective_stall_timeout,
-    sanitize_provider_failure,
+    Emission, ProviderEvent, ProviderOutcome, effective_stall_timeout, sanitize_provider_failure,
 };
 use iop_wire::{
     AdapterKind, AdoptRequest, FinishReason, ParkSpec, ParkedRun, RunEvent, RunEventKind, RunKey,
@@ -489,15 +488,7 @@ impl World {
         };
         nc.link.handle_input(
             now,
-            NodeLinkInput::StartRun(RunStart {
-                run_id,
-                kind: RunKind::Normalized,
-                stall_timeout: stall,
-                deadline,
-                adapter: AdapterKind::Mock,
-                target,
-                carries_lease: false,
-            }),
+            NodeLinkInput::StartRun(super::sim_run_start(run_id, stall, deadline, target)),
         );
         if !matches!(
             self.node_link_answer(node),
