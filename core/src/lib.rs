@@ -36,11 +36,12 @@
 //! The machines a shell or the simulator drives directly have exactly
 //! these entry points, one input enum and one output enum, and implement
 //! [`Machine`]: the Edge's [`edge::dispatch::Dispatcher`] and per-request
-//! [`edge::request::Request`], and the Node's per-connection
-//! [`node::link::NodeLink`]. The machines they compose (admission, health,
-//! the stream gate, the watchdog) keep narrower method APIs, called only by
-//! their owner; so does the heartbeat, which the Edge's per-node connection
-//! task still drives itself.
+//! [`edge::request::Request`], the Node's per-connection
+//! [`node::link::NodeLink`], and the [`liveness::heartbeat::Heartbeat`] (the
+//! Edge's per-node connection task drives it; on the Node it lives inside
+//! `NodeLink`). The machines they compose (admission, health, the stream
+//! gate, the watchdog) keep narrower method APIs, called only by their
+//! owner.
 //!
 //! ## Map
 //!

@@ -61,6 +61,11 @@ machine_by_inherent_methods!(
     crate::edge::request::RequestOutput
 );
 machine_by_inherent_methods!(
+    crate::liveness::heartbeat::Heartbeat,
+    crate::liveness::heartbeat::HeartbeatInput,
+    crate::liveness::heartbeat::HeartbeatOutput
+);
+machine_by_inherent_methods!(
     crate::node::link::NodeLink,
     crate::node::link::NodeLinkInput,
     crate::node::link::NodeLinkOutput

@@ -346,8 +346,7 @@ pub fn spawn(
     let now = clock.now();
     let tap = match trace {
         Some(out) => {
-            let mut rec = DispatchConfigRec::from(&config);
-            rec.created_us = now.as_micros();
+            let rec = DispatchConfigRec::new(&config, now);
             Tap::to(TraceWriter::new(out, MachineKind::EdgeDispatch, &rec))
         }
         None => Tap::off(),

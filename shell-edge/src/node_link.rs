@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use iop_core::edge::flood::{Flood, FrameBudget};
 use iop_core::ids::{Generation, NodeId};
-use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
+use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatInput, HeartbeatOutput};
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend, accept_framed};
 use iop_transport::{close_code_of, close_connection, peer_node_id};
 use iop_wire::{
@@ -240,8 +240,8 @@ async fn control_loop(
         let wake = heartbeat.poll_timeout();
         tokio::select! {
             frame = recv.recv::<NodeControl>() => match frame {
-                Ok(Some(NodeControl::Ping(hb))) => heartbeat.handle_ping(clock.now(), hb.seq),
-                Ok(Some(NodeControl::Pong(hb))) => heartbeat.handle_pong(clock.now(), hb.seq),
+                Ok(Some(NodeControl::Ping(hb))) => heartbeat.handle_input(clock.now(), HeartbeatInput::Ping { seq: hb.seq }),
+                Ok(Some(NodeControl::Pong(hb))) => heartbeat.handle_input(clock.now(), HeartbeatInput::Pong { seq: hb.seq }),
                 Ok(Some(NodeControl::Closing { code })) => return code,
                 Ok(Some(NodeControl::Ready(r))) if r.generation != generation => {
                     if let Err(code) = flooded(node, budget.stale_frame()) {

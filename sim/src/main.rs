@@ -406,7 +406,7 @@ fn real_main() -> Result<ExitCode, String> {
             match replay(reader) {
                 Ok(report) => {
                     println!(
-                        "replayed {} trace: {} inputs, {} returns and outputs match",
+                        "replayed {} trace: {} inputs, {} outputs match",
                         report.machine.as_str(),
                         report.inputs,
                         report.checked

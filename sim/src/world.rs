@@ -69,7 +69,7 @@ use iop_core::edge::request::{
 };
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
-use iop_core::liveness::heartbeat::{HeartbeatConfig, HeartbeatOutput};
+use iop_core::liveness::heartbeat::{HeartbeatConfig, HeartbeatInput, HeartbeatOutput};
 use iop_core::node::link::{LinkEnd, NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, WatchdogConfig,
@@ -94,8 +94,8 @@ use crate::net::{
 use crate::provider::{CallPlan, Ending, ProbeAnswer};
 use crate::record::{Capture, Recorder};
 use crate::trace::{
-    DispatchConfigRec, HeartbeatConfigRec, HeartbeatInput, MachineKind, NodeLinkConfigRec,
-    TracedDispatcher, TracedHeartbeat, TracedNodeLink,
+    DispatchConfigRec, HeartbeatConfigRec, MachineKind, NodeLinkConfigRec, TracedDispatcher,
+    TracedHeartbeat, TracedNodeLink,
 };
 
 mod durable;
@@ -1223,7 +1223,7 @@ impl World {
                 .and_then(|e| e.conns.get_mut(&conn))
                 .and_then(|c| c.heartbeat.as_mut())
             {
-                let _ = hb.apply(now, HeartbeatInput::HandleTimeout);
+                hb.handle_timeout(now);
                 self.drain_edge_heartbeat(conn);
             }
         }
@@ -1466,8 +1466,7 @@ impl World {
             health: self.cfg.health,
             capacity_from_node: Default::default(),
         };
-        let mut rec = DispatchConfigRec::from(&config);
-        rec.created_us = self.now.as_micros();
+        let rec = DispatchConfigRec::new(&config, self.now);
         let tap = self.recorder.tap(MachineKind::EdgeDispatch, &rec);
         let dispatcher = match TracedDispatcher::new(self.now, config, tap) {
             Ok(d) => d,
@@ -1611,7 +1610,7 @@ impl World {
                         };
                         if let Some(c) = edge.conns.get_mut(&conn) {
                             c.generation = Some(generation);
-                            c.heartbeat = Some(TracedHeartbeat::new(hb_config, tap));
+                            c.heartbeat = Some(TracedHeartbeat::new_heartbeat(hb_config, tap));
                         }
                         edge.by_generation.insert((node, generation), conn);
                         self.transmit(
@@ -1661,7 +1660,7 @@ impl World {
             }
             NodeControl::Ping(HeartbeatMsg { seq }) => {
                 if let Some(hb) = &mut c.heartbeat {
-                    let _ = hb.apply(now, HeartbeatInput::Ping { seq });
+                    hb.handle_input(now, HeartbeatInput::Ping { seq });
                     self.drain_edge_heartbeat(conn);
                 }
             }
@@ -1670,7 +1669,7 @@ impl World {
                     // An answer the heartbeat took (its outstanding ping's)
                     // moves its timer: the peer was heard (R-FAIL-2).
                     let before = hb.poll_timeout();
-                    let _ = hb.apply(now, HeartbeatInput::Pong { seq });
+                    hb.handle_input(now, HeartbeatInput::Pong { seq });
                     if hb.poll_timeout() != before
                         && let Some(generation) = c.generation
                     {

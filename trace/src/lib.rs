@@ -1,12 +1,12 @@
 //! The trace format: a versioned JSON-lines record of one core state
 //! machine's inputs and outputs, and its replay.
 //!
-//! ## Format (version 1)
+//! ## Format (version 2)
 //!
 //! A trace is UTF-8 text, one JSON object per line.
 //!
 //! * Line 1, the header:
-//!   `{"format":"iop-trace","version":1,"machine":"edge-dispatch","config":{...}}`.
+//!   `{"format":"iop-trace","version":2,"machine":"edge-dispatch","config":{...}}`.
 //!   `machine` is one of [`MachineKind`]'s names (`edge-dispatch`,
 //!   `node-link`, `heartbeat`); `config` is everything needed to build a
 //!   fresh machine ([`DispatchConfigRec`], [`NodeLinkConfigRec`],
@@ -14,9 +14,6 @@
 //! * Every later line is one of
 //!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
 //!     ([`iop_core::Instant::as_micros`]);
-//!   * `{"ret":VALUE,"t":T}`: what that input call returned (every input of
-//!     a machine whose inputs return a value has exactly one `ret` line,
-//!     right after it);
 //!   * `{"out":OUTPUT,"t":T}`: the driver drained `OUTPUT` with
 //!     `poll_output()` at `T`.
 //!
@@ -31,34 +28,30 @@
 //! A [`Machine`]'s inputs and outputs are the core enums themselves: each
 //! input inside a [`Step`] (the dispatcher's [`DispatchInput`], the node
 //! connection's `NodeLinkInput`), each output as it is
-//! (`DispatchOutput`, `NodeLinkOutput`). Their inputs return nothing, so
-//! their traces have no `ret` lines. The heartbeat's outputs are its core
-//! enum too (`HeartbeatOutput`); its inputs are method calls, recorded as
-//! [`HeartbeatInput`]. All are externally tagged in `snake_case`; wire types
-//! (`iop_wire`) appear as they serialize themselves.
+//! (`DispatchOutput`, `NodeLinkOutput`), and likewise the heartbeat's
+//! (`HeartbeatInput`, `HeartbeatOutput`). Inputs return nothing: every
+//! answer a machine gives is an output. All are
+//! externally tagged in `snake_case`; wire types (`iop_wire`) appear as
+//! they serialize themselves.
 //!
 //! ## Recording
 //!
-//! Wrap the machine in [`Traced`] ([`TracedDispatcher`], [`TracedNodeLink`])
-//! or [`TracedHeartbeat`] with a [`Tap`] over a [`TraceWriter`]. The
-//! wrappers expose the core API unchanged (core types in, core types out)
-//! and write a line per call; with [`Tap::off`] they cost nothing.
+//! Wrap the machine in [`Traced`] ([`TracedDispatcher`], [`TracedNodeLink`],
+//! [`TracedHeartbeat`]) with a [`Tap`] over a [`TraceWriter`]. The wrapper
+//! exposes the core API unchanged (core types in, core types out) and
+//! writes a line per call; with [`Tap::off`] it costs nothing.
 //!
 //! ## Replay
 //!
 //! [`replay`] reads a trace with [`TraceReader`], builds a fresh machine from
-//! the header, feeds every `in` line, and checks every `ret` and `out` line
+//! the header, feeds every `in` line, and checks every `out` line
 //! against what the fresh machine produces. The first difference is reported
 //! as a [`Divergence`] with its line number.
 
-use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
-use std::time::Duration;
 
-use iop_core::edge::admission::{AdmissionConfig, ProviderSpec};
 use iop_core::edge::dispatch::{DispatchConfig, DispatchInput, Dispatcher};
-use iop_core::ids::{Generation, NodeId, ProviderId};
-use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
+use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig};
 use iop_core::node::link::{NodeLink, NodeLinkConfig};
 use iop_core::{Instant, Machine};
 use iop_wire::RegisterRequest;
@@ -69,7 +62,11 @@ use serde::{Deserialize, Serialize};
 pub const TRACE_FORMAT: &str = "iop-trace";
 
 /// The trace format version this crate writes and reads.
-pub const TRACE_VERSION: u32 = 1;
+///
+/// Version 2 records every machine's own config, input and output types
+/// (`{"config":{...},"created_us":T}` headers, `{"in":{"input":...}}` and
+/// `{"in":"handle_timeout"}` lines); version 1's mirror types are gone.
+pub const TRACE_VERSION: u32 = 2;
 
 /// The longest trace line [`TraceReader`] accepts, in bytes (bounded input).
 pub const MAX_TRACE_LINE_BYTES: usize = 1 << 20;
@@ -127,10 +124,8 @@ pub struct TraceHeader {
 /// What one trace line records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LineKind {
-    /// An input call.
+    /// An input (or the timer firing).
     In,
-    /// The value the last input call returned.
-    Ret,
     /// An output drained with `poll_output()`.
     Out,
 }
@@ -139,7 +134,6 @@ impl LineKind {
     fn key(self) -> &'static str {
         match self {
             LineKind::In => "in",
-            LineKind::Ret => "ret",
             LineKind::Out => "out",
         }
     }
@@ -421,15 +415,15 @@ fn parse_line(line_no: u64, text: &str) -> Result<RawLine, TraceError> {
         .and_then(|t| t.as_u64())
         .ok_or_else(|| malformed("missing time \"t\"".into()))?;
     let mut found = None;
-    for kind in [LineKind::In, LineKind::Ret, LineKind::Out] {
+    for kind in [LineKind::In, LineKind::Out] {
         if let Some(v) = map.remove(kind.key()) {
             if found.is_some() {
-                return Err(malformed("more than one of in/ret/out".into()));
+                return Err(malformed("both in and out".into()));
             }
             found = Some((kind, v));
         }
     }
-    let (kind, value) = found.ok_or_else(|| malformed("none of in/ret/out".into()))?;
+    let (kind, value) = found.ok_or_else(|| malformed("neither in nor out".into()))?;
     Ok(RawLine {
         line_no,
         t,
@@ -439,83 +433,25 @@ fn parse_line(line_no: u64, text: &str) -> Result<RawLine, TraceError> {
 }
 
 // ---------------------------------------------------------------------------
-// Mirrors shared by several machines.
-// ---------------------------------------------------------------------------
-
-fn us(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
-// ---------------------------------------------------------------------------
 // edge-dispatch
 // ---------------------------------------------------------------------------
 
-/// [`DispatchConfig`], serializable: the `config` of an `edge-dispatch`
+/// What builds a fresh [`Dispatcher`]: the `config` of an `edge-dispatch`
 /// trace.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DispatchConfigRec {
-    /// Queue capacity.
-    pub queue_capacity: usize,
-    /// Queue timeout, microseconds.
-    pub queue_timeout_us: u64,
-    /// Every configured provider.
-    pub providers: Vec<ProviderSpec>,
-    /// Generations start above this.
-    pub generation_floor: Generation,
-    /// Only these nodes may register (`None`: any).
-    pub known_nodes: Option<Vec<NodeId>>,
-    /// Health tracker: refresh, backoff base, backoff cap, stale-after and
-    /// probe timeout, microseconds.
-    pub health_us: [u64; 5],
+    /// The dispatcher's configuration.
+    pub config: DispatchConfig,
     /// When the dispatcher was created, microseconds.
     pub created_us: u64,
-    /// Providers whose capacity comes from their node's registration.
-    #[serde(default)]
-    pub capacity_from_node: Vec<ProviderId>,
 }
 
-impl From<&DispatchConfig> for DispatchConfigRec {
-    fn from(c: &DispatchConfig) -> Self {
+impl DispatchConfigRec {
+    /// The record of a dispatcher built from `config` at `created_at`.
+    pub fn new(config: &DispatchConfig, created_at: Instant) -> Self {
         Self {
-            queue_capacity: c.admission.queue_capacity,
-            queue_timeout_us: us(c.admission.queue_timeout),
-            providers: c.providers.clone(),
-            generation_floor: c.generation_floor,
-            known_nodes: c.known_nodes.as_ref().map(|k| k.iter().cloned().collect()),
-            health_us: [
-                us(c.health.refresh_interval),
-                us(c.health.backoff_base),
-                us(c.health.backoff_cap),
-                us(c.health.stale_after),
-                us(c.health.probe_timeout),
-            ],
-            created_us: 0,
-            capacity_from_node: c.capacity_from_node.iter().cloned().collect(),
-        }
-    }
-}
-
-impl From<&DispatchConfigRec> for DispatchConfig {
-    fn from(c: &DispatchConfigRec) -> Self {
-        Self {
-            admission: AdmissionConfig {
-                queue_capacity: c.queue_capacity,
-                queue_timeout: Duration::from_micros(c.queue_timeout_us),
-            },
-            providers: c.providers.clone(),
-            generation_floor: c.generation_floor,
-            known_nodes: c
-                .known_nodes
-                .as_ref()
-                .map(|k| k.iter().cloned().collect::<BTreeSet<_>>()),
-            health: iop_core::edge::health::HealthConfig {
-                refresh_interval: Duration::from_micros(c.health_us[0]),
-                backoff_base: Duration::from_micros(c.health_us[1]),
-                backoff_cap: Duration::from_micros(c.health_us[2]),
-                stale_after: Duration::from_micros(c.health_us[3]),
-                probe_timeout: Duration::from_micros(c.health_us[4]),
-            },
-            capacity_from_node: c.capacity_from_node.iter().cloned().collect(),
+            config: config.clone(),
+            created_us: created_at.as_micros(),
         }
     }
 }
@@ -667,118 +603,32 @@ impl Traced<NodeLink> {
 /// `config` of a `heartbeat` trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeartbeatConfigRec {
-    /// Ping interval, microseconds.
-    pub interval_us: u64,
-    /// Pong wait, microseconds.
-    pub wait_us: u64,
+    /// The profile.
+    pub config: HeartbeatConfig,
     /// [`Heartbeat::new`]'s `now`, microseconds.
-    pub created_at_us: u64,
+    pub created_us: u64,
 }
 
 impl HeartbeatConfigRec {
-    /// Mirror a config.
+    /// The record of a heartbeat with `config` created at `created_at`.
     pub fn new(config: &HeartbeatConfig, created_at: Instant) -> Self {
         Self {
-            interval_us: us(config.interval),
-            wait_us: us(config.wait),
-            created_at_us: created_at.as_micros(),
-        }
-    }
-
-    /// The core config.
-    pub fn config(&self) -> HeartbeatConfig {
-        HeartbeatConfig {
-            interval: Duration::from_micros(self.interval_us),
-            wait: Duration::from_micros(self.wait_us),
+            config: *config,
+            created_us: created_at.as_micros(),
         }
     }
 }
 
-/// An input of the heartbeat.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeartbeatInput {
-    /// [`Heartbeat::handle_ping`].
-    Ping {
-        /// Sequence.
-        seq: u64,
-    },
-    /// [`Heartbeat::handle_pong`].
-    Pong {
-        /// Sequence.
-        seq: u64,
-    },
-    /// [`Heartbeat::handle_timeout`].
-    HandleTimeout,
-}
+/// A heartbeat, recorded.
+pub type TracedHeartbeat = Traced<Heartbeat>;
 
-/// What a heartbeat input call returned (always nothing).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HeartbeatRet {
-    /// Nothing.
-    Done,
-}
-
-/// A [`Heartbeat`] that records every call into its [`Tap`].
-#[derive(Debug)]
-pub struct TracedHeartbeat {
-    inner: Heartbeat,
-    tap: Tap,
-}
-
-impl TracedHeartbeat {
+impl Traced<Heartbeat> {
     /// A heartbeat built from `config`, recording into `tap`.
-    pub fn new(config: HeartbeatConfigRec, tap: Tap) -> Self {
-        Self {
-            inner: Heartbeat::new(Instant::from_micros(config.created_at_us), config.config()),
+    pub fn new_heartbeat(config: HeartbeatConfigRec, tap: Tap) -> Self {
+        Self::wrap(
+            Heartbeat::new(Instant::from_micros(config.created_us), config.config),
             tap,
-        }
-    }
-
-    /// The wrapped heartbeat (read access).
-    pub fn inner(&self) -> &Heartbeat {
-        &self.inner
-    }
-
-    /// Feed one input.
-    pub fn apply(&mut self, now: Instant, input: HeartbeatInput) -> HeartbeatRet {
-        self.tap.emit(now, LineKind::In, &input);
-        match input {
-            HeartbeatInput::Ping { seq } => self.inner.handle_ping(now, seq),
-            HeartbeatInput::Pong { seq } => self.inner.handle_pong(now, seq),
-            HeartbeatInput::HandleTimeout => self.inner.handle_timeout(now),
-        }
-        self.tap.emit(now, LineKind::Ret, &HeartbeatRet::Done);
-        HeartbeatRet::Done
-    }
-
-    /// [`Heartbeat::handle_ping`].
-    pub fn handle_ping(&mut self, now: Instant, seq: u64) {
-        let _ = self.apply(now, HeartbeatInput::Ping { seq });
-    }
-
-    /// [`Heartbeat::handle_pong`].
-    pub fn handle_pong(&mut self, now: Instant, seq: u64) {
-        let _ = self.apply(now, HeartbeatInput::Pong { seq });
-    }
-
-    /// [`Heartbeat::handle_timeout`].
-    pub fn handle_timeout(&mut self, now: Instant) {
-        let _ = self.apply(now, HeartbeatInput::HandleTimeout);
-    }
-
-    /// [`Heartbeat::poll_timeout`] (not recorded).
-    pub fn poll_timeout(&self) -> Option<Instant> {
-        self.inner.poll_timeout()
-    }
-
-    /// [`Heartbeat::poll_output`], recorded at `now`.
-    #[must_use]
-    pub fn poll_output(&mut self, now: Instant) -> Option<HeartbeatOutput> {
-        let out = self.inner.poll_output()?;
-        self.tap.emit(now, LineKind::Out, &out);
-        Some(out)
+        )
     }
 }
 
@@ -819,44 +669,12 @@ pub struct ReplayReport {
     pub machine: MachineKind,
     /// Inputs fed.
     pub inputs: u64,
-    /// Return values and outputs compared.
+    /// Outputs compared.
     pub checked: u64,
-}
-
-trait Replayable {
-    type Input: DeserializeOwned;
-    fn apply_value(&mut self, now: Instant, input: Self::Input) -> serde_json::Value;
-    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value>;
 }
 
 fn to_value(v: &impl Serialize) -> serde_json::Value {
     serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
-}
-
-impl<M> Replayable for Traced<M>
-where
-    M: Machine,
-    M::Input: Serialize + DeserializeOwned + Clone,
-    M::Output: Serialize,
-{
-    type Input = Step<M::Input>;
-    fn apply_value(&mut self, now: Instant, input: Step<M::Input>) -> serde_json::Value {
-        self.apply(now, input);
-        serde_json::Value::Null
-    }
-    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
-        self.poll_output(now).map(|o| to_value(&o))
-    }
-}
-
-impl Replayable for TracedHeartbeat {
-    type Input = HeartbeatInput;
-    fn apply_value(&mut self, now: Instant, input: HeartbeatInput) -> serde_json::Value {
-        to_value(&self.apply(now, input))
-    }
-    fn poll_value(&mut self, now: Instant) -> Option<serde_json::Value> {
-        self.poll_output(now).map(|o| to_value(&o))
-    }
 }
 
 fn config_of<T: DeserializeOwned>(header: &TraceHeader) -> Result<T, TraceError> {
@@ -876,7 +694,7 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
             let config: DispatchConfigRec = config_of(&header)?;
             let machine = TracedDispatcher::new(
                 Instant::from_micros(config.created_us),
-                (&config).into(),
+                config.config,
                 Tap::off(),
             )
             .map_err(|e| ReplayError::Config(e.to_string()))?;
@@ -897,46 +715,43 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
             let config: HeartbeatConfigRec = config_of(&header)?;
             replay_with(
                 reader,
-                TracedHeartbeat::new(config, Tap::off()),
+                TracedHeartbeat::new_heartbeat(config, Tap::off()),
                 header.machine,
             )
         }
     }
 }
 
-fn replay_with<R: BufRead, M: Replayable>(
+fn replay_with<R: BufRead, M>(
     mut reader: TraceReader<R>,
-    mut machine: M,
+    mut machine: Traced<M>,
     kind: MachineKind,
-) -> Result<ReplayReport, ReplayError> {
+) -> Result<ReplayReport, ReplayError>
+where
+    M: Machine,
+    M::Input: Serialize + DeserializeOwned + Clone,
+    M::Output: Serialize,
+{
     let mut report = ReplayReport {
         machine: kind,
         inputs: 0,
         checked: 0,
     };
-    let mut pending_ret: Option<serde_json::Value> = None;
     while let Some(line) = reader.next_line() {
         let line = line?;
         let now = Instant::from_micros(line.t);
         match line.kind {
             LineKind::In => {
-                let input: M::Input =
+                let step: Step<M::Input> =
                     serde_json::from_value(line.value).map_err(|e| TraceError::Malformed {
                         line_no: line.line_no,
                         message: format!("bad {} input: {e}", kind.as_str()),
                     })?;
-                pending_ret = Some(machine.apply_value(now, input));
+                machine.apply(now, step);
                 report.inputs += 1;
             }
-            LineKind::Ret => {
-                let actual = pending_ret.take();
-                if actual.as_ref() != Some(&line.value) {
-                    return Err(diverged(line.line_no, &line.value, actual.as_ref()));
-                }
-                report.checked += 1;
-            }
             LineKind::Out => {
-                let actual = machine.poll_value(now);
+                let actual = machine.poll_output(now).map(|o| to_value(&o));
                 if actual.as_ref() != Some(&line.value) {
                     return Err(diverged(line.line_no, &line.value, actual.as_ref()));
                 }
@@ -961,6 +776,10 @@ fn diverged(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use iop_core::liveness::heartbeat::HeartbeatInput;
+
     use super::*;
 
     fn assert_send<T: Send>() {}
@@ -986,12 +805,12 @@ mod tests {
         let buf = SharedBuf::default();
         {
             let writer = TraceWriter::new(buf.clone(), MachineKind::Heartbeat, &config);
-            let mut hb = TracedHeartbeat::new(config, Tap::to(writer));
+            let mut hb = TracedHeartbeat::new_heartbeat(config, Tap::to(writer));
             let at = Instant::from_millis;
             hb.handle_timeout(at(100));
             while hb.poll_output(at(100)).is_some() {}
-            hb.handle_pong(at(120), 1);
-            hb.handle_ping(at(130), 7);
+            hb.handle_input(at(120), HeartbeatInput::Pong { seq: 1 });
+            hb.handle_input(at(130), HeartbeatInput::Ping { seq: 7 });
             while hb.poll_output(at(130)).is_some() {}
             hb.handle_timeout(at(200));
             hb.handle_timeout(at(350));
@@ -999,7 +818,7 @@ mod tests {
         }
         let bytes = buf.0.lock().map(|b| b.clone()).unwrap_or_default();
         let text = String::from_utf8(bytes).expect("utf-8");
-        assert!(text.starts_with(r#"{"format":"iop-trace","version":1,"machine":"heartbeat""#));
+        assert!(text.starts_with(r#"{"format":"iop-trace","version":2,"machine":"heartbeat""#));
         assert!(
             text.contains(r#"{"out":{"send_pong":7},"t":130000}"#),
             "{text}"

@@ -49,7 +49,7 @@ pub struct ProviderSpec {
 }
 
 /// Queue bounds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AdmissionConfig {
     /// Requests that may wait for capacity.
     pub queue_capacity: usize,

@@ -414,7 +414,7 @@ pub enum DispatchInput {
 }
 
 /// Configuration of the dispatch core.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DispatchConfig {
     /// Queue bounds.
     pub admission: AdmissionConfig,

@@ -51,7 +51,7 @@ use crate::time::{Instant, earliest};
 pub const MAX_TRACKED_PROVIDERS: usize = 4096;
 
 /// Tracker settings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HealthConfig {
     /// The regular capability refresh cadence of a provider that is not
     /// failing.

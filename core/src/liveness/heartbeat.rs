@@ -54,6 +54,23 @@ impl HeartbeatConfig {
     }
 }
 
+/// What the peer sent on the control stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeartbeatInput {
+    /// The peer pinged: answer it.
+    Ping {
+        /// Its sequence.
+        seq: u64,
+    },
+    /// The peer answered a ping. A pong for anything but the outstanding
+    /// ping (a duplicate, a stale or an invented sequence) is ignored.
+    Pong {
+        /// Its sequence.
+        seq: u64,
+    },
+}
+
 /// What the driver must do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -102,8 +119,16 @@ impl Heartbeat {
         self.config
     }
 
+    /// Feed what the peer sent; drain [`Self::poll_output`] after.
+    pub fn handle_input(&mut self, now: Instant, input: HeartbeatInput) {
+        match input {
+            HeartbeatInput::Ping { seq } => self.handle_ping(now, seq),
+            HeartbeatInput::Pong { seq } => self.handle_pong(now, seq),
+        }
+    }
+
     /// The peer pinged us: answer it.
-    pub fn handle_ping(&mut self, _now: Instant, seq: u64) {
+    fn handle_ping(&mut self, _now: Instant, seq: u64) {
         if !self.timed_out {
             self.outputs.push_back(HeartbeatOutput::SendPong(seq));
         }
@@ -111,7 +136,7 @@ impl Heartbeat {
 
     /// The peer answered a ping. A pong for anything but the outstanding
     /// ping (a duplicate, a stale or an invented sequence) is ignored.
-    pub fn handle_pong(&mut self, now: Instant, seq: u64) {
+    fn handle_pong(&mut self, now: Instant, seq: u64) {
         if let Some((want, sent_at)) = self.outstanding
             && seq == want
         {

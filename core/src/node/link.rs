@@ -46,7 +46,7 @@ use super::watchdog::{
 };
 use crate::cred::{LeaseRefusal, NodeLeases, Recipient, ReplayCache, RunLease, Secret};
 use crate::ids::{Generation, RunId};
-use crate::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatOutput};
+use crate::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatInput, HeartbeatOutput};
 use crate::time::Instant;
 
 /// One connection's settings.
@@ -489,8 +489,12 @@ impl NodeLink {
             return;
         }
         match msg {
-            EdgeControl::Ping(hb) => self.heartbeat.handle_ping(now, hb.seq),
-            EdgeControl::Pong(hb) => self.heartbeat.handle_pong(now, hb.seq),
+            EdgeControl::Ping(hb) => self
+                .heartbeat
+                .handle_input(now, HeartbeatInput::Ping { seq: hb.seq }),
+            EdgeControl::Pong(hb) => self
+                .heartbeat
+                .handle_input(now, HeartbeatInput::Pong { seq: hb.seq }),
             EdgeControl::Registered(RegisterResponse::Accepted { generation, config })
                 if self.phase == Phase::Registering =>
             {
