@@ -29,11 +29,11 @@ use std::time::Duration;
 
 use iop_core::Instant;
 use iop_core::edge::admission::{
-    AdmissionConfig, Admit, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
+    AdmissionConfig, DispatchRequest, Lease, LeaseId, PreSend, ProviderSpec, RequestId,
 };
 use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchOutput, Dispatcher, IgnoredTerminal, RequestEvent,
-    TerminalVerdict,
+    CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, Dispatcher, IgnoredTerminal,
+    ProbeAnswer, RequestCommand, RequestEvent, TerminalVerdict,
 };
 use iop_core::edge::health::{HealthConfig, ProbeTicket};
 use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
@@ -297,61 +297,98 @@ fn check_avoid_rule(d: &Dispatcher, request: &DispatchRequest, lease: &Lease) {
     );
 }
 
+/// Feed one input; its answer is its first output (the harness drains
+/// every output after every step).
+fn answer(d: &mut Dispatcher, now: Instant, input: DispatchInput) -> Option<DispatchOutput> {
+    d.handle_input(now, input);
+    let first = d.poll_output();
+    if let Some(DispatchOutput::ToRequest {
+        event: RequestEvent::Leased(_),
+        ..
+    }) = &first
+    {
+        panic!("an answer the harness reads was a lease: {first:?}");
+    }
+    first
+}
+
+/// Feed one input and take every output it caused.
+fn outputs_of(d: &mut Dispatcher, now: Instant, input: DispatchInput) -> Vec<DispatchOutput> {
+    d.handle_input(now, input);
+    std::iter::from_fn(|| d.poll_output()).collect()
+}
+
+/// The CAPABILITIES verdicts among `outputs`, in order.
+fn verdicts_in(outputs: &[DispatchOutput]) -> Vec<CapabilityVerdict> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            DispatchOutput::Capability(v) => Some(v.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 fn drain_dispatch(d: &mut Dispatcher, m: &mut DispatchModel) {
     while let Some(out) = d.poll_output() {
-        match out {
-            DispatchOutput::ToRequest {
-                event: RequestEvent::Leased(lease),
-                ..
-            } => m.leased(d, lease),
-            DispatchOutput::ToRequest {
-                event: RequestEvent::LeaseFenced(lease),
-                ..
-            } => {
-                let node = DispatchModel::node_index(&lease.node);
-                assert!(
-                    !m.is_current(node, lease.generation),
-                    "R-GEN-3: a lease of the current generation was fenced"
-                );
-                m.release(lease.lease_id, "the fence");
-            }
-            DispatchOutput::ToRequest {
-                request_id,
-                event: RequestEvent::QueueExpired,
-            } => {
-                assert!(
-                    d.admission().lease_of_request(request_id).is_none(),
-                    "an expired request holds a lease"
-                );
-            }
-            DispatchOutput::ProbeDue {
-                ticket,
-                node,
-                generation,
-            } => {
-                let node = DispatchModel::node_index(&node);
-                if let Some(g) = generation {
-                    assert!(
-                        m.is_dispatchable(node, g),
-                        "a probe is due on a generation that is not current and ready"
-                    );
-                }
-                if m.tickets.len() < 64 {
-                    m.tickets.push((ticket, node, generation));
-                }
-            }
-            DispatchOutput::CloseConnection { .. }
-            | DispatchOutput::Fenced { .. }
-            | DispatchOutput::NodeReady { .. }
-            | DispatchOutput::Registered { .. }
-            | DispatchOutput::ReadyAnswer { .. }
-            | DispatchOutput::ToRequest { .. }
-            | DispatchOutput::CancelRun { .. }
-            | DispatchOutput::StallEvidence { .. }
-            | DispatchOutput::Capability(_)
-            | DispatchOutput::Health(_)
-            | DispatchOutput::ParkedRuns { .. } => {}
+        carry(d, m, out);
+    }
+}
+
+/// Check one output against the model and apply it there.
+fn carry(d: &mut Dispatcher, m: &mut DispatchModel, out: DispatchOutput) {
+    match out {
+        DispatchOutput::ToRequest {
+            event: RequestEvent::Leased(lease),
+            ..
+        } => m.leased(d, lease),
+        DispatchOutput::ToRequest {
+            event: RequestEvent::LeaseFenced(lease),
+            ..
+        } => {
+            let node = DispatchModel::node_index(&lease.node);
+            assert!(
+                !m.is_current(node, lease.generation),
+                "R-GEN-3: a lease of the current generation was fenced"
+            );
+            m.release(lease.lease_id, "the fence");
         }
+        DispatchOutput::ToRequest {
+            request_id,
+            event: RequestEvent::QueueExpired,
+        } => {
+            assert!(
+                d.admission().lease_of_request(request_id).is_none(),
+                "an expired request holds a lease"
+            );
+        }
+        DispatchOutput::ProbeDue {
+            ticket,
+            node,
+            generation,
+        } => {
+            let node = DispatchModel::node_index(&node);
+            if let Some(g) = generation {
+                assert!(
+                    m.is_dispatchable(node, g),
+                    "a probe is due on a generation that is not current and ready"
+                );
+            }
+            if m.tickets.len() < 64 {
+                m.tickets.push((ticket, node, generation));
+            }
+        }
+        DispatchOutput::CloseConnection { .. }
+        | DispatchOutput::Fenced { .. }
+        | DispatchOutput::NodeReady { .. }
+        | DispatchOutput::Registered { .. }
+        | DispatchOutput::ReadyAnswer { .. }
+        | DispatchOutput::ToRequest { .. }
+        | DispatchOutput::CancelRun { .. }
+        | DispatchOutput::StallEvidence { .. }
+        | DispatchOutput::Capability(_)
+        | DispatchOutput::Health(_)
+        | DispatchOutput::ParkedRuns { .. } => {}
     }
 }
 
@@ -455,9 +492,19 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
         match input.below(12) {
             0 => {
                 let node = input.below(nodes);
-                let Ok((g, _)) = d.register(now, &NodeId::from(NODES[node]), &register_request())
+                let registered = answer(
+                    &mut d,
+                    now,
+                    DispatchInput::Register {
+                        node: NodeId::from(NODES[node]),
+                        request: register_request(),
+                    },
+                );
+                let Some(DispatchOutput::Registered {
+                    result: Ok((g, _)), ..
+                }) = registered
                 else {
-                    panic!("a valid registration was refused");
+                    panic!("a valid registration was refused: {registered:?}");
                 };
                 assert!(
                     m.generations.values().flatten().all(|earlier| *earlier < g),
@@ -470,7 +517,17 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
                 let node = input.below(nodes);
                 let b = input.byte();
                 if let Some(g) = m.pick_generation(node, b) {
-                    let accepted = d.ready(now, &NodeId::from(NODES[node]), g);
+                    let accepted = matches!(
+                        answer(
+                            &mut d,
+                            now,
+                            DispatchInput::Ready {
+                                node: NodeId::from(NODES[node]),
+                                generation: g,
+                            },
+                        ),
+                        Some(DispatchOutput::ReadyAnswer { accepted: true, .. })
+                    );
                     assert_eq!(
                         accepted,
                         m.is_current(node, g),
@@ -485,11 +542,13 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
                 let node = input.below(nodes);
                 let b = input.byte();
                 if let Some(g) = m.pick_generation(node, b) {
-                    d.connection_closed(
+                    d.handle_input(
                         now,
-                        &NodeId::from(NODES[node]),
-                        g,
-                        CloseCode::HeartbeatTimeout,
+                        DispatchInput::ConnectionClosed {
+                            node: NodeId::from(NODES[node]),
+                            generation: g,
+                            reason: CloseCode::HeartbeatTimeout,
+                        },
                     );
                     if m.is_current(node, g) {
                         m.current.remove(&node);
@@ -514,15 +573,29 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
                     stall_timeout_ms: None,
                 };
                 m.requests.insert(request.request_id, request.clone());
-                if let Admit::Leased(lease) = d.request(now, request) {
-                    m.leased(&d, lease);
-                }
+                // A lease it is given is checked as the outputs are drained.
+                d.handle_input(now, DispatchInput::Request(RequestCommand::Admit(request)));
             }
             5 => {
                 let Some(lease) = pick_lease(&m, input.byte()) else {
                     continue;
                 };
-                match d.pre_send(now, lease.lease_id) {
+                let pre_send = answer(
+                    &mut d,
+                    now,
+                    DispatchInput::Request(RequestCommand::PreSend {
+                        request_id: lease.request_id,
+                        lease_id: lease.lease_id,
+                    }),
+                );
+                let Some(DispatchOutput::ToRequest {
+                    event: RequestEvent::PreSend(pre_send),
+                    ..
+                }) = pre_send
+                else {
+                    panic!("a pre-send was not answered: {pre_send:?}");
+                };
+                match pre_send {
                     PreSend::Send(l) => {
                         assert!(
                             !m.released.contains(&l.lease_id),
@@ -545,9 +618,23 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
             6 | 7 => dispatch_terminal(&mut d, &mut m, &mut input, nodes, now),
             8 => {
                 let id = 1 + input.byte() as u64 % m.next_request.max(1);
-                if let Some(lease) = d.cancel(now, id) {
+                let held = d.admission().lease_of_request(id).cloned();
+                let outputs = outputs_of(
+                    &mut d,
+                    now,
+                    DispatchInput::Request(RequestCommand::Cancel { request_id: id }),
+                );
+                if let Some(lease) = held {
                     assert_eq!(lease.request_id, id);
+                    assert!(
+                        outputs.iter().any(|o| matches!(o,
+                            DispatchOutput::CancelRun { run_id, .. } if *run_id == lease.run_id)),
+                        "a canceled lease's run is not canceled on its node"
+                    );
                     m.release(lease.lease_id, "a client cancel");
+                }
+                for out in outputs {
+                    carry(&mut d, &mut m, out);
                 }
                 assert!(
                     d.admission().lease_of_request(id).is_none() && !d.admission().is_queued(id),
@@ -568,7 +655,14 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
     let now = m.now;
     // One at a time: the queue may drain to a node still connected.
     while let Some((node, (g, _))) = m.current.pop_first() {
-        d.connection_closed(now, &NodeId::from(NODES[node]), g, CloseCode::Normal);
+        d.handle_input(
+            now,
+            DispatchInput::ConnectionClosed {
+                node: NodeId::from(NODES[node]),
+                generation: g,
+                reason: CloseCode::Normal,
+            },
+        );
         drain_dispatch(&mut d, &mut m);
     }
     check_dispatch(&d, &m);
@@ -638,13 +732,24 @@ fn dispatch_terminal(
     };
     let counted_before = d.registry().fenced_messages();
     let held = !m.released.contains(&lease.lease_id);
-    let verdict = d.apply_terminal(
+    let answered = answer(
+        d,
         now,
-        lease.lease_id,
-        &NodeId::from(NODES[node]),
-        generation,
-        failure.as_ref(),
+        DispatchInput::Request(RequestCommand::Terminal {
+            request_id: lease.request_id,
+            lease_id: lease.lease_id,
+            node: NodeId::from(NODES[node]),
+            generation,
+            failure: failure.clone(),
+        }),
     );
+    let Some(DispatchOutput::ToRequest {
+        event: RequestEvent::Terminal { verdict, .. },
+        ..
+    }) = answered
+    else {
+        panic!("a terminal was not answered: {answered:?}");
+    };
     let counted = d.registry().fenced_messages() - counted_before;
     if !m.is_current(node, generation) {
         assert_eq!(
@@ -739,9 +844,20 @@ fn dispatch_capabilities(
     };
     let report = capabilities_report(m, input, providers, node, generation);
     let counted_before = d.registry().fenced_messages();
-    let verdicts = d.apply_capabilities(now, &NodeId::from(NODES[node]), generation, &report);
+    let outputs = outputs_of(
+        d,
+        now,
+        DispatchInput::Capabilities {
+            node: NodeId::from(NODES[node]),
+            generation,
+            report: report.clone(),
+        },
+    );
     let counted = d.registry().fenced_messages() - counted_before;
-    m.capabilities(node, generation, &report, &verdicts, counted);
+    m.capabilities(node, generation, &report, &verdicts_in(&outputs), counted);
+    for out in outputs {
+        carry(d, m, out);
+    }
 }
 
 fn dispatch_probe_answer(
@@ -758,15 +874,34 @@ fn dispatch_probe_answer(
     let answer_kind = input.below(4);
     match (answer_kind, generation) {
         (0, _) | (_, None) => {
-            let _ = d.probe_answer(now, &ticket, Err(HealthFailureCode::TransportFailed));
+            d.handle_input(
+                now,
+                DispatchInput::ProbeAnswer {
+                    ticket,
+                    answer: ProbeAnswer::Failure(HealthFailureCode::TransportFailed),
+                },
+            );
         }
         (_, Some(g)) => {
             let report = capabilities_report(m, input, providers, node, g);
             let counted_before = d.registry().fenced_messages();
-            let (_, verdicts) =
-                d.probe_answer(now, &ticket, Ok((&NodeId::from(NODES[node]), g, &report)));
+            let outputs = outputs_of(
+                d,
+                now,
+                DispatchInput::ProbeAnswer {
+                    ticket,
+                    answer: ProbeAnswer::Report {
+                        node: NodeId::from(NODES[node]),
+                        generation: g,
+                        report: report.clone(),
+                    },
+                },
+            );
             let counted = d.registry().fenced_messages() - counted_before;
-            m.capabilities(node, g, &report, &verdicts, counted);
+            m.capabilities(node, g, &report, &verdicts_in(&outputs), counted);
+            for out in outputs {
+                carry(d, m, out);
+            }
         }
     }
 }

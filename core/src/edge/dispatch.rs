@@ -129,7 +129,7 @@ pub enum DispatchOutput {
         code: CloseCode,
     },
     /// A generation was fenced (for metrics; its leases follow as
-    /// [`DispatchOutput::LeaseFenced`]).
+    /// [`RequestEvent::LeaseFenced`] to their requests).
     Fenced {
         /// Node.
         node: NodeId,
@@ -195,7 +195,7 @@ pub enum DispatchOutput {
     Capability(CapabilityVerdict),
     /// The health tracker wants `ticket`'s provider probed (R-HT-3): send a
     /// CAPABILITIES command to its node's current generation and answer with
-    /// [`Dispatcher::probe_answer`]. With no ready generation, answer a
+    /// [`DispatchInput::ProbeAnswer`]. With no ready generation, answer a
     /// transport failure at once.
     ProbeDue {
         /// Answer with this.
@@ -536,7 +536,7 @@ impl Dispatcher {
     /// report also goes through R-CAP-1; the ticket's provider gets a health
     /// result from the entry about its exact target (none: an ownership
     /// mismatch).
-    pub fn probe_answer(
+    pub(crate) fn probe_answer(
         &mut self,
         now: Instant,
         ticket: &ProbeTicket,
@@ -593,7 +593,7 @@ impl Dispatcher {
 
     /// A node registers on a new connection: its generation and config
     /// snapshot, or a rejection.
-    pub fn register(
+    pub(crate) fn register(
         &mut self,
         now: Instant,
         node: &NodeId,
@@ -701,14 +701,14 @@ impl Dispatcher {
     }
 
     /// The node completed readiness on `generation` (R-GEN-2).
-    pub fn ready(&mut self, now: Instant, node: &NodeId, generation: Generation) -> bool {
+    pub(crate) fn ready(&mut self, now: Instant, node: &NodeId, generation: Generation) -> bool {
         let accepted = self.registry.ready(now, node, generation);
         self.pump(now);
         accepted
     }
 
     /// A connection ended: fence its generation (R-GEN-3).
-    pub fn connection_closed(
+    pub(crate) fn connection_closed(
         &mut self,
         now: Instant,
         node: &NodeId,
@@ -722,12 +722,12 @@ impl Dispatcher {
 
     /// Should a message attributed to `generation` be processed? Messages of
     /// a fenced generation are ignored and counted (R-GEN-3).
-    pub fn admit_message(&mut self, node: &NodeId, generation: Generation) -> bool {
+    pub(crate) fn admit_message(&mut self, node: &NodeId, generation: Generation) -> bool {
         self.registry.admit_message(node, generation)
     }
 
     /// Ask for a lease for a client request.
-    pub fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
+    pub(crate) fn request(&mut self, now: Instant, request: DispatchRequest) -> Admit {
         let admit = self.admission.request(now, request);
         self.pump(now);
         admit
@@ -736,7 +736,7 @@ impl Dispatcher {
     /// The pre-send fence (R-GEN-4): send only if the lease's generation is
     /// still current and ready; otherwise the lease is released and the
     /// request re-resolved.
-    pub fn pre_send(&mut self, now: Instant, lease_id: LeaseId) -> PreSend {
+    pub(crate) fn pre_send(&mut self, now: Instant, lease_id: LeaseId) -> PreSend {
         let answer = self.admission.pre_send(now, lease_id);
         if let PreSend::Send(lease) = &answer {
             // Admission brings a generation online only from the registry's
@@ -756,7 +756,7 @@ impl Dispatcher {
     /// generation is current and matches the lease (R-LEASE-1); then the
     /// lease is released exactly once and a typed stall is handed off with
     /// its validated evidence (R-OVL-1, R-OVL-2).
-    pub fn apply_terminal(
+    pub(crate) fn apply_terminal(
         &mut self,
         now: Instant,
         lease_id: LeaseId,
@@ -845,7 +845,7 @@ impl Dispatcher {
 
     /// The client went away (R-GATE-4): drop its queue entry or release its
     /// lease. Returns the released lease so the driver cancels the node run.
-    pub fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
+    pub(crate) fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
         let lease = self.admission.cancel(now, request_id);
         self.pump(now);
         lease
@@ -856,7 +856,7 @@ impl Dispatcher {
     /// applied to the overlay; malformed, ambiguous, stale, unknown and
     /// unavailable answers change nothing. Answers from a fenced generation
     /// are ignored entirely.
-    pub fn apply_capabilities(
+    pub(crate) fn apply_capabilities(
         &mut self,
         now: Instant,
         node: &NodeId,
