@@ -61,6 +61,11 @@ machine_by_inherent_methods!(
     crate::edge::request::RequestOutput
 );
 machine_by_inherent_methods!(
+    crate::edge::link::EdgeLink,
+    crate::edge::link::EdgeLinkInput,
+    crate::edge::link::EdgeLinkOutput
+);
+machine_by_inherent_methods!(
     crate::liveness::heartbeat::Heartbeat,
     crate::liveness::heartbeat::HeartbeatInput,
     crate::liveness::heartbeat::HeartbeatOutput

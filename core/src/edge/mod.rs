@@ -1,5 +1,6 @@
 //! Edge-side rules: generations, admission and leases, the health overlay,
-//! the stream gate and the provider health tracker.
+//! the stream gate, the provider health tracker, and one node connection
+//! ([`link::EdgeLink`]).
 
 pub mod admission;
 pub mod dispatch;
@@ -8,6 +9,7 @@ pub mod flood;
 pub mod gate;
 pub mod generations;
 pub mod health;
+pub mod link;
 pub mod overlay;
 pub mod registry;
 pub mod request;
