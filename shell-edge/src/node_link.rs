@@ -1,20 +1,19 @@
-//! One task per node connection: identity, registration, readiness, then
-//! heartbeats on the control stream until the connection ends.
-//!
-//! The task owns the connection's heartbeat machine and runs one `select!`
-//! over control frames, the heartbeat's next timeout and commands from the
-//! hub, draining the machine's outputs into frames after every input.
+//! One task per node connection. The connection's rules are the core
+//! [`EdgeLink`]'s (identity aside: registration and readiness through the
+//! dispatcher, the heartbeat, the node's frame budgets, reporting the
+//! generation's end); this task runs one `select!` over control frames, the
+//! machine's next timeout, commands from the hub and the connection's
+//! close, feeds each as an input and carries out the outputs.
 
 use std::time::Duration;
 
-use iop_core::edge::flood::{Flood, FrameBudget};
-use iop_core::ids::{Generation, NodeId};
-use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig, HeartbeatInput, HeartbeatOutput};
-use iop_transport::framed::{FramedError, FramedRecv, FramedSend, accept_framed};
+use iop_core::edge::link::{EdgeLink, EdgeLinkConfig, EdgeLinkInput, EdgeLinkOutput};
+use iop_core::edge::registry::Rejection;
+use iop_core::ids::NodeId;
+use iop_core::liveness::heartbeat::HeartbeatConfig;
+use iop_transport::framed::{FramedError, FramedSend, accept_framed};
 use iop_transport::{close_code_of, close_connection, peer_node_id};
-use iop_wire::{
-    CloseCode, EdgeControl, NodeControl, NodeReadyResponse, PROTOCOL_VERSION, RegisterResponse,
-};
+use iop_wire::{CloseCode, NodeControl};
 use tokio::sync::mpsc;
 
 use crate::hub::{HubHandle, LinkCommand, LinkHandle};
@@ -27,15 +26,6 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most frames attributed to another (stale) generation one connection
 /// may send (core's rule, `iop_core::edge::flood`).
 pub use iop_core::edge::flood::MAX_STALE_FRAMES_PER_CONNECTION;
-
-/// A connection past one of its budgets (R-LIM-4) is closed with
-/// `protocol_error`.
-fn flooded(node: &NodeId, result: Result<(), Flood>) -> Result<(), CloseCode> {
-    result.map_err(|flood| {
-        tracing::warn!(event = "edge_node_frame_flood", node = %node, flood = flood.as_str());
-        CloseCode::ProtocolError
-    })
-}
 
 /// Settings of every link.
 #[derive(Debug, Clone)]
@@ -75,52 +65,44 @@ pub async fn serve(
         conn.clone(),
         settings.denylist.clone(),
     ));
-    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-    let link = LinkHandle {
-        conn: conn.clone(),
-        commands: cmd_tx,
-    };
-    // Set as soon as the hub accepted the registration: from then on every
-    // way out reports the generation's end, so it is fenced (R-GEN-3).
-    let mut registered = None;
-    let handshake = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        handshake(&conn, &node, &hub, link, &mut registered),
-    );
-    let (generation, send, recv) = match handshake.await {
-        Ok(Ok(Some(done))) => done,
-        Ok(Ok(None)) => return,
+    let started = clock.now();
+    let (send, recv) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, accept_framed(&conn)).await {
+        Ok(Ok(pair)) => pair,
         Ok(Err(e)) => {
             tracing::warn!(event = "edge_handshake_failed", node = %node, error = %e);
-            let code = protocol_close_code(&e);
-            close_connection(&conn, code);
-            if let Some(generation) = registered {
-                hub.link_closed(node, generation, code);
-            }
+            close_connection(&conn, protocol_close_code(&e));
             return;
         }
         Err(_) => {
             tracing::warn!(event = "edge_handshake_timeout", node = %node);
             close_connection(&conn, CloseCode::ProtocolError);
-            if let Some(generation) = registered {
-                hub.link_closed(node, generation, CloseCode::ProtocolError);
-            }
             return;
         }
     };
-    tracing::info!(event = "edge_node_connected", node = %node, generation);
-    let reason = control_loop(
-        &conn, &node, generation, send, recv, cmd_rx, &hub, clock, settings,
-    )
-    .await;
-    close_connection(&conn, reason);
-    tracing::info!(
-        event = "edge_node_disconnected",
-        node = %node,
-        generation,
-        reason = reason.as_str()
-    );
-    hub.link_closed(node, generation, reason);
+    let now = clock.now();
+    let (commands_tx, commands) = mpsc::unbounded_channel();
+    let mut task = LinkTask {
+        link: EdgeLink::new(
+            now,
+            EdgeLinkConfig {
+                heartbeat: settings.heartbeat,
+                // The bound counts from the connection, the stream's
+                // acceptance included.
+                handshake_timeout: Some(HANDSHAKE_TIMEOUT.saturating_sub(now - started)),
+            },
+        ),
+        handle: Some(LinkHandle {
+            conn: conn.clone(),
+            commands: commands_tx,
+        }),
+        conn,
+        node,
+        hub,
+        clock,
+        send,
+        was_live: false,
+    };
+    task.run(recv, commands).await;
 }
 
 fn protocol_close_code(e: &FramedError) -> CloseCode {
@@ -130,177 +112,164 @@ fn protocol_close_code(e: &FramedError) -> CloseCode {
     }
 }
 
-/// Register and ready. `Ok(None)` when the registration was refused or
-/// superseded (the connection is already closed and any generation
-/// reported closed). Once the hub accepts the registration its generation is
-/// stored in `registered`, so the caller can report its end whatever
-/// happens next.
-async fn handshake(
-    conn: &quinn::Connection,
-    node: &NodeId,
-    hub: &HubHandle,
-    link: LinkHandle,
-    registered: &mut Option<Generation>,
-) -> Result<Option<(Generation, FramedSend, FramedRecv)>, FramedError> {
-    let (mut send, mut recv) = accept_framed(conn).await?;
-    let Some(NodeControl::Register(request)) = recv.recv::<NodeControl>().await? else {
-        return Err(FramedError::LocalMisuse {
-            what: "the first control frame must be Register",
-        });
-    };
-    let Ok(answer) = hub.register(node.clone(), request, link).await else {
-        close_connection(conn, CloseCode::Shutdown);
-        return Ok(None);
-    };
-    let generation = match answer {
-        Ok((generation, config)) => {
-            *registered = Some(generation);
-            send.send(&EdgeControl::Registered(RegisterResponse::Accepted {
-                generation,
-                config,
-            }))
-            .await?;
-            generation
-        }
-        Err(rejection) => {
-            tracing::warn!(
-                event = "edge_registration_rejected",
-                node = %node,
-                reason = rejection.reason.as_str(),
-                cause = rejection.cause.as_str(),
-                detail = %rejection.message
-            );
-            send.send(&EdgeControl::Registered(RegisterResponse::Rejected {
-                reason: rejection.reason,
-                message: rejection.message,
-                edge_protocol_version: PROTOCOL_VERSION,
-            }))
-            .await?;
-            let _ = send.finish();
-            // Let the frame reach the node before the close does.
-            let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
-            close_connection(conn, CloseCode::RegistrationRejected);
-            return Ok(None);
-        }
-    };
-    let mut budget = FrameBudget::new(iop_core::time::Instant::ZERO);
-    loop {
-        match recv.recv::<NodeControl>().await? {
-            Some(NodeControl::Ready(ready)) if ready.generation == generation => {
-                let accepted = hub.ready(node.clone(), generation).await.unwrap_or(false);
-                send.send(&EdgeControl::ReadyAck(NodeReadyResponse {
-                    generation,
-                    accepted,
-                }))
-                .await?;
-                if !accepted {
-                    // Superseded while registering.
-                    close_connection(conn, CloseCode::Superseded);
-                    hub.link_closed(node.clone(), generation, CloseCode::Superseded);
-                    return Ok(None);
-                }
-                return Ok(Some((generation, send, recv)));
+struct LinkTask {
+    link: EdgeLink,
+    /// Handed to the hub with the registration.
+    handle: Option<LinkHandle>,
+    conn: quinn::Connection,
+    node: NodeId,
+    hub: HubHandle,
+    clock: Clock,
+    send: FramedSend,
+    was_live: bool,
+}
+
+impl LinkTask {
+    fn input(&mut self, input: EdgeLinkInput) {
+        self.link.handle_input(self.clock.now(), input);
+    }
+
+    async fn run(
+        &mut self,
+        mut recv: iop_transport::framed::FramedRecv,
+        mut commands: mpsc::UnboundedReceiver<LinkCommand>,
+    ) {
+        loop {
+            let wake = self.link.poll_timeout();
+            let live = self.link.is_live();
+            let conn = self.conn.clone();
+            tokio::select! {
+                frame = recv.recv::<NodeControl>() => match frame {
+                    Ok(Some(frame)) => self.input(EdgeLinkInput::Control(frame)),
+                    // A stream that ends before readiness is a protocol
+                    // error; after it, a normal end.
+                    Ok(None) => self.input(EdgeLinkInput::Lost(if live {
+                        CloseCode::Normal
+                    } else {
+                        CloseCode::ProtocolError
+                    })),
+                    Err(e) => {
+                        if !matches!(e, FramedError::ConnectionLost { .. }) {
+                            tracing::warn!(event = "edge_control_stream_error", node = %self.node, error = %e);
+                        }
+                        self.input(EdgeLinkInput::Lost(protocol_close_code(&e)));
+                    }
+                },
+                () = self.clock.sleep_until(wake) => {
+                    self.link.handle_timeout(self.clock.now());
+                    if !self.was_live && self.link.is_over() {
+                        tracing::warn!(event = "edge_handshake_timeout", node = %self.node);
+                    }
+                },
+                // The hub's commands wait for readiness.
+                command = commands.recv(), if live => self.input(match command {
+                    Some(LinkCommand::Close(code)) => EdgeLinkInput::Close(code),
+                    Some(LinkCommand::Cancel(run_id)) => EdgeLinkInput::Cancel(run_id),
+                    Some(LinkCommand::Refresh(snapshot)) => EdgeLinkInput::Refresh(*snapshot),
+                    None => EdgeLinkInput::Close(CloseCode::Shutdown),
+                }),
+                err = conn.closed() => {
+                    self.input(EdgeLinkInput::Lost(close_code_of(&err).unwrap_or(CloseCode::Normal)));
+                },
             }
-            Some(NodeControl::Ready(late)) => {
-                if let Err(code) = flooded(node, budget.stale_frame()) {
-                    close_connection(conn, code);
-                    hub.link_closed(node.clone(), generation, code);
-                    return Ok(None);
-                }
-                hub.late_message(node.clone(), late.generation);
-            }
-            Some(NodeControl::Ping(hb)) => {
-                send.send(&EdgeControl::Pong(hb)).await?;
-            }
-            Some(_) => {}
-            None => {
-                return Err(FramedError::LocalMisuse {
-                    what: "control stream ended before Ready",
-                });
+            if self.drain().await {
+                return;
             }
         }
     }
-}
 
-#[allow(clippy::too_many_arguments)]
-async fn control_loop(
-    conn: &quinn::Connection,
-    node: &NodeId,
-    generation: Generation,
-    mut send: FramedSend,
-    mut recv: FramedRecv,
-    mut commands: mpsc::UnboundedReceiver<LinkCommand>,
-    hub: &HubHandle,
-    clock: Clock,
-    settings: LinkSettings,
-) -> CloseCode {
-    let mut heartbeat = Heartbeat::new(clock.now(), settings.heartbeat);
-    let mut budget = FrameBudget::new(clock.now());
-    loop {
-        let wake = heartbeat.poll_timeout();
-        tokio::select! {
-            frame = recv.recv::<NodeControl>() => match frame {
-                Ok(Some(NodeControl::Ping(hb))) => heartbeat.handle_input(clock.now(), HeartbeatInput::Ping { seq: hb.seq }),
-                Ok(Some(NodeControl::Pong(hb))) => heartbeat.handle_input(clock.now(), HeartbeatInput::Pong { seq: hb.seq }),
-                Ok(Some(NodeControl::Closing { code })) => return code,
-                Ok(Some(NodeControl::Ready(r))) if r.generation != generation => {
-                    if let Err(code) = flooded(node, budget.stale_frame()) {
-                        return code;
-                    }
-                    hub.late_message(node.clone(), r.generation);
-                }
-                Ok(Some(NodeControl::ConfigApplied { generation: g })) if g != generation => {
-                    if let Err(code) = flooded(node, budget.stale_frame()) {
-                        return code;
-                    }
-                    hub.late_message(node.clone(), g);
-                }
-                Ok(Some(NodeControl::Parked { runs })) => {
-                    if let Err(code) = flooded(node, budget.parked_report(clock.now())) {
-                        return code;
-                    }
-                    hub.parked(node.clone(), generation, runs);
-                }
-                Ok(Some(NodeControl::Register(_))) => return CloseCode::ProtocolError,
-                Ok(Some(_)) => {}
-                Ok(None) => return CloseCode::Normal,
-                Err(FramedError::ConnectionLost { close_code, .. }) => {
-                    return close_code.unwrap_or(CloseCode::Normal);
-                }
-                Err(e) => {
-                    tracing::warn!(event = "edge_control_stream_error", node = %node, error = %e);
-                    return CloseCode::ProtocolError;
-                }
-            },
-            () = clock.sleep_until(wake) => heartbeat.handle_timeout(clock.now()),
-            cmd = commands.recv() => match cmd {
-                Some(LinkCommand::Close(code)) => return code,
-                Some(LinkCommand::Cancel(run_id)) => {
-                    if send.send(&EdgeControl::Cancel(iop_wire::Cancel { run_id })).await.is_err() {
-                        return CloseCode::Normal;
+    /// Carry out the machine's outputs; `true` once the connection ended.
+    async fn drain(&mut self) -> bool {
+        while let Some(out) = self.link.poll_output() {
+            match out {
+                EdgeLinkOutput::Send(frame) => {
+                    if let Err(e) = self.send.send(&frame).await {
+                        let code = if self.link.is_live() {
+                            CloseCode::Normal
+                        } else {
+                            protocol_close_code(&e)
+                        };
+                        self.input(EdgeLinkInput::Lost(code));
                     }
                 }
-                Some(LinkCommand::Refresh(snapshot)) => {
-                    if send.send(&EdgeControl::ConfigRefresh(*snapshot)).await.is_err() {
-                        return CloseCode::Normal;
+                EdgeLinkOutput::Register(request) => {
+                    let Some(handle) = self.handle.take() else {
+                        continue;
+                    };
+                    let Ok(answer) = self.hub.register(self.node.clone(), request, handle).await
+                    else {
+                        // The hub is gone: the Edge is shutting down.
+                        close_connection(&self.conn, CloseCode::Shutdown);
+                        return true;
+                    };
+                    if let Err(rejection) = &answer {
+                        self.log_rejection(rejection);
                     }
+                    self.input(EdgeLinkInput::Registered(answer));
                 }
-                None => return CloseCode::Shutdown,
-            },
-            err = conn.closed() => return close_code_of(&err).unwrap_or(CloseCode::Normal),
-        }
-        while let Some(out) = heartbeat.poll_output() {
-            let frame = match out {
-                HeartbeatOutput::SendPing(seq) => EdgeControl::Ping(iop_wire::Heartbeat { seq }),
-                HeartbeatOutput::SendPong(seq) => EdgeControl::Pong(iop_wire::Heartbeat { seq }),
-                HeartbeatOutput::TimedOut => {
-                    tracing::warn!(event = "edge_heartbeat_timeout", node = %node, generation);
-                    return CloseCode::HeartbeatTimeout;
+                EdgeLinkOutput::Ready(generation) => {
+                    let accepted = self
+                        .hub
+                        .ready(self.node.clone(), generation)
+                        .await
+                        .unwrap_or(false);
+                    self.input(EdgeLinkInput::ReadyAnswer { accepted });
                 }
-            };
-            if send.send(&frame).await.is_err() {
-                return CloseCode::Normal;
+                EdgeLinkOutput::Connected(generation) => {
+                    self.was_live = true;
+                    tracing::info!(event = "edge_node_connected", node = %self.node, generation);
+                }
+                EdgeLinkOutput::LateMessage(generation) => {
+                    self.hub.late_message(self.node.clone(), generation);
+                }
+                EdgeLinkOutput::Parked { generation, runs } => {
+                    self.hub.parked(self.node.clone(), generation, runs);
+                }
+                EdgeLinkOutput::Flooded(flood) => {
+                    tracing::warn!(event = "edge_node_frame_flood", node = %self.node, flood = flood.as_str());
+                }
+                EdgeLinkOutput::HeartbeatTimedOut => {
+                    tracing::warn!(
+                        event = "edge_heartbeat_timeout",
+                        node = %self.node,
+                        generation = self.link.generation().unwrap_or(0)
+                    );
+                }
+                EdgeLinkOutput::End { code, generation } => {
+                    if code == CloseCode::RegistrationRejected {
+                        let _ = self.send.finish();
+                        // Let the refusal reach the node before the close.
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(1), self.send.stopped()).await;
+                    }
+                    close_connection(&self.conn, code);
+                    if self.was_live {
+                        tracing::info!(
+                            event = "edge_node_disconnected",
+                            node = %self.node,
+                            generation = generation.unwrap_or(0),
+                            reason = code.as_str()
+                        );
+                    }
+                    // R-GEN-3: a generation handed out ends with its
+                    // connection, whatever ended it.
+                    if let Some(generation) = generation {
+                        self.hub.link_closed(self.node.clone(), generation, code);
+                    }
+                    return true;
+                }
             }
         }
+        false
+    }
+
+    fn log_rejection(&self, rejection: &Rejection) {
+        tracing::warn!(
+            event = "edge_registration_rejected",
+            node = %self.node,
+            reason = rejection.reason.as_str(),
+            cause = rejection.cause.as_str(),
+            detail = %rejection.message
+        );
     }
 }

@@ -627,6 +627,10 @@ impl NodeLink {
         }
         while let Some(out) = self.watchdog.poll_output() {
             match out {
+                // Only an attached run is canceled or probed. Once the
+                // connection is gone its handlers are aborted: the cancels
+                // of `Disconnected` go to nobody, and no stall is claimed
+                // after it (every run ended at once).
                 WatchdogOutput::CancelProvider { run_id } => {
                     if self.runs.contains_key(&run_id) && !self.disconnected {
                         self.out
@@ -634,7 +638,7 @@ impl NodeLink {
                     }
                 }
                 WatchdogOutput::StartProbe { run_id } => match self.runs.get(&run_id) {
-                    Some(run) if !self.disconnected => {
+                    Some(run) => {
                         self.out.push_back(NodeLinkOutput::StartProbe {
                             run_id,
                             adapter: run.adapter,

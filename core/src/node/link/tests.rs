@@ -358,6 +358,12 @@ fn r_wd_6_a_forwarded_provider_terminal_is_the_runs_only_terminal() {
 fn r_wd_3_a_stalled_run_ends_with_the_watchdogs_terminal_for_its_handler_to_write() {
     let mut link = ready_link();
     input(&mut link, at(0), start(1, false));
+    // Output before the stall is forwarded; it is not the run's terminal.
+    input(
+        &mut link,
+        at(0),
+        events(1, vec![ProviderEvent::Progress(Progress::Content)]),
+    );
     link.handle_timeout(at(1_000));
     assert_eq!(
         without_pings(drain(&mut link)),
@@ -815,4 +821,78 @@ fn inputs_and_outputs_round_trip_through_serde() {
         postcard::from_bytes::<NodeLinkConfig>(&bytes).expect("parses"),
         config
     );
+}
+
+/// The connection's timer is exactly its next duty: the handshake bound,
+/// then the heartbeat's next ping.
+#[test]
+fn the_timer_is_the_handshake_bound_then_the_next_ping() {
+    let mut link = NodeLink::new(at(500), config(), register(), ReplayCache::new());
+    assert_eq!(link.connected_at(), at(500));
+    // The heartbeat's first ping (one interval) comes before the bound.
+    assert_eq!(link.poll_timeout(), Some(at(1_500)));
+    drain(&mut link);
+    control(&mut link, at(600), accepted(snapshot()));
+    control(&mut link, at(700), ack(GEN, true));
+    assert_eq!(link.poll_timeout(), Some(at(1_500)));
+    link.handle_timeout(at(1_500));
+    // A ping outstanding: its wait.
+    assert_eq!(link.poll_timeout(), Some(at(3_500)));
+    let mut slow = NodeLink::new(
+        at(0),
+        NodeLinkConfig {
+            handshake_timeout: Some(Duration::from_millis(300)),
+            ..config()
+        },
+        register(),
+        ReplayCache::new(),
+    );
+    assert_eq!(slow.poll_timeout(), Some(at(300)));
+    slow.handle_timeout(at(300));
+    drain(&mut slow);
+    assert_eq!(slow.poll_timeout(), None, "over: nothing is due");
+}
+
+#[test]
+fn the_attached_runs_and_fenced_outputs_are_counted() {
+    let mut link = ready_link();
+    input(&mut link, at(0), start(1, false));
+    input(&mut link, at(0), start(2, false));
+    assert_eq!(link.attached_runs(), 2);
+    assert!(link.is_attached(2));
+    assert!(!link.is_attached(3));
+    input(&mut link, at(1), NodeLinkInput::RunLeft { run_id: 2 });
+    assert!(!link.is_attached(2));
+    input(
+        &mut link,
+        at(2),
+        events(
+            2,
+            vec![
+                ProviderEvent::Progress(Progress::Content),
+                ProviderEvent::Neutral,
+            ],
+        ),
+    );
+    assert_eq!(link.fenced_outputs(), 2);
+}
+
+/// One registration per connection: a refusal arriving after the
+/// acceptance changes nothing.
+#[test]
+fn a_refusal_after_the_acceptance_changes_nothing() {
+    let mut link = NodeLink::new(at(0), config(), register(), ReplayCache::new());
+    drain(&mut link);
+    control(&mut link, at(0), accepted(snapshot()));
+    let out = control(
+        &mut link,
+        at(1),
+        EdgeControl::Registered(RegisterResponse::Rejected {
+            reason: RejectReason::UnknownNode,
+            message: "late".into(),
+            edge_protocol_version: PROTOCOL_VERSION,
+        }),
+    );
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(link.generation(), Some(GEN));
 }
