@@ -36,12 +36,12 @@
 //! The machines a shell or the simulator drives directly have exactly
 //! these entry points, one input enum and one output enum, and implement
 //! [`Machine`]: the Edge's [`edge::dispatch::Dispatcher`] and per-request
-//! [`edge::request::Request`], the Node's per-connection
-//! [`node::link::NodeLink`], and the [`liveness::heartbeat::Heartbeat`] (the
-//! Edge's per-node connection task drives it; on the Node it lives inside
-//! `NodeLink`). The machines they compose (admission, health, the stream
-//! gate, the watchdog) keep narrower method APIs, called only by their
-//! owner.
+//! [`edge::request::Request`] and per-node-connection
+//! [`edge::link::EdgeLink`], and the Node's per-connection
+//! [`node::link::NodeLink`]. The machines they compose keep narrower
+//! method APIs, called only by their owner: admission, health, the stream
+//! gate and the watchdog; the [`liveness::heartbeat::Heartbeat`] is a
+//! `Machine` too, composed by both links.
 //!
 //! ## Map
 //!

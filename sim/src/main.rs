@@ -36,7 +36,7 @@ enum Cmd {
         /// Write the trace of one core machine to this file.
         #[arg(long, value_name = "FILE")]
         record_trace: Option<PathBuf>,
-        /// Which machine to record: edge-dispatch, node-link, heartbeat.
+        /// Which machine to record: edge-dispatch, edge-link, node-link.
         #[arg(long, default_value = "edge-dispatch")]
         machine: String,
         /// Which instance of that machine (0 = the first one created).

@@ -15,7 +15,9 @@
 //! * **Edge**: one [`TracedDispatcher`], one core
 //!   [`Request`](iop_core::edge::request::Request) machine per client
 //!   request (the very machine `iop-edge`'s request driver drives), one
-//!   [`TracedHeartbeat`] per node connection. The world only carries the
+//!   core [`TracedEdgeLink`] per node connection (the machine `iop-edge`'s
+//!   node link task drives: registration and readiness through the
+//!   dispatcher, the heartbeat, the frame budgets). The world only carries the
 //!   request machine's traffic, as the driver and the hub do: its commands
 //!   to the dispatcher (the pre-send fence after a short delay, so fences
 //!   can slip in between), the dispatcher's news back, the run to the node,
@@ -62,6 +64,7 @@ use iop_core::edge::dispatch::{
     ProbeAnswer as DispatchProbeAnswer, RequestCommand, RequestEvent, TerminalVerdict,
 };
 use iop_core::edge::gate::{AttemptEvent, AttemptFrame, GateBudget, GateEnd};
+use iop_core::edge::link::{EdgeLinkConfig, EdgeLinkInput, EdgeLinkOutput};
 use iop_core::edge::overlay::EvidenceOutcome;
 use iop_core::edge::request::{
     AdoptSpec, Delivery, NodeFrame, OpenFailure, Request, RequestInput, RequestObservation,
@@ -69,7 +72,7 @@ use iop_core::edge::request::{
 };
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
-use iop_core::liveness::heartbeat::{HeartbeatConfig, HeartbeatInput, HeartbeatOutput};
+use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_core::node::link::{LinkEnd, NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, WatchdogConfig,
@@ -78,9 +81,8 @@ use iop_core::node::watchdog::{
 use iop_wire::{
     AdapterKind, CapabilitiesReport, CloseCode, Command, CommandKind, CommandResult,
     CommandResultBody, DataRequest, EdgeControl, ExecutionFailure, FailureCode, FinishReason,
-    GenerationParams, Heartbeat as HeartbeatMsg, NodeControl, NodeReadyRequest, NodeReadyResponse,
-    PROTOCOL_VERSION, RegisterRequest, RegisterResponse, RunApi, RunEvent, RunEventKind, RunKey,
-    RunRequest, TargetHealth, Usage,
+    GenerationParams, NodeControl, PROTOCOL_VERSION, RegisterRequest, RunApi, RunEvent,
+    RunEventKind, RunKey, RunRequest, TargetHealth, Usage,
 };
 use serde::Serialize;
 
@@ -94,8 +96,8 @@ use crate::net::{
 use crate::provider::{CallPlan, Ending, ProbeAnswer};
 use crate::record::{Capture, Recorder};
 use crate::trace::{
-    DispatchConfigRec, HeartbeatConfigRec, MachineKind, NodeLinkConfigRec, TracedDispatcher,
-    TracedHeartbeat, TracedNodeLink,
+    DispatchConfigRec, EdgeLinkConfigRec, MachineKind, NodeLinkConfigRec, TracedDispatcher,
+    TracedEdgeLink, TracedNodeLink,
 };
 
 mod durable;
@@ -659,11 +661,14 @@ struct EdgeRequest {
     client_attached: bool,
 }
 
+/// A node connection at the Edge: the core connection machine `iop-edge`'s
+/// node link task drives (handshake through the dispatcher, heartbeat,
+/// frame budgets), the generation the dispatcher gave it, its runs.
 #[derive(Debug)]
 struct EdgeConn {
     node: usize,
+    link: TracedEdgeLink,
     generation: Option<Generation>,
-    heartbeat: Option<TracedHeartbeat>,
     /// Runs sent on this connection, to their request.
     runs: BTreeMap<RunId, RequestId>,
 }
@@ -1123,9 +1128,7 @@ impl World {
                 consider(r.machine.poll_timeout());
             }
             for c in edge.conns.values() {
-                if let Some(hb) = &c.heartbeat {
-                    consider(hb.poll_timeout());
-                }
+                consider(c.link.poll_timeout());
             }
         }
         for n in self.nodes.iter().filter(|n| n.frozen.is_none()) {
@@ -1212,19 +1215,14 @@ impl World {
         let conns: Vec<ConnId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
             e.conns
                 .iter()
-                .filter(|(_, c)| due(c.heartbeat.as_ref().and_then(TracedHeartbeat::poll_timeout)))
+                .filter(|(_, c)| due(c.link.poll_timeout()))
                 .map(|(id, _)| *id)
                 .collect()
         });
         for conn in conns {
-            if let Some(hb) = self
-                .edge
-                .as_mut()
-                .and_then(|e| e.conns.get_mut(&conn))
-                .and_then(|c| c.heartbeat.as_mut())
-            {
-                hb.handle_timeout(now);
-                self.drain_edge_heartbeat(conn);
+            if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+                c.link.handle_timeout(now);
+                self.drain_edge_link(conn, false);
             }
         }
         for n in 0..self.nodes.len() {
@@ -1252,13 +1250,7 @@ impl World {
             Event::Deliver(env) => self.deliver(*env),
             Event::ConnLost { conn, side } => match side {
                 Side::Edge => {
-                    if self
-                        .edge
-                        .as_ref()
-                        .is_some_and(|e| e.conns.contains_key(&conn))
-                    {
-                        self.edge_conn_ended(conn, CloseCode::Normal);
-                    }
+                    self.edge_link_lost(conn, CloseCode::Normal);
                 }
                 Side::Node => {
                     if let Some(n) = self.node_with_conn(conn) {
@@ -1533,6 +1525,7 @@ impl World {
     }
 
     fn edge_receive(&mut self, conn: ConnId, stream: StreamKey, payload: Payload) {
+        let heartbeat = self.heartbeat_config();
         let Some(edge) = &mut self.edge else {
             return;
         };
@@ -1548,10 +1541,20 @@ impl World {
             else {
                 return;
             };
+            let config = EdgeLinkConfigRec {
+                config: EdgeLinkConfig {
+                    heartbeat,
+                    // The heartbeat bounds a node that stops mid-handshake
+                    // here.
+                    handshake_timeout: None,
+                },
+                created_us: self.now.as_micros(),
+            };
+            let tap = self.recorder.tap(MachineKind::EdgeLink, &config);
             slot.insert(EdgeConn {
                 node,
+                link: TracedEdgeLink::new_edge_link(config, tap),
                 generation: None,
-                heartbeat: None,
                 runs: BTreeMap::new(),
             });
         }
@@ -1559,7 +1562,7 @@ impl World {
             Payload::NodeControl(msg) => self.edge_control(conn, msg),
             Payload::RunEvent(ev) => self.edge_run_event(conn, ev),
             Payload::CommandResult(result) => self.edge_command_result(conn, stream, result),
-            Payload::Close(code) => self.edge_conn_ended(conn, code),
+            Payload::Close(code) => self.edge_link_lost(conn, code),
             Payload::RunReset { run_id } => self.edge_run_reset(conn, run_id),
             Payload::EdgeControl(_) | Payload::Data(_) | Payload::RunAck { .. } => {}
         }
@@ -1567,125 +1570,145 @@ impl World {
 
     fn edge_control(&mut self, conn: ConnId, msg: NodeControl) {
         let now = self.now;
-        let Some(edge) = &mut self.edge else {
+        let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
             return;
         };
-        let Some(c) = edge.conns.get_mut(&conn) else {
+        let pong = matches!(msg, NodeControl::Pong(_));
+        let before = c.link.poll_timeout();
+        c.link.handle_input(now, EdgeLinkInput::Control(msg));
+        // An answer the heartbeat took (its outstanding ping's) moves its
+        // timer: the peer was heard (R-FAIL-2).
+        if pong
+            && c.link.poll_timeout() != before
+            && let Some(generation) = c.generation
+        {
+            let node = node_id(c.node);
+            self.checker.link_heard(&node, generation);
+        }
+        self.drain_edge_link(conn, false);
+    }
+
+    /// The connection is gone at the Edge (the peer closed it, or it was
+    /// lost): its machine ends it.
+    fn edge_link_lost(&mut self, conn: ConnId, code: CloseCode) {
+        let now = self.now;
+        let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
             return;
         };
-        let node = c.node;
-        let node_id = node_id(node);
-        match msg {
-            NodeControl::Register(request) => {
-                if c.generation.is_some() {
-                    self.edge_close_conn(conn, CloseCode::ProtocolError);
-                    return;
-                }
-                let registered = self
-                    .dispatch(DispatchInput::Register {
-                        node: node_id.clone(),
-                        request,
-                    })
-                    .into_iter()
-                    .find_map(|o| match o {
-                        DispatchOutput::Registered { result, .. } => Some(result),
-                        _ => None,
-                    });
-                let Some(registered) = registered else {
-                    return;
-                };
-                let Some(edge) = &mut self.edge else {
-                    return;
-                };
-                match registered {
-                    Ok((generation, config)) => {
-                        let high_water = edge.dispatcher.inner().registry().high_water();
-                        self.persisted_high_water = self.persisted_high_water.max(high_water);
-                        self.checker.generation_handed_out(&node_id, generation);
-                        self.checker.link_opened(&node_id, generation);
-                        let hb_config = HeartbeatConfigRec::new(&self.heartbeat_config(), now);
-                        let tap = self.recorder.tap(MachineKind::Heartbeat, &hb_config);
-                        let Some(edge) = &mut self.edge else {
-                            return;
-                        };
-                        if let Some(c) = edge.conns.get_mut(&conn) {
-                            c.generation = Some(generation);
-                            c.heartbeat = Some(TracedHeartbeat::new_heartbeat(hb_config, tap));
-                        }
-                        edge.by_generation.insert((node, generation), conn);
-                        self.transmit(
-                            conn,
-                            Dir::EdgeToNode,
-                            StreamKey::Control,
-                            Payload::EdgeControl(EdgeControl::Registered(
-                                RegisterResponse::Accepted { generation, config },
-                            )),
-                        );
-                    }
-                    Err(rejection) => {
-                        self.transmit(
-                            conn,
-                            Dir::EdgeToNode,
-                            StreamKey::Control,
-                            Payload::EdgeControl(EdgeControl::Registered(
-                                RegisterResponse::Rejected {
-                                    reason: rejection.reason,
-                                    message: rejection.message,
-                                    edge_protocol_version: PROTOCOL_VERSION,
-                                },
-                            )),
-                        );
-                        self.edge_close_conn(conn, CloseCode::RegistrationRejected);
+        c.link.handle_input(now, EdgeLinkInput::Lost(code));
+        self.drain_edge_link(conn, true);
+    }
+
+    /// Carry out a node connection machine's outputs, as `iop-edge`'s node
+    /// link task does (`peer_gone`: the connection is already gone, so the
+    /// end sends no close of its own).
+    fn drain_edge_link(&mut self, conn: ConnId, peer_gone: bool) {
+        loop {
+            let now = self.now;
+            let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
+                return;
+            };
+            let node = c.node;
+            let Some(out) = c.link.poll_output(now) else {
+                return;
+            };
+            match out {
+                EdgeLinkOutput::Send(frame) => self.transmit(
+                    conn,
+                    Dir::EdgeToNode,
+                    StreamKey::Control,
+                    Payload::EdgeControl(frame),
+                ),
+                EdgeLinkOutput::Register(request) => {
+                    let answer = self.edge_register(conn, node, request);
+                    if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+                        c.link.handle_input(now, EdgeLinkInput::Registered(answer));
                     }
                 }
-            }
-            NodeControl::Ready(NodeReadyRequest { generation }) => {
-                let accepted = c.generation == Some(generation)
-                    && self
+                EdgeLinkOutput::Ready(generation) => {
+                    let accepted = self
                         .dispatch(DispatchInput::Ready {
-                            node: node_id,
+                            node: node_id(node),
                             generation,
                         })
                         .iter()
                         .any(|o| matches!(o, DispatchOutput::ReadyAnswer { accepted: true, .. }));
-                self.transmit(
-                    conn,
-                    Dir::EdgeToNode,
-                    StreamKey::Control,
-                    Payload::EdgeControl(EdgeControl::ReadyAck(NodeReadyResponse {
-                        generation,
-                        accepted,
-                    })),
-                );
-            }
-            NodeControl::Ping(HeartbeatMsg { seq }) => {
-                if let Some(hb) = &mut c.heartbeat {
-                    hb.handle_input(now, HeartbeatInput::Ping { seq });
-                    self.drain_edge_heartbeat(conn);
-                }
-            }
-            NodeControl::Pong(HeartbeatMsg { seq }) => {
-                if let Some(hb) = &mut c.heartbeat {
-                    // An answer the heartbeat took (its outstanding ping's)
-                    // moves its timer: the peer was heard (R-FAIL-2).
-                    let before = hb.poll_timeout();
-                    hb.handle_input(now, HeartbeatInput::Pong { seq });
-                    if hb.poll_timeout() != before
-                        && let Some(generation) = c.generation
-                    {
-                        self.checker.link_heard(&node_id, generation);
+                    if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+                        c.link
+                            .handle_input(now, EdgeLinkInput::ReadyAnswer { accepted });
                     }
-                    self.drain_edge_heartbeat(conn);
+                }
+                EdgeLinkOutput::LateMessage(generation) => {
+                    self.dispatch(DispatchInput::Message {
+                        node: node_id(node),
+                        generation,
+                    });
+                }
+                EdgeLinkOutput::Parked { generation, runs } => {
+                    self.dispatch(DispatchInput::Parked {
+                        node: node_id(node),
+                        generation,
+                        runs,
+                    });
+                }
+                EdgeLinkOutput::HeartbeatTimedOut => {
+                    self.stats.heartbeat_timeouts += 1;
+                    if self.nodes[node].frozen.is_some() {
+                        self.stats.freeze_losses += 1;
+                    }
+                }
+                EdgeLinkOutput::Connected(generation) => {
+                    self.checker.link_opened(&node_id(node), generation);
+                }
+                EdgeLinkOutput::Flooded(_) => {}
+                EdgeLinkOutput::End { code, .. } => {
+                    if !peer_gone {
+                        self.transmit(
+                            conn,
+                            Dir::EdgeToNode,
+                            StreamKey::Close,
+                            Payload::Close(code),
+                        );
+                    }
+                    self.edge_conn_ended(conn, code);
+                    return;
                 }
             }
-            NodeControl::Closing { code } => self.edge_conn_ended(conn, code),
-            // A live connection's report of runs parked since it
-            // registered: with one Edge a node's runs park only when its
-            // one connection ends, so simulated nodes never send it (they
-            // report at registration).
-            NodeControl::Parked { .. } => {}
-            NodeControl::ConfigApplied { .. } => {}
         }
+    }
+
+    /// The dispatcher's answer to a node's registration on `conn`.
+    fn edge_register(
+        &mut self,
+        conn: ConnId,
+        node: usize,
+        request: RegisterRequest,
+    ) -> Result<(Generation, iop_wire::ConfigSnapshot), iop_core::edge::registry::Rejection> {
+        let node_id = node_id(node);
+        let registered = self
+            .dispatch(DispatchInput::Register {
+                node: node_id.clone(),
+                request,
+            })
+            .into_iter()
+            .find_map(|o| match o {
+                DispatchOutput::Registered { result, .. } => Some(result),
+                _ => None,
+            });
+        let Some(registered) = registered else {
+            panic!("the dispatcher did not answer a registration");
+        };
+        if let (Ok((generation, _)), Some(edge)) = (&registered, &mut self.edge) {
+            let generation = *generation;
+            let high_water = edge.dispatcher.inner().registry().high_water();
+            self.persisted_high_water = self.persisted_high_water.max(high_water);
+            self.checker.generation_handed_out(&node_id, generation);
+            if let Some(c) = edge.conns.get_mut(&conn) {
+                c.generation = Some(generation);
+            }
+            edge.by_generation.insert((node, generation), conn);
+        }
+        registered
     }
 
     fn heartbeat_config(&self) -> HeartbeatConfig {
@@ -1695,57 +1718,14 @@ impl World {
         }
     }
 
-    fn drain_edge_heartbeat(&mut self, conn: ConnId) {
-        loop {
-            let now = self.now;
-            let Some(out) = self
-                .edge
-                .as_mut()
-                .and_then(|e| e.conns.get_mut(&conn))
-                .and_then(|c| c.heartbeat.as_mut())
-                .and_then(|hb| hb.poll_output(now))
-            else {
-                return;
-            };
-            match out {
-                HeartbeatOutput::SendPing(seq) => self.transmit(
-                    conn,
-                    Dir::EdgeToNode,
-                    StreamKey::Control,
-                    Payload::EdgeControl(EdgeControl::Ping(HeartbeatMsg { seq })),
-                ),
-                HeartbeatOutput::SendPong(seq) => self.transmit(
-                    conn,
-                    Dir::EdgeToNode,
-                    StreamKey::Control,
-                    Payload::EdgeControl(EdgeControl::Pong(HeartbeatMsg { seq })),
-                ),
-                HeartbeatOutput::TimedOut => {
-                    self.stats.heartbeat_timeouts += 1;
-                    let node = self
-                        .edge
-                        .as_ref()
-                        .and_then(|e| e.conns.get(&conn))
-                        .map(|c| c.node);
-                    if node.is_some_and(|n| self.nodes[n].frozen.is_some()) {
-                        self.stats.freeze_losses += 1;
-                    }
-                    self.edge_close_conn(conn, CloseCode::HeartbeatTimeout);
-                    return;
-                }
-            }
-        }
-    }
-
-    /// The Edge closes `conn` itself: a close frame, then the end.
+    /// The hub closes `conn` (the dispatcher said so): its machine ends it.
     fn edge_close_conn(&mut self, conn: ConnId, code: CloseCode) {
-        self.transmit(
-            conn,
-            Dir::EdgeToNode,
-            StreamKey::Close,
-            Payload::Close(code),
-        );
-        self.edge_conn_ended(conn, code);
+        let now = self.now;
+        let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
+            return;
+        };
+        c.link.handle_input(now, EdgeLinkInput::Close(code));
+        self.drain_edge_link(conn, false);
     }
 
     /// `conn` is over at the Edge: fence its generation (R-GEN-3).

@@ -263,8 +263,8 @@ fn traces_recorded_by_the_simulator_replay_exactly() {
         (MachineKind::EdgeDispatch, 0),
         (MachineKind::NodeLink, 0),
         (MachineKind::NodeLink, 1),
-        (MachineKind::Heartbeat, 0),
-        (MachineKind::Heartbeat, 1),
+        (MachineKind::EdgeLink, 0),
+        (MachineKind::EdgeLink, 1),
     ] {
         let text = record(7, SWARM_STEPS, machine, instance);
         let reader = TraceReader::new(BufReader::new(text.as_bytes())).expect("header");
@@ -303,7 +303,7 @@ fn malformed_traces_are_refused_with_a_reason() {
     let empty = TraceReader::new(BufReader::new(&b""[..]));
     assert!(matches!(empty, Err(TraceError::Empty)));
     let wrong = TraceReader::new(BufReader::new(
-        &br#"{"format":"iop-trace","version":9,"machine":"heartbeat","config":{}}"#[..],
+        &br#"{"format":"iop-trace","version":9,"machine":"edge-link","config":{}}"#[..],
     ));
     assert!(matches!(
         wrong,
@@ -314,7 +314,7 @@ fn malformed_traces_are_refused_with_a_reason() {
         garbage,
         Err(TraceError::Malformed { line_no: 1, .. })
     ));
-    let header = r#"{"format":"iop-trace","version":2,"machine":"heartbeat","config":{"config":{"interval":{"secs":1,"nanos":0},"wait":{"secs":2,"nanos":0}},"created_us":0}}"#;
+    let header = r#"{"format":"iop-trace","version":2,"machine":"edge-link","config":{"config":{"heartbeat":{"interval":{"secs":1,"nanos":0},"wait":{"secs":2,"nanos":0}},"handshake_timeout":null},"created_us":0}}"#;
     let bad_line = format!("{header}\n{{\"t\":5}}\n");
     let reader = TraceReader::new(BufReader::new(bad_line.as_bytes())).expect("header");
     match replay(reader) {

@@ -8,9 +8,9 @@
 //! * Line 1, the header:
 //!   `{"format":"iop-trace","version":2,"machine":"edge-dispatch","config":{...}}`.
 //!   `machine` is one of [`MachineKind`]'s names (`edge-dispatch`,
-//!   `node-link`, `heartbeat`); `config` is everything needed to build a
-//!   fresh machine ([`DispatchConfigRec`], [`NodeLinkConfigRec`],
-//!   [`HeartbeatConfigRec`]).
+//!   `edge-link`, `node-link`); `config` is everything needed to build a
+//!   fresh machine ([`DispatchConfigRec`], [`EdgeLinkConfigRec`],
+//!   [`NodeLinkConfigRec`]).
 //! * Every later line is one of
 //!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
 //!     ([`iop_core::Instant::as_micros`]);
@@ -28,16 +28,16 @@
 //! A [`Machine`]'s inputs and outputs are the core enums themselves: each
 //! input inside a [`Step`] (the dispatcher's [`DispatchInput`], the node
 //! connection's `NodeLinkInput`), each output as it is
-//! (`DispatchOutput`, `NodeLinkOutput`), and likewise the heartbeat's
-//! (`HeartbeatInput`, `HeartbeatOutput`). Inputs return nothing: every
+//! (`DispatchOutput`, `NodeLinkOutput`), and likewise the Edge's node
+//! connection's (`EdgeLinkInput`, `EdgeLinkOutput`). Inputs return nothing: every
 //! answer a machine gives is an output. All are
 //! externally tagged in `snake_case`; wire types (`iop_wire`) appear as
 //! they serialize themselves.
 //!
 //! ## Recording
 //!
-//! Wrap the machine in [`Traced`] ([`TracedDispatcher`], [`TracedNodeLink`],
-//! [`TracedHeartbeat`]) with a [`Tap`] over a [`TraceWriter`]. The wrapper
+//! Wrap the machine in [`Traced`] ([`TracedDispatcher`], [`TracedEdgeLink`],
+//! [`TracedNodeLink`]) with a [`Tap`] over a [`TraceWriter`]. The wrapper
 //! exposes the core API unchanged (core types in, core types out) and
 //! writes a line per call; with [`Tap::off`] it costs nothing.
 //!
@@ -51,7 +51,7 @@
 use std::io::{BufRead, Write};
 
 use iop_core::edge::dispatch::{DispatchConfig, DispatchInput, Dispatcher};
-use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig};
+use iop_core::edge::link::{EdgeLink, EdgeLinkConfig};
 use iop_core::node::link::{NodeLink, NodeLinkConfig};
 use iop_core::{Instant, Machine};
 use iop_wire::RegisterRequest;
@@ -77,9 +77,9 @@ pub enum MachineKind {
     /// [`iop_core::edge::dispatch::Dispatcher`].
     #[serde(rename = "edge-dispatch")]
     EdgeDispatch,
-    /// [`iop_core::liveness::heartbeat::Heartbeat`] (either side).
-    #[serde(rename = "heartbeat")]
-    Heartbeat,
+    /// [`iop_core::edge::link::EdgeLink`]: one node connection at the Edge.
+    #[serde(rename = "edge-link")]
+    EdgeLink,
     /// [`iop_core::node::link::NodeLink`]: one Node connection.
     #[serde(rename = "node-link")]
     NodeLink,
@@ -89,15 +89,15 @@ impl MachineKind {
     /// Every kind.
     pub const ALL: [MachineKind; 3] = [
         MachineKind::EdgeDispatch,
+        MachineKind::EdgeLink,
         MachineKind::NodeLink,
-        MachineKind::Heartbeat,
     ];
 
     /// The stable name used in the header and on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
             MachineKind::EdgeDispatch => "edge-dispatch",
-            MachineKind::Heartbeat => "heartbeat",
+            MachineKind::EdgeLink => "edge-link",
             MachineKind::NodeLink => "node-link",
         }
     }
@@ -596,37 +596,26 @@ impl Traced<NodeLink> {
 }
 
 // ---------------------------------------------------------------------------
-// heartbeat
+// edge-link
 // ---------------------------------------------------------------------------
 
-/// [`HeartbeatConfig`] and the moment the connection was established: the
-/// `config` of a `heartbeat` trace.
+/// What builds a fresh [`EdgeLink`]: the `config` of an `edge-link` trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HeartbeatConfigRec {
-    /// The profile.
-    pub config: HeartbeatConfig,
-    /// [`Heartbeat::new`]'s `now`, microseconds.
+pub struct EdgeLinkConfigRec {
+    /// The connection's settings.
+    pub config: EdgeLinkConfig,
+    /// When the connection was established, microseconds.
     pub created_us: u64,
 }
 
-impl HeartbeatConfigRec {
-    /// The record of a heartbeat with `config` created at `created_at`.
-    pub fn new(config: &HeartbeatConfig, created_at: Instant) -> Self {
-        Self {
-            config: *config,
-            created_us: created_at.as_micros(),
-        }
-    }
-}
+/// The Edge's side of one node connection, recorded.
+pub type TracedEdgeLink = Traced<EdgeLink>;
 
-/// A heartbeat, recorded.
-pub type TracedHeartbeat = Traced<Heartbeat>;
-
-impl Traced<Heartbeat> {
-    /// A heartbeat built from `config`, recording into `tap`.
-    pub fn new_heartbeat(config: HeartbeatConfigRec, tap: Tap) -> Self {
+impl Traced<EdgeLink> {
+    /// A connection established at `created_us`, recording into `tap`.
+    pub fn new_edge_link(config: EdgeLinkConfigRec, tap: Tap) -> Self {
         Self::wrap(
-            Heartbeat::new(Instant::from_micros(config.created_us), config.config),
+            EdgeLink::new(Instant::from_micros(config.created_us), config.config),
             tap,
         )
     }
@@ -711,11 +700,11 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
             );
             replay_with(reader, machine, header.machine)
         }
-        MachineKind::Heartbeat => {
-            let config: HeartbeatConfigRec = config_of(&header)?;
+        MachineKind::EdgeLink => {
+            let config: EdgeLinkConfigRec = config_of(&header)?;
             replay_with(
                 reader,
-                TracedHeartbeat::new_heartbeat(config, Tap::off()),
+                TracedEdgeLink::new_edge_link(config, Tap::off()),
                 header.machine,
             )
         }
@@ -778,7 +767,9 @@ fn diverged(
 mod tests {
     use std::time::Duration;
 
-    use iop_core::liveness::heartbeat::HeartbeatInput;
+    use iop_core::edge::link::EdgeLinkInput;
+    use iop_core::liveness::heartbeat::HeartbeatConfig;
+    use iop_wire::NodeControl;
 
     use super::*;
 
@@ -789,43 +780,78 @@ mod tests {
     fn traced_machines_and_writers_are_send() {
         assert_send::<TracedDispatcher>();
         assert_send::<TracedNodeLink>();
-        assert_send::<TracedHeartbeat>();
+        assert_send::<TracedEdgeLink>();
         assert_send::<TraceWriter<std::io::BufWriter<std::fs::File>>>();
     }
 
     #[test]
-    fn a_heartbeat_trace_round_trips_through_writer_reader_and_replay() {
-        let config = HeartbeatConfigRec::new(
-            &HeartbeatConfig {
-                interval: Duration::from_millis(100),
-                wait: Duration::from_millis(150),
+    fn an_edge_link_trace_round_trips_through_writer_reader_and_replay() {
+        let config = EdgeLinkConfigRec {
+            config: EdgeLinkConfig {
+                heartbeat: HeartbeatConfig {
+                    interval: Duration::from_millis(100),
+                    wait: Duration::from_millis(150),
+                },
+                handshake_timeout: None,
             },
-            Instant::ZERO,
-        );
+            created_us: 0,
+        };
+        let register = RegisterRequest {
+            protocol_version: iop_wire::PROTOCOL_VERSION,
+            node_version: "t".into(),
+            providers: vec![],
+            max_concurrent_runs: 1,
+            recipient_public_key: None,
+            parked: vec![],
+        };
+        let snapshot = iop_wire::ConfigSnapshot {
+            providers: vec![],
+            credential_profiles: vec![],
+            lease_signing_key: None,
+            managed_targets: vec![],
+        };
         let buf = SharedBuf::default();
         {
-            let writer = TraceWriter::new(buf.clone(), MachineKind::Heartbeat, &config);
-            let mut hb = TracedHeartbeat::new_heartbeat(config, Tap::to(writer));
+            let writer = TraceWriter::new(buf.clone(), MachineKind::EdgeLink, &config);
+            let mut link = TracedEdgeLink::new_edge_link(config, Tap::to(writer));
             let at = Instant::from_millis;
-            hb.handle_timeout(at(100));
-            while hb.poll_output(at(100)).is_some() {}
-            hb.handle_input(at(120), HeartbeatInput::Pong { seq: 1 });
-            hb.handle_input(at(130), HeartbeatInput::Ping { seq: 7 });
-            while hb.poll_output(at(130)).is_some() {}
-            hb.handle_timeout(at(200));
-            hb.handle_timeout(at(350));
-            while hb.poll_output(at(350)).is_some() {}
+            let drain = |link: &mut TracedEdgeLink, t: u64| {
+                while link.poll_output(at(t)).is_some() {}
+            };
+            link.handle_input(
+                at(1),
+                EdgeLinkInput::Control(NodeControl::Register(register)),
+            );
+            drain(&mut link, 1);
+            link.handle_input(at(2), EdgeLinkInput::Registered(Ok((3, snapshot))));
+            link.handle_input(
+                at(3),
+                EdgeLinkInput::Control(NodeControl::Ready(iop_wire::NodeReadyRequest {
+                    generation: 3,
+                })),
+            );
+            link.handle_input(at(4), EdgeLinkInput::ReadyAnswer { accepted: true });
+            drain(&mut link, 4);
+            link.handle_timeout(at(104));
+            drain(&mut link, 104);
+            link.handle_timeout(at(254));
+            drain(&mut link, 254);
         }
         let bytes = buf.0.lock().map(|b| b.clone()).unwrap_or_default();
         let text = String::from_utf8(bytes).expect("utf-8");
-        assert!(text.starts_with(r#"{"format":"iop-trace","version":2,"machine":"heartbeat""#));
+        assert!(text.starts_with(r#"{"format":"iop-trace","version":2,"machine":"edge-link""#));
         assert!(
-            text.contains(r#"{"out":{"send_pong":7},"t":130000}"#),
+            text.contains(r#"{"out":{"connected":3},"t":4000}"#),
             "{text}"
         );
-        assert!(text.contains(r#"{"out":"timed_out","t":350000}"#), "{text}");
+        assert!(
+            text.contains(
+                r#"{"out":{"end":{"code":"HeartbeatTimeout","generation":3}},"t":254000}"#
+            ),
+            "{text}"
+        );
         let report = replay(TraceReader::new(text.as_bytes()).expect("header")).expect("replays");
-        assert_eq!(report.inputs, 5);
+        assert_eq!(report.inputs, 6);
     }
 
     /// A buffer the test reads back after the writer is gone.

@@ -83,8 +83,9 @@ impl Checker {
 
     // ---- R-FAIL-2 ------------------------------------------------------------
 
-    /// The Edge accepted `node`'s registration on `generation` (its
-    /// heartbeat starts now). Older generations of the node are forgotten.
+    /// The Edge completed `node`'s readiness on `generation` (its heartbeat
+    /// starts now, as `iop-edge`'s does; before it the generation is not
+    /// dispatchable). Older generations of the node are forgotten.
     pub fn link_opened(&mut self, node: &NodeId, generation: Generation) {
         let now = self.now;
         self.failover
