@@ -373,3 +373,22 @@ fn inputs_and_outputs_round_trip_through_serde() {
     let back: Vec<EdgeLinkInput> = postcard::from_bytes(&bytes).expect("parses");
     assert_eq!(back, inputs);
 }
+
+#[test]
+fn the_heartbeat_runs_only_while_live() {
+    let mut link = registered();
+    assert!(link.heartbeat().is_none());
+    assert!(!link.is_over());
+    frame(&mut link, at(0), ready(GEN));
+    feed(
+        &mut link,
+        at(0),
+        EdgeLinkInput::ReadyAnswer { accepted: true },
+    );
+    assert!(!link.is_over());
+    link.handle_timeout(at(1_000));
+    assert_eq!(link.heartbeat().map(Heartbeat::pings_sent), Some(1));
+    feed(&mut link, at(1_001), EdgeLinkInput::Lost(CloseCode::Normal));
+    assert!(link.is_over());
+    assert!(link.heartbeat().is_none());
+}
