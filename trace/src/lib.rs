@@ -804,12 +804,7 @@ mod tests {
             recipient_public_key: None,
             parked: vec![],
         };
-        let snapshot = iop_wire::ConfigSnapshot {
-            providers: vec![],
-            credential_profiles: vec![],
-            lease_signing_key: None,
-            managed_targets: vec![],
-        };
+        let snapshot = iop_wire::ConfigSnapshot::default();
         let buf = SharedBuf::default();
         {
             let writer = TraceWriter::new(buf.clone(), MachineKind::EdgeLink, &config);

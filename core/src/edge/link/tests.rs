@@ -35,12 +35,7 @@ fn register() -> RegisterRequest {
 }
 
 fn snapshot() -> ConfigSnapshot {
-    ConfigSnapshot {
-        providers: vec![],
-        credential_profiles: vec![],
-        lease_signing_key: None,
-        managed_targets: vec![],
-    }
+    ConfigSnapshot::default()
 }
 
 fn feed(link: &mut EdgeLink, now: Instant, input: EdgeLinkInput) -> Vec<EdgeLinkOutput> {

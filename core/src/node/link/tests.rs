@@ -54,12 +54,7 @@ fn register() -> RegisterRequest {
 }
 
 fn snapshot() -> ConfigSnapshot {
-    ConfigSnapshot {
-        providers: vec![],
-        credential_profiles: vec![],
-        lease_signing_key: None,
-        managed_targets: vec![],
-    }
+    ConfigSnapshot::default()
 }
 
 fn drain(link: &mut NodeLink) -> Vec<NodeLinkOutput> {
