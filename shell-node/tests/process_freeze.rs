@@ -415,6 +415,15 @@ async fn a_long_prefill_and_a_back_pressured_tunnel_are_no_loss_r_fail_2() {
             let mut body_len = 0usize;
             let mut tail = String::new();
             loop {
+                // A pause first: the stream is far bigger than every buffer
+                // on its way, so the provider is held back while nobody
+                // reads (however fast the last burst drained).
+                tokio::time::sleep(Duration::from_millis(2 * LOSS_DETECT_MS)).await;
+                // Still sending after a pause: flow control holds the
+                // provider's answer back, all the way to the node.
+                if d.tunnel_mock.stats().in_flight > 0 {
+                    held_back += 1;
+                }
                 let burst = tokio::time::Instant::now() + Duration::from_millis(200);
                 let mut ended = false;
                 while tokio::time::Instant::now() < burst {
@@ -433,12 +442,6 @@ async fn a_long_prefill_and_a_back_pressured_tunnel_are_no_loss_r_fail_2() {
                 }
                 if ended {
                     break;
-                }
-                tokio::time::sleep(Duration::from_millis(2 * LOSS_DETECT_MS)).await;
-                // Still sending after a pause: flow control holds the
-                // provider's answer back, all the way to the node.
-                if d.tunnel_mock.stats().in_flight > 0 {
-                    held_back += 1;
                 }
             }
             assert!(tail.contains("[DONE]"), "the tunnel ran to its end: {tail}");
