@@ -141,13 +141,7 @@ impl LinkTask {
             tokio::select! {
                 frame = recv.recv::<NodeControl>() => match frame {
                     Ok(Some(frame)) => self.input(EdgeLinkInput::Control(frame)),
-                    // A stream that ends before readiness is a protocol
-                    // error; after it, a normal end.
-                    Ok(None) => self.input(EdgeLinkInput::Lost(if live {
-                        CloseCode::Normal
-                    } else {
-                        CloseCode::ProtocolError
-                    })),
+                    Ok(None) => self.input(EdgeLinkInput::StreamEnded),
                     Err(e) => {
                         if !matches!(e, FramedError::ConnectionLost { .. }) {
                             tracing::warn!(event = "edge_control_stream_error", node = %self.node, error = %e);

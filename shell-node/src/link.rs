@@ -16,16 +16,16 @@ use iop_core::cred::{Recipient, RunLease};
 use iop_core::ids::RunId;
 use iop_core::node::link::{NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
 use iop_core::node::probe::ProbeEvidence;
-use iop_core::node::watchdog::{Emission, ProbeOutcome};
+use iop_core::node::watchdog::{Emission, ProbeOutcome, ProviderEvent};
 use iop_trace::{MachineKind, NodeLinkConfigRec, Tap, TraceWriter, TracedNodeLink};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
 use iop_transport::framed::{FramedError, FramedSend, framed_for_side, open_framed};
 use iop_wire::{
-    AdapterKind, CloseCode, EdgeControl, FailureCode, NodeControl, OfferedProvider,
-    PROTOCOL_VERSION, RegisterRequest, RejectReason, TransportStatusReport,
+    AdapterKind, CloseCode, EdgeControl, NodeControl, OfferedProvider, PROTOCOL_VERSION,
+    RegisterRequest, RejectReason, TransportStatusReport,
 };
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::config::NodeConfig;
@@ -63,18 +63,6 @@ struct RunSlot {
     control: mpsc::UnboundedSender<RunControl>,
     adapter: AdapterKind,
     target: String,
-}
-
-/// A run the machine is deciding on (its answer comes in this drain).
-struct PendingStart {
-    slot: RunSlot,
-    reply: oneshot::Sender<Result<(), FailureCode>>,
-}
-
-/// Where the answer to a run's offered outputs goes.
-enum EmissionsReply {
-    One(oneshot::Sender<Emission>),
-    Many(oneshot::Sender<Vec<Emission>>),
 }
 
 /// Bound of messages in flight from handlers to the link.
@@ -120,9 +108,8 @@ pub async fn run(
         edge,
         was_ready: false,
         runs: HashMap::new(),
-        starting: HashMap::new(),
-        emissions: HashMap::new(),
-        seqs: VecDeque::new(),
+        held: VecDeque::new(),
+        close_code: None,
         max_runs: config.node.max_concurrent_runs as usize,
         shared: shared.clone(),
         probes: JoinSet::new(),
@@ -152,6 +139,12 @@ pub async fn run(
         tokio::select! {
             frame = recv.recv::<EdgeControl>(), if !is_paused => match frame {
                 Ok(Some(msg)) => link.input(NodeLinkInput::Control(msg)),
+                Ok(None) if !ready => {
+                    close_connection(&conn, CloseCode::ProtocolError);
+                    break LinkEnd::Failed(FramedError::LocalMisuse {
+                        what: "control stream ended before readiness",
+                    });
+                }
                 Ok(None) => break link.closed(CloseCode::Normal),
                 Err(FramedError::ConnectionLost { close_code, .. }) if ready => {
                     break link.closed(close_code.unwrap_or(CloseCode::Normal));
@@ -230,8 +223,12 @@ pub async fn run(
     slot.generation.store(0, Ordering::Relaxed);
     match &end {
         LinkEnd::Closed { code, .. } => close_connection(&conn, *code),
-        LinkEnd::Rejected { .. } => close_connection(&conn, CloseCode::RegistrationRejected),
-        LinkEnd::HandshakeTimeout => close_connection(&conn, CloseCode::ProtocolError),
+        // The machine's end says how (`LinkEnd::close_code`).
+        LinkEnd::Rejected { .. } | LinkEnd::HandshakeTimeout => {
+            if let Some(code) = link.close_code {
+                close_connection(&conn, code);
+            }
+        }
         LinkEnd::Shutdown | LinkEnd::Failed(_) => {}
     }
     // Hand the replay cache to this Edge's next connection.
@@ -272,12 +269,11 @@ struct Link {
     was_ready: bool,
     /// Runs attached to this connection.
     runs: HashMap<RunId, RunSlot>,
-    /// Runs fed to the machine, awaiting its answer in this drain.
-    starting: HashMap<RunId, PendingStart>,
-    /// Offered outputs awaiting the machine's answer in this drain.
-    emissions: HashMap<RunId, EmissionsReply>,
-    /// Observation sequence requests, in order.
-    seqs: VecDeque<oneshot::Sender<u64>>,
+    /// Outputs taken from the machine ahead of an input's answer, carried
+    /// out first by the next drain.
+    held: VecDeque<NodeLinkOutput>,
+    /// The close code of the machine's end (`LinkEnd::close_code`).
+    close_code: Option<CloseCode>,
     max_runs: usize,
     shared: Arc<LinkShared>,
     probes: JoinSet<(RunId, ProbeOutcome)>,
@@ -296,6 +292,42 @@ impl Drop for Link {
 impl Link {
     fn input(&mut self, input: NodeLinkInput) {
         self.machine.handle_input(self.clock.now(), input);
+    }
+
+    /// Feed an input that the machine answers (`RunAdmitted`/`RunRefused`,
+    /// `Emissions`, `ObservationSeq`) and take its answer at once, so the
+    /// handler waiting for it is told without a lookup; anything queued
+    /// ahead of it is held for the next drain, in order.
+    fn answer(&mut self, input: NodeLinkInput) -> Option<NodeLinkOutput> {
+        let now = self.clock.now();
+        self.machine.handle_input(now, input);
+        while let Some(out) = self.machine.poll_output(now) {
+            match out {
+                NodeLinkOutput::RunAdmitted { .. }
+                | NodeLinkOutput::RunRefused { .. }
+                | NodeLinkOutput::Emissions { .. }
+                | NodeLinkOutput::ObservationSeq(_) => return Some(out),
+                other => self.held.push_back(other),
+            }
+        }
+        None
+    }
+
+    /// The machine's verdicts on one batch of a run's outputs (R-WD-6):
+    /// fenced ones are counted.
+    fn emissions(&mut self, run_id: RunId, events: Vec<ProviderEvent>) -> Vec<Emission> {
+        let Some(NodeLinkOutput::Emissions { emissions, .. }) =
+            self.answer(NodeLinkInput::ProviderEvents { run_id, events })
+        else {
+            return Vec::new();
+        };
+        let fenced = emissions.iter().filter(|e| **e == Emission::Fenced).count();
+        if fenced > 0 {
+            self.shared
+                .fenced_late_outputs
+                .fetch_add(fenced as u64, Ordering::Relaxed);
+        }
+        emissions
     }
 
     fn closed(&self, code: CloseCode) -> LinkEnd {
@@ -360,45 +392,52 @@ impl Link {
                         return;
                     }
                 }
-                self.starting.insert(
-                    run_id,
-                    PendingStart {
-                        slot: RunSlot {
-                            control,
-                            adapter,
-                            target: target.clone(),
-                        },
-                        reply,
-                    },
-                );
-                self.input(NodeLinkInput::StartRun(RunStart {
+                let answer = self.answer(NodeLinkInput::StartRun(RunStart {
                     run_id,
                     kind,
                     stall_timeout,
                     deadline: deadline.map(|d| now + d),
                     adapter,
-                    target,
+                    target: target.clone(),
                     carries_lease,
                 }));
+                match answer {
+                    Some(NodeLinkOutput::RunAdmitted { .. }) => {
+                        self.runs.insert(
+                            run_id,
+                            RunSlot {
+                                control,
+                                adapter,
+                                target,
+                            },
+                        );
+                        let _ = reply.send(Ok(()));
+                    }
+                    Some(NodeLinkOutput::RunRefused { code, .. }) => {
+                        self.shared.capacity().finish(adapter, &target);
+                        tracing::warn!(event = "node_run_refused", code = code.as_str());
+                        let _ = reply.send(Err(code));
+                    }
+                    // Every start is answered; a reply dropped tells the
+                    // handler the link is gone.
+                    _ => self.shared.capacity().finish(adapter, &target),
+                }
             }
             LinkMsg::Event {
                 run_id,
                 event,
                 reply,
             } => {
-                self.emissions.insert(run_id, EmissionsReply::One(reply));
-                self.input(NodeLinkInput::ProviderEvents {
-                    run_id,
-                    events: vec![event],
-                });
+                let emissions = self.emissions(run_id, vec![event]);
+                let _ = reply.send(emissions.first().copied().unwrap_or(Emission::Fenced));
             }
             LinkMsg::Events {
                 run_id,
                 events,
                 reply,
             } => {
-                self.emissions.insert(run_id, EmissionsReply::Many(reply));
-                self.input(NodeLinkInput::ProviderEvents { run_id, events });
+                let emissions = self.emissions(run_id, events);
+                let _ = reply.send(emissions);
             }
             LinkMsg::ProviderReturned { run_id } => {
                 self.input(NodeLinkInput::ProviderDropped { run_id });
@@ -445,8 +484,11 @@ impl Link {
                 let _ = reply.send(opened);
             }
             LinkMsg::TakeObservationSeq { reply } => {
-                self.seqs.push_back(reply);
-                self.input(NodeLinkInput::TakeObservationSeq);
+                if let Some(NodeLinkOutput::ObservationSeq(seq)) =
+                    self.answer(NodeLinkInput::TakeObservationSeq)
+                {
+                    let _ = reply.send(seq);
+                }
             }
         }
     }
@@ -454,7 +496,14 @@ impl Link {
     /// Carry out the machine's outputs; `Some` ends the connection.
     async fn drain(&mut self, send: &mut FramedSend) -> Option<LinkEnd> {
         let mut end = None;
-        while let Some(out) = self.machine.poll_output(self.clock.now()) {
+        loop {
+            let out = match self.held.pop_front() {
+                Some(out) => out,
+                None => match self.machine.poll_output(self.clock.now()) {
+                    Some(out) => out,
+                    None => break,
+                },
+            };
             match out {
                 NodeLinkOutput::Send(frame) => {
                     if send.send(&frame).await.is_err() && end.is_none() {
@@ -474,6 +523,7 @@ impl Link {
                 }
                 NodeLinkOutput::End(link_end) => {
                     use iop_core::node::link::LinkEnd as Core;
+                    self.close_code = Some(link_end.close_code());
                     end = Some(match link_end {
                         Core::Closed(code) => {
                             if code == CloseCode::HeartbeatTimeout {
@@ -488,39 +538,11 @@ impl Link {
                         Core::HandshakeTimedOut => LinkEnd::HandshakeTimeout,
                     });
                 }
-                NodeLinkOutput::RunAdmitted { run_id } => {
-                    if let Some(pending) = self.starting.remove(&run_id) {
-                        self.runs.insert(run_id, pending.slot);
-                        let _ = pending.reply.send(Ok(()));
-                    }
-                }
-                NodeLinkOutput::RunRefused { run_id, code } => {
-                    if let Some(pending) = self.starting.remove(&run_id) {
-                        self.shared
-                            .capacity()
-                            .finish(pending.slot.adapter, &pending.slot.target);
-                        tracing::warn!(event = "node_run_refused", code = code.as_str());
-                        let _ = pending.reply.send(Err(code));
-                    }
-                }
-                NodeLinkOutput::Emissions { run_id, emissions } => {
-                    let fenced = emissions.iter().filter(|e| **e == Emission::Fenced).count();
-                    if fenced > 0 {
-                        self.shared
-                            .fenced_late_outputs
-                            .fetch_add(fenced as u64, Ordering::Relaxed);
-                    }
-                    match self.emissions.remove(&run_id) {
-                        Some(EmissionsReply::One(reply)) => {
-                            let _ =
-                                reply.send(emissions.first().copied().unwrap_or(Emission::Fenced));
-                        }
-                        Some(EmissionsReply::Many(reply)) => {
-                            let _ = reply.send(emissions);
-                        }
-                        None => {}
-                    }
-                }
+                // Answers are taken with their input (`Link::answer`).
+                NodeLinkOutput::RunAdmitted { .. }
+                | NodeLinkOutput::RunRefused { .. }
+                | NodeLinkOutput::Emissions { .. }
+                | NodeLinkOutput::ObservationSeq(_) => {}
                 NodeLinkOutput::CancelProvider { run_id } => {
                     if let Some(slot) = self.runs.get(&run_id) {
                         let _ = slot.control.send(RunControl::CancelProvider);
@@ -575,11 +597,6 @@ impl Link {
                 } => {
                     self.shared.capacity().finish(adapter, &target);
                     self.runs.remove(&run_id);
-                }
-                NodeLinkOutput::ObservationSeq(seq) => {
-                    if let Some(reply) = self.seqs.pop_front() {
-                        let _ = reply.send(seq);
-                    }
                 }
             }
         }

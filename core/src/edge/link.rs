@@ -70,6 +70,9 @@ pub enum EdgeLinkInput {
     Close(CloseCode),
     /// The connection or its control stream is gone, with this code.
     Lost(CloseCode),
+    /// The node ended its control stream: a normal end once live, a
+    /// protocol error before (the handshake was not done).
+    StreamEnded,
 }
 
 /// Work for the driver, drained with [`EdgeLink::poll_output`] in order.
@@ -212,6 +215,14 @@ impl EdgeLink {
                 }
             }
             EdgeLinkInput::Close(code) | EdgeLinkInput::Lost(code) => self.end(code),
+            EdgeLinkInput::StreamEnded => {
+                let code = if self.is_live() {
+                    CloseCode::Normal
+                } else {
+                    CloseCode::ProtocolError
+                };
+                self.end(code);
+            }
         }
         self.drain_heartbeat();
     }

@@ -387,3 +387,19 @@ fn the_heartbeat_runs_only_while_live() {
     assert!(link.is_over());
     assert!(link.heartbeat().is_none());
 }
+
+/// A control stream the node ends before readiness is a protocol error
+/// (the handshake was not done); once live it is a normal end.
+#[test]
+fn a_stream_ended_before_readiness_is_a_protocol_error() {
+    let mut link = registered();
+    assert_eq!(
+        feed(&mut link, at(1), EdgeLinkInput::StreamEnded),
+        vec![end(CloseCode::ProtocolError, Some(GEN))]
+    );
+    let mut link = live();
+    assert_eq!(
+        feed(&mut link, at(1), EdgeLinkInput::StreamEnded),
+        vec![end(CloseCode::Normal, Some(GEN))]
+    );
+}
