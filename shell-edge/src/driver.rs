@@ -155,8 +155,8 @@ pub struct Takeover {
 /// ([`crate::durable::Follower`]), so the run goes on without them and
 /// ends only with its terminal or a cancel.
 pub fn spawn_durable(ctx: DriverContext, pool: Vec<ProviderId>, mut work: Work, run: DurableRun) {
-    // A durable answer is rendered by the Edge (numbered, replayable):
-    // never a provider's own bytes.
+    // The request machine never tunnels a durable answer (it is the
+    // Edge's, numbered and replayable): drop the raw body it will not use.
     work.tunnel = None;
     start(ctx, pool, work, None, Some(run), None);
 }
@@ -691,7 +691,10 @@ impl Driver {
                 target: lease.target.clone(),
                 model: self.work.model.clone(),
                 api: self.work.api,
-                messages: continued_messages(&self.work.messages, continuation.as_deref()),
+                messages: iop_core::edge::request::continued_messages(
+                    &self.work.messages,
+                    continuation.as_deref(),
+                ),
                 tools: self.work.tools.clone(),
                 params: self.work.params.clone(),
                 response_stall_timeout_ms: lease.stall_timeout_ms,
@@ -707,23 +710,6 @@ impl Driver {
             }),
         }
     }
-}
-
-/// The conversation an attempt sends: the request's, and for a continued
-/// answer (R-CONT-1) the answer so far as the final assistant message.
-fn continued_messages(messages: &[ChatMessage], continuation: Option<&str>) -> Vec<ChatMessage> {
-    let mut messages = messages.to_vec();
-    if let Some(prefix) = continuation {
-        messages.push(ChatMessage {
-            role: iop_wire::Role::Assistant,
-            content: prefix.to_owned(),
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-            name: None,
-            images: Vec::new(),
-        });
-    }
-    messages
 }
 
 /// Read the attempt's next frame; `None` when the stream ended without one

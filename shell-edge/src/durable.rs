@@ -23,7 +23,9 @@
 //! Nothing here decides a journal rule: numbering, fencing, the one
 //! terminal, retention, idempotency, lease expiry and which record is an
 //! orphan are `iop_core::journal`'s, applied by the store
-//! ([`iop_store::JournalStore`]) or by [`TakeoverScan`].
+//! ([`iop_store::JournalStore`]) or by [`TakeoverScan`]; whether a reported
+//! parked run's record is taken over, and after which frame it resumes,
+//! is [`takeover_resume_point`]'s.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
@@ -31,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use iop_core::edge::dispatch::ParkedOffer;
-use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery, decode_entry};
+use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery, takeover_resume_point};
 use iop_core::edge::request::Delivery;
 use iop_core::journal::{
     CreateOutcome, EdgeLease, JournalError, LeaseState, NO_OWNER, NewRecord, PeerLease, RecordMeta,
@@ -833,16 +835,9 @@ impl Durable {
             .await
             .map_err(|_| "store_error")?
             .ok_or("unknown_response")?;
-        if meta.terminal.is_some() {
-            return Err("response_ended");
-        }
-        // R-PARK-2: resume after the last frame of this run the journal
-        // holds; a record whose last event came from another run is not
-        // this run's any more.
-        // Only a run whose frames the journal already holds is taken over,
-        // and only from the node that ran it: a report cannot name someone
-        // else's response into it (the provider is the reporting node's).
-        self.last_frame_of(&id, meta.last_seq, &offer).await?;
+        // R-PARK-2, R-TAKE-1: the core decides whether this record is the
+        // reported run's, and after which frame it resumes.
+        self.resume_point(&meta, &offer).await?;
         // R-JRN-3: win the record's epoch before writing anything; a lost
         // race means another writer has it.
         let started = std::time::Instant::now();
@@ -855,7 +850,7 @@ impl Durable {
         // The resume point is read again now that nothing else can write:
         // the former writer may have appended after the first read and
         // before the raise (its epoch was still current then).
-        let resume_after_frame = self.last_frame_of(&id, raised.last_seq, &offer).await?;
+        let resume_after_frame = self.resume_point(&raised, &offer).await?;
         let meta = raised;
         tracing::info!(
             event = "edge_response_taken_over",
@@ -900,33 +895,23 @@ impl Durable {
         Ok(())
     }
 
-    /// The frame of `offer`'s run that the last of the record's `last_seq`
-    /// events holds (R-PARK-2): only a run whose frames the journal holds
-    /// is taken over, and only from the node that ran it, so a report
-    /// cannot name someone else's response into its run.
-    async fn last_frame_of(
+    /// Read the record's last event and ask the core after which frame of
+    /// `offer`'s run a takeover resumes ([`takeover_resume_point`]).
+    async fn resume_point(
         &self,
-        id: &str,
-        last_seq: u64,
+        meta: &iop_core::journal::RecordMeta,
         offer: &ParkedOffer,
     ) -> Result<u64, &'static str> {
-        if last_seq == 0 {
-            return Err("nothing_journaled");
-        }
-        let last = self
-            .store
-            .events(id.to_owned(), last_seq - 1, 1)
-            .await
-            .map_err(|_| "store_error")?;
-        let source = last
-            .first()
-            .and_then(|e| decode_entry(&e.payload))
-            .and_then(|e| e.source)
-            .ok_or("no_frame_source")?;
-        if source.key != offer.run.key || source.provider_id != offer.provider_id {
-            return Err("another_run");
-        }
-        Ok(source.frame)
+        let last = match meta.last_seq {
+            0 => Vec::new(),
+            n => self
+                .store
+                .events(meta.id.clone(), n - 1, 1)
+                .await
+                .map_err(|_| "store_error")?,
+        };
+        takeover_resume_point(meta, last.first().map(|e| &e.payload[..]), offer)
+            .map_err(|why| why.as_str())
     }
 
     /// Remove expired records every `interval`, for as long as the Edge

@@ -24,6 +24,7 @@ use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
 use iop_core::edge::gate::{AdmissionFailure, GateFailure};
+use iop_core::edge::whole_answer::WholeAnswerBudget;
 use iop_core::ids::ProviderId;
 use iop_wire::RunApi;
 use sha2::{Digest, Sha256};
@@ -548,7 +549,10 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         route,
         principal: admitted.key.principal,
         trace_context: record.span.context(),
-        continuation: run.api == RunApi::Chat && state.config.continuation_for(&run.model),
+        continuation: iop_core::edge::request::continuation_allowed(
+            run.api,
+            state.config.continuation_for(&run.model),
+        ),
     };
     let mut rx = driver::spawn(state.ctx.clone(), admitted.pool, work);
     let first = first(&mut rx).await;
@@ -711,9 +715,7 @@ fn answer_body<S: AnswerStream>(
     .boxed()
 }
 
-/// The most text and tool-call bytes a non-streaming answer accumulates:
-/// the whole answer is built in memory before a byte is sent (R-LIM-3).
-pub const MAX_WHOLE_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+pub(crate) use iop_core::edge::whole_answer::MAX_WHOLE_ANSWER_BYTES;
 
 /// The error of an answer past [`MAX_WHOLE_ANSWER_BYTES`].
 pub(crate) fn answer_too_large(limit_bytes: usize) -> ApiError {
@@ -729,19 +731,6 @@ pub(crate) fn answer_too_large(limit_bytes: usize) -> ApiError {
     }
 }
 
-/// Bytes an event adds to an accumulated answer.
-pub(crate) fn accumulated_bytes(event: &iop_wire::RunEventKind) -> usize {
-    match event {
-        iop_wire::RunEventKind::TextDelta(text) => text.len(),
-        iop_wire::RunEventKind::ToolCallDelta(d) => {
-            d.arguments_delta.len()
-                + d.id.as_ref().map_or(0, String::len)
-                + d.name.as_ref().map_or(0, String::len)
-        }
-        _ => 0,
-    }
-}
-
 /// Fold a non-streaming answer until the run ends: its JSON, or the error
 /// to answer. Past `max_bytes` of text and tool calls the run is abandoned
 /// (dropping the receiver cancels it).
@@ -750,14 +739,13 @@ async fn whole_answer<W: WholeAnswer>(
     mut whole: W,
     max_bytes: usize,
 ) -> Result<serde_json::Value, ApiError> {
-    let mut accumulated = 0usize;
+    let mut budget = WholeAnswerBudget::new(max_bytes);
     while let Some(d) = rx.recv().await {
         match d {
             Delivery::Event(ev) => {
-                accumulated = accumulated.saturating_add(accumulated_bytes(&ev));
-                if accumulated > max_bytes {
-                    return Err(answer_too_large(max_bytes));
-                }
+                budget
+                    .add(&ev)
+                    .map_err(|e| answer_too_large(e.limit_bytes))?;
                 whole.event(&ev)
             }
             Delivery::Finish => return whole.answer(iop_transport::clock::unix_ms()),

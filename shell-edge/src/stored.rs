@@ -27,9 +27,10 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
-use iop_core::edge::durable::JournalSpec;
+use iop_core::edge::durable::{JournalSpec, ended_before_commit};
 use iop_core::edge::gate::GateFailure;
 use iop_core::edge::request::Delivery;
+use iop_core::edge::whole_answer::WholeAnswerBudget;
 use iop_core::journal::{
     CreateOutcome, JournalApi, JournalError, NewRecord, RecordMeta, RecordStatus, Terminal,
     fingerprint, idempotency_hash,
@@ -238,8 +239,10 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
                 route: endpoint.route(),
                 principal: key.principal,
                 trace_context: record.span.context(),
-                continuation: run.api == iop_wire::RunApi::Chat
-                    && state.config().continuation_for(&run.model),
+                continuation: iop_core::edge::request::continuation_allowed(
+                    run.api,
+                    state.config().continuation_for(&run.model),
+                ),
             };
             driver::spawn_durable(
                 state.driver_context().clone(),
@@ -328,8 +331,7 @@ async fn answer<E: RunEndpoint>(
         Err(e) => return refuse(endpoint, record, journal_error(&e)),
     };
     if let Followed::Ended(terminal) = &first
-        && terminal.status != RecordStatus::Completed
-        && follower.taken() == 0
+        && ended_before_commit(terminal, follower.taken())
     {
         return refuse(endpoint, record, terminal_error(terminal));
     }
@@ -363,7 +365,7 @@ async fn whole_from_journal<E: RunEndpoint>(
     endpoint: &E,
 ) -> Response {
     let mut next = Some(first);
-    let mut accumulated = 0usize;
+    let mut budget = WholeAnswerBudget::default();
     loop {
         let item = match next.take() {
             Some(item) => item,
@@ -375,12 +377,11 @@ async fn whole_from_journal<E: RunEndpoint>(
         };
         match item {
             Followed::Event(Delivery::Event(event)) => {
-                accumulated = accumulated.saturating_add(crate::http::accumulated_bytes(&event));
-                if accumulated > crate::http::MAX_WHOLE_ANSWER_BYTES {
+                if let Err(e) = budget.add(&event) {
                     return refuse(
                         endpoint,
                         record,
-                        crate::http::answer_too_large(crate::http::MAX_WHOLE_ANSWER_BYTES),
+                        crate::http::answer_too_large(e.limit_bytes),
                     );
                 }
                 whole.event(&event);

@@ -161,6 +161,71 @@ pub fn terminal_of(delivery: &Delivery) -> Option<Terminal> {
     })
 }
 
+/// Whether an answer read from the journal is an HTTP error rather than
+/// a stream (R-GATE-3, as a live request before its commit): the record
+/// ended without completing before any of its events was taken. A record
+/// with events, or a completed one, streams, and its terminal comes in
+/// the stream.
+pub fn ended_before_commit(terminal: &Terminal, events_taken: u64) -> bool {
+    terminal.status != RecordStatus::Completed && events_taken == 0
+}
+
+/// Why an Edge does not take over the record of a parked run a node
+/// reported (R-PARK-2, R-TAKE-1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TakeoverRefusal {
+    /// The record already has its terminal.
+    Ended,
+    /// The journal holds no event yet, so no frame to resume after.
+    NothingJournaled,
+    /// The record's last event came from no node frame this build reads.
+    NoFrameSource,
+    /// The record's last event came from another run, or from this run on
+    /// another provider: the report cannot name this record into its run.
+    AnotherRun,
+}
+
+impl TakeoverRefusal {
+    /// The closed label for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TakeoverRefusal::Ended => "response_ended",
+            TakeoverRefusal::NothingJournaled => "nothing_journaled",
+            TakeoverRefusal::NoFrameSource => "no_frame_source",
+            TakeoverRefusal::AnotherRun => "another_run",
+        }
+    }
+}
+
+/// The frame of `offer`'s run after which an Edge that takes its record
+/// over resumes (R-PARK-2, R-TAKE-1): the frame the record's last event
+/// came from. `last` is the payload of the record's event `meta.last_seq`
+/// (`None` when it holds none). Only a run whose frames the journal
+/// already holds is taken over, and only from the provider that ran it:
+/// a report cannot name someone else's response into its run. The caller
+/// asks again on the record it reads after winning the epoch (R-JRN-3),
+/// since the former writer may have appended in between.
+pub fn takeover_resume_point(
+    meta: &crate::journal::RecordMeta,
+    last: Option<&[u8]>,
+    offer: &crate::edge::dispatch::ParkedOffer,
+) -> Result<u64, TakeoverRefusal> {
+    if meta.terminal.is_some() {
+        return Err(TakeoverRefusal::Ended);
+    }
+    if meta.last_seq == 0 {
+        return Err(TakeoverRefusal::NothingJournaled);
+    }
+    let source = last
+        .and_then(decode_entry)
+        .and_then(|e| e.source)
+        .ok_or(TakeoverRefusal::NoFrameSource)?;
+    if source.key != offer.run.key || source.provider_id != offer.provider_id {
+        return Err(TakeoverRefusal::AnotherRun);
+    }
+    Ok(source.frame)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InFlight {
     /// An append of events up to this number.
@@ -830,5 +895,117 @@ mod tests {
             Some(RecordStatus::Failed)
         );
         assert_eq!(status(text("a")), None);
+    }
+
+    fn record(last_seq: u64) -> crate::journal::RecordMeta {
+        crate::journal::RecordMeta {
+            id: "resp_1".into(),
+            principal: "p".into(),
+            api: crate::journal::JournalApi::ChatCompletions,
+            model: "m".into(),
+            fingerprint: [0; 32],
+            idempotency_key: None,
+            background: false,
+            created_unix_ms: 0,
+            epoch: 1,
+            last_seq,
+            terminal: None,
+            expires_unix_ms: u64::MAX,
+            stored_bytes: 0,
+            owner: "edge-a".into(),
+        }
+    }
+
+    fn parked(key: RunKey, provider: &str) -> crate::edge::dispatch::ParkedOffer {
+        crate::edge::dispatch::ParkedOffer {
+            run: iop_wire::ParkedRun {
+                key,
+                response_id: "resp_1".into(),
+                adapter: iop_wire::AdapterKind::Mock,
+                target: "m".into(),
+                first_kept_frame: 1,
+                last_frame: 9,
+                ended: false,
+            },
+            provider_id: ProviderId::from(provider),
+        }
+    }
+
+    #[test]
+    fn a_takeover_resumes_after_the_last_journaled_frame_of_the_reported_run_only_r_park_2_r_take_1()
+     {
+        let key = RunKey {
+            generation: 7,
+            run_id: 3,
+        };
+        let from = |key: RunKey, provider: &str, frame: u64| {
+            encode_entry(
+                &text("a"),
+                Some(FrameSource {
+                    key,
+                    frame,
+                    provider_id: ProviderId::from(provider),
+                }),
+            )
+        };
+        let offer = parked(key, "p0");
+        let last = from(key, "p0", 5);
+        assert_eq!(
+            takeover_resume_point(&record(4), Some(&last), &offer),
+            Ok(5),
+            "the frame of the record's last event"
+        );
+        let mut ended = record(4);
+        ended.terminal = terminal_of(&Delivery::Finish);
+        assert_eq!(
+            takeover_resume_point(&ended, Some(&last), &offer),
+            Err(TakeoverRefusal::Ended)
+        );
+        assert_eq!(
+            takeover_resume_point(&record(0), None, &offer),
+            Err(TakeoverRefusal::NothingJournaled)
+        );
+        assert_eq!(
+            takeover_resume_point(&record(4), Some(&encode_delivery(&text("a"))), &offer),
+            Err(TakeoverRefusal::NoFrameSource),
+            "an event with no node frame"
+        );
+        assert_eq!(
+            takeover_resume_point(&record(4), Some(b"\xffunknown"), &offer),
+            Err(TakeoverRefusal::NoFrameSource),
+            "bytes this build does not read"
+        );
+        assert_eq!(
+            takeover_resume_point(&record(4), None, &offer),
+            Err(TakeoverRefusal::NoFrameSource),
+            "the last event could not be read"
+        );
+        let other_run = RunKey { run_id: 4, ..key };
+        assert_eq!(
+            takeover_resume_point(&record(4), Some(&from(other_run, "p0", 5)), &offer),
+            Err(TakeoverRefusal::AnotherRun),
+            "a report cannot name another run's record into its run"
+        );
+        assert_eq!(
+            takeover_resume_point(&record(4), Some(&last), &parked(key, "p1")),
+            Err(TakeoverRefusal::AnotherRun),
+            "only the provider that ran it"
+        );
+    }
+
+    #[test]
+    fn a_journal_answer_is_an_http_error_only_if_it_failed_before_any_event_r_gate_3() {
+        let failed = terminal_of(&Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::ProviderError),
+            in_stream: false,
+        })
+        .expect("a terminal");
+        let completed = terminal_of(&Delivery::Finish).expect("a terminal");
+        assert!(ended_before_commit(&failed, 0));
+        assert!(!ended_before_commit(&failed, 1), "committed: in the stream");
+        assert!(!ended_before_commit(&completed, 0), "an empty answer");
+        let mut cancelled = failed.clone();
+        cancelled.status = RecordStatus::Cancelled;
+        assert!(ended_before_commit(&cancelled, 0));
     }
 }

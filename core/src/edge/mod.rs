@@ -13,3 +13,4 @@ pub mod link;
 pub mod overlay;
 pub mod registry;
 pub mod request;
+pub mod whole_answer;

@@ -132,6 +132,35 @@ pub const JOURNAL_RETRY: std::time::Duration = std::time::Duration::from_millis(
 /// parked run to be reported (the node must reconnect and register).
 pub const PARK_REPORT_SLACK: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// Whether a request may continue its answer on another provider after
+/// commit (R-CONT-1): its route opted in, and it is a chat run, the one
+/// API whose conversation can carry the answer so far as the assistant's
+/// final, partial message.
+pub fn continuation_allowed(api: iop_wire::RunApi, route_opted_in: bool) -> bool {
+    route_opted_in && api == iop_wire::RunApi::Chat
+}
+
+/// The conversation an attempt sends (R-CONT-1): the request's own, and
+/// for an attempt that continues an answer, that answer so far as the
+/// assistant's final message (the node asks the provider to continue it).
+pub fn continued_messages(
+    messages: &[iop_wire::ChatMessage],
+    continuation: Option<&str>,
+) -> Vec<iop_wire::ChatMessage> {
+    let mut messages = messages.to_vec();
+    if let Some(prefix) = continuation {
+        messages.push(iop_wire::ChatMessage {
+            role: iop_wire::Role::Assistant,
+            content: prefix.to_owned(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+            images: Vec::new(),
+        });
+    }
+    messages
+}
+
 /// An attempt that continues a parked run instead of starting one
 /// (R-PARK-2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -975,8 +1004,11 @@ impl Request {
     /// A tunnel only to a tunnel-mode provider that speaks the client's
     /// API; anything else is a normalized run.
     fn tunnel_for(&self, lease: &Lease) -> bool {
-        // A continued answer is the Edge's to assemble (R-CONT-1).
+        // A continued answer is the Edge's to assemble (R-CONT-1); a
+        // durable one is rendered by the Edge, numbered and replayable,
+        // never a provider's own bytes (R-JRN-2).
         !self.continuing
+            && self.spec.journal.is_none()
             && self
                 .spec
                 .tunnel_api

@@ -1977,43 +1977,21 @@ fn r_park_1_a_durable_run_without_a_park_grace_is_not_parked() {
 }
 
 #[test]
-fn r_park_1_a_tunnels_frames_are_never_acked() {
-    // The node keeps frames of normalized durable runs only.
+fn a_durable_request_is_never_tunnelled_r_jrn_2_r_park_1() {
+    // A durable answer is the Edge's, numbered and replayable, and the
+    // node keeps (and the Edge acks) frames of normalized runs only: even
+    // a tunnel provider that speaks the client's API gets a normalized
+    // run.
     let mut s = durable_spec();
     s.park_grace_ms = 30_000;
     s.tunnel_api = Some(TunnelApi::OpenAi);
     s.tunnel_providers = vec![ProviderId::from("p0")];
     let mut r = Request::new(t(0), s);
-    running(&mut r, &lease(1, "p0", AdapterKind::OpenAi));
-    let mut outs = Vec::new();
-    r.handle_input(
-        t(2),
-        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
-            status: 200,
-            headers: vec![],
-        })),
-    );
-    outs.extend(drain(&mut r));
-    for (i, chunk) in ["a", "b"].into_iter().enumerate() {
-        r.handle_input(
-            t(3 + i as u64),
-            RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Body(
-                chunk.as_bytes().to_vec(),
-            ))),
-        );
-        outs.extend(drain(&mut r));
-        r.handle_input(
-            t(3 + i as u64),
-            RequestInput::Journaled(JournalAck::Appended),
-        );
-        outs.extend(drain(&mut r));
-    }
+    let outs = running(&mut r, &lease(1, "p0", AdapterKind::OpenAi));
     assert!(
-        deliveries(&outs).contains(&Delivery::Body(b"b".to_vec())),
+        matches!(&outs[..], [RequestOutput::Open { tunnel: false, .. }]),
         "{outs:?}"
     );
-    assert!(acks(&outs).is_empty(), "{outs:?}");
-    assert!(appended_sources(&outs).iter().all(Option::is_none));
 }
 
 #[test]
@@ -2066,4 +2044,37 @@ fn a_stream_that_ends_while_opening_is_a_lost_transport_r_gate_1() {
     assert!(outs.contains(&RequestOutput::CloseAttempt), "{outs:?}");
     assert!(lost_transport(&outs), "{outs:?}");
     assert!(admits(&outs), "before commit it fails over: {outs:?}");
+}
+
+#[test]
+fn a_continuing_attempt_sends_the_answer_so_far_as_the_assistants_final_message_r_cont_1() {
+    let user = iop_wire::ChatMessage {
+        role: iop_wire::Role::User,
+        content: "hi".into(),
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+        name: None,
+        images: Vec::new(),
+    };
+    assert_eq!(
+        continued_messages(std::slice::from_ref(&user), None),
+        vec![user.clone()]
+    );
+    let continued = continued_messages(std::slice::from_ref(&user), Some("Hello, wor"));
+    assert_eq!(continued.len(), 2);
+    assert_eq!(continued[0], user, "the request's own conversation first");
+    assert_eq!(continued[1].role, iop_wire::Role::Assistant);
+    assert_eq!(continued[1].content, "Hello, wor");
+    assert!(continuation_allowed(iop_wire::RunApi::Chat, true));
+    assert!(
+        !continuation_allowed(iop_wire::RunApi::Chat, false),
+        "opt-in"
+    );
+    for api in [
+        iop_wire::RunApi::Generate,
+        iop_wire::RunApi::Embeddings,
+        iop_wire::RunApi::Completion,
+    ] {
+        assert!(!continuation_allowed(api, true), "{api:?}: chat only");
+    }
 }
