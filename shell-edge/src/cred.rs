@@ -1,14 +1,18 @@
 //! Managed credential leases, the Edge's side (R-CRED-1): the lease signing
-//! key, the profiles (secret, revision, active) and sealing one lease per
-//! dispatch. Every check and all the cryptography is `iop_core::cred`; this
-//! module holds keys, reads the clock and the OS RNG, and moves bytes.
+//! key, the profiles and sealing one lease per dispatch. Every check, which
+//! profile is active (revocations included) and all the cryptography are
+//! `iop_core::cred`'s ([`ProfileBook`]); this module holds the keys, keeps
+//! the revocations on disk, reads the clock and the OS RNG, and moves
+//! bytes.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::RwLock;
 
 use ed25519_dalek::SigningKey;
-use iop_core::cred::{LeaseScope, keys, random_nonce, seal_lease};
+use iop_core::cred::keys;
+pub use iop_core::cred::profiles::NoLease;
+use iop_core::cred::profiles::{Profile, ProfileBook};
 use iop_core::edge::admission::Lease;
 use iop_wire::CredentialProfileState;
 use x25519_dalek::PublicKey;
@@ -27,10 +31,7 @@ pub const REVOCATIONS_FILE: &str = "revoked-credentials.json";
 pub struct Credentials {
     signing: SigningKey,
     verifying: [u8; 32],
-    profiles: RwLock<BTreeMap<String, CredentialProfile>>,
-    /// Profile -> highest revoked revision. A revocation holds until the
-    /// profile is configured with a higher revision (a rotated secret).
-    revoked: RwLock<BTreeMap<String, u64>>,
+    book: RwLock<ProfileBook>,
     revocations_path: std::path::PathBuf,
 }
 
@@ -40,20 +41,6 @@ impl std::fmt::Debug for Credentials {
             .field("profiles", &self.states())
             .finish_non_exhaustive()
     }
-}
-
-/// Why no lease could be sealed. Never carries secret bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NoLease {
-    /// The profile is not configured (any more).
-    UnknownProfile,
-    /// The profile is revoked or disabled (R-CRED-3): no lease, so the Node
-    /// answers `credential_rejected` without calling the provider.
-    InactiveProfile,
-    /// The Node registered without a valid recipient key.
-    NoRecipient,
-    /// `seal_lease` refused.
-    SealFailed,
 }
 
 impl Credentials {
@@ -75,8 +62,7 @@ impl Credentials {
         let creds = Self {
             signing,
             verifying,
-            profiles: RwLock::new(BTreeMap::new()),
-            revoked: RwLock::new(revoked),
+            book: RwLock::new(ProfileBook::new(revoked)),
             revocations_path,
         };
         creds.replace(profiles);
@@ -91,18 +77,16 @@ impl Credentials {
     /// Replace every profile (a reload). A profile revoked at its current
     /// revision or later stays inactive.
     pub fn replace(&self, profiles: &[CredentialProfile]) {
-        let revoked = self.revoked.read().unwrap_or_else(|e| e.into_inner());
-        let map = profiles
-            .iter()
-            .map(|p| {
-                let mut p = p.clone();
-                if revoked.get(&p.profile).is_some_and(|r| p.revision <= *r) {
-                    p.active = false;
-                }
-                (p.profile.clone(), p)
-            })
-            .collect();
-        *self.profiles.write().unwrap_or_else(|e| e.into_inner()) = map;
+        self.write().replace(profiles.iter().map(|p| {
+            (
+                p.profile.clone(),
+                Profile {
+                    secret: p.secret.clone(),
+                    revision: p.revision,
+                    active: p.active,
+                },
+            )
+        }));
     }
 
     /// Mark `profile` inactive at its current revision, and persist that in
@@ -110,21 +94,12 @@ impl Credentials {
     /// unknown. On a write error the profile is still inactive in this
     /// process.
     pub fn revoke(&self, profile: &str) -> std::io::Result<bool> {
-        let revision = {
-            let mut map = self.profiles.write().unwrap_or_else(|e| e.into_inner());
-            match map.get_mut(profile) {
-                Some(p) => {
-                    p.active = false;
-                    p.revision
-                }
-                None => return Ok(false),
-            }
-        };
         let snapshot = {
-            let mut revoked = self.revoked.write().unwrap_or_else(|e| e.into_inner());
-            let entry = revoked.entry(profile.to_owned()).or_insert(revision);
-            *entry = (*entry).max(revision);
-            revoked.clone()
+            let mut book = self.write();
+            if !book.revoke(profile) {
+                return Ok(false);
+            }
+            book.revoked().clone()
         };
         store_revocations(&self.revocations_path, &snapshot)?;
         Ok(true)
@@ -132,21 +107,11 @@ impl Credentials {
 
     /// Every profile's revision and active flag (no secrets).
     pub fn states(&self) -> Vec<CredentialProfileState> {
-        self.profiles
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .map(|p| CredentialProfileState {
-                profile: p.profile.clone(),
-                revision: p.revision,
-                active: p.active,
-            })
-            .collect()
+        self.read().states()
     }
 
-    /// Seal a fresh lease of `profile` for the dispatch `lease` (R-CRED-1).
-    /// An inactive (revoked or disabled) profile gets no lease at all, even
-    /// before the Node heard the refresh (R-CRED-3, fail closed here too).
+    /// Seal a fresh lease of `profile` for the dispatch `lease` (R-CRED-1);
+    /// an inactive profile gets none ([`ProfileBook::seal`], R-CRED-3).
     pub fn seal(
         &self,
         profile: &str,
@@ -155,30 +120,24 @@ impl Credentials {
         principal: &str,
         route: &str,
     ) -> Result<Vec<u8>, NoLease> {
-        let recipient = recipient.ok_or(NoLease::NoRecipient)?;
-        let map = self.profiles.read().unwrap_or_else(|e| e.into_inner());
-        let entry = map.get(profile).ok_or(NoLease::UnknownProfile)?;
-        if !entry.active {
-            return Err(NoLease::InactiveProfile);
-        }
-        let mut rng = rand::rng();
-        let now = iop_transport::clock::unix_ms();
-        let scope = LeaseScope {
-            principal: principal.to_owned(),
-            route: route.to_owned(),
-            slot: lease.run_id,
-            profile: profile.to_owned(),
-            target: lease.target.clone(),
-            node: lease.node.clone(),
-            credential_revision: entry.revision,
-            generation: lease.generation,
-            issued_at_unix_ms: now,
-            expires_at_unix_ms: now + iop_core::cred::DEFAULT_LEASE_LIFETIME_MS,
-            nonce: random_nonce(&mut rng),
-        };
-        seal_lease(&scope, &entry.secret, &self.signing, recipient, &mut rng)
-            .map(|sealed| sealed.to_bytes())
-            .map_err(|_| NoLease::SealFailed)
+        self.read().seal(
+            profile,
+            lease,
+            recipient,
+            principal,
+            route,
+            iop_transport::clock::unix_ms(),
+            &self.signing,
+            &mut rand::rng(),
+        )
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, ProfileBook> {
+        self.book.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, ProfileBook> {
+        self.book.write().unwrap_or_else(|e| e.into_inner())
     }
 }
 

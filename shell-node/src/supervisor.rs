@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use iop_core::liveness::backoff::{Backoff, Supersession};
+use iop_core::liveness::backoff::{AttemptEnd, Reconnect};
 use iop_core::rng::SplitMix64;
 use iop_transport::{ClientTls, client_endpoint, connect};
 use tokio::sync::watch;
@@ -58,8 +58,7 @@ async fn edge_loop(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let address = &config.edges[edge];
-    let mut backoff = Backoff::new(config.reconnect);
-    let mut supersession = Supersession::default();
+    let mut reconnect = Reconnect::new(config.reconnect);
     let mut rng = SplitMix64::new(rand::random());
     loop {
         if *shutdown.borrow() {
@@ -111,21 +110,34 @@ async fn edge_loop(
             },
             _ = shutdown.changed() => break,
         };
-        if !matches!(end, Some(LinkEnd::Closed { .. }) | Some(LinkEnd::Shutdown)) {
+        // The schedule is the core's (R-HB-2); here: counters and logs.
+        let attempt_end = match &end {
+            Some(LinkEnd::Shutdown) => break,
+            None => AttemptEnd::NoConnection,
+            Some(LinkEnd::Closed {
+                code: iop_wire::CloseCode::Superseded,
+                ..
+            }) => AttemptEnd::Superseded,
+            Some(LinkEnd::Closed { was_ready, .. }) => AttemptEnd::Closed {
+                was_ready: *was_ready,
+            },
+            Some(LinkEnd::Rejected { .. } | LinkEnd::Failed(_) | LinkEnd::HandshakeTimeout) => {
+                AttemptEnd::Failed
+            }
+        };
+        if attempt_end.failed() {
             shared
                 .failed_attempts
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        let mut superseded = None;
+        let delay = reconnect.after(attempt_end, lasted, &mut rng);
         match end {
-            Some(LinkEnd::Shutdown) => break,
             Some(LinkEnd::Closed {
                 code: iop_wire::CloseCode::Superseded,
                 ..
             }) => {
                 // Another process with this node's certificate connected:
-                // wait long before taking the node back (core's rule).
-                let delay = supersession.superseded(lasted, &mut rng);
+                // wait long before taking the node back.
                 shared
                     .superseded
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -136,21 +148,16 @@ async fn edge_loop(
                 tracing::error!(
                     event = "node_superseded",
                     edge = %address,
-                    in_a_row = supersession.count(),
+                    in_a_row = reconnect.superseded_in_a_row(),
                     delay_ms = delay.as_millis() as u64,
                     detail = "another process connected with this node's certificate"
                 );
-                superseded = Some(delay);
             }
-            Some(LinkEnd::Closed { was_ready, code }) => {
-                supersession.ended(lasted);
+            Some(LinkEnd::Closed { code, .. }) => {
                 shared.edges[edge]
                     .last_close_code
                     .store(u64::from(code.code()), std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(event = "node_link_closed", edge = %address, reason = code.as_str());
-                if was_ready {
-                    backoff.reset();
-                }
             }
             Some(LinkEnd::Rejected { reason, message }) => {
                 tracing::error!(
@@ -166,14 +173,13 @@ async fn edge_loop(
             Some(LinkEnd::HandshakeTimeout) => {
                 tracing::warn!(event = "node_handshake_timeout", edge = %address);
             }
-            None => {}
+            Some(LinkEnd::Shutdown) | None => {}
         }
-        let delay = superseded.unwrap_or_else(|| backoff.next_delay(&mut rng));
         tracing::info!(
             event = "node_reconnect_backoff",
             edge = %address,
             delay_ms = delay.as_millis() as u64,
-            attempt = backoff.attempt()
+            attempt = reconnect.attempt()
         );
         tokio::select! {
             () = tokio::time::sleep(delay) => {}

@@ -31,6 +31,7 @@
 pub mod keys;
 mod lease;
 mod node_leases;
+pub mod profiles;
 mod rejection;
 mod replay;
 mod scope;

@@ -119,6 +119,82 @@ impl Supersession {
     }
 }
 
+/// How one connection attempt ended, as the reconnect schedule sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptEnd {
+    /// No connection: the dial failed or timed out.
+    NoConnection,
+    /// The Edge closed it as `superseded` (another process with this
+    /// node's certificate connected).
+    Superseded,
+    /// The connection closed; `was_ready`: it had completed readiness.
+    Closed {
+        /// Whether it completed readiness.
+        was_ready: bool,
+    },
+    /// It failed otherwise: rejected at registration, a broken handshake
+    /// or a transport error.
+    Failed,
+}
+
+impl AttemptEnd {
+    /// Whether the attempt counts as failed: it never got a connection
+    /// the Edge closed (a superseded one was closed).
+    pub fn failed(self) -> bool {
+        matches!(self, AttemptEnd::NoConnection | AttemptEnd::Failed)
+    }
+}
+
+/// The Node supervisor's schedule for one Edge (R-HB-2): capped, jittered
+/// backoff, started over by a connection that completed readiness, and
+/// the long [`Supersession`] wait after `superseded`.
+#[derive(Debug, Clone)]
+pub struct Reconnect {
+    backoff: Backoff,
+    supersession: Supersession,
+}
+
+impl Reconnect {
+    /// A fresh schedule.
+    pub fn new(config: BackoffConfig) -> Self {
+        Reconnect {
+            backoff: Backoff::new(config),
+            supersession: Supersession::default(),
+        }
+    }
+
+    /// An attempt that lasted `lasted` (from connection to its end; zero
+    /// without one) ended as `end`: the delay before the next.
+    pub fn after(
+        &mut self,
+        end: AttemptEnd,
+        lasted: Duration,
+        rng: &mut impl RandomSource,
+    ) -> Duration {
+        match end {
+            AttemptEnd::Superseded => return self.supersession.superseded(lasted, rng),
+            AttemptEnd::Closed { was_ready } => {
+                self.supersession.ended(lasted);
+                if was_ready {
+                    self.backoff.reset();
+                }
+            }
+            AttemptEnd::NoConnection | AttemptEnd::Failed => {}
+        }
+        self.backoff.next_delay(rng)
+    }
+
+    /// Supersessions in a row so far.
+    pub fn superseded_in_a_row(&self) -> u32 {
+        self.supersession.count()
+    }
+
+    /// Failed attempts since the last ready connection.
+    pub fn attempt(&self) -> u32 {
+        self.backoff.attempt()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +309,50 @@ mod tests {
                 prop_assert!(d.as_micros() >= ceiling.as_micros() / 2);
             }
         }
+    }
+
+    #[test]
+    fn a_ready_connection_starts_the_backoff_over_and_superseded_waits_long_r_hb_2() {
+        let mut rng = SplitMix64::new(5);
+        let config = BackoffConfig {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(10),
+        };
+        let mut r = Reconnect::new(config);
+        let short = Duration::from_millis(10);
+        let grown: Vec<Duration> = (0..4)
+            .map(|_| r.after(AttemptEnd::NoConnection, Duration::ZERO, &mut rng))
+            .collect();
+        assert!(grown[3] >= Duration::from_millis(400), "{grown:?}");
+        let failed = r.after(AttemptEnd::Failed, short, &mut rng);
+        assert!(
+            failed >= Duration::from_millis(800),
+            "keeps growing: {failed:?}"
+        );
+        let unready = r.after(AttemptEnd::Closed { was_ready: false }, short, &mut rng);
+        assert!(
+            unready >= Duration::from_millis(1600),
+            "not ready: no reset"
+        );
+        let ready = r.after(AttemptEnd::Closed { was_ready: true }, short, &mut rng);
+        assert!(
+            ready <= Duration::from_millis(100),
+            "ready: over: {ready:?}"
+        );
+        let superseded = r.after(AttemptEnd::Superseded, short, &mut rng);
+        assert!(
+            superseded >= SUPERSEDED_BACKOFF.initial / 2,
+            "{superseded:?}"
+        );
+        assert_eq!(r.superseded_in_a_row(), 1);
+        r.after(
+            AttemptEnd::Closed { was_ready: true },
+            SUPERSEDED_RESET_AFTER,
+            &mut rng,
+        );
+        assert_eq!(r.superseded_in_a_row(), 0, "a long connection ends the run");
+        assert!(AttemptEnd::Failed.failed() && AttemptEnd::NoConnection.failed());
+        assert!(!AttemptEnd::Superseded.failed());
+        assert!(!AttemptEnd::Closed { was_ready: false }.failed());
     }
 }
