@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use iop_core::cred::{Recipient, RunLease};
 use iop_core::ids::RunId;
 use iop_core::node::link::{NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
+use iop_core::node::park::ReportScope;
 use iop_core::node::probe::ProbeEvidence;
 use iop_core::node::watchdog::{Emission, ProbeOutcome, ProviderEvent};
 use iop_trace::{MachineKind, NodeLinkConfigRec, Tap, TraceWriter, TracedNodeLink};
@@ -190,7 +191,7 @@ pub async fn run(
             },
             () = tokio::time::sleep_until(report_due.unwrap_or_else(tokio::time::Instant::now)), if report_due.is_some() => {
                 report_due = None;
-                let runs = shared.parking.parked_reports();
+                let runs = shared.parking.reports(ReportScope::Live);
                 if !runs.is_empty() && send.send(&NodeControl::Parked { runs }).await.is_err() {
                     break link.closed(CloseCode::Normal);
                 }
@@ -258,7 +259,7 @@ fn register_request(config: &NodeConfig, shared: &LinkShared) -> RegisterRequest
             .collect(),
         max_concurrent_runs: config.node.max_concurrent_runs,
         recipient_public_key: shared.identity.as_ref().map(NodeIdentity::public_key),
-        parked: shared.parking.reports(),
+        parked: shared.parking.reports(ReportScope::Registration),
     }
 }
 

@@ -9,16 +9,20 @@
 //! lost it parks: the provider call goes on and its frames are kept, for
 //! the park grace. The next registration reports it; an Edge that adopts
 //! it ([`AdoptRequest`](iop_wire::AdoptRequest)) gets the frames after the last one its journal
-//! holds, then the live rest. Every rule (numbering, the byte bound, the
-//! grace, one connection at a time) is `iop_core::node::park`'s; this task
-//! carries it out.
+//! holds, then the live rest. Every rule (numbering, the byte bound and
+//! what a frame counts against it, the grace, which end of the Edge's side
+//! parks or cancels, one connection at a time, the adoption's terms) is
+//! `iop_core::node::park`'s; this task carries it out.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
-use iop_core::node::park::{ParkOutput, ParkState, RunPark, effective_park_grace};
+use iop_core::node::park::{
+    EdgeSignal, EdgeVerdict, ParkOutput, ParkState, RunPark, adoption_stall_timeout,
+    effective_park_grace, frame_bytes,
+};
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, effective_stall_timeout,
 };
@@ -46,25 +50,21 @@ struct Attached {
 /// What the Edge's side of the stream said.
 enum EdgeSaid {
     Ack(u64),
-    /// The Edge reset or stopped the stream: the run is canceled.
-    Canceled,
-    /// The connection is gone (or the stream ended without a cancel).
-    Lost,
+    /// The side ended; the core decides whether that parks or cancels.
+    Ended(EdgeSignal),
 }
 
+/// Read the Edge's side; a transport error is only classified here.
 async fn read_edge(recv: &mut FramedRecv, metrics: &crate::metrics::NodeMetrics) -> EdgeSaid {
     match recv.recv::<RunStreamFrame>().await {
         Ok(Some(RunStreamFrame::Ack { through_frame })) => EdgeSaid::Ack(through_frame),
-        // The Edge's side ended without canceling: its request is over
-        // there (or the Edge is going away): keep the run for another.
-        Ok(None) => EdgeSaid::Lost,
-        Err(FramedError::ResetByPeer { .. } | FramedError::StoppedByPeer { .. }) => {
-            EdgeSaid::Canceled
-        }
-        Err(FramedError::ConnectionLost { .. }) => EdgeSaid::Lost,
+        Ok(None) => EdgeSaid::Ended(EdgeSignal::Finished),
+        Err(FramedError::ResetByPeer { .. }) => EdgeSaid::Ended(EdgeSignal::Reset),
+        Err(FramedError::StoppedByPeer { .. }) => EdgeSaid::Ended(EdgeSignal::Stopped),
+        Err(FramedError::ConnectionLost { .. }) => EdgeSaid::Ended(EdgeSignal::ConnectionLost),
         Err(e) => {
             metrics.wire_error(&e);
-            EdgeSaid::Canceled
+            EdgeSaid::Ended(EdgeSignal::Broken)
         }
     }
 }
@@ -87,21 +87,6 @@ async fn next_item(
         Some(stream) => stream.next().await,
         None => std::future::pending().await,
     }
-}
-
-/// Bytes a frame is counted as against the park bound.
-fn frame_bytes(kind: &RunEventKind) -> usize {
-    let payload = match kind {
-        RunEventKind::TextDelta(t) | RunEventKind::ReasoningDelta(t) => t.len(),
-        RunEventKind::ToolCallDelta(d) => {
-            d.arguments_delta.len()
-                + d.id.as_ref().map_or(0, String::len)
-                + d.name.as_ref().map_or(0, String::len)
-        }
-        RunEventKind::Embedding(e) => e.values.len() * 4,
-        _ => 0,
-    };
-    payload + 64
 }
 
 /// Run one durable run to its end: started on `send`/`recv` by `link`,
@@ -265,22 +250,25 @@ pub async fn run_durable(
                 }
                 Some(RunControl::Terminal(RunTerminal::Completed)) => {}
                 Some(RunControl::Attach(attach)) => {
-                    adopt(&mut attached, *attach, &mut park, &clock, &control_tx, stall_timeout, adapter_kind, &target).await;
+                    adopt(&mut attached, *attach, &mut park, &clock, &control_tx, adapter_kind, &target).await;
                 }
                 None => break,
             },
             said = next_said(&mut attached, metrics) => match said {
                 EdgeSaid::Ack(through) => park.acked(through),
-                EdgeSaid::Canceled => {
-                    // The Edge canceled the response: the run ends here.
-                    if let Some(a) = attached.take() {
-                        a.link.tell(LinkMsg::Canceled { run_id: a.run_id }).await;
+                EdgeSaid::Ended(signal) => match signal.verdict() {
+                    EdgeVerdict::Cancel => {
+                        // The Edge canceled the response: the run ends here.
+                        if let Some(a) = attached.take() {
+                            a.link.tell(LinkMsg::Canceled { run_id: a.run_id }).await;
+                        }
+                        drop(provider.take());
+                        park.cancelled();
+                        break;
                     }
-                    drop(provider.take());
-                    park.cancelled();
-                    break;
-                }
-                EdgeSaid::Lost => detach(&mut attached, &mut park, &clock).await,
+                    // R-DISC-1: kept for another connection (R-PARK-1).
+                    EdgeVerdict::Park => detach(&mut attached, &mut park, &clock).await,
+                },
             },
             item = next_item(&mut provider), if park.wants_provider() => {
                 let Some(kind) = item else {
@@ -414,17 +402,16 @@ async fn detach(attached: &mut Option<Attached>, park: &mut RunPark<RunEventKind
     park.detached(clock.now());
 }
 
-/// Take an adoption (R-PARK-2): refused unless the run is parked and holds
-/// the frames after the Edge's resume point; accepted, the run joins the
-/// new connection's watchdog and replays those frames.
-#[allow(clippy::too_many_arguments)]
+/// Take an adoption (R-PARK-2): refused unless its stall timeout is one a
+/// fresh run may have and the run is parked and holds the frames after the
+/// Edge's resume point; accepted, the run joins the new connection's
+/// watchdog and replays those frames.
 async fn adopt(
     attached: &mut Option<Attached>,
     attach: Attach,
     park: &mut RunPark<RunEventKind>,
     clock: &Clock,
     control: &mpsc::UnboundedSender<RunControl>,
-    stall_timeout: Duration,
     adapter: iop_wire::AdapterKind,
     target: &str,
 ) {
@@ -442,15 +429,16 @@ async fn adopt(
         conn,
         request,
     } = attach;
-    let replay = match park.adopt(request.resume_after_frame) {
-        Ok(replay) => replay,
+    let accepted = adoption_stall_timeout(request.response_stall_timeout_ms)
+        .and_then(|stall| Ok((stall, park.adopt(request.resume_after_frame)?)));
+    let (stall, replay) = match accepted {
+        Ok(accepted) => accepted,
         Err(why) => {
             tracing::warn!(event = "node_adoption_refused", reason = %why);
             let _ = send.reset(StreamErrorCode::Canceled);
             return;
         }
     };
-    let stall = effective_stall_timeout(request.response_stall_timeout_ms).unwrap_or(stall_timeout);
     let deadline = (request.deadline_ms > 0).then(|| Duration::from_millis(request.deadline_ms));
     let admitted = link
         .ask(|reply| LinkMsg::Start {
@@ -467,9 +455,10 @@ async fn adopt(
         })
         .await;
     if !matches!(admitted, Some(Ok(()))) {
-        // The new connection would not take it: stay parked.
+        // The new connection would not take it: parked again, within the
+        // grace it had (R-PARK-1).
         let _ = send.reset(StreamErrorCode::Canceled);
-        park.detached(clock.now());
+        park.adoption_aborted(clock.now());
         return;
     }
     tracing::info!(

@@ -1,12 +1,13 @@
 //! The node's durable runs as other tasks see them (SPEC §6, R-PARK-1,
 //! R-PARK-2): how to reach each one and what a registration reports of it.
-//! Each run's own task (module `park`) keeps its entry current.
+//! Each run's own task (module `park`) keeps its entry current; which runs
+//! a report names and which hold capacity is `iop_core::node::park`'s.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use iop_core::node::capacity::ParkedRuns;
-use iop_core::node::park::{ParkState, RunPark};
+use iop_core::node::park::{ParkState, ReportScope, RunPark, parked_capacity, select_reports};
 use iop_wire::{ParkedRun, RunEventKind, RunKey};
 use tokio::sync::mpsc;
 
@@ -49,33 +50,12 @@ impl ParkingLot {
         self.runs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The durable runs a registration reports (R-PARK-2): every one that
-    /// is not over. A run still attached to a connection that is going
-    /// away is reported too; an adoption detaches it first.
-    pub fn reports(&self) -> Vec<ParkedRun> {
-        let mut reports: Vec<ParkedRun> = self
-            .runs()
-            .values()
-            .filter(|e| e.state != ParkState::Over)
-            .map(|e| e.report.clone())
-            .collect();
-        reports.sort_by_key(|r| r.key);
-        reports.truncate(iop_wire::MAX_PARKED_RUNS);
-        reports
-    }
-
-    /// The runs parked now (without a connection), as a live connection
-    /// reports them (R-PARK-2, R-MULTI-1).
-    pub fn parked_reports(&self) -> Vec<ParkedRun> {
-        let mut reports: Vec<ParkedRun> = self
-            .runs()
-            .values()
-            .filter(|e| matches!(e.state, ParkState::Parked { .. }))
-            .map(|e| e.report.clone())
-            .collect();
-        reports.sort_by_key(|r| r.key);
-        reports.truncate(iop_wire::MAX_PARKED_RUNS);
-        reports
+    /// The report `scope` makes of the node's durable runs (R-PARK-2,
+    /// R-MULTI-1): [`ReportScope::Registration`] at registration,
+    /// [`ReportScope::Live`] on a live connection when a run parks.
+    pub fn reports(&self, scope: ReportScope) -> Vec<ParkedRun> {
+        let runs = self.runs();
+        select_reports(scope, runs.values().map(|e| (e.state, &e.report)))
     }
 
     /// Told each time a run parks.
@@ -83,22 +63,12 @@ impl ParkingLot {
         self.parked_changed.subscribe()
     }
 
-    /// Durable runs without a connection now, in all and on
-    /// `adapter`/`target`: they still hold provider capacity (the node's
-    /// run limit counts them).
+    /// Durable runs that hold provider capacity outside every connection's
+    /// count, in all and on `adapter`/`target` (the node's run limit counts
+    /// them, R-PARK-1).
     pub fn parked_runs(&self, adapter: iop_wire::AdapterKind, target: &str) -> ParkedRuns {
         let runs = self.runs();
-        let parked = runs
-            .values()
-            .filter(|e| matches!(e.state, ParkState::Parked { .. }));
-        let mut counts = ParkedRuns::default();
-        for e in parked {
-            counts.total += 1;
-            if e.report.adapter == adapter && e.report.target == target {
-                counts.on_target += 1;
-            }
-        }
-        counts
+        parked_capacity(adapter, target, runs.values().map(|e| (e.state, &e.report)))
     }
 
     /// Hand an adoption to the run it names; false if there is none.
@@ -172,7 +142,7 @@ mod tests {
         };
         lot.insert((key, "resp_a".into()), entry(key, "resp_a", parked));
         lot.insert((key, "resp_b".into()), entry(key, "resp_b", parked));
-        let reports = lot.parked_reports();
+        let reports = lot.reports(ReportScope::Live);
         let ids: Vec<&str> = reports.iter().map(|r| r.response_id.as_str()).collect();
         assert_eq!(ids.len(), 2, "{ids:?}");
         assert!(ids.contains(&"resp_a") && ids.contains(&"resp_b"));
@@ -185,7 +155,7 @@ mod tests {
         );
         lot.remove(&(key, "resp_a".into()));
         let left: Vec<String> = lot
-            .parked_reports()
+            .reports(ReportScope::Live)
             .into_iter()
             .map(|r| r.response_id)
             .collect();

@@ -19,8 +19,20 @@
 //! * a run is attached to at most one connection: an adoption of a run that
 //!   is attached is refused, and so is one asking for frames the run no
 //!   longer has or never produced (R-PARK-2);
+//! * an adoption the new connection then refuses
+//!   ([`RunPark::adoption_aborted`]) returns the run to the grace it had:
+//!   the grace runs from the loss, however many adoptions fail (R-PARK-1);
+//! * an adoption's stall timeout is validated as a fresh run's
+//!   ([`adoption_stall_timeout`]);
 //! * a run is over when its terminal frame is acknowledged, or when it
 //!   expires.
+//!
+//! Beside the machine, the rules the shell would otherwise write itself:
+//! the bytes a frame counts against the bound ([`frame_bytes`]), which end
+//! of the Edge's side of the stream parks the run and which cancels it
+//! ([`EdgeSignal::verdict`], R-DISC-1), which runs a report to an Edge names
+//! ([`select_reports`], R-PARK-2) and which hold provider capacity while
+//! without a connection ([`parked_capacity`]).
 //!
 //! The machine holds the frames (of any type `F`, with their sizes); the
 //! shell keeps one per durable run, feeds it inputs with `now`, and carries
@@ -29,6 +41,10 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use iop_wire::{AdapterKind, ParkedRun, RunEventKind};
+
+use crate::node::capacity::ParkedRuns;
+use crate::node::watchdog::effective_stall_timeout;
 use crate::time::Instant;
 
 /// The default park grace (R-PARK-1).
@@ -39,6 +55,41 @@ pub const MAX_PARK_GRACE: Duration = Duration::from_millis(600_000);
 
 /// The default bound of the frames one run keeps.
 pub const DEFAULT_MAX_KEPT_BYTES: usize = 8 * 1024 * 1024;
+
+/// Bytes every frame counts against the kept-bytes bound besides its
+/// payload (its number, type and framing), so that no frame is free.
+pub const FRAME_OVERHEAD_BYTES: usize = 64;
+
+/// The bytes `kind` counts against a run's kept-bytes bound
+/// ([`RunPark::new`]'s `max_kept_bytes`, R-PARK-1): its variable-length
+/// payload (text, tool-call fragments, embedding values, log
+/// probabilities) plus [`FRAME_OVERHEAD_BYTES`].
+pub fn frame_bytes(kind: &RunEventKind) -> usize {
+    const F32_BYTES: usize = std::mem::size_of::<f32>();
+    let payload = match kind {
+        RunEventKind::TextDelta(t) | RunEventKind::ReasoningDelta(t) => t.len(),
+        RunEventKind::ToolCallDelta(d) => {
+            d.arguments_delta.len()
+                + d.id.as_ref().map_or(0, String::len)
+                + d.name.as_ref().map_or(0, String::len)
+        }
+        RunEventKind::Embedding(e) => e.values.len() * F32_BYTES,
+        RunEventKind::Logprobs(tokens) => tokens
+            .iter()
+            .map(|t| {
+                t.token.len()
+                    + F32_BYTES
+                    + t.top
+                        .iter()
+                        .map(|(alt, _)| alt.len() + F32_BYTES)
+                        .sum::<usize>()
+            })
+            .sum(),
+        RunEventKind::Started { session_id } => session_id.len(),
+        RunEventKind::Usage(_) | RunEventKind::Completed { .. } | RunEventKind::Failed(_) => 0,
+    };
+    payload + FRAME_OVERHEAD_BYTES
+}
 
 /// The park grace a request's `grace_ms` means: `0` is the default, larger
 /// than [`MAX_PARK_GRACE`] is cut to it.
@@ -94,6 +145,66 @@ pub enum AdoptRefusal {
         /// The last frame produced.
         last: u64,
     },
+    /// The request's `response_stall_timeout_ms` is one a fresh run is
+    /// refused for (SPEC §3); the Edge is at fault.
+    #[error("response_stall_timeout_ms {stall_timeout_ms} is out of range")]
+    InvalidStallTimeout {
+        /// The refused wire value.
+        stall_timeout_ms: u64,
+    },
+}
+
+/// The stall timeout an adopting connection watches the run with: the
+/// adoption request's `response_stall_timeout_ms`, under the rule a fresh
+/// run's is (`0` the default, out of range refused, SPEC §3). An adoption
+/// asking for one a fresh run would be refused for is refused; it does not
+/// fall back to the run's old timeout.
+pub fn adoption_stall_timeout(wire_ms: u64) -> Result<Duration, AdoptRefusal> {
+    effective_stall_timeout(wire_ms).map_err(|e| AdoptRefusal::InvalidStallTimeout {
+        stall_timeout_ms: e.stall_timeout_ms,
+    })
+}
+
+/// How the Edge's side of a durable run's stream ended. A closed set: the
+/// shell classifies its transport's report into one of these, and
+/// [`EdgeSignal::verdict`] decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EdgeSignal {
+    /// The Edge finished its side cleanly (FIN) without cancelling: its
+    /// request is over there, or the Edge is going away.
+    Finished,
+    /// The whole connection is gone (closed by either side, timed out).
+    ConnectionLost,
+    /// The Edge reset its side of the stream.
+    Reset,
+    /// The Edge stopped reading the Node's side of the stream.
+    Stopped,
+    /// Anything else: bytes that are not a frame, or the stream broke.
+    Broken,
+}
+
+/// What a durable run does when its Edge's side ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EdgeVerdict {
+    /// Keep the run for another connection ([`RunPark::detached`]).
+    Park,
+    /// The Edge cancelled the response: end the run
+    /// ([`RunPark::cancelled`]) and its provider call.
+    Cancel,
+}
+
+impl EdgeSignal {
+    /// Losing the connection, or a clean end, parks the run (R-DISC-1,
+    /// R-PARK-1); only the Edge's explicit reset or stop, or a stream it
+    /// broke, cancels it.
+    pub fn verdict(self) -> EdgeVerdict {
+        match self {
+            EdgeSignal::Finished | EdgeSignal::ConnectionLost => EdgeVerdict::Park,
+            EdgeSignal::Reset | EdgeSignal::Stopped | EdgeSignal::Broken => EdgeVerdict::Cancel,
+        }
+    }
 }
 
 /// What the shell must do.
@@ -105,6 +216,71 @@ pub enum ParkOutput {
     Expired,
     /// The terminal frame was acknowledged: the run is done.
     Done,
+}
+
+/// Which durable runs a report to an Edge names (R-PARK-2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportScope {
+    /// At registration: every run that is not over. A run still attached
+    /// to a connection that is going away is named too (an adoption
+    /// detaches it first).
+    Registration,
+    /// On a live connection, when a run parks: the runs parked now.
+    Live,
+}
+
+impl ReportScope {
+    /// Whether a run in `state` is named.
+    pub fn includes(self, state: ParkState) -> bool {
+        match self {
+            ReportScope::Registration => state != ParkState::Over,
+            ReportScope::Live => matches!(state, ParkState::Parked { .. }),
+        }
+    }
+}
+
+/// The report `scope` makes of `runs` (each with its state): the runs it
+/// includes, ordered by run key, then response id (two Edges may hand out
+/// one key, R-MULTI-1), at most [`iop_wire::MAX_PARKED_RUNS`] (the wire
+/// bound): the first ones in that order. The order is total, so which runs
+/// are left out past the bound is deterministic; a run left out is not
+/// offered for adoption by this report and expires after its grace unless
+/// a later report names it.
+pub fn select_reports<'a>(
+    scope: ReportScope,
+    runs: impl IntoIterator<Item = (ParkState, &'a ParkedRun)>,
+) -> Vec<ParkedRun> {
+    let mut named: Vec<&ParkedRun> = runs
+        .into_iter()
+        .filter(|(state, _)| scope.includes(*state))
+        .map(|(_, run)| run)
+        .collect();
+    named.sort_unstable_by(|a, b| (a.key, &a.response_id).cmp(&(b.key, &b.response_id)));
+    named.truncate(iop_wire::MAX_PARKED_RUNS);
+    named.into_iter().cloned().collect()
+}
+
+/// The durable runs of `runs` (each with its state) that hold provider
+/// capacity outside every connection's count, in all and on
+/// `adapter`/`target`: the parked ones (R-PARK-1). An attached run is
+/// counted by its connection, an over one holds nothing.
+pub fn parked_capacity<'a>(
+    adapter: AdapterKind,
+    target: &str,
+    runs: impl IntoIterator<Item = (ParkState, &'a ParkedRun)>,
+) -> ParkedRuns {
+    let mut counts = ParkedRuns::default();
+    for (_, run) in runs
+        .into_iter()
+        .filter(|(state, _)| matches!(state, ParkState::Parked { .. }))
+    {
+        counts.total += 1;
+        if run.adapter == adapter && run.target == target {
+            counts.on_target += 1;
+        }
+    }
+    counts
 }
 
 /// A summary of a parked run, for the report at registration.
@@ -133,6 +309,10 @@ pub struct RunPark<F> {
     /// The number of the terminal frame, once produced.
     terminal: Option<u64>,
     state: ParkState,
+    /// The grace end of the park an adoption just took the run from, until
+    /// a frame is produced or acked or the run detaches or is cancelled:
+    /// [`RunPark::adoption_aborted`] returns it there.
+    adopted_from: Option<Instant>,
     outputs: VecDeque<ParkOutput>,
 }
 
@@ -148,6 +328,7 @@ impl<F: Clone> RunPark<F> {
             acked: 0,
             terminal: None,
             state: ParkState::Attached,
+            adopted_from: None,
             outputs: VecDeque::new(),
         }
     }
@@ -179,6 +360,7 @@ impl<F: Clone> RunPark<F> {
     /// `terminal` if it is the run's last. Returns its number. The frame is
     /// kept until acknowledged; the shell sends it now if attached.
     pub fn produced(&mut self, frame: F, bytes: usize, terminal: bool) -> u64 {
+        self.adopted_from = None;
         self.last += 1;
         let n = self.last;
         if terminal {
@@ -192,6 +374,11 @@ impl<F: Clone> RunPark<F> {
     /// The Edge acknowledged every frame through `through` as durable:
     /// they are dropped. An ack past the last frame counts only up to it.
     pub fn acked(&mut self, through: u64) {
+        self.adopted_from = None;
+        self.drop_through(through);
+    }
+
+    fn drop_through(&mut self, through: u64) {
         let through = through.min(self.last);
         if through <= self.acked {
             return;
@@ -212,6 +399,7 @@ impl<F: Clone> RunPark<F> {
 
     /// The run's connection was lost: it parks for the grace (R-PARK-1).
     pub fn detached(&mut self, now: Instant) {
+        self.adopted_from = None;
         if self.state == ParkState::Attached {
             self.state = ParkState::Parked {
                 until: now.saturating_add(self.grace),
@@ -222,13 +410,15 @@ impl<F: Clone> RunPark<F> {
     /// An Edge asks to adopt the run and resume after frame
     /// `resume_after` (the last its journal holds): the frames to replay,
     /// in order, or why not (R-PARK-2). On success the run is attached and
-    /// every frame through `resume_after` counts as acknowledged.
+    /// every frame through `resume_after` counts as acknowledged. If the
+    /// adopting connection then refuses the run, call
+    /// [`Self::adoption_aborted`] next.
     pub fn adopt(&mut self, resume_after: u64) -> Result<Vec<(u64, F)>, AdoptRefusal> {
-        match self.state {
+        let until = match self.state {
             ParkState::Attached => return Err(AdoptRefusal::Attached),
             ParkState::Over => return Err(AdoptRefusal::Over),
-            ParkState::Parked { .. } => {}
-        }
+            ParkState::Parked { until } => until,
+        };
         if resume_after > self.last {
             return Err(AdoptRefusal::Ahead {
                 resume_after,
@@ -245,11 +435,13 @@ impl<F: Clone> RunPark<F> {
         #[cfg(feature = "planted-bugs")]
         let resume_after = planted_resume_point(resume_after);
         self.state = ParkState::Attached;
-        self.acked(resume_after);
+        self.drop_through(resume_after);
         if self.state == ParkState::Over {
             // The terminal itself was already in the Edge's journal.
+            self.adopted_from = None;
             return Ok(Vec::new());
         }
+        self.adopted_from = Some(until);
         Ok(self
             .kept
             .iter()
@@ -258,9 +450,27 @@ impl<F: Clone> RunPark<F> {
             .collect())
     }
 
+    /// The connection an accepted [`Self::adopt`] attached the run to
+    /// refused it (its link would not start it): the run is parked again
+    /// until the grace end it had, not for a fresh grace, so refused
+    /// adoptions never extend the grace past the loss (R-PARK-1). The
+    /// frames the adoption counted as acknowledged stay dropped (the
+    /// record's journal holds them). Called after the adoption took (a
+    /// frame was produced or acked since), it is a loss at `now`
+    /// ([`Self::detached`]).
+    pub fn adoption_aborted(&mut self, now: Instant) {
+        match self.adopted_from.take() {
+            Some(until) if self.state == ParkState::Attached => {
+                self.state = ParkState::Parked { until };
+            }
+            _ => self.detached(now),
+        }
+    }
+
     /// The run was cancelled (by its Edge, or its provider call could not
     /// go on): it is over without a terminal of its own.
     pub fn cancelled(&mut self) {
+        self.adopted_from = None;
         self.state = ParkState::Over;
         self.kept.clear();
         self.kept_bytes = 0;
@@ -526,12 +736,232 @@ mod tests {
         assert_eq!(p.adopt(0), Err(AdoptRefusal::Over));
     }
 
+    /// R-PARK-1: the grace runs from the loss of the connection. An
+    /// adoption the new connection then refuses returns the run to that
+    /// grace; however many are refused, the run expires when it would have.
+    #[test]
+    fn a_refused_adoption_does_not_extend_the_grace_r_park_1() {
+        let mut p = park();
+        for f in ["a", "b"] {
+            p.produced(f, 1, false);
+        }
+        let t0 = Instant::from_millis(1_000);
+        let until = t0.saturating_add(GRACE);
+        p.detached(t0);
+        for i in 1..=5u64 {
+            let now = t0.saturating_add(Duration::from_secs(5 * i));
+            assert_eq!(p.adopt(1), Ok(vec![(2, "b")]));
+            assert_eq!(p.state(), ParkState::Attached);
+            p.adoption_aborted(now);
+            assert_eq!(p.state(), ParkState::Parked { until }, "attempt {i}");
+            assert_eq!(p.poll_timeout(), Some(until));
+        }
+        p.handle_timeout(until);
+        assert_eq!(p.poll_output(), Some(ParkOutput::Expired));
+        assert_eq!(p.adopt(1), Err(AdoptRefusal::Over));
+    }
+
+    /// R-PARK-1: once the adoption took (a frame went on the new
+    /// connection), losing that connection is a new loss with its own grace.
+    #[test]
+    fn an_adoption_that_took_parks_afresh_when_its_connection_is_lost_r_park_1() {
+        let mut p = park();
+        p.produced("a", 1, false);
+        p.detached(Instant::ZERO);
+        assert_eq!(p.adopt(0), Ok(vec![(1, "a")]));
+        p.produced("b", 1, false);
+        let now = Instant::from_millis(20_000);
+        p.adoption_aborted(now);
+        assert_eq!(
+            p.state(),
+            ParkState::Parked {
+                until: now.saturating_add(GRACE)
+            }
+        );
+    }
+
+    /// R-PARK-1, R-LIM-4: every frame counts its variable payload plus a
+    /// fixed overhead against the bound; no frame type is free.
+    #[test]
+    fn a_frame_counts_its_payload_plus_the_overhead_against_the_bound_r_park_1() {
+        use iop_wire::{Embedding, FinishReason, TokenLogprob, ToolCallDelta, Usage};
+        let o = FRAME_OVERHEAD_BYTES;
+        assert_eq!(frame_bytes(&RunEventKind::TextDelta("tok1".into())), 4 + o);
+        assert_eq!(
+            frame_bytes(&RunEventKind::ReasoningDelta("hm".into())),
+            2 + o
+        );
+        let call = ToolCallDelta {
+            index: 0,
+            id: Some("c1".into()),
+            name: Some("get".into()),
+            arguments_delta: "{\"a\"".into(),
+        };
+        assert_eq!(
+            frame_bytes(&RunEventKind::ToolCallDelta(call)),
+            2 + 3 + 4 + o
+        );
+        let embedding = Embedding {
+            index: 0,
+            values: vec![0.5; 10],
+        };
+        assert_eq!(frame_bytes(&RunEventKind::Embedding(embedding)), 40 + o);
+        let logprobs = vec![TokenLogprob {
+            token: "abc".into(),
+            logprob: -0.1,
+            top: vec![("abd".into(), -2.0), ("x".into(), -3.0)],
+        }];
+        assert_eq!(
+            frame_bytes(&RunEventKind::Logprobs(logprobs)),
+            (3 + 4) + (3 + 4) + (1 + 4) + o
+        );
+        assert_eq!(frame_bytes(&RunEventKind::Usage(Usage::default())), o);
+        let done = RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: None,
+        };
+        assert_eq!(frame_bytes(&done), o);
+        // At the bound: 100 bytes hold one 36-byte text frame (100), not two.
+        let mut p: RunPark<RunEventKind> = RunPark::new(GRACE, 100);
+        let frame = RunEventKind::TextDelta("x".repeat(36));
+        p.produced(frame.clone(), frame_bytes(&frame), false);
+        assert!(!p.wants_provider());
+    }
+
+    /// R-DISC-1: a lost connection or a clean end parks a durable run;
+    /// only the Edge's reset or stop, or a stream it broke, cancels it.
+    #[test]
+    fn only_a_reset_stop_or_broken_stream_cancels_a_durable_run_r_disc_1() {
+        assert_eq!(EdgeSignal::Finished.verdict(), EdgeVerdict::Park);
+        assert_eq!(EdgeSignal::ConnectionLost.verdict(), EdgeVerdict::Park);
+        assert_eq!(EdgeSignal::Reset.verdict(), EdgeVerdict::Cancel);
+        assert_eq!(EdgeSignal::Stopped.verdict(), EdgeVerdict::Cancel);
+        assert_eq!(EdgeSignal::Broken.verdict(), EdgeVerdict::Cancel);
+    }
+
+    /// R-PARK-2 (SPEC §3): an adoption's stall timeout follows a fresh
+    /// run's rule; one a fresh run is refused for refuses the adoption.
+    #[test]
+    fn an_adoption_with_a_stall_timeout_a_fresh_run_refuses_is_refused_r_park_2() {
+        use iop_wire::{
+            DEFAULT_RESPONSE_STALL_TIMEOUT_MS, MAX_RESPONSE_STALL_TIMEOUT_MS,
+            MIN_RESPONSE_STALL_TIMEOUT_MS,
+        };
+        for ms in [
+            0,
+            1,
+            MIN_RESPONSE_STALL_TIMEOUT_MS - 1,
+            MIN_RESPONSE_STALL_TIMEOUT_MS,
+            MAX_RESPONSE_STALL_TIMEOUT_MS,
+            MAX_RESPONSE_STALL_TIMEOUT_MS + 1,
+            u64::MAX,
+        ] {
+            match effective_stall_timeout(ms) {
+                Ok(d) => assert_eq!(adoption_stall_timeout(ms), Ok(d)),
+                Err(_) => assert_eq!(
+                    adoption_stall_timeout(ms),
+                    Err(AdoptRefusal::InvalidStallTimeout {
+                        stall_timeout_ms: ms
+                    })
+                ),
+            }
+        }
+        assert_eq!(
+            adoption_stall_timeout(0),
+            Ok(Duration::from_millis(DEFAULT_RESPONSE_STALL_TIMEOUT_MS))
+        );
+        assert!(adoption_stall_timeout(MAX_RESPONSE_STALL_TIMEOUT_MS + 1).is_err());
+    }
+
+    fn report(generation: u64, run_id: u64, response_id: &str, target: &str) -> ParkedRun {
+        ParkedRun {
+            key: iop_wire::RunKey { generation, run_id },
+            response_id: response_id.into(),
+            adapter: AdapterKind::Mock,
+            target: target.into(),
+            first_kept_frame: 1,
+            last_frame: 0,
+            ended: false,
+        }
+    }
+
+    const PARKED: ParkState = ParkState::Parked {
+        until: Instant::ZERO,
+    };
+
+    /// R-PARK-2: a registration names every run not over, a live report
+    /// only the parked ones; both in key then response order.
+    #[test]
+    fn a_registration_reports_every_run_not_over_a_live_report_the_parked_r_park_2() {
+        let runs = [
+            (ParkState::Over, report(1, 1, "over", "m")),
+            (PARKED, report(2, 1, "b", "m")),
+            (ParkState::Attached, report(1, 2, "attached", "m")),
+            (PARKED, report(2, 1, "a", "m")),
+        ];
+        let ids = |scope| -> Vec<String> {
+            select_reports(scope, runs.iter().map(|(s, r)| (*s, r)))
+                .into_iter()
+                .map(|r| r.response_id)
+                .collect()
+        };
+        assert_eq!(ids(ReportScope::Registration), ["attached", "a", "b"]);
+        assert_eq!(ids(ReportScope::Live), ["a", "b"]);
+    }
+
+    /// R-PARK-2: past the wire bound a report keeps the first runs in key
+    /// then response order, the same ones whatever order they come in.
+    #[test]
+    fn a_report_past_the_wire_bound_keeps_the_first_runs_deterministically_r_park_2() {
+        let max = iop_wire::MAX_PARKED_RUNS as u64;
+        let mut runs: Vec<(ParkState, ParkedRun)> = (0..max)
+            .rev()
+            .map(|i| (PARKED, report(1, 10 + i, "r", "m")))
+            .collect();
+        // Two Edges' runs share key (1, 0), told apart by response.
+        runs.push((PARKED, report(1, 0, "z", "m")));
+        runs.push((PARKED, report(1, 0, "y", "m")));
+        let picked = select_reports(ReportScope::Live, runs.iter().map(|(s, r)| (*s, r)));
+        assert_eq!(picked.len(), iop_wire::MAX_PARKED_RUNS);
+        assert_eq!(picked[0].response_id, "y");
+        assert_eq!(picked[1].response_id, "z");
+        assert_eq!(picked.last().map(|r| r.key.run_id), Some(10 + max - 3));
+        runs.reverse();
+        let again = select_reports(ReportScope::Live, runs.iter().map(|(s, r)| (*s, r)));
+        assert_eq!(again, picked);
+    }
+
+    /// R-PARK-1: only parked runs hold capacity outside the connections'
+    /// count; attached ones are counted by their connection.
+    #[test]
+    fn only_parked_runs_hold_capacity_outside_the_connections_r_park_1() {
+        let runs = [
+            (PARKED, report(1, 1, "a", "m")),
+            (PARKED, report(1, 2, "b", "other")),
+            (ParkState::Attached, report(1, 3, "c", "m")),
+            (ParkState::Over, report(1, 4, "d", "m")),
+        ];
+        assert_eq!(
+            parked_capacity(AdapterKind::Mock, "m", runs.iter().map(|(s, r)| (*s, r))),
+            ParkedRuns {
+                total: 2,
+                on_target: 1
+            }
+        );
+        assert_eq!(
+            parked_capacity(AdapterKind::Mock, "none", std::iter::empty()),
+            ParkedRuns::default()
+        );
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Produce(usize, bool),
         Ack(u64),
         Detach,
         Adopt(u64),
+        /// An adoption the new connection refuses.
+        AdoptRefused(u64),
         Tick(u64),
     }
 
@@ -541,6 +971,7 @@ mod tests {
             2 => (0u64..40).prop_map(Op::Ack),
             1 => Just(Op::Detach),
             2 => (0u64..40).prop_map(Op::Adopt),
+            1 => (0u64..40).prop_map(Op::AdoptRefused),
             1 => (0u64..60_000).prop_map(Op::Tick),
         ]
     }
@@ -550,7 +981,9 @@ mod tests {
         /// an accepted adoption replays exactly the frames after its resume
         /// point that the model has, nothing is dropped before its ack,
         /// the kept bytes never pass the bound by more than one frame, and
-        /// a run is attached to at most one connection.
+        /// a run is attached to at most one connection, and a parked run's
+        /// grace ends at most the grace after the last loss of a connection
+        /// that took it (refused adoptions do not extend it).
         #[test]
         fn frames_are_never_lost_before_their_ack(ops in proptest::collection::vec(op(), 0..80)) {
             let mut p: RunPark<u64> = RunPark::new(GRACE, 100);
@@ -558,6 +991,8 @@ mod tests {
             let mut acked = 0u64;
             let mut now = Instant::ZERO;
             let mut attached = true;
+            // The grace end the last real loss set.
+            let mut lost_until: Option<Instant> = None;
             for op in ops {
                 match op {
                     Op::Produce(bytes, terminal) => {
@@ -575,8 +1010,21 @@ mod tests {
                         }
                     }
                     Op::Detach => {
+                        if attached {
+                            lost_until = Some(now.saturating_add(GRACE));
+                        }
                         p.detached(now);
                         attached = false;
+                    }
+                    Op::AdoptRefused(k) => {
+                        let before = p.state();
+                        if p.adopt(k).is_ok() {
+                            if p.state() == ParkState::Attached {
+                                p.adoption_aborted(now);
+                                prop_assert_eq!(p.state(), before, "back where it was");
+                            }
+                            acked = acked.max(k);
+                        }
                     }
                     Op::Adopt(k) => match p.adopt(k) {
                         Ok(replay) => {
@@ -594,11 +1042,15 @@ mod tests {
                         Err(AdoptRefusal::Gap { first_kept, .. }) => prop_assert!(k + 1 < first_kept && first_kept > acked.min(first_kept)),
                         Err(AdoptRefusal::Ahead { last, .. }) => prop_assert!(k > last),
                         Err(AdoptRefusal::Over) => prop_assert_eq!(p.state(), ParkState::Over),
+                        Err(AdoptRefusal::InvalidStallTimeout { .. }) => prop_assert!(false, "not decided here"),
                     },
                     Op::Tick(ms) => {
                         now = now.saturating_add(Duration::from_millis(ms));
                         p.handle_timeout(now);
                     }
+                }
+                if let (ParkState::Parked { until }, Some(bound)) = (p.state(), lost_until) {
+                    prop_assert!(until <= bound, "grace extended");
                 }
                 if p.state() != ParkState::Over {
                     // Nothing after the last ack is gone.
