@@ -2992,7 +2992,6 @@ impl World {
                 spec,
                 provider,
                 plan,
-                stall,
                 generation,
                 run_id,
             );

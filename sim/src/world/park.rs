@@ -41,7 +41,7 @@ use iop_core::journal::RecordMeta;
 use iop_core::node::link::{NodeLinkInput, NodeLinkOutput};
 use iop_core::node::park::{ParkOutput, ParkState, RunPark};
 use iop_core::node::watchdog::{
-    Emission, ProviderEvent, ProviderOutcome, effective_stall_timeout, sanitize_provider_failure,
+    Emission, ProviderEvent, ProviderOutcome, sanitize_provider_failure,
 };
 use iop_wire::{
     AdapterKind, AdoptRequest, FinishReason, ParkSpec, ParkedRun, RunEvent, RunEventKind, RunKey,
@@ -66,8 +66,6 @@ pub(super) struct NodeDurableRun {
     park: RunPark<RunEventKind>,
     /// The connection and run id it is attached to, if any.
     attached: Option<(ConnId, RunId)>,
-    /// The stall timeout it was started with.
-    stall: Duration,
 }
 
 /// A parked run being taken over: the record's epoch is being raised for
@@ -78,16 +76,6 @@ pub(super) struct PendingAdoption {
     offer: ParkedOffer,
     /// What the offer read before the raise.
     last_seq: u64,
-}
-
-/// Bytes a frame counts against the park bound (`iop-node`'s
-/// `frame_bytes`).
-fn frame_bytes(kind: &RunEventKind) -> usize {
-    let payload = match kind {
-        RunEventKind::TextDelta(t) | RunEventKind::ReasoningDelta(t) => t.len(),
-        _ => 0,
-    };
-    payload + 64
 }
 
 /// The durable run attached to `conn` as `run_id`, if any.
@@ -104,13 +92,12 @@ impl World {
     /// The node's durable runs a registration reports (R-PARK-2): every one
     /// that is not over.
     pub(super) fn parked_reports(&self, node: usize) -> Vec<ParkedRun> {
-        let mut reports: Vec<ParkedRun> = self.nodes[node]
+        let runs: Vec<(ParkState, ParkedRun)> = self.nodes[node]
             .durable
             .iter()
-            .filter(|(_, r)| r.park.state() != ParkState::Over)
             .map(|(key, r)| {
                 let summary = r.park.summary();
-                ParkedRun {
+                let run = ParkedRun {
                     key: *key,
                     response_id: r.response_id.clone(),
                     adapter: AdapterKind::Mock,
@@ -118,11 +105,14 @@ impl World {
                     first_kept_frame: summary.first_kept,
                     last_frame: summary.last,
                     ended: summary.ended,
-                }
+                };
+                (r.park.state(), run)
             })
             .collect();
-        reports.truncate(iop_wire::MAX_PARKED_RUNS);
-        reports
+        iop_core::node::park::select_reports(
+            iop_core::node::park::ReportScope::Registration,
+            runs.iter().map(|(state, run)| (*state, run)),
+        )
     }
 
     /// A run with a `ParkSpec` starts: it is attached to `conn` (its
@@ -136,7 +126,6 @@ impl World {
         spec: ParkSpec,
         provider: usize,
         plan: CallPlan,
-        stall: Duration,
         generation: u64,
         run_id: RunId,
     ) {
@@ -157,7 +146,6 @@ impl World {
                 },
                 park: RunPark::new(grace, self.cfg.journal.park_kept_bytes),
                 attached: Some((conn, run_id)),
-                stall,
             },
         );
         self.schedule(
@@ -302,7 +290,7 @@ impl World {
         if run.park.summary().ended || run.park.state() == ParkState::Over {
             return;
         }
-        let bytes = frame_bytes(&kind);
+        let bytes = iop_core::node::park::frame_bytes(&kind);
         run.park.produced(kind.clone(), bytes, terminal);
         if terminal {
             run.call.returned = true;
@@ -471,6 +459,13 @@ impl World {
         else {
             return reset(self);
         };
+        // An adoption follows a fresh run's stall rule, checked before the
+        // park is touched (as `iop-node` does): an invalid one refuses it.
+        let Ok(stall) =
+            iop_core::node::park::adoption_stall_timeout(request.response_stall_timeout_ms)
+        else {
+            return reset(self);
+        };
         let replay = match run.park.adopt(request.resume_after_frame) {
             Ok(replay) => replay,
             Err(_) => {
@@ -478,7 +473,6 @@ impl World {
                 return reset(self);
             }
         };
-        let stall = effective_stall_timeout(request.response_stall_timeout_ms).unwrap_or(run.stall);
         let deadline = (request.deadline_ms > 0)
             .then(|| now.saturating_add(Duration::from_millis(request.deadline_ms)));
         let ended = run.park.summary().ended;
@@ -496,7 +490,7 @@ impl World {
         ) {
             // The new connection would not take it: it stays parked.
             if let Some(run) = self.nodes[node].durable.get_mut(&key) {
-                run.park.detached(now);
+                run.park.adoption_aborted(now);
                 if let Some(until) = run.park.poll_timeout() {
                     let process = self.nodes[node].process;
                     self.schedule(until, Event::ParkExpire { node, process, key });
