@@ -52,7 +52,8 @@
 //!   the run limit over every connection, the stall watchdog for runs and
 //!   tunnels (R-WD-1..8),
 //!   the connection-scoped observation sequence (R-SEQ-1) and what an
-//!   exact-target probe answer means (R-WD-5, R-CAP-1).
+//!   exact-target probe answer means (R-WD-5, R-CAP-1) and what a failed
+//!   provider call is on the wire (R-WD-6, R-WD-8).
 //! * [`edge`]: the Edge's registry of node generations (R-GEN-1..4),
 //!   admission and leases (R-LEASE, R-SEL), the runtime health overlay and
 //!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE), the

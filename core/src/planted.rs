@@ -260,6 +260,7 @@ mod tests {
                     stall_timeout_ms: 1000,
                 }],
                 generation_floor: 0,
+                generation_mark: None,
                 known_nodes: None,
                 health: crate::edge::health::HealthConfig::default(),
                 capacity_from_node: Default::default(),
@@ -464,7 +465,7 @@ mod tests {
             }
             p.acked(1);
             p.detached(T);
-            p.adopt(2).expect("adopted")
+            p.adopt(T, 2).expect("adopted")
         });
         assert_eq!(replay, vec![(2, 2), (3, 3)], "frame 2 again");
     }
@@ -478,7 +479,7 @@ mod tests {
                 p.produced(f, 1, false);
             }
             p.detached(T);
-            p.adopt(1).expect("adopted")
+            p.adopt(T, 1).expect("adopted")
         });
         assert_eq!(replay, vec![(3, 3)], "frame 2 lost");
     }

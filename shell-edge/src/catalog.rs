@@ -26,6 +26,14 @@ use std::sync::RwLock;
 use iop_core::ids::ProviderId;
 use iop_wire::{CapabilitiesReport, ProviderHealth};
 
+/// Does `pattern` (an exact name, `*`, or a `prefix*`) match `model`?
+pub fn model_matches(pattern: &str, model: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => model.starts_with(prefix),
+        None => pattern == model,
+    }
+}
+
 /// Most models kept per provider; further names in one report are dropped.
 pub const MAX_MODELS_PER_PROVIDER: usize = 1024;
 
@@ -125,11 +133,7 @@ impl ModelNames {
     /// The name clients use for discovered model `discovered`; `None`
     /// when it is hidden.
     pub fn client_name<'a>(&'a self, discovered: &'a str) -> Option<&'a str> {
-        if self
-            .hide
-            .iter()
-            .any(|p| crate::config::model_matches(p, discovered))
-        {
+        if self.hide.iter().any(|p| model_matches(p, discovered)) {
             return None;
         }
         Some(

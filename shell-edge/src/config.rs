@@ -15,6 +15,8 @@ use iop_transport::telemetry::OtlpSection;
 use iop_wire::{AdapterKind, MAX_RESPONSE_STALL_TIMEOUT_MS, MIN_RESPONSE_STALL_TIMEOUT_MS};
 use serde::Deserialize;
 
+use crate::catalog::model_matches;
+
 /// How a provider's OpenAI traffic travels to its node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -1494,14 +1496,6 @@ fn parse_credentials(
         });
     }
     Ok(out)
-}
-
-/// Does `pattern` (an exact name, `*`, or a `prefix*`) match `model`?
-pub fn model_matches(pattern: &str, model: &str) -> bool {
-    match pattern.strip_suffix('*') {
-        Some(prefix) => model.starts_with(prefix),
-        None => pattern == model,
-    }
 }
 
 impl DiscoveredModelsSection {

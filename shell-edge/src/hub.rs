@@ -13,12 +13,11 @@ use iop_core::edge::dispatch::{
     CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, ParkedOffer, ProbeAnswer,
     RequestCommand, RequestEvent,
 };
-use iop_core::edge::generations::GenerationReserve;
 use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::{RejectCause, Rejection};
 use iop_core::ids::{Generation, NodeId};
 use iop_trace::{DispatchConfigRec, MachineKind, Tap, TraceWriter, TracedDispatcher};
-use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, RegisterRequest, RejectReason};
+use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, RegisterRequest};
 use iop_wire::{
     Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode,
 };
@@ -312,7 +311,6 @@ struct Hub {
     dispatcher: TracedDispatcher,
     store: Option<GenerationStore>,
     /// Generations durable before use (R-GEN-1), saved off this task.
-    reserve: GenerationReserve,
     links: HashMap<(NodeId, Generation), LinkHandle>,
     /// Per connection: the recipient key (if valid) and the snapshot it got.
     peers: HashMap<(NodeId, Generation), Peer>,
@@ -336,7 +334,7 @@ struct Hub {
 /// recorded there (iop-trace format, machine `edge-dispatch`).
 pub fn spawn(
     config: DispatchConfig,
-    store: Option<(GenerationStore, GenerationReserve)>,
+    store: Option<GenerationStore>,
     clock: Clock,
     metrics: Arc<EdgeMetrics>,
     trace: Option<Box<dyn std::io::Write + Send>>,
@@ -363,10 +361,7 @@ pub fn spawn(
         probe_bound,
         clock,
         dispatcher: TracedDispatcher::new(now, config, tap)?,
-        reserve: store
-            .as_ref()
-            .map_or_else(GenerationReserve::unbounded, |(_, r)| r.clone()),
-        store: store.map(|(s, _)| s),
+        store,
         links: HashMap::new(),
         peers: HashMap::new(),
         creds,
@@ -518,13 +513,18 @@ impl Hub {
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
-            HubMsg::GenerationsSaved { mark, saved } => match saved {
-                Ok(()) => self.reserve.saved(mark),
-                Err(error) => {
+            HubMsg::GenerationsSaved { mark, saved } => {
+                if let Err(error) = &saved {
                     tracing::error!(event = "generation_store_failed", error = %error);
-                    self.reserve.save_failed(mark);
                 }
-            },
+                self.dispatcher.handle_input(
+                    self.clock.now(),
+                    DispatchInput::GenerationMarkSaved {
+                        mark,
+                        saved: saved.is_ok(),
+                    },
+                );
+            }
             HubMsg::Shutdown => {}
             HubMsg::RefreshCredentials => {
                 let states = self.creds.states();
@@ -574,9 +574,7 @@ impl Hub {
         }
     }
 
-    /// A registration's answer: complete the peer's entry, make the
-    /// generation durable before it is used (R-GEN-1 across restarts), and
-    /// reply.
+    /// A registration's answer: complete the peer's entry and reply.
     fn registered(
         &mut self,
         node: NodeId,
@@ -592,30 +590,6 @@ impl Hub {
         };
         let result = match result {
             Ok((generation, mut snapshot)) => {
-                self.reserve_generations();
-                if !self.reserve.covers(generation) {
-                    tracing::error!(
-                        event = "generation_not_durable",
-                        node = %node,
-                        durable_mark = self.reserve.durable()
-                    );
-                    // Refused: the generation is fenced at once and never
-                    // dispatched to.
-                    self.dispatcher.handle_input(
-                        self.clock.now(),
-                        DispatchInput::ConnectionClosed {
-                            node,
-                            generation,
-                            reason: CloseCode::RegistrationRejected,
-                        },
-                    );
-                    let _ = reply.send(Err(Rejection {
-                        reason: RejectReason::ShuttingDown,
-                        cause: RejectCause::GenerationNotDurable,
-                        message: "the edge could not store the connection generation".into(),
-                    }));
-                    return;
-                }
                 snapshot.credential_profiles = self.creds.states();
                 snapshot.lease_signing_key = Some(self.creds.verifying_key());
                 snapshot.managed_targets = self.managed.get(&node).cloned().unwrap_or_default();
@@ -629,20 +603,27 @@ impl Hub {
                 self.links.insert((node, generation), link);
                 Ok((generation, snapshot))
             }
-            Err(rejection) => Err(rejection),
+            Err(rejection) => {
+                if rejection.cause == RejectCause::GenerationNotDurable {
+                    tracing::error!(event = "generation_not_durable", node = %node);
+                }
+                Err(rejection)
+            }
         };
         let _ = reply.send(result);
     }
 
-    /// Persist the next generation mark off this task when one is due
-    /// (`iop_core::edge::generations`): its fsync never holds up a
+    /// Persist the generation mark the dispatcher asked for off this task
+    /// (`iop_core::edge::generations`, R-GEN-1): its fsync never holds up a
     /// registration or a request (R-LIM-4).
-    fn reserve_generations(&mut self) {
+    fn save_generation_mark(&mut self, mark: Generation) {
         let Some(store) = &self.store else {
-            return;
-        };
-        let high_water = self.dispatcher.inner().registry().high_water();
-        let Some(mark) = self.reserve.poll_save(high_water) else {
+            // The dispatcher asks only when started with a mark, which only
+            // a store gives; answer so its reservation is not left pending.
+            self.dispatcher.handle_input(
+                self.clock.now(),
+                DispatchInput::GenerationMarkSaved { mark, saved: false },
+            );
             return;
         };
         let (store, tx) = (store.clone(), self.tx.clone());
@@ -706,6 +687,7 @@ impl Hub {
                     tracing::info!(event = "edge_node_ready", node = %node, generation);
                 }
                 DispatchOutput::Registered { node, result } => self.registered(node, result),
+                DispatchOutput::SaveGenerationMark { mark } => self.save_generation_mark(mark),
                 DispatchOutput::ReadyAnswer { accepted, .. } => {
                     if let Some(reply) = self.readying.take() {
                         let _ = reply.send(accepted);

@@ -443,7 +443,7 @@ impl EdgeMetrics {
         }
         routes
             .iter()
-            .filter(|m| m.ends_with('*') && crate::config::model_matches(m, model))
+            .filter(|m| m.ends_with('*') && crate::catalog::model_matches(m, model))
             .max_by_key(|m| m.len())
             .map_or(OTHER_MODEL, String::as_str)
     }

@@ -15,7 +15,6 @@
 //! `iop_core::node::park`'s; this task carries it out.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
@@ -23,8 +22,10 @@ use iop_core::node::park::{
     EdgeSignal, EdgeVerdict, ParkOutput, ParkState, RunPark, adoption_stall_timeout,
     effective_park_grace, frame_bytes,
 };
+use iop_core::node::provider::ProviderCallError;
 use iop_core::node::watchdog::{
-    Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, effective_stall_timeout,
+    Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, effective_deadline,
+    effective_stall_timeout,
 };
 use iop_transport::clock::Clock;
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend};
@@ -149,7 +150,7 @@ pub async fn run_durable(
         crate::metrics::RunRecord::new(&shared.metrics, adapter_kind, &target, "normalized");
     let run_span = crate::metrics::RunSpan(span);
     let (control_tx, mut control) = mpsc::unbounded_channel();
-    let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
+    let deadline = effective_deadline(req.deadline_ms);
     let admitted = link
         .ask(|reply| LinkMsg::Start {
             run_id: req.run_id,
@@ -272,9 +273,9 @@ pub async fn run_durable(
             },
             item = next_item(&mut provider), if park.wants_provider() => {
                 let Some(kind) = item else {
-                    // The provider stream ended without a terminal.
+                    // The provider stream ended without a terminal (R-WD-6).
                     provider = None;
-                    let failure = ExecutionFailure::new(FailureCode::MalformedResponse);
+                    let failure = ProviderCallError::missing_terminal();
                     record.finish(Some(failure.code));
                     let kind = RunEventKind::Failed(failure);
                     let bytes = frame_bytes(&kind);
@@ -430,7 +431,7 @@ async fn adopt(
         request,
     } = attach;
     let accepted = adoption_stall_timeout(request.response_stall_timeout_ms)
-        .and_then(|stall| Ok((stall, park.adopt(request.resume_after_frame)?)));
+        .and_then(|stall| Ok((stall, park.adopt(clock.now(), request.resume_after_frame)?)));
     let (stall, replay) = match accepted {
         Ok(accepted) => accepted,
         Err(why) => {
@@ -439,7 +440,7 @@ async fn adopt(
             return;
         }
     };
-    let deadline = (request.deadline_ms > 0).then(|| Duration::from_millis(request.deadline_ms));
+    let deadline = effective_deadline(request.deadline_ms);
     let admitted = link
         .ask(|reply| LinkMsg::Start {
             run_id: request.run_id,

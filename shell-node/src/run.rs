@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
+use iop_core::node::provider::ProviderCallError;
 use iop_core::node::watchdog::{
-    Emission, ProviderEvent, RunKind, RunTerminal, effective_stall_timeout,
+    Emission, ProviderEvent, RunKind, RunTerminal, effective_deadline, effective_stall_timeout,
 };
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend};
 use iop_transport::traces::{Kind, TraceSpan};
@@ -88,7 +89,7 @@ pub async fn serve_stream(
             let span = shared.metrics.run_span("normalized", req.trace_context);
             let run_id = req.run_id;
             let stall = req.response_stall_timeout_ms;
-            let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
+            let deadline = effective_deadline(req.deadline_ms);
             let adapter = shared.adapter(req.adapter, &req.target).cloned();
             let sink = RunSink { run_id };
             let mut req = req;
@@ -117,7 +118,7 @@ pub async fn serve_stream(
             let span = shared.metrics.run_span("tunnel", req.trace_context);
             let run_id = req.run_id;
             let stall = req.response_stall_timeout_ms;
-            let deadline = (req.deadline_ms > 0).then(|| Duration::from_millis(req.deadline_ms));
+            let deadline = effective_deadline(req.deadline_ms);
             let adapter = shared.adapter(req.adapter, &req.target).cloned();
             let mut req = req;
             let credential = Credential {
@@ -412,10 +413,9 @@ async fn execute<S, F>(
             },
             item = next_item(&mut provider) => {
                 let Some(item) = item else {
-                    // The provider stream ended without a terminal: a broken
-                    // adapter; report it as a provider error.
+                    // The provider stream ended without a terminal (R-WD-6).
                     provider = None;
-                    let failure = ExecutionFailure::new(FailureCode::MalformedResponse);
+                    let failure = ProviderCallError::missing_terminal();
                     let Some(emission) = offer::<S>(link, run_id, &sink.failure(failure.clone()), ProviderEvent::Returned(
                         iop_core::node::watchdog::ProviderOutcome::Failed(failure.clone()),
                     )).await else { break };

@@ -37,6 +37,7 @@ use iop_core::edge::dispatch::{
 };
 use iop_core::edge::health::{HealthConfig, ProbeTicket};
 use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
+use iop_core::edge::registry::RejectCause;
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::node::session::ObservationSequence;
 use iop_core::node::watchdog::{
@@ -137,6 +138,10 @@ struct DispatchModel {
     last_seq: BTreeMap<(ProviderId, Generation), u64>,
     lowered: BTreeSet<(ProviderId, Generation)>,
     tickets: Vec<(ProbeTicket, usize, Option<Generation>)>,
+    /// The persisted generation mark (`None`: no store).
+    durable_mark: Option<Generation>,
+    /// Marks asked to be saved and not answered yet.
+    saves: Vec<Generation>,
 }
 
 impl DispatchModel {
@@ -378,6 +383,14 @@ fn carry(d: &mut Dispatcher, m: &mut DispatchModel, out: DispatchOutput) {
                 m.tickets.push((ticket, node, generation));
             }
         }
+        DispatchOutput::SaveGenerationMark { mark } => {
+            assert!(
+                m.durable_mark.is_some(),
+                "R-GEN-1: a save asked for with no store"
+            );
+            assert!(m.saves.is_empty(), "a second save while one is in flight");
+            m.saves.push(mark);
+        }
         DispatchOutput::CloseConnection { .. }
         | DispatchOutput::Fenced { .. }
         | DispatchOutput::NodeReady { .. }
@@ -461,13 +474,21 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
         })
         .collect();
     let refresh_ms = 100 + 50 * input.below(20) as u64;
+    let floor = input.below(4) as u64 * 100;
+    // R-GEN-1 across restarts: no store (every generation covered), or a
+    // persisted mark a few generations ahead that saves must keep up with.
+    let generation_mark = match input.below(3) {
+        0 => None,
+        k => Some(floor + 2 * k as u64),
+    };
     let config = DispatchConfig {
         admission: AdmissionConfig {
             queue_capacity: input.below(5),
             queue_timeout: Duration::from_millis(50 + 100 * input.below(10) as u64),
         },
         providers: providers.clone(),
-        generation_floor: input.below(4) as u64 * 100,
+        generation_floor: floor,
+        generation_mark,
         known_nodes: None,
         health: HealthConfig {
             refresh_interval: Duration::from_millis(refresh_ms),
@@ -482,7 +503,10 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
         return;
     };
     setup(&d);
-    let mut m = DispatchModel::default();
+    let mut m = DispatchModel {
+        durable_mark: generation_mark,
+        ..DispatchModel::default()
+    };
     let provider_ids: Vec<ProviderId> = providers.iter().map(|p| p.id.clone()).collect();
     for _ in 0..MAX_OPS {
         if input.is_empty() {
@@ -492,6 +516,18 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
         match input.below(12) {
             0 => {
                 let node = input.below(nodes);
+                // A save in flight ends first, well or not, or stays.
+                if let Some(&mark) = m.saves.first() {
+                    let how = input.below(3);
+                    if how < 2 {
+                        m.saves.clear();
+                        let saved = how == 1;
+                        d.handle_input(now, DispatchInput::GenerationMarkSaved { mark, saved });
+                        if saved {
+                            m.durable_mark = m.durable_mark.map(|d| d.max(mark));
+                        }
+                    }
+                }
                 let registered = answer(
                     &mut d,
                     now,
@@ -500,18 +536,36 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
                         request: register_request(),
                     },
                 );
-                let Some(DispatchOutput::Registered {
-                    result: Ok((g, _)), ..
-                }) = registered
-                else {
-                    panic!("a valid registration was refused: {registered:?}");
-                };
-                assert!(
-                    m.generations.values().flatten().all(|earlier| *earlier < g),
-                    "R-GEN-1: generation {g} is not above every earlier one"
-                );
-                m.generations.entry(node).or_default().push(g);
-                m.current.insert(node, (g, false));
+                match registered {
+                    Some(DispatchOutput::Registered {
+                        result: Ok((g, _)), ..
+                    }) => {
+                        assert!(
+                            m.durable_mark.is_none_or(|d| g <= d),
+                            "R-GEN-1: generation {g} above the durable mark {:?} was used",
+                            m.durable_mark
+                        );
+                        assert!(
+                            m.generations.values().flatten().all(|earlier| *earlier < g),
+                            "R-GEN-1: generation {g} is not above every earlier one"
+                        );
+                        m.generations.entry(node).or_default().push(g);
+                        m.current.insert(node, (g, false));
+                    }
+                    Some(DispatchOutput::Registered {
+                        result: Err(rejection),
+                        ..
+                    }) if rejection.cause == RejectCause::GenerationNotDurable => {
+                        assert!(
+                            m.durable_mark.is_some(),
+                            "R-GEN-1: refused as not durable with no store"
+                        );
+                        // The node's earlier connection was replaced, the
+                        // new generation fenced at once.
+                        m.current.remove(&node);
+                    }
+                    other => panic!("a valid registration was refused: {other:?}"),
+                }
             }
             1 => {
                 let node = input.below(nodes);

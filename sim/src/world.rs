@@ -74,6 +74,7 @@ use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_core::node::link::{LinkEnd, NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
+use iop_core::node::provider::ProviderCallError;
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, WatchdogConfig,
     effective_stall_timeout,
@@ -770,12 +771,14 @@ impl Call {
                     self.stage = CallStage::Idle;
                     self.returned = true;
                     let outcome = match plan.ending {
-                        Ending::Error => ProviderOutcome::Failed(ExecutionFailure::new(
-                            FailureCode::ProviderError,
-                        )),
-                        Ending::Abrupt => ProviderOutcome::Failed(ExecutionFailure::new(
-                            FailureCode::ProviderUnreachable,
-                        )),
+                        // As iop-node's adapters classify them (core's rule):
+                        // an error inside the stream, a connection cut mid-answer.
+                        Ending::Error => {
+                            ProviderOutcome::Failed(ProviderCallError::Reported.failure())
+                        }
+                        Ending::Abrupt => {
+                            ProviderOutcome::Failed(ProviderCallError::ConnectionBroke.failure())
+                        }
                         Ending::Complete
                         | Ending::StallAfter(_)
                         | Ending::Hang
@@ -799,16 +802,13 @@ impl Call {
     }
 }
 
-/// The failure `iop-node`'s HTTP adapters report for an error status
-/// (`ProviderCallError::Status`): `provider_error` with the status and its
-/// health class (`http_5xx`); the watchdog marks it retryable by class
-/// (R-FAIL-1) and the Edge's health tracker takes it as run evidence
-/// (`run_health`, R-FAIL-3).
+/// The failure `iop-node`'s HTTP adapters report for an error status,
+/// classified by core's rule (`ProviderCallError::Status`): `provider_error`
+/// with the status and its health class (`http_5xx`); the watchdog marks it
+/// retryable by class (R-FAIL-1) and the Edge's health tracker takes it as
+/// run evidence (`run_health`, R-FAIL-3).
 fn http_5xx(status: u16) -> ExecutionFailure {
-    let mut failure = ExecutionFailure::new(FailureCode::ProviderError);
-    failure.http_status = Some(status);
-    failure.health_failure = iop_core::edge::health::classify_http_status(status);
-    failure
+    ProviderCallError::Status { status }.failure()
 }
 
 /// Whether a provider event is the end of a call that answered HTTP 5xx.
@@ -1454,6 +1454,7 @@ impl World {
             },
             providers: self.providers.clone(),
             generation_floor: floor,
+            generation_mark: None,
             known_nodes: None,
             health: self.cfg.health,
             capacity_from_node: Default::default(),
@@ -1870,9 +1871,12 @@ impl World {
                     }
                 }
                 DispatchOutput::Fenced { .. } => self.stats.fences += 1,
+                // The simulated Edge has no generation store (its config's
+                // mark is `None`): the dispatcher never asks for a save.
                 DispatchOutput::NodeReady { .. }
                 | DispatchOutput::Registered { .. }
-                | DispatchOutput::ReadyAnswer { .. } => {}
+                | DispatchOutput::ReadyAnswer { .. }
+                | DispatchOutput::SaveGenerationMark { .. } => {}
                 DispatchOutput::Health(event) => {
                     if event.lifecycle == iop_core::edge::health::HealthLifecycle::Detected
                         && event.failure_code == Some(iop_wire::HealthFailureCode::Http5xx)

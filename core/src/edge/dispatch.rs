@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use iop_wire::{
     CapabilitiesReport, CloseCode, ConfigSnapshot, ExecutionFailure, FailureCode, ParkedRun,
-    ProviderHealth, ProviderSnapshot, RegisterRequest, RunKey,
+    ProviderHealth, ProviderSnapshot, RegisterRequest, RejectReason, RunKey,
 };
 
 use crate::edge::admission::{
@@ -17,12 +17,13 @@ use crate::edge::admission::{
     LeaseId, PreSend, ProviderSpec, ReleaseReason, RequestId,
 };
 use crate::edge::gate::{AttemptEvent, ConfirmedStall};
+use crate::edge::generations::GenerationReserve;
 use crate::edge::health::{
     HealthConfig, HealthEvent, HealthTracker, HealthTrackerError, ProbeDisposition, ProbeResult,
     ProbeTicket,
 };
 use crate::edge::overlay::{EvidenceOutcome, Overlay, RecoveryOutcome};
-use crate::edge::registry::{Registry, RegistryOutput, Rejection};
+use crate::edge::registry::{Registry, RegistryOutput, RejectCause, Rejection};
 use crate::ids::{Generation, NodeId, ProviderId, RunId};
 #[cfg(feature = "planted-bugs")]
 use crate::planted::{Planted, PlantedBug};
@@ -220,6 +221,14 @@ pub enum DispatchOutput {
         /// The runs and their providers.
         runs: Vec<ParkedOffer>,
     },
+    /// Persist the generation mark `mark` (R-GEN-1 across restarts), off
+    /// the task that serves every registration, then answer with
+    /// [`DispatchInput::GenerationMarkSaved`]. Generations above the
+    /// persisted mark are refused until a save covers them.
+    SaveGenerationMark {
+        /// The mark to persist.
+        mark: Generation,
+    },
 }
 
 /// A parked run a node reported, with the provider it runs on.
@@ -411,6 +420,14 @@ pub enum DispatchInput {
         /// The run.
         key: RunKey,
     },
+    /// The answer to [`DispatchOutput::SaveGenerationMark`].
+    GenerationMarkSaved {
+        /// The mark the output carried.
+        mark: Generation,
+        /// Whether it is durable now (a failed save is tried again with the
+        /// next registration).
+        saved: bool,
+    },
 }
 
 /// Configuration of the dispatch core.
@@ -422,6 +439,13 @@ pub struct DispatchConfig {
     pub providers: Vec<ProviderSpec>,
     /// Generations start above this (R-GEN-1 across restarts).
     pub generation_floor: Generation,
+    /// The generation mark already persisted at start
+    /// ([`crate::edge::generations::initial_mark`]): generations above it
+    /// are refused until a [`DispatchOutput::SaveGenerationMark`] covers
+    /// them. `None` (no store: tests, the simulator) covers every
+    /// generation.
+    #[serde(default)]
+    pub generation_mark: Option<Generation>,
     /// Only these nodes may register (`None`: any certified node).
     pub known_nodes: Option<std::collections::BTreeSet<NodeId>>,
     /// Provider health tracking.
@@ -446,6 +470,8 @@ pub struct Dispatcher {
     capacity_from_node: std::collections::BTreeSet<ProviderId>,
     /// Parked runs reported at registration, offered at readiness.
     parked: BTreeMap<(NodeId, Generation), Vec<ParkedOffer>>,
+    /// The durable reservation of generations (R-GEN-1 across restarts).
+    reserve: GenerationReserve,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -470,6 +496,9 @@ impl Dispatcher {
             ignored_terminals: 0,
             parked: BTreeMap::new(),
             capacity_from_node: config.capacity_from_node,
+            reserve: config
+                .generation_mark
+                .map_or_else(GenerationReserve::unbounded, GenerationReserve::new),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         })
@@ -600,6 +629,21 @@ impl Dispatcher {
         request: &RegisterRequest,
     ) -> Result<(Generation, ConfigSnapshot), Rejection> {
         let generation = self.registry.register(now, node, request)?;
+        if let Some(mark) = self.reserve.poll_save(self.registry.high_water()) {
+            self.outputs
+                .push_back(DispatchOutput::SaveGenerationMark { mark });
+        }
+        if !self.reserve.covers(generation) {
+            // R-GEN-1: a restart could hand this generation out again (its
+            // mark's save failed, or registrations outran it). It is fenced
+            // at once and never dispatched to; the node registers again.
+            self.connection_closed(now, node, generation, CloseCode::RegistrationRejected);
+            return Err(Rejection {
+                reason: RejectReason::ShuttingDown,
+                cause: RejectCause::GenerationNotDurable,
+                message: "the edge could not store the connection generation".into(),
+            });
+        }
         self.take_reported_capacity(now, node, request);
         self.hold_parked(now, node, generation, &request.parked);
         let providers = self
@@ -1003,6 +1047,14 @@ impl Dispatcher {
             DispatchInput::ReleaseParked { key } => {
                 self.admission.release_hold(now, key);
                 self.pump(now);
+                None
+            }
+            DispatchInput::GenerationMarkSaved { mark, saved } => {
+                if saved {
+                    self.reserve.saved(mark);
+                } else {
+                    self.reserve.save_failed(mark);
+                }
                 None
             }
         };

@@ -17,8 +17,8 @@ use iop_wire::{FailureCode, RunKey};
 
 use crate::ids::ProviderId;
 
+use crate::edge::delivery::Delivery;
 use crate::edge::gate::GateFailure;
-use crate::edge::request::Delivery;
 use crate::journal::{JournalError, JournalEvent, RecordStatus, Terminal};
 
 /// Most events one append carries.

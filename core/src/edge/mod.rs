@@ -3,6 +3,7 @@
 //! ([`link::EdgeLink`]).
 
 pub mod admission;
+pub mod delivery;
 pub mod dispatch;
 pub mod durable;
 pub mod flood;

@@ -40,11 +40,11 @@
 use std::collections::VecDeque;
 
 use iop_wire::{
-    AdapterKind, ExecutionFailure, FailureCode, Header, ProviderTunnelFrame, RunEventKind, RunKey,
-    Usage,
+    AdapterKind, ExecutionFailure, FailureCode, ProviderTunnelFrame, RunEventKind, RunKey, Usage,
 };
 
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
+pub use crate::edge::delivery::Delivery;
 use crate::edge::dispatch::{ParkedOffer, RequestCommand, RequestEvent};
 use crate::edge::durable::{
     AfterRefusal, FrameSource, JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher,
@@ -222,33 +222,6 @@ pub enum RequestInput {
     /// A node reported a parked run (R-PARK-2): if it is this request's,
     /// the request adopts it.
     ParkedRun(ParkedOffer),
-}
-
-/// What the HTTP response receives, in order.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Delivery {
-    /// Send the response head now (R-GATE-2: the first content arrived, or
-    /// the answer completed without any). A tunnel's own status and headers
-    /// ride along.
-    Commit {
-        /// `Some` for a tunnelled response.
-        tunnel_head: Option<(u16, Vec<Header>)>,
-    },
-    /// A normalized event.
-    Event(RunEventKind),
-    /// Tunnelled body bytes.
-    Body(Vec<u8>),
-    /// Normal end.
-    Finish,
-    /// The one error terminal (R-GATE-3): before commit as an HTTP error,
-    /// after commit in the stream.
-    Fail {
-        /// Why.
-        kind: GateFailure,
-        /// After commit?
-        in_stream: bool,
-    },
 }
 
 /// An observation for metrics, spans and logs (closed values and

@@ -412,8 +412,16 @@ impl<F: Clone> RunPark<F> {
     /// in order, or why not (R-PARK-2). On success the run is attached and
     /// every frame through `resume_after` counts as acknowledged. If the
     /// adopting connection then refuses the run, call
-    /// [`Self::adoption_aborted`] next.
-    pub fn adopt(&mut self, resume_after: u64) -> Result<Vec<(u64, F)>, AdoptRefusal> {
+    /// [`Self::adoption_aborted`] next. An adoption at or after the grace's
+    /// end is refused as [`AdoptRefusal::Over`] and the run expires then,
+    /// even if the driver's timer has not fired yet (R-PARK-1: kept for the
+    /// grace, not for as long as the driver is late).
+    pub fn adopt(
+        &mut self,
+        now: Instant,
+        resume_after: u64,
+    ) -> Result<Vec<(u64, F)>, AdoptRefusal> {
+        self.handle_timeout(now);
         let until = match self.state {
             ParkState::Attached => return Err(AdoptRefusal::Attached),
             ParkState::Over => return Err(AdoptRefusal::Over),
@@ -619,7 +627,31 @@ mod tests {
         p.handle_timeout(t0.saturating_add(GRACE));
         assert_eq!(p.poll_output(), Some(ParkOutput::Expired));
         assert_eq!(p.state(), ParkState::Over);
-        assert_eq!(p.adopt(0), Err(AdoptRefusal::Over));
+        assert_eq!(
+            p.adopt(t0.saturating_add(GRACE), 0),
+            Err(AdoptRefusal::Over)
+        );
+    }
+
+    /// R-PARK-1: the grace is the bound, not the driver's timer. An
+    /// adoption that arrives at the grace's end, before the timer fired,
+    /// is refused and the run expires then; one just before it is taken.
+    #[test]
+    fn r_park_1_an_adoption_after_the_grace_is_refused_even_before_the_timer_fires() {
+        let t0 = Instant::from_millis(1000);
+        let end = t0.saturating_add(GRACE);
+        let mut p = park();
+        p.produced("a", 1, false);
+        p.detached(t0);
+        assert_eq!(p.adopt(end, 0), Err(AdoptRefusal::Over));
+        assert_eq!(p.poll_output(), Some(ParkOutput::Expired));
+        assert_eq!(p.state(), ParkState::Over);
+        let mut p = park();
+        p.produced("a", 1, false);
+        p.detached(t0);
+        let just_before = Instant::from_micros(end.as_micros() - 1);
+        assert_eq!(p.adopt(just_before, 0), Ok(vec![(1, "a")]));
+        assert_eq!(p.poll_output(), None);
     }
 
     #[test]
@@ -629,13 +661,17 @@ mod tests {
             p.produced(f, 1, false);
         }
         p.acked(1);
-        assert_eq!(p.adopt(1), Err(AdoptRefusal::Attached), "still attached");
+        assert_eq!(
+            p.adopt(Instant::ZERO, 1),
+            Err(AdoptRefusal::Attached),
+            "still attached"
+        );
         p.detached(Instant::ZERO);
         // The journal holds through frame 2 (its ack was lost).
-        assert_eq!(p.adopt(2), Ok(vec![(3, "c")]));
+        assert_eq!(p.adopt(Instant::ZERO, 2), Ok(vec![(3, "c")]));
         assert_eq!(p.state(), ParkState::Attached);
         assert_eq!(
-            p.adopt(2),
+            p.adopt(Instant::ZERO, 2),
             Err(AdoptRefusal::Attached),
             "one connection at a time"
         );
@@ -651,14 +687,14 @@ mod tests {
         p.acked(2);
         p.detached(Instant::ZERO);
         assert_eq!(
-            p.adopt(0),
+            p.adopt(Instant::ZERO, 0),
             Err(AdoptRefusal::Gap {
                 resume_after: 0,
                 first_kept: 3
             })
         );
         assert_eq!(
-            p.adopt(4),
+            p.adopt(Instant::ZERO, 4),
             Err(AdoptRefusal::Ahead {
                 resume_after: 4,
                 last: 3
@@ -670,7 +706,7 @@ mod tests {
                 until: Instant::ZERO.saturating_add(GRACE)
             }
         );
-        assert_eq!(p.adopt(2), Ok(vec![(3, "c")]));
+        assert_eq!(p.adopt(Instant::ZERO, 2), Ok(vec![(3, "c")]));
     }
 
     #[test]
@@ -682,7 +718,7 @@ mod tests {
         p.detached(Instant::ZERO);
         assert!(p.summary().ended);
         // The journal already had the terminal frame.
-        assert_eq!(p.adopt(2), Ok(Vec::new()));
+        assert_eq!(p.adopt(Instant::ZERO, 2), Ok(Vec::new()));
         assert_eq!(p.poll_output(), Some(ParkOutput::Done));
         assert_eq!(p.state(), ParkState::Over);
     }
@@ -719,7 +755,7 @@ mod tests {
             p.produced(f, 1, false);
         }
         p.detached(Instant::ZERO);
-        assert_eq!(p.adopt(3), Ok(Vec::new()));
+        assert_eq!(p.adopt(Instant::ZERO, 3), Ok(Vec::new()));
         assert_eq!(p.state(), ParkState::Attached);
         assert_eq!(p.summary().first_kept, 4, "all three count as acked");
     }
@@ -733,7 +769,7 @@ mod tests {
         assert_eq!(p.state(), ParkState::Over);
         assert_eq!(p.poll_timeout(), None);
         assert!(!p.wants_provider());
-        assert_eq!(p.adopt(0), Err(AdoptRefusal::Over));
+        assert_eq!(p.adopt(Instant::ZERO, 0), Err(AdoptRefusal::Over));
     }
 
     /// R-PARK-1: the grace runs from the loss of the connection. An
@@ -750,7 +786,7 @@ mod tests {
         p.detached(t0);
         for i in 1..=5u64 {
             let now = t0.saturating_add(Duration::from_secs(5 * i));
-            assert_eq!(p.adopt(1), Ok(vec![(2, "b")]));
+            assert_eq!(p.adopt(now, 1), Ok(vec![(2, "b")]));
             assert_eq!(p.state(), ParkState::Attached);
             p.adoption_aborted(now);
             assert_eq!(p.state(), ParkState::Parked { until }, "attempt {i}");
@@ -758,7 +794,7 @@ mod tests {
         }
         p.handle_timeout(until);
         assert_eq!(p.poll_output(), Some(ParkOutput::Expired));
-        assert_eq!(p.adopt(1), Err(AdoptRefusal::Over));
+        assert_eq!(p.adopt(until, 1), Err(AdoptRefusal::Over));
     }
 
     /// R-PARK-1: once the adoption took (a frame went on the new
@@ -768,7 +804,7 @@ mod tests {
         let mut p = park();
         p.produced("a", 1, false);
         p.detached(Instant::ZERO);
-        assert_eq!(p.adopt(0), Ok(vec![(1, "a")]));
+        assert_eq!(p.adopt(Instant::ZERO, 0), Ok(vec![(1, "a")]));
         p.produced("b", 1, false);
         let now = Instant::from_millis(20_000);
         p.adoption_aborted(now);
@@ -1018,7 +1054,7 @@ mod tests {
                     }
                     Op::AdoptRefused(k) => {
                         let before = p.state();
-                        if p.adopt(k).is_ok() {
+                        if p.adopt(now, k).is_ok() {
                             if p.state() == ParkState::Attached {
                                 p.adoption_aborted(now);
                                 prop_assert_eq!(p.state(), before, "back where it was");
@@ -1026,7 +1062,7 @@ mod tests {
                             acked = acked.max(k);
                         }
                     }
-                    Op::Adopt(k) => match p.adopt(k) {
+                    Op::Adopt(k) => match p.adopt(now, k) {
                         Ok(replay) => {
                             prop_assert!(!attached, "adopted while attached");
                             prop_assert!(k >= acked || k + 1 >= p.summary().first_kept);

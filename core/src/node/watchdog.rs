@@ -100,6 +100,13 @@ pub fn effective_stall_timeout(wire_ms: u64) -> Result<Duration, InvalidStallTim
     }
 }
 
+/// Turn a request's wire `deadline_ms` into the run's hard deadline from
+/// receipt (R-WD-7: it wins over a stall that coincides with it): wire `0`
+/// means none.
+pub fn effective_deadline(wire_ms: u64) -> Option<Duration> {
+    (wire_ms > 0).then(|| Duration::from_millis(wire_ms))
+}
+
 /// A request's `response_stall_timeout_ms` is out of range (the Edge is at
 /// fault).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -1817,6 +1824,16 @@ mod tests {
                     }),
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn zero_deadline_means_none_r_wd_7() {
+        assert_eq!(effective_deadline(0), None);
+        assert_eq!(effective_deadline(1), Some(Duration::from_millis(1)));
+        assert_eq!(
+            effective_deadline(90_000),
+            Some(Duration::from_millis(90_000))
         );
     }
 

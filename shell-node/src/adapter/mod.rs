@@ -123,10 +123,7 @@ impl HttpTarget {
             Some(key) => request.bearer_auth(&key),
             None => request,
         };
-        request
-            .send()
-            .await
-            .map_err(|e| ProviderCallError::from_http(e, false))
+        request.send().await.map_err(|e| error::from_http(e, false))
     }
 
     /// [`HttpTarget::send`], with an HTTP error status a failure too. The
@@ -289,7 +286,7 @@ impl Adapter {
             Backend::Unconfigured(_) => failed_run(ProviderCallError::Unconfigured),
         };
         one_terminal(events, RunEventKind::is_terminal, || {
-            RunEventKind::Failed(ProviderCallError::Truncated.failure())
+            RunEventKind::Failed(ProviderCallError::missing_terminal())
         })
     }
 
@@ -336,7 +333,7 @@ impl Adapter {
             Backend::Unconfigured(_) => failed_tunnel(ProviderCallError::Unconfigured),
         };
         one_terminal(frames, ProviderTunnelFrame::is_terminal, || {
-            ProviderTunnelFrame::Failure(ProviderCallError::Truncated.failure())
+            ProviderTunnelFrame::Failure(ProviderCallError::missing_terminal())
         })
     }
 
@@ -407,10 +404,7 @@ async fn probe_http(
     let request = target.http.get(format!("{}{path}", target.base_url));
     let mut response = match target.send_expecting_success(request, None).await {
         Ok(r) => r,
-        Err(ProviderCallError::Status { status }) => {
-            return ProbeVerdict::from_answer(ProbeAnswer::HttpStatus(status));
-        }
-        Err(e) => return probe_failure(e),
+        Err(e) => return ProbeVerdict::from_answer(e.probe_answer()),
     };
     let mut body = Vec::new();
     loop {
@@ -422,22 +416,13 @@ async fn probe_http(
                 body.extend_from_slice(&chunk);
             }
             Ok(None) => break,
-            Err(e) => return probe_failure(ProviderCallError::from_http(e, true)),
+            Err(e) => return ProbeVerdict::from_answer(error::from_http(e, true).probe_answer()),
         }
     }
     match models(&body) {
         Some(models) => ProbeVerdict::available(models),
         None => ProbeVerdict::from_answer(ProbeAnswer::Malformed),
     }
-}
-
-/// A probe that failed before a complete answer: no verdict (R-WD-5).
-fn probe_failure(err: ProviderCallError) -> ProbeVerdict {
-    ProbeVerdict::from_answer(match err {
-        ProviderCallError::Timeout => ProbeAnswer::TimedOut,
-        ProviderCallError::Malformed | ProviderCallError::Truncated => ProbeAnswer::Malformed,
-        _ => ProbeAnswer::TransportFailed,
-    })
 }
 
 #[cfg(test)]

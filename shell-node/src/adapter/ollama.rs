@@ -59,7 +59,7 @@ fn decode_embed(response: ProviderResponse) -> BoxStream<'static, RunEventKind> 
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_http(e, true).failure());
+                    yield RunEventKind::Failed(super::error::from_http(e, true).failure());
                     return;
                 }
             }
@@ -113,7 +113,7 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
             match bytes.next().await {
                 Some(Ok(chunk)) => lines.extend(&chunk),
                 Some(Err(e)) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_http(e, true).failure());
+                    yield RunEventKind::Failed(super::error::from_http(e, true).failure());
                     return;
                 }
                 None => eof = true,

@@ -98,7 +98,7 @@ async fn read_whole(mut response: ProviderResponse) -> Result<Vec<u8>, ProviderC
                 body.extend_from_slice(&chunk);
             }
             Ok(None) => return Ok(body),
-            Err(e) => return Err(ProviderCallError::from_http(e, true)),
+            Err(e) => return Err(super::error::from_http(e, true)),
         }
     }
 }
@@ -275,7 +275,7 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
             match bytes.next().await {
                 Some(Ok(chunk)) => sse.push(&chunk),
                 Some(Err(e)) => {
-                    yield RunEventKind::Failed(ProviderCallError::from_http(e, true).failure());
+                    yield RunEventKind::Failed(super::error::from_http(e, true).failure());
                     return;
                 }
                 None => {

@@ -172,7 +172,7 @@ pub(super) fn relay(
                     }
                 }
                 Err(e) => {
-                    yield ProviderTunnelFrame::Failure(ProviderCallError::from_http(e, true).failure());
+                    yield ProviderTunnelFrame::Failure(super::error::from_http(e, true).failure());
                     return;
                 }
             }

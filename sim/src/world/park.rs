@@ -466,15 +466,15 @@ impl World {
         else {
             return reset(self);
         };
-        let replay = match run.park.adopt(request.resume_after_frame) {
+        let replay = match run.park.adopt(now, request.resume_after_frame) {
             Ok(replay) => replay,
             Err(_) => {
                 self.durable_outputs(node, key);
                 return reset(self);
             }
         };
-        let deadline = (request.deadline_ms > 0)
-            .then(|| now.saturating_add(Duration::from_millis(request.deadline_ms)));
+        let deadline = iop_core::node::watchdog::effective_deadline(request.deadline_ms)
+            .map(|d| now.saturating_add(d));
         let ended = run.park.summary().ended;
         let target = run.target.clone();
         let Some(nc) = nconn(&mut self.nodes, node) else {

@@ -25,21 +25,22 @@ fn dispatcher() -> Dispatcher {
 }
 
 fn dispatcher_with(health: HealthConfig) -> Dispatcher {
-    Dispatcher::new(
-        Instant::ZERO,
-        DispatchConfig {
-            admission: AdmissionConfig {
-                queue_capacity: 4,
-                queue_timeout: Duration::from_millis(500),
-            },
-            providers: vec![spec("p1", "a", 1), spec("p2", "a", 2), spec("p3", "b", 1)],
-            generation_floor: 100,
-            known_nodes: None,
-            health,
-            capacity_from_node: Default::default(),
+    Dispatcher::new(Instant::ZERO, test_config(health)).expect("valid config")
+}
+
+fn test_config(health: HealthConfig) -> DispatchConfig {
+    DispatchConfig {
+        admission: AdmissionConfig {
+            queue_capacity: 4,
+            queue_timeout: Duration::from_millis(500),
         },
-    )
-    .expect("valid config")
+        providers: vec![spec("p1", "a", 1), spec("p2", "a", 2), spec("p3", "b", 1)],
+        generation_floor: 100,
+        generation_mark: None,
+        known_nodes: None,
+        health,
+        capacity_from_node: Default::default(),
+    }
 }
 
 fn register_req() -> RegisterRequest {
@@ -148,6 +149,138 @@ fn register_snapshot_lists_that_nodes_providers_with_stall_timeouts() {
     );
 }
 
+fn dispatcher_with_mark(mark: Option<Generation>) -> Dispatcher {
+    let mut config = test_config(HealthConfig::default());
+    config.generation_mark = mark;
+    Dispatcher::new(T, config).expect("valid config")
+}
+
+fn register_input(node: &str) -> DispatchInput {
+    DispatchInput::Register {
+        node: NodeId::from(node),
+        request: register_req(),
+    }
+}
+
+fn outputs_of(d: &mut Dispatcher, input: DispatchInput) -> Vec<DispatchOutput> {
+    d.handle_input(T, input);
+    std::iter::from_fn(|| d.poll_output()).collect()
+}
+
+fn saves_in(outputs: &[DispatchOutput]) -> Vec<Generation> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            DispatchOutput::SaveGenerationMark { mark } => Some(*mark),
+            _ => None,
+        })
+        .collect()
+}
+
+fn registered_in(outputs: &[DispatchOutput]) -> Result<Generation, RejectCause> {
+    match outputs.first() {
+        Some(DispatchOutput::Registered { result, .. }) => {
+            result.as_ref().map(|(g, _)| *g).map_err(|r| r.cause)
+        }
+        other => panic!("the answer comes first: {other:?}"),
+    }
+}
+
+/// R-GEN-1 across restarts: a generation is used only when the persisted
+/// mark covers it. The dispatcher asks for the next mark ahead of need;
+/// a registration that outruns the save is refused, its generation fenced
+/// at once (never dispatched to), and the node's earlier connection is
+/// replaced all the same.
+#[test]
+fn a_generation_past_the_persisted_mark_is_refused_until_a_save_covers_it_r_gen_1() {
+    use crate::edge::generations::RESERVE_AHEAD;
+    let mut d = dispatcher_with_mark(Some(101));
+    let out = outputs_of(&mut d, register_input("a"));
+    assert_eq!(registered_in(&out), Ok(101), "at the mark: covered");
+    assert_eq!(saves_in(&out), vec![101 + RESERVE_AHEAD]);
+    let out = outputs_of(
+        &mut d,
+        DispatchInput::Ready {
+            node: NodeId::from("a"),
+            generation: 101,
+        },
+    );
+    assert!(matches!(
+        out.first(),
+        Some(DispatchOutput::ReadyAnswer { accepted: true, .. })
+    ));
+    // The save is still in flight: 102 is past the mark.
+    let out = outputs_of(&mut d, register_input("a"));
+    assert_eq!(registered_in(&out), Err(RejectCause::GenerationNotDurable));
+    assert!(saves_in(&out).is_empty(), "one save at a time");
+    assert!(
+        out.iter().any(|o| matches!(
+            o,
+            DispatchOutput::Fenced {
+                generation: 102,
+                reason: CloseCode::RegistrationRejected,
+                ..
+            }
+        )),
+        "the refused generation is fenced: {out:?}"
+    );
+    assert!(!d.registry().is_dispatchable(&NodeId::from("a"), 101));
+    assert!(!d.registry().is_dispatchable(&NodeId::from("a"), 102));
+    let out = outputs_of(
+        &mut d,
+        DispatchInput::Ready {
+            node: NodeId::from("a"),
+            generation: 102,
+        },
+    );
+    assert!(
+        matches!(
+            out.first(),
+            Some(DispatchOutput::ReadyAnswer { accepted: false, .. })
+        ),
+        "never dispatched to"
+    );
+    // Saved: the next registration is covered.
+    let out = outputs_of(
+        &mut d,
+        DispatchInput::GenerationMarkSaved {
+            mark: 101 + RESERVE_AHEAD,
+            saved: true,
+        },
+    );
+    assert!(out.is_empty());
+    let out = outputs_of(&mut d, register_input("a"));
+    assert_eq!(registered_in(&out), Ok(103));
+    assert!(saves_in(&out).is_empty(), "plenty of the reserve is left");
+}
+
+/// A failed save leaves the mark where it was and is asked for again by
+/// the next registration; a dispatcher without a store never asks.
+#[test]
+fn a_failed_save_is_asked_for_again_and_no_store_means_no_save_r_gen_1() {
+    use crate::edge::generations::RESERVE_AHEAD;
+    let mut d = dispatcher_with_mark(Some(101));
+    let out = outputs_of(&mut d, register_input("a"));
+    assert_eq!(saves_in(&out), vec![101 + RESERVE_AHEAD]);
+    d.handle_input(
+        T,
+        DispatchInput::GenerationMarkSaved {
+            mark: 101 + RESERVE_AHEAD,
+            saved: false,
+        },
+    );
+    let out = outputs_of(&mut d, register_input("b"));
+    assert_eq!(registered_in(&out), Err(RejectCause::GenerationNotDurable));
+    assert_eq!(saves_in(&out), vec![102 + RESERVE_AHEAD], "asked again");
+
+    let mut d = dispatcher_with_mark(None);
+    for node in ["a", "b", "a", "b"] {
+        let out = outputs_of(&mut d, register_input(node));
+        assert!(registered_in(&out).is_ok());
+        assert!(saves_in(&out).is_empty());
+    }
+}
+
 /// A provider without a configured capacity takes its node's reported
 /// limit for the target at registration; a configured one keeps its own.
 #[test]
@@ -161,6 +294,7 @@ fn a_provider_without_configured_capacity_takes_its_nodes_reported_limit() {
             },
             providers: vec![spec("p1", "a", 4), spec("p2", "a", 4)],
             generation_floor: 100,
+            generation_mark: None,
             known_nodes: None,
             health: HealthConfig::default(),
             capacity_from_node: [ProviderId::from("p1")].into_iter().collect(),
