@@ -17,7 +17,7 @@
 //! ([`Durable::spawn_takeover`]) at start and then periodically: a record
 //! without a terminal that this Edge's previous run, or an Edge whose lease
 //! expired, left behind waits the park window (its node may report the run
-//! parked, and an Edge adopt it: [`Durable::spawn_adoptions`]) and then ends
+//! parked, and an Edge adopt it: [`crate::adoption::spawn_adoptions`]) and then ends
 //! `incomplete` with its durable prefix (R-TAKE-1, R-MULTI-1).
 //!
 //! Nothing here decides a journal rule: numbering, fencing, the one
@@ -327,7 +327,9 @@ impl Durable {
         self.responses_store_default
     }
 
-    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, mpsc::Sender<LiveCommand>>> {
+    pub(crate) fn live(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, mpsc::Sender<LiveCommand>>> {
         // The map's entries are inserted and removed whole: a panic while
         // holding the lock leaves it consistent.
         self.live.lock().unwrap_or_else(|e| e.into_inner())
@@ -366,7 +368,7 @@ impl Durable {
     }
 
     /// Count one store operation and publish the store's size.
-    fn observe<T>(
+    pub(crate) fn observe<T>(
         &self,
         op: &'static str,
         started: std::time::Instant,
@@ -791,113 +793,9 @@ impl Durable {
         finished.map(|_| ())
     }
 
-    /// Carry the parked runs nodes report (R-PARK-2) to the runs that wait
-    /// for them, or take their records over (R-TAKE-1), for as long as the
-    /// Edge runs. A run nobody takes has its held capacity let go.
-    pub fn spawn_adoptions(
-        self: &Arc<Self>,
-        mut parked: mpsc::UnboundedReceiver<Vec<ParkedOffer>>,
-        ctx: crate::driver::DriverContext,
-    ) -> tokio::task::JoinHandle<()> {
-        let durable = self.clone();
-        tokio::spawn(async move {
-            while let Some(runs) = parked.recv().await {
-                for offer in runs {
-                    let key = offer.run.key;
-                    if let Err(why) = durable.offer(&ctx, offer).await {
-                        tracing::info!(event = "edge_parked_run_not_adopted", reason = why);
-                        ctx.hub.release_parked(key);
-                    }
-                }
-            }
-        })
-    }
-
-    /// Offer one parked run: to the run of this Edge that waits for it, or
-    /// take its record over.
-    async fn offer(
-        self: &Arc<Self>,
-        ctx: &crate::driver::DriverContext,
-        offer: ParkedOffer,
-    ) -> Result<(), &'static str> {
-        let live = self.live().get(&offer.run.response_id).cloned();
-        if let Some(tx) = live {
-            // Its driver adopts it, or lets it go if it no longer waits.
-            return tx
-                .send(LiveCommand::Parked(offer))
-                .await
-                .map_err(|_| "run_gone");
-        }
-        let id = offer.run.response_id.clone();
-        let (meta, _) = self
-            .store
-            .get(id.clone(), 0)
-            .await
-            .map_err(|_| "store_error")?
-            .ok_or("unknown_response")?;
-        // R-PARK-2, R-TAKE-1: the core decides whether this record is the
-        // reported run's, and after which frame it resumes.
-        self.resume_point(&meta, &offer).await?;
-        // R-JRN-3: win the record's epoch before writing anything; a lost
-        // race means another writer has it.
-        let started = std::time::Instant::now();
-        let raised = self
-            .store
-            .raise_epoch(id.clone(), meta.epoch, self.edge_id.clone())
-            .await;
-        self.observe("raise_epoch", started, &raised);
-        let raised = raised.map_err(|_| "epoch_lost")?;
-        // The resume point is read again now that nothing else can write:
-        // the former writer may have appended after the first read and
-        // before the raise (its epoch was still current then).
-        let resume_after_frame = self.resume_point(&raised, &offer).await?;
-        let meta = raised;
-        tracing::info!(
-            event = "edge_response_taken_over",
-            response = %id,
-            epoch = meta.epoch,
-            resume_after_frame
-        );
-        let work = crate::driver::Work {
-            model: meta.model.clone(),
-            api: iop_wire::RunApi::Chat,
-            messages: Vec::new(),
-            tools: Vec::new(),
-            params: iop_wire::GenerationParams::default(),
-            tunnel: None,
-            route: meta.api.as_str(),
-            principal: meta.principal.clone(),
-            trace_context: None,
-            // An adopted run is not continued elsewhere after a restart.
-            continuation: false,
-        };
-        let (live, commands) = self.register(&id);
-        crate::driver::spawn_takeover(
-            ctx.clone(),
-            work,
-            crate::driver::DurableRun {
-                spec: iop_core::edge::durable::JournalSpec {
-                    response_id: id,
-                    epoch: meta.epoch,
-                    batch_until_terminal: false,
-                },
-                durable: self.clone(),
-                commands,
-                live,
-                park_grace_ms: self.park_grace_ms,
-            },
-            crate::driver::Takeover {
-                offer,
-                last_seq: meta.last_seq,
-                resume_after_frame,
-            },
-        );
-        Ok(())
-    }
-
     /// Read the record's last event and ask the core after which frame of
     /// `offer`'s run a takeover resumes ([`takeover_resume_point`]).
-    async fn resume_point(
+    pub(crate) async fn resume_point(
         &self,
         meta: &iop_core::journal::RecordMeta,
         offer: &ParkedOffer,

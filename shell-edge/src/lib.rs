@@ -4,6 +4,7 @@
 //! fences their generations, and serves the OpenAI and Ollama APIs to
 //! clients, with every policy decision made by `iop-core`.
 
+pub mod adoption;
 pub mod api;
 pub mod catalog;
 pub mod config;

@@ -257,7 +257,8 @@ impl RunningEdge {
             creds.clone(),
             durable.clone(),
         );
-        let adoptions = durable.spawn_adoptions(parked, state.driver_context().clone());
+        let adoptions =
+            crate::adoption::spawn_adoptions(&durable, parked, state.driver_context().clone());
         let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);

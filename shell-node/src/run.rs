@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
+use iop_core::node::probe::capabilities_probe;
 use iop_core::node::provider::ProviderCallError;
 use iop_core::node::watchdog::{
     Emission, ProviderEvent, RunKind, RunTerminal, effective_deadline, effective_stall_timeout,
@@ -565,11 +566,10 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
         CommandKind::Capabilities { target } => {
             // The same bounded exact-target probe as the stall path (R-CAP-1).
             let bound = shared.probe_bound;
-            let chosen = shared.adapters.iter().filter(|a| {
-                target
-                    .as_ref()
-                    .is_none_or(|t| t.adapter == a.kind() && t.target == a.target())
-            });
+            let chosen = shared
+                .adapters
+                .iter()
+                .filter(|a| capabilities_probe(target.as_ref(), a.kind(), a.target()));
             let probes = chosen.map(|a| async move {
                 let span = shared
                     .metrics
@@ -595,7 +595,8 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
             });
             let targets = futures::future::join_all(probes).await;
             // The observation sequence is taken after the probes finished,
-            // so it orders this answer after every earlier stall terminal.
+            // so it orders this answer after every earlier stall terminal
+            // (R-SEQ-1, `capabilities_probe`).
             let Some(seq) = link
                 .ask(|reply| LinkMsg::TakeObservationSeq { reply })
                 .await

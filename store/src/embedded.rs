@@ -89,12 +89,14 @@ use tokio::sync::watch;
 
 use crate::{BoxFuture, JournalStore, LeaseTable, Progress, StoreStats, StoredRecord};
 
+mod ops;
 mod tables;
 mod writer;
 
+use ops::{Answer, Reply, Request};
 pub use tables::VerifyReport;
 use tables::{Fault, Format};
-use writer::{Answer, QueueBounds, Reply, Request, Shared};
+use writer::{QueueBounds, Shared};
 
 /// Records one sweep transaction removes at most; a sweep of more runs as
 /// several transactions.

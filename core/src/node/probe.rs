@@ -22,7 +22,7 @@
 //! * every other answer keeps its meaning, and the watchdog reads it
 //!   fail-closed ([`ProbeEvidence::outcome`], R-WD-5).
 
-use iop_wire::{HealthFailureCode, ProviderHealth};
+use iop_wire::{AdapterKind, HealthFailureCode, ProbeTarget, ProviderHealth};
 
 use crate::edge::health::classify_http_status;
 use crate::node::watchdog::ProbeOutcome;
@@ -127,6 +127,20 @@ impl ProbeEvidence {
             ProviderHealth::Unknown => ProbeOutcome::Failed,
         }
     }
+}
+
+/// Whether a `Capabilities` command asking about `filter` probes the
+/// node's (`adapter`, `target`) (R-CAP-1): exactly that adapter and target
+/// when it names one, every target when it names none. The answer lists
+/// what was probed, with the Session's next observation sequence taken
+/// after every probe of it finished, so it is ordered after every earlier
+/// stall terminal (R-SEQ-1).
+pub fn capabilities_probe(
+    filter: Option<&ProbeTarget>,
+    adapter: AdapterKind,
+    target: &str,
+) -> bool {
+    filter.is_none_or(|t| t.adapter == adapter && t.target == target)
 }
 
 #[cfg(test)]
@@ -284,5 +298,29 @@ mod tests {
             ProbeEvidence::new(ProviderHealth::Unknown, Some(HealthFailureCode::Timeout)).outcome(),
             ProbeOutcome::Failed
         );
+    }
+
+    #[test]
+    fn a_capabilities_command_probes_exactly_the_target_it_names_r_cap_1() {
+        let named = ProbeTarget {
+            adapter: AdapterKind::OpenAi,
+            target: "gpu-a".into(),
+        };
+        assert!(capabilities_probe(None, AdapterKind::Ollama, "x"));
+        assert!(capabilities_probe(
+            Some(&named),
+            AdapterKind::OpenAi,
+            "gpu-a"
+        ));
+        assert!(!capabilities_probe(
+            Some(&named),
+            AdapterKind::Ollama,
+            "gpu-a"
+        ));
+        assert!(!capabilities_probe(
+            Some(&named),
+            AdapterKind::OpenAi,
+            "gpu-b"
+        ));
     }
 }

@@ -14,7 +14,7 @@ use redb::{
     WriteTransaction,
 };
 
-use super::writer::{Notice, Reply, Request};
+use super::ops::{Notice, Reply, Request};
 use crate::Progress;
 
 /// Records: response id -> postcard [`RecordMeta`].

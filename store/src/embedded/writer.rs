@@ -10,95 +10,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use iop_core::journal::{
-    CreateOutcome, GroupCommit, JournalError, JournalEvent, JournalLimits, NewRecord, QueueFull,
-    RecordMeta, Terminal, Ticket,
-};
+use iop_core::journal::{GroupCommit, JournalError, JournalLimits, QueueFull, Ticket};
 use redb::{Database, Durability};
 use tokio::sync::{oneshot, watch};
 
+use super::ops::{Answer, Notice, Reply, Request};
 use super::tables::{Fault, WriteTables};
 use crate::{Progress, StoreStats};
-
-/// One write operation, as the writer thread runs it.
-#[derive(Debug)]
-pub(super) enum Request {
-    Create(NewRecord),
-    Append {
-        id: String,
-        epoch: u64,
-        events: Vec<JournalEvent>,
-    },
-    Finish {
-        id: String,
-        epoch: u64,
-        terminal: Terminal,
-    },
-    RaiseEpoch {
-        id: String,
-        expected: u64,
-        owner: String,
-    },
-    Delete {
-        id: String,
-    },
-    /// Remove at most `max_records` expired records.
-    Sweep {
-        now_unix_ms: u64,
-        max_records: usize,
-    },
-}
-
-impl Request {
-    /// Bytes the operation carries, for the batch's byte bound.
-    fn bytes(&self) -> usize {
-        match self {
-            Request::Create(record) => record.request.len(),
-            Request::Append { events, .. } => events.iter().map(|e| e.payload.len()).sum(),
-            _ => 0,
-        }
-    }
-}
-
-/// What the rules answered one operation (inside a transaction that may
-/// still fail to commit).
-#[derive(Debug)]
-pub(super) enum Reply {
-    Create(Result<CreateOutcome, JournalError>),
-    Meta(Result<RecordMeta, JournalError>),
-    Deleted(Result<(), JournalError>),
-    /// How many records were removed, and whether the scan stopped at its
-    /// bound (more may be expired).
-    Swept {
-        removed: usize,
-        more: bool,
-    },
-}
-
-impl Reply {
-    /// Did the operation change the store?
-    fn accepted(&self) -> bool {
-        match self {
-            Reply::Create(r) => matches!(r, Ok(CreateOutcome::Create(_))),
-            Reply::Meta(r) => r.is_ok(),
-            Reply::Deleted(r) => r.is_ok(),
-            Reply::Swept { removed, .. } => *removed > 0,
-        }
-    }
-}
-
-/// The answer a caller receives: the rules' reply once the batch is
-/// durable, or the store's failure for the whole batch.
-pub(super) type Answer = Result<Reply, JournalError>;
-
-/// What watchers learn once a batch is durable.
-#[derive(Debug)]
-pub(super) enum Notice {
-    /// The record now stands here.
-    Progress(String, Progress),
-    /// The record is gone: its watchers' senders are dropped.
-    Gone(String),
-}
 
 /// Bounds of the writer's queue and batches (R-LIM-4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -236,7 +236,10 @@ fn a_generation_past_the_persisted_mark_is_refused_until_a_save_covers_it_r_gen_
     assert!(
         matches!(
             out.first(),
-            Some(DispatchOutput::ReadyAnswer { accepted: false, .. })
+            Some(DispatchOutput::ReadyAnswer {
+                accepted: false,
+                ..
+            })
         ),
         "never dispatched to"
     );

@@ -1,0 +1,90 @@
+//! The operations the embedded store's one writer runs, what the journal's
+//! rules answer each, and what watchers learn once a batch is durable:
+//! shared by the writer thread ([`super::writer`]) and the tables it runs
+//! them on ([`super::tables`]).
+
+use iop_core::journal::{
+    CreateOutcome, JournalError, JournalEvent, NewRecord, RecordMeta, Terminal,
+};
+
+use crate::Progress;
+
+/// One write operation, as the writer thread runs it.
+#[derive(Debug)]
+pub(super) enum Request {
+    Create(NewRecord),
+    Append {
+        id: String,
+        epoch: u64,
+        events: Vec<JournalEvent>,
+    },
+    Finish {
+        id: String,
+        epoch: u64,
+        terminal: Terminal,
+    },
+    RaiseEpoch {
+        id: String,
+        expected: u64,
+        owner: String,
+    },
+    Delete {
+        id: String,
+    },
+    /// Remove at most `max_records` expired records.
+    Sweep {
+        now_unix_ms: u64,
+        max_records: usize,
+    },
+}
+
+impl Request {
+    /// Bytes the operation carries, for the batch's byte bound.
+    pub(super) fn bytes(&self) -> usize {
+        match self {
+            Request::Create(record) => record.request.len(),
+            Request::Append { events, .. } => events.iter().map(|e| e.payload.len()).sum(),
+            _ => 0,
+        }
+    }
+}
+
+/// What the rules answered one operation (inside a transaction that may
+/// still fail to commit).
+#[derive(Debug)]
+pub(super) enum Reply {
+    Create(Result<CreateOutcome, JournalError>),
+    Meta(Result<RecordMeta, JournalError>),
+    Deleted(Result<(), JournalError>),
+    /// How many records were removed, and whether the scan stopped at its
+    /// bound (more may be expired).
+    Swept {
+        removed: usize,
+        more: bool,
+    },
+}
+
+impl Reply {
+    /// Did the operation change the store?
+    pub(super) fn accepted(&self) -> bool {
+        match self {
+            Reply::Create(r) => matches!(r, Ok(CreateOutcome::Create(_))),
+            Reply::Meta(r) => r.is_ok(),
+            Reply::Deleted(r) => r.is_ok(),
+            Reply::Swept { removed, .. } => *removed > 0,
+        }
+    }
+}
+
+/// The answer a caller receives: the rules' reply once the batch is
+/// durable, or the store's failure for the whole batch.
+pub(super) type Answer = Result<Reply, JournalError>;
+
+/// What watchers learn once a batch is durable.
+#[derive(Debug)]
+pub(super) enum Notice {
+    /// The record now stands here.
+    Progress(String, Progress),
+    /// The record is gone: its watchers' senders are dropped.
+    Gone(String),
+}
