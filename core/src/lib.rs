@@ -57,7 +57,8 @@
 //! * [`edge`]: the Edge's registry of node generations (R-GEN-1..4),
 //!   admission and leases (R-LEASE, R-SEL), the runtime health overlay and
 //!   CAPABILITIES recovery (R-OVL, R-CAP), the stream gate (R-GATE), the
-//!   per-provider health tracker (R-HT), and the per-request session
+//!   per-provider health tracker (R-HT), the limits on client connections
+//!   and request bodies (R-LIM-1, R-LIM-2), and the per-request session
 //!   machine ([`edge::request::Request`]) that owns one client request and
 //!   talks to the [`edge::dispatch::Dispatcher`] in typed commands and
 //!   events.

@@ -485,9 +485,7 @@ fn validate_client_limits(e: &EdgeSection) -> Result<(), ConfigError> {
         ));
     }
     // One body of the largest size, decoded, must fit both budgets.
-    let one_body = e
-        .max_body_bytes
-        .saturating_mul(crate::request_body::DECODED_BYTES_PER_BODY_BYTE);
+    let one_body = iop_core::edge::limits::BodyRule::new(e.max_body_bytes).most_decoded_bytes();
     if e.request_memory_bytes < one_body || e.request_memory_bytes > MAX_REQUEST_MEMORY_BYTES_LIMIT
     {
         return Err(field_err(
@@ -495,7 +493,7 @@ fn validate_client_limits(e: &EdgeSection) -> Result<(), ConfigError> {
             format!(
                 "must be between {one_body} (edge.max_body_bytes x {} decoded bytes per body \
                  byte) and {MAX_REQUEST_MEMORY_BYTES_LIMIT}",
-                crate::request_body::DECODED_BYTES_PER_BODY_BYTE
+                iop_core::edge::limits::DECODED_BYTES_PER_BODY_BYTE
             ),
         ));
     }

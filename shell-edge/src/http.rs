@@ -41,9 +41,7 @@ use crate::driver::{
 };
 use crate::hub::HubHandle;
 use crate::metrics::EdgeMetrics;
-use crate::request_body::{
-    BodyBudget, BodyError, BodyPermit, CLIENT_CLOSED_CODE, KEPT_BYTES_PER_BODY_BYTE,
-};
+use crate::request_body::{BodyBudget, BodyError, BodyPermit, CLIENT_CLOSED_CODE};
 
 /// Shared state of every handler.
 #[derive(Clone)]
@@ -400,7 +398,7 @@ async fn admit<E: RunEndpoint>(
     let provider_model = provider_model.to_owned();
     // The decoded tree is gone; the body and the run remain.
     held.permit
-        .shrink_to(held.bytes.len() * KEPT_BYTES_PER_BODY_BYTE);
+        .shrink_to(iop_core::edge::limits::kept_bytes(held.bytes.len()));
     Ok(Admitted {
         key,
         body: held.bytes,

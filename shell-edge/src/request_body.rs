@@ -2,6 +2,10 @@
 //! bytes held at once, taken before a byte is read; a per-body size limit
 //! checked against `Content-Length` before reading; a read timeout; and a
 //! client that goes away mid-body told apart from one that sent too much.
+//! How much a body takes at each point of its read, and when it is too
+//! large or too complex, is the core's rule
+//! ([`iop_core::edge::limits::BodyRule`]); this module holds the
+//! semaphores, reads and times the body, and measures its decoded tree.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,6 +15,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, header};
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
+use iop_core::edge::limits::{BodyRefusal, BodyRule};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::api::ApiError;
@@ -42,7 +47,8 @@ pub enum BodyError {
     #[error("client closed the request before its body ended")]
     ClientClosed,
     /// Its decoded form would take more than a body of the largest size
-    /// is allowed ([`crate::decoded_size`]): small nested values in bulk.
+    /// is allowed ([`crate::decoded_size`], [`BodyRule::once_read`]): small
+    /// nested values in bulk.
     #[error("request body decodes to {decoded_bytes} bytes, over {limit_bytes}")]
     TooComplex {
         /// What the decoded tree would take.
@@ -50,6 +56,21 @@ pub enum BodyError {
         /// The most one body may take decoded.
         limit_bytes: usize,
     },
+}
+
+impl From<BodyRefusal> for BodyError {
+    fn from(refusal: BodyRefusal) -> Self {
+        match refusal {
+            BodyRefusal::TooLarge { limit_bytes } => BodyError::TooLarge { limit_bytes },
+            BodyRefusal::TooComplex {
+                decoded_bytes,
+                limit_bytes,
+            } => BodyError::TooComplex {
+                decoded_bytes,
+                limit_bytes,
+            },
+        }
+    }
 }
 
 impl BodyError {
@@ -103,16 +124,6 @@ impl BodyError {
     }
 }
 
-/// Bytes of memory a request body is accounted as while it is read, per
-/// byte of body. Once read, it is accounted at what its decoded tree will
-/// take ([`crate::decoded_size`], up to this much per byte of the largest
-/// body) until parsed; then it keeps [`KEPT_BYTES_PER_BODY_BYTE`].
-pub const DECODED_BYTES_PER_BODY_BYTE: usize = 16;
-
-/// Bytes a parsed request keeps accounted per body byte: the body (kept
-/// for a tunnel) and the run parsed from it.
-pub const KEPT_BYTES_PER_BODY_BYTE: usize = 2;
-
 /// A request's share of the memory budgets: the global one and its
 /// principal's; returned when dropped.
 #[derive(Debug)]
@@ -161,7 +172,7 @@ pub struct BodyBudget {
     /// from the configuration: bounded).
     principals: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
     principal_bytes: usize,
-    max_body_bytes: usize,
+    rule: BodyRule,
     read_timeout: Duration,
 }
 
@@ -180,7 +191,7 @@ impl BodyBudget {
             total: Arc::new(Semaphore::new(total_bytes)),
             principals: Arc::new(Mutex::new(HashMap::new())),
             principal_bytes,
-            max_body_bytes,
+            rule: BodyRule::new(max_body_bytes),
             read_timeout,
         }
     }
@@ -212,30 +223,26 @@ impl BodyBudget {
         Ok(BodyPermit { total, principal })
     }
 
-    /// Read `body` of `principal`'s request whole. Its size as read
-    /// ([`DECODED_BYTES_PER_BODY_BYTE`] per byte) is taken from the budgets
-    /// before reading when `Content-Length` declares it, else as the bytes
-    /// arrive; once read, what its decoded tree will take (R-LIM-2). No room
-    /// means a fast refusal, never a wait; a body whose tree would take more
-    /// than the largest body may is refused ([`BodyError::TooComplex`]).
+    /// Read `body` of `principal`'s request whole, taking from the budgets
+    /// what the core's [`BodyRule`] says (R-LIM-2): before reading when
+    /// `Content-Length` declares the size, else as the bytes arrive; once
+    /// read, what its decoded tree will take. No room means a fast refusal,
+    /// never a wait; a body whose tree would take more than the largest
+    /// body may is refused ([`BodyError::TooComplex`]).
     pub async fn read(
         &self,
         principal: &str,
         headers: &HeaderMap,
         body: Body,
     ) -> Result<HeldBody, BodyError> {
-        let limit = self.max_body_bytes;
+        let limit = self.rule.max_body_bytes;
         let declared = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok());
-        let declared = match declared {
-            Some(n) if n > limit as u64 => return Err(BodyError::TooLarge { limit_bytes: limit }),
-            Some(n) => n as usize,
-            None => 0,
-        };
+        let before = self.rule.before_read(declared)?;
         let share = self.principal(principal);
-        let mut permit = self.take(&share, declared * DECODED_BYTES_PER_BODY_BYTE)?;
+        let mut permit = self.take(&share, before)?;
         let read = async {
             let mut body = Limited::new(body, limit);
             let mut chunks: Vec<Bytes> = Vec::new();
@@ -254,14 +261,14 @@ impl BodyBudget {
                     continue;
                 };
                 received += data.len();
-                let needed = received * DECODED_BYTES_PER_BODY_BYTE;
+                let needed = self.rule.while_reading(received);
                 if needed > permit.bytes() {
                     let more = self.take(&share, needed - permit.bytes())?;
                     permit.merge(more);
                 }
                 chunks.push(data);
             }
-            Ok(match chunks.len() {
+            Ok::<_, BodyError>(match chunks.len() {
                 0 => Bytes::new(),
                 1 => chunks.swap_remove(0),
                 _ => {
@@ -281,20 +288,9 @@ impl BodyBudget {
             }
             Ok(result) => result?,
         };
-        // What the parse will really take: the body and its decoded tree.
-        // A body that is not JSON is refused by the parser; until then it
-        // is accounted as read.
-        let needed = match crate::decoded_size::decoded_size(&bytes) {
-            Ok(tree) => tree.saturating_add(bytes.len()),
-            Err(_) => bytes.len() * DECODED_BYTES_PER_BODY_BYTE,
-        };
-        let most = limit.saturating_mul(DECODED_BYTES_PER_BODY_BYTE);
-        if needed > most {
-            return Err(BodyError::TooComplex {
-                decoded_bytes: needed,
-                limit_bytes: most,
-            });
-        }
+        // What the parse will really take (`None`: not JSON).
+        let tree = crate::decoded_size::decoded_size(&bytes).ok();
+        let needed = self.rule.once_read(bytes.len(), tree)?;
         if needed > permit.bytes() {
             let more = self.take(&share, needed - permit.bytes())?;
             permit.merge(more);
@@ -308,6 +304,8 @@ impl BodyBudget {
 #[cfg(test)]
 mod tests {
     use futures::StreamExt as _;
+
+    use iop_core::edge::limits::{DECODED_BYTES_PER_BODY_BYTE, kept_bytes};
 
     use super::*;
 
@@ -358,11 +356,8 @@ mod tests {
             .unwrap_err();
         assert_eq!(err, BodyError::BudgetExhausted);
         // Parsed: the request keeps less.
-        held.permit.shrink_to(8 * KEPT_BYTES_PER_BODY_BYTE);
-        assert_eq!(
-            budget.available_bytes(),
-            15 * D - 8 * KEPT_BYTES_PER_BODY_BYTE
-        );
+        held.permit.shrink_to(kept_bytes(8));
+        assert_eq!(budget.available_bytes(), 15 * D - kept_bytes(8));
         drop(held);
         assert_eq!(budget.available_bytes(), 15 * D);
     }

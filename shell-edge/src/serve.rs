@@ -1,31 +1,29 @@
 //! The client-facing HTTP accept loop (R-LIM-1).
 //!
-//! Every client connection is bounded in time and in number:
+//! The rules every client connection lives under are the core's
+//! ([`iop_core::edge::limits::Connections`]: the cap and the per-source
+//! share, which idle connection is evicted for a newcomer, the
+//! first-request, idle and age deadlines). This shell carries them out:
 //!
 //! 1. `accept` is never gated: a connection is accepted, then admitted or
-//!    refused at once. Past `max_connections` (or past its source address's
-//!    share, `max_connections_per_source`) the oldest connection with no
-//!    request in flight is closed to make room (one that never sent a
-//!    request goes first); when every connection is busy the newcomer gets a
-//!    fast `503` and is closed. Nothing waits in the listen backlog.
-//! 2. A connection must complete its first request head (first byte,
-//!    HTTP/1-or-2 detection and headers alike) within
-//!    `first_request_timeout`; between requests it may stay idle (no request
-//!    in flight, HTTP/1 and HTTP/2 alike) for `idle_timeout`; HTTP/1 heads
-//!    after the first are also bounded by hyper's `header_read_timeout`.
-//! 3. At `max_age` a connection stops taking requests (HTTP/1: closes after
-//!    the current response; HTTP/2: GOAWAY) and at `max_age + age_grace` it
-//!    is closed whatever it is doing.
-//! 4. An HTTP/2 connection runs at most `h2_max_concurrent_streams` streams.
-//! 5. At shutdown, in-flight responses finish within the drain timeout; idle
+//!    refused at once; a refused one gets a fast `503` and is closed, and
+//!    the task of an evicted one is told. Nothing waits in the listen
+//!    backlog.
+//! 2. Each connection's task sleeps until the core's next deadline for it
+//!    and carries out what the core answers: close, or drain (HTTP/1:
+//!    close after the current response; HTTP/2: GOAWAY). A request starting
+//!    or ending is told to the core and wakes the task. HTTP/1 heads after
+//!    the first are also bounded by hyper's `header_read_timeout`.
+//! 3. An HTTP/2 connection runs at most `h2_max_concurrent_streams` streams.
+//! 4. At shutdown, in-flight responses finish within the drain timeout; idle
 //!    keep-alive connections close at once.
+//!
+//! Core instants are microseconds since the moment `serve` started.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -33,10 +31,12 @@ use axum::body::Body;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
+use iop_core::edge::limits::{
+    CloseReason, ConnAdmission, ConnId, ConnLimits, ConnStep, Connections,
+};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
 use tower::ServiceExt as _;
 
 /// Limits of the client-facing HTTP server.
@@ -44,24 +44,12 @@ use tower::ServiceExt as _;
 pub struct HttpLimits {
     /// An HTTP/1 request head after the first must arrive within this.
     pub header_read_timeout: Duration,
-    /// From accept to the first request head complete (first byte,
-    /// protocol detection, headers).
-    pub first_request_timeout: Duration,
-    /// A connection with no request in flight is closed after this.
-    pub idle_timeout: Duration,
-    /// A connection stops taking requests at this age.
-    pub max_age: Duration,
-    /// After `max_age`, how long in-flight responses may take before the
-    /// connection is closed anyway.
-    pub age_grace: Duration,
-    /// Connections open at once.
-    pub max_connections: usize,
-    /// Connections open at once from one source address.
-    pub max_connections_per_source: usize,
     /// Concurrent streams on one HTTP/2 connection.
     pub h2_max_concurrent_streams: u32,
     /// At shutdown, how long in-flight responses may take to finish.
     pub drain_timeout: Duration,
+    /// The count and time limits of every connection (R-LIM-1).
+    pub connections: ConnLimits,
 }
 
 impl HttpLimits {
@@ -71,14 +59,16 @@ impl HttpLimits {
         let e = &config.edge;
         Self {
             header_read_timeout: Duration::from_millis(e.header_read_timeout_ms),
-            first_request_timeout: Duration::from_millis(e.first_request_timeout_ms),
-            idle_timeout: Duration::from_millis(e.idle_timeout_ms),
-            max_age: Duration::from_millis(e.max_connection_age_ms),
-            age_grace: Duration::from_millis(config.admission.request_budget_ms),
-            max_connections: e.max_connections,
-            max_connections_per_source: e.connections_per_source(),
             h2_max_concurrent_streams: e.h2_max_concurrent_streams,
             drain_timeout: Duration::from_millis(e.drain_timeout_ms),
+            connections: ConnLimits {
+                first_request_timeout: Duration::from_millis(e.first_request_timeout_ms),
+                idle_timeout: Duration::from_millis(e.idle_timeout_ms),
+                max_age: Duration::from_millis(e.max_connection_age_ms),
+                age_grace: Duration::from_millis(config.admission.request_budget_ms),
+                max_connections: e.max_connections,
+                max_connections_per_source: e.connections_per_source(),
+            },
         }
     }
 }
@@ -92,66 +82,91 @@ connection: close\r\n\
 content-length: 158\r\n\r\n\
 {\"error\":{\"message\":\"The server has too many open connections. Retry shortly.\",\"type\":\"service_unavailable_error\",\"param\":null,\"code\":\"too_many_connections\"}}";
 
-/// One connection's activity, shared by its task, its requests and the
-/// admission registry.
-#[derive(Debug)]
-struct ConnTrack {
-    id: u64,
-    source: IpAddr,
-    accepted_at: Instant,
-    /// Requests whose response has not finished.
-    in_flight: AtomicUsize,
-    /// Some request started on this connection.
-    served: AtomicBool,
-    /// When `in_flight` last fell to zero, in ms since `accepted_at`.
-    idle_since_ms: AtomicU64,
-    /// Asks the connection's task to close it (room for a newcomer).
+/// Turns tokio's instants into the core's and back: microseconds since
+/// `origin`.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    origin: tokio::time::Instant,
+}
+
+impl Clock {
+    /// Far enough for "never"; a deadline past it is not reached.
+    const FAR: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+    fn now(&self) -> iop_core::time::Instant {
+        self.core(tokio::time::Instant::now())
+    }
+
+    fn core(&self, at: tokio::time::Instant) -> iop_core::time::Instant {
+        let since = at.saturating_duration_since(self.origin);
+        iop_core::time::Instant::from_micros(u64::try_from(since.as_micros()).unwrap_or(u64::MAX))
+    }
+
+    fn tokio(&self, at: iop_core::time::Instant) -> tokio::time::Instant {
+        let since = Duration::from_micros(at.as_micros()).min(Self::FAR);
+        self.origin + since
+    }
+}
+
+/// Wakes one connection's task.
+#[derive(Debug, Default)]
+struct Signals {
+    /// The connection was evicted for a newcomer.
     evict: Notify,
-    /// A request started or ended: the task's deadline moves.
+    /// A request started or ended: its deadline moved.
     activity: Notify,
 }
 
-impl ConnTrack {
-    fn is_idle(&self) -> bool {
-        self.in_flight.load(Ordering::Acquire) == 0
-    }
+/// The core's registry and each open connection's wake-ups, under one
+/// lock.
+#[derive(Debug)]
+struct Registry {
+    connections: Connections,
+    signals: HashMap<ConnId, Arc<Signals>>,
+}
 
-    /// When an idle connection is closed for idleness.
-    fn idle_deadline(&self, limits: &HttpLimits) -> Instant {
-        let since =
-            self.accepted_at + Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire));
-        if self.served.load(Ordering::Acquire) {
-            since + limits.idle_timeout
-        } else {
-            since + limits.first_request_timeout
-        }
+/// What every connection task and request shares.
+#[derive(Debug)]
+struct Shared {
+    clock: Clock,
+    registry: Mutex<Registry>,
+}
+
+impl Shared {
+    /// Run `f` under the registry's lock (never held across an await).
+    fn with<T>(&self, f: impl FnOnce(&mut Registry) -> T) -> T {
+        let mut registry = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut registry)
     }
 }
 
 /// Counts one request in flight on its connection until dropped (with the
 /// response body, once it is sent or abandoned).
 #[derive(Debug)]
-struct InFlight(Arc<ConnTrack>);
+struct InFlight {
+    shared: Arc<Shared>,
+    id: ConnId,
+    signals: Arc<Signals>,
+}
 
 impl InFlight {
-    fn new(track: Arc<ConnTrack>) -> Self {
-        track.served.store(true, Ordering::Release);
-        track.in_flight.fetch_add(1, Ordering::AcqRel);
-        track.activity.notify_one();
-        Self(track)
+    fn new(shared: Arc<Shared>, id: ConnId, signals: Arc<Signals>) -> Self {
+        shared.with(|r| r.connections.request_started(id));
+        signals.activity.notify_one();
+        Self {
+            shared,
+            id,
+            signals,
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let track = &self.0;
-        let since = Instant::now().saturating_duration_since(track.accepted_at);
-        track.idle_since_ms.store(
-            u64::try_from(since.as_millis()).unwrap_or(u64::MAX),
-            Ordering::Release,
-        );
-        track.in_flight.fetch_sub(1, Ordering::AcqRel);
-        track.activity.notify_one();
+        let now = self.shared.clock.now();
+        self.shared
+            .with(|r| r.connections.request_ended(self.id, now));
+        self.signals.activity.notify_one();
     }
 }
 
@@ -198,87 +213,6 @@ impl http_body::Body for CountedBody {
     }
 }
 
-/// What the registry decided about a new connection.
-#[derive(Debug)]
-enum Admission {
-    Admitted(Arc<ConnTrack>),
-    /// Every connection it could displace is busy.
-    Refused,
-}
-
-/// The open connections, oldest first, and how many each source holds.
-#[derive(Debug, Default)]
-struct Registry {
-    conns: BTreeMap<u64, Arc<ConnTrack>>,
-    per_source: HashMap<IpAddr, usize>,
-    next_id: u64,
-}
-
-impl Registry {
-    /// Admit a connection from `source`, closing an idle one to make room
-    /// when the cap or the source's share is reached.
-    fn admit(&mut self, source: IpAddr, now: Instant, limits: &HttpLimits) -> Admission {
-        let held = self.per_source.get(&source).copied().unwrap_or(0);
-        let victim = if held >= limits.max_connections_per_source {
-            match self.idle_victim(Some(source)) {
-                Some(v) => Some(v),
-                None => return Admission::Refused,
-            }
-        } else if self.conns.len() >= limits.max_connections {
-            match self.idle_victim(None) {
-                Some(v) => Some(v),
-                None => return Admission::Refused,
-            }
-        } else {
-            None
-        };
-        if let Some(track) = victim.and_then(|v| self.remove(v)) {
-            track.evict.notify_one();
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        let track = Arc::new(ConnTrack {
-            id,
-            source,
-            accepted_at: now,
-            in_flight: AtomicUsize::new(0),
-            served: AtomicBool::new(false),
-            idle_since_ms: AtomicU64::new(0),
-            evict: Notify::new(),
-            activity: Notify::new(),
-        });
-        self.conns.insert(id, track.clone());
-        *self.per_source.entry(source).or_insert(0) += 1;
-        Admission::Admitted(track)
-    }
-
-    /// The connection to close for a newcomer: the oldest one with no
-    /// request in flight that never sent a request, else the oldest idle
-    /// keep-alive connection (from `source` only, when given).
-    fn idle_victim(&self, source: Option<IpAddr>) -> Option<u64> {
-        let candidates = || {
-            self.conns
-                .values()
-                .filter(move |t| source.is_none_or(|s| t.source == s) && t.is_idle())
-        };
-        candidates()
-            .find(|t| !t.served.load(Ordering::Acquire))
-            .or_else(|| candidates().next())
-            .map(|t| t.id)
-    }
-
-    fn remove(&mut self, id: u64) -> Option<Arc<ConnTrack>> {
-        let track = self.conns.remove(&id)?;
-        if let Some(n) = self.per_source.get_mut(&track.source) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_source.remove(&track.source);
-            }
-        }
-        Some(track)
-    }
-}
-
 /// Serve `app` on `listener` until `stop` turns true, then drain.
 pub async fn serve(
     listener: TcpListener,
@@ -286,7 +220,15 @@ pub async fn serve(
     limits: HttpLimits,
     mut stop: watch::Receiver<bool>,
 ) {
-    let registry = Arc::new(Mutex::new(Registry::default()));
+    let shared = Arc::new(Shared {
+        clock: Clock {
+            origin: tokio::time::Instant::now(),
+        },
+        registry: Mutex::new(Registry {
+            connections: Connections::new(limits.connections),
+            signals: HashMap::new(),
+        }),
+    });
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -314,17 +256,21 @@ pub async fn serve(
                 }
             },
         };
-        let admission = registry.lock().unwrap_or_else(|e| e.into_inner()).admit(
-            peer.ip(),
-            Instant::now(),
-            &limits,
-        );
-        let track = match admission {
-            Admission::Admitted(track) => track,
-            Admission::Refused => {
-                refuse(tcp);
-                continue;
+        let now = shared.clock.now();
+        let admitted = shared.with(|r| match r.connections.admit(peer.ip(), now) {
+            ConnAdmission::Refused => None,
+            ConnAdmission::Admitted { id, evict } => {
+                if let Some(victim) = evict.and_then(|v| r.signals.get(&v)) {
+                    victim.evict.notify_one();
+                }
+                let signals = Arc::new(Signals::default());
+                r.signals.insert(id, signals.clone());
+                Some((id, signals))
             }
+        });
+        let Some((id, signals)) = admitted else {
+            refuse(tcp);
+            continue;
         };
         // Responses go out in several writes (SSE events, tunnel frames):
         // without TCP_NODELAY, Nagle holds each small write for the
@@ -334,9 +280,9 @@ pub async fn serve(
             tcp,
             app.clone(),
             builder.clone(),
-            track,
-            registry.clone(),
-            limits,
+            id,
+            signals,
+            shared.clone(),
             stop.clone(),
         ));
     }
@@ -363,40 +309,20 @@ fn refuse(tcp: TcpStream) {
     let _ = tcp.try_write(REFUSAL);
 }
 
-/// Why a connection's task closed it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Closed {
-    Finished,
-    Idle,
-    Evicted,
-    MaxAge,
-}
-
-impl Closed {
-    fn as_str(self) -> &'static str {
-        match self {
-            Closed::Finished => "finished",
-            Closed::Idle => "idle",
-            Closed::Evicted => "evicted",
-            Closed::MaxAge => "max_age",
-        }
-    }
-}
-
-/// Serve one connection under its time limits.
+/// Serve one connection under the core's time limits for it.
 async fn serve_connection(
     tcp: TcpStream,
     app: axum::Router,
     builder: Arc<Builder<TokioExecutor>>,
-    track: Arc<ConnTrack>,
-    registry: Arc<Mutex<Registry>>,
-    limits: HttpLimits,
+    id: ConnId,
+    signals: Arc<Signals>,
+    shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let counted = track.clone();
+    let (counted, counted_signals) = (shared.clone(), signals.clone());
     let service = TowerToHyperService::new(tower::service_fn(
         move |request: hyper::Request<hyper::body::Incoming>| {
-            let in_flight = InFlight::new(counted.clone());
+            let in_flight = InFlight::new(counted.clone(), id, counted_signals.clone());
             let app = app.clone();
             async move {
                 let response = match app.oneshot(request.map(Body::new)).await {
@@ -414,58 +340,49 @@ async fn serve_connection(
     ));
     let conn = builder.serve_connection(TokioIo::new(tcp), service);
     tokio::pin!(conn);
-    let age_deadline = track.accepted_at + limits.max_age;
-    let mut draining = false;
-    let closed = loop {
-        // The idle deadline while nothing is in flight, the age deadline
-        // always; a request starting or ending wakes the task to look again.
-        let next = if draining {
-            age_deadline + limits.age_grace
-        } else if track.is_idle() {
-            track.idle_deadline(&limits).min(age_deadline)
-        } else {
-            age_deadline
+    // `None`: the connection ended by itself.
+    let closed: Option<CloseReason> = loop {
+        // A request starting or ending wakes the task to ask again.
+        let (next, draining) = shared.with(|r| {
+            (
+                r.connections.poll_timeout(id),
+                r.connections.is_draining(id),
+            )
+        });
+        let deadline = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(shared.clock.tokio(at)).await,
+                None => std::future::pending().await,
+            }
         };
-        tokio::select! {
-            _ = conn.as_mut() => break Closed::Finished,
-            _ = track.activity.notified() => {}
-            _ = track.evict.notified() => {
-                if track.is_idle() {
-                    break Closed::Evicted;
-                }
-                // A request started after it was chosen: let it finish.
-                if !draining {
-                    conn.as_mut().graceful_shutdown();
-                    draining = true;
-                }
+        let step = tokio::select! {
+            _ = conn.as_mut() => break None,
+            _ = signals.activity.notified() => ConnStep::Wait,
+            _ = signals.evict.notified() => {
+                shared.with(|r| r.connections.handle_eviction(id))
             }
             _ = stopped(&mut stop), if !draining => {
-                conn.as_mut().graceful_shutdown();
-                draining = true;
+                shared.with(|r| r.connections.handle_stop(id))
             }
-            _ = tokio::time::sleep_until(next) => {
-                let now = Instant::now();
-                if draining {
-                    if now >= age_deadline + limits.age_grace {
-                        break Closed::MaxAge;
-                    }
-                } else if now >= age_deadline {
-                    conn.as_mut().graceful_shutdown();
-                    draining = true;
-                } else if track.is_idle() && now >= track.idle_deadline(&limits) {
-                    break Closed::Idle;
-                }
+            _ = deadline => {
+                let now = shared.clock.now();
+                shared.with(|r| r.connections.handle_timeout(id, now))
             }
+        };
+        match step {
+            ConnStep::Wait => {}
+            ConnStep::Drain => conn.as_mut().graceful_shutdown(),
+            ConnStep::Close(reason) => break Some(reason),
         }
     };
-    registry
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(track.id);
-    if closed != Closed::Finished {
+    shared.with(|r| {
+        r.connections.closed(id);
+        r.signals.remove(&id);
+    });
+    if let Some(reason) = closed {
         tracing::debug!(
             event = "edge_http_connection_closed",
-            reason = closed.as_str()
+            reason = reason.as_str()
         );
     }
 }
@@ -479,83 +396,6 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 mod tests {
     use super::*;
 
-    fn limits(cap: usize, share: usize) -> HttpLimits {
-        HttpLimits {
-            header_read_timeout: Duration::from_secs(1),
-            first_request_timeout: Duration::from_secs(1),
-            idle_timeout: Duration::from_secs(1),
-            max_age: Duration::from_secs(60),
-            age_grace: Duration::from_secs(1),
-            max_connections: cap,
-            max_connections_per_source: share,
-            h2_max_concurrent_streams: 8,
-            drain_timeout: Duration::from_secs(1),
-        }
-    }
-
-    fn admitted(a: Admission) -> Arc<ConnTrack> {
-        match a {
-            Admission::Admitted(t) => t,
-            Admission::Refused => panic!("refused"),
-        }
-    }
-
-    const A: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1));
-    const B: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
-
-    #[tokio::test]
-    async fn at_the_cap_the_oldest_connection_that_never_sent_a_request_makes_room() {
-        // R-LIM-1: beyond the cap a newcomer is never left waiting.
-        let (mut r, l, now) = (Registry::default(), limits(3, 3), Instant::now());
-        let kept_alive = admitted(r.admit(A, now, &l));
-        drop(InFlight::new(kept_alive.clone()));
-        let silent = admitted(r.admit(B, now, &l));
-        let busy = admitted(r.admit(A, now, &l));
-        let _busy = InFlight::new(busy.clone());
-        let newcomer = admitted(r.admit(B, now, &l));
-        assert_eq!(r.conns.len(), 3);
-        assert!(
-            !r.conns.contains_key(&silent.id),
-            "the silent one went first"
-        );
-        assert!(r.conns.contains_key(&kept_alive.id));
-        let _newcomer_busy = InFlight::new(newcomer.clone());
-        // Then the idle keep-alive connection; never a busy one.
-        admitted(r.admit(B, now, &l));
-        assert!(!r.conns.contains_key(&kept_alive.id));
-        assert!(r.conns.contains_key(&busy.id));
-        assert!(r.conns.contains_key(&newcomer.id));
-    }
-
-    #[tokio::test]
-    async fn when_every_connection_is_busy_a_newcomer_is_refused() {
-        let (mut r, l, now) = (Registry::default(), limits(2, 2), Instant::now());
-        let a = admitted(r.admit(A, now, &l));
-        let b = admitted(r.admit(B, now, &l));
-        let _busy = (InFlight::new(a), InFlight::new(b));
-        assert!(matches!(r.admit(A, now, &l), Admission::Refused));
-        assert_eq!(r.conns.len(), 2);
-    }
-
-    #[tokio::test]
-    async fn one_source_cannot_take_more_than_its_share() {
-        let (mut r, l, now) = (Registry::default(), limits(10, 2), Instant::now());
-        let a1 = admitted(r.admit(A, now, &l));
-        let a2 = admitted(r.admit(A, now, &l));
-        let _busy = InFlight::new(a1.clone());
-        // Over its share, A displaces its own idle connection, not B's.
-        let b = admitted(r.admit(B, now, &l));
-        admitted(r.admit(A, now, &l));
-        assert!(!r.conns.contains_key(&a2.id));
-        assert!(r.conns.contains_key(&b.id));
-        assert_eq!(r.per_source[&A], 2);
-        // With both of A's busy, A is refused while B still gets in.
-        let a3 = r.conns.values().find(|t| t.id > b.id).unwrap().clone();
-        let _busy3 = InFlight::new(a3);
-        assert!(matches!(r.admit(A, now, &l), Admission::Refused));
-        admitted(r.admit(B, now, &l));
-    }
-
     #[test]
     fn the_refusal_is_a_complete_503_with_its_length() {
         let text = std::str::from_utf8(REFUSAL).unwrap();
@@ -567,15 +407,54 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_idle_clock_starts_at_accept_then_at_each_response_end() {
-        let (mut r, l) = (Registry::default(), limits(2, 2));
-        let t = admitted(r.admit(A, Instant::now(), &l));
-        assert_eq!(t.idle_deadline(&l), t.accepted_at + l.first_request_timeout);
-        let req = InFlight::new(t.clone());
-        assert!(!t.is_idle());
+    async fn the_clock_turns_tokio_instants_into_core_microseconds_and_back() {
+        let clock = Clock {
+            origin: tokio::time::Instant::now(),
+        };
+        assert_eq!(clock.now(), iop_core::time::Instant::ZERO);
+        tokio::time::advance(Duration::from_millis(1_500)).await;
+        let now = clock.now();
+        assert_eq!(now, iop_core::time::Instant::from_millis(1_500));
+        assert_eq!(clock.tokio(now), tokio::time::Instant::now());
+        // A deadline at "never" is far away, not an overflow.
+        assert!(clock.tokio(iop_core::time::Instant::MAX) > tokio::time::Instant::now());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_is_counted_in_the_core_from_its_start_to_its_end() {
+        // R-LIM-1: the idle clock restarts when the response ends.
+        let limits = ConnLimits {
+            first_request_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(3),
+            max_age: Duration::from_secs(60),
+            age_grace: Duration::from_secs(1),
+            max_connections: 2,
+            max_connections_per_source: 2,
+        };
+        let shared = Arc::new(Shared {
+            clock: Clock {
+                origin: tokio::time::Instant::now(),
+            },
+            registry: Mutex::new(Registry {
+                connections: Connections::new(limits),
+                signals: HashMap::new(),
+            }),
+        });
+        let source = std::net::IpAddr::from([127, 0, 0, 1]);
+        let now = shared.clock.now();
+        let ConnAdmission::Admitted { id, .. } = shared.with(|r| r.connections.admit(source, now))
+        else {
+            panic!("refused");
+        };
+        let signals = Arc::new(Signals::default());
+        let deadline = || shared.with(|r| r.connections.poll_timeout(id));
+        assert_eq!(deadline(), Some(now + limits.first_request_timeout));
+        let request = InFlight::new(shared.clone(), id, signals.clone());
+        assert_eq!(deadline(), Some(now + limits.max_age), "busy");
         tokio::time::advance(Duration::from_secs(5)).await;
-        drop(req);
-        assert!(t.is_idle());
-        assert_eq!(t.idle_deadline(&l), Instant::now() + l.idle_timeout);
+        drop(request);
+        assert_eq!(deadline(), Some(shared.clock.now() + limits.idle_timeout));
+        // Each change woke the connection's task.
+        signals.activity.notified().await;
     }
 }

@@ -1,6 +1,7 @@
 //! Edge-side rules: generations, admission and leases, the health overlay,
-//! the stream gate, the provider health tracker, and one node connection
-//! ([`link::EdgeLink`]).
+//! the stream gate, the provider health tracker, one node connection
+//! ([`link::EdgeLink`]), and the limits on client connections and request
+//! bodies ([`limits`]).
 
 pub mod admission;
 pub mod delivery;
@@ -10,6 +11,7 @@ pub mod flood;
 pub mod gate;
 pub mod generations;
 pub mod health;
+pub mod limits;
 pub mod link;
 pub mod overlay;
 pub mod registry;
