@@ -107,12 +107,25 @@ pub(crate) async fn start(
     timeout: Duration,
 ) -> Result<tokio::task::JoinHandle<()>, ConnectError> {
     let load = async {
+        // Done at the last message the bucket held when the load began, or
+        // when nothing is pending: while other Edges keep writing, the
+        // consumer's pending count may not fall to zero for a long time.
+        let last = kv
+            .get_info()
+            .await
+            .map_err(|e| e.to_string())?
+            .state
+            .last_sequence;
         let (mut pending, mut messages) =
             consumer(&kv, &client, &names, DeliverPolicy::LastPerSubject).await?;
         while pending > 0 {
             match messages.next().await {
                 Some(Ok(message)) => {
-                    pending = message.info().map(|i| i.pending).unwrap_or(0);
+                    pending = match message.info() {
+                        Ok(i) if i.stream_sequence >= last => 0,
+                        Ok(i) => i.pending,
+                        Err(_) => 0,
+                    };
                     apply(&dir, &names, &message);
                 }
                 Some(Err(e)) => return Err(e.to_string()),
