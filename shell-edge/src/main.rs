@@ -5,6 +5,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+/// The process allocator: mimalloc spends less CPU per request than glibc's
+/// malloc on the many small, short-lived allocations of a request
+/// (docs/benchmarks.md, "The allocator").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The iop Edge: a gateway that puts LLM inference servers, reached through
 /// iop Nodes over QUIC with mutual TLS, behind the OpenAI and Ollama APIs.
 #[derive(Parser)]
