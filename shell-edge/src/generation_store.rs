@@ -1,14 +1,13 @@
 //! Persistence of the generation high-water mark (R-GEN-1 across restarts).
 //!
-//! The floor handed to the core is the larger of the persisted mark and the
-//! current Unix time in milliseconds, so generations keep increasing across
-//! restarts even if the state file is lost (as long as the clock does not
-//! jump back), and across clock jumps as long as the file survives.
+//! The floor a new process starts from is the core's rule
+//! ([`iop_core::edge::generations::restart_floor`]: the larger of the
+//! persisted mark and the wall clock); this file reads and writes the mark.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use iop_core::edge::registry::GENERATION_LIMIT;
+use iop_core::edge::generations::restart_floor;
 
 /// Where the mark lives.
 #[derive(Debug, Clone)]
@@ -37,19 +36,13 @@ impl GenerationStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
             Err(e) => return Err(e),
         };
-        // A mark at or past the limit leaves no generation to hand out
-        // (R-GEN-1 forbids wrapping): refuse to start and name the file.
-        if persisted >= GENERATION_LIMIT {
-            return Err(std::io::Error::new(
+        // R-GEN-1 across restarts: the core's rule; a refusal names the file.
+        restart_floor(persisted, unix_ms).map_err(|e| {
+            std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!(
-                    "{}: generation high-water mark {persisted} is not below the limit \
-                     {GENERATION_LIMIT}",
-                    self.path.display()
-                ),
-            ));
-        }
-        Ok(persisted.max(unix_ms))
+                format!("{}: {e}", self.path.display()),
+            )
+        })
     }
 
     /// Persist `high_water` durably: write a temp file, fsync it, rename it
@@ -75,6 +68,8 @@ impl GenerationStore {
 
 #[cfg(test)]
 mod tests {
+    use iop_core::edge::registry::GENERATION_LIMIT;
+
     use super::*;
 
     #[test]

@@ -39,6 +39,28 @@ pub fn start_floor(floor: Generation, random: u64) -> Generation {
         .min(GENERATION_LIMIT)
 }
 
+/// A persisted generation mark that leaves no generation to hand out
+/// (R-GEN-1 forbids wrapping): the Edge refuses to start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("generation high-water mark {mark} is not below the limit {GENERATION_LIMIT}")]
+pub struct MarkAtLimit {
+    /// The mark read.
+    pub mark: Generation,
+}
+
+/// The floor a new Edge process starts from, before [`start_floor`]'s
+/// offset: the larger of the persisted mark (`0` when there is none) and
+/// the wall clock in milliseconds, so generations keep increasing across
+/// restarts even if the mark is lost (as long as the clock does not jump
+/// back), and across clock jumps while the mark survives (R-GEN-1 across
+/// restarts). A mark at or past [`GENERATION_LIMIT`] refuses the start.
+pub fn restart_floor(persisted: Generation, unix_ms: u64) -> Result<Generation, MarkAtLimit> {
+    if persisted >= GENERATION_LIMIT {
+        return Err(MarkAtLimit { mark: persisted });
+    }
+    Ok(persisted.max(unix_ms))
+}
+
 /// The first mark to persist at start, for the generation `floor` read
 /// from the store and the clock.
 pub fn initial_mark(floor: Generation) -> Generation {
@@ -205,5 +227,24 @@ mod tests {
         let mut r = GenerationReserve::new(10_000);
         r.saved(9_000);
         assert_eq!(r.durable(), 10_000);
+    }
+
+    #[test]
+    fn r_gen_1_a_restart_starts_from_the_larger_of_the_mark_and_the_clock() {
+        assert_eq!(restart_floor(0, 5), Ok(5));
+        assert_eq!(restart_floor(1_000, 5), Ok(1_000));
+        assert_eq!(restart_floor(1_000, 2_000), Ok(2_000));
+        assert_eq!(
+            restart_floor(GENERATION_LIMIT - 1, 5),
+            Ok(GENERATION_LIMIT - 1)
+        );
+        for mark in [GENERATION_LIMIT, u64::MAX] {
+            assert_eq!(restart_floor(mark, 5), Err(MarkAtLimit { mark }));
+        }
+        assert!(
+            MarkAtLimit { mark: u64::MAX }
+                .to_string()
+                .contains("generation")
+        );
     }
 }

@@ -12,6 +12,12 @@ fn before(at: Instant) -> Instant {
     Instant::from_micros(at.as_micros() - 1)
 }
 
+/// Nothing happens one microsecond before `deadline`; at it, `step`.
+fn fires_at(c: &mut Connections, id: ConnId, deadline: Instant, step: ConnStep) {
+    assert_eq!(c.handle_timeout(id, before(deadline)), ConnStep::Wait);
+    assert_eq!(c.handle_timeout(id, deadline), step);
+}
+
 /// Distinct durations, so a test can tell which one a deadline came from.
 fn limits(cap: usize, share: usize) -> ConnLimits {
     ConnLimits {
@@ -194,11 +200,7 @@ fn r_lim_1_before_its_first_request_a_connection_has_the_first_request_timeout()
     let id = fresh(&mut c, A);
     let deadline = T0 + l.first_request_timeout;
     assert_eq!(c.poll_timeout(id), Some(deadline));
-    assert_eq!(c.handle_timeout(id, before(deadline)), ConnStep::Wait);
-    assert_eq!(
-        c.handle_timeout(id, deadline),
-        ConnStep::Close(CloseReason::Idle)
-    );
+    fires_at(&mut c, id, deadline, ConnStep::Close(CloseReason::Idle));
 }
 
 #[test]
@@ -216,11 +218,7 @@ fn r_lim_1_after_a_request_ended_the_idle_timeout_runs_from_its_end() {
     // The idle timeout now, not the first-request one, from the end.
     let deadline = ended + l.idle_timeout;
     assert_eq!(c.poll_timeout(id), Some(deadline));
-    assert_eq!(c.handle_timeout(id, before(deadline)), ConnStep::Wait);
-    assert_eq!(
-        c.handle_timeout(id, deadline),
-        ConnStep::Close(CloseReason::Idle)
-    );
+    fires_at(&mut c, id, deadline, ConnStep::Close(CloseReason::Idle));
 }
 
 #[test]
@@ -255,11 +253,7 @@ fn r_lim_1_a_connection_drains_at_its_age_and_closes_at_age_plus_grace() {
     // Drain is answered once; then only the hard close is left.
     let close = age + l.age_grace;
     assert_eq!(c.poll_timeout(id), Some(close));
-    assert_eq!(c.handle_timeout(id, before(close)), ConnStep::Wait);
-    assert_eq!(
-        c.handle_timeout(id, close),
-        ConnStep::Close(CloseReason::MaxAge)
-    );
+    fires_at(&mut c, id, close, ConnStep::Close(CloseReason::MaxAge));
 }
 
 #[test]
