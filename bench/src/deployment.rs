@@ -431,6 +431,9 @@ pub struct DeploymentSpec {
     pub queue_capacity: usize,
     /// The Edge's journal store.
     pub journal: JournalStore,
+    /// Where the Edge and the Nodes export their spans (an OTLP/HTTP
+    /// traces endpoint; `None`: no spans).
+    pub otlp_traces: Option<String>,
 }
 
 /// A running mock.
@@ -664,6 +667,9 @@ impl Deployment {
                 ));
             }
         }
+        if let Some(endpoint) = &spec.otlp_traces {
+            edge_toml.push_str(&crate::spans::otlp_traces_section(endpoint));
+        }
         write(&dir.join("edge.toml"), &edge_toml)?;
         let mut edge = Proc::spawn(
             "edge",
@@ -692,10 +698,11 @@ impl Deployment {
         let mut nodes = Vec::new();
         for id in &node_ids {
             let file = format!("node-{id}.toml");
-            write(
-                &dir.join(&file),
-                &node_config(id, edge_quic, spec.max_concurrent_runs, &targets),
-            )?;
+            let mut node_toml = node_config(id, edge_quic, spec.max_concurrent_runs, &targets);
+            if let Some(endpoint) = &spec.otlp_traces {
+                node_toml.push_str(&crate::spans::otlp_traces_section(endpoint));
+            }
+            write(&dir.join(&file), &node_toml)?;
             nodes.push(Proc::spawn(
                 &format!("node-{id}"),
                 &bins.node,

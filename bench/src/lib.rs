@@ -15,6 +15,9 @@
 //! * [`fleet`]: many Nodes in one process (the node-scale scenario).
 //! * [`journal`]: the Edge's journal metrics read around a run (the durable
 //!   scenario).
+//! * [`spans`]: the Edge's and the Node's spans of each request, joined
+//!   with what the client saw (the tail scenario: where the slowest
+//!   requests' time went).
 //!
 //! Speed is reported as numbers and ratios against a baseline of the same
 //! run, never asserted in tests: the tests here only check that the tools
@@ -29,4 +32,5 @@ pub mod load;
 pub mod procfs;
 pub mod report;
 pub mod scenario;
+pub mod spans;
 pub mod sse;

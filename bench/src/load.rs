@@ -196,7 +196,23 @@ struct Timings {
 struct Outcome {
     /// Intended (open loop) or actual (closed loop) send time.
     start: Instant,
+    /// The trace id the request carried in its `traceparent`, if traced.
+    trace_id: Option<u128>,
     result: Result<Timings, RequestError>,
+}
+
+/// A successful request of a traced run ([`run_traced`]): the trace id its
+/// `traceparent` carried, so the gateway's spans of it can be joined with
+/// what the client saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TracedRequest {
+    /// The W3C trace id (16 bytes).
+    pub trace_id: u128,
+    /// Its intended (open loop) or actual (closed loop) send time, Unix
+    /// nanoseconds.
+    pub start_unix_ns: u64,
+    /// Its total latency, µs.
+    pub total_us: u64,
 }
 
 /// What every request of a run shares.
@@ -212,11 +228,19 @@ struct Prepared {
     key_prefix: Option<String>,
     /// The number of the next key.
     next_key: AtomicU64,
+    /// Traced runs: the high 64 bits of every trace id, unique to this run
+    /// (the low 64 count requests).
+    trace_prefix: Option<u64>,
+    /// The number of the next request (traced runs).
+    next_trace: AtomicU64,
+    /// Traced runs: one request in this many carries a trace id.
+    trace_every: u64,
 }
 
 impl Prepared {
-    /// The request, with its headers and body.
-    fn request(&self) -> reqwest::RequestBuilder {
+    /// The request, with its headers and body; `trace_id` goes in a
+    /// sampled `traceparent`.
+    fn request(&self, trace_id: Option<u128>) -> reqwest::RequestBuilder {
         let mut req = self
             .client
             .post(self.url.clone())
@@ -232,12 +256,37 @@ impl Prepared {
                 req = req.header(IDEMPOTENCY_KEY, key);
             }
         }
+        if let Some(trace_id) = trace_id
+            && let Ok(value) = HeaderValue::from_str(&format!("00-{trace_id:032x}-{:016x}-01", 1))
+        {
+            req = req.header(TRACEPARENT, value);
+        }
         req
+    }
+
+    /// A fresh trace id for the next request of a traced run, if it is
+    /// one of those traced.
+    fn next_trace_id(&self) -> Option<u128> {
+        let prefix = self.trace_prefix?;
+        let n = self.next_trace.fetch_add(1, Ordering::Relaxed);
+        n.is_multiple_of(self.trace_every)
+            .then(|| (u128::from(prefix) << 64) | u128::from(n))
     }
 }
 
 /// The header that makes a request durable and idempotent.
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The W3C trace-context header.
+const TRACEPARENT: &str = "traceparent";
+
+/// The high half of a traced run's trace ids: from the wall clock and the
+/// process id, never 0 (an all-zero trace id is invalid).
+fn trace_prefix() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    (nanos ^ (u64::from(std::process::id()) << 40)) | 1
+}
 
 /// A prefix no other run, of this process or another, uses: the process
 /// id, the wall clock in nanoseconds and a per-process counter.
@@ -288,6 +337,7 @@ fn prepare(
     target: &Target,
     stream: bool,
     timeout: Duration,
+    trace_every: Option<u64>,
 ) -> Result<Arc<Prepared>, LoadError> {
     let url = reqwest::Url::parse(&target.url).map_err(|_| LoadError::InvalidSpec("url"))?;
     let auth = target
@@ -305,6 +355,9 @@ fn prepare(
         timeout,
         key_prefix: (target.durability == Durability::IdempotencyKey).then(unique_key_prefix),
         next_key: AtomicU64::new(0),
+        trace_prefix: trace_every.map(|_| trace_prefix()),
+        next_trace: AtomicU64::new(0),
+        trace_every: trace_every.unwrap_or(1).max(1),
     }))
 }
 
@@ -321,15 +374,24 @@ fn classify(e: &reqwest::Error) -> RequestError {
 }
 
 async fn send_one(p: &Prepared, start: Instant) -> Outcome {
-    let result = match tokio::time::timeout(p.timeout, exchange(p, start)).await {
+    let trace_id = p.next_trace_id();
+    let result = match tokio::time::timeout(p.timeout, exchange(p, start, trace_id)).await {
         Ok(result) => result,
         Err(_) => Err(RequestError::Timeout),
     };
-    Outcome { start, result }
+    Outcome {
+        start,
+        trace_id,
+        result,
+    }
 }
 
-async fn exchange(p: &Prepared, start: Instant) -> Result<Timings, RequestError> {
-    let resp = p.request().send().await.map_err(|e| classify(&e))?;
+async fn exchange(
+    p: &Prepared,
+    start: Instant,
+    trace_id: Option<u128>,
+) -> Result<Timings, RequestError> {
+    let resp = p.request(trace_id).send().await.map_err(|e| classify(&e))?;
     let status = resp.status();
     if !status.is_success() {
         // Read the body so the connection can be reused.
@@ -397,11 +459,21 @@ struct Collector {
     total: Histogram<u64>,
     ttft: Histogram<u64>,
     gap: Histogram<u64>,
+    /// An instant and the wall clock then, Unix nanoseconds: a send time
+    /// on the wall clock.
+    wall_origin: (Instant, u64),
+    /// Successful traced requests.
+    traced: Vec<TracedRequest>,
 }
 
 impl Collector {
     fn new(from: Instant, until: Instant) -> Self {
+        let wall_now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
         Self {
+            wall_origin: (Instant::now(), wall_now),
+            traced: Vec::new(),
             from,
             until,
             requests: 0,
@@ -422,6 +494,19 @@ impl Collector {
         match o.result {
             Ok(t) => {
                 self.ok += 1;
+                if let Some(trace_id) = o.trace_id {
+                    let (origin, wall) = self.wall_origin;
+                    let start_unix_ns = if o.start >= origin {
+                        wall + (o.start - origin).as_nanos() as u64
+                    } else {
+                        wall.saturating_sub((origin - o.start).as_nanos() as u64)
+                    };
+                    self.traced.push(TracedRequest {
+                        trace_id,
+                        start_unix_ns,
+                        total_us: t.total_us,
+                    });
+                }
                 self.chunks += t.chunks;
                 self.total.saturating_record(t.total_us);
                 if let Some(ttft) = t.ttft_us {
@@ -435,7 +520,7 @@ impl Collector {
         }
     }
 
-    fn report(self, spec: &LoadSpec) -> LoadReport {
+    fn report(&self, spec: &LoadSpec) -> LoadReport {
         let window_s = (self.until - self.from).as_secs_f64().max(1e-9);
         LoadReport {
             label: spec.label.clone(),
@@ -457,13 +542,38 @@ impl Collector {
 
 /// Run one load and report what the measured window saw.
 pub async fn run(client: &reqwest::Client, spec: &LoadSpec) -> Result<LoadReport, LoadError> {
+    Ok(run_with(client, spec, None).await?.0)
+}
+
+/// [`run`], one request in `every` (the first, then evenly spread) with a
+/// sampled `traceparent` of its own trace id, the others with none: also
+/// the successful traced requests of the measured window.
+pub async fn run_traced(
+    client: &reqwest::Client,
+    spec: &LoadSpec,
+    every: u64,
+) -> Result<(LoadReport, Vec<TracedRequest>), LoadError> {
+    run_with(client, spec, Some(every)).await
+}
+
+async fn run_with(
+    client: &reqwest::Client,
+    spec: &LoadSpec,
+    trace_every: Option<u64>,
+) -> Result<(LoadReport, Vec<TracedRequest>), LoadError> {
     if spec.duration.is_zero() || spec.warmup >= spec.duration {
         return Err(LoadError::InvalidSpec("duration must be > warmup"));
     }
     if spec.max_in_flight == 0 || spec.max_in_flight > MAX_IN_FLIGHT_LIMIT {
         return Err(LoadError::InvalidSpec("max_in_flight must be 1..=50000"));
     }
-    let prepared = prepare(client, &spec.target, spec.stream, spec.request_timeout)?;
+    let prepared = prepare(
+        client,
+        &spec.target,
+        spec.stream,
+        spec.request_timeout,
+        trace_every,
+    )?;
     let start = Instant::now();
     let end = start + spec.duration;
     let (tx, mut rx) = mpsc::channel::<Outcome>(OUTCOME_QUEUE);
@@ -488,7 +598,9 @@ pub async fn run(client: &reqwest::Client, spec: &LoadSpec) -> Result<LoadReport
             closed_loop(prepared, start, end, concurrency, spec.ramp_per_s, tx).await?;
         }
     }
-    Ok(collect.await?.report(spec))
+    let mut collector = collect.await?;
+    let report = collector.report(spec);
+    Ok((report, std::mem::take(&mut collector.traced)))
 }
 
 async fn open_loop(
@@ -518,6 +630,7 @@ async fn open_loop(
             if in_flight.load(Ordering::Relaxed) >= max_in_flight {
                 let _ = tx.blocking_send(Outcome {
                     start: intended,
+                    trace_id: None,
                     result: Err(RequestError::Backlog),
                 });
             } else {
@@ -626,7 +739,7 @@ pub async fn hold_streams(
     if count == 0 || count > MAX_IN_FLIGHT_LIMIT || ramp_per_s.is_nan() || ramp_per_s <= 0.0 {
         return Err(LoadError::InvalidSpec("count must be 1..=50000, ramp > 0"));
     }
-    let prepared = prepare(client, target, true, Duration::from_secs(24 * 3600))?;
+    let prepared = prepare(client, target, true, Duration::from_secs(24 * 3600), None)?;
     let counts = Arc::new(HoldCounts::default());
     let mut tasks = JoinSet::new();
     let start = Instant::now();
@@ -646,7 +759,7 @@ pub async fn hold_streams(
 }
 
 async fn hold_one(p: &Prepared, counts: &HoldCounts) -> Result<(), RequestError> {
-    let resp = p.request().send().await.map_err(|e| classify(&e))?;
+    let resp = p.request(None).send().await.map_err(|e| classify(&e))?;
     if !resp.status().is_success() {
         return Err(RequestError::Status(resp.status().as_u16()));
     }

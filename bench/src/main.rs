@@ -105,10 +105,18 @@ enum ScenarioName {
     Nodes,
     /// Durable vs ephemeral responses on each journal store.
     Durable,
+    /// Where the slowest non-streaming requests waited: the latency
+    /// scenario's requests traced through the Edge's and the Node's spans
+    /// (not in the default run: tracing costs CPU of its own).
+    Tail,
 }
 
-/// Does a suite run with `--only only` run scenario `s` (none = all)?
+/// Does a suite run with `--only only` run scenario `s` (none = all but
+/// the tail scenario, which runs only when named)?
 fn wants(only: &[ScenarioName], s: ScenarioName) -> bool {
+    if s == ScenarioName::Tail {
+        return only.contains(&s);
+    }
     only.is_empty() || only.contains(&s)
 }
 
@@ -328,6 +336,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         memory: None,
         nodes: None,
         durable: None,
+        tail: None,
     };
     let latency_settings = LatencySettings {
         rates: or_default(
@@ -380,6 +389,9 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         };
         report.durable = Some(scenario::durable(&bins, &work, &settings).await?);
     }
+    if want(ScenarioName::Tail) {
+        report.tail = Some(scenario::tail(&bins, &work, &latency_settings.rates, duration).await?);
+    }
     if want(ScenarioName::Nodes) {
         let count = a.fleet_nodes.unwrap_or(if q { 50 } else { 200 });
         let window = secs(a.idle_window_s.unwrap_or(if q { 5.0 } else { 60.0 }))?;
@@ -424,6 +436,7 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         memory: None,
         nodes: None,
         durable: None,
+        tail: None,
     };
     let (json, md) = report.write(&a.out)?;
     print!("{}", report.markdown());
@@ -475,5 +488,8 @@ mod tests {
             [Latency, Nagle]
         );
         assert!(Cli::try_parse_from(["iop-bench", "suite", "--only", "nagel"]).is_err());
+        // The tail scenario runs only when named.
+        assert!(!wants(&only(&[]), Tail));
+        assert!(wants(&only(&["--only", "latency,tail"]), Tail));
     }
 }

@@ -48,6 +48,9 @@ pub enum ScenarioError {
     /// The Edge's metrics could not be read.
     #[error(transparent)]
     Scrape(#[from] ScrapeError),
+    /// The tail scenario's span collector could not listen.
+    #[error("span collector: {0}")]
+    Collector(std::io::Error),
 }
 
 /// What a scenario runs against: a [`Deployment`] of separate processes,
@@ -210,6 +213,7 @@ pub fn latency_deployment(
         max_concurrent_runs: 2048,
         queue_capacity: 4096,
         journal: JournalStore::default(),
+        otlp_traces: None,
     }
 }
 
@@ -646,6 +650,7 @@ pub fn memory_deployment(work: &Path, nodes: usize, max_streams: usize) -> Deplo
         max_concurrent_runs: per_node + 64,
         queue_capacity: 1024,
         journal: JournalStore::default(),
+        otlp_traces: None,
     }
 }
 
@@ -1486,6 +1491,110 @@ impl DurableResult {
     }
 }
 
+/// Results of the tail scenario: traced runs of the latency scenario's
+/// requests, each with where its median and its slowest requests spent
+/// their time.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TailResult {
+    /// One per rate and path.
+    pub runs: Vec<TailRun>,
+}
+
+/// One traced run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TailRun {
+    /// What the client saw.
+    pub report: LoadReport,
+    /// The phases of its median and slowest requests.
+    pub profile: crate::spans::TailProfile,
+}
+
+/// How long after a run its last spans take to reach the collector (the
+/// export interval is 100 ms).
+const SPAN_SETTLE: Duration = Duration::from_secs(1);
+/// One request in this many is traced in the tail scenario: enough of
+/// them for a slowest 1 % of tens of requests at 1,000/s over 10 s, few
+/// enough that exporting spans barely loads the CPUs the run measures.
+const TAIL_TRACE_EVERY: u64 = 10;
+
+/// The tail scenario: the latency scenario's requests (non-streaming, 8
+/// tokens, open loop at each of `rates`) through the tunnel and normalized
+/// paths of a deployment whose Edge and Node export the spans of the
+/// requests that ask (one in [`TAIL_TRACE_EVERY`], each with its own trace
+/// id); joined, they say where the slowest 1 % of those requests waited,
+/// against the median ones. Exporting spans costs CPU of its own.
+pub async fn tail(
+    bins: &Binaries,
+    work: &Path,
+    rates: &[f64],
+    duration: Duration,
+) -> Result<TailResult, ScenarioError> {
+    let collector = crate::spans::SpanCollector::start()
+        .await
+        .map_err(ScenarioError::Collector)?;
+    let mut spec = latency_deployment(work, None);
+    spec.dir = work.join("tail");
+    spec.otlp_traces = Some(collector.endpoint());
+    let mut d = Deployment::start(bins, &spec).await?;
+    let client = load::client()?;
+    let mut runs = Vec::new();
+    for rate in rates {
+        let mode = LoadMode::Open { rate_per_s: *rate };
+        for tunnel in [true, false] {
+            let label = if tunnel {
+                "iop tunnel"
+            } else {
+                "iop normalized"
+            };
+            let spec = LoadSpec::new(label, d.via(SHORT_MOCK, tunnel), false, mode, duration);
+            // Spans of the deployment's checks and of earlier runs go.
+            let _ = collector.take();
+            let (report, traced) = load::run_traced(&client, &spec, TAIL_TRACE_EVERY).await?;
+            tokio::time::sleep(SPAN_SETTLE).await;
+            let (spans, dropped) = collector.take();
+            let (phases, incomplete) = crate::spans::join(&traced, &spans);
+            let profile =
+                crate::spans::TailProfile::of(&mode.label(), label, phases, incomplete, dropped);
+            eprintln!(
+                "  tail {label:<16} {:<12} ok {:>7} p50 {} p99 {} ms; joined {} incomplete {}",
+                mode.label(),
+                report.ok,
+                report
+                    .total
+                    .map_or("-".into(), |p| crate::report::ms(p.p50_us)),
+                report
+                    .total
+                    .map_or("-".into(), |p| crate::report::ms(p.p99_us)),
+                profile.joined,
+                profile.incomplete,
+            );
+            runs.push(TailRun { report, profile });
+        }
+    }
+    d.check_alive()?;
+    d.stop().await;
+    Ok(TailResult { runs })
+}
+
+impl TailResult {
+    /// The client's view of each run and its phase tables.
+    pub fn markdown(&self) -> String {
+        let mut out = String::from(
+            "## Where the slowest requests waited (traced, non-streaming)\n\n\
+             One request in ten carries its own trace id; the Edge's and the \
+             Node's spans of it split what the client saw into phases on one \
+             clock. The client's percentiles are of every request.\n\n",
+        );
+        let reports: Vec<LoadReport> = self.runs.iter().map(|r| r.report.clone()).collect();
+        out.push_str(&load_table(&reports));
+        out.push('\n');
+        for run in &self.runs {
+            out.push_str(&run.profile.markdown());
+        }
+        out
+    }
+}
+
 /// Everything one suite run measured.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SuiteReport {
@@ -1507,6 +1616,9 @@ pub struct SuiteReport {
     /// Durable vs ephemeral responses.
     #[serde(default)]
     pub durable: Option<DurableResult>,
+    /// Where the slowest requests waited.
+    #[serde(default)]
+    pub tail: Option<TailResult>,
 }
 
 fn kib(bytes: f64) -> String {
@@ -1601,6 +1713,9 @@ impl SuiteReport {
                 ));
             }
             out.push('\n');
+        }
+        if let Some(t) = &self.tail {
+            out.push_str(&t.markdown());
         }
         if let Some(dr) = &self.durable {
             out.push_str("## Durable vs ephemeral responses\n\n");
@@ -1794,6 +1909,7 @@ mod tests {
             memory: None,
             nodes: None,
             durable: None,
+            tail: None,
         };
         let md = report.markdown();
         let plain = md

@@ -13,6 +13,7 @@ use iop_bench::deployment::{
 use iop_bench::load::{self, Durability, LoadSpec, Target};
 use iop_bench::report::{LoadMode, LoadReport, added_latency_table, load_table};
 use iop_bench::scenario::{self, DURABLE, DurableSettings, EPHEMERAL, Gateway};
+use iop_bench::spans::{SpanCollector, TailProfile, join, otlp_traces_section};
 use iop_edge::config::EdgeConfig;
 use iop_edge::server::RunningEdge;
 use iop_node::RunningNode;
@@ -37,6 +38,12 @@ impl InProcess {
 
     /// The same, with the Edge's journal on `journal`.
     async fn start_with(journal: JournalStore) -> Self {
+        Self::start_full(journal, None).await
+    }
+
+    /// The same, the Edge and the Node exporting the spans of sampled
+    /// requests to `traces` (an OTLP/HTTP endpoint).
+    async fn start_full(journal: JournalStore, traces: Option<&str>) -> Self {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = tempfile::tempdir().expect("tempdir");
         write_pki(dir.path(), &["n1".to_owned()]).expect("pki");
@@ -62,6 +69,8 @@ impl InProcess {
              [[routes]]\nmodel = \"mock:*\"\nproviders = [\"norm\"]\n\
              [[routes]]\nmodel = \"mock-tunnel\"\nproviders = [\"tun\"]\n",
         );
+        let traces = traces.map(otlp_traces_section).unwrap_or_default();
+        edge_toml.push_str(&traces);
         let edge =
             RunningEdge::start(EdgeConfig::parse(&edge_toml, dir.path()).expect("edge config"))
                 .await
@@ -70,7 +79,7 @@ impl InProcess {
             "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
             mock.base_url()
         );
-        let node_toml = node_config("n1", edge.quic_addr, 256, &providers);
+        let node_toml = node_config("n1", edge.quic_addr, 256, &providers) + &traces;
         let node =
             RunningNode::start(NodeConfig::parse(&node_toml, dir.path()).expect("node config"));
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -222,6 +231,54 @@ async fn load_generator_reports_are_well_formed_with_zero_errors_through_the_gat
             .await
             .expect("run");
         assert_well_formed(&r, true);
+    }
+    d.stop().await;
+}
+
+/// The tail scenario's pipeline: traced requests' spans reach the
+/// collector from both processes' exporters and join into phases that add
+/// up to what the client saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traced_requests_split_into_phases_from_the_edges_and_the_nodes_spans() {
+    let collector = SpanCollector::start().await.expect("collector");
+    let d = InProcess::start_full(JournalStore::default(), Some(&collector.endpoint())).await;
+    let client = load::client().expect("client");
+    let open = LoadMode::Open { rate_per_s: 40.0 };
+    for (label, target) in [
+        ("iop tunnel", d.via("mock-tunnel")),
+        ("iop normalized", d.via("mock")),
+    ] {
+        let _ = collector.take();
+        let (report, traced) = load::run_traced(&client, &spec(label, target, false, open), 2)
+            .await
+            .expect("run");
+        assert_well_formed(&report, false);
+        // One request in two is traced, and only those of the measured
+        // window are listed.
+        assert!(
+            !traced.is_empty() && traced.len() as u64 <= report.ok,
+            "{traced:?}"
+        );
+        // The exporters send every 100 ms.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut spans = Vec::new();
+        let (phases, incomplete) = loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            spans.extend(collector.take().0);
+            let joined = join(&traced, &spans);
+            if joined.1 == 0 || tokio::time::Instant::now() > deadline {
+                break joined;
+            }
+        };
+        assert_eq!(incomplete, 0, "{label}: every traced request has its spans");
+        for p in &phases {
+            assert_eq!(p.ns.iter().sum::<i64>(), p.total_ns, "{label}: {p:?}");
+            // The provider call is inside the client's latency.
+            assert!(p.ns[4] > 0 && p.ns[4] < p.total_ns, "{label}: {p:?}");
+        }
+        let profile = TailProfile::of("open 40/s", label, phases, incomplete, 0);
+        assert_eq!(profile.joined, traced.len());
+        assert!(profile.markdown().contains("provider call"));
     }
     d.stop().await;
 }
