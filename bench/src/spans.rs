@@ -34,6 +34,9 @@ pub struct SpanRecord {
     pub start_ns: u64,
     /// End, Unix ns.
     pub end_ns: u64,
+    /// Its `first_content` event (a provider call's first text or body
+    /// relayed), Unix ns.
+    pub first_content_ns: Option<u64>,
 }
 
 #[derive(Default)]
@@ -69,11 +72,17 @@ impl SpanCollector {
                         .flat_map(|s| s.spans)
                         .filter_map(|s| {
                             let trace_id: [u8; 16] = s.trace_id.as_slice().try_into().ok()?;
+                            let first_content_ns = s
+                                .events
+                                .iter()
+                                .find(|e| e.name == "first_content")
+                                .map(|e| e.time_unix_nano);
                             Some(SpanRecord {
                                 trace_id: u128::from_be_bytes(trace_id),
                                 name: s.name,
                                 start_ns: s.start_time_unix_nano,
                                 end_ns: s.end_time_unix_nano,
+                                first_content_ns,
                             })
                         });
                     let mut kept = into.lock().unwrap_or_else(|p| p.into_inner());
@@ -127,12 +136,13 @@ pub fn otlp_traces_section(endpoint: &str) -> String {
 }
 
 /// The names of the phases, in order.
-pub const PHASES: [&str; 9] = [
+pub const PHASES: [&str; 10] = [
     "client -> Edge handler",
     "Edge: body, admission",
     "Edge -> Node run",
     "Node: to the provider call",
-    "provider call",
+    "provider call: to first content",
+    "provider call: first content to end",
     "Node: after the call",
     "Node run end -> Edge attempt end",
     "Edge: attempt end -> request end",
@@ -147,7 +157,7 @@ pub struct Phases {
     /// The client's latency, ns.
     pub total_ns: i64,
     /// Each of [`PHASES`], ns; they add up to `total_ns`.
-    pub ns: [i64; 9],
+    pub ns: [i64; 10],
 }
 
 /// The spans of one request, first of each name.
@@ -157,6 +167,8 @@ struct Found {
     attempt: Option<(u64, u64)>,
     run: Option<(u64, u64)>,
     call: Option<(u64, u64)>,
+    /// The call's first content (its end if it relayed none).
+    first_content: Option<u64>,
     attempts: u32,
 }
 
@@ -172,10 +184,13 @@ impl Phases {
         let (att0, att1) = found.attempt?;
         let (run0, run1) = found.run?;
         let (call0, call1) = found.call?;
+        let first = found.first_content.unwrap_or(call1).clamp(call0, call1);
         let start = request.start_unix_ns;
         let end = start + request.total_us * 1_000;
-        let points = [start, req0, att0, run0, call0, call1, run1, att1, req1, end];
-        let mut ns = [0i64; 9];
+        let points = [
+            start, req0, att0, run0, call0, first, call1, run1, att1, req1, end,
+        ];
+        let mut ns = [0i64; 10];
         for (i, pair) in points.windows(2).enumerate() {
             ns[i] = pair[1] as i64 - pair[0] as i64;
         }
@@ -205,7 +220,12 @@ pub fn join(requests: &[TracedRequest], spans: &[SpanRecord]) -> (Vec<Phases>, u
                 &mut found.attempt
             }
             "node.run" => &mut found.run,
-            "node.provider_call" => &mut found.call,
+            "node.provider_call" => {
+                if found.call.is_none() {
+                    found.first_content = s.first_content_ns;
+                }
+                &mut found.call
+            }
             _ => continue,
         };
         if slot.is_none() {
@@ -329,6 +349,7 @@ mod tests {
             name: name.into(),
             start_ns,
             end_ns,
+            first_content_ns: None,
         }
     }
 
@@ -338,12 +359,15 @@ mod tests {
             span(trace_id, "edge.queue_wait", at + 150, at + 180),
             span(trace_id, "edge.attempt", at + 200, at + 800 + slow_call_ns),
             span(trace_id, "node.run", at + 300, at + 700 + slow_call_ns),
-            span(
-                trace_id,
-                "node.provider_call",
-                at + 400,
-                at + 600 + slow_call_ns,
-            ),
+            SpanRecord {
+                first_content_ns: Some(at + 450),
+                ..span(
+                    trace_id,
+                    "node.provider_call",
+                    at + 400,
+                    at + 600 + slow_call_ns,
+                )
+            },
         ]
     }
 
@@ -357,7 +381,7 @@ mod tests {
         let (phases, incomplete) = join(&[r], &spans_of(7, 1_000, 0));
         assert_eq!(incomplete, 0);
         let p = phases[0];
-        assert_eq!(p.ns, [100, 100, 100, 100, 200, 100, 100, 100, 100]);
+        assert_eq!(p.ns, [100, 100, 100, 100, 50, 150, 100, 100, 100, 100]);
         assert_eq!(p.ns.iter().sum::<i64>(), p.total_ns);
     }
 
@@ -398,11 +422,16 @@ mod tests {
         assert_eq!(profile.joined, 200);
         assert_eq!(profile.slowest.requests, 2);
         assert!((profile.slowest.total_us - profile.median.total_us - 50.0).abs() < 1e-9);
-        // All of the difference is the provider call's.
-        assert!((profile.slowest.phases_us[4] - profile.median.phases_us[4] - 50.0).abs() < 1e-9);
+        // All of the difference is the provider call's, after its first
+        // content.
+        assert!((profile.slowest.phases_us[5] - profile.median.phases_us[5] - 50.0).abs() < 1e-9);
         let table = profile.markdown();
         assert!(
-            table.contains("| provider call | 0.2 | 50.2 | 100 % |"),
+            table.contains("| provider call: to first content | 0.1 | 0.1 | 0 % |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| provider call: first content to end | 0.1 | 50.1 | 100 % |"),
             "{table}"
         );
     }

@@ -273,8 +273,10 @@ async fn traced_requests_split_into_phases_from_the_edges_and_the_nodes_spans() 
         assert_eq!(incomplete, 0, "{label}: every traced request has its spans");
         for p in &phases {
             assert_eq!(p.ns.iter().sum::<i64>(), p.total_ns, "{label}: {p:?}");
-            // The provider call is inside the client's latency.
+            // The provider call, up to its first content, is inside the
+            // client's latency (an event of the Node's span).
             assert!(p.ns[4] > 0 && p.ns[4] < p.total_ns, "{label}: {p:?}");
+            assert!(p.ns[5] >= 0, "{label}: {p:?}");
         }
         let profile = TailProfile::of("open 40/s", label, phases, incomplete, 0);
         assert_eq!(profile.joined, traced.len());
