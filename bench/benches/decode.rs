@@ -143,6 +143,7 @@ fn node_decode(c: &mut Criterion) {
                 models: vec!["m".into()],
                 api_key: None,
                 stream_usage: true,
+                whole_calls: true,
                 json_object_schema: false,
                 max_concurrent_runs: None,
             },

@@ -64,6 +64,11 @@ impl LlamaServer {
             .args(["--model_alias", MODEL, "--host", "127.0.0.1", "--port"])
             .arg(port.to_string())
             .args(["--n_ctx", "2048", "--embedding", "true"])
+            // By default the server cuts a streaming answer short whenever
+            // another request arrives, even the Edge's `GET /v1/models`
+            // health probe; the stream then ends as if complete
+            // (docs/operations.md, llama-cpp-python).
+            .args(["--interrupt_requests", "false"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .kill_on_drop(true)

@@ -129,6 +129,15 @@ pub struct ProviderEntry {
     /// provider's own; a streamed answer reports no usage (`null`).
     #[serde(default)]
     pub stream_usage: Option<bool>,
+    /// Whether a client that takes its answer whole (`stream: false`) is
+    /// answered from one non-streamed provider call (default true), as it
+    /// would call the provider itself: one read instead of one per token.
+    /// The stall timeout then bounds the whole generation of such requests,
+    /// as in tunnel mode. False streams from the provider for every run, so
+    /// every token resets the stall timer. A durable run always streams
+    /// (its journal keeps the prefix as it is generated).
+    #[serde(default)]
+    pub whole_calls: Option<bool>,
     /// How the provider takes a JSON Schema for structured output:
     /// `json_schema` (the OpenAI form, default; vLLM, llama.cpp's own
     /// server) or `json_object_schema` (`{"type":"json_object","schema":..}`,
@@ -181,6 +190,9 @@ pub struct ProviderTarget {
     /// The provider's streams carry usage (default true); see
     /// `[[providers]] stream_usage`.
     pub stream_usage: bool,
+    /// Whole answers of ephemeral runs come from non-streamed calls
+    /// (default true); see `[[providers]] whole_calls`.
+    pub whole_calls: bool,
     /// The provider takes a JSON Schema as `{"type":"json_object","schema":..}`
     /// (`[[providers]] structured_output = "json_object_schema"`).
     pub json_object_schema: bool,
@@ -376,6 +388,7 @@ impl NodeConfig {
                 models: p.models.clone(),
                 api_key,
                 stream_usage: p.stream_usage.unwrap_or(true),
+                whole_calls: p.whole_calls.unwrap_or(true),
                 json_object_schema: match p.structured_output.as_deref() {
                     None | Some("json_schema") => false,
                     Some("json_object_schema") => true,

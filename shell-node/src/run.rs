@@ -484,7 +484,8 @@ enum Forwarded {
     StreamGone,
 }
 
-/// Write the outputs the watchdog let through, in order.
+/// Write the outputs the watchdog let through, in order, in one stream
+/// write (`send_all`) rather than one per output.
 async fn forward_ready<S: Sink>(
     send: &mut FramedSend,
     sink: &S,
@@ -492,11 +493,13 @@ async fn forward_ready<S: Sink>(
     items: Vec<S::Item>,
     emissions: Vec<Emission>,
 ) -> Forwarded {
+    let mut frames = Vec::with_capacity(items.len());
+    let mut terminal = false;
     for (mut item, emission) in items.into_iter().zip(emissions) {
         if emission == Emission::Fenced {
             continue;
         }
-        let terminal = S::is_terminal(&item);
+        terminal = S::is_terminal(&item);
         record.forwarded(S::content_bytes(&item), S::usage(&item));
         if terminal {
             record.finish(S::failure_code(&item));
@@ -507,13 +510,17 @@ async fn forward_ready<S: Sink>(
         if let Some(failure) = S::failure_mut(&mut item) {
             *failure = iop_core::node::watchdog::sanitize_provider_failure(failure.clone());
         }
-        if send.send(&sink.frame(item)).await.is_err() {
-            return Forwarded::StreamGone;
-        }
+        frames.push(sink.frame(item));
         if terminal {
-            let _ = send.finish();
-            return Forwarded::Terminal;
+            break;
         }
+    }
+    if !frames.is_empty() && send.send_all(&frames).await.is_err() {
+        return Forwarded::StreamGone;
+    }
+    if terminal {
+        let _ = send.finish();
+        return Forwarded::Terminal;
     }
     Forwarded::More
 }

@@ -192,6 +192,11 @@ pub fn framed_for_side(
 }
 
 /// The sending half of a stream, carrying typed messages as frames.
+/// How many encoded bytes [`FramedSend::send_all`] gathers before it writes
+/// them: ready frames go out together, and a batch of large ones never
+/// buffers more than about this plus one frame.
+pub const BATCH_WRITE_BYTES: usize = 64 * 1024;
+
 #[derive(Debug)]
 pub struct FramedSend {
     stream: quinn::SendStream,
@@ -222,15 +227,49 @@ impl FramedSend {
     /// on the stream; [`Self::reset`] it then.
     pub async fn send<T: Serialize>(&mut self, message: &T) -> Result<(), FramedError> {
         self.buf.clear();
+        self.encode(message)?;
+        self.stream.write_all(&self.buf).await?;
+        Ok(())
+    }
+
+    /// Encode `messages` as consecutive frames and write them with as few
+    /// stream writes as [`BATCH_WRITE_BYTES`] allows: what is ready goes in
+    /// one write, not one per frame. An error ends the call: a frame that
+    /// cannot be encoded (too large) is never written, and neither is any
+    /// frame after it; frames before it may have been.
+    ///
+    /// Not cancel-safe, like [`Self::send`].
+    pub async fn send_all<'a, T: Serialize + 'a>(
+        &mut self,
+        messages: impl IntoIterator<Item = &'a T>,
+    ) -> Result<(), FramedError> {
+        self.buf.clear();
+        for message in messages {
+            self.encode(message)?;
+            if self.buf.len() >= BATCH_WRITE_BYTES {
+                self.stream.write_all(&self.buf).await?;
+                self.buf.clear();
+            }
+        }
+        if !self.buf.is_empty() {
+            self.stream.write_all(&self.buf).await?;
+        }
+        Ok(())
+    }
+
+    /// Append `message` to the buffer as one frame, refused past the
+    /// frame limit.
+    fn encode<T: Serialize>(&mut self, message: &T) -> Result<(), FramedError> {
+        let start = self.buf.len();
         iop_wire::encode_frame_into(message, &mut self.buf).map_err(FramedError::Encode)?;
-        let payload_len = self.buf.len().saturating_sub(4);
+        let payload_len = (self.buf.len() - start).saturating_sub(4);
         if payload_len > self.max_frame_len {
+            self.buf.truncate(start);
             return Err(FramedError::Encode(WireError::FrameTooLarge {
                 len: payload_len as u64,
                 max: self.max_frame_len,
             }));
         }
-        self.stream.write_all(&self.buf).await?;
         Ok(())
     }
 

@@ -393,10 +393,12 @@ async fn framed_messages_round_trip_over_a_stream() {
     within_timeout(async {
         let deployment = Deployment::start(&["node-a"]);
         let (edge_conn, node_conn) = deployment.connected("node-a").await;
-        // A register of ~140 KB spans several 64 KiB reads.
+        // A register of ~140 KB spans several 64 KiB reads; the frames
+        // after the first go in one batch (`send_all`), which writes past
+        // `BATCH_WRITE_BYTES` and then the rest together.
         let sent = vec![
-            NodeControl::Register(register_request(4_000)),
             NodeControl::Ping(Heartbeat { seq: 1 }),
+            NodeControl::Register(register_request(4_000)),
             NodeControl::ConfigApplied { generation: 7 },
             NodeControl::Pong(Heartbeat { seq: 2 }),
             NodeControl::Closing {
@@ -406,9 +408,8 @@ async fn framed_messages_round_trip_over_a_stream() {
 
         let (mut node_send, mut node_recv) = open_framed(&node_conn).await.expect("open");
         let sender = async {
-            for message in &sent {
-                node_send.send(message).await.expect("send");
-            }
+            node_send.send(&sent[0]).await.expect("send");
+            node_send.send_all(&sent[1..]).await.expect("send_all");
             node_send.finish().expect("finish");
             node_send.stopped().await.expect("every frame delivered");
         };
@@ -628,6 +629,21 @@ async fn send_refuses_a_frame_above_its_maximum_before_writing() {
         send.send(&NodeControl::Ping(Heartbeat { seq: 1 }))
             .await
             .expect("small frame");
+        // In a batch too: the large frame and everything after it are
+        // never written.
+        let batch = [
+            NodeControl::Ping(Heartbeat { seq: 2 }),
+            NodeControl::Register(register_request(1_000)),
+            NodeControl::Ping(Heartbeat { seq: 3 }),
+        ];
+        assert!(matches!(
+            send.send_all(&batch).await,
+            Err(FramedError::Encode(WireError::FrameTooLarge {
+                max: 1024,
+                ..
+            }))
+        ));
+        send.send_all(&batch[..1]).await.expect("small batch");
     })
     .await;
 }

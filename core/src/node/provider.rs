@@ -19,6 +19,9 @@
 //!
 //! Errors carry classes and HTTP statuses only: never a provider payload,
 //! a URL with its query, or a credential.
+//!
+//! [`AnswerCall::for_run`] decides how a normalized run asks its provider
+//! for the answer: streamed, or as one non-streamed call.
 
 use iop_wire::{ExecutionFailure, FailureCode, HealthFailureCode};
 
@@ -124,9 +127,123 @@ impl ProviderCallError {
     }
 }
 
+/// How the Node asks a provider for a normalized run's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerCall {
+    /// A streamed call: every token is progress for the stall watchdog
+    /// (R-WD-1) and reaches the Edge as it arrives.
+    Streamed,
+    /// One non-streamed call, read in one piece, as the client itself would
+    /// call the provider: the stall timer runs until the whole answer
+    /// arrives, so the stall timeout bounds the whole generation (as in
+    /// tunnel mode, where a non-streamed client's answer is one body).
+    Whole,
+}
+
+/// What [`AnswerCall::for_run`] decides from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AnswerCallFacts {
+    /// The client takes the answer whole (it did not ask for a stream).
+    pub whole_answer: bool,
+    /// The run writes a durable response (it parks if its Edge is lost).
+    pub durable: bool,
+    /// The target's streams carry usage (`[[providers]] stream_usage`).
+    pub stream_usage: bool,
+    /// The target answers whole answers from non-streamed calls
+    /// (`[[providers]] whole_calls`, default true).
+    pub whole_calls: bool,
+}
+
+impl AnswerCall {
+    /// The call a run makes, in order:
+    ///
+    /// 1. a client that streams gets a streamed call;
+    /// 2. a target whose streams carry no usage answers a whole answer with
+    ///    a non-streamed call: the provider's usage is only there;
+    /// 3. a durable run streams, so its journal keeps the prefix as it is
+    ///    generated: a parked run's buffer (R-PARK-1) and a continuation's
+    ///    prefix (R-CONT-1) hold what the provider already produced, and a
+    ///    takeover never starts the answer again (R-TAKE-1);
+    /// 4. otherwise the target's `whole_calls` setting: a whole call costs
+    ///    the Node and the Edge one event instead of one per token, and a
+    ///    provider that writes each SSE event as a small separate write has
+    ///    no stream to hold back (docs/benchmarks.md).
+    pub fn for_run(facts: AnswerCallFacts) -> Self {
+        if !facts.whole_answer {
+            AnswerCall::Streamed
+        } else if !facts.stream_usage {
+            AnswerCall::Whole
+        } else if facts.durable || !facts.whole_calls {
+            AnswerCall::Streamed
+        } else {
+            AnswerCall::Whole
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_streaming_client_always_gets_a_streamed_call() {
+        for (durable, stream_usage, whole_calls) in bools3() {
+            let facts = AnswerCallFacts {
+                whole_answer: false,
+                durable,
+                stream_usage,
+                whole_calls,
+            };
+            assert_eq!(
+                AnswerCall::for_run(facts),
+                AnswerCall::Streamed,
+                "{facts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_durable_whole_answer_streams_so_its_prefix_is_journaled_r_park_1_r_cont_1() {
+        let facts = AnswerCallFacts {
+            whole_answer: true,
+            durable: true,
+            stream_usage: true,
+            whole_calls: true,
+        };
+        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Streamed);
+        // Unless the provider's usage is only in a whole answer.
+        let facts = AnswerCallFacts {
+            stream_usage: false,
+            ..facts
+        };
+        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Whole);
+    }
+
+    #[test]
+    fn an_ephemeral_whole_answer_follows_the_targets_setting() {
+        let facts = AnswerCallFacts {
+            whole_answer: true,
+            durable: false,
+            stream_usage: true,
+            whole_calls: true,
+        };
+        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Whole);
+        let facts = AnswerCallFacts {
+            whole_calls: false,
+            ..facts
+        };
+        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Streamed);
+        // A target whose streams carry no usage answers it whole anyway.
+        let facts = AnswerCallFacts {
+            stream_usage: false,
+            ..facts
+        };
+        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Whole);
+    }
+
+    fn bools3() -> impl Iterator<Item = (bool, bool, bool)> {
+        (0..8u8).map(|i| (i & 1 != 0, i & 2 != 0, i & 4 != 0))
+    }
 
     const ALL: [ProviderCallError; 9] = [
         ProviderCallError::InvalidRequest("x"),

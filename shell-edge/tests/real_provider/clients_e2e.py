@@ -110,8 +110,9 @@ def main() -> None:
     r = oc.chat(model=model, messages=messages, options={"num_predict": 8, "temperature": 0})
     check(r.message.content, "ollama chat: content")
     check((r.eval_count or 0) > 0 and (r.prompt_eval_count or 0) > 0, f"ollama chat: counts {r}")
-    parts = [p.message.content for p in oc.chat(model=model, messages=messages, stream=True, options={"num_predict": 8, "temperature": 0})]
-    check("".join(parts), "ollama chat stream: text")
+    chunks = list(oc.chat(model=model, messages=messages, stream=True, options={"num_predict": 8, "temperature": 0}))
+    parts = [p.message.content for p in chunks]
+    check("".join(parts), f"ollama chat stream: text {chunks}")
     em = oc.embed(model=model, input=["hello"])
     check(len(em.embeddings) == 1 and len(em.embeddings[0]) > 0, "ollama embed")
     print(json.dumps({"ok": True}))

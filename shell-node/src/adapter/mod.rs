@@ -102,6 +102,9 @@ pub(crate) struct HttpTarget {
     /// When false, a client that takes the answer whole is answered from a
     /// non-streamed call, whose usage is the provider's own.
     pub(crate) stream_usage: bool,
+    /// Whole answers of ephemeral runs come from non-streamed calls
+    /// (core's [`iop_core::node::provider::AnswerCall::for_run`]).
+    pub(crate) whole_calls: bool,
     /// The target takes a JSON Schema as `{"type":"json_object","schema":..}`.
     pub(crate) json_object_schema: bool,
 }
@@ -218,6 +221,7 @@ impl Adapter {
             api_key: target.api_key.clone(),
             http: http.clone(),
             stream_usage: target.stream_usage,
+            whole_calls: target.whole_calls,
             json_object_schema: target.json_object_schema,
         };
         let backend = match (target.adapter, &target.base_url) {
@@ -361,6 +365,68 @@ impl Adapter {
             .await
             .unwrap_or_else(|_| ProbeVerdict::from_answer(ProbeAnswer::TimedOut))
     }
+}
+
+/// The most bytes of text, reasoning or tool-call arguments in one event
+/// cut from a whole answer: every frame a Node sends stays far under
+/// [`iop_wire::NODE_FRAME_MAX_LEN`] (R-LIM-3) whatever the answer's size.
+pub const MAX_PIECE_BYTES: usize = 1024 * 1024;
+
+/// The most token log probabilities in one event cut from a whole answer
+/// (each at most a token and its top alternatives).
+pub const MAX_PIECE_LOGPROBS: usize = 1024;
+
+/// `event` as events that each fit a Node frame: a whole answer's text,
+/// reasoning, tool-call arguments and log probabilities cut into pieces
+/// (at character boundaries) in order, which the Edge joins as it joins a
+/// streamed answer's deltas. Anything else, and anything small, as it is.
+pub(crate) fn frame_sized(event: RunEventKind, out: &mut Vec<RunEventKind>) {
+    match event {
+        RunEventKind::TextDelta(text) if text.len() > MAX_PIECE_BYTES => {
+            out.extend(pieces(&text).map(|p| RunEventKind::TextDelta(p.to_owned())));
+        }
+        RunEventKind::ReasoningDelta(text) if text.len() > MAX_PIECE_BYTES => {
+            out.extend(pieces(&text).map(|p| RunEventKind::ReasoningDelta(p.to_owned())));
+        }
+        RunEventKind::ToolCallDelta(call) if call.arguments_delta.len() > MAX_PIECE_BYTES => {
+            let mut first = Some((call.id, call.name));
+            for piece in pieces(&call.arguments_delta) {
+                let (id, name) = first.take().unwrap_or((None, None));
+                out.push(RunEventKind::ToolCallDelta(iop_wire::ToolCallDelta {
+                    index: call.index,
+                    id,
+                    name,
+                    arguments_delta: piece.to_owned(),
+                }));
+            }
+        }
+        RunEventKind::Logprobs(tokens) if tokens.len() > MAX_PIECE_LOGPROBS => {
+            out.extend(
+                tokens
+                    .chunks(MAX_PIECE_LOGPROBS)
+                    .map(|c| RunEventKind::Logprobs(c.to_vec())),
+            );
+        }
+        event => out.push(event),
+    }
+}
+
+/// `text` in consecutive pieces of at most [`MAX_PIECE_BYTES`], cut at
+/// character boundaries.
+fn pieces(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut end = rest.len().min(MAX_PIECE_BYTES);
+        while !rest.is_char_boundary(end) {
+            end -= 1;
+        }
+        let (piece, tail) = rest.split_at(end);
+        rest = tail;
+        Some(piece)
+    })
 }
 
 /// A run that fails at once.

@@ -1,11 +1,13 @@
 //! The `openai` adapter: any OpenAI-compatible server (vLLM, llama.cpp
 //! server, LM Studio, cloud APIs). Runs use streaming Chat Completions with
-//! usage; the probe is `GET /v1/models`.
+//! usage, or one non-streamed call for a client that takes the answer whole
+//! (core's `AnswerCall`); the probe is `GET /v1/models`.
 
 use std::borrow::Cow;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
+use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
 use iop_wire::{
     ChatMessage, Embedding, FinishReason, GenerationParams, Role, RunApi, RunEventKind, RunRequest,
     TokenLogprob, ToolCallDelta, ToolDefinition, Usage,
@@ -17,11 +19,10 @@ use super::client::ProviderResponse;
 use super::sse::{EventTooLarge, SseDecoder};
 use super::{HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http};
 
-/// A run as normalized run events: a streamed chat completion; a
-/// streamed text completion (`/v1/completions`) for a completion or a
-/// generate run with a suffix; one embeddings call; or, for a client that
-/// takes the answer whole from a provider whose streams carry no usage, one
-/// non-streamed chat completion (its usage is the provider's own).
+/// A run as normalized run events: a chat completion; a text completion
+/// (`/v1/completions`) for a completion or a generate run with a suffix;
+/// one embeddings call. Streamed, or one non-streamed call where core says
+/// so ([`AnswerCall::for_run`]: a client that takes the answer whole).
 pub(super) fn run(
     target: HttpTarget,
     mut req: RunRequest,
@@ -34,7 +35,12 @@ pub(super) fn run(
     }
     let completion = req.api == RunApi::Completion
         || (req.api == RunApi::Generate && req.params.suffix.is_some());
-    let whole = req.params.whole_answer && !target.stream_usage;
+    let whole = AnswerCall::for_run(AnswerCallFacts {
+        whole_answer: req.params.whole_answer,
+        durable: req.park.is_some(),
+        stream_usage: target.stream_usage,
+        whole_calls: target.whole_calls,
+    }) == AnswerCall::Whole;
     let (path, body, decode): (
         _,
         _,
@@ -117,7 +123,11 @@ fn decode_whole(response: ProviderResponse) -> BoxStream<'static, RunEventKind> 
         let mut events = Vec::new();
         match state.on_whole(&body, &mut events) {
             Ok(()) => {
+                let mut pieces = Vec::with_capacity(events.len());
                 for event in events {
+                    super::frame_sized(event, &mut pieces);
+                }
+                for event in pieces {
                     yield event;
                 }
                 yield state.completed();

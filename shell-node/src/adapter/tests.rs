@@ -86,6 +86,7 @@ fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter 
         models: Vec::new(),
         api_key: api_key.map(str::to_owned),
         stream_usage: true,
+        whole_calls: true,
         json_object_schema: false,
         max_concurrent_runs: None,
     };
@@ -212,6 +213,7 @@ async fn openai_usage_is_the_providers_or_none_never_zeros() {
         models: Vec::new(),
         api_key: None,
         stream_usage: false,
+        whole_calls: true,
         json_object_schema: false,
         max_concurrent_runs: None,
     };
@@ -228,6 +230,123 @@ async fn openai_usage_is_the_providers_or_none_never_zeros() {
             usage: Some(usage(3, 4)),
         })
     );
+}
+
+#[tokio::test]
+async fn an_ephemeral_whole_answer_is_one_non_streamed_call_unless_durable_or_turned_off() {
+    // The mock's streams carry no usage and its whole answers do: usage in
+    // the run's terminal shows which call the adapter made.
+    let server = mock(MockScript {
+        tokens: 4,
+        stream_usage: false,
+        ..MockScript::default()
+    })
+    .await;
+    let target = |whole_calls| ProviderTarget {
+        adapter: AdapterKind::OpenAi,
+        target: "t".into(),
+        base_url: Some(server.base_url()),
+        models: Vec::new(),
+        api_key: None,
+        stream_usage: true,
+        whole_calls,
+        json_object_schema: false,
+        max_concurrent_runs: None,
+    };
+    let whole_request = |durable: bool| {
+        let mut req = run_request("mock", RunApi::Chat, "hello world");
+        req.params.whole_answer = true;
+        req.park = durable.then(|| iop_wire::ParkSpec {
+            response_id: "resp_1".into(),
+            grace_ms: 0,
+        });
+        req
+    };
+    let terminal_usage = |events: &[RunEventKind]| match events.last() {
+        Some(RunEventKind::Completed { usage, .. }) => *usage,
+        other => panic!("not completed: {other:?}"),
+    };
+    let a = Adapter::new(&target(true), provider_http());
+    // Ephemeral and whole: one non-streamed call, the provider's usage.
+    let events = collect(a.run(whole_request(false), None)).await;
+    assert_one_terminal(&events);
+    assert_eq!(texts(&events), "tok0 tok1 tok2 tok3");
+    assert_eq!(terminal_usage(&events), Some(usage(3, 4)));
+    // Durable: streamed, so the journal keeps the prefix (R-PARK-1, R-CONT-1).
+    let events = collect(a.run(whole_request(true), None)).await;
+    assert_eq!(texts(&events), "tok0 tok1 tok2 tok3");
+    assert_eq!(terminal_usage(&events), None);
+    // Turned off for the target: streamed.
+    let off = Adapter::new(&target(false), provider_http());
+    let events = collect(off.run(whole_request(false), None)).await;
+    assert_eq!(texts(&events), "tok0 tok1 tok2 tok3");
+    assert_eq!(terminal_usage(&events), None);
+    // A streaming client: streamed.
+    let events = collect(a.run(run_request("mock", RunApi::Chat, "hello world"), None)).await;
+    assert_eq!(terminal_usage(&events), None);
+    assert_eq!(server.requests(), 4);
+}
+
+#[test]
+fn a_whole_answer_is_cut_into_frame_sized_pieces_in_order_r_lim_3() {
+    use super::{MAX_PIECE_BYTES, MAX_PIECE_LOGPROBS, frame_sized};
+    // Multi-byte characters straddle every piece boundary.
+    let text = "é".repeat(MAX_PIECE_BYTES + 7);
+    let mut out = Vec::new();
+    frame_sized(RunEventKind::TextDelta(text.clone()), &mut out);
+    assert_eq!(out.len(), 3);
+    assert!(
+        out.iter()
+            .all(|e| matches!(e, RunEventKind::TextDelta(t) if t.len() <= MAX_PIECE_BYTES))
+    );
+    assert_eq!(texts(&out), text);
+    let call = iop_wire::ToolCallDelta {
+        index: 2,
+        id: Some("call_1".into()),
+        name: Some("f".into()),
+        arguments_delta: "x".repeat(2 * MAX_PIECE_BYTES + 1),
+    };
+    let mut out = Vec::new();
+    frame_sized(RunEventKind::ToolCallDelta(call.clone()), &mut out);
+    let calls: Vec<_> = out
+        .iter()
+        .map(|e| match e {
+            RunEventKind::ToolCallDelta(c) => c,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(calls.len(), 3);
+    assert_eq!(calls[0].id.as_deref(), Some("call_1"));
+    assert_eq!(calls[0].name.as_deref(), Some("f"));
+    assert!(
+        calls[1..]
+            .iter()
+            .all(|c| c.id.is_none() && c.name.is_none() && c.index == 2)
+    );
+    let joined: String = calls.iter().map(|c| c.arguments_delta.as_str()).collect();
+    assert_eq!(joined, call.arguments_delta);
+    let token = iop_wire::TokenLogprob {
+        token: "t".into(),
+        logprob: -0.5,
+        top: Vec::new(),
+    };
+    let mut out = Vec::new();
+    frame_sized(
+        RunEventKind::Logprobs(vec![token; MAX_PIECE_LOGPROBS + 1]),
+        &mut out,
+    );
+    let sizes: Vec<usize> = out
+        .iter()
+        .map(|e| match e {
+            RunEventKind::Logprobs(l) => l.len(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(sizes, [MAX_PIECE_LOGPROBS, 1]);
+    // Small events pass as they are.
+    let mut out = Vec::new();
+    frame_sized(RunEventKind::TextDelta("hi".into()), &mut out);
+    assert_eq!(out, [RunEventKind::TextDelta("hi".into())]);
 }
 
 #[tokio::test]
@@ -888,6 +1007,7 @@ fn in_process() -> Adapter {
         models: Vec::new(),
         api_key: None,
         stream_usage: true,
+        whole_calls: true,
         json_object_schema: false,
         max_concurrent_runs: None,
     };
@@ -1035,6 +1155,7 @@ async fn unconfigured_http_adapters_fail_closed() {
         models: Vec::new(),
         api_key: None,
         stream_usage: true,
+        whole_calls: true,
         json_object_schema: false,
         max_concurrent_runs: None,
     };
