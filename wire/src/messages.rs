@@ -837,6 +837,7 @@ pub struct RunRequest {
     /// Hard deadline relative to receipt; `0` means none.
     pub deadline_ms: u64,
     /// A sealed credential lease for managed providers (R-CRED-1).
+    #[serde(with = "serde_bytes")]
     pub credential_lease: Option<Vec<u8>>,
     /// The trace this request belongs to (W3C trace context), so the
     /// Node's spans join the Edge's trace. Identifiers only: no payload.
@@ -998,12 +999,14 @@ pub struct ProviderTunnelRequest {
     #[serde(deserialize_with = "crate::bounded::headers")]
     pub headers: Vec<Header>,
     /// Request body.
+    #[serde(with = "serde_bytes")]
     pub body: Vec<u8>,
     /// `0` means [`crate::DEFAULT_RESPONSE_STALL_TIMEOUT_MS`].
     pub response_stall_timeout_ms: u64,
     /// Hard deadline relative to receipt; `0` means none.
     pub deadline_ms: u64,
     /// A sealed credential lease for managed providers (R-CRED-1).
+    #[serde(with = "serde_bytes")]
     pub credential_lease: Option<Vec<u8>>,
     /// The trace this request belongs to (W3C trace context), so the
     /// Node's spans join the Edge's trace. Identifiers only: no payload.
@@ -1023,7 +1026,7 @@ pub enum ProviderTunnelFrame {
         headers: Vec<Header>,
     },
     /// Next body bytes, passed through unbuffered.
-    Body(Vec<u8>),
+    Body(#[serde(with = "serde_bytes")] Vec<u8>),
     /// Terminal: the body ended normally.
     End,
     /// Terminal: the tunnel failed.
@@ -1051,6 +1054,7 @@ pub struct OllamaApiCall {
     /// Path under `/api/`.
     pub path: String,
     /// Request body.
+    #[serde(with = "serde_bytes")]
     pub body: Vec<u8>,
 }
 

@@ -246,3 +246,49 @@ fn traceparent_parses_the_w3c_example_and_refuses_malformed_values() {
         assert_eq!(TraceContext::from_traceparent(bad), None, "{bad}");
     }
 }
+
+/// The byte payloads (tunnel bodies, request bodies, credential leases) are
+/// serialized as byte strings, one copy instead of one call per byte; in
+/// postcard that is the same encoding a plain `Vec<u8>` had (a varint
+/// length, then the bytes), so Edges and Nodes of either build understand
+/// each other.
+mod byte_fields_keep_the_wire_format {
+    use super::*;
+
+    /// `ProviderTunnelFrame` as it was declared before: the variants in the
+    /// same order, `Body` a plain sequence of `u8`.
+    #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+    enum PlainTunnelFrame {
+        Head { status: u16, headers: Vec<Header> },
+        Body(Vec<u8>),
+        End,
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn a_tunnel_body_encodes_as_a_plain_byte_vector(
+            body in proptest::collection::vec(any::<u8>(), 0..600),
+        ) {
+            let ours = encode_frame(&ProviderTunnelFrame::Body(body.clone())).unwrap();
+            let plain = encode_frame(&PlainTunnelFrame::Body(body.clone())).unwrap();
+            prop_assert_eq!(&ours, &plain);
+            let back: PlainTunnelFrame = decode(&ours[4..]).unwrap();
+            prop_assert_eq!(back, PlainTunnelFrame::Body(body.clone()));
+            let back: ProviderTunnelFrame = decode(&plain[4..]).unwrap();
+            prop_assert_eq!(back, ProviderTunnelFrame::Body(body));
+        }
+
+        #[test]
+        fn an_optional_lease_encodes_as_a_plain_optional_vector(
+            lease in proptest::option::of(proptest::collection::vec(any::<u8>(), 0..300)),
+        ) {
+            #[derive(serde::Serialize)]
+            struct Ours<'a>(#[serde(with = "serde_bytes")] &'a Option<Vec<u8>>);
+            let ours = postcard::to_allocvec(&Ours(&lease)).unwrap();
+            let plain = postcard::to_allocvec(&lease).unwrap();
+            prop_assert_eq!(ours, plain);
+        }
+    }
+}

@@ -367,6 +367,60 @@ impl Adapter {
     }
 }
 
+/// The largest non-streamed answer read (a whole chat completion, a whole
+/// Ollama answer or an embeddings list); more is malformed.
+pub(crate) const MAX_WHOLE_ANSWER_BYTES: usize = 64 * 1024 * 1024;
+
+/// Read a whole answer body, bounded by [`MAX_WHOLE_ANSWER_BYTES`].
+pub(crate) async fn read_whole(
+    mut response: ProviderResponse,
+) -> Result<Vec<u8>, ProviderCallError> {
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > MAX_WHOLE_ANSWER_BYTES {
+                    return Err(ProviderCallError::Malformed);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(body),
+            Err(e) => return Err(error::from_http(e, true)),
+        }
+    }
+}
+
+/// What a non-streamed answer says: its events in order, then its terminal.
+pub(crate) type WholeAnswer = (Vec<RunEventKind>, RunEventKind);
+
+/// The run events of one non-streamed answer: its body read whole
+/// ([`read_whole`]), `parse` makes its events and terminal, and the events
+/// go out cut to frame size ([`frame_sized`], R-LIM-3) before the terminal.
+pub(crate) fn whole_answer_run(
+    response: ProviderResponse,
+    parse: fn(&[u8]) -> Result<WholeAnswer, ProviderCallError>,
+) -> BoxStream<'static, RunEventKind> {
+    Box::pin(async_stream::stream! {
+        let parsed = match read_whole(response).await {
+            Ok(body) => parse(&body),
+            Err(e) => Err(e),
+        };
+        match parsed {
+            Ok((events, terminal)) => {
+                let mut pieces = Vec::with_capacity(events.len());
+                for event in events {
+                    frame_sized(event, &mut pieces);
+                }
+                for event in pieces {
+                    yield event;
+                }
+                yield terminal;
+            }
+            Err(e) => yield RunEventKind::Failed(e.failure()),
+        }
+    })
+}
+
 /// The most bytes of text, reasoning or tool-call arguments in one event
 /// cut from a whole answer: every frame a Node sends stays far under
 /// [`iop_wire::NODE_FRAME_MAX_LEN`] (R-LIM-3) whatever the answer's size.

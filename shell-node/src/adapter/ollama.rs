@@ -1,5 +1,7 @@
-//! The `ollama` adapter: Ollama's native API. Runs use streaming
-//! `/api/chat` or `/api/generate` (NDJSON); the probe is `GET /api/tags`.
+//! The `ollama` adapter: Ollama's native API. Runs use `/api/chat` or
+//! `/api/generate`, streamed (NDJSON) or, where core says so
+//! ([`AnswerCall::for_run`]: a client that takes the answer whole), one
+//! non-streamed call; the probe is `GET /api/tags`.
 
 use iop_wire::OLLAMA_OPTIONS;
 use std::borrow::Cow;
@@ -13,25 +15,38 @@ use iop_wire::{
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
+
 use super::client::ProviderResponse;
 use super::openai::{generate_prompt, tool_json};
 use super::{
     HttpTarget, LineBuffer, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http,
+    whole_answer_run,
 };
 
-/// Stream an Ollama chat or generate call as normalized run events.
+/// An Ollama chat, generate or embed call as normalized run events.
 pub(super) fn run(
     target: HttpTarget,
     req: RunRequest,
     auth: Option<String>,
 ) -> BoxStream<'static, RunEventKind> {
-    let (path, body) = match request_body(&req) {
+    let whole = AnswerCall::for_run(AnswerCallFacts {
+        whole_answer: req.params.whole_answer,
+        durable: req.park.is_some(),
+        // Ollama's streams end with its token counts, as its whole answers do.
+        stream_usage: true,
+        whole_calls: target.whole_calls,
+    }) == AnswerCall::Whole;
+    let (path, body) = match request_body(&req, !whole) {
         Ok(x) => x,
         Err(e) => return failed_run(e),
     };
     let request = target.run_request(path, body);
     if req.api == RunApi::Embeddings {
         return http_run(target, request, auth, req.session_id, decode_embed);
+    }
+    if whole {
+        return http_run(target, request, auth, req.session_id, decode_whole);
     }
     http_run(target, request, auth, req.session_id, decode)
 }
@@ -45,34 +60,44 @@ fn decode_embed(response: ProviderResponse) -> BoxStream<'static, RunEventKind> 
         #[serde(default)]
         prompt_eval_count: Option<u64>,
     }
-    Box::pin(async_stream::stream! {
-        let mut response = response;
-        let mut body = Vec::new();
-        loop {
-            match response.chunk().await {
-                Ok(Some(chunk)) => {
-                    if body.len() + chunk.len() > super::openai::MAX_WHOLE_ANSWER_BYTES {
-                        yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
-                        return;
-                    }
-                    body.extend_from_slice(&chunk);
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    yield RunEventKind::Failed(super::error::from_http(e, true).failure());
-                    return;
-                }
-            }
-        }
-        let Ok(answer) = serde_json::from_slice::<Answer>(&body) else {
-            yield RunEventKind::Failed(ProviderCallError::Malformed.failure());
-            return;
+    whole_answer_run(response, |body| {
+        let answer: Answer =
+            serde_json::from_slice(body).map_err(|_| ProviderCallError::Malformed)?;
+        let events = answer
+            .embeddings
+            .into_iter()
+            .enumerate()
+            .map(|(index, values)| {
+                RunEventKind::Embedding(Embedding {
+                    index: index as u32,
+                    values,
+                })
+            })
+            .collect();
+        let usage = answer.prompt_eval_count.map(|p| Usage {
+            prompt_tokens: p,
+            completion_tokens: 0,
+        });
+        let terminal = RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage,
         };
-        for (index, values) in answer.embeddings.into_iter().enumerate() {
-            yield RunEventKind::Embedding(Embedding { index: index as u32, values });
-        }
-        let usage = answer.prompt_eval_count.map(|p| Usage { prompt_tokens: p, completion_tokens: 0 });
-        yield RunEventKind::Completed { finish_reason: FinishReason::Stop, usage };
+        Ok((events, terminal))
+    })
+}
+
+/// The run events of one non-streamed chat or generate answer: one JSON
+/// object, the shape of a stream's lines with the whole message and
+/// `done: true`.
+fn decode_whole(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
+    whole_answer_run(response, |body| {
+        let body = std::str::from_utf8(body).map_err(|_| ProviderCallError::Malformed)?;
+        let mut state = LineState::default();
+        let mut events = Vec::new();
+        state.on_line(body, &mut events)?;
+        // An answer that does not say it is done did not finish.
+        let terminal = state.terminal.take().ok_or(ProviderCallError::Truncated)?;
+        Ok((events, terminal))
     })
 }
 
@@ -140,11 +165,14 @@ fn parse_tags(body: &[u8]) -> Option<Vec<String>> {
     Some(tags.models.into_iter().map(|t| t.name).collect())
 }
 
-/// The path and body of the call.
-pub(crate) fn request_body(req: &RunRequest) -> Result<(&'static str, Vec<u8>), ProviderCallError> {
+/// The path and body of the call, streamed or not.
+fn request_body(
+    req: &RunRequest,
+    stream: bool,
+) -> Result<(&'static str, Vec<u8>), ProviderCallError> {
     let mut body = Map::new();
     body.insert("model".into(), Value::String(req.model.clone()));
-    body.insert("stream".into(), Value::Bool(true));
+    body.insert("stream".into(), Value::Bool(stream));
     let path = match req.api {
         RunApi::Chat => {
             let messages = req
@@ -467,7 +495,7 @@ mod tests {
         );
         req.params.reasoning_effort = Some("none".into());
         req.params.extra_json = Some(r#"{"top_k":7,"num_ctx":4096,"user":"u"}"#.into());
-        let (path, body) = request_body(&req).unwrap();
+        let (path, body) = request_body(&req, true).unwrap();
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(path, "/api/chat");
         assert_eq!(body["messages"][0]["images"], json!(["aGk="]));
@@ -481,13 +509,13 @@ mod tests {
         );
 
         req.params.response_format_json = Some(r#"{"type":"json_object"}"#.into());
-        let (_, body) = request_body(&req).unwrap();
+        let (_, body) = request_body(&req, true).unwrap();
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["format"], "json");
 
         req.messages[0].images = vec!["https://example.com/a.png".into()];
         assert!(matches!(
-            request_body(&req),
+            request_body(&req, true),
             Err(ProviderCallError::InvalidRequest(_))
         ));
     }
@@ -495,7 +523,7 @@ mod tests {
     #[test]
     fn embeddings_and_suffixed_completions_take_their_own_paths() {
         let mut req = crate::adapter::tests::run_request("m", RunApi::Embeddings, "a");
-        let (path, body) = request_body(&req).unwrap();
+        let (path, body) = request_body(&req, true).unwrap();
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(path, "/api/embed");
         assert_eq!(body["input"], json!(["a"]));
@@ -503,7 +531,7 @@ mod tests {
 
         req.api = RunApi::Completion;
         req.params.suffix = Some("end".into());
-        let (path, body) = request_body(&req).unwrap();
+        let (path, body) = request_body(&req, true).unwrap();
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(path, "/api/generate");
         assert_eq!(body["prompt"], "a");
@@ -590,7 +618,7 @@ mod tests {
         req.params.max_tokens = Some(5);
         req.params.temperature = Some(0.5);
         req.params.seed = Some(7);
-        let (path, body) = request_body(&req).unwrap();
+        let (path, body) = request_body(&req, true).unwrap();
         assert_eq!(path, "/api/generate");
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["prompt"], json!("p"));

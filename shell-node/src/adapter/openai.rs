@@ -17,7 +17,9 @@ use serde_json::{Map, Value, json};
 
 use super::client::ProviderResponse;
 use super::sse::{EventTooLarge, SseDecoder};
-use super::{HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http};
+use super::{
+    HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http, whole_answer_run,
+};
 
 /// A run as normalized run events: a chat completion; a text completion
 /// (`/v1/completions`) for a completion or a generate run with a suffix;
@@ -88,75 +90,27 @@ pub(crate) fn json_object_schema(format: &str) -> String {
     }
 }
 
-/// The largest non-streamed answer read (a whole chat completion or an
-/// embeddings list); more is malformed.
-pub(crate) const MAX_WHOLE_ANSWER_BYTES: usize = 64 * 1024 * 1024;
-
-/// Read a whole answer body, bounded by [`MAX_WHOLE_ANSWER_BYTES`].
-async fn read_whole(mut response: ProviderResponse) -> Result<Vec<u8>, ProviderCallError> {
-    let mut body = Vec::new();
-    loop {
-        match response.chunk().await {
-            Ok(Some(chunk)) => {
-                if body.len() + chunk.len() > MAX_WHOLE_ANSWER_BYTES {
-                    return Err(ProviderCallError::Malformed);
-                }
-                body.extend_from_slice(&chunk);
-            }
-            Ok(None) => return Ok(body),
-            Err(e) => return Err(super::error::from_http(e, true)),
-        }
-    }
-}
-
 /// The run events of one non-streamed chat or text completion.
 fn decode_whole(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
-    Box::pin(async_stream::stream! {
-        let body = match read_whole(response).await {
-            Ok(body) => body,
-            Err(e) => {
-                yield RunEventKind::Failed(e.failure());
-                return;
-            }
-        };
+    whole_answer_run(response, |body| {
         let mut state = ChunkState::default();
         let mut events = Vec::new();
-        match state.on_whole(&body, &mut events) {
-            Ok(()) => {
-                let mut pieces = Vec::with_capacity(events.len());
-                for event in events {
-                    super::frame_sized(event, &mut pieces);
-                }
-                for event in pieces {
-                    yield event;
-                }
-                yield state.completed();
-            }
-            Err(e) => yield RunEventKind::Failed(e.failure()),
-        }
+        state.on_whole(body, &mut events)?;
+        Ok((events, state.completed()))
     })
 }
 
 /// The run events of one embeddings answer: one `Embedding` per input,
 /// then `Completed` with the provider's prompt token count.
 fn decode_embeddings(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
-    Box::pin(async_stream::stream! {
-        let body = match read_whole(response).await {
-            Ok(body) => body,
-            Err(e) => {
-                yield RunEventKind::Failed(e.failure());
-                return;
-            }
+    whole_answer_run(response, |body| {
+        let (vectors, usage) = parse_embeddings(body).ok_or(ProviderCallError::Malformed)?;
+        let events = vectors.into_iter().map(RunEventKind::Embedding).collect();
+        let terminal = RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage,
         };
-        match parse_embeddings(&body) {
-            Some((vectors, usage)) => {
-                for vector in vectors {
-                    yield RunEventKind::Embedding(vector);
-                }
-                yield RunEventKind::Completed { finish_reason: FinishReason::Stop, usage };
-            }
-            None => yield RunEventKind::Failed(ProviderCallError::Malformed.failure()),
-        }
+        Ok((events, terminal))
     })
 }
 

@@ -78,19 +78,38 @@ pub(crate) fn provider_http() -> super::ProviderHttp {
     super::ProviderHttp::new()
 }
 
-fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter {
-    let target = ProviderTarget {
+/// Target `t` of `kind` at `base_url`, with the defaults but `whole_calls`.
+fn provider_target(kind: AdapterKind, base_url: &str, whole_calls: bool) -> ProviderTarget {
+    ProviderTarget {
         adapter: kind,
         target: "t".into(),
         base_url: Some(base_url.to_owned()),
         models: Vec::new(),
-        api_key: api_key.map(str::to_owned),
+        api_key: None,
         stream_usage: true,
-        whole_calls: true,
+        whole_calls,
         json_object_schema: false,
         max_concurrent_runs: None,
+    }
+}
+
+fn adapter(kind: AdapterKind, base_url: &str, api_key: Option<&str>) -> Adapter {
+    let target = ProviderTarget {
+        api_key: api_key.map(str::to_owned),
+        ..provider_target(kind, base_url, true)
     };
     Adapter::new(&target, provider_http())
+}
+
+/// A run whose client takes the answer whole; `durable`: a parked one.
+fn whole_request(model: &str, api: RunApi, prompt: &str, durable: bool) -> RunRequest {
+    let mut req = run_request(model, api, prompt);
+    req.params.whole_answer = true;
+    req.park = durable.then(|| iop_wire::ParkSpec {
+        response_id: "resp_1".into(),
+        grace_ms: 0,
+    });
+    req
 }
 
 async fn mock(script: MockScript) -> MockServer {
@@ -130,6 +149,16 @@ fn texts(events: &[RunEventKind]) -> String {
         .iter()
         .filter_map(|e| match e {
             RunEventKind::TextDelta(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn tool_deltas(events: &[RunEventKind]) -> Vec<iop_wire::ToolCallDelta> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            RunEventKind::ToolCallDelta(d) => Some(d.clone()),
             _ => None,
         })
         .collect()
@@ -207,15 +236,8 @@ async fn openai_usage_is_the_providers_or_none_never_zeros() {
     // With `stream_usage = false`, a whole answer comes from a non-streamed
     // call and carries the provider's usage.
     let target = ProviderTarget {
-        adapter: AdapterKind::OpenAi,
-        target: "t".into(),
-        base_url: Some(server.base_url()),
-        models: Vec::new(),
-        api_key: None,
         stream_usage: false,
-        whole_calls: true,
-        json_object_schema: false,
-        max_concurrent_runs: None,
+        ..provider_target(AdapterKind::OpenAi, &server.base_url(), true)
     };
     let whole = Adapter::new(&target, provider_http());
     let mut req = run_request("mock", RunApi::Chat, "hello world");
@@ -242,26 +264,9 @@ async fn an_ephemeral_whole_answer_is_one_non_streamed_call_unless_durable_or_tu
         ..MockScript::default()
     })
     .await;
-    let target = |whole_calls| ProviderTarget {
-        adapter: AdapterKind::OpenAi,
-        target: "t".into(),
-        base_url: Some(server.base_url()),
-        models: Vec::new(),
-        api_key: None,
-        stream_usage: true,
-        whole_calls,
-        json_object_schema: false,
-        max_concurrent_runs: None,
-    };
-    let whole_request = |durable: bool| {
-        let mut req = run_request("mock", RunApi::Chat, "hello world");
-        req.params.whole_answer = true;
-        req.park = durable.then(|| iop_wire::ParkSpec {
-            response_id: "resp_1".into(),
-            grace_ms: 0,
-        });
-        req
-    };
+    let target =
+        |whole_calls| provider_target(AdapterKind::OpenAi, &server.base_url(), whole_calls);
+    let whole_request = |durable| whole_request("mock", RunApi::Chat, "hello world", durable);
     let terminal_usage = |events: &[RunEventKind]| match events.last() {
         Some(RunEventKind::Completed { usage, .. }) => *usage,
         other => panic!("not completed: {other:?}"),
@@ -688,13 +693,7 @@ async fn ollama_tool_call_arrives_whole_with_json_arguments() {
     ));
     let events = collect(a.run(req, None)).await;
     assert_one_terminal(&events);
-    let calls: Vec<_> = events
-        .iter()
-        .filter_map(|e| match e {
-            RunEventKind::ToolCallDelta(d) => Some(d.clone()),
-            _ => None,
-        })
-        .collect();
+    let calls = tool_deltas(&events);
     assert_eq!(calls.len(), 1, "one delta per whole call");
     assert_eq!(calls[0].name.as_deref(), Some("get_weather"));
     assert!(calls[0].id.is_some());
@@ -707,6 +706,81 @@ async fn ollama_tool_call_arrives_whole_with_json_arguments() {
             ..
         })
     ));
+}
+
+#[tokio::test]
+async fn an_ephemeral_whole_ollama_answer_is_one_non_streamed_call_unless_durable_or_turned_off() {
+    // A streamed answer arrives one delta per token; a non-streamed one as
+    // one delta: the deltas show which call the adapter made.
+    let server = mock(MockScript {
+        tokens: 3,
+        ..MockScript::default()
+    })
+    .await;
+    let target =
+        |whole_calls| provider_target(AdapterKind::Ollama, &server.base_url(), whole_calls);
+    let whole_request =
+        |model: &str, api: RunApi, durable| whole_request(model, api, "12345678", durable);
+    let deltas = |events: &[RunEventKind]| {
+        events
+            .iter()
+            .filter(|e| matches!(e, RunEventKind::TextDelta(_)))
+            .count()
+    };
+    let completed = RunEventKind::Completed {
+        finish_reason: FinishReason::Stop,
+        usage: Some(usage(2, 3)),
+    };
+    let a = Adapter::new(&target(true), provider_http());
+    // Ephemeral and whole, chat and generate: one non-streamed call.
+    for api in [RunApi::Chat, RunApi::Generate] {
+        let events = collect(a.run(whole_request("mock", api, false), None)).await;
+        assert_one_terminal(&events);
+        assert_eq!(texts(&events), "tok0 tok1 tok2");
+        assert_eq!(deltas(&events), 1, "{api:?}: {events:?}");
+        assert_eq!(events.last(), Some(&completed));
+    }
+    // A whole answer's tool call: one delta, and the run ends in tool calls.
+    let events = collect(a.run(
+        with_tool(whole_request(
+            "mock:tool_call=1,tokens=2",
+            RunApi::Chat,
+            false,
+        )),
+        None,
+    ))
+    .await;
+    assert_one_terminal(&events);
+    let calls = tool_deltas(&events);
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].name.as_deref(), Some("get_weather"));
+    assert!(matches!(
+        events.last(),
+        Some(RunEventKind::Completed {
+            finish_reason: FinishReason::ToolCalls,
+            ..
+        })
+    ));
+    // A garbled whole answer is malformed, not a panic or a hang.
+    let events = collect(a.run(
+        whole_request("mock:malformed_after=1", RunApi::Chat, false),
+        None,
+    ))
+    .await;
+    assert_one_terminal(&events);
+    assert_eq!(failure(&events).code, FailureCode::MalformedResponse);
+    // Durable: streamed, so the journal keeps the prefix (R-PARK-1, R-CONT-1).
+    let events = collect(a.run(whole_request("mock", RunApi::Chat, true), None)).await;
+    assert_eq!(deltas(&events), 3);
+    assert_eq!(events.last(), Some(&completed));
+    // Turned off for the target: streamed.
+    let off = Adapter::new(&target(false), provider_http());
+    let events = collect(off.run(whole_request("mock", RunApi::Chat, false), None)).await;
+    assert_eq!(deltas(&events), 3);
+    // A streaming client: streamed.
+    let events = collect(a.run(run_request("mock", RunApi::Chat, "12345678"), None)).await;
+    assert_eq!(deltas(&events), 3);
+    assert_eq!(server.requests(), 7);
 }
 
 #[tokio::test]
@@ -1001,15 +1075,9 @@ async fn dropping_a_run_waiting_for_headers_closes_the_provider_request() {
 
 fn in_process() -> Adapter {
     let target = ProviderTarget {
-        adapter: AdapterKind::Mock,
         target: "m".into(),
         base_url: None,
-        models: Vec::new(),
-        api_key: None,
-        stream_usage: true,
-        whole_calls: true,
-        json_object_schema: false,
-        max_concurrent_runs: None,
+        ..provider_target(AdapterKind::Mock, "", true)
     };
     Adapter::new(&target, provider_http())
 }
@@ -1149,15 +1217,8 @@ async fn a_probe_bound_above_five_seconds_is_not_capped() {
 #[tokio::test]
 async fn unconfigured_http_adapters_fail_closed() {
     let target = ProviderTarget {
-        adapter: AdapterKind::OpenAi,
-        target: "t".into(),
         base_url: None,
-        models: Vec::new(),
-        api_key: None,
-        stream_usage: true,
-        whole_calls: true,
-        json_object_schema: false,
-        max_concurrent_runs: None,
+        ..provider_target(AdapterKind::OpenAi, "", true)
     };
     let a = Adapter::new(&target, provider_http());
     let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
