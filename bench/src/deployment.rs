@@ -476,13 +476,25 @@ fn write(path: &Path, text: &str) -> Result<(), DeployError> {
     std::fs::write(path, text).map_err(io(format!("writing {}", path.display())))
 }
 
-/// The Edge config head: listeners, TLS, admission, the bench key.
+/// Client connections the bench's Edge takes, all from one source.
+///
+/// The load generator is one source address, as a reverse proxy is, so
+/// the Edge's per-source share (a quarter of `max_connections` by default)
+/// would cap the memory scenario's in-flight streams; here the whole cap
+/// is its share. The open-file limit (`scripts/bench` raises it to the
+/// hard limit) bounds what is actually accepted.
+pub const BENCH_CLIENT_CONNECTIONS: usize = 65_536;
+
+/// The Edge config head: listeners, client connections, TLS, admission,
+/// the bench key.
 pub fn edge_config_head(quic_port: u16, http_port: u16, queue_capacity: usize) -> String {
     format!(
         r#"[edge]
 quic_listen = "127.0.0.1:{quic_port}"
 http_listen = "127.0.0.1:{http_port}"
 state_dir = "edge-state"
+max_connections = {BENCH_CLIENT_CONNECTIONS}
+max_connections_per_source = {BENCH_CLIENT_CONNECTIONS}
 [tls]
 ca = "certs/ca.pem"
 cert = "certs/edge.pem"
