@@ -1712,6 +1712,14 @@ impl SuiteReport {
                     kib(r.nodes_bytes_per_stream),
                 ));
             }
+            for r in m.rows.iter().filter(|r| r.in_flight < r.streams) {
+                out.push_str(&format!(
+                    "\n**{} {}: only {} of {} streams were in flight ({} failed)**: that row \
+                     measures fewer streams than it names (check the Edge's connection \
+                     limits and the open-file limit).\n",
+                    r.mode, r.streams, r.in_flight, r.streams, r.failed
+                ));
+            }
             out.push('\n');
         }
         if let Some(t) = &self.tail {
@@ -1939,6 +1947,45 @@ mod tests {
         let back: SuiteReport = serde_json::from_value(json).unwrap();
         assert!(back.nagle.is_none());
         assert!(!back.markdown().contains("Nagle"));
+    }
+
+    #[test]
+    fn a_memory_row_that_held_fewer_streams_than_it_names_is_flagged() {
+        let row = |streams, in_flight| MemoryRow {
+            mode: "normalized".into(),
+            streams,
+            in_flight,
+            failed: streams - in_flight,
+            edge_rss_idle: 10 << 20,
+            edge_rss_loaded: 20 << 20,
+            edge_bytes_per_stream: 40_000.0,
+            nodes_rss_idle: 10 << 20,
+            nodes_rss_loaded: 20 << 20,
+            nodes_bytes_per_stream: 30_000.0,
+            edge_threads: 3,
+        };
+        let report = SuiteReport {
+            machine: Machine::current(),
+            command: "iop-bench suite".into(),
+            latency: None,
+            nagle: None,
+            streaming: None,
+            memory: Some(MemoryResult {
+                nodes: 3,
+                rows: vec![row(1_000, 1_000), row(10_000, 1_024)],
+            }),
+            nodes: None,
+            durable: None,
+            tail: None,
+        };
+        let md = report.markdown();
+        assert!(
+            md.contains(
+                "**normalized 10000: only 1024 of 10000 streams were in flight (8976 failed)**"
+            ),
+            "{md}"
+        );
+        assert!(!md.contains("normalized 1000: only"), "{md}");
     }
 
     #[test]
