@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use iop_core::edge::limits::RefusedBy;
 use iop_core::journal::JournalError;
 use iop_transport::telemetry::MetricsPipeline;
 use iop_transport::traces::{TracePipeline, Tracer};
@@ -72,6 +73,9 @@ pub const RECOVERY_RESULTS: &[&str] = &[
     "failed",
     "abandoned",
 ];
+/// Client connection outcomes (`outcome` label): admitted, or refused by
+/// [`RefusedBy`].
+pub const CLIENT_CONNECTION_OUTCOMES: &[&str] = &["admitted", "source_share", "cap"];
 /// Token directions (`kind` label of the token counter).
 pub const TOKEN_KINDS: &[&str] = &["input", "output"];
 /// The `model` label of a request whose model matched no configured route
@@ -130,6 +134,8 @@ pub struct EdgeMetrics {
     relayed_bytes: Counter<u64>,
     journal_writes: Counter<u64>,
     journal_write_seconds: Histogram<f64>,
+    client_connections: Counter<u64>,
+    client_connections_evicted: Counter<u64>,
     traces: TracePipeline,
     /// Configured route models (the `model` label), set once at start.
     route_models: std::sync::OnceLock<Vec<String>>,
@@ -233,6 +239,18 @@ impl EdgeMetrics {
                 .f64_histogram("iop_edge_request_duration_seconds")
                 .with_description("Total request time")
                 .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            client_connections: meter
+                .u64_counter("iop_edge_client_connections")
+                .with_description(
+                    "Client TCP connections accepted, by outcome: admitted, or refused (a fast 503) by the source's share or the cap (R-LIM-1)",
+                )
+                .build(),
+            client_connections_evicted: meter
+                .u64_counter("iop_edge_client_connections_evicted")
+                .with_description(
+                    "Idle client connections closed to make room for a newcomer (R-LIM-1)",
+                )
                 .build(),
             heartbeat_timeouts: meter
                 .u64_counter("iop_edge_heartbeat_timeouts")
@@ -369,6 +387,11 @@ impl EdgeMetrics {
             }
         }
         self.heartbeat_timeouts.add(0, &[]);
+        for outcome in CLIENT_CONNECTION_OUTCOMES {
+            self.client_connections
+                .add(0, &[KeyValue::new("outcome", *outcome)]);
+        }
+        self.client_connections_evicted.add(0, &[]);
         for reason in CloseCode::ALL {
             self.generation_fences
                 .add(0, &[KeyValue::new("reason", reason.as_str())]);
@@ -530,6 +553,17 @@ impl EdgeMetrics {
     pub fn ttft(&self, route: &'static str, ttft: Duration) {
         self.ttft
             .record(ttft.as_secs_f64(), &[KeyValue::new("route", route)]);
+    }
+
+    /// A client connection was admitted (`refused: None`) or refused;
+    /// `evicted`: an idle one was closed to make room for it (R-LIM-1).
+    pub fn client_connection(&self, refused: Option<RefusedBy>, evicted: bool) {
+        let outcome = refused.map_or("admitted", RefusedBy::as_str);
+        self.client_connections
+            .add(1, &[KeyValue::new("outcome", outcome)]);
+        if evicted {
+            self.client_connections_evicted.add(1, &[]);
+        }
     }
 
     /// A generation was fenced.

@@ -32,7 +32,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use iop_core::edge::limits::{
-    CloseReason, ConnAdmission, ConnId, ConnLimits, ConnStep, Connections,
+    CloseReason, ConnAdmission, ConnId, ConnLimits, ConnStep, Connections, RefusedBy,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
@@ -213,11 +213,13 @@ impl http_body::Body for CountedBody {
     }
 }
 
-/// Serve `app` on `listener` until `stop` turns true, then drain.
+/// Serve `app` on `listener` until `stop` turns true, then drain; every
+/// connection's admission is counted in `metrics`.
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     limits: HttpLimits,
+    metrics: Arc<crate::metrics::EdgeMetrics>,
     mut stop: watch::Receiver<bool>,
 ) {
     let shared = Arc::new(Shared {
@@ -258,19 +260,26 @@ pub async fn serve(
         };
         let now = shared.clock.now();
         let admitted = shared.with(|r| match r.connections.admit(peer.ip(), now) {
-            ConnAdmission::Refused => None,
+            ConnAdmission::Refused(by) => Err(by),
             ConnAdmission::Admitted { id, evict } => {
                 if let Some(victim) = evict.and_then(|v| r.signals.get(&v)) {
                     victim.evict.notify_one();
                 }
                 let signals = Arc::new(Signals::default());
                 r.signals.insert(id, signals.clone());
-                Some((id, signals))
+                Ok((id, signals, evict.is_some()))
             }
         });
-        let Some((id, signals)) = admitted else {
-            refuse(tcp);
-            continue;
+        let (id, signals) = match admitted {
+            Ok((id, signals, evicted)) => {
+                metrics.client_connection(None, evicted);
+                (id, signals)
+            }
+            Err(by) => {
+                metrics.client_connection(Some(by), false);
+                refuse(tcp, by);
+                continue;
+            }
         };
         // Responses go out in several writes (SSE events, tunnel frames):
         // without TCP_NODELAY, Nagle holds each small write for the
@@ -304,8 +313,8 @@ pub async fn serve(
 }
 
 /// A fast `503` for a connection past the caps, then close.
-fn refuse(tcp: TcpStream) {
-    tracing::debug!(event = "edge_http_connection_refused");
+fn refuse(tcp: TcpStream, by: RefusedBy) {
+    tracing::debug!(event = "edge_http_connection_refused", limit = by.as_str());
     let _ = tcp.try_write(REFUSAL);
 }
 

@@ -262,7 +262,13 @@ impl RunningEdge {
         let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
-        let http_task = tokio::spawn(crate::serve::serve(listener, app, limits, stop));
+        let http_task = tokio::spawn(crate::serve::serve(
+            listener,
+            app,
+            limits,
+            metrics.clone(),
+            stop,
+        ));
         tracing::info!(event = "edge_http_listening", addr = %http_addr);
         Ok(Self {
             denylist,

@@ -36,6 +36,16 @@ async fn connect(edge: &RunningEdge) -> TcpStream {
     TcpStream::connect(edge.http_addr).await.unwrap()
 }
 
+/// A connection from loopback source address 127.0.0.`host` (every
+/// 127.0.0.0/8 address is local on Linux): another client to the Edge.
+async fn connect_from(edge: &RunningEdge, host: u8) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(std::net::SocketAddr::from(([127, 0, 0, host], 0)))
+        .unwrap();
+    socket.connect(edge.http_addr).await.unwrap()
+}
+
 /// Read until the Edge closes the connection (EOF or reset); everything
 /// read, and when it closed. Panics if it stays open for `bound`.
 async fn until_closed(tcp: &mut TcpStream, bound: Duration) -> (Vec<u8>, Instant) {
@@ -54,7 +64,12 @@ async fn until_closed(tcp: &mut TcpStream, bound: Duration) -> (Vec<u8>, Instant
 /// A chat request whose head is complete and whose body never ends: a
 /// request in flight on its connection.
 async fn busy_connection(edge: &RunningEdge) -> TcpStream {
-    let mut tcp = connect(edge).await;
+    busy_connection_from(edge, 1).await
+}
+
+/// [`busy_connection`] from 127.0.0.`host`.
+async fn busy_connection_from(edge: &RunningEdge, host: u8) -> TcpStream {
+    let mut tcp = connect_from(edge, host).await;
     tcp.write_all(
         format!(
             "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n\
@@ -117,6 +132,31 @@ fn h2_get_healthz() -> Vec<u8> {
     out
 }
 
+/// Waits (bounded) until `/metrics` shows `series` (a line prefix, labels
+/// included) at `want` or more, and returns its value. The scrape takes a
+/// connection of its own, so the caller frees room first.
+async fn metric_reaches(edge: &RunningEdge, series: &str, want: f64) -> f64 {
+    let url = format!("http://{}/metrics", edge.http_addr);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let value = match reqwest::get(&url).await {
+            Ok(r) if r.status() == 200 => r
+                .text()
+                .await
+                .unwrap()
+                .lines()
+                .filter(|l| l.starts_with(series))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum(),
+            _ => 0.0,
+        };
+        if value >= want || Instant::now() > deadline {
+            return value;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn idle_connections_at_the_cap_do_not_keep_a_client_out() {
     // R-LIM-1: the cap is never a silent wait; idle holders make room.
@@ -140,6 +180,17 @@ async fn idle_connections_at_the_cap_do_not_keep_a_client_out() {
         }
         // The oldest silent holder was closed to make room.
         let (_, _) = until_closed(&mut idle[0], Duration::from_secs(5)).await;
+        // Counted: every connection admitted, and the idle ones closed for
+        // newcomers.
+        let evicted = metric_reaches(&edge, "iop_edge_client_connections_evicted_total", 1.0).await;
+        assert!(evicted >= 1.0, "{evicted}");
+        let admitted = metric_reaches(
+            &edge,
+            "iop_edge_client_connections_total{outcome=\"admitted\"",
+            7.0,
+        )
+        .await;
+        assert!(admitted >= 7.0, "{admitted}");
         edge.shutdown().await;
     })
     .await;
@@ -174,14 +225,20 @@ async fn past_the_cap_with_every_connection_busy_a_newcomer_gets_a_fast_503() {
     // R-LIM-1: an answer, never a wait.
     bounded(async {
         let (_pki, edge) = edge("max_connections = 2\nbody_read_timeout_ms = 30000").await;
-        let _a = busy_connection(&edge).await;
-        let _b = busy_connection(&edge).await;
+        // Three clients, each under its share (a quarter of the cap, so
+        // one connection): the cap, not a share, turns the third away.
+        let a = busy_connection_from(&edge, 1).await;
+        let b = busy_connection_from(&edge, 2).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let mut late = connect(&edge).await;
+        let mut late = connect_from(&edge, 3).await;
         let (answer, _) = until_closed(&mut late, Duration::from_secs(2)).await;
         let answer = String::from_utf8_lossy(&answer);
         assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
         assert!(answer.contains("too_many_connections"), "{answer}");
+        // Counted as refused by the cap (room made first for the scrape).
+        drop((a, b));
+        let series = "iop_edge_client_connections_total{outcome=\"cap\"";
+        assert_eq!(metric_reaches(&edge, series, 1.0).await, 1.0);
         edge.shutdown().await;
     })
     .await;
@@ -195,12 +252,18 @@ async fn one_source_address_is_held_to_its_share_of_the_cap() {
             "max_connections = 8\nmax_connections_per_source = 2\nbody_read_timeout_ms = 30000",
         )
         .await;
-        let _a = busy_connection(&edge).await;
-        let _b = busy_connection(&edge).await;
+        let a = busy_connection(&edge).await;
+        let b = busy_connection(&edge).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let mut third = connect(&edge).await;
         let (answer, _) = until_closed(&mut third, Duration::from_secs(2)).await;
         assert!(answer.starts_with(b"HTTP/1.1 503 "));
+        // Counted as refused by the source's share, not the cap.
+        drop((a, b));
+        let share = "iop_edge_client_connections_total{outcome=\"source_share\"";
+        assert_eq!(metric_reaches(&edge, share, 1.0).await, 1.0);
+        let cap = "iop_edge_client_connections_total{outcome=\"cap\"";
+        assert_eq!(metric_reaches(&edge, cap, 0.0).await, 0.0);
         edge.shutdown().await;
     })
     .await;

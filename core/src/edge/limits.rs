@@ -112,7 +112,30 @@ pub enum ConnAdmission {
         evict: Option<ConnId>,
     },
     /// Every connection it could displace is busy: answer `503` and close.
-    Refused,
+    Refused(RefusedBy),
+}
+
+/// Which limit refused a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusedBy {
+    /// Its source held its share (`max_connections_per_source`), all busy.
+    SourceShare,
+    /// The Edge held `max_connections`, all busy.
+    Cap,
+}
+
+impl RefusedBy {
+    /// Every reason, for declaring metric series.
+    pub const ALL: [RefusedBy; 2] = [RefusedBy::SourceShare, RefusedBy::Cap];
+
+    /// Its metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusedBy::SourceShare => "source_share",
+            RefusedBy::Cap => "cap",
+        }
+    }
 }
 
 /// Why a connection is closed by the rules (a closed log label).
@@ -249,12 +272,12 @@ impl Connections {
             // Over its share, a source displaces only its own.
             match self.idle_victim(Some(source)) {
                 Some(victim) => Some(victim),
-                None => return ConnAdmission::Refused,
+                None => return ConnAdmission::Refused(RefusedBy::SourceShare),
             }
         } else if self.counted >= self.limits.max_connections {
             match self.idle_victim(None) {
                 Some(victim) => Some(victim),
-                None => return ConnAdmission::Refused,
+                None => return ConnAdmission::Refused(RefusedBy::Cap),
             }
         } else {
             None

@@ -34,7 +34,7 @@ fn limits(cap: usize, share: usize) -> ConnLimits {
 fn admitted(c: &mut Connections, source: IpAddr, now: Instant) -> (ConnId, Option<ConnId>) {
     match c.admit(source, now) {
         ConnAdmission::Admitted { id, evict } => (id, evict),
-        ConnAdmission::Refused => panic!("refused"),
+        ConnAdmission::Refused(by) => panic!("refused by {by:?}"),
     }
 }
 
@@ -101,8 +101,8 @@ fn r_lim_1_when_every_connection_is_busy_a_newcomer_is_refused() {
     c.request_started(a);
     c.request_started(b);
     let before = c.clone();
-    assert_eq!(c.admit(A, T0), ConnAdmission::Refused);
-    assert_eq!(c.admit(B, T0), ConnAdmission::Refused);
+    assert_eq!(c.admit(A, T0), ConnAdmission::Refused(RefusedBy::Cap));
+    assert_eq!(c.admit(B, T0), ConnAdmission::Refused(RefusedBy::Cap));
     assert_eq!(c.conns, before.conns, "a refusal changes nothing");
     assert_eq!(c.counted, 2);
     // One request ends: that connection may now make room.
@@ -127,7 +127,10 @@ fn r_lim_1_one_source_cannot_take_more_than_its_share() {
     assert_eq!(counted_of(&c, B), 1);
     // With both of A's busy, A is refused while B still gets in.
     c.request_started(a3);
-    assert_eq!(c.admit(A, T0), ConnAdmission::Refused);
+    assert_eq!(
+        c.admit(A, T0),
+        ConnAdmission::Refused(RefusedBy::SourceShare)
+    );
     let (_, evict) = admitted(&mut c, B, T0);
     assert_eq!(evict, None);
     assert!(c.conns.contains_key(&b));
@@ -140,7 +143,10 @@ fn r_lim_1_over_its_share_a_source_never_evicts_another_sources_connection() {
     let a = fresh(&mut c, A);
     c.request_started(a);
     // B's idle connection is the only idle one; A may not take it.
-    assert_eq!(c.admit(A, T0), ConnAdmission::Refused);
+    assert_eq!(
+        c.admit(A, T0),
+        ConnAdmission::Refused(RefusedBy::SourceShare)
+    );
     assert!(!c.conns[&b].evicted);
 }
 
@@ -231,7 +237,11 @@ fn r_lim_1_with_several_requests_in_flight_it_is_idle_only_after_the_last_ends()
     c.request_started(id);
     c.request_ended(id, T0 + Duration::from_secs(1));
     assert_eq!(c.poll_timeout(id), Some(T0 + l.max_age), "still busy");
-    assert_eq!(c.admit(B, T0), ConnAdmission::Refused, "and never a victim");
+    assert_eq!(
+        c.admit(B, T0),
+        ConnAdmission::Refused(RefusedBy::Cap),
+        "and never a victim"
+    );
     let last = T0 + Duration::from_secs(3);
     c.request_ended(id, last);
     assert_eq!(c.poll_timeout(id), Some(last + l.idle_timeout));
