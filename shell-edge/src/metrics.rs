@@ -622,3 +622,15 @@ pub fn scrape_value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_client_connection_outcomes_are_admitted_and_every_refusal_reason() {
+        let mut expected = vec!["admitted"];
+        expected.extend(RefusedBy::ALL.iter().map(|r| r.as_str()));
+        assert_eq!(CLIENT_CONNECTION_OUTCOMES, expected.as_slice());
+    }
+}

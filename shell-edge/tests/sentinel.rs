@@ -107,6 +107,7 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
             "lowered", "recorded", "stale"];
         outcomes.extend(iop_wire::FailureCode::ALL.iter().map(|c| c.as_str()));
         outcomes.extend(iop_core::journal::JournalError::NAMES);
+        outcomes.extend(iop_edge::metrics::CLIENT_CONNECTION_OUTCOMES);
         let closed: &[(&str, &[&str])] = &[
             ("route", &["chat", "responses", "completions", "embeddings", "ollama_chat", "ollama_generate", "ollama_embed", "retrieve"]),
             ("op", &["create", "append", "finish", "raise_epoch"]),
