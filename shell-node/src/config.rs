@@ -134,8 +134,11 @@ pub struct ProviderEntry {
     /// would call the provider itself: one read instead of one per token.
     /// The stall timeout then bounds the whole generation of such requests,
     /// as in tunnel mode. False streams from the provider for every run, so
-    /// every token resets the stall timer. A durable run always streams
-    /// (its journal keeps the prefix as it is generated).
+    /// every token resets the stall timer. A durable run streams (its
+    /// journal keeps the prefix as it is generated). Both give way to
+    /// `stream_usage = false`: such a target's whole answers are always
+    /// whole calls, the only place its usage is (core's
+    /// `AnswerCall::for_run`).
     #[serde(default)]
     pub whole_calls: Option<bool>,
     /// How the provider takes a JSON Schema for structured output:

@@ -159,7 +159,8 @@ impl AnswerCall {
     ///
     /// 1. a client that streams gets a streamed call;
     /// 2. a target whose streams carry no usage answers a whole answer with
-    ///    a non-streamed call: the provider's usage is only there;
+    ///    a non-streamed call: the provider's usage is only there (durable
+    ///    or not: such a run's continuation has no prefix to start from);
     /// 3. a durable run streams, so its journal keeps the prefix as it is
     ///    generated: a parked run's buffer (R-PARK-1) and a continuation's
     ///    prefix (R-CONT-1) hold what the provider already produced, and a
@@ -202,43 +203,38 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_durable_whole_answer_streams_so_its_prefix_is_journaled_r_park_1_r_cont_1() {
-        let facts = AnswerCallFacts {
-            whole_answer: true,
-            durable: true,
-            stream_usage: true,
-            whole_calls: true,
-        };
-        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Streamed);
-        // Unless the provider's usage is only in a whole answer.
-        let facts = AnswerCallFacts {
-            stream_usage: false,
-            ..facts
-        };
-        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Whole);
-    }
+    /// Every client that takes its answer whole:
+    /// (durable, stream_usage, whole_calls) -> the call.
+    const WHOLE_ANSWER_CALLS: [((bool, bool, bool), AnswerCall); 8] = [
+        // Ephemeral: the target's setting.
+        ((false, true, true), AnswerCall::Whole),
+        ((false, true, false), AnswerCall::Streamed),
+        // Durable: streamed, so its prefix is journaled (R-PARK-1, R-CONT-1).
+        ((true, true, true), AnswerCall::Streamed),
+        ((true, true, false), AnswerCall::Streamed),
+        // No usage in the target's streams: whole, its usage is only there.
+        ((false, false, true), AnswerCall::Whole),
+        ((false, false, false), AnswerCall::Whole),
+        ((true, false, true), AnswerCall::Whole),
+        ((true, false, false), AnswerCall::Whole),
+    ];
 
     #[test]
-    fn an_ephemeral_whole_answer_follows_the_targets_setting() {
-        let facts = AnswerCallFacts {
-            whole_answer: true,
-            durable: false,
-            stream_usage: true,
-            whole_calls: true,
-        };
-        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Whole);
-        let facts = AnswerCallFacts {
-            whole_calls: false,
-            ..facts
-        };
-        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Streamed);
-        // A target whose streams carry no usage answers it whole anyway.
-        let facts = AnswerCallFacts {
-            stream_usage: false,
-            ..facts
-        };
-        assert_eq!(AnswerCall::for_run(facts), AnswerCall::Whole);
+    fn a_durable_whole_answer_streams_so_its_prefix_is_journaled_r_park_1_r_cont_1() {
+        for ((durable, stream_usage, whole_calls), call) in WHOLE_ANSWER_CALLS {
+            let facts = AnswerCallFacts {
+                whole_answer: true,
+                durable,
+                stream_usage,
+                whole_calls,
+            };
+            assert_eq!(AnswerCall::for_run(facts), call, "{facts:?}");
+        }
+        // The table covers every case once.
+        let mut cases: Vec<_> = WHOLE_ANSWER_CALLS.iter().map(|(f, _)| *f).collect();
+        cases.sort();
+        cases.dedup();
+        assert_eq!(cases.len(), 8);
     }
 
     fn bools3() -> impl Iterator<Item = (bool, bool, bool)> {
