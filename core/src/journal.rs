@@ -940,17 +940,7 @@ impl TakeoverScan {
     /// orphan; one that stops being one (adopted, its owner back, ended)
     /// is forgotten.
     pub fn decide(&mut self, meta: &RecordMeta, live_here: bool, now: Instant) -> TakeoverDecision {
-        let found = if self.sole {
-            orphan(meta, &meta.owner, live_here, None)
-        } else {
-            orphan(
-                meta,
-                &self.me,
-                live_here,
-                self.leases.state(&meta.owner, now),
-            )
-        };
-        let Some(kind) = found else {
+        let Some(kind) = self.orphan_now(meta, live_here, now) else {
             self.waiting.remove(&meta.id);
             return TakeoverDecision::Keep;
         };
@@ -964,6 +954,22 @@ impl TakeoverScan {
             TakeoverDecision::End(kind)
         } else {
             TakeoverDecision::Wait { until }
+        }
+    }
+
+    /// Is `meta`, as read at `now`, an orphan, whatever its park window?
+    /// A takeover decided by [`Self::decide`] asks this again on each
+    /// fresh read before it writes once more (a raise another writer beat).
+    pub fn orphan_now(&self, meta: &RecordMeta, live_here: bool, now: Instant) -> Option<Orphan> {
+        if self.sole {
+            orphan(meta, &meta.owner, live_here, None)
+        } else {
+            orphan(
+                meta,
+                &self.me,
+                live_here,
+                self.leases.state(&meta.owner, now),
+            )
         }
     }
 

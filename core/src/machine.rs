@@ -75,3 +75,8 @@ machine_by_inherent_methods!(
     crate::node::link::NodeLinkInput,
     crate::node::link::NodeLinkOutput
 );
+machine_by_inherent_methods!(
+    crate::edge::custody::Custody,
+    crate::edge::custody::CustodyInput,
+    crate::edge::custody::CustodyOutput
+);

@@ -226,6 +226,7 @@ fn start(
                 &t.offer,
                 t.last_seq,
                 t.resume_after_frame,
+                None,
             ),
             None => Request::new(ctx.clock.now(), spec),
         };

@@ -226,6 +226,93 @@ pub fn takeover_resume_point(
     Ok(source.frame)
 }
 
+/// What a record's journal holds of an answer whose run is gone, for a
+/// takeover that continues it on a provider (R-TAKE-1, R-CONT-1).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ResumedAnswer {
+    /// Events durable in the record; the continuation numbers on from here.
+    pub last_seq: u64,
+    /// The answer's text so far: the continuation's partial assistant
+    /// message.
+    pub text: String,
+    /// The provider the last frame came from (the one to avoid first).
+    pub provider_id: Option<ProviderId>,
+    /// The usage last journaled (the sum of the attempts so far).
+    pub usage: Option<iop_wire::Usage>,
+}
+
+/// Why a record's journal cannot be continued (R-CONT-1, R-TAKE-1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotContinuable {
+    /// An event this build does not read, or a gap in the numbering.
+    Unreadable,
+    /// A tool call went out: never continued while one is partly emitted.
+    ToolCall,
+    /// No text yet: continuing would send the prompt again from scratch,
+    /// which a takeover never does.
+    NoText,
+    /// The record already holds its end.
+    Ended,
+}
+
+impl NotContinuable {
+    /// The closed label for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotContinuable::Unreadable => "unreadable",
+            NotContinuable::ToolCall => "tool_call",
+            NotContinuable::NoText => "no_text",
+            NotContinuable::Ended => "ended",
+        }
+    }
+}
+
+/// What the journal `events` (the record's, from event 1, in order) hold
+/// of an answer a takeover may continue on another provider (R-TAKE-1,
+/// R-CONT-1): its text, the provider of its last frame and the usage so
+/// far. Refused for an answer with a tool call, without text, with an
+/// end, or with events this build does not read.
+pub fn resumed_answer(events: &[JournalEvent]) -> Result<ResumedAnswer, NotContinuable> {
+    let mut resumed = ResumedAnswer {
+        last_seq: 0,
+        text: String::new(),
+        provider_id: None,
+        usage: None,
+    };
+    for event in events {
+        if event.seq != resumed.last_seq + 1 {
+            return Err(NotContinuable::Unreadable);
+        }
+        resumed.last_seq = event.seq;
+        let entry = decode_entry(&event.payload).ok_or(NotContinuable::Unreadable)?;
+        if let Some(source) = entry.source {
+            resumed.provider_id = Some(source.provider_id);
+        }
+        match entry.delivery {
+            Delivery::Event(iop_wire::RunEventKind::TextDelta(text)) => {
+                resumed.text.push_str(&text)
+            }
+            Delivery::Event(iop_wire::RunEventKind::ToolCallDelta(_)) => {
+                return Err(NotContinuable::ToolCall);
+            }
+            Delivery::Event(iop_wire::RunEventKind::Usage(usage)) => resumed.usage = Some(usage),
+            Delivery::Event(
+                iop_wire::RunEventKind::Completed { .. } | iop_wire::RunEventKind::Failed(_),
+            )
+            | Delivery::Finish
+            | Delivery::Fail { .. } => return Err(NotContinuable::Ended),
+            // A tunnelled body is never journaled (R-JRN-2); reasoning,
+            // log probabilities and the rest are not carried over.
+            Delivery::Body(_) => return Err(NotContinuable::Unreadable),
+            _ => {}
+        }
+    }
+    if resumed.text.is_empty() {
+        return Err(NotContinuable::NoText);
+    }
+    Ok(resumed)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InFlight {
     /// An append of events up to this number.

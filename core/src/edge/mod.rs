@@ -4,6 +4,7 @@
 //! bodies ([`limits`]).
 
 pub mod admission;
+pub mod custody;
 pub mod delivery;
 pub mod dispatch;
 pub mod durable;

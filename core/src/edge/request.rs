@@ -48,6 +48,7 @@ pub use crate::edge::delivery::Delivery;
 use crate::edge::dispatch::{ParkedOffer, RequestCommand, RequestEvent};
 use crate::edge::durable::{
     AfterRefusal, FrameSource, JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher,
+    ResumedAnswer,
 };
 use crate::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEvent, GateFailure,
@@ -399,6 +400,9 @@ pub struct Request {
     /// The provider of the parked run: only its node's report is this
     /// request's run (R-PARK-2).
     parked_provider: Option<ProviderId>,
+    /// It continues an answer whose run is gone ([`Self::continuing`]):
+    /// its continuation may fall back to the last provider.
+    orphan_continuation: bool,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -442,6 +446,7 @@ impl Request {
             usage_carry: None,
             attempt_usage: None,
             parked_provider: None,
+            orphan_continuation: false,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
@@ -453,14 +458,16 @@ impl Request {
     /// (R-TAKE-1, R-PARK-2): the record's epoch was raised for it
     /// (`spec.journal`), `last_seq` events are durable and the last of
     /// them came from frame `resume_after_frame` of the run. It adopts the
-    /// run at once; it never starts the prompt again, so a lost adoption
-    /// ends it in the stream.
+    /// run at once; it never starts the prompt again: a lost adoption ends
+    /// it in the stream, or continues its answer on the pool when the
+    /// route opts in and `resumed` holds the answer so far (R-CONT-1).
     pub fn adopting(
         now: Instant,
         spec: RequestSpec,
         offer: &ParkedOffer,
         last_seq: u64,
         resume_after_frame: u64,
+        resumed: Option<&ResumedAnswer>,
     ) -> Self {
         let mut request = Self::new(now, spec);
         // Replace the first admission with the adoption: the attempt is the
@@ -471,7 +478,20 @@ impl Request {
             .journal
             .clone()
             .map(|journal| Publisher::new(journal, last_seq));
-        request.gate.set_failover(false);
+        // A lost adoption is continued on the pool when the route opts in
+        // and the journal's answer so far is known (R-CONT-1: continuing
+        // without it would send the prompt from scratch); nothing else
+        // re-admits a committed answer.
+        request
+            .gate
+            .set_failover(request.spec.continuation && resumed.is_some());
+        request.orphan_continuation = true;
+        if let Some(resumed) = resumed {
+            request.delivered_text = resumed.text.clone();
+            // The adopted run's own usage, cumulative: its later reports
+            // replace it, a continuation adds to it.
+            request.attempt_usage = resumed.usage;
+        }
         let _ = request.gate.handle_input(
             now,
             GateInput::Dispatched {
@@ -498,6 +518,53 @@ impl Request {
                 until: now.saturating_add(PARK_REPORT_SLACK),
             };
             request.handle_input(now, RequestInput::ParkedRun(offer.clone()));
+        }
+        request
+    }
+
+    /// A request that takes over a record whose run is gone and continues
+    /// its answer (R-TAKE-1, R-CONT-1): the record's epoch was raised for
+    /// it (`spec.journal`) and `resumed` is what its journal holds. The
+    /// answer so far stands as one committed attempt whose transport was
+    /// lost; the gate continues it on the pool, another provider than the
+    /// last one first and that one if no other can take it. It never
+    /// sends the prompt from scratch: without continuation
+    /// (`spec.continuation`), a pool or an attempt left, the answer ends
+    /// in the stream.
+    pub fn continuing(now: Instant, spec: RequestSpec, resumed: &ResumedAnswer) -> Self {
+        let mut request = Self::new(now, spec);
+        request.outputs.clear();
+        request.publisher = request
+            .spec
+            .journal
+            .clone()
+            .map(|journal| Publisher::new(journal, resumed.last_seq));
+        request.gate.set_failover(true);
+        request.orphan_continuation = true;
+        request.delivered_text = resumed.text.clone();
+        request.usage_carry = resumed.usage;
+        // The journal names the provider of its last frame; an answer
+        // without one counts as the pool's first provider's.
+        let provider_id = resumed
+            .provider_id
+            .clone()
+            .or_else(|| request.spec.pool.first().cloned())
+            .unwrap_or_else(|| ProviderId::from(""));
+        let _ = request
+            .gate
+            .handle_input(now, GateInput::Dispatched { provider_id });
+        if let Some(attempt) = request.gate.current_attempt() {
+            let _ = request.gate.handle_input(
+                now,
+                GateInput::Attempt {
+                    attempt,
+                    event: AttemptEvent::Content,
+                },
+            );
+            request.head_delivered = true;
+            request.drain_gate(now);
+            request.outputs.clear();
+            request.attempt_event(now, attempt, AttemptEvent::TransportLost);
         }
         request
     }
@@ -1420,7 +1487,9 @@ impl Request {
                     self.outputs
                         .push_back(RequestOutput::Observe(RequestObservation::Readmitted));
                     self.avoid_provider_id = Some(avoid_provider_id);
-                    self.allow_avoided_fallback = false;
+                    // An answer whose run is gone (a takeover) may go back
+                    // to its provider: that one did not fail, its Edge did.
+                    self.allow_avoided_fallback = std::mem::take(&mut self.orphan_continuation);
                     self.continuing = true;
                     self.usage_carry = sum_usage(self.usage_carry, self.attempt_usage.take());
                     self.cancel();

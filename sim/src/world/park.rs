@@ -717,6 +717,7 @@ impl World {
             &pending.offer,
             last_seq,
             resume_after_frame,
+            None,
         );
         self.core_bugs.plant_request(&machine);
         let deadline = machine.gate().deadline() + flush;

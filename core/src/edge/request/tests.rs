@@ -1362,7 +1362,7 @@ fn r_take_1_an_adopter_resumes_the_parked_run_and_never_starts_the_prompt_again(
     if let Some(j) = &mut spec.journal {
         j.epoch = 2;
     }
-    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3);
+    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3, None);
     let outs = drain(&mut r);
     assert_eq!(
         commands(&outs),
@@ -1399,7 +1399,7 @@ fn r_take_1_an_adopter_appends_after_the_durable_prefix_with_its_epoch() {
     if let Some(j) = &mut spec.journal {
         j.epoch = 2;
     }
-    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3);
+    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3, None);
     drain(&mut r);
     let l = lease(2, "p0", AdapterKind::Mock);
     r.handle_input(
@@ -2077,4 +2077,135 @@ fn a_continuing_attempt_sends_the_answer_so_far_as_the_assistants_final_message_
     ] {
         assert!(!continuation_allowed(api, true), "{api:?}: chat only");
     }
+}
+
+fn resumed(text: &str, last_seq: u64) -> crate::edge::durable::ResumedAnswer {
+    crate::edge::durable::ResumedAnswer {
+        last_seq,
+        text: text.into(),
+        provider_id: Some(ProviderId::from("p0")),
+        usage: Some(Usage {
+            prompt_tokens: 5,
+            completion_tokens: 2,
+        }),
+    }
+}
+
+#[test]
+fn r_take_1_r_cont_1_a_continuing_takeover_admits_a_continuation_never_the_prompt_alone() {
+    let mut spec = durable_spec();
+    spec.continuation = true;
+    if let Some(j) = &mut spec.journal {
+        j.epoch = 2;
+    }
+    let mut r = Request::continuing(t(0), spec, &resumed("Hello, wor", 6));
+    let outs = drain(&mut r);
+    let admits: Vec<_> = commands(&outs)
+        .into_iter()
+        .filter_map(|c| match c {
+            RequestCommand::Admit(d) => Some(d),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(admits.len(), 1, "{outs:?}");
+    assert_eq!(admits[0].avoid_provider_id, Some(ProviderId::from("p0")));
+    assert!(
+        admits[0].allow_avoided_fallback,
+        "its Edge failed, not its provider: the same one may continue it"
+    );
+    assert!(
+        deliveries(&outs).is_empty(),
+        "the head is the journal's already"
+    );
+    // The attempt asks the provider to continue the answer so far.
+    let l = lease(2, "p1", AdapterKind::Mock);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    drain(&mut r);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        outs.iter().any(|o| matches!(
+            o,
+            RequestOutput::Open { continuation: Some(c), adopt: None, tunnel: false, .. }
+                if c == "Hello, wor"
+        )),
+        "{outs:?}"
+    );
+    r.handle_input(t(2), RequestInput::Opened);
+    r.handle_input(t(3), RequestInput::Frame(NodeFrame::Run(text("ld"))));
+    let outs = drain(&mut r);
+    // Numbered on from the journal, written with the raised epoch.
+    let seqs: Vec<(u64, u64)> = journal_writes(&outs)
+        .iter()
+        .filter_map(|w| match w {
+            crate::edge::durable::JournalWrite::Append { epoch, events, .. } => {
+                Some((*epoch, events.first()?.seq))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(seqs, vec![(2, 7)]);
+}
+
+#[test]
+fn r_take_1_a_continuing_takeover_without_continuation_ends_in_the_stream() {
+    let mut spec = durable_spec();
+    if let Some(j) = &mut spec.journal {
+        j.epoch = 2;
+    }
+    let mut r = Request::continuing(t(0), spec, &resumed("Hel", 1));
+    let outs = drain(&mut r);
+    assert!(
+        !commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_))),
+        "never sent from scratch: {outs:?}"
+    );
+    assert!(matches!(
+        &journal_writes(&outs)[..],
+        [crate::edge::durable::JournalWrite::Finish { epoch: 2, .. }]
+    ));
+}
+
+#[test]
+fn r_cont_1_a_lost_adoption_is_continued_on_the_pool_when_the_route_opts_in() {
+    let key = iop_wire::RunKey {
+        generation: 3,
+        run_id: 101,
+    };
+    let mut spec = parkable_spec();
+    spec.continuation = true;
+    // Without the answer so far, a lost adoption is not continued.
+    let mut r = Request::adopting(t(0), spec.clone(), &offer(key, 5), 4, 3, None);
+    drain(&mut r);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Rejected(AdmitRejection::NoRoute)),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        !commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_)))
+    );
+    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3, Some(&resumed("Hel", 4)));
+    drain(&mut r);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Rejected(AdmitRejection::NoRoute)),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(d) if d.allow_avoided_fallback)),
+        "{outs:?}"
+    );
+    assert!(journal_writes(&outs).is_empty(), "not ended");
 }

@@ -1,0 +1,1038 @@
+//! The Edge's custody of the durable records no run of it writes
+//! (R-TAKE-1, R-PARK-2, R-CONT-1, R-MULTI-1): one [`Custody`] per Edge.
+//!
+//! It runs the takeover scan ([`TakeoverScan`]: which record is an orphan,
+//! how long it waits for its node to report the run parked), takes each
+//! orphan past its park window over, and takes over the record of every
+//! parked run a node reports that no request of this Edge waits for. Every
+//! takeover goes the same way: **read, decide, raise the epoch (R-JRN-3),
+//! read again, act**:
+//!
+//! * an orphan whose route continues answers ([`StoreAnswer::Record`]'s
+//!   `continuable`) and whose journal holds text and no tool call is
+//!   handed to a new request that continues it on its pool
+//!   ([`CustodyOutput::Continue`], [`crate::edge::request::Request::continuing`]);
+//!   any other orphan ends `incomplete` with its durable prefix;
+//! * a parked run's record is handed to a request that adopts the run
+//!   after the frame [`takeover_resume_point`] names, asked again after the
+//!   raise ([`CustodyOutput::Adopt`]); a report the record does not match
+//!   is let go ([`CustodyOutput::Release`]).
+//!
+//! One retry rule holds for every write of a takeover: a write another
+//! writer fenced, or the store failed (after [`STORE_RETRY`]), is decided
+//! again on a fresh read of the record and its owner's lease, and tried
+//! again only while the record is still an orphan, at most
+//! [`MAX_TAKEOVER_WRITES`] writes per takeover.
+//!
+//! Sans-IO: the inputs are the store's answers and the nodes' offers, the
+//! outputs are store operations and the requests to start. The driver
+//! loop is the crate's ([`crate::machine::Machine`]): feed an input or
+//! fire the timeout, then drain [`Custody::poll_output`], carrying out
+//! each [`StoreOp`] and feeding its answer back as
+//! [`CustodyInput::Store`].
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use iop_wire::RunKey;
+
+use crate::edge::dispatch::ParkedOffer;
+use crate::edge::durable::{
+    NotContinuable, ResumedAnswer, TakeoverRefusal, resumed_answer, takeover_resume_point,
+};
+use crate::journal::{
+    JournalError, JournalEvent, MAX_TRACKED_EDGES, NO_OWNER, Orphan, RecordMeta, RecordStatus,
+    StoredLease, TakeoverDecision, TakeoverScan, Terminal,
+};
+use crate::time::Instant;
+
+/// Records one scan takes over at most; the rest wait for the next scan.
+pub const MAX_TAKEOVERS_PER_SCAN: usize = 256;
+
+/// Takeovers and adoptions in progress at once; an offer beyond is let go
+/// (its node reports the run again at its next registration).
+pub const MAX_TASKS: usize = 1024;
+
+/// Writes (raises and terminals) one takeover tries at most.
+pub const MAX_TAKEOVER_WRITES: u32 = 32;
+
+/// How long a takeover waits after the store failed before it reads again.
+pub const STORE_RETRY: Duration = Duration::from_millis(200);
+
+/// The shortest pause between two scans.
+pub const MIN_SCAN_PAUSE: Duration = Duration::from_millis(50);
+
+/// How the custody of one Edge is set up.
+#[derive(Debug, Clone)]
+pub struct CustodyConfig {
+    /// This Edge's `edge_id`.
+    pub edge_id: String,
+    /// How long an orphan waits for its node's report (R-PARK-2).
+    pub park_window: Duration,
+    /// This Edge's lease TTL (an absent lease is judged by it).
+    pub lease_ttl: Duration,
+    /// The store is this Edge's alone: every record in it is its own.
+    pub sole: bool,
+    /// The pause between two scans of a shared store.
+    pub scan_interval: Duration,
+}
+
+/// A store operation the driver carries out; its answer comes back as the
+/// [`StoreAnswer`] of the same name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreOp {
+    /// Every record without a terminal (`hint`: the store's own, possibly
+    /// lagging, view is enough).
+    Unfinished {
+        /// A lagging view will do.
+        hint: bool,
+    },
+    /// Every Edge's ownership lease.
+    Leases,
+    /// One Edge's lease.
+    Lease {
+        /// The Edge.
+        edge_id: String,
+    },
+    /// One record's metadata.
+    Record {
+        /// The record.
+        id: String,
+    },
+    /// The payload of event `seq` of a record.
+    Event {
+        /// The record.
+        id: String,
+        /// The event.
+        seq: u64,
+    },
+    /// Every event of a record, in order.
+    Events {
+        /// The record.
+        id: String,
+    },
+    /// Raise a record's epoch from `expected`, this Edge its owner
+    /// (R-JRN-3).
+    RaiseEpoch {
+        /// The record.
+        id: String,
+        /// The epoch read.
+        expected: u64,
+    },
+    /// Write a record's terminal at `epoch`. `terminal.at_unix_ms` is 0:
+    /// the driver stamps the wall-clock time.
+    Finish {
+        /// The record.
+        id: String,
+        /// The epoch the raise won.
+        epoch: u64,
+        /// The terminal.
+        terminal: Terminal,
+    },
+}
+
+/// The store's answer to a [`StoreOp`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreAnswer {
+    /// [`StoreOp::Unfinished`]: each record and whether a run of this Edge
+    /// writes it.
+    Unfinished(Result<Vec<(RecordMeta, bool)>, JournalError>),
+    /// [`StoreOp::Leases`].
+    Leases(Result<Vec<StoredLease>, JournalError>),
+    /// [`StoreOp::Lease`].
+    Lease {
+        /// The Edge.
+        edge_id: String,
+        /// Its lease, if it has one.
+        result: Result<Option<StoredLease>, JournalError>,
+    },
+    /// [`StoreOp::Record`].
+    Record {
+        /// The record.
+        id: String,
+        /// Its metadata, if it exists.
+        result: Result<Option<RecordMeta>, JournalError>,
+        /// A run of this Edge writes it.
+        live_here: bool,
+        /// Its route continues an answer on another provider (R-CONT-1:
+        /// opted in, a chat API, a pool to continue on).
+        continuable: bool,
+    },
+    /// [`StoreOp::Event`].
+    Event {
+        /// The record.
+        id: String,
+        /// The payload, if the event exists.
+        result: Result<Option<Vec<u8>>, JournalError>,
+    },
+    /// [`StoreOp::Events`].
+    Events {
+        /// The record.
+        id: String,
+        /// Its events.
+        result: Result<Vec<JournalEvent>, JournalError>,
+    },
+    /// [`StoreOp::RaiseEpoch`].
+    Raised {
+        /// The record.
+        id: String,
+        /// The record as raised.
+        result: Result<RecordMeta, JournalError>,
+    },
+    /// [`StoreOp::Finish`].
+    Finished {
+        /// The record.
+        id: String,
+        /// Whether the terminal is durable.
+        result: Result<(), JournalError>,
+    },
+}
+
+/// One input of a [`Custody`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CustodyInput {
+    /// A store operation's answer.
+    Store(StoreAnswer),
+    /// A parked run a node reported (R-PARK-2) that no request of this
+    /// Edge waits for.
+    Offer(ParkedOffer),
+}
+
+/// Why a reported parked run is not adopted here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseReason {
+    /// A takeover of its record is in progress, or too many are.
+    Busy,
+    /// No such record.
+    UnknownResponse,
+    /// A run of this Edge writes the record.
+    LiveHere,
+    /// The store failed.
+    StoreError,
+    /// The record is not this run's, or has ended.
+    Refused(TakeoverRefusal),
+    /// Another writer won the record's epoch.
+    EpochLost,
+}
+
+impl ReleaseReason {
+    /// The closed label for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReleaseReason::Busy => "busy",
+            ReleaseReason::UnknownResponse => "unknown_response",
+            ReleaseReason::LiveHere => "live_here",
+            ReleaseReason::StoreError => "store_error",
+            ReleaseReason::Refused(why) => why.as_str(),
+            ReleaseReason::EpochLost => "epoch_lost",
+        }
+    }
+}
+
+/// What a [`Custody`] reports (for logs and metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CustodyEvent {
+    /// More orphans wait for their park window than before.
+    OrphansWaiting(usize),
+    /// A scan's read failed; every lease clock starts again.
+    ScanFailed(JournalError),
+    /// An orphan ended `incomplete` with its durable prefix.
+    Ended {
+        /// The record.
+        id: String,
+        /// The closed reason.
+        reason: &'static str,
+        /// Why it was not continued (`None`: its route does not continue).
+        not_continued: Option<NotContinuable>,
+    },
+    /// A takeover's write was fenced or failed; it reads again.
+    Retried {
+        /// The record.
+        id: String,
+        /// The refusal.
+        error: JournalError,
+    },
+    /// A takeover used its writes without winning; the record waits for a
+    /// later scan.
+    GaveUp {
+        /// The record.
+        id: String,
+    },
+}
+
+/// What the driver carries out, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CustodyOutput {
+    /// Run this store operation; feed its answer back.
+    Store(StoreOp),
+    /// Start a request that adopts the parked run (R-PARK-2), writing the
+    /// record at `meta.epoch`, which this Edge won.
+    Adopt {
+        /// The node's report.
+        offer: ParkedOffer,
+        /// The record as raised.
+        meta: RecordMeta,
+        /// The run's frame the journal's last event came from.
+        resume_after_frame: u64,
+        /// The answer so far, when the route continues a lost adoption on
+        /// its pool (R-CONT-1) and the journal allows it.
+        resumed: Option<ResumedAnswer>,
+    },
+    /// Start a request that continues the orphan's answer on its pool
+    /// (R-TAKE-1, R-CONT-1), writing the record at `meta.epoch`.
+    Continue {
+        /// The record as raised.
+        meta: RecordMeta,
+        /// What its journal holds.
+        resumed: ResumedAnswer,
+    },
+    /// Let the reported parked run go (its held capacity with it).
+    Release {
+        /// The run.
+        key: RunKey,
+        /// Why.
+        reason: ReleaseReason,
+    },
+    /// Something to log or count.
+    Event(CustodyEvent),
+}
+
+/// Where the current scan is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ScanStage {
+    /// Reading the unfinished records.
+    Records,
+    /// Reading every lease.
+    Leases(Vec<(RecordMeta, bool)>),
+    /// Reading the leases the listing did not name.
+    Owners {
+        records: Vec<(RecordMeta, bool)>,
+        pending: BTreeSet<String>,
+    },
+}
+
+/// One takeover in progress, per record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Task {
+    kind: TaskKind,
+    stage: Stage,
+    /// Writes tried.
+    writes: u32,
+    continuable: bool,
+    /// What kind of orphan it was first found (an orphan's takeover).
+    orphan: Option<Orphan>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TaskKind {
+    /// An orphan past its park window.
+    Orphan,
+    /// A parked run a node reported.
+    Adopt(ParkedOffer),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Stage {
+    /// Reading the record.
+    Reading,
+    /// Reading the owner's lease before deciding.
+    Lease { meta: RecordMeta, live_here: bool },
+    /// Waiting to read again after a store failure.
+    Pause { until: Instant },
+    /// Reading the record's last event (an adoption); `raised`: after the
+    /// raise.
+    Last { meta: RecordMeta, raised: bool },
+    /// Raising the epoch from the one read.
+    Raising,
+    /// Reading the events of a raised orphan to continue it.
+    Events { meta: RecordMeta },
+    /// Reading the events of a raised record whose run is adopted, for
+    /// the answer so far (a route that continues).
+    AdoptEvents { meta: RecordMeta, frame: u64 },
+    /// Writing the terminal.
+    Finishing {
+        reason: &'static str,
+        not_continued: Option<NotContinuable>,
+    },
+}
+
+/// The custody of one Edge (see the module docs).
+#[derive(Debug)]
+pub struct Custody {
+    cfg: CustodyConfig,
+    scan: TakeoverScan,
+    stage: Option<ScanStage>,
+    /// When the next scan starts (`None`: no more scans, a sole store
+    /// with no orphan left).
+    next_scan: Option<Instant>,
+    /// The first scan read every record.
+    scanned: bool,
+    /// A sole store's records as first read, while any of them waits.
+    sole_records: Vec<RecordMeta>,
+    tasks: BTreeMap<String, Task>,
+    outputs: VecDeque<CustodyOutput>,
+}
+
+impl Custody {
+    /// The custody of an Edge starting at `now`: its first scan is due at
+    /// once.
+    pub fn new(now: Instant, cfg: CustodyConfig) -> Self {
+        let scan = if cfg.sole {
+            TakeoverScan::sole(&cfg.edge_id, cfg.park_window)
+        } else {
+            TakeoverScan::new(&cfg.edge_id, cfg.park_window, cfg.lease_ttl)
+        };
+        Custody {
+            cfg,
+            scan,
+            stage: None,
+            next_scan: Some(now),
+            scanned: false,
+            sole_records: Vec::new(),
+            tasks: BTreeMap::new(),
+            outputs: VecDeque::new(),
+        }
+    }
+
+    /// The scan's view: leases seen, orphans waiting.
+    pub fn scan(&self) -> &TakeoverScan {
+        &self.scan
+    }
+
+    /// Whether a takeover of `id` is in progress here (its record counts
+    /// as written here meanwhile).
+    pub fn is_taking(&self, id: &str) -> bool {
+        self.tasks.contains_key(id)
+    }
+
+    /// Takeovers and adoptions in progress.
+    pub fn tasks(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Feed one input at `now`; drain [`Self::poll_output`] after.
+    pub fn handle_input(&mut self, now: Instant, input: CustodyInput) {
+        match input {
+            CustodyInput::Offer(offer) => self.offer(offer),
+            CustodyInput::Store(answer) => self.answer(now, answer),
+        }
+    }
+
+    /// The next output, in order.
+    pub fn poll_output(&mut self) -> Option<CustodyOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When [`Self::handle_timeout`] is due: the next scan, or a takeover
+    /// that reads again after a store failure.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let scan = self.next_scan.filter(|_| self.stage.is_none());
+        let pauses = self.tasks.values().filter_map(|t| match t.stage {
+            Stage::Pause { until } => Some(until),
+            _ => None,
+        });
+        pauses.chain(scan).min()
+    }
+
+    /// Fire what is due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let due: Vec<String> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| matches!(t.stage, Stage::Pause { until } if now >= until))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in due {
+            self.read_again(&id);
+        }
+        if self.stage.is_none() && self.next_scan.is_some_and(|at| now >= at) {
+            self.next_scan = None;
+            self.start_scan(now);
+        }
+    }
+
+    // ---- The scan -----------------------------------------------------------
+
+    fn start_scan(&mut self, now: Instant) {
+        if self.cfg.sole && self.scanned {
+            // A sole store holds no other Edge's records: only those found
+            // at start can be orphans, each read again before it is ended.
+            let scan = &self.scan;
+            self.sole_records.retain(|m| scan.is_waiting(&m.id));
+            if self.sole_records.is_empty() {
+                return;
+            }
+            let records = self
+                .sole_records
+                .iter()
+                .map(|m| (m.clone(), false))
+                .collect();
+            self.decide_all(now, records);
+            return;
+        }
+        self.stage = Some(ScanStage::Records);
+        self.push(StoreOp::Unfinished {
+            hint: self.scanned && !self.cfg.sole,
+        });
+    }
+
+    fn scan_failed(&mut self, now: Instant, error: JournalError) {
+        self.scan.leases_mut().read_failed(now);
+        self.stage = None;
+        self.outputs
+            .push_back(CustodyOutput::Event(CustodyEvent::ScanFailed(error)));
+        self.next_scan = Some(now.saturating_add(self.cfg.scan_interval.max(MIN_SCAN_PAUSE)));
+    }
+
+    fn records_read(&mut self, now: Instant, records: Vec<(RecordMeta, bool)>) {
+        if !self.scanned && self.cfg.sole {
+            self.sole_records = records.iter().map(|(m, _)| m.clone()).collect();
+        }
+        self.scanned = true;
+        if self.cfg.sole {
+            self.stage = None;
+            self.decide_all(now, records);
+            return;
+        }
+        self.stage = Some(ScanStage::Leases(records));
+        self.push(StoreOp::Leases);
+    }
+
+    fn leases_read(&mut self, now: Instant, leases: Vec<StoredLease>) {
+        let Some(ScanStage::Leases(records)) = self.stage.take() else {
+            return;
+        };
+        self.scan.leases_mut().observe_all(&leases, now);
+        // Owners the listing did not name (the store's view lags behind a
+        // new Edge): read each.
+        let me = self.cfg.edge_id.as_str();
+        let pending: BTreeSet<String> = records
+            .iter()
+            .map(|(m, _)| m.owner.as_str())
+            .filter(|o| *o != me && *o != NO_OWNER)
+            .filter(|o| self.scan.leases().state(o, now).is_none())
+            .take(MAX_TRACKED_EDGES)
+            .map(str::to_owned)
+            .collect();
+        if pending.is_empty() {
+            self.decide_all(now, records);
+            return;
+        }
+        for edge_id in &pending {
+            self.push(StoreOp::Lease {
+                edge_id: edge_id.clone(),
+            });
+        }
+        self.stage = Some(ScanStage::Owners { records, pending });
+    }
+
+    /// Decide every record read; take those past their window over.
+    fn decide_all(&mut self, now: Instant, records: Vec<(RecordMeta, bool)>) {
+        self.stage = None;
+        let waiting_before = self.scan.waiting();
+        let mut due = Vec::new();
+        for (meta, live_here) in &records {
+            let live = *live_here || self.tasks.contains_key(&meta.id);
+            if let TakeoverDecision::End(_) = self.scan.decide(meta, live, now) {
+                due.push(meta.id.clone());
+            }
+        }
+        let ids: BTreeSet<&str> = records.iter().map(|(m, _)| m.id.as_str()).collect();
+        self.scan.retain(|id| ids.contains(id));
+        if self.scan.waiting() > waiting_before {
+            self.outputs
+                .push_back(CustodyOutput::Event(CustodyEvent::OrphansWaiting(
+                    self.scan.waiting(),
+                )));
+        }
+        for id in due.into_iter().take(MAX_TAKEOVERS_PER_SCAN) {
+            if self.tasks.len() >= MAX_TASKS {
+                break;
+            }
+            self.tasks.insert(
+                id.clone(),
+                Task {
+                    kind: TaskKind::Orphan,
+                    stage: Stage::Reading,
+                    writes: 0,
+                    continuable: false,
+                    orphan: None,
+                },
+            );
+            self.push(StoreOp::Record { id });
+        }
+        let pause = match self.scan.poll_timeout() {
+            Some(at) => self
+                .cfg
+                .scan_interval
+                .min(at.saturating_duration_since(now)),
+            None => self.cfg.scan_interval,
+        };
+        let more = !self.cfg.sole || self.scan.waiting() > 0;
+        self.next_scan = more.then(|| now.saturating_add(pause.max(MIN_SCAN_PAUSE)));
+    }
+
+    // ---- Offers -------------------------------------------------------------
+
+    fn offer(&mut self, offer: ParkedOffer) {
+        let id = offer.run.response_id.clone();
+        if self.tasks.contains_key(&id) || self.tasks.len() >= MAX_TASKS {
+            self.release(offer.run.key, ReleaseReason::Busy);
+            return;
+        }
+        self.tasks.insert(
+            id.clone(),
+            Task {
+                kind: TaskKind::Adopt(offer),
+                stage: Stage::Reading,
+                writes: 0,
+                continuable: false,
+                orphan: None,
+            },
+        );
+        self.push(StoreOp::Record { id });
+    }
+
+    fn release(&mut self, key: RunKey, reason: ReleaseReason) {
+        self.outputs
+            .push_back(CustodyOutput::Release { key, reason });
+    }
+
+    /// End the task of `id`; an adoption's run is let go with `reason`.
+    fn drop_task(&mut self, id: &str, reason: ReleaseReason) {
+        if let Some(Task {
+            kind: TaskKind::Adopt(offer),
+            ..
+        }) = self.tasks.remove(id)
+        {
+            self.release(offer.run.key, reason);
+        }
+    }
+
+    // ---- Answers ------------------------------------------------------------
+
+    fn answer(&mut self, now: Instant, answer: StoreAnswer) {
+        match answer {
+            StoreAnswer::Unfinished(result) => {
+                if self.stage != Some(ScanStage::Records) {
+                    return;
+                }
+                match result {
+                    Ok(records) => self.records_read(now, records),
+                    Err(e) => self.scan_failed(now, e),
+                }
+            }
+            StoreAnswer::Leases(result) => {
+                if !matches!(self.stage, Some(ScanStage::Leases(_))) {
+                    return;
+                }
+                match result {
+                    Ok(leases) => self.leases_read(now, leases),
+                    Err(e) => self.scan_failed(now, e),
+                }
+            }
+            StoreAnswer::Lease { edge_id, result } => self.lease_read(now, &edge_id, result),
+            StoreAnswer::Record {
+                id,
+                result,
+                live_here,
+                continuable,
+            } => self.record_read(now, &id, result, live_here, continuable),
+            StoreAnswer::Event { id, result } => self.event_read(&id, result),
+            StoreAnswer::Events { id, result } => self.events_read(now, &id, result),
+            StoreAnswer::Raised { id, result } => self.raised(now, &id, result),
+            StoreAnswer::Finished { id, result } => self.finished(now, &id, result),
+        }
+    }
+
+    fn lease_read(
+        &mut self,
+        now: Instant,
+        edge_id: &str,
+        result: Result<Option<StoredLease>, JournalError>,
+    ) {
+        let lease = match result {
+            Ok(lease) => lease,
+            Err(e) => {
+                if matches!(self.stage, Some(ScanStage::Owners { .. })) {
+                    self.scan_failed(now, e.clone());
+                }
+                self.scan.leases_mut().read_failed(now);
+                // Every takeover waiting for a lease reads again later.
+                let waiting: Vec<String> = self
+                    .tasks
+                    .iter()
+                    .filter(|(_, t)| matches!(t.stage, Stage::Lease { .. }))
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in waiting {
+                    self.pause(now, &id, e.clone());
+                }
+                return;
+            }
+        };
+        self.scan.leases_mut().observe(edge_id, lease.as_ref(), now);
+        if let Some(ScanStage::Owners { pending, .. }) = &mut self.stage {
+            pending.remove(edge_id);
+            if pending.is_empty()
+                && let Some(ScanStage::Owners { records, .. }) = self.stage.take()
+            {
+                self.decide_all(now, records);
+            }
+        }
+        let waiting: Vec<(String, RecordMeta, bool)> = self
+            .tasks
+            .iter()
+            .filter_map(|(id, t)| match &t.stage {
+                Stage::Lease { meta, live_here } if meta.owner == edge_id => {
+                    Some((id.clone(), meta.clone(), *live_here))
+                }
+                _ => None,
+            })
+            .collect();
+        for (id, meta, live_here) in waiting {
+            self.decide_orphan(now, &id, meta, live_here);
+        }
+    }
+
+    fn record_read(
+        &mut self,
+        now: Instant,
+        id: &str,
+        result: Result<Option<RecordMeta>, JournalError>,
+        live_here: bool,
+        continuable: bool,
+    ) {
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        if task.stage != Stage::Reading {
+            return;
+        }
+        task.continuable = continuable;
+        let meta = match result {
+            Ok(Some(meta)) => meta,
+            Ok(None) => {
+                self.scan.forget(id);
+                return self.drop_task(id, ReleaseReason::UnknownResponse);
+            }
+            Err(e) => {
+                return match task.kind {
+                    TaskKind::Orphan => self.pause(now, id, e),
+                    TaskKind::Adopt(_) => self.drop_task(id, ReleaseReason::StoreError),
+                };
+            }
+        };
+        match task.kind {
+            TaskKind::Adopt(_) if live_here => self.drop_task(id, ReleaseReason::LiveHere),
+            TaskKind::Adopt(_) if meta.last_seq == 0 => self.drop_task(
+                id,
+                ReleaseReason::Refused(if meta.terminal.is_some() {
+                    TakeoverRefusal::Ended
+                } else {
+                    TakeoverRefusal::NothingJournaled
+                }),
+            ),
+            TaskKind::Adopt(_) => {
+                let seq = meta.last_seq;
+                task.stage = Stage::Last {
+                    meta,
+                    raised: false,
+                };
+                self.push(StoreOp::Event {
+                    id: id.to_owned(),
+                    seq,
+                });
+            }
+            TaskKind::Orphan => {
+                let needs_lease =
+                    !self.cfg.sole && meta.owner != self.cfg.edge_id && meta.owner != NO_OWNER;
+                if needs_lease {
+                    let edge_id = meta.owner.clone();
+                    task.stage = Stage::Lease { meta, live_here };
+                    self.push(StoreOp::Lease { edge_id });
+                } else {
+                    self.decide_orphan(now, id, meta, live_here);
+                }
+            }
+        }
+    }
+
+    /// An orphan's takeover, on a fresh read of the record and its owner's
+    /// lease: raise its epoch while it is still an orphan.
+    fn decide_orphan(&mut self, now: Instant, id: &str, meta: RecordMeta, live_here: bool) {
+        let first = self.tasks.get(id).is_some_and(|t| t.writes == 0);
+        let orphan = if first {
+            // The scan's decision, asked again on the fresh read.
+            match self.scan.decide(&meta, live_here, now) {
+                TakeoverDecision::End(kind) => Some(kind),
+                _ => None,
+            }
+        } else {
+            // A raise another writer beat, or the store failed: the window
+            // is over; only whether it is still an orphan counts.
+            self.scan.orphan_now(&meta, live_here, now)
+        };
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        if orphan.is_none() || task.writes >= MAX_TAKEOVER_WRITES {
+            if orphan.is_some() {
+                self.outputs
+                    .push_back(CustodyOutput::Event(CustodyEvent::GaveUp {
+                        id: id.to_owned(),
+                    }));
+            }
+            self.tasks.remove(id);
+            return;
+        }
+        self.scan.forget(id);
+        task.orphan = task.orphan.or(orphan);
+        task.writes += 1;
+        task.stage = Stage::Raising;
+        self.push(StoreOp::RaiseEpoch {
+            id: id.to_owned(),
+            expected: meta.epoch,
+        });
+    }
+
+    fn event_read(&mut self, id: &str, result: Result<Option<Vec<u8>>, JournalError>) {
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        let (Stage::Last { meta, raised }, TaskKind::Adopt(offer)) = (&task.stage, &task.kind)
+        else {
+            return;
+        };
+        let Ok(payload) = result else {
+            return self.drop_task(id, ReleaseReason::StoreError);
+        };
+        // R-PARK-2, R-TAKE-1: whether the record is the reported run's,
+        // and after which frame it resumes: asked before the raise and
+        // again after it (the former writer may have appended between).
+        let frame = match takeover_resume_point(meta, payload.as_deref(), offer) {
+            Ok(frame) => frame,
+            Err(why) => return self.drop_task(id, ReleaseReason::Refused(why)),
+        };
+        if !*raised {
+            let expected = meta.epoch;
+            task.writes += 1;
+            task.stage = Stage::Raising;
+            self.push(StoreOp::RaiseEpoch {
+                id: id.to_owned(),
+                expected,
+            });
+            return;
+        }
+        let meta = meta.clone();
+        if task.continuable {
+            task.stage = Stage::AdoptEvents { meta, frame };
+            self.push(StoreOp::Events { id: id.to_owned() });
+            return;
+        }
+        self.adopt(id, meta, frame, None);
+    }
+
+    fn adopt(&mut self, id: &str, meta: RecordMeta, frame: u64, resumed: Option<ResumedAnswer>) {
+        let Some(Task {
+            kind: TaskKind::Adopt(offer),
+            ..
+        }) = self.tasks.remove(id)
+        else {
+            return;
+        };
+        self.outputs.push_back(CustodyOutput::Adopt {
+            offer,
+            meta,
+            resume_after_frame: frame,
+            resumed,
+        });
+    }
+
+    fn raised(&mut self, now: Instant, id: &str, result: Result<RecordMeta, JournalError>) {
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        if task.stage != Stage::Raising {
+            return;
+        }
+        match (&task.kind, result) {
+            (TaskKind::Adopt(_), Ok(meta)) => {
+                // R-JRN-3 won: read the last event again before adopting.
+                if meta.last_seq == 0 {
+                    return self.drop_task(
+                        id,
+                        ReleaseReason::Refused(TakeoverRefusal::NothingJournaled),
+                    );
+                }
+                let seq = meta.last_seq;
+                task.stage = Stage::Last { meta, raised: true };
+                self.push(StoreOp::Event {
+                    id: id.to_owned(),
+                    seq,
+                });
+            }
+            // Another writer has the record.
+            (TaskKind::Adopt(_), Err(_)) => self.drop_task(id, ReleaseReason::EpochLost),
+            (TaskKind::Orphan, Ok(meta)) => {
+                if task.continuable {
+                    task.stage = Stage::Events { meta };
+                    self.push(StoreOp::Events { id: id.to_owned() });
+                } else {
+                    self.finish(id, meta.epoch, None);
+                }
+            }
+            (TaskKind::Orphan, Err(e)) => self.refused(now, id, e),
+        }
+    }
+
+    fn events_read(
+        &mut self,
+        now: Instant,
+        id: &str,
+        result: Result<Vec<JournalEvent>, JournalError>,
+    ) {
+        let Some(task) = self.tasks.get(id) else {
+            return;
+        };
+        if let Stage::AdoptEvents { meta, frame } = &task.stage {
+            let (meta, frame) = (meta.clone(), *frame);
+            // Adopted either way; continued after a lost adoption only
+            // from the whole answer so far.
+            let resumed = result
+                .ok()
+                .and_then(|events| resumed_answer(&events).ok())
+                .filter(|r| r.last_seq == meta.last_seq);
+            return self.adopt(id, meta, frame, resumed);
+        }
+        let Stage::Events { meta } = &task.stage else {
+            return;
+        };
+        let meta = meta.clone();
+        let events = match result {
+            Ok(events) => events,
+            Err(e) => return self.refused(now, id, e),
+        };
+        match resumed_answer(&events) {
+            // Only a journal read whole, up to the record's last event, is
+            // continued: an answer the read missed would be sent twice.
+            Ok(resumed) if resumed.last_seq == meta.last_seq => {
+                self.tasks.remove(id);
+                self.outputs
+                    .push_back(CustodyOutput::Continue { meta, resumed });
+            }
+            Ok(_) => self.finish(id, meta.epoch, Some(NotContinuable::Unreadable)),
+            Err(why) => self.finish(id, meta.epoch, Some(why)),
+        }
+    }
+
+    /// End the raised orphan `id` `incomplete` with its durable prefix.
+    fn finish(&mut self, id: &str, epoch: u64, not_continued: Option<NotContinuable>) {
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        // The reason is the orphan's kind as first found: once raised,
+        // the record's owner is this Edge.
+        let reason = task.orphan.unwrap_or(Orphan::EdgeRestart).reason();
+        task.writes += 1;
+        task.stage = Stage::Finishing {
+            reason,
+            not_continued,
+        };
+        self.push(StoreOp::Finish {
+            id: id.to_owned(),
+            epoch,
+            terminal: Terminal {
+                status: RecordStatus::Incomplete,
+                reason: Some(reason.to_owned()),
+                message: None,
+                at_unix_ms: 0,
+            },
+        });
+    }
+
+    fn finished(&mut self, now: Instant, id: &str, result: Result<(), JournalError>) {
+        let Some(task) = self.tasks.get(id) else {
+            return;
+        };
+        let Stage::Finishing {
+            reason,
+            not_continued,
+        } = task.stage
+        else {
+            return;
+        };
+        match result {
+            Ok(()) => {
+                self.tasks.remove(id);
+                self.outputs
+                    .push_back(CustodyOutput::Event(CustodyEvent::Ended {
+                        id: id.to_owned(),
+                        reason,
+                        not_continued,
+                    }));
+            }
+            Err(e) => self.refused(now, id, e),
+        }
+    }
+
+    /// A takeover's write was refused: the one retry rule.
+    fn refused(&mut self, now: Instant, id: &str, error: JournalError) {
+        match error {
+            // Ended, or gone, meanwhile: nothing to take over.
+            JournalError::Terminated | JournalError::NotFound => {
+                self.scan.forget(id);
+                self.tasks.remove(id);
+            }
+            JournalError::Store(_) => self.pause(now, id, error),
+            // Fenced (another writer won the epoch) or anything else: read
+            // again and decide on what the store holds now.
+            _ => {
+                self.outputs
+                    .push_back(CustodyOutput::Event(CustodyEvent::Retried {
+                        id: id.to_owned(),
+                        error,
+                    }));
+                self.read_again(id);
+            }
+        }
+    }
+
+    /// Read `id` again after [`STORE_RETRY`].
+    fn pause(&mut self, now: Instant, id: &str, error: JournalError) {
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        task.stage = Stage::Pause {
+            until: now.saturating_add(STORE_RETRY),
+        };
+        self.outputs
+            .push_back(CustodyOutput::Event(CustodyEvent::Retried {
+                id: id.to_owned(),
+                error,
+            }));
+    }
+
+    fn read_again(&mut self, id: &str) {
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        if task.writes >= MAX_TAKEOVER_WRITES {
+            self.tasks.remove(id);
+            self.outputs
+                .push_back(CustodyOutput::Event(CustodyEvent::GaveUp {
+                    id: id.to_owned(),
+                }));
+            return;
+        }
+        task.stage = Stage::Reading;
+        self.push(StoreOp::Record { id: id.to_owned() });
+    }
+
+    fn push(&mut self, op: StoreOp) {
+        self.outputs.push_back(CustodyOutput::Store(op));
+    }
+}
+
+#[cfg(test)]
+mod tests;

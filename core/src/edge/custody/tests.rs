@@ -1,0 +1,591 @@
+//! The custody machine against a small model of the store: records,
+//! events and leases, every write decided by the journal's `check_*`
+//! functions as a real store decides it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use iop_wire::{RunEventKind, RunKey, ToolCallDelta};
+
+use super::*;
+use crate::edge::delivery::Delivery;
+use crate::edge::durable::{FrameSource, encode_entry};
+use crate::ids::ProviderId;
+use crate::journal::{
+    EdgeLease, Fingerprint, JournalApi, JournalLimits, check_finish, check_raise_epoch,
+};
+
+const ME: &str = "edge-a";
+const PEER: &str = "edge-b";
+const WINDOW: Duration = Duration::from_secs(30);
+
+fn ms(v: u64) -> Instant {
+    Instant::from_millis(v)
+}
+
+fn config(sole: bool) -> CustodyConfig {
+    CustodyConfig {
+        edge_id: ME.into(),
+        park_window: WINDOW,
+        lease_ttl: Duration::from_secs(3),
+        sole,
+        scan_interval: Duration::from_secs(1),
+    }
+}
+
+fn record(id: &str, owner: &str) -> RecordMeta {
+    RecordMeta {
+        id: id.into(),
+        principal: "p".into(),
+        api: JournalApi::ChatCompletions,
+        model: "m".into(),
+        fingerprint: Fingerprint::default(),
+        idempotency_key: None,
+        background: false,
+        created_unix_ms: 1,
+        epoch: 1,
+        last_seq: 0,
+        terminal: None,
+        expires_unix_ms: u64::MAX,
+        stored_bytes: 0,
+        owner: owner.into(),
+    }
+}
+
+fn key() -> RunKey {
+    RunKey {
+        generation: 7,
+        run_id: 3,
+    }
+}
+
+fn text_event(text: &str, frame: u64) -> Vec<u8> {
+    encode_entry(
+        &Delivery::Event(RunEventKind::TextDelta(text.into())),
+        Some(FrameSource {
+            key: key(),
+            frame,
+            provider_id: ProviderId::from("p1"),
+        }),
+    )
+}
+
+fn offer(id: &str) -> ParkedOffer {
+    ParkedOffer {
+        run: iop_wire::ParkedRun {
+            key: key(),
+            response_id: id.into(),
+            adapter: iop_wire::AdapterKind::Mock,
+            target: "m".into(),
+            first_kept_frame: 1,
+            last_frame: 9,
+            ended: false,
+        },
+        provider_id: ProviderId::from("p1"),
+    }
+}
+
+/// The store as the custody sees it, and what else the Edge knows.
+#[derive(Default)]
+struct Store {
+    records: BTreeMap<String, (RecordMeta, Vec<JournalEvent>)>,
+    leases: BTreeMap<String, StoredLease>,
+    /// Records a run of this Edge writes.
+    live: BTreeSet<String>,
+    continuable: bool,
+    /// Operations answered with a store failure, once each, by kind.
+    fail_next: Vec<&'static str>,
+    /// Before answering a raise, another writer raises first (once).
+    beaten_by: Option<String>,
+    ops: Vec<StoreOp>,
+}
+
+impl Store {
+    fn add(&mut self, meta: RecordMeta, texts: &[&str]) {
+        let mut meta = meta;
+        let events: Vec<JournalEvent> = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| JournalEvent {
+                seq: i as u64 + 1,
+                payload: text_event(t, i as u64 + 1),
+            })
+            .collect();
+        meta.last_seq = events.len() as u64;
+        self.records.insert(meta.id.clone(), (meta, events));
+    }
+
+    fn lease(&mut self, edge_id: &str, revision: u64) {
+        self.leases.insert(
+            edge_id.into(),
+            StoredLease {
+                revision,
+                lease: EdgeLease {
+                    edge_id: edge_id.into(),
+                    incarnation: 1,
+                    ttl_ms: 3_000,
+                    renewed_unix_ms: 0,
+                },
+            },
+        );
+    }
+
+    fn fails(&mut self, kind: &'static str) -> bool {
+        if let Some(i) = self.fail_next.iter().position(|k| *k == kind) {
+            self.fail_next.remove(i);
+            return true;
+        }
+        false
+    }
+
+    fn answer(&mut self, op: StoreOp) -> StoreAnswer {
+        self.ops.push(op.clone());
+        let failed = || JournalError::Store("disk".into());
+        match op {
+            StoreOp::Unfinished { .. } => StoreAnswer::Unfinished(Ok(self
+                .records
+                .values()
+                .filter(|(m, _)| m.terminal.is_none())
+                .map(|(m, _)| (m.clone(), self.live.contains(&m.id)))
+                .collect())),
+            StoreOp::Leases => StoreAnswer::Leases(Ok(self.leases.values().cloned().collect())),
+            StoreOp::Lease { edge_id } => StoreAnswer::Lease {
+                result: Ok(self.leases.get(&edge_id).cloned()),
+                edge_id,
+            },
+            StoreOp::Record { id } => StoreAnswer::Record {
+                result: if self.fails("record") {
+                    Err(failed())
+                } else {
+                    Ok(self.records.get(&id).map(|(m, _)| m.clone()))
+                },
+                live_here: self.live.contains(&id),
+                continuable: self.continuable,
+                id,
+            },
+            StoreOp::Event { id, seq } => StoreAnswer::Event {
+                result: Ok(self
+                    .records
+                    .get(&id)
+                    .and_then(|(_, e)| e.iter().find(|e| e.seq == seq).map(|e| e.payload.clone()))),
+                id,
+            },
+            StoreOp::Events { id } => StoreAnswer::Events {
+                result: Ok(self
+                    .records
+                    .get(&id)
+                    .map(|(_, e)| e.clone())
+                    .unwrap_or_default()),
+                id,
+            },
+            StoreOp::RaiseEpoch { id, expected } => {
+                if let Some(other) = self.beaten_by.take() {
+                    let (meta, _) = self.records.get_mut(&id).expect("record");
+                    let epoch = meta.epoch;
+                    *meta = check_raise_epoch(meta, epoch, &other).expect("other raise");
+                }
+                let result = if self.fails("raise") {
+                    Err(failed())
+                } else {
+                    match self.records.get_mut(&id) {
+                        None => Err(JournalError::NotFound),
+                        Some((meta, _)) => check_raise_epoch(meta, expected, ME).inspect(|m| {
+                            *meta = m.clone();
+                        }),
+                    }
+                };
+                StoreAnswer::Raised { id, result }
+            }
+            StoreOp::Finish {
+                id,
+                epoch,
+                terminal,
+            } => {
+                let result = if self.fails("finish") {
+                    Err(failed())
+                } else {
+                    match self.records.get_mut(&id) {
+                        None => Err(JournalError::NotFound),
+                        Some((meta, _)) => {
+                            check_finish(&JournalLimits::default(), meta, epoch, &terminal)
+                                .map(|m| *meta = m)
+                        }
+                    }
+                };
+                StoreAnswer::Finished { id, result }
+            }
+        }
+    }
+}
+
+/// Drain the custody, answering every store operation at once; the other
+/// outputs are returned.
+fn drive(custody: &mut Custody, store: &mut Store, now: Instant) -> Vec<CustodyOutput> {
+    let mut seen = Vec::new();
+    for _ in 0..10_000 {
+        let Some(out) = custody.poll_output() else {
+            return seen;
+        };
+        match out {
+            CustodyOutput::Store(op) => {
+                let answer = store.answer(op);
+                custody.handle_input(now, CustodyInput::Store(answer));
+            }
+            other => seen.push(other),
+        }
+    }
+    panic!("the custody did not settle");
+}
+
+fn tick(custody: &mut Custody, store: &mut Store, now: Instant) -> Vec<CustodyOutput> {
+    custody.handle_timeout(now);
+    drive(custody, store, now)
+}
+
+fn ended(outputs: &[CustodyOutput]) -> Vec<(&str, &'static str)> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Event(CustodyEvent::Ended { id, reason, .. }) => {
+                Some((id.as_str(), *reason))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn status(store: &Store, id: &str) -> RecordStatus {
+    store.records[id].0.status()
+}
+
+#[test]
+fn r_take_1_an_orphan_waits_its_park_window_then_ends_incomplete_fenced() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["Hel"]);
+    let mut custody = Custody::new(ms(0), config(true));
+    let out = tick(&mut custody, &mut store, ms(0));
+    assert!(ended(&out).is_empty(), "within its window");
+    assert_eq!(custody.scan().waiting(), 1);
+    assert_eq!(custody.poll_timeout(), Some(ms(1_000)), "the scan interval");
+    let out = tick(&mut custody, &mut store, ms(29_999));
+    assert!(ended(&out).is_empty());
+    // The next scan comes at least MIN_SCAN_PAUSE later.
+    let out = tick(&mut custody, &mut store, ms(30_049));
+    assert_eq!(ended(&out), vec![("r1", "edge_restart")]);
+    assert_eq!(status(&store, "r1"), RecordStatus::Incomplete);
+    assert_eq!(
+        store.records["r1"].0.epoch, 2,
+        "raised before the terminal (R-JRN-3)"
+    );
+    tick(&mut custody, &mut store, ms(30_099));
+    assert_eq!(
+        custody.poll_timeout(),
+        None,
+        "a sole store with no orphan left"
+    );
+}
+
+#[test]
+fn r_take_1_a_record_run_here_is_never_taken() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["Hel"]);
+    store.live.insert("r1".into());
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let out = tick(&mut custody, &mut store, ms(60_000));
+    assert!(ended(&out).is_empty());
+    assert_eq!(status(&store, "r1"), RecordStatus::InProgress);
+    assert_eq!(store.records["r1"].0.epoch, 1);
+}
+
+#[test]
+fn r_take_1_r_cont_1_an_orphan_whose_route_continues_is_continued_from_its_journal() {
+    let mut store = Store::default();
+    store.continuable = true;
+    store.add(record("r1", ME), &["Hel", "lo"]);
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let out = tick(&mut custody, &mut store, ms(30_000));
+    let continued: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Continue { meta, resumed } => Some((meta.clone(), resumed.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(continued.len(), 1, "{out:?}");
+    let (meta, resumed) = &continued[0];
+    assert_eq!(meta.epoch, 2, "the epoch is won before the run starts");
+    assert_eq!(resumed.text, "Hello");
+    assert_eq!(resumed.last_seq, 2);
+    assert_eq!(resumed.provider_id, Some(ProviderId::from("p1")));
+    assert!(ended(&out).is_empty());
+    assert_eq!(
+        status(&store, "r1"),
+        RecordStatus::InProgress,
+        "its run ends it"
+    );
+}
+
+#[test]
+fn r_cont_1_an_orphan_with_a_tool_call_or_no_text_ends_incomplete() {
+    let mut store = Store::default();
+    store.continuable = true;
+    store.add(record("r1", ME), &[]);
+    store.add(record("r2", ME), &["a"]);
+    let (meta, events) = store.records.get_mut("r2").expect("r2");
+    events.push(JournalEvent {
+        seq: 2,
+        payload: encode_entry(
+            &Delivery::Event(RunEventKind::ToolCallDelta(ToolCallDelta {
+                index: 0,
+                id: Some("c".into()),
+                name: Some("f".into()),
+                arguments_delta: "{".into(),
+            })),
+            None,
+        ),
+    });
+    meta.last_seq = 2;
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let out = tick(&mut custody, &mut store, ms(30_000));
+    let mut why: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Event(CustodyEvent::Ended {
+                id, not_continued, ..
+            }) => Some((id.clone(), *not_continued)),
+            _ => None,
+        })
+        .collect();
+    why.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        why,
+        vec![
+            ("r1".into(), Some(NotContinuable::NoText)),
+            ("r2".into(), Some(NotContinuable::ToolCall)),
+        ]
+    );
+    assert!(
+        !out.iter()
+            .any(|o| matches!(o, CustodyOutput::Continue { .. }))
+    );
+}
+
+#[test]
+fn r_multi_1_a_renewing_edges_record_is_kept_and_an_expired_ones_taken_over() {
+    let mut store = Store::default();
+    store.add(record("r1", PEER), &["x"]);
+    store.lease(PEER, 1);
+    let mut custody = Custody::new(ms(0), config(false));
+    tick(&mut custody, &mut store, ms(0));
+    // The peer renews: its lease revision moves while observed.
+    for t in 1..40u64 {
+        store.lease(PEER, 1 + t);
+        let out = tick(&mut custody, &mut store, ms(t * 1_000));
+        assert!(ended(&out).is_empty(), "alive at {t} s");
+    }
+    // It stops renewing: expired after its TTL, then the park window.
+    let mut all = Vec::new();
+    for t in 40..100u64 {
+        all.extend(tick(&mut custody, &mut store, ms(t * 1_000)));
+    }
+    assert_eq!(ended(&all), vec![("r1", "edge_lost")]);
+    assert_eq!(store.records["r1"].0.owner, ME);
+}
+
+#[test]
+fn r_jrn_3_a_raise_beaten_by_a_live_edge_is_given_up_and_one_beaten_by_a_zombie_is_retried() {
+    // Beaten by a live Edge: that one owns the record now.
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["x"]);
+    store.lease(PEER, 1);
+    store.beaten_by = Some(PEER.into());
+    let mut custody = Custody::new(ms(0), config(false));
+    let mut out = Vec::new();
+    for t in 0..=40u64 {
+        // The peer renews throughout.
+        store.lease(PEER, 1 + t);
+        out.extend(tick(&mut custody, &mut store, ms(t * 1_000)));
+    }
+    assert!(ended(&out).is_empty(), "{out:?}");
+    assert_eq!(
+        store
+            .ops
+            .iter()
+            .filter(|o| matches!(o, StoreOp::RaiseEpoch { .. }))
+            .count(),
+        1,
+        "not raised again once a live Edge owns it"
+    );
+    assert_eq!(store.records["r1"].0.owner, PEER);
+    assert_eq!(status(&store, "r1"), RecordStatus::InProgress);
+    assert_eq!(custody.tasks(), 0);
+
+    // Beaten by a late raise of this Edge's own former run: still an
+    // orphan, raised again at once from the epoch the record has now.
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["x"]);
+    store.beaten_by = Some(ME.into());
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let out = tick(&mut custody, &mut store, ms(30_000));
+    assert_eq!(ended(&out), vec![("r1", "edge_restart")]);
+    assert_eq!(store.records["r1"].0.epoch, 3);
+    assert!(out.iter().any(|o| matches!(
+        o,
+        CustodyOutput::Event(CustodyEvent::Retried {
+            error: JournalError::Fenced { .. },
+            ..
+        })
+    )));
+}
+
+#[test]
+fn a_store_failure_is_read_again_after_a_pause_and_writes_are_bounded() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["x"]);
+    store.fail_next = vec!["raise", "finish"];
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let out = tick(&mut custody, &mut store, ms(30_000));
+    assert!(ended(&out).is_empty());
+    assert!(custody.poll_timeout() <= Some(ms(30_000) + STORE_RETRY));
+    let out = tick(&mut custody, &mut store, ms(30_000) + STORE_RETRY);
+    assert!(ended(&out).is_empty(), "the terminal failed once");
+    let at = ms(30_000) + STORE_RETRY + STORE_RETRY;
+    let out = tick(&mut custody, &mut store, at);
+    assert_eq!(ended(&out), vec![("r1", "edge_restart")]);
+
+    // A store that always fails: the takeover gives up after its writes.
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["x"]);
+    store.fail_next = vec!["raise"; 100];
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let mut now = ms(30_000);
+    let mut gave_up = false;
+    for _ in 0..100 {
+        let out = tick(&mut custody, &mut store, now);
+        gave_up |= out
+            .iter()
+            .any(|o| matches!(o, CustodyOutput::Event(CustodyEvent::GaveUp { .. })));
+        now = now + STORE_RETRY;
+    }
+    assert!(gave_up);
+    let raises = store
+        .ops
+        .iter()
+        .filter(|o| matches!(o, StoreOp::RaiseEpoch { .. }))
+        .count();
+    assert_eq!(raises, MAX_TAKEOVER_WRITES as usize);
+}
+
+#[test]
+fn r_park_2_a_reported_run_is_adopted_after_the_raise_from_a_fresh_read() {
+    let mut store = Store::default();
+    store.add(record("r1", PEER), &["a", "b"]);
+    let mut custody = Custody::new(ms(0), config(false));
+    custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
+    let out = drive(&mut custody, &mut store, ms(5));
+    let adopted: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Adopt {
+                meta,
+                resume_after_frame,
+                ..
+            } => Some((meta.epoch, *resume_after_frame)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(adopted, vec![(2, 2)]);
+    assert_eq!(store.records["r1"].0.owner, ME);
+    // The event was read before and after the raise.
+    let reads = store
+        .ops
+        .iter()
+        .filter(|o| matches!(o, StoreOp::Event { .. }))
+        .count();
+    assert_eq!(reads, 2);
+}
+
+#[test]
+fn r_park_2_a_report_that_is_not_the_records_run_is_let_go_without_a_raise() {
+    let mut store = Store::default();
+    store.add(record("r1", PEER), &["a"]);
+    store.add(record("r2", PEER), &[]);
+    store.add(record("r3", PEER), &["a"]);
+    store.live.insert("r3".into());
+    let mut custody = Custody::new(ms(0), config(false));
+    let mut other = offer("r1");
+    other.provider_id = ProviderId::from("p2");
+    let mut reasons = Vec::new();
+    for o in [other, offer("r2"), offer("r3"), offer("nope")] {
+        custody.handle_input(ms(5), CustodyInput::Offer(o));
+        for out in drive(&mut custody, &mut store, ms(5)) {
+            if let CustodyOutput::Release { reason, .. } = out {
+                reasons.push(reason.as_str());
+            }
+        }
+    }
+    assert_eq!(
+        reasons,
+        vec![
+            "another_run",
+            "nothing_journaled",
+            "live_here",
+            "unknown_response"
+        ]
+    );
+    assert!(
+        !store
+            .ops
+            .iter()
+            .any(|o| matches!(o, StoreOp::RaiseEpoch { .. }))
+    );
+}
+
+#[test]
+fn an_offer_for_a_record_being_taken_over_is_let_go() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["a"]);
+    let mut custody = Custody::new(ms(0), config(true));
+    custody.handle_input(ms(0), CustodyInput::Offer(offer("r1")));
+    // Its record read is still out: a second offer finds the task.
+    custody.handle_input(ms(0), CustodyInput::Offer(offer("r1")));
+    let out = drive(&mut custody, &mut store, ms(0));
+    assert!(out.iter().any(|o| matches!(
+        o,
+        CustodyOutput::Release {
+            reason: ReleaseReason::Busy,
+            ..
+        }
+    )));
+    assert_eq!(
+        out.iter()
+            .filter(|o| matches!(o, CustodyOutput::Adopt { .. }))
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn r_cont_1_an_adoption_on_a_continuing_route_carries_the_answer_so_far() {
+    let mut store = Store::default();
+    store.continuable = true;
+    store.add(record("r1", PEER), &["a", "b"]);
+    let mut custody = Custody::new(ms(0), config(false));
+    custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
+    let out = drive(&mut custody, &mut store, ms(5));
+    let resumed: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Adopt { resumed, .. } => Some(resumed.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resumed.len(), 1);
+    assert_eq!(resumed[0].as_ref().map(|r| r.text.as_str()), Some("ab"));
+}
