@@ -23,10 +23,9 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
-use iop_core::edge::gate::{AdmissionFailure, GateFailure};
 use iop_core::edge::whole_answer::WholeAnswerBudget;
 use iop_core::ids::ProviderId;
-use iop_wire::RunApi;
+use iop_wire::{AdapterKind, RunApi};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
@@ -35,7 +34,7 @@ use crate::api::endpoint::{
     Responses, RunEndpoint, WholeAnswer,
 };
 use crate::api::{ApiError, NormalizedRun, OllamaError, framing, models, ollama, surface};
-use crate::config::{ApiKey, EdgeConfig};
+use crate::config::{ApiKey, EdgeConfig, ProviderMode};
 use crate::driver::{
     self, Delivery, DriverContext, DriverObservation, TunnelApi, TunnelBody, Work,
 };
@@ -245,7 +244,7 @@ fn pool_for(
             let Some(provider) = state.config.provider(id) else {
                 return false;
             };
-            match surface::provider_refusal(provider.spec.adapter, provider.mode, run) {
+            match provider_refusal(provider.mode, provider.spec.adapter, run) {
                 None => true,
                 Some(err) => {
                     refusal.get_or_insert(err);
@@ -258,6 +257,22 @@ fn pool_for(
     match refusal {
         Some(err) if capable.is_empty() => Err(err),
         _ => Ok(capable),
+    }
+}
+
+/// Why a provider in `mode` of `adapter` kind cannot run `run`, as the 400
+/// naming the parameter; `None` when it can. A tunnel-mode provider takes
+/// the client's body as it is, so it can do whatever its server can; a
+/// normalized one can do what the API surface says its adapter can
+/// ([`surface::provider_refusal`]).
+fn provider_refusal(
+    mode: ProviderMode,
+    adapter: AdapterKind,
+    run: &NormalizedRun,
+) -> Option<ApiError> {
+    match mode {
+        ProviderMode::Tunnel => None,
+        ProviderMode::Normalized => surface::provider_refusal(adapter, run),
     }
 }
 
@@ -296,24 +311,13 @@ enum TunnelFraming {
     Opaque,
 }
 
-/// The error a gate failure becomes.
-pub fn gate_error(kind: GateFailure) -> ApiError {
-    match kind {
-        GateFailure::Admission(AdmissionFailure::QueueFull) => ApiError::queue_full(1),
-        GateFailure::Admission(AdmissionFailure::NoEligibleProvider) => ApiError::no_provider(),
-        GateFailure::Admission(AdmissionFailure::QueueTimeout) => ApiError::queue_timeout(),
-        GateFailure::BudgetExpired => ApiError::budget_expired(),
-        GateFailure::Attempt(code) => ApiError::from_failure(code),
-    }
-}
-
 /// Wait for the driver's first delivery: the commit or the one error.
 async fn first(
     rx: &mut mpsc::Receiver<Delivery>,
 ) -> Result<Option<(u16, Vec<iop_wire::Header>)>, ApiError> {
     match rx.recv().await {
         Some(Delivery::Commit { tunnel_head }) => Ok(tunnel_head),
-        Some(Delivery::Fail { kind, .. }) => Err(gate_error(kind)),
+        Some(Delivery::Fail { kind, .. }) => Err(ApiError::from_gate_failure(kind)),
         Some(other) => {
             tracing::error!(event = "edge_driver_protocol_bug", delivery = ?other);
             Err(ApiError::internal())
@@ -389,7 +393,7 @@ async fn admit<E: RunEndpoint>(
             state
                 .config
                 .provider(id)
-                .is_some_and(|p| p.mode == crate::config::ProviderMode::Tunnel)
+                .is_some_and(|p| p.mode == ProviderMode::Tunnel)
         }) {
         Some(body_naming_model(&held.bytes, provider_model)?)
     } else {
@@ -626,7 +630,7 @@ impl<S: AnswerStream> AnswerBody<S> {
                 self.done = true;
             }
             Delivery::Fail { kind, .. } => {
-                let err = gate_error(kind);
+                let err = ApiError::from_gate_failure(kind);
                 self.record.error(&err);
                 self.encoder.failure(&err, &mut self.pending);
                 self.done = true;
@@ -715,20 +719,6 @@ fn answer_body<S: AnswerStream>(
 
 pub(crate) use iop_core::edge::whole_answer::MAX_WHOLE_ANSWER_BYTES;
 
-/// The error of an answer past [`MAX_WHOLE_ANSWER_BYTES`].
-pub(crate) fn answer_too_large(limit_bytes: usize) -> ApiError {
-    ApiError {
-        status: 502,
-        kind: crate::api::ErrorKind::Server,
-        code: Some("response_too_large"),
-        message: format!(
-            "The provider's answer exceeds {limit_bytes} bytes; request it with \"stream\": true."
-        ),
-        param: None,
-        retry_after_secs: None,
-    }
-}
-
 /// Fold a non-streaming answer until the run ends: its JSON, or the error
 /// to answer. Past `max_bytes` of text and tool calls the run is abandoned
 /// (dropping the receiver cancels it).
@@ -743,11 +733,11 @@ async fn whole_answer<W: WholeAnswer>(
             Delivery::Event(ev) => {
                 budget
                     .add(&ev)
-                    .map_err(|e| answer_too_large(e.limit_bytes))?;
+                    .map_err(|e| ApiError::answer_too_large(e.limit_bytes))?;
                 whole.event(&ev)
             }
             Delivery::Finish => return whole.answer(iop_transport::clock::unix_ms()),
-            Delivery::Fail { kind, .. } => return Err(gate_error(kind)),
+            Delivery::Fail { kind, .. } => return Err(ApiError::from_gate_failure(kind)),
             _ => {}
         }
     }
@@ -951,7 +941,7 @@ fn tunnel_response(
                     record.set("ok");
                     return None;
                 }
-                Some(Delivery::Fail { kind, .. }) => gate_error(kind),
+                Some(Delivery::Fail { kind, .. }) => ApiError::from_gate_failure(kind),
                 Some(_) => continue,
                 // The driver ended without a terminal.
                 None => ApiError::internal(),
@@ -1093,6 +1083,24 @@ mod tests {
         let mut body = answer_body(rx, record(), OllamaStream::new("m", RunApi::Chat, 0));
         let silent = tokio::time::timeout(10 * framing::SSE_KEEP_ALIVE_INTERVAL, body.next()).await;
         assert!(silent.is_err(), "nothing is sent on a silent NDJSON stream");
+    }
+
+    #[test]
+    fn several_choices_need_a_tunnel_mode_provider() {
+        let many = NormalizedRun {
+            model: "m".into(),
+            stream: false,
+            api: RunApi::Chat,
+            messages: Vec::new(),
+            tools: Vec::new(),
+            params: Default::default(),
+            choices: 2,
+        };
+        for adapter in AdapterKind::ALL {
+            let err = provider_refusal(ProviderMode::Normalized, *adapter, &many).unwrap();
+            assert_eq!(err.param.as_deref(), Some("n"));
+            assert!(provider_refusal(ProviderMode::Tunnel, *adapter, &many).is_none());
+        }
     }
 
     #[test]

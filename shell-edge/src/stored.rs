@@ -46,7 +46,7 @@ use crate::api::{ApiError, framing, ids};
 use crate::config::ApiKey;
 use crate::driver::{self, DurableRun, Work};
 use crate::durable::{Followed, Follower, StoredRequest};
-use crate::http::{Admitted, AppState, RequestRecord, authenticate, gate_error};
+use crate::http::{Admitted, AppState, RequestRecord, authenticate};
 
 /// The longest `Idempotency-Key` accepted.
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
@@ -94,8 +94,8 @@ fn terminal_error(terminal: &Terminal) -> ApiError {
     let reason = terminal.reason.as_deref().unwrap_or("");
     match terminal.status {
         RecordStatus::Failed => match GateFailure::parse(reason) {
-            Some(kind) => gate_error(kind),
-            None if reason == "response_too_large" => crate::http::answer_too_large(0),
+            Some(kind) => ApiError::from_gate_failure(kind),
+            None if reason == "response_too_large" => ApiError::answer_too_large(0),
             None if reason == "journal_unavailable" => ApiError::journal_unavailable(false),
             None => ApiError::internal(),
         },
@@ -381,7 +381,7 @@ async fn whole_from_journal<E: RunEndpoint>(
                     return refuse(
                         endpoint,
                         record,
-                        crate::http::answer_too_large(e.limit_bytes),
+                        ApiError::answer_too_large(e.limit_bytes),
                     );
                 }
                 whole.event(&event);
