@@ -39,14 +39,16 @@ use iop_wire::ChatMessage;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::admit::Admitted;
 use crate::api::endpoint::{
     AnswerStart, AnswerStream, ChatCompletions, Keep, Responses, RunEndpoint, WholeAnswer,
 };
 use crate::api::{ApiError, framing, ids};
+use crate::app_state::{AppState, authenticate};
 use crate::config::ApiKey;
 use crate::driver::{self, DurableRun, Work};
 use crate::durable::{Followed, Follower, StoredRequest};
-use crate::http::{Admitted, AppState, RequestRecord, authenticate};
+use crate::request_record::RequestRecord;
 
 /// The longest `Idempotency-Key` accepted.
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
@@ -378,11 +380,7 @@ async fn whole_from_journal<E: RunEndpoint>(
         match item {
             Followed::Event(Delivery::Event(event)) => {
                 if let Err(e) = budget.add(&event) {
-                    return refuse(
-                        endpoint,
-                        record,
-                        ApiError::answer_too_large(e.limit_bytes),
-                    );
+                    return refuse(endpoint, record, ApiError::answer_too_large(e.limit_bytes));
                 }
                 whole.event(&event);
             }
