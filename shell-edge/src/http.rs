@@ -15,19 +15,17 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use bytes::Bytes;
-use futures::StreamExt as _;
-use futures::stream::BoxStream;
 use iop_core::edge::whole_answer::WholeAnswerBudget;
 use iop_wire::RunApi;
 use tokio::sync::mpsc;
 
 use crate::admit::{admit, routed_pool};
+use crate::answer_body::answer_body;
 use crate::api::endpoint::{
     AnswerStart, AnswerStream, ChatCompletions, Completions, Embeddings, Ollama, OllamaEmbed,
     Responses, RunEndpoint, WholeAnswer,
 };
-use crate::api::{ApiError, OllamaError, framing, models, ollama};
+use crate::api::{ApiError, OllamaError, models, ollama};
 use crate::app_state::{AppState, authenticate, authenticate_admin};
 use crate::driver::{self, Delivery, TunnelApi, TunnelBody, Work};
 use crate::request_body::BodyError;
@@ -273,7 +271,12 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         committed_unix: unix_now(),
     };
     if run.stream {
-        E::Stream::response(answer_body(rx, record, endpoint.stream(start, options)))
+        E::Stream::response(answer_body(
+            rx,
+            endpoint.stream(start, options),
+            None,
+            record,
+        ))
     } else {
         match whole_answer(
             &mut rx,
@@ -289,131 +292,6 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
             Err(e) => refuse(record, e),
         }
     }
-}
-
-/// Most deliveries, already waiting when a body chunk is written, that go
-/// into that one chunk.
-pub const MAX_DELIVERIES_PER_CHUNK: usize = 64;
-
-/// A body chunk stops taking waiting deliveries once it has this many bytes.
-pub const MAX_CHUNK_BYTES: usize = 64 * 1024;
-
-/// The smallest buffer a body chunk starts with; later chunks start with
-/// the previous one's size, so a chunk is written without growing.
-const MIN_CHUNK_CAPACITY: usize = 512;
-
-/// A streamed answer being written: the run's deliveries in, body chunks out.
-struct AnswerBody<S> {
-    rx: mpsc::Receiver<Delivery>,
-    encoder: S,
-    record: RequestRecord,
-    /// Frames due and not yet handed to the body.
-    pending: Vec<u8>,
-    /// The run ended; nothing follows `pending`.
-    done: bool,
-    /// When a silent SSE stream gets its keep-alive comment.
-    keep_alive_at: tokio::time::Instant,
-}
-
-impl<S: AnswerStream> AnswerBody<S> {
-    /// Encode one delivery into `pending`.
-    fn take(&mut self, delivery: Delivery) {
-        match delivery {
-            Delivery::Event(ev) => {
-                self.encoder
-                    .event(&ev, iop_transport::clock::unix_ms(), &mut self.pending);
-            }
-            Delivery::Finish => {
-                self.record.set("ok");
-                self.encoder.closing(&mut self.pending);
-                self.done = true;
-            }
-            Delivery::Fail { kind, .. } => {
-                let err = ApiError::from_gate_failure(kind);
-                self.record.error(&err);
-                self.encoder.failure(&err, &mut self.pending);
-                self.done = true;
-            }
-            _ => {}
-        }
-    }
-
-    /// The next body chunk: every frame due from the next delivery and from
-    /// the deliveries already waiting behind it (bounded), or a keep-alive
-    /// comment; `None` once the run ended.
-    async fn next_chunk(&mut self) -> Option<Bytes> {
-        loop {
-            if self.done {
-                return None;
-            }
-            let delivery = match S::KEEP_ALIVE {
-                None => self.rx.recv().await,
-                Some(comment) => {
-                    match tokio::time::timeout_at(self.keep_alive_at, self.rx.recv()).await {
-                        Ok(delivery) => delivery,
-                        Err(_) => {
-                            // From now, as axum's keep-alive: a body not
-                            // polled for a while gets one comment, not a
-                            // burst of them.
-                            self.keep_alive_at =
-                                tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL;
-                            return Some(Bytes::from_static(comment));
-                        }
-                    }
-                }
-            };
-            self.take(delivery?);
-            // Deliveries already queued go out in the same chunk: nothing
-            // waits for them, and the body is written once instead of once
-            // per delivery.
-            let mut taken = 1;
-            while !self.done
-                && taken < MAX_DELIVERIES_PER_CHUNK
-                && self.pending.len() < MAX_CHUNK_BYTES
-            {
-                let Ok(delivery) = self.rx.try_recv() else {
-                    break;
-                };
-                self.take(delivery);
-                taken += 1;
-            }
-            if self.pending.is_empty() {
-                continue;
-            }
-            self.keep_alive_at = tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL;
-            let capacity = self
-                .pending
-                .len()
-                .clamp(MIN_CHUNK_CAPACITY, MAX_CHUNK_BYTES);
-            let chunk = std::mem::replace(&mut self.pending, Vec::with_capacity(capacity));
-            self.record.relayed_bytes += chunk.len() as u64;
-            return Some(Bytes::from(chunk));
-        }
-    }
-}
-
-/// The body of a streamed answer until the run's terminal: the opening
-/// frames go with the first delivery's.
-fn answer_body<S: AnswerStream>(
-    rx: mpsc::Receiver<Delivery>,
-    record: RequestRecord,
-    mut encoder: S,
-) -> BoxStream<'static, Bytes> {
-    let mut pending = Vec::with_capacity(MIN_CHUNK_CAPACITY);
-    encoder.opening(&mut pending);
-    let body = AnswerBody {
-        rx,
-        encoder,
-        record,
-        pending,
-        done: false,
-        keep_alive_at: tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL,
-    };
-    futures::stream::unfold(body, |mut body| async move {
-        let chunk = body.next_chunk().await?;
-        Some((chunk, body))
-    })
-    .boxed()
 }
 
 pub(crate) use iop_core::edge::whole_answer::MAX_WHOLE_ANSWER_BYTES;
@@ -607,104 +485,12 @@ fn tunnel_response(
 
 #[cfg(test)]
 mod tests {
-    use crate::metrics::EdgeMetrics;
-    use iop_transport::telemetry::MetricsPipeline;
-    use iop_wire::{FinishReason, RunApi, RunEventKind};
+    use iop_wire::{FinishReason, RunEventKind};
 
     use super::*;
-    use crate::api::chat::ChatStream;
-    use crate::api::framing::parse_sse;
-    use crate::api::ollama::OllamaStream;
-
-    fn record() -> RequestRecord {
-        RequestRecord::unobserved(
-            EdgeMetrics::new(MetricsPipeline::prometheus_only("iop-edge")),
-            "chat",
-        )
-    }
 
     fn text(s: &str) -> Delivery {
         Delivery::Event(RunEventKind::TextDelta(s.into()))
-    }
-
-    #[tokio::test]
-    async fn deliveries_already_waiting_share_one_body_chunk_up_to_the_bound() {
-        let (tx, rx) = mpsc::channel(2 * MAX_DELIVERIES_PER_CHUNK);
-        for _ in 0..MAX_DELIVERIES_PER_CHUNK + 3 {
-            tx.send(text("x")).await.unwrap();
-        }
-        let mut body = answer_body(rx, record(), ChatStream::new("c", "m", 1));
-        let first = body.next().await.unwrap();
-        // The role chunk, then one chunk per delivery taken.
-        assert_eq!(parse_sse(&first).len(), 1 + MAX_DELIVERIES_PER_CHUNK);
-        tx.send(Delivery::Event(RunEventKind::Completed {
-            finish_reason: FinishReason::Stop,
-            usage: None,
-        }))
-        .await
-        .unwrap();
-        tx.send(Delivery::Finish).await.unwrap();
-        let rest = body.next().await.unwrap();
-        let rest = parse_sse(&rest);
-        assert_eq!(rest.len(), 3 + 1 + 1, "3 texts, the finish chunk, [DONE]");
-        assert_eq!(rest.last().unwrap().1, "[DONE]");
-        assert!(body.next().await.is_none());
-    }
-
-    #[tokio::test]
-    async fn a_chunk_stops_taking_waiting_deliveries_past_its_byte_bound() {
-        let (tx, rx) = mpsc::channel(8);
-        let big = "y".repeat(MAX_CHUNK_BYTES / 2);
-        for _ in 0..3 {
-            tx.send(text(&big)).await.unwrap();
-        }
-        let mut body = answer_body(rx, record(), ChatStream::new("c", "m", 1));
-        let first = body.next().await.unwrap();
-        assert!(first.len() > MAX_CHUNK_BYTES);
-        assert_eq!(
-            parse_sse(&first).len(),
-            1 + 2,
-            "the role chunk and two texts"
-        );
-        assert_eq!(parse_sse(&body.next().await.unwrap()).len(), 1);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_silent_sse_stream_gets_a_keep_alive_comment_each_interval() {
-        let (tx, rx) = mpsc::channel(8);
-        let start = tokio::time::Instant::now();
-        let mut body = answer_body(rx, record(), ChatStream::new("c", "m", 1));
-        assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
-        assert_eq!(start.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
-        tx.send(text("x")).await.unwrap();
-        assert_eq!(parse_sse(&body.next().await.unwrap()).len(), 2);
-        // The interval counts from the last chunk sent.
-        tokio::time::advance(framing::SSE_KEEP_ALIVE_INTERVAL / 2).await;
-        tx.send(text("y")).await.unwrap();
-        assert_eq!(parse_sse(&body.next().await.unwrap()).len(), 1);
-        let sent = tokio::time::Instant::now();
-        assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
-        assert_eq!(sent.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_body_polled_late_gets_one_keep_alive_comment_not_a_burst() {
-        let (_tx, rx) = mpsc::channel::<Delivery>(8);
-        let mut body = answer_body(rx, record(), ChatStream::new("c", "m", 1));
-        // The client reads nothing for four intervals.
-        tokio::time::advance(4 * framing::SSE_KEEP_ALIVE_INTERVAL).await;
-        assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
-        let sent = tokio::time::Instant::now();
-        assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
-        assert_eq!(sent.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_ndjson_stream_has_no_keep_alive() {
-        let (_tx, rx) = mpsc::channel(8);
-        let mut body = answer_body(rx, record(), OllamaStream::new("m", RunApi::Chat, 0));
-        let silent = tokio::time::timeout(10 * framing::SSE_KEEP_ALIVE_INTERVAL, body.next()).await;
-        assert!(silent.is_err(), "nothing is sent on a silent NDJSON stream");
     }
 
     #[tokio::test]
@@ -758,18 +544,5 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(answer["choices"][0]["message"]["content"], "1234567");
-    }
-
-    #[tokio::test]
-    async fn events_that_write_nothing_send_no_chunk_and_a_closed_channel_ends_the_body() {
-        let (tx, rx) = mpsc::channel(8);
-        tx.send(Delivery::Event(RunEventKind::Started {
-            session_id: "s".into(),
-        }))
-        .await
-        .unwrap();
-        drop(tx);
-        let mut body = answer_body(rx, record(), OllamaStream::new("m", RunApi::Chat, 0));
-        assert!(body.next().await.is_none());
     }
 }

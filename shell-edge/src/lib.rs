@@ -6,6 +6,7 @@
 
 pub mod admit;
 pub mod adoption;
+pub mod answer_body;
 pub mod api;
 pub mod app_state;
 pub mod catalog;
