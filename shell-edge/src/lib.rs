@@ -4,8 +4,11 @@
 //! fences their generations, and serves the OpenAI and Ollama APIs to
 //! clients, with every policy decision made by `iop-core`.
 
+pub mod admit;
 pub mod adoption;
+pub mod answer_body;
 pub mod api;
+pub mod app_state;
 pub mod catalog;
 pub mod config;
 pub mod cred;
@@ -21,6 +24,7 @@ pub mod metrics;
 pub mod node_link;
 pub mod observe;
 pub mod request_body;
+pub mod request_record;
 pub mod serve;
 pub mod server;
 pub mod status;

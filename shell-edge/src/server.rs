@@ -249,7 +249,7 @@ impl RunningEdge {
         let config = Arc::new(config);
         let listener = tokio::net::TcpListener::bind(config.edge.http_listen).await?;
         let http_addr = listener.local_addr()?;
-        let state = crate::http::AppState::new(
+        let state = crate::app_state::AppState::new(
             config.clone(),
             hub.clone(),
             clock,

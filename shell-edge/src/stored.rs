@@ -25,7 +25,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures::StreamExt as _;
 use futures::stream::BoxStream;
 use iop_core::edge::durable::{JournalSpec, ended_before_commit};
 use iop_core::edge::gate::GateFailure;
@@ -39,14 +38,17 @@ use iop_wire::ChatMessage;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::admit::Admitted;
+use crate::answer_body::{AnswerSource, Step, answer_body};
 use crate::api::endpoint::{
     AnswerStart, AnswerStream, ChatCompletions, Keep, Responses, RunEndpoint, WholeAnswer,
 };
 use crate::api::{ApiError, framing, ids};
+use crate::app_state::{AppState, authenticate};
 use crate::config::ApiKey;
 use crate::driver::{self, DurableRun, Work};
 use crate::durable::{Followed, Follower, StoredRequest};
-use crate::http::{Admitted, AppState, RequestRecord, authenticate, gate_error};
+use crate::request_record::RequestRecord;
 
 /// The longest `Idempotency-Key` accepted.
 pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
@@ -94,8 +96,8 @@ fn terminal_error(terminal: &Terminal) -> ApiError {
     let reason = terminal.reason.as_deref().unwrap_or("");
     match terminal.status {
         RecordStatus::Failed => match GateFailure::parse(reason) {
-            Some(kind) => gate_error(kind),
-            None if reason == "response_too_large" => crate::http::answer_too_large(0),
+            Some(kind) => ApiError::from_gate_failure(kind),
+            None if reason == "response_too_large" => ApiError::answer_too_large(0),
             None if reason == "journal_unavailable" => ApiError::journal_unavailable(false),
             None => ApiError::internal(),
         },
@@ -336,12 +338,11 @@ async fn answer<E: RunEndpoint>(
         return refuse(endpoint, record, terminal_error(terminal));
     }
     if stream {
-        let numbering = E::Stream::SSE_IDS.then(|| framing::SseNumbering::after(None));
         E::Stream::response(follow_body(
             follower,
             Some(first),
             endpoint.stream(start, options),
-            numbering,
+            None,
             record,
         ))
     } else {
@@ -378,11 +379,7 @@ async fn whole_from_journal<E: RunEndpoint>(
         match item {
             Followed::Event(Delivery::Event(event)) => {
                 if let Err(e) = budget.add(&event) {
-                    return refuse(
-                        endpoint,
-                        record,
-                        crate::http::answer_too_large(e.limit_bytes),
-                    );
+                    return refuse(endpoint, record, ApiError::answer_too_large(e.limit_bytes));
                 }
                 whole.event(&event);
             }
@@ -407,145 +404,65 @@ async fn whole_from_journal<E: RunEndpoint>(
     }
 }
 
-/// A streamed answer read from the journal.
-struct FollowBody<S> {
+/// A durable answer's steps: the record's events as they become durable,
+/// then its terminal (R-JRN-1: a client sees only what is durable).
+struct JournalAnswer {
     follower: Follower,
+    /// Already read (the commit a new request waited for).
     first: Option<Followed>,
-    encoder: S,
-    numbering: Option<framing::SseNumbering>,
-    record: RequestRecord,
-    /// Frames the encoder wrote, before numbering.
-    written: Vec<u8>,
-    done: bool,
-    keep_alive_at: tokio::time::Instant,
 }
 
-impl<S: AnswerStream> FollowBody<S> {
-    fn take(&mut self, item: Followed) {
+impl AnswerSource for JournalAnswer {
+    async fn next(&mut self) -> Option<Step> {
+        let item = match self.first.take() {
+            Some(item) => Ok(Some(item)),
+            None => self.follower.next().await,
+        };
         match item {
-            Followed::Event(Delivery::Event(event)) => {
-                self.encoder
-                    .event(&event, iop_transport::clock::unix_ms(), &mut self.written);
-            }
-            // Only run events are journal events.
-            Followed::Event(_) => {}
-            Followed::Ended(terminal) => {
-                match terminal.status {
-                    RecordStatus::Completed => {
-                        self.record.set("ok");
-                        self.encoder.closing(&mut self.written);
-                    }
-                    RecordStatus::Incomplete | RecordStatus::Cancelled => {
-                        let err = terminal_error(&terminal);
-                        self.record.error(&err);
-                        self.encoder
-                            .interrupted(interrupted_reason(&terminal), &mut self.written);
-                    }
-                    _ => {
-                        let err = terminal_error(&terminal);
-                        self.record.error(&err);
-                        self.encoder.failure(&err, &mut self.written);
-                    }
-                }
-                self.done = true;
-            }
+            Ok(item) => item.map(journal_step),
+            Err(e) => Some(Step::Failed(journal_error(&e))),
         }
     }
 
-    fn fail(&mut self, e: &JournalError) {
-        let err = journal_error(e);
-        self.record.error(&err);
-        self.encoder.failure(&err, &mut self.written);
-        self.done = true;
+    fn ready(&mut self) -> Option<Step> {
+        self.follower.ready().map(journal_step)
     }
+}
 
-    async fn next_chunk(&mut self) -> Option<Bytes> {
-        loop {
-            if self.done && self.written.is_empty() {
-                return None;
-            }
-            if !self.done {
-                let item = match self.first.take() {
-                    Some(item) => Ok(Some(item)),
-                    None => match S::KEEP_ALIVE {
-                        None => self.follower.next().await,
-                        Some(comment) => {
-                            match tokio::time::timeout_at(self.keep_alive_at, self.follower.next())
-                                .await
-                            {
-                                Ok(item) => item,
-                                Err(_) => {
-                                    self.keep_alive_at = tokio::time::Instant::now()
-                                        + framing::SSE_KEEP_ALIVE_INTERVAL;
-                                    return Some(Bytes::from_static(comment));
-                                }
-                            }
-                        }
-                    },
-                };
-                match item {
-                    Ok(Some(item)) => self.take(item),
-                    Ok(None) => self.done = true,
-                    Err(e) => self.fail(&e),
-                }
-                // What is already read goes into the same chunk.
-                let mut taken = 1;
-                while !self.done
-                    && taken < crate::http::MAX_DELIVERIES_PER_CHUNK
-                    && self.written.len() < crate::http::MAX_CHUNK_BYTES
-                {
-                    let Some(item) = self.follower.ready() else {
-                        break;
-                    };
-                    self.take(item);
-                    taken += 1;
-                }
-            }
-            let chunk = match self.numbering.as_mut() {
-                Some(numbering) => {
-                    let mut out = Vec::with_capacity(self.written.len() + 64);
-                    numbering.number(&self.written, &mut out);
-                    self.written.clear();
-                    out
-                }
-                None => std::mem::take(&mut self.written),
-            };
-            if chunk.is_empty() {
-                continue;
-            }
-            self.keep_alive_at = tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL;
-            self.record.relayed_bytes += chunk.len() as u64;
-            return Some(Bytes::from(chunk));
-        }
+/// What a journal item says to the answer's body.
+fn journal_step(item: Followed) -> Step {
+    match item {
+        Followed::Event(Delivery::Event(event)) => Step::Event(event),
+        // Only run events are journal events.
+        Followed::Event(_) => Step::Nothing,
+        Followed::Ended(terminal) => match terminal.status {
+            RecordStatus::Completed => Step::Completed,
+            RecordStatus::Incomplete | RecordStatus::Cancelled => Step::Interrupted {
+                reason: interrupted_reason(&terminal).to_owned(),
+                err: terminal_error(&terminal),
+            },
+            _ => Step::Failed(terminal_error(&terminal)),
+        },
     }
 }
 
 /// The body of a durable stream: the encoder's opening frames, then the
-/// record's events as they become durable, then its terminal.
+/// record's events as they become durable, then its terminal; SSE events
+/// numbered, those up to `skip_through` left out.
 fn follow_body<S: AnswerStream>(
     follower: Follower,
     first: Option<Followed>,
-    mut encoder: S,
-    numbering: Option<framing::SseNumbering>,
+    encoder: S,
+    skip_through: Option<u64>,
     record: RequestRecord,
 ) -> BoxStream<'static, Bytes> {
-    let mut written = Vec::new();
-    encoder.opening(&mut written);
-    let body = FollowBody {
-        follower,
-        first,
+    let numbering = S::SSE_IDS.then(|| framing::SseNumbering::after(skip_through));
+    answer_body(
+        JournalAnswer { follower, first },
         encoder,
         numbering,
         record,
-        written,
-        done: false,
-        keep_alive_at: tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL,
-    };
-    futures::stream::unfold(body, |mut body| async move {
-        let chunk = body.next_chunk().await?;
-        Some((chunk, body))
-    })
-    .boxed()
+    )
 }
 
 /// A stored record the caller's key may read, with its stored request.
@@ -720,12 +637,11 @@ async fn retrieve<E: RunEndpoint>(
             Ok(f) => f,
             Err(e) => return refuse(&endpoint, record, journal_error(&e)),
         };
-        let numbering = E::Stream::SSE_IDS.then(|| framing::SseNumbering::after(skip));
         return E::Stream::response(follow_body(
             follower,
             None,
             endpoint.stream(start, options),
-            numbering,
+            skip,
             record,
         ));
     }

@@ -1,7 +1,7 @@
 //! The per-API half of a run endpoint.
 //!
 //! `POST /v1/chat/completions`, `/v1/responses`, `/api/chat` and
-//! `/api/generate` share one pipeline in [`crate::http`]: authenticate, read
+//! `/api/generate` share one pipeline in the Edge's HTTP layer: authenticate, read
 //! and parse the body, route the model, dispatch the run, relay a tunnelled
 //! answer as it is, and otherwise answer with a stream or with one object.
 //! A [`RunEndpoint`] holds everything that differs between them:
@@ -20,13 +20,13 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
+use iop_core::edge::request::TunnelApi;
+use iop_core::journal::JournalApi;
 use iop_wire::{RunApi, RunEventKind};
 use serde_json::Value;
 
 use super::error::{ApiError, OllamaError};
 use super::{NormalizedRun, chat, embeddings, framing, ids, ollama, responses};
-use crate::driver::TunnelApi;
-use iop_core::journal::JournalApi;
 
 /// What one run API adds to the shared pipeline.
 pub trait RunEndpoint: Send + Sync + 'static {

@@ -8,6 +8,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use iop_core::edge::gate::{AdmissionFailure, GateFailure};
 use iop_wire::{ExecutionFailure, FailureCode};
 use serde_json::{Value, json};
 
@@ -395,6 +396,31 @@ impl ApiError {
             ErrorKind::Server,
             Some("internal_error"),
             "The server had an internal error while processing your request.".to_owned(),
+        )
+    }
+
+    /// The error a run's gate failure is answered with (R-GATE-3): before
+    /// commit as the HTTP error, after it in the stream.
+    pub fn from_gate_failure(kind: GateFailure) -> Self {
+        match kind {
+            GateFailure::Admission(AdmissionFailure::QueueFull) => Self::queue_full(1),
+            GateFailure::Admission(AdmissionFailure::NoEligibleProvider) => Self::no_provider(),
+            GateFailure::Admission(AdmissionFailure::QueueTimeout) => Self::queue_timeout(),
+            GateFailure::BudgetExpired => Self::budget_expired(),
+            GateFailure::Attempt(code) => Self::from_failure(code),
+        }
+    }
+
+    /// 502: a non-streaming answer grew past `limit_bytes` of text and tool
+    /// calls (R-LIM-3); the client can ask for it streamed.
+    pub fn answer_too_large(limit_bytes: usize) -> Self {
+        Self::new(
+            502,
+            ErrorKind::Server,
+            Some("response_too_large"),
+            format!(
+                "The provider's answer exceeds {limit_bytes} bytes; request it with \"stream\": true."
+            ),
         )
     }
 

@@ -5,8 +5,9 @@
 //!
 //! Every parameter is either carried to the provider, or refused with a 400
 //! that names it ([`provider_refusal`]): nothing is dropped silently. What a
-//! provider can do is decided from its adapter kind and mode, which the
-//! Node reports for each provider it offers.
+//! normalized provider can do is decided from its adapter kind, which the
+//! Node reports for each provider it offers; a tunnel-mode provider is not
+//! asked (the Edge relays the client's body to it as it is).
 
 use iop_wire::AdapterKind;
 use serde_json::{Map, Value, json};
@@ -14,7 +15,6 @@ use serde_json::{Map, Value, json};
 use super::NormalizedRun;
 use super::error::ApiError;
 use super::request_object::{RequestObject, element, type_name};
-use crate::config::ProviderMode;
 
 /// Most images one request may attach, over all its messages.
 pub const MAX_IMAGES_PER_REQUEST: usize = 16;
@@ -315,19 +315,13 @@ pub(crate) fn pass_through_fields(
     Ok((!extra.is_empty()).then(|| Value::Object(extra).to_string()))
 }
 
-/// Why a provider of `adapter` kind in `mode` cannot run `run`, as the 400
-/// naming the parameter; `None` when it can.
+/// Why a provider of `adapter` kind cannot run `run` normalized, as the
+/// 400 naming the parameter; `None` when it can.
 ///
-/// A tunnel-mode provider takes the client's body as it is, so it can do
-/// whatever its server can. A normalized run relays one choice.
-pub fn provider_refusal(
-    adapter: AdapterKind,
-    mode: ProviderMode,
-    run: &NormalizedRun,
-) -> Option<ApiError> {
-    if mode == ProviderMode::Tunnel {
-        return None;
-    }
+/// A normalized run relays one choice. (A tunnel-mode provider takes the
+/// client's body as it is, so it can do whatever its server can: its
+/// caller does not ask.)
+pub fn provider_refusal(adapter: AdapterKind, run: &NormalizedRun) -> Option<ApiError> {
     if run.choices > 1 {
         return Some(ApiError::unsupported_parameter(
             "n",
@@ -453,37 +447,30 @@ mod tests {
             logprobs: true,
             ..Default::default()
         });
-        let err =
-            provider_refusal(AdapterKind::Ollama, ProviderMode::Normalized, &logprobs).unwrap();
+        let err = provider_refusal(AdapterKind::Ollama, &logprobs).unwrap();
         assert_eq!(err.param.as_deref(), Some("logprobs"));
-        assert!(
-            provider_refusal(AdapterKind::OpenAi, ProviderMode::Normalized, &logprobs).is_none()
-        );
+        assert!(provider_refusal(AdapterKind::OpenAi, &logprobs).is_none());
 
         let unknown = run(GenerationParams {
             extra_json: Some(json!({"top_k": 3, "logit_bias": {}}).to_string()),
             ..Default::default()
         });
-        let err =
-            provider_refusal(AdapterKind::Ollama, ProviderMode::Normalized, &unknown).unwrap();
+        let err = provider_refusal(AdapterKind::Ollama, &unknown).unwrap();
         assert_eq!(err.param.as_deref(), Some("logit_bias"));
         let options = run(GenerationParams {
             extra_json: Some(json!({"top_k": 3, "user": "u"}).to_string()),
             ..Default::default()
         });
-        assert!(
-            provider_refusal(AdapterKind::Ollama, ProviderMode::Normalized, &options).is_none()
-        );
+        assert!(provider_refusal(AdapterKind::Ollama, &options).is_none());
     }
 
     #[test]
-    fn several_choices_need_a_tunnel_mode_provider() {
+    fn a_normalized_provider_answers_one_choice() {
         let mut many = run(GenerationParams::default());
         many.choices = 2;
         for adapter in AdapterKind::ALL {
-            let err = provider_refusal(*adapter, ProviderMode::Normalized, &many).unwrap();
+            let err = provider_refusal(*adapter, &many).unwrap();
             assert_eq!(err.param.as_deref(), Some("n"));
-            assert!(provider_refusal(*adapter, ProviderMode::Tunnel, &many).is_none());
         }
     }
 }

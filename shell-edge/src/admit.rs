@@ -1,0 +1,199 @@
+//! Admitting a run request: authenticate the caller, read the body under
+//! its budget (R-LIM-2), parse it with the endpoint's API, and route its
+//! model to the providers that can honour the whole request.
+
+use axum::extract::Request;
+use iop_core::ids::ProviderId;
+use iop_wire::AdapterKind;
+
+use crate::api::endpoint::RunEndpoint;
+use crate::api::{ApiError, NormalizedRun, surface};
+use crate::app_state::{AppState, authenticate};
+use crate::config::{ApiKey, ProviderMode};
+use crate::request_body::{BodyError, BodyPermit};
+
+/// What an admitted run request brings: the caller's key, the raw body (for
+/// a tunnel), the parsed run with its API's options, and the model's pool.
+pub(crate) struct Admitted<O> {
+    pub(crate) key: ApiKey,
+    pub(crate) body: bytes::Bytes,
+    /// The body's share of the budget, held while the request lives.
+    pub(crate) body_permit: BodyPermit,
+    pub(crate) run: NormalizedRun,
+    pub(crate) options: O,
+    pub(crate) pool: Vec<ProviderId>,
+    /// The model the providers are asked for (a renamed model's
+    /// discovered name, `[discovered_models.rename]`).
+    pub(crate) provider_model: String,
+    /// For a renamed model with tunnel-mode providers in its pool: the body
+    /// they get, naming `provider_model`.
+    pub(crate) renamed_body: Option<bytes::Bytes>,
+}
+
+/// Authenticate, read and parse a run request and route its model; any
+/// failure is the response to send.
+pub(crate) async fn admit<E: RunEndpoint>(
+    state: &AppState,
+    request: Request,
+    endpoint: &E,
+) -> Result<Admitted<E::Options>, ApiError> {
+    let (parts, body) = request.into_parts();
+    let key = authenticate(state, &parts.headers)?;
+    let mut held = state
+        .bodies()
+        .read(&key.principal, &parts.headers, body)
+        .await
+        .map_err(BodyError::to_api_error)?;
+    let (run, options) = endpoint.parse(&held.bytes)?;
+    let pool = pool_for(state, &key, &run)?;
+    let provider_model = state.config().model_names.provider_model(&run.model);
+    // Rewritten while the body's decoded share is still held (R-LIM-2).
+    let renamed_body = if provider_model != run.model
+        && pool.iter().any(|id| {
+            state
+                .config()
+                .provider(id)
+                .is_some_and(|p| p.mode == ProviderMode::Tunnel)
+        }) {
+        Some(body_naming_model(&held.bytes, provider_model)?)
+    } else {
+        None
+    };
+    let provider_model = provider_model.to_owned();
+    // The decoded tree is gone; the body and the run remain.
+    held.permit
+        .shrink_to(iop_core::edge::limits::kept_bytes(held.bytes.len()));
+    Ok(Admitted {
+        key,
+        body: held.bytes,
+        body_permit: held.permit,
+        run,
+        options,
+        pool,
+        provider_model,
+        renamed_body,
+    })
+}
+
+/// The pool for `run`'s model, if the key may use it: the providers that
+/// can honour the whole request. When the model has providers but none of
+/// them can, the answer is the 400 naming the parameter
+/// ([`surface::provider_refusal`]).
+fn pool_for(
+    state: &AppState,
+    key: &ApiKey,
+    run: &NormalizedRun,
+) -> Result<Vec<ProviderId>, ApiError> {
+    let model = run.model.as_str();
+    let routed = routed_pool(state, model);
+    let pool = match &routed {
+        Some(pool) if key.allows(model) => pool.as_slice(),
+        // A model the key may not use is indistinguishable from one that
+        // does not exist.
+        _ => return Err(ApiError::model_not_found(model)),
+    };
+    let mut refusal = None;
+    let capable: Vec<ProviderId> = pool
+        .iter()
+        .filter(|id| {
+            let Some(provider) = state.config().provider(id) else {
+                return false;
+            };
+            match provider_refusal(provider.mode, provider.spec.adapter, run) {
+                None => true,
+                Some(err) => {
+                    refusal.get_or_insert(err);
+                    false
+                }
+            }
+        })
+        .cloned()
+        .collect();
+    match refusal {
+        Some(err) if capable.is_empty() => Err(err),
+        _ => Ok(capable),
+    }
+}
+
+/// Why a provider in `mode` of `adapter` kind cannot run `run`, as the 400
+/// naming the parameter; `None` when it can. A tunnel-mode provider takes
+/// the client's body as it is, so it can do whatever its server can; a
+/// normalized one can do what the API surface says its adapter can
+/// ([`surface::provider_refusal`]).
+fn provider_refusal(
+    mode: ProviderMode,
+    adapter: AdapterKind,
+    run: &NormalizedRun,
+) -> Option<ApiError> {
+    match mode {
+        ProviderMode::Tunnel => None,
+        ProviderMode::Normalized => surface::provider_refusal(adapter, run),
+    }
+}
+
+/// The providers serving `model`: an exact `[[routes]]` entry (a pin), else
+/// the discovering providers that reported the model under its discovered
+/// name (`crate::catalog`: hidden names are not routed, a renamed model by
+/// its new name only), else the longest prefix route.
+pub(crate) fn routed_pool(state: &AppState, model: &str) -> Option<Vec<ProviderId>> {
+    if let Some(pool) = state.config().exact_route(model) {
+        return Some(pool.to_vec());
+    }
+    let discovered: Vec<ProviderId> = match state.config().model_names.discovered_name(model) {
+        Some(name) => state
+            .hub()
+            .catalog()
+            .pool_for(name)
+            .into_iter()
+            .filter(|id| {
+                state
+                    .config()
+                    .provider(id)
+                    .is_some_and(|p| p.discover_models)
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    if !discovered.is_empty() {
+        return Some(discovered);
+    }
+    state.config().route(model).map(<[ProviderId]>::to_vec)
+}
+
+/// `body` (a JSON object, already parsed once) with its `model` replaced.
+fn body_naming_model(body: &[u8], model: &str) -> Result<bytes::Bytes, ApiError> {
+    let mut value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|_| ApiError::internal())?;
+    let Some(object) = value.as_object_mut() else {
+        return Err(ApiError::internal());
+    };
+    object.insert("model".into(), serde_json::Value::from(model));
+    serde_json::to_vec(&value)
+        .map(bytes::Bytes::from)
+        .map_err(|_| ApiError::internal())
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_wire::RunApi;
+
+    use super::*;
+
+    #[test]
+    fn several_choices_need_a_tunnel_mode_provider() {
+        let many = NormalizedRun {
+            model: "m".into(),
+            stream: false,
+            api: RunApi::Chat,
+            messages: Vec::new(),
+            tools: Vec::new(),
+            params: Default::default(),
+            choices: 2,
+        };
+        for adapter in AdapterKind::ALL {
+            let err = provider_refusal(ProviderMode::Normalized, *adapter, &many).unwrap();
+            assert_eq!(err.param.as_deref(), Some("n"));
+            assert!(provider_refusal(ProviderMode::Tunnel, *adapter, &many).is_none());
+        }
+    }
+}

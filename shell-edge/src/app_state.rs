@@ -1,0 +1,200 @@
+//! The state every HTTP handler shares, and who the caller is: the
+//! configuration, the API keys (compared only through their digests), what
+//! a request's driver needs, the body budget and the durable store.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use axum::http::{HeaderMap, header};
+use sha2::{Digest, Sha256};
+
+use crate::api::ApiError;
+use crate::config::{ApiKey, EdgeConfig};
+use crate::cred::Credentials;
+use crate::driver::{DriverContext, DriverObservation};
+use crate::durable::Durable;
+use crate::hub::HubHandle;
+use crate::metrics::EdgeMetrics;
+use crate::request_body::BodyBudget;
+
+/// Shared state of every handler.
+#[derive(Clone)]
+pub struct AppState {
+    config: Arc<EdgeConfig>,
+    /// SHA-256 of each key -> the key's entry (the key itself is compared
+    /// only through its digest).
+    keys: Arc<HashMap<[u8; 32], ApiKey>>,
+    ctx: DriverContext,
+    hub: HubHandle,
+    ids: Arc<AtomicU64>,
+    metrics: Arc<EdgeMetrics>,
+    /// R-LIM-2: every request body is read under this budget.
+    bodies: BodyBudget,
+    /// Durable responses (SPEC §6).
+    durable: Arc<Durable>,
+}
+
+impl AppState {
+    /// State for `config`, dispatching through `hub`.
+    pub fn new(
+        config: Arc<EdgeConfig>,
+        hub: HubHandle,
+        clock: iop_transport::clock::Clock,
+        metrics: Arc<EdgeMetrics>,
+        creds: Arc<Credentials>,
+        durable: Arc<Durable>,
+    ) -> Self {
+        let m = metrics.clone();
+        let observe: Arc<dyn Fn(DriverObservation) + Send + Sync> = Arc::new(move |o| match o {
+            DriverObservation::Eligibility(e) => {
+                m.recovery_eligibility(e);
+                tracing::info!(
+                    event = "edge_liveness_recovery_observation",
+                    eligibility = e
+                );
+            }
+            DriverObservation::Result(r) => {
+                m.recovery_result(r);
+                tracing::info!(event = "edge_liveness_recovery_observation", result = r);
+            }
+            DriverObservation::Readmitted => {}
+            DriverObservation::Ttft(route, d) => m.ttft(route, d),
+        });
+        let keys = config
+            .api_keys
+            .iter()
+            .map(|k| (digest(&k.key), k.clone()))
+            .collect();
+        let modes = config
+            .providers
+            .iter()
+            .map(|p| (p.spec.id.clone(), p.mode))
+            .collect();
+        let profiles = config
+            .providers
+            .iter()
+            .filter_map(|p| Some((p.spec.id.clone(), p.credential.clone()?)))
+            .collect();
+        Self {
+            ctx: DriverContext {
+                creds,
+                profiles: Arc::new(profiles),
+                hub: hub.clone(),
+                clock,
+                next_request_id: Arc::new(AtomicU64::new(1)),
+                budget: config.admission.gate_budget(),
+                client_write_timeout: Duration::from_millis(config.edge.client_write_timeout_ms),
+                metrics: metrics.clone(),
+                modes: Arc::new(modes),
+                observe,
+            },
+            keys: Arc::new(keys),
+            bodies: BodyBudget::new(
+                config.edge.request_memory_bytes,
+                config.edge.request_memory_per_key(),
+                config.edge.max_body_bytes,
+                Duration::from_millis(config.edge.body_read_timeout_ms),
+            ),
+            hub,
+            ids: Arc::new(AtomicU64::new(1)),
+            config,
+            metrics,
+            durable,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EdgeConfig {
+        &self.config
+    }
+
+    /// Durable responses.
+    pub fn durable(&self) -> &Arc<Durable> {
+        &self.durable
+    }
+
+    /// What a request's driver needs.
+    pub fn driver_context(&self) -> &DriverContext {
+        &self.ctx
+    }
+
+    /// The Node connections.
+    pub fn hub(&self) -> &HubHandle {
+        &self.hub
+    }
+
+    /// The Edge's metrics.
+    pub fn metrics(&self) -> &Arc<EdgeMetrics> {
+        &self.metrics
+    }
+
+    /// The budget every request body is read under (R-LIM-2).
+    pub fn bodies(&self) -> &BodyBudget {
+        &self.bodies
+    }
+
+    /// A fresh id seed for a live answer's ids.
+    pub(crate) fn next_id(&self) -> u64 {
+        // Unique per process; mixed so ids do not reveal request counts.
+        let n = self.ids.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5851_F42D_4C95_7F2D
+    }
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// The caller's key, from its `Authorization: Bearer` header.
+pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+    let value = headers
+        .get(header::AUTHORIZATION)
+        .ok_or_else(ApiError::missing_api_key)?;
+    let value = value.to_str().map_err(|_| ApiError::invalid_api_key())?;
+    let token = bearer_token(value).ok_or_else(ApiError::invalid_api_key)?;
+    state
+        .keys
+        .get(&digest(token))
+        .cloned()
+        .ok_or_else(ApiError::invalid_api_key)
+}
+
+/// The key in an `Authorization` value: the scheme `Bearer` in any case
+/// (RFC 9110 schemes are case-insensitive), then the key trimmed of
+/// surrounding whitespace, as configured keys are.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.trim_start().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    Some(rest.trim()).filter(|t| !t.is_empty())
+}
+
+/// The caller's key, if it is an admin key.
+pub(crate) fn authenticate_admin(
+    state: &AppState,
+    headers: &HeaderMap,
+) -> Result<ApiKey, ApiError> {
+    let key = authenticate(state, headers)?;
+    if !key.admin {
+        return Err(ApiError::permission_denied());
+    }
+    Ok(key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bearer_token_is_read_with_any_scheme_case_and_trimmed() {
+        for value in ["Bearer k1", "bearer k1", "BEARER  k1 ", " Bearer k1\t"] {
+            assert_eq!(bearer_token(value), Some("k1"), "{value:?}");
+        }
+        for value in ["Basic k1", "Bearer", "Bearer   ", "Bearerk1", "k1"] {
+            assert_eq!(bearer_token(value), None, "{value:?}");
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! The Edge's modules form no import circle ("if two files import each
+//! other, the shared name belongs in a third"), and `api/` is a leaf: the
+//! API shapes, parsers and encoders depend on nothing of the pipeline.
+//!
+//! The graph is read from the sources: every `crate::x` path in code (not
+//! comments) is an edge from the file's top-level module to `x`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn source_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            source_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// Top-level module -> the top-level modules its code names.
+fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    source_files(&src, &mut files);
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in files {
+        let first = file
+            .strip_prefix(&src)
+            .unwrap()
+            .components()
+            .next()
+            .unwrap();
+        let module = first.as_os_str().to_str().unwrap().trim_end_matches(".rs");
+        if module == "lib" || module == "main" {
+            continue;
+        }
+        let edges = graph.entry(module.to_owned()).or_default();
+        for line in std::fs::read_to_string(&file).unwrap().lines() {
+            let code = line.split("//").next().unwrap_or("");
+            let mut rest = code;
+            while let Some(at) = rest.find("crate::") {
+                rest = &rest[at + "crate::".len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if !name.is_empty() && name != module {
+                    edges.insert(name);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A path from `from` back to itself, if there is one.
+fn circle_through(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> Option<Vec<String>> {
+    let mut stack = vec![(from.to_owned(), vec![from.to_owned()])];
+    let mut seen = BTreeSet::new();
+    while let Some((at, path)) = stack.pop() {
+        for next in graph.get(&at).into_iter().flatten() {
+            if next == from {
+                let mut circle = path.clone();
+                circle.push(next.clone());
+                return Some(circle);
+            }
+            if seen.insert(next.clone()) {
+                let mut longer = path.clone();
+                longer.push(next.clone());
+                stack.push((next.clone(), longer));
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn no_two_modules_import_each_other_even_through_others() {
+    let graph = module_graph();
+    assert!(graph.contains_key("http") && graph.contains_key("stored"));
+    let circles: Vec<String> = graph
+        .keys()
+        .filter_map(|m| circle_through(&graph, m))
+        .map(|c| c.join(" -> "))
+        .collect();
+    assert!(circles.is_empty(), "import circles: {circles:#?}");
+}
+
+#[test]
+fn api_depends_on_nothing_of_the_pipeline() {
+    let graph = module_graph();
+    let api = graph.get("api").expect("the api module");
+    assert!(api.is_empty(), "api/ names {api:?}");
+}
