@@ -92,6 +92,25 @@ fn pool_for(
         // does not exist.
         _ => return Err(ApiError::model_not_found(model)),
     };
+    capable_pool(state, pool, run)
+}
+
+/// The providers of a stored request's model that can honour its run
+/// (a takeover that continues its answer, R-TAKE-1, R-CONT-1): its key
+/// was checked when it was created. Empty when none is routed or able.
+pub(crate) fn pool_for_record(state: &AppState, run: &NormalizedRun) -> Vec<ProviderId> {
+    routed_pool(state, &run.model)
+        .and_then(|pool| capable_pool(state, &pool, run).ok())
+        .unwrap_or_default()
+}
+
+/// The providers of `pool` that can honour the whole of `run`; when none
+/// can, the 400 naming the parameter.
+fn capable_pool(
+    state: &AppState,
+    pool: &[ProviderId],
+    run: &NormalizedRun,
+) -> Result<Vec<ProviderId>, ApiError> {
     let mut refusal = None;
     let capable: Vec<ProviderId> = pool
         .iter()

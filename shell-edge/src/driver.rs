@@ -122,7 +122,7 @@ pub enum DriverObservation {
 /// receiver. Dropping the receiver is a client disconnect (R-GATE-4).
 pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Receiver<Delivery> {
     let (tx, rx) = mpsc::channel(64);
-    start(ctx, pool, work, Some(tx), None, None);
+    start(ctx, pool, work, Some(tx), None, Begin::New);
     rx
 }
 
@@ -149,6 +149,19 @@ pub struct Takeover {
     pub last_seq: u64,
     /// The run's frame the last of them came from.
     pub resume_after_frame: u64,
+    /// The answer so far, when a lost adoption may be continued on the
+    /// pool (R-CONT-1).
+    pub resumed: Option<iop_core::edge::durable::ResumedAnswer>,
+}
+
+/// How a driver's request machine begins.
+enum Begin {
+    /// A new request: its first admission.
+    New,
+    /// It adopts a parked run (R-PARK-2).
+    Adopt(Takeover),
+    /// It continues a record's answer (R-TAKE-1, R-CONT-1).
+    Continue(iop_core::edge::durable::ResumedAnswer),
 }
 
 /// Start the driver of a durable request: its deliveries go to the
@@ -159,16 +172,36 @@ pub fn spawn_durable(ctx: DriverContext, pool: Vec<ProviderId>, mut work: Work, 
     // The request machine never tunnels a durable answer (it is the
     // Edge's, numbered and replayable): drop the raw body it will not use.
     work.tunnel = None;
-    start(ctx, pool, work, None, Some(run), None);
+    start(ctx, pool, work, None, Some(run), Begin::New);
 }
 
 /// Start a driver that takes over a record whose run is parked on a node
 /// (R-TAKE-1, R-PARK-2): it adopts the run and writes the rest of the
-/// record; it never starts the prompt again.
-pub fn spawn_takeover(ctx: DriverContext, mut work: Work, run: DurableRun, takeover: Takeover) {
+/// record; it never starts the prompt again. `pool` is where a lost
+/// adoption continues (R-CONT-1, with `takeover.resumed`).
+pub fn spawn_takeover(
+    ctx: DriverContext,
+    pool: Vec<ProviderId>,
+    mut work: Work,
+    run: DurableRun,
+    takeover: Takeover,
+) {
     work.tunnel = None;
-    let pool = vec![takeover.offer.provider_id.clone()];
-    start(ctx, pool, work, None, Some(run), Some(takeover));
+    start(ctx, pool, work, None, Some(run), Begin::Adopt(takeover));
+}
+
+/// Start a driver that takes over a record whose run is gone and
+/// continues its answer on `pool` (R-TAKE-1, R-CONT-1): the provider gets
+/// the conversation and the answer so far, never the prompt alone.
+pub fn spawn_continuation(
+    ctx: DriverContext,
+    pool: Vec<ProviderId>,
+    mut work: Work,
+    run: DurableRun,
+    resumed: iop_core::edge::durable::ResumedAnswer,
+) {
+    work.tunnel = None;
+    start(ctx, pool, work, None, Some(run), Begin::Continue(resumed));
 }
 
 fn start(
@@ -177,7 +210,7 @@ fn start(
     work: Work,
     out: Option<mpsc::Sender<Delivery>>,
     durable: Option<DurableRun>,
-    takeover: Option<Takeover>,
+    begin: Begin,
 ) {
     let tx = out;
     tokio::spawn(async move {
@@ -219,16 +252,17 @@ fn start(
         };
         let (events_tx, events) = mpsc::unbounded_channel();
         ctx.hub.attach(request_id, events_tx);
-        let machine = match &takeover {
-            Some(t) => Request::adopting(
+        let machine = match &begin {
+            Begin::Adopt(t) => Request::adopting(
                 ctx.clock.now(),
                 spec,
                 &t.offer,
                 t.last_seq,
                 t.resume_after_frame,
-                None,
+                t.resumed.as_ref(),
             ),
-            None => Request::new(ctx.clock.now(), spec),
+            Begin::Continue(resumed) => Request::continuing(ctx.clock.now(), spec, resumed),
+            Begin::New => Request::new(ctx.clock.now(), spec),
         };
         let mut driver = Driver {
             detach: Detach {

@@ -13,34 +13,32 @@
 //! skips what it already has.
 //!
 //! Every Edge keeps an ownership lease in the store ([`Durable::take_lease`],
-//! renewed by [`Durable::spawn_lease_renewal`]) and runs a takeover scan
-//! ([`Durable::spawn_takeover`]) at start and then periodically: a record
-//! without a terminal that this Edge's previous run, or an Edge whose lease
-//! expired, left behind waits the park window (its node may report the run
-//! parked, and an Edge adopt it: [`crate::adoption::spawn_adoptions`]) and then ends
-//! `incomplete` with its durable prefix (R-TAKE-1, R-MULTI-1).
+//! renewed by [`Durable::spawn_lease_renewal`]). The records no run of
+//! this Edge writes are in the custody of
+//! [`iop_core::edge::custody::Custody`], driven by
+//! [`crate::custody::CustodyTask`]: a record this Edge's previous run, or
+//! an Edge whose lease expired, left behind waits the park window (its
+//! node may report the run parked, and an Edge adopt it), then is
+//! continued on its pool when its route continues answers, or ends
+//! `incomplete` with its durable prefix (R-TAKE-1, R-CONT-1, R-MULTI-1).
 //!
 //! Nothing here decides a journal rule: numbering, fencing, the one
 //! terminal, retention, idempotency, lease expiry and which record is an
 //! orphan are `iop_core::journal`'s, applied by the store
-//! ([`iop_store::JournalStore`]) or by [`TakeoverScan`]; whether a reported
-//! parked run's record is taken over, and after which frame it resumes,
-//! is [`takeover_resume_point`]'s.
+//! ([`iop_store::JournalStore`]) or by the custody machine.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_core::edge::dispatch::ParkedOffer;
-use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery, takeover_resume_point};
+use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery};
 use iop_core::edge::request::Delivery;
 use iop_core::journal::{
-    CreateOutcome, EdgeLease, JournalError, LeaseState, NO_OWNER, NewRecord, PeerLease, RecordMeta,
-    RecordStatus, TakeoverDecision, TakeoverScan, Terminal,
+    CreateOutcome, EdgeLease, JournalError, LeaseState, NewRecord, PeerLease, RecordMeta,
+    RecordStatus, TakeoverScan, Terminal,
 };
 use iop_store::{EmbeddedStore, JournalStore, MemoryStore, Progress};
-use iop_transport::clock::Clock;
 use iop_wire::ChatMessage;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -50,12 +48,6 @@ use crate::metrics::EdgeMetrics;
 
 /// Events read from the store at a time by a follower.
 const FOLLOW_BATCH: usize = 256;
-
-/// Records one takeover scan ends at most; the rest wait for the next.
-const MAX_TAKEOVERS_PER_SCAN: usize = 256;
-
-/// The shortest pause between two takeover scans.
-const MIN_SCAN_PAUSE: Duration = Duration::from_millis(50);
 
 /// The closed reason of a record ended because the Edge that ran it
 /// restarted (R-TAKE-1).
@@ -554,89 +546,30 @@ impl Durable {
         })
     }
 
-    /// R-TAKE-1 at start and then every `interval`: the takeover scan.
-    /// The first scan reads every unfinished record from the store (a
-    /// failure fails the start); on a shared store later ones take the
-    /// store's view ([`JournalStore::unfinished_hint`]), for as long as the
-    /// Edge runs. On a store only this Edge opens, orphans can only be its
-    /// previous run's: later scans look again at those still waiting, and
-    /// the task ends with the last. Orphans (this Edge's previous run's
-    /// records, those of Edges whose lease expired) wait `window` for their
-    /// nodes to report their parked runs (R-PARK-2); those still
-    /// unfinished and not run here then end `incomplete`.
-    pub async fn spawn_takeover(
-        self: &Arc<Self>,
+    /// The custody machine's setup for this Edge (R-TAKE-1): orphans wait
+    /// `window` for their nodes' reports; a shared store is scanned every
+    /// `interval`.
+    pub fn custody_config(
+        &self,
         window: Duration,
         interval: Duration,
-    ) -> Result<tokio::task::JoinHandle<()>, JournalError> {
-        let first = self.store.unfinished().await;
-        self.note(first.as_ref().map(|_| ()));
-        let first = first?;
-        let durable = self.clone();
-        let clock = Clock::new();
-        let shared = self.store_kind.is_shared();
-        let mut scan = if shared {
-            TakeoverScan::new(
-                &self.edge_id,
-                window,
-                Duration::from_millis(self.lease_ttl_ms),
-            )
-        } else {
-            TakeoverScan::sole(&self.edge_id, window)
-        };
-        Ok(tokio::spawn(async move {
-            let now = || clock.now();
-            let mut start = first.clone();
-            let mut records = Some(first);
-            loop {
-                let batch = match records.take() {
-                    Some(r) => Ok(r),
-                    None if shared => durable.store.unfinished_hint().await,
-                    None => {
-                        // Decided again on a fresh read before any is ended.
-                        start.retain(|m| scan.is_waiting(&m.id));
-                        if start.is_empty() {
-                            return;
-                        }
-                        Ok(start.clone())
-                    }
-                };
-                match batch {
-                    Ok(batch) => {
-                        durable.scan(&mut scan, &now, batch).await;
-                    }
-                    Err(e) => {
-                        durable.note(Err(&e));
-                        scan.leases_mut().read_failed(now());
-                    }
-                }
-                let mut pause = interval;
-                if let Some(at) = scan.poll_timeout() {
-                    pause = pause.min(at.saturating_duration_since(now()));
-                }
-                tokio::time::sleep(pause.max(MIN_SCAN_PAUSE)).await;
-            }
-        }))
+    ) -> iop_core::edge::custody::CustodyConfig {
+        iop_core::edge::custody::CustodyConfig {
+            edge_id: self.edge_id.clone(),
+            park_window: window,
+            lease_ttl: Duration::from_millis(self.lease_ttl_ms),
+            sole: !self.store_kind.is_shared(),
+            scan_interval: interval,
+        }
     }
 
-    /// One takeover scan over `records` (the unfinished records as read):
-    /// read the leases, decide each record with `scan`, and end those past
-    /// their park window, each decided again on a fresh read first.
-    /// Returns how many were ended. `now` is the scan's clock.
-    pub async fn scan(
-        &self,
-        scan: &mut TakeoverScan,
-        now: &(dyn Fn() -> iop_core::time::Instant + Send + Sync),
-        records: Vec<RecordMeta>,
-    ) -> usize {
-        let ended = self.scan_inner(scan, now, &records).await;
-        let ids: HashSet<&str> = records.iter().map(|m| m.id.as_str()).collect();
-        scan.retain(|id| ids.contains(id));
+    /// Publish what the custody's scan sees, for `/status` and metrics.
+    pub(crate) fn publish_scan(&self, scan: &TakeoverScan, now: iop_core::time::Instant) {
         // A store of this Edge's own has no other Edges to show.
         let edges = if scan.is_sole() {
             Vec::new()
         } else {
-            scan.leases().peers(now())
+            scan.leases().peers(now)
         };
         if let Some(metrics) = &self.metrics {
             let live = if scan.is_sole() {
@@ -656,111 +589,11 @@ impl Durable {
             orphans_waiting: scan.waiting(),
             edges,
         };
-        ended
     }
 
-    async fn scan_inner(
-        &self,
-        scan: &mut TakeoverScan,
-        now: &(dyn Fn() -> iop_core::time::Instant + Send + Sync),
-        records: &[RecordMeta],
-    ) -> usize {
-        let leases = self.store.leases().await;
-        self.note(leases.as_ref().map(|_| ()));
-        match leases {
-            Ok(leases) => scan.leases_mut().observe_all(&leases, now()),
-            Err(e) => {
-                tracing::warn!(event = "edge_journal_scan_failed", error = %e);
-                scan.leases_mut().read_failed(now());
-                return 0;
-            }
-        }
-        // Owners the listing did not name (the store's view lags behind
-        // a new Edge): read each.
-        let unknown: BTreeSet<&str> = records
-            .iter()
-            .map(|m| m.owner.as_str())
-            .filter(|o| *o != self.edge_id && *o != NO_OWNER)
-            .filter(|o| scan.leases().state(o, now()).is_none())
-            .take(iop_core::journal::MAX_TRACKED_EDGES)
-            .collect();
-        for owner in unknown {
-            match self.store.lease(owner.to_owned()).await {
-                Ok(lease) => scan.leases_mut().observe(owner, lease.as_ref(), now()),
-                Err(e) => {
-                    self.note(Err(&e));
-                    scan.leases_mut().read_failed(now());
-                    return 0;
-                }
-            }
-        }
-        let waiting_before = scan.waiting();
-        let mut due = Vec::new();
-        for meta in records {
-            if let TakeoverDecision::End(_) = scan.decide(meta, self.is_live(&meta.id), now()) {
-                due.push(meta.id.clone());
-            }
-        }
-        if scan.waiting() > waiting_before {
-            tracing::info!(
-                event = "edge_journal_orphans_waiting",
-                records = scan.waiting()
-            );
-        }
-        let mut ended: BTreeMap<&'static str, usize> = BTreeMap::new();
-        for id in due.into_iter().take(MAX_TAKEOVERS_PER_SCAN) {
-            match self.take_over(scan, now, &id).await {
-                Ok(Some(reason)) => *ended.entry(reason).or_default() += 1,
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::warn!(event = "edge_journal_orphans_failed", error = %e);
-                    scan.leases_mut().read_failed(now());
-                    break;
-                }
-            }
-        }
-        for (reason, records) in &ended {
-            tracing::warn!(event = "edge_journal_orphans_ended", records, reason);
-        }
-        ended.values().sum()
-    }
-
-    /// End the orphan `id` if a fresh read of it and of its owner's lease
-    /// still says so: taken over (its epoch raised, so whatever still
-    /// writes it is fenced, R-JRN-3) and ended `incomplete` with its
-    /// durable prefix. `None`: not ended (adopted, ended or taken by
-    /// another Edge meanwhile, its owner back).
-    async fn take_over(
-        &self,
-        scan: &mut TakeoverScan,
-        now: &(dyn Fn() -> iop_core::time::Instant + Send + Sync),
-        id: &str,
-    ) -> Result<Option<&'static str>, JournalError> {
-        let found = self.store.get(id.to_owned(), 0).await;
-        self.note(found.as_ref().map(|_| ()));
-        let Some((meta, _)) = found? else {
-            scan.forget(id);
-            return Ok(None);
-        };
-        if meta.owner != self.edge_id && meta.owner != NO_OWNER {
-            let lease = self.store.lease(meta.owner.clone()).await;
-            self.note(lease.as_ref().map(|_| ()));
-            scan.leases_mut()
-                .observe(&meta.owner, lease?.as_ref(), now());
-        }
-        let TakeoverDecision::End(orphan) = scan.decide(&meta, self.is_live(id), now()) else {
-            return Ok(None);
-        };
-        scan.forget(id);
-        match self
-            .end_as(&meta, RecordStatus::Incomplete, orphan.reason())
-            .await
-        {
-            Ok(()) => Ok(Some(orphan.reason())),
-            // Another writer won the epoch first: it owns the record.
-            Err(JournalError::Fenced { .. } | JournalError::Terminated) => Ok(None),
-            Err(e) => Err(e),
-        }
+    /// Note a store answer for the store's health.
+    pub(crate) fn noted<T>(&self, result: &Result<T, JournalError>) {
+        self.note(result.as_ref().map(|_| ()));
     }
 
     /// Take a record over and end it (`status`, `reason`) with its durable
@@ -791,25 +624,6 @@ impl Durable {
             .await;
         self.observe("finish", started, &finished);
         finished.map(|_| ())
-    }
-
-    /// Read the record's last event and ask the core after which frame of
-    /// `offer`'s run a takeover resumes ([`takeover_resume_point`]).
-    pub(crate) async fn resume_point(
-        &self,
-        meta: &iop_core::journal::RecordMeta,
-        offer: &ParkedOffer,
-    ) -> Result<u64, &'static str> {
-        let last = match meta.last_seq {
-            0 => Vec::new(),
-            n => self
-                .store
-                .events(meta.id.clone(), n - 1, 1)
-                .await
-                .map_err(|_| "store_error")?,
-        };
-        takeover_resume_point(meta, last.first().map(|e| &e.payload[..]), offer)
-            .map_err(|why| why.as_str())
     }
 
     /// Remove expired records every `interval`, for as long as the Edge
@@ -1076,233 +890,7 @@ mod tests {
         assert_eq!(waiting.await.unwrap(), Err(JournalError::NotFound));
     }
 
-    /// A manual clock for the takeover scan, in milliseconds.
-    #[derive(Clone, Default)]
-    struct ManualClock(Arc<std::sync::atomic::AtomicU64>);
-
-    impl ManualClock {
-        fn at(&self, ms: u64) -> &Self {
-            self.0.store(ms, Ordering::Relaxed);
-            self
-        }
-
-        fn now(&self) -> impl Fn() -> iop_core::time::Instant + Send + Sync + use<> {
-            let t = self.0.clone();
-            move || iop_core::time::Instant::from_millis(t.load(Ordering::Relaxed))
-        }
-    }
-
-    const WINDOW: Duration = Duration::from_secs(10);
     const TTL_MS: u64 = 3_000;
-
-    fn scan_of(durable: &Durable) -> TakeoverScan {
-        TakeoverScan::new(durable.edge_id(), WINDOW, Duration::from_millis(TTL_MS))
-    }
-
-    async fn unfinished(store: &Arc<dyn JournalStore>) -> Vec<RecordMeta> {
-        store.unfinished().await.unwrap()
-    }
-
-    #[tokio::test]
-    async fn r_take_1_a_restarted_edges_records_wait_the_park_window_then_end_incomplete_fenced() {
-        let store = memory();
-        let meta = create(&store, "r").await;
-        store
-            .append("r".into(), meta.epoch, vec![event(1, &text("a"))])
-            .await
-            .unwrap();
-        let durable = Durable::with_store(store.clone(), true);
-        let clock = ManualClock::default();
-        let mut scan = scan_of(&durable);
-        let now = clock.now();
-        assert_eq!(
-            durable
-                .scan(&mut scan, &now, unfinished(&store).await)
-                .await,
-            0,
-            "its node may still report the run parked"
-        );
-        assert_eq!(durable.status().orphans_waiting, 1);
-        clock.at(WINDOW.as_millis() as u64);
-        assert_eq!(
-            durable
-                .scan(&mut scan, &now, unfinished(&store).await)
-                .await,
-            1
-        );
-        let (after, _) = store.get("r".into(), 0).await.unwrap().unwrap();
-        assert_eq!(after.epoch, meta.epoch + 1, "raised before the terminal");
-        let t = after.terminal.clone().unwrap();
-        assert_eq!(
-            (t.status, t.reason.as_deref()),
-            (RecordStatus::Incomplete, Some(EDGE_RESTART_REASON))
-        );
-        assert_eq!(after.last_seq, 1, "the durable prefix stays");
-        // The old owner's late append is refused (R-JRN-3).
-        assert!(matches!(
-            store
-                .append("r".into(), meta.epoch, vec![event(2, &text("late"))])
-                .await,
-            Err(JournalError::Fenced { .. })
-        ));
-        assert_eq!(
-            durable
-                .scan(&mut scan, &now, unfinished(&store).await)
-                .await,
-            0
-        );
-        assert_eq!(durable.status().orphans_waiting, 0);
-    }
-
-    #[tokio::test]
-    async fn r_take_1_on_a_store_of_its_own_a_record_under_a_former_edge_id_is_ended_too() {
-        let store = memory();
-        create_as(&store, "r", "old-name").await;
-        let durable = Durable::with_store(store.clone(), true);
-        let clock = ManualClock::default();
-        let now = clock.now();
-        let mut scan = TakeoverScan::sole(durable.edge_id(), WINDOW);
-        assert_eq!(
-            durable
-                .scan(&mut scan, &now, unfinished(&store).await)
-                .await,
-            0
-        );
-        clock.at(WINDOW.as_millis() as u64);
-        assert_eq!(
-            durable
-                .scan(&mut scan, &now, unfinished(&store).await)
-                .await,
-            1
-        );
-        let (after, _) = store.get("r".into(), 0).await.unwrap().unwrap();
-        assert_eq!(
-            after.terminal.and_then(|t| t.reason).as_deref(),
-            Some(EDGE_RESTART_REASON)
-        );
-        assert_eq!(after.owner, durable.edge_id());
-        assert!(durable.status().edges.is_empty(), "no other Edges to show");
-    }
-
-    #[tokio::test]
-    async fn r_take_1_a_record_run_here_is_never_ended() {
-        let store = memory();
-        create(&store, "r").await;
-        let durable = Arc::new(Durable::with_store(store.clone(), true));
-        let (_live, _commands) = durable.register("r");
-        let clock = ManualClock::default();
-        let mut scan = scan_of(&durable);
-        let now = clock.now();
-        for at in [0, 60_000, 120_000] {
-            clock.at(at);
-            assert_eq!(
-                durable
-                    .scan(&mut scan, &now, unfinished(&store).await)
-                    .await,
-                0
-            );
-        }
-        assert_eq!(durable.status().orphans_waiting, 0);
-    }
-
-    #[tokio::test]
-    async fn r_multi_1_a_dead_edges_records_are_taken_over_only_once_its_lease_expired() {
-        let store = memory();
-        let a = Durable::with_store(store.clone(), true).with_identity("edge-a", TTL_MS);
-        let b = Durable::with_store(store.clone(), true).with_identity("edge-b", TTL_MS);
-        let mut held = a.take_lease().await.unwrap();
-        b.take_lease().await.unwrap();
-        let theirs = create_as(&store, "theirs", "edge-a").await;
-        let clock = ManualClock::default();
-        let now = clock.now();
-        let mut scan = scan_of(&b);
-        let records = || async { unfinished(&store).await };
-        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
-        // A renews: alive, its record stays its own.
-        held.revision = store
-            .put_lease(held.lease.clone(), held.revision)
-            .await
-            .unwrap();
-        clock.at(2_000);
-        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
-        let peers = b.status().edges;
-        assert!(
-            peers
-                .iter()
-                .any(|p| p.edge_id == "edge-a" && p.state == LeaseState::Renewing),
-            "{peers:?}"
-        );
-        clock.at(4_999);
-        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
-        assert_eq!(b.status().orphans_waiting, 0, "a live Edge's record");
-        // A stopped renewing at 2 s: expired at 5 s, then the park window.
-        clock.at(5_000);
-        assert_eq!(b.scan(&mut scan, &now, records().await).await, 0);
-        assert_eq!(b.status().orphans_waiting, 1);
-        clock.at(5_000 + WINDOW.as_millis() as u64);
-        assert_eq!(b.scan(&mut scan, &now, records().await).await, 1);
-        let (after, _) = store.get("theirs".into(), 0).await.unwrap().unwrap();
-        assert_eq!(after.owner, "edge-b", "taken over by B");
-        assert_eq!(after.epoch, theirs.epoch + 1);
-        let t = after.terminal.unwrap();
-        assert_eq!(
-            (t.status, t.reason.as_deref()),
-            (RecordStatus::Incomplete, Some(EDGE_LOST_REASON))
-        );
-    }
-
-    #[tokio::test]
-    async fn r_take_1_an_edge_that_renews_again_keeps_its_records() {
-        let store = memory();
-        let a = Durable::with_store(store.clone(), true).with_identity("edge-a", TTL_MS);
-        let b = Durable::with_store(store.clone(), true).with_identity("edge-b", TTL_MS);
-        let mut held = a.take_lease().await.unwrap();
-        create_as(&store, "theirs", "edge-a").await;
-        let clock = ManualClock::default();
-        let now = clock.now();
-        let mut scan = scan_of(&b);
-        b.scan(&mut scan, &now, unfinished(&store).await).await;
-        clock.at(TTL_MS);
-        b.scan(&mut scan, &now, unfinished(&store).await).await;
-        assert_eq!(b.status().orphans_waiting, 1, "seen expired: waits");
-        // A comes back (a long pause, a partition healed) within the window.
-        held.revision = store
-            .put_lease(held.lease.clone(), held.revision)
-            .await
-            .unwrap();
-        clock.at(TTL_MS + WINDOW.as_millis() as u64);
-        assert_eq!(b.scan(&mut scan, &now, unfinished(&store).await).await, 0);
-        let (meta, _) = store.get("theirs".into(), 0).await.unwrap().unwrap();
-        assert!(meta.terminal.is_none(), "never ended under a live owner");
-        assert_eq!(b.status().orphans_waiting, 0);
-    }
-
-    #[tokio::test]
-    async fn r_take_1_two_edges_taking_a_dead_edges_record_over_make_one_terminal() {
-        let store = memory();
-        create_as(&store, "theirs", "edge-gone").await;
-        let b = Durable::with_store(store.clone(), true).with_identity("edge-b", TTL_MS);
-        let c = Durable::with_store(store.clone(), true).with_identity("edge-c", TTL_MS);
-        let clock = ManualClock::default();
-        let now = clock.now();
-        let (mut sb, mut sc) = (scan_of(&b), scan_of(&c));
-        // No lease at all: absent for a TTL, then the window.
-        for at in [0, TTL_MS] {
-            clock.at(at);
-            b.scan(&mut sb, &now, unfinished(&store).await).await;
-            c.scan(&mut sc, &now, unfinished(&store).await).await;
-        }
-        clock.at(TTL_MS + WINDOW.as_millis() as u64);
-        let records = unfinished(&store).await;
-        let (nb, nc) = tokio::join!(
-            b.scan(&mut sb, &now, records.clone()),
-            c.scan(&mut sc, &now, records)
-        );
-        assert_eq!(nb + nc, 1, "one winner");
-        let (meta, _) = store.get("theirs".into(), 0).await.unwrap().unwrap();
-        assert_eq!(meta.epoch, 2, "one raise");
-        assert!(meta.terminal.is_some());
-    }
 
     #[tokio::test]
     async fn a_lease_written_by_another_process_with_this_id_is_taken_again() {

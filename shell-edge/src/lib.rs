@@ -5,13 +5,13 @@
 //! clients, with every policy decision made by `iop-core`.
 
 pub mod admit;
-pub mod adoption;
 pub mod answer_body;
 pub mod api;
 pub mod app_state;
 pub mod catalog;
 pub mod config;
 pub mod cred;
+pub mod custody;
 pub mod decoded_size;
 pub mod demo;
 pub mod driver;

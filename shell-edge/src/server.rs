@@ -68,8 +68,8 @@ pub struct RunningEdge {
     hub_task: JoinHandle<()>,
     /// Removes expired durable responses.
     sweeper: JoinHandle<()>,
-    /// The ownership lease's renewal, the takeover scan and the adoption
-    /// of parked runs.
+    /// The ownership lease's renewal and the custody task (the takeover
+    /// scan, adoptions of parked runs, continuations).
     background: Vec<JoinHandle<()>>,
 }
 
@@ -232,16 +232,14 @@ impl RunningEdge {
         // runs; other Edges take its responses over once it stops.
         let lease = durable.take_lease().await?;
         let lease_task = durable.spawn_lease_renewal(lease);
-        // R-TAKE-1: at start and then periodically, a response this Edge's
-        // former run, or a dead Edge, left unfinished is adopted when its
-        // node reports the run parked (R-PARK-2), or ends `incomplete` when
-        // none does within the park window.
-        let takeover_task = durable
-            .spawn_takeover(
-                config.journal.park_window(),
-                std::time::Duration::from_millis(config.journal.takeover_scan_interval_ms),
-            )
-            .await?;
+        // R-TAKE-1: the custody's first scan reads every unfinished record
+        // before the Edge serves (a store that cannot answer fails the
+        // start, naming it).
+        let unfinished = durable.store().unfinished().await?;
+        let custody_config = durable.custody_config(
+            config.journal.park_window(),
+            std::time::Duration::from_millis(config.journal.takeover_scan_interval_ms),
+        );
         let parked = hub.parked_runs();
         let sweeper = durable.spawn_sweeper(std::time::Duration::from_millis(
             config.journal.sweep_interval_ms,
@@ -257,8 +255,26 @@ impl RunningEdge {
             creds.clone(),
             durable.clone(),
         );
-        let adoptions =
-            crate::adoption::spawn_adoptions(&durable, parked, state.driver_context().clone());
+        // R-TAKE-1, R-PARK-2, R-CONT-1: a response this Edge's former run,
+        // or a dead Edge, left unfinished is adopted when its node reports
+        // the run parked, continued on its pool when its route continues
+        // answers, or ends `incomplete` after the park window.
+        let custody = {
+            let record_state = state.clone();
+            let record_run: crate::custody::RecordRun = Arc::new(move |meta, stored| {
+                crate::stored::record_run(&record_state, meta, stored)
+            });
+            let task = crate::custody::CustodyTask::new(
+                durable.clone(),
+                custody_config,
+                unfinished,
+                record_run,
+            );
+            let (ctx, durable) = (state.driver_context().clone(), durable.clone());
+            tokio::spawn(task.run(parked, move |start| {
+                crate::custody::start_run(&ctx, &durable, start);
+            }))
+        };
         let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
@@ -284,7 +300,7 @@ impl RunningEdge {
             http_task,
             hub_task,
             sweeper,
-            background: vec![lease_task, takeover_task, adoptions],
+            background: vec![lease_task, custody],
         })
     }
 

@@ -30,18 +30,20 @@ use iop_core::edge::durable::{JournalSpec, ended_before_commit};
 use iop_core::edge::gate::GateFailure;
 use iop_core::edge::request::Delivery;
 use iop_core::edge::whole_answer::WholeAnswerBudget;
+use iop_core::ids::ProviderId;
 use iop_core::journal::{
     CreateOutcome, JournalApi, JournalError, NewRecord, RecordMeta, RecordStatus, Terminal,
     fingerprint, idempotency_hash,
 };
-use iop_wire::ChatMessage;
+use iop_wire::{ChatMessage, RunApi};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::admit::Admitted;
 use crate::answer_body::{AnswerSource, Step, answer_body};
 use crate::api::endpoint::{
-    AnswerStart, AnswerStream, ChatCompletions, Keep, Responses, RunEndpoint, WholeAnswer,
+    AnswerStart, AnswerStream, ChatCompletions, Completions, Keep, Ollama, Responses, RunEndpoint,
+    WholeAnswer,
 };
 use crate::api::{ApiError, framing, ids};
 use crate::app_state::{AppState, authenticate};
@@ -166,6 +168,63 @@ pub(crate) async fn history(
         messages.push(answer);
     }
     Ok(messages)
+}
+
+/// What a stored request runs as when a takeover continues its answer or
+/// may continue its adopted run (R-TAKE-1, R-CONT-1): its pool now and its
+/// work, parsed again from the stored body by its API's endpoint with its
+/// conversation's history put back. `None` for an API whose answers are
+/// not continued (embeddings) or a body this build does not parse.
+pub(crate) fn record_run(
+    state: &AppState,
+    meta: &RecordMeta,
+    stored: &StoredRequest,
+) -> Option<(Vec<ProviderId>, Work)> {
+    match meta.api {
+        JournalApi::ChatCompletions => run_of(state, ChatCompletions, meta, stored),
+        JournalApi::Responses => run_of(state, Responses, meta, stored),
+        JournalApi::Completions => run_of(state, Completions, meta, stored),
+        JournalApi::OllamaChat => run_of(state, Ollama(RunApi::Chat), meta, stored),
+        JournalApi::OllamaGenerate => run_of(state, Ollama(RunApi::Generate), meta, stored),
+        JournalApi::Embeddings | JournalApi::OllamaEmbed => None,
+    }
+}
+
+fn run_of<E: RunEndpoint>(
+    state: &AppState,
+    endpoint: E,
+    meta: &RecordMeta,
+    stored: &StoredRequest,
+) -> Option<(Vec<ProviderId>, Work)> {
+    let (mut run, options) = endpoint.parse(&stored.body).ok()?;
+    if let Some(history) = &stored.history {
+        continue_conversation(
+            &mut run.messages,
+            endpoint.instruction_messages(&options),
+            history,
+        );
+    }
+    let pool = crate::admit::pool_for_record(state, &run);
+    let work = Work {
+        model: state
+            .config()
+            .model_names
+            .provider_model(&run.model)
+            .to_owned(),
+        api: run.api,
+        tools: run.tools,
+        params: run.params,
+        tunnel: None,
+        route: endpoint.route(),
+        principal: meta.principal.clone(),
+        trace_context: None,
+        continuation: iop_core::edge::request::continuation_allowed(
+            run.api,
+            state.config().continuation_for(&run.model),
+        ),
+        messages: run.messages,
+    };
+    Some((pool, work))
 }
 
 /// Put `history` between the request's instructions and its own input.

@@ -218,6 +218,156 @@ admin = true
     .await;
 }
 
+/// The text of a Chat Completions stream's chunks.
+fn chat_text(events: &[(u64, Value)]) -> String {
+    events
+        .iter()
+        .filter_map(|(_, d)| d["choices"][0]["delta"]["content"].as_str())
+        .collect()
+}
+
+/// The storm's lost answer (R-TAKE-1, R-CONT-1): an Edge killed mid-answer
+/// whose node is gone too, so no node reports the run parked. After the
+/// restart, past the park window, the orphan is continued on another
+/// provider of its pool (its route opts in), never ended `incomplete`
+/// and never sent from scratch: the client's resume gives the whole text
+/// once, the first provider was called once and the second once, with
+/// the answer so far.
+#[tokio::test]
+async fn an_orphan_whose_run_is_gone_is_continued_on_its_pool_after_an_edge_kill_r_take_1() {
+    bounded_long(async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let script = MockScript {
+            tokens: TOKENS,
+            tokens_per_second: 60.0,
+            ..MockScript::default()
+        };
+        let first = MockServer::start(script.clone()).await.unwrap();
+        let second = MockServer::start(script).await.unwrap();
+        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let config = pki.path().join("edge.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"
+[edge]
+quic_listen = "127.0.0.1:{quic_port}"
+http_listen = "127.0.0.1:{http_port}"
+state_dir = "edge-state"
+drain_timeout_ms = 500
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[journal]
+park_grace_ms = 1000
+takeover_scan_interval_ms = 200
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t"
+[[providers]]
+id = "p2"
+node = "node-2"
+adapter = "openai"
+target = "t"
+[[routes]]
+model = "m"
+providers = ["p1", "p2"]
+continuation = true
+[[api_keys]]
+principal = "tester"
+key_file = "key"
+admin = true
+"#
+            ),
+        )
+        .unwrap();
+        let edge_addr: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
+        let node = |url: String| {
+            format!("[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{url}\"\n")
+        };
+        let node_1 = start_node(&pki, "node-1", edge_addr, &node(first.base_url()));
+        let mut edge = start_edge_process(&config, http_port, KEY).await;
+        // Only node-1 is there: the answer starts on p1.
+        let http = edge.http.clone();
+        let stream = tokio::spawn(async move {
+            let r = reqwest::Client::new()
+                .post(format!("{http}/v1/chat/completions"))
+                .bearer_auth(KEY)
+                .header("content-type", "application/json")
+                .header("idempotency-key", "orphan-1")
+                .body(
+                    json!({"model": "m", "stream": true,
+                           "messages": [{"role": "user", "content": "go"}]})
+                    .to_string(),
+                )
+                .send()
+                .await
+                .unwrap();
+            let mut r = r;
+            let mut text = String::new();
+            while let Ok(Some(chunk)) = r.chunk().await {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            sse_events(&text)
+        });
+        first.wait_for(|s| s.requests >= 1).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The Edge dies mid-answer, and its node with the run.
+        edge.child.start_kill().unwrap();
+        let _ = edge.child.wait().await;
+        node_1.shutdown().await.unwrap();
+        let seen = stream.await.unwrap();
+        let id = seen
+            .first()
+            .and_then(|(_, d)| d["id"].as_str())
+            .map(str::to_owned)
+            .expect("the stream started before the kill");
+        let prefix = chat_text(&seen);
+        assert!(
+            !prefix.is_empty() && prefix.len() < expected_text(TOKENS).len(),
+            "cut mid-answer: {prefix:?}"
+        );
+        let _node_2 = start_node(&pki, "node-2", edge_addr, &node(second.base_url()));
+        edge = start_edge_process(&config, http_port, KEY).await;
+        // The client resumes after what it saw: the rest arrives once the
+        // orphan is continued, and the whole is the answer, once.
+        let after = seen.last().map(|(n, _)| *n).unwrap_or(0);
+        let rest = sse_events(
+            &get_text(format!(
+                "{}/v1/chat/completions/{id}?stream=true&starting_after={after}",
+                edge.http
+            ))
+            .await,
+        );
+        let whole = format!("{prefix}{}", chat_text(&rest));
+        assert_eq!(whole, expected_text(TOKENS), "no lost or repeated text");
+        let object: Value = serde_json::from_str(
+            &get_text(format!("{}/v1/chat/completions/{id}", edge.http)).await,
+        )
+        .unwrap();
+        assert_eq!(
+            object["choices"][0]["finish_reason"], "stop",
+            "continued to its end, not incomplete: {object}"
+        );
+        assert_eq!(first.requests(), 1, "the first provider, once");
+        assert_eq!(
+            second.requests(),
+            1,
+            "one continuation, never the prompt again"
+        );
+        edge.child.start_kill().unwrap();
+        let _ = edge.child.wait().await;
+    })
+    .await;
+}
+
 /// [`bounded`] for a test of several process restarts.
 async fn bounded_long<T>(fut: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(180), fut)

@@ -300,8 +300,10 @@ fn r_take_1_a_record_run_here_is_never_taken() {
 
 #[test]
 fn r_take_1_r_cont_1_an_orphan_whose_route_continues_is_continued_from_its_journal() {
-    let mut store = Store::default();
-    store.continuable = true;
+    let mut store = Store {
+        continuable: true,
+        ..Store::default()
+    };
     store.add(record("r1", ME), &["Hel", "lo"]);
     let mut custody = Custody::new(ms(0), config(true));
     tick(&mut custody, &mut store, ms(0));
@@ -329,8 +331,10 @@ fn r_take_1_r_cont_1_an_orphan_whose_route_continues_is_continued_from_its_journ
 
 #[test]
 fn r_cont_1_an_orphan_with_a_tool_call_or_no_text_ends_incomplete() {
-    let mut store = Store::default();
-    store.continuable = true;
+    let mut store = Store {
+        continuable: true,
+        ..Store::default()
+    };
     store.add(record("r1", ME), &[]);
     store.add(record("r2", ME), &["a"]);
     let (meta, events) = store.records.get_mut("r2").expect("r2");
@@ -471,7 +475,7 @@ fn a_store_failure_is_read_again_after_a_pause_and_writes_are_bounded() {
         gave_up |= out
             .iter()
             .any(|o| matches!(o, CustodyOutput::Event(CustodyEvent::GaveUp { .. })));
-        now = now + STORE_RETRY;
+        now += STORE_RETRY;
     }
     assert!(gave_up);
     let raises = store
@@ -573,8 +577,10 @@ fn an_offer_for_a_record_being_taken_over_is_let_go() {
 
 #[test]
 fn r_cont_1_an_adoption_on_a_continuing_route_carries_the_answer_so_far() {
-    let mut store = Store::default();
-    store.continuable = true;
+    let mut store = Store {
+        continuable: true,
+        ..Store::default()
+    };
     store.add(record("r1", PEER), &["a", "b"]);
     let mut custody = Custody::new(ms(0), config(false));
     custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
