@@ -10,7 +10,6 @@ pub mod catalog;
 pub mod config;
 pub mod cred;
 pub mod decoded_size;
-pub mod demo;
 pub mod driver;
 pub mod durable;
 pub mod fuzzing;
