@@ -13,7 +13,6 @@ pub mod config;
 pub mod cred;
 pub mod custody;
 pub mod decoded_size;
-pub mod demo;
 pub mod driver;
 pub mod durable;
 pub mod fuzzing;

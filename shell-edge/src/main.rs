@@ -41,10 +41,13 @@ enum Command {
         #[arg(long)]
         record_trace: Option<PathBuf>,
     },
-    /// Run a complete local deployment (Edge + Node on loopback, dev
-    /// certificates, Ollama if found, else the built-in mock provider) and
-    /// print how to call it.
-    Demo(iop_edge::demo::DemoArgs),
+    /// The demo is its own binary (`cargo run --release -p iop-demo`), so
+    /// the Edge does not depend on the Node; `iop-edge demo` only says so.
+    #[command(hide = true, disable_help_flag = true)]
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        _args: Vec<String>,
+    },
     /// Print a running Edge's provider status as a table (reads `/status`
     /// with an admin key).
     Status {
@@ -143,7 +146,9 @@ fn main() -> anyhow::Result<()> {
                 edge.shutdown().await;
                 Ok(())
             }
-            Command::Demo(args) => iop_edge::demo::run(args).await,
+            Command::Demo { .. } => anyhow::bail!(
+                "the demo is no longer part of iop-edge; run it with `cargo run --release -p iop-demo`"
+            ),
             Command::Status { url, key_env, json } => {
                 let key = std::env::var(&key_env)
                     .with_context(|| format!("environment variable `{key_env}` is not set"))?;

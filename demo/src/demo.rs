@@ -1,6 +1,5 @@
-//! `iop-edge demo`: a working Edge + Node deployment on loopback in one
-//! process, with real QUIC between them and a real HTTP provider behind the
-//! node.
+//! The demo: a working Edge + Node deployment on loopback in one process,
+//! with real QUIC between them and a real HTTP provider behind the node.
 //!
 //! On first run it generates a dev PKI and an API key under the demo
 //! directory. It uses Ollama if one answers on `localhost:11434`, and
@@ -13,30 +12,30 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::config::EdgeConfig;
-use crate::server::RunningEdge;
+use iop_edge::config::EdgeConfig;
+use iop_edge::server::RunningEdge;
 
 /// Demo options.
 #[derive(Debug, Clone, clap::Args)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// Where certificates, the API key and state are kept.
     #[arg(long, default_value = ".iop-demo")]
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
     /// Client-facing HTTP address.
     #[arg(long, default_value = "127.0.0.1:8080")]
-    pub http_listen: SocketAddr,
+    pub(crate) http_listen: SocketAddr,
     /// QUIC address nodes dial.
     #[arg(long, default_value = "127.0.0.1:7443")]
-    pub quic_listen: SocketAddr,
+    pub(crate) quic_listen: SocketAddr,
     /// Ollama to use if it answers (set to an empty string to never use it).
     #[arg(long, default_value = "http://127.0.0.1:11434")]
-    pub ollama: String,
+    pub(crate) ollama: String,
 }
 
 const NODE_ID: &str = "demo-node";
 
 /// Run the demo until Ctrl-C.
-pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let dir = args.dir.canonicalize()?;
