@@ -1261,7 +1261,9 @@ async fn probes_are_counted_apart_from_requests_in_process_and_over_http() {
             probes: 3,
             in_flight: 0,
             max_in_flight: 1,
-            disconnects: 0
+            disconnects: 0,
+            continued: 0,
+            abandoned_before_text: 0,
         }
     );
     // Reading the stats is neither a request nor a probe.

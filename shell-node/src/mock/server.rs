@@ -41,6 +41,16 @@ pub struct MockStats {
     pub max_in_flight: u64,
     /// Provider calls the client abandoned before their answer ended.
     pub disconnects: u64,
+    /// Provider calls that continue a partial answer (the conversation's
+    /// final message is the assistant's, R-CONT-1); counted in `requests`
+    /// too.
+    #[serde(default)]
+    pub continued: u64,
+    /// Streamed chat calls the client abandoned before any text was sent
+    /// (a gateway may send such a call again elsewhere, R-FAIL-1); counted
+    /// in `disconnects` too.
+    #[serde(default)]
+    pub abandoned_before_text: u64,
 }
 
 /// Shared counters; every change wakes [`MockCounters::changed`] waiters.
@@ -51,6 +61,8 @@ pub(crate) struct MockCounters {
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
     disconnects: AtomicU64,
+    continued: AtomicU64,
+    abandoned_before_text: AtomicU64,
     changed: Notify,
 }
 
@@ -67,6 +79,8 @@ impl MockCounters {
             in_flight: self.in_flight.load(Ordering::SeqCst),
             max_in_flight: self.max_in_flight.load(Ordering::SeqCst),
             disconnects: self.disconnects.load(Ordering::SeqCst),
+            continued: self.continued.load(Ordering::SeqCst),
+            abandoned_before_text: self.abandoned_before_text.load(Ordering::SeqCst),
         }
     }
 
@@ -75,6 +89,8 @@ impl MockCounters {
         self.requests.store(0, Ordering::SeqCst);
         self.probes.store(0, Ordering::SeqCst);
         self.disconnects.store(0, Ordering::SeqCst);
+        self.continued.store(0, Ordering::SeqCst);
+        self.abandoned_before_text.store(0, Ordering::SeqCst);
         self.max_in_flight
             .store(self.in_flight.load(Ordering::SeqCst), Ordering::SeqCst);
         self.changed.notify_waiters();
@@ -99,6 +115,8 @@ impl MockCounters {
 struct InFlight {
     counters: Arc<MockCounters>,
     finished: bool,
+    /// `Some(sent)`: whether text went out is tracked for this call.
+    text: Option<bool>,
 }
 
 impl InFlight {
@@ -109,11 +127,24 @@ impl InFlight {
         Self {
             counters: counters.clone(),
             finished: false,
+            text: None,
         }
     }
 
     fn finish(&mut self) {
         self.finished = true;
+    }
+
+    /// Track whether this call sends text before it is abandoned.
+    fn track_text(&mut self) {
+        self.text.get_or_insert(false);
+    }
+
+    /// Text went out.
+    fn text_sent(&mut self) {
+        if self.text.is_some() {
+            self.text = Some(true);
+        }
     }
 }
 
@@ -123,6 +154,11 @@ impl Drop for InFlight {
         if self.finished {
             self.counters.changed.notify_waiters();
         } else {
+            if self.text == Some(false) {
+                self.counters
+                    .abandoned_before_text
+                    .fetch_add(1, Ordering::SeqCst);
+            }
             self.counters.bump(&self.counters.disconnects);
         }
     }
@@ -597,6 +633,9 @@ async fn chat_completions(
         Err(resp) => return resp,
     };
     let model = model_of(&request);
+    if final_assistant(&request["messages"]).is_some() {
+        state.counters.bump(&state.counters.continued);
+    }
     let prompt = MockPrompt {
         prompt_chars: messages_chars(&request["messages"]),
         max_tokens: max_tokens(&request["max_completion_tokens"])
@@ -644,6 +683,7 @@ async fn chat_completions(
         .into_response();
     }
     let include_usage = request["stream_options"]["include_usage"].as_bool() == Some(true);
+    guard.track_text();
     let body = async_stream::stream! {
         let mut steps = steps;
         let mut role_sent = false;
@@ -657,7 +697,10 @@ async fn chat_completions(
                 }
             }
             match step {
-                MockStep::Text(t) => yield Ok(sse_data(&chat_chunk(&model, json!({"content": t}), None))),
+                MockStep::Text(t) => {
+                    yield Ok(sse_data(&chat_chunk(&model, json!({"content": t}), None)));
+                    guard.text_sent();
+                }
                 MockStep::ToolCallStart { id, name } => {
                     let delta = json!({"tool_calls": [{"index": 0, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]});
                     yield Ok(sse_data(&chat_chunk(&model, delta, None)));
