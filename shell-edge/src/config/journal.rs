@@ -1,0 +1,594 @@
+//! `[journal]` and `[journal.nats]`: which store keeps durable responses
+//! (SPEC §6), its bounds, and the lease and takeover timings of the Edges
+//! that share it (R-TAKE-1, R-MULTI-1).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use iop_transport::settings::{ConfigError, field_err};
+use serde::Deserialize;
+
+/// Which store keeps the journal of durable responses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum JournalStoreKind {
+    /// An embedded ACID store in one file under `state_dir` (the default:
+    /// no server to run; survives a crash and a restart).
+    #[default]
+    Embedded,
+    /// Process memory: lost at a restart. For tests and throwaway
+    /// deployments only.
+    Memory,
+    /// NATS JetStream (`[journal.nats]`): one store shared by many Edges,
+    /// so a client may resume on any Edge and any Edge takes over a dead
+    /// one's responses (R-MULTI-1).
+    Nats,
+}
+
+impl JournalStoreKind {
+    /// The stable lower-case name (as configured).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JournalStoreKind::Embedded => "embedded",
+            JournalStoreKind::Memory => "memory",
+            JournalStoreKind::Nats => "nats",
+        }
+    }
+
+    /// Do other Edges open this store too?
+    pub fn is_shared(self) -> bool {
+        matches!(self, JournalStoreKind::Nats)
+    }
+}
+
+/// `[journal.nats]`: the NATS JetStream store (`[journal] store =
+/// "nats"`). Secrets never sit in the file: a password or token comes
+/// from the environment variable named here, credentials from a file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSection {
+    /// Server URLs (`nats://host:4222`, `tls://host:4222`), any of the
+    /// cluster's; the client fails over between them.
+    pub servers: Vec<String>,
+    /// A NATS credentials file (user JWT and NKey seed).
+    #[serde(default)]
+    pub credentials_file: Option<PathBuf>,
+    /// A user name, with `password_env`.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// The environment variable holding `user`'s password.
+    #[serde(default)]
+    pub password_env: Option<String>,
+    /// The environment variable holding a token.
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// A PEM file of CA certificates to trust; TLS is then required.
+    #[serde(default)]
+    pub tls_ca_file: Option<PathBuf>,
+    /// The stream of events and requests (created if missing).
+    #[serde(default = "default_nats_stream")]
+    pub stream: String,
+    /// The key-value bucket of records, epochs, idempotency keys and
+    /// ownership leases (created if missing).
+    #[serde(default = "default_nats_bucket")]
+    pub bucket: String,
+    /// The stream's subjects: `<subject_prefix>.ev.<id>`, `.req.<id>`.
+    #[serde(default = "default_nats_subject_prefix")]
+    pub subject_prefix: String,
+    /// Replicas of the stream and the bucket: 1, or 3 or 5 on a cluster.
+    #[serde(default = "default_nats_replicas")]
+    pub replicas: usize,
+    /// The stream's byte limit (default four times `journal.max_bytes`).
+    #[serde(default)]
+    pub stream_max_bytes: Option<u64>,
+    /// Room kept free in the stream for accepted records (default twice
+    /// `journal.max_bytes`).
+    #[serde(default)]
+    pub stream_reserve_bytes: Option<u64>,
+    /// The bucket's byte limit (default twice `journal.max_bytes`).
+    #[serde(default)]
+    pub bucket_max_bytes: Option<u64>,
+    /// Room kept free in the bucket (default `journal.max_bytes`).
+    #[serde(default)]
+    pub bucket_reserve_bytes: Option<u64>,
+    /// How long the Edge waits at start to connect and load the bucket.
+    #[serde(default = "default_nats_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// How long one server answer (an ack, a read) may take.
+    #[serde(default = "default_nats_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+    /// The largest message written (default: what the server allows).
+    #[serde(default)]
+    pub max_message_bytes: Option<usize>,
+}
+
+fn default_nats_stream() -> String {
+    "IOP_JOURNAL".into()
+}
+fn default_nats_bucket() -> String {
+    "iop_journal".into()
+}
+fn default_nats_subject_prefix() -> String {
+    "iop.journal".into()
+}
+fn default_nats_replicas() -> usize {
+    1
+}
+fn default_nats_connect_timeout_ms() -> u64 {
+    10_000
+}
+fn default_nats_request_timeout_ms() -> u64 {
+    5_000
+}
+
+impl NatsSection {
+    /// The store's options: the secrets read from the environment, paths
+    /// resolved against `base`. The error names the field.
+    pub fn options(
+        &self,
+        limits: iop_core::journal::JournalLimits,
+        base: &Path,
+    ) -> Result<iop_store_nats::NatsOptions, ConfigError> {
+        use iop_store_nats::NatsAuth;
+        let f = |name: &str| format!("journal.nats.{name}");
+        let secret = |field: &str, var: &str| -> Result<String, ConfigError> {
+            match std::env::var(var) {
+                Ok(v) if !v.trim().is_empty() => Ok(v.trim().to_owned()),
+                _ => Err(field_err(
+                    f(field),
+                    format!("environment variable `{var}` is not set"),
+                )),
+            }
+        };
+        let resolve = |p: &Path| {
+            if p.is_relative() {
+                base.join(p)
+            } else {
+                p.to_path_buf()
+            }
+        };
+        let ways = [
+            self.credentials_file.is_some(),
+            self.user.is_some() || self.password_env.is_some(),
+            self.token_env.is_some(),
+        ];
+        if ways.iter().filter(|w| **w).count() > 1 {
+            return Err(field_err(
+                f("credentials_file"),
+                "give one of credentials_file, user with password_env, token_env",
+            ));
+        }
+        let auth = match (
+            &self.credentials_file,
+            &self.user,
+            &self.password_env,
+            &self.token_env,
+        ) {
+            (Some(path), ..) => NatsAuth::CredentialsFile(resolve(path)),
+            (None, Some(user), Some(var), None) => NatsAuth::UserPassword {
+                user: user.clone(),
+                password: secret("password_env", var)?,
+            },
+            (None, Some(_), None, None) => {
+                return Err(field_err(f("password_env"), "required with user"));
+            }
+            (None, None, Some(_), None) => {
+                return Err(field_err(f("user"), "required with password_env"));
+            }
+            (None, None, None, Some(var)) => NatsAuth::Token(secret("token_env", var)?),
+            _ => NatsAuth::None,
+        };
+        for (field, ms) in [
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("request_timeout_ms", self.request_timeout_ms),
+        ] {
+            if !(100..=600_000).contains(&ms) {
+                return Err(field_err(f(field), "must be between 100 and 600000"));
+            }
+        }
+        // Secrets never sit in the file, nor in a URL (it is logged).
+        if self.servers.iter().any(|s| s.contains('@')) {
+            return Err(field_err(
+                f("servers"),
+                "a URL must not carry credentials: use credentials_file, user with \
+                 password_env, or token_env",
+            ));
+        }
+        let mut o = iop_store_nats::NatsOptions::new(self.servers.clone(), limits);
+        o.auth = auth;
+        o.tls_ca_file = self.tls_ca_file.as_deref().map(resolve);
+        o.stream.clone_from(&self.stream);
+        o.bucket.clone_from(&self.bucket);
+        o.subject_prefix.clone_from(&self.subject_prefix);
+        o.replicas = self.replicas;
+        if let Some(n) = self.stream_max_bytes {
+            o.stream_max_bytes = n;
+        }
+        if let Some(n) = self.stream_reserve_bytes {
+            o.stream_reserve_bytes = n;
+        }
+        if let Some(n) = self.bucket_max_bytes {
+            o.bucket_max_bytes = n;
+        }
+        if let Some(n) = self.bucket_reserve_bytes {
+            o.bucket_reserve_bytes = n;
+        }
+        o.connect_timeout = Duration::from_millis(self.connect_timeout_ms);
+        o.request_timeout = Duration::from_millis(self.request_timeout_ms);
+        o.max_message_bytes = self.max_message_bytes;
+        match o.validate() {
+            Ok(()) => Ok(o),
+            Err(iop_store_nats::ConnectError::Options { field, reason }) => {
+                let field = match field {
+                    "limits" => "journal.max_bytes".to_owned(),
+                    "connect_timeout" => f("connect_timeout_ms"),
+                    "request_timeout" => f("request_timeout_ms"),
+                    other => f(other),
+                };
+                Err(field_err(field, reason))
+            }
+            Err(other) => Err(field_err(f("servers"), other.to_string())),
+        }
+    }
+}
+
+/// `[journal]`: durable responses (SPEC §6): stored and background
+/// Responses, stored chat completions, `Idempotency-Key` requests.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JournalSection {
+    /// The store.
+    #[serde(default)]
+    pub store: JournalStoreKind,
+    /// The embedded store's file (default `<state_dir>/journal.redb`;
+    /// relative paths resolve against the config file's directory).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Whether a Responses request that does not send `store` is stored
+    /// (OpenAI's default is `true`).
+    #[serde(default = "yes")]
+    pub responses_store_default: bool,
+    /// How long a finished response is kept, and its `Idempotency-Key`
+    /// holds.
+    #[serde(default = "default_journal_retention_ms")]
+    pub retention_ms: u64,
+    /// The store's bound in bytes: past it new durable requests get 503
+    /// (accepted ones still finish, R-JRN-5).
+    #[serde(default = "default_journal_max_bytes")]
+    pub max_bytes: u64,
+    /// The most bytes one response (its request and events) may hold.
+    #[serde(default = "default_journal_max_record_bytes")]
+    pub max_record_bytes: u64,
+    /// How often expired responses are removed.
+    #[serde(default = "default_journal_sweep_interval_ms")]
+    pub sweep_interval_ms: u64,
+    /// How long a node keeps a durable run going after losing its Edge
+    /// connection, for an Edge to adopt it (R-PARK-1); after an Edge
+    /// restart, records not adopted within it (plus a few seconds) end
+    /// `incomplete`.
+    #[serde(default = "default_park_grace_ms")]
+    pub park_grace_ms: u64,
+    /// The TTL of this Edge's ownership lease (R-TAKE-1): it is rewritten
+    /// every third of it, and another Edge that sees it unchanged for this
+    /// long takes this Edge's unfinished responses over (after the park
+    /// window).
+    #[serde(default = "default_lease_ttl_ms")]
+    pub lease_ttl_ms: u64,
+    /// How often unfinished records are scanned for orphans (a previous
+    /// run's, a dead Edge's).
+    #[serde(default = "default_takeover_scan_interval_ms")]
+    pub takeover_scan_interval_ms: u64,
+    /// `[journal.nats]`, with `store = "nats"`.
+    #[serde(default)]
+    pub nats: Option<NatsSection>,
+}
+
+fn default_lease_ttl_ms() -> u64 {
+    15_000
+}
+
+fn default_takeover_scan_interval_ms() -> u64 {
+    5_000
+}
+
+fn default_park_grace_ms() -> u64 {
+    iop_wire::DEFAULT_PARK_GRACE_MS
+}
+
+impl Default for JournalSection {
+    fn default() -> Self {
+        JournalSection {
+            store: JournalStoreKind::default(),
+            path: None,
+            responses_store_default: true,
+            retention_ms: default_journal_retention_ms(),
+            max_bytes: default_journal_max_bytes(),
+            max_record_bytes: default_journal_max_record_bytes(),
+            sweep_interval_ms: default_journal_sweep_interval_ms(),
+            park_grace_ms: default_park_grace_ms(),
+            lease_ttl_ms: default_lease_ttl_ms(),
+            takeover_scan_interval_ms: default_takeover_scan_interval_ms(),
+            nats: None,
+        }
+    }
+}
+
+fn default_journal_retention_ms() -> u64 {
+    iop_core::journal::JournalLimits::default().retention_ms
+}
+
+fn default_journal_max_bytes() -> u64 {
+    iop_core::journal::JournalLimits::default().max_bytes
+}
+
+fn default_journal_max_record_bytes() -> u64 {
+    iop_core::journal::JournalLimits::default().max_record_bytes
+}
+
+fn default_journal_sweep_interval_ms() -> u64 {
+    60_000
+}
+
+impl JournalSection {
+    /// The journal's limits (validated against core's rules at load).
+    pub fn limits(&self) -> iop_core::journal::JournalLimits {
+        iop_core::journal::JournalLimits {
+            retention_ms: self.retention_ms,
+            max_bytes: self.max_bytes,
+            max_record_bytes: self.max_record_bytes,
+        }
+    }
+
+    /// The embedded store's file.
+    pub fn file(&self, state_dir: &Path) -> PathBuf {
+        self.path
+            .clone()
+            .unwrap_or_else(|| state_dir.join("journal.redb"))
+    }
+
+    /// How long an orphan waits for its node to report its run parked
+    /// (R-PARK-2) before it ends `incomplete` (R-TAKE-1): the park grace
+    /// and the slack for the reports.
+    pub fn park_window(&self) -> Duration {
+        Duration::from_millis(self.park_grace_ms) + iop_core::edge::request::PARK_REPORT_SLACK
+    }
+
+    pub(super) fn validate(&mut self, base: &Path) -> Result<(), ConfigError> {
+        use iop_core::journal::JournalLimitsError;
+        if let Err(e) = self.limits().validate() {
+            let field = match e {
+                JournalLimitsError::Retention(_) => "journal.retention_ms",
+                JournalLimitsError::MaxBytes { .. } => "journal.max_bytes",
+                JournalLimitsError::MaxRecordBytes(_) => "journal.max_record_bytes",
+            };
+            return Err(field_err(field, e.to_string()));
+        }
+        if !(1000..=3_600_000).contains(&self.sweep_interval_ms) {
+            return Err(field_err(
+                "journal.sweep_interval_ms",
+                "must be between 1000 and 3600000",
+            ));
+        }
+        if !(100..=600_000).contains(&self.park_grace_ms) {
+            return Err(field_err(
+                "journal.park_grace_ms",
+                "must be between 100 and 600000",
+            ));
+        }
+        if let Some(path) = &mut self.path {
+            if path.as_os_str().is_empty() {
+                return Err(field_err("journal.path", "must not be empty"));
+            }
+            if path.is_relative() {
+                *path = base.join(&*path);
+            }
+        }
+        if !(iop_core::journal::MIN_LEASE_TTL_MS..=iop_core::journal::MAX_LEASE_TTL_MS)
+            .contains(&self.lease_ttl_ms)
+        {
+            return Err(field_err(
+                "journal.lease_ttl_ms",
+                format!(
+                    "must be between {} and {}",
+                    iop_core::journal::MIN_LEASE_TTL_MS,
+                    iop_core::journal::MAX_LEASE_TTL_MS
+                ),
+            ));
+        }
+        if !(100..=600_000).contains(&self.takeover_scan_interval_ms) {
+            return Err(field_err(
+                "journal.takeover_scan_interval_ms",
+                "must be between 100 and 600000",
+            ));
+        }
+        let limits = self.limits();
+        match (self.store, &mut self.nats) {
+            (JournalStoreKind::Nats, None) => {
+                return Err(field_err(
+                    "journal.nats",
+                    "required with store = \"nats\" (at least `servers`)",
+                ));
+            }
+            (JournalStoreKind::Nats, Some(nats)) => {
+                // Checked now (secrets read, every option validated), so a
+                // bad one is refused at load, by name; used at start.
+                nats.options(limits, base)?;
+                for p in [&mut nats.credentials_file, &mut nats.tls_ca_file]
+                    .into_iter()
+                    .flatten()
+                {
+                    if p.is_relative() {
+                        *p = base.join(&*p);
+                    }
+                }
+            }
+            (_, Some(_)) => {
+                return Err(field_err(
+                    "journal.store",
+                    "must be \"nats\" when [journal.nats] is given",
+                ));
+            }
+            (_, None) => {}
+        }
+        Ok(())
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use iop_transport::settings::ConfigError;
+
+    use super::*;
+    use crate::config::fixture::{BASE, field_of, parse};
+    use crate::config::{DEFAULT_EDGE_ID, EdgeConfig};
+
+    #[test]
+    fn a_nats_journal_needs_an_edge_id_and_its_section_and_each_bad_field_is_named() {
+        // Defaults: one Edge on its own store.
+        let c = parse("").unwrap();
+        assert_eq!(c.edge.edge_id(), DEFAULT_EDGE_ID);
+        assert_eq!(c.journal.store, JournalStoreKind::Embedded);
+        assert_eq!(
+            (c.journal.lease_ttl_ms, c.journal.takeover_scan_interval_ms),
+            (15_000, 5_000)
+        );
+        let with_id = |id: &str, extra: &str| {
+            let text = BASE.replace("[edge]\n", &format!("[edge]\nedge_id = \"{id}\"\n"));
+            EdgeConfig::parse(&format!("{text}{extra}"), Path::new("/etc/iop"))
+        };
+        let nats = "[journal]\nstore = \"nats\"\n[journal.nats]\nservers = [\"nats://10.0.0.1:4222\", \"nats://10.0.0.2:4222\"]\n";
+        let e = parse(nats).unwrap_err();
+        assert_eq!(field_of(e), "edge.edge_id", "a shared store needs an id");
+        let c = with_id("edge-a", nats).unwrap();
+        assert_eq!(c.edge.edge_id(), "edge-a");
+        let n = c.journal.nats.as_ref().unwrap();
+        let o = n
+            .options(c.journal.limits(), Path::new("/etc/iop"))
+            .unwrap();
+        assert_eq!(
+            (o.stream.as_str(), o.bucket.as_str(), o.replicas),
+            ("IOP_JOURNAL", "iop_journal", 1)
+        );
+        assert_eq!(o.servers.len(), 2);
+        let e = with_id("edge a", nats).unwrap_err();
+        assert_eq!(field_of(e), "edge.edge_id");
+        let e = with_id("edge-a", "[journal]\nstore = \"nats\"\n").unwrap_err();
+        assert_eq!(field_of(e), "journal.nats");
+        let e = with_id(
+            "edge-a",
+            "[journal.nats]\nservers = [\"nats://127.0.0.1:4222\"]\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            field_of(e),
+            "journal.store",
+            "[journal.nats] without store = nats"
+        );
+        for (line, field) in [
+            ("servers = []", "journal.nats.servers"),
+            ("servers = [\"nats://[::1\"]", "journal.nats.servers"),
+            (
+                "servers = [\"nats://iop:pw@h:4222\"]",
+                "journal.nats.servers",
+            ),
+            (
+                "servers = [\"nats://h:4222\"]\nreplicas = 2",
+                "journal.nats.replicas",
+            ),
+            (
+                "servers = [\"nats://h:4222\"]\nbucket = \"a.b\"",
+                "journal.nats.bucket",
+            ),
+            (
+                "servers = [\"nats://h:4222\"]\nconnect_timeout_ms = 0",
+                "journal.nats.connect_timeout_ms",
+            ),
+            (
+                "servers = [\"nats://h:4222\"]\nuser = \"iop\"",
+                "journal.nats.password_env",
+            ),
+            (
+                "servers = [\"nats://h:4222\"]\npassword_env = \"IOP_TEST_NATS_PASSWORD_SET\"",
+                "journal.nats.user",
+            ),
+            (
+                "servers = [\"nats://h:4222\"]\ntoken_env = \"IOP_TEST_NATS_TOKEN_UNSET\"",
+                "journal.nats.token_env",
+            ),
+            (
+                "servers = [\"nats://h:4222\"]\ntoken_env = \"T\"\ncredentials_file = \"c.creds\"",
+                "journal.nats.credentials_file",
+            ),
+            ("servers = [\"nats://h:4222\"]\nsurprise = 1", ""),
+        ] {
+            let text = format!("[journal]\nstore = \"nats\"\n[journal.nats]\n{line}\n");
+            match with_id("edge-a", &text) {
+                Err(ConfigError::Parse(msg)) if field.is_empty() => {
+                    assert!(msg.contains("surprise"), "{msg}");
+                }
+                Err(e) => assert_eq!(field_of(e), field, "{line}"),
+                Ok(_) => panic!("{line} was accepted"),
+            }
+        }
+        for (line, field) in [
+            ("lease_ttl_ms = 10", "journal.lease_ttl_ms"),
+            (
+                "takeover_scan_interval_ms = 0",
+                "journal.takeover_scan_interval_ms",
+            ),
+        ] {
+            let e = parse(&format!("[journal]\n{line}\n")).unwrap_err();
+            assert_eq!(field_of(e), field);
+        }
+    }
+
+    #[test]
+    fn nats_secrets_come_from_the_environment_and_paths_resolve_against_the_file() {
+        // A variable every process has (tests set none).
+        let var = "PATH";
+        let secret = std::env::var(var).unwrap();
+        let text = BASE.replace("[edge]\n", "[edge]\nedge_id = \"edge-b\"\n");
+        let c = EdgeConfig::parse(
+            &format!(
+                "{text}[journal]\nstore = \"nats\"\n[journal.nats]\nservers = [\"tls://nats.internal:4222\"]\n\
+                 user = \"iop\"\npassword_env = \"{var}\"\ntls_ca_file = \"nats-ca.pem\"\nreplicas = 3\n"
+            ),
+            Path::new("/etc/iop"),
+        )
+        .unwrap();
+        let n = c.journal.nats.as_ref().unwrap();
+        assert_eq!(
+            n.tls_ca_file.as_deref(),
+            Some(Path::new("/etc/iop/nats-ca.pem"))
+        );
+        let o = n
+            .options(c.journal.limits(), Path::new("/elsewhere"))
+            .unwrap();
+        assert_eq!(
+            o.auth,
+            iop_store_nats::NatsAuth::UserPassword {
+                user: "iop".into(),
+                password: secret.trim().to_owned()
+            }
+        );
+        assert_eq!(
+            o.tls_ca_file.as_deref(),
+            Some(Path::new("/etc/iop/nats-ca.pem"))
+        );
+        assert_eq!(o.replicas, 3);
+        assert!(
+            !format!("{c:?}").contains(&secret),
+            "the password is never shown"
+        );
+        assert!(
+            !format!("{o:?}").contains(&secret),
+            "the password is never shown"
+        );
+    }
+}

@@ -1,0 +1,349 @@
+//! The Edge's TOML configuration, validated at load. Every error names the
+//! field that is wrong.
+//!
+//! One file per section: [`EdgeFile`] and [`EdgeConfig`] here (loading, and
+//! the checks that span sections), then `[edge]`, `[admission]`,
+//! `[health]`, `[[providers]]`, `[[routes]]` with `[discovered_models]`,
+//! `[[api_keys]]` with `[[credentials]]` (the secrets) and `[journal]`.
+//! `[tls]`, `[heartbeat]`, `[otlp]` and `[otlp_traces]` are the transport's
+//! sections, shared with the Node.
+
+mod admission;
+mod edge;
+#[cfg(test)]
+mod fixture;
+mod health;
+mod journal;
+mod providers;
+mod routes;
+mod secrets;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+use iop_core::edge::admission::AdmissionConfig;
+use iop_core::ids::{NodeId, ProviderId};
+use iop_core::liveness::heartbeat::HeartbeatConfig;
+use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
+use iop_transport::telemetry::OtlpSection;
+use serde::Deserialize;
+
+pub use admission::AdmissionSection;
+pub use edge::{
+    DEFAULT_EDGE_ID, EdgeSection, MAX_BODY_BYTES_LIMIT, MAX_CONNECTIONS_LIMIT,
+    MAX_H2_CONCURRENT_STREAMS_LIMIT, MAX_NODE_CONNECTIONS_LIMIT, MAX_REQUEST_MEMORY_BYTES_LIMIT,
+    WIRE_HEADROOM_BYTES,
+};
+pub use health::HealthSection;
+pub use journal::{JournalSection, JournalStoreKind, NatsSection};
+pub use providers::{Provider, ProviderEntry, ProviderMode};
+pub use routes::{DiscoveredModelsSection, RouteEntry};
+pub use secrets::{ApiKey, ApiKeyEntry, CredentialEntry, CredentialProfile};
+
+use crate::catalog::model_matches;
+use providers::validate_providers;
+use routes::{Routes, validate_routes};
+use secrets::{parse_api_keys, parse_credentials};
+
+/// The raw file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeFile {
+    /// `[edge]`.
+    pub edge: EdgeSection,
+    /// `[tls]`.
+    pub tls: TlsFiles,
+    /// `[heartbeat]`.
+    #[serde(default)]
+    pub heartbeat: HeartbeatSection,
+    /// `[admission]`.
+    #[serde(default)]
+    pub admission: AdmissionSection,
+    /// `[health]`.
+    #[serde(default)]
+    pub health: HealthSection,
+    /// `[[providers]]`.
+    #[serde(default)]
+    pub providers: Vec<ProviderEntry>,
+    /// `[[routes]]`.
+    #[serde(default)]
+    pub routes: Vec<RouteEntry>,
+    /// `[[api_keys]]`.
+    #[serde(default)]
+    pub api_keys: Vec<ApiKeyEntry>,
+    /// `[discovered_models]`: hide or rename models providers report.
+    #[serde(default)]
+    pub discovered_models: DiscoveredModelsSection,
+    /// `[[credentials]]`.
+    #[serde(default)]
+    pub credentials: Vec<CredentialEntry>,
+    /// `[otlp]`: optional OTLP metrics export.
+    #[serde(default)]
+    pub otlp: Option<OtlpSection>,
+    /// `[otlp_traces]`: optional OTLP span export.
+    #[serde(default)]
+    pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
+    /// `[journal]`: where durable responses are kept (SPEC §6).
+    #[serde(default)]
+    pub journal: JournalSection,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// `[edge]`.
+    pub edge: EdgeSection,
+    /// `[tls]`.
+    pub tls: TlsFiles,
+    /// Heartbeat profile.
+    pub heartbeat: HeartbeatConfig,
+    /// QUIC settings from `[heartbeat] loss_detect_ms` (R-FAIL-2).
+    pub quic_tuning: iop_transport::QuicTuning,
+    /// Admission.
+    pub admission: AdmissionSection,
+    /// Health tracker.
+    pub health: HealthSection,
+    /// Providers.
+    pub providers: Vec<Provider>,
+    /// Routes: model -> provider pool.
+    pub routes: Vec<(String, Vec<ProviderId>)>,
+    /// Routes that say whether they continue answers (R-CONT-1).
+    pub continuation_routes: Vec<(String, bool)>,
+    /// `[discovered_models]`: hidden and renamed models.
+    pub model_names: crate::catalog::ModelNames,
+    /// API keys.
+    pub api_keys: Vec<ApiKey>,
+    /// Managed credential profiles.
+    pub credentials: Vec<CredentialProfile>,
+    /// OTLP metrics export (`None`: off).
+    pub otlp: Option<OtlpSection>,
+    /// OTLP span export (`None`: off).
+    pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
+    /// Durable responses.
+    pub journal: JournalSection,
+}
+
+impl EdgeConfig {
+    /// Load and validate a file. Relative paths resolve against the file's
+    /// directory.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Self::parse(&text, base)
+    }
+
+    /// Parse and validate TOML text.
+    pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
+        let file: EdgeFile = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::validate(file, base)
+    }
+
+    fn validate(mut file: EdgeFile, base: &Path) -> Result<Self, ConfigError> {
+        file.heartbeat.validate("heartbeat")?;
+        if let Some(traces) = &mut file.otlp_traces {
+            traces.validate("otlp_traces")?;
+        }
+        if let Some(otlp) = &mut file.otlp {
+            otlp.validate("otlp")?;
+        }
+        file.tls.resolve(base);
+        file.journal.validate(base)?;
+        match &file.edge.edge_id {
+            Some(id) if !valid_name(id) => {
+                return Err(field_err(
+                    "edge.edge_id",
+                    "must be 1-128 chars of [A-Za-z0-9._-]",
+                ));
+            }
+            None if file.journal.store.is_shared() => {
+                return Err(field_err(
+                    "edge.edge_id",
+                    "required with journal.store = \"nats\": each Edge sharing the store needs \
+                     its own id",
+                ));
+            }
+            _ => {}
+        }
+        if file.edge.state_dir.is_relative() {
+            file.edge.state_dir = base.join(&file.edge.state_dir);
+        }
+        file.admission.validate()?;
+        file.edge.validate_limits()?;
+
+        let credentials = parse_credentials(&file.credentials, base)?;
+        let providers = validate_providers(&file.providers, &credentials)?;
+        let Routes {
+            pools: routes,
+            continuation: continuation_routes,
+        } = validate_routes(&file.routes, &providers)?;
+        let model_names = file.discovered_models.validate()?;
+        let api_keys = parse_api_keys(&file.api_keys, base)?;
+        let health = file.health;
+        health.validate()?;
+        Ok(Self {
+            heartbeat: file.heartbeat.to_core(),
+            quic_tuning: file.heartbeat.quic_tuning(),
+            admission: file.admission,
+            health,
+            edge: file.edge,
+            tls: file.tls,
+            providers,
+            routes,
+            continuation_routes,
+            model_names,
+            api_keys,
+            credentials,
+            otlp: file.otlp,
+            otlp_traces: file.otlp_traces,
+            journal: file.journal,
+        })
+    }
+
+    /// Re-read only the `[[credentials]]` section of the file at `path`
+    /// (secrets, revisions, disabled flags), for a reload (SIGHUP).
+    pub fn load_credentials(path: &Path) -> Result<Vec<CredentialProfile>, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let file: EdgeFile =
+            toml::from_str(&text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        parse_credentials(&file.credentials, base)
+    }
+
+    /// The core's health tracker settings.
+    pub fn health_config(&self) -> iop_core::edge::health::HealthConfig {
+        self.health.to_core()
+    }
+
+    /// The core's admission bounds.
+    pub fn admission_config(&self) -> AdmissionConfig {
+        AdmissionConfig {
+            queue_capacity: self.admission.queue_capacity,
+            queue_timeout: Duration::from_millis(self.admission.queue_timeout_ms),
+        }
+    }
+
+    /// Providers without a configured `capacity`: their node's reported
+    /// limit for the target becomes their capacity.
+    pub fn capacity_from_node(&self) -> BTreeSet<ProviderId> {
+        self.providers
+            .iter()
+            .filter(|p| p.capacity_from_node)
+            .map(|p| p.spec.id.clone())
+            .collect()
+    }
+
+    /// Node ids named by providers.
+    pub fn known_nodes(&self) -> BTreeSet<NodeId> {
+        self.providers.iter().map(|p| p.spec.node.clone()).collect()
+    }
+
+    /// The provider pool serving `model`: an exact route, else the longest
+    /// prefix route (`model = "llama3*"`).
+    pub fn route(&self, model: &str) -> Option<&[ProviderId]> {
+        if let Some((_, pool)) = self.routes.iter().find(|(m, _)| m == model) {
+            return Some(pool);
+        }
+        self.routes
+            .iter()
+            .filter(|(m, _)| m.ends_with('*') && model_matches(m, model))
+            .max_by_key(|(m, _)| m.len())
+            .map(|(_, pool)| pool.as_slice())
+    }
+
+    /// Whether answers of `model` continue on another provider when theirs
+    /// fails after commit (R-CONT-1): its route's setting (exact, else the
+    /// longest matching pattern), else `[admission] continuation`.
+    pub fn continuation_for(&self, model: &str) -> bool {
+        if let Some((_, c)) = self.continuation_routes.iter().find(|(m, _)| m == model) {
+            return *c;
+        }
+        self.continuation_routes
+            .iter()
+            .filter(|(m, _)| m.ends_with('*') && model_matches(m, model))
+            .max_by_key(|(m, _)| m.len())
+            .map_or(self.admission.continuation, |(_, c)| *c)
+    }
+
+    /// The pool of an exact `[[routes]]` entry for `model` (a pin: it wins
+    /// over discovered models).
+    pub fn exact_route(&self, model: &str) -> Option<&[ProviderId]> {
+        self.routes
+            .iter()
+            .find(|(m, _)| m == model)
+            .map(|(_, pool)| pool.as_slice())
+    }
+
+    /// Model names to list (exact routes only, not prefix patterns).
+    pub fn listed_models(&self) -> impl Iterator<Item = &str> {
+        self.routes
+            .iter()
+            .map(|(m, _)| m.as_str())
+            .filter(|m| !m.ends_with('*'))
+    }
+
+    /// A provider by id.
+    pub fn provider(&self, id: &ProviderId) -> Option<&Provider> {
+        self.providers.iter().find(|p| &p.spec.id == id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::fixture::{BASE, field_of, parse};
+
+    #[test]
+    fn defaults_are_production_values() {
+        let c = parse("").unwrap();
+        assert_eq!(c.heartbeat, HeartbeatConfig::default());
+        assert_eq!(c.tls.ca, Path::new("/etc/iop/ca.pem"));
+        assert_eq!(c.admission.queue_capacity, 256);
+        assert!(c.otlp.is_none(), "OTLP export is off unless configured");
+        let c = parse("[otlp]\nendpoint = 'http://collector:4318'\n").unwrap();
+        let otlp = c.otlp.unwrap();
+        assert_eq!(otlp.endpoint, "http://collector:4318/v1/metrics");
+        assert_eq!((otlp.interval_ms, otlp.timeout_ms), (15_000, 5_000));
+    }
+
+    #[test]
+    fn errors_name_the_bad_field() {
+        let e = parse("[heartbeat]\ninterval_ms = 0\n").unwrap_err();
+        assert_eq!(field_of(e), "heartbeat.interval_ms");
+        let e = parse("[[providers]]\nid='a'\nnode='n'\nadapter='nope'\ntarget='t'\n").unwrap_err();
+        assert_eq!(field_of(e), "providers[0].adapter");
+        let e = parse(
+            "[[providers]]\nid='a'\nnode='n'\nadapter='mock'\ntarget='t'\nstall_timeout_ms=5\n",
+        )
+        .unwrap_err();
+        assert_eq!(field_of(e), "providers[0].stall_timeout_ms");
+        let e = parse("[[routes]]\nmodel='m'\nproviders=['ghost']\n").unwrap_err();
+        assert_eq!(field_of(e), "routes[0].providers[0]");
+        for bad in ["0", "99999999999"] {
+            let text = BASE.replace(
+                "state_dir = \"state\"",
+                &format!("state_dir = \"state\"\nmax_connections = {bad}"),
+            );
+            let e = EdgeConfig::parse(&text, Path::new("/etc/iop")).unwrap_err();
+            assert_eq!(field_of(e), "edge.max_connections");
+        }
+        let e = parse("[otlp]\nendpoint = 'collector:4318'\n").unwrap_err();
+        assert_eq!(field_of(e), "otlp.endpoint");
+        let e = parse("[otlp]\nendpoint = 'http://c:4318'\ninterval_ms = 1\n").unwrap_err();
+        assert_eq!(field_of(e), "otlp.interval_ms");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_with_their_name() {
+        let e = parse("[admission]\nqueue_size = 3\n").unwrap_err();
+        assert!(e.to_string().contains("queue_size"), "{e}");
+    }
+}
