@@ -198,6 +198,12 @@ pub struct JournalProfile {
     /// The bytes of frames one parked run keeps before it stops reading
     /// its provider (R-PARK-1: a full buffer pauses the provider).
     pub park_kept_bytes: usize,
+    /// Of durable requests, the share whose route continues an answer on
+    /// another provider of its pool (R-CONT-1, opt-in per route): after
+    /// commit a failed attempt continues from the durable prefix, and an
+    /// orphan the Edge's custody takes over is continued from its journal
+    /// rather than ended (R-TAKE-1).
+    pub continue_ppm: u32,
 }
 
 impl JournalProfile {
@@ -360,6 +366,7 @@ impl SimConfig {
                 sync_failure_ppm: 0,
                 park_grace: Duration::ZERO,
                 park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
+                continue_ppm: 0,
             },
         };
         // The tracker's refresh is the capabilities cadence; its backoff cap
@@ -404,6 +411,7 @@ impl SimConfig {
             sync_failure_ppm: 0,
             park_grace: Duration::ZERO,
             park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
+            continue_ppm: 0,
         };
         // Late zombies land around the takeover's raise and terminal: within
         // one or two of the store's longest round trips of the start.
@@ -432,6 +440,9 @@ impl SimConfig {
         config.faults.node_freeze_forever_ppm = rng.range(0, 300_000) as u32;
         config.faults.node_freeze_max = rng.millis(100, 8_000);
         config.provider.http_5xx_ppm = rng.swarm(400_000, 10_000, 250_000);
+        // Routes that continue (R-CONT-1), drawn last: in half the worlds a
+        // share of durable requests continues its answer.
+        config.journal.continue_ppm = rng.swarm(500_000, 100_000, PPM);
         config
     }
 

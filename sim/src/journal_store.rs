@@ -64,9 +64,11 @@ pub enum Writer {
         /// The request.
         request_id: RequestId,
     },
-    /// The restart scan of one Edge incarnation taking a record over
-    /// (R-TAKE-1).
-    Takeover {
+    /// The custody of one Edge incarnation (core's
+    /// `iop_core::edge::custody::Custody`): the raises and terminals of its
+    /// takeovers (R-TAKE-1, R-PARK-2). An epoch it wins it hands to the
+    /// request it starts for the record, or writes the terminal under.
+    Custody {
         /// The Edge incarnation.
         incarnation: u64,
     },
@@ -76,7 +78,7 @@ impl Writer {
     /// The Edge incarnation the writer belongs to.
     pub fn incarnation(&self) -> u64 {
         match self {
-            Writer::Request { incarnation, .. } | Writer::Takeover { incarnation } => *incarnation,
+            Writer::Request { incarnation, .. } | Writer::Custody { incarnation } => *incarnation,
         }
     }
 }

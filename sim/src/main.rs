@@ -245,13 +245,16 @@ fn real_main() -> Result<ExitCode, String> {
             }
             if s.durable_requests > 0 || s.journal_writes > 0 {
                 println!(
-                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried), {} lost and {} unacknowledged at crashes, {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read)",
+                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried, {} given up), {} orphans continued, {} continued attempts, {} lost and {} unacknowledged at crashes, {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read)",
                     s.durable_requests,
                     s.journal_writes,
                     s.journal_syncs,
                     s.journal_batched,
                     s.takeovers,
                     s.takeover_retries,
+                    s.takeovers_given_up,
+                    s.takeover_continued,
+                    s.continued_attempts,
                     s.journal_lost,
                     s.journal_unacked,
                     s.zombies,

@@ -101,6 +101,7 @@ use crate::trace::{
     TracedEdgeLink, TracedNodeLink,
 };
 
+mod custody;
 mod durable;
 mod park;
 
@@ -280,8 +281,18 @@ pub struct Stats {
     pub zombies_fenced_open: u64,
     /// Records ended `incomplete` by a takeover (R-TAKE-1).
     pub takeovers: u64,
-    /// Takeover raises tried again after losing the epoch to a zombie.
+    /// Takeover writes tried again (on a fresh read) after losing the
+    /// epoch to a zombie or a store failure.
     pub takeover_retries: u64,
+    /// Takeovers that used their writes without winning (the record
+    /// waits for the next Edge start).
+    pub takeovers_given_up: u64,
+    /// Orphans continued from their journal on their pool (R-TAKE-1,
+    /// R-CONT-1) instead of ended.
+    pub takeover_continued: u64,
+    /// Attempts sent that continue an answer on another provider
+    /// (R-CONT-1).
+    pub continued_attempts: u64,
     /// Durable clients that left while their request went on.
     pub durable_left: u64,
     /// Durable responses cancelled by their client.
@@ -367,6 +378,9 @@ impl Stats {
         self.zombies_fenced_open += o.zombies_fenced_open;
         self.takeovers += o.takeovers;
         self.takeover_retries += o.takeover_retries;
+        self.takeovers_given_up += o.takeovers_given_up;
+        self.takeover_continued += o.takeover_continued;
+        self.continued_attempts += o.continued_attempts;
         self.durable_left += o.durable_left;
         self.durable_cancels += o.durable_cancels;
         self.resumes += o.resumes;
@@ -634,10 +648,11 @@ enum Event {
         incarnation: u64,
         offers: Vec<iop_core::edge::dispatch::ParkedOffer>,
     },
-    /// The takeover scan looks again at the records it leaves for their
-    /// nodes to report (R-TAKE-1).
-    TakeoverScan {
+    /// The timeout of an Edge's custody (R-TAKE-1): its next scan, or a
+    /// takeover that reads again (`at`: the timeout it was armed for).
+    CustodyTimeout {
         incarnation: u64,
+        at: Option<Instant>,
     },
     /// A frozen node process goes on (the freeze that began at `since`).
     NodeThaw {
@@ -705,15 +720,9 @@ struct EdgeProc {
     fenced_leases: BTreeMap<LeaseId, Lease>,
     /// Durable requests whose record is being created.
     pending_creates: BTreeMap<RequestId, durable::PendingCreate>,
-    /// Records being taken over.
-    takeovers: BTreeMap<String, durable::Takeover>,
-    /// Parked runs being taken over: their record's epoch is being raised
-    /// for the request that will adopt them (R-TAKE-1, R-PARK-2).
-    adoptions: BTreeMap<RequestId, park::PendingAdoption>,
-    /// The takeover scan, when records wait for their nodes' reports.
-    scan: Option<iop_core::journal::TakeoverScan>,
-    /// The records the scan still waits on (those unfinished at start).
-    scan_waiting: BTreeSet<String>,
+    /// Its custody of the records no request of it writes (R-TAKE-1,
+    /// R-PARK-2, R-CONT-1).
+    custody: custody::EdgeCustody,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -902,9 +911,13 @@ pub struct World {
     /// finding): the drain does not wait for them.
     orphans: BTreeSet<String>,
     /// The record of each durable run sent and not yet started on its
-    /// node, by connection and run id: the provider-once check of
-    /// R-PARK-2 counts provider calls per response.
-    run_records: BTreeMap<(ConnId, RunId), String>,
+    /// node, by connection and run id, and whether the attempt continues
+    /// the answer so far (R-CONT-1): the provider-once check of R-PARK-2
+    /// counts provider calls per response.
+    run_records: BTreeMap<(ConnId, RunId), (String, bool)>,
+    /// The route of every durable request's record (configuration: it
+    /// outlives the Edge process).
+    routes: BTreeMap<String, custody::Route>,
 }
 
 impl Drop for World {
@@ -992,11 +1005,15 @@ impl World {
             durable_clients: BTreeMap::new(),
             orphans: BTreeSet::new(),
             run_records: BTreeMap::new(),
+            routes: BTreeMap::new(),
             cfg,
         };
-        world
-            .checker
-            .set_journal_retry_allowance(world.cfg.journal.round_trip_max());
+        // A custody write the store failed is read again after
+        // `STORE_RETRY` and written again: a failed terminal also raises
+        // again first (two round trips).
+        world.checker.set_journal_retry_allowance(
+            iop_core::edge::custody::STORE_RETRY + world.cfg.journal.round_trip_max() * 2,
+        );
         world
             .checker
             .set_loss_bound(world.cfg.heartbeat_interval + world.cfg.heartbeat_wait);
@@ -1349,7 +1366,7 @@ impl World {
                 incarnation,
                 offers,
             } => self.parked_offers(incarnation, offers),
-            Event::TakeoverScan { incarnation } => self.takeover_rescan(incarnation),
+            Event::CustodyTimeout { incarnation, at } => self.custody_wake(incarnation, at),
             Event::NodeThaw { node, since } => self.thaw_node(node, since),
         }
     }
@@ -1479,16 +1496,19 @@ impl World {
             fenced_links: BTreeMap::new(),
             fenced_leases: BTreeMap::new(),
             pending_creates: BTreeMap::new(),
-            takeovers: BTreeMap::new(),
-            adoptions: BTreeMap::new(),
-            scan: None,
-            scan_waiting: BTreeSet::new(),
+            custody: custody::EdgeCustody::new(
+                self.now,
+                crate::journal_store::SIM_EDGE,
+                self.cfg.park_window(),
+            ),
         });
         self.checker.edge_started();
         let at = self.now + self.cfg.capabilities_interval;
         self.schedule(at, Event::CapsTick { incarnation });
-        // R-TAKE-1: what the dead incarnation left open is ended first.
-        self.takeover_scan();
+        // R-TAKE-1: what the dead incarnation left open is taken over
+        // first (the custody's first scan is due at once).
+        self.journal_edge_started();
+        self.custody_wake(incarnation, None);
     }
 
     /// The Edge process dies. `sync_completed` fixes whether the store's
@@ -1985,7 +2005,16 @@ impl World {
                 }
             }
             RequestEvent::Terminal { lease_id, verdict } => {
-                self.checker.terminal_verdict(key, *lease_id, verdict);
+                // R-CONT-1: a committed answer on a route that continues
+                // may go on after any provider-side failure.
+                let may_continue = edge.requests.get(&rid).is_some_and(|r| {
+                    r.machine.gate().is_committed()
+                        && r.durable
+                            .as_deref()
+                            .is_some_and(|record| custody::continues(&self.routes, record))
+                });
+                self.checker
+                    .terminal_verdict(key, *lease_id, verdict, may_continue);
             }
             RequestEvent::LeaseFenced(lease) => {
                 self.checker.lease_released(lease.lease_id, "fence");
@@ -2055,8 +2084,8 @@ impl World {
                 tunnel: _,
                 deadline_ms,
                 adopt,
-                continuation: _,
-            } => self.open_attempt(rid, lease, deadline_ms, adopt),
+                continuation,
+            } => self.open_attempt(rid, lease, deadline_ms, adopt, continuation),
             // The node drops what is durable (R-PARK-1).
             RequestOutput::AckFrames { through_frame } => {
                 let running = self
@@ -2254,6 +2283,7 @@ impl World {
         lease: Lease,
         deadline_ms: u64,
         adopt: Option<AdoptSpec>,
+        continuation: Option<String>,
     ) {
         let park_grace_ms = duration_ms(self.cfg.journal.park_grace);
         let node = self.node_index(&lease.node);
@@ -2306,8 +2336,12 @@ impl World {
                 response_id: record.clone(),
                 grace_ms: park_grace_ms,
             });
+        if continuation.is_some() {
+            self.stats.continued_attempts += 1;
+        }
         if let Some(record) = record {
-            self.run_records.insert((conn, run_id), record);
+            self.run_records
+                .insert((conn, run_id), (record, continuation.is_some()));
         }
         let request = RunRequest {
             run_id,
@@ -2316,7 +2350,7 @@ impl World {
             target: lease.target.clone(),
             model: "sim".into(),
             api: RunApi::Chat,
-            messages: vec![],
+            messages: iop_core::edge::request::continued_messages(&[], continuation.as_deref()),
             tools: vec![],
             params: GenerationParams::default(),
             response_stall_timeout_ms: lease.stall_timeout_ms,
@@ -2324,7 +2358,9 @@ impl World {
             credential_lease: None,
             trace_context: None,
             park,
-            continue_final: false,
+            // R-CONT-1: the answer so far is the conversation's last,
+            // partial assistant message; the provider continues it.
+            continue_final: continuation.is_some(),
         };
         self.transmit(
             conn,
@@ -2964,9 +3000,11 @@ impl World {
         if double {
             self.checker.provider_called(conn, run_id);
         }
-        if let Some(record) = self.run_records.remove(&(conn, run_id)) {
-            // R-PARK-2: one provider call per durable response.
-            self.checker.durable_provider_called(&self.journal, &record);
+        if let Some((record, continues)) = self.run_records.remove(&(conn, run_id)) {
+            // R-PARK-2: one provider call per durable response (R-CONT-1:
+            // but an attempt that continues the answer so far).
+            self.checker
+                .durable_provider_called(&self.journal, &record, continues);
         }
         self.stats.provider_calls += 1;
         let plan = if faults {

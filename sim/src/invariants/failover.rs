@@ -4,7 +4,7 @@
 //!
 //! | rule | checked |
 //! | --- | --- |
-//! | R-FAIL-1 | once an attempt of a request ended with an applied terminal whose `retryable` is false, that request is never dispatched again: no admission, no lease, no run sent |
+//! | R-FAIL-1 | once an attempt of a request ended with an applied terminal whose `retryable` is false, that request is never dispatched again: no admission, no lease, no run sent (but a committed answer continued on its pool, R-CONT-1, on a route that opted in) |
 //! | R-FAIL-2 | the Edge never grants a lease on, nor sends a run to, a node connection after its loss deadline (the last time the Edge heard from the peer plus the detection bound, or the moment the Edge declared it lost if that came first); after every step no generation is dispatchable past the loss deadline of its connection |
 //!
 //! ## The loss deadline
@@ -177,17 +177,20 @@ impl Checker {
 
     /// The dispatcher's verdict on the terminal of `lease_id` reaches the
     /// request `key`: an applied terminal the node did not mark retryable
-    /// ends the request's admissions (R-FAIL-1).
+    /// ends the request's admissions (R-FAIL-1), unless `may_continue`:
+    /// the request's answer is committed and its route continues answers
+    /// (R-CONT-1 governs what comes after commit).
     pub fn terminal_verdict(
         &mut self,
         key: (u64, RequestId),
         lease_id: LeaseId,
         verdict: &TerminalVerdict,
+        may_continue: bool,
     ) {
         let Some(unretryable) = self.failover.pending.remove(&lease_id) else {
             return;
         };
-        if unretryable && matches!(verdict, TerminalVerdict::Applied { .. }) {
+        if unretryable && !may_continue && matches!(verdict, TerminalVerdict::Applied { .. }) {
             remember(&mut self.failover.closed, key);
         }
     }

@@ -15,9 +15,9 @@
 //! | R-JRN-4 | at most one terminal is accepted and no event after it; a writer whose terminal was accepted writes nothing more to that record; a client receives one terminal |
 //! | R-JRN-1 | every event a client receives (the first client or a resumer) is durable in the store when it is received, with the same payload; a terminal is durable and the record's |
 //! | R-JRN-2 (clients) | a client receives the events one by one from 1, without gap or repeat, across resumes (`starting_after` the last it saw), and by its terminal it has all of them |
-//! | R-JRN-3 (one owner per epoch) | the writer model above: an append or terminal is accepted only from the writer that created the record or won its last raise, so no two writers (a live request, a takeover, an adopter, a dead owner's zombie) ever have writes accepted under one (response, epoch) |
-//! | R-PARK-2 (provider once) | the provider is called at most once per durable response once anything of it is durable: a provider call for a response whose record already holds events is a violation (the simulator has no continuation, R-CONT-1, the only exception) |
-//! | R-PARK-2 (output once) | every token of the provider's output is journaled exactly once and in order: each call's tokens are numbered (`tok1`, `tok2`, ...); an accepted append whose token is not past the record's last is output published twice (an adoption that replayed frames the journal already held), one that skips a token lost output (a replay that resumed too late) |
+//! | R-JRN-3 (one owner per epoch) | the writer model above: an append or terminal is accepted only from the writer that created the record or won its last raise, so no two writers (a live request, the custody, an adopter, a dead owner's zombie) ever have writes accepted under one (response, epoch); the Edge's custody may hand an epoch it won, once, to the one request it starts on the record (an adopter, a continuation), never one it does not hold |
+//! | R-PARK-2 (provider once) | the provider is called at most once per durable response once anything of it is durable: a provider call for a response whose record already holds events is a violation, but for an attempt that continues the answer so far on a route that opted in (R-CONT-1) |
+//! | R-PARK-2 (output once) | every token of a provider call's output is journaled exactly once and in order: each call's tokens are numbered (`tok1`, `tok2`, ...) and each journaled event names the run it came from; an accepted append whose token is not past that run's last is output published twice (an adoption that replayed frames the journal already held), one that skips a token lost output (a replay that resumed too late) |
 //! | liveness | a durable request that ended left its record ended; every record without a terminal at an Edge start ends within B_takeover unless the Edge dies again first |
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,6 +33,10 @@ use crate::journal_store::{Decision, JournalOp, OpResult, SimJournal, Writer};
 /// The rule a durable request's orphaned record is reported under (a
 /// known core issue, see [`super::KNOWN_CORE_ISSUES`]).
 pub const JOURNAL_ORPHAN: &str = "journal-orphan";
+
+/// The run a journaled token came from (provider, generation, run id),
+/// if the event names one.
+type TokenRun = Option<(String, u64, u64)>;
 
 /// What the checker knows of one record.
 #[derive(Debug, Clone)]
@@ -51,8 +55,9 @@ struct RecordModel {
     /// ends its client outside the journal): the kind of the last write
     /// refused.
     refused: Option<&'static str>,
-    /// The last provider token journaled (R-PARK-2: output once).
-    last_token: u64,
+    /// The last provider token journaled, per run the tokens came from
+    /// (R-PARK-2: output once; a continuation is a new call, R-CONT-1).
+    last_token: BTreeMap<TokenRun, u64>,
 }
 
 /// What one durable client has received, across resumes.
@@ -74,6 +79,8 @@ pub(super) struct JournalModel {
     /// How much later a takeover may end a record for each of its writes
     /// the store refused with an I/O error (it tries again).
     retry_allowance: Duration,
+    /// Records whose route continues answers (R-CONT-1).
+    continuing_routes: BTreeSet<String>,
 }
 
 /// The status a client's terminal delivery stands for (SPEC §6: completed,
@@ -137,7 +144,7 @@ impl Checker {
                     ended_by: None,
                     verified: 0,
                     refused: None,
-                    last_token: 0,
+                    last_token: BTreeMap::new(),
                 };
                 if self.journal.records.insert(id.clone(), model).is_some() {
                     self.fail("R-JRN-2", format!("record {id} created twice"));
@@ -152,8 +159,7 @@ impl Checker {
                 {
                     r.refused = Some(d.op.kind());
                 }
-                if matches!(d.writer, Writer::Takeover { .. })
-                    && matches!(e, JournalError::Store(_))
+                if matches!(d.writer, Writer::Custody { .. }) && matches!(e, JournalError::Store(_))
                 {
                     self.journal_extend_deadline(&id);
                 }
@@ -195,27 +201,28 @@ impl Checker {
                         }
                         r.events += events.len() as u64;
                         for event in events {
-                            let Some(token) = journaled_token(&event.payload) else {
+                            let Some((run, token)) = journaled_token(&event.payload) else {
                                 continue;
                             };
-                            if token <= r.last_token && failure.is_none() {
+                            let last = r.last_token.entry(run.clone()).or_default();
+                            if token <= *last && failure.is_none() {
                                 failure = Some((
                                     "R-PARK-2",
                                     format!(
-                                        "{id} accepted provider token {token} as event {} after token {} was journaled: output published twice{zombie}",
-                                        event.seq, r.last_token
+                                        "{id} accepted provider token {token} of run {run:?} as event {} after token {} was journaled: output published twice{zombie}",
+                                        event.seq, *last
                                     ),
                                 ));
-                            } else if token > r.last_token + 1 && failure.is_none() {
+                            } else if token > *last + 1 && failure.is_none() {
                                 failure = Some((
                                     "R-PARK-2",
                                     format!(
-                                        "{id} accepted provider token {token} as event {} after token {}: the output between them was lost{zombie}",
-                                        event.seq, r.last_token
+                                        "{id} accepted provider token {token} of run {run:?} as event {} after token {}: the output between them was lost{zombie}",
+                                        event.seq, *last
                                     ),
                                 ));
                             }
-                            r.last_token = r.last_token.max(token);
+                            *last = (*last).max(token);
                         }
                     }
                     JournalOp::Finish { epoch, .. } => {
@@ -468,13 +475,53 @@ impl Checker {
         }
     }
 
+    /// The route of durable response `id` continues answers (R-CONT-1),
+    /// or not.
+    pub fn durable_route(&mut self, id: &str, continues: bool) {
+        if continues {
+            self.journal.continuing_routes.insert(id.to_owned());
+        }
+    }
+
+    /// The Edge's custody (`from`) hands the epoch `epoch` of `id` it won
+    /// to the request `to` it starts on the record (an adopter, a
+    /// continuation): only an epoch it holds, and only once.
+    pub fn journal_epoch_handed(&mut self, id: &str, epoch: u64, from: &Writer, to: Writer) {
+        let Some(r) = self.journal.records.get_mut(id) else {
+            self.fail("R-JRN-3", format!("an epoch of {id} handed, never created"));
+            return;
+        };
+        if r.epoch != epoch {
+            // Another writer raised since (a dead owner's late raise): the
+            // request's writes will be fenced.
+            return;
+        }
+        if r.owner != *from {
+            let detail = format!(
+                "{from:?} handed epoch {epoch} of {id} to {to:?}, but {:?} holds it",
+                r.owner
+            );
+            self.fail("R-JRN-3", detail);
+            return;
+        }
+        r.owner = to;
+    }
+
     /// A node starts the provider call of a run of durable response `id`
     /// (R-PARK-2: the provider is called once; before anything of the
     /// response is durable an attempt may still fail over, after it the
-    /// run is adopted, never called again).
-    pub fn durable_provider_called(&mut self, store: &SimJournal, id: &str) {
+    /// run is adopted, never called again), `continues`: the attempt
+    /// continues the answer so far (R-CONT-1), which a route that opted in
+    /// may do.
+    pub fn durable_provider_called(&mut self, store: &SimJournal, id: &str, continues: bool) {
         let events = store.record(id).map_or(0, |r| r.events.len());
-        if events > 0 {
+        if continues && !self.journal.continuing_routes.contains(id) {
+            let detail =
+                format!("an attempt of {id} continued an answer on a route that does not continue");
+            self.fail("R-CONT-1", detail);
+            return;
+        }
+        if events > 0 && !continues {
             let detail = format!(
                 "the provider was called again for {id}, whose journal already holds {events} events"
             );
@@ -552,12 +599,17 @@ fn writer_fault(
     None
 }
 
-/// The provider token a journaled event carries (`tok{k}`), if it is text.
-fn journaled_token(payload: &[u8]) -> Option<u64> {
+/// The provider token a journaled event carries (`tok{k}`), if it is
+/// text, with the run it came from (provider, generation, run id).
+fn journaled_token(payload: &[u8]) -> Option<(TokenRun, u64)> {
     use iop_core::edge::request::Delivery;
-    match iop_core::edge::durable::decode_entry(payload)?.delivery {
+    let entry = iop_core::edge::durable::decode_entry(payload)?;
+    let run = entry
+        .source
+        .map(|s| (s.provider_id.to_string(), s.key.generation, s.key.run_id));
+    match entry.delivery {
         Delivery::Event(iop_wire::RunEventKind::TextDelta(text)) => {
-            text.strip_prefix("tok")?.parse().ok()
+            Some((run, text.strip_prefix("tok")?.parse().ok()?))
         }
         _ => None,
     }

@@ -14,10 +14,8 @@
 //!   the store, then follows the record, receiving each event once it is
 //!   durable, then the terminal. Some clients cancel (`RequestInput::Cancel`).
 //! * At each Edge start every record without a terminal is taken over
-//!   (R-TAKE-1, its first step): the epoch is raised by compare-and-set,
-//!   then the record ends `incomplete` (`edge_restart`) with its durable
-//!   prefix. The sequence is written here because `iop-core` has no
-//!   takeover machine yet; it uses only the store's answers.
+//!   (R-TAKE-1) by the Edge's custody, the core's machine (see
+//!   `custody.rs`): this module only routes the store's answers to it.
 //! * An Edge crash is a crash point of the store (see
 //!   [`crate::journal_store`]); lost writes may come back as zombies,
 //!   while the Edge is down or shortly after its next start.
@@ -30,9 +28,7 @@ use iop_core::edge::durable::{JournalAck, JournalSpec, JournalWrite, encode_deli
 use iop_core::edge::gate::GateBudget;
 use iop_core::edge::request::{Delivery, Request, RequestInput, RequestSpec};
 use iop_core::ids::ProviderId;
-use iop_core::journal::{
-    CreateOutcome, JournalApi, JournalError, NewRecord, RecordStatus, Terminal, fingerprint,
-};
+use iop_core::journal::{CreateOutcome, JournalApi, JournalError, NewRecord, fingerprint};
 
 use super::{EdgeRequest, Event, World};
 use crate::config::PPM;
@@ -42,11 +38,6 @@ use crate::journal_store::{JournalOp, OpKind, OpResult, PendingWrite, Writer};
 /// The Unix time of virtual time zero, milliseconds (what the driver
 /// stamps on terminals and records).
 const UNIX_EPOCH_OFFSET_MS: u64 = 1_800_000_000_000;
-
-/// The most writes one takeover of a record tries (a raise beaten by a
-/// zombie raise of an older incarnation, or a write the store failed, is
-/// tried again).
-const MAX_TAKEOVER_WRITES: u32 = 32;
 
 /// The most times one client resumes.
 const MAX_RESUMES: u32 = 3;
@@ -59,15 +50,6 @@ pub(super) struct PendingCreate {
     pub(super) budget: GateBudget,
     /// The client left before it learnt the response id.
     pub(super) client_left: bool,
-}
-
-/// One record being taken over (R-TAKE-1).
-#[derive(Debug, Default)]
-pub(super) struct Takeover {
-    /// Writes tried.
-    attempts: u32,
-    /// The epoch its raise won.
-    epoch: Option<u64>,
 }
 
 /// Where the client of a durable response is.
@@ -206,10 +188,6 @@ impl World {
             (Writer::Request { request_id, .. }, OpKind::Create) => {
                 self.record_created(request_id, result);
             }
-            // The raise for an adoption (R-TAKE-1, R-PARK-2).
-            (Writer::Request { request_id, .. }, OpKind::RaiseEpoch) => {
-                self.adoption_raised(request_id, result);
-            }
             (Writer::Request { request_id, .. }, _) => {
                 let ack = match (kind, result) {
                     (_, OpResult::Refused(e)) => JournalAck::Refused(e),
@@ -218,7 +196,9 @@ impl World {
                 };
                 self.request_input(request_id, RequestInput::Journaled(ack));
             }
-            (Writer::Takeover { .. }, kind) => self.takeover_answer(record, kind, result),
+            (Writer::Custody { incarnation }, kind) => {
+                self.custody_answer(incarnation, record, kind, result);
+            }
         }
     }
 
@@ -355,6 +335,19 @@ impl World {
         };
         let incarnation = edge.incarnation;
         let record = format!("resp-{incarnation}-{request_id}");
+        // Its route: the pool, and whether it continues answers (R-CONT-1).
+        let continues = self.rng.chance(self.cfg.journal.continue_ppm);
+        self.routes.insert(
+            record.clone(),
+            super::custody::Route {
+                pool: pool.clone(),
+                continues,
+            },
+        );
+        self.checker.durable_route(&record, continues);
+        let Some(edge) = &mut self.edge else {
+            return;
+        };
         edge.pending_creates.insert(
             request_id,
             PendingCreate {
@@ -398,6 +391,7 @@ impl World {
             return;
         };
         let incarnation = edge.incarnation;
+        let continuation = super::custody::continues(&self.routes, &pending.record);
         if !matches!(result, OpResult::Created(CreateOutcome::Create(_))) {
             // R-JRN-5: a full store refuses new durable requests (503).
             self.stats.failed += 1;
@@ -424,7 +418,7 @@ impl World {
                 // Runs park on their node in worlds that say so (R-PARK-1);
                 // 0: a lost connection after commit ends the request.
                 park_grace_ms: super::duration_ms(park_grace),
-                continuation: false,
+                continuation,
             },
         );
         self.core_bugs.plant_request(&machine);
@@ -683,142 +677,32 @@ impl World {
 
     // ---- Takeover (R-TAKE-1) -------------------------------------------------
 
-    /// A new incarnation takes over every record without a terminal: raise
-    /// its epoch, then end it `incomplete` with its durable prefix.
+    /// An Edge incarnation started: every record without a terminal must
+    /// end within its bound unless the Edge dies again first (the checker's
+    /// deadline; the custody takes them over).
     ///
-    /// Where runs park, a record first waits the park window for its node
-    /// to report the run (the core's `TakeoverScan` decides, as the shell's
-    /// scan does): an adopted record is left to its adopter
-    /// ([`Self::takeover_rescan`]).
-    pub(super) fn takeover_scan(&mut self) {
-        let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) else {
-            return;
-        };
-        let unfinished = self.journal.unfinished();
-        let ids: Vec<String> = unfinished.iter().map(|m| m.id.clone()).collect();
+    /// Past the custody's part (B_takeover), a record may be handed to a
+    /// request that writes it: where runs park, one that adopts its run
+    /// (after the park window); where its route continues, one that
+    /// continues its answer (R-CONT-1). That request has its budget and
+    /// its terminal to write.
+    pub(super) fn journal_edge_started(&mut self) {
         let window = self.cfg.park_window();
-        if !window.is_zero() {
-            // A record may be adopted: its adopter then has its budget to
-            // end it.
-            let deadline = self.now
-                + window
-                + self.cfg.request_budget
-                + self.cfg.durable_flush_bound()
-                + self.cfg.takeover_bound();
+        let handed = self.cfg.request_budget + self.cfg.durable_flush_bound();
+        let mut by_deadline: std::collections::BTreeMap<iop_core::Instant, Vec<String>> =
+            std::collections::BTreeMap::new();
+        for meta in self.journal.unfinished() {
+            let mut bound = window + self.cfg.takeover_bound();
+            if !window.is_zero() || self.route_continues(&meta.id) {
+                bound += handed;
+            }
+            by_deadline
+                .entry(self.now + bound)
+                .or_default()
+                .push(meta.id);
+        }
+        for (deadline, ids) in by_deadline {
             self.checker.journal_edge_started(&ids, deadline);
-            if let Some(edge) = &mut self.edge {
-                edge.scan = Some(iop_core::journal::TakeoverScan::sole(
-                    crate::journal_store::SIM_EDGE,
-                    window,
-                ));
-                edge.scan_waiting = ids.into_iter().collect();
-            }
-            self.takeover_rescan(incarnation);
-            return;
-        }
-        let deadline = self.now + self.cfg.takeover_bound();
-        self.checker.journal_edge_started(&ids, deadline);
-        for meta in unfinished {
-            self.takeover_start(incarnation, meta);
-        }
-    }
-
-    /// Take `meta` over: raise its epoch from the one read (R-JRN-3).
-    pub(super) fn takeover_start(&mut self, incarnation: u64, meta: iop_core::journal::RecordMeta) {
-        if let Some(edge) = &mut self.edge {
-            edge.takeovers.insert(meta.id.clone(), Takeover::default());
-        }
-        self.journal_submit(
-            Writer::Takeover { incarnation },
-            JournalOp::RaiseEpoch {
-                id: meta.id,
-                expected: meta.epoch,
-            },
-        );
-    }
-
-    fn takeover_answer(&mut self, record: String, kind: OpKind, result: OpResult) {
-        let now_unix = self.unix_ms();
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let incarnation = edge.incarnation;
-        let writer = Writer::Takeover { incarnation };
-        let Some(takeover) = edge.takeovers.get_mut(&record) else {
-            return;
-        };
-        takeover.attempts += 1;
-        let finish = |epoch: u64| JournalOp::Finish {
-            id: record.clone(),
-            epoch,
-            terminal: Terminal {
-                status: RecordStatus::Incomplete,
-                reason: Some("edge_restart".into()),
-                message: None,
-                at_unix_ms: now_unix,
-            },
-        };
-        // A request of this Edge adopted it meanwhile: it owns the record
-        // (the scan never takes over what is written here).
-        let open = self
-            .journal
-            .record(&record)
-            .is_some_and(|r| r.meta.terminal.is_none())
-            && !self.record_live_here(&record);
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let Some(takeover) = edge.takeovers.get_mut(&record) else {
-            return;
-        };
-        // The next write, and whether it tries a write again.
-        let next = match (kind, result) {
-            (OpKind::RaiseEpoch, OpResult::Written(meta)) => {
-                takeover.epoch = Some(meta.epoch);
-                Some((finish(meta.epoch), false))
-            }
-            // Beaten to the epoch (a raise of an older incarnation landed
-            // late): raise again from the epoch the record has now.
-            (
-                OpKind::RaiseEpoch | OpKind::Finish,
-                OpResult::Refused(JournalError::Fenced { current, .. }),
-            ) if open => {
-                takeover.epoch = None;
-                let raise = JournalOp::RaiseEpoch {
-                    id: record.clone(),
-                    expected: current,
-                };
-                Some((raise, true))
-            }
-            // The store failed (an I/O error): the same write again.
-            (OpKind::RaiseEpoch, OpResult::Refused(JournalError::Store(_))) if open => {
-                let expected = self.journal.record(&record).map_or(0, |r| r.meta.epoch);
-                let raise = JournalOp::RaiseEpoch {
-                    id: record.clone(),
-                    expected,
-                };
-                Some((raise, true))
-            }
-            (OpKind::Finish, OpResult::Refused(JournalError::Store(_))) if open => {
-                takeover.epoch.map(|epoch| (finish(epoch), true))
-            }
-            (OpKind::Finish, OpResult::Written(_)) => {
-                self.stats.takeovers += 1;
-                None
-            }
-            // Ended meanwhile (a zombie terminal), or gone.
-            _ => None,
-        };
-        match next {
-            Some((op, retry)) if takeover.attempts < MAX_TAKEOVER_WRITES => {
-                if retry {
-                    self.stats.takeover_retries += 1;
-                }
-                self.journal_submit(writer, op);
-            }
-            _ => {
-                edge.takeovers.remove(&record);
-            }
         }
     }
 }

@@ -16,28 +16,19 @@
 //!   ends its durable runs, parked or not.
 //! * **The Edge** carries the dispatcher's `ParkedRuns` to the adoption
 //!   task (`Durable::offer` in `iop-edge`): a live request waiting for its
-//!   parked run gets `RequestInput::ParkedRun`; otherwise the record is
-//!   taken over: the run's last journaled frame is read from the store, the
-//!   record's epoch is raised by compare-and-set for a new request
-//!   (R-JRN-3), and that request is [`Request::adopting`]. A run nobody
-//!   takes has its held capacity let go (`DispatchInput::ReleaseParked`).
-//! * **The restart takeover** (R-TAKE-1) leaves each record unfinished at
-//!   an Edge start for its node to report, for the park window (the core's
-//!   [`TakeoverScan`](iop_core::journal::TakeoverScan) decides), and only
-//!   then ends it `incomplete` (see `durable.rs`).
+//!   parked run gets `RequestInput::ParkedRun`; any other run is offered to
+//!   the Edge's custody (the core's `Custody`, see `custody.rs`), which
+//!   adopts it for a new request after winning its record's epoch, or lets
+//!   it go. The custody's scan also leaves each record unfinished at an
+//!   Edge start for its node to report, for the park window, before it
+//!   takes it over (R-TAKE-1).
 //!
 //! Every rule is the core's; this module carries inputs and outputs.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
-use iop_core::edge::admission::RequestId;
-use iop_core::edge::dispatch::{DispatchInput, ParkedOffer};
-use iop_core::edge::durable::{JournalSpec, decode_entry};
-use iop_core::edge::gate::GateBudget;
-use iop_core::edge::request::{Request, RequestSpec};
+use iop_core::edge::dispatch::ParkedOffer;
 use iop_core::ids::RunId;
-use iop_core::journal::RecordMeta;
 use iop_core::node::link::{NodeLinkInput, NodeLinkOutput};
 use iop_core::node::park::{ParkOutput, ParkState, RunPark};
 use iop_core::node::watchdog::{
@@ -48,8 +39,7 @@ use iop_wire::{
     Usage,
 };
 
-use super::{Call, CallStage, EdgeRequest, Event, SimNode, World, nconn};
-use crate::journal_store::{JournalOp, OpResult, Writer};
+use super::{Call, CallStage, Event, SimNode, World, nconn};
 use crate::net::{ConnId, Dir, Payload, StreamKey};
 use crate::provider::CallPlan;
 
@@ -66,16 +56,6 @@ pub(super) struct NodeDurableRun {
     park: RunPark<RunEventKind>,
     /// The connection and run id it is attached to, if any.
     attached: Option<(ConnId, RunId)>,
-}
-
-/// A parked run being taken over: the record's epoch is being raised for
-/// request `request_id` (the key of [`super::EdgeProc::adoptions`]).
-#[derive(Debug)]
-pub(super) struct PendingAdoption {
-    record: String,
-    offer: ParkedOffer,
-    /// What the offer read before the raise.
-    last_seq: u64,
 }
 
 /// The durable run attached to `conn` as `run_id`, if any.
@@ -556,26 +536,8 @@ impl World {
         self.request_input(rid, iop_core::edge::request::RequestInput::StreamEnded);
     }
 
-    /// No request takes this parked run: let its held capacity go.
-    fn release_parked(&mut self, key: RunKey) {
-        self.stats.offers_released += 1;
-        self.dispatch(DispatchInput::ReleaseParked { key });
-    }
-
-    /// Whether a request of this Edge writes `record`, or is about to
-    /// (its epoch being raised for an adoption).
-    pub(super) fn record_live_here(&self, record: &str) -> bool {
-        self.edge.as_ref().is_some_and(|e| {
-            e.requests
-                .values()
-                .any(|r| r.durable.as_deref() == Some(record))
-                || e.adoptions.values().any(|a| a.record == record)
-        })
-    }
-
     /// The parked runs a node reported reach the adoption task: each goes
-    /// to the request waiting for it, or its record is taken over
-    /// (`Durable::offer`).
+    /// to the request waiting for it, or to the custody (`Durable::offer`).
     pub(super) fn parked_offers(&mut self, incarnation: u64, offers: Vec<ParkedOffer>) {
         for offer in offers {
             if self.edge.as_ref().map(|e| e.incarnation) != Some(incarnation) {
@@ -587,211 +549,22 @@ impl World {
 
     fn offer_parked(&mut self, incarnation: u64, offer: ParkedOffer) {
         let key = offer.run.key;
-        let record = offer.run.response_id.clone();
+        let record = offer.run.response_id.as_str();
         let Some(edge) = &self.edge else {
             return;
         };
-        let live = edge
+        let waiting = edge
             .requests
             .iter()
-            .find(|(_, r)| r.durable.as_deref() == Some(record.as_str()))
-            .map(|(rid, r)| (*rid, r.machine.awaits_parked(key)));
-        if let Some((rid, awaits)) = live {
-            // Its driver adopts it, or lets it go if it no longer waits.
-            if awaits {
+            .find(|(_, r)| r.durable.as_deref() == Some(record) && r.machine.awaits_parked(key))
+            .map(|(rid, _)| *rid);
+        match waiting {
+            // Its driver adopts it.
+            Some(rid) => {
                 self.request_input(rid, iop_core::edge::request::RequestInput::ParkedRun(offer));
-            } else {
-                self.release_parked(key);
             }
-            return;
-        }
-        let Some(stored) = self.journal.record(&record) else {
-            return self.release_parked(key);
-        };
-        let meta: &RecordMeta = &stored.meta;
-        if meta.terminal.is_some() || meta.last_seq == 0 {
-            return self.release_parked(key);
-        }
-        // R-PARK-2: resume after the last frame of this run the journal
-        // holds; a record whose last event came from another run (or
-        // another provider) is not this run's.
-        let source = stored
-            .events
-            .last()
-            .and_then(|e| decode_entry(&e.payload))
-            .and_then(|e| e.source);
-        if !source.is_some_and(|s| s.key == key && s.provider_id == offer.provider_id) {
-            return self.release_parked(key);
-        }
-        let (expected, last_seq) = (meta.epoch, meta.last_seq);
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let rid = edge.next_request_id;
-        edge.next_request_id += 1;
-        edge.adoptions.insert(
-            rid,
-            PendingAdoption {
-                record: record.clone(),
-                offer,
-                last_seq,
-            },
-        );
-        // R-JRN-3: win the record's epoch before writing anything.
-        self.journal_submit(
-            Writer::Request {
-                incarnation,
-                request_id: rid,
-            },
-            JournalOp::RaiseEpoch {
-                id: record,
-                expected,
-            },
-        );
-    }
-
-    /// The raise for an adoption was answered: adopt the run, or let it go.
-    pub(super) fn adoption_raised(&mut self, rid: RequestId, result: OpResult) {
-        let now = self.now;
-        let flush = self.cfg.durable_flush_bound();
-        let park_grace_ms = super::duration_ms(self.cfg.journal.park_grace);
-        let Ok(budget) = GateBudget::new(self.cfg.max_attempts, self.cfg.request_budget) else {
-            return;
-        };
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let incarnation = edge.incarnation;
-        let Some(pending) = edge.adoptions.remove(&rid) else {
-            return;
-        };
-        let OpResult::Written(meta) = result else {
-            // Another writer won the epoch: it owns the record.
-            return self.release_parked(pending.offer.run.key);
-        };
-        // The resume point is read again now that the raise fenced every
-        // other writer: a dead owner's append may have landed between the
-        // offer's read and the raise (the shell reads only before its
-        // raise, see docs/simulation.md). Still this run's, or let go (the
-        // takeover scan ends the record).
-        let (last_seq, resume_after_frame) = match self.journal.record(&pending.record) {
-            Some(stored) => (
-                stored.meta.last_seq,
-                stored
-                    .events
-                    .last()
-                    .and_then(|e| decode_entry(&e.payload))
-                    .and_then(|e| e.source)
-                    .filter(|s| {
-                        s.key == pending.offer.run.key && s.provider_id == pending.offer.provider_id
-                    })
-                    .map(|s| s.frame),
-            ),
-            None => (0, None),
-        };
-        if last_seq != pending.last_seq {
-            self.stats.adoption_reads_moved += 1;
-        }
-        let Some(resume_after_frame) = resume_after_frame else {
-            return self.release_parked(pending.offer.run.key);
-        };
-        let Some(edge) = &mut self.edge else {
-            return;
-        };
-        let machine = Request::adopting(
-            now,
-            RequestSpec {
-                request_id: rid,
-                pool: vec![pending.offer.provider_id.clone()],
-                budget,
-                tunnel_api: None,
-                tunnel_providers: Vec::new(),
-                journal: Some(JournalSpec {
-                    response_id: pending.record.clone(),
-                    epoch: meta.epoch,
-                    batch_until_terminal: false,
-                }),
-                park_grace_ms,
-                continuation: false,
-            },
-            &pending.offer,
-            last_seq,
-            resume_after_frame,
-            None,
-        );
-        self.core_bugs.plant_request(&machine);
-        let deadline = machine.gate().deadline() + flush;
-        edge.requests.insert(
-            rid,
-            EdgeRequest {
-                machine,
-                running: None,
-                admitted_with: None,
-                durable: Some(pending.record),
-                client_attached: false,
-            },
-        );
-        self.stats.takeover_adoptions += 1;
-        self.checker.request_opened((incarnation, rid), deadline);
-        self.drive_request(rid);
-    }
-
-    /// The scan looks again at the records unfinished at this Edge's start:
-    /// those past their park window and not written here are taken over
-    /// (R-TAKE-1); the others wait.
-    pub(super) fn takeover_rescan(&mut self, incarnation: u64) {
-        let now = self.now;
-        if self.edge.as_ref().map(|e| e.incarnation) != Some(incarnation) {
-            return;
-        }
-        let waiting: Vec<String> = self
-            .edge
-            .as_ref()
-            .map(|e| e.scan_waiting.iter().cloned().collect())
-            .unwrap_or_default();
-        let mut due = Vec::new();
-        let mut next: Option<iop_core::Instant> = None;
-        let mut done = BTreeSet::new();
-        for id in waiting {
-            let meta = self.journal.record(&id).map(|r| r.meta.clone());
-            let live = self.record_live_here(&id)
-                || self
-                    .edge
-                    .as_ref()
-                    .is_some_and(|e| e.takeovers.contains_key(&id));
-            let Some(edge) = &mut self.edge else {
-                return;
-            };
-            let Some(scan) = edge.scan.as_mut() else {
-                return;
-            };
-            let Some(meta) = meta else {
-                scan.forget(&id);
-                done.insert(id);
-                continue;
-            };
-            match scan.decide(&meta, live, now) {
-                iop_core::journal::TakeoverDecision::Keep => {
-                    done.insert(id);
-                }
-                iop_core::journal::TakeoverDecision::Wait { until } => {
-                    next = Some(next.map_or(until, |n| n.min(until)));
-                }
-                iop_core::journal::TakeoverDecision::End(_) => {
-                    scan.forget(&id);
-                    done.insert(id);
-                    due.push(meta);
-                }
-            }
-        }
-        if let Some(edge) = &mut self.edge {
-            edge.scan_waiting.retain(|id| !done.contains(id));
-        }
-        for meta in due {
-            self.takeover_start(incarnation, meta);
-        }
-        if let Some(at) = next {
-            self.schedule(at, Event::TakeoverScan { incarnation });
+            // Taken over by adoption, or let go: the custody decides.
+            None => self.custody_offer(incarnation, offer),
         }
     }
 }

@@ -1,0 +1,442 @@
+//! The Edge's custody of the durable records no request of it writes
+//! (SPEC §6: R-TAKE-1, R-PARK-2, R-CONT-1), carried for the core's
+//! [`Custody`]: one machine per Edge (here, per Edge incarnation, in its
+//! [`super::EdgeProc`]), driven as the crate docs' driver loop says.
+//!
+//! * **Store operations**: a read is answered at once from the simulated
+//!   store's state (what is durable); a write (`RaiseEpoch`, `Finish`) goes
+//!   through the store's write path as [`Writer::Custody`] of the
+//!   incarnation, with its syncs, crash points, failures and zombies, and
+//!   its answer comes back when the store's answer reaches the Edge.
+//! * **Offers**: a parked run a node reports that no request of this Edge
+//!   waits for is offered to the custody.
+//! * **Timer**: `poll_timeout` is a world event; `handle_timeout` fires it.
+//! * **Outputs**: `Adopt` and `Continue` start a request on the record
+//!   (`Request::adopting`, `Request::continuing`) that writes under the
+//!   epoch the custody won (the checker is told of the handover);
+//!   `Release` lets the parked run's held capacity go.
+//!
+//! Every decision is the core's; this module only carries.
+
+use std::collections::BTreeMap;
+
+use iop_core::Instant;
+use iop_core::edge::admission::RequestId;
+use iop_core::edge::custody::{
+    Custody, CustodyConfig, CustodyEvent, CustodyInput, CustodyOutput, StoreAnswer, StoreOp,
+};
+use iop_core::edge::dispatch::{DispatchInput, ParkedOffer};
+use iop_core::edge::durable::{JournalSpec, ResumedAnswer};
+use iop_core::edge::gate::GateBudget;
+use iop_core::edge::request::{Request, RequestSpec, continuation_allowed};
+use iop_core::ids::ProviderId;
+use iop_core::journal::{JournalError, RecordMeta};
+use iop_wire::RunKey;
+
+use super::{EdgeRequest, Event, World};
+use crate::journal_store::{JournalOp, OpKind, OpResult, Writer};
+
+/// Outputs one drive of a custody carries out at most (every read is
+/// answered inside the drive, so it bounds reads too).
+const MAX_OUTPUTS_PER_DRIVE: usize = 1 << 20;
+
+/// The custody of one Edge and what its driver keeps beside it.
+#[derive(Debug)]
+pub(super) struct EdgeCustody {
+    machine: Custody,
+    /// The wake-up scheduled for the machine's timeout, if one is.
+    armed: Option<Instant>,
+    /// Per record, the last event an adoption read first (before its
+    /// raise), to count adoptions whose resume point moved.
+    first_event_read: BTreeMap<String, u64>,
+}
+
+impl EdgeCustody {
+    /// The custody of Edge `edge_id` starting at `now`. The simulated
+    /// store is this Edge's alone (`sole`): its records are its own.
+    pub(super) fn new(now: Instant, edge_id: &str, park_window: std::time::Duration) -> Self {
+        let cfg = CustodyConfig {
+            edge_id: edge_id.to_owned(),
+            park_window,
+            lease_ttl: std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS),
+            sole: true,
+            scan_interval: std::time::Duration::from_secs(1),
+        };
+        EdgeCustody {
+            machine: Custody::new(now, cfg),
+            armed: None,
+            first_event_read: BTreeMap::new(),
+        }
+    }
+}
+
+/// The route a durable request came in on: its pool and whether it
+/// continues answers (R-CONT-1). Configuration, so it outlives the Edge
+/// process.
+#[derive(Debug, Clone)]
+pub(super) struct Route {
+    pub(super) pool: Vec<ProviderId>,
+    pub(super) continues: bool,
+}
+
+/// Whether the route of record `id` continues answers (R-CONT-1: opted
+/// in, and a chat API, the simulator's one).
+pub(super) fn continues(routes: &BTreeMap<String, Route>, id: &str) -> bool {
+    let opted_in = routes.get(id).is_some_and(|r| r.continues);
+    continuation_allowed(iop_wire::RunApi::Chat, opted_in)
+}
+
+impl World {
+    /// Whether the route of record `id` continues answers.
+    pub(super) fn route_continues(&self, id: &str) -> bool {
+        continues(&self.routes, id)
+    }
+
+    /// Offer a parked run no request of incarnation `incarnation` waits for
+    /// to its custody.
+    pub(super) fn custody_offer(&mut self, incarnation: u64, offer: ParkedOffer) {
+        self.custody_input(incarnation, CustodyInput::Offer(offer));
+    }
+
+    /// Feed one input to the custody of `incarnation` and carry out what it
+    /// caused.
+    fn custody_input(&mut self, incarnation: u64, input: CustodyInput) {
+        let now = self.now;
+        let Some(custody) = self.custody_of(incarnation) else {
+            return;
+        };
+        custody.machine.handle_input(now, input);
+        self.drive_custody(incarnation);
+    }
+
+    /// The custody's timer fired (or the Edge just started).
+    pub(super) fn custody_wake(&mut self, incarnation: u64, at: Option<Instant>) {
+        let now = self.now;
+        let Some(custody) = self.custody_of(incarnation) else {
+            return;
+        };
+        if at.is_some() && custody.armed == at {
+            custody.armed = None;
+        }
+        if custody.machine.poll_timeout().is_some_and(|t| t <= now) {
+            custody.machine.handle_timeout(now);
+        }
+        self.drive_custody(incarnation);
+    }
+
+    fn custody_of(&mut self, incarnation: u64) -> Option<&mut EdgeCustody> {
+        self.edge
+            .as_mut()
+            .filter(|e| e.incarnation == incarnation)
+            .map(|e| &mut e.custody)
+    }
+
+    /// Drain the custody's outputs, then arm its timer.
+    fn drive_custody(&mut self, incarnation: u64) {
+        for _ in 0..MAX_OUTPUTS_PER_DRIVE {
+            let Some(out) = self
+                .custody_of(incarnation)
+                .and_then(|c| c.machine.poll_output())
+            else {
+                break;
+            };
+            self.recorder.world_line(&("custody", format!("{out:?}")));
+            match out {
+                CustodyOutput::Store(op) => self.custody_store(incarnation, op),
+                CustodyOutput::Adopt {
+                    offer,
+                    meta,
+                    resume_after_frame,
+                    resumed,
+                } => self.custody_adopt(incarnation, offer, meta, resume_after_frame, resumed),
+                CustodyOutput::Continue { meta, resumed } => {
+                    self.custody_continue(incarnation, meta, &resumed);
+                }
+                CustodyOutput::Release { key, reason: _ } => self.release_parked(key),
+                CustodyOutput::Event(event) => self.custody_event(event),
+            }
+        }
+        let Some(custody) = self.custody_of(incarnation) else {
+            return;
+        };
+        let next = custody.machine.poll_timeout();
+        if let Some(at) = next
+            && custody.armed != Some(at)
+        {
+            custody.armed = Some(at);
+            self.schedule(
+                at,
+                Event::CustodyTimeout {
+                    incarnation,
+                    at: Some(at),
+                },
+            );
+        }
+    }
+
+    /// Carry out one store operation: a read at once, a write through the
+    /// store's write path.
+    fn custody_store(&mut self, incarnation: u64, op: StoreOp) {
+        let now = self.now;
+        let answer = match op {
+            StoreOp::RaiseEpoch { id, expected } => {
+                return self.journal_submit(
+                    Writer::Custody { incarnation },
+                    JournalOp::RaiseEpoch { id, expected },
+                );
+            }
+            StoreOp::Finish {
+                id,
+                epoch,
+                mut terminal,
+            } => {
+                // The driver stamps the wall-clock time (core reads none).
+                terminal.at_unix_ms = self.unix_ms();
+                return self.journal_submit(
+                    Writer::Custody { incarnation },
+                    JournalOp::Finish {
+                        id,
+                        epoch,
+                        terminal,
+                    },
+                );
+            }
+            StoreOp::Unfinished { hint: _ } => StoreAnswer::Unfinished(Ok(self
+                .journal
+                .unfinished()
+                .into_iter()
+                .map(|meta| {
+                    let live = self.record_live_here(&meta.id);
+                    (meta, live)
+                })
+                .collect())),
+            // The simulated store keeps no leases: its one Edge is `sole`
+            // and never asks (several Edges would share a store with them).
+            StoreOp::Leases => StoreAnswer::Leases(Ok(Vec::new())),
+            StoreOp::Lease { edge_id } => StoreAnswer::Lease {
+                edge_id,
+                result: Ok(None),
+            },
+            StoreOp::Record { id } => {
+                if let Some(c) = self.custody_of(incarnation) {
+                    c.first_event_read.remove(&id);
+                }
+                StoreAnswer::Record {
+                    result: Ok(self.journal.record(&id).map(|r| r.meta.clone())),
+                    live_here: self.record_live_here(&id),
+                    continuable: self.route_continues(&id),
+                    id,
+                }
+            }
+            StoreOp::Event { id, seq } => {
+                if let Some(c) = self.custody_of(incarnation) {
+                    c.first_event_read.entry(id.clone()).or_insert(seq);
+                }
+                let payload = self.journal.record(&id).and_then(|r| {
+                    let index = usize::try_from(seq.checked_sub(1)?).ok()?;
+                    r.events.get(index).map(|e| e.payload.clone())
+                });
+                StoreAnswer::Event {
+                    id,
+                    result: Ok(payload),
+                }
+            }
+            StoreOp::Events { id } => StoreAnswer::Events {
+                result: Ok(self
+                    .journal
+                    .record(&id)
+                    .map(|r| r.events.clone())
+                    .unwrap_or_default()),
+                id,
+            },
+        };
+        if let Some(c) = self.custody_of(incarnation) {
+            c.machine.handle_input(now, CustodyInput::Store(answer));
+        }
+    }
+
+    /// The store's answer to a custody write reached its Edge.
+    pub(super) fn custody_answer(
+        &mut self,
+        incarnation: u64,
+        id: String,
+        kind: OpKind,
+        result: OpResult,
+    ) {
+        let answer = match kind {
+            OpKind::RaiseEpoch => StoreAnswer::Raised {
+                id,
+                result: match result {
+                    OpResult::Written(meta) => Ok(meta),
+                    OpResult::Refused(e) => Err(e),
+                    OpResult::Created(_) => Err(unexpected()),
+                },
+            },
+            OpKind::Finish => StoreAnswer::Finished {
+                id,
+                result: match result {
+                    OpResult::Written(_) => Ok(()),
+                    OpResult::Refused(e) => Err(e),
+                    OpResult::Created(_) => Err(unexpected()),
+                },
+            },
+            // The custody writes nothing else.
+            OpKind::Create | OpKind::Append => return,
+        };
+        self.custody_input(incarnation, CustodyInput::Store(answer));
+    }
+
+    fn custody_event(&mut self, event: CustodyEvent) {
+        match event {
+            CustodyEvent::Ended { .. } => self.stats.takeovers += 1,
+            CustodyEvent::Retried { .. } => self.stats.takeover_retries += 1,
+            CustodyEvent::GaveUp { .. } => self.stats.takeovers_given_up += 1,
+            CustodyEvent::OrphansWaiting(_) | CustodyEvent::ScanFailed(_) => {}
+        }
+    }
+
+    /// The spec of a request that writes `meta` at the epoch the custody
+    /// won for it.
+    fn custody_spec(
+        &self,
+        rid: RequestId,
+        meta: &RecordMeta,
+        fallback: &[ProviderId],
+    ) -> Option<RequestSpec> {
+        let budget = GateBudget::new(self.cfg.max_attempts, self.cfg.request_budget).ok()?;
+        let route = self.routes.get(&meta.id);
+        let pool = route.map_or_else(|| fallback.to_vec(), |r| r.pool.clone());
+        Some(RequestSpec {
+            request_id: rid,
+            pool,
+            budget,
+            tunnel_api: None,
+            tunnel_providers: Vec::new(),
+            journal: Some(JournalSpec {
+                response_id: meta.id.clone(),
+                epoch: meta.epoch,
+                batch_until_terminal: false,
+            }),
+            park_grace_ms: super::duration_ms(self.cfg.journal.park_grace),
+            continuation: self.route_continues(&meta.id),
+        })
+    }
+
+    /// `Adopt`: a request adopts the parked run (R-PARK-2, R-TAKE-1).
+    fn custody_adopt(
+        &mut self,
+        incarnation: u64,
+        offer: ParkedOffer,
+        meta: RecordMeta,
+        resume_after_frame: u64,
+        resumed: Option<ResumedAnswer>,
+    ) {
+        let now = self.now;
+        let Some(rid) = self.next_request_id(incarnation) else {
+            return;
+        };
+        let moved = self
+            .custody_of(incarnation)
+            .and_then(|c| c.first_event_read.remove(&meta.id))
+            .is_some_and(|first| first != meta.last_seq);
+        if moved {
+            self.stats.adoption_reads_moved += 1;
+        }
+        let Some(spec) = self.custody_spec(rid, &meta, std::slice::from_ref(&offer.provider_id))
+        else {
+            return self.release_parked(offer.run.key);
+        };
+        let machine = Request::adopting(
+            now,
+            spec,
+            &offer,
+            meta.last_seq,
+            resume_after_frame,
+            resumed.as_ref(),
+        );
+        self.stats.takeover_adoptions += 1;
+        self.custody_hands_over(incarnation, rid, &meta, machine);
+    }
+
+    /// `Continue`: a request continues the orphan's answer on its pool
+    /// (R-TAKE-1, R-CONT-1).
+    fn custody_continue(&mut self, incarnation: u64, meta: RecordMeta, resumed: &ResumedAnswer) {
+        let now = self.now;
+        let Some(rid) = self.next_request_id(incarnation) else {
+            return;
+        };
+        let Some(spec) = self.custody_spec(rid, &meta, &[]) else {
+            return;
+        };
+        let machine = Request::continuing(now, spec, resumed);
+        self.stats.takeover_continued += 1;
+        self.custody_hands_over(incarnation, rid, &meta, machine);
+    }
+
+    fn next_request_id(&mut self, incarnation: u64) -> Option<RequestId> {
+        let edge = self
+            .edge
+            .as_mut()
+            .filter(|e| e.incarnation == incarnation)?;
+        let rid = edge.next_request_id;
+        edge.next_request_id += 1;
+        Some(rid)
+    }
+
+    /// The custody's epoch goes to the request it started; the request
+    /// runs.
+    fn custody_hands_over(
+        &mut self,
+        incarnation: u64,
+        rid: RequestId,
+        meta: &RecordMeta,
+        machine: Request,
+    ) {
+        self.checker.journal_epoch_handed(
+            &meta.id,
+            meta.epoch,
+            &Writer::Custody { incarnation },
+            Writer::Request {
+                incarnation,
+                request_id: rid,
+            },
+        );
+        self.core_bugs.plant_request(&machine);
+        let deadline = machine.gate().deadline() + self.cfg.durable_flush_bound();
+        let Some(edge) = self.edge.as_mut().filter(|e| e.incarnation == incarnation) else {
+            return;
+        };
+        edge.requests.insert(
+            rid,
+            EdgeRequest {
+                machine,
+                running: None,
+                admitted_with: None,
+                durable: Some(meta.id.clone()),
+                client_attached: false,
+            },
+        );
+        self.checker.request_opened((incarnation, rid), deadline);
+        self.drive_request(rid);
+    }
+
+    /// No request takes this parked run: let its held capacity go.
+    pub(super) fn release_parked(&mut self, key: RunKey) {
+        self.stats.offers_released += 1;
+        self.dispatch(DispatchInput::ReleaseParked { key });
+    }
+
+    /// Whether a request of this Edge writes `record`.
+    pub(super) fn record_live_here(&self, record: &str) -> bool {
+        self.edge.as_ref().is_some_and(|e| {
+            e.requests
+                .values()
+                .any(|r| r.durable.as_deref() == Some(record))
+        })
+    }
+}
+
+/// A store answer of a kind the op does not have.
+fn unexpected() -> JournalError {
+    JournalError::Store("unexpected answer".into())
+}
