@@ -264,6 +264,7 @@ mod tests {
                 known_nodes: None,
                 health: crate::edge::health::HealthConfig::default(),
                 capacity_from_node: Default::default(),
+                parked_hold_ms: 0,
             },
         )
         .expect("valid config")

@@ -172,6 +172,7 @@ impl RunningEdge {
                 known_nodes: config.edge.restrict_nodes.then(|| config.known_nodes()),
                 health: config.health_config(),
                 capacity_from_node: config.capacity_from_node(),
+                parked_hold_ms: iop_core::time::duration_ms(config.journal.park_window()),
             },
             Some(store),
             clock,

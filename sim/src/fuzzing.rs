@@ -498,6 +498,7 @@ pub fn fuzz_dispatch_sequence_with(data: &[u8], setup: impl FnOnce(&Dispatcher))
             probe_timeout: Duration::from_millis(500),
         },
         capacity_from_node: Default::default(),
+        parked_hold_ms: 0,
     };
     let Ok(mut d) = Dispatcher::new(Instant::ZERO, config) else {
         return;

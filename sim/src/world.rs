@@ -1475,6 +1475,7 @@ impl World {
             known_nodes: None,
             health: self.cfg.health,
             capacity_from_node: Default::default(),
+            parked_hold_ms: 0,
         };
         let rec = DispatchConfigRec::new(&config, self.now);
         let tap = self.recorder.tap(MachineKind::EdgeDispatch, &rec);

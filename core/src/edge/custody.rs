@@ -41,8 +41,8 @@ use crate::edge::durable::{
     NotContinuable, ResumedAnswer, TakeoverRefusal, resumed_answer, takeover_resume_point,
 };
 use crate::journal::{
-    JournalError, JournalEvent, MAX_TRACKED_EDGES, NO_OWNER, Orphan, RecordMeta, RecordStatus,
-    StoredLease, TakeoverDecision, TakeoverScan, Terminal,
+    JournalError, JournalEvent, LeaseState, MAX_TRACKED_EDGES, NO_OWNER, Orphan, RecordMeta,
+    RecordStatus, StoredLease, TakeoverDecision, TakeoverScan, Terminal,
 };
 use crate::time::Instant;
 
@@ -213,6 +213,9 @@ pub enum ReleaseReason {
     Refused(TakeoverRefusal),
     /// Another writer won the record's epoch.
     EpochLost,
+    /// Another Edge owns the record and its lease did not expire while
+    /// the adoption waited.
+    OwnerAlive,
 }
 
 impl ReleaseReason {
@@ -225,6 +228,7 @@ impl ReleaseReason {
             ReleaseReason::StoreError => "store_error",
             ReleaseReason::Refused(why) => why.as_str(),
             ReleaseReason::EpochLost => "epoch_lost",
+            ReleaseReason::OwnerAlive => "owner_alive",
         }
     }
 }
@@ -342,6 +346,9 @@ enum Stage {
     /// Reading the record's last event (an adoption); `raised`: after the
     /// raise.
     Last { meta: RecordMeta, raised: bool },
+    /// An adoption of another Edge's record waits for that Edge's lease to
+    /// expire, until `until`.
+    AwaitOwner { meta: RecordMeta, until: Instant },
     /// Raising the epoch from the one read.
     Raising,
     /// Reading the events of a raised orphan to continue it.
@@ -428,7 +435,7 @@ impl Custody {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let scan = self.next_scan.filter(|_| self.stage.is_none());
         let pauses = self.tasks.values().filter_map(|t| match t.stage {
-            Stage::Pause { until } => Some(until),
+            Stage::Pause { until } | Stage::AwaitOwner { until, .. } => Some(until),
             _ => None,
         });
         pauses.chain(scan).min()
@@ -443,8 +450,9 @@ impl Custody {
             .map(|(id, _)| id.clone())
             .collect();
         for id in due {
-            self.read_again(&id);
+            self.read_again(now, &id);
         }
+        self.owners_checked(now);
         if self.stage.is_none() && self.next_scan.is_some_and(|at| now >= at) {
             self.next_scan = None;
             self.start_scan(now);
@@ -503,6 +511,7 @@ impl Custody {
             return;
         };
         self.scan.leases_mut().observe_all(&leases, now);
+        self.owners_checked(now);
         // Owners the listing did not name (the store's view lags behind a
         // new Edge): read each.
         let me = self.cfg.edge_id.as_str();
@@ -672,6 +681,7 @@ impl Custody {
             }
         };
         self.scan.leases_mut().observe(edge_id, lease.as_ref(), now);
+        self.owners_checked(now);
         if let Some(ScanStage::Owners { pending, .. }) = &mut self.stage {
             pending.remove(edge_id);
             if pending.is_empty()
@@ -723,6 +733,13 @@ impl Custody {
                 };
             }
         };
+        let owner_wait = self
+            .owner_may_be_alive(&meta, now)
+            .then(|| self.owner_wait(&meta.owner, now));
+        let owner_unread = self.scan.leases().state(&meta.owner, now).is_none();
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
         match task.kind {
             TaskKind::Adopt(_) if live_here => self.drop_task(id, ReleaseReason::LiveHere),
             TaskKind::Adopt(_) if meta.last_seq == 0 => self.drop_task(
@@ -733,17 +750,18 @@ impl Custody {
                     TakeoverRefusal::NothingJournaled
                 }),
             ),
-            TaskKind::Adopt(_) => {
-                let seq = meta.last_seq;
-                task.stage = Stage::Last {
-                    meta,
-                    raised: false,
-                };
-                self.push(StoreOp::Event {
-                    id: id.to_owned(),
-                    seq,
-                });
+            TaskKind::Adopt(_) if owner_wait.is_some() => {
+                // R-PARK-2, R-MULTI-1: another Edge owns the record and is
+                // not seen gone; its own request may take the run when the
+                // node registers there. Adopt only once its lease expired.
+                let until = now.saturating_add(owner_wait.unwrap_or_default());
+                let owner = meta.owner.clone();
+                task.stage = Stage::AwaitOwner { meta, until };
+                if owner_unread {
+                    self.push(StoreOp::Lease { edge_id: owner });
+                }
             }
+            TaskKind::Adopt(_) => self.read_last(id, meta),
             TaskKind::Orphan => {
                 let needs_lease =
                     !self.cfg.sole && meta.owner != self.cfg.edge_id && meta.owner != NO_OWNER;
@@ -777,13 +795,10 @@ impl Custody {
             return;
         };
         if orphan.is_none() || task.writes >= MAX_TAKEOVER_WRITES {
-            if orphan.is_some() {
-                self.outputs
-                    .push_back(CustodyOutput::Event(CustodyEvent::GaveUp {
-                        id: id.to_owned(),
-                    }));
-            }
             self.tasks.remove(id);
+            if orphan.is_some() {
+                self.gave_up(now, id);
+            }
             return;
         }
         self.scan.forget(id);
@@ -993,7 +1008,7 @@ impl Custody {
                         id: id.to_owned(),
                         error,
                     }));
-                self.read_again(id);
+                self.read_again(now, id);
             }
         }
     }
@@ -1013,20 +1028,100 @@ impl Custody {
             }));
     }
 
-    fn read_again(&mut self, id: &str) {
+    fn read_again(&mut self, now: Instant, id: &str) {
         let Some(task) = self.tasks.get_mut(id) else {
             return;
         };
         if task.writes >= MAX_TAKEOVER_WRITES {
             self.tasks.remove(id);
-            self.outputs
-                .push_back(CustodyOutput::Event(CustodyEvent::GaveUp {
-                    id: id.to_owned(),
-                }));
+            self.gave_up(now, id);
             return;
         }
         task.stage = Stage::Reading;
         self.push(StoreOp::Record { id: id.to_owned() });
+    }
+
+    /// A takeover used its writes: the record is found again by a later
+    /// scan (a sole store, whose scans stop once no orphan waits, is read
+    /// whole again), and waits a new park window.
+    fn gave_up(&mut self, now: Instant, id: &str) {
+        self.outputs
+            .push_back(CustodyOutput::Event(CustodyEvent::GaveUp {
+                id: id.to_owned(),
+            }));
+        if self.cfg.sole {
+            self.scanned = false;
+        }
+        let next = now.saturating_add(self.cfg.scan_interval.max(MIN_SCAN_PAUSE));
+        self.next_scan = Some(self.next_scan.map_or(next, |at| at.min(next)));
+    }
+
+    /// Is `meta`'s owner another Edge not seen gone (R-MULTI-1)?
+    fn owner_may_be_alive(&self, meta: &RecordMeta, now: Instant) -> bool {
+        !self.cfg.sole
+            && meta.owner != self.cfg.edge_id
+            && meta.owner != NO_OWNER
+            && self.scan.leases().state(&meta.owner, now) != Some(LeaseState::Expired)
+    }
+
+    /// How long an adoption waits for `owner`'s lease to expire: its TTL
+    /// and two scans, within the park window (the node keeps the run no
+    /// longer).
+    fn owner_wait(&self, owner: &str, now: Instant) -> Duration {
+        let ttl = self
+            .scan
+            .leases()
+            .peers(now)
+            .into_iter()
+            .find(|p| p.edge_id == owner)
+            .and_then(|p| p.lease)
+            .map_or(self.cfg.lease_ttl, |l| l.ttl());
+        let wait = ttl + self.cfg.scan_interval.max(MIN_SCAN_PAUSE) * 2;
+        wait.min(self.cfg.park_window)
+    }
+
+    /// Adoptions that wait for an owner's lease: go on once it expired,
+    /// let go once their wait is over.
+    fn owners_checked(&mut self, now: Instant) {
+        let waiting: Vec<(String, bool, bool)> = self
+            .tasks
+            .iter()
+            .filter_map(|(id, t)| match &t.stage {
+                Stage::AwaitOwner { meta, until } => Some((
+                    id.clone(),
+                    !self.owner_may_be_alive(meta, now),
+                    now >= *until,
+                )),
+                _ => None,
+            })
+            .collect();
+        for (id, gone, over) in waiting {
+            if gone {
+                if let Some(Stage::AwaitOwner { meta, .. }) =
+                    self.tasks.get(&id).map(|t| t.stage.clone())
+                {
+                    self.read_last(&id, meta);
+                }
+            } else if over {
+                self.drop_task(&id, ReleaseReason::OwnerAlive);
+            }
+        }
+    }
+
+    /// An adoption reads the record's last event before its raise.
+    fn read_last(&mut self, id: &str, meta: RecordMeta) {
+        let Some(task) = self.tasks.get_mut(id) else {
+            return;
+        };
+        let seq = meta.last_seq;
+        task.stage = Stage::Last {
+            meta,
+            raised: false,
+        };
+        self.push(StoreOp::Event {
+            id: id.to_owned(),
+            seq,
+        });
     }
 
     fn push(&mut self, op: StoreOp) {

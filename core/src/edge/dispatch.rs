@@ -455,6 +455,13 @@ pub struct DispatchConfig {
     /// is their capacity from its registration on (their spec's capacity
     /// until then).
     pub capacity_from_node: std::collections::BTreeSet<ProviderId>,
+    /// How long the capacity of a reported parked run is held for its
+    /// adoption, at least [`PARKED_HOLD`]: the Edge's park window, since
+    /// the run occupies its provider that long anyway and an adoption of
+    /// another Edge's run waits for that Edge's lease to expire
+    /// ([`crate::edge::custody`]). `0`: [`PARKED_HOLD`].
+    #[serde(default)]
+    pub parked_hold_ms: u64,
 }
 
 /// The composed Edge dispatch state.
@@ -470,6 +477,8 @@ pub struct Dispatcher {
     capacity_from_node: std::collections::BTreeSet<ProviderId>,
     /// Parked runs reported at registration, offered at readiness.
     parked: BTreeMap<(NodeId, Generation), Vec<ParkedOffer>>,
+    /// How long a parked run's capacity is held ([`DispatchConfig::parked_hold_ms`]).
+    parked_hold: Duration,
     /// The durable reservation of generations (R-GEN-1 across restarts).
     reserve: GenerationReserve,
     #[cfg(feature = "planted-bugs")]
@@ -495,6 +504,7 @@ impl Dispatcher {
             outputs: VecDeque::new(),
             ignored_terminals: 0,
             parked: BTreeMap::new(),
+            parked_hold: PARKED_HOLD.max(Duration::from_millis(config.parked_hold_ms)),
             capacity_from_node: config.capacity_from_node,
             reserve: config
                 .generation_mark
@@ -713,7 +723,7 @@ impl Dispatcher {
             };
             if self
                 .admission
-                .hold(run.key, &provider_id, generation, now + PARKED_HOLD)
+                .hold(run.key, &provider_id, generation, now + self.parked_hold)
                 .is_ok()
             {
                 offers.push(ParkedOffer {

@@ -484,12 +484,26 @@ fn a_store_failure_is_read_again_after_a_pause_and_writes_are_bounded() {
         .filter(|o| matches!(o, StoreOp::RaiseEpoch { .. }))
         .count();
     assert_eq!(raises, MAX_TAKEOVER_WRITES as usize);
+    // The store recovers: a later scan finds the record again (a sole
+    // store is read whole again), and after a new window it is ended.
+    store.fail_next.clear();
+    let mut ended_at = None;
+    for _ in 0..1_000 {
+        let out = tick(&mut custody, &mut store, now);
+        if !ended(&out).is_empty() {
+            ended_at = Some(now);
+            break;
+        }
+        now += Duration::from_millis(100);
+    }
+    assert!(ended_at.is_some(), "never taken over again");
+    assert_eq!(status(&store, "r1"), RecordStatus::Incomplete);
 }
 
 #[test]
 fn r_park_2_a_reported_run_is_adopted_after_the_raise_from_a_fresh_read() {
     let mut store = Store::default();
-    store.add(record("r1", PEER), &["a", "b"]);
+    store.add(record("r1", ME), &["a", "b"]);
     let mut custody = Custody::new(ms(0), config(false));
     custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
     let out = drive(&mut custody, &mut store, ms(5));
@@ -505,7 +519,6 @@ fn r_park_2_a_reported_run_is_adopted_after_the_raise_from_a_fresh_read() {
         })
         .collect();
     assert_eq!(adopted, vec![(2, 2)]);
-    assert_eq!(store.records["r1"].0.owner, ME);
     // The event was read before and after the raise.
     let reads = store
         .ops
@@ -518,9 +531,9 @@ fn r_park_2_a_reported_run_is_adopted_after_the_raise_from_a_fresh_read() {
 #[test]
 fn r_park_2_a_report_that_is_not_the_records_run_is_let_go_without_a_raise() {
     let mut store = Store::default();
-    store.add(record("r1", PEER), &["a"]);
-    store.add(record("r2", PEER), &[]);
-    store.add(record("r3", PEER), &["a"]);
+    store.add(record("r1", ME), &["a"]);
+    store.add(record("r2", ME), &[]);
+    store.add(record("r3", ME), &["a"]);
     store.live.insert("r3".into());
     let mut custody = Custody::new(ms(0), config(false));
     let mut other = offer("r1");
@@ -581,7 +594,7 @@ fn r_cont_1_an_adoption_on_a_continuing_route_carries_the_answer_so_far() {
         continuable: true,
         ..Store::default()
     };
-    store.add(record("r1", PEER), &["a", "b"]);
+    store.add(record("r1", ME), &["a", "b"]);
     let mut custody = Custody::new(ms(0), config(false));
     custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
     let out = drive(&mut custody, &mut store, ms(5));
@@ -594,4 +607,61 @@ fn r_cont_1_an_adoption_on_a_continuing_route_carries_the_answer_so_far() {
         .collect();
     assert_eq!(resumed.len(), 1);
     assert_eq!(resumed[0].as_ref().map(|r| r.text.as_str()), Some("ab"));
+}
+
+#[test]
+fn r_multi_1_a_live_edges_parked_run_is_not_adopted_and_a_dead_ones_is_once_its_lease_expired() {
+    // The owner renews throughout: its own request takes the run; this
+    // Edge waits the owner's TTL and lets the report go, raising nothing.
+    let mut store = Store::default();
+    store.add(record("r1", PEER), &["a", "b"]);
+    store.lease(PEER, 1);
+    let mut custody = Custody::new(ms(0), config(false));
+    tick(&mut custody, &mut store, ms(0));
+    custody.handle_input(ms(10), CustodyInput::Offer(offer("r1")));
+    let mut out = drive(&mut custody, &mut store, ms(10));
+    for t in 1..=10u64 {
+        store.lease(PEER, 1 + t);
+        out.extend(tick(&mut custody, &mut store, ms(t * 1_000)));
+    }
+    assert!(
+        out.iter().any(|o| matches!(
+            o,
+            CustodyOutput::Release {
+                reason: ReleaseReason::OwnerAlive,
+                ..
+            }
+        )),
+        "{out:?}"
+    );
+    assert!(!out.iter().any(|o| matches!(o, CustodyOutput::Adopt { .. })));
+    assert!(
+        !store
+            .ops
+            .iter()
+            .any(|o| matches!(o, StoreOp::RaiseEpoch { .. }))
+    );
+    assert_eq!(store.records["r1"].0.owner, PEER);
+
+    // The owner stopped renewing: adopted once its lease expired.
+    let mut store = Store::default();
+    store.add(record("r1", PEER), &["a", "b"]);
+    store.lease(PEER, 1);
+    let mut custody = Custody::new(ms(0), config(false));
+    tick(&mut custody, &mut store, ms(0));
+    custody.handle_input(ms(10), CustodyInput::Offer(offer("r1")));
+    let mut out = drive(&mut custody, &mut store, ms(10));
+    assert!(
+        !out.iter().any(|o| matches!(o, CustodyOutput::Adopt { .. })),
+        "waits"
+    );
+    for t in 1..=10u64 {
+        out.extend(tick(&mut custody, &mut store, ms(t * 500)));
+    }
+    let adopted = out
+        .iter()
+        .filter(|o| matches!(o, CustodyOutput::Adopt { .. }))
+        .count();
+    assert_eq!(adopted, 1, "{out:?}");
+    assert_eq!(store.records["r1"].0.owner, ME);
 }

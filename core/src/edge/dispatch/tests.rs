@@ -40,6 +40,7 @@ fn test_config(health: HealthConfig) -> DispatchConfig {
         known_nodes: None,
         health,
         capacity_from_node: Default::default(),
+        parked_hold_ms: 0,
     }
 }
 
@@ -301,6 +302,7 @@ fn a_provider_without_configured_capacity_takes_its_nodes_reported_limit() {
             known_nodes: None,
             health: HealthConfig::default(),
             capacity_from_node: [ProviderId::from("p1")].into_iter().collect(),
+            parked_hold_ms: 0,
         },
     )
     .expect("valid config");

@@ -1,0 +1,496 @@
+//! A fault storm on real processes (SPEC §6, §8): two Edge processes on
+//! one `nats-server`, two Node processes connected to both, a route that
+//! continues answers (R-CONT-1), and durable clients that resume on any
+//! Edge, while a random Edge or Node is killed with SIGKILL every few
+//! seconds and restarted. Every answer is counted:
+//!
+//! * every durable response ends `completed` with the exact text, none
+//!   `incomplete` (R-TAKE-1: an orphan is adopted or continued, never ended
+//!   while its route continues), and what each client saw, joined across
+//!   its resumes, is that text once (R-JRN-2);
+//! * the mock providers' counters show one fresh call per response, plus
+//!   only calls that continue an answer (they carry the answer so far) and
+//!   fresh calls that were abandoned before any text (a failover before
+//!   commit, R-FAIL-1): the prompt is never sent from scratch after text
+//!   went out (R-TAKE-1, R-PARK-2).
+//!
+//! Without `nats-server` installed the test says why and passes, unless
+//! `CI` is set (then it fails), as the store's own tests do.
+
+mod common;
+#[path = "../../store-nats/tests/support/mod.rs"]
+mod nats;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use iop_node::mock::{MockScript, MockServer};
+use nats::NatsServer;
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+const KEY: &str = "sk-storm-0123456789abcdef";
+/// Tokens of each answer.
+const TOKENS: u32 = 60;
+/// How long the faults go on.
+const STORM: Duration = Duration::from_secs(90);
+/// Clients streaming at once.
+const CLIENTS: usize = 4;
+/// The longest one response may take, resumes included.
+const RESPONSE_BOUND: Duration = Duration::from_secs(90);
+/// The seed of the fault schedule (which process, when).
+const SEED: u64 = 0x5707_3713;
+
+/// A small deterministic generator for the fault schedule.
+struct Schedule(u64);
+
+impl Schedule {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The `iop-node` binary beside this test's target directory; built
+/// when it is not there yet.
+fn node_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory")
+        .to_path_buf();
+    let node = dir.join("iop-node");
+    if !node.exists() {
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "iop-node", "--bin", "iop-node"])
+            .status()
+            .expect("cargo build iop-node");
+        assert!(status.success(), "building iop-node failed");
+    }
+    assert!(node.exists(), "no iop-node at {}", node.display());
+    node
+}
+
+fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
+    format!(
+        r#"
+[edge]
+edge_id = "{edge_id}"
+quic_listen = "127.0.0.1:{quic_port}"
+http_listen = "127.0.0.1:{http_port}"
+state_dir = "{edge_id}-state"
+drain_timeout_ms = 500
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[admission]
+queue_capacity = 256
+queue_timeout_ms = 10000
+max_attempts = 6
+request_budget_ms = 60000
+[journal]
+store = "nats"
+lease_ttl_ms = 1500
+takeover_scan_interval_ms = 200
+park_grace_ms = 3000
+[journal.nats]
+servers = ["{nats_url}"]
+stream = "STORM_JOURNAL"
+bucket = "storm_journal"
+subject_prefix = "storm.journal"
+connect_timeout_ms = 5000
+request_timeout_ms = 10000
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t"
+capacity = 64
+[[providers]]
+id = "p2"
+node = "node-2"
+adapter = "openai"
+target = "t"
+capacity = 64
+[[routes]]
+model = "m"
+providers = ["p1", "p2"]
+continuation = true
+[[api_keys]]
+principal = "tester"
+key_file = "key"
+admin = true
+"#
+    )
+}
+
+fn node_toml(node: &str, edges: &[String], mock_url: &str) -> String {
+    let edges: Vec<String> = edges.iter().map(|e| format!("\"{e}\"")).collect();
+    let edges = edges.join(", ");
+    format!(
+        r#"
+[node]
+edges = [{edges}]
+state_dir = "{node}-state"
+max_concurrent_runs = 256
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/node-{node}.pem"
+key = "certs/node-{node}.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[reconnect]
+initial_ms = 50
+max_ms = 400
+[[providers]]
+adapter = "openai"
+target = "t"
+base_url = "{mock_url}"
+"#
+    )
+}
+
+/// One process of the deployment, restartable with the same config.
+struct Component {
+    name: String,
+    program: PathBuf,
+    config: PathBuf,
+    child: Option<Child>,
+}
+
+impl Component {
+    fn start(&mut self) {
+        // Each run's log is kept beside its config, for a failure's story.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.config.with_extension("log"))
+            .expect("log file");
+        let child = Command::new(&self.program)
+            .args(["run", "--config"])
+            .arg(&self.config)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", self.name));
+        self.child = Some(child);
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+}
+
+fn text_of(events: &[(u64, Value)]) -> String {
+    events
+        .iter()
+        .filter(|(_, d)| d["type"] == "response.output_text.delta")
+        .filter_map(|(_, d)| d["delta"].as_str())
+        .collect()
+}
+
+fn terminal(events: &[(u64, Value)]) -> Option<String> {
+    events.iter().find_map(|(_, d)| {
+        let t = d["type"].as_str()?;
+        matches!(
+            t,
+            "response.completed" | "response.incomplete" | "response.failed"
+        )
+        .then(|| t.to_owned())
+    })
+}
+
+/// What one client saw of one response.
+#[derive(Debug)]
+struct Seen {
+    id: Option<String>,
+    events: Vec<(u64, Value)>,
+    resumes: u32,
+}
+
+/// Read one SSE response body until it ends or breaks.
+async fn read_sse(r: reqwest::Response) -> Vec<(u64, Value)> {
+    let mut r = r;
+    let mut text = String::new();
+    while let Ok(Ok(Some(chunk))) = tokio::time::timeout(Duration::from_secs(30), r.chunk()).await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    sse_events(&text)
+}
+
+/// One durable response: created on some Edge, resumed on any Edge after
+/// each cut, until its terminal arrives.
+async fn one_response(edges: Vec<String>, n: usize) -> Seen {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(40))
+        .build()
+        .unwrap();
+    let mut seen = Seen {
+        id: None,
+        events: Vec::new(),
+        resumes: 0,
+    };
+    let deadline = tokio::time::Instant::now() + RESPONSE_BOUND;
+    let mut attempt = 0usize;
+    while tokio::time::Instant::now() < deadline {
+        let edge = &edges[(n + attempt) % edges.len()];
+        attempt += 1;
+        let sent = match &seen.id {
+            // Not created yet, as far as this client knows: the same
+            // request with the same key (R-IDEM-1).
+            None => {
+                client
+                    .post(format!("{edge}/v1/responses"))
+                    .bearer_auth(KEY)
+                    .header("content-type", "application/json")
+                    .header("idempotency-key", format!("storm-{n}"))
+                    .body(
+                        json!({"model": "m", "input": format!("storm {n}"), "stream": true})
+                            .to_string(),
+                    )
+                    .send()
+                    .await
+            }
+            Some(id) => {
+                let after = seen.events.last().map_or(0, |(s, _)| *s);
+                client
+                    .get(format!(
+                        "{edge}/v1/responses/{id}?stream=true&starting_after={after}"
+                    ))
+                    .bearer_auth(KEY)
+                    .send()
+                    .await
+            }
+        };
+        let Ok(r) = sent else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        if r.status() != 200 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        if seen.id.is_some() {
+            seen.resumes += 1;
+        }
+        let events = read_sse(r).await;
+        if seen.id.is_none() {
+            seen.id = events
+                .first()
+                .and_then(|(_, d)| d["response"]["id"].as_str())
+                .map(str::to_owned);
+            if seen.id.is_some() {
+                seen.events = events;
+            }
+        } else {
+            seen.events.extend(events);
+        }
+        if terminal(&seen.events).is_some() {
+            break;
+        }
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_twice() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    tokio::time::timeout(STORM + Duration::from_secs(240), async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let script = MockScript {
+            tokens: TOKENS,
+            tokens_per_second: 40.0,
+            ..MockScript::default()
+        };
+        let mocks = [
+            MockServer::start(script.clone()).await.unwrap(),
+            MockServer::start(script).await.unwrap(),
+        ];
+        let ports: Vec<(u16, u16)> = (0..2).map(|_| (free_udp_port(), free_tcp_port())).collect();
+        let quic: Vec<String> = ports.iter().map(|(q, _)| format!("127.0.0.1:{q}")).collect();
+        let http: Vec<String> = ports
+            .iter()
+            .map(|(_, h)| format!("http://127.0.0.1:{h}"))
+            .collect();
+        let mut components = Vec::new();
+        for (i, (q, h)) in ports.iter().enumerate() {
+            let id = format!("edge-{}", i + 1);
+            let config = pki.path().join(format!("{id}.toml"));
+            std::fs::write(&config, edge_toml(&id, &server.url(), *q, *h)).unwrap();
+            components.push(Component {
+                name: id,
+                program: PathBuf::from(env!("CARGO_BIN_EXE_iop-edge")),
+                config,
+                child: None,
+            });
+        }
+        let node = node_binary();
+        for (i, mock) in mocks.iter().enumerate() {
+            let id = format!("node-{}", i + 1);
+            let config = pki.path().join(format!("{id}.toml"));
+            std::fs::write(&config, node_toml(&id, &quic, &mock.base_url())).unwrap();
+            components.push(Component {
+                name: id,
+                program: node.clone(),
+                config,
+                child: None,
+            });
+        }
+        for c in &mut components {
+            c.start();
+        }
+        // Both Edges answer and see both nodes before the storm.
+        let client = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        for edge in &http {
+            loop {
+                let ready = match client
+                    .get(format!("{edge}/status"))
+                    .bearer_auth(KEY)
+                    .send()
+                    .await
+                {
+                    Ok(r) => r.text().await.unwrap_or_default().matches("\"node_ready\":true").count() >= 2,
+                    Err(_) => false,
+                };
+                if ready {
+                    break;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "{edge} not ready");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+
+        // Clients: each streams one durable response after another until
+        // the storm ends.
+        let storm_end = tokio::time::Instant::now() + STORM;
+        let mut clients = Vec::new();
+        for c in 0..CLIENTS {
+            let http = http.clone();
+            clients.push(tokio::spawn(async move {
+                let mut all = Vec::new();
+                let mut k = 0;
+                while tokio::time::Instant::now() < storm_end {
+                    all.push(one_response(http.clone(), c * 10_000 + k).await);
+                    k += 1;
+                }
+                all
+            }));
+        }
+
+        // The storm: a random Edge or Node killed every 3-6 s, restarted
+        // 0.5-2.5 s later.
+        let mut schedule = Schedule(SEED);
+        let mut kills = Vec::new();
+        while tokio::time::Instant::now() + Duration::from_secs(6) < storm_end {
+            tokio::time::sleep(Duration::from_millis(3_000 + schedule.below(3_000))).await;
+            let victim = schedule.below(components.len() as u64) as usize;
+            components[victim].kill().await;
+            kills.push(components[victim].name.clone());
+            tokio::time::sleep(Duration::from_millis(500 + schedule.below(2_000))).await;
+            components[victim].start();
+        }
+
+        let mut seen_all = Vec::new();
+        for c in clients {
+            seen_all.extend(c.await.unwrap());
+        }
+        let expected = expected_text(TOKENS);
+        let mut failures = Vec::new();
+        let mut resumed = 0;
+        for seen in &seen_all {
+            let Some(id) = &seen.id else {
+                failures.push(format!("a response never created: {seen:?}"));
+                continue;
+            };
+            resumed += usize::from(seen.resumes > 0);
+            let status = terminal(&seen.events);
+            let text = text_of(&seen.events);
+            // The stored object agrees on any Edge.
+            let object: Value = client
+                .get(format!("{}/v1/responses/{id}", http[0]))
+                .bearer_auth(KEY)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if status.as_deref() != Some("response.completed") || text != expected {
+                failures.push(format!(
+                    "{id}: {status:?} after {} resumes, {} of {} chars seen; stored: {} {}",
+                    seen.resumes,
+                    text.len(),
+                    expected.len(),
+                    object["status"],
+                    object["incomplete_details"],
+                ));
+                continue;
+            }
+            if object["status"] != "completed"
+                || object["output"][0]["content"][0]["text"].as_str() != Some(expected.as_str())
+            {
+                failures.push(format!("{id}: stored object {object}"));
+            }
+        }
+        let stats: Vec<_> = mocks.iter().map(MockServer::stats).collect();
+        let requests: u64 = stats.iter().map(|s| s.requests).sum();
+        let continued: u64 = stats.iter().map(|s| s.continued).sum();
+        let abandoned_before_text: u64 = stats.iter().map(|s| s.abandoned_before_text).sum();
+        let responses = seen_all.len() as u64;
+        let fresh = requests - continued;
+        println!(
+            "storm: {responses} responses ({resumed} resumed), kills {kills:?}, provider calls {requests} \
+             (fresh {fresh}, continued {continued}, abandoned before text {abandoned_before_text})"
+        );
+        for c in &mut components {
+            c.kill().await;
+        }
+        if !failures.is_empty() {
+            // The processes' logs, for the story of the failed responses.
+            for c in &components {
+                let log = std::fs::read_to_string(c.config.with_extension("log")).unwrap_or_default();
+                for line in log.lines().filter(|l| {
+                    failures.iter().any(|f| f.split(':').next().is_some_and(|id| l.contains(id)))
+                        || l.contains("WARN")
+                        || l.contains("ERROR")
+                }) {
+                    println!("{}: {line}", c.name);
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{} of {responses} failed: {failures:#?}", failures.len());
+        assert!(kills.len() >= 10, "a storm: {kills:?}");
+        assert!(resumed > 0, "the kills cut streams (else this proves nothing)");
+        assert!(fresh >= responses, "every response called a provider");
+        assert!(
+            fresh <= responses + abandoned_before_text,
+            "a prompt was sent again after text went out: fresh {fresh}, responses {responses}, \
+             abandoned before text {abandoned_before_text}"
+        );
+    })
+    .await
+    .expect("the storm test exceeded its bound");
+}
