@@ -339,6 +339,10 @@ pub enum TenantsOutput {
     },
 }
 
+/// The `Retry-After` of a request refused while the claim that would let
+/// it fit is on its way.
+pub const CLAIM_RETRY_MS: u64 = 1_000;
+
 /// How long a window this Edge no longer uses is kept.
 const FORGET_AFTER: Duration = Duration::from_secs(180);
 
@@ -465,13 +469,14 @@ impl Tenants {
         }
         for (key, amount, limit, kind, wait) in &wants {
             if !self.fits(key, *amount, *limit) {
-                // Ask for more now, so a later request may fit.
-                self.claim_more(key);
+                // Ask for what this request needs now, so it fits when the
+                // store answers; until then it is worth trying again soon.
+                let coming = self.claim_for(key, *amount, *limit);
                 return Err(Refusal {
                     kind: *kind,
                     subject: key.subject.clone(),
                     meter: Some(key.meter),
-                    retry_after_ms: *wait,
+                    retry_after_ms: if coming { Some(CLAIM_RETRY_MS) } else { *wait },
                 });
             }
         }
@@ -536,6 +541,37 @@ impl Tenants {
         holding.used += amount;
         holding.last_used = Some(now);
         self.claim_more(key);
+    }
+
+    /// A request of `amount` did not fit `key` (limit `limit`): claim what
+    /// it needs beyond what is held. Whether more may still come (a claim
+    /// is on its way, the window is not exhausted, the store answers).
+    fn claim_for(&mut self, key: &CounterKey, amount: u64, limit: u64) -> bool {
+        if amount > limit || self.store_down.contains(&key.subject) {
+            return false;
+        }
+        let chunk = self.chunk(limit);
+        let holding = self.holdings.entry(key.clone()).or_default();
+        holding.limit = if holding.limit == 0 {
+            limit
+        } else {
+            holding.limit.min(limit)
+        };
+        if holding.exhausted {
+            return false;
+        }
+        if holding.claiming.is_some() {
+            return true;
+        }
+        let short = (holding.used + amount).saturating_sub(holding.granted);
+        let amount = short.max(chunk);
+        holding.claiming = Some(amount);
+        self.outputs.push_back(TenantsOutput::Claim {
+            counter: key.clone(),
+            amount,
+            limit: holding.limit,
+        });
+        true
     }
 
     /// Claim the next chunk of `key` when less than half a chunk is left

@@ -2,6 +2,8 @@
 //! its budget (R-LIM-2), parse it with the endpoint's API, and route its
 //! model to the providers that can honour the whole request.
 
+use std::sync::Arc;
+
 use axum::extract::Request;
 use iop_core::ids::ProviderId;
 use iop_wire::AdapterKind;
@@ -11,6 +13,7 @@ use crate::api::{ApiError, NormalizedRun, surface};
 use crate::app_state::{AppState, authenticate};
 use crate::config::{ApiKey, ProviderMode};
 use crate::request_body::{BodyError, BodyPermit};
+use crate::tenancy::TenantHold;
 
 /// What an admitted run request brings: the caller's key, the raw body (for
 /// a tunnel), the parsed run with its API's options, and the model's pool.
@@ -28,6 +31,9 @@ pub(crate) struct Admitted<O> {
     /// For a renamed model with tunnel-mode providers in its pool: the body
     /// they get, naming `provider_model`.
     pub(crate) renamed_body: Option<bytes::Bytes>,
+    /// Its hold on its tenant's limits and budgets (R-TEN-1, R-TEN-2):
+    /// settled when the last holder (its driver) lets go.
+    pub(crate) tenant: Option<Arc<TenantHold>>,
 }
 
 /// Authenticate, read and parse a run request and route its model; any
@@ -46,6 +52,21 @@ pub(crate) async fn admit<E: RunEndpoint>(
         .map_err(BodyError::to_api_error)?;
     let (run, options) = endpoint.parse(&held.bytes)?;
     let pool = pool_for(state, &key, &run)?;
+    // R-TEN-1, R-TEN-2: within the key's and its principal's limits and
+    // budgets, before any provider call. The prompt's tokens are at most
+    // its body's bytes.
+    let tenant = state
+        .tenancy()
+        .admit(
+            &key.id,
+            &key.limits,
+            &key.principal,
+            &state.config().principal_limits(&key.principal),
+            state.config().price_for(&run.model),
+            held.bytes.len() as u64,
+            run.params.max_tokens.map(u64::from),
+        )?
+        .map(Arc::new);
     let provider_model = state.config().model_names.provider_model(&run.model);
     // Rewritten while the body's decoded share is still held (R-LIM-2).
     let renamed_body = if provider_model != run.model
@@ -72,6 +93,7 @@ pub(crate) async fn admit<E: RunEndpoint>(
         pool,
         provider_model,
         renamed_body,
+        tenant,
     })
 }
 

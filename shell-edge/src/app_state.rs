@@ -34,6 +34,8 @@ pub struct AppState {
     bodies: BodyBudget,
     /// Durable responses (SPEC §6).
     durable: Arc<Durable>,
+    /// Tenants' limits and budgets (SPEC §9).
+    tenancy: Arc<crate::tenancy::Tenancy>,
 }
 
 impl AppState {
@@ -99,6 +101,11 @@ impl AppState {
             ),
             hub,
             ids: Arc::new(AtomicU64::new(1)),
+            tenancy: Arc::new(crate::tenancy::Tenancy::new(
+                config.tenants.to_core(),
+                clock,
+                config.tenants.default_max_output_tokens,
+            )),
             config,
             metrics,
             durable,
@@ -113,6 +120,11 @@ impl AppState {
     /// Durable responses.
     pub fn durable(&self) -> &Arc<Durable> {
         &self.durable
+    }
+
+    /// Tenants' limits and budgets.
+    pub fn tenancy(&self) -> &Arc<crate::tenancy::Tenancy> {
+        &self.tenancy
     }
 
     /// What a request's driver needs.

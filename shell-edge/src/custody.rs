@@ -465,6 +465,7 @@ pub fn start_run(ctx: &DriverContext, durable: &Arc<Durable>, start: Start) {
                         // Without the answer so far, a lost adoption is
                         // not continued.
                         continuation: false,
+                        tenant: None,
                     },
                     None,
                 ),
@@ -597,6 +598,7 @@ mod tests {
                     principal: meta.principal.clone(),
                     trace_context: None,
                     continuation,
+                    tenant: None,
                 },
             ))
         })

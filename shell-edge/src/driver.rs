@@ -62,6 +62,10 @@ pub struct Work {
     /// R-CONT-1: the route continues a committed answer on another
     /// provider when its own fails for good.
     pub continuation: bool,
+    /// The request's hold on its tenant's limits (R-TEN-2): the usage its
+    /// answer reports is recorded there; dropped with the driver, it
+    /// settles.
+    pub tenant: Option<Arc<crate::tenancy::TenantHold>>,
 }
 
 /// The raw client request to relay to a tunnel-mode provider.
@@ -557,6 +561,17 @@ impl Driver {
     /// Send one delivery; a client that does not take it within the write
     /// timeout is gone (R-LIM-4).
     async fn deliver(&mut self, delivery: Delivery) {
+        // R-TEN-2: the usage the answer reports (summed over its attempts
+        // by the request machine) is what the request settles with.
+        if let Some(tenant) = &self.work.tenant {
+            match &delivery {
+                Delivery::Event(iop_wire::RunEventKind::Usage(usage))
+                | Delivery::Event(iop_wire::RunEventKind::Completed {
+                    usage: Some(usage), ..
+                }) => tenant.record(usage),
+                _ => {}
+            }
+        }
         // A durable response's readers follow its journal instead.
         let Some(out) = self.out.as_ref() else {
             return;

@@ -180,8 +180,23 @@ async fn ollama_ps(State(state): State<AppState>, headers: HeaderMap) -> Respons
 }
 
 /// The one pipeline of every run endpoint; `endpoint` is what differs
-/// between the APIs (see [`crate::api::endpoint`]).
+/// between the APIs (see [`crate::api::endpoint`]). An admitted request's
+/// answer carries its tenant's `x-ratelimit-*` headers (R-TEN-1).
 async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoint: E) -> Response {
+    let mut rate = None;
+    let mut response = run_admitted(state, request, endpoint, &mut rate).await;
+    if let Some(rate) = rate {
+        crate::tenancy::RateHeaders::apply(&rate, response.headers_mut());
+    }
+    response
+}
+
+async fn run_admitted<E: RunEndpoint>(
+    state: AppState,
+    request: Request,
+    endpoint: E,
+    rate: &mut Option<crate::tenancy::RateHeaders>,
+) -> Response {
     let route = endpoint.route();
     let mut record = RequestRecord::new(&state, route, request.headers());
     // An error instead of an answer: recorded, then in the API's own shape.
@@ -197,6 +212,7 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
         Ok(admitted) => admitted,
         Err(e) => return refuse(record, e),
     };
+    *rate = admitted.tenant.as_ref().map(|t| t.headers);
     // A continued conversation: the stored response's messages go between
     // this request's instructions and its input.
     let mut history = None;
@@ -252,6 +268,7 @@ async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoin
             run.api,
             state.config().continuation_for(&run.model),
         ),
+        tenant: admitted.tenant,
     };
     let mut rx = driver::spawn(state.driver_context().clone(), admitted.pool, work);
     let first = first(&mut rx).await;

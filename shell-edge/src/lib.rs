@@ -28,3 +28,4 @@ pub mod serve;
 pub mod server;
 pub mod status;
 pub mod stored;
+pub mod tenancy;

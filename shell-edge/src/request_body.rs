@@ -120,6 +120,7 @@ impl BodyError {
             message,
             param: None,
             retry_after_secs,
+            headers: Vec::new(),
         }
     }
 }

@@ -223,6 +223,9 @@ fn run_of<E: RunEndpoint>(
             state.config().continuation_for(&run.model),
         ),
         messages: run.messages,
+        // A takeover's continuation is not the request's admission: its
+        // tenant's hold ended with the Edge that admitted it.
+        tenant: None,
     };
     Some((pool, work))
 }
@@ -258,6 +261,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         provider_model,
         // Durable runs are never tunnelled.
         renamed_body: _,
+        mut tenant,
     } = admitted;
     record.body_permit = Some(body_permit);
     endpoint.mark_kept(&mut options, keep);
@@ -304,6 +308,9 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
                     run.api,
                     state.config().continuation_for(&run.model),
                 ),
+                // Settled when the run ends, not when the client goes
+                // (R-TEN-1: a detached run counts until it ends).
+                tenant: tenant.take(),
             };
             driver::spawn_durable(
                 state.driver_context().clone(),

@@ -425,3 +425,22 @@ proptest! {
         prop_assert_eq!(&together[1], &alone[1]);
     }
 }
+
+#[test]
+fn r_ten_3_a_reservation_larger_than_a_chunk_claims_what_it_needs_and_fits_once_answered() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let mut store = Store::default();
+    let (limits, price) = priced(1_000);
+    let mut r = request(1, "k1", "p1", T0);
+    r.principal_limits = limits;
+    r.price = Some(price);
+    r.output_tokens_max = 300;
+    // 310 > one chunk (100) on credit: refused, its claim sent.
+    let refusal = edge.admit(at(0), &r).unwrap_err();
+    assert_eq!(refusal.retry_after_ms, Some(CLAIM_RETRY_MS));
+    store.serve(&mut edge, at(1));
+    assert!(
+        edge.admit(at(1_000), &r).is_ok(),
+        "fits once the claim is answered"
+    );
+}

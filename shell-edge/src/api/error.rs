@@ -27,8 +27,10 @@ pub enum ErrorKind {
     Permission,
     /// No such model or resource (404).
     NotFound,
-    /// Over capacity: the queue is full (429).
+    /// Over capacity: the queue is full, or a tenant's rate limit (429).
     RateLimit,
+    /// A tenant's quota or budget is used up (429, R-TEN-1, R-TEN-2).
+    InsufficientQuota,
     /// A failure on our side or the provider's (500, 502).
     Server,
     /// Nothing can serve the request right now (503).
@@ -46,6 +48,7 @@ impl ErrorKind {
             ErrorKind::Permission => "permission_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::RateLimit => "rate_limit_error",
+            ErrorKind::InsufficientQuota => "insufficient_quota",
             ErrorKind::Server => "server_error",
             ErrorKind::ServiceUnavailable => "service_unavailable_error",
             ErrorKind::Timeout => "timeout_error",
@@ -80,6 +83,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Seconds for the `Retry-After` header (429 only).
     pub retry_after_secs: Option<u64>,
+    /// More headers of the answer (a tenant's `x-ratelimit-*`).
+    pub headers: Vec<(String, String)>,
 }
 
 /// Cut a client-supplied name to [`MAX_ECHOED_NAME_CHARS`] characters.
@@ -102,6 +107,7 @@ impl ApiError {
             message,
             param: None,
             retry_after_secs: None,
+            headers: Vec::new(),
         }
     }
 
@@ -271,6 +277,33 @@ impl ApiError {
             ),
         );
         err.retry_after_secs = Some(retry_after_secs);
+        err
+    }
+
+    /// 429 `rate_limit_exceeded`: `what` (a tenant's limit, R-TEN-1) is
+    /// reached; retry after `retry_after_secs` when waiting helps.
+    pub fn tenant_rate_limited(what: &str, retry_after_secs: Option<u64>) -> Self {
+        let mut err = Self::new(
+            429,
+            ErrorKind::RateLimit,
+            Some("rate_limit_exceeded"),
+            format!("Rate limit reached: {what}."),
+        );
+        err.retry_after_secs = retry_after_secs;
+        err
+    }
+
+    /// 429 `insufficient_quota`: `what` (a tenant's quota or budget,
+    /// R-TEN-1, R-TEN-2) does not fit this request; `retry_after_secs`
+    /// when its period ends.
+    pub fn insufficient_quota(what: &str, retry_after_secs: Option<u64>) -> Self {
+        let mut err = Self::new(
+            429,
+            ErrorKind::InsufficientQuota,
+            Some("insufficient_quota"),
+            format!("You exceeded your current quota: {what}."),
+        );
+        err.retry_after_secs = retry_after_secs;
         err
     }
 
@@ -549,6 +582,14 @@ impl ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        for (name, value) in &self.headers {
+            if let (Ok(name), Ok(value)) = (
+                header::HeaderName::try_from(name.as_str()),
+                HeaderValue::try_from(value.as_str()),
+            ) {
+                response.headers_mut().insert(name, value);
+            }
         }
         response
     }

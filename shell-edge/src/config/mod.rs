@@ -17,6 +17,7 @@ mod journal;
 mod providers;
 mod routes;
 mod secrets;
+mod tenants;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -40,6 +41,7 @@ pub use journal::{JournalSection, JournalStoreKind, NatsSection};
 pub use providers::{Provider, ProviderEntry, ProviderMode};
 pub use routes::{DiscoveredModelsSection, RouteEntry};
 pub use secrets::{ApiKey, ApiKeyEntry, CredentialEntry, CredentialProfile};
+pub use tenants::{LimitsEntry, PriceEntry, PrincipalEntry, TenantsSection};
 
 use crate::catalog::model_matches;
 use providers::validate_providers;
@@ -87,6 +89,15 @@ pub struct EdgeFile {
     /// `[journal]`: where durable responses are kept (SPEC §6).
     #[serde(default)]
     pub journal: JournalSection,
+    /// `[tenants]`: how limits are counted (SPEC §9).
+    #[serde(default)]
+    pub tenants: TenantsSection,
+    /// `[[principals]]`: limits of every key of a principal together.
+    #[serde(default)]
+    pub principals: Vec<PrincipalEntry>,
+    /// `[[prices]]`: the price of each model (R-TEN-2).
+    #[serde(default)]
+    pub prices: Vec<PriceEntry>,
 }
 
 /// The validated configuration.
@@ -122,6 +133,12 @@ pub struct EdgeConfig {
     pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
     /// Durable responses.
     pub journal: JournalSection,
+    /// How tenants' limits are counted.
+    pub tenants: TenantsSection,
+    /// Each principal's limits.
+    pub principals: Vec<(String, iop_core::tenant::Limits)>,
+    /// Model pattern -> price.
+    pub prices: Vec<(String, iop_core::tenant::Price)>,
 }
 
 impl EdgeConfig {
@@ -182,6 +199,9 @@ impl EdgeConfig {
         } = validate_routes(&file.routes, &providers)?;
         let model_names = file.discovered_models.validate()?;
         let api_keys = parse_api_keys(&file.api_keys, base)?;
+        file.tenants.validate()?;
+        let principals = tenants::validate_principals(&file.principals)?;
+        let prices = tenants::validate_prices(&file.prices)?;
         let health = file.health;
         health.validate()?;
         Ok(Self {
@@ -200,7 +220,33 @@ impl EdgeConfig {
             otlp: file.otlp,
             otlp_traces: file.otlp_traces,
             journal: file.journal,
+            tenants: file.tenants,
+            principals,
+            prices,
         })
+    }
+
+    /// The limits of `principal` (none when it has no `[[principals]]`
+    /// entry).
+    pub fn principal_limits(&self, principal: &str) -> iop_core::tenant::Limits {
+        self.principals
+            .iter()
+            .find(|(n, _)| n == principal)
+            .map(|(_, l)| l.clone())
+            .unwrap_or_default()
+    }
+
+    /// The price of `model`: an exact `[[prices]]` entry, else the longest
+    /// matching pattern.
+    pub fn price_for(&self, model: &str) -> Option<iop_core::tenant::Price> {
+        if let Some((_, p)) = self.prices.iter().find(|(m, _)| m == model) {
+            return Some(*p);
+        }
+        self.prices
+            .iter()
+            .filter(|(m, _)| model_matches(m, model))
+            .max_by_key(|(m, _)| m.len())
+            .map(|(_, p)| *p)
     }
 
     /// Re-read only the `[[credentials]]` section of the file at `path`

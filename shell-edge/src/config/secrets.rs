@@ -29,6 +29,13 @@ pub struct ApiKeyEntry {
     /// May read `/status`.
     #[serde(default)]
     pub admin: bool,
+    /// The key's id in limits, usage and logs (never the secret);
+    /// default: `<principal>-<n>`, n its place among the principal's keys.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// The key's own limits (R-TEN-1; the principal's apply too).
+    #[serde(default)]
+    pub limits: super::tenants::LimitsEntry,
 }
 
 fn all_models() -> Vec<String> {
@@ -96,12 +103,17 @@ pub struct ApiKey {
     pub models: Vec<String>,
     /// May read `/status`.
     pub admin: bool,
+    /// The key's id (never the secret).
+    pub id: String,
+    /// The key's own limits.
+    pub limits: iop_core::tenant::Limits,
 }
 
 impl std::fmt::Debug for ApiKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApiKey")
             .field("principal", &self.principal)
+            .field("id", &self.id)
             .field("key", &"<redacted>")
             .field("models", &self.models)
             .finish()
@@ -149,11 +161,31 @@ pub(super) fn parse_api_keys(
                 format!("the same key as api_keys[{first}]"),
             ));
         }
+        let id = match &k.id {
+            Some(id) if !valid_name(id) => {
+                return Err(field_err(f("id"), "must be 1-128 chars of [A-Za-z0-9._-]"));
+            }
+            Some(id) => id.clone(),
+            None => format!(
+                "{}-{}",
+                k.principal,
+                api_keys
+                    .iter()
+                    .filter(|a| a.principal == k.principal)
+                    .count()
+                    + 1
+            ),
+        };
+        if api_keys.iter().any(|a| a.id == id) {
+            return Err(field_err(f("id"), format!("the key id {id} is used twice")));
+        }
         api_keys.push(ApiKey {
             principal: k.principal.clone(),
             key,
             models: k.models.clone(),
             admin: k.admin,
+            limits: k.limits.to_core(&f("limits"))?,
+            id,
         });
     }
     Ok(api_keys)
@@ -363,6 +395,8 @@ mod tests {
             key: "sk-secret-secret-secret".into(),
             models: vec![],
             admin: false,
+            id: "p-1".into(),
+            limits: iop_core::tenant::Limits::default(),
         };
         assert!(!format!("{k:?}").contains("secret-secret"));
     }

@@ -1,0 +1,230 @@
+//! `[tenants]`, `[[principals]]`, `[[prices]]` and each key's `limits`:
+//! the limits and budgets of tenants (SPEC §9, R-TEN-1, R-TEN-2). The
+//! rules that apply them are `iop_core::tenant`'s.
+
+use iop_core::tenant::{Budget, Limits, Period, Price, TenantsConfig};
+use iop_transport::settings::{ConfigError, field_err, valid_name};
+use serde::Deserialize;
+
+/// The limits of a key (`[[api_keys]] limits = { ... }`) or a principal
+/// (`[[principals]]`). Absent: no limit of that kind.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsEntry {
+    /// Requests admitted per minute.
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    /// Input + output tokens per minute.
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    /// Requests in flight at once.
+    #[serde(default)]
+    pub concurrent_requests: Option<u64>,
+    /// Spend per `budget_period`, in micro-units of the price table's
+    /// currency.
+    #[serde(default)]
+    pub budget_micros: Option<u64>,
+    /// `day`, `month` (30 days) or `total` (the default).
+    #[serde(default)]
+    pub budget_period: Option<Period>,
+}
+
+impl LimitsEntry {
+    /// The core's limits; `field` names this entry in errors.
+    pub(super) fn to_core(&self, field: &str) -> Result<Limits, ConfigError> {
+        for (name, value) in [
+            ("requests_per_minute", self.requests_per_minute),
+            ("tokens_per_minute", self.tokens_per_minute),
+            ("concurrent_requests", self.concurrent_requests),
+            ("budget_micros", self.budget_micros),
+        ] {
+            if value == Some(0) {
+                return Err(field_err(
+                    format!("{field}.{name}"),
+                    "must be at least 1 (leave it out for no limit)",
+                ));
+            }
+        }
+        if self.budget_period.is_some() && self.budget_micros.is_none() {
+            return Err(field_err(
+                format!("{field}.budget_period"),
+                "needs budget_micros",
+            ));
+        }
+        Ok(Limits {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+            concurrent_requests: self.concurrent_requests,
+            budget: self.budget_micros.map(|limit_micros| Budget {
+                limit_micros,
+                period: self.budget_period.unwrap_or(Period::Total),
+            }),
+        })
+    }
+}
+
+/// One `[[principals]]` entry: the limits of every key of a principal
+/// together.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrincipalEntry {
+    /// The principal, as `[[api_keys]] principal` names it.
+    pub name: String,
+    /// Its limits.
+    #[serde(default)]
+    pub limits: LimitsEntry,
+}
+
+/// One `[[prices]]` entry: a model's price per million tokens, in
+/// micro-units (R-TEN-2).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceEntry {
+    /// The model as clients name it (a trailing `*` matches a prefix).
+    pub model: String,
+    /// Input tokens.
+    pub input_per_mtok: u64,
+    /// Input tokens served from the provider's cache (default: the input
+    /// price).
+    #[serde(default)]
+    pub cached_input_per_mtok: Option<u64>,
+    /// Output tokens.
+    pub output_per_mtok: u64,
+}
+
+/// `[tenants]`: how limits are counted.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantsSection {
+    /// The share of a limit an Edge claims from the shared counters at a
+    /// time (R-TEN-3): a window's use stays within limit + Edges x chunk.
+    #[serde(default = "default_chunk_fraction")]
+    pub chunk_fraction: f64,
+    /// With the shared store unreachable, the share of each rate limit an
+    /// Edge admits alone (budgets fail closed).
+    #[serde(default = "default_local_share")]
+    pub local_share: f64,
+    /// The output tokens a request that names no maximum reserves.
+    #[serde(default = "default_max_output_tokens")]
+    pub default_max_output_tokens: u64,
+}
+
+fn default_chunk_fraction() -> f64 {
+    0.1
+}
+
+fn default_local_share() -> f64 {
+    1.0
+}
+
+fn default_max_output_tokens() -> u64 {
+    4_096
+}
+
+impl Default for TenantsSection {
+    fn default() -> Self {
+        TenantsSection {
+            chunk_fraction: default_chunk_fraction(),
+            local_share: default_local_share(),
+            default_max_output_tokens: default_max_output_tokens(),
+        }
+    }
+}
+
+impl TenantsSection {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.chunk_fraction > 0.0 && self.chunk_fraction <= 1.0) {
+            return Err(field_err("tenants.chunk_fraction", "must be in (0, 1]"));
+        }
+        if !(self.local_share > 0.0 && self.local_share <= 1.0) {
+            return Err(field_err("tenants.local_share", "must be in (0, 1]"));
+        }
+        if self.default_max_output_tokens == 0 {
+            return Err(field_err(
+                "tenants.default_max_output_tokens",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The core's setup.
+    pub fn to_core(&self) -> TenantsConfig {
+        TenantsConfig {
+            chunk_fraction: self.chunk_fraction,
+            local_share: self.local_share,
+        }
+    }
+}
+
+/// `[[principals]]` validated: each principal once, a valid name.
+pub(super) fn validate_principals(
+    entries: &[PrincipalEntry],
+) -> Result<Vec<(String, Limits)>, ConfigError> {
+    let mut out: Vec<(String, Limits)> = Vec::new();
+    for (i, p) in entries.iter().enumerate() {
+        let field = format!("principals[{i}]");
+        if !valid_name(&p.name) {
+            return Err(field_err(
+                format!("{field}.name"),
+                "must be 1-128 chars of [A-Za-z0-9._-]",
+            ));
+        }
+        if out.iter().any(|(n, _)| n == &p.name) {
+            return Err(field_err(format!("{field}.name"), "listed twice"));
+        }
+        out.push((
+            p.name.clone(),
+            p.limits.to_core(&format!("{field}.limits"))?,
+        ));
+    }
+    Ok(out)
+}
+
+/// `[[prices]]` validated.
+pub(super) fn validate_prices(entries: &[PriceEntry]) -> Result<Vec<(String, Price)>, ConfigError> {
+    let mut out: Vec<(String, Price)> = Vec::new();
+    for (i, p) in entries.iter().enumerate() {
+        if p.model.is_empty() {
+            return Err(field_err(format!("prices[{i}].model"), "must not be empty"));
+        }
+        if out.iter().any(|(m, _)| m == &p.model) {
+            return Err(field_err(format!("prices[{i}].model"), "listed twice"));
+        }
+        out.push((
+            p.model.clone(),
+            Price {
+                input_per_mtok: p.input_per_mtok,
+                cached_input_per_mtok: p.cached_input_per_mtok.unwrap_or(p.input_per_mtok),
+                output_per_mtok: p.output_per_mtok,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixture::{field_of, parse};
+
+    #[test]
+    fn limits_prices_and_principals_are_read_and_a_zero_limit_names_its_field() {
+        let config = parse(
+            "\n[[principals]]\nname = \"team-a\"\nlimits = { requests_per_minute = 60, budget_micros = 30000000, budget_period = \"day\" }\n\
+             [[prices]]\nmodel = \"m*\"\ninput_per_mtok = 1000000\noutput_per_mtok = 2000000\n",
+        )
+        .unwrap();
+        let (name, limits) = &config.principals[0];
+        assert_eq!(name, "team-a");
+        assert_eq!(limits.requests_per_minute, Some(60));
+        assert_eq!(limits.budget.map(|b| b.limit_micros), Some(30_000_000));
+        assert_eq!(
+            config.price_for("model-x").map(|p| p.output_per_mtok),
+            Some(2_000_000)
+        );
+        assert_eq!(config.price_for("other"), None);
+        let err = parse("\n[[principals]]\nname = \"p\"\nlimits = { tokens_per_minute = 0 }\n")
+            .unwrap_err();
+        assert_eq!(field_of(err), "principals[0].limits.tokens_per_minute");
+    }
+}
