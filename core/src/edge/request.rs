@@ -492,24 +492,8 @@ impl Request {
             // replace it, a continuation adds to it.
             request.attempt_usage = resumed.usage;
         }
-        let _ = request.gate.handle_input(
-            now,
-            GateInput::Dispatched {
-                provider_id: offer.provider_id.clone(),
-            },
-        );
-        if let Some(attempt) = request.gate.current_attempt() {
-            let _ = request.gate.handle_input(
-                now,
-                GateInput::Attempt {
-                    attempt,
-                    event: AttemptEvent::Content,
-                },
-            );
-            request.head_delivered = true;
+        if let Some(attempt) = request.committed_before(now, offer.provider_id.clone()) {
             request.attempt_open = true;
-            request.drain_gate(now);
-            request.outputs.clear();
             request.parked_provider = Some(offer.provider_id.clone());
             request.phase = Phase::Parked {
                 attempt,
@@ -550,23 +534,31 @@ impl Request {
             .clone()
             .or_else(|| request.spec.pool.first().cloned())
             .unwrap_or_else(|| ProviderId::from(""));
-        let _ = request
-            .gate
-            .handle_input(now, GateInput::Dispatched { provider_id });
-        if let Some(attempt) = request.gate.current_attempt() {
-            let _ = request.gate.handle_input(
-                now,
-                GateInput::Attempt {
-                    attempt,
-                    event: AttemptEvent::Content,
-                },
-            );
-            request.head_delivered = true;
-            request.drain_gate(now);
-            request.outputs.clear();
+        if let Some(attempt) = request.committed_before(now, provider_id) {
             request.attempt_event(now, attempt, AttemptEvent::TransportLost);
         }
         request
+    }
+
+    /// A taken-over record's answer so far as the gate's first attempt,
+    /// on `provider_id`: dispatched and committed, its head already the
+    /// journal's (no output). The attempt, if the gate opened one.
+    fn committed_before(&mut self, now: Instant, provider_id: ProviderId) -> Option<AttemptId> {
+        let _ = self
+            .gate
+            .handle_input(now, GateInput::Dispatched { provider_id });
+        let attempt = self.gate.current_attempt()?;
+        let _ = self.gate.handle_input(
+            now,
+            GateInput::Attempt {
+                attempt,
+                event: AttemptEvent::Content,
+            },
+        );
+        self.head_delivered = true;
+        self.drain_gate(now);
+        self.outputs.clear();
+        Some(attempt)
     }
 
     /// Whether the request waits for parked run `key` (R-PARK-2).
