@@ -376,8 +376,9 @@ fn refuse<E: RunEndpoint>(endpoint: &E, mut record: RequestRecord, err: ApiError
 }
 
 /// Answer a durable request from its journal: wait for its first event
-/// (the commit) or its terminal, then stream (`stream`) or fold the whole
-/// answer.
+/// (the commit) or its terminal, then stream (`stream`, leaving out the
+/// events through `skip_through`) or fold the whole answer.
+#[allow(clippy::too_many_arguments)]
 async fn answer<E: RunEndpoint>(
     state: &AppState,
     endpoint: &E,

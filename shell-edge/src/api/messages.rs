@@ -780,11 +780,14 @@ enum StartBlock<'a> {
 
 /// One `content_block_delta`'s delta.
 #[derive(Serialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
+#[serde(tag = "type")]
 enum BlockDelta<'a> {
-    TextDelta { text: &'a str },
-    ThinkingDelta { thinking: &'a str },
-    InputJsonDelta { partial_json: &'a str },
+    #[serde(rename = "text_delta")]
+    Text { text: &'a str },
+    #[serde(rename = "thinking_delta")]
+    Thinking { thinking: &'a str },
+    #[serde(rename = "input_json_delta")]
+    InputJson { partial_json: &'a str },
 }
 
 /// The events of a Messages stream.
@@ -899,7 +902,7 @@ impl MessagesStream {
                 let index = self.ensure_open(OpenBlock::Text, None, out);
                 StreamEvent::ContentBlockDelta {
                     index,
-                    delta: BlockDelta::TextDelta { text },
+                    delta: BlockDelta::Text { text },
                 }
                 .write(out);
             }
@@ -907,7 +910,7 @@ impl MessagesStream {
                 let index = self.ensure_open(OpenBlock::Thinking, None, out);
                 StreamEvent::ContentBlockDelta {
                     index,
-                    delta: BlockDelta::ThinkingDelta { thinking: text },
+                    delta: BlockDelta::Thinking { thinking: text },
                 }
                 .write(out);
             }
@@ -973,7 +976,7 @@ impl MessagesStream {
         if !delta.arguments_delta.is_empty() {
             StreamEvent::ContentBlockDelta {
                 index,
-                delta: BlockDelta::InputJsonDelta {
+                delta: BlockDelta::InputJson {
                     partial_json: &delta.arguments_delta,
                 },
             }
