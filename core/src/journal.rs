@@ -77,6 +77,8 @@ pub enum JournalApi {
     Embeddings,
     /// `POST /api/embed`.
     OllamaEmbed,
+    /// `POST /v1/messages` (the Anthropic Messages API).
+    Messages,
 }
 
 impl JournalApi {
@@ -90,6 +92,7 @@ impl JournalApi {
             JournalApi::OllamaGenerate => "ollama_generate",
             JournalApi::Embeddings => "embeddings",
             JournalApi::OllamaEmbed => "ollama_embed",
+            JournalApi::Messages => "messages",
         }
     }
 }

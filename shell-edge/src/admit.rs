@@ -10,7 +10,7 @@ use iop_wire::AdapterKind;
 
 use crate::api::endpoint::RunEndpoint;
 use crate::api::{ApiError, NormalizedRun, surface};
-use crate::app_state::{AppState, authenticate};
+use crate::app_state::{AppState, authenticate, authenticate_x_api_key};
 use crate::config::{ApiKey, ProviderMode};
 use crate::request_body::{BodyError, BodyPermit};
 use crate::tenancy::TenantHold;
@@ -44,7 +44,11 @@ pub(crate) async fn admit<E: RunEndpoint>(
     endpoint: &E,
 ) -> Result<Admitted<E::Options>, ApiError> {
     let (parts, body) = request.into_parts();
-    let key = authenticate(state, &parts.headers)?;
+    let key = if E::X_API_KEY {
+        authenticate_x_api_key(state, &parts.headers)?
+    } else {
+        authenticate(state, &parts.headers)?
+    };
     let mut held = state
         .bodies()
         .read(&key.principal, &parts.headers, body)

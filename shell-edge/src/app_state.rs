@@ -173,6 +173,31 @@ pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiK
         .ok_or_else(ApiError::invalid_api_key)
 }
 
+/// The caller's key from `Authorization: Bearer` or, when it sent none,
+/// from `x-api-key` (how the Anthropic API's clients send it).
+pub(crate) fn authenticate_x_api_key(
+    state: &AppState,
+    headers: &HeaderMap,
+) -> Result<ApiKey, ApiError> {
+    if headers.contains_key(header::AUTHORIZATION) {
+        return authenticate(state, headers);
+    }
+    let value = headers
+        .get("x-api-key")
+        .ok_or_else(ApiError::missing_api_key)?;
+    let token = value
+        .to_str()
+        .ok()
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(ApiError::invalid_api_key)?;
+    state
+        .keys
+        .get(&digest(token))
+        .cloned()
+        .ok_or_else(ApiError::invalid_api_key)
+}
+
 /// The key in an `Authorization` value: the scheme `Bearer` in any case
 /// (RFC 9110 schemes are case-insensitive), then the key trimmed of
 /// surrounding whitespace, as configured keys are.

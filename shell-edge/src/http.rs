@@ -1,7 +1,8 @@
 //! The client-facing HTTP server: the OpenAI API (`/v1/chat/completions`,
-//! `/v1/responses`, `/v1/models`), the Ollama API (`/api/chat`,
-//! `/api/generate`, `/api/tags`) and the operator surface (`/status`,
-//! `/healthz`).
+//! `/v1/responses`, `/v1/models`), the Anthropic Messages API
+//! (`/v1/messages`, `/v1/messages/count_tokens`), the Ollama API
+//! (`/api/chat`, `/api/generate`, `/api/tags`) and the operator surface
+//! (`/status`, `/healthz`).
 //!
 //! Handlers authenticate, parse and validate, then hand the request to a
 //! [`crate::driver`] task and turn its deliveries into the API's own wire
@@ -22,11 +23,11 @@ use tokio::sync::mpsc;
 use crate::admit::{admit, routed_pool};
 use crate::answer_body::answer_body;
 use crate::api::endpoint::{
-    AnswerStart, AnswerStream, ChatCompletions, Completions, Embeddings, Ollama, OllamaEmbed,
-    Responses, RunEndpoint, WholeAnswer,
+    AnswerStart, AnswerStream, ChatCompletions, Completions, Embeddings, Messages, Ollama,
+    OllamaEmbed, Responses, RunEndpoint, WholeAnswer,
 };
-use crate::api::{ApiError, OllamaError, models, ollama};
-use crate::app_state::{AppState, authenticate, authenticate_admin};
+use crate::api::{ApiError, OllamaError, messages, models, ollama};
+use crate::app_state::{AppState, authenticate, authenticate_admin, authenticate_x_api_key};
 use crate::driver::{self, Delivery, TunnelApi, TunnelBody, Work};
 use crate::request_body::BodyError;
 use crate::request_record::RequestRecord;
@@ -53,6 +54,8 @@ pub fn router(state: AppState) -> Router {
             "/v1/responses/{id}/input_items",
             get(crate::stored::input_items),
         )
+        .route("/v1/messages", post(create_message))
+        .route("/v1/messages/count_tokens", post(count_message_tokens))
         .route("/v1/models", get(list_models))
         .route("/api/chat", post(ollama_chat))
         .route("/api/generate", post(ollama_generate))
@@ -140,6 +143,37 @@ async fn ollama_embed(State(state): State<AppState>, request: Request) -> Respon
     run_endpoint(state, request, OllamaEmbed).await
 }
 
+async fn create_message(State(state): State<AppState>, request: Request) -> Response {
+    run_endpoint(state, request, Messages).await
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's estimated tokens
+/// (`iop_core::edge::prompt_estimate`), for a model the key may use; no
+/// provider is called.
+async fn count_message_tokens(State(state): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let answer = async {
+        let key = authenticate_x_api_key(&state, &parts.headers)?;
+        // Through the body budget like every request body (R-LIM-2).
+        let held = state
+            .bodies()
+            .read(&key.principal, &parts.headers, body)
+            .await
+            .map_err(BodyError::to_api_error)?;
+        let run = messages::parse_count_tokens_request(&held.bytes)?;
+        if !key.allows(&run.model) || routed_pool(&state, &run.model).is_none() {
+            return Err(ApiError::model_not_found(&run.model));
+        }
+        let tokens = iop_core::edge::prompt_estimate::prompt_tokens(&run.messages, &run.tools);
+        Ok(serde_json::json!({ "input_tokens": tokens }))
+    }
+    .await;
+    match answer {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => messages::MessagesError(e).into_response(),
+    }
+}
+
 /// `POST /api/show`: what the Edge knows of a routable model (its
 /// providers' kinds); 404 for a model the key cannot use.
 async fn ollama_show(State(state): State<AppState>, request: Request) -> Response {
@@ -208,6 +242,11 @@ async fn run_admitted<E: RunEndpoint>(
         Ok(key) => key,
         Err(e) => return refuse(record, e),
     };
+    // A repeated durable request resumes its stream after this event (an
+    // id that is not one replays the whole stream).
+    let resume_after = crate::stored::last_event_id(request.headers())
+        .ok()
+        .flatten();
     let mut admitted = match admit(&state, request, &endpoint).await {
         Ok(admitted) => admitted,
         Err(e) => return refuse(record, e),
@@ -240,6 +279,7 @@ async fn run_admitted<E: RunEndpoint>(
             keep,
             history,
             idempotency,
+            resume_after,
             record,
         )
         .await;

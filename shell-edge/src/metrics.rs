@@ -32,6 +32,7 @@ pub const ROUTES: &[&str] = &[
     "ollama_chat",
     "ollama_generate",
     "ollama_embed",
+    "messages",
     "retrieve",
 ];
 /// Journal operations (`op` label of the journal metrics, SPEC §6).

@@ -42,8 +42,8 @@ use serde_json::{Value, json};
 use crate::admit::Admitted;
 use crate::answer_body::{AnswerSource, Step, answer_body};
 use crate::api::endpoint::{
-    AnswerStart, AnswerStream, ChatCompletions, Completions, Keep, Ollama, Responses, RunEndpoint,
-    WholeAnswer,
+    AnswerStart, AnswerStream, ChatCompletions, Completions, Keep, Messages, Ollama, Responses,
+    RunEndpoint, WholeAnswer,
 };
 use crate::api::{ApiError, framing, ids};
 use crate::app_state::{AppState, authenticate};
@@ -186,6 +186,7 @@ pub(crate) fn record_run(
         JournalApi::Completions => run_of(state, Completions, meta, stored),
         JournalApi::OllamaChat => run_of(state, Ollama(RunApi::Chat), meta, stored),
         JournalApi::OllamaGenerate => run_of(state, Ollama(RunApi::Generate), meta, stored),
+        JournalApi::Messages => run_of(state, Messages, meta, stored),
         JournalApi::Embeddings | JournalApi::OllamaEmbed => None,
     }
 }
@@ -241,7 +242,10 @@ pub fn continue_conversation(
 }
 
 /// Run a durable request: create its record (or find the one its
-/// `Idempotency-Key` names), start its run, answer from the journal.
+/// `Idempotency-Key` names), start its run, answer from the journal. A
+/// repeated request's stream resumes after `resume_after` (its
+/// `Last-Event-ID`), as a reconnecting SSE client asks.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_durable<E: RunEndpoint>(
     state: &AppState,
     endpoint: E,
@@ -249,6 +253,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
     keep: Keep,
     history: Option<Vec<ChatMessage>>,
     idempotency: Option<String>,
+    resume_after: Option<u64>,
     mut record: RequestRecord,
 ) -> Response {
     let Admitted {
@@ -357,8 +362,10 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
             Err(e) => refuse(&endpoint, record, e),
         }
     } else {
+        // Only a repeat has events the client may already hold.
+        let skip = resume_after.filter(|_| replayed);
         answer(
-            state, &endpoint, &meta.id, start, options, run.stream, record,
+            state, &endpoint, &meta.id, start, options, run.stream, skip, record,
         )
         .await
     };
@@ -376,8 +383,9 @@ fn refuse<E: RunEndpoint>(endpoint: &E, mut record: RequestRecord, err: ApiError
 }
 
 /// Answer a durable request from its journal: wait for its first event
-/// (the commit) or its terminal, then stream (`stream`) or fold the whole
-/// answer.
+/// (the commit) or its terminal, then stream (`stream`, leaving out the
+/// events through `skip_through`) or fold the whole answer.
+#[allow(clippy::too_many_arguments)]
 async fn answer<E: RunEndpoint>(
     state: &AppState,
     endpoint: &E,
@@ -385,6 +393,7 @@ async fn answer<E: RunEndpoint>(
     start: AnswerStart,
     options: E::Options,
     stream: bool,
+    skip_through: Option<u64>,
     record: RequestRecord,
 ) -> Response {
     let mut follower = match Follower::open(state.durable().store().clone(), id).await {
@@ -408,7 +417,7 @@ async fn answer<E: RunEndpoint>(
             follower,
             Some(first),
             endpoint.stream(start, options),
-            None,
+            skip_through,
             record,
         ))
     } else {
@@ -636,6 +645,12 @@ fn resume_point(query: &RetrieveQuery, headers: &HeaderMap) -> Result<Option<u64
     if query.starting_after.is_some() {
         return Ok(query.starting_after);
     }
+    last_event_id(headers)
+}
+
+/// The `Last-Event-ID` header, if sent: the last SSE event id a
+/// reconnecting client holds.
+pub(crate) fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     match headers.get("last-event-id") {
         None => Ok(None),
         Some(v) => v

@@ -15,6 +15,7 @@ pub mod health;
 pub mod limits;
 pub mod link;
 pub mod overlay;
+pub mod prompt_estimate;
 pub mod registry;
 pub mod request;
 pub mod whole_answer;

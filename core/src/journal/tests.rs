@@ -371,6 +371,7 @@ fn the_closed_names_are_the_documented_ones() {
         (JournalApi::OllamaGenerate, "ollama_generate"),
         (JournalApi::Embeddings, "embeddings"),
         (JournalApi::OllamaEmbed, "ollama_embed"),
+        (JournalApi::Messages, "messages"),
     ];
     for (api, name) in apis {
         assert_eq!(api.as_str(), name);

@@ -11,6 +11,7 @@
 //! | [`ChatCompletions`] | [`chat::parse_chat_request`] | OpenAI | SSE `data:` chunks, then `data: [DONE]`; keep-alive comments | [`chat::ChatAccumulator`] |
 //! | [`Responses`] | [`responses::parse_responses_request`] | OpenAI | SSE `event:` + `data:`; keep-alive comments | [`responses::ResponsesAccumulator`] |
 //! | [`Ollama`] | [`ollama::parse_ollama_chat`], [`ollama::parse_ollama_generate`] | Ollama | NDJSON lines | [`ollama::OllamaAccumulator`] |
+//! | [`Messages`] | [`messages::parse_messages_request`] | Anthropic | SSE `event:` + `data:`; `ping` keep-alives | [`messages::MessagesAccumulator`] |
 
 use std::convert::Infallible;
 
@@ -26,10 +27,13 @@ use iop_wire::{RunApi, RunEventKind};
 use serde_json::Value;
 
 use super::error::{ApiError, OllamaError};
-use super::{NormalizedRun, chat, embeddings, framing, ids, ollama, responses};
+use super::{NormalizedRun, chat, embeddings, framing, ids, messages, ollama, responses};
 
 /// What one run API adds to the shared pipeline.
 pub trait RunEndpoint: Send + Sync + 'static {
+    /// Whether the API also takes its key in an `x-api-key` header (the
+    /// Anthropic API's), besides `Authorization: Bearer`.
+    const X_API_KEY: bool = false;
     /// Request fields only this API's answer uses.
     type Options: Send + 'static;
     /// The streamed answer.
@@ -631,6 +635,82 @@ impl AnswerStream for embeddings::CompletionStream {
 }
 
 impl WholeAnswer for embeddings::CompletionAccumulator {
+    fn event(&mut self, event: &RunEventKind) {
+        self.push(event);
+    }
+
+    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
+        self.finish()
+    }
+}
+
+/// `POST /v1/messages` (the Anthropic Messages API).
+#[derive(Debug, Clone, Copy)]
+pub struct Messages;
+
+impl RunEndpoint for Messages {
+    const X_API_KEY: bool = true;
+    type Options = ();
+    type Stream = messages::MessagesStream;
+    type Whole = messages::MessagesAccumulator;
+
+    fn route(&self) -> &'static str {
+        "messages"
+    }
+
+    /// A tunnel-mode provider gets the body on its own `/v1/messages`
+    /// (vLLM and llama.cpp's server answer it).
+    fn tunnel(&self) -> (TunnelApi, &'static str) {
+        (TunnelApi::OpenAi, "/v1/messages")
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, ()), ApiError> {
+        messages::parse_messages_request(body).map(|run| (run, ()))
+    }
+
+    fn error_response(&self, err: ApiError) -> Response {
+        messages::MessagesError(err).into_response()
+    }
+
+    fn stream(&self, start: AnswerStart, _: ()) -> messages::MessagesStream {
+        messages::MessagesStream::new(messages::message_id(start.id_seed), start.model)
+    }
+
+    fn whole(&self, start: AnswerStart, _: ()) -> messages::MessagesAccumulator {
+        messages::MessagesAccumulator::new(messages::message_id(start.id_seed), start.model)
+    }
+
+    fn journal_api(&self) -> JournalApi {
+        JournalApi::Messages
+    }
+
+    fn object_id(&self, seed: u64) -> String {
+        messages::message_id(seed)
+    }
+}
+
+impl AnswerStream for messages::MessagesStream {
+    const KEEP_ALIVE: Option<&'static [u8]> = Some(messages::PING);
+    const SSE_IDS: bool = true;
+
+    fn opening(&mut self, out: &mut Vec<u8>) {
+        self.start(out);
+    }
+
+    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
+        self.push(event, out);
+    }
+
+    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
+        self.fail(err, out);
+    }
+
+    fn response(chunks: BoxStream<'static, Bytes>) -> Response {
+        streamed_response("text/event-stream", true, chunks)
+    }
+}
+
+impl WholeAnswer for messages::MessagesAccumulator {
     fn event(&mut self, event: &RunEventKind) {
         self.push(event);
     }

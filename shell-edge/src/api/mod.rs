@@ -12,6 +12,7 @@
 //! | `POST /v1/chat/completions` | [`chat::parse_chat_request`] | [`chat::ChatStream`] (SSE `data:` events) | [`chat::ChatAccumulator`] |
 //! | `POST /v1/responses` | [`responses::parse_responses_request`] | [`responses::ResponsesStream`] (SSE `event:` + `data:`) | [`responses::ResponsesAccumulator`] |
 //! | `POST /api/chat`, `POST /api/generate` | [`ollama::parse_ollama_chat`], [`ollama::parse_ollama_generate`] | [`ollama::OllamaStream`] (NDJSON lines) | [`ollama::OllamaAccumulator`] |
+//! | `POST /v1/messages` (Anthropic) | [`messages::parse_messages_request`] | [`messages::MessagesStream`] (SSE `event:` + `data:`) | [`messages::MessagesAccumulator`] |
 //! | `GET /v1/models` | | | [`models::models_list_json`] |
 //! | `GET /api/tags` | | | [`ollama::tags_json`] |
 //!
@@ -30,6 +31,7 @@ pub mod endpoint;
 pub mod error;
 pub mod framing;
 pub mod ids;
+pub mod messages;
 pub mod models;
 pub mod ollama;
 mod request_object;

@@ -1,0 +1,676 @@
+use iop_wire::{ExecutionFailure, FailureCode};
+use proptest::prelude::*;
+
+use super::*;
+use crate::api::framing::parse_sse;
+
+fn parse(body: Value) -> Result<NormalizedRun, ApiError> {
+    parse_messages_request(body.to_string().as_bytes())
+}
+
+fn refused(body: Value) -> ApiError {
+    let err = parse(body).expect_err("must be refused");
+    assert_eq!(err.status, 400, "{err:?}");
+    err
+}
+
+fn minimal() -> Value {
+    json!({"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+fn with(field: &str, value: Value) -> Value {
+    let mut body = minimal();
+    body[field] = value;
+    body
+}
+
+fn user_blocks(blocks: Value) -> Value {
+    with("messages", json!([{"role": "user", "content": blocks}]))
+}
+
+/// A body as the Anthropic Python SDK sends it for a tool-use round trip.
+fn sdk_body() -> Value {
+    json!({
+        "model": "m",
+        "max_tokens": 2048,
+        "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/a.jpg"}},
+                {"type": "text", "text": "weather in Paris?"}
+            ]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should call the tool", "signature": "sig"},
+                {"type": "text", "text": "Let me check."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]},
+                {"type": "text", "text": "and tomorrow?"}
+            ]}
+        ],
+        "tools": [{"name": "get_weather", "description": "Weather for a city",
+                   "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true},
+        "stop_sequences": ["END"],
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "metadata": {"user_id": "u-1"},
+        "thinking": {"type": "enabled", "budget_tokens": 512 + 1024},
+        "stream": true
+    })
+}
+
+#[test]
+fn an_sdk_request_becomes_the_run_it_describes() {
+    let run = parse(sdk_body()).unwrap();
+    assert_eq!(run.model, "m");
+    assert!(run.stream);
+    assert_eq!(run.api, RunApi::Chat);
+    let roles: Vec<Role> = run.messages.iter().map(|m| m.role).collect();
+    assert_eq!(
+        roles,
+        [
+            Role::System,
+            Role::User,
+            Role::Assistant,
+            Role::Tool,
+            Role::User
+        ]
+    );
+    assert_eq!(run.messages[0].content, "You are terse.");
+    assert_eq!(
+        run.messages[1].images,
+        [
+            "data:image/png;base64,iVBORw0KGgo=",
+            "https://example.com/a.jpg"
+        ]
+    );
+    assert_eq!(run.messages[1].content, "weather in Paris?");
+    // The earlier turn's thinking is not part of the context.
+    assert_eq!(run.messages[2].content, "Let me check.");
+    assert_eq!(run.messages[2].tool_calls[0].id, "toolu_1");
+    assert_eq!(
+        run.messages[2].tool_calls[0].arguments,
+        r#"{"city":"Paris"}"#
+    );
+    assert_eq!(run.messages[3].tool_call_id.as_deref(), Some("toolu_1"));
+    assert_eq!(run.messages[3].content, "18C");
+    assert_eq!(run.messages[4].content, "and tomorrow?");
+    assert_eq!(run.tools[0].name, "get_weather");
+    let p = &run.params;
+    assert_eq!(p.max_tokens, Some(2048));
+    assert_eq!(p.stop, ["END"]);
+    assert_eq!((p.temperature, p.top_p), (Some(0.5), Some(0.9)));
+    assert_eq!(p.reasoning_effort.as_deref(), Some("low"));
+    assert_eq!(p.parallel_tool_calls, Some(false));
+    let choice: Value = serde_json::from_str(p.tool_choice_json.as_deref().unwrap()).unwrap();
+    assert_eq!(
+        choice,
+        json!({"type": "function", "function": {"name": "get_weather"}})
+    );
+    let extra: Value = serde_json::from_str(p.extra_json.as_deref().unwrap()).unwrap();
+    assert_eq!(extra, json!({"top_k": 40, "user": "u-1"}));
+    assert!(!p.whole_answer);
+}
+
+#[test]
+fn max_tokens_is_required_as_anthropic_requires_it() {
+    let mut body = minimal();
+    body.as_object_mut().unwrap().remove("max_tokens");
+    let err = refused(body);
+    assert_eq!(err.param.as_deref(), Some("max_tokens"));
+    assert_eq!(err.code, Some("missing_required_parameter"));
+    assert_eq!(
+        refused(with("max_tokens", json!(0))).param.as_deref(),
+        Some("max_tokens")
+    );
+}
+
+#[test]
+fn fields_out_of_shape_are_refused_naming_them() {
+    let cases = [
+        (with("frequency_penalty", json!(1)), "frequency_penalty"),
+        (with("temperature", json!(1.5)), "temperature"),
+        (with("stop_sequences", json!("END")), "stop_sequences"),
+        (
+            with("metadata", json!({"session": "x"})),
+            "metadata.session",
+        ),
+        (
+            with("tool_choice", json!({"type": "function"})),
+            "tool_choice.type",
+        ),
+        (
+            with("tool_choice", json!({"type": "tool"})),
+            "tool_choice.name",
+        ),
+        (
+            with("thinking", json!({"type": "enabled", "budget_tokens": 100})),
+            "thinking.budget_tokens",
+        ),
+        (
+            with(
+                "thinking",
+                json!({"type": "enabled", "budget_tokens": 2048}),
+            ),
+            "thinking.budget_tokens",
+        ),
+        (with("system", json!([{"type": "image"}])), "system[0].type"),
+        (
+            with(
+                "tools",
+                json!([{"type": "web_search_20250305", "name": "web_search"}]),
+            ),
+            "tools[0].type",
+        ),
+        (
+            with("tools", json!([{"name": "f"}])),
+            "tools[0].input_schema",
+        ),
+        (
+            with("tools", json!([{"name": "a b", "input_schema": {}}])),
+            "tools[0].name",
+        ),
+        (
+            with("messages", json!([{"role": "system", "content": "x"}])),
+            "messages[0].role",
+        ),
+        (
+            with("messages", json!([{"role": "user", "content": ""}])),
+            "messages[0].content",
+        ),
+        (with("messages", json!([])), "messages"),
+        (
+            user_blocks(json!([{"type": "tool_use", "id": "t", "name": "f", "input": {}}])),
+            "messages[0].content[0].type",
+        ),
+        (
+            user_blocks(json!([{"type": "audio"}])),
+            "messages[0].content[0].type",
+        ),
+        (
+            user_blocks(
+                json!([{"type": "image", "source": {"type": "base64", "media_type": "image/bmp", "data": "AA=="}}]),
+            ),
+            "messages[0].content[0].source.media_type",
+        ),
+        (
+            user_blocks(json!([{"type": "image", "source": {"type": "url", "url": "ftp://x"}}])),
+            "messages[0].content[0].source.url",
+        ),
+        (
+            user_blocks(
+                json!([{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://x"}}]}]),
+            ),
+            "messages[0].content[0].content[0].type",
+        ),
+    ];
+    for (body, param) in cases {
+        let err = refused(body.clone());
+        assert_eq!(err.param.as_deref(), Some(param), "{body}");
+    }
+}
+
+#[test]
+fn a_pdf_document_is_refused_naming_its_source_and_a_text_one_is_carried() {
+    let pdf = user_blocks(json!([
+        {"type": "text", "text": "summarize"},
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    ]));
+    let err = refused(pdf);
+    assert_eq!(
+        err.param.as_deref(),
+        Some("messages[0].content[1].source.type")
+    );
+    assert_eq!(err.code, Some("unsupported_parameter"));
+    let text = user_blocks(json!([
+        {"type": "document", "title": "Notes", "source": {"type": "text", "media_type": "text/plain", "data": "the text"}},
+        {"type": "text", "text": "summarize"}
+    ]));
+    assert_eq!(
+        parse(text).unwrap().messages[0].content,
+        "Notes\nthe text\nsummarize"
+    );
+}
+
+#[test]
+fn tool_choice_modes_map_to_the_runs_vocabulary() {
+    for (anthropic, run) in [
+        (json!({"type": "auto"}), json!("auto")),
+        (json!({"type": "any"}), json!("required")),
+        (json!({"type": "none"}), json!("none")),
+        (
+            json!({"type": "tool", "name": "f"}),
+            json!({"type": "function", "function": {"name": "f"}}),
+        ),
+    ] {
+        let run_choice = parse(with("tool_choice", anthropic))
+            .unwrap()
+            .params
+            .tool_choice_json;
+        assert_eq!(
+            serde_json::from_str::<Value>(&run_choice.unwrap()).unwrap(),
+            run
+        );
+    }
+}
+
+#[test]
+fn thinking_budgets_map_to_reasoning_efforts() {
+    for (budget, effort) in [
+        (1024, "low"),
+        (4095, "low"),
+        (4096, "medium"),
+        (16_384, "high"),
+    ] {
+        let mut body = with(
+            "thinking",
+            json!({"type": "enabled", "budget_tokens": budget}),
+        );
+        body["max_tokens"] = json!(32_000);
+        assert_eq!(
+            parse(body).unwrap().params.reasoning_effort.as_deref(),
+            Some(effort)
+        );
+    }
+    let off = parse(with("thinking", json!({"type": "disabled"}))).unwrap();
+    assert_eq!(off.params.reasoning_effort, None);
+}
+
+#[test]
+fn count_tokens_takes_the_conversation_without_max_tokens() {
+    let body = json!({"model": "m", "system": "be brief", "messages": [{"role": "user", "content": "hello"}]});
+    let run = parse_count_tokens_request(body.to_string().as_bytes()).unwrap();
+    assert_eq!(run.messages.len(), 2);
+    assert_eq!(
+        iop_core::edge::prompt_estimate::prompt_tokens(&run.messages, &run.tools),
+        4
+    );
+    let err = parse_count_tokens_request(minimal().to_string().as_bytes()).unwrap_err();
+    assert_eq!(err.param.as_deref(), Some("max_tokens"));
+}
+
+#[test]
+fn a_final_empty_assistant_turn_is_accepted_and_adds_nothing() {
+    let body = with(
+        "messages",
+        json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]),
+    );
+    assert_eq!(parse(body).unwrap().messages.len(), 1);
+}
+
+fn text(s: &str) -> RunEventKind {
+    RunEventKind::TextDelta(s.into())
+}
+
+fn completed(finish_reason: FinishReason, usage: Option<Usage>) -> RunEventKind {
+    RunEventKind::Completed {
+        finish_reason,
+        usage,
+    }
+}
+
+fn tool(index: u32, id: Option<&str>, name: Option<&str>, args: &str) -> RunEventKind {
+    RunEventKind::ToolCallDelta(ToolCallDelta {
+        index,
+        id: id.map(str::to_owned),
+        name: name.map(str::to_owned),
+        arguments_delta: args.into(),
+    })
+}
+
+fn encode(events: &[RunEventKind]) -> Vec<(String, Value)> {
+    let mut stream = MessagesStream::new("msg_1", "m");
+    let mut out = Vec::new();
+    stream.start(&mut out);
+    for e in events {
+        stream.push(e, &mut out);
+    }
+    parse_sse(&out)
+        .into_iter()
+        .map(|(name, data)| (name.unwrap(), serde_json::from_str(&data).unwrap()))
+        .collect()
+}
+
+#[test]
+fn a_stream_is_anthropics_event_sequence_with_one_block_per_kind() {
+    let usage = Usage {
+        prompt_tokens: 7,
+        completion_tokens: 3,
+    };
+    let events = encode(&[
+        RunEventKind::Started {
+            session_id: "s".into(),
+        },
+        RunEventKind::ReasoningDelta("hmm".into()),
+        text("Hel"),
+        text("lo"),
+        tool(0, Some("call_0"), Some("f"), "{\"a\""),
+        tool(0, None, None, ":1}"),
+        completed(FinishReason::ToolCalls, Some(usage)),
+        text("after the end"),
+    ]);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "ping",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
+    );
+    for (name, data) in &events {
+        assert_eq!(
+            data["type"],
+            name.as_str(),
+            "the event name is the data's type"
+        );
+    }
+    let start = &events[0].1["message"];
+    assert_eq!(
+        (start["id"].as_str(), start["model"].as_str()),
+        (Some("msg_1"), Some("m"))
+    );
+    assert_eq!(start["content"], json!([]));
+    assert_eq!(
+        events[2].1["content_block"],
+        json!({"type": "thinking", "thinking": "", "signature": ""})
+    );
+    assert_eq!(
+        events[3].1["delta"],
+        json!({"type": "thinking_delta", "thinking": "hmm"})
+    );
+    assert_eq!(events[5].1["index"], 1);
+    assert_eq!(
+        events[6].1["delta"],
+        json!({"type": "text_delta", "text": "Hel"})
+    );
+    assert_eq!(
+        events[9].1["content_block"],
+        json!({"type": "tool_use", "id": "call_0", "name": "f", "input": {}})
+    );
+    assert_eq!(
+        events[11].1["delta"],
+        json!({"type": "input_json_delta", "partial_json": ":1}"})
+    );
+    assert_eq!(events[12].1["index"], 2);
+    assert_eq!(
+        events[13].1,
+        json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null},
+               "usage": {"input_tokens": 7, "output_tokens": 3}})
+    );
+}
+
+#[test]
+fn a_stream_without_provider_usage_says_null_not_zero() {
+    let events = encode(&[text("x"), completed(FinishReason::Length, None)]);
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(delta["delta"]["stop_reason"], "max_tokens");
+    assert_eq!(
+        delta["usage"],
+        json!({"input_tokens": null, "output_tokens": null})
+    );
+}
+
+#[test]
+fn a_failed_stream_ends_with_an_anthropic_error_event() {
+    let events = encode(&[
+        text("x"),
+        RunEventKind::Failed(ExecutionFailure::new(FailureCode::ResponseStalled)),
+        text("late"),
+    ]);
+    let (name, data) = events.last().unwrap();
+    assert_eq!(name, "error");
+    assert_eq!(data["type"], "error");
+    assert_eq!(data["error"]["type"], "timeout_error");
+}
+
+#[test]
+fn stop_reasons_map_faithfully() {
+    assert_eq!(stop_reason(FinishReason::Stop, false), "end_turn");
+    assert_eq!(stop_reason(FinishReason::Length, false), "max_tokens");
+    assert_eq!(stop_reason(FinishReason::ToolCalls, true), "tool_use");
+    assert_eq!(stop_reason(FinishReason::Stop, true), "tool_use");
+    assert_eq!(stop_reason(FinishReason::ContentFilter, false), "refusal");
+}
+
+#[test]
+fn a_whole_answer_is_one_message_object() {
+    let mut whole = MessagesAccumulator::new("msg_1", "m");
+    for e in [
+        RunEventKind::ReasoningDelta("think".into()),
+        text("Hi"),
+        tool(0, Some("call_0"), Some("f"), "{\"a\":1}"),
+        completed(
+            FinishReason::ToolCalls,
+            Some(Usage {
+                prompt_tokens: 5,
+                completion_tokens: 2,
+            }),
+        ),
+    ] {
+        whole.push(&e);
+    }
+    assert_eq!(
+        whole.finish().unwrap(),
+        json!({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "content": [
+                {"type": "thinking", "thinking": "think", "signature": ""},
+                {"type": "text", "text": "Hi"},
+                {"type": "tool_use", "id": "call_0", "name": "f", "input": {"a": 1}}
+            ],
+            "stop_reason": "tool_use", "stop_sequence": null,
+            "usage": {"input_tokens": 5, "output_tokens": 2}
+        })
+    );
+    let mut bad = MessagesAccumulator::new("msg_1", "m");
+    bad.push(&tool(0, None, Some("f"), "not json"));
+    bad.push(&completed(FinishReason::ToolCalls, None));
+    assert_eq!(bad.finish().unwrap_err().code, Some("malformed_response"));
+}
+
+#[test]
+fn errors_have_anthropics_shape_and_status_codes() {
+    let cases = [
+        (
+            ApiError::missing_parameter("max_tokens"),
+            400,
+            "invalid_request_error",
+        ),
+        (ApiError::invalid_api_key(), 401, "authentication_error"),
+        (ApiError::permission_denied(), 403, "permission_error"),
+        (ApiError::model_not_found("m"), 404, "not_found_error"),
+        (ApiError::body_too_large(1), 413, "request_too_large"),
+        (ApiError::queue_full(1), 429, "rate_limit_error"),
+        (ApiError::no_provider(), 529, "overloaded_error"),
+        (ApiError::queue_timeout(), 529, "overloaded_error"),
+        (ApiError::internal(), 500, "api_error"),
+        (
+            ApiError::from_failure(FailureCode::ProviderError),
+            502,
+            "api_error",
+        ),
+        (ApiError::budget_expired(), 504, "timeout_error"),
+    ];
+    for (err, status, kind) in cases {
+        assert_eq!(error_status_and_type(&err), (status, kind), "{err:?}");
+        let body = error_json(&err);
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], kind);
+        assert_eq!(body["error"]["message"], err.message.as_str());
+    }
+    let response = MessagesError(ApiError::queue_full(3)).into_response();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(response.headers()[header::RETRY_AFTER], "3");
+}
+
+// Round trip: every run the Anthropic API can express is parsed back from
+// its rendering unchanged.
+
+fn text_strategy() -> impl Strategy<Value = String> {
+    "[a-zA-Z0-9 .,!?é]{1,12}"
+}
+
+fn args_strategy() -> impl Strategy<Value = String> {
+    proptest::collection::btree_map("[a-z]{1,4}", any::<i32>(), 0..3)
+        .prop_map(|m| serde_json::to_string(&m).unwrap())
+}
+
+fn image_strategy() -> impl Strategy<Value = String> {
+    prop_oneof![
+        ("(jpeg|png|gif|webp)", "[A-Za-z0-9+/]{4,12}")
+            .prop_map(|(kind, data)| format!("data:image/{kind};base64,{data}")),
+        "[a-z]{1,8}".prop_map(|p| format!("https://example.com/{p}.png")),
+    ]
+}
+
+fn turn_strategy() -> impl Strategy<Value = ChatMessage> {
+    prop_oneof![
+        (
+            text_strategy(),
+            proptest::collection::vec(image_strategy(), 0..2)
+        )
+            .prop_map(|(content, images)| ChatMessage {
+                images,
+                ..message(Role::User, content)
+            }),
+        (image_strategy()).prop_map(|image| ChatMessage {
+            images: vec![image],
+            ..message(Role::User, String::new())
+        }),
+        text_strategy().prop_map(|c| message(Role::Assistant, c)),
+        (
+            proptest::option::of(text_strategy()),
+            proptest::collection::vec(("[a-z0-9_]{1,8}", "[a-z_]{1,8}", args_strategy()), 1..3)
+        )
+            .prop_map(|(content, calls)| ChatMessage {
+                tool_calls: calls
+                    .into_iter()
+                    .map(|(id, name, arguments)| ToolCall {
+                        id: format!("toolu_{id}"),
+                        name,
+                        arguments,
+                    })
+                    .collect(),
+                ..message(Role::Assistant, content.unwrap_or_default())
+            }),
+        ("[a-z0-9_]{1,8}", proptest::option::of(text_strategy())).prop_map(|(id, content)| {
+            ChatMessage {
+                tool_call_id: Some(format!("toolu_{id}")),
+                ..message(Role::Tool, content.unwrap_or_default())
+            }
+        }),
+    ]
+}
+
+fn tool_strategy() -> impl Strategy<Value = ToolDefinition> {
+    (
+        "[a-zA-Z0-9_-]{1,12}",
+        proptest::option::of(text_strategy()),
+        proptest::collection::btree_map("[a-z]{1,4}", Just(json!({"type": "string"})), 0..3),
+    )
+        .prop_map(|(name, description, properties)| ToolDefinition {
+            name,
+            description,
+            parameters_json: Some(json!({"type": "object", "properties": properties}).to_string()),
+        })
+}
+
+prop_compose! {
+    fn run_strategy()(
+        system in proptest::option::of(text_strategy()),
+        turns in proptest::collection::vec(turn_strategy(), 1..6),
+        tools in proptest::collection::vec(tool_strategy(), 0..3),
+        stream in any::<bool>(),
+        max_tokens in 2_u32..100_000,
+        stop in proptest::collection::vec(text_strategy(), 0..3),
+        temperature in proptest::option::of(0_u8..=100),
+        top_p in proptest::option::of(0_u8..=100),
+        top_k in proptest::option::of(0_u32..500),
+        user in proptest::option::of("[a-z0-9-]{1,12}"),
+        choice in proptest::option::of((0_usize..4, "[a-z_]{1,8}", proptest::option::of(any::<bool>()))),
+        effort in proptest::option::of(prop_oneof![Just("low"), Just("medium"), Just("high")]),
+    ) -> NormalizedRun {
+        let mut messages = Vec::new();
+        if let Some(system) = system {
+            messages.push(message(Role::System, system));
+        }
+        messages.extend(turns);
+        let mut extra = Map::new();
+        if let Some(k) = top_k {
+            extra.insert("top_k".into(), json!(k));
+        }
+        if let Some(user) = user {
+            extra.insert("user".into(), json!(user));
+        }
+        let (tool_choice_json, parallel_tool_calls) = match choice {
+            None => (None, None),
+            Some((mode, name, parallel)) => {
+                let json = match mode {
+                    0 => json!("auto"),
+                    1 => json!("required"),
+                    2 => json!("none"),
+                    _ => json!({"type": "function", "function": {"name": name}}),
+                };
+                (Some(json.to_string()), parallel)
+            }
+        };
+        let reasoning_effort = effort.map(str::to_owned);
+        // A thinking budget is below max_tokens.
+        let max_tokens = if reasoning_effort.is_some() { max_tokens.max(HIGH_THINKING_BUDGET_TOKENS + 1) } else { max_tokens };
+        NormalizedRun {
+            model: "m".into(),
+            stream,
+            api: RunApi::Chat,
+            messages,
+            tools,
+            params: GenerationParams {
+                temperature: temperature.map(|t| f32::from(t) / 100.0),
+                top_p: top_p.map(|t| f32::from(t) / 100.0),
+                max_tokens: Some(max_tokens),
+                stop,
+                tool_choice_json,
+                parallel_tool_calls,
+                reasoning_effort,
+                extra_json: (!extra.is_empty()).then(|| Value::Object(extra).to_string()),
+                whole_answer: !stream,
+                ..GenerationParams::default()
+            },
+            choices: 1,
+        }
+    }
+}
+
+proptest! {
+    #[test]
+    fn a_request_survives_a_round_trip_through_the_run_model(run in run_strategy()) {
+        let body = request_json(&run);
+        let parsed = parse(body.clone()).map_err(|e| TestCaseError::fail(format!("{e:?} for {body}")))?;
+        prop_assert_eq!(&parsed, &run, "{}", body);
+        // And the request renders back to the same body.
+        prop_assert_eq!(request_json(&parsed), body);
+    }
+
+    #[test]
+    fn arbitrary_bodies_are_answered_not_panicked_on(body in crate::api::arbitrary_body::arbitrary_json(4)) {
+        let _ = parse_messages_request(body.to_string().as_bytes());
+        let _ = parse_count_tokens_request(body.to_string().as_bytes());
+    }
+}

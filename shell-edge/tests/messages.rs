@@ -1,0 +1,499 @@
+//! The Anthropic Messages API end to end: real HTTP into the Edge, real
+//! QUIC to a Node, real HTTP to the mock provider (SPEC §5, R-GATE-*,
+//! R-IDEM-1); and the official `anthropic` Python SDK against it.
+
+mod common;
+
+use common::*;
+use iop_edge::config::EdgeConfig;
+use iop_edge::server::RunningEdge;
+use iop_node::mock::{MockScript, MockServer};
+use serde_json::{Value, json};
+
+const KEY: &str = "sk-messages-0123456789";
+
+struct Deployment {
+    _pki: Pki,
+    edge: RunningEdge,
+    node: iop_node::RunningNode,
+    mock: MockServer,
+    http: reqwest::Client,
+}
+
+impl Deployment {
+    /// One `openai` provider (capacity `capacity`) in front of the HTTP
+    /// mock, serving `m`, `mock` and `mock:*`; an admission queue of
+    /// `queue_capacity`.
+    async fn start(script: MockScript, capacity: u32, queue_capacity: u32) -> Self {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let mock = MockServer::start(script).await.unwrap();
+        let text = format!(
+            r#"
+[edge]
+quic_listen = "127.0.0.1:0"
+http_listen = "127.0.0.1:0"
+state_dir = "edge-state"
+drain_timeout_ms = 2000
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[admission]
+queue_capacity = {queue_capacity}
+queue_timeout_ms = 10000
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t"
+capacity = {capacity}
+stall_timeout_ms = 2000
+[[routes]]
+model = "m"
+providers = ["p1"]
+[[routes]]
+model = "mock"
+providers = ["p1"]
+[[routes]]
+model = "mock:*"
+providers = ["p1"]
+[[api_keys]]
+principal = "tester"
+key_file = "key"
+admin = true
+"#
+        );
+        let config = EdgeConfig::parse(&text, pki.path()).expect("edge config");
+        let edge = RunningEdge::start(config).await.expect("edge");
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                mock.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        Self {
+            _pki: pki,
+            edge,
+            node,
+            mock,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.edge.http_addr)
+    }
+
+    /// POST `body` with the key in `x-api-key`, as Anthropic's clients send it.
+    async fn post(&self, path: &str, body: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+        let mut r = self
+            .http
+            .post(self.url(path))
+            .header("x-api-key", KEY)
+            .header("anthropic-version", "2023-06-01")
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        for (name, value) in headers {
+            r = r.header(*name, *value);
+        }
+        r.send().await.expect("http")
+    }
+
+    async fn wait_idle(&self) {
+        wait_for(&self.edge, "no leases in use and no waiters", |s| {
+            s.leases_in_use == 0 && s.queue_depth == 0 && s.waiters == 0
+        })
+        .await;
+    }
+
+    async fn stop(self) {
+        let _ = self.node.shutdown().await;
+        self.edge.shutdown().await;
+    }
+}
+
+fn request(model: &str, stream: bool) -> Value {
+    json!({
+        "model": model,
+        "max_tokens": 256,
+        "stream": stream,
+        "system": "be brief",
+        "messages": [{"role": "user", "content": "hello there"}],
+    })
+}
+
+/// `(id, event name, data)` of every SSE event of `body`.
+fn events(body: &str) -> Vec<(Option<u64>, String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|event| {
+            let (mut id, mut name, mut data) = (None, String::new(), Value::Null);
+            for line in event.lines() {
+                if let Some(v) = line.strip_prefix("id: ") {
+                    id = v.parse().ok();
+                } else if let Some(v) = line.strip_prefix("event: ") {
+                    name = v.to_owned();
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(v).expect("JSON data");
+                }
+            }
+            (id, name, data)
+        })
+        .collect()
+}
+
+fn streamed_text(events: &[(Option<u64>, String, Value)]) -> String {
+    events
+        .iter()
+        .filter(|(_, name, _)| name == "content_block_delta")
+        .filter_map(|(_, _, d)| d["delta"]["text"].as_str())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_message_is_answered_whole_and_streamed_with_the_providers_usage() {
+    bounded(async {
+        let d = Deployment::start(MockScript::default(), 4, 64).await;
+        let r = d
+            .post("/v1/messages", &request("mock:tokens=5", false), &[])
+            .await;
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["type"], "message");
+        assert_eq!(v["role"], "assistant");
+        assert!(v["id"].as_str().unwrap().starts_with("msg_"));
+        assert_eq!(
+            v["content"],
+            json!([{"type": "text", "text": expected_text(5)}])
+        );
+        assert_eq!(v["stop_reason"], "end_turn");
+        // The mock's usage: ceil(prompt characters / 4), tokens produced.
+        let prompt_tokens = ("be brief".len() + "hello there".len()).div_ceil(4);
+        assert_eq!(
+            v["usage"],
+            json!({"input_tokens": prompt_tokens, "output_tokens": 5})
+        );
+
+        let r = d
+            .post("/v1/messages", &request("mock:tokens=4", true), &[])
+            .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["content-type"], "text/event-stream");
+        let body = r.text().await.unwrap();
+        let evs = events(&body);
+        let names: Vec<&str> = evs.iter().map(|(_, n, _)| n.as_str()).collect();
+        assert_eq!(names[..3], ["message_start", "ping", "content_block_start"]);
+        assert_eq!(
+            names[names.len() - 3..],
+            ["content_block_stop", "message_delta", "message_stop"]
+        );
+        assert_eq!(streamed_text(&evs), expected_text(4));
+        let delta = &evs[evs.len() - 2].2;
+        assert_eq!(delta["delta"]["stop_reason"], "end_turn");
+        assert_eq!(delta["usage"]["output_tokens"], 4);
+        assert_eq!(delta["usage"]["input_tokens"], prompt_tokens);
+
+        // count_tokens estimates the same prompt as the mock counted it.
+        let mut count = request("m", false);
+        let count = count.as_object_mut().unwrap();
+        count.remove("max_tokens");
+        count.remove("stream");
+        let r = d
+            .post(
+                "/v1/messages/count_tokens",
+                &Value::Object(count.clone()),
+                &[],
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v, json!({"input_tokens": prompt_tokens}));
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stop_reasons_tools_and_thinking_come_back_in_anthropics_shapes() {
+    bounded(async {
+        let d = Deployment::start(MockScript::default(), 4, 64).await;
+        let mut truncated = request("mock:tokens=10", false);
+        truncated["max_tokens"] = json!(3);
+        let v: Value = d
+            .post("/v1/messages", &truncated, &[])
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["stop_reason"], "max_tokens");
+        assert_eq!(v["usage"]["output_tokens"], 3);
+
+        let mut tool = request("mock:tool_call=1", false);
+        tool["tools"] = json!([{"name": "get_weather", "input_schema": {"type": "object"}}]);
+        tool["tool_choice"] = json!({"type": "tool", "name": "get_weather"});
+        let v: Value = d
+            .post("/v1/messages", &tool, &[])
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["stop_reason"], "tool_use", "{v}");
+        assert_eq!(v["content"][0]["type"], "tool_use");
+        assert_eq!(v["content"][0]["name"], "get_weather");
+        assert!(v["content"][0]["input"]["text"].is_string(), "{v}");
+        tool["stream"] = json!(true);
+        let body = d
+            .post("/v1/messages", &tool, &[])
+            .await
+            .text()
+            .await
+            .unwrap();
+        let evs = events(&body);
+        let start = evs
+            .iter()
+            .find(|(_, n, _)| n == "content_block_start")
+            .unwrap();
+        assert_eq!(start.2["content_block"]["type"], "tool_use");
+        let json: String = evs
+            .iter()
+            .filter_map(|(_, _, d)| d["delta"]["partial_json"].as_str())
+            .collect();
+        assert!(serde_json::from_str::<Value>(&json).unwrap()["text"].is_string());
+
+        let mut thinking = request("mock:tokens=2", false);
+        thinking["max_tokens"] = json!(4096);
+        thinking["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+        let v: Value = d
+            .post("/v1/messages", &thinking, &[])
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["content"][0]["type"], "thinking", "{v}");
+        assert_eq!(v["content"][0]["thinking"], iop_node::mock::MOCK_REASONING);
+        assert_eq!(v["content"][1]["text"], expected_text(2));
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn errors_are_anthropics_and_bad_requests_never_reach_a_provider() {
+    bounded(async {
+        let d = Deployment::start(MockScript::default(), 4, 64).await;
+        let error = |v: &Value| (v["type"].clone(), v["error"]["type"].clone());
+        // No key, a wrong key in either header, and the Bearer form works.
+        let r = d
+            .http
+            .post(d.url("/v1/messages"))
+            .body(request("m", false).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(error(&v), (json!("error"), json!("authentication_error")));
+        let r = d
+            .http
+            .post(d.url("/v1/messages"))
+            .header("x-api-key", "sk-wrong-0123456789")
+            .body(request("m", false).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+        let r = d
+            .http
+            .post(d.url("/v1/messages"))
+            .bearer_auth(KEY)
+            .body(request("mock:tokens=1", false).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+
+        let r = d.post("/v1/messages", &request("no-such-model", false), &[]).await;
+        assert_eq!(r.status(), 404);
+        assert_eq!(error(&r.json().await.unwrap()).1, "not_found_error");
+        let r = d
+            .post("/v1/messages/count_tokens", &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}), &[])
+            .await;
+        assert_eq!(r.status(), 404);
+
+        let before = d.mock.requests();
+        let mut no_max = request("m", false);
+        no_max.as_object_mut().unwrap().remove("max_tokens");
+        let mut pdf = request("m", false);
+        pdf["messages"][0]["content"] = json!([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]);
+        for (body, words) in [(no_max, "max_tokens"), (pdf, "source.type")] {
+            let r = d.post("/v1/messages", &body, &[]).await;
+            assert_eq!(r.status(), 400);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(error(&v).1, "invalid_request_error");
+            assert!(v["error"]["message"].as_str().unwrap().contains(words), "{v}");
+        }
+        assert_eq!(d.mock.requests(), before, "bad requests never reached the provider");
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_full_queue_is_a_429_rate_limit_error_with_retry_after() {
+    bounded(async {
+        let slow = MockScript {
+            tokens_per_second: 10.0,
+            tokens: 30,
+            ..MockScript::default()
+        };
+        let d = Deployment::start(slow, 1, 2).await;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let http = d.http.clone();
+            let url = d.url("/v1/messages");
+            held.push(tokio::spawn(async move {
+                http.post(url)
+                    .header("x-api-key", KEY)
+                    .body(request("mock", true).to_string())
+                    .send()
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+            }));
+        }
+        wait_for(&d.edge, "queue full", |s| s.queue_depth == 2).await;
+        let r = d.post("/v1/messages", &request("mock", false), &[]).await;
+        assert_eq!(r.status(), 429);
+        assert!(r.headers().get("retry-after").is_some());
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "rate_limit_error");
+        for h in held {
+            h.abort();
+        }
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_idempotency_key_runs_once_and_a_stream_resumes_after_last_event_id() {
+    bounded(async {
+        let d = Deployment::start(MockScript::default(), 4, 64).await;
+        let before = d.mock.requests();
+        let whole = request("mock:tokens=6", false);
+        let first = d
+            .post("/v1/messages", &whole, &[("idempotency-key", "once-1")])
+            .await;
+        assert_eq!(first.status(), 200);
+        let first: Value = first.json().await.unwrap();
+        let again = d
+            .post("/v1/messages", &whole, &[("idempotency-key", "once-1")])
+            .await;
+        assert_eq!(again.status(), 200);
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(
+            again.json::<Value>().await.unwrap(),
+            first,
+            "the same message"
+        );
+        assert_eq!(d.mock.requests(), before + 1, "one provider call per key");
+
+        let streamed = request("mock:tokens=6", true);
+        let live = d
+            .post("/v1/messages", &streamed, &[("idempotency-key", "once-2")])
+            .await
+            .text()
+            .await
+            .unwrap();
+        let live = events(&live);
+        let ids: Vec<u64> = live.iter().map(|(id, ..)| id.expect("numbered")).collect();
+        assert_eq!(ids, (0..live.len() as u64).collect::<Vec<_>>());
+        for after in [0, 3, live.len() as u64 - 2] {
+            let resumed = d
+                .post(
+                    "/v1/messages",
+                    &streamed,
+                    &[
+                        ("idempotency-key", "once-2"),
+                        ("last-event-id", &after.to_string()),
+                    ],
+                )
+                .await
+                .text()
+                .await
+                .unwrap();
+            assert_eq!(
+                events(&resumed),
+                live[after as usize + 1..],
+                "after {after}"
+            );
+        }
+        assert_eq!(d.mock.requests(), before + 2, "no call for a resume");
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
+
+/// The official Anthropic Python SDK against a live deployment. CI installs
+/// it (see `.ci/run`) and sets `IOP_SDK_PYTHON`; elsewhere the test uses
+/// `python3` if it can import `anthropic`, and says so if it cannot.
+#[tokio::test]
+async fn official_anthropic_python_sdk_end_to_end() {
+    let python = match std::env::var("IOP_SDK_PYTHON") {
+        Ok(p) => p,
+        Err(_) => {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI must provide IOP_SDK_PYTHON (a python with the anthropic package)"
+            );
+            let ok = std::process::Command::new("python3")
+                .args(["-c", "import anthropic"])
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                eprintln!("anthropic SDK not installed locally; run .ci/run to exercise this test");
+                return;
+            }
+            "python3".into()
+        }
+    };
+    bounded(async {
+        // One slot and a queue of two, so the script can fill it for a 429.
+        let d = Deployment::start(MockScript::default(), 1, 2).await;
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/sdk/anthropic_sdk_e2e.py"
+        );
+        let out = tokio::process::Command::new(&python)
+            .arg(script)
+            .arg(d.url(""))
+            .arg(KEY)
+            .arg(d.mock.base_url())
+            .output()
+            .await
+            .expect("run python");
+        assert!(
+            out.status.success(),
+            "sdk e2e failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
