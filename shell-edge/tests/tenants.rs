@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 const LIMITED: &str = "sk-tenant-limited-0123456789";
 const OTHER: &str = "sk-tenant-other-0123456789";
 const BUDGETED: &str = "sk-tenant-budgeted-0123456789";
+const ONE_AT_A_TIME: &str = "sk-tenant-one-at-a-time-0123456789";
 
 struct Deployment {
     edge: RunningEdge,
@@ -24,14 +25,17 @@ struct Deployment {
     _pki: Pki,
 }
 
-async fn deployment() -> Deployment {
+async fn deployment(tokens_per_second: Option<f64>) -> Deployment {
     let pki = Pki::new(&["node-1"]);
     write_secret(&pki.path().join("limited"), LIMITED);
     write_secret(&pki.path().join("other"), OTHER);
     write_secret(&pki.path().join("budgeted"), BUDGETED);
+    write_secret(&pki.path().join("one"), ONE_AT_A_TIME);
+    let defaults = MockScript::default();
     let mock = MockServer::start(MockScript {
         tokens: 100,
-        ..MockScript::default()
+        tokens_per_second: tokens_per_second.unwrap_or(defaults.tokens_per_second),
+        ..defaults
     })
     .await
     .unwrap();
@@ -59,6 +63,10 @@ key_file = "other"
 [[api_keys]]
 principal = "team-c"
 key_file = "budgeted"
+[[api_keys]]
+principal = "team-d"
+key_file = "one"
+limits = { concurrent_requests = 1, requests_per_minute = 100 }
 [[principals]]
 name = "team-c"
 limits = { budget_micros = 2000, budget_period = "day" }
@@ -112,7 +120,7 @@ fn header(r: &reqwest::Response, name: &str) -> Option<String> {
 #[tokio::test]
 async fn r_ten_1_a_key_over_its_rate_gets_429_with_headers_and_another_principal_is_served() {
     bounded(async {
-        let d = deployment().await;
+        let d = deployment(None).await;
         let mut ok = 0;
         let mut remaining = Vec::new();
         let mut refused = Vec::new();
@@ -164,7 +172,7 @@ async fn r_ten_1_a_key_over_its_rate_gets_429_with_headers_and_another_principal
 #[tokio::test]
 async fn r_ten_2_a_reservation_over_the_budget_is_refused_before_any_provider_call() {
     bounded(async {
-        let d = deployment().await;
+        let d = deployment(None).await;
         let before = d.mock.requests();
         let mut admitted = 0u64;
         let mut quota = 0;
@@ -189,6 +197,49 @@ async fn r_ten_2_a_reservation_over_the_budget_is_refused_before_any_provider_ca
             d.mock.requests() - before,
             admitted,
             "no provider call for a refused request"
+        );
+        d.edge.shutdown().await;
+    })
+    .await;
+}
+
+/// The official OpenAI Python SDK against a key that runs one request at a
+/// time: a second request raises `RateLimitError` carrying `Retry-After`
+/// and the `x-ratelimit-*` headers; the SDK's own retry succeeds once the
+/// first request ends. Needs `IOP_SDK_PYTHON` (CI sets it, see `.ci/run`);
+/// elsewhere it says why it did not run.
+#[tokio::test]
+async fn r_ten_1_the_openai_sdk_raises_rate_limit_error_and_its_retry_succeeds() {
+    let python = match std::env::var("IOP_SDK_PYTHON") {
+        Ok(p) => p,
+        Err(_) => {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI must provide IOP_SDK_PYTHON (a python with the openai package)"
+            );
+            eprintln!("IOP_SDK_PYTHON not set; run .ci/run to exercise this test");
+            return;
+        }
+    };
+    bounded(async {
+        // 100 tokens at 50 a second: the first request holds its slot ~2 s.
+        let d = deployment(Some(50.0)).await;
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/sdk/openai_sdk_rate_limit.py"
+        );
+        let out = tokio::process::Command::new(&python)
+            .arg(script)
+            .arg(format!("http://{}/v1", d.edge.http_addr))
+            .arg(ONE_AT_A_TIME)
+            .output()
+            .await
+            .expect("run python");
+        assert!(
+            out.status.success(),
+            "sdk rate limit test failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
         );
         d.edge.shutdown().await;
     })
