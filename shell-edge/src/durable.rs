@@ -230,6 +230,9 @@ pub struct Durable {
     shared_store: bool,
     /// The runs this Edge writes, by response id.
     live: Mutex<HashMap<String, mpsc::Sender<LiveCommand>>>,
+    /// Background requests waiting for their run's first admission answer
+    /// (taken or refused), by response id.
+    admissions: Mutex<HashMap<String, tokio::sync::oneshot::Sender<bool>>>,
     health: Mutex<StoreHealth>,
     scan_view: Mutex<ScanView>,
 }
@@ -315,6 +318,7 @@ impl Durable {
             lease_ttl_ms: 15_000,
             shared_store: false,
             live: Mutex::new(HashMap::new()),
+            admissions: Mutex::new(HashMap::new()),
             health: Mutex::new(StoreHealth::default()),
             scan_view: Mutex::new(ScanView::default()),
         }
@@ -375,6 +379,31 @@ impl Durable {
             },
             rx,
         )
+    }
+
+    /// Hear whether admission takes the run of `response_id` (leased or
+    /// queued: `true`) or refuses it (`false`): a background request is
+    /// answered only then, so a refusal is its HTTP error, as for any
+    /// request. Call before the run starts.
+    pub fn await_admission(&self, response_id: &str) -> tokio::sync::oneshot::Receiver<bool> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.admissions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(response_id.to_owned(), tx);
+        rx
+    }
+
+    /// The run of `response_id` heard its first admission answer.
+    pub fn admission_answered(&self, response_id: &str, taken: bool) {
+        let waiter = self
+            .admissions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(response_id);
+        if let Some(tx) = waiter {
+            let _ = tx.send(taken);
+        }
     }
 
     /// Ask the run of `response_id` to cancel; false if this Edge does not
@@ -753,6 +782,13 @@ pub struct LiveRun {
 impl Drop for LiveRun {
     fn drop(&mut self) {
         self.durable.live().remove(&self.response_id);
+        // A run that ended before any admission answer: its waiter hears
+        // nothing more (the sender dropped) and answers as the record is.
+        self.durable
+            .admissions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.response_id);
     }
 }
 

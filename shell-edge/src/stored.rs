@@ -286,9 +286,13 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         created_unix_ms,
         owner: durable.edge_id().to_owned(),
     };
+    let mut admission = None;
     let (meta, stored, replayed) = match durable.create(new).await {
         Ok(CreateOutcome::Create(meta)) => {
             let (live, cancel) = durable.register(&meta.id);
+            if keep.background && !run.stream {
+                admission = Some(durable.await_admission(&meta.id));
+            }
             let work = Work {
                 model: provider_model,
                 api: run.api,
@@ -341,8 +345,15 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         Err(e) => return refuse(&endpoint, record, journal_error(&e)),
     };
     let start = answer_start(&run.model, &stored);
-    let mut response = if keep.background && !run.stream {
-        // Answered at once; the client polls or resumes.
+    // A background run that admission refuses (its queue is full) is
+    // answered with that error (429, Retry-After), as any request is: the
+    // client's retry logic sees it (docs/security.md).
+    let refused = match admission {
+        Some(admission) => !admission.await.unwrap_or(true),
+        None => false,
+    };
+    let mut response = if keep.background && !run.stream && !refused {
+        // Answered once its run is admitted; the client polls or resumes.
         record.set("ok");
         match responses_object(state, &meta.id).await {
             Ok(v) => axum::Json(v).into_response(),

@@ -774,3 +774,40 @@ async fn malformed_ids_and_metadata_fail_only_their_request_r_lim_5() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_background_response_admission_refuses_is_answered_429_not_200() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        // Model `offline` is served only by a node that never connects:
+        // each background response to it waits in the queue (64 places).
+        let offline = "[[providers]]\nid = \"off\"\nnode = \"node-x\"\nadapter = \"openai\"\ntarget = \"t\"\nmodels = [\"offline\"]\n";
+        let d = Deployment::start(&pki, MockScript::default(), offline).await;
+        let body = json!({"model": "offline", "input": "x", "background": true});
+        for i in 0..64 {
+            let (status, answer) = d.post("/v1/responses", &body, &[]).await;
+            assert_eq!(status, 200, "{i}: {answer}");
+            assert_eq!(json_of(&answer)["status"], "queued");
+        }
+        let r = reqwest::Client::new()
+            .post(d.url("/v1/responses"))
+            .bearer_auth(KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 429);
+        assert!(r.headers().contains_key("retry-after"));
+        // A foreground request is refused the same way.
+        let (status, _) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "offline", "input": "x"}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 429);
+        d.shutdown().await;
+    })
+    .await;
+}
