@@ -1,4 +1,4 @@
-//! # iop-attack: the hostile-input attack suite (SPEC §7, R-LIM-1..4)
+//! # iop-attack: the hostile-input attack suite (SPEC §7, R-LIM-1..5)
 //!
 //! Starts a real deployment on loopback (an `iop-edge` process with its
 //! default limits, an `iop-node` process in front of a mock provider, and
@@ -7,12 +7,21 @@
 //! legitimate client sends requests at a fixed rate. For each attack it
 //! reports the legitimate client's success rate and latency percentiles
 //! and the Edge's peak RSS, and fails (exit 1) when the success rate falls
-//! under `--min-success` or the RSS goes over `--max-rss-mib`.
+//! under `--min-success` or the RSS goes over `--max-rss-mib`, or when an
+//! attack saw an answer it must never get (a violation: a 5xx for a
+//! malformed id, a second Edge running with another's `edge_id`, a
+//! failover that waits for nothing).
+//!
+//! The Edge keeps durable responses on a real `nats-server` when one is
+//! installed (`$NATS_SERVER`, `PATH`, `/usr/sbin`), as a shared
+//! deployment does; else in its embedded store, and `duplicate_edge_id`
+//! is skipped.
 //!
 //! `scripts/attack` builds the binaries and runs it.
 
 mod evil_node;
 mod flood;
+mod tenant;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -23,7 +32,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use iop_bench::deployment::{
-    API_KEY, Binaries, Proc, edge_config_head, free_tcp_port, free_udp_port, node_config, write_pki,
+    API_KEY, BENCH_EDGE_ID, Binaries, JournalStore, NatsServer, Proc, edge_config_head,
+    free_tcp_port, free_udp_port, nats_server_binary, node_config, write_pki,
 };
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -66,6 +76,10 @@ const ATTACKS: &[&str] = &[
     "stale_ready_flood",
     "maximal_tunnel_heads",
     "duplicate_node_certificate",
+    "malformed_ids",
+    "duplicate_edge_id",
+    "failover_nowhere",
+    "background_flood",
 ];
 
 /// The running deployment.
@@ -74,7 +88,10 @@ struct Rig {
     bins: Binaries,
     edge: Proc,
     _mock: Proc,
+    _sick_mock: Proc,
     _node: Proc,
+    /// The journal's shared store, when `nats-server` is installed.
+    nats: Option<NatsServer>,
     http: SocketAddr,
     quic: SocketAddr,
 }
@@ -91,6 +108,9 @@ struct Row {
     peak_rss_mib: f64,
     attacker: String,
     first_errors: Vec<String>,
+    /// Answers the attack must never get (the first few).
+    violations: Vec<String>,
+    violation_count: u64,
 }
 
 impl Row {
@@ -145,6 +165,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 cli.min_success
             ));
         }
+        if row.violation_count > 0 {
+            failed.push(format!(
+                "{}: {} violations, e.g. {}",
+                row.attack,
+                row.violation_count,
+                row.violations.join(" | ")
+            ));
+        }
         if row.peak_rss_mib > cli.max_rss_mib as f64 {
             failed.push(format!(
                 "{}: Edge RSS {:.0} MiB > {}",
@@ -176,16 +204,24 @@ fn print_row(row: &Row) {
             format!("; errors: {}", row.first_errors.join(" | "))
         }
     );
+    if row.violation_count > 0 {
+        eprintln!(
+            "{:<28} VIOLATED {} times: {}",
+            "",
+            row.violation_count,
+            row.violations.join(" | ")
+        );
+    }
 }
 
 fn markdown_table(rows: &[Row]) -> String {
     let mut out = String::from(
-        "| attack | legitimate success | p50 ms | p99 ms | max ms | Edge peak RSS MiB | attacker saw |\n\
-         | --- | --- | --- | --- | --- | --- | --- |\n",
+        "| attack | legitimate success | p50 ms | p99 ms | max ms | Edge peak RSS MiB | attacker saw | violations |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in rows {
         out.push_str(&format!(
-            "| {} | {}/{} ({:.2} %) | {:.1} | {:.1} | {:.1} | {:.0} | {} |\n",
+            "| {} | {}/{} ({:.2} %) | {:.1} | {:.1} | {:.1} | {:.0} | {} | {} |\n",
             r.attack,
             r.ok,
             r.sent,
@@ -194,7 +230,12 @@ fn markdown_table(rows: &[Row]) -> String {
             r.p99_ms,
             r.max_ms,
             r.peak_rss_mib,
-            r.attacker
+            r.attacker,
+            if r.violation_count == 0 {
+                "0".to_owned()
+            } else {
+                format!("{}: {}", r.violation_count, r.violations.join("; "))
+            }
         ));
     }
     out
@@ -215,6 +256,8 @@ fn json(rows: &[Row]) -> serde_json::Value {
                     "edge_peak_rss_mib": r.peak_rss_mib,
                     "attacker": r.attacker,
                     "first_errors": r.first_errors,
+                    "violations": r.violation_count,
+                    "first_violations": r.violations,
                 })
             })
             .collect(),
@@ -246,17 +289,32 @@ impl Rig {
             &dir,
             false,
         )?;
+        // A provider that answers every request 503 (R-FAIL-1).
+        let sick_addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let sick_mock = Proc::spawn(
+            "mock-sick",
+            &bins.node,
+            &[
+                "mock-provider".into(),
+                "--listen".into(),
+                sick_addr.to_string(),
+                "--http-error".into(),
+                "503".into(),
+            ],
+            &dir,
+            false,
+        )?;
+        let nats = match nats_server_binary() {
+            Some(_) => Some(NatsServer::start(&dir).await?),
+            None => None,
+        };
         let quic = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
         let http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
-        let mut edge_toml = edge_config_head(quic.port(), http.port(), 256);
-        edge_toml.push_str(
-            "[[api_keys]]\nprincipal = \"attacker\"\nkey_file = \"attacker-key\"\n\
-             [[providers]]\nid = \"legit\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"m\"\ncapacity = 64\n\
-             [[routes]]\nmodel = \"m\"\nproviders = [\"legit\"]\n\
-             [[providers]]\nid = \"evil\"\nnode = \"evil\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\nmode = \"tunnel\"\n\
-             [[routes]]\nmodel = \"evil\"\nproviders = [\"evil\"]\n",
-        );
-        std::fs::write(dir.join("edge.toml"), edge_toml)?;
+        let nats_url = nats.as_ref().map(NatsServer::url);
+        std::fs::write(
+            dir.join("edge.toml"),
+            edge_toml(quic, http, "edge-state", nats_url.as_deref())?,
+        )?;
         let edge = Proc::spawn(
             "edge",
             &bins.edge,
@@ -271,7 +329,8 @@ impl Rig {
                 quic,
                 256,
                 &format!(
-                    "[[providers]]\nadapter = \"openai\"\ntarget = \"m\"\nbase_url = \"http://{mock_addr}\"\n"
+                    "[[providers]]\nadapter = \"openai\"\ntarget = \"m\"\nbase_url = \"http://{mock_addr}\"\n\
+                     [[providers]]\nadapter = \"openai\"\ntarget = \"sick\"\nbase_url = \"http://{sick_addr}\"\n"
                 ),
             ),
         )?;
@@ -287,7 +346,9 @@ impl Rig {
             bins,
             edge,
             _mock: mock,
+            _sick_mock: sick_mock,
             _node: node,
+            nats,
             http,
             quic,
         };
@@ -312,6 +373,40 @@ impl Rig {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+/// The Edge's configuration: its listeners and `state_dir`, the
+/// attacker's key, the legitimate route `m`, the hostile node's tunnel
+/// route `evil`, the pool `fragile` of an offline provider (node `ghost`
+/// never connects) and a failing one, and the journal on `nats_url` when
+/// there is one.
+fn edge_toml(
+    quic: SocketAddr,
+    http: SocketAddr,
+    state_dir: &str,
+    nats_url: Option<&str>,
+) -> anyhow::Result<String> {
+    let mut toml = edge_config_head(quic.port(), http.port(), 256).replace(
+        "state_dir = \"edge-state\"",
+        &format!("state_dir = \"{state_dir}\""),
+    );
+    toml.push_str(&format!(
+        "[[api_keys]]\nprincipal = \"attacker\"\nkey_file = \"attacker-key\"\n\
+         [[providers]]\nid = \"legit\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"m\"\ncapacity = 64\n\
+         [[routes]]\nmodel = \"m\"\nproviders = [\"legit\"]\n\
+         [[providers]]\nid = \"evil\"\nnode = \"evil\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\nmode = \"tunnel\"\n\
+         [[routes]]\nmodel = \"evil\"\nproviders = [\"evil\"]\n\
+         [[providers]]\nid = \"ghost\"\nnode = \"ghost\"\nadapter = \"openai\"\ntarget = \"g\"\ncapacity = 64\n\
+         [[providers]]\nid = \"sick\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"sick\"\ncapacity = 64\n\
+         [[routes]]\nmodel = \"{}\"\nproviders = [\"ghost\", \"sick\"]\n\
+         [[routes]]\nmodel = \"{}\"\nproviders = [\"ghost\"]\n",
+        tenant::FRAGILE_MODEL,
+        tenant::OFFLINE_MODEL
+    ));
+    if let Some(url) = nats_url {
+        JournalStore::Nats.add_to_edge_config(&mut toml, Some(url))?;
+    }
+    Ok(toml)
 }
 
 /// Write a secret file with mode 0600 (the Edge refuses wider modes).
@@ -361,9 +456,30 @@ async fn legit_request(client: &reqwest::Client, http: SocketAddr) -> Result<Dur
 pub struct AttackStats {
     /// Free-form counters, by name.
     pub counters: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Answers the attack must never get: how many, and the first few.
+    pub violations: std::sync::Mutex<(u64, Vec<String>)>,
 }
 
+/// Violations a row keeps the text of.
+const VIOLATIONS_SHOWN: usize = 3;
+
 impl AttackStats {
+    /// Note an answer the attack must never get.
+    pub fn violate(&self, what: impl Into<String>) {
+        let mut v = self.violations.lock().unwrap_or_else(|e| e.into_inner());
+        v.0 += 1;
+        if v.1.len() < VIOLATIONS_SHOWN {
+            v.1.push(what.into());
+        }
+    }
+
+    fn violations(&self) -> (u64, Vec<String>) {
+        self.violations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Add one to `name`.
     pub fn count(&self, name: impl Into<String>) {
         let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
@@ -393,6 +509,7 @@ async fn attack_row(
     let stop = Arc::new(AtomicBool::new(false));
     let mut attackers = JoinSet::new();
     let mut extra_procs = Vec::new();
+    let mut duplicate_edge: Option<Proc> = None;
     match name {
         "baseline" => {}
         "idle_tcp_5000" => flood::idle_tcp(&mut attackers, rig.http, 5000, &stop, &stats),
@@ -422,6 +539,33 @@ async fn attack_row(
                 &rig.dir,
                 false,
             )?);
+        }
+        "malformed_ids" => tenant::malformed_ids(&mut attackers, rig.http, 8, &stop, &stats),
+        "duplicate_edge_id" => match &rig.nats {
+            // A second Edge process with the first one's edge_id on the
+            // shared store (R-TAKE-2).
+            Some(nats) => {
+                let quic = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
+                let http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+                std::fs::write(
+                    rig.dir.join("edge-dup.toml"),
+                    edge_toml(quic, http, "edge-state-dup", Some(&nats.url()))?,
+                )?;
+                duplicate_edge = Some(Proc::spawn(
+                    "edge-dup",
+                    &rig.bins.edge,
+                    &["run".into(), "--config".into(), "edge-dup.toml".into()],
+                    &rig.dir,
+                    false,
+                )?);
+            }
+            None => stats.count("skipped: no nats-server"),
+        },
+        "failover_nowhere" => {
+            tenant::failover_nowhere(&mut attackers, rig.http, 4, &stop, &stats);
+        }
+        "background_flood" => {
+            tenant::background_flood(&mut attackers, rig.http, 64, &stop, &stats);
         }
         other => bail!("unknown attack {other}"),
     }
@@ -457,6 +601,25 @@ async fn attack_row(
     for p in extra_procs {
         p.stop().await;
     }
+    if let Some(mut dup) = duplicate_edge {
+        // R-TAKE-2: refused at start, naming the conflict.
+        match dup.check_alive() {
+            Ok(()) => stats.violate(format!(
+                "a second Edge with edge_id {BENCH_EDGE_ID:?} still runs after {} s",
+                duration.as_secs() + 1
+            )),
+            Err(_) => {
+                let log = std::fs::read_to_string(rig.dir.join("edge-dup.log")).unwrap_or_default();
+                if log.contains("is in use") {
+                    stats.count("second Edge refused at start (edge_id in use)");
+                } else {
+                    stats.violate("the second Edge exited without naming the conflict");
+                }
+            }
+        }
+        dup.stop().await;
+    }
+    let (violation_count, violations) = stats.violations();
     Ok(Row {
         attack: name.to_owned(),
         sent: outcome.sent,
@@ -467,6 +630,8 @@ async fn attack_row(
         peak_rss_mib: peak_rss.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0),
         attacker: stats.summary(),
         first_errors: outcome.errors,
+        violations,
+        violation_count,
     })
 }
 

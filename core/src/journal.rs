@@ -817,6 +817,95 @@ impl LeaseView {
     }
 }
 
+/// Renewal intervals a starting Edge watches its own id's lease for
+/// (R-TAKE-2): a live holder renews within one; two let one renewal fail.
+pub const CLAIM_RENEWALS_WATCHED: u32 = 2;
+
+/// What a starting Edge may do with its `edge_id`'s lease (R-TAKE-2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClaimVerdict {
+    /// Take it: write this Edge's lease over the revision last read (0:
+    /// none), so a process that writes it meanwhile still wins the race.
+    Take {
+        /// The revision the write expects.
+        expected_revision: u64,
+    },
+    /// Another live process renews it: this one must not start.
+    InUse {
+        /// The lease as last read.
+        holder: EdgeLease,
+    },
+}
+
+/// A starting Edge's question about its own `edge_id` (R-TAKE-2): is
+/// another process renewing its lease? The Edge reads the lease, then
+/// reads it again until [`LeaseClaim::watch_until`]; a revision that
+/// moves while watched is another live process ([`ClaimVerdict::InUse`]).
+/// One that stays (a crashed predecessor's, this Edge's own last run's) or
+/// is absent may be taken: a restart after a crash waits at most
+/// [`CLAIM_RENEWALS_WATCHED`] renewal intervals, less than one TTL. On a
+/// store only this process can open there is nobody to watch for.
+/// Nothing compares clocks: the watch runs on the starting Edge's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseClaim {
+    first: Option<StoredLease>,
+    last: Option<StoredLease>,
+    until: Instant,
+    moved: bool,
+}
+
+impl LeaseClaim {
+    /// A claim on the first read of the lease, at `now`. `shared`: other
+    /// processes can open the store (else the lease can only be this
+    /// Edge's own former run's, taken at once).
+    pub fn new(read: Option<&StoredLease>, now: Instant, shared: bool) -> Self {
+        let until = match read {
+            Some(stored) if shared => {
+                now.saturating_add(stored.lease.renew_interval() * CLAIM_RENEWALS_WATCHED)
+            }
+            _ => now,
+        };
+        LeaseClaim {
+            first: read.cloned(),
+            last: read.cloned(),
+            until,
+            moved: false,
+        }
+    }
+
+    /// A later read of the lease at `now` (`None`: the store holds none).
+    pub fn observe(&mut self, read: Option<&StoredLease>, _now: Instant) {
+        let first = self.first.as_ref().map(|l| l.revision);
+        if let Some(stored) = read
+            && Some(stored.revision) != first
+        {
+            // A write while watched: a process renews it.
+            self.moved = true;
+        }
+        self.last = read.cloned();
+    }
+
+    /// Until when the lease is to be watched (read again).
+    pub fn watch_until(&self) -> Instant {
+        self.until
+    }
+
+    /// The verdict at `now`, once there is one: `InUse` as soon as the
+    /// lease moved, `Take` once it was watched without moving.
+    pub fn verdict(&self, now: Instant) -> Option<ClaimVerdict> {
+        if self.moved {
+            let holder = self.last.as_ref().or(self.first.as_ref())?;
+            return Some(ClaimVerdict::InUse {
+                holder: holder.lease.clone(),
+            });
+        }
+        (now >= self.until).then(|| ClaimVerdict::Take {
+            expected_revision: self.last.as_ref().map_or(0, |l| l.revision),
+        })
+    }
+}
+
 /// Why a record without a terminal lost its writer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -285,6 +285,7 @@ fn start(
             wait: None,
             attempt: None,
             journal_write: None,
+            admission_told: false,
             commands: None,
             journal: None,
         };
@@ -362,11 +363,33 @@ struct Driver {
     journal: Option<DriverJournal>,
     /// Its write in flight (one at a time, as the request machine asks).
     journal_write: Option<JournalFuture>,
+    /// Whether its first admission answer was passed on.
+    admission_told: bool,
     /// Cancels a durable request, or brings its parked run's report.
     commands: Option<mpsc::Receiver<crate::durable::LiveCommand>>,
 }
 
 impl Driver {
+    /// A durable run's first admission answer, for a background request
+    /// that is answered only once admission took or refused its run.
+    fn tell_admission(&mut self, event: &iop_core::edge::dispatch::RequestEvent) {
+        use iop_core::edge::dispatch::RequestEvent;
+        if self.admission_told {
+            return;
+        }
+        let taken = match event {
+            RequestEvent::Leased(_) | RequestEvent::Queued => true,
+            RequestEvent::Rejected(_) => false,
+            _ => return,
+        };
+        self.admission_told = true;
+        if let Some(journal) = &self.journal {
+            journal
+                .durable
+                .admission_answered(&journal.response_id, taken);
+        }
+    }
+
     async fn run(&mut self) {
         let clock = self.ctx.clock;
         // Frames taken in a row without the `select!` below.
@@ -398,6 +421,7 @@ impl Driver {
                         if link.is_some() {
                             self.link = link;
                         }
+                        self.tell_admission(&event);
                         RequestInput::Dispatch(event)
                     }
                     // The hub stopped: the process is shutting down.

@@ -35,8 +35,8 @@ use std::time::Duration;
 use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery};
 use iop_core::edge::request::Delivery;
 use iop_core::journal::{
-    CreateOutcome, EdgeLease, JournalError, LeaseState, NewRecord, PeerLease, RecordMeta,
-    RecordStatus, TakeoverScan, Terminal,
+    ClaimVerdict, CreateOutcome, EdgeLease, JournalError, LeaseClaim, LeaseState, NewRecord,
+    PeerLease, RecordMeta, RecordStatus, TakeoverScan, Terminal,
 };
 use iop_store::{EmbeddedStore, JournalStore, MemoryStore, Progress};
 use iop_wire::ChatMessage;
@@ -126,6 +126,30 @@ pub enum OpenError {
     Config(#[from] iop_transport::settings::ConfigError),
 }
 
+/// How often a starting Edge reads its id's lease while it watches it
+/// (R-TAKE-2).
+const CLAIM_READ_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Why a starting Edge could not take its ownership lease.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// Another live process renews this `edge_id`'s lease (R-TAKE-2).
+    #[error(
+        "edge_id {edge_id:?} is in use: another Edge process renews its ownership lease \
+         (it moved within {renew_interval_ms} ms while this one started); every Edge \
+         process sharing a journal store needs its own [edge] edge_id"
+    )]
+    InUse {
+        /// The id.
+        edge_id: String,
+        /// How often the holder renews it.
+        renew_interval_ms: u64,
+    },
+    /// The store could not be read or written.
+    #[error("journal: ownership lease: {0}")]
+    Store(#[from] JournalError),
+}
+
 /// How the journal store has answered lately (for `/status` and the
 /// `iop_edge_journal_store_up` gauge): only a store failure
 /// ([`JournalError::Store`]) counts against it, never a rule's refusal.
@@ -201,8 +225,14 @@ pub struct Durable {
     responses_store_default: bool,
     park_grace_ms: u64,
     lease_ttl_ms: u64,
+    /// Other processes can open the store (NATS): a starting Edge watches
+    /// its id's lease before it takes it (R-TAKE-2).
+    shared_store: bool,
     /// The runs this Edge writes, by response id.
     live: Mutex<HashMap<String, mpsc::Sender<LiveCommand>>>,
+    /// Background requests waiting for their run's first admission answer
+    /// (taken or refused), by response id.
+    admissions: Mutex<HashMap<String, tokio::sync::oneshot::Sender<bool>>>,
     health: Mutex<StoreHealth>,
     scan_view: Mutex<ScanView>,
 }
@@ -270,6 +300,7 @@ impl Durable {
         durable.metrics = Some(metrics);
         durable.park_grace_ms = section.park_grace_ms;
         durable.lease_ttl_ms = section.lease_ttl_ms;
+        durable.shared_store = section.store == JournalStoreKind::Nats;
         durable.publish_stats();
         Ok(durable)
     }
@@ -285,7 +316,9 @@ impl Durable {
             responses_store_default,
             park_grace_ms: iop_wire::DEFAULT_PARK_GRACE_MS,
             lease_ttl_ms: 15_000,
+            shared_store: false,
             live: Mutex::new(HashMap::new()),
+            admissions: Mutex::new(HashMap::new()),
             health: Mutex::new(StoreHealth::default()),
             scan_view: Mutex::new(ScanView::default()),
         }
@@ -296,6 +329,13 @@ impl Durable {
     pub fn with_identity(mut self, edge_id: &str, lease_ttl_ms: u64) -> Self {
         edge_id.clone_into(&mut self.edge_id);
         self.lease_ttl_ms = lease_ttl_ms;
+        self
+    }
+
+    /// As one of several processes that open the store (a test's stand-in
+    /// for NATS): [`Self::take_lease`] watches the id's lease first.
+    pub fn sharing_the_store(mut self) -> Self {
+        self.shared_store = true;
         self
     }
 
@@ -339,6 +379,31 @@ impl Durable {
             },
             rx,
         )
+    }
+
+    /// Hear whether admission takes the run of `response_id` (leased or
+    /// queued: `true`) or refuses it (`false`): a background request is
+    /// answered only then, so a refusal is its HTTP error, as for any
+    /// request. Call before the run starts.
+    pub fn await_admission(&self, response_id: &str) -> tokio::sync::oneshot::Receiver<bool> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.admissions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(response_id.to_owned(), tx);
+        rx
+    }
+
+    /// The run of `response_id` heard its first admission answer.
+    pub fn admission_answered(&self, response_id: &str, taken: bool) {
+        let waiter = self
+            .admissions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(response_id);
+        if let Some(tx) = waiter {
+            let _ = tx.send(taken);
+        }
     }
 
     /// Ask the run of `response_id` to cancel; false if this Edge does not
@@ -476,34 +541,93 @@ impl Durable {
     }
 
     /// Take this Edge's ownership lease at start (R-TAKE-1), before any
-    /// record is created or taken over: whatever lease its id had (its
-    /// previous run's) is replaced by this run's.
-    pub async fn take_lease(&self) -> Result<HeldLease, JournalError> {
-        let lease = EdgeLease {
-            edge_id: self.edge_id.clone(),
-            incarnation: rand::random(),
-            ttl_ms: self.lease_ttl_ms,
-            renewed_unix_ms: iop_transport::clock::unix_ms(),
+    /// record is created or taken over. On a shared store the lease its id
+    /// has is watched first ([`LeaseClaim`], R-TAKE-2): if another process
+    /// renews it, the start is refused ([`LeaseError::InUse`]); a lease
+    /// that does not move (this Edge's previous run's) is replaced by this
+    /// run's.
+    pub async fn take_lease(&self) -> Result<HeldLease, LeaseError> {
+        let started = std::time::Instant::now();
+        let at = |t: std::time::Instant| {
+            iop_core::time::Instant::from_micros(
+                u64::try_from(t.duration_since(started).as_micros()).unwrap_or(u64::MAX),
+            )
         };
-        let current = self.store.lease(self.edge_id.clone()).await;
-        self.note(current.as_ref().map(|_| ()));
-        let current = current?;
-        if let Some(previous) = &current {
+        let first = self.read_own_lease().await?;
+        let mut claim = LeaseClaim::new(first.as_ref(), at(started), self.shared_store);
+        if first.is_some() && self.shared_store {
+            tracing::info!(
+                event = "edge_lease_watched",
+                edge_id = %self.edge_id,
+                watch_ms = claim.watch_until().as_millis(),
+                "watching this edge_id's lease: another process may hold it"
+            );
+        }
+        let verdict = loop {
+            let now = std::time::Instant::now();
+            if let Some(verdict) = claim.verdict(at(now)) {
+                break verdict;
+            }
+            let left = claim.watch_until().saturating_duration_since(at(now));
+            tokio::time::sleep(left.min(CLAIM_READ_INTERVAL)).await;
+            let read = self.read_own_lease().await?;
+            claim.observe(read.as_ref(), at(std::time::Instant::now()));
+        };
+        let expected_revision = match verdict {
+            ClaimVerdict::Take { expected_revision } => expected_revision,
+            ClaimVerdict::InUse { holder } => return Err(self.in_use(&holder)),
+        };
+        if let Some(previous) = &first {
             tracing::info!(
                 event = "edge_lease_taken",
                 edge_id = %self.edge_id,
                 previous_renewed_unix_ms = previous.lease.renewed_unix_ms
             );
         }
-        let revision = self
-            .store
-            .put_lease(lease.clone(), current.map_or(0, |c| c.revision))
-            .await;
+        let lease = EdgeLease {
+            edge_id: self.edge_id.clone(),
+            incarnation: rand::random(),
+            ttl_ms: self.lease_ttl_ms,
+            renewed_unix_ms: iop_transport::clock::unix_ms(),
+        };
+        let revision = self.store.put_lease(lease.clone(), expected_revision).await;
         self.note(revision.as_ref().map(|_| ()));
-        Ok(HeldLease {
-            lease,
-            revision: revision?,
-        })
+        match revision {
+            Ok(revision) => Ok(HeldLease { lease, revision }),
+            // Written by another process between the last read and this
+            // write: it started at the same moment (R-TAKE-2).
+            Err(JournalError::Fenced { .. }) => {
+                let holder = self.read_own_lease().await?;
+                Err(match holder {
+                    Some(holder) => self.in_use(&holder.lease),
+                    None => LeaseError::Store(JournalError::Fenced {
+                        current: 0,
+                        writer: expected_revision,
+                    }),
+                })
+            }
+            Err(e) => Err(LeaseError::Store(e)),
+        }
+    }
+
+    async fn read_own_lease(&self) -> Result<Option<iop_core::journal::StoredLease>, JournalError> {
+        let read = self.store.lease(self.edge_id.clone()).await;
+        self.note(read.as_ref().map(|_| ()));
+        read
+    }
+
+    fn in_use(&self, holder: &EdgeLease) -> LeaseError {
+        tracing::error!(
+            event = "edge_id_in_use",
+            edge_id = %self.edge_id,
+            holder_renewed_unix_ms = holder.renewed_unix_ms,
+            "another process renews this edge_id's lease: every Edge needs its own edge_id"
+        );
+        LeaseError::InUse {
+            edge_id: self.edge_id.clone(),
+            renew_interval_ms: u64::try_from(holder.renew_interval().as_millis())
+                .unwrap_or(u64::MAX),
+        }
     }
 
     /// Renew `held` every third of its TTL for as long as the Edge runs.
@@ -658,6 +782,13 @@ pub struct LiveRun {
 impl Drop for LiveRun {
     fn drop(&mut self) {
         self.durable.live().remove(&self.response_id);
+        // A run that ended before any admission answer: its waiter hears
+        // nothing more (the sender dropped) and answers as the record is.
+        self.durable
+            .admissions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.response_id);
     }
 }
 
@@ -906,6 +1037,43 @@ mod tests {
             Err(JournalError::Fenced { current, .. }) if current == second.revision
         ));
         assert_eq!(a.status().health.state(), "ok");
+    }
+
+    #[tokio::test]
+    async fn a_second_process_with_a_renewed_edge_id_is_refused_and_a_crashed_ones_is_taken_r_take_2()
+     {
+        let store = memory();
+        let live = Arc::new(
+            Durable::with_store(store.clone(), true)
+                .with_identity("edge-a", TTL_MS)
+                .sharing_the_store(),
+        );
+        let held = live.take_lease().await.unwrap();
+        let renewal = live.spawn_lease_renewal(held);
+        let twin = Durable::with_store(store.clone(), true)
+            .with_identity("edge-a", TTL_MS)
+            .sharing_the_store();
+        let started = std::time::Instant::now();
+        match twin.take_lease().await {
+            Err(LeaseError::InUse { edge_id, .. }) => assert_eq!(edge_id, "edge-a"),
+            other => panic!("expected in use, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_millis(TTL_MS));
+        // The first process crashes: its lease stops moving, and a restart
+        // takes it within one TTL.
+        renewal.abort();
+        let started = std::time::Instant::now();
+        let restarted = twin.take_lease().await.unwrap();
+        assert!(started.elapsed() < Duration::from_millis(TTL_MS));
+        assert_eq!(
+            store
+                .lease("edge-a".into())
+                .await
+                .unwrap()
+                .unwrap()
+                .revision,
+            restarted.revision
+        );
     }
 
     #[tokio::test]

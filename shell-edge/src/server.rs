@@ -36,6 +36,10 @@ pub enum StartError {
     /// The journal of durable responses could not be opened.
     #[error("{0}")]
     Journal(#[from] crate::durable::OpenError),
+    /// This Edge's ownership lease could not be taken: another process
+    /// renews it (R-TAKE-2), or the store failed.
+    #[error("{0}")]
+    Lease(#[from] crate::durable::LeaseError),
     /// The journal's ownership lease or its first takeover scan failed
     /// (R-TAKE-1).
     #[error("journal: {0}")]
@@ -231,6 +235,7 @@ impl RunningEdge {
         // R-TAKE-1: this Edge's ownership lease, before any record is
         // created or taken over under its id, renewed for as long as it
         // runs; other Edges take its responses over once it stops.
+        // R-TAKE-2: refused while another process renews it.
         let lease = durable.take_lease().await?;
         let lease_task = durable.spawn_lease_renewal(lease);
         // R-TAKE-1: the custody's first scan reads every unfinished record

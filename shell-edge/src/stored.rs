@@ -26,6 +26,7 @@ use axum::http::{HeaderMap, HeaderValue, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::stream::BoxStream;
+use iop_core::edge::client_ids;
 use iop_core::edge::durable::{JournalSpec, ended_before_commit};
 use iop_core::edge::gate::GateFailure;
 use iop_core::edge::request::Delivery;
@@ -52,11 +53,10 @@ use crate::driver::{self, DurableRun, Work};
 use crate::durable::{Followed, Follower, StoredRequest};
 use crate::request_record::RequestRecord;
 
-/// The longest `Idempotency-Key` accepted.
-pub const MAX_IDEMPOTENCY_KEY_CHARS: usize = 255;
+pub use iop_core::edge::client_ids::MAX_IDEMPOTENCY_KEY_CHARS;
 
 /// The `Idempotency-Key` header, if sent: 1 to 255 visible ASCII
-/// characters.
+/// characters (R-LIM-5).
 pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get("idempotency-key") else {
         return Ok(None);
@@ -65,11 +65,7 @@ pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> 
         .to_str()
         .ok()
         .map(str::trim)
-        .filter(|k| {
-            !k.is_empty()
-                && k.len() <= MAX_IDEMPOTENCY_KEY_CHARS
-                && k.bytes().all(|b| b.is_ascii_graphic())
-        })
+        .filter(|k| client_ids::idempotency_key_ok(k))
         .ok_or_else(|| {
             ApiError::invalid_value(
                 "Idempotency-Key",
@@ -135,6 +131,9 @@ pub(crate) async fn history(
     key: &ApiKey,
     previous_id: &str,
 ) -> Result<Vec<ChatMessage>, ApiError> {
+    if !client_ids::may_name_stored(JournalApi::Responses, previous_id) {
+        return Err(ApiError::previous_response_not_found());
+    }
     let store = state.durable().store().clone();
     let (meta, request) = store
         .get(previous_id.to_owned(), iop_transport::clock::unix_ms())
@@ -296,9 +295,13 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         created_unix_ms,
         owner: durable.edge_id().to_owned(),
     };
+    let mut admission = None;
     let (meta, stored, replayed) = match durable.create(new).await {
         Ok(CreateOutcome::Create(meta)) => {
             let (live, cancel) = durable.register(&meta.id);
+            if keep.background && !run.stream {
+                admission = Some(durable.await_admission(&meta.id));
+            }
             let work = Work {
                 model: provider_model,
                 api: run.api,
@@ -354,8 +357,15 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         Err(e) => return refuse(&endpoint, record, journal_error(&e)),
     };
     let start = answer_start(&run.model, &stored);
-    let mut response = if keep.background && !run.stream {
-        // Answered at once; the client polls or resumes.
+    // A background run that admission refuses (its queue is full) is
+    // answered with that error (429, Retry-After), as any request is: the
+    // client's retry logic sees it (docs/security.md).
+    let refused = match admission {
+        Some(admission) => !admission.await.unwrap_or(true),
+        None => false,
+    };
+    let mut response = if keep.background && !run.stream && !refused {
+        // Answered once its run is admitted; the client polls or resumes.
         record.set("ok");
         match responses_object(state, &meta.id).await {
             Ok(v) => axum::Json(v).into_response(),
@@ -547,6 +557,11 @@ async fn readable(
     id: &str,
     api: JournalApi,
 ) -> Result<(RecordMeta, StoredRequest), ApiError> {
+    // R-LIM-5: an id the Edge cannot have issued names nothing; it goes to
+    // no store, subject or log.
+    if !client_ids::may_name_stored(api, id) {
+        return Err(ApiError::not_found("response"));
+    }
     let found = state
         .durable()
         .store()

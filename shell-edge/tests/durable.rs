@@ -502,11 +502,22 @@ async fn previous_response_id_continues_the_stored_conversation() {
         let (status, body) = d
             .post(
                 "/v1/responses",
-                &json!({"model": "m", "input": "x", "previous_response_id": "resp_nope"}),
+                &json!({"model": "m", "input": "x",
+                    "previous_response_id": "resp_0000000000000000"}),
                 &[],
             )
             .await;
         assert_eq!(status, 404, "{body}");
+        assert_eq!(json_of(&body)["error"]["param"], "previous_response_id");
+        // Not an id the Edge issues (R-LIM-5): 400 naming it, no lookup.
+        let (status, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "x", "previous_response_id": "resp_nope"}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 400, "{body}");
         assert_eq!(json_of(&body)["error"]["param"], "previous_response_id");
         d.shutdown().await;
     })
@@ -667,6 +678,135 @@ async fn r_idem_1_every_run_endpoint_honours_an_idempotency_key() {
             };
             assert_eq!(strip(&first), strip(&again), "{path}: the same response");
         }
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn malformed_ids_and_metadata_fail_only_their_request_r_lim_5() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let d = Deployment::start(&pki, MockScript::default(), "").await;
+        let (status, body) = d
+            .post("/v1/responses", &json!({"model": "m", "input": "x"}), &[])
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let stored = json_of(&body)["id"].as_str().unwrap().to_owned();
+        let long = format!("resp_{}", "a".repeat(4_100));
+        let client = reqwest::Client::new();
+        for id in [
+            long.as_str(),
+            "resp_*",
+            "resp_a.b.>",
+            "resp_0123456789ABCDEF",
+        ] {
+            for path in [
+                format!("/v1/responses/{id}"),
+                format!("/v1/responses/{id}/input_items"),
+                format!("/v1/chat/completions/{id}"),
+            ] {
+                let (status, body) = d.get(&path, KEY, &[]).await;
+                assert_eq!(status, 404, "{path}: {body}");
+                assert_eq!(json_of(&body)["error"]["code"], "not_found");
+            }
+            let deleted = client
+                .delete(d.url(&format!("/v1/responses/{id}")))
+                .bearer_auth(KEY)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(deleted.status(), 404);
+            let cancelled = client
+                .post(d.url(&format!("/v1/responses/{id}/cancel")))
+                .bearer_auth(KEY)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(cancelled.status(), 404);
+            let (status, body) = d
+                .post(
+                    "/v1/responses",
+                    &json!({"model": "m", "input": "x", "previous_response_id": id}),
+                    &[],
+                )
+                .await;
+            assert_eq!(status, 400, "{body}");
+        }
+        // Metadata past its bounds is refused by name; within them it is
+        // echoed.
+        let seventeen: serde_json::Map<String, Value> =
+            (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+        for metadata in [
+            Value::Object(seventeen),
+            json!({ "k".repeat(65): "v" }),
+            json!({ "k": "v".repeat(513) }),
+            json!({ "k": 1 }),
+        ] {
+            for (path, body) in [
+                (
+                    "/v1/responses",
+                    json!({"model": "m", "input": "x", "metadata": metadata}),
+                ),
+                (
+                    "/v1/chat/completions",
+                    json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                        "metadata": metadata}),
+                ),
+            ] {
+                let (status, answer) = d.post(path, &body, &[]).await;
+                assert_eq!(status, 400, "{path} {metadata}: {answer}");
+                assert_eq!(json_of(&answer)["error"]["param"], "metadata");
+            }
+        }
+        let (status, body) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "x", "metadata": {"k": "v".repeat(512)}}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        // The store and the stored response are as they were.
+        let (status, body) = d.get(&format!("/v1/responses/{stored}"), KEY, &[]).await;
+        assert_eq!(status, 200, "{body}");
+        d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_background_response_admission_refuses_is_answered_429_not_200() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        // Model `offline` is served only by a node that never connects:
+        // each background response to it waits in the queue (64 places).
+        let offline = "[[providers]]\nid = \"off\"\nnode = \"node-x\"\nadapter = \"openai\"\ntarget = \"t\"\nmodels = [\"offline\"]\n";
+        let d = Deployment::start(&pki, MockScript::default(), offline).await;
+        let body = json!({"model": "offline", "input": "x", "background": true});
+        for i in 0..64 {
+            let (status, answer) = d.post("/v1/responses", &body, &[]).await;
+            assert_eq!(status, 200, "{i}: {answer}");
+            assert_eq!(json_of(&answer)["status"], "queued");
+        }
+        let r = reqwest::Client::new()
+            .post(d.url("/v1/responses"))
+            .bearer_auth(KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 429);
+        assert!(r.headers().contains_key("retry-after"));
+        // A foreground request is refused the same way.
+        let (status, _) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "offline", "input": "x"}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 429);
         d.shutdown().await;
     })
     .await;

@@ -154,3 +154,50 @@ async fn a_provider_failing_its_runs_leaves_selection_r_fail_3() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_failover_with_nowhere_to_go_answers_the_providers_failure_at_once_r_fail_1() {
+    bounded(async {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let failing = MockServer::start(MockScript {
+            http_error: Some(503),
+            ..MockScript::default()
+        })
+        .await
+        .unwrap();
+        // p2's node never connects: the pool's only alternate is offline.
+        let extra = "[[providers]]\nid = \"p1\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"t\"\nmodels = [\"m\"]\n\
+             [[providers]]\nid = \"p2\"\nnode = \"node-2\"\nadapter = \"openai\"\ntarget = \"t\"\nmodels = [\"m\"]\n\
+             [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\n";
+        let edge = RunningEdge::start(edge_config(&pki, 0, extra))
+            .await
+            .unwrap();
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                failing.base_url()
+            ),
+        );
+        ready_generation(&edge, "node-1").await;
+        for stream in [false, true] {
+            let started = std::time::Instant::now();
+            let (status, body) = chat(&edge, stream).await;
+            // The queue timeout here is 5 s: the answer comes well before.
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(2),
+                "waited {:?}: {body}",
+                started.elapsed()
+            );
+            assert!(status >= 500, "{status}: {body}");
+            assert!(!body.contains("queue_timeout"), "{body}");
+        }
+        assert_eq!(failing.requests(), 2, "the provider was called once each");
+        node.shutdown().await.unwrap();
+        edge.shutdown().await;
+    })
+    .await;
+}

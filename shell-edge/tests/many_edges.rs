@@ -909,3 +909,70 @@ async fn an_unreachable_nats_server_fails_the_start_naming_it() {
     let text = err.to_string();
     assert!(text.contains(&dead), "{text}");
 }
+
+/// R-TAKE-2: a second Edge process started with a live Edge's `edge_id`
+/// on the same NATS journal is refused at start, naming the conflict,
+/// and never serves; once the first is killed (its lease no longer
+/// renewed), the same id starts again within one lease TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_with_a_live_edges_id_is_refused_and_a_restart_after_a_crash_starts() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let mock = MockServer::start(MockScript::default()).await.unwrap();
+        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let config = pki.path().join("edge-a.toml");
+        std::fs::write(
+            &config,
+            edge_toml("edge-a", &server.url(), quic_port, http_port),
+        )
+        .unwrap();
+        let mut a = start_edge_process_with_node(&pki, &config, quic_port, http_port, &mock).await;
+        // The twin: the same edge_id, its own ports and state directory.
+        let twin_http = free_tcp_port();
+        let twin_config = pki.path().join("edge-a-twin.toml");
+        std::fs::write(
+            &twin_config,
+            edge_toml("edge-a", &server.url(), free_udp_port(), twin_http)
+                .replace("state_dir = \"edge-a-state\"", "state_dir = \"twin-state\""),
+        )
+        .unwrap();
+        let twin = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_iop-edge"))
+                .args(["run", "--config"])
+                .arg(&twin_config)
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("the twin is refused within its watch, not left running")
+        .unwrap();
+        assert!(!twin.status.success());
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&twin.stdout),
+            String::from_utf8_lossy(&twin.stderr)
+        );
+        assert!(said.contains("edge_id \"edge-a\" is in use"), "{said}");
+        // The first Edge still serves, its lease untouched.
+        let (status, _) = get(format!("{}/healthz", a.edge.http)).await;
+        assert_eq!(status, 200);
+        // A crash: the lease stops moving, and a restart takes it.
+        a.edge.child.start_kill().unwrap();
+        let _ = a.edge.child.wait().await;
+        let restarted_at = tokio::time::Instant::now();
+        let restarted = start_edge_process(&config, http_port, KEY).await;
+        assert!(
+            restarted_at.elapsed() < Duration::from_millis(LEASE_TTL_MS) + Duration::from_secs(10),
+            "took {:?}",
+            restarted_at.elapsed()
+        );
+        drop(restarted);
+        a.node.shutdown().await.unwrap();
+    })
+    .await;
+}

@@ -127,6 +127,10 @@ pub enum AdmitRejection {
     NoRoute,
     /// The request id is already admitted or queued.
     DuplicateRequest,
+    /// A re-admission that may not go back to the provider it avoids,
+    /// while every other provider of its pool is offline: it would wait
+    /// its whole queue timeout for nothing (R-FAIL-1).
+    NoAlternate,
 }
 
 /// The immediate answer to [`Admission::request`].
@@ -397,6 +401,9 @@ impl Admission {
         if let Some(lease) = self.try_lease(now, &request) {
             return Admit::Leased(lease);
         }
+        if self.has_nowhere_to_go(&request) {
+            return Admit::Rejected(AdmitRejection::NoAlternate);
+        }
         if self.queue.len() >= self.config.queue_capacity {
             return Admit::Rejected(AdmitRejection::QueueFull);
         }
@@ -407,6 +414,24 @@ impl Admission {
             expires_at: now + self.config.queue_timeout,
         });
         Admit::Queued
+    }
+
+    /// R-FAIL-1: a re-admission away from a provider, not allowed back to
+    /// it, whose pool's other providers are all offline (no node
+    /// connection). A first admission, or one that may fall back, waits for
+    /// a node to come; an alternate that is online but held out by the
+    /// overlay or the health tracker may come back, and is waited for.
+    fn has_nowhere_to_go(&self, request: &DispatchRequest) -> bool {
+        let Some(avoided) = request.avoid_provider_id.as_ref() else {
+            return false;
+        };
+        !request.allow_avoided_fallback
+            && request
+                .pool
+                .iter()
+                .filter(|id| *id != avoided)
+                .filter_map(|id| self.providers.get(id))
+                .all(|p| p.online.is_none())
     }
 
     /// R-SEL-1: prefer a runtime-eligible alternate; the avoided provider
@@ -1033,6 +1058,33 @@ mod tests {
             Some(AdmissionEvent::Leased(l)) => assert_eq!(l.request_id, 2, "FIFO"),
             other => panic!("{other:?}"),
         }
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_readmission_whose_only_alternates_are_offline_is_refused_at_once_r_fail_1() {
+        let mut a = admission(vec![spec("down", "n1", 1), spec("sick", "n2", 1)]);
+        a.set_online(ms(0), &ProviderId::from("down"), None);
+        let readmit = |id, fallback| DispatchRequest {
+            avoid_provider_id: Some(ProviderId::from("sick")),
+            allow_avoided_fallback: fallback,
+            ..DispatchRequest::new(id, pool(&["down", "sick"]))
+        };
+        assert_eq!(
+            a.request(ms(0), readmit(1, false)),
+            Admit::Rejected(AdmitRejection::NoAlternate)
+        );
+        // One that may go back to the avoided provider is served by it.
+        leased(a.request(ms(0), readmit(2, true)));
+        // A first admission waits for a node to come, as before.
+        assert_eq!(
+            a.request(ms(0), DispatchRequest::new(3, pool(&["down", "sick"]))),
+            Admit::Queued
+        );
+        // An alternate online but full: the re-admission waits for room.
+        a.set_online(ms(0), &ProviderId::from("down"), Some(1));
+        let _held = leased(a.request(ms(0), DispatchRequest::new(4, pool(&["down"]))));
+        assert_eq!(a.request(ms(0), readmit(5, false)), Admit::Queued);
         a.check_invariants().unwrap();
     }
 

@@ -546,6 +546,9 @@ pub struct StreamGate {
     /// on another provider (R-CONT-1): the route opted in and no tool call
     /// is half-written.
     continuation: bool,
+    /// What the last ended attempt failed with: a re-admission that finds
+    /// no provider to go to ends with it (R-FAIL-1).
+    last_failure: Option<FailureCode>,
     outputs: VecDeque<GateOutput>,
     events: VecDeque<GateEvent>,
 }
@@ -565,6 +568,7 @@ impl StreamGate {
             outcome_emitted: false,
             failover: true,
             continuation: false,
+            last_failure: None,
             outputs: VecDeque::with_capacity(OUTPUT_QUEUE_BOUND),
             events: VecDeque::new(),
         }
@@ -707,7 +711,16 @@ impl StreamGate {
             Phase::Ended(_) => InputDisposition::Ignored(IgnoredInput::Ended),
             Phase::Running { .. } => InputDisposition::Ignored(IgnoredInput::NotAdmitting),
             Phase::Admitting => {
-                self.fail(GateFailure::Admission(failure), RecoveryResult::Failed);
+                // R-FAIL-1: a re-admission with no provider to go to ends
+                // with what its last attempt met, not with the admission's
+                // own refusal: that is the answer the client can act on.
+                let kind = match (failure, self.last_failure) {
+                    (AdmissionFailure::NoEligibleProvider, Some(code)) => {
+                        GateFailure::Attempt(code)
+                    }
+                    _ => GateFailure::Admission(failure),
+                };
+                self.fail(kind, RecoveryResult::Failed);
                 InputDisposition::Applied
             }
         }
@@ -729,6 +742,14 @@ impl StreamGate {
                 return InputDisposition::Ignored(IgnoredInput::NotCurrentAttempt);
             }
         };
+        match &event {
+            AttemptEvent::Failed { code } | AttemptEvent::FailedRetryable { code } => {
+                self.last_failure = Some(*code);
+            }
+            AttemptEvent::TransportLost => self.last_failure = Some(FailureCode::TransportClosed),
+            AttemptEvent::Stalled(_) => self.last_failure = Some(FailureCode::ResponseStalled),
+            AttemptEvent::Started | AttemptEvent::Content | AttemptEvent::Completed => {}
+        }
         match event {
             AttemptEvent::Started => self.started = true,
             AttemptEvent::Content => self.commit(),
@@ -1922,6 +1943,44 @@ mod tests {
                 "{out:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_readmission_with_nowhere_to_go_ends_with_the_last_attempts_failure_r_fail_1() {
+        let mut g = gate(3, 60 * SECOND);
+        let a1 = dispatch(&mut g, Instant::ZERO, "p1");
+        let failed = AttemptEvent::FailedRetryable {
+            code: FailureCode::ProviderError,
+        };
+        let out = attempt(&mut g, Instant::from_millis(1), a1, failed);
+        assert!(
+            matches!(out.last(), Some(GateOutput::Readmit { .. })),
+            "{out:?}"
+        );
+        let _ = g.handle_input(
+            Instant::from_millis(2),
+            GateInput::AdmissionFailed(AdmissionFailure::NoEligibleProvider),
+        );
+        let out: Vec<_> = std::iter::from_fn(|| g.poll_output()).collect();
+        assert_eq!(
+            out,
+            vec![GateOutput::FailBeforeCommit {
+                kind: GateFailure::Attempt(FailureCode::ProviderError)
+            }]
+        );
+        // A first admission's refusal is the admission's own.
+        let mut g = gate(3, 60 * SECOND);
+        let _ = g.handle_input(
+            Instant::ZERO,
+            GateInput::AdmissionFailed(AdmissionFailure::NoEligibleProvider),
+        );
+        let out: Vec<_> = std::iter::from_fn(|| g.poll_output()).collect();
+        assert_eq!(
+            out,
+            vec![GateOutput::FailBeforeCommit {
+                kind: GateFailure::Admission(AdmissionFailure::NoEligibleProvider)
+            }]
+        );
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! Edge-side rules: generations, admission and leases, the health overlay,
 //! the stream gate, the provider health tracker, one node connection
-//! ([`link::EdgeLink`]), and the limits on client connections and request
-//! bodies ([`limits`]).
+//! ([`link::EdgeLink`]), the limits on client connections and request
+//! bodies ([`limits`]), and the shape of the identifiers clients send back
+//! ([`client_ids`]).
 
 pub mod admission;
+pub mod client_ids;
 pub mod custody;
 pub mod delivery;
 pub mod dispatch;

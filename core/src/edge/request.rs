@@ -1079,9 +1079,11 @@ impl Request {
                 if self.phase == Phase::Admitting {
                     let failure = match why {
                         AdmitRejection::QueueFull => AdmissionFailure::QueueFull,
-                        AdmitRejection::NoRoute | AdmitRejection::DuplicateRequest => {
-                            AdmissionFailure::NoEligibleProvider
-                        }
+                        // R-FAIL-1: a re-admission with nowhere to go
+                        // ends with its last attempt's failure (the gate).
+                        AdmitRejection::NoRoute
+                        | AdmitRejection::DuplicateRequest
+                        | AdmitRejection::NoAlternate => AdmissionFailure::NoEligibleProvider,
                     };
                     self.observe(RequestObservation::AdmissionFailed(failure));
                     let _ = self

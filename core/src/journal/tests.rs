@@ -823,3 +823,87 @@ proptest! {
         prop_assert_eq!(accepted, expected);
     }
 }
+
+#[test]
+fn r_take_2_a_lease_that_moves_while_a_starting_edge_watches_it_is_in_use() {
+    // TTL 3 s: renewed every second, watched for two.
+    let mut claim = LeaseClaim::new(Some(&lease("a", 5, 3_000)), ms(0), true);
+    assert_eq!(claim.watch_until(), ms(2_000));
+    assert_eq!(claim.verdict(ms(500)), None);
+    claim.observe(Some(&lease("a", 5, 3_000)), ms(500));
+    assert_eq!(claim.verdict(ms(999)), None);
+    claim.observe(Some(&lease("a", 6, 3_000)), ms(1_000));
+    assert_eq!(
+        claim.verdict(ms(1_000)),
+        Some(ClaimVerdict::InUse {
+            holder: lease("a", 6, 3_000).lease
+        })
+    );
+    // Still in use after the watch: a moving lease is never taken.
+    assert!(matches!(
+        claim.verdict(ms(5_000)),
+        Some(ClaimVerdict::InUse { .. })
+    ));
+}
+
+#[test]
+fn r_take_2_a_crashed_edges_lease_is_taken_after_two_renewal_intervals_within_its_ttl() {
+    let mut claim = LeaseClaim::new(Some(&lease("a", 5, 3_000)), ms(0), true);
+    claim.observe(Some(&lease("a", 5, 3_000)), ms(1_999));
+    assert_eq!(claim.verdict(ms(1_999)), None);
+    assert_eq!(
+        claim.verdict(ms(2_000)),
+        Some(ClaimVerdict::Take {
+            expected_revision: 5
+        })
+    );
+    assert!(claim.watch_until() < ms(3_000), "within one TTL");
+}
+
+#[test]
+fn r_take_2_no_lease_or_an_exclusive_store_is_taken_at_once() {
+    let claim = LeaseClaim::new(None, ms(0), true);
+    assert_eq!(
+        claim.verdict(ms(0)),
+        Some(ClaimVerdict::Take {
+            expected_revision: 0
+        })
+    );
+    let claim = LeaseClaim::new(Some(&lease("a", 5, 3_000)), ms(0), false);
+    assert_eq!(
+        claim.verdict(ms(0)),
+        Some(ClaimVerdict::Take {
+            expected_revision: 5
+        })
+    );
+    // A lease removed while watched: nobody holds it.
+    let mut claim = LeaseClaim::new(Some(&lease("a", 5, 3_000)), ms(0), true);
+    claim.observe(None, ms(100));
+    assert_eq!(
+        claim.verdict(ms(2_000)),
+        Some(ClaimVerdict::Take {
+            expected_revision: 0
+        })
+    );
+}
+
+proptest! {
+    #[test]
+    fn r_take_2_a_claim_is_in_use_exactly_when_a_read_saw_another_revision(
+        first in 1u64..100,
+        reads in proptest::collection::vec((0u64..3, 1u64..2_000), 0..8),
+    ) {
+        let mut claim = LeaseClaim::new(Some(&lease("a", first, 3_000)), ms(0), true);
+        let mut at = 0;
+        let mut moved = false;
+        for (step, dt) in reads {
+            at += dt;
+            let read = (step > 0).then(|| lease("a", first + step - 1, 3_000));
+            moved |= read.as_ref().is_some_and(|l| l.revision != first);
+            claim.observe(read.as_ref(), ms(at));
+        }
+        let verdict = claim.verdict(ms(at.max(2_000)));
+        prop_assert_eq!(matches!(verdict, Some(ClaimVerdict::InUse { .. })), moved);
+        prop_assert!(verdict.is_some(), "decided once watched");
+    }
+}

@@ -95,6 +95,7 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
         None => false,
     };
     let store = root.bool("store")?.unwrap_or(false);
+    super::surface::parse_metadata(&root)?;
 
     let Some(raw_messages) = root.array("messages")? else {
         return Err(ApiError::missing_parameter("messages"));

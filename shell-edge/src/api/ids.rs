@@ -5,14 +5,17 @@
 //! response are derived from the response id plus an index, so one seed per
 //! request is enough and every derived id is unique within its response.
 
-/// `chatcmpl-<16 hex>`: a Chat Completions id.
+use iop_core::edge::client_ids;
+
+/// `chatcmpl-<16 hex>`: a Chat Completions id (its shape is core's, which
+/// checks a client's ids against it, R-LIM-5).
 pub fn chat_completion_id(seed: u64) -> String {
-    format!("chatcmpl-{seed:016x}")
+    client_ids::issued_id(client_ids::CHAT_COMPLETION_ID_PREFIX, seed)
 }
 
-/// `resp_<16 hex>`: a Responses API response id.
+/// `resp_<16 hex>`: a Responses API response id (its shape is core's).
 pub fn response_id(seed: u64) -> String {
-    format!("resp_{seed:016x}")
+    client_ids::issued_id(client_ids::RESPONSE_ID_PREFIX, seed)
 }
 
 /// `msg_<16 hex>`: a Responses API message item id.

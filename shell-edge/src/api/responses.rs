@@ -32,6 +32,7 @@
 
 use std::collections::BTreeMap;
 
+use iop_core::edge::client_ids;
 use iop_wire::{
     ChatMessage, FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall,
     ToolCallDelta, ToolDefinition, Usage,
@@ -124,6 +125,16 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
     let stream = root.bool("stream")?.unwrap_or(false);
 
     let previous_response_id = root.string("previous_response_id")?.map(str::to_owned);
+    // R-LIM-5: only an id this Edge could have issued is looked up.
+    if previous_response_id
+        .as_deref()
+        .is_some_and(|id| client_ids::issued_id_seed(client_ids::RESPONSE_ID_PREFIX, id).is_none())
+    {
+        return Err(ApiError::invalid_value(
+            "previous_response_id",
+            "is not a response id ('resp_' and 16 hex digits).",
+        ));
+    }
     let store_requested = root.bool("store")?;
     let background = root.bool("background")?.unwrap_or(false);
     if background && store_requested == Some(false) {
@@ -197,7 +208,7 @@ pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError
         top_p: params.top_p,
         max_output_tokens: params.max_tokens,
         parallel_tool_calls: root.bool("parallel_tool_calls")?.unwrap_or(true),
-        metadata: match root.object("metadata")? {
+        metadata: match super::surface::parse_metadata(&root)? {
             Some(_) => root.get("metadata").cloned().unwrap_or_else(|| json!({})),
             None => json!({}),
         },

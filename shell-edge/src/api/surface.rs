@@ -34,6 +34,22 @@ pub const REASONING_EFFORTS: &[&str] = &["none", "minimal", "low", "medium", "hi
 
 pub use iop_wire::OLLAMA_OPTIONS;
 
+/// `metadata`, if sent: an object of at most 16 string pairs, keys of at
+/// most 64 characters and values of at most 512 (R-LIM-5, decided by
+/// [`iop_core::edge::client_ids::check_metadata`]); else a 400 naming it.
+pub(crate) fn parse_metadata<'a>(
+    root: &RequestObject<'a>,
+) -> Result<Option<RequestObject<'a>>, ApiError> {
+    let Some(metadata) = root.object("metadata")? else {
+        return Ok(None);
+    };
+    iop_core::edge::client_ids::check_metadata(
+        metadata.entries().map(|(k, v)| (k.as_str(), v.as_str())),
+    )
+    .map_err(|fault| ApiError::invalid_value(&root.param("metadata"), fault.detail()))?;
+    Ok(Some(metadata))
+}
+
 /// Request metadata that does not change the answer (end-user ids, tags,
 /// caching hints). It passes through to OpenAI-compatible providers; an
 /// Ollama provider has no such fields, and leaving them out changes nothing
