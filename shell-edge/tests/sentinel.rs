@@ -109,7 +109,7 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
         outcomes.extend(iop_core::journal::JournalError::NAMES);
         outcomes.extend(iop_edge::metrics::CLIENT_CONNECTION_OUTCOMES);
         let closed: &[(&str, &[&str])] = &[
-            ("route", &["chat", "responses", "completions", "embeddings", "ollama_chat", "ollama_generate", "ollama_embed", "retrieve"]),
+            ("route", iop_edge::metrics::ROUTES),
             ("op", &["create", "append", "finish", "raise_epoch"]),
             ("outcome", &outcomes),
             ("provider", &["p1"]),
