@@ -67,13 +67,29 @@ impl EdgeCustody {
             park_window,
             lease_ttl: std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS),
             sole,
-            scan_interval: std::time::Duration::from_secs(1),
+            // A shared store is scanned (its leases read) three times per
+            // TTL, as iop-edge's defaults do (15 s, 5 s): a view judges a
+            // lease expired by the time since it first read its revision,
+            // so reads rarer than the TTL call a renewing lease expired
+            // between two of them (R-MULTI-1).
+            scan_interval: if sole {
+                std::time::Duration::from_secs(1)
+            } else {
+                std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS / 3)
+            },
         };
         EdgeCustody {
             machine: Custody::new(now, cfg),
             armed: None,
             first_event_read: BTreeMap::new(),
         }
+    }
+}
+
+impl EdgeCustody {
+    /// Every Edge's lease as this custody sees it (for debugging a run).
+    pub(super) fn debug_peers(&self, now: Instant) -> Vec<iop_core::journal::PeerLease> {
+        self.machine.scan().leases().peers(now)
     }
 }
 
