@@ -86,6 +86,7 @@ pub mod node;
 pub mod planted;
 pub mod retry;
 pub mod rng;
+pub mod tenant;
 pub mod time;
 
 pub use machine::Machine;

@@ -80,3 +80,8 @@ machine_by_inherent_methods!(
     crate::edge::custody::CustodyInput,
     crate::edge::custody::CustodyOutput
 );
+machine_by_inherent_methods!(
+    crate::tenant::Tenants,
+    crate::tenant::TenantsInput,
+    crate::tenant::TenantsOutput
+);

@@ -1,0 +1,706 @@
+//! Tenants' limits and budgets (SPEC §9: R-TEN-1, R-TEN-2, R-TEN-3), as a
+//! sans-IO machine: one [`Tenants`] per Edge.
+//!
+//! Every API key belongs to a *principal*. Limits and budgets are set per
+//! key and per principal, and a request is checked against both: the
+//! tighter wins (R-TEN-1). What is counted:
+//!
+//! * requests per minute and tokens per minute (input + output, from the
+//!   provider's usage), in fixed windows of wall-clock minutes;
+//! * spend, priced per model ([`Price`]), against a budget per day, month
+//!   or in total (R-TEN-2);
+//! * requests in flight (a gauge, on this Edge).
+//!
+//! # Across Edges (R-TEN-3)
+//!
+//! A windowed count lives in the deployment's shared store as one counter
+//! per (subject, meter, window): how much of the window's allowance the
+//! Edges have *claimed*. An Edge claims a chunk at a time
+//! ([`TenantsOutput::Claim`]; the store applies [`check_claim`], a
+//! compare-and-set that never claims past the limit) and admits from what
+//! it holds, so no request waits on the store. While a claim is on its way
+//! an Edge may spend up to one chunk on credit; a claim that finds the
+//! window exhausted leaves that credit as the only overshoot, so a
+//! window's total use stays within `limit + Edges x chunk`
+//! ([`TenantsConfig::chunk_fraction`]).
+//!
+//! When the store cannot be reached (a claim failed and none has worked
+//! since), budgets fail closed: nothing is spent beyond what is held.
+//! Rate limits fall back to a local share of the limit
+//! ([`TenantsConfig::local_share`]), counted per window on this Edge.
+//!
+//! # Reservations (R-TEN-2)
+//!
+//! A request reserves at admission what it may cost at most: its prompt's
+//! tokens as estimated from above (the Edge counts its bytes) plus its
+//! maximum output tokens, priced; for tokens per minute, the same tokens.
+//! A request whose reservation does not fit is refused before any
+//! provider call. When it ends it is settled with the usage summed over
+//! all its attempts: the unused part is returned to this Edge's holding,
+//! an excess is taken from it, claimed like any use. The bound above
+//! holds while what a request settles stays within what it reserved (a
+//! prompt estimated from above, output within its maximum); an attempt
+//! beyond the first (failover, continuation) sends the prompt again and
+//! must reserve again before it starts. A request that ended without a
+//! provider call is released: it used nothing but its request count.
+//!
+//! One principal's use never changes another's admission: every count is
+//! keyed by its subject.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::time::Instant;
+
+/// Milliseconds in a rate window.
+pub const MINUTE_MS: u64 = 60_000;
+
+/// Milliseconds in a day (budget periods are UTC days).
+pub const DAY_MS: u64 = 86_400_000;
+
+/// What limits and budgets apply to: a key, or the principal it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Subject {
+    /// An API key, by its id (never its secret).
+    Key(String),
+    /// A principal.
+    Principal(String),
+}
+
+/// What is counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Meter {
+    /// Requests per minute.
+    Requests,
+    /// Input + output tokens per minute.
+    Tokens,
+    /// Spend in micro-units of the price table's currency, per budget
+    /// period.
+    Spend,
+}
+
+impl Meter {
+    /// The stable lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Meter::Requests => "requests",
+            Meter::Tokens => "tokens",
+            Meter::Spend => "spend",
+        }
+    }
+}
+
+/// A budget's period.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Period {
+    /// A UTC day.
+    Day,
+    /// 30 UTC days from the Unix epoch's day count (a fixed length keeps
+    /// every Edge's window the same without a calendar).
+    Month,
+    /// For good.
+    Total,
+}
+
+impl Period {
+    /// The start of the period holding `unix_ms`, and its length (`None`:
+    /// never ends).
+    pub fn window(self, unix_ms: u64) -> (u64, Option<u64>) {
+        let len = match self {
+            Period::Day => DAY_MS,
+            Period::Month => 30 * DAY_MS,
+            Period::Total => return (0, None),
+        };
+        (unix_ms - unix_ms % len, Some(len))
+    }
+}
+
+/// The limits of one subject; `None`: no limit of that kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Requests admitted per minute.
+    pub requests_per_minute: Option<u64>,
+    /// Input + output tokens per minute.
+    pub tokens_per_minute: Option<u64>,
+    /// Requests in flight at once (on this Edge).
+    pub concurrent_requests: Option<u64>,
+    /// Spend per period.
+    pub budget: Option<Budget>,
+}
+
+/// A spend limit per period.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budget {
+    /// The most spend per period, in micro-units.
+    pub limit_micros: u64,
+    /// The period.
+    pub period: Period,
+}
+
+/// A model's price per million tokens, in micro-units.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Price {
+    /// Input tokens.
+    pub input_per_mtok: u64,
+    /// Input tokens the provider served from its cache.
+    pub cached_input_per_mtok: u64,
+    /// Output tokens.
+    pub output_per_mtok: u64,
+}
+
+/// A request's token use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenUse {
+    /// Input tokens, cached ones included.
+    pub input: u64,
+    /// Of them, served from the provider's cache.
+    pub cached_input: u64,
+    /// Output tokens.
+    pub output: u64,
+}
+
+impl TokenUse {
+    /// Input + output.
+    pub fn total(&self) -> u64 {
+        self.input.saturating_add(self.output)
+    }
+
+    /// What it costs at `price`, in micro-units, rounded up.
+    pub fn cost(&self, price: &Price) -> u64 {
+        let cached = self.cached_input.min(self.input);
+        let micro_mtok = u128::from(self.input - cached) * u128::from(price.input_per_mtok)
+            + u128::from(cached) * u128::from(price.cached_input_per_mtok)
+            + u128::from(self.output) * u128::from(price.output_per_mtok);
+        u64::try_from(micro_mtok.div_ceil(1_000_000)).unwrap_or(u64::MAX)
+    }
+}
+
+/// One shared counter: a subject's meter in one window (start, Unix ms).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct CounterKey {
+    /// Whose.
+    pub subject: Subject,
+    /// What.
+    pub meter: Meter,
+    /// The window's start, Unix ms (0 for a budget in total).
+    pub window_unix_ms: u64,
+}
+
+/// Decide a claim on a shared counter (R-TEN-3): `claimed` of `limit` are
+/// claimed by the Edges already; a claim of `amount` gets what is left of
+/// it, never past the limit. Returns the counter's new claimed total and
+/// the amount granted (0: the window is exhausted). Every store applies
+/// this inside its compare-and-set.
+pub fn check_claim(claimed: u64, amount: u64, limit: u64) -> (u64, u64) {
+    let granted = amount.min(limit.saturating_sub(claimed));
+    (claimed + granted, granted)
+}
+
+/// How the machine is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TenantsConfig {
+    /// The chunk an Edge claims at a time, as a fraction of the limit
+    /// (at least 1 unit): the overshoot bound is Edges x chunk.
+    pub chunk_fraction: f64,
+    /// With the store unreachable, the share of each rate limit this Edge
+    /// admits alone (e.g. 1/Edges).
+    pub local_share: f64,
+}
+
+impl Default for TenantsConfig {
+    fn default() -> Self {
+        TenantsConfig {
+            chunk_fraction: 0.1,
+            local_share: 0.5,
+        }
+    }
+}
+
+/// What a request asks of the limits at admission.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdmitRequest {
+    /// The request (unique per Edge process).
+    pub ticket: u64,
+    /// The key's id.
+    pub key: String,
+    /// Its principal.
+    pub principal: String,
+    /// The key's limits.
+    pub key_limits: Limits,
+    /// The principal's limits.
+    pub principal_limits: Limits,
+    /// The model's price (`None`: not priced, spends nothing).
+    pub price: Option<Price>,
+    /// The prompt's tokens, estimated from above.
+    pub prompt_tokens_max: u64,
+    /// The most output tokens (the request's maximum, or the route's
+    /// default).
+    pub output_tokens_max: u64,
+    /// Wall-clock time, Unix ms (windows are wall-clock minutes, so every
+    /// Edge counts the same window).
+    pub unix_ms: u64,
+}
+
+/// Why a request is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalKind {
+    /// Over a rate: 429 `rate_limit_exceeded`.
+    RateLimited,
+    /// Over a quota or budget: 429 `insufficient_quota`.
+    InsufficientQuota,
+}
+
+/// A refused request: which limit, and when to try again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    /// Rate or quota.
+    pub kind: RefusalKind,
+    /// Whose limit.
+    pub subject: Subject,
+    /// Which meter (`None`: requests in flight).
+    pub meter: Option<Meter>,
+    /// When it may fit again, ms from now (`None`: not by waiting).
+    pub retry_after_ms: Option<u64>,
+}
+
+/// What `x-ratelimit-*` headers say for one meter (R-TEN-1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RateState {
+    /// The tighter limit per minute.
+    pub limit: u64,
+    /// What is left of it in this window, as this Edge knows.
+    pub remaining: u64,
+    /// Until the window resets, ms.
+    pub reset_ms: u64,
+}
+
+/// What an admitted request holds until it is settled or released.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Reservation {
+    /// (counter, amount reserved).
+    held: Vec<(CounterKey, u64)>,
+    /// Subjects whose in-flight count it holds.
+    in_flight: Vec<Subject>,
+    price: Option<Price>,
+}
+
+/// One counter as this Edge holds it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Holding {
+    /// The limit (the tightest seen for this counter).
+    limit: u64,
+    /// Claimed from the store and granted to this Edge.
+    granted: u64,
+    /// Used: reserved by requests in flight and settled.
+    used: u64,
+    /// A claim of this amount is on its way.
+    claiming: Option<u64>,
+    /// The store said the window has nothing left.
+    exhausted: bool,
+    /// When this Edge last used it (a window it no longer uses is
+    /// forgotten).
+    last_used: Option<Instant>,
+}
+
+/// One input of [`Tenants`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TenantsInput {
+    /// The store's answer to a [`TenantsOutput::Claim`]: the amount
+    /// granted, or `None` when the store could not be reached.
+    Claimed {
+        /// The counter.
+        counter: CounterKey,
+        /// Granted (0: exhausted), or the store failed.
+        granted: Option<u64>,
+    },
+}
+
+/// What the driver carries out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TenantsOutput {
+    /// Claim `amount` of `counter` (whose limit is `limit`) from the
+    /// shared store with [`check_claim`]; answer with
+    /// [`TenantsInput::Claimed`].
+    Claim {
+        /// The counter.
+        counter: CounterKey,
+        /// How much.
+        amount: u64,
+        /// Its limit.
+        limit: u64,
+    },
+}
+
+/// How long a window this Edge no longer uses is kept.
+const FORGET_AFTER: Duration = Duration::from_secs(180);
+
+/// The limits and budgets of every tenant, as one Edge applies them (see
+/// the module docs).
+#[derive(Debug)]
+pub struct Tenants {
+    cfg: TenantsConfig,
+    holdings: BTreeMap<CounterKey, Holding>,
+    /// Rate counts while the store is unreachable, per counter.
+    local: BTreeMap<CounterKey, u64>,
+    in_flight: BTreeMap<Subject, u64>,
+    reservations: BTreeMap<u64, Reservation>,
+    /// Subjects whose last claim failed, none having worked since: the
+    /// store is taken as unreachable for them (kept per subject, so what
+    /// one principal's traffic learns never changes another's admission).
+    store_down: BTreeSet<Subject>,
+    outputs: VecDeque<TenantsOutput>,
+}
+
+impl Tenants {
+    /// The machine of one Edge.
+    pub fn new(cfg: TenantsConfig) -> Self {
+        Tenants {
+            cfg,
+            holdings: BTreeMap::new(),
+            local: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            reservations: BTreeMap::new(),
+            store_down: BTreeSet::new(),
+            outputs: VecDeque::new(),
+        }
+    }
+
+    /// Whether the shared store is taken as unreachable (R-TEN-3).
+    pub fn store_down(&self) -> bool {
+        !self.store_down.is_empty()
+    }
+
+    /// Requests admitted and not yet settled or released.
+    pub fn reservations(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// The chunk of a counter with `limit`.
+    fn chunk(&self, limit: u64) -> u64 {
+        ((limit as f64 * self.cfg.chunk_fraction) as u64).clamp(1, limit.max(1))
+    }
+
+    /// Admit `request` at `now`, or say why not (a direct answer: the
+    /// caller needs it before anything else happens). Admitted, it holds
+    /// its reservation until [`Self::settle`] or [`Self::release`].
+    pub fn admit(&mut self, now: Instant, request: &AdmitRequest) -> Result<(), Refusal> {
+        let subjects = [
+            (Subject::Key(request.key.clone()), &request.key_limits),
+            (
+                Subject::Principal(request.principal.clone()),
+                &request.principal_limits,
+            ),
+        ];
+        let tokens = request
+            .prompt_tokens_max
+            .saturating_add(request.output_tokens_max);
+        let spend = request.price.map_or(0, |p| {
+            TokenUse {
+                input: request.prompt_tokens_max,
+                cached_input: 0,
+                output: request.output_tokens_max,
+            }
+            .cost(&p)
+        });
+        let minute = request.unix_ms - request.unix_ms % MINUTE_MS;
+        let reset_ms = minute + MINUTE_MS - request.unix_ms;
+        // Every check first; nothing is taken unless all fit.
+        let mut wants: Vec<(CounterKey, u64, u64, RefusalKind, Option<u64>)> = Vec::new();
+        for (subject, limits) in &subjects {
+            if let Some(max) = limits.concurrent_requests
+                && self.in_flight.get(subject).copied().unwrap_or(0) >= max
+            {
+                return Err(Refusal {
+                    kind: RefusalKind::RateLimited,
+                    subject: subject.clone(),
+                    meter: None,
+                    retry_after_ms: Some(1_000),
+                });
+            }
+            let counter = |meter, window_unix_ms| CounterKey {
+                subject: subject.clone(),
+                meter,
+                window_unix_ms,
+            };
+            if let Some(limit) = limits.requests_per_minute {
+                wants.push((
+                    counter(Meter::Requests, minute),
+                    1,
+                    limit,
+                    RefusalKind::RateLimited,
+                    Some(reset_ms),
+                ));
+            }
+            if let Some(limit) = limits.tokens_per_minute {
+                let refusal_wait = (tokens <= limit).then_some(reset_ms);
+                wants.push((
+                    counter(Meter::Tokens, minute),
+                    tokens,
+                    limit,
+                    RefusalKind::RateLimited,
+                    refusal_wait,
+                ));
+            }
+            if let Some(budget) = limits.budget
+                && request.price.is_some()
+            {
+                let (start, len) = budget.period.window(request.unix_ms);
+                let wait = len.map(|len| start + len - request.unix_ms);
+                wants.push((
+                    counter(Meter::Spend, start),
+                    spend,
+                    budget.limit_micros,
+                    RefusalKind::InsufficientQuota,
+                    wait,
+                ));
+            }
+        }
+        for (key, amount, limit, kind, wait) in &wants {
+            if !self.fits(key, *amount, *limit) {
+                // Ask for more now, so a later request may fit.
+                self.claim_more(key);
+                return Err(Refusal {
+                    kind: *kind,
+                    subject: key.subject.clone(),
+                    meter: Some(key.meter),
+                    retry_after_ms: *wait,
+                });
+            }
+        }
+        let mut held = Vec::new();
+        for (key, amount, limit, _, _) in wants {
+            self.take(now, &key, amount, limit);
+            held.push((key, amount));
+        }
+        let mut in_flight = Vec::new();
+        for (subject, limits) in &subjects {
+            if limits.concurrent_requests.is_some() {
+                *self.in_flight.entry(subject.clone()).or_default() += 1;
+                in_flight.push(subject.clone());
+            }
+        }
+        self.reservations.insert(
+            request.ticket,
+            Reservation {
+                held,
+                in_flight,
+                price: request.price,
+            },
+        );
+        Ok(())
+    }
+
+    /// Whether `amount` of `key` (limit `limit`) fits now: within what
+    /// this Edge holds plus one chunk on credit while the store answers;
+    /// with the store down, a budget only within what is held, a rate
+    /// within this Edge's local share.
+    fn fits(&self, key: &CounterKey, amount: u64, limit: u64) -> bool {
+        if amount > limit {
+            return false;
+        }
+        let holding = self.holdings.get(key);
+        let (granted, used, exhausted) =
+            holding.map_or((0, 0, false), |h| (h.granted, h.used, h.exhausted));
+        if self.store_down.contains(&key.subject) {
+            if key.meter == Meter::Spend {
+                return used + amount <= granted;
+            }
+            let share = ((limit as f64 * self.cfg.local_share) as u64).max(1);
+            let local = self.local.get(key).copied().unwrap_or(0);
+            return local + amount <= share;
+        }
+        let credit = if exhausted { 0 } else { self.chunk(limit) };
+        used + amount <= granted + credit
+    }
+
+    /// Take `amount` of `key` for a request; claim more when what is held
+    /// runs low.
+    fn take(&mut self, now: Instant, key: &CounterKey, amount: u64, limit: u64) {
+        if self.store_down.contains(&key.subject) && key.meter != Meter::Spend {
+            *self.local.entry(key.clone()).or_default() += amount;
+        }
+        let holding = self.holdings.entry(key.clone()).or_default();
+        holding.limit = if holding.limit == 0 {
+            limit
+        } else {
+            holding.limit.min(limit)
+        };
+        holding.used += amount;
+        holding.last_used = Some(now);
+        self.claim_more(key);
+    }
+
+    /// Claim the next chunk of `key` when less than half a chunk is left
+    /// and no claim is on its way (R-TEN-3).
+    fn claim_more(&mut self, key: &CounterKey) {
+        let chunk = match self.holdings.get(key) {
+            Some(h) if h.limit > 0 => self.chunk(h.limit),
+            _ => return,
+        };
+        let Some(holding) = self.holdings.get_mut(key) else {
+            return;
+        };
+        if holding.claiming.is_some() || holding.exhausted {
+            return;
+        }
+        let left = holding.granted.saturating_sub(holding.used);
+        if left * 2 >= chunk {
+            return;
+        }
+        // Cover what is used on credit, and a chunk beyond.
+        let owed = holding.used.saturating_sub(holding.granted);
+        let amount = owed + chunk;
+        holding.claiming = Some(amount);
+        self.outputs.push_back(TenantsOutput::Claim {
+            counter: key.clone(),
+            amount,
+            limit: holding.limit,
+        });
+    }
+
+    /// Settle ticket's request with the usage summed over all its
+    /// attempts (R-TEN-2): tokens and spend count what it used; what it
+    /// reserved and did not use goes back to this Edge's holding.
+    pub fn settle(&mut self, now: Instant, ticket: u64, used: TokenUse) {
+        let Some(reservation) = self.reservations.remove(&ticket) else {
+            return;
+        };
+        self.end_in_flight(&reservation);
+        for (key, reserved) in &reservation.held {
+            let actual = match key.meter {
+                Meter::Requests => *reserved,
+                Meter::Tokens => used.total(),
+                Meter::Spend => reservation.price.map_or(0, |p| used.cost(&p)),
+            };
+            let Some(holding) = self.holdings.get_mut(key) else {
+                continue;
+            };
+            holding.used = holding
+                .used
+                .saturating_sub(*reserved)
+                .saturating_add(actual);
+            holding.last_used = Some(now);
+            self.claim_more(key);
+        }
+    }
+
+    /// Release ticket's request: it ended without a provider call, so it
+    /// used nothing but its request count.
+    pub fn release(&mut self, now: Instant, ticket: u64) {
+        self.settle(now, ticket, TokenUse::default());
+    }
+
+    fn end_in_flight(&mut self, reservation: &Reservation) {
+        for subject in &reservation.in_flight {
+            if let Some(n) = self.in_flight.get_mut(subject) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.in_flight.remove(subject);
+                }
+            }
+        }
+    }
+
+    /// What this Edge knows of `subject`'s `meter` (requests or tokens)
+    /// this minute, for the `x-ratelimit-*` headers; `None` without a
+    /// limit.
+    pub fn rate_state(
+        &self,
+        subject: &Subject,
+        meter: Meter,
+        limit: Option<u64>,
+        unix_ms: u64,
+    ) -> Option<RateState> {
+        let limit = limit?;
+        let minute = unix_ms - unix_ms % MINUTE_MS;
+        let key = CounterKey {
+            subject: subject.clone(),
+            meter,
+            window_unix_ms: minute,
+        };
+        let used = self.holdings.get(&key).map_or(0, |h| h.used);
+        Some(RateState {
+            limit,
+            remaining: limit.saturating_sub(used),
+            reset_ms: minute + MINUTE_MS - unix_ms,
+        })
+    }
+
+    /// Feed one input at `now`; drain [`Self::poll_output`] after.
+    pub fn handle_input(&mut self, now: Instant, input: TenantsInput) {
+        match input {
+            TenantsInput::Claimed { counter, granted } => {
+                let Some(holding) = self.holdings.get_mut(&counter) else {
+                    return;
+                };
+                holding.claiming = None;
+                match granted {
+                    Some(granted) => {
+                        self.store_down.remove(&counter.subject);
+                        holding.granted += granted;
+                        if granted == 0 {
+                            holding.exhausted = true;
+                        }
+                        holding.last_used = Some(now);
+                        self.claim_more(&counter);
+                    }
+                    None => {
+                        self.store_down.insert(counter.subject.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The next output, in order.
+    pub fn poll_output(&mut self) -> Option<TenantsOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// When windows this Edge no longer uses may be forgotten.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.holdings
+            .values()
+            .filter(|h| h.claiming.is_none())
+            .filter_map(|h| h.last_used)
+            .min()
+            .map(|at| at.saturating_add(FORGET_AFTER))
+    }
+
+    /// Forget the windows unused for [`FORGET_AFTER`] (none with a
+    /// reservation held, nor a budget in total).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let reserved: BTreeSet<&CounterKey> = self
+            .reservations
+            .values()
+            .flat_map(|r| r.held.iter().map(|(k, _)| k))
+            .collect();
+        let stale: Vec<CounterKey> = self
+            .holdings
+            .iter()
+            .filter(|(k, h)| {
+                k.window_unix_ms != 0
+                    && h.claiming.is_none()
+                    && !reserved.contains(k)
+                    && h.last_used
+                        .is_some_and(|at| now >= at.saturating_add(FORGET_AFTER))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in stale {
+            self.holdings.remove(&key);
+            self.local.remove(&key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

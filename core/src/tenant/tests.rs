@@ -1,0 +1,427 @@
+//! Tenants' limits and budgets, step by step with a manual clock, and as
+//! properties over many Edges sharing one counter store.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % MINUTE_MS;
+
+fn at(ms: u64) -> Instant {
+    Instant::from_millis(ms)
+}
+
+/// The shared store: claimed per counter, every claim decided by
+/// `check_claim`.
+#[derive(Default)]
+struct Store {
+    claimed: BTreeMap<CounterKey, u64>,
+    down: bool,
+}
+
+impl Store {
+    fn answer(&mut self, out: TenantsOutput) -> TenantsInput {
+        let TenantsOutput::Claim {
+            counter,
+            amount,
+            limit,
+        } = out;
+        if self.down {
+            return TenantsInput::Claimed {
+                counter,
+                granted: None,
+            };
+        }
+        let claimed = self.claimed.entry(counter.clone()).or_default();
+        let (total, granted) = check_claim(*claimed, amount, limit);
+        *claimed = total;
+        TenantsInput::Claimed {
+            counter,
+            granted: Some(granted),
+        }
+    }
+
+    /// Answer every claim of `edge` at once.
+    fn serve(&mut self, edge: &mut Tenants, now: Instant) {
+        while let Some(out) = edge.poll_output() {
+            let input = self.answer(out);
+            edge.handle_input(now, input);
+        }
+    }
+}
+
+fn request(ticket: u64, key: &str, principal: &str, unix_ms: u64) -> AdmitRequest {
+    AdmitRequest {
+        ticket,
+        key: key.into(),
+        principal: principal.into(),
+        key_limits: Limits::default(),
+        principal_limits: Limits::default(),
+        price: None,
+        prompt_tokens_max: 10,
+        output_tokens_max: 20,
+        unix_ms,
+    }
+}
+
+fn rpm(limit: u64) -> Limits {
+    Limits {
+        requests_per_minute: Some(limit),
+        ..Limits::default()
+    }
+}
+
+#[test]
+fn r_ten_1_a_key_at_its_requests_per_minute_is_refused_until_the_window_resets() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let mut store = Store::default();
+    let mut admitted = 0;
+    for i in 0..100 {
+        let mut r = request(i, "k1", "p1", T0 + 1_000);
+        r.key_limits = rpm(60);
+        match edge.admit(at(0), &r) {
+            Ok(()) => admitted += 1,
+            Err(refusal) => {
+                assert_eq!(refusal.kind, RefusalKind::RateLimited);
+                assert_eq!(refusal.subject, Subject::Key("k1".into()));
+                assert_eq!(refusal.meter, Some(Meter::Requests));
+                assert_eq!(refusal.retry_after_ms, Some(59_000));
+            }
+        }
+        store.serve(&mut edge, at(0));
+    }
+    assert_eq!(
+        admitted, 60,
+        "one Edge, the store answering: exactly the limit"
+    );
+    let state = edge
+        .rate_state(
+            &Subject::Key("k1".into()),
+            Meter::Requests,
+            Some(60),
+            T0 + 1_000,
+        )
+        .unwrap();
+    assert_eq!((state.remaining, state.reset_ms), (0, 59_000));
+    let mut r = request(1_000, "k1", "p1", T0 + MINUTE_MS);
+    r.key_limits = rpm(60);
+    assert!(edge.admit(at(60_000), &r).is_ok(), "a new window");
+}
+
+#[test]
+fn r_ten_1_the_tighter_of_key_and_principal_wins_and_other_principals_are_untouched() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let mut store = Store::default();
+    let mut refused_on = None;
+    for i in 0..10 {
+        let mut r = request(i, "k1", "p1", T0);
+        r.key_limits = rpm(10);
+        r.principal_limits = rpm(5);
+        if let Err(refusal) = edge.admit(at(0), &r) {
+            refused_on.get_or_insert((i, refusal.subject));
+        }
+        store.serve(&mut edge, at(0));
+    }
+    assert_eq!(refused_on, Some((5, Subject::Principal("p1".into()))));
+    // Another principal's key is admitted as if p1 did nothing.
+    let mut r = request(100, "k2", "p2", T0);
+    r.principal_limits = rpm(5);
+    assert!(edge.admit(at(0), &r).is_ok());
+}
+
+#[test]
+fn r_ten_1_requests_in_flight_are_limited_and_freed_when_settled() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let limits = Limits {
+        concurrent_requests: Some(2),
+        ..Limits::default()
+    };
+    let mut r = request(1, "k1", "p1", T0);
+    r.key_limits = limits.clone();
+    assert!(edge.admit(at(0), &r).is_ok());
+    r.ticket = 2;
+    assert!(edge.admit(at(0), &r).is_ok());
+    r.ticket = 3;
+    let refusal = edge.admit(at(0), &r).unwrap_err();
+    assert_eq!(refusal.meter, None);
+    edge.settle(at(1), 1, TokenUse::default());
+    assert!(edge.admit(at(1), &r).is_ok());
+    assert_eq!(edge.reservations(), 2);
+}
+
+fn priced(limit_micros: u64) -> (Limits, Price) {
+    (
+        Limits {
+            budget: Some(Budget {
+                limit_micros,
+                period: Period::Total,
+            }),
+            ..Limits::default()
+        },
+        // 1 micro-unit per token.
+        Price {
+            input_per_mtok: 1_000_000,
+            cached_input_per_mtok: 500_000,
+            output_per_mtok: 1_000_000,
+        },
+    )
+}
+
+#[test]
+fn r_ten_2_a_reservation_that_does_not_fit_is_refused_and_settling_returns_the_unused_part() {
+    let mut edge = Tenants::new(TenantsConfig {
+        chunk_fraction: 1.0,
+        ..TenantsConfig::default()
+    });
+    let mut store = Store::default();
+    let (limits, price) = priced(100);
+    let mut r = request(1, "k1", "p1", T0);
+    r.principal_limits = limits;
+    r.price = Some(price);
+    // Each reserves 30 (10 prompt + 20 output).
+    for ticket in 1..=3 {
+        r.ticket = ticket;
+        assert!(edge.admit(at(0), &r).is_ok());
+        store.serve(&mut edge, at(0));
+    }
+    r.ticket = 4;
+    let refusal = edge.admit(at(0), &r).unwrap_err();
+    assert_eq!(refusal.kind, RefusalKind::InsufficientQuota);
+    assert_eq!(
+        refusal.retry_after_ms, None,
+        "a budget in total does not reset"
+    );
+    // Two used 12 each (10 in, 2 out): 36 back.
+    for ticket in 1..=2 {
+        edge.settle(
+            at(1),
+            ticket,
+            TokenUse {
+                input: 10,
+                cached_input: 0,
+                output: 2,
+            },
+        );
+    }
+    assert!(edge.admit(at(1), &r).is_ok(), "fits after settling");
+    assert_eq!(
+        TokenUse {
+            input: 10,
+            cached_input: 4,
+            output: 1
+        }
+        .cost(&price),
+        9,
+        "cached input at its own price, rounded up"
+    );
+}
+
+#[test]
+fn r_ten_3_with_the_store_down_budgets_fail_closed_and_rates_take_a_local_share() {
+    let mut edge = Tenants::new(TenantsConfig {
+        chunk_fraction: 0.1,
+        local_share: 0.5,
+    });
+    let mut store = Store {
+        down: true,
+        ..Store::default()
+    };
+    // The first claim fails: from then on the store is down.
+    let (limits, price) = priced(1_000);
+    let mut r = request(1, "k1", "p1", T0);
+    r.principal_limits = limits;
+    r.price = Some(price);
+    let first = edge.admit(at(0), &r);
+    store.serve(&mut edge, at(0));
+    assert!(edge.store_down());
+    assert!(
+        first.is_ok(),
+        "one chunk on credit before the store was known down"
+    );
+    r.ticket = 2;
+    assert_eq!(
+        edge.admit(at(0), &r).unwrap_err().kind,
+        RefusalKind::InsufficientQuota,
+        "fail closed: nothing beyond what is held"
+    );
+    // A rate limit: half of 10 on this Edge alone.
+    let mut admitted = 0;
+    for i in 10..30 {
+        let mut r = request(i, "k2", "p2", T0);
+        r.key_limits = rpm(10);
+        admitted += u32::from(edge.admit(at(0), &r).is_ok());
+        store.serve(&mut edge, at(0));
+    }
+    // One on credit before the failed claim told this subject the store
+    // is down, then half of 10.
+    assert_eq!(admitted, 6);
+}
+
+/// One step of a world of Edges sharing a store.
+#[derive(Debug, Clone)]
+enum Step {
+    /// A request at Edge `edge` for principal `p` (0 or 1).
+    Admit { edge: usize, p: usize },
+    /// The store answers Edge `edge`'s claims (or fails them).
+    Serve { edge: usize, fail: bool },
+    /// The oldest request of principal `p` at Edge `edge` ends, using
+    /// `frac`/8 of its output reservation.
+    Settle { edge: usize, p: usize, frac: u64 },
+    /// Time passes.
+    Tick { ms: u64 },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0..4usize, 0..2usize).prop_map(|(edge, p)| Step::Admit { edge, p }),
+        3 => (0..4usize, prop::bool::weighted(0.05)).prop_map(|(edge, fail)| Step::Serve { edge, fail }),
+        2 => (0..4usize, 0..2usize, 0..=8u64).prop_map(|(edge, p, frac)| Step::Settle { edge, p, frac }),
+        1 => (0..20_000u64).prop_map(|ms| Step::Tick { ms }),
+    ]
+}
+
+const RPM: u64 = 40;
+const BUDGET: u64 = 600;
+
+fn limits() -> Limits {
+    Limits {
+        requests_per_minute: Some(RPM),
+        budget: Some(Budget {
+            limit_micros: BUDGET,
+            period: Period::Total,
+        }),
+        ..Limits::default()
+    }
+}
+
+/// What a world did: each principal's admission decisions, the requests
+/// admitted per (principal, minute), and each principal's spend.
+type Outcome = (Vec<Vec<bool>>, BTreeMap<(usize, u64), u64>, [u64; 2]);
+
+/// Run `steps` on `edges` Edges (`only`: that principal's steps alone).
+fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
+    let cfg = TenantsConfig {
+        chunk_fraction: 0.1,
+        local_share: 0.5,
+    };
+    let mut machines: Vec<Tenants> = (0..edges).map(|_| Tenants::new(cfg)).collect();
+    let mut pending: Vec<Vec<TenantsOutput>> = vec![Vec::new(); edges];
+    let mut store = Store::default();
+    let mut open: Vec<VecDeque<(u64, usize)>> = vec![VecDeque::new(); edges];
+    let mut decisions = vec![Vec::new(), Vec::new()];
+    let mut per_minute = BTreeMap::new();
+    let mut spend = [0u64; 2];
+    let price = Price {
+        input_per_mtok: 1_000_000,
+        cached_input_per_mtok: 1_000_000,
+        output_per_mtok: 1_000_000,
+    };
+    let mut ms = 0u64;
+    let mut ticket = 0u64;
+    for s in steps {
+        match *s {
+            Step::Admit { edge, p } => {
+                if only.is_some_and(|o| o != p) {
+                    continue;
+                }
+                let e = edge % edges;
+                ticket += 1;
+                let mut r = request(ticket, &format!("k{p}"), &format!("p{p}"), T0 + ms);
+                r.principal_limits = limits();
+                r.price = Some(price);
+                let ok = machines[e].admit(at(ms), &r).is_ok();
+                decisions[p].push(ok);
+                if ok {
+                    open[e].push_back((ticket, p));
+                    *per_minute.entry((p, (T0 + ms) / MINUTE_MS)).or_default() += 1;
+                }
+                pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
+            }
+            Step::Serve { edge, fail } => {
+                let e = edge % edges;
+                store.down = fail;
+                for out in std::mem::take(&mut pending[e]) {
+                    let input = store.answer(out);
+                    machines[e].handle_input(at(ms), input);
+                }
+                pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
+            }
+            Step::Settle { edge, p, frac } => {
+                let e = edge % edges;
+                let oldest = open[e].iter().position(|(_, q)| *q == p);
+                if let Some((t, p)) = oldest.and_then(|i| open[e].remove(i)) {
+                    let used = TokenUse {
+                        input: 10,
+                        cached_input: 0,
+                        output: 20 * frac / 8,
+                    };
+                    spend[p] += used.cost(&price);
+                    machines[e].settle(at(ms), t, used);
+                    pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
+                }
+            }
+            Step::Tick { ms: d } => {
+                ms += d;
+                for m in &mut machines {
+                    m.handle_timeout(at(ms));
+                }
+            }
+        }
+    }
+    // Everything still open ends having used its whole reservation.
+    for (e, q) in open.iter_mut().enumerate() {
+        while let Some((t, p)) = q.pop_front() {
+            let used = TokenUse {
+                input: 10,
+                cached_input: 0,
+                output: 20,
+            };
+            spend[p] += used.cost(&price);
+            machines[e].settle(at(ms), t, used);
+        }
+    }
+    (decisions, per_minute, spend)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// R-TEN-2, R-TEN-3: for any interleaving of up to four Edges,
+    /// concurrent requests, claims answered late or failing, a window's
+    /// requests and a budget's spend stay within the limit plus one chunk
+    /// per Edge, plus (while the store is down) each Edge's local share of
+    /// a rate.
+    #[test]
+    fn r_ten_2_spend_and_rates_never_exceed_the_limit_plus_edges_times_chunk(
+        edges in 1..=4usize,
+        steps in prop::collection::vec(step(), 1..400),
+    ) {
+        let (_, per_minute, spend) = world(edges, &steps, None);
+        let n = edges as u64;
+        let rate_chunk = (RPM as f64 * 0.1) as u64;
+        let share = (RPM as f64 * 0.5) as u64;
+        for ((p, minute), admitted) in &per_minute {
+            prop_assert!(
+                *admitted <= RPM + n * (rate_chunk + share),
+                "principal {p} minute {minute}: {admitted} admitted"
+            );
+        }
+        let spend_chunk = (BUDGET as f64 * 0.1) as u64;
+        for (p, s) in spend.iter().enumerate() {
+            prop_assert!(*s <= BUDGET + n * spend_chunk, "principal {p} spent {s}");
+        }
+    }
+
+    /// R-TEN-1: one principal's use never changes another's admission.
+    #[test]
+    fn r_ten_1_one_principals_use_never_changes_anothers_admission(
+        edges in 1..=4usize,
+        steps in prop::collection::vec(step(), 1..300),
+    ) {
+        let (together, _, _) = world(edges, &steps, None);
+        let (alone, _, _) = world(edges, &steps, Some(1));
+        prop_assert_eq!(&together[1], &alone[1]);
+    }
+}
