@@ -452,7 +452,9 @@ impl Custody {
         for id in due {
             self.read_again(now, &id);
         }
-        self.owners_checked(now);
+        // A timer alone never shows an owner gone (only a fresh read of its
+        // lease does): here waits that are over only end.
+        self.owners_checked(now, false);
         if self.stage.is_none() && self.next_scan.is_some_and(|at| now >= at) {
             self.next_scan = None;
             self.start_scan(now);
@@ -511,7 +513,7 @@ impl Custody {
             return;
         };
         self.scan.leases_mut().observe_all(&leases, now);
-        self.owners_checked(now);
+        self.owners_checked(now, true);
         // Owners the listing did not name (the store's view lags behind a
         // new Edge): read each.
         let me = self.cfg.edge_id.as_str();
@@ -681,7 +683,7 @@ impl Custody {
             }
         };
         self.scan.leases_mut().observe(edge_id, lease.as_ref(), now);
-        self.owners_checked(now);
+        self.owners_checked(now, true);
         if let Some(ScanStage::Owners { pending, .. }) = &mut self.stage {
             pending.remove(edge_id);
             if pending.is_empty()
@@ -1084,16 +1086,16 @@ impl Custody {
         wait.min(self.cfg.park_window)
     }
 
-    /// Adoptions that wait for an owner's lease: go on once it expired,
-    /// let go once their wait is over.
-    fn owners_checked(&mut self, now: Instant) {
+    /// Adoptions that wait for an owner's lease: go on once it expired
+    /// (`read`: its lease was just read), let go once their wait is over.
+    fn owners_checked(&mut self, now: Instant, read: bool) {
         let waiting: Vec<(String, bool, bool)> = self
             .tasks
             .iter()
             .filter_map(|(id, t)| match &t.stage {
                 Stage::AwaitOwner { meta, until } => Some((
                     id.clone(),
-                    !self.owner_may_be_alive(meta, now),
+                    read && !self.owner_may_be_alive(meta, now),
                     now >= *until,
                 )),
                 _ => None,

@@ -401,6 +401,15 @@ impl JournalSection {
                 "must be between 100 and 600000",
             ));
         }
+        // R-TAKE-1, R-MULTI-1: a live Edge's lease must be read again well
+        // within its TTL, or a lease that moves between two reads would
+        // look unchanged for a whole TTL.
+        if self.store.is_shared() && self.takeover_scan_interval_ms * 2 > self.lease_ttl_ms {
+            return Err(field_err(
+                "journal.takeover_scan_interval_ms",
+                "must be at most half of journal.lease_ttl_ms with a shared store",
+            ));
+        }
         let limits = self.limits();
         match (self.store, &mut self.nats) {
             (JournalStoreKind::Nats, None) => {
@@ -536,6 +545,13 @@ mod tests {
                 Ok(_) => panic!("{line} was accepted"),
             }
         }
+        let e = with_id(
+            "edge-a",
+            "[journal]\nstore = \"nats\"\nlease_ttl_ms = 2000\ntakeover_scan_interval_ms = 1500\n\
+             [journal.nats]\nservers = [\"nats://127.0.0.1:4222\"]\n",
+        )
+        .unwrap_err();
+        assert_eq!(field_of(e), "journal.takeover_scan_interval_ms");
         for (line, field) in [
             ("lease_ttl_ms = 10", "journal.lease_ttl_ms"),
             (
