@@ -1340,14 +1340,6 @@ impl World {
                     raise.from,
                     self.now.saturating_duration_since(since).as_millis()
                 );
-                if std::env::var_os("IOP_SIM_DEBUG_RAISE").is_some() {
-                    for (slot, e) in self.edges.iter().enumerate() {
-                        if let Some(e) = e {
-                            eprintln!("slot {slot}: {:?}", e.custody.debug_peers(self.now));
-                        }
-                    }
-                    eprintln!("stored: {:?}", self.journal.leases());
-                }
                 self.checkers[0].fail("R-MULTI-1", detail);
             }
         }

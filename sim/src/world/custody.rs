@@ -86,13 +86,6 @@ impl EdgeCustody {
     }
 }
 
-impl EdgeCustody {
-    /// Every Edge's lease as this custody sees it (for debugging a run).
-    pub(super) fn debug_peers(&self, now: Instant) -> Vec<iop_core::journal::PeerLease> {
-        self.machine.scan().leases().peers(now)
-    }
-}
-
 /// The route a durable request came in on: its pool and whether it
 /// continues answers (R-CONT-1). Configuration, so it outlives the Edge
 /// process.
@@ -456,12 +449,17 @@ impl World {
         self.dispatch(DispatchInput::ReleaseParked { key });
     }
 
-    /// Whether a request of this Edge writes `record`.
+    /// Whether a request of this Edge writes `record`: one whose machine
+    /// runs, or one whose create the store took and whose answer is on
+    /// its way back (its record is in the store, owned by this Edge, and
+    /// its request starts once the answer arrives; a scan in between must
+    /// not take it for an orphan).
     pub(super) fn record_live_here(&self, record: &str) -> bool {
         self.edges[self.cur].as_ref().is_some_and(|e| {
             e.requests
                 .values()
                 .any(|r| r.durable.as_deref() == Some(record))
+                || e.pending_creates.values().any(|p| p.record == record)
         })
     }
 }

@@ -145,10 +145,17 @@ impl World {
             self.stats.crash_points += 1;
             if self.rng.chance(PPM / 2) {
                 // After the sync, before its answers: durable, never
-                // acknowledged (nobody is told, no follower either).
+                // acknowledged (no writer is told, no follower on this
+                // Edge either). A follower on another Edge reads the
+                // shared store: it sees what became durable.
                 let applied = self.journal.complete_sync(self.cur, generation, now_unix);
                 self.stats.journal_unacked += applied.len() as u64;
+                let touched: BTreeSet<String> = applied
+                    .iter()
+                    .map(|(w, _)| w.op.record_id().to_owned())
+                    .collect();
                 self.crash_edge(None);
+                self.notify_followers(&touched);
             } else {
                 // Before the sync completed: the batch is lost.
                 self.crash_edge(Some(false));
