@@ -489,9 +489,17 @@ impl World {
             return reset(self);
         }
         self.stats.node_adoptions += 1;
+        let epoch = self
+            .journal
+            .record(&request.response_id)
+            .map_or(0, |r| r.meta.epoch);
+        let edge_id = self.edge_id(self.cur);
+        let mut attached = false;
         if let Some(run) = self.nodes[node].durable.get_mut(&key) {
+            attached = run.attached.is_some();
             run.attached = Some((conn, run_id));
         }
+        self.checkers[0].parked_run_adopted(&request.response_id, epoch, &edge_id, attached);
         let verbatim = self.bugs.contains(&super::Bug::ReplayStaleEvidence);
         for (_, kind) in replay {
             // The old connection's health evidence does not travel: the
