@@ -3319,6 +3319,7 @@ impl World {
             return;
         };
         let conn = nc.conn;
+        let generation = nc.link.inner().generation().unwrap_or(0);
         let run_id = request.run_id;
         let stall = match effective_stall_timeout(request.response_stall_timeout_ms) {
             Ok(stall) => stall,
@@ -3351,7 +3352,12 @@ impl World {
         if let Some((record, continues)) = self.run_records.remove(&(conn, run_id)) {
             // R-PARK-2: one provider call per durable response (R-CONT-1:
             // but an attempt that continues the answer so far).
-            self.checkers[0].durable_provider_called(&self.journal, &record, continues);
+            self.checkers[0].durable_provider_called(
+                &self.journal,
+                &record,
+                continues,
+                (generation, run_id),
+            );
         }
         self.stats.provider_calls += 1;
         let plan = if faults {

@@ -516,8 +516,21 @@ impl Checker {
     /// response is durable an attempt may still fail over, after it the
     /// run is adopted, never called again), `continues`: the attempt
     /// continues the answer so far (R-CONT-1), which a route that opted in
-    /// may do.
-    pub fn durable_provider_called(&mut self, store: &SimJournal, id: &str, continues: bool) {
+    /// may do. `run`: the call's run key (generation, run id), numbered by
+    /// the Edge that sent it: with several Edges a continuation on another
+    /// Edge may get the key an earlier call of the record had on the first
+    /// one, so its tokens count from 1 again (R-PARK-2, output once).
+    pub fn durable_provider_called(
+        &mut self,
+        store: &SimJournal,
+        id: &str,
+        continues: bool,
+        run: (u64, u64),
+    ) {
+        if let Some(r) = self.journal.records.get_mut(id) {
+            r.last_token
+                .retain(|k, _| k.as_ref().is_none_or(|(_, g, n)| (*g, *n) != run));
+        }
         let events = store.record(id).map_or(0, |r| r.events.len());
         if continues && !self.journal.continuing_routes.contains(id) {
             let detail =
