@@ -793,6 +793,13 @@ impl LeaseView {
     pub fn state(&self, edge_id: &str, now: Instant) -> Option<LeaseState> {
         let seen = self.edges.get(edge_id)?;
         let ttl = seen.lease.as_ref().map_or(self.default_ttl, EdgeLease::ttl);
+        #[cfg(feature = "planted-bugs")]
+        if crate::planted::in_thread(crate::planted::PlantedBug::RenewingLeaseExpired)
+            && seen.changed
+            && seen.revision.is_some()
+        {
+            return Some(LeaseState::Expired);
+        }
         Some(if now.saturating_duration_since(seen.since) >= ttl {
             LeaseState::Expired
         } else if seen.changed && seen.revision.is_some() {

@@ -96,11 +96,20 @@ pub enum PlantedBug {
     /// (`Registry::connection_closed`): its generation stays current and
     /// ready, and requests are dispatched to it past its loss deadline.
     KeepLostConnection,
+    /// R-MULTI-1, R-PARK-2: the custody adopts a parked run of another
+    /// Edge's record without waiting for that Edge's lease to expire
+    /// (`Custody::owner_may_be_alive` answers no), so a live owner's
+    /// request is fenced by a peer's raise.
+    AdoptWithoutOwnerWait,
+    /// R-MULTI-1, R-TAKE-1: a lease view calls a renewing lease expired
+    /// (`LeaseView::state`), so a peer takes over the records of an Edge
+    /// that lives.
+    RenewingLeaseExpired,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 17] = [
+    pub const ALL: [PlantedBug; 19] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -118,6 +127,8 @@ impl PlantedBug {
         PlantedBug::ReplaySkipsAFrame,
         PlantedBug::ReadmitUnretryableStall,
         PlantedBug::KeepLostConnection,
+        PlantedBug::AdoptWithoutOwnerWait,
+        PlantedBug::RenewingLeaseExpired,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -145,6 +156,8 @@ impl PlantedBug {
                 | PlantedBug::TakeoverWithoutRaise
                 | PlantedBug::ResumeFromZero
                 | PlantedBug::ReplaySkipsAFrame
+                | PlantedBug::AdoptWithoutOwnerWait
+                | PlantedBug::RenewingLeaseExpired
         )
     }
 
@@ -168,6 +181,8 @@ impl PlantedBug {
             PlantedBug::ReplaySkipsAFrame => "replay-skips-a-frame",
             PlantedBug::ReadmitUnretryableStall => "readmit-unretryable-stall",
             PlantedBug::KeepLostConnection => "keep-lost-connection",
+            PlantedBug::AdoptWithoutOwnerWait => "adopt-without-owner-wait",
+            PlantedBug::RenewingLeaseExpired => "renewing-lease-expired",
         }
     }
 

@@ -34,8 +34,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use iop_core::edge::admission::RequestId;
 use iop_core::journal::{
-    CreateOutcome, GroupCommit, JournalError, JournalEvent, JournalLimits, NewRecord, RecordMeta,
-    Terminal, Ticket, check_append, check_create, check_finish, check_raise_epoch,
+    CreateOutcome, EdgeLease, GroupCommit, JournalError, JournalEvent, JournalLimits, NewRecord,
+    RecordMeta, StoredLease, Terminal, Ticket, check_append, check_create, check_finish,
+    check_put_lease, check_raise_epoch,
 };
 use serde::Serialize;
 
@@ -106,12 +107,15 @@ pub enum JournalOp {
         /// The terminal.
         terminal: Terminal,
     },
-    /// Compare-and-set the epoch from `expected` to `expected + 1`.
+    /// Compare-and-set the epoch from `expected` to `expected + 1`,
+    /// `owner` its owner from then on.
     RaiseEpoch {
         /// The record.
         id: String,
         /// The epoch the writer read.
         expected: u64,
+        /// The `edge_id` of the Edge that raises.
+        owner: String,
     },
 }
 
@@ -257,70 +261,112 @@ pub struct SimJournal {
     records: BTreeMap<String, StoredRecord>,
     used_bytes: u64,
     unfinished: BTreeSet<String>,
-    queue: GroupCommit<PendingWrite>,
-    running: Option<Vec<(Ticket, PendingWrite)>>,
+    /// Each Edge's writer (process memory): its group commit queue and
+    /// running sync, by Edge slot.
+    writers: Vec<EdgeWriter>,
     next_ticket: u64,
-    /// Bumped at every crash: a sync end of a dead writer is ignored.
-    writer_generation: u64,
     decisions: Vec<Decision>,
     stats: JournalStats,
+    /// Every Edge's ownership lease (R-TAKE-1, R-MULTI-1), by `edge_id`.
+    leases: BTreeMap<String, StoredLease>,
+    /// The store's last lease revision (each write makes a greater one).
+    lease_revision: u64,
+    /// Raises accepted since the last [`SimJournal::take_raises`].
+    raises: Vec<Raise>,
+}
+
+/// A raise the store accepted: who owned the record before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Raise {
+    /// The record.
+    pub id: String,
+    /// Its owner before the raise.
+    pub from: String,
+    /// Its owner after.
+    pub to: String,
+    /// Whether a dead writer's late write made it.
+    pub zombie: bool,
+}
+
+/// One Edge's writer: it dies with its process.
+#[derive(Debug)]
+struct EdgeWriter {
+    queue: GroupCommit<PendingWrite>,
+    running: Option<Vec<(Ticket, PendingWrite)>>,
+    /// Bumped at every crash: a sync end of a dead writer is ignored.
+    generation: u64,
+}
+
+impl EdgeWriter {
+    fn new() -> Self {
+        EdgeWriter {
+            queue: new_queue(),
+            running: None,
+            generation: 0,
+        }
+    }
 }
 
 impl SimJournal {
-    /// An empty store with these limits.
-    pub fn new(limits: JournalLimits) -> Self {
+    /// An empty store with these limits, written by `edges` Edges.
+    pub fn new(limits: JournalLimits, edges: usize) -> Self {
         Self {
             limits,
             records: BTreeMap::new(),
             used_bytes: 0,
             unfinished: BTreeSet::new(),
-            queue: new_queue(),
-            running: None,
+            writers: (0..edges.max(1)).map(|_| EdgeWriter::new()).collect(),
             next_ticket: 1,
-            writer_generation: 0,
             decisions: Vec::new(),
             stats: JournalStats::default(),
+            leases: BTreeMap::new(),
+            lease_revision: 0,
+            raises: Vec::new(),
         }
     }
 
-    /// Queue a write for the next sync. A full queue refuses it at once
-    /// (R-LIM-4).
-    pub fn submit(&mut self, write: PendingWrite) -> Result<Ticket, JournalError> {
+    /// Queue a write of Edge `edge` for its next sync. A full queue
+    /// refuses it at once (R-LIM-4).
+    pub fn submit(&mut self, edge: usize, write: PendingWrite) -> Result<Ticket, JournalError> {
         let ticket = Ticket(self.next_ticket);
         self.next_ticket += 1;
         let bytes = write.op.bytes();
-        self.queue
+        self.writers[edge]
+            .queue
             .submit(ticket, write, bytes)
             .map(|()| ticket)
             .map_err(|full| JournalError::Store(full.to_string()))
     }
 
-    /// Start the next sync if none runs and writes wait: the writer
-    /// generation the sync belongs to (pass it to
+    /// Start Edge `edge`'s next sync if none runs and writes wait: the
+    /// writer generation the sync belongs to (pass it to
     /// [`SimJournal::complete_sync`]).
-    pub fn begin_sync(&mut self) -> Option<u64> {
-        if self.running.is_some() {
+    pub fn begin_sync(&mut self, edge: usize) -> Option<u64> {
+        let w = &mut self.writers[edge];
+        if w.running.is_some() {
             return None;
         }
-        let batch = self.queue.poll_batch()?;
-        self.running = Some(batch);
-        Some(self.writer_generation)
+        let batch = w.queue.poll_batch()?;
+        w.running = Some(batch);
+        Some(w.generation)
     }
 
-    /// The running sync of `generation` ended: apply its batch, in order,
-    /// at `now_unix_ms`; each write with its answer.
+    /// The running sync of Edge `edge`'s `generation` ended: apply its
+    /// batch, in order, at `now_unix_ms`; each write with its answer.
     pub fn complete_sync(
         &mut self,
+        edge: usize,
         generation: u64,
         now_unix_ms: u64,
     ) -> Vec<(PendingWrite, OpResult)> {
-        if generation != self.writer_generation {
+        let w = &mut self.writers[edge];
+        if generation != w.generation {
             return Vec::new();
         }
-        let Some(batch) = self.running.take() else {
+        let Some(batch) = w.running.take() else {
             return Vec::new();
         };
-        self.queue.synced();
+        w.queue.synced();
         self.stats.syncs += 1;
         if batch.len() > 1 {
             self.stats.batched_ops += batch.len() as u64;
@@ -336,14 +382,15 @@ impl SimJournal {
 
     /// The running sync of `generation` failed (an I/O error): none of its
     /// writes is applied, each is answered `Store(..)`.
-    pub fn fail_sync(&mut self, generation: u64) -> Vec<(PendingWrite, OpResult)> {
-        if generation != self.writer_generation {
+    pub fn fail_sync(&mut self, edge: usize, generation: u64) -> Vec<(PendingWrite, OpResult)> {
+        let w = &mut self.writers[edge];
+        if generation != w.generation {
             return Vec::new();
         }
-        let Some(batch) = self.running.take() else {
+        let Some(batch) = w.running.take() else {
             return Vec::new();
         };
-        self.queue.synced();
+        w.queue.synced();
         batch
             .into_iter()
             .map(|(_, write)| {
@@ -365,12 +412,12 @@ impl SimJournal {
         self.apply(write, now_unix_ms, true)
     }
 
-    /// The Edge process died: its writer with it (see the module docs).
-    /// `sync_completed` says whether the running sync, if any, finished
-    /// before the crash.
-    pub fn crash(&mut self, sync_completed: bool, now_unix_ms: u64) -> CrashOutcome {
+    /// Edge `edge`'s process died: its writer with it (see the module
+    /// docs). `sync_completed` says whether the running sync, if any,
+    /// finished before the crash.
+    pub fn crash(&mut self, edge: usize, sync_completed: bool, now_unix_ms: u64) -> CrashOutcome {
         let mut outcome = CrashOutcome::default();
-        if let Some(batch) = self.running.take() {
+        if let Some(batch) = self.writers[edge].running.take() {
             if sync_completed {
                 outcome.durable_unacked = batch.len();
                 self.stats.syncs += 1;
@@ -381,19 +428,47 @@ impl SimJournal {
                 outcome.lost.extend(batch.into_iter().map(|(_, w)| w));
             }
         }
-        self.queue.synced();
-        while let Some(batch) = self.queue.poll_batch() {
+        let w = &mut self.writers[edge];
+        w.queue.synced();
+        while let Some(batch) = w.queue.poll_batch() {
             outcome.lost.extend(batch.into_iter().map(|(_, w)| w));
-            self.queue.synced();
+            w.queue.synced();
         }
-        self.queue = new_queue();
-        self.writer_generation += 1;
+        w.queue = new_queue();
+        w.generation += 1;
         outcome
     }
 
-    /// Whether a sync runs or writes wait.
+    /// Whether a sync of Edge `edge` runs or its writes wait.
+    pub fn is_busy_at(&self, edge: usize) -> bool {
+        let w = &self.writers[edge];
+        w.running.is_some() || w.queue.queued() > 0
+    }
+
+    /// Whether any Edge's sync runs or writes wait.
     pub fn is_busy(&self) -> bool {
-        self.running.is_some() || self.queue.queued() > 0
+        (0..self.writers.len()).any(|e| self.is_busy_at(e))
+    }
+
+    /// Write `lease` if the stored lease of its Edge is still at revision
+    /// `expected` (0: none; `check_put_lease`): the new revision.
+    pub fn put_lease(&mut self, lease: EdgeLease, expected: u64) -> Result<u64, JournalError> {
+        check_put_lease(self.leases.get(&lease.edge_id), expected)?;
+        self.lease_revision += 1;
+        let revision = self.lease_revision;
+        self.leases
+            .insert(lease.edge_id.clone(), StoredLease { revision, lease });
+        Ok(revision)
+    }
+
+    /// Every Edge's lease, by `edge_id`.
+    pub fn leases(&self) -> Vec<StoredLease> {
+        self.leases.values().cloned().collect()
+    }
+
+    /// One Edge's lease, if it has one.
+    pub fn lease(&self, edge_id: &str) -> Option<StoredLease> {
+        self.leases.get(edge_id).cloned()
     }
 
     /// The record `id`, if stored.
@@ -430,6 +505,11 @@ impl SimJournal {
         std::mem::take(&mut self.decisions)
     }
 
+    /// The raises accepted since the last call, in order.
+    pub fn take_raises(&mut self) -> Vec<Raise> {
+        std::mem::take(&mut self.raises)
+    }
+
     /// Counters.
     pub fn stats(&self) -> JournalStats {
         self.stats
@@ -464,12 +544,27 @@ impl SimJournal {
                 Ok(next) => self.put(next),
                 Err(e) => OpResult::Refused(e),
             },
-            JournalOp::RaiseEpoch { id, expected } => {
-                match self.decide(id, |_, meta| check_raise_epoch(meta, *expected, SIM_EDGE)) {
-                    Ok(next) => self.put(next),
-                    Err(e) => OpResult::Refused(e),
+            JournalOp::RaiseEpoch {
+                id,
+                expected,
+                owner,
+            } => match self.decide(id, |_, meta| check_raise_epoch(meta, *expected, owner)) {
+                Ok(next) => {
+                    let from = self
+                        .records
+                        .get(id)
+                        .map(|r| r.meta.owner.clone())
+                        .unwrap_or_default();
+                    self.raises.push(Raise {
+                        id: id.clone(),
+                        from,
+                        to: owner.clone(),
+                        zombie,
+                    });
+                    self.put(next)
                 }
-            }
+                Err(e) => OpResult::Refused(e),
+            },
         };
         self.decisions.push(Decision {
             writer: write.writer.clone(),
@@ -586,16 +681,19 @@ mod tests {
         for op in writes {
             assert!(
                 store
-                    .submit(PendingWrite {
-                        writer: writer(),
-                        op
-                    })
+                    .submit(
+                        0,
+                        PendingWrite {
+                            writer: writer(),
+                            op
+                        }
+                    )
                     .is_ok()
             );
         }
-        let generation = store.begin_sync().expect("a batch");
+        let generation = store.begin_sync(0).expect("a batch");
         store
-            .complete_sync(generation, 0)
+            .complete_sync(0, generation, 0)
             .into_iter()
             .map(|(_, r)| r)
             .collect()
@@ -603,7 +701,7 @@ mod tests {
 
     #[test]
     fn one_sync_answers_every_write_of_its_batch_and_a_refusal_stops_none() {
-        let mut store = SimJournal::new(JournalLimits::default());
+        let mut store = SimJournal::new(JournalLimits::default(), 1);
         let results = sync(
             &mut store,
             vec![
@@ -632,23 +730,26 @@ mod tests {
     #[test]
     fn a_crash_loses_the_queue_and_the_unfinished_sync_unless_it_completed() {
         for completed in [false, true] {
-            let mut store = SimJournal::new(JournalLimits::default());
+            let mut store = SimJournal::new(JournalLimits::default(), 1);
             sync(&mut store, vec![JournalOp::Create(new_record("a"))]);
             for seq in [1, 2] {
                 let op = append("a", 1, seq);
                 assert!(
                     store
-                        .submit(PendingWrite {
-                            writer: writer(),
-                            op
-                        })
+                        .submit(
+                            0,
+                            PendingWrite {
+                                writer: writer(),
+                                op
+                            }
+                        )
                         .is_ok()
                 );
                 if seq == 1 {
-                    assert!(store.begin_sync().is_some());
+                    assert!(store.begin_sync(0).is_some());
                 }
             }
-            let outcome = store.crash(completed, 0);
+            let outcome = store.crash(0, completed, 0);
             assert_eq!(outcome.durable_unacked, usize::from(completed));
             assert_eq!(outcome.lost.len(), if completed { 1 } else { 2 });
             let last = store.record("a").map(|r| r.meta.last_seq);
@@ -659,11 +760,12 @@ mod tests {
 
     #[test]
     fn a_zombie_of_the_old_epoch_is_fenced_after_a_raise() {
-        let mut store = SimJournal::new(JournalLimits::default());
+        let mut store = SimJournal::new(JournalLimits::default(), 1);
         sync(&mut store, vec![JournalOp::Create(new_record("a"))]);
         let raise = JournalOp::RaiseEpoch {
             id: "a".into(),
             expected: 1,
+            owner: SIM_EDGE.into(),
         };
         assert!(sync(&mut store, vec![raise])[0].accepted());
         let zombie = PendingWrite {

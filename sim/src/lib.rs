@@ -41,7 +41,7 @@ pub mod world;
 
 pub use core_bugs::CoreBugs;
 pub use record::Capture;
-pub use world::{Bug, RunOptions, RunReport, Stats, run};
+pub use world::{Bug, MAX_EDGES, RunOptions, RunReport, Stats, run};
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -81,6 +81,20 @@ pub struct SwarmOptions {
     pub ephemeral_only: bool,
     /// Let the journal store fail syncs.
     pub store_faults: bool,
+    /// Edges per world; `None`: each seed's own, 1 to [`MAX_EDGES`]
+    /// ([`edges_of_seed`]).
+    pub edges: Option<usize>,
+}
+
+/// The Edges a swarm seed runs with when the swarm does not say: 1 to
+/// [`MAX_EDGES`], from a hash of the seed (not its RNG, so each seed's
+/// world is drawn as it is with one Edge).
+pub fn edges_of_seed(seed: u64) -> usize {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    1 + (z % MAX_EDGES as u64) as usize
 }
 
 impl SwarmOptions {
@@ -97,11 +111,13 @@ impl SwarmOptions {
             threads: 1,
             ephemeral_only: false,
             store_faults: false,
+            edges: Some(1),
         }
     }
 
-    fn run_options(&self) -> RunOptions {
+    fn run_options(&self, seed: u64) -> RunOptions {
         RunOptions {
+            edges: self.edges.unwrap_or_else(|| edges_of_seed(seed)),
             steps: self.steps,
             bugs: self.bugs.clone(),
             core_bugs: self.core_bugs.clone(),
@@ -125,7 +141,7 @@ pub fn swarm(options: &SwarmOptions) -> SwarmReport {
             if seed >= end {
                 return done;
             }
-            done.push(run(seed, options.run_options()));
+            done.push(run(seed, options.run_options(seed)));
         }
     };
     let mut reports: Vec<RunReport> = std::thread::scope(|scope| {
@@ -154,7 +170,7 @@ pub fn swarm(options: &SwarmOptions) -> SwarmReport {
 /// return that run.
 pub fn first_failure(options: &SwarmOptions) -> Option<RunReport> {
     (options.start..options.start.saturating_add(options.count))
-        .map(|seed| run(seed, options.run_options()))
+        .map(|seed| run(seed, options.run_options(seed)))
         .find(|r| r.violation.is_some())
 }
 

@@ -58,6 +58,9 @@ enum Cmd {
         /// Let the journal store fail syncs (I/O errors) while faults are on.
         #[arg(long)]
         store_faults: bool,
+        /// Edges sharing the store, every node connected to each (1-4).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4))]
+        edges: u64,
     },
     /// Run many seeds; report the failing ones.
     Swarm {
@@ -85,6 +88,10 @@ enum Cmd {
         /// Let the journal store fail syncs (I/O errors) while faults are on.
         #[arg(long)]
         store_faults: bool,
+        /// Edges per world (1-4); without it each seed runs with its own
+        /// number, 1 to 4.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4))]
+        edges: Option<u64>,
         /// Worker threads (default: every core); the report is the same.
         #[arg(long)]
         threads: Option<usize>,
@@ -181,6 +188,7 @@ fn real_main() -> Result<ExitCode, String> {
             strict,
             ephemeral_only,
             store_faults,
+            edges,
         } => {
             let bugs = bugs(&bug)?;
             let core_bugs = core_bugs(&core_bug)?;
@@ -210,6 +218,7 @@ fn real_main() -> Result<ExitCode, String> {
                     strict,
                     ephemeral_only,
                     store_faults,
+                    edges: edges as usize,
                 },
             );
             let secs = started.elapsed().as_secs_f64();
@@ -315,6 +324,7 @@ fn real_main() -> Result<ExitCode, String> {
             strict,
             ephemeral_only,
             store_faults,
+            edges,
             threads,
             chunk,
         } => {
@@ -329,6 +339,7 @@ fn real_main() -> Result<ExitCode, String> {
                 threads,
                 ephemeral_only,
                 store_faults,
+                edges: edges.map(|e| e as usize),
                 ..SwarmOptions::new(start, seeds, steps)
             };
             let started = WallInstant::now();

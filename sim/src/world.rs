@@ -180,7 +180,13 @@ pub struct RunOptions {
     pub ephemeral_only: bool,
     /// Let the journal store fail syncs (I/O errors) while faults are on.
     pub store_faults: bool,
+    /// Edges in the world (1..=[`MAX_EDGES`]; 0 counts as 1), sharing one
+    /// store, every node connected to each (SPEC §8).
+    pub edges: usize,
 }
+
+/// The most Edges one world runs.
+pub const MAX_EDGES: usize = 4;
 
 /// Counters of one run.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -215,6 +221,13 @@ pub struct Stats {
     pub node_crashes: u64,
     /// Edge restarts.
     pub edge_restarts: u64,
+    /// Ownership lease writes the store accepted (several Edges).
+    pub lease_writes: u64,
+    /// Ownership lease writes the store failed.
+    pub lease_failures: u64,
+    /// Records whose owner another Edge was, raised by a peer's custody
+    /// (R-TAKE-1: taken over after the owner's lease expired).
+    pub peer_takeovers: u64,
     /// Partitions started.
     pub partitions: u64,
     /// Connections killed by loss.
@@ -347,6 +360,9 @@ impl Stats {
         self.heartbeat_timeouts += o.heartbeat_timeouts;
         self.node_crashes += o.node_crashes;
         self.edge_restarts += o.edge_restarts;
+        self.lease_writes += o.lease_writes;
+        self.lease_failures += o.lease_failures;
+        self.peer_takeovers += o.peer_takeovers;
         self.partitions += o.partitions;
         self.conns_killed += o.conns_killed;
         self.messages_lost += o.messages_lost;
@@ -419,6 +435,8 @@ pub struct RunReport {
     pub ephemeral_only: bool,
     /// Whether the journal store failed syncs.
     pub store_faults: bool,
+    /// Edges in the world.
+    pub edges: usize,
     /// The first violation, if any.
     pub violation: Option<Violation>,
     /// Known core issues seen (see `invariants::KNOWN_CORE_ISSUES`).
@@ -464,8 +482,13 @@ impl RunReport {
         } else {
             ""
         };
+        let edges = if self.edges > 1 {
+            format!(" --edges {}", self.edges)
+        } else {
+            String::new()
+        };
         format!(
-            "iop-sim run {} --steps {}{ephemeral}{store}{bugs}{core}",
+            "iop-sim run {} --steps {}{edges}{ephemeral}{store}{bugs}{core}",
             self.seed, self.steps
         )
     }
@@ -479,7 +502,13 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
     let strict = options.strict;
     let ephemeral_only = options.ephemeral_only;
     let store_faults = options.store_faults;
+    let edges = options.edges.clamp(1, MAX_EDGES);
     let mut cfg = SimConfig::from_seed(seed);
+    if edges > 1 {
+        // A dead Edge stays down long enough, at times, for its peers to
+        // see its lease expire and take its records over (R-TAKE-1).
+        cfg.faults.edge_down_max += Duration::from_millis(3 * iop_core::journal::MIN_LEASE_TTL_MS);
+    }
     if ephemeral_only {
         cfg.journal.durable_ppm = 0;
     }
@@ -504,8 +533,13 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
         strict,
         ephemeral_only,
         store_faults,
+        edges,
         violation,
-        findings: world.checker.findings().to_vec(),
+        findings: world
+            .checkers
+            .iter()
+            .flat_map(|c| c.findings().to_vec())
+            .collect(),
         trace_hash: world.recorder.digest(),
         stats: std::mem::take(&mut world.stats),
     }
@@ -533,17 +567,26 @@ enum Event {
     },
     NodeDial {
         node: usize,
+        /// The Edge slot it dials.
+        edge: usize,
         process: u64,
     },
     DialDone {
         node: usize,
+        edge: usize,
         process: u64,
         conn: Option<ConnId>,
     },
     NodeRestart {
         node: usize,
     },
-    EdgeStart,
+    EdgeStart {
+        slot: usize,
+    },
+    /// An Edge renews its ownership lease (R-TAKE-1, R-MULTI-1).
+    LeaseRenew {
+        incarnation: u64,
+    },
     ProviderStep {
         node: usize,
         process: u64,
@@ -592,6 +635,8 @@ enum Event {
     CheckEligible,
     /// The journal store's running sync of this writer generation ends.
     JournalSync {
+        /// The Edge slot whose writer syncs.
+        edge: usize,
         generation: u64,
     },
     /// The store's answer reaches its writer.
@@ -867,8 +912,9 @@ struct SimNode {
     /// Frozen: the process is stopped (`SIGSTOP`, a power cut): it sends
     /// nothing, acknowledges nothing, its timers do not fire.
     frozen: Option<Freeze>,
-    backoff: Backoff,
-    link: Link,
+    /// Per Edge slot: the dial backoff and the connection (R-MULTI-1).
+    backoff: Vec<Backoff>,
+    link: Vec<Link>,
     providers: Vec<usize>,
     /// Durable runs (R-PARK-1), attached or parked: they outlive their
     /// connection, not their process.
@@ -886,14 +932,28 @@ pub struct World {
     queue: BTreeMap<(Instant, u64), Event>,
     next_event: u64,
     net: Network,
-    edge: Option<EdgeProc>,
+    /// The Edge processes, by slot (`None`: down).
+    edges: Vec<Option<EdgeProc>>,
+    /// The Edge slot the event being handled happens at.
+    cur: usize,
+    /// The slot of each Edge incarnation (incarnations count across slots).
+    incarnation_slots: Vec<usize>,
     edge_incarnations: u64,
-    persisted_high_water: Generation,
+    /// Each slot's persisted generation floor (its generation store).
+    persisted_high_water: Vec<Generation>,
+    /// Each slot's ownership lease revision as it last wrote it, `None`
+    /// while down (R-TAKE-1).
+    lease_revision: Vec<Option<u64>>,
+    /// Since when each live slot's lease writes all succeeded (R-MULTI-1:
+    /// a peer takes none of its records over while they do).
+    lease_ok_since: Vec<Option<Instant>>,
     nodes: Vec<SimNode>,
     providers: Vec<ProviderSpec>,
     /// Each provider with its node (built once; the checks run every step).
     provider_nodes: Vec<(ProviderId, NodeId)>,
-    checker: Checker,
+    /// The invariant checker of each Edge slot; slot 0's also checks the
+    /// shared store and the durable clients.
+    checkers: Vec<Checker>,
     recorder: Recorder,
     bugs: BTreeSet<Bug>,
     core_bugs: CoreBugs,
@@ -952,28 +1012,38 @@ impl World {
                 stall_timeout_ms: cfg.stall_timeout_ms[i],
             })
             .collect();
+        let edges = options.edges.clamp(1, MAX_EDGES);
         let nodes = (0..cfg.nodes)
             .map(|n| SimNode {
                 id: node_id(n),
                 process: 0,
                 up: true,
                 frozen: None,
-                backoff: Backoff::new(BackoffConfig {
-                    initial: cfg.backoff_initial,
-                    max: cfg.backoff_max,
-                }),
-                link: Link::Idle,
+                backoff: (0..edges)
+                    .map(|_| {
+                        Backoff::new(BackoffConfig {
+                            initial: cfg.backoff_initial,
+                            max: cfg.backoff_max,
+                        })
+                    })
+                    .collect(),
+                link: (0..edges).map(|_| Link::Idle).collect(),
                 providers: (0..cfg.providers_per_node)
                     .map(|k| n * cfg.providers_per_node + k)
                     .collect(),
                 durable: BTreeMap::new(),
             })
             .collect();
-        let mut checker = Checker::new(WatchdogTiming {
-            close_grace: cfg.close_grace,
-            probe_bound: cfg.probe_bound,
-        });
-        checker.set_strict(options.strict);
+        let checkers = (0..edges)
+            .map(|_| {
+                let mut checker = Checker::new(WatchdogTiming {
+                    close_grace: cfg.close_grace,
+                    probe_bound: cfg.probe_bound,
+                });
+                checker.set_strict(options.strict);
+                checker
+            })
+            .collect();
         options.core_bugs.plant_thread();
         let mut world = Self {
             rng: Rng::new(cfg.seed),
@@ -984,16 +1054,20 @@ impl World {
             queue: BTreeMap::new(),
             next_event: 0,
             net: Network::new(&cfg),
-            edge: None,
+            edges: (0..edges).map(|_| None).collect(),
+            cur: 0,
+            incarnation_slots: Vec::new(),
             edge_incarnations: 0,
-            persisted_high_water: 0,
+            persisted_high_water: vec![0; edges],
+            lease_revision: vec![None; edges],
+            lease_ok_since: vec![None; edges],
             nodes,
             provider_nodes: providers
                 .iter()
                 .map(|p| (p.id.clone(), p.node.clone()))
                 .collect(),
             providers,
-            checker,
+            checkers,
             recorder: Recorder::new(options.hash, options.capture),
             bugs: options.bugs,
             core_bugs: options.core_bugs,
@@ -1001,7 +1075,7 @@ impl World {
             checks_pending: 2,
             steps_at_instant: 0,
             frozen_until: vec![Instant::ZERO; cfg.providers()],
-            journal: SimJournal::new(iop_core::journal::JournalLimits::default()),
+            journal: SimJournal::new(iop_core::journal::JournalLimits::default(), edges),
             durable_clients: BTreeMap::new(),
             orphans: BTreeSet::new(),
             run_records: BTreeMap::new(),
@@ -1011,22 +1085,29 @@ impl World {
         // A custody write the store failed is read again after
         // `STORE_RETRY` and written again: a failed terminal also raises
         // again first (two round trips).
-        world.checker.set_journal_retry_allowance(
+        world.checkers[0].set_journal_retry_allowance(
             iop_core::edge::custody::STORE_RETRY + world.cfg.journal.round_trip_max() * 2,
         );
-        world
-            .checker
-            .set_loss_bound(world.cfg.heartbeat_interval + world.cfg.heartbeat_wait);
+        let loss_bound = world.cfg.heartbeat_interval + world.cfg.heartbeat_wait;
+        for checker in &mut world.checkers {
+            checker.set_loss_bound(loss_bound);
+        }
         world.set_net_faults();
-        world.start_edge();
+        for slot in 0..edges {
+            world.start_edge(slot);
+        }
+        // R-MULTI-1: every node dials every Edge.
         for n in 0..world.nodes.len() {
-            world.schedule(
-                Instant::ZERO,
-                Event::NodeDial {
-                    node: n,
-                    process: 0,
-                },
-            );
+            for edge in 0..edges {
+                world.schedule(
+                    Instant::ZERO,
+                    Event::NodeDial {
+                        node: n,
+                        edge,
+                        process: 0,
+                    },
+                );
+            }
         }
         world.schedule(Instant::ZERO, Event::ClientArrival);
         world.schedule(Instant::ZERO + world.cfg.fault_tick, Event::FaultTick);
@@ -1058,7 +1139,19 @@ impl World {
     }
 
     fn violation(&self) -> Option<Violation> {
-        self.checker.violation().cloned()
+        self.checkers.iter().find_map(|c| c.violation().cloned())
+    }
+
+    /// Requests open at every Edge.
+    fn open_requests(&self) -> usize {
+        self.checkers.iter().map(Checker::open_requests).sum()
+    }
+
+    /// Tell every checker the step and the time.
+    fn checkers_at(&mut self) {
+        for c in &mut self.checkers {
+            c.at(self.step, self.now);
+        }
     }
 
     /// Run the fault and quiet phases for `steps` steps, then drain.
@@ -1077,18 +1170,18 @@ impl World {
         let drain_start = self.step;
         while !self.settled() {
             if self.step - drain_start > MAX_DRAIN_STEPS {
-                self.checker.at(self.step, self.now);
-                self.checker.fail(
+                self.checkers_at();
+                let open = self.open_requests();
+                self.checkers[self.cur].fail(
                     "liveness-drain",
                     format!(
-                        "the world did not settle within {MAX_DRAIN_STEPS} drain steps ({} requests open)",
-                        self.checker.open_requests()
+                        "the world did not settle within {MAX_DRAIN_STEPS} drain steps ({open} requests open)"
                     ),
                 );
                 return Err(self.violation().unwrap_or_else(unreachable_violation));
             }
             if !self.step_once()? {
-                self.checker.fail(
+                self.checkers[self.cur].fail(
                     "liveness-drain",
                     "nothing left to do but the world has not settled",
                 );
@@ -1104,8 +1197,8 @@ impl World {
 
     fn settled(&self) -> bool {
         self.checks_pending == 0
-            && self.checker.open_requests() == 0
-            && self.edge.is_some()
+            && self.open_requests() == 0
+            && self.edges.iter().all(Option::is_some)
             && !self.journal.is_busy()
             && self.only_orphans_open()
             && self.followers_done()
@@ -1139,7 +1232,7 @@ impl World {
                 t = Some(t.map_or(x, |t| t.min(x)));
             }
         };
-        if let Some(edge) = &self.edge {
+        for edge in self.edges.iter().flatten() {
             consider(edge.dispatcher.poll_timeout());
             for r in edge.requests.values() {
                 consider(r.machine.poll_timeout());
@@ -1149,8 +1242,10 @@ impl World {
             }
         }
         for n in self.nodes.iter().filter(|n| n.frozen.is_none()) {
-            if let Link::Connected(nc) = &n.link {
-                consider(nc.link.poll_timeout());
+            for link in &n.link {
+                if let Link::Connected(nc) = link {
+                    consider(nc.link.poll_timeout());
+                }
             }
         }
         t
@@ -1165,7 +1260,7 @@ impl World {
             (None, None) => return Ok(false),
             (Some(t), e) if e.is_none_or(|e| t <= e) => {
                 self.now = t.max(self.now);
-                self.checker.at(self.step, self.now);
+                self.checkers_at();
                 self.fire_timers();
             }
             _ => {
@@ -1173,7 +1268,7 @@ impl World {
                     return Ok(false);
                 };
                 self.now = t.max(self.now);
-                self.checker.at(self.step, self.now);
+                self.checkers_at();
                 self.handle_event(event);
             }
         }
@@ -1181,7 +1276,7 @@ impl World {
         if self.now == before {
             self.steps_at_instant += 1;
             if self.steps_at_instant > MAX_STEPS_AT_ONE_INSTANT {
-                self.checker.fail(
+                self.checkers[self.cur].fail(
                     "liveness-time",
                     format!("{MAX_STEPS_AT_ONE_INSTANT} steps without time advancing"),
                 );
@@ -1197,26 +1292,77 @@ impl World {
     }
 
     fn check_step(&mut self) {
-        if let Some(edge) = &self.edge {
-            self.checker
-                .check_edge(edge.dispatcher.inner(), &self.provider_nodes);
-            self.checker
-                .check_links(edge.dispatcher.inner(), &self.provider_nodes);
+        for (slot, edge) in self.edges.iter().enumerate() {
+            let Some(edge) = edge else {
+                continue;
+            };
+            let checker = &mut self.checkers[slot];
+            checker.check_edge(edge.dispatcher.inner(), &self.provider_nodes);
+            checker.check_links(edge.dispatcher.inner(), &self.provider_nodes);
         }
-        self.checker.check_deadlines();
-        self.checker.check_journal(&mut self.journal);
+        for checker in &mut self.checkers {
+            checker.check_deadlines();
+        }
+        self.check_raises();
+        self.checkers[0].check_journal(&mut self.journal);
+    }
+
+    /// R-MULTI-1: an Edge raises (takes over) a record another Edge owns
+    /// only once that Edge's lease could be seen expired: never while the
+    /// owner lives and every one of its lease writes in the last two TTLs
+    /// and two scans succeeded (its lease changed at least every third of
+    /// a TTL, so no view can have seen it unchanged for a TTL). A dead
+    /// writer's late raise (a zombie) decided nothing now and is not held
+    /// to it.
+    fn check_raises(&mut self) {
+        if self.edges.len() == 1 {
+            self.journal.take_raises();
+            return;
+        }
+        let ttl = Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS);
+        let settled = ttl * 2 + Duration::from_secs(2);
+        for raise in self.journal.take_raises() {
+            if raise.from == raise.to || raise.zombie {
+                continue;
+            }
+            self.stats.peer_takeovers += 1;
+            let Some(owner) = self.slot_of_edge_id(&raise.from) else {
+                continue;
+            };
+            let renewing_since = self.lease_ok_since[owner].filter(|_| self.edges[owner].is_some());
+            if let Some(since) = renewing_since
+                && self.now.saturating_duration_since(since) >= settled
+            {
+                let detail = format!(
+                    "{} raised {} of {}, alive and renewing its lease without a miss for {}ms",
+                    raise.to,
+                    raise.id,
+                    raise.from,
+                    self.now.saturating_duration_since(since).as_millis()
+                );
+                self.checkers[0].fail("R-MULTI-1", detail);
+            }
+        }
     }
 
     fn fire_timers(&mut self) {
+        for slot in 0..self.edges.len() {
+            self.cur = slot;
+            self.fire_timers_at();
+        }
+    }
+
+    /// The timers due at the current Edge slot and its nodes' links to it.
+    fn fire_timers_at(&mut self) {
         let now = self.now;
         let due = |t: Option<Instant>| t.is_some_and(|t| t <= now);
-        if let Some(edge) = &mut self.edge
+        if let Some(edge) = &mut self.edges[self.cur]
             && due(edge.dispatcher.poll_timeout())
         {
             edge.dispatcher.handle_timeout(now);
             self.drain_dispatch();
         }
-        let requests: Vec<RequestId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
+        let requests: Vec<RequestId> = self.edges[self.cur].as_ref().map_or_else(Vec::new, |e| {
             e.requests
                 .iter()
                 .filter(|(_, r)| due(r.machine.poll_timeout()))
@@ -1224,12 +1370,15 @@ impl World {
                 .collect()
         });
         for rid in requests {
-            if let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) {
+            if let Some(r) = self.edges[self.cur]
+                .as_mut()
+                .and_then(|e| e.requests.get_mut(&rid))
+            {
                 r.machine.handle_timeout(now);
                 self.drive_request(rid);
             }
         }
-        let conns: Vec<ConnId> = self.edge.as_ref().map_or_else(Vec::new, |e| {
+        let conns: Vec<ConnId> = self.edges[self.cur].as_ref().map_or_else(Vec::new, |e| {
             e.conns
                 .iter()
                 .filter(|(_, c)| due(c.link.poll_timeout()))
@@ -1237,7 +1386,10 @@ impl World {
                 .collect()
         });
         for conn in conns {
-            if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+            if let Some(c) = self.edges[self.cur]
+                .as_mut()
+                .and_then(|e| e.conns.get_mut(&conn))
+            {
                 c.link.handle_timeout(now);
                 self.drain_edge_link(conn, false);
             }
@@ -1246,7 +1398,7 @@ impl World {
             if self.nodes[n].frozen.is_some() {
                 continue;
             }
-            if let Link::Connected(nc) = &mut self.nodes[n].link
+            if let Link::Connected(nc) = &mut self.nodes[n].link[self.cur]
                 && due(nc.link.poll_timeout())
             {
                 nc.link.handle_timeout(now);
@@ -1263,6 +1415,7 @@ impl World {
             freeze.held.push(event);
             return;
         }
+        self.cur = self.event_slot(&event).unwrap_or(0);
         match event {
             Event::Deliver(env) => self.deliver(*env),
             Event::ConnLost { conn, side } => match side {
@@ -1275,24 +1428,37 @@ impl World {
                     }
                 }
             },
-            Event::NodeDial { node, process } => self.node_dial(node, process),
+            Event::NodeDial { node, process, .. } => self.node_dial(node, process),
             Event::DialDone {
                 node,
                 process,
                 conn,
+                ..
             } => self.node_dial_done(node, process, conn),
             Event::NodeRestart { node } => {
                 let n = &mut self.nodes[node];
                 n.up = true;
-                n.backoff = Backoff::new(BackoffConfig {
-                    initial: self.cfg.backoff_initial,
-                    max: self.cfg.backoff_max,
-                });
-                n.link = Link::Idle;
+                for backoff in &mut n.backoff {
+                    *backoff = Backoff::new(BackoffConfig {
+                        initial: self.cfg.backoff_initial,
+                        max: self.cfg.backoff_max,
+                    });
+                }
+                n.link.iter_mut().for_each(|l| *l = Link::Idle);
                 let process = n.process;
-                self.schedule(self.now, Event::NodeDial { node, process });
+                for edge in 0..self.edges.len() {
+                    self.schedule(
+                        self.now,
+                        Event::NodeDial {
+                            node,
+                            edge,
+                            process,
+                        },
+                    );
+                }
             }
-            Event::EdgeStart => self.start_edge(),
+            Event::EdgeStart { slot } => self.start_edge(slot),
+            Event::LeaseRenew { incarnation } => self.renew_lease(incarnation),
             Event::ProviderStep {
                 node,
                 process,
@@ -1337,7 +1503,7 @@ impl World {
             Event::FaultTick => self.fault_tick(),
             Event::CheckNodes => self.check_nodes(),
             Event::CheckEligible => self.check_eligible(),
-            Event::JournalSync { generation } => self.journal_sync_done(generation),
+            Event::JournalSync { generation, .. } => self.journal_sync_done(generation),
             Event::JournalAnswer {
                 writer,
                 record,
@@ -1368,6 +1534,59 @@ impl World {
             } => self.parked_offers(incarnation, offers),
             Event::CustodyTimeout { incarnation, at } => self.custody_wake(incarnation, at),
             Event::NodeThaw { node, since } => self.thaw_node(node, since),
+        }
+    }
+
+    /// The Edge slot of incarnation `incarnation`.
+    fn slot_of(&self, incarnation: u64) -> Option<usize> {
+        usize::try_from(incarnation)
+            .ok()
+            .and_then(|i| self.incarnation_slots.get(i).copied())
+    }
+
+    /// The Edge slot a connection belongs to.
+    fn slot_of_conn(&self, conn: ConnId) -> Option<usize> {
+        self.slot_of(self.net.edge_incarnation_of(conn)?)
+    }
+
+    /// The Edge slot an event happens at (or concerns), if one.
+    fn event_slot(&self, event: &Event) -> Option<usize> {
+        match event {
+            Event::Deliver(env) => self.slot_of_conn(env.conn),
+            Event::ConnLost { conn, .. }
+            | Event::ProviderStep { conn, .. }
+            | Event::ProviderCancel { conn, .. }
+            | Event::ProviderReturn { conn, .. }
+            | Event::ProbeDone { conn, .. }
+            | Event::CapsAnswer { conn, .. } => self.slot_of_conn(*conn),
+            Event::NodeDial { edge, .. }
+            | Event::DialDone { edge, .. }
+            | Event::JournalSync { edge, .. } => Some(*edge),
+            Event::EdgeStart { slot } => Some(*slot),
+            Event::CapsTick { incarnation }
+            | Event::ClientLeave { incarnation, .. }
+            | Event::ToHub { incarnation, .. }
+            | Event::ClientCancel { incarnation, .. }
+            | Event::FollowerLeave { incarnation, .. }
+            | Event::ParkedOffers { incarnation, .. }
+            | Event::CustodyTimeout { incarnation, .. }
+            | Event::LeaseRenew { incarnation } => self.slot_of(*incarnation),
+            Event::JournalAnswer { writer, .. } => self.slot_of(writer.incarnation()),
+            Event::DurableStep { node, key, .. }
+            | Event::DurableCancel { node, key, .. }
+            | Event::DurableReturn { node, key, .. }
+            | Event::ParkExpire { node, key, .. } => {
+                let conn = self.nodes[*node].durable.get(key)?.attached_conn()?;
+                self.slot_of_conn(conn)
+            }
+            Event::NodeRestart { .. }
+            | Event::ClientArrival
+            | Event::FaultTick
+            | Event::CheckNodes
+            | Event::CheckEligible
+            | Event::Zombie(_)
+            | Event::ClientResume { .. }
+            | Event::NodeThaw { .. } => None,
         }
     }
 
@@ -1449,20 +1668,25 @@ impl World {
     }
 
     fn node_with_conn(&self, conn: ConnId) -> Option<usize> {
-        self.nodes
-            .iter()
-            .position(|n| matches!(&n.link, Link::Connected(nc) if nc.conn == conn) && n.up)
+        self.nodes.iter().position(|n| {
+            n.link
+                .iter()
+                .any(|l| matches!(l, Link::Connected(nc) if nc.conn == conn))
+                && n.up
+        })
     }
 
     // ---- Edge: process and connections ----------------------------------------
 
-    fn start_edge(&mut self) {
+    fn start_edge(&mut self, slot: usize) {
+        self.cur = slot;
         let incarnation = self.edge_incarnations;
         self.edge_incarnations += 1;
+        self.incarnation_slots.push(slot);
         let floor = if self.bugs.contains(&Bug::ForgetGenerationFloor) {
             0
         } else {
-            self.persisted_high_water
+            self.persisted_high_water[slot]
         };
         let config = DispatchConfig {
             admission: iop_core::edge::admission::AdmissionConfig {
@@ -1475,7 +1699,8 @@ impl World {
             known_nodes: None,
             health: self.cfg.health,
             capacity_from_node: Default::default(),
-            parked_hold_ms: 0,
+            // A reported run's capacity is held for the park window.
+            parked_hold_ms: duration_ms(self.cfg.park_window()),
         };
         let rec = DispatchConfigRec::new(&config, self.now);
         let tap = self.recorder.tap(MachineKind::EdgeDispatch, &rec);
@@ -1484,7 +1709,7 @@ impl World {
             Err(e) => panic!("sim health config is invalid: {e}"),
         };
         self.core_bugs.plant_dispatcher(dispatcher.inner());
-        self.edge = Some(EdgeProc {
+        self.edges[self.cur] = Some(EdgeProc {
             incarnation,
             dispatcher,
             conns: BTreeMap::new(),
@@ -1499,11 +1724,21 @@ impl World {
             pending_creates: BTreeMap::new(),
             custody: custody::EdgeCustody::new(
                 self.now,
-                crate::journal_store::SIM_EDGE,
+                &self.edge_id(slot),
                 self.cfg.park_window(),
+                self.edges.len() == 1,
             ),
         });
-        self.checker.edge_started();
+        if self.edges.len() > 1 {
+            // R-TAKE-1: its lease first; renewed every third of its TTL.
+            self.lease_revision[slot] = Some(
+                self.journal
+                    .lease(&self.edge_id(slot))
+                    .map_or(0, |l| l.revision),
+            );
+            self.renew_lease(incarnation);
+        }
+        self.checkers[self.cur].edge_started();
         let at = self.now + self.cfg.capabilities_interval;
         self.schedule(at, Event::CapsTick { incarnation });
         // R-TAKE-1: what the dead incarnation left open is taken over
@@ -1516,13 +1751,16 @@ impl World {
     /// running sync completed first (a crash point of the store); `None`
     /// lets the seed say.
     fn crash_edge(&mut self, sync_completed: Option<bool>) {
-        let Some(edge) = self.edge.take() else {
+        let Some(edge) = self.edges[self.cur].take() else {
             return;
         };
         self.stats.edge_restarts += 1;
         self.stats.edge_lost += edge.requests.len() as u64;
-        self.checker.edge_lost(edge.incarnation);
+        self.checkers[self.cur].edge_lost(edge.incarnation);
         self.recorder.world_line(&("edge_lost", edge.incarnation));
+        // Its lease is renewed no more.
+        self.lease_revision[self.cur] = None;
+        self.lease_ok_since[self.cur] = None;
         // Dials in progress die with the process too.
         self.net.close_incarnation(edge.incarnation);
         for conn in edge.conns.keys() {
@@ -1542,13 +1780,69 @@ impl World {
         let down = self
             .rng
             .millis(10, duration_ms(self.cfg.faults.edge_down_max));
-        self.schedule(self.now + down, Event::EdgeStart);
+        self.schedule(self.now + down, Event::EdgeStart { slot: self.cur });
         self.journal_crash(edge.incarnation, self.now + down, sync_completed);
+    }
+
+    /// The `edge_id` of slot `slot`: one Edge keeps the single Edge's id.
+    pub(crate) fn edge_id(&self, slot: usize) -> String {
+        if self.edges.len() == 1 {
+            crate::journal_store::SIM_EDGE.to_owned()
+        } else {
+            format!("{}-{slot}", crate::journal_store::SIM_EDGE)
+        }
+    }
+
+    /// The slot whose `edge_id` is `id`.
+    fn slot_of_edge_id(&self, id: &str) -> Option<usize> {
+        (0..self.edges.len()).find(|&s| self.edge_id(s) == id)
+    }
+
+    /// The Edge of `incarnation` writes its ownership lease (compare-and-set
+    /// on the revision it last wrote, as `put_lease` does) and renews it a
+    /// third of its TTL later, while it lives. A write the store fails (a
+    /// store fault) is tried at the next renewal; one something else wrote
+    /// first is read again (R-TAKE-1, R-MULTI-1).
+    fn renew_lease(&mut self, incarnation: u64) {
+        let Some(slot) = self.slot_of(incarnation) else {
+            return;
+        };
+        if self.edges[slot].as_ref().map(|e| e.incarnation) != Some(incarnation) {
+            return;
+        }
+        let lease = iop_core::journal::EdgeLease {
+            edge_id: self.edge_id(slot),
+            incarnation,
+            ttl_ms: iop_core::journal::MIN_LEASE_TTL_MS,
+            renewed_unix_ms: self.unix_ms(),
+        };
+        let interval = lease.renew_interval();
+        let failed = self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm);
+        let expected = self.lease_revision[slot].unwrap_or(0);
+        if failed {
+            self.stats.lease_failures += 1;
+            self.lease_ok_since[slot] = None;
+        } else {
+            let edge_id = lease.edge_id.clone();
+            match self.journal.put_lease(lease, expected) {
+                Ok(revision) => {
+                    self.stats.lease_writes += 1;
+                    self.lease_revision[slot] = Some(revision);
+                    self.lease_ok_since[slot].get_or_insert(self.now);
+                }
+                Err(_) => {
+                    self.lease_revision[slot] =
+                        Some(self.journal.lease(&edge_id).map_or(0, |l| l.revision));
+                    self.lease_ok_since[slot] = None;
+                }
+            }
+        }
+        self.schedule(self.now + interval, Event::LeaseRenew { incarnation });
     }
 
     fn edge_receive(&mut self, conn: ConnId, stream: StreamKey, payload: Payload) {
         let heartbeat = self.heartbeat_config();
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         if self.net.edge_incarnation_of(conn) != Some(edge.incarnation) {
@@ -1592,7 +1886,10 @@ impl World {
 
     fn edge_control(&mut self, conn: ConnId, msg: NodeControl) {
         let now = self.now;
-        let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
+        let Some(c) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.conns.get_mut(&conn))
+        else {
             return;
         };
         let pong = matches!(msg, NodeControl::Pong(_));
@@ -1605,7 +1902,7 @@ impl World {
             && let Some(generation) = c.generation
         {
             let node = node_id(c.node);
-            self.checker.link_heard(&node, generation);
+            self.checkers[self.cur].link_heard(&node, generation);
         }
         self.drain_edge_link(conn, false);
     }
@@ -1614,7 +1911,10 @@ impl World {
     /// lost): its machine ends it.
     fn edge_link_lost(&mut self, conn: ConnId, code: CloseCode) {
         let now = self.now;
-        let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
+        let Some(c) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.conns.get_mut(&conn))
+        else {
             return;
         };
         c.link.handle_input(now, EdgeLinkInput::Lost(code));
@@ -1627,7 +1927,10 @@ impl World {
     fn drain_edge_link(&mut self, conn: ConnId, peer_gone: bool) {
         loop {
             let now = self.now;
-            let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
+            let Some(c) = self.edges[self.cur]
+                .as_mut()
+                .and_then(|e| e.conns.get_mut(&conn))
+            else {
                 return;
             };
             let node = c.node;
@@ -1643,7 +1946,10 @@ impl World {
                 ),
                 EdgeLinkOutput::Register(request) => {
                     let answer = self.edge_register(conn, node, request);
-                    if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+                    if let Some(c) = self.edges[self.cur]
+                        .as_mut()
+                        .and_then(|e| e.conns.get_mut(&conn))
+                    {
                         c.link.handle_input(now, EdgeLinkInput::Registered(answer));
                     }
                 }
@@ -1655,7 +1961,10 @@ impl World {
                         })
                         .iter()
                         .any(|o| matches!(o, DispatchOutput::ReadyAnswer { accepted: true, .. }));
-                    if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+                    if let Some(c) = self.edges[self.cur]
+                        .as_mut()
+                        .and_then(|e| e.conns.get_mut(&conn))
+                    {
                         c.link
                             .handle_input(now, EdgeLinkInput::ReadyAnswer { accepted });
                     }
@@ -1680,7 +1989,7 @@ impl World {
                     }
                 }
                 EdgeLinkOutput::Connected(generation) => {
-                    self.checker.link_opened(&node_id(node), generation);
+                    self.checkers[self.cur].link_opened(&node_id(node), generation);
                 }
                 EdgeLinkOutput::Flooded(_) => {}
                 EdgeLinkOutput::End { code, .. } => {
@@ -1720,11 +2029,12 @@ impl World {
         let Some(registered) = registered else {
             panic!("the dispatcher did not answer a registration");
         };
-        if let (Ok((generation, _)), Some(edge)) = (&registered, &mut self.edge) {
+        if let (Ok((generation, _)), Some(edge)) = (&registered, &mut self.edges[self.cur]) {
             let generation = *generation;
             let high_water = edge.dispatcher.inner().registry().high_water();
-            self.persisted_high_water = self.persisted_high_water.max(high_water);
-            self.checker.generation_handed_out(&node_id, generation);
+            self.persisted_high_water[self.cur] =
+                self.persisted_high_water[self.cur].max(high_water);
+            self.checkers[self.cur].generation_handed_out(&node_id, generation);
             if let Some(c) = edge.conns.get_mut(&conn) {
                 c.generation = Some(generation);
             }
@@ -1743,7 +2053,10 @@ impl World {
     /// The hub closes `conn` (the dispatcher said so): its machine ends it.
     fn edge_close_conn(&mut self, conn: ConnId, code: CloseCode) {
         let now = self.now;
-        let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) else {
+        let Some(c) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.conns.get_mut(&conn))
+        else {
             return;
         };
         c.link.handle_input(now, EdgeLinkInput::Close(code));
@@ -1755,7 +2068,7 @@ impl World {
         let now = self.now;
         let alive = self.net.is_alive(conn);
         self.net.close(conn);
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let Some(c) = edge.conns.remove(&conn) else {
@@ -1785,8 +2098,7 @@ impl World {
                 );
             }
             edge.by_generation.remove(&(c.node, generation));
-            self.checker
-                .link_declared_lost(&node_id(c.node), generation);
+            self.checkers[self.cur].link_declared_lost(&node_id(c.node), generation);
             self.dispatch(DispatchInput::ConnectionClosed {
                 node: node_id(c.node),
                 generation,
@@ -1801,7 +2113,7 @@ impl World {
     /// count it (R-GEN-3). Nothing else of it is acted on.
     fn edge_late_message(&mut self, conn: ConnId, payload: Payload) {
         let now = self.now;
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let Some(link) = edge.fenced_links.get(&conn) else {
@@ -1858,13 +2170,12 @@ impl World {
                 .any(|o| matches!(o, DispatchOutput::Capability(_))),
             _ => return,
         };
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let counted = edge.dispatcher.inner().registry().fenced_messages() - counted_before;
         self.stats.late_fenced_messages += 1;
-        self.checker
-            .fenced_message(&node, generation, ignored, counted);
+        self.checkers[self.cur].fenced_message(&node, generation, ignored, counted);
     }
 
     /// Carry out the dispatcher's outputs (the hub's `drain`); returns them
@@ -1873,8 +2184,7 @@ impl World {
         let mut drained = Vec::new();
         loop {
             let now = self.now;
-            let Some(out) = self
-                .edge
+            let Some(out) = self.edges[self.cur]
                 .as_mut()
                 .and_then(|e| e.dispatcher.poll_output(now))
             else {
@@ -1907,7 +2217,8 @@ impl World {
                 }
                 // R-PARK-2: the adoption task takes them (a hop later).
                 DispatchOutput::ParkedRuns { runs, .. } => {
-                    if let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) {
+                    if let Some(incarnation) = self.edges[self.cur].as_ref().map(|e| e.incarnation)
+                    {
                         self.stats.parked_reported += runs.len() as u64;
                         self.schedule(
                             self.now,
@@ -1958,7 +2269,7 @@ impl World {
     /// The Edge's connection of (`node`, `generation`), if it still has it.
     fn edge_conn_of(&self, node: &NodeId, generation: Generation) -> Option<ConnId> {
         let idx = self.node_index(node);
-        self.edge
+        self.edges[self.cur]
             .as_ref()
             .and_then(|e| e.by_generation.get(&(idx, generation)).copied())
     }
@@ -1966,7 +2277,7 @@ impl World {
     /// Feed one input to the dispatcher and carry out what it caused.
     fn dispatch(&mut self, input: DispatchInput) -> Vec<DispatchOutput> {
         let now = self.now;
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return Vec::new();
         };
         edge.dispatcher.handle_input(now, input);
@@ -1976,20 +2287,23 @@ impl World {
     /// The dispatcher's news about a request: the checks that watch the
     /// traffic, then the request machine.
     fn news_for_request(&mut self, rid: RequestId, event: RequestEvent) {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let key = (edge.incarnation, rid);
         match &event {
             RequestEvent::Leased(lease) => {
-                self.checker.lease_granted(edge.dispatcher.inner(), lease);
-                self.checker
-                    .dispatch_to_link(&lease.node, lease.generation, "lease granted");
-                self.checker.request_dispatched(key, "leased");
+                self.checkers[self.cur].lease_granted(edge.dispatcher.inner(), lease);
+                self.checkers[self.cur].dispatch_to_link(
+                    &lease.node,
+                    lease.generation,
+                    "lease granted",
+                );
+                self.checkers[self.cur].request_dispatched(key, "leased");
                 match edge.requests.get(&rid) {
                     Some(r) => {
                         if let Some(admit) = &r.admitted_with {
-                            self.checker.selection(
+                            self.checkers[self.cur].selection(
                                 edge.dispatcher.inner(),
                                 lease,
                                 admit.avoid_provider_id.as_ref(),
@@ -2001,7 +2315,7 @@ impl World {
                     None => {
                         let detail =
                             format!("lease {} granted to a finished request", lease.lease_id);
-                        self.checker.fail("R-LEASE-2", detail);
+                        self.checkers[self.cur].fail("R-LEASE-2", detail);
                     }
                 }
             }
@@ -2014,11 +2328,10 @@ impl World {
                             .as_deref()
                             .is_some_and(|record| custody::continues(&self.routes, record))
                 });
-                self.checker
-                    .terminal_verdict(key, *lease_id, verdict, may_continue);
+                self.checkers[self.cur].terminal_verdict(key, *lease_id, verdict, may_continue);
             }
             RequestEvent::LeaseFenced(lease) => {
-                self.checker.lease_released(lease.lease_id, "fence");
+                self.checkers[self.cur].lease_released(lease.lease_id, "fence");
                 edge.fenced_leases.insert(lease.lease_id, lease.clone());
                 if let Some(r) = edge.requests.get(&rid)
                     && matches!(r.machine.attempt_lease(), Some(l) if l.lease_id == lease.lease_id)
@@ -2037,7 +2350,10 @@ impl World {
     /// Feed a request machine and carry out its outputs.
     fn request_input(&mut self, rid: RequestId, input: RequestInput) {
         let now = self.now;
-        let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
+        let Some(r) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.requests.get_mut(&rid))
+        else {
             return;
         };
         r.machine.handle_input(now, input);
@@ -2048,7 +2364,7 @@ impl World {
     /// `carry_out`), then finish the request if it ended.
     fn drive_request(&mut self, rid: RequestId) {
         loop {
-            let Some(edge) = &mut self.edge else {
+            let Some(edge) = &mut self.edges[self.cur] else {
                 return;
             };
             let incarnation = edge.incarnation;
@@ -2089,8 +2405,7 @@ impl World {
             } => self.open_attempt(rid, lease, deadline_ms, adopt, continuation),
             // The node drops what is durable (R-PARK-1).
             RequestOutput::AckFrames { through_frame } => {
-                let running = self
-                    .edge
+                let running = self.edges[self.cur]
                     .as_ref()
                     .and_then(|e| e.requests.get(&rid))
                     .and_then(|r| r.running);
@@ -2107,11 +2422,17 @@ impl World {
                 }
             }
             RequestOutput::CloseAttempt => {
-                let Some(r) = self.edge.as_mut().and_then(|e| e.requests.get_mut(&rid)) else {
+                let Some(r) = self.edges[self.cur]
+                    .as_mut()
+                    .and_then(|e| e.requests.get_mut(&rid))
+                else {
                     return;
                 };
                 if let Some((conn, run_id)) = r.running.take() {
-                    if let Some(c) = self.edge.as_mut().and_then(|e| e.conns.get_mut(&conn)) {
+                    if let Some(c) = self.edges[self.cur]
+                        .as_mut()
+                        .and_then(|e| e.conns.get_mut(&conn))
+                    {
                         c.runs.remove(&run_id);
                     }
                     // The stream reset reaches the node as a cancel.
@@ -2124,8 +2445,7 @@ impl World {
                 }
             }
             RequestOutput::Deliver(delivery) => {
-                let record = self
-                    .edge
+                let record = self.edges[self.cur]
                     .as_ref()
                     .and_then(|e| e.requests.get(&rid))
                     .and_then(|r| r.durable.clone());
@@ -2148,7 +2468,7 @@ impl World {
     fn client_delivery(&mut self, key: (u64, RequestId), delivery: Delivery) {
         match delivery {
             Delivery::Commit { .. } => {
-                self.checker.client(key, ClientSaw::Commit);
+                self.checkers[self.cur].client(key, ClientSaw::Commit);
                 self.recorder.world_line(&("commit", key));
             }
             Delivery::Event(kind) => {
@@ -2156,7 +2476,7 @@ impl World {
                     AttemptFrame::from_run_event(&kind),
                     AttemptFrame::Event(AttemptEvent::Content)
                 ) {
-                    self.checker.client(key, ClientSaw::Content);
+                    self.checkers[self.cur].client(key, ClientSaw::Content);
                     self.recorder.world_line(&("content", key));
                 }
             }
@@ -2173,7 +2493,7 @@ impl World {
                     }
                     _ => self.stats.finished += 1,
                 }
-                self.checker.client(key, ClientSaw::Terminal);
+                self.checkers[self.cur].client(key, ClientSaw::Terminal);
                 self.recorder
                     .world_line(&("terminal", key, format!("{delivery:?}")));
             }
@@ -2183,7 +2503,7 @@ impl World {
     /// A request's command reaches the hub: feed it to the dispatcher, with
     /// the checks that watch the answer.
     fn command_at_hub(&mut self, incarnation: u64, command: RequestCommand) {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         if edge.incarnation != incarnation {
@@ -2198,8 +2518,7 @@ impl World {
             .cloned();
         let check = match &command {
             RequestCommand::Admit(request) => {
-                self.checker
-                    .request_dispatched((incarnation, rid), "admitted again");
+                self.checkers[self.cur].request_dispatched((incarnation, rid), "admitted again");
                 if let Some(r) = edge.requests.get_mut(&rid) {
                     r.admitted_with = Some(request.clone());
                 }
@@ -2220,7 +2539,7 @@ impl World {
             RequestCommand::Terminal {
                 failure, lease_id, ..
             } => {
-                self.checker.terminal_sent(*lease_id, failure.as_ref());
+                self.checkers[self.cur].terminal_sent(*lease_id, failure.as_ref());
                 HubCheck::Terminal(failure.clone())
             }
             RequestCommand::Cancel { .. } => HubCheck::Cancel(held),
@@ -2249,27 +2568,30 @@ impl World {
             (HubCheck::PreSend { lease_id, fenced }, Some(RequestEvent::PreSend(answer))) => {
                 let answer = &answer;
                 if fenced {
-                    if let Some(edge) = &self.edge
+                    if let Some(edge) = &self.edges[self.cur]
                         && let Some(lease) = edge.fenced_leases.get(&lease_id)
                     {
-                        self.checker
-                            .pre_send_after_fence(edge.dispatcher.inner(), lease, answer);
+                        self.checkers[self.cur].pre_send_after_fence(
+                            edge.dispatcher.inner(),
+                            lease,
+                            answer,
+                        );
                     }
                     self.stats.fenced_before_send += 1;
                 } else if *answer == PreSend::Refenced {
                     self.stats.pre_send_refenced += 1;
-                    self.checker.lease_released(lease_id, "pre-send fence");
+                    self.checkers[self.cur].lease_released(lease_id, "pre-send fence");
                 }
             }
             (HubCheck::Terminal(failure), Some(RequestEvent::Terminal { verdict, .. })) => {
-                self.checker.terminal_applied(&verdict, failure.as_ref());
+                self.checkers[self.cur].terminal_applied(&verdict, failure.as_ref());
             }
             (HubCheck::Cancel(Some(lease)), _) => {
                 let released = outs.iter().any(|o| {
                     matches!(o, DispatchOutput::CancelRun { run_id, .. } if *run_id == lease.run_id)
                 });
                 if released {
-                    self.checker.lease_released(lease.lease_id, "client cancel");
+                    self.checkers[self.cur].lease_released(lease.lease_id, "client cancel");
                 }
             }
             _ => {}
@@ -2288,16 +2610,13 @@ impl World {
     ) {
         let park_grace_ms = duration_ms(self.cfg.journal.park_grace);
         let node = self.node_index(&lease.node);
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let conn = edge.by_generation.get(&(node, lease.generation)).copied();
-        self.checker
-            .lease_sent(edge.dispatcher.inner(), &lease, conn.is_some());
-        self.checker
-            .dispatch_to_link(&lease.node, lease.generation, "run sent");
-        self.checker
-            .request_dispatched((edge.incarnation, rid), "sent a run");
+        self.checkers[self.cur].lease_sent(edge.dispatcher.inner(), &lease, conn.is_some());
+        self.checkers[self.cur].dispatch_to_link(&lease.node, lease.generation, "run sent");
+        self.checkers[self.cur].request_dispatched((edge.incarnation, rid), "sent a run");
         let Some(conn) = conn else {
             self.request_input(rid, RequestInput::OpenFailed(OpenFailure::NoConnection));
             return;
@@ -2373,7 +2692,7 @@ impl World {
     }
 
     fn edge_run_event(&mut self, conn: ConnId, ev: RunEvent) {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let Some(c) = edge.conns.get_mut(&conn) else {
@@ -2389,8 +2708,7 @@ impl World {
         if let RunEventKind::Failed(f) = &ev.kind
             && f.code == FailureCode::ResponseStalled
         {
-            self.checker
-                .stall_evidence_received(conn, f.health_observation_seq);
+            self.checkers[self.cur].stall_evidence_received(conn, f.health_observation_seq);
         }
         let Some(r) = edge.requests.get(&rid) else {
             return;
@@ -2403,7 +2721,7 @@ impl World {
 
     /// The request ended: it is over.
     fn finish_if_ended(&mut self, rid: RequestId) {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let incarnation = edge.incarnation;
@@ -2422,7 +2740,7 @@ impl World {
         let record = r.durable.clone();
         if left {
             self.stats.client_left += 1;
-            self.checker.client((incarnation, rid), ClientSaw::Left);
+            self.checkers[self.cur].client((incarnation, rid), ClientSaw::Left);
             self.recorder.world_line(&("left", (incarnation, rid)));
         }
         if let Some(r) = edge.requests.remove(&rid)
@@ -2431,7 +2749,7 @@ impl World {
         {
             c.runs.remove(&run_id);
         }
-        self.checker.gate_ended(edge.dispatcher.inner(), rid);
+        self.checkers[self.cur].gate_ended(edge.dispatcher.inner(), rid);
         if let Some(record) = record {
             self.durable_request_ended(&record);
         }
@@ -2447,7 +2765,7 @@ impl World {
     ) {
         let idx = self.node_index(node);
         let now = self.now;
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let conn = generation.and_then(|g| edge.by_generation.get(&(idx, g)).copied());
@@ -2513,8 +2831,9 @@ impl World {
         } else {
             None
         };
+        self.cur = self.client_edge();
         let now = self.now;
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             // Connection refused: never accepted, nothing to end.
             return;
         };
@@ -2544,7 +2863,7 @@ impl World {
             self.durable_arrival(rid, pool, budget);
             return;
         }
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let machine = Request::new(
@@ -2573,7 +2892,7 @@ impl World {
             },
         );
         self.stats.requests += 1;
-        self.checker.request_opened((incarnation, rid), deadline);
+        self.checkers[self.cur].request_opened((incarnation, rid), deadline);
         if let Some(after) = leave_after {
             self.schedule(
                 now + after,
@@ -2587,8 +2906,7 @@ impl World {
     }
 
     fn client_leave(&mut self, incarnation: u64, request_id: RequestId) {
-        if self
-            .edge
+        if self.edges[self.cur]
             .as_ref()
             .is_some_and(|e| e.incarnation == incarnation)
         {
@@ -2600,7 +2918,7 @@ impl World {
     }
 
     fn caps_tick(&mut self, incarnation: u64) {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         if edge.incarnation != incarnation {
@@ -2620,7 +2938,7 @@ impl World {
             .map(|(id, _)| *id)
             .collect();
         for conn in ready {
-            let Some(edge) = &mut self.edge else {
+            let Some(edge) = &mut self.edges[self.cur] else {
                 return;
             };
             let command_id = edge.next_command_id;
@@ -2643,7 +2961,7 @@ impl World {
 
     fn edge_command_result(&mut self, conn: ConnId, stream: StreamKey, result: CommandResult) {
         self.net.stream_done(conn, stream);
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         if edge.commands.remove(&result.command_id) != Some(conn) {
@@ -2682,25 +3000,25 @@ impl World {
                 _ => None,
             })
             .collect();
-        self.checker
-            .capabilities_applied(generation, seq, &verdicts);
+        self.checkers[self.cur].capabilities_applied(generation, seq, &verdicts);
     }
 
     // ---- Nodes ---------------------------------------------------------------------
 
     fn node_dial(&mut self, node: usize, process: u64) {
         let n = &self.nodes[node];
-        if !n.up || n.process != process || !matches!(n.link, Link::Idle) {
+        if !n.up || n.process != process || !matches!(n.link[self.cur], Link::Idle) {
             return;
         }
-        let edge = self.edge.as_ref().map(|e| e.incarnation);
+        let edge = self.edges[self.cur].as_ref().map(|e| e.incarnation);
         let dial = self.net.dial(&mut self.rng, self.now, node, edge);
-        self.nodes[node].link = Link::Dialing;
+        self.nodes[node].link[self.cur] = Link::Dialing;
         match dial {
             Some((conn, at)) => self.schedule(
                 at,
                 Event::DialDone {
                     node,
+                    edge: self.cur,
                     process,
                     conn: Some(conn),
                 },
@@ -2711,6 +3029,7 @@ impl World {
                     at,
                     Event::DialDone {
                         node,
+                        edge: self.cur,
                         process,
                         conn: None,
                     },
@@ -2720,16 +3039,39 @@ impl World {
     }
 
     fn schedule_redial(&mut self, node: usize) {
-        let delay = self.nodes[node].backoff.next_delay(&mut self.rng);
+        let edge = self.cur;
+        let delay = self.nodes[node].backoff[edge].next_delay(&mut self.rng);
         let process = self.nodes[node].process;
-        self.nodes[node].link = Link::Idle;
-        self.schedule(self.now + delay, Event::NodeDial { node, process });
+        self.nodes[node].link[edge] = Link::Idle;
+        self.schedule(
+            self.now + delay,
+            Event::NodeDial {
+                node,
+                edge,
+                process,
+            },
+        );
+    }
+
+    /// The Edge a new client reaches: with several, a live one the seed
+    /// picks (a load balancer in front of them), else any.
+    fn client_edge(&mut self) -> usize {
+        if self.edges.len() == 1 {
+            return 0;
+        }
+        let live: Vec<usize> = (0..self.edges.len())
+            .filter(|&e| self.edges[e].is_some())
+            .collect();
+        if live.is_empty() {
+            return self.rng.index(self.edges.len());
+        }
+        live[self.rng.index(live.len())]
     }
 
     fn node_dial_done(&mut self, node: usize, process: u64, conn: Option<ConnId>) {
         let now = self.now;
         let n = &self.nodes[node];
-        if !n.up || n.process != process || !matches!(n.link, Link::Dialing) {
+        if !n.up || n.process != process || !matches!(n.link[self.cur], Link::Dialing) {
             return;
         }
         let Some(conn) = conn.filter(|c| self.net.is_alive(*c)) else {
@@ -2775,7 +3117,7 @@ impl World {
         );
         let link = TracedNodeLink::new_link(now, config, register, ReplayCache::new(), tap);
         self.core_bugs.plant_watchdog(link.inner().watchdog());
-        self.nodes[node].link = Link::Connected(Box::new(NodeConn {
+        self.nodes[node].link[self.cur] = Link::Connected(Box::new(NodeConn {
             conn,
             link,
             calls: BTreeMap::new(),
@@ -2786,7 +3128,7 @@ impl World {
 
     fn node_receive(&mut self, node: usize, stream: StreamKey, payload: Payload) {
         let now = self.now;
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         let conn = nc.conn;
@@ -2796,7 +3138,7 @@ impl World {
                     // A durable run's Edge canceled it: it ends here.
                     self.durable_canceled(node, conn, *run_id);
                 }
-                let Some(nc) = nconn(&mut self.nodes, node) else {
+                let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
                     return;
                 };
                 let registered = nc.link.inner().generation();
@@ -2804,7 +3146,7 @@ impl World {
                 if registered.is_none()
                     && let Some(generation) = nc.link.inner().generation()
                 {
-                    self.checker.node_registered(node, generation);
+                    self.checkers[self.cur].node_registered(node, generation);
                 }
                 self.drain_node_link(node);
             }
@@ -2841,7 +3183,7 @@ impl World {
 
     /// The node closes its connection itself.
     fn node_close(&mut self, node: usize, code: CloseCode) {
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         let conn = nc.conn;
@@ -2858,27 +3200,27 @@ impl World {
     /// reconnect.
     fn node_conn_ended(&mut self, node: usize, _code: CloseCode) {
         let now = self.now;
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         let conn = nc.conn;
         self.net.close(conn);
         // Durable runs park instead of being canceled (R-DISC-1, R-PARK-1).
         self.detach_durable(node, conn);
-        if let Some(nc) = nconn(&mut self.nodes, node) {
+        if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
             nc.link.handle_input(now, NodeLinkInput::Disconnected);
         }
         self.drain_node_link(node);
-        if let Some(nc) = nconn(&mut self.nodes, node)
+        if let Some(nc) = nconn(&mut self.nodes, node, self.cur)
             && nc.link.inner().watchdog().active_runs() > 0
         {
             let left = nc.link.inner().watchdog().active_runs();
-            self.checker.fail(
+            self.checkers[self.cur].fail(
                 "R-DISC-1",
                 format!("{left} runs still watched after the connection ended"),
             );
         }
-        self.checker.node_conn_ended(conn);
+        self.checkers[self.cur].node_conn_ended(conn);
         self.schedule_redial(node);
     }
 
@@ -2887,10 +3229,13 @@ impl World {
             return;
         }
         self.stats.node_crashes += 1;
-        if let Link::Connected(nc) = &self.nodes[node].link {
+        for edge in 0..self.edges.len() {
+            let Link::Connected(nc) = &self.nodes[node].link[edge] else {
+                continue;
+            };
             let conn = nc.conn;
             self.net.close(conn);
-            self.checker.node_conn_ended(conn);
+            self.checkers[edge].node_conn_ended(conn);
             if self.rng.chance(self.cfg.faults.close_notice_ppm) {
                 let delay = self.net.delay(&mut self.rng, node);
                 self.schedule(
@@ -2911,7 +3256,7 @@ impl World {
         n.frozen = None;
         n.up = false;
         n.process += 1;
-        n.link = Link::Idle;
+        n.link.iter_mut().for_each(|l| *l = Link::Idle);
         n.durable.clear();
         let down = self
             .rng
@@ -2954,8 +3299,10 @@ impl World {
         let Some(freeze) = self.nodes[node].frozen.take() else {
             return;
         };
-        if let Link::Connected(nc) = &self.nodes[node].link {
-            self.checker.node_thawed(nc.conn, self.now - since);
+        for edge in 0..self.edges.len() {
+            if let Link::Connected(nc) = &self.nodes[node].link[edge] {
+                self.checkers[edge].node_thawed(nc.conn, self.now - since);
+            }
         }
         self.recorder.world_line(&("node_thawed", node));
         for event in freeze.held {
@@ -2968,10 +3315,11 @@ impl World {
         let faults = self.faults_on();
         let double = self.bugs.contains(&Bug::DoubleProviderCall);
         let process = self.nodes[node].process;
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         let conn = nc.conn;
+        let generation = nc.link.inner().generation().unwrap_or(0);
         let run_id = request.run_id;
         let stall = match effective_stall_timeout(request.response_stall_timeout_ms) {
             Ok(stall) => stall,
@@ -2997,15 +3345,19 @@ impl World {
             );
             return;
         }
-        self.checker.provider_called(conn, run_id);
+        self.checkers[self.cur].provider_called(conn, run_id);
         if double {
-            self.checker.provider_called(conn, run_id);
+            self.checkers[self.cur].provider_called(conn, run_id);
         }
         if let Some((record, continues)) = self.run_records.remove(&(conn, run_id)) {
             // R-PARK-2: one provider call per durable response (R-CONT-1:
             // but an attempt that continues the answer so far).
-            self.checker
-                .durable_provider_called(&self.journal, &record, continues);
+            self.checkers[0].durable_provider_called(
+                &self.journal,
+                &record,
+                continues,
+                (generation, run_id),
+            );
         }
         self.stats.provider_calls += 1;
         let plan = if faults {
@@ -3018,7 +3370,7 @@ impl World {
         } else {
             CallPlan::healthy(&mut self.rng, stall, self.cfg.close_grace)
         };
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         let provider = self
@@ -3062,7 +3414,7 @@ impl World {
     }
 
     fn send_run_event(&mut self, node: usize, run_id: RunId, kind: RunEventKind) {
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         let conn = nc.conn;
@@ -3084,7 +3436,7 @@ impl World {
         if self.nodes[node].process != process || !self.nodes[node].up {
             return None;
         }
-        let nc = nconn(&mut self.nodes, node)?;
+        let nc = nconn(&mut self.nodes, node, self.cur)?;
         if nc.conn != conn {
             return None;
         }
@@ -3159,8 +3511,8 @@ impl World {
             return;
         };
         if returned {
-            self.checker.provider_returned(conn, run_id);
-            if let Some(nc) = nconn(&mut self.nodes, node) {
+            self.checkers[self.cur].provider_returned(conn, run_id);
+            if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
                 nc.calls.remove(&run_id);
             }
         }
@@ -3194,7 +3546,7 @@ impl World {
             )),
             ProviderEvent::Progress(_) | ProviderEvent::Neutral => None,
         };
-        let nc = nconn(&mut self.nodes, node)?;
+        let nc = nconn(&mut self.nodes, node, self.cur)?;
         let conn = nc.conn;
         nc.link.handle_input(
             now,
@@ -3224,7 +3576,7 @@ impl World {
         run_id: RunId,
         terminal: RunTerminal,
     ) {
-        self.checker.node_terminal(conn, run_id, &terminal);
+        self.checkers[self.cur].node_terminal(conn, run_id, &terminal);
         let kind = match terminal {
             RunTerminal::Completed => RunEventKind::Completed {
                 finish_reason: FinishReason::Stop,
@@ -3236,9 +3588,8 @@ impl World {
             RunTerminal::Failed(f) => {
                 if f.code == FailureCode::ResponseStalled {
                     self.stats.stalls += 1;
-                    self.checker.observation_seq(conn, f.health_observation_seq);
-                    self.checker
-                        .stall_seq_issued(conn, f.health_observation_seq);
+                    self.checkers[self.cur].observation_seq(conn, f.health_observation_seq);
+                    self.checkers[self.cur].stall_seq_issued(conn, f.health_observation_seq);
                 }
                 RunEventKind::Failed(f)
             }
@@ -3264,7 +3615,7 @@ impl World {
         call.stage = CallStage::Idle;
         let Some(after) = call.plan.return_after_cancel else {
             // It never returns: nothing more will come from it.
-            if let Some(nc) = nconn(&mut self.nodes, node) {
+            if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
                 nc.calls.remove(&run_id);
             }
             return;
@@ -3293,12 +3644,12 @@ impl World {
         // The canceled call is over: the node's handler reports it dropped
         // (R-WD-4 times it).
         let now = self.now;
-        if let Some(nc) = nconn(&mut self.nodes, node) {
+        if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
             nc.calls.remove(&run_id);
             nc.link
                 .handle_input(now, NodeLinkInput::ProviderDropped { run_id });
         }
-        self.checker.provider_returned(conn, run_id);
+        self.checkers[self.cur].provider_returned(conn, run_id);
         self.drain_node_link(node);
     }
 
@@ -3314,7 +3665,7 @@ impl World {
         if self.nodes[node].process != process {
             return;
         }
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         if nc.conn != conn {
@@ -3325,7 +3676,7 @@ impl World {
         };
         nc.link
             .handle_input(now, NodeLinkInput::ProbeDone { run_id, outcome });
-        self.checker.probe_answered(conn, run_id, answer.health());
+        self.checkers[self.cur].probe_answered(conn, run_id, answer.health());
         self.drain_node_link(node);
     }
 
@@ -3338,7 +3689,9 @@ impl World {
 
     fn poll_node_link(&mut self, node: usize) -> Option<NodeLinkOutput> {
         let now = self.now;
-        nconn(&mut self.nodes, node)?.link.poll_output(now)
+        nconn(&mut self.nodes, node, self.cur)?
+            .link
+            .poll_output(now)
     }
 
     /// The answer to the input just fed (`RunAdmitted`, `RunRefused`,
@@ -3360,7 +3713,7 @@ impl World {
         let now = self.now;
         let faults = self.faults_on();
         let process = self.nodes[node].process;
-        let Some(conn) = nconn(&mut self.nodes, node).map(|nc| nc.conn) else {
+        let Some(conn) = nconn(&mut self.nodes, node, self.cur).map(|nc| nc.conn) else {
             return;
         };
         match out {
@@ -3370,7 +3723,7 @@ impl World {
                 StreamKey::Control,
                 Payload::NodeControl(frame),
             ),
-            NodeLinkOutput::Ready { .. } => self.nodes[node].backoff.reset(),
+            NodeLinkOutput::Ready { .. } => self.nodes[node].backoff[self.cur].reset(),
             NodeLinkOutput::End(end) => {
                 if end == LinkEnd::Closed(CloseCode::HeartbeatTimeout) {
                     self.stats.heartbeat_timeouts += 1;
@@ -3382,7 +3735,7 @@ impl World {
                     self.durable_cancel_later(node, key);
                     return;
                 }
-                let Some(nc) = nconn(&mut self.nodes, node) else {
+                let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
                     return;
                 };
                 let latency = nc.calls.get(&run_id).map(|c| c.plan.cancel_latency);
@@ -3399,8 +3752,8 @@ impl World {
                 }
             }
             NodeLinkOutput::StartProbe { run_id, .. } => {
-                self.checker.stall_claimed(conn, run_id);
-                let Some(nc) = nconn(&mut self.nodes, node) else {
+                self.checkers[self.cur].stall_claimed(conn, run_id);
+                let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
                     return;
                 };
                 let provider = nc.calls.get(&run_id).map(|c| c.provider).or_else(|| {
@@ -3467,7 +3820,7 @@ impl World {
                 models: vec![],
             })
             .collect();
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         if nc.conn != conn {
@@ -3479,7 +3832,7 @@ impl World {
             Some(NodeLinkOutput::ObservationSeq(seq)) => Some(seq),
             _ => None,
         };
-        self.checker.observation_seq(conn, seq);
+        self.checkers[self.cur].observation_seq(conn, seq);
         self.transmit(
             conn,
             Dir::NodeToEdge,
@@ -3532,6 +3885,12 @@ impl World {
             }
         }
         if self.rng.chance(f.edge_restart_ppm) {
+            // One Edge of several: the seed says which.
+            self.cur = if self.edges.len() > 1 {
+                self.rng.index(self.edges.len())
+            } else {
+                0
+            };
             self.crash_edge(None);
         }
         let at = self.now + self.cfg.fault_tick;
@@ -3542,13 +3901,20 @@ impl World {
     /// and the Edge agrees on its generation.
     fn check_nodes(&mut self) {
         self.checks_pending -= 1;
-        let Some(edge) = &self.edge else {
-            self.checker
-                .fail("liveness-nodes", "the Edge is still down");
+        for slot in 0..self.edges.len() {
+            self.cur = slot;
+            self.check_nodes_at();
+        }
+    }
+
+    /// [`Self::check_nodes`] at the current Edge slot.
+    fn check_nodes_at(&mut self) {
+        let Some(edge) = &self.edges[self.cur] else {
+            self.checkers[self.cur].fail("liveness-nodes", "the Edge is still down");
             return;
         };
         for (i, n) in self.nodes.iter().enumerate() {
-            let node_view = match &n.link {
+            let node_view = match &n.link[self.cur] {
                 Link::Connected(nc) if n.up && nc.link.inner().is_ready() => {
                     nc.link.inner().generation()
                 }
@@ -3564,7 +3930,7 @@ impl World {
                     "node {i} not ready {}us after faults stopped (node sees {node_view:?}, edge {edge_view:?})",
                     self.cfg.node_recovery_bound().as_micros()
                 );
-                self.checker.fail("liveness-nodes", detail);
+                self.checkers[self.cur].fail("liveness-nodes", detail);
                 return;
             }
         }
@@ -3573,9 +3939,16 @@ impl World {
     /// Liveness: by `T_q + B_eligible` every provider is selectable again.
     fn check_eligible(&mut self) {
         self.checks_pending -= 1;
-        let Some(edge) = &self.edge else {
-            self.checker
-                .fail("liveness-eligible", "the Edge is still down");
+        for slot in 0..self.edges.len() {
+            self.cur = slot;
+            self.check_eligible_at();
+        }
+    }
+
+    /// [`Self::check_eligible`] at the current Edge slot.
+    fn check_eligible_at(&mut self) {
+        let Some(edge) = &self.edges[self.cur] else {
+            self.checkers[self.cur].fail("liveness-eligible", "the Edge is still down");
             return;
         };
         for p in &self.providers {
@@ -3585,7 +3958,7 @@ impl World {
                     p.id,
                     self.cfg.eligibility_bound().as_micros()
                 );
-                self.checker.fail("liveness-eligible", detail);
+                self.checkers[self.cur].fail("liveness-eligible", detail);
                 return;
             }
         }
@@ -3619,8 +3992,8 @@ fn sim_run_start(
     }
 }
 
-fn nconn(nodes: &mut [SimNode], node: usize) -> Option<&mut NodeConn> {
-    match &mut nodes[node].link {
+fn nconn(nodes: &mut [SimNode], node: usize, edge: usize) -> Option<&mut NodeConn> {
+    match &mut nodes[node].link[edge] {
         Link::Connected(nc) => Some(nc),
         _ => None,
     }

@@ -137,9 +137,9 @@ fn bounded_swarm_holds_every_invariant() {
 }
 
 /// The swarm `cargo test` runs on every change: 2,000 strict seeds on every
-/// core, within a minute in debug (`.ci/run` adds 20,000 strict seeds in
-/// release). A failure names the command that reproduces each
-/// failing seed.
+/// core, each world with its own number of Edges (1 to 4, SPEC §8), within
+/// a minute in debug (`.ci/run` adds 20,000 strict seeds in release). A
+/// failure names the command that reproduces each failing seed.
 #[test]
 fn ci_swarm_of_2000_seeds_holds_every_invariant() {
     let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
@@ -147,6 +147,7 @@ fn ci_swarm_of_2000_seeds_holds_every_invariant() {
     let report = swarm(&SwarmOptions {
         threads,
         strict: true,
+        edges: None,
         ..SwarmOptions::new(CI_SWARM_START, CI_SWARM_SEEDS, CI_SWARM_STEPS)
     });
     assert!(
@@ -169,6 +170,9 @@ fn ci_swarm_of_2000_seeds_holds_every_invariant() {
     assert!(t.takeover_adoptions > 0 && t.park_expired > 0, "{t:?}");
     assert!(t.node_freezes > 0 && t.freeze_losses > 0, "{t:?}");
     assert!(t.provider_5xx > 0, "{t:?}");
+    // Several Edges: leases renewed, a dead Edge's records taken over by a
+    // peer (R-MULTI-1, R-TAKE-1).
+    assert!(t.lease_writes > 0 && t.peer_takeovers > 0, "{t:?}");
     println!(
         "CI swarm: {CI_SWARM_SEEDS} seeds x {CI_SWARM_STEPS} steps ({} steps with the drain) on {threads} threads in {:.1}s",
         t.steps,

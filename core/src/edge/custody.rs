@@ -1060,6 +1060,10 @@ impl Custody {
 
     /// Is `meta`'s owner another Edge not seen gone (R-MULTI-1)?
     fn owner_may_be_alive(&self, meta: &RecordMeta, now: Instant) -> bool {
+        #[cfg(feature = "planted-bugs")]
+        if crate::planted::in_thread(crate::planted::PlantedBug::AdoptWithoutOwnerWait) {
+            return false;
+        }
         !self.cfg.sole
             && meta.owner != self.cfg.edge_id
             && meta.owner != NO_OWNER

@@ -18,6 +18,7 @@
 //! | R-JRN-3 (one owner per epoch) | the writer model above: an append or terminal is accepted only from the writer that created the record or won its last raise, so no two writers (a live request, the custody, an adopter, a dead owner's zombie) ever have writes accepted under one (response, epoch); the Edge's custody may hand an epoch it won, once, to the one request it starts on the record (an adopter, a continuation), never one it does not hold |
 //! | R-PARK-2 (provider once) | the provider is called at most once per durable response once anything of it is durable: a provider call for a response whose record already holds events is a violation, but for an attempt that continues the answer so far on a route that opted in (R-CONT-1) |
 //! | R-PARK-2 (output once) | every token of a provider call's output is journaled exactly once and in order: each call's tokens are numbered (`tok1`, `tok2`, ...) and each journaled event names the run it came from; an accepted append whose token is not past that run's last is output published twice (an adoption that replayed frames the journal already held), one that skips a token lost output (a replay that resumed too late) |
+//! | R-PARK-2 (one adopter) | a node accepts an adoption of a parked run only while it is on no connection, and under one epoch of its record only one Edge's adoption is accepted (with several Edges: two Edges never both adopt one parked run) |
 //! | liveness | a durable request that ended left its record ended; every record without a terminal at an Edge start ends within B_takeover unless the Edge dies again first |
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -81,6 +82,9 @@ pub(super) struct JournalModel {
     retry_allowance: Duration,
     /// Records whose route continues answers (R-CONT-1).
     continuing_routes: BTreeSet<String>,
+    /// The Edge whose adoption of a parked run each (record, epoch) saw
+    /// accepted (R-PARK-2: at most one).
+    adoptions: BTreeMap<(String, u64), String>,
 }
 
 /// The status a client's terminal delivery stands for (SPEC §6: completed,
@@ -512,8 +516,21 @@ impl Checker {
     /// response is durable an attempt may still fail over, after it the
     /// run is adopted, never called again), `continues`: the attempt
     /// continues the answer so far (R-CONT-1), which a route that opted in
-    /// may do.
-    pub fn durable_provider_called(&mut self, store: &SimJournal, id: &str, continues: bool) {
+    /// may do. `run`: the call's run key (generation, run id), numbered by
+    /// the Edge that sent it: with several Edges a continuation on another
+    /// Edge may get the key an earlier call of the record had on the first
+    /// one, so its tokens count from 1 again (R-PARK-2, output once).
+    pub fn durable_provider_called(
+        &mut self,
+        store: &SimJournal,
+        id: &str,
+        continues: bool,
+        run: (u64, u64),
+    ) {
+        if let Some(r) = self.journal.records.get_mut(id) {
+            r.last_token
+                .retain(|k, _| k.as_ref().is_none_or(|(_, g, n)| (*g, *n) != run));
+        }
         let events = store.record(id).map_or(0, |r| r.events.len());
         if continues && !self.journal.continuing_routes.contains(id) {
             let detail =
@@ -534,6 +551,33 @@ impl Checker {
     pub fn journal_edge_started(&mut self, unfinished: &[String], deadline: Instant) {
         for id in unfinished {
             self.journal.deadlines.insert((deadline, id.clone()));
+        }
+    }
+
+    /// A node accepted `edge`'s adoption of the parked run of `record`,
+    /// whose stored epoch is `epoch` (R-PARK-2): the node hands a parked
+    /// run to at most one connection (`attached`: the connection the run
+    /// was still on), and under one epoch of its record at most one Edge
+    /// adopts it (only the Edge that won that epoch may; a second Edge
+    /// would run the same provider call for a record it does not hold).
+    pub fn parked_run_adopted(&mut self, record: &str, epoch: u64, edge: &str, attached: bool) {
+        if attached {
+            let detail = format!(
+                "a node handed the parked run of {record} to {edge} while it was on another connection"
+            );
+            self.fail("R-PARK-2", detail);
+            return;
+        }
+        let first = self
+            .journal
+            .adoptions
+            .entry((record.to_owned(), epoch))
+            .or_insert_with(|| edge.to_owned());
+        if first != edge {
+            let detail = format!(
+                "the parked run of {record} was adopted by {first} and by {edge} under epoch {epoch}"
+            );
+            self.fail("R-PARK-2", detail);
         }
     }
 

@@ -52,15 +52,31 @@ pub(super) struct EdgeCustody {
 }
 
 impl EdgeCustody {
-    /// The custody of Edge `edge_id` starting at `now`. The simulated
-    /// store is this Edge's alone (`sole`): its records are its own.
-    pub(super) fn new(now: Instant, edge_id: &str, park_window: std::time::Duration) -> Self {
+    /// The custody of Edge `edge_id` starting at `now`. With one Edge the
+    /// simulated store is its alone (`sole`: its records are its own, as
+    /// an embedded store's); with several it is shared and the custody
+    /// follows every Edge's lease (R-TAKE-1, R-MULTI-1).
+    pub(super) fn new(
+        now: Instant,
+        edge_id: &str,
+        park_window: std::time::Duration,
+        sole: bool,
+    ) -> Self {
         let cfg = CustodyConfig {
             edge_id: edge_id.to_owned(),
             park_window,
             lease_ttl: std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS),
-            sole: true,
-            scan_interval: std::time::Duration::from_secs(1),
+            sole,
+            // A shared store is scanned (its leases read) three times per
+            // TTL, as iop-edge's defaults do (15 s, 5 s): a view judges a
+            // lease expired by the time since it first read its revision,
+            // so reads rarer than the TTL call a renewing lease expired
+            // between two of them (R-MULTI-1).
+            scan_interval: if sole {
+                std::time::Duration::from_secs(1)
+            } else {
+                std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS / 3)
+            },
         };
         EdgeCustody {
             machine: Custody::new(now, cfg),
@@ -125,7 +141,7 @@ impl World {
     }
 
     fn custody_of(&mut self, incarnation: u64) -> Option<&mut EdgeCustody> {
-        self.edge
+        self.edges[self.cur]
             .as_mut()
             .filter(|e| e.incarnation == incarnation)
             .map(|e| &mut e.custody)
@@ -180,9 +196,14 @@ impl World {
         let now = self.now;
         let answer = match op {
             StoreOp::RaiseEpoch { id, expected } => {
+                let owner = self.edge_id(self.cur);
                 return self.journal_submit(
                     Writer::Custody { incarnation },
-                    JournalOp::RaiseEpoch { id, expected },
+                    JournalOp::RaiseEpoch {
+                        id,
+                        expected,
+                        owner,
+                    },
                 );
             }
             StoreOp::Finish {
@@ -210,12 +231,12 @@ impl World {
                     (meta, live)
                 })
                 .collect())),
-            // The simulated store keeps no leases: its one Edge is `sole`
-            // and never asks (several Edges would share a store with them).
-            StoreOp::Leases => StoreAnswer::Leases(Ok(Vec::new())),
+            // One Edge is `sole` and never asks; several share the
+            // store's leases.
+            StoreOp::Leases => StoreAnswer::Leases(Ok(self.journal.leases())),
             StoreOp::Lease { edge_id } => StoreAnswer::Lease {
+                result: Ok(self.journal.lease(&edge_id)),
                 edge_id,
-                result: Ok(None),
             },
             StoreOp::Record { id } => {
                 if let Some(c) = self.custody_of(incarnation) {
@@ -374,8 +395,7 @@ impl World {
     }
 
     fn next_request_id(&mut self, incarnation: u64) -> Option<RequestId> {
-        let edge = self
-            .edge
+        let edge = self.edges[self.cur]
             .as_mut()
             .filter(|e| e.incarnation == incarnation)?;
         let rid = edge.next_request_id;
@@ -392,7 +412,7 @@ impl World {
         meta: &RecordMeta,
         machine: Request,
     ) {
-        self.checker.journal_epoch_handed(
+        self.checkers[0].journal_epoch_handed(
             &meta.id,
             meta.epoch,
             &Writer::Custody { incarnation },
@@ -403,7 +423,10 @@ impl World {
         );
         self.core_bugs.plant_request(&machine);
         let deadline = machine.gate().deadline() + self.cfg.durable_flush_bound();
-        let Some(edge) = self.edge.as_mut().filter(|e| e.incarnation == incarnation) else {
+        let Some(edge) = self.edges[self.cur]
+            .as_mut()
+            .filter(|e| e.incarnation == incarnation)
+        else {
             return;
         };
         edge.requests.insert(
@@ -416,7 +439,7 @@ impl World {
                 client_attached: false,
             },
         );
-        self.checker.request_opened((incarnation, rid), deadline);
+        self.checkers[self.cur].request_opened((incarnation, rid), deadline);
         self.drive_request(rid);
     }
 
@@ -426,12 +449,17 @@ impl World {
         self.dispatch(DispatchInput::ReleaseParked { key });
     }
 
-    /// Whether a request of this Edge writes `record`.
+    /// Whether a request of this Edge writes `record`: one whose machine
+    /// runs, or one whose create the store took and whose answer is on
+    /// its way back (its record is in the store, owned by this Edge, and
+    /// its request starts once the answer arrives; a scan in between must
+    /// not take it for an orphan).
     pub(super) fn record_live_here(&self, record: &str) -> bool {
-        self.edge.as_ref().is_some_and(|e| {
+        self.edges[self.cur].as_ref().is_some_and(|e| {
             e.requests
                 .values()
                 .any(|r| r.durable.as_deref() == Some(record))
+                || e.pending_creates.values().any(|p| p.record == record)
         })
     }
 }

@@ -87,15 +87,18 @@ impl World {
 
     /// A writer's op goes to the store's queue.
     pub(super) fn journal_submit(&mut self, writer: Writer, op: JournalOp) {
-        self.checker.journal_submitted(&writer, &op);
+        self.checkers[0].journal_submitted(&writer, &op);
         self.recorder
             .world_line(&("journal_submit", &writer, op.kind(), op.record_id()));
         let record = op.record_id().to_owned();
         let kind = op.op_kind();
-        match self.journal.submit(PendingWrite {
-            writer: writer.clone(),
-            op,
-        }) {
+        match self.journal.submit(
+            self.cur,
+            PendingWrite {
+                writer: writer.clone(),
+                op,
+            },
+        ) {
             Ok(_) => self.pump_journal(),
             Err(refused) => self.answer_later(writer, record, kind, OpResult::Refused(refused)),
         }
@@ -103,11 +106,17 @@ impl World {
 
     /// Start the next sync if the store is free and writes wait.
     fn pump_journal(&mut self) {
-        if let Some(generation) = self.journal.begin_sync() {
+        if let Some(generation) = self.journal.begin_sync(self.cur) {
             let p = self.cfg.journal;
             let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
             let latency = Duration::from_micros(self.rng.range(us(p.sync_min), us(p.sync_max)));
-            self.schedule(self.now + latency, Event::JournalSync { generation });
+            self.schedule(
+                self.now + latency,
+                Event::JournalSync {
+                    edge: self.cur,
+                    generation,
+                },
+            );
         }
     }
 
@@ -130,16 +139,23 @@ impl World {
     pub(super) fn journal_sync_done(&mut self, generation: u64) {
         let now_unix = self.unix_ms();
         if self.faults_on()
-            && self.edge.is_some()
+            && self.edges[self.cur].is_some()
             && self.rng.chance(self.cfg.journal.crash_point_ppm)
         {
             self.stats.crash_points += 1;
             if self.rng.chance(PPM / 2) {
                 // After the sync, before its answers: durable, never
-                // acknowledged (nobody is told, no follower either).
-                let applied = self.journal.complete_sync(generation, now_unix);
+                // acknowledged (no writer is told, no follower on this
+                // Edge either). A follower on another Edge reads the
+                // shared store: it sees what became durable.
+                let applied = self.journal.complete_sync(self.cur, generation, now_unix);
                 self.stats.journal_unacked += applied.len() as u64;
+                let touched: BTreeSet<String> = applied
+                    .iter()
+                    .map(|(w, _)| w.op.record_id().to_owned())
+                    .collect();
                 self.crash_edge(None);
+                self.notify_followers(&touched);
             } else {
                 // Before the sync completed: the batch is lost.
                 self.crash_edge(Some(false));
@@ -148,9 +164,9 @@ impl World {
         }
         let answers = if self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm) {
             self.stats.sync_failures += 1;
-            self.journal.fail_sync(generation)
+            self.journal.fail_sync(self.cur, generation)
         } else {
-            self.journal.complete_sync(generation, now_unix)
+            self.journal.complete_sync(self.cur, generation, now_unix)
         };
         let mut touched = BTreeSet::new();
         for (write, result) in answers {
@@ -180,7 +196,7 @@ impl World {
         kind: OpKind,
         result: OpResult,
     ) {
-        if self.edge.as_ref().map(|e| e.incarnation) != Some(writer.incarnation()) {
+        if self.edges[self.cur].as_ref().map(|e| e.incarnation) != Some(writer.incarnation()) {
             // Durable but unacknowledged: the process that asked is gone.
             return;
         }
@@ -279,14 +295,17 @@ impl World {
         next_start: iop_core::Instant,
         sync_completed: Option<bool>,
     ) {
-        self.checker.journal_edge_lost();
+        self.checkers[0].journal_edge_lost();
+        if self.edges.len() > 1 {
+            self.journal_owner_lost();
+        }
         if self.journal.is_busy() {
             let survives = match sync_completed {
                 Some(completed) => completed,
                 None => self.rng.chance(self.cfg.journal.sync_survives_ppm),
             };
             let now_unix = self.unix_ms();
-            let outcome = self.journal.crash(survives, now_unix);
+            let outcome = self.journal.crash(self.cur, survives, now_unix);
             self.stats.journal_unacked += outcome.durable_unacked as u64;
             self.stats.journal_lost += outcome.lost.len() as u64;
             let p = self.cfg.journal;
@@ -330,7 +349,7 @@ impl World {
         pool: Vec<ProviderId>,
         budget: GateBudget,
     ) {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let incarnation = edge.incarnation;
@@ -344,8 +363,8 @@ impl World {
                 continues,
             },
         );
-        self.checker.durable_route(&record, continues);
-        let Some(edge) = &mut self.edge else {
+        self.checkers[0].durable_route(&record, continues);
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         edge.pending_creates.insert(
@@ -367,7 +386,7 @@ impl World {
             background: false,
             request: Vec::new(),
             created_unix_ms: self.unix_ms(),
-            owner: crate::journal_store::SIM_EDGE.into(),
+            owner: self.edge_id(self.cur),
         };
         self.journal_submit(
             Writer::Request {
@@ -384,7 +403,7 @@ impl World {
         let now = self.now;
         let park_grace = self.cfg.journal.park_grace;
         let flush = self.cfg.durable_flush_bound();
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let Some(pending) = edge.pending_creates.remove(&request_id) else {
@@ -436,9 +455,8 @@ impl World {
         );
         self.stats.requests += 1;
         self.stats.durable_requests += 1;
-        self.checker
-            .request_opened((incarnation, request_id), deadline);
-        self.checker.durable_client_opened(&pending.record);
+        self.checkers[self.cur].request_opened((incarnation, request_id), deadline);
+        self.checkers[0].durable_client_opened(&pending.record);
         let state = if attached {
             ClientState::Attached {
                 incarnation,
@@ -473,14 +491,12 @@ impl World {
                 client.received += 1;
                 let seq = client.received;
                 let payload = encode_delivery(delivery);
-                self.checker
-                    .durable_client_event(&self.journal, record, Some(seq), &payload);
+                self.checkers[0].durable_client_event(&self.journal, record, Some(seq), &payload);
             }
             Delivery::Finish | Delivery::Fail { .. } => {
                 client.state = ClientState::Done;
                 if let Some(status) = delivered_status(delivery) {
-                    self.checker
-                        .durable_client_terminal(&self.journal, record, status);
+                    self.checkers[0].durable_client_terminal(&self.journal, record, status);
                 }
             }
             Delivery::Commit { .. } => {}
@@ -491,7 +507,7 @@ impl World {
     /// The client of a durable request leaves: the request goes on.
     /// Returns whether the request was durable.
     pub(super) fn durable_leave(&mut self, request_id: RequestId) -> bool {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return false;
         };
         if let Some(pending) = edge.pending_creates.get_mut(&request_id) {
@@ -520,7 +536,7 @@ impl World {
 
     /// A durable client cancels its response (`POST .../cancel`).
     pub(super) fn client_cancel(&mut self, incarnation: u64, request_id: RequestId) {
-        if self.edge.as_ref().map(|e| e.incarnation) != Some(incarnation) {
+        if self.edges[self.cur].as_ref().map(|e| e.incarnation) != Some(incarnation) {
             return;
         }
         self.stats.durable_cancels += 1;
@@ -529,7 +545,7 @@ impl World {
 
     /// A durable request's machine ended.
     pub(super) fn durable_request_ended(&mut self, record: &str) {
-        if self.checker.durable_request_ended(&self.journal, record) {
+        if self.checkers[0].durable_request_ended(&self.journal, record) {
             self.orphans.insert(record.to_owned());
         }
     }
@@ -580,7 +596,9 @@ impl World {
         if client.state != ClientState::Away {
             return;
         }
-        let Some(incarnation) = self.edge.as_ref().map(|e| e.incarnation) else {
+        // Durable clients resume on any live Edge (SPEC §8).
+        self.cur = self.client_edge();
+        let Some(incarnation) = self.edges[self.cur].as_ref().map(|e| e.incarnation) else {
             // Connection refused: try again later.
             let at = self.now + self.rng.millis(10, 100);
             self.schedule(at, Event::ClientResume { record });
@@ -653,7 +671,7 @@ impl World {
         for event in stored.events.iter().skip(after) {
             client.received = event.seq;
             self.stats.resumed_events += 1;
-            self.checker.durable_client_event(
+            self.checkers[0].durable_client_event(
                 &self.journal,
                 record,
                 Some(event.seq),
@@ -662,8 +680,7 @@ impl World {
         }
         if let Some(terminal) = &stored.meta.terminal {
             client.state = ClientState::Done;
-            self.checker
-                .durable_client_terminal(&self.journal, record, terminal.status);
+            self.checkers[0].durable_client_terminal(&self.journal, record, terminal.status);
         }
     }
 
@@ -691,7 +708,13 @@ impl World {
         let handed = self.cfg.request_budget + self.cfg.durable_flush_bound();
         let mut by_deadline: std::collections::BTreeMap<iop_core::Instant, Vec<String>> =
             std::collections::BTreeMap::new();
+        let me = self.edge_id(self.cur);
+        let several = self.edges.len() > 1;
         for meta in self.journal.unfinished() {
+            if several && meta.owner != me {
+                // A peer's: its owner's death sets its deadline.
+                continue;
+            }
             let mut bound = window + self.cfg.takeover_bound();
             if !window.is_zero() || self.route_continues(&meta.id) {
                 bound += handed;
@@ -702,7 +725,30 @@ impl World {
                 .push(meta.id);
         }
         for (deadline, ids) in by_deadline {
-            self.checker.journal_edge_started(&ids, deadline);
+            self.checkers[0].journal_edge_started(&ids, deadline);
         }
+    }
+
+    /// An Edge of several died (R-TAKE-1): every record it owns without
+    /// a terminal ends within its lease TTL and three scans (its lease
+    /// seen expired), the park window and the takeover's bound, and the
+    /// budget of a request handed the record, unless an Edge dies again
+    /// first. Its own restart may take them first.
+    fn journal_owner_lost(&mut self) {
+        let me = self.edge_id(self.cur);
+        let ttl = Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS);
+        let bound = ttl * 4
+            + self.cfg.park_window()
+            + self.cfg.takeover_bound()
+            + self.cfg.request_budget
+            + self.cfg.durable_flush_bound();
+        let ids: Vec<String> = self
+            .journal
+            .unfinished()
+            .into_iter()
+            .filter(|m| m.owner == me)
+            .map(|m| m.id)
+            .collect();
+        self.checkers[0].journal_edge_started(&ids, self.now + bound);
     }
 }

@@ -58,6 +58,13 @@ pub(super) struct NodeDurableRun {
     attached: Option<(ConnId, RunId)>,
 }
 
+impl NodeDurableRun {
+    /// The connection it is attached to, if any.
+    pub(super) fn attached_conn(&self) -> Option<ConnId> {
+        self.attached.map(|(conn, _)| conn)
+    }
+}
+
 /// The durable run attached to `conn` as `run_id`, if any.
 pub(super) fn attached_key(node: &SimNode, conn: ConnId, run_id: RunId) -> Option<RunKey> {
     node.durable
@@ -207,9 +214,12 @@ impl World {
             ProviderEvent::Progress(_) => Some(RunEventKind::TextDelta(format!("tok{token}"))),
             ProviderEvent::Returned(_) => None,
         };
-        let attached = run
-            .attached
-            .filter(|(conn, _)| matches!(&self.nodes[node].link, super::Link::Connected(nc) if nc.conn == *conn));
+        let attached = run.attached.filter(|(conn, _)| {
+            self.nodes[node]
+                .link
+                .iter()
+                .any(|l| matches!(l, super::Link::Connected(nc) if nc.conn == *conn))
+        });
         match attached {
             Some((conn, run_id)) => {
                 let returned = matches!(event, ProviderEvent::Returned(_));
@@ -217,7 +227,7 @@ impl World {
                     return;
                 };
                 if returned {
-                    self.checker.provider_returned(conn, run_id);
+                    self.checkers[self.cur].provider_returned(conn, run_id);
                 }
                 match emission {
                     Emission::Forward => {
@@ -332,14 +342,14 @@ impl World {
         let Some((conn, run_id)) = run.attached else {
             return;
         };
-        let Some(nc) = nconn(&mut self.nodes, node).filter(|nc| nc.conn == conn) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur).filter(|nc| nc.conn == conn) else {
             return;
         };
         // The durable run task reports its dropped call, as `iop-node`'s
         // does.
         nc.link
             .handle_input(now, NodeLinkInput::ProviderDropped { run_id });
-        self.checker.provider_returned(conn, run_id);
+        self.checkers[self.cur].provider_returned(conn, run_id);
         self.drain_node_link(node);
     }
 
@@ -457,7 +467,7 @@ impl World {
             .map(|d| now.saturating_add(d));
         let ended = run.park.summary().ended;
         let target = run.target.clone();
-        let Some(nc) = nconn(&mut self.nodes, node) else {
+        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
             return;
         };
         nc.link.handle_input(
@@ -479,9 +489,17 @@ impl World {
             return reset(self);
         }
         self.stats.node_adoptions += 1;
+        let epoch = self
+            .journal
+            .record(&request.response_id)
+            .map_or(0, |r| r.meta.epoch);
+        let edge_id = self.edge_id(self.cur);
+        let mut attached = false;
         if let Some(run) = self.nodes[node].durable.get_mut(&key) {
+            attached = run.attached.is_some();
             run.attached = Some((conn, run_id));
         }
+        self.checkers[0].parked_run_adopted(&request.response_id, epoch, &edge_id, attached);
         let verbatim = self.bugs.contains(&super::Bug::ReplayStaleEvidence);
         for (_, kind) in replay {
             // The old connection's health evidence does not travel: the
@@ -517,7 +535,7 @@ impl World {
 
     /// The node stream of `run_id` on `conn` was reset by the node.
     pub(super) fn edge_run_reset(&mut self, conn: ConnId, run_id: RunId) {
-        let Some(edge) = &mut self.edge else {
+        let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let Some(c) = edge.conns.get_mut(&conn) else {
@@ -540,7 +558,7 @@ impl World {
     /// to the request waiting for it, or to the custody (`Durable::offer`).
     pub(super) fn parked_offers(&mut self, incarnation: u64, offers: Vec<ParkedOffer>) {
         for offer in offers {
-            if self.edge.as_ref().map(|e| e.incarnation) != Some(incarnation) {
+            if self.edges[self.cur].as_ref().map(|e| e.incarnation) != Some(incarnation) {
                 return;
             }
             self.offer_parked(incarnation, offer);
@@ -550,7 +568,7 @@ impl World {
     fn offer_parked(&mut self, incarnation: u64, offer: ParkedOffer) {
         let key = offer.run.key;
         let record = offer.run.response_id.as_str();
-        let Some(edge) = &self.edge else {
+        let Some(edge) = &self.edges[self.cur] else {
             return;
         };
         let waiting = edge
