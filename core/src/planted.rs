@@ -400,6 +400,8 @@ mod tests {
                         | PlantedBug::TakeoverWithoutRaise
                         | PlantedBug::ResumeFromZero
                         | PlantedBug::ReplaySkipsAFrame
+                        | PlantedBug::AdoptWithoutOwnerWait
+                        | PlantedBug::RenewingLeaseExpired
                 )
             );
         }

@@ -1172,10 +1172,20 @@ impl World {
             if self.step - drain_start > MAX_DRAIN_STEPS {
                 self.checkers_at();
                 let open = self.open_requests();
+                // What still keeps the world from settling.
+                let why = format!(
+                    "{open} requests open, {} checks pending, {} Edges down, journal busy: {}, \
+                     records open beyond orphans: {}, followers waiting: {}",
+                    self.checks_pending,
+                    self.edges.iter().filter(|e| e.is_none()).count(),
+                    self.journal.is_busy(),
+                    !self.only_orphans_open(),
+                    !self.followers_done(),
+                );
                 self.checkers[self.cur].fail(
                     "liveness-drain",
                     format!(
-                        "the world did not settle within {MAX_DRAIN_STEPS} drain steps ({open} requests open)"
+                        "the world did not settle within {MAX_DRAIN_STEPS} drain steps ({why})"
                     ),
                 );
                 return Err(self.violation().unwrap_or_else(unreachable_violation));
