@@ -121,6 +121,10 @@ models = [{model_list}]
     let node = iop_node::RunningNode::start(node_config);
     let http = edge.http_addr;
 
+    // SIGINT is ours from now on: a Ctrl-C right after the banner stops
+    // the demo gracefully instead of killing it.
+    #[cfg(unix)]
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     // Wait until the node is ready so the printed curl works at once.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while node.generation().is_none() && tokio::time::Instant::now() < deadline {
@@ -157,6 +161,12 @@ models = [{model_list}]
     println!();
     println!("Ctrl-C to stop.");
 
+    #[cfg(unix)]
+    tokio::select! {
+        _ = interrupt.recv() => {}
+        () = iop_transport::signals::shutdown_signal() => {}
+    }
+    #[cfg(not(unix))]
     iop_transport::signals::shutdown_signal().await;
     eprintln!("stopping");
     let _ = node.shutdown().await;
