@@ -1175,12 +1175,12 @@ impl World {
                 // What still keeps the world from settling.
                 let why = format!(
                     "{open} requests open, {} checks pending, {} Edges down, journal busy: {}, \
-                     records open beyond orphans: {}, followers waiting: {}",
+                     records open beyond orphans: {}, a follower waiting: {:?}",
                     self.checks_pending,
                     self.edges.iter().filter(|e| e.is_none()).count(),
                     self.journal.is_busy(),
                     !self.only_orphans_open(),
-                    !self.followers_done(),
+                    self.waiting_follower(),
                 );
                 self.checkers[self.cur].fail(
                     "liveness-drain",

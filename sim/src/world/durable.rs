@@ -684,6 +684,23 @@ impl World {
         }
     }
 
+    /// The first record a durable client still follows, with what the
+    /// store holds of it (for a liveness failure's message).
+    pub(super) fn waiting_follower(&self) -> Option<String> {
+        let (record, client) = self.durable_clients.iter().find(|(record, c)| {
+            matches!(c.state, ClientState::Following { .. }) && !self.orphans.contains(*record)
+        })?;
+        Some(match self.journal.record(record) {
+            Some(stored) => format!(
+                "{record} (seen {}, stored {}, terminal {:?})",
+                client.received,
+                stored.meta.last_seq,
+                stored.meta.terminal.as_ref().map(|t| t.status)
+            ),
+            None => format!("{record} (seen {}, not in the store)", client.received),
+        })
+    }
+
     /// Whether no durable client is still following a record (but one its
     /// request left open, which never ends).
     pub(super) fn followers_done(&self) -> bool {
