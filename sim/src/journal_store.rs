@@ -238,6 +238,9 @@ pub struct CrashOutcome {
     /// Writes of the running sync that became durable at the crash without
     /// an answer.
     pub durable_unacked: usize,
+    /// The records those writes touched (followers on other Edges read
+    /// the shared store: they see them).
+    pub touched: Vec<String>,
     /// Writes that never became durable (the world may replay some as
     /// zombies).
     pub lost: Vec<PendingWrite>,
@@ -423,6 +426,7 @@ impl SimJournal {
                 self.stats.syncs += 1;
                 for (_, write) in batch {
                     self.apply(&write, now_unix_ms, false);
+                    outcome.touched.push(write.op.record_id().to_owned());
                 }
             } else {
                 outcome.lost.extend(batch.into_iter().map(|(_, w)| w));

@@ -299,6 +299,9 @@ impl World {
         if self.edges.len() > 1 {
             self.journal_owner_lost();
         }
+        // Writes that became durable at the crash, unanswered: followers on
+        // other Edges read the shared store and see them.
+        let mut touched = BTreeSet::new();
         if self.journal.is_busy() {
             let survives = match sync_completed {
                 Some(completed) => completed,
@@ -307,6 +310,7 @@ impl World {
             let now_unix = self.unix_ms();
             let outcome = self.journal.crash(self.cur, survives, now_unix);
             self.stats.journal_unacked += outcome.durable_unacked as u64;
+            touched.extend(outcome.touched.iter().cloned());
             self.stats.journal_lost += outcome.lost.len() as u64;
             let p = self.cfg.journal;
             for write in outcome.lost {
@@ -338,6 +342,7 @@ impl World {
         for id in gone {
             self.client_away(&id);
         }
+        self.notify_followers(&touched);
     }
 
     // ---- Durable requests -----------------------------------------------------
