@@ -32,7 +32,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use iop_core::edge::limits::{
-    CloseReason, ConnAdmission, ConnId, ConnLimits, ConnStep, Connections, RefusedBy,
+    CloseReason, ConnAdmission, ConnId, ConnLimits, ConnStep, Connections, RefusedBy, SourceAddr,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
@@ -259,7 +259,7 @@ pub async fn serve(
             },
         };
         let now = shared.clock.now();
-        let admitted = shared.with(|r| match r.connections.admit(peer.ip(), now) {
+        let admitted = shared.with(|r| match r.connections.admit(source_addr(peer.ip()), now) {
             ConnAdmission::Refused(by) => Err(by),
             ConnAdmission::Admitted { id, evict } => {
                 if let Some(victim) = evict.and_then(|v| r.signals.get(&v)) {
@@ -401,6 +401,15 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
+/// The socket's address as R-LIM-1 counts it (IPv4 in its IPv6-mapped
+/// form, so one host is one source whichever family it came in on).
+fn source_addr(ip: std::net::IpAddr) -> SourceAddr {
+    SourceAddr(match ip.to_canonical() {
+        std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        std::net::IpAddr::V6(v6) => v6.octets(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,7 +458,7 @@ mod tests {
                 signals: HashMap::new(),
             }),
         });
-        let source = std::net::IpAddr::from([127, 0, 0, 1]);
+        let source = source_addr(std::net::IpAddr::from([127, 0, 0, 1]));
         let now = shared.clock.now();
         let ConnAdmission::Admitted { id, .. } = shared.with(|r| r.connections.admit(source, now))
         else {

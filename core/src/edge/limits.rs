@@ -59,10 +59,15 @@
 //! tree, holds the semaphores and times the read.
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::IpAddr;
 use std::time::Duration;
 
 use crate::time::Instant;
+
+/// A client's source address as R-LIM-1 counts it: its 16 bytes (an IPv4
+/// address in its IPv6-mapped form), a plain value the shell takes from
+/// the socket, so this module needs no network type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceAddr(pub [u8; 16]);
 
 /// The time and count limits of client connections (R-LIM-1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -179,7 +184,7 @@ pub enum ConnStep {
 /// One open connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Conn {
-    source: IpAddr,
+    source: SourceAddr,
     accepted_at: Instant,
     /// Requests whose response has not finished.
     in_flight: usize,
@@ -242,7 +247,7 @@ pub struct Connections {
     /// Connections counted against the cap: open and not evicted.
     counted: usize,
     /// Counted connections per source address; no zero entries.
-    per_source: HashMap<IpAddr, usize>,
+    per_source: HashMap<SourceAddr, usize>,
     next_id: u64,
 }
 
@@ -266,7 +271,7 @@ impl Connections {
     /// Admit a connection from `source` accepted at `now`, evicting an
     /// idle one to make room when the cap or the source's share is
     /// reached; refused when every candidate is busy (R-LIM-1).
-    pub fn admit(&mut self, source: IpAddr, now: Instant) -> ConnAdmission {
+    pub fn admit(&mut self, source: SourceAddr, now: Instant) -> ConnAdmission {
         let held = self.per_source.get(&source).copied().unwrap_or(0);
         let evict = if held >= self.limits.max_connections_per_source {
             // Over its share, a source displaces only its own.
@@ -308,7 +313,7 @@ impl Connections {
     /// The connection to evict for a newcomer: the oldest idle one that
     /// never sent a request, else the oldest idle keep-alive one (from
     /// `source` only, when given). Never a busy or an already evicted one.
-    fn idle_victim(&self, source: Option<IpAddr>) -> Option<ConnId> {
+    fn idle_victim(&self, source: Option<SourceAddr>) -> Option<ConnId> {
         let candidates = || {
             self.conns.iter().filter(move |(_, c)| {
                 !c.evicted && c.is_idle() && source.is_none_or(|s| c.source == s)
@@ -333,7 +338,7 @@ impl Connections {
         self.uncount(source);
     }
 
-    fn uncount(&mut self, source: IpAddr) {
+    fn uncount(&mut self, source: SourceAddr) {
         self.counted = self.counted.saturating_sub(1);
         if let Some(n) = self.per_source.get_mut(&source) {
             *n = n.saturating_sub(1);

@@ -1,10 +1,9 @@
-use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use super::*;
 
-const A: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
-const B: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2));
+const A: SourceAddr = SourceAddr([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 1]);
+const B: SourceAddr = SourceAddr([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 2]);
 const T0: Instant = Instant::from_millis(1_000);
 
 /// One microsecond before `at`: the last moment a deadline has not passed.
@@ -31,7 +30,7 @@ fn limits(cap: usize, share: usize) -> ConnLimits {
 }
 
 #[track_caller]
-fn admitted(c: &mut Connections, source: IpAddr, now: Instant) -> (ConnId, Option<ConnId>) {
+fn admitted(c: &mut Connections, source: SourceAddr, now: Instant) -> (ConnId, Option<ConnId>) {
     match c.admit(source, now) {
         ConnAdmission::Admitted { id, evict } => (id, evict),
         ConnAdmission::Refused(by) => panic!("refused by {by:?}"),
@@ -40,7 +39,7 @@ fn admitted(c: &mut Connections, source: IpAddr, now: Instant) -> (ConnId, Optio
 
 /// Admitted with nobody evicted.
 #[track_caller]
-fn fresh(c: &mut Connections, source: IpAddr) -> ConnId {
+fn fresh(c: &mut Connections, source: SourceAddr) -> ConnId {
     let (id, evict) = admitted(c, source, T0);
     assert_eq!(evict, None);
     id
@@ -52,7 +51,7 @@ fn serve_one(c: &mut Connections, id: ConnId, at: Instant) {
     c.request_ended(id, at);
 }
 
-fn counted_of(c: &Connections, source: IpAddr) -> usize {
+fn counted_of(c: &Connections, source: SourceAddr) -> usize {
     c.per_source.get(&source).copied().unwrap_or(0)
 }
 
