@@ -670,6 +670,29 @@ impl Tenants {
         })
     }
 
+    /// The tighter of a key's and its principal's `meter` this minute (the
+    /// one with less left), for the `x-ratelimit-*` headers (R-TEN-1).
+    pub fn tighter_rate(
+        &self,
+        request: &AdmitRequest,
+        meter: Meter,
+        limit: fn(&Limits) -> Option<u64>,
+    ) -> Option<RateState> {
+        [
+            (
+                Subject::Key(request.key.clone()),
+                limit(&request.key_limits),
+            ),
+            (
+                Subject::Principal(request.principal.clone()),
+                limit(&request.principal_limits),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(s, l)| self.rate_state(&s, meter, l, request.unix_ms))
+        .min_by_key(|s| s.remaining)
+    }
+
     /// Feed one input at `now`; drain [`Self::poll_output`] after.
     pub fn handle_input(&mut self, now: Instant, input: TenantsInput) {
         match input {

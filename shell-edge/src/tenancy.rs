@@ -160,17 +160,9 @@ impl Tenancy {
         // The tighter of the key's and the principal's, as this Edge
         // knows them.
         let state = |meter: Meter, limit: fn(&Limits) -> Option<u64>| {
-            [
-                (Subject::Key(key_id.to_owned()), limit(key_limits)),
-                (
-                    Subject::Principal(principal.to_owned()),
-                    limit(principal_limits),
-                ),
-            ]
-            .into_iter()
-            .filter_map(|(s, l)| machine.rate_state(&s, meter, l, unix_ms))
-            .min_by_key(|s| s.remaining)
-            .map(|s| (s.limit, s.remaining, s.reset_ms))
+            machine
+                .tighter_rate(&request, meter, limit)
+                .map(|s| (s.limit, s.remaining, s.reset_ms))
         };
         let headers = RateHeaders {
             requests: state(Meter::Requests, |l| l.requests_per_minute),
@@ -206,9 +198,26 @@ impl Tenancy {
         self.drain(&mut machine);
     }
 
-    /// Answer the machine's claims from this Edge's counters.
+    /// Answer the machine's claims from this Edge's counters. Counters of
+    /// windows that are over are dropped, so the store holds the current
+    /// windows only (bounded by the configured keys and principals).
     fn drain(&self, machine: &mut Tenants) {
         let now = self.clock.now();
+        let unix_ms = iop_transport::clock::unix_ms();
+        {
+            let mut claimed = self.claimed.lock().unwrap_or_else(|e| e.into_inner());
+            claimed.retain(|key, _| match key.meter {
+                Meter::Requests | Meter::Tokens => {
+                    key.window_unix_ms + 2 * iop_core::tenant::MINUTE_MS > unix_ms
+                }
+                // A budget in total has window 0 and is kept; a day's or a
+                // month's until it is over.
+                Meter::Spend => {
+                    key.window_unix_ms == 0
+                        || key.window_unix_ms + 31 * iop_core::tenant::DAY_MS > unix_ms
+                }
+            });
+        }
         while let Some(TenantsOutput::Claim {
             counter,
             amount,
