@@ -105,11 +105,16 @@ pub enum PlantedBug {
     /// (`LeaseView::state`), so a peer takes over the records of an Edge
     /// that lives.
     RenewingLeaseExpired,
+    /// R-SEQ-1, R-OVL-2: a node replays a parked run's stall terminal
+    /// verbatim on the adopting connection (`RunFrame::replayed`), with
+    /// the observation sequence number and evidence of the connection it
+    /// was produced on.
+    ReplayStaleEvidence,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 19] = [
+    pub const ALL: [PlantedBug; 20] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -129,6 +134,7 @@ impl PlantedBug {
         PlantedBug::KeepLostConnection,
         PlantedBug::AdoptWithoutOwnerWait,
         PlantedBug::RenewingLeaseExpired,
+        PlantedBug::ReplayStaleEvidence,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -158,6 +164,7 @@ impl PlantedBug {
                 | PlantedBug::ReplaySkipsAFrame
                 | PlantedBug::AdoptWithoutOwnerWait
                 | PlantedBug::RenewingLeaseExpired
+                | PlantedBug::ReplayStaleEvidence
         )
     }
 
@@ -183,6 +190,7 @@ impl PlantedBug {
             PlantedBug::KeepLostConnection => "keep-lost-connection",
             PlantedBug::AdoptWithoutOwnerWait => "adopt-without-owner-wait",
             PlantedBug::RenewingLeaseExpired => "renewing-lease-expired",
+            PlantedBug::ReplayStaleEvidence => "replay-stale-evidence",
         }
     }
 

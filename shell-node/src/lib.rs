@@ -12,7 +12,6 @@ pub mod error;
 pub mod link;
 pub mod metrics;
 pub mod mock;
-pub mod park;
 pub mod parking;
 pub mod run;
 pub mod state;

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use iop_core::node::capacity::ParkedRuns;
-use iop_core::node::park::{ParkState, ReportScope, RunPark, parked_capacity, select_reports};
-use iop_wire::{ParkedRun, RunEventKind, RunKey};
+use iop_core::node::park::{ParkState, ParkSummary, ReportScope, parked_capacity, select_reports};
+use iop_wire::{ParkedRun, RunKey};
 use tokio::sync::mpsc;
 
 use crate::control::{Attach, RunControl};
@@ -86,12 +86,11 @@ impl ParkingLot {
         self.runs().insert(key, entry);
     }
 
-    pub(crate) fn update(&self, key: &LotKey, park: &RunPark<RunEventKind>) {
+    pub(crate) fn update(&self, key: &LotKey, state: ParkState, summary: ParkSummary) {
         let mut runs = self.runs();
         if let Some(entry) = runs.get_mut(key) {
-            let summary = park.summary();
             let was_parked = matches!(entry.state, ParkState::Parked { .. });
-            entry.state = park.state();
+            entry.state = state;
             if !was_parked && matches!(entry.state, ParkState::Parked { .. }) {
                 self.parked_changed.send_modify(|n| *n = n.wrapping_add(1));
             }

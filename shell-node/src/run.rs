@@ -1,33 +1,42 @@
-//! One task per data stream: a normalized run, a raw tunnel or a command.
+//! One task per data stream: a normalized run, a raw tunnel, a durable run
+//! or a command.
 //!
-//! A handler never decides liveness: every provider output is classified
-//! and offered to the link's watchdog, and only what the watchdog forwards
-//! reaches the Edge (R-WD-1, R-WD-6). The watchdog's own terminals (stall,
-//! deadline, cancel) arrive on the handler's control channel; its
-//! `CancelProvider` drops the provider call at once (R-WD-2).
+//! Every run's rules are `iop_core::node::run::NodeRun`'s: the start order
+//! (stall timeout, target, admission, lease, call), a refusal's whole
+//! failure, the watchdog's verdicts (every provider output is offered to
+//! the link's watchdog and only what it lets through reaches the Edge,
+//! R-WD-1, R-WD-6), a missing terminal, and for a durable run its park,
+//! detach, adoption and replay (R-PARK-1, R-PARK-2). This task carries its
+//! outputs out on the stream, the provider call and the link, and feeds
+//! back what happened. A durable run outlives its connection: it runs in a
+//! task of its own, registered in the node's
+//! [`ParkingLot`](crate::parking::ParkingLot) so a later connection can
+//! adopt it.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
+use iop_core::node::park::EdgeSignal;
 use iop_core::node::probe::capabilities_probe;
-use iop_core::node::provider::ProviderCallError;
-use iop_core::node::watchdog::{
-    Emission, ProviderEvent, RunKind, RunTerminal, effective_deadline, effective_stall_timeout,
+use iop_core::node::run::{
+    Adoption, LinkAsk, NodeRun, NodeRunInput, NodeRunOutput, ParkTerms, RunFrame, RunSpec,
 };
+use iop_core::node::watchdog::RunKind;
+use iop_transport::clock::Clock;
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend};
 use iop_transport::traces::{Kind, TraceSpan};
 use iop_wire::{
-    CapabilitiesReport, Command, CommandKind, CommandResult, CommandResultBody, DataRequest,
-    ExecutionFailure, FailureCode, ProviderTunnelFrame, RunEvent, RunEventKind, StreamErrorCode,
-    TargetHealth, Usage,
+    AdapterKind, CapabilitiesReport, Command, CommandKind, CommandResult, CommandResultBody,
+    DataRequest, ExecutionFailure, FailureCode, ParkedRun, ProviderTunnelFrame, RunEvent,
+    RunEventKind, RunKey, RunStreamFrame, StreamErrorCode, TargetHealth,
 };
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::control::{LinkMsg, LinkTx, RunControl};
-use crate::metrics::RunSpan;
+use crate::control::{Attach, LinkMsg, LinkTx, RunControl};
+use crate::metrics::{RunRecord, RunSpan};
+use crate::parking::{LotKey, ParkEntry};
 use crate::state::LinkShared;
 
 /// Serve one data stream opened by the Edge.
@@ -60,20 +69,74 @@ pub async fn serve_stream(
             return;
         }
     };
+    let attached = Attached {
+        send,
+        recv,
+        link,
+        conn,
+        run_id: 0,
+        edge_done: false,
+    };
     match request {
-        DataRequest::Run(mut req) if req.park.is_some() => {
-            // A durable run outlives this connection (R-PARK-1): it runs in
-            // a task of its own, not in the link's.
-            if let Some(park) = req.park.take() {
-                tokio::spawn(crate::park::run_durable(
-                    send, recv, link, conn, shared, req, park, generation,
-                ));
+        DataRequest::Run(mut req) => {
+            let park = req.park.take();
+            let span = shared.metrics.run_span("normalized", req.trace_context);
+            let adapter = shared.adapter(req.adapter, &req.target).cloned();
+            let durable = park.as_ref().map(|p| {
+                (
+                    (
+                        RunKey {
+                            generation,
+                            run_id: req.run_id,
+                        },
+                        p.response_id.clone(),
+                    ),
+                    ParkTerms {
+                        grace_ms: p.grace_ms,
+                        max_kept_bytes: shared.park_buffer_bytes,
+                    },
+                )
+            });
+            let task = RunTask {
+                spec: RunSpec {
+                    run_id: req.run_id,
+                    kind: RunKind::Normalized,
+                    stall_timeout_ms: req.response_stall_timeout_ms,
+                    deadline_ms: req.deadline_ms,
+                    target_known: adapter.is_some(),
+                    carries_lease: req.credential_lease.is_some(),
+                    park: durable.as_ref().map(|(_, terms)| *terms),
+                },
+                lease: req.credential_lease.take(),
+                route: Some(req.model.clone()),
+                adapter,
+                lot_key: durable.map(|(key, _)| key),
+                span,
+            };
+            let run = task.run(
+                Arc::clone(&shared),
+                attached,
+                move |a: &crate::adapter::Adapter, auth| a.run(req, auth),
+            );
+            if run.durable {
+                // A durable run outlives this connection (R-PARK-1): it
+                // runs in a task of its own, not in the link's.
+                tokio::spawn(run.fut);
+            } else {
+                run.fut.await;
             }
         }
         DataRequest::Adopt(request) => {
             let key = request.key;
             let response_id = request.response_id.clone();
-            let attach = crate::control::Attach {
+            let Attached {
+                send,
+                recv,
+                link,
+                conn,
+                ..
+            } = attached;
+            let attach = Attach {
                 send,
                 recv,
                 link,
@@ -86,457 +149,109 @@ pub async fn serve_stream(
                 tracing::info!(event = "node_adoption_unknown_run", run_id = key.run_id);
             }
         }
-        DataRequest::Run(req) => {
-            let span = shared.metrics.run_span("normalized", req.trace_context);
-            let run_id = req.run_id;
-            let stall = req.response_stall_timeout_ms;
-            let deadline = effective_deadline(req.deadline_ms);
-            let adapter = shared.adapter(req.adapter, &req.target).cloned();
-            let sink = RunSink { run_id };
-            let mut req = req;
-            let credential = Credential {
-                lease: req.credential_lease.take(),
-                route: Some(req.model.clone()),
-            };
-            execute(
-                &mut send,
-                recv,
-                &link,
-                &shared.metrics,
-                run_id,
-                RunKind::Normalized,
-                stall,
-                deadline,
-                adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
-                credential,
-                move |a, auth| a.run(req, auth),
-                sink,
-                span,
-            )
-            .await;
-        }
-        DataRequest::Tunnel(req) => {
+        DataRequest::Tunnel(mut req) => {
             let span = shared.metrics.run_span("tunnel", req.trace_context);
-            let run_id = req.run_id;
-            let stall = req.response_stall_timeout_ms;
-            let deadline = effective_deadline(req.deadline_ms);
             let adapter = shared.adapter(req.adapter, &req.target).cloned();
-            let mut req = req;
-            let credential = Credential {
+            let task = RunTask {
+                spec: RunSpec {
+                    run_id: req.run_id,
+                    kind: RunKind::Tunnel,
+                    stall_timeout_ms: req.response_stall_timeout_ms,
+                    deadline_ms: req.deadline_ms,
+                    target_known: adapter.is_some(),
+                    carries_lease: req.credential_lease.is_some(),
+                    park: None,
+                },
                 lease: req.credential_lease.take(),
                 route: None,
-            };
-            execute(
-                &mut send,
-                recv,
-                &link,
-                &shared.metrics,
-                run_id,
-                RunKind::Tunnel,
-                stall,
-                deadline,
-                adapter.map(|a| (a.kind(), a.target().to_owned(), a)),
-                credential,
-                move |a, auth| a.tunnel(req, auth),
-                TunnelSink,
+                adapter,
+                lot_key: None,
                 span,
+            };
+            task.run(
+                Arc::clone(&shared),
+                attached,
+                move |a: &crate::adapter::Adapter, auth| a.tunnel(req, auth),
             )
+            .fut
             .await;
         }
-        DataRequest::Command(cmd) => command(&mut send, cmd, &link, &shared).await,
+        DataRequest::Command(cmd) => {
+            let Attached { mut send, link, .. } = attached;
+            command(&mut send, cmd, &link, &shared).await;
+        }
     }
 }
 
-/// A run's sealed credential lease and what the node can bind it to.
-struct Credential {
-    lease: Option<Vec<u8>>,
-    route: Option<String>,
+/// A run's task, ready to be awaited or spawned.
+struct Started {
+    durable: bool,
+    fut: futures::future::BoxFuture<'static, ()>,
 }
 
-/// How a stream's frames are shaped: run events or tunnel frames.
-trait Sink {
-    type Item: Send + 'static;
-    type Frame: Serialize;
-    fn event(item: &Self::Item) -> ProviderEvent;
-    fn frame(&self, item: Self::Item) -> Self::Frame;
-    fn failure(&self, failure: ExecutionFailure) -> Self::Frame;
-    fn is_terminal(item: &Self::Item) -> bool;
-    /// Content bytes relayed by `item` (text, tool-call arguments, body).
-    fn content_bytes(item: &Self::Item) -> u64;
-    /// Usage `item` reports.
-    fn usage(item: &Self::Item) -> Option<Usage>;
-    /// The failure code of a terminal `item` (`None`: success or not
-    /// terminal).
-    fn failure_code(item: &Self::Item) -> Option<FailureCode>;
-    /// The failure a terminal `item` carries, to be sanitized by core.
-    fn failure_mut(item: &mut Self::Item) -> Option<&mut ExecutionFailure>;
+/// A frame type as it goes on the wire.
+trait WireFrame: RunFrame + Send + Sync + 'static {
+    /// The frame written on the stream.
+    type Wire: Serialize + Send + Sync;
+    /// `self` as run `run_id` writes it.
+    fn wire(self, run_id: u64) -> Self::Wire;
 }
 
-struct RunSink {
+impl WireFrame for RunEventKind {
+    type Wire = RunEvent;
+    fn wire(self, run_id: u64) -> RunEvent {
+        RunEvent { run_id, kind: self }
+    }
+}
+
+impl WireFrame for ProviderTunnelFrame {
+    type Wire = ProviderTunnelFrame;
+    fn wire(self, _: u64) -> ProviderTunnelFrame {
+        self
+    }
+}
+
+/// The stream a run is on, and its connection.
+struct Attached {
+    send: FramedSend,
+    recv: FramedRecv,
+    link: LinkTx,
+    conn: quinn::Connection,
+    /// The run's id on this connection.
     run_id: u64,
+    /// The Edge's side ended: nothing more is read from it.
+    edge_done: bool,
 }
 
-impl Sink for RunSink {
-    type Item = RunEventKind;
-    type Frame = RunEvent;
-    fn event(item: &RunEventKind) -> ProviderEvent {
-        ProviderEvent::from_run_event(item)
-    }
-    fn frame(&self, kind: RunEventKind) -> RunEvent {
-        RunEvent {
-            run_id: self.run_id,
-            kind,
-        }
-    }
-    fn failure(&self, failure: ExecutionFailure) -> RunEvent {
-        self.frame(RunEventKind::Failed(failure))
-    }
-    fn is_terminal(item: &RunEventKind) -> bool {
-        item.is_terminal()
-    }
-    fn content_bytes(item: &RunEventKind) -> u64 {
-        match item {
-            RunEventKind::TextDelta(t) => t.len() as u64,
-            RunEventKind::ToolCallDelta(d) => d.arguments_delta.len().max(1) as u64,
-            _ => 0,
-        }
-    }
-    fn usage(item: &RunEventKind) -> Option<Usage> {
-        match item {
-            RunEventKind::Usage(u) => Some(*u),
-            RunEventKind::Completed { usage, .. } => *usage,
-            _ => None,
-        }
-    }
-    fn failure_code(item: &RunEventKind) -> Option<FailureCode> {
-        match item {
-            RunEventKind::Failed(f) => Some(f.code),
-            _ => None,
-        }
-    }
-    fn failure_mut(item: &mut RunEventKind) -> Option<&mut ExecutionFailure> {
-        match item {
-            RunEventKind::Failed(f) => Some(f),
-            _ => None,
-        }
-    }
+/// What the Edge's side of a stream said.
+enum EdgeSaid {
+    Ack(u64),
+    /// The side ended; the core decides what that means for the run.
+    Ended(EdgeSignal),
 }
 
-struct TunnelSink;
-
-impl Sink for TunnelSink {
-    type Item = ProviderTunnelFrame;
-    type Frame = ProviderTunnelFrame;
-    fn event(item: &ProviderTunnelFrame) -> ProviderEvent {
-        ProviderEvent::from_tunnel_frame(item)
-    }
-    fn frame(&self, item: ProviderTunnelFrame) -> ProviderTunnelFrame {
-        item
-    }
-    fn failure(&self, failure: ExecutionFailure) -> ProviderTunnelFrame {
-        ProviderTunnelFrame::Failure(failure)
-    }
-    fn is_terminal(item: &ProviderTunnelFrame) -> bool {
-        item.is_terminal()
-    }
-    fn content_bytes(item: &ProviderTunnelFrame) -> u64 {
-        match item {
-            ProviderTunnelFrame::Body(b) => b.len() as u64,
-            _ => 0,
-        }
-    }
-    fn usage(_: &ProviderTunnelFrame) -> Option<Usage> {
-        // A tunnel relays the provider's bytes unparsed.
-        None
-    }
-    fn failure_code(item: &ProviderTunnelFrame) -> Option<FailureCode> {
-        match item {
-            ProviderTunnelFrame::Failure(f) => Some(f.code),
-            _ => None,
-        }
-    }
-    fn failure_mut(item: &mut ProviderTunnelFrame) -> Option<&mut ExecutionFailure> {
-        match item {
-            ProviderTunnelFrame::Failure(f) => Some(f),
-            _ => None,
-        }
-    }
-}
-
-async fn write_terminal<S: Sink>(send: &mut FramedSend, sink: &S, failure: ExecutionFailure) {
-    let _ = send.send(&sink.failure(failure)).await;
-    let _ = send.finish();
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn execute<S, F>(
-    send: &mut FramedSend,
-    mut recv: FramedRecv,
-    link: &LinkTx,
+/// Wait for the Edge's side, forever when there is no stream or it ended.
+/// A transport error is only classified here.
+async fn next_said(
+    attached: &mut Option<Attached>,
     metrics: &crate::metrics::NodeMetrics,
-    run_id: u64,
-    kind: RunKind,
-    stall_timeout_ms: u64,
-    deadline: Option<Duration>,
-    adapter: Option<(iop_wire::AdapterKind, String, crate::adapter::Adapter)>,
-    credential: Credential,
-    start: F,
-    sink: S,
-    span: TraceSpan,
-) where
-    S: Sink,
-    F: FnOnce(&crate::adapter::Adapter, Option<String>) -> BoxStream<'static, S::Item>,
-{
-    // Validated before any adapter is called (R-WD, SPEC §3).
-    let stall_timeout = match effective_stall_timeout(stall_timeout_ms) {
-        Ok(d) => d,
-        Err(e) => return write_terminal(send, &sink, e.failure()).await,
+) -> EdgeSaid {
+    let Some(a) = attached.as_mut().filter(|a| !a.edge_done) else {
+        return std::future::pending().await;
     };
-    let Some((adapter_kind, target, adapter)) = adapter else {
-        span.fail(FailureCode::UnknownTarget.as_str());
-        return write_terminal(
-            send,
-            &sink,
-            ExecutionFailure::new(FailureCode::UnknownTarget),
-        )
-        .await;
-    };
-    span.set("iop.adapter", adapter_kind.as_str());
-    span.set_configured("iop.target", &target);
-    let kind_label = match kind {
-        RunKind::Normalized => "normalized",
-        RunKind::Tunnel => "tunnel",
-    };
-    let mut record = crate::metrics::RunRecord::new(metrics, adapter_kind, &target, kind_label);
-    let run = RunSpan(span);
-    let (control_tx, mut control) = mpsc::unbounded_channel();
-    let admitted = link
-        .ask(|reply| LinkMsg::Start {
-            run_id,
-            kind,
-            stall_timeout,
-            deadline,
-            adapter: adapter_kind,
-            target: target.clone(),
-            carries_lease: credential.lease.is_some(),
-            adopted: false,
-            control: control_tx,
-            reply,
-        })
-        .await;
-    match admitted {
-        Some(Ok(())) => {}
-        // Past the concurrent-run limit: no provider is called, so another
-        // provider may take the request (R-FAIL-1).
-        Some(Err(code)) => {
-            record.finish(Some(code));
-            run.end(&record);
-            let mut failure = ExecutionFailure::new(code);
-            failure.retryable = iop_core::retry::class_may_fail_over(code, None);
-            return write_terminal(send, &sink, failure).await;
-        }
-        None => return,
-    }
-
-    // R-CRED-2: the lease is opened only now, after capacity admission and
-    // right before the provider call; R-CRED-3: any refusal ends the run
-    // with `credential_rejected`, no provider call, no fallback credential.
-    let opened = link
-        .ask(|reply| LinkMsg::OpenLease {
-            run_id,
-            adapter: adapter_kind,
-            target,
-            route: credential.route,
-            lease: credential.lease,
-            reply,
-        })
-        .await;
-    let auth: Result<Option<String>, ()> = match opened {
-        Some(Ok(None)) => Ok(None),
-        // Only this one call sees it; `secret` is wiped when dropped here.
-        Some(Ok(Some(secret))) => std::str::from_utf8(secret.expose_secret())
-            .map(|text| Some(text.to_owned()))
-            .map_err(|_| ()),
-        Some(Err(_)) => Err(()),
-        None => return,
-    };
-    let auth = match auth {
-        Ok(auth) => auth,
-        Err(()) => {
-            record.finish(Some(FailureCode::CredentialRejected));
-            let failure = ExecutionFailure::new(FailureCode::CredentialRejected);
-            let event = ProviderEvent::Returned(iop_core::node::watchdog::ProviderOutcome::Failed(
-                failure.clone(),
-            ));
-            if let Some(Emission::Forward) =
-                offer::<S>(link, run_id, &sink.failure(failure.clone()), event).await
-            {
-                write_terminal(send, &sink, failure).await;
-            }
-            link.tell(LinkMsg::Finished { run_id }).await;
-            run.end(&record);
-            return;
+    let said = match a.recv.recv::<RunStreamFrame>().await {
+        Ok(Some(RunStreamFrame::Ack { through_frame })) => return EdgeSaid::Ack(through_frame),
+        Ok(None) => EdgeSignal::Finished,
+        Err(FramedError::ResetByPeer { .. }) => EdgeSignal::Reset,
+        Err(FramedError::StoppedByPeer { .. }) => EdgeSignal::Stopped,
+        Err(FramedError::ConnectionLost { .. }) => EdgeSignal::ConnectionLost,
+        Err(e) => {
+            metrics.wire_error(&e);
+            EdgeSignal::Broken
         }
     };
-    record.provider_call(&run.0);
-    let mut provider = Some(start(&adapter, auth));
-    loop {
-        tokio::select! {
-            biased;
-            ctrl = control.recv() => match ctrl {
-                Some(RunControl::CancelProvider) => {
-                    // R-WD-2: the claim cancels the provider call. Dropping
-                    // the stream drops the in-flight request, which closes
-                    // the provider connection, so a hung call stops holding
-                    // the provider's slot while the stall joins. The call
-                    // has then ended, within the close grace (R-WD-4).
-                    if provider.take().is_some() {
-                        record.call_canceled();
-                        link.tell(LinkMsg::ProviderReturned { run_id }).await;
-                    }
-                }
-                Some(RunControl::Terminal(RunTerminal::Failed(failure))) => {
-                    drop(provider.take());
-                    record.finish(Some(failure.code));
-                    write_terminal(send, &sink, failure).await;
-                    break;
-                }
-                Some(RunControl::Terminal(RunTerminal::Completed)) | None => break,
-                // Only a durable run is adopted.
-                Some(RunControl::Attach(_)) => {}
-            },
-            // The Edge stopped reading or reset: the run is canceled.
-            _ = recv_reset(&mut recv, metrics) => {
-                drop(provider.take());
-                link.tell(LinkMsg::Canceled { run_id }).await;
-                let _ = send.reset(StreamErrorCode::Canceled);
-                break;
-            },
-            item = next_item(&mut provider) => {
-                let Some(item) = item else {
-                    // The provider stream ended without a terminal (R-WD-6).
-                    provider = None;
-                    let failure = ProviderCallError::missing_terminal();
-                    let Some(emission) = offer::<S>(link, run_id, &sink.failure(failure.clone()), ProviderEvent::Returned(
-                        iop_core::node::watchdog::ProviderOutcome::Failed(failure.clone()),
-                    )).await else { break };
-                    if emission == Emission::Forward {
-                        record.finish(Some(failure.code));
-                        write_terminal(send, &sink, failure).await;
-                        break;
-                    }
-                    continue;
-                };
-                // Every output the provider already produced goes to the
-                // watchdog in one message, not one round trip each.
-                let mut items = vec![item];
-                if !S::is_terminal(&items[0]) {
-                    while items.len() < MAX_READY_BATCH {
-                        match provider.as_mut().and_then(|p| p.next().now_or_never()) {
-                            Some(Some(item)) => {
-                                let terminal = S::is_terminal(&item);
-                                items.push(item);
-                                if terminal {
-                                    break;
-                                }
-                            }
-                            // Ended: the next turn of the loop reports it.
-                            Some(None) => {
-                                provider = Some(Box::pin(futures::stream::empty()));
-                                break;
-                            }
-                            None => break,
-                        }
-                    }
-                }
-                let events = items.iter().map(S::event).collect();
-                // Output the watchdog fences (it raced the claim, R-WD-6) is
-                // counted by the link and dropped here.
-                let Some(emissions) = link.ask(|reply| LinkMsg::Events { run_id, events, reply }).await else {
-                    break;
-                };
-                match forward_ready(send, &sink, &mut record, items, emissions).await {
-                    Forwarded::More => {}
-                    Forwarded::Terminal => break,
-                    Forwarded::StreamGone => {
-                        drop(provider.take());
-                        link.tell(LinkMsg::Canceled { run_id }).await;
-                        break;
-                    }
-                }
-            }
-        }
-    }
-    link.tell(LinkMsg::Finished { run_id }).await;
-    run.end(&record);
-}
-
-/// The most outputs of one run offered to the watchdog in one message.
-const MAX_READY_BATCH: usize = 64;
-
-/// What writing a run's ready outputs came to.
-enum Forwarded {
-    /// Written; the run goes on.
-    More,
-    /// Its terminal was written.
-    Terminal,
-    /// The Edge's stream is gone: the caller cancels the provider call.
-    StreamGone,
-}
-
-/// Write the outputs the watchdog let through, in order, in one stream
-/// write (`send_all`) rather than one per output.
-async fn forward_ready<S: Sink>(
-    send: &mut FramedSend,
-    sink: &S,
-    record: &mut crate::metrics::RunRecord<'_>,
-    items: Vec<S::Item>,
-    emissions: Vec<Emission>,
-) -> Forwarded {
-    let mut frames = Vec::with_capacity(items.len());
-    let mut terminal = false;
-    for (mut item, emission) in items.into_iter().zip(emissions) {
-        if emission == Emission::Fenced {
-            continue;
-        }
-        terminal = S::is_terminal(&item);
-        record.forwarded(S::content_bytes(&item), S::usage(&item));
-        if terminal {
-            record.finish(S::failure_code(&item));
-        }
-        // The provider's failure as core says the node forwards it: no
-        // evidence it did not observe, retryable by class (R-WD-8,
-        // R-FAIL-1).
-        if let Some(failure) = S::failure_mut(&mut item) {
-            *failure = iop_core::node::watchdog::sanitize_provider_failure(failure.clone());
-        }
-        frames.push(sink.frame(item));
-        if terminal {
-            break;
-        }
-    }
-    if !frames.is_empty() && send.send_all(&frames).await.is_err() {
-        return Forwarded::StreamGone;
-    }
-    if terminal {
-        let _ = send.finish();
-        return Forwarded::Terminal;
-    }
-    Forwarded::More
-}
-
-async fn offer<S: Sink>(
-    link: &LinkTx,
-    run_id: u64,
-    _frame: &S::Frame,
-    event: ProviderEvent,
-) -> Option<Emission> {
-    link.ask(|reply| LinkMsg::Event {
-        run_id,
-        event,
-        reply,
-    })
-    .await
+    a.edge_done = true;
+    EdgeSaid::Ended(said)
 }
 
 async fn next_item<T>(provider: &mut Option<BoxStream<'static, T>>) -> Option<T> {
@@ -546,20 +261,442 @@ async fn next_item<T>(provider: &mut Option<BoxStream<'static, T>>) -> Option<T>
     }
 }
 
-/// Resolves when the Edge resets our request stream or stops our response
-/// stream: either means the run was canceled. A bad frame after the request
-/// is counted (SPEC §5) and ends the run the same way.
-async fn recv_reset(recv: &mut FramedRecv, metrics: &crate::metrics::NodeMetrics) {
-    loop {
-        match recv.recv::<DataRequest>().await {
-            // Nothing more is expected after the request; a clean end of the
-            // request half is normal, keep waiting for a reset.
-            Ok(None) => return std::future::pending().await,
-            Ok(Some(_)) => continue,
-            Err(e) => {
-                metrics.wire_error(&e);
-                return;
+/// One run as its request describes it, before it starts.
+struct RunTask {
+    spec: RunSpec,
+    lease: Option<Vec<u8>>,
+    route: Option<String>,
+    adapter: Option<crate::adapter::Adapter>,
+    /// A durable run's place in the parking lot.
+    lot_key: Option<LotKey>,
+    span: TraceSpan,
+}
+
+impl RunTask {
+    fn run<F, S>(self, shared: Arc<LinkShared>, attached: Attached, start: S) -> Started
+    where
+        F: WireFrame,
+        S: FnOnce(&crate::adapter::Adapter, Option<String>) -> BoxStream<'static, F>
+            + Send
+            + 'static,
+    {
+        let durable = self.lot_key.is_some();
+        Started {
+            durable,
+            fut: Box::pin(drive(self, shared, attached, start)),
+        }
+    }
+}
+
+/// Drive one run's [`NodeRun`] to its end.
+async fn drive<F, S>(task: RunTask, shared: Arc<LinkShared>, attached: Attached, start: S)
+where
+    F: WireFrame,
+    S: FnOnce(&crate::adapter::Adapter, Option<String>) -> BoxStream<'static, F> + Send + 'static,
+{
+    let RunTask {
+        spec,
+        mut lease,
+        route,
+        adapter,
+        lot_key,
+        span,
+    } = task;
+    let clock = Clock::new();
+    let kind = spec.kind;
+    let mut machine: NodeRun<F> = NodeRun::new(spec);
+    let mut attached = Some(Attached {
+        run_id: machine.run_id(),
+        ..attached
+    });
+    let mut adopting: Option<Attach> = None;
+    let (control_tx, mut control) = mpsc::unbounded_channel();
+    // A run that is not durable gives its one sender to the link, so its
+    // control channel closing says the link is gone; a durable run keeps
+    // one for the adoptions the parking lot hands it.
+    let durable = lot_key.is_some();
+    let mut control_tx = Some(control_tx);
+    let mut record = adapter.as_ref().map(|a| {
+        span.set("iop.adapter", a.kind().as_str());
+        span.set_configured("iop.target", a.target());
+        RunRecord::new(&shared.metrics, a.kind(), a.target(), kind.as_str())
+    });
+    if adapter.is_none() {
+        span.fail(FailureCode::UnknownTarget.as_str());
+    }
+    let run_span = RunSpan(span);
+    let mut start = Some(start);
+    let mut auth: Option<String> = None;
+    let mut provider: Option<BoxStream<'static, F>> = None;
+    let mut registered = false;
+
+    'run: loop {
+        while let Some(out) = machine.poll_output() {
+            let fed = match out {
+                NodeRunOutput::Link(ask) => {
+                    let link = match (&ask, &adopting, &attached) {
+                        (LinkAsk::Start { adopted: true, .. }, Some(a), _) => Some(a.link.clone()),
+                        (_, _, Some(a)) => Some(a.link.clone()),
+                        _ => None,
+                    };
+                    let left = matches!(ask, LinkAsk::Left { .. });
+                    let control = if durable {
+                        control_tx.clone()
+                    } else {
+                        control_tx.take()
+                    };
+                    let fed = match link {
+                        Some(link) => {
+                            ask_link(
+                                &link,
+                                ask,
+                                adapter.as_ref(),
+                                &route,
+                                &mut lease,
+                                &mut auth,
+                                control,
+                            )
+                            .await
+                        }
+                        None => None,
+                    };
+                    if left {
+                        // The run is no longer on that stream.
+                        attached = None;
+                    }
+                    fed
+                }
+                NodeRunOutput::CallProvider => {
+                    let (Some(adapter), Some(start)) = (&adapter, start.take()) else {
+                        continue;
+                    };
+                    if let (Some(key), Some(control)) = (&lot_key, &control_tx) {
+                        register(&shared, key, adapter, control.clone());
+                        registered = true;
+                    }
+                    if let Some(record) = &mut record {
+                        record.provider_call(&run_span.0);
+                    }
+                    provider = Some(start(adapter, auth.take()));
+                    None
+                }
+                NodeRunOutput::StopProvider { report } => {
+                    // Dropping the stream drops the in-flight request, which
+                    // closes the provider connection: the call has ended
+                    // (R-WD-2, R-WD-4).
+                    provider = None;
+                    if report {
+                        if let Some(record) = &mut record {
+                            record.call_canceled();
+                        }
+                        Some(NodeRunInput::ProviderStopped)
+                    } else {
+                        None
+                    }
+                }
+                NodeRunOutput::Send { frames, finish } => {
+                    if let Some(record) = &mut record {
+                        for frame in &frames {
+                            record.forwarded(frame.content_bytes(), frame.usage());
+                        }
+                    }
+                    write(&mut attached, frames, finish).await
+                }
+                NodeRunOutput::Replay(frames) => write(&mut attached, frames, false).await,
+                NodeRunOutput::FinishStream => {
+                    if let Some(a) = &mut attached {
+                        let _ = a.send.finish();
+                    }
+                    None
+                }
+                NodeRunOutput::ResetStream(code) => {
+                    if let Some(a) = &mut attached {
+                        let _ = a.send.reset(code);
+                    }
+                    None
+                }
+                NodeRunOutput::Attach => {
+                    if let Some(a) = adopting.take() {
+                        tracing::info!(
+                            event = "node_parked_run_adopted",
+                            run_id = a.request.run_id,
+                            resume_after = a.request.resume_after_frame,
+                        );
+                        attached = Some(Attached {
+                            send: a.send,
+                            recv: a.recv,
+                            link: a.link,
+                            conn: a.conn,
+                            run_id: machine.run_id(),
+                            edge_done: false,
+                        });
+                    }
+                    None
+                }
+                NodeRunOutput::RefuseAdoption(why) => {
+                    tracing::warn!(event = "node_adoption_refused", reason = %why);
+                    if let Some(mut a) = adopting.take() {
+                        let _ = a.send.reset(StreamErrorCode::Canceled);
+                    }
+                    None
+                }
+                NodeRunOutput::Ended(code) => {
+                    if let Some(record) = &mut record {
+                        record.finish(code);
+                    }
+                    None
+                }
+                NodeRunOutput::Parked => {
+                    tracing::info!(event = "node_run_parked", run_id = machine.run_id());
+                    None
+                }
+                NodeRunOutput::Expired => {
+                    // R-PARK-1: no Edge took it within the grace.
+                    tracing::warn!(event = "node_parked_run_expired", run_id = machine.run_id());
+                    shared
+                        .disconnect_cancels
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    None
+                }
+                NodeRunOutput::Done => break 'run,
+            };
+            if let Some(input) = fed {
+                machine.handle_input(clock.now(), input);
             }
+        }
+        if machine.is_over() {
+            break;
+        }
+        if let (Some(key), true) = (&lot_key, registered)
+            && let (Some(state), Some(summary)) = (machine.park_state(), machine.park_summary())
+        {
+            shared.parking.update(key, state, summary);
+        }
+        let batch = machine.read_batch();
+        let parked_until = machine.poll_timeout();
+        let input = tokio::select! {
+            biased;
+            ctrl = control.recv() => match ctrl {
+                Some(RunControl::CancelProvider) => NodeRunInput::CancelProvider,
+                Some(RunControl::Terminal(terminal)) => NodeRunInput::Terminal(terminal),
+                Some(RunControl::Attach(attach)) => {
+                    if let Some(mut older) = adopting.replace(*attach) {
+                        // One adoption at a time.
+                        let _ = older.send.reset(StreamErrorCode::Canceled);
+                    }
+                    let a = adopting.as_ref().map(|a| &a.request);
+                    let Some(request) = a else { continue };
+                    NodeRunInput::Adopt(Adoption {
+                        run_id: request.run_id,
+                        resume_after_frame: request.resume_after_frame,
+                        stall_timeout_ms: request.response_stall_timeout_ms,
+                        deadline_ms: request.deadline_ms,
+                        attached_closing: attached
+                            .as_ref()
+                            .is_some_and(|a| a.conn.close_reason().is_some()),
+                    })
+                }
+                // The link dropped the run's control: the link is gone.
+                None => NodeRunInput::LinkGone,
+            },
+            said = next_said(&mut attached, &shared.metrics) => match said {
+                EdgeSaid::Ack(through) => NodeRunInput::Acked(through),
+                EdgeSaid::Ended(signal) => NodeRunInput::EdgeEnded(signal),
+            },
+            item = next_item(&mut provider), if batch > 0 => match item {
+                // The provider stream ended without a terminal (R-WD-6).
+                None => NodeRunInput::ProviderEnded,
+                Some(item) => {
+                    // Every output the provider already produced goes to
+                    // the watchdog in one ask, not one round trip each.
+                    let mut items = vec![item];
+                    if !items[0].is_terminal() {
+                        while items.len() < batch {
+                            match provider.as_mut().and_then(|p| p.next().now_or_never()) {
+                                Some(Some(item)) => {
+                                    let terminal = item.is_terminal();
+                                    items.push(item);
+                                    if terminal {
+                                        break;
+                                    }
+                                }
+                                // Ended: the next turn reports it.
+                                Some(None) => {
+                                    provider = Some(Box::pin(futures::stream::empty()));
+                                    break;
+                                }
+                                None => break,
+                            }
+                        }
+                    }
+                    NodeRunInput::Provider(items)
+                }
+            },
+            () = clock.sleep_until(parked_until), if parked_until.is_some() => {
+                machine.handle_timeout(clock.now());
+                continue;
+            },
+        };
+        machine.handle_input(clock.now(), input);
+    }
+    drop(provider);
+    if let Some(mut a) = adopting.take() {
+        let _ = a.send.reset(StreamErrorCode::Canceled);
+    }
+    if let (Some(key), true) = (&lot_key, registered) {
+        shared.parking.remove(key);
+    }
+    if let Some(record) = &record {
+        run_span.end(record);
+    }
+}
+
+/// Enter a durable run in the parking lot (R-PARK-1, R-PARK-2).
+fn register(
+    shared: &LinkShared,
+    key: &LotKey,
+    adapter: &crate::adapter::Adapter,
+    control: mpsc::UnboundedSender<RunControl>,
+) {
+    shared.parking.insert(
+        key.clone(),
+        ParkEntry {
+            control,
+            report: ParkedRun {
+                key: key.0,
+                response_id: key.1.clone(),
+                adapter: adapter.kind(),
+                target: adapter.target().to_owned(),
+                first_kept_frame: 1,
+                last_frame: 0,
+                ended: false,
+            },
+            state: iop_core::node::park::ParkState::Attached,
+        },
+    );
+}
+
+/// Write frames on the run's stream (then finish it if asked): `None`, or
+/// the write's failure as the machine's input.
+async fn write<F: WireFrame>(
+    attached: &mut Option<Attached>,
+    frames: Vec<F>,
+    finish: bool,
+) -> Option<NodeRunInput<F>> {
+    let a = attached.as_mut()?;
+    let run_id = a.run_id;
+    let wire: Vec<F::Wire> = frames.into_iter().map(|f| f.wire(run_id)).collect();
+    let written = match &wire[..] {
+        [one] => a.send.send(one).await,
+        _ => a.send.send_all(&wire).await,
+    };
+    if written.is_err() {
+        return Some(NodeRunInput::WriteFailed);
+    }
+    if finish {
+        let _ = a.send.finish();
+    }
+    None
+}
+
+/// Carry one ask to the link: the answer as the machine's input (`None`:
+/// nothing to answer).
+async fn ask_link<F>(
+    link: &LinkTx,
+    ask: LinkAsk,
+    adapter: Option<&crate::adapter::Adapter>,
+    route: &Option<String>,
+    lease: &mut Option<Vec<u8>>,
+    auth: &mut Option<String>,
+    control: Option<mpsc::UnboundedSender<RunControl>>,
+) -> Option<NodeRunInput<F>> {
+    let (adapter_kind, target) = adapter
+        .map(|a| (a.kind(), a.target().to_owned()))
+        .unwrap_or((AdapterKind::Mock, String::new()));
+    let gone = Some(NodeRunInput::LinkGone);
+    match ask {
+        LinkAsk::Start {
+            run_id,
+            kind,
+            stall_timeout,
+            deadline,
+            carries_lease,
+            adopted,
+        } => {
+            let Some(control) = control else {
+                return gone;
+            };
+            match link
+                .ask(|reply| LinkMsg::Start {
+                    run_id,
+                    kind,
+                    stall_timeout,
+                    deadline,
+                    adapter: adapter_kind,
+                    target,
+                    carries_lease,
+                    adopted,
+                    control,
+                    reply,
+                })
+                .await
+            {
+                Some(answer) => Some(NodeRunInput::Admitted(answer)),
+                None => gone,
+            }
+        }
+        // R-CRED-2: the lease is opened only now, after admission and
+        // right before the provider call; the secret stays here.
+        LinkAsk::OpenLease { run_id } => {
+            let opened = link
+                .ask(|reply| LinkMsg::OpenLease {
+                    run_id,
+                    adapter: adapter_kind,
+                    target,
+                    route: route.clone(),
+                    lease: lease.take(),
+                    reply,
+                })
+                .await;
+            let ok = match opened {
+                Some(Ok(None)) => true,
+                // Only this one call sees it; `secret` is wiped when dropped.
+                Some(Ok(Some(secret))) => match std::str::from_utf8(secret.expose_secret()) {
+                    Ok(text) => {
+                        *auth = Some(text.to_owned());
+                        true
+                    }
+                    Err(_) => false,
+                },
+                Some(Err(_)) => false,
+                None => return gone,
+            };
+            Some(NodeRunInput::LeaseOpened(ok))
+        }
+        LinkAsk::Offer { run_id, events } => {
+            match link
+                .ask(|reply| LinkMsg::Events {
+                    run_id,
+                    events,
+                    reply,
+                })
+                .await
+            {
+                Some(emissions) => Some(NodeRunInput::Emissions(emissions)),
+                None => gone,
+            }
+        }
+        LinkAsk::ProviderDropped { run_id } => {
+            link.tell(LinkMsg::ProviderReturned { run_id }).await;
+            None
+        }
+        LinkAsk::Canceled { run_id } => {
+            link.tell(LinkMsg::Canceled { run_id }).await;
+            None
+        }
+        LinkAsk::Left { run_id } => {
+            link.tell(LinkMsg::Finished { run_id }).await;
+            None
         }
     }
 }

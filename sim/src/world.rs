@@ -73,17 +73,14 @@ use iop_core::edge::request::{
 use iop_core::ids::{Generation, NodeId, ProviderId, RunId};
 use iop_core::liveness::backoff::{Backoff, BackoffConfig};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
-use iop_core::node::link::{LinkEnd, NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
+use iop_core::node::link::{LinkEnd, NodeLinkConfig, NodeLinkInput, NodeLinkOutput};
 use iop_core::node::provider::ProviderCallError;
-use iop_core::node::watchdog::{
-    Emission, ProviderEvent, ProviderOutcome, RunKind, RunTerminal, WatchdogConfig,
-    effective_stall_timeout,
-};
+use iop_core::node::watchdog::{ProviderEvent, ProviderOutcome, WatchdogConfig};
 use iop_wire::{
     AdapterKind, CapabilitiesReport, CloseCode, Command, CommandKind, CommandResult,
-    CommandResultBody, DataRequest, EdgeControl, ExecutionFailure, FailureCode, FinishReason,
-    GenerationParams, NodeControl, PROTOCOL_VERSION, RegisterRequest, RunApi, RunEvent,
-    RunEventKind, RunKey, RunRequest, TargetHealth, Usage,
+    CommandResultBody, DataRequest, EdgeControl, ExecutionFailure, FailureCode, GenerationParams,
+    NodeControl, PROTOCOL_VERSION, RegisterRequest, RunApi, RunEvent, RunEventKind, RunRequest,
+    TargetHealth,
 };
 use serde::Serialize;
 
@@ -103,6 +100,7 @@ use crate::trace::{
 
 mod custody;
 mod durable;
+mod node_run;
 mod park;
 
 /// The most steps the drain phase may take before the run is declared
@@ -129,27 +127,17 @@ pub enum Bug {
     DoubleProviderCall,
     /// Restart the Edge without the persisted generation floor.
     ForgetGenerationFloor,
-    /// A node replays a parked run's stall terminal verbatim on the
-    /// adopting connection, with the observation sequence number and
-    /// evidence of the connection it was produced on (what `iop-node`
-    /// does today, see docs/simulation.md).
-    ReplayStaleEvidence,
 }
 
 impl Bug {
     /// Every planted bug.
-    pub const ALL: [Bug; 3] = [
-        Bug::DoubleProviderCall,
-        Bug::ForgetGenerationFloor,
-        Bug::ReplayStaleEvidence,
-    ];
+    pub const ALL: [Bug; 2] = [Bug::DoubleProviderCall, Bug::ForgetGenerationFloor];
 
     /// The name on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
             Bug::DoubleProviderCall => "double-provider-call",
             Bug::ForgetGenerationFloor => "forget-generation-floor",
-            Bug::ReplayStaleEvidence => "replay-stale-evidence",
         }
     }
 
@@ -587,23 +575,37 @@ enum Event {
     LeaseRenew {
         incarnation: u64,
     },
-    ProviderStep {
+    /// A run's provider call takes its next step.
+    RunStep {
         node: usize,
         process: u64,
-        conn: ConnId,
-        run_id: RunId,
+        run: u64,
     },
-    ProviderCancel {
+    /// A cancel reaches a run's provider.
+    RunCancel {
         node: usize,
         process: u64,
-        conn: ConnId,
-        run_id: RunId,
+        run: u64,
     },
-    ProviderReturn {
+    /// A canceled run's provider call returns.
+    RunReturn {
         node: usize,
         process: u64,
-        conn: ConnId,
-        run_id: RunId,
+        run: u64,
+    },
+    /// A parked run's grace may have ended (R-PARK-1).
+    RunTimer {
+        node: usize,
+        process: u64,
+        run: u64,
+    },
+    /// What the run's handler hears late: its connection machine's
+    /// terminal, or the Edge's reset of its stream.
+    RunHears {
+        node: usize,
+        process: u64,
+        run: u64,
+        input: Box<iop_core::node::run::NodeRunInput<RunEventKind>>,
     },
     ProbeDone {
         node: usize,
@@ -661,31 +663,6 @@ enum Event {
     FollowerLeave {
         record: String,
         incarnation: u64,
-    },
-    /// The provider call of a durable run takes its next step (the run
-    /// outlives its connection, so it is named by its key).
-    DurableStep {
-        node: usize,
-        process: u64,
-        key: RunKey,
-    },
-    /// A cancel reaches a durable run's provider.
-    DurableCancel {
-        node: usize,
-        process: u64,
-        key: RunKey,
-    },
-    /// A canceled durable run's provider call returns.
-    DurableReturn {
-        node: usize,
-        process: u64,
-        key: RunKey,
-    },
-    /// A parked run's grace may have ended (R-PARK-1).
-    ParkExpire {
-        node: usize,
-        process: u64,
-        key: RunKey,
     },
     /// Parked runs a node reported reach the Edge's adoption task
     /// (R-PARK-2).
@@ -881,7 +858,6 @@ fn is_http_5xx(event: &ProviderEvent) -> bool {
 struct NodeConn {
     conn: ConnId,
     link: TracedNodeLink,
-    calls: BTreeMap<RunId, Call>,
 }
 
 #[derive(Debug)]
@@ -916,9 +892,12 @@ struct SimNode {
     backoff: Vec<Backoff>,
     link: Vec<Link>,
     providers: Vec<usize>,
-    /// Durable runs (R-PARK-1), attached or parked: they outlive their
-    /// connection, not their process.
-    durable: BTreeMap<RunKey, park::NodeDurableRun>,
+    /// Its runs, by serial (`iop-node`'s run tasks): a durable one
+    /// (R-PARK-1), attached or parked, outlives its connection, not its
+    /// process.
+    runs: BTreeMap<u64, node_run::SimRun>,
+    /// The next run's serial.
+    next_run: u64,
 }
 
 /// One simulated world.
@@ -1031,7 +1010,8 @@ impl World {
                 providers: (0..cfg.providers_per_node)
                     .map(|k| n * cfg.providers_per_node + k)
                     .collect(),
-                durable: BTreeMap::new(),
+                runs: BTreeMap::new(),
+                next_run: 0,
             })
             .collect();
         let checkers = (0..edges)
@@ -1469,24 +1449,16 @@ impl World {
             }
             Event::EdgeStart { slot } => self.start_edge(slot),
             Event::LeaseRenew { incarnation } => self.renew_lease(incarnation),
-            Event::ProviderStep {
+            Event::RunStep { node, process, run } => self.run_step(node, process, run),
+            Event::RunCancel { node, process, run } => self.run_cancel(node, process, run),
+            Event::RunReturn { node, process, run } => self.run_return(node, process, run),
+            Event::RunTimer { node, process, run } => self.run_timer(node, process, run),
+            Event::RunHears {
                 node,
                 process,
-                conn,
-                run_id,
-            } => self.provider_step(node, process, conn, run_id),
-            Event::ProviderCancel {
-                node,
-                process,
-                conn,
-                run_id,
-            } => self.provider_cancel(node, process, conn, run_id),
-            Event::ProviderReturn {
-                node,
-                process,
-                conn,
-                run_id,
-            } => self.provider_return(node, process, conn, run_id),
+                run,
+                input,
+            } => self.run_hears(node, process, run, *input),
             Event::ProbeDone {
                 node,
                 process,
@@ -1530,14 +1502,6 @@ impl World {
                 record,
                 incarnation,
             } => self.follower_leave(record, incarnation),
-            Event::DurableStep { node, process, key } => self.durable_step(node, process, key),
-            Event::DurableCancel { node, process, key } => {
-                self.durable_cancel(node, process, key);
-            }
-            Event::DurableReturn { node, process, key } => {
-                self.durable_return(node, process, key);
-            }
-            Event::ParkExpire { node, process, key } => self.park_expire(node, process, key),
             Event::ParkedOffers {
                 incarnation,
                 offers,
@@ -1564,9 +1528,6 @@ impl World {
         match event {
             Event::Deliver(env) => self.slot_of_conn(env.conn),
             Event::ConnLost { conn, .. }
-            | Event::ProviderStep { conn, .. }
-            | Event::ProviderCancel { conn, .. }
-            | Event::ProviderReturn { conn, .. }
             | Event::ProbeDone { conn, .. }
             | Event::CapsAnswer { conn, .. } => self.slot_of_conn(*conn),
             Event::NodeDial { edge, .. }
@@ -1582,11 +1543,12 @@ impl World {
             | Event::CustodyTimeout { incarnation, .. }
             | Event::LeaseRenew { incarnation } => self.slot_of(*incarnation),
             Event::JournalAnswer { writer, .. } => self.slot_of(writer.incarnation()),
-            Event::DurableStep { node, key, .. }
-            | Event::DurableCancel { node, key, .. }
-            | Event::DurableReturn { node, key, .. }
-            | Event::ParkExpire { node, key, .. } => {
-                let conn = self.nodes[*node].durable.get(key)?.attached_conn()?;
+            Event::RunStep { node, run, .. }
+            | Event::RunCancel { node, run, .. }
+            | Event::RunReturn { node, run, .. }
+            | Event::RunTimer { node, run, .. }
+            | Event::RunHears { node, run, .. } => {
+                let conn = self.nodes[*node].runs.get(run)?.conn()?;
                 self.slot_of_conn(conn)
             }
             Event::NodeRestart { .. }
@@ -1611,15 +1573,13 @@ impl World {
             } => self.net.node_of(*conn),
             Event::NodeDial { node, .. }
             | Event::DialDone { node, .. }
-            | Event::ProviderStep { node, .. }
-            | Event::ProviderCancel { node, .. }
-            | Event::ProviderReturn { node, .. }
+            | Event::RunStep { node, .. }
+            | Event::RunCancel { node, .. }
+            | Event::RunReturn { node, .. }
+            | Event::RunTimer { node, .. }
+            | Event::RunHears { node, .. }
             | Event::ProbeDone { node, .. }
-            | Event::CapsAnswer { node, .. }
-            | Event::DurableStep { node, .. }
-            | Event::DurableCancel { node, .. }
-            | Event::DurableReturn { node, .. }
-            | Event::ParkExpire { node, .. } => Some(*node),
+            | Event::CapsAnswer { node, .. } => Some(*node),
             _ => None,
         }
     }
@@ -3127,11 +3087,7 @@ impl World {
         );
         let link = TracedNodeLink::new_link(now, config, register, ReplayCache::new(), tap);
         self.core_bugs.plant_watchdog(link.inner().watchdog());
-        self.nodes[node].link[self.cur] = Link::Connected(Box::new(NodeConn {
-            conn,
-            link,
-            calls: BTreeMap::new(),
-        }));
+        self.nodes[node].link[self.cur] = Link::Connected(Box::new(NodeConn { conn, link }));
         // The registration goes first.
         self.drain_node_link(node);
     }
@@ -3145,8 +3101,9 @@ impl World {
         match payload {
             Payload::EdgeControl(msg) => {
                 if let EdgeControl::Cancel(iop_wire::Cancel { run_id }) = &msg {
-                    // A durable run's Edge canceled it: it ends here.
-                    self.durable_canceled(node, conn, *run_id);
+                    // The world carries the Edge's reset of a run's stream
+                    // as this frame: the run hears the reset.
+                    self.run_reset_by_edge(node, conn, *run_id);
                 }
                 let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
                     return;
@@ -3216,7 +3173,7 @@ impl World {
         let conn = nc.conn;
         self.net.close(conn);
         // Durable runs park instead of being canceled (R-DISC-1, R-PARK-1).
-        self.detach_durable(node, conn);
+        self.runs_lose(node, conn);
         if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
             nc.link.handle_input(now, NodeLinkInput::Disconnected);
         }
@@ -3259,7 +3216,11 @@ impl World {
         }
         // Its durable runs die with it, parked or not: their provider calls
         // end (nothing reports them any more).
-        self.stats.durable_runs_crashed += self.nodes[node].durable.len() as u64;
+        self.stats.durable_runs_crashed += self.nodes[node]
+            .runs
+            .values()
+            .filter(|r| r.is_durable())
+            .count() as u64;
         let n = &mut self.nodes[node];
         // A frozen process can be killed too: what it held is for a
         // process that no longer exists.
@@ -3267,7 +3228,7 @@ impl World {
         n.up = false;
         n.process += 1;
         n.link.iter_mut().for_each(|l| *l = Link::Idle);
-        n.durable.clear();
+        n.runs.clear();
         let down = self
             .rng
             .millis(10, duration_ms(self.cfg.faults.node_down_max));
@@ -3318,349 +3279,6 @@ impl World {
         for event in freeze.held {
             self.handle_event(event);
         }
-    }
-
-    fn node_start_run(&mut self, node: usize, request: RunRequest) {
-        let now = self.now;
-        let faults = self.faults_on();
-        let double = self.bugs.contains(&Bug::DoubleProviderCall);
-        let process = self.nodes[node].process;
-        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
-            return;
-        };
-        let conn = nc.conn;
-        let generation = nc.link.inner().generation().unwrap_or(0);
-        let run_id = request.run_id;
-        let stall = match effective_stall_timeout(request.response_stall_timeout_ms) {
-            Ok(stall) => stall,
-            Err(e) => {
-                let failure = e.failure();
-                self.send_run_event(node, run_id, RunEventKind::Failed(failure));
-                return;
-            }
-        };
-        let start = sim_run_start(run_id, stall, None, request.target.clone());
-        nc.link.handle_input(
-            now,
-            NodeLinkInput::StartRun(RunStart {
-                carries_lease: request.credential_lease.is_some(),
-                ..start
-            }),
-        );
-        if let Some(NodeLinkOutput::RunRefused { code, .. }) = self.node_link_answer(node) {
-            self.send_run_event(
-                node,
-                run_id,
-                RunEventKind::Failed(ExecutionFailure::new(code)),
-            );
-            return;
-        }
-        self.checkers[self.cur].provider_called(conn, run_id);
-        if double {
-            self.checkers[self.cur].provider_called(conn, run_id);
-        }
-        if let Some((record, continues)) = self.run_records.remove(&(conn, run_id)) {
-            // R-PARK-2: one provider call per durable response (R-CONT-1:
-            // but an attempt that continues the answer so far).
-            self.checkers[0].durable_provider_called(
-                &self.journal,
-                &record,
-                continues,
-                (generation, run_id),
-            );
-        }
-        self.stats.provider_calls += 1;
-        let plan = if faults {
-            CallPlan::faulty(
-                &mut self.rng,
-                &self.cfg.provider,
-                stall,
-                self.cfg.close_grace,
-            )
-        } else {
-            CallPlan::healthy(&mut self.rng, stall, self.cfg.close_grace)
-        };
-        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
-            return;
-        };
-        let provider = self
-            .providers
-            .iter()
-            .position(|p| p.target == request.target)
-            .unwrap_or(0);
-        if let Some(spec) = request.park {
-            let generation = nc.link.inner().generation().unwrap_or(0);
-            self.start_durable(
-                node,
-                conn,
-                &request.target,
-                spec,
-                provider,
-                plan,
-                generation,
-                run_id,
-            );
-            return;
-        }
-        nc.calls.insert(
-            run_id,
-            Call {
-                provider,
-                plan,
-                stage: CallStage::NotStarted,
-                canceled: false,
-                returned: false,
-            },
-        );
-        self.schedule(
-            now + plan.start_delay,
-            Event::ProviderStep {
-                node,
-                process,
-                conn,
-                run_id,
-            },
-        );
-    }
-
-    fn send_run_event(&mut self, node: usize, run_id: RunId, kind: RunEventKind) {
-        let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
-            return;
-        };
-        let conn = nc.conn;
-        self.transmit(
-            conn,
-            Dir::NodeToEdge,
-            StreamKey::Run(run_id),
-            Payload::RunEvent(RunEvent { run_id, kind }),
-        );
-    }
-
-    fn call_of(
-        &mut self,
-        node: usize,
-        process: u64,
-        conn: ConnId,
-        run_id: RunId,
-    ) -> Option<&mut Call> {
-        if self.nodes[node].process != process || !self.nodes[node].up {
-            return None;
-        }
-        let nc = nconn(&mut self.nodes, node, self.cur)?;
-        if nc.conn != conn {
-            return None;
-        }
-        nc.calls.get_mut(&run_id)
-    }
-
-    fn provider_step(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
-        let now = self.now;
-        let Some(provider) = self
-            .call_of(node, process, conn, run_id)
-            .filter(|c| !c.canceled && !c.returned)
-            .map(|c| c.provider)
-        else {
-            return;
-        };
-        let frozen_until = self.frozen_until[provider];
-        if frozen_until > now {
-            // Frozen: nothing comes out until the freeze ends.
-            self.schedule(
-                frozen_until,
-                Event::ProviderStep {
-                    node,
-                    process,
-                    conn,
-                    run_id,
-                },
-            );
-            return;
-        }
-        let Some(call) = self.call_of(node, process, conn, run_id) else {
-            return;
-        };
-        let Some((event, next)) = call.advance() else {
-            return;
-        };
-        let token = call.token();
-        if is_http_5xx(&event) {
-            self.stats.provider_5xx += 1;
-        }
-        if let Some(after) = next {
-            self.schedule(
-                now + after,
-                Event::ProviderStep {
-                    node,
-                    process,
-                    conn,
-                    run_id,
-                },
-            );
-        }
-        self.report_provider_event(node, conn, run_id, event, token);
-    }
-
-    /// Report a provider output to the watchdog and forward it if allowed.
-    fn report_provider_event(
-        &mut self,
-        node: usize,
-        conn: ConnId,
-        run_id: RunId,
-        event: ProviderEvent,
-        token: u32,
-    ) {
-        let returned = matches!(event, ProviderEvent::Returned(_));
-        let wire = match &event {
-            ProviderEvent::Neutral => Some(RunEventKind::Started {
-                session_id: format!("s{run_id}"),
-            }),
-            ProviderEvent::Progress(_) => Some(RunEventKind::TextDelta(format!("tok{token}"))),
-            ProviderEvent::Returned(_) => None,
-        };
-        let Some(emission) = self.offer_provider_event(node, run_id, event) else {
-            return;
-        };
-        if returned {
-            self.checkers[self.cur].provider_returned(conn, run_id);
-            if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
-                nc.calls.remove(&run_id);
-            }
-        }
-        match emission {
-            Emission::Forward => {
-                if let Some(kind) = wire {
-                    self.send_run_event(node, run_id, kind);
-                }
-            }
-            Emission::Fenced => self.stats.fenced_outputs += 1,
-        }
-        self.drain_node_link(node);
-    }
-
-    /// Offer one provider output to the connection's machine (R-WD-6):
-    /// what to do with it, the rest of its outputs left to drain. A
-    /// provider's own terminal that is let through is written here, by the
-    /// run's handler, as `iop-node`'s handler writes it (the machine's
-    /// `RunEnded` then says it was forwarded).
-    fn offer_provider_event(
-        &mut self,
-        node: usize,
-        run_id: RunId,
-        event: ProviderEvent,
-    ) -> Option<Emission> {
-        let now = self.now;
-        let own_terminal = match &event {
-            ProviderEvent::Returned(ProviderOutcome::Completed) => Some(RunTerminal::Completed),
-            ProviderEvent::Returned(ProviderOutcome::Failed(f)) => Some(RunTerminal::Failed(
-                iop_core::node::watchdog::sanitize_provider_failure(f.clone()),
-            )),
-            ProviderEvent::Progress(_) | ProviderEvent::Neutral => None,
-        };
-        let nc = nconn(&mut self.nodes, node, self.cur)?;
-        let conn = nc.conn;
-        nc.link.handle_input(
-            now,
-            NodeLinkInput::ProviderEvents {
-                run_id,
-                events: vec![event],
-            },
-        );
-        let emission = match self.node_link_answer(node) {
-            Some(NodeLinkOutput::Emissions { emissions, .. }) => emissions.first().copied(),
-            _ => None,
-        };
-        if emission == Some(Emission::Forward)
-            && let Some(terminal) = own_terminal
-        {
-            self.node_write_terminal(node, conn, run_id, terminal);
-        }
-        emission
-    }
-
-    /// A run's handler writes its one terminal: the provider's own, or the
-    /// watchdog's (a stall, a deadline, a cancel).
-    fn node_write_terminal(
-        &mut self,
-        node: usize,
-        conn: ConnId,
-        run_id: RunId,
-        terminal: RunTerminal,
-    ) {
-        self.checkers[self.cur].node_terminal(conn, run_id, &terminal);
-        let kind = match terminal {
-            RunTerminal::Completed => RunEventKind::Completed {
-                finish_reason: FinishReason::Stop,
-                usage: Some(Usage {
-                    prompt_tokens: 1,
-                    completion_tokens: 1,
-                }),
-            },
-            RunTerminal::Failed(f) => {
-                if f.code == FailureCode::ResponseStalled {
-                    self.stats.stalls += 1;
-                    self.checkers[self.cur].observation_seq(conn, f.health_observation_seq);
-                    self.checkers[self.cur].stall_seq_issued(conn, f.health_observation_seq);
-                }
-                RunEventKind::Failed(f)
-            }
-        };
-        if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
-            // A durable run's last frame, kept until acked.
-            self.durable_produce(node, key, kind, true);
-        } else {
-            self.send_run_event(node, run_id, kind);
-        }
-        self.net.stream_done(conn, StreamKey::Run(run_id));
-    }
-
-    fn provider_cancel(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
-        let now = self.now;
-        let Some(call) = self.call_of(node, process, conn, run_id) else {
-            return;
-        };
-        if call.canceled || call.returned {
-            return;
-        }
-        call.canceled = true;
-        call.stage = CallStage::Idle;
-        let Some(after) = call.plan.return_after_cancel else {
-            // It never returns: nothing more will come from it.
-            if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
-                nc.calls.remove(&run_id);
-            }
-            return;
-        };
-        {
-            self.schedule(
-                now + after,
-                Event::ProviderReturn {
-                    node,
-                    process,
-                    conn,
-                    run_id,
-                },
-            );
-        }
-    }
-
-    fn provider_return(&mut self, node: usize, process: u64, conn: ConnId, run_id: RunId) {
-        let Some(call) = self.call_of(node, process, conn, run_id) else {
-            return;
-        };
-        if call.returned {
-            return;
-        }
-        call.returned = true;
-        // The canceled call is over: the node's handler reports it dropped
-        // (R-WD-4 times it).
-        let now = self.now;
-        if let Some(nc) = nconn(&mut self.nodes, node, self.cur) {
-            nc.calls.remove(&run_id);
-            nc.link
-                .handle_input(now, NodeLinkInput::ProviderDropped { run_id });
-        }
-        self.checkers[self.cur].provider_returned(conn, run_id);
-        self.drain_node_link(node);
     }
 
     fn probe_done(
@@ -3741,36 +3359,14 @@ impl World {
                 self.node_close(node, end.close_code());
             }
             NodeLinkOutput::CancelProvider { run_id } => {
-                if let Some(key) = park::attached_key(&self.nodes[node], conn, run_id) {
-                    self.durable_cancel_later(node, key);
-                    return;
-                }
-                let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
-                    return;
-                };
-                let latency = nc.calls.get(&run_id).map(|c| c.plan.cancel_latency);
-                if let Some(latency) = latency {
-                    self.schedule(
-                        now + latency,
-                        Event::ProviderCancel {
-                            node,
-                            process,
-                            conn,
-                            run_id,
-                        },
-                    );
-                }
+                self.run_cancel_provider(node, conn, run_id);
             }
             NodeLinkOutput::StartProbe { run_id, .. } => {
                 self.checkers[self.cur].stall_claimed(conn, run_id);
-                let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
-                    return;
-                };
-                let provider = nc.calls.get(&run_id).map(|c| c.provider).or_else(|| {
-                    park::attached_key(&self.nodes[node], conn, run_id)
-                        .and_then(|k| self.nodes[node].durable.get(&k))
-                        .map(|r| r.call.provider)
-                });
+                let provider = self
+                    .attached_run(node, conn, run_id)
+                    .and_then(|serial| self.nodes[node].runs.get(&serial))
+                    .and_then(|r| r.provider());
                 let frozen = provider.is_some_and(|p| self.frozen_until[p] > now);
                 let answer = if frozen {
                     // A frozen provider does not answer its probe either.
@@ -3798,8 +3394,9 @@ impl World {
                 forwarded,
                 ..
             } => {
+                self.link_ended_run(conn, run_id, &terminal);
                 if !forwarded {
-                    self.node_write_terminal(node, conn, run_id, terminal);
+                    self.run_ended_by_link(node, conn, run_id, terminal);
                 }
             }
             NodeLinkOutput::Managed(_)
@@ -3981,25 +3578,6 @@ enum HubCheck {
     PreSend { lease_id: LeaseId, fenced: bool },
     Terminal(Option<ExecutionFailure>),
     Cancel(Option<Lease>),
-}
-
-/// A normalized run of a simulated (mock) provider, as the node's handler
-/// asks its connection to watch it.
-fn sim_run_start(
-    run_id: RunId,
-    stall_timeout: Duration,
-    deadline: Option<Instant>,
-    target: String,
-) -> RunStart {
-    RunStart {
-        run_id,
-        kind: RunKind::Normalized,
-        stall_timeout,
-        deadline,
-        adapter: AdapterKind::Mock,
-        target,
-        carries_lease: false,
-    }
 }
 
 fn nconn(nodes: &mut [SimNode], node: usize, edge: usize) -> Option<&mut NodeConn> {

@@ -245,6 +245,12 @@ pub enum HoldRefusal {
     NoHold,
     /// The hold's generation is not the provider's online one.
     NotOnline,
+    /// Another parked run with the same key holds another provider: two
+    /// Edges that started in the same millisecond hand out the same
+    /// generations (R-MULTI-1), so their runs on one node can share a key.
+    /// The hold (and the lease an adoption turns it into) would name the
+    /// wrong provider, so the second is not held.
+    KeyInUse,
 }
 
 #[derive(Debug)]
@@ -515,8 +521,12 @@ impl Admission {
         generation: Generation,
         expires_at: Instant,
     ) -> Result<(), HoldRefusal> {
-        if self.holds.contains_key(&key) {
-            return Ok(());
+        if let Some(held) = self.holds.get(&key) {
+            return if held.provider_id == *provider_id {
+                Ok(())
+            } else {
+                Err(HoldRefusal::KeyInUse)
+            };
         }
         let provider = self
             .providers
@@ -1300,6 +1310,25 @@ mod tests {
         assert!(runs[0] < runs[1] && runs[1] < runs[2], "{runs:?}");
         assert_eq!(a.lease_totals(), (3, 0));
         assert_eq!(a.holds(), 0);
+    }
+
+    /// R-MULTI-1, R-PARK-2: two Edges' runs on one node may share a run
+    /// key; a hold of that key for one provider is not taken to be the
+    /// other's, whose adoption would then journal the wrong provider.
+    #[test]
+    fn a_run_key_held_for_one_provider_is_refused_for_another() {
+        let mut a = admission(vec![spec("p", "n", 2), spec("q", "n", 2)]);
+        let key = RunKey {
+            generation: 1,
+            run_id: 1,
+        };
+        a.hold(key, &ProviderId::from("p"), 1, ms(50)).unwrap();
+        assert_eq!(a.hold(key, &ProviderId::from("p"), 1, ms(50)), Ok(()));
+        assert_eq!(
+            a.hold(key, &ProviderId::from("q"), 1, ms(50)),
+            Err(HoldRefusal::KeyInUse)
+        );
+        assert_eq!(a.holds(), 1);
     }
 
     #[test]

@@ -10,5 +10,6 @@ pub mod link;
 pub mod park;
 pub mod probe;
 pub mod provider;
+pub mod run;
 pub mod session;
 pub mod watchdog;
