@@ -180,7 +180,11 @@ impl CustodyTask {
     /// A parked run a node reported: to the run of this Edge that waits
     /// for it, or to the custody.
     async fn offer(&mut self, offer: ParkedOffer, start: &mut impl FnMut(Start)) {
-        let live = self.durable.live().get(&offer.run.response_id).cloned();
+        let live = self
+            .durable
+            .live()
+            .get(&offer.run.response_id)
+            .map(|h| h.commands.clone());
         if let Some(tx) = live {
             // Its driver adopts it, or lets it go if it no longer waits.
             let key = offer.run.key;

@@ -138,7 +138,7 @@ pub struct DurableRun {
     pub durable: Arc<crate::durable::Durable>,
     /// Cancels the run (`POST .../cancel`, `DELETE`) and brings it the
     /// report of its parked run (R-PARK-2).
-    pub commands: mpsc::Receiver<crate::durable::LiveCommand>,
+    pub commands: crate::durable::LiveCommands,
     /// Held while the run goes on.
     pub live: crate::durable::LiveRun,
     /// How long its run may stay parked on its node (R-PARK-1).
@@ -287,10 +287,12 @@ fn start(
             journal_write: None,
             admission_told: false,
             commands: None,
+            cancel: None,
             journal: None,
         };
         if let Some(run) = durable {
-            driver.commands = Some(run.commands);
+            driver.commands = Some(run.commands.commands);
+            driver.cancel = Some(run.commands.cancel);
             driver.journal = Some(DriverJournal {
                 response_id: run.spec.response_id.clone(),
                 park_grace_ms: run.park_grace_ms,
@@ -367,6 +369,8 @@ struct Driver {
     admission_told: bool,
     /// Cancels a durable request, or brings its parked run's report.
     commands: Option<mpsc::Receiver<crate::durable::LiveCommand>>,
+    /// A durable run's cancel (`POST .../cancel`, `DELETE`).
+    cancel: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Driver {
@@ -460,7 +464,6 @@ impl Driver {
                         None => std::future::pending().await,
                     }
                 } => match command {
-                    Some(crate::durable::LiveCommand::Cancel) => RequestInput::Cancel,
                     Some(crate::durable::LiveCommand::Parked(offer)) => {
                         if !self.machine.awaits_parked(offer.run.key) {
                             // Not this request's wait: let its capacity go.
@@ -470,10 +473,24 @@ impl Driver {
                         RequestInput::ParkedRun(offer)
                     }
                     None => {
-                        // Nothing can cancel it any more; it runs to its end.
+                        // No report reaches it any more.
                         self.commands = None;
                         continue;
                     }
+                },
+                canceled = async {
+                    match self.cancel.as_mut() {
+                        Some(cancel) => cancel.wait_for(|c| *c).await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // Heard once: a cancel is one input.
+                    self.cancel = None;
+                    if !canceled {
+                        // Nothing can cancel it any more; it runs to its end.
+                        continue;
+                    }
+                    RequestInput::Cancel
                 },
                 // A durable response whose journal falls behind stops
                 // reading its node stream (R-JRN-1, R-LIM-4).

@@ -229,7 +229,7 @@ pub struct Durable {
     /// its id's lease before it takes it (R-TAKE-2).
     shared_store: bool,
     /// The runs this Edge writes, by response id.
-    live: Mutex<HashMap<String, mpsc::Sender<LiveCommand>>>,
+    live: Mutex<HashMap<String, LiveHandle>>,
     /// Background requests waiting for their run's first admission answer
     /// (taken or refused), by response id.
     admissions: Mutex<HashMap<String, tokio::sync::oneshot::Sender<bool>>>,
@@ -237,13 +237,30 @@ pub struct Durable {
     scan_view: Mutex<ScanView>,
 }
 
-/// What reaches a run this Edge writes.
+/// What reaches a run this Edge writes besides a cancel.
 #[derive(Debug)]
 pub enum LiveCommand {
-    /// Cancel it.
-    Cancel,
     /// Its node reported its run parked (R-PARK-2).
     Parked(iop_core::edge::dispatch::ParkedOffer),
+}
+
+/// How other tasks reach a run this Edge writes.
+#[derive(Debug, Clone)]
+pub(crate) struct LiveHandle {
+    /// Its commands (bounded: a sender waits for room).
+    pub(crate) commands: mpsc::Sender<LiveCommand>,
+    /// Its cancel: a flag, so a cancel is never dropped, however many
+    /// commands wait (`POST .../cancel`, `DELETE`).
+    cancel: tokio::sync::watch::Sender<bool>,
+}
+
+/// What a run this Edge writes hears: its commands and its cancel.
+#[derive(Debug)]
+pub struct LiveCommands {
+    /// Its node's reports of its parked run (R-PARK-2).
+    pub commands: mpsc::Receiver<LiveCommand>,
+    /// Set once the run is to be canceled.
+    pub cancel: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Durable {
@@ -359,9 +376,7 @@ impl Durable {
         self.responses_store_default
     }
 
-    pub(crate) fn live(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<String, mpsc::Sender<LiveCommand>>> {
+    pub(crate) fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, LiveHandle>> {
         // The map's entries are inserted and removed whole: a panic while
         // holding the lock leaves it consistent.
         self.live.lock().unwrap_or_else(|e| e.into_inner())
@@ -369,15 +384,25 @@ impl Durable {
 
     /// Register the run of `response_id` as written by this Edge: its
     /// cancel receiver, and a guard that unregisters it when the run ends.
-    pub fn register(self: &Arc<Self>, response_id: &str) -> (LiveRun, mpsc::Receiver<LiveCommand>) {
+    pub fn register(self: &Arc<Self>, response_id: &str) -> (LiveRun, LiveCommands) {
         let (tx, rx) = mpsc::channel(8);
-        self.live().insert(response_id.to_owned(), tx);
+        let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
+        self.live().insert(
+            response_id.to_owned(),
+            LiveHandle {
+                commands: tx,
+                cancel: cancel_tx,
+            },
+        );
         (
             LiveRun {
                 durable: self.clone(),
                 response_id: response_id.to_owned(),
             },
-            rx,
+            LiveCommands {
+                commands: rx,
+                cancel: cancel_rx,
+            },
         )
     }
 
@@ -410,9 +435,9 @@ impl Durable {
     /// run it.
     pub fn cancel(&self, response_id: &str) -> bool {
         match self.live().get(response_id) {
-            Some(tx) => {
-                // A full channel already carries a cancel.
-                let _ = tx.try_send(LiveCommand::Cancel);
+            Some(handle) => {
+                // A flag: never lost behind queued commands.
+                handle.cancel.send_replace(true);
                 true
             }
             None => false,
@@ -1080,10 +1105,32 @@ mod tests {
     async fn cancel_reaches_only_a_run_this_edge_writes() {
         let durable = Arc::new(Durable::with_store(memory(), true));
         assert!(!durable.cancel("r"));
-        let (live, mut cancel) = durable.register("r");
+        let (live, mut heard) = durable.register("r");
         assert!(durable.is_live("r"));
+        // A cancel is heard even behind a full command channel (R-LIM-4:
+        // the channel is bounded; a cancel must never be the one dropped).
+        let handle = durable.live().get("r").cloned().expect("live");
+        let offer = || {
+            LiveCommand::Parked(iop_core::edge::dispatch::ParkedOffer {
+                run: iop_wire::ParkedRun {
+                    key: iop_wire::RunKey {
+                        generation: 1,
+                        run_id: 1,
+                    },
+                    response_id: "r".into(),
+                    adapter: iop_wire::AdapterKind::Mock,
+                    target: "t".into(),
+                    first_kept_frame: 1,
+                    last_frame: 0,
+                    ended: false,
+                },
+                provider_id: iop_core::ids::ProviderId::from("p"),
+            })
+        };
+        while handle.commands.try_send(offer()).is_ok() {}
         assert!(durable.cancel("r"));
-        assert!(matches!(cancel.recv().await, Some(LiveCommand::Cancel)));
+        heard.cancel.changed().await.expect("cancel heard");
+        assert!(*heard.cancel.borrow());
         drop(live);
         assert!(!durable.is_live("r"), "unregistered when the run ends");
         assert!(!durable.cancel("r"));
