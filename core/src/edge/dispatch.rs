@@ -712,7 +712,13 @@ impl Dispatcher {
         parked: &[ParkedRun],
     ) {
         let mut offers = Vec::new();
+        // One offer per run, however often a report names it: each offer
+        // costs the custody a store read (R-LIM-4).
+        let mut seen = std::collections::BTreeSet::new();
         for run in parked {
+            if !seen.insert((run.key, run.response_id.as_str())) {
+                continue;
+            }
             let provider_id = self
                 .admission
                 .providers()

@@ -2035,6 +2035,28 @@ fn a_parked_run_holds_the_provider_of_its_own_node_adapter_and_target_r_park_2()
     assert_eq!(d.admission().holds(), 1, "only a's run is held");
 }
 
+/// R-LIM-4, R-PARK-2: a report that names one run many times is offered
+/// once (each offer costs the custody a store read).
+#[test]
+fn a_run_named_many_times_in_one_report_is_offered_once() {
+    let mut d = dispatcher();
+    let a = NodeId::from("a");
+    let mut req = register_req();
+    req.parked = vec![parked(90, 7, "t-p2"); 500];
+    req.parked.push(parked(90, 8, "t-p2"));
+    let (g, _) = d.register(T, &a, &req).unwrap();
+    assert!(d.ready(T, &a, g));
+    answer_first_probes(&mut d, "a", g);
+    let offered: usize = drain_outputs(&mut d)
+        .iter()
+        .map(|o| match o {
+            DispatchOutput::ParkedRuns { runs, .. } => runs.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(offered, 2);
+}
+
 #[test]
 fn r_park_2_a_reported_parked_run_holds_its_capacity_and_is_offered_at_readiness() {
     let mut d = dispatcher();
