@@ -37,10 +37,12 @@
 //! these entry points, one input enum and one output enum, and implement
 //! [`Machine`]: the Edge's [`edge::dispatch::Dispatcher`] and per-request
 //! [`edge::request::Request`] and per-node-connection
-//! [`edge::link::EdgeLink`], and the Node's per-connection
-//! [`node::link::NodeLink`]. The machines they compose keep narrower
-//! method APIs, called only by their owner: admission, health, the stream
-//! gate and the watchdog; the [`liveness::heartbeat::Heartbeat`] is a
+//! [`edge::link::EdgeLink`], the Edge's [`edge::custody::Custody`] and
+//! [`tenant::Tenants`], and the Node's per-connection
+//! [`node::link::NodeLink`] and per-run [`node::run::NodeRun`]. The
+//! machines they compose keep narrower method APIs, called only by their
+//! owner: admission, health, the stream gate, the watchdog and a run's
+//! park; the [`liveness::heartbeat::Heartbeat`] is a
 //! `Machine` too, composed by both links.
 //!
 //! ## Map
@@ -49,7 +51,9 @@
 //!   backoff schedule, used by both sides.
 //! * [`node`]: the Node's connection machine ([`node::link::NodeLink`]:
 //!   handshake, heartbeat, watchdog, each run's one terminal, its leases),
-//!   the run limit over every connection, the stall watchdog for runs and
+//!   each run's machine ([`node::run::NodeRun`]: start order, what the
+//!   watchdog lets through, park, adoption and replay), the run limit over
+//!   every connection, the stall watchdog for runs and
 //!   tunnels (R-WD-1..8),
 //!   the connection-scoped observation sequence (R-SEQ-1) and what an
 //!   exact-target probe answer means (R-WD-5, R-CAP-1) and what a failed
