@@ -77,6 +77,8 @@ pub enum Start {
     },
     /// Let a reported parked run go (its held capacity with it).
     Release(RunKey),
+    /// Tell the run's node to end it: no Edge can use it (R-PARK-1).
+    CancelParked(ParkedOffer),
 }
 
 /// The custody task's state (see the module docs).
@@ -254,6 +256,7 @@ impl CustodyTask {
                     );
                     start(Start::Release(key));
                 }
+                CustodyOutput::CancelParked(offer) => start(Start::CancelParked(offer)),
                 CustodyOutput::Event(event) => log(&event),
             }
         }
@@ -446,6 +449,7 @@ fn log(event: &CustodyEvent) {
 pub fn start_run(ctx: &DriverContext, durable: &Arc<Durable>, start: Start) {
     match start {
         Start::Release(key) => ctx.hub.release_parked(key),
+        Start::CancelParked(offer) => ctx.hub.cancel_parked(offer),
         Start::Adopt {
             offer,
             meta,

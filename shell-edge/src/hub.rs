@@ -37,6 +37,8 @@ pub enum LinkCommand {
     Close(CloseCode),
     /// Send a Cancel for this run on the control stream.
     Cancel(u64),
+    /// Tell the node a parked run of it is of no use (R-PARK-1).
+    CancelParked(iop_wire::CancelParked),
     /// Push this config (new credential profile states) to the node.
     Refresh(Box<ConfigSnapshot>),
 }
@@ -161,6 +163,7 @@ enum HubMsg {
     ReleaseParked {
         key: iop_wire::RunKey,
     },
+    CancelParked(ParkedOffer),
     ParkedSink(mpsc::UnboundedSender<Vec<ParkedOffer>>),
     Parked {
         node: NodeId,
@@ -285,6 +288,12 @@ impl HubHandle {
     /// No request adopts parked run `key`: let its held capacity go.
     pub fn release_parked(&self, key: iop_wire::RunKey) {
         let _ = self.tx.send(HubMsg::ReleaseParked { key });
+    }
+
+    /// Tell the node of a parked run no Edge can use to end it now
+    /// (R-PARK-1).
+    pub fn cancel_parked(&self, offer: ParkedOffer) {
+        let _ = self.tx.send(HubMsg::CancelParked(offer));
     }
 
     /// The credential profiles changed: push them to every connected node.
@@ -493,6 +502,26 @@ impl Hub {
             HubMsg::ReleaseParked { key } => {
                 self.dispatcher
                     .handle_input(now, DispatchInput::ReleaseParked { key });
+            }
+            HubMsg::CancelParked(offer) => {
+                let dispatcher = self.dispatcher.inner();
+                let node = dispatcher
+                    .admission()
+                    .providers()
+                    .find(|p| p.id == offer.provider_id)
+                    .map(|p| p.node.clone());
+                let link = node.and_then(|node| {
+                    let g = dispatcher.registry().dispatchable_generation(&node)?;
+                    self.links.get(&(node, g))
+                });
+                if let Some(link) = link {
+                    let _ = link
+                        .commands
+                        .send(LinkCommand::CancelParked(iop_wire::CancelParked {
+                            key: offer.run.key,
+                            response_id: offer.run.response_id,
+                        }));
+                }
             }
             HubMsg::Detach { request_id } => {
                 self.dispatcher.handle_input(

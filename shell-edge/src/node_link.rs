@@ -159,6 +159,7 @@ impl LinkTask {
                 command = commands.recv(), if live => self.input(match command {
                     Some(LinkCommand::Close(code)) => EdgeLinkInput::Close(code),
                     Some(LinkCommand::Cancel(run_id)) => EdgeLinkInput::Cancel(run_id),
+                    Some(LinkCommand::CancelParked(c)) => EdgeLinkInput::CancelParked(c),
                     Some(LinkCommand::Refresh(snapshot)) => EdgeLinkInput::Refresh(*snapshot),
                     None => EdgeLinkInput::Close(CloseCode::Shutdown),
                 }),

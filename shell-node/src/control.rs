@@ -18,6 +18,8 @@ pub enum RunControl {
     Terminal(RunTerminal),
     /// A connection adopts this parked durable run (R-PARK-2).
     Attach(Box<Attach>),
+    /// An Edge can use this parked run no more (R-PARK-1).
+    CancelParked,
 }
 
 impl std::fmt::Debug for RunControl {
@@ -25,6 +27,7 @@ impl std::fmt::Debug for RunControl {
         match self {
             RunControl::CancelProvider => f.write_str("CancelProvider"),
             RunControl::Terminal(t) => f.debug_tuple("Terminal").field(t).finish(),
+            RunControl::CancelParked => f.write_str("CancelParked"),
             RunControl::Attach(a) => f
                 .debug_struct("Attach")
                 .field("run_id", &a.request.run_id)

@@ -506,6 +506,14 @@ impl Link {
                 },
             };
             match out {
+                NodeLinkOutput::CancelParked(c) => {
+                    let found = self.shared.parking.cancel_parked(c.key, &c.response_id);
+                    tracing::info!(
+                        event = "node_parked_run_released",
+                        run_id = c.key.run_id,
+                        found
+                    );
+                }
                 NodeLinkOutput::Send(frame) => {
                     if send.send(&frame).await.is_err() && end.is_none() {
                         end = Some(self.closed(CloseCode::Normal));

@@ -82,6 +82,15 @@ impl ParkingLot {
         }
     }
 
+    /// An Edge can use the run of `key` writing `response_id` no more: it
+    /// ends if it is parked (R-PARK-1). False if there is none.
+    pub fn cancel_parked(&self, key: RunKey, response_id: &str) -> bool {
+        match self.runs().get(&(key, response_id.to_owned())) {
+            Some(entry) => entry.control.send(RunControl::CancelParked).is_ok(),
+            None => false,
+        }
+    }
+
     pub(crate) fn insert(&self, key: LotKey, entry: ParkEntry) {
         self.runs().insert(key, entry);
     }

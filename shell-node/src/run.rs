@@ -479,6 +479,7 @@ where
             ctrl = control.recv() => match ctrl {
                 Some(RunControl::CancelProvider) => NodeRunInput::CancelProvider,
                 Some(RunControl::Terminal(terminal)) => NodeRunInput::Terminal(terminal),
+                Some(RunControl::CancelParked) => NodeRunInput::CancelParked,
                 Some(RunControl::Attach(attach)) => {
                     if let Some(mut older) = adopting.replace(*attach) {
                         // One adoption at a time.

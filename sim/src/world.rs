@@ -308,6 +308,9 @@ pub struct Stats {
     pub park_paused: u64,
     /// Parked runs whose grace ended without an adoption (R-PARK-1).
     pub park_expired: u64,
+    /// Parked runs an Edge let go because their response ended or is gone
+    /// (`CancelParked`, R-PARK-1).
+    pub parked_released: u64,
     /// Durable runs (attached or parked) that died with their node's process.
     pub durable_runs_crashed: u64,
     /// Parked runs a node reported at registration and the dispatcher held (R-PARK-2).
@@ -392,6 +395,7 @@ impl Stats {
         self.runs_parked += o.runs_parked;
         self.park_paused += o.park_paused;
         self.park_expired += o.park_expired;
+        self.parked_released += o.parked_released;
         self.durable_runs_crashed += o.durable_runs_crashed;
         self.parked_reported += o.parked_reported;
         self.adoptions_sent += o.adoptions_sent;
@@ -3361,6 +3365,7 @@ impl World {
             NodeLinkOutput::CancelProvider { run_id } => {
                 self.run_cancel_provider(node, conn, run_id);
             }
+            NodeLinkOutput::CancelParked(c) => self.run_cancel_parked(node, &c),
             NodeLinkOutput::StartProbe { run_id, .. } => {
                 self.checkers[self.cur].stall_claimed(conn, run_id);
                 let provider = self

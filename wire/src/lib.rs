@@ -34,7 +34,7 @@ pub use messages::*;
 pub const ALPN: &[u8] = b"iop/1";
 
 /// The protocol version a Node announces in its [`RegisterRequest`].
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The hard maximum length of one frame's payload, in bytes (16 MiB).
 ///

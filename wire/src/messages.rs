@@ -270,6 +270,21 @@ pub struct ParkedRun {
     pub ended: bool,
 }
 
+/// Edge -> Node: a parked run no Edge can use (its response ended or is
+/// gone): the Node cancels it now instead of keeping its provider call
+/// going for the rest of its grace (R-PARK-1).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelParked {
+    /// The run.
+    pub key: RunKey,
+    /// The durable response it writes (a run key alone may name another
+    /// Edge's run, R-MULTI-1).
+    #[serde(deserialize_with = "crate::bounded::response_id")]
+    #[cfg_attr(test, proptest(strategy = "\"[a-z0-9_]{0,40}\""))]
+    pub response_id: String,
+}
+
 /// Edge -> Node, in a [`RunRequest`]: the run writes a durable response
 /// (SPEC §6), so it outlives its connection (R-PARK-1).
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
@@ -580,6 +595,8 @@ pub enum EdgeControl {
         /// Why.
         code: CloseCode,
     },
+    /// Cancel a parked run no Edge can use (R-PARK-1).
+    CancelParked(CancelParked),
 }
 
 /// Role of a chat message author.

@@ -219,6 +219,16 @@ pub enum ReleaseReason {
 }
 
 impl ReleaseReason {
+    /// Whether the released run is of no use to any Edge: its record
+    /// ended or is gone. Any other reason may leave it to another Edge or
+    /// a later report (R-MULTI-1).
+    pub fn ends_run(self) -> bool {
+        matches!(
+            self,
+            ReleaseReason::UnknownResponse | ReleaseReason::Refused(TakeoverRefusal::Ended)
+        )
+    }
+
     /// The closed label for logs.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -297,6 +307,9 @@ pub enum CustodyOutput {
         /// Why.
         reason: ReleaseReason,
     },
+    /// Tell the run's node to end it now (after its `Release`): its
+    /// response ended or is gone, so no Edge can use it (R-PARK-1).
+    CancelParked(ParkedOffer),
     /// Something to log or count.
     Event(CustodyEvent),
 }
@@ -617,6 +630,9 @@ impl Custody {
         }) = self.tasks.remove(id)
         {
             self.release(offer.run.key, reason);
+            if reason.ends_run() {
+                self.outputs.push_back(CustodyOutput::CancelParked(offer));
+            }
         }
     }
 

@@ -64,6 +64,8 @@ pub enum EdgeLinkInput {
     },
     /// The hub cancels a run on this node (ignored before readiness).
     Cancel(RunId),
+    /// Tell the node a parked run of it is of no use (R-PARK-1).
+    CancelParked(iop_wire::CancelParked),
     /// The hub pushes a config refresh (ignored before readiness).
     Refresh(ConfigSnapshot),
     /// The hub closes the connection with this code.
@@ -207,6 +209,11 @@ impl EdgeLink {
             EdgeLinkInput::Cancel(run_id) => {
                 if self.is_live() {
                     self.send(EdgeControl::Cancel(iop_wire::Cancel { run_id }));
+                }
+            }
+            EdgeLinkInput::CancelParked(c) => {
+                if self.is_live() {
+                    self.send(EdgeControl::CancelParked(c));
                 }
             }
             EdgeLinkInput::Refresh(snapshot) => {

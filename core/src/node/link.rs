@@ -227,6 +227,9 @@ pub enum NodeLinkOutput {
         /// Whether the call returned within the close grace (R-WD-4).
         retryable: bool,
     },
+    /// The Edge can use this parked run no more (its response ended or is
+    /// gone): cancel it if it is still parked (R-PARK-1).
+    CancelParked(iop_wire::CancelParked),
     /// The run's one terminal (R-WD-3, R-WD-6): it no longer holds its
     /// place. If `forwarded`, the handler already wrote the provider's own
     /// terminal; otherwise it writes `terminal` and stops its provider call.
@@ -539,6 +542,9 @@ impl NodeLink {
                 }
             }
             EdgeControl::Closing { code } => self.end(LinkEnd::Closed(code)),
+            // The node's parked runs are not this connection's: its driver
+            // hands it to the run (R-PARK-1).
+            EdgeControl::CancelParked(c) => self.out.push_back(NodeLinkOutput::CancelParked(c)),
         }
     }
 

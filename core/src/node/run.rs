@@ -296,6 +296,10 @@ pub enum NodeRunInput<F> {
     WriteFailed,
     /// An Edge asks to adopt the run (a durable run only).
     Adopt(Adoption),
+    /// An Edge can use the run no more (its response ended or is gone):
+    /// a parked run ends now; a run on a connection goes on (its Edge
+    /// cancels it on its stream).
+    CancelParked,
 }
 
 /// What the driver does.
@@ -549,6 +553,15 @@ impl<F: RunFrame> NodeRun<F> {
             NodeRunInput::EdgeEnded(signal) => self.edge_ended(now, signal),
             NodeRunInput::WriteFailed => self.lost_stream(now),
             NodeRunInput::Adopt(adoption) => self.adopt(now, adoption),
+            NodeRunInput::CancelParked => {
+                if self.park.is_some() && !self.attached && self.adopting.is_none() {
+                    self.stop_provider();
+                    if let Some(park) = &mut self.park {
+                        park.cancelled();
+                    }
+                    self.over();
+                }
+            }
         }
         self.park_outputs();
     }
@@ -1479,6 +1492,23 @@ mod tests {
                 Out::Done
             ]
         );
+    }
+
+    /// R-PARK-1: a parked run an Edge can use no more ends at once; one on
+    /// a connection does not.
+    #[test]
+    fn a_parked_run_no_edge_can_use_ends_at_once() {
+        let mut run = running(durable());
+        run.handle_input(at(1), NodeRunInput::CancelParked);
+        assert_eq!(drain(&mut run), [], "attached: its stream carries cancels");
+        run.handle_input(at(2), NodeRunInput::EdgeEnded(EdgeSignal::ConnectionLost));
+        drain(&mut run);
+        run.handle_input(at(3), NodeRunInput::CancelParked);
+        assert_eq!(
+            drain(&mut run),
+            [Out::StopProvider { report: false }, Out::Done]
+        );
+        assert!(run.is_over());
     }
 
     /// A durable run whose connection's machine goes away mid-offer parks

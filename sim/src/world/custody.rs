@@ -169,6 +169,7 @@ impl World {
                     self.custody_continue(incarnation, meta, &resumed);
                 }
                 CustodyOutput::Release { key, reason: _ } => self.release_parked(key),
+                CustodyOutput::CancelParked(offer) => self.cancel_parked(&offer),
                 CustodyOutput::Event(event) => self.custody_event(event),
             }
         }
@@ -447,6 +448,42 @@ impl World {
     pub(super) fn release_parked(&mut self, key: RunKey) {
         self.stats.offers_released += 1;
         self.dispatch(DispatchInput::ReleaseParked { key });
+    }
+
+    /// Tell the node of a parked run no Edge can use to end it (R-PARK-1):
+    /// on the Edge's connection of the run's node, as the hub does.
+    fn cancel_parked(&mut self, offer: &iop_core::edge::dispatch::ParkedOffer) {
+        let Some(node) = self
+            .providers
+            .iter()
+            .find(|p| p.id == offer.provider_id)
+            .map(|p| p.node.clone())
+        else {
+            return;
+        };
+        let node = self.node_index(&node);
+        let Some(edge) = &self.edges[self.cur] else {
+            return;
+        };
+        let conn = edge
+            .conns
+            .iter()
+            .filter(|(_, c)| c.node == node && c.generation.is_some())
+            .max_by_key(|(_, c)| c.generation)
+            .map(|(conn, _)| *conn);
+        if let Some(conn) = conn {
+            self.transmit(
+                conn,
+                crate::net::Dir::EdgeToNode,
+                crate::net::StreamKey::Control,
+                crate::net::Payload::EdgeControl(iop_wire::EdgeControl::CancelParked(
+                    iop_wire::CancelParked {
+                        key: offer.run.key,
+                        response_id: offer.run.response_id.clone(),
+                    },
+                )),
+            );
+        }
     }
 
     /// Whether a request of this Edge writes `record`: one whose machine

@@ -766,6 +766,24 @@ impl World {
         }
     }
 
+    /// An Edge can use a parked run no more (R-PARK-1): its machine
+    /// decides whether it ends.
+    pub(super) fn run_cancel_parked(&mut self, node: usize, c: &iop_wire::CancelParked) {
+        let found = self.nodes[node]
+            .runs
+            .iter()
+            .find(|(_, r)| {
+                r.durable
+                    .as_ref()
+                    .is_some_and(|(k, resp)| *k == c.key && *resp == c.response_id)
+            })
+            .map(|(s, _)| *s);
+        if let Some(serial) = found {
+            self.stats.parked_released += 1;
+            self.run_input(node, serial, NodeRunInput::CancelParked);
+        }
+    }
+
     /// The Edge acknowledged a durable run's frames (R-PARK-1).
     pub(super) fn node_run_ack(&mut self, node: usize, conn: ConnId, run_id: RunId, through: u64) {
         if let Some(serial) = self.attached_run(node, conn, run_id) {
