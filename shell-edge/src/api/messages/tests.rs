@@ -1,6 +1,13 @@
-use iop_wire::{ExecutionFailure, FailureCode};
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use iop_wire::{
+    ChatMessage, ExecutionFailure, FailureCode, FinishReason, GenerationParams, Role, RunApi,
+    RunEventKind, ToolCall, ToolCallDelta, ToolDefinition, Usage,
+};
 use proptest::prelude::*;
+use serde_json::{Map, Value, json};
 
+use super::request::message;
 use super::*;
 use crate::api::framing::parse_sse;
 

@@ -1,0 +1,96 @@
+//! The whole answer ([`MessagesAccumulator`]) and what it shares with the
+//! stream: the `stop_reason` of a run's end and the `usage` object.
+
+use iop_wire::{FailureCode, FinishReason, RunEventKind, Usage};
+use serde_json::{Map, Value, json};
+
+use super::super::error::ApiError;
+use super::super::transcript::Transcript;
+
+/// Anthropic's `stop_reason` for a run that ended with `finish_reason`,
+/// having called tools or not.
+pub fn stop_reason(finish_reason: FinishReason, called_tools: bool) -> &'static str {
+    match finish_reason {
+        FinishReason::Length => "max_tokens",
+        FinishReason::ContentFilter => "refusal",
+        FinishReason::ToolCalls => "tool_use",
+        FinishReason::Stop if called_tools => "tool_use",
+        FinishReason::Stop => "end_turn",
+    }
+}
+
+/// The `usage` object: the provider's counts, or `null`s when it reported
+/// none (never invented).
+pub(super) fn usage_json(usage: Option<Usage>) -> Value {
+    match usage {
+        Some(u) => json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}),
+        None => json!({"input_tokens": null, "output_tokens": null}),
+    }
+}
+
+/// Folds run events into one Anthropic `message` object.
+#[derive(Debug, Clone)]
+pub struct MessagesAccumulator {
+    id: String,
+    model: String,
+    transcript: Transcript,
+}
+
+impl MessagesAccumulator {
+    /// An accumulator for message `id` of `model`.
+    pub fn new(id: impl Into<String>, model: impl Into<String>) -> Self {
+        let id = id.into();
+        Self {
+            transcript: Transcript::new(id.clone()),
+            id,
+            model: model.into(),
+        }
+    }
+
+    /// Fold one event in; events after the terminal are ignored.
+    pub fn push(&mut self, event: &RunEventKind) {
+        self.transcript.push(event);
+    }
+
+    /// The `message` object, or the error the run ended with. Tool
+    /// arguments that are not a JSON object cannot be a `tool_use` block's
+    /// `input`: the answer is then the provider's malformed response.
+    pub fn finish(&self) -> Result<Value, ApiError> {
+        let finish_reason = self.transcript.finish_reason()?;
+        let tool_calls = self.transcript.tool_calls();
+        let mut content = Vec::new();
+        if !self.transcript.reasoning().is_empty() {
+            content.push(json!({
+                "type": "thinking",
+                "thinking": self.transcript.reasoning(),
+                "signature": "",
+            }));
+        }
+        let text = self.transcript.text();
+        if !text.is_empty() || (tool_calls.is_empty() && content.is_empty()) {
+            content.push(json!({"type": "text", "text": text}));
+        }
+        for call in tool_calls.calls() {
+            let input = match call.arguments.trim() {
+                "" => Value::Object(Map::new()),
+                args => match serde_json::from_str::<Value>(args) {
+                    Ok(input @ Value::Object(_)) => input,
+                    _ => return Err(ApiError::from_failure(FailureCode::MalformedResponse)),
+                },
+            };
+            content.push(
+                json!({"type": "tool_use", "id": call.id, "name": call.name, "input": input}),
+            );
+        }
+        Ok(json!({
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason(finish_reason, !tool_calls.is_empty()),
+            "stop_sequence": null,
+            "usage": usage_json(self.transcript.usage()),
+        }))
+    }
+}
