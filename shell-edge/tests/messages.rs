@@ -20,14 +20,63 @@ struct Deployment {
     http: reqwest::Client,
 }
 
+/// The provider behind the Edge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Upstream {
+    /// An `openai` provider in front of the HTTP mock.
+    OpenAi,
+    /// An `anthropic` provider in front of a mock that speaks only the
+    /// Messages API (as Anthropic's server), which takes its key in
+    /// `x-api-key`.
+    MessagesOnly,
+    /// [`Upstream::MessagesOnly`] in tunnel mode: a Messages client's
+    /// request relayed as it is.
+    MessagesOnlyTunnel,
+}
+
+/// The key the Messages-only upstream requires.
+const UPSTREAM_KEY: &str = "sk-ant-upstream";
+
 impl Deployment {
     /// One `openai` provider (capacity `capacity`) in front of the HTTP
     /// mock, serving `m`, `mock` and `mock:*`; an admission queue of
     /// `queue_capacity`.
     async fn start(script: MockScript, capacity: u32, queue_capacity: u32) -> Self {
+        Self::start_with(script, capacity, queue_capacity, Upstream::OpenAi).await
+    }
+
+    /// [`Deployment::start`] with the provider `upstream`.
+    async fn start_with(
+        script: MockScript,
+        capacity: u32,
+        queue_capacity: u32,
+        upstream: Upstream,
+    ) -> Self {
         let pki = Pki::new(&["node-1"]);
         write_secret(&pki.path().join("key"), KEY);
-        let mock = MockServer::start(script).await.unwrap();
+        let (mock, adapter, mode) = match upstream {
+            Upstream::OpenAi => (
+                MockServer::start(script).await.unwrap(),
+                "openai",
+                "normalized",
+            ),
+            Upstream::MessagesOnly | Upstream::MessagesOnlyTunnel => {
+                let script = MockScript {
+                    require_key: Some(UPSTREAM_KEY.into()),
+                    ..script
+                };
+                let mode = if upstream == Upstream::MessagesOnlyTunnel {
+                    "tunnel"
+                } else {
+                    "normalized"
+                };
+                (
+                    MockServer::start_messages_only(script).await.unwrap(),
+                    "anthropic",
+                    mode,
+                )
+            }
+        };
         let text = format!(
             r#"
 [edge]
@@ -48,7 +97,8 @@ queue_timeout_ms = 10000
 [[providers]]
 id = "p1"
 node = "node-1"
-adapter = "openai"
+adapter = "{adapter}"
+mode = "{mode}"
 target = "t"
 capacity = {capacity}
 stall_timeout_ms = 2000
@@ -69,15 +119,20 @@ admin = true
         );
         let config = EdgeConfig::parse(&text, pki.path()).expect("edge config");
         let edge = RunningEdge::start(config).await.expect("edge");
-        let node = start_node(
+        let mut node_config = node_config(
             &pki,
             "node-1",
             edge.quic_addr,
             &format!(
-                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                "[[providers]]\nadapter = \"{adapter}\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
                 mock.base_url()
             ),
         );
+        if adapter == "anthropic" {
+            // The target's static key (what `api_key_env` names).
+            node_config.providers[0].api_key = Some(UPSTREAM_KEY.into());
+        }
+        let node = iop_node::RunningNode::start(node_config);
         ready_generation(&edge, "node-1").await;
         Self {
             _pki: pki,
@@ -471,29 +526,187 @@ async fn official_anthropic_python_sdk_end_to_end() {
             "python3".into()
         }
     };
+    // Once in front of an OpenAI-compatible provider, once in front of a
+    // Messages-only one (the `anthropic` adapter).
+    for upstream in [Upstream::OpenAi, Upstream::MessagesOnly] {
+        bounded(async {
+            // One slot and a queue of two, so the script can fill it for a 429.
+            let d = Deployment::start_with(MockScript::default(), 1, 2, upstream).await;
+            let script = concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/sdk/anthropic_sdk_e2e.py"
+            );
+            let out = tokio::process::Command::new(&python)
+                .arg(script)
+                .arg(d.url(""))
+                .arg(KEY)
+                .arg(d.mock.base_url())
+                .output()
+                .await
+                .expect("run python");
+            assert!(
+                out.status.success(),
+                "sdk e2e failed ({upstream:?}):\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            d.wait_idle().await;
+            d.stop().await;
+        })
+        .await;
+    }
+}
+
+/// POST `body` to an OpenAI or Ollama route, the key as a bearer token.
+async fn post_bearer(d: &Deployment, path: &str, body: &Value) -> reqwest::Response {
+    d.http
+        .post(d.url(path))
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("http")
+}
+
+#[tokio::test]
+async fn openai_and_ollama_clients_reach_a_messages_only_upstream() {
     bounded(async {
-        // One slot and a queue of two, so the script can fill it for a 429.
-        let d = Deployment::start(MockScript::default(), 1, 2).await;
-        let script = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/sdk/anthropic_sdk_e2e.py"
-        );
-        let out = tokio::process::Command::new(&python)
-            .arg(script)
-            .arg(d.url(""))
-            .arg(KEY)
-            .arg(d.mock.base_url())
-            .output()
+        let d = Deployment::start_with(MockScript::default(), 4, 64, Upstream::MessagesOnly).await;
+        let chat = |stream: bool| {
+            json!({
+                "model": "mock:tokens=5",
+                "stream": stream,
+                "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null },
+                "messages": [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": "hello there"}],
+            })
+        };
+        let prompt_tokens = ("be brief".len() + "hello there".len()).div_ceil(4);
+
+        // OpenAI Chat Completions, whole: the upstream's text and usage.
+        let r = post_bearer(&d, "/v1/chat/completions", &chat(false)).await;
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], expected_text(5));
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+        assert_eq!(v["usage"]["completion_tokens"], 5);
+
+        // Streamed, with usage.
+        let r = post_bearer(&d, "/v1/chat/completions", &chat(true)).await;
+        assert_eq!(r.status(), 200);
+        let body = r.text().await.unwrap();
+        let chunks: Vec<Value> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, expected_text(5));
+        let usage = chunks.iter().find_map(|c| c["usage"].as_object()).unwrap();
+        assert_eq!(usage["completion_tokens"], 5);
+
+        // A tool call, as OpenAI's tool_calls.
+        let tools = json!({
+            "model": "mock:tool_call=1,tokens=2",
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}],
+        });
+        let v: Value = post_bearer(&d, "/v1/chat/completions", &tools)
             .await
-            .expect("run python");
-        assert!(
-            out.status.success(),
-            "sdk e2e failed:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+        let call = &v["choices"][0]["message"]["tool_calls"][0];
+        assert_eq!(call["function"]["name"], "get_weather");
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args["text"], "tok0 tok1");
+
+        // A matched stop sequence is OpenAI's `stop`.
+        let mut stopped = chat(false);
+        stopped["stop"] = json!(["tok3"]);
+        let v: Value = post_bearer(&d, "/v1/chat/completions", &stopped)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 tok2 ");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+        // Ollama's /api/chat, whole and streamed.
+        let ollama = |stream: bool| {
+            json!({"model": "mock:tokens=3", "stream": stream,
+                   "messages": [{"role": "user", "content": "hello there"}]})
+        };
+        let v: Value = post_bearer(&d, "/api/chat", &ollama(false))
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["message"]["content"], expected_text(3));
+        assert_eq!(v["done"], true);
+        assert_eq!(v["eval_count"], 3);
+        let body = post_bearer(&d, "/api/chat", &ollama(true))
+            .await
+            .text()
+            .await
+            .unwrap();
+        let lines: Vec<Value> = body
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let text: String = lines
+            .iter()
+            .filter_map(|l| l["message"]["content"].as_str())
+            .collect();
+        assert_eq!(text, expected_text(3));
+        assert_eq!(lines.last().unwrap()["done_reason"], "stop");
+
+        // Every call reached the Messages-only upstream (its only API).
+        assert_eq!(d.mock.requests(), 6);
         d.wait_idle().await;
         d.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_stop_sequence_comes_back_as_stop_reason_stop_sequence() {
+    bounded(async {
+        for upstream in [Upstream::MessagesOnly, Upstream::MessagesOnlyTunnel] {
+            let d = Deployment::start_with(MockScript::default(), 4, 64, upstream).await;
+            let mut body = request("mock:tokens=8", false);
+            body["stop_sequences"] = json!(["tok3"]);
+            let r = d.post("/v1/messages", &body, &[]).await;
+            assert_eq!(r.status(), 200, "{upstream:?}");
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["content"][0]["text"], "tok0 tok1 tok2 ", "{upstream:?}");
+            assert_eq!(v["stop_reason"], "stop_sequence", "{upstream:?}");
+            assert_eq!(v["stop_sequence"], "tok3", "{upstream:?}");
+
+            body["stream"] = json!(true);
+            let r = d.post("/v1/messages", &body, &[]).await;
+            assert_eq!(r.status(), 200, "{upstream:?}");
+            let evs = events(&r.text().await.unwrap());
+            assert_eq!(streamed_text(&evs), "tok0 tok1 tok2 ", "{upstream:?}");
+            let delta = &evs.iter().find(|(_, n, _)| n == "message_delta").unwrap().2;
+            assert_eq!(
+                delta["delta"]["stop_reason"], "stop_sequence",
+                "{upstream:?}"
+            );
+            assert_eq!(delta["delta"]["stop_sequence"], "tok3", "{upstream:?}");
+            assert_eq!(d.mock.requests(), 2, "{upstream:?}");
+            d.wait_idle().await;
+            d.stop().await;
+        }
     })
     .await;
 }

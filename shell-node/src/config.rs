@@ -104,7 +104,7 @@ impl Default for WatchdogSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProviderEntry {
-    /// `openai`, `ollama` or `mock`.
+    /// `openai`, `ollama`, `anthropic` or `mock`.
     pub adapter: String,
     /// The target name the Edge config refers to.
     pub target: String,
@@ -339,7 +339,10 @@ impl NodeConfig {
         for (i, p) in file.providers.iter().enumerate() {
             let f = |name: &str| format!("providers[{i}].{name}");
             let adapter = AdapterKind::parse(&p.adapter).ok_or_else(|| {
-                field_err(f("adapter"), "must be one of `openai`, `ollama`, `mock`")
+                field_err(
+                    f("adapter"),
+                    "must be one of `openai`, `ollama`, `anthropic`, `mock`",
+                )
             })?;
             if !valid_name(&p.target) {
                 return Err(field_err(

@@ -19,6 +19,7 @@ fn main() -> std::io::Result<()> {
         }),
         http_status: None,
         health_failure: Some(HealthFailureCode::ResponseStalled),
+        provider_message: None,
     };
     let mut frames: Vec<(&str, Vec<u8>)> = vec![
         (

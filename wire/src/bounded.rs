@@ -13,8 +13,8 @@ use serde::de::{Deserialize, Deserializer, Error as _, SeqAccess, Visitor};
 
 use crate::{
     Header, MAX_CAPABILITY_TARGETS, MAX_HEADER_BYTES, MAX_HEADERS, MAX_MODEL_NAME_BYTES,
-    MAX_MODELS_PER_TARGET, MAX_OFFERED_PROVIDERS, MAX_PARKED_RUNS, MAX_RESPONSE_ID_BYTES,
-    MAX_TARGET_BYTES, OfferedProvider, ParkedRun, TargetHealth,
+    MAX_MODELS_PER_TARGET, MAX_OFFERED_PROVIDERS, MAX_PARKED_RUNS, MAX_PROVIDER_MESSAGE_CHARS,
+    MAX_RESPONSE_ID_BYTES, MAX_TARGET_BYTES, OfferedProvider, ParkedRun, TargetHealth,
 };
 
 struct BoundedVec<T> {
@@ -130,6 +130,21 @@ fn bounded_string<'de, D: Deserializer<'de>>(
 /// A response id: at most [`MAX_RESPONSE_ID_BYTES`].
 pub(crate) fn response_id<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     bounded_string(d, "response id", MAX_RESPONSE_ID_BYTES)
+}
+
+/// A provider's error message: at most [`MAX_PROVIDER_MESSAGE_CHARS`]
+/// characters of at most four bytes each.
+pub(crate) fn provider_message<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<String>, D::Error> {
+    let max = MAX_PROVIDER_MESSAGE_CHARS * 4;
+    match Option::<String>::deserialize(d)? {
+        Some(s) if s.len() > max => Err(serde::de::Error::custom(format!(
+            "a provider message of {} bytes exceeds the maximum of {max}",
+            s.len()
+        ))),
+        other => Ok(other),
+    }
 }
 
 /// A target name: at most [`MAX_TARGET_BYTES`].

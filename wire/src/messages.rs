@@ -48,6 +48,9 @@ closed_enum! {
         Ollama => "ollama",
         /// The built-in deterministic provider.
         Mock => "mock",
+        /// Anthropic's Messages API (`POST /v1/messages`): Anthropic's own,
+        /// or any Messages-compatible server.
+        Anthropic => "anthropic",
     }
 }
 
@@ -156,7 +159,9 @@ pub struct StallMetadata {
 
 /// The typed failure carried by a run or tunnel terminal (SPEC §3).
 ///
-/// Never carries raw provider payloads or credentials.
+/// Never carries raw provider payloads or credentials; a provider's own
+/// error message only as [`provider_message`] makes it (control characters
+/// stripped, at most [`MAX_PROVIDER_MESSAGE_CHARS`]).
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExecutionFailure {
@@ -176,6 +181,10 @@ pub struct ExecutionFailure {
     pub http_status: Option<u16>,
     /// Sanitized failure class for health tracking.
     pub health_failure: Option<HealthFailureCode>,
+    /// The provider's own error message, for the client ([`provider_message`]).
+    #[serde(deserialize_with = "crate::bounded::provider_message")]
+    #[cfg_attr(test, proptest(strategy = "proptest::option::of(\"[ -~]{0,40}\")"))]
+    pub provider_message: Option<String>,
 }
 
 impl ExecutionFailure {
@@ -190,8 +199,33 @@ impl ExecutionFailure {
             stall: None,
             http_status: None,
             health_failure: None,
+            provider_message: None,
         }
     }
+}
+
+/// The most characters of a provider's error message a failure carries.
+pub const MAX_PROVIDER_MESSAGE_CHARS: usize = 1024;
+
+/// A provider's own error message as a failure carries it to the client:
+/// control characters (line breaks included) become spaces, runs of
+/// whitespace one space, ends trimmed, at most [`MAX_PROVIDER_MESSAGE_CHARS`]
+/// characters (cut with `…`); `None` when nothing is left.
+pub fn provider_message(raw: &str) -> Option<String> {
+    let words: Vec<&str> = raw
+        .split(|c: char| c.is_control() || c.is_whitespace())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let text = words.join(" ");
+    if text.is_empty() {
+        return None;
+    }
+    if text.chars().count() <= MAX_PROVIDER_MESSAGE_CHARS {
+        return Some(text);
+    }
+    let mut cut: String = text.chars().take(MAX_PROVIDER_MESSAGE_CHARS - 1).collect();
+    cut.push('…');
+    Some(cut)
 }
 
 /// A provider a Node offers at registration.
@@ -895,7 +929,7 @@ pub struct ToolCallDelta {
 closed_enum! {
     /// Why generation finished.
     pub enum FinishReason {
-        /// Natural end or stop sequence.
+        /// Natural end (or a stop sequence the provider did not name).
         Stop => "stop",
         /// Token limit.
         Length => "length",
@@ -903,6 +937,21 @@ closed_enum! {
         ToolCalls => "tool_calls",
         /// Filtered.
         ContentFilter => "content_filter",
+        /// One of the request's stop sequences matched (a provider that
+        /// says so: the Messages API's `stop_sequence`, vLLM's
+        /// `stop_reason`).
+        StopSequence => "stop_sequence",
+    }
+}
+
+impl FinishReason {
+    /// The OpenAI (and Ollama) name: a matched stop sequence is `stop`
+    /// there, as those APIs have no name of their own for it.
+    pub fn openai_str(self) -> &'static str {
+        match self {
+            FinishReason::StopSequence => FinishReason::Stop.as_str(),
+            other => other.as_str(),
+        }
     }
 }
 

@@ -292,3 +292,38 @@ mod byte_fields_keep_the_wire_format {
         }
     }
 }
+
+#[test]
+fn a_provider_message_is_stripped_of_control_characters_and_bounded() {
+    assert_eq!(
+        provider_message("  Input should be\r\n'text'\tor\u{1b}[31m 'json_object'\u{0} ")
+            .as_deref(),
+        Some("Input should be 'text' or [31m 'json_object'")
+    );
+    assert_eq!(provider_message(" \n\t "), None);
+    let long = "x".repeat(MAX_PROVIDER_MESSAGE_CHARS * 3);
+    let cut = provider_message(&long).unwrap();
+    assert_eq!(cut.chars().count(), MAX_PROVIDER_MESSAGE_CHARS);
+    assert!(cut.ends_with('…'));
+    let exact = "é".repeat(MAX_PROVIDER_MESSAGE_CHARS);
+    assert_eq!(provider_message(&exact).as_deref(), Some(exact.as_str()));
+}
+
+#[test]
+fn a_provider_message_over_its_bound_is_refused_while_decoding() {
+    let mut failure = ExecutionFailure::new(FailureCode::ProviderError);
+    failure.provider_message = Some("y".repeat(MAX_PROVIDER_MESSAGE_CHARS * 4));
+    let event = RunEvent {
+        run_id: 1,
+        kind: RunEventKind::Failed(failure.clone()),
+    };
+    let bytes = postcard::to_allocvec(&event).unwrap();
+    assert!(decode::<RunEvent>(&bytes).is_ok());
+    failure.provider_message = Some("y".repeat(MAX_PROVIDER_MESSAGE_CHARS * 4 + 1));
+    let event = RunEvent {
+        run_id: 1,
+        kind: RunEventKind::Failed(failure),
+    };
+    let bytes = postcard::to_allocvec(&event).unwrap();
+    assert!(decode::<RunEvent>(&bytes).is_err());
+}

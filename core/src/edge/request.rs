@@ -82,6 +82,10 @@ pub enum TunnelApi {
     OpenAi,
     /// Ollama (`/api/...`): `ollama` adapters.
     Ollama,
+    /// Anthropic's Messages API (`/v1/messages`): `anthropic` adapters,
+    /// and the OpenAI-compatible servers that also serve it (vLLM,
+    /// llama.cpp's server; the mock).
+    Messages,
 }
 
 impl TunnelApi {
@@ -91,6 +95,10 @@ impl TunnelApi {
             (self, adapter),
             (TunnelApi::OpenAi, AdapterKind::OpenAi | AdapterKind::Mock)
                 | (TunnelApi::Ollama, AdapterKind::Ollama)
+                | (
+                    TunnelApi::Messages,
+                    AdapterKind::Anthropic | AdapterKind::OpenAi | AdapterKind::Mock
+                )
         )
     }
 }

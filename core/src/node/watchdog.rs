@@ -928,6 +928,7 @@ impl Watchdog {
             }),
             http_status: None,
             health_failure: Some(HealthFailureCode::ResponseStalled),
+            provider_message: None,
         };
         self.outputs.push_back(WatchdogOutput::StallObserved {
             run_id,
@@ -1587,6 +1588,7 @@ mod tests {
             }),
             http_status: Some(503),
             health_failure: Some(HealthFailureCode::Http5xx),
+            provider_message: None,
         };
         assert_eq!(
             wd.provider_returned(ms(500), 1, ProviderOutcome::Failed(forged)),
@@ -1821,6 +1823,7 @@ mod tests {
                         }),
                         http_status: None,
                         health_failure: Some(HealthFailureCode::ResponseStalled),
+                        provider_message: None,
                     }),
                 },
             ]

@@ -742,7 +742,7 @@ impl ChatStream {
     ) {
         let choice = ChunkChoice {
             delta,
-            finish_reason: finish.map(FinishReason::as_str),
+            finish_reason: finish.map(FinishReason::openai_str),
             index: 0,
             logprobs,
         };
@@ -804,7 +804,7 @@ impl ChatAccumulator {
     /// The `chat.completion` object, or the error the run ended with.
     pub fn finish(&self) -> Result<Value, ApiError> {
         let finish_reason = self.transcript.finish_reason()?;
-        Ok(self.completion_json(Some(finish_reason.as_str())))
+        Ok(self.completion_json(Some(finish_reason.openai_str())))
     }
 
     /// The `chat.completion` object as it stands: a stored completion

@@ -320,7 +320,7 @@ fn completion_object(
             "text": text,
             "index": 0,
             "logprobs": null,
-            "finish_reason": finish.map(FinishReason::as_str),
+            "finish_reason": finish.map(FinishReason::openai_str),
         }],
     })
 }

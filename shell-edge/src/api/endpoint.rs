@@ -650,7 +650,9 @@ pub struct Messages;
 
 impl RunEndpoint for Messages {
     const X_API_KEY: bool = true;
-    type Options = ();
+    /// The request's `stop_sequences` (the answer names the one it
+    /// stopped at).
+    type Options = Vec<String>;
     type Stream = messages::MessagesStream;
     type Whole = messages::MessagesAccumulator;
 
@@ -658,26 +660,32 @@ impl RunEndpoint for Messages {
         "messages"
     }
 
-    /// A tunnel-mode provider gets the body on its own `/v1/messages`
-    /// (vLLM and llama.cpp's server answer it).
+    /// A tunnel-mode provider gets the body on its own `/v1/messages`: an
+    /// `anthropic` one, or an OpenAI-compatible server that answers it too
+    /// (vLLM, llama.cpp's server).
     fn tunnel(&self) -> (TunnelApi, &'static str) {
-        (TunnelApi::OpenAi, "/v1/messages")
+        (TunnelApi::Messages, "/v1/messages")
     }
 
-    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, ()), ApiError> {
-        messages::parse_messages_request(body).map(|run| (run, ()))
+    fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, Vec<String>), ApiError> {
+        messages::parse_messages_request(body).map(|run| {
+            let stops = run.params.stop.clone();
+            (run, stops)
+        })
     }
 
     fn error_response(&self, err: ApiError) -> Response {
         messages::MessagesError(err).into_response()
     }
 
-    fn stream(&self, start: AnswerStart, _: ()) -> messages::MessagesStream {
+    fn stream(&self, start: AnswerStart, stops: Vec<String>) -> messages::MessagesStream {
         messages::MessagesStream::new(messages::message_id(start.id_seed), start.model)
+            .with_stop_sequences(stops)
     }
 
-    fn whole(&self, start: AnswerStart, _: ()) -> messages::MessagesAccumulator {
+    fn whole(&self, start: AnswerStart, stops: Vec<String>) -> messages::MessagesAccumulator {
         messages::MessagesAccumulator::new(messages::message_id(start.id_seed), start.model)
+            .with_stop_sequences(stops)
     }
 
     fn journal_api(&self) -> JournalApi {

@@ -404,8 +404,12 @@ impl Serialize for Rfc3339Utc {
 fn done_reason(finish_reason: FinishReason) -> &'static str {
     match finish_reason {
         FinishReason::Length => "length",
-        // Ollama reports tool calls and filtered output as a normal stop.
-        FinishReason::Stop | FinishReason::ToolCalls | FinishReason::ContentFilter => "stop",
+        // Ollama reports tool calls, filtered output and a matched stop
+        // sequence as a normal stop.
+        FinishReason::Stop
+        | FinishReason::StopSequence
+        | FinishReason::ToolCalls
+        | FinishReason::ContentFilter => "stop",
     }
 }
 

@@ -769,7 +769,9 @@ impl ResponseDraft {
     /// Status, item status and `incomplete_details` for a finish reason.
     fn completion_status(finish_reason: FinishReason) -> (&'static str, &'static str, Value) {
         match finish_reason {
-            FinishReason::Stop | FinishReason::ToolCalls => ("completed", "completed", Value::Null),
+            FinishReason::Stop | FinishReason::StopSequence | FinishReason::ToolCalls => {
+                ("completed", "completed", Value::Null)
+            }
             FinishReason::Length => (
                 "incomplete",
                 "incomplete",

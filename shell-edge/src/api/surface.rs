@@ -347,7 +347,57 @@ pub fn provider_refusal(adapter: AdapterKind, run: &NormalizedRun) -> Option<Api
     match adapter {
         AdapterKind::OpenAi | AdapterKind::Mock => None,
         AdapterKind::Ollama => ollama_refusal(run),
+        AdapterKind::Anthropic => anthropic_refusal(run),
     }
+}
+
+/// The pass-through fields a Messages provider takes (`user` as
+/// `metadata.user_id`); the answer-neutral ones are left out.
+pub const ANTHROPIC_FIELDS: &[&str] = &["top_k"];
+
+/// What the Messages API has no place for: embeddings, fill-in-the-middle,
+/// log probabilities, a `response_format`, a seed, penalties, other
+/// pass-through fields.
+fn anthropic_refusal(run: &NormalizedRun) -> Option<ApiError> {
+    let p = &run.params;
+    let refuse = |param: &str| {
+        Some(ApiError::unsupported_parameter(
+            param,
+            "This model's providers speak Anthropic's Messages API, which has no such parameter.",
+        ))
+    };
+    if run.api == iop_wire::RunApi::Embeddings {
+        return refuse("input");
+    }
+    if p.suffix.is_some() {
+        return refuse("suffix");
+    }
+    if p.logprobs {
+        return refuse("logprobs");
+    }
+    if p.response_format_json.is_some() {
+        return refuse("response_format");
+    }
+    if p.seed.is_some() {
+        return refuse("seed");
+    }
+    if p.presence_penalty.is_some() {
+        return refuse("presence_penalty");
+    }
+    if p.frequency_penalty.is_some() {
+        return refuse("frequency_penalty");
+    }
+    let extra: Map<String, Value> = p
+        .extra_json
+        .as_deref()
+        .and_then(|e| serde_json::from_str(e).ok())
+        .unwrap_or_default();
+    extra
+        .keys()
+        .find(|k| {
+            !ANTHROPIC_FIELDS.contains(&k.as_str()) && !ANSWER_NEUTRAL_FIELDS.contains(&k.as_str())
+        })
+        .and_then(|k| refuse(k))
 }
 
 fn ollama_refusal(run: &NormalizedRun) -> Option<ApiError> {
@@ -455,6 +505,43 @@ mod tests {
         let body = Value::Object(body);
         let root = RequestObject::root(&body).unwrap();
         assert!(pass_through_fields(&root, &[]).is_err());
+    }
+
+    #[test]
+    fn a_messages_provider_refuses_what_the_messages_api_cannot_carry_naming_it() {
+        let refused = |params: GenerationParams| {
+            provider_refusal(AdapterKind::Anthropic, &run(params))
+                .and_then(|e| e.param)
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            refused(GenerationParams {
+                seed: Some(1),
+                ..Default::default()
+            }),
+            "seed"
+        );
+        assert_eq!(
+            refused(GenerationParams {
+                response_format_json: Some(r#"{"type":"json_object"}"#.into()),
+                ..Default::default()
+            }),
+            "response_format"
+        );
+        assert_eq!(
+            refused(GenerationParams {
+                extra_json: Some(r#"{"min_p":0.1}"#.into()),
+                ..Default::default()
+            }),
+            "min_p"
+        );
+        let carried = run(GenerationParams {
+            extra_json: Some(r#"{"top_k":5,"user":"u","store":true}"#.into()),
+            stop: vec!["END".into()],
+            reasoning_effort: Some("low".into()),
+            ..Default::default()
+        });
+        assert!(provider_refusal(AdapterKind::Anthropic, &carried).is_none());
     }
 
     #[test]

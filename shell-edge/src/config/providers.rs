@@ -107,8 +107,12 @@ pub(super) fn validate_providers(
                 "must be 1-128 chars of [A-Za-z0-9._-]",
             ));
         }
-        let adapter = AdapterKind::parse(&p.adapter)
-            .ok_or_else(|| field_err(f("adapter"), "must be one of `openai`, `ollama`, `mock`"))?;
+        let adapter = AdapterKind::parse(&p.adapter).ok_or_else(|| {
+            field_err(
+                f("adapter"),
+                "must be one of `openai`, `ollama`, `anthropic`, `mock`",
+            )
+        })?;
         if p.target.is_empty() {
             return Err(field_err(f("target"), "must not be empty"));
         }

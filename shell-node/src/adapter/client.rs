@@ -191,6 +191,26 @@ impl ProviderRequest {
         self
     }
 
+    /// Add a header unless the request has one of that name already.
+    pub fn header_if_absent(self, name: HeaderName, value: &str) -> Self {
+        if self.headers.contains_key(&name) {
+            return self;
+        }
+        self.header(name, value)
+    }
+
+    /// Set a header that carries a secret (a key), marked sensitive.
+    pub fn sensitive_header(mut self, name: HeaderName, secret: &str) -> Self {
+        match HeaderValue::from_str(secret) {
+            Ok(mut value) => {
+                value.set_sensitive(true);
+                self.headers.insert(name, value);
+            }
+            Err(_) => self.invalid = true,
+        }
+        self
+    }
+
     /// `Authorization: Bearer <key>`, marked sensitive.
     pub fn bearer_auth(mut self, key: &str) -> Self {
         match HeaderValue::from_str(&format!("Bearer {key}")) {

@@ -19,6 +19,7 @@
 //! [`iop_wire::ExecutionFailure`] with a sanitized [`HealthFailureCode`]; provider
 //! payload text and credentials never enter a failure or a log line.
 
+pub mod anthropic;
 pub mod client;
 mod error;
 mod lines;
@@ -107,24 +108,49 @@ pub(crate) struct HttpTarget {
     pub(crate) whole_calls: bool,
     /// The target takes a JSON Schema as `{"type":"json_object","schema":..}`.
     pub(crate) json_object_schema: bool,
+    /// How the target takes its key.
+    pub(crate) auth: KeyHeader,
+}
+
+/// Where a provider takes its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyHeader {
+    /// `Authorization: Bearer <key>` (OpenAI-compatible servers, Ollama
+    /// behind a proxy).
+    Bearer,
+    /// `x-api-key: <key>`, with `anthropic-version` (the Messages API).
+    XApiKey,
 }
 
 impl HttpTarget {
-    /// The bearer for a call: the call's own secret wins over the static key.
-    pub(crate) fn bearer(&self, auth: Option<String>) -> Option<String> {
+    /// The key for a call: the call's own secret wins over the static key.
+    pub(crate) fn key(&self, auth: Option<String>) -> Option<String> {
         auth.or_else(|| self.api_key.clone())
     }
 
-    /// Send `request` with the call's bearer ([`HttpTarget::bearer`]); the
-    /// answer whatever its status, or the typed transport failure.
+    /// Send `request` with the call's key ([`HttpTarget::key`]) where the
+    /// target takes it; the answer whatever its status, or the typed
+    /// transport failure.
     pub(crate) async fn send(
         &self,
         request: ProviderRequest,
         auth: Option<String>,
     ) -> Result<ProviderResponse, ProviderCallError> {
-        let request = match self.bearer(auth) {
-            Some(key) => request.bearer_auth(&key),
-            None => request,
+        let key = self.key(auth);
+        let request = match (self.auth, key) {
+            (KeyHeader::Bearer, Some(key)) => request.bearer_auth(&key),
+            (KeyHeader::Bearer, None) => request,
+            (KeyHeader::XApiKey, key) => {
+                let request = request.header_if_absent(
+                    http::header::HeaderName::from_static("anthropic-version"),
+                    anthropic::ANTHROPIC_VERSION,
+                );
+                match key {
+                    Some(key) => request
+                        .sensitive_header(http::header::HeaderName::from_static("x-api-key"), &key),
+                    None => request,
+                }
+            }
         };
         request.send().await.map_err(|e| error::from_http(e, false))
     }
@@ -183,6 +209,7 @@ pub(crate) fn http_run(
 enum Backend {
     OpenAi(HttpTarget),
     Ollama(HttpTarget),
+    Anthropic(HttpTarget),
     Mock(InProcessMock),
     /// An HTTP adapter without a base URL: every call fails `internal`.
     Unconfigured(AdapterKind),
@@ -223,6 +250,10 @@ impl Adapter {
             stream_usage: target.stream_usage,
             whole_calls: target.whole_calls,
             json_object_schema: target.json_object_schema,
+            auth: match target.adapter {
+                AdapterKind::Anthropic => KeyHeader::XApiKey,
+                AdapterKind::OpenAi | AdapterKind::Ollama | AdapterKind::Mock => KeyHeader::Bearer,
+            },
         };
         let backend = match (target.adapter, &target.base_url) {
             (AdapterKind::Mock, _) => Backend::Mock(InProcessMock::new(
@@ -231,6 +262,7 @@ impl Adapter {
             )),
             (AdapterKind::OpenAi, Some(url)) => Backend::OpenAi(http_target(url)),
             (AdapterKind::Ollama, Some(url)) => Backend::Ollama(http_target(url)),
+            (AdapterKind::Anthropic, Some(url)) => Backend::Anthropic(http_target(url)),
             (kind, None) => Backend::Unconfigured(kind),
         };
         Self::with_backend(target.target.clone(), target.models.clone(), backend)
@@ -263,6 +295,7 @@ impl Adapter {
         match &self.inner.backend {
             Backend::OpenAi(_) => AdapterKind::OpenAi,
             Backend::Ollama(_) => AdapterKind::Ollama,
+            Backend::Anthropic(_) => AdapterKind::Anthropic,
             Backend::Mock(_) => AdapterKind::Mock,
             Backend::Unconfigured(kind) => *kind,
         }
@@ -286,6 +319,7 @@ impl Adapter {
         let events = match &self.inner.backend {
             Backend::OpenAi(t) => openai::run(t.clone(), req, auth),
             Backend::Ollama(t) => ollama::run(t.clone(), req, auth),
+            Backend::Anthropic(t) => anthropic::run(t.clone(), req, auth),
             Backend::Mock(m) => m.run(req, auth),
             Backend::Unconfigured(_) => failed_run(ProviderCallError::Unconfigured),
         };
@@ -332,7 +366,9 @@ impl Adapter {
         auth: Option<String>,
     ) -> BoxStream<'static, ProviderTunnelFrame> {
         let frames = match &self.inner.backend {
-            Backend::OpenAi(t) | Backend::Ollama(t) => relay::relay(t.clone(), call, auth),
+            Backend::OpenAi(t) | Backend::Ollama(t) | Backend::Anthropic(t) => {
+                relay::relay(t.clone(), call, auth)
+            }
             Backend::Mock(m) => m.relay(call, auth),
             Backend::Unconfigured(_) => failed_tunnel(ProviderCallError::Unconfigured),
         };
@@ -342,7 +378,7 @@ impl Adapter {
     }
 
     /// The exact-target health probe: the adapter's cheapest real liveness
-    /// call (openai: `GET /v1/models`; ollama: `GET /api/tags`; mock: its
+    /// call (openai and anthropic: `GET /v1/models`; ollama: `GET /api/tags`; mock: its
     /// scripted health). An empty but valid model list is success (R-HT-2).
     /// The whole probe, HTTP included, is bounded by `bound` (the node's
     /// `[watchdog] probe_bound_ms`); reaching it drops the request. What
@@ -354,6 +390,7 @@ impl Adapter {
             match &self.inner.backend {
                 Backend::OpenAi(t) => openai::probe(t).await,
                 Backend::Ollama(t) => ollama::probe(t).await,
+                Backend::Anthropic(t) => anthropic::probe(t).await,
                 Backend::Mock(m) => m.probe(&self.inner.models).await,
                 // No base URL: this node can never reach the target.
                 Backend::Unconfigured(_) => {

@@ -256,7 +256,7 @@ pub(super) async fn probe(target: &HttpTarget) -> ProbeVerdict {
     probe_http(target, "/v1/models", parse_models).await
 }
 
-fn parse_models(body: &[u8]) -> Option<Vec<String>> {
+pub(super) fn parse_models(body: &[u8]) -> Option<Vec<String>> {
     #[derive(Deserialize)]
     struct Models {
         data: Vec<Model>,

@@ -44,10 +44,10 @@ const HOP_BY_HOP: &[&str] = &[
 ];
 
 /// Request headers also dropped: the target is ours (`host`), the client's
-/// credential is for the Edge, not the provider (`authorization`), and the
-/// Edge reads tunnelled bodies, so they must stay uncompressed
-/// (`accept-encoding`).
-const REQUEST_ONLY: &[&str] = &["host", "authorization", "accept-encoding"];
+/// credential is for the Edge, not the provider (`authorization`,
+/// `x-api-key`), and the Edge reads tunnelled bodies, so they must stay
+/// uncompressed (`accept-encoding`).
+const REQUEST_ONLY: &[&str] = &["host", "authorization", "x-api-key", "accept-encoding"];
 
 /// The method and the normalized path (with query) of a call, or why it is
 /// refused before any provider call.

@@ -181,6 +181,204 @@ fn usage(prompt_tokens: u64, completion_tokens: u64) -> Usage {
     }
 }
 
+// ---- anthropic ----
+
+async fn messages_only(script: MockScript) -> MockServer {
+    MockServer::start_messages_only(script)
+        .await
+        .expect("mock starts")
+}
+
+#[tokio::test]
+async fn anthropic_run_streams_a_messages_answer_with_the_key_in_x_api_key() {
+    let server = messages_only(MockScript {
+        tokens: 5,
+        require_key: Some("sk-ant".into()),
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::Anthropic, &server.base_url(), Some("sk-ant"));
+    let mut req = run_request("mock", RunApi::Chat, "hello world");
+    req.params.reasoning_effort = Some("low".into());
+    let events = collect(a.run(req, None)).await;
+    assert_one_terminal(&events);
+    assert_eq!(
+        events[0],
+        RunEventKind::Started {
+            session_id: "s-1".into()
+        }
+    );
+    assert!(events.contains(&RunEventKind::ReasoningDelta(
+        crate::mock::MOCK_REASONING.into()
+    )));
+    assert_eq!(texts(&events), "tok0 tok1 tok2 tok3 tok4");
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(3, 5)),
+        })
+    );
+    assert_eq!(server.requests(), 1);
+
+    // A managed credential lease's secret goes in x-api-key too; a wrong
+    // key is the provider's 401.
+    let events = collect(a.run(
+        run_request("mock", RunApi::Chat, "hi"),
+        Some("sk-ant".into()),
+    ))
+    .await;
+    assert!(matches!(
+        events.last(),
+        Some(RunEventKind::Completed { .. })
+    ));
+    let events = collect(a.run(
+        run_request("mock", RunApi::Chat, "hi"),
+        Some("wrong".into()),
+    ))
+    .await;
+    assert_eq!(failure(&events).http_status, Some(401));
+    // An OpenAI adapter finds no chat completions there.
+    let openai = adapter(AdapterKind::OpenAi, &server.base_url(), Some("sk-ant"));
+    let events = collect(openai.run(run_request("mock", RunApi::Chat, "hi"), None)).await;
+    assert_eq!(failure(&events).http_status, Some(404));
+}
+
+#[tokio::test]
+async fn anthropic_stop_sequences_tools_limits_and_whole_answers() {
+    let server = messages_only(MockScript {
+        tokens: 6,
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::Anthropic, &server.base_url(), None);
+    // A stop sequence: the text stops before it, and the finish says so.
+    for whole in [false, true] {
+        let mut req = run_request("mock", RunApi::Chat, "hello world");
+        req.params.stop = vec![" tok3".into()];
+        req.params.whole_answer = whole;
+        let events = collect(a.run(req, None)).await;
+        assert_one_terminal(&events);
+        assert_eq!(texts(&events), "tok0 tok1 tok2", "whole: {whole}");
+        assert!(
+            matches!(
+                events.last(),
+                Some(RunEventKind::Completed {
+                    finish_reason: FinishReason::StopSequence,
+                    usage: Some(_)
+                })
+            ),
+            "whole: {whole}: {events:?}"
+        );
+    }
+    // max_tokens below the script: max_tokens, i.e. length.
+    let mut req = run_request("mock", RunApi::Chat, "hello world");
+    req.params.max_tokens = Some(2);
+    let events = collect(a.run(req, None)).await;
+    assert_eq!(texts(&events), "tok0 tok1");
+    assert!(matches!(
+        events.last(),
+        Some(RunEventKind::Completed {
+            finish_reason: FinishReason::Length,
+            ..
+        })
+    ));
+    // A tool call, streamed and whole: one call, its arguments JSON.
+    let tools = messages_only(MockScript {
+        tokens: 3,
+        tool_call: true,
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::Anthropic, &tools.base_url(), None);
+    for whole in [false, true] {
+        let mut req = with_tool(run_request("mock", RunApi::Chat, "weather?"));
+        req.params.whole_answer = whole;
+        let events = collect(a.run(req, None)).await;
+        let calls = tool_deltas(&events);
+        assert_eq!(
+            calls[0].name.as_deref(),
+            Some("get_weather"),
+            "whole: {whole}"
+        );
+        assert!(calls.iter().all(|c| c.index == 0));
+        let args: serde_json::Value = serde_json::from_str(&tool_arguments(&events)).unwrap();
+        assert_eq!(args["text"], "tok0 tok1 tok2");
+        assert!(matches!(
+            events.last(),
+            Some(RunEventKind::Completed {
+                finish_reason: FinishReason::ToolCalls,
+                ..
+            })
+        ));
+    }
+    assert_eq!(tools.stats().requests, 2);
+}
+
+#[tokio::test]
+async fn anthropic_faults_are_typed_failures() {
+    for (script, code) in [
+        (
+            MockScript {
+                http_error: Some(529),
+                ..MockScript::default()
+            },
+            FailureCode::ProviderError,
+        ),
+        (
+            MockScript {
+                malformed_after: Some(1),
+                ..MockScript::default()
+            },
+            FailureCode::MalformedResponse,
+        ),
+        (
+            MockScript {
+                abrupt_close_after: Some(1),
+                ..MockScript::default()
+            },
+            FailureCode::ProviderUnreachable,
+        ),
+    ] {
+        let server = messages_only(script).await;
+        let a = adapter(AdapterKind::Anthropic, &server.base_url(), None);
+        let events = collect(a.run(run_request("mock", RunApi::Chat, "hi"), None)).await;
+        assert_one_terminal(&events);
+        assert_eq!(failure(&events).code, code, "{events:?}");
+    }
+}
+
+#[tokio::test]
+async fn anthropic_probe_reads_v1_models_and_tunnels_reach_v1_messages() {
+    let server = messages_only(MockScript {
+        require_key: Some("sk-ant".into()),
+        ..MockScript::default()
+    })
+    .await;
+    let a = adapter(AdapterKind::Anthropic, &server.base_url(), Some("sk-ant"));
+    let verdict = a.probe(PROBE_BOUND).await;
+    assert_eq!(verdict.health, ProviderHealth::Available);
+    assert_eq!(verdict.models, vec!["mock".to_owned()]);
+    // A client's own x-api-key is the Edge's credential: replaced by the
+    // target's.
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": "mock", "max_tokens": 16, "stream": true,
+        "messages": [{"role": "user", "content": "hi"}],
+    }))
+    .unwrap();
+    let mut req = tunnel_request("POST", "/v1/messages", body);
+    req.headers.push(("x-api-key".into(), "sk-client".into()));
+    let frames = collect(a.tunnel(req, None)).await;
+    assert_tunnel_shape(&frames);
+    assert!(matches!(
+        frames[0],
+        ProviderTunnelFrame::Head { status: 200, .. }
+    ));
+    let body = String::from_utf8(body_of(&frames)).unwrap();
+    assert!(body.contains("event: message_stop"), "{body}");
+    assert_eq!(server.stats().requests, 1);
+}
+
 // ---- openai ----
 
 #[tokio::test]

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 
-use super::{MockScript, ProbeHealth, ServeOptions, serve_with};
+use super::{MockApis, MockScript, ProbeHealth, ServeOptions, serve_with};
 
 /// Flags of `iop-node mock-provider`. Every flag sets a default of the
 /// script; a request's model name may still override it (see [`crate::mock`]).
@@ -54,6 +54,10 @@ pub struct MockArgs {
     /// for the client's delayed ACK of the previous one.
     #[arg(long)]
     pub nagle: bool,
+    /// Serve only Anthropic's Messages API (`POST /v1/messages`, `GET
+    /// /v1/models`, the key in `x-api-key`), as Anthropic's own server.
+    #[arg(long)]
+    pub messages_only: bool,
 }
 
 impl std::fmt::Debug for MockArgs {
@@ -62,6 +66,7 @@ impl std::fmt::Debug for MockArgs {
             .field("listen", &self.listen)
             .field("script", &self.script())
             .field("nagle", &self.nagle)
+            .field("messages_only", &self.messages_only)
             .finish()
     }
 }
@@ -71,6 +76,11 @@ impl MockArgs {
     pub fn serve_options(&self) -> ServeOptions {
         ServeOptions {
             nodelay: !self.nagle,
+            apis: if self.messages_only {
+                MockApis::MessagesOnly
+            } else {
+                MockApis::All
+            },
         }
     }
 

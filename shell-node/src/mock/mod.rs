@@ -15,11 +15,19 @@
 //!   calls, usage with `stream_options.include_usage`), `POST /v1/responses`
 //!   (stream and not: `response.created`, `response.output_text.delta`,
 //!   `response.completed`), `GET /v1/models`; Ollama-compatible
-//!   `POST /api/chat`, `POST /api/generate` (NDJSON), `GET /api/tags`; and
+//!   `POST /api/chat`, `POST /api/generate` (NDJSON), `GET /api/tags`;
+//!   Anthropic's Messages API, `POST /v1/messages` (stream and not, tool
+//!   use, thinking, `stop_sequences` honoured with `stop_reason`
+//!   `stop_sequence`; the key in `x-api-key`); and
 //!   `GET /mock/stats` -> `{"requests":N,"probes":M,"in_flight":K,"disconnects":D}`,
 //!   `POST /mock/reset` (zeroes the counters).
 //!
-//! `requests` counts provider calls (chat, generate, responses) — also those
+//! Served with [`MockApis::MessagesOnly`] (`iop-node mock-provider
+//! --messages-only`) it answers only the Messages API and `GET /v1/models`
+//! (in Anthropic's shape), as Anthropic's own server does: a Messages-only
+//! upstream for the `anthropic` adapter.
+//!
+//! `requests` counts provider calls (chat, generate, responses, messages) — also those
 //! refused with 401 — and never probes (`/v1/models`, `/api/tags`) or stats.
 //! `in_flight` counts provider calls being answered; `disconnects` counts
 //! those the client abandoned before their answer ended.
@@ -65,13 +73,16 @@
 //! the answer with finish reason `length`.
 
 mod cli;
+mod messages;
 mod script;
 mod server;
 
 pub use cli::{MockArgs, run_cli};
 pub(crate) use script::continued_tokens;
 pub use script::{MOCK_TOOL_CALL_ID, MockPrompt, MockStep, play, token_text};
-pub use server::{MockServer, MockServerError, MockStats, ServeOptions, serve, serve_with};
+pub use server::{
+    MockApis, MockServer, MockServerError, MockStats, ServeOptions, serve, serve_with,
+};
 pub(crate) use server::{MockState, router};
 
 /// Values in a mock embedding vector.

@@ -112,7 +112,7 @@ impl MockCounters {
 
 /// Counts one provider call in flight; dropped before [`InFlight::finish`]
 /// means the client went away.
-struct InFlight {
+pub(super) struct InFlight {
     counters: Arc<MockCounters>,
     finished: bool,
     /// `Some(sent)`: whether text went out is tracked for this call.
@@ -131,17 +131,17 @@ impl InFlight {
         }
     }
 
-    fn finish(&mut self) {
+    pub(super) fn finish(&mut self) {
         self.finished = true;
     }
 
     /// Track whether this call sends text before it is abandoned.
-    fn track_text(&mut self) {
+    pub(super) fn track_text(&mut self) {
         self.text.get_or_insert(false);
     }
 
     /// Text went out.
-    fn text_sent(&mut self) {
+    pub(super) fn text_sent(&mut self) {
         if self.text.is_some() {
             self.text = Some(true);
         }
@@ -180,9 +180,36 @@ impl MockState {
     }
 }
 
-/// The mock's routes.
+/// Which APIs a mock serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MockApis {
+    /// Every API: OpenAI's, Ollama's and Anthropic's Messages API.
+    #[default]
+    All,
+    /// Only Anthropic's Messages API (`POST /v1/messages`, `GET
+    /// /v1/models` in Anthropic's shape, the key in `x-api-key`), as
+    /// Anthropic's own server: any other call is a 404.
+    MessagesOnly,
+}
+
+/// The mock's routes, for every API.
 pub(crate) fn router(state: MockState) -> Router {
-    Router::new()
+    router_for(state, MockApis::All)
+}
+
+/// The mock's routes for `apis`.
+pub(crate) fn router_for(state: MockState, apis: MockApis) -> Router {
+    let counters = Router::new()
+        .route("/mock/stats", get(stats))
+        .route("/mock/reset", post(reset));
+    if apis == MockApis::MessagesOnly {
+        return counters
+            .route("/v1/messages", post(super::messages::messages))
+            .route("/v1/models", get(anthropic_models))
+            .with_state(state);
+    }
+    counters
+        .route("/v1/messages", post(super::messages::messages))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(openai_models))
@@ -191,8 +218,6 @@ pub(crate) fn router(state: MockState) -> Router {
         .route("/api/chat", post(ollama_chat))
         .route("/api/generate", post(ollama_generate))
         .route("/api/tags", get(ollama_tags))
-        .route("/mock/stats", get(stats))
-        .route("/mock/reset", post(reset))
         .with_state(state)
 }
 
@@ -277,11 +302,16 @@ pub struct ServeOptions {
     /// small write waits until the previous one is ACKed, which the
     /// client may delay (~40 ms on Linux).
     pub nodelay: bool,
+    /// The APIs it serves (default: every one).
+    pub apis: MockApis,
 }
 
 impl Default for ServeOptions {
     fn default() -> Self {
-        Self { nodelay: true }
+        Self {
+            nodelay: true,
+            apis: MockApis::All,
+        }
     }
 }
 
@@ -304,7 +334,7 @@ pub async fn serve_with(
     let addr = listener.local_addr()?;
     let state = MockState::new(defaults);
     let counters = state.counters.clone();
-    let app = router(state);
+    let app = router_for(state, options.apis);
     let nodelay = options.nodelay;
     let task = tokio::spawn(async move {
         // Responses go out in several writes (SSE events, tunnel frames):
@@ -329,6 +359,16 @@ impl MockServer {
     /// Serve on an ephemeral loopback port (tests).
     pub async fn start(defaults: MockScript) -> Result<MockServer, MockServerError> {
         serve(TcpListener::bind("127.0.0.1:0").await?, defaults).await
+    }
+
+    /// Serve only Anthropic's Messages API ([`MockApis::MessagesOnly`]) on
+    /// an ephemeral loopback port (tests).
+    pub async fn start_messages_only(defaults: MockScript) -> Result<MockServer, MockServerError> {
+        let options = ServeOptions {
+            apis: MockApis::MessagesOnly,
+            ..ServeOptions::default()
+        };
+        serve_with(TcpListener::bind("127.0.0.1:0").await?, defaults, options).await
     }
 
     /// The listen address.
@@ -391,9 +431,11 @@ impl Drop for MockServer {
 
 /// Error bodies in each API's own format.
 #[derive(Clone, Copy)]
-enum Dialect {
+pub(super) enum Dialect {
     OpenAi,
     Ollama,
+    /// Anthropic's Messages API: its error shape, the key in `x-api-key`.
+    Anthropic,
 }
 
 fn error_response(dialect: Dialect, status: u16, message: &str) -> Response {
@@ -408,6 +450,17 @@ fn error_response(dialect: Dialect, status: u16, message: &str) -> Response {
             json!({"error": {"message": message, "type": kind, "code": null}})
         }
         Dialect::Ollama => json!({"error": message}),
+        Dialect::Anthropic => {
+            let kind = match status.as_u16() {
+                401 => "authentication_error",
+                404 => "not_found_error",
+                429 => "rate_limit_error",
+                529 => "overloaded_error",
+                400..=499 => "invalid_request_error",
+                _ => "api_error",
+            };
+            json!({"type": "error", "error": {"type": kind, "message": message}})
+        }
     };
     (status, axum::Json(body)).into_response()
 }
@@ -420,10 +473,15 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .strip_prefix("Bearer ")
 }
 
-/// 401 unless the call brings the required key.
+/// 401 unless the call brings the required key (`x-api-key` in the
+/// Messages API, a bearer token elsewhere).
 fn key_refusal(script: &MockScript, headers: &HeaderMap, dialect: Dialect) -> Option<Response> {
     let key = script.require_key.as_deref()?;
-    (bearer(headers) != Some(key)).then(|| error_response(dialect, 401, "invalid api key"))
+    let sent = match dialect {
+        Dialect::Anthropic => headers.get("x-api-key").and_then(|v| v.to_str().ok()),
+        Dialect::OpenAi | Dialect::Ollama => bearer(headers),
+    };
+    (sent != Some(key)).then(|| error_response(dialect, 401, "invalid api key"))
 }
 
 /// The checks before any answer: key, header hang, scripted error.
@@ -440,7 +498,7 @@ async fn gate(script: &MockScript, headers: &HeaderMap, dialect: Dialect) -> Opt
 }
 
 /// Start one provider call: count it, parse it, run the gate.
-async fn begin(
+pub(super) async fn begin(
     state: &MockState,
     headers: &HeaderMap,
     body: &[u8],
@@ -482,7 +540,7 @@ fn model_of(request: &Value) -> String {
 }
 
 /// Characters of a content value: a string or an array of `{text}` parts.
-fn content_chars(content: &Value) -> usize {
+pub(super) fn content_chars(content: &Value) -> usize {
     match content {
         Value::String(s) => s.chars().count(),
         Value::Array(parts) => parts
@@ -510,13 +568,13 @@ fn messages_chars(messages: &Value) -> usize {
     })
 }
 
-fn max_tokens(value: &Value) -> Option<u32> {
+pub(super) fn max_tokens(value: &Value) -> Option<u32> {
     // Ollama's -1/-2 mean "no limit".
     value.as_i64().and_then(|n| u32::try_from(n).ok())
 }
 
 /// The tool to call, when the script answers with a tool call.
-fn tool_name(script: &MockScript, tools: &Value) -> Option<String> {
+pub(super) fn tool_name(script: &MockScript, tools: &Value) -> Option<String> {
     script.tool_call.then(|| {
         let first = &tools[0];
         first["function"]["name"]
@@ -527,7 +585,7 @@ fn tool_name(script: &MockScript, tools: &Value) -> Option<String> {
     })
 }
 
-fn streaming(
+pub(super) fn streaming(
     content_type: &'static str,
     body: impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
 ) -> Response {
@@ -539,7 +597,7 @@ fn streaming(
 }
 
 /// A body that cuts the connection at once (after the headers).
-fn abrupt() -> Response {
+pub(super) fn abrupt() -> Response {
     streaming(
         "application/json",
         futures::stream::once(async { Err(std::io::Error::other("scripted abrupt close")) }),
@@ -595,7 +653,7 @@ fn sse_data(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn sse_event(name: &str, v: &Value) -> Bytes {
+pub(super) fn sse_event(name: &str, v: &Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {v}\n\n"))
 }
 
@@ -1049,6 +1107,20 @@ async fn openai_models(State(state): State<MockState>, headers: HeaderMap) -> Re
     axum::Json(json!({
         "object": "list",
         "data": [{"id": DEFAULT_MODEL, "object": "model", "created": 0, "owned_by": "iop-mock"}],
+    }))
+    .into_response()
+}
+
+/// `GET /v1/models` of a Messages-only mock: Anthropic's model list.
+async fn anthropic_models(State(state): State<MockState>, headers: HeaderMap) -> Response {
+    if let Some(resp) = probe_gate(&state, &headers, Dialect::Anthropic).await {
+        return resp;
+    }
+    axum::Json(json!({
+        "data": [{"type": "model", "id": DEFAULT_MODEL, "display_name": "Mock", "created_at": CREATED_AT}],
+        "has_more": false,
+        "first_id": DEFAULT_MODEL,
+        "last_id": DEFAULT_MODEL,
     }))
     .into_response()
 }

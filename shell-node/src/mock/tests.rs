@@ -415,10 +415,28 @@ fn cli_flags_build_the_default_script() {
     assert!(!format!("{:?}", cli.mock).contains("sk-cli"));
     assert!(Cli::try_parse_from(["m", "--http-error", "200"]).is_err());
     // TCP_NODELAY unless `--nagle`.
-    assert_eq!(cli.mock.serve_options(), ServeOptions { nodelay: true });
-    assert_eq!(ServeOptions::default(), ServeOptions { nodelay: true });
+    assert_eq!(
+        cli.mock.serve_options(),
+        ServeOptions {
+            nodelay: true,
+            apis: MockApis::All
+        }
+    );
+    assert_eq!(
+        ServeOptions::default(),
+        ServeOptions {
+            nodelay: true,
+            apis: MockApis::All
+        }
+    );
     let nagle = Cli::try_parse_from(["m", "--nagle"]).unwrap();
-    assert_eq!(nagle.mock.serve_options(), ServeOptions { nodelay: false });
+    assert_eq!(
+        nagle.mock.serve_options(),
+        ServeOptions {
+            nodelay: false,
+            apis: MockApis::All
+        }
+    );
 }
 
 #[tokio::test]
@@ -427,7 +445,10 @@ async fn a_mock_with_nagle_on_answers_like_the_default() {
     let server = serve_with(
         listener,
         MockScript::default(),
-        ServeOptions { nodelay: false },
+        ServeOptions {
+            nodelay: false,
+            apis: MockApis::All,
+        },
     )
     .await
     .unwrap();

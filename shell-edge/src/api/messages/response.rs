@@ -14,8 +14,20 @@ pub fn stop_reason(finish_reason: FinishReason, called_tools: bool) -> &'static 
         FinishReason::Length => "max_tokens",
         FinishReason::ContentFilter => "refusal",
         FinishReason::ToolCalls => "tool_use",
-        FinishReason::Stop if called_tools => "tool_use",
+        FinishReason::Stop | FinishReason::StopSequence if called_tools => "tool_use",
+        FinishReason::StopSequence => "stop_sequence",
         FinishReason::Stop => "end_turn",
+    }
+}
+
+/// The `stop_sequence` of an answer that stopped for `reason`: the
+/// request's stop sequence when it stopped at one and the request gave
+/// exactly one (a provider names no sequence through the run), else
+/// `null`.
+pub(super) fn stop_sequence_json(reason: &str, stop_sequences: &[String]) -> Value {
+    match (reason, stop_sequences) {
+        ("stop_sequence", [only]) => json!(only),
+        _ => Value::Null,
     }
 }
 
@@ -34,6 +46,7 @@ pub struct MessagesAccumulator {
     id: String,
     model: String,
     transcript: Transcript,
+    stop_sequences: Vec<String>,
 }
 
 impl MessagesAccumulator {
@@ -44,7 +57,14 @@ impl MessagesAccumulator {
             transcript: Transcript::new(id.clone()),
             id,
             model: model.into(),
+            stop_sequences: Vec::new(),
         }
+    }
+
+    /// The request's `stop_sequences`, for the answer's `stop_sequence`.
+    pub fn with_stop_sequences(mut self, stop_sequences: Vec<String>) -> Self {
+        self.stop_sequences = stop_sequences;
+        self
     }
 
     /// Fold one event in; events after the terminal are ignored.
@@ -82,14 +102,15 @@ impl MessagesAccumulator {
                 json!({"type": "tool_use", "id": call.id, "name": call.name, "input": input}),
             );
         }
+        let reason = stop_reason(finish_reason, !tool_calls.is_empty());
         Ok(json!({
             "id": self.id,
             "type": "message",
             "role": "assistant",
             "model": self.model,
             "content": content,
-            "stop_reason": stop_reason(finish_reason, !tool_calls.is_empty()),
-            "stop_sequence": null,
+            "stop_reason": reason,
+            "stop_sequence": stop_sequence_json(reason, &self.stop_sequences),
             "usage": usage_json(self.transcript.usage()),
         }))
     }

@@ -11,7 +11,7 @@ use super::super::framing;
 use super::super::ids;
 use super::super::transcript::MAX_TOOL_CALLS_PER_RUN;
 use super::error::error_json;
-use super::response::{stop_reason, usage_json};
+use super::response::{stop_reason, stop_sequence_json, usage_json};
 
 /// The content block a stream has open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +116,7 @@ pub struct MessagesStream {
     tool_blocks: BTreeMap<u32, u32>,
     usage: Option<Usage>,
     finished: bool,
+    stop_sequences: Vec<String>,
 }
 
 impl MessagesStream {
@@ -129,7 +130,14 @@ impl MessagesStream {
             tool_blocks: BTreeMap::new(),
             usage: None,
             finished: false,
+            stop_sequences: Vec::new(),
         }
+    }
+
+    /// The request's `stop_sequences`, for the answer's `stop_sequence`.
+    pub fn with_stop_sequences(mut self, stop_sequences: Vec<String>) -> Self {
+        self.stop_sequences = stop_sequences;
+        self
     }
 
     /// True once a terminal was encoded.
@@ -188,7 +196,10 @@ impl MessagesStream {
                 self.close(out);
                 let reason = stop_reason(*finish_reason, !self.tool_blocks.is_empty());
                 StreamEvent::MessageDelta {
-                    delta: json!({"stop_reason": reason, "stop_sequence": null}),
+                    delta: json!({
+                        "stop_reason": reason,
+                        "stop_sequence": stop_sequence_json(reason, &self.stop_sequences),
+                    }),
                     usage: usage_json(self.usage),
                 }
                 .write(out);

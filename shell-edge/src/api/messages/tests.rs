@@ -455,6 +455,39 @@ fn stop_reasons_map_faithfully() {
     assert_eq!(stop_reason(FinishReason::ToolCalls, true), "tool_use");
     assert_eq!(stop_reason(FinishReason::Stop, true), "tool_use");
     assert_eq!(stop_reason(FinishReason::ContentFilter, false), "refusal");
+    assert_eq!(
+        stop_reason(FinishReason::StopSequence, false),
+        "stop_sequence"
+    );
+}
+
+#[test]
+fn a_stop_at_a_stop_sequence_names_it_when_the_request_gave_one() {
+    let events = [text("Hel"), completed(FinishReason::StopSequence, None)];
+    let mut whole = MessagesAccumulator::new("msg_1", "m").with_stop_sequences(vec!["lo".into()]);
+    let mut stream = MessagesStream::new("msg_1", "m").with_stop_sequences(vec!["lo".into()]);
+    let mut out = Vec::new();
+    for e in &events {
+        whole.push(e);
+        stream.push(e, &mut out);
+    }
+    let message = whole.finish().unwrap();
+    assert_eq!(message["stop_reason"], "stop_sequence");
+    assert_eq!(message["stop_sequence"], "lo");
+    let delta = parse_sse(&out)
+        .into_iter()
+        .map(|(_, data)| serde_json::from_str::<Value>(&data).unwrap())
+        .find(|v| v["type"] == "message_delta")
+        .unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], "stop_sequence");
+    assert_eq!(delta["delta"]["stop_sequence"], "lo");
+    // Several sequences: which one matched is not known, so none is named.
+    let mut whole =
+        MessagesAccumulator::new("msg_1", "m").with_stop_sequences(vec!["lo".into(), "x".into()]);
+    for e in &events {
+        whole.push(e);
+    }
+    assert!(whole.finish().unwrap()["stop_sequence"].is_null());
 }
 
 #[test]

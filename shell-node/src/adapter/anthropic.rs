@@ -1,0 +1,683 @@
+//! The `anthropic` adapter: Anthropic's Messages API (`POST /v1/messages`),
+//! at Anthropic (the key, a managed credential lease's included, goes in
+//! `x-api-key`, with `anthropic-version`) or any Messages-compatible server.
+//! Runs are streamed Messages calls, or one non-streamed call where core
+//! says so ([`AnswerCall::for_run`]: a client that takes the answer whole);
+//! the probe is `GET /v1/models`.
+//!
+//! A run becomes a Messages request ([`request_json`]): the system turns
+//! are `system`; tool results are `tool_result` blocks of user turns; an
+//! assistant's tool calls are `tool_use` blocks; images are `image`
+//! blocks (base64 from a `data:` URL, else by URL); `stop` is
+//! `stop_sequences`; a reasoning effort is a `thinking` budget; `top_k`
+//! and the end user (`user`, as `metadata.user_id`) pass through. The
+//! Messages API requires `max_tokens`: a run without one asks for
+//! [`DEFAULT_MAX_TOKENS`].
+//!
+//! The answer's events become run events ([`EventState`]): `text_delta`
+//! text, `thinking_delta` reasoning, each `tool_use` block one tool call
+//! (`input_json_delta` its arguments), `message_delta` the usage and the
+//! stop reason (`end_turn`, `stop_sequence`, `max_tokens`, `tool_use`,
+//! `refusal`), `message_stop` the end; an `error` event is the provider's
+//! failure, with its message. The prompt's count is the Messages API's
+//! `input_tokens` plus the cache's `cache_creation_input_tokens` and
+//! `cache_read_input_tokens` (every prompt token, as the other APIs count
+//! them).
+
+use std::collections::HashMap;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
+use iop_wire::{
+    ChatMessage, ExecutionFailure, FinishReason, Role, RunApi, RunEventKind, RunRequest,
+    ToolCallDelta, Usage,
+};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::client::ProviderResponse;
+use super::sse::{EventTooLarge, SseDecoder};
+use super::{
+    HttpTarget, ProbeVerdict, ProviderCallError, failed_run, http_run, probe_http, whole_answer_run,
+};
+
+/// The `max_tokens` of a run that gives none (the Messages API requires
+/// one).
+pub const DEFAULT_MAX_TOKENS: u32 = 4096;
+
+/// The `anthropic-version` sent when the call carries none.
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// The smallest `thinking.budget_tokens` the Messages API takes.
+pub const MIN_THINKING_BUDGET_TOKENS: u32 = 1_024;
+
+/// The `thinking` budget of the reasoning effort `medium`.
+pub const MEDIUM_THINKING_BUDGET_TOKENS: u32 = 4_096;
+
+/// The `thinking` budget of the reasoning effort `high` (and above).
+pub const HIGH_THINKING_BUDGET_TOKENS: u32 = 16_384;
+
+/// A run as a Messages call: streamed, or one non-streamed call.
+pub(super) fn run(
+    target: HttpTarget,
+    req: RunRequest,
+    auth: Option<String>,
+) -> BoxStream<'static, RunEventKind> {
+    if req.api == RunApi::Embeddings {
+        return failed_run(ProviderCallError::InvalidRequest(
+            "the Messages API has no embeddings",
+        ));
+    }
+    let whole = AnswerCall::for_run(AnswerCallFacts {
+        whole_answer: req.params.whole_answer,
+        durable: req.park.is_some(),
+        // A Messages stream ends with its usage.
+        stream_usage: true,
+        whole_calls: target.whole_calls,
+    }) == AnswerCall::Whole;
+    let body = match request_json(&req, !whole) {
+        Ok(body) => body.to_string().into_bytes(),
+        Err(e) => return failed_run(e),
+    };
+    let mut request = target.run_request("/v1/messages", body);
+    if whole {
+        return http_run(target, request, auth, req.session_id, decode_whole);
+    }
+    request = request.header(http::header::ACCEPT, "text/event-stream");
+    http_run(target, request, auth, req.session_id, decode)
+}
+
+/// `GET /v1/models` -> `{data: [{id}]}` (Anthropic's model list, and the
+/// OpenAI shape Messages-compatible servers answer).
+pub(super) async fn probe(target: &HttpTarget) -> ProbeVerdict {
+    probe_http(target, "/v1/models", super::openai::parse_models).await
+}
+
+/// The Messages request a run stands for (streamed or not). A chat's
+/// messages are its turns; a generate or completion run is one user turn
+/// (its system turns the `system`). Fill-in-the-middle (`suffix`) has no
+/// Messages form.
+pub fn request_json(req: &RunRequest, stream: bool) -> Result<Value, ProviderCallError> {
+    if req.params.suffix.is_some() {
+        return Err(ProviderCallError::InvalidRequest(
+            "the Messages API has no fill-in-the-middle",
+        ));
+    }
+    let p = &req.params;
+    let mut body = Map::new();
+    body.insert("model".into(), json!(req.model));
+    let (system, messages) = match req.api {
+        RunApi::Chat => {
+            let system: Vec<&str> = req
+                .messages
+                .iter()
+                .filter(|m| m.role == Role::System)
+                .map(|m| m.content.as_str())
+                .collect();
+            let turns = req
+                .messages
+                .iter()
+                .filter(|m| m.role != Role::System)
+                .map(message_json)
+                .collect::<Result<Vec<_>, _>>()?;
+            (system.join("\n"), turns)
+        }
+        RunApi::Generate | RunApi::Completion | RunApi::Embeddings => {
+            let (system, prompt) = super::openai::generate_prompt(&req.messages);
+            (
+                system.unwrap_or_default(),
+                vec![json!({"role": "user", "content": prompt})],
+            )
+        }
+    };
+    if !system.is_empty() {
+        body.insert("system".into(), json!(system));
+    }
+    body.insert("messages".into(), Value::Array(messages));
+    let mut max_tokens = p.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    if let Some(effort) = p.reasoning_effort.as_deref().filter(|e| *e != "none") {
+        let budget = match effort {
+            "minimal" | "low" => MIN_THINKING_BUDGET_TOKENS,
+            "medium" => MEDIUM_THINKING_BUDGET_TOKENS,
+            _ => HIGH_THINKING_BUDGET_TOKENS,
+        };
+        // The budget is part of `max_tokens`, which must exceed it.
+        max_tokens = max_tokens.max(budget.saturating_add(1));
+        body.insert(
+            "thinking".into(),
+            json!({"type": "enabled", "budget_tokens": budget}),
+        );
+    }
+    body.insert("max_tokens".into(), json!(max_tokens));
+    if stream {
+        body.insert("stream".into(), json!(true));
+    }
+    if !p.stop.is_empty() {
+        body.insert("stop_sequences".into(), json!(p.stop));
+    }
+    if let Some(t) = p.temperature {
+        body.insert("temperature".into(), json!(t));
+    }
+    if let Some(t) = p.top_p {
+        body.insert("top_p".into(), json!(t));
+    }
+    if req.api == RunApi::Chat && !req.tools.is_empty() {
+        let tools = req
+            .tools
+            .iter()
+            .map(|t| {
+                let schema = match t.parameters_json.as_deref() {
+                    Some(s) => serde_json::from_str::<Value>(s).map_err(|_| {
+                        ProviderCallError::InvalidRequest("tool parameters are not JSON")
+                    })?,
+                    None => json!({"type": "object"}),
+                };
+                let mut tool = json!({"name": t.name, "input_schema": schema});
+                if let Some(d) = &t.description {
+                    tool["description"] = json!(d);
+                }
+                Ok(tool)
+            })
+            .collect::<Result<Vec<_>, ProviderCallError>>()?;
+        body.insert("tools".into(), Value::Array(tools));
+        if let Some(choice) = tool_choice_json(p.tool_choice_json.as_deref(), p.parallel_tool_calls)
+        {
+            body.insert("tool_choice".into(), choice);
+        }
+    }
+    let extra: Map<String, Value> = match p.extra_json.as_deref() {
+        None => Map::new(),
+        Some(extra) => match serde_json::from_str(extra) {
+            Ok(Value::Object(extra)) => extra,
+            _ => {
+                return Err(ProviderCallError::InvalidRequest(
+                    "pass-through fields are not a JSON object",
+                ));
+            }
+        },
+    };
+    for (key, value) in extra {
+        match key.as_str() {
+            "top_k" => {
+                body.insert(key, value);
+            }
+            "user" => {
+                body.insert("metadata".into(), json!({"user_id": value}));
+            }
+            // The Edge lets only answer-neutral fields through besides
+            // these (surface::provider_refusal): the Messages API has none
+            // of them.
+            _ => {}
+        }
+    }
+    Ok(Value::Object(body))
+}
+
+/// `tool_choice` from the run's (OpenAI's) vocabulary: `auto`,
+/// `required` (`any`), `none`, one function (`tool`); with
+/// `parallel_tool_calls` as `disable_parallel_tool_use`.
+fn tool_choice_json(choice: Option<&str>, parallel: Option<bool>) -> Option<Value> {
+    let mut rendered = match choice {
+        None => json!({"type": "auto"}),
+        Some(choice) => {
+            let choice: Value =
+                serde_json::from_str(choice).unwrap_or_else(|_| Value::String(choice.to_owned()));
+            match choice.as_str() {
+                Some("required") => json!({"type": "any"}),
+                Some("none") => json!({"type": "none"}),
+                Some(_) => json!({"type": "auto"}),
+                None => json!({"type": "tool", "name": choice["function"]["name"]}),
+            }
+        }
+    };
+    match parallel {
+        Some(parallel) => rendered["disable_parallel_tool_use"] = json!(!parallel),
+        None if choice.is_none() => return None,
+        None => {}
+    }
+    Some(rendered)
+}
+
+/// One run message (not a system one) as a Messages turn.
+fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
+    Ok(match m.role {
+        Role::Tool => json!({"role": "user", "content": [{
+            "type": "tool_result",
+            "tool_use_id": m.tool_call_id.as_deref().unwrap_or_default(),
+            "content": m.content,
+        }]}),
+        Role::Assistant if !m.tool_calls.is_empty() => {
+            let mut blocks = Vec::with_capacity(m.tool_calls.len() + 1);
+            if !m.content.is_empty() {
+                blocks.push(json!({"type": "text", "text": m.content}));
+            }
+            for call in &m.tool_calls {
+                let input = match call.arguments.trim() {
+                    "" => json!({}),
+                    args => serde_json::from_str::<Value>(args)
+                        .ok()
+                        .filter(Value::is_object)
+                        .ok_or(ProviderCallError::InvalidRequest(
+                            "tool call arguments are not a JSON object",
+                        ))?,
+                };
+                blocks.push(
+                    json!({"type": "tool_use", "id": call.id, "name": call.name, "input": input}),
+                );
+            }
+            json!({"role": "assistant", "content": blocks})
+        }
+        Role::Assistant => json!({"role": "assistant", "content": m.content}),
+        Role::User | Role::System if !m.images.is_empty() => {
+            let mut blocks: Vec<Value> = m.images.iter().map(|url| image_json(url)).collect();
+            if !m.content.is_empty() {
+                blocks.push(json!({"type": "text", "text": m.content}));
+            }
+            json!({"role": "user", "content": blocks})
+        }
+        Role::User | Role::System => json!({"role": "user", "content": m.content}),
+    })
+}
+
+/// An image URL as an image block: a `data:` URL's base64, else the URL.
+fn image_json(url: &str) -> Value {
+    let source = match url
+        .strip_prefix("data:")
+        .and_then(|rest| rest.split_once(";base64,"))
+    {
+        Some((media_type, data)) => {
+            json!({"type": "base64", "media_type": media_type, "data": data})
+        }
+        None => json!({"type": "url", "url": url}),
+    };
+    json!({"type": "image", "source": source})
+}
+
+/// The finish reason of a Messages `stop_reason`.
+pub(crate) fn finish_reason(stop_reason: &str) -> FinishReason {
+    match stop_reason {
+        "max_tokens" | "model_context_window_exceeded" => FinishReason::Length,
+        "stop_sequence" => FinishReason::StopSequence,
+        "tool_use" => FinishReason::ToolCalls,
+        "refusal" => FinishReason::ContentFilter,
+        // `end_turn`, `pause_turn` and any newer reason.
+        _ => FinishReason::Stop,
+    }
+}
+
+/// The run events of a successful Messages stream.
+fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
+    Box::pin(async_stream::stream! {
+        let mut bytes = response.bytes_stream();
+        let mut sse = SseDecoder::default();
+        let mut state = EventState::default();
+        let mut events = Vec::new();
+        loop {
+            loop {
+                let decoded = match sse.next_data() {
+                    Ok(Some(data)) => state.on_event(data, &mut events),
+                    Ok(None) => break,
+                    Err(EventTooLarge) => Err(Failure::Call(ProviderCallError::Malformed)),
+                };
+                if let Err(e) = decoded {
+                    yield RunEventKind::Failed(e.failure());
+                    return;
+                }
+                for event in events.drain(..) {
+                    yield event;
+                }
+                if state.done {
+                    yield state.completed();
+                    return;
+                }
+            }
+            match bytes.next().await {
+                Some(Ok(chunk)) => sse.push(&chunk),
+                Some(Err(e)) => {
+                    yield RunEventKind::Failed(super::error::from_http(e, true).failure());
+                    return;
+                }
+                // Without `message_stop` the answer did not end.
+                None => {
+                    yield RunEventKind::Failed(ProviderCallError::Truncated.failure());
+                    return;
+                }
+            }
+        }
+    })
+}
+
+/// The run events of one non-streamed Messages answer.
+fn decode_whole(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
+    whole_answer_run(response, |body| {
+        let mut state = EventState::default();
+        let mut events = Vec::new();
+        state.on_whole(body, &mut events)?;
+        Ok((events, state.completed()))
+    })
+}
+
+/// Why decoding stopped: a typed call failure, or the provider's own
+/// `error` event with its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Failure {
+    Call(ProviderCallError),
+    /// An `error` event: the provider's message, if it gave one.
+    Reported(Option<String>),
+}
+
+impl Failure {
+    fn failure(&self) -> ExecutionFailure {
+        match self {
+            Failure::Call(e) => e.failure(),
+            Failure::Reported(message) => {
+                let mut failure = ProviderCallError::Reported.failure();
+                failure.provider_message = message.as_deref().and_then(iop_wire::provider_message);
+                failure
+            }
+        }
+    }
+}
+
+impl From<ProviderCallError> for Failure {
+    fn from(e: ProviderCallError) -> Self {
+        Failure::Call(e)
+    }
+}
+
+/// The most content blocks one answer may open (each tool call is one).
+pub const MAX_CONTENT_BLOCKS: usize = 1024;
+
+/// What a Messages answer said so far.
+#[derive(Debug, Default)]
+struct EventState {
+    /// Content block index -> tool call index, for `tool_use` blocks.
+    tool_blocks: HashMap<u64, u32>,
+    blocks_seen: usize,
+    /// The prompt's tokens (`message_start`; a `message_delta` may update).
+    input: Option<PromptTokens>,
+    output_tokens: Option<u64>,
+    finish: Option<FinishReason>,
+    done: bool,
+}
+
+/// A Messages `usage` object.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+struct WireUsage {
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(default)]
+    output_tokens: Option<u64>,
+}
+
+/// Every prompt token of a Messages `usage`: uncached, written to the
+/// cache and read from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PromptTokens(u64);
+
+impl WireUsage {
+    fn prompt(&self) -> Option<PromptTokens> {
+        let input = self.input_tokens?;
+        Some(PromptTokens(
+            input
+                .saturating_add(self.cache_creation_input_tokens.unwrap_or(0))
+                .saturating_add(self.cache_read_input_tokens.unwrap_or(0)),
+        ))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum StreamEvent {
+    MessageStart {
+        message: MessageHead,
+    },
+    ContentBlockStart {
+        index: u64,
+        content_block: Block,
+    },
+    ContentBlockDelta {
+        index: u64,
+        delta: BlockDelta,
+    },
+    ContentBlockStop {},
+    MessageDelta {
+        #[serde(default)]
+        delta: MessageDeltaBody,
+        #[serde(default)]
+        usage: Option<WireUsage>,
+    },
+    MessageStop {},
+    Ping {},
+    Error {
+        #[serde(default)]
+        error: Option<ErrorBody>,
+    },
+    #[serde(other)]
+    Unknown,
+}
+
+#[derive(Deserialize)]
+struct MessageHead {
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+#[derive(Deserialize, Default)]
+struct MessageDeltaBody {
+    #[serde(default)]
+    stop_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ErrorBody {
+    #[serde(default)]
+    message: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block {
+    Text {
+        #[serde(default)]
+        text: String,
+    },
+    Thinking {
+        #[serde(default)]
+        thinking: String,
+    },
+    ToolUse {
+        id: String,
+        name: String,
+        #[serde(default)]
+        input: Option<Value>,
+    },
+    /// `redacted_thinking`, server tool blocks, anything newer: nothing a
+    /// run carries.
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum BlockDelta {
+    TextDelta {
+        text: String,
+    },
+    ThinkingDelta {
+        thinking: String,
+    },
+    InputJsonDelta {
+        partial_json: String,
+    },
+    /// `signature_delta`, `citations_delta`, anything newer.
+    #[serde(other)]
+    Other,
+}
+
+/// A whole (non-streamed) Messages answer.
+#[derive(Deserialize)]
+struct WholeMessage {
+    #[serde(default)]
+    content: Vec<Block>,
+    #[serde(default)]
+    stop_reason: Option<String>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+impl EventState {
+    /// Decode one SSE event's data into non-terminal run events.
+    fn on_event(&mut self, data: &[u8], out: &mut Vec<RunEventKind>) -> Result<(), Failure> {
+        let event: StreamEvent =
+            serde_json::from_slice(data).map_err(|_| ProviderCallError::Malformed)?;
+        match event {
+            StreamEvent::MessageStart { message } => {
+                if let Some(usage) = message.usage {
+                    self.usage(&usage, out);
+                }
+            }
+            StreamEvent::ContentBlockStart {
+                index,
+                content_block,
+            } => self.block(Some(index), content_block, out)?,
+            StreamEvent::ContentBlockDelta { index, delta } => match delta {
+                BlockDelta::TextDelta { text } if !text.is_empty() => {
+                    out.push(RunEventKind::TextDelta(text));
+                }
+                BlockDelta::ThinkingDelta { thinking } if !thinking.is_empty() => {
+                    out.push(RunEventKind::ReasoningDelta(thinking));
+                }
+                BlockDelta::InputJsonDelta { partial_json } if !partial_json.is_empty() => {
+                    let call = *self
+                        .tool_blocks
+                        .get(&index)
+                        .ok_or(ProviderCallError::Malformed)?;
+                    out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
+                        index: call,
+                        id: None,
+                        name: None,
+                        arguments_delta: partial_json,
+                    }));
+                }
+                _ => {}
+            },
+            StreamEvent::MessageDelta { delta, usage } => {
+                if let Some(reason) = delta.stop_reason {
+                    self.finish = Some(finish_reason(&reason));
+                }
+                if let Some(usage) = usage {
+                    self.usage(&usage, out);
+                }
+            }
+            StreamEvent::MessageStop {} => self.done = true,
+            StreamEvent::Error { error } => {
+                return Err(Failure::Reported(error.and_then(|e| e.message)));
+            }
+            StreamEvent::ContentBlockStop {} | StreamEvent::Ping {} | StreamEvent::Unknown => {}
+        }
+        Ok(())
+    }
+
+    /// Decode one whole answer into non-terminal run events.
+    fn on_whole(
+        &mut self,
+        body: &[u8],
+        out: &mut Vec<RunEventKind>,
+    ) -> Result<(), ProviderCallError> {
+        let message: WholeMessage =
+            serde_json::from_slice(body).map_err(|_| ProviderCallError::Malformed)?;
+        for block in message.content {
+            self.block(None, block, out)?;
+        }
+        self.finish = message.stop_reason.as_deref().map(finish_reason);
+        if let Some(usage) = message.usage {
+            self.input = usage.prompt().or(self.input);
+            self.output_tokens = usage.output_tokens.or(self.output_tokens);
+        }
+        self.done = true;
+        Ok(())
+    }
+
+    /// A content block's start (streamed, at `index`) or a whole answer's
+    /// block: its text, reasoning or tool call.
+    fn block(
+        &mut self,
+        index: Option<u64>,
+        block: Block,
+        out: &mut Vec<RunEventKind>,
+    ) -> Result<(), ProviderCallError> {
+        self.blocks_seen += 1;
+        if self.blocks_seen > MAX_CONTENT_BLOCKS {
+            return Err(ProviderCallError::Malformed);
+        }
+        match block {
+            Block::Text { text } if !text.is_empty() => out.push(RunEventKind::TextDelta(text)),
+            Block::Thinking { thinking } if !thinking.is_empty() => {
+                out.push(RunEventKind::ReasoningDelta(thinking));
+            }
+            Block::ToolUse { id, name, input } => {
+                let call = self.tool_blocks.len() as u32;
+                if let Some(index) = index {
+                    self.tool_blocks.insert(index, call);
+                } else {
+                    // Whole answers have no block indexes; each call is
+                    // its own.
+                    self.tool_blocks.insert(u64::MAX - u64::from(call), call);
+                }
+                // A stream starts a call with `{}` and sends its input as
+                // deltas; a whole answer has the input here.
+                let arguments_delta = match input {
+                    Some(Value::Object(map)) if map.is_empty() && index.is_some() => String::new(),
+                    Some(input) => input.to_string(),
+                    None => String::new(),
+                };
+                out.push(RunEventKind::ToolCallDelta(ToolCallDelta {
+                    index: call,
+                    id: Some(id),
+                    name: Some(name),
+                    arguments_delta,
+                }));
+            }
+            Block::Text { .. } | Block::Thinking { .. } | Block::Other => {}
+        }
+        Ok(())
+    }
+
+    /// A usage report: the prompt's tokens once known, the output's as
+    /// they grow; a run event once both are known.
+    fn usage(&mut self, usage: &WireUsage, out: &mut Vec<RunEventKind>) {
+        self.input = usage.prompt().or(self.input);
+        self.output_tokens = usage.output_tokens.or(self.output_tokens);
+        if let Some(usage) = self.run_usage() {
+            out.push(RunEventKind::Usage(usage));
+        }
+    }
+
+    fn run_usage(&self) -> Option<Usage> {
+        Some(Usage {
+            prompt_tokens: self.input?.0,
+            completion_tokens: self.output_tokens?,
+        })
+    }
+
+    fn completed(&self) -> RunEventKind {
+        let fallback = if self.tool_blocks.is_empty() {
+            FinishReason::Stop
+        } else {
+            FinishReason::ToolCalls
+        };
+        RunEventKind::Completed {
+            finish_reason: self.finish.unwrap_or(fallback),
+            usage: self.run_usage(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
