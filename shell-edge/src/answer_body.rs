@@ -88,7 +88,9 @@ fn live_step(delivery: Delivery) -> Step {
     match delivery {
         Delivery::Event(event) => Step::Event(event),
         Delivery::Finish => Step::Completed,
-        Delivery::Fail { kind, .. } => Step::Failed(ApiError::from_gate_failure(kind)),
+        Delivery::Fail { kind, provider, .. } => {
+            Step::Failed(ApiError::from_gate_failure_with(kind, provider.as_ref()))
+        }
         Delivery::Commit { .. } | Delivery::Body(_) => Step::Nothing,
     }
 }

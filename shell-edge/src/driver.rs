@@ -233,6 +233,7 @@ fn start(
                         .send(Delivery::Fail {
                             kind: iop_core::edge::gate::GateFailure::Attempt(FailureCode::Internal),
                             in_stream: false,
+                            provider: None,
                         })
                         .await;
                 }

@@ -93,7 +93,9 @@ async fn first(
 ) -> Result<Option<(u16, Vec<iop_wire::Header>)>, ApiError> {
     match rx.recv().await {
         Some(Delivery::Commit { tunnel_head }) => Ok(tunnel_head),
-        Some(Delivery::Fail { kind, .. }) => Err(ApiError::from_gate_failure(kind)),
+        Some(Delivery::Fail { kind, provider, .. }) => {
+            Err(ApiError::from_gate_failure_with(kind, provider.as_ref()))
+        }
         Some(other) => {
             tracing::error!(event = "edge_driver_protocol_bug", delivery = ?other);
             Err(ApiError::internal())
@@ -371,7 +373,9 @@ async fn whole_answer<W: WholeAnswer>(
                 whole.event(&ev)
             }
             Delivery::Finish => return whole.answer(iop_transport::clock::unix_ms()),
-            Delivery::Fail { kind, .. } => return Err(ApiError::from_gate_failure(kind)),
+            Delivery::Fail { kind, provider, .. } => {
+                return Err(ApiError::from_gate_failure_with(kind, provider.as_ref()));
+            }
             _ => {}
         }
     }
@@ -502,7 +506,9 @@ fn tunnel_response(
                     record.set("ok");
                     return None;
                 }
-                Some(Delivery::Fail { kind, .. }) => ApiError::from_gate_failure(kind),
+                Some(Delivery::Fail { kind, provider, .. }) => {
+                    ApiError::from_gate_failure_with(kind, provider.as_ref())
+                }
                 Some(_) => continue,
                 // The driver ended without a terminal.
                 None => ApiError::internal(),

@@ -27,8 +27,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::stream::BoxStream;
 use iop_core::edge::client_ids;
-use iop_core::edge::durable::{JournalSpec, ended_before_commit};
-use iop_core::edge::gate::GateFailure;
+use iop_core::edge::durable::{JournalSpec, ended_before_commit, failure_of};
 use iop_core::edge::request::Delivery;
 use iop_core::edge::whole_answer::WholeAnswerBudget;
 use iop_core::ids::ProviderId;
@@ -93,8 +92,8 @@ fn journal_error(e: &JournalError) -> ApiError {
 fn terminal_error(terminal: &Terminal) -> ApiError {
     let reason = terminal.reason.as_deref().unwrap_or("");
     match terminal.status {
-        RecordStatus::Failed => match GateFailure::parse(reason) {
-            Some(kind) => ApiError::from_gate_failure(kind),
+        RecordStatus::Failed => match failure_of(terminal) {
+            Some((kind, provider)) => ApiError::from_gate_failure_with(kind, provider.as_ref()),
             None if reason == "response_too_large" => ApiError::answer_too_large(0),
             None if reason == "journal_unavailable" => ApiError::journal_unavailable(false),
             None => ApiError::internal(),

@@ -710,3 +710,71 @@ async fn a_stop_sequence_comes_back_as_stop_reason_stop_sequence() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_providers_own_error_is_passed_on_in_every_apis_shape_and_class() {
+    bounded(async {
+        for upstream in [Upstream::OpenAi, Upstream::MessagesOnly] {
+            let d = Deployment::start_with(MockScript::default(), 4, 64, upstream).await;
+            let chat = |model: &str| {
+                json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+            };
+            // A validation error of the provider's (HTTP 422): a 400, with its
+            // message, in the OpenAI shape ...
+            let r = post_bearer(&d, "/v1/chat/completions", &chat("mock:error=422")).await;
+            assert_eq!(r.status(), 400, "{upstream:?}");
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["type"], "invalid_request_error");
+            assert_eq!(v["error"]["code"], "provider_rejected_request");
+            assert_eq!(
+                v["error"]["message"],
+                "The provider rejected the request (HTTP 422): scripted mock error"
+            );
+            // ... Ollama's ...
+            let r = post_bearer(&d, "/api/chat", &chat("mock:error=422")).await;
+            assert_eq!(r.status(), 400);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(
+                v["error"],
+                "The provider rejected the request (HTTP 422): scripted mock error"
+            );
+            // ... and Anthropic's, streamed or not, durable or not.
+            for (stream, key) in [(false, None), (true, None), (false, Some("err-1"))] {
+                let headers: Vec<(&str, &str)> =
+                    key.map(|k| vec![("idempotency-key", k)]).unwrap_or_default();
+                let r = d
+                    .post("/v1/messages", &request("mock:error=422", stream), &headers)
+                    .await;
+                assert_eq!(r.status(), 400, "stream {stream} key {key:?}");
+                let v: Value = r.json().await.unwrap();
+                assert_eq!(v["error"]["type"], "invalid_request_error");
+                assert_eq!(
+                    v["error"]["message"],
+                    "The provider rejected the request (HTTP 422): scripted mock error",
+                    "stream {stream} key {key:?}"
+                );
+            }
+            // A provider's 5xx stays a gateway error, with the provider's
+            // message.
+            let r = post_bearer(&d, "/v1/chat/completions", &chat("mock:error=500")).await;
+            assert_eq!(r.status(), 502);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(
+                v["error"]["message"],
+                "The provider returned an error (HTTP 500): scripted mock error"
+            );
+            let r = d.post("/v1/messages", &request("mock:error=500", false), &[]).await;
+            assert_eq!(r.status(), 502);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["type"], "api_error");
+            // What a provider says about our credential is not passed on.
+            let r = post_bearer(&d, "/v1/chat/completions", &chat("mock:error=401")).await;
+            assert_eq!(r.status(), 502);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["message"], "The provider returned an error (HTTP 401).");
+            d.wait_idle().await;
+            d.stop().await;
+        }
+    })
+    .await;
+}

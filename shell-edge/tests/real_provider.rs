@@ -1,6 +1,10 @@
 //! End to end in front of a real provider: the llama.cpp server of
 //! `llama-cpp-python` serving SmolLM2-135M behind a Node, checked with the
-//! official `openai` and `ollama` Python clients (`real_provider/clients_e2e.py`).
+//! official `openai` and `ollama` Python clients (`real_provider/clients_e2e.py`):
+//! among the rest, a strict `json_schema` response format through the
+//! node's `structured_output = "json_object_schema"` setting, the same
+//! request to the server as it is (its own validation error passed on),
+//! and its context-length error as the 400 it is, with its message.
 //!
 //! The Python environment is built by `scripts/provider-venv` (outside the
 //! checkout, cached); `IOP_PROVIDER_VENV` names it. Without it the test says
@@ -113,6 +117,8 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         // provider's own /v1/models.
         "[health]\nrefresh_interval_ms = 300\nprobe_timeout_ms = 2000\nstale_after_ms = 10000\n\
          [[providers]]\nid = \"llama\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"llama\"\ncapacity = 2\n\
+         [[providers]]\nid = \"llama-as-is\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"llama-as-is\"\ncapacity = 2\ndiscover_models = false\n\
+         [[routes]]\nmodel = \"smollm2-as-is\"\nproviders = [\"llama-as-is\"]\n\
          [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n"
     ))
     .await
@@ -122,13 +128,27 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         "node-1",
         edge.quic_addr,
         &format!(
-            "[[providers]]\nadapter = \"openai\"\ntarget = \"llama\"\nbase_url = \"{}\"\nstream_usage = false\nstructured_output = \"json_object_schema\"\n",
-            llama.base_url
+            "[[providers]]\nadapter = \"openai\"\ntarget = \"llama\"\nbase_url = \"{url}\"\nstream_usage = false\nstructured_output = \"json_object_schema\"\n\
+             [[providers]]\nadapter = \"openai\"\ntarget = \"llama-as-is\"\nbase_url = \"{url}\"\nstream_usage = false\n",
+            url = llama.base_url
         ),
     );
     ready_generation(&edge, "node-1").await;
+    // Both targets report the model; only the discovering one routes it.
     wait_for(&edge, "the model discovered", |_| {
-        edge.hub.catalog().pool_for(MODEL).len() == 1
+        edge.hub
+            .catalog()
+            .pool_for(MODEL)
+            .iter()
+            .any(|p| p.as_str() == "llama")
+    })
+    .await;
+    // The same server without the structured-output setting: a client's
+    // JSON schema reaches it as sent, and its refusal is passed on.
+    wait_for(&edge, "the server as it is routable", |s| {
+        s.providers
+            .iter()
+            .any(|p| p.provider_id.as_str() == "llama-as-is" && p.runtime_eligible)
     })
     .await;
     let script = concat!(
@@ -142,6 +162,7 @@ async fn official_clients_against_a_real_llama_cpp_server() {
             .arg(format!("http://{}", edge.http_addr))
             .arg(KEY)
             .arg(MODEL)
+            .arg("smollm2-as-is")
             .output(),
     )
     .await

@@ -17,7 +17,7 @@ use iop_wire::{FailureCode, RunKey};
 
 use crate::ids::ProviderId;
 
-use crate::edge::delivery::Delivery;
+use crate::edge::delivery::{Delivery, ProviderSaid};
 use crate::edge::gate::GateFailure;
 use crate::journal::{JournalError, JournalEvent, RecordStatus, Terminal};
 
@@ -142,23 +142,59 @@ pub fn decode_delivery(payload: &[u8]) -> Option<Delivery> {
     decode_entry(payload).map(|e| e.delivery)
 }
 
-/// The record terminal a terminal delivery stands for.
+/// The reason of a record that failed on a provider's error answered with
+/// an HTTP status: this prefix and the status (`provider_error_http_422`),
+/// so a replay answers the class the live request was answered with.
+pub const PROVIDER_STATUS_REASON_PREFIX: &str = "provider_error_http_";
+
+/// The record terminal a terminal delivery stands for. A provider's error
+/// keeps what the provider said: its message, and its HTTP status in the
+/// reason ([`PROVIDER_STATUS_REASON_PREFIX`]); [`failure_of`] reads it
+/// back.
 pub fn terminal_of(delivery: &Delivery) -> Option<Terminal> {
-    let (status, reason) = match delivery {
-        Delivery::Finish => (RecordStatus::Completed, None),
+    let (status, reason, message) = match delivery {
+        Delivery::Finish => (RecordStatus::Completed, None, None),
         Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::Canceled),
             ..
-        } => (RecordStatus::Cancelled, Some("cancelled".to_owned())),
-        Delivery::Fail { kind, .. } => (RecordStatus::Failed, Some(kind.as_str().to_owned())),
+        } => (RecordStatus::Cancelled, Some("cancelled".to_owned()), None),
+        Delivery::Fail { kind, provider, .. } => {
+            let reason = match provider.as_ref().and_then(|p| p.http_status) {
+                Some(status) if *kind == GateFailure::Attempt(FailureCode::ProviderError) => {
+                    format!("{PROVIDER_STATUS_REASON_PREFIX}{status}")
+                }
+                _ => kind.as_str().to_owned(),
+            };
+            let message = provider.as_ref().and_then(|p| p.message.clone());
+            (RecordStatus::Failed, Some(reason), message)
+        }
         _ => return None,
     };
     Some(Terminal {
         status,
         reason,
-        message: None,
+        message,
         at_unix_ms: 0,
     })
+}
+
+/// The failure a failed record's terminal stands for ([`terminal_of`]'s
+/// inverse): why, and what the provider said; `None` for a reason this
+/// build does not know.
+pub fn failure_of(terminal: &Terminal) -> Option<(GateFailure, Option<ProviderSaid>)> {
+    let reason = terminal.reason.as_deref()?;
+    let said = |http_status: Option<u16>| ProviderSaid {
+        http_status,
+        message: terminal.message.clone(),
+    };
+    let provider_error = GateFailure::Attempt(FailureCode::ProviderError);
+    if let Some(status) = reason.strip_prefix(PROVIDER_STATUS_REASON_PREFIX) {
+        let status = status.parse::<u16>().ok()?;
+        return Some((provider_error, Some(said(Some(status)))));
+    }
+    let kind = GateFailure::parse(reason)?;
+    let provider = (kind == provider_error && terminal.message.is_some()).then(|| said(None));
+    Some((kind, provider))
 }
 
 /// Whether an answer read from the journal is an HTTP error rather than
@@ -970,14 +1006,16 @@ mod tests {
         assert_eq!(
             status(Delivery::Fail {
                 kind: GateFailure::Attempt(FailureCode::Canceled),
-                in_stream: true
+                in_stream: true,
+                provider: None,
             }),
             Some(RecordStatus::Cancelled)
         );
         assert_eq!(
             status(Delivery::Fail {
                 kind: GateFailure::BudgetExpired,
-                in_stream: true
+                in_stream: true,
+                provider: None,
             }),
             Some(RecordStatus::Failed)
         );
@@ -1081,10 +1119,50 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_records_terminal_keeps_what_the_provider_said_r_gate_3() {
+        let fail = |status: Option<u16>| Delivery::Fail {
+            kind: GateFailure::Attempt(FailureCode::ProviderError),
+            in_stream: false,
+            provider: Some(ProviderSaid {
+                http_status: status,
+                message: Some("Input should be 'text' or 'json_object'".into()),
+            }),
+        };
+        for (status, reason) in [
+            (Some(400), "provider_error_http_400"),
+            (Some(422), "provider_error_http_422"),
+            (Some(429), "provider_error_http_429"),
+            (Some(500), "provider_error_http_500"),
+            (None, "provider_error"),
+        ] {
+            let terminal = terminal_of(&fail(status)).expect("a terminal");
+            assert_eq!(terminal.status, RecordStatus::Failed);
+            assert_eq!(terminal.reason.as_deref(), Some(reason), "{status:?}");
+            let (kind, said) = failure_of(&terminal).expect("a known reason");
+            assert_eq!(kind, GateFailure::Attempt(FailureCode::ProviderError));
+            let said = said.expect("what the provider said");
+            assert_eq!(said.http_status, status);
+            assert_eq!(
+                said.message.as_deref(),
+                Some("Input should be 'text' or 'json_object'")
+            );
+        }
+        // Nothing said: the failure alone, as before.
+        let plain = terminal_of(&Delivery::Fail {
+            kind: GateFailure::BudgetExpired,
+            in_stream: true,
+            provider: None,
+        })
+        .unwrap();
+        assert_eq!(failure_of(&plain), Some((GateFailure::BudgetExpired, None)));
+    }
+
+    #[test]
     fn a_journal_answer_is_an_http_error_only_if_it_failed_before_any_event_r_gate_3() {
         let failed = terminal_of(&Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::ProviderError),
             in_stream: false,
+            provider: None,
         })
         .expect("a terminal");
         let completed = terminal_of(&Delivery::Finish).expect("a terminal");

@@ -44,7 +44,7 @@ use iop_wire::{
 };
 
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
-pub use crate::edge::delivery::Delivery;
+pub use crate::edge::delivery::{Delivery, ProviderFault, ProviderSaid};
 use crate::edge::dispatch::{ParkedOffer, RequestCommand, RequestEvent};
 use crate::edge::durable::{
     AfterRefusal, FrameSource, JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher,
@@ -411,6 +411,9 @@ pub struct Request {
     /// It continues an answer whose run is gone ([`Self::continuing`]):
     /// its continuation may fall back to the last provider.
     orphan_continuation: bool,
+    /// What the provider said when the last attempt ended on its error
+    /// (R-GATE-3: the client is told).
+    provider_said: Option<ProviderSaid>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -455,6 +458,7 @@ impl Request {
             attempt_usage: None,
             parked_provider: None,
             orphan_continuation: false,
+            provider_said: None,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
@@ -759,6 +763,7 @@ impl Request {
                 self.deliver_terminal(Delivery::Fail {
                     kind: GateFailure::Attempt(FailureCode::Canceled),
                     in_stream,
+                    provider: None,
                 });
             }
         }
@@ -803,6 +808,7 @@ impl Request {
                     .push_back(RequestOutput::Deliver(Delivery::Fail {
                         kind: GateFailure::Attempt(FailureCode::Internal),
                         in_stream: self.head_delivered,
+                        provider: None,
                     }));
             }
         }
@@ -1394,6 +1400,7 @@ impl Request {
         else {
             return;
         };
+        self.provider_said = failure.as_ref().and_then(ProviderSaid::of);
         self.phase = Phase::AwaitingVerdict {
             lease_id: *lease_id,
             attempt,
@@ -1402,6 +1409,15 @@ impl Request {
             retryable: failure.as_ref().is_some_and(|f| f.retryable),
         };
         self.outputs.push_back(RequestOutput::Dispatch(command));
+    }
+
+    /// What the provider said, when the request ends with `kind` on a
+    /// provider's error: the last attempt's (the one `kind` is of).
+    fn provider_said_for(&mut self, kind: GateFailure) -> Option<ProviderSaid> {
+        match kind {
+            GateFailure::Attempt(FailureCode::ProviderError) => self.provider_said.take(),
+            _ => None,
+        }
     }
 
     /// The node broke the attempt's protocol or the pre-commit bound.
@@ -1517,15 +1533,19 @@ impl Request {
                 }
                 GateOutput::FailBeforeCommit { kind } => {
                     self.clear_held();
+                    let provider = self.provider_said_for(kind);
                     self.deliver_terminal(Delivery::Fail {
                         kind,
                         in_stream: false,
+                        provider,
                     });
                 }
                 GateOutput::FailInStream { kind } => {
+                    let provider = self.provider_said_for(kind);
                     self.deliver_terminal(Delivery::Fail {
                         kind,
                         in_stream: true,
+                        provider,
                     });
                 }
             }

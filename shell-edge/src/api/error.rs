@@ -9,6 +9,7 @@
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use iop_core::edge::gate::{AdmissionFailure, GateFailure};
+use iop_core::edge::request::{ProviderFault, ProviderSaid};
 use iop_wire::{ExecutionFailure, FailureCode};
 use serde_json::{Value, json};
 
@@ -521,34 +522,55 @@ impl ApiError {
         Self::new(status, kind, Some(code_str), message.to_owned())
     }
 
-    /// Like [`ApiError::from_failure`], but a provider's verdict that the
-    /// request itself is bad (HTTP 400, 413, 422) or too frequent (429) keeps
-    /// its class, so a client sees e.g. a context-length error as a 400.
-    /// Other provider statuses (401/403 are our credential's problem, 404 our
-    /// routing's) stay gateway errors.
+    /// Like [`ApiError::from_failure`], with what the provider said (see
+    /// [`ApiError::from_gate_failure_with`]).
     pub fn from_execution_failure(failure: &ExecutionFailure) -> Self {
-        if failure.code == FailureCode::ProviderError {
-            match failure.http_status {
-                Some(429) => {
-                    return Self::new(
-                        429,
-                        ErrorKind::RateLimit,
-                        Some("provider_rate_limited"),
-                        "The provider is rate limiting requests.".to_owned(),
-                    );
-                }
-                Some(status @ (400 | 413 | 422)) => {
-                    return Self::new(
-                        400,
-                        ErrorKind::InvalidRequest,
-                        Some("provider_rejected_request"),
-                        format!("The provider rejected the request (HTTP {status})."),
-                    );
-                }
-                _ => {}
+        Self::from_gate_failure_with(
+            GateFailure::Attempt(failure.code),
+            ProviderSaid::of(failure).as_ref(),
+        )
+    }
+
+    /// The error a request that ended with `kind` is answered with, with
+    /// what its provider said (R-GATE-3): a provider's verdict that the
+    /// request itself is invalid (core's [`ProviderFault`]: HTTP 400, 413,
+    /// 422) is a 400, its rate limiting a 429, so a client sees e.g. a
+    /// context-length error as the 400 it is; other provider statuses stay
+    /// gateway errors (401/403 are our credential's problem, 404 our
+    /// routing's). The provider's own message, sanitized by the Node, is
+    /// part of the message in every case.
+    pub fn from_gate_failure_with(kind: GateFailure, provider: Option<&ProviderSaid>) -> Self {
+        let Some(said) = provider else {
+            return Self::from_gate_failure(kind);
+        };
+        let status = said
+            .http_status
+            .map(|s| format!(" (HTTP {s})"))
+            .unwrap_or_default();
+        let with_message = |text: String| match &said.message {
+            Some(message) => format!("{text}{status}: {message}"),
+            None => format!("{text}{status}."),
+        };
+        match said.fault() {
+            ProviderFault::InvalidRequest => Self::new(
+                400,
+                ErrorKind::InvalidRequest,
+                Some("provider_rejected_request"),
+                with_message("The provider rejected the request".to_owned()),
+            ),
+            ProviderFault::RateLimited => Self::new(
+                429,
+                ErrorKind::RateLimit,
+                Some("provider_rate_limited"),
+                with_message("The provider is rate limiting requests".to_owned()),
+            ),
+            ProviderFault::Provider => {
+                let mut err = Self::from_gate_failure(kind);
+                let fixed = err.message.trim_end_matches('.').to_owned();
+                err.message = with_message(fixed);
+                err
             }
         }
-        Self::from_failure(failure.code)
     }
 
     /// The OpenAI error body: `{"error":{"message","type","code","param"}}`.
@@ -729,6 +751,42 @@ mod tests {
             502
         );
         assert_eq!(ApiError::from_failure(FailureCode::Canceled).status, 500);
+    }
+
+    #[test]
+    fn a_providers_message_is_passed_on_with_its_class() {
+        let said = |status: Option<u16>| ProviderSaid {
+            http_status: status,
+            message: Some("Input should be 'text' or 'json_object'".into()),
+        };
+        let provider_error = GateFailure::Attempt(FailureCode::ProviderError);
+        let err = ApiError::from_gate_failure_with(provider_error, Some(&said(Some(500))));
+        assert_eq!(err.status, 502);
+        assert_eq!(
+            err.message,
+            "The provider returned an error (HTTP 500): Input should be 'text' or 'json_object'"
+        );
+        let err = ApiError::from_gate_failure_with(provider_error, Some(&said(Some(422))));
+        assert_eq!((err.status, err.kind), (400, ErrorKind::InvalidRequest));
+        assert_eq!(
+            err.message,
+            "The provider rejected the request (HTTP 422): Input should be 'text' or 'json_object'"
+        );
+        assert_eq!(err.to_ollama_json()["error"], err.message.as_str());
+        let quiet = ProviderSaid {
+            http_status: Some(429),
+            message: None,
+        };
+        let err = ApiError::from_gate_failure_with(provider_error, Some(&quiet));
+        assert_eq!(err.status, 429);
+        assert_eq!(
+            err.message,
+            "The provider is rate limiting requests (HTTP 429)."
+        );
+        assert_eq!(
+            ApiError::from_gate_failure_with(provider_error, None),
+            ApiError::from_gate_failure(provider_error)
+        );
     }
 
     #[test]

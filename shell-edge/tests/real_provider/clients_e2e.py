@@ -1,7 +1,10 @@
 """End-to-end check of an iop Edge in front of a real llama.cpp server, with
 the official `openai` and `ollama` Python clients.
 
-Usage: clients_e2e.py EDGE_URL API_KEY MODEL
+Usage: clients_e2e.py EDGE_URL API_KEY MODEL AS_IS_MODEL
+
+AS_IS_MODEL routes to the same server without the node's structured-output
+setting: a JSON schema reaches it as the client sent it.
 
 Exits non-zero (with a message) on the first failed expectation.
 """
@@ -10,6 +13,7 @@ import json
 import sys
 
 import ollama
+import openai
 from openai import OpenAI
 from pydantic import BaseModel
 
@@ -24,7 +28,7 @@ class Answer(BaseModel):
 
 
 def main() -> None:
-    edge, key, model = sys.argv[1], sys.argv[2], sys.argv[3]
+    edge, key, model, as_is_model = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     client = OpenAI(base_url=f"{edge}/v1", api_key=key, max_retries=0, timeout=120)
     # Greedy (temperature 0) where text is checked: a sampled answer may be
     # empty (an end-of-sequence first token), which is the model's, not ours.
@@ -88,6 +92,51 @@ def main() -> None:
         response_format=Answer, max_tokens=40,
     )
     check(isinstance(parsed.choices[0].message.parsed, Answer), f"parse: {parsed.choices[0].message}")
+
+    # A strict JSON schema as the client sends it: the node gives it to
+    # llama-cpp-python in the form that server takes (structured_output =
+    # "json_object_schema"), and the answer follows the schema.
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    strict = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    ask = [{"role": "user", "content": "Reply with an answer."}]
+    r = client.chat.completions.create(model=model, messages=ask, response_format=strict, max_tokens=40, temperature=0)
+    obj = json.loads(r.choices[0].message.content)
+    check(isinstance(obj, dict) and isinstance(obj.get("answer"), str) and set(obj) == {"answer"},
+          f"json_schema: {r.choices[0].message.content!r}")
+
+    # The same request to the server as it is: llama-cpp-python refuses the
+    # json_schema form with HTTP 500, and the client learns why (the
+    # provider's own message, sanitized), not just that it failed.
+    try:
+        client.chat.completions.create(model=as_is_model, messages=ask, response_format=strict, max_tokens=40)
+        raise SystemExit("FAILED: json_schema as it is: no error")
+    except openai.InternalServerError as e:
+        check(e.status_code == 502, f"json_schema as it is: status {e.status_code}")
+        message = e.body["message"]
+        check(message.startswith("The provider returned an error (HTTP 500): "), f"as it is: {message!r}")
+        check("json_object" in message, f"as it is: the provider's reason: {message!r}")
+        check("\n" not in message and len(message) < 1200, f"as it is: sanitized: {message!r}")
+
+    # llama.cpp's context-length error is a validation error of the
+    # request: a 400 with its message, for both clients.
+    too_long = [{"role": "user", "content": "hello " * 3000}]
+    try:
+        client.chat.completions.create(model=model, messages=too_long, max_tokens=8)
+        raise SystemExit("FAILED: context length: no error")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400, f"context length: status {e.status_code}")
+        check("maximum context length is 2048" in e.body["message"], f"context length: {e.body}")
+    oc400 = ollama.Client(host=edge, headers={"Authorization": f"Bearer {key}"})
+    try:
+        oc400.chat(model=model, messages=too_long, options={"num_predict": 8})
+        raise SystemExit("FAILED: ollama context length: no error")
+    except ollama.ResponseError as e:
+        check(e.status_code == 400 and "maximum context length" in e.error, f"ollama context length: {e}")
 
     # Pass-through of a field the Edge does not know (llama.cpp takes top_k).
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=4, extra_body={"top_k": 1})

@@ -17,7 +17,7 @@ use tower::ServiceExt;
 
 use super::openai::generate_prompt;
 use super::relay::{RelayCall, body_frames, request_headers, response_headers, validate};
-use super::{ProbeVerdict, ProviderCallError, failed_run, failed_tunnel};
+use super::{ProbeVerdict, ProviderCallError, failed_tunnel};
 use crate::mock::{
     MOCK_LOGPROB, MOCK_REASONING, MockPrompt, MockScript, MockState, MockStep, ProbeHealth,
     mock_embedding, play, router,
@@ -49,9 +49,15 @@ impl InProcessMock {
         req: RunRequest,
         auth: Option<String>,
     ) -> BoxStream<'static, RunEventKind> {
-        // As the HTTP mock: a bad override is the provider's 400.
-        let Ok(script) = self.defaults.for_model(&req.model) else {
-            return failed_run(ProviderCallError::Status { status: 400 });
+        // As the HTTP mock: a bad override is the provider's 400, with its
+        // message.
+        let script = match self.defaults.for_model(&req.model) {
+            Ok(script) => script,
+            Err(e) => {
+                let mut failure = ProviderCallError::Status { status: 400 }.failure();
+                failure.provider_message = iop_wire::provider_message(&e.to_string());
+                return futures::stream::once(async move { RunEventKind::Failed(failure) }).boxed();
+            }
         };
         let bearer = auth.or_else(|| self.api_key.clone());
         let prompt = MockPrompt {
@@ -99,7 +105,12 @@ impl InProcessMock {
                 futures::future::pending::<()>().await;
             }
             if let Some(status) = script.http_error {
-                yield RunEventKind::Failed(ProviderCallError::Status { status }.failure());
+                // As the HTTP mock's error body says.
+                let mut failure = ProviderCallError::Status { status }.failure();
+                if !matches!(status, 401 | 403 | 407) {
+                    failure.provider_message = iop_wire::provider_message("scripted mock error");
+                }
+                yield RunEventKind::Failed(failure);
                 return;
             }
             yield RunEventKind::Started { session_id };

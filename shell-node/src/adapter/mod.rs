@@ -16,8 +16,13 @@
 //! it. Adapters never retry (R-WD-8).
 //!
 //! Failures are typed ([`ProviderCallError`]) and reach the wire as an
-//! [`iop_wire::ExecutionFailure`] with a sanitized [`HealthFailureCode`]; provider
-//! payload text and credentials never enter a failure or a log line.
+//! [`iop_wire::ExecutionFailure`] with a sanitized [`HealthFailureCode`].
+//! Credentials never enter a failure or a log line, and provider payload
+//! text only as the provider's own error message of a failed call, for the
+//! client: read from a bounded error body, the call's key cut out, control
+//! characters stripped and its length bounded ([`iop_wire::provider_message`]),
+//! and never for a 401, 403 or 407 (what the provider says about our
+//! credential is not the client's).
 
 pub mod anthropic;
 pub mod client;
@@ -42,7 +47,7 @@ use iop_wire::{
 
 pub use client::{HttpError, ProviderHttp};
 use client::{ProviderRequest, ProviderResponse};
-pub use error::ProviderCallError;
+pub use error::{MAX_ERROR_BODY_BYTES, ProviderCallError};
 pub use lines::{LineBuffer, LineError, MAX_LINE_BYTES};
 pub use sse::{MAX_EVENT_BYTES, SseGuardError, bounded as bounded_sse};
 
@@ -181,7 +186,8 @@ impl HttpTarget {
 
 /// A run over HTTP: send `request`, then `Started` and the events `decode`
 /// reads from the successful answer. Failing to send or an error status is
-/// the run's one `Failed`, and `Started` is never sent.
+/// the run's one `Failed`, and `Started` is never sent; an error status's
+/// failure carries the provider's own message ([`error::status_failure`]).
 pub(crate) fn http_run(
     target: HttpTarget,
     request: ProviderRequest,
@@ -190,13 +196,18 @@ pub(crate) fn http_run(
     decode: fn(ProviderResponse) -> BoxStream<'static, RunEventKind>,
 ) -> BoxStream<'static, RunEventKind> {
     Box::pin(async_stream::stream! {
-        let response = match target.send_expecting_success(request, auth).await {
+        let key = target.key(auth.clone());
+        let response = match target.send(request, auth).await {
             Ok(r) => r,
             Err(e) => {
                 yield RunEventKind::Failed(e.failure());
                 return;
             }
         };
+        if !response.status().is_success() {
+            yield RunEventKind::Failed(error::status_failure(response, key.as_deref()).await);
+            return;
+        }
         yield RunEventKind::Started { session_id };
         let mut events = decode(response);
         while let Some(event) = events.next().await {

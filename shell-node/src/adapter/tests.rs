@@ -648,6 +648,47 @@ async fn openai_http_error_is_provider_error_with_status_and_no_started() {
 }
 
 #[tokio::test]
+async fn a_providers_own_error_message_reaches_the_failure_in_every_adapter() {
+    let all = mock(MockScript::default()).await;
+    let messages = messages_only(MockScript::default()).await;
+    for (kind, server) in [
+        (AdapterKind::OpenAi, &all),
+        (AdapterKind::Ollama, &all),
+        (AdapterKind::Anthropic, &messages),
+    ] {
+        let a = adapter(kind, &server.base_url(), None);
+        let events = collect(a.run(run_request("mock:error=500", RunApi::Chat, "x"), None)).await;
+        let f = failure(&events);
+        assert_eq!(
+            (f.code, f.http_status),
+            (FailureCode::ProviderError, Some(500))
+        );
+        assert_eq!(
+            f.provider_message.as_deref(),
+            Some("scripted mock error"),
+            "{kind}"
+        );
+        // A request the provider refuses: its reason, for the client.
+        let events = collect(a.run(run_request("mock:tokens=x", RunApi::Chat, "x"), None)).await;
+        let f = failure(&events);
+        assert_eq!(f.http_status, Some(400), "{kind}");
+        assert!(
+            f.provider_message
+                .as_deref()
+                .is_some_and(|m| m.contains("tokens")),
+            "{kind}: {f:?}"
+        );
+    }
+    // The in-process mock says what the HTTP one says.
+    let events =
+        collect(in_process().run(run_request("mock:error=500", RunApi::Chat, "x"), None)).await;
+    assert_eq!(
+        failure(&events).provider_message.as_deref(),
+        Some("scripted mock error")
+    );
+}
+
+#[tokio::test]
 async fn openai_malformed_chunk_is_malformed_response() {
     let server = mock(MockScript::default()).await;
     let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);

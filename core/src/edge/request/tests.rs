@@ -309,7 +309,8 @@ fn admission_refusals_map_to_their_failures() {
             deliveries(&outs),
             vec![Delivery::Fail {
                 kind: GateFailure::Admission(failure),
-                in_stream: false
+                in_stream: false,
+                provider: None,
             }]
         );
         assert_eq!(commands(&outs), vec![cancel()]);
@@ -328,7 +329,8 @@ fn queue_expiry_is_a_queue_timeout() {
         deliveries(&drain(&mut r)),
         vec![Delivery::Fail {
             kind: GateFailure::Admission(AdmissionFailure::QueueTimeout),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
 }
@@ -412,7 +414,8 @@ fn a_fence_of_the_running_attempt_is_one_transport_terminal_r_gen_3() {
         deliveries(&outs),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::TransportClosed),
-            in_stream: true
+            in_stream: true,
+            provider: None,
         }]
     );
     assert!(outs.contains(&RequestOutput::CloseAttempt));
@@ -519,7 +522,8 @@ fn a_stall_the_node_did_not_mark_retryable_is_never_readmitted_r_fail_1() {
         deliveries(&outs),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::ResponseStalled),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
     assert!(r.is_ended());
@@ -527,6 +531,42 @@ fn a_stall_the_node_did_not_mark_retryable_is_never_readmitted_r_fail_1() {
     let (r, outs) = stall_verdict(true);
     assert!(outs.contains(&RequestOutput::Observe(RequestObservation::Readmitted)));
     assert!(!r.is_ended());
+}
+
+#[test]
+fn a_providers_error_ends_the_request_with_what_the_provider_said_r_gate_3() {
+    for (status, message) in [
+        (Some(400), Some("Input should be 'text' or 'json_object'")),
+        (Some(500), None),
+    ] {
+        let mut r = Request::new(t(0), spec(None, &[]));
+        let l = lease(1, "p0", AdapterKind::Mock);
+        running(&mut r, &l);
+        let mut failure = ExecutionFailure::new(FailureCode::ProviderError);
+        failure.http_status = status;
+        failure.provider_message = message.map(str::to_owned);
+        r.handle_input(t(2), run(RunEventKind::Failed(failure)));
+        drain(&mut r);
+        r.handle_input(
+            t(3),
+            RequestInput::Dispatch(RequestEvent::Terminal {
+                lease_id: 1,
+                verdict: applied(&l),
+            }),
+        );
+        assert_eq!(
+            deliveries(&drain(&mut r)),
+            vec![Delivery::Fail {
+                kind: GateFailure::Attempt(FailureCode::ProviderError),
+                in_stream: false,
+                provider: Some(ProviderSaid {
+                    http_status: status,
+                    message: message.map(str::to_owned),
+                }),
+            }]
+        );
+        assert!(r.is_ended());
+    }
 }
 
 #[cfg(feature = "planted-bugs")]
@@ -590,7 +630,8 @@ fn an_ignored_terminal_is_a_lost_transport_r_lease_1() {
         deliveries(&drain(&mut r)),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::TransportClosed),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
 }
@@ -697,7 +738,8 @@ fn a_second_tunnel_head_fails_the_attempt_r_lim_3() {
         deliveries(&outs),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::MalformedResponse),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
 }
@@ -714,7 +756,8 @@ fn a_frame_of_the_wrong_kind_fails_the_attempt() {
         deliveries(&drain(&mut r)),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::MalformedResponse),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
 }
@@ -733,7 +776,8 @@ fn the_pre_commit_buffer_is_bounded_in_items() {
         deliveries(&drain(&mut r)),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::MalformedResponse),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
     assert_eq!(r.held_bytes(), 0);
@@ -755,7 +799,8 @@ fn the_pre_commit_buffer_is_bounded_in_decoded_bytes() {
         deliveries(&drain(&mut r)),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::MalformedResponse),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
 }
@@ -779,7 +824,8 @@ fn open_failures_are_attempt_events_r_gate_1() {
             deliveries(&outs),
             vec![Delivery::Fail {
                 kind: GateFailure::Attempt(code),
-                in_stream: false
+                in_stream: false,
+                provider: None,
             }]
         );
         assert_eq!(r.gate().attempts(), 1, "the open counted as the attempt");
@@ -812,7 +858,8 @@ fn the_budget_deadline_ends_the_request_r_gate_3() {
         deliveries(&outs),
         vec![Delivery::Fail {
             kind: GateFailure::BudgetExpired,
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
     assert_eq!(commands(&outs), vec![cancel()]);
@@ -828,7 +875,8 @@ fn a_stream_that_ends_without_a_terminal_is_a_lost_transport() {
         deliveries(&outs),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::TransportClosed),
-            in_stream: false
+            in_stream: false,
+            provider: None,
         }]
     );
 }
@@ -1078,7 +1126,8 @@ fn r_jrn_3_a_fenced_durable_response_stops_its_run_and_publishes_nothing_more() 
         deliveries(&outs),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::Internal),
-            in_stream: true
+            in_stream: true,
+            provider: None,
         }],
         "the unjournaled text never reaches the client"
     );
