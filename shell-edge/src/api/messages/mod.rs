@@ -42,7 +42,7 @@ mod response;
 mod stream;
 
 pub use error::{MessagesError, error_json, error_status_and_type};
-pub use request::{parse_count_tokens_request, parse_messages_request, request_json};
+pub use request::{parse_count_tokens_request, parse_messages_request};
 pub use response::{MessagesAccumulator, stop_reason};
 pub use stream::MessagesStream;
 
