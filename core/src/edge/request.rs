@@ -1392,15 +1392,20 @@ impl Request {
         &mut self,
         attempt: AttemptId,
         code: Option<FailureCode>,
-        command: RequestCommand,
+        mut command: RequestCommand,
     ) {
         let RequestCommand::Terminal {
             lease_id, failure, ..
-        } = &command
+        } = &mut command
         else {
             return;
         };
         self.provider_said = failure.as_ref().and_then(ProviderSaid::of);
+        // The provider's words are the client's alone: the dispatcher (and
+        // its trace) decides from the failure's class.
+        if let Some(failure) = failure.as_mut() {
+            failure.provider_message = None;
+        }
         self.phase = Phase::AwaitingVerdict {
             lease_id: *lease_id,
             attempt,

@@ -499,6 +499,10 @@ struct Choice<'a> {
     text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     finish_reason: Option<Cow<'a, str>>,
+    // vLLM's: the stop string that ended the answer (a string), or a stop
+    // token (a number); absent or null elsewhere.
+    #[serde(default)]
+    stop_reason: Option<Value>,
     #[serde(default)]
     logprobs: Option<ChoiceLogprobs>,
 }
@@ -687,7 +691,11 @@ impl ChunkState {
                 ));
             }
             if let Some(reason) = choice.finish_reason {
-                self.finish = Some(finish_reason(&reason));
+                self.finish = Some(match (finish_reason(&reason), &choice.stop_reason) {
+                    // A stop string matched (vLLM says which).
+                    (FinishReason::Stop, Some(Value::String(_))) => FinishReason::StopSequence,
+                    (finish, _) => finish,
+                });
             }
         }
         let usage = match (chunk.usage, chunk.timings) {
@@ -853,6 +861,37 @@ mod tests {
             json!(0.5f32),
             "a pass-through field never overrides the run's own"
         );
+    }
+
+    #[test]
+    fn a_stop_string_vllm_names_is_a_stop_sequence_finish() {
+        let mut s = ChunkState::default();
+        s.on(r#"{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop","stop_reason":"END"}]}"#)
+            .unwrap();
+        assert!(matches!(
+            s.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::StopSequence,
+                ..
+            }
+        ));
+        for other in [r#""stop_reason":128001"#, r#""stop_reason":null"#] {
+            let mut s = ChunkState::default();
+            s.on(&format!(
+                r#"{{"choices":[{{"index":0,"delta":{{}},"finish_reason":"stop",{other}}}]}}"#
+            ))
+            .unwrap();
+            assert!(
+                matches!(
+                    s.completed(),
+                    RunEventKind::Completed {
+                        finish_reason: FinishReason::Stop,
+                        ..
+                    }
+                ),
+                "{other}: a stop token or nothing is a plain stop"
+            );
+        }
     }
 
     #[test]

@@ -546,7 +546,16 @@ fn a_providers_error_ends_the_request_with_what_the_provider_said_r_gate_3() {
         failure.http_status = status;
         failure.provider_message = message.map(str::to_owned);
         r.handle_input(t(2), run(RunEventKind::Failed(failure)));
-        drain(&mut r);
+        // The dispatcher (and its trace) gets the failure's class only.
+        let terminal = commands(&drain(&mut r))
+            .into_iter()
+            .find_map(|c| match c {
+                RequestCommand::Terminal { failure, .. } => failure,
+                _ => None,
+            })
+            .expect("the terminal goes to the dispatcher");
+        assert_eq!(terminal.http_status, status);
+        assert_eq!(terminal.provider_message, None);
         r.handle_input(
             t(3),
             RequestInput::Dispatch(RequestEvent::Terminal {

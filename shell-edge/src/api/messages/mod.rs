@@ -32,9 +32,11 @@
 //!
 //! `stop_reason`: `end_turn` (a natural stop), `max_tokens`, `tool_use`
 //! (the model called tools, whatever finish reason its provider gave with
-//! them), `refusal` (content filter). `stop_sequence` needs a provider that
-//! says which sequence matched; the OpenAI and Ollama APIs behind the
-//! Edge's adapters do not, so a matched stop sequence reads `end_turn`.
+//! them), `refusal` (content filter), `stop_sequence` (a provider that says
+//! a stop sequence matched: an `anthropic` provider, or vLLM's
+//! `stop_reason`); `stop_sequence` names the request's sequence when it gave
+//! exactly one. The OpenAI API of other servers and Ollama's do not say,
+//! so a matched stop sequence reads `end_turn` there.
 
 mod error;
 mod request;
