@@ -5,6 +5,11 @@
 //! node's `structured_output = "json_object_schema"` setting, the same
 //! request to the server as it is (its own validation error passed on),
 //! and its context-length error as the 400 it is, with its message.
+//! Then LiteLLM's proxy serves the same model on its own Messages API, a
+//! Messages server that is not ours, behind the node's `anthropic`
+//! adapter: the official `anthropic` SDK reaches both providers, and the
+//! `openai` and `ollama` clients the Messages-only one
+//! (`real_provider/messages_e2e.py`).
 //!
 //! The Python environment is built by `scripts/provider-venv` (outside the
 //! checkout, cached); `IOP_PROVIDER_VENV` names it. Without it the test says
@@ -22,13 +27,19 @@ use iop_edge::server::RunningEdge;
 
 const KEY: &str = "sk-real-provider";
 const MODEL: &str = "smollm2";
+/// The model LiteLLM's proxy serves on its Messages API (the same llama.cpp
+/// server behind it); the Edge routes it to an `anthropic` provider.
+const VIA_MESSAGES: &str = "smollm2-via-messages";
+/// LiteLLM's master key: the `anthropic` provider's key (`x-api-key`).
+const LITELLM_KEY: &str = "sk-litellm-real-provider-0123";
 
 fn venv() -> Option<PathBuf> {
     let path = match std::env::var("IOP_PROVIDER_VENV") {
         Ok(p) => PathBuf::from(p),
         Err(_) => PathBuf::from(std::env::var("HOME").ok()?).join(".cache/iop/provider-venv"),
     };
-    // Only a completed build (scripts/provider-venv stamps it last).
+    // Only a completed build (scripts/provider-venv stamps it last) that
+    // has LiteLLM's proxy (an older build is completed by running it again).
     let ready = std::fs::read_dir(&path)
         .ok()?
         .filter_map(Result::ok)
@@ -37,7 +48,8 @@ fn venv() -> Option<PathBuf> {
                 .to_str()
                 .is_some_and(|n| n.starts_with(".iop-ready-"))
         });
-    (ready && path.join("bin/python").exists()).then_some(path)
+    (ready && path.join("bin/python").exists() && path.join("litellm/bin/litellm").exists())
+        .then_some(path)
 }
 
 fn free_port() -> u16 {
@@ -97,6 +109,69 @@ impl LlamaServer {
     }
 }
 
+/// LiteLLM's proxy serving [`VIA_MESSAGES`] from `llama` (its
+/// OpenAI-compatible API) on its own Messages API; killed when dropped.
+struct LiteLlm {
+    child: tokio::process::Child,
+    base_url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl LiteLlm {
+    async fn start(venv: &std::path::Path, llama: &LlamaServer) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("litellm.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "model_list:\n  - model_name: {VIA_MESSAGES}\n    litellm_params:\n      \
+                 model: hosted_vllm/{MODEL}\n      api_base: {}/v1\n      api_key: unused\n\
+                 general_settings:\n  master_key: {LITELLM_KEY}\nlitellm_settings:\n  telemetry: false\n",
+                llama.base_url
+            ),
+        )
+        .expect("write the LiteLLM config");
+        let port = free_port();
+        let child = tokio::process::Command::new(venv.join("litellm/bin/litellm"))
+            .arg("--config")
+            .arg(&config)
+            .args(["--host", "127.0.0.1", "--port"])
+            .arg(port.to_string())
+            .env("LITELLM_LOG", "ERROR")
+            // Its bundled model list, not a download at start.
+            .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start LiteLLM's proxy");
+        let base_url = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(r) = http
+                .get(format!("{base_url}/health/liveliness"))
+                .send()
+                .await
+                && r.status().is_success()
+            {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "LiteLLM's proxy did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Self {
+            child,
+            base_url,
+            _dir: dir,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn official_clients_against_a_real_llama_cpp_server() {
     let Some(venv) = venv() else {
@@ -108,6 +183,7 @@ async fn official_clients_against_a_real_llama_cpp_server() {
     };
     init();
     let mut llama = LlamaServer::start(&venv).await;
+    let mut litellm = LiteLlm::start(&venv, &llama).await;
     let pki = Pki::new(&["node-1"]);
     common::write_secret(&pki.path().join("key"), KEY);
     let edge = RunningEdge::start(edge_config(
@@ -119,20 +195,27 @@ async fn official_clients_against_a_real_llama_cpp_server() {
          [[providers]]\nid = \"llama\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"llama\"\ncapacity = 2\n\
          [[providers]]\nid = \"llama-as-is\"\nnode = \"node-1\"\nadapter = \"openai\"\ntarget = \"llama-as-is\"\ncapacity = 2\ndiscover_models = false\n\
          [[routes]]\nmodel = \"smollm2-as-is\"\nproviders = [\"llama-as-is\"]\n\
+         [[providers]]\nid = \"litellm\"\nnode = \"node-1\"\nadapter = \"anthropic\"\ntarget = \"litellm\"\ncapacity = 2\ndiscover_models = false\n\
+         [[routes]]\nmodel = \"smollm2-via-messages\"\nproviders = [\"litellm\"]\n\
          [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n"
     ))
     .await
     .expect("edge");
-    let node = start_node(
+    let mut node_config = node_config(
         &pki,
         "node-1",
         edge.quic_addr,
         &format!(
             "[[providers]]\nadapter = \"openai\"\ntarget = \"llama\"\nbase_url = \"{url}\"\nstream_usage = false\nstructured_output = \"json_object_schema\"\n\
-             [[providers]]\nadapter = \"openai\"\ntarget = \"llama-as-is\"\nbase_url = \"{url}\"\nstream_usage = false\n",
-            url = llama.base_url
+             [[providers]]\nadapter = \"openai\"\ntarget = \"llama-as-is\"\nbase_url = \"{url}\"\nstream_usage = false\n\
+             [[providers]]\nadapter = \"anthropic\"\ntarget = \"litellm\"\nbase_url = \"{litellm}\"\n",
+            url = llama.base_url,
+            litellm = litellm.base_url
         ),
     );
+    // LiteLLM's key, as `api_key_env` would give it.
+    node_config.providers[2].api_key = Some(LITELLM_KEY.into());
+    let node = iop_node::RunningNode::start(node_config);
     ready_generation(&edge, "node-1").await;
     // Both targets report the model; only the discovering one routes it.
     wait_for(&edge, "the model discovered", |_| {
@@ -149,6 +232,12 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         s.providers
             .iter()
             .any(|p| p.provider_id.as_str() == "llama-as-is" && p.runtime_eligible)
+    })
+    .await;
+    wait_for(&edge, "LiteLLM's Messages API routable", |s| {
+        s.providers
+            .iter()
+            .any(|p| p.provider_id.as_str() == "litellm" && p.runtime_eligible)
     })
     .await;
     let script = concat!(
@@ -174,7 +263,34 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // The Anthropic SDK against both, and the OpenAI and Ollama clients
+    // against a Messages API server that is not ours (LiteLLM's, the
+    // `anthropic` adapter in front of it).
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/real_provider/messages_e2e.py"
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(300),
+        tokio::process::Command::new(venv.join("bin/python"))
+            .arg(script)
+            .arg(format!("http://{}", edge.http_addr))
+            .arg(KEY)
+            .arg(MODEL)
+            .arg(VIA_MESSAGES)
+            .output(),
+    )
+    .await
+    .expect("clients finished within 300 s")
+    .expect("run python");
+    assert!(
+        out.status.success(),
+        "messages e2e failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     node.shutdown().await.unwrap();
     edge.shutdown().await;
+    let _ = litellm.child.kill().await;
     let _ = llama.child.kill().await;
 }
