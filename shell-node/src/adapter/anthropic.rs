@@ -392,8 +392,11 @@ pub const MAX_CONTENT_BLOCKS: usize = 1024;
 /// What a Messages answer said so far.
 #[derive(Debug, Default)]
 struct EventState {
-    /// Content block index -> tool call index, for `tool_use` blocks.
+    /// A stream's content block index -> tool call index, for its
+    /// `tool_use` blocks (at most [`MAX_CONTENT_BLOCKS`]).
     tool_blocks: HashMap<u64, u32>,
+    /// Tool calls so far: the next one's index.
+    tool_calls: u32,
     blocks_seen: usize,
     /// The prompt's tokens (`message_start`; a `message_delta` may update).
     input: Option<PromptTokens>,
@@ -622,13 +625,12 @@ impl EventState {
                 out.push(RunEventKind::ReasoningDelta(thinking));
             }
             Block::ToolUse { id, name, input } => {
-                let call = self.tool_blocks.len() as u32;
+                let call = self.tool_calls;
+                self.tool_calls += 1;
+                // A whole answer's blocks have no index: nothing refers to
+                // them later.
                 if let Some(index) = index {
                     self.tool_blocks.insert(index, call);
-                } else {
-                    // Whole answers have no block indexes; each call is
-                    // its own.
-                    self.tool_blocks.insert(u64::MAX - u64::from(call), call);
                 }
                 // A stream starts a call with `{}` and sends its input as
                 // deltas; a whole answer has the input here.
@@ -667,7 +669,7 @@ impl EventState {
     }
 
     fn completed(&self) -> RunEventKind {
-        let fallback = if self.tool_blocks.is_empty() {
+        let fallback = if self.tool_calls == 0 {
             FinishReason::Stop
         } else {
             FinishReason::ToolCalls

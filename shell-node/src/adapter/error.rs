@@ -12,12 +12,16 @@ pub use iop_core::node::provider::ProviderCallError;
 /// The most bytes of a provider's error body read for its message.
 pub const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
 
+/// The longest wait for a provider's error body; what arrived by then is
+/// read (the status alone is the answer).
+pub const ERROR_BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The failure of a call the provider answered with an error status: the
 /// status's class (core's [`ProviderCallError::failure`]) and the
 /// provider's own message, read from at most [`MAX_ERROR_BODY_BYTES`] of
-/// its body ([`error_message`]), with `key` (the call's credential) cut
-/// out. What a provider says about our credential (401, 403, 407) is not
-/// passed on.
+/// its body within [`ERROR_BODY_WAIT`] ([`error_message`]), with `key` (the
+/// call's credential) cut out. What a provider says about our credential
+/// (401, 403, 407) is not passed on.
 pub(super) async fn status_failure(
     mut response: ProviderResponse,
     key: Option<&str>,
@@ -28,16 +32,19 @@ pub(super) async fn status_failure(
         return failure;
     }
     let mut body = Vec::new();
-    while body.len() < MAX_ERROR_BODY_BYTES {
-        match response.chunk().await {
-            Ok(Some(chunk)) => {
-                let room = MAX_ERROR_BODY_BYTES - body.len();
-                body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+    let read = async {
+        while body.len() < MAX_ERROR_BODY_BYTES {
+            match response.chunk().await {
+                Ok(Some(chunk)) => {
+                    let room = MAX_ERROR_BODY_BYTES - body.len();
+                    body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                }
+                // The status is the answer; a body cut short only shortens it.
+                Ok(None) | Err(_) => break,
             }
-            // The status is the answer; a body cut short only shortens it.
-            Ok(None) | Err(_) => break,
         }
-    }
+    };
+    let _ = tokio::time::timeout(ERROR_BODY_WAIT, read).await;
     failure.provider_message = error_message(&body, key);
     failure
 }

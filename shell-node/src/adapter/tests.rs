@@ -689,6 +689,39 @@ async fn a_providers_own_error_message_reaches_the_failure_in_every_adapter() {
 }
 
 #[tokio::test]
+async fn an_error_body_that_never_ends_is_read_for_a_bounded_time_only() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut request = vec![0u8; 64 * 1024];
+        let _ = socket.read(&mut request).await;
+        // The head and the start of a body that never ends.
+        socket
+            .write_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"error\":{\"message\":\"half")
+            .await
+            .unwrap();
+        futures::future::pending::<()>().await;
+    });
+    let a = adapter(AdapterKind::OpenAi, &base_url, None);
+    let started = std::time::Instant::now();
+    let events = collect(a.run(run_request("m", RunApi::Chat, "x"), None)).await;
+    let f = failure(&events);
+    assert_eq!(
+        (f.code, f.http_status),
+        (FailureCode::ProviderError, Some(500))
+    );
+    assert_eq!(
+        f.provider_message, None,
+        "no message from an unfinished body"
+    );
+    assert!(started.elapsed() >= ERROR_BODY_WAIT);
+    assert!(started.elapsed() < ERROR_BODY_WAIT + Duration::from_secs(3));
+    server.abort();
+}
+
+#[tokio::test]
 async fn openai_malformed_chunk_is_malformed_response() {
     let server = mock(MockScript::default()).await;
     let a = adapter(AdapterKind::OpenAi, &server.base_url(), None);
