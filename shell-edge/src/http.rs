@@ -104,13 +104,34 @@ async fn first(
     }
 }
 
-fn tunnel_body(api: TunnelApi, path: &str, body: &[u8]) -> TunnelBody {
+fn tunnel_body(
+    api: TunnelApi,
+    path: &str,
+    body: &[u8],
+    passed: Vec<iop_wire::Header>,
+) -> TunnelBody {
+    let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
+    headers.extend(passed);
     TunnelBody {
         api,
         path: path.to_owned(),
-        headers: vec![("content-type".into(), "application/json".into())],
+        headers,
         body: body.to_vec(),
     }
+}
+
+/// The headers of `names` the client sent, for a tunnel-mode provider
+/// ([`RunEndpoint::TUNNELLED_HEADERS`]): visible ASCII values of at most
+/// [`iop_wire::MAX_HEADER_BYTES`], the first of each name.
+fn tunnelled_headers(headers: &axum::http::HeaderMap, names: &[&str]) -> Vec<iop_wire::Header> {
+    names
+        .iter()
+        .filter_map(|name| {
+            let value = headers.get(*name)?.to_str().ok()?;
+            (name.len() + value.len() <= iop_wire::MAX_HEADER_BYTES)
+                .then(|| ((*name).to_owned(), value.to_owned()))
+        })
+        .collect()
 }
 
 fn unix_now() -> u64 {
@@ -249,6 +270,7 @@ async fn run_admitted<E: RunEndpoint>(
     let resume_after = crate::stored::last_event_id(request.headers())
         .ok()
         .flatten();
+    let passed = tunnelled_headers(request.headers(), E::TUNNELLED_HEADERS);
     let mut admitted = match admit(&state, request, &endpoint).await {
         Ok(admitted) => admitted,
         Err(e) => return refuse(record, e),
@@ -302,7 +324,7 @@ async fn run_admitted<E: RunEndpoint>(
         messages: run.messages,
         tools: run.tools,
         params: run.params,
-        tunnel: Some(tunnel_body(tunnel_api, tunnel_path, tunnelled)),
+        tunnel: Some(tunnel_body(tunnel_api, tunnel_path, tunnelled, passed)),
         route,
         principal: admitted.key.principal,
         trace_context: record.span.context(),

@@ -685,8 +685,15 @@ async fn a_stop_sequence_comes_back_as_stop_reason_stop_sequence() {
             let d = Deployment::start_with(MockScript::default(), 4, 64, upstream).await;
             let mut body = request("mock:tokens=8", false);
             body["stop_sequences"] = json!(["tok3"]);
-            let r = d.post("/v1/messages", &body, &[]).await;
+            let beta = [("anthropic-beta", "prompt-caching-2024-07-31")];
+            let r = d.post("/v1/messages", &body, &beta).await;
             assert_eq!(r.status(), 200, "{upstream:?}");
+            if upstream == Upstream::MessagesOnlyTunnel {
+                // A tunnel-mode provider reads the client's API version and
+                // beta features (the mock echoes what reached it).
+                assert_eq!(r.headers()["x-mock-anthropic-beta"], beta[0].1);
+                assert_eq!(r.headers()["x-mock-anthropic-version"], "2023-06-01");
+            }
             let v: Value = r.json().await.unwrap();
             assert_eq!(v["content"][0]["text"], "tok0 tok1 tok2 ", "{upstream:?}");
             assert_eq!(v["stop_reason"], "stop_sequence", "{upstream:?}");

@@ -34,6 +34,9 @@ pub trait RunEndpoint: Send + Sync + 'static {
     /// Whether the API also takes its key in an `x-api-key` header (the
     /// Anthropic API's), besides `Authorization: Bearer`.
     const X_API_KEY: bool = false;
+    /// Request headers a tunnel-mode provider gets as the client sent them
+    /// (the API's own version and feature headers; never a credential).
+    const TUNNELLED_HEADERS: &'static [&'static str] = &[];
     /// Request fields only this API's answer uses.
     type Options: Send + 'static;
     /// The streamed answer.
@@ -650,6 +653,9 @@ pub struct Messages;
 
 impl RunEndpoint for Messages {
     const X_API_KEY: bool = true;
+    /// A Messages provider reads the API version and the beta features
+    /// the client asked for.
+    const TUNNELLED_HEADERS: &'static [&'static str] = &["anthropic-version", "anthropic-beta"];
     /// The request's `stop_sequences` (the answer names the one it
     /// stopped at).
     type Options = Vec<String>;

@@ -7,11 +7,13 @@
 //! text stops before the first one that appears, with `stop_reason`
 //! `stop_sequence` and the sequence in `stop_sequence`. Usage is the
 //! script's, `input_tokens` in `message_start` and both counts in the
-//! final `message_delta`.
+//! final `message_delta`. The call's `anthropic-version` and
+//! `anthropic-beta` come back as `x-mock-anthropic-version` and
+//! `x-mock-anthropic-beta`, so a test sees what reached the provider.
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -136,11 +138,10 @@ pub(super) async fn messages(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (mut guard, request, script) =
-        match begin(&state, &headers, &body, Dialect::Anthropic).await {
-            Ok(x) => x,
-            Err(resp) => return resp,
-        };
+    let (guard, request, script) = match begin(&state, &headers, &body, Dialect::Anthropic).await {
+        Ok(x) => x,
+        Err(resp) => return resp,
+    };
     let model = request["model"]
         .as_str()
         .unwrap_or(super::DEFAULT_MODEL)
@@ -162,6 +163,30 @@ pub(super) async fn messages(
         .unwrap_or_default();
     let thinks = request["thinking"]["type"] == "enabled";
     let played = apply_stops(play(&script, prompt), stops);
+    // What the call asked of the API, echoed for tests to see what reached
+    // the provider.
+    let echo: Vec<(HeaderName, HeaderValue)> = ["anthropic-version", "anthropic-beta"]
+        .into_iter()
+        .filter_map(|name| {
+            let value = headers.get(name)?.clone();
+            let echoed = HeaderName::try_from(format!("x-mock-{name}")).ok()?;
+            Some((echoed, value))
+        })
+        .collect();
+    let mut response = answer(request, model, input_tokens, thinks, played, guard).await;
+    response.headers_mut().extend(echo);
+    response
+}
+
+/// The answer, whole or streamed.
+async fn answer(
+    request: Value,
+    model: String,
+    input_tokens: u64,
+    thinks: bool,
+    played: BoxStream<'static, Played>,
+    mut guard: super::server::InFlight,
+) -> Response {
     if request["stream"].as_bool() != Some(true) {
         let mut played = played;
         let mut content = Vec::new();
