@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use iop_transport::environment::Environment;
 
 /// The process allocator: mimalloc spends less CPU per request than glibc's
 /// malloc on the many small, short-lived allocations of a request
@@ -14,7 +15,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// The iop Edge: a gateway that puts LLM inference servers, reached through
 /// iop Nodes over QUIC with mutual TLS, behind the OpenAI and Ollama APIs.
 #[derive(Parser)]
-#[command(name = "iop-edge", version, about, long_about = None)]
+#[command(name = "iop-edge", version, about, long_about = None, after_help = ENV_HELP)]
 struct Cli {
     /// Log format: `text` for humans, `json` for log pipelines.
     #[arg(long, global = true, default_value = "text", env = "IOP_LOG_FORMAT")]
@@ -22,6 +23,17 @@ struct Cli {
     #[command(subcommand)]
     command: Command,
 }
+
+/// How the environment configures the Edge (in `--help`, `run --help` and
+/// `config check --help`).
+const ENV_HELP: &str = "\
+Configuration from the environment: every config field can also be set by a
+variable IOP_EDGE__<SECTION>__<FIELD>, which wins over the file: `__` between
+the segments, an array entry by its index, the value read as TOML or else as
+text. IOP_EDGE__EDGE__HTTP_LISTEN=0.0.0.0:8080, IOP_EDGE__PROVIDERS__0__CAPACITY=8,
+IOP_EDGE__JOURNAL__NATS__SERVERS='[\"nats://a:4222\"]'. Secrets are never config
+values: a field names the variable (`key_env`) or the file (`key_file`) that
+holds each. `iop-edge config example` prints a commented configuration.";
 
 #[derive(Subcommand)]
 enum Command {
@@ -32,10 +44,13 @@ enum Command {
     /// JetStream, `[journal.nats]`, shared by every Edge of a deployment,
     /// each with its own `[edge] edge_id`): the Edge connects at start,
     /// within `connect_timeout_ms`, or exits naming the servers.
+    #[command(after_help = ENV_HELP)]
     Run {
-        /// Path of the config file (see docs/operations.md).
+        /// Path of the config file (docs/operations.md). IOP_EDGE__*
+        /// variables are laid over it; without a file they give the whole
+        /// configuration.
         #[arg(long, short, env = "IOP_EDGE_CONFIG")]
-        config: PathBuf,
+        config: Option<PathBuf>,
         /// Record every dispatcher input and output to this file, for
         /// `iop-sim replay` (see docs/simulation.md).
         #[arg(long)]
@@ -64,6 +79,26 @@ enum Command {
     /// Certificate management for a deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
+    /// Print a commented example configuration, or check a configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print a commented configuration that loads as it is (the Debian
+    /// package installs it as /etc/iop/edge.toml). `# name = value` lines
+    /// show defaults; `#: ...` lines are optional settings and sections.
+    Example,
+    /// Load the configuration as `run` would (the file, the IOP_EDGE__*
+    /// variables over it, the secrets it names) without starting: exit 0
+    /// with a summary, or 1 naming the first field that is wrong.
+    #[command(after_help = ENV_HELP)]
+    Check {
+        /// Path of the config file; without it, the environment alone.
+        #[arg(long, short, env = "IOP_EDGE_CONFIG")]
+        config: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -97,6 +132,29 @@ enum CertsCommand {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // The commands that start nothing: no logging, no runtime.
+    match &cli.command {
+        Command::Config(ConfigCommand::Example) => {
+            print!("{}", iop_edge::config::EXAMPLE);
+            return Ok(());
+        }
+        Command::Config(ConfigCommand::Check { config }) => {
+            let env = Environment::from_process();
+            let c = iop_edge::config::EdgeConfig::load_in(config.as_deref(), &env)?;
+            println!(
+                "configuration ok: http {}, quic {}, {} providers, {} routes, {} API keys, \
+                 journal {}",
+                c.edge.http_listen,
+                c.edge.quic_listen,
+                c.providers.len(),
+                c.routes.len(),
+                c.api_keys.len(),
+                c.journal.store.as_str()
+            );
+            return Ok(());
+        }
+        _ => {}
+    }
     iop_transport::logging::init(cli.log_format);
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
@@ -107,7 +165,8 @@ fn main() -> anyhow::Result<()> {
                 record_trace,
             } => {
                 let path = config;
-                let config = iop_edge::config::EdgeConfig::load(&path)?;
+                let config =
+                    iop_edge::config::EdgeConfig::load_in(path.as_deref(), &Environment::from_process())?;
                 let options = iop_edge::server::EdgeOptions { record_trace };
                 let edge = iop_edge::server::RunningEdge::start_with(config, options).await?;
                 let mut hup =
@@ -121,7 +180,7 @@ fn main() -> anyhow::Result<()> {
                         _ = hup.recv() => {
                             // Re-read [[credentials]] only: secrets, revisions,
                             // disabled flags (docs/credentials.md).
-                            match iop_edge::config::EdgeConfig::load_credentials(&path) {
+                            match iop_edge::config::EdgeConfig::load_credentials(path.as_deref(), &Environment::from_process()) {
                                 Ok(profiles) => {
                                     tracing::info!(event = "edge_credentials_reloaded", profiles = profiles.len());
                                     edge.reload_credentials(&profiles);
@@ -129,7 +188,7 @@ fn main() -> anyhow::Result<()> {
                                 Err(e) => tracing::error!(event = "edge_credentials_reload_failed", error = %e),
                             }
                             // And the node certificate denylist.
-                            match iop_edge::config::EdgeConfig::load(&path) {
+                            match iop_edge::config::EdgeConfig::load_in(path.as_deref(), &Environment::from_process()) {
                                 Ok(reloaded) => {
                                     tracing::info!(
                                         event = "edge_revoked_node_certificates_reloaded",
@@ -194,6 +253,7 @@ fn main() -> anyhow::Result<()> {
                 println!("wrote node certificate for `{node}` to {}", dir.display());
                 Ok(())
             }
+            Command::Config(_) => Ok(()),
         }
     })
 }

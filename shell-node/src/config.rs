@@ -1,5 +1,11 @@
 //! The Node's TOML configuration, validated at load. Every error names the
-//! field that is wrong.
+//! field that is wrong. Every field can also come from an `IOP_NODE__*`
+//! environment variable ([`ENV_PREFIX`]); [`EXAMPLE`] is the commented
+//! example `iop-node config example` prints.
+
+mod example;
+
+pub use example::EXAMPLE;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -7,7 +13,10 @@ use std::time::Duration;
 use iop_core::liveness::backoff::BackoffConfig;
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_core::node::watchdog::WatchdogConfig;
-use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
+use iop_transport::environment::{Environment, deserialize_overlaid, read_secret};
+use iop_transport::settings::{
+    ConfigError, HeartbeatSection, TlsFiles, config_text, field_err, valid_name,
+};
 use iop_transport::telemetry::OtlpSection;
 use iop_wire::AdapterKind;
 use serde::Deserialize;
@@ -117,6 +126,10 @@ pub struct ProviderEntry {
     /// Environment variable with a static API key (unmanaged credentials).
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// File holding a static API key (its first line; mode 0600), instead
+    /// of `api_key_env`.
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
     /// Concurrent runs this provider takes, whichever Edges dispatch to it
     /// (none: only `[node] max_concurrent_runs` bounds it); past it the
     /// node answers `node_overloaded` and the Edge re-admits the request.
@@ -243,20 +256,42 @@ pub struct NodeConfig {
     pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
 }
 
+/// The prefix of the environment variables that set config fields:
+/// `IOP_NODE__NODE__MAX_CONCURRENT_RUNS=128` sets `[node]
+/// max_concurrent_runs` (the rule: [`iop_transport::environment`]).
+pub const ENV_PREFIX: &str = "IOP_NODE";
+
 impl NodeConfig {
-    /// Load and validate a file; relative paths resolve against its directory.
+    /// Load and validate a file with the process environment: its
+    /// `IOP_NODE__*` variables laid over the file, and the secrets its
+    /// `*_env` fields name. Relative paths resolve against the file's
+    /// directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text, path.parent().unwrap_or(Path::new(".")))
+        Self::load_in(Some(path), &Environment::from_process())
     }
 
-    /// Parse and validate TOML text.
+    /// Load and validate the file at `path` with `env`; without a file the
+    /// environment gives the whole configuration and relative paths resolve
+    /// against the working directory.
+    pub fn load_in(path: Option<&Path>, env: &Environment) -> Result<Self, ConfigError> {
+        let (text, base) = config_text(path)?;
+        Self::parse_in(&text, &base, env)
+    }
+
+    /// Parse and validate TOML text with the process environment.
     pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
-        let mut file: NodeFile =
-            toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::parse_in(text, base, &Environment::from_process())
+    }
+
+    /// Parse and validate TOML text with `env`'s `IOP_NODE__*` variables
+    /// laid over it and its secrets. An error about a value a variable set
+    /// names the variable.
+    pub fn parse_in(text: &str, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
+        let (file, sources) = deserialize_overlaid::<NodeFile>(text, env, ENV_PREFIX)?;
+        Self::validate(file, base, env).map_err(|e| sources.annotate(e))
+    }
+
+    fn validate(mut file: NodeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
         if let Some(traces) = &mut file.otlp_traces {
             traces.validate("otlp_traces")?;
@@ -378,14 +413,19 @@ impl NodeConfig {
             if p.max_concurrent_runs == Some(0) {
                 return Err(field_err(f("max_concurrent_runs"), "must be > 0"));
             }
-            let api_key = match &p.api_key_env {
-                None => None,
-                Some(var) => Some(std::env::var(var).map_err(|_| {
-                    field_err(
-                        f("api_key_env"),
-                        format!("environment variable `{var}` is not set"),
-                    )
-                })?),
+            let api_key = match (&p.api_key_env, &p.api_key_file) {
+                (None, None) => None,
+                (var, file) => {
+                    let (key, _) = read_secret(
+                        env,
+                        var.as_deref(),
+                        file.as_deref(),
+                        base,
+                        ("api_key_env", "api_key_file"),
+                        &f,
+                    )?;
+                    Some(key.to_string())
+                }
             };
             providers.push(ProviderTarget {
                 adapter,
@@ -492,6 +532,122 @@ key = "node.key"
             edges_of("edges = [\"a:1\", \"a:1\"]\n"),
             Err("node.edges[1]".to_owned())
         );
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Environment {
+        Environment::from_pairs(pairs.iter().copied())
+    }
+
+    #[test]
+    fn every_field_can_come_from_the_environment_without_a_file() {
+        let c = NodeConfig::load_in(
+            None,
+            &env(&[
+                (
+                    "IOP_NODE__NODE__EDGES",
+                    "[\"edge-1:7443\", \"edge-2:7443\"]",
+                ),
+                ("IOP_NODE__NODE__STATE_DIR", "/var/lib/iop-node"),
+                ("IOP_NODE__NODE__METRICS_LISTEN", "0.0.0.0:9464"),
+                ("IOP_NODE__NODE__MAX_CONCURRENT_RUNS", "128"),
+                ("IOP_NODE__TLS__CA", "/run/secrets/ca.pem"),
+                ("IOP_NODE__TLS__CERT", "/run/secrets/node.pem"),
+                ("IOP_NODE__TLS__KEY", "/run/secrets/node.key"),
+                ("IOP_NODE__PROVIDERS__0__ADAPTER", "openai"),
+                ("IOP_NODE__PROVIDERS__0__TARGET", "vllm"),
+                ("IOP_NODE__PROVIDERS__0__BASE_URL", "http://vllm:8000"),
+                ("IOP_NODE__PROVIDERS__0__API_KEY_ENV", "IOP_VLLM_KEY"),
+                ("IOP_NODE__PROVIDERS__1__ADAPTER", "mock"),
+                ("IOP_NODE__PROVIDERS__1__TARGET", "mock"),
+                ("IOP_VLLM_KEY", "sk-vllm"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.edges, ["edge-1:7443", "edge-2:7443"]);
+        assert_eq!(c.node.max_concurrent_runs, 128);
+        assert_eq!(c.providers.len(), 2);
+        assert_eq!(c.providers[0].api_key.as_deref(), Some("sk-vllm"));
+        assert_eq!(c.tls.key, Path::new("/run/secrets/node.key"));
+    }
+
+    #[test]
+    fn the_environment_wins_over_the_file_and_its_errors_name_the_variable() {
+        let c = NodeConfig::parse_in(
+            BASE,
+            Path::new("/x"),
+            &env(&[("IOP_NODE__NODE__EDGE", "edge.example.com:7443")]),
+        )
+        .unwrap();
+        assert_eq!(c.edges, ["edge.example.com:7443"]);
+        for (var, value, field) in [
+            (
+                "IOP_NODE__RECONNECT__INITIAL_MS",
+                "0",
+                "reconnect.initial_ms",
+            ),
+            ("IOP_NODE__NODE__EDGE", "no-port", "node.edge"),
+            (
+                "IOP_NODE__WATCHDOG__PROBE_BOUND",
+                "5",
+                "watchdog.probe_bound",
+            ),
+            (
+                "IOP_NODE__NODE__MAX_CONCURRENT_RUNS",
+                "-1",
+                "node.max_concurrent_runs",
+            ),
+        ] {
+            match NodeConfig::parse_in(BASE, Path::new("/x"), &env(&[(var, value)])).unwrap_err() {
+                ConfigError::Field { field: f, message } => {
+                    assert_eq!(f, field, "{var}");
+                    assert!(message.contains(var), "{var}: {message}");
+                }
+                other => panic!("{var}: {other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_provider_key_comes_from_a_variable_or_a_private_file() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("provider.key");
+        std::fs::write(&key, "sk-from-file\n").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let provider = |line: &str| {
+            format!(
+                "{BASE}[[providers]]\nadapter = 'openai'\ntarget = 'v'\nbase_url = 'http://p'\n{line}\n"
+            )
+        };
+        let c = NodeConfig::parse_in(
+            &provider("api_key_file = 'provider.key'"),
+            dir.path(),
+            &Environment::default(),
+        )
+        .unwrap();
+        assert_eq!(c.providers[0].api_key.as_deref(), Some("sk-from-file"));
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = NodeConfig::parse_in(
+            &provider("api_key_file = 'provider.key'"),
+            dir.path(),
+            &Environment::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("chmod 600"), "{e}");
+        let e = NodeConfig::parse_in(
+            &provider("api_key_file = 'provider.key'\napi_key_env = 'K'"),
+            dir.path(),
+            &Environment::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("exactly one"), "{e}");
+        let e = NodeConfig::parse_in(
+            &provider("api_key_env = 'IOP_UNSET'"),
+            dir.path(),
+            &Environment::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("providers[0].api_key_env"), "{e}");
     }
 
     #[test]

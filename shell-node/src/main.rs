@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use iop_transport::environment::Environment;
 
 /// The process allocator: mimalloc spends less CPU per request than glibc's
 /// malloc on the many small, short-lived allocations of a request
@@ -14,7 +15,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// The iop Node: runs next to LLM inference servers, dials out to an iop
 /// Edge over QUIC with mutual TLS, and executes the work the Edge sends.
 #[derive(Parser)]
-#[command(name = "iop-node", version, about, long_about = None)]
+#[command(name = "iop-node", version, about, long_about = None, after_help = ENV_HELP)]
 struct Cli {
     /// Log format: `text` for humans, `json` for log pipelines.
     #[arg(long, global = true, default_value = "text", env = "IOP_LOG_FORMAT")]
@@ -23,13 +24,29 @@ struct Cli {
     command: Command,
 }
 
+/// How the environment configures the Node (in `--help`, `run --help` and
+/// `config check --help`).
+const ENV_HELP: &str = "\
+Configuration from the environment: every config field can also be set by a
+variable IOP_NODE__<SECTION>__<FIELD>, which wins over the file: `__` between
+the segments, an array entry by its index, the value read as TOML or else as
+text. IOP_NODE__NODE__EDGE=edge.example.com:7443,
+IOP_NODE__NODE__EDGES='[\"edge-1:7443\", \"edge-2:7443\"]',
+IOP_NODE__PROVIDERS__0__BASE_URL=http://127.0.0.1:8000. Secrets are never
+config values: a field names the variable (`api_key_env`) or the file
+(`api_key_file`) that holds each. `iop-node config example` prints a
+commented configuration.";
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the node from a TOML config file until SIGINT/SIGTERM.
+    #[command(after_help = ENV_HELP)]
     Run {
-        /// Path of the config file (see docs/operations.md).
+        /// Path of the config file (docs/operations.md). IOP_NODE__*
+        /// variables are laid over it; without a file they give the whole
+        /// configuration.
         #[arg(long, short, env = "IOP_NODE_CONFIG")]
-        config: PathBuf,
+        config: Option<PathBuf>,
         /// Record each connection's watchdog inputs and outputs to
         /// `FILE.<generation>`, for `iop-sim replay` (docs/simulation.md).
         #[arg(long, value_name = "FILE")]
@@ -38,10 +55,53 @@ enum Command {
     /// Serve the built-in deterministic mock provider over HTTP
     /// (OpenAI- and Ollama-compatible), for tests and benchmarks.
     MockProvider(iop_node::mock::MockArgs),
+    /// Print a commented example configuration, or check a configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print a commented configuration that loads as it is (the Debian
+    /// package installs it as /etc/iop/node.toml). `# name = value` lines
+    /// show defaults; `#: ...` lines are optional settings and sections.
+    Example,
+    /// Load the configuration as `run` would (the file, the IOP_NODE__*
+    /// variables over it, the secrets it names) without starting: exit 0
+    /// with a summary, or 1 naming the first field that is wrong.
+    #[command(after_help = ENV_HELP)]
+    Check {
+        /// Path of the config file; without it, the environment alone.
+        #[arg(long, short, env = "IOP_NODE_CONFIG")]
+        config: Option<PathBuf>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // The commands that start nothing: no logging, no runtime.
+    match &cli.command {
+        Command::Config(ConfigCommand::Example) => {
+            print!("{}", iop_node::config::EXAMPLE);
+            return Ok(());
+        }
+        Command::Config(ConfigCommand::Check { config }) => {
+            let env = Environment::from_process();
+            let c = iop_node::config::NodeConfig::load_in(config.as_deref(), &env)?;
+            let metrics = c
+                .node
+                .metrics_listen
+                .map_or_else(|| "off".to_owned(), |a| a.to_string());
+            println!(
+                "configuration ok: {} Edges ({}), {} providers, metrics {metrics}",
+                c.edges.len(),
+                c.edges.join(", "),
+                c.providers.len(),
+            );
+            return Ok(());
+        }
+        _ => {}
+    }
     iop_transport::logging::init(cli.log_format);
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
@@ -51,7 +111,10 @@ fn main() -> anyhow::Result<()> {
                 config,
                 record_trace,
             } => {
-                let config = iop_node::config::NodeConfig::load(&config)?;
+                let config = iop_node::config::NodeConfig::load_in(
+                    config.as_deref(),
+                    &Environment::from_process(),
+                )?;
                 let mut node = iop_node::RunningNode::start_with(
                     config,
                     iop_node::NodeOptions { record_trace },
@@ -78,6 +141,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             Command::MockProvider(args) => iop_node::mock::run_cli(args).await,
+            Command::Config(_) => Ok(()),
         }
     })
 }

@@ -15,6 +15,8 @@
 //! * [`settings`], [`logging`], [`signals`], [`clock`]: what both shells
 //!   share beyond QUIC: config pieces, structured logs, graceful shutdown,
 //!   and the one place wall time becomes a core instant.
+//! * [`environment`]: configuration from the environment (the
+//!   `IOP_EDGE__SECTION__FIELD` overlay, secrets named by `*_env` fields).
 //! * [`telemetry`]: the metrics pipeline (Prometheus text and optional
 //!   OTLP/HTTP export) both shells build their instruments on, and the
 //!   process metrics and build info both binaries expose.
@@ -36,6 +38,7 @@
 pub mod clock;
 pub mod close;
 pub mod endpoint;
+pub mod environment;
 pub mod error;
 pub mod framed;
 pub mod identity;

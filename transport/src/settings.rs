@@ -29,6 +29,37 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
+    /// A configuration variable (`IOP_EDGE__...`) cannot be applied: its
+    /// name is malformed or its path runs through a value of another kind
+    /// ([`crate::environment`]).
+    #[error("invalid environment variable `{var}`: {message}")]
+    Environment {
+        /// The variable's name.
+        var: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// The text of the config file at `path` and the directory its relative
+/// paths resolve against. Without a file the text is empty (the
+/// environment gives the whole configuration, [`crate::environment`]) and
+/// relative paths resolve against the working directory.
+pub fn config_text(path: Option<&Path>) -> Result<(String, PathBuf), ConfigError> {
+    match path {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            })?;
+            let base = path.parent().unwrap_or(Path::new(".")).to_owned();
+            Ok((text, base))
+        }
+        None => Ok((
+            String::new(),
+            std::env::current_dir().unwrap_or_else(|_| PathBuf::from(".")),
+        )),
+    }
 }
 
 /// A [`ConfigError::Field`].
@@ -139,4 +170,87 @@ pub fn valid_name(s: &str) -> bool {
         && s.len() <= 128
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+/// Which commented settings of an example config [`uncomment_example`]
+/// turns on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExampleLines {
+    /// `# name = value` lines: the defaults.
+    Defaults,
+    /// The defaults and the `#: ...` lines: the optional settings and
+    /// sections.
+    All,
+}
+
+/// An example config (`iop-edge config example`) with its commented
+/// settings turned on, so tests can load each form with the real loader:
+/// turning the defaults on must not change the configuration, and turning
+/// everything on must still load. A `# name = value` line inside an
+/// optional section (after a `#: [header]` and before the next header)
+/// would land in the wrong table, so it is refused: such lines are
+/// written `#: name = value`.
+pub fn uncomment_example(text: &str, lines: ExampleLines) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    let mut in_optional_section = false;
+    for (n, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with('[') {
+            in_optional_section = false;
+        }
+        let kept = if let Some(rest) = line.strip_prefix("#: ") {
+            if rest.trim_start().starts_with('[') {
+                in_optional_section = true;
+            }
+            match lines {
+                ExampleLines::All => rest,
+                ExampleLines::Defaults => line,
+            }
+        } else if let Some(rest) = line.strip_prefix("# ").filter(|r| is_setting(r)) {
+            if in_optional_section {
+                return Err(format!(
+                    "line {}: `{line}` is a default inside an optional section: write it `#: {rest}`",
+                    n + 1
+                ));
+            }
+            rest
+        } else {
+            line
+        };
+        out.push_str(kept);
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// `name = value`, `name` in lower snake case.
+fn is_setting(text: &str) -> bool {
+    text.split_once(" = ").is_some_and(|(name, _)| {
+        !name.is_empty()
+            && name.starts_with(|c: char| c.is_ascii_lowercase())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_lines_turn_on_defaults_then_optional_settings() {
+        let text =
+            "[a]\n# x = 1\n# Prose, not a setting.\n#: y = 2\n#: [b]\n#: z = 3\n[c]\n# w = 4\n";
+        assert_eq!(
+            uncomment_example(text, ExampleLines::Defaults).unwrap(),
+            "[a]\nx = 1\n# Prose, not a setting.\n#: y = 2\n#: [b]\n#: z = 3\n[c]\nw = 4\n"
+        );
+        assert_eq!(
+            uncomment_example(text, ExampleLines::All).unwrap(),
+            "[a]\nx = 1\n# Prose, not a setting.\ny = 2\n[b]\nz = 3\n[c]\nw = 4\n"
+        );
+        let e = uncomment_example("#: [b]\n# z = 3\n", ExampleLines::Defaults).unwrap_err();
+        assert!(e.contains("line 2"), "{e}");
+    }
 }

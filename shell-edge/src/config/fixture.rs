@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use iop_transport::environment::Environment;
 use iop_transport::settings::ConfigError;
 
 use super::EdgeConfig;
@@ -17,9 +18,14 @@ cert = "edge.pem"
 key = "edge.key"
 "#;
 
-/// [`BASE`] and `extra`, parsed with paths relative to `/etc/iop`.
+/// [`BASE`] and `extra`, parsed with paths relative to `/etc/iop` and an
+/// empty environment.
 pub(super) fn parse(extra: &str) -> Result<EdgeConfig, ConfigError> {
-    EdgeConfig::parse(&format!("{BASE}{extra}"), Path::new("/etc/iop"))
+    EdgeConfig::parse_in(
+        &format!("{BASE}{extra}"),
+        Path::new("/etc/iop"),
+        &Environment::default(),
+    )
 }
 
 /// A secret file as an operator must write it: mode 0600.

@@ -10,6 +10,7 @@
 
 mod admission;
 mod edge;
+mod example;
 #[cfg(test)]
 mod fixture;
 mod health;
@@ -26,7 +27,10 @@ use std::time::Duration;
 use iop_core::edge::admission::AdmissionConfig;
 use iop_core::ids::{NodeId, ProviderId};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
-use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
+use iop_transport::environment::{Environment, deserialize_overlaid};
+use iop_transport::settings::{
+    ConfigError, HeartbeatSection, TlsFiles, config_text, field_err, valid_name,
+};
 use iop_transport::telemetry::OtlpSection;
 use serde::Deserialize;
 
@@ -36,6 +40,7 @@ pub use edge::{
     MAX_H2_CONCURRENT_STREAMS_LIMIT, MAX_NODE_CONNECTIONS_LIMIT, MAX_REQUEST_MEMORY_BYTES_LIMIT,
     WIRE_HEADROOM_BYTES,
 };
+pub use example::EXAMPLE;
 pub use health::HealthSection;
 pub use journal::{JournalSection, JournalStoreKind, NatsSection};
 pub use providers::{Provider, ProviderEntry, ProviderMode};
@@ -141,25 +146,42 @@ pub struct EdgeConfig {
     pub prices: Vec<(String, iop_core::tenant::Price)>,
 }
 
+/// The prefix of the environment variables that set config fields:
+/// `IOP_EDGE__EDGE__MAX_CONNECTIONS=8192` sets `[edge] max_connections`
+/// (the rule: [`iop_transport::environment`]).
+pub const ENV_PREFIX: &str = "IOP_EDGE";
+
 impl EdgeConfig {
-    /// Load and validate a file. Relative paths resolve against the file's
+    /// Load and validate a file with the process environment: its
+    /// `IOP_EDGE__*` variables laid over the file, and the secrets its
+    /// `*_env` fields name. Relative paths resolve against the file's
     /// directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        Self::parse(&text, base)
+        Self::load_in(Some(path), &Environment::from_process())
     }
 
-    /// Parse and validate TOML text.
+    /// Load and validate the file at `path` with `env`; without a file the
+    /// environment gives the whole configuration and relative paths resolve
+    /// against the working directory.
+    pub fn load_in(path: Option<&Path>, env: &Environment) -> Result<Self, ConfigError> {
+        let (text, base) = config_text(path)?;
+        Self::parse_in(&text, &base, env)
+    }
+
+    /// Parse and validate TOML text with the process environment.
     pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
-        let file: EdgeFile = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        Self::validate(file, base)
+        Self::parse_in(text, base, &Environment::from_process())
     }
 
-    fn validate(mut file: EdgeFile, base: &Path) -> Result<Self, ConfigError> {
+    /// Parse and validate TOML text with `env`'s `IOP_EDGE__*` variables
+    /// laid over it and its secrets. An error about a value a variable set
+    /// names the variable.
+    pub fn parse_in(text: &str, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
+        let (file, sources) = deserialize_overlaid::<EdgeFile>(text, env, ENV_PREFIX)?;
+        Self::validate(file, base, env).map_err(|e| sources.annotate(e))
+    }
+
+    fn validate(mut file: EdgeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
         if let Some(traces) = &mut file.otlp_traces {
             traces.validate("otlp_traces")?;
@@ -168,7 +190,7 @@ impl EdgeConfig {
             otlp.validate("otlp")?;
         }
         file.tls.resolve(base);
-        file.journal.validate(base)?;
+        file.journal.validate(base, env)?;
         match &file.edge.edge_id {
             Some(id) if !valid_name(id) => {
                 return Err(field_err(
@@ -191,14 +213,14 @@ impl EdgeConfig {
         file.admission.validate()?;
         file.edge.validate_limits()?;
 
-        let credentials = parse_credentials(&file.credentials, base)?;
+        let credentials = parse_credentials(&file.credentials, base, env)?;
         let providers = validate_providers(&file.providers, &credentials)?;
         let Routes {
             pools: routes,
             continuation: continuation_routes,
         } = validate_routes(&file.routes, &providers)?;
         let model_names = file.discovered_models.validate()?;
-        let api_keys = parse_api_keys(&file.api_keys, base)?;
+        let api_keys = parse_api_keys(&file.api_keys, base, env)?;
         file.tenants.validate()?;
         let principals = tenants::validate_principals(&file.principals)?;
         let prices = tenants::validate_prices(&file.prices)?;
@@ -249,17 +271,16 @@ impl EdgeConfig {
             .map(|(_, p)| *p)
     }
 
-    /// Re-read only the `[[credentials]]` section of the file at `path`
-    /// (secrets, revisions, disabled flags), for a reload (SIGHUP).
-    pub fn load_credentials(path: &Path) -> Result<Vec<CredentialProfile>, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        let file: EdgeFile =
-            toml::from_str(&text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        parse_credentials(&file.credentials, base)
+    /// Re-read only the `[[credentials]]` section of the configuration
+    /// (the file at `path` and `env`): secrets, revisions, disabled flags,
+    /// for a reload (SIGHUP).
+    pub fn load_credentials(
+        path: Option<&Path>,
+        env: &Environment,
+    ) -> Result<Vec<CredentialProfile>, ConfigError> {
+        let (text, base) = config_text(path)?;
+        let (file, sources) = deserialize_overlaid::<EdgeFile>(&text, env, ENV_PREFIX)?;
+        parse_credentials(&file.credentials, &base, env).map_err(|e| sources.annotate(e))
     }
 
     /// The core's health tracker settings.
@@ -385,6 +406,124 @@ mod tests {
         assert_eq!(field_of(e), "otlp.endpoint");
         let e = parse("[otlp]\nendpoint = 'http://c:4318'\ninterval_ms = 1\n").unwrap_err();
         assert_eq!(field_of(e), "otlp.interval_ms");
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Environment {
+        Environment::from_pairs(pairs.iter().copied())
+    }
+
+    #[test]
+    fn every_field_can_come_from_the_environment_without_a_file() {
+        let c = EdgeConfig::load_in(
+            None,
+            &env(&[
+                ("IOP_EDGE__EDGE__STATE_DIR", "/var/lib/iop-edge"),
+                ("IOP_EDGE__EDGE__HTTP_LISTEN", "0.0.0.0:8080"),
+                ("IOP_EDGE__EDGE__MAX_CONNECTIONS", "8192"),
+                ("IOP_EDGE__EDGE__EDGE_ID", "7"),
+                ("IOP_EDGE__TLS__CA", "/run/secrets/ca.pem"),
+                ("IOP_EDGE__TLS__CERT", "/run/secrets/edge.pem"),
+                ("IOP_EDGE__TLS__KEY", "/run/secrets/edge.key"),
+                ("IOP_EDGE__PROVIDERS__0__ID", "gpu-1-vllm"),
+                ("IOP_EDGE__PROVIDERS__0__NODE", "gpu-1"),
+                ("IOP_EDGE__PROVIDERS__0__ADAPTER", "openai"),
+                ("IOP_EDGE__PROVIDERS__0__TARGET", "vllm"),
+                ("IOP_EDGE__PROVIDERS__0__MODELS", "[\"llama-3.1-8b\"]"),
+                ("IOP_EDGE__PROVIDERS__0__CAPACITY", "8"),
+                ("IOP_EDGE__API_KEYS__0__PRINCIPAL", "team-a"),
+                ("IOP_EDGE__API_KEYS__0__KEY_ENV", "IOP_KEY_TEAM_A"),
+                ("IOP_KEY_TEAM_A", "sk-team-a-0123456789abcdef"),
+                ("IOP_EDGE__TENANTS__CHUNK_FRACTION", "0.25"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.edge.http_listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(c.edge.max_connections, 8192);
+        assert_eq!(
+            c.edge.edge_id(),
+            "7",
+            "a number is text where text is taken"
+        );
+        assert_eq!(c.tls.key, Path::new("/run/secrets/edge.key"));
+        assert_eq!(c.providers[0].spec.capacity, 8);
+        assert!(c.route("llama-3.1-8b").is_some());
+        assert_eq!(c.api_keys[0].key, "sk-team-a-0123456789abcdef");
+        assert_eq!(c.tenants.chunk_fraction, 0.25);
+    }
+
+    #[test]
+    fn the_environment_wins_over_the_file_and_its_errors_name_the_variable() {
+        let text = format!("{BASE}[admission]\nqueue_capacity = 10\n");
+        let base = Path::new("/etc/iop");
+        let c = EdgeConfig::parse_in(
+            &text,
+            base,
+            &env(&[("IOP_EDGE__ADMISSION__QUEUE_CAPACITY", "20")]),
+        )
+        .unwrap();
+        assert_eq!(c.admission.queue_capacity, 20);
+        for (var, value, field) in [
+            // A check of the loader after deserializing.
+            (
+                "IOP_EDGE__EDGE__MAX_CONNECTIONS",
+                "0",
+                "edge.max_connections",
+            ),
+            // A value of the wrong type.
+            (
+                "IOP_EDGE__ADMISSION__QUEUE_CAPACITY",
+                "lots",
+                "admission.queue_capacity",
+            ),
+            // A field that does not exist.
+            (
+                "IOP_EDGE__ADMISSION__QUEUE_SIZE",
+                "3",
+                "admission.queue_size",
+            ),
+            // A secret's variable that is not set.
+            (
+                "IOP_EDGE__API_KEYS__0__KEY_ENV",
+                "IOP_UNSET_KEY",
+                "api_keys[0].key_env",
+            ),
+        ] {
+            let mut pairs = vec![(var, value)];
+            if var.contains("API_KEYS") {
+                pairs.push(("IOP_EDGE__API_KEYS__0__PRINCIPAL", "p"));
+            }
+            match EdgeConfig::parse_in(&text, base, &env(&pairs)).unwrap_err() {
+                ConfigError::Field { field: f, message } => {
+                    assert_eq!(f, field, "{var}");
+                    assert!(message.contains(var), "{var}: {message}");
+                }
+                other => panic!("{var}: {other}"),
+            }
+        }
+        // An error about a field the file set does not blame a variable.
+        let e = parse("[admission]\nqueue_capacity = 0\n").unwrap_err();
+        assert!(!e.to_string().contains("IOP_EDGE__"), "{e}");
+    }
+
+    #[test]
+    fn credentials_reload_with_the_same_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edge.toml");
+        std::fs::write(
+            &path,
+            format!("{BASE}[[credentials]]\nprofile = \"p\"\nsecret_env = \"IOP_P\"\n"),
+        )
+        .unwrap();
+        let profiles = EdgeConfig::load_credentials(
+            Some(&path),
+            &env(&[
+                ("IOP_P", "secret-1"),
+                ("IOP_EDGE__CREDENTIALS__0__REVISION", "4"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(profiles[0].revision, 4);
+        assert_eq!(profiles[0].secret.as_slice(), b"secret-1");
     }
 
     #[test]

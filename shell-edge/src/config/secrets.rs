@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use iop_transport::environment::{Environment, read_secret};
 use iop_transport::settings::{ConfigError, field_err, valid_name};
 use serde::Deserialize;
 
@@ -131,6 +132,7 @@ impl ApiKey {
 pub(super) fn parse_api_keys(
     entries: &[ApiKeyEntry],
     base: &Path,
+    env: &Environment,
 ) -> Result<Vec<ApiKey>, ConfigError> {
     let mut api_keys: Vec<ApiKey> = Vec::new();
     for (i, k) in entries.iter().enumerate() {
@@ -140,6 +142,7 @@ pub(super) fn parse_api_keys(
         }
         // Errors name the field the key actually came from.
         let (key, source) = read_secret(
+            env,
             k.key_env.as_deref(),
             k.key_file.as_deref(),
             base,
@@ -195,6 +198,7 @@ pub(super) fn parse_api_keys(
 pub(super) fn parse_credentials(
     entries: &[CredentialEntry],
     base: &Path,
+    env: &Environment,
 ) -> Result<Vec<CredentialProfile>, ConfigError> {
     let mut out: Vec<CredentialProfile> = Vec::new();
     for (i, c) in entries.iter().enumerate() {
@@ -212,6 +216,7 @@ pub(super) fn parse_credentials(
             ));
         }
         let (secret, source) = read_secret(
+            env,
             c.secret_env.as_deref(),
             c.secret_file.as_deref(),
             base,
@@ -239,68 +244,6 @@ pub(super) fn parse_credentials(
         });
     }
     Ok(out)
-}
-
-/// A key or secret from exactly one of an environment variable or a file
-/// (its first line, trimmed), and the field it came from. Errors name that
-/// field and never show the value.
-fn read_secret(
-    env: Option<&str>,
-    file: Option<&Path>,
-    base: &Path,
-    (env_field, file_field): (&'static str, &'static str),
-    f: &dyn Fn(&str) -> String,
-) -> Result<(zeroize::Zeroizing<String>, &'static str), ConfigError> {
-    match (env, file) {
-        (Some(var), None) => {
-            let value = std::env::var(var).map_err(|_| {
-                field_err(
-                    f(env_field),
-                    format!("environment variable `{var}` is not set"),
-                )
-            })?;
-            // Trimmed as a file's line is, and as a presented key is.
-            Ok((zeroize::Zeroizing::new(value.trim().to_owned()), env_field))
-        }
-        (None, Some(path)) => {
-            let path = if path.is_relative() {
-                base.join(path)
-            } else {
-                path.to_path_buf()
-            };
-            match iop_transport::insecure_secret_file_mode(&path) {
-                Ok(None) => {}
-                Ok(Some(mode)) => {
-                    return Err(field_err(
-                        f(file_field),
-                        format!(
-                            "{} has mode {mode:o}: a secret file must not be readable by its \
-                             group or others (chmod 600)",
-                            path.display()
-                        ),
-                    ));
-                }
-                Err(e) => {
-                    return Err(field_err(
-                        f(file_field),
-                        format!("cannot read {}: {}", path.display(), e.kind()),
-                    ));
-                }
-            }
-            let text = zeroize::Zeroizing::new(std::fs::read_to_string(&path).map_err(|e| {
-                field_err(
-                    f(file_field),
-                    format!("cannot read {}: {}", path.display(), e.kind()),
-                )
-            })?);
-            let first = text.lines().next().unwrap_or("").trim().to_owned();
-            Ok((zeroize::Zeroizing::new(first), file_field))
-        }
-        _ => Err(field_err(
-            f(env_field),
-            format!("exactly one of `{env_field}` or `{file_field}` must be set"),
-        )),
-    }
 }
 
 #[cfg(test)]
