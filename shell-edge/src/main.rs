@@ -82,6 +82,16 @@ enum Command {
     /// Print a commented example configuration, or check a configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Check a running Edge's health endpoint: exit 0 when it answers 2xx,
+    /// else 1 with the reason. The command a container's HEALTHCHECK runs.
+    Health {
+        /// The endpoint (`/healthz` on the Edge's HTTP listener).
+        #[arg(long, default_value = "http://127.0.0.1:8080/healthz")]
+        url: String,
+        /// Bound of the whole check.
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -151,6 +161,14 @@ fn main() -> anyhow::Result<()> {
                 c.api_keys.len(),
                 c.journal.store.as_str()
             );
+            return Ok(());
+        }
+        Command::Health { url, timeout_ms } => {
+            let status = iop_transport::health_check::check(
+                url,
+                std::time::Duration::from_millis(*timeout_ms),
+            )?;
+            println!("{url}: HTTP {status}");
             return Ok(());
         }
         _ => {}
@@ -253,7 +271,7 @@ fn main() -> anyhow::Result<()> {
                 println!("wrote node certificate for `{node}` to {}", dir.display());
                 Ok(())
             }
-            Command::Config(_) => Ok(()),
+            Command::Config(_) | Command::Health { .. } => Ok(()),
         }
     })
 }

@@ -129,13 +129,36 @@ impl RunningNode {
             let shared = shared.clone();
             let mut stop = rx.clone();
             tokio::spawn(async move {
-                let app = axum::Router::new().route(
-                    "/metrics",
-                    axum::routing::get(move || {
-                        let shared = shared.clone();
-                        async move { shared.metrics.render() }
-                    }),
-                );
+                let ready = shared.clone();
+                let app = axum::Router::new()
+                    .route(
+                        "/metrics",
+                        axum::routing::get(move || {
+                            let shared = shared.clone();
+                            async move { shared.metrics.render() }
+                        }),
+                    )
+                    // Liveness: the process serves. Readiness: at least one
+                    // Edge connection is ready (container and Kubernetes
+                    // probes, `iop-node health`).
+                    .route("/healthz", axum::routing::get(|| async { "ok" }))
+                    .route(
+                        "/readyz",
+                        axum::routing::get(move || {
+                            let any_ready =
+                                ready.edges.iter().any(|e| e.ready_generation().is_some());
+                            async move {
+                                if any_ready {
+                                    (http::StatusCode::OK, "ready")
+                                } else {
+                                    (
+                                        http::StatusCode::SERVICE_UNAVAILABLE,
+                                        "no Edge connection is ready",
+                                    )
+                                }
+                            }
+                        }),
+                    );
                 let _ = axum::serve(listener, app)
                     .with_graceful_shutdown(async move {
                         let _ = stop.changed().await;

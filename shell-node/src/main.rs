@@ -58,6 +58,18 @@ enum Command {
     /// Print a commented example configuration, or check a configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Check a running Node's health endpoint: exit 0 when it answers 2xx,
+    /// else 1 with the reason. The command a container's HEALTHCHECK runs;
+    /// the endpoints are served on `[node] metrics_listen`: `/healthz` (the
+    /// process serves) and `/readyz` (an Edge connection is ready).
+    Health {
+        /// The endpoint.
+        #[arg(long, default_value = "http://127.0.0.1:9464/healthz")]
+        url: String,
+        /// Bound of the whole check.
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -98,6 +110,14 @@ fn main() -> anyhow::Result<()> {
                 c.edges.join(", "),
                 c.providers.len(),
             );
+            return Ok(());
+        }
+        Command::Health { url, timeout_ms } => {
+            let status = iop_transport::health_check::check(
+                url,
+                std::time::Duration::from_millis(*timeout_ms),
+            )?;
+            println!("{url}: HTTP {status}");
             return Ok(());
         }
         _ => {}
@@ -141,7 +161,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             Command::MockProvider(args) => iop_node::mock::run_cli(args).await,
-            Command::Config(_) => Ok(()),
+            Command::Config(_) | Command::Health { .. } => Ok(()),
         }
     })
 }

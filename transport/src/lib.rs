@@ -15,6 +15,8 @@
 //! * [`settings`], [`logging`], [`signals`], [`clock`]: what both shells
 //!   share beyond QUIC: config pieces, structured logs, graceful shutdown,
 //!   and the one place wall time becomes a core instant.
+//! * [`health_check`]: the one bounded HTTP `GET` behind `iop-edge health`
+//!   and `iop-node health` (a scratch container's `HEALTHCHECK`).
 //! * [`environment`]: configuration from the environment (the
 //!   `IOP_EDGE__SECTION__FIELD` overlay, secrets named by `*_env` fields).
 //! * [`telemetry`]: the metrics pipeline (Prometheus text and optional
@@ -41,6 +43,7 @@ pub mod endpoint;
 pub mod environment;
 pub mod error;
 pub mod framed;
+pub mod health_check;
 pub mod identity;
 pub mod keyfile;
 pub mod logging;
