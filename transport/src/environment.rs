@@ -440,7 +440,8 @@ fn schema_error(path: &str, message: &str) -> ConfigError {
 /// from `env`) or a file (its first line), trimmed, and the field it came
 /// from. `fields` names the two fields (`("key_env", "key_file")`), `f`
 /// makes a field's full path, `base` resolves a relative file. A file
-/// readable by its group or others is refused. Errors name the field and
+/// readable by others, or by its group unless root owns it, is refused
+/// ([`crate::insecure_provided_secret_mode`]). Errors name the field and
 /// never show the value.
 pub fn read_secret(
     env: &Environment,
@@ -473,12 +474,12 @@ pub fn read_secret(
                     format!("cannot read {}: {}", path.display(), e.kind()),
                 )
             };
-            if let Some(mode) = crate::insecure_secret_file_mode(&path).map_err(unreadable)? {
+            if let Some(mode) = crate::insecure_provided_secret_mode(&path).map_err(unreadable)? {
                 return Err(field_err(
                     f(file_field),
                     format!(
-                        "{} has mode {mode:o}: a secret file must not be readable by its \
-                         group or others (chmod 600)",
+                        "{} has mode {mode:o}: a secret file must not be readable by others, \
+                         nor by its group unless root owns it (chmod 600)",
                         path.display()
                     ),
                 ));

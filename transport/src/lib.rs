@@ -65,7 +65,8 @@ pub use framed::{
 pub use identity::{IdentityError, cert_not_after_unix, node_id_from_cert, validate_node_id};
 pub use pki::{
     DevPki, IssuedCert, NodeCertFiles, PkiError, Validity, generate_dev_pki,
-    insecure_secret_file_mode, issue_node_cert, load_ca, load_cert_chain, load_private_key,
+    insecure_provided_secret_mode, insecure_secret_file_mode, issue_node_cert, load_ca,
+    load_cert_chain, load_private_key,
 };
 pub use tls::{
     CertDenylist, ClientTls, ServerTls, cert_fingerprint, enforce_denylist, parse_fingerprint,

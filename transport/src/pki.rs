@@ -108,7 +108,10 @@ pub enum PkiError {
         path: PathBuf,
     },
     /// A private key file grants access to its group or others.
-    #[error("{} has mode {mode:o}; a key file must be mode 0600 or stricter", path.display())]
+    #[error(
+        "{} has mode {mode:o}; a key file must be mode 0600 or stricter (0640 if root owns it)",
+        path.display()
+    )]
     InsecureKeyFile {
         /// The file.
         path: PathBuf,
@@ -466,10 +469,35 @@ pub fn insecure_secret_file_mode(path: &Path) -> io::Result<Option<u32>> {
     Ok(None)
 }
 
-/// Load the first private key (PKCS#8, PKCS#1 or SEC1) in a PEM file;
-/// a file readable by its group or others is refused.
+/// The permission bits of a secret file an administrator provides (a TLS
+/// key, an API key, a credential) if they grant more than they may:
+/// anything to others, or anything to its group unless the file belongs to
+/// root and its group may only read it (0640 or 0440, PostgreSQL's rule):
+/// root chose who shares it, as the kubelet does for a Secret volume with
+/// `fsGroup` (root-owned, group-readable) and Debian's `ssl-cert` group.
+/// `Ok(None)` when the file passes (and on non-Unix systems). Keys the
+/// process makes itself are held to [`insecure_secret_file_mode`].
+pub fn insecure_provided_secret_mode(path: &Path) -> io::Result<Option<u32>> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(path)?;
+        let mode = meta.mode() & 0o777;
+        let shared_by_root = meta.uid() == 0 && mode & 0o070 & !0o040 == 0;
+        if mode & 0o007 != 0 || (mode & 0o070 != 0 && !shared_by_root) {
+            return Ok(Some(mode));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(None)
+}
+
+/// Load the first private key (PKCS#8, PKCS#1 or SEC1) in a PEM file; a
+/// file readable by others, or by its group unless root owns it, is
+/// refused ([`insecure_provided_secret_mode`]).
 pub fn load_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, PkiError> {
-    match insecure_secret_file_mode(path) {
+    match insecure_provided_secret_mode(path) {
         Ok(None) => {}
         Ok(Some(mode)) => {
             return Err(PkiError::InsecureKeyFile {
@@ -643,21 +671,49 @@ mod tests {
     }
 
     #[test]
-    fn a_private_key_readable_by_its_group_or_others_is_refused() -> Result<(), PkiError> {
-        use std::os::unix::fs::PermissionsExt as _;
+    fn a_private_key_readable_by_others_or_an_unchosen_group_is_refused() -> Result<(), PkiError> {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
         let dir = tempdir();
         let pki = generate_dev_pki(&dir.path().join("pki"), &["n"], &[])?;
         load_private_key(&pki.edge_key)?;
-        std::fs::set_permissions(&pki.edge_key, std::fs::Permissions::from_mode(0o640)).map_err(
-            |source| PkiError::Write {
-                path: pki.edge_key.clone(),
-                source,
-            },
-        )?;
-        assert!(matches!(
-            load_private_key(&pki.edge_key),
-            Err(PkiError::InsecureKeyFile { mode: 0o640, .. })
-        ));
+        let key = &pki.edge_key;
+        let chmod = |mode: u32| {
+            std::fs::set_permissions(key, std::fs::Permissions::from_mode(mode)).map_err(|source| {
+                PkiError::Write {
+                    path: key.clone(),
+                    source,
+                }
+            })
+        };
+        for mode in [0o644, 0o604, 0o660, 0o620] {
+            chmod(mode)?;
+            assert!(
+                matches!(
+                    load_private_key(key),
+                    Err(PkiError::InsecureKeyFile { mode: m, .. }) if m == mode
+                ),
+                "mode {mode:o}"
+            );
+        }
+        // Group-readable: only when root owns the file (it chose the group).
+        chmod(0o640)?;
+        let owned_by_root = std::fs::metadata(key)
+            .map(|m| m.uid() == 0)
+            .unwrap_or(false);
+        assert_eq!(load_private_key(key).is_ok(), owned_by_root);
+        if owned_by_root {
+            // Root can hand the file to another user: then it is refused.
+            std::os::unix::fs::chown(key, Some(65_534), None).map_err(|source| {
+                PkiError::Write {
+                    path: key.clone(),
+                    source,
+                }
+            })?;
+            assert!(matches!(
+                load_private_key(key),
+                Err(PkiError::InsecureKeyFile { mode: 0o640, .. })
+            ));
+        }
         Ok(())
     }
 
