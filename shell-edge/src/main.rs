@@ -86,7 +86,11 @@ enum Command {
     /// else 1 with the reason. The command a container's HEALTHCHECK runs.
     Health {
         /// The endpoint (`/healthz` on the Edge's HTTP listener).
-        #[arg(long, default_value = "http://127.0.0.1:8080/healthz")]
+        #[arg(
+            long,
+            env = "IOP_EDGE_HEALTH_URL",
+            default_value = "http://127.0.0.1:8080/healthz"
+        )]
         url: String,
         /// Bound of the whole check.
         #[arg(long, default_value_t = 2000)]

@@ -64,7 +64,11 @@ enum Command {
     /// process serves) and `/readyz` (an Edge connection is ready).
     Health {
         /// The endpoint.
-        #[arg(long, default_value = "http://127.0.0.1:9464/healthz")]
+        #[arg(
+            long,
+            env = "IOP_NODE_HEALTH_URL",
+            default_value = "http://127.0.0.1:9464/healthz"
+        )]
         url: String,
         /// Bound of the whole check.
         #[arg(long, default_value_t = 2000)]
