@@ -410,6 +410,7 @@ mod tests {
                         | PlantedBug::ReplaySkipsAFrame
                         | PlantedBug::AdoptWithoutOwnerWait
                         | PlantedBug::RenewingLeaseExpired
+                        | PlantedBug::ReplayStaleEvidence
                 )
             );
         }
