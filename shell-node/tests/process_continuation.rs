@@ -4,6 +4,10 @@
 //! providers' deterministic tokens let each client check its text: nothing
 //! lost, nothing repeated, one terminal.
 
+mod common;
+
+use common::write_secret;
+
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -215,17 +219,4 @@ key_file = "key"
         .await
         .expect("bounded");
     edge.shutdown().await;
-}
-
-/// Write a secret file as an operator must: mode 0600.
-fn write_secret(path: &std::path::Path, text: &str) {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .expect("secret file");
-    std::io::Write::write_all(&mut file, text.as_bytes()).expect("secret written");
 }

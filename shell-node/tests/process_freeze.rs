@@ -6,6 +6,10 @@
 //! `loss_detect_ms` + 1 s, its capacity comes back, and a long prefill on a
 //! live node is never taken for a loss.
 
+mod common;
+
+use common::{signal, write_secret};
+
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -166,15 +170,6 @@ base_url = "{tunnel}"
         }
         self.edge.shutdown().await;
     }
-}
-
-fn signal(child: &tokio::process::Child, sig: &str) {
-    let pid = child.id().expect("running").to_string();
-    let status = std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .expect("kill");
-    assert!(status.success(), "kill {sig} {pid}");
 }
 
 async fn stream(edge: &RunningEdge) -> reqwest::Response {
@@ -462,17 +457,4 @@ async fn a_long_prefill_and_a_back_pressured_tunnel_are_no_loss_r_fail_2() {
         .await
         .expect("bounded");
     d.stop().await;
-}
-
-/// Write a secret file as an operator must: mode 0600.
-fn write_secret(path: &std::path::Path, text: &str) {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .expect("secret file");
-    std::io::Write::write_all(&mut file, text.as_bytes()).expect("secret written");
 }

@@ -2,6 +2,10 @@
 //! terminal error after the heartbeat wait and every provider's capacity
 //! returns to full (R-HB-2, R-GEN-3, R-GATE-3, R-LEASE-2).
 
+mod common;
+
+use common::write_secret;
+
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -143,17 +147,4 @@ base_url = "{mock}"
         .await
         .expect("bounded");
     edge.shutdown().await;
-}
-
-/// Write a secret file as an operator must: mode 0600.
-fn write_secret(path: &std::path::Path, text: &str) {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .expect("secret file");
-    std::io::Write::write_all(&mut file, text.as_bytes()).expect("secret written");
 }

@@ -11,6 +11,10 @@
 //! within seconds, where the grace (60 s) and the answer (100 s) are far
 //! longer.
 
+mod common;
+
+use common::{signal, write_secret};
+
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -21,27 +25,6 @@ use serde_json::{Value, json};
 
 const KEY: &str = "sk-park-release-0123456789";
 const LOSS_DETECT_MS: u64 = 1_000;
-
-fn write_secret(path: &std::path::Path, text: &str) {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .unwrap();
-    std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
-}
-
-fn signal(child: &tokio::process::Child, sig: &str) {
-    let pid = child.id().expect("running").to_string();
-    let status = std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .expect("kill");
-    assert!(status.success(), "kill {sig} {pid}");
-}
 
 #[tokio::test]
 async fn a_parked_run_whose_response_ended_is_ended_when_its_node_reports_it_r_park_1() {

@@ -519,10 +519,10 @@ impl<F: RunFrame> NodeRun<F> {
         match input {
             NodeRunInput::Admitted(answer) => self.admitted(now, answer),
             NodeRunInput::LeaseOpened(opened) => self.lease_opened(opened),
-            NodeRunInput::Emissions(emissions) => self.emissions(now, emissions),
+            NodeRunInput::Emissions(emissions) => self.emissions(emissions),
             NodeRunInput::LinkGone => self.link_gone(now),
-            NodeRunInput::Provider(frames) => self.provider_outputs(now, frames),
-            NodeRunInput::ProviderEnded => self.provider_ended(now),
+            NodeRunInput::Provider(frames) => self.provider_outputs(frames),
+            NodeRunInput::ProviderEnded => self.provider_ended(),
             NodeRunInput::ProviderStopped => {
                 if self.attached {
                     self.link(LinkAsk::ProviderDropped {
@@ -541,7 +541,7 @@ impl<F: RunFrame> NodeRun<F> {
             }
             NodeRunInput::Terminal(RunTerminal::Failed(failure)) => {
                 self.stop_provider();
-                self.write_terminal(now, F::from_failure(failure));
+                self.write_terminal(F::from_failure(failure));
             }
             // The provider's own end, already forwarded.
             NodeRunInput::Terminal(RunTerminal::Completed) => {}
@@ -691,7 +691,7 @@ impl<F: RunFrame> NodeRun<F> {
         });
     }
 
-    fn provider_outputs(&mut self, now: Instant, frames: Vec<F>) {
+    fn provider_outputs(&mut self, frames: Vec<F>) {
         if self.phase != Phase::Running || frames.is_empty() {
             return;
         }
@@ -701,11 +701,11 @@ impl<F: RunFrame> NodeRun<F> {
         } else {
             // Parked: no watchdog runs (the grace bounds the run).
             let emissions = vec![Emission::Forward; frames.len()];
-            self.forward(now, frames, emissions);
+            self.forward(frames, emissions);
         }
     }
 
-    fn provider_ended(&mut self, now: Instant) {
+    fn provider_ended(&mut self) {
         if self.phase != Phase::Running || !self.provider_live {
             return;
         }
@@ -719,20 +719,20 @@ impl<F: RunFrame> NodeRun<F> {
                 Offered::MissingTerminal(failure),
             );
         } else {
-            self.write_terminal(now, F::from_failure(failure));
+            self.write_terminal(F::from_failure(failure));
         }
     }
 
-    fn emissions(&mut self, now: Instant, emissions: Vec<Emission>) {
+    fn emissions(&mut self, emissions: Vec<Emission>) {
         let Some(offered) = self.offered.take() else {
             return;
         };
         match offered {
-            Offered::Outputs(frames) => self.forward(now, frames, emissions),
+            Offered::Outputs(frames) => self.forward(frames, emissions),
             Offered::MissingTerminal(failure) => {
                 // Fenced: the watchdog's own terminal comes instead.
                 if emissions.first() == Some(&Emission::Forward) {
-                    self.write_terminal(now, F::from_failure(failure));
+                    self.write_terminal(F::from_failure(failure));
                 }
             }
             Offered::LeaseRefused(failure) => {
@@ -751,7 +751,7 @@ impl<F: RunFrame> NodeRun<F> {
 
     /// Write what the watchdog let through, in order; a terminal among
     /// them is the run's last frame.
-    fn forward(&mut self, now: Instant, frames: Vec<F>, emissions: Vec<Emission>) {
+    fn forward(&mut self, frames: Vec<F>, emissions: Vec<Emission>) {
         if self.park.as_ref().is_some_and(|p| p.summary().ended) {
             // Nothing comes after a run's terminal frame.
             return;
@@ -792,12 +792,12 @@ impl<F: RunFrame> NodeRun<F> {
         if out.is_empty() {
             return;
         }
-        self.send(now, out, terminal);
+        self.send(out, terminal);
     }
 
     /// The run's one terminal, made here (the watchdog's, a missing
     /// terminal): written, and kept if the run is durable.
-    fn write_terminal(&mut self, now: Instant, mut frame: F) {
+    fn write_terminal(&mut self, mut frame: F) {
         if let Some(park) = &mut self.park {
             if park.summary().ended || park.state() == ParkState::Over {
                 // Nothing comes after a run's terminal frame.
@@ -808,13 +808,13 @@ impl<F: RunFrame> NodeRun<F> {
         }
         let code = frame.failure_mut().map(|f| f.code);
         self.report_end(code);
-        self.send(now, vec![frame], true);
+        self.send(vec![frame], true);
     }
 
     /// Send frames on the attached stream. A run that is not durable is
     /// over after its terminal; a durable one waits for the terminal's
     /// acknowledgement (its park says when).
-    fn send(&mut self, _now: Instant, frames: Vec<F>, terminal: bool) {
+    fn send(&mut self, frames: Vec<F>, terminal: bool) {
         if !self.attached {
             return;
         }
@@ -920,10 +920,10 @@ impl<F: RunFrame> NodeRun<F> {
         match offered {
             Some(Offered::Outputs(frames)) => {
                 let emissions = vec![Emission::Forward; frames.len()];
-                self.forward(now, frames, emissions);
+                self.forward(frames, emissions);
             }
             Some(Offered::MissingTerminal(failure)) => {
-                self.write_terminal(now, F::from_failure(failure));
+                self.write_terminal(F::from_failure(failure));
             }
             Some(Offered::LeaseRefused(_) | Offered::AdoptedEnd) | None => {}
         }
