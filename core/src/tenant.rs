@@ -54,6 +54,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::time::Instant;
 
+pub mod keys;
+pub mod usage;
+
+use usage::{UsageKey, UsageTotals, day_of};
+
 /// Milliseconds in a rate window.
 pub const MINUTE_MS: u64 = 60_000;
 
@@ -81,6 +86,11 @@ pub enum Meter {
     /// Spend in micro-units of the price table's currency, per budget
     /// period.
     Spend,
+    /// Bytes held in the journal (a gauge the store keeps, never a
+    /// counter).
+    JournalBytes,
+    /// Background responses not yet ended (a gauge the store keeps).
+    Background,
 }
 
 impl Meter {
@@ -90,6 +100,8 @@ impl Meter {
             Meter::Requests => "requests",
             Meter::Tokens => "tokens",
             Meter::Spend => "spend",
+            Meter::JournalBytes => "journal bytes",
+            Meter::Background => "background responses",
         }
     }
 }
@@ -131,6 +143,36 @@ pub struct Limits {
     pub concurrent_requests: Option<u64>,
     /// Spend per period.
     pub budget: Option<Budget>,
+    /// Bytes its durable responses may hold in the journal (a new durable
+    /// request is refused while they hold this many).
+    #[serde(default)]
+    pub journal_bytes: Option<u64>,
+    /// Background responses not yet ended.
+    #[serde(default)]
+    pub background_responses: Option<u64>,
+}
+
+impl Limits {
+    /// Whether any limit or budget is set.
+    pub fn any(&self) -> bool {
+        self.requests_per_minute.is_some()
+            || self.tokens_per_minute.is_some()
+            || self.concurrent_requests.is_some()
+            || self.budget.is_some()
+            || self.journal_bytes.is_some()
+            || self.background_responses.is_some()
+    }
+}
+
+/// What a subject holds in the journal now, as the store's view shows it
+/// (gauges across every Edge: the journal's records name their principal
+/// and key).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Held {
+    /// Bytes its records hold.
+    pub journal_bytes: u64,
+    /// Its background responses without a terminal.
+    pub background: u64,
 }
 
 /// A spend limit per period.
@@ -244,6 +286,16 @@ pub struct AdmitRequest {
     /// Wall-clock time, Unix ms (windows are wall-clock minutes, so every
     /// Edge counts the same window).
     pub unix_ms: u64,
+    /// The model as the client named it (for usage rows).
+    pub model: String,
+    /// A durable request (it will hold journal bytes).
+    pub durable: bool,
+    /// A background request.
+    pub background: bool,
+    /// What the key holds in the journal now.
+    pub key_held: Held,
+    /// What the principal holds in the journal now.
+    pub principal_held: Held,
 }
 
 /// Why a request is refused.
@@ -288,6 +340,8 @@ struct Reservation {
     /// Subjects whose in-flight count it holds.
     in_flight: Vec<Subject>,
     price: Option<Price>,
+    /// Its usage row (the day it was admitted).
+    usage: UsageKey,
 }
 
 /// One counter as this Edge holds it.
@@ -403,6 +457,31 @@ impl Tenants {
                 &request.principal_limits,
             ),
         ];
+        let held = [&request.key_held, &request.principal_held];
+        for ((subject, limits), held) in subjects.iter().zip(held) {
+            if request.durable
+                && let Some(max) = limits.journal_bytes
+                && held.journal_bytes >= max
+            {
+                return Err(Refusal {
+                    kind: RefusalKind::InsufficientQuota,
+                    subject: subject.clone(),
+                    meter: Some(Meter::JournalBytes),
+                    retry_after_ms: None,
+                });
+            }
+            if request.background
+                && let Some(max) = limits.background_responses
+                && held.background >= max
+            {
+                return Err(Refusal {
+                    kind: RefusalKind::RateLimited,
+                    subject: subject.clone(),
+                    meter: Some(Meter::Background),
+                    retry_after_ms: Some(1_000),
+                });
+            }
+        }
         let tokens = request
             .prompt_tokens_max
             .saturating_add(request.output_tokens_max);
@@ -498,6 +577,12 @@ impl Tenants {
                 held,
                 in_flight,
                 price: request.price,
+                usage: UsageKey {
+                    day_unix_ms: day_of(request.unix_ms),
+                    principal: request.principal.clone(),
+                    key: request.key.clone(),
+                    model: request.model.clone(),
+                },
             },
         );
         Ok(())
@@ -604,17 +689,24 @@ impl Tenants {
 
     /// Settle ticket's request with the usage summed over all its
     /// attempts (R-TEN-2): tokens and spend count what it used; what it
-    /// reserved and did not use goes back to this Edge's holding.
-    pub fn settle(&mut self, now: Instant, ticket: u64, used: TokenUse) {
-        let Some(reservation) = self.reservations.remove(&ticket) else {
-            return;
-        };
+    /// reserved and did not use goes back to this Edge's holding. Returns
+    /// its usage row and totals (R-TEN-5), once: a second settle of the
+    /// same ticket changes nothing and returns `None`.
+    pub fn settle(
+        &mut self,
+        now: Instant,
+        ticket: u64,
+        used: TokenUse,
+    ) -> Option<(UsageKey, UsageTotals)> {
+        let reservation = self.reservations.remove(&ticket)?;
+        let spend = reservation.price.map_or(0, |p| used.cost(&p));
         self.end_in_flight(&reservation);
         for (key, reserved) in &reservation.held {
             let actual = match key.meter {
                 Meter::Requests => *reserved,
                 Meter::Tokens => used.total(),
-                Meter::Spend => reservation.price.map_or(0, |p| used.cost(&p)),
+                Meter::Spend => spend,
+                Meter::JournalBytes | Meter::Background => continue,
             };
             let Some(holding) = self.holdings.get_mut(key) else {
                 continue;
@@ -626,12 +718,13 @@ impl Tenants {
             holding.last_used = Some(now);
             self.claim_more(key);
         }
+        Some((reservation.usage, UsageTotals::of(used, spend)))
     }
 
     /// Release ticket's request: it ended without a provider call, so it
     /// used nothing but its request count.
-    pub fn release(&mut self, now: Instant, ticket: u64) {
-        self.settle(now, ticket, TokenUse::default());
+    pub fn release(&mut self, now: Instant, ticket: u64) -> Option<(UsageKey, UsageTotals)> {
+        self.settle(now, ticket, TokenUse::default())
     }
 
     fn end_in_flight(&mut self, reservation: &Reservation) {

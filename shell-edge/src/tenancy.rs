@@ -153,6 +153,11 @@ impl Tenancy {
             prompt_tokens_max: body_bytes,
             output_tokens_max: max_output.unwrap_or(self.default_max_output_tokens),
             unix_ms,
+            model: String::new(),
+            durable: false,
+            background: false,
+            key_held: Default::default(),
+            principal_held: Default::default(),
         };
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
         let admitted = machine.admit(self.clock.now(), &request);
@@ -193,7 +198,7 @@ impl Tenancy {
         match used {
             Some(used) => machine.settle(now, ticket, used),
             None => machine.release(now, ticket),
-        }
+        };
         machine.handle_timeout(now);
         self.drain(&mut machine);
     }
@@ -207,7 +212,7 @@ impl Tenancy {
         {
             let mut claimed = self.claimed.lock().unwrap_or_else(|e| e.into_inner());
             claimed.retain(|key, _| match key.meter {
-                Meter::Requests | Meter::Tokens => {
+                Meter::Requests | Meter::Tokens | Meter::JournalBytes | Meter::Background => {
                     key.window_unix_ms + 2 * iop_core::tenant::MINUTE_MS > unix_ms
                 }
                 // A budget in total has window 0 and is kept; a day's or a

@@ -37,10 +37,12 @@ pub mod embedded;
 mod lease;
 pub mod legacy;
 mod memory;
+pub mod tenant;
 
 pub use embedded::{EmbeddedOptions, EmbeddedStore, OpenError, SWEEP_BATCH_RECORDS, VerifyReport};
 pub use lease::LeaseTable;
 pub use memory::MemoryStore;
+pub use tenant::{MemoryTenantStore, TenantStore, TenantStoreError, UsageWriteError};
 
 /// A boxed future, so the trait can be used as `dyn JournalStore`.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

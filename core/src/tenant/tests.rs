@@ -63,6 +63,11 @@ fn request(ticket: u64, key: &str, principal: &str, unix_ms: u64) -> AdmitReques
         prompt_tokens_max: 10,
         output_tokens_max: 20,
         unix_ms,
+        model: "m".into(),
+        durable: false,
+        background: false,
+        key_held: Held::default(),
+        principal_held: Held::default(),
     }
 }
 
@@ -443,4 +448,67 @@ fn r_ten_3_a_reservation_larger_than_a_chunk_claims_what_it_needs_and_fits_once_
         edge.admit(at(1_000), &r).is_ok(),
         "fits once the claim is answered"
     );
+}
+
+#[test]
+fn r_ten_1_a_subject_at_its_journal_bytes_gets_insufficient_quota_for_durable_requests_only() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let mut r = request(1, "k", "p", T0);
+    r.principal_limits.journal_bytes = Some(1_000);
+    r.principal_held.journal_bytes = 1_000;
+    // An ephemeral request holds no journal bytes: admitted.
+    assert!(edge.admit(at(0), &r).is_ok());
+    r.ticket = 2;
+    r.durable = true;
+    let refusal = edge.admit(at(0), &r).unwrap_err();
+    assert_eq!(refusal.kind, RefusalKind::InsufficientQuota);
+    assert_eq!(refusal.meter, Some(Meter::JournalBytes));
+    assert_eq!(refusal.subject, Subject::Principal("p".into()));
+    // Another principal, holding nothing, is served.
+    let mut other = request(3, "k2", "q", T0);
+    other.durable = true;
+    other.principal_limits.journal_bytes = Some(1_000);
+    assert!(edge.admit(at(0), &other).is_ok());
+}
+
+#[test]
+fn r_ten_1_background_responses_in_flight_are_limited_per_key() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let mut r = request(1, "k", "p", T0);
+    r.background = true;
+    r.durable = true;
+    r.key_limits.background_responses = Some(2);
+    r.key_held.background = 2;
+    let refusal = edge.admit(at(0), &r).unwrap_err();
+    assert_eq!(refusal.kind, RefusalKind::RateLimited);
+    assert_eq!(refusal.meter, Some(Meter::Background));
+    assert!(refusal.retry_after_ms.is_some());
+    r.key_held.background = 1;
+    assert!(edge.admit(at(0), &r).is_ok());
+}
+
+#[test]
+fn r_ten_5_a_settled_request_yields_its_usage_row_once() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let mut r = request(1, "k", "p", T0 + 5);
+    r.price = Some(Price {
+        input_per_mtok: 1_000_000,
+        cached_input_per_mtok: 500_000,
+        output_per_mtok: 2_000_000,
+    });
+    edge.admit(at(0), &r).unwrap();
+    let used = TokenUse {
+        input: 10,
+        cached_input: 4,
+        output: 3,
+    };
+    let (row, totals) = edge.settle(at(1), 1, used).unwrap();
+    assert_eq!(row.day_unix_ms, usage::day_of(T0));
+    assert_eq!(
+        (row.principal.as_str(), row.key.as_str(), row.model.as_str()),
+        ("p", "k", "m")
+    );
+    assert_eq!(totals.requests, 1);
+    assert_eq!(totals.spend_micros, 6 + 2 + 6);
+    assert_eq!(edge.settle(at(2), 1, used), None);
 }

@@ -27,6 +27,13 @@ pub struct LimitsEntry {
     /// `day`, `month` (30 days) or `total` (the default).
     #[serde(default)]
     pub budget_period: Option<Period>,
+    /// Bytes the durable responses may hold in the journal (new durable
+    /// requests get 429 `insufficient_quota` at it).
+    #[serde(default)]
+    pub journal_bytes: Option<u64>,
+    /// Background responses not yet ended.
+    #[serde(default)]
+    pub background_responses: Option<u64>,
 }
 
 impl LimitsEntry {
@@ -37,6 +44,8 @@ impl LimitsEntry {
             ("tokens_per_minute", self.tokens_per_minute),
             ("concurrent_requests", self.concurrent_requests),
             ("budget_micros", self.budget_micros),
+            ("journal_bytes", self.journal_bytes),
+            ("background_responses", self.background_responses),
         ] {
             if value == Some(0) {
                 return Err(field_err(
@@ -59,6 +68,8 @@ impl LimitsEntry {
                 limit_micros,
                 period: self.budget_period.unwrap_or(Period::Total),
             }),
+            journal_bytes: self.journal_bytes,
+            background_responses: self.background_responses,
         })
     }
 }

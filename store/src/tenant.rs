@@ -1,0 +1,254 @@
+//! Tenants' shared state (SPEC §9): the counters Edges claim their
+//! allowances from (R-TEN-3), usage per day, principal, key and model
+//! (R-TEN-5), and runtime API keys (R-TEN-4), behind one trait,
+//! [`TenantStore`]. Every decision comes from [`iop_core::tenant`]: a claim
+//! is decided by [`check_claim`] inside the store's compare-and-set, a
+//! key's validity by [`KeyRecord::usable`](iop_core::tenant::keys::KeyRecord::usable);
+//! the store reads, writes and commits.
+//!
+//! * [`MemoryTenantStore`]: in process memory (tests, the simulator).
+//! * The embedded store's tenant tables (one Edge; survive a restart).
+//! * NATS JetStream key-value buckets (`iop-store-nats`; shared by Edges).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use iop_core::tenant::keys::KeyRecord;
+use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
+use iop_core::tenant::{CounterKey, DAY_MS, MINUTE_MS, Meter, check_claim};
+
+use crate::BoxFuture;
+
+/// Why a tenant store operation did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TenantStoreError {
+    /// The store could not be reached or failed; nothing is known to have
+    /// been written.
+    #[error("tenant store unavailable: {0}")]
+    Unavailable(String),
+    /// A compare-and-set found another revision (`current`; 0: absent).
+    #[error("the stored revision is {current}")]
+    Conflict {
+        /// The stored revision.
+        current: u64,
+    },
+}
+
+/// A usage write that did not add every row.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error} ({} usage rows not written)", unwritten.len())]
+pub struct UsageWriteError {
+    /// Why.
+    pub error: TenantStoreError,
+    /// The rows not added.
+    pub unwritten: Vec<(UsageKey, UsageTotals)>,
+}
+
+/// How long usage rows are kept, in days.
+pub const USAGE_RETENTION_DAYS: u64 = 400;
+
+/// Whether `counter`'s window is over at `now_unix_ms`, so the store may
+/// forget it: a minute's two minutes later, a budget period's once it has
+/// ended (a budget in total never).
+pub fn counter_expired(counter: &CounterKey, now_unix_ms: u64) -> bool {
+    match counter.meter {
+        Meter::Requests | Meter::Tokens | Meter::JournalBytes | Meter::Background => {
+            counter.window_unix_ms + 2 * MINUTE_MS <= now_unix_ms
+        }
+        Meter::Spend => {
+            counter.window_unix_ms != 0 && counter.window_unix_ms + 31 * DAY_MS <= now_unix_ms
+        }
+    }
+}
+
+/// Whether a usage row of `day_unix_ms` is past [`USAGE_RETENTION_DAYS`].
+pub fn usage_expired(day_unix_ms: u64, now_unix_ms: u64) -> bool {
+    day_unix_ms + USAGE_RETENTION_DAYS * DAY_MS <= now_unix_ms
+}
+
+/// Tenants' shared state; every method is one transaction, durable when
+/// it returns `Ok`.
+pub trait TenantStore: Send + Sync + 'static {
+    /// Claim `amount` of `counter` whose limit is `limit`, deciding with
+    /// [`check_claim`] on the counter as stored (compare-and-set; retried
+    /// on a lost race): the amount granted (0: the window is exhausted).
+    fn claim(
+        &self,
+        counter: CounterKey,
+        amount: u64,
+        limit: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
+    /// What the Edges have claimed of `counter` so far (0: nothing).
+    fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
+    /// Add each row's totals to its stored row, each row all or nothing.
+    /// On an error, the rows not added come back in [`UsageWriteError`]
+    /// (the caller keeps them for its next write); a store that writes
+    /// the batch in one transaction returns them all.
+    fn add_usage(
+        &self,
+        rows: Vec<(UsageKey, UsageTotals)>,
+    ) -> BoxFuture<'_, Result<(), UsageWriteError>>;
+    /// The rows `query` asks for, in key order, at most `query.max_rows`.
+    fn usage(
+        &self,
+        query: UsageQuery,
+    ) -> BoxFuture<'_, Result<Vec<(UsageKey, UsageTotals)>, TenantStoreError>>;
+    /// Write `record` if the stored revision of its id is `expected` (0:
+    /// none stored): the new revision, greater than every earlier one.
+    fn put_key(
+        &self,
+        record: KeyRecord,
+        expected: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
+    /// The key with `id` and its revision, read fresh.
+    fn key(&self, id: String) -> BoxFuture<'_, Result<Option<(KeyRecord, u64)>, TenantStoreError>>;
+    /// Every stored key with its revision.
+    fn keys(&self) -> BoxFuture<'_, Result<Vec<(KeyRecord, u64)>, TenantStoreError>>;
+    /// Forget the counters whose windows are over ([`counter_expired`])
+    /// and usage rows past retention ([`usage_expired`]); how many.
+    fn sweep(&self, now_unix_ms: u64) -> BoxFuture<'_, Result<usize, TenantStoreError>>;
+}
+
+#[derive(Default)]
+struct MemoryState {
+    counters: BTreeMap<CounterKey, u64>,
+    usage: BTreeMap<UsageKey, UsageTotals>,
+    keys: HashMap<String, (KeyRecord, u64)>,
+    revision: u64,
+    down: bool,
+}
+
+/// Tenants' state in process memory: for tests and the simulator (a
+/// restart loses it).
+#[derive(Default)]
+pub struct MemoryTenantStore {
+    state: Mutex<MemoryState>,
+}
+
+impl MemoryTenantStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Make every operation fail with [`TenantStoreError::Unavailable`]
+    /// (`true`) or work again (`false`), as a store that cannot be reached.
+    pub fn set_down(&self, down: bool) {
+        self.lock().down = down;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoryState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn up(&self) -> Result<std::sync::MutexGuard<'_, MemoryState>, TenantStoreError> {
+        let state = self.lock();
+        if state.down {
+            return Err(TenantStoreError::Unavailable("the store is down".into()));
+        }
+        Ok(state)
+    }
+}
+
+impl TenantStore for MemoryTenantStore {
+    fn claim(
+        &self,
+        counter: CounterKey,
+        amount: u64,
+        limit: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        Box::pin(async move {
+            let mut state = self.up()?;
+            let claimed = state.counters.entry(counter).or_default();
+            let (total, granted) = check_claim(*claimed, amount, limit);
+            *claimed = total;
+            Ok(granted)
+        })
+    }
+
+    fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        Box::pin(async move { Ok(self.up()?.counters.get(&counter).copied().unwrap_or(0)) })
+    }
+
+    fn add_usage(
+        &self,
+        rows: Vec<(UsageKey, UsageTotals)>,
+    ) -> BoxFuture<'_, Result<(), UsageWriteError>> {
+        Box::pin(async move {
+            let mut state = match self.up() {
+                Ok(state) => state,
+                Err(error) => {
+                    return Err(UsageWriteError {
+                        error,
+                        unwritten: rows,
+                    });
+                }
+            };
+            for (key, totals) in rows {
+                state.usage.entry(key).or_default().add(&totals);
+            }
+            Ok(())
+        })
+    }
+
+    fn usage(
+        &self,
+        query: UsageQuery,
+    ) -> BoxFuture<'_, Result<Vec<(UsageKey, UsageTotals)>, TenantStoreError>> {
+        Box::pin(async move {
+            let state = self.up()?;
+            Ok(state
+                .usage
+                .iter()
+                .filter(|(k, _)| query.matches(k))
+                .take(query.max_rows)
+                .map(|(k, t)| (k.clone(), *t))
+                .collect())
+        })
+    }
+
+    fn put_key(
+        &self,
+        record: KeyRecord,
+        expected: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        Box::pin(async move {
+            let mut state = self.up()?;
+            let current = state.keys.get(&record.id).map_or(0, |(_, r)| *r);
+            if current != expected {
+                return Err(TenantStoreError::Conflict { current });
+            }
+            state.revision += 1;
+            let revision = state.revision;
+            state.keys.insert(record.id.clone(), (record, revision));
+            Ok(revision)
+        })
+    }
+
+    fn key(&self, id: String) -> BoxFuture<'_, Result<Option<(KeyRecord, u64)>, TenantStoreError>> {
+        Box::pin(async move { Ok(self.up()?.keys.get(&id).cloned()) })
+    }
+
+    fn keys(&self) -> BoxFuture<'_, Result<Vec<(KeyRecord, u64)>, TenantStoreError>> {
+        Box::pin(async move {
+            let state = self.up()?;
+            let mut keys: Vec<_> = state.keys.values().cloned().collect();
+            keys.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+            Ok(keys)
+        })
+    }
+
+    fn sweep(&self, now_unix_ms: u64) -> BoxFuture<'_, Result<usize, TenantStoreError>> {
+        Box::pin(async move {
+            let mut state = self.up()?;
+            let before = state.counters.len() + state.usage.len();
+            state
+                .counters
+                .retain(|k, _| !counter_expired(k, now_unix_ms));
+            state
+                .usage
+                .retain(|k, _| !usage_expired(k.day_unix_ms, now_unix_ms));
+            Ok(before - state.counters.len() - state.usage.len())
+        })
+    }
+}
