@@ -631,8 +631,11 @@ impl Tenants {
     /// A request of `amount` did not fit `key` (limit `limit`): claim what
     /// it needs beyond what is held. Whether more may still come (a claim
     /// is on its way, the window is not exhausted, the store answers).
+    /// With the store taken as unreachable the claim still goes out (one
+    /// at a time per counter): it is how the Edge learns the store is back,
+    /// while the request it was made for is refused (budgets fail closed).
     fn claim_for(&mut self, key: &CounterKey, amount: u64, limit: u64) -> bool {
-        if amount > limit || self.store_down.contains(&key.subject) {
+        if amount > limit {
             return false;
         }
         let chunk = self.chunk(limit);

@@ -42,6 +42,7 @@ pub(crate) async fn admit<E: RunEndpoint>(
     state: &AppState,
     request: Request,
     endpoint: &E,
+    idempotent: bool,
 ) -> Result<Admitted<E::Options>, ApiError> {
     let (parts, body) = request.into_parts();
     let key = if E::X_API_KEY {
@@ -58,19 +59,25 @@ pub(crate) async fn admit<E: RunEndpoint>(
     let pool = pool_for(state, &key, &run)?;
     // R-TEN-1, R-TEN-2: within the key's and its principal's limits and
     // budgets, before any provider call. The prompt's tokens are at most
-    // its body's bytes.
+    // its body's bytes; a durable request is held to the journal quotas.
+    let keep = endpoint.keep(&options, state.durable().responses_store_default());
+    let durable = keep.store || keep.background || idempotent;
     let tenant = state
         .tenancy()
-        .admit(
-            &key.id,
-            &key.limits,
-            &key.principal,
-            &state.config().principal_limits(&key.principal),
-            state.config().price_for(&run.model),
-            held.bytes.len() as u64,
-            run.params.max_tokens.map(u64::from),
-        )?
-        .map(Arc::new);
+        .admit(&crate::tenancy::TenantAsk {
+            key_id: &key.id,
+            key_limits: &key.limits,
+            principal: &key.principal,
+            principal_limits: &state.config().principal_limits(&key.principal),
+            model: &run.model,
+            price: state.config().price_for(&run.model),
+            body_bytes: held.bytes.len() as u64,
+            max_output: run.params.max_tokens.map(u64::from),
+            durable,
+            background: keep.background,
+            held: (Default::default(), Default::default()),
+        })
+        .map(Arc::new)?;
     let provider_model = state.config().model_names.provider_model(&run.model);
     // Rewritten while the body's decoded share is still held (R-LIM-2).
     let renamed_body = if provider_model != run.model
@@ -97,7 +104,7 @@ pub(crate) async fn admit<E: RunEndpoint>(
         pool,
         provider_model,
         renamed_body,
-        tenant,
+        tenant: Some(tenant),
     })
 }
 

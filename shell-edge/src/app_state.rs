@@ -2,13 +2,11 @@
 //! configuration, the API keys (compared only through their digests), what
 //! a request's driver needs, the body budget and the durable store.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, header};
-use sha2::{Digest, Sha256};
 
 use crate::api::ApiError;
 use crate::config::{ApiKey, EdgeConfig};
@@ -23,9 +21,9 @@ use crate::request_body::BodyBudget;
 #[derive(Clone)]
 pub struct AppState {
     config: Arc<EdgeConfig>,
-    /// SHA-256 of each key -> the key's entry (the key itself is compared
-    /// only through its digest).
-    keys: Arc<HashMap<[u8; 32], ApiKey>>,
+    /// The config file's and the runtime keys (compared only through
+    /// their digests, R-TEN-4).
+    keys: Arc<crate::keyring::KeyRing>,
     ctx: DriverContext,
     hub: HubHandle,
     ids: Arc<AtomicU64>,
@@ -64,11 +62,11 @@ impl AppState {
             DriverObservation::Readmitted => {}
             DriverObservation::Ttft(route, d) => m.ttft(route, d),
         });
-        let keys = config
-            .api_keys
-            .iter()
-            .map(|k| (digest(&k.key), k.clone()))
-            .collect();
+        let tenant_store = durable.tenant_store().clone();
+        let keys = Arc::new(crate::keyring::KeyRing::new(
+            &config.api_keys,
+            tenant_store.clone(),
+        ));
         let modes = config
             .providers
             .iter()
@@ -92,7 +90,7 @@ impl AppState {
                 modes: Arc::new(modes),
                 observe,
             },
-            keys: Arc::new(keys),
+            keys,
             bodies: BodyBudget::new(
                 config.edge.request_memory_bytes,
                 config.edge.request_memory_per_key(),
@@ -105,6 +103,7 @@ impl AppState {
                 config.tenants.to_core(),
                 clock,
                 config.tenants.default_max_output_tokens,
+                tenant_store,
             )),
             config,
             metrics,
@@ -120,6 +119,11 @@ impl AppState {
     /// Durable responses.
     pub fn durable(&self) -> &Arc<Durable> {
         &self.durable
+    }
+
+    /// The API keys.
+    pub fn keys(&self) -> &Arc<crate::keyring::KeyRing> {
+        &self.keys
     }
 
     /// Tenants' limits and budgets.
@@ -155,10 +159,6 @@ impl AppState {
     }
 }
 
-fn digest(key: &str) -> [u8; 32] {
-    Sha256::digest(key.as_bytes()).into()
-}
-
 /// The caller's key, from its `Authorization: Bearer` header.
 pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
     let value = headers
@@ -168,8 +168,7 @@ pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiK
     let token = bearer_token(value).ok_or_else(ApiError::invalid_api_key)?;
     state
         .keys
-        .get(&digest(token))
-        .cloned()
+        .lookup(token)
         .ok_or_else(ApiError::invalid_api_key)
 }
 
@@ -193,8 +192,7 @@ pub(crate) fn authenticate_x_api_key(
         .ok_or_else(ApiError::invalid_api_key)?;
     state
         .keys
-        .get(&digest(token))
-        .cloned()
+        .lookup(token)
         .ok_or_else(ApiError::invalid_api_key)
 }
 

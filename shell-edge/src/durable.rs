@@ -218,6 +218,8 @@ pub struct HeldLease {
 /// writes.
 pub struct Durable {
     store: Arc<dyn JournalStore>,
+    /// Tenants' shared state (SPEC §9) in the same deployment store.
+    tenant_store: Arc<dyn iop_store::TenantStore>,
     store_kind: JournalStoreKind,
     /// This Edge's id: records it creates or takes over name it.
     edge_id: String,
@@ -327,6 +329,7 @@ impl Durable {
     pub fn with_store(store: Arc<dyn JournalStore>, responses_store_default: bool) -> Self {
         Durable {
             store,
+            tenant_store: Arc::new(iop_store::MemoryTenantStore::new()),
             store_kind: JournalStoreKind::Memory,
             edge_id: crate::config::DEFAULT_EDGE_ID.to_owned(),
             metrics: None,
@@ -354,6 +357,11 @@ impl Durable {
     pub fn sharing_the_store(mut self) -> Self {
         self.shared_store = true;
         self
+    }
+
+    /// Tenants' shared state: counters, usage and runtime keys (SPEC §9).
+    pub fn tenant_store(&self) -> &Arc<dyn iop_store::TenantStore> {
+        &self.tenant_store
     }
 
     /// The store.

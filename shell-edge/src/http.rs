@@ -72,6 +72,7 @@ pub fn router(state: AppState) -> Router {
             "/admin/credentials/{profile}/revoke",
             post(revoke_credential),
         )
+        .merge(crate::admin::routes())
         .fallback(|| async { ApiError::not_found("route").into_response() })
         .with_state(state)
 }
@@ -271,7 +272,7 @@ async fn run_admitted<E: RunEndpoint>(
         .ok()
         .flatten();
     let passed = tunnelled_headers(request.headers(), E::TUNNELLED_HEADERS);
-    let mut admitted = match admit(&state, request, &endpoint).await {
+    let mut admitted = match admit(&state, request, &endpoint, idempotency.is_some()).await {
         Ok(admitted) => admitted,
         Err(e) => return refuse(record, e),
     };
@@ -455,12 +456,19 @@ async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
         return e.into_response();
     }
     match state.hub().snapshot().await {
-        Ok(snap) => axum::Json(crate::status::status_json(
-            state.config(),
-            &snap,
-            &state.durable().status(),
-        ))
-        .into_response(),
+        Ok(snap) => {
+            let mut doc =
+                crate::status::status_json(state.config(), &snap, &state.durable().status());
+            // SPEC §9: the tenants' store, keys and today's totals per
+            // principal (R-TEN-3, R-TEN-5).
+            let mut tenants = state
+                .tenancy()
+                .status(std::time::Duration::from_secs(1))
+                .await;
+            tenants["keys"] = state.keys().status();
+            doc["tenants"] = tenants;
+            axum::Json(doc).into_response()
+        }
         Err(_) => ApiError::internal().into_response(),
     }
 }

@@ -4,6 +4,7 @@
 //! fences their generations, and serves the OpenAI and Ollama APIs to
 //! clients, with every policy decision made by `iop-core`.
 
+pub mod admin;
 pub mod admit;
 pub mod answer_body;
 pub mod api;
@@ -19,6 +20,7 @@ pub mod fuzzing;
 pub mod generation_store;
 pub mod http;
 pub mod hub;
+pub mod keyring;
 pub mod metrics;
 pub mod node_link;
 pub mod observe;

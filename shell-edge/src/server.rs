@@ -75,6 +75,8 @@ pub struct RunningEdge {
     /// The ownership lease's renewal and the custody task (the takeover
     /// scan, adoptions of parked runs, continuations).
     background: Vec<JoinHandle<()>>,
+    /// Tenants: their settled usage is written once more at shutdown.
+    tenancy: Arc<crate::tenancy::Tenancy>,
 }
 
 /// Process options that are not configuration.
@@ -281,6 +283,22 @@ impl RunningEdge {
                 crate::custody::start_run(&ctx, &durable, start);
             }))
         };
+        // R-TEN-4: the runtime keys are read before the Edge serves (a
+        // store that cannot answer leaves the config file's keys; the sync
+        // keeps trying); R-TEN-5: settled usage goes to the store in
+        // batches.
+        if let Err(e) = state.keys().sync().await {
+            tracing::warn!(event = "edge_runtime_keys_sync_failed", error = %e, "serving with the config file's keys until the store answers");
+        }
+        let key_sync = state
+            .keys()
+            .spawn_sync(std::time::Duration::from_millis(config.tenants.key_sync_ms));
+        let usage_writer = state
+            .tenancy()
+            .spawn_usage_writer(std::time::Duration::from_millis(
+                config.tenants.usage_flush_ms,
+            ));
+        let tenancy = state.tenancy().clone();
         let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
@@ -306,7 +324,8 @@ impl RunningEdge {
             http_task,
             hub_task,
             sweeper,
-            background: vec![lease_task, custody],
+            background: vec![lease_task, custody, key_sync, usage_writer],
+            tenancy,
         })
     }
 
@@ -356,6 +375,8 @@ impl RunningEdge {
         }
         self.http_stop.send_replace(true);
         let _ = self.http_task.await;
+        // What the drained requests settled (R-TEN-5).
+        self.tenancy.flush_usage().await;
         // Refuse new handshakes first: nodes keep dialing while we drain.
         self.endpoint.set_server_config(None);
         self.endpoint.close(

@@ -1,33 +1,87 @@
-//! Tenants' limits and budgets at the Edge (SPEC §9): this module drives
-//! [`iop_core::tenant::Tenants`], which decides every admission,
+//! Tenants' limits, budgets and usage at the Edge (SPEC §9): this module
+//! drives [`iop_core::tenant::Tenants`], which decides every admission,
 //! reservation and settlement (R-TEN-1, R-TEN-2, R-TEN-3). It asks the
 //! machine at admission (a direct answer: nothing waits on a store),
-//! carries its claims to the counter store, and settles each request when
-//! its [`TenantHold`] is dropped, with the usage its driver saw.
+//! carries its claims to the deployment's [`TenantStore`] off the request's
+//! path, settles each request when its [`TenantHold`] is dropped, with the
+//! usage its driver saw, and writes the settled usage to the store in
+//! batches (R-TEN-5).
 //!
-//! The counter store here is this Edge's own (one Edge, or Edges whose
-//! limits are each their own); a store shared by Edges answers the same
-//! claims with the same rule ([`iop_core::tenant::check_claim`]).
+//! The store is the journal's deployment store: the embedded store for
+//! one Edge, NATS JetStream for several, where every Edge claims from the
+//! same counters. A claim the store does not answer within
+//! [`CLAIM_TIMEOUT`] counts as the store being unreachable: budgets fail
+//! closed and rates fall back to a local share (the machine's rule), and
+//! `/status` says so.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use iop_core::tenant::usage::{UsageBook, UsageKey, UsageTotals};
 use iop_core::tenant::{
-    AdmitRequest, CounterKey, Limits, Meter, Price, Refusal, RefusalKind, Subject, Tenants,
-    TenantsConfig, TenantsInput, TenantsOutput, TokenUse, check_claim,
+    AdmitRequest, Held, Limits, Meter, Price, Refusal, RefusalKind, Subject, Tenants,
+    TenantsConfig, TenantsInput, TenantsOutput, TokenUse,
 };
+use iop_store::TenantStore;
 use iop_transport::clock::Clock;
+
+/// How long a claim may take before the store counts as unreachable.
+pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a usage write may take before it is tried again later.
+const USAGE_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The Edge's tenants.
 pub struct Tenancy {
     machine: Mutex<Tenants>,
-    /// The claimed total of each counter (this Edge's counter store).
-    claimed: Mutex<BTreeMap<CounterKey, u64>>,
+    store: Arc<dyn TenantStore>,
+    /// Settled usage not yet in the store.
+    book: Mutex<UsageBook>,
     clock: Clock,
     tickets: AtomicU64,
     default_max_output_tokens: u64,
+    counters: TenancyCounters,
+}
+
+/// What `/status` shows of the tenants' store (R-TEN-3).
+#[derive(Debug, Default)]
+struct TenancyCounters {
+    claims: AtomicU64,
+    claim_failures: AtomicU64,
+    usage_writes: AtomicU64,
+    usage_write_failures: AtomicU64,
+    /// The last claim failed and none has worked since.
+    store_down: AtomicBool,
+}
+
+/// What a request asks of its tenant's limits at admission.
+#[derive(Debug, Clone)]
+pub struct TenantAsk<'a> {
+    /// The key's id.
+    pub key_id: &'a str,
+    /// The key's limits.
+    pub key_limits: &'a Limits,
+    /// Its principal.
+    pub principal: &'a str,
+    /// The principal's limits.
+    pub principal_limits: &'a Limits,
+    /// The model as the client named it.
+    pub model: &'a str,
+    /// Its price (`None`: not priced).
+    pub price: Option<Price>,
+    /// The body's length: its prompt's tokens are at most that.
+    pub body_bytes: u64,
+    /// The most output tokens it asked for.
+    pub max_output: Option<u64>,
+    /// Durable (it will hold journal bytes), and in the background.
+    pub durable: bool,
+    /// In the background.
+    pub background: bool,
+    /// What the key and the principal hold in the journal now.
+    pub held: (Held, Held),
 }
 
 /// What a request's limits said at admission, for its `x-ratelimit-*`
@@ -106,62 +160,56 @@ impl Drop for TenantHold {
 }
 
 impl Tenancy {
-    /// The tenants of an Edge.
-    pub fn new(config: TenantsConfig, clock: Clock, default_max_output_tokens: u64) -> Self {
+    /// The tenants of an Edge, counting in `store`.
+    pub fn new(
+        config: TenantsConfig,
+        clock: Clock,
+        default_max_output_tokens: u64,
+        store: Arc<dyn TenantStore>,
+    ) -> Self {
         Tenancy {
             machine: Mutex::new(Tenants::new(config)),
-            claimed: Mutex::new(BTreeMap::new()),
+            store,
+            book: Mutex::new(UsageBook::new()),
             clock,
             tickets: AtomicU64::new(1),
             default_max_output_tokens,
+            counters: TenancyCounters::default(),
         }
     }
 
-    /// Admit a request of `key` (its principal's limits `principal`) for a
-    /// model priced `price`, whose body is `body_bytes` long (its prompt's
-    /// tokens are at most that) and that asks for at most `max_output`
-    /// tokens. Refused: which limit, and when to try again.
-    #[allow(clippy::too_many_arguments)]
+    /// The store tenants' state lives in.
+    pub fn store(&self) -> &Arc<dyn TenantStore> {
+        &self.store
+    }
+
+    /// Admit a request (R-TEN-1, R-TEN-2), or say which limit refuses it
+    /// and when to try again. Every admitted request holds a
+    /// [`TenantHold`] (its usage is recorded whether or not it is limited).
     pub fn admit(
         self: &Arc<Self>,
-        key_id: &str,
-        key_limits: &Limits,
-        principal: &str,
-        principal_limits: &Limits,
-        price: Option<Price>,
-        body_bytes: u64,
-        max_output: Option<u64>,
-    ) -> Result<Option<TenantHold>, crate::api::ApiError> {
-        let limited = |l: &Limits| {
-            l.requests_per_minute.is_some()
-                || l.tokens_per_minute.is_some()
-                || l.concurrent_requests.is_some()
-                || l.budget.is_some()
-        };
-        if !limited(key_limits) && !limited(principal_limits) {
-            return Ok(None);
-        }
+        ask: &TenantAsk<'_>,
+    ) -> Result<TenantHold, crate::api::ApiError> {
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
-        let unix_ms = iop_transport::clock::unix_ms();
         let request = AdmitRequest {
             ticket,
-            key: key_id.to_owned(),
-            principal: principal.to_owned(),
-            key_limits: key_limits.clone(),
-            principal_limits: principal_limits.clone(),
-            price,
-            prompt_tokens_max: body_bytes,
-            output_tokens_max: max_output.unwrap_or(self.default_max_output_tokens),
-            unix_ms,
-            model: String::new(),
-            durable: false,
-            background: false,
-            key_held: Default::default(),
-            principal_held: Default::default(),
+            key: ask.key_id.to_owned(),
+            principal: ask.principal.to_owned(),
+            key_limits: ask.key_limits.clone(),
+            principal_limits: ask.principal_limits.clone(),
+            price: ask.price,
+            prompt_tokens_max: ask.body_bytes,
+            output_tokens_max: ask.max_output.unwrap_or(self.default_max_output_tokens),
+            unix_ms: iop_transport::clock::unix_ms(),
+            model: ask.model.to_owned(),
+            durable: ask.durable,
+            background: ask.background,
+            key_held: ask.held.0,
+            principal_held: ask.held.1,
         };
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
         let admitted = machine.admit(self.clock.now(), &request);
-        self.drain(&mut machine);
+        let claims = drain(&mut machine);
         // The tighter of the key's and the principal's, as this Edge
         // knows them.
         let state = |meter: Meter, limit: fn(&Limits) -> Option<u64>| {
@@ -174,6 +222,7 @@ impl Tenancy {
             tokens: state(Meter::Tokens, |l| l.tokens_per_minute),
         };
         drop(machine);
+        self.send_claims(claims);
         if let Err(refusal) = admitted {
             let mut err = refusal_error(&refusal);
             let mut map = HeaderMap::new();
@@ -184,67 +233,240 @@ impl Tenancy {
                 .collect();
             return Err(err);
         }
-        Ok(Some(TenantHold {
+        Ok(TenantHold {
             tenancy: self.clone(),
             ticket,
             used: Mutex::new(None),
             headers,
-        }))
+        })
     }
 
-    fn settle(&self, ticket: u64, used: Option<TokenUse>) {
+    fn settle(self: &Arc<Self>, ticket: u64, used: Option<TokenUse>) {
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
         let now = self.clock.now();
-        match used {
+        let row = match used {
             Some(used) => machine.settle(now, ticket, used),
             None => machine.release(now, ticket),
         };
         machine.handle_timeout(now);
-        self.drain(&mut machine);
+        let claims = drain(&mut machine);
+        drop(machine);
+        if let Some((key, totals)) = row {
+            self.book
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .add(key, totals);
+        }
+        self.send_claims(claims);
     }
 
-    /// Answer the machine's claims from this Edge's counters. Counters of
-    /// windows that are over are dropped, so the store holds the current
-    /// windows only (bounded by the configured keys and principals).
-    fn drain(&self, machine: &mut Tenants) {
-        let now = self.clock.now();
-        let unix_ms = iop_transport::clock::unix_ms();
-        {
-            let mut claimed = self.claimed.lock().unwrap_or_else(|e| e.into_inner());
-            claimed.retain(|key, _| match key.meter {
-                Meter::Requests | Meter::Tokens | Meter::JournalBytes | Meter::Background => {
-                    key.window_unix_ms + 2 * iop_core::tenant::MINUTE_MS > unix_ms
-                }
-                // A budget in total has window 0 and is kept; a day's or a
-                // month's until it is over.
-                Meter::Spend => {
-                    key.window_unix_ms == 0
-                        || key.window_unix_ms + 31 * iop_core::tenant::DAY_MS > unix_ms
-                }
-            });
+    /// Carry each claim to the store off the caller's path; its answer (or
+    /// its failure within [`CLAIM_TIMEOUT`]) goes back to the machine.
+    fn send_claims(self: &Arc<Self>, claims: Vec<TenantsOutput>) {
+        if claims.is_empty() {
+            return;
         }
-        while let Some(TenantsOutput::Claim {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime (the process is ending): the claims fail, as a
+            // store out of reach would.
+            for TenantsOutput::Claim { counter, .. } in claims {
+                self.claimed(counter, None);
+            }
+            return;
+        };
+        for TenantsOutput::Claim {
             counter,
             amount,
             limit,
-        }) = machine.poll_output()
+        } in claims
         {
-            let granted = {
-                let mut claimed = self.claimed.lock().unwrap_or_else(|e| e.into_inner());
-                let total = claimed.entry(counter.clone()).or_default();
-                let (next, granted) = check_claim(*total, amount, limit);
-                *total = next;
-                granted
-            };
-            machine.handle_input(
-                now,
-                TenantsInput::Claimed {
-                    counter,
-                    granted: Some(granted),
-                },
-            );
+            let tenancy = self.clone();
+            runtime.spawn(async move {
+                let answer = tokio::time::timeout(
+                    CLAIM_TIMEOUT,
+                    tenancy.store.claim(counter.clone(), amount, limit),
+                )
+                .await;
+                let granted = match answer {
+                    Ok(Ok(granted)) => Some(granted),
+                    Ok(Err(e)) => {
+                        tracing::warn!(event = "edge_tenant_claim_failed", meter = counter.meter.as_str(), error = %e);
+                        None
+                    }
+                    Err(_) => {
+                        tracing::warn!(event = "edge_tenant_claim_failed", meter = counter.meter.as_str(), error = "timed out");
+                        None
+                    }
+                };
+                tenancy.claimed(counter, granted);
+            });
         }
     }
+
+    fn claimed(self: &Arc<Self>, counter: iop_core::tenant::CounterKey, granted: Option<u64>) {
+        self.counters.claims.fetch_add(1, Ordering::Relaxed);
+        if granted.is_none() {
+            self.counters.claim_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        machine.handle_input(self.clock.now(), TenantsInput::Claimed { counter, granted });
+        let down = machine.store_down();
+        let claims = drain(&mut machine);
+        drop(machine);
+        if self.counters.store_down.swap(down, Ordering::Relaxed) != down {
+            if down {
+                tracing::error!(
+                    event = "edge_tenant_store_unreachable",
+                    "budgets fail closed and rate limits use this Edge's local share until the store answers"
+                );
+            } else {
+                tracing::info!(event = "edge_tenant_store_reachable");
+            }
+        }
+        // A claim that follows an answer goes out only while the store
+        // answers (the machine asks again at the next admission).
+        if granted.is_some() {
+            self.send_claims(claims);
+        }
+    }
+
+    /// Write the settled usage to the store (R-TEN-5); rows the store did
+    /// not take wait for the next write.
+    pub async fn flush_usage(&self) {
+        let rows = {
+            let mut book = self.book.lock().unwrap_or_else(|e| e.into_inner());
+            if book.is_empty() {
+                return;
+            }
+            book.take()
+        };
+        let kept = rows.clone();
+        let failed =
+            match tokio::time::timeout(USAGE_WRITE_TIMEOUT, self.store.add_usage(rows)).await {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => {
+                    tracing::warn!(event = "edge_tenant_usage_write_failed", error = %e.error);
+                    Some(e.unwritten)
+                }
+                // Unknown how much was written: what is kept may be counted
+                // twice, never lost.
+                Err(_) => {
+                    tracing::warn!(
+                        event = "edge_tenant_usage_write_failed",
+                        error = "timed out"
+                    );
+                    Some(kept)
+                }
+            };
+        self.counters.usage_writes.fetch_add(1, Ordering::Relaxed);
+        if let Some(rows) = failed {
+            self.counters
+                .usage_write_failures
+                .fetch_add(1, Ordering::Relaxed);
+            self.book
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .put_back(rows);
+        }
+    }
+
+    /// Write usage every `every` and sweep the store's windows that are
+    /// over every hour, until the task is dropped (the Edge's shutdown
+    /// writes once more with [`Self::flush_usage`]).
+    pub fn spawn_usage_writer(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
+        let tenancy = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_sweep = tokio::time::Instant::now();
+            loop {
+                tick.tick().await;
+                tenancy.flush_usage().await;
+                if last_sweep.elapsed() >= Duration::from_secs(3_600) {
+                    last_sweep = tokio::time::Instant::now();
+                    let now = iop_transport::clock::unix_ms();
+                    if let Ok(Err(e)) =
+                        tokio::time::timeout(USAGE_WRITE_TIMEOUT, tenancy.store.sweep(now)).await
+                    {
+                        tracing::warn!(event = "edge_tenant_sweep_failed", error = %e);
+                    }
+                }
+            }
+        })
+    }
+
+    /// What `/status` shows of tenants: the store's state and today's
+    /// totals per principal (R-TEN-5), read from the store within
+    /// `bound`.
+    pub async fn status(&self, bound: Duration) -> serde_json::Value {
+        let c = &self.counters;
+        let today = iop_core::tenant::usage::day_of(iop_transport::clock::unix_ms());
+        let query = iop_core::tenant::usage::UsageQuery {
+            from_day_unix_ms: today,
+            to_day_unix_ms: today,
+            principal: None,
+            key: None,
+            max_rows: MAX_STATUS_ROWS,
+        };
+        let principals = match tokio::time::timeout(bound, self.store.usage(query)).await {
+            Ok(Ok(rows)) => {
+                let mut sums: BTreeMap<String, UsageTotals> = BTreeMap::new();
+                for (key, totals) in &rows {
+                    sums.entry(key.principal.clone()).or_default().add(totals);
+                }
+                serde_json::json!(
+                    sums.iter()
+                        .map(|(p, t)| (p.clone(), totals_json(t)))
+                        .collect::<serde_json::Map<_, _>>()
+                )
+            }
+            Ok(Err(e)) => serde_json::json!({ "error": e.to_string() }),
+            Err(_) => serde_json::json!({ "error": "the store did not answer in time" }),
+        };
+        let reservations = self
+            .machine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .reservations();
+        serde_json::json!({
+            "store_reachable": !c.store_down.load(Ordering::Relaxed),
+            "claims": c.claims.load(Ordering::Relaxed),
+            "claim_failures": c.claim_failures.load(Ordering::Relaxed),
+            "usage_writes": c.usage_writes.load(Ordering::Relaxed),
+            "usage_write_failures": c.usage_write_failures.load(Ordering::Relaxed),
+            "requests_in_flight": reservations,
+            "today": { "day": today / 1_000, "principals": principals },
+        })
+    }
+}
+
+/// The most usage rows `/status` reads.
+const MAX_STATUS_ROWS: usize = 10_000;
+
+/// A row's totals as the admin API and `/status` show them.
+pub fn totals_json(t: &UsageTotals) -> serde_json::Value {
+    serde_json::json!({
+        "requests": t.requests,
+        "input_tokens": t.input_tokens,
+        "cached_input_tokens": t.cached_input_tokens,
+        "output_tokens": t.output_tokens,
+        "spend_micros": t.spend_micros,
+    })
+}
+
+/// A usage row as the admin API shows it.
+pub fn usage_row_json(key: &UsageKey, t: &UsageTotals) -> serde_json::Value {
+    let mut row = totals_json(t);
+    row["day"] = serde_json::json!(key.day_unix_ms / 1_000);
+    row["principal"] = serde_json::json!(key.principal);
+    row["key"] = serde_json::json!(key.key);
+    row["model"] = serde_json::json!(key.model);
+    row
+}
+
+/// The machine's pending claims.
+fn drain(machine: &mut Tenants) -> Vec<TenantsOutput> {
+    std::iter::from_fn(|| machine.poll_output()).collect()
 }
 
 /// The API error of a refusal: 429 `rate_limit_exceeded` or

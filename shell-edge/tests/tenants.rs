@@ -245,3 +245,211 @@ async fn r_ten_1_the_openai_sdk_raises_rate_limit_error_and_its_retry_succeeds()
     })
     .await;
 }
+
+async fn admin(
+    d: &Deployment,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .request(method, format!("http://{}{path}", d.edge.http_addr))
+        .bearer_auth(LIMITED);
+    if let Some(body) = body {
+        req = req.json(&body);
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// R-TEN-4: a runtime key created through the admin API works at once;
+/// its secret is shown once and never listed; a change of its models,
+/// a rotation and a revocation each take effect; R-LIM-5: a malformed id
+/// is 404 without a store read; only an admin key may call it.
+#[tokio::test]
+async fn r_ten_4_runtime_keys_are_created_changed_rotated_and_revoked_through_the_admin_api() {
+    use reqwest::Method;
+    bounded(async {
+        let d = deployment(None).await;
+        let (status, created) = admin(
+            &d,
+            Method::POST,
+            "/admin/keys",
+            Some(json!({"principal": "team-r", "name": "ci", "models": ["m"],
+                        "limits": {"requests_per_minute": 50}})),
+        )
+        .await;
+        assert_eq!(status, 201, "{created}");
+        let id = created["id"].as_str().unwrap().to_owned();
+        let secret = created["secret"].as_str().unwrap().to_owned();
+        assert!(secret.starts_with("sk-iop-") && id.starts_with("key_"));
+        assert_eq!(created["limits"]["requests_per_minute"], 50);
+        let r = chat(&d, &secret, 8).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            header(&r, "x-ratelimit-limit-requests").as_deref(),
+            Some("50")
+        );
+
+        // Listed and read without the secret.
+        let (status, list) = admin(&d, Method::GET, "/admin/keys", None).await;
+        assert_eq!(status, 200);
+        let text = list.to_string();
+        assert!(text.contains(&id) && !text.contains(&secret));
+        assert!(
+            list["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|k| k["source"] == "config")
+        );
+        let (status, got) = admin(&d, Method::GET, &format!("/admin/keys/{id}"), None).await;
+        assert_eq!((status, got["status"].as_str()), (200, Some("active")));
+        assert!(got.get("secret").is_none());
+
+        // Its models changed: the model is no longer there for it.
+        let (status, _) = admin(
+            &d,
+            Method::PATCH,
+            &format!("/admin/keys/{id}"),
+            Some(json!({"models": ["other-*"]})),
+        )
+        .await;
+        assert_eq!(status, 200);
+        assert_eq!(chat(&d, &secret, 8).await.status(), 404);
+        let (status, err) = admin(
+            &d,
+            Method::PATCH,
+            &format!("/admin/keys/{id}"),
+            Some(json!({"models": ["m"], "limits": {"tokens_per_minute": 0}})),
+        )
+        .await;
+        assert_eq!(
+            (status, err["error"]["param"].as_str()),
+            (400, Some("limits"))
+        );
+        let (status, _) = admin(
+            &d,
+            Method::PATCH,
+            &format!("/admin/keys/{id}"),
+            Some(json!({"models": ["m"]})),
+        )
+        .await;
+        assert_eq!(status, 200);
+
+        // Rotated: the old secret stops, the new one works.
+        let (status, rotated) =
+            admin(&d, Method::POST, &format!("/admin/keys/{id}/rotate"), None).await;
+        assert_eq!(status, 200);
+        let new_secret = rotated["secret"].as_str().unwrap().to_owned();
+        assert_ne!(new_secret, secret);
+        assert_eq!(chat(&d, &secret, 8).await.status(), 401);
+        assert_eq!(chat(&d, &new_secret, 8).await.status(), 200);
+
+        // Revoked: refused, kept on record.
+        let (status, revoked) =
+            admin(&d, Method::POST, &format!("/admin/keys/{id}/revoke"), None).await;
+        assert_eq!((status, revoked["status"].as_str()), (200, Some("revoked")));
+        assert_eq!(chat(&d, &new_secret, 8).await.status(), 401);
+        let (status, _) = admin(&d, Method::POST, &format!("/admin/keys/{id}/rotate"), None).await;
+        assert_eq!(status, 400, "a revoked key is not rotated back to life");
+
+        // Ids of another shape, unknown ids, non-admin callers.
+        let (status, _) = admin(&d, Method::GET, "/admin/keys/..%2F..%2Fetc", None).await;
+        assert_eq!(status, 404);
+        let (status, _) = admin(&d, Method::GET, "/admin/keys/key_0000000000000000", None).await;
+        assert_eq!(status, 404);
+        let r = reqwest::Client::new()
+            .post(format!("http://{}/admin/keys", d.edge.http_addr))
+            .bearer_auth(OTHER)
+            .json(&json!({"principal": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403);
+        let (status, err) = admin(
+            &d,
+            Method::POST,
+            "/admin/keys",
+            Some(json!({"principal": "a b"})),
+        )
+        .await;
+        assert_eq!(
+            (status, err["error"]["param"].as_str()),
+            (400, Some("principal"))
+        );
+        let (status, _) = admin(
+            &d,
+            Method::POST,
+            "/admin/keys",
+            Some(json!({"principal": "p", "surprise": 1})),
+        )
+        .await;
+        assert_eq!(status, 400, "unknown fields are refused");
+        d.edge.shutdown().await;
+    })
+    .await;
+}
+
+/// R-TEN-5: usage per day, principal, key and model from the store, and
+/// today's totals per principal in `/status`.
+#[tokio::test]
+async fn r_ten_5_usage_is_read_per_principal_key_and_model_and_status_shows_totals() {
+    bounded(async {
+        let d = deployment(None).await;
+        for _ in 0..3 {
+            assert_eq!(chat(&d, OTHER, 8).await.status(), 200);
+        }
+        assert_eq!(chat(&d, BUDGETED, 8).await.status(), 200);
+        // Written within `usage_flush_ms` (1 s by default).
+        let mut rows = Value::Null;
+        for _ in 0..100 {
+            let (status, body) = admin(
+                &d,
+                reqwest::Method::GET,
+                "/admin/usage?principal=team-b",
+                None,
+            )
+            .await;
+            assert_eq!(status, 200, "{body}");
+            if body["total"]["requests"] == 3 {
+                rows = body;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert_eq!(rows["total"]["requests"], 3, "{rows}");
+        let row = &rows["data"][0];
+        assert_eq!(
+            (row["principal"].as_str(), row["model"].as_str()),
+            (Some("team-b"), Some("m"))
+        );
+        assert!(row["output_tokens"].as_u64().unwrap() > 0);
+        assert!(row["date"].as_str().unwrap().len() == 10);
+        let (_, all) = admin(&d, reqwest::Method::GET, "/admin/usage", None).await;
+        let c = all["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["principal"] == "team-c")
+            .expect("team-c's row");
+        assert!(c["spend_micros"].as_u64().unwrap() > 0, "priced: {c}");
+        let (status, _) = admin(
+            &d,
+            reqwest::Method::GET,
+            "/admin/usage?from=2026-13-01",
+            None,
+        )
+        .await;
+        assert_eq!(status, 400);
+        let (status, doc) = admin(&d, reqwest::Method::GET, "/status", None).await;
+        assert_eq!(status, 200);
+        let tenants = &doc["tenants"];
+        assert_eq!(tenants["store_reachable"], true);
+        assert_eq!(tenants["today"]["principals"]["team-b"]["requests"], 3);
+        assert_eq!(tenants["keys"]["config_keys"], 4);
+        d.edge.shutdown().await;
+    })
+    .await;
+}

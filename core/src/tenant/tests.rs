@@ -262,6 +262,19 @@ fn r_ten_3_with_the_store_down_budgets_fail_closed_and_rates_take_a_local_share(
     // One on credit before the failed claim told this subject the store
     // is down, then half of 10.
     assert_eq!(admitted, 6);
+    // The store comes back: a refused request's claim is how the Edge
+    // learns it, and the budget opens again once the claim is answered.
+    store.down = false;
+    r.ticket = 40;
+    let refused = edge.admit(at(0), &r).unwrap_err();
+    assert_eq!(
+        refused.retry_after_ms,
+        Some(CLAIM_RETRY_MS),
+        "a claim is on its way"
+    );
+    store.serve(&mut edge, at(0));
+    r.ticket = 41;
+    assert!(edge.admit(at(0), &r).is_ok());
 }
 
 /// One step of a world of Edges sharing a store.

@@ -70,6 +70,63 @@ pub fn day_of(unix_ms: u64) -> u64 {
     unix_ms - unix_ms % DAY_MS
 }
 
+/// The start of the UTC day `YYYY-MM-DD`, Unix ms; `None` for anything
+/// else (or a day before 1970).
+pub fn parse_day(text: &str) -> Option<u64> {
+    let b = text.as_bytes();
+    if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let s = text.get(r)?;
+        s.bytes()
+            .all(|c| c.is_ascii_digit())
+            .then(|| s.parse().ok())?
+    };
+    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let days_in_month = [
+        31,
+        if leap { 29 } else { 28 },
+        31,
+        30,
+        31,
+        30,
+        31,
+        31,
+        30,
+        31,
+        30,
+        31,
+    ];
+    if !(1..=12).contains(&m) || d < 1 || d > days_in_month[(m - 1) as usize] {
+        return None;
+    }
+    // Days from the civil date (H. Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    u64::try_from(days).ok().map(|days| days * DAY_MS)
+}
+
+/// The UTC day holding `unix_ms` as `YYYY-MM-DD`.
+pub fn format_day(unix_ms: u64) -> String {
+    let z = (unix_ms / DAY_MS) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
 /// Which rows a usage read wants: days `from..=to` (their starts), and
 /// optionally one principal or key.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -178,6 +235,31 @@ mod tests {
         book.add(key("m"), one);
         book.put_back(rows);
         assert_eq!(book.take()[0].1.requests, 3);
+    }
+
+    #[test]
+    fn days_read_and_print_as_utc_dates() {
+        assert_eq!(parse_day("1970-01-01"), Some(0));
+        assert_eq!(parse_day("2026-12-05"), Some(20_792 * DAY_MS));
+        assert_eq!(format_day(20_792 * DAY_MS + 5), "2026-12-05");
+        assert_eq!(
+            parse_day("2024-02-29").map(format_day).as_deref(),
+            Some("2024-02-29")
+        );
+        for bad in [
+            "2023-02-29",
+            "2026-13-01",
+            "2026-1-01",
+            "20261205",
+            "1969-12-31",
+            "2026-12-0x",
+            "",
+        ] {
+            assert_eq!(parse_day(bad), None, "{bad:?}");
+        }
+        for day in (0..40_000u64).step_by(37) {
+            assert_eq!(parse_day(&format_day(day * DAY_MS)), Some(day * DAY_MS));
+        }
     }
 
     #[test]

@@ -257,6 +257,26 @@ impl ApiError {
         )
     }
 
+    /// 409: an admin's change lost a race with another change.
+    pub fn admin_conflict(message: &str) -> Self {
+        Self::new(
+            409,
+            ErrorKind::InvalidRequest,
+            Some("conflict"),
+            message.to_owned(),
+        )
+    }
+
+    /// 503: the store of tenants' keys, counters and usage did not answer.
+    pub fn tenant_store_unavailable() -> Self {
+        Self::new(
+            503,
+            ErrorKind::ServiceUnavailable,
+            Some("tenant_store_unavailable"),
+            "The store of keys and usage is not reachable; try again shortly.".to_owned(),
+        )
+    }
+
     /// 404: no such path or resource.
     pub fn not_found(what: &str) -> Self {
         Self::new(

@@ -38,7 +38,7 @@ pub struct LimitsEntry {
 
 impl LimitsEntry {
     /// The core's limits; `field` names this entry in errors.
-    pub(super) fn to_core(&self, field: &str) -> Result<Limits, ConfigError> {
+    pub(crate) fn to_core(&self, field: &str) -> Result<Limits, ConfigError> {
         for (name, value) in [
             ("requests_per_minute", self.requests_per_minute),
             ("tokens_per_minute", self.tokens_per_minute),
@@ -118,6 +118,29 @@ pub struct TenantsSection {
     /// The output tokens a request that names no maximum reserves.
     #[serde(default = "default_max_output_tokens")]
     pub default_max_output_tokens: u64,
+    /// How often the runtime keys are read from the store (R-TEN-4): a
+    /// key created, changed or revoked on any Edge is honoured by this
+    /// one within it.
+    #[serde(default = "default_key_sync_ms")]
+    pub key_sync_ms: u64,
+    /// How often settled usage is written to the store (R-TEN-5).
+    #[serde(default = "default_usage_flush_ms")]
+    pub usage_flush_ms: u64,
+    /// The most runtime keys the admin API creates (revoked ones count).
+    #[serde(default = "default_max_keys")]
+    pub max_keys: usize,
+}
+
+fn default_key_sync_ms() -> u64 {
+    2_000
+}
+
+fn default_usage_flush_ms() -> u64 {
+    1_000
+}
+
+fn default_max_keys() -> usize {
+    10_000
 }
 
 fn default_chunk_fraction() -> f64 {
@@ -138,6 +161,9 @@ impl Default for TenantsSection {
             chunk_fraction: default_chunk_fraction(),
             local_share: default_local_share(),
             default_max_output_tokens: default_max_output_tokens(),
+            key_sync_ms: default_key_sync_ms(),
+            usage_flush_ms: default_usage_flush_ms(),
+            max_keys: default_max_keys(),
         }
     }
 }
@@ -149,6 +175,17 @@ impl TenantsSection {
         }
         if !(self.local_share > 0.0 && self.local_share <= 1.0) {
             return Err(field_err("tenants.local_share", "must be in (0, 1]"));
+        }
+        for (field, value, min, max) in [
+            ("tenants.key_sync_ms", self.key_sync_ms, 50, 600_000),
+            ("tenants.usage_flush_ms", self.usage_flush_ms, 50, 600_000),
+        ] {
+            if !(min..=max).contains(&value) {
+                return Err(field_err(field, format!("must be in {min}..={max}")));
+            }
+        }
+        if !(1..=1_000_000).contains(&self.max_keys) {
+            return Err(field_err("tenants.max_keys", "must be in 1..=1000000"));
         }
         if self.default_max_output_tokens == 0 {
             return Err(field_err(
