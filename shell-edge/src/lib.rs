@@ -21,6 +21,7 @@ pub mod generation_store;
 pub mod http;
 pub mod hub;
 pub mod keyring;
+pub mod keys_cli;
 pub mod metrics;
 pub mod node_link;
 pub mod observe;

@@ -76,6 +76,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Runtime API keys and usage, through a running Edge's admin API
+    /// (docs/tenants.md). The admin key comes from an environment variable.
+    Keys {
+        /// The Edge's HTTP base URL.
+        #[arg(
+            long,
+            global = true,
+            default_value = "http://127.0.0.1:8080",
+            env = "IOP_EDGE_URL"
+        )]
+        url: String,
+        /// Environment variable holding an admin API key.
+        #[arg(long, global = true, default_value = "IOP_ADMIN_KEY")]
+        key_env: String,
+        #[command(subcommand)]
+        command: iop_edge::keys_cli::KeysCommand,
+    },
     /// Certificate management for a deployment.
     #[command(subcommand)]
     Certs(CertsCommand),
@@ -254,6 +271,16 @@ fn main() -> anyhow::Result<()> {
                         iop_edge::status::status_table(&doc, iop_transport::clock::unix_ms())
                     );
                 }
+                Ok(())
+            }
+            Command::Keys {
+                url,
+                key_env,
+                command,
+            } => {
+                let key = std::env::var(&key_env)
+                    .with_context(|| format!("environment variable `{key_env}` is not set"))?;
+                print!("{}", iop_edge::keys_cli::run(&url, &key, &command).await?);
                 Ok(())
             }
             Command::Certs(CertsCommand::Init {

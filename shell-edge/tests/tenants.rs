@@ -453,3 +453,72 @@ async fn r_ten_5_usage_is_read_per_principal_key_and_model_and_status_shows_tota
     })
     .await;
 }
+
+/// `iop-edge keys ...` of the real binary over the admin API (R-TEN-4):
+/// create (the secret printed once), list as a table, revoke, usage.
+#[tokio::test]
+async fn r_ten_4_the_keys_command_manages_runtime_keys_over_the_admin_api() {
+    bounded(async {
+        let d = deployment(None).await;
+        let url = format!("http://{}", d.edge.http_addr);
+        let keys = |args: &[&str]| {
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_iop-edge"));
+            command
+                .arg("keys")
+                .args(["--url", &url])
+                .args(args)
+                .env_clear()
+                .env("IOP_ADMIN_KEY", LIMITED);
+            async move {
+                let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+                    .await
+                    .unwrap();
+                (
+                    out.status.success(),
+                    String::from_utf8_lossy(&out.stdout).into_owned(),
+                    String::from_utf8_lossy(&out.stderr).into_owned(),
+                )
+            }
+        };
+        let (ok, out, err) = keys(&[
+            "create",
+            "--principal",
+            "team-cli",
+            "--model",
+            "m",
+            "--requests-per-minute",
+            "7",
+        ])
+        .await;
+        assert!(ok, "{err}");
+        let created: Value = serde_json::from_str(&out).unwrap();
+        let (id, secret) = (
+            created["id"].as_str().unwrap().to_owned(),
+            created["secret"].as_str().unwrap().to_owned(),
+        );
+        let r = chat(&d, &secret, 8).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            header(&r, "x-ratelimit-limit-requests").as_deref(),
+            Some("7")
+        );
+        let (ok, table, _) = keys(&["list"]).await;
+        assert!(ok);
+        let row = table.lines().find(|l| l.starts_with(&id)).expect("listed");
+        assert!(row.contains("runtime") && row.contains("team-cli") && row.contains("active"));
+        assert!(!table.contains(&secret));
+        let (ok, _, err) = keys(&["update", &id]).await;
+        assert!(!ok && err.contains("nothing to change"), "{err}");
+        let (ok, out, _) = keys(&["revoke", &id]).await;
+        assert!(ok && out.contains("\"revoked\""));
+        assert_eq!(chat(&d, &secret, 8).await.status(), 401);
+        let (ok, _, err) = keys(&["get", "key_0000000000000000"]).await;
+        assert!(!ok && err.contains("404"), "{err}");
+        let (ok, out, _) = keys(&["usage", "--principal", "team-cli"]).await;
+        assert!(ok);
+        let usage: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(usage["object"], "list");
+        d.edge.shutdown().await;
+    })
+    .await;
+}
