@@ -26,7 +26,6 @@ pub struct AppState {
     keys: Arc<crate::keyring::KeyRing>,
     ctx: DriverContext,
     hub: HubHandle,
-    ids: Arc<AtomicU64>,
     metrics: Arc<EdgeMetrics>,
     /// R-LIM-2: every request body is read under this budget.
     bodies: BodyBudget,
@@ -98,7 +97,6 @@ impl AppState {
                 Duration::from_millis(config.edge.body_read_timeout_ms),
             ),
             hub,
-            ids: Arc::new(AtomicU64::new(1)),
             tenancy: Arc::new(crate::tenancy::Tenancy::new(
                 config.tenants.to_core(),
                 clock,
@@ -151,11 +149,10 @@ impl AppState {
         &self.bodies
     }
 
-    /// A fresh id seed for a live answer's ids.
+    /// A fresh id seed for a live answer's ids: random (R-LIM-5, the ids
+    /// of two answers say nothing of how many came between them).
     pub(crate) fn next_id(&self) -> u64 {
-        // Unique per process; mixed so ids do not reveal request counts.
-        let n = self.ids.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5851_F42D_4C95_7F2D
+        rand::random()
     }
 }
 

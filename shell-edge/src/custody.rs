@@ -214,7 +214,7 @@ impl CustodyTask {
                     let run = self.runs.remove(&meta.id);
                     tracing::info!(
                         event = "edge_response_taken_over",
-                        response = %meta.id,
+                        response = %iop_core::edge::client_ids::log_tag(&meta.id),
                         epoch = meta.epoch,
                         resume_after_frame
                     );
@@ -233,12 +233,12 @@ impl CustodyTask {
                         // Its run was read with the record; without it the
                         // record waits for a later scan (it is this Edge's
                         // now, an orphan again).
-                        tracing::warn!(event = "edge_response_not_continued", response = %meta.id);
+                        tracing::warn!(event = "edge_response_not_continued", response = %iop_core::edge::client_ids::log_tag(&meta.id));
                         continue;
                     };
                     tracing::info!(
                         event = "edge_response_continued",
-                        response = %meta.id,
+                        response = %iop_core::edge::client_ids::log_tag(&meta.id),
                         epoch = meta.epoch,
                         last_seq = resumed.last_seq
                     );
@@ -431,16 +431,16 @@ fn log(event: &CustodyEvent) {
         } => {
             tracing::warn!(
                 event = "edge_journal_orphan_ended",
-                response = %id,
+                response = %iop_core::edge::client_ids::log_tag(id),
                 reason,
                 not_continued = not_continued.map(|n| n.as_str())
             );
         }
         CustodyEvent::Retried { id, error } => {
-            tracing::info!(event = "edge_journal_takeover_retried", response = %id, error = error.as_str());
+            tracing::info!(event = "edge_journal_takeover_retried", response = %iop_core::edge::client_ids::log_tag(id), error = error.as_str());
         }
         CustodyEvent::GaveUp { id } => {
-            tracing::warn!(event = "edge_journal_takeover_given_up", response = %id);
+            tracing::warn!(event = "edge_journal_takeover_given_up", response = %iop_core::edge::client_ids::log_tag(id));
         }
     }
 }

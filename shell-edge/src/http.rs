@@ -443,7 +443,37 @@ fn listed_models(state: &AppState, headers: &HeaderMap) -> Result<Vec<String>, A
     Ok(names)
 }
 
-async fn metrics_text(State(state): State<AppState>) -> Response {
+/// `/metrics` on the client listener: absent when `[edge]
+/// metrics_listen` serves it elsewhere, an admin key's when
+/// `metrics_require_admin`.
+async fn metrics_text(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if state.config().edge.metrics_listen.is_some() {
+        return ApiError::not_found("route").into_response();
+    }
+    metrics_answer(&state, &headers)
+}
+
+/// The router of `[edge] metrics_listen`: `/metrics` alone.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(
+                |State(state): State<AppState>, headers: HeaderMap| async move {
+                    metrics_answer(&state, &headers)
+                },
+            ),
+        )
+        .fallback(|| async { ApiError::not_found("route").into_response() })
+        .with_state(state)
+}
+
+fn metrics_answer(state: &AppState, headers: &HeaderMap) -> Response {
+    if state.config().edge.metrics_require_admin
+        && let Err(e) = authenticate_admin(state, headers)
+    {
+        return e.into_response();
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics().render(),

@@ -56,6 +56,8 @@ pub struct RunningEdge {
     pub quic_addr: SocketAddr,
     /// Where clients connect.
     pub http_addr: SocketAddr,
+    /// Where `/metrics` is served when `[edge] metrics_listen` is set.
+    pub metrics_addr: Option<SocketAddr>,
     /// The hub.
     pub hub: HubHandle,
     /// The validated configuration.
@@ -299,6 +301,22 @@ impl RunningEdge {
                 config.tenants.usage_flush_ms,
             ));
         let tenancy = state.tenancy().clone();
+        // `/metrics` on its own listener, when configured.
+        let (metrics_addr, metrics_task) = match config.edge.metrics_listen {
+            Some(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr).await?;
+                let addr = listener.local_addr()?;
+                let app = crate::http::metrics_router(state.clone());
+                tracing::info!(event = "edge_metrics_listening", addr = %addr);
+                let task = tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, app).await {
+                        tracing::error!(event = "edge_metrics_listener_failed", error = %e);
+                    }
+                });
+                (Some(addr), Some(task))
+            }
+            None => (None, None),
+        };
         let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
@@ -324,7 +342,11 @@ impl RunningEdge {
             http_task,
             hub_task,
             sweeper,
-            background: vec![lease_task, custody, key_sync, usage_writer],
+            background: [lease_task, custody, key_sync, usage_writer]
+                .into_iter()
+                .chain(metrics_task)
+                .collect(),
+            metrics_addr,
             tenancy,
         })
     }

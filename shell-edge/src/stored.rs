@@ -816,7 +816,7 @@ async fn cancel_and_wait(state: &AppState, meta: &RecordMeta) -> Result<(), ApiE
             .map_err(|e| journal_error(&e))?;
         let ended = tokio::time::timeout(CANCEL_WAIT, progress.wait_for(|p| p.ended)).await;
         if ended.is_err() {
-            tracing::warn!(event = "edge_response_cancel_slow", response = %meta.id);
+            tracing::warn!(event = "edge_response_cancel_slow", response = %iop_core::edge::client_ids::log_tag(&meta.id));
         }
         return Ok(());
     }

@@ -159,3 +159,55 @@ async fn a_tunnel_that_fails_after_commit_ends_with_an_error_not_a_clean_end() {
     })
     .await;
 }
+
+/// `/metrics` moved to its own listener and kept for admin keys (issue of
+/// exposure, R-OBS-1): the client listener no longer serves it; the
+/// metrics listener does, to an admin key only.
+#[tokio::test]
+async fn metrics_move_to_their_own_listener_and_ask_for_an_admin_key() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("admin"), "sk-metrics-admin-0123456789");
+        write_secret(&pki.path().join("user"), "sk-metrics-user-0123456789");
+        let edge = RunningEdge::start(edge_config_with(
+            &pki,
+            0,
+            "metrics_listen = \"127.0.0.1:0\"\nmetrics_require_admin = true\n",
+            "[[api_keys]]\nprincipal = \"ops\"\nkey_file = \"admin\"\nadmin = true\n\
+             [[api_keys]]\nprincipal = \"team\"\nkey_file = \"user\"\n",
+        ))
+        .await
+        .unwrap();
+        let http = reqwest::Client::new();
+        let get = |url: String, key: Option<&'static str>| {
+            let mut r = http.get(url);
+            if let Some(key) = key {
+                r = r.bearer_auth(key);
+            }
+            async move { r.send().await.unwrap() }
+        };
+        let client = format!("http://{}/metrics", edge.http_addr);
+        assert_eq!(
+            get(client, Some("sk-metrics-admin-0123456789"))
+                .await
+                .status(),
+            404
+        );
+        let metrics = format!(
+            "http://{}/metrics",
+            edge.metrics_addr.expect("its own address")
+        );
+        assert_eq!(get(metrics.clone(), None).await.status(), 401);
+        assert_eq!(
+            get(metrics.clone(), Some("sk-metrics-user-0123456789"))
+                .await
+                .status(),
+            403
+        );
+        let r = get(metrics, Some("sk-metrics-admin-0123456789")).await;
+        assert_eq!(r.status(), 200);
+        assert!(r.text().await.unwrap().contains("# TYPE"));
+        edge.shutdown().await;
+    })
+    .await;
+}

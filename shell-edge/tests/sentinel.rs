@@ -78,6 +78,49 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
             .await
             .unwrap();
         assert!(!r.text().await.unwrap().contains(KEY));
+        // A durable response, read back and deleted: its id is the
+        // client's, never the logs' (R-OBS-1).
+        let stored: serde_json::Value = http
+            .post(format!("{url}/v1/responses"))
+            .bearer_auth(KEY)
+            .json(&serde_json::json!({"model": "mock", "input": PAYLOAD, "store": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let response_id = stored["id"].as_str().expect("a stored response").to_owned();
+        for method in [reqwest::Method::GET, reqwest::Method::DELETE] {
+            let r = http
+                .request(method, format!("{url}/v1/responses/{response_id}"))
+                .bearer_auth(KEY)
+                .send()
+                .await
+                .unwrap();
+            assert!(r.status().is_success());
+        }
+        // A runtime key's secret is shown once, to the admin, and is in no
+        // log or audit event (R-TEN-4).
+        let created: serde_json::Value = http
+            .post(format!("{url}/admin/keys"))
+            .bearer_auth(KEY)
+            .json(&serde_json::json!({"principal": "sentinel-runtime"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let runtime_secret = created["secret"].as_str().expect("a secret").to_owned();
+        let r = http
+            .post(format!("{url}/admin/keys/{}/rotate", created["id"].as_str().unwrap()))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap();
+        let rotated: serde_json::Value = r.json().await.unwrap();
+        let rotated_secret = rotated["secret"].as_str().expect("a new secret").to_owned();
         wait_for(&edge, "idle", |s| s.leases_in_use == 0).await;
 
         let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
@@ -99,7 +142,11 @@ async fn no_secret_or_payload_reaches_metrics_status_or_logs() {
                 assert!(!text.contains(marker), "{marker} leaked into {surface}");
             }
             assert!(!text.contains("run_id"), "run ids leaked into {surface}");
+            for marker in [&response_id, &runtime_secret, &rotated_secret] {
+                assert!(!text.contains(marker.as_str()), "{marker} leaked into {surface}");
+            }
         }
+        assert!(logs.contains("admin_key_rotated"), "the audit events were captured");
         // Every label value is from its closed set.
         // Attempt outcomes are `ok` or a wire failure code.
         let mut outcomes = vec!["ok", "invalid_request", "unauthorized", "not_found", "rate_limited",

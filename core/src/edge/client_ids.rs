@@ -40,6 +40,19 @@ pub fn issued_id(prefix: &str, seed: u64) -> String {
     format!("{prefix}{seed:016x}")
 }
 
+/// What a log names a response by (R-OBS-1): the first 12 hex digits of
+/// the SHA-256 of its id. An operator who holds an id (a client sent it)
+/// finds its log lines by computing the tag; a log reader cannot fetch,
+/// cancel or continue a response from its tag.
+pub fn log_tag(id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(id.as_bytes())
+        .iter()
+        .take(6)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// The seed of `id` if it has the shape [`issued_id`] gives an object with
 /// `prefix`; `None` for any other string (R-LIM-5). Looks at no more than
 /// the prefix and 16 bytes past it.
@@ -149,6 +162,16 @@ fn exceeds_chars(s: &str, max: usize) -> bool {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn r_obs_1_a_log_tag_is_short_stable_and_not_the_id() {
+        let id = issued_id(RESPONSE_ID_PREFIX, 0x1234);
+        let tag = log_tag(&id);
+        assert_eq!(tag.len(), 12);
+        assert_eq!(tag, log_tag(&id));
+        assert!(!tag.contains("1234") && !id.contains(&tag));
+        assert_ne!(tag, log_tag(&issued_id(RESPONSE_ID_PREFIX, 0x1235)));
+    }
 
     #[test]
     fn an_issued_id_has_its_prefix_and_16_hex_digits() {

@@ -18,6 +18,13 @@ pub struct EdgeSection {
     /// HTTP listen address for clients.
     #[serde(default = "default_http_listen")]
     pub http_listen: SocketAddr,
+    /// Serve `/metrics` on this address only (not on `http_listen`), e.g.
+    /// a port only the scraper can reach (R-OBS-1, issue of exposure).
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// `/metrics` asks for an admin key (`Authorization: Bearer`).
+    #[serde(default)]
+    pub metrics_require_admin: bool,
     /// Where the generation high-water mark is kept.
     pub state_dir: PathBuf,
     /// Largest accepted HTTP request body.
@@ -190,6 +197,15 @@ fn default_client_write_timeout_ms() -> u64 {
 impl EdgeSection {
     /// The limits of `[edge]`: the first field that is wrong, if any.
     pub(super) fn validate_limits(&self) -> Result<(), ConfigError> {
+        if self
+            .metrics_listen
+            .is_some_and(|a| a == self.http_listen && a.port() != 0)
+        {
+            return Err(field_err(
+                "edge.metrics_listen",
+                "must differ from http_listen (leave it out to serve /metrics there)",
+            ));
+        }
         if self.max_body_bytes == 0 {
             return Err(field_err("edge.max_body_bytes", "must be > 0"));
         }
