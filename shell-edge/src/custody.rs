@@ -28,7 +28,7 @@ use iop_core::edge::custody::{
 };
 use iop_core::edge::dispatch::ParkedOffer;
 use iop_core::edge::durable::ResumedAnswer;
-use iop_core::ids::ProviderId;
+use iop_core::ids::{NodeId, ProviderId};
 use iop_core::journal::{JournalError, RecordMeta};
 use iop_transport::clock::Clock;
 use iop_wire::RunKey;
@@ -75,8 +75,9 @@ pub enum Start {
         /// Its work.
         work: Work,
     },
-    /// Let a reported parked run go (its held capacity with it).
-    Release(RunKey),
+    /// Let a reported parked run go (its held capacity with it): the
+    /// reporting node and the run.
+    Release(NodeId, RunKey),
     /// Tell the run's node to end it: no Edge can use it (R-PARK-1).
     CancelParked(ParkedOffer),
 }
@@ -189,10 +190,10 @@ impl CustodyTask {
             .map(|h| h.commands.clone());
         if let Some(tx) = live {
             // Its driver adopts it, or lets it go if it no longer waits.
-            let key = offer.run.key;
+            let (node, key) = (offer.node.clone(), offer.run.key);
             if tx.send(LiveCommand::Parked(offer)).await.is_err() {
                 tracing::info!(event = "edge_parked_run_not_adopted", reason = "run_gone");
-                start(Start::Release(key));
+                start(Start::Release(node, key));
             }
             return;
         }
@@ -249,12 +250,12 @@ impl CustodyTask {
                         work,
                     });
                 }
-                CustodyOutput::Release { key, reason } => {
+                CustodyOutput::Release { node, key, reason } => {
                     tracing::info!(
                         event = "edge_parked_run_not_adopted",
                         reason = reason.as_str()
                     );
-                    start(Start::Release(key));
+                    start(Start::Release(node, key));
                 }
                 CustodyOutput::CancelParked(offer) => start(Start::CancelParked(offer)),
                 CustodyOutput::Event(event) => log(&event),
@@ -448,7 +449,7 @@ fn log(event: &CustodyEvent) {
 /// Start what the custody names: a request driver, or a release.
 pub fn start_run(ctx: &DriverContext, durable: &Arc<Durable>, start: Start) {
     match start {
-        Start::Release(key) => ctx.hub.release_parked(key),
+        Start::Release(node, key) => ctx.hub.release_parked(node, key),
         Start::CancelParked(offer) => ctx.hub.cancel_parked(offer),
         Start::Adopt {
             offer,

@@ -468,7 +468,7 @@ impl Driver {
                     Some(crate::durable::LiveCommand::Parked(offer)) => {
                         if !self.machine.awaits_parked(offer.run.key) {
                             // Not this request's wait: let its capacity go.
-                            self.ctx.hub.release_parked(offer.run.key);
+                            self.ctx.hub.release_parked(offer.node, offer.run.key);
                             continue;
                         }
                         RequestInput::ParkedRun(offer)

@@ -1133,6 +1133,7 @@ mod tests {
                     ended: false,
                 },
                 provider_id: iop_core::ids::ProviderId::from("p"),
+                node: iop_core::ids::NodeId::from("n"),
             })
         };
         while handle.commands.try_send(offer()).is_ok() {}

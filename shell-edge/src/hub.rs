@@ -161,6 +161,7 @@ enum HubMsg {
     Shutdown,
     RefreshCredentials,
     ReleaseParked {
+        node: NodeId,
         key: iop_wire::RunKey,
     },
     CancelParked(ParkedOffer),
@@ -286,8 +287,8 @@ impl HubHandle {
     }
 
     /// No request adopts parked run `key`: let its held capacity go.
-    pub fn release_parked(&self, key: iop_wire::RunKey) {
-        let _ = self.tx.send(HubMsg::ReleaseParked { key });
+    pub fn release_parked(&self, node: NodeId, key: iop_wire::RunKey) {
+        let _ = self.tx.send(HubMsg::ReleaseParked { node, key });
     }
 
     /// Tell the node of a parked run no Edge can use to end it now
@@ -499,9 +500,9 @@ impl Hub {
                     },
                 );
             }
-            HubMsg::ReleaseParked { key } => {
+            HubMsg::ReleaseParked { node, key } => {
                 self.dispatcher
-                    .handle_input(now, DispatchInput::ReleaseParked { key });
+                    .handle_input(now, DispatchInput::ReleaseParked { node, key });
             }
             HubMsg::CancelParked(offer) => {
                 let dispatcher = self.dispatcher.inner();
@@ -777,7 +778,10 @@ impl Hub {
                     for offer in unclaimed.into_iter().flatten() {
                         self.dispatcher.handle_input(
                             self.clock.now(),
-                            DispatchInput::ReleaseParked { key: offer.run.key },
+                            DispatchInput::ReleaseParked {
+                                node: offer.node,
+                                key: offer.run.key,
+                            },
                         );
                     }
                 }

@@ -319,7 +319,9 @@ pub struct Admission {
     /// Capacity held for parked durable runs (R-PARK-2): their provider call
     /// goes on while no lease names them, so they count in `in_use` until a
     /// request adopts them (the hold becomes its lease) or the hold ends.
-    holds: BTreeMap<RunKey, Hold>,
+    /// By the reporting node and the run: a node's report can neither take
+    /// nor let go another node's hold (R-PARK-2).
+    holds: BTreeMap<(NodeId, RunKey), Hold>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
     /// Leases the fence released, kept only while `SkipPreSendFence` is
@@ -521,7 +523,14 @@ impl Admission {
         generation: Generation,
         expires_at: Instant,
     ) -> Result<(), HoldRefusal> {
-        if let Some(held) = self.holds.get(&key) {
+        let node = self
+            .providers
+            .get(provider_id)
+            .ok_or(HoldRefusal::UnknownProvider)?
+            .spec
+            .node
+            .clone();
+        if let Some(held) = self.holds.get(&(node.clone(), key)) {
             return if held.provider_id == *provider_id {
                 Ok(())
             } else {
@@ -537,7 +546,7 @@ impl Admission {
         }
         provider.in_use += 1;
         self.holds.insert(
-            key,
+            (node, key),
             Hold {
                 provider_id: provider_id.clone(),
                 node: provider.spec.node.clone(),
@@ -554,10 +563,12 @@ impl Admission {
     pub fn adopt(
         &mut self,
         now: Instant,
+        node: &NodeId,
         key: RunKey,
         request: DispatchRequest,
     ) -> Result<Lease, HoldRefusal> {
-        let hold = self.holds.get(&key).ok_or(HoldRefusal::NoHold)?;
+        let held_key = (node.clone(), key);
+        let hold = self.holds.get(&held_key).ok_or(HoldRefusal::NoHold)?;
         let provider = self
             .providers
             .get(&hold.provider_id)
@@ -568,7 +579,7 @@ impl Admission {
         if self.requests.contains_key(&request.request_id) {
             return Err(HoldRefusal::NoHold);
         }
-        let hold = self.holds.remove(&key).ok_or(HoldRefusal::NoHold)?;
+        let hold = self.holds.remove(&held_key).ok_or(HoldRefusal::NoHold)?;
         let lease = Lease {
             lease_id: self.next_lease_id,
             request_id: request.request_id,
@@ -599,8 +610,8 @@ impl Admission {
     }
 
     /// Let go of a hold (its run ended or was refused); the queue may move.
-    pub fn release_hold(&mut self, now: Instant, key: RunKey) {
-        if let Some(hold) = self.holds.remove(&key) {
+    pub fn release_hold(&mut self, now: Instant, node: &NodeId, key: RunKey) {
+        if let Some(hold) = self.holds.remove(&(node.clone(), key)) {
             if let Some(p) = self.providers.get_mut(&hold.provider_id) {
                 p.in_use = p.in_use.saturating_sub(1);
             }
@@ -785,10 +796,10 @@ impl Admission {
             .holds
             .iter()
             .filter(|(_, h)| &h.node == node && h.generation == generation)
-            .map(|(k, _)| *k)
+            .map(|((_, k), _)| *k)
             .collect();
         for key in gone {
-            self.release_hold(now, key);
+            self.release_hold(now, node, key);
         }
         let fenced: Vec<LeaseId> = self
             .held
@@ -848,14 +859,14 @@ impl Admission {
     /// Expire queued requests whose wait passed, and holds no request
     /// adopted in time.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let expired: Vec<RunKey> = self
+        let expired: Vec<(NodeId, RunKey)> = self
             .holds
             .iter()
             .filter(|(_, h)| h.expires_at <= now)
-            .map(|(k, _)| *k)
+            .map(|(k, _)| k.clone())
             .collect();
-        for key in expired {
-            self.release_hold(now, key);
+        for (node, key) in expired {
+            self.release_hold(now, &node, key);
         }
         while let Some(pos) = self.queue.iter().position(|q| q.expires_at <= now) {
             if let Some(q) = self.queue.remove(pos) {
@@ -1295,7 +1306,12 @@ mod tests {
         a.hold(key, &ProviderId::from("p"), 1, ms(50))
             .expect("room for the parked run");
         let adopted = a
-            .adopt(ms(1), key, DispatchRequest::new(2, pool(&["p"])))
+            .adopt(
+                ms(1),
+                &NodeId::from("n"),
+                key,
+                DispatchRequest::new(2, pool(&["p"])),
+            )
             .expect("held and online");
         let after = leased(a.request(ms(2), DispatchRequest::new(3, pool(&["p"]))));
         let leases = [first.lease_id, adopted.lease_id, after.lease_id];
@@ -1331,6 +1347,34 @@ mod tests {
         assert_eq!(a.holds(), 1);
     }
 
+    /// R-PARK-2 (hostile nodes): a hold is its node's and run's together,
+    /// so a node that reports another node's run key first neither takes
+    /// that node's hold nor, when its own is let go, releases it.
+    #[test]
+    fn a_node_naming_another_nodes_run_key_neither_takes_nor_releases_its_hold() {
+        let mut a = admission(vec![spec("p", "n", 2), spec("q", "m", 2)]);
+        let key = RunKey {
+            generation: 4,
+            run_id: 9,
+        };
+        // m (hostile) names n's run first; n's own report is still held.
+        a.hold(key, &ProviderId::from("q"), 1, ms(50)).unwrap();
+        assert_eq!(a.hold(key, &ProviderId::from("p"), 1, ms(50)), Ok(()));
+        assert_eq!(a.holds(), 2);
+        a.release_hold(ms(1), &NodeId::from("m"), key);
+        assert_eq!(a.holds(), 1);
+        let adopted = a
+            .adopt(
+                ms(1),
+                &NodeId::from("n"),
+                key,
+                DispatchRequest::new(1, pool(&["p"])),
+            )
+            .expect("n's hold survives m's release");
+        assert_eq!(adopted.node, NodeId::from("n"));
+        assert!(a.check_invariants().is_ok());
+    }
+
     #[test]
     fn a_fence_releases_only_that_nodes_holds_of_that_generation_r_gen_3() {
         let mut a = admission(vec![spec("p", "n", 2), spec("q", "m", 2)]);
@@ -1346,11 +1390,21 @@ mod tests {
         a.fence(ms(1), &NodeId::from("n"), 1);
         assert_eq!(a.holds(), 2, "only n's generation-1 hold goes");
         assert_eq!(
-            a.adopt(ms(1), key(1), DispatchRequest::new(1, pool(&["p"]))),
+            a.adopt(
+                ms(1),
+                &NodeId::from("n"),
+                key(1),
+                DispatchRequest::new(1, pool(&["p"]))
+            ),
             Err(HoldRefusal::NoHold)
         );
         let kept = a
-            .adopt(ms(1), key(3), DispatchRequest::new(3, pool(&["q"])))
+            .adopt(
+                ms(1),
+                &NodeId::from("m"),
+                key(3),
+                DispatchRequest::new(3, pool(&["q"])),
+            )
             .expect("m's hold and provider survive n's fence");
         assert_eq!(kept.provider_id, ProviderId::from("q"));
     }

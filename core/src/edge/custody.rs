@@ -302,6 +302,8 @@ pub enum CustodyOutput {
     },
     /// Let the reported parked run go (its held capacity with it).
     Release {
+        /// The node that reported it.
+        node: crate::ids::NodeId,
         /// The run.
         key: RunKey,
         /// Why.
@@ -601,7 +603,7 @@ impl Custody {
     fn offer(&mut self, offer: ParkedOffer) {
         let id = offer.run.response_id.clone();
         if self.tasks.contains_key(&id) || self.tasks.len() >= MAX_TASKS {
-            self.release(offer.run.key, ReleaseReason::Busy);
+            self.release(&offer, ReleaseReason::Busy);
             return;
         }
         self.tasks.insert(
@@ -617,9 +619,12 @@ impl Custody {
         self.push(StoreOp::Record { id });
     }
 
-    fn release(&mut self, key: RunKey, reason: ReleaseReason) {
-        self.outputs
-            .push_back(CustodyOutput::Release { key, reason });
+    fn release(&mut self, offer: &ParkedOffer, reason: ReleaseReason) {
+        self.outputs.push_back(CustodyOutput::Release {
+            node: offer.node.clone(),
+            key: offer.run.key,
+            reason,
+        });
     }
 
     /// End the task of `id`; an adoption's run is let go with `reason`.
@@ -629,7 +634,7 @@ impl Custody {
             ..
         }) = self.tasks.remove(id)
         {
-            self.release(offer.run.key, reason);
+            self.release(&offer, reason);
             if reason.ends_run() {
                 self.outputs.push_back(CustodyOutput::CancelParked(offer));
             }

@@ -238,6 +238,10 @@ pub struct ParkedOffer {
     pub run: ParkedRun,
     /// The provider: the node's adapter and target.
     pub provider_id: ProviderId,
+    /// The node that reported it: a hold is its node's and run's
+    /// together, so no node's report can take or let go another's
+    /// (R-PARK-2).
+    pub node: NodeId,
 }
 
 /// How long the capacity of a reported parked run is held for its
@@ -286,6 +290,8 @@ pub enum RequestCommand {
     Adopt {
         /// The request.
         request_id: RequestId,
+        /// The node that reported the parked run.
+        node: NodeId,
         /// The parked run.
         key: RunKey,
     },
@@ -417,6 +423,9 @@ pub enum DispatchInput {
     },
     /// No request adopts this parked run: let its capacity go.
     ReleaseParked {
+        /// The node that reported it (a report names its own node's runs
+        /// only).
+        node: NodeId,
         /// The run.
         key: RunKey,
     },
@@ -735,6 +744,7 @@ impl Dispatcher {
                 offers.push(ParkedOffer {
                     run: run.clone(),
                     provider_id,
+                    node: node.clone(),
                 });
             }
         }
@@ -1060,8 +1070,8 @@ impl Dispatcher {
                 }
                 None
             }
-            DispatchInput::ReleaseParked { key } => {
-                self.admission.release_hold(now, key);
+            DispatchInput::ReleaseParked { node, key } => {
+                self.admission.release_hold(now, &node, key);
                 self.pump(now);
                 None
             }
@@ -1113,9 +1123,9 @@ impl Dispatcher {
                 }
                 RequestEvent::Terminal { lease_id, verdict }
             }
-            RequestCommand::Adopt { key, .. } => {
+            RequestCommand::Adopt { node, key, .. } => {
                 let request = DispatchRequest::new(request_id, Vec::new());
-                let event = match self.admission.adopt(now, key, request) {
+                let event = match self.admission.adopt(now, &node, key, request) {
                     Ok(lease) => RequestEvent::Leased(lease),
                     Err(_) => RequestEvent::Rejected(AdmitRejection::NoRoute),
                 };

@@ -1053,6 +1053,7 @@ mod tests {
                 ended: false,
             },
             provider_id: ProviderId::from(provider),
+            node: crate::ids::NodeId::from("n"),
         }
     }
 

@@ -743,6 +743,7 @@ impl Request {
                     self.phase = Phase::Adopting;
                     self.outputs
                         .push_back(RequestOutput::Dispatch(RequestCommand::Adopt {
+                            node: offer.node.clone(),
                             request_id: self.spec.request_id,
                             key,
                         }));

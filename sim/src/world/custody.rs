@@ -168,7 +168,11 @@ impl World {
                 CustodyOutput::Continue { meta, resumed } => {
                     self.custody_continue(incarnation, meta, &resumed);
                 }
-                CustodyOutput::Release { key, reason: _ } => self.release_parked(key),
+                CustodyOutput::Release {
+                    node,
+                    key,
+                    reason: _,
+                } => self.release_parked(node, key),
                 CustodyOutput::CancelParked(offer) => self.cancel_parked(&offer),
                 CustodyOutput::Event(event) => self.custody_event(event),
             }
@@ -366,7 +370,7 @@ impl World {
         }
         let Some(spec) = self.custody_spec(rid, &meta, std::slice::from_ref(&offer.provider_id))
         else {
-            return self.release_parked(offer.run.key);
+            return self.release_parked(offer.node, offer.run.key);
         };
         let machine = Request::adopting(
             now,
@@ -445,9 +449,9 @@ impl World {
     }
 
     /// No request takes this parked run: let its held capacity go.
-    pub(super) fn release_parked(&mut self, key: RunKey) {
+    pub(super) fn release_parked(&mut self, node: iop_core::ids::NodeId, key: RunKey) {
         self.stats.offers_released += 1;
-        self.dispatch(DispatchInput::ReleaseParked { key });
+        self.dispatch(DispatchInput::ReleaseParked { node, key });
     }
 
     /// Tell the node of a parked run no Edge can use to end it (R-PARK-1):

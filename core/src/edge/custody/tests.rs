@@ -82,6 +82,7 @@ fn offer(id: &str) -> ParkedOffer {
             ended: false,
         },
         provider_id: ProviderId::from("p1"),
+        node: crate::ids::NodeId::from("n"),
     }
 }
 

@@ -2114,6 +2114,7 @@ fn r_park_2_a_reported_parked_run_holds_its_capacity_and_is_offered_at_readiness
         T,
         DispatchInput::Request(RequestCommand::Adopt {
             request_id: 2,
+            node: offered[0].node.clone(),
             key: offered[0].run.key,
         }),
     );
@@ -2135,6 +2136,7 @@ fn r_park_2_a_reported_parked_run_holds_its_capacity_and_is_offered_at_readiness
         T,
         DispatchInput::Request(RequestCommand::Adopt {
             request_id: 3,
+            node: offered[0].node.clone(),
             key: offered[0].run.key,
         }),
     );
@@ -2171,6 +2173,7 @@ fn r_park_2_a_hold_nobody_adopts_is_let_go_and_the_queue_moves() {
     d.handle_input(
         T,
         DispatchInput::ReleaseParked {
+            node: a.clone(),
             key: iop_wire::RunKey {
                 generation: 90,
                 run_id: 7,

@@ -1225,6 +1225,7 @@ fn offer(key: iop_wire::RunKey, last_frame: u64) -> ParkedOffer {
             ended: false,
         },
         provider_id: ProviderId::from("p0"),
+        node: NodeId::from("n"),
     }
 }
 
@@ -1317,6 +1318,7 @@ fn r_park_2_a_committed_durable_run_that_loses_its_connection_is_adopted_where_i
         commands(&drain(&mut r)),
         vec![RequestCommand::Adopt {
             request_id: RID,
+            node: NodeId::from("n"),
             key
         }]
     );
@@ -1426,6 +1428,7 @@ fn r_take_1_an_adopter_resumes_the_parked_run_and_never_starts_the_prompt_again(
         commands(&outs),
         vec![RequestCommand::Adopt {
             request_id: RID,
+            node: NodeId::from("n"),
             key
         }],
         "no admission: {outs:?}"
@@ -1960,6 +1963,7 @@ fn adoption_opening(r: &mut Request, key: iop_wire::RunKey, at: u64) -> Lease {
         commands(&drain(r)),
         vec![RequestCommand::Adopt {
             request_id: RID,
+            node: NodeId::from("n"),
             key
         }]
     );
