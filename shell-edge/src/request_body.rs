@@ -300,6 +300,21 @@ impl BodyBudget {
         }
         Ok(HeldBody { bytes, permit })
     }
+
+    /// Take `principal`'s share for a stored request of `bytes` read back
+    /// from the journal (R-LIM-6: a read is bounded like a write): what
+    /// its parse takes, as for a body of that size. No room: refused at
+    /// once, as a body would be.
+    pub fn hold_stored(&self, principal: &str, bytes: &[u8]) -> Result<BodyPermit, BodyError> {
+        let tree = crate::decoded_size::decoded_size(bytes).ok();
+        let needed = self.rule.once_read(bytes.len(), tree).unwrap_or(
+            bytes
+                .len()
+                .saturating_mul(iop_core::edge::limits::DECODED_BYTES_PER_BODY_BYTE),
+        );
+        let share = self.principal(principal);
+        self.take(&share, needed)
+    }
 }
 
 #[cfg(test)]
@@ -428,6 +443,31 @@ mod tests {
             .read("b", &headers(Some(10)), Body::from("x".repeat(10)))
             .await
             .unwrap();
+    }
+
+    #[test]
+    fn r_lim_6_a_stored_request_read_back_takes_its_principals_share() {
+        let budget = BodyBudget::new(100 * D, 10 * D, 10, Duration::from_secs(1));
+        let stored = br#"{"a":1}"#;
+        let held = budget.hold_stored("a", stored).unwrap();
+        assert!(held.bytes() >= stored.len());
+        // Reads of "a" past its share are refused; "b" still reads.
+        let mut reads = vec![held];
+        let refused = loop {
+            match budget.hold_stored("a", stored) {
+                Ok(p) => reads.push(p),
+                Err(e) => break e,
+            }
+            assert!(reads.len() < 100, "the share bounds reads");
+        };
+        assert_eq!(refused, BodyError::BudgetExhausted);
+        assert!(budget.hold_stored("b", stored).is_ok());
+        let available = budget.available_bytes();
+        drop(reads);
+        assert!(
+            budget.available_bytes() > available,
+            "given back when dropped"
+        );
     }
 
     #[tokio::test]

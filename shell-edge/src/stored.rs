@@ -143,6 +143,11 @@ pub(crate) async fn history(
     if !meta.status().is_terminal() {
         return Err(ApiError::previous_response_running());
     }
+    // R-LIM-6: the conversation is rebuilt within the caller's share.
+    let _permit = state
+        .bodies()
+        .hold_stored(&key.principal, &request)
+        .map_err(crate::request_body::BodyError::to_api_error)?;
     let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
     let (run, options) = Responses
         .parse(&stored.body)
@@ -550,12 +555,21 @@ fn follow_body<S: AnswerStream>(
 }
 
 /// A stored record the caller's key may read, with its stored request.
+/// A stored record the caller may read: its metadata, its stored request
+/// and the caller's share of the read memory (R-LIM-6), held while what
+/// was read is in use.
+struct Readable {
+    meta: RecordMeta,
+    stored: StoredRequest,
+    _permit: crate::request_body::BodyPermit,
+}
+
 async fn readable(
     state: &AppState,
     key: &ApiKey,
     id: &str,
     api: JournalApi,
-) -> Result<(RecordMeta, StoredRequest), ApiError> {
+) -> Result<Readable, ApiError> {
     // R-LIM-5: an id the Edge cannot have issued names nothing; it goes to
     // no store, subject or log.
     if !client_ids::may_name_stored(api, id) {
@@ -571,8 +585,17 @@ async fn readable(
     let (meta, request) = found
         .filter(|(meta, _)| meta.principal == key.principal && meta.api == api)
         .ok_or_else(|| ApiError::not_found("response"))?;
+    // R-LIM-6: counted against the caller's principal like a body.
+    let permit = state
+        .bodies()
+        .hold_stored(&key.principal, &request)
+        .map_err(crate::request_body::BodyError::to_api_error)?;
     let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
-    Ok((meta, stored))
+    Ok(Readable {
+        meta,
+        stored,
+        _permit: permit,
+    })
 }
 
 /// The parsed run and options of a stored request, marked as kept.
@@ -595,15 +618,30 @@ fn reparse<E: RunEndpoint>(
 
 /// The `response` object of a stored response as it is now.
 async fn responses_object(state: &AppState, id: &str) -> Result<Value, ApiError> {
-    let store = state.durable().store().clone();
-    let (meta, request) = store
+    let (meta, request) = state
+        .durable()
+        .store()
         .get(id.to_owned(), 0)
         .await
         .map_err(|e| journal_error(&e))?
         .ok_or_else(|| ApiError::not_found("response"))?;
     let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
     let (run, options) = reparse(&Responses, &stored)?;
-    let mut acc = Responses.whole(answer_start(&run.model, &stored), options);
+    responses_object_of(state, &meta, &stored, &run.model, options).await
+}
+
+/// [`responses_object`] of a record already read and parsed (a retrieve
+/// reads and parses it once, R-LIM-6).
+async fn responses_object_of(
+    state: &AppState,
+    meta: &RecordMeta,
+    stored: &StoredRequest,
+    model: &str,
+    options: <Responses as RunEndpoint>::Options,
+) -> Result<Value, ApiError> {
+    let id = meta.id.as_str();
+    let store = state.durable().store().clone();
+    let mut acc = Responses.whole(answer_start(model, stored), options);
     let mut follower = Follower::open(store, id)
         .await
         .map_err(|e| journal_error(&e))?;
@@ -714,19 +752,20 @@ async fn retrieve<E: RunEndpoint>(
     let found = async {
         let key = authenticate(state, headers)?;
         let skip = resume_point(query, headers)?;
-        let (meta, stored) = readable(state, &key, id, endpoint.journal_api()).await?;
-        Ok::<_, ApiError>((meta, stored, skip))
+        let read = readable(state, &key, id, endpoint.journal_api()).await?;
+        Ok::<_, ApiError>((read, skip))
     }
     .await;
-    let (meta, stored, skip) = match found {
+    let (read, skip) = match found {
         Ok(found) => found,
         Err(e) => return refuse(&endpoint, record, e),
     };
-    let (run, options) = match reparse(&endpoint, &stored) {
+    let (meta, stored) = (&read.meta, &read.stored);
+    let (run, options) = match reparse(&endpoint, stored) {
         Ok(parsed) => parsed,
         Err(e) => return refuse(&endpoint, record, e),
     };
-    let start = answer_start(&run.model, &stored);
+    let start = answer_start(&run.model, stored);
     if query.stream == Some(true) {
         let follower = match Follower::open(state.durable().store().clone(), &meta.id).await {
             Ok(f) => f,
@@ -741,7 +780,10 @@ async fn retrieve<E: RunEndpoint>(
         ));
     }
     let object = match endpoint.journal_api() {
-        JournalApi::Responses => responses_object(state, &meta.id).await,
+        JournalApi::Responses => match reparse(&Responses, stored) {
+            Ok((_, options)) => responses_object_of(state, meta, stored, &run.model, options).await,
+            Err(e) => Err(e),
+        },
         _ => chat_object(state, &meta.id, start).await,
     };
     let mut record = record;
@@ -786,7 +828,9 @@ pub async fn cancel_response(
 ) -> Response {
     let answer = async {
         let key = authenticate(&state, &headers)?;
-        let (meta, _) = readable(&state, &key, &id, JournalApi::Responses).await?;
+        let meta = readable(&state, &key, &id, JournalApi::Responses)
+            .await?
+            .meta;
         if !meta.status().is_terminal() {
             cancel_and_wait(&state, &meta).await?;
         }
@@ -838,7 +882,7 @@ async fn delete_stored(
 ) -> Response {
     let answer = async {
         let key = authenticate(state, headers)?;
-        let (meta, _) = readable(state, &key, id, api).await?;
+        let meta = readable(state, &key, id, api).await?.meta;
         if !meta.status().is_terminal() {
             cancel_and_wait(state, &meta).await?;
         }
@@ -903,7 +947,8 @@ pub async fn input_items(
     let answer = async {
         let query: InputItemsQuery = query_of(&uri)?;
         let key = authenticate(&state, &headers)?;
-        let (_, stored) = readable(&state, &key, &id, JournalApi::Responses).await?;
+        let read = readable(&state, &key, &id, JournalApi::Responses).await?;
+        let stored = &read.stored;
         let limit = query.limit.unwrap_or(20);
         if !(1..=100).contains(&limit) {
             return Err(ApiError::invalid_value(
