@@ -33,6 +33,8 @@ pub struct AppState {
     durable: Arc<Durable>,
     /// Tenants' limits and budgets (SPEC §9).
     tenancy: Arc<crate::tenancy::Tenancy>,
+    /// The console's sessions and live streams.
+    console: Arc<crate::console::Console>,
 }
 
 impl AppState {
@@ -88,6 +90,7 @@ impl AppState {
                 metrics: metrics.clone(),
                 modes: Arc::new(modes),
                 observe,
+                in_flight: crate::in_flight::InFlight::new(),
             },
             keys,
             bodies: BodyBudget::new(
@@ -106,6 +109,7 @@ impl AppState {
             config,
             metrics,
             durable,
+            console: crate::console::Console::new(),
         }
     }
 
@@ -132,6 +136,16 @@ impl AppState {
     /// What a request's driver needs.
     pub fn driver_context(&self) -> &DriverContext {
         &self.ctx
+    }
+
+    /// The console's sessions and live streams.
+    pub fn console(&self) -> &Arc<crate::console::Console> {
+        &self.console
+    }
+
+    /// The requests in flight.
+    pub fn in_flight(&self) -> &Arc<crate::in_flight::InFlight> {
+        &self.ctx.in_flight
     }
 
     /// The Node connections.
@@ -202,6 +216,22 @@ fn bearer_token(value: &str) -> Option<&str> {
         return None;
     }
     Some(rest.trim()).filter(|t| !t.is_empty())
+}
+
+/// The key `token` is, if it is an admin key (the console's sign-in).
+pub(crate) fn admin_key(state: &AppState, token: &str) -> Result<ApiKey, ApiError> {
+    let token = token.trim();
+    if token.is_empty() {
+        return Err(ApiError::missing_api_key());
+    }
+    let key = state
+        .keys
+        .lookup(token)
+        .ok_or_else(ApiError::invalid_api_key)?;
+    if !key.admin {
+        return Err(ApiError::permission_denied());
+    }
+    Ok(key)
 }
 
 /// The caller's key, if it is an admin key.

@@ -475,6 +475,7 @@ pub fn start_run(ctx: &DriverContext, durable: &Arc<Durable>, start: Start) {
                         // not continued.
                         continuation: false,
                         tenant: None,
+                        view: None,
                     },
                     None,
                 ),
@@ -608,6 +609,7 @@ mod tests {
                     trace_context: None,
                     continuation,
                     tenant: None,
+                    view: None,
                 },
             ))
         })

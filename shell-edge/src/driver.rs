@@ -35,6 +35,7 @@ pub use iop_core::edge::request::{Delivery, TunnelApi};
 
 use crate::config::ProviderMode;
 use crate::hub::{HubHandle, LinkHandle, RequestNews};
+use crate::in_flight::{InFlight, InFlightEntry, RequestView};
 
 /// What the request asks a provider to do.
 #[derive(Debug, Clone)]
@@ -66,6 +67,9 @@ pub struct Work {
     /// answer reports is recorded there; dropped with the driver, it
     /// settles.
     pub tenant: Option<Arc<crate::tenancy::TenantHold>>,
+    /// What the operator and the request's record see of it; `None`: the
+    /// driver makes its own (a run no client waits on).
+    pub view: Option<Arc<RequestView>>,
 }
 
 /// The raw client request to relay to a tunnel-mode provider.
@@ -107,6 +111,8 @@ pub struct DriverContext {
     pub profiles: Arc<std::collections::HashMap<ProviderId, String>>,
     /// Per-attempt metrics and spans ([`crate::observe`]).
     pub metrics: Arc<crate::metrics::EdgeMetrics>,
+    /// The requests in flight (`/status`, the console).
+    pub in_flight: Arc<InFlight>,
 }
 
 /// What the driver reports for metrics and logs (closed values only).
@@ -257,6 +263,14 @@ fn start(
         };
         let (events_tx, events) = mpsc::unbounded_channel();
         ctx.hub.attach(request_id, events_tx);
+        let view = work
+            .view
+            .clone()
+            .unwrap_or_else(|| RequestView::new(work.route, &work.model, false));
+        if let Some(run) = &durable {
+            view.set_response_id(&run.spec.response_id);
+        }
+        let in_flight = ctx.in_flight.enter(view);
         let machine = match &begin {
             Begin::Adopt(t) => Request::adopting(
                 ctx.clock.now(),
@@ -290,6 +304,8 @@ fn start(
             commands: None,
             cancel: None,
             journal: None,
+            in_flight,
+            shown: None,
         };
         if let Some(run) = durable {
             driver.commands = Some(run.commands.commands);
@@ -302,6 +318,8 @@ fn start(
             });
         }
         driver.run().await;
+        // Its answer is all delivered (or journaled): one GenAI operation.
+        crate::observe::genai_operation(&driver.ctx.metrics, driver.in_flight.view());
     });
 }
 
@@ -372,6 +390,10 @@ struct Driver {
     commands: Option<mpsc::Receiver<crate::durable::LiveCommand>>,
     /// A durable run's cancel (`POST .../cancel`, `DELETE`).
     cancel: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Its place among the requests in flight, and its view.
+    in_flight: InFlightEntry,
+    /// The (phase, attempts, committed) its view shows.
+    shown: Option<(iop_core::edge::request::RequestPhase, u32, bool)>,
 }
 
 impl Driver {
@@ -401,6 +423,7 @@ impl Driver {
         let mut ready_in_a_row = 0;
         loop {
             self.carry_out().await;
+            self.show_progress();
             if self.machine.is_ended() {
                 return;
             }
@@ -516,6 +539,16 @@ impl Driver {
         }
     }
 
+    /// Show the machine's phase in the request's view, when it changed.
+    fn show_progress(&mut self) {
+        let gate = self.machine.gate();
+        let now = (self.machine.phase(), gate.attempts(), gate.is_committed());
+        if self.shown != Some(now) {
+            self.shown = Some(now);
+            self.in_flight.view().set_phase(now.0, now.1, now.2);
+        }
+    }
+
     /// The attempt's next frame if it has already arrived (`Some(None)`:
     /// its stream ended), and the machine takes frames now.
     fn ready_frame(&mut self) -> Option<Option<NodeFrame>> {
@@ -605,6 +638,11 @@ impl Driver {
     async fn deliver(&mut self, delivery: Delivery) {
         // R-TEN-2: the usage the answer reports (summed over its attempts
         // by the request machine) is what the request settles with.
+        match &delivery {
+            Delivery::Event(event) => self.in_flight.view().delivered(event),
+            Delivery::Fail { kind, .. } => self.in_flight.view().failed(*kind),
+            _ => {}
+        }
         if let Some(tenant) = &self.work.tenant {
             match &delivery {
                 Delivery::Event(iop_wire::RunEventKind::Usage(usage))
@@ -646,8 +684,10 @@ impl Driver {
     fn observe(&mut self, observation: RequestObservation) {
         use crate::observe::{AttemptObservation, QueueWait};
         let route = self.work.route;
+        let view = self.in_flight.view().clone();
         let obs = match observation {
             RequestObservation::Admitting => {
+                view.queue_started();
                 self.wait = Some(QueueWait::start(
                     &self.ctx.metrics,
                     self.work.trace_context,
@@ -656,12 +696,14 @@ impl Driver {
                 return;
             }
             RequestObservation::Leased { provider_id } => {
+                view.queue_ended();
                 if let Some(wait) = self.wait.take() {
                     wait.granted(&provider_id);
                 }
                 return;
             }
             RequestObservation::AdmissionFailed(failure) => {
+                view.queue_ended();
                 if let Some(wait) = self.wait.take() {
                     wait.failed(failure.as_str());
                 }
@@ -671,6 +713,7 @@ impl Driver {
                 provider_id,
                 attempt,
             } => {
+                view.attempt_started(&provider_id, attempt);
                 self.attempt = Some(AttemptObservation::start(
                     &self.ctx.metrics,
                     self.work.trace_context,
@@ -682,6 +725,7 @@ impl Driver {
                 return;
             }
             RequestObservation::AttemptEnded { failure } => {
+                view.attempt_ended(failure);
                 if let Some(attempt) = self.attempt.take() {
                     attempt.finish(failure);
                 }
@@ -705,6 +749,7 @@ impl Driver {
             RequestObservation::Gate(GateEvent::Result(r)) => DriverObservation::Result(r.as_str()),
             RequestObservation::Readmitted => DriverObservation::Readmitted,
             RequestObservation::Committed => {
+                view.committed();
                 DriverObservation::Ttft(self.work.route, self.started_at.elapsed())
             }
         };

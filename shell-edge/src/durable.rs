@@ -237,7 +237,13 @@ pub struct Durable {
     admissions: Mutex<HashMap<String, tokio::sync::oneshot::Sender<bool>>>,
     health: Mutex<StoreHealth>,
     scan_view: Mutex<ScanView>,
+    /// The responses this Edge ran last, newest last (at most
+    /// [`MAX_RECENT_RESPONSES`]), for the status surface.
+    recent: Mutex<std::collections::VecDeque<String>>,
 }
+
+/// The most response ids [`Durable::recent`] keeps.
+pub const MAX_RECENT_RESPONSES: usize = 20;
 
 /// What reaches a run this Edge writes besides a cancel.
 #[derive(Debug)]
@@ -341,6 +347,7 @@ impl Durable {
             admissions: Mutex::new(HashMap::new()),
             health: Mutex::new(StoreHealth::default()),
             scan_view: Mutex::new(ScanView::default()),
+            recent: Mutex::new(std::collections::VecDeque::new()),
         }
     }
 
@@ -393,6 +400,14 @@ impl Durable {
     /// Register the run of `response_id` as written by this Edge: its
     /// cancel receiver, and a guard that unregisters it when the run ends.
     pub fn register(self: &Arc<Self>, response_id: &str) -> (LiveRun, LiveCommands) {
+        {
+            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            recent.retain(|id| id != response_id);
+            if recent.len() == MAX_RECENT_RESPONSES {
+                recent.pop_front();
+            }
+            recent.push_back(response_id.to_owned());
+        }
         let (tx, rx) = mpsc::channel(8);
         let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
         self.live().insert(
@@ -450,6 +465,13 @@ impl Durable {
             }
             None => false,
         }
+    }
+
+    /// The responses this Edge ran last (created or taken over), newest
+    /// first.
+    pub fn recent(&self) -> Vec<String> {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        recent.iter().rev().cloned().collect()
     }
 
     /// Whether this Edge runs `response_id` now.

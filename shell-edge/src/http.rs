@@ -2,7 +2,7 @@
 //! `/v1/responses`, `/v1/models`), the Anthropic Messages API
 //! (`/v1/messages`, `/v1/messages/count_tokens`), the Ollama API
 //! (`/api/chat`, `/api/generate`, `/api/tags`) and the operator surface
-//! (`/status`, `/healthz`).
+//! (`/status`, `/healthz`, `/metrics`, the console at `/console`).
 //!
 //! Handlers authenticate, parse and validate, then hand the request to a
 //! [`crate::driver`] task and turn its deliveries into the API's own wire
@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use iop_core::edge::whole_answer::WholeAnswerBudget;
 use iop_wire::RunApi;
+use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use crate::admit::{admit, routed_pool};
@@ -29,6 +30,7 @@ use crate::api::endpoint::{
 use crate::api::{ApiError, OllamaError, messages, models, ollama};
 use crate::app_state::{AppState, authenticate, authenticate_admin, authenticate_x_api_key};
 use crate::driver::{self, Delivery, TunnelApi, TunnelBody, Work};
+use crate::in_flight::RequestView;
 use crate::request_body::BodyError;
 use crate::request_record::RequestRecord;
 
@@ -73,6 +75,7 @@ pub fn router(state: AppState) -> Router {
             post(revoke_credential),
         )
         .merge(crate::admin::routes())
+        .merge(crate::console::routes())
         .fallback(|| async { ApiError::not_found("route").into_response() })
         .with_state(state)
 }
@@ -239,13 +242,17 @@ async fn ollama_ps(State(state): State<AppState>, headers: HeaderMap) -> Respons
 
 /// The one pipeline of every run endpoint; `endpoint` is what differs
 /// between the APIs (see [`crate::api::endpoint`]). An admitted request's
-/// answer carries its tenant's `x-ratelimit-*` headers (R-TEN-1).
+/// answer carries its tenant's `x-ratelimit-*` headers (R-TEN-1); every
+/// answer carries its `Server-Timing` ([`crate::server_timing`]).
 async fn run_endpoint<E: RunEndpoint>(state: AppState, request: Request, endpoint: E) -> Response {
+    let started = std::time::Instant::now();
     let mut rate = None;
-    let mut response = run_admitted(state, request, endpoint, &mut rate).await;
+    let mut view = None;
+    let mut response = run_admitted(state, request, endpoint, &mut rate, &mut view).await;
     if let Some(rate) = rate {
         crate::tenancy::RateHeaders::apply(&rate, response.headers_mut());
     }
+    crate::server_timing::apply(started, view.as_deref(), response.headers_mut());
     response
 }
 
@@ -254,6 +261,7 @@ async fn run_admitted<E: RunEndpoint>(
     request: Request,
     endpoint: E,
     rate: &mut Option<crate::tenancy::RateHeaders>,
+    view: &mut Option<Arc<RequestView>>,
 ) -> Response {
     let route = endpoint.route();
     let mut record = RequestRecord::new(&state, route, request.headers());
@@ -277,6 +285,9 @@ async fn run_admitted<E: RunEndpoint>(
         Err(e) => return refuse(record, e),
     };
     *rate = admitted.tenant.as_ref().map(|t| t.headers);
+    let run_view = RequestView::new(route, &admitted.run.model, admitted.run.stream);
+    record.view = Some(run_view.clone());
+    *view = Some(run_view.clone());
     // A continued conversation: the stored response's messages go between
     // this request's instructions and its input.
     let mut history = None;
@@ -306,6 +317,7 @@ async fn run_admitted<E: RunEndpoint>(
             idempotency,
             resume_after,
             record,
+            run_view,
         )
         .await;
     }
@@ -334,6 +346,7 @@ async fn run_admitted<E: RunEndpoint>(
             state.config().continuation_for(&run.model),
         ),
         tenant: admitted.tenant,
+        view: Some(run_view),
     };
     let mut rx = driver::spawn(state.driver_context().clone(), admitted.pool, work);
     let first = first(&mut rx).await;
@@ -485,20 +498,8 @@ async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(e) = authenticate_admin(&state, &headers) {
         return e.into_response();
     }
-    match state.hub().snapshot().await {
-        Ok(snap) => {
-            let mut doc =
-                crate::status::status_json(state.config(), &snap, &state.durable().status());
-            // SPEC §9: the tenants' store, keys and today's totals per
-            // principal (R-TEN-3, R-TEN-5).
-            let mut tenants = state
-                .tenancy()
-                .status(std::time::Duration::from_secs(1))
-                .await;
-            tenants["keys"] = state.keys().status();
-            doc["tenants"] = tenants;
-            axum::Json(doc).into_response()
-        }
+    match crate::status::gather(&state).await {
+        Ok(doc) => axum::Json(doc).into_response(),
         Err(_) => ApiError::internal().into_response(),
     }
 }

@@ -89,7 +89,41 @@ pub struct HubSnapshot {
     pub waiters: usize,
     /// Node connections the hub holds a link to (registered, not fenced).
     pub links: usize,
+    /// Per node (the same order as `nodes`): its connection as an operator
+    /// sees it.
+    pub connections: Vec<NodeConnectionStatus>,
+    /// Providers whose online generation the runtime overlay lowered
+    /// (R-OVL-2).
+    pub overlay_lowered: Vec<iop_core::ids::ProviderId>,
 }
+
+/// One node's connection for the status surface: generation, age, the
+/// QUIC path's loss, and how its last connection ended.
+#[derive(Debug, Clone)]
+pub struct NodeConnectionStatus {
+    /// The node.
+    pub node: NodeId,
+    /// Its current generation, if connected.
+    pub generation: Option<Generation>,
+    /// Whether that generation completed readiness.
+    pub ready: bool,
+    /// When it connected, Unix ms.
+    pub connected_since_unix_ms: Option<u64>,
+    /// The latest generation it ever had.
+    pub last_generation: Generation,
+    /// The connection's smoothed round-trip time, ms.
+    pub rtt_ms: Option<u64>,
+    /// Packets sent on the connection.
+    pub sent_packets: Option<u64>,
+    /// Packets the connection declared lost.
+    pub lost_packets: Option<u64>,
+    /// How its last connection ended (closed reason) and when, Unix ms.
+    pub last_close: Option<(&'static str, u64)>,
+}
+
+/// The most nodes whose last close the hub remembers (a node that never
+/// connects again keeps its entry; past the bound new ones are not kept).
+pub const MAX_REMEMBERED_CLOSES: usize = 4_096;
 
 /// One provider's health for the status surface (R-HT-6: no secrets, no
 /// payloads, no error text).
@@ -334,6 +368,9 @@ struct Hub {
     /// The readiness being answered.
     readying: Option<oneshot::Sender<bool>>,
     closes_by_reason: BTreeMap<&'static str, u64>,
+    /// Per node: how its last connection ended, and when (Unix ms);
+    /// bounded by [`MAX_REMEMBERED_CLOSES`].
+    last_close: BTreeMap<NodeId, (&'static str, u64)>,
     metrics: Arc<EdgeMetrics>,
     catalog: Arc<crate::catalog::ModelCatalog>,
     /// Where parked runs nodes report go to be adopted (R-PARK-2).
@@ -380,6 +417,7 @@ pub fn spawn(
         registering: None,
         readying: None,
         closes_by_reason: BTreeMap::new(),
+        last_close: BTreeMap::new(),
         metrics,
         parked: None,
     };
@@ -705,6 +743,12 @@ impl Hub {
                 } => {
                     fenced.push((node.clone(), generation));
                     *self.closes_by_reason.entry(reason.as_str()).or_default() += 1;
+                    let at = iop_transport::clock::unix_ms();
+                    if self.last_close.len() < MAX_REMEMBERED_CLOSES
+                        || self.last_close.contains_key(&node)
+                    {
+                        self.last_close.insert(node.clone(), (reason.as_str(), at));
+                    }
                     self.metrics.fence(reason.as_str());
                     tracing::info!(
                         event = "edge_generation_fenced",
@@ -867,14 +911,46 @@ impl Hub {
         nodes.extend(self.links.keys().map(|(n, _)| n.clone()));
         nodes.sort();
         nodes.dedup();
+        let connections: Vec<NodeConnectionStatus> = nodes
+            .iter()
+            .map(|n| {
+                let v = registry.view(n);
+                let conn = v
+                    .generation
+                    .and_then(|g| self.links.get(&(n.clone(), g)))
+                    .map(|link| (link.conn.rtt(), link.conn.stats().path));
+                NodeConnectionStatus {
+                    node: n.clone(),
+                    generation: v.generation,
+                    ready: v.ready,
+                    connected_since_unix_ms: v.connected_since.map(|t| self.unix_ms(t)),
+                    last_generation: v.last_generation,
+                    rtt_ms: conn
+                        .as_ref()
+                        .map(|(rtt, _)| u64::try_from(rtt.as_millis()).unwrap_or(u64::MAX)),
+                    sent_packets: conn.as_ref().map(|(_, path)| path.sent_packets),
+                    lost_packets: conn.as_ref().map(|(_, path)| path.lost_packets),
+                    last_close: self.last_close.get(n).copied(),
+                }
+            })
+            .collect();
+        let overlay = self.dispatcher.inner().overlay();
+        let overlay_lowered = admission
+            .capacity_view()
+            .into_iter()
+            .filter(|c| {
+                c.online
+                    .is_some_and(|g| overlay.is_lowered(&c.provider_id, g))
+            })
+            .map(|c| c.provider_id)
+            .collect();
         HubSnapshot {
-            nodes: nodes
-                .into_iter()
-                .map(|n| {
-                    let v = registry.view(&n);
-                    (n, v.generation, v.ready, v.last_generation)
-                })
+            nodes: connections
+                .iter()
+                .map(|c| (c.node.clone(), c.generation, c.ready, c.last_generation))
                 .collect(),
+            connections,
+            overlay_lowered,
             providers: admission.capacity_view(),
             queue_depth: admission.queue_depth(),
             leases_in_use: admission.leases_in_use(),

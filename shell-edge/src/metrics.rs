@@ -112,6 +112,14 @@ pub struct Gauges {
     /// Edges (this one included) whose ownership lease the last takeover
     /// scan saw live.
     pub journal_live_edges: AtomicU64,
+    /// Client requests finished since start (the status surface's count).
+    pub requests_finished: AtomicU64,
+    /// Of them, those that ended `ok`.
+    pub requests_ok: AtomicU64,
+    /// Input tokens providers reported since start.
+    pub input_tokens: AtomicU64,
+    /// Output tokens providers reported since start.
+    pub output_tokens: AtomicU64,
 }
 
 /// Every Edge instrument.
@@ -137,6 +145,11 @@ pub struct EdgeMetrics {
     journal_write_seconds: Histogram<f64>,
     client_connections: Counter<u64>,
     client_connections_evicted: Counter<u64>,
+    genai_token_usage: Histogram<u64>,
+    genai_duration: Histogram<f64>,
+    genai_time_to_first_chunk: Histogram<f64>,
+    /// Configured provider id -> (adapter, node), set once at start.
+    providers: std::sync::OnceLock<std::collections::HashMap<String, (&'static str, String)>>,
     traces: TracePipeline,
     /// Configured route models (the `model` label), set once at start.
     route_models: std::sync::OnceLock<Vec<String>>,
@@ -152,6 +165,18 @@ impl std::fmt::Debug for EdgeMetrics {
         f.debug_struct("EdgeMetrics").finish_non_exhaustive()
     }
 }
+
+/// `gen_ai.client.token.usage` buckets (the GenAI conventions' advice).
+const GENAI_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+    16777216.0, 67108864.0,
+];
+
+/// `gen_ai.client.operation.duration` and time-to-first-chunk buckets
+/// (the GenAI conventions' advice).
+const GENAI_SECONDS_BUCKETS: &[f64] = &[
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+];
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -315,6 +340,27 @@ impl EdgeMetrics {
                     0.5, 1.0, 2.5,
                 ])
                 .build(),
+            genai_token_usage: meter
+                .u64_histogram(crate::observe::genai::CLIENT_TOKEN_USAGE)
+                .with_unit("{token}")
+                .with_description("Number of input and output tokens used (GenAI conventions)")
+                .with_boundaries(GENAI_TOKEN_BUCKETS.to_vec())
+                .build(),
+            genai_duration: meter
+                .f64_histogram(crate::observe::genai::CLIENT_OPERATION_DURATION)
+                .with_unit("s")
+                .with_description("GenAI operation duration (GenAI conventions)")
+                .with_boundaries(GENAI_SECONDS_BUCKETS.to_vec())
+                .build(),
+            genai_time_to_first_chunk: meter
+                .f64_histogram(crate::observe::genai::CLIENT_TIME_TO_FIRST_CHUNK)
+                .with_unit("s")
+                .with_description(
+                    "Time to the first chunk of a streamed answer (GenAI conventions)",
+                )
+                .with_boundaries(GENAI_SECONDS_BUCKETS.to_vec())
+                .build(),
+            providers: std::sync::OnceLock::new(),
             traces,
             route_models: std::sync::OnceLock::new(),
             gauges,
@@ -432,6 +478,18 @@ impl EdgeMetrics {
             }
         }
         self.set_route_models(config.routes.iter().map(|(m, _)| m.clone()).collect());
+        self.set_providers(
+            config
+                .providers
+                .iter()
+                .map(|p| {
+                    (
+                        p.spec.id.as_str().to_owned(),
+                        (p.spec.adapter.as_str(), p.spec.node.as_str().to_owned()),
+                    )
+                })
+                .collect(),
+        );
         for (model, pool) in &config.routes {
             for provider in pool {
                 for kind in TOKEN_KINDS {
@@ -446,6 +504,61 @@ impl EdgeMetrics {
                 }
             }
         }
+    }
+
+    /// Set the configured providers' adapters and nodes once (later calls
+    /// change nothing).
+    pub fn set_providers(
+        &self,
+        providers: std::collections::HashMap<String, (&'static str, String)>,
+    ) {
+        let _ = self.providers.set(providers);
+    }
+
+    /// A configured provider's adapter and node.
+    pub fn provider_facts(&self, provider: &str) -> Option<(&'static str, &str)> {
+        let (adapter, node) = self.providers.get()?.get(provider)?;
+        Some((adapter, node.as_str()))
+    }
+
+    /// One GenAI operation (a request that reached a provider), labelled by
+    /// `labels` (closed values and configured names); `usage` and
+    /// `first_chunk` when known.
+    pub fn genai_operation(
+        &self,
+        labels: &crate::observe::GenAiLabels,
+        duration: Duration,
+        usage: Option<Usage>,
+        first_chunk: Option<Duration>,
+    ) {
+        use crate::observe::genai;
+        let mut attrs = vec![
+            KeyValue::new(genai::OPERATION_NAME, labels.operation),
+            KeyValue::new(genai::PROVIDER_NAME, labels.provider_name),
+            KeyValue::new(genai::REQUEST_MODEL, labels.model.clone()),
+        ];
+        if let Some(first_chunk) = first_chunk {
+            self.genai_time_to_first_chunk
+                .record(first_chunk.as_secs_f64(), &attrs);
+        }
+        if let Some(usage) = usage {
+            for (kind, n) in [
+                ("input", usage.prompt_tokens),
+                ("output", usage.completion_tokens),
+            ] {
+                // An embedding has no output tokens to count.
+                if kind == "output" && labels.operation == genai::OPERATION_EMBEDDINGS {
+                    continue;
+                }
+                let mut with_kind = attrs.clone();
+                with_kind.push(KeyValue::new(genai::TOKEN_TYPE, kind));
+                self.genai_token_usage.record(n, &with_kind);
+            }
+        }
+        if let Some(error) = labels.error_type {
+            attrs.push(KeyValue::new(genai::ERROR_TYPE, error));
+        }
+        self.genai_duration.record(duration.as_secs_f64(), &attrs);
     }
 
     /// Set the configured route models once (later calls change nothing).
@@ -475,6 +588,12 @@ impl EdgeMetrics {
     /// Provider-reported usage of one attempt, labelled with the provider
     /// id and the route model (both from the configuration).
     pub fn tokens(&self, provider: &str, route_model: &str, usage: Usage) {
+        self.gauges
+            .input_tokens
+            .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
+        self.gauges
+            .output_tokens
+            .fetch_add(usage.completion_tokens, Ordering::Relaxed);
         for (kind, n) in [
             ("input", usage.prompt_tokens),
             ("output", usage.completion_tokens),
@@ -529,6 +648,12 @@ impl EdgeMetrics {
         ];
         self.requests.add(1, &labels);
         self.duration.record(total.as_secs_f64(), &labels);
+        self.gauges
+            .requests_finished
+            .fetch_add(1, Ordering::Relaxed);
+        if outcome == "ok" {
+            self.gauges.requests_ok.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// One journal operation (`op` of [`JOURNAL_OPS`]) and how it ended.

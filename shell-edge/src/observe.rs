@@ -23,17 +23,156 @@
 //!    `attempt.relayed_body()`;
 //! 4. the attempt's end: `attempt.finish(None)` on success, or
 //!    `attempt.finish(Some(code))` with its failure code;
-//! 5. the request's end: `metrics.attempts_per_request(route, attempts)`.
+//! 5. the request's end: `metrics.attempts_per_request(route, attempts)`,
+//!    and [`genai_operation`] with the request's [`RequestView`].
+//!
+//! ## GenAI conventions
+//!
+//! The request span and three histograms follow the OpenTelemetry GenAI
+//! semantic conventions (development status; names as of semconv 1.41):
+//! `gen_ai.operation.name` (from the route), `gen_ai.provider.name` (the
+//! adapter of the provider of the last attempt), `gen_ai.request.model` and
+//! `gen_ai.response.model` (the configured route the model matched, never
+//! the client's string: a wildcard route is its pattern), token usage and
+//! finish reasons from the answer, and `server.address`, the Node that
+//! reached the provider. Metrics carry the operation, provider name, route
+//! model, token type and `error.type`: closed values and configured names.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use iop_core::ids::ProviderId;
-use iop_transport::traces::{Kind, TRACEPARENT_HEADER, TraceSpan, parse_traceparent};
+use iop_transport::traces::{Kind, SpanValue, TRACEPARENT_HEADER, TraceSpan, parse_traceparent};
 use iop_wire::{FailureCode, RunEventKind, TraceContext, Usage};
 
+use crate::in_flight::RequestView;
 use crate::metrics::{ATTEMPT_OK, EdgeMetrics};
+
+/// OpenTelemetry GenAI semantic-convention names.
+pub mod genai {
+    /// The operation (`chat`, `text_completion`, `embeddings`).
+    pub const OPERATION_NAME: &str = "gen_ai.operation.name";
+    /// The provider's API flavour: the adapter (`openai`, `anthropic`, ...).
+    pub const PROVIDER_NAME: &str = "gen_ai.provider.name";
+    /// The model asked for (its configured route).
+    pub const REQUEST_MODEL: &str = "gen_ai.request.model";
+    /// The model that answered (its configured route).
+    pub const RESPONSE_MODEL: &str = "gen_ai.response.model";
+    /// Input tokens the answer reported.
+    pub const USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
+    /// Output tokens the answer reported.
+    pub const USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
+    /// Why generation finished (one per choice).
+    pub const RESPONSE_FINISH_REASONS: &str = "gen_ai.response.finish_reasons";
+    /// The GenAI server: the Node that reached the provider.
+    pub const SERVER_ADDRESS: &str = "server.address";
+    /// `input` or `output` (token usage metric).
+    pub const TOKEN_TYPE: &str = "gen_ai.token.type";
+    /// The closed class of a failed operation.
+    pub const ERROR_TYPE: &str = "error.type";
+    /// Histogram of tokens per operation and token type.
+    pub const CLIENT_TOKEN_USAGE: &str = "gen_ai.client.token.usage";
+    /// Histogram of operation durations, seconds.
+    pub const CLIENT_OPERATION_DURATION: &str = "gen_ai.client.operation.duration";
+    /// Histogram of the time to a streamed answer's first chunk, seconds.
+    pub const CLIENT_TIME_TO_FIRST_CHUNK: &str = "gen_ai.client.operation.time_to_first_chunk";
+    /// The operation of an embeddings request.
+    pub const OPERATION_EMBEDDINGS: &str = "embeddings";
+}
+
+/// The GenAI operation of a route class: `chat`, `text_completion` or
+/// `embeddings`.
+pub fn operation_name(route: &str) -> &'static str {
+    match route {
+        "completions" | "ollama_generate" => "text_completion",
+        "embeddings" | "ollama_embed" => genai::OPERATION_EMBEDDINGS,
+        _ => "chat",
+    }
+}
+
+/// The labels of one GenAI operation's metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenAiLabels {
+    /// [`operation_name`] of its route.
+    pub operation: &'static str,
+    /// The adapter of its last attempt's provider.
+    pub provider_name: &'static str,
+    /// Its configured route model ([`EdgeMetrics::route_model`]).
+    pub model: String,
+    /// Its closed failure class, if it failed.
+    pub error_type: Option<&'static str>,
+}
+
+/// What a request's view says of its GenAI operation: its labels, and the
+/// Node that served its last attempt; `None` if no provider was reached.
+fn genai_of(metrics: &EdgeMetrics, view: &RequestView) -> Option<(GenAiLabels, String)> {
+    let read = view.read();
+    let provider = read.provider_id?;
+    let (adapter, node) = metrics.provider_facts(provider.as_str())?;
+    let p = read.progress;
+    // Failed: how the client was told, else how its last attempt ended; an
+    // answer that finished did not fail.
+    let error_type = match (p.finish_reason, view.failure()) {
+        (_, Some(failure)) => Some(failure),
+        (Some(_), None) => None,
+        (None, None) => Some(view.last_attempt_failure().unwrap_or("canceled")),
+    };
+    Some((
+        GenAiLabels {
+            operation: operation_name(view.route()),
+            provider_name: adapter,
+            model: metrics.route_model(view.model()).to_owned(),
+            error_type,
+        },
+        node.to_owned(),
+    ))
+}
+
+/// Record the GenAI operation metrics of a request whose driver ended
+/// (once per request, whoever waits for it).
+pub fn genai_operation(metrics: &EdgeMetrics, view: &RequestView) {
+    let Some((labels, _node)) = genai_of(metrics, view) else {
+        return;
+    };
+    let read = view.read();
+    let first_chunk = view
+        .streamed()
+        .then_some(read.progress.first_content)
+        .flatten();
+    metrics.genai_operation(
+        &labels,
+        view.started().elapsed(),
+        read.progress.usage,
+        first_chunk,
+    );
+}
+
+/// Set the GenAI attributes the request's view holds on its span (at the
+/// request's end).
+pub fn genai_attributes(metrics: &EdgeMetrics, span: &TraceSpan, view: &RequestView) {
+    if !span.is_recording() {
+        return;
+    }
+    let model = metrics.route_model(view.model());
+    span.set_configured(genai::REQUEST_MODEL, model);
+    span.set_configured(genai::RESPONSE_MODEL, model);
+    let read = view.read();
+    if let Some((labels, node)) = genai_of(metrics, view) {
+        span.set(genai::PROVIDER_NAME, labels.provider_name);
+        span.set_configured(genai::SERVER_ADDRESS, &node);
+    }
+    if let Some(usage) = read.progress.usage {
+        span.set(genai::USAGE_INPUT_TOKENS, usage.prompt_tokens);
+        span.set(genai::USAGE_OUTPUT_TOKENS, usage.completion_tokens);
+    }
+    if let Some(reason) = read.progress.finish_reason {
+        span.set(
+            genai::RESPONSE_FINISH_REASONS,
+            SpanValue::ClosedList(vec![reason.as_str()]),
+        );
+    }
+}
 
 /// Span and attribute names (documented in `docs/operations.md`).
 pub mod names {
@@ -52,6 +191,7 @@ pub fn start_request(metrics: &EdgeMetrics, route: &'static str, headers: &Heade
     let parent = parse_traceparent(headers.get(TRACEPARENT_HEADER).map(|v| v.as_bytes()));
     let span = metrics.tracer().start(names::REQUEST, Kind::Server, parent);
     span.set("iop.route", route);
+    span.set(genai::OPERATION_NAME, operation_name(route));
     span
 }
 

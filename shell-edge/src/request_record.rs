@@ -7,6 +7,7 @@ use axum::http::HeaderMap;
 
 use crate::api::ApiError;
 use crate::app_state::AppState;
+use crate::in_flight::RequestView;
 use crate::metrics::EdgeMetrics;
 use crate::observe;
 use crate::request_body::{BodyPermit, CLIENT_CLOSED_CODE};
@@ -24,6 +25,9 @@ pub(crate) struct RequestRecord {
     pub(crate) span: iop_transport::traces::TraceSpan,
     /// Response body bytes streamed to the client.
     pub(crate) relayed_bytes: u64,
+    /// The view of the request's run, once it has one: its GenAI
+    /// attributes and its `Server-Timing` come from it.
+    pub(crate) view: Option<Arc<RequestView>>,
 }
 
 impl RequestRecord {
@@ -37,6 +41,7 @@ impl RequestRecord {
             body_permit: None,
             span: observe::start_request(state.metrics(), route, headers),
             relayed_bytes: 0,
+            view: None,
         }
     }
 
@@ -51,6 +56,7 @@ impl RequestRecord {
             body_permit: None,
             span: iop_transport::traces::TraceSpan::none(),
             relayed_bytes: 0,
+            view: None,
         }
     }
 
@@ -70,6 +76,9 @@ impl Drop for RequestRecord {
         self.metrics
             .request(self.route, self.outcome, self.started.elapsed());
         self.metrics.relayed(self.route, self.relayed_bytes);
+        if let Some(view) = &self.view {
+            observe::genai_attributes(&self.metrics, &self.span, view);
+        }
         observe::finish_request(&self.span, self.outcome, self.relayed_bytes);
     }
 }

@@ -79,6 +79,8 @@ pub struct RunningEdge {
     background: Vec<JoinHandle<()>>,
     /// Tenants: their settled usage is written once more at shutdown.
     tenancy: Arc<crate::tenancy::Tenancy>,
+    /// The console's live streams, ended at shutdown.
+    console: Arc<crate::console::Console>,
 }
 
 /// Process options that are not configuration.
@@ -317,6 +319,7 @@ impl RunningEdge {
             }
             None => (None, None),
         };
+        let console = state.console().clone();
         let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
@@ -348,6 +351,7 @@ impl RunningEdge {
                 .collect(),
             metrics_addr,
             tenancy,
+            console,
         })
     }
 
@@ -395,6 +399,9 @@ impl RunningEdge {
         for task in &self.background {
             task.abort();
         }
+        // Console streams never end by themselves: they must not hold the
+        // drain of the answers in flight.
+        self.console.close_streams();
         self.http_stop.send_replace(true);
         let _ = self.http_task.await;
         // What the drained requests settled (R-TEN-5).

@@ -2,14 +2,171 @@
 //!
 //! Shows per instance and per provider state, counters and times, the
 //! journal store's health and the Edges sharing it (their ownership
-//! leases, R-TAKE-1); never account names, tokens, credentials, raw
-//! provider payloads or error text (R-HT-6).
+//! leases, R-TAKE-1), each node's connection, the requests in flight, the
+//! durable responses this Edge ran last and the configured limits of keys
+//! and principals; never account names, tokens, credentials, raw provider
+//! payloads or error text (R-HT-6).
+//!
+//! [`gather`] is the one place the document is put together: `/status`,
+//! `iop-edge status` and the console ([`crate::console`]) all read it.
+
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use crate::app_state::AppState;
 use crate::config::EdgeConfig;
 use crate::durable::JournalStatus;
-use crate::hub::HubSnapshot;
+use crate::hub::{HubGone, HubSnapshot};
+
+/// How long [`gather`] waits for the journal store's answers about the
+/// recent durable responses; past it they are listed without their record.
+pub const RECENT_RESPONSES_READ_MS: u64 = 500;
+
+/// The whole `/status` document of the Edge `state` serves.
+pub async fn gather(state: &AppState) -> Result<Value, HubGone> {
+    let snap = state.hub().snapshot().await?;
+    let mut doc = status_json(state.config(), &snap, &state.durable().status());
+    doc["nodes"] = nodes_json(&snap);
+    doc["requests"] = state.in_flight().status_json();
+    doc["durable_responses"] = recent_responses_json(state).await;
+    doc["limits"] = limits_json(state);
+    // SPEC §9: the tenants' store, keys and today's totals per principal
+    // (R-TEN-3, R-TEN-5).
+    let mut tenants = state.tenancy().status(Duration::from_secs(1)).await;
+    tenants["keys"] = state.keys().status();
+    doc["tenants"] = tenants;
+    let g = &state.metrics().gauges;
+    let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    doc["instance"]["edge_id"] = json!(state.durable().edge_id());
+    doc["instance"]["requests_finished"] = json!(count(&g.requests_finished));
+    doc["instance"]["requests_ok"] = json!(count(&g.requests_ok));
+    doc["instance"]["requests_in_flight"] = json!(state.in_flight().len());
+    doc["instance"]["input_tokens"] = json!(count(&g.input_tokens));
+    doc["instance"]["output_tokens"] = json!(count(&g.output_tokens));
+    Ok(doc)
+}
+
+/// The `nodes` part: each node's connection (generation, age, readiness,
+/// the QUIC path's round trip and loss, how its last connection ended).
+fn nodes_json(snap: &HubSnapshot) -> Value {
+    snap.connections
+        .iter()
+        .map(|c| {
+            let loss_ratio = match (c.sent_packets, c.lost_packets) {
+                (Some(sent), Some(lost)) if sent > 0 => Some(lost as f64 / sent as f64),
+                _ => None,
+            };
+            json!({
+                "node": c.node.as_str(),
+                "connected": c.generation.is_some(),
+                "ready": c.ready,
+                "generation": c.generation,
+                "last_generation": c.last_generation,
+                "connected_since": c.connected_since_unix_ms,
+                "rtt_ms": c.rtt_ms,
+                "sent_packets": c.sent_packets,
+                "lost_packets": c.lost_packets,
+                "loss_ratio": loss_ratio,
+                "last_close_reason": c.last_close.map(|(reason, _)| reason),
+                "last_close_at": c.last_close.map(|(_, at)| at),
+            })
+        })
+        .collect()
+}
+
+/// The `durable_responses` part: the responses this Edge ran last, each
+/// with its record's status, owner Edge and events, read from the store
+/// (bounded by [`RECENT_RESPONSES_READ_MS`]).
+async fn recent_responses_json(state: &AppState) -> Value {
+    let durable = state.durable();
+    let ids = durable.recent();
+    let now = iop_transport::clock::unix_ms();
+    let reads =
+        futures::future::join_all(ids.iter().map(|id| durable.store().get(id.clone(), now)));
+    let metas = tokio::time::timeout(Duration::from_millis(RECENT_RESPONSES_READ_MS), reads)
+        .await
+        .ok();
+    let rows: Vec<Value> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let meta = metas
+                .as_ref()
+                .and_then(|m| m.get(i))
+                .and_then(|r| r.as_ref().ok())
+                .and_then(|r| r.as_ref())
+                .map(|(meta, _)| meta);
+            json!({
+                "id": id,
+                "live_here": durable.is_live(id),
+                "status": meta.map(|m| m.status().as_str()),
+                "owner": meta.map(|m| m.owner.as_str()),
+                "events": meta.map(|m| m.last_seq),
+                "api": meta.map(|m| m.api.as_str()),
+                "background": meta.map(|m| m.background),
+                "created_at": meta.map(|m| m.created_unix_ms),
+                "reason": meta.and_then(|m| m.terminal.as_ref()).and_then(|t| t.reason.as_deref()),
+            })
+        })
+        .collect();
+    json!({ "edge_id": durable.edge_id(), "recent": rows })
+}
+
+/// The most keys the `limits` part lists (config keys first, then runtime
+/// keys by id); the counts are always whole.
+pub const MAX_LISTED_KEYS: usize = 200;
+
+/// The `limits` part: each key (its id, never its secret) of the config
+/// file and of the runtime keys (R-TEN-4, with whether it may be used now),
+/// and each principal, with the limits and budgets configured for it.
+fn limits_json(state: &AppState) -> Value {
+    let config = state.config();
+    let now = iop_transport::clock::unix_ms();
+    let mut config_keys: Vec<&crate::config::ApiKey> = state.keys().config_keys().collect();
+    config_keys.sort_by(|a, b| a.id.cmp(&b.id));
+    let records = state.keys().records();
+    let mut runtime: Vec<&iop_core::tenant::keys::KeyRecord> =
+        records.values().map(|(r, _)| r.as_ref()).collect();
+    runtime.sort_by(|a, b| a.id.cmp(&b.id));
+    let total = config_keys.len() + runtime.len();
+    let keys: Vec<Value> = config_keys
+        .iter()
+        .map(|k| {
+            json!({
+                "id": k.id,
+                "principal": k.principal,
+                "source": "config",
+                "state": "usable",
+                "admin": k.admin,
+                "models": k.models,
+                "limits": k.limits,
+            })
+        })
+        .chain(runtime.iter().map(|r| {
+            json!({
+                "id": r.id,
+                "principal": r.principal,
+                "source": "runtime",
+                "state": match r.usable(now) {
+                    Ok(()) => "usable",
+                    Err(iop_core::tenant::keys::KeyUnusable::Revoked) => "revoked",
+                    Err(iop_core::tenant::keys::KeyUnusable::Expired) => "expired",
+                },
+                "admin": false,
+                "models": r.models,
+                "limits": r.limits,
+            })
+        }))
+        .take(MAX_LISTED_KEYS)
+        .collect();
+    let principals: Vec<Value> = config
+        .principals
+        .iter()
+        .map(|(name, limits)| json!({ "principal": name, "limits": limits }))
+        .collect();
+    json!({ "keys_total": total, "keys": keys, "principals": principals })
+}
 
 /// The `journal` part of `/status`.
 fn journal_json(j: &JournalStatus) -> Value {
@@ -53,6 +210,7 @@ pub fn status_json(config: &EdgeConfig, snap: &HubSnapshot, journal: &JournalSta
                 .find(|c| c.provider_id == p.spec.id);
             let node = snap.nodes.iter().find(|(n, ..)| *n == p.spec.node);
             let health = snap.health.iter().find(|h| h.provider_id == p.spec.id);
+            let lowered = snap.overlay_lowered.contains(&p.spec.id);
             json!({
                 "id": p.spec.id.as_str(),
                 "node": p.spec.node.as_str(),
@@ -66,6 +224,8 @@ pub fn status_json(config: &EdgeConfig, snap: &HubSnapshot, journal: &JournalSta
                 // Effective: a node's reported limit where the config gives none.
                 "capacity": cap.map_or(p.spec.capacity, |c| c.capacity),
                 "runtime_eligible": cap.is_some_and(|c| c.runtime_eligible),
+                // R-OVL-2: stall evidence lowered its online generation.
+                "overlay": if lowered { "lowered" } else { "clear" },
                 "state": health.map_or("unknown", |h| h.state),
                 "last_success_at": health.and_then(|h| h.last_success_at_ms),
                 "consecutive_failures": health.map_or(0, |h| h.consecutive_failures),

@@ -50,6 +50,7 @@ use crate::app_state::{AppState, authenticate};
 use crate::config::ApiKey;
 use crate::driver::{self, DurableRun, Work};
 use crate::durable::{Followed, Follower, StoredRequest};
+use crate::in_flight::RequestView;
 use crate::request_record::RequestRecord;
 
 pub use iop_core::edge::client_ids::MAX_IDEMPOTENCY_KEY_CHARS;
@@ -230,6 +231,7 @@ fn run_of<E: RunEndpoint>(
         // A takeover's continuation is not the request's admission: its
         // tenant's hold ended with the Edge that admitted it.
         tenant: None,
+        view: None,
     };
     Some((pool, work))
 }
@@ -258,6 +260,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
     idempotency: Option<String>,
     resume_after: Option<u64>,
     mut record: RequestRecord,
+    view: std::sync::Arc<RequestView>,
 ) -> Response {
     let Admitted {
         key,
@@ -306,6 +309,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
             if keep.background && !run.stream {
                 admission = Some(durable.await_admission(&meta.id));
             }
+            view.set_response_id(&meta.id);
             let work = Work {
                 model: provider_model,
                 api: run.api,
@@ -323,6 +327,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
                 // Settled when the run ends, not when the client goes
                 // (R-TEN-1: a detached run counts until it ends).
                 tenant: tenant.take(),
+                view: Some(view),
             };
             driver::spawn_durable(
                 state.driver_context().clone(),

@@ -49,6 +49,16 @@ fn string_attrs(attrs: &[KeyValue]) -> Vec<(String, String)> {
                 Some(any_value::Value::StringValue(s)) => s.clone(),
                 Some(any_value::Value::BoolValue(b)) => b.to_string(),
                 Some(any_value::Value::IntValue(i)) => i.to_string(),
+                // A list of closed values (`gen_ai.response.finish_reasons`).
+                Some(any_value::Value::ArrayValue(a)) => a
+                    .values
+                    .iter()
+                    .map(|v| match &v.value {
+                        Some(any_value::Value::StringValue(s)) => s.clone(),
+                        other => format!("{other:?}"),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(","),
                 other => format!("{other:?}"),
             };
             (kv.key.clone(), v)
@@ -232,6 +242,23 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
         assert_eq!(run.parent_span_id, attempt.span_id, "node.run is edge.attempt's child");
         assert_eq!(call.parent_span_id, run.span_id, "node.provider_call is node.run's child");
         assert_eq!(attr(&request, "iop.route"), Some("chat"));
+        // The GenAI conventions on the request span: the operation, the
+        // provider's API flavour and the Node that reached it, the route's
+        // model (its configured pattern, never the client's string), the
+        // answer's usage and finish reason.
+        for (key, value) in [
+            ("gen_ai.operation.name", "chat"),
+            ("gen_ai.provider.name", "openai"),
+            ("gen_ai.request.model", "mock*"),
+            ("gen_ai.response.model", "mock*"),
+            ("gen_ai.response.finish_reasons", "stop"),
+            ("server.address", "node-1"),
+        ] {
+            assert_eq!(attr(&request, key), Some(value), "{key} on edge.request");
+        }
+        let tokens = |key| attr(&request, key).and_then(|v| v.parse::<u64>().ok());
+        assert!(tokens("gen_ai.usage.input_tokens") > Some(0), "{request:?}");
+        assert!(tokens("gen_ai.usage.output_tokens") > Some(0), "{request:?}");
         assert_eq!(attr(&request, "iop.outcome"), Some("ok"));
         assert!(request.events.iter().any(|e| e == "committed"));
         assert_eq!(request.status, 1);
@@ -302,6 +329,10 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
                 s.name
             );
             for (k, v) in &s.attributes {
+                if k == "gen_ai.request.model" || k == "gen_ai.response.model" {
+                    assert_eq!(v, "mock*", "{}: the configured route, not the client's model", s.name);
+                    continue;
+                }
                 assert!(
                     v.len() <= 64
                         && v.chars().all(|c| c.is_ascii_lowercase()

@@ -245,6 +245,8 @@ pub enum SpanValue {
     Int(i64),
     /// A flag.
     Bool(bool),
+    /// A list of closed enum values (`gen_ai.response.finish_reasons`).
+    ClosedList(Vec<&'static str>),
 }
 
 impl From<&'static str> for SpanValue {
@@ -275,6 +277,9 @@ impl SpanValue {
             SpanValue::Configured(s) => opentelemetry::Value::String(s.into()),
             SpanValue::Int(i) => opentelemetry::Value::I64(i),
             SpanValue::Bool(b) => opentelemetry::Value::Bool(b),
+            SpanValue::ClosedList(values) => opentelemetry::Value::Array(
+                opentelemetry::Array::String(values.into_iter().map(Into::into).collect()),
+            ),
         }
     }
 }

@@ -318,6 +318,40 @@ pub enum RequestOutput {
     Observe(RequestObservation),
 }
 
+/// Where a request is, as an operator sees it (the console, `/status`):
+/// a closed name for each step of [`Request`]'s life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestPhase {
+    /// Its admission is out, or it waits in the queue for capacity.
+    Queued,
+    /// A lease was granted; the attempt's node stream is being opened.
+    Sending,
+    /// The attempt runs on its provider.
+    Running,
+    /// Its committed run lost its connection and waits on its node
+    /// (R-PARK-1), or is being adopted (R-PARK-2).
+    Parked,
+    /// The attempt ended; the dispatcher's verdict on it is awaited.
+    Settling,
+    /// Over.
+    Ended,
+}
+
+impl RequestPhase {
+    /// The stable lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestPhase::Queued => "queued",
+            RequestPhase::Sending => "sending",
+            RequestPhase::Running => "running",
+            RequestPhase::Parked => "parked",
+            RequestPhase::Settling => "settling",
+            RequestPhase::Ended => "ended",
+        }
+    }
+}
+
 /// Where the request is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Phase {
@@ -608,6 +642,19 @@ impl Request {
     /// The request's gate (read access: commit state, attempts, end).
     pub fn gate(&self) -> &StreamGate {
         &self.gate
+    }
+
+    /// Where the request is now (for operators; decisions read the
+    /// machine's own state).
+    pub fn phase(&self) -> RequestPhase {
+        match self.phase {
+            Phase::Admitting | Phase::Queued => RequestPhase::Queued,
+            Phase::PreSending(_) | Phase::Opening { .. } => RequestPhase::Sending,
+            Phase::Running { .. } => RequestPhase::Running,
+            Phase::Parked { .. } | Phase::Adopting => RequestPhase::Parked,
+            Phase::AwaitingVerdict { .. } => RequestPhase::Settling,
+            Phase::Ended => RequestPhase::Ended,
+        }
     }
 
     /// The lease of the attempt in flight, if one is being opened or runs.

@@ -277,6 +277,18 @@ impl ApiError {
         )
     }
 
+    /// 429: the console's live streams are all taken (`max` at once).
+    pub fn console_streams_full(max: usize) -> Self {
+        let mut err = Self::new(
+            429,
+            ErrorKind::RateLimit,
+            Some("console_streams_full"),
+            format!("{max} console streams are open already; close one or retry later."),
+        );
+        err.retry_after_secs = Some(5);
+        err
+    }
+
     /// 404: no such path or resource.
     pub fn not_found(what: &str) -> Self {
         Self::new(

@@ -265,6 +265,71 @@ fn happy_path_commits_on_first_content_and_finishes_once_r_gate_2() {
 }
 
 #[test]
+fn the_phase_an_operator_sees_follows_the_request_from_queue_to_end() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    assert_eq!(r.phase(), RequestPhase::Queued, "its admission is out");
+    drain(&mut r);
+    r.handle_input(t(0), RequestInput::Dispatch(RequestEvent::Queued));
+    drain(&mut r);
+    assert_eq!(r.phase(), RequestPhase::Queued);
+    let l = lease(1, "p0", AdapterKind::Mock);
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Leased(l.clone())),
+    );
+    drain(&mut r);
+    assert_eq!(
+        r.phase(),
+        RequestPhase::Sending,
+        "its pre-send fence is out"
+    );
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::PreSend(PreSend::Send(l.clone()))),
+    );
+    drain(&mut r);
+    assert_eq!(
+        r.phase(),
+        RequestPhase::Sending,
+        "its stream is being opened"
+    );
+    r.handle_input(t(1), RequestInput::Opened);
+    assert_eq!(r.phase(), RequestPhase::Running);
+    r.handle_input(t(2), run(RunEventKind::TextDelta("hi".into())));
+    drain(&mut r);
+    assert_eq!(r.phase(), RequestPhase::Running, "committed, still running");
+    r.handle_input(t(3), run(completed()));
+    drain(&mut r);
+    assert_eq!(r.phase(), RequestPhase::Settling, "its verdict is awaited");
+    r.handle_input(
+        t(4),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(&l),
+        }),
+    );
+    drain(&mut r);
+    assert_eq!(r.phase(), RequestPhase::Ended);
+    let names: Vec<&str> = [
+        RequestPhase::Queued,
+        RequestPhase::Sending,
+        RequestPhase::Running,
+        RequestPhase::Parked,
+        RequestPhase::Settling,
+        RequestPhase::Ended,
+    ]
+    .iter()
+    .map(|p| p.as_str())
+    .collect();
+    assert_eq!(
+        names,
+        [
+            "queued", "sending", "running", "parked", "settling", "ended"
+        ]
+    );
+}
+
+#[test]
 fn an_answer_without_content_still_commits_once() {
     let mut r = Request::new(t(0), spec(None, &[]));
     let l = lease(1, "p0", AdapterKind::Mock);
