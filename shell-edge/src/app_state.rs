@@ -34,7 +34,7 @@ pub struct AppState {
     /// Tenants' limits and budgets (SPEC §9).
     tenancy: Arc<crate::tenancy::Tenancy>,
     /// The console's sessions and live streams.
-    console: Arc<crate::console::Console>,
+    console: Arc<crate::console_sessions::ConsoleSessions>,
 }
 
 impl AppState {
@@ -109,7 +109,7 @@ impl AppState {
             config,
             metrics,
             durable,
-            console: crate::console::Console::new(),
+            console: crate::console_sessions::ConsoleSessions::new(),
         }
     }
 
@@ -139,7 +139,7 @@ impl AppState {
     }
 
     /// The console's sessions and live streams.
-    pub fn console(&self) -> &Arc<crate::console::Console> {
+    pub fn console(&self) -> &Arc<crate::console_sessions::ConsoleSessions> {
         &self.console
     }
 

@@ -24,8 +24,6 @@
 //! (past it: 429); a stream ends when its session expires and when the
 //! Edge shuts down.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -34,21 +32,11 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use sha2::{Digest, Sha256};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::api::ApiError;
 use crate::app_state::{AppState, admin_key, authenticate_admin};
-
-/// How long a console session lasts after sign-in.
-pub const SESSION_TTL_MS: u64 = 60 * 60 * 1_000;
-
-/// The most console sessions kept at once; a new one past it replaces the
-/// oldest.
-pub const MAX_SESSIONS: usize = 64;
-
-/// The most console event streams open at once.
-pub const MAX_STREAMS: usize = 8;
+pub use crate::console_sessions::{MAX_SESSIONS, MAX_STREAMS, SESSION_TTL_MS};
 
 /// How often a stream pushes a fresh status document.
 pub const PUSH_INTERVAL_MS: u64 = 1_000;
@@ -71,99 +59,6 @@ const STYLE: &str = include_str!("console/console.css");
 const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
      connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; \
      frame-ancestors 'none'";
-
-/// One signed-in session.
-#[derive(Debug, Clone)]
-struct Session {
-    principal: String,
-    expires: Instant,
-}
-
-/// The console's sessions and live streams (one per Edge).
-#[derive(Debug)]
-pub struct Console {
-    /// SHA-256 of each session token -> the session.
-    sessions: Mutex<HashMap<[u8; 32], Session>>,
-    streams: Arc<Semaphore>,
-    closing: tokio::sync::watch::Sender<bool>,
-}
-
-impl Console {
-    /// No sessions, no streams.
-    pub fn new() -> Arc<Self> {
-        Arc::new(Console {
-            sessions: Mutex::new(HashMap::new()),
-            streams: Arc::new(Semaphore::new(MAX_STREAMS)),
-            closing: tokio::sync::watch::channel(false).0,
-        })
-    }
-
-    fn sessions(&self) -> MutexGuard<'_, HashMap<[u8; 32], Session>> {
-        // Entries are inserted and removed whole.
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A new session of `principal`: its token.
-    fn open_session(&self, principal: &str, now: Instant) -> String {
-        let token: [u8; 32] = rand::random();
-        let token = hex(&token);
-        let mut sessions = self.sessions();
-        sessions.retain(|_, s| s.expires > now);
-        if sessions.len() >= MAX_SESSIONS
-            && let Some(oldest) = sessions
-                .iter()
-                .min_by_key(|(_, s)| s.expires)
-                .map(|(k, _)| *k)
-        {
-            sessions.remove(&oldest);
-        }
-        sessions.insert(
-            digest(&token),
-            Session {
-                principal: principal.to_owned(),
-                expires: now + Duration::from_millis(SESSION_TTL_MS),
-            },
-        );
-        token
-    }
-
-    /// The principal of a live session `token`.
-    fn session(&self, token: &str, now: Instant) -> Option<String> {
-        let sessions = self.sessions();
-        sessions
-            .get(&digest(token))
-            .filter(|s| s.expires > now)
-            .map(|s| s.principal.clone())
-    }
-
-    fn close_session(&self, token: &str) {
-        self.sessions().remove(&digest(token));
-    }
-
-    /// Sessions kept now.
-    pub fn session_count(&self) -> usize {
-        self.sessions().len()
-    }
-
-    /// Event streams open now.
-    pub fn open_streams(&self) -> usize {
-        MAX_STREAMS - self.streams.available_permits()
-    }
-
-    /// End every event stream (the Edge shuts down): a stream must not
-    /// hold the HTTP server's drain.
-    pub fn close_streams(&self) {
-        self.closing.send_replace(true);
-    }
-}
-
-fn digest(token: &str) -> [u8; 32] {
-    Sha256::digest(token.as_bytes()).into()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
 
 /// The console's routes.
 pub fn routes() -> Router<AppState> {
@@ -371,7 +266,7 @@ async fn events(State(state): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(e) = reader(&state, &headers) {
         return guarded(e.into_response());
     }
-    let Ok(permit) = state.console().streams.clone().try_acquire_owned() else {
+    let Some(permit) = state.console().try_open_stream() else {
         return guarded(ApiError::console_streams_full(MAX_STREAMS).into_response());
     };
     let session = if headers.contains_key(header::AUTHORIZATION) {
@@ -382,7 +277,7 @@ async fn events(State(state): State<AppState>, headers: HeaderMap) -> Response {
     let mut ticks = tokio::time::interval(Duration::from_millis(PUSH_INTERVAL_MS));
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let stream = Stream {
-        closing: state.console().closing.subscribe(),
+        closing: state.console().closing(),
         state,
         session,
         ticks,
@@ -438,32 +333,6 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append(header::COOKIE, HeaderValue::from_static("iop_console="));
         assert_eq!(session_cookie(&h), None, "an empty cookie is no session");
-    }
-
-    #[test]
-    fn a_session_lasts_its_ttl_and_the_oldest_goes_past_the_bound() {
-        let console = Console::new();
-        let t0 = Instant::now();
-        let first = console.open_session("ops", t0);
-        assert_eq!(console.session(&first, t0).as_deref(), Some("ops"));
-        assert_eq!(
-            console.session(&first, t0 + Duration::from_millis(SESSION_TTL_MS)),
-            None,
-            "expired at its TTL"
-        );
-        for i in 1..MAX_SESSIONS {
-            console.open_session("ops", t0 + Duration::from_millis(i as u64));
-        }
-        assert_eq!(console.session_count(), MAX_SESSIONS);
-        let newest = console.open_session("ops", t0 + Duration::from_secs(1));
-        assert_eq!(console.session_count(), MAX_SESSIONS, "bounded");
-        assert_eq!(
-            console.session(&first, t0),
-            None,
-            "the oldest session made room"
-        );
-        assert!(console.session(&newest, t0).is_some());
-        assert!(console.session("not-a-token", t0).is_none());
     }
 
     #[test]

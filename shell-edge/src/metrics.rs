@@ -341,19 +341,19 @@ impl EdgeMetrics {
                 ])
                 .build(),
             genai_token_usage: meter
-                .u64_histogram(crate::observe::genai::CLIENT_TOKEN_USAGE)
+                .u64_histogram(crate::genai::CLIENT_TOKEN_USAGE)
                 .with_unit("{token}")
                 .with_description("Number of input and output tokens used (GenAI conventions)")
                 .with_boundaries(GENAI_TOKEN_BUCKETS.to_vec())
                 .build(),
             genai_duration: meter
-                .f64_histogram(crate::observe::genai::CLIENT_OPERATION_DURATION)
+                .f64_histogram(crate::genai::CLIENT_OPERATION_DURATION)
                 .with_unit("s")
                 .with_description("GenAI operation duration (GenAI conventions)")
                 .with_boundaries(GENAI_SECONDS_BUCKETS.to_vec())
                 .build(),
             genai_time_to_first_chunk: meter
-                .f64_histogram(crate::observe::genai::CLIENT_TIME_TO_FIRST_CHUNK)
+                .f64_histogram(crate::genai::CLIENT_TIME_TO_FIRST_CHUNK)
                 .with_unit("s")
                 .with_description(
                     "Time to the first chunk of a streamed answer (GenAI conventions)",
@@ -526,12 +526,12 @@ impl EdgeMetrics {
     /// `first_chunk` when known.
     pub fn genai_operation(
         &self,
-        labels: &crate::observe::GenAiLabels,
+        labels: &crate::genai::GenAiLabels,
         duration: Duration,
         usage: Option<Usage>,
         first_chunk: Option<Duration>,
     ) {
-        use crate::observe::genai;
+        use crate::genai;
         let mut attrs = vec![
             KeyValue::new(genai::OPERATION_NAME, labels.operation),
             KeyValue::new(genai::PROVIDER_NAME, labels.provider_name),

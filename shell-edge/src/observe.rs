@@ -46,63 +46,9 @@ use iop_core::ids::ProviderId;
 use iop_transport::traces::{Kind, SpanValue, TRACEPARENT_HEADER, TraceSpan, parse_traceparent};
 use iop_wire::{FailureCode, RunEventKind, TraceContext, Usage};
 
+use crate::genai::{self, GenAiLabels, operation_name};
 use crate::in_flight::RequestView;
 use crate::metrics::{ATTEMPT_OK, EdgeMetrics};
-
-/// OpenTelemetry GenAI semantic-convention names.
-pub mod genai {
-    /// The operation (`chat`, `text_completion`, `embeddings`).
-    pub const OPERATION_NAME: &str = "gen_ai.operation.name";
-    /// The provider's API flavour: the adapter (`openai`, `anthropic`, ...).
-    pub const PROVIDER_NAME: &str = "gen_ai.provider.name";
-    /// The model asked for (its configured route).
-    pub const REQUEST_MODEL: &str = "gen_ai.request.model";
-    /// The model that answered (its configured route).
-    pub const RESPONSE_MODEL: &str = "gen_ai.response.model";
-    /// Input tokens the answer reported.
-    pub const USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
-    /// Output tokens the answer reported.
-    pub const USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
-    /// Why generation finished (one per choice).
-    pub const RESPONSE_FINISH_REASONS: &str = "gen_ai.response.finish_reasons";
-    /// The GenAI server: the Node that reached the provider.
-    pub const SERVER_ADDRESS: &str = "server.address";
-    /// `input` or `output` (token usage metric).
-    pub const TOKEN_TYPE: &str = "gen_ai.token.type";
-    /// The closed class of a failed operation.
-    pub const ERROR_TYPE: &str = "error.type";
-    /// Histogram of tokens per operation and token type.
-    pub const CLIENT_TOKEN_USAGE: &str = "gen_ai.client.token.usage";
-    /// Histogram of operation durations, seconds.
-    pub const CLIENT_OPERATION_DURATION: &str = "gen_ai.client.operation.duration";
-    /// Histogram of the time to a streamed answer's first chunk, seconds.
-    pub const CLIENT_TIME_TO_FIRST_CHUNK: &str = "gen_ai.client.operation.time_to_first_chunk";
-    /// The operation of an embeddings request.
-    pub const OPERATION_EMBEDDINGS: &str = "embeddings";
-}
-
-/// The GenAI operation of a route class: `chat`, `text_completion` or
-/// `embeddings`.
-pub fn operation_name(route: &str) -> &'static str {
-    match route {
-        "completions" | "ollama_generate" => "text_completion",
-        "embeddings" | "ollama_embed" => genai::OPERATION_EMBEDDINGS,
-        _ => "chat",
-    }
-}
-
-/// The labels of one GenAI operation's metrics.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GenAiLabels {
-    /// [`operation_name`] of its route.
-    pub operation: &'static str,
-    /// The adapter of its last attempt's provider.
-    pub provider_name: &'static str,
-    /// Its configured route model ([`EdgeMetrics::route_model`]).
-    pub model: String,
-    /// Its closed failure class, if it failed.
-    pub error_type: Option<&'static str>,
-}
 
 /// What a request's view says of its GenAI operation: its labels, and the
 /// Node that served its last attempt; `None` if no provider was reached.
@@ -455,6 +401,81 @@ mod tests {
             1.0
         );
         assert!(!text.contains("SENTINEL") && !text.contains("mock:tps"));
+    }
+
+    #[test]
+    fn a_genai_operation_is_recorded_under_closed_labels_and_prometheus_names() {
+        let m = metrics();
+        m.set_providers(
+            [("p1".to_owned(), ("openai", "node-1".to_owned()))]
+                .into_iter()
+                .collect(),
+        );
+        let view = RequestView::new("chat", "mock:SENTINEL", true);
+        view.attempt_started(&ProviderId::new("p1"), 1);
+        view.committed();
+        view.delivered(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(7, 11)),
+        });
+        view.attempt_ended(None);
+        genai_operation(&m, &view);
+        let failed = RequestView::new("embeddings", "llama3", false);
+        failed.attempt_started(&ProviderId::new("p1"), 1);
+        failed.attempt_ended(Some(FailureCode::ProviderError));
+        failed.failed(iop_core::edge::gate::GateFailure::Attempt(
+            FailureCode::ProviderError,
+        ));
+        genai_operation(&m, &failed);
+        // No provider reached: no GenAI operation.
+        genai_operation(&m, &RequestView::new("chat", "llama3", false));
+        let text = m.render();
+        let v = |name, labels: &[(&str, &str)]| scrape_value(&text, name, labels);
+        let chat = [
+            ("gen_ai_operation_name", "chat"),
+            ("gen_ai_provider_name", "openai"),
+            ("gen_ai_request_model", "mock*"),
+        ];
+        assert_eq!(
+            v("gen_ai_client_operation_duration_count", &chat),
+            1.0,
+            "{text}"
+        );
+        let with = |more: (&'static str, &'static str)| {
+            let mut l = chat.to_vec();
+            l.push(more);
+            l
+        };
+        assert_eq!(
+            v(
+                "gen_ai_client_token_usage_sum",
+                &with(("gen_ai_token_type", "output"))
+            ),
+            11.0
+        );
+        assert_eq!(
+            v("gen_ai_client_operation_time_to_first_chunk_count", &chat),
+            1.0
+        );
+        let embed = [
+            ("gen_ai_operation_name", "embeddings"),
+            ("error_type", "provider_error"),
+        ];
+        assert_eq!(v("gen_ai_client_operation_duration_count", &embed), 1.0);
+        assert_eq!(
+            v("gen_ai_client_operation_duration_count", &[]),
+            2.0,
+            "the request that reached no provider is no operation"
+        );
+        assert_eq!(
+            v(
+                "gen_ai_client_operation_time_to_first_chunk_count",
+                &[("gen_ai_operation_name", "embeddings")]
+            ),
+            0.0,
+            "only streamed answers have a first chunk"
+        );
+        assert!(!text.contains("SENTINEL"));
     }
 
     #[test]

@@ -80,7 +80,7 @@ pub struct RunningEdge {
     /// Tenants: their settled usage is written once more at shutdown.
     tenancy: Arc<crate::tenancy::Tenancy>,
     /// The console's live streams, ended at shutdown.
-    console: Arc<crate::console::Console>,
+    console: Arc<crate::console_sessions::ConsoleSessions>,
 }
 
 /// Process options that are not configuration.

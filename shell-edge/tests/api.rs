@@ -176,6 +176,126 @@ async fn chat_completion_streams_and_returns_json() {
     .await;
 }
 
+/// `name -> (dur ms, desc)` of a `Server-Timing` header.
+fn server_timing(r: &reqwest::Response) -> Vec<(String, f64, Option<String>)> {
+    let value = r
+        .headers()
+        .get("server-timing")
+        .expect("a Server-Timing header")
+        .to_str()
+        .unwrap();
+    value
+        .split(", ")
+        .map(|metric| {
+            let mut parts = metric.split(';');
+            let name = parts.next().unwrap().to_owned();
+            let (mut dur, mut desc) = (f64::NAN, None);
+            for p in parts {
+                if let Some(d) = p.strip_prefix("dur=") {
+                    dur = d.parse().unwrap();
+                } else if let Some(d) = p.strip_prefix("desc=") {
+                    desc = Some(d.trim_matches('"').to_owned());
+                }
+            }
+            (name, dur, desc)
+        })
+        .collect()
+}
+
+fn timing(t: &[(String, f64, Option<String>)], name: &str) -> f64 {
+    t.iter()
+        .find(|(n, ..)| n == name)
+        .map_or(f64::NAN, |(_, d, _)| *d)
+}
+
+/// Every answer says how long the client waited and iop's share of it:
+/// a whole answer covers the whole request (its provider time holds the
+/// provider's prefill), a streamed one only what was known when its
+/// headers went out, and a refusal was all the Edge's.
+#[tokio::test]
+async fn every_answer_carries_server_timing_with_the_edge_s_own_share() {
+    bounded(async {
+        let d = Deployment::start(vec![MockScript::default()], "").await;
+        let started = std::time::Instant::now();
+        let r = d
+            .post(
+                "/v1/chat/completions",
+                &chat_body("mock:prefill_ms=300,tokens=3", false),
+            )
+            .await;
+        let waited_ms = started.elapsed().as_secs_f64() * 1000.0;
+        assert_eq!(r.status(), 200);
+        let t = server_timing(&r);
+        let names: Vec<&str> = t.iter().map(|(n, ..)| n.as_str()).collect();
+        assert_eq!(names, ["queue", "provider", "edge", "total"]);
+        let (queue, provider, edge, total) = (
+            timing(&t, "queue"),
+            timing(&t, "provider"),
+            timing(&t, "edge"),
+            timing(&t, "total"),
+        );
+        assert!(
+            provider >= 300.0,
+            "the provider's prefill is its time: {t:?}"
+        );
+        assert!(
+            total <= waited_ms + 1.0,
+            "no more than the client waited: {t:?} vs {waited_ms}"
+        );
+        assert!(
+            ((queue + provider + edge) - total).abs() <= 0.3,
+            "the parts add up: {t:?}"
+        );
+        assert!(edge < 250.0, "the Edge's own share is small: {t:?}");
+
+        let r = d
+            .post(
+                "/v1/chat/completions",
+                &chat_body("mock:prefill_ms=200,tokens=50,tps=100", true),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        let t = server_timing(&r);
+        let desc = |name| {
+            t.iter()
+                .find(|(n, ..)| n == name)
+                .and_then(|(_, _, d)| d.clone())
+        };
+        assert_eq!(desc("total").as_deref(), Some("to headers"), "{t:?}");
+        assert_eq!(
+            desc("provider").as_deref(),
+            Some("to first content"),
+            "{t:?}"
+        );
+        let to_headers = timing(&t, "total");
+        assert!(
+            to_headers >= 200.0,
+            "headers follow the first content: {t:?}"
+        );
+        assert!(
+            to_headers < 450.0,
+            "the stream's ~500 ms after its first content are not in it: {t:?}"
+        );
+        let (text, done, _) = sse_text(&r.text().await.unwrap());
+        assert!(done && !text.is_empty());
+
+        let r = d
+            .post("/v1/chat/completions", &chat_body("unrouted", false))
+            .await;
+        assert_eq!(r.status(), 404);
+        let t = server_timing(&r);
+        assert_eq!(timing(&t, "provider"), 0.0, "{t:?}");
+        assert_eq!(
+            timing(&t, "edge"),
+            timing(&t, "total"),
+            "all the Edge's: {t:?}"
+        );
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn stall_before_first_content_is_answered_by_the_other_node_with_one_readmission() {
     bounded(async {

@@ -261,6 +261,42 @@ async fn edge_and_node_export_metrics_over_otlp() {
         let total = collector.latest("iop-edge", "iop_edge_requests", &[("route", "chat")]);
         assert_eq!(total, Some(sent), "every request is in the final export");
 
+        // The GenAI client metrics beside them: one operation per request
+        // (the stalled one with its error.type), tokens by type, and the
+        // time to the first chunk of the two streamed answers.
+        let genai = [
+            ("gen_ai.operation.name", "chat"),
+            ("gen_ai.provider.name", "openai"),
+            ("gen_ai.request.model", "mock*"),
+        ];
+        let latest = |metric: &str, more: &[(&str, &str)]| {
+            let attrs: Vec<(&str, &str)> = genai.iter().chain(more).copied().collect();
+            collector.latest("iop-edge", metric, &attrs)
+        };
+        assert_eq!(latest("gen_ai.client.operation.duration", &[]), Some(sent));
+        assert_eq!(
+            latest(
+                "gen_ai.client.operation.duration",
+                &[("error.type", "response_stalled")]
+            ),
+            Some(1.0),
+            "the stalled answer failed"
+        );
+        assert_eq!(
+            latest("gen_ai.client.token.usage", &[("gen_ai.token.type", "input")]),
+            Some(2.0),
+            "the two answers that reported usage"
+        );
+        assert_eq!(
+            latest("gen_ai.client.token.usage", &[("gen_ai.token.type", "output")]),
+            Some(2.0)
+        );
+        assert_eq!(
+            latest("gen_ai.client.operation.time_to_first_chunk", &[]),
+            Some(2.0),
+            "streamed answers only"
+        );
+
         // R-OBS-1 over OTLP too: no key, payload or run id in anything sent.
         let raw = collector.raw.lock().unwrap().clone();
         let raw = String::from_utf8_lossy(&raw);
@@ -272,7 +308,7 @@ async fn edge_and_node_export_metrics_over_otlp() {
                 // Names from the configuration and the build, not enums.
                 let configured: &[&str] = match k.as_str() {
                     "provider" => &["p1"],
-                    "model" => &["mock*"],
+                    "model" | "gen_ai.request.model" => &["mock*"],
                     "target" => &["t"],
                     "version" => &[env!("CARGO_PKG_VERSION")],
                     _ => &[],
