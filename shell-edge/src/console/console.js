@@ -268,32 +268,66 @@
   function limitText(l) {
     if (!l) return ['–', '–', '–', '–'];
     const n = (v) => (typeof v === 'number' ? count(v) : 'no limit');
-    const budget = l.budget ? count(l.budget.limit_micros / 1e6) + ' per ' + String(l.budget.period).toLowerCase() : 'no limit';
+    const budget = l.budget
+      ? money(l.budget.limit_micros) + ' per ' + String(l.budget.period).toLowerCase()
+      : 'no limit';
     return [n(l.requests_per_minute), n(l.tokens_per_minute), n(l.concurrent_requests), budget];
   }
+  function money(micros) {
+    return typeof micros === 'number' ? (micros / 1e6).toLocaleString('en-US', { maximumFractionDigits: 6 }) : '–';
+  }
 
+  // Keys and principals with their limits (`limits`), and what they used
+  // today and the tenants' store (`tenants`), when the Edge reports them.
   function renderTenants(doc) {
     const parts = [];
     const limits = doc.limits || {};
+    const tenants = doc.tenants && typeof doc.tenants === 'object' ? doc.tenants : null;
     const keys = Array.isArray(limits.keys) ? limits.keys : [];
-    const principals = Array.isArray(limits.principals) ? limits.principals : [];
-    const cols = [['Requests / min', true], ['Tokens / min', true], ['Concurrent', true], ['Budget', true]];
+    const configured = Array.isArray(limits.principals) ? limits.principals : [];
+    const today = tenants && tenants.today && tenants.today.principals &&
+      typeof tenants.today.principals === 'object' && !tenants.today.principals.error
+      ? tenants.today.principals : {};
+    const limitCols = [['Requests / min', true], ['Tokens / min', true], ['Concurrent', true], ['Budget', true]];
+
+    const names = [...new Set(configured.map((p) => p.principal).concat(Object.keys(today)))].sort();
+    if (names.length) {
+      const byName = Object.fromEntries(configured.map((p) => [p.principal, p.limits]));
+      parts.push(el('h3', { text: 'Principals: used today against their limits' }), el('div', { class: 'scroll' }, table(
+        [['Principal'], ['Requests today', true], ['Tokens in', true], ['Tokens out', true], ['Spend', true]].concat(limitCols),
+        names.map((name) => {
+          const t = today[name] || {};
+          return [name, count(t.requests || 0), count(t.input_tokens || 0), count(t.output_tokens || 0),
+            money(t.spend_micros || 0)].concat(limitText(byName[name]));
+        }),
+        (i) => ({ 'data-principal': names[i] }))));
+    }
     if (keys.length) {
+      const stateKind = { usable: 'ok', revoked: 'bad', expired: 'warn' };
       parts.push(el('h3', { text: 'Keys' }), el('div', { class: 'scroll' }, table(
-        [['Key id'], ['Principal'], ['Admin'], ['Models']].concat(cols),
-        keys.map((k) => [k.id, k.principal, k.admin ? 'yes' : 'no',
-          Array.isArray(k.models) ? k.models.join(', ') : '–'].concat(limitText(k.limits))),
+        [['Key id'], ['Principal'], ['From'], ['State'], ['Admin'], ['Models']].concat(limitCols),
+        keys.map((k) => [k.id, k.principal, k.source || '–', badge(k.state || 'usable', stateKind[k.state] || ''),
+          k.admin ? 'yes' : 'no', Array.isArray(k.models) ? k.models.join(', ') : '–'].concat(limitText(k.limits))),
         (i) => ({ 'data-key-id': keys[i].id }))));
+      if (limits.keys_total > keys.length) {
+        parts.push(el('p', { class: 'help', text: 'Showing ' + keys.length + ' of ' + limits.keys_total + ' keys.' }));
+      }
     }
-    if (principals.length) {
-      parts.push(el('h3', { text: 'Principals' }), el('div', { class: 'scroll' }, table(
-        [['Principal']].concat(cols),
-        principals.map((p) => [p.principal].concat(limitText(p.limits))))));
-    }
-    // Usage against those limits, when the Edge reports it.
-    for (const name of ['tenants', 'usage']) {
-      if (doc[name] !== undefined) {
-        parts.push(el('h3', { text: name === 'tenants' ? 'Usage' : 'Usage' }), generic(doc[name], 0));
+    if (tenants) {
+      const k = tenants.keys || {};
+      const store = el('dl', { class: 'kv' },
+        el('dt', { text: 'Tenants\' store' }),
+        el('dd', {}, tenants.store_reachable === false ? badge('unreachable', 'bad') : badge('reachable', 'ok')),
+        el('dt', { text: 'Limit checks' }),
+        el('dd', { text: count(tenants.claims) + ' (' + count(tenants.claim_failures) + ' failed)' }),
+        el('dt', { text: 'Usage writes' }),
+        el('dd', { text: count(tenants.usage_writes) + ' (' + count(tenants.usage_write_failures) + ' failed)' }),
+        el('dt', { text: 'Runtime keys' }),
+        el('dd', { text: count(k.runtime_keys) + ' (' + count(k.runtime_keys_usable) + ' usable), ' +
+          count(k.config_keys) + ' from the config file' }));
+      parts.push(el('h3', { text: 'Store' }), store);
+      if (tenants.today && tenants.today.principals && tenants.today.principals.error) {
+        parts.push(el('p', { class: 'error', text: 'Usage: ' + tenants.today.principals.error }));
       }
     }
     if (!parts.length) parts.push(empty('No API keys are configured.'));
@@ -327,7 +361,7 @@
   }
 
   const KNOWN = new Set(['instance', 'providers', 'journal', 'nodes', 'requests',
-    'durable_responses', 'limits', 'tenants', 'usage']);
+    'durable_responses', 'limits', 'tenants']);
 
   function renderMore(doc) {
     const extra = Object.keys(doc).filter((k) => !KNOWN.has(k));

@@ -164,7 +164,12 @@ def main() -> None:
         time.sleep(0.3)
         overflow = driver.execute_script(
             "return document.documentElement.scrollWidth - window.innerWidth")
-        check(overflow <= 1, f"no horizontal scrolling on a phone: {overflow}px")
+        wide = driver.execute_script(
+            "return [...document.querySelectorAll('body *')]"
+            ".filter((e) => e.getBoundingClientRect().right > window.innerWidth + 1)"
+            ".slice(0, 5).map((e) => e.tagName + '#' + e.id + '.' + e.className + ': '"
+            " + (e.innerText || '').slice(0, 40));")
+        check(overflow <= 1, f"no horizontal scrolling on a phone: {overflow}px, past the edge: {wide}")
         driver.save_screenshot(f"{shots}/console-phone.png")
         driver.set_window_size(1280, 1000)
 
