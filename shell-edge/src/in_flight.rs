@@ -263,7 +263,12 @@ impl RequestView {
     fn status_json(&self, now: Instant, now_unix_ms: u64) -> Value {
         let read = self.read_at(now);
         let p = read.progress;
-        let response_id = self.shared().response_id.clone();
+        // R-OBS-1: a durable response by its log tag, never its id.
+        let response = self
+            .shared()
+            .response_id
+            .as_deref()
+            .map(iop_core::edge::client_ids::log_tag);
         json!({
             "route": self.route,
             "model": self.model,
@@ -276,7 +281,7 @@ impl RequestView {
             "queued_ms": millis(read.queued),
             "provider_ms": millis(read.provider),
             "streamed": self.streamed,
-            "response_id": response_id,
+            "response": response,
         })
     }
 }

@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use iop_core::edge::client_ids::log_tag;
+
 use crate::app_state::AppState;
 use crate::config::EdgeConfig;
 use crate::durable::JournalStatus;
@@ -76,7 +78,7 @@ fn nodes_json(snap: &HubSnapshot) -> Value {
 }
 
 /// The `durable_responses` part: the responses this Edge ran last, each
-/// with its record's status, owner Edge and events, read from the store
+/// by its log tag with its record's status, owner Edge and events, read from the store
 /// (bounded by [`RECENT_RESPONSES_READ_MS`]).
 async fn recent_responses_json(state: &AppState) -> Value {
     let durable = state.durable();
@@ -98,7 +100,9 @@ async fn recent_responses_json(state: &AppState) -> Value {
                 .and_then(|r| r.as_ref())
                 .map(|(meta, _)| meta);
             json!({
-                "id": id,
+                // R-OBS-1: the tag logs name it by, never the id (an id
+                // lets its principal fetch, cancel or continue it).
+                "tag": log_tag(id),
                 "live_here": durable.is_live(id),
                 "status": meta.map(|m| m.status().as_str()),
                 "owner": meta.map(|m| m.owner.as_str()),

@@ -208,7 +208,7 @@
       q.provider || '–',
       dur(q.age_ms),
       dur(q.queued_ms),
-      q.response_id ? el('span', { class: 'mono', text: q.response_id }) : '–',
+      q.response ? el('span', { class: 'mono', text: q.response }) : '–',
     ]);
     const nodes = [table([
       ['Route'], ['Model'], ['Phase'], ['Attempt', true], ['Provider'], ['Age'],
@@ -232,17 +232,17 @@
       replace('durable', empty('This Edge has not run a durable response since it started.'));
     } else {
       replace('durable', table([
-        ['Response'], ['Status'], ['Owner Edge', false, 'The Edge that writes the record'],
+        ['Response', false, 'The tag the logs name it by (not its id)'], ['Status'], ['Owner Edge', false, 'The Edge that writes the record'],
         ['Events', true], ['API'], ['Running here'], ['Created'],
       ], recent.map((r) => [
-        el('span', { class: 'mono', text: r.id }),
+        el('span', { class: 'mono', text: r.tag }),
         statusBadge(r.status),
         r.owner === undefined || r.owner === null ? '–' : (r.owner === '' ? '(first Edge)' : r.owner),
         count(r.events),
         r.api || '–',
         r.live_here ? 'yes' : 'no',
         ago(now, r.created_at),
-      ]), (i) => ({ 'data-response': recent[i].id })));
+      ]), (i) => ({ 'data-response': recent[i].tag })));
     }
     const j = doc.journal;
     if (!j || typeof j !== 'object') {
