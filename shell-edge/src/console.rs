@@ -21,8 +21,9 @@
 //! the session cookie or, for scripts, `Authorization: Bearer` with an
 //! admin key. A request that names an `Origin` other than the Edge's own
 //! host is refused. At most [`MAX_STREAMS`] event streams are open at once
-//! (past it: 429); a stream ends when its session expires and when the
-//! Edge shuts down.
+//! (past it: 429), and they share one document gathered at most every
+//! [`crate::console_sessions::STATUS_REUSE_MS`]; a stream ends when its
+//! session expires and when the Edge shuts down.
 
 use std::time::{Duration, Instant};
 
@@ -248,6 +249,18 @@ async fn status(State(state): State<AppState>, headers: HeaderMap) -> Response {
     }
 }
 
+/// The status document as text: the one another stream gathered moments
+/// ago, or a fresh one (`None`: the Edge is stopping).
+async fn status_text(state: &AppState) -> Option<std::sync::Arc<str>> {
+    let console = state.console();
+    if let Some(doc) = console.fresh_status(Instant::now()) {
+        return Some(doc);
+    }
+    let doc: std::sync::Arc<str> = crate::status::gather(state).await.ok()?.to_string().into();
+    console.keep_status(doc.clone(), Instant::now());
+    Some(doc)
+}
+
 /// What a console stream holds between pushes.
 struct Stream {
     state: AppState,
@@ -300,10 +313,10 @@ async fn events(State(state): State<AppState>, headers: HeaderMap) -> Response {
             s.ended = true;
             Event::default().event("expired").data("{}")
         } else {
-            match crate::status::gather(&s.state).await {
-                Ok(doc) => Event::default().event("status").data(doc.to_string()),
+            match status_text(&s.state).await {
+                Some(doc) => Event::default().event("status").data(&*doc),
                 // The hub is gone: the Edge is stopping.
-                Err(_) => return None,
+                None => return None,
             }
         };
         Some((Ok::<_, std::convert::Infallible>(event), s))

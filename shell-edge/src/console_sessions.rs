@@ -19,6 +19,11 @@ pub const MAX_SESSIONS: usize = 64;
 /// The most console event streams open at once.
 pub const MAX_STREAMS: usize = 8;
 
+/// How long a gathered status document is pushed to every stream again
+/// before it is gathered anew: the streams together ask the Edge about
+/// twice a second, however many are open.
+pub const STATUS_REUSE_MS: u64 = 500;
+
 /// One signed-in session.
 #[derive(Debug, Clone)]
 struct Session {
@@ -33,6 +38,8 @@ pub struct ConsoleSessions {
     sessions: Mutex<HashMap<[u8; 32], Session>>,
     streams: Arc<Semaphore>,
     closing: tokio::sync::watch::Sender<bool>,
+    /// The last status document pushed, and when it was gathered.
+    status: Mutex<Option<(Instant, Arc<str>)>>,
 }
 
 impl ConsoleSessions {
@@ -42,6 +49,7 @@ impl ConsoleSessions {
             sessions: Mutex::new(HashMap::new()),
             streams: Arc::new(Semaphore::new(MAX_STREAMS)),
             closing: tokio::sync::watch::channel(false).0,
+            status: Mutex::new(None),
         })
     }
 
@@ -108,6 +116,23 @@ impl ConsoleSessions {
         self.closing.subscribe()
     }
 
+    /// The status document gathered less than [`STATUS_REUSE_MS`] before
+    /// `now`, if there is one.
+    pub fn fresh_status(&self, now: Instant) -> Option<Arc<str>> {
+        let status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        status
+            .as_ref()
+            .filter(|(at, _)| {
+                now.saturating_duration_since(*at) < Duration::from_millis(STATUS_REUSE_MS)
+            })
+            .map(|(_, doc)| doc.clone())
+    }
+
+    /// Keep `doc`, gathered at `at`, for the other streams.
+    pub fn keep_status(&self, doc: Arc<str>, at: Instant) {
+        *self.status.lock().unwrap_or_else(|e| e.into_inner()) = Some((at, doc));
+    }
+
     /// End every event stream (the Edge shuts down): a stream must not
     /// hold the HTTP server's drain.
     pub fn close_streams(&self) {
@@ -151,5 +176,16 @@ mod tests {
         );
         assert!(console.session(&newest, t0).is_some());
         assert!(console.session("not-a-token", t0).is_none());
+    }
+
+    #[test]
+    fn a_status_document_is_reused_for_half_a_push_interval() {
+        let console = ConsoleSessions::new();
+        let t0 = Instant::now();
+        assert!(console.fresh_status(t0).is_none());
+        console.keep_status("{}".into(), t0);
+        let reuse = Duration::from_millis(STATUS_REUSE_MS);
+        assert!(console.fresh_status(t0 + reuse / 2).is_some());
+        assert!(console.fresh_status(t0 + reuse).is_none(), "gathered anew");
     }
 }
