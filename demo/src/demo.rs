@@ -158,6 +158,7 @@ models = [{model_list}]
     println!();
     println!("  Python: OpenAI(base_url=\"http://{http}/v1\", api_key=\"{key}\")");
     println!("  Status: curl -s -H 'Authorization: Bearer {key}' http://{http}/status");
+    println!("  Console: http://{http}/console (sign in with the API key above)");
     println!();
     println!("Ctrl-C to stop.");
 
