@@ -285,7 +285,12 @@ async fn run_admitted<E: RunEndpoint>(
         Err(e) => return refuse(record, e),
     };
     *rate = admitted.tenant.as_ref().map(|t| t.headers);
-    let run_view = RequestView::new(route, &admitted.run.model, admitted.run.stream);
+    let run_view = RequestView::since(
+        route,
+        &admitted.run.model,
+        admitted.run.stream,
+        record.started(),
+    );
     record.view = Some(run_view.clone());
     *view = Some(run_view.clone());
     // A continued conversation: the stored response's messages go between

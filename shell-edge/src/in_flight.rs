@@ -116,12 +116,19 @@ impl RequestView {
     /// The view of a request on `route` for `model` that starts now;
     /// `streamed`: its answer is sent as it comes.
     pub fn new(route: &'static str, model: &str, streamed: bool) -> Arc<Self> {
+        Self::since(route, model, streamed, Instant::now())
+    }
+
+    /// The view of a request that arrived at `started` (its times count
+    /// from there).
+    pub fn since(route: &'static str, model: &str, streamed: bool, started: Instant) -> Arc<Self> {
+        let age_ms = millis(started.elapsed());
         Arc::new(RequestView {
             route,
             model: model.chars().take(MAX_MODEL_CHARS).collect(),
             streamed,
-            started: Instant::now(),
-            started_unix_ms: iop_transport::clock::unix_ms(),
+            started,
+            started_unix_ms: iop_transport::clock::unix_ms().saturating_sub(age_ms),
             state: Mutex::new(Shared::default()),
         })
     }
@@ -417,6 +424,15 @@ mod tests {
         );
         drop(entries);
         assert!(table.is_empty());
+    }
+
+    #[test]
+    fn a_view_counts_from_the_request_s_arrival() {
+        let arrived = Instant::now() - Duration::from_millis(300);
+        let table = InFlight::new();
+        let _entry = table.enter(RequestView::since("chat", "m", false, arrived));
+        let age = table.status_json()["listed"][0]["age_ms"].as_u64();
+        assert!(age >= Some(300), "{age:?}");
     }
 
     #[test]

@@ -65,6 +65,11 @@ impl RequestRecord {
         self.outcome = outcome;
     }
 
+    /// When the request arrived.
+    pub(crate) fn started(&self) -> std::time::Instant {
+        self.started
+    }
+
     /// The request ended with `err`.
     pub(crate) fn error(&mut self, err: &ApiError) {
         self.outcome = outcome_of(err);
