@@ -21,14 +21,13 @@ mod common;
 #[path = "../../store-nats/tests/support/mod.rs"]
 mod nats;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
 use iop_node::mock::{MockScript, MockServer};
 use nats::NatsServer;
 use serde_json::{Value, json};
-use tokio::process::{Child, Command};
 
 const KEY: &str = "sk-storm-0123456789abcdef";
 /// Tokens of each answer.
@@ -58,27 +57,6 @@ impl Schedule {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
-}
-
-/// The `iop-node` binary beside this test's target directory; built
-/// when it is not there yet.
-fn node_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target directory")
-        .to_path_buf();
-    let node = dir.join("iop-node");
-    if !node.exists() {
-        let status = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "iop-node", "--bin", "iop-node"])
-            .status()
-            .expect("cargo build iop-node");
-        assert!(status.success(), "building iop-node failed");
-    }
-    assert!(node.exists(), "no iop-node at {}", node.display());
-    node
 }
 
 fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
@@ -163,41 +141,6 @@ target = "t"
 base_url = "{mock_url}"
 "#
     )
-}
-
-/// One process of the deployment, restartable with the same config.
-struct Component {
-    name: String,
-    program: PathBuf,
-    config: PathBuf,
-    child: Option<Child>,
-}
-
-impl Component {
-    fn start(&mut self) {
-        // Each run's log is kept beside its config, for a failure's story.
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.config.with_extension("log"))
-            .expect("log file");
-        let child = Command::new(&self.program)
-            .args(["run", "--config"])
-            .arg(&self.config)
-            .stdout(std::process::Stdio::null())
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {}: {e}", self.name));
-        self.child = Some(child);
-    }
-
-    async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-        }
-    }
 }
 
 fn text_of(events: &[(u64, Value)]) -> String {

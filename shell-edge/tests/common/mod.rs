@@ -281,3 +281,61 @@ pub async fn start_edge_process(config: &Path, http_port: u16, key: &str) -> Edg
     }
     EdgeProcess { child, http }
 }
+
+/// The `iop-node` binary beside this test's target directory, built (or
+/// found up to date) first: a binary left from an older tree would run
+/// another build's protocol.
+pub fn node_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory")
+        .to_path_buf();
+    let node = dir.join("iop-node");
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    BUILT.call_once(|| {
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "iop-node", "--bin", "iop-node"])
+            .status()
+            .expect("cargo build iop-node");
+        assert!(status.success(), "building iop-node failed");
+    });
+    assert!(node.exists(), "no iop-node at {}", node.display());
+    node
+}
+
+/// One process of the deployment, restartable with the same config.
+pub struct Component {
+    pub name: String,
+    pub program: PathBuf,
+    pub config: PathBuf,
+    pub child: Option<tokio::process::Child>,
+}
+
+impl Component {
+    pub fn start(&mut self) {
+        // Each run's log is kept beside its config, for a failure's story.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.config.with_extension("log"))
+            .expect("log file");
+        let child = tokio::process::Command::new(&self.program)
+            .args(["run", "--config"])
+            .arg(&self.config)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", self.name));
+        self.child = Some(child);
+    }
+
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+}
