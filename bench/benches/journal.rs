@@ -79,6 +79,7 @@ fn record(id: &str) -> NewRecord {
         request: body.to_vec(),
         created_unix_ms: iop_transport::clock::unix_ms(),
         owner: "bench".into(),
+        key_id: "bench".into(),
     }
 }
 

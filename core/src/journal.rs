@@ -53,6 +53,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
+use crate::tenant::Held;
 use crate::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -193,6 +194,9 @@ pub struct NewRecord {
     pub created_unix_ms: u64,
     /// The Edge that creates it (its `edge_id`): the record's first owner.
     pub owner: String,
+    /// The id of the API key that asked (never its secret): whose
+    /// journal-bytes and background quotas it counts against (R-TEN-1).
+    pub key_id: String,
 }
 
 /// A record as stored.
@@ -229,11 +233,18 @@ pub struct RecordMeta {
     /// its epoch ([`check_raise_epoch`]); [`NO_OWNER`] for a record stored
     /// before owners were recorded.
     pub owner: String,
+    /// The id of the API key that asked (never its secret); [`NO_KEY_ID`]
+    /// for a record stored before records named their key.
+    pub key_id: String,
 }
 
 /// The owner of a record stored before records named their owner: the
 /// one Edge that wrote that store, so a takeover treats it as its own.
 pub const NO_OWNER: &str = "";
+
+/// The key id of a record stored before records named their API key: it
+/// counts against its principal's quotas only.
+pub const NO_KEY_ID: &str = "";
 
 impl RecordMeta {
     /// Its status.
@@ -241,6 +252,16 @@ impl RecordMeta {
         self.terminal
             .as_ref()
             .map_or(RecordStatus::InProgress, |t| t.status)
+    }
+
+    /// What it holds against its key's and its principal's quotas
+    /// (R-TEN-1): its stored bytes, and one background response while a
+    /// background record has no terminal.
+    pub fn held(&self) -> Held {
+        Held {
+            journal_bytes: self.stored_bytes,
+            background: u64::from(self.background && self.terminal.is_none()),
+        }
     }
 }
 
@@ -462,6 +483,7 @@ pub fn check_create(
         expires_unix_ms: u64::MAX,
         stored_bytes: bytes,
         owner: new.owner.clone(),
+        key_id: new.key_id.clone(),
     }))
 }
 

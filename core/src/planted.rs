@@ -381,6 +381,7 @@ mod tests {
             request: vec![],
             created_unix_ms: 0,
             owner: "edge".into(),
+            key_id: "key".into(),
         };
         match check_create(0, &JournalLimits::default(), 0, None, None, &new) {
             Ok(CreateOutcome::Create(meta)) => meta,

@@ -563,6 +563,7 @@ mod tests {
             request: stored.encode(),
             created_unix_ms: 1,
             owner: crate::config::DEFAULT_EDGE_ID.into(),
+            key_id: "k".into(),
         };
         let meta = match store.create(new).await.unwrap() {
             iop_store::CreateOutcome::Create(meta) => meta,

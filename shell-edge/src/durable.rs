@@ -1002,6 +1002,7 @@ mod tests {
             request: stored().encode(),
             created_unix_ms: 1,
             owner: owner.into(),
+            key_id: "k".into(),
         };
         match store.create(new).await.unwrap() {
             iop_store::CreateOutcome::Create(meta) => meta,

@@ -301,6 +301,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         request: stored.encode(),
         created_unix_ms,
         owner: durable.edge_id().to_owned(),
+        key_id: key.id.clone(),
     };
     let mut admission = None;
     let (meta, stored, replayed) = match durable.create(new).await {

@@ -667,6 +667,7 @@ mod tests {
             request: vec![],
             created_unix_ms: 0,
             owner: SIM_EDGE.into(),
+            key_id: "sim".into(),
         }
     }
 

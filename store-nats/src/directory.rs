@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use iop_core::journal::{RecordMeta, expired};
-use iop_store::Progress;
+use iop_store::{Held, HeldGauges, Progress, Subject};
 use tokio::sync::watch;
 
 use crate::layout::RecordValue;
@@ -59,6 +59,9 @@ pub(crate) struct Directory {
     /// The bucket keys of Edges' ownership leases, with the last revision
     /// seen (at most [`MAX_LEASE_KEYS`]).
     lease_keys: BTreeMap<String, u64>,
+    /// What each key and principal holds, over the records known here
+    /// (R-TEN-1).
+    held: HeldGauges,
 }
 
 /// Lease keys the directory remembers at most (Edges of one deployment).
@@ -85,6 +88,10 @@ impl Directory {
             return;
         }
         let new_bytes = value.meta.stored_bytes;
+        self.held.change_meta(
+            self.records.get(tok).map(|k| &k.value.meta),
+            Some(&value.meta),
+        );
         let old = self.records.insert(
             tok.to_owned(),
             Known {
@@ -121,6 +128,7 @@ impl Directory {
             && let Some(old) = self.records.remove(tok)
         {
             self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
+            self.held.change_meta(Some(&old.value.meta), None);
             self.watchers.remove(tok);
         }
         if marker_revision > self.followed_revision {
@@ -155,6 +163,7 @@ impl Directory {
             && let Some(old) = self.records.remove(tok)
         {
             self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
+            self.held.change_meta(Some(&old.value.meta), None);
             self.watchers.remove(tok);
         }
     }
@@ -225,6 +234,11 @@ impl Directory {
         self.lease_keys.keys().cloned().collect()
     }
 
+    /// What `subject` holds over the known records.
+    pub(crate) fn held(&self, subject: &Subject) -> Held {
+        self.held.held(subject)
+    }
+
     /// Bytes of every known record, as the journal counts them.
     pub(crate) fn used_bytes(&self) -> u64 {
         self.used_bytes
@@ -290,6 +304,7 @@ mod tests {
                 expires_unix_ms: if ended { 10 } else { u64::MAX },
                 stored_bytes: bytes,
                 owner: "edge".into(),
+                key_id: "k".into(),
             },
             incarnation,
             request_parts: vec![incarnation],

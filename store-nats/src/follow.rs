@@ -1,5 +1,7 @@
-//! The bucket watch: one ordered consumer per store over every key of the
-//! bucket, feeding the [`Directory`] with every record any Edge writes.
+//! Bucket watches: one ordered consumer per followed bucket, feeding a
+//! local view with every value any Edge writes: the journal's
+//! [`Directory`] (every record), and the tenants' key book
+//! ([`crate::tenant`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,6 +30,38 @@ pub(crate) fn lock(dir: &Mutex<Directory>) -> std::sync::MutexGuard<'_, Director
     // Every change of the directory is a single insert or remove: a panic
     // while it was held leaves it consistent.
     dir.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A local view a bucket watch feeds.
+pub(crate) trait Follower: Send + Sync + 'static {
+    /// Apply one bucket message (a value or a delete marker).
+    fn apply(&self, message: &jetstream::Message);
+    /// The last revision applied: a watch started again starts after it.
+    fn followed_revision(&self) -> u64;
+}
+
+/// The journal's directory, fed by the watch of the journal's bucket.
+pub(crate) struct DirectoryFollower {
+    pub(crate) dir: Arc<Mutex<Directory>>,
+    pub(crate) names: Names,
+}
+
+impl Follower for DirectoryFollower {
+    fn apply(&self, message: &jetstream::Message) {
+        apply(&self.dir, &self.names, message);
+    }
+
+    fn followed_revision(&self) -> u64 {
+        lock(&self.dir).followed_revision()
+    }
+}
+
+/// What a watch follows: the subjects of its bucket, and its consumer's
+/// description (for operators).
+#[derive(Debug, Clone)]
+pub(crate) struct Watch {
+    pub(crate) filter_subject: String,
+    pub(crate) description: &'static str,
 }
 
 /// Apply one bucket message to the directory.
@@ -75,17 +109,17 @@ fn apply(dir: &Mutex<Directory>, names: &Names, message: &jetstream::Message) {
     d.followed(revision);
 }
 
-async fn consumer(
+pub(crate) async fn consumer(
     kv: &Stream,
     client: &async_nats::Client,
-    names: &Names,
+    watch: &Watch,
     deliver_policy: DeliverPolicy,
 ) -> Result<(u64, push::Ordered), String> {
     let consumer = kv
         .create_consumer(push::OrderedConfig {
             deliver_subject: client.new_inbox(),
-            description: Some("iop journal directory".into()),
-            filter_subject: format!("{}>", names.kv_prefix),
+            description: Some(watch.description.into()),
+            filter_subject: watch.filter_subject.clone(),
             replay_policy: ReplayPolicy::Instant,
             deliver_policy,
             ..Default::default()
@@ -97,13 +131,13 @@ async fn consumer(
     Ok((pending, messages))
 }
 
-/// Load every record of the bucket into `dir`, then follow the bucket in
-/// a task (aborted when the store is dropped).
-pub(crate) async fn start(
+/// Load every value of the bucket into `follower`, then follow the bucket
+/// in a task (aborted when its store is dropped).
+pub(crate) async fn start<F: Follower>(
     kv: Stream,
     client: async_nats::Client,
-    names: Names,
-    dir: Arc<Mutex<Directory>>,
+    watch: Watch,
+    follower: Arc<F>,
     timeout: Duration,
 ) -> Result<tokio::task::JoinHandle<()>, ConnectError> {
     let load = async {
@@ -117,7 +151,7 @@ pub(crate) async fn start(
             .state
             .last_sequence;
         let (mut pending, mut messages) =
-            consumer(&kv, &client, &names, DeliverPolicy::LastPerSubject).await?;
+            consumer(&kv, &client, &watch, DeliverPolicy::LastPerSubject).await?;
         while pending > 0 {
             match messages.next().await {
                 Some(Ok(message)) => {
@@ -126,7 +160,7 @@ pub(crate) async fn start(
                         Ok(i) => i.pending,
                         Err(_) => 0,
                     };
-                    apply(&dir, &names, &message);
+                    follower.apply(&message);
                 }
                 Some(Err(e)) => return Err(e.to_string()),
                 None => return Err("the watch ended".to_string()),
@@ -138,30 +172,30 @@ pub(crate) async fn start(
         .await
         .map_err(|_| ConnectError::Load(format!("not done within {timeout:?}")))?
         .map_err(ConnectError::Load)?;
-    Ok(tokio::spawn(follow(kv, client, names, dir, messages)))
+    Ok(tokio::spawn(follow(kv, client, watch, follower, messages)))
 }
 
-async fn follow(
+async fn follow<F: Follower>(
     kv: Stream,
     client: async_nats::Client,
-    names: Names,
-    dir: Arc<Mutex<Directory>>,
+    watch: Watch,
+    follower: Arc<F>,
     mut messages: push::Ordered,
 ) {
     // Bounded pause between attempts to start the watch again.
     const RETRY: Duration = Duration::from_secs(1);
     loop {
         match messages.next().await {
-            Some(Ok(message)) => apply(&dir, &names, &message),
+            Some(Ok(message)) => follower.apply(&message),
             // The ordered consumer starts itself again after a lost
             // connection; what it says meanwhile is only logged.
             Some(Err(e)) => tracing::warn!(error = %e, "bucket watch"),
             None => loop {
-                let from = lock(&dir).followed_revision() + 1;
+                let from = follower.followed_revision() + 1;
                 match consumer(
                     &kv,
                     &client,
-                    &names,
+                    &watch,
                     DeliverPolicy::ByStartSequence {
                         start_sequence: from,
                     },

@@ -120,18 +120,33 @@ pub(crate) struct RecordValue {
     pub events_last_msg: u64,
 }
 
-/// The record format this build writes: 2, the record names its owner.
-const RECORD_FORMAT: u8 = 2;
+/// The record format this build writes: 3, the record names its owner
+/// and its API key.
+const RECORD_FORMAT: u8 = 3;
 /// The format before records named their owner: read, never written.
 const RECORD_FORMAT_UNOWNED: u8 = 1;
+/// The format before records named their API key: read, never written.
+const RECORD_FORMAT_KEYLESS: u8 = 2;
 
-/// A record value of format 1 ([`RECORD_FORMAT_UNOWNED`]).
-#[derive(Deserialize)]
-struct RecordValueV1 {
-    meta: iop_store::legacy::RecordMetaV1,
+/// A record value of format 1 ([`RECORD_FORMAT_UNOWNED`]) or 2
+/// ([`RECORD_FORMAT_KEYLESS`]), by the record layout `M` of its format.
+#[derive(Serialize, Deserialize)]
+struct RecordValueOf<M> {
+    meta: M,
     incarnation: u64,
     request_parts: Vec<u64>,
     events_last_msg: u64,
+}
+
+impl<M> RecordValueOf<M> {
+    fn upgrade(self, meta: impl FnOnce(M) -> RecordMeta) -> RecordValue {
+        RecordValue {
+            meta: meta(self.meta),
+            incarnation: self.incarnation,
+            request_parts: self.request_parts,
+            events_last_msg: self.events_last_msg,
+        }
+    }
 }
 
 /// The lease format this build writes and reads.
@@ -161,13 +176,14 @@ impl RecordValue {
         match bytes.split_first() {
             Some((&RECORD_FORMAT, body)) => postcard::from_bytes(body).map_err(malformed),
             Some((&RECORD_FORMAT_UNOWNED, body)) => {
-                let old: RecordValueV1 = postcard::from_bytes(body).map_err(malformed)?;
-                Ok(RecordValue {
-                    meta: old.meta.upgrade(),
-                    incarnation: old.incarnation,
-                    request_parts: old.request_parts,
-                    events_last_msg: old.events_last_msg,
-                })
+                let old: RecordValueOf<iop_store::legacy::RecordMetaV1> =
+                    postcard::from_bytes(body).map_err(malformed)?;
+                Ok(old.upgrade(iop_store::legacy::RecordMetaV1::upgrade))
+            }
+            Some((&RECORD_FORMAT_KEYLESS, body)) => {
+                let old: RecordValueOf<iop_store::legacy::RecordMetaV2> =
+                    postcard::from_bytes(body).map_err(malformed)?;
+                Ok(old.upgrade(iop_store::legacy::RecordMetaV2::upgrade))
             }
             Some((&other, _)) => Err(DecodeError::RecordFormat(other)),
             None => Err(DecodeError::Record("empty".into())),
@@ -486,6 +502,7 @@ mod tests {
                 expires_unix_ms: 11,
                 stored_bytes: 12,
                 owner: "edge-a".into(),
+                key_id: "key-a".into(),
             },
             incarnation: 40,
             request_parts: vec![40, 41],
@@ -526,10 +543,34 @@ mod tests {
         old.extend(postcard::to_allocvec(&v1).unwrap());
         let upgraded = RecordValue::decode(&old).unwrap();
         assert_eq!(upgraded.meta.owner, iop_core::journal::NO_OWNER);
+        assert_eq!(upgraded.meta.key_id, iop_core::journal::NO_KEY_ID);
         assert_eq!(
             RecordValue {
                 meta: RecordMeta {
                     owner: "edge-a".into(),
+                    key_id: "key-a".into(),
+                    ..upgraded.meta
+                },
+                ..upgraded
+            },
+            value
+        );
+        // Format 2, before records named their API key, reads as of no
+        // key: it counts for its principal only.
+        let v2 = RecordValueOf {
+            meta: iop_store::legacy::RecordMetaV2::from_current(m),
+            incarnation: value.incarnation,
+            request_parts: value.request_parts.clone(),
+            events_last_msg: value.events_last_msg,
+        };
+        let mut old = vec![2u8];
+        old.extend(postcard::to_allocvec(&v2).unwrap());
+        let upgraded = RecordValue::decode(&old).unwrap();
+        assert_eq!(upgraded.meta.key_id, iop_core::journal::NO_KEY_ID);
+        assert_eq!(
+            RecordValue {
+                meta: RecordMeta {
+                    key_id: "key-a".into(),
                     ..upgraded.meta
                 },
                 ..upgraded

@@ -18,9 +18,12 @@
 //!   stored hashed with its principal, R-IDEM-1). Each Edge's ownership
 //!   lease (R-TAKE-1) is an entry `lease.<edge id>`; the record names its
 //!   owner (the Edge that created it or last won its epoch). Values start
-//!   with a format byte: records are format 2 (with their owner); format 1
-//!   (before owners) is still read, as owned by
-//!   [`NO_OWNER`](iop_core::journal::NO_OWNER).
+//!   with a format byte: records are format 3 (with their owner and their
+//!   API key); format 2 (before keys) is still read, as of no key
+//!   ([`NO_KEY_ID`](iop_core::journal::NO_KEY_ID)), and format 1 (before
+//!   owners) as owned by [`NO_OWNER`](iop_core::journal::NO_OWNER) too.
+//!   (An Edge of an earlier build cannot read format 3: upgrade every
+//!   Edge of a deployment together.)
 //! * A **stream** (`IOP_JOURNAL`) holds, per response, its request on
 //!   `<prefix>.req.<id>` and its events on `<prefix>.ev.<id>`: one message
 //!   per append, carrying every event of the append (more messages only
@@ -116,7 +119,9 @@
 //! watch delivers another Edge's write; it ends when the record is deleted
 //! or its id reused. One consumer per Edge, however many clients follow.
 //! The directory also gives `used_bytes` (the sum of the records' journal
-//! bytes, for `check_create`), `stats`, the candidates of `sweep`, of the
+//! bytes, for `check_create`), what each API key and principal holds
+//! ([`held`](iop_store::JournalStore::held), R-TEN-1), `stats`, the
+//! candidates of `sweep`, of the
 //! restart scan and of the periodic takeover scan
 //! ([`unfinished_hint`](iop_store::JournalStore::unfinished_hint)), each
 //! read again before it is acted on.
@@ -153,6 +158,12 @@
 //! own). The directory knows every lease key, so `leases` is one leader
 //! read per Edge.
 //!
+//! ## Tenants
+//!
+//! [`NatsStore::tenant_store`] keeps tenants' shared state (claimed
+//! counters, usage rows, runtime keys) in four more buckets on the same
+//! connection: see [`tenant`].
+//!
 //! ## Failures
 //!
 //! A limit answer is [`JournalError::Full`]; any other server error, and
@@ -175,7 +186,9 @@ use iop_core::journal::{
     CreateOutcome, EdgeLease, JournalError, JournalEvent, NewRecord, RecordMeta, StoredLease,
     Terminal,
 };
-use iop_store::{BoxFuture, JournalStore, Progress, StoreStats, StoredRecord};
+use iop_store::{
+    BoxFuture, Held, JournalStore, Progress, StoreStats, StoredRecord, Subject, TenantStore,
+};
 use tokio::sync::watch;
 
 mod directory;
@@ -185,11 +198,13 @@ mod layout;
 mod options;
 mod setup;
 mod store;
+mod tenant;
 #[cfg(test)]
 mod tests;
 
 pub use error::ConnectError;
 pub use options::{MIN_MESSAGE_BYTES, NatsAuth, NatsOptions};
+pub use tenant::{MAX_CAS_ATTEMPTS, RATE_COUNTER_MAX_AGE};
 
 use store::Inner;
 
@@ -197,6 +212,8 @@ use store::Inner;
 pub struct NatsStore {
     inner: Arc<Inner>,
     follower: tokio::task::JoinHandle<()>,
+    /// Tenants' state on this connection, made at its first use.
+    tenants: tokio::sync::OnceCell<Arc<tenant::NatsTenantStore>>,
 }
 
 impl Drop for NatsStore {
@@ -221,8 +238,14 @@ impl NatsStore {
         let follower = follow::start(
             kv.clone(),
             client.clone(),
-            names.clone(),
-            directory.clone(),
+            follow::Watch {
+                filter_subject: format!("{}>", names.kv_prefix),
+                description: "iop journal directory",
+            },
+            Arc::new(follow::DirectoryFollower {
+                dir: directory.clone(),
+                names: names.clone(),
+            }),
             options.connect_timeout,
         )
         .await?;
@@ -239,7 +262,27 @@ impl NatsStore {
                 directory,
             )),
             follower,
+            tenants: tokio::sync::OnceCell::new(),
         })
+    }
+
+    /// Tenants' shared state (counters, usage rows, runtime keys; SPEC
+    /// §9) on this store's connection, in key-value buckets named after
+    /// its bucket (see [`tenant`]'s docs): made (or checked) and its keys
+    /// loaded at the first call, the same store at every later one.
+    /// Fails as [`connect`](Self::connect) does when the buckets cannot be
+    /// made or the keys not loaded within `connect_timeout`.
+    pub async fn tenant_store(&self) -> Result<Arc<dyn TenantStore>, ConnectError> {
+        let store = self
+            .tenants
+            .get_or_try_init(|| async {
+                let inner = &self.inner;
+                tenant::NatsTenantStore::open(inner.client.clone(), inner.js.clone(), &inner.opts)
+                    .await
+                    .map(Arc::new)
+            })
+            .await?;
+        Ok(store.clone())
     }
 }
 
@@ -331,5 +374,9 @@ impl JournalStore for NatsStore {
 
     fn leases(&self) -> BoxFuture<'_, Result<Vec<StoredLease>, JournalError>> {
         Box::pin(async move { self.inner.leases().await })
+    }
+
+    fn held(&self, subject: &Subject) -> Held {
+        self.inner.held(subject)
     }
 }

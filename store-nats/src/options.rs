@@ -89,6 +89,11 @@ pub struct NatsOptions {
     /// How long a delete marker stays in the bucket before a sweep purges
     /// it: longer than any Edge's bucket watch may lag.
     pub marker_grace: Duration,
+    /// The `max_bytes` of each of the tenants' buckets
+    /// ([`NatsStore::tenant_store`](crate::NatsStore::tenant_store):
+    /// `<bucket>_rates`, `_budgets`, `_usage`, `_keys`); a write past it
+    /// is refused.
+    pub tenant_bucket_max_bytes: u64,
 }
 
 impl NatsOptions {
@@ -115,6 +120,7 @@ impl NatsOptions {
             max_message_bytes: None,
             usage_refresh: Duration::from_secs(1),
             marker_grace: Duration::from_secs(15 * 60),
+            tenant_bucket_max_bytes: 256 << 20,
         }
     }
 
@@ -167,6 +173,10 @@ impl NatsOptions {
         }
         if i64::try_from(self.bucket_max_bytes).is_err() {
             return bad("bucket_max_bytes", "at most i64::MAX".into());
+        }
+        if self.tenant_bucket_max_bytes == 0 || i64::try_from(self.tenant_bucket_max_bytes).is_err()
+        {
+            return bad("tenant_bucket_max_bytes", "between 1 and i64::MAX".into());
         }
         if ![1, 3, 5].contains(&self.replicas) {
             return bad("replicas", format!("1, 3 or 5, got {}", self.replicas));
@@ -231,6 +241,9 @@ mod tests {
         let mut o = ok.clone();
         o.stream_reserve_bytes = o.stream_max_bytes;
         assert_eq!(field(o), "stream_reserve_bytes");
+        let mut o = ok.clone();
+        o.tenant_bucket_max_bytes = 0;
+        assert_eq!(field(o), "tenant_bucket_max_bytes");
         let mut o = ok.clone();
         o.replicas = 2;
         assert_eq!(field(o), "replicas");

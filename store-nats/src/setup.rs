@@ -1,4 +1,6 @@
-//! Connecting, and making (or checking) the stream and the bucket.
+//! Connecting, and making (or checking) the stream and the buckets.
+
+use std::time::Duration;
 
 use async_nats::jetstream::{
     self, ErrorCode,
@@ -152,8 +154,12 @@ fn check(what: &str, found: &stream::Config, want: &stream::Config) -> Result<()
     if !unlimited(found.max_messages) {
         return incompatible("max_messages", found.max_messages.to_string(), "-1".into());
     }
-    if !found.max_age.is_zero() {
-        return incompatible("max_age", format!("{:?}", found.max_age), "0".into());
+    if found.max_age != want.max_age {
+        return incompatible(
+            "max_age",
+            format!("{:?}", found.max_age),
+            format!("{:?}", want.max_age),
+        );
     }
     if !found.allow_direct {
         return incompatible("allow_direct", "false".into(), "true".into());
@@ -198,24 +204,57 @@ pub(crate) async fn events_stream(
     Ok(stream)
 }
 
-/// The bucket's stream, the bucket created if missing, checked if not.
+/// The journal's bucket's stream, the bucket created if missing, checked
+/// if not.
+pub(crate) async fn bucket_stream(
+    js: &jetstream::Context,
+    opts: &NatsOptions,
+) -> Result<stream::Stream, ConnectError> {
+    bucket(
+        js,
+        opts,
+        &Bucket {
+            name: opts.bucket.clone(),
+            description: "iop journal: records, epochs and idempotency keys",
+            max_bytes: opts.bucket_max_bytes,
+            max_age: Duration::ZERO,
+        },
+    )
+    .await
+}
+
+/// A key-value bucket the store uses.
+#[derive(Debug, Clone)]
+pub(crate) struct Bucket {
+    /// Its name (its stream is `KV_<name>`).
+    pub(crate) name: String,
+    pub(crate) description: &'static str,
+    /// Its `max_bytes` (discard new: a write past it is refused).
+    pub(crate) max_bytes: u64,
+    /// How long a value stays after its last write (zero: for good).
+    pub(crate) max_age: Duration,
+}
+
+/// A bucket's stream, the bucket created if missing, checked if not.
 ///
 /// A bucket is a stream `KV_<bucket>` on `$KV.<bucket>.>` keeping one
 /// message per subject; it is made here as the stream it is, as the
 /// NATS clients make it (the client library's own helper asks for
 /// account fields a 2.9 server does not send).
-pub(crate) async fn bucket_stream(
+pub(crate) async fn bucket(
     js: &jetstream::Context,
     opts: &NatsOptions,
+    bucket: &Bucket,
 ) -> Result<stream::Stream, ConnectError> {
-    let stream_name = format!("KV_{}", opts.bucket);
-    let what = format!("bucket {}", opts.bucket);
+    let stream_name = format!("KV_{}", bucket.name);
+    let what = format!("bucket {}", bucket.name);
     let want = stream::Config {
         name: stream_name.clone(),
-        description: Some("iop journal: records, epochs and idempotency keys".into()),
-        subjects: vec![format!("$KV.{}.>", opts.bucket)],
+        description: Some(bucket.description.into()),
+        subjects: vec![format!("$KV.{}.>", bucket.name)],
         retention: RetentionPolicy::Limits,
-        max_bytes: i64::try_from(opts.bucket_max_bytes).unwrap_or(i64::MAX),
+        max_age: bucket.max_age,
+        max_bytes: i64::try_from(bucket.max_bytes).unwrap_or(i64::MAX),
         max_messages: -1,
         max_messages_per_subject: 1,
         max_message_size: -1,

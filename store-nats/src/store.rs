@@ -123,7 +123,7 @@ pub(crate) struct Inner {
     /// The connection, asked for its state before every operation: during
     /// an outage an operation fails at once instead of waiting for its
     /// answer's timeout.
-    client: async_nats::Client,
+    pub(crate) client: async_nats::Client,
     pub(crate) js: jetstream::Context,
     pub(crate) events: Stream,
     pub(crate) kv: Stream,
@@ -1167,6 +1167,12 @@ impl Inner {
             }
         }
         Ok(out)
+    }
+
+    /// What `subject` holds, as the directory counts every record it
+    /// knows (every Edge's, within the bucket watch's lag).
+    pub(crate) fn held(&self, subject: &iop_store::Subject) -> iop_store::Held {
+        self.dir().held(subject)
     }
 
     pub(crate) fn stats(&self) -> StoreStats {

@@ -58,6 +58,7 @@ async fn run(
                 request: vec![b'r'; 512],
                 created_unix_ms: 0,
                 owner: "edge".into(),
+                key_id: "key".into(),
             })
             .await?;
     }

@@ -24,7 +24,9 @@ use iop_core::journal::{
     fingerprint, idempotency_hash,
 };
 
-use crate::{BoxFuture, JournalStore, Progress};
+use crate::{BoxFuture, Held, JournalStore, Progress, Subject};
+
+pub mod tenant;
 
 /// One behaviour: its name, the limits its store is made with, and the
 /// check.
@@ -87,6 +89,7 @@ pub fn behaviours() -> Vec<Behaviour> {
         behaviour!(unfinished_lists_exactly_the_running_records),
         behaviour!(a_record_names_its_owner_and_the_winner_of_its_epoch),
         behaviour!(a_lease_is_written_only_over_the_revision_its_writer_read),
+        behaviour!(held_gauges_follow_every_record_of_a_key_and_its_principal),
     ]
 }
 
@@ -106,6 +109,9 @@ where
 
 const PRINCIPAL: &str = "principal-a";
 
+/// The API key id of [`new_record`]'s records.
+pub const KEY_ID: &str = "key-a";
+
 /// A new record `id` with request `body`, under `key` if given, created at
 /// `at` (Unix ms).
 pub fn new_record(id: &str, key: Option<&str>, body: &[u8], at: u64) -> NewRecord {
@@ -120,6 +126,7 @@ pub fn new_record(id: &str, key: Option<&str>, body: &[u8], at: u64) -> NewRecor
         request: body.to_vec(),
         created_unix_ms: at,
         owner: "edge-a".into(),
+        key_id: KEY_ID.into(),
     }
 }
 
@@ -893,5 +900,84 @@ pub async fn a_lease_is_written_only_over_the_revision_its_writer_read(
     assert!(
         s.put_lease(lease("edge-a", 1), first).await.is_err(),
         "an old revision is refused"
+    );
+}
+
+fn held(store: &dyn JournalStore, subject: Subject) -> (u64, u64) {
+    let Held {
+        journal_bytes,
+        background,
+    } = store.held(&subject);
+    (journal_bytes, background)
+}
+
+fn key(id: &str) -> Subject {
+    Subject::Key(id.into())
+}
+
+fn principal(name: &str) -> Subject {
+    Subject::Principal(name.into())
+}
+
+/// R-TEN-1: what a key and its principal hold in the journal, as the
+/// store's own view counts it at once: a record's bytes from its create,
+/// growing with its appends, one background response until its terminal,
+/// and nothing once it is deleted or swept. Another principal's records
+/// never count.
+pub async fn held_gauges_follow_every_record_of_a_key_and_its_principal(
+    store: Arc<dyn JournalStore>,
+) {
+    let s = &*store;
+    assert_eq!(held(s, key(KEY_ID)), (0, 0));
+    let mut bg = new_record("bg", None, b"{}", 0);
+    bg.background = true;
+    let bg = create(s, bg).await;
+    assert_eq!(held(s, key(KEY_ID)), (bg.stored_bytes, 1));
+    assert_eq!(held(s, principal(PRINCIPAL)), (bg.stored_bytes, 1));
+    let mut other_key = new_record("fg", None, b"{\"x\":1}", 0);
+    other_key.key_id = "key-b".into();
+    let fg = create(s, other_key).await;
+    let mut stranger = new_record("stranger", None, b"{}", 0);
+    stranger.principal = "principal-b".into();
+    stranger.key_id = "key-c".into();
+    stranger.background = true;
+    let stranger = create(s, stranger).await;
+    assert_eq!(held(s, key("key-b")), (fg.stored_bytes, 0));
+    assert_eq!(
+        held(s, principal(PRINCIPAL)),
+        (bg.stored_bytes + fg.stored_bytes, 1)
+    );
+    assert_eq!(
+        held(s, principal("principal-b")),
+        (stranger.stored_bytes, 1)
+    );
+
+    let grown = s.append("bg".into(), 1, events(1..=3)).await.unwrap();
+    assert!(grown.stored_bytes > bg.stored_bytes);
+    assert_eq!(held(s, key(KEY_ID)), (grown.stored_bytes, 1));
+    let ended = s
+        .finish("bg".into(), 1, terminal(RecordStatus::Completed, 10))
+        .await
+        .unwrap();
+    assert_eq!(
+        held(s, key(KEY_ID)),
+        (ended.stored_bytes, 0),
+        "a terminal ends the background response, its bytes stay"
+    );
+    assert_eq!(
+        held(s, principal(PRINCIPAL)),
+        (ended.stored_bytes + fg.stored_bytes, 0)
+    );
+
+    s.delete("fg".into()).await.unwrap();
+    assert_eq!(held(s, key("key-b")), (0, 0));
+    assert_eq!(held(s, principal(PRINCIPAL)), (ended.stored_bytes, 0));
+    assert_eq!(s.sweep(10 + LIMITS.retention_ms).await, Ok(1));
+    assert_eq!(held(s, key(KEY_ID)), (0, 0));
+    assert_eq!(held(s, principal(PRINCIPAL)), (0, 0));
+    assert_eq!(
+        held(s, principal("principal-b")),
+        (stranger.stored_bytes, 1),
+        "another principal's record is untouched"
     );
 }

@@ -21,6 +21,7 @@
 //! | `idempotency_keys` | hashed key (32 bytes) | response id |
 //! | `expiry` | (expires_unix_ms, response id) | () |
 //! | `meta` | `format_version`, `used_bytes` | u64 |
+//! | `tenant_*` | tenants' counters, usage rows and keys ([`EmbeddedStore::tenant_store`]) | |
 //!
 //! A record's events sort by number under its id, so `events(id, after,
 //! max)` is one range scan (R-JRN-2). `expiry` lists finished records by
@@ -28,8 +29,14 @@
 //! never in it (R-JRN-5). `used_bytes` is the journal's byte count (the
 //! sum of every record's `stored_bytes`), written in the same transaction
 //! as the records it counts. A file whose `format_version` this build does
-//! not know is refused at open ([`OpenError::UnknownFormat`]). The file is
-//! created with mode 0600 on Unix (it holds prompts and answers).
+//! not know is refused at open ([`OpenError::UnknownFormat`]); one of an
+//! earlier format (records without their owner, or without their API
+//! key) is upgraded at open. The file is created with mode 0600 on Unix
+//! (it holds prompts and answers).
+//!
+//! What each API key and principal holds (R-TEN-1's journal-bytes and
+//! background quotas, [`JournalStore::held`]) is counted from every
+//! record at open, then moved by each batch once it is durable.
 //!
 //! # Group commit (R-JRN-1)
 //!
@@ -87,10 +94,14 @@ use iop_core::journal::{
 use redb::{Database, ReadableDatabase, StorageBackend};
 use tokio::sync::watch;
 
-use crate::{BoxFuture, JournalStore, LeaseTable, Progress, StoreStats, StoredRecord};
+use crate::{
+    BoxFuture, Held, JournalStore, LeaseTable, Progress, StoreStats, StoredRecord, Subject,
+    TenantStore,
+};
 
 mod ops;
 mod tables;
+mod tenant;
 mod writer;
 
 use ops::{Answer, Reply, Request};
@@ -258,10 +269,13 @@ impl EmbeddedStore {
             };
             let txn = db.begin_write().map_err(|e| corrupt(e.into()))?;
             let (format, used_bytes, records) = tables::init(&txn).map_err(corrupt)?;
+            let mut held = crate::HeldGauges::new();
             if matches!(format, Format::Current) {
                 txn.commit().map_err(|e| corrupt(e.into()))?;
+                let read = db.begin_read().map_err(|e| corrupt(e.into()))?;
+                held = tables::read::gauges(&read).map_err(corrupt)?;
             }
-            Ok((db, format, used_bytes, records))
+            Ok((db, format, used_bytes, records, held))
         }))
         .unwrap_or_else(|panic| {
             let detail = panic
@@ -274,7 +288,7 @@ impl EmbeddedStore {
                 detail,
             })
         });
-        let (db, format, used_bytes, records) = opened?;
+        let (db, format, used_bytes, records, held) = opened?;
         match format {
             Format::Current => {}
             Format::Unknown(found) => {
@@ -299,6 +313,7 @@ impl EmbeddedStore {
             },
             records,
             used_bytes,
+            held,
         ));
         let writer = std::thread::Builder::new()
             .name("iop-journal-writer".into())
@@ -316,6 +331,20 @@ impl EmbeddedStore {
             shared,
             writer: Some(writer),
             leases: LeaseTable::default(),
+        })
+    }
+
+    /// Tenants' state (counters, usage rows, runtime keys; SPEC §9) in
+    /// this file's tenant tables: durable across a restart, written through
+    /// this store's one writer and group commit (see [`tenant`]'s docs).
+    /// Call it once and share the handle; every handle is the same state.
+    /// Once this store is dropped the handle's writes fail with
+    /// [`TenantStoreError::Unavailable`](crate::TenantStoreError::Unavailable),
+    /// and the file is closed when the last handle goes too.
+    pub fn tenant_store(&self) -> Arc<dyn TenantStore> {
+        Arc::new(tenant::EmbeddedTenantStore {
+            db: self.db.clone(),
+            shared: self.shared.clone(),
         })
     }
 
@@ -549,6 +578,10 @@ impl JournalStore for EmbeddedStore {
     fn leases(&self) -> BoxFuture<'_, Result<Vec<StoredLease>, JournalError>> {
         let all = self.leases.all();
         Box::pin(async move { Ok(all) })
+    }
+
+    fn held(&self, subject: &Subject) -> Held {
+        self.shared.held(subject)
     }
 }
 

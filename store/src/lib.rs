@@ -17,6 +17,15 @@
 //! in-memory stores, each opened by one process only, in that process
 //! ([`LeaseTable`]).
 //!
+//! Every store counts what each API key and each principal holds in the
+//! journal ([`JournalStore::held`], R-TEN-1's quotas) in [`HeldGauges`]
+//! kept with its records.
+//!
+//! Tenants' shared state (counters, usage, runtime keys; SPEC §9) is the
+//! other trait here, [`TenantStore`] ([`tenant`]): in memory
+//! ([`MemoryTenantStore`]), in the embedded store's file
+//! ([`EmbeddedStore::tenant_store`]), and on NATS (`iop-store-nats`).
+//!
 //! With the `conformance` feature, `iop_store::conformance` is the suite of
 //! behaviours every store must show, whatever its engine: each store's
 //! tests run it.
@@ -34,12 +43,15 @@ pub use iop_core::journal::{
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 pub mod embedded;
+mod held;
 mod lease;
 pub mod legacy;
 mod memory;
 pub mod tenant;
 
 pub use embedded::{EmbeddedOptions, EmbeddedStore, OpenError, SWEEP_BATCH_RECORDS, VerifyReport};
+pub use held::{HeldGauges, Holding};
+pub use iop_core::tenant::{Held, Subject};
 pub use lease::LeaseTable;
 pub use memory::MemoryStore;
 pub use tenant::{MemoryTenantStore, TenantStore, TenantStoreError, UsageWriteError};
@@ -156,4 +168,11 @@ pub trait JournalStore: Send + Sync + 'static {
     fn lease(&self, edge_id: String) -> BoxFuture<'_, Result<Option<StoredLease>, JournalError>>;
     /// Every lease the store holds, read fresh.
     fn leases(&self) -> BoxFuture<'_, Result<Vec<StoredLease>, JournalError>>;
+    /// What `subject` (a key id or a principal) holds in the journal now,
+    /// as this store's own view counts it: the bytes of its records and its
+    /// background records without a terminal (R-TEN-1). Answered at once
+    /// from gauges kept with every record change, never a round trip; a
+    /// shared store's view counts every Edge's records, a moment behind
+    /// their writes.
+    fn held(&self, subject: &Subject) -> Held;
 }

@@ -10,7 +10,10 @@ use iop_core::journal::{
 };
 use tokio::sync::watch;
 
-use crate::{BoxFuture, JournalStore, LeaseTable, Progress, StoreStats, StoredRecord};
+use crate::{
+    BoxFuture, Held, HeldGauges, JournalStore, LeaseTable, Progress, StoreStats, StoredRecord,
+    Subject,
+};
 
 #[derive(Default)]
 struct State {
@@ -20,6 +23,7 @@ struct State {
     keys: HashMap<[u8; 32], String>,
     watchers: HashMap<String, watch::Sender<Progress>>,
     stats: StoreStats,
+    held: HeldGauges,
 }
 
 impl State {
@@ -32,6 +36,8 @@ impl State {
 
     /// Store `meta` and tell its watchers.
     fn put(&mut self, meta: RecordMeta) {
+        self.held
+            .change_meta(self.records.get(&meta.id), Some(&meta));
         let old = self.records.get(&meta.id).map_or(0, |m| m.stored_bytes);
         self.stats.used_bytes = self.stats.used_bytes - old + meta.stored_bytes;
         if let Some(tx) = self.watchers.get(&meta.id) {
@@ -50,6 +56,7 @@ impl State {
         let Some(meta) = self.records.remove(id) else {
             return false;
         };
+        self.held.change_meta(Some(&meta), None);
         self.stats.used_bytes -= meta.stored_bytes;
         self.stats.records = self.records.len() as u64;
         self.requests.remove(id);
@@ -298,6 +305,10 @@ impl JournalStore for MemoryStore {
         let all = self.leases.all();
         Box::pin(async move { Ok(all) })
     }
+
+    fn held(&self, subject: &Subject) -> Held {
+        self.state().held.held(subject)
+    }
 }
 
 #[cfg(test)]
@@ -318,6 +329,7 @@ mod tests {
             request: b"{}".to_vec(),
             created_unix_ms: 1,
             owner: "edge".into(),
+            key_id: "key".into(),
         }
     }
 

@@ -105,7 +105,9 @@ pub trait TenantStore: Send + Sync + 'static {
     /// Every stored key with its revision.
     fn keys(&self) -> BoxFuture<'_, Result<Vec<(KeyRecord, u64)>, TenantStoreError>>;
     /// Forget the counters whose windows are over ([`counter_expired`])
-    /// and usage rows past retention ([`usage_expired`]); how many.
+    /// and usage rows past retention ([`usage_expired`]); how many. (A
+    /// store whose engine expires usage rows by itself, as the NATS
+    /// bucket's `max_age` does, may leave those to it and not count them.)
     fn sweep(&self, now_unix_ms: u64) -> BoxFuture<'_, Result<usize, TenantStoreError>>;
 }
 
@@ -250,5 +252,46 @@ impl TenantStore for MemoryTenantStore {
                 .retain(|k, _| !usage_expired(k.day_unix_ms, now_unix_ms));
             Ok(before - state.counters.len() - state.usage.len())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_memory_tenant_store_conforms() {
+        crate::conformance::tenant::run_all(|| async {
+            std::sync::Arc::new(MemoryTenantStore::new()) as std::sync::Arc<dyn TenantStore>
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_memory_tenant_store_that_is_down_answers_unavailable_and_keeps_the_rows() {
+        let store = MemoryTenantStore::new();
+        store.set_down(true);
+        let counter = crate::conformance::tenant::counter(
+            iop_core::tenant::Subject::Key("k".into()),
+            Meter::Requests,
+            0,
+        );
+        assert!(matches!(
+            store.claim(counter.clone(), 1, 10).await,
+            Err(TenantStoreError::Unavailable(_))
+        ));
+        let row = UsageKey {
+            day_unix_ms: 0,
+            principal: "p".into(),
+            key: "k".into(),
+            model: "m".into(),
+        };
+        let failed = store
+            .add_usage(vec![(row, UsageTotals::default())])
+            .await
+            .unwrap_err();
+        assert_eq!(failed.unwritten.len(), 1);
+        store.set_down(false);
+        assert_eq!(store.claim(counter, 1, 10).await, Ok(1));
     }
 }

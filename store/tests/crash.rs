@@ -58,6 +58,7 @@ fn new_record(id: &str) -> NewRecord {
         request: id.as_bytes().to_vec(),
         created_unix_ms: 0,
         owner: "edge".into(),
+        key_id: "key".into(),
     }
 }
 

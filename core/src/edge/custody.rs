@@ -189,6 +189,10 @@ pub enum StoreAnswer {
 }
 
 /// One input of a [`Custody`].
+// A store answer carries a record's metadata by value: inputs are made
+// once per store answer and moved into the machine, so boxing it would
+// only add an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CustodyInput {
     /// A store operation's answer.

@@ -1038,6 +1038,7 @@ mod tests {
             expires_unix_ms: u64::MAX,
             stored_bytes: 0,
             owner: "edge-a".into(),
+            key_id: "k".into(),
         }
     }
 

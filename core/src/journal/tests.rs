@@ -24,6 +24,7 @@ fn new_record(id: &str, key: Option<&str>, body: &[u8]) -> NewRecord {
         request: body.to_vec(),
         created_unix_ms: NOW,
         owner: "edge-a".into(),
+        key_id: "key-a".into(),
     }
 }
 
@@ -56,6 +57,26 @@ fn a_new_record_starts_at_epoch_one_with_no_events_and_never_expires_while_runni
     assert_eq!((meta.epoch, meta.last_seq, &meta.terminal), (1, 0, &None));
     assert_eq!(meta.owner, "edge-a", "its creator owns it");
     assert!(!expired(&meta, u64::MAX), "R-JRN-5: running never expires");
+}
+
+#[test]
+fn r_ten_1_a_record_names_its_key_and_holds_its_bytes_and_while_running_in_background_one_response()
+{
+    let mut new = new_record("r1", None, b"{}");
+    new.background = true;
+    let meta = created(&new);
+    assert_eq!(meta.key_id, "key-a", "the key that asked");
+    let held = |m: &RecordMeta| (m.held().journal_bytes, m.held().background);
+    assert_eq!(held(&meta), (meta.stored_bytes, 1));
+    let grown = check_append(&limits(), &meta, 1, &[ev(1)]).unwrap();
+    assert_eq!(
+        held(&grown),
+        (meta.stored_bytes + 10 + EVENT_OVERHEAD_BYTES, 1)
+    );
+    let ended = check_finish(&limits(), &grown, 1, &done(RecordStatus::Completed)).unwrap();
+    assert_eq!(held(&ended), (grown.stored_bytes, 0), "a terminal ends it");
+    let foreground = created(&new_record("r2", None, b"{}"));
+    assert_eq!(held(&foreground).1, 0);
 }
 
 #[test]

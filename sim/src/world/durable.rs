@@ -392,6 +392,7 @@ impl World {
             request: Vec::new(),
             created_unix_ms: self.unix_ms(),
             owner: self.edge_id(self.cur),
+            key_id: "sim".into(),
         };
         self.journal_submit(
             Writer::Request {

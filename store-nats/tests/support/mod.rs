@@ -162,6 +162,8 @@ pub fn options(url: &str, name: &str, limits: JournalLimits) -> NatsOptions {
     o.bucket = format!("j_{name}");
     o.subject_prefix = format!("j.{name}");
     o.usage_refresh = Duration::ZERO;
+    // The server reserves each bucket's bytes from its disk.
+    o.tenant_bucket_max_bytes = 8 << 20;
     o
 }
 
@@ -194,5 +196,6 @@ pub fn record(id: &str, request: &[u8]) -> iop_core::journal::NewRecord {
         request: request.to_vec(),
         created_unix_ms: 1,
         owner: "edge".into(),
+        key_id: "key".into(),
     }
 }

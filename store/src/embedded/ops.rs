@@ -7,7 +7,8 @@ use iop_core::journal::{
     CreateOutcome, JournalError, JournalEvent, NewRecord, RecordMeta, Terminal,
 };
 
-use crate::Progress;
+use super::tenant::{TenantOp, TenantReply};
+use crate::{Holding, Progress};
 
 /// One write operation, as the writer thread runs it.
 #[derive(Debug)]
@@ -36,6 +37,8 @@ pub(super) enum Request {
         now_unix_ms: u64,
         max_records: usize,
     },
+    /// A write of tenants' state ([`super::tenant`]).
+    Tenant(TenantOp),
 }
 
 impl Request {
@@ -44,6 +47,7 @@ impl Request {
         match self {
             Request::Create(record) => record.request.len(),
             Request::Append { events, .. } => events.iter().map(|e| e.payload.len()).sum(),
+            Request::Tenant(op) => op.bytes(),
             _ => 0,
         }
     }
@@ -62,6 +66,7 @@ pub(super) enum Reply {
         removed: usize,
         more: bool,
     },
+    Tenant(TenantReply),
 }
 
 impl Reply {
@@ -72,6 +77,7 @@ impl Reply {
             Reply::Meta(r) => r.is_ok(),
             Reply::Deleted(r) => r.is_ok(),
             Reply::Swept { removed, .. } => *removed > 0,
+            Reply::Tenant(reply) => reply.accepted(),
         }
     }
 }
@@ -87,4 +93,10 @@ pub(super) enum Notice {
     Progress(String, Progress),
     /// The record is gone: its watchers' senders are dropped.
     Gone(String),
+    /// A record that held `old` against its key and principal now holds
+    /// `new` (R-TEN-1's gauges).
+    Held {
+        old: Option<Holding>,
+        new: Option<Holding>,
+    },
 }

@@ -15,7 +15,7 @@ use redb::{
 };
 
 use super::ops::{Notice, Reply, Request};
-use crate::Progress;
+use crate::{HeldGauges, Holding, Progress};
 
 /// Records: response id -> postcard [`RecordMeta`].
 pub(super) const RECORDS: TableDefinition<'static, &str, &[u8]> = TableDefinition::new("records");
@@ -35,13 +35,18 @@ pub(super) const EXPIRY: TableDefinition<'static, (u64, &str), ()> = TableDefini
 /// Counters and the format version: name -> u64.
 pub(super) const META: TableDefinition<'static, &str, u64> = TableDefinition::new("meta");
 
-/// The layout this build writes and reads: 2, records name their owner
-/// (R-TAKE-1). A file of format 1 ([`FORMAT_VERSION_UNOWNED`]) is upgraded
-/// at open.
-pub(super) const FORMAT_VERSION: u64 = 2;
+/// The layout this build writes and reads: 3, records name their owner
+/// (R-TAKE-1) and their API key (R-TEN-1), and tenants' tables are there
+/// ([`super::tenant`]). A file of format 1 ([`FORMAT_VERSION_UNOWNED`]) or
+/// 2 ([`FORMAT_VERSION_KEYLESS`]) is upgraded at open.
+pub(super) const FORMAT_VERSION: u64 = 3;
 /// The format before records named their owner; its records are rewritten
-/// at open with [`NO_OWNER`](iop_core::journal::NO_OWNER).
+/// at open with [`NO_OWNER`](iop_core::journal::NO_OWNER) and
+/// [`NO_KEY_ID`](iop_core::journal::NO_KEY_ID).
 pub(super) const FORMAT_VERSION_UNOWNED: u64 = 1;
+/// The format before records named their API key; its records are
+/// rewritten at open with [`NO_KEY_ID`](iop_core::journal::NO_KEY_ID).
+pub(super) const FORMAT_VERSION_KEYLESS: u64 = 2;
 pub(super) const META_FORMAT_VERSION: &str = "format_version";
 /// Bytes held, as the journal's rules count them (the sum of every
 /// record's `stored_bytes`), kept in the same transactions as the records.
@@ -97,18 +102,29 @@ pub(super) fn decode_meta(id: &str, bytes: &[u8]) -> Result<RecordMeta, Fault> {
     Ok(meta)
 }
 
-/// Rewrite every record of a format-1 file in the current format (owned
-/// by [`NO_OWNER`](iop_core::journal::NO_OWNER): the one Edge that wrote
-/// the file), in the opening transaction: the file is all format 1 or all
-/// format 2, never a mix.
-fn upgrade_unowned(txn: &WriteTransaction) -> Result<(), Fault> {
+/// Rewrite every record of a file of format `from` (1 or 2) in the
+/// current format, in the opening transaction: the file is all of one
+/// format, never a mix. A format-1 record is owned by
+/// [`NO_OWNER`](iop_core::journal::NO_OWNER) (the one Edge that wrote the
+/// file); a record of either is of no key
+/// ([`NO_KEY_ID`](iop_core::journal::NO_KEY_ID)).
+fn upgrade_records(txn: &WriteTransaction, from: u64) -> Result<(), Fault> {
     let mut records = txn.open_table(RECORDS)?;
     let mut upgraded = Vec::new();
     for entry in records.iter()? {
         let (id, bytes) = entry?;
-        let old: crate::legacy::RecordMetaV1 = postcard::from_bytes(bytes.value())
-            .map_err(|e| Fault::Corrupt(format!("record {:?} does not decode: {e}", id.value())))?;
-        upgraded.push(old.upgrade());
+        let corrupt = |e: postcard::Error| {
+            Fault::Corrupt(format!("record {:?} does not decode: {e}", id.value()))
+        };
+        upgraded.push(if from == FORMAT_VERSION_UNOWNED {
+            postcard::from_bytes::<crate::legacy::RecordMetaV1>(bytes.value())
+                .map_err(corrupt)?
+                .upgrade()
+        } else {
+            postcard::from_bytes::<crate::legacy::RecordMetaV2>(bytes.value())
+                .map_err(corrupt)?
+                .upgrade()
+        });
     }
     for meta in &upgraded {
         records.insert(meta.id.as_str(), encode_meta(meta)?.as_slice())?;
@@ -119,7 +135,7 @@ fn upgrade_unowned(txn: &WriteTransaction) -> Result<(), Fault> {
     tracing::info!(
         event = "journal_file_upgraded",
         records = upgraded.len(),
-        from = FORMAT_VERSION_UNOWNED,
+        from,
         to = FORMAT_VERSION
     );
     Ok(())
@@ -155,7 +171,9 @@ pub(super) fn init(txn: &WriteTransaction) -> Result<(Format, u64, u64), Fault> 
         None
     };
     match version {
-        Some(FORMAT_VERSION_UNOWNED) => upgrade_unowned(txn)?,
+        Some(from @ (FORMAT_VERSION_UNOWNED | FORMAT_VERSION_KEYLESS)) => {
+            upgrade_records(txn, from)?
+        }
         Some(v) if v != FORMAT_VERSION => return Ok((Format::Unknown(v), 0, 0)),
         None if !existing.is_empty() => return Ok((Format::Foreign, 0, 0)),
         _ => {}
@@ -175,6 +193,7 @@ pub(super) fn init(txn: &WriteTransaction) -> Result<(Format, u64, u64), Fault> 
     txn.open_table(EVENTS)?;
     txn.open_table(KEYS)?;
     txn.open_table(EXPIRY)?;
+    super::tenant::init(txn)?;
     Ok((Format::Current, used, records))
 }
 
@@ -187,6 +206,7 @@ fn events_after(id: &str, after: u64) -> Option<std::ops::RangeInclusive<(&str, 
 /// The tables of one write transaction, with the running byte count and
 /// what the watchers will learn once it commits.
 pub(super) struct WriteTables<'t> {
+    txn: &'t WriteTransaction,
     limits: JournalLimits,
     records: Table<'t, &'static str, &'static [u8]>,
     requests: Table<'t, &'static str, &'static [u8]>,
@@ -216,6 +236,7 @@ impl<'t> WriteTables<'t> {
             .map(|v| v.value())
             .ok_or_else(|| Fault::Corrupt("no used_bytes counter".into()))?;
         Ok(WriteTables {
+            txn,
             limits,
             records: txn.open_table(RECORDS)?,
             requests: txn.open_table(REQUESTS)?,
@@ -271,6 +292,11 @@ impl<'t> WriteTables<'t> {
                 now_unix_ms,
                 max_records,
             } => self.sweep(now_unix_ms, max_records)?,
+            Request::Tenant(op) => {
+                let reply = super::tenant::apply(self.txn, op)?;
+                self.dirty |= reply.accepted();
+                Reply::Tenant(reply)
+            }
         })
     }
 
@@ -294,11 +320,18 @@ impl<'t> WriteTables<'t> {
             self.expiry
                 .insert((meta.expires_unix_ms, meta.id.as_str()), ())?;
         }
-        let old_bytes = old.map_or(0, |m| m.stored_bytes);
+        let old_bytes = old.as_ref().map_or(0, |m| m.stored_bytes);
         self.used_bytes = self
             .used_bytes
             .saturating_sub(old_bytes)
             .saturating_add(meta.stored_bytes);
+        let (old_held, new_held) = (old.as_ref().map(Holding::of), Holding::of(meta));
+        if old_held.as_ref() != Some(&new_held) {
+            self.notices.push(Notice::Held {
+                old: old_held,
+                new: Some(new_held),
+            });
+        }
         self.records
             .insert(meta.id.as_str(), encode_meta(meta)?.as_slice())?;
         self.dirty = true;
@@ -328,6 +361,10 @@ impl<'t> WriteTables<'t> {
         self.used_bytes = self.used_bytes.saturating_sub(meta.stored_bytes);
         self.dirty = true;
         self.notices.push(Notice::Gone(id.to_owned()));
+        self.notices.push(Notice::Held {
+            old: Some(Holding::of(&meta)),
+            new: None,
+        });
         Ok(true)
     }
 
@@ -505,6 +542,16 @@ pub(super) mod read {
             });
         }
         Ok(Ok(out))
+    }
+
+    /// What every key and principal holds, from every record (at open).
+    pub(in crate::embedded) fn gauges(txn: &ReadTransaction) -> Result<HeldGauges, Fault> {
+        let mut gauges = HeldGauges::new();
+        for entry in txn.open_table(RECORDS)?.iter()? {
+            let (id, bytes) = entry?;
+            gauges.change_meta(None, Some(&decode_meta(id.value(), bytes.value())?));
+        }
+        Ok(gauges)
     }
 
     pub(in crate::embedded) fn unfinished(txn: &ReadTransaction) -> Result<Vec<RecordMeta>, Fault> {

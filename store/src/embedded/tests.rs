@@ -291,6 +291,82 @@ async fn a_format_1_file_is_upgraded_at_open_with_unowned_records() {
     assert_eq!(version, Some(tables::FORMAT_VERSION));
 }
 
+/// A file written before records named their API key (format 2) is
+/// upgraded at open: every record reads back of no key (`NO_KEY_ID`), its
+/// bytes count for its principal only, and the file is the current format
+/// from then on.
+#[tokio::test]
+async fn a_format_2_file_is_upgraded_at_open_with_records_of_no_key() {
+    use redb::{ReadableDatabase, ReadableTable};
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    let mut background = new_record("running", Some("k"), b"{}", 0);
+    background.background = true;
+    {
+        let store = open(&path);
+        store.create(background).await.unwrap();
+        store
+            .append("running".into(), 1, vec![event(1)])
+            .await
+            .unwrap();
+    }
+    {
+        let db = redb::Database::create(&path).unwrap();
+        let metas: Vec<RecordMeta> = {
+            let txn = db.begin_read().unwrap();
+            let table = txn.open_table(tables::RECORDS).unwrap();
+            table
+                .iter()
+                .unwrap()
+                .map(|e| {
+                    let (id, bytes) = e.unwrap();
+                    tables::decode_meta(id.value(), bytes.value()).unwrap()
+                })
+                .collect()
+        };
+        let txn = db.begin_write().unwrap();
+        {
+            let mut table = txn.open_table(tables::RECORDS).unwrap();
+            for m in &metas {
+                let old = crate::legacy::RecordMetaV2::from_current(m);
+                let bytes = postcard::to_allocvec(&old).unwrap();
+                table.insert(m.id.as_str(), bytes.as_slice()).unwrap();
+            }
+            txn.open_table(tables::META)
+                .unwrap()
+                .insert(tables::META_FORMAT_VERSION, tables::FORMAT_VERSION_KEYLESS)
+                .unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = open(&path);
+    let (meta, _) = store.get("running".into(), 0).await.unwrap().unwrap();
+    assert_eq!(
+        (meta.key_id.as_str(), meta.owner.as_str(), meta.last_seq),
+        (iop_core::journal::NO_KEY_ID, "edge-a", 1)
+    );
+    assert_sound(&store).await;
+    let principal = store.held(&crate::Subject::Principal(meta.principal.clone()));
+    assert_eq!(
+        (principal.journal_bytes, principal.background),
+        (meta.stored_bytes, 1)
+    );
+    assert_eq!(
+        store.held(&crate::Subject::Key(conformance::KEY_ID.into())),
+        crate::Held::default()
+    );
+    drop(store);
+    let db = redb::Database::create(&path).unwrap();
+    let txn = db.begin_read().unwrap();
+    let version = txn
+        .open_table(tables::META)
+        .unwrap()
+        .get(tables::META_FORMAT_VERSION)
+        .unwrap()
+        .map(|v| v.value());
+    assert_eq!(version, Some(tables::FORMAT_VERSION));
+}
+
 #[test]
 fn another_programs_database_is_refused() {
     let dir = tempfile::tempdir().unwrap();

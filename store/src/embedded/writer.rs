@@ -16,7 +16,7 @@ use tokio::sync::{oneshot, watch};
 
 use super::ops::{Answer, Notice, Reply, Request};
 use super::tables::{Fault, WriteTables};
-use crate::{Progress, StoreStats};
+use crate::{Held, HeldGauges, Progress, StoreStats, Subject};
 
 /// Bounds of the writer's queue and batches (R-LIM-4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,9 @@ pub(super) struct Shared {
     /// holds this lock, so no commit's notice falls between its read and
     /// its subscription).
     watchers: Mutex<HashMap<String, watch::Sender<Progress>>>,
+    /// What each key and principal holds (R-TEN-1): counted from every
+    /// record at open, then moved by each durable batch's notices.
+    held: Mutex<HeldGauges>,
     records: AtomicU64,
     used_bytes: AtomicU64,
     syncs: AtomicU64,
@@ -55,7 +58,12 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub(super) fn new(bounds: QueueBounds, records: u64, used_bytes: u64) -> Self {
+    pub(super) fn new(
+        bounds: QueueBounds,
+        records: u64,
+        used_bytes: u64,
+        held: HeldGauges,
+    ) -> Self {
         Shared {
             queue: Mutex::new(QueueState {
                 commit: GroupCommit::new(
@@ -68,6 +76,7 @@ impl Shared {
             }),
             wake: Condvar::new(),
             watchers: Mutex::new(HashMap::new()),
+            held: Mutex::new(held),
             records: AtomicU64::new(records),
             used_bytes: AtomicU64::new(used_bytes),
             syncs: AtomicU64::new(0),
@@ -84,6 +93,16 @@ impl Shared {
 
     pub(super) fn watchers(&self) -> MutexGuard<'_, HashMap<String, watch::Sender<Progress>>> {
         self.watchers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn gauges(&self) -> MutexGuard<'_, HeldGauges> {
+        // Each change is applied whole under the lock.
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What `subject` holds, as of the last durable batch.
+    pub(super) fn held(&self, subject: &Subject) -> Held {
+        self.gauges().held(subject)
     }
 
     /// Queue `request`; the receiver answers once its batch is durable.
@@ -155,8 +174,10 @@ impl Shared {
             return;
         }
         let mut watchers = self.watchers();
+        let mut gauges = self.gauges();
         for notice in notices {
             match notice {
+                Notice::Held { old, new } => gauges.change(old.as_ref(), new.as_ref()),
                 Notice::Progress(id, progress) => {
                     if let Some(tx) = watchers.get(&id) {
                         tx.send_replace(progress);

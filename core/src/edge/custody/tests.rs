@@ -49,6 +49,7 @@ fn record(id: &str, owner: &str) -> RecordMeta {
         expires_unix_ms: u64::MAX,
         stored_bytes: 0,
         owner: owner.into(),
+        key_id: "k".into(),
     }
 }
 

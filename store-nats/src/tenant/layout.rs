@@ -1,0 +1,280 @@
+//! How tenants' state is laid out in its buckets: bucket names, keys
+//! (every name escaped into one subject token, as the journal's ids are)
+//! and values (a format byte, then postcard). Pure, so unit-tested alone.
+
+use bytes::Bytes;
+use iop_core::tenant::keys::KeyRecord;
+use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
+use iop_core::tenant::{CounterKey, DAY_MS, Meter, Subject};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::layout::{DecodeError, hex, token};
+
+/// The longest subject token a name becomes; a longer one is replaced by
+/// its hash ([`name_token`]), so no client-chosen name (a model's) makes a
+/// subject longer than the server takes.
+pub(crate) const MAX_TOKEN_BYTES: usize = 128;
+
+/// The format of every value this build writes and reads.
+const VALUE_FORMAT: u8 = 1;
+
+/// A name as one subject token: [`token`], or when that is longer than
+/// [`MAX_TOKEN_BYTES`], `==` and the hex SHA-256 of the name (never a
+/// [`token`]: there every `=` is followed by two hex digits).
+pub(crate) fn name_token(name: &str) -> String {
+    let t = token(name);
+    if t.len() <= MAX_TOKEN_BYTES {
+        return t;
+    }
+    format!("=={}", hex(&Sha256::digest(name.as_bytes())))
+}
+
+/// The names of the tenants' buckets, after the journal's bucket.
+#[derive(Debug, Clone)]
+pub(crate) struct TenantNames {
+    /// Counters of minute windows (requests, tokens): expire by the
+    /// bucket's `max_age`, and a sweep forgets them once over.
+    pub(crate) rates: String,
+    /// Spend counters per budget period: kept until a sweep finds the
+    /// period over (a budget in total for good).
+    pub(crate) budgets: String,
+    /// Usage rows: expire by the bucket's `max_age` (their retention).
+    pub(crate) usage: String,
+    /// Runtime API keys.
+    pub(crate) keys: String,
+}
+
+impl TenantNames {
+    pub(crate) fn new(journal_bucket: &str) -> Self {
+        TenantNames {
+            rates: format!("{journal_bucket}_rates"),
+            budgets: format!("{journal_bucket}_budgets"),
+            usage: format!("{journal_bucket}_usage"),
+            keys: format!("{journal_bucket}_keys"),
+        }
+    }
+
+    /// The bucket holding `counter`.
+    pub(crate) fn counter_bucket(&self, counter: &CounterKey) -> &str {
+        match counter.meter {
+            Meter::Spend => &self.budgets,
+            Meter::Requests | Meter::Tokens | Meter::JournalBytes | Meter::Background => {
+                &self.rates
+            }
+        }
+    }
+}
+
+/// The subject of bucket key `key` in `bucket`.
+pub(crate) fn subject(bucket: &str, key: &str) -> String {
+    format!("$KV.{bucket}.{key}")
+}
+
+fn meter_token(meter: Meter) -> &'static str {
+    match meter {
+        Meter::Requests => "requests",
+        Meter::Tokens => "tokens",
+        Meter::Spend => "spend",
+        Meter::JournalBytes => "journal_bytes",
+        Meter::Background => "background",
+    }
+}
+
+/// A counter's bucket key: `c.<meter>.<window>.<k|p>.<name>`.
+pub(crate) fn counter_key(counter: &CounterKey) -> String {
+    let (kind, name) = match &counter.subject {
+        Subject::Key(id) => ("k", id),
+        Subject::Principal(name) => ("p", name),
+    };
+    format!(
+        "c.{}.{}.{kind}.{}",
+        meter_token(counter.meter),
+        counter.window_unix_ms,
+        name_token(name)
+    )
+}
+
+/// A usage row's bucket key: `u.<day>.<principal>.<key>.<model>`.
+pub(crate) fn usage_key(row: &UsageKey) -> String {
+    format!(
+        "u.{}.{}.{}.{}",
+        row.day_unix_ms,
+        name_token(&row.principal),
+        name_token(&row.key),
+        name_token(&row.model)
+    )
+}
+
+/// The bucket keys a usage query may match, as a subject filter (after
+/// the bucket's prefix): one day's when it asks for one, one principal's
+/// or key's when it names one; every row read is then checked with
+/// [`UsageQuery::matches`].
+pub(crate) fn usage_filter(query: &UsageQuery) -> String {
+    let day = if query.from_day_unix_ms == query.to_day_unix_ms
+        && query.from_day_unix_ms.is_multiple_of(DAY_MS)
+    {
+        query.from_day_unix_ms.to_string()
+    } else {
+        "*".into()
+    };
+    let name = |n: &Option<String>| n.as_deref().map_or_else(|| "*".into(), name_token);
+    format!("u.{day}.{}.{}.*", name(&query.principal), name(&query.key))
+}
+
+/// A key record's bucket key: `k.<id>`.
+pub(crate) fn key_key(id: &str) -> String {
+    format!("k.{}", name_token(id))
+}
+
+/// Keys of key records start with this.
+pub(crate) const KEY_KEY_PREFIX: &str = "k.";
+
+fn encode<T: Serialize>(value: &T) -> Result<Bytes, DecodeError> {
+    let mut out = vec![VALUE_FORMAT];
+    out.extend(postcard::to_allocvec(value).map_err(|e| DecodeError::Record(e.to_string()))?);
+    Ok(out.into())
+}
+
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, DecodeError> {
+    match bytes.split_first() {
+        Some((&VALUE_FORMAT, body)) => {
+            postcard::from_bytes(body).map_err(|e| DecodeError::Record(e.to_string()))
+        }
+        Some((&other, _)) => Err(DecodeError::RecordFormat(other)),
+        None => Err(DecodeError::Record("empty".into())),
+    }
+}
+
+/// A counter's value: itself (so a sweep reads what it is) and how much
+/// is claimed.
+pub(crate) fn encode_counter(counter: &CounterKey, claimed: u64) -> Result<Bytes, DecodeError> {
+    encode(&(counter, claimed))
+}
+
+pub(crate) fn decode_counter(bytes: &[u8]) -> Result<(CounterKey, u64), DecodeError> {
+    decode(bytes)
+}
+
+/// A usage row's value: its key (a listing reads it back whole) and its
+/// totals.
+pub(crate) fn encode_usage(row: &UsageKey, totals: &UsageTotals) -> Result<Bytes, DecodeError> {
+    encode(&(row, totals))
+}
+
+pub(crate) fn decode_usage(bytes: &[u8]) -> Result<(UsageKey, UsageTotals), DecodeError> {
+    decode(bytes)
+}
+
+pub(crate) fn encode_key(record: &KeyRecord) -> Result<Bytes, DecodeError> {
+    encode(record)
+}
+
+pub(crate) fn decode_key(bytes: &[u8]) -> Result<KeyRecord, DecodeError> {
+    decode(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_core::tenant::Limits;
+
+    use super::*;
+
+    #[test]
+    fn names_are_one_token_each_and_long_ones_are_hashed() {
+        assert_eq!(name_token("team-a"), "team-a");
+        assert_eq!(name_token("m.2/x"), "m=2E2=2Fx");
+        let long = "m".repeat(MAX_TOKEN_BYTES + 1);
+        let hashed = name_token(&long);
+        assert!(hashed.starts_with("==") && hashed.len() == 66, "{hashed}");
+        assert_ne!(hashed, name_token(&"m".repeat(MAX_TOKEN_BYTES + 2)));
+        assert_eq!(
+            name_token(&"m".repeat(MAX_TOKEN_BYTES)).len(),
+            MAX_TOKEN_BYTES
+        );
+        let escaped = "é".repeat(MAX_TOKEN_BYTES);
+        assert!(name_token(&escaped).len() <= 66);
+    }
+
+    #[test]
+    fn keys_have_a_fixed_number_of_tokens_whatever_the_names() {
+        let c = CounterKey {
+            subject: Subject::Principal("a.b *>".into()),
+            meter: Meter::Spend,
+            window_unix_ms: 0,
+        };
+        assert_eq!(counter_key(&c), "c.spend.0.p.a=2Eb=20=2A=3E");
+        let row = UsageKey {
+            day_unix_ms: 2 * DAY_MS,
+            principal: "p".into(),
+            key: "k.1".into(),
+            model: "".into(),
+        };
+        assert_eq!(usage_key(&row), format!("u.{}.p.k=2E1.=", 2 * DAY_MS));
+        assert_eq!(key_key("key_00ff"), "k.key_00ff");
+    }
+
+    #[test]
+    fn a_usage_filter_narrows_to_a_day_a_principal_or_a_key() {
+        let mut q = UsageQuery {
+            from_day_unix_ms: DAY_MS,
+            to_day_unix_ms: 3 * DAY_MS,
+            principal: None,
+            key: None,
+            max_rows: 10,
+        };
+        assert_eq!(usage_filter(&q), "u.*.*.*.*");
+        q.principal = Some("p.1".into());
+        assert_eq!(usage_filter(&q), "u.*.p=2E1.*.*");
+        q.to_day_unix_ms = DAY_MS;
+        q.key = Some("k".into());
+        assert_eq!(usage_filter(&q), format!("u.{DAY_MS}.p=2E1.k.*"));
+    }
+
+    #[test]
+    fn values_round_trip_and_a_foreign_format_is_refused() {
+        let c = CounterKey {
+            subject: Subject::Key("k".into()),
+            meter: Meter::Tokens,
+            window_unix_ms: 60_000,
+        };
+        assert_eq!(
+            decode_counter(&encode_counter(&c, 42).unwrap()).unwrap(),
+            (c, 42)
+        );
+        let row = UsageKey {
+            day_unix_ms: DAY_MS,
+            principal: "p".into(),
+            key: "k".into(),
+            model: "m".into(),
+        };
+        let totals = UsageTotals {
+            requests: 1,
+            input_tokens: 2,
+            cached_input_tokens: 1,
+            output_tokens: 3,
+            spend_micros: 4,
+        };
+        assert_eq!(
+            decode_usage(&encode_usage(&row, &totals).unwrap()).unwrap(),
+            (row, totals)
+        );
+        let record = KeyRecord {
+            id: "key_0000000000000001".into(),
+            principal: "p".into(),
+            name: None,
+            secret_sha256: "00".repeat(32),
+            models: vec!["*".into()],
+            limits: Limits::default(),
+            expires_unix_ms: None,
+            revoked_unix_ms: None,
+            created_unix_ms: 1,
+            updated_unix_ms: 1,
+        };
+        let mut bytes = encode_key(&record).unwrap().to_vec();
+        assert_eq!(decode_key(&bytes).unwrap(), record);
+        bytes[0] = 9;
+        assert_eq!(decode_key(&bytes), Err(DecodeError::RecordFormat(9)));
+        assert!(decode_key(&[]).is_err());
+    }
+}

@@ -1,0 +1,537 @@
+//! The behaviours every [`TenantStore`] shows, whatever its engine:
+//! claims decided by [`check_claim`](iop_core::tenant::check_claim) under
+//! any concurrency (R-TEN-3), usage rows (R-TEN-5), runtime keys with
+//! revisions (R-TEN-4), and what a sweep forgets.
+//!
+//! Each behaviour gets a fresh store from the caller's factory:
+//!
+//! ```ignore
+//! #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+//! async fn my_tenant_store_conforms() {
+//!     iop_store::conformance::tenant::run_all(|| async { my_store() }).await;
+//! }
+//! ```
+//!
+//! A store durable across a restart also runs [`write_before_reopen`] then
+//! [`check_after_reopen`] on the store opened again; a store shared by
+//! several Edges runs [`stores_share_claims_usage_and_keys`] on two
+//! instances (two connections) of one deployment.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use iop_core::tenant::keys::{KeyRecord, key_id};
+use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
+use iop_core::tenant::{CounterKey, DAY_MS, Limits, MINUTE_MS, Meter, Subject};
+
+use crate::BoxFuture;
+use crate::tenant::{TenantStore, TenantStoreError};
+
+/// One behaviour: its name and the check.
+pub struct Behaviour {
+    /// The behaviour, as a sentence in snake case.
+    pub name: &'static str,
+    /// Run it against a fresh store.
+    pub run: fn(Arc<dyn TenantStore>) -> BoxFuture<'static, ()>,
+}
+
+/// Every behaviour.
+pub fn behaviours() -> Vec<Behaviour> {
+    macro_rules! behaviour {
+        ($name:ident) => {
+            Behaviour {
+                name: stringify!($name),
+                run: |store| Box::pin($name(store)),
+            }
+        };
+    }
+    vec![
+        behaviour!(a_claim_gets_what_is_left_of_the_limit_and_claimed_reads_it_back),
+        behaviour!(concurrent_claimers_never_claim_past_the_limit),
+        behaviour!(usage_adds_sum_per_row_and_queries_filter_by_day_principal_key_and_max_rows),
+        behaviour!(a_key_is_written_only_over_its_stored_revision),
+        behaviour!(sweep_forgets_windows_that_are_over_and_keeps_a_total_budget),
+    ]
+}
+
+/// Run every behaviour, each on a fresh store from `make`.
+pub async fn run_all<F, Fut>(mut make: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Arc<dyn TenantStore>>,
+{
+    for behaviour in behaviours() {
+        eprintln!("tenant conformance: {}", behaviour.name);
+        (behaviour.run)(make().await).await;
+    }
+}
+
+/// A realistic "now": some day in 2024, Unix ms.
+pub const NOW_UNIX_MS: u64 = 19_800 * DAY_MS + 12 * 3_600_000;
+
+fn minute(unix_ms: u64) -> u64 {
+    unix_ms - unix_ms % MINUTE_MS
+}
+
+/// The counter of `subject`'s `meter` in the window starting at `window`.
+pub fn counter(subject: Subject, meter: Meter, window: u64) -> CounterKey {
+    CounterKey {
+        subject,
+        meter,
+        window_unix_ms: window,
+    }
+}
+
+fn requests_of(key: &str) -> CounterKey {
+    counter(
+        Subject::Key(key.into()),
+        Meter::Requests,
+        minute(NOW_UNIX_MS),
+    )
+}
+
+/// A runtime key `id` of `principal`, as the admin API would store it.
+pub fn key_record(id: &str, principal: &str, name: &str) -> KeyRecord {
+    KeyRecord {
+        id: id.into(),
+        principal: principal.into(),
+        name: Some(name.into()),
+        secret_sha256: "ab".repeat(32),
+        models: vec!["*".into()],
+        limits: Limits {
+            requests_per_minute: Some(60),
+            ..Limits::default()
+        },
+        expires_unix_ms: None,
+        revoked_unix_ms: None,
+        created_unix_ms: NOW_UNIX_MS,
+        updated_unix_ms: NOW_UNIX_MS,
+    }
+}
+
+fn usage_key(day: u64, principal: &str, key: &str, model: &str) -> UsageKey {
+    UsageKey {
+        day_unix_ms: day * DAY_MS,
+        principal: principal.into(),
+        key: key.into(),
+        model: model.into(),
+    }
+}
+
+fn totals(requests: u64, input: u64, spend: u64) -> UsageTotals {
+    UsageTotals {
+        requests,
+        input_tokens: input,
+        cached_input_tokens: input / 2,
+        output_tokens: 2 * input,
+        spend_micros: spend,
+    }
+}
+
+fn query(from_day: u64, to_day: u64) -> UsageQuery {
+    UsageQuery {
+        from_day_unix_ms: from_day * DAY_MS,
+        to_day_unix_ms: to_day * DAY_MS,
+        principal: None,
+        key: None,
+        max_rows: 1000,
+    }
+}
+
+fn rows_of(rows: &[(UsageKey, UsageTotals)]) -> Vec<(u64, &str, &str, &str)> {
+    rows.iter()
+        .map(|(k, _)| {
+            (
+                k.day_unix_ms / DAY_MS,
+                k.principal.as_str(),
+                k.key.as_str(),
+                k.model.as_str(),
+            )
+        })
+        .collect()
+}
+
+/// R-TEN-3: a claim gets what is left of the limit, never more; an
+/// exhausted window grants 0 and stays at the limit; counters of another
+/// subject, meter or window are apart.
+pub async fn a_claim_gets_what_is_left_of_the_limit_and_claimed_reads_it_back(
+    store: Arc<dyn TenantStore>,
+) {
+    let s = &*store;
+    let c = requests_of("key-a");
+    assert_eq!(s.claimed(c.clone()).await, Ok(0));
+    assert_eq!(s.claim(c.clone(), 30, 100).await, Ok(30));
+    assert_eq!(s.claimed(c.clone()).await, Ok(30));
+    assert_eq!(s.claim(c.clone(), 80, 100).await, Ok(70), "what is left");
+    assert_eq!(s.claim(c.clone(), 1, 100).await, Ok(0), "exhausted");
+    assert_eq!(s.claim(c.clone(), 0, 100).await, Ok(0));
+    assert_eq!(s.claimed(c.clone()).await, Ok(100));
+    assert_eq!(
+        s.claim(c.clone(), 10, 120).await,
+        Ok(10),
+        "a raised limit leaves room again"
+    );
+    assert_eq!(
+        s.claim(c.clone(), 10, 50).await,
+        Ok(0),
+        "a lowered one none"
+    );
+    assert_eq!(s.claimed(c.clone()).await, Ok(110));
+
+    let others = [
+        requests_of("key-b"),
+        counter(
+            Subject::Principal("key-a".into()),
+            Meter::Requests,
+            c.window_unix_ms,
+        ),
+        counter(
+            Subject::Key("key-a".into()),
+            Meter::Tokens,
+            c.window_unix_ms,
+        ),
+        counter(
+            Subject::Key("key-a".into()),
+            Meter::Requests,
+            c.window_unix_ms + MINUTE_MS,
+        ),
+    ];
+    for other in others {
+        assert_eq!(s.claimed(other.clone()).await, Ok(0), "{other:?}");
+        assert_eq!(s.claim(other.clone(), 5, 100).await, Ok(5), "{other:?}");
+    }
+    assert_eq!(s.claimed(c).await, Ok(110));
+}
+
+/// How many claimers race in [`concurrent_claimers_never_claim_past_the_limit`].
+pub const CLAIMERS: usize = 16;
+
+/// Claim `chunk` of `counter` until the store grants nothing: the total.
+async fn claim_until_exhausted(
+    store: Arc<dyn TenantStore>,
+    counter: CounterKey,
+    chunk: u64,
+    limit: u64,
+) -> u64 {
+    let mut got = 0;
+    loop {
+        match store.claim(counter.clone(), chunk, limit).await {
+            Ok(0) => return got,
+            Ok(granted) => {
+                assert!(granted <= chunk, "granted {granted} of a claim of {chunk}");
+                got += granted;
+            }
+            Err(e) => panic!("a claim failed: {e}"),
+        }
+    }
+}
+
+/// R-TEN-3: claimers racing on one counter get exactly the limit between
+/// them, never more, whoever wins each race.
+pub async fn concurrent_claimers_never_claim_past_the_limit(store: Arc<dyn TenantStore>) {
+    race_claims(&[store], requests_of("raced"), 7, 500).await;
+}
+
+/// [`CLAIMERS`] tasks, spread over `stores`, claim `chunk` of `counter`
+/// until it is exhausted: they get `limit` between them, and every store
+/// reads the counter at the limit.
+pub async fn race_claims(
+    stores: &[Arc<dyn TenantStore>],
+    counter: CounterKey,
+    chunk: u64,
+    limit: u64,
+) {
+    let tasks: Vec<_> = (0..CLAIMERS)
+        .map(|i| {
+            let store = stores[i % stores.len()].clone();
+            tokio::spawn(claim_until_exhausted(store, counter.clone(), chunk, limit))
+        })
+        .collect();
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.expect("a claimer panicked");
+    }
+    assert_eq!(total, limit, "claimed between them");
+    for store in stores {
+        assert_eq!(store.claimed(counter.clone()).await, Ok(limit));
+        assert_eq!(store.claim(counter.clone(), 1, limit).await, Ok(0));
+    }
+}
+
+/// R-TEN-5: each added row sums into its stored row; a read returns the
+/// rows of its days, principal and key in key order, at most `max_rows`.
+pub async fn usage_adds_sum_per_row_and_queries_filter_by_day_principal_key_and_max_rows(
+    store: Arc<dyn TenantStore>,
+) {
+    let s = &*store;
+    let d = NOW_UNIX_MS / DAY_MS;
+    assert_eq!(s.usage(query(0, d + 10)).await, Ok(Vec::new()));
+    s.add_usage(vec![
+        (usage_key(d, "p1", "k1", "m1"), totals(1, 10, 100)),
+        (usage_key(d, "p1", "k2", "m1"), totals(1, 20, 200)),
+        (usage_key(d + 1, "p2", "k3", "m1"), totals(2, 30, 300)),
+    ])
+    .await
+    .unwrap();
+    s.add_usage(vec![
+        (usage_key(d, "p1", "k1", "m1"), totals(1, 5, 50)),
+        (usage_key(d + 1, "p1", "k1", "m.2/x"), totals(1, 1, 1)),
+        (usage_key(d + 2, "p2", "k3", "m1"), totals(1, 1, 1)),
+    ])
+    .await
+    .unwrap();
+    s.add_usage(Vec::new()).await.unwrap();
+
+    let all = s.usage(query(d, d + 2)).await.unwrap();
+    assert_eq!(
+        rows_of(&all),
+        [
+            (d, "p1", "k1", "m1"),
+            (d, "p1", "k2", "m1"),
+            (d + 1, "p1", "k1", "m.2/x"),
+            (d + 1, "p2", "k3", "m1"),
+            (d + 2, "p2", "k3", "m1"),
+        ],
+        "every row once, in key order"
+    );
+    assert_eq!(all[0].1, {
+        let mut sum = totals(1, 10, 100);
+        sum.add(&totals(1, 5, 50));
+        sum
+    });
+    assert_eq!(all[3].1, totals(2, 30, 300));
+
+    let days = s.usage(query(d + 1, d + 1)).await.unwrap();
+    assert_eq!(
+        rows_of(&days),
+        [(d + 1, "p1", "k1", "m.2/x"), (d + 1, "p2", "k3", "m1")]
+    );
+    let mut by_principal = query(d, d + 2);
+    by_principal.principal = Some("p2".into());
+    assert_eq!(
+        rows_of(&s.usage(by_principal).await.unwrap()),
+        [(d + 1, "p2", "k3", "m1"), (d + 2, "p2", "k3", "m1")]
+    );
+    let mut by_key = query(d, d + 2);
+    by_key.key = Some("k1".into());
+    assert_eq!(
+        rows_of(&s.usage(by_key.clone()).await.unwrap()),
+        [(d, "p1", "k1", "m1"), (d + 1, "p1", "k1", "m.2/x")]
+    );
+    by_key.principal = Some("p2".into());
+    assert_eq!(s.usage(by_key).await, Ok(Vec::new()));
+    let mut first_two = query(d, d + 2);
+    first_two.max_rows = 2;
+    assert_eq!(
+        rows_of(&s.usage(first_two).await.unwrap()),
+        [(d, "p1", "k1", "m1"), (d, "p1", "k2", "m1")],
+        "the first rows in key order"
+    );
+    let mut none = query(d, d + 2);
+    none.max_rows = 0;
+    assert_eq!(s.usage(none).await, Ok(Vec::new()));
+    assert_eq!(s.usage(query(d + 3, d + 9)).await, Ok(Vec::new()));
+    assert_eq!(s.usage(query(d + 2, d)).await, Ok(Vec::new()));
+}
+
+/// R-TEN-4: a key is written only over the revision its writer read (0:
+/// none stored), every write makes a greater revision, and reads return
+/// what is stored.
+pub async fn a_key_is_written_only_over_its_stored_revision(store: Arc<dyn TenantStore>) {
+    let s = &*store;
+    let id = key_id(1);
+    assert_eq!(s.key(id.clone()).await, Ok(None));
+    assert_eq!(s.keys().await, Ok(Vec::new()));
+    let record = key_record(&id, "team-a", "ci");
+    let first = s.put_key(record.clone(), 0).await.unwrap();
+    assert!(first > 0);
+    assert_eq!(
+        s.put_key(record.clone(), 0).await,
+        Err(TenantStoreError::Conflict { current: first }),
+        "a second creator is refused"
+    );
+    let mut revoked = record.clone();
+    revoked.revoked_unix_ms = Some(NOW_UNIX_MS + 1);
+    revoked.updated_unix_ms = NOW_UNIX_MS + 1;
+    let second = s.put_key(revoked.clone(), first).await.unwrap();
+    assert!(second > first, "{second} after {first}");
+    assert_eq!(
+        s.put_key(record.clone(), first).await,
+        Err(TenantStoreError::Conflict { current: second }),
+        "a writer that read an old revision is refused"
+    );
+    assert_eq!(s.key(id.clone()).await, Ok(Some((revoked.clone(), second))));
+
+    let other_id = key_id(0);
+    let other = key_record(&other_id, "team-b", "batch");
+    let third = s.put_key(other.clone(), 0).await.unwrap();
+    assert!(third > second, "revisions grow across keys too");
+    assert_eq!(
+        s.keys().await,
+        Ok(vec![(other, third), (revoked, second)]),
+        "every key, by id"
+    );
+    assert_eq!(s.key(key_id(2)).await, Ok(None));
+}
+
+/// What a sweep forgets: a minute's counters two minutes after it began,
+/// a budget period's once it is over, usage rows past retention (a store
+/// may leave those to its engine's own expiry); never a budget in total,
+/// a window still running or a recent usage row.
+pub async fn sweep_forgets_windows_that_are_over_and_keeps_a_total_budget(
+    store: Arc<dyn TenantStore>,
+) {
+    let s = &*store;
+    let now = NOW_UNIX_MS;
+    let who = || Subject::Principal("team-a".into());
+    let this_minute = counter(who(), Meter::Tokens, minute(now));
+    let next_minute = counter(who(), Meter::Requests, minute(now) + MINUTE_MS);
+    let today = now - now % DAY_MS;
+    let day_budget = counter(who(), Meter::Spend, today);
+    let total_budget = counter(who(), Meter::Spend, 0);
+    for c in [&this_minute, &next_minute, &day_budget, &total_budget] {
+        assert_eq!(s.claim(c.clone(), 10, 1_000).await, Ok(10), "{c:?}");
+    }
+    let row = usage_key(today / DAY_MS, "team-a", "k", "m");
+    s.add_usage(vec![(row.clone(), totals(1, 1, 1))])
+        .await
+        .unwrap();
+    let claimed = |c: &CounterKey| s.claimed(c.clone());
+
+    s.sweep(minute(now) + MINUTE_MS).await.unwrap();
+    assert_eq!(claimed(&this_minute).await, Ok(10), "not over for long yet");
+    assert_eq!(claimed(&next_minute).await, Ok(10));
+    assert!(s.sweep(minute(now) + 2 * MINUTE_MS).await.unwrap() >= 1);
+    assert_eq!(claimed(&this_minute).await, Ok(0), "forgotten");
+    assert_eq!(claimed(&next_minute).await, Ok(10), "still running");
+    assert_eq!(claimed(&day_budget).await, Ok(10));
+    assert_eq!(
+        s.claim(this_minute.clone(), 5, 1_000).await,
+        Ok(5),
+        "a forgotten counter starts again from nothing"
+    );
+
+    let month_later = today + 31 * DAY_MS;
+    assert!(s.sweep(month_later).await.unwrap() >= 2);
+    assert_eq!(claimed(&day_budget).await, Ok(0), "its period is over");
+    assert_eq!(claimed(&next_minute).await, Ok(0));
+    assert_eq!(claimed(&total_budget).await, Ok(10), "kept for good");
+    assert_eq!(
+        rows_of(&s.usage(query(0, u64::MAX / DAY_MS)).await.unwrap()),
+        [(today / DAY_MS, "team-a", "k", "m")],
+        "a usage row within retention stays"
+    );
+    s.sweep(u64::MAX).await.unwrap();
+    assert_eq!(claimed(&total_budget).await, Ok(10), "kept for good");
+}
+
+/// The state [`write_before_reopen`] leaves.
+fn reopen_counter() -> CounterKey {
+    counter(Subject::Key(key_id(7)), Meter::Spend, 0)
+}
+
+/// For a store durable across a restart: claims, usage and a key, each
+/// durable when its call returned; [`check_after_reopen`] finds them in
+/// the store opened again.
+pub async fn write_before_reopen(store: Arc<dyn TenantStore>) {
+    let s = &*store;
+    assert_eq!(s.claim(reopen_counter(), 400, 1_000).await, Ok(400));
+    s.add_usage(vec![(
+        usage_key(NOW_UNIX_MS / DAY_MS, "team-a", &key_id(7), "m"),
+        totals(3, 30, 300),
+    )])
+    .await
+    .unwrap();
+    let revision = s
+        .put_key(key_record(&key_id(7), "team-a", "ci"), 0)
+        .await
+        .unwrap();
+    assert!(revision > 0);
+}
+
+/// See [`write_before_reopen`]: a budget's spend, the usage rows and the
+/// keys survived, and key revisions keep growing.
+pub async fn check_after_reopen(store: Arc<dyn TenantStore>) {
+    let s = &*store;
+    assert_eq!(s.claimed(reopen_counter()).await, Ok(400));
+    assert_eq!(
+        s.claim(reopen_counter(), 1_000, 1_000).await,
+        Ok(600),
+        "the budget's spend survived"
+    );
+    let rows = s
+        .usage(query(NOW_UNIX_MS / DAY_MS, NOW_UNIX_MS / DAY_MS))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].1, totals(3, 30, 300));
+    let (record, revision) = s.key(key_id(7)).await.unwrap().expect("the key survived");
+    assert_eq!(record, key_record(&key_id(7), "team-a", "ci"));
+    assert_eq!(s.keys().await.unwrap().len(), 1);
+    let next = s.put_key(record, revision).await.unwrap();
+    assert!(
+        next > revision,
+        "revisions keep growing: {next} after {revision}"
+    );
+}
+
+/// How long [`stores_share_claims_usage_and_keys`] waits for a key to show
+/// in another instance's listing.
+pub const KEY_SYNC_WAIT: Duration = Duration::from_secs(10);
+
+/// For a store shared by several Edges, on two instances `a` and `b` of
+/// one deployment: claims racing on both never pass the limit between
+/// them, each sees the other's claims, usage and keys (a key at once by
+/// id, in the listing within [`KEY_SYNC_WAIT`]), and a key write over a
+/// revision the other replaced is refused.
+pub async fn stores_share_claims_usage_and_keys(a: Arc<dyn TenantStore>, b: Arc<dyn TenantStore>) {
+    race_claims(&[a.clone(), b.clone()], requests_of("shared"), 3, 300).await;
+    let c = requests_of("seen");
+    assert_eq!(a.claim(c.clone(), 40, 100).await, Ok(40));
+    assert_eq!(b.claimed(c.clone()).await, Ok(40));
+    assert_eq!(b.claim(c.clone(), 100, 100).await, Ok(60));
+    assert_eq!(a.claimed(c).await, Ok(100));
+
+    let row = usage_key(NOW_UNIX_MS / DAY_MS, "team-a", "k", "m");
+    a.add_usage(vec![(row.clone(), totals(1, 10, 10))])
+        .await
+        .unwrap();
+    b.add_usage(vec![(row.clone(), totals(2, 20, 20))])
+        .await
+        .unwrap();
+    let day = NOW_UNIX_MS / DAY_MS;
+    for s in [&a, &b] {
+        let rows = s.usage(query(day, day)).await.unwrap();
+        assert_eq!(rows, vec![(row.clone(), totals(3, 30, 30))]);
+    }
+
+    let id = key_id(42);
+    let record = key_record(&id, "team-a", "shared");
+    let revision = a.put_key(record.clone(), 0).await.unwrap();
+    assert_eq!(
+        b.key(id.clone()).await,
+        Ok(Some((record.clone(), revision)))
+    );
+    let deadline = tokio::time::Instant::now() + KEY_SYNC_WAIT;
+    while !b
+        .keys()
+        .await
+        .unwrap()
+        .contains(&(record.clone(), revision))
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the key did not show in the other instance's listing"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut renamed = record.clone();
+    renamed.name = Some("renamed".into());
+    let newer = b.put_key(renamed.clone(), revision).await.unwrap();
+    assert_eq!(
+        a.put_key(record, revision).await,
+        Err(TenantStoreError::Conflict { current: newer })
+    );
+    assert_eq!(a.key(id).await, Ok(Some((renamed, newer))));
+}

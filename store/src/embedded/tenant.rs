@@ -1,0 +1,474 @@
+//! Tenants' state in the embedded store's file (SPEC §9): the counters
+//! Edges claim allowances from (R-TEN-3), usage rows (R-TEN-5) and runtime
+//! API keys (R-TEN-4), in tables beside the journal's, so a budget's spend,
+//! the day's usage and every key survive a restart of the Edge.
+//!
+//! | table | key | value |
+//! | --- | --- | --- |
+//! | `tenant_counters` | postcard [`CounterKey`] | claimed (u64) |
+//! | `tenant_usage` | (day_unix_ms, principal, key id, model) | (requests, input, cached input, output tokens, spend µ) |
+//! | `tenant_keys` | key id | (revision, postcard [`KeyRecord`]) |
+//! | `tenant_meta` | `key_revision` | the last key revision given (u64) |
+//!
+//! Writes go through the journal's one writer ([`super::writer`]): a
+//! claim, a usage batch, a key write or a bounded part of a sweep is one
+//! operation of a group-committed batch, so redb's one write transaction
+//! at a time is kept, a claim shares its fsync with the journal's appends
+//! waiting beside it, and the journal's queue bound (R-LIM-4) covers both.
+//! Every decision comes from [`iop_core::tenant`] ([`check_claim`]) or
+//! [`crate::tenant`] (what expires); this module reads and writes.
+//! Reads run in read transactions on tokio's blocking pool.
+
+use std::ops::Bound;
+use std::sync::Arc;
+
+use iop_core::tenant::keys::KeyRecord;
+use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
+use iop_core::tenant::{CounterKey, DAY_MS, check_claim};
+use redb::{
+    Database, ReadTransaction, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction,
+};
+
+use super::ops::{Reply, Request};
+use super::tables::Fault;
+use super::writer::Shared;
+use crate::BoxFuture;
+use crate::tenant::{
+    TenantStore, TenantStoreError, USAGE_RETENTION_DAYS, UsageWriteError, counter_expired,
+};
+
+/// Counters: postcard [`CounterKey`] -> claimed so far.
+pub(super) const COUNTERS: TableDefinition<'static, &[u8], u64> =
+    TableDefinition::new("tenant_counters");
+/// A usage row's key, in [`UsageKey`]'s order: (day, principal, key, model).
+type UsageRowKey = (u64, &'static str, &'static str, &'static str);
+/// A usage row's totals: requests, input, cached input, output tokens,
+/// spend.
+type UsageRowValue = (u64, u64, u64, u64, u64);
+/// Usage rows, ordered as [`UsageKey`] orders them.
+pub(super) const USAGE: TableDefinition<'static, UsageRowKey, UsageRowValue> =
+    TableDefinition::new("tenant_usage");
+/// Runtime keys: id -> (revision, postcard [`KeyRecord`]).
+pub(super) const KEYS: TableDefinition<'static, &str, (u64, &[u8])> =
+    TableDefinition::new("tenant_keys");
+/// The key revision counter.
+pub(super) const META: TableDefinition<'static, &str, u64> = TableDefinition::new("tenant_meta");
+const META_KEY_REVISION: &str = "key_revision";
+
+/// Counters or usage rows one sweep operation removes at most; a larger
+/// sweep runs as several operations, so the writer is never held long.
+pub(super) const SWEEP_BATCH: usize = 1024;
+
+/// One write of tenants' state, run by the journal's writer.
+#[derive(Debug)]
+pub(super) enum TenantOp {
+    Claim {
+        counter: CounterKey,
+        amount: u64,
+        limit: u64,
+    },
+    AddUsage(Vec<(UsageKey, UsageTotals)>),
+    PutKey {
+        record: Box<KeyRecord>,
+        expected: u64,
+    },
+    /// Forget at most `max` expired counters and usage rows.
+    Sweep {
+        now_unix_ms: u64,
+        max: usize,
+    },
+}
+
+impl TenantOp {
+    /// Bytes it carries, for the batch's byte bound.
+    pub(super) fn bytes(&self) -> usize {
+        match self {
+            TenantOp::AddUsage(rows) => rows
+                .iter()
+                .map(|(k, _)| 48 + k.principal.len() + k.key.len() + k.model.len())
+                .sum(),
+            TenantOp::PutKey { record, .. } => {
+                256 + record.models.iter().map(String::len).sum::<usize>()
+            }
+            TenantOp::Claim { .. } | TenantOp::Sweep { .. } => 0,
+        }
+    }
+}
+
+/// What the writer answered a [`TenantOp`].
+#[derive(Debug)]
+pub(super) enum TenantReply {
+    Claimed(u64),
+    UsageAdded,
+    KeyPut(Result<u64, TenantStoreError>),
+    Swept { removed: usize, more: bool },
+}
+
+impl TenantReply {
+    /// Did it change the file?
+    pub(super) fn accepted(&self) -> bool {
+        match self {
+            TenantReply::Claimed(granted) => *granted > 0,
+            TenantReply::UsageAdded => true,
+            TenantReply::KeyPut(r) => r.is_ok(),
+            TenantReply::Swept { removed, .. } => *removed > 0,
+        }
+    }
+}
+
+/// Create the tables (in the opening transaction).
+pub(super) fn init(txn: &WriteTransaction) -> Result<(), Fault> {
+    txn.open_table(COUNTERS)?;
+    txn.open_table(USAGE)?;
+    txn.open_table(KEYS)?;
+    txn.open_table(META)?;
+    Ok(())
+}
+
+fn encode<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>, Fault> {
+    postcard::to_allocvec(value).map_err(|e| Fault::Corrupt(format!("encoding {what}: {e}")))
+}
+
+fn decode<'a, T: serde::Deserialize<'a>>(what: &str, bytes: &'a [u8]) -> Result<T, Fault> {
+    postcard::from_bytes(bytes).map_err(|e| Fault::Corrupt(format!("{what} does not decode: {e}")))
+}
+
+fn totals(v: UsageRowValue) -> UsageTotals {
+    UsageTotals {
+        requests: v.0,
+        input_tokens: v.1,
+        cached_input_tokens: v.2,
+        output_tokens: v.3,
+        spend_micros: v.4,
+    }
+}
+
+fn row_value(t: &UsageTotals) -> UsageRowValue {
+    (
+        t.requests,
+        t.input_tokens,
+        t.cached_input_tokens,
+        t.output_tokens,
+        t.spend_micros,
+    )
+}
+
+/// Run `op` in the batch's transaction: its reply, and whether it wrote.
+pub(super) fn apply(txn: &WriteTransaction, op: TenantOp) -> Result<TenantReply, Fault> {
+    match op {
+        TenantOp::Claim {
+            counter,
+            amount,
+            limit,
+        } => {
+            let key = encode("a counter", &counter)?;
+            let mut table = txn.open_table(COUNTERS)?;
+            let claimed = table.get(key.as_slice())?.map_or(0, |v| v.value());
+            let (total, granted) = check_claim(claimed, amount, limit);
+            if granted > 0 {
+                table.insert(key.as_slice(), total)?;
+            }
+            Ok(TenantReply::Claimed(granted))
+        }
+        TenantOp::AddUsage(rows) => {
+            let mut table = txn.open_table(USAGE)?;
+            for (key, add) in &rows {
+                let row = (
+                    key.day_unix_ms,
+                    key.principal.as_str(),
+                    key.key.as_str(),
+                    key.model.as_str(),
+                );
+                let mut sum = table
+                    .get(row)?
+                    .map(|v| totals(v.value()))
+                    .unwrap_or_default();
+                sum.add(add);
+                table.insert(row, row_value(&sum))?;
+            }
+            Ok(TenantReply::UsageAdded)
+        }
+        TenantOp::PutKey { record, expected } => {
+            let mut keys = txn.open_table(KEYS)?;
+            let current = keys.get(record.id.as_str())?.map_or(0, |v| v.value().0);
+            if current != expected {
+                return Ok(TenantReply::KeyPut(Err(TenantStoreError::Conflict {
+                    current,
+                })));
+            }
+            let mut meta = txn.open_table(META)?;
+            let revision = meta.get(META_KEY_REVISION)?.map_or(0, |v| v.value()) + 1;
+            meta.insert(META_KEY_REVISION, revision)?;
+            let bytes = encode("a key", &*record)?;
+            keys.insert(record.id.as_str(), (revision, bytes.as_slice()))?;
+            Ok(TenantReply::KeyPut(Ok(revision)))
+        }
+        TenantOp::Sweep { now_unix_ms, max } => sweep(txn, now_unix_ms, max),
+    }
+}
+
+/// Remove up to `max` counters whose windows are over and usage rows past
+/// retention.
+fn sweep(txn: &WriteTransaction, now_unix_ms: u64, max: usize) -> Result<TenantReply, Fault> {
+    let mut counters = txn.open_table(COUNTERS)?;
+    let mut due: Vec<Vec<u8>> = Vec::new();
+    for entry in counters.iter()? {
+        if due.len() >= max {
+            break;
+        }
+        let (key, _) = entry?;
+        let counter: CounterKey = decode("a counter", key.value())?;
+        if counter_expired(&counter, now_unix_ms) {
+            due.push(key.value().to_vec());
+        }
+    }
+    for key in &due {
+        counters.remove(key.as_slice())?;
+    }
+    let mut removed = due.len();
+    // Usage rows sort by day first: the expired ones are a prefix.
+    let retention_ms = USAGE_RETENTION_DAYS * DAY_MS;
+    let mut usage = txn.open_table(USAGE)?;
+    let mut rows: Vec<(u64, String, String, String)> = Vec::new();
+    if let Some(first_kept_day) = now_unix_ms.checked_sub(retention_ms).map(|d| d + 1) {
+        let upper: Bound<UsageRowKey> = Bound::Excluded((first_kept_day, "", "", ""));
+        for entry in usage.range::<UsageRowKey>((Bound::Unbounded, upper))? {
+            if removed + rows.len() >= max {
+                break;
+            }
+            let (key, _) = entry?;
+            let (day, principal, key_id, model) = key.value();
+            rows.push((day, principal.into(), key_id.into(), model.into()));
+        }
+    }
+    for (day, principal, key_id, model) in &rows {
+        usage.remove((*day, principal.as_str(), key_id.as_str(), model.as_str()))?;
+    }
+    removed += rows.len();
+    Ok(TenantReply::Swept {
+        removed,
+        more: removed >= max,
+    })
+}
+
+/// Reads, each in its own read transaction.
+mod read {
+    use super::*;
+
+    pub(super) fn claimed(txn: &ReadTransaction, counter: &CounterKey) -> Result<u64, Fault> {
+        let key = encode("a counter", counter)?;
+        Ok(txn
+            .open_table(COUNTERS)?
+            .get(key.as_slice())?
+            .map_or(0, |v| v.value()))
+    }
+
+    pub(super) fn usage(
+        txn: &ReadTransaction,
+        query: &UsageQuery,
+    ) -> Result<Vec<(UsageKey, UsageTotals)>, Fault> {
+        let mut out = Vec::new();
+        if query.max_rows == 0 || query.from_day_unix_ms > query.to_day_unix_ms {
+            return Ok(out);
+        }
+        let table = txn.open_table(USAGE)?;
+        let lower: Bound<UsageRowKey> = Bound::Included((query.from_day_unix_ms, "", "", ""));
+        let upper: Bound<UsageRowKey> = match query.to_day_unix_ms.checked_add(1) {
+            Some(next) => Bound::Excluded((next, "", "", "")),
+            None => Bound::Unbounded,
+        };
+        for entry in table.range::<UsageRowKey>((lower, upper))? {
+            let (key, value) = entry?;
+            let (day, principal, key_id, model) = key.value();
+            let row = UsageKey {
+                day_unix_ms: day,
+                principal: principal.to_owned(),
+                key: key_id.to_owned(),
+                model: model.to_owned(),
+            };
+            if query.matches(&row) {
+                out.push((row, totals(value.value())));
+                if out.len() >= query.max_rows {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) fn key(txn: &ReadTransaction, id: &str) -> Result<Option<(KeyRecord, u64)>, Fault> {
+        match txn.open_table(KEYS)?.get(id)? {
+            None => Ok(None),
+            Some(v) => {
+                let (revision, bytes) = v.value();
+                Ok(Some((decode("a key", bytes)?, revision)))
+            }
+        }
+    }
+
+    pub(super) fn keys(txn: &ReadTransaction) -> Result<Vec<(KeyRecord, u64)>, Fault> {
+        let mut out = Vec::new();
+        for entry in txn.open_table(KEYS)?.iter()? {
+            let (_, v) = entry?;
+            let (revision, bytes) = v.value();
+            out.push((decode("a key", bytes)?, revision));
+        }
+        Ok(out)
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> TenantStoreError {
+    TenantStoreError::Unavailable(e.to_string())
+}
+
+/// Tenants' state in the embedded store's file: what
+/// [`EmbeddedStore::tenant_store`](super::EmbeddedStore::tenant_store)
+/// returns. It writes through the store's writer: once the store is
+/// dropped, its writes fail with [`TenantStoreError::Unavailable`] (and
+/// the file stays open until this handle is dropped too).
+pub(super) struct EmbeddedTenantStore {
+    pub(super) db: Arc<Database>,
+    pub(super) shared: Arc<Shared>,
+}
+
+impl EmbeddedTenantStore {
+    async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&ReadTransaction) -> Result<T, Fault> + Send + 'static,
+    ) -> Result<T, TenantStoreError> {
+        let db = self.db.clone();
+        tokio::task::spawn_blocking(move || {
+            let txn = db.begin_read().map_err(Fault::from)?;
+            f(&txn)
+        })
+        .await
+        .map_err(|e| unavailable(format_args!("tenant read task: {e}")))?
+        .map_err(unavailable)
+    }
+
+    /// Submit `op` now; the future waits until its batch is durable.
+    fn write(
+        &self,
+        op: TenantOp,
+    ) -> impl Future<Output = Result<TenantReply, TenantStoreError>> + Send + 'static {
+        let rx = self.shared.submit(Request::Tenant(op));
+        async move {
+            let answer = rx
+                .map_err(unavailable)?
+                .await
+                .map_err(|_| unavailable("the store's writer has stopped"))?;
+            match answer.map_err(unavailable)? {
+                Reply::Tenant(reply) => Ok(reply),
+                other => Err(unavailable(format_args!(
+                    "the writer answered out of kind: {other:?}"
+                ))),
+            }
+        }
+    }
+}
+
+fn out_of_kind(reply: TenantReply) -> TenantStoreError {
+    unavailable(format_args!("the writer answered out of kind: {reply:?}"))
+}
+
+impl TenantStore for EmbeddedTenantStore {
+    fn claim(
+        &self,
+        counter: CounterKey,
+        amount: u64,
+        limit: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        let answer = self.write(TenantOp::Claim {
+            counter,
+            amount,
+            limit,
+        });
+        Box::pin(async move {
+            match answer.await? {
+                TenantReply::Claimed(granted) => Ok(granted),
+                other => Err(out_of_kind(other)),
+            }
+        })
+    }
+
+    fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        Box::pin(self.read(move |txn| read::claimed(txn, &counter)))
+    }
+
+    fn add_usage(
+        &self,
+        rows: Vec<(UsageKey, UsageTotals)>,
+    ) -> BoxFuture<'_, Result<(), UsageWriteError>> {
+        // The batch is one operation: all of it is written or none, so on
+        // an error every row comes back.
+        let kept = rows.clone();
+        let answer = self.write(TenantOp::AddUsage(rows));
+        Box::pin(async move {
+            let error = match answer.await {
+                Ok(TenantReply::UsageAdded) => return Ok(()),
+                Ok(other) => out_of_kind(other),
+                Err(error) => error,
+            };
+            Err(UsageWriteError {
+                error,
+                unwritten: kept,
+            })
+        })
+    }
+
+    fn usage(
+        &self,
+        query: UsageQuery,
+    ) -> BoxFuture<'_, Result<Vec<(UsageKey, UsageTotals)>, TenantStoreError>> {
+        Box::pin(self.read(move |txn| read::usage(txn, &query)))
+    }
+
+    fn put_key(
+        &self,
+        record: KeyRecord,
+        expected: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        let answer = self.write(TenantOp::PutKey {
+            record: Box::new(record),
+            expected,
+        });
+        Box::pin(async move {
+            match answer.await? {
+                TenantReply::KeyPut(result) => result,
+                other => Err(out_of_kind(other)),
+            }
+        })
+    }
+
+    fn key(&self, id: String) -> BoxFuture<'_, Result<Option<(KeyRecord, u64)>, TenantStoreError>> {
+        Box::pin(self.read(move |txn| read::key(txn, &id)))
+    }
+
+    fn keys(&self) -> BoxFuture<'_, Result<Vec<(KeyRecord, u64)>, TenantStoreError>> {
+        Box::pin(self.read(read::keys))
+    }
+
+    fn sweep(&self, now_unix_ms: u64) -> BoxFuture<'_, Result<usize, TenantStoreError>> {
+        Box::pin(async move {
+            let mut total = 0;
+            loop {
+                let op = TenantOp::Sweep {
+                    now_unix_ms,
+                    max: SWEEP_BATCH,
+                };
+                match self.write(op).await? {
+                    TenantReply::Swept { removed, more } => {
+                        total += removed;
+                        if !more {
+                            return Ok(total);
+                        }
+                    }
+                    other => return Err(out_of_kind(other)),
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
