@@ -283,43 +283,56 @@ impl Durable {
         metrics: Arc<EdgeMetrics>,
     ) -> Result<Self, OpenError> {
         let limits = section.limits();
-        let store: Arc<dyn JournalStore> = match section.store {
-            JournalStoreKind::Memory => Arc::new(MemoryStore::new(limits)),
-            JournalStoreKind::Embedded => {
-                let path = section.file(state_dir);
-                let store = EmbeddedStore::open(&path, limits).map_err(|e| OpenError::Store {
-                    path: path.clone(),
-                    message: e.to_string(),
-                })?;
-                Arc::new(store)
-            }
-            JournalStoreKind::Nats => {
-                let nats = section.nats.as_ref().ok_or_else(|| {
-                    iop_transport::settings::field_err("journal.nats", "required")
-                })?;
-                // Paths were resolved at load.
-                let options = nats.options(limits, state_dir)?;
-                let servers = options.servers.join(",");
-                // Bounded twice: the client's connect and the bucket load
-                // each by the timeout, the stream checks by the request
-                // timeout; the whole start by the sum.
-                let bound = options.connect_timeout * 2 + options.request_timeout * 4;
-                let connected =
-                    tokio::time::timeout(bound, iop_store_nats::NatsStore::connect(options))
+        // Tenants' state lives in the same store (SPEC §9).
+        let (store, tenant_store): (Arc<dyn JournalStore>, Arc<dyn iop_store::TenantStore>) =
+            match section.store {
+                JournalStoreKind::Memory => (
+                    Arc::new(MemoryStore::new(limits)),
+                    Arc::new(iop_store::MemoryTenantStore::new()),
+                ),
+                JournalStoreKind::Embedded => {
+                    let path = section.file(state_dir);
+                    let store =
+                        EmbeddedStore::open(&path, limits).map_err(|e| OpenError::Store {
+                            path: path.clone(),
+                            message: e.to_string(),
+                        })?;
+                    let tenants = store.tenant_store();
+                    (Arc::new(store), tenants)
+                }
+                JournalStoreKind::Nats => {
+                    let nats = section.nats.as_ref().ok_or_else(|| {
+                        iop_transport::settings::field_err("journal.nats", "required")
+                    })?;
+                    // Paths were resolved at load.
+                    let options = nats.options(limits, state_dir)?;
+                    let servers = options.servers.join(",");
+                    // Bounded twice: the client's connect and the bucket load
+                    // each by the timeout, the stream checks by the request
+                    // timeout; the whole start by the sum, and the tenants'
+                    // buckets and the load of their keys as much again.
+                    let bound = options.connect_timeout * 2 + options.request_timeout * 4;
+                    let connect = async {
+                        let store = iop_store_nats::NatsStore::connect(options).await?;
+                        let tenants = store.tenant_store().await?;
+                        Ok::<_, iop_store_nats::ConnectError>((store, tenants))
+                    };
+                    let (connected, tenants) = tokio::time::timeout(bound * 2, connect)
                         .await
                         .map_err(|_| OpenError::Nats {
                             servers: servers.clone(),
-                            message: format!("not connected and set up within {bound:?}"),
+                            message: format!("not connected and set up within {:?}", bound * 2),
                         })?
                         .map_err(|e| OpenError::Nats {
                             servers: servers.clone(),
                             message: e.to_string(),
                         })?;
-                tracing::info!(event = "edge_journal_nats_connected", servers = %servers);
-                Arc::new(connected)
-            }
-        };
+                    tracing::info!(event = "edge_journal_nats_connected", servers = %servers);
+                    (Arc::new(connected), tenants)
+                }
+            };
         let mut durable = Self::with_store(store, section.responses_store_default);
+        durable.tenant_store = tenant_store;
         durable.store_kind = section.store;
         edge_id.clone_into(&mut durable.edge_id);
         durable.metrics = Some(metrics);

@@ -337,13 +337,13 @@ impl EmbeddedStore {
     /// Tenants' state (counters, usage rows, runtime keys; SPEC §9) in
     /// this file's tenant tables: durable across a restart, written through
     /// this store's one writer and group commit (see [`tenant`]'s docs).
-    /// Call it once and share the handle; every handle is the same state.
-    /// Once this store is dropped the handle's writes fail with
-    /// [`TenantStoreError::Unavailable`](crate::TenantStoreError::Unavailable),
-    /// and the file is closed when the last handle goes too.
+    /// Every handle is a view of the same state that never keeps the file
+    /// open itself: once this store is dropped (the file closed) its
+    /// operations fail with
+    /// [`TenantStoreError::Unavailable`](crate::TenantStoreError::Unavailable).
     pub fn tenant_store(&self) -> Arc<dyn TenantStore> {
         Arc::new(tenant::EmbeddedTenantStore {
-            db: self.db.clone(),
+            db: Arc::downgrade(&self.db),
             shared: self.shared.clone(),
         })
     }

@@ -20,7 +20,7 @@
 //! Reads run in read transactions on tokio's blocking pool.
 
 use std::ops::Bound;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use iop_core::tenant::keys::KeyRecord;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
@@ -323,11 +323,12 @@ fn unavailable(e: impl std::fmt::Display) -> TenantStoreError {
 
 /// Tenants' state in the embedded store's file: what
 /// [`EmbeddedStore::tenant_store`](super::EmbeddedStore::tenant_store)
-/// returns. It writes through the store's writer: once the store is
-/// dropped, its writes fail with [`TenantStoreError::Unavailable`] (and
-/// the file stays open until this handle is dropped too).
+/// returns. A view of the store: it writes through the store's writer and
+/// never keeps the file open itself, so once the store is dropped (the
+/// file closed, and free to open again) every operation fails with
+/// [`TenantStoreError::Unavailable`].
 pub(super) struct EmbeddedTenantStore {
-    pub(super) db: Arc<Database>,
+    pub(super) db: Weak<Database>,
     pub(super) shared: Arc<Shared>,
 }
 
@@ -336,7 +337,10 @@ impl EmbeddedTenantStore {
         &self,
         f: impl FnOnce(&ReadTransaction) -> Result<T, Fault> + Send + 'static,
     ) -> Result<T, TenantStoreError> {
-        let db = self.db.clone();
+        let db = self
+            .db
+            .upgrade()
+            .ok_or_else(|| unavailable("the store is closed"))?;
         tokio::task::spawn_blocking(move || {
             let txn = db.begin_read().map_err(Fault::from)?;
             f(&txn)
