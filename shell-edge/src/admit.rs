@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use axum::extract::Request;
 use iop_core::ids::ProviderId;
+use iop_core::tenant::Subject;
 use iop_wire::AdapterKind;
 
 use crate::api::endpoint::RunEndpoint;
@@ -75,7 +76,17 @@ pub(crate) async fn admit<E: RunEndpoint>(
             max_output: run.params.max_tokens.map(u64::from),
             durable,
             background: keep.background,
-            held: (Default::default(), Default::default()),
+            // What the key and its principal hold in the journal now (every
+            // Edge's records, as the store's own view counts them).
+            held: if durable {
+                let journal = state.durable().store();
+                (
+                    journal.held(&Subject::Key(key.id.clone())),
+                    journal.held(&Subject::Principal(key.principal.clone())),
+                )
+            } else {
+                Default::default()
+            },
         })
         .map(Arc::new)?;
     let provider_model = state.config().model_names.provider_model(&run.model);

@@ -17,6 +17,7 @@ const LIMITED: &str = "sk-tenant-limited-0123456789";
 const OTHER: &str = "sk-tenant-other-0123456789";
 const BUDGETED: &str = "sk-tenant-budgeted-0123456789";
 const ONE_AT_A_TIME: &str = "sk-tenant-one-at-a-time-0123456789";
+const JOURNALED: &str = "sk-tenant-journaled-0123456789";
 
 struct Deployment {
     edge: RunningEdge,
@@ -31,6 +32,7 @@ async fn deployment(tokens_per_second: Option<f64>) -> Deployment {
     write_secret(&pki.path().join("other"), OTHER);
     write_secret(&pki.path().join("budgeted"), BUDGETED);
     write_secret(&pki.path().join("one"), ONE_AT_A_TIME);
+    write_secret(&pki.path().join("journaled"), JOURNALED);
     let defaults = MockScript::default();
     let mock = MockServer::start(MockScript {
         tokens: 100,
@@ -67,9 +69,15 @@ key_file = "budgeted"
 principal = "team-d"
 key_file = "one"
 limits = { concurrent_requests = 1, requests_per_minute = 100 }
+[[api_keys]]
+principal = "team-j"
+key_file = "journaled"
 [[principals]]
 name = "team-c"
 limits = { budget_micros = 2000, budget_period = "day" }
+[[principals]]
+name = "team-j"
+limits = { journal_bytes = 4000, background_responses = 1 }
 [[prices]]
 model = "m"
 input_per_mtok = 1000000
@@ -448,7 +456,7 @@ async fn r_ten_5_usage_is_read_per_principal_key_and_model_and_status_shows_tota
         let tenants = &doc["tenants"];
         assert_eq!(tenants["store_reachable"], true);
         assert_eq!(tenants["today"]["principals"]["team-b"]["requests"], 3);
-        assert_eq!(tenants["keys"]["config_keys"], 4);
+        assert_eq!(tenants["keys"]["config_keys"], 5);
         d.edge.shutdown().await;
     })
     .await;
@@ -518,6 +526,62 @@ async fn r_ten_4_the_keys_command_manages_runtime_keys_over_the_admin_api() {
         assert!(ok);
         let usage: Value = serde_json::from_str(&out).unwrap();
         assert_eq!(usage["object"], "list");
+        d.edge.shutdown().await;
+    })
+    .await;
+}
+
+async fn stored_chat(d: &Deployment, key: &str) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", d.edge.http_addr))
+        .bearer_auth(key)
+        .json(&json!({
+            "model": "m",
+            "max_tokens": 16,
+            "store": true,
+            "messages": [{"role": "user", "content": "keep this"}],
+        }))
+        .send()
+        .await
+        .unwrap()
+}
+
+/// R-TEN-1: a principal at its journal-bytes quota gets 429
+/// `insufficient_quota` for new durable requests, while its ephemeral
+/// requests and another principal's durable ones are served; its
+/// background responses are limited in flight.
+#[tokio::test]
+async fn r_ten_1_a_principal_at_its_journal_bytes_is_refused_durable_requests_only() {
+    bounded(async {
+        let d = deployment(None).await;
+        let mut stored = 0;
+        let refusal = loop {
+            let r = stored_chat(&d, JOURNALED).await;
+            match r.status().as_u16() {
+                200 => stored += 1,
+                429 => break r.json::<Value>().await.unwrap(),
+                other => panic!("unexpected {other}"),
+            }
+            assert!(stored < 100, "the quota never bit");
+        };
+        assert!(stored >= 1, "some fit first");
+        assert_eq!(refusal["error"]["code"], "insufficient_quota", "{refusal}");
+        assert!(
+            refusal["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("journal bytes")
+        );
+        assert_eq!(
+            chat(&d, JOURNALED, 16).await.status(),
+            200,
+            "ephemeral is served"
+        );
+        assert_eq!(
+            stored_chat(&d, OTHER).await.status(),
+            200,
+            "another principal is served"
+        );
         d.edge.shutdown().await;
     })
     .await;

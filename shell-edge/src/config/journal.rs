@@ -92,6 +92,11 @@ pub struct NatsSection {
     /// Room kept free in the bucket (default `journal.max_bytes`).
     #[serde(default)]
     pub bucket_reserve_bytes: Option<u64>,
+    /// The byte limit of each of the tenants' four buckets (counters,
+    /// budgets, usage, keys; SPEC §9), default 256 MiB. The server reserves
+    /// it when the bucket is made.
+    #[serde(default)]
+    pub tenant_bucket_max_bytes: Option<u64>,
     /// How long the Edge waits at start to connect and load the bucket.
     #[serde(default = "default_nats_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
@@ -223,6 +228,15 @@ impl NatsSection {
         }
         if let Some(n) = self.bucket_reserve_bytes {
             o.bucket_reserve_bytes = n;
+        }
+        if let Some(n) = self.tenant_bucket_max_bytes {
+            if n < 1 << 20 {
+                return Err(field_err(
+                    f("tenant_bucket_max_bytes"),
+                    "must be at least 1048576",
+                ));
+            }
+            o.tenant_bucket_max_bytes = n;
         }
         o.connect_timeout = Duration::from_millis(self.connect_timeout_ms);
         o.request_timeout = Duration::from_millis(self.request_timeout_ms);

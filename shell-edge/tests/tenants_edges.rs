@@ -1,0 +1,601 @@
+//! Tenants across Edges on real processes (SPEC §9, R-TEN-3): two Edge
+//! processes on one `nats-server`, a Node process connected to both, the
+//! mock provider counting its calls.
+//!
+//! * Eight clients on one key limited to 60 requests a minute, spread over
+//!   both Edges for 60 s: each wall-clock minute admits at most the limit
+//!   plus the bound (Edges x chunk), every 429 carries `Retry-After` and
+//!   the `x-ratelimit-*` headers, and another key's traffic meanwhile is
+//!   unaffected.
+//! * A budget storm: 50 concurrent requests of one principal over both
+//!   Edges against a small budget: the spend recorded in the store stays
+//!   within the budget plus the bound, and the provider saw exactly the
+//!   admitted requests (R-TEN-2).
+//! * A key created through one Edge works on the other within
+//!   `key_sync_ms`, a key revoked on the other is refused on the first
+//!   within it, and an Edge killed with SIGKILL and restarted keeps the
+//!   runtime keys (R-TEN-4).
+//!
+//! Without `nats-server` installed each test says why and passes, unless
+//! `CI` is set (then it fails), as the store's own tests do.
+
+mod common;
+#[path = "../../store-nats/tests/support/mod.rs"]
+mod nats;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+use iop_node::mock::{MockScript, MockServer};
+use nats::NatsServer;
+use serde_json::{Value, json};
+
+const ADMIN: &str = "sk-tenants-edges-admin-0123456789";
+const LIMITED: &str = "sk-tenants-edges-limited-0123456789";
+const OTHER: &str = "sk-tenants-edges-other-0123456789";
+const BUDGETED: &str = "sk-tenants-edges-budget-0123456789";
+/// The limited key's requests per minute.
+const RPM: u64 = 60;
+/// The budgeted principal's budget, micro-units (1 a token).
+const BUDGET: u64 = 3_000;
+/// `[tenants] chunk_fraction`: each Edge claims a tenth of a limit.
+const CHUNK_FRACTION: f64 = 0.1;
+/// `[tenants] key_sync_ms`.
+const KEY_SYNC_MS: u64 = 500;
+const EDGES: u64 = 2;
+
+fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
+    format!(
+        r#"
+[edge]
+edge_id = "{edge_id}"
+quic_listen = "127.0.0.1:{quic_port}"
+http_listen = "127.0.0.1:{http_port}"
+state_dir = "{edge_id}-state"
+drain_timeout_ms = 500
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[admission]
+queue_capacity = 256
+queue_timeout_ms = 10000
+[journal]
+store = "nats"
+max_bytes = 16777216
+lease_ttl_ms = 1500
+takeover_scan_interval_ms = 200
+[journal.nats]
+servers = ["{nats_url}"]
+stream = "TENANTS_JOURNAL"
+bucket = "tenants_journal"
+subject_prefix = "tenants.journal"
+connect_timeout_ms = 5000
+request_timeout_ms = 5000
+tenant_bucket_max_bytes = 8388608
+[tenants]
+chunk_fraction = {CHUNK_FRACTION}
+key_sync_ms = {KEY_SYNC_MS}
+usage_flush_ms = 200
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t"
+capacity = 64
+[[routes]]
+model = "m"
+providers = ["p1"]
+[[api_keys]]
+principal = "ops"
+key_file = "admin"
+admin = true
+[[api_keys]]
+principal = "team-a"
+id = "team-a-limited"
+key_file = "limited"
+limits = {{ requests_per_minute = {RPM} }}
+[[api_keys]]
+principal = "team-b"
+key_file = "other"
+[[api_keys]]
+principal = "team-c"
+key_file = "budgeted"
+[[principals]]
+name = "team-c"
+limits = {{ budget_micros = {BUDGET}, budget_period = "total" }}
+[[prices]]
+model = "m"
+input_per_mtok = 1000000
+output_per_mtok = 1000000
+"#
+    )
+}
+
+fn node_toml(edges: &[String], mock_url: &str) -> String {
+    let edges: Vec<String> = edges.iter().map(|e| format!("\"{e}\"")).collect();
+    format!(
+        r#"
+[node]
+edges = [{}]
+state_dir = "node-1-state"
+max_concurrent_runs = 256
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/node-node-1.pem"
+key = "certs/node-node-1.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+[reconnect]
+initial_ms = 50
+max_ms = 400
+[[providers]]
+adapter = "openai"
+target = "t"
+base_url = "{mock_url}"
+"#,
+        edges.join(", ")
+    )
+}
+
+/// Two Edge processes and a Node process on `server`.
+struct Deployment {
+    edges: Vec<Component>,
+    node: Component,
+    http: Vec<String>,
+    mock: MockServer,
+    _pki: Pki,
+}
+
+impl Deployment {
+    async fn start(server: &NatsServer) -> Deployment {
+        let pki = Pki::new(&["node-1"]);
+        for (file, key) in [
+            ("admin", ADMIN),
+            ("limited", LIMITED),
+            ("other", OTHER),
+            ("budgeted", BUDGETED),
+        ] {
+            write_secret(&pki.path().join(file), key);
+        }
+        let mock = MockServer::start(MockScript {
+            tokens: 20,
+            tokens_per_second: 2_000.0,
+            ..MockScript::default()
+        })
+        .await
+        .unwrap();
+        let ports: Vec<(u16, u16)> = (0..EDGES)
+            .map(|_| (free_udp_port(), free_tcp_port()))
+            .collect();
+        let quic: Vec<String> = ports
+            .iter()
+            .map(|(q, _)| format!("127.0.0.1:{q}"))
+            .collect();
+        let http: Vec<String> = ports
+            .iter()
+            .map(|(_, h)| format!("http://127.0.0.1:{h}"))
+            .collect();
+        let mut edges = Vec::new();
+        for (i, (q, h)) in ports.iter().enumerate() {
+            let id = format!("edge-{}", i + 1);
+            let config = pki.path().join(format!("{id}.toml"));
+            std::fs::write(&config, edge_toml(&id, &server.url(), *q, *h)).unwrap();
+            let mut edge = Component {
+                name: id,
+                program: PathBuf::from(env!("CARGO_BIN_EXE_iop-edge")),
+                config,
+                child: None,
+            };
+            edge.start();
+            edges.push(edge);
+        }
+        let config = pki.path().join("node-1.toml");
+        std::fs::write(&config, node_toml(&quic, &mock.base_url())).unwrap();
+        let mut node = Component {
+            name: "node-1".into(),
+            program: node_binary(),
+            config,
+            child: None,
+        };
+        node.start();
+        let d = Deployment {
+            edges,
+            node,
+            http,
+            mock,
+            _pki: pki,
+        };
+        for edge in &d.http {
+            d.wait_ready(edge).await;
+        }
+        d
+    }
+
+    /// Until `edge` answers and sees the node ready.
+    async fn wait_ready(&self, edge: &str) {
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready = match client
+                .get(format!("{edge}/status"))
+                .bearer_auth(ADMIN)
+                .send()
+                .await
+            {
+                Ok(r) => r
+                    .text()
+                    .await
+                    .unwrap_or_default()
+                    .contains("\"node_ready\":true"),
+                Err(_) => false,
+            };
+            if ready {
+                return;
+            }
+            if Instant::now() >= deadline {
+                let logs: Vec<String> = self
+                    .edges
+                    .iter()
+                    .chain([&self.node])
+                    .map(|c| {
+                        let log = std::fs::read_to_string(c.config.with_extension("log"))
+                            .unwrap_or_default();
+                        let tail: Vec<&str> = log
+                            .lines()
+                            .filter(|l| !l.starts_with("  "))
+                            .rev()
+                            .take(12)
+                            .collect();
+                        format!(
+                            "{}:\n{}",
+                            c.name,
+                            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                        )
+                    })
+                    .collect();
+                panic!("{edge} not ready; logs:\n{}", logs.join("\n"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn stop(mut self) {
+        for e in &mut self.edges {
+            e.kill().await;
+        }
+        self.node.kill().await;
+    }
+}
+
+async fn chat(client: &reqwest::Client, edge: &str, key: &str) -> reqwest::Response {
+    client
+        .post(format!("{edge}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({
+            "model": "m",
+            "max_tokens": 20,
+            "messages": [{"role": "user", "content": "hello"}],
+        }))
+        .send()
+        .await
+        .unwrap()
+}
+
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+async fn admin(
+    client: &reqwest::Client,
+    method: reqwest::Method,
+    url: String,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut req = client.request(method, url).bearer_auth(ADMIN);
+    if let Some(body) = body {
+        req = req.json(&body);
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test]
+async fn r_ten_3_one_key_over_two_edges_is_held_to_its_requests_per_minute() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded_long(async {
+        let d = Deployment::start(&server).await;
+        let client = reqwest::Client::new();
+        let end = Instant::now() + Duration::from_secs(60);
+        let mut clients = Vec::new();
+        for c in 0..8usize {
+            let (client, http) = (client.clone(), d.http.clone());
+            clients.push(tokio::spawn(async move {
+                // (minute the request was sent in, admitted)
+                let mut seen: Vec<(u64, bool)> = Vec::new();
+                let mut k = c;
+                while Instant::now() < end {
+                    let minute = unix_ms() / 60_000;
+                    let r = chat(&client, &http[k % http.len()], LIMITED).await;
+                    k += 1;
+                    match r.status().as_u16() {
+                        200 => seen.push((minute, true)),
+                        429 => {
+                            let retry: u64 = header(&r, "retry-after")
+                                .and_then(|v| v.parse().ok())
+                                .expect("Retry-After on every 429");
+                            assert!((1..=60).contains(&retry));
+                            for name in [
+                                "x-ratelimit-limit-requests",
+                                "x-ratelimit-remaining-requests",
+                                "x-ratelimit-reset-requests",
+                            ] {
+                                assert!(header(&r, name).is_some(), "{name} on a 429");
+                            }
+                            assert_eq!(
+                                header(&r, "x-ratelimit-limit-requests").as_deref(),
+                                Some("60")
+                            );
+                            let body: Value = r.json().await.unwrap();
+                            assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+                            seen.push((minute, false));
+                        }
+                        other => panic!("unexpected {other}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                seen
+            }));
+        }
+        // Another principal's traffic meanwhile: every request served.
+        let other = {
+            let (client, http) = (client.clone(), d.http.clone());
+            tokio::spawn(async move {
+                let mut served = 0;
+                let mut k = 0;
+                while Instant::now() < end {
+                    let r = chat(&client, &http[k % http.len()], OTHER).await;
+                    assert_eq!(r.status(), 200, "another key is unaffected");
+                    served += 1;
+                    k += 1;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                served
+            })
+        };
+        let mut per_minute: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+        for c in clients {
+            for (minute, admitted) in c.await.unwrap() {
+                let e = per_minute.entry(minute).or_default();
+                if admitted {
+                    e.0 += 1;
+                } else {
+                    e.1 += 1;
+                }
+            }
+        }
+        let served = other.await.unwrap();
+        let chunk = (RPM as f64 * CHUNK_FRACTION) as u64;
+        // A request is put in the minute it was sent in: the 8 in flight
+        // across a minute's end may be counted in the one before.
+        let bound = RPM + EDGES * chunk + 8;
+        println!("per minute (admitted, refused): {per_minute:?}; other key served {served}");
+        let admitted: u64 = per_minute.values().map(|(a, _)| a).sum();
+        for (minute, (a, refused)) in &per_minute {
+            assert!(*a <= bound, "minute {minute}: {a} admitted, bound {bound}");
+            let _ = refused;
+        }
+        assert!(
+            admitted >= RPM,
+            "60 s span a minute's worth of windows: {admitted} admitted"
+        );
+        assert!(per_minute.values().any(|(_, r)| *r > 0), "the limit bit");
+        assert!(served > 100);
+        d.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn r_ten_2_a_budget_storm_over_two_edges_spends_within_the_budget_and_calls_only_for_admitted()
+ {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded_long(async {
+        let d = Deployment::start(&server).await;
+        let client = reqwest::Client::new();
+        let before = d.mock.requests();
+        // Each client asks until the budget says no for good (a refusal
+        // without Retry-After); a refusal while its Edge's claim is on its
+        // way says when to try again.
+        let mut storm = Vec::new();
+        for i in 0..50usize {
+            let (client, edge) = (client.clone(), d.http[i % d.http.len()].clone());
+            storm.push(tokio::spawn(async move {
+                let (mut admitted, mut refused) = (0u64, 0u64);
+                for _ in 0..200 {
+                    let r = chat(&client, &edge, BUDGETED).await;
+                    match r.status().as_u16() {
+                        200 => admitted += 1,
+                        429 => {
+                            refused += 1;
+                            let again = header(&r, "retry-after").is_some();
+                            let body: Value = r.json().await.unwrap();
+                            assert_eq!(body["error"]["code"], "insufficient_quota");
+                            if !again {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        other => panic!("unexpected {other}"),
+                    }
+                }
+                (admitted, refused)
+            }));
+        }
+        let mut admitted = 0u64;
+        let mut refused = 0u64;
+        for s in storm {
+            let (a, r) = s.await.unwrap();
+            admitted += a;
+            refused += r;
+        }
+        assert!(
+            admitted > 0 && refused > 0,
+            "admitted {admitted}, refused {refused}"
+        );
+        assert_eq!(
+            d.mock.requests() - before,
+            admitted,
+            "no provider call for a refused request"
+        );
+        // The spend both Edges recorded, read from the store.
+        let mut spend = 0;
+        let mut requests = 0;
+        for _ in 0..50 {
+            let (status, usage) = admin(
+                &client,
+                reqwest::Method::GET,
+                format!("{}/admin/usage?principal=team-c", d.http[1]),
+                None,
+            )
+            .await;
+            assert_eq!(status, 200, "{usage}");
+            spend = usage["total"]["spend_micros"].as_u64().unwrap();
+            requests = usage["total"]["requests"].as_u64().unwrap();
+            if requests >= admitted {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let chunk = (BUDGET as f64 * CHUNK_FRACTION) as u64;
+        println!(
+            "budget storm: {admitted} admitted, {refused} refused, spend {spend} of {BUDGET} (+{})",
+            EDGES * chunk
+        );
+        assert!(
+            requests >= admitted,
+            "every admitted request is recorded: {requests}"
+        );
+        assert!(
+            spend >= BUDGET / 2,
+            "the budget is used, not only guarded: {spend}"
+        );
+        assert!(
+            spend <= BUDGET + EDGES * chunk,
+            "spend {spend} over budget {BUDGET} + {EDGES} x {chunk}"
+        );
+        d.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn r_ten_4_a_key_made_on_one_edge_works_on_the_other_and_survives_a_restart() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded_long(async {
+        let mut d = Deployment::start(&server).await;
+        let client = reqwest::Client::new();
+        let create = |principal: &'static str| {
+            let (client, url) = (client.clone(), format!("{}/admin/keys", d.http[0]));
+            async move {
+                let (status, key) = admin(
+                    &client,
+                    reqwest::Method::POST,
+                    url,
+                    Some(json!({"principal": principal, "models": ["m"]})),
+                )
+                .await;
+                assert_eq!(status, 201, "{key}");
+                (
+                    key["id"].as_str().unwrap().to_owned(),
+                    key["secret"].as_str().unwrap().to_owned(),
+                )
+            }
+        };
+        // Until `edge` answers `key` with `want`; how long it took.
+        let until = |edge: String, key: String, want: u16| {
+            let client = client.clone();
+            async move {
+                let started = Instant::now();
+                loop {
+                    if chat(&client, &edge, &key).await.status().as_u16() == want {
+                        return started.elapsed();
+                    }
+                    assert!(
+                        started.elapsed() < Duration::from_secs(10),
+                        "{edge} never answered {want}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        let sync = Duration::from_millis(KEY_SYNC_MS);
+        let (id, secret) = create("team-runtime").await;
+        assert_eq!(
+            chat(&client, &d.http[0], &secret).await.status(),
+            200,
+            "at once where it was made"
+        );
+        let took = until(d.http[1].clone(), secret.clone(), 200).await;
+        assert!(
+            took <= sync + Duration::from_millis(500),
+            "on the other Edge after {took:?}"
+        );
+
+        let (status, _) = admin(
+            &client,
+            reqwest::Method::POST,
+            format!("{}/admin/keys/{id}/revoke", d.http[1]),
+            None,
+        )
+        .await;
+        assert_eq!(status, 200);
+        assert_eq!(chat(&client, &d.http[1], &secret).await.status(), 401);
+        let took = until(d.http[0].clone(), secret.clone(), 401).await;
+        assert!(
+            took <= sync + Duration::from_millis(500),
+            "revoked on the first after {took:?}"
+        );
+
+        // SIGKILL and restart: the stored keys are read again.
+        let (_, kept) = create("team-kept").await;
+        until(d.http[1].clone(), kept.clone(), 200).await;
+        d.edges[0].kill().await;
+        d.edges[0].start();
+        let edge = d.http[0].clone();
+        d.wait_ready(&edge).await;
+        assert_eq!(chat(&client, &d.http[0], &kept).await.status(), 200);
+        assert_eq!(chat(&client, &d.http[0], &secret).await.status(), 401);
+        d.stop().await;
+    })
+    .await;
+}
+
+async fn bounded_long<T>(fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(240), fut)
+        .await
+        .expect("the test took too long")
+}
