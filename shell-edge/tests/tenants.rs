@@ -586,3 +586,76 @@ async fn r_ten_1_a_principal_at_its_journal_bytes_is_refused_durable_requests_on
     })
     .await;
 }
+
+/// R-TEN-4: runtime keys live in the embedded store's file: an Edge
+/// restarted on the same state directory still honours them, and a
+/// revoked one stays revoked.
+#[tokio::test]
+async fn r_ten_4_an_edge_restart_keeps_its_runtime_keys() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("admin"), LIMITED);
+        let config = "[[api_keys]]\nprincipal = \"ops\"\nkey_file = \"admin\"\nadmin = true\n";
+        let http = reqwest::Client::new();
+        let edge = RunningEdge::start(edge_config(&pki, 0, config))
+            .await
+            .unwrap();
+        let create = |addr: std::net::SocketAddr| {
+            let http = http.clone();
+            async move {
+                let key: Value = http
+                    .post(format!("http://{addr}/admin/keys"))
+                    .bearer_auth(LIMITED)
+                    .json(&json!({"principal": "team-r"}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                (
+                    key["id"].as_str().unwrap().to_owned(),
+                    key["secret"].as_str().unwrap().to_owned(),
+                )
+            }
+        };
+        let models = |addr: std::net::SocketAddr, key: String| {
+            let http = http.clone();
+            async move {
+                http.get(format!("http://{addr}/v1/models"))
+                    .bearer_auth(key)
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            }
+        };
+        let (_, kept) = create(edge.http_addr).await;
+        let (revoked_id, revoked) = create(edge.http_addr).await;
+        let r = http
+            .post(format!(
+                "http://{}/admin/keys/{revoked_id}/revoke",
+                edge.http_addr
+            ))
+            .bearer_auth(LIMITED)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(models(edge.http_addr, kept.clone()).await, 200);
+        edge.shutdown().await;
+
+        let edge = RunningEdge::start(edge_config(&pki, 0, config))
+            .await
+            .unwrap();
+        assert_eq!(
+            models(edge.http_addr, kept).await,
+            200,
+            "kept across the restart"
+        );
+        assert_eq!(models(edge.http_addr, revoked).await, 401, "still revoked");
+        edge.shutdown().await;
+    })
+    .await;
+}
