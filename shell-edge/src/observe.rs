@@ -327,10 +327,7 @@ mod tests {
     }
 
     fn usage(p: u64, c: u64) -> Usage {
-        Usage {
-            prompt_tokens: p,
-            completion_tokens: c,
-        }
+        Usage::tokens(p, c)
     }
 
     #[test]

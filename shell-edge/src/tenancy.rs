@@ -138,7 +138,7 @@ impl TenantHold {
     pub fn record(&self, usage: &iop_wire::Usage) {
         *self.used.lock().unwrap_or_else(|e| e.into_inner()) = Some(TokenUse {
             input: usage.prompt_tokens,
-            cached_input: 0,
+            cached_input: usage.cache_read_tokens.unwrap_or(0),
             output: usage.completion_tokens,
         });
     }

@@ -181,10 +181,7 @@ fn serve_data_streams(
                         let started = RunEventKind::Started {
                             session_id: run.session_id.clone(),
                         };
-                        let usage = RunEventKind::Usage(Usage {
-                            prompt_tokens: 1,
-                            completion_tokens: 0,
-                        });
+                        let usage = RunEventKind::Usage(Usage::tokens(1, 0));
                         for kind in std::iter::once(started).chain(std::iter::repeat(usage)) {
                             let event = RunEvent {
                                 run_id: run.run_id,

@@ -232,9 +232,12 @@ async fn a_message_is_answered_whole_and_streamed_with_the_providers_usage() {
         assert_eq!(v["stop_reason"], "end_turn");
         // The mock's usage: ceil(prompt characters / 4), tokens produced.
         let prompt_tokens = ("be brief".len() + "hello there".len()).div_ceil(4);
+        // An OpenAI-compatible provider that reports no prompt cache: its
+        // counts are null, never zeros.
         assert_eq!(
             v["usage"],
-            json!({"input_tokens": prompt_tokens, "output_tokens": 5})
+            json!({"input_tokens": prompt_tokens, "output_tokens": 5,
+                   "cache_creation_input_tokens": null, "cache_read_input_tokens": null})
         );
 
         let r = d
@@ -501,6 +504,85 @@ async fn an_idempotency_key_runs_once_and_a_stream_resumes_after_last_event_id()
         d.stop().await;
     })
     .await;
+}
+
+#[tokio::test]
+async fn the_prompt_caches_counts_reach_messages_and_openai_clients_and_the_journal() {
+    // 19 prompt characters: 5 prompt tokens; the provider read 2 of them
+    // from its cache and wrote 1 to it. An OpenAI-compatible provider says
+    // so in `prompt_tokens_details`, a Messages one in its cache counts.
+    let model = "mock:tokens=3,cache_read=2,cache_write=1";
+    let counts = json!({"input_tokens": 2, "output_tokens": 3,
+                        "cache_creation_input_tokens": 1, "cache_read_input_tokens": 2});
+    for upstream in [Upstream::OpenAi, Upstream::MessagesOnly] {
+        bounded(async {
+            let d = Deployment::start_with(MockScript::default(), 4, 64, upstream).await;
+            let v: Value = d
+                .post("/v1/messages", &request(model, false), &[])
+                .await
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(v["usage"], counts, "{upstream:?} whole");
+
+            let body = d
+                .post("/v1/messages", &request(model, true), &[])
+                .await
+                .text()
+                .await
+                .unwrap();
+            let evs = events(&body);
+            assert_eq!(evs[evs.len() - 2].2["usage"], counts, "{upstream:?} stream");
+            let start = &evs[0].2["message"]["usage"];
+            if upstream == Upstream::MessagesOnly {
+                // A Messages provider reports the prompt's counts before its
+                // answer, and they are in message_start as Anthropic sends
+                // them.
+                assert_eq!(
+                    *start,
+                    json!({"input_tokens": 2, "output_tokens": 1,
+                           "cache_creation_input_tokens": 1, "cache_read_input_tokens": 2})
+                );
+            } else {
+                assert_eq!(*start, json!({"input_tokens": 0, "output_tokens": 0}));
+            }
+
+            // A durable answer keeps them: the replay reads them from the
+            // journal.
+            let key = [("idempotency-key", "cache-counts")];
+            let first: Value = d
+                .post("/v1/messages", &request(model, false), &key)
+                .await
+                .json()
+                .await
+                .unwrap();
+            let again = d.post("/v1/messages", &request(model, false), &key).await;
+            assert_eq!(again.headers()["idempotent-replayed"], "true");
+            let again: Value = again.json().await.unwrap();
+            assert_eq!((&first["usage"], &again["usage"]), (&counts, &counts));
+
+            // An OpenAI client sees the same counts in OpenAI's shape.
+            let chat = json!({
+                "model": model,
+                "messages": [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": "hello there"}],
+            });
+            let v: Value = post_bearer(&d, "/v1/chat/completions", &chat)
+                .await
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(
+                v["usage"],
+                json!({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                       "prompt_tokens_details": {"cached_tokens": 2, "cache_write_tokens": 1}}),
+                "{upstream:?} chat"
+            );
+            d.wait_idle().await;
+            d.stop().await;
+        })
+        .await;
+    }
 }
 
 /// The official Anthropic Python SDK against a live deployment. CI installs

@@ -33,8 +33,9 @@ pub use messages::*;
 /// The ALPN protocol id both endpoints must negotiate.
 pub const ALPN: &[u8] = b"iop/1";
 
-/// The protocol version a Node announces in its [`RegisterRequest`].
-pub const PROTOCOL_VERSION: u32 = 6;
+/// The protocol version a Node announces in its [`RegisterRequest`]
+/// (7: [`Usage`] carries the provider's prompt-cache counts).
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The hard maximum length of one frame's payload, in bytes (16 MiB).
 ///

@@ -902,14 +902,54 @@ pub struct RunRequest {
     pub continue_final: bool,
 }
 
-/// Token usage.
+/// Token usage, as the provider reported it.
+///
+/// `prompt_tokens` counts every prompt token, cached or not (as the OpenAI
+/// API counts them; a Messages API's `input_tokens` plus its two cache
+/// counts). The cache counts are parts of it, `None` when the provider did
+/// not report them: never invented.
 #[cfg_attr(test, derive(proptest_derive::Arbitrary))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Usage {
-    /// Prompt tokens.
+    /// Prompt tokens, cached ones included.
     pub prompt_tokens: u64,
     /// Completion tokens.
     pub completion_tokens: u64,
+    /// Of `prompt_tokens`, those read from the provider's prompt cache
+    /// (OpenAI's `prompt_tokens_details.cached_tokens`, the Messages API's
+    /// `cache_read_input_tokens`).
+    #[serde(default)]
+    pub cache_read_tokens: Option<u64>,
+    /// Of `prompt_tokens`, those written to the provider's prompt cache
+    /// (the Messages API's `cache_creation_input_tokens`, OpenAI's
+    /// `prompt_tokens_details.cache_write_tokens`).
+    #[serde(default)]
+    pub cache_write_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// Usage of `prompt_tokens` and `completion_tokens`, no cache reported.
+    pub const fn tokens(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            cache_read_tokens: None,
+            cache_write_tokens: None,
+        }
+    }
+
+    /// The prompt tokens neither read from nor written to a cache (the
+    /// Messages API's `input_tokens`).
+    pub fn uncached_prompt_tokens(&self) -> u64 {
+        self.prompt_tokens
+            .saturating_sub(self.cache_read_tokens.unwrap_or(0))
+            .saturating_sub(self.cache_write_tokens.unwrap_or(0))
+    }
+
+    /// Whether the provider reported any cache count.
+    pub fn reports_cache(&self) -> bool {
+        self.cache_read_tokens.is_some() || self.cache_write_tokens.is_some()
+    }
 }
 
 /// A fragment of a tool call being streamed.

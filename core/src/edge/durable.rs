@@ -108,8 +108,13 @@ pub struct JournalEntry {
     pub source: Option<FrameSource>,
 }
 
-/// The format byte in front of every encoded [`JournalEntry`].
-const ENTRY_FORMAT: u8 = 1;
+/// The format byte in front of every encoded [`JournalEntry`]: 2 since
+/// [`iop_wire::Usage`] carries the prompt cache's counts. Records an
+/// earlier build wrote hold format 1, still read ([`legacy`]).
+const ENTRY_FORMAT: u8 = 2;
+
+/// The format of entries written before [`ENTRY_FORMAT`] 2.
+const ENTRY_FORMAT_V1: u8 = 1;
 
 /// Encode a journal event payload.
 pub fn encode_entry(delivery: &Delivery, source: Option<FrameSource>) -> Vec<u8> {
@@ -123,11 +128,14 @@ pub fn encode_entry(delivery: &Delivery, source: Option<FrameSource>) -> Vec<u8>
     out
 }
 
-/// Decode a journal event payload; `None` for bytes this build does not
-/// understand.
+/// Decode a journal event payload, of this build's format or an earlier
+/// one; `None` for bytes this build does not understand.
 pub fn decode_entry(payload: &[u8]) -> Option<JournalEntry> {
     match payload.split_first() {
         Some((&ENTRY_FORMAT, rest)) => postcard::from_bytes(rest).ok(),
+        Some((&ENTRY_FORMAT_V1, rest)) => postcard::from_bytes::<legacy::JournalEntryV1>(rest)
+            .ok()
+            .map(legacy::JournalEntryV1::upgrade),
         _ => None,
     }
 }
@@ -655,9 +663,11 @@ impl Publisher {
     }
 }
 
+mod legacy;
+
 #[cfg(test)]
 mod tests {
-    use iop_wire::RunEventKind;
+    use iop_wire::{FinishReason, RunEventKind, Usage};
 
     use super::*;
 
@@ -829,6 +839,116 @@ mod tests {
         }
         assert_eq!(decode_delivery(&[]), None);
         assert_eq!(decode_delivery(&[ENTRY_FORMAT + 1, 0]), None);
+    }
+
+    #[test]
+    fn entries_an_earlier_build_wrote_still_decode_without_cache_counts() {
+        // Format 1, as the build before the prompt cache's counts wrote
+        // them (bytes from that build): an adopting or replaying Edge of
+        // this build reads them as they were.
+        let source = |frame| {
+            Some(FrameSource {
+                key: RunKey {
+                    generation: 3,
+                    run_id: 9,
+                },
+                frame,
+                provider_id: ProviderId::from("p1"),
+            })
+        };
+        let cases: [(&[u8], JournalEntry); 6] = [
+            (
+                &[1, 1, 3, 12, 1, 1, 3, 9, 2, 2, 112, 49],
+                JournalEntry {
+                    delivery: Delivery::Event(RunEventKind::Usage(Usage::tokens(12, 1))),
+                    source: source(2),
+                },
+            ),
+            (
+                &[1, 1, 4, 1, 1, 172, 2, 240, 162, 4, 1, 3, 9, 4, 2, 112, 49],
+                JournalEntry {
+                    delivery: Delivery::Event(RunEventKind::Completed {
+                        finish_reason: FinishReason::Length,
+                        usage: Some(Usage::tokens(300, 70_000)),
+                    }),
+                    source: source(4),
+                },
+            ),
+            (
+                &[1, 1, 1, 6, 104, 195, 169, 108, 108, 111, 0],
+                JournalEntry {
+                    delivery: Delivery::Event(RunEventKind::TextDelta("héllo".into())),
+                    source: None,
+                },
+            ),
+            (
+                &[1, 0, 0, 0],
+                JournalEntry {
+                    delivery: Delivery::Commit { tunnel_head: None },
+                    source: None,
+                },
+            ),
+            (
+                &[
+                    1, 4, 1, 1, 1, 1, 1, 173, 3, 1, 9, 115, 108, 111, 119, 32, 100, 111, 119, 110,
+                    0,
+                ],
+                JournalEntry {
+                    delivery: Delivery::Fail {
+                        kind: GateFailure::Attempt(FailureCode::ProviderError),
+                        in_stream: true,
+                        provider: Some(ProviderSaid {
+                            http_status: Some(429),
+                            message: Some("slow down".into()),
+                        }),
+                    },
+                    source: None,
+                },
+            ),
+            (
+                &[1, 3, 0],
+                JournalEntry {
+                    delivery: Delivery::Finish,
+                    source: None,
+                },
+            ),
+        ];
+        for (payload, entry) in cases {
+            assert_eq!(decode_entry(payload).as_ref(), Some(&entry), "{payload:?}");
+            // Written again, it is this build's format, and reads the same.
+            let again = encode_entry(&entry.delivery, entry.source.clone());
+            assert_eq!(again[0], ENTRY_FORMAT);
+            assert_ne!(&again[..], payload);
+            assert_eq!(decode_entry(&again), Some(entry));
+        }
+        // Format 1 bytes of another shape are refused, not misread.
+        assert_eq!(decode_entry(&[1, 1, 3, 12]), None);
+    }
+
+    #[test]
+    fn the_prompt_caches_counts_survive_the_journal() {
+        for usage in [
+            Usage::tokens(12, 1),
+            Usage {
+                cache_read_tokens: Some(8),
+                ..Usage::tokens(12, 1)
+            },
+            Usage {
+                cache_read_tokens: Some(0),
+                cache_write_tokens: Some(12),
+                ..Usage::tokens(12, 1)
+            },
+        ] {
+            for d in [
+                Delivery::Event(RunEventKind::Usage(usage)),
+                Delivery::Event(RunEventKind::Completed {
+                    finish_reason: FinishReason::Stop,
+                    usage: Some(usage),
+                }),
+            ] {
+                assert_eq!(decode_delivery(&encode_delivery(&d)), Some(d));
+            }
+        }
     }
 
     #[test]

@@ -1683,12 +1683,22 @@ impl Request {
 }
 
 /// The sum of two usage reports (R-CONT-1: a continued answer's usage is
-/// its attempts' together); `None` when neither reported any.
+/// its attempts' together); `None` when neither reported any. A cache
+/// count is the sum of the counts reported: one attempt's alone when only
+/// it reported one (what is known, never invented).
 fn sum_usage(a: Option<Usage>, b: Option<Usage>) -> Option<Usage> {
+    fn sum_reported(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.saturating_add(b)),
+            (a, b) => a.or(b),
+        }
+    }
     match (a, b) {
         (Some(a), Some(b)) => Some(Usage {
             prompt_tokens: a.prompt_tokens.saturating_add(b.prompt_tokens),
             completion_tokens: a.completion_tokens.saturating_add(b.completion_tokens),
+            cache_read_tokens: sum_reported(a.cache_read_tokens, b.cache_read_tokens),
+            cache_write_tokens: sum_reported(a.cache_write_tokens, b.cache_write_tokens),
         }),
         (a, b) => a.or(b),
     }

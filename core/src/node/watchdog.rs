@@ -1180,10 +1180,7 @@ mod tests {
 
     #[test]
     fn usage_is_progress_but_terminal_wins() {
-        let usage = Usage {
-            prompt_tokens: 3,
-            completion_tokens: 5,
-        };
+        let usage = Usage::tokens(3, 5);
         let completed = RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
             usage: Some(usage),

@@ -455,13 +455,9 @@ pub(crate) fn logprobs_json(entries: &[TokenLogprob]) -> Value {
     json!({"content": content, "refusal": null})
 }
 
-/// The OpenAI `usage` object.
+/// The OpenAI `usage` object ([`UsageFields`]).
 pub(crate) fn usage_json(usage: Usage) -> Value {
-    json!({
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),
-    })
+    serde_json::to_value(UsageFields::from(usage)).unwrap_or_default()
 }
 
 /// An in-stream error after commit (R-GATE-3): `{"error":{...}}` as the SSE
@@ -539,12 +535,25 @@ struct FunctionFragment<'a> {
     name: Option<&'a str>,
 }
 
-/// The OpenAI `usage` object, typed (same keys as [`usage_json`]).
+/// The OpenAI `usage` object: `prompt_tokens_details` only when the
+/// provider reported a prompt cache count, each count only when reported
+/// (never invented). Keys in order, as `json!` writes them.
 #[derive(Serialize)]
 struct UsageFields {
     completion_tokens: u64,
     prompt_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_tokens_details: Option<PromptTokensDetails>,
     total_tokens: u64,
+}
+
+/// OpenAI's `usage.prompt_tokens_details`: the prompt cache's share.
+#[derive(Serialize)]
+struct PromptTokensDetails {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_write_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cached_tokens: Option<u64>,
 }
 
 impl From<Usage> for UsageFields {
@@ -552,6 +561,10 @@ impl From<Usage> for UsageFields {
         Self {
             completion_tokens: usage.completion_tokens,
             prompt_tokens: usage.prompt_tokens,
+            prompt_tokens_details: usage.reports_cache().then_some(PromptTokensDetails {
+                cache_write_tokens: usage.cache_write_tokens,
+                cached_tokens: usage.cache_read_tokens,
+            }),
             total_tokens: usage.prompt_tokens.saturating_add(usage.completion_tokens),
         }
     }
@@ -1387,10 +1400,7 @@ mod tests {
     }
 
     fn usage(p: u64, c: u64) -> Usage {
-        Usage {
-            prompt_tokens: p,
-            completion_tokens: c,
-        }
+        Usage::tokens(p, c)
     }
 
     fn run(stream: &mut ChatStream, events: &[RunEventKind]) -> Vec<Value> {
@@ -1405,6 +1415,41 @@ mod tests {
         let mut out = Vec::new();
         stream.fail(err, &mut out);
         framing::sse_json_payloads(&out)
+    }
+
+    #[test]
+    fn cached_prompt_tokens_are_prompt_tokens_details_only_when_reported() {
+        let cached = Usage {
+            cache_read_tokens: Some(24),
+            ..usage(30, 2)
+        };
+        let mut stream = ChatStream::new("c", "m", 1).with_usage_chunk(true);
+        let chunks = run(
+            &mut stream,
+            &[text("hi"), completed(FinishReason::Stop, Some(cached))],
+        );
+        let expected = json!({"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32,
+                              "prompt_tokens_details": {"cached_tokens": 24}});
+        assert_eq!(chunks.last().unwrap()["usage"], expected);
+        let mut acc = ChatAccumulator::new("c", "m", 1);
+        acc.push(&text("hi"));
+        acc.push(&completed(FinishReason::Stop, Some(cached)));
+        assert_eq!(acc.finish().unwrap()["usage"], expected);
+        // A write count too (a Messages provider's cache_creation_input_tokens).
+        let written = Usage {
+            cache_write_tokens: Some(6),
+            ..cached
+        };
+        assert_eq!(
+            usage_json(written)["prompt_tokens_details"],
+            json!({"cached_tokens": 24, "cache_write_tokens": 6})
+        );
+        // None reported: no details, not zeros.
+        let v = usage_json(usage(30, 2));
+        assert_eq!(
+            v,
+            json!({"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32})
+        );
     }
 
     #[test]

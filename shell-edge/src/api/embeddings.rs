@@ -482,10 +482,7 @@ mod tests {
         let mut acc = EmbeddingsAccumulator::new("e", false);
         acc.push(&embedding(1, vec![0.5]));
         acc.push(&embedding(0, vec![1.0, -1.0]));
-        acc.push(&completed(Some(Usage {
-            prompt_tokens: 3,
-            completion_tokens: 0,
-        })));
+        acc.push(&completed(Some(Usage::tokens(3, 0))));
         let v = acc.finish().unwrap();
         assert_eq!(v["data"][0]["embedding"], json!([1.0, -1.0]));
         assert_eq!(v["data"][1]["index"], 1);
@@ -534,10 +531,7 @@ mod tests {
 
         let mut acc = CompletionAccumulator::new("cmpl-1".into(), "m".into(), 1);
         acc.push(&RunEventKind::TextDelta("hi".into()));
-        acc.push(&completed(Some(Usage {
-            prompt_tokens: 2,
-            completion_tokens: 1,
-        })));
+        acc.push(&completed(Some(Usage::tokens(2, 1))));
         let v = acc.finish().unwrap();
         assert_eq!(v["choices"][0]["text"], "hi");
         assert_eq!(v["usage"]["total_tokens"], 3);

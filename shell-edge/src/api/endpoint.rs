@@ -707,9 +707,8 @@ impl AnswerStream for messages::MessagesStream {
     const KEEP_ALIVE: Option<&'static [u8]> = Some(messages::PING);
     const SSE_IDS: bool = true;
 
-    fn opening(&mut self, out: &mut Vec<u8>) {
-        self.start(out);
-    }
+    // No opening: `message_start` goes with the first run event, to carry
+    // the usage a provider reports before its answer.
 
     fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
         self.push(event, out);

@@ -1005,10 +1005,7 @@ mod tests {
     }
 
     fn usage(p: u64, c: u64) -> Usage {
-        Usage {
-            prompt_tokens: p,
-            completion_tokens: c,
-        }
+        Usage::tokens(p, c)
     }
 
     fn push(stream: &mut OllamaStream, event: &RunEventKind, now_unix_ms: u64) -> Vec<Value> {

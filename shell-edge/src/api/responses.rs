@@ -516,11 +516,15 @@ fn parse_response_tool_choice(
     Ok((Some(normalized.to_string()), choice.clone()))
 }
 
-/// The Responses `usage` object.
+/// The Responses `usage` object. Its details are required integers in the
+/// API's schema: the provider's cache counts, zero where it reported none.
 fn usage_json(usage: Usage) -> Value {
     json!({
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": { "cached_tokens": 0, "cache_write_tokens": 0 },
+        "input_tokens_details": {
+            "cached_tokens": usage.cache_read_tokens.unwrap_or(0),
+            "cache_write_tokens": usage.cache_write_tokens.unwrap_or(0),
+        },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": { "reasoning_tokens": 0 },
         "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),
@@ -1556,10 +1560,7 @@ mod tests {
     }
 
     fn usage(p: u64, c: u64) -> Usage {
-        Usage {
-            prompt_tokens: p,
-            completion_tokens: c,
-        }
+        Usage::tokens(p, c)
     }
 
     fn tool_delta(index: u32, id: Option<&str>, name: Option<&str>, args: &str) -> RunEventKind {

@@ -65,6 +65,17 @@ def main() -> None:
     prompt_tokens = m.usage.input_tokens
     check(prompt_tokens == (len("be brief") + len("hello there") + 3) // 4, f"create: input tokens {m.usage}")
 
+    # The prompt cache's counts, as the provider reported them: 2 of the
+    # prompt's tokens read from its cache, 1 written to it.
+    cached = "mock:tokens=2,cache_read=2,cache_write=1"
+    m = client.messages.create(model=cached, max_tokens=64, system="be brief", messages=user)
+    counts = (m.usage.input_tokens, m.usage.cache_read_input_tokens, m.usage.cache_creation_input_tokens)
+    check(counts == (prompt_tokens - 3, 2, 1), f"cache counts: {m.usage}")
+    with client.messages.stream(model=cached, max_tokens=64, system="be brief", messages=user) as stream:
+        final = stream.get_final_message()
+    counts = (final.usage.input_tokens, final.usage.cache_read_input_tokens, final.usage.cache_creation_input_tokens)
+    check(counts == (prompt_tokens - 3, 2, 1), f"streamed cache counts: {final.usage}")
+
     # count_tokens: the Edge's estimate of the same prompt.
     counted = client.messages.count_tokens(model="mock", system="be brief", messages=user)
     check(counted.input_tokens == prompt_tokens, f"count_tokens: {counted} vs {prompt_tokens}")

@@ -31,6 +31,16 @@ def main() -> None:
     check(r.choices[0].finish_reason == "stop", f"chat: finish_reason {r.choices[0].finish_reason}")
     check(r.usage and r.usage.completion_tokens == 5, f"chat: usage {r.usage}")
 
+    # The prompt cache's counts when the provider reports them, and no
+    # details when it does not.
+    check(r.usage.prompt_tokens_details is None, f"chat: no cache reported {r.usage}")
+    r = client.chat.completions.create(
+        model="mock:tokens=1,cache_read=1",
+        messages=[{"role": "user", "content": "hello"}],
+    )
+    details = r.usage.prompt_tokens_details
+    check(details and details.cached_tokens == 1, f"chat: cached tokens {r.usage}")
+
     # Chat Completions, streaming with usage.
     text, usage, finish = "", None, None
     stream = client.chat.completions.create(

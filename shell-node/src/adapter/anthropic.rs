@@ -22,7 +22,8 @@
 //! failure, with its message. The prompt's count is the Messages API's
 //! `input_tokens` plus the cache's `cache_creation_input_tokens` and
 //! `cache_read_input_tokens` (every prompt token, as the other APIs count
-//! them).
+//! them); the two cache counts ride along as the run usage's cache parts
+//! when the provider reports them.
 
 use std::collections::HashMap;
 
@@ -398,8 +399,10 @@ struct EventState {
     /// Tool calls so far: the next one's index.
     tool_calls: u32,
     blocks_seen: usize,
-    /// The prompt's tokens (`message_start`; a `message_delta` may update).
-    input: Option<PromptTokens>,
+    /// The prompt's tokens (`message_start`; a `message_delta` may update
+    /// each count: its counts are cumulative, the ones it leaves out keep
+    /// their value).
+    input: PromptTokens,
     output_tokens: Option<u64>,
     finish: Option<FinishReason>,
     done: bool,
@@ -418,19 +421,36 @@ struct WireUsage {
     output_tokens: Option<u64>,
 }
 
-/// Every prompt token of a Messages `usage`: uncached, written to the
-/// cache and read from it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct PromptTokens(u64);
+/// The prompt tokens a Messages answer reported: uncached, written to the
+/// cache and read from it, each as last reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct PromptTokens {
+    uncached: Option<u64>,
+    cache_write: Option<u64>,
+    cache_read: Option<u64>,
+}
 
-impl WireUsage {
-    fn prompt(&self) -> Option<PromptTokens> {
-        let input = self.input_tokens?;
-        Some(PromptTokens(
-            input
-                .saturating_add(self.cache_creation_input_tokens.unwrap_or(0))
-                .saturating_add(self.cache_read_input_tokens.unwrap_or(0)),
-        ))
+impl PromptTokens {
+    /// Take the counts `usage` reports; the others keep their value.
+    fn update(&mut self, usage: &WireUsage) {
+        self.uncached = usage.input_tokens.or(self.uncached);
+        self.cache_write = usage.cache_creation_input_tokens.or(self.cache_write);
+        self.cache_read = usage.cache_read_input_tokens.or(self.cache_read);
+    }
+
+    /// The run's usage with `completion_tokens`, once the uncached count
+    /// is known: every prompt token, the cache's parts as reported.
+    fn usage(&self, completion_tokens: u64) -> Option<Usage> {
+        let prompt_tokens = self
+            .uncached?
+            .saturating_add(self.cache_write.unwrap_or(0))
+            .saturating_add(self.cache_read.unwrap_or(0));
+        Some(Usage {
+            prompt_tokens,
+            completion_tokens,
+            cache_read_tokens: self.cache_read,
+            cache_write_tokens: self.cache_write,
+        })
     }
 }
 
@@ -600,7 +620,7 @@ impl EventState {
         }
         self.finish = message.stop_reason.as_deref().map(finish_reason);
         if let Some(usage) = message.usage {
-            self.input = usage.prompt().or(self.input);
+            self.input.update(&usage);
             self.output_tokens = usage.output_tokens.or(self.output_tokens);
         }
         self.done = true;
@@ -654,7 +674,7 @@ impl EventState {
     /// A usage report: the prompt's tokens once known, the output's as
     /// they grow; a run event once both are known.
     fn usage(&mut self, usage: &WireUsage, out: &mut Vec<RunEventKind>) {
-        self.input = usage.prompt().or(self.input);
+        self.input.update(usage);
         self.output_tokens = usage.output_tokens.or(self.output_tokens);
         if let Some(usage) = self.run_usage() {
             out.push(RunEventKind::Usage(usage));
@@ -662,10 +682,7 @@ impl EventState {
     }
 
     fn run_usage(&self) -> Option<Usage> {
-        Some(Usage {
-            prompt_tokens: self.input?.0,
-            completion_tokens: self.output_tokens?,
-        })
+        self.input.usage(self.output_tokens?)
     }
 
     fn completed(&self) -> RunEventKind {

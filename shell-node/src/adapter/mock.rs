@@ -122,7 +122,7 @@ impl InProcessMock {
                         values: mock_embedding(input),
                     });
                 }
-                let usage = Usage { prompt_tokens: chars.div_ceil(4) as u64, completion_tokens: 0 };
+                let usage = Usage::tokens(chars.div_ceil(4) as u64, 0);
                 yield RunEventKind::Completed { finish_reason: FinishReason::Stop, usage: Some(usage) };
                 return;
             }

@@ -74,10 +74,7 @@ fn decode_embed(response: ProviderResponse) -> BoxStream<'static, RunEventKind> 
                 })
             })
             .collect();
-        let usage = answer.prompt_eval_count.map(|p| Usage {
-            prompt_tokens: p,
-            completion_tokens: 0,
-        });
+        let usage = answer.prompt_eval_count.map(|p| Usage::tokens(p, 0));
         let terminal = RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
             usage,
@@ -460,9 +457,11 @@ impl LineState {
                 FinishReason::Stop
             };
             let usage =
-                (line.prompt_eval_count.is_some() || line.eval_count.is_some()).then(|| Usage {
-                    prompt_tokens: line.prompt_eval_count.unwrap_or(0),
-                    completion_tokens: line.eval_count.unwrap_or(0),
+                (line.prompt_eval_count.is_some() || line.eval_count.is_some()).then(|| {
+                    Usage::tokens(
+                        line.prompt_eval_count.unwrap_or(0),
+                        line.eval_count.unwrap_or(0),
+                    )
                 });
             self.terminal = Some(RunEventKind::Completed {
                 finish_reason,
@@ -576,10 +575,7 @@ mod tests {
             s.terminal,
             Some(RunEventKind::Completed {
                 finish_reason: FinishReason::ToolCalls,
-                usage: Some(Usage {
-                    prompt_tokens: 4,
-                    completion_tokens: 2
-                }),
+                usage: Some(Usage::tokens(4, 2)),
             })
         );
     }

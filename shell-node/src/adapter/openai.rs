@@ -571,13 +571,30 @@ struct WireUsage {
     prompt_tokens: u64,
     #[serde(default)]
     completion_tokens: u64,
+    /// Servers that cache prompts say how much of the prompt they read
+    /// from the cache (and some how much they wrote); others send `null`
+    /// or nothing.
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// OpenAI's `usage.prompt_tokens_details`: the prompt cache's share.
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+    #[serde(default)]
+    cache_write_tokens: Option<u64>,
 }
 
 impl WireUsage {
     fn usage(self) -> Usage {
+        let details = self.prompt_tokens_details;
         Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
+            cache_read_tokens: details.as_ref().and_then(|d| d.cached_tokens),
+            cache_write_tokens: details.and_then(|d| d.cache_write_tokens),
         }
     }
 }
@@ -707,10 +724,7 @@ impl ChunkState {
                     prompt_n: Some(p),
                     predicted_n: Some(c),
                 }),
-            ) => Some(Usage {
-                prompt_tokens: p,
-                completion_tokens: c,
-            }),
+            ) => Some(Usage::tokens(p, c)),
             (None, _) => None,
         };
         if let Some(usage) = usage {
@@ -784,10 +798,7 @@ mod tests {
         assert_eq!(
             s.on(r#"{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#)
                 .unwrap(),
-            vec![RunEventKind::Usage(Usage {
-                prompt_tokens: 3,
-                completion_tokens: 2
-            })]
+            vec![RunEventKind::Usage(Usage::tokens(3, 2))]
         );
         s.on("[DONE]").unwrap();
         assert!(s.done);
@@ -795,12 +806,48 @@ mod tests {
             s.completed(),
             RunEventKind::Completed {
                 finish_reason: FinishReason::ToolCalls,
-                usage: Some(Usage {
-                    prompt_tokens: 3,
-                    completion_tokens: 2
-                }),
+                usage: Some(Usage::tokens(3, 2)),
             }
         );
+    }
+
+    #[test]
+    fn cached_prompt_tokens_are_carried_when_reported_and_never_invented() {
+        let usage = |json: &str| {
+            let mut s = ChunkState::default();
+            s.on(&format!(r#"{{"choices":[],"usage":{json}}}"#))
+                .unwrap();
+            match s.completed() {
+                RunEventKind::Completed { usage, .. } => usage,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(
+            usage(
+                r#"{"prompt_tokens":30,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":24,"audio_tokens":0}}"#
+            ),
+            Some(Usage {
+                cache_read_tokens: Some(24),
+                ..Usage::tokens(30, 2)
+            })
+        );
+        assert_eq!(
+            usage(
+                r#"{"prompt_tokens":30,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":0,"cache_write_tokens":30}}"#
+            ),
+            Some(Usage {
+                cache_read_tokens: Some(0),
+                cache_write_tokens: Some(30),
+                ..Usage::tokens(30, 2)
+            })
+        );
+        for silent in [
+            r#"{"prompt_tokens":30,"completion_tokens":2}"#,
+            r#"{"prompt_tokens":30,"completion_tokens":2,"prompt_tokens_details":null}"#,
+            r#"{"prompt_tokens":30,"completion_tokens":2,"prompt_tokens_details":{"audio_tokens":0}}"#,
+        ] {
+            assert_eq!(usage(silent), Some(Usage::tokens(30, 2)), "{silent}");
+        }
     }
 
     #[test]
@@ -904,10 +951,7 @@ mod tests {
             s.completed(),
             RunEventKind::Completed {
                 finish_reason: FinishReason::Stop,
-                usage: Some(Usage {
-                    prompt_tokens: 32,
-                    completion_tokens: 8
-                }),
+                usage: Some(Usage::tokens(32, 8)),
             }
         );
         let mut none = ChunkState::default();
@@ -942,10 +986,7 @@ mod tests {
             s.completed(),
             RunEventKind::Completed {
                 finish_reason: FinishReason::ToolCalls,
-                usage: Some(Usage {
-                    prompt_tokens: 3,
-                    completion_tokens: 2
-                }),
+                usage: Some(Usage::tokens(3, 2)),
             }
         );
     }

@@ -175,10 +175,7 @@ fn tool_arguments(events: &[RunEventKind]) -> String {
 }
 
 fn usage(prompt_tokens: u64, completion_tokens: u64) -> Usage {
-    Usage {
-        prompt_tokens,
-        completion_tokens,
-    }
+    Usage::tokens(prompt_tokens, completion_tokens)
 }
 
 // ---- anthropic ----
@@ -216,7 +213,12 @@ async fn anthropic_run_streams_a_messages_answer_with_the_key_in_x_api_key() {
         events.last(),
         Some(&RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
-            usage: Some(usage(3, 5)),
+            // The Messages API reports both cache counts, zeros here.
+            usage: Some(Usage {
+                cache_read_tokens: Some(0),
+                cache_write_tokens: Some(0),
+                ..usage(3, 5)
+            }),
         })
     );
     assert_eq!(server.requests(), 1);
@@ -448,6 +450,54 @@ async fn openai_usage_is_the_providers_or_none_never_zeros() {
         Some(&RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
             usage: Some(usage(3, 4)),
+        })
+    );
+}
+
+#[tokio::test]
+async fn the_prompt_caches_counts_reach_the_run_usage_from_both_apis() {
+    let openai = mock(MockScript::default()).await;
+    let messages = messages_only(MockScript::default()).await;
+    // 20 prompt characters: 5 prompt tokens, 3 read from the cache, 1
+    // written to it.
+    let prompt = "abcdefghijklmnopqrst";
+    let model = "mock:tokens=2,cache_read=3,cache_write=1";
+    let cached = Usage {
+        cache_read_tokens: Some(3),
+        cache_write_tokens: Some(1),
+        ..usage(5, 2)
+    };
+    for (kind, server) in [
+        (AdapterKind::OpenAi, &openai),
+        (AdapterKind::Anthropic, &messages),
+    ] {
+        for whole in [false, true] {
+            let a = Adapter::new(
+                &provider_target(kind, &server.base_url(), true),
+                provider_http(),
+            );
+            let mut req = run_request(model, RunApi::Chat, prompt);
+            req.params.whole_answer = whole;
+            let events = collect(a.run(req, None)).await;
+            assert_one_terminal(&events);
+            assert_eq!(
+                events.last(),
+                Some(&RunEventKind::Completed {
+                    finish_reason: FinishReason::Stop,
+                    usage: Some(cached),
+                }),
+                "{kind:?} whole: {whole}"
+            );
+        }
+    }
+    // An OpenAI-compatible server that reports no cache: none invented.
+    let a = adapter(AdapterKind::OpenAi, &openai.base_url(), None);
+    let events = collect(a.run(run_request("mock:tokens=2", RunApi::Chat, prompt), None)).await;
+    assert_eq!(
+        events.last(),
+        Some(&RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(usage(5, 2)),
         })
     );
 }

@@ -98,6 +98,9 @@ impl MockArgs {
             abrupt_close_after: self.close_after,
             tool_call: self.tool_call,
             stream_usage: !self.no_stream_usage,
+            // Per request, through the model name (`mock:cache_read=N`).
+            cache_read_tokens: None,
+            cache_write_tokens: None,
             health: self.health,
             require_key: self.require_key.clone(),
         }

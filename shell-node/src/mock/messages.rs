@@ -97,7 +97,7 @@ fn apply_stops(
                         yield Played::Finish {
                             reason: "stop_sequence",
                             stop: Some(stop.to_owned()),
-                            usage: Usage { prompt_tokens: 0, completion_tokens: tokens },
+                            usage: Usage::tokens(0, tokens),
                         };
                         return;
                     }
@@ -118,12 +118,14 @@ fn apply_stops(
     })
 }
 
+/// Anthropic's `usage`: `input_tokens` the prompt's uncached tokens, both
+/// cache counts always (zero when the script has none).
 fn usage_json(usage: &Usage) -> Value {
     json!({
-        "input_tokens": usage.prompt_tokens,
+        "input_tokens": usage.uncached_prompt_tokens(),
         "output_tokens": usage.completion_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": usage.cache_write_tokens.unwrap_or(0),
+        "cache_read_input_tokens": usage.cache_read_tokens.unwrap_or(0),
     })
 }
 
@@ -146,7 +148,9 @@ pub(super) async fn messages(
         .as_str()
         .unwrap_or(super::DEFAULT_MODEL)
         .to_owned();
-    let input_tokens = prompt_chars(&request).div_ceil(4) as u64;
+    // The prompt's usage (with the script's cache counts), whatever stops
+    // the answer.
+    let prompt_usage = script.usage(prompt_chars(&request).div_ceil(4) as u64, 0);
     let prompt = MockPrompt {
         prompt_chars: prompt_chars(&request),
         max_tokens: max_tokens(&request["max_tokens"]),
@@ -173,7 +177,7 @@ pub(super) async fn messages(
             Some((echoed, value))
         })
         .collect();
-    let mut response = answer(request, model, input_tokens, thinks, played, guard).await;
+    let mut response = answer(request, model, prompt_usage, thinks, played, guard).await;
     response.headers_mut().extend(echo);
     response
 }
@@ -182,7 +186,7 @@ pub(super) async fn messages(
 async fn answer(
     request: Value,
     model: String,
-    input_tokens: u64,
+    prompt_usage: Usage,
     thinks: bool,
     played: BoxStream<'static, Played>,
     mut guard: super::server::InFlight,
@@ -237,8 +241,8 @@ async fn answer(
         }
         let (reason, stop, usage) = end.unwrap_or(("end_turn", None, Usage::default()));
         let usage = Usage {
-            prompt_tokens: input_tokens,
-            ..usage
+            completion_tokens: usage.completion_tokens,
+            ..prompt_usage
         };
         return axum::Json(json!({
             "id": MESSAGE_ID,
@@ -255,7 +259,10 @@ async fn answer(
     guard.track_text();
     let body = async_stream::stream! {
         let mut played = played;
-        let start_usage = Usage { prompt_tokens: input_tokens, completion_tokens: 1 };
+        let start_usage = Usage {
+            completion_tokens: 1,
+            ..prompt_usage
+        };
         yield Ok(event("message_start", json!({"message": {
             "id": MESSAGE_ID, "type": "message", "role": "assistant", "model": model,
             "content": [], "stop_reason": null, "stop_sequence": null,
@@ -305,7 +312,7 @@ async fn answer(
                     if open.take().is_some() {
                         yield Ok(event("content_block_stop", json!({"index": index})));
                     }
-                    let usage = Usage { prompt_tokens: input_tokens, ..usage };
+                    let usage = Usage { completion_tokens: usage.completion_tokens, ..prompt_usage };
                     yield Ok(event("message_delta", json!({
                         "delta": {"stop_reason": reason, "stop_sequence": stop},
                         "usage": usage_json(&usage),

@@ -51,6 +51,8 @@
 //! | `close_after` | [`MockScript::abrupt_close_after`] | cut the connection without a terminal after N tokens |
 //! | `tool_call` | [`MockScript::tool_call`] | `1`/`true`: answer with one tool call |
 //! | `usage` | [`MockScript::stream_usage`] | `0`/`false`: streams carry no usage, as llama-cpp-python's |
+//! | `cache_read` | [`MockScript::cache_read_tokens`] | report N prompt tokens read from a prompt cache |
+//! | `cache_write` | [`MockScript::cache_write_tokens`] | report N prompt tokens written to a prompt cache |
 //!
 //! Example: `mock:stall_after=3,prefill_ms=200,tokens=5,tps=50`. An unknown
 //! key or a bad value is refused with HTTP 400 (in process too).
@@ -59,7 +61,13 @@
 //! A malformed chunk does not end the answer: a correct client must fail on
 //! it rather than skip it.
 //!
-//! Usage is `(ceil(prompt chars / 4), tokens produced)`.
+//! Usage is `(ceil(prompt chars / 4), tokens produced)`. A script with
+//! cache counts reports them as parts of the prompt's tokens (at most all
+//! of them): OpenAI's `usage.prompt_tokens_details.cached_tokens` and
+//! `cache_write_tokens`, the Messages API's `cache_read_input_tokens` and
+//! `cache_creation_input_tokens` (with `input_tokens` the rest). Without
+//! them the OpenAI answers carry no cache counts and the Messages answers
+//! zeros, as Anthropic's API reports them.
 //!
 //! Beyond text, for the normalized request surface: `POST /v1/embeddings`
 //! and `POST /api/embed` (and an in-process embeddings run) answers each input with a
@@ -71,6 +79,8 @@
 //! first ([`MOCK_REASONING`]; the HTTP server as `reasoning_content`). A request's
 //! `max_tokens` (`num_predict`, `max_output_tokens`) below `tokens` truncates
 //! the answer with finish reason `length`.
+
+use iop_wire::Usage;
 
 mod cli;
 mod messages;
@@ -170,6 +180,10 @@ pub struct MockScript {
     /// (`stream_options.include_usage`). False plays a server whose streams
     /// never carry usage (llama-cpp-python's); whole answers always do.
     pub stream_usage: bool,
+    /// Report this many prompt tokens as read from a prompt cache.
+    pub cache_read_tokens: Option<u32>,
+    /// Report this many prompt tokens as written to a prompt cache.
+    pub cache_write_tokens: Option<u32>,
     /// What the probe endpoints answer.
     pub health: ProbeHealth,
     /// Require `Authorization: Bearer <key>` (never logged).
@@ -190,6 +204,8 @@ impl std::fmt::Debug for MockScript {
             .field("abrupt_close_after", &self.abrupt_close_after)
             .field("tool_call", &self.tool_call)
             .field("stream_usage", &self.stream_usage)
+            .field("cache_read_tokens", &self.cache_read_tokens)
+            .field("cache_write_tokens", &self.cache_write_tokens)
             .field("health", &self.health)
             .field(
                 "require_key",
@@ -214,6 +230,8 @@ impl Default for MockScript {
             abrupt_close_after: None,
             tool_call: false,
             stream_usage: true,
+            cache_read_tokens: None,
+            cache_write_tokens: None,
             health: ProbeHealth::Ok,
             require_key: None,
         }
@@ -258,6 +276,24 @@ impl MockScript {
         Ok(())
     }
 
+    /// The usage of an answer of `completion_tokens` to a prompt of
+    /// `prompt_tokens`, with the script's cache counts (read first, each at
+    /// most what is left of the prompt).
+    pub fn usage(&self, prompt_tokens: u64, completion_tokens: u64) -> Usage {
+        let read = self
+            .cache_read_tokens
+            .map(|n| u64::from(n).min(prompt_tokens));
+        let write = self
+            .cache_write_tokens
+            .map(|n| u64::from(n).min(prompt_tokens - read.unwrap_or(0)));
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            cache_read_tokens: read,
+            cache_write_tokens: write,
+        }
+    }
+
     /// The script for one request naming `model` (see the module docs).
     pub fn for_model(&self, model: &str) -> Result<MockScript, ScriptError> {
         let Some(overrides) = model.strip_prefix("mock:") else {
@@ -285,6 +321,8 @@ impl MockScript {
                 "close_after" => script.abrupt_close_after = Some(parse(value, "close_after")?),
                 "tool_call" => script.tool_call = flag(value, "tool_call")?,
                 "usage" => script.stream_usage = flag(value, "usage")?,
+                "cache_read" => script.cache_read_tokens = Some(parse(value, "cache_read")?),
+                "cache_write" => script.cache_write_tokens = Some(parse(value, "cache_write")?),
                 other => return Err(ScriptError::UnknownKey(echo(other))),
             }
         }

@@ -159,10 +159,7 @@ pub fn play(script: &MockScript, prompt: MockPrompt) -> BoxStream<'static, MockS
         };
         yield MockStep::Finish {
             finish_reason,
-            usage: Usage {
-                prompt_tokens: prompt.prompt_chars.div_ceil(4) as u64,
-                completion_tokens: u64::from(produced - start),
-            },
+            usage: script.usage(prompt.prompt_chars.div_ceil(4) as u64, u64::from(produced - start)),
         };
     })
 }

@@ -673,12 +673,21 @@ fn chat_chunk(model: &str, delta: Value, finish: Option<&str>) -> Value {
     })
 }
 
+/// OpenAI's `usage`, with `prompt_tokens_details` when the script reports
+/// cache counts.
 fn openai_usage(u: &iop_wire::Usage) -> Value {
-    json!({
+    let mut usage = json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-    })
+    });
+    if let Some(read) = u.cache_read_tokens {
+        usage["prompt_tokens_details"]["cached_tokens"] = json!(read);
+    }
+    if let Some(write) = u.cache_write_tokens {
+        usage["prompt_tokens_details"]["cache_write_tokens"] = json!(write);
+    }
+    usage
 }
 
 async fn chat_completions(

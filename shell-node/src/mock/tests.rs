@@ -107,10 +107,7 @@ async fn the_script_plays_deterministic_tokens_and_usage() {
             MockStep::Text(" tok2".into()),
             MockStep::Finish {
                 finish_reason: FinishReason::Stop,
-                usage: Usage {
-                    prompt_tokens: 3,
-                    completion_tokens: 3
-                },
+                usage: Usage::tokens(3, 3),
             },
         ]
     );
@@ -197,6 +194,76 @@ async fn chat_completions_without_stream_answers_one_json_with_usage() {
     assert_eq!(call["function"]["arguments"], r#"{"text":"tok0"}"#);
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     assert_eq!(server.requests(), 2);
+}
+
+#[tokio::test]
+async fn a_script_reports_prompt_cache_counts_in_each_apis_shape() {
+    let server = MockServer::start(MockScript::default()).await.unwrap();
+    // 20 prompt characters: 5 prompt tokens, 2 read from the cache and 1
+    // written to it.
+    let prompt = json!([{"role": "user", "content": "abcdefghijklmnopqrst"}]);
+    let (_, body) = post(
+        &server,
+        "/v1/chat/completions",
+        json!({"model": "mock:tokens=1,cache_read=2,cache_write=1", "messages": prompt}),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+               "prompt_tokens_details": {"cached_tokens": 2, "cache_write_tokens": 1}})
+    );
+    let (_, body) = post(
+        &server,
+        "/v1/messages",
+        json!({"model": "mock:tokens=1,cache_read=2,cache_write=1", "max_tokens": 8, "messages": prompt}),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["usage"],
+        json!({"input_tokens": 2, "output_tokens": 1,
+               "cache_creation_input_tokens": 1, "cache_read_input_tokens": 2})
+    );
+    // Streamed: message_start has the prompt's counts already.
+    let (_, body) = post(
+        &server,
+        "/v1/messages",
+        json!({"model": "mock:tokens=1,cache_read=2", "max_tokens": 8, "stream": true, "messages": prompt}),
+    )
+    .await;
+    let start = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .find(|v| v["type"] == "message_start")
+        .unwrap();
+    assert_eq!(
+        start["message"]["usage"],
+        json!({"input_tokens": 3, "output_tokens": 1,
+               "cache_creation_input_tokens": 0, "cache_read_input_tokens": 2})
+    );
+    // At most the whole prompt; none scripted, none in OpenAI's shape.
+    let (_, body) = post(
+        &server,
+        "/v1/chat/completions",
+        json!({"model": "mock:tokens=1,cache_read=99,cache_write=9", "messages": prompt}),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"],
+        json!({"cached_tokens": 5, "cache_write_tokens": 0})
+    );
+    let (_, body) = post(
+        &server,
+        "/v1/chat/completions",
+        json!({"model": "mock:tokens=1", "messages": prompt}),
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert!(v["usage"].get("prompt_tokens_details").is_none(), "{v}");
 }
 
 #[tokio::test]
@@ -408,6 +475,8 @@ fn cli_flags_build_the_default_script() {
             abrupt_close_after: Some(3),
             tool_call: true,
             stream_usage: true,
+            cache_read_tokens: None,
+            cache_write_tokens: None,
             health: ProbeHealth::Unhealthy,
             require_key: Some("sk-cli".into()),
         }

@@ -86,10 +86,7 @@ fn frame_of(event: ProviderEvent, run_id: RunId, token: u32) -> RunEventKind {
         ProviderEvent::Progress(_) => RunEventKind::TextDelta(format!("tok{token}")),
         ProviderEvent::Returned(ProviderOutcome::Completed) => RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
-            usage: Some(Usage {
-                prompt_tokens: 1,
-                completion_tokens: 1,
-            }),
+            usage: Some(Usage::tokens(1, 1)),
         },
         ProviderEvent::Returned(ProviderOutcome::Failed(f)) => RunEventKind::Failed(f),
     }

@@ -166,10 +166,7 @@ fn run(kind: RunEventKind) -> RequestInput {
 fn completed() -> RunEventKind {
     RunEventKind::Completed {
         finish_reason: FinishReason::Stop,
-        usage: Some(Usage {
-            prompt_tokens: 3,
-            completion_tokens: 2,
-        }),
+        usage: Some(Usage::tokens(3, 2)),
     }
 }
 
@@ -1700,8 +1697,8 @@ fn r_cont_1_a_lost_committed_attempt_continues_with_the_answer_so_far() {
     r.handle_input(
         t(4),
         run(RunEventKind::Usage(Usage {
-            prompt_tokens: 3,
-            completion_tokens: 2,
+            cache_read_tokens: Some(2),
+            ..Usage::tokens(3, 2)
         })),
     );
     drain(&mut r);
@@ -1737,15 +1734,17 @@ fn r_cont_1_a_lost_committed_attempt_continues_with_the_answer_so_far() {
         (Some("tok0 tok1".to_owned()), false),
         "the prefix, never a tunnel"
     );
-    // The continued attempt's text follows; the usage is both attempts'.
+    // The continued attempt's text follows; the usage is both attempts'
+    // (a cache count only one of them reported is that one's).
     r.handle_input(t(22), run(text(" tok2")));
     r.handle_input(
         t(23),
         run(RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
             usage: Some(Usage {
-                prompt_tokens: 5,
-                completion_tokens: 1,
+                cache_read_tokens: Some(4),
+                cache_write_tokens: Some(1),
+                ..Usage::tokens(5, 1)
             }),
         }),
     );
@@ -1761,8 +1760,9 @@ fn r_cont_1_a_lost_committed_attempt_continues_with_the_answer_so_far() {
     assert!(ds.contains(&Delivery::Event(RunEventKind::Completed {
         finish_reason: FinishReason::Stop,
         usage: Some(Usage {
-            prompt_tokens: 8,
-            completion_tokens: 3
+            cache_read_tokens: Some(6),
+            cache_write_tokens: Some(1),
+            ..Usage::tokens(8, 3)
         }),
     })));
     assert_eq!(ds.last(), Some(&Delivery::Finish));
@@ -1850,10 +1850,7 @@ fn the_accessors_report_the_request_its_attempts_lease_and_what_it_holds() {
     drain(&mut r);
     // A held non-content event counts its decoded size and the item's
     // overhead (R-LIM-3).
-    let usage = RunEventKind::Usage(Usage {
-        prompt_tokens: 300,
-        completion_tokens: 70_000,
-    });
+    let usage = RunEventKind::Usage(Usage::tokens(300, 70_000));
     let size = postcard::experimental::serialized_size(&usage).unwrap();
     assert!(size > 1);
     r.handle_input(t(2), run(usage));
@@ -2211,10 +2208,7 @@ fn resumed(text: &str, last_seq: u64) -> crate::edge::durable::ResumedAnswer {
         last_seq,
         text: text.into(),
         provider_id: Some(ProviderId::from("p0")),
-        usage: Some(Usage {
-            prompt_tokens: 5,
-            completion_tokens: 2,
-        }),
+        usage: Some(Usage::tokens(5, 2)),
     }
 }
 

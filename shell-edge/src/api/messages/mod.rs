@@ -27,8 +27,14 @@
 //!
 //! Usage is the provider's: the final `message_delta` and the whole answer
 //! carry its `input_tokens` and `output_tokens`, or `null` when it reported
-//! none. `message_start` comes before any provider count and carries
-//! zeros, which the SDKs replace with the `message_delta` totals.
+//! none, and its `cache_creation_input_tokens` and
+//! `cache_read_input_tokens` when it reported them (`null` when not: never
+//! invented); `input_tokens` counts the prompt's tokens outside the cache,
+//! as Anthropic counts them. `message_start` goes out with the run's first
+//! event: a provider's usage reported before its answer (a Messages
+//! provider's prompt and cache counts) is in it; before any provider count
+//! it carries zeros, which the SDKs replace with the `message_delta`
+//! totals.
 //!
 //! `stop_reason`: `end_turn` (a natural stop), `max_tokens`, `tool_use`
 //! (the model called tools, whatever finish reason its provider gave with

@@ -32,11 +32,23 @@ pub(super) fn stop_sequence_json(reason: &str, stop_sequences: &[String]) -> Val
 }
 
 /// The `usage` object: the provider's counts, or `null`s when it reported
-/// none (never invented).
+/// none (never invented). `input_tokens` is the prompt's tokens neither
+/// read from nor written to the prompt cache, as Anthropic counts them;
+/// the cache counts are `null` when the provider reported none.
 pub(super) fn usage_json(usage: Option<Usage>) -> Value {
     match usage {
-        Some(u) => json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}),
-        None => json!({"input_tokens": null, "output_tokens": null}),
+        Some(u) => json!({
+            "input_tokens": u.uncached_prompt_tokens(),
+            "output_tokens": u.completion_tokens,
+            "cache_creation_input_tokens": u.cache_write_tokens,
+            "cache_read_input_tokens": u.cache_read_tokens,
+        }),
+        None => json!({
+            "input_tokens": null,
+            "output_tokens": null,
+            "cache_creation_input_tokens": null,
+            "cache_read_input_tokens": null,
+        }),
     }
 }
 

@@ -115,6 +115,8 @@ pub struct MessagesStream {
     /// [`MAX_TOOL_CALLS_PER_RUN`]).
     tool_blocks: BTreeMap<u32, u32>,
     usage: Option<Usage>,
+    /// `message_start` was written.
+    started: bool,
     finished: bool,
     stop_sequences: Vec<String>,
 }
@@ -129,6 +131,7 @@ impl MessagesStream {
             next_index: 0,
             tool_blocks: BTreeMap::new(),
             usage: None,
+            started: false,
             finished: false,
             stop_sequences: Vec::new(),
         }
@@ -145,8 +148,20 @@ impl MessagesStream {
         self.finished
     }
 
-    /// `message_start` (with an empty message) and a `ping`.
-    pub fn start(&mut self, out: &mut Vec<u8>) {
+    /// `message_start` (with an empty message) and a `ping`, once: with
+    /// the first run event, so a provider's usage that comes before the
+    /// answer (a Messages provider's prompt and cache counts) is in it, as
+    /// Anthropic sends it. Before any provider count it says zeros, which
+    /// the SDKs replace with the `message_delta` totals.
+    fn start(&mut self, out: &mut Vec<u8>) {
+        if self.started {
+            return;
+        }
+        self.started = true;
+        let usage = match self.usage {
+            Some(usage) => usage_json(Some(usage)),
+            None => json!({"input_tokens": 0, "output_tokens": 0}),
+        };
         let message = json!({
             "id": self.id,
             "type": "message",
@@ -155,8 +170,7 @@ impl MessagesStream {
             "content": [],
             "stop_reason": null,
             "stop_sequence": null,
-            // Before any provider count; the `message_delta` has the totals.
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": usage,
         });
         StreamEvent::MessageStart { message }.write(out);
         StreamEvent::Ping.write(out);
@@ -167,6 +181,10 @@ impl MessagesStream {
         if self.finished {
             return;
         }
+        if let RunEventKind::Usage(usage) = event {
+            self.usage = Some(*usage);
+        }
+        self.start(out);
         match event {
             RunEventKind::TextDelta(text) if !text.is_empty() => {
                 let index = self.ensure_open(OpenBlock::Text, None, out);
@@ -185,7 +203,6 @@ impl MessagesStream {
                 .write(out);
             }
             RunEventKind::ToolCallDelta(delta) => self.tool_call_delta(delta, out),
-            RunEventKind::Usage(usage) => self.usage = Some(*usage),
             RunEventKind::Completed {
                 finish_reason,
                 usage,
@@ -211,6 +228,7 @@ impl MessagesStream {
             }
             RunEventKind::TextDelta(_)
             | RunEventKind::ReasoningDelta(_)
+            | RunEventKind::Usage(_)
             | RunEventKind::Started { .. }
             | RunEventKind::Logprobs(_)
             | RunEventKind::Embedding(_) => {}
@@ -222,6 +240,7 @@ impl MessagesStream {
         if self.finished {
             return;
         }
+        self.start(out);
         self.finished = true;
         framing::sse_json(out, Some("error"), &error_json(err));
     }

@@ -333,7 +333,6 @@ fn tool(index: u32, id: Option<&str>, name: Option<&str>, args: &str) -> RunEven
 fn encode(events: &[RunEventKind]) -> Vec<(String, Value)> {
     let mut stream = MessagesStream::new("msg_1", "m");
     let mut out = Vec::new();
-    stream.start(&mut out);
     for e in events {
         stream.push(e, &mut out);
     }
@@ -345,10 +344,7 @@ fn encode(events: &[RunEventKind]) -> Vec<(String, Value)> {
 
 #[test]
 fn a_stream_is_anthropics_event_sequence_with_one_block_per_kind() {
-    let usage = Usage {
-        prompt_tokens: 7,
-        completion_tokens: 3,
-    };
+    let usage = Usage::tokens(7, 3);
     let events = encode(&[
         RunEventKind::Started {
             session_id: "s".into(),
@@ -420,8 +416,72 @@ fn a_stream_is_anthropics_event_sequence_with_one_block_per_kind() {
     assert_eq!(
         events[13].1,
         json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null},
-               "usage": {"input_tokens": 7, "output_tokens": 3}})
+               "usage": {"input_tokens": 7, "output_tokens": 3,
+                         "cache_creation_input_tokens": null, "cache_read_input_tokens": null}})
     );
+    assert_eq!(
+        start["usage"],
+        json!({"input_tokens": 0, "output_tokens": 0}),
+        "no count before the answer: the SDKs take message_delta's"
+    );
+}
+
+#[test]
+fn usage_before_the_answer_is_in_message_start_with_the_caches_counts() {
+    // What an Anthropic provider reports in its own message_start: 100
+    // prompt tokens, 80 of them read from the cache and 15 written to it.
+    let cached = |completion_tokens| Usage {
+        cache_read_tokens: Some(80),
+        cache_write_tokens: Some(15),
+        ..Usage::tokens(100, completion_tokens)
+    };
+    let events = encode(&[
+        RunEventKind::Usage(cached(1)),
+        text("Hi"),
+        completed(FinishReason::Stop, Some(cached(2))),
+    ]);
+    assert_eq!(events[0].0, "message_start");
+    assert_eq!(
+        events[0].1["message"]["usage"],
+        json!({"input_tokens": 5, "output_tokens": 1,
+               "cache_creation_input_tokens": 15, "cache_read_input_tokens": 80})
+    );
+    assert_eq!(events[1].0, "ping");
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(
+        delta["usage"],
+        json!({"input_tokens": 5, "output_tokens": 2,
+               "cache_creation_input_tokens": 15, "cache_read_input_tokens": 80})
+    );
+    // An OpenAI-compatible provider reports what it read from its cache
+    // only, at the end.
+    let read_only = Usage {
+        cache_read_tokens: Some(64),
+        ..Usage::tokens(70, 2)
+    };
+    let events = encode(&[text("Hi"), completed(FinishReason::Stop, Some(read_only))]);
+    assert_eq!(
+        events[events.len() - 2].1["usage"],
+        json!({"input_tokens": 6, "output_tokens": 2,
+               "cache_creation_input_tokens": null, "cache_read_input_tokens": 64})
+    );
+    let mut whole = MessagesAccumulator::new("msg_1", "m");
+    whole.push(&text("Hi"));
+    whole.push(&completed(FinishReason::Stop, Some(cached(2))));
+    assert_eq!(
+        whole.finish().unwrap()["usage"],
+        json!({"input_tokens": 5, "output_tokens": 2,
+               "cache_creation_input_tokens": 15, "cache_read_input_tokens": 80})
+    );
+}
+
+#[test]
+fn a_stream_that_fails_first_still_starts_with_message_start() {
+    let events = encode(&[RunEventKind::Failed(ExecutionFailure::new(
+        FailureCode::ResponseStalled,
+    ))]);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["message_start", "ping", "error"]);
 }
 
 #[test]
@@ -431,7 +491,8 @@ fn a_stream_without_provider_usage_says_null_not_zero() {
     assert_eq!(delta["delta"]["stop_reason"], "max_tokens");
     assert_eq!(
         delta["usage"],
-        json!({"input_tokens": null, "output_tokens": null})
+        json!({"input_tokens": null, "output_tokens": null,
+               "cache_creation_input_tokens": null, "cache_read_input_tokens": null})
     );
 }
 
@@ -497,13 +558,7 @@ fn a_whole_answer_is_one_message_object() {
         RunEventKind::ReasoningDelta("think".into()),
         text("Hi"),
         tool(0, Some("call_0"), Some("f"), "{\"a\":1}"),
-        completed(
-            FinishReason::ToolCalls,
-            Some(Usage {
-                prompt_tokens: 5,
-                completion_tokens: 2,
-            }),
-        ),
+        completed(FinishReason::ToolCalls, Some(Usage::tokens(5, 2))),
     ] {
         whole.push(&e);
     }
@@ -517,7 +572,8 @@ fn a_whole_answer_is_one_message_object() {
                 {"type": "tool_use", "id": "call_0", "name": "f", "input": {"a": 1}}
             ],
             "stop_reason": "tool_use", "stop_sequence": null,
-            "usage": {"input_tokens": 5, "output_tokens": 2}
+            "usage": {"input_tokens": 5, "output_tokens": 2,
+                      "cache_creation_input_tokens": null, "cache_read_input_tokens": null}
         })
     );
     let mut bad = MessagesAccumulator::new("msg_1", "m");

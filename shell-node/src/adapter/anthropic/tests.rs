@@ -51,8 +51,9 @@ fn a_messages_stream_becomes_text_reasoning_tool_calls_usage_and_its_stop_reason
     ]);
     let usage = |completion_tokens| {
         RunEventKind::Usage(Usage {
-            prompt_tokens: 35,
-            completion_tokens,
+            cache_read_tokens: Some(20),
+            cache_write_tokens: Some(5),
+            ..Usage::tokens(35, completion_tokens)
         })
     };
     assert_eq!(
@@ -88,12 +89,43 @@ fn a_messages_stream_becomes_text_reasoning_tool_calls_usage_and_its_stop_reason
         RunEventKind::Completed {
             finish_reason: FinishReason::ToolCalls,
             usage: Some(Usage {
-                prompt_tokens: 35,
-                completion_tokens: 7
+                cache_read_tokens: Some(20),
+                cache_write_tokens: Some(5),
+                ..Usage::tokens(35, 7)
             }),
         },
         "the prompt counts uncached, cache-written and cache-read tokens"
     );
+}
+
+#[test]
+fn a_message_delta_updates_the_counts_it_gives_and_keeps_the_others() {
+    let start = |usage: Value| {
+        json!({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+            "content": [], "model": "claude", "stop_reason": null, "stop_sequence": null, "usage": usage}})
+    };
+    let delta = |usage: Value| json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": usage});
+    let stop = json!({"type": "message_stop"});
+    // Cumulative counts in the delta (newer servers) replace the start's.
+    let (_, state) = decode_all(&[
+        start(json!({"input_tokens": 4, "cache_read_input_tokens": 0, "output_tokens": 1})),
+        delta(json!({"input_tokens": 4, "cache_read_input_tokens": 96, "output_tokens": 3})),
+        stop.clone(),
+    ]);
+    assert_eq!(
+        state.run_usage(),
+        Some(Usage {
+            cache_read_tokens: Some(96),
+            ..Usage::tokens(100, 3)
+        })
+    );
+    // A server that reports no cache counts: none are invented.
+    let (_, state) = decode_all(&[
+        start(json!({"input_tokens": 4, "output_tokens": 1})),
+        delta(json!({"output_tokens": 3})),
+        stop,
+    ]);
+    assert_eq!(state.run_usage(), Some(Usage::tokens(4, 3)));
 }
 
 #[test]
@@ -166,7 +198,7 @@ fn a_whole_answer_becomes_the_same_events() {
                     {"type": "tool_use", "id": "toolu_2", "name": "g", "input": {}}
                 ],
                 "stop_reason": "stop_sequence", "stop_sequence": "END",
-                "usage": {"input_tokens": 3, "output_tokens": 2}})
+                "usage": {"input_tokens": 3, "cache_creation_input_tokens": 4, "cache_read_input_tokens": 0, "output_tokens": 2}})
             .to_string()
             .as_bytes(),
             &mut out,
@@ -191,8 +223,9 @@ fn a_whole_answer_becomes_the_same_events() {
         RunEventKind::Completed {
             finish_reason: FinishReason::StopSequence,
             usage: Some(Usage {
-                prompt_tokens: 3,
-                completion_tokens: 2
+                cache_read_tokens: Some(0),
+                cache_write_tokens: Some(4),
+                ..Usage::tokens(7, 2)
             }),
         }
     );
