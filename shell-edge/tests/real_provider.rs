@@ -7,7 +7,11 @@
 //! and its context-length error as the 400 it is, with its message.
 //! Then LiteLLM's proxy serves the same model on its own Messages API, a
 //! Messages server that is not ours, behind the node's `anthropic`
-//! adapter: the official `anthropic` SDK reaches both providers, and the
+//! adapter: the official `anthropic` SDK reaches both providers
+//! (`messages.create`, `messages.stream`, a tool-use round trip with a
+//! forced `tool_choice`, `count_tokens`, an `Idempotency-Key` retry that
+//! the llama.cpp server's access log shows made no second call, a 401, a
+//! 404, a 400 and a rate-limited key's 429 as the SDK's classes), and the
 //! `openai` and `ollama` clients the Messages-only one
 //! (`real_provider/messages_e2e.py`).
 //!
@@ -32,6 +36,8 @@ const MODEL: &str = "smollm2";
 const VIA_MESSAGES: &str = "smollm2-via-messages";
 /// LiteLLM's master key: the `anthropic` provider's key (`x-api-key`).
 const LITELLM_KEY: &str = "sk-litellm-real-provider-0123";
+/// A key allowed one request a minute (the 429).
+const LIMITED_KEY: &str = "sk-real-provider-limited";
 
 fn venv() -> Option<PathBuf> {
     let path = match std::env::var("IOP_PROVIDER_VENV") {
@@ -59,10 +65,13 @@ fn free_port() -> u16 {
         .expect("free port")
 }
 
-/// The llama.cpp server, killed when dropped.
+/// The llama.cpp server, killed when dropped. Its access log (stdout) is
+/// where the provider calls are counted.
 struct LlamaServer {
     child: tokio::process::Child,
     base_url: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
 }
 
 impl LlamaServer {
@@ -73,6 +82,9 @@ impl LlamaServer {
             .map(|e| e.path())
             .find(|p| p.extension().is_some_and(|e| e == "gguf"))
             .expect("a .gguf model in the venv");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let log = dir.path().join("llama.log");
+        let log_file = std::fs::File::create(&log).expect("the server's log");
         let port = free_port();
         let child = tokio::process::Command::new(venv.join("bin/python"))
             .args(["-m", "llama_cpp.server", "--model"])
@@ -85,7 +97,8 @@ impl LlamaServer {
             // health probe; the stream then ends as if complete
             // (docs/operations.md, llama-cpp-python).
             .args(["--interrupt_requests", "false"])
-            .stdout(Stdio::null())
+            // Uvicorn's access log (on stdout): one line per call.
+            .stdout(log_file)
             .stderr(Stdio::null())
             .kill_on_drop(true)
             .spawn()
@@ -105,7 +118,12 @@ impl LlamaServer {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Self { child, base_url }
+        Self {
+            child,
+            base_url,
+            log,
+            _dir: dir,
+        }
     }
 }
 
@@ -186,6 +204,7 @@ async fn official_clients_against_a_real_llama_cpp_server() {
     let mut litellm = LiteLlm::start(&venv, &llama).await;
     let pki = Pki::new(&["node-1"]);
     common::write_secret(&pki.path().join("key"), KEY);
+    common::write_secret(&pki.path().join("limited"), LIMITED_KEY);
     let edge = RunningEdge::start(edge_config(
         &pki,
         0,
@@ -197,7 +216,8 @@ async fn official_clients_against_a_real_llama_cpp_server() {
          [[routes]]\nmodel = \"smollm2-as-is\"\nproviders = [\"llama-as-is\"]\n\
          [[providers]]\nid = \"litellm\"\nnode = \"node-1\"\nadapter = \"anthropic\"\ntarget = \"litellm\"\ncapacity = 2\ndiscover_models = false\n\
          [[routes]]\nmodel = \"smollm2-via-messages\"\nproviders = [\"litellm\"]\n\
-         [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n"
+         [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n\
+         [[api_keys]]\nprincipal = \"limited\"\nkey_file = \"limited\"\nlimits = { requests_per_minute = 1 }\n"
     ))
     .await
     .expect("edge");
@@ -278,6 +298,8 @@ async fn official_clients_against_a_real_llama_cpp_server() {
             .arg(KEY)
             .arg(MODEL)
             .arg(VIA_MESSAGES)
+            .arg(LIMITED_KEY)
+            .arg(&llama.log)
             .output(),
     )
     .await

@@ -4,13 +4,18 @@ real servers: the official `anthropic` SDK against the llama.cpp server
 its own Messages API (an `anthropic` provider); the official `openai` and
 `ollama` clients against that Messages-only upstream.
 
-Usage: messages_e2e.py EDGE_URL API_KEY MODEL VIA_MESSAGES_MODEL
+Usage: messages_e2e.py EDGE_URL API_KEY MODEL VIA_MESSAGES_MODEL LIMITED_KEY PROVIDER_LOG
+
+LIMITED_KEY may make one request a minute; PROVIDER_LOG is the llama.cpp
+server's access log, where every provider call (LiteLLM's too) is one
+`POST /v1/chat/completions` line.
 
 Exits non-zero (with a message) on the first failed expectation.
 """
 
 import json
 import sys
+import time
 
 import anthropic
 import ollama
@@ -38,8 +43,25 @@ def text_of(message):
     return "".join(b.text for b in message.content if b.type == "text")
 
 
+def provider_calls(log):
+    """Chat calls the llama.cpp server has answered so far (its access log)."""
+    with open(log, encoding="utf-8", errors="replace") as f:
+        return sum('"POST /v1/chat/completions' in line for line in f)
+
+
+def settled_provider_calls(log):
+    """The count once no call is still arriving: the same twice, 0.5 s apart."""
+    count = provider_calls(log)
+    while True:
+        time.sleep(0.5)
+        again = provider_calls(log)
+        if again == count:
+            return count
+        count = again
+
+
 def main() -> None:
-    edge, key, model, via_messages = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    edge, key, model, via_messages, limited_key, log = sys.argv[1:7]
     client = Anthropic(base_url=edge, api_key=key, max_retries=0, timeout=120)
     # Greedy where text is checked (a sampled answer may be empty); this SDK
     # takes sampling parameters as extra fields.
@@ -71,13 +93,75 @@ def main() -> None:
         counted = client.messages.count_tokens(model=name, messages=user)
         check(counted.input_tokens > 0, f"{name} count_tokens: {counted}")
 
-        # An Idempotency-Key: the retry is the same message, replayed.
+        # A tool-use round trip with a forced tool choice: the model must
+        # call the tool (llama.cpp constrains its output to the tool's
+        # schema), whole and streamed; its result goes back as a
+        # tool_result block and the model answers in text.
+        tools = [{
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }]
+        forced = {"type": "tool", "name": "get_weather"}
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        m = client.messages.create(model=name, max_tokens=64, messages=ask, tools=tools, tool_choice=forced,
+                                   extra_body=greedy)
+        check(m.stop_reason == "tool_use", f"{name} tool: stop_reason {m.stop_reason} {m.content}")
+        call = next((b for b in m.content if b.type == "tool_use"), None)
+        check(call is not None and call.name == "get_weather", f"{name} tool: {m.content}")
+        check(isinstance(call.input, dict) and isinstance(call.input.get("city"), str), f"{name} tool input: {call.input}")
+        check(call.id, f"{name} tool: an id {call}")
+        with client.messages.stream(model=name, max_tokens=64, messages=ask, tools=tools, tool_choice=forced,
+                                    extra_body=greedy) as stream:
+            partial = "".join(e.partial_json for e in stream if e.type == "input_json")
+            streamed = stream.get_final_message()
+        check(streamed.stop_reason == "tool_use", f"{name} tool stream: {streamed.stop_reason} {streamed.content}")
+        streamed_call = next((b for b in streamed.content if b.type == "tool_use"), None)
+        check(streamed_call is not None and streamed_call.name == "get_weather", f"{name} tool stream: {streamed.content}")
+        check(json.loads(partial) == streamed_call.input, f"{name} tool stream: {partial!r} vs {streamed_call.input}")
+        check(streamed_call.input == call.input, f"{name} tool stream: {streamed_call.input} vs {call.input} (greedy)")
+        turn = [b.model_dump(exclude_none=True) for b in m.content]
+        if name == via_messages:
+            # LiteLLM's proxy sends llama.cpp's server an assistant turn of
+            # tool calls alone without a `content`, which the model's chat
+            # template cannot render (HTTP 500, the same without iop in
+            # front): the turn says something too.
+            turn.insert(0, {"type": "text", "text": "Let me check."})
+        answer = client.messages.create(
+            model=name,
+            max_tokens=16,
+            extra_body=greedy,
+            tools=tools,
+            messages=[
+                *ask,
+                {"role": "assistant", "content": turn},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                              "content": "18 degrees and sunny"}]},
+            ],
+        )
+        check(answer.stop_reason in ("end_turn", "max_tokens", "tool_use"), f"{name} tool result: {answer}")
+        check(text_of(answer) or any(b.type == "tool_use" for b in answer.content), f"{name} tool result: {answer}")
+
+        # An Idempotency-Key: the retry is the same message, replayed, and
+        # the provider is called once.
         headers = {"Idempotency-Key": f"messages-real-{name}"}
+        before = settled_provider_calls(log)
         first = client.messages.create(model=name, max_tokens=8, messages=user, extra_headers=headers)
         raw = client.messages.with_raw_response.create(model=name, max_tokens=8, messages=user, extra_headers=headers)
         again = raw.parse()
         check(raw.headers.get("idempotent-replayed") == "true", f"{name} idempotency: headers {raw.headers}")
         check(again.id == first.id and again.content == first.content, f"{name} idempotency: {first.id} vs {again.id}")
+        streamed_headers = {"Idempotency-Key": f"messages-real-stream-{name}"}
+        finals = []
+        for _ in range(2):
+            with client.messages.stream(model=name, max_tokens=8, messages=user,
+                                        extra_headers=streamed_headers) as stream:
+                text = "".join(stream.text_stream)
+                finals.append((stream.get_final_message(), text))
+        (live, live_text), (replayed, replayed_text) = finals
+        check(replayed.id == live.id and replayed_text == live_text, f"{name} idempotency: streamed {finals}")
+        calls = settled_provider_calls(log) - before
+        check(calls == 2, f"{name} idempotency: {calls} provider calls for two keys")
 
     # Errors, as the SDK's own classes.
     bad_key = Anthropic(base_url=edge, api_key="sk-wrong-0123456789", max_retries=0, timeout=30)
@@ -89,6 +173,16 @@ def main() -> None:
                      lambda: client.messages.create(model=via_messages, max_tokens=8, messages=user,
                                                    extra_body={"temperature": 1.5}), "400")
     check("temperature" in e.message, f"400 names the field: {e.message}")
+    # A 429: a key allowed one request a minute asks twice (both in the
+    # same wall-clock minute).
+    if time.time() % 60 > 50:
+        time.sleep(61 - time.time() % 60)
+    limited = Anthropic(base_url=edge, api_key=limited_key, max_retries=0, timeout=120)
+    limited.messages.create(model=model, max_tokens=4, messages=user)
+    e = expect_error(anthropic.RateLimitError, 429,
+                     lambda: limited.messages.create(model=model, max_tokens=4, messages=user), "429")
+    check(e.body["error"]["type"] == "rate_limit_error", f"429 body {e.body}")
+    check(e.response.headers.get("retry-after"), f"429: retry-after {e.response.headers}")
 
     # The OpenAI client against the Messages-only upstream: chat, whole and
     # streamed, translated to and from the Messages API by the node.

@@ -16,7 +16,9 @@
 //!
 //! The answer's events become run events ([`EventState`]): `text_delta`
 //! text, `thinking_delta` reasoning, each `tool_use` block one tool call
-//! (`input_json_delta` its arguments), `message_delta` the usage and the
+//! (`input_json_delta` its arguments; streamed blocks that repeat the last
+//! call's id go on with that call, as LiteLLM's proxy splits one call from
+//! llama-cpp-python into a block per piece), `message_delta` the usage and the
 //! stop reason (`end_turn`, `stop_sequence`, `max_tokens`, `tool_use`,
 //! `refusal`), `message_stop` the end; an `error` event is the provider's
 //! failure, with its message. The prompt's count is the Messages API's
@@ -398,6 +400,12 @@ struct EventState {
     tool_blocks: HashMap<u64, u32>,
     /// Tool calls so far: the next one's index.
     tool_calls: u32,
+    /// The last tool call a stream started. A server may split one call
+    /// into several `tool_use` blocks of the call's id, each with a piece
+    /// of its input (LiteLLM's proxy does, in front of llama-cpp-python,
+    /// whose chunks all repeat the call's id): they are that one call, as
+    /// ids name calls.
+    last_tool: Option<StreamedCall>,
     blocks_seen: usize,
     /// The prompt's tokens (`message_start`; a `message_delta` may update
     /// each count: its counts are cumulative, the ones it leaves out keep
@@ -406,6 +414,14 @@ struct EventState {
     output_tokens: Option<u64>,
     finish: Option<FinishReason>,
     done: bool,
+}
+
+/// A streamed tool call: its id, its current block and its call index.
+#[derive(Debug)]
+struct StreamedCall {
+    id: String,
+    block: u64,
+    call: u32,
 }
 
 /// A Messages `usage` object.
@@ -635,6 +651,18 @@ impl EventState {
         block: Block,
         out: &mut Vec<RunEventKind>,
     ) -> Result<(), ProviderCallError> {
+        if let (Some(index), Block::ToolUse { id, .. }) = (index, &block)
+            && let Some(last) = self.last_tool.as_mut()
+            && last.id == *id
+        {
+            // The same call again in a block of its own: its input goes
+            // on in this block. The last block stopped, so only this one
+            // is kept (no growth however many blocks a call takes).
+            self.tool_blocks.remove(&last.block);
+            self.tool_blocks.insert(index, last.call);
+            last.block = index;
+            return Ok(());
+        }
         self.blocks_seen += 1;
         if self.blocks_seen > MAX_CONTENT_BLOCKS {
             return Err(ProviderCallError::Malformed);
@@ -651,6 +679,11 @@ impl EventState {
                 // them later.
                 if let Some(index) = index {
                     self.tool_blocks.insert(index, call);
+                    self.last_tool = Some(StreamedCall {
+                        id: id.clone(),
+                        block: index,
+                        call,
+                    });
                 }
                 // A stream starts a call with `{}` and sends its input as
                 // deltas; a whole answer has the input here.

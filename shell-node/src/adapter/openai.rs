@@ -343,9 +343,10 @@ fn message_json(m: &ChatMessage) -> Value {
             parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
         }
         out.insert("content".into(), Value::Array(parts));
-    } else if m.content.is_empty() && !m.tool_calls.is_empty() {
-        out.insert("content".into(), Value::Null);
     } else {
+        // An assistant turn of tool calls alone has empty content: a string,
+        // as every server takes it (llama-cpp-python's refuses `null`,
+        // HTTP 500 "Input should be a valid string").
         out.insert("content".into(), Value::String(m.content.clone()));
     }
     if !m.tool_calls.is_empty() {
@@ -760,6 +761,8 @@ impl ChunkState {
 
 #[cfg(test)]
 mod tests {
+    use iop_wire::ToolCall;
+
     use super::*;
 
     impl ChunkState {
@@ -1032,5 +1035,26 @@ mod tests {
             chat_body(&req),
             Err(ProviderCallError::InvalidRequest(_))
         ));
+    }
+
+    #[test]
+    fn an_assistant_turn_of_tool_calls_alone_has_empty_string_content() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Chat, "weather?");
+        req.messages.push(ChatMessage {
+            role: Role::Assistant,
+            content: String::new(),
+            tool_calls: vec![ToolCall {
+                id: "call_1".into(),
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Paris"}"#.into(),
+            }],
+            tool_call_id: None,
+            name: None,
+            images: Vec::new(),
+        });
+        let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
+        let turn = &body["messages"][1];
+        assert_eq!(turn["content"], json!(""));
+        assert_eq!(turn["tool_calls"][0]["function"]["name"], "get_weather");
     }
 }

@@ -129,6 +129,67 @@ fn a_message_delta_updates_the_counts_it_gives_and_keeps_the_others() {
 }
 
 #[test]
+fn streamed_blocks_of_one_call_id_are_one_tool_call() {
+    // LiteLLM's proxy in front of llama-cpp-python: a block per piece of
+    // the one call's input, each with the call's id.
+    let mut events = Vec::new();
+    for (index, piece) in ["{", " \"", "city", "\":", " \"Paris\"", " }"]
+        .iter()
+        .enumerate()
+    {
+        events.push(json!({"type": "content_block_start", "index": index,
+            "content_block": {"type": "tool_use", "id": "call_0", "name": "get_weather", "input": {}}}));
+        events.push(json!({"type": "content_block_delta", "index": index,
+            "delta": {"type": "input_json_delta", "partial_json": piece}}));
+        events.push(json!({"type": "content_block_stop", "index": index}));
+    }
+    // Then a second call, of another id.
+    events.push(json!({"type": "content_block_start", "index": 6,
+        "content_block": {"type": "tool_use", "id": "call_1", "name": "get_time", "input": {}}}));
+    events.push(json!({"type": "content_block_delta", "index": 6,
+        "delta": {"type": "input_json_delta", "partial_json": "{}"}}));
+    events.push(json!({"type": "content_block_stop", "index": 6}));
+    events.push(json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}));
+    events.push(json!({"type": "message_stop"}));
+    let (out, state) = decode_all(&events);
+    let calls: Vec<(u32, Option<String>, String)> = out
+        .iter()
+        .filter_map(|e| match e {
+            RunEventKind::ToolCallDelta(d) => {
+                Some((d.index, d.id.clone(), d.arguments_delta.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    let started: Vec<_> = calls.iter().filter(|c| c.1.is_some()).collect();
+    assert_eq!(started.len(), 2, "{calls:?}");
+    let arguments = |call| {
+        calls
+            .iter()
+            .filter(|c| c.0 == call)
+            .map(|c| c.2.as_str())
+            .collect::<String>()
+    };
+    assert_eq!(
+        serde_json::from_str::<Value>(&arguments(0)).unwrap(),
+        json!({"city": "Paris"})
+    );
+    assert_eq!(arguments(1), "{}");
+    assert_eq!(
+        state.tool_blocks.len(),
+        2,
+        "only the calls' last blocks are kept"
+    );
+    assert!(matches!(
+        state.completed(),
+        RunEventKind::Completed {
+            finish_reason: FinishReason::ToolCalls,
+            ..
+        }
+    ));
+}
+
+#[test]
 fn every_stop_reason_maps_to_its_finish_reason() {
     for (reason, finish) in [
         ("end_turn", FinishReason::Stop),
