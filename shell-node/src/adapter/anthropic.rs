@@ -318,20 +318,17 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
         let mut events = Vec::new();
         loop {
             loop {
-                let decoded = match sse.next_data() {
-                    Ok(Some(data)) => state.on_event(data, &mut events),
+                let data = match sse.next_data() {
+                    Ok(Some(data)) => Ok(data),
                     Ok(None) => break,
-                    Err(EventTooLarge) => Err(Failure::Call(ProviderCallError::Malformed)),
+                    Err(EventTooLarge) => Err(EventTooLarge),
                 };
-                if let Err(e) = decoded {
-                    yield RunEventKind::Failed(e.failure());
-                    return;
-                }
+                let end = state.feed(data, &mut events);
                 for event in events.drain(..) {
                     yield event;
                 }
-                if state.done {
-                    yield state.completed();
+                if let Some(end) = end {
+                    yield end;
                     return;
                 }
             }
@@ -353,12 +350,45 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
 
 /// The run events of one non-streamed Messages answer.
 fn decode_whole(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
-    whole_answer_run(response, |body| {
-        let mut state = EventState::default();
-        let mut events = Vec::new();
-        state.on_whole(body, &mut events)?;
-        Ok((events, state.completed()))
-    })
+    whole_answer_run(response, whole_answer)
+}
+
+/// The run events of a whole Messages answer `body`, and its terminal.
+fn whole_answer(body: &[u8]) -> Result<(Vec<RunEventKind>, RunEventKind), ProviderCallError> {
+    let mut state = EventState::default();
+    let mut events = Vec::new();
+    state.on_whole(body, &mut events)?;
+    Ok((events, state.completed()))
+}
+
+/// The run events a Messages stream whose events carry `data` stands
+/// for, its terminal last: what a streamed call yields after `Started`
+/// (a stream without `message_stop` is truncated). For checking the
+/// translation (the Edge's Messages answers read back as the runs they
+/// render).
+pub fn stream_events<'a>(data: impl IntoIterator<Item = &'a [u8]>) -> Vec<RunEventKind> {
+    let mut state = EventState::default();
+    let mut events = Vec::new();
+    for data in data {
+        if let Some(end) = state.feed(Ok(data), &mut events) {
+            events.push(end);
+            return events;
+        }
+    }
+    events.push(RunEventKind::Failed(ProviderCallError::Truncated.failure()));
+    events
+}
+
+/// The run events a whole Messages answer `body` stands for, its terminal
+/// last: what a non-streamed call yields after `Started`.
+pub fn whole_events(body: &[u8]) -> Vec<RunEventKind> {
+    match whole_answer(body) {
+        Ok((mut events, terminal)) => {
+            events.push(terminal);
+            events
+        }
+        Err(e) => vec![RunEventKind::Failed(e.failure())],
+    }
 }
 
 /// Why decoding stopped: a typed call failure, or the provider's own
@@ -571,6 +601,27 @@ struct WholeMessage {
 }
 
 impl EventState {
+    /// Take one SSE event's data (or an event over the bound): its
+    /// non-terminal run events into `out`, and the terminal once the
+    /// answer ended (its `message_stop`, an `error` event, a malformed
+    /// event; then nothing of that event's is in `out`).
+    fn feed(
+        &mut self,
+        data: Result<&[u8], EventTooLarge>,
+        out: &mut Vec<RunEventKind>,
+    ) -> Option<RunEventKind> {
+        let before = out.len();
+        let decoded = match data {
+            Ok(data) => self.on_event(data, out),
+            Err(EventTooLarge) => Err(Failure::Call(ProviderCallError::Malformed)),
+        };
+        if let Err(e) = decoded {
+            out.truncate(before);
+            return Some(RunEventKind::Failed(e.failure()));
+        }
+        self.done.then(|| self.completed())
+    }
+
     /// Decode one SSE event's data into non-terminal run events.
     fn on_event(&mut self, data: &[u8], out: &mut Vec<RunEventKind>) -> Result<(), Failure> {
         let event: StreamEvent =

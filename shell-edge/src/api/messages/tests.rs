@@ -795,3 +795,138 @@ proptest! {
         let _ = parse_count_tokens_request(body.to_string().as_bytes());
     }
 }
+
+// Round trip of answers: what a Messages provider answers (as the node's
+// `anthropic` adapter reads it into a run) survives the Edge's Messages
+// rendering read back by that adapter: the translation in both
+// directions agrees, usage and the prompt cache's counts included.
+
+/// One content block of an answer: its pieces as the provider streamed
+/// them.
+#[derive(Debug, Clone)]
+enum AnswerPart {
+    Text(Vec<String>),
+    Reasoning(Vec<String>),
+    /// A tool call: its id, name and the pieces of its JSON arguments.
+    Tool(String, String, Vec<String>),
+}
+
+fn pieces_strategy() -> impl Strategy<Value = Vec<String>> {
+    proptest::collection::vec("[a-zA-Z0-9 .,!?é\n\"\\\\]{1,8}", 1..4)
+}
+
+fn part_strategy() -> impl Strategy<Value = AnswerPart> {
+    prop_oneof![
+        pieces_strategy().prop_map(AnswerPart::Text),
+        pieces_strategy().prop_map(AnswerPart::Reasoning),
+        (
+            "[a-z0-9_]{1,8}",
+            "[a-zA-Z0-9_-]{1,12}",
+            args_strategy(),
+            proptest::collection::vec(any::<prop::sample::Index>(), 0..3),
+        )
+            .prop_map(|(id, name, args, cuts)| {
+                // The arguments cut at character boundaries into pieces.
+                let bounds: Vec<usize> = args.char_indices().map(|(i, _)| i).skip(1).collect();
+                let mut at: Vec<usize> = cuts
+                    .iter()
+                    .filter(|_| !bounds.is_empty())
+                    .map(|c| bounds[c.index(bounds.len())])
+                    .collect();
+                at.sort_unstable();
+                at.dedup();
+                let mut pieces = Vec::new();
+                let mut from = 0;
+                for cut in at.into_iter().chain([args.len()]) {
+                    pieces.push(args[from..cut].to_owned());
+                    from = cut;
+                }
+                AnswerPart::Tool(format!("toolu_{id}"), name, pieces)
+            }),
+    ]
+}
+
+/// Usage as a Messages provider reports it: every count a part of the
+/// prompt; the cache's counts reported or not.
+fn provider_usage_strategy() -> impl Strategy<Value = (Usage, Usage)> {
+    (
+        0_u64..100_000,
+        proptest::option::of(0_u64..100_000),
+        proptest::option::of(0_u64..100_000),
+        0_u64..8,
+        0_u64..10_000,
+    )
+        .prop_map(|(uncached, read, write, first, more)| {
+            let at = |completion_tokens| Usage {
+                prompt_tokens: uncached + read.unwrap_or(0) + write.unwrap_or(0),
+                completion_tokens,
+                cache_read_tokens: read,
+                cache_write_tokens: write,
+            };
+            (at(first), at(first + more))
+        })
+}
+
+prop_compose! {
+    /// A run as the `anthropic` adapter reads a Messages stream into one:
+    /// the prompt's usage first, the blocks' events, the final usage and
+    /// the end.
+    fn provider_answer_strategy()(
+        parts in proptest::collection::vec(part_strategy(), 0..5),
+        (start, end) in provider_usage_strategy(),
+        finish in prop_oneof![
+            Just(FinishReason::Stop),
+            Just(FinishReason::Length),
+            Just(FinishReason::StopSequence),
+            Just(FinishReason::ContentFilter),
+        ],
+    ) -> Vec<RunEventKind> {
+        let mut events = vec![RunEventKind::Usage(start)];
+        let mut calls = 0;
+        for part in parts {
+            match part {
+                AnswerPart::Text(pieces) => events.extend(pieces.into_iter().map(RunEventKind::TextDelta)),
+                AnswerPart::Reasoning(pieces) => {
+                    events.extend(pieces.into_iter().map(RunEventKind::ReasoningDelta));
+                }
+                AnswerPart::Tool(id, name, pieces) => {
+                    let call = calls;
+                    calls += 1;
+                    events.push(tool(call, Some(&format!("{id}_{call}")), Some(&name), ""));
+                    events.extend(pieces.iter().map(|p| tool(call, None, None, p)));
+                }
+            }
+        }
+        events.push(RunEventKind::Usage(end));
+        let finish_reason = if calls > 0 { FinishReason::ToolCalls } else { finish };
+        events.push(completed(finish_reason, Some(end)));
+        events
+    }
+}
+
+proptest! {
+    #[test]
+    fn a_providers_answer_survives_the_messages_rendering_read_back(events in provider_answer_strategy()) {
+        // Streamed: the same run, event for event.
+        let mut stream = MessagesStream::new("msg_1", "m");
+        let mut out = Vec::new();
+        for e in &events {
+            stream.push(e, &mut out);
+        }
+        let data: Vec<String> = parse_sse(&out).into_iter().map(|(_, data)| data).collect();
+        let read = iop_node::adapter::anthropic::stream_events(data.iter().map(|d| d.as_bytes()));
+        prop_assert_eq!(&read, &events, "{}", String::from_utf8_lossy(&out));
+
+        // Whole: the same message, read back and rendered again.
+        let mut whole = MessagesAccumulator::new("msg_1", "m");
+        for e in &events {
+            whole.push(e);
+        }
+        let message = whole.finish().map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+        let mut again = MessagesAccumulator::new("msg_1", "m");
+        for e in iop_node::adapter::anthropic::whole_events(message.to_string().as_bytes()) {
+            again.push(&e);
+        }
+        prop_assert_eq!(again.finish().map_err(|e| TestCaseError::fail(format!("{e:?}")))?, message);
+    }
+}
