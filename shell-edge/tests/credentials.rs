@@ -195,6 +195,7 @@ fn run_request(run_id: u64, lease: Option<Vec<u8>>) -> RunRequest {
             tool_call_id: None,
             name: None,
             images: Vec::new(),
+            cache_control: None,
         }],
         tools: vec![],
         params: GenerationParams::default(),

@@ -75,6 +75,7 @@ fn run_request(run_id: u64, model: &str, stall_timeout_ms: u64) -> RunRequest {
             tool_call_id: None,
             name: None,
             images: Vec::new(),
+            cache_control: None,
         }],
         tools: vec![],
         params: GenerationParams::default(),

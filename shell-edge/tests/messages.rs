@@ -585,6 +585,54 @@ async fn the_prompt_caches_counts_reach_messages_and_openai_clients_and_the_jour
     }
 }
 
+#[tokio::test]
+async fn cache_control_reaches_a_messages_provider_through_a_normalized_run() {
+    // The Messages-only mock reports the prompt up to its last breakpoint
+    // as written to its cache: a breakpoint that reaches it comes back as
+    // cache_creation_input_tokens.
+    bounded(async {
+        let d = Deployment::start_with(MockScript::default(), 4, 64, Upstream::MessagesOnly).await;
+        let system = "You are a careful assistant. ".repeat(8);
+        let marked = |stream: bool| {
+            json!({
+                "model": "mock:tokens=2",
+                "max_tokens": 16,
+                "stream": stream,
+                "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                "messages": [{"role": "user", "content": "hello there"}],
+            })
+        };
+        let system_tokens = system.len().div_ceil(4);
+        let v: Value = d
+            .post("/v1/messages", &marked(false), &[])
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["usage"]["cache_creation_input_tokens"], system_tokens, "{v}");
+        assert_eq!(v["usage"]["cache_read_input_tokens"], 0);
+        let body = d
+            .post("/v1/messages", &marked(true), &[])
+            .await
+            .text()
+            .await
+            .unwrap();
+        let evs = events(&body);
+        assert_eq!(
+            evs[0].2["message"]["usage"]["cache_creation_input_tokens"],
+            system_tokens
+        );
+        // Without the breakpoint nothing is written to the cache.
+        let mut plain = marked(false);
+        plain["system"] = json!(system);
+        let v: Value = d.post("/v1/messages", &plain, &[]).await.json().await.unwrap();
+        assert_eq!(v["usage"]["cache_creation_input_tokens"], 0, "{v}");
+        d.wait_idle().await;
+        d.stop().await;
+    })
+    .await;
+}
+
 /// The official Anthropic Python SDK against a live deployment. CI installs
 /// it (see `.ci/run`) and sets `IOP_SDK_PYTHON`; elsewhere the test uses
 /// `python3` if it can import `anthropic`, and says so if it cannot.

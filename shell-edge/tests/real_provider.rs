@@ -228,7 +228,7 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         &format!(
             "[[providers]]\nadapter = \"openai\"\ntarget = \"llama\"\nbase_url = \"{url}\"\nstream_usage = false\nstructured_output = \"json_object_schema\"\n\
              [[providers]]\nadapter = \"openai\"\ntarget = \"llama-as-is\"\nbase_url = \"{url}\"\nstream_usage = false\n\
-             [[providers]]\nadapter = \"anthropic\"\ntarget = \"litellm\"\nbase_url = \"{litellm}\"\n",
+             [[providers]]\nadapter = \"anthropic\"\ntarget = \"litellm\"\nbase_url = \"{litellm}\"\ncache_control = false\n",
             url = llama.base_url,
             litellm = litellm.base_url
         ),

@@ -160,6 +160,13 @@ pub struct ProviderEntry {
     /// llama-cpp-python's form).
     #[serde(default)]
     pub structured_output: Option<String>,
+    /// Whether a Messages provider (`adapter = "anthropic"`) receives the
+    /// client's prompt-cache breakpoints as `cache_control` (default true).
+    /// False leaves them out, for a Messages server that passes content
+    /// blocks on to a backend that takes none (LiteLLM's proxy in front of
+    /// llama-cpp-python: a system prompt of blocks is an HTTP 500 there).
+    #[serde(default)]
+    pub cache_control: Option<bool>,
 }
 
 /// The raw file.
@@ -214,6 +221,9 @@ pub struct ProviderTarget {
     pub json_object_schema: bool,
     /// Its own run limit over every Edge connection, if it sets one.
     pub max_concurrent_runs: Option<u32>,
+    /// A Messages provider receives prompt-cache breakpoints (default
+    /// true); see `[[providers]] cache_control`.
+    pub cache_control: bool,
 }
 
 impl std::fmt::Debug for ProviderTarget {
@@ -446,6 +456,7 @@ impl NodeConfig {
                     }
                 },
                 max_concurrent_runs: p.max_concurrent_runs,
+                cache_control: p.cache_control.unwrap_or(true),
             });
         }
         Ok(Self {

@@ -81,6 +81,7 @@ fn main() -> std::io::Result<()> {
                     tool_call_id: None,
                     name: None,
                     images: Vec::new(),
+                    cache_control: None,
                 }],
                 tools: vec![],
                 params: GenerationParams {

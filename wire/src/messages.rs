@@ -688,6 +688,32 @@ pub struct ChatMessage {
     /// Images attached to the message: `https://` URLs or `data:` URLs with
     /// base64 content, in the order the client gave them.
     pub images: Vec<String>,
+    /// A prompt-cache breakpoint at the end of this message (the Messages
+    /// API's `cache_control` on its last block): a provider that caches
+    /// prompts may cache the conversation up to here. Providers without
+    /// such a marker ignore it.
+    #[serde(default)]
+    pub cache_control: Option<CacheControl>,
+}
+
+closed_enum! {
+    /// How long a prompt-cache entry lives (the Messages API's
+    /// `cache_control.ttl`).
+    pub enum CacheTtl {
+        /// Five minutes (the default).
+        FiveMinutes => "5m",
+        /// One hour.
+        OneHour => "1h",
+    }
+}
+
+/// A prompt-cache breakpoint (the Messages API's `cache_control`, whose
+/// one type is `ephemeral`).
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CacheControl {
+    /// The entry's lifetime; `None`: the provider's default.
+    pub ttl: Option<CacheTtl>,
 }
 
 /// A function the model may call.
@@ -700,6 +726,10 @@ pub struct ToolDefinition {
     pub description: Option<String>,
     /// JSON Schema of the parameters, JSON-encoded.
     pub parameters_json: Option<String>,
+    /// A prompt-cache breakpoint after this tool's definition (the
+    /// Messages API's `cache_control` on a tool).
+    #[serde(default)]
+    pub cache_control: Option<CacheControl>,
 }
 
 /// Sampling and length parameters (all optional).

@@ -64,6 +64,7 @@ mod tests {
             tool_call_id: None,
             name: None,
             images: Vec::new(),
+            cache_control: None,
         }
     }
 
@@ -91,6 +92,7 @@ mod tests {
             name: "get".into(),
             description: Some("weather".into()),
             parameters_json: Some("{}".into()),
+            cache_control: None,
         };
         assert_eq!(prompt_tokens(&[], std::slice::from_ref(&tool)), 3);
         let mut seeing = message(Role::User, "");

@@ -165,6 +165,7 @@ pub fn continued_messages(
             tool_call_id: None,
             name: None,
             images: Vec::new(),
+            cache_control: None,
         });
     }
     messages

@@ -317,6 +317,7 @@ fn parse_message(
         },
         name,
         images,
+        cache_control: None,
     })
 }
 
@@ -395,6 +396,7 @@ pub(crate) fn parse_function_definition(
         name,
         description,
         parameters_json,
+        cache_control: None,
     })
 }
 

@@ -57,6 +57,7 @@ fn user_message(content: String) -> ChatMessage {
         tool_call_id: None,
         name: None,
         images: Vec::new(),
+        cache_control: None,
     }
 }
 

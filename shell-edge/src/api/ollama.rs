@@ -145,6 +145,7 @@ fn text_message(role: Role, content: String) -> ChatMessage {
         tool_call_id: None,
         name: None,
         images: Vec::new(),
+        cache_control: None,
     }
 }
 

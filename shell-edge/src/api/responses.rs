@@ -294,6 +294,7 @@ fn text_message(role: Role, content: String) -> ChatMessage {
         tool_call_id: None,
         name: None,
         images: Vec::new(),
+        cache_control: None,
     }
 }
 
@@ -433,6 +434,7 @@ fn push_input_item(
                 tool_call_id: Some(call_id),
                 name,
                 images: Vec::new(),
+                cache_control: None,
             });
         }
         // A reasoning item a client passes back (managing its own

@@ -77,6 +77,17 @@ def main() -> None:
         check(m.stop_reason in ("end_turn", "max_tokens"), f"{name} create: stop_reason {m.stop_reason}")
         check((m.usage.input_tokens or 0) > 0 and (m.usage.output_tokens or 0) > 0, f"{name} create: usage {m.usage}")
 
+        # Prompt-cache breakpoints (as coding agents send them) are carried
+        # to a Messages provider and left out for an OpenAI-compatible one:
+        # both answer.
+        cached_system = [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}]
+        m = client.messages.create(model=name, max_tokens=8, system=cached_system, messages=user,
+                                   tools=[{"name": "noop", "input_schema": {"type": "object"},
+                                           "cache_control": {"type": "ephemeral"}}],
+                                   extra_body=greedy)
+        check(m.stop_reason in ("end_turn", "max_tokens", "tool_use"), f"{name} cache_control: {m}")
+        check((m.usage.output_tokens or 0) > 0, f"{name} cache_control: usage {m.usage}")
+
         # messages.stream: text_stream, then the final message.
         with client.messages.stream(model=name, max_tokens=16, messages=user, extra_body=greedy) as stream:
             text = "".join(stream.text_stream)

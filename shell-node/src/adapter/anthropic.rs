@@ -10,7 +10,9 @@
 //! assistant's tool calls are `tool_use` blocks; images are `image`
 //! blocks (base64 from a `data:` URL, else by URL); `stop` is
 //! `stop_sequences`; a reasoning effort is a `thinking` budget; `top_k`
-//! and the end user (`user`, as `metadata.user_id`) pass through. The
+//! and the end user (`user`, as `metadata.user_id`) pass through; a
+//! message's or tool's prompt-cache breakpoint is `cache_control` on its
+//! last block (the system prompt then a block of its own). The
 //! Messages API requires `max_tokens`: a run without one asks for
 //! [`DEFAULT_MAX_TOKENS`].
 //!
@@ -33,8 +35,8 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
 use iop_wire::{
-    ChatMessage, ExecutionFailure, FinishReason, Role, RunApi, RunEventKind, RunRequest,
-    ToolCallDelta, Usage,
+    CacheControl, ChatMessage, ExecutionFailure, FinishReason, Role, RunApi, RunEventKind,
+    RunRequest, ToolCallDelta, Usage,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -64,9 +66,12 @@ pub const HIGH_THINKING_BUDGET_TOKENS: u32 = 16_384;
 /// A run as a Messages call: streamed, or one non-streamed call.
 pub(super) fn run(
     target: HttpTarget,
-    req: RunRequest,
+    mut req: RunRequest,
     auth: Option<String>,
 ) -> BoxStream<'static, RunEventKind> {
+    if !target.cache_control {
+        without_cache_breakpoints(&mut req);
+    }
     if req.api == RunApi::Embeddings {
         return failed_run(ProviderCallError::InvalidRequest(
             "the Messages API has no embeddings",
@@ -91,6 +96,18 @@ pub(super) fn run(
     http_run(target, request, auth, req.session_id, decode)
 }
 
+/// `req` without its prompt-cache breakpoints (`[[providers]]
+/// cache_control = false`): its system prompt a string again, its turns
+/// as they are without one.
+fn without_cache_breakpoints(req: &mut RunRequest) {
+    for m in &mut req.messages {
+        m.cache_control = None;
+    }
+    for t in &mut req.tools {
+        t.cache_control = None;
+    }
+}
+
 /// `GET /v1/models` -> `{data: [{id}]}` (Anthropic's model list, and the
 /// OpenAI shape Messages-compatible servers answer).
 pub(super) async fn probe(target: &HttpTarget) -> ProbeVerdict {
@@ -110,32 +127,42 @@ pub fn request_json(req: &RunRequest, stream: bool) -> Result<Value, ProviderCal
     let p = &req.params;
     let mut body = Map::new();
     body.insert("model".into(), json!(req.model));
-    let (system, messages) = match req.api {
+    let (system, system_cache, messages) = match req.api {
         RunApi::Chat => {
-            let system: Vec<&str> = req
+            let system: Vec<&ChatMessage> = req
                 .messages
                 .iter()
                 .filter(|m| m.role == Role::System)
-                .map(|m| m.content.as_str())
                 .collect();
+            let text: Vec<&str> = system.iter().map(|m| m.content.as_str()).collect();
             let turns = req
                 .messages
                 .iter()
                 .filter(|m| m.role != Role::System)
                 .map(message_json)
                 .collect::<Result<Vec<_>, _>>()?;
-            (system.join("\n"), turns)
+            let cache = system.last().and_then(|m| m.cache_control);
+            (text.join("\n"), cache, turns)
         }
         RunApi::Generate | RunApi::Completion | RunApi::Embeddings => {
             let (system, prompt) = super::openai::generate_prompt(&req.messages);
             (
                 system.unwrap_or_default(),
+                None,
                 vec![json!({"role": "user", "content": prompt})],
             )
         }
     };
-    if !system.is_empty() {
-        body.insert("system".into(), json!(system));
+    match system_cache {
+        // A breakpoint needs a block to carry it.
+        Some(cache) => {
+            let block = cached(json!({"type": "text", "text": system}), Some(cache));
+            body.insert("system".into(), json!([block]));
+        }
+        None if !system.is_empty() => {
+            body.insert("system".into(), json!(system));
+        }
+        None => {}
     }
     body.insert("messages".into(), Value::Array(messages));
     let mut max_tokens = p.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
@@ -180,7 +207,7 @@ pub fn request_json(req: &RunRequest, stream: bool) -> Result<Value, ProviderCal
                 if let Some(d) = &t.description {
                     tool["description"] = json!(d);
                 }
-                Ok(tool)
+                Ok(cached(tool, t.cache_control))
             })
             .collect::<Result<Vec<_>, ProviderCallError>>()?;
         body.insert("tools".into(), Value::Array(tools));
@@ -242,8 +269,37 @@ fn tool_choice_json(choice: Option<&str>, parallel: Option<bool>) -> Option<Valu
     Some(rendered)
 }
 
-/// One run message (not a system one) as a Messages turn.
+/// `block` with a prompt-cache breakpoint (`cache_control`), if any.
+fn cached(mut block: Value, cache: Option<CacheControl>) -> Value {
+    if let Some(cache) = cache {
+        let mut control = json!({"type": "ephemeral"});
+        if let Some(ttl) = cache.ttl {
+            control["ttl"] = json!(ttl.as_str());
+        }
+        block["cache_control"] = control;
+    }
+    block
+}
+
+/// One run message (not a system one) as a Messages turn; its cache
+/// breakpoint on its last block.
 fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
+    let mut turn = turn_json(m)?;
+    if let Some(cache) = m.cache_control {
+        let role = turn["role"].clone();
+        let mut blocks = match turn["content"].take() {
+            Value::Array(blocks) => blocks,
+            text => vec![json!({"type": "text", "text": text})],
+        };
+        if let Some(last) = blocks.pop() {
+            blocks.push(cached(last, Some(cache)));
+        }
+        turn = json!({"role": role, "content": blocks});
+    }
+    Ok(turn)
+}
+
+fn turn_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
     Ok(match m.role {
         Role::Tool => json!({"role": "user", "content": [{
             "type": "tool_result",

@@ -113,6 +113,8 @@ pub(crate) struct HttpTarget {
     pub(crate) whole_calls: bool,
     /// The target takes a JSON Schema as `{"type":"json_object","schema":..}`.
     pub(crate) json_object_schema: bool,
+    /// A Messages target receives prompt-cache breakpoints.
+    pub(crate) cache_control: bool,
     /// How the target takes its key.
     pub(crate) auth: KeyHeader,
 }
@@ -261,6 +263,7 @@ impl Adapter {
             stream_usage: target.stream_usage,
             whole_calls: target.whole_calls,
             json_object_schema: target.json_object_schema,
+            cache_control: target.cache_control,
             auth: match target.adapter {
                 AdapterKind::Anthropic => KeyHeader::XApiKey,
                 AdapterKind::OpenAi | AdapterKind::Ollama | AdapterKind::Mock => KeyHeader::Bearer,

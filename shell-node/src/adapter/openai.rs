@@ -1016,6 +1016,7 @@ mod tests {
             name: "f".into(),
             description: None,
             parameters_json: Some(r#"{"type":"object"}"#.into()),
+            cache_control: None,
         });
         req.params.max_tokens = Some(7);
         req.params.tool_choice_json = Some("\"auto\"".into());
@@ -1051,6 +1052,7 @@ mod tests {
             tool_call_id: None,
             name: None,
             images: Vec::new(),
+            cache_control: None,
         });
         let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
         let turn = &body["messages"][1];

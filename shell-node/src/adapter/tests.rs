@@ -40,6 +40,7 @@ pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest 
             tool_call_id: None,
             name: None,
             images: Vec::new(),
+            cache_control: None,
         }],
         tools: Vec::new(),
         params: GenerationParams::default(),
@@ -59,6 +60,7 @@ fn with_tool(mut req: RunRequest) -> RunRequest {
         parameters_json: Some(
             r#"{"type":"object","properties":{"city":{"type":"string"}}}"#.into(),
         ),
+        cache_control: None,
     });
     req
 }
@@ -89,6 +91,7 @@ fn provider_target(kind: AdapterKind, base_url: &str, whole_calls: bool) -> Prov
         stream_usage: true,
         whole_calls,
         json_object_schema: false,
+        cache_control: true,
         max_concurrent_runs: None,
     }
 }
@@ -500,6 +503,33 @@ async fn the_prompt_caches_counts_reach_the_run_usage_from_both_apis() {
             usage: Some(usage(5, 2)),
         })
     );
+}
+
+#[tokio::test]
+async fn prompt_cache_breakpoints_reach_a_messages_provider_unless_turned_off() {
+    // The Messages-only mock reports the prompt up to its last breakpoint
+    // as written to its cache.
+    let server = messages_only(MockScript::default()).await;
+    let mut req = run_request("mock:tokens=1", RunApi::Chat, "0123456789abcdef");
+    req.messages[0].cache_control = Some(iop_wire::CacheControl::default());
+    req.params.whole_answer = true;
+    for (cache_control, written) in [(true, 4), (false, 0)] {
+        let target = ProviderTarget {
+            cache_control,
+            ..provider_target(AdapterKind::Anthropic, &server.base_url(), true)
+        };
+        let events = collect(Adapter::new(&target, provider_http()).run(req.clone(), None)).await;
+        assert_one_terminal(&events);
+        let written_tokens = match events.last() {
+            Some(RunEventKind::Completed { usage, .. }) => usage.and_then(|u| u.cache_write_tokens),
+            other => panic!("not completed: {other:?}"),
+        };
+        assert_eq!(
+            written_tokens,
+            Some(written),
+            "cache_control = {cache_control}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -7,7 +7,9 @@
 //! text stops before the first one that appears, with `stop_reason`
 //! `stop_sequence` and the sequence in `stop_sequence`. Usage is the
 //! script's, `input_tokens` in `message_start` and both counts in the
-//! final `message_delta`. The call's `anthropic-version` and
+//! final `message_delta`; a request with `cache_control` breakpoints (and
+//! a script without cache counts) has the prompt's tokens up to its last
+//! breakpoint reported as `cache_creation_input_tokens`. The call's `anthropic-version` and
 //! `anthropic-beta` come back as `x-mock-anthropic-version` and
 //! `x-mock-anthropic-beta`, so a test sees what reached the provider.
 
@@ -45,6 +47,40 @@ fn prompt_chars(request: &Value) -> usize {
         ms.iter().map(|m| content_chars(&m["content"])).sum()
     });
     messages + content_chars(&request["system"])
+}
+
+/// `content`'s text pieces in order: each one's characters, and whether it
+/// is marked as a prompt-cache breakpoint (`cache_control`).
+fn cache_segments(content: &Value, out: &mut Vec<(usize, bool)>) {
+    match content {
+        Value::String(s) => out.push((s.chars().count(), false)),
+        Value::Array(blocks) => out.extend(blocks.iter().map(|b| {
+            let chars = b["text"].as_str().map_or(0, |t| t.chars().count());
+            (chars, b.get("cache_control").is_some_and(|c| !c.is_null()))
+        })),
+        _ => {}
+    }
+}
+
+/// The prompt's characters up to and including its last block marked with
+/// `cache_control` (the system prompt's, then the messages'); 0 when none
+/// is. The mock reports their tokens as written to its cache, as a
+/// provider does on the first call with a breakpoint.
+fn cached_prefix_chars(request: &Value) -> usize {
+    let mut segments = Vec::new();
+    cache_segments(&request["system"], &mut segments);
+    for m in request["messages"].as_array().into_iter().flatten() {
+        cache_segments(&m["content"], &mut segments);
+    }
+    let mut chars = 0;
+    let mut marked = 0;
+    for (n, is_marked) in segments {
+        chars += n;
+        if is_marked {
+            marked = chars;
+        }
+    }
+    marked
 }
 
 /// Where `text` first contains one of `stops`: the byte offset and the
@@ -150,7 +186,12 @@ pub(super) async fn messages(
         .to_owned();
     // The prompt's usage (with the script's cache counts), whatever stops
     // the answer.
-    let prompt_usage = script.usage(prompt_chars(&request).div_ceil(4) as u64, 0);
+    let mut prompt_usage = script.usage(prompt_chars(&request).div_ceil(4) as u64, 0);
+    if script.cache_write_tokens.is_none() {
+        let cached = cached_prefix_chars(&request).div_ceil(4) as u64;
+        let uncached = prompt_usage.uncached_prompt_tokens();
+        prompt_usage.cache_write_tokens = Some(cached.min(uncached));
+    }
     let prompt = MockPrompt {
         prompt_chars: prompt_chars(&request),
         max_tokens: max_tokens(&request["max_tokens"]),
@@ -329,6 +370,26 @@ async fn answer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cached_prefix_ends_at_the_last_breakpoint() {
+        let cached = json!({"type": "ephemeral"});
+        let request = json!({
+            "system": [{"type": "text", "text": "0123", "cache_control": cached}],
+            "messages": [
+                {"role": "user", "content": "abcdefgh"},
+                {"role": "assistant", "content": [{"type": "text", "text": "xy", "cache_control": cached}]},
+                {"role": "user", "content": "not cached"}
+            ]
+        });
+        assert_eq!(cached_prefix_chars(&request), 4 + 8 + 2);
+        assert_eq!(
+            cached_prefix_chars(
+                &json!({"system": "0123", "messages": [{"role": "user", "content": "a"}]})
+            ),
+            0
+        );
+    }
 
     #[test]
     fn the_first_stop_sequence_in_the_text_wins() {

@@ -2179,6 +2179,7 @@ fn a_continuing_attempt_sends_the_answer_so_far_as_the_assistants_final_message_
         tool_call_id: None,
         name: None,
         images: Vec::new(),
+        cache_control: None,
     };
     assert_eq!(
         continued_messages(std::slice::from_ref(&user), None),

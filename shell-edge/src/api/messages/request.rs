@@ -4,7 +4,9 @@
 //! `adapter::anthropic::request_json`), the one place a run is rendered
 //! for a Messages server; the round trip through both is tested here.
 
-use iop_wire::{ChatMessage, GenerationParams, Role, RunApi, ToolCall, ToolDefinition};
+use iop_wire::{
+    CacheControl, CacheTtl, ChatMessage, GenerationParams, Role, RunApi, ToolCall, ToolDefinition,
+};
 use serde_json::{Map, Value, json};
 
 use super::super::NormalizedRun;
@@ -63,9 +65,12 @@ fn parse(body: &[u8], kind: Body) -> Result<NormalizedRun, ApiError> {
 
     let mut messages = Vec::new();
     if let Some(system) = root.get("system") {
-        let text = system_text(system)?;
+        let (text, cache_control) = system_text(system)?;
         if !text.is_empty() {
-            messages.push(message(Role::System, text));
+            messages.push(ChatMessage {
+                cache_control,
+                ..message(Role::System, text)
+            });
         }
     }
     let Some(raw_messages) = root.array("messages")? else {
@@ -143,15 +148,18 @@ pub(super) fn message(role: Role, content: String) -> ChatMessage {
         tool_call_id: None,
         name: None,
         images: Vec::new(),
+        cache_control: None,
     }
 }
 
-/// `system`: a string, or an array of text blocks joined by newlines.
-fn system_text(system: &Value) -> Result<String, ApiError> {
+/// `system`: a string, or an array of text blocks joined by newlines;
+/// with the last block's `cache_control` ([`parse_cache_control`]).
+fn system_text(system: &Value) -> Result<(String, Option<CacheControl>), ApiError> {
     match system {
-        Value::String(s) => Ok(s.clone()),
+        Value::String(s) => Ok((s.clone(), None)),
         Value::Array(blocks) => {
             let mut texts = Vec::with_capacity(blocks.len());
+            let mut cache_control = None;
             for (i, block) in blocks.iter().enumerate() {
                 let block = RequestObject::at(block, element("system", i))?;
                 if block.required_string("type")? != "text" {
@@ -161,8 +169,9 @@ fn system_text(system: &Value) -> Result<String, ApiError> {
                     ));
                 }
                 texts.push(block.required_string("text")?.to_owned());
+                cache_control = parse_cache_control(&block)?;
             }
-            Ok(texts.join("\n"))
+            Ok((texts.join("\n"), cache_control))
         }
         other => Err(ApiError::invalid_type(
             "system",
@@ -234,6 +243,13 @@ fn parse_message(
     for (i, block) in blocks.iter().enumerate() {
         let block = RequestObject::at(block, element(&content_param, i))?;
         let kind = block.required_string("type")?;
+        if matches!(
+            (kind, role),
+            ("text", _) | ("image" | "document", Role::User) | ("tool_use", Role::Assistant)
+        ) {
+            // The turn's own blocks: its breakpoint is its last one's.
+            turn.cache_control = parse_cache_control(&block)?;
+        }
         match (kind, role) {
             ("text", _) => texts.push(block.required_string("text")?.to_owned()),
             ("image", Role::User) => {
@@ -241,7 +257,10 @@ fn parse_message(
             }
             ("document", Role::User) => texts.push(parse_document(&block)?),
             ("tool_result", Role::User) => {
-                out.push(parse_tool_result(&block)?);
+                out.push(ChatMessage {
+                    cache_control: parse_cache_control(&block)?,
+                    ..parse_tool_result(&block)?
+                });
                 produced = true;
             }
             ("tool_use", Role::Assistant) => turn.tool_calls.push(parse_tool_use(&block)?),
@@ -274,6 +293,31 @@ fn parse_message(
         return Err(empty());
     }
     Ok(())
+}
+
+/// A block's `cache_control` (`{type: "ephemeral", ttl?: "5m" | "1h"}`),
+/// a prompt-cache breakpoint. The run carries one per message, at its end:
+/// a turn's breakpoint is its last block's, a tool result's its own, the
+/// system prompt's its last block's; one on an earlier block of a turn is
+/// not carried (moved to the turn's end it would write the cache where no
+/// later request reads it).
+fn parse_cache_control(block: &RequestObject<'_>) -> Result<Option<CacheControl>, ApiError> {
+    let Some(cache_control) = block.object("cache_control")? else {
+        return Ok(None);
+    };
+    if cache_control.required_string("type")? != "ephemeral" {
+        return Err(ApiError::invalid_value(
+            &cache_control.param("type"),
+            "must be 'ephemeral'.",
+        ));
+    }
+    let ttl = match cache_control.string("ttl")? {
+        None => None,
+        Some(ttl) => Some(CacheTtl::parse(ttl).ok_or_else(|| {
+            ApiError::invalid_value(&cache_control.param("ttl"), "must be '5m' or '1h'.")
+        })?),
+    };
+    Ok(Some(CacheControl { ttl }))
 }
 
 /// An image block: `source` `{type: base64, media_type, data}` as a
@@ -494,6 +538,7 @@ fn parse_tools(root: &RequestObject<'_>) -> Result<Vec<ToolDefinition>, ApiError
             name: name.to_owned(),
             description: tool.string("description")?.map(str::to_owned),
             parameters_json: Some(parameters_json),
+            cache_control: parse_cache_control(&tool)?,
         });
     }
     Ok(tools)

@@ -1,8 +1,8 @@
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use iop_wire::{
-    ChatMessage, ExecutionFailure, FailureCode, FinishReason, GenerationParams, Role, RunApi,
-    RunEventKind, ToolCall, ToolCallDelta, ToolDefinition, Usage,
+    CacheControl, CacheTtl, ChatMessage, ExecutionFailure, FailureCode, FinishReason,
+    GenerationParams, Role, RunApi, RunEventKind, ToolCall, ToolCallDelta, ToolDefinition, Usage,
 };
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
@@ -89,6 +89,11 @@ fn an_sdk_request_becomes_the_run_it_describes() {
     );
     assert_eq!(run.messages[0].content, "You are terse.");
     assert_eq!(
+        run.messages[0].cache_control,
+        Some(CacheControl::default()),
+        "the system prompt's cache breakpoint"
+    );
+    assert_eq!(
         run.messages[1].images,
         [
             "data:image/png;base64,iVBORw0KGgo=",
@@ -121,6 +126,80 @@ fn an_sdk_request_becomes_the_run_it_describes() {
     let extra: Value = serde_json::from_str(p.extra_json.as_deref().unwrap()).unwrap();
     assert_eq!(extra, json!({"top_k": 40, "user": "u-1"}));
     assert!(!p.whole_answer);
+}
+
+#[test]
+fn cache_breakpoints_are_carried_at_the_end_of_turns_tool_results_tools_and_the_system() {
+    let ephemeral = json!({"type": "ephemeral"});
+    let hour = json!({"type": "ephemeral", "ttl": "1h"});
+    let body = json!({
+        "model": "m",
+        "max_tokens": 16,
+        "system": [
+            {"type": "text", "text": "rules", "cache_control": ephemeral},
+            {"type": "text", "text": "more rules", "cache_control": hour}
+        ],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "a long document", "cache_control": ephemeral},
+                {"type": "text", "text": "a question"}
+            ]},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Let me check."},
+                {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}, "cache_control": ephemeral}
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C", "cache_control": hour},
+                {"type": "text", "text": "and tomorrow?", "cache_control": ephemeral}
+            ]}
+        ],
+        "tools": [
+            {"name": "f", "input_schema": {"type": "object"}},
+            {"name": "g", "input_schema": {"type": "object"}, "cache_control": ephemeral}
+        ]
+    });
+    let run = parse(body).unwrap();
+    let five = Some(CacheControl::default());
+    let one_hour = Some(CacheControl {
+        ttl: Some(CacheTtl::OneHour),
+    });
+    let breakpoints: Vec<(Role, Option<CacheControl>)> = run
+        .messages
+        .iter()
+        .map(|m| (m.role, m.cache_control))
+        .collect();
+    assert_eq!(
+        breakpoints,
+        [
+            // The system prompt's last block's.
+            (Role::System, one_hour),
+            // On an earlier block of the turn: not carried.
+            (Role::User, None),
+            (Role::Assistant, five),
+            (Role::Tool, one_hour),
+            (Role::User, five),
+        ]
+    );
+    let tools: Vec<Option<CacheControl>> = run.tools.iter().map(|t| t.cache_control).collect();
+    assert_eq!(tools, [None, five]);
+    // What the Messages API would refuse is refused, naming the field.
+    for (cache_control, field) in [
+        (
+            json!({"type": "persistent"}),
+            "system[0].cache_control.type",
+        ),
+        (
+            json!({"type": "ephemeral", "ttl": "2h"}),
+            "system[0].cache_control.ttl",
+        ),
+        (json!("ephemeral"), "system[0].cache_control"),
+    ] {
+        let err = refused(with(
+            "system",
+            json!([{"type": "text", "text": "x", "cache_control": cache_control}]),
+        ));
+        assert_eq!(err.param.as_deref(), Some(field), "{err:?}");
+    }
 }
 
 #[test]
@@ -676,23 +755,39 @@ fn turn_strategy() -> impl Strategy<Value = ChatMessage> {
     ]
 }
 
+fn cache_strategy() -> impl Strategy<Value = Option<CacheControl>> {
+    proptest::option::of(
+        proptest::option::of(prop_oneof![
+            Just(CacheTtl::FiveMinutes),
+            Just(CacheTtl::OneHour)
+        ])
+        .prop_map(|ttl| CacheControl { ttl }),
+    )
+}
+
 fn tool_strategy() -> impl Strategy<Value = ToolDefinition> {
     (
         "[a-zA-Z0-9_-]{1,12}",
         proptest::option::of(text_strategy()),
         proptest::collection::btree_map("[a-z]{1,4}", Just(json!({"type": "string"})), 0..3),
+        cache_strategy(),
     )
-        .prop_map(|(name, description, properties)| ToolDefinition {
-            name,
-            description,
-            parameters_json: Some(json!({"type": "object", "properties": properties}).to_string()),
-        })
+        .prop_map(
+            |(name, description, properties, cache_control)| ToolDefinition {
+                name,
+                description,
+                parameters_json: Some(
+                    json!({"type": "object", "properties": properties}).to_string(),
+                ),
+                cache_control,
+            },
+        )
 }
 
 prop_compose! {
     fn run_strategy()(
-        system in proptest::option::of(text_strategy()),
-        turns in proptest::collection::vec(turn_strategy(), 1..6),
+        system in proptest::option::of((text_strategy(), cache_strategy())),
+        turns in proptest::collection::vec((turn_strategy(), cache_strategy()), 1..6),
         tools in proptest::collection::vec(tool_strategy(), 0..3),
         stream in any::<bool>(),
         max_tokens in 2_u32..100_000,
@@ -705,10 +800,10 @@ prop_compose! {
         effort in proptest::option::of(prop_oneof![Just("low"), Just("medium"), Just("high")]),
     ) -> NormalizedRun {
         let mut messages = Vec::new();
-        if let Some(system) = system {
-            messages.push(message(Role::System, system));
+        if let Some((system, cache_control)) = system {
+            messages.push(ChatMessage { cache_control, ..message(Role::System, system) });
         }
-        messages.extend(turns);
+        messages.extend(turns.into_iter().map(|(turn, cache_control)| ChatMessage { cache_control, ..turn }));
         let mut extra = Map::new();
         if let Some(k) = top_k {
             extra.insert("top_k".into(), json!(k));

@@ -14,6 +14,7 @@ fn message(role: Role, content: &str) -> ChatMessage {
         tool_call_id: None,
         name: None,
         images: Vec::new(),
+        cache_control: None,
     }
 }
 
@@ -319,6 +320,7 @@ fn a_chat_run_becomes_the_messages_request_it_describes() {
         name: "get_weather".into(),
         description: Some("Weather".into()),
         parameters_json: Some(r#"{"type":"object"}"#.into()),
+        cache_control: None,
     });
     req.params.tool_choice_json =
         Some(r#"{"type":"function","function":{"name":"get_weather"}}"#.into());
@@ -359,6 +361,50 @@ fn a_chat_run_becomes_the_messages_request_it_describes() {
             "metadata": {"user_id": "u-1"}
         })
     );
+}
+
+#[test]
+fn cache_breakpoints_go_on_the_last_block_of_their_message_or_tool() {
+    let mut req = run_request(RunApi::Chat);
+    let hour = Some(iop_wire::CacheControl {
+        ttl: Some(iop_wire::CacheTtl::OneHour),
+    });
+    let five = Some(iop_wire::CacheControl::default());
+    let mut system = message(Role::System, "rules");
+    system.cache_control = hour;
+    let mut user = message(Role::User, "a long document");
+    user.cache_control = five;
+    let mut tool = message(Role::Tool, "18C");
+    tool.tool_call_id = Some("toolu_1".into());
+    tool.cache_control = five;
+    req.messages = vec![system, user, tool, message(Role::User, "and tomorrow?")];
+    req.tools.push(ToolDefinition {
+        name: "f".into(),
+        description: None,
+        parameters_json: None,
+        cache_control: five,
+    });
+    let body = request_json(&req, false).unwrap();
+    assert_eq!(
+        body["system"],
+        json!([{"type": "text", "text": "rules", "cache_control": {"type": "ephemeral", "ttl": "1h"}}])
+    );
+    assert_eq!(
+        body["messages"][0]["content"],
+        json!([{"type": "text", "text": "a long document", "cache_control": {"type": "ephemeral"}}])
+    );
+    assert_eq!(
+        body["messages"][1]["content"][0]["cache_control"],
+        json!({"type": "ephemeral"})
+    );
+    assert_eq!(body["messages"][2]["content"], json!("and tomorrow?"));
+    assert_eq!(
+        body["tools"][0]["cache_control"],
+        json!({"type": "ephemeral"})
+    );
+    // Without breakpoints the system prompt is a string.
+    req.messages[0].cache_control = None;
+    assert_eq!(request_json(&req, false).unwrap()["system"], json!("rules"));
 }
 
 #[test]
