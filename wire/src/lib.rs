@@ -34,7 +34,8 @@ pub use messages::*;
 pub const ALPN: &[u8] = b"iop/1";
 
 /// The protocol version a Node announces in its [`RegisterRequest`]
-/// (7: [`Usage`] carries the provider's prompt-cache counts).
+/// (7: [`Usage`] carries the provider's prompt-cache counts, chat messages
+/// and tools their prompt-cache breakpoints).
 pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The hard maximum length of one frame's payload, in bytes (16 MiB).
