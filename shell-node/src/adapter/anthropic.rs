@@ -299,6 +299,7 @@ fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
     Ok(turn)
 }
 
+/// One run message as a Messages turn, before its breakpoint.
 fn turn_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
     Ok(match m.role {
         Role::Tool => json!({"role": "user", "content": [{
@@ -377,7 +378,7 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
                 let data = match sse.next_data() {
                     Ok(Some(data)) => Ok(data),
                     Ok(None) => break,
-                    Err(EventTooLarge) => Err(EventTooLarge),
+                    Err(too_large) => Err(too_large),
                 };
                 let end = state.feed(data, &mut events);
                 for event in events.drain(..) {
