@@ -465,10 +465,7 @@ mod tests {
     #[test]
     fn the_answer_usage_and_finish_reason_are_the_last_delivered() {
         let view = RequestView::new("chat", "m", false);
-        let usage = |p, c| Usage {
-            prompt_tokens: p,
-            completion_tokens: c,
-        };
+        let usage = Usage::tokens;
         view.delivered(&RunEventKind::Usage(usage(3, 1)));
         view.delivered(&RunEventKind::Completed {
             finish_reason: FinishReason::Length,
