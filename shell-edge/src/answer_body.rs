@@ -232,6 +232,32 @@ pub(crate) fn answer_body<A: AnswerSource, S: AnswerStream>(
     .boxed()
 }
 
+/// `body` pumped by its own task into a one-chunk channel the client's
+/// connection reads: a reader that takes no chunk within `write_timeout`
+/// is cut off, and what its body holds (a journal follower, its record) is
+/// let go at once (R-LIM-6), as a live answer's driver does for a client
+/// that stops reading.
+pub(crate) fn with_write_timeout(
+    mut body: BoxStream<'static, Bytes>,
+    write_timeout: std::time::Duration,
+) -> BoxStream<'static, Bytes> {
+    let (tx, mut rx) = mpsc::channel::<Bytes>(1);
+    tokio::spawn(async move {
+        while let Some(chunk) = body.next().await {
+            match tokio::time::timeout(write_timeout, tx.send(chunk)).await {
+                Ok(Ok(())) => {}
+                // The client went away.
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::info!(event = "edge_slow_reader_cut_off");
+                    return;
+                }
+            }
+        }
+    });
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed()
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::VecDeque;
@@ -414,5 +440,39 @@ mod tests {
         let body = body.collect::<Vec<_>>().await.concat();
         assert!(ids(&body).is_empty());
         assert_eq!(parse_sse(&body).last().unwrap().1, "[DONE]");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn r_lim_6_a_reader_that_stops_reading_is_cut_off_and_its_source_let_go() {
+        struct Source(std::sync::Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Source {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let source = Source(dropped.clone());
+        let endless = futures::stream::unfold(source, |s| async move {
+            Some((Bytes::from_static(b"data: x\n\n"), s))
+        })
+        .boxed();
+        let timeout = std::time::Duration::from_millis(500);
+        let mut body = with_write_timeout(endless, timeout);
+        // A reader that reads is served.
+        for _ in 0..3 {
+            assert!(body.next().await.is_some());
+        }
+        // Then it stops: within the write timeout its source is let go.
+        tokio::time::sleep(timeout / 2).await;
+        assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+        tokio::time::sleep(timeout).await;
+        tokio::task::yield_now().await;
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "cut off");
+        // What was queued is still delivered, then the body ends.
+        let mut rest = 0;
+        while body.next().await.is_some() {
+            rest += 1;
+        }
+        assert!(rest <= 1);
     }
 }

@@ -434,6 +434,7 @@ async fn answer<E: RunEndpoint>(
     }
     if stream {
         E::Stream::response(follow_body(
+            state,
             follower,
             Some(first),
             endpoint.stream(start, options),
@@ -545,6 +546,7 @@ fn journal_step(item: Followed) -> Step {
 /// record's events as they become durable, then its terminal; SSE events
 /// numbered, those up to `skip_through` left out.
 fn follow_body<S: AnswerStream>(
+    state: &AppState,
     follower: Follower,
     first: Option<Followed>,
     encoder: S,
@@ -552,11 +554,15 @@ fn follow_body<S: AnswerStream>(
     record: RequestRecord,
 ) -> BoxStream<'static, Bytes> {
     let numbering = S::SSE_IDS.then(|| framing::SseNumbering::after(skip_through));
-    answer_body(
-        JournalAnswer { follower, first },
-        encoder,
-        numbering,
-        record,
+    // R-LIM-6: a reader that stops reading lets its follower go.
+    crate::answer_body::with_write_timeout(
+        answer_body(
+            JournalAnswer { follower, first },
+            encoder,
+            numbering,
+            record,
+        ),
+        state.driver_context().client_write_timeout,
     )
 }
 
@@ -778,6 +784,7 @@ async fn retrieve<E: RunEndpoint>(
             Err(e) => return refuse(&endpoint, record, journal_error(&e)),
         };
         return E::Stream::response(follow_body(
+            state,
             follower,
             None,
             endpoint.stream(start, options),
