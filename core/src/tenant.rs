@@ -233,6 +233,19 @@ pub struct CounterKey {
     pub window_unix_ms: u64,
 }
 
+/// The most tokens a prompt whose request body is `body_bytes` long can
+/// be, for its reservation (R-TEN-2): a tokenizer's token stands for at
+/// least one byte of text, and the body holds the text and more (its
+/// JSON, other fields), so its length bounds the prompt from above,
+/// whatever the model. (The estimate of
+/// [`prompt_estimate`](crate::edge::prompt_estimate) is closer, and may be
+/// below the real count: it is for answers, never for a bound.) An image
+/// sent by URL is the exception: providers charge it by its pixels;
+/// price such routes with that in mind.
+pub fn prompt_tokens_max(body_bytes: u64) -> u64 {
+    body_bytes
+}
+
 /// Decide a claim on a shared counter (R-TEN-3): `claimed` of `limit` are
 /// claimed by the Edges already; a claim of `amount` gets what is left of
 /// it, never past the limit. Returns the counter's new claimed total and

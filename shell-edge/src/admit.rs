@@ -59,8 +59,9 @@ pub(crate) async fn admit<E: RunEndpoint>(
     let (run, options) = endpoint.parse(&held.bytes)?;
     let pool = pool_for(state, &key, &run)?;
     // R-TEN-1, R-TEN-2: within the key's and its principal's limits and
-    // budgets, before any provider call. The prompt's tokens are at most
-    // its body's bytes; a durable request is held to the journal quotas.
+    // budgets, before any provider call (the prompt's bound is core's
+    // `prompt_tokens_max` of the body); a durable request is held to the
+    // journal quotas.
     let keep = endpoint.keep(&options, state.durable().responses_store_default());
     let durable = keep.store || keep.background || idempotent;
     let tenant = state

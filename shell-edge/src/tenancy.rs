@@ -198,7 +198,7 @@ impl Tenancy {
             key_limits: ask.key_limits.clone(),
             principal_limits: ask.principal_limits.clone(),
             price: ask.price,
-            prompt_tokens_max: ask.body_bytes,
+            prompt_tokens_max: iop_core::tenant::prompt_tokens_max(ask.body_bytes),
             output_tokens_max: ask.max_output.unwrap_or(self.default_max_output_tokens),
             unix_ms: iop_transport::clock::unix_ms(),
             model: ask.model.to_owned(),

@@ -525,3 +525,14 @@ fn r_ten_5_a_settled_request_yields_its_usage_row_once() {
     assert_eq!(totals.spend_micros, 6 + 2 + 6);
     assert_eq!(edge.settle(at(2), 1, used), None);
 }
+
+#[test]
+fn r_ten_2_a_prompt_is_bounded_by_its_bodys_bytes() {
+    // A body's bytes bound its prompt's tokens from above: never less
+    // than the text it carries, so never less than its tokens.
+    let text = "hello world, how are you today?";
+    let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{text}"}}]}}"#);
+    let bound = prompt_tokens_max(body.len() as u64);
+    assert!(bound >= text.len() as u64);
+    assert_eq!(prompt_tokens_max(0), 0);
+}
