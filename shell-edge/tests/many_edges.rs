@@ -50,22 +50,10 @@ fn edge_toml_with(
     park_grace_ms: u64,
     extra: &str,
 ) -> String {
+    let head = edge_head_toml(edge_id, quic_port, http_port);
     format!(
         r#"
-[edge]
-edge_id = "{edge_id}"
-quic_listen = "127.0.0.1:{quic_port}"
-http_listen = "127.0.0.1:{http_port}"
-state_dir = "{edge_id}-state"
-drain_timeout_ms = 500
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/edge.pem"
-key = "certs/edge.key"
-[heartbeat]
-interval_ms = {HB_INTERVAL_MS}
-wait_ms = {HB_WAIT_MS}
-[admission]
+{head}[admission]
 queue_capacity = 64
 queue_timeout_ms = 5000
 [journal]

@@ -47,22 +47,10 @@ const KEY_SYNC_MS: u64 = 500;
 const EDGES: u64 = 2;
 
 fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
+    let head = edge_head_toml(edge_id, quic_port, http_port);
     format!(
         r#"
-[edge]
-edge_id = "{edge_id}"
-quic_listen = "127.0.0.1:{quic_port}"
-http_listen = "127.0.0.1:{http_port}"
-state_dir = "{edge_id}-state"
-drain_timeout_ms = 500
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/edge.pem"
-key = "certs/edge.key"
-[heartbeat]
-interval_ms = {HB_INTERVAL_MS}
-wait_ms = {HB_WAIT_MS}
-[admission]
+{head}[admission]
 queue_capacity = 256
 queue_timeout_ms = 10000
 [journal]

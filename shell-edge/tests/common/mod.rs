@@ -339,3 +339,25 @@ impl Component {
         }
     }
 }
+
+/// The `[edge]`, `[tls]` and `[heartbeat]` sections of Edge `edge_id` in a
+/// test of several Edge processes: its ports, its own state directory, the
+/// test PKI's certificates and the short heartbeat profile.
+pub fn edge_head_toml(edge_id: &str, quic_port: u16, http_port: u16) -> String {
+    format!(
+        r#"[edge]
+edge_id = "{edge_id}"
+quic_listen = "127.0.0.1:{quic_port}"
+http_listen = "127.0.0.1:{http_port}"
+state_dir = "{edge_id}-state"
+drain_timeout_ms = 500
+[tls]
+ca = "certs/ca.pem"
+cert = "certs/edge.pem"
+key = "certs/edge.key"
+[heartbeat]
+interval_ms = {HB_INTERVAL_MS}
+wait_ms = {HB_WAIT_MS}
+"#
+    )
+}
