@@ -104,33 +104,6 @@ admin = true
     )
 }
 
-fn node_toml(node: &str, edges: &[String], mock_url: &str) -> String {
-    let edges: Vec<String> = edges.iter().map(|e| format!("\"{e}\"")).collect();
-    let edges = edges.join(", ");
-    format!(
-        r#"
-[node]
-edges = [{edges}]
-state_dir = "{node}-state"
-max_concurrent_runs = 256
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/node-{node}.pem"
-key = "certs/node-{node}.key"
-[heartbeat]
-interval_ms = {HB_INTERVAL_MS}
-wait_ms = {HB_WAIT_MS}
-[reconnect]
-initial_ms = 50
-max_ms = 400
-[[providers]]
-adapter = "openai"
-target = "t"
-base_url = "{mock_url}"
-"#
-    )
-}
-
 fn text_of(events: &[(u64, Value)]) -> String {
     events
         .iter()

@@ -105,33 +105,6 @@ output_per_mtok = 1000000
     )
 }
 
-fn node_toml(edges: &[String], mock_url: &str) -> String {
-    let edges: Vec<String> = edges.iter().map(|e| format!("\"{e}\"")).collect();
-    format!(
-        r#"
-[node]
-edges = [{}]
-state_dir = "node-1-state"
-max_concurrent_runs = 256
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/node-node-1.pem"
-key = "certs/node-node-1.key"
-[heartbeat]
-interval_ms = {HB_INTERVAL_MS}
-wait_ms = {HB_WAIT_MS}
-[reconnect]
-initial_ms = 50
-max_ms = 400
-[[providers]]
-adapter = "openai"
-target = "t"
-base_url = "{mock_url}"
-"#,
-        edges.join(", ")
-    )
-}
-
 /// Two Edge processes and a Node process on `server`.
 struct Deployment {
     edges: Vec<Component>,
@@ -185,7 +158,7 @@ impl Deployment {
             edges.push(edge);
         }
         let config = pki.path().join("node-1.toml");
-        std::fs::write(&config, node_toml(&quic, &mock.base_url())).unwrap();
+        std::fs::write(&config, node_toml("node-1", &quic, &mock.base_url())).unwrap();
         let mut node = Component {
             name: "node-1".into(),
             program: node_binary(),
