@@ -191,6 +191,9 @@ pub struct Price {
     pub input_per_mtok: u64,
     /// Input tokens the provider served from its cache.
     pub cached_input_per_mtok: u64,
+    /// Input tokens the provider wrote to its cache (Anthropic charges
+    /// them above the input price).
+    pub cache_write_per_mtok: u64,
     /// Output tokens.
     pub output_per_mtok: u64,
 }
@@ -202,6 +205,8 @@ pub struct TokenUse {
     pub input: u64,
     /// Of them, served from the provider's cache.
     pub cached_input: u64,
+    /// Of them, written to the provider's cache.
+    pub cache_write_input: u64,
     /// Output tokens.
     pub output: u64,
 }
@@ -212,11 +217,17 @@ impl TokenUse {
         self.input.saturating_add(self.output)
     }
 
-    /// What it costs at `price`, in micro-units, rounded up.
+    /// What it costs at `price`, in micro-units, rounded up (R-TEN-2):
+    /// input read from the provider's cache at the cached price, input
+    /// written to it at the cache-write price, the rest at the input price
+    /// (the counts are clamped so no token is priced twice).
     pub fn cost(&self, price: &Price) -> u64 {
         let cached = self.cached_input.min(self.input);
-        let micro_mtok = u128::from(self.input - cached) * u128::from(price.input_per_mtok)
+        let written = self.cache_write_input.min(self.input - cached);
+        let plain = self.input - cached - written;
+        let micro_mtok = u128::from(plain) * u128::from(price.input_per_mtok)
             + u128::from(cached) * u128::from(price.cached_input_per_mtok)
+            + u128::from(written) * u128::from(price.cache_write_per_mtok)
             + u128::from(self.output) * u128::from(price.output_per_mtok);
         u64::try_from(micro_mtok.div_ceil(1_000_000)).unwrap_or(u64::MAX)
     }
@@ -499,12 +510,21 @@ impl Tenants {
             .prompt_tokens_max
             .saturating_add(request.output_tokens_max);
         let spend = request.price.map_or(0, |p| {
+            // Reserved as if every prompt token were priced at the
+            // dearest input rate, so a cache write never settles above it.
+            let dearest = Price {
+                input_per_mtok: p
+                    .input_per_mtok
+                    .max(p.cache_write_per_mtok)
+                    .max(p.cached_input_per_mtok),
+                ..p
+            };
             TokenUse {
                 input: request.prompt_tokens_max,
-                cached_input: 0,
                 output: request.output_tokens_max,
+                ..TokenUse::default()
             }
-            .cost(&p)
+            .cost(&dearest)
         });
         let minute = request.unix_ms - request.unix_ms % MINUTE_MS;
         let reset_ms = minute + MINUTE_MS - request.unix_ms;

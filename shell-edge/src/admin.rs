@@ -18,7 +18,10 @@ use axum::body::Body;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use iop_core::tenant::keys::{KeyRecord, SECRET_PREFIX, check_key_fields, key_id, key_id_ok};
+use iop_core::tenant::keys::{
+    KeyChange, KeyFieldError, KeyRecord, KeyUpdate, SECRET_PREFIX, change_key, key_id, key_id_ok,
+    new_key,
+};
 use iop_core::tenant::usage::{UsageQuery, UsageTotals, day_of, format_day, parse_day};
 use iop_core::tenant::{DAY_MS, Limits, Period};
 use iop_store::TenantStoreError;
@@ -168,25 +171,30 @@ fn config_key_json(k: &ApiKey) -> Value {
     })
 }
 
-/// Apply an admin's `fields` to `record`; the first invalid field is the
-/// answer (R-LIM-5: every string bounded before it is stored).
-fn apply(record: &mut KeyRecord, fields: &KeyFields, now_unix_ms: u64) -> Result<(), ApiError> {
-    if let Some(name) = &fields.name {
-        record.name.clone_from(name);
-    }
-    if let Some(models) = &fields.models {
-        record.models.clone_from(models);
-    }
-    if let Some(limits) = &fields.limits {
-        record.limits = limits
-            .to_core("limits")
-            .map_err(|e| ApiError::invalid_value("limits", &e.to_string()))?;
-    }
-    if let Some(expires) = fields.expires_at {
-        record.expires_unix_ms = expires.map(|s| s.saturating_mul(1_000));
-    }
-    record.updated_unix_ms = now_unix_ms;
-    check_key_fields(record, now_unix_ms).map_err(|e| ApiError::invalid_value(e.field, e.reason))
+/// The admin's fields as core's key update (R-LIM-5: every string is
+/// bounded by core's check before it is stored).
+fn update_of(fields: &KeyFields) -> Result<KeyUpdate, ApiError> {
+    let limits = match &fields.limits {
+        Some(limits) => Some(
+            limits
+                .to_core("limits")
+                .map_err(|e| ApiError::invalid_value("limits", &e.to_string()))?,
+        ),
+        None => None,
+    };
+    Ok(KeyUpdate {
+        principal: fields.principal.clone(),
+        name: fields.name.clone(),
+        models: fields.models.clone(),
+        limits,
+        expires_unix_ms: fields
+            .expires_at
+            .map(|at| at.map(|s| s.saturating_mul(1_000))),
+    })
+}
+
+fn field_error(e: KeyFieldError) -> ApiError {
+    ApiError::invalid_value(e.field, e.reason)
 }
 
 fn admin(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
@@ -208,32 +216,20 @@ async fn create_key(State(state): State<AppState>, request: Request) -> Response
     let result = async {
         let admin = admin(&state, &parts.headers)?;
         let fields = read_fields(body).await?;
-        let principal = fields
-            .principal
-            .clone()
-            .ok_or_else(|| ApiError::missing_parameter("principal"))?;
-        let records = state.keys().records();
-        if records.len() >= state.config().tenants.max_keys {
-            return Err(ApiError::invalid_value(
-                "principal",
-                "this deployment holds its most runtime keys ([tenants] max_keys); revoked keys count",
-            ));
+        if fields.principal.is_none() {
+            return Err(ApiError::missing_parameter("principal"));
         }
         let now = iop_transport::clock::unix_ms();
         let secret = new_secret();
-        let mut record = KeyRecord {
-            id: key_id(rand::random()),
-            principal,
-            name: None,
-            secret_sha256: crate::keyring::digest_hex(&secret),
-            models: vec!["*".to_owned()],
-            limits: Limits::default(),
-            expires_unix_ms: None,
-            revoked_unix_ms: None,
-            created_unix_ms: now,
-            updated_unix_ms: now,
-        };
-        apply(&mut record, &fields, now)?;
+        let record = new_key(
+            key_id(rand::random()),
+            crate::keyring::digest_hex(&secret),
+            &update_of(&fields)?,
+            state.keys().records().len(),
+            state.config().tenants.max_keys,
+            now,
+        )
+        .map_err(field_error)?;
         let revision = bounded(state.tenancy().store().put_key(record.clone(), 0))
             .await
             .map_err(|e| store_error(&e))?;
@@ -313,7 +309,12 @@ impl Change {
 
 /// Read, change and compare-and-set a stored key, at most [`CAS_ROUNDS`]
 /// times; the answer shows the new secret of a rotation, once.
-async fn change_key(state: &AppState, headers: &HeaderMap, id: &str, change: Change) -> Response {
+async fn change_stored_key(
+    state: &AppState,
+    headers: &HeaderMap,
+    id: &str,
+    change: Change,
+) -> Response {
     let result = async {
         let admin = admin(state, headers)?;
         if state.keys().is_config_key(id) {
@@ -332,33 +333,20 @@ async fn change_key(state: &AppState, headers: &HeaderMap, id: &str, change: Cha
                 return Err(ApiError::not_found("API key"));
             };
             let now = iop_transport::clock::unix_ms();
-            if record.revoked_unix_ms.is_some() && !matches!(change, Change::Revoke) {
-                return Err(ApiError::invalid_value("id", "the key is revoked"));
-            }
             let mut secret = None;
-            match &change {
-                Change::Update(fields) => {
-                    if fields.principal.as_ref().is_some_and(|p| *p != record.principal) {
-                        return Err(ApiError::invalid_value(
-                            "principal",
-                            "a key's principal does not change; create a key for the other principal",
-                        ));
-                    }
-                    apply(&mut record, fields, now)?;
-                }
-                Change::Revoke => {
-                    if record.revoked_unix_ms.is_none() {
-                        record.revoked_unix_ms = Some(now);
-                        record.updated_unix_ms = now;
-                    }
-                }
+            let core_change = match &change {
+                Change::Update(fields) => KeyChange::Update(update_of(fields)?),
+                Change::Revoke => KeyChange::Revoke,
                 Change::Rotate => {
                     let new = new_secret();
-                    record.secret_sha256 = crate::keyring::digest_hex(&new);
-                    record.updated_unix_ms = now;
+                    let digest = crate::keyring::digest_hex(&new);
                     secret = Some(new);
+                    KeyChange::Rotate {
+                        secret_sha256: digest,
+                    }
                 }
-            }
+            };
+            change_key(&mut record, &core_change, now).map_err(field_error)?;
             match bounded(store.put_key(record.clone(), revision)).await {
                 Ok(revision) => {
                     tracing::info!(
@@ -395,7 +383,7 @@ async fn update_key(
 ) -> Response {
     let (parts, body) = request.into_parts();
     match read_fields(body).await {
-        Ok(fields) => change_key(&state, &parts.headers, &id, Change::Update(fields)).await,
+        Ok(fields) => change_stored_key(&state, &parts.headers, &id, Change::Update(fields)).await,
         Err(e) => match admin(&state, &parts.headers) {
             Ok(_) => e.into_response(),
             Err(auth) => auth.into_response(),
@@ -408,7 +396,7 @@ async fn revoke_key(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    change_key(&state, &headers, &id, Change::Revoke).await
+    change_stored_key(&state, &headers, &id, Change::Revoke).await
 }
 
 async fn rotate_key(
@@ -416,7 +404,7 @@ async fn rotate_key(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    change_key(&state, &headers, &id, Change::Rotate).await
+    change_stored_key(&state, &headers, &id, Change::Rotate).await
 }
 
 /// `GET /admin/usage` query.

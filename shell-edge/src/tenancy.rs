@@ -139,6 +139,7 @@ impl TenantHold {
         *self.used.lock().unwrap_or_else(|e| e.into_inner()) = Some(TokenUse {
             input: usage.prompt_tokens,
             cached_input: usage.cache_read_tokens.unwrap_or(0),
+            cache_write_input: usage.cache_write_tokens.unwrap_or(0),
             output: usage.completion_tokens,
         });
     }

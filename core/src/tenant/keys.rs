@@ -163,6 +163,142 @@ pub fn check_key_fields(record: &KeyRecord, now_unix_ms: u64) -> Result<(), KeyF
     Ok(())
 }
 
+/// The fields an admin sets on a key (R-TEN-4): each `None` leaves the
+/// field as it is; `Some(None)` clears an optional one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyUpdate {
+    /// The principal (required to create; to update, only the key's own).
+    pub principal: Option<String>,
+    /// A name for people.
+    pub name: Option<Option<String>>,
+    /// The models it may use.
+    pub models: Option<Vec<String>>,
+    /// Its limits.
+    pub limits: Option<Limits>,
+    /// When it stops working, Unix ms.
+    pub expires_unix_ms: Option<Option<u64>>,
+}
+
+/// What an admin does to a stored key (R-TEN-4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyChange {
+    /// Change its fields.
+    Update(KeyUpdate),
+    /// Revoke it (again: no change).
+    Revoke,
+    /// Give it a new secret, by the new secret's SHA-256.
+    Rotate {
+        /// SHA-256 of the new secret, lower-case hex.
+        secret_sha256: String,
+    },
+}
+
+/// A new runtime key (R-TEN-4): `existing` runtime keys are stored (revoked
+/// ones count) of at most `max_keys`; the fields are checked as
+/// [`check_key_fields`] does. The count is the caller's view of the store:
+/// Edges creating keys at the same moment can each pass it once.
+pub fn new_key(
+    id: String,
+    secret_sha256: String,
+    fields: &KeyUpdate,
+    existing: usize,
+    max_keys: usize,
+    now_unix_ms: u64,
+) -> Result<KeyRecord, KeyFieldError> {
+    let Some(principal) = fields.principal.clone() else {
+        return Err(KeyFieldError {
+            field: "principal",
+            reason: "is required",
+        });
+    };
+    if existing >= max_keys {
+        return Err(KeyFieldError {
+            field: "principal",
+            reason: "this deployment holds its most runtime keys ([tenants] max_keys); revoked keys count",
+        });
+    }
+    let mut record = KeyRecord {
+        id,
+        principal,
+        name: None,
+        secret_sha256,
+        models: vec!["*".to_owned()],
+        limits: Limits::default(),
+        expires_unix_ms: None,
+        revoked_unix_ms: None,
+        created_unix_ms: now_unix_ms,
+        updated_unix_ms: now_unix_ms,
+    };
+    change_key(
+        &mut record,
+        &KeyChange::Update(KeyUpdate {
+            principal: None,
+            ..fields.clone()
+        }),
+        now_unix_ms,
+    )?;
+    Ok(record)
+}
+
+/// Apply an admin's change to a stored key (R-TEN-4): a key's principal
+/// never changes (what it spent stays with whom it spent for), a revoked
+/// key is never updated or rotated (revoking it again changes nothing),
+/// and the fields are checked as [`check_key_fields`] does.
+pub fn change_key(
+    record: &mut KeyRecord,
+    change: &KeyChange,
+    now_unix_ms: u64,
+) -> Result<(), KeyFieldError> {
+    let revoked = record.revoked_unix_ms.is_some();
+    match change {
+        KeyChange::Revoke => {
+            if !revoked {
+                record.revoked_unix_ms = Some(now_unix_ms);
+                record.updated_unix_ms = now_unix_ms;
+            }
+            Ok(())
+        }
+        _ if revoked => Err(KeyFieldError {
+            field: "id",
+            reason: "the key is revoked",
+        }),
+        KeyChange::Rotate { secret_sha256 } => {
+            record.secret_sha256.clone_from(secret_sha256);
+            record.updated_unix_ms = now_unix_ms;
+            Ok(())
+        }
+        KeyChange::Update(fields) => {
+            if fields
+                .principal
+                .as_ref()
+                .is_some_and(|p| *p != record.principal)
+            {
+                return Err(KeyFieldError {
+                    field: "principal",
+                    reason: "a key's principal does not change; create a key for the other principal",
+                });
+            }
+            let mut next = record.clone();
+            if let Some(name) = &fields.name {
+                next.name.clone_from(name);
+            }
+            if let Some(models) = &fields.models {
+                next.models.clone_from(models);
+            }
+            if let Some(limits) = &fields.limits {
+                next.limits = limits.clone();
+            }
+            if let Some(expires) = fields.expires_unix_ms {
+                next.expires_unix_ms = expires;
+            }
+            next.updated_unix_ms = now_unix_ms;
+            check_key_fields(&next, now_unix_ms)?;
+            *record = next;
+            Ok(())
+        }
+    }
+}
+
 /// Whether `name` is a valid principal name: 1-128 chars of
 /// `[A-Za-z0-9._-]`.
 pub fn principal_ok(name: &str) -> bool {
@@ -231,5 +367,73 @@ mod tests {
         assert_eq!(field(|r| r.name = Some("x".repeat(129))), "name");
         assert_eq!(field(|r| r.limits.requests_per_minute = Some(0)), "limits");
         assert_eq!(field(|r| r.expires_unix_ms = Some(999)), "expires_at");
+    }
+
+    #[test]
+    fn r_ten_4_a_keys_principal_never_changes_and_a_revoked_key_stays_revoked() {
+        let mut r = record();
+        let other = KeyChange::Update(KeyUpdate {
+            principal: Some("team-b".into()),
+            ..KeyUpdate::default()
+        });
+        assert_eq!(
+            change_key(&mut r, &other, 1_100).unwrap_err().field,
+            "principal"
+        );
+        let same = KeyChange::Update(KeyUpdate {
+            principal: Some("team-a".into()),
+            models: Some(vec!["gpt-*".into()]),
+            ..KeyUpdate::default()
+        });
+        change_key(&mut r, &same, 1_100).unwrap();
+        assert_eq!(
+            (r.models.as_slice(), r.updated_unix_ms),
+            (&["gpt-*".to_owned()][..], 1_100)
+        );
+
+        // An invalid change leaves the record as it was.
+        let before = r.clone();
+        let bad = KeyChange::Update(KeyUpdate {
+            models: Some(vec![]),
+            ..KeyUpdate::default()
+        });
+        assert_eq!(change_key(&mut r, &bad, 1_200).unwrap_err().field, "models");
+        assert_eq!(r, before);
+
+        change_key(&mut r, &KeyChange::Revoke, 1_300).unwrap();
+        assert_eq!(r.revoked_unix_ms, Some(1_300));
+        change_key(&mut r, &KeyChange::Revoke, 1_400).unwrap();
+        assert_eq!(
+            r.revoked_unix_ms,
+            Some(1_300),
+            "revoking again changes nothing"
+        );
+        let rotate = KeyChange::Rotate {
+            secret_sha256: "11".repeat(32),
+        };
+        for change in [rotate, same] {
+            assert_eq!(change_key(&mut r, &change, 1_500).unwrap_err().field, "id");
+        }
+        assert_eq!(r.secret_sha256, "00".repeat(32));
+    }
+
+    #[test]
+    fn r_ten_4_a_new_key_needs_a_principal_and_room() {
+        let fields = KeyUpdate {
+            principal: Some("team-a".into()),
+            limits: Some(Limits {
+                requests_per_minute: Some(60),
+                ..Limits::default()
+            }),
+            ..KeyUpdate::default()
+        };
+        let made = new_key(key_id(1), "00".repeat(32), &fields, 9, 10, 5).unwrap();
+        assert_eq!(made.models, vec!["*".to_owned()]);
+        assert_eq!(made.limits.requests_per_minute, Some(60));
+        assert_eq!((made.created_unix_ms, made.revoked_unix_ms), (5, None));
+        let full = new_key(key_id(2), "00".repeat(32), &fields, 10, 10, 5);
+        assert_eq!(full.unwrap_err().field, "principal");
+        let nobody = new_key(key_id(3), "00".repeat(32), &KeyUpdate::default(), 0, 10, 5);
+        assert_eq!(nobody.unwrap_err().reason, "is required");
     }
 }

@@ -169,6 +169,7 @@ fn priced(limit_micros: u64) -> (Limits, Price) {
         Price {
             input_per_mtok: 1_000_000,
             cached_input_per_mtok: 500_000,
+            cache_write_per_mtok: 1_000_000,
             output_per_mtok: 1_000_000,
         },
     )
@@ -206,6 +207,7 @@ fn r_ten_2_a_reservation_that_does_not_fit_is_refused_and_settling_returns_the_u
             TokenUse {
                 input: 10,
                 cached_input: 0,
+                cache_write_input: 0,
                 output: 2,
             },
         );
@@ -215,6 +217,7 @@ fn r_ten_2_a_reservation_that_does_not_fit_is_refused_and_settling_returns_the_u
         TokenUse {
             input: 10,
             cached_input: 4,
+            cache_write_input: 0,
             output: 1
         }
         .cost(&price),
@@ -334,6 +337,7 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
     let price = Price {
         input_per_mtok: 1_000_000,
         cached_input_per_mtok: 1_000_000,
+        cache_write_per_mtok: 1_000_000,
         output_per_mtok: 1_000_000,
     };
     let mut ms = 0u64;
@@ -373,6 +377,7 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
                     let used = TokenUse {
                         input: 10,
                         cached_input: 0,
+                        cache_write_input: 0,
                         output: 20 * frac / 8,
                     };
                     spend[p] += used.cost(&price);
@@ -394,6 +399,7 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
             let used = TokenUse {
                 input: 10,
                 cached_input: 0,
+                cache_write_input: 0,
                 output: 20,
             };
             spend[p] += used.cost(&price);
@@ -507,12 +513,14 @@ fn r_ten_5_a_settled_request_yields_its_usage_row_once() {
     r.price = Some(Price {
         input_per_mtok: 1_000_000,
         cached_input_per_mtok: 500_000,
+        cache_write_per_mtok: 1_000_000,
         output_per_mtok: 2_000_000,
     });
     edge.admit(at(0), &r).unwrap();
     let used = TokenUse {
         input: 10,
         cached_input: 4,
+        cache_write_input: 0,
         output: 3,
     };
     let (row, totals) = edge.settle(at(1), 1, used).unwrap();
@@ -535,4 +543,62 @@ fn r_ten_2_a_prompt_is_bounded_by_its_bodys_bytes() {
     let bound = prompt_tokens_max(body.len() as u64);
     assert!(bound >= text.len() as u64);
     assert_eq!(prompt_tokens_max(0), 0);
+}
+
+#[test]
+fn r_ten_2_cache_writes_are_priced_at_their_own_rate_and_reserved_at_the_dearest() {
+    let price = Price {
+        input_per_mtok: 1_000_000,
+        cached_input_per_mtok: 100_000,
+        cache_write_per_mtok: 1_250_000,
+        output_per_mtok: 2_000_000,
+    };
+    // 100 input: 40 read from the cache, 40 written to it, 20 plain.
+    let used = TokenUse {
+        input: 100,
+        cached_input: 40,
+        cache_write_input: 40,
+        output: 10,
+    };
+    assert_eq!(used.cost(&price), 20 + 4 + 50 + 20);
+    // Counts past the input are clamped: no token is priced twice.
+    let over = TokenUse {
+        input: 10,
+        cached_input: 8,
+        cache_write_input: 8,
+        output: 0,
+    };
+    assert_eq!(over.cost(&price), 1 + 3);
+
+    // A reservation holds the prompt at the dearest input rate, so a
+    // request whose prompt is all cache writes settles within it.
+    let mut edge = Tenants::new(TenantsConfig {
+        chunk_fraction: 1.0,
+        ..TenantsConfig::default()
+    });
+    let mut store = Store::default();
+    let (limits, _) = priced(1_000);
+    let mut r = request(1, "k1", "p1", T0);
+    r.principal_limits = limits;
+    r.price = Some(price);
+    edge.admit(at(0), &r).unwrap();
+    store.serve(&mut edge, at(0));
+    let all_written = TokenUse {
+        input: r.prompt_tokens_max,
+        cache_write_input: r.prompt_tokens_max,
+        output: r.output_tokens_max,
+        ..TokenUse::default()
+    };
+    let reserved = TokenUse {
+        input: r.prompt_tokens_max,
+        output: r.output_tokens_max,
+        ..TokenUse::default()
+    }
+    .cost(&Price {
+        input_per_mtok: 1_250_000,
+        ..price
+    });
+    assert!(all_written.cost(&price) <= reserved);
+    let (_, totals) = edge.settle(at(1), 1, all_written).unwrap();
+    assert_eq!(totals.spend_micros, all_written.cost(&price));
 }

@@ -220,6 +220,7 @@ mod tests {
             TokenUse {
                 input: 10,
                 cached_input: 4,
+                cache_write_input: 0,
                 output: 5,
             },
             7,

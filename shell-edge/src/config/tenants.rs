@@ -99,6 +99,10 @@ pub struct PriceEntry {
     /// price).
     #[serde(default)]
     pub cached_input_per_mtok: Option<u64>,
+    /// Input tokens written to the provider's cache (default: the input
+    /// price; Anthropic charges them at 1.25 times it).
+    #[serde(default)]
+    pub cache_write_per_mtok: Option<u64>,
     /// Output tokens.
     pub output_per_mtok: u64,
 }
@@ -244,6 +248,7 @@ pub(super) fn validate_prices(entries: &[PriceEntry]) -> Result<Vec<(String, Pri
             Price {
                 input_per_mtok: p.input_per_mtok,
                 cached_input_per_mtok: p.cached_input_per_mtok.unwrap_or(p.input_per_mtok),
+                cache_write_per_mtok: p.cache_write_per_mtok.unwrap_or(p.input_per_mtok),
                 output_per_mtok: p.output_per_mtok,
             },
         ));
