@@ -1,7 +1,7 @@
 //! A hostile node: enrolled (it holds a valid certificate for node id
 //! `evil`), it speaks the wire protocol through `iop-transport` and then
-//! abuses it: floods stale `Ready` frames, or answers every tunnel with a
-//! maximal head.
+//! abuses it: floods stale `Ready` frames, floods parked-run reports, or
+//! answers every tunnel with a maximal head.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -13,9 +13,9 @@ use iop_transport::framed::{FramedRecv, FramedSend, accept_framed, open_framed};
 use iop_transport::{ClientTls, QuicTuning, client_endpoint, connect};
 use iop_wire::{
     AdapterKind, CapabilitiesReport, CommandKind, CommandResult, CommandResultBody, DataRequest,
-    EdgeControl, Heartbeat, MAX_HEADER_BYTES, MAX_HEADERS, NodeControl, NodeReadyRequest,
-    OfferedProvider, ProviderHealth, ProviderTunnelFrame, RegisterRequest, RegisterResponse,
-    TargetHealth,
+    EdgeControl, Heartbeat, MAX_HEADER_BYTES, MAX_HEADERS, MAX_PARKED_RUNS, NodeControl,
+    NodeReadyRequest, OfferedProvider, ParkedRun, ProviderHealth, ProviderTunnelFrame,
+    RegisterRequest, RegisterResponse, RunKey, TargetHealth,
 };
 use tokio::sync::mpsc;
 
@@ -227,4 +227,94 @@ impl EvilNode {
         }
         self.conn.close(0u32.into(), b"attack over");
     }
+
+    /// Flood parked-run reports (R-PARK-2, R-LIM-4), each the most the
+    /// wire allows: half of it one run key again and again, half distinct
+    /// runs naming well-formed response ids no Edge issued, as fast as the
+    /// stream takes them; when the Edge closes the connection, connect
+    /// again and go on, until `stop`. A violation: one connection that
+    /// carried more than twice the Edge's report budget and was still open
+    /// [`FLOOD_GRACE`] later.
+    pub(crate) async fn flood_parked_reports(
+        dir: std::path::PathBuf,
+        edge: SocketAddr,
+        stop: Arc<AtomicBool>,
+        stats: Arc<AttackStats>,
+    ) {
+        let mut seed = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let node = match Self::connect(&dir, edge).await {
+                Ok(node) => node,
+                Err(_) => {
+                    stats.count("connections refused");
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    continue;
+                }
+            };
+            stats.count("connections");
+            let (pong_tx, mut pong_rx) = mpsc::unbounded_channel();
+            Self::serve_streams(
+                node.conn.clone(),
+                node.recv,
+                pong_tx,
+                stop.clone(),
+                stats.clone(),
+                None,
+            );
+            let mut send = node.send;
+            let generation = node.generation;
+            let opened = tokio::time::Instant::now();
+            let mut sent = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                while let Ok(seq) = pong_rx.try_recv() {
+                    let _ = send.send(&NodeControl::Pong(Heartbeat { seq })).await;
+                }
+                seed += 1;
+                let runs = parked_report(generation, seed);
+                if send.send(&NodeControl::Parked { runs }).await.is_err()
+                    || node.conn.close_reason().is_some()
+                {
+                    stats.count("disconnected by edge");
+                    break;
+                }
+                sent += 1;
+                stats.count("reports sent");
+                if sent > 2 * u64::from(iop_core::edge::flood::PARKED_REPORTS_PER_WINDOW)
+                    && opened.elapsed() > FLOOD_GRACE
+                {
+                    stats.violate(format!(
+                        "a connection carried {sent} parked-run reports in {:.0?} and is still open",
+                        opened.elapsed()
+                    ));
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            node.conn.close(0u32.into(), b"attack over");
+        }
+    }
+}
+
+/// How long a flooding connection may stay open past the Edge's budget
+/// (its window is 10 s).
+const FLOOD_GRACE: std::time::Duration = std::time::Duration::from_secs(12);
+
+/// One parked-run report of [`MAX_PARKED_RUNS`] runs: half one run key
+/// repeated, half distinct runs of `resp_<16 hex>` ids.
+fn parked_report(generation: u64, seed: u64) -> Vec<ParkedRun> {
+    (0..MAX_PARKED_RUNS as u64)
+        .map(|i| {
+            let distinct = i % 2 == 1;
+            let run_id = if distinct { seed * 1_000_000 + i } else { 1 };
+            ParkedRun {
+                key: RunKey { generation, run_id },
+                response_id: format!("resp_{:016x}", if distinct { run_id } else { 1 }),
+                adapter: AdapterKind::OpenAi,
+                target: "t".into(),
+                first_kept_frame: 0,
+                last_frame: 1,
+                ended: false,
+            }
+        })
+        .collect()
 }

@@ -80,6 +80,9 @@ const ATTACKS: &[&str] = &[
     "duplicate_edge_id",
     "failover_nowhere",
     "background_flood",
+    "parked_report_flood",
+    "cancel_storm",
+    "ids_in_logs",
 ];
 
 /// The running deployment.
@@ -89,6 +92,9 @@ struct Rig {
     edge: Proc,
     _mock: Proc,
     _sick_mock: Proc,
+    _slow_mock: Proc,
+    /// The slow provider's address (its `/mock/stats`).
+    slow_addr: SocketAddr,
     _node: Proc,
     /// The journal's shared store, when `nats-server` is installed.
     nats: Option<NatsServer>,
@@ -304,6 +310,24 @@ impl Rig {
             &dir,
             false,
         )?;
+        // A provider whose answers take minutes: runs still going when
+        // they are cancelled.
+        let slow_addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let slow_mock = Proc::spawn(
+            "mock-slow",
+            &bins.node,
+            &[
+                "mock-provider".into(),
+                "--listen".into(),
+                slow_addr.to_string(),
+                "--tokens".into(),
+                "100000".into(),
+                "--tps".into(),
+                "200".into(),
+            ],
+            &dir,
+            false,
+        )?;
         let nats = match nats_server_binary() {
             Some(_) => Some(NatsServer::start(&dir).await?),
             None => None,
@@ -330,7 +354,8 @@ impl Rig {
                 256,
                 &format!(
                     "[[providers]]\nadapter = \"openai\"\ntarget = \"m\"\nbase_url = \"http://{mock_addr}\"\n\
-                     [[providers]]\nadapter = \"openai\"\ntarget = \"sick\"\nbase_url = \"http://{sick_addr}\"\n"
+                     [[providers]]\nadapter = \"openai\"\ntarget = \"sick\"\nbase_url = \"http://{sick_addr}\"\n\
+                     [[providers]]\nadapter = \"openai\"\ntarget = \"slow\"\nbase_url = \"http://{slow_addr}\"\n"
                 ),
             ),
         )?;
@@ -347,6 +372,8 @@ impl Rig {
             edge,
             _mock: mock,
             _sick_mock: sick_mock,
+            _slow_mock: slow_mock,
+            slow_addr,
             _node: node,
             nats,
             http,
@@ -399,9 +426,12 @@ fn edge_toml(
          [[providers]]\nid = \"ghost\"\nnode = \"ghost\"\nadapter = \"openai\"\ntarget = \"g\"\ncapacity = 64\n\
          [[providers]]\nid = \"sick\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"sick\"\ncapacity = 64\n\
          [[routes]]\nmodel = \"{}\"\nproviders = [\"ghost\", \"sick\"]\n\
-         [[routes]]\nmodel = \"{}\"\nproviders = [\"ghost\"]\n",
+         [[routes]]\nmodel = \"{}\"\nproviders = [\"ghost\"]\n\
+         [[providers]]\nid = \"slow\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"slow\"\ncapacity = 128\n\
+         [[routes]]\nmodel = \"{}\"\nproviders = [\"slow\"]\n",
         tenant::FRAGILE_MODEL,
-        tenant::OFFLINE_MODEL
+        tenant::OFFLINE_MODEL,
+        tenant::SLOW_MODEL
     ));
     if let Some(url) = nats_url {
         JournalStore::Nats.add_to_edge_config(&mut toml, Some(url))?;
@@ -566,6 +596,27 @@ async fn attack_row(
         }
         "background_flood" => {
             tenant::background_flood(&mut attackers, rig.http, 64, &stop, &stats);
+        }
+        "parked_report_flood" => {
+            attackers.spawn(evil_node::EvilNode::flood_parked_reports(
+                rig.dir.clone(),
+                rig.quic,
+                stop.clone(),
+                stats.clone(),
+            ));
+        }
+        "cancel_storm" => {
+            tenant::cancel_storm(&mut attackers, rig.http, rig.slow_addr, 16, &stop, &stats);
+        }
+        "ids_in_logs" => {
+            tenant::ids_in_logs(
+                &mut attackers,
+                rig.http,
+                rig.dir.join("edge.log"),
+                8,
+                &stop,
+                &stats,
+            );
         }
         other => bail!("unknown attack {other}"),
     }

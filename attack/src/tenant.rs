@@ -289,3 +289,238 @@ pub(crate) fn background_flood(
         });
     }
 }
+
+/// The model of the rig's slow provider: an answer of thousands of tokens
+/// at a few hundred a second, so a run is still going when it is
+/// cancelled.
+pub(crate) const SLOW_MODEL: &str = "slow";
+
+/// How soon after its cancel a background response must read `cancelled`
+/// and its provider call be gone from the slow provider.
+const CANCEL_SETTLES_WITHIN: Duration = Duration::from_secs(5);
+
+/// A background response of [`SLOW_MODEL`] made by the attacker; its id.
+async fn slow_background(client: &reqwest::Client, addr: SocketAddr) -> Option<String> {
+    let r = client
+        .post(format!("http://{addr}/v1/responses"))
+        .bearer_auth(ATTACKER_KEY)
+        .header("content-type", "application/json")
+        .body(
+            serde_json::json!({"model": SLOW_MODEL, "input": "x", "background": true, "store": true})
+                .to_string(),
+        )
+        .send()
+        .await
+        .ok()?;
+    if r.status() != 200 {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&r.bytes().await.ok()?).ok()?;
+    v["id"].as_str().map(str::to_owned)
+}
+
+/// `count` clients with the attacker's key, each starting background
+/// responses on [`SLOW_MODEL`] and then cancelling every one with a burst
+/// of `POST .../cancel` and `DELETE` at once (R-LIM-4: a cancel is never
+/// dropped behind a full channel). Violations: a cancelled response not
+/// `cancelled` (or gone) within [`CANCEL_SETTLES_WITHIN`], or, at the end,
+/// provider calls still running on the slow provider (`slow_stats`, the
+/// mock's counters) after every response was cancelled.
+pub(crate) fn cancel_storm(
+    tasks: &mut JoinSet<()>,
+    addr: SocketAddr,
+    slow_stats: SocketAddr,
+    count: usize,
+    stop: &Arc<AtomicBool>,
+    stats: &Arc<AttackStats>,
+) {
+    let Some(client) = client(Duration::from_secs(10)) else {
+        return;
+    };
+    let outstanding = Arc::new(std::sync::atomic::AtomicUsize::new(count));
+    for _ in 0..count {
+        let (client, stop, stats, outstanding) = (
+            client.clone(),
+            stop.clone(),
+            stats.clone(),
+            outstanding.clone(),
+        );
+        tasks.spawn(async move {
+            while !stopped(&stop) {
+                let mut ids = Vec::new();
+                for _ in 0..4 {
+                    match slow_background(&client, addr).await {
+                        Some(id) => ids.push(id),
+                        None => stats.count("background refused"),
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                // The burst: cancel and delete each, several times at once.
+                let mut burst = JoinSet::new();
+                for id in &ids {
+                    for round in 0..8 {
+                        let (client, id) = (client.clone(), id.clone());
+                        burst.spawn(async move {
+                            let request = if round % 2 == 0 {
+                                client.post(format!("http://{addr}/v1/responses/{id}/cancel"))
+                            } else {
+                                client.delete(format!("http://{addr}/v1/responses/{id}"))
+                            };
+                            request.bearer_auth(ATTACKER_KEY).send().await.map(|r| r.status().as_u16())
+                        });
+                    }
+                }
+                while let Some(done) = burst.join_next().await {
+                    match done {
+                        Ok(Ok(status)) => stats.count(format!("cancel/delete {status}")),
+                        _ => stats.count("transport errors"),
+                    }
+                }
+                let deadline = Instant::now() + CANCEL_SETTLES_WITHIN;
+                for id in &ids {
+                    loop {
+                        let status = match client
+                            .get(format!("http://{addr}/v1/responses/{id}"))
+                            .bearer_auth(ATTACKER_KEY)
+                            .send()
+                            .await
+                        {
+                            Ok(r) if r.status() == 404 => "gone".to_owned(),
+                            Ok(r) => serde_json::from_slice::<serde_json::Value>(
+                                &r.bytes().await.unwrap_or_default(),
+                            )
+                            .ok()
+                            .and_then(|v| v["status"].as_str().map(str::to_owned))
+                            .unwrap_or_default(),
+                            Err(_) => String::new(),
+                        };
+                        if status == "cancelled" || status == "gone" {
+                            stats.count("responses cancelled");
+                            break;
+                        }
+                        if Instant::now() > deadline {
+                            stats.violate(format!("a cancelled response still reads {status:?}"));
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            // The last client out checks that no provider call is left.
+            if outstanding.fetch_sub(1, Ordering::SeqCst) == 1 {
+                let deadline = Instant::now() + CANCEL_SETTLES_WITHIN;
+                loop {
+                    let in_flight = match client
+                        .get(format!("http://{slow_stats}/mock/stats"))
+                        .send()
+                        .await
+                    {
+                        Ok(r) => serde_json::from_slice::<serde_json::Value>(
+                            &r.bytes().await.unwrap_or_default(),
+                        )
+                        .ok()
+                        .and_then(|v| v["in_flight"].as_u64()),
+                        Err(_) => None,
+                    };
+                    match in_flight {
+                        Some(0) => break,
+                        Some(n) if Instant::now() > deadline => {
+                            stats.violate(format!(
+                                "{n} provider calls still running after every response was cancelled"
+                            ));
+                            break;
+                        }
+                        None if Instant::now() > deadline => {
+                            stats.violate("the slow provider's counters could not be read");
+                            break;
+                        }
+                        _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// `count` clients with the attacker's key making stored responses and
+/// chat completions, fetching, cancelling and deleting them, collecting
+/// every id they were given; when the row stops, the Edge's log
+/// (`edge_log`) is read for any of them (R-OBS-1: logs name a response by
+/// its tag, never its id). Each id found is a violation.
+pub(crate) fn ids_in_logs(
+    tasks: &mut JoinSet<()>,
+    addr: SocketAddr,
+    edge_log: std::path::PathBuf,
+    count: usize,
+    stop: &Arc<AtomicBool>,
+    stats: &Arc<AttackStats>,
+) {
+    let Some(client) = client(Duration::from_secs(10)) else {
+        return;
+    };
+    let ids = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let outstanding = Arc::new(std::sync::atomic::AtomicUsize::new(count));
+    for _ in 0..count {
+        let (client, stop, stats, ids, outstanding, edge_log) = (
+            client.clone(),
+            stop.clone(),
+            stats.clone(),
+            ids.clone(),
+            outstanding.clone(),
+            edge_log.clone(),
+        );
+        tasks.spawn(async move {
+            while !stopped(&stop) {
+                for (path, body) in [
+                    ("/v1/responses", serde_json::json!({"model": "m", "input": "x", "store": true})),
+                    ("/v1/responses", serde_json::json!({"model": SLOW_MODEL, "input": "x", "background": true})),
+                    ("/v1/chat/completions", serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "store": true})),
+                ] {
+                    let Ok(r) = client
+                        .post(format!("http://{addr}{path}"))
+                        .bearer_auth(ATTACKER_KEY)
+                        .header("content-type", "application/json")
+                        .body(body.to_string())
+                        .send()
+                        .await
+                    else {
+                        stats.count("transport errors");
+                        continue;
+                    };
+                    let v: serde_json::Value =
+                        serde_json::from_slice(&r.bytes().await.unwrap_or_default())
+                            .unwrap_or_default();
+                    let Some(id) = v["id"].as_str().map(str::to_owned) else {
+                        continue;
+                    };
+                    stats.count("ids collected");
+                    let base = if path == "/v1/responses" { "/v1/responses" } else { "/v1/chat/completions" };
+                    for (method, suffix) in [
+                        (reqwest::Method::GET, ""),
+                        (reqwest::Method::POST, "/cancel"),
+                        (reqwest::Method::DELETE, ""),
+                    ] {
+                        let _ = client
+                            .request(method, format!("http://{addr}{base}/{id}{suffix}"))
+                            .bearer_auth(ATTACKER_KEY)
+                            .send()
+                            .await;
+                    }
+                    ids.lock().unwrap_or_else(|e| e.into_inner()).push(id);
+                }
+            }
+            if outstanding.fetch_sub(1, Ordering::SeqCst) == 1 {
+                let log = std::fs::read_to_string(&edge_log).unwrap_or_default();
+                let ids = ids.lock().unwrap_or_else(|e| e.into_inner());
+                for id in ids.iter() {
+                    if log.contains(id.as_str()) {
+                        stats.violate(format!("the Edge's log names {id}"));
+                    }
+                }
+                for _ in log.lines() {
+                    stats.count("Edge log lines read");
+                }
+            }
+        });
+    }
+}

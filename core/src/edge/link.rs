@@ -321,6 +321,7 @@ impl EdgeLink {
     fn on_frame(&mut self, now: Instant, frame: NodeControl) {
         match (self.phase, frame) {
             (Phase::Opening, NodeControl::Register(request)) => {
+                self.budget.registered_parked(request.parked.len());
                 self.phase = Phase::Registering;
                 self.out.push_back(EdgeLinkOutput::Register(request));
             }
@@ -344,7 +345,7 @@ impl EdgeLink {
                 self.stale(g);
             }
             (Phase::Live(generation), NodeControl::Parked { runs }) => {
-                match self.budget.parked_report(now) {
+                match self.budget.parked_report(now, runs.len()) {
                     Ok(()) => self
                         .out
                         .push_back(EdgeLinkOutput::Parked { generation, runs }),
