@@ -56,7 +56,8 @@ pub(crate) async fn admit<E: RunEndpoint>(
         .read(&key.principal, &parts.headers, body)
         .await
         .map_err(BodyError::to_api_error)?;
-    let (run, options) = endpoint.parse(&held.bytes)?;
+    let (mut run, options) = endpoint.parse(&held.bytes)?;
+    endpoint.read_headers(&parts.headers, &mut run)?;
     let pool = pool_for(state, &key, &run)?;
     // R-TEN-1, R-TEN-2: within the key's and its principal's limits and
     // budgets, before any provider call (the prompt's bound is core's

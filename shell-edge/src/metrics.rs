@@ -146,6 +146,8 @@ pub struct EdgeMetrics {
     client_connections: Counter<u64>,
     client_connections_evicted: Counter<u64>,
     genai_token_usage: Histogram<u64>,
+    genai_cache_read_tokens: Counter<u64>,
+    genai_cache_write_tokens: Counter<u64>,
     genai_duration: Histogram<f64>,
     genai_time_to_first_chunk: Histogram<f64>,
     /// Configured provider id -> (adapter, node), set once at start.
@@ -345,6 +347,20 @@ impl EdgeMetrics {
                 .with_unit("{token}")
                 .with_description("Number of input and output tokens used (GenAI conventions)")
                 .with_boundaries(GENAI_TOKEN_BUCKETS.to_vec())
+                .build(),
+            genai_cache_read_tokens: meter
+                .u64_counter(crate::genai::CLIENT_USAGE_CACHE_READ_INPUT_TOKENS)
+                .with_unit("{token}")
+                .with_description(
+                    "Input tokens read from a provider-managed prompt cache (GenAI conventions)",
+                )
+                .build(),
+            genai_cache_write_tokens: meter
+                .u64_counter(crate::genai::CLIENT_USAGE_CACHE_WRITE_INPUT_TOKENS)
+                .with_unit("{token}")
+                .with_description(
+                    "Input tokens written to a provider-managed prompt cache (GenAI conventions)",
+                )
                 .build(),
             genai_duration: meter
                 .f64_histogram(crate::genai::CLIENT_OPERATION_DURATION)
@@ -553,6 +569,18 @@ impl EdgeMetrics {
                 let mut with_kind = attrs.clone();
                 with_kind.push(KeyValue::new(genai::TOKEN_TYPE, kind));
                 self.genai_token_usage.record(n, &with_kind);
+            }
+            // The prompt cache's counts, as the provider reported them.
+            let mut with_modality = attrs.clone();
+            with_modality.push(KeyValue::new(
+                genai::TOKEN_MODALITY,
+                genai::MODALITY_UNKNOWN,
+            ));
+            if let Some(n) = usage.cache_read_tokens {
+                self.genai_cache_read_tokens.add(n, &with_modality);
+            }
+            if let Some(n) = usage.cache_write_tokens {
+                self.genai_cache_write_tokens.add(n, &with_modality);
             }
         }
         if let Some(error) = labels.error_type {

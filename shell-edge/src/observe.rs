@@ -111,6 +111,13 @@ pub fn genai_attributes(metrics: &EdgeMetrics, span: &TraceSpan, view: &RequestV
     if let Some(usage) = read.progress.usage {
         span.set(genai::USAGE_INPUT_TOKENS, usage.prompt_tokens);
         span.set(genai::USAGE_OUTPUT_TOKENS, usage.completion_tokens);
+        // Only what the provider reported: never a zero it did not say.
+        if let Some(n) = usage.cache_read_tokens {
+            span.set(genai::USAGE_CACHE_READ_INPUT_TOKENS, n);
+        }
+        if let Some(n) = usage.cache_write_tokens {
+            span.set(genai::USAGE_CACHE_CREATION_INPUT_TOKENS, n);
+        }
     }
     if let Some(reason) = read.progress.finish_reason {
         span.set(
@@ -413,7 +420,13 @@ mod tests {
         view.committed();
         view.delivered(&RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
-            usage: Some(usage(7, 11)),
+            // 7 prompt tokens, 4 of them read from the provider's cache
+            // and 2 written to it.
+            usage: Some(Usage {
+                cache_read_tokens: Some(4),
+                cache_write_tokens: Some(2),
+                ..usage(7, 11)
+            }),
         });
         view.attempt_ended(None);
         genai_operation(&m, &view);
@@ -449,6 +462,31 @@ mod tests {
                 &with(("gen_ai_token_type", "output"))
             ),
             11.0
+        );
+        assert_eq!(
+            v(
+                "gen_ai_client_token_usage_sum",
+                &with(("gen_ai_token_type", "input"))
+            ),
+            7.0,
+            "input tokens count the cached ones"
+        );
+        // The prompt cache's counts: counters of their own.
+        let unknown = with(("gen_ai_token_modality", "unknown"));
+        assert_eq!(
+            v(
+                "gen_ai_client_inference_usage_cache_read_input_tokens_total",
+                &unknown
+            ),
+            4.0,
+            "{text}"
+        );
+        assert_eq!(
+            v(
+                "gen_ai_client_inference_usage_cache_write_input_tokens_total",
+                &unknown
+            ),
+            2.0
         );
         assert_eq!(
             v("gen_ai_client_operation_time_to_first_chunk_count", &chat),

@@ -196,6 +196,7 @@ fn run_request(run_id: u64, lease: Option<Vec<u8>>) -> RunRequest {
             name: None,
             images: Vec::new(),
             cache_control: None,
+            documents: Vec::new(),
         }],
         tools: vec![],
         params: GenerationParams::default(),

@@ -76,6 +76,7 @@ fn run_request(run_id: u64, model: &str, stall_timeout_ms: u64) -> RunRequest {
             name: None,
             images: Vec::new(),
             cache_control: None,
+            documents: Vec::new(),
         }],
         tools: vec![],
         params: GenerationParams::default(),

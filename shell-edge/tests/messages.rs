@@ -25,6 +25,9 @@ struct Deployment {
 enum Upstream {
     /// An `openai` provider in front of the HTTP mock.
     OpenAi,
+    /// [`Upstream::OpenAi`] asking for the usage on every streamed chunk
+    /// (`continuous_usage`, as vLLM gives it).
+    OpenAiContinuousUsage,
     /// An `anthropic` provider in front of a mock that speaks only the
     /// Messages API (as Anthropic's server), which takes its key in
     /// `x-api-key`.
@@ -55,7 +58,7 @@ impl Deployment {
         let pki = Pki::new(&["node-1"]);
         write_secret(&pki.path().join("key"), KEY);
         let (mock, adapter, mode) = match upstream {
-            Upstream::OpenAi => (
+            Upstream::OpenAi | Upstream::OpenAiContinuousUsage => (
                 MockServer::start(script).await.unwrap(),
                 "openai",
                 "normalized",
@@ -132,6 +135,7 @@ admin = true
             // The target's static key (what `api_key_env` names).
             node_config.providers[0].api_key = Some(UPSTREAM_KEY.into());
         }
+        node_config.providers[0].continuous_usage = upstream == Upstream::OpenAiContinuousUsage;
         let node = iop_node::RunningNode::start(node_config);
         ready_generation(&edge, "node-1").await;
         Self {
@@ -380,27 +384,43 @@ async fn errors_are_anthropics_and_bad_requests_never_reach_a_provider() {
             .unwrap();
         assert_eq!(r.status(), 200);
 
-        let r = d.post("/v1/messages", &request("no-such-model", false), &[]).await;
+        let r = d
+            .post("/v1/messages", &request("no-such-model", false), &[])
+            .await;
         assert_eq!(r.status(), 404);
         assert_eq!(error(&r.json().await.unwrap()).1, "not_found_error");
         let r = d
-            .post("/v1/messages/count_tokens", &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}), &[])
+            .post(
+                "/v1/messages/count_tokens",
+                &json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+                &[],
+            )
             .await;
         assert_eq!(r.status(), 404);
 
         let before = d.mock.requests();
         let mut no_max = request("m", false);
         no_max.as_object_mut().unwrap().remove("max_tokens");
-        let mut pdf = request("m", false);
-        pdf["messages"][0]["content"] = json!([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]);
-        for (body, words) in [(no_max, "max_tokens"), (pdf, "source.type")] {
+        // A document by file id: the id is an account's the gateway does
+        // not share.
+        let mut by_file_id = request("m", false);
+        by_file_id["messages"][0]["content"] =
+            json!([{"type": "document", "source": {"type": "file", "file_id": "file_011"}}]);
+        for (body, words) in [(no_max, "max_tokens"), (by_file_id, "source.type")] {
             let r = d.post("/v1/messages", &body, &[]).await;
             assert_eq!(r.status(), 400);
             let v: Value = r.json().await.unwrap();
             assert_eq!(error(&v).1, "invalid_request_error");
-            assert!(v["error"]["message"].as_str().unwrap().contains(words), "{v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains(words),
+                "{v}"
+            );
         }
-        assert_eq!(d.mock.requests(), before, "bad requests never reached the provider");
+        assert_eq!(
+            d.mock.requests(),
+            before,
+            "bad requests never reached the provider"
+        );
         d.wait_idle().await;
         d.stop().await;
     })
@@ -544,7 +564,12 @@ async fn the_prompt_caches_counts_reach_messages_and_openai_clients_and_the_jour
                            "cache_creation_input_tokens": 1, "cache_read_input_tokens": 2})
                 );
             } else {
-                assert_eq!(*start, json!({"input_tokens": 0, "output_tokens": 0}));
+                // An OpenAI-compatible stream says its usage at its end.
+                assert_eq!(
+                    *start,
+                    json!({"input_tokens": 0, "output_tokens": 0,
+                           "cache_creation_input_tokens": null, "cache_read_input_tokens": null})
+                );
             }
 
             // A durable answer keeps them: the replay reads them from the
@@ -671,6 +696,11 @@ async fn official_anthropic_python_sdk_end_to_end() {
                 .arg(d.url(""))
                 .arg(KEY)
                 .arg(d.mock.base_url())
+                .arg(if upstream == Upstream::OpenAi {
+                    "openai"
+                } else {
+                    "messages"
+                })
                 .output()
                 .await
                 .expect("run python");
@@ -914,4 +944,167 @@ async fn a_providers_own_error_is_passed_on_in_every_apis_shape_and_class() {
         }
     })
     .await;
+}
+
+/// A turn with a PDF, and a tool result with text, an image and a PDF.
+fn attachments_request(pdf_source: Value) -> Value {
+    json!({
+        "model": "mock:tokens=3",
+        "max_tokens": 64,
+        "messages": [
+            {"role": "user", "content": "take a screenshot"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "shot", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                    {"type": "text", "text": "here it is"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+                    {"type": "document", "title": "Manual", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"}}
+                ]},
+                {"type": "document", "source": pdf_source},
+                {"type": "text", "text": "compare them"}
+            ]}
+        ],
+        "tools": [{"name": "shot", "input_schema": {"type": "object"}}],
+    })
+}
+
+#[tokio::test]
+async fn pdfs_and_tool_result_images_reach_both_kinds_of_provider() {
+    let base64 = json!({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"});
+    let url = json!({"type": "url", "url": "https://example.com/a.pdf"});
+    for upstream in [Upstream::OpenAi, Upstream::MessagesOnly] {
+        bounded(async {
+            let d = Deployment::start_with(MockScript::default(), 4, 64, upstream).await;
+            for stream in [false, true] {
+                let mut body = attachments_request(base64.clone());
+                body["stream"] = json!(stream);
+                let r = d.post("/v1/messages", &body, &[]).await;
+                assert_eq!(r.status(), 200, "{upstream:?}");
+                let text = r.text().await.unwrap();
+                if stream {
+                    assert_eq!(streamed_text(&events(&text)), expected_text(3));
+                } else {
+                    let v: Value = serde_json::from_str(&text).unwrap();
+                    assert_eq!(v["content"][0]["text"], expected_text(3), "{v}");
+                }
+            }
+            // Every image and PDF reached the provider, in its own API's
+            // shape (the mock refuses an OpenAI tool message of parts).
+            let stats = d.mock.stats();
+            assert_eq!((stats.images, stats.documents), (2, 4), "{upstream:?}");
+
+            // A PDF by URL: a Messages provider takes it; the OpenAI API
+            // has no such part, which the client is told before any call.
+            let r = d
+                .post("/v1/messages", &attachments_request(url.clone()), &[])
+                .await;
+            if upstream == Upstream::MessagesOnly {
+                assert_eq!(r.status(), 200);
+                assert_eq!(d.mock.stats().documents, 6);
+            } else {
+                assert_eq!(r.status(), 400);
+                let v: Value = r.json().await.unwrap();
+                assert_eq!(v["error"]["type"], "invalid_request_error");
+                let message = v["error"]["message"].as_str().unwrap();
+                assert!(
+                    message.contains("OpenAI API") && message.contains("URL"),
+                    "{message}"
+                );
+                assert_eq!(d.mock.stats().requests, 2);
+            }
+            d.wait_idle().await;
+            d.stop().await;
+        })
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn anthropic_beta_reaches_messages_providers_of_normalized_runs_only() {
+    let beta = [("anthropic-beta", "pdfs-2024-09-25,context-1m-2025-08-07")];
+    for upstream in [Upstream::MessagesOnly, Upstream::OpenAi] {
+        bounded(async {
+            let d = Deployment::start_with(MockScript::default(), 4, 64, upstream).await;
+            for stream in [false, true] {
+                let r = d
+                    .post("/v1/messages", &request("mock:tokens=2", stream), &beta)
+                    .await;
+                assert_eq!(r.status(), 200);
+                r.text().await.unwrap();
+            }
+            let r = d
+                .post("/v1/messages", &request("mock:tokens=2", false), &[])
+                .await;
+            assert_eq!(r.status(), 200);
+            let carried = d.mock.stats().anthropic_beta;
+            match upstream {
+                Upstream::MessagesOnly => assert_eq!(carried, 2),
+                _ => assert_eq!(carried, 0, "an OpenAI-compatible provider gets no beta"),
+            }
+            // A malformed one is the client's 400, before any call.
+            let calls = d.mock.stats().requests;
+            let r = d
+                .post(
+                    "/v1/messages",
+                    &request("m", false),
+                    &[("anthropic-beta", "no spaces allowed")],
+                )
+                .await;
+            assert_eq!(r.status(), 400);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["type"], "invalid_request_error");
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("anthropic-beta")
+            );
+            assert_eq!(d.mock.stats().requests, calls);
+            d.wait_idle().await;
+            d.stop().await;
+        })
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn message_start_carries_the_prompts_tokens_when_the_provider_says_them_first() {
+    let prompt_tokens = ("be brief".len() + "hello there".len()).div_ceil(4);
+    for upstream in [
+        Upstream::OpenAi,
+        Upstream::OpenAiContinuousUsage,
+        Upstream::MessagesOnly,
+    ] {
+        bounded(async {
+            let d = Deployment::start_with(MockScript::default(), 4, 64, upstream).await;
+            let body = d
+                .post("/v1/messages", &request("mock:tokens=4", true), &[])
+                .await
+                .text()
+                .await
+                .unwrap();
+            let evs = events(&body);
+            assert_eq!(evs[0].1, "message_start");
+            let start = &evs[0].2["message"]["usage"]["input_tokens"];
+            let delta = &evs[evs.len() - 2];
+            assert_eq!(delta.1, "message_delta");
+            // The totals, input_tokens included, are always in
+            // message_delta (what the SDKs keep).
+            assert_eq!(
+                delta.2["usage"]["input_tokens"], prompt_tokens,
+                "{upstream:?}"
+            );
+            assert_eq!(delta.2["usage"]["output_tokens"], 4, "{upstream:?}");
+            if upstream == Upstream::OpenAi {
+                // Its stream says usage only at its end.
+                assert_eq!(*start, 0);
+            } else {
+                assert_eq!(*start, prompt_tokens, "{upstream:?}");
+            }
+            assert_eq!(streamed_text(&evs), expected_text(4));
+            d.wait_idle().await;
+            d.stop().await;
+        })
+        .await;
+    }
 }

@@ -22,6 +22,8 @@ const KEY: &str = "sk-trace-SENTINEL-0123456789";
 const PAYLOAD: &str = "SENTINEL-trace-payload";
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+/// The trace of a request whose provider reports prompt-cache counts.
+const CACHED_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4737";
 
 /// One exported span, flattened.
 #[derive(Debug, Clone)]
@@ -259,6 +261,14 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
         let tokens = |key| attr(&request, key).and_then(|v| v.parse::<u64>().ok());
         assert!(tokens("gen_ai.usage.input_tokens") > Some(0), "{request:?}");
         assert!(tokens("gen_ai.usage.output_tokens") > Some(0), "{request:?}");
+        // A provider that reports no prompt cache: no cache counts, never
+        // zeros.
+        for key in [
+            "gen_ai.usage.cache_read.input_tokens",
+            "gen_ai.usage.cache_creation.input_tokens",
+        ] {
+            assert_eq!(attr(&request, key), None, "{key}");
+        }
         assert_eq!(attr(&request, "iop.outcome"), Some("ok"));
         assert!(request.events.iter().any(|e| e == "committed"));
         assert_eq!(request.status, 1);
@@ -268,6 +278,26 @@ async fn one_trace_joins_edge_and_node_spans_without_payload() {
         assert_eq!(attr(&call, "iop.adapter"), Some("openai"));
         assert!(attr(&call, "iop.ttft_ms").is_some(), "the provider call carries its TTFT");
         assert!(call.events.iter().any(|e| e == "first_content"));
+
+        // The prompt cache's counts as the provider reported them: 2 of
+        // the prompt's tokens read from its cache, 1 written to it.
+        let status = send(
+            "mock:cache_read=2,cache_write=1",
+            false,
+            Some(format!("00-{CACHED_TRACE}-{CLIENT_SPAN}-01")),
+        )
+        .await;
+        assert!(status.is_success(), "{status}");
+        collector
+            .wait("the cached request's span", |c| {
+                !c.find(CACHED_TRACE, "edge.request").is_empty()
+            })
+            .await;
+        let cached = one(&collector, CACHED_TRACE, "edge.request", "iop-edge");
+        let tokens = |key| attr(&cached, key).and_then(|v| v.parse::<u64>().ok());
+        assert_eq!(tokens("gen_ai.usage.cache_read.input_tokens"), Some(2), "{cached:?}");
+        assert_eq!(tokens("gen_ai.usage.cache_creation.input_tokens"), Some(1));
+        assert!(tokens("gen_ai.usage.input_tokens") >= Some(3), "cached tokens are input tokens");
 
         // 2. Without a traceparent the Edge starts a new trace, still
         // joined by the Node; a malformed one is ignored the same way.

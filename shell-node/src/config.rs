@@ -142,6 +142,13 @@ pub struct ProviderEntry {
     /// provider's own; a streamed answer reports no usage (`null`).
     #[serde(default)]
     pub stream_usage: Option<bool>,
+    /// Whether to ask the provider's streams for the usage so far on every
+    /// chunk (vLLM's `stream_options.continuous_usage_stats`; default
+    /// false: other servers refuse or ignore it). The prompt's tokens are
+    /// then known from the first chunk on, so a Messages client's
+    /// `message_start` carries them as Anthropic's does.
+    #[serde(default)]
+    pub continuous_usage: Option<bool>,
     /// Whether a client that takes its answer whole (`stream: false`) is
     /// answered from one non-streamed provider call (default true), as it
     /// would call the provider itself: one read instead of one per token.
@@ -213,6 +220,9 @@ pub struct ProviderTarget {
     /// The provider's streams carry usage (default true); see
     /// `[[providers]] stream_usage`.
     pub stream_usage: bool,
+    /// Streams are asked for the usage so far on every chunk (default
+    /// false); see `[[providers]] continuous_usage`.
+    pub continuous_usage: bool,
     /// Whole answers of ephemeral runs come from non-streamed calls
     /// (default true); see `[[providers]] whole_calls`.
     pub whole_calls: bool,
@@ -444,6 +454,7 @@ impl NodeConfig {
                 models: p.models.clone(),
                 api_key,
                 stream_usage: p.stream_usage.unwrap_or(true),
+                continuous_usage: p.continuous_usage.unwrap_or(false),
                 whole_calls: p.whole_calls.unwrap_or(true),
                 json_object_schema: match p.structured_output.as_deref() {
                     None | Some("json_schema") => false,

@@ -82,6 +82,7 @@ fn main() -> std::io::Result<()> {
                     name: None,
                     images: Vec::new(),
                     cache_control: None,
+                    documents: Vec::new(),
                 }],
                 tools: vec![],
                 params: GenerationParams {

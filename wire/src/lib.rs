@@ -35,8 +35,9 @@ pub const ALPN: &[u8] = b"iop/1";
 
 /// The protocol version a Node announces in its [`RegisterRequest`]
 /// (7: [`Usage`] carries the provider's prompt-cache counts, chat messages
-/// and tools their prompt-cache breakpoints).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// and tools their prompt-cache breakpoints; 8: chat messages carry
+/// [`Document`]s, [`GenerationParams`] the Messages API's beta features).
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// The hard maximum length of one frame's payload, in bytes (16 MiB).
 ///

@@ -694,6 +694,40 @@ pub struct ChatMessage {
     /// such a marker ignore it.
     #[serde(default)]
     pub cache_control: Option<CacheControl>,
+    /// Documents (PDFs) attached to the message, in the order the client
+    /// gave them (the Messages API's `document` blocks with a `base64` or
+    /// `url` source; a text document is the message's text). A provider
+    /// API that takes no documents is not chosen for such a run.
+    #[serde(default)]
+    pub documents: Vec<Document>,
+}
+
+/// A document attached to a chat message: a PDF.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Document {
+    /// Where its bytes are.
+    pub source: DocumentSource,
+    /// Its title, if the client gave one.
+    pub title: Option<String>,
+    /// What the client said about it, outside the document itself (the
+    /// Messages API's `context`).
+    pub context: Option<String>,
+}
+
+/// Where a [`Document`]'s bytes are.
+#[cfg_attr(test, derive(proptest_derive::Arbitrary))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DocumentSource {
+    /// The PDF itself, base64-encoded (standard alphabet, padded).
+    PdfBase64(String),
+    /// An `http(s)://` URL the provider fetches the PDF from.
+    PdfUrl(String),
+}
+
+impl DocumentSource {
+    /// The media type of every document a run carries.
+    pub const PDF_MEDIA_TYPE: &'static str = "application/pdf";
 }
 
 closed_enum! {
@@ -779,6 +813,11 @@ pub struct GenerationParams {
     /// streams carry no usage may be called without streaming, so the
     /// answer's usage is the provider's own.
     pub whole_answer: bool,
+    /// The Messages API beta features the client asked for (its
+    /// `anthropic-beta` header), one name each: a Messages provider gets
+    /// them as its `anthropic-beta`; no other provider gets them.
+    #[serde(default)]
+    pub betas: Vec<String>,
 }
 
 impl Eq for GenerationParams {}

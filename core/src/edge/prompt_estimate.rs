@@ -11,7 +11,10 @@
 //!   `ceil(characters / `[`CHARS_PER_TOKEN`]`)`, the usual rule of thumb
 //!   for English text and code under BPE tokenizers;
 //! * plus [`IMAGE_TOKENS`] for each image, whatever its size (the Edge
-//!   does not decode images).
+//!   does not decode images);
+//! * plus [`DOCUMENT_TOKENS`] for each PDF document, whatever its length
+//!   (the Edge does not read its pages), and its title and context as
+//!   text.
 //!
 //! It is deliberately simple, so a client can reproduce it: for a text-only
 //! conversation it is exactly what the built-in mock provider reports as
@@ -27,10 +30,16 @@ pub const CHARS_PER_TOKEN: u64 = 4;
 /// providers scale larger images down to.
 pub const IMAGE_TOKENS: u64 = 1_600;
 
+/// Tokens counted for one PDF document: about one page as a provider
+/// that reads PDFs counts it (its text, about 3,000 tokens, and its
+/// picture, [`IMAGE_TOKENS`]).
+pub const DOCUMENT_TOKENS: u64 = 3_000 + IMAGE_TOKENS;
+
 /// The estimated prompt tokens of `messages` with `tools` declared.
 pub fn prompt_tokens(messages: &[ChatMessage], tools: &[ToolDefinition]) -> u64 {
     let mut chars: u64 = 0;
     let mut images: u64 = 0;
+    let mut documents: u64 = 0;
     let mut add = |text: &str| chars = chars.saturating_add(text.chars().count() as u64);
     for message in messages {
         add(&message.content);
@@ -39,6 +48,11 @@ pub fn prompt_tokens(messages: &[ChatMessage], tools: &[ToolDefinition]) -> u64 
             add(&call.arguments);
         }
         images = images.saturating_add(message.images.len() as u64);
+        for document in &message.documents {
+            add(document.title.as_deref().unwrap_or_default());
+            add(document.context.as_deref().unwrap_or_default());
+        }
+        documents = documents.saturating_add(message.documents.len() as u64);
     }
     for tool in tools {
         add(&tool.name);
@@ -48,6 +62,7 @@ pub fn prompt_tokens(messages: &[ChatMessage], tools: &[ToolDefinition]) -> u64 
     chars
         .div_ceil(CHARS_PER_TOKEN)
         .saturating_add(images.saturating_mul(IMAGE_TOKENS))
+        .saturating_add(documents.saturating_mul(DOCUMENT_TOKENS))
 }
 
 #[cfg(test)]
@@ -65,6 +80,7 @@ mod tests {
             name: None,
             images: Vec::new(),
             cache_control: None,
+            documents: Vec::new(),
         }
     }
 
@@ -98,5 +114,13 @@ mod tests {
         let mut seeing = message(Role::User, "");
         seeing.images = vec!["https://example.com/a.png".into(); 2];
         assert_eq!(prompt_tokens(&[seeing], &[]), 2 * IMAGE_TOKENS);
+
+        let mut reading = message(Role::User, "");
+        reading.documents = vec![iop_wire::Document {
+            source: iop_wire::DocumentSource::PdfBase64("JVBERi0=".repeat(1000)),
+            title: Some("abcd".into()),
+            context: None,
+        }];
+        assert_eq!(prompt_tokens(&[reading], &[]), 1 + DOCUMENT_TOKENS);
     }
 }

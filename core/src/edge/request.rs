@@ -166,6 +166,7 @@ pub fn continued_messages(
             name: None,
             images: Vec::new(),
             cache_control: None,
+            documents: Vec::new(),
         });
     }
     messages

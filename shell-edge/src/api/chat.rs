@@ -143,6 +143,7 @@ pub fn parse_chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
         suffix: None,
         extra_json: pass_through_fields(&root, CHAT_FIELDS)?,
         whole_answer: !stream,
+        betas: Vec::new(),
     };
 
     Ok(ChatRequest {
@@ -318,6 +319,7 @@ fn parse_message(
         name,
         images,
         cache_control: None,
+        documents: Vec::new(),
     })
 }
 

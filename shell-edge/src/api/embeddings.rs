@@ -58,6 +58,7 @@ fn user_message(content: String) -> ChatMessage {
         name: None,
         images: Vec::new(),
         cache_control: None,
+        documents: Vec::new(),
     }
 }
 

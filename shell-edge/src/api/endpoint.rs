@@ -50,6 +50,15 @@ pub trait RunEndpoint: Send + Sync + 'static {
     fn tunnel(&self) -> (TunnelApi, &'static str);
     /// The request body as a run and this API's options.
     fn parse(&self, body: &[u8]) -> Result<(NormalizedRun, Self::Options), ApiError>;
+    /// What the request's headers add to its parsed run (the Messages
+    /// API's beta features); a malformed one is the 400 to answer.
+    fn read_headers(
+        &self,
+        _headers: &axum::http::HeaderMap,
+        _run: &mut NormalizedRun,
+    ) -> Result<(), ApiError> {
+        Ok(())
+    }
     /// An error answered instead of the run's answer, in this API's shape.
     fn error_response(&self, err: ApiError) -> Response;
     /// The answer to a request that needs no run, if this is one (Ollama's
@@ -678,6 +687,17 @@ impl RunEndpoint for Messages {
             let stops = run.params.stop.clone();
             (run, stops)
         })
+    }
+
+    /// `anthropic-beta`: the features a normalized run's Messages
+    /// provider gets (a tunnel-mode provider gets the header as sent).
+    fn read_headers(
+        &self,
+        headers: &axum::http::HeaderMap,
+        run: &mut NormalizedRun,
+    ) -> Result<(), ApiError> {
+        run.params.betas = messages::parse_betas(headers)?;
+        Ok(())
     }
 
     fn error_response(&self, err: ApiError) -> Response {

@@ -146,6 +146,7 @@ fn text_message(role: Role, content: String) -> ChatMessage {
         name: None,
         images: Vec::new(),
         cache_control: None,
+        documents: Vec::new(),
     }
 }
 

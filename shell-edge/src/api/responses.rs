@@ -295,6 +295,7 @@ fn text_message(role: Role, content: String) -> ChatMessage {
         name: None,
         images: Vec::new(),
         cache_control: None,
+        documents: Vec::new(),
     }
 }
 
@@ -435,6 +436,7 @@ fn push_input_item(
                 name,
                 images: Vec::new(),
                 cache_control: None,
+                documents: Vec::new(),
             });
         }
         // A reasoning item a client passes back (managing its own

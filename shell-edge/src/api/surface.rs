@@ -345,10 +345,29 @@ pub fn provider_refusal(adapter: AdapterKind, run: &NormalizedRun) -> Option<Api
         ));
     }
     match adapter {
-        AdapterKind::OpenAi | AdapterKind::Mock => None,
+        AdapterKind::Mock => None,
+        AdapterKind::OpenAi => openai_refusal(run),
         AdapterKind::Ollama => ollama_refusal(run),
         AdapterKind::Anthropic => anthropic_refusal(run),
     }
+}
+
+/// The documents (PDFs) a run attaches, over all its messages.
+fn documents(run: &NormalizedRun) -> impl Iterator<Item = &iop_wire::Document> {
+    run.messages.iter().flat_map(|m| m.documents.iter())
+}
+
+/// What the OpenAI API cannot carry: a PDF by URL (its `file` content
+/// parts take the file's data, or a file id of the provider's own).
+fn openai_refusal(run: &NormalizedRun) -> Option<ApiError> {
+    documents(run)
+        .any(|d| matches!(d.source, iop_wire::DocumentSource::PdfUrl(_)))
+        .then(|| {
+            ApiError::unsupported_parameter(
+                "document.source.url",
+                "This model's providers speak the OpenAI API, whose file parts take a PDF's data, not its URL; send the PDF as base64.",
+            )
+        })
 }
 
 /// The pass-through fields a Messages provider takes (`user` as
@@ -402,6 +421,12 @@ fn anthropic_refusal(run: &NormalizedRun) -> Option<ApiError> {
 
 fn ollama_refusal(run: &NormalizedRun) -> Option<ApiError> {
     let p = &run.params;
+    if documents(run).next().is_some() {
+        return Some(ApiError::unsupported_parameter(
+            "document",
+            "This model's Ollama providers take no documents (PDF); send the document's text.",
+        ));
+    }
     if p.logprobs {
         return Some(ApiError::unsupported_parameter(
             "logprobs",
@@ -565,6 +590,47 @@ mod tests {
             ..Default::default()
         });
         assert!(provider_refusal(AdapterKind::Ollama, &options).is_none());
+    }
+
+    #[test]
+    fn a_pdf_by_url_has_no_openai_form_and_ollama_takes_no_pdf() {
+        let with_pdf = |source: iop_wire::DocumentSource| {
+            let mut run = run(GenerationParams::default());
+            run.messages.push(iop_wire::ChatMessage {
+                role: iop_wire::Role::Tool,
+                content: String::new(),
+                tool_calls: Vec::new(),
+                tool_call_id: Some("toolu_1".into()),
+                name: None,
+                images: Vec::new(),
+                cache_control: None,
+                documents: vec![iop_wire::Document {
+                    source,
+                    title: None,
+                    context: None,
+                }],
+            });
+            run
+        };
+        let data = with_pdf(iop_wire::DocumentSource::PdfBase64("JVBERi0=".into()));
+        let url = with_pdf(iop_wire::DocumentSource::PdfUrl(
+            "https://example.com/a.pdf".into(),
+        ));
+        for adapter in [
+            AdapterKind::OpenAi,
+            AdapterKind::Anthropic,
+            AdapterKind::Mock,
+        ] {
+            assert!(provider_refusal(adapter, &data).is_none(), "{adapter:?}");
+        }
+        assert!(provider_refusal(AdapterKind::Anthropic, &url).is_none());
+        let err = provider_refusal(AdapterKind::OpenAi, &url).unwrap();
+        assert_eq!(err.param.as_deref(), Some("document.source.url"));
+        assert!(err.message.contains("OpenAI API"), "{}", err.message);
+        for run in [&data, &url] {
+            let err = provider_refusal(AdapterKind::Ollama, run).unwrap();
+            assert_eq!(err.param.as_deref(), Some("document"));
+        }
     }
 
     #[test]

@@ -174,6 +174,38 @@ def main() -> None:
         calls = settled_provider_calls(log) - before
         check(calls == 2, f"{name} idempotency: {calls} provider calls for two keys")
 
+        # Beta features (the SDK's betas): a Messages provider (LiteLLM's
+        # proxy) gets them as anthropic-beta, an OpenAI-compatible one
+        # (llama.cpp's server) none; both answer.
+        b = client.beta.messages.create(model=name, max_tokens=8, messages=user, betas=["pdfs-2024-09-25"],
+                                        extra_body=greedy)
+        check(b.stop_reason in ("end_turn", "max_tokens") and text_of(b), f"{name} beta: {b}")
+
+        # A PDF in the turn and an image in a tool result reach the real
+        # server (as `file` and `image_url` parts, or as Messages blocks that
+        # LiteLLM turns into parts); this text-only model's server takes no
+        # content parts, and its own error comes back as the SDK's class,
+        # with its message.
+        before = settled_provider_calls(log)
+        png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+        attached = [
+            *ask,
+            {"role": "assistant", "content": turn},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": call.id, "content": [
+                    {"type": "text", "text": "the radar"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]},
+                {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                                "data": "JVBERi0xLjQK"}},
+                {"type": "text", "text": "Summarize."}]},
+        ]
+        e = expect_error(anthropic.InternalServerError, 502,
+                         lambda: client.messages.create(model=name, max_tokens=8, messages=attached, tools=tools),
+                         f"{name} attachments")
+        check("HTTP 500" in e.message and ("validation error" in e.message or "concatenate" in e.message),
+              f"{name} attachments: the server's own reason: {e.message}")
+        check(settled_provider_calls(log) > before, f"{name} attachments reached the server")
+
     # Errors, as the SDK's own classes.
     bad_key = Anthropic(base_url=edge, api_key="sk-wrong-0123456789", max_retries=0, timeout=30)
     expect_error(anthropic.AuthenticationError, 401,

@@ -1,10 +1,13 @@
 """End-to-end check of an iop Edge with the official Anthropic Python SDK.
 
-Usage: anthropic_sdk_e2e.py BASE_URL API_KEY MOCK_URL
+Usage: anthropic_sdk_e2e.py BASE_URL API_KEY MOCK_URL UPSTREAM
 
 BASE_URL is the Edge (the SDK adds /v1/messages); MOCK_URL is the mock
-provider behind it, whose /mock/stats counts provider calls. The Edge's
-provider has one slot and a queue of two (the 429 check fills them).
+provider behind it, whose /mock/stats counts provider calls (and the
+images, documents and anthropic-beta headers they carried). UPSTREAM is
+`openai` (an OpenAI-compatible provider) or `messages` (a Messages-only
+one behind the `anthropic` adapter). The Edge's provider has one slot and
+a queue of two (the 429 check fills them).
 Exits non-zero (with a message) on the first failed expectation.
 """
 
@@ -27,9 +30,13 @@ def expected_text(tokens):
     return "".join("tok0" if i == 0 else f" tok{i}" for i in range(tokens))
 
 
-def provider_calls(mock_url):
+def mock_stats(mock_url):
     with urllib.request.urlopen(f"{mock_url}/mock/stats", timeout=10) as r:
-        return json.load(r)["requests"]
+        return json.load(r)
+
+
+def provider_calls(mock_url):
+    return mock_stats(mock_url)["requests"]
 
 
 def status(base_url, key):
@@ -51,7 +58,7 @@ def expect_error(cls, status_code, call, what):
 
 
 def main() -> None:
-    base_url, key, mock_url = sys.argv[1], sys.argv[2], sys.argv[3]
+    base_url, key, mock_url, upstream = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     client = Anthropic(base_url=base_url, api_key=key, max_retries=0, timeout=30)
     user = [{"role": "user", "content": "hello there"}]
 
@@ -92,6 +99,17 @@ def main() -> None:
     check(final.content[0].text == text, f"stream: final content {final.content}")
     check(final.stop_reason == "end_turn", f"stream: stop_reason {final.stop_reason}")
     check(final.usage.output_tokens == 6 and final.usage.input_tokens == 3, f"stream: usage {final.usage}")
+
+    # The raw events: message_start has the prompt's tokens when the
+    # provider says them before its answer (a Messages provider); an
+    # OpenAI-compatible stream says them at its end, so message_start has
+    # 0 and message_delta the totals, input_tokens included.
+    raw = list(client.messages.create(model="mock:tokens=2", max_tokens=64, messages=user, stream=True))
+    check(raw[0].type == "message_start", f"raw: first event {raw[0].type}")
+    started = raw[0].message.usage.input_tokens
+    check(started == (3 if upstream == "messages" else 0), f"raw: message_start usage {raw[0].message.usage}")
+    delta = next(e for e in raw if e.type == "message_delta")
+    check(delta.usage.input_tokens == 3 and delta.usage.output_tokens == 2, f"raw: message_delta usage {delta.usage}")
 
     # Thinking: the provider's reasoning comes back as a thinking block.
     with client.messages.stream(
@@ -148,6 +166,41 @@ def main() -> None:
     )
     check(answer.content[0].text == expected_text(3) and answer.stop_reason == "end_turn", f"tool result: {answer}")
 
+    # A PDF and an image inside a tool result, and a PDF in the turn: they
+    # reach the provider (in its own API's shape), whole and streamed.
+    before = mock_stats(mock_url)
+    pdf_data = "JVBERi0xLjQK"
+    shot = [
+        *ask,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": call.id, "content": [
+                {"type": "text", "text": "the screen and its manual"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+                {"type": "document", "title": "Manual",
+                 "source": {"type": "base64", "media_type": "application/pdf", "data": pdf_data}},
+            ]},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": pdf_data}},
+            {"type": "text", "text": "compare them"},
+        ]},
+    ]
+    answer = client.messages.create(model="mock:tokens=3", max_tokens=256, messages=shot, tools=tools)
+    check(answer.content[0].text == expected_text(3), f"attachments: {answer}")
+    with client.messages.stream(model="mock:tokens=3", max_tokens=256, messages=shot, tools=tools) as stream:
+        check("".join(stream.text_stream) == expected_text(3), "attachments: stream")
+    after = mock_stats(mock_url)
+    check((after["images"] - before["images"], after["documents"] - before["documents"]) == (2, 4),
+          f"attachments reached the provider: {before} -> {after}")
+
+    # anthropic-beta (the SDK's betas): a Messages provider gets it, an
+    # OpenAI-compatible one does not.
+    before = mock_stats(mock_url)["anthropic_beta"]
+    b = client.beta.messages.create(model="mock:tokens=2", max_tokens=64, messages=user,
+                                    betas=["pdfs-2024-09-25"])
+    check(b.content[0].text == expected_text(2), f"beta: {b}")
+    carried = mock_stats(mock_url)["anthropic_beta"] - before
+    check(carried == (1 if upstream == "messages" else 0), f"beta carried {carried} ({upstream})")
+
     # An Idempotency-Key: the retry is the same message, from no second call.
     before = provider_calls(mock_url)
     headers = {"Idempotency-Key": "sdk-once-1"}
@@ -170,10 +223,10 @@ def main() -> None:
                      "400")
     check("temperature" in e.message, f"400 names the field: {e.message}")
     pdf = [{"role": "user", "content": [{"type": "document", "source": {
-        "type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]}]
+        "type": "file", "file_id": "file_011"}}]}]
     e = expect_error(anthropic.BadRequestError, 400,
-                     lambda: client.messages.create(model="mock", max_tokens=8, messages=pdf), "400 pdf")
-    check("source.type" in e.message, f"400 pdf names the field: {e.message}")
+                     lambda: client.messages.create(model="mock", max_tokens=8, messages=pdf), "400 file id")
+    check("source.type" in e.message, f"400 file id names the field: {e.message}")
 
     # A 429: the one slot busy and the queue of two full.
     slow = "mock:tokens=30,tps=10"

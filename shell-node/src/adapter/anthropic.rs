@@ -8,7 +8,9 @@
 //! A run becomes a Messages request ([`request_json`]): the system turns
 //! are `system`; tool results are `tool_result` blocks of user turns; an
 //! assistant's tool calls are `tool_use` blocks; images are `image`
-//! blocks (base64 from a `data:` URL, else by URL); `stop` is
+//! blocks (base64 from a `data:` URL, else by URL) and PDFs `document`
+//! blocks, in a user turn before its text and in a tool result after
+//! it; the client's beta features are the call's `anthropic-beta`; `stop` is
 //! `stop_sequences`; a reasoning effort is a `thinking` budget; `top_k`
 //! and the end user (`user`, as `metadata.user_id`) pass through; a
 //! message's or tool's prompt-cache breakpoint is `cache_control` on its
@@ -35,8 +37,8 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
 use iop_wire::{
-    CacheControl, ChatMessage, ExecutionFailure, FinishReason, Role, RunApi, RunEventKind,
-    RunRequest, ToolCallDelta, Usage,
+    CacheControl, ChatMessage, Document, DocumentSource, ExecutionFailure, FinishReason, Role,
+    RunApi, RunEventKind, RunRequest, ToolCallDelta, Usage,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -53,6 +55,9 @@ pub const DEFAULT_MAX_TOKENS: u32 = 4096;
 
 /// The `anthropic-version` sent when the call carries none.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// The header naming the beta features a call asks for.
+pub const BETA_HEADER: &str = "anthropic-beta";
 
 /// The smallest `thinking.budget_tokens` the Messages API takes.
 pub const MIN_THINKING_BUDGET_TOKENS: u32 = 1_024;
@@ -89,6 +94,14 @@ pub(super) fn run(
         Err(e) => return failed_run(e),
     };
     let mut request = target.run_request("/v1/messages", body);
+    if !req.params.betas.is_empty() {
+        // The client's beta features (its `anthropic-beta`), as it named
+        // them.
+        request = request.header(
+            http::header::HeaderName::from_static(BETA_HEADER),
+            &req.params.betas.join(","),
+        );
+    }
     if whole {
         return http_run(target, request, auth, req.session_id, decode_whole);
     }
@@ -302,11 +315,24 @@ fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
 /// One run message as a Messages turn, before its breakpoint.
 fn turn_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
     Ok(match m.role {
-        Role::Tool => json!({"role": "user", "content": [{
-            "type": "tool_result",
-            "tool_use_id": m.tool_call_id.as_deref().unwrap_or_default(),
-            "content": m.content,
-        }]}),
+        Role::Tool => {
+            // Text alone is a string; with images or documents, blocks.
+            let content = if m.images.is_empty() && m.documents.is_empty() {
+                json!(m.content)
+            } else {
+                let mut blocks = Vec::with_capacity(1 + m.images.len() + m.documents.len());
+                if !m.content.is_empty() {
+                    blocks.push(json!({"type": "text", "text": m.content}));
+                }
+                blocks.extend(attachment_blocks(m));
+                Value::Array(blocks)
+            };
+            json!({"role": "user", "content": [{
+                "type": "tool_result",
+                "tool_use_id": m.tool_call_id.as_deref().unwrap_or_default(),
+                "content": content,
+            }]})
+        }
         Role::Assistant if !m.tool_calls.is_empty() => {
             let mut blocks = Vec::with_capacity(m.tool_calls.len() + 1);
             if !m.content.is_empty() {
@@ -329,8 +355,9 @@ fn turn_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
             json!({"role": "assistant", "content": blocks})
         }
         Role::Assistant => json!({"role": "assistant", "content": m.content}),
-        Role::User | Role::System if !m.images.is_empty() => {
-            let mut blocks: Vec<Value> = m.images.iter().map(|url| image_json(url)).collect();
+        Role::User | Role::System if !m.images.is_empty() || !m.documents.is_empty() => {
+            // Images and documents before the text, as Anthropic advises.
+            let mut blocks: Vec<Value> = attachment_blocks(m).collect();
             if !m.content.is_empty() {
                 blocks.push(json!({"type": "text", "text": m.content}));
             }
@@ -338,6 +365,35 @@ fn turn_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
         }
         Role::User | Role::System => json!({"role": "user", "content": m.content}),
     })
+}
+
+/// A message's images, then its documents, as Messages blocks.
+fn attachment_blocks(m: &ChatMessage) -> impl Iterator<Item = Value> + '_ {
+    m.images
+        .iter()
+        .map(|url| image_json(url))
+        .chain(m.documents.iter().map(document_json))
+}
+
+/// A PDF as a document block: its base64 data or its URL, with its title
+/// and context.
+fn document_json(document: &Document) -> Value {
+    let source = match &document.source {
+        DocumentSource::PdfBase64(data) => json!({
+            "type": "base64",
+            "media_type": DocumentSource::PDF_MEDIA_TYPE,
+            "data": data,
+        }),
+        DocumentSource::PdfUrl(url) => json!({"type": "url", "url": url}),
+    };
+    let mut block = json!({"type": "document", "source": source});
+    if let Some(title) = &document.title {
+        block["title"] = json!(title);
+    }
+    if let Some(context) = &document.context {
+        block["context"] = json!(context);
+    }
+    block
 }
 
 /// An image URL as an image block: a `data:` URL's base64, else the URL.

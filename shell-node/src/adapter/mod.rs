@@ -108,6 +108,9 @@ pub(crate) struct HttpTarget {
     /// When false, a client that takes the answer whole is answered from a
     /// non-streamed call, whose usage is the provider's own.
     pub(crate) stream_usage: bool,
+    /// Streams are asked for the usage so far on every chunk (vLLM's
+    /// `stream_options.continuous_usage_stats`).
+    pub(crate) continuous_usage: bool,
     /// Whole answers of ephemeral runs come from non-streamed calls
     /// (core's [`iop_core::node::provider::AnswerCall::for_run`]).
     pub(crate) whole_calls: bool,
@@ -261,6 +264,7 @@ impl Adapter {
             api_key: target.api_key.clone(),
             http: http.clone(),
             stream_usage: target.stream_usage,
+            continuous_usage: target.continuous_usage,
             whole_calls: target.whole_calls,
             json_object_schema: target.json_object_schema,
             cache_control: target.cache_control,

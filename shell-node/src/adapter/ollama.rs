@@ -265,6 +265,12 @@ fn base64_of(url: &str) -> Result<String, ProviderCallError> {
 }
 
 fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
+    if !m.documents.is_empty() {
+        // The Edge does not choose an Ollama provider for such a run.
+        return Err(ProviderCallError::InvalidRequest(
+            "Ollama takes no documents",
+        ));
+    }
     let mut out = Map::new();
     out.insert("role".into(), Value::String(m.role.as_str().into()));
     out.insert("content".into(), Value::String(m.content.clone()));

@@ -9,8 +9,8 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
 use iop_wire::{
-    ChatMessage, Embedding, FinishReason, GenerationParams, Role, RunApi, RunEventKind, RunRequest,
-    TokenLogprob, ToolCallDelta, ToolDefinition, Usage,
+    ChatMessage, DocumentSource, Embedding, FinishReason, GenerationParams, Role, RunApi,
+    RunEventKind, RunRequest, TokenLogprob, ToolCallDelta, ToolDefinition, Usage,
 };
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -52,17 +52,21 @@ pub(super) fn run(
     } else if completion {
         (
             "/v1/completions",
-            completion_body(&req, !whole),
+            completion_body(&req, !whole, target.continuous_usage),
             if whole { decode_whole } else { decode },
         )
     } else if whole {
         (
             "/v1/chat/completions",
-            chat_body_with(&req, false),
+            chat_body_with(&req, false, false),
             decode_whole,
         )
     } else {
-        ("/v1/chat/completions", chat_body(&req), decode)
+        (
+            "/v1/chat/completions",
+            chat_body_with(&req, true, target.continuous_usage),
+            decode,
+        )
     };
     let body = match body {
         Ok(body) => body,
@@ -188,7 +192,11 @@ fn embeddings_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> {
 
 /// The text completion request: the prompt (user turns joined), the
 /// suffix, the parameters.
-fn completion_body(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCallError> {
+fn completion_body(
+    req: &RunRequest,
+    stream: bool,
+    continuous_usage: bool,
+) -> Result<Vec<u8>, ProviderCallError> {
     let (system, prompt) = generate_prompt(&req.messages);
     let prompt = match system {
         Some(system) => format!("{system}\n\n{prompt}"),
@@ -202,7 +210,7 @@ fn completion_body(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCa
     }
     body.insert("stream".into(), Value::Bool(stream));
     if stream {
-        body.insert("stream_options".into(), json!({"include_usage": true}));
+        body.insert("stream_options".into(), stream_options(continuous_usage));
     }
     params_json(&req.params, &mut body)?;
     serde_json::to_vec(&Value::Object(body))
@@ -270,14 +278,30 @@ pub(super) fn parse_models(body: &[u8]) -> Option<Vec<String>> {
 }
 
 /// The streamed Chat Completions request body.
+#[cfg(test)]
 pub(crate) fn chat_body(req: &RunRequest) -> Result<Vec<u8>, ProviderCallError> {
-    chat_body_with(req, true)
+    chat_body_with(req, true, false)
+}
+
+/// A stream's `stream_options`: its usage at the end, or with
+/// `continuous_usage` the usage so far on every chunk (vLLM's
+/// `continuous_usage_stats`), the prompt's from the first chunk on.
+fn stream_options(continuous_usage: bool) -> Value {
+    if continuous_usage {
+        json!({"include_usage": true, "continuous_usage_stats": true})
+    } else {
+        json!({"include_usage": true})
+    }
 }
 
 /// The Chat Completions request body, streamed (asking for usage) or not.
-fn chat_body_with(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCallError> {
+fn chat_body_with(
+    req: &RunRequest,
+    stream: bool,
+    continuous_usage: bool,
+) -> Result<Vec<u8>, ProviderCallError> {
     let messages = match req.api {
-        RunApi::Chat => req.messages.iter().map(message_json).collect(),
+        RunApi::Chat => messages_json(&req.messages)?,
         // A plain completion is a chat with one user turn.
         RunApi::Generate | RunApi::Completion | RunApi::Embeddings => {
             let (system, prompt) = generate_prompt(&req.messages);
@@ -294,7 +318,7 @@ fn chat_body_with(req: &RunRequest, stream: bool) -> Result<Vec<u8>, ProviderCal
     body.insert("messages".into(), Value::Array(messages));
     body.insert("stream".into(), Value::Bool(stream));
     if stream {
-        body.insert("stream_options".into(), json!({"include_usage": true}));
+        body.insert("stream_options".into(), stream_options(continuous_usage));
     }
     if req.continue_final && req.api == RunApi::Chat {
         // R-CONT-1: the final assistant message is a partial answer to
@@ -331,17 +355,94 @@ pub(crate) fn generate_prompt(messages: &[ChatMessage]) -> (Option<String>, Stri
     ((!system.is_empty()).then_some(system), join(false))
 }
 
-fn message_json(m: &ChatMessage) -> Value {
+/// A chat's messages in the OpenAI shape. A tool message takes text only
+/// (the OpenAI API's rule): the images and documents of a run of tool
+/// results go in one user message right after the run, each result's
+/// attachments named by its call id when more than one result has some.
+fn messages_json(messages: &[ChatMessage]) -> Result<Vec<Value>, ProviderCallError> {
+    let mut out = Vec::with_capacity(messages.len());
+    let mut i = 0;
+    while i < messages.len() {
+        if messages[i].role != Role::Tool {
+            out.push(message_json(&messages[i])?);
+            i += 1;
+            continue;
+        }
+        let results = messages[i..]
+            .iter()
+            .take_while(|m| m.role == Role::Tool)
+            .collect::<Vec<_>>();
+        i += results.len();
+        let with_attachments = results
+            .iter()
+            .filter(|m| !m.images.is_empty() || !m.documents.is_empty())
+            .count();
+        let mut parts = Vec::new();
+        for m in results {
+            out.push(message_json(&ChatMessage {
+                images: Vec::new(),
+                documents: Vec::new(),
+                ..m.clone()
+            })?);
+            if m.images.is_empty() && m.documents.is_empty() {
+                continue;
+            }
+            if with_attachments > 1 {
+                let id = m.tool_call_id.as_deref().unwrap_or_default();
+                parts.push(json!({"type": "text", "text": format!("tool_call_id: {id}")}));
+            }
+            attachment_parts(m, &mut parts)?;
+        }
+        if !parts.is_empty() {
+            out.push(json!({"role": "user", "content": parts}));
+        }
+    }
+    Ok(out)
+}
+
+/// A message's images as `image_url` parts and its PDFs as `file` parts
+/// (the PDF's data as a `data:` URL; a document's context a text part
+/// before it). A PDF by URL has no OpenAI form (the Edge does not choose
+/// an OpenAI-compatible provider for it).
+fn attachment_parts(m: &ChatMessage, parts: &mut Vec<Value>) -> Result<(), ProviderCallError> {
+    for url in &m.images {
+        parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+    }
+    for (i, document) in m.documents.iter().enumerate() {
+        let DocumentSource::PdfBase64(data) = &document.source else {
+            return Err(ProviderCallError::InvalidRequest(
+                "the OpenAI API takes a PDF's data, not its URL",
+            ));
+        };
+        if let Some(context) = &document.context {
+            parts.push(json!({"type": "text", "text": context}));
+        }
+        parts.push(json!({"type": "file", "file": {
+            "filename": pdf_filename(document.title.as_deref(), i),
+            "file_data": format!("data:{};base64,{data}", DocumentSource::PDF_MEDIA_TYPE),
+        }}));
+    }
+    Ok(())
+}
+
+/// A PDF's file name: its title (with `.pdf`), else `document-N.pdf`.
+fn pdf_filename(title: Option<&str>, index: usize) -> String {
+    match title {
+        Some(title) if title.to_ascii_lowercase().ends_with(".pdf") => title.to_owned(),
+        Some(title) => format!("{title}.pdf"),
+        None => format!("document-{}.pdf", index + 1),
+    }
+}
+
+fn message_json(m: &ChatMessage) -> Result<Value, ProviderCallError> {
     let mut out = Map::new();
     out.insert("role".into(), Value::String(m.role.as_str().into()));
-    if !m.images.is_empty() {
-        let mut parts = Vec::with_capacity(m.images.len() + 1);
+    if !m.images.is_empty() || !m.documents.is_empty() {
+        let mut parts = Vec::with_capacity(m.images.len() + m.documents.len() + 1);
         if !m.content.is_empty() {
             parts.push(json!({"type": "text", "text": m.content}));
         }
-        for url in &m.images {
-            parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
-        }
+        attachment_parts(m, &mut parts)?;
         out.insert("content".into(), Value::Array(parts));
     } else {
         // An assistant turn of tool calls alone has empty content: a string,
@@ -369,7 +470,7 @@ fn message_json(m: &ChatMessage) -> Value {
     if let Some(name) = &m.name {
         out.insert("name".into(), Value::String(name.clone()));
     }
-    Value::Object(out)
+    Ok(Value::Object(out))
 }
 
 /// A function tool in the OpenAI shape (also Ollama's).
@@ -656,6 +757,7 @@ impl ChunkState {
         if chunk.error.is_some() {
             return Err(ProviderCallError::Reported);
         }
+        let has_choices = chunk.choices.as_ref().is_some_and(|c| !c.is_empty());
         // n = 1: only the first choice is relayed.
         for choice in chunk.choices.into_iter().flatten().filter(|c| c.index == 0) {
             if let Some(delta) = choice.delta {
@@ -729,10 +831,14 @@ impl ChunkState {
             (None, _) => None,
         };
         if let Some(usage) = usage {
-            self.usage = Some(usage);
-            if streamed {
+            // The first usage goes out at once (a server that reports it
+            // on every chunk says the prompt's tokens before the answer);
+            // after it, only a usage-only chunk's (the stream's totals):
+            // the terminal carries the last one either way.
+            if streamed && (self.usage.is_none() || !has_choices) {
                 out.push(RunEventKind::Usage(usage));
             }
+            self.usage = Some(usage);
         }
         Ok(())
     }
@@ -1053,10 +1159,155 @@ mod tests {
             name: None,
             images: Vec::new(),
             cache_control: None,
+            documents: Vec::new(),
         });
         let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
         let turn = &body["messages"][1];
         assert_eq!(turn["content"], json!(""));
         assert_eq!(turn["tool_calls"][0]["function"]["name"], "get_weather");
+    }
+
+    fn tool_result(
+        id: &str,
+        content: &str,
+        images: &[&str],
+        documents: Vec<iop_wire::Document>,
+    ) -> ChatMessage {
+        ChatMessage {
+            role: Role::Tool,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: Some(id.into()),
+            name: None,
+            images: images.iter().map(|u| (*u).to_owned()).collect(),
+            cache_control: None,
+            documents,
+        }
+    }
+
+    fn pdf(title: Option<&str>) -> iop_wire::Document {
+        iop_wire::Document {
+            source: DocumentSource::PdfBase64("JVBERi0=".into()),
+            title: title.map(str::to_owned),
+            context: None,
+        }
+    }
+
+    #[test]
+    fn a_tool_results_attachments_follow_the_tool_messages_in_one_user_message() {
+        let mut req = crate::adapter::tests::run_request("m", RunApi::Chat, "look");
+        let calls = ["call_1", "call_2", "call_3"].map(|id| ToolCall {
+            id: id.into(),
+            name: "shot".into(),
+            arguments: "{}".into(),
+        });
+        req.messages.push(ChatMessage {
+            tool_calls: calls.to_vec(),
+            ..tool_result("", "", &[], Vec::new())
+        });
+        req.messages[1].role = Role::Assistant;
+        req.messages[1].tool_call_id = None;
+        req.messages.push(tool_result(
+            "call_1",
+            "a shot",
+            &["https://example.com/s.png"],
+            Vec::new(),
+        ));
+        req.messages
+            .push(tool_result("call_2", "plain", &[], Vec::new()));
+        req.messages
+            .push(tool_result("call_3", "", &[], vec![pdf(Some("Manual"))]));
+        req.messages.push(ChatMessage {
+            documents: vec![pdf(None)],
+            ..tool_result("", "and this", &[], Vec::new())
+        });
+        req.messages[5].role = Role::User;
+        req.messages[5].tool_call_id = None;
+        let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
+        let messages = body["messages"].as_array().unwrap();
+        let roles: Vec<&str> = messages
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        // The OpenAI API's order: every tool message right after the calls.
+        assert_eq!(
+            roles,
+            ["user", "assistant", "tool", "tool", "tool", "user", "user"]
+        );
+        // Tool messages carry their text only.
+        assert_eq!(messages[2]["content"], json!("a shot"));
+        assert_eq!(messages[4]["content"], json!(""));
+        assert_eq!(
+            messages[5]["content"],
+            json!([
+                {"type": "text", "text": "tool_call_id: call_1"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/s.png"}},
+                {"type": "text", "text": "tool_call_id: call_3"},
+                {"type": "file", "file": {"filename": "Manual.pdf", "file_data": "data:application/pdf;base64,JVBERi0="}}
+            ])
+        );
+        assert_eq!(
+            messages[6]["content"],
+            json!([
+                {"type": "text", "text": "and this"},
+                {"type": "file", "file": {"filename": "document-1.pdf", "file_data": "data:application/pdf;base64,JVBERi0="}}
+            ])
+        );
+        // One result with attachments: no label.
+        req.messages.truncate(3);
+        let body: Value = serde_json::from_slice(&chat_body(&req).unwrap()).unwrap();
+        assert_eq!(
+            body["messages"][3]["content"],
+            json!([{"type": "image_url", "image_url": {"url": "https://example.com/s.png"}}])
+        );
+        // A PDF by URL has no OpenAI form.
+        req.messages[2].documents = vec![iop_wire::Document {
+            source: DocumentSource::PdfUrl("https://example.com/a.pdf".into()),
+            title: None,
+            context: None,
+        }];
+        assert!(matches!(
+            chat_body(&req),
+            Err(ProviderCallError::InvalidRequest(_))
+        ));
+    }
+
+    #[test]
+    fn a_stream_with_usage_on_every_chunk_says_the_prompt_first_and_the_totals_last() {
+        assert_eq!(
+            stream_options(true),
+            json!({"include_usage": true, "continuous_usage_stats": true})
+        );
+        let mut s = ChunkState::default();
+        let usage = |c: u64| Usage::tokens(7, c);
+        // vLLM's continuous usage: the first chunk (the role) has the prompt's.
+        assert_eq!(
+            s.on(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"usage":{"prompt_tokens":7,"completion_tokens":0}}"#).unwrap(),
+            vec![RunEventKind::Usage(usage(0))]
+        );
+        // Later chunks' running counts are not events of their own.
+        assert_eq!(
+            s.on(r#"{"choices":[{"index":0,"delta":{"content":"hi"}}],"usage":{"prompt_tokens":7,"completion_tokens":1}}"#).unwrap(),
+            vec![RunEventKind::TextDelta("hi".into())]
+        );
+        assert!(
+            s.on(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":7,"completion_tokens":1}}"#)
+                .unwrap()
+                .is_empty()
+        );
+        // The usage-only chunk: the stream's totals.
+        assert_eq!(
+            s.on(r#"{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":1}}"#)
+                .unwrap(),
+            vec![RunEventKind::Usage(usage(1))]
+        );
+        s.on("[DONE]").unwrap();
+        assert_eq!(
+            s.completed(),
+            RunEventKind::Completed {
+                finish_reason: FinishReason::Stop,
+                usage: Some(usage(1)),
+            }
+        );
     }
 }

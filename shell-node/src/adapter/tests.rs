@@ -41,6 +41,7 @@ pub(crate) fn run_request(model: &str, api: RunApi, prompt: &str) -> RunRequest 
             name: None,
             images: Vec::new(),
             cache_control: None,
+            documents: Vec::new(),
         }],
         tools: Vec::new(),
         params: GenerationParams::default(),
@@ -89,6 +90,7 @@ fn provider_target(kind: AdapterKind, base_url: &str, whole_calls: bool) -> Prov
         models: Vec::new(),
         api_key: None,
         stream_usage: true,
+        continuous_usage: false,
         whole_calls,
         json_object_schema: false,
         cache_control: true,
@@ -440,6 +442,7 @@ async fn openai_usage_is_the_providers_or_none_never_zeros() {
     // call and carries the provider's usage.
     let target = ProviderTarget {
         stream_usage: false,
+        continuous_usage: false,
         ..provider_target(AdapterKind::OpenAi, &server.base_url(), true)
     };
     let whole = Adapter::new(&target, provider_http());
@@ -1616,6 +1619,7 @@ async fn probes_are_counted_apart_from_requests_in_process_and_over_http() {
             disconnects: 0,
             continued: 0,
             abandoned_before_text: 0,
+            ..MockStats::default()
         }
     );
     // Reading the stats is neither a request nor a probe.

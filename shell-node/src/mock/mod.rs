@@ -19,8 +19,15 @@
 //!   Anthropic's Messages API, `POST /v1/messages` (stream and not, tool
 //!   use, thinking, `stop_sequences` honoured with `stop_reason`
 //!   `stop_sequence`; the key in `x-api-key`); and
-//!   `GET /mock/stats` -> `{"requests":N,"probes":M,"in_flight":K,"disconnects":D}`,
-//!   `POST /mock/reset` (zeroes the counters).
+//!   `GET /mock/stats` -> `{"requests":N,"probes":M,"in_flight":K,"disconnects":D,...}`
+//!   ([`MockStats`]: also the images and documents the calls carried and
+//!   the calls with an `anthropic-beta` header, so a test sees what
+//!   reached the provider), `POST /mock/reset` (zeroes the counters).
+//!
+//! As the OpenAI API does, a chat call whose tool message has content
+//! parts other than text is refused (HTTP 400). A streamed chat call with
+//! `stream_options.continuous_usage_stats` (vLLM's) gets the usage so far
+//! on every chunk, the prompt's from the first one on.
 //!
 //! Served with [`MockApis::MessagesOnly`] (`iop-node mock-provider
 //! --messages-only`) it answers only the Messages API and `GET /v1/models`

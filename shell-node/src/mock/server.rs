@@ -51,6 +51,17 @@ pub struct MockStats {
     /// in `disconnects` too.
     #[serde(default)]
     pub abandoned_before_text: u64,
+    /// Images received in provider calls (OpenAI `image_url` parts,
+    /// Messages `image` blocks, those in tool results included).
+    #[serde(default)]
+    pub images: u64,
+    /// Documents received in provider calls (OpenAI `file` parts,
+    /// Messages `document` blocks, those in tool results included).
+    #[serde(default)]
+    pub documents: u64,
+    /// Provider calls that carried an `anthropic-beta` header.
+    #[serde(default)]
+    pub anthropic_beta: u64,
 }
 
 /// Shared counters; every change wakes [`MockCounters::changed`] waiters.
@@ -63,6 +74,9 @@ pub(crate) struct MockCounters {
     disconnects: AtomicU64,
     continued: AtomicU64,
     abandoned_before_text: AtomicU64,
+    images: AtomicU64,
+    documents: AtomicU64,
+    anthropic_beta: AtomicU64,
     changed: Notify,
 }
 
@@ -81,6 +95,9 @@ impl MockCounters {
             disconnects: self.disconnects.load(Ordering::SeqCst),
             continued: self.continued.load(Ordering::SeqCst),
             abandoned_before_text: self.abandoned_before_text.load(Ordering::SeqCst),
+            images: self.images.load(Ordering::SeqCst),
+            documents: self.documents.load(Ordering::SeqCst),
+            anthropic_beta: self.anthropic_beta.load(Ordering::SeqCst),
         }
     }
 
@@ -91,6 +108,9 @@ impl MockCounters {
         self.disconnects.store(0, Ordering::SeqCst);
         self.continued.store(0, Ordering::SeqCst);
         self.abandoned_before_text.store(0, Ordering::SeqCst);
+        self.images.store(0, Ordering::SeqCst);
+        self.documents.store(0, Ordering::SeqCst);
+        self.anthropic_beta.store(0, Ordering::SeqCst);
         self.max_in_flight
             .store(self.in_flight.load(Ordering::SeqCst), Ordering::SeqCst);
         self.changed.notify_waiters();
@@ -430,7 +450,7 @@ impl Drop for MockServer {
 }
 
 /// Error bodies in each API's own format.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Dialect {
     OpenAi,
     Ollama,
@@ -516,6 +536,26 @@ pub(super) async fn begin(
             error_response(dialect, 400, "invalid JSON body"),
         ));
     };
+    let (images, documents) = attachments(&request["messages"]);
+    let counters = &state.counters;
+    counters.images.fetch_add(images, Ordering::SeqCst);
+    counters.documents.fetch_add(documents, Ordering::SeqCst);
+    if headers.contains_key("anthropic-beta") {
+        counters.anthropic_beta.fetch_add(1, Ordering::SeqCst);
+    }
+    if dialect == Dialect::OpenAi
+        && let Some(at) = tool_message_with_parts(&request["messages"])
+    {
+        // As the OpenAI API answers it.
+        return Err(refuse(
+            &mut guard,
+            error_response(
+                dialect,
+                400,
+                &format!("messages[{at}]: a tool message's content parts must be text"),
+            ),
+        ));
+    }
     let model = request["model"].as_str().unwrap_or(DEFAULT_MODEL);
     let script = match state.defaults.for_model(model) {
         Ok(s) => s,
@@ -530,6 +570,37 @@ pub(super) async fn begin(
         return Err(refuse(&mut guard, resp));
     }
     Ok((guard, request, script))
+}
+
+/// The images and documents `messages` carry (either API's shape), those
+/// inside Messages `tool_result` blocks included.
+fn attachments(messages: &Value) -> (u64, u64) {
+    fn walk(content: &Value, counts: &mut (u64, u64)) {
+        for part in content.as_array().into_iter().flatten() {
+            match part["type"].as_str() {
+                Some("image" | "image_url") => counts.0 += 1,
+                Some("document" | "file") => counts.1 += 1,
+                Some("tool_result") => walk(&part["content"], counts),
+                _ => {}
+            }
+        }
+    }
+    let mut counts = (0, 0);
+    for m in messages.as_array().into_iter().flatten() {
+        walk(&m["content"], &mut counts);
+    }
+    counts
+}
+
+/// The index of the first OpenAI tool message whose content has a part
+/// other than text (the OpenAI API refuses it).
+fn tool_message_with_parts(messages: &Value) -> Option<usize> {
+    messages.as_array()?.iter().position(|m| {
+        m["role"] == "tool"
+            && m["content"]
+                .as_array()
+                .is_some_and(|parts| parts.iter().any(|p| p["type"] != "text"))
+    })
 }
 
 fn model_of(request: &Value) -> String {
@@ -750,31 +821,47 @@ async fn chat_completions(
         .into_response();
     }
     let include_usage = request["stream_options"]["include_usage"].as_bool() == Some(true);
+    // vLLM's `continuous_usage_stats`: every chunk carries the usage so far,
+    // the prompt's from the first one on.
+    let continuous = include_usage
+        && script.stream_usage
+        && request["stream_options"]["continuous_usage_stats"].as_bool() == Some(true);
+    let prompt_usage = script.usage(messages_chars(&request["messages"]).div_ceil(4) as u64, 0);
     guard.track_text();
     let body = async_stream::stream! {
         let mut steps = steps;
         let mut role_sent = false;
+        let mut produced = 0u64;
+        let chunk = |delta: Value, produced: u64| {
+            let mut chunk = chat_chunk(&model, delta, None);
+            if continuous {
+                let usage = iop_wire::Usage { completion_tokens: produced, ..prompt_usage };
+                chunk["usage"] = openai_usage(&usage);
+            }
+            sse_data(&chunk)
+        };
         while let Some(step) = steps.next().await {
             if !role_sent {
                 role_sent = true;
-                yield Ok(sse_data(&chat_chunk(&model, json!({"role": "assistant", "content": ""}), None)));
+                yield Ok(chunk(json!({"role": "assistant", "content": ""}), produced));
                 if reasons {
                     let delta = json!({"reasoning_content": super::MOCK_REASONING});
-                    yield Ok(sse_data(&chat_chunk(&model, delta, None)));
+                    yield Ok(chunk(delta, produced));
                 }
             }
             match step {
                 MockStep::Text(t) => {
-                    yield Ok(sse_data(&chat_chunk(&model, json!({"content": t}), None)));
+                    produced += 1;
+                    yield Ok(chunk(json!({"content": t}), produced));
                     guard.text_sent();
                 }
                 MockStep::ToolCallStart { id, name } => {
                     let delta = json!({"tool_calls": [{"index": 0, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]});
-                    yield Ok(sse_data(&chat_chunk(&model, delta, None)));
+                    yield Ok(chunk(delta, produced));
                 }
                 MockStep::ToolCallArgs(a) => {
                     let delta = json!({"tool_calls": [{"index": 0, "function": {"arguments": a}}]});
-                    yield Ok(sse_data(&chat_chunk(&model, delta, None)));
+                    yield Ok(chunk(delta, produced));
                 }
                 MockStep::Malformed => yield Ok(Bytes::from_static(b"data: {\"choices\":[{\"delta\":\n\n")),
                 MockStep::AbruptClose => {

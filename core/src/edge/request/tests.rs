@@ -2180,6 +2180,7 @@ fn a_continuing_attempt_sends_the_answer_so_far_as_the_assistants_final_message_
         name: None,
         images: Vec::new(),
         cache_control: None,
+        documents: Vec::new(),
     };
     assert_eq!(
         continued_messages(std::slice::from_ref(&user), None),

@@ -4,16 +4,24 @@
 //! * [`request`]: [`parse_messages_request`] turns a body into a
 //!   [`NormalizedRun`]: `system` (a string or text blocks) becomes the first
 //!   message; each message's blocks become the run's messages (`text`,
-//!   `image` by base64 or URL, `document` with a text source, `tool_use` as
-//!   the assistant's tool calls, each `tool_result` as one tool message
-//!   before the rest of its user turn); `tools`, `tool_choice`,
-//!   `stop_sequences`, `max_tokens` (required), `temperature`, `top_p`,
-//!   `top_k`, `metadata.user_id` and `thinking` (as a reasoning effort)
-//!   become the run's parameters. What the run cannot carry (a PDF
-//!   document, an image in a tool result, a server tool) is a 400 naming
-//!   the field; an unknown top-level field is a 400, as Anthropic answers
-//!   it. Earlier turns' `thinking` blocks are left out, as Anthropic leaves
-//!   them out of the context.
+//!   `image` by base64 or URL, `document` with a text source as text and
+//!   a PDF (base64 or URL) as the message's document, `tool_use` as the
+//!   assistant's tool calls, each `tool_result` as one tool message with
+//!   its text, images and documents before the rest of its user turn);
+//!   `tools`, `tool_choice`, `stop_sequences`, `max_tokens` (required),
+//!   `temperature`, `top_p`, `top_k`, `metadata.user_id` and `thinking`
+//!   (as a reasoning effort) become the run's parameters; the
+//!   `anthropic-beta` header's features ([`parse_betas`]) go to Messages
+//!   providers. What the run cannot carry (a file id, citations, a server
+//!   tool) is a 400 naming the field; an unknown top-level field is a 400,
+//!   as Anthropic answers it. Earlier turns' `thinking` blocks are left
+//!   out, as Anthropic leaves them out of the context. Images and PDFs are
+//!   bounded per request
+//!   ([`MAX_IMAGES_PER_REQUEST`](super::surface::MAX_IMAGES_PER_REQUEST),
+//!   [`MAX_DOCUMENTS_PER_REQUEST`]) and in bytes with the body; a provider
+//!   that cannot take one is not chosen (`surface::provider_refusal`: an
+//!   OpenAI-compatible provider takes a PDF as a `file` part of data, not
+//!   by URL; Ollama takes none).
 //! * [`stream`]: [`MessagesStream`] writes Anthropic's event sequence:
 //!   `message_start`, then per content block `content_block_start`,
 //!   `content_block_delta` (`text_delta`, `thinking_delta`,
@@ -31,10 +39,14 @@
 //! `cache_read_input_tokens` when it reported them (`null` when not: never
 //! invented); `input_tokens` counts the prompt's tokens outside the cache,
 //! as Anthropic counts them. `message_start` goes out with the run's first
-//! event: a provider's usage reported before its answer (a Messages
-//! provider's prompt and cache counts) is in it; before any provider count
-//! it carries zeros, which the SDKs replace with the `message_delta`
-//! totals.
+//! event: a provider's usage reported before its answer is in it (a
+//! Messages provider's prompt and cache counts; an OpenAI-compatible
+//! server's first chunk's when the Node asks it for usage on every chunk,
+//! `[[providers]] continuous_usage`, as vLLM gives it). Otherwise (an
+//! OpenAI-compatible stream says its usage only at its end) it carries
+//! zero tokens and `null` cache counts, and the final `message_delta`
+//! carries the totals, `input_tokens` and the cache counts included, as
+//! Anthropic's does: the SDKs' accumulated message takes them from there.
 //!
 //! `stop_reason`: `end_turn` (a natural stop), `max_tokens`, `tool_use`
 //! (the model called tools, whatever finish reason its provider gave with
@@ -50,7 +62,7 @@ mod response;
 mod stream;
 
 pub use error::{MessagesError, error_json, error_status_and_type};
-pub use request::{parse_count_tokens_request, parse_messages_request};
+pub use request::{parse_betas, parse_count_tokens_request, parse_messages_request};
 pub use response::{MessagesAccumulator, stop_reason};
 pub use stream::MessagesStream;
 
@@ -93,6 +105,20 @@ pub const MAX_STOP_SEQUENCES: usize = 16;
 
 /// The image media types Anthropic accepts.
 pub const IMAGE_MEDIA_TYPES: &[&str] = &["image/jpeg", "image/png", "image/gif", "image/webp"];
+
+/// The request header naming the Messages API beta features a client
+/// asks for.
+pub const BETA_HEADER: &str = "anthropic-beta";
+
+/// Most beta features one request may name in `anthropic-beta`.
+pub const MAX_BETAS: usize = 16;
+
+/// The longest beta feature name.
+pub const MAX_BETA_NAME_BYTES: usize = 128;
+
+/// Most PDF documents one request may attach, over all its messages and
+/// tool results (their bytes are bounded with the body's, R-LIM-2).
+pub const MAX_DOCUMENTS_PER_REQUEST: usize = 16;
 
 /// The smallest `thinking.budget_tokens` (Anthropic's).
 pub const MIN_THINKING_BUDGET_TOKENS: u32 = 1_024;

@@ -5,7 +5,8 @@
 //! for a Messages server; the round trip through both is tested here.
 
 use iop_wire::{
-    CacheControl, CacheTtl, ChatMessage, GenerationParams, Role, RunApi, ToolCall, ToolDefinition,
+    CacheControl, CacheTtl, ChatMessage, Document, DocumentSource, GenerationParams, Role, RunApi,
+    ToolCall, ToolDefinition,
 };
 use serde_json::{Map, Value, json};
 
@@ -15,7 +16,8 @@ use super::super::error::ApiError;
 use super::super::request_object::{RequestObject, element, parse_body, type_name};
 use super::super::surface::MAX_IMAGES_PER_REQUEST;
 use super::{
-    COUNT_TOKENS_FIELDS, HIGH_THINKING_BUDGET_TOKENS, IMAGE_MEDIA_TYPES, MAX_STOP_SEQUENCES,
+    BETA_HEADER, COUNT_TOKENS_FIELDS, HIGH_THINKING_BUDGET_TOKENS, IMAGE_MEDIA_TYPES,
+    MAX_BETA_NAME_BYTES, MAX_BETAS, MAX_DOCUMENTS_PER_REQUEST, MAX_STOP_SEQUENCES,
     MAX_TOOL_NAME_CHARS, MEDIUM_THINKING_BUDGET_TOKENS, MESSAGES_FIELDS,
     MIN_THINKING_BUDGET_TOKENS,
 };
@@ -82,14 +84,14 @@ fn parse(body: &[u8], kind: Body) -> Result<NormalizedRun, ApiError> {
             "must contain at least one message.",
         ));
     }
-    let mut images_left = MAX_IMAGES_PER_REQUEST;
+    let mut attachments = Attachments::default();
     for (i, raw) in raw_messages.iter().enumerate() {
         let last = i + 1 == raw_messages.len();
         parse_message(
             raw,
             element("messages", i),
             last,
-            &mut images_left,
+            &mut attachments,
             &mut messages,
         )?;
     }
@@ -140,6 +142,42 @@ fn parse(body: &[u8], kind: Body) -> Result<NormalizedRun, ApiError> {
     })
 }
 
+/// The beta features a Messages request names in its `anthropic-beta`
+/// headers (comma-separated, several headers joined), each once, in the
+/// order given: at most [`MAX_BETAS`] names of at most
+/// [`MAX_BETA_NAME_BYTES`] bytes of `a-z`, `A-Z`, `0-9`, `.`, `_` and `-`
+/// (R-LIM-5); anything else is a 400 naming the header.
+pub fn parse_betas(headers: &axum::http::HeaderMap) -> Result<Vec<String>, ApiError> {
+    let invalid = |detail: &str| ApiError::invalid_value(BETA_HEADER, detail);
+    let mut betas: Vec<String> = Vec::new();
+    for value in headers.get_all(BETA_HEADER) {
+        let value = value
+            .to_str()
+            .map_err(|_| invalid("must be visible ASCII."))?;
+        for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            if name.len() > MAX_BETA_NAME_BYTES
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+            {
+                return Err(invalid(&format!(
+                    "beta names are 1 to {MAX_BETA_NAME_BYTES} characters of a-z, A-Z, 0-9, '.', '_' and '-', separated by commas."
+                )));
+            }
+            if betas.iter().any(|b| b == name) {
+                continue;
+            }
+            if betas.len() == MAX_BETAS {
+                return Err(invalid(&format!(
+                    "a request may name at most {MAX_BETAS} beta features."
+                )));
+            }
+            betas.push(name.to_owned());
+        }
+    }
+    Ok(betas)
+}
+
 pub(super) fn message(role: Role, content: String) -> ChatMessage {
     ChatMessage {
         role,
@@ -149,7 +187,35 @@ pub(super) fn message(role: Role, content: String) -> ChatMessage {
         name: None,
         images: Vec::new(),
         cache_control: None,
+        documents: Vec::new(),
     }
+}
+
+/// What a request may still attach: images and documents are bounded per
+/// request ([`MAX_IMAGES_PER_REQUEST`], [`MAX_DOCUMENTS_PER_REQUEST`]),
+/// over all its messages and tool results; their bytes are the body's,
+/// bounded with it (R-LIM-2).
+#[derive(Debug)]
+struct Attachments {
+    images_left: usize,
+    documents_left: usize,
+}
+
+impl Default for Attachments {
+    fn default() -> Self {
+        Self {
+            images_left: MAX_IMAGES_PER_REQUEST,
+            documents_left: MAX_DOCUMENTS_PER_REQUEST,
+        }
+    }
+}
+
+/// What a `document` block is to the run: text (a `text` or `content`
+/// source) joins its message's text; a PDF is attached to the message.
+#[derive(Debug)]
+enum DocumentBlock {
+    Text(String),
+    Pdf(Document),
 }
 
 /// `system`: a string, or an array of text blocks joined by newlines;
@@ -189,7 +255,7 @@ fn parse_message(
     value: &Value,
     path: String,
     last: bool,
-    images_left: &mut usize,
+    attachments: &mut Attachments,
     out: &mut Vec<ChatMessage>,
 ) -> Result<(), ApiError> {
     let obj = RequestObject::at(value, path)?;
@@ -253,13 +319,16 @@ fn parse_message(
         match (kind, role) {
             ("text", _) => texts.push(block.required_string("text")?.to_owned()),
             ("image", Role::User) => {
-                turn.images.push(parse_image(&block, images_left)?);
+                turn.images.push(parse_image(&block, attachments)?);
             }
-            ("document", Role::User) => texts.push(parse_document(&block)?),
+            ("document", Role::User) => match parse_document(&block, attachments)? {
+                DocumentBlock::Text(text) => texts.push(text),
+                DocumentBlock::Pdf(document) => turn.documents.push(document),
+            },
             ("tool_result", Role::User) => {
                 out.push(ChatMessage {
                     cache_control: parse_cache_control(&block)?,
-                    ..parse_tool_result(&block)?
+                    ..parse_tool_result(&block, attachments)?
                 });
                 produced = true;
             }
@@ -281,13 +350,17 @@ fn parse_message(
             _ => {
                 return Err(ApiError::unsupported_parameter(
                     &block.param("type"),
-                    "Supported content blocks are text, image, document (text), tool_use, tool_result and thinking.",
+                    "Supported content blocks are text, image, document, tool_use, tool_result and thinking.",
                 ));
             }
         }
     }
     turn.content = texts.join("\n");
-    if !turn.content.is_empty() || !turn.images.is_empty() || !turn.tool_calls.is_empty() {
+    if !turn.content.is_empty()
+        || !turn.images.is_empty()
+        || !turn.documents.is_empty()
+        || !turn.tool_calls.is_empty()
+    {
         out.push(turn);
     } else if !produced && !blocks.is_empty() && role == Role::User {
         return Err(empty());
@@ -322,7 +395,10 @@ fn parse_cache_control(block: &RequestObject<'_>) -> Result<Option<CacheControl>
 
 /// An image block: `source` `{type: base64, media_type, data}` as a
 /// `data:` URL, or `{type: url, url}`.
-fn parse_image(block: &RequestObject<'_>, images_left: &mut usize) -> Result<String, ApiError> {
+fn parse_image(
+    block: &RequestObject<'_>,
+    attachments: &mut Attachments,
+) -> Result<String, ApiError> {
     let Some(source) = block.object("source")? else {
         return Err(ApiError::missing_parameter(&block.param("source")));
     };
@@ -335,28 +411,10 @@ fn parse_image(block: &RequestObject<'_>, images_left: &mut usize) -> Result<Str
                     &format!("must be one of {}.", IMAGE_MEDIA_TYPES.join(", ")),
                 ));
             }
-            let data = source.non_empty_string("data")?;
-            if !data
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='))
-            {
-                return Err(ApiError::invalid_value(
-                    &source.param("data"),
-                    "must be base64-encoded image data.",
-                ));
-            }
+            let data = base64_data(&source, "image")?;
             format!("data:{media_type};base64,{data}")
         }
-        "url" => {
-            let url = source.non_empty_string("url")?;
-            if !url.starts_with("https://") && !url.starts_with("http://") {
-                return Err(ApiError::invalid_value(
-                    &source.param("url"),
-                    "must be an http(s) URL.",
-                ));
-            }
-            url.to_owned()
-        }
+        "url" => http_url(&source)?,
         _ => {
             return Err(ApiError::unsupported_parameter(
                 &source.param("type"),
@@ -364,22 +422,66 @@ fn parse_image(block: &RequestObject<'_>, images_left: &mut usize) -> Result<Str
             ));
         }
     };
-    if *images_left == 0 {
+    if attachments.images_left == 0 {
         return Err(ApiError::invalid_value(
             &block.param("source"),
             &format!("a request may attach at most {MAX_IMAGES_PER_REQUEST} images."),
         ));
     }
-    *images_left -= 1;
+    attachments.images_left -= 1;
     Ok(url)
 }
 
-/// A document block the run can carry: its text (a `text` source, or a
-/// `content` source of text blocks), after its `title` and `context`.
-fn parse_document(block: &RequestObject<'_>) -> Result<String, ApiError> {
+/// A source's `data`: non-empty base64 (the standard alphabet), of `what`.
+fn base64_data<'a>(source: &RequestObject<'a>, what: &str) -> Result<&'a str, ApiError> {
+    let data = source.non_empty_string("data")?;
+    if !data
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='))
+    {
+        return Err(ApiError::invalid_value(
+            &source.param("data"),
+            &format!("must be base64-encoded {what} data."),
+        ));
+    }
+    Ok(data)
+}
+
+/// A source's `url`: an `http(s)://` URL.
+fn http_url(source: &RequestObject<'_>) -> Result<String, ApiError> {
+    let url = source.non_empty_string("url")?;
+    if !url.starts_with("https://") && !url.starts_with("http://") {
+        return Err(ApiError::invalid_value(
+            &source.param("url"),
+            "must be an http(s) URL.",
+        ));
+    }
+    Ok(url.to_owned())
+}
+
+/// A `document` block: text (a `text` source, or a `content` source of
+/// text blocks) after its `title` and `context`; or a PDF (a `base64`
+/// source of `application/pdf`, or a `url` source) attached with its
+/// `title` and `context`. A file id (the Files API) belongs to an
+/// account iop does not share: a 400. Citations cannot come back through
+/// a run: asking for them is a 400 too.
+fn parse_document(
+    block: &RequestObject<'_>,
+    attachments: &mut Attachments,
+) -> Result<DocumentBlock, ApiError> {
     let Some(source) = block.object("source")? else {
         return Err(ApiError::missing_parameter(&block.param("source")));
     };
+    if let Some(citations) = block.object("citations")?
+        && citations.bool("enabled")? == Some(true)
+    {
+        return Err(ApiError::unsupported_parameter(
+            &citations.param("enabled"),
+            "Citations are not supported by this gateway.",
+        ));
+    }
+    let title = block.string("title")?.filter(|s| !s.is_empty());
+    let context = block.string("context")?.filter(|s| !s.is_empty());
     let text = match source.required_string("type")? {
         "text" => source.required_string("data")?.to_owned(),
         "content" => match source.get("content") {
@@ -407,10 +509,41 @@ fn parse_document(block: &RequestObject<'_>) -> Result<String, ApiError> {
             }
             None => return Err(ApiError::missing_parameter(&source.param("content"))),
         },
-        "base64" | "url" | "file" => {
+        kind @ ("base64" | "url") => {
+            let source = if kind == "base64" {
+                let media_type = source.required_string("media_type")?;
+                if media_type != DocumentSource::PDF_MEDIA_TYPE {
+                    return Err(ApiError::invalid_value(
+                        &source.param("media_type"),
+                        &format!(
+                            "must be '{}' (a text document is a 'text' source).",
+                            DocumentSource::PDF_MEDIA_TYPE
+                        ),
+                    ));
+                }
+                DocumentSource::PdfBase64(base64_data(&source, "PDF")?.to_owned())
+            } else {
+                DocumentSource::PdfUrl(http_url(&source)?)
+            };
+            if attachments.documents_left == 0 {
+                return Err(ApiError::invalid_value(
+                    &block.param("source"),
+                    &format!(
+                        "a request may attach at most {MAX_DOCUMENTS_PER_REQUEST} PDF documents."
+                    ),
+                ));
+            }
+            attachments.documents_left -= 1;
+            return Ok(DocumentBlock::Pdf(Document {
+                source,
+                title: title.map(str::to_owned),
+                context: context.map(str::to_owned),
+            }));
+        }
+        "file" => {
             return Err(ApiError::unsupported_parameter(
                 &source.param("type"),
-                "PDF and file documents are not supported by this gateway; send the document's text (a 'text' source).",
+                "Documents by file id (the Files API) are not supported by this gateway; send the PDF as base64 or by URL, or the document's text.",
             ));
         }
         _ => {
@@ -420,14 +553,9 @@ fn parse_document(block: &RequestObject<'_>) -> Result<String, ApiError> {
             ));
         }
     };
-    let mut parts = Vec::with_capacity(3);
-    for key in ["title", "context"] {
-        if let Some(s) = block.string(key)?.filter(|s| !s.is_empty()) {
-            parts.push(s.to_owned());
-        }
-    }
-    parts.push(text);
-    Ok(parts.join("\n"))
+    let mut parts: Vec<&str> = title.into_iter().chain(context).collect();
+    parts.push(&text);
+    Ok(DocumentBlock::Text(parts.join("\n")))
 }
 
 /// A `tool_use` block of an assistant turn: one tool call.
@@ -446,13 +574,18 @@ fn parse_tool_use(block: &RequestObject<'_>) -> Result<ToolCall, ApiError> {
     })
 }
 
-/// A `tool_result` block: a tool message answering `tool_use_id`. An
+/// A `tool_result` block: a tool message answering `tool_use_id`, its
+/// text, images and PDF documents (a text document joins its text). An
 /// error result (`is_error`) says so before its content.
-fn parse_tool_result(block: &RequestObject<'_>) -> Result<ChatMessage, ApiError> {
+fn parse_tool_result(
+    block: &RequestObject<'_>,
+    attachments: &mut Attachments,
+) -> Result<ChatMessage, ApiError> {
     let id = block.non_empty_string("tool_use_id")?.to_owned();
-    let mut content = match block.get("content") {
-        None => String::new(),
-        Some(Value::String(s)) => s.clone(),
+    let mut tool = message(Role::Tool, String::new());
+    match block.get("content") {
+        None => {}
+        Some(Value::String(s)) => tool.content = s.clone(),
         Some(Value::Array(blocks)) => {
             let path = block.param("content");
             let mut texts = Vec::with_capacity(blocks.len());
@@ -460,16 +593,20 @@ fn parse_tool_result(block: &RequestObject<'_>) -> Result<ChatMessage, ApiError>
                 let b = RequestObject::at(b, element(&path, i))?;
                 match b.required_string("type")? {
                     "text" => texts.push(b.required_string("text")?.to_owned()),
-                    "document" => texts.push(parse_document(&b)?),
+                    "image" => tool.images.push(parse_image(&b, attachments)?),
+                    "document" => match parse_document(&b, attachments)? {
+                        DocumentBlock::Text(text) => texts.push(text),
+                        DocumentBlock::Pdf(document) => tool.documents.push(document),
+                    },
                     _ => {
                         return Err(ApiError::unsupported_parameter(
                             &b.param("type"),
-                            "A tool result carries text (and text documents) only in this gateway.",
+                            "A tool result carries text, images and documents only in this gateway.",
                         ));
                     }
                 }
             }
-            texts.join("\n")
+            tool.content = texts.join("\n");
         }
         Some(other) => {
             return Err(ApiError::invalid_type(
@@ -480,11 +617,10 @@ fn parse_tool_result(block: &RequestObject<'_>) -> Result<ChatMessage, ApiError>
                 ),
             ));
         }
-    };
-    if block.bool("is_error")? == Some(true) {
-        content.insert_str(0, "Error: ");
     }
-    let mut tool = message(Role::Tool, content);
+    if block.bool("is_error")? == Some(true) {
+        tool.content.insert_str(0, "Error: ");
+    }
     tool.tool_call_id = Some(id);
     Ok(tool)
 }

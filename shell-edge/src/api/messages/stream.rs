@@ -150,9 +150,12 @@ impl MessagesStream {
 
     /// `message_start` (with an empty message) and a `ping`, once: with
     /// the first run event, so a provider's usage that comes before the
-    /// answer (a Messages provider's prompt and cache counts) is in it, as
-    /// Anthropic sends it. Before any provider count it says zeros, which
-    /// the SDKs replace with the `message_delta` totals.
+    /// answer (a Messages provider's prompt and cache counts, an
+    /// OpenAI-compatible server's usage on its first chunk when asked for
+    /// it on every chunk) is in it, as Anthropic sends it. Before any
+    /// provider count it says zero tokens (the SDKs' types need numbers)
+    /// and `null` cache counts; `message_delta` has the totals, prompt
+    /// included, which the SDKs keep.
     fn start(&mut self, out: &mut Vec<u8>) {
         if self.started {
             return;
@@ -160,7 +163,12 @@ impl MessagesStream {
         self.started = true;
         let usage = match self.usage {
             Some(usage) => usage_json(Some(usage)),
-            None => json!({"input_tokens": 0, "output_tokens": 0}),
+            None => json!({
+                "input_tokens": 0,
+                "output_tokens": 0,
+                "cache_creation_input_tokens": null,
+                "cache_read_input_tokens": null,
+            }),
         };
         let message = json!({
             "id": self.id,

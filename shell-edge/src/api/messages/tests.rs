@@ -1,8 +1,9 @@
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use iop_wire::{
-    CacheControl, CacheTtl, ChatMessage, ExecutionFailure, FailureCode, FinishReason,
-    GenerationParams, Role, RunApi, RunEventKind, ToolCall, ToolCallDelta, ToolDefinition, Usage,
+    CacheControl, CacheTtl, ChatMessage, Document, DocumentSource, ExecutionFailure, FailureCode,
+    FinishReason, GenerationParams, Role, RunApi, RunEventKind, ToolCall, ToolCallDelta,
+    ToolDefinition, Usage,
 };
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
@@ -290,9 +291,9 @@ fn fields_out_of_shape_are_refused_naming_them() {
         (
             user_blocks(
                 json!([{"type": "tool_result", "tool_use_id": "t", "content": [
-            {"type": "image", "source": {"type": "url", "url": "https://x"}}]}]),
+            {"type": "image", "source": {"type": "url", "url": "ftp://x"}}]}]),
             ),
-            "messages[0].content[0].content[0].type",
+            "messages[0].content[0].content[0].source.url",
         ),
     ];
     for (body, param) in cases {
@@ -302,25 +303,219 @@ fn fields_out_of_shape_are_refused_naming_them() {
 }
 
 #[test]
-fn a_pdf_document_is_refused_naming_its_source_and_a_text_one_is_carried() {
+fn a_pdf_document_is_attached_and_a_text_one_is_carried_as_text() {
     let pdf = user_blocks(json!([
-        {"type": "text", "text": "summarize"},
+        {"type": "document", "title": "Q3", "context": "the board's copy",
+         "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+         "cache_control": {"type": "ephemeral"}},
+        {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}},
+        {"type": "text", "text": "summarize"}
+    ]));
+    let run = parse(pdf).unwrap();
+    assert_eq!(run.messages.len(), 1);
+    let turn = &run.messages[0];
+    assert_eq!(turn.content, "summarize");
+    assert_eq!(
+        turn.documents,
+        vec![
+            Document {
+                source: DocumentSource::PdfBase64("JVBERi0=".into()),
+                title: Some("Q3".into()),
+                context: Some("the board's copy".into()),
+            },
+            Document {
+                source: DocumentSource::PdfUrl("https://example.com/a.pdf".into()),
+                title: None,
+                context: None,
+            },
+        ]
+    );
+    // The breakpoint of an earlier block is not carried (the turn's is its
+    // last block's).
+    assert_eq!(turn.cache_control, None);
+    // A PDF alone is a turn.
+    let alone = user_blocks(json!([
         {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
     ]));
-    let err = refused(pdf);
-    assert_eq!(
-        err.param.as_deref(),
-        Some("messages[0].content[1].source.type")
-    );
-    assert_eq!(err.code, Some("unsupported_parameter"));
+    assert_eq!(parse(alone).unwrap().messages[0].documents.len(), 1);
+
     let text = user_blocks(json!([
         {"type": "document", "title": "Notes", "source": {"type": "text", "media_type": "text/plain", "data": "the text"}},
         {"type": "text", "text": "summarize"}
     ]));
-    assert_eq!(
-        parse(text).unwrap().messages[0].content,
-        "Notes\nthe text\nsummarize"
+    let run = parse(text).unwrap();
+    assert_eq!(run.messages[0].content, "Notes\nthe text\nsummarize");
+    assert!(run.messages[0].documents.is_empty());
+}
+
+#[test]
+fn documents_the_run_cannot_carry_are_refused_naming_the_field() {
+    let pdf = |source: Value| user_blocks(json!([{"type": "document", "source": source}]));
+    for (body, param, code) in [
+        (
+            pdf(json!({"type": "file", "file_id": "file_1"})),
+            "messages[0].content[0].source.type",
+            "unsupported_parameter",
+        ),
+        (
+            pdf(json!({"type": "base64", "media_type": "image/png", "data": "AAAA"})),
+            "messages[0].content[0].source.media_type",
+            "invalid_value",
+        ),
+        (
+            pdf(json!({"type": "base64", "media_type": "application/pdf", "data": "not base64!"})),
+            "messages[0].content[0].source.data",
+            "invalid_value",
+        ),
+        (
+            pdf(json!({"type": "url", "url": "ftp://example.com/a.pdf"})),
+            "messages[0].content[0].source.url",
+            "invalid_value",
+        ),
+        (
+            user_blocks(json!([{"type": "document", "citations": {"enabled": true},
+                "source": {"type": "text", "media_type": "text/plain", "data": "t"}}])),
+            "messages[0].content[0].citations.enabled",
+            "unsupported_parameter",
+        ),
+    ] {
+        let err = refused(body.clone());
+        assert_eq!(err.param.as_deref(), Some(param), "{body}");
+        assert_eq!(err.code, Some(code), "{body}");
+    }
+    // Citations asked off are no request for them.
+    let off = user_blocks(json!([{"type": "document", "citations": {"enabled": false},
+        "source": {"type": "text", "media_type": "text/plain", "data": "t"}}]));
+    assert!(parse(off).is_ok());
+}
+
+#[test]
+fn images_and_documents_are_bounded_per_request_with_tool_results_counted() {
+    let pdf = json!({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}});
+    let image = json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}});
+    // At the bound: half in a tool result, half in the turn.
+    let half = MAX_DOCUMENTS_PER_REQUEST / 2;
+    let turn = |documents: usize, extra: Value| {
+        let mut blocks = vec![json!({"type": "tool_result", "tool_use_id": "toolu_1",
+            "content": vec![pdf.clone(); half]})];
+        blocks.extend(std::iter::repeat_n(pdf.clone(), documents));
+        blocks.push(extra);
+        with(
+            "messages",
+            json!([
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+                {"role": "user", "content": blocks}
+            ]),
+        )
+    };
+    let at_bound = turn(
+        MAX_DOCUMENTS_PER_REQUEST - half,
+        json!({"type": "text", "text": "ok"}),
     );
+    let run = parse(at_bound).unwrap();
+    let documents: usize = run.messages.iter().map(|m| m.documents.len()).sum();
+    assert_eq!(documents, MAX_DOCUMENTS_PER_REQUEST);
+    let over = turn(MAX_DOCUMENTS_PER_REQUEST - half, pdf.clone());
+    let err = refused(over);
+    assert_eq!(err.param.as_deref(), Some("messages[1].content[9].source"));
+    // Images in tool results count toward the images' bound.
+    let images = with(
+        "messages",
+        json!([
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1",
+                 "content": vec![image.clone(); super::super::surface::MAX_IMAGES_PER_REQUEST]},
+                image
+            ]}
+        ]),
+    );
+    let err = refused(images);
+    assert_eq!(err.param.as_deref(), Some("messages[1].content[1].source"));
+}
+
+#[test]
+fn a_tool_result_carries_its_text_images_and_documents() {
+    let body = with(
+        "messages",
+        json!([
+            {"role": "user", "content": "look"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "shot", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                    {"type": "text", "text": "a screenshot and the manual"},
+                    {"type": "image", "source": {"type": "url", "url": "https://example.com/s.png"}},
+                    {"type": "document", "title": "Manual", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}},
+                    {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "plain notes"}}
+                ]},
+                {"type": "text", "text": "what now?"}
+            ]}
+        ]),
+    );
+    let run = parse(body).unwrap();
+    let tool = &run.messages[2];
+    assert_eq!(tool.role, Role::Tool);
+    assert_eq!(tool.tool_call_id.as_deref(), Some("toolu_1"));
+    assert_eq!(tool.content, "a screenshot and the manual\nplain notes");
+    assert_eq!(tool.images, vec!["https://example.com/s.png".to_owned()]);
+    assert_eq!(tool.documents.len(), 1);
+    assert_eq!(tool.documents[0].title.as_deref(), Some("Manual"));
+    assert_eq!(run.messages[3].content, "what now?");
+    // Other blocks in a tool result are refused naming them.
+    let other = with(
+        "messages",
+        json!([
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                "content": [{"type": "search_result", "source": "s", "title": "t", "content": []}]}]}
+        ]),
+    );
+    assert_eq!(
+        refused(other).param.as_deref(),
+        Some("messages[1].content[0].content[0].type")
+    );
+}
+
+#[test]
+fn the_beta_header_names_features_once_each_and_is_bounded() {
+    use axum::http::{HeaderMap, HeaderValue};
+    let headers = |values: &[&str]| {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(BETA_HEADER, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    };
+    assert_eq!(
+        parse_betas(&HeaderMap::new()).unwrap(),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        parse_betas(&headers(&[
+            "pdfs-2024-09-25, prompt-caching-2024-07-31",
+            "pdfs-2024-09-25,,"
+        ]))
+        .unwrap(),
+        vec![
+            "pdfs-2024-09-25".to_owned(),
+            "prompt-caching-2024-07-31".to_owned()
+        ]
+    );
+    for bad in ["a b", "x;y", &"a".repeat(MAX_BETA_NAME_BYTES + 1)] {
+        let err = parse_betas(&headers(&[bad])).unwrap_err();
+        assert_eq!(
+            (err.status, err.param.as_deref()),
+            (400, Some(BETA_HEADER)),
+            "{bad}"
+        );
+    }
+    let many: Vec<String> = (0..=MAX_BETAS).map(|i| format!("b{i}")).collect();
+    let at_bound = many[..MAX_BETAS].join(",");
+    assert_eq!(
+        parse_betas(&headers(&[&at_bound])).unwrap().len(),
+        MAX_BETAS
+    );
+    assert!(parse_betas(&headers(&[&many.join(",")])).is_err());
 }
 
 #[test]
@@ -500,7 +695,8 @@ fn a_stream_is_anthropics_event_sequence_with_one_block_per_kind() {
     );
     assert_eq!(
         start["usage"],
-        json!({"input_tokens": 0, "output_tokens": 0}),
+        json!({"input_tokens": 0, "output_tokens": 0,
+               "cache_creation_input_tokens": null, "cache_read_input_tokens": null}),
         "no count before the answer: the SDKs take message_delta's"
     );
 }
@@ -716,16 +912,39 @@ fn image_strategy() -> impl Strategy<Value = String> {
     ]
 }
 
+fn document_strategy() -> impl Strategy<Value = Document> {
+    (
+        prop_oneof![
+            "[A-Za-z0-9+/]{4,12}".prop_map(DocumentSource::PdfBase64),
+            "[a-z]{1,8}"
+                .prop_map(|p| DocumentSource::PdfUrl(format!("https://example.com/{p}.pdf"))),
+        ],
+        proptest::option::of(text_strategy()),
+        proptest::option::of(text_strategy()),
+    )
+        .prop_map(|(source, title, context)| Document {
+            source,
+            title,
+            context,
+        })
+}
+
 fn turn_strategy() -> impl Strategy<Value = ChatMessage> {
     prop_oneof![
         (
             text_strategy(),
-            proptest::collection::vec(image_strategy(), 0..2)
+            proptest::collection::vec(image_strategy(), 0..2),
+            proptest::collection::vec(document_strategy(), 0..2),
         )
-            .prop_map(|(content, images)| ChatMessage {
+            .prop_map(|(content, images, documents)| ChatMessage {
                 images,
+                documents,
                 ..message(Role::User, content)
             }),
+        (document_strategy()).prop_map(|document| ChatMessage {
+            documents: vec![document],
+            ..message(Role::User, String::new())
+        }),
         (image_strategy()).prop_map(|image| ChatMessage {
             images: vec![image],
             ..message(Role::User, String::new())
@@ -746,12 +965,18 @@ fn turn_strategy() -> impl Strategy<Value = ChatMessage> {
                     .collect(),
                 ..message(Role::Assistant, content.unwrap_or_default())
             }),
-        ("[a-z0-9_]{1,8}", proptest::option::of(text_strategy())).prop_map(|(id, content)| {
-            ChatMessage {
+        (
+            "[a-z0-9_]{1,8}",
+            proptest::option::of(text_strategy()),
+            proptest::collection::vec(image_strategy(), 0..2),
+            proptest::collection::vec(document_strategy(), 0..2),
+        )
+            .prop_map(|(id, content, images, documents)| ChatMessage {
                 tool_call_id: Some(format!("toolu_{id}")),
+                images,
+                documents,
                 ..message(Role::Tool, content.unwrap_or_default())
-            }
-        }),
+            }),
     ]
 }
 

@@ -15,6 +15,7 @@ fn message(role: Role, content: &str) -> ChatMessage {
         name: None,
         images: Vec::new(),
         cache_control: None,
+        documents: Vec::new(),
     }
 }
 
@@ -456,5 +457,64 @@ fn tool_choice_modes_map_to_the_messages_vocabulary() {
     assert_eq!(
         tool_choice_json(None, Some(false)),
         Some(json!({"type": "auto", "disable_parallel_tool_use": true}))
+    );
+}
+
+#[test]
+fn images_and_pdfs_become_blocks_of_their_turn_and_of_a_tool_result() {
+    let pdf = Document {
+        source: DocumentSource::PdfBase64("JVBERi0=".into()),
+        title: Some("Manual".into()),
+        context: Some("v2".into()),
+    };
+    let mut req = run_request(RunApi::Chat);
+    req.messages = vec![
+        ChatMessage {
+            images: vec!["data:image/png;base64,iVBO".into()],
+            documents: vec![Document {
+                source: DocumentSource::PdfUrl("https://example.com/a.pdf".into()),
+                title: None,
+                context: None,
+            }],
+            ..message(Role::User, "read these")
+        },
+        ChatMessage {
+            tool_calls: vec![ToolCall {
+                id: "toolu_1".into(),
+                name: "shot".into(),
+                arguments: "{}".into(),
+            }],
+            ..message(Role::Assistant, "")
+        },
+        ChatMessage {
+            tool_call_id: Some("toolu_1".into()),
+            images: vec!["https://example.com/s.png".into()],
+            documents: vec![pdf],
+            cache_control: Some(CacheControl::default()),
+            ..message(Role::Tool, "done")
+        },
+    ];
+    let body = request_json(&req, false).unwrap();
+    assert_eq!(
+        body["messages"][0]["content"],
+        json!([
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}},
+            {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}},
+            {"type": "text", "text": "read these"}
+        ])
+    );
+    assert_eq!(
+        body["messages"][2]["content"],
+        json!([{
+            "type": "tool_result",
+            "tool_use_id": "toolu_1",
+            "content": [
+                {"type": "text", "text": "done"},
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/s.png"}},
+                {"type": "document", "title": "Manual", "context": "v2",
+                 "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+            ],
+            "cache_control": {"type": "ephemeral"}
+        }])
     );
 }
