@@ -316,10 +316,22 @@ impl JournalStore {
     /// The Edge's `[journal]` section selecting this store; `nats_url` is
     /// the server of the `nats` store (ignored by the others).
     pub fn config_section(self, nats_url: Option<&str>) -> Result<String, DeployError> {
+        self.config_section_with(nats_url, &EdgeExtras::default())
+    }
+
+    /// [`Self::config_section`] with `extras`' lines in `[journal]` and
+    /// (the `nats` store only) in `[journal.nats]`.
+    pub fn config_section_with(
+        self,
+        nats_url: Option<&str>,
+        extras: &EdgeExtras,
+    ) -> Result<String, DeployError> {
         let mut out = format!("[journal]\nstore = \"{}\"\n", self.as_str());
+        out.push_str(&extras.journal);
         if self.needs_nats() {
             let url = nats_url.ok_or(DeployError::NoNatsUrl)?;
             out.push_str(&format!("[journal.nats]\nservers = [\"{url}\"]\n"));
+            out.push_str(&extras.nats);
         }
         Ok(out)
     }
@@ -333,6 +345,27 @@ impl JournalStore {
         edge_toml: &mut String,
         nats_url: Option<&str>,
     ) -> Result<(), DeployError> {
+        self.add_to_edge_config_with(edge_toml, nats_url, &EdgeExtras::default())
+    }
+
+    /// [`Self::add_to_edge_config`] with `extras`: its `[edge]` lines in
+    /// the head's `[edge]` table, its `[journal]` and `[journal.nats]`
+    /// lines in those sections. Its tables are not added (they go last,
+    /// after the providers and routes).
+    pub fn add_to_edge_config_with(
+        self,
+        edge_toml: &mut String,
+        nats_url: Option<&str>,
+        extras: &EdgeExtras,
+    ) -> Result<(), DeployError> {
+        if !extras.edge.is_empty() {
+            let Some(at) = edge_toml.find("\n[tls]\n") else {
+                return Err(DeployError::Config(
+                    "the Edge config has no [tls] table after its [edge] table".into(),
+                ));
+            };
+            edge_toml.insert_str(at + 1, &extras.edge);
+        }
         if self.needs_nats() {
             let id = format!("[edge]\nedge_id = \"{BENCH_EDGE_ID}\"\n");
             let Some(rest) = edge_toml.strip_prefix("[edge]\n") else {
@@ -342,9 +375,40 @@ impl JournalStore {
             };
             *edge_toml = format!("{id}{rest}");
         }
-        edge_toml.push_str(&self.config_section(nats_url)?);
+        edge_toml.push_str(&self.config_section_with(nats_url, extras)?);
         Ok(())
     }
+}
+
+/// What a scenario adds to the deployment's Edge config: lines inside its
+/// tables, whole tables after everything else, and the secret files they
+/// name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EdgeExtras {
+    /// Lines added to the `[edge]` table (`request_memory_bytes = ...`).
+    pub edge: String,
+    /// Lines added to the `[journal]` table (`max_bytes = ...`).
+    pub journal: String,
+    /// Lines added to `[journal.nats]` (the `nats` store only).
+    pub nats: String,
+    /// Tables appended last: keys, principals, prices, routes.
+    pub tables: String,
+    /// Secret files the tables name, `(file name, secret)`, written with
+    /// mode 0600 into the deployment's directory before the Edge starts.
+    pub key_files: Vec<(String, String)>,
+}
+
+/// Write a secret (an API key) to `path`, readable by its owner only (the
+/// Edge refuses a secret file other users could read).
+pub fn write_secret_file(path: &Path, secret: &str) -> Result<(), DeployError> {
+    write(path, secret)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(io(format!("chmod {}", path.display())))?;
+    }
+    Ok(())
 }
 
 /// Where `nats-server` is: `$NATS_SERVER`, else on `PATH`, else in
@@ -434,6 +498,8 @@ pub struct DeploymentSpec {
     /// Where the Edge and the Nodes export their spans (an OTLP/HTTP
     /// traces endpoint; `None`: no spans).
     pub otlp_traces: Option<String>,
+    /// What the scenario adds to the Edge's config.
+    pub extras: EdgeExtras,
 }
 
 /// A running mock.
@@ -535,16 +601,7 @@ pub fn write_pki(dir: &Path, nodes: &[String]) -> Result<(), DeployError> {
     let ids: Vec<&str> = nodes.iter().map(String::as_str).collect();
     iop_transport::generate_dev_pki(&dir.join("certs"), &ids, &[])
         .map_err(|e| DeployError::Pki(e.to_string()))?;
-    let path = dir.join("api-key");
-    write(&path, API_KEY)?;
-    // The Edge refuses a secret file other users could read.
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-            .map_err(io(format!("chmod {}", path.display())))?;
-    }
-    Ok(())
+    write_secret_file(&dir.join("api-key"), API_KEY)
 }
 
 /// Poll `url` until it answers 2xx (bounded by [`START_BOUND`]).
@@ -653,9 +710,10 @@ impl Deployment {
         let edge_http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
         let mut edge_toml =
             edge_config_head(edge_quic.port(), edge_http.port(), spec.queue_capacity);
-        spec.journal.add_to_edge_config(
+        spec.journal.add_to_edge_config_with(
             &mut edge_toml,
             nats.as_ref().map(NatsServer::url).as_deref(),
+            &spec.extras,
         )?;
         for m in &spec.mocks {
             for (mode, short) in [("normalized", "norm"), ("tunnel", "tun")] {
@@ -681,6 +739,10 @@ impl Deployment {
         }
         if let Some(endpoint) = &spec.otlp_traces {
             edge_toml.push_str(&crate::spans::otlp_traces_section(endpoint));
+        }
+        edge_toml.push_str(&spec.extras.tables);
+        for (name, secret) in &spec.extras.key_files {
+            write_secret_file(&dir.join(name), secret)?;
         }
         write(&dir.join("edge.toml"), &edge_toml)?;
         let mut edge = Proc::spawn(

@@ -27,6 +27,8 @@ const MAX_SERIES: usize = 10_000;
 
 const WRITES: &str = "iop_edge_journal_writes_total";
 const SECONDS: &str = "iop_edge_journal_write_seconds";
+const RECORDS: &str = "iop_edge_journal_records";
+const BYTES: &str = "iop_edge_journal_bytes";
 
 /// Why the metrics could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +61,10 @@ pub struct OpCounters {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct JournalSnapshot {
     ops: BTreeMap<String, OpCounters>,
+    /// `iop_edge_journal_records`: the records the store holds.
+    records: Option<u64>,
+    /// `iop_edge_journal_bytes`: the bytes they hold.
+    bytes: Option<u64>,
 }
 
 /// What one operation kind did between two scrapes.
@@ -159,6 +165,7 @@ impl JournalSnapshot {
     /// line is ignored.
     pub fn parse(text: &str) -> Self {
         let mut ops: BTreeMap<String, OpCounters> = BTreeMap::new();
+        let (mut records, mut bytes) = (None, None);
         for line in text.lines().take(MAX_SERIES) {
             let Some(Sample {
                 name,
@@ -168,6 +175,11 @@ impl JournalSnapshot {
             else {
                 continue;
             };
+            match name {
+                RECORDS => records = Some(whole(value)),
+                BYTES => bytes = Some(whole(value)),
+                _ => {}
+            }
             let Some(op) = label(&labels, "op") else {
                 continue;
             };
@@ -197,7 +209,22 @@ impl JournalSnapshot {
                 .buckets
                 .sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
         }
-        JournalSnapshot { ops }
+        JournalSnapshot {
+            ops,
+            records,
+            bytes,
+        }
+    }
+
+    /// The records the journal holds (`iop_edge_journal_records`), if the
+    /// page had the gauge.
+    pub fn records(&self) -> Option<u64> {
+        self.records
+    }
+
+    /// The bytes they hold (`iop_edge_journal_bytes`).
+    pub fn bytes(&self) -> Option<u64> {
+        self.bytes
     }
 
     /// The counters of `op`, if the page had them.

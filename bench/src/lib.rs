@@ -18,6 +18,11 @@
 //! * [`spans`]: the Edge's and the Node's spans of each request, joined
 //!   with what the client saw (the tail scenario: where the slowest
 //!   requests' time went).
+//! * [`tenants`]: limits and budgets on vs off on one Edge (the tenants
+//!   scenario).
+//! * [`durable_memory`]: the Edge's memory while durable responses are
+//!   retained (the retention scenario) and while one large stored response
+//!   is read back many times (the retrieve scenario).
 //!
 //! Speed is reported as numbers and ratios against a baseline of the same
 //! run, never asserted in tests: the tests here only check that the tools
@@ -26,6 +31,7 @@
 //! See `docs/benchmarks.md` for the method and the measured tables.
 
 pub mod deployment;
+pub mod durable_memory;
 pub mod fleet;
 pub mod journal;
 pub mod load;
@@ -34,3 +40,4 @@ pub mod report;
 pub mod scenario;
 pub mod spans;
 pub mod sse;
+pub mod tenants;

@@ -545,6 +545,23 @@ pub async fn run(client: &reqwest::Client, spec: &LoadSpec) -> Result<LoadReport
     Ok(run_with(client, spec, None).await?.0)
 }
 
+/// [`run`], and the histogram of total latency (µs) of the measured
+/// window's successful requests, so runs of one arm can be pooled
+/// ([`Histogram::add`]) before their percentiles are read.
+pub async fn run_with_histogram(
+    client: &reqwest::Client,
+    spec: &LoadSpec,
+) -> Result<(LoadReport, Histogram<u64>), LoadError> {
+    let (report, _, total) = run_with(client, spec, None).await?;
+    Ok((report, total))
+}
+
+/// An empty latency histogram of the load generator's bounds (1 µs to
+/// one hour, 3 significant digits), to pool runs into.
+pub fn latency_histogram() -> Histogram<u64> {
+    histogram()
+}
+
 /// [`run`], one request in `every` (the first, then evenly spread) with a
 /// sampled `traceparent` of its own trace id, the others with none: also
 /// the successful traced requests of the measured window.
@@ -553,14 +570,15 @@ pub async fn run_traced(
     spec: &LoadSpec,
     every: u64,
 ) -> Result<(LoadReport, Vec<TracedRequest>), LoadError> {
-    run_with(client, spec, Some(every)).await
+    let (report, traced, _) = run_with(client, spec, Some(every)).await?;
+    Ok((report, traced))
 }
 
 async fn run_with(
     client: &reqwest::Client,
     spec: &LoadSpec,
     trace_every: Option<u64>,
-) -> Result<(LoadReport, Vec<TracedRequest>), LoadError> {
+) -> Result<(LoadReport, Vec<TracedRequest>, Histogram<u64>), LoadError> {
     if spec.duration.is_zero() || spec.warmup >= spec.duration {
         return Err(LoadError::InvalidSpec("duration must be > warmup"));
     }
@@ -600,7 +618,8 @@ async fn run_with(
     }
     let mut collector = collect.await?;
     let report = collector.report(spec);
-    Ok((report, std::mem::take(&mut collector.traced)))
+    let traced = std::mem::take(&mut collector.traced);
+    Ok((report, traced, collector.total))
 }
 
 async fn open_loop(

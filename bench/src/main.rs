@@ -31,6 +31,17 @@ enum Command {
     /// The added-latency scenario with a peer gateway measured alongside
     /// iop, against the same mock (see scripts/bench-litellm).
     Peer(PeerArgs),
+    /// Run an Edge in this process from a config file, as `iop-edge run
+    /// --config` does, but on the system allocator (the `iop-edge` binary
+    /// runs on mimalloc), so a heap profiler that hooks `malloc` sees every
+    /// allocation: `heaptrack target/release/iop-bench edge-run --config
+    /// edge.toml` (docs/benchmarks.md, "Why the Edge grows").
+    #[command(hide = true)]
+    EdgeRun {
+        /// The Edge's config file.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Run many Nodes in this process (used by the node-scale scenario).
     Fleet {
         /// Directory holding `fleet-node-<i>.toml` and the certificates.
@@ -109,6 +120,14 @@ enum ScenarioName {
     /// scenario's requests traced through the Edge's and the Node's spans
     /// (not in the default run: tracing costs CPU of its own).
     Tail,
+    /// Tenants' limits and budgets on vs off at one rate, rounds
+    /// interleaved, the counters in the embedded store and on NATS.
+    Tenants,
+    /// Edge memory while durable responses are retained: ephemeral and
+    /// durable load at once for minutes, RSS over time.
+    Retention,
+    /// Edge memory under many retrieves of one large stored response.
+    Retrieve,
 }
 
 /// Does a suite run with `--only only` run scenario `s` (none = all but
@@ -202,6 +221,53 @@ struct SuiteArgs {
     /// How the durable scenario's durable requests ask for it.
     #[arg(long, value_enum, default_value_t = DurableArg::IdempotencyKey)]
     durable_via: DurableArg,
+    /// Stores of the tenants' counters in the tenants scenario, one
+    /// deployment each (default: embedded,nats).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    tenant_stores: Vec<JournalStore>,
+    /// Open-loop rate of the tenants scenario.
+    #[arg(long, default_value_t = 1000.0)]
+    tenant_rate: f64,
+    /// Rounds of the tenants scenario (each runs both arms and the direct
+    /// baseline; the arms alternate which goes first).
+    #[arg(long)]
+    tenant_rounds: Option<usize>,
+    /// Journal stores of the retention scenario (default: embedded,nats).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    retention_stores: Vec<JournalStore>,
+    /// Ephemeral requests per second of the retention scenario.
+    #[arg(long, default_value_t = 600.0)]
+    retention_ephemeral_rate: f64,
+    /// Durable requests per second of the retention scenario.
+    #[arg(long, default_value_t = 100.0)]
+    retention_durable_rate: f64,
+    /// Seconds of load of the retention scenario.
+    #[arg(long)]
+    retention_s: Option<f64>,
+    /// Seconds of the retention scenario left out of the slope.
+    #[arg(long)]
+    retention_warmup_s: Option<f64>,
+    /// Also run each retention store with ephemeral requests only, at the
+    /// same total rate (a control).
+    #[arg(long)]
+    retention_control: bool,
+    /// The retrieve scenario's journal store.
+    #[arg(long, value_enum, default_value_t = JournalStore::Embedded)]
+    retrieve_store: JournalStore,
+    /// Tokens of the retrieve scenario's stored answer (about 9 bytes of
+    /// text each).
+    #[arg(long)]
+    retrieve_tokens: Option<u32>,
+    /// Retrieves of the retrieve scenario.
+    #[arg(long)]
+    retrieves: Option<u64>,
+    /// Concurrent clients of the retrieve scenario.
+    #[arg(long, default_value_t = 32)]
+    retrieve_concurrency: u32,
+    /// The Edge's `request_memory_bytes` in the retrieve scenario, MiB
+    /// (default: the Edge's default, 1024).
+    #[arg(long)]
+    retrieve_memory_mib: Option<u64>,
     /// The `iop-edge` binary (default: beside this one).
     #[arg(long)]
     edge_bin: Option<PathBuf>,
@@ -291,6 +357,10 @@ async fn run_load(a: LoadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tenants and retention scenarios' stores unless `--tenant-stores`
+/// or `--retention-stores` says otherwise: the embedded store and NATS.
+const TENANT_STORES: &[JournalStore] = &[JournalStore::Embedded, JournalStore::Nats];
+
 /// The durable scenario's stores unless `--journal-stores` says otherwise
 /// (with `--quick` too): NATS is measured against the embedded store in
 /// the same run.
@@ -337,6 +407,9 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         nodes: None,
         durable: None,
         tail: None,
+        tenants: None,
+        retention: None,
+        retrieve: None,
     };
     let latency_settings = LatencySettings {
         rates: or_default(
@@ -392,6 +465,45 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
     if want(ScenarioName::Tail) {
         report.tail = Some(scenario::tail(&bins, &work, &latency_settings.rates, duration).await?);
     }
+    if want(ScenarioName::Tenants) {
+        let settings = iop_bench::tenants::TenantSettings {
+            stores: or_default(&a.tenant_stores, q, TENANT_STORES, TENANT_STORES),
+            rate_per_s: a.tenant_rate,
+            round: duration,
+            rounds: a.tenant_rounds.unwrap_or(if q { 2 } else { 6 }),
+        };
+        report.tenants = Some(iop_bench::tenants::tenants(&bins, &work, &settings).await?);
+    }
+    if want(ScenarioName::Retention) {
+        let settings = iop_bench::durable_memory::RetentionSettings {
+            stores: or_default(&a.retention_stores, q, TENANT_STORES, TENANT_STORES),
+            ephemeral_rate: a.retention_ephemeral_rate,
+            durable_rate: a.retention_durable_rate,
+            duration: secs(a.retention_s.unwrap_or(if q { 20.0 } else { 120.0 }))?,
+            warmup: secs(a.retention_warmup_s.unwrap_or(if q { 5.0 } else { 30.0 }))?,
+            sample_every: Duration::from_secs(1),
+            durability: a.durable_via.durability(),
+            control: a.retention_control,
+        };
+        anyhow::ensure!(
+            settings.durability != Durability::Ephemeral,
+            "--durable-via must ask for durable responses"
+        );
+        report.retention =
+            Some(iop_bench::durable_memory::retention(&bins, &work, &settings).await?);
+    }
+    if want(ScenarioName::Retrieve) {
+        let settings = iop_bench::durable_memory::RetrieveSettings {
+            store: a.retrieve_store,
+            tokens: a
+                .retrieve_tokens
+                .unwrap_or(if q { 20_000 } else { 250_000 }),
+            retrieves: a.retrieves.unwrap_or(if q { 500 } else { 20_000 }),
+            concurrency: a.retrieve_concurrency,
+            request_memory_bytes: a.retrieve_memory_mib.map(|m| m * 1024 * 1024),
+        };
+        report.retrieve = Some(iop_bench::durable_memory::retrieve(&bins, &work, &settings).await?);
+    }
     if want(ScenarioName::Nodes) {
         let count = a.fleet_nodes.unwrap_or(if q { 50 } else { 200 });
         let window = secs(a.idle_window_s.unwrap_or(if q { 5.0 } else { 60.0 }))?;
@@ -437,10 +549,23 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         nodes: None,
         durable: None,
         tail: None,
+        tenants: None,
+        retention: None,
+        retrieve: None,
     };
     let (json, md) = report.write(&a.out)?;
     print!("{}", report.markdown());
     eprintln!("wrote {} and {}", json.display(), md.display());
+    Ok(())
+}
+
+/// `iop-bench edge-run`: an Edge in this process until SIGINT/SIGTERM.
+async fn edge_run(config: &std::path::Path) -> anyhow::Result<()> {
+    let env = iop_transport::environment::Environment::from_process();
+    let config = iop_edge::config::EdgeConfig::load_in(Some(config), &env)?;
+    let edge = iop_edge::server::RunningEdge::start(config).await?;
+    iop_transport::signals::shutdown_signal().await;
+    edge.shutdown().await;
     Ok(())
 }
 
@@ -453,6 +578,10 @@ fn main() -> anyhow::Result<()> {
             Command::Load(a) => run_load(a).await,
             Command::Suite(a) => run_suite(a).await,
             Command::Peer(a) => run_peer(a).await,
+            Command::EdgeRun { config } => {
+                iop_transport::logging::init(iop_transport::logging::LogFormat::Text);
+                edge_run(&config).await
+            }
             Command::Fleet { dir, count } => {
                 iop_transport::logging::init(iop_transport::logging::LogFormat::Text);
                 iop_bench::fleet::run(&dir, count).await
@@ -476,7 +605,9 @@ mod tests {
     #[test]
     fn only_selects_scenarios_and_none_selects_all() {
         use ScenarioName::*;
-        let all = [Latency, Nagle, Streaming, Memory, Nodes, Durable];
+        let all = [
+            Latency, Nagle, Streaming, Memory, Nodes, Durable, Tenants, Retention, Retrieve,
+        ];
         // The default full run includes every scenario, nagle too.
         assert!(all.iter().all(|&s| wants(&only(&[]), s)));
         let nagle = only(&["--only", "nagle"]);

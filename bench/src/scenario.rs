@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::BufReader;
 
 use crate::deployment::{
-    Binaries, DeployError, Deployment, DeploymentSpec, JournalStore, MockSpec, Proc,
+    Binaries, DeployError, Deployment, DeploymentSpec, EdgeExtras, JournalStore, MockSpec, Proc,
     edge_config_head, free_tcp_port, free_udp_port, node_config, read_line_until, wait_http_ok,
     wait_providers_ready, write_pki,
 };
@@ -214,6 +214,7 @@ pub fn latency_deployment(
         queue_capacity: 4096,
         journal: JournalStore::default(),
         otlp_traces: None,
+        extras: EdgeExtras::default(),
     }
 }
 
@@ -651,6 +652,7 @@ pub fn memory_deployment(work: &Path, nodes: usize, max_streams: usize) -> Deplo
         queue_capacity: 1024,
         journal: JournalStore::default(),
         otlp_traces: None,
+        extras: EdgeExtras::default(),
     }
 }
 
@@ -1619,6 +1621,15 @@ pub struct SuiteReport {
     /// Where the slowest requests waited.
     #[serde(default)]
     pub tail: Option<TailResult>,
+    /// Tenants' limits and budgets on vs off.
+    #[serde(default)]
+    pub tenants: Option<crate::tenants::TenantResult>,
+    /// Edge memory while durable responses are retained.
+    #[serde(default)]
+    pub retention: Option<crate::durable_memory::RetentionResult>,
+    /// Edge memory under retrieves of one large stored response.
+    #[serde(default)]
+    pub retrieve: Option<crate::durable_memory::RetrieveResult>,
 }
 
 fn kib(bytes: f64) -> String {
@@ -1729,6 +1740,15 @@ impl SuiteReport {
             out.push_str("## Durable vs ephemeral responses\n\n");
             out.push_str(&dr.markdown());
             out.push('\n');
+        }
+        if let Some(t) = &self.tenants {
+            out.push_str(&t.markdown());
+        }
+        if let Some(r) = &self.retention {
+            out.push_str(&r.markdown());
+        }
+        if let Some(r) = &self.retrieve {
+            out.push_str(&r.markdown());
         }
         if let Some(n) = &self.nodes {
             out.push_str(&format!(
@@ -1918,6 +1938,9 @@ mod tests {
             nodes: None,
             durable: None,
             tail: None,
+            tenants: None,
+            retention: None,
+            retrieve: None,
         };
         let md = report.markdown();
         let plain = md
@@ -1977,6 +2000,9 @@ mod tests {
             nodes: None,
             durable: None,
             tail: None,
+            tenants: None,
+            retention: None,
+            retrieve: None,
         };
         let md = report.markdown();
         assert!(

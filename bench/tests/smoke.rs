@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use iop_bench::deployment::{
-    API_KEY, DeployError, JournalStore, NatsServer, edge_config_head, nats_server_binary,
-    node_config, write_pki,
+    API_KEY, DeployError, EdgeExtras, JournalStore, NatsServer, edge_config_head,
+    nats_server_binary, node_config, write_pki, write_secret_file,
 };
 use iop_bench::load::{self, Durability, LoadSpec, Target};
 use iop_bench::report::{LoadMode, LoadReport, added_latency_table, load_table};
@@ -44,6 +44,16 @@ impl InProcess {
     /// The same, the Edge and the Node exporting the spans of sampled
     /// requests to `traces` (an OTLP/HTTP endpoint).
     async fn start_full(journal: JournalStore, traces: Option<&str>) -> Self {
+        Self::start_extras(journal, traces, &EdgeExtras::default()).await
+    }
+
+    /// The same, with `extras` in the Edge's config (its secret files
+    /// written first).
+    async fn start_extras(
+        journal: JournalStore,
+        traces: Option<&str>,
+        extras: &EdgeExtras,
+    ) -> Self {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = tempfile::tempdir().expect("tempdir");
         write_pki(dir.path(), &["n1".to_owned()]).expect("pki");
@@ -57,11 +67,15 @@ impl InProcess {
         };
         let mut edge_toml = edge_config_head(0, 0, 256);
         journal
-            .add_to_edge_config(
+            .add_to_edge_config_with(
                 &mut edge_toml,
                 nats.as_ref().map(NatsServer::url).as_deref(),
+                extras,
             )
             .expect("journal config");
+        for (name, secret) in &extras.key_files {
+            write_secret_file(&dir.path().join(name), secret).expect("key file");
+        }
         edge_toml.push_str(
             "[[providers]]\nid = \"norm\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\n\
              [[providers]]\nid = \"tun\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 64\nmode = \"tunnel\"\n\
@@ -71,6 +85,7 @@ impl InProcess {
         );
         let traces = traces.map(otlp_traces_section).unwrap_or_default();
         edge_toml.push_str(&traces);
+        edge_toml.push_str(&extras.tables);
         let edge =
             RunningEdge::start(EdgeConfig::parse(&edge_toml, dir.path()).expect("edge config"))
                 .await
@@ -541,5 +556,199 @@ async fn durable_scenario_on(store: JournalStore) {
     let ops = after.since(&before);
     let created = ops.iter().find(|o| o.op == "create").map_or(0, |o| o.ok);
     assert_eq!(created, r.requests, "{ops:?}");
+    d.stop().await;
+}
+
+/// The tenants scenario, shortest form, on an in-process Edge whose
+/// tenants' counters are in `store`: both arms answered with zero errors
+/// (nothing refused), latency pooled per arm, and the metered principal's
+/// usage and spend counted in the store.
+async fn tenants_scenario_on(store: JournalStore) {
+    use iop_bench::tenants::{
+        METERED_KEY, METERED_PRINCIPAL, MeteredLimits, OFF, ON, TenantArms, TenantResult,
+        TenantSettings, metered_extras, tenant_runs,
+    };
+    let extras = metered_extras(
+        "mock-metered",
+        &["norm".to_owned()],
+        &MeteredLimits::default(),
+        store,
+    );
+    let d = InProcess::start_extras(store, None, &extras).await;
+    let mut on = d.via("mock-metered");
+    on.api_key = Some(METERED_KEY.to_owned());
+    // The direct baseline once (on the embedded store's run), to keep the
+    // test short.
+    let direct = (store == JournalStore::Embedded).then(|| d.direct());
+    let with_direct = direct.is_some();
+    let arms = TenantArms {
+        direct,
+        off: d.via("mock"),
+        on,
+    };
+    let settings = TenantSettings {
+        stores: vec![store],
+        rate_per_s: 40.0,
+        round: Duration::from_millis(1500),
+        rounds: 2,
+    };
+    let r = tenant_runs(&d, store, &arms, &settings)
+        .await
+        .expect("tenants scenario");
+    assert_eq!(r.direct.is_some(), with_direct);
+    for arm in r.direct.iter().chain([&r.off, &r.on]) {
+        assert_eq!(
+            arm.errors,
+            Default::default(),
+            "{store:?} {}: {:?}",
+            arm.label,
+            arm.errors
+        );
+        assert_eq!(arm.rounds.len(), 2);
+        for round in &arm.rounds {
+            assert_well_formed(round, false);
+        }
+        let pooled = arm.pooled.expect("pooled percentiles");
+        assert_eq!(pooled.count, arm.ok);
+        assert_eq!(arm.ok, arm.rounds.iter().map(|r| r.ok).sum::<u64>());
+        // In process: no CPU time of the Edge's own.
+        assert!(arm.edge_us_per_request.is_none());
+    }
+    assert_eq!((r.off.label.as_str(), r.on.label.as_str()), (OFF, ON));
+    assert!(r.added_us().is_some() && r.median_round_added_us().is_some());
+    assert_eq!(r.round_added_us().len(), 2);
+    // The metered key's requests were claimed from the store's counters
+    // and settled into its usage (written every second).
+    assert_eq!(r.status["store_reachable"], true, "{}", r.status);
+    assert!(r.status["claims"].as_u64().unwrap_or(0) > 0, "{}", r.status);
+    assert_eq!(r.status["claim_failures"], 0, "{}", r.status);
+    let usage = &r.status["today"]["principals"][METERED_PRINCIPAL];
+    assert!(usage["requests"].as_u64().unwrap_or(0) > 0, "{}", r.status);
+    assert!(
+        usage["spend_micros"].as_u64().unwrap_or(0) > 0,
+        "{}",
+        r.status
+    );
+    let result = TenantResult {
+        limits: MeteredLimits::default(),
+        stores: vec![r],
+    };
+    let json = serde_json::to_string(&result).expect("json");
+    let back: TenantResult = serde_json::from_str(&json).expect("json round trip");
+    assert_eq!(back, result);
+    let md = result.markdown();
+    let rows = md
+        .lines()
+        .filter(|l| l.starts_with(&format!("| {} |", store.as_str())));
+    // The arms, the difference, the rounds.
+    assert_eq!(rows.count(), 4 + usize::from(with_direct), "{md}");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_scenario_answers_both_arms_and_meters_the_limited_key() {
+    tenants_scenario_on(JournalStore::Embedded).await;
+    if nats_server_binary().is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "nats-server is not installed and CI is set: install it (apt-get install -y nats-server)"
+        );
+        eprintln!(
+            "nats case skipped: nats-server is not installed (apt-get install -y nats-server)"
+        );
+        return;
+    }
+    tenants_scenario_on(JournalStore::Nats).await;
+}
+
+/// The retention scenario, shortest form: both loads answered, the
+/// Edge sampled all along, the journal's record gauge read and growing
+/// by the durable requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_scenario_samples_memory_and_the_journals_records() {
+    use iop_bench::durable_memory::{
+        EdgeUnderTest, RetentionResult, RetentionSettings, retention_run,
+    };
+    let d = InProcess::start().await;
+    let settings = RetentionSettings {
+        stores: vec![JournalStore::Embedded],
+        ephemeral_rate: 30.0,
+        durable_rate: 20.0,
+        duration: Duration::from_secs(3),
+        warmup: Duration::from_secs(1),
+        sample_every: Duration::from_millis(200),
+        durability: Durability::IdempotencyKey,
+        control: false,
+    };
+    // In process: the RSS read is the test process's.
+    let edge = EdgeUnderTest {
+        pid: std::process::id(),
+        journal_file: Some(d._dir.path().join("edge-state").join("journal.redb")),
+    };
+    let run = retention_run(&d, &edge, JournalStore::Embedded, 30.0, 20.0, &settings)
+        .await
+        .expect("retention run");
+    assert_well_formed(&run.ephemeral, false);
+    let durable = run.durable.as_ref().expect("durable load");
+    assert_well_formed(durable, false);
+    assert!(run.samples.len() >= 10, "{:?}", run.samples);
+    assert!(run.samples.windows(2).all(|w| w[0].t_s < w[1].t_s));
+    assert!(run.samples.iter().all(|s| s.rss_bytes > 0));
+    let last = run.samples.last().unwrap();
+    // Every durable request (the warm-up's too) is a retained record.
+    assert!(
+        last.records.expect("the records gauge") >= durable.ok,
+        "{last:?}"
+    );
+    assert!(last.journal_bytes.expect("the bytes gauge") > 0);
+    assert!(last.file_bytes.expect("the store's file") > 0);
+    assert!(run.records_slope().expect("records over time") > 0.0);
+    assert!(run.rss_slope().is_some() && run.bytes_per_retained_response().is_some());
+    let result = RetentionResult { runs: vec![run] };
+    let back: RetentionResult =
+        serde_json::from_str(&serde_json::to_string(&result).expect("json")).expect("round trip");
+    assert_eq!(back, result);
+    let md = result.markdown();
+    assert_eq!(
+        md.lines()
+            .filter(|l| l.starts_with("| embedded | 30 + 20 |"))
+            .count(),
+        1,
+        "{md}"
+    );
+    d.stop().await;
+}
+
+/// The retrieve scenario, shortest form: one stored answer read back by
+/// concurrent clients, every read whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retrieve_scenario_reads_one_stored_response_back_many_times() {
+    use iop_bench::durable_memory::{RetrieveResult, RetrieveSettings, retrieve_run};
+    let d = InProcess::start().await;
+    let settings = RetrieveSettings {
+        store: JournalStore::Embedded,
+        tokens: 2000,
+        retrieves: 60,
+        concurrency: 4,
+        request_memory_bytes: None,
+    };
+    let r = retrieve_run(&d, std::process::id(), "mock:tokens=2000", &settings)
+        .await
+        .expect("retrieve scenario");
+    assert_eq!((r.ok, r.retrieves), (60, 60), "{:?}", r.errors);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    // 2,000 tokens of `tok<i>` text, and the object around them.
+    assert!(r.object_bytes > 2000 * 5, "{}", r.object_bytes);
+    assert!(r.journal_bytes.expect("journal bytes") > 2000 * 5);
+    assert_eq!(r.latency.expect("latency").count, 60);
+    assert!(r.rss_peak >= r.rss_idle && r.rss_hwm > 0);
+    let back: RetrieveResult =
+        serde_json::from_str(&serde_json::to_string(&r).expect("json")).expect("round trip");
+    assert_eq!(back, r);
+    assert!(
+        r.markdown().contains("| retrieves ok / sent | 60 / 60 |"),
+        "{}",
+        r.markdown()
+    );
     d.stop().await;
 }
