@@ -441,8 +441,12 @@ pub const LARGE_MOCK: &str = "large";
 pub struct RetrieveSettings {
     /// The journal's store.
     pub store: JournalStore,
-    /// Tokens of the stored answer (about 9 bytes of text each).
+    /// Tokens of the stored answer (about 9 bytes of text each; the mock
+    /// makes at most 100,000).
     pub tokens: u32,
+    /// Bytes of the stored request's `input` text (a retrieve reads and
+    /// parses the stored request, charged to the caller's share).
+    pub input_bytes: usize,
     /// Retrieves in all.
     pub retrieves: u64,
     /// Concurrent clients.
@@ -462,6 +466,9 @@ pub struct RetrieveResult {
     pub store: JournalStore,
     /// Tokens of the stored answer.
     pub tokens: u32,
+    /// Bytes of the stored request's `input` text.
+    #[serde(default)]
+    pub input_bytes: usize,
     /// Its response id's answer to the create, ms.
     pub create_ms: u64,
     /// Bytes of one retrieve's body (the `response` object).
@@ -509,9 +516,9 @@ impl RetrieveResult {
             |f: fn(&Percentiles) -> u64| self.latency.as_ref().map_or("-".into(), |p| ms(f(p)));
         format!(
             "## Edge memory under retrieves of one large stored response\n\n\
-             One Responses API answer of {} tokens stored (`\"store\": true`), then \
-             `GET /v1/responses/{{id}}` {} times by {} concurrent clients; the Edge's RSS \
-             read every 50 ms.\n\n\
+             One Responses API request with {:.2} MiB of input text and an answer of {} \
+             tokens stored (`\"store\": true`), then `GET /v1/responses/{{id}}` {} times \
+             by {} concurrent clients; the Edge's RSS read every 50 ms.\n\n\
              | measure | value |\n| --- | ---: |\n\
              | store | {} |\n\
              | response object per retrieve | {:.2} MiB |\n\
@@ -527,6 +534,7 @@ impl RetrieveResult {
              | request memory bound (`request_memory_bytes`) | {:.0} MiB |\n\
              | its per-key share (a retrieve is charged to it) | {:.0} MiB |\n\
              | **peak RSS within the bound** | **{}** |\n\n",
+            mib(self.input_bytes as u64),
             self.tokens,
             self.retrieves,
             self.concurrency,
@@ -630,12 +638,20 @@ pub async fn retrieve_run(
     let client = load::client()?;
     let base = format!("http://{}", g.edge_http());
     eprintln!(
-        "retrieve ({} store): storing one answer of {} tokens",
+        "retrieve ({} store): storing one request of {} input bytes and its answer of {} tokens",
         settings.store.as_str(),
+        settings.input_bytes,
         settings.tokens
     );
     let started = Instant::now();
-    let body = serde_json::json!({"model": model, "input": "hello", "store": true});
+    // The input: `hello ` again and again, `input_bytes` long.
+    let input: String = "hello "
+        .chars()
+        .cycle()
+        .take(settings.input_bytes.max(5))
+        .collect();
+    let body = serde_json::json!({"model": model, "input": input, "store": true});
+    drop(input);
     let created = client
         .post(format!("{base}/v1/responses"))
         .bearer_auth(API_KEY)
@@ -749,6 +765,7 @@ pub async fn retrieve_run(
     let result = RetrieveResult {
         store: settings.store,
         tokens: settings.tokens,
+        input_bytes: settings.input_bytes,
         create_ms,
         object_bytes: object_bytes.load(Ordering::Relaxed),
         journal_bytes,

@@ -556,6 +556,67 @@ pub async fn run_with_histogram(
     Ok((report, total))
 }
 
+/// Several open loops at once, their requests alternating one by one:
+/// every spec is an open loop at the same rate, for the same duration and
+/// warm-up; request `i` goes to spec `i % n`, `n x rate` requests per
+/// second in all, each measured from its intended send time. So every
+/// arm sees the same moments of the machine (what another job's burst
+/// does to one arm it does to the others), which rounds run one after
+/// the other cannot give. Each spec's report and its latency histogram.
+pub async fn run_alternating(
+    client: &reqwest::Client,
+    specs: &[LoadSpec],
+) -> Result<Vec<(LoadReport, Histogram<u64>)>, LoadError> {
+    let first = specs.first().ok_or(LoadError::InvalidSpec("no spec"))?;
+    let LoadMode::Open { rate_per_s } = first.mode else {
+        return Err(LoadError::InvalidSpec("alternating runs are open loop"));
+    };
+    if specs
+        .iter()
+        .any(|s| s.mode != first.mode || s.duration != first.duration || s.warmup != first.warmup)
+    {
+        return Err(LoadError::InvalidSpec(
+            "alternating specs share their rate, duration and warm-up",
+        ));
+    }
+    if first.duration.is_zero() || first.warmup >= first.duration {
+        return Err(LoadError::InvalidSpec("duration must be > warmup"));
+    }
+    if first.max_in_flight == 0 || first.max_in_flight > MAX_IN_FLIGHT_LIMIT {
+        return Err(LoadError::InvalidSpec("max_in_flight must be 1..=50000"));
+    }
+    let total_rate = rate_per_s * specs.len() as f64;
+    if !(rate_per_s > 0.0 && total_rate <= MAX_RATE_PER_S) {
+        return Err(LoadError::InvalidSpec("rate must be in (0, 1000000]"));
+    }
+    let prepared = specs
+        .iter()
+        .map(|s| prepare(client, &s.target, s.stream, s.request_timeout, None))
+        .collect::<Result<Vec<_>, _>>()?;
+    let start = Instant::now();
+    let end = start + first.duration;
+    let mut arms = Vec::new();
+    let mut collects = Vec::new();
+    for (p, s) in prepared.into_iter().zip(specs) {
+        let (tx, mut rx) = mpsc::channel::<Outcome>(OUTCOME_QUEUE);
+        let mut collector = Collector::new(start + s.warmup, end);
+        collects.push(tokio::spawn(async move {
+            while let Some(o) = rx.recv().await {
+                collector.add(o);
+            }
+            collector
+        }));
+        arms.push((p, tx));
+    }
+    open_loop(arms, start, end, total_rate, first.max_in_flight).await?;
+    let mut out = Vec::new();
+    for (collect, s) in collects.into_iter().zip(specs) {
+        let collector = collect.await?;
+        out.push((collector.report(s), collector.total));
+    }
+    Ok(out)
+}
+
 /// An empty latency histogram of the load generator's bounds (1 µs to
 /// one hour, 3 significant digits), to pool runs into.
 pub fn latency_histogram() -> Histogram<u64> {
@@ -607,7 +668,14 @@ async fn run_with(
             if !(rate_per_s > 0.0 && rate_per_s <= MAX_RATE_PER_S) {
                 return Err(LoadError::InvalidSpec("rate must be in (0, 1000000]"));
             }
-            open_loop(prepared, start, end, rate_per_s, spec.max_in_flight, tx).await?;
+            open_loop(
+                vec![(prepared, tx)],
+                start,
+                end,
+                rate_per_s,
+                spec.max_in_flight,
+            )
+            .await?;
         }
         LoadMode::Closed { concurrency } => {
             if concurrency == 0 || concurrency as usize > MAX_IN_FLIGHT_LIMIT {
@@ -622,13 +690,14 @@ async fn run_with(
     Ok((report, traced, collector.total))
 }
 
+/// Offer `rate_per_s` requests per second in all, request `i` to arm
+/// `i % arms.len()` (its target, and the collector of its outcomes).
 async fn open_loop(
-    prepared: Arc<Prepared>,
+    arms: Vec<(Arc<Prepared>, mpsc::Sender<Outcome>)>,
     start: Instant,
     end: Instant,
     rate_per_s: f64,
     max_in_flight: usize,
-    tx: mpsc::Sender<Outcome>,
 ) -> Result<(), LoadError> {
     let handle = tokio::runtime::Handle::current();
     let in_flight = Arc::new(AtomicUsize::new(0));
@@ -646,6 +715,7 @@ async fn open_loop(
             if intended > now {
                 std::thread::sleep(intended - now);
             }
+            let (prepared, tx) = &arms[i as usize % arms.len()];
             if in_flight.load(Ordering::Relaxed) >= max_in_flight {
                 let _ = tx.blocking_send(Outcome {
                     start: intended,

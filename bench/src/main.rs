@@ -27,7 +27,7 @@ enum Command {
     /// Run the end-to-end scenarios against a fresh loopback deployment of
     /// separate processes (mock, `iop-edge run`, `iop-node run`) and write
     /// `report.json` and `report.md`.
-    Suite(SuiteArgs),
+    Suite(Box<SuiteArgs>),
     /// The added-latency scenario with a peer gateway measured alongside
     /// iop, against the same mock (see scripts/bench-litellm).
     Peer(PeerArgs),
@@ -232,6 +232,10 @@ struct SuiteArgs {
     /// baseline; the arms alternate which goes first).
     #[arg(long)]
     tenant_rounds: Option<usize>,
+    /// Runs of the tenants scenario with the two arms' requests
+    /// alternating one by one (`--tenant-rate` in all, half each).
+    #[arg(long)]
+    tenant_alternating_rounds: Option<usize>,
     /// Journal stores of the retention scenario (default: embedded,nats).
     #[arg(long, value_enum, value_delimiter = ',')]
     retention_stores: Vec<JournalStore>,
@@ -255,9 +259,13 @@ struct SuiteArgs {
     #[arg(long, value_enum, default_value_t = JournalStore::Embedded)]
     retrieve_store: JournalStore,
     /// Tokens of the retrieve scenario's stored answer (about 9 bytes of
-    /// text each).
+    /// text each; at most 100,000, the mock's bound).
     #[arg(long)]
     retrieve_tokens: Option<u32>,
+    /// KiB of input text of the retrieve scenario's stored request (the
+    /// mock takes request bodies up to 2 MiB).
+    #[arg(long)]
+    retrieve_input_kib: Option<usize>,
     /// Retrieves of the retrieve scenario.
     #[arg(long)]
     retrieves: Option<u64>,
@@ -471,6 +479,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
             rate_per_s: a.tenant_rate,
             round: duration,
             rounds: a.tenant_rounds.unwrap_or(if q { 2 } else { 6 }),
+            alternating_rounds: a.tenant_alternating_rounds.unwrap_or(if q { 2 } else { 6 }),
         };
         report.tenants = Some(iop_bench::tenants::tenants(&bins, &work, &settings).await?);
     }
@@ -497,7 +506,8 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
             store: a.retrieve_store,
             tokens: a
                 .retrieve_tokens
-                .unwrap_or(if q { 20_000 } else { 250_000 }),
+                .unwrap_or(if q { 20_000 } else { 100_000 }),
+            input_bytes: a.retrieve_input_kib.unwrap_or(if q { 64 } else { 1024 }) * 1024,
             retrieves: a.retrieves.unwrap_or(if q { 500 } else { 20_000 }),
             concurrency: a.retrieve_concurrency,
             request_memory_bytes: a.retrieve_memory_mib.map(|m| m * 1024 * 1024),
@@ -576,7 +586,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         match cli.command {
             Command::Load(a) => run_load(a).await,
-            Command::Suite(a) => run_suite(a).await,
+            Command::Suite(a) => run_suite(*a).await,
             Command::Peer(a) => run_peer(a).await,
             Command::EdgeRun { config } => {
                 iop_transport::logging::init(iop_transport::logging::LogFormat::Text);

@@ -201,6 +201,10 @@ pub struct TenantSettings {
     pub round: Duration,
     /// Rounds; each runs both arms (and the direct baseline).
     pub rounds: usize,
+    /// Runs of `round` each with the two arms' requests alternating one
+    /// by one, `rate_per_s` in all (half each): both arms see the same
+    /// moments of the machine.
+    pub alternating_rounds: usize,
 }
 
 /// One arm over every round: its latency pooled, its errors, the Edge's
@@ -237,6 +241,13 @@ pub struct TenantStoreResult {
     pub off: ArmResult,
     /// Limits and a budget.
     pub on: ArmResult,
+    /// No limit, requests alternating with [`Self::alternating_on`]'s
+    /// (half the rate each), when run.
+    #[serde(default)]
+    pub alternating_off: Option<ArmResult>,
+    /// Limits and a budget, alternating with the off arm.
+    #[serde(default)]
+    pub alternating_on: Option<ArmResult>,
     /// `/status`'s `tenants` after the last round (claims, the store's
     /// reachability, today's usage per principal).
     pub status: serde_json::Value,
@@ -244,43 +255,71 @@ pub struct TenantStoreResult {
     pub load_avg: [[f64; 3]; 2],
 }
 
+/// `on − off` per pooled percentile (p50, p90, p99, p99.9), µs.
+fn pooled_diff(on: &ArmResult, off: &ArmResult) -> Option<[i64; 4]> {
+    let (a, b) = (on.pooled?.quantiles_us(), off.pooled?.quantiles_us());
+    Some(std::array::from_fn(|i| a[i] as i64 - b[i] as i64))
+}
+
+/// `on − off` per round, per percentile, µs.
+fn round_diffs(on: &ArmResult, off: &ArmResult) -> Vec<[i64; 4]> {
+    on.rounds
+        .iter()
+        .zip(&off.rounds)
+        .filter_map(|(on, off)| {
+            let (a, b) = (on.total?.quantiles_us(), off.total?.quantiles_us());
+            Some(std::array::from_fn(|i| a[i] as i64 - b[i] as i64))
+        })
+        .collect()
+}
+
+/// The median of each percentile's differences.
+fn median(rounds: &[[i64; 4]]) -> Option<[i64; 4]> {
+    if rounds.is_empty() {
+        return None;
+    }
+    Some(std::array::from_fn(|i| {
+        let mut v: Vec<i64> = rounds.iter().map(|r| r[i]).collect();
+        v.sort_unstable();
+        let n = v.len();
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2
+        }
+    }))
+}
+
 impl TenantStoreResult {
     /// On − off per pooled percentile (p50, p90, p99, p99.9), µs.
     pub fn added_us(&self) -> Option<[i64; 4]> {
-        let (on, off) = (self.on.pooled?, self.off.pooled?);
-        let (a, b) = (on.quantiles_us(), off.quantiles_us());
-        Some(std::array::from_fn(|i| a[i] as i64 - b[i] as i64))
+        pooled_diff(&self.on, &self.off)
     }
 
     /// On − off per round, per percentile, µs.
     pub fn round_added_us(&self) -> Vec<[i64; 4]> {
-        self.on
-            .rounds
-            .iter()
-            .zip(&self.off.rounds)
-            .filter_map(|(on, off)| {
-                let (a, b) = (on.total?.quantiles_us(), off.total?.quantiles_us());
-                Some(std::array::from_fn(|i| a[i] as i64 - b[i] as i64))
-            })
-            .collect()
+        round_diffs(&self.on, &self.off)
     }
 
     /// The median over rounds of on − off, per percentile, µs.
     pub fn median_round_added_us(&self) -> Option<[i64; 4]> {
-        let rounds = self.round_added_us();
-        if rounds.is_empty() {
-            return None;
+        median(&self.round_added_us())
+    }
+
+    /// On − off of the alternating runs, pooled, µs.
+    pub fn alternating_added_us(&self) -> Option<[i64; 4]> {
+        pooled_diff(
+            self.alternating_on.as_ref()?,
+            self.alternating_off.as_ref()?,
+        )
+    }
+
+    /// On − off of each alternating run, µs.
+    pub fn alternating_round_added_us(&self) -> Vec<[i64; 4]> {
+        match (&self.alternating_on, &self.alternating_off) {
+            (Some(on), Some(off)) => round_diffs(on, off),
+            _ => Vec::new(),
         }
-        Some(std::array::from_fn(|i| {
-            let mut v: Vec<i64> = rounds.iter().map(|r| r[i]).collect();
-            v.sort_unstable();
-            let n = v.len();
-            if n % 2 == 1 {
-                v[n / 2]
-            } else {
-                (v[n / 2 - 1] + v[n / 2]) / 2
-            }
-        }))
     }
 }
 
@@ -450,8 +489,16 @@ pub async fn tenant_runs(
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
+    let (alternating_off, alternating_on) = if settings.alternating_rounds > 0 {
+        let (off, on) = alternating(&client, store, arms, settings).await?;
+        (Some(off), Some(on))
+    } else {
+        (None, None)
+    };
     let status = tenants_status(&client, g).await;
     Ok(TenantStoreResult {
+        alternating_off,
+        alternating_on,
         store,
         mode,
         round_s: settings.round.as_secs_f64(),
@@ -464,6 +511,65 @@ pub async fn tenant_runs(
             crate::procfs::load_average().unwrap_or_default(),
         ],
     })
+}
+
+/// The alternating runs: off and on requests one by one,
+/// `settings.rate_per_s` in all.
+async fn alternating(
+    client: &reqwest::Client,
+    store: JournalStore,
+    arms: &TenantArms,
+    settings: &TenantSettings,
+) -> Result<(ArmResult, ArmResult), ScenarioError> {
+    let mode = LoadMode::Open {
+        rate_per_s: settings.rate_per_s / 2.0,
+    };
+    let mut off = ArmAcc::new(OFF);
+    let mut on = ArmAcc::new(ON);
+    off.edge_ticks = None;
+    on.edge_ticks = None;
+    for round in 0..settings.alternating_rounds {
+        eprintln!(
+            "tenants ({} store): alternating run {}/{}, {}/s in all",
+            store.as_str(),
+            round + 1,
+            settings.alternating_rounds,
+            settings.rate_per_s
+        );
+        let spec =
+            |label: &str, t: &Target| LoadSpec::new(label, t.clone(), false, mode, settings.round);
+        // Which arm takes the even requests changes every run.
+        let (specs, on_first) = if round % 2 == 0 {
+            (vec![spec(OFF, &arms.off), spec(ON, &arms.on)], false)
+        } else {
+            (vec![spec(ON, &arms.on), spec(OFF, &arms.off)], true)
+        };
+        let mut results = load::run_alternating(client, &specs).await?;
+        if on_first {
+            results.reverse();
+        }
+        for (acc, (report, hist)) in [&mut off, &mut on].into_iter().zip(results) {
+            acc.hist
+                .add(&hist)
+                .map_err(|e| ScenarioError::Timeout(format!("pooling histograms: {e}")))?;
+            acc.ok += report.ok;
+            for (k, v) in &report.errors {
+                *acc.errors.entry(k.clone()).or_default() += v;
+            }
+            eprintln!(
+                "  {:<12} ok {:>7} err {:>5} p50 {} p99 {} p99.9 {} ms",
+                acc.label,
+                report.ok,
+                report.error_count(),
+                report.total.map_or("-".into(), |p| ms(p.p50_us)),
+                report.total.map_or("-".into(), |p| ms(p.p99_us)),
+                report.total.map_or("-".into(), |p| ms(p.p999_us)),
+            );
+            acc.rounds.push(report);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok((off.result(), on.result()))
 }
 
 fn cell(p: Option<Percentiles>, i: usize) -> String {
@@ -573,6 +679,48 @@ impl TenantResult {
                 s.store.as_str(),
                 rounds.join("; ")
             ));
+        }
+        if self.stores.iter().any(|s| s.alternating_on.is_some()) {
+            out.push_str(
+                "\n### Requests alternating one by one (off, on, off, on, ...; ms)\n\n\
+                 One open loop at the scenario's rate in all, each arm half of it, so both \
+                 arms see the same moments of the machine; runs pooled per arm.\n\n\
+                 | store | load per arm | runs × s | ok off / on | errors off / on | off p50 | on p50 | off p99 | on p99 | off p99.9 | on p99.9 | **on − off p50** | **on − off p99** | on − off p99.9 | per run on − off p50 / p99 |\n\
+                 | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+            );
+            for s in &self.stores {
+                let (Some(off), Some(on)) = (&s.alternating_off, &s.alternating_on) else {
+                    continue;
+                };
+                let d = signed_cells(s.alternating_added_us());
+                let runs: Vec<String> = s
+                    .alternating_round_added_us()
+                    .iter()
+                    .map(|r| format!("{} / {}", ms_signed(r[0]), ms_signed(r[2])))
+                    .collect();
+                let per_arm = on.rounds.first().map_or("-".into(), |r| r.mode.label());
+                out.push_str(&format!(
+                    "| {} | {} | {} × {:.0} | {} / {} | {} / {} | {} | {} | {} | {} | {} | {} | **{}** | **{}** | {} | {} |\n",
+                    s.store.as_str(),
+                    per_arm,
+                    on.rounds.len(),
+                    s.round_s,
+                    off.ok,
+                    on.ok,
+                    errors_cell(&off.errors),
+                    errors_cell(&on.errors),
+                    cell(off.pooled, 0),
+                    cell(on.pooled, 0),
+                    cell(off.pooled, 2),
+                    cell(on.pooled, 2),
+                    cell(off.pooled, 3),
+                    cell(on.pooled, 3),
+                    d[0],
+                    d[2],
+                    d[3],
+                    runs.join("; "),
+                ));
+            }
         }
         out.push_str("\n### The tenants' store after the runs (`/status` `tenants`)\n\n");
         for s in &self.stores {

@@ -591,6 +591,7 @@ async fn tenants_scenario_on(store: JournalStore) {
         rate_per_s: 40.0,
         round: Duration::from_millis(1500),
         rounds: 2,
+        alternating_rounds: 2,
     };
     let r = tenant_runs(&d, store, &arms, &settings)
         .await
@@ -617,6 +618,19 @@ async fn tenants_scenario_on(store: JournalStore) {
     assert_eq!((r.off.label.as_str(), r.on.label.as_str()), (OFF, ON));
     assert!(r.added_us().is_some() && r.median_round_added_us().is_some());
     assert_eq!(r.round_added_us().len(), 2);
+    // Alternating request by request: each arm half the rate, no error.
+    for arm in [r.alternating_off.as_ref(), r.alternating_on.as_ref()] {
+        let arm = arm.expect("alternating runs");
+        assert_eq!(arm.errors, Default::default(), "{store:?} {}", arm.label);
+        assert_eq!(arm.rounds.len(), 2);
+        for round in &arm.rounds {
+            assert_well_formed(round, false);
+            assert_eq!(round.mode, LoadMode::Open { rate_per_s: 20.0 });
+        }
+        assert_eq!(arm.pooled.expect("pooled").count, arm.ok);
+    }
+    assert_eq!(r.alternating_round_added_us().len(), 2);
+    assert!(r.alternating_added_us().is_some());
     // The metered key's requests were claimed from the store's counters
     // and settled into its usage (written every second).
     assert_eq!(r.status["store_reachable"], true, "{}", r.status);
@@ -640,8 +654,8 @@ async fn tenants_scenario_on(store: JournalStore) {
     let rows = md
         .lines()
         .filter(|l| l.starts_with(&format!("| {} |", store.as_str())));
-    // The arms, the difference, the rounds.
-    assert_eq!(rows.count(), 4 + usize::from(with_direct), "{md}");
+    // The arms, the difference, the rounds, the alternating runs.
+    assert_eq!(rows.count(), 5 + usize::from(with_direct), "{md}");
     d.stop().await;
 }
 
@@ -728,6 +742,7 @@ async fn retrieve_scenario_reads_one_stored_response_back_many_times() {
     let settings = RetrieveSettings {
         store: JournalStore::Embedded,
         tokens: 2000,
+        input_bytes: 4096,
         retrieves: 60,
         concurrency: 4,
         request_memory_bytes: None,
