@@ -41,7 +41,9 @@
 //! holds while what a request settles stays within what it reserved (a
 //! prompt estimated from above, output within its maximum); an attempt
 //! beyond the first (failover, continuation) sends the prompt again and
-//! must reserve again before it starts. A request that ended without a
+//! must reserve again before it starts ([`Tenants::reserve_attempt`], which
+//! the request machine asks for); settling gives back every reservation of
+//! the request once and charges what it used once. A request that ended without a
 //! provider call is released: it used nothing but its request count.
 //!
 //! One principal's use never changes another's admission: every count is
@@ -323,7 +325,7 @@ pub struct AdmitRequest {
 }
 
 /// Why a request is refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RefusalKind {
     /// Over a rate: 429 `rate_limit_exceeded`.
@@ -343,6 +345,19 @@ pub struct Refusal {
     pub meter: Option<Meter>,
     /// When it may fit again, ms from now (`None`: not by waiting).
     pub retry_after_ms: Option<u64>,
+}
+
+/// A further attempt's reservation that does not fit (R-TEN-2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRefusal {
+    /// Which limit, and when it may fit.
+    pub refusal: Refusal,
+    /// A claim that would let it fit is on its way to the store (this Edge
+    /// holds too little of the allowance, not the window too little):
+    /// asked again once the store answered, it may fit. An attempt follows
+    /// its failed one at once, often before the claim its admission set
+    /// off is answered.
+    pub claim_pending: bool,
 }
 
 /// What `x-ratelimit-*` headers say for one meter (R-TEN-1).
@@ -366,6 +381,24 @@ struct Reservation {
     price: Option<Price>,
     /// Its usage row (the day it was admitted).
     usage: UsageKey,
+    /// What a further attempt reserves again (R-TEN-2).
+    again: AttemptTerms,
+    /// Further attempts reserved.
+    attempts: u32,
+}
+
+/// What each further attempt of a request that sends its prompt again
+/// reserves (R-TEN-2): the tokens and spend of its admission's
+/// reservation, on the same subjects' counters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct AttemptTerms {
+    /// (counter, limit, refusal, end of its window in Unix ms): tokens
+    /// count in the attempt's own minute, spend in the admission's period.
+    meters: Vec<(CounterKey, u64, RefusalKind, Option<u64>)>,
+    /// Input + output tokens of one attempt.
+    tokens: u64,
+    /// Its spend.
+    spend: u64,
 }
 
 /// One counter as this Edge holds it.
@@ -465,8 +498,9 @@ impl Tenants {
         self.reservations.len()
     }
 
-    /// The chunk of a counter with `limit`.
-    fn chunk(&self, limit: u64) -> u64 {
+    /// The chunk an Edge claims of a counter with `limit` (R-TEN-3: a
+    /// window's use stays within `limit` + Edge processes x chunk).
+    pub fn chunk(&self, limit: u64) -> u64 {
         ((limit as f64 * self.cfg.chunk_fraction) as u64).clamp(1, limit.max(1))
     }
 
@@ -592,6 +626,21 @@ impl Tenants {
                 });
             }
         }
+        let again = AttemptTerms {
+            meters: wants
+                .iter()
+                .filter(|(key, ..)| matches!(key.meter, Meter::Tokens | Meter::Spend))
+                .map(|(key, _, limit, kind, wait)| {
+                    let ends = match key.meter {
+                        Meter::Spend => wait.map(|w| request.unix_ms + w),
+                        _ => None,
+                    };
+                    (key.clone(), *limit, *kind, ends)
+                })
+                .collect(),
+            tokens,
+            spend,
+        };
         let mut held = Vec::new();
         for (key, amount, limit, _, _) in wants {
             self.take(now, &key, amount, limit);
@@ -616,9 +665,109 @@ impl Tenants {
                     key: request.key.clone(),
                     model: request.model.clone(),
                 },
+                again,
+                attempts: 0,
             },
         );
         Ok(())
+    }
+
+    /// Reserve again for a further attempt of ticket's request that sends
+    /// its prompt again (R-TEN-2: a failover, a continuation), at `now`
+    /// (`unix_ms` on the wall clock): the tokens and spend its admission
+    /// reserved, plus `extra_input_tokens` (what a continuation sends
+    /// besides the prompt: the answer so far), against the same limits;
+    /// nothing is taken unless all fit. Refused, the request ends with the
+    /// refusal and calls no provider again (unless a claim that would let it
+    /// fit is on its way: then it may ask again shortly, see
+    /// [`AttemptRefusal::claim_pending`]); either way [`Self::settle`] or
+    /// [`Self::release`] ends every reservation of the ticket, once. A
+    /// ticket this Edge does not hold (never admitted here, or settled)
+    /// has nothing to reserve against.
+    pub fn reserve_attempt(
+        &mut self,
+        now: Instant,
+        ticket: u64,
+        extra_input_tokens: u64,
+        unix_ms: u64,
+    ) -> Result<(), AttemptRefusal> {
+        let Some(reservation) = self.reservations.get(&ticket) else {
+            return Ok(());
+        };
+        let terms = &reservation.again;
+        let extra_spend = reservation.price.map_or(0, |p| {
+            TokenUse {
+                input: extra_input_tokens,
+                ..TokenUse::default()
+            }
+            .cost(&p)
+        });
+        let minute = unix_ms - unix_ms % MINUTE_MS;
+        let reset_ms = minute + MINUTE_MS - unix_ms;
+        let wants: Vec<(CounterKey, u64, u64, RefusalKind, Option<u64>)> = terms
+            .meters
+            .iter()
+            .map(|(key, limit, kind, ends)| {
+                let mut key = key.clone();
+                let (amount, wait) = match key.meter {
+                    Meter::Tokens => {
+                        key.window_unix_ms = minute;
+                        let amount = terms.tokens.saturating_add(extra_input_tokens);
+                        (amount, (amount <= *limit).then_some(reset_ms))
+                    }
+                    _ => (
+                        terms.spend.saturating_add(extra_spend),
+                        ends.map(|end| end.saturating_sub(unix_ms)),
+                    ),
+                };
+                (key, amount, *limit, *kind, wait)
+            })
+            .collect();
+        for (key, amount, limit, kind, wait) in &wants {
+            if !self.fits(key, *amount, *limit) {
+                let coming = self.claim_for(key, *amount, *limit);
+                return Err(AttemptRefusal {
+                    refusal: Refusal {
+                        kind: *kind,
+                        subject: key.subject.clone(),
+                        meter: Some(key.meter),
+                        retry_after_ms: if coming { Some(CLAIM_RETRY_MS) } else { *wait },
+                    },
+                    claim_pending: coming,
+                });
+            }
+        }
+        let mut held = Vec::new();
+        for (key, amount, limit, _, _) in wants {
+            self.take(now, &key, amount, limit);
+            held.push((key, amount));
+        }
+        if let Some(reservation) = self.reservations.get_mut(&ticket) {
+            reservation.held.extend(held);
+            reservation.attempts += 1;
+        }
+        Ok(())
+    }
+
+    /// How many reservations ticket's request holds: its admission's and
+    /// one per further attempt (0: none, it was settled or never
+    /// admitted here).
+    pub fn reservations_of(&self, ticket: u64) -> u32 {
+        self.reservations.get(&ticket).map_or(0, |r| 1 + r.attempts)
+    }
+
+    /// What ticket's reservations hold, in the order they were taken:
+    /// (counter, amount).
+    pub fn held_by(&self, ticket: u64) -> &[(CounterKey, u64)] {
+        self.reservations
+            .get(&ticket)
+            .map_or(&[], |r| r.held.as_slice())
+    }
+
+    /// How much of `counter` this Edge has used (reserved by requests in
+    /// flight and settled), if it holds the counter.
+    pub fn used(&self, counter: &CounterKey) -> Option<u64> {
+        self.holdings.get(counter).map(|h| h.used)
     }
 
     /// Whether `amount` of `key` (limit `limit`) fits now: within what
@@ -737,20 +886,44 @@ impl Tenants {
         let reservation = self.reservations.remove(&ticket)?;
         let spend = reservation.price.map_or(0, |p| used.cost(&p));
         self.end_in_flight(&reservation);
-        for (key, reserved) in &reservation.held {
-            let actual = match key.meter {
-                Meter::Requests => *reserved,
-                Meter::Tokens => used.total(),
-                Meter::Spend => spend,
-                Meter::JournalBytes | Meter::Background => continue,
+        // Every reservation is given back and what the request used is
+        // charged once: each (subject, meter)'s use fills its reservations
+        // in the order they were taken, the rest goes to the last (R-TEN-2).
+        let mut left: BTreeMap<(&Subject, Meter), u64> = BTreeMap::new();
+        let mut last: BTreeMap<(&Subject, Meter), usize> = BTreeMap::new();
+        for (i, (key, reserved)) in reservation.held.iter().enumerate() {
+            let group = (&key.subject, key.meter);
+            last.insert(group, i);
+            match key.meter {
+                Meter::Requests => *left.entry(group).or_default() += reserved,
+                Meter::Tokens => _ = left.insert(group, used.total()),
+                Meter::Spend => _ = left.insert(group, spend),
+                Meter::JournalBytes | Meter::Background => {}
+            }
+        }
+        let mut charges = Vec::with_capacity(reservation.held.len());
+        for (i, (key, reserved)) in reservation.held.iter().enumerate() {
+            let group = (&key.subject, key.meter);
+            let Some(left) = left.get_mut(&group) else {
+                charges.push(None);
+                continue;
             };
-            let Some(holding) = self.holdings.get_mut(key) else {
+            let charge = if last.get(&group) == Some(&i) {
+                *left
+            } else {
+                (*left).min(*reserved)
+            };
+            *left -= charge;
+            charges.push(Some(charge));
+        }
+        for ((key, reserved), charge) in reservation.held.iter().zip(charges) {
+            let (Some(charge), Some(holding)) = (charge, self.holdings.get_mut(key)) else {
                 continue;
             };
             holding.used = holding
                 .used
                 .saturating_sub(*reserved)
-                .saturating_add(actual);
+                .saturating_add(charge);
             holding.last_used = Some(now);
             self.claim_more(key);
         }
@@ -892,3 +1065,6 @@ impl Tenants {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod attempt_tests;

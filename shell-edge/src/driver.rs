@@ -629,6 +629,23 @@ impl Driver {
                 }
                 RequestOutput::Deliver(delivery) => self.deliver(delivery).await,
                 RequestOutput::Observe(observation) => self.observe(observation),
+                RequestOutput::ReserveAttempt {
+                    extra_input_tokens_max,
+                    ..
+                } => {
+                    // R-TEN-2: the tenant's machine answers at once; a
+                    // request no tenant holds (a takeover's) has nothing to
+                    // reserve against.
+                    let reserved = match &self.work.tenant {
+                        Some(tenant) => tenant.reserve_attempt(extra_input_tokens_max),
+                        None => Ok(()),
+                    };
+                    let input = match reserved {
+                        Ok(()) => RequestInput::AttemptReserved,
+                        Err(refusal) => RequestInput::AttemptRefused(refusal),
+                    };
+                    self.machine.handle_input(self.ctx.clock.now(), input);
+                }
             }
         }
     }

@@ -22,8 +22,8 @@ use std::time::Duration;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use iop_core::tenant::usage::{UsageBook, UsageKey, UsageTotals};
 use iop_core::tenant::{
-    AdmitRequest, Held, Limits, Meter, Price, Refusal, RefusalKind, Subject, Tenants,
-    TenantsConfig, TenantsInput, TenantsOutput, TokenUse,
+    AdmitRequest, AttemptRefusal, Held, Limits, Meter, Price, Refusal, RefusalKind, Subject,
+    Tenants, TenantsConfig, TenantsInput, TenantsOutput, TokenUse,
 };
 use iop_store::TenantStore;
 use iop_transport::clock::Clock;
@@ -145,6 +145,16 @@ impl TenantHold {
     }
 }
 
+impl TenantHold {
+    /// Reserve for a further attempt of the request that sends its prompt
+    /// again, with `extra_input_tokens` more input (R-TEN-2; the request
+    /// machine's `ReserveAttempt`): a direct answer, as at admission.
+    pub fn reserve_attempt(&self, extra_input_tokens: u64) -> Result<(), AttemptRefusal> {
+        self.tenancy
+            .reserve_attempt(self.ticket, extra_input_tokens)
+    }
+}
+
 impl std::fmt::Debug for TenantHold {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TenantHold")
@@ -240,6 +250,35 @@ impl Tenancy {
             used: Mutex::new(None),
             headers,
         })
+    }
+
+    fn reserve_attempt(
+        self: &Arc<Self>,
+        ticket: u64,
+        extra_input_tokens: u64,
+    ) -> Result<(), AttemptRefusal> {
+        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        let reserved = machine.reserve_attempt(
+            self.clock.now(),
+            ticket,
+            extra_input_tokens,
+            iop_transport::clock::unix_ms(),
+        );
+        let claims = drain(&mut machine);
+        drop(machine);
+        self.send_claims(claims);
+        if let Err(AttemptRefusal {
+            refusal,
+            claim_pending: false,
+        }) = &reserved
+        {
+            tracing::info!(
+                event = "edge_tenant_attempt_refused",
+                meter = refusal.meter.map_or("requests in flight", Meter::as_str),
+                "a further attempt does not fit its tenant's limits: the request ends without it"
+            );
+        }
+        reserved
     }
 
     fn settle(self: &Arc<Self>, ticket: u64, used: Option<TokenUse>) {

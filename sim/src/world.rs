@@ -2418,6 +2418,11 @@ impl World {
                     );
                 }
             }
+            // R-TEN-2: no tenant limits a request here; a further attempt
+            // is reserved at once.
+            RequestOutput::ReserveAttempt { .. } => {
+                self.request_input(rid, RequestInput::AttemptReserved);
+            }
             RequestOutput::Deliver(delivery) => {
                 let record = self.edges[self.cur]
                     .as_ref()

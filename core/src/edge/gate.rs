@@ -42,6 +42,7 @@ use std::time::Duration;
 use iop_wire::{FailureCode, ProviderHealth, ProviderTunnelFrame, RunEventKind};
 
 use crate::ids::ProviderId;
+use crate::tenant::RefusalKind;
 use crate::time::Instant;
 
 /// The largest `max_attempts` a [`GateBudget`] accepts: the bound on how
@@ -233,6 +234,16 @@ pub enum AdmissionFailure {
     NoEligibleProvider,
     /// The attempt waited in the queue past the queue's own deadline.
     QueueTimeout,
+    /// The tenant's limits refused the reservation of a further attempt
+    /// that would send the prompt again (R-TEN-2): 429
+    /// `rate_limit_exceeded` or `insufficient_quota`, no provider call.
+    Tenant {
+        /// Over a rate or over a quota or budget.
+        kind: RefusalKind,
+        /// When it may fit again, ms from the refusal (`None`: not by
+        /// waiting, or not known: a name read back from a record).
+        retry_after_ms: Option<u64>,
+    },
 }
 
 impl AdmissionFailure {
@@ -242,15 +253,32 @@ impl AdmissionFailure {
             AdmissionFailure::QueueFull => "queue_full",
             AdmissionFailure::NoEligibleProvider => "no_eligible_provider",
             AdmissionFailure::QueueTimeout => "queue_timeout",
+            AdmissionFailure::Tenant {
+                kind: RefusalKind::RateLimited,
+                ..
+            } => "rate_limit_exceeded",
+            AdmissionFailure::Tenant {
+                kind: RefusalKind::InsufficientQuota,
+                ..
+            } => "insufficient_quota",
         }
     }
 
-    /// The failure named `s` ([`Self::as_str`]'s inverse).
+    /// The failure named `s` ([`Self::as_str`]'s inverse; a tenant's
+    /// refusal comes back without its `retry_after_ms`).
     pub fn parse(s: &str) -> Option<Self> {
         [
             AdmissionFailure::QueueFull,
             AdmissionFailure::NoEligibleProvider,
             AdmissionFailure::QueueTimeout,
+            AdmissionFailure::Tenant {
+                kind: RefusalKind::RateLimited,
+                retry_after_ms: None,
+            },
+            AdmissionFailure::Tenant {
+                kind: RefusalKind::InsufficientQuota,
+                retry_after_ms: None,
+            },
         ]
         .into_iter()
         .find(|f| f.as_str() == s)
@@ -997,6 +1025,14 @@ mod tests {
                 AdmissionFailure::QueueFull,
                 AdmissionFailure::NoEligibleProvider,
                 AdmissionFailure::QueueTimeout,
+                AdmissionFailure::Tenant {
+                    kind: RefusalKind::RateLimited,
+                    retry_after_ms: None,
+                },
+                AdmissionFailure::Tenant {
+                    kind: RefusalKind::InsufficientQuota,
+                    retry_after_ms: None,
+                },
             ]
             .map(GateFailure::Admission),
         );

@@ -27,6 +27,15 @@
 //!   it.
 //! * With the client: [`RequestOutput::Deliver`] in order; a client that
 //!   went away is [`RequestInput::ClientDisconnected`].
+//! * With the tenant's limits (R-TEN-2): before each further attempt that
+//!   sends the prompt again (a failover, a continuation) the request asks
+//!   for a fresh reservation with [`RequestOutput::ReserveAttempt`]; the
+//!   driver answers [`RequestInput::AttemptReserved`] or
+//!   [`RequestInput::AttemptRefused`] (from
+//!   [`Tenants::reserve_attempt`](crate::tenant::Tenants::reserve_attempt)),
+//!   and a refused request ends with the tenant's 429 and calls no
+//!   provider. The first attempt's reservation is the admission's; an
+//!   adoption sends nothing again and reserves nothing.
 //!
 //! ## Driver loop
 //!
@@ -58,6 +67,7 @@ use crate::ids::ProviderId;
 use crate::journal::{JournalError, RecordStatus, Terminal};
 #[cfg(feature = "planted-bugs")]
 use crate::planted::{Planted, PlantedBug};
+use crate::tenant::AttemptRefusal;
 use crate::time::Instant;
 
 /// The most deliveries held before commit (R-GATE-2 holds everything that
@@ -133,6 +143,14 @@ pub struct RequestSpec {
     #[serde(default)]
     pub continuation: bool,
 }
+
+/// How long a further attempt whose reservation waits for a claim on its
+/// way asks again (R-TEN-2, R-TEN-3).
+pub const RESERVE_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// The most times one further attempt asks for its reservation (20 x
+/// [`RESERVE_RETRY`]: a second for the store to answer the claim).
+pub const MAX_RESERVE_ASKS: u32 = 20;
 
 /// How long a terminal the store refused waits before it is written again.
 pub const JOURNAL_RETRY: std::time::Duration = std::time::Duration::from_millis(500);
@@ -233,6 +251,15 @@ pub enum RequestInput {
     /// A node reported a parked run (R-PARK-2): if it is this request's,
     /// the request adopts it.
     ParkedRun(ParkedOffer),
+    /// The pending [`RequestOutput::ReserveAttempt`] was reserved: the
+    /// attempt is admitted.
+    AttemptReserved,
+    /// The tenant's limits refused the pending
+    /// [`RequestOutput::ReserveAttempt`] (R-TEN-2): the request ends with
+    /// the refusal's 429, no provider is called again; while a claim that
+    /// may let it fit is on its way, it asks again after
+    /// [`RESERVE_RETRY`], at most [`MAX_RESERVE_ASKS`] times.
+    AttemptRefused(AttemptRefusal),
 }
 
 /// An observation for metrics, spans and logs (closed values and
@@ -316,6 +343,18 @@ pub enum RequestOutput {
     /// Write this to the response's journal and answer with
     /// [`RequestInput::Journaled`]; one write is in flight at a time.
     Journal(JournalWrite),
+    /// Reserve the tenant's tokens and budget for attempt `attempt` (2 and
+    /// on), which sends the prompt again (R-TEN-2), and
+    /// `extra_input_tokens_max` more input tokens (a continuation's answer
+    /// so far, bounded from above by its bytes). Answer with
+    /// [`RequestInput::AttemptReserved`] or [`RequestInput::AttemptRefused`]
+    /// (a request not held to a tenant's limits is reserved at once).
+    ReserveAttempt {
+        /// The attempt's number.
+        attempt: u32,
+        /// Input it sends besides the prompt.
+        extra_input_tokens_max: u64,
+    },
     /// Count or log this.
     Observe(RequestObservation),
 }
@@ -357,6 +396,9 @@ impl RequestPhase {
 /// Where the request is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Phase {
+    /// A further attempt's reservation is out (R-TEN-2); its answer is
+    /// awaited before the admission.
+    Reserving,
     /// An admission command is out; its answer is awaited.
     Admitting,
     /// Waiting in the dispatcher's queue (or being re-resolved after a
@@ -450,6 +492,10 @@ pub struct Request {
     /// What the provider said when the last attempt ended on its error
     /// (R-GATE-3: the client is told).
     provider_said: Option<ProviderSaid>,
+    /// The pending further attempt's reservation: times asked, and when it
+    /// asks again (R-TEN-2).
+    reserve_asks: u32,
+    reserve_again_at: Option<Instant>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
 }
@@ -495,6 +541,8 @@ impl Request {
             parked_provider: None,
             orphan_continuation: false,
             provider_said: None,
+            reserve_asks: 0,
+            reserve_again_at: None,
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
         };
@@ -650,7 +698,7 @@ impl Request {
     /// machine's own state).
     pub fn phase(&self) -> RequestPhase {
         match self.phase {
-            Phase::Admitting | Phase::Queued => RequestPhase::Queued,
+            Phase::Reserving | Phase::Admitting | Phase::Queued => RequestPhase::Queued,
             Phase::PreSending(_) | Phase::Opening { .. } => RequestPhase::Sending,
             Phase::Running { .. } => RequestPhase::Running,
             Phase::Parked { .. } | Phase::Adopting => RequestPhase::Parked,
@@ -713,6 +761,37 @@ impl Request {
         }
         match input {
             RequestInput::Journaled(_) => {}
+            RequestInput::AttemptReserved => {
+                if self.phase == Phase::Reserving {
+                    self.reserve_again_at = None;
+                    self.admit();
+                }
+            }
+            RequestInput::AttemptRefused(AttemptRefusal {
+                refusal,
+                claim_pending,
+            }) => {
+                if self.phase == Phase::Reserving && self.reserve_again_at.is_none() {
+                    if claim_pending && self.reserve_asks < MAX_RESERVE_ASKS {
+                        // R-TEN-3: this Edge holds too little yet; the
+                        // store's answer to its claim may be enough.
+                        self.reserve_again_at = Some(now.saturating_add(RESERVE_RETRY));
+                        return;
+                    }
+                    // R-TEN-2: the attempt is not made; the request ends
+                    // with the tenant's error (the gate's terminal).
+                    let failure = AdmissionFailure::Tenant {
+                        kind: refusal.kind,
+                        retry_after_ms: refusal.retry_after_ms,
+                    };
+                    self.phase = Phase::Admitting;
+                    self.observe(RequestObservation::AdmissionFailed(failure));
+                    let _ = self
+                        .gate
+                        .handle_input(now, GateInput::AdmissionFailed(failure));
+                    self.drain_gate(now);
+                }
+            }
             RequestInput::Dispatch(event) => self.on_dispatch(now, event),
             RequestInput::Opened => {
                 if let Phase::Opening { lease, attempt } = &self.phase {
@@ -933,7 +1012,7 @@ impl Request {
         };
         crate::time::earliest(
             crate::time::earliest(self.gate.poll_timeout(), parked),
-            self.journal_retry_at,
+            crate::time::earliest(self.journal_retry_at, self.reserve_again_at),
         )
     }
 
@@ -953,6 +1032,9 @@ impl Request {
         #[cfg(feature = "planted-bugs")]
         if self.planted(PlantedBug::IgnoreGateTimeout) {
             return;
+        }
+        if self.phase == Phase::Reserving && self.reserve_again_at.is_some_and(|at| now >= at) {
+            self.ask_reservation();
         }
         if let Phase::Parked { until, .. } = self.phase
             && now >= until
@@ -1088,6 +1170,31 @@ impl Request {
                     stall_timeout_ms: None,
                 },
             )));
+    }
+
+    /// A further attempt sends the prompt again: reserve for it first
+    /// (R-TEN-2), then admit it.
+    fn reserve_then_admit(&mut self) {
+        self.phase = Phase::Reserving;
+        self.reserve_asks = 0;
+        self.ask_reservation();
+    }
+
+    /// Ask for the pending further attempt's reservation (again).
+    fn ask_reservation(&mut self) {
+        self.reserve_asks = self.reserve_asks.saturating_add(1);
+        self.reserve_again_at = None;
+        // R-CONT-1: a continuation also sends the answer so far; its bytes
+        // bound its tokens as a body's bound a prompt's.
+        let extra_input_tokens_max = if self.continuing {
+            crate::tenant::prompt_tokens_max(self.delivered_text.len() as u64)
+        } else {
+            0
+        };
+        self.outputs.push_back(RequestOutput::ReserveAttempt {
+            attempt: self.gate.attempts().saturating_add(1),
+            extra_input_tokens_max,
+        });
     }
 
     fn cancel(&mut self) {
@@ -1514,7 +1621,10 @@ impl Request {
             .gate
             .handle_input(now, GateInput::Attempt { attempt, event });
         self.drain_gate(now);
-        if ends_attempt && self.phase != Phase::Ended && !matches!(self.phase, Phase::Admitting) {
+        if ends_attempt
+            && self.phase != Phase::Ended
+            && !matches!(self.phase, Phase::Admitting | Phase::Reserving)
+        {
             // The gate always ends or re-admits after an attempt ends.
             debug_assert!(false, "an ended attempt left the request running");
             self.end();
@@ -1553,7 +1663,7 @@ impl Request {
                     self.allow_avoided_fallback = allow_avoided_fallback;
                     // Whatever the old attempt still holds goes first.
                     self.cancel();
-                    self.admit();
+                    self.reserve_then_admit();
                 }
                 GateOutput::Continue { avoid_provider_id } => {
                     // R-CONT-1: another provider continues the answer.
@@ -1566,7 +1676,7 @@ impl Request {
                     self.continuing = true;
                     self.usage_carry = sum_usage(self.usage_carry, self.attempt_usage.take());
                     self.cancel();
-                    self.admit();
+                    self.reserve_then_admit();
                 }
                 GateOutput::CancelRun { .. } => {
                     // R-GATE-4: reset the stream; the cancel at the end

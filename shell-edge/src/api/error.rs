@@ -472,6 +472,23 @@ impl ApiError {
             GateFailure::Admission(AdmissionFailure::QueueFull) => Self::queue_full(1),
             GateFailure::Admission(AdmissionFailure::NoEligibleProvider) => Self::no_provider(),
             GateFailure::Admission(AdmissionFailure::QueueTimeout) => Self::queue_timeout(),
+            // R-TEN-2: a further attempt's reservation did not fit.
+            GateFailure::Admission(AdmissionFailure::Tenant {
+                kind,
+                retry_after_ms,
+            }) => {
+                let what =
+                    "this key's or its principal's limits, for another attempt of this request";
+                let retry_after_secs = retry_after_ms.map(|ms| ms.div_ceil(1_000).max(1));
+                match kind {
+                    iop_core::tenant::RefusalKind::RateLimited => {
+                        Self::tenant_rate_limited(what, retry_after_secs)
+                    }
+                    iop_core::tenant::RefusalKind::InsufficientQuota => {
+                        Self::insufficient_quota(what, retry_after_secs)
+                    }
+                }
+            }
             GateFailure::BudgetExpired => Self::budget_expired(),
             GateFailure::Attempt(code) => Self::from_failure(code),
         }

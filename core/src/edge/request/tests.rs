@@ -56,7 +56,23 @@ fn lease(id: u64, provider: &str, adapter: AdapterKind) -> Lease {
     }
 }
 
+/// Every output; a further attempt's reservation (R-TEN-2) is answered
+/// "reserved" at once, as for a request no tenant limits (the `r_ten_2_*`
+/// tests answer it themselves, with [`drain_outputs`]).
 fn drain(r: &mut Request) -> Vec<RequestOutput> {
+    let mut outs = Vec::new();
+    while let Some(out) = r.poll_output() {
+        let reserve = matches!(out, RequestOutput::ReserveAttempt { .. });
+        outs.push(out);
+        if reserve {
+            r.handle_input(Instant::ZERO, RequestInput::AttemptReserved);
+        }
+    }
+    outs
+}
+
+/// Every output, as it is.
+fn drain_outputs(r: &mut Request) -> Vec<RequestOutput> {
     std::iter::from_fn(|| r.poll_output()).collect()
 }
 
@@ -1401,7 +1417,8 @@ fn r_park_2_a_committed_durable_run_that_loses_its_connection_is_adopted_where_i
             &outs[..],
             [RequestOutput::Open { adopt: Some(AdoptSpec { key: k, resume_after_frame: 2 }), tunnel: false, .. }] if *k == key
         ),
-        "resume after the last frame the journal holds: {outs:?}"
+        "resume after the last frame the journal holds (R-TEN-2: and no \
+         reservation, an adoption sends nothing again): {outs:?}"
     );
     assert_eq!(r.gate().attempts(), 1, "the same attempt goes on");
     r.handle_input(t(10), RequestInput::Opened);
@@ -2331,4 +2348,239 @@ fn r_cont_1_a_lost_adoption_is_continued_on_the_pool_when_the_route_opts_in() {
         "{outs:?}"
     );
     assert!(journal_writes(&outs).is_empty(), "not ended");
+}
+
+fn refusal(kind: crate::tenant::RefusalKind, retry_after_ms: Option<u64>) -> AttemptRefusal {
+    AttemptRefusal {
+        refusal: crate::tenant::Refusal {
+            kind,
+            subject: crate::tenant::Subject::Principal("team".into()),
+            meter: Some(crate::tenant::Meter::Spend),
+            retry_after_ms,
+        },
+        claim_pending: false,
+    }
+}
+
+#[test]
+fn r_ten_2_a_failover_reserves_again_before_it_is_admitted() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    let outs = drain_outputs(&mut r);
+    assert!(
+        outs.contains(&RequestOutput::ReserveAttempt {
+            attempt: 2,
+            extra_input_tokens_max: 0,
+        }),
+        "{outs:?}"
+    );
+    assert!(!admits(&outs), "no admission before the reservation");
+    assert_eq!(r.phase(), RequestPhase::Queued);
+    // Reserved: the attempt is admitted, avoiding the failed provider.
+    r.handle_input(t(3), RequestInput::AttemptReserved);
+    let admit = commands(&drain_outputs(&mut r))
+        .into_iter()
+        .find_map(|c| match c {
+            RequestCommand::Admit(d) => Some(d),
+            _ => None,
+        })
+        .expect("admitted once reserved");
+    assert_eq!(admit.avoid_provider_id, Some(ProviderId::from("p0")));
+    // A second answer changes nothing.
+    r.handle_input(t(3), RequestInput::AttemptReserved);
+    assert!(drain_outputs(&mut r).is_empty());
+}
+
+#[test]
+fn r_ten_2_a_failover_whose_reservation_is_refused_ends_with_the_tenants_429_and_no_provider_call()
+{
+    use crate::tenant::RefusalKind;
+    for kind in [RefusalKind::InsufficientQuota, RefusalKind::RateLimited] {
+        let mut r = Request::new(t(0), spec(None, &[]));
+        let l = lease(1, "p0", AdapterKind::Mock);
+        running(&mut r, &l);
+        r.handle_input(t(2), RequestInput::StreamEnded);
+        drain_outputs(&mut r);
+        r.handle_input(
+            t(3),
+            RequestInput::AttemptRefused(refusal(kind, Some(1_500))),
+        );
+        let outs = drain_outputs(&mut r);
+        assert!(!admits(&outs), "no admission: {outs:?}");
+        assert!(
+            !outs.iter().any(|o| matches!(o, RequestOutput::Open { .. })),
+            "no provider call"
+        );
+        let failure = AdmissionFailure::Tenant {
+            kind,
+            retry_after_ms: Some(1_500),
+        };
+        assert_eq!(
+            deliveries(&outs),
+            vec![Delivery::Fail {
+                kind: GateFailure::Admission(failure),
+                in_stream: false,
+                provider: None,
+            }]
+        );
+        assert!(observations(&outs).contains(&RequestObservation::AdmissionFailed(failure)));
+        assert!(r.is_ended());
+        assert_eq!(r.gate().attempts(), 1);
+        assert_eq!(
+            GateFailure::parse(GateFailure::Admission(failure).as_str()),
+            Some(GateFailure::Admission(AdmissionFailure::Tenant {
+                kind,
+                retry_after_ms: None
+            })),
+            "a record keeps the refusal by name"
+        );
+    }
+}
+
+#[test]
+fn r_ten_2_a_continuation_reserves_the_answer_so_far_as_input_and_a_refusal_ends_in_the_stream() {
+    use crate::tenant::RefusalKind;
+    let mut r = Request::new(t(0), continuing_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("tok0")));
+    r.handle_input(t(3), run(text(" tok1")));
+    drain_outputs(&mut r);
+    r.handle_input(
+        t(5),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    let outs = drain_outputs(&mut r);
+    assert!(
+        outs.contains(&RequestOutput::ReserveAttempt {
+            attempt: 2,
+            extra_input_tokens_max: "tok0 tok1".len() as u64,
+        }),
+        "{outs:?}"
+    );
+    assert!(!admits(&outs));
+    r.handle_input(
+        t(6),
+        RequestInput::AttemptRefused(refusal(RefusalKind::RateLimited, None)),
+    );
+    let outs = drain_outputs(&mut r);
+    assert_eq!(
+        deliveries(&outs),
+        vec![Delivery::Fail {
+            kind: GateFailure::Admission(AdmissionFailure::Tenant {
+                kind: RefusalKind::RateLimited,
+                retry_after_ms: None,
+            }),
+            in_stream: true,
+            provider: None,
+        }]
+    );
+    assert!(!admits(&outs));
+    assert!(r.is_ended());
+}
+
+#[test]
+fn r_ten_2_a_reservation_answered_after_the_client_left_changes_nothing() {
+    use crate::tenant::RefusalKind;
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    drain_outputs(&mut r);
+    r.handle_input(t(3), RequestInput::ClientDisconnected);
+    let outs = drain_outputs(&mut r);
+    assert!(deliveries(&outs).is_empty());
+    assert!(r.is_ended());
+    r.handle_input(t(4), RequestInput::AttemptReserved);
+    r.handle_input(
+        t(4),
+        RequestInput::AttemptRefused(refusal(RefusalKind::InsufficientQuota, None)),
+    );
+    assert!(drain_outputs(&mut r).is_empty());
+}
+
+#[test]
+fn r_ten_2_the_first_attempt_reserves_nothing_beyond_its_admission() {
+    let mut r = Request::new(t(0), spec(None, &[]));
+    assert!(
+        !drain_outputs(&mut r)
+            .iter()
+            .any(|o| matches!(o, RequestOutput::ReserveAttempt { .. })),
+        "the first attempt's reservation is the admission's"
+    );
+}
+
+#[test]
+fn r_ten_2_an_attempt_waiting_for_a_claim_on_its_way_asks_again_then_is_admitted() {
+    use crate::tenant::RefusalKind;
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    drain_outputs(&mut r);
+    let pending = AttemptRefusal {
+        claim_pending: true,
+        ..refusal(RefusalKind::InsufficientQuota, Some(1_000))
+    };
+    r.handle_input(t(3), RequestInput::AttemptRefused(pending.clone()));
+    assert!(
+        drain_outputs(&mut r).is_empty(),
+        "no terminal, no admission"
+    );
+    assert_eq!(r.poll_timeout(), Some(t(3) + RESERVE_RETRY));
+    r.handle_timeout(t(3) + RESERVE_RETRY);
+    let outs = drain_outputs(&mut r);
+    assert_eq!(
+        outs,
+        vec![RequestOutput::ReserveAttempt {
+            attempt: 2,
+            extra_input_tokens_max: 0,
+        }],
+        "asked again"
+    );
+    r.handle_input(t(60), RequestInput::AttemptReserved);
+    assert!(admits(&drain_outputs(&mut r)));
+}
+
+#[test]
+fn r_ten_2_an_attempt_still_short_after_its_last_ask_ends_with_the_tenants_429() {
+    use crate::tenant::RefusalKind;
+    let mut r = Request::new(t(0), spec(None, &[]));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), RequestInput::StreamEnded);
+    drain_outputs(&mut r);
+    let pending = AttemptRefusal {
+        claim_pending: true,
+        ..refusal(RefusalKind::InsufficientQuota, Some(1_000))
+    };
+    let mut now = t(3);
+    let mut asks = 1;
+    loop {
+        r.handle_input(now, RequestInput::AttemptRefused(pending.clone()));
+        let outs = drain_outputs(&mut r);
+        if !deliveries(&outs).is_empty() {
+            assert!(matches!(
+                deliveries(&outs)[..],
+                [Delivery::Fail {
+                    kind: GateFailure::Admission(AdmissionFailure::Tenant {
+                        kind: RefusalKind::InsufficientQuota,
+                        ..
+                    }),
+                    in_stream: false,
+                    ..
+                }]
+            ));
+            break;
+        }
+        now = now + RESERVE_RETRY;
+        r.handle_timeout(now);
+        assert_eq!(drain_outputs(&mut r).len(), 1, "asked again");
+        asks += 1;
+    }
+    assert_eq!(asks, MAX_RESERVE_ASKS);
+    assert!(r.is_ended());
+    assert!(!admits(&drain_outputs(&mut r)));
 }

@@ -1,0 +1,227 @@
+//! A fresh reservation per further attempt (R-TEN-2): a failover or a
+//! continuation sends the prompt again, so it reserves again before it is
+//! admitted, and the settlement gives every reservation back once and
+//! charges what the request used once.
+
+use super::*;
+
+const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % MINUTE_MS;
+
+fn at(ms: u64) -> Instant {
+    Instant::from_millis(ms)
+}
+
+/// One Edge whose claims the store grants at once (`check_claim` on one
+/// counter table).
+struct Edge {
+    machine: Tenants,
+    claimed: BTreeMap<CounterKey, u64>,
+}
+
+impl Edge {
+    fn new() -> Self {
+        Edge {
+            machine: Tenants::new(TenantsConfig {
+                chunk_fraction: 1.0,
+                ..TenantsConfig::default()
+            }),
+            claimed: BTreeMap::new(),
+        }
+    }
+
+    fn serve(&mut self, now: Instant) {
+        while let Some(TenantsOutput::Claim {
+            counter,
+            amount,
+            limit,
+        }) = self.machine.poll_output()
+        {
+            let claimed = self.claimed.entry(counter.clone()).or_default();
+            let (total, granted) = check_claim(*claimed, amount, limit);
+            *claimed = total;
+            self.machine.handle_input(
+                now,
+                TenantsInput::Claimed {
+                    counter,
+                    granted: Some(granted),
+                },
+            );
+        }
+    }
+}
+
+/// A request of principal `p` reserving 10 prompt + 20 output tokens at 1
+/// micro-unit a token (30), under a budget in total of `budget` and,
+/// optionally, tokens per minute.
+fn request(ticket: u64, budget: u64, tokens_per_minute: Option<u64>) -> AdmitRequest {
+    AdmitRequest {
+        ticket,
+        key: "k".into(),
+        principal: "p".into(),
+        key_limits: Limits::default(),
+        principal_limits: Limits {
+            budget: Some(Budget {
+                limit_micros: budget,
+                period: Period::Total,
+            }),
+            tokens_per_minute,
+            ..Limits::default()
+        },
+        price: Some(Price {
+            input_per_mtok: 1_000_000,
+            output_per_mtok: 1_000_000,
+            ..Price::default()
+        }),
+        prompt_tokens_max: 10,
+        output_tokens_max: 20,
+        unix_ms: T0,
+        model: "m".into(),
+        durable: false,
+        background: false,
+        key_held: Held::default(),
+        principal_held: Held::default(),
+    }
+}
+
+fn spend() -> CounterKey {
+    CounterKey {
+        subject: Subject::Principal("p".into()),
+        meter: Meter::Spend,
+        window_unix_ms: 0,
+    }
+}
+
+#[test]
+fn r_ten_2_a_further_attempt_reserves_again_and_is_refused_when_it_does_not_fit() {
+    let mut edge = Edge::new();
+    assert!(edge.machine.admit(at(0), &request(1, 100, None)).is_ok());
+    edge.serve(at(0));
+    assert_eq!(edge.machine.reservations_of(1), 1);
+    // Two more attempts fit (90 of 100); a third does not.
+    for attempt in 2..=3 {
+        assert_eq!(edge.machine.reserve_attempt(at(1), 1, 0, T0 + 1), Ok(()));
+        edge.serve(at(1));
+        assert_eq!(edge.machine.reservations_of(1), attempt);
+    }
+    assert_eq!(edge.machine.used(&spend()), Some(90));
+    let AttemptRefusal {
+        refusal,
+        claim_pending,
+    } = edge
+        .machine
+        .reserve_attempt(at(2), 1, 0, T0 + 2)
+        .unwrap_err();
+    assert!(!claim_pending, "the store has nothing left to grant");
+    assert_eq!(refusal.kind, RefusalKind::InsufficientQuota);
+    assert_eq!(refusal.subject, Subject::Principal("p".into()));
+    assert_eq!(refusal.meter, Some(Meter::Spend));
+    assert_eq!(
+        edge.machine.reservations_of(1),
+        3,
+        "a refused attempt takes nothing"
+    );
+    assert_eq!(edge.machine.used(&spend()), Some(90));
+}
+
+#[test]
+fn r_ten_2_an_attempt_right_after_its_admission_waits_for_the_claim_on_its_way() {
+    // A chunk of a tenth: the admission's 30 is claimed, nothing more held.
+    let mut edge = Edge::new();
+    edge.machine = Tenants::new(TenantsConfig {
+        chunk_fraction: 0.1,
+        ..TenantsConfig::default()
+    });
+    let r = request(1, 300, None);
+    assert!(edge.machine.admit(at(0), &r).is_ok(), "on credit");
+    // The claim the admission set off is still on its way.
+    let refused = edge
+        .machine
+        .reserve_attempt(at(1), 1, 0, T0 + 1)
+        .unwrap_err();
+    assert!(refused.claim_pending, "{refused:?}");
+    edge.serve(at(2));
+    assert_eq!(edge.machine.reserve_attempt(at(3), 1, 0, T0 + 3), Ok(()));
+}
+
+#[test]
+fn r_ten_2_a_continuation_also_reserves_the_answer_so_far_as_input() {
+    let mut edge = Edge::new();
+    assert!(edge.machine.admit(at(0), &request(1, 1_000, None)).is_ok());
+    edge.serve(at(0));
+    assert_eq!(edge.machine.reserve_attempt(at(1), 1, 7, T0 + 1), Ok(()));
+    let spends: Vec<u64> = edge
+        .machine
+        .held_by(1)
+        .iter()
+        .filter(|(c, _)| c.meter == Meter::Spend)
+        .map(|(_, amount)| *amount)
+        .collect();
+    assert_eq!(
+        spends,
+        vec![30, 37],
+        "the admission's, then 30 + 7 more input"
+    );
+}
+
+#[test]
+fn r_ten_2_settling_gives_every_reservation_back_once_and_charges_the_use_once() {
+    let mut edge = Edge::new();
+    assert!(edge.machine.admit(at(0), &request(1, 1_000, None)).is_ok());
+    edge.serve(at(0));
+    assert_eq!(edge.machine.reserve_attempt(at(1), 1, 5, T0 + 1), Ok(()));
+    edge.serve(at(1));
+    assert_eq!(edge.machine.used(&spend()), Some(65));
+    // Both attempts used 35 together (25 in, 10 out).
+    let used = TokenUse {
+        input: 25,
+        output: 10,
+        ..TokenUse::default()
+    };
+    let (_, totals) = edge.machine.settle(at(2), 1, used).expect("settled once");
+    assert_eq!(totals.spend_micros, 35);
+    assert_eq!(edge.machine.used(&spend()), Some(35));
+    assert_eq!(edge.machine.reservations_of(1), 0);
+    assert!(edge.machine.settle(at(3), 1, used).is_none());
+    assert!(edge.machine.release(at(3), 1).is_none());
+    assert_eq!(edge.machine.used(&spend()), Some(35), "nothing twice");
+}
+
+#[test]
+fn r_ten_2_an_attempt_in_a_later_minute_counts_its_tokens_there() {
+    let mut edge = Edge::new();
+    assert!(
+        edge.machine
+            .admit(at(0), &request(1, 1_000, Some(1_000)))
+            .is_ok()
+    );
+    edge.serve(at(0));
+    let later = T0 + MINUTE_MS + 5;
+    assert_eq!(
+        edge.machine.reserve_attempt(at(MINUTE_MS + 5), 1, 0, later),
+        Ok(())
+    );
+    let minute = |window_unix_ms| CounterKey {
+        subject: Subject::Principal("p".into()),
+        meter: Meter::Tokens,
+        window_unix_ms,
+    };
+    assert_eq!(edge.machine.used(&minute(T0)), Some(30));
+    assert_eq!(edge.machine.used(&minute(T0 + MINUTE_MS)), Some(30));
+    // 40 tokens: the first reservation's 30, the rest in the last minute.
+    let used = TokenUse {
+        input: 30,
+        output: 10,
+        ..TokenUse::default()
+    };
+    assert!(edge.machine.settle(at(MINUTE_MS + 6), 1, used).is_some());
+    assert_eq!(edge.machine.used(&minute(T0)), Some(30));
+    assert_eq!(edge.machine.used(&minute(T0 + MINUTE_MS)), Some(10));
+}
+
+#[test]
+fn r_ten_2_a_ticket_this_edge_does_not_hold_has_nothing_to_reserve_against() {
+    let mut edge = Edge::new();
+    assert_eq!(edge.machine.reserve_attempt(at(0), 9, 0, T0), Ok(()));
+    assert_eq!(edge.machine.reservations_of(9), 0);
+    assert!(edge.machine.held_by(9).is_empty());
+}
