@@ -11,6 +11,7 @@
 //! The set is switched through a shared reference
 //! ([`crate::edge::dispatch::Dispatcher::plant`],
 //! [`crate::edge::request::Request::plant`],
+//! [`crate::tenant::Tenants::plant`],
 //! [`crate::node::watchdog::Watchdog::plant`]) because the simulator reaches
 //! its machines through recording wrappers that hand out read access only.
 //! It is an atomic bit set, read with relaxed ordering: no lock, no clock,
@@ -110,11 +111,20 @@ pub enum PlantedBug {
     /// the observation sequence number and evidence of the connection it
     /// was produced on.
     ReplayStaleEvidence,
+    /// R-TEN-2: settling a request gives its reservations back twice
+    /// (`Tenants::settle`): the Edge's count of what is used drops below
+    /// what requests reserved and spent, so budgets admit past their limit.
+    DoubleSettle,
+    /// R-TEN-2: a further attempt that sends the prompt again is answered
+    /// "reserved" without reserving anything (`Tenants::reserve_attempt`),
+    /// as before per-attempt reservations: a failover or continuation may
+    /// pass its budget by the prompt sent again.
+    MissingReservation,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 20] = [
+    pub const ALL: [PlantedBug; 22] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -135,6 +145,8 @@ impl PlantedBug {
         PlantedBug::AdoptWithoutOwnerWait,
         PlantedBug::RenewingLeaseExpired,
         PlantedBug::ReplayStaleEvidence,
+        PlantedBug::DoubleSettle,
+        PlantedBug::MissingReservation,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -146,6 +158,15 @@ impl PlantedBug {
                 | PlantedBug::DuplicateTerminal
                 | PlantedBug::IgnoreGateTimeout
                 | PlantedBug::ReadmitUnretryableStall
+        )
+    }
+
+    /// Whether the bug lives in the tenants' machine (`Tenants`), which
+    /// neither fuzz harness drives.
+    pub fn in_tenants_machine(self) -> bool {
+        matches!(
+            self,
+            PlantedBug::DoubleSettle | PlantedBug::MissingReservation
         )
     }
 
@@ -191,6 +212,8 @@ impl PlantedBug {
             PlantedBug::AdoptWithoutOwnerWait => "adopt-without-owner-wait",
             PlantedBug::RenewingLeaseExpired => "renewing-lease-expired",
             PlantedBug::ReplayStaleEvidence => "replay-stale-evidence",
+            PlantedBug::DoubleSettle => "double-settle",
+            PlantedBug::MissingReservation => "missing-reservation",
         }
     }
 
@@ -596,6 +619,94 @@ mod tests {
         lease(&mut d, 1);
         d.connection_closed(T, &NodeId::from("n"), g, CloseCode::Normal);
         assert!(!d.registry().is_dispatchable(&NodeId::from("n"), g));
+    }
+
+    /// A request of 10 prompt + 20 output tokens at 1 micro-unit a token
+    /// under a budget in total of 1,000, admitted on a machine whose claims
+    /// are answered in full.
+    fn tenants_with_one_request() -> crate::tenant::Tenants {
+        use crate::tenant::{
+            AdmitRequest, Budget, Held, Limits, Period, Price, Tenants, TenantsConfig,
+            TenantsInput, TenantsOutput,
+        };
+        let mut t = Tenants::new(TenantsConfig {
+            chunk_fraction: 1.0,
+            ..TenantsConfig::default()
+        });
+        let request = AdmitRequest {
+            ticket: 1,
+            key: "k".into(),
+            principal: "p".into(),
+            key_limits: Limits::default(),
+            principal_limits: Limits {
+                budget: Some(Budget {
+                    limit_micros: 1_000,
+                    period: Period::Total,
+                }),
+                ..Limits::default()
+            },
+            price: Some(Price {
+                input_per_mtok: 1_000_000,
+                output_per_mtok: 1_000_000,
+                ..Price::default()
+            }),
+            prompt_tokens_max: 10,
+            output_tokens_max: 20,
+            unix_ms: 0,
+            model: "m".into(),
+            durable: false,
+            background: false,
+            key_held: Held::default(),
+            principal_held: Held::default(),
+        };
+        assert!(t.admit(T, &request).is_ok());
+        while let Some(TenantsOutput::Claim {
+            counter, amount, ..
+        }) = t.poll_output()
+        {
+            t.handle_input(
+                T,
+                TenantsInput::Claimed {
+                    counter,
+                    granted: Some(amount),
+                },
+            );
+        }
+        t
+    }
+
+    fn principal_spend() -> crate::tenant::CounterKey {
+        crate::tenant::CounterKey {
+            subject: crate::tenant::Subject::Principal("p".into()),
+            meter: crate::tenant::Meter::Spend,
+            window_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn double_settle_gives_reservations_back_twice() {
+        let mut t = tenants_with_one_request();
+        t.plant(PlantedBug::DoubleSettle);
+        let used = crate::tenant::TokenUse {
+            input: 10,
+            output: 2,
+            ..Default::default()
+        };
+        // A second request of 30 holds its reservation meanwhile.
+        assert_eq!(t.reserve_attempt(T, 1, 0, 0), Ok(()));
+        assert_eq!(t.used(&principal_spend()), Some(60));
+        assert!(t.settle(T, 1, used).is_some());
+        // 60 reserved, 12 spent: 12 counted, then 60 given back again.
+        assert_eq!(t.used(&principal_spend()), Some(0));
+    }
+
+    #[test]
+    fn missing_reservation_answers_an_attempt_without_reserving() {
+        let mut t = tenants_with_one_request();
+        t.plant(PlantedBug::MissingReservation);
+        assert_eq!(t.reserve_attempt(T, 1, 0, 0), Ok(()));
+        assert_eq!(t.reservations_of(1), 1, "no second reservation");
+        assert_eq!(t.used(&principal_spend()), Some(30));
     }
 
     #[test]

@@ -54,6 +54,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+#[cfg(feature = "planted-bugs")]
+use crate::planted::{Planted, PlantedBug};
 use crate::time::Instant;
 
 pub mod keys;
@@ -472,6 +474,8 @@ pub struct Tenants {
     /// one principal's traffic learns never changes another's admission).
     store_down: BTreeSet<Subject>,
     outputs: VecDeque<TenantsOutput>,
+    #[cfg(feature = "planted-bugs")]
+    planted: Planted,
 }
 
 impl Tenants {
@@ -485,7 +489,16 @@ impl Tenants {
             reservations: BTreeMap::new(),
             store_down: BTreeSet::new(),
             outputs: VecDeque::new(),
+            #[cfg(feature = "planted-bugs")]
+            planted: Planted::default(),
         }
+    }
+
+    /// Switch a planted bug on in this machine (test-only; see
+    /// [`crate::planted`]).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&self, bug: PlantedBug) {
+        self.planted.plant(bug);
     }
 
     /// Whether the shared store is taken as unreachable (R-TEN-3).
@@ -694,13 +707,25 @@ impl Tenants {
         let Some(reservation) = self.reservations.get(&ticket) else {
             return Ok(());
         };
+        #[cfg(feature = "planted-bugs")]
+        if self.planted.has(PlantedBug::MissingReservation) {
+            return Ok(());
+        }
         let terms = &reservation.again;
+        // Priced at the dearest input rate, as the admission's prompt is.
         let extra_spend = reservation.price.map_or(0, |p| {
+            let dearest = Price {
+                input_per_mtok: p
+                    .input_per_mtok
+                    .max(p.cache_write_per_mtok)
+                    .max(p.cached_input_per_mtok),
+                ..p
+            };
             TokenUse {
                 input: extra_input_tokens,
                 ..TokenUse::default()
             }
-            .cost(&p)
+            .cost(&dearest)
         });
         let minute = unix_ms - unix_ms % MINUTE_MS;
         let reset_ms = minute + MINUTE_MS - unix_ms;
@@ -916,6 +941,8 @@ impl Tenants {
             *left -= charge;
             charges.push(Some(charge));
         }
+        #[cfg(feature = "planted-bugs")]
+        let double_settle = self.planted.has(PlantedBug::DoubleSettle);
         for ((key, reserved), charge) in reservation.held.iter().zip(charges) {
             let (Some(charge), Some(holding)) = (charge, self.holdings.get_mut(key)) else {
                 continue;
@@ -924,6 +951,13 @@ impl Tenants {
                 .used
                 .saturating_sub(*reserved)
                 .saturating_add(charge);
+            #[cfg(feature = "planted-bugs")]
+            if double_settle {
+                holding.used = holding
+                    .used
+                    .saturating_sub(*reserved)
+                    .saturating_add(charge);
+            }
             holding.last_used = Some(now);
             self.claim_more(key);
         }

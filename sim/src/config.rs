@@ -206,6 +206,114 @@ pub struct JournalProfile {
     pub continue_ppm: u32,
 }
 
+/// Tenants (SPEC §9): the keys and principals clients come with, their
+/// limits and budgets, the model's price, and the shared store of their
+/// counters every Edge claims from (R-TEN-1..3). Drawn from a stream of its
+/// own, so the rest of a seed's world is what it was without tenants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantProfile {
+    /// Principals, by name, with their limits.
+    pub principals: Vec<(String, iop_core::tenant::Limits)>,
+    /// API keys: id, principal (an index into `principals`), limits.
+    pub keys: Vec<(String, usize, iop_core::tenant::Limits)>,
+    /// The price of the world's one model.
+    pub price: iop_core::tenant::Price,
+    /// Chunk and local share of every Edge's machine.
+    pub machine: iop_core::tenant::TenantsConfig,
+    /// The longest prompt a request sends, bytes (its bound in tokens,
+    /// `prompt_tokens_max`).
+    pub prompt_bytes_max: u64,
+    /// The most output tokens a request asks for (no provider call emits
+    /// more).
+    pub output_tokens_max: u64,
+    /// One hop between an Edge and the store: shortest.
+    pub store_latency_min: Duration,
+    /// One hop: longest.
+    pub store_latency_max: Duration,
+    /// While faults are on, per operation: it fails, nothing written.
+    pub store_fail_ppm: u32,
+    /// While faults are on, per written claim: its answer is lost (the
+    /// Edge takes the store as failed; the allowance is lost, never granted
+    /// twice).
+    pub store_answer_lost_ppm: u32,
+    /// While faults are on, per fault tick: the store goes down.
+    pub store_outage_ppm: u32,
+    /// How long an outage lasts at most.
+    pub store_outage_max: Duration,
+}
+
+impl TenantProfile {
+    /// The tenants of `seed`, if its world has any (in half of them).
+    pub fn from_seed(seed: u64) -> Option<Self> {
+        use iop_core::tenant::{Budget, Limits, Period, Price, TenantsConfig};
+        let mut rng = Rng::new(seed ^ 0x7E4A_4175_C0DE_0003);
+        if !rng.chance(PPM / 2) {
+            return None;
+        }
+        let price = Price {
+            input_per_mtok: rng.range(1, 3) * 1_000_000,
+            output_per_mtok: rng.range(1, 5) * 1_000_000,
+            ..Price::default()
+        };
+        let prompt_bytes_max = rng.range(8, 64);
+        let output_tokens_max = u64::from(crate::provider::HEALTHY_TOKENS_MAX);
+        // One request reserves about this much (an average prompt).
+        let request_tokens = prompt_bytes_max / 2 + output_tokens_max;
+        let request_spend = (prompt_bytes_max / 2) * price.input_per_mtok / 1_000_000
+            + output_tokens_max * price.output_per_mtok / 1_000_000;
+        // A budget from a few requests' worth (`small_ppm` of them: refused
+        // early) to a whole run's (refused late, if at all).
+        let limits = |rng: &mut Rng, budget_ppm: u32, small_ppm: u32, rate_ppm: u32| Limits {
+            budget: rng.chance(budget_ppm).then(|| Budget {
+                limit_micros: request_spend
+                    * if rng.chance(small_ppm) {
+                        rng.range(2, 30)
+                    } else {
+                        rng.range(30, 400)
+                    },
+                period: Period::Total,
+            }),
+            // Rates that bind at times: clients come every 20-400 ms.
+            tokens_per_minute: rng
+                .chance(rate_ppm)
+                .then(|| request_tokens * rng.range(20, 1_500)),
+            requests_per_minute: rng.chance(rate_ppm).then(|| rng.range(20, 1_500)),
+            concurrent_requests: rng.chance(rate_ppm / 2).then(|| rng.range(2, 8)),
+            ..Limits::default()
+        };
+        // Two or three principals, so a principal whose budget is spent
+        // leaves the others' traffic going; its keys' budgets may be small.
+        let principals: Vec<(String, Limits)> = (0..rng.range(2, 3))
+            .map(|p| (format!("team-{p}"), limits(&mut rng, 500_000, 0, 300_000)))
+            .collect();
+        let mut keys = Vec::new();
+        for p in 0..principals.len() {
+            for k in 0..rng.range(1, 2) {
+                let key = limits(&mut rng, 400_000, 250_000, 200_000);
+                keys.push((format!("key-{p}-{k}"), p, key));
+            }
+        }
+        let store_latency_min = Duration::from_micros(rng.range(100, 5_000));
+        Some(Self {
+            principals,
+            keys,
+            price,
+            machine: TenantsConfig {
+                chunk_fraction: [0.02, 0.1, 0.25, 0.5][rng.index(4)],
+                local_share: [0.25, 0.5, 1.0][rng.index(3)],
+            },
+            prompt_bytes_max,
+            output_tokens_max,
+            store_latency_min,
+            store_latency_max: store_latency_min + rng.millis(0, 20),
+            store_fail_ppm: rng.swarm(500_000, 5_000, 100_000),
+            store_answer_lost_ppm: rng.swarm(400_000, 5_000, 100_000),
+            store_outage_ppm: rng.swarm(300_000, 2_000, 20_000),
+            store_outage_max: rng.millis(50, 3_000),
+        })
+    }
+}
+
 impl JournalProfile {
     /// The longest round trip of one write: a sync already running, its
     /// own sync, the answer's way back (the queue holds less than one
@@ -216,7 +324,7 @@ impl JournalProfile {
 }
 
 /// Everything about one simulated world.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SimConfig {
     /// The seed.
     pub seed: u64,
@@ -271,6 +379,9 @@ pub struct SimConfig {
     pub provider: ProviderProfile,
     /// Durable responses.
     pub journal: JournalProfile,
+    /// Tenants, their limits and the shared store of their counters
+    /// (`None`: requests are held to no tenant's limits).
+    pub tenants: Option<TenantProfile>,
 }
 
 impl SimConfig {
@@ -368,6 +479,7 @@ impl SimConfig {
                 park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
                 continue_ppm: 0,
             },
+            tenants: TenantProfile::from_seed(seed),
         };
         // The tracker's refresh is the capabilities cadence; its backoff cap
         // stays within the eligibility bound. As the Edge's config requires,

@@ -14,11 +14,13 @@ use std::sync::Arc;
 use iop_core::edge::dispatch::Dispatcher;
 use iop_core::edge::request::Request;
 use iop_core::node::watchdog::Watchdog;
+use iop_core::tenant::Tenants;
 
 type DispatcherHook = Arc<dyn Fn(&Dispatcher) + Send + Sync>;
 type WatchdogHook = Arc<dyn Fn(&Watchdog) + Send + Sync>;
 type RequestHook = Arc<dyn Fn(&Request) + Send + Sync>;
 type ThreadHook = Arc<dyn Fn(bool) + Send + Sync>;
+type TenantsHook = Arc<dyn Fn(&Tenants) + Send + Sync>;
 
 /// Planted core bugs: their names and the calls that switch them on in each
 /// new dispatcher, watchdog and request machine, or for the world's thread.
@@ -30,6 +32,7 @@ pub struct CoreBugs {
     watchdog: Vec<WatchdogHook>,
     request: Vec<RequestHook>,
     thread: Vec<ThreadHook>,
+    tenants: Vec<TenantsHook>,
 }
 
 impl CoreBugs {
@@ -71,6 +74,18 @@ impl CoreBugs {
         self
     }
 
+    /// Add a bug by name that lives in the tenants' machine (SPEC §9), with
+    /// the call that plants it in each Edge process's `Tenants`.
+    pub fn with_tenants(
+        mut self,
+        name: &'static str,
+        tenants: impl Fn(&Tenants) + Send + Sync + 'static,
+    ) -> Self {
+        self.names.push(name);
+        self.tenants.push(Arc::new(tenants));
+        self
+    }
+
     /// Plant `bug` (only with the feature, which the caller must have).
     #[cfg(feature = "planted-bugs")]
     pub fn plant(self, bug: iop_core::planted::PlantedBug) -> Self {
@@ -83,6 +98,9 @@ impl CoreBugs {
                     planted::clear_thread();
                 }
             });
+        }
+        if bug.in_tenants_machine() {
+            return self.with_tenants(bug.as_str(), move |t| t.plant(bug));
         }
         self.with(
             bug.as_str(),
@@ -121,6 +139,13 @@ impl CoreBugs {
     pub(crate) fn plant_request(&self, request: &Request) {
         for hook in &self.request {
             hook(request);
+        }
+    }
+
+    /// Switch the bugs on in a tenants' machine the world just created.
+    pub(crate) fn plant_tenants(&self, tenants: &Tenants) {
+        for hook in &self.tenants {
+            hook(tenants);
         }
     }
 

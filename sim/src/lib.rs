@@ -16,6 +16,9 @@
 //! * [`journal_store`]: the simulated journal store of durable responses
 //!   (group commit, crash points), deciding every write by the core's
 //!   journal rules.
+//! * [`tenant_store`]: the simulated shared store of tenants' counters
+//!   (read, compare-and-set, latency, failures), every claim decided by
+//!   core's `check_claim`.
 //! * [`invariants`]: what must hold after every step.
 //! * [`core_bugs`]: bugs planted in the core machines (to prove the
 //!   invariants bite).
@@ -36,6 +39,7 @@ pub mod journal_store;
 pub mod net;
 pub mod provider;
 mod record;
+pub mod tenant_store;
 pub use iop_trace as trace;
 pub mod world;
 
@@ -81,6 +85,8 @@ pub struct SwarmOptions {
     pub ephemeral_only: bool,
     /// Let the journal store fail syncs.
     pub store_faults: bool,
+    /// No tenants, whatever the seeds say.
+    pub no_tenants: bool,
     /// Edges per world; `None`: each seed's own, 1 to [`MAX_EDGES`]
     /// ([`edges_of_seed`]).
     pub edges: Option<usize>,
@@ -111,6 +117,7 @@ impl SwarmOptions {
             threads: 1,
             ephemeral_only: false,
             store_faults: false,
+            no_tenants: false,
             edges: Some(1),
         }
     }
@@ -124,6 +131,7 @@ impl SwarmOptions {
             strict: self.strict,
             ephemeral_only: self.ephemeral_only,
             store_faults: self.store_faults,
+            no_tenants: self.no_tenants,
             ..RunOptions::default()
         }
     }

@@ -58,6 +58,10 @@ enum Cmd {
         /// Let the journal store fail syncs (I/O errors) while faults are on.
         #[arg(long)]
         store_faults: bool,
+        /// No tenants, whatever the seed says (the world as it was before
+        /// tenants' limits).
+        #[arg(long)]
+        no_tenants: bool,
         /// Edges sharing the store, every node connected to each (1-4).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4))]
         edges: u64,
@@ -88,6 +92,10 @@ enum Cmd {
         /// Let the journal store fail syncs (I/O errors) while faults are on.
         #[arg(long)]
         store_faults: bool,
+        /// No tenants, whatever the seed says (the world as it was before
+        /// tenants' limits).
+        #[arg(long)]
+        no_tenants: bool,
         /// Edges per world (1-4); without it each seed runs with its own
         /// number, 1 to 4.
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4))]
@@ -188,6 +196,7 @@ fn real_main() -> Result<ExitCode, String> {
             strict,
             ephemeral_only,
             store_faults,
+            no_tenants,
             edges,
         } => {
             let bugs = bugs(&bug)?;
@@ -218,6 +227,7 @@ fn real_main() -> Result<ExitCode, String> {
                     strict,
                     ephemeral_only,
                     store_faults,
+                    no_tenants,
                     edges: edges as usize,
                 },
             );
@@ -275,6 +285,20 @@ fn real_main() -> Result<ExitCode, String> {
                     s.resumed_events,
                 );
             }
+            if s.tenant_admitted + s.tenant_refused > 0 {
+                println!(
+                    "tenants: {} admitted, {} refused, {} further attempts reserved ({} refused, {} asked again), {} settled, {} claims, {} store failures, {} store outages",
+                    s.tenant_admitted,
+                    s.tenant_refused,
+                    s.tenant_attempts_reserved,
+                    s.tenant_attempts_refused,
+                    s.tenant_attempts_waited,
+                    s.tenant_settled,
+                    s.tenant_claims,
+                    s.tenant_store_failures,
+                    s.tenant_store_outages,
+                );
+            }
             if s.runs_parked > 0 || s.parked_reported > 0 {
                 println!(
                     "parked runs: {} parked, {} reported, {} adoptions sent ({} accepted, {} refused), {} taken over by adoption, {} expired, {} died with their node, {} offers let go, {} provider reads put off",
@@ -324,6 +348,7 @@ fn real_main() -> Result<ExitCode, String> {
             strict,
             ephemeral_only,
             store_faults,
+            no_tenants,
             edges,
             threads,
             chunk,
@@ -339,6 +364,7 @@ fn real_main() -> Result<ExitCode, String> {
                 threads,
                 ephemeral_only,
                 store_faults,
+                no_tenants,
                 edges: edges.map(|e| e as usize),
                 ..SwarmOptions::new(start, seeds, steps)
             };

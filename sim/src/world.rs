@@ -102,6 +102,7 @@ mod custody;
 mod durable;
 mod node_run;
 mod park;
+mod tenants;
 
 /// The most steps the drain phase may take before the run is declared
 /// stuck.
@@ -168,6 +169,9 @@ pub struct RunOptions {
     pub ephemeral_only: bool,
     /// Let the journal store fail syncs (I/O errors) while faults are on.
     pub store_faults: bool,
+    /// No tenants, whatever the seed says: the world as it was before
+    /// tenants' limits (for seeds found then).
+    pub no_tenants: bool,
     /// Edges in the world (1..=[`MAX_EDGES`]; 0 counts as 1), sharing one
     /// store, every node connected to each (SPEC §8).
     pub edges: usize,
@@ -329,6 +333,24 @@ pub struct Stats {
     /// the raise (a dead owner's append): the resume point read after the
     /// raise is used.
     pub adoption_reads_moved: u64,
+    /// Requests admitted by their tenant's limits (SPEC §9).
+    pub tenant_admitted: u64,
+    /// Requests their tenant's limits refused (429).
+    pub tenant_refused: u64,
+    /// Further attempts reserved again (R-TEN-2).
+    pub tenant_attempts_reserved: u64,
+    /// Further attempts their tenant's limits refused (R-TEN-2).
+    pub tenant_attempts_refused: u64,
+    /// Further attempts told to ask again: a claim was on its way (R-TEN-3).
+    pub tenant_attempts_waited: u64,
+    /// Admitted requests settled or released.
+    pub tenant_settled: u64,
+    /// Claims an Edge sent to the tenants' store (R-TEN-3).
+    pub tenant_claims: u64,
+    /// Tenants' store operations that failed or whose answer was lost.
+    pub tenant_store_failures: u64,
+    /// Times the tenants' store went down.
+    pub tenant_store_outages: u64,
     /// Failed requests by failure kind (`GateFailure::as_str`).
     pub failures: BTreeMap<String, u64>,
 }
@@ -404,6 +426,15 @@ impl Stats {
         self.takeover_adoptions += o.takeover_adoptions;
         self.offers_released += o.offers_released;
         self.adoption_reads_moved += o.adoption_reads_moved;
+        self.tenant_admitted += o.tenant_admitted;
+        self.tenant_refused += o.tenant_refused;
+        self.tenant_attempts_reserved += o.tenant_attempts_reserved;
+        self.tenant_attempts_refused += o.tenant_attempts_refused;
+        self.tenant_attempts_waited += o.tenant_attempts_waited;
+        self.tenant_settled += o.tenant_settled;
+        self.tenant_claims += o.tenant_claims;
+        self.tenant_store_failures += o.tenant_store_failures;
+        self.tenant_store_outages += o.tenant_store_outages;
         for (k, v) in &o.failures {
             *self.failures.entry(k.clone()).or_default() += v;
         }
@@ -427,6 +458,8 @@ pub struct RunReport {
     pub ephemeral_only: bool,
     /// Whether the journal store failed syncs.
     pub store_faults: bool,
+    /// Whether tenants were switched off.
+    pub no_tenants: bool,
     /// Edges in the world.
     pub edges: usize,
     /// The first violation, if any.
@@ -479,8 +512,9 @@ impl RunReport {
         } else {
             String::new()
         };
+        let tenants = if self.no_tenants { " --no-tenants" } else { "" };
         format!(
-            "iop-sim run {} --steps {}{edges}{ephemeral}{store}{bugs}{core}",
+            "iop-sim run {} --steps {}{edges}{ephemeral}{store}{tenants}{bugs}{core}",
             self.seed, self.steps
         )
     }
@@ -494,6 +528,7 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
     let strict = options.strict;
     let ephemeral_only = options.ephemeral_only;
     let store_faults = options.store_faults;
+    let no_tenants = options.no_tenants;
     let edges = options.edges.clamp(1, MAX_EDGES);
     let mut cfg = SimConfig::from_seed(seed);
     if edges > 1 {
@@ -525,6 +560,7 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
         strict,
         ephemeral_only,
         store_faults,
+        no_tenants,
         edges,
         violation,
         findings: world
@@ -685,6 +721,8 @@ enum Event {
         node: usize,
         since: Instant,
     },
+    /// Tenants' store traffic (SPEC §9): a claim's hop, or its answer.
+    Tenant(Box<tenants::TenantEvent>),
 }
 
 #[derive(Debug)]
@@ -749,6 +787,8 @@ struct EdgeProc {
     /// Its custody of the records no request of it writes (R-TAKE-1,
     /// R-PARK-2, R-CONT-1).
     custody: custody::EdgeCustody,
+    /// Its tenants' machine and the requests it admitted (SPEC §9).
+    tenants: Option<tenants::EdgeTenants>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -961,6 +1001,9 @@ pub struct World {
     /// The route of every durable request's record (configuration: it
     /// outlives the Edge process).
     routes: BTreeMap<String, custody::Route>,
+    /// Tenants and the shared store of their counters (SPEC §9); `None`:
+    /// requests are held to no tenant's limits.
+    tenancy: Option<tenants::SimTenancy>,
 }
 
 impl Drop for World {
@@ -1064,6 +1107,11 @@ impl World {
             orphans: BTreeSet::new(),
             run_records: BTreeMap::new(),
             routes: BTreeMap::new(),
+            tenancy: cfg
+                .tenants
+                .clone()
+                .filter(|_| !options.no_tenants)
+                .map(|profile| tenants::SimTenancy::new(profile, cfg.seed)),
             cfg,
         };
         // A custody write the store failed is read again after
@@ -1183,6 +1231,13 @@ impl World {
             }
         }
         self.stats.drain_steps = self.step - drain_start;
+        let open = self.tenant_open_tickets();
+        if open > 0 {
+            self.checkers[self.cur].fail(
+                "R-TEN-2",
+                format!("{open} admitted requests were never settled or released"),
+            );
+        }
         match self.violation() {
             Some(v) => Err(v),
             None => Ok(()),
@@ -1203,6 +1258,7 @@ impl World {
         self.quiet_since = Some(self.now);
         self.net.heal(self.now);
         self.set_net_faults();
+        self.tenant_stop_faults();
         let now = self.now;
         self.frozen_until
             .iter_mut()
@@ -1298,6 +1354,7 @@ impl World {
             checker.check_deadlines();
         }
         self.check_raises();
+        self.check_tenants();
         self.checkers[0].check_journal(&mut self.journal);
     }
 
@@ -1512,6 +1569,7 @@ impl World {
             } => self.parked_offers(incarnation, offers),
             Event::CustodyTimeout { incarnation, at } => self.custody_wake(incarnation, at),
             Event::NodeThaw { node, since } => self.thaw_node(node, since),
+            Event::Tenant(event) => self.tenant_event(*event),
         }
     }
 
@@ -1547,6 +1605,7 @@ impl World {
             | Event::CustodyTimeout { incarnation, .. }
             | Event::LeaseRenew { incarnation } => self.slot_of(*incarnation),
             Event::JournalAnswer { writer, .. } => self.slot_of(writer.incarnation()),
+            Event::Tenant(event) => self.slot_of(event.incarnation()),
             Event::RunStep { node, run, .. }
             | Event::RunCancel { node, run, .. }
             | Event::RunReturn { node, run, .. }
@@ -1683,6 +1742,7 @@ impl World {
             Err(e) => panic!("sim health config is invalid: {e}"),
         };
         self.core_bugs.plant_dispatcher(dispatcher.inner());
+        let tenants = self.new_edge_tenants();
         self.edges[self.cur] = Some(EdgeProc {
             incarnation,
             dispatcher,
@@ -1702,6 +1762,7 @@ impl World {
                 self.cfg.park_window(),
                 self.edges.len() == 1,
             ),
+            tenants,
         });
         if self.edges.len() > 1 {
             // R-TAKE-1: its lease first; renewed every third of its TTL.
@@ -2418,12 +2479,16 @@ impl World {
                     );
                 }
             }
-            // R-TEN-2: no tenant limits a request here; a further attempt
-            // is reserved at once.
-            RequestOutput::ReserveAttempt { .. } => {
-                self.request_input(rid, RequestInput::AttemptReserved);
+            RequestOutput::ReserveAttempt {
+                extra_input_tokens_max,
+                ..
+            } => {
+                // R-TEN-2: the tenants' machine answers at once.
+                let input = self.tenant_reserve(rid, extra_input_tokens_max);
+                self.request_input(rid, input);
             }
             RequestOutput::Deliver(delivery) => {
+                self.tenant_delivery(rid, &delivery);
                 let record = self.edges[self.cur]
                     .as_ref()
                     .and_then(|e| e.requests.get(&rid))
@@ -2589,6 +2654,13 @@ impl World {
     ) {
         let park_grace_ms = duration_ms(self.cfg.journal.park_grace);
         let node = self.node_index(&lease.node);
+        // R-TEN-2: a call that sends the prompt (not an adoption) is
+        // covered by a reservation of its own.
+        let metered = if adopt.is_none() {
+            self.tenant_call(rid)
+        } else {
+            None
+        };
         let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
@@ -2649,9 +2721,15 @@ impl World {
             target: lease.target.clone(),
             model: "sim".into(),
             api: RunApi::Chat,
-            messages: iop_core::edge::request::continued_messages(&[], continuation.as_deref()),
+            messages: iop_core::edge::request::continued_messages(
+                &metered.map_or_else(Vec::new, |(prompt_bytes, _)| vec![prompt(prompt_bytes)]),
+                continuation.as_deref(),
+            ),
             tools: vec![],
-            params: GenerationParams::default(),
+            params: GenerationParams {
+                max_tokens: metered.map(|(_, output)| u32::try_from(output).unwrap_or(u32::MAX)),
+                ..GenerationParams::default()
+            },
             response_stall_timeout_ms: lease.stall_timeout_ms,
             deadline_ms,
             credential_lease: None,
@@ -2730,8 +2808,16 @@ impl World {
         }
         self.checkers[self.cur].gate_ended(edge.dispatcher.inner(), rid);
         if let Some(record) = record {
-            self.durable_request_ended(&record);
+            self.durable_request_ended(
+                &record,
+                &Writer::Request {
+                    incarnation,
+                    request_id: rid,
+                },
+            );
         }
+        // R-TEN-2: settled with what its answer reported, or released.
+        self.tenant_settle(rid);
     }
 
     /// A health probe the dispatcher asked for: a CAPABILITIES command on the
@@ -2822,6 +2908,11 @@ impl World {
         let rid = edge.next_request_id;
         edge.next_request_id += 1;
         let incarnation = edge.incarnation;
+        // R-TEN-1, R-TEN-2: its key's and principal's limits first; a
+        // refused request is answered 429 and is nothing more.
+        if !self.tenant_admit(rid) {
+            return;
+        }
         if self.rng.chance(self.cfg.journal.durable_ppm) {
             // Durable (SPEC §6): the record first, then the request. Its
             // client may cancel the response or leave while it goes on.
@@ -3510,6 +3601,7 @@ impl World {
             };
             self.crash_edge(None);
         }
+        self.tenant_fault_tick();
         let at = self.now + self.cfg.fault_tick;
         self.schedule(at, Event::FaultTick);
     }
@@ -3607,5 +3699,20 @@ fn unreachable_violation() -> Violation {
         detail: "a failure was recorded without a violation".into(),
         step: 0,
         at_us: 0,
+    }
+}
+
+/// A user message of `bytes` bytes: a prompt held to a tenant's limits
+/// (its bytes bound its tokens, `prompt_tokens_max`).
+fn prompt(bytes: u64) -> iop_wire::ChatMessage {
+    iop_wire::ChatMessage {
+        role: iop_wire::Role::User,
+        content: "x".repeat(usize::try_from(bytes).unwrap_or(0)),
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+        name: None,
+        images: Vec::new(),
+        documents: Vec::new(),
+        cache_control: None,
     }
 }

@@ -173,6 +173,17 @@ fn ci_swarm_of_2000_seeds_holds_every_invariant() {
     // Several Edges: leases renewed, a dead Edge's records taken over by a
     // peer (R-MULTI-1, R-TAKE-1).
     assert!(t.lease_writes > 0 && t.peer_takeovers > 0, "{t:?}");
+    // Tenants (SPEC §9): requests refused by their limits, further
+    // attempts reserved again, refused, and asked again while a claim was
+    // on its way (R-TEN-2); the shared store failing (R-TEN-3).
+    assert!(t.tenant_admitted > 0 && t.tenant_refused > 0, "{t:?}");
+    assert!(
+        t.tenant_attempts_reserved > 0
+            && t.tenant_attempts_refused > 0
+            && t.tenant_attempts_waited > 0,
+        "{t:?}"
+    );
+    assert!(t.tenant_claims > 0 && t.tenant_store_failures > 0, "{t:?}");
     println!(
         "CI swarm: {CI_SWARM_SEEDS} seeds x {CI_SWARM_STEPS} steps ({} steps with the drain) on {threads} threads in {:.1}s",
         t.steps,
@@ -225,6 +236,41 @@ fn ephemeral_only_runs_a_seed_without_durable_requests() {
     assert_eq!(
         ephemeral.repro_command(),
         "iop-sim run 1 --steps 500 --ephemeral-only"
+    );
+}
+
+/// `no_tenants` switches tenants off: no admission is refused, no claim is
+/// made, and the reproduction command says so.
+#[test]
+fn no_tenants_runs_a_seed_without_tenants_limits() {
+    let seed = (0..20)
+        .find(|s| iop_sim::config::TenantProfile::from_seed(*s).is_some())
+        .expect("a seed with tenants");
+    let with = run(
+        seed,
+        RunOptions {
+            steps: 500,
+            ..RunOptions::default()
+        },
+    );
+    assert!(with.violation.is_none(), "{:?}", with.violation);
+    assert!(with.stats.tenant_admitted > 0, "{:?}", with.stats);
+    let without = run(
+        seed,
+        RunOptions {
+            steps: 500,
+            no_tenants: true,
+            ..RunOptions::default()
+        },
+    );
+    assert!(without.violation.is_none(), "{:?}", without.violation);
+    assert_eq!(
+        (without.stats.tenant_admitted, without.stats.tenant_claims),
+        (0, 0)
+    );
+    assert_eq!(
+        without.repro_command(),
+        format!("iop-sim run {seed} --steps 500 --no-tenants")
     );
 }
 

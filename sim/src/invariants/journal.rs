@@ -437,6 +437,12 @@ impl Checker {
 
     // ---- Liveness --------------------------------------------------------
 
+    /// Who holds the current epoch of record `id` (created it or won its
+    /// last raise), in the checker's model.
+    pub fn journal_owner(&self, id: &str) -> Option<&Writer> {
+        self.journal.records.get(id).map(|r| &r.owner)
+    }
+
     /// A durable request's machine ended: its record has its terminal.
     /// Returns whether it was left open.
     pub fn durable_request_ended(&mut self, store: &SimJournal, id: &str) -> bool {

@@ -425,6 +425,8 @@ impl World {
                 .failures
                 .entry("journal_refused".into())
                 .or_default() += 1;
+            // It called no provider: its tenant's hold is released.
+            self.tenant_release_unstarted(request_id);
             return;
         }
         let machine = Request::new(
@@ -550,7 +552,22 @@ impl World {
     }
 
     /// A durable request's machine ended.
-    pub(super) fn durable_request_ended(&mut self, record: &str) {
+    pub(super) fn durable_request_ended(&mut self, record: &str, writer: &Writer) {
+        // A request fenced by a newer epoch (R-JRN-3) leaves the record to
+        // that epoch's owner when the owner lives: two Edges' custodies
+        // may both take a dead incarnation's record over, and the one
+        // whose raise came second fences the first one's adopter.
+        let owner_alive = self.checkers[0]
+            .journal_owner(record)
+            .filter(|owner| *owner != writer)
+            .is_some_and(|owner| {
+                self.slot_of(owner.incarnation())
+                    .and_then(|slot| self.edges[slot].as_ref())
+                    .is_some_and(|e| e.incarnation == owner.incarnation())
+            });
+        if owner_alive {
+            return;
+        }
         if self.checkers[0].durable_request_ended(&self.journal, record) {
             self.orphans.insert(record.to_owned());
         }

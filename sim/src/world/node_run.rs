@@ -58,6 +58,10 @@ pub(super) struct SimRun {
     durable: Option<(RunKey, String)>,
     /// The park timer armed for it.
     timer: Option<iop_core::Instant>,
+    /// A run held to a tenant's limits (SPEC §9) reports its real usage:
+    /// its prompt's tokens (a byte of its messages each) and the tokens
+    /// it emitted; others report one of each.
+    prompt_tokens: Option<u64>,
 }
 
 impl SimRun {
@@ -78,7 +82,7 @@ impl SimRun {
 }
 
 /// A provider output as `iop-node`'s mock adapter writes it.
-fn frame_of(event: ProviderEvent, run_id: RunId, token: u32) -> RunEventKind {
+fn frame_of(event: ProviderEvent, run_id: RunId, token: u32, usage: Usage) -> RunEventKind {
     match event {
         ProviderEvent::Neutral => RunEventKind::Started {
             session_id: format!("s{run_id}"),
@@ -86,7 +90,7 @@ fn frame_of(event: ProviderEvent, run_id: RunId, token: u32) -> RunEventKind {
         ProviderEvent::Progress(_) => RunEventKind::TextDelta(format!("tok{token}")),
         ProviderEvent::Returned(ProviderOutcome::Completed) => RunEventKind::Completed {
             finish_reason: FinishReason::Stop,
-            usage: Some(Usage::tokens(1, 1)),
+            usage: Some(usage),
         },
         ProviderEvent::Returned(ProviderOutcome::Failed(f)) => RunEventKind::Failed(f),
     }
@@ -142,6 +146,13 @@ impl World {
                     )
                 }),
                 timer: None,
+                prompt_tokens: request.params.max_tokens.map(|_| {
+                    request
+                        .messages
+                        .iter()
+                        .map(|m| m.content.len() as u64)
+                        .sum()
+                }),
             },
         );
         self.drain_run(node, serial);
@@ -544,6 +555,7 @@ impl World {
             return;
         }
         let run_id = run.machine.run_id();
+        let prompt_tokens = run.prompt_tokens;
         let Some(call) = run.call.as_mut() else {
             return;
         };
@@ -551,6 +563,10 @@ impl World {
             return;
         };
         let token = call.token();
+        let usage = match prompt_tokens {
+            Some(prompt) => Usage::tokens(prompt, u64::from(call.plan.tokens)),
+            None => Usage::tokens(1, 1),
+        };
         let returned = matches!(event, ProviderEvent::Returned(_));
         if returned {
             call.returned = true;
@@ -561,7 +577,7 @@ impl World {
         if let Some(after) = next {
             self.schedule(now + after, again);
         }
-        let frame = frame_of(event, run_id, token);
+        let frame = frame_of(event, run_id, token, usage);
         self.run_input(node, serial, NodeRunInput::Provider(vec![frame]));
         self.drain_node_link(node);
     }

@@ -2575,7 +2575,7 @@ fn r_ten_2_an_attempt_still_short_after_its_last_ask_ends_with_the_tenants_429()
             ));
             break;
         }
-        now = now + RESERVE_RETRY;
+        now = now.saturating_add(RESERVE_RETRY);
         r.handle_timeout(now);
         assert_eq!(drain_outputs(&mut r).len(), 1, "asked again");
         asks += 1;

@@ -1,0 +1,155 @@
+//! The simulated shared store of tenants' counters (SPEC §9, R-TEN-3): the
+//! store every Edge of a world claims its allowances from, as
+//! `iop_store::TenantStore` does for `iop-edge` (its memory store's
+//! semantics: one counter per (subject, meter, window), each claim decided
+//! by core's [`check_claim`]), in the world's virtual time.
+//!
+//! A claim is two hops, as a NATS key-value bucket serves it: read the
+//! counter and its revision, then write [`check_claim`]'s total by
+//! compare-and-set on that revision. A write that lost the race (another
+//! Edge's claim landed in between) reads again, at most
+//! [`MAX_CLAIM_TRIES`] times before the claim fails. The world gives each
+//! hop a seeded latency and, while faults are on, fails operations
+//! (nothing written), loses the answer of a written claim (the Edge takes
+//! the store as failed: that allowance is lost, never granted twice) and
+//! takes the store down for a while.
+
+use std::collections::BTreeMap;
+
+use iop_core::Instant;
+use iop_core::tenant::{CounterKey, check_claim};
+
+/// Reads and compare-and-sets one claim may take before it fails (the
+/// stores retry a lost race a bounded number of times).
+pub const MAX_CLAIM_TRIES: u32 = 8;
+
+/// One counter as the store keeps it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Counter {
+    /// Claimed by the Edges so far.
+    claimed: u64,
+    /// The tightest limit a claim named (the check's bound).
+    limit: u64,
+    /// Its revision (0: never written).
+    revision: u64,
+}
+
+/// The store's counters.
+#[derive(Debug, Default)]
+pub struct SimTenantStore {
+    counters: BTreeMap<CounterKey, Counter>,
+    /// The last revision given out (revisions only grow).
+    revision: u64,
+    /// Down (every operation fails) until then.
+    down_until: Option<Instant>,
+    /// Claims written.
+    pub writes: u64,
+    /// Compare-and-sets that lost their race.
+    pub conflicts: u64,
+}
+
+impl SimTenantStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether the store answers at `now`.
+    pub fn is_up(&self, now: Instant) -> bool {
+        self.down_until.is_none_or(|until| now >= until)
+    }
+
+    /// Take the store down until `until` (an outage).
+    pub fn down_until(&mut self, until: Instant) {
+        self.down_until = Some(self.down_until.map_or(until, |u| u.max(until)));
+    }
+
+    /// The store answers again at once (the faults stopped).
+    pub fn heal(&mut self) {
+        self.down_until = None;
+    }
+
+    /// Read `counter`: (claimed, revision).
+    pub fn read(&self, counter: &CounterKey) -> (u64, u64) {
+        self.counters
+            .get(counter)
+            .map_or((0, 0), |c| (c.claimed, c.revision))
+    }
+
+    /// Write a claim of `amount` of `counter` (limit `limit`) decided on
+    /// `claimed` as read at `revision`: the amount granted, or `None` when
+    /// the counter changed since (the caller reads again).
+    pub fn compare_and_claim(
+        &mut self,
+        counter: &CounterKey,
+        revision: u64,
+        claimed: u64,
+        amount: u64,
+        limit: u64,
+    ) -> Option<u64> {
+        let stored = self.counters.get(counter).copied().unwrap_or_default();
+        if stored.revision != revision {
+            self.conflicts += 1;
+            return None;
+        }
+        let (total, granted) = check_claim(claimed, amount, limit);
+        self.revision += 1;
+        self.writes += 1;
+        self.counters.insert(
+            counter.clone(),
+            Counter {
+                claimed: total,
+                limit: if stored.limit == 0 {
+                    limit
+                } else {
+                    stored.limit.min(limit)
+                },
+                revision: self.revision,
+            },
+        );
+        Some(granted)
+    }
+
+    /// R-TEN-3: no counter is claimed past its limit. The first counter
+    /// that is, if any: (counter, claimed, limit).
+    pub fn over_limit(&self) -> Option<(&CounterKey, u64, u64)> {
+        self.counters
+            .iter()
+            .find(|(_, c)| c.claimed > c.limit)
+            .map(|(k, c)| (k, c.claimed, c.limit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use iop_core::tenant::{Meter, Subject};
+
+    use super::*;
+
+    fn counter() -> CounterKey {
+        CounterKey {
+            subject: Subject::Principal("p".into()),
+            meter: Meter::Spend,
+            window_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_claim_that_lost_its_race_is_not_written_and_none_passes_the_limit() {
+        let mut store = SimTenantStore::new();
+        let c = counter();
+        let (claimed_a, rev_a) = store.read(&c);
+        let (claimed_b, rev_b) = store.read(&c);
+        assert_eq!(
+            store.compare_and_claim(&c, rev_a, claimed_a, 70, 100),
+            Some(70)
+        );
+        // B read before A wrote: it must read again.
+        assert_eq!(store.compare_and_claim(&c, rev_b, claimed_b, 70, 100), None);
+        let (claimed, rev) = store.read(&c);
+        assert_eq!(store.compare_and_claim(&c, rev, claimed, 70, 100), Some(30));
+        assert_eq!(store.read(&c).0, 100);
+        assert!(store.over_limit().is_none());
+        assert_eq!(store.conflicts, 1);
+    }
+}

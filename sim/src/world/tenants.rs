@@ -1,0 +1,762 @@
+//! Tenants in the world (SPEC §9): every Edge process drives the very core
+//! [`Tenants`] machine `iop-edge`'s `shell-edge/src/tenancy.rs` drives, and
+//! every Edge claims from one shared store of counters
+//! ([`crate::tenant_store`]), as several `iop-edge` processes share a NATS
+//! key-value bucket.
+//!
+//! What the world carries, as the shell does:
+//!
+//! * **Admission**: a client request comes with one of the world's keys
+//!   (its principal's) and a prompt; the Edge asks its machine at once
+//!   (`Tenants::admit`, a direct answer) before any record or request
+//!   exists. Refused: the client's answer is the 429 and nothing else
+//!   happens.
+//! * **Further attempts** (R-TEN-2): the request machine's
+//!   `RequestOutput::ReserveAttempt` is answered at once from
+//!   `Tenants::reserve_attempt`. A takeover's request (an adoption or a
+//!   continuation the custody starts) holds no tenant's reservation, as in
+//!   the shell (`stored.rs`: a takeover's continuation is not charged), and
+//!   is reserved at once.
+//! * **Usage**: the usage the answer reports (summed over its attempts by
+//!   the request machine) is recorded from its deliveries; when the request
+//!   ends it is settled with it, or released if none was reported.
+//! * **Claims** go to the shared store over a seeded latency, read then
+//!   compare-and-set; the answer comes back to the machine of the Edge
+//!   process that asked, if it still lives. An Edge that dies loses its
+//!   machine, its reservations and its claims' answers.
+//!
+//! Checked after every step ([`World::check_tenants`]) and at each
+//! settlement:
+//!
+//! * **R-TEN-2 (bound)**: the spend recorded for a subject with a budget
+//!   (its settled usage rows, over every Edge) never exceeds its limit plus
+//!   one chunk per Edge process that reserved from it: an Edge holds what
+//!   its claims were granted and spends at most one chunk on credit while
+//!   a claim is on its way; a restarted Edge is a new process and holds
+//!   nothing, so it may take its chunk on credit again.
+//! * **R-TEN-2 (every reservation once)**: every provider call a request
+//!   makes is covered by a reservation of its own (its admission's, then
+//!   one per further attempt); an attempt answered "reserved" is held by
+//!   the machine; a settlement gives back exactly what the request's
+//!   reservations held and charges what it used once (per subject and
+//!   meter, the machine's counts move by the use minus the reservations);
+//!   a settled request holds nothing more, and each admitted request is
+//!   settled exactly once.
+//! * **R-TEN-1 (isolation)**: each Edge process also drives one shadow
+//!   machine per principal that sees only that principal's traffic; every
+//!   admission and attempt of the principal gets the same answer from the
+//!   shared machine as from its shadow, and the shared machine asks the
+//!   store for exactly the claims the shadow does: one principal's use
+//!   never changes another's admission.
+//! * **R-TEN-3**: no counter in the store is claimed past its limit.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use iop_core::edge::admission::RequestId;
+use iop_core::edge::request::{Delivery, RequestInput};
+use iop_core::tenant::{
+    AdmitRequest, CounterKey, Held, Meter, Subject, Tenants, TenantsInput, TenantsOutput, TokenUse,
+};
+use iop_wire::RunEventKind;
+
+use super::{Event, World};
+use crate::config::{Rng, TenantProfile};
+use crate::tenant_store::{MAX_CLAIM_TRIES, SimTenantStore};
+
+/// The world's one model, as clients name it.
+const MODEL: &str = "sim";
+
+/// Tenants of the whole world: the profile, the shared store, what was
+/// recorded.
+#[derive(Debug)]
+pub(super) struct SimTenancy {
+    profile: TenantProfile,
+    store: SimTenantStore,
+    /// Draws of the tenants' own (keys, prompts, the store's latency and
+    /// faults), so the world's stream is what it was without tenants.
+    rng: Rng,
+    /// R-TEN-2: spend recorded (settled usage rows) per subject.
+    recorded: BTreeMap<Subject, u64>,
+    /// The Edge processes that reserved spend of each subject.
+    spenders: BTreeMap<Subject, BTreeSet<u64>>,
+}
+
+/// One claim on its way through the store (see [`crate::tenant_store`]).
+#[derive(Debug, Clone)]
+pub(super) struct ClaimOp {
+    incarnation: u64,
+    counter: CounterKey,
+    amount: u64,
+    limit: u64,
+    tries: u32,
+    /// What the read found: (claimed, revision); `None`: the read is next.
+    read: Option<(u64, u64)>,
+}
+
+/// A step of the tenants' store traffic.
+#[derive(Debug)]
+pub(super) enum TenantEvent {
+    /// The claim's next hop reaches the store.
+    Store(ClaimOp),
+    /// The store's answer reaches the Edge process that asked.
+    Answer {
+        incarnation: u64,
+        counter: CounterKey,
+        granted: Option<u64>,
+    },
+}
+
+impl TenantEvent {
+    /// The Edge process it concerns.
+    pub(super) fn incarnation(&self) -> u64 {
+        match self {
+            TenantEvent::Store(op) => op.incarnation,
+            TenantEvent::Answer { incarnation, .. } => *incarnation,
+        }
+    }
+}
+
+/// One Edge process's tenants.
+#[derive(Debug)]
+pub(super) struct EdgeTenants {
+    /// The machine the Edge's shell drives.
+    machine: Tenants,
+    /// R-TEN-1: per principal, a machine that sees only its traffic.
+    shadows: BTreeMap<String, Tenants>,
+    /// The requests it admitted and has not settled.
+    tickets: BTreeMap<RequestId, Ticket>,
+}
+
+/// An admitted request's hold on its tenant's limits.
+#[derive(Debug, Clone)]
+struct Ticket {
+    /// Its key (an index into the profile's keys).
+    key: usize,
+    /// Its prompt's bytes.
+    prompt_bytes: u64,
+    /// The usage its answer reported so far.
+    used: Option<TokenUse>,
+    /// Further attempts reserved.
+    attempts: u32,
+    /// Provider calls sent with its prompt.
+    calls: u32,
+}
+
+impl SimTenancy {
+    pub(super) fn new(profile: TenantProfile, seed: u64) -> Self {
+        Self {
+            profile,
+            store: SimTenantStore::new(),
+            rng: Rng::new(seed ^ 0x7E4A_4175_5EED_0004),
+            recorded: BTreeMap::new(),
+            spenders: BTreeMap::new(),
+        }
+    }
+}
+
+/// The principal a counter's subject belongs to.
+fn principal_of<'a>(profile: &'a TenantProfile, subject: &'a Subject) -> &'a str {
+    match subject {
+        Subject::Principal(p) => p,
+        Subject::Key(k) => profile
+            .keys
+            .iter()
+            .find(|(id, ..)| id == k)
+            .map_or("", |(_, p, _)| profile.principals[*p].0.as_str()),
+    }
+}
+
+impl World {
+    /// A new Edge process's tenants (`None` in a world without them).
+    pub(super) fn new_edge_tenants(&self) -> Option<EdgeTenants> {
+        let t = self.tenancy.as_ref()?;
+        // The shadows run the same code, planted bugs included: they tell
+        // isolation apart, not correctness.
+        let machine = || {
+            let m = Tenants::new(t.profile.machine);
+            self.core_bugs.plant_tenants(&m);
+            m
+        };
+        Some(EdgeTenants {
+            machine: machine(),
+            shadows: t
+                .profile
+                .principals
+                .iter()
+                .map(|(p, _)| (p.clone(), machine()))
+                .collect(),
+            tickets: BTreeMap::new(),
+        })
+    }
+
+    /// A client request arrives at the current Edge with one of the
+    /// world's keys: admit it (R-TEN-1, R-TEN-2) before anything else.
+    /// `false`: refused, its client got the 429 and nothing more happens.
+    pub(super) fn tenant_admit(&mut self, rid: RequestId) -> bool {
+        let now = self.now;
+        let unix_ms = self.unix_ms();
+        let Some(t) = self.tenancy.as_mut() else {
+            return true;
+        };
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return false;
+        };
+        let Some(et) = edge.tenants.as_mut() else {
+            return true;
+        };
+        let key = t.rng.index(t.profile.keys.len());
+        let prompt_bytes = t.rng.range(1, t.profile.prompt_bytes_max);
+        // The ticket is the request's id (unique per Edge process).
+        let (key_id, p, key_limits) = &t.profile.keys[key];
+        let (principal, principal_limits) = &t.profile.principals[*p];
+        let request = AdmitRequest {
+            ticket: rid,
+            key: key_id.clone(),
+            principal: principal.clone(),
+            key_limits: key_limits.clone(),
+            principal_limits: principal_limits.clone(),
+            price: Some(t.profile.price),
+            prompt_tokens_max: iop_core::tenant::prompt_tokens_max(prompt_bytes),
+            output_tokens_max: t.profile.output_tokens_max,
+            unix_ms,
+            model: MODEL.into(),
+            durable: false,
+            background: false,
+            key_held: Held::default(),
+            principal_held: Held::default(),
+        };
+        let admitted = et.machine.admit(now, &request);
+        let shadow = et
+            .shadows
+            .get_mut(principal)
+            .map(|s| s.admit(now, &request));
+        let principal = principal.clone();
+        if shadow.as_ref() != Some(&admitted) {
+            let detail = format!(
+                "request {rid} of principal {principal}: the Edge's machine answered \
+                 {admitted:?}, one that saw only this principal's traffic {shadow:?}"
+            );
+            self.checkers[self.cur].fail("R-TEN-1", detail);
+        }
+        if let Some(edge) = self.edges[self.cur].as_mut()
+            && let Some(et) = edge.tenants.as_mut()
+            && admitted.is_ok()
+        {
+            et.tickets.insert(
+                rid,
+                Ticket {
+                    key,
+                    prompt_bytes,
+                    used: None,
+                    attempts: 0,
+                    calls: 0,
+                },
+            );
+            let incarnation = edge.incarnation;
+            let spent: Vec<Subject> = et
+                .machine
+                .held_by(rid)
+                .iter()
+                .filter(|(c, _)| c.meter == Meter::Spend)
+                .map(|(c, _)| c.subject.clone())
+                .collect();
+            if let Some(t) = self.tenancy.as_mut() {
+                for subject in spent {
+                    t.spenders.entry(subject).or_default().insert(incarnation);
+                }
+            }
+        }
+        self.tenant_claims(&principal);
+        match admitted {
+            Ok(()) => {
+                self.stats.tenant_admitted += 1;
+                true
+            }
+            Err(refusal) => {
+                self.stats.tenant_refused += 1;
+                self.stats.failed += 1;
+                *self
+                    .stats
+                    .failures
+                    .entry(
+                        match refusal.kind {
+                            iop_core::tenant::RefusalKind::RateLimited => "rate_limit_exceeded",
+                            iop_core::tenant::RefusalKind::InsufficientQuota => {
+                                "insufficient_quota"
+                            }
+                        }
+                        .into(),
+                    )
+                    .or_default() += 1;
+                false
+            }
+        }
+    }
+
+    /// A request asks to reserve for a further attempt that sends its
+    /// prompt again (R-TEN-2): the machine's answer as the request's input.
+    pub(super) fn tenant_reserve(
+        &mut self,
+        rid: RequestId,
+        extra_input_tokens: u64,
+    ) -> RequestInput {
+        let now = self.now;
+        let unix_ms = self.unix_ms();
+        let Some(t) = self.tenancy.as_ref() else {
+            return RequestInput::AttemptReserved;
+        };
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return RequestInput::AttemptReserved;
+        };
+        let incarnation = edge.incarnation;
+        let Some(et) = edge.tenants.as_mut() else {
+            return RequestInput::AttemptReserved;
+        };
+        // A takeover's request holds no tenant's reservation (the shell's
+        // takeovers are not charged): reserved at once.
+        let Some(ticket) = et.tickets.get(&rid).cloned() else {
+            return RequestInput::AttemptReserved;
+        };
+        let principal = t.profile.principals[t.profile.keys[ticket.key].1].0.clone();
+        let reserved = et
+            .machine
+            .reserve_attempt(now, rid, extra_input_tokens, unix_ms);
+        let shadow = et
+            .shadows
+            .get_mut(&principal)
+            .map(|s| s.reserve_attempt(now, rid, extra_input_tokens, unix_ms));
+        let mut fail = Vec::new();
+        if shadow.as_ref() != Some(&reserved) {
+            fail.push((
+                "R-TEN-1",
+                format!(
+                    "request {rid}'s further attempt, principal {principal}: the Edge's machine \
+                     answered {reserved:?}, one that saw only this principal's traffic {shadow:?}"
+                ),
+            ));
+        }
+        if reserved.is_ok() {
+            let attempts = ticket.attempts + 1;
+            if let Some(tk) = et.tickets.get_mut(&rid) {
+                tk.attempts = attempts;
+            }
+            let held = et.machine.reservations_of(rid);
+            if held != 1 + attempts {
+                fail.push((
+                    "R-TEN-2",
+                    format!(
+                        "request {rid}'s attempt was answered reserved, but its machine holds \
+                         {held} reservations for its admission and {attempts} further attempts"
+                    ),
+                ));
+            }
+        }
+        let spent: Vec<Subject> = et
+            .machine
+            .held_by(rid)
+            .iter()
+            .filter(|(c, _)| c.meter == Meter::Spend)
+            .map(|(c, _)| c.subject.clone())
+            .collect();
+        if let Some(t) = self.tenancy.as_mut() {
+            for subject in spent {
+                t.spenders.entry(subject).or_default().insert(incarnation);
+            }
+        }
+        for (rule, detail) in fail {
+            self.checkers[self.cur].fail(rule, detail);
+        }
+        self.tenant_claims(&principal);
+        match reserved {
+            Ok(()) => {
+                self.stats.tenant_attempts_reserved += 1;
+                RequestInput::AttemptReserved
+            }
+            Err(refusal) => {
+                if refusal.claim_pending {
+                    self.stats.tenant_attempts_waited += 1;
+                } else {
+                    self.stats.tenant_attempts_refused += 1;
+                }
+                RequestInput::AttemptRefused(refusal)
+            }
+        }
+    }
+
+    /// A delivery of request `rid`: the usage its answer reports, as the
+    /// shell's driver records it (summed over its attempts by the request
+    /// machine).
+    pub(super) fn tenant_delivery(&mut self, rid: RequestId, delivery: &Delivery) {
+        let usage = match delivery {
+            Delivery::Event(RunEventKind::Usage(u))
+            | Delivery::Event(RunEventKind::Completed { usage: Some(u), .. }) => u,
+            _ => return,
+        };
+        if let Some(ticket) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.tenants.as_mut())
+            .and_then(|et| et.tickets.get_mut(&rid))
+        {
+            ticket.used = Some(TokenUse {
+                input: usage.prompt_tokens,
+                cached_input: usage.cache_read_tokens.unwrap_or(0),
+                cache_write_input: usage.cache_write_tokens.unwrap_or(0),
+                output: usage.completion_tokens,
+            });
+        }
+    }
+
+    /// Request `rid` sends its prompt to a provider: what the run carries
+    /// (its prompt's bytes and most output tokens), and R-TEN-2's check
+    /// that the call is covered by a reservation of its own. `None`: the
+    /// request is held to no tenant's limits.
+    pub(super) fn tenant_call(&mut self, rid: RequestId) -> Option<(u64, u64)> {
+        let output = self.tenancy.as_ref()?.profile.output_tokens_max;
+        let et = self.edges[self.cur].as_mut()?.tenants.as_mut()?;
+        let ticket = et.tickets.get_mut(&rid)?;
+        ticket.calls += 1;
+        let (calls, prompt) = (ticket.calls, ticket.prompt_bytes);
+        let held = et.machine.reservations_of(rid);
+        if held < calls {
+            let detail = format!(
+                "request {rid} sends its prompt for the {calls}th time with {held} \
+                 reservations held"
+            );
+            self.checkers[self.cur].fail("R-TEN-2", detail);
+        }
+        Some((prompt, output))
+    }
+
+    /// Request `rid` ended: settle it with the usage its answer reported,
+    /// or release it (it reported none), and check the settlement.
+    pub(super) fn tenant_settle(&mut self, rid: RequestId) {
+        let now = self.now;
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return;
+        };
+        let Some(et) = edge.tenants.as_mut() else {
+            return;
+        };
+        let Some(ticket) = et.tickets.remove(&rid) else {
+            return;
+        };
+        let principal = t.profile.principals[t.profile.keys[ticket.key].1].0.clone();
+        let held: Vec<(CounterKey, u64)> = et.machine.held_by(rid).to_vec();
+        let counters: BTreeSet<&CounterKey> = held.iter().map(|(c, _)| c).collect();
+        let before: BTreeMap<&CounterKey, u64> = counters
+            .iter()
+            .map(|c| (*c, et.machine.used(c).unwrap_or(0)))
+            .collect();
+        let used = ticket.used.unwrap_or_default();
+        let settled = match ticket.used {
+            Some(used) => et.machine.settle(now, rid, used),
+            None => et.machine.release(now, rid),
+        };
+        let shadow = et.shadows.get_mut(&principal).map(|s| match ticket.used {
+            Some(used) => s.settle(now, rid, used),
+            None => s.release(now, rid),
+        });
+        let mut fail = Vec::new();
+        if shadow.as_ref() != Some(&settled) {
+            fail.push((
+                "R-TEN-1",
+                format!(
+                    "request {rid}'s settlement, principal {principal}: {settled:?} on the \
+                     Edge's machine, {shadow:?} on one that saw only this principal"
+                ),
+            ));
+        }
+        // Every reservation once: given back whole, the use charged once.
+        let spend = used.cost(&t.profile.price);
+        let mut moved: BTreeMap<(&Subject, Meter), i128> = BTreeMap::new();
+        for c in &counters {
+            let after = et.machine.used(c).unwrap_or(0);
+            *moved.entry((&c.subject, c.meter)).or_default() +=
+                i128::from(after) - i128::from(before[*c]);
+        }
+        let mut reserved: BTreeMap<(&Subject, Meter), i128> = BTreeMap::new();
+        for (c, amount) in &held {
+            *reserved.entry((&c.subject, c.meter)).or_default() += i128::from(*amount);
+        }
+        for ((subject, meter), reserved) in &reserved {
+            let charged = match meter {
+                Meter::Requests => *reserved,
+                Meter::Tokens => i128::from(used.total()),
+                Meter::Spend => i128::from(spend),
+                Meter::JournalBytes | Meter::Background => continue,
+            };
+            let expect = charged - reserved;
+            let got = moved.get(&(*subject, *meter)).copied().unwrap_or(0);
+            if got != expect {
+                fail.push((
+                    "R-TEN-2",
+                    format!(
+                        "request {rid}'s settlement moved {subject:?}'s {} by {got}, not by its \
+                         use {charged} less its reservations {reserved}: a reservation given \
+                         back other than once",
+                        meter.as_str()
+                    ),
+                ));
+            }
+        }
+        if et.machine.reservations_of(rid) != 0 {
+            fail.push((
+                "R-TEN-2",
+                format!("request {rid} still holds a reservation after its settlement"),
+            ));
+        }
+        match &settled {
+            None => fail.push((
+                "R-TEN-2",
+                format!("request {rid} was admitted but its settlement found no reservation"),
+            )),
+            Some((_, totals)) => {
+                let key_subject = Subject::Key(t.profile.keys[ticket.key].0.clone());
+                for subject in [key_subject, Subject::Principal(principal.clone())] {
+                    *t.recorded.entry(subject).or_default() += totals.spend_micros;
+                }
+            }
+        }
+        // As the shell does after a settlement.
+        et.machine.handle_timeout(now);
+        for s in et.shadows.values_mut() {
+            s.handle_timeout(now);
+        }
+        for (rule, detail) in fail {
+            self.checkers[self.cur].fail(rule, detail);
+        }
+        self.stats.tenant_settled += 1;
+        self.tenant_claims(&principal);
+    }
+
+    /// A durable request whose record was not created ends before it
+    /// started: it is released.
+    pub(super) fn tenant_release_unstarted(&mut self, rid: RequestId) {
+        self.tenant_settle(rid);
+    }
+
+    /// Carry the claims of the current Edge's machine to the store, after
+    /// an operation of `principal`: each must be one of that principal's
+    /// counters, and exactly those its shadow asks for (R-TEN-1).
+    fn tenant_claims(&mut self, principal: &str) {
+        let Some(t) = self.tenancy.as_ref() else {
+            return;
+        };
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(et) = edge.tenants.as_mut() else {
+            return;
+        };
+        let claims: Vec<TenantsOutput> = std::iter::from_fn(|| et.machine.poll_output()).collect();
+        let shadow: Vec<TenantsOutput> = et
+            .shadows
+            .get_mut(principal)
+            .map(|s| std::iter::from_fn(|| s.poll_output()).collect())
+            .unwrap_or_default();
+        let others = claims.iter().any(|TenantsOutput::Claim { counter, .. }| {
+            principal_of(&t.profile, &counter.subject) != principal
+        });
+        if others || claims != shadow {
+            let detail = format!(
+                "after principal {principal}'s operation the Edge's machine claims {claims:?}, \
+                 one that saw only this principal {shadow:?}"
+            );
+            self.checkers[self.cur].fail("R-TEN-1", detail);
+        }
+        for TenantsOutput::Claim {
+            counter,
+            amount,
+            limit,
+        } in claims
+        {
+            self.stats.tenant_claims += 1;
+            self.tenant_hop(TenantEvent::Store(ClaimOp {
+                incarnation,
+                counter,
+                amount,
+                limit,
+                tries: 0,
+                read: None,
+            }));
+        }
+    }
+
+    /// Schedule `event` one hop (a seeded latency) from now.
+    fn tenant_hop(&mut self, event: TenantEvent) {
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let latency = Duration::from_micros(t.rng.range(
+            us(t.profile.store_latency_min),
+            us(t.profile.store_latency_max),
+        ));
+        self.schedule(self.now + latency, Event::Tenant(Box::new(event)));
+    }
+
+    /// A step of the store's traffic.
+    pub(super) fn tenant_event(&mut self, event: TenantEvent) {
+        match event {
+            TenantEvent::Store(op) => self.tenant_store_step(op),
+            TenantEvent::Answer {
+                incarnation,
+                counter,
+                granted,
+            } => self.tenant_answer(incarnation, counter, granted),
+        }
+    }
+
+    /// A claim's hop reaches the store: read, or compare-and-set.
+    fn tenant_store_step(&mut self, mut op: ClaimOp) {
+        let faults = self.faults_on();
+        let now = self.now;
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        let answer = |op: &ClaimOp, granted| TenantEvent::Answer {
+            incarnation: op.incarnation,
+            counter: op.counter.clone(),
+            granted,
+        };
+        if !t.store.is_up(now) || (faults && t.rng.chance(t.profile.store_fail_ppm)) {
+            self.stats.tenant_store_failures += 1;
+            let event = answer(&op, None);
+            self.tenant_hop(event);
+            return;
+        }
+        match op.read {
+            None => {
+                op.read = Some(t.store.read(&op.counter));
+                self.tenant_hop(TenantEvent::Store(op));
+            }
+            Some((claimed, revision)) => {
+                match t
+                    .store
+                    .compare_and_claim(&op.counter, revision, claimed, op.amount, op.limit)
+                {
+                    Some(granted) => {
+                        let lost = faults && t.rng.chance(t.profile.store_answer_lost_ppm);
+                        if lost {
+                            self.stats.tenant_store_failures += 1;
+                        }
+                        let event = answer(&op, (!lost).then_some(granted));
+                        self.tenant_hop(event);
+                    }
+                    None if op.tries + 1 >= MAX_CLAIM_TRIES => {
+                        let event = answer(&op, None);
+                        self.tenant_hop(event);
+                    }
+                    None => {
+                        op.tries += 1;
+                        op.read = None;
+                        self.tenant_store_step(op);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The store's answer reaches the Edge process that asked (if it
+    /// lives): its machine and the claim's principal's shadow hear it.
+    fn tenant_answer(&mut self, incarnation: u64, counter: CounterKey, granted: Option<u64>) {
+        let now = self.now;
+        let Some(t) = self.tenancy.as_ref() else {
+            return;
+        };
+        let principal = principal_of(&t.profile, &counter.subject).to_owned();
+        let Some(edge) = self.edges[self.cur]
+            .as_mut()
+            .filter(|e| e.incarnation == incarnation)
+        else {
+            return;
+        };
+        let Some(et) = edge.tenants.as_mut() else {
+            return;
+        };
+        let input = TenantsInput::Claimed { counter, granted };
+        et.machine.handle_input(now, input.clone());
+        if let Some(s) = et.shadows.get_mut(&principal) {
+            s.handle_input(now, input);
+        }
+        self.tenant_claims(&principal);
+    }
+
+    /// While faults are on: the store may go down for a while.
+    pub(super) fn tenant_fault_tick(&mut self) {
+        let now = self.now;
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        if t.rng.chance(t.profile.store_outage_ppm) {
+            self.stats.tenant_store_outages += 1;
+            let until = now
+                + t.rng
+                    .millis(10, super::duration_ms(t.profile.store_outage_max));
+            t.store.down_until(until);
+        }
+    }
+
+    /// The faults stop: the store answers.
+    pub(super) fn tenant_stop_faults(&mut self) {
+        if let Some(t) = self.tenancy.as_mut() {
+            t.store.heal();
+        }
+    }
+
+    /// R-TEN-2's bound and R-TEN-3's store, after every step.
+    pub(super) fn check_tenants(&mut self) {
+        let Some(t) = self.tenancy.as_ref() else {
+            return;
+        };
+        if let Some((counter, claimed, limit)) = t.store.over_limit() {
+            let detail = format!("{counter:?} claimed {claimed} of a limit of {limit}");
+            self.checkers[self.cur].fail("R-TEN-3", detail);
+        }
+        let chunk = Tenants::new(t.profile.machine);
+        let budgets = t
+            .profile
+            .principals
+            .iter()
+            .map(|(p, l)| (Subject::Principal(p.clone()), l))
+            .chain(
+                t.profile
+                    .keys
+                    .iter()
+                    .map(|(k, _, l)| (Subject::Key(k.clone()), l)),
+            );
+        for (subject, limits) in budgets {
+            let Some(budget) = limits.budget else {
+                continue;
+            };
+            let recorded = t.recorded.get(&subject).copied().unwrap_or(0);
+            let processes = t.spenders.get(&subject).map_or(0, BTreeSet::len) as u64;
+            let bound = budget.limit_micros + processes * chunk.chunk(budget.limit_micros);
+            if recorded > bound {
+                let detail = format!(
+                    "{subject:?} recorded a spend of {recorded} against a budget of {} (bound \
+                     {bound}: {processes} Edge processes x a chunk of {})",
+                    budget.limit_micros,
+                    chunk.chunk(budget.limit_micros)
+                );
+                self.checkers[self.cur].fail("R-TEN-2", detail);
+            }
+        }
+    }
+
+    /// The Edge process's admitted requests not yet settled (the drain
+    /// waits for none; a settled world has none).
+    pub(super) fn tenant_open_tickets(&self) -> usize {
+        self.edges
+            .iter()
+            .flatten()
+            .filter_map(|e| e.tenants.as_ref())
+            .map(|et| et.tickets.len())
+            .sum()
+    }
+}
