@@ -202,6 +202,22 @@ pub struct Price {
     pub output_per_mtok: u64,
 }
 
+impl Price {
+    /// The price a reservation holds a prompt at (R-TEN-2): every input
+    /// token at the dearest of the input, cached-input and cache-write
+    /// prices, so a prompt the provider reads from or writes to its cache
+    /// settles within it.
+    pub fn for_reservation(self) -> Price {
+        Price {
+            input_per_mtok: self
+                .input_per_mtok
+                .max(self.cache_write_per_mtok)
+                .max(self.cached_input_per_mtok),
+            ..self
+        }
+    }
+}
+
 /// A request's token use.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenUse {
@@ -559,13 +575,7 @@ impl Tenants {
         let spend = request.price.map_or(0, |p| {
             // Reserved as if every prompt token were priced at the
             // dearest input rate, so a cache write never settles above it.
-            let dearest = Price {
-                input_per_mtok: p
-                    .input_per_mtok
-                    .max(p.cache_write_per_mtok)
-                    .max(p.cached_input_per_mtok),
-                ..p
-            };
+            let dearest = p.for_reservation();
             TokenUse {
                 input: request.prompt_tokens_max,
                 output: request.output_tokens_max,
@@ -714,13 +724,7 @@ impl Tenants {
         let terms = &reservation.again;
         // Priced at the dearest input rate, as the admission's prompt is.
         let extra_spend = reservation.price.map_or(0, |p| {
-            let dearest = Price {
-                input_per_mtok: p
-                    .input_per_mtok
-                    .max(p.cache_write_per_mtok)
-                    .max(p.cached_input_per_mtok),
-                ..p
-            };
+            let dearest = p.for_reservation();
             TokenUse {
                 input: extra_input_tokens,
                 ..TokenUse::default()
