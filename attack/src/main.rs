@@ -15,12 +15,14 @@
 //! The Edge keeps durable responses on a real `nats-server` when one is
 //! installed (`$NATS_SERVER`, `PATH`, `/usr/sbin`), as a shared
 //! deployment does; else in its embedded store, and `duplicate_edge_id`
-//! is skipped.
+//! and `store_outage_midstream` are skipped. `--store embedded` runs the
+//! embedded store with a server installed.
 //!
 //! `scripts/attack` builds the binaries and runs it.
 
 mod evil_node;
 mod flood;
+mod store;
 mod tenant;
 
 use std::net::SocketAddr;
@@ -35,6 +37,7 @@ use iop_bench::deployment::{
     API_KEY, BENCH_EDGE_ID, Binaries, JournalStore, NatsServer, Proc, edge_config_head,
     free_tcp_port, free_udp_port, nats_server_binary, node_config, write_pki,
 };
+use store::StoreControl;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -65,6 +68,10 @@ struct Cli {
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// The Edge's journal store: `nats` (the default when `nats-server`
+    /// is installed) or `embedded`.
+    #[arg(long, value_enum)]
+    store: Option<JournalStore>,
 }
 
 /// The attacks, in the order they run.
@@ -83,6 +90,8 @@ const ATTACKS: &[&str] = &[
     "parked_report_flood",
     "cancel_storm",
     "ids_in_logs",
+    "store_down_at_start",
+    "store_outage_midstream",
 ];
 
 /// The running deployment.
@@ -93,13 +102,16 @@ struct Rig {
     _mock: Proc,
     _sick_mock: Proc,
     _slow_mock: Proc,
-    /// The slow provider's address (its `/mock/stats`).
-    slow_addr: SocketAddr,
+    _endless_mock: Proc,
+    /// The endless provider's address (its `/mock/stats`).
+    endless_addr: SocketAddr,
     _node: Proc,
-    /// The journal's shared store, when `nats-server` is installed.
-    nats: Option<NatsServer>,
+    /// The journal's store, and how to take it away and give it back.
+    store: Arc<StoreControl>,
     http: SocketAddr,
     quic: SocketAddr,
+    /// Edge processes started so far (each restart's log is its own).
+    edge_starts: u32,
 }
 
 /// What one attack did to the legitimate client and the Edge.
@@ -141,7 +153,14 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let bins = Binaries::beside_current_exe()?;
-    let mut rig = Rig::start(bins, &cli.dir).await?;
+    let store = match cli.store {
+        Some(JournalStore::Memory) => bail!("--store is nats or embedded"),
+        Some(store) => store,
+        None if nats_server_binary().is_some() => JournalStore::Nats,
+        None => JournalStore::Embedded,
+    };
+    let mut rig = Rig::start(bins, &cli.dir, store).await?;
+    eprintln!("journal store: {}", rig.store.as_str());
     let duration = Duration::from_secs(cli.seconds);
     let mut rows = vec![attack_row(&mut rig, "baseline", duration, cli.rate).await?];
     print_row(&rows[0]);
@@ -271,7 +290,7 @@ fn json(rows: &[Row]) -> serde_json::Value {
 }
 
 impl Rig {
-    async fn start(bins: Binaries, dir: &Path) -> anyhow::Result<Self> {
+    async fn start(bins: Binaries, dir: &Path, journal: JournalStore) -> anyhow::Result<Self> {
         if dir.exists() {
             std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
         }
@@ -295,6 +314,24 @@ impl Rig {
             &dir,
             false,
         )?;
+        // A provider slow enough for a durable stream to be in flight when
+        // the store goes away (R-JRN-6).
+        let slow_addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let slow_mock = Proc::spawn(
+            "mock-slow",
+            &bins.node,
+            &[
+                "mock-provider".into(),
+                "--listen".into(),
+                slow_addr.to_string(),
+                "--tokens".into(),
+                "40".into(),
+                "--tps".into(),
+                "20".into(),
+            ],
+            &dir,
+            false,
+        )?;
         // A provider that answers every request 503 (R-FAIL-1).
         let sick_addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
         let sick_mock = Proc::spawn(
@@ -312,14 +349,14 @@ impl Rig {
         )?;
         // A provider whose answers take minutes: runs still going when
         // they are cancelled.
-        let slow_addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
-        let slow_mock = Proc::spawn(
-            "mock-slow",
+        let endless_addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let endless_mock = Proc::spawn(
+            "mock-endless",
             &bins.node,
             &[
                 "mock-provider".into(),
                 "--listen".into(),
-                slow_addr.to_string(),
+                endless_addr.to_string(),
                 "--tokens".into(),
                 "100000".into(),
                 "--tps".into(),
@@ -328,13 +365,22 @@ impl Rig {
             &dir,
             false,
         )?;
-        let nats = match nats_server_binary() {
-            Some(_) => Some(NatsServer::start(&dir).await?),
-            None => None,
+        let store = match journal {
+            JournalStore::Nats => {
+                let nats = NatsServer::start(&dir).await?;
+                StoreControl::Nats {
+                    addr: nats.addr,
+                    dir: dir.clone(),
+                    proc: Box::new(tokio::sync::Mutex::new(Some(nats.proc))),
+                }
+            }
+            _ => StoreControl::Embedded {
+                file: dir.join("edge-state").join("journal.redb"),
+            },
         };
         let quic = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
         let http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
-        let nats_url = nats.as_ref().map(NatsServer::url);
+        let nats_url = store.nats_url();
         std::fs::write(
             dir.join("edge.toml"),
             edge_toml(quic, http, "edge-state", nats_url.as_deref())?,
@@ -355,7 +401,9 @@ impl Rig {
                 &format!(
                     "[[providers]]\nadapter = \"openai\"\ntarget = \"m\"\nbase_url = \"http://{mock_addr}\"\n\
                      [[providers]]\nadapter = \"openai\"\ntarget = \"sick\"\nbase_url = \"http://{sick_addr}\"\n\
-                     [[providers]]\nadapter = \"openai\"\ntarget = \"slow\"\nbase_url = \"http://{slow_addr}\"\n"
+                     [[providers]]\nadapter = \"openai\"\ntarget = \"{}\"\nbase_url = \"http://{slow_addr}\"\n\
+                     [[providers]]\nadapter = \"openai\"\ntarget = \"endless\"\nbase_url = \"http://{endless_addr}\"\n",
+                    store::SLOW_TARGET
                 ),
             ),
         )?;
@@ -373,14 +421,60 @@ impl Rig {
             _mock: mock,
             _sick_mock: sick_mock,
             _slow_mock: slow_mock,
-            slow_addr,
+            _endless_mock: endless_mock,
+            endless_addr,
             _node: node,
-            nats,
+            store: Arc::new(store),
             http,
             quic,
+            edge_starts: 1,
         };
         rig.wait_route().await?;
         Ok(rig)
+    }
+
+    /// Kill the Edge process and start it again with the same config.
+    async fn restart_edge(&mut self) -> anyhow::Result<()> {
+        self.edge_starts += 1;
+        let edge = Proc::spawn(
+            &format!("edge-{}", self.edge_starts),
+            &self.bins.edge,
+            &["run".into(), "--config".into(), "edge.toml".into()],
+            &self.dir,
+            false,
+        )?;
+        std::mem::replace(&mut self.edge, edge).stop().await;
+        Ok(())
+    }
+
+    /// Until the Edge answers `/healthz`, then until a legitimate request
+    /// succeeds (it needs the node connected again), bounded by `within`,
+    /// or the Edge exits; how long each took.
+    async fn until_served(&mut self, within: Duration) -> anyhow::Result<(Duration, Duration)> {
+        let client = legit_client()?;
+        let started = Instant::now();
+        let mut answering = None;
+        loop {
+            if answering.is_none()
+                && client
+                    .get(format!("http://{}/healthz", self.http))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+            {
+                answering = Some(started.elapsed());
+            }
+            if let Some(answering) = answering
+                && legit_request(&client, self.http).await.is_ok()
+            {
+                return Ok((answering, started.elapsed()));
+            }
+            self.edge.check_alive()?;
+            if started.elapsed() > within {
+                bail!("no answer within {} s", within.as_secs());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Until one legitimate request succeeds (bounded).
@@ -405,8 +499,11 @@ impl Rig {
 /// The Edge's configuration: its listeners and `state_dir`, the
 /// attacker's key, the legitimate route `m`, the hostile node's tunnel
 /// route `evil`, the pool `fragile` of an offline provider (node `ghost`
-/// never connects) and a failing one, and the journal on `nats_url` when
-/// there is one.
+/// never connects) and a failing one, the route `slow` of durable streams
+/// long enough to be in flight when the store goes away, and the journal
+/// on `nats_url` when there is one (else in the embedded file). The
+/// ownership lease's TTL is 3 s (scanned every second), so an Edge
+/// restarted on NATS watches its former lease for 2 s, not 10 (R-TAKE-2).
 fn edge_toml(
     quic: SocketAddr,
     http: SocketAddr,
@@ -427,16 +524,26 @@ fn edge_toml(
          [[providers]]\nid = \"sick\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"sick\"\ncapacity = 64\n\
          [[routes]]\nmodel = \"{}\"\nproviders = [\"ghost\", \"sick\"]\n\
          [[routes]]\nmodel = \"{}\"\nproviders = [\"ghost\"]\n\
-         [[providers]]\nid = \"slow\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"slow\"\ncapacity = 128\n\
-         [[routes]]\nmodel = \"{}\"\nproviders = [\"slow\"]\n",
+         [[providers]]\nid = \"slow\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"{}\"\ncapacity = 64\n\
+         [[routes]]\nmodel = \"{}\"\nproviders = [\"slow\"]\n\
+         [[providers]]\nid = \"endless\"\nnode = \"n1\"\nadapter = \"openai\"\ntarget = \"endless\"\ncapacity = 128\n\
+         [[routes]]\nmodel = \"{}\"\nproviders = [\"endless\"]\n",
         tenant::FRAGILE_MODEL,
         tenant::OFFLINE_MODEL,
-        tenant::SLOW_MODEL
+        store::SLOW_TARGET,
+        store::SLOW_MODEL,
+        tenant::ENDLESS_MODEL
     ));
-    if let Some(url) = nats_url {
-        JournalStore::Nats.add_to_edge_config(&mut toml, Some(url))?;
-    }
-    Ok(toml)
+    let store = if nats_url.is_some() {
+        JournalStore::Nats
+    } else {
+        JournalStore::Embedded
+    };
+    store.add_to_edge_config(&mut toml, nats_url)?;
+    Ok(toml.replace(
+        "[journal]\n",
+        "[journal]\nlease_ttl_ms = 3000\ntakeover_scan_interval_ms = 1000\n",
+    ))
 }
 
 /// Write a secret file with mode 0600 (the Edge refuses wider modes).
@@ -571,15 +678,15 @@ async fn attack_row(
             )?);
         }
         "malformed_ids" => tenant::malformed_ids(&mut attackers, rig.http, 8, &stop, &stats),
-        "duplicate_edge_id" => match &rig.nats {
+        "duplicate_edge_id" => match rig.store.nats_url() {
             // A second Edge process with the first one's edge_id on the
             // shared store (R-TAKE-2).
-            Some(nats) => {
+            Some(url) => {
                 let quic = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
                 let http = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
                 std::fs::write(
                     rig.dir.join("edge-dup.toml"),
-                    edge_toml(quic, http, "edge-state-dup", Some(&nats.url()))?,
+                    edge_toml(quic, http, "edge-state-dup", Some(&url))?,
                 )?;
                 duplicate_edge = Some(Proc::spawn(
                     "edge-dup",
@@ -606,7 +713,7 @@ async fn attack_row(
             ));
         }
         "cancel_storm" => {
-            tenant::cancel_storm(&mut attackers, rig.http, rig.slow_addr, 16, &stop, &stats);
+            tenant::cancel_storm(&mut attackers, rig.http, rig.endless_addr, 16, &stop, &stats);
         }
         "ids_in_logs" => {
             tenant::ids_in_logs(
@@ -617,6 +724,48 @@ async fn attack_row(
                 &stop,
                 &stats,
             );
+        }
+        "store_down_at_start" => {
+            // R-JRN-6: the Edge restarted while its store is away.
+            rig.store.down().await?;
+            rig.restart_edge().await?;
+            match rig.until_served(Duration::from_secs(20)).await {
+                Ok((answering, serving)) => {
+                    stats.count(format!(
+                        "Edge answering {:.1} s and serving chat {:.1} s (its node back) after its start with the store away",
+                        answering.as_secs_f64(),
+                        serving.as_secs_f64()
+                    ));
+                    store::durable_while_store_away(
+                        &mut attackers,
+                        rig.http,
+                        rig.store.clone(),
+                        &stop,
+                        &stats,
+                    );
+                }
+                Err(e) => {
+                    stats.violate(format!("the Edge did not serve with its store away: {e:#}"));
+                    // Put the rig back for the rows after this one.
+                    rig.store.up().await?;
+                    rig.restart_edge().await?;
+                    rig.wait_route().await?;
+                }
+            }
+        }
+        "store_outage_midstream" => {
+            if matches!(*rig.store, StoreControl::Nats { .. }) {
+                store::streams_through_an_outage(
+                    &mut attackers,
+                    rig.http,
+                    8,
+                    rig.store.clone(),
+                    &stop,
+                    &stats,
+                );
+            } else {
+                stats.count("skipped: no outage to make in an embedded file");
+            }
         }
         other => bail!("unknown attack {other}"),
     }

@@ -290,23 +290,23 @@ pub(crate) fn background_flood(
     }
 }
 
-/// The model of the rig's slow provider: an answer of thousands of tokens
-/// at a few hundred a second, so a run is still going when it is
+/// The model of the rig's endless provider: an answer of thousands of
+/// tokens at a few hundred a second, so a run is still going when it is
 /// cancelled.
-pub(crate) const SLOW_MODEL: &str = "slow";
+pub(crate) const ENDLESS_MODEL: &str = "endless";
 
 /// How soon after its cancel a background response must read `cancelled`
-/// and its provider call be gone from the slow provider.
+/// and its provider call be gone from the endless provider.
 const CANCEL_SETTLES_WITHIN: Duration = Duration::from_secs(5);
 
-/// A background response of [`SLOW_MODEL`] made by the attacker; its id.
+/// A background response of [`ENDLESS_MODEL`] made by the attacker; its id.
 async fn slow_background(client: &reqwest::Client, addr: SocketAddr) -> Option<String> {
     let r = client
         .post(format!("http://{addr}/v1/responses"))
         .bearer_auth(ATTACKER_KEY)
         .header("content-type", "application/json")
         .body(
-            serde_json::json!({"model": SLOW_MODEL, "input": "x", "background": true, "store": true})
+            serde_json::json!({"model": ENDLESS_MODEL, "input": "x", "background": true, "store": true})
                 .to_string(),
         )
         .send()
@@ -320,16 +320,16 @@ async fn slow_background(client: &reqwest::Client, addr: SocketAddr) -> Option<S
 }
 
 /// `count` clients with the attacker's key, each starting background
-/// responses on [`SLOW_MODEL`] and then cancelling every one with a burst
+/// responses on [`ENDLESS_MODEL`] and then cancelling every one with a burst
 /// of `POST .../cancel` and `DELETE` at once (R-LIM-4: a cancel is never
 /// dropped behind a full channel). Violations: a cancelled response not
 /// `cancelled` (or gone) within [`CANCEL_SETTLES_WITHIN`], or, at the end,
-/// provider calls still running on the slow provider (`slow_stats`, the
+/// provider calls still running on the endless provider (`endless_stats`, the
 /// mock's counters) after every response was cancelled.
 pub(crate) fn cancel_storm(
     tasks: &mut JoinSet<()>,
     addr: SocketAddr,
-    slow_stats: SocketAddr,
+    endless_stats: SocketAddr,
     count: usize,
     stop: &Arc<AtomicBool>,
     stats: &Arc<AttackStats>,
@@ -411,7 +411,7 @@ pub(crate) fn cancel_storm(
                 let deadline = Instant::now() + CANCEL_SETTLES_WITHIN;
                 loop {
                     let in_flight = match client
-                        .get(format!("http://{slow_stats}/mock/stats"))
+                        .get(format!("http://{endless_stats}/mock/stats"))
                         .send()
                         .await
                     {
@@ -431,7 +431,7 @@ pub(crate) fn cancel_storm(
                             break;
                         }
                         None if Instant::now() > deadline => {
-                            stats.violate("the slow provider's counters could not be read");
+                            stats.violate("the endless provider's counters could not be read");
                             break;
                         }
                         _ => tokio::time::sleep(Duration::from_millis(100)).await,
@@ -473,7 +473,7 @@ pub(crate) fn ids_in_logs(
             while !stopped(&stop) {
                 for (path, body) in [
                     ("/v1/responses", serde_json::json!({"model": "m", "input": "x", "store": true})),
-                    ("/v1/responses", serde_json::json!({"model": SLOW_MODEL, "input": "x", "background": true})),
+                    ("/v1/responses", serde_json::json!({"model": ENDLESS_MODEL, "input": "x", "background": true})),
                     ("/v1/chat/completions", serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "store": true})),
                 ] {
                     let Ok(r) = client

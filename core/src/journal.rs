@@ -53,6 +53,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
+pub mod availability;
+
 use crate::tenant::Held;
 use crate::time::Instant;
 
@@ -390,6 +392,11 @@ pub enum JournalError {
     /// The store could not run the operation (I/O, corruption, shutdown).
     #[error("the response store failed: {0}")]
     Store(String),
+    /// The store is not open now: the Edge is connecting to it, or
+    /// opening it again after a failure (R-JRN-6). Nothing was written;
+    /// the request alone is refused, and may be retried.
+    #[error("the response store is not reachable yet ({})", .0.as_str())]
+    Unavailable(availability::StoreState),
 }
 
 impl JournalError {
@@ -405,6 +412,7 @@ impl JournalError {
             JournalError::Full => "full",
             JournalError::RecordTooLarge => "record_too_large",
             JournalError::Store(_) => "store_error",
+            JournalError::Unavailable(_) => "store_unavailable",
         }
     }
 
@@ -419,7 +427,14 @@ impl JournalError {
         "full",
         "record_too_large",
         "store_error",
+        "store_unavailable",
     ];
+
+    /// A failure of the store rather than a rule's refusal: the same
+    /// operation may succeed if tried again (R-JRN-6).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, JournalError::Store(_) | JournalError::Unavailable(_))
+    }
 }
 
 /// What [`check_create`] decided.
@@ -1132,25 +1147,59 @@ pub struct Ticket(pub u64);
 /// response or many) share one sync. The queue is bounded (R-LIM-4): a
 /// full queue refuses the submit, and the caller fails that request
 /// rather than wait without bound.
+///
+/// The queue is shared by every tenant, so each *share* (an operation's
+/// principal, named by the store) may hold at most `max_queued_per_share`
+/// of it: one principal's burst meets its own bound and leaves the rest
+/// of the queue to the others (R-TEN-1: one principal's use never takes
+/// another's share). Operations of no share (sweeps, tenants' counters)
+/// meet only the whole queue's bound.
 #[derive(Debug)]
 pub struct GroupCommit<Op> {
-    queue: VecDeque<(Ticket, Op, usize)>,
+    queue: VecDeque<Queued<Op>>,
     queued_bytes: usize,
     syncing: bool,
     max_queued: usize,
     max_batch_ops: usize,
     max_batch_bytes: usize,
+    max_queued_per_share: usize,
+    /// Operations queued per share (only shares with some).
+    per_share: HashMap<u64, usize>,
+}
+
+#[derive(Debug)]
+struct Queued<Op> {
+    ticket: Ticket,
+    op: Op,
+    bytes: usize,
+    share: Option<u64>,
 }
 
 /// The queue of [`GroupCommit`] is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the journal's write queue is full")]
-pub struct QueueFull;
+pub enum QueueFull {
+    /// Every place is taken.
+    #[error("the journal's write queue is full")]
+    Queue,
+    /// The operation's share (its principal's) is taken.
+    #[error("the journal's write queue is full for this principal")]
+    Share,
+}
+
+/// The share of the operations of `principal` in [`GroupCommit`]: a hash
+/// (the queue keeps counts, not names).
+pub fn write_share(principal: &str) -> u64 {
+    let digest = Sha256::digest(principal.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(first)
+}
 
 impl<Op> GroupCommit<Op> {
     /// A queue holding at most `max_queued` operations; a batch takes at
     /// most `max_batch_ops` operations and, past its first, at most
-    /// `max_batch_bytes` bytes.
+    /// `max_batch_bytes` bytes. Each share may hold the whole queue (see
+    /// [`Self::with_share_bound`]).
     pub fn new(max_queued: usize, max_batch_ops: usize, max_batch_bytes: usize) -> Self {
         GroupCommit {
             queue: VecDeque::new(),
@@ -1159,16 +1208,49 @@ impl<Op> GroupCommit<Op> {
             max_queued: max_queued.max(1),
             max_batch_ops: max_batch_ops.max(1),
             max_batch_bytes,
+            max_queued_per_share: usize::MAX,
+            per_share: HashMap::new(),
         }
     }
 
-    /// Queue an operation of `bytes` bytes.
+    /// Each share holds at most `max_queued_per_share` queued operations
+    /// (at least one).
+    pub fn with_share_bound(mut self, max_queued_per_share: usize) -> Self {
+        self.max_queued_per_share = max_queued_per_share.max(1);
+        self
+    }
+
+    /// Queue an operation of `bytes` bytes, of no share.
     pub fn submit(&mut self, ticket: Ticket, op: Op, bytes: usize) -> Result<(), QueueFull> {
+        self.submit_as(ticket, op, bytes, None)
+    }
+
+    /// Queue an operation of `bytes` bytes counted against `share`
+    /// ([`write_share`]), if any.
+    pub fn submit_as(
+        &mut self,
+        ticket: Ticket,
+        op: Op,
+        bytes: usize,
+        share: Option<u64>,
+    ) -> Result<(), QueueFull> {
         if self.queue.len() >= self.max_queued {
-            return Err(QueueFull);
+            return Err(QueueFull::Queue);
+        }
+        if let Some(share) = share {
+            let held = self.per_share.entry(share).or_insert(0);
+            if *held >= self.max_queued_per_share {
+                return Err(QueueFull::Share);
+            }
+            *held += 1;
         }
         self.queued_bytes += bytes;
-        self.queue.push_back((ticket, op, bytes));
+        self.queue.push_back(Queued {
+            ticket,
+            op,
+            bytes,
+            share,
+        });
         Ok(())
     }
 
@@ -1181,18 +1263,26 @@ impl<Op> GroupCommit<Op> {
         }
         let mut batch = Vec::new();
         let mut bytes = 0usize;
-        while let Some((_, _, b)) = self.queue.front() {
+        while let Some(next) = self.queue.front() {
             if !batch.is_empty()
-                && (batch.len() >= self.max_batch_ops || bytes + b > self.max_batch_bytes)
+                && (batch.len() >= self.max_batch_ops || bytes + next.bytes > self.max_batch_bytes)
             {
                 break;
             }
-            let Some((ticket, op, b)) = self.queue.pop_front() else {
+            let Some(q) = self.queue.pop_front() else {
                 break;
             };
-            bytes += b;
-            self.queued_bytes -= b;
-            batch.push((ticket, op));
+            bytes += q.bytes;
+            self.queued_bytes -= q.bytes;
+            if let Some(share) = q.share
+                && let Some(held) = self.per_share.get_mut(&share)
+            {
+                *held -= 1;
+                if *held == 0 {
+                    self.per_share.remove(&share);
+                }
+            }
+            batch.push((q.ticket, q.op));
         }
         self.syncing = true;
         Some(batch)
@@ -1206,6 +1296,11 @@ impl<Op> GroupCommit<Op> {
     /// Operations waiting.
     pub fn queued(&self) -> usize {
         self.queue.len()
+    }
+
+    /// Operations of `share` waiting.
+    pub fn queued_for(&self, share: u64) -> usize {
+        self.per_share.get(&share).copied().unwrap_or(0)
     }
 
     /// Bytes waiting.

@@ -32,19 +32,28 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use iop_core::edge::durable::{JournalAck, JournalWrite, decode_delivery};
+use iop_core::edge::durable::{
+    JournalAck, JournalWrite, WRITE_RETRY, WriteRetry, WriteRetryPolicy, WriteVerdict,
+    decode_delivery,
+};
 use iop_core::edge::request::Delivery;
+use iop_core::journal::availability::{AvailabilityView, StoreState};
 use iop_core::journal::{
     ClaimVerdict, CreateOutcome, EdgeLease, JournalError, LeaseClaim, LeaseState, NewRecord,
     PeerLease, RecordMeta, RecordStatus, TakeoverScan, Terminal,
 };
-use iop_store::{EmbeddedStore, JournalStore, MemoryStore, Progress};
+use iop_store::{EmbeddedOptions, JournalStore, Progress};
 use iop_wire::ChatMessage;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
 use crate::config::{JournalSection, JournalStoreKind};
 use crate::metrics::EdgeMetrics;
+
+mod keeper;
+mod slot;
+
+use slot::{Opened, SlotJournal, SlotTenants, StoreSlot};
 
 /// Events read from the store at a time by a follower.
 const FOLLOW_BATCH: usize = 256;
@@ -101,25 +110,11 @@ impl StoredRequest {
 /// The format byte in front of a [`StoredRequest`].
 const STORED_REQUEST_FORMAT: u8 = 1;
 
-/// Why the journal of durable responses could not be opened.
+/// Why the journal of durable responses cannot be set up. A store that
+/// cannot be reached or opened is none of these: the Edge starts without
+/// it and opens it in the background (R-JRN-6).
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// The store's file could not be opened or created.
-    #[error("journal store {path}: {message}")]
-    Store {
-        /// The file.
-        path: std::path::PathBuf,
-        /// Why.
-        message: String,
-    },
-    /// The NATS JetStream store could not be reached or set up.
-    #[error("journal store on NATS ({servers}): {message}")]
-    Nats {
-        /// The configured server URLs.
-        servers: String,
-        /// Why (naming what failed).
-        message: String,
-    },
     /// `[journal.nats]` is unusable (checked at load; the environment may
     /// have changed since).
     #[error("{0}")]
@@ -178,6 +173,22 @@ impl StoreHealth {
     }
 }
 
+/// Where the journal store stands (R-JRN-6), for `/status`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StoreAvailability {
+    /// `connecting`, `up`, `reopening` or `refused`
+    /// ([`StoreState::as_str`]).
+    pub state: &'static str,
+    /// Since when, Unix ms.
+    pub since_unix_ms: u64,
+    /// Attempts to open it since it was last up.
+    pub attempts: u32,
+    /// Why the last attempt failed (a closed code).
+    pub last_failure: Option<&'static str>,
+    /// When the next attempt is due, Unix ms.
+    pub next_attempt_unix_ms: Option<u64>,
+}
+
 /// What `/status` shows of the journal.
 #[derive(Debug, Clone, Serialize)]
 pub struct JournalStatus {
@@ -185,8 +196,12 @@ pub struct JournalStatus {
     pub store: &'static str,
     /// This Edge's id.
     pub edge_id: String,
+    /// Whether the store is open (durable requests are served only then).
+    pub availability: StoreAvailability,
     /// The store's recent answers.
     pub health: StoreHealth,
+    /// Records set aside because they do not decode (R-JRN-6).
+    pub quarantined: u64,
     /// Records held.
     pub records: u64,
     /// Bytes held.
@@ -217,9 +232,29 @@ pub struct HeldLease {
 /// The Edge's durable responses: the store and the runs this process
 /// writes.
 pub struct Durable {
+    /// The journal through [`Self::slot`]: the store open now, or a
+    /// refusal at once while none is (R-JRN-6).
     store: Arc<dyn JournalStore>,
-    /// Tenants' shared state (SPEC §9) in the same deployment store.
+    /// Tenants' shared state (SPEC §9) in the same deployment store,
+    /// through the slot too.
     tenant_store: Arc<dyn iop_store::TenantStore>,
+    /// The store open now, filled and emptied by the keeper task.
+    slot: Arc<StoreSlot>,
+    /// What the keeper task opens; taken when it starts (`None`: handed
+    /// over open).
+    opener: Mutex<Option<keeper::Opener>>,
+    /// Wakes the keeper after a store failure (it asks the store whether
+    /// it must be reopened).
+    keeper_wake: tokio::sync::Notify,
+    /// Where the store stands, as the keeper last published it.
+    availability: Mutex<StoreAvailability>,
+    /// Set once the store refuses this Edge for good (R-TAKE-2): the
+    /// process stops, naming why.
+    refused: watch::Sender<Option<String>>,
+    /// How a run's journal write the store failed is tried again.
+    write_retry: WriteRetryPolicy,
+    /// Set once the keeper's first attempt ended, either way.
+    first_attempt: watch::Sender<bool>,
     store_kind: JournalStoreKind,
     /// This Edge's id: records it creates or takes over name it.
     edge_id: String,
@@ -272,10 +307,12 @@ pub struct LiveCommands {
 }
 
 impl Durable {
-    /// Open the store `section` names, as Edge `edge_id`; `state_dir`
-    /// holds the embedded store's default file. A NATS store is connected
-    /// here, bounded by `[journal.nats] connect_timeout_ms`, and its stream
-    /// and bucket created if missing.
+    /// Durable responses on the store `section` names, as Edge
+    /// `edge_id`; `state_dir` holds the embedded store's default file.
+    /// Nothing is opened here: [`Self::spawn_keeper`] opens the store in
+    /// the background (R-JRN-6), and until it is open every durable
+    /// request is refused with [`JournalError::Unavailable`] while
+    /// ephemeral ones are served.
     pub async fn open(
         section: &JournalSection,
         state_dir: &std::path::Path,
@@ -284,71 +321,74 @@ impl Durable {
     ) -> Result<Self, OpenError> {
         let limits = section.limits();
         // Tenants' state lives in the same store (SPEC §9).
-        let (store, tenant_store): (Arc<dyn JournalStore>, Arc<dyn iop_store::TenantStore>) =
-            match section.store {
-                JournalStoreKind::Memory => (
-                    Arc::new(MemoryStore::new(limits)),
-                    Arc::new(iop_store::MemoryTenantStore::new()),
-                ),
-                JournalStoreKind::Embedded => {
-                    let path = section.file(state_dir);
-                    let store =
-                        EmbeddedStore::open(&path, limits).map_err(|e| OpenError::Store {
-                            path: path.clone(),
-                            message: e.to_string(),
-                        })?;
-                    let tenants = store.tenant_store();
-                    (Arc::new(store), tenants)
-                }
-                JournalStoreKind::Nats => {
-                    let nats = section.nats.as_ref().ok_or_else(|| {
-                        iop_transport::settings::field_err("journal.nats", "required")
-                    })?;
-                    // Paths were resolved at load.
-                    let options = nats.options(limits, state_dir)?;
-                    let servers = options.servers.join(",");
-                    // Bounded twice: the client's connect and the bucket load
-                    // each by the timeout, the stream checks by the request
-                    // timeout; the whole start by the sum, and the tenants'
-                    // buckets and the load of their keys as much again.
-                    let bound = options.connect_timeout * 2 + options.request_timeout * 4;
-                    let connect = async {
-                        let store = iop_store_nats::NatsStore::connect(options).await?;
-                        let tenants = store.tenant_store().await?;
-                        Ok::<_, iop_store_nats::ConnectError>((store, tenants))
-                    };
-                    let (connected, tenants) = tokio::time::timeout(bound * 2, connect)
-                        .await
-                        .map_err(|_| OpenError::Nats {
-                            servers: servers.clone(),
-                            message: format!("not connected and set up within {:?}", bound * 2),
-                        })?
-                        .map_err(|e| OpenError::Nats {
-                            servers: servers.clone(),
-                            message: e.to_string(),
-                        })?;
-                    tracing::info!(event = "edge_journal_nats_connected", servers = %servers);
-                    (Arc::new(connected), tenants)
-                }
-            };
-        let mut durable = Self::with_store(store, section.responses_store_default);
-        durable.tenant_store = tenant_store;
+        let opener = match section.store {
+            JournalStoreKind::Memory => keeper::Opener::Memory(limits),
+            JournalStoreKind::Embedded => keeper::Opener::Embedded {
+                path: section.file(state_dir),
+                limits,
+                options: EmbeddedOptions {
+                    max_queued_ops_per_principal: section.writer_queue_per_principal(),
+                    ..EmbeddedOptions::default()
+                },
+            },
+            JournalStoreKind::Nats => {
+                let nats = section.nats.as_ref().ok_or_else(|| {
+                    iop_transport::settings::field_err("journal.nats", "required")
+                })?;
+                // Paths were resolved at load.
+                let options = nats.options(limits, state_dir)?;
+                keeper::Opener::Nats(Box::new(options))
+            }
+        };
+        let mut durable = Self::with_slot(
+            Arc::new(StoreSlot::connecting()),
+            section.responses_store_default,
+        );
+        *durable.opener.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(opener);
         durable.store_kind = section.store;
         edge_id.clone_into(&mut durable.edge_id);
         durable.metrics = Some(metrics);
         durable.park_grace_ms = section.park_grace_ms;
         durable.lease_ttl_ms = section.lease_ttl_ms;
         durable.shared_store = section.store == JournalStoreKind::Nats;
-        durable.publish_stats();
+        durable.write_retry = section.write_retry();
+        durable.publish_availability(
+            &iop_core::journal::availability::Availability::new(iop_core::time::Instant::ZERO, 0)
+                .view(),
+            iop_core::time::Instant::ZERO,
+        );
         Ok(durable)
     }
 
-    /// Durable responses on `store`, as the only Edge
+    /// Durable responses on `store`, open already, as the only Edge
     /// ([`crate::config::DEFAULT_EDGE_ID`]).
     pub fn with_store(store: Arc<dyn JournalStore>, responses_store_default: bool) -> Self {
+        let slot = StoreSlot::open(Opened {
+            journal: store,
+            tenants: Arc::new(iop_store::MemoryTenantStore::new()),
+        });
+        let durable = Self::with_slot(Arc::new(slot), responses_store_default);
+        *durable
+            .availability
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = StoreAvailability {
+            state: StoreState::Up.as_str(),
+            ..StoreAvailability::default()
+        };
+        durable
+    }
+
+    fn with_slot(slot: Arc<StoreSlot>, responses_store_default: bool) -> Self {
         Durable {
-            store,
-            tenant_store: Arc::new(iop_store::MemoryTenantStore::new()),
+            store: Arc::new(SlotJournal(slot.clone())),
+            tenant_store: Arc::new(SlotTenants(slot.clone())),
+            slot,
+            opener: Mutex::new(None),
+            keeper_wake: tokio::sync::Notify::new(),
+            availability: Mutex::new(StoreAvailability::default()),
+            refused: watch::channel(None).0,
+            write_retry: WRITE_RETRY,
+            first_attempt: watch::channel(false).0,
             store_kind: JournalStoreKind::Memory,
             edge_id: crate::config::DEFAULT_EDGE_ID.to_owned(),
             metrics: None,
@@ -506,29 +546,45 @@ impl Durable {
         self.publish_stats();
     }
 
-    /// The store answered (`Ok`, or a rule's refusal) or failed.
+    /// The store answered (`Ok`, or a rule's refusal) or failed. A
+    /// refusal because no store is open says nothing of the store's
+    /// answers: the availability shows it. A failure wakes the keeper,
+    /// which asks the store whether it must be reopened (R-JRN-6).
     fn note(&self, result: Result<(), &JournalError>) {
         let now = iop_transport::clock::unix_ms();
-        let up = {
+        {
             let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
             match result {
+                Err(JournalError::Unavailable(_)) => {}
                 Err(e @ JournalError::Store(_)) => {
                     h.last_error_unix_ms = Some(now);
                     h.last_error = Some(e.as_str());
                     h.errors += 1;
-                    false
                 }
-                _ => {
-                    h.last_ok_unix_ms = Some(now);
-                    true
-                }
+                _ => h.last_ok_unix_ms = Some(now),
             }
-        };
+        }
+        if matches!(result, Err(JournalError::Store(_))) {
+            self.keeper_wake.notify_one();
+        }
+        self.publish_up();
+    }
+
+    /// `iop_edge_journal_store_up`: 1 while the store is open and its last
+    /// answer was not a failure.
+    fn publish_up(&self) {
         if let Some(metrics) = &self.metrics {
+            let open = self.slot.state() == StoreState::Up;
+            let failing = self
+                .health
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .state()
+                == "failing";
             metrics
                 .gauges
                 .journal_store_up
-                .store(u64::from(up), Ordering::Relaxed);
+                .store(u64::from(open && !failing), Ordering::Relaxed);
         }
     }
 
@@ -544,11 +600,82 @@ impl Durable {
         JournalStatus {
             store: self.store_kind.as_str(),
             edge_id: self.edge_id.clone(),
+            availability: *self.availability.lock().unwrap_or_else(|e| e.into_inner()),
             health,
+            quarantined: stats.quarantined,
             records: stats.records,
             bytes: stats.used_bytes,
             orphans_waiting: view.orphans_waiting,
             edges: view.edges,
+        }
+    }
+
+    /// Publish where the store stands (`view`, at `now` on the keeper's
+    /// clock), for `/status` and metrics.
+    fn publish_availability(&self, view: &AvailabilityView, now: iop_core::time::Instant) {
+        let unix_now = iop_transport::clock::unix_ms();
+        let unix = |at: iop_core::time::Instant| {
+            if at >= now {
+                unix_now.saturating_add(at.saturating_duration_since(now).as_millis() as u64)
+            } else {
+                unix_now.saturating_sub(now.saturating_duration_since(at).as_millis() as u64)
+            }
+        };
+        let shown = StoreAvailability {
+            state: view.state.as_str(),
+            since_unix_ms: unix(view.since),
+            attempts: view.attempts,
+            last_failure: view.last_failure.map(|f| f.as_str()),
+            next_attempt_unix_ms: view.next_attempt_at.map(unix),
+        };
+        let changed = {
+            let mut a = self.availability.lock().unwrap_or_else(|e| e.into_inner());
+            let changed = a.state != shown.state;
+            *a = shown;
+            changed
+        };
+        if let Some(metrics) = &self.metrics {
+            metrics.journal_store_state(view.state);
+        }
+        if changed {
+            self.publish_up();
+        }
+    }
+
+    /// Where the store stands now.
+    pub fn store_state(&self) -> StoreState {
+        self.slot.state()
+    }
+
+    /// Resolves once the keeper's first attempt to open the store ended,
+    /// up or not (at once for a store handed over open).
+    pub async fn first_attempt(&self) {
+        if self.slot.state() == StoreState::Up {
+            return;
+        }
+        let mut rx = self.first_attempt.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
+    }
+
+    /// The store refused this Edge for good (R-TAKE-2): tell whoever
+    /// runs the Edge to stop it.
+    fn refuse(&self, why: String) {
+        self.refused.send_replace(Some(why));
+    }
+
+    /// Resolves once the store refuses this Edge for good (its `edge_id`
+    /// is another live process's, R-TAKE-2), with why: the Edge must stop.
+    pub fn refused(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let mut rx = self.refused.subscribe();
+        async move {
+            loop {
+                if let Some(why) = rx.borrow_and_update().clone() {
+                    return why;
+                }
+                if rx.changed().await.is_err() {
+                    return std::future::pending().await;
+                }
+            }
         }
     }
 
@@ -562,6 +689,9 @@ impl Durable {
             gauges
                 .journal_bytes
                 .store(stats.used_bytes, std::sync::atomic::Ordering::Relaxed);
+            gauges
+                .journal_quarantined
+                .store(stats.quarantined, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -575,53 +705,94 @@ impl Durable {
 
     /// Carry out one journal write of a run (a [`JournalWrite`] from its
     /// request machine): the store's answer, for
-    /// [`iop_core::edge::request::RequestInput::Journaled`].
+    /// [`iop_core::edge::request::RequestInput::Journaled`]. A transient
+    /// failure of the store is tried again within the bound core's
+    /// [`WriteRetry`] sets (R-JRN-6); the run waits meanwhile, and nothing
+    /// of it is published before its write is durable (R-JRN-1).
     pub async fn write(self: Arc<Self>, write: JournalWrite) -> JournalAck {
-        let started = std::time::Instant::now();
-        match write {
-            JournalWrite::Append {
-                response_id,
-                epoch,
-                events,
-            } => {
-                let result = self.store.append(response_id, epoch, events).await;
-                self.observe("append", started, &result);
-                match result {
-                    Ok(_) => JournalAck::Appended,
-                    Err(e) => JournalAck::Refused(e),
-                }
-            }
+        let write = match write {
+            // Core reads no clock: the terminal is stamped here, once.
             JournalWrite::Finish {
                 response_id,
                 epoch,
                 mut terminal,
             } => {
-                // Core reads no clock: the terminal is stamped here.
                 terminal.at_unix_ms = iop_transport::clock::unix_ms();
-                let result = self.store.finish(response_id, epoch, terminal).await;
-                self.observe("finish", started, &result);
-                match result {
-                    Ok(_) => JournalAck::Finished,
-                    Err(e) => JournalAck::Refused(e),
+                JournalWrite::Finish {
+                    response_id,
+                    epoch,
+                    terminal,
+                }
+            }
+            append => append,
+        };
+        let origin = tokio::time::Instant::now();
+        let at = |t: tokio::time::Instant| {
+            iop_core::time::Instant::from_micros(
+                u64::try_from(t.saturating_duration_since(origin).as_micros()).unwrap_or(u64::MAX),
+            )
+        };
+        let mut retry = WriteRetry::new(self.write_retry, at(origin));
+        loop {
+            let started = std::time::Instant::now();
+            let (op, result) = match &write {
+                JournalWrite::Append {
+                    response_id,
+                    epoch,
+                    events,
+                } => (
+                    "append",
+                    self.store
+                        .append(response_id.clone(), *epoch, events.clone())
+                        .await
+                        .map(|_| ()),
+                ),
+                JournalWrite::Finish {
+                    response_id,
+                    epoch,
+                    terminal,
+                } => (
+                    "finish",
+                    self.store
+                        .finish(response_id.clone(), *epoch, terminal.clone())
+                        .await
+                        .map(|_| ()),
+                ),
+            };
+            self.observe(op, started, &result);
+            match retry.answered(at(tokio::time::Instant::now()), &write, result) {
+                WriteVerdict::Answer(ack) => return ack,
+                WriteVerdict::RetryAt(when) => {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.journal_write_retry(op);
+                    }
+                    tokio::time::sleep_until(origin + Duration::from_micros(when.as_micros()))
+                        .await;
                 }
             }
         }
     }
 
-    /// Take this Edge's ownership lease at start (R-TAKE-1), before any
-    /// record is created or taken over. On a shared store the lease its id
-    /// has is watched first ([`LeaseClaim`], R-TAKE-2): if another process
-    /// renews it, the start is refused ([`LeaseError::InUse`]); a lease
+    /// Take this Edge's ownership lease on the store open now (R-TAKE-1):
+    /// see [`Self::take_lease_on`].
+    pub async fn take_lease(&self) -> Result<HeldLease, LeaseError> {
+        self.take_lease_on(&*self.store).await
+    }
+
+    /// Take this Edge's ownership lease on `store` (R-TAKE-1), before any
+    /// record is created or taken over there. On a shared store the lease
+    /// its id has is watched first ([`LeaseClaim`], R-TAKE-2): if another
+    /// process renews it, it is refused ([`LeaseError::InUse`]); a lease
     /// that does not move (this Edge's previous run's) is replaced by this
     /// run's.
-    pub async fn take_lease(&self) -> Result<HeldLease, LeaseError> {
+    pub async fn take_lease_on(&self, store: &dyn JournalStore) -> Result<HeldLease, LeaseError> {
         let started = std::time::Instant::now();
         let at = |t: std::time::Instant| {
             iop_core::time::Instant::from_micros(
                 u64::try_from(t.duration_since(started).as_micros()).unwrap_or(u64::MAX),
             )
         };
-        let first = self.read_own_lease().await?;
+        let first = self.read_own_lease(store).await?;
         let mut claim = LeaseClaim::new(first.as_ref(), at(started), self.shared_store);
         if first.is_some() && self.shared_store {
             tracing::info!(
@@ -638,7 +809,7 @@ impl Durable {
             }
             let left = claim.watch_until().saturating_duration_since(at(now));
             tokio::time::sleep(left.min(CLAIM_READ_INTERVAL)).await;
-            let read = self.read_own_lease().await?;
+            let read = self.read_own_lease(store).await?;
             claim.observe(read.as_ref(), at(std::time::Instant::now()));
         };
         let expected_revision = match verdict {
@@ -658,14 +829,14 @@ impl Durable {
             ttl_ms: self.lease_ttl_ms,
             renewed_unix_ms: iop_transport::clock::unix_ms(),
         };
-        let revision = self.store.put_lease(lease.clone(), expected_revision).await;
+        let revision = store.put_lease(lease.clone(), expected_revision).await;
         self.note(revision.as_ref().map(|_| ()));
         match revision {
             Ok(revision) => Ok(HeldLease { lease, revision }),
             // Written by another process between the last read and this
             // write: it started at the same moment (R-TAKE-2).
             Err(JournalError::Fenced { .. }) => {
-                let holder = self.read_own_lease().await?;
+                let holder = self.read_own_lease(store).await?;
                 Err(match holder {
                     Some(holder) => self.in_use(&holder.lease),
                     None => LeaseError::Store(JournalError::Fenced {
@@ -678,8 +849,11 @@ impl Durable {
         }
     }
 
-    async fn read_own_lease(&self) -> Result<Option<iop_core::journal::StoredLease>, JournalError> {
-        let read = self.store.lease(self.edge_id.clone()).await;
+    async fn read_own_lease(
+        &self,
+        store: &dyn JournalStore,
+    ) -> Result<Option<iop_core::journal::StoredLease>, JournalError> {
+        let read = store.lease(self.edge_id.clone()).await;
         self.note(read.as_ref().map(|_| ()));
         read
     }
@@ -698,11 +872,35 @@ impl Durable {
         }
     }
 
-    /// Renew `held` every third of its TTL for as long as the Edge runs.
-    /// A renewal refused because something else wrote the lease (a second
-    /// process configured with this `edge_id`) is logged
-    /// (`edge_lease_conflict`) and the lease taken again; a store failure
-    /// is retried at the next renewal.
+    /// Renew `held` once. A renewal refused because something else wrote
+    /// the lease (a second process configured with this `edge_id`) is
+    /// logged (`edge_lease_conflict`) and the lease taken again; a store
+    /// failure is tried again at the next renewal.
+    async fn renew(&self, held: &mut HeldLease) {
+        held.lease.renewed_unix_ms = iop_transport::clock::unix_ms();
+        let written = self
+            .store
+            .put_lease(held.lease.clone(), held.revision)
+            .await;
+        self.note(written.as_ref().map(|_| ()));
+        match written {
+            Ok(revision) => held.revision = revision,
+            Err(JournalError::Fenced { current, .. }) => {
+                tracing::error!(
+                    event = "edge_lease_conflict",
+                    edge_id = %self.edge_id,
+                    "another writer holds this edge_id's lease: every Edge needs its own edge_id"
+                );
+                held.revision = current;
+            }
+            Err(e) => {
+                tracing::warn!(event = "edge_lease_renewal_failed", error = %e);
+            }
+        }
+    }
+
+    /// Renew `held` every third of its TTL for as long as the Edge runs
+    /// ([`Self::renew`]; the keeper task renews the lease it takes itself).
     pub fn spawn_lease_renewal(
         self: &Arc<Self>,
         mut held: HeldLease,
@@ -714,26 +912,7 @@ impl Durable {
             tick.tick().await;
             loop {
                 tick.tick().await;
-                held.lease.renewed_unix_ms = iop_transport::clock::unix_ms();
-                let written = durable
-                    .store
-                    .put_lease(held.lease.clone(), held.revision)
-                    .await;
-                durable.note(written.as_ref().map(|_| ()));
-                match written {
-                    Ok(revision) => held.revision = revision,
-                    Err(JournalError::Fenced { current, .. }) => {
-                        tracing::error!(
-                            event = "edge_lease_conflict",
-                            edge_id = %durable.edge_id,
-                            "another writer holds this edge_id's lease: every Edge needs its own edge_id"
-                        );
-                        held.revision = current;
-                    }
-                    Err(e) => {
-                        tracing::warn!(event = "edge_lease_renewal_failed", error = %e);
-                    }
-                }
+                durable.renew(&mut held).await;
             }
         })
     }
@@ -833,6 +1012,8 @@ impl Durable {
                         durable.publish_stats();
                         tracing::info!(event = "edge_journal_swept", records = n);
                     }
+                    // Nothing open to sweep yet (R-JRN-6).
+                    Err(JournalError::Unavailable(_)) => {}
                     Err(e) => tracing::warn!(event = "edge_journal_sweep_failed", error = %e),
                 }
             }
@@ -970,8 +1151,10 @@ impl Follower {
                 return Ok(None);
             }
             if self.progress.changed().await.is_err() {
-                // The store dropped the record (deleted) while we waited.
-                return Err(JournalError::NotFound);
+                // The store dropped the record (deleted) while we waited,
+                // or the store itself was closed to be opened again
+                // (R-JRN-6): follow it again there, if it is there.
+                self.progress = self.store.watch(self.id.clone()).await?;
             }
         }
     }
@@ -980,6 +1163,7 @@ impl Follower {
 #[cfg(test)]
 mod tests {
     use iop_core::journal::{JournalApi, JournalEvent, JournalLimits, NewRecord, fingerprint};
+    use iop_store::MemoryStore;
     use iop_wire::RunEventKind;
 
     use super::*;
@@ -1179,5 +1363,257 @@ mod tests {
         drop(live);
         assert!(!durable.is_live("r"), "unregistered when the run ends");
         assert!(!durable.cancel("r"));
+    }
+
+    fn metrics() -> Arc<EdgeMetrics> {
+        EdgeMetrics::new(iop_transport::telemetry::MetricsPipeline::prometheus_only(
+            "iop-edge",
+        ))
+    }
+
+    fn new_record(id: &str, principal: &str) -> NewRecord {
+        NewRecord {
+            id: id.into(),
+            principal: principal.into(),
+            api: JournalApi::Responses,
+            model: "m".into(),
+            fingerprint: fingerprint("responses", b"{}"),
+            idempotency_key: None,
+            background: false,
+            request: stored().encode(),
+            created_unix_ms: 1,
+            owner: crate::config::DEFAULT_EDGE_ID.into(),
+            key_id: "k".into(),
+        }
+    }
+
+    async fn until(what: &str, mut check: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !check() {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// R-JRN-6: an embedded file that cannot be opened does not stop the
+    /// Edge: durable requests are refused at once with the store's state
+    /// while the keeper tries again; once the file can be opened (here:
+    /// the damaged file moved aside), the store is up without a restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unopenable_embedded_file_is_opened_in_the_background_once_it_can_be() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.redb");
+        std::fs::write(&path, vec![0xa5; 64 * 1024]).unwrap();
+        let section = JournalSection {
+            path: Some(path.clone()),
+            ..JournalSection::default()
+        };
+        let durable = Arc::new(
+            Durable::open(&section, dir.path(), "edge-a", metrics())
+                .await
+                .unwrap(),
+        );
+        let (up_tx, up_rx) = tokio::sync::oneshot::channel();
+        let keeper = durable.spawn_keeper(move |unfinished| {
+            let _ = up_tx.send(unfinished);
+        });
+        until("a failed attempt", || {
+            durable.status().availability.last_failure == Some("damaged")
+        })
+        .await;
+        assert_eq!(durable.store_state(), StoreState::Connecting);
+        assert_eq!(
+            durable.create(new_record("r", "p")).await,
+            Err(JournalError::Unavailable(StoreState::Connecting))
+        );
+        assert!(matches!(
+            durable.tenant_store().keys().await,
+            Err(iop_store::TenantStoreError::Unavailable(_))
+        ));
+        std::fs::rename(&path, dir.path().join("journal.redb.damaged")).unwrap();
+        let unfinished = tokio::time::timeout(Duration::from_secs(10), up_rx)
+            .await
+            .expect("up within the backoff's bound")
+            .unwrap();
+        assert!(unfinished.is_empty());
+        assert_eq!(durable.store_state(), StoreState::Up);
+        assert!(matches!(
+            durable.create(new_record("r", "p")).await,
+            Ok(CreateOutcome::Create(_))
+        ));
+        // Its lease was taken before it served (R-TAKE-1).
+        assert!(
+            durable
+                .store()
+                .lease("edge-a".into())
+                .await
+                .unwrap()
+                .is_some()
+        );
+        assert_eq!(durable.status().availability.state, "up");
+        keeper.abort();
+    }
+
+    /// A store that fails every operation for a while, then works.
+    struct Flaky {
+        inner: MemoryStore,
+        failures_left: std::sync::atomic::AtomicU32,
+    }
+
+    impl Flaky {
+        fn fail(&self) -> Option<JournalError> {
+            self.failures_left
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .ok()
+                .map(|_| JournalError::Store("the journal's write queue is full".into()))
+        }
+    }
+
+    impl JournalStore for Flaky {
+        fn create(
+            &self,
+            record: NewRecord,
+        ) -> iop_store::BoxFuture<'_, Result<CreateOutcome, JournalError>> {
+            self.inner.create(record)
+        }
+        fn append(
+            &self,
+            id: String,
+            epoch: u64,
+            events: Vec<JournalEvent>,
+        ) -> iop_store::BoxFuture<'_, Result<RecordMeta, JournalError>> {
+            match self.fail() {
+                Some(e) => Box::pin(async move { Err(e) }),
+                None => self.inner.append(id, epoch, events),
+            }
+        }
+        fn finish(
+            &self,
+            id: String,
+            epoch: u64,
+            terminal: Terminal,
+        ) -> iop_store::BoxFuture<'_, Result<RecordMeta, JournalError>> {
+            self.inner.finish(id, epoch, terminal)
+        }
+        fn raise_epoch(
+            &self,
+            id: String,
+            expected: u64,
+            owner: String,
+        ) -> iop_store::BoxFuture<'_, Result<RecordMeta, JournalError>> {
+            self.inner.raise_epoch(id, expected, owner)
+        }
+        fn get(
+            &self,
+            id: String,
+            now_unix_ms: u64,
+        ) -> iop_store::BoxFuture<'_, Result<Option<iop_store::StoredRecord>, JournalError>>
+        {
+            self.inner.get(id, now_unix_ms)
+        }
+        fn events(
+            &self,
+            id: String,
+            after: u64,
+            max: usize,
+        ) -> iop_store::BoxFuture<'_, Result<Vec<JournalEvent>, JournalError>> {
+            self.inner.events(id, after, max)
+        }
+        fn delete(&self, id: String) -> iop_store::BoxFuture<'_, Result<(), JournalError>> {
+            self.inner.delete(id)
+        }
+        fn unfinished(&self) -> iop_store::BoxFuture<'_, Result<Vec<RecordMeta>, JournalError>> {
+            self.inner.unfinished()
+        }
+        fn sweep(&self, now_unix_ms: u64) -> iop_store::BoxFuture<'_, Result<usize, JournalError>> {
+            self.inner.sweep(now_unix_ms)
+        }
+        fn watch(
+            &self,
+            id: String,
+        ) -> iop_store::BoxFuture<'_, Result<watch::Receiver<Progress>, JournalError>> {
+            self.inner.watch(id)
+        }
+        fn stats(&self) -> iop_store::StoreStats {
+            self.inner.stats()
+        }
+        fn put_lease(
+            &self,
+            lease: EdgeLease,
+            expected: u64,
+        ) -> iop_store::BoxFuture<'_, Result<u64, JournalError>> {
+            self.inner.put_lease(lease, expected)
+        }
+        fn lease(
+            &self,
+            edge_id: String,
+        ) -> iop_store::BoxFuture<'_, Result<Option<iop_core::journal::StoredLease>, JournalError>>
+        {
+            self.inner.lease(edge_id)
+        }
+        fn leases(
+            &self,
+        ) -> iop_store::BoxFuture<'_, Result<Vec<iop_core::journal::StoredLease>, JournalError>>
+        {
+            self.inner.leases()
+        }
+        fn held(&self, subject: &iop_core::tenant::Subject) -> iop_core::tenant::Held {
+            self.inner.held(subject)
+        }
+    }
+
+    /// R-JRN-6: an append the store refuses a few times is written once
+    /// it takes it, within the retry bound, instead of failing the run.
+    #[tokio::test(start_paused = true)]
+    async fn an_append_the_store_refuses_for_a_moment_is_written_once_it_can_be() {
+        let flaky = Arc::new(Flaky {
+            inner: MemoryStore::new(JournalLimits::default()),
+            failures_left: std::sync::atomic::AtomicU32::new(3),
+        });
+        let store: Arc<dyn JournalStore> = flaky.clone();
+        create(&store, "r").await;
+        let durable = Arc::new(Durable::with_store(store.clone(), true));
+        let write = JournalWrite::Append {
+            response_id: "r".into(),
+            epoch: 1,
+            events: vec![event(1, &text("a"))],
+        };
+        assert_eq!(durable.clone().write(write).await, JournalAck::Appended);
+        assert_eq!(store.events("r".into(), 0, 10).await.unwrap().len(), 1);
+        // Past the bound, the refusal is the answer.
+        flaky
+            .failures_left
+            .store(u32::MAX, std::sync::atomic::Ordering::SeqCst);
+        let write = JournalWrite::Append {
+            response_id: "r".into(),
+            epoch: 1,
+            events: vec![event(2, &text("b"))],
+        };
+        let started = tokio::time::Instant::now();
+        assert!(matches!(
+            durable.clone().write(write).await,
+            JournalAck::Refused(JournalError::Store(_))
+        ));
+        assert!(started.elapsed() <= WRITE_RETRY.deadline + Duration::from_secs(1));
+        // Without retries (write_retry_ms = 0) the first refusal answers,
+        // as before R-JRN-6.
+        let section = JournalSection {
+            write_retry_ms: 0,
+            ..JournalSection::default()
+        };
+        let mut once = Durable::with_store(store.clone(), true);
+        once.write_retry = section.write_retry();
+        let once = Arc::new(once);
+        let started = tokio::time::Instant::now();
+        let write = JournalWrite::Append {
+            response_id: "r".into(),
+            epoch: 1,
+            events: vec![event(2, &text("b"))],
+        };
+        assert!(matches!(
+            once.write(write).await,
+            JournalAck::Refused(JournalError::Store(_))
+        ));
+        assert_eq!(started.elapsed(), Duration::ZERO);
     }
 }

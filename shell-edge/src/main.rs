@@ -213,9 +213,18 @@ fn main() -> anyhow::Result<()> {
                         .context("installing the SIGHUP handler")?;
                 let shutdown = iop_transport::signals::shutdown_signal();
                 tokio::pin!(shutdown);
+                let refused = edge.refused();
+                tokio::pin!(refused);
                 loop {
                     tokio::select! {
                         () = &mut shutdown => break,
+                        // R-TAKE-2: never beside the process that renews
+                        // this edge_id.
+                        why = &mut refused => {
+                            tracing::error!(event = "edge_refused_by_store", error = %why);
+                            edge.shutdown().await;
+                            anyhow::bail!("{why}");
+                        }
                         _ = hup.recv() => {
                             // Re-read [[credentials]] only: secrets, revisions,
                             // disabled flags (docs/credentials.md).

@@ -107,8 +107,15 @@ pub struct Gauges {
     pub journal_records: AtomicU64,
     /// Bytes the journal store holds (as its bound counts them).
     pub journal_bytes: AtomicU64,
-    /// 1 while the journal store's last answer was not a failure.
+    /// 1 while the journal store is open and its last answer was not a
+    /// failure.
     pub journal_store_up: AtomicU64,
+    /// Where the journal store stands: the index of its
+    /// [`StoreState`](iop_core::journal::availability::StoreState) in
+    /// `StoreState::ALL` (R-JRN-6).
+    pub journal_store_state: AtomicU64,
+    /// Journal records set aside because they do not decode (R-JRN-6).
+    pub journal_quarantined: AtomicU64,
     /// Edges (this one included) whose ownership lease the last takeover
     /// scan saw live.
     pub journal_live_edges: AtomicU64,
@@ -143,6 +150,7 @@ pub struct EdgeMetrics {
     relayed_bytes: Counter<u64>,
     journal_writes: Counter<u64>,
     journal_write_seconds: Histogram<f64>,
+    journal_write_retries: Counter<u64>,
     client_connections: Counter<u64>,
     client_connections_evicted: Counter<u64>,
     genai_token_usage: Histogram<u64>,
@@ -248,6 +256,31 @@ impl EdgeMetrics {
             .with_callback(move |o| o.observe(g.journal_live_edges.load(Ordering::Relaxed), &[]))
             .build();
         let g = gauges.clone();
+        let _journal_store_state = meter
+            .u64_observable_gauge("iop_edge_journal_store_state")
+            .with_description(
+                "1 for the journal store's state: connecting, up, reopening or refused (R-JRN-6)",
+            )
+            .with_callback(move |o| {
+                let current = g.journal_store_state.load(Ordering::Relaxed);
+                for (i, state) in iop_core::journal::availability::StoreState::ALL
+                    .iter()
+                    .enumerate()
+                {
+                    o.observe(
+                        u64::from(i as u64 == current),
+                        &[KeyValue::new("state", state.as_str())],
+                    );
+                }
+            })
+            .build();
+        let g = gauges.clone();
+        let _journal_quarantined = meter
+            .u64_observable_gauge("iop_edge_journal_quarantined_records")
+            .with_description("Journal records set aside because they do not decode (R-JRN-6)")
+            .with_callback(move |o| o.observe(g.journal_quarantined.load(Ordering::Relaxed), &[]))
+            .build();
+        let g = gauges.clone();
         let _journal_bytes = meter
             .u64_observable_gauge("iop_edge_journal_bytes")
             .with_description("Bytes the journal store holds, as its bound counts them (R-JRN-5)")
@@ -334,6 +367,12 @@ impl EdgeMetrics {
                 .u64_counter("iop_edge_journal_writes")
                 .with_description("Journal store operations by op and outcome (SPEC §6)")
                 .build(),
+            journal_write_retries: meter
+                .u64_counter("iop_edge_journal_write_retries")
+                .with_description(
+                    "A run's journal write tried again after the store failed it (R-JRN-6)",
+                )
+                .build(),
             journal_write_seconds: meter
                 .f64_histogram("iop_edge_journal_write_seconds")
                 .with_description("Time until a journal operation was durable (R-JRN-1)")
@@ -391,6 +430,8 @@ impl EdgeMetrics {
                     _journal_bytes,
                     _journal_store_up,
                     _journal_live_edges,
+                    _journal_store_state,
+                    _journal_quarantined,
                 ],
                 _late,
             ),
@@ -440,6 +481,10 @@ impl EdgeMetrics {
                 );
             }
             self.relayed_bytes.add(0, &[KeyValue::new("route", *route)]);
+        }
+        for op in ["append", "finish"] {
+            self.journal_write_retries
+                .add(0, &[KeyValue::new("op", op)]);
         }
         for op in JOURNAL_OPS {
             for outcome in std::iter::once(JOURNAL_OK).chain(JournalError::NAMES.iter().copied()) {
@@ -701,6 +746,23 @@ impl EdgeMetrics {
         );
         self.journal_write_seconds
             .record(took.as_secs_f64(), &[KeyValue::new("op", op)]);
+    }
+
+    /// A run's journal write (`op`) is tried again (R-JRN-6).
+    pub fn journal_write_retry(&self, op: &'static str) {
+        self.journal_write_retries
+            .add(1, &[KeyValue::new("op", op)]);
+    }
+
+    /// The journal store is now `state` (R-JRN-6).
+    pub fn journal_store_state(&self, state: iop_core::journal::availability::StoreState) {
+        let index = iop_core::journal::availability::StoreState::ALL
+            .iter()
+            .position(|s| *s == state)
+            .unwrap_or(0);
+        self.gauges
+            .journal_store_state
+            .store(index as u64, Ordering::Relaxed);
     }
 
     /// Time to first content of a request.

@@ -33,18 +33,16 @@ pub enum StartError {
     /// The metrics pipeline (Prometheus or OTLP exporter) could not be built.
     #[error("metrics: {0}")]
     Metrics(#[from] iop_transport::telemetry::TelemetryError),
-    /// The journal of durable responses could not be opened.
+    /// The journal of durable responses cannot be set up (its
+    /// configuration; a store that cannot be reached is opened later,
+    /// R-JRN-6).
     #[error("{0}")]
     Journal(#[from] crate::durable::OpenError),
-    /// This Edge's ownership lease could not be taken: another process
-    /// renews it (R-TAKE-2), or the store failed.
-    #[error("{0}")]
-    Lease(#[from] crate::durable::LeaseError),
-    /// The journal's ownership lease or its first takeover scan failed
-    /// (R-TAKE-1).
-    #[error("journal: {0}")]
-    JournalScan(#[from] iop_core::journal::JournalError),
 }
+
+/// How long a starting Edge waits for its journal store's first open
+/// attempt before it serves without it (R-JRN-6).
+const FIRST_OPEN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Streams a node may have open towards the Edge: its control stream, and
 /// one spare for a control stream reopened while the old one closes.
@@ -81,6 +79,8 @@ pub struct RunningEdge {
     tenancy: Arc<crate::tenancy::Tenancy>,
     /// The console's live streams, ended at shutdown.
     console: Arc<crate::console_sessions::ConsoleSessions>,
+    /// Durable responses: the journal store's state.
+    durable: Arc<crate::durable::Durable>,
 }
 
 /// Process options that are not configuration.
@@ -227,8 +227,11 @@ impl RunningEdge {
             }
         });
         tracing::info!(event = "edge_quic_listening", addr = %quic_addr);
-        // The journal of durable responses; a shared store (NATS) is
-        // connected here, bounded, or the start fails naming it.
+        // The journal of durable responses: opened in the background
+        // (R-JRN-6), so the Edge serves ephemeral requests at once, and
+        // durable ones once the store is open and this Edge's ownership
+        // lease is taken (R-TAKE-1; refused for good, the Edge stops, when
+        // another process renews its edge_id, R-TAKE-2).
         let durable = Arc::new(
             crate::durable::Durable::open(
                 &config.journal,
@@ -238,16 +241,10 @@ impl RunningEdge {
             )
             .await?,
         );
-        // R-TAKE-1: this Edge's ownership lease, before any record is
-        // created or taken over under its id, renewed for as long as it
-        // runs; other Edges take its responses over once it stops.
-        // R-TAKE-2: refused while another process renews it.
-        let lease = durable.take_lease().await?;
-        let lease_task = durable.spawn_lease_renewal(lease);
-        // R-TAKE-1: the custody's first scan reads every unfinished record
-        // before the Edge serves (a store that cannot answer fails the
-        // start, naming it).
-        let unfinished = durable.store().unfinished().await?;
+        let (store_up, first_scan) = tokio::sync::oneshot::channel();
+        let keeper = durable.spawn_keeper(move |unfinished| {
+            let _ = store_up.send(unfinished);
+        });
         let custody_config = durable.custody_config(
             config.journal.park_window(),
             std::time::Duration::from_millis(config.journal.takeover_scan_interval_ms),
@@ -256,6 +253,19 @@ impl RunningEdge {
         let sweeper = durable.spawn_sweeper(std::time::Duration::from_millis(
             config.journal.sweep_interval_ms,
         ));
+        // A store that answers at once is up before the first client
+        // arrives; one that does not (down, slow, a lease to watch) is
+        // waited for no longer than this, then opened in the background.
+        if tokio::time::timeout(FIRST_OPEN_WAIT, durable.first_attempt())
+            .await
+            .is_err()
+            || durable.store_state() != iop_core::journal::availability::StoreState::Up
+        {
+            tracing::warn!(
+                event = "edge_serving_without_journal_store",
+                "serving ephemeral requests; durable ones get 503 until the journal store is open"
+            );
+        }
         let config = Arc::new(config);
         let listener = tokio::net::TcpListener::bind(config.edge.http_listen).await?;
         let http_addr = listener.local_addr()?;
@@ -270,22 +280,29 @@ impl RunningEdge {
         // R-TAKE-1, R-PARK-2, R-CONT-1: a response this Edge's former run,
         // or a dead Edge, left unfinished is adopted when its node reports
         // the run parked, continued on its pool when its route continues
-        // answers, or ends `incomplete` after the park window.
+        // answers, or ends `incomplete` after the park window. The custody
+        // starts once the store is open, from its first scan.
         let custody = {
             let record_state = state.clone();
             let record_run: crate::custody::RecordRun = Arc::new(move |meta, stored| {
                 crate::stored::record_run(&record_state, meta, stored)
             });
-            let task = crate::custody::CustodyTask::new(
-                durable.clone(),
-                custody_config,
-                unfinished,
-                record_run,
-            );
             let (ctx, durable) = (state.driver_context().clone(), durable.clone());
-            tokio::spawn(task.run(parked, move |start| {
-                crate::custody::start_run(&ctx, &durable, start);
-            }))
+            tokio::spawn(async move {
+                let Ok(unfinished) = first_scan.await else {
+                    return;
+                };
+                let task = crate::custody::CustodyTask::new(
+                    durable.clone(),
+                    custody_config,
+                    unfinished,
+                    record_run,
+                );
+                task.run(parked, move |start| {
+                    crate::custody::start_run(&ctx, &durable, start);
+                })
+                .await;
+            })
         };
         // R-TEN-4: the runtime keys are read before the Edge serves (a
         // store that cannot answer leaves the config file's keys; the sync
@@ -320,6 +337,7 @@ impl RunningEdge {
             None => (None, None),
         };
         let console = state.console().clone();
+        let durable_handle = state.durable().clone();
         let app = crate::http::router(state);
         let (http_stop, stop) = tokio::sync::watch::channel(false);
         let limits = crate::serve::HttpLimits::from_config(&config);
@@ -345,14 +363,27 @@ impl RunningEdge {
             http_task,
             hub_task,
             sweeper,
-            background: [lease_task, custody, key_sync, usage_writer]
+            background: [keeper, custody, key_sync, usage_writer]
                 .into_iter()
                 .chain(metrics_task)
                 .collect(),
             metrics_addr,
             tenancy,
             console,
+            durable: durable_handle,
         })
+    }
+
+    /// Resolves once the journal store refuses this Edge for good (another
+    /// live process renews its `edge_id`'s ownership lease, R-TAKE-2),
+    /// naming why: the Edge must then stop. Never resolves otherwise.
+    pub fn refused(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        self.durable.refused()
+    }
+
+    /// Where the journal store stands (R-JRN-6).
+    pub fn journal_store_state(&self) -> iop_core::journal::availability::StoreState {
+        self.durable.store_state()
     }
 
     /// The node certificate denylist the TLS verifier reads; every node

@@ -187,9 +187,17 @@ fn journal_json(j: &JournalStatus) -> Value {
             })
         })
         .collect();
+    let a = &j.availability;
     json!({
         "store": j.store,
         "edge_id": j.edge_id,
+        // R-JRN-6: whether durable requests are served, and why not.
+        "store_state": a.state,
+        "store_state_since": a.since_unix_ms,
+        "open_attempts": a.attempts,
+        "last_open_failure": a.last_failure,
+        "next_open_attempt_at": a.next_attempt_unix_ms,
+        "quarantined_records": j.quarantined,
         "state": j.health.state(),
         "last_ok_at": j.health.last_ok_unix_ms,
         "last_error_at": j.health.last_error_unix_ms,
@@ -344,15 +352,17 @@ pub fn status_table(doc: &Value, local_now_unix_ms: u64) -> String {
             other => other.to_string(),
         };
         out.push_str(&format!(
-            "\njournal: {}  edge: {}  state: {}  last ok: {}  last error: {} {}  errors: {}  records: {}  orphans waiting: {}\n",
+            "\njournal: {}  edge: {}  store: {}  state: {}  last ok: {}  last error: {} {}  errors: {}  records: {}  quarantined: {}  orphans waiting: {}\n",
             show(&j["store"]),
             show(&j["edge_id"]),
+            show(&j["store_state"]),
             show(&j["state"]),
             when(&j["last_ok_at"]),
             when(&j["last_error_at"]),
             show(&j["last_error"]),
             show(&j["errors"]),
             show(&j["records"]),
+            show(&j["quarantined_records"]),
             show(&j["orphans_waiting"]),
         ));
         let mut edges = vec![
@@ -432,6 +442,12 @@ mod tests {
         let status = JournalStatus {
             store: "nats",
             edge_id: "edge-a".into(),
+            availability: crate::durable::StoreAvailability {
+                state: "up",
+                since_unix_ms: now - 10_000,
+                ..Default::default()
+            },
+            quarantined: 2,
             health: crate::durable::StoreHealth {
                 last_ok_unix_ms: Some(now - 2_000),
                 last_error_unix_ms: Some(now - 60_000),
@@ -462,6 +478,8 @@ mod tests {
         };
         let journal = journal_json(&status);
         assert_eq!(journal["state"], "ok");
+        assert_eq!(journal["store_state"], "up");
+        assert_eq!(journal["quarantined_records"], 2);
         assert_eq!(journal["edges"][0]["this_edge"], true);
         assert_eq!(journal["edges"][2]["state"], "no_lease");
         let doc = json!({
@@ -471,9 +489,10 @@ mod tests {
         });
         let table = status_table(&doc, 0);
         assert!(
-            table.contains("journal: nats  edge: edge-a  state: ok  last ok: 2 s ago"),
+            table.contains("journal: nats  edge: edge-a  store: up  state: ok  last ok: 2 s ago"),
             "{table}"
         );
+        assert!(table.contains("quarantined: 2"), "{table}");
         assert!(table.contains("edge-a (this)  renewing"), "{table}");
         assert!(
             table.contains("edge-b         renewing  4 s ago"),

@@ -82,6 +82,10 @@ fn journal_error(e: &JournalError) -> ApiError {
         JournalError::Full => ApiError::journal_unavailable(true),
         JournalError::RecordTooLarge => ApiError::body_too_large(0),
         JournalError::NotFound => ApiError::not_found("response"),
+        // R-JRN-6: the store is not open yet (or being opened again): this
+        // request alone is refused, and says so; nothing to log per request
+        // (the store's state is logged, counted and shown).
+        JournalError::Unavailable(state) => ApiError::journal_not_open(state.as_str()),
         _ => {
             tracing::warn!(event = "edge_journal_error", error = %e);
             ApiError::journal_unavailable(false)

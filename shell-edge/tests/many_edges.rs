@@ -879,29 +879,56 @@ async fn a_store_outage_fails_durable_requests_fast_and_leaves_ephemeral_ones_al
     .await;
 }
 
-/// An Edge that cannot reach its NATS servers refuses to start, naming
-/// them, within its connect bound.
+/// R-JRN-6: an Edge that cannot reach its NATS servers starts all the
+/// same (at once: a refused connection ends the first attempt), and
+/// refuses durable requests with 503 `response_store_unavailable` while it
+/// keeps trying (see tests/store_faults.rs for the store coming back).
 #[tokio::test]
-async fn an_unreachable_nats_server_fails_the_start_naming_it() {
+async fn an_unreachable_nats_server_leaves_the_edge_serving_with_durable_refused() {
     let pki = Pki::new(&["node-1"]);
     write_secret(&pki.path().join("key"), KEY);
     let dead = format!("nats://127.0.0.1:{}", free_tcp_port());
-    let err = tokio::time::timeout(
-        Duration::from_secs(60),
+    let edge = tokio::time::timeout(
+        Duration::from_secs(10),
         RunningEdge::start(edge_config(&pki, "edge-a", &dead)),
     )
     .await
-    .expect("the start is bounded")
-    .err()
-    .expect("the start fails");
-    let text = err.to_string();
-    assert!(text.contains(&dead), "{text}");
+    .expect("the start does not wait for the store")
+    .expect("the Edge starts");
+    assert_ne!(
+        edge.journal_store_state(),
+        iop_core::journal::availability::StoreState::Up
+    );
+    let r = post(
+        url(&edge, "/v1/responses"),
+        &json!({"model": "m", "input": "hi"}),
+        None,
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 503);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body["error"]["code"], "response_store_unavailable",
+        "{body}"
+    );
+    let (_, status) = get(url(&edge, "/status")).await;
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["journal"]["store_state"], "connecting", "{status}");
+    assert_eq!(
+        status["journal"]["last_open_failure"], "unreachable",
+        "{status}"
+    );
+    edge.shutdown().await;
 }
 
 /// R-TAKE-2: a second Edge process started with a live Edge's `edge_id`
-/// on the same NATS journal is refused at start, naming the conflict,
-/// and never serves; once the first is killed (its lease no longer
-/// renewed), the same id starts again within one lease TTL.
+/// on the same NATS journal is refused as soon as its lease watch sees
+/// the other renew it, naming the conflict, having written nothing under
+/// that id (its durable requests were refused meanwhile); once the first
+/// is killed (its lease no longer renewed), the same id starts again
+/// within one lease TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_process_with_a_live_edges_id_is_refused_and_a_restart_after_a_crash_starts() {
     let Some(server) = NatsServer::start() else {

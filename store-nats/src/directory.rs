@@ -62,7 +62,16 @@ pub(crate) struct Directory {
     /// What each key and principal holds, over the records known here
     /// (R-TEN-1).
     held: HeldGauges,
+    /// Record tokens whose latest value does not decode (R-JRN-6): each
+    /// is treated as absent, counted, never fatal (at most
+    /// [`MAX_QUARANTINED`] remembered, the rest only counted).
+    quarantined: std::collections::HashSet<String>,
+    /// Quarantined records past [`MAX_QUARANTINED`].
+    quarantined_overflow: u64,
 }
+
+/// Quarantined record tokens the directory remembers at most.
+pub(crate) const MAX_QUARANTINED: usize = 4096;
 
 /// Lease keys the directory remembers at most (Edges of one deployment).
 pub(crate) const MAX_LEASE_KEYS: usize = iop_core::journal::MAX_TRACKED_EDGES;
@@ -75,6 +84,38 @@ fn progress(meta: &RecordMeta) -> Progress {
 }
 
 impl Directory {
+    /// The record `tok` at `revision` does not decode (R-JRN-6): it is
+    /// quarantined (what was known of it is forgotten, as if deleted);
+    /// `true` the first time this store sees it so.
+    pub(crate) fn quarantine(&mut self, tok: &str, revision: u64) -> bool {
+        if self
+            .records
+            .get(tok)
+            .is_some_and(|k| k.revision >= revision)
+        {
+            return false;
+        }
+        if let Some(old) = self.records.remove(tok) {
+            self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
+            self.held.change_meta(Some(&old.value.meta), None);
+        }
+        self.watchers.remove(tok);
+        if self.quarantined.contains(tok) {
+            return false;
+        }
+        if self.quarantined.len() < MAX_QUARANTINED {
+            self.quarantined.insert(tok.to_owned());
+        } else {
+            self.quarantined_overflow += 1;
+        }
+        true
+    }
+
+    /// Records quarantined (R-JRN-6).
+    pub(crate) fn quarantined(&self) -> u64 {
+        self.quarantined.len() as u64 + self.quarantined_overflow
+    }
+
     /// `value` is the record `tok` at `revision`.
     pub(crate) fn put(&mut self, tok: &str, revision: u64, value: &RecordValue) {
         if self.tombstones.get(tok).is_some_and(|&r| revision < r) {
@@ -86,6 +127,9 @@ impl Directory {
             .is_some_and(|k| k.revision >= revision)
         {
             return;
+        }
+        if !self.quarantined.is_empty() {
+            self.quarantined.remove(tok);
         }
         let new_bytes = value.meta.stored_bytes;
         self.held.change_meta(
@@ -121,6 +165,9 @@ impl Directory {
 
     /// The record `tok` was deleted by the marker at `marker_revision`.
     pub(crate) fn delete(&mut self, tok: &str, marker_revision: u64) {
+        if !self.quarantined.is_empty() {
+            self.quarantined.remove(tok);
+        }
         if self
             .records
             .get(tok)

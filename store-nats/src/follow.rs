@@ -85,8 +85,17 @@ fn apply(dir: &Mutex<Directory>, names: &Names, message: &jetstream::Message) {
             } else {
                 match RecordValue::decode(&message.payload) {
                     Ok(value) => d.put(tok, revision, &value),
+                    // R-JRN-6: quarantined, counted, never fatal; logged
+                    // without its id (R-OBS-1).
                     Err(e) => {
-                        tracing::warn!(key, error = %e, "bucket watch: an unreadable record")
+                        if d.quarantine(tok, revision) {
+                            tracing::warn!(
+                                event = "journal_record_quarantined",
+                                revision,
+                                error = %e,
+                                "a record in the bucket does not decode: it is skipped"
+                            );
+                        }
                     }
                 }
             }
@@ -132,28 +141,40 @@ pub(crate) async fn consumer(
 }
 
 /// Load every value of the bucket into `follower`, then follow the bucket
-/// in a task (aborted when its store is dropped).
+/// in a task (aborted when its store is dropped). The load takes as long
+/// as the bucket needs, however many records it holds; it fails only when
+/// no message comes for `stall` (R-JRN-6: a large journal is no reason to
+/// refuse the store).
 pub(crate) async fn start<F: Follower>(
     kv: Stream,
     client: async_nats::Client,
     watch: Watch,
     follower: Arc<F>,
-    timeout: Duration,
+    stall: Duration,
 ) -> Result<tokio::task::JoinHandle<()>, ConnectError> {
+    let stalled = || ConnectError::Load(format!("no progress within {stall:?}"));
     let load = async {
         // Done at the last message the bucket held when the load began, or
         // when nothing is pending: while other Edges keep writing, the
         // consumer's pending count may not fall to zero for a long time.
-        let last = kv
-            .get_info()
+        let last = tokio::time::timeout(stall, kv.get_info())
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|_| stalled())?
+            .map_err(|e| ConnectError::Load(e.to_string()))?
             .state
             .last_sequence;
-        let (mut pending, mut messages) =
-            consumer(&kv, &client, &watch, DeliverPolicy::LastPerSubject).await?;
+        let (mut pending, mut messages) = tokio::time::timeout(
+            stall,
+            consumer(&kv, &client, &watch, DeliverPolicy::LastPerSubject),
+        )
+        .await
+        .map_err(|_| stalled())?
+        .map_err(ConnectError::Load)?;
         while pending > 0 {
-            match messages.next().await {
+            let next = tokio::time::timeout(stall, messages.next())
+                .await
+                .map_err(|_| stalled())?;
+            match next {
                 Some(Ok(message)) => {
                     pending = match message.info() {
                         Ok(i) if i.stream_sequence >= last => 0,
@@ -162,16 +183,13 @@ pub(crate) async fn start<F: Follower>(
                     };
                     follower.apply(&message);
                 }
-                Some(Err(e)) => return Err(e.to_string()),
-                None => return Err("the watch ended".to_string()),
+                Some(Err(e)) => return Err(ConnectError::Load(e.to_string())),
+                None => return Err(ConnectError::Load("the watch ended".to_string())),
             }
         }
         Ok(messages)
     };
-    let messages = tokio::time::timeout(timeout, load)
-        .await
-        .map_err(|_| ConnectError::Load(format!("not done within {timeout:?}")))?
-        .map_err(ConnectError::Load)?;
+    let messages = load.await?;
     Ok(tokio::spawn(follow(kv, client, watch, follower, messages)))
 }
 

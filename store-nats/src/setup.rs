@@ -17,8 +17,13 @@ pub(crate) async fn client(opts: &NatsOptions) -> Result<async_nats::Client, Con
         .name("iop journal")
         .connection_timeout(opts.connect_timeout)
         .request_timeout(Some(opts.request_timeout))
-        // Reconnect for ever: a server restart must not end the store.
-        .max_reconnects(None);
+        // Reconnect for ever: a server restart must not end the store; and
+        // soon, a tenth of a second more each attempt up to one second, so
+        // the writes waiting on a restarted server go through within their
+        // retry bound (R-JRN-6), not after the client's own backoff of up
+        // to 4 s.
+        .max_reconnects(None)
+        .reconnect_delay_callback(reconnect_delay);
     co = match &opts.auth {
         NatsAuth::None => co,
         NatsAuth::CredentialsFile(path) => {
@@ -54,6 +59,18 @@ pub(crate) async fn client(opts: &NatsOptions) -> Result<async_nats::Client, Con
             source,
         })
 }
+
+/// The delay before reconnect attempt `attempts` (from 1): none for the
+/// first, then 100 ms more each, at most [`MAX_RECONNECT_DELAY`].
+pub(crate) fn reconnect_delay(attempts: usize) -> Duration {
+    let steps = u32::try_from(attempts.saturating_sub(1)).unwrap_or(u32::MAX);
+    Duration::from_millis(100)
+        .saturating_mul(steps)
+        .min(MAX_RECONNECT_DELAY)
+}
+
+/// The longest pause between two reconnect attempts.
+pub(crate) const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(1);
 
 /// The largest message body the store writes.
 pub(crate) fn max_message_bytes(opts: &NatsOptions, client: &async_nats::Client) -> usize {
@@ -280,4 +297,18 @@ pub(crate) async fn bucket(
     };
     check(&what, &stream.cached_info().config, &want)?;
     Ok(stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnects_come_soon_and_at_most_a_second_apart_r_jrn_6() {
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(100));
+        assert_eq!(reconnect_delay(6), Duration::from_millis(500));
+        assert_eq!(reconnect_delay(11), MAX_RECONNECT_DELAY);
+        assert_eq!(reconnect_delay(usize::MAX), MAX_RECONNECT_DELAY);
+    }
 }

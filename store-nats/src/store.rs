@@ -47,6 +47,9 @@ const ANCHORS_PER_RECORD: usize = 4;
 enum Slot {
     Absent,
     Deleted(u64),
+    /// A value that does not decode (R-JRN-6): quarantined, treated as
+    /// absent by every operation.
+    Damaged(u64),
     Present(u64, Box<RecordValue>),
 }
 
@@ -55,7 +58,7 @@ impl Slot {
     fn revision(&self) -> u64 {
         match self {
             Slot::Absent => 0,
-            Slot::Deleted(r) | Slot::Present(r, _) => *r,
+            Slot::Deleted(r) | Slot::Damaged(r) | Slot::Present(r, _) => *r,
         }
     }
 
@@ -213,20 +216,28 @@ impl Inner {
         let subject = self.names.kv_subject(&Names::record_key(tok));
         let slot = match self.kv.direct_get_last_for_subject(subject).await {
             Ok(m) if is_marker(Some(&m.headers)) => Slot::Deleted(m.sequence),
-            Ok(m) => Slot::Present(
-                m.sequence,
-                Box::new(
-                    RecordValue::decode(&m.payload)
-                        .map_err(|e| store_error("reading a record", e))?,
-                ),
-            ),
+            Ok(m) => match RecordValue::decode(&m.payload) {
+                Ok(value) => Slot::Present(m.sequence, Box::new(value)),
+                Err(e) => {
+                    if self.dir().quarantine(tok, m.sequence) {
+                        // R-JRN-6, R-OBS-1: counted and logged, unnamed.
+                        tracing::warn!(
+                            event = "journal_record_quarantined",
+                            revision = m.sequence,
+                            error = %e,
+                            "a record in the bucket does not decode: it is skipped"
+                        );
+                    }
+                    Slot::Damaged(m.sequence)
+                }
+            },
             Err(e) if e.kind() == DirectGetErrorKind::NotFound => Slot::Absent,
             Err(e) => return Err(store_error("reading a record", e)),
         };
         match &slot {
             Slot::Present(r, v) => self.dir().put(tok, *r, v),
             Slot::Deleted(r) => self.dir().delete(tok, *r),
-            Slot::Absent => {}
+            Slot::Absent | Slot::Damaged(_) => {}
         }
         Ok(slot)
     }
@@ -1182,6 +1193,7 @@ impl Inner {
             used_bytes: d.used_bytes(),
             syncs: self.syncs.load(Ordering::Relaxed),
             ops: self.ops.load(Ordering::Relaxed),
+            quarantined: d.quarantined(),
         }
     }
 }

@@ -556,3 +556,70 @@ async fn during_an_outage_operations_fail_at_once_and_work_again_after() {
         vec![event(1)]
     );
 }
+
+/// R-JRN-6: a record whose value in the bucket does not decode is
+/// quarantined: a store connecting loads the bucket all the same, counts
+/// it, leaves it out of its scans and reads, and serves every other
+/// record; one already connected does the same when the watch delivers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_does_not_decode_is_quarantined_and_the_rest_is_served() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    let writer = connect(&server, "damaged", LIMITS).await;
+    for id in ["good", "damaged", "late"] {
+        create(&writer, id, b"{}").await;
+        writer.append(id.into(), 1, vec![event(1)]).await.unwrap();
+    }
+    let raw = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(raw);
+    js.publish(
+        "$KV.j_damaged.rec.damaged",
+        bytes::Bytes::from_static(&[0xff; 7]),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let store = connect(&server, "damaged", LIMITS).await;
+    assert_eq!(store.stats().quarantined, 1);
+    assert_eq!(store.stats().records, 2);
+    let mut unfinished: Vec<String> = store
+        .unfinished()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    unfinished.sort();
+    assert_eq!(unfinished, ["good", "late"]);
+    assert_eq!(store.get("damaged".into(), 0).await, Ok(None));
+    assert_eq!(
+        store.events("damaged".into(), 0, 10).await,
+        Err(JournalError::NotFound)
+    );
+    assert!(store.get("good".into(), 0).await.unwrap().is_some());
+    store
+        .append("good".into(), 1, vec![event(2)])
+        .await
+        .unwrap();
+    // The writer, connected before, learns it from its watch.
+    until("the watch to quarantine it", || async {
+        writer.stats().quarantined == 1
+    })
+    .await;
+    // Damaged at once, as the watch delivers it to a connected store.
+    js.publish(
+        "$KV.j_damaged.rec.late",
+        bytes::Bytes::from_static(&[0xfe; 3]),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    until("a second quarantine", || async {
+        store.stats().quarantined == 2
+    })
+    .await;
+    assert_eq!(store.unfinished().await.unwrap().len(), 1);
+}

@@ -123,6 +123,9 @@ pub struct EmbeddedOptions {
     pub max_batch_ops: usize,
     /// Payload bytes in one transaction at most, past its first operation.
     pub max_batch_bytes: usize,
+    /// Operations of one principal waiting at most: one principal's burst
+    /// leaves the rest of the queue to the others (R-TEN-1).
+    pub max_queued_ops_per_principal: usize,
     /// redb's page cache, in bytes.
     pub cache_bytes: usize,
 }
@@ -133,6 +136,7 @@ impl Default for EmbeddedOptions {
             max_queued_ops: 4096,
             max_batch_ops: 512,
             max_batch_bytes: 8 * 1024 * 1024,
+            max_queued_ops_per_principal: 1024,
             cache_bytes: 64 * 1024 * 1024,
         }
     }
@@ -268,14 +272,16 @@ impl EmbeddedStore {
                 detail: f.to_string(),
             };
             let txn = db.begin_write().map_err(|e| corrupt(e.into()))?;
-            let (format, used_bytes, records) = tables::init(&txn).map_err(corrupt)?;
-            let mut held = crate::HeldGauges::new();
+            let (format, used_bytes, _) = tables::init(&txn).map_err(corrupt)?;
+            let mut scan = None;
             if matches!(format, Format::Current) {
+                // Every record read once: the gauges, the running records'
+                // write shares, and a quarantine for what does not decode
+                // (R-JRN-6).
+                scan = Some(tables::scan_records(&txn, used_bytes).map_err(corrupt)?);
                 txn.commit().map_err(|e| corrupt(e.into()))?;
-                let read = db.begin_read().map_err(|e| corrupt(e.into()))?;
-                held = tables::read::gauges(&read).map_err(corrupt)?;
             }
-            Ok((db, format, used_bytes, records, held))
+            Ok((db, format, scan))
         }))
         .unwrap_or_else(|panic| {
             let detail = panic
@@ -288,32 +294,37 @@ impl EmbeddedStore {
                 detail,
             })
         });
-        let (db, format, used_bytes, records, held) = opened?;
-        match format {
-            Format::Current => {}
-            Format::Unknown(found) => {
+        let (db, format, scan) = opened?;
+        let scan = match (format, scan) {
+            (Format::Current, Some(scan)) => scan,
+            (Format::Current, None) => {
+                return Err(OpenError::Corrupt {
+                    path: path.to_owned(),
+                    detail: "the records were not read".into(),
+                });
+            }
+            (Format::Unknown(found), _) => {
                 return Err(OpenError::UnknownFormat {
                     path: path.to_owned(),
                     found,
                     supported: tables::FORMAT_VERSION,
                 });
             }
-            Format::Foreign => {
+            (Format::Foreign, _) => {
                 return Err(OpenError::NotAJournal {
                     path: path.to_owned(),
                 });
             }
-        }
+        };
         let db = Arc::new(db);
         let shared = Arc::new(Shared::new(
             QueueBounds {
                 max_queued_ops: options.max_queued_ops,
                 max_batch_ops: options.max_batch_ops,
                 max_batch_bytes: options.max_batch_bytes,
+                max_queued_per_principal: options.max_queued_ops_per_principal,
             },
-            records,
-            used_bytes,
-            held,
+            scan,
         ));
         let writer = std::thread::Builder::new()
             .name("iop-journal-writer".into())
@@ -559,6 +570,10 @@ impl JournalStore for EmbeddedStore {
 
     fn stats(&self) -> StoreStats {
         self.shared.stats()
+    }
+
+    fn needs_reopen(&self) -> bool {
+        self.shared.needs_reopen()
     }
 
     fn put_lease(

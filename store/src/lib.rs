@@ -80,6 +80,9 @@ pub struct StoreStats {
     pub syncs: u64,
     /// Operations written.
     pub ops: u64,
+    /// Records set aside because they do not decode (R-JRN-6): never
+    /// served, never fatal to the store or to other records.
+    pub quarantined: u64,
 }
 
 /// A record as [`JournalStore::get`] returns it: its metadata and its
@@ -153,6 +156,14 @@ pub trait JournalStore: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<tokio::sync::watch::Receiver<Progress>, JournalError>>;
     /// Counters.
     fn stats(&self) -> StoreStats;
+    /// The store can run nothing more until it is opened again (an
+    /// embedded engine refuses every write after an I/O error, or its
+    /// writer stopped): its owner closes it and opens it again (R-JRN-6,
+    /// [`iop_core::journal::availability`]). A store that mends itself
+    /// (a NATS client reconnects) never says so.
+    fn needs_reopen(&self) -> bool {
+        false
+    }
     /// Write `lease`, an Edge's ownership lease (R-TAKE-1), if the stored
     /// lease of its `edge_id` is still at revision `expected` (0: none):
     /// the new revision, greater than every earlier one. Refused with

@@ -12,6 +12,7 @@
 //! nothing more from the journal.
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use iop_wire::{FailureCode, RunKey};
 
@@ -20,6 +21,7 @@ use crate::ids::ProviderId;
 use crate::edge::delivery::{Delivery, ProviderSaid};
 use crate::edge::gate::GateFailure;
 use crate::journal::{JournalError, JournalEvent, RecordStatus, Terminal};
+use crate::time::Instant;
 
 /// Most events one append carries.
 pub const MAX_EVENTS_PER_APPEND: usize = 256;
@@ -663,6 +665,129 @@ impl Publisher {
     }
 }
 
+/// How a run's journal write the store failed is tried again before the
+/// response fails (R-JRN-6: a store outage degrades, never stops; R-JRN-1
+/// still holds, since nothing is published until a write is durable):
+/// a store's transient failure ([`JournalError::is_transient`]: a failed
+/// commit, a queue full for the moment, a NATS server restarting, the
+/// store reopening) is retried after a doubling delay, within
+/// `max_attempts` attempts and `deadline` from the first. A rule's
+/// refusal (fenced, out of order, too large) is never retried. While a
+/// write waits, its run keeps reading its node stream up to
+/// [`MAX_UNPUBLISHED`] deliveries, then pauses the provider (R-LIM-4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteRetryPolicy {
+    /// No retry starts later than this after the first attempt.
+    pub deadline: Duration,
+    /// Attempts in all, the first included.
+    pub max_attempts: u32,
+    /// The delay before the first retry.
+    pub first_delay: Duration,
+    /// The delay's cap.
+    pub max_delay: Duration,
+}
+
+/// The default [`WriteRetryPolicy`]: 10 s, 24 attempts, 50 ms doubling to
+/// 1 s; a NATS server restart or an embedded store's reopen fits in it.
+pub const WRITE_RETRY: WriteRetryPolicy = WriteRetryPolicy {
+    deadline: Duration::from_secs(10),
+    max_attempts: 24,
+    first_delay: Duration::from_millis(50),
+    max_delay: Duration::from_secs(1),
+};
+
+/// What to do after a store's answer to an attempt of a [`JournalWrite`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteVerdict {
+    /// Try the same write again at this moment.
+    RetryAt(Instant),
+    /// This is the request's answer.
+    Answer(JournalAck),
+}
+
+/// The attempts of one [`JournalWrite`] (see [`WriteRetryPolicy`]).
+#[derive(Debug, Clone)]
+pub struct WriteRetry {
+    policy: WriteRetryPolicy,
+    started: Instant,
+    attempts: u32,
+}
+
+impl WriteRetry {
+    /// The first attempt starts at `now`.
+    pub fn new(policy: WriteRetryPolicy, now: Instant) -> Self {
+        WriteRetry {
+            policy,
+            started: now,
+            attempts: 1,
+        }
+    }
+
+    /// Attempts made so far.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The store answered the latest attempt of `write` with `result` at
+    /// `now`. A retry that finds its write already there (an earlier
+    /// attempt's commit did land though its answer was a failure: the
+    /// record's next number is past the append's events, or the terminal
+    /// is in, under this writer's own epoch) is that write's success.
+    pub fn answered(
+        &mut self,
+        now: Instant,
+        write: &JournalWrite,
+        result: Result<(), JournalError>,
+    ) -> WriteVerdict {
+        let success = match write {
+            JournalWrite::Append { .. } => JournalAck::Appended,
+            JournalWrite::Finish { .. } => JournalAck::Finished,
+        };
+        let error = match result {
+            Ok(()) => return WriteVerdict::Answer(success),
+            Err(e) => e,
+        };
+        if self.attempts > 1 && landed(write, &error) {
+            return WriteVerdict::Answer(success);
+        }
+        if !error.is_transient() || self.attempts >= self.policy.max_attempts {
+            return WriteVerdict::Answer(JournalAck::Refused(error));
+        }
+        let factor = 1u32
+            .checked_shl((self.attempts - 1).min(31))
+            .unwrap_or(u32::MAX);
+        let delay = self
+            .policy
+            .first_delay
+            .checked_mul(factor)
+            .unwrap_or(self.policy.max_delay)
+            .min(self.policy.max_delay);
+        let at = now.saturating_add(delay);
+        if at > self.started.saturating_add(self.policy.deadline) {
+            return WriteVerdict::Answer(JournalAck::Refused(error));
+        }
+        self.attempts += 1;
+        WriteVerdict::RetryAt(at)
+    }
+}
+
+/// Whether `error`, answered to a retry of `write`, says an earlier
+/// attempt of it is durable: the append's events are the record's last
+/// ones, or the record has its terminal under the writer's epoch (a
+/// terminal under another epoch is refused as fenced first).
+fn landed(write: &JournalWrite, error: &JournalError) -> bool {
+    match (write, error) {
+        (JournalWrite::Append { events, .. }, JournalError::OutOfOrder { expected, got }) => {
+            match (events.first(), events.last()) {
+                (Some(first), Some(last)) => *got == first.seq && *expected == last.seq + 1,
+                _ => false,
+            }
+        }
+        (JournalWrite::Finish { .. }, JournalError::Terminated) => true,
+        _ => false,
+    }
+}
+
 mod legacy;
 
 #[cfg(test)]
@@ -1294,5 +1419,179 @@ mod tests {
         let mut cancelled = failed.clone();
         cancelled.status = RecordStatus::Cancelled;
         assert!(ended_before_commit(&cancelled, 0));
+    }
+
+    fn append_of(seqs: std::ops::RangeInclusive<u64>) -> JournalWrite {
+        JournalWrite::Append {
+            response_id: "resp_1".into(),
+            epoch: 1,
+            events: seqs
+                .map(|seq| JournalEvent {
+                    seq,
+                    payload: vec![1],
+                })
+                .collect(),
+        }
+    }
+
+    fn finish_write() -> JournalWrite {
+        JournalWrite::Finish {
+            response_id: "resp_1".into(),
+            epoch: 1,
+            terminal: terminal_of(&Delivery::Finish).unwrap(),
+        }
+    }
+
+    fn store_failed() -> Result<(), JournalError> {
+        Err(JournalError::Store(
+            "the journal's write queue is full".into(),
+        ))
+    }
+
+    #[test]
+    fn r_jrn_6_a_transient_store_failure_is_retried_until_it_succeeds() {
+        let t0 = Instant::from_millis(1_000);
+        let write = append_of(3..=4);
+        let mut retry = WriteRetry::new(WRITE_RETRY, t0);
+        let mut now = t0;
+        let mut delays = Vec::new();
+        for _ in 0..4 {
+            match retry.answered(now, &write, store_failed()) {
+                WriteVerdict::RetryAt(at) => {
+                    delays.push(at - now);
+                    now = at;
+                }
+                other => panic!("expected a retry, got {other:?}"),
+            }
+        }
+        assert_eq!(
+            delays,
+            [50, 100, 200, 400].map(Duration::from_millis).to_vec(),
+            "doubling from 50 ms"
+        );
+        // The store reopening (R-JRN-6) is as transient.
+        let unavailable = Err(JournalError::Unavailable(
+            crate::journal::availability::StoreState::Reopening,
+        ));
+        assert!(matches!(
+            retry.answered(now, &write, unavailable),
+            WriteVerdict::RetryAt(_)
+        ));
+        assert_eq!(
+            retry.answered(now, &write, Ok(())),
+            WriteVerdict::Answer(JournalAck::Appended)
+        );
+        assert_eq!(retry.attempts(), 6);
+    }
+
+    #[test]
+    fn r_jrn_6_retries_stop_at_the_deadline_and_at_the_attempt_bound() {
+        let t0 = Instant::ZERO;
+        let write = append_of(1..=1);
+        let mut retry = WriteRetry::new(WRITE_RETRY, t0);
+        let mut now = t0;
+        let last = loop {
+            match retry.answered(now, &write, store_failed()) {
+                WriteVerdict::RetryAt(at) => {
+                    assert!(
+                        at - t0 <= WRITE_RETRY.deadline,
+                        "no retry past the deadline"
+                    );
+                    assert!(at - now <= WRITE_RETRY.max_delay);
+                    now = at;
+                }
+                WriteVerdict::Answer(ack) => break ack,
+            }
+        };
+        assert!(matches!(last, JournalAck::Refused(JournalError::Store(_))));
+        assert!(now - t0 > WRITE_RETRY.deadline - WRITE_RETRY.max_delay);
+        // A tight attempt bound ends it sooner.
+        let policy = WriteRetryPolicy {
+            max_attempts: 3,
+            ..WRITE_RETRY
+        };
+        let mut retry = WriteRetry::new(policy, t0);
+        assert!(matches!(
+            retry.answered(t0, &write, store_failed()),
+            WriteVerdict::RetryAt(_)
+        ));
+        assert!(matches!(
+            retry.answered(t0, &write, store_failed()),
+            WriteVerdict::RetryAt(_)
+        ));
+        assert!(matches!(
+            retry.answered(t0, &write, store_failed()),
+            WriteVerdict::Answer(JournalAck::Refused(_))
+        ));
+    }
+
+    #[test]
+    fn a_rules_refusal_is_never_retried() {
+        for refusal in [
+            JournalError::Fenced {
+                current: 2,
+                writer: 1,
+            },
+            JournalError::RecordTooLarge,
+            JournalError::Full,
+            JournalError::NotFound,
+            JournalError::Terminated,
+            JournalError::OutOfOrder {
+                expected: 5,
+                got: 3,
+            },
+        ] {
+            let mut retry = WriteRetry::new(WRITE_RETRY, Instant::ZERO);
+            assert_eq!(
+                retry.answered(Instant::ZERO, &append_of(3..=4), Err(refusal.clone())),
+                WriteVerdict::Answer(JournalAck::Refused(refusal))
+            );
+        }
+    }
+
+    #[test]
+    fn r_jrn_6_a_retry_that_finds_its_write_durable_is_its_success() {
+        // The first attempt's commit landed though the store answered a
+        // failure; the retry is refused as out of order, one past its
+        // events: that is the append, durable.
+        let write = append_of(3..=4);
+        let mut retry = WriteRetry::new(WRITE_RETRY, Instant::ZERO);
+        let WriteVerdict::RetryAt(at) = retry.answered(Instant::ZERO, &write, store_failed())
+        else {
+            panic!("a retry");
+        };
+        let landed = Err(JournalError::OutOfOrder {
+            expected: 5,
+            got: 3,
+        });
+        assert_eq!(
+            retry.answered(at, &write, landed),
+            WriteVerdict::Answer(JournalAck::Appended)
+        );
+        // Out of order otherwise is a refusal, retried or not.
+        let mut retry = WriteRetry::new(WRITE_RETRY, Instant::ZERO);
+        let WriteVerdict::RetryAt(at) = retry.answered(Instant::ZERO, &write, store_failed())
+        else {
+            panic!("a retry");
+        };
+        let other = Err(JournalError::OutOfOrder {
+            expected: 7,
+            got: 3,
+        });
+        assert!(matches!(
+            retry.answered(at, &write, other),
+            WriteVerdict::Answer(JournalAck::Refused(_))
+        ));
+        // A terminal found in place under this writer's epoch is its own.
+        let mut retry = WriteRetry::new(WRITE_RETRY, Instant::ZERO);
+        let finish = finish_write();
+        let WriteVerdict::RetryAt(at) = retry.answered(Instant::ZERO, &finish, store_failed())
+        else {
+            panic!("a retry");
+        };
+        assert_eq!(
+            retry.answered(at, &finish, Err(JournalError::Terminated)),
+            WriteVerdict::Answer(JournalAck::Finished)
+        );
     }
 }

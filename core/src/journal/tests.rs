@@ -425,6 +425,7 @@ fn the_closed_names_are_the_documented_ones() {
         JournalError::Full,
         JournalError::RecordTooLarge,
         JournalError::Store("x".into()),
+        JournalError::Unavailable(availability::StoreState::Connecting),
     ];
     let names: Vec<&str> = errors.iter().map(JournalError::as_str).collect();
     assert_eq!(names, JournalError::NAMES);
@@ -462,7 +463,7 @@ fn group_commit_is_bounded_in_queue_and_batch() {
     for i in 0..3 {
         g.submit(Ticket(i), i, 6).unwrap();
     }
-    assert_eq!(g.submit(Ticket(9), 9, 1), Err(QueueFull), "R-LIM-4");
+    assert_eq!(g.submit(Ticket(9), 9, 1), Err(QueueFull::Queue), "R-LIM-4");
     // 6 + 6 > 10 bytes: the batch stops after the first.
     assert_eq!(g.poll_batch().unwrap().len(), 1);
     g.synced();
@@ -476,6 +477,38 @@ fn group_commit_is_bounded_in_queue_and_batch() {
     assert_eq!(g.poll_batch().unwrap().len(), 2);
     g.synced();
     assert_eq!(g.queued_bytes(), 6);
+}
+
+#[test]
+fn one_principals_burst_takes_only_its_share_of_the_write_queue_r_ten_1() {
+    // A queue of 8, each principal at most 3 of it.
+    let mut g = GroupCommit::new(8, 8, 1 << 20).with_share_bound(3);
+    let (burst, other) = (write_share("burst"), write_share("other"));
+    assert_ne!(burst, other);
+    let mut ticket = 0;
+    let mut submit = |g: &mut GroupCommit<&str>, share: Option<u64>| {
+        ticket += 1;
+        g.submit_as(Ticket(ticket), "op", 1, share)
+    };
+    for _ in 0..3 {
+        submit(&mut g, Some(burst)).unwrap();
+    }
+    for _ in 0..5 {
+        assert_eq!(submit(&mut g, Some(burst)), Err(QueueFull::Share));
+    }
+    assert_eq!(g.queued_for(burst), 3);
+    // The others still find room, up to the whole queue's bound.
+    for _ in 0..3 {
+        submit(&mut g, Some(other)).unwrap();
+    }
+    submit(&mut g, None).unwrap();
+    submit(&mut g, None).unwrap();
+    assert_eq!(submit(&mut g, None), Err(QueueFull::Queue));
+    // Once its operations went to the writer, the share has room again.
+    assert_eq!(g.poll_batch().unwrap().len(), 8);
+    assert_eq!((g.queued_for(burst), g.queued_for(other)), (0, 0));
+    g.synced();
+    submit(&mut g, Some(burst)).unwrap();
 }
 
 fn ms(n: u64) -> Instant {

@@ -418,6 +418,24 @@ impl ApiError {
         err
     }
 
+    /// 503 `response_store_unavailable`: the response store is not open
+    /// (`state`: the Edge is connecting to it, or opening it again after a
+    /// failure; R-JRN-6). Requests without `store`, `background` or an
+    /// `Idempotency-Key` are served meanwhile.
+    pub fn journal_not_open(state: &str) -> Self {
+        let mut err = Self::new(
+            503,
+            ErrorKind::ServiceUnavailable,
+            Some("response_store_unavailable"),
+            format!(
+                "The response store is not reachable yet ({state}); retry in a few seconds, or send \
+                 the request with \"store\": false and no Idempotency-Key."
+            ),
+        );
+        err.retry_after_secs = Some(1);
+        err
+    }
+
     /// 400: `previous_response_id` names a response that cannot be
     /// continued yet (it is still running).
     pub fn previous_response_running() -> Self {

@@ -303,6 +303,16 @@ pub struct JournalSection {
     /// run's, a dead Edge's).
     #[serde(default = "default_takeover_scan_interval_ms")]
     pub takeover_scan_interval_ms: u64,
+    /// How long a running response's journal write the store failed (a
+    /// failed commit, a full write queue, a NATS server restarting) is
+    /// tried again before the response fails (R-JRN-6); 0: never.
+    #[serde(default = "default_write_retry_ms")]
+    pub write_retry_ms: u64,
+    /// The embedded store's writer queue: operations of one principal
+    /// waiting at most (of 4096), so one tenant's burst leaves room for
+    /// the others (R-TEN-1).
+    #[serde(default = "default_writer_queue_per_principal")]
+    pub writer_queue_per_principal: usize,
     /// `[journal.nats]`, with `store = "nats"`.
     #[serde(default)]
     pub nats: Option<NatsSection>,
@@ -314,6 +324,14 @@ fn default_lease_ttl_ms() -> u64 {
 
 fn default_takeover_scan_interval_ms() -> u64 {
     5_000
+}
+
+fn default_write_retry_ms() -> u64 {
+    iop_core::time::duration_ms(iop_core::edge::durable::WRITE_RETRY.deadline)
+}
+
+fn default_writer_queue_per_principal() -> usize {
+    iop_store::EmbeddedOptions::default().max_queued_ops_per_principal
 }
 
 fn default_park_grace_ms() -> u64 {
@@ -333,6 +351,8 @@ impl Default for JournalSection {
             park_grace_ms: default_park_grace_ms(),
             lease_ttl_ms: default_lease_ttl_ms(),
             takeover_scan_interval_ms: default_takeover_scan_interval_ms(),
+            write_retry_ms: default_write_retry_ms(),
+            writer_queue_per_principal: default_writer_queue_per_principal(),
             nats: None,
         }
     }
@@ -369,6 +389,26 @@ impl JournalSection {
         self.path
             .clone()
             .unwrap_or_else(|| state_dir.join("journal.redb"))
+    }
+
+    /// How a run's journal write the store failed is tried again
+    /// (R-JRN-6): core's policy within `write_retry_ms`.
+    pub fn write_retry(&self) -> iop_core::edge::durable::WriteRetryPolicy {
+        let policy = iop_core::edge::durable::WRITE_RETRY;
+        iop_core::edge::durable::WriteRetryPolicy {
+            deadline: Duration::from_millis(self.write_retry_ms),
+            max_attempts: if self.write_retry_ms == 0 {
+                1
+            } else {
+                policy.max_attempts
+            },
+            ..policy
+        }
+    }
+
+    /// The embedded store's writer queue share of one principal.
+    pub fn writer_queue_per_principal(&self) -> usize {
+        self.writer_queue_per_principal
     }
 
     /// How long an orphan waits for its node to report its run parked
@@ -418,6 +458,19 @@ impl JournalSection {
                     iop_core::journal::MIN_LEASE_TTL_MS,
                     iop_core::journal::MAX_LEASE_TTL_MS
                 ),
+            ));
+        }
+        if self.write_retry_ms > 600_000 {
+            return Err(field_err(
+                "journal.write_retry_ms",
+                "must be at most 600000",
+            ));
+        }
+        let queue = iop_store::EmbeddedOptions::default().max_queued_ops;
+        if !(1..=queue).contains(&self.writer_queue_per_principal) {
+            return Err(field_err(
+                "journal.writer_queue_per_principal",
+                format!("must be between 1 and {queue}"),
             ));
         }
         if !(100..=600_000).contains(&self.takeover_scan_interval_ms) {

@@ -42,6 +42,18 @@ pub(super) enum Request {
 }
 
 impl Request {
+    /// The record the operation writes, if one.
+    pub(super) fn record_id(&self) -> Option<&str> {
+        match self {
+            Request::Append { id, .. }
+            | Request::Finish { id, .. }
+            | Request::RaiseEpoch { id, .. }
+            | Request::Delete { id } => Some(id),
+            Request::Create(record) => Some(&record.id),
+            Request::Sweep { .. } | Request::Tenant(_) => None,
+        }
+    }
+
     /// Bytes the operation carries, for the batch's byte bound.
     pub(super) fn bytes(&self) -> usize {
         match self {
@@ -93,6 +105,9 @@ pub(super) enum Notice {
     Progress(String, Progress),
     /// The record is gone: its watchers' senders are dropped.
     Gone(String),
+    /// The record runs, its writes counted against this share of the
+    /// writer's queue (`Some`), or has its terminal (`None`).
+    Share(String, Option<u64>),
     /// A record that held `old` against its key and principal now holds
     /// `new` (R-TEN-1's gauges).
     Held {

@@ -34,6 +34,11 @@ pub(super) const KEYS: TableDefinition<'static, &[u8; 32], &str> =
 pub(super) const EXPIRY: TableDefinition<'static, (u64, &str), ()> = TableDefinition::new("expiry");
 /// Counters and the format version: name -> u64.
 pub(super) const META: TableDefinition<'static, &str, u64> = TableDefinition::new("meta");
+/// Records set aside at open because they do not decode (R-JRN-6): response
+/// id -> the record's bytes as found. Their requests, events, keys and
+/// index entries are removed; nothing reads them again.
+pub(super) const QUARANTINE: TableDefinition<'static, &str, &[u8]> =
+    TableDefinition::new("quarantined_records");
 
 /// The layout this build writes and reads: 3, records name their owner
 /// (R-TAKE-1) and their API key (R-TEN-1), and tenants' tables are there
@@ -112,19 +117,19 @@ fn upgrade_records(txn: &WriteTransaction, from: u64) -> Result<(), Fault> {
     let mut records = txn.open_table(RECORDS)?;
     let mut upgraded = Vec::new();
     for entry in records.iter()? {
-        let (id, bytes) = entry?;
-        let corrupt = |e: postcard::Error| {
-            Fault::Corrupt(format!("record {:?} does not decode: {e}", id.value()))
-        };
-        upgraded.push(if from == FORMAT_VERSION_UNOWNED {
+        let (_, bytes) = entry?;
+        // A record that does not decode stays as it is: the scan after
+        // the upgrade quarantines it (R-JRN-6).
+        let meta = if from == FORMAT_VERSION_UNOWNED {
             postcard::from_bytes::<crate::legacy::RecordMetaV1>(bytes.value())
-                .map_err(corrupt)?
-                .upgrade()
+                .ok()
+                .map(crate::legacy::RecordMetaV1::upgrade)
         } else {
             postcard::from_bytes::<crate::legacy::RecordMetaV2>(bytes.value())
-                .map_err(corrupt)?
-                .upgrade()
-        });
+                .ok()
+                .map(crate::legacy::RecordMetaV2::upgrade)
+        };
+        upgraded.extend(meta);
     }
     for meta in &upgraded {
         records.insert(meta.id.as_str(), encode_meta(meta)?.as_slice())?;
@@ -193,8 +198,98 @@ pub(super) fn init(txn: &WriteTransaction) -> Result<(Format, u64, u64), Fault> 
     txn.open_table(EVENTS)?;
     txn.open_table(KEYS)?;
     txn.open_table(EXPIRY)?;
+    txn.open_table(QUARANTINE)?;
     super::tenant::init(txn)?;
     Ok((Format::Current, used, records))
+}
+
+/// What the scan of every record at open found.
+pub(super) struct RecordScan {
+    /// What each key and principal holds (R-TEN-1).
+    pub(super) held: HeldGauges,
+    /// The write share of each record without a terminal (its principal's,
+    /// [`iop_core::journal::write_share`]).
+    pub(super) shares: std::collections::HashMap<String, u64>,
+    /// Records in quarantine (this scan's and earlier ones').
+    pub(super) quarantined: u64,
+    /// The byte count after the quarantine.
+    pub(super) used_bytes: u64,
+    /// Records held after the quarantine.
+    pub(super) records: u64,
+}
+
+/// Read every record at open, in the opening transaction: count what
+/// each key and principal holds and note the running records' shares;
+/// a record that does not decode is quarantined (R-JRN-6): its bytes go
+/// to [`QUARANTINE`], its request, events, key and index entries are
+/// removed and its bytes uncounted, and the rest is served.
+pub(super) fn scan_records(txn: &WriteTransaction, used_bytes: u64) -> Result<RecordScan, Fault> {
+    let mut held = HeldGauges::new();
+    let mut shares = std::collections::HashMap::new();
+    let mut damaged: Vec<(String, Vec<u8>)> = Vec::new();
+    let records = txn.open_table(RECORDS)?;
+    for entry in records.iter()? {
+        let (id, bytes) = entry?;
+        match decode_meta(id.value(), bytes.value()) {
+            Ok(meta) => {
+                held.change_meta(None, Some(&meta));
+                if meta.terminal.is_none() {
+                    shares.insert(
+                        meta.id.clone(),
+                        iop_core::journal::write_share(&meta.principal),
+                    );
+                }
+            }
+            Err(_) => damaged.push((id.value().to_owned(), bytes.value().to_vec())),
+        }
+    }
+    drop(records);
+    let mut used_bytes = used_bytes;
+    let quarantined_now = damaged.len() as u64;
+    if !damaged.is_empty() {
+        let mut records = txn.open_table(RECORDS)?;
+        let mut requests = txn.open_table(REQUESTS)?;
+        let mut events = txn.open_table(EVENTS)?;
+        let mut keys = txn.open_table(KEYS)?;
+        let mut expiry = txn.open_table(EXPIRY)?;
+        let mut quarantine = txn.open_table(QUARANTINE)?;
+        let gone: std::collections::HashSet<&str> =
+            damaged.iter().map(|(id, _)| id.as_str()).collect();
+        for (id, bytes) in &damaged {
+            let id = id.as_str();
+            // What it held, as the journal counts it: its request, its
+            // events and the record's overhead.
+            let mut counted = RECORD_OVERHEAD_BYTES;
+            if let Some(r) = requests.remove(id)? {
+                counted += r.value().len() as u64;
+            }
+            for ev in events.extract_from_if((id, 0)..=(id, u64::MAX), |_, _| true)? {
+                let (_, payload) = ev?;
+                counted += payload.value().len() as u64 + EVENT_OVERHEAD_BYTES;
+            }
+            used_bytes = used_bytes.saturating_sub(counted);
+            records.remove(id)?;
+            quarantine.insert(id, bytes.as_slice())?;
+        }
+        keys.retain(|_, id| !gone.contains(id))?;
+        expiry.retain(|(_, id), _| !gone.contains(id))?;
+        txn.open_table(META)?.insert(META_USED_BYTES, used_bytes)?;
+        // R-JRN-6, R-OBS-1: counted and logged, never named.
+        tracing::warn!(
+            event = "journal_records_quarantined",
+            records = quarantined_now,
+            "records that do not decode were set aside; the rest is served"
+        );
+    }
+    let records = txn.open_table(RECORDS)?.len()?;
+    let quarantined = txn.open_table(QUARANTINE)?.len()?;
+    Ok(RecordScan {
+        held,
+        shares,
+        quarantined,
+        used_bytes,
+        records,
+    })
 }
 
 /// The range of one record's events after `after`.
@@ -335,6 +430,18 @@ impl<'t> WriteTables<'t> {
         self.records
             .insert(meta.id.as_str(), encode_meta(meta)?.as_slice())?;
         self.dirty = true;
+        // The writer's queue counts a running record's writes against its
+        // principal's share (R-TEN-1); it learns of it when it is created
+        // and forgets it at its terminal.
+        let was_running = old.as_ref().is_some_and(|m| m.terminal.is_none());
+        if meta.terminal.is_none() && !was_running {
+            self.notices.push(Notice::Share(
+                meta.id.clone(),
+                Some(iop_core::journal::write_share(&meta.principal)),
+            ));
+        } else if meta.terminal.is_some() && was_running {
+            self.notices.push(Notice::Share(meta.id.clone(), None));
+        }
         self.notices
             .push(Notice::Progress(meta.id.clone(), progress(meta)));
         Ok(())
@@ -544,22 +651,16 @@ pub(super) mod read {
         Ok(Ok(out))
     }
 
-    /// What every key and principal holds, from every record (at open).
-    pub(in crate::embedded) fn gauges(txn: &ReadTransaction) -> Result<HeldGauges, Fault> {
-        let mut gauges = HeldGauges::new();
-        for entry in txn.open_table(RECORDS)?.iter()? {
-            let (id, bytes) = entry?;
-            gauges.change_meta(None, Some(&decode_meta(id.value(), bytes.value())?));
-        }
-        Ok(gauges)
-    }
-
     pub(in crate::embedded) fn unfinished(txn: &ReadTransaction) -> Result<Vec<RecordMeta>, Fault> {
         let mut out = Vec::new();
         for entry in txn.open_table(RECORDS)?.iter()? {
             let (id, bytes) = entry?;
-            let meta = decode_meta(id.value(), bytes.value())?;
-            if meta.terminal.is_none() {
+            // A record that stopped decoding since the open is skipped
+            // here, never fatal to the scan (R-JRN-6); the next open
+            // quarantines it.
+            if let Ok(meta) = decode_meta(id.value(), bytes.value())
+                && meta.terminal.is_none()
+            {
                 out.push(meta);
             }
         }
@@ -579,6 +680,9 @@ pub struct VerifyReport {
     pub events: u64,
     /// The stored byte count.
     pub used_bytes: u64,
+    /// Records in quarantine (R-JRN-6): set aside at an open because they
+    /// did not decode.
+    pub quarantined: u64,
     /// Every way the file contradicts the journal's invariants (at most
     /// 100 listed); empty for a sound file.
     pub problems: Vec<String>,
@@ -606,7 +710,9 @@ pub(super) fn verify(txn: &ReadTransaction) -> Result<VerifyReport, Fault> {
     let keys = txn.open_table(KEYS)?;
     let expiry = txn.open_table(EXPIRY)?;
     let meta = txn.open_table(META)?;
+    let quarantined = txn.open_table(QUARANTINE)?;
     let mut report = VerifyReport {
+        quarantined: quarantined.len()?,
         used_bytes: meta
             .get(META_USED_BYTES)?
             .map(|v| v.value())

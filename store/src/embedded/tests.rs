@@ -633,7 +633,14 @@ async fn a_failed_commit_fails_its_whole_batch_and_tells_no_watcher() {
 async fn a_sweep_of_many_transactions_removes_every_expired_record() {
     let n = SWEEP_BATCH_RECORDS + SWEEP_BATCH_RECORDS / 2;
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(open(&store_path(&dir, "journal.redb")));
+    // One principal writes them all at once: its share is the whole queue.
+    let options = EmbeddedOptions {
+        max_queued_ops_per_principal: EmbeddedOptions::default().max_queued_ops,
+        ..EmbeddedOptions::default()
+    };
+    let store = Arc::new(
+        EmbeddedStore::open_with(&store_path(&dir, "journal.redb"), LIMITS, options).unwrap(),
+    );
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..n {
         let store = store.clone();
@@ -943,4 +950,155 @@ proptest! {
             .unwrap();
         rt.block_on(run_model(ops))?;
     }
+}
+
+/// R-JRN-6: a file with one record that does not decode opens; that
+/// record is quarantined (counted, its request, events and key gone, its
+/// bytes uncounted) and every other record is served as before.
+#[tokio::test]
+async fn a_record_that_does_not_decode_is_quarantined_at_open_and_the_rest_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    {
+        let store = open(&path);
+        for id in ["good-1", "damaged", "good-2"] {
+            store
+                .create(new_record(id, Some(id), b"{}", 10))
+                .await
+                .unwrap();
+            store
+                .append(id.into(), 1, (1..=3).map(event).collect())
+                .await
+                .unwrap();
+        }
+        store
+            .finish("good-2".into(), 1, terminal(RecordStatus::Completed, 20))
+            .await
+            .unwrap();
+    }
+    // Damage one record's bytes in place (as a bad write or a bit flip
+    // inside a value would), through the engine so the file stays sound.
+    {
+        let db = redb::Database::create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut records = txn.open_table(tables::RECORDS).unwrap();
+            records.insert("damaged", [0xff_u8; 9].as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = open(&path);
+    let stats = store.stats();
+    assert_eq!((stats.records, stats.quarantined), (2, 1));
+    let report = assert_sound(&store).await;
+    assert_eq!(report.quarantined, 1);
+    assert_eq!(report.events, 6, "the damaged record's events went with it");
+    // The rest is served: reads, the restart scan, writes.
+    let (meta, request) = store.get("good-1".into(), 0).await.unwrap().unwrap();
+    assert_eq!((meta.last_seq, request.as_slice()), (3, b"{}".as_slice()));
+    assert_eq!(store.events("good-2".into(), 0, 10).await.unwrap().len(), 3);
+    let unfinished = store.unfinished().await.unwrap();
+    assert_eq!(
+        unfinished.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
+        ["good-1"]
+    );
+    store
+        .append("good-1".into(), 1, vec![event(4)])
+        .await
+        .unwrap();
+    assert_eq!(store.get("damaged".into(), 0).await, Ok(None));
+    // Its key is free: a new request with it runs afresh.
+    assert!(matches!(
+        store
+            .create(new_record("again", Some("damaged"), b"{}", 30))
+            .await,
+        Ok(CreateOutcome::Create(_))
+    ));
+    drop(store);
+    // A later open finds it still set aside, and nothing new.
+    let store = open(&path);
+    assert_eq!(store.stats().quarantined, 1);
+    assert_sound(&store).await;
+}
+
+/// R-JRN-6: after a failed commit the engine refuses every write until
+/// the file is opened again, and the store says so; a store opened again
+/// on the same file writes.
+#[tokio::test]
+async fn a_store_whose_commit_failed_asks_to_be_reopened() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = store_path(&dir, "journal.redb");
+    let failing = Arc::new(AtomicBool::new(false));
+    {
+        let disk = FailingDisk {
+            inner: FileBackend::new(create_file(&path).unwrap()).unwrap(),
+            failing: failing.clone(),
+        };
+        let store =
+            EmbeddedStore::open_backend(&path, disk, LIMITS, EmbeddedOptions::default()).unwrap();
+        store
+            .create(new_record("r1", None, b"{}", 0))
+            .await
+            .unwrap();
+        assert!(!store.needs_reopen());
+        failing.store(true, Ordering::SeqCst);
+        assert!(store.append("r1".into(), 1, vec![event(1)]).await.is_err());
+        assert!(store.needs_reopen(), "the engine is done until reopened");
+        failing.store(false, Ordering::SeqCst);
+        assert!(store.needs_reopen());
+    }
+    let store = open(&path);
+    assert!(!store.needs_reopen());
+    store.append("r1".into(), 1, vec![event(1)]).await.unwrap();
+}
+
+/// R-TEN-1: one principal's burst of writes fills only its share of the
+/// writer's queue; another principal's write still finds room.
+#[tokio::test]
+async fn one_principals_burst_leaves_room_in_the_write_queue_for_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = EmbeddedOptions {
+        max_queued_ops: 16,
+        max_batch_ops: 4,
+        max_queued_ops_per_principal: 4,
+        ..EmbeddedOptions::default()
+    };
+    let store =
+        EmbeddedStore::open_with(&store_path(&dir, "journal.redb"), LIMITS, options).unwrap();
+    const BURST: usize = 16;
+    for i in 0..BURST {
+        store
+            .create(new_record(&format!("burst-{i}"), None, b"{}", 0))
+            .await
+            .unwrap();
+    }
+    let mut victim = new_record("victim", None, b"{}", 0);
+    victim.principal = "principal-b".into();
+    store.create(victim).await.unwrap();
+    // Hold the writer after its next batch, so what is submitted
+    // meanwhile stays queued.
+    let held = store.shared.watchers();
+    let burst: Vec<_> = (0..BURST)
+        .map(|i| store.append(format!("burst-{i}"), 1, vec![event(1)]))
+        .collect();
+    let victims = vec![store.append("victim".into(), 1, vec![event(1)])];
+    drop(held);
+    let mut refused = 0;
+    for result in futures_join(burst).await {
+        match result {
+            Ok(_) => {}
+            Err(JournalError::Store(msg)) => {
+                assert!(msg.contains("for this principal"), "{msg}");
+                refused += 1;
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    // One batch (4) may have gone to the writer before it was held; the
+    // share holds 4 more: the rest of the burst was refused.
+    assert!(refused >= BURST - 8, "{refused}");
+    for result in futures_join(victims).await {
+        assert_eq!(result.unwrap().last_seq, 1, "the other principal's write");
+    }
+    assert_sound(&store).await;
 }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use iop_core::journal::{GroupCommit, JournalError, JournalLimits, QueueFull, Ticket};
+use iop_core::journal::{GroupCommit, JournalError, JournalLimits, Ticket};
 use redb::{Database, Durability};
 use tokio::sync::{oneshot, watch};
 
@@ -24,6 +24,8 @@ pub(super) struct QueueBounds {
     pub(super) max_queued_ops: usize,
     pub(super) max_batch_ops: usize,
     pub(super) max_batch_bytes: usize,
+    /// Operations of one principal waiting at most (R-TEN-1).
+    pub(super) max_queued_per_principal: usize,
 }
 
 struct Queued {
@@ -50,6 +52,14 @@ pub(super) struct Shared {
     /// What each key and principal holds (R-TEN-1): counted from every
     /// record at open, then moved by each durable batch's notices.
     held: Mutex<HeldGauges>,
+    /// The write share (principal) of each running record: its writes
+    /// queue within that share (R-TEN-1). Learned at open and from each
+    /// durable batch; a record this map does not know writes in no share.
+    shares: Mutex<HashMap<String, u64>>,
+    /// A commit failed: the engine refuses every write until the file is
+    /// opened again (R-JRN-6).
+    broken: AtomicBool,
+    quarantined: AtomicU64,
     records: AtomicU64,
     used_bytes: AtomicU64,
     syncs: AtomicU64,
@@ -58,25 +68,32 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub(super) fn new(
-        bounds: QueueBounds,
-        records: u64,
-        used_bytes: u64,
-        held: HeldGauges,
-    ) -> Self {
+    pub(super) fn new(bounds: QueueBounds, opened: super::tables::RecordScan) -> Self {
+        let super::tables::RecordScan {
+            held,
+            shares,
+            quarantined,
+            used_bytes,
+            records,
+            ..
+        } = opened;
         Shared {
             queue: Mutex::new(QueueState {
                 commit: GroupCommit::new(
                     bounds.max_queued_ops,
                     bounds.max_batch_ops,
                     bounds.max_batch_bytes,
-                ),
+                )
+                .with_share_bound(bounds.max_queued_per_principal),
                 next_ticket: 0,
                 closed: false,
             }),
             wake: Condvar::new(),
             watchers: Mutex::new(HashMap::new()),
             held: Mutex::new(held),
+            shares: Mutex::new(shares),
+            broken: AtomicBool::new(false),
+            quarantined: AtomicU64::new(quarantined),
             records: AtomicU64::new(records),
             used_bytes: AtomicU64::new(used_bytes),
             syncs: AtomicU64::new(0),
@@ -95,6 +112,18 @@ impl Shared {
         self.watchers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn shares(&self) -> MutexGuard<'_, HashMap<String, u64>> {
+        // Single inserts and removes.
+        self.shares.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The store can write nothing more until the file is opened again:
+    /// a commit failed (the engine refuses every write after it), or the
+    /// writer thread is gone.
+    pub(super) fn needs_reopen(&self) -> bool {
+        self.broken.load(Ordering::Acquire) || !self.writer_alive.load(Ordering::Acquire)
+    }
+
     fn gauges(&self) -> MutexGuard<'_, HeldGauges> {
         // Each change is applied whole under the lock.
         self.held.lock().unwrap_or_else(|e| e.into_inner())
@@ -106,13 +135,21 @@ impl Shared {
     }
 
     /// Queue `request`; the receiver answers once its batch is durable.
-    /// A full queue refuses at once (R-LIM-4).
+    /// A full queue refuses at once (R-LIM-4), and so does one whose
+    /// principal's share is full (R-TEN-1): a transient refusal, which
+    /// the caller may retry.
     pub(super) fn submit(
         &self,
         request: Request,
     ) -> Result<oneshot::Receiver<Answer>, JournalError> {
         let (tx, rx) = oneshot::channel();
         let bytes = request.bytes();
+        let share = match &request {
+            Request::Create(record) => Some(iop_core::journal::write_share(&record.principal)),
+            other => other
+                .record_id()
+                .and_then(|id| self.shares().get(id).copied()),
+        };
         let mut q = self.queue();
         if q.closed || !self.writer_alive.load(Ordering::Acquire) {
             return Err(JournalError::Store("the journal writer has stopped".into()));
@@ -120,15 +157,16 @@ impl Shared {
         let ticket = Ticket(q.next_ticket);
         q.next_ticket = q.next_ticket.wrapping_add(1);
         q.commit
-            .submit(
+            .submit_as(
                 ticket,
                 Queued {
                     request,
                     answer: tx,
                 },
                 bytes,
+                share,
             )
-            .map_err(|QueueFull| JournalError::Store(QueueFull.to_string()))?;
+            .map_err(|full| JournalError::Store(full.to_string()))?;
         drop(q);
         self.wake.notify_one();
         Ok(rx)
@@ -147,6 +185,7 @@ impl Shared {
             used_bytes: self.used_bytes.load(Ordering::Acquire),
             syncs: self.syncs.load(Ordering::Acquire),
             ops: self.ops.load(Ordering::Acquire),
+            quarantined: self.quarantined.load(Ordering::Acquire),
         }
     }
 
@@ -175,8 +214,15 @@ impl Shared {
         }
         let mut watchers = self.watchers();
         let mut gauges = self.gauges();
+        let mut shares = self.shares();
         for notice in notices {
             match notice {
+                Notice::Share(id, Some(share)) => {
+                    shares.insert(id, share);
+                }
+                Notice::Share(id, None) => {
+                    shares.remove(&id);
+                }
                 Notice::Held { old, new } => gauges.change(old.as_ref(), new.as_ref()),
                 Notice::Progress(id, progress) => {
                     if let Some(tx) = watchers.get(&id) {
@@ -190,6 +236,7 @@ impl Shared {
                     }
                 }
                 Notice::Gone(id) => {
+                    shares.remove(&id);
                     watchers.remove(&id);
                 }
             }
@@ -262,6 +309,11 @@ fn write_batch(
         }
         Err(fault) => {
             tracing::error!(error = %fault, "journal batch not committed");
+            if matches!(fault, Fault::Engine(_)) {
+                // The engine refuses every write after a failed commit:
+                // the file must be opened again (R-JRN-6).
+                shared.broken.store(true, Ordering::Release);
+            }
             let err = JournalError::from(fault);
             for tx in answers {
                 let _ = tx.send(Err(err.clone()));
