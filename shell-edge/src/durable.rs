@@ -337,6 +337,17 @@ impl Durable {
                 })?;
                 // Paths were resolved at load.
                 let options = nats.options(limits, state_dir)?;
+                let plaintext = options.plaintext_secret_servers();
+                if !plaintext.is_empty() {
+                    // A password or a token sent in the clear: accepted (a
+                    // private network may be why), never silently.
+                    tracing::warn!(
+                        event = "edge_nats_plaintext_secret",
+                        servers = %plaintext.join(","),
+                        "[journal.nats] sends a password or token over plaintext nats://: \
+                         use tls:// URLs or tls_ca_file"
+                    );
+                }
                 keeper::Opener::Nats(Box::new(options))
             }
         };

@@ -53,6 +53,9 @@ pub struct NatsOptions {
     pub auth: NatsAuth,
     /// A PEM file of CA certificates to trust; setting it requires TLS.
     pub tls_ca_file: Option<PathBuf>,
+    /// A client certificate and its key (PEM files) presented to a server
+    /// that verifies its clients (mutual TLS); setting it requires TLS.
+    pub tls_client_cert: Option<(PathBuf, PathBuf)>,
     /// The stream of events and requests (created if missing).
     pub stream: String,
     /// The key-value bucket of records, epochs and idempotency keys
@@ -106,6 +109,7 @@ impl NatsOptions {
             servers,
             auth: NatsAuth::None,
             tls_ca_file: None,
+            tls_client_cert: None,
             stream: "IOP_JOURNAL".into(),
             bucket: "iop_journal".into(),
             subject_prefix: "iop.journal".into(),
@@ -122,6 +126,33 @@ impl NatsOptions {
             marker_grace: Duration::from_secs(15 * 60),
             tenant_bucket_max_bytes: 256 << 20,
         }
+    }
+
+    /// Whether TLS is required on every connection (a CA or a client
+    /// certificate is set, or every server URL is `tls://`).
+    pub fn tls_required(&self) -> bool {
+        self.tls_ca_file.is_some()
+            || self.tls_client_cert.is_some()
+            || (!self.servers.is_empty() && self.servers.iter().all(|s| s.starts_with("tls://")))
+    }
+
+    /// The servers a password or a token would be sent to in the clear:
+    /// `nats://` URLs when TLS is not required and the store
+    /// authenticates with a password or a token (a credentials file signs
+    /// a server nonce; its seed never leaves the process).
+    pub fn plaintext_secret_servers(&self) -> Vec<&str> {
+        let secret = matches!(
+            self.auth,
+            NatsAuth::UserPassword { .. } | NatsAuth::Token(_)
+        );
+        if !secret || self.tls_required() {
+            return Vec::new();
+        }
+        self.servers
+            .iter()
+            .filter(|s| !s.starts_with("tls://"))
+            .map(String::as_str)
+            .collect()
     }
 
     /// Check the options; the error names the field.
@@ -253,5 +284,29 @@ mod tests {
         let mut o = ok;
         o.limits.max_record_bytes = 1;
         assert_eq!(field(o), "limits");
+    }
+
+    #[test]
+    fn a_password_or_token_over_plaintext_nats_is_named_and_tls_clears_it() {
+        let mut o = NatsOptions::new(
+            vec!["nats://a:4222".into(), "tls://b:4222".into()],
+            JournalLimits::default(),
+        );
+        assert!(o.plaintext_secret_servers().is_empty(), "no secret to send");
+        o.auth = NatsAuth::UserPassword {
+            user: "iop".into(),
+            password: "secret".into(),
+        };
+        assert_eq!(o.plaintext_secret_servers(), ["nats://a:4222"]);
+        o.auth = NatsAuth::Token("t".into());
+        assert_eq!(o.plaintext_secret_servers(), ["nats://a:4222"]);
+        o.auth = NatsAuth::CredentialsFile("user.creds".into());
+        assert!(o.plaintext_secret_servers().is_empty(), "a signed nonce");
+        o.auth = NatsAuth::Token("t".into());
+        o.tls_client_cert = Some(("c.pem".into(), "k.pem".into()));
+        assert!(o.plaintext_secret_servers().is_empty(), "TLS required");
+        o.tls_client_cert = None;
+        o.tls_ca_file = Some("ca.pem".into());
+        assert!(o.plaintext_secret_servers().is_empty(), "TLS required");
     }
 }

@@ -42,6 +42,11 @@ pub(crate) async fn client(opts: &NatsOptions) -> Result<async_nats::Client, Con
     if let Some(ca) = &opts.tls_ca_file {
         co = co.add_root_certificates(ca.clone()).require_tls(true);
     }
+    if let Some((cert, key)) = &opts.tls_client_cert {
+        co = co
+            .add_client_certificate(cert.clone(), key.clone())
+            .require_tls(true);
+    }
     let mut addrs = Vec::with_capacity(opts.servers.len());
     for s in &opts.servers {
         addrs.push(

@@ -138,6 +138,8 @@ pub(crate) struct Inner {
     anchors: Mutex<Anchors>,
     syncs: AtomicU64,
     ops: AtomicU64,
+    /// Orphaned append messages purged with their removed records.
+    pub(crate) orphans_purged: AtomicU64,
     #[cfg(test)]
     pub(crate) hooks: crate::tests::Hooks,
 }
@@ -171,6 +173,7 @@ impl Inner {
             anchors: Mutex::new(Anchors::default()),
             syncs: AtomicU64::new(0),
             ops: AtomicU64::new(0),
+            orphans_purged: AtomicU64::new(0),
             #[cfg(test)]
             hooks: Default::default(),
         }
@@ -564,7 +567,55 @@ impl Inner {
         self.dir().delete(tok, marker);
         self.free_key(&value.meta).await?;
         self.purge_incarnation(tok, value).await;
+        self.purge_orphans(tok, value).await;
         Ok(true)
+    }
+
+    /// Purge the orphaned appends a removed record leaves after its
+    /// committed end (a writer's message whose commit never came, and no
+    /// later writer cleared): without it they stay in the stream for
+    /// good, and the stream creeps toward full. Everything on the
+    /// record's events subject up to the subject's last message goes,
+    /// unless the record's id holds a new incarnation already (then only
+    /// its own committed end, as [`Self::purge_incarnation`] did). A new
+    /// incarnation appends only after its record is committed, so after
+    /// the last message read here: a read of the record that still finds
+    /// it removed leaves nothing of a newer one below that message. Best
+    /// effort: what stays is never read.
+    async fn purge_orphans(&self, tok: &str, value: &RecordValue) {
+        let subject = self.names.events_subject(tok);
+        let last = match self.events.direct_get_last_for_subject(&subject).await {
+            Ok(m) => m.sequence,
+            Err(e) if e.kind() == DirectGetErrorKind::NotFound => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading a removed response's last append");
+                return;
+            }
+        };
+        if last <= value.events_last_msg {
+            return;
+        }
+        match self.read_record(tok).await {
+            Ok(Slot::Absent | Slot::Deleted(_)) => {}
+            // A new incarnation, or the read failed: leave it.
+            _ => return,
+        }
+        match self
+            .events
+            .purge()
+            .filter(&subject)
+            .sequence(last + 1)
+            .await
+        {
+            Ok(p) => {
+                self.orphans_purged.fetch_add(p.purged, Ordering::Relaxed);
+                tracing::debug!(
+                    purged = p.purged,
+                    "purged a removed response's orphaned appends"
+                );
+            }
+            Err(e) => tracing::warn!(error = %e, "purging a removed response's orphaned appends"),
+        }
     }
 
     /// Delete the idempotency key entry of a record that is gone, if it

@@ -250,3 +250,57 @@ async fn a_writer_that_died_before_its_commit_does_not_block_the_next_append() {
     assert_eq!(read(&store, "r1").await, events(1..=3));
     assert_eq!(messages(&store, "r1").await.len(), 3);
 }
+
+/// A writer that died between its publish and its commit, on a record no
+/// later writer appends to (its terminal written by another, R-JRN-3),
+/// leaves an orphan after the record's end: removing the record purges it
+/// too, so orphans do not creep the stream toward full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_records_orphaned_appends_are_purged_with_it() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    let store = edge(&server).await;
+    create(&store, "r1").await;
+    store.append("r1".into(), 1, events(1..=2)).await.unwrap();
+    let (reached, _resume) = hold(&store);
+    let dying = {
+        let store = store.clone();
+        tokio::spawn(async move { store.append("r1".into(), 1, vec![event(3, "lost")]).await })
+    };
+    tokio::time::timeout(WAIT, reached).await.unwrap().unwrap();
+    dying.abort();
+    let _ = dying.await;
+    // Taken over and ended by another writer: nobody appends again.
+    let other = edge(&server).await;
+    other
+        .raise_epoch("r1".into(), 1, "taker".into())
+        .await
+        .unwrap();
+    let terminal = Terminal {
+        status: RecordStatus::Incomplete,
+        reason: Some("edge_lost".into()),
+        message: None,
+        at_unix_ms: 5,
+    };
+    other.finish("r1".into(), 2, terminal).await.unwrap();
+    assert_eq!(
+        messages(&store, "r1").await.len(),
+        2,
+        "one append, one orphan"
+    );
+    assert_eq!(read(&store, "r1").await, events(1..=2));
+    other.delete("r1".into()).await.unwrap();
+    assert!(
+        messages(&store, "r1").await.is_empty(),
+        "the orphan went with its record"
+    );
+    assert_eq!(
+        other
+            .inner
+            .orphans_purged
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the orphan (its committed append went with the record as before)"
+    );
+}

@@ -623,3 +623,42 @@ async fn a_record_that_does_not_decode_is_quarantined_and_the_rest_is_served() {
     .await;
     assert_eq!(store.unfinished().await.unwrap().len(), 1);
 }
+
+/// A server that verifies its clients' certificates (mutual TLS): the
+/// store connects with `tls_client_cert`, and is refused without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_opens_a_server_that_verifies_its_clients() {
+    let certs = tempfile::tempdir().unwrap();
+    let pki = iop_transport::pki::generate_dev_pki(certs.path(), &["journal-client"], &[])
+        .expect("a dev PKI");
+    let (server_cert, server_key, ca) = (
+        pki.edge_cert.display().to_string(),
+        pki.edge_key.display().to_string(),
+        pki.ca_cert.display().to_string(),
+    );
+    let Some(server) = NatsServer::start_with(&[
+        "--tls",
+        "--tlscert",
+        &server_cert,
+        "--tlskey",
+        &server_key,
+        "--tlscacert",
+        &ca,
+        "--tlsverify",
+    ]) else {
+        return;
+    };
+    let url = server.url().replace("nats://127.0.0.1", "tls://localhost");
+    let mut o = options(&url, "mtls", LIMITS);
+    o.tls_ca_file = Some(pki.ca_cert.clone());
+    o.connect_timeout = Duration::from_secs(5);
+    assert!(
+        NatsStore::connect(o.clone()).await.is_err(),
+        "refused without a client certificate"
+    );
+    let client = pki.node("journal-client").unwrap();
+    o.tls_client_cert = Some((client.cert.clone(), client.key.clone()));
+    let store = NatsStore::connect(o).await.expect("connects with one");
+    create(&store, "r1", b"{}").await;
+    store.append("r1".into(), 1, vec![event(1)]).await.unwrap();
+}

@@ -66,6 +66,14 @@ pub struct NatsSection {
     /// A PEM file of CA certificates to trust; TLS is then required.
     #[serde(default)]
     pub tls_ca_file: Option<PathBuf>,
+    /// A client certificate (PEM) presented to a server that verifies its
+    /// clients (mutual TLS), with `tls_key_file`; TLS is then required.
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM; a secret file: mode
+    /// 0600, or 0640/0440 owned by root).
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
     /// The stream of events and requests (created if missing).
     #[serde(default = "default_nats_stream")]
     pub stream: String,
@@ -194,6 +202,25 @@ impl NatsSection {
             (None, None, None, Some(var)) => NatsAuth::Token(secret("token_env", var)?),
             _ => NatsAuth::None,
         };
+        // A credentials file holds an NKey seed, a client key is a key:
+        // held to the rule of every secret file the Edge reads.
+        if let NatsAuth::CredentialsFile(path) = &auth {
+            check_secret_file(&f("credentials_file"), path)?;
+        }
+        let tls_client_cert = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => {
+                let key = resolve(key);
+                check_secret_file(&f("tls_key_file"), &key)?;
+                Some((resolve(cert), key))
+            }
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(field_err(f("tls_key_file"), "required with tls_cert_file"));
+            }
+            (None, Some(_)) => {
+                return Err(field_err(f("tls_cert_file"), "required with tls_key_file"));
+            }
+        };
         for (field, ms) in [
             ("connect_timeout_ms", self.connect_timeout_ms),
             ("request_timeout_ms", self.request_timeout_ms),
@@ -213,6 +240,7 @@ impl NatsSection {
         let mut o = iop_store_nats::NatsOptions::new(self.servers.clone(), limits);
         o.auth = auth;
         o.tls_ca_file = self.tls_ca_file.as_deref().map(resolve);
+        o.tls_client_cert = tls_client_cert;
         o.stream.clone_from(&self.stream);
         o.bucket.clone_from(&self.bucket);
         o.subject_prefix.clone_from(&self.subject_prefix);
@@ -255,6 +283,29 @@ impl NatsSection {
             Err(other) => Err(field_err(f("servers"), other.to_string())),
         }
     }
+}
+
+/// A secret file (`field`) readable by others, or by its group unless
+/// root owns it, is refused, as every secret file the Edge reads is
+/// ([`iop_transport::insecure_provided_secret_mode`]).
+fn check_secret_file(field: &str, path: &Path) -> Result<(), ConfigError> {
+    let unreadable = |e: std::io::Error| {
+        field_err(
+            field.to_owned(),
+            format!("cannot read {}: {}", path.display(), e.kind()),
+        )
+    };
+    if let Some(mode) = iop_transport::insecure_provided_secret_mode(path).map_err(unreadable)? {
+        return Err(field_err(
+            field.to_owned(),
+            format!(
+                "{} has mode {mode:o}: a secret file must not be readable by others, \
+                 nor by its group unless root owns it (chmod 600)",
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `[journal]`: durable responses (SPEC §6): stored and background
@@ -500,9 +551,14 @@ impl JournalSection {
                 // Checked now (secrets read, every option validated), so a
                 // bad one is refused at load, by name; used at start.
                 nats.options_in(limits, base, env)?;
-                for p in [&mut nats.credentials_file, &mut nats.tls_ca_file]
-                    .into_iter()
-                    .flatten()
+                for p in [
+                    &mut nats.credentials_file,
+                    &mut nats.tls_ca_file,
+                    &mut nats.tls_cert_file,
+                    &mut nats.tls_key_file,
+                ]
+                .into_iter()
+                .flatten()
                 {
                     if p.is_relative() {
                         *p = base.join(&*p);
@@ -685,5 +741,74 @@ mod tests {
             !format!("{o:?}").contains(secret),
             "the password is never shown"
         );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_nats_credentials_file_or_client_key_others_may_read_is_refused_naming_it() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, mode: u32| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, "secret").unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        file("open.creds", 0o644);
+        file("closed.creds", 0o600);
+        file("client.pem", 0o644);
+        file("open.key", 0o644);
+        file("closed.key", 0o600);
+        let text = BASE.replace("[edge]\n", "[edge]\nedge_id = \"edge-c\"\n");
+        let parse = |nats: &str| {
+            EdgeConfig::parse(
+                &format!(
+                    "{text}[journal]\nstore = \"nats\"\n[journal.nats]\nservers = [\"tls://n:4222\"]\n{nats}\n"
+                ),
+                dir.path(),
+            )
+        };
+        for (lines, field) in [
+            (
+                "credentials_file = \"open.creds\"",
+                "journal.nats.credentials_file",
+            ),
+            (
+                "credentials_file = \"missing.creds\"",
+                "journal.nats.credentials_file",
+            ),
+            (
+                "tls_cert_file = \"client.pem\"\ntls_key_file = \"open.key\"",
+                "journal.nats.tls_key_file",
+            ),
+            (
+                "tls_cert_file = \"client.pem\"",
+                "journal.nats.tls_key_file",
+            ),
+            (
+                "tls_key_file = \"closed.key\"",
+                "journal.nats.tls_cert_file",
+            ),
+        ] {
+            match parse(lines) {
+                Err(e) => assert_eq!(field_of(e), field, "{lines}"),
+                Ok(_) => panic!("{lines} was accepted"),
+            }
+        }
+        let c = parse(
+            "credentials_file = \"closed.creds\"\ntls_cert_file = \"client.pem\"\ntls_key_file = \"closed.key\"",
+        )
+        .unwrap();
+        let o = c
+            .journal
+            .nats
+            .as_ref()
+            .unwrap()
+            .options(c.journal.limits(), dir.path())
+            .unwrap();
+        assert_eq!(
+            o.tls_client_cert,
+            Some((dir.path().join("client.pem"), dir.path().join("closed.key")))
+        );
+        assert!(o.tls_required());
     }
 }
