@@ -363,11 +363,17 @@ impl Durable {
         durable.lease_ttl_ms = section.lease_ttl_ms;
         durable.shared_store = section.store == JournalStoreKind::Nats;
         durable.write_retry = section.write_retry();
-        durable.publish_availability(
-            &iop_core::journal::availability::Availability::new(iop_core::time::Instant::ZERO, 0)
-                .view(),
-            iop_core::time::Instant::ZERO,
-        );
+        *durable
+            .availability
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner()) = StoreAvailability {
+            state: StoreState::Connecting.as_str(),
+            since_unix_ms: iop_transport::clock::unix_ms(),
+            ..StoreAvailability::default()
+        };
+        if let Some(metrics) = &durable.metrics {
+            metrics.journal_store_state(StoreState::Connecting);
+        }
         Ok(durable)
     }
 

@@ -15,8 +15,18 @@
 //! ignored, and a record this store deleted leaves a tombstone (the
 //! delete marker's revision) that hides older values the bucket watch may
 //! still deliver, until the watch has passed that marker.
+//!
+//! It is an index, not a copy of the bucket: a running record is kept
+//! whole (the takeover scan reads its meta, its writer decides on it
+//! without a round trip), a finished one only as what the directory
+//! counts, sweeps and follows ([`Finished`]: its numbers, and its
+//! principal and key interned), about a tenth of its value: an Edge's
+//! memory grows with the records it retains by that much, not by their
+//! requests' metadata, terminal messages and request parts. A finished
+//! record's whole value is read from the bucket when asked for.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 use iop_core::journal::{RecordMeta, expired};
 use iop_store::{Held, HeldGauges, Progress, Subject};
@@ -31,7 +41,71 @@ pub(crate) const MAX_MARKERS: usize = 1_000_000;
 #[derive(Debug)]
 struct Known {
     revision: u64,
-    value: RecordValue,
+    entry: Entry,
+}
+
+/// What the directory keeps of one record.
+#[derive(Debug)]
+enum Entry {
+    /// Without a terminal: the whole value.
+    Running(Box<RecordValue>),
+    /// Finished: what is counted, swept and followed.
+    Finished(Finished),
+}
+
+/// A finished record in the index.
+#[derive(Debug)]
+struct Finished {
+    incarnation: u64,
+    last_seq: u64,
+    stored_bytes: u64,
+    expires_unix_ms: u64,
+    /// Interned ([`Directory::intern`]): one allocation per principal.
+    principal: Arc<str>,
+    /// Interned; [`iop_core::journal::NO_KEY_ID`] for none.
+    key_id: Arc<str>,
+}
+
+impl Entry {
+    fn stored_bytes(&self) -> u64 {
+        match self {
+            Entry::Running(v) => v.meta.stored_bytes,
+            Entry::Finished(f) => f.stored_bytes,
+        }
+    }
+
+    fn incarnation(&self) -> u64 {
+        match self {
+            Entry::Running(v) => v.incarnation,
+            Entry::Finished(f) => f.incarnation,
+        }
+    }
+
+    fn progress(&self) -> Progress {
+        match self {
+            Entry::Running(v) => progress(&v.meta),
+            Entry::Finished(f) => Progress {
+                last_seq: f.last_seq,
+                ended: true,
+            },
+        }
+    }
+
+    /// What it holds against whom (R-TEN-1).
+    fn holding(&self) -> (&str, &str, Held) {
+        match self {
+            Entry::Running(v) => (&v.meta.principal, &v.meta.key_id, v.meta.held()),
+            Entry::Finished(f) => (
+                &f.principal,
+                &f.key_id,
+                Held {
+                    journal_bytes: f.stored_bytes,
+                    // A finished record holds no background response.
+                    background: 0,
+                },
+            ),
+        }
+    }
 }
 
 /// A delete marker in the bucket, to purge once every follower has seen it.
@@ -68,6 +142,8 @@ pub(crate) struct Directory {
     quarantined: std::collections::HashSet<String>,
     /// Quarantined records past [`MAX_QUARANTINED`].
     quarantined_overflow: u64,
+    /// Principals and key ids of finished records, one allocation each.
+    names: HashSet<Arc<str>>,
 }
 
 /// Quarantined record tokens the directory remembers at most.
@@ -96,8 +172,8 @@ impl Directory {
             return false;
         }
         if let Some(old) = self.records.remove(tok) {
-            self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
-            self.held.change_meta(Some(&old.value.meta), None);
+            self.used_bytes = self.used_bytes.saturating_sub(old.entry.stored_bytes());
+            self.held.change_parts(Some(old.entry.holding()), None);
         }
         self.watchers.remove(tok);
         if self.quarantined.contains(tok) {
@@ -131,27 +207,25 @@ impl Directory {
         if !self.quarantined.is_empty() {
             self.quarantined.remove(tok);
         }
-        let new_bytes = value.meta.stored_bytes;
-        self.held.change_meta(
-            self.records.get(tok).map(|k| &k.value.meta),
-            Some(&value.meta),
+        let entry = self.entry(value);
+        self.held.change_parts(
+            self.records.get(tok).map(|k| k.entry.holding()),
+            Some(entry.holding()),
         );
-        let old = self.records.insert(
-            tok.to_owned(),
-            Known {
-                revision,
-                value: value.clone(),
-            },
-        );
-        let old_bytes = old.as_ref().map_or(0, |k| k.value.meta.stored_bytes);
+        let new_bytes = entry.stored_bytes();
+        let now = entry.progress();
+        let incarnation = entry.incarnation();
+        let old = self
+            .records
+            .insert(tok.to_owned(), Known { revision, entry });
+        let old_bytes = old.as_ref().map_or(0, |k| k.entry.stored_bytes());
         self.used_bytes = self.used_bytes.saturating_sub(old_bytes) + new_bytes;
-        let replaced = old.is_some_and(|k| k.value.incarnation != value.incarnation);
+        let replaced = old.is_some_and(|k| k.entry.incarnation() != incarnation);
         if replaced {
             // A new record under the same id: followers of the old one end,
             // as if it was deleted.
             self.watchers.remove(tok);
         } else if let Some(tx) = self.watchers.get(tok) {
-            let now = progress(&value.meta);
             tx.send_if_modified(|p| {
                 let changed = *p != now;
                 *p = now;
@@ -161,6 +235,34 @@ impl Directory {
                 self.watchers.remove(tok);
             }
         }
+    }
+
+    /// What the index keeps of `value`.
+    fn entry(&mut self, value: &RecordValue) -> Entry {
+        let meta = &value.meta;
+        if meta.terminal.is_none() {
+            return Entry::Running(Box::new(value.clone()));
+        }
+        Entry::Finished(Finished {
+            incarnation: value.incarnation,
+            last_seq: meta.last_seq,
+            stored_bytes: meta.stored_bytes,
+            expires_unix_ms: meta.expires_unix_ms,
+            principal: self.intern(&meta.principal),
+            key_id: self.intern(&meta.key_id),
+        })
+    }
+
+    /// `name`, shared by every finished record that names it. Principals
+    /// and key ids are the operator's (and the admin API's) few names:
+    /// the set is bounded by them, not by the records.
+    fn intern(&mut self, name: &str) -> Arc<str> {
+        if let Some(shared) = self.names.get(name) {
+            return shared.clone();
+        }
+        let shared: Arc<str> = Arc::from(name);
+        self.names.insert(shared.clone());
+        shared
     }
 
     /// The record `tok` was deleted by the marker at `marker_revision`.
@@ -174,8 +276,8 @@ impl Directory {
             .is_some_and(|k| k.revision < marker_revision)
             && let Some(old) = self.records.remove(tok)
         {
-            self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
-            self.held.change_meta(Some(&old.value.meta), None);
+            self.used_bytes = self.used_bytes.saturating_sub(old.entry.stored_bytes());
+            self.held.change_parts(Some(old.entry.holding()), None);
             self.watchers.remove(tok);
         }
         if marker_revision > self.followed_revision {
@@ -209,21 +311,26 @@ impl Directory {
             .is_some_and(|k| k.revision == revision)
             && let Some(old) = self.records.remove(tok)
         {
-            self.used_bytes = self.used_bytes.saturating_sub(old.value.meta.stored_bytes);
-            self.held.change_meta(Some(&old.value.meta), None);
+            self.used_bytes = self.used_bytes.saturating_sub(old.entry.stored_bytes());
+            self.held.change_parts(Some(old.entry.holding()), None);
             self.watchers.remove(tok);
         }
     }
 
-    /// The latest known value of `tok` and its revision.
+    /// The latest known value of a running record `tok` and its
+    /// revision; `None` for a finished one (its value is read from the
+    /// bucket) or an unknown one.
     pub(crate) fn get(&self, tok: &str) -> Option<(u64, RecordValue)> {
-        self.records.get(tok).map(|k| (k.revision, k.value.clone()))
+        self.records.get(tok).and_then(|k| match &k.entry {
+            Entry::Running(v) => Some((k.revision, (**v).clone())),
+            Entry::Finished(_) => None,
+        })
     }
 
     /// Follow `tok`'s progress, if it is known.
     pub(crate) fn subscribe(&mut self, tok: &str) -> Option<watch::Receiver<Progress>> {
         let known = self.records.get(tok)?;
-        let now = progress(&known.value.meta);
+        let now = known.entry.progress();
         Some(
             self.watchers
                 .entry(tok.to_owned())
@@ -299,7 +406,7 @@ impl Directory {
     pub(crate) fn unfinished(&self) -> Vec<String> {
         self.records
             .iter()
-            .filter(|(_, k)| k.value.meta.terminal.is_none())
+            .filter(|(_, k)| matches!(k.entry, Entry::Running(_)))
             .map(|(t, _)| t.clone())
             .collect()
     }
@@ -308,16 +415,23 @@ impl Directory {
     pub(crate) fn unfinished_metas(&self) -> Vec<RecordMeta> {
         self.records
             .values()
-            .filter(|k| k.value.meta.terminal.is_none())
-            .map(|k| k.value.meta.clone())
+            .filter_map(|k| match &k.entry {
+                Entry::Running(v) => Some(v.meta.clone()),
+                Entry::Finished(_) => None,
+            })
             .collect()
     }
 
-    /// Tokens and revisions of the known records expired at `now_unix_ms`.
+    /// Tokens and revisions of the known records expired at `now_unix_ms`
+    /// (only a finished record expires, R-JRN-5; each is read again and
+    /// decided by [`expired`] before it is removed).
     pub(crate) fn expired(&self, now_unix_ms: u64) -> Vec<(String, u64)> {
         self.records
             .iter()
-            .filter(|(_, k)| expired(&k.value.meta, now_unix_ms))
+            .filter(|(_, k)| match &k.entry {
+                Entry::Finished(f) => f.expires_unix_ms <= now_unix_ms,
+                Entry::Running(v) => expired(&v.meta, now_unix_ms),
+            })
             .map(|(t, k)| (t.clone(), k.revision))
             .collect()
     }
@@ -423,6 +537,52 @@ mod tests {
         drop(rx);
         d.prune_watchers();
         assert!(d.watchers.is_empty());
+    }
+
+    #[test]
+    fn a_finished_record_is_kept_as_an_index_entry_that_still_counts_and_follows() {
+        let mut d = Directory::default();
+        d.put("r", 5, &value(1, 2, 300, false));
+        assert!(d.get("r").is_some(), "a running record is kept whole");
+        let mut rx = d.subscribe("r").unwrap();
+        rx.borrow_and_update();
+        let mut done = value(1, 3, 310, true);
+        done.meta.terminal.as_mut().unwrap().message = Some("x".repeat(4096));
+        d.put("r", 6, &done);
+        assert!(
+            d.get("r").is_none(),
+            "a finished one is read from the bucket"
+        );
+        assert!(rx.borrow_and_update().ended, "its follower sees the end");
+        assert_eq!((d.records(), d.used_bytes()), (1, 310));
+        assert_eq!(
+            d.held(&Subject::Principal("p".into())).journal_bytes,
+            310,
+            "it still counts against its principal (R-TEN-1)"
+        );
+        assert_eq!(d.held(&Subject::Key("k".into())).journal_bytes, 310);
+        assert!(d.unfinished().is_empty() && d.unfinished_metas().is_empty());
+        assert_eq!(d.expired(9), vec![]);
+        assert_eq!(d.expired(10), vec![("r".to_string(), 6)]);
+        // Many finished records share their principal's and key's names.
+        for i in 0..100 {
+            d.put(&format!("s{i}"), 10 + i, &value(2 + i, 1, 256, true));
+        }
+        assert_eq!(d.names.len(), 2);
+        let Some(Known {
+            entry: Entry::Finished(f),
+            ..
+        }) = d.records.get("s7")
+        else {
+            panic!("an index entry");
+        };
+        assert!(Arc::ptr_eq(&f.principal, d.names.get("p").unwrap()));
+        // Deleted: nothing held any more.
+        d.delete("r", 200);
+        assert_eq!(
+            d.held(&Subject::Principal("p".into())).journal_bytes,
+            25_600
+        );
     }
 
     #[test]

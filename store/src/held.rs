@@ -98,6 +98,21 @@ impl HeldGauges {
         }
     }
 
+    /// As [`Self::change`], from what the records hold, each as
+    /// (principal, key id, held).
+    pub fn change_parts(
+        &mut self,
+        old: Option<(&str, &str, Held)>,
+        new: Option<(&str, &str, Held)>,
+    ) {
+        if let Some((principal, key_id, held)) = old {
+            self.count(principal, key_id, held, sub);
+        }
+        if let Some((principal, key_id, held)) = new {
+            self.count(principal, key_id, held, add);
+        }
+    }
+
     fn count(
         &mut self,
         principal: &str,

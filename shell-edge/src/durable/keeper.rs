@@ -252,6 +252,11 @@ impl Durable {
                         }
                     }
                     AvailabilityOutput::Changed { from, to } => {
+                        if to != StoreState::Up
+                            && let Some(old) = self.slot.empty(to)
+                        {
+                            close(old);
+                        }
                         if to == StoreState::Up {
                             tracing::info!(
                                 event = "edge_journal_store_up",
