@@ -16,6 +16,7 @@ use iop_bench::deployment::{Proc, nats_server_binary};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
+use crate::tenant::error_code;
 use crate::{ATTACKER_KEY, AttackStats};
 
 /// The route of durable streams long enough to be in flight when the
@@ -157,14 +158,6 @@ fn client() -> Option<reqwest::Client> {
         .timeout(Duration::from_secs(20))
         .build()
         .ok()
-}
-
-/// The `error.code` of an error body, if any.
-fn error_code(body: &[u8]) -> String {
-    serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned))
-        .unwrap_or_default()
 }
 
 /// `store_down_at_start`, once the Edge was started while its store was

@@ -33,7 +33,7 @@ fn client(timeout: Duration) -> Option<reqwest::Client> {
 }
 
 /// The `error.code` of an error body, if any.
-fn error_code(body: &[u8]) -> String {
+pub(crate) fn error_code(body: &[u8]) -> String {
     serde_json::from_slice::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v["error"]["code"].as_str().map(str::to_owned))
