@@ -713,7 +713,14 @@ async fn attack_row(
             ));
         }
         "cancel_storm" => {
-            tenant::cancel_storm(&mut attackers, rig.http, rig.endless_addr, 16, &stop, &stats);
+            tenant::cancel_storm(
+                &mut attackers,
+                rig.http,
+                rig.endless_addr,
+                16,
+                &stop,
+                &stats,
+            );
         }
         "ids_in_logs" => {
             tenant::ids_in_logs(
