@@ -551,6 +551,7 @@ mod tests {
             background: false,
             body: br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
             history: None,
+            history_unreadable: false,
         };
         let new = NewRecord {
             id: id.into(),

@@ -86,6 +86,23 @@ pub struct StoredRequest {
     /// instructions, when it continues a stored response
     /// (`previous_response_id`).
     pub history: Option<Vec<ChatMessage>>,
+    /// The record holds a history this build cannot read (written by a
+    /// build whose messages had other fields): its answer is served as
+    /// stored, but its conversation cannot be continued. Never stored.
+    #[serde(skip)]
+    pub history_unreadable: bool,
+}
+
+/// A [`StoredRequest`] without its history: the fields before it, as every
+/// build since the format began writes them (postcard writes fields in
+/// order, so a history this build cannot read leaves these readable).
+#[derive(Deserialize)]
+struct StoredRequestHead {
+    id_seed: u64,
+    created_unix_ms: u64,
+    store: bool,
+    background: bool,
+    body: Vec<u8>,
 }
 
 impl StoredRequest {
@@ -99,11 +116,28 @@ impl StoredRequest {
     }
 
     /// Read them back; `None` for bytes this build does not understand.
+    /// A record whose history does not decode (its messages were written
+    /// by a build with other message fields) is read without it, marked
+    /// [`Self::history_unreadable`], so its answer stays retrievable.
     pub fn decode(bytes: &[u8]) -> Option<Self> {
-        match bytes.split_first() {
-            Some((&STORED_REQUEST_FORMAT, rest)) => postcard::from_bytes(rest).ok(),
-            _ => None,
+        let Some((&STORED_REQUEST_FORMAT, rest)) = bytes.split_first() else {
+            return None;
+        };
+        if let Ok(whole) = postcard::from_bytes(rest) {
+            return Some(whole);
         }
+        let (head, after): (StoredRequestHead, &[u8]) = postcard::take_from_bytes(rest).ok()?;
+        // The history was written (`Some`: postcard's tag 1) but is unreadable.
+        let unreadable = after.first() == Some(&1);
+        Some(StoredRequest {
+            id_seed: head.id_seed,
+            created_unix_ms: head.created_unix_ms,
+            store: head.store,
+            background: head.background,
+            body: head.body,
+            history: None,
+            history_unreadable: unreadable,
+        })
     }
 }
 
@@ -1193,6 +1227,7 @@ mod tests {
             background: false,
             body: br#"{"model":"m","input":"hi"}"#.to_vec(),
             history: None,
+            history_unreadable: false,
         }
     }
 
@@ -1241,6 +1276,34 @@ mod tests {
         assert_eq!(StoredRequest::decode(&s.encode()), Some(s));
         assert_eq!(StoredRequest::decode(b""), None);
         assert_eq!(StoredRequest::decode(&[9, 1, 2]), None, "unknown format");
+    }
+
+    #[test]
+    fn a_record_whose_history_does_not_decode_is_read_without_it() {
+        // A history as a build with other message fields wrote it: bytes
+        // this build's messages do not decode.
+        let head = StoredRequestHead {
+            id_seed: 7,
+            created_unix_ms: 1_000,
+            store: true,
+            background: false,
+            body: b"{}".to_vec(),
+        };
+        let mut bytes = vec![STORED_REQUEST_FORMAT];
+        bytes.extend(
+            postcard::to_allocvec(&(
+                head.id_seed,
+                head.created_unix_ms,
+                head.store,
+                head.background,
+                &head.body,
+            ))
+            .unwrap(),
+        );
+        bytes.extend([1, 1, 0xff, 0xff, 0xff]);
+        let read = StoredRequest::decode(&bytes).expect("readable without its history");
+        assert_eq!((read.id_seed, read.body.as_slice()), (7, &b"{}"[..]));
+        assert!(read.history.is_none() && read.history_unreadable);
     }
 
     #[tokio::test]

@@ -154,6 +154,9 @@ pub(crate) async fn history(
         .hold_stored(&key.principal, &request)
         .map_err(crate::request_body::BodyError::to_api_error)?;
     let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
+    if stored.history_unreadable {
+        return Err(ApiError::previous_response_unreadable());
+    }
     let (run, options) = Responses
         .parse(&stored.body)
         .map_err(|_| ApiError::internal())?;
@@ -205,6 +208,10 @@ fn run_of<E: RunEndpoint>(
     meta: &RecordMeta,
     stored: &StoredRequest,
 ) -> Option<(Vec<ProviderId>, Work)> {
+    if stored.history_unreadable {
+        // Its conversation cannot be rebuilt: not run again as a part.
+        return None;
+    }
     let (mut run, options) = endpoint.parse(&stored.body).ok()?;
     if let Some(history) = &stored.history {
         continue_conversation(
@@ -291,6 +298,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
         background: keep.background,
         body: body.to_vec(),
         history,
+        history_unreadable: false,
     };
     let new = NewRecord {
         id: endpoint.object_id(id_seed),

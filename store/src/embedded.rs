@@ -560,7 +560,7 @@ impl JournalStore for EmbeddedStore {
                 let txn = db.begin_read().map_err(Fault::from)?;
                 let meta = tables::read::meta(&txn, &id)?.ok_or(JournalError::NotFound)?;
                 let (tx, rx) = watch::channel(tables::progress(&meta));
-                watchers.insert(id, tx);
+                shared.add_watcher(&mut watchers, id, tx);
                 Ok(rx)
             })
             .await

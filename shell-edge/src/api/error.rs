@@ -436,6 +436,20 @@ impl ApiError {
         err
     }
 
+    /// 400: `previous_response_id` names a response whose conversation
+    /// was stored by a build this one cannot read.
+    pub fn previous_response_unreadable() -> Self {
+        Self::new(
+            400,
+            ErrorKind::InvalidRequest,
+            Some("previous_response_unreadable"),
+            "The previous response's conversation was stored by an older version of this gateway \
+             and cannot be continued; send the full conversation in 'input'."
+                .to_owned(),
+        )
+        .with_param("previous_response_id")
+    }
+
     /// 400: `previous_response_id` names a response that cannot be
     /// continued yet (it is still running).
     pub fn previous_response_running() -> Self {

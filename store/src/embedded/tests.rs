@@ -1102,3 +1102,42 @@ async fn one_principals_burst_leaves_room_in_the_write_queue_for_another() {
     }
     assert_sound(&store).await;
 }
+
+/// R-LIM-6: a record followed once and ended keeps no sender in the
+/// watchers' map for the rest of its retention (the map is pruned of
+/// senders nobody follows once it has doubled), while one still followed
+/// keeps its own.
+#[tokio::test]
+async fn watchers_of_ended_records_are_dropped_and_followed_ones_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&store_path(&dir, "journal.redb"));
+    let name = |i: usize| format!("r{i}");
+    const RECORDS: usize = 2_500;
+    // In batches within one principal's share of the write queue.
+    for batch in (0..RECORDS).collect::<Vec<_>>().chunks(500) {
+        let creates = batch
+            .iter()
+            .map(|&i| store.create(new_record(&name(i), None, b"{}", 0)))
+            .collect();
+        for created in futures_join(creates).await {
+            created.unwrap();
+        }
+    }
+    let kept = store.watch(name(0)).await.unwrap();
+    for i in 1..RECORDS {
+        // Followed, then let go: the record gets no later notice.
+        drop(store.watch(name(i)).await.unwrap());
+    }
+    let watchers = store.shared.watchers();
+    assert!(
+        watchers.len() <= 1_024,
+        "{} senders kept for {RECORDS} records followed once",
+        watchers.len()
+    );
+    assert!(
+        watchers.contains_key(&name(0)),
+        "a followed record keeps its sender"
+    );
+    drop(watchers);
+    drop(kept);
+}

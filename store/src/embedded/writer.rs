@@ -7,7 +7,7 @@
 //! the watchers, and only then answers every operation of the batch.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use iop_core::journal::{GroupCommit, JournalError, JournalLimits, Ticket};
@@ -40,6 +40,9 @@ struct QueueState {
     closed: bool,
 }
 
+/// The least size of the watchers' map at which it is pruned.
+const MIN_WATCHERS_PRUNE: usize = 1_024;
+
 /// What the callers and the writer thread share.
 pub(super) struct Shared {
     queue: Mutex<QueueState>,
@@ -49,6 +52,9 @@ pub(super) struct Shared {
     /// holds this lock, so no commit's notice falls between its read and
     /// its subscription).
     watchers: Mutex<HashMap<String, watch::Sender<Progress>>>,
+    /// When the watchers' map next drops the senders nobody follows any
+    /// more (a finished record gets no later notice that would drop it).
+    watchers_prune_at: AtomicUsize,
     /// What each key and principal holds (R-TEN-1): counted from every
     /// record at open, then moved by each durable batch's notices.
     held: Mutex<HeldGauges>,
@@ -90,6 +96,7 @@ impl Shared {
             }),
             wake: Condvar::new(),
             watchers: Mutex::new(HashMap::new()),
+            watchers_prune_at: AtomicUsize::new(MIN_WATCHERS_PRUNE),
             held: Mutex::new(held),
             shares: Mutex::new(shares),
             broken: AtomicBool::new(false),
@@ -110,6 +117,28 @@ impl Shared {
 
     pub(super) fn watchers(&self) -> MutexGuard<'_, HashMap<String, watch::Sender<Progress>>> {
         self.watchers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Add a watcher to `watchers` (the map under [`Self::watchers`]'s
+    /// lock). Once the map has doubled since it was last pruned, the
+    /// senders nobody follows are dropped first: a record that ended gets
+    /// no later notice to drop its sender, so without this every followed
+    /// record kept one until it expired (memory grew with retention, not
+    /// with followers). Amortized O(1) per watch.
+    pub(super) fn add_watcher(
+        &self,
+        watchers: &mut HashMap<String, watch::Sender<Progress>>,
+        id: String,
+        tx: watch::Sender<Progress>,
+    ) {
+        if watchers.len() >= self.watchers_prune_at.load(Ordering::Relaxed) {
+            watchers.retain(|_, tx| tx.receiver_count() > 0);
+            self.watchers_prune_at.store(
+                (watchers.len() * 2).max(MIN_WATCHERS_PRUNE),
+                Ordering::Relaxed,
+            );
+        }
+        watchers.insert(id, tx);
     }
 
     fn shares(&self) -> MutexGuard<'_, HashMap<String, u64>> {
