@@ -23,9 +23,9 @@ use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
 
 use crate::deployment::{API_KEY, Binaries, Deployment, DeploymentSpec, JournalStore, MockSpec};
+use crate::gateway::{Gateway, SHORT_MOCK, ScenarioError, latency_deployment};
 use crate::load::{self, Durability, LoadSpec, Target};
 use crate::report::{LoadMode, LoadReport, Percentiles, ms};
-use crate::scenario::{Gateway, SHORT_MOCK, ScenarioError, latency_deployment};
 
 /// One sample of the Edge over time.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -33,6 +33,7 @@
 pub mod deployment;
 pub mod durable_memory;
 pub mod fleet;
+pub mod gateway;
 pub mod journal;
 pub mod load;
 pub mod procfs;

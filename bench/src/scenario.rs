@@ -26,52 +26,13 @@ use crate::deployment::{
     edge_config_head, free_tcp_port, free_udp_port, node_config, read_line_until, wait_http_ok,
     wait_providers_ready, write_pki,
 };
-use crate::journal::{self, OpStats, ScrapeError};
-use crate::load::{self, Durability, LoadError, LoadSpec, Target};
+pub use crate::gateway::{Gateway, LONG_MOCK, SHORT_MOCK, ScenarioError, latency_deployment};
+use crate::journal::{self, OpStats};
+use crate::load::{self, Durability, LoadSpec, Target};
 use crate::procfs::TICKS_PER_SECOND;
 use crate::report::{
     Comparison, LoadMode, LoadReport, added_latency_table, added_us, load_table, ms_signed,
 };
-
-/// Why a scenario failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ScenarioError {
-    /// The deployment failed.
-    #[error(transparent)]
-    Deploy(#[from] DeployError),
-    /// The load generator failed.
-    #[error(transparent)]
-    Load(#[from] LoadError),
-    /// Something did not happen within its bound.
-    #[error("{0}")]
-    Timeout(String),
-    /// The Edge's metrics could not be read.
-    #[error(transparent)]
-    Scrape(#[from] ScrapeError),
-    /// The tail scenario's span collector could not listen.
-    #[error("span collector: {0}")]
-    Collector(std::io::Error),
-}
-
-/// What a scenario runs against: a [`Deployment`] of separate processes,
-/// or (in tests) an Edge, a Node and a mock in the test's own process.
-pub trait Gateway {
-    /// Straight to mock `name`, bypassing iop (`None` if it has no own
-    /// address).
-    fn direct(&self, mock: &str) -> Option<Target>;
-    /// Through the Edge to mock `name`, normalized or tunnelled.
-    fn via(&self, mock: &str, tunnel: bool) -> Target;
-    /// The Edge's client-facing address (its `/metrics` too).
-    fn edge_http(&self) -> SocketAddr;
-    /// CPU ticks so far of the Edge and of all node processes, when they
-    /// are processes of their own.
-    fn cpu_ticks(&self) -> Option<Result<(u64, u64), DeployError>>;
-    /// CPU ticks so far of the journal store's own server process (the
-    /// `nats` store's `nats-server`), when there is one.
-    fn store_cpu_ticks(&self) -> Option<Result<u64, DeployError>> {
-        None
-    }
-}
 
 impl Gateway for Deployment {
     fn direct(&self, mock: &str) -> Option<Target> {
@@ -150,8 +111,6 @@ impl Machine {
     }
 }
 
-/// The mock script of the latency scenario: 8 tokens, as fast as possible.
-pub const SHORT_MOCK: &str = "short";
 /// The mock of the nagle scenario: a process that leaves Nagle's
 /// algorithm on for its accepted connections (no `TCP_NODELAY`), as many
 /// real provider servers do (axum's `serve` by default, cpp-httplib and so
@@ -163,9 +122,6 @@ pub const NAGLE_MOCK: &str = "short-nagle";
 /// server's does, in more than one write: the headers, then the tokens. With
 /// no delay the mock's whole answer is one write, which Nagle never holds.
 pub const NAGLE_PREFILL_MS: u64 = 1;
-/// The mock script of the streaming scenario: 1,000 tokens, as fast as
-/// possible.
-pub const LONG_MOCK: &str = "long";
 /// The mock script of the memory scenario: one token a second for ten
 /// minutes, so streams stay in flight.
 pub const SLOW_MOCK: &str = "slow";
@@ -180,42 +136,6 @@ fn paths(d: &dyn Gateway, mock: &str) -> Vec<(String, Target)> {
         ("iop tunnel".into(), d.via(mock, true)),
         ("iop normalized".into(), d.via(mock, false)),
     ]
-}
-
-/// The deployment of the latency and streaming scenarios: the short and
-/// long mocks behind one Node.
-pub fn latency_deployment(
-    work: &Path,
-    external_short_mock: Option<std::net::SocketAddr>,
-) -> DeploymentSpec {
-    DeploymentSpec {
-        dir: work.join("latency"),
-        mocks: vec![
-            MockSpec {
-                name: SHORT_MOCK.into(),
-                tokens: 8,
-                tps: 0.0,
-                prefill_ms: 0,
-                external: external_short_mock,
-                nagle: false,
-            },
-            MockSpec {
-                name: LONG_MOCK.into(),
-                tokens: 1000,
-                tps: 0.0,
-                prefill_ms: 0,
-                external: None,
-                nagle: false,
-            },
-        ],
-        nodes: 1,
-        capacity: 2048,
-        max_concurrent_runs: 2048,
-        queue_capacity: 4096,
-        journal: JournalStore::default(),
-        otlp_traces: None,
-        extras: EdgeExtras::default(),
-    }
 }
 
 /// The mock of the nagle scenario, to add to [`latency_deployment`].

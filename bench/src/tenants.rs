@@ -23,10 +23,10 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 use crate::deployment::{API_KEY, Binaries, Deployment, DeploymentSpec, EdgeExtras, JournalStore};
+use crate::gateway::{Gateway, SHORT_MOCK, ScenarioError, latency_deployment};
 use crate::load::{self, LoadSpec, Target};
 use crate::procfs::TICKS_PER_SECOND;
 use crate::report::{LoadMode, LoadReport, Percentiles, ms, ms_signed};
-use crate::scenario::{Gateway, SHORT_MOCK, ScenarioError, latency_deployment};
 
 /// The metered key's secret.
 pub const METERED_KEY: &str = "sk-iop-bench-metered-0123456789abcdef";

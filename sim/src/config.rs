@@ -256,7 +256,7 @@ impl TenantProfile {
             ..Price::default()
         };
         let prompt_bytes_max = rng.range(8, 64);
-        let output_tokens_max = u64::from(crate::provider::HEALTHY_TOKENS_MAX);
+        let output_tokens_max = u64::from(HEALTHY_TOKENS_MAX);
         // One request reserves about this much (an average prompt).
         let request_tokens = prompt_bytes_max / 2 + output_tokens_max;
         let request_spend = (prompt_bytes_max / 2) * price.input_per_mtok / 1_000_000
@@ -679,6 +679,10 @@ impl SimConfig {
         self.request_budget
     }
 }
+
+/// The longest healthy generation, so the fault-free part of a run has a
+/// known service time.
+pub const HEALTHY_TOKENS_MAX: u32 = 12;
 
 #[cfg(test)]
 mod tests {

@@ -13,11 +13,7 @@ use std::time::Duration;
 use iop_core::node::watchdog::ProbeOutcome;
 use iop_wire::{HealthFailureCode, ProviderHealth};
 
-use crate::config::{PPM, ProviderProfile, Rng};
-
-/// The longest healthy generation, so the fault-free part of a run has a
-/// known service time.
-pub const HEALTHY_TOKENS_MAX: u32 = 12;
+use crate::config::{HEALTHY_TOKENS_MAX, PPM, ProviderProfile, Rng};
 
 /// The 5xx statuses a provider answers with ([`Ending::Http5xx`]).
 pub const HTTP_5XX: [u16; 4] = [500, 502, 503, 504];
