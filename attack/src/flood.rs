@@ -74,57 +74,37 @@ async fn hold_connection(
     }
 }
 
-/// `count` TCP connections that send nothing.
-pub(crate) fn idle_tcp(
-    tasks: &mut JoinSet<()>,
-    addr: SocketAddr,
-    count: usize,
-    stop: &Arc<AtomicBool>,
-    stats: &Arc<AttackStats>,
-) {
-    for _ in 0..count {
-        tasks.spawn(hold_connection(
-            addr,
-            b"",
-            None,
-            stop.clone(),
-            stats.clone(),
-        ));
-    }
+/// What a held connection sends: nothing, a request head one header line a
+/// second (slowloris), or half the HTTP/2 preface.
+#[derive(Clone, Copy)]
+pub(crate) enum Hold {
+    Idle,
+    Slowloris,
+    HalfH2Preface,
 }
 
-/// `count` connections that send a request head one header line a second.
-pub(crate) fn slowloris(
+/// `count` connections that each send what `hold` says and then hold on.
+pub(crate) fn hold_connections(
     tasks: &mut JoinSet<()>,
     addr: SocketAddr,
     count: usize,
+    hold: Hold,
     stop: &Arc<AtomicBool>,
     stats: &Arc<AttackStats>,
 ) {
-    for _ in 0..count {
-        tasks.spawn(hold_connection(
-            addr,
+    let (preface, drip): (&'static [u8], _) = match hold {
+        Hold::Idle => (b"", None),
+        Hold::Slowloris => (
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\n",
             Some(Duration::from_secs(1)),
-            stop.clone(),
-            stats.clone(),
-        ));
-    }
-}
-
-/// `count` connections that send half the HTTP/2 preface.
-pub(crate) fn half_h2_preface(
-    tasks: &mut JoinSet<()>,
-    addr: SocketAddr,
-    count: usize,
-    stop: &Arc<AtomicBool>,
-    stats: &Arc<AttackStats>,
-) {
+        ),
+        Hold::HalfH2Preface => (&H2_PREFACE[..12], None),
+    };
     for _ in 0..count {
         tasks.spawn(hold_connection(
             addr,
-            &H2_PREFACE[..12],
-            None,
+            preface,
+            drip,
             stop.clone(),
             stats.clone(),
         ));

@@ -649,10 +649,13 @@ async fn attack_row(
     let mut duplicate_edge: Option<Proc> = None;
     match name {
         "baseline" => {}
-        "idle_tcp_5000" => flood::idle_tcp(&mut attackers, rig.http, 5000, &stop, &stats),
-        "slowloris_headers" => flood::slowloris(&mut attackers, rig.http, 1000, &stop, &stats),
-        "half_http2_prefaces" => {
-            flood::half_h2_preface(&mut attackers, rig.http, 1000, &stop, &stats)
+        "idle_tcp_5000" | "slowloris_headers" | "half_http2_prefaces" => {
+            let (count, hold) = match name {
+                "idle_tcp_5000" => (5000, flood::Hold::Idle),
+                "slowloris_headers" => (1000, flood::Hold::Slowloris),
+                _ => (1000, flood::Hold::HalfH2Preface),
+            };
+            flood::hold_connections(&mut attackers, rig.http, count, hold, &stop, &stats)
         }
         "junk_bodies_8mib_x200" => flood::junk_bodies(&mut attackers, rig.http, 200, &stop, &stats),
         "stale_ready_flood" => {
