@@ -295,6 +295,13 @@ pub fn node_binary() -> PathBuf {
     let node = dir.join("iop-node");
     static BUILT: std::sync::Once = std::sync::Once::new();
     BUILT.call_once(|| {
+        if newer_than_its_sources(&node) {
+            // Built by this `cargo test --workspace` (which builds every
+            // member's binaries first): building it again with this
+            // package's narrower feature set would compile the TLS and
+            // QUIC stack a second time.
+            return;
+        }
         let status = std::process::Command::new(env!("CARGO"))
             .args(["build", "-p", "iop-node", "--bin", "iop-node"])
             .status()
@@ -303,6 +310,40 @@ pub fn node_binary() -> PathBuf {
     });
     assert!(node.exists(), "no iop-node at {}", node.display());
     node
+}
+
+/// Whether `exe` was written after every source file of the crates it is
+/// built from (the Node's and the workspace crates it links) and the lock
+/// file.
+fn newer_than_its_sources(exe: &Path) -> bool {
+    fn newest(path: &Path, built: std::time::SystemTime) -> bool {
+        let Ok(meta) = path.metadata() else {
+            return false;
+        };
+        if meta.is_dir() {
+            let Ok(entries) = std::fs::read_dir(path) else {
+                return false;
+            };
+            entries.flatten().all(|e| newest(&e.path(), built))
+        } else {
+            meta.modified().is_ok_and(|m| m <= built)
+        }
+    }
+    let Ok(built) = exe.metadata().and_then(|m| m.modified()) else {
+        return false;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root");
+    ["Cargo.lock", "Cargo.toml"]
+        .iter()
+        .map(|f| root.join(f))
+        .chain(
+            ["shell-node", "core", "wire", "transport", "trace"]
+                .iter()
+                .flat_map(|c| [root.join(c).join("src"), root.join(c).join("Cargo.toml")]),
+        )
+        .all(|p| newest(&p, built))
 }
 
 /// One process of the deployment, restartable with the same config.

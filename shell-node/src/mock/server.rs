@@ -2,10 +2,11 @@
 //! script engine's steps, with request, probe, in-flight and disconnect
 //! counters observable in process ([`MockServer`]) and at `GET /mock/stats`.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -77,7 +78,26 @@ pub(crate) struct MockCounters {
     images: AtomicU64,
     documents: AtomicU64,
     anthropic_beta: AtomicU64,
+    /// Fresh chat calls (not continuations) per prompt, the last user
+    /// message's text; at most [`PROMPTS_TRACKED`] prompts.
+    fresh: Mutex<HashMap<String, FreshCalls>>,
     changed: Notify,
+}
+
+/// How many prompts [`MockServer::fresh_calls`] keeps apart (a bound on
+/// the mock's memory; later prompts are not tracked).
+const PROMPTS_TRACKED: usize = 16_384;
+
+/// Fresh chat calls (the prompt from scratch, not a continuation) of one
+/// prompt, and how many of them the client cut before their answer ended
+/// (with or without text out): a gateway may send a prompt fresh again only
+/// after a fresh call of it failed (R-FAIL-1).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FreshCalls {
+    /// Calls received.
+    pub calls: u64,
+    /// Calls abandoned by the client before their answer ended.
+    pub cut: u64,
 }
 
 impl MockCounters {
@@ -107,6 +127,10 @@ impl MockCounters {
         self.probes.store(0, Ordering::SeqCst);
         self.disconnects.store(0, Ordering::SeqCst);
         self.continued.store(0, Ordering::SeqCst);
+        self.fresh
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
         self.abandoned_before_text.store(0, Ordering::SeqCst);
         self.images.store(0, Ordering::SeqCst);
         self.documents.store(0, Ordering::SeqCst);
@@ -137,6 +161,8 @@ pub(super) struct InFlight {
     finished: bool,
     /// `Some(sent)`: whether text went out is tracked for this call.
     text: Option<bool>,
+    /// The prompt of a fresh chat call, tracked in [`FreshCalls`].
+    prompt: Option<String>,
 }
 
 impl InFlight {
@@ -148,7 +174,22 @@ impl InFlight {
             counters: counters.clone(),
             finished: false,
             text: None,
+            prompt: None,
         }
+    }
+
+    /// A fresh chat call of `prompt`: counted in [`FreshCalls`].
+    pub(super) fn fresh(&mut self, prompt: &str) {
+        let mut fresh = self
+            .counters
+            .fresh
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if fresh.len() >= PROMPTS_TRACKED && !fresh.contains_key(prompt) {
+            return;
+        }
+        fresh.entry(prompt.to_owned()).or_default().calls += 1;
+        self.prompt = Some(prompt.to_owned());
     }
 
     pub(super) fn finish(&mut self) {
@@ -178,6 +219,16 @@ impl Drop for InFlight {
                 self.counters
                     .abandoned_before_text
                     .fetch_add(1, Ordering::SeqCst);
+            }
+            if let Some(prompt) = &self.prompt
+                && let Some(calls) = self
+                    .counters
+                    .fresh
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_mut(prompt)
+            {
+                calls.cut += 1;
             }
             self.counters.bump(&self.counters.disconnects);
         }
@@ -431,6 +482,16 @@ impl MockServer {
         self.counters.snapshot()
     }
 
+    /// Fresh chat calls per prompt (the last user message's text), for
+    /// counting which prompts a gateway sent from scratch more than once.
+    pub fn fresh_calls(&self) -> HashMap<String, FreshCalls> {
+        self.counters
+            .fresh
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// Zero `requests`, `probes` and `disconnects`; `max_in_flight` starts
     /// again from the calls in flight now.
     pub fn reset_counts(&self) {
@@ -633,6 +694,16 @@ fn final_assistant(messages: &Value) -> Option<&str> {
     }
 }
 
+/// The text of the conversation's last message when it is the user's.
+fn final_user(messages: &Value) -> Option<&str> {
+    let last = messages.as_array()?.last()?;
+    if last["role"] == "user" {
+        last["content"].as_str()
+    } else {
+        None
+    }
+}
+
 fn messages_chars(messages: &Value) -> usize {
     messages.as_array().map_or(0, |ms| {
         ms.iter().map(|m| content_chars(&m["content"])).sum()
@@ -773,6 +844,8 @@ async fn chat_completions(
     let model = model_of(&request);
     if final_assistant(&request["messages"]).is_some() {
         state.counters.bump(&state.counters.continued);
+    } else if let Some(prompt) = final_user(&request["messages"]) {
+        guard.fresh(prompt);
     }
     let prompt = MockPrompt {
         prompt_chars: messages_chars(&request["messages"]),
