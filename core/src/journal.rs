@@ -1154,6 +1154,11 @@ pub struct Ticket(pub u64);
 /// of the queue to the others (R-TEN-1: one principal's use never takes
 /// another's share). Operations of no share (sweeps, tenants' counters)
 /// meet only the whole queue's bound.
+///
+/// Not a [`Machine`](crate::Machine): a bounded queue the store's writer
+/// drains a batch at a time ([`GroupCommit::poll_batch`]); the rules it
+/// carries (which operations wait, which are refused) are answers to
+/// `submit`.
 #[derive(Debug)]
 pub struct GroupCommit<Op> {
     queue: VecDeque<Queued<Op>>,

@@ -1,6 +1,32 @@
 //! The shape every driven machine of this crate shares (see the crate docs'
 //! driver loop), as a trait, so a driver can be written once for any of
-//! them: the trace recorder, the simulator's loops, a shell's select loop.
+//! them: `iop_trace::Driven`, the one driver helper every shell task and the
+//! simulator hold each machine in (feed, drain and record, fire the timer).
+//!
+//! ## Which objects are machines
+//!
+//! Every object a shell task or the simulator drives with inputs, outputs
+//! and a timer is a [`Machine`], with one input and one output enum:
+//! `Dispatcher`, `Request`, `EdgeLink`, `NodeLink`, `NodeRun`, `Custody`,
+//! `Tenants`, the store's `Availability`, and `Heartbeat` (driven inside
+//! both links). A machine may answer a synchronous question directly
+//! (`Tenants::admit`, `NodeLink::open_lease`), as quinn-proto and str0m do.
+//!
+//! The rest of the crate's stateful types are not driven on their own,
+//! each for a reason its module gives:
+//!
+//! * parts of one machine, fed only by it: the dispatcher's `Registry`,
+//!   `Admission`, `Overlay`, `HealthTracker` and `GenerationReserve`; the
+//!   request's `StreamGate`; the node connection's `Watchdog` and
+//!   `NodeLeases`; the run's `RunPark`; the custody's `TakeoverScan`
+//!   (their fuzzers and property tests drive them directly);
+//! * shared decisions asked under a lock, with no output queue:
+//!   `Connections` (every client connection's task asks it and keeps its
+//!   own timer), `NodeCapacity` (every node connection asks it), the
+//!   credential `ProfileBook` and `ReplayCache`;
+//! * schedules and queues a driver computes with: `Backoff` and
+//!   `Reconnect` (a delay asked for when an attempt ends), the journal's
+//!   `GroupCommit` (the store writer's bounded batch queue).
 
 use crate::time::Instant;
 
@@ -84,4 +110,9 @@ machine_by_inherent_methods!(
     crate::tenant::Tenants,
     crate::tenant::TenantsInput,
     crate::tenant::TenantsOutput
+);
+machine_by_inherent_methods!(
+    crate::journal::availability::Availability,
+    crate::journal::availability::AvailabilityInput,
+    crate::journal::availability::AvailabilityOutput
 );

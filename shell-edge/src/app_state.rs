@@ -46,6 +46,7 @@ impl AppState {
         metrics: Arc<EdgeMetrics>,
         creds: Arc<Credentials>,
         durable: Arc<Durable>,
+        traces: Arc<iop_trace::TraceFiles>,
     ) -> Self {
         let m = metrics.clone();
         let observe: Arc<dyn Fn(DriverObservation) + Send + Sync> = Arc::new(move |o| match o {
@@ -91,6 +92,7 @@ impl AppState {
                 modes: Arc::new(modes),
                 observe,
                 in_flight: crate::in_flight::InFlight::new(),
+                traces: traces.clone(),
             },
             keys,
             bodies: BodyBudget::new(
@@ -105,6 +107,7 @@ impl AppState {
                 clock,
                 config.tenants.default_max_output_tokens,
                 tenant_store,
+                &traces,
             )),
             config,
             metrics,

@@ -30,6 +30,7 @@ use iop_core::edge::dispatch::ParkedOffer;
 use iop_core::edge::durable::ResumedAnswer;
 use iop_core::ids::{NodeId, ProviderId};
 use iop_core::journal::{JournalError, RecordMeta};
+use iop_trace::{CustodyConfigRec, Driven, MachineKind, Tap, TraceFiles};
 use iop_transport::clock::Clock;
 use iop_wire::RunKey;
 use tokio::sync::mpsc;
@@ -85,7 +86,7 @@ pub enum Start {
 /// The custody task's state (see the module docs).
 pub struct CustodyTask {
     durable: Arc<Durable>,
-    custody: Custody,
+    custody: Driven<Custody>,
     clock: Clock,
     record_run: RecordRun,
     /// What each record read ran as, until the custody starts it or lets
@@ -111,10 +112,21 @@ impl CustodyTask {
         config: iop_core::edge::custody::CustodyConfig,
         first: Vec<RecordMeta>,
         record_run: RecordRun,
+        traces: &TraceFiles,
     ) -> Self {
         let clock = Clock::new();
+        let config = CustodyConfigRec {
+            config,
+            created_us: clock.now().as_micros(),
+        };
+        let tap = traces
+            .tap(MachineKind::EdgeCustody, || &config)
+            .unwrap_or_else(|e| {
+                tracing::error!(event = "edge_trace_open_failed", machine = "edge-custody", error = %e);
+                Tap::off()
+            });
         CustodyTask {
-            custody: Custody::new(clock.now(), config),
+            custody: Driven::new(config.build(), tap),
             durable,
             clock,
             record_run,
@@ -203,7 +215,7 @@ impl CustodyTask {
 
     /// Carry out the custody's outputs.
     fn drain(&mut self, start: &mut impl FnMut(Start)) {
-        while let Some(out) = self.custody.poll_output() {
+        while let Some(out) = self.custody.poll_output(self.clock.now()) {
             match out {
                 CustodyOutput::Store(op) => self.queued.push_back(op),
                 CustodyOutput::Adopt {
@@ -261,10 +273,10 @@ impl CustodyTask {
                 CustodyOutput::Event(event) => log(&event),
             }
         }
-        let custody = &self.custody;
+        let custody = self.custody.machine();
         self.runs.retain(|id, _| custody.is_taking(id));
         self.durable
-            .publish_scan(self.custody.scan(), self.clock.now());
+            .publish_scan(self.custody.machine().scan(), self.clock.now());
         while self.in_flight.len() < MAX_STORE_OPS_IN_FLIGHT {
             let Some(op) = self.queued.pop_front() else {
                 break;
@@ -623,7 +635,13 @@ mod tests {
     ) -> (CustodyTask, Arc<Mutex<Vec<Start>>>) {
         let first = durable.store().unfinished().await.unwrap();
         let config = durable.custody_config(WINDOW, Duration::from_secs(1));
-        let task = CustodyTask::new(durable.clone(), config, first, record_run(continuation));
+        let task = CustodyTask::new(
+            durable.clone(),
+            config,
+            first,
+            record_run(continuation),
+            &TraceFiles::off(),
+        );
         (task, Arc::new(Mutex::new(Vec::new())))
     }
 

@@ -22,6 +22,7 @@ use iop_core::edge::request::{
     RequestSpec,
 };
 use iop_core::ids::ProviderId;
+use iop_trace::{Driven, MachineKind, RequestBegin, RequestConfigRec, Tap};
 use iop_transport::clock::Clock;
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend, open_framed};
 use iop_wire::{
@@ -113,6 +114,8 @@ pub struct DriverContext {
     pub metrics: Arc<crate::metrics::EdgeMetrics>,
     /// The requests in flight (`/status`, the console).
     pub in_flight: Arc<InFlight>,
+    /// Which machines are recorded (`--trace-machine edge-request`).
+    pub traces: Arc<iop_trace::TraceFiles>,
 }
 
 /// What the driver reports for metrics and logs (closed values only).
@@ -132,7 +135,7 @@ pub enum DriverObservation {
 /// receiver. Dropping the receiver is a client disconnect (R-GATE-4).
 pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Receiver<Delivery> {
     let (tx, rx) = mpsc::channel(64);
-    start(ctx, pool, work, Some(tx), None, Begin::New);
+    start(ctx, pool, work, Some(tx), None, RequestBegin::New);
     rx
 }
 
@@ -164,16 +167,6 @@ pub struct Takeover {
     pub resumed: Option<iop_core::edge::durable::ResumedAnswer>,
 }
 
-/// How a driver's request machine begins.
-enum Begin {
-    /// A new request: its first admission.
-    New,
-    /// It adopts a parked run (R-PARK-2).
-    Adopt(Takeover),
-    /// It continues a record's answer (R-TAKE-1, R-CONT-1).
-    Continue(iop_core::edge::durable::ResumedAnswer),
-}
-
 /// Start the driver of a durable request: its deliveries go to the
 /// response's journal only (R-JRN-1); clients follow the journal
 /// ([`crate::durable::Follower`]), so the run goes on without them and
@@ -182,7 +175,7 @@ pub fn spawn_durable(ctx: DriverContext, pool: Vec<ProviderId>, mut work: Work, 
     // The request machine never tunnels a durable answer (it is the
     // Edge's, numbered and replayable): drop the raw body it will not use.
     work.tunnel = None;
-    start(ctx, pool, work, None, Some(run), Begin::New);
+    start(ctx, pool, work, None, Some(run), RequestBegin::New);
 }
 
 /// Start a driver that takes over a record whose run is parked on a node
@@ -197,7 +190,13 @@ pub fn spawn_takeover(
     takeover: Takeover,
 ) {
     work.tunnel = None;
-    start(ctx, pool, work, None, Some(run), Begin::Adopt(takeover));
+    let begin = RequestBegin::Adopting {
+        offer: takeover.offer,
+        last_seq: takeover.last_seq,
+        resume_after_frame: takeover.resume_after_frame,
+        resumed: takeover.resumed,
+    };
+    start(ctx, pool, work, None, Some(run), begin);
 }
 
 /// Start a driver that takes over a record whose run is gone and
@@ -211,7 +210,14 @@ pub fn spawn_continuation(
     resumed: iop_core::edge::durable::ResumedAnswer,
 ) {
     work.tunnel = None;
-    start(ctx, pool, work, None, Some(run), Begin::Continue(resumed));
+    start(
+        ctx,
+        pool,
+        work,
+        None,
+        Some(run),
+        RequestBegin::Continuing { resumed },
+    );
 }
 
 fn start(
@@ -220,7 +226,7 @@ fn start(
     work: Work,
     out: Option<mpsc::Sender<Delivery>>,
     durable: Option<DurableRun>,
-    begin: Begin,
+    begin: RequestBegin,
 ) {
     let tx = out;
     tokio::spawn(async move {
@@ -271,18 +277,15 @@ fn start(
             view.set_response_id(&run.spec.response_id);
         }
         let in_flight = ctx.in_flight.enter(view);
-        let machine = match &begin {
-            Begin::Adopt(t) => Request::adopting(
-                ctx.clock.now(),
-                spec,
-                &t.offer,
-                t.last_seq,
-                t.resume_after_frame,
-                t.resumed.as_ref(),
-            ),
-            Begin::Continue(resumed) => Request::continuing(ctx.clock.now(), spec, resumed),
-            Begin::New => Request::new(ctx.clock.now(), spec),
-        };
+        let config = RequestConfigRec::new(spec, begin, ctx.clock.now());
+        let tap = ctx
+            .traces
+            .tap(MachineKind::EdgeRequest, || &config)
+            .unwrap_or_else(|e| {
+                tracing::error!(event = "edge_trace_open_failed", machine = "edge-request", error = %e);
+                Tap::off()
+            });
+        let machine = Driven::new(config.into_request(), tap);
         let mut driver = Driver {
             detach: Detach {
                 hub: ctx.hub.clone(),
@@ -367,7 +370,7 @@ struct Driver {
     /// follow the journal).
     out: Option<mpsc::Sender<Delivery>>,
     events: mpsc::UnboundedReceiver<RequestNews>,
-    machine: Request,
+    machine: Driven<Request>,
     /// The connection of the lease that last passed the pre-send fence.
     link: Option<(LinkHandle, Option<x25519_dalek::PublicKey>)>,
     /// The attempt's stream being opened and its request sent.
@@ -424,7 +427,7 @@ impl Driver {
         loop {
             self.carry_out().await;
             self.show_progress();
-            if self.machine.is_ended() {
+            if self.machine.machine().is_ended() {
                 return;
             }
             let deadline = self.machine.poll_timeout();
@@ -489,7 +492,7 @@ impl Driver {
                     }
                 } => match command {
                     Some(crate::durable::LiveCommand::Parked(offer)) => {
-                        if !self.machine.awaits_parked(offer.run.key) {
+                        if !self.machine.machine().awaits_parked(offer.run.key) {
                             // Not this request's wait: let its capacity go.
                             self.ctx.hub.release_parked(offer.node, offer.run.key);
                             continue;
@@ -523,7 +526,7 @@ impl Driver {
                         Some(stream) => read_frame(stream).await,
                         None => std::future::pending().await,
                     }
-                }, if self.machine.wants_frames() => self.frame_input(frame),
+                }, if self.machine.machine().wants_frames() => self.frame_input(frame),
                 () = clock.sleep_until(deadline) => {
                     self.machine.handle_timeout(clock.now());
                     continue;
@@ -541,8 +544,12 @@ impl Driver {
 
     /// Show the machine's phase in the request's view, when it changed.
     fn show_progress(&mut self) {
-        let gate = self.machine.gate();
-        let now = (self.machine.phase(), gate.attempts(), gate.is_committed());
+        let gate = self.machine.machine().gate();
+        let now = (
+            self.machine.machine().phase(),
+            gate.attempts(),
+            gate.is_committed(),
+        );
         if self.shown != Some(now) {
             self.shown = Some(now);
             self.in_flight.view().set_phase(now.0, now.1, now.2);
@@ -552,7 +559,7 @@ impl Driver {
     /// The attempt's next frame if it has already arrived (`Some(None)`:
     /// its stream ended), and the machine takes frames now.
     fn ready_frame(&mut self) -> Option<Option<NodeFrame>> {
-        if !self.machine.wants_frames() {
+        if !self.machine.machine().wants_frames() {
             return None;
         }
         let stream = self.stream.as_mut()?;
@@ -581,7 +588,7 @@ impl Driver {
 
     /// Carry out the machine's outputs, in order.
     async fn carry_out(&mut self) {
-        while let Some(out) = self.machine.poll_output() {
+        while let Some(out) = self.machine.poll_output(self.ctx.clock.now()) {
             match out {
                 RequestOutput::Journal(write) => match self.journal.as_ref() {
                     Some(journal) => {

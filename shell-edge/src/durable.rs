@@ -1494,9 +1494,10 @@ mod tests {
                 .unwrap(),
         );
         let (up_tx, up_rx) = tokio::sync::oneshot::channel();
-        let keeper = durable.spawn_keeper(move |unfinished| {
-            let _ = up_tx.send(unfinished);
-        });
+        let keeper =
+            durable.spawn_keeper(Arc::new(iop_trace::TraceFiles::off()), move |unfinished| {
+                let _ = up_tx.send(unfinished);
+            });
         until("a failed attempt", || {
             durable.status().availability.last_failure == Some("damaged")
         })

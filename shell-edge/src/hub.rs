@@ -16,7 +16,7 @@ use iop_core::edge::dispatch::{
 use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::{RejectCause, Rejection};
 use iop_core::ids::{Generation, NodeId};
-use iop_trace::{DispatchConfigRec, MachineKind, Tap, TraceWriter, TracedDispatcher};
+use iop_trace::{DispatchConfigRec, DrivenDispatcher, MachineKind, Tap, TraceWriter};
 use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, RegisterRequest};
 use iop_wire::{
     Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode,
@@ -352,7 +352,7 @@ struct Hub {
     unix_origin_ms: u64,
     probe_bound: std::time::Duration,
     clock: Clock,
-    dispatcher: TracedDispatcher,
+    dispatcher: DrivenDispatcher,
     store: Option<GenerationStore>,
     /// Generations durable before use (R-GEN-1), saved off this task.
     links: HashMap<(NodeId, Generation), LinkHandle>,
@@ -407,7 +407,7 @@ pub fn spawn(
         unix_origin_ms: iop_transport::clock::unix_ms().saturating_sub(clock.now().as_millis()),
         probe_bound,
         clock,
-        dispatcher: TracedDispatcher::new(now, config, tap)?,
+        dispatcher: DrivenDispatcher::new_dispatcher(now, config, tap)?,
         store,
         links: HashMap::new(),
         peers: HashMap::new(),
@@ -449,8 +449,8 @@ impl Hub {
 
     fn publish_gauges(&self) {
         let g = &self.metrics.gauges;
-        let admission = self.dispatcher.inner().admission();
-        let registry = self.dispatcher.inner().registry();
+        let admission = self.dispatcher.machine().admission();
+        let registry = self.dispatcher.machine().registry();
         g.queue_depth
             .store(admission.queue_depth() as u64, Ordering::Relaxed);
         g.leases_in_use
@@ -543,7 +543,7 @@ impl Hub {
                     .handle_input(now, DispatchInput::ReleaseParked { node, key });
             }
             HubMsg::CancelParked(offer) => {
-                let dispatcher = self.dispatcher.inner();
+                let dispatcher = self.dispatcher.machine();
                 let node = dispatcher
                     .admission()
                     .providers()
@@ -572,7 +572,7 @@ impl Hub {
             HubMsg::Link { node, reply } => {
                 let link = self
                     .dispatcher
-                    .inner()
+                    .machine()
                     .registry()
                     .dispatchable_generation(&node)
                     .and_then(|g| self.links.get(&(node, g)).map(|l| (g, l.clone())));
@@ -859,7 +859,7 @@ impl Hub {
         // is probed only on its own schedule, never as a side effect).
         let target = self
             .dispatcher
-            .inner()
+            .machine()
             .admission()
             .provider(&ticket.provider_id)
             .map(|p| iop_wire::ProbeTarget {
@@ -905,8 +905,8 @@ impl Hub {
     }
 
     fn snapshot(&self) -> HubSnapshot {
-        let registry = self.dispatcher.inner().registry();
-        let admission = self.dispatcher.inner().admission();
+        let registry = self.dispatcher.machine().registry();
+        let admission = self.dispatcher.machine().admission();
         let mut nodes: Vec<NodeId> = admission.providers().map(|p| p.node.clone()).collect();
         nodes.extend(self.links.keys().map(|(n, _)| n.clone()));
         nodes.sort();
@@ -934,7 +934,7 @@ impl Hub {
                 }
             })
             .collect();
-        let overlay = self.dispatcher.inner().overlay();
+        let overlay = self.dispatcher.machine().overlay();
         let overlay_lowered = admission
             .capacity_view()
             .into_iter()
@@ -961,7 +961,7 @@ impl Hub {
             links: self.links.len(),
             health: self
                 .dispatcher
-                .inner()
+                .machine()
                 .health()
                 .snapshot()
                 .into_iter()

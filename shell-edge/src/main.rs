@@ -55,6 +55,12 @@ enum Command {
         /// `iop-sim replay` (see docs/simulation.md).
         #[arg(long)]
         record_trace: Option<PathBuf>,
+        /// With --record-trace: record these machines instead (repeatable;
+        /// edge-dispatch to the file itself, each other machine to
+        /// `FILE.<kind>.<n>`): edge-dispatch, edge-link, edge-request,
+        /// edge-custody, edge-tenants, store-availability.
+        #[arg(long = "trace-machine", value_name = "KIND", value_parser = machine_kind)]
+        trace_machines: Vec<iop_trace::MachineKind>,
     },
     /// The demo is its own binary (`cargo run --release -p iop-demo`), so
     /// the Edge does not depend on the Node; `iop-edge demo` only says so.
@@ -202,11 +208,15 @@ fn main() -> anyhow::Result<()> {
             Command::Run {
                 config,
                 record_trace,
+                trace_machines,
             } => {
                 let path = config;
                 let config =
                     iop_edge::config::EdgeConfig::load_in(path.as_deref(), &Environment::from_process())?;
-                let options = iop_edge::server::EdgeOptions { record_trace };
+                let options = iop_edge::server::EdgeOptions {
+                    record_trace,
+                    trace_machines,
+                };
                 let edge = iop_edge::server::RunningEdge::start_with(config, options).await?;
                 let mut hup =
                     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
@@ -313,5 +323,16 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Config(_) | Command::Health { .. } => Ok(()),
         }
+    })
+}
+
+/// A machine kind named on the command line (`--trace-machine`).
+fn machine_kind(name: &str) -> Result<iop_trace::MachineKind, String> {
+    iop_trace::MachineKind::parse(name).ok_or_else(|| {
+        let known: Vec<&str> = iop_trace::MachineKind::ALL
+            .iter()
+            .map(|k| k.as_str())
+            .collect();
+        format!("unknown machine {name:?} (one of {})", known.join(", "))
     })
 }

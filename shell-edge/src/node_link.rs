@@ -7,10 +7,11 @@
 
 use std::time::Duration;
 
-use iop_core::edge::link::{EdgeLink, EdgeLinkConfig, EdgeLinkInput, EdgeLinkOutput};
+use iop_core::edge::link::{EdgeLinkConfig, EdgeLinkInput, EdgeLinkOutput};
 use iop_core::edge::registry::Rejection;
 use iop_core::ids::NodeId;
 use iop_core::liveness::heartbeat::HeartbeatConfig;
+use iop_trace::{DrivenEdgeLink, EdgeLinkConfigRec, MachineKind, TraceFiles};
 use iop_transport::framed::{FramedError, FramedSend, accept_framed};
 use iop_transport::{close_code_of, close_connection, peer_node_id};
 use iop_wire::{CloseCode, NodeControl};
@@ -35,6 +36,8 @@ pub struct LinkSettings {
     /// Node certificates revoked while their connection is open end it
     /// (re-read on SIGHUP).
     pub denylist: iop_transport::CertDenylist,
+    /// Which machines are recorded (`--trace-machine edge-link`).
+    pub traces: std::sync::Arc<TraceFiles>,
 }
 
 /// Serve one incoming connection until it ends.
@@ -81,16 +84,24 @@ pub async fn serve(
     };
     let now = clock.now();
     let (commands_tx, commands) = mpsc::unbounded_channel();
+    let config = EdgeLinkConfigRec {
+        config: EdgeLinkConfig {
+            heartbeat: settings.heartbeat,
+            // The bound counts from the connection, the stream's
+            // acceptance included.
+            handshake_timeout: Some(HANDSHAKE_TIMEOUT.saturating_sub(now - started)),
+        },
+        created_us: now.as_micros(),
+    };
+    let tap = settings
+        .traces
+        .tap(MachineKind::EdgeLink, || config)
+        .unwrap_or_else(|e| {
+            tracing::error!(event = "edge_trace_open_failed", machine = "edge-link", error = %e);
+            iop_trace::Tap::off()
+        });
     let mut task = LinkTask {
-        link: EdgeLink::new(
-            now,
-            EdgeLinkConfig {
-                heartbeat: settings.heartbeat,
-                // The bound counts from the connection, the stream's
-                // acceptance included.
-                handshake_timeout: Some(HANDSHAKE_TIMEOUT.saturating_sub(now - started)),
-            },
-        ),
+        link: DrivenEdgeLink::new_edge_link(config, tap),
         handle: Some(LinkHandle {
             conn: conn.clone(),
             commands: commands_tx,
@@ -113,7 +124,7 @@ fn protocol_close_code(e: &FramedError) -> CloseCode {
 }
 
 struct LinkTask {
-    link: EdgeLink,
+    link: DrivenEdgeLink,
     /// Handed to the hub with the registration.
     handle: Option<LinkHandle>,
     conn: quinn::Connection,
@@ -136,7 +147,7 @@ impl LinkTask {
     ) {
         loop {
             let wake = self.link.poll_timeout();
-            let live = self.link.is_live();
+            let live = self.link.machine().is_live();
             let conn = self.conn.clone();
             tokio::select! {
                 frame = recv.recv::<NodeControl>() => match frame {
@@ -151,7 +162,7 @@ impl LinkTask {
                 },
                 () = self.clock.sleep_until(wake) => {
                     self.link.handle_timeout(self.clock.now());
-                    if !self.was_live && self.link.is_over() {
+                    if !self.was_live && self.link.machine().is_over() {
                         tracing::warn!(event = "edge_handshake_timeout", node = %self.node);
                     }
                 },
@@ -175,11 +186,11 @@ impl LinkTask {
 
     /// Carry out the machine's outputs; `true` once the connection ended.
     async fn drain(&mut self) -> bool {
-        while let Some(out) = self.link.poll_output() {
+        while let Some(out) = self.link.poll_output(self.clock.now()) {
             match out {
                 EdgeLinkOutput::Send(frame) => {
                     if let Err(e) = self.send.send(&frame).await {
-                        let code = if self.link.is_live() {
+                        let code = if self.link.machine().is_live() {
                             CloseCode::Normal
                         } else {
                             protocol_close_code(&e)
@@ -227,7 +238,7 @@ impl LinkTask {
                     tracing::warn!(
                         event = "edge_heartbeat_timeout",
                         node = %self.node,
-                        generation = self.link.generation().unwrap_or(0)
+                        generation = self.link.machine().generation().unwrap_or(0)
                     );
                 }
                 EdgeLinkOutput::End { code, generation } => {

@@ -86,8 +86,28 @@ pub struct RunningEdge {
 /// Process options that are not configuration.
 #[derive(Debug, Clone, Default)]
 pub struct EdgeOptions {
-    /// Record every dispatcher input and output to this file (iop-trace).
+    /// Record every dispatcher input and output to this file (iop-trace),
+    /// and each machine of `trace_machines` to a file named after it.
     pub record_trace: Option<std::path::PathBuf>,
+    /// The machines recorded with `record_trace` (empty: the dispatcher
+    /// alone). The dispatcher's trace is the file itself; each other
+    /// machine's is `<file>.<kind>.<n>`.
+    pub trace_machines: Vec<iop_trace::MachineKind>,
+}
+
+impl EdgeOptions {
+    /// Which machines this process records, and where.
+    pub fn trace_files(&self) -> iop_trace::TraceFiles {
+        match &self.record_trace {
+            Some(base) if self.trace_machines.is_empty() => {
+                iop_trace::TraceFiles::new(base.clone(), [iop_trace::MachineKind::EdgeDispatch])
+            }
+            Some(base) => {
+                iop_trace::TraceFiles::new(base.clone(), self.trace_machines.iter().copied())
+            }
+            None => iop_trace::TraceFiles::off(),
+        }
+    }
 }
 
 impl RunningEdge {
@@ -98,12 +118,14 @@ impl RunningEdge {
 
     /// Start with process options.
     pub async fn start_with(config: EdgeConfig, options: EdgeOptions) -> Result<Self, StartError> {
-        let trace: Option<Box<dyn std::io::Write + Send>> = match &options.record_trace {
-            Some(path) => Some(Box::new(std::io::BufWriter::new(std::fs::File::create(
-                path,
-            )?))),
-            None => None,
-        };
+        let traces = Arc::new(options.trace_files());
+        let trace: Option<Box<dyn std::io::Write + Send>> =
+            match traces.records(iop_trace::MachineKind::EdgeDispatch) {
+                true => Some(Box::new(std::io::BufWriter::new(std::fs::File::create(
+                    traces.base(),
+                )?))),
+                false => None,
+            };
         let tls = ServerTls::from_files(&config.tls.cert, &config.tls.key, &config.tls.ca)?;
         let mut tuning = config.quic_tuning;
         // A node opens only its control stream (every run, tunnel and
@@ -194,6 +216,7 @@ impl RunningEdge {
         let settings = LinkSettings {
             heartbeat: config.heartbeat,
             denylist: denylist.clone(),
+            traces: traces.clone(),
         };
         let validate_addresses = config.edge.quic_address_validation;
         let max_node_connections = config.edge.max_node_connections;
@@ -242,7 +265,7 @@ impl RunningEdge {
             .await?,
         );
         let (store_up, first_scan) = tokio::sync::oneshot::channel();
-        let keeper = durable.spawn_keeper(move |unfinished| {
+        let keeper = durable.spawn_keeper(traces.clone(), move |unfinished| {
             let _ = store_up.send(unfinished);
         });
         let custody_config = durable.custody_config(
@@ -276,6 +299,7 @@ impl RunningEdge {
             metrics.clone(),
             creds.clone(),
             durable.clone(),
+            traces.clone(),
         );
         // R-TAKE-1, R-PARK-2, R-CONT-1: a response this Edge's former run,
         // or a dead Edge, left unfinished is adopted when its node reports
@@ -288,6 +312,7 @@ impl RunningEdge {
                 crate::stored::record_run(&record_state, meta, stored)
             });
             let (ctx, durable) = (state.driver_context().clone(), durable.clone());
+            let traces = traces.clone();
             tokio::spawn(async move {
                 let Ok(unfinished) = first_scan.await else {
                     return;
@@ -297,6 +322,7 @@ impl RunningEdge {
                     custody_config,
                     unfinished,
                     record_run,
+                    &traces,
                 );
                 task.run(parked, move |start| {
                     crate::custody::start_run(&ctx, &durable, start);

@@ -26,6 +26,7 @@ use iop_core::tenant::{
     Tenants, TenantsConfig, TenantsInput, TenantsOutput, TokenUse,
 };
 use iop_store::TenantStore;
+use iop_trace::{Driven, MachineKind, Tap, TenantsConfigRec, TraceFiles};
 use iop_transport::clock::Clock;
 
 /// How long a claim may take before the store counts as unreachable.
@@ -36,7 +37,7 @@ const USAGE_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The Edge's tenants.
 pub struct Tenancy {
-    machine: Mutex<Tenants>,
+    machine: Mutex<Driven<Tenants>>,
     store: Arc<dyn TenantStore>,
     /// Settled usage not yet in the store.
     book: Mutex<UsageBook>,
@@ -177,9 +178,16 @@ impl Tenancy {
         clock: Clock,
         default_max_output_tokens: u64,
         store: Arc<dyn TenantStore>,
+        traces: &TraceFiles,
     ) -> Self {
+        let tap = traces
+            .tap(MachineKind::EdgeTenants, || TenantsConfigRec { config })
+            .unwrap_or_else(|e| {
+                tracing::error!(event = "edge_trace_open_failed", machine = "edge-tenants", error = %e);
+                Tap::off()
+            });
         Tenancy {
-            machine: Mutex::new(Tenants::new(config)),
+            machine: Mutex::new(Driven::new(Tenants::new(config), tap)),
             store,
             book: Mutex::new(UsageBook::new()),
             clock,
@@ -219,12 +227,14 @@ impl Tenancy {
             principal_held: ask.held.1,
         };
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
-        let admitted = machine.admit(self.clock.now(), &request);
-        let claims = drain(&mut machine);
+        let now = self.clock.now();
+        let admitted = machine.machine_mut().admit(now, &request);
+        let claims = machine.drain_all(now);
         // The tighter of the key's and the principal's, as this Edge
         // knows them.
         let state = |meter: Meter, limit: fn(&Limits) -> Option<u64>| {
             machine
+                .machine()
                 .tighter_rate(&request, meter, limit)
                 .map(|s| (s.limit, s.remaining, s.reset_ms))
         };
@@ -258,13 +268,14 @@ impl Tenancy {
         extra_input_tokens: u64,
     ) -> Result<(), AttemptRefusal> {
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
-        let reserved = machine.reserve_attempt(
-            self.clock.now(),
+        let now = self.clock.now();
+        let reserved = machine.machine_mut().reserve_attempt(
+            now,
             ticket,
             extra_input_tokens,
             iop_transport::clock::unix_ms(),
         );
-        let claims = drain(&mut machine);
+        let claims = machine.drain_all(now);
         drop(machine);
         self.send_claims(claims);
         if let Err(AttemptRefusal {
@@ -285,11 +296,11 @@ impl Tenancy {
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
         let now = self.clock.now();
         let row = match used {
-            Some(used) => machine.settle(now, ticket, used),
-            None => machine.release(now, ticket),
+            Some(used) => machine.machine_mut().settle(now, ticket, used),
+            None => machine.machine_mut().release(now, ticket),
         };
         machine.handle_timeout(now);
-        let claims = drain(&mut machine);
+        let claims = machine.drain_all(now);
         drop(machine);
         if let Some((key, totals)) = row {
             self.book
@@ -349,9 +360,10 @@ impl Tenancy {
             self.counters.claim_failures.fetch_add(1, Ordering::Relaxed);
         }
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
-        machine.handle_input(self.clock.now(), TenantsInput::Claimed { counter, granted });
-        let down = machine.store_down();
-        let claims = drain(&mut machine);
+        let now = self.clock.now();
+        machine.handle_input(now, TenantsInput::Claimed { counter, granted });
+        let down = machine.machine().store_down();
+        let claims = machine.drain_all(now);
         drop(machine);
         if self.counters.store_down.swap(down, Ordering::Relaxed) != down {
             if down {
@@ -467,6 +479,7 @@ impl Tenancy {
             .machine
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .machine()
             .reservations();
         serde_json::json!({
             "store_reachable": !c.store_down.load(Ordering::Relaxed),
@@ -502,11 +515,6 @@ pub fn usage_row_json(key: &UsageKey, t: &UsageTotals) -> serde_json::Value {
     row["key"] = serde_json::json!(key.key);
     row["model"] = serde_json::json!(key.model);
     row
-}
-
-/// The machine's pending claims.
-fn drain(machine: &mut Tenants) -> Vec<TenantsOutput> {
-    std::iter::from_fn(|| machine.poll_output()).collect()
 }
 
 /// The API error of a refusal: 429 `rate_limit_exceeded` or

@@ -1,5 +1,7 @@
 //! Traces recorded from a real loopback Edge + Node run (including a stall
-//! and a reconnect) replay identically through the same core (iop-trace).
+//! and a reconnect) replay identically through the same core (iop-trace):
+//! every machine either process drives is recorded, and each trace but
+//! the tenants' replays.
 
 mod common;
 
@@ -9,7 +11,7 @@ use common::*;
 use iop_edge::server::{EdgeOptions, RunningEdge};
 use iop_node::mock::{MockScript, MockServer};
 use iop_node::{NodeOptions, RunningNode};
-use iop_trace::{MachineKind, TraceReader, replay};
+use iop_trace::{MachineKind, ReplayError, TraceReader, replay};
 
 const KEY: &str = "sk-trace-test-0123456789";
 
@@ -31,6 +33,7 @@ async fn recorded_edge_and_node_traces_replay_identically() {
             ),
             EdgeOptions {
                 record_trace: Some(edge_trace.clone()),
+                trace_machines: MachineKind::ALL.to_vec(),
             },
         )
         .await
@@ -47,6 +50,7 @@ async fn recorded_edge_and_node_traces_replay_identically() {
             ),
             NodeOptions {
                 record_trace: Some(node_trace.clone()),
+                trace_machines: vec![MachineKind::NodeLink, MachineKind::NodeRun],
             },
         );
         let g1 = ready_generation(&edge, "node-1").await;
@@ -103,6 +107,36 @@ async fn recorded_edge_and_node_traces_replay_identically() {
             let report = replay(reader).expect("the node trace replays identically");
             assert!(report.inputs > 4, "{report:?}");
         }
+
+        // Every other machine: one file per instance, named after its kind.
+        let mut seen = std::collections::BTreeMap::<MachineKind, u64>::new();
+        for entry in std::fs::read_dir(pki.path()).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let Some(kind) = MachineKind::ALL.into_iter().find(|k| {
+                name.starts_with(&format!("edge.trace.{}.", k.as_str()))
+                    || name.starts_with(&format!("node.trace.{}.", k.as_str()))
+            }) else {
+                continue;
+            };
+            *seen.entry(kind).or_default() += 1;
+            let file = std::fs::File::open(&path).unwrap();
+            let reader = TraceReader::new(BufReader::new(file))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(reader.header().machine, kind, "{name}");
+            match replay(reader) {
+                Ok(report) => assert!(report.inputs > 0 || report.checked > 0, "{name}: {report:?}"),
+                Err(ReplayError::NotReplayable(k)) => assert_eq!(k, MachineKind::EdgeTenants),
+                Err(e) => panic!("{name} does not replay: {e}"),
+            }
+        }
+        // Three requests (one stalled), two connections, one run each.
+        assert_eq!(seen.get(&MachineKind::EdgeRequest), Some(&3), "{seen:?}");
+        assert_eq!(seen.get(&MachineKind::EdgeLink), Some(&2), "{seen:?}");
+        assert_eq!(seen.get(&MachineKind::NodeRun), Some(&3), "{seen:?}");
+        assert_eq!(seen.get(&MachineKind::EdgeTenants), Some(&1), "{seen:?}");
+        assert_eq!(seen.get(&MachineKind::StoreAvailability), Some(&1), "{seen:?}");
+        assert_eq!(seen.get(&MachineKind::EdgeCustody), Some(&1), "{seen:?}");
     })
     .await;
 }

@@ -37,9 +37,14 @@ pub struct RunningNode {
 /// Process options that are not configuration.
 #[derive(Debug, Clone, Default)]
 pub struct NodeOptions {
-    /// Record each connection's watchdog inputs and outputs to
-    /// `<path>.<generation>` (iop-trace).
+    /// Record each connection's machine inputs and outputs to
+    /// `<path>.<n>` (iop-trace), and each machine of `trace_machines` to a
+    /// file named after it.
     pub record_trace: Option<std::path::PathBuf>,
+    /// The machines recorded with `record_trace` (empty: the connections
+    /// alone). A connection's trace is `<path>.<n>`; each other machine's
+    /// (`node-run`) is `<path>.<kind>.<n>`.
+    pub trace_machines: Vec<iop_trace::MachineKind>,
 }
 
 impl RunningNode {
@@ -72,7 +77,13 @@ impl RunningNode {
             &config.edges,
             capacity,
         );
-        shared.record_trace = options.record_trace;
+        shared.traces = match options.record_trace {
+            Some(base) if options.trace_machines.is_empty() => {
+                iop_trace::TraceFiles::new(base, [iop_trace::MachineKind::NodeLink])
+            }
+            Some(base) => iop_trace::TraceFiles::new(base, options.trace_machines),
+            None => iop_trace::TraceFiles::off(),
+        };
         shared.park_buffer_bytes = config.node.park_buffer_bytes;
         // The lease recipient key and this node's id (R-CRED-1): a node
         // that cannot load them does not start.

@@ -18,7 +18,7 @@ use iop_core::node::link::{NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunSta
 use iop_core::node::park::ReportScope;
 use iop_core::node::probe::ProbeEvidence;
 use iop_core::node::watchdog::{Emission, ProbeOutcome, ProviderEvent};
-use iop_trace::{MachineKind, NodeLinkConfigRec, Tap, TraceWriter, TracedNodeLink};
+use iop_trace::{DrivenNodeLink, NodeLinkConfigRec};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
 use iop_transport::framed::{FramedError, FramedSend, framed_for_side, open_framed};
@@ -91,21 +91,14 @@ pub async fn run(
     };
     let register = register_request(&config, &shared);
     // With --record-trace the machine's inputs and outputs are recorded.
-    let tap = match shared.trace_file() {
-        Some(out) => Tap::to(TraceWriter::new(
-            out,
-            MachineKind::NodeLink,
-            &NodeLinkConfigRec {
-                config: link_config,
-                created_us: now.as_micros(),
-                register: register.clone(),
-            },
-        )),
-        None => Tap::off(),
-    };
+    let tap = shared.link_tap(|| NodeLinkConfigRec {
+        config: link_config,
+        created_us: now.as_micros(),
+        register: register.clone(),
+    });
     let mut link = Link {
         clock,
-        machine: TracedNodeLink::new_link(now, link_config, register, slot.take_replay(), tap),
+        machine: DrivenNodeLink::new_link(now, link_config, register, slot.take_replay(), tap),
         edge,
         was_ready: false,
         runs: HashMap::new(),
@@ -167,7 +160,7 @@ pub async fn run(
             stream = conn.accept_bi(), if ready => match stream {
                 Ok((s, r)) => {
                     let (s, r) = framed_for_side(conn.side(), s, r);
-                    let generation = link.machine.inner().generation().unwrap_or(0);
+                    let generation = link.machine.machine().generation().unwrap_or(0);
                     handlers.spawn(run::serve_stream(
                         s,
                         r,
@@ -233,7 +226,7 @@ pub async fn run(
         LinkEnd::Shutdown | LinkEnd::Failed(_) => {}
     }
     // Hand the replay cache to this Edge's next connection.
-    slot.return_replay(link.machine.inner_mut().take_replay());
+    slot.return_replay(link.machine.machine_mut().take_replay());
     end
 }
 
@@ -265,7 +258,7 @@ fn register_request(config: &NodeConfig, shared: &LinkShared) -> RegisterRequest
 
 struct Link {
     clock: Clock,
-    machine: TracedNodeLink,
+    machine: DrivenNodeLink,
     edge: usize,
     was_ready: bool,
     /// Runs attached to this connection.
@@ -350,7 +343,7 @@ impl Link {
         });
         let opened =
             self.machine
-                .inner_mut()
+                .machine_mut()
                 .open_lease(recipient, run, iop_transport::clock::unix_ms());
         if let Err(reason) = &opened {
             self.shared
@@ -359,7 +352,7 @@ impl Link {
             self.shared.metrics.credential_rejected(reason);
             tracing::warn!(
                 event = "node_credential_rejected",
-                generation = self.machine.inner().generation().unwrap_or(0),
+                generation = self.machine.machine().generation().unwrap_or(0),
                 reason = *reason
             );
         }
@@ -449,7 +442,7 @@ impl Link {
                 self.input(NodeLinkInput::ProbeDone { run_id, outcome });
             }
             LinkMsg::Status { reply } => {
-                let machine = self.machine.inner();
+                let machine = self.machine.machine();
                 let _ = reply.send(TransportStatusReport {
                     generation: machine.generation().unwrap_or(0),
                     connected_for_ms: iop_core::time::duration_ms(now - machine.connected_at()),
@@ -538,7 +531,7 @@ impl Link {
                             if code == CloseCode::HeartbeatTimeout {
                                 tracing::warn!(
                                     event = "node_heartbeat_timeout",
-                                    generation = self.machine.inner().generation().unwrap_or(0)
+                                    generation = self.machine.machine().generation().unwrap_or(0)
                                 );
                             }
                             self.closed(code)

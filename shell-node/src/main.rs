@@ -51,6 +51,10 @@ enum Command {
         /// `FILE.<generation>`, for `iop-sim replay` (docs/simulation.md).
         #[arg(long, value_name = "FILE")]
         record_trace: Option<PathBuf>,
+        /// With --record-trace: record these machines instead (repeatable;
+        /// node-link to `FILE.<n>`, node-run to `FILE.node-run.<n>`).
+        #[arg(long = "trace-machine", value_name = "KIND", value_parser = machine_kind)]
+        trace_machines: Vec<iop_trace::MachineKind>,
     },
     /// Serve the built-in deterministic mock provider over HTTP
     /// (OpenAI- and Ollama-compatible), for tests and benchmarks.
@@ -134,6 +138,7 @@ fn main() -> anyhow::Result<()> {
             Command::Run {
                 config,
                 record_trace,
+                trace_machines,
             } => {
                 let config = iop_node::config::NodeConfig::load_in(
                     config.as_deref(),
@@ -141,7 +146,10 @@ fn main() -> anyhow::Result<()> {
                 )?;
                 let mut node = iop_node::RunningNode::start_with(
                     config,
-                    iop_node::NodeOptions { record_trace },
+                    iop_node::NodeOptions {
+                        record_trace,
+                        trace_machines,
+                    },
                 );
                 // A node that cannot start (identity, recipient key,
                 // certificates, QUIC endpoint) ends the process with the
@@ -167,5 +175,16 @@ fn main() -> anyhow::Result<()> {
             Command::MockProvider(args) => iop_node::mock::run_cli(args).await,
             Command::Config(_) | Command::Health { .. } => Ok(()),
         }
+    })
+}
+
+/// A machine kind named on the command line (`--trace-machine`).
+fn machine_kind(name: &str) -> Result<iop_trace::MachineKind, String> {
+    iop_trace::MachineKind::parse(name).ok_or_else(|| {
+        let known: Vec<&str> = iop_trace::MachineKind::ALL
+            .iter()
+            .map(|k| k.as_str())
+            .collect();
+        format!("unknown machine {name:?} (one of {})", known.join(", "))
     })
 }

@@ -23,6 +23,7 @@ use iop_core::node::run::{
     Adoption, LinkAsk, NodeRun, NodeRunInput, NodeRunOutput, ParkTerms, RunFrame, RunSpec,
 };
 use iop_core::node::watchdog::RunKind;
+use iop_trace::{Driven, MachineKind, NodeRunConfigRec, Tap};
 use iop_transport::clock::Clock;
 use iop_transport::framed::{FramedError, FramedRecv, FramedSend};
 use iop_transport::traces::{Kind, TraceSpan};
@@ -190,7 +191,7 @@ struct Started {
 }
 
 /// A frame type as it goes on the wire.
-trait WireFrame: RunFrame + Send + Sync + 'static {
+trait WireFrame: RunFrame + Serialize + Send + Sync + 'static {
     /// The frame written on the stream.
     type Wire: Serialize + Send + Sync;
     /// `self` as run `run_id` writes it.
@@ -304,9 +305,17 @@ where
     } = task;
     let clock = Clock::new();
     let kind = spec.kind;
-    let mut machine: NodeRun<F> = NodeRun::new(spec);
+    let config = NodeRunConfigRec { spec };
+    let tap = shared
+        .traces
+        .tap(MachineKind::NodeRun, || &config)
+        .unwrap_or_else(|e| {
+            tracing::error!(event = "node_trace_open_failed", machine = "node-run", error = %e);
+            Tap::off()
+        });
+    let mut machine: Driven<NodeRun<F>> = Driven::new(NodeRun::new(config.spec), tap);
     let mut attached = Some(Attached {
-        run_id: machine.run_id(),
+        run_id: machine.machine().run_id(),
         ..attached
     });
     let mut adopting: Option<Attach> = None;
@@ -331,7 +340,7 @@ where
     let mut registered = false;
 
     'run: loop {
-        while let Some(out) = machine.poll_output() {
+        while let Some(out) = machine.poll_output(clock.now()) {
             let fed = match out {
                 NodeRunOutput::Link(ask) => {
                     let link = match (&ask, &adopting, &attached) {
@@ -427,7 +436,7 @@ where
                             recv: a.recv,
                             link: a.link,
                             conn: a.conn,
-                            run_id: machine.run_id(),
+                            run_id: machine.machine().run_id(),
                             edge_done: false,
                         });
                     }
@@ -447,12 +456,18 @@ where
                     None
                 }
                 NodeRunOutput::Parked => {
-                    tracing::info!(event = "node_run_parked", run_id = machine.run_id());
+                    tracing::info!(
+                        event = "node_run_parked",
+                        run_id = machine.machine().run_id()
+                    );
                     None
                 }
                 NodeRunOutput::Expired => {
                     // R-PARK-1: no Edge took it within the grace.
-                    tracing::warn!(event = "node_parked_run_expired", run_id = machine.run_id());
+                    tracing::warn!(
+                        event = "node_parked_run_expired",
+                        run_id = machine.machine().run_id()
+                    );
                     shared
                         .disconnect_cancels
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -464,15 +479,18 @@ where
                 machine.handle_input(clock.now(), input);
             }
         }
-        if machine.is_over() {
+        if machine.machine().is_over() {
             break;
         }
         if let (Some(key), true) = (&lot_key, registered)
-            && let (Some(state), Some(summary)) = (machine.park_state(), machine.park_summary())
+            && let (Some(state), Some(summary)) = (
+                machine.machine().park_state(),
+                machine.machine().park_summary(),
+            )
         {
             shared.parking.update(key, state, summary);
         }
-        let batch = machine.read_batch();
+        let batch = machine.machine().read_batch();
         let parked_until = machine.poll_timeout();
         let input = tokio::select! {
             biased;

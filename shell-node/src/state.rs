@@ -142,10 +142,9 @@ pub struct LinkShared {
     /// Connections the Edge closed as superseded: another process with
     /// this node's certificate connected.
     pub superseded: AtomicU64,
-    /// Where to record each connection's machine trace (`--record-trace`).
-    pub record_trace: Option<std::path::PathBuf>,
-    /// Connections whose trace was opened so far.
-    pub traced_links: AtomicU64,
+    /// Which machines are recorded, and where (`--record-trace`,
+    /// `--trace-machine`).
+    pub traces: iop_trace::TraceFiles,
     /// This node's id and lease recipient key (`None`: no managed
     /// credentials; every lease is refused).
     pub identity: Option<NodeIdentity>,
@@ -187,8 +186,7 @@ impl LinkShared {
             disconnect_cancels: AtomicU64::new(0),
             failed_attempts: AtomicU64::new(0),
             superseded: AtomicU64::new(0),
-            record_trace: None,
-            traced_links: AtomicU64::new(0),
+            traces: iop_trace::TraceFiles::off(),
             identity: None,
             credential_rejections: AtomicU64::new(0),
             managed: std::sync::RwLock::new(Vec::new()),
@@ -216,19 +214,20 @@ impl LinkShared {
             .count()
     }
 
-    /// The trace file of the next connection (`<record-trace>.<n>`, the
-    /// `n`th connection of this process, from 1), if recording.
-    pub fn trace_file(&self) -> Option<Box<dyn std::io::Write + Send>> {
-        let base = self.record_trace.as_ref()?;
-        let n = self.traced_links.fetch_add(1, Ordering::Relaxed) + 1;
-        let path = std::path::PathBuf::from(format!("{}.{n}", base.display()));
-        match std::fs::File::create(&path) {
-            Ok(f) => Some(Box::new(std::io::BufWriter::new(f))),
-            Err(e) => {
-                tracing::error!(event = "node_trace_open_failed", error = %e);
-                None
-            }
+    /// The tap of the next connection's machine, built from `config()`:
+    /// its trace goes to `<record-trace>.<n>` (the `n`th connection of
+    /// this process, from 1) when connections are recorded.
+    pub fn link_tap<C: serde::Serialize>(&self, config: impl FnOnce() -> C) -> iop_trace::Tap {
+        use iop_trace::{MachineKind, Tap, TraceFiles};
+        if !self.traces.records(MachineKind::NodeLink) {
+            return Tap::off();
         }
+        let n = self.traces.next_instance(MachineKind::NodeLink);
+        let path = std::path::PathBuf::from(format!("{}.{n}", self.traces.base().display()));
+        TraceFiles::tap_at(&path, MachineKind::NodeLink, &config()).unwrap_or_else(|e| {
+            tracing::error!(event = "node_trace_open_failed", machine = "node-link", error = %e);
+            Tap::off()
+        })
     }
 
     /// Why the last connection to the first Edge ended.

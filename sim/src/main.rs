@@ -36,7 +36,8 @@ enum Cmd {
         /// Write the trace of one core machine to this file.
         #[arg(long, value_name = "FILE")]
         record_trace: Option<PathBuf>,
-        /// Which machine to record: edge-dispatch, edge-link, node-link.
+        /// Which machine to record: edge-dispatch, edge-link, node-link,
+        /// edge-request, node-run, edge-custody, edge-tenants.
         #[arg(long, default_value = "edge-dispatch")]
         machine: String,
         /// Which instance of that machine (0 = the first one created).

@@ -12,10 +12,10 @@
 //!
 //! ## The shells, in miniature
 //!
-//! * **Edge**: one [`TracedDispatcher`], one core
+//! * **Edge**: one [`DrivenDispatcher`], one core
 //!   [`Request`](iop_core::edge::request::Request) machine per client
 //!   request (the very machine `iop-edge`'s request driver drives), one
-//!   core [`TracedEdgeLink`] per node connection (the machine `iop-edge`'s
+//!   core [`DrivenEdgeLink`] per node connection (the machine `iop-edge`'s
 //!   node link task drives: registration and readiness through the
 //!   dispatcher, the heartbeat, the frame budgets). The world only carries the
 //!   request machine's traffic, as the driver and the hub do: its commands
@@ -34,7 +34,7 @@
 //!   crashes the Edge at the store's crash points, replays lost writes as
 //!   zombies, and lets clients leave, resume and cancel.
 //! * **Node**: per process a [`Backoff`] supervisor; per connection the
-//!   core's connection machine [`TracedNodeLink`] (the very machine
+//!   core's connection machine [`DrivenNodeLink`] (the very machine
 //!   `iop-node`'s link task drives: handshake, heartbeat, watchdog with its
 //!   observation sequence, each run's one terminal); per run one provider
 //!   call ([`CallPlan`]), whose handler writes the provider's own terminal
@@ -94,8 +94,8 @@ use crate::net::{
 use crate::provider::{CallPlan, Ending, ProbeAnswer};
 use crate::record::{Capture, Recorder};
 use crate::trace::{
-    DispatchConfigRec, EdgeLinkConfigRec, MachineKind, NodeLinkConfigRec, TracedDispatcher,
-    TracedEdgeLink, TracedNodeLink,
+    DispatchConfigRec, Driven, DrivenDispatcher, DrivenEdgeLink, DrivenNodeLink, EdgeLinkConfigRec,
+    MachineKind, NodeLinkConfigRec, RequestBegin, RequestConfigRec,
 };
 
 mod custody;
@@ -728,7 +728,7 @@ enum Event {
 #[derive(Debug)]
 struct EdgeRequest {
     /// The request machine the Edge's request driver drives.
-    machine: Request,
+    machine: Driven<Request>,
     /// The attempt's run, once sent: its connection and run id.
     running: Option<(ConnId, RunId)>,
     /// The request's last admission command (its R-SEL-1 hints), for the
@@ -747,7 +747,7 @@ struct EdgeRequest {
 #[derive(Debug)]
 struct EdgeConn {
     node: usize,
-    link: TracedEdgeLink,
+    link: DrivenEdgeLink,
     generation: Option<Generation>,
     /// Runs sent on this connection, to their request.
     runs: BTreeMap<RunId, RequestId>,
@@ -767,7 +767,7 @@ struct FencedLink {
 #[derive(Debug)]
 struct EdgeProc {
     incarnation: u64,
-    dispatcher: TracedDispatcher,
+    dispatcher: DrivenDispatcher,
     conns: BTreeMap<ConnId, EdgeConn>,
     by_generation: BTreeMap<(usize, Generation), ConnId>,
     requests: BTreeMap<RequestId, EdgeRequest>,
@@ -901,7 +901,7 @@ fn is_http_5xx(event: &ProviderEvent) -> bool {
 #[derive(Debug)]
 struct NodeConn {
     conn: ConnId,
-    link: TracedNodeLink,
+    link: DrivenNodeLink,
 }
 
 #[derive(Debug)]
@@ -1347,8 +1347,8 @@ impl World {
                 continue;
             };
             let checker = &mut self.checkers[slot];
-            checker.check_edge(edge.dispatcher.inner(), &self.provider_nodes);
-            checker.check_links(edge.dispatcher.inner(), &self.provider_nodes);
+            checker.check_edge(edge.dispatcher.machine(), &self.provider_nodes);
+            checker.check_links(edge.dispatcher.machine(), &self.provider_nodes);
         }
         for checker in &mut self.checkers {
             checker.check_deadlines();
@@ -1406,17 +1406,15 @@ impl World {
     /// The timers due at the current Edge slot and its nodes' links to it.
     fn fire_timers_at(&mut self) {
         let now = self.now;
-        let due = |t: Option<Instant>| t.is_some_and(|t| t <= now);
         if let Some(edge) = &mut self.edges[self.cur]
-            && due(edge.dispatcher.poll_timeout())
+            && edge.dispatcher.fire_due(now)
         {
-            edge.dispatcher.handle_timeout(now);
             self.drain_dispatch();
         }
         let requests: Vec<RequestId> = self.edges[self.cur].as_ref().map_or_else(Vec::new, |e| {
             e.requests
                 .iter()
-                .filter(|(_, r)| due(r.machine.poll_timeout()))
+                .filter(|(_, r)| r.machine.is_due(now))
                 .map(|(id, _)| *id)
                 .collect()
         });
@@ -1425,14 +1423,14 @@ impl World {
                 .as_mut()
                 .and_then(|e| e.requests.get_mut(&rid))
             {
-                r.machine.handle_timeout(now);
+                r.machine.fire_due(now);
                 self.drive_request(rid);
             }
         }
         let conns: Vec<ConnId> = self.edges[self.cur].as_ref().map_or_else(Vec::new, |e| {
             e.conns
                 .iter()
-                .filter(|(_, c)| due(c.link.poll_timeout()))
+                .filter(|(_, c)| c.link.is_due(now))
                 .map(|(id, _)| *id)
                 .collect()
         });
@@ -1441,7 +1439,7 @@ impl World {
                 .as_mut()
                 .and_then(|e| e.conns.get_mut(&conn))
             {
-                c.link.handle_timeout(now);
+                c.link.fire_due(now);
                 self.drain_edge_link(conn, false);
             }
         }
@@ -1450,9 +1448,8 @@ impl World {
                 continue;
             }
             if let Link::Connected(nc) = &mut self.nodes[n].link[self.cur]
-                && due(nc.link.poll_timeout())
+                && nc.link.fire_due(now)
             {
-                nc.link.handle_timeout(now);
                 self.drain_node_link(n);
             }
         }
@@ -1737,12 +1734,19 @@ impl World {
         };
         let rec = DispatchConfigRec::new(&config, self.now);
         let tap = self.recorder.tap(MachineKind::EdgeDispatch, &rec);
-        let dispatcher = match TracedDispatcher::new(self.now, config, tap) {
+        let dispatcher = match DrivenDispatcher::new_dispatcher(self.now, config, tap) {
             Ok(d) => d,
             Err(e) => panic!("sim health config is invalid: {e}"),
         };
-        self.core_bugs.plant_dispatcher(dispatcher.inner());
+        self.core_bugs.plant_dispatcher(dispatcher.machine());
         let tenants = self.new_edge_tenants();
+        let custody = custody::EdgeCustody::new(
+            self.now,
+            &self.edge_id(slot),
+            self.cfg.park_window(),
+            self.edges.len() == 1,
+            &mut self.recorder,
+        );
         self.edges[self.cur] = Some(EdgeProc {
             incarnation,
             dispatcher,
@@ -1756,12 +1760,7 @@ impl World {
             fenced_links: BTreeMap::new(),
             fenced_leases: BTreeMap::new(),
             pending_creates: BTreeMap::new(),
-            custody: custody::EdgeCustody::new(
-                self.now,
-                &self.edge_id(slot),
-                self.cfg.park_window(),
-                self.edges.len() == 1,
-            ),
+            custody,
             tenants,
         });
         if self.edges.len() > 1 {
@@ -1904,7 +1903,7 @@ impl World {
             let tap = self.recorder.tap(MachineKind::EdgeLink, &config);
             slot.insert(EdgeConn {
                 node,
-                link: TracedEdgeLink::new_edge_link(config, tap),
+                link: DrivenEdgeLink::new_edge_link(config, tap),
                 generation: None,
                 runs: BTreeMap::new(),
             });
@@ -2066,7 +2065,7 @@ impl World {
         };
         if let (Ok((generation, _)), Some(edge)) = (&registered, &mut self.edges[self.cur]) {
             let generation = *generation;
-            let high_water = edge.dispatcher.inner().registry().high_water();
+            let high_water = edge.dispatcher.machine().registry().high_water();
             self.persisted_high_water[self.cur] =
                 self.persisted_high_water[self.cur].max(high_water);
             self.checkers[self.cur].generation_handed_out(&node_id, generation);
@@ -2117,7 +2116,7 @@ impl World {
                     .runs
                     .iter()
                     .filter_map(|(run_id, rid)| {
-                        let lease = edge.requests.get(rid)?.machine.attempt_lease()?;
+                        let lease = edge.requests.get(rid)?.machine.machine().attempt_lease()?;
                         (lease.run_id == *run_id).then_some((*run_id, (*rid, lease.lease_id)))
                     })
                     .collect();
@@ -2159,7 +2158,7 @@ impl World {
             return;
         }
         let (node, generation) = (node_id(link.node), link.generation);
-        let counted_before = edge.dispatcher.inner().registry().fenced_messages();
+        let counted_before = edge.dispatcher.machine().registry().fenced_messages();
         let ignored = match payload {
             Payload::RunEvent(RunEvent {
                 run_id,
@@ -2208,7 +2207,7 @@ impl World {
         let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
-        let counted = edge.dispatcher.inner().registry().fenced_messages() - counted_before;
+        let counted = edge.dispatcher.machine().registry().fenced_messages() - counted_before;
         self.stats.late_fenced_messages += 1;
         self.checkers[self.cur].fenced_message(&node, generation, ignored, counted);
     }
@@ -2328,7 +2327,7 @@ impl World {
         let key = (edge.incarnation, rid);
         match &event {
             RequestEvent::Leased(lease) => {
-                self.checkers[self.cur].lease_granted(edge.dispatcher.inner(), lease);
+                self.checkers[self.cur].lease_granted(edge.dispatcher.machine(), lease);
                 self.checkers[self.cur].dispatch_to_link(
                     &lease.node,
                     lease.generation,
@@ -2339,7 +2338,7 @@ impl World {
                     Some(r) => {
                         if let Some(admit) = &r.admitted_with {
                             self.checkers[self.cur].selection(
-                                edge.dispatcher.inner(),
+                                edge.dispatcher.machine(),
                                 lease,
                                 admit.avoid_provider_id.as_ref(),
                                 admit.allow_avoided_fallback,
@@ -2358,7 +2357,7 @@ impl World {
                 // R-CONT-1: a committed answer on a route that continues
                 // may go on after any provider-side failure.
                 let may_continue = edge.requests.get(&rid).is_some_and(|r| {
-                    r.machine.gate().is_committed()
+                    r.machine.machine().gate().is_committed()
                         && r.durable
                             .as_deref()
                             .is_some_and(|record| custody::continues(&self.routes, record))
@@ -2369,7 +2368,7 @@ impl World {
                 self.checkers[self.cur].lease_released(lease.lease_id, "fence");
                 edge.fenced_leases.insert(lease.lease_id, lease.clone());
                 if let Some(r) = edge.requests.get(&rid)
-                    && matches!(r.machine.attempt_lease(), Some(l) if l.lease_id == lease.lease_id)
+                    && matches!(r.machine.machine().attempt_lease(), Some(l) if l.lease_id == lease.lease_id)
                 {
                     // The attempt's stream dies with its connection.
                     if let Some(r) = edge.requests.get_mut(&rid) {
@@ -2380,6 +2379,14 @@ impl World {
             _ => {}
         }
         self.request_input(rid, RequestInput::Dispatch(event));
+    }
+
+    /// A request machine begun so at the current Edge, driven and
+    /// recorded as the Edge's request driver holds it.
+    fn new_request(&mut self, spec: RequestSpec, begin: RequestBegin) -> Driven<Request> {
+        let config = RequestConfigRec::new(spec, begin, self.now);
+        let tap = self.recorder.tap(MachineKind::EdgeRequest, &config);
+        Driven::new(config.into_request(), tap)
     }
 
     /// Feed a request machine and carry out its outputs.
@@ -2406,7 +2413,7 @@ impl World {
             let Some(r) = edge.requests.get_mut(&rid) else {
                 return;
             };
-            let Some(out) = r.machine.poll_output() else {
+            let Some(out) = r.machine.poll_output(self.now) else {
                 break;
             };
             self.carry_out(incarnation, rid, out);
@@ -2556,7 +2563,7 @@ impl World {
         let rid = command.request_id();
         let held = edge
             .dispatcher
-            .inner()
+            .machine()
             .admission()
             .lease_of_request(rid)
             .cloned();
@@ -2616,7 +2623,7 @@ impl World {
                         && let Some(lease) = edge.fenced_leases.get(&lease_id)
                     {
                         self.checkers[self.cur].pre_send_after_fence(
-                            edge.dispatcher.inner(),
+                            edge.dispatcher.machine(),
                             lease,
                             answer,
                         );
@@ -2665,7 +2672,7 @@ impl World {
             return;
         };
         let conn = edge.by_generation.get(&(node, lease.generation)).copied();
-        self.checkers[self.cur].lease_sent(edge.dispatcher.inner(), &lease, conn.is_some());
+        self.checkers[self.cur].lease_sent(edge.dispatcher.machine(), &lease, conn.is_some());
         self.checkers[self.cur].dispatch_to_link(&lease.node, lease.generation, "run sent");
         self.checkers[self.cur].request_dispatched((edge.incarnation, rid), "sent a run");
         let Some(conn) = conn else {
@@ -2785,14 +2792,14 @@ impl World {
         let Some(r) = edge.requests.get(&rid) else {
             return;
         };
-        if !r.machine.is_ended() {
+        if !r.machine.machine().is_ended() {
             return;
         }
         // A durable request goes on without its client (only a cancel ends
         // it early); its client saw the terminal unless it left.
         let left = match &r.durable {
             Some(_) => !r.client_attached,
-            None => r.machine.gate().end() == Some(GateEnd::ClientDisconnected),
+            None => r.machine.machine().gate().end() == Some(GateEnd::ClientDisconnected),
         };
         let record = r.durable.clone();
         if left {
@@ -2806,7 +2813,7 @@ impl World {
         {
             c.runs.remove(&run_id);
         }
-        self.checkers[self.cur].gate_ended(edge.dispatcher.inner(), rid);
+        self.checkers[self.cur].gate_ended(edge.dispatcher.machine(), rid);
         if let Some(record) = record {
             self.durable_request_ended(
                 &record,
@@ -2933,11 +2940,10 @@ impl World {
             self.durable_arrival(rid, pool, budget);
             return;
         }
-        let Some(edge) = &mut self.edges[self.cur] else {
+        if self.edges[self.cur].is_none() {
             return;
-        };
-        let machine = Request::new(
-            now,
+        }
+        let machine = self.new_request(
             RequestSpec {
                 request_id: rid,
                 pool,
@@ -2948,9 +2954,13 @@ impl World {
                 park_grace_ms: 0,
                 continuation: false,
             },
+            RequestBegin::New,
         );
-        self.core_bugs.plant_request(&machine);
-        let deadline = machine.gate().deadline();
+        self.core_bugs.plant_request(machine.machine());
+        let deadline = machine.machine().gate().deadline();
+        let Some(edge) = &mut self.edges[self.cur] else {
+            return;
+        };
         edge.requests.insert(
             rid,
             EdgeRequest {
@@ -3000,7 +3010,7 @@ impl World {
             .filter(|(_, c)| {
                 c.generation.is_some_and(|g| {
                     edge.dispatcher
-                        .inner()
+                        .machine()
                         .registry()
                         .is_dispatchable(&node_id(c.node), g)
                 })
@@ -3185,8 +3195,8 @@ impl World {
                 register: register.clone(),
             },
         );
-        let link = TracedNodeLink::new_link(now, config, register, ReplayCache::new(), tap);
-        self.core_bugs.plant_watchdog(link.inner().watchdog());
+        let link = DrivenNodeLink::new_link(now, config, register, ReplayCache::new(), tap);
+        self.core_bugs.plant_watchdog(link.machine().watchdog());
         self.nodes[node].link[self.cur] = Link::Connected(Box::new(NodeConn { conn, link }));
         // The registration goes first.
         self.drain_node_link(node);
@@ -3208,10 +3218,10 @@ impl World {
                 let Some(nc) = nconn(&mut self.nodes, node, self.cur) else {
                     return;
                 };
-                let registered = nc.link.inner().generation();
+                let registered = nc.link.machine().generation();
                 nc.link.handle_input(now, NodeLinkInput::Control(msg));
                 if registered.is_none()
-                    && let Some(generation) = nc.link.inner().generation()
+                    && let Some(generation) = nc.link.machine().generation()
                 {
                     self.checkers[self.cur].node_registered(node, generation);
                 }
@@ -3279,9 +3289,9 @@ impl World {
         }
         self.drain_node_link(node);
         if let Some(nc) = nconn(&mut self.nodes, node, self.cur)
-            && nc.link.inner().watchdog().active_runs() > 0
+            && nc.link.machine().watchdog().active_runs() > 0
         {
-            let left = nc.link.inner().watchdog().active_runs();
+            let left = nc.link.machine().watchdog().active_runs();
             self.checkers[self.cur].fail(
                 "R-DISC-1",
                 format!("{left} runs still watched after the connection ended"),
@@ -3624,14 +3634,14 @@ impl World {
         };
         for (i, n) in self.nodes.iter().enumerate() {
             let node_view = match &n.link[self.cur] {
-                Link::Connected(nc) if n.up && nc.link.inner().is_ready() => {
-                    nc.link.inner().generation()
+                Link::Connected(nc) if n.up && nc.link.machine().is_ready() => {
+                    nc.link.machine().generation()
                 }
                 _ => None,
             };
             let edge_view = edge
                 .dispatcher
-                .inner()
+                .machine()
                 .registry()
                 .dispatchable_generation(&n.id);
             if node_view.is_none() || node_view != edge_view {
@@ -3661,7 +3671,7 @@ impl World {
             return;
         };
         for p in &self.providers {
-            if !edge.dispatcher.inner().admission().is_selectable(&p.id) {
+            if !edge.dispatcher.machine().admission().is_selectable(&p.id) {
                 let detail = format!(
                     "provider {} not selectable {}us after faults stopped",
                     p.id,

@@ -8,9 +8,13 @@
 //! * Line 1, the header:
 //!   `{"format":"iop-trace","version":2,"machine":"edge-dispatch","config":{...}}`.
 //!   `machine` is one of [`MachineKind`]'s names (`edge-dispatch`,
-//!   `edge-link`, `node-link`); `config` is everything needed to build a
-//!   fresh machine ([`DispatchConfigRec`], [`EdgeLinkConfigRec`],
-//!   [`NodeLinkConfigRec`]).
+//!   `edge-link`, `node-link`, `edge-request`, `node-run`, `edge-custody`,
+//!   `edge-tenants`, `heartbeat`, `store-availability`); `config` is
+//!   everything needed to build a fresh machine (its `*ConfigRec`:
+//!   [`DispatchConfigRec`], [`EdgeLinkConfigRec`], [`NodeLinkConfigRec`],
+//!   [`RequestConfigRec`], [`NodeRunConfigRec`], [`CustodyConfigRec`],
+//!   [`TenantsConfigRec`], [`HeartbeatConfigRec`],
+//!   [`AvailabilityConfigRec`]).
 //! * Every later line is one of
 //!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
 //!     ([`iop_core::Instant::as_micros`]);
@@ -27,17 +31,16 @@
 //!
 //! A [`Machine`]'s inputs and outputs are the core enums themselves: each
 //! input inside a [`Step`] (the dispatcher's [`DispatchInput`], the node
-//! connection's `NodeLinkInput`), each output as it is
-//! (`DispatchOutput`, `NodeLinkOutput`), and likewise the Edge's node
-//! connection's (`EdgeLinkInput`, `EdgeLinkOutput`). Inputs return nothing: every
-//! answer a machine gives is an output. All are
-//! externally tagged in `snake_case`; wire types (`iop_wire`) appear as
-//! they serialize themselves.
+//! connection's `NodeLinkInput`, the request's `RequestInput`, ...), each
+//! output as it is (`DispatchOutput`, `NodeLinkOutput`, `RequestOutput`,
+//! ...). All are externally tagged in `snake_case`; wire types
+//! (`iop_wire`) appear as they serialize themselves.
 //!
-//! ## Recording
+//! ## Driving and recording
 //!
-//! Wrap the machine in [`Traced`] ([`TracedDispatcher`], [`TracedEdgeLink`],
-//! [`TracedNodeLink`]) with a [`Tap`] over a [`TraceWriter`]. The wrapper
+//! Every shell task and the simulator hold each machine in a [`Driven`]
+//! (the one driver helper: feed, drain, fire the timer) with a [`Tap`]
+//! over a [`TraceWriter`] (see [`TraceFiles`] for the shells' files). It
 //! exposes the core API unchanged (core types in, core types out) and
 //! writes a line per call; with [`Tap::off`] it costs nothing.
 //!
@@ -46,15 +49,29 @@
 //! [`replay`] reads a trace with [`TraceReader`], builds a fresh machine from
 //! the header, feeds every `in` line, and checks every `out` line
 //! against what the fresh machine produces. The first difference is reported
-//! as a [`Divergence`] with its line number.
+//! as a [`Divergence`] with its line number. Every kind replays except
+//! `edge-tenants` ([`ReplayError::NotReplayable`]: its admissions and
+//! settlements are direct answers, not inputs).
 
 use std::io::{BufRead, Write};
 
-use iop_core::edge::dispatch::{DispatchConfig, DispatchInput, Dispatcher};
+mod files;
+
+pub use files::TraceFiles;
+
+use iop_core::edge::custody::{Custody, CustodyConfig};
+use iop_core::edge::dispatch::{DispatchConfig, DispatchInput, Dispatcher, ParkedOffer};
+use iop_core::edge::durable::ResumedAnswer;
 use iop_core::edge::link::{EdgeLink, EdgeLinkConfig};
+use iop_core::edge::request::{Request, RequestSpec};
+use iop_core::journal::availability::Availability;
+use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig};
 use iop_core::node::link::{NodeLink, NodeLinkConfig};
+use iop_core::node::run::{NodeRun, RunFrame, RunSpec};
+use iop_core::node::watchdog::RunKind;
+use iop_core::tenant::TenantsConfig;
 use iop_core::{Instant, Machine};
-use iop_wire::RegisterRequest;
+use iop_wire::{ProviderTunnelFrame, RegisterRequest, RunEventKind};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -83,14 +100,42 @@ pub enum MachineKind {
     /// [`iop_core::node::link::NodeLink`]: one Node connection.
     #[serde(rename = "node-link")]
     NodeLink,
+    /// [`iop_core::edge::request::Request`]: one client request at the Edge.
+    #[serde(rename = "edge-request")]
+    EdgeRequest,
+    /// [`iop_core::node::run::NodeRun`]: one run on the node.
+    #[serde(rename = "node-run")]
+    NodeRun,
+    /// [`iop_core::edge::custody::Custody`]: an Edge's takeovers and
+    /// adoptions.
+    #[serde(rename = "edge-custody")]
+    EdgeCustody,
+    /// [`iop_core::tenant::Tenants`]: an Edge's tenants' limits and usage.
+    #[serde(rename = "edge-tenants")]
+    EdgeTenants,
+    /// [`iop_core::liveness::heartbeat::Heartbeat`] on its own (in a
+    /// process it lives inside each `EdgeLink` and `NodeLink`, whose traces
+    /// carry its pings, pongs and timeouts).
+    #[serde(rename = "heartbeat")]
+    Heartbeat,
+    /// [`iop_core::journal::availability::Availability`]: whether an
+    /// Edge's journal store is up, and when to open it again.
+    #[serde(rename = "store-availability")]
+    StoreAvailability,
 }
 
 impl MachineKind {
     /// Every kind.
-    pub const ALL: [MachineKind; 3] = [
+    pub const ALL: [MachineKind; 9] = [
         MachineKind::EdgeDispatch,
         MachineKind::EdgeLink,
         MachineKind::NodeLink,
+        MachineKind::EdgeRequest,
+        MachineKind::NodeRun,
+        MachineKind::EdgeCustody,
+        MachineKind::EdgeTenants,
+        MachineKind::Heartbeat,
+        MachineKind::StoreAvailability,
     ];
 
     /// The stable name used in the header and on the command line.
@@ -99,6 +144,12 @@ impl MachineKind {
             MachineKind::EdgeDispatch => "edge-dispatch",
             MachineKind::EdgeLink => "edge-link",
             MachineKind::NodeLink => "node-link",
+            MachineKind::EdgeRequest => "edge-request",
+            MachineKind::NodeRun => "node-run",
+            MachineKind::EdgeCustody => "edge-custody",
+            MachineKind::EdgeTenants => "edge-tenants",
+            MachineKind::Heartbeat => "heartbeat",
+            MachineKind::StoreAvailability => "store-availability",
         }
     }
 
@@ -466,80 +517,143 @@ pub enum Step<I> {
     HandleTimeout,
 }
 
+/// A [`Step`] by reference: serializes exactly as the `Step` it borrows
+/// (so recording an input needs no copy of it).
+#[derive(Serialize)]
+#[serde(rename_all = "snake_case")]
+enum StepRef<'a, I> {
+    Input(&'a I),
+    HandleTimeout,
+}
+
 /// One recorded step of the dispatcher.
 pub type DispatchStep = Step<DispatchInput>;
 
-/// A [`Machine`] that records every input and drained output into its
-/// [`Tap`], as the core types themselves. Read access goes through
-/// [`Traced::inner`].
+/// A machine as its driver holds it: the one driver helper every shell
+/// task and the simulator use for every [`Machine`].
+///
+/// It owns the machine and its [`Tap`], and carries out the crate docs'
+/// driver loop the same way everywhere:
+///
+/// 1. feed an input with [`Driven::handle_input`] (recorded as an `in`
+///    line);
+/// 2. drain the outputs with [`Driven::drain`] into a closure, or one at a
+///    time with [`Driven::poll_output`] where carrying one out feeds the
+///    machine again or awaits (each recorded as an `out` line when
+///    drained);
+/// 3. wait until [`Driven::poll_timeout`], then [`Driven::handle_timeout`]
+///    (a shell, after its timer) or [`Driven::fire_due`] (the simulator,
+///    stepping time), and drain again.
+///
+/// With [`Tap::off`] nothing is serialized: the cost is one branch per
+/// call. Read access goes through [`Driven::machine`]; a query the
+/// machine answers directly (documented on the machine, such as
+/// [`NodeLink::open_lease`]) through [`Driven::machine_mut`], and is not
+/// recorded.
 #[derive(Debug)]
-pub struct Traced<M> {
-    inner: M,
+pub struct Driven<M> {
+    machine: M,
     tap: Tap,
 }
 
-/// The dispatcher, recorded.
-pub type TracedDispatcher = Traced<Dispatcher>;
+/// The dispatcher, driven.
+pub type DrivenDispatcher = Driven<Dispatcher>;
 
-/// The node's connection machine, recorded.
-pub type TracedNodeLink = Traced<NodeLink>;
+/// The node's connection machine, driven.
+pub type DrivenNodeLink = Driven<NodeLink>;
 
-impl<M> Traced<M>
+impl<M> Driven<M>
 where
     M: Machine,
-    M::Input: Serialize + Clone,
+    M::Input: Serialize,
     M::Output: Serialize,
 {
-    /// Record `inner` into `tap`. The tap's sinks must already have the
-    /// header (see [`TraceWriter::new`] with the machine's config record).
-    pub fn wrap(inner: M, tap: Tap) -> Self {
-        Self { inner, tap }
+    /// Drive `machine`, recording into `tap`. The tap's sinks must already
+    /// have the header (see [`TraceWriter::new`] with the machine's config
+    /// record).
+    pub fn new(machine: M, tap: Tap) -> Self {
+        Self { machine, tap }
     }
 
-    /// The wrapped machine (read access).
-    pub fn inner(&self) -> &M {
-        &self.inner
+    /// The machine (read access).
+    pub fn machine(&self) -> &M {
+        &self.machine
     }
 
-    /// The wrapped machine, for a query that is not an input (it is not
-    /// recorded, so it must not change what the machine outputs; see
+    /// The machine, for a query it answers directly (not recorded, so it
+    /// must be one the machine documents as such; see
     /// [`NodeLink::open_lease`]).
-    pub fn inner_mut(&mut self) -> &mut M {
-        &mut self.inner
+    pub fn machine_mut(&mut self) -> &mut M {
+        &mut self.machine
     }
 
-    /// The wrapped machine, unwrapped.
-    pub fn into_inner(self) -> M {
-        self.inner
+    /// The machine, no longer driven.
+    pub fn into_machine(self) -> M {
+        self.machine
+    }
+
+    /// Whether anything is recorded.
+    pub fn is_recorded(&self) -> bool {
+        self.tap.is_on()
     }
 
     /// [`Machine::handle_input`], recorded.
     pub fn handle_input(&mut self, now: Instant, input: M::Input) {
-        if self.tap.is_on() {
-            self.tap
-                .emit(now, LineKind::In, &Step::Input(input.clone()));
-        }
-        self.inner.handle_input(now, input);
+        self.tap.emit(now, LineKind::In, &StepRef::Input(&input));
+        self.machine.handle_input(now, input);
     }
 
     /// [`Machine::handle_timeout`], recorded.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.tap
-            .emit(now, LineKind::In, &Step::<M::Input>::HandleTimeout);
-        self.inner.handle_timeout(now);
+            .emit(now, LineKind::In, &StepRef::<M::Input>::HandleTimeout);
+        self.machine.handle_timeout(now);
     }
 
-    /// [`Machine::poll_timeout`] (not recorded).
+    /// [`Machine::poll_timeout`]: when the timer is due (not recorded).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.inner.poll_timeout()
+        self.machine.poll_timeout()
+    }
+
+    /// Whether the timer is due at `now`.
+    pub fn is_due(&self, now: Instant) -> bool {
+        self.machine.poll_timeout().is_some_and(|at| at <= now)
+    }
+
+    /// Fire the timer if it is due at `now` (recorded only then); whether
+    /// it fired.
+    pub fn fire_due(&mut self, now: Instant) -> bool {
+        let due = self.is_due(now);
+        if due {
+            self.handle_timeout(now);
+        }
+        due
     }
 
     /// [`Machine::poll_output`], recorded at `now`.
     #[must_use]
     pub fn poll_output(&mut self, now: Instant) -> Option<M::Output> {
-        let out = self.inner.poll_output()?;
+        let out = self.machine.poll_output()?;
         self.tap.emit(now, LineKind::Out, &out);
         Some(out)
+    }
+
+    /// Drain every output at `now` into `sink`, in order.
+    pub fn drain(&mut self, now: Instant, mut sink: impl FnMut(M::Output)) {
+        while let Some(out) = self.poll_output(now) {
+            sink(out);
+        }
+    }
+
+    /// Every output at `now`, in order.
+    pub fn drain_all(&mut self, now: Instant) -> Vec<M::Output> {
+        std::iter::from_fn(|| self.poll_output(now)).collect()
+    }
+
+    /// Feed `input` at `now`, then drain every output into `sink`.
+    pub fn step(&mut self, now: Instant, input: M::Input, sink: impl FnMut(M::Output)) {
+        self.handle_input(now, input);
+        self.drain(now, sink);
     }
 
     /// Feed one recorded step (replay).
@@ -551,16 +665,16 @@ where
     }
 }
 
-impl Traced<Dispatcher> {
+impl Driven<Dispatcher> {
     /// A dispatcher built from `config`, recording into `tap`. The tap's
     /// sinks must already have the header (see [`TraceWriter::new`] with
     /// [`DispatchConfigRec`]).
-    pub fn new(
+    pub fn new_dispatcher(
         now: Instant,
         config: DispatchConfig,
         tap: Tap,
     ) -> Result<Self, iop_core::edge::health::HealthTrackerError> {
-        Ok(Self::wrap(Dispatcher::new(now, config)?, tap))
+        Ok(Self::new(Dispatcher::new(now, config)?, tap))
     }
 }
 
@@ -581,7 +695,7 @@ pub struct NodeLinkConfigRec {
     pub register: RegisterRequest,
 }
 
-impl Traced<NodeLink> {
+impl Driven<NodeLink> {
     /// A connection established at `now`, recording into `tap` (whose
     /// sinks have the header with [`NodeLinkConfigRec`]).
     pub fn new_link(
@@ -591,7 +705,7 @@ impl Traced<NodeLink> {
         replay: iop_core::cred::ReplayCache,
         tap: Tap,
     ) -> Self {
-        Self::wrap(NodeLink::new(now, config, register, replay), tap)
+        Self::new(NodeLink::new(now, config, register, replay), tap)
     }
 }
 
@@ -608,16 +722,171 @@ pub struct EdgeLinkConfigRec {
     pub created_us: u64,
 }
 
-/// The Edge's side of one node connection, recorded.
-pub type TracedEdgeLink = Traced<EdgeLink>;
+/// The Edge's side of one node connection, driven.
+pub type DrivenEdgeLink = Driven<EdgeLink>;
 
-impl Traced<EdgeLink> {
+impl Driven<EdgeLink> {
     /// A connection established at `created_us`, recording into `tap`.
     pub fn new_edge_link(config: EdgeLinkConfigRec, tap: Tap) -> Self {
-        Self::wrap(
+        Self::new(
             EdgeLink::new(Instant::from_micros(config.created_us), config.config),
             tap,
         )
+    }
+}
+
+// ---------------------------------------------------------------------------
+// edge-request, node-run, edge-custody, edge-tenants, heartbeat,
+// store-availability
+// ---------------------------------------------------------------------------
+
+/// How a [`Request`] began: which constructor built it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestBegin {
+    /// [`Request::new`]: a client's request.
+    New,
+    /// [`Request::adopting`]: a takeover adopting a parked run (R-PARK-2).
+    Adopting {
+        /// The node's report.
+        offer: ParkedOffer,
+        /// The journal's last event.
+        last_seq: u64,
+        /// The run's frame that event came from.
+        resume_after_frame: u64,
+        /// The answer so far, when the route continues a lost adoption.
+        resumed: Option<ResumedAnswer>,
+    },
+    /// [`Request::continuing`]: a takeover continuing an orphan on its
+    /// pool (R-TAKE-1, R-CONT-1).
+    Continuing {
+        /// What its journal holds.
+        resumed: ResumedAnswer,
+    },
+}
+
+/// What builds a fresh [`Request`]: the `config` of an `edge-request`
+/// trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestConfigRec {
+    /// What the request was created with.
+    pub spec: RequestSpec,
+    /// How it began.
+    pub begin: RequestBegin,
+    /// When it was created, microseconds.
+    pub created_us: u64,
+}
+
+impl RequestConfigRec {
+    /// The record of a request begun so from `spec` at `created_at`.
+    pub fn new(spec: RequestSpec, begin: RequestBegin, created_at: Instant) -> Self {
+        Self {
+            spec,
+            begin,
+            created_us: created_at.as_micros(),
+        }
+    }
+
+    /// The request it records, fresh.
+    pub fn build(&self) -> Request {
+        self.clone().into_request()
+    }
+
+    /// The request it records.
+    pub fn into_request(self) -> Request {
+        let now = Instant::from_micros(self.created_us);
+        let spec = self.spec;
+        match &self.begin {
+            RequestBegin::New => Request::new(now, spec),
+            RequestBegin::Adopting {
+                offer,
+                last_seq,
+                resume_after_frame,
+                resumed,
+            } => Request::adopting(
+                now,
+                spec,
+                offer,
+                *last_seq,
+                *resume_after_frame,
+                resumed.as_ref(),
+            ),
+            RequestBegin::Continuing { resumed } => Request::continuing(now, spec, resumed),
+        }
+    }
+}
+
+/// What builds a fresh [`NodeRun`]: the `config` of a `node-run` trace.
+/// Its frames are a normalized run's events or a tunnel's frames, by
+/// `spec.kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRunConfigRec {
+    /// The run as its request asked for it.
+    pub spec: RunSpec,
+}
+
+impl NodeRunConfigRec {
+    /// The run it records, fresh, writing frames `F`.
+    pub fn build<F: RunFrame>(&self) -> NodeRun<F> {
+        NodeRun::new(self.spec.clone())
+    }
+}
+
+/// What builds a fresh [`Custody`]: the `config` of an `edge-custody`
+/// trace.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CustodyConfigRec {
+    /// The custody's settings.
+    pub config: CustodyConfig,
+    /// When it was created, microseconds.
+    pub created_us: u64,
+}
+
+impl CustodyConfigRec {
+    /// The custody it records, fresh.
+    pub fn build(&self) -> Custody {
+        Custody::new(Instant::from_micros(self.created_us), self.config.clone())
+    }
+}
+
+/// What builds a fresh [`Tenants`]: the `config` of an `edge-tenants`
+/// trace. Such a trace is not replayed (see [`ReplayError::NotReplayable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TenantsConfigRec {
+    /// The machine's settings.
+    pub config: TenantsConfig,
+}
+
+/// What builds a fresh [`Heartbeat`]: the `config` of a `heartbeat` trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatConfigRec {
+    /// The heartbeat's interval and wait.
+    pub config: HeartbeatConfig,
+    /// When it started, microseconds.
+    pub created_us: u64,
+}
+
+impl HeartbeatConfigRec {
+    /// The heartbeat it records, fresh.
+    pub fn build(&self) -> Heartbeat {
+        Heartbeat::new(Instant::from_micros(self.created_us), self.config)
+    }
+}
+
+/// What builds a fresh [`Availability`]: the `config` of a
+/// `store-availability` trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AvailabilityConfigRec {
+    /// When the Edge started, microseconds.
+    pub created_us: u64,
+    /// The seed of its backoff's jitter.
+    pub seed: u64,
+}
+
+impl AvailabilityConfigRec {
+    /// The machine it records, fresh.
+    pub fn build(&self) -> Availability {
+        Availability::new(Instant::from_micros(self.created_us), self.seed)
     }
 }
 
@@ -649,6 +918,12 @@ pub enum ReplayError {
     /// The trace's config cannot build the machine.
     #[error("bad machine config in the trace header: {0}")]
     Config(String),
+    /// The machine answers queries that change it without an input
+    /// ([`Tenants`]' admission, reservations and settlements, asked
+    /// directly under the Edge's lock), so its inputs alone do not
+    /// rebuild it: its trace is read, not replayed.
+    #[error("a {} trace is not replayed: the machine answers queries that are not inputs", .0.as_str())]
+    NotReplayable(MachineKind),
 }
 
 /// What a successful replay checked.
@@ -681,7 +956,7 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
     match header.machine {
         MachineKind::EdgeDispatch => {
             let config: DispatchConfigRec = config_of(&header)?;
-            let machine = TracedDispatcher::new(
+            let machine = DrivenDispatcher::new_dispatcher(
                 Instant::from_micros(config.created_us),
                 config.config,
                 Tap::off(),
@@ -691,7 +966,7 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
         }
         MachineKind::NodeLink => {
             let config: NodeLinkConfigRec = config_of(&header)?;
-            let machine = TracedNodeLink::new_link(
+            let machine = DrivenNodeLink::new_link(
                 Instant::from_micros(config.created_us),
                 config.config,
                 config.register,
@@ -704,21 +979,69 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
             let config: EdgeLinkConfigRec = config_of(&header)?;
             replay_with(
                 reader,
-                TracedEdgeLink::new_edge_link(config, Tap::off()),
+                DrivenEdgeLink::new_edge_link(config, Tap::off()),
                 header.machine,
             )
         }
+        MachineKind::EdgeRequest => {
+            let config: RequestConfigRec = config_of(&header)?;
+            replay_with(
+                reader,
+                Driven::new(config.build(), Tap::off()),
+                header.machine,
+            )
+        }
+        MachineKind::NodeRun => {
+            let config: NodeRunConfigRec = config_of(&header)?;
+            match config.spec.kind {
+                RunKind::Normalized => replay_with(
+                    reader,
+                    Driven::new(config.build::<RunEventKind>(), Tap::off()),
+                    header.machine,
+                ),
+                RunKind::Tunnel => replay_with(
+                    reader,
+                    Driven::new(config.build::<ProviderTunnelFrame>(), Tap::off()),
+                    header.machine,
+                ),
+            }
+        }
+        MachineKind::EdgeCustody => {
+            let config: CustodyConfigRec = config_of(&header)?;
+            replay_with(
+                reader,
+                Driven::new(config.build(), Tap::off()),
+                header.machine,
+            )
+        }
+        MachineKind::Heartbeat => {
+            let config: HeartbeatConfigRec = config_of(&header)?;
+            replay_with(
+                reader,
+                Driven::new(config.build(), Tap::off()),
+                header.machine,
+            )
+        }
+        MachineKind::StoreAvailability => {
+            let config: AvailabilityConfigRec = config_of(&header)?;
+            replay_with(
+                reader,
+                Driven::new(config.build(), Tap::off()),
+                header.machine,
+            )
+        }
+        MachineKind::EdgeTenants => Err(ReplayError::NotReplayable(header.machine)),
     }
 }
 
 fn replay_with<R: BufRead, M>(
     mut reader: TraceReader<R>,
-    mut machine: Traced<M>,
+    mut machine: Driven<M>,
     kind: MachineKind,
 ) -> Result<ReplayReport, ReplayError>
 where
     M: Machine,
-    M::Input: Serialize + DeserializeOwned + Clone,
+    M::Input: Serialize + DeserializeOwned,
     M::Output: Serialize,
 {
     let mut report = ReplayReport {
@@ -778,9 +1101,15 @@ mod tests {
     /// The shells own these in tokio tasks.
     #[test]
     fn traced_machines_and_writers_are_send() {
-        assert_send::<TracedDispatcher>();
-        assert_send::<TracedNodeLink>();
-        assert_send::<TracedEdgeLink>();
+        assert_send::<DrivenDispatcher>();
+        assert_send::<DrivenNodeLink>();
+        assert_send::<DrivenEdgeLink>();
+        assert_send::<Driven<Request>>();
+        assert_send::<Driven<NodeRun<RunEventKind>>>();
+        assert_send::<Driven<Custody>>();
+        assert_send::<Driven<iop_core::tenant::Tenants>>();
+        assert_send::<Driven<Availability>>();
+        assert_send::<TraceFiles>();
         assert_send::<TraceWriter<std::io::BufWriter<std::fs::File>>>();
     }
 
@@ -808,9 +1137,9 @@ mod tests {
         let buf = SharedBuf::default();
         {
             let writer = TraceWriter::new(buf.clone(), MachineKind::EdgeLink, &config);
-            let mut link = TracedEdgeLink::new_edge_link(config, Tap::to(writer));
+            let mut link = DrivenEdgeLink::new_edge_link(config, Tap::to(writer));
             let at = Instant::from_millis;
-            let drain = |link: &mut TracedEdgeLink, t: u64| {
+            let drain = |link: &mut DrivenEdgeLink, t: u64| {
                 while link.poll_output(at(t)).is_some() {}
             };
             link.handle_input(

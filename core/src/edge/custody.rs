@@ -63,7 +63,7 @@ pub const STORE_RETRY: Duration = Duration::from_millis(200);
 pub const MIN_SCAN_PAUSE: Duration = Duration::from_millis(50);
 
 /// How the custody of one Edge is set up.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct CustodyConfig {
     /// This Edge's `edge_id`.
     pub edge_id: String,
@@ -79,7 +79,8 @@ pub struct CustodyConfig {
 
 /// A store operation the driver carries out; its answer comes back as the
 /// [`StoreAnswer`] of the same name.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum StoreOp {
     /// Every record without a terminal (`hint`: the store's own, possibly
     /// lagging, view is enough).
@@ -132,7 +133,8 @@ pub enum StoreOp {
 }
 
 /// The store's answer to a [`StoreOp`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum StoreAnswer {
     /// [`StoreOp::Unfinished`]: each record and whether a run of this Edge
     /// writes it.
@@ -193,7 +195,8 @@ pub enum StoreAnswer {
 // once per store answer and moved into the machine, so boxing it would
 // only add an allocation.
 #[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum CustodyInput {
     /// A store operation's answer.
     Store(StoreAnswer),
@@ -203,7 +206,8 @@ pub enum CustodyInput {
 }
 
 /// Why a reported parked run is not adopted here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ReleaseReason {
     /// A takeover of its record is in progress, or too many are.
     Busy,
@@ -248,7 +252,8 @@ impl ReleaseReason {
 }
 
 /// What a [`Custody`] reports (for logs and metrics).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum CustodyEvent {
     /// More orphans wait for their park window than before.
     OrphansWaiting(usize),
@@ -279,7 +284,8 @@ pub enum CustodyEvent {
 }
 
 /// What the driver carries out, in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum CustodyOutput {
     /// Run this store operation; feed its answer back.
     Store(StoreOp),

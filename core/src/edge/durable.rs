@@ -218,7 +218,8 @@ pub fn ended_before_commit(terminal: &Terminal, events_taken: u64) -> bool {
 
 /// Why an Edge does not take over the record of a parked run a node
 /// reported (R-PARK-2, R-TAKE-1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TakeoverRefusal {
     /// The record already has its terminal.
     Ended,
@@ -288,7 +289,8 @@ pub struct ResumedAnswer {
 }
 
 /// Why a record's journal cannot be continued (R-CONT-1, R-TAKE-1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum NotContinuable {
     /// An event this build does not read, or a gap in the numbering.
     Unreadable,

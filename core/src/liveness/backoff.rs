@@ -147,7 +147,9 @@ impl AttemptEnd {
 
 /// The Node supervisor's schedule for one Edge (R-HB-2): capped, jittered
 /// backoff, started over by a connection that completed readiness, and
-/// the long [`Supersession`] wait after `superseded`.
+/// the long [`Supersession`] wait after `superseded`. Not a
+/// [`Machine`](crate::Machine): the supervisor asks it for one delay when
+/// an attempt ends and sleeps that long; nothing else happens to it.
 #[derive(Debug, Clone)]
 pub struct Reconnect {
     backoff: Backoff,

@@ -12,7 +12,10 @@
 //! another connection does not count it twice.
 //!
 //! Sans-IO: the node's connection tasks share one [`NodeCapacity`] and
-//! report each run's start, adoption and end.
+//! report each run's start, adoption and end. It is not a
+//! [`Machine`](crate::Machine): every answer is synchronous (may this run
+//! start?), it has no timer and nothing to output, and every connection's
+//! task asks it under one lock.
 
 use iop_wire::{AdapterKind, FailureCode};
 

@@ -170,7 +170,7 @@ impl RunFrame for ProviderTunnelFrame {
 }
 
 /// What a durable run keeps (R-PARK-1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ParkTerms {
     /// The request's `grace_ms` (0: the default).
     pub grace_ms: u64,
@@ -179,7 +179,7 @@ pub struct ParkTerms {
 }
 
 /// A run as its request asks for it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RunSpec {
     /// Its run id on the connection it starts on.
     pub run_id: RunId,
@@ -198,7 +198,7 @@ pub struct RunSpec {
 }
 
 /// An Edge asks to adopt the run on one of its connections (R-PARK-2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Adoption {
     /// The run's id on the adopting connection.
     pub run_id: RunId,
@@ -215,7 +215,8 @@ pub struct Adoption {
 
 /// What the run asks of the connection's machine it is attached to (or,
 /// for [`LinkAsk::Start`] of an adoption, of the adopting one).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LinkAsk {
     /// Watch this run: answer [`NodeRunInput::Admitted`].
     Start {
@@ -265,7 +266,8 @@ pub enum LinkAsk {
 }
 
 /// Something that happened to the run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum NodeRunInput<F> {
     /// The answer to [`LinkAsk::Start`]: watched, or refused with a code.
     Admitted(Result<(), FailureCode>),
@@ -303,7 +305,8 @@ pub enum NodeRunInput<F> {
 }
 
 /// What the driver does.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum NodeRunOutput<F> {
     /// Ask the connection's machine.
     Link(LinkAsk),
@@ -345,7 +348,8 @@ pub enum NodeRunOutput<F> {
 }
 
 /// Why an adoption was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AdoptionRefused {
     /// The park's terms (R-PARK-2).
     #[error(transparent)]

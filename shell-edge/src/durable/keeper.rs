@@ -21,6 +21,7 @@ use iop_core::journal::availability::{
 };
 use iop_core::journal::{JournalLimits, RecordMeta};
 use iop_store::{EmbeddedOptions, EmbeddedStore, MemoryStore, MemoryTenantStore};
+use iop_trace::{AvailabilityConfigRec, Driven, MachineKind, Tap, TraceFiles};
 
 use super::slot::Opened;
 use super::{Durable, HeldLease, LeaseError};
@@ -202,13 +203,14 @@ impl Durable {
     /// reads it at once.
     pub fn spawn_keeper(
         self: &Arc<Self>,
+        traces: Arc<TraceFiles>,
         first_up: impl FnOnce(Vec<RecordMeta>) + Send + 'static,
     ) -> tokio::task::JoinHandle<()> {
         let durable = self.clone();
         let opener = self.opener.lock().unwrap_or_else(|e| e.into_inner()).take();
         tokio::spawn(async move {
             match opener {
-                Some(opener) => durable.keep(Arc::new(opener), first_up).await,
+                Some(opener) => durable.keep(Arc::new(opener), &traces, first_up).await,
                 None => {
                     // Handed over open: no attempt to make.
                     let unfinished = durable.store().unfinished().await.unwrap_or_default();
@@ -221,6 +223,7 @@ impl Durable {
     async fn keep(
         self: Arc<Self>,
         opener: Arc<Opener>,
+        traces: &TraceFiles,
         first_up: impl FnOnce(Vec<RecordMeta>) + Send + 'static,
     ) {
         let origin = tokio::time::Instant::now();
@@ -230,7 +233,17 @@ impl Durable {
             )
         };
         let at = move |t: iop_core::time::Instant| origin + Duration::from_micros(t.as_micros());
-        let mut machine = Availability::new(now(), rand::random());
+        let config = AvailabilityConfigRec {
+            created_us: now().as_micros(),
+            seed: rand::random(),
+        };
+        let tap = traces
+            .tap(MachineKind::StoreAvailability, || config)
+            .unwrap_or_else(|e| {
+                tracing::error!(event = "edge_trace_open_failed", machine = "store-availability", error = %e);
+                Tap::off()
+            });
+        let mut machine = Driven::new(config.build(), tap);
         let mut first_up = Some(first_up);
         let mut attempt: Option<iop_store::BoxFuture<'static, Result<Up, AttemptError>>> = None;
         let mut lease: Option<HeldLease> = None;
@@ -239,7 +252,7 @@ impl Durable {
         reopen_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let what = opener.describe();
         loop {
-            while let Some(output) = machine.poll_output() {
+            while let Some(output) = machine.poll_output(now()) {
                 match output {
                     AvailabilityOutput::Open { attempt: n } => {
                         tracing::debug!(event = "edge_journal_store_opening", attempt = n);
@@ -275,7 +288,7 @@ impl Durable {
                     }
                 }
             }
-            self.publish_availability(&machine.view(), now());
+            self.publish_availability(&machine.machine().view(), now());
             let timer = machine.poll_timeout();
             tokio::select! {
                 result = in_flight(&mut attempt), if attempt.is_some() => {
@@ -329,8 +342,8 @@ impl Durable {
     }
 
     /// Report an open store that asks to be reopened.
-    fn check_reopen(&self, machine: &mut Availability, now: iop_core::time::Instant) {
-        if machine.state() == StoreState::Up && self.store.needs_reopen() {
+    fn check_reopen(&self, machine: &mut Driven<Availability>, now: iop_core::time::Instant) {
+        if machine.machine().state() == StoreState::Up && self.store.needs_reopen() {
             tracing::error!(
                 event = "edge_journal_store_broken",
                 "the journal store failed an I/O and refuses every write: reopening it"

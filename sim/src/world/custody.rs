@@ -35,6 +35,8 @@ use iop_wire::RunKey;
 
 use super::{EdgeRequest, Event, World};
 use crate::journal_store::{JournalOp, OpKind, OpResult, Writer};
+use crate::record::Recorder;
+use crate::trace::{CustodyConfigRec, Driven, MachineKind, RequestBegin};
 
 /// Outputs one drive of a custody carries out at most (every read is
 /// answered inside the drive, so it bounds reads too).
@@ -43,7 +45,7 @@ const MAX_OUTPUTS_PER_DRIVE: usize = 1 << 20;
 /// The custody of one Edge and what its driver keeps beside it.
 #[derive(Debug)]
 pub(super) struct EdgeCustody {
-    machine: Custody,
+    machine: Driven<Custody>,
     /// The wake-up scheduled for the machine's timeout, if one is.
     armed: Option<Instant>,
     /// Per record, the last event an adoption read first (before its
@@ -61,8 +63,9 @@ impl EdgeCustody {
         edge_id: &str,
         park_window: std::time::Duration,
         sole: bool,
+        recorder: &mut Recorder,
     ) -> Self {
-        let cfg = CustodyConfig {
+        let config = CustodyConfig {
             edge_id: edge_id.to_owned(),
             park_window,
             lease_ttl: std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS),
@@ -78,8 +81,13 @@ impl EdgeCustody {
                 std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS / 3)
             },
         };
+        let config = CustodyConfigRec {
+            config,
+            created_us: now.as_micros(),
+        };
+        let tap = recorder.tap(MachineKind::EdgeCustody, &config);
         EdgeCustody {
-            machine: Custody::new(now, cfg),
+            machine: Driven::new(config.build(), tap),
             armed: None,
             first_event_read: BTreeMap::new(),
         }
@@ -134,9 +142,7 @@ impl World {
         if at.is_some() && custody.armed == at {
             custody.armed = None;
         }
-        if custody.machine.poll_timeout().is_some_and(|t| t <= now) {
-            custody.machine.handle_timeout(now);
-        }
+        custody.machine.fire_due(now);
         self.drive_custody(incarnation);
     }
 
@@ -150,13 +156,13 @@ impl World {
     /// Drain the custody's outputs, then arm its timer.
     fn drive_custody(&mut self, incarnation: u64) {
         for _ in 0..MAX_OUTPUTS_PER_DRIVE {
+            let now = self.now;
             let Some(out) = self
                 .custody_of(incarnation)
-                .and_then(|c| c.machine.poll_output())
+                .and_then(|c| c.machine.poll_output(now))
             else {
                 break;
             };
-            self.recorder.world_line(&("custody", format!("{out:?}")));
             match out {
                 CustodyOutput::Store(op) => self.custody_store(incarnation, op),
                 CustodyOutput::Adopt {
@@ -357,7 +363,6 @@ impl World {
         resume_after_frame: u64,
         resumed: Option<ResumedAnswer>,
     ) {
-        let now = self.now;
         let Some(rid) = self.next_request_id(incarnation) else {
             return;
         };
@@ -372,13 +377,14 @@ impl World {
         else {
             return self.release_parked(offer.node, offer.run.key);
         };
-        let machine = Request::adopting(
-            now,
+        let machine = self.new_request(
             spec,
-            &offer,
-            meta.last_seq,
-            resume_after_frame,
-            resumed.as_ref(),
+            RequestBegin::Adopting {
+                offer,
+                last_seq: meta.last_seq,
+                resume_after_frame,
+                resumed,
+            },
         );
         self.stats.takeover_adoptions += 1;
         self.custody_hands_over(incarnation, rid, &meta, machine);
@@ -387,14 +393,18 @@ impl World {
     /// `Continue`: a request continues the orphan's answer on its pool
     /// (R-TAKE-1, R-CONT-1).
     fn custody_continue(&mut self, incarnation: u64, meta: RecordMeta, resumed: &ResumedAnswer) {
-        let now = self.now;
         let Some(rid) = self.next_request_id(incarnation) else {
             return;
         };
         let Some(spec) = self.custody_spec(rid, &meta, &[]) else {
             return;
         };
-        let machine = Request::continuing(now, spec, resumed);
+        let machine = self.new_request(
+            spec,
+            RequestBegin::Continuing {
+                resumed: resumed.clone(),
+            },
+        );
         self.stats.takeover_continued += 1;
         self.custody_hands_over(incarnation, rid, &meta, machine);
     }
@@ -415,7 +425,7 @@ impl World {
         incarnation: u64,
         rid: RequestId,
         meta: &RecordMeta,
-        machine: Request,
+        machine: Driven<Request>,
     ) {
         self.checkers[0].journal_epoch_handed(
             &meta.id,
@@ -426,8 +436,8 @@ impl World {
                 request_id: rid,
             },
         );
-        self.core_bugs.plant_request(&machine);
-        let deadline = machine.gate().deadline() + self.cfg.durable_flush_bound();
+        self.core_bugs.plant_request(machine.machine());
+        let deadline = machine.machine().gate().deadline() + self.cfg.durable_flush_bound();
         let Some(edge) = self.edges[self.cur]
             .as_mut()
             .filter(|e| e.incarnation == incarnation)

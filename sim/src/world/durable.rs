@@ -26,7 +26,7 @@ use std::time::Duration;
 use iop_core::edge::admission::RequestId;
 use iop_core::edge::durable::{JournalAck, JournalSpec, JournalWrite, encode_delivery};
 use iop_core::edge::gate::GateBudget;
-use iop_core::edge::request::{Delivery, Request, RequestInput, RequestSpec};
+use iop_core::edge::request::{Delivery, RequestInput, RequestSpec};
 use iop_core::ids::ProviderId;
 use iop_core::journal::{CreateOutcome, JournalApi, JournalError, NewRecord, fingerprint};
 
@@ -34,6 +34,7 @@ use super::{EdgeRequest, Event, World};
 use crate::config::PPM;
 use crate::invariants::journal::delivered_status;
 use crate::journal_store::{JournalOp, OpKind, OpResult, PendingWrite, Writer};
+use crate::trace::RequestBegin;
 
 /// The Unix time of virtual time zero, milliseconds (what the driver
 /// stamps on terminals and records).
@@ -406,7 +407,6 @@ impl World {
     /// The record of a durable request is durable (or was refused): start
     /// its request machine.
     fn record_created(&mut self, request_id: RequestId, result: OpResult) {
-        let now = self.now;
         let park_grace = self.cfg.journal.park_grace;
         let flush = self.cfg.durable_flush_bound();
         let Some(edge) = &mut self.edges[self.cur] else {
@@ -429,8 +429,9 @@ impl World {
             self.tenant_release_unstarted(request_id);
             return;
         }
-        let machine = Request::new(
-            now,
+        let record = pending.record.clone();
+        let client_left = pending.client_left;
+        let machine = self.new_request(
             RequestSpec {
                 request_id,
                 pool: pending.pool,
@@ -447,24 +448,28 @@ impl World {
                 park_grace_ms: super::duration_ms(park_grace),
                 continuation,
             },
+            RequestBegin::New,
         );
-        self.core_bugs.plant_request(&machine);
-        let deadline = machine.gate().deadline() + flush;
-        let attached = !pending.client_left;
+        self.core_bugs.plant_request(machine.machine());
+        let deadline = machine.machine().gate().deadline() + flush;
+        let attached = !client_left;
+        let Some(edge) = &mut self.edges[self.cur] else {
+            return;
+        };
         edge.requests.insert(
             request_id,
             EdgeRequest {
                 machine,
                 running: None,
                 admitted_with: None,
-                durable: Some(pending.record.clone()),
+                durable: Some(record.clone()),
                 client_attached: attached,
             },
         );
         self.stats.requests += 1;
         self.stats.durable_requests += 1;
         self.checkers[self.cur].request_opened((incarnation, request_id), deadline);
-        self.checkers[0].durable_client_opened(&pending.record);
+        self.checkers[0].durable_client_opened(&record);
         let state = if attached {
             ClientState::Attached {
                 incarnation,
@@ -474,7 +479,7 @@ impl World {
             ClientState::Done
         };
         self.durable_clients.insert(
-            pending.record,
+            record,
             DurableClient {
                 state,
                 received: 0,

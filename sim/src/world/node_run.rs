@@ -36,12 +36,13 @@ use iop_wire::{
 use super::{Call, CallStage, Event, Link, World, nconn};
 use crate::net::{ConnId, Dir, Payload, StreamKey};
 use crate::provider::CallPlan;
+use crate::trace::{Driven, MachineKind, NodeRunConfigRec};
 
 /// One run on its node.
 #[derive(Debug)]
 pub(super) struct SimRun {
     /// Its rules.
-    machine: NodeRun<RunEventKind>,
+    machine: Driven<NodeRun<RunEventKind>>,
     /// Its provider call, once made.
     call: Option<Call>,
     /// The provider its target names.
@@ -104,7 +105,7 @@ impl World {
             return;
         };
         let conn = nc.conn;
-        let generation = nc.link.inner().generation().unwrap_or(0);
+        let generation = nc.link.machine().generation().unwrap_or(0);
         let provider = self
             .providers
             .iter()
@@ -114,15 +115,19 @@ impl World {
             grace_ms: p.grace_ms,
             max_kept_bytes: self.cfg.journal.park_kept_bytes,
         });
-        let machine = NodeRun::new(RunSpec {
-            run_id: request.run_id,
-            kind: RunKind::Normalized,
-            stall_timeout_ms: request.response_stall_timeout_ms,
-            deadline_ms: request.deadline_ms,
-            target_known: true,
-            carries_lease: request.credential_lease.is_some(),
-            park,
-        });
+        let config = NodeRunConfigRec {
+            spec: RunSpec {
+                run_id: request.run_id,
+                kind: RunKind::Normalized,
+                stall_timeout_ms: request.response_stall_timeout_ms,
+                deadline_ms: request.deadline_ms,
+                target_known: true,
+                carries_lease: request.credential_lease.is_some(),
+                park,
+            },
+        };
+        let tap = self.recorder.tap(MachineKind::NodeRun, &config);
+        let machine = Driven::new(NodeRun::new(config.spec), tap);
         let n = &mut self.nodes[node];
         let serial = n.next_run;
         n.next_run += 1;
@@ -163,7 +168,7 @@ impl World {
         self.nodes[node]
             .runs
             .iter()
-            .find(|(_, r)| r.conn == Some(conn) && r.machine.run_id() == run_id)
+            .find(|(_, r)| r.conn == Some(conn) && r.machine.machine().run_id() == run_id)
             .map(|(serial, _)| *serial)
     }
 
@@ -190,7 +195,7 @@ impl World {
             let Some(run) = self.nodes[node].runs.get_mut(&serial) else {
                 return;
             };
-            let Some(out) = run.machine.poll_output() else {
+            let Some(out) = run.machine.poll_output(now) else {
                 break;
             };
             let fed = self.run_output(node, serial, out);
@@ -228,7 +233,7 @@ impl World {
         let now = self.now;
         let process = self.nodes[node].process;
         let run = self.nodes[node].runs.get_mut(&serial)?;
-        let run_id = run.machine.run_id();
+        let run_id = run.machine.machine().run_id();
         let conn = run.conn;
         match out {
             NodeRunOutput::Link(ask) => return self.run_ask(node, serial, ask),
@@ -455,13 +460,16 @@ impl World {
         let Some(run) = self.nodes[node].runs.get(&serial) else {
             return;
         };
-        let (provider, stall_ms, run_id) =
-            (run.provider, run.stall_timeout_ms, run.machine.run_id());
+        let (provider, stall_ms, run_id) = (
+            run.provider,
+            run.stall_timeout_ms,
+            run.machine.machine().run_id(),
+        );
         let Some(conn) = run.conn else {
             return;
         };
         let generation = nconn(&mut self.nodes, node, self.cur)
-            .and_then(|nc| nc.link.inner().generation())
+            .and_then(|nc| nc.link.machine().generation())
             .unwrap_or(0);
         self.checkers[self.cur].provider_called(conn, run_id);
         if double {
@@ -535,7 +543,7 @@ impl World {
         }
         let provider = call.provider;
         let gap = call.plan.token_gap.max(Duration::from_millis(1));
-        if !run.machine.is_calling() {
+        if !run.machine.machine().is_calling() {
             return;
         }
         let frozen_until = self.frozen_until[provider];
@@ -547,14 +555,14 @@ impl World {
         let Some(run) = self.run_of(node, process, serial) else {
             return;
         };
-        if run.machine.read_batch() == 0 {
+        if run.machine.machine().read_batch() == 0 {
             // R-PARK-1: a full buffer puts the provider off; acks (or the
             // run's end) make room. Nothing is dropped.
             self.stats.park_paused += 1;
             self.schedule(now + gap, again);
             return;
         }
-        let run_id = run.machine.run_id();
+        let run_id = run.machine.machine().run_id();
         let prompt_tokens = run.prompt_tokens;
         let Some(call) = run.call.as_mut() else {
             return;
@@ -589,7 +597,7 @@ impl World {
         let Some(run) = self.run_of(node, process, serial) else {
             return;
         };
-        if run.durable.is_none() && run.machine.is_calling() {
+        if run.durable.is_none() && run.machine.machine().is_calling() {
             self.run_input(node, serial, NodeRunInput::CancelProvider);
             return;
         }
@@ -873,8 +881,8 @@ impl World {
             .values()
             .filter_map(|r| {
                 let (key, response_id) = r.durable.as_ref()?;
-                let summary = r.machine.park_summary()?;
-                let state = r.machine.park_state()?;
+                let summary = r.machine.machine().park_summary()?;
+                let state = r.machine.machine().park_state()?;
                 Some((
                     state,
                     ParkedRun {

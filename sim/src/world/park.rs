@@ -64,7 +64,9 @@ impl World {
         let waiting = edge
             .requests
             .iter()
-            .find(|(_, r)| r.durable.as_deref() == Some(record) && r.machine.awaits_parked(key))
+            .find(|(_, r)| {
+                r.durable.as_deref() == Some(record) && r.machine.machine().awaits_parked(key)
+            })
             .map(|(rid, _)| *rid);
         match waiting {
             // Its driver adopts it.

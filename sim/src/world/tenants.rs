@@ -63,6 +63,7 @@ use iop_wire::RunEventKind;
 use super::{Event, World};
 use crate::config::{Rng, TenantProfile};
 use crate::tenant_store::{MAX_CLAIM_TRIES, SimTenantStore};
+use crate::trace::{Driven, MachineKind, TenantsConfigRec};
 
 /// The world's one model, as clients name it.
 const MODEL: &str = "sim";
@@ -121,7 +122,7 @@ impl TenantEvent {
 #[derive(Debug)]
 pub(super) struct EdgeTenants {
     /// The machine the Edge's shell drives.
-    machine: Tenants,
+    machine: Driven<Tenants>,
     /// R-TEN-1: per principal, a machine that sees only its traffic.
     shadows: BTreeMap<String, Tenants>,
     /// The requests it admitted and has not settled.
@@ -169,7 +170,11 @@ fn principal_of<'a>(profile: &'a TenantProfile, subject: &'a Subject) -> &'a str
 
 impl World {
     /// A new Edge process's tenants (`None` in a world without them).
-    pub(super) fn new_edge_tenants(&self) -> Option<EdgeTenants> {
+    pub(super) fn new_edge_tenants(&mut self) -> Option<EdgeTenants> {
+        let config = TenantsConfigRec {
+            config: self.tenancy.as_ref()?.profile.machine,
+        };
+        let tap = self.recorder.tap(MachineKind::EdgeTenants, &config);
         let t = self.tenancy.as_ref()?;
         // The shadows run the same code, planted bugs included: they tell
         // isolation apart, not correctness.
@@ -179,7 +184,7 @@ impl World {
             m
         };
         Some(EdgeTenants {
-            machine: machine(),
+            machine: Driven::new(machine(), tap),
             shadows: t
                 .profile
                 .principals
@@ -226,7 +231,7 @@ impl World {
             key_held: Held::default(),
             principal_held: Held::default(),
         };
-        let admitted = et.machine.admit(now, &request);
+        let admitted = et.machine.machine_mut().admit(now, &request);
         let shadow = et
             .shadows
             .get_mut(principal)
@@ -256,6 +261,7 @@ impl World {
             let incarnation = edge.incarnation;
             let spent: Vec<Subject> = et
                 .machine
+                .machine()
                 .held_by(rid)
                 .iter()
                 .filter(|(c, _)| c.meter == Meter::Spend)
@@ -319,9 +325,10 @@ impl World {
             return RequestInput::AttemptReserved;
         };
         let principal = t.profile.principals[t.profile.keys[ticket.key].1].0.clone();
-        let reserved = et
-            .machine
-            .reserve_attempt(now, rid, extra_input_tokens, unix_ms);
+        let reserved =
+            et.machine
+                .machine_mut()
+                .reserve_attempt(now, rid, extra_input_tokens, unix_ms);
         let shadow = et
             .shadows
             .get_mut(&principal)
@@ -341,7 +348,7 @@ impl World {
             if let Some(tk) = et.tickets.get_mut(&rid) {
                 tk.attempts = attempts;
             }
-            let held = et.machine.reservations_of(rid);
+            let held = et.machine.machine().reservations_of(rid);
             if held != 1 + attempts {
                 fail.push((
                     "R-TEN-2",
@@ -354,6 +361,7 @@ impl World {
         }
         let spent: Vec<Subject> = et
             .machine
+            .machine()
             .held_by(rid)
             .iter()
             .filter(|(c, _)| c.meter == Meter::Spend)
@@ -417,7 +425,7 @@ impl World {
         let ticket = et.tickets.get_mut(&rid)?;
         ticket.calls += 1;
         let (calls, prompt) = (ticket.calls, ticket.prompt_bytes);
-        let held = et.machine.reservations_of(rid);
+        let held = et.machine.machine().reservations_of(rid);
         if held < calls {
             let detail = format!(
                 "request {rid} sends its prompt for the {calls}th time with {held} \
@@ -445,16 +453,16 @@ impl World {
             return;
         };
         let principal = t.profile.principals[t.profile.keys[ticket.key].1].0.clone();
-        let held: Vec<(CounterKey, u64)> = et.machine.held_by(rid).to_vec();
+        let held: Vec<(CounterKey, u64)> = et.machine.machine().held_by(rid).to_vec();
         let counters: BTreeSet<&CounterKey> = held.iter().map(|(c, _)| c).collect();
         let before: BTreeMap<&CounterKey, u64> = counters
             .iter()
-            .map(|c| (*c, et.machine.used(c).unwrap_or(0)))
+            .map(|c| (*c, et.machine.machine().used(c).unwrap_or(0)))
             .collect();
         let used = ticket.used.unwrap_or_default();
         let settled = match ticket.used {
-            Some(used) => et.machine.settle(now, rid, used),
-            None => et.machine.release(now, rid),
+            Some(used) => et.machine.machine_mut().settle(now, rid, used),
+            None => et.machine.machine_mut().release(now, rid),
         };
         let shadow = et.shadows.get_mut(&principal).map(|s| match ticket.used {
             Some(used) => s.settle(now, rid, used),
@@ -474,7 +482,7 @@ impl World {
         let spend = used.cost(&t.profile.price);
         let mut moved: BTreeMap<(&Subject, Meter), i128> = BTreeMap::new();
         for c in &counters {
-            let after = et.machine.used(c).unwrap_or(0);
+            let after = et.machine.machine().used(c).unwrap_or(0);
             *moved.entry((&c.subject, c.meter)).or_default() +=
                 i128::from(after) - i128::from(before[*c]);
         }
@@ -503,7 +511,7 @@ impl World {
                 ));
             }
         }
-        if et.machine.reservations_of(rid) != 0 {
+        if et.machine.machine().reservations_of(rid) != 0 {
             fail.push((
                 "R-TEN-2",
                 format!("request {rid} still holds a reservation after its settlement"),
@@ -543,6 +551,7 @@ impl World {
     /// an operation of `principal`: each must be one of that principal's
     /// counters, and exactly those its shadow asks for (R-TEN-1).
     fn tenant_claims(&mut self, principal: &str) {
+        let now = self.now;
         let Some(t) = self.tenancy.as_ref() else {
             return;
         };
@@ -553,7 +562,7 @@ impl World {
         let Some(et) = edge.tenants.as_mut() else {
             return;
         };
-        let claims: Vec<TenantsOutput> = std::iter::from_fn(|| et.machine.poll_output()).collect();
+        let claims: Vec<TenantsOutput> = et.machine.drain_all(now);
         let shadow: Vec<TenantsOutput> = et
             .shadows
             .get_mut(principal)
