@@ -22,8 +22,9 @@ pub struct Capture {
     /// The machine kind.
     pub machine: MachineKind,
     /// Which instance of that kind, counting from 0 in creation order (the
-    /// Edge's dispatcher of its n-th incarnation, the n-th node connection's
-    /// watchdog, the n-th heartbeat of either side).
+    /// Edge's dispatcher of its n-th incarnation, the n-th node connection,
+    /// the n-th request machine, ...). Heartbeats live inside the
+    /// connection machines, whose traces carry them.
     pub instance: u64,
     /// Where the trace goes.
     pub writer: Box<dyn Write + Send>,
