@@ -159,6 +159,18 @@ impl Proc {
         dir: &Path,
         pipe_stdout: bool,
     ) -> Result<Self, DeployError> {
+        Self::spawn_with_env(name, program, args, &[], dir, pipe_stdout)
+    }
+
+    /// [`Proc::spawn`] with `env` added to its environment.
+    pub fn spawn_with_env(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, &str)],
+        dir: &Path,
+        pipe_stdout: bool,
+    ) -> Result<Self, DeployError> {
         let log = dir.join(format!("{name}.log"));
         let file =
             std::fs::File::create(&log).map_err(io(format!("creating {}", log.display())))?;
@@ -170,6 +182,7 @@ impl Proc {
                 "RUST_LOG",
                 std::env::var("IOP_BENCH_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stderr(Stdio::from(err))
             .kill_on_drop(true);
@@ -202,6 +215,11 @@ impl Proc {
     /// The OS process id.
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Its log file (stderr, and stdout unless piped).
+    pub fn log(&self) -> &Path {
+        &self.log
     }
 
     /// Its piped stdout (once).
@@ -500,6 +518,9 @@ pub struct DeploymentSpec {
     pub otlp_traces: Option<String>,
     /// What the scenario adds to the Edge's config.
     pub extras: EdgeExtras,
+    /// `[runtime] worker_threads` of the Edge and of every Node (`None`:
+    /// no `[runtime]`, the binaries' default).
+    pub worker_threads: Option<usize>,
 }
 
 /// A running mock.
@@ -594,6 +615,13 @@ cert = "certs/node-{id}.pem"
 key = "certs/node-{id}.key"
 {providers}"#
     )
+}
+
+/// The `[runtime]` table that sets `worker_threads` (none for `None`).
+pub fn runtime_section(worker_threads: Option<usize>) -> String {
+    worker_threads.map_or_else(String::new, |n| {
+        format!("[runtime]\nworker_threads = {n}\n")
+    })
 }
 
 /// Certificates for `nodes` and the API key file, in `dir`.
@@ -740,6 +768,7 @@ impl Deployment {
         if let Some(endpoint) = &spec.otlp_traces {
             edge_toml.push_str(&crate::spans::otlp_traces_section(endpoint));
         }
+        edge_toml.push_str(&runtime_section(spec.worker_threads));
         edge_toml.push_str(&spec.extras.tables);
         for (name, secret) in &spec.extras.key_files {
             write_secret_file(&dir.join(name), secret)?;
@@ -776,6 +805,7 @@ impl Deployment {
             if let Some(endpoint) = &spec.otlp_traces {
                 node_toml.push_str(&crate::spans::otlp_traces_section(endpoint));
             }
+            node_toml.push_str(&runtime_section(spec.worker_threads));
             write(&dir.join(&file), &node_toml)?;
             nodes.push(Proc::spawn(
                 &format!("node-{id}"),
@@ -839,6 +869,7 @@ impl Deployment {
             api_key: None,
             model: "mock".into(),
             durability: Durability::Ephemeral,
+            headers: Vec::new(),
         })
     }
 
@@ -854,6 +885,7 @@ impl Deployment {
                 name.to_owned()
             },
             durability: Durability::Ephemeral,
+            headers: Vec::new(),
         }
     }
 

@@ -89,5 +89,6 @@ pub fn latency_deployment(
         journal: JournalStore::default(),
         otlp_traces: None,
         extras: EdgeExtras::default(),
+        worker_threads: None,
     }
 }

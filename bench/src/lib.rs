@@ -23,6 +23,10 @@
 //! * [`durable_memory`]: the Edge's memory while durable responses are
 //!   retained (the retention scenario) and while one large stored response
 //!   is read back many times (the retrieve scenario).
+//! * [`gateways`]: what the published gateway benchmarks report (one
+//!   request at a time, the most requests/s under a p99 bound, peak
+//!   memory) for the mock alone, iop and [`peers`] (Portkey's gateway,
+//!   LiteLLM's proxy) in one run (the gateways scenario).
 //!
 //! Speed is reported as numbers and ratios against a baseline of the same
 //! run, never asserted in tests: the tests here only check that the tools
@@ -34,8 +38,10 @@ pub mod deployment;
 pub mod durable_memory;
 pub mod fleet;
 pub mod gateway;
+pub mod gateways;
 pub mod journal;
 pub mod load;
+pub mod peers;
 pub mod procfs;
 pub mod report;
 pub mod scenario;

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use hdrhistogram::Histogram;
-use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderName, HeaderValue};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -57,6 +57,9 @@ pub struct Target {
     pub model: String,
     /// Whether every request asks for a durable response.
     pub durability: Durability,
+    /// Headers every request carries besides the key (a peer gateway's
+    /// routing headers).
+    pub headers: Vec<(String, String)>,
 }
 
 /// How a request asks iop to keep its response (docs/durability.md).
@@ -235,6 +238,8 @@ struct Prepared {
     next_trace: AtomicU64,
     /// Traced runs: one request in this many carries a trace id.
     trace_every: u64,
+    /// The target's own headers.
+    headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl Prepared {
@@ -248,6 +253,9 @@ impl Prepared {
             .body(self.body.clone());
         if let Some(auth) = &self.auth {
             req = req.header(AUTHORIZATION, auth.clone());
+        }
+        for (name, value) in &self.headers {
+            req = req.header(name.clone(), value.clone());
         }
         if let Some(prefix) = &self.key_prefix {
             let n = self.next_key.fetch_add(1, Ordering::Relaxed);
@@ -345,8 +353,21 @@ fn prepare(
         .as_ref()
         .map(|k| HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| LoadError::InvalidKey))
         .transpose()?;
+    let headers = target
+        .headers
+        .iter()
+        .map(|(name, value)| {
+            Ok((
+                HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| LoadError::InvalidSpec("a header name"))?,
+                HeaderValue::from_str(value)
+                    .map_err(|_| LoadError::InvalidSpec("a header value"))?,
+            ))
+        })
+        .collect::<Result<Vec<_>, LoadError>>()?;
     let store = target.durability == Durability::Store;
     Ok(Arc::new(Prepared {
+        headers,
         client: client.clone(),
         url,
         auth,

@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use iop_bench::deployment::{Binaries, Deployment, JournalStore};
+use iop_bench::gateways::GatewaySettings;
 use iop_bench::load::{self, Durability, LoadSpec, Target};
+use iop_bench::peers::{self, PeerKind};
 use iop_bench::report::{LoadMode, load_table};
 use iop_bench::scenario::{self, DurableSettings, LatencySettings, Machine, SuiteReport};
 
@@ -128,15 +130,85 @@ enum ScenarioName {
     Retention,
     /// Edge memory under many retrieves of one large stored response.
     Retrieve,
+    /// The mock alone, iop in both modes and peer gateways (Portkey,
+    /// LiteLLM) in one run: one request at a time, the most requests/s
+    /// with p99 under a bound, peak memory (not in the default run: the
+    /// peers are installed apart).
+    Gateways,
 }
 
 /// Does a suite run with `--only only` run scenario `s` (none = all but
-/// the tail scenario, which runs only when named)?
+/// the tail and gateways scenarios, which run only when named)?
 fn wants(only: &[ScenarioName], s: ScenarioName) -> bool {
-    if s == ScenarioName::Tail {
+    if matches!(s, ScenarioName::Tail | ScenarioName::Gateways) {
         return only.contains(&s);
     }
     only.is_empty() || only.contains(&s)
+}
+
+/// A peer of the gateways scenario, or none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PeerArg {
+    /// Portkey's open-source gateway.
+    Portkey,
+    /// LiteLLM's proxy.
+    Litellm,
+    /// No peer.
+    None,
+}
+
+/// The gateways scenario's settings from the suite's flags.
+fn gateway_settings(a: &SuiteArgs, duration: Duration) -> anyhow::Result<GatewaySettings> {
+    let peers: Vec<PeerKind> = if a.gateway_peers.is_empty() {
+        vec![PeerKind::Portkey, PeerKind::Litellm]
+    } else {
+        a.gateway_peers
+            .iter()
+            .filter_map(|p| match p {
+                PeerArg::Portkey => Some(PeerKind::Portkey),
+                PeerArg::Litellm => Some(PeerKind::Litellm),
+                PeerArg::None => None,
+            })
+            .collect()
+    };
+    let program = |kind: PeerKind| match kind {
+        PeerKind::Portkey => a.portkey_server.clone(),
+        PeerKind::Litellm => a.litellm_bin.clone(),
+    };
+    let worker_threads = if a.gateway_worker_threads.is_empty() {
+        vec![None]
+    } else {
+        a.gateway_worker_threads
+            .iter()
+            .map(|w| match w.as_str() {
+                "default" => Ok(None),
+                n => n.parse::<usize>().map(Some).with_context(|| {
+                    format!("--gateway-worker-threads: `{n}` is neither `default` nor a number")
+                }),
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    anyhow::ensure!(
+        a.gateway_p99_ms.is_finite() && a.gateway_p99_ms > 0.0,
+        "--gateway-p99-ms must be > 0"
+    );
+    Ok(GatewaySettings {
+        runs: a.gateway_runs.unwrap_or(if a.quick { 1 } else { 3 }),
+        duration,
+        step_duration: match a.gateway_step_s {
+            Some(s) => secs(s)?,
+            None => duration / 2,
+        },
+        p99_bound: Duration::from_secs_f64(a.gateway_p99_ms / 1e3),
+        max_concurrency: a.gateway_max_concurrency,
+        open_rates: or_default(&a.gateway_rates, a.quick, &[1000.0], &[1000.0, 2000.0]),
+        worker_threads,
+        peers: peers
+            .into_iter()
+            .map(|kind| (kind, program(kind).or_else(|| peers::default_program(kind))))
+            .collect(),
+        pause: iop_bench::gateways::PAUSE,
+    })
 }
 
 /// How requests ask for a durable response.
@@ -276,6 +348,40 @@ struct SuiteArgs {
     /// (default: the Edge's default, 1024).
     #[arg(long)]
     retrieve_memory_mib: Option<u64>,
+    /// Runs of the gateways scenario (each figure: the median of them).
+    #[arg(long)]
+    gateway_runs: Option<usize>,
+    /// Seconds of each step of the gateways scenario's rate search
+    /// (default: half of --duration-s).
+    #[arg(long)]
+    gateway_step_s: Option<f64>,
+    /// The p99 the gateways scenario's rate search stays under, ms.
+    #[arg(long, default_value_t = 20.0)]
+    gateway_p99_ms: f64,
+    /// The most clients the gateways scenario's rate search tries.
+    #[arg(long, default_value_t = 256)]
+    gateway_max_concurrency: u32,
+    /// Open-loop rates of the gateways scenario, offered to each path that
+    /// sustained them in the rate search (default: 1000,2000).
+    #[arg(long, value_delimiter = ',')]
+    gateway_rates: Vec<f64>,
+    /// Peers of the gateways scenario (default: portkey,litellm; `none`
+    /// measures iop alone).
+    #[arg(long, value_delimiter = ',')]
+    gateway_peers: Vec<PeerArg>,
+    /// One iop deployment per value, each with this `[runtime]
+    /// worker_threads` (`default`: no `[runtime]`), measured side by side
+    /// in the gateways scenario (default: `default`).
+    #[arg(long, value_delimiter = ',')]
+    gateway_worker_threads: Vec<String>,
+    /// Portkey's `start-server.js` (default: where scripts/portkey-gateway
+    /// installs it).
+    #[arg(long)]
+    portkey_server: Option<PathBuf>,
+    /// LiteLLM's `litellm` command (default: the one scripts/provider-venv
+    /// builds).
+    #[arg(long)]
+    litellm_bin: Option<PathBuf>,
     /// The `iop-edge` binary (default: beside this one).
     #[arg(long)]
     edge_bin: Option<PathBuf>,
@@ -349,6 +455,7 @@ async fn run_load(a: LoadArgs) -> anyhow::Result<()> {
         api_key: key_from(a.key_env.as_ref())?,
         model: a.model,
         durability: a.durable.durability(),
+        headers: Vec::new(),
     };
     let mut spec = LoadSpec::new(&a.label, target, a.stream, mode, secs(a.duration_s)?);
     spec.warmup = Duration::from_secs_f64(a.warmup_s.max(0.0));
@@ -418,6 +525,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         tenants: None,
         retention: None,
         retrieve: None,
+        gateways: None,
     };
     let latency_settings = LatencySettings {
         rates: or_default(
@@ -514,6 +622,10 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         };
         report.retrieve = Some(iop_bench::durable_memory::retrieve(&bins, &work, &settings).await?);
     }
+    if want(ScenarioName::Gateways) {
+        let settings = gateway_settings(&a, duration)?;
+        report.gateways = Some(iop_bench::gateways::gateways(&bins, &work, &settings).await?);
+    }
     if want(ScenarioName::Nodes) {
         let count = a.fleet_nodes.unwrap_or(if q { 50 } else { 200 });
         let window = secs(a.idle_window_s.unwrap_or(if q { 5.0 } else { 60.0 }))?;
@@ -536,6 +648,7 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         api_key: key_from(a.key_env.as_ref())?,
         model: a.model,
         durability: Durability::Ephemeral,
+        headers: Vec::new(),
     };
     let settings = LatencySettings {
         rates: a.rates,
@@ -562,6 +675,7 @@ async fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
         tenants: None,
         retention: None,
         retrieve: None,
+        gateways: None,
     };
     let (json, md) = report.write(&a.out)?;
     print!("{}", report.markdown());
@@ -629,8 +743,10 @@ mod tests {
             [Latency, Nagle]
         );
         assert!(Cli::try_parse_from(["iop-bench", "suite", "--only", "nagel"]).is_err());
-        // The tail scenario runs only when named.
+        // The tail and gateways scenarios run only when named.
         assert!(!wants(&only(&[]), Tail));
         assert!(wants(&only(&["--only", "latency,tail"]), Tail));
+        assert!(!wants(&only(&[]), Gateways));
+        assert!(wants(&only(&["--only", "gateways"]), Gateways));
     }
 }

@@ -51,6 +51,43 @@ pub fn peak_rss_bytes(pid: u32) -> Result<u64, ProcError> {
     status_kb(pid, "VmHWM")
 }
 
+/// `pid` and every process descended from it (children, their children,
+/// ...), from the parent ids in `/proc/*/stat`: the processes a gateway
+/// started (worker processes) count as its own.
+pub fn process_tree(pid: u32) -> Vec<u32> {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            let Some(child) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if let Ok((_, text)) = read(child, "stat")
+                && let Some(ppid) = stat_field(&text, 4)
+            {
+                parents.push((child, ppid as u32));
+            }
+        }
+    }
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while let Some(&p) = tree.get(i) {
+        tree.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    tree
+}
+
+/// Field `n` (1-based, as `proc(5)` numbers them) of a `/proc/PID/stat`
+/// text; fields from 3 on follow the command name's `)`.
+fn stat_field(text: &str, n: usize) -> Option<u64> {
+    let rest = text.rsplit_once(')')?.1;
+    rest.split_whitespace().nth(n.checked_sub(3)?)?.parse().ok()
+}
+
 /// Threads of the process.
 pub fn threads(pid: u32) -> Result<u64, ProcError> {
     let (path, text) = read(pid, "status")?;
@@ -67,14 +104,9 @@ pub fn threads(pid: u32) -> Result<u64, ProcError> {
 /// clock ticks.
 pub fn cpu_ticks(pid: u32) -> Result<u64, ProcError> {
     let (path, text) = read(pid, "stat")?;
-    // The command name may hold spaces; fields resume after its `)`.
-    let fields: Vec<&str> = text
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    // After `)`: state is field 3, utime field 14, stime field 15.
-    let tick = |i: usize| fields.get(i - 3).and_then(|v| v.parse::<u64>().ok());
-    match (tick(14), tick(15)) {
+    // The command name may hold spaces; fields resume after its `)`:
+    // utime is field 14, stime field 15.
+    match (stat_field(&text, 14), stat_field(&text, 15)) {
         (Some(u), Some(s)) => Ok(u + s),
         _ => Err(ProcError::Field {
             path,
@@ -122,6 +154,19 @@ mod tests {
         std::hint::black_box(x);
         cpu_ticks(pid).unwrap();
         assert!(load_average().unwrap().iter().all(|l| *l >= 0.0));
+    }
+
+    #[test]
+    fn a_process_tree_holds_the_process_and_its_children() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let tree = process_tree(std::process::id());
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(tree[0], std::process::id());
+        assert!(tree.contains(&child.id()), "{tree:?}");
     }
 
     #[test]

@@ -573,6 +573,7 @@ pub fn memory_deployment(work: &Path, nodes: usize, max_streams: usize) -> Deplo
         journal: JournalStore::default(),
         otlp_traces: None,
         extras: EdgeExtras::default(),
+        worker_threads: None,
     }
 }
 
@@ -1550,6 +1551,9 @@ pub struct SuiteReport {
     /// Edge memory under retrieves of one large stored response.
     #[serde(default)]
     pub retrieve: Option<crate::durable_memory::RetrieveResult>,
+    /// The mock alone, iop and peer gateways side by side.
+    #[serde(default)]
+    pub gateways: Option<crate::gateways::GatewaysResult>,
 }
 
 fn kib(bytes: f64) -> String {
@@ -1669,6 +1673,9 @@ impl SuiteReport {
         }
         if let Some(r) = &self.retrieve {
             out.push_str(&r.markdown());
+        }
+        if let Some(g) = &self.gateways {
+            out.push_str(&g.markdown());
         }
         if let Some(n) = &self.nodes {
             out.push_str(&format!(
@@ -1861,6 +1868,7 @@ mod tests {
             tenants: None,
             retention: None,
             retrieve: None,
+            gateways: None,
         };
         let md = report.markdown();
         let plain = md
@@ -1923,6 +1931,7 @@ mod tests {
             tenants: None,
             retention: None,
             retrieve: None,
+            gateways: None,
         };
         let md = report.markdown();
         assert!(

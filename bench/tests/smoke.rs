@@ -117,6 +117,7 @@ impl InProcess {
             api_key: Some(API_KEY.to_owned()),
             model: model.to_owned(),
             durability: Durability::Ephemeral,
+            headers: Vec::new(),
         }
     }
 
@@ -126,6 +127,7 @@ impl InProcess {
             api_key: None,
             model: "mock".to_owned(),
             durability: Durability::Ephemeral,
+            headers: Vec::new(),
         }
     }
 
@@ -766,4 +768,56 @@ async fn retrieve_scenario_reads_one_stored_response_back_many_times() {
         r.markdown()
     );
     d.stop().await;
+}
+
+/// The gateways scenario's measurements, shortest form, through the
+/// in-process Edge: every path's cells are measured, the rate search
+/// steps up from one client, and the summary reports the paths added
+/// over direct. No peer (they are installed apart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_scenario_measures_every_path_and_adds_over_direct() {
+    use iop_bench::gateways::{self, DIRECT, GatewayPath, GatewaySettings};
+    let d = InProcess::start().await;
+    let paths = [
+        (DIRECT, d.direct()),
+        ("iop tunnel", d.via("mock-tunnel")),
+        ("iop normalized", d.via("mock")),
+    ]
+    .map(|(label, target)| GatewayPath {
+        label: label.into(),
+        target,
+    });
+    let settings = GatewaySettings {
+        runs: 1,
+        duration: Duration::from_millis(400),
+        step_duration: Duration::from_millis(300),
+        p99_bound: Duration::from_secs(5),
+        max_concurrency: 2,
+        open_rates: vec![40.0],
+        worker_threads: vec![None],
+        peers: Vec::new(),
+        pause: Duration::ZERO,
+    };
+    let runs = gateways::measure(&paths, &settings).await.expect("measure");
+    d.stop().await;
+    assert_eq!(runs.len(), 1);
+    let run = &runs[0];
+    assert_eq!(run.paths.len(), 3);
+    for (p, path) in run.paths.iter().zip(&paths) {
+        assert_eq!(p.label, path.label);
+        assert_well_formed(&p.single, false);
+        assert_well_formed(&p.single_stream, true);
+        // 1 and 2 clients, both under a 5 s bound.
+        assert_eq!(p.steps.len(), 2, "{}", p.label);
+        assert!(p.max_rps.is_some() && p.max_rps_concurrency.is_some());
+        assert_eq!(p.open.len(), 1, "{}: 40/s sustained", p.label);
+        assert_well_formed(&p.open[0], false);
+    }
+    let summary = gateways::summarize(&runs);
+    assert!(summary[0].added_p50_us.is_none());
+    for s in &summary[1..] {
+        assert!(s.added_p99_us.is_some() && s.added_ttft_p99_us.is_some());
+        assert!(s.max_rps.is_some(), "{}", s.label);
+        assert_eq!(s.open.len(), 1, "{}", s.label);
+    }
 }

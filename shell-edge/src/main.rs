@@ -202,67 +202,25 @@ fn main() -> anyhow::Result<()> {
     }
     iop_transport::logging::init(cli.log_format);
     let _ = rustls::crypto::ring::default_provider().install_default();
+    if let Command::Run {
+        config,
+        record_trace,
+        trace_machines,
+    } = cli.command
+    {
+        // The configuration first: its `[runtime]` says which runtime to
+        // start.
+        let env = Environment::from_process();
+        let loaded = iop_edge::config::EdgeConfig::load_in(config.as_deref(), &env)?;
+        let runtime = loaded
+            .runtime
+            .build()
+            .context("starting the tokio runtime")?;
+        return runtime.block_on(run(config, record_trace, trace_machines, loaded));
+    }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
         match cli.command {
-            Command::Run {
-                config,
-                record_trace,
-                trace_machines,
-            } => {
-                let path = config;
-                let config =
-                    iop_edge::config::EdgeConfig::load_in(path.as_deref(), &Environment::from_process())?;
-                let options = iop_edge::server::EdgeOptions {
-                    record_trace,
-                    trace_machines,
-                };
-                let edge = iop_edge::server::RunningEdge::start_with(config, options).await?;
-                let mut hup =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-                        .context("installing the SIGHUP handler")?;
-                let shutdown = iop_transport::signals::shutdown_signal();
-                tokio::pin!(shutdown);
-                let refused = edge.refused();
-                tokio::pin!(refused);
-                loop {
-                    tokio::select! {
-                        () = &mut shutdown => break,
-                        // R-TAKE-2: never beside the process that renews
-                        // this edge_id.
-                        why = &mut refused => {
-                            tracing::error!(event = "edge_refused_by_store", error = %why);
-                            edge.shutdown().await;
-                            anyhow::bail!("{why}");
-                        }
-                        _ = hup.recv() => {
-                            // Re-read [[credentials]] only: secrets, revisions,
-                            // disabled flags (docs/credentials.md).
-                            match iop_edge::config::EdgeConfig::load_credentials(path.as_deref(), &Environment::from_process()) {
-                                Ok(profiles) => {
-                                    tracing::info!(event = "edge_credentials_reloaded", profiles = profiles.len());
-                                    edge.reload_credentials(&profiles);
-                                }
-                                Err(e) => tracing::error!(event = "edge_credentials_reload_failed", error = %e),
-                            }
-                            // And the node certificate denylist.
-                            match iop_edge::config::EdgeConfig::load_in(path.as_deref(), &Environment::from_process()) {
-                                Ok(reloaded) => {
-                                    tracing::info!(
-                                        event = "edge_revoked_node_certificates_reloaded",
-                                        revoked = reloaded.edge.revoked_node_certificates.len()
-                                    );
-                                    edge.reload_revoked_node_certificates(&reloaded);
-                                }
-                                Err(e) => tracing::error!(event = "edge_revoked_node_certificates_reload_failed", error = %e),
-                            }
-                        }
-                    }
-                }
-                tracing::info!(event = "edge_shutdown");
-                edge.shutdown().await;
-                Ok(())
-            }
             Command::Demo { .. } => anyhow::bail!(
                 "the demo is no longer part of iop-edge; run it with `cargo run --release -p iop-demo`"
             ),
@@ -321,7 +279,7 @@ fn main() -> anyhow::Result<()> {
                 println!("wrote node certificate for `{node}` to {}", dir.display());
                 Ok(())
             }
-            Command::Config(_) | Command::Health { .. } => Ok(()),
+            Command::Run { .. } | Command::Config(_) | Command::Health { .. } => Ok(()),
         }
     })
 }
@@ -335,4 +293,62 @@ fn machine_kind(name: &str) -> Result<iop_trace::MachineKind, String> {
             .collect();
         format!("unknown machine {name:?} (one of {})", known.join(", "))
     })
+}
+
+/// `iop-edge run`: the Edge from `config` (loaded from `path`, which SIGHUP
+/// re-reads) until SIGINT/SIGTERM.
+async fn run(
+    path: Option<PathBuf>,
+    record_trace: Option<PathBuf>,
+    trace_machines: Vec<iop_trace::MachineKind>,
+    config: iop_edge::config::EdgeConfig,
+) -> anyhow::Result<()> {
+    let options = iop_edge::server::EdgeOptions {
+        record_trace,
+        trace_machines,
+    };
+    let edge = iop_edge::server::RunningEdge::start_with(config, options).await?;
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("installing the SIGHUP handler")?;
+    let shutdown = iop_transport::signals::shutdown_signal();
+    tokio::pin!(shutdown);
+    let refused = edge.refused();
+    tokio::pin!(refused);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            // R-TAKE-2: never beside the process that renews
+            // this edge_id.
+            why = &mut refused => {
+                tracing::error!(event = "edge_refused_by_store", error = %why);
+                edge.shutdown().await;
+                anyhow::bail!("{why}");
+            }
+            _ = hup.recv() => {
+                // Re-read [[credentials]] only: secrets, revisions,
+                // disabled flags (docs/credentials.md).
+                match iop_edge::config::EdgeConfig::load_credentials(path.as_deref(), &Environment::from_process()) {
+                    Ok(profiles) => {
+                        tracing::info!(event = "edge_credentials_reloaded", profiles = profiles.len());
+                        edge.reload_credentials(&profiles);
+                    }
+                    Err(e) => tracing::error!(event = "edge_credentials_reload_failed", error = %e),
+                }
+                // And the node certificate denylist.
+                match iop_edge::config::EdgeConfig::load_in(path.as_deref(), &Environment::from_process()) {
+                    Ok(reloaded) => {
+                        tracing::info!(
+                            event = "edge_revoked_node_certificates_reloaded",
+                            revoked = reloaded.edge.revoked_node_certificates.len()
+                        );
+                        edge.reload_revoked_node_certificates(&reloaded);
+                    }
+                    Err(e) => tracing::error!(event = "edge_revoked_node_certificates_reload_failed", error = %e),
+                }
+            }
+        }
+    }
+    tracing::info!(event = "edge_shutdown");
+    edge.shutdown().await;
+    Ok(())
 }

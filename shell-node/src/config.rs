@@ -14,6 +14,7 @@ use iop_core::liveness::backoff::BackoffConfig;
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_core::node::watchdog::WatchdogConfig;
 use iop_transport::environment::{Environment, deserialize_overlaid, read_secret};
+use iop_transport::runtime::RuntimeSection;
 use iop_transport::settings::{
     ConfigError, HeartbeatSection, TlsFiles, config_text, field_err, valid_name,
 };
@@ -202,6 +203,9 @@ pub struct NodeFile {
     /// `[otlp_traces]`: optional OTLP span export.
     #[serde(default)]
     pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
+    /// `[runtime]`: the async runtime the process runs on.
+    #[serde(default)]
+    pub runtime: RuntimeSection,
 }
 
 /// A validated provider.
@@ -274,6 +278,8 @@ pub struct NodeConfig {
     pub otlp: Option<OtlpSection>,
     /// OTLP span export (`None`: off).
     pub otlp_traces: Option<iop_transport::traces::OtlpTracesSection>,
+    /// The async runtime the process runs on.
+    pub runtime: RuntimeSection,
 }
 
 /// The prefix of the environment variables that set config fields:
@@ -313,6 +319,7 @@ impl NodeConfig {
 
     fn validate(mut file: NodeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
+        file.runtime.validate("runtime")?;
         if let Some(traces) = &mut file.otlp_traces {
             traces.validate("otlp_traces")?;
         }
@@ -475,6 +482,7 @@ impl NodeConfig {
             quic_tuning: file.heartbeat.quic_tuning(),
             otlp: file.otlp,
             otlp_traces: file.otlp_traces,
+            runtime: file.runtime,
             reconnect: BackoffConfig {
                 initial: Duration::from_millis(r.initial_ms),
                 max: Duration::from_millis(r.max_ms),
@@ -514,6 +522,18 @@ key = "node.key"
             Err(ConfigError::Field { field, .. }) => field,
             other => panic!("expected a field error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn runtime_worker_threads_are_bounded_by_name() {
+        use iop_transport::runtime::{MAX_WORKER_THREADS, RuntimeFlavor};
+        let one = NodeConfig::parse(
+            &format!("{BASE}[runtime]\nworker_threads = 1\n"),
+            Path::new("/x"),
+        );
+        assert_eq!(one.unwrap().runtime.flavor(), RuntimeFlavor::CurrentThread);
+        let too_many = format!("[runtime]\nworker_threads = {}\n", MAX_WORKER_THREADS + 1);
+        assert_eq!(field_of(&too_many), "runtime.worker_threads");
     }
 
     #[test]

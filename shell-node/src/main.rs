@@ -132,48 +132,27 @@ fn main() -> anyhow::Result<()> {
     }
     iop_transport::logging::init(cli.log_format);
     let _ = rustls::crypto::ring::default_provider().install_default();
+    if let Command::Run {
+        config,
+        record_trace,
+        trace_machines,
+    } = cli.command
+    {
+        // The configuration first: its `[runtime]` says which runtime to
+        // start.
+        let env = Environment::from_process();
+        let loaded = iop_node::config::NodeConfig::load_in(config.as_deref(), &env)?;
+        let runtime = loaded
+            .runtime
+            .build()
+            .context("starting the tokio runtime")?;
+        return runtime.block_on(run(loaded, record_trace, trace_machines));
+    }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
         match cli.command {
-            Command::Run {
-                config,
-                record_trace,
-                trace_machines,
-            } => {
-                let config = iop_node::config::NodeConfig::load_in(
-                    config.as_deref(),
-                    &Environment::from_process(),
-                )?;
-                let mut node = iop_node::RunningNode::start_with(
-                    config,
-                    iop_node::NodeOptions {
-                        record_trace,
-                        trace_machines,
-                    },
-                );
-                // A node that cannot start (identity, recipient key,
-                // certificates, QUIC endpoint) ends the process with the
-                // cause instead of waiting idle for a signal.
-                let ended = tokio::select! {
-                    result = node.stopped() => Some(result),
-                    () = iop_transport::signals::shutdown_signal() => None,
-                };
-                match ended {
-                    Some(result) => {
-                        if let Err(e) = &result {
-                            tracing::error!(event = "node_start_failed", error = %e);
-                        }
-                        result.context("the node could not start")
-                    }
-                    None => {
-                        tracing::info!(event = "node_shutdown");
-                        node.shutdown().await?;
-                        Ok(())
-                    }
-                }
-            }
             Command::MockProvider(args) => iop_node::mock::run_cli(args).await,
-            Command::Config(_) | Command::Health { .. } => Ok(()),
+            Command::Run { .. } | Command::Config(_) | Command::Health { .. } => Ok(()),
         }
     })
 }
@@ -187,4 +166,38 @@ fn machine_kind(name: &str) -> Result<iop_trace::MachineKind, String> {
             .collect();
         format!("unknown machine {name:?} (one of {})", known.join(", "))
     })
+}
+
+/// `iop-node run`: the Node from `config` until SIGINT/SIGTERM, or until it
+/// cannot start.
+async fn run(
+    config: iop_node::config::NodeConfig,
+    record_trace: Option<PathBuf>,
+    trace_machines: Vec<iop_trace::MachineKind>,
+) -> anyhow::Result<()> {
+    let options = iop_node::NodeOptions {
+        record_trace,
+        trace_machines,
+    };
+    let mut node = iop_node::RunningNode::start_with(config, options);
+    // A node that cannot start (identity, recipient key,
+    // certificates, QUIC endpoint) ends the process with the
+    // cause instead of waiting idle for a signal.
+    let ended = tokio::select! {
+        result = node.stopped() => Some(result),
+        () = iop_transport::signals::shutdown_signal() => None,
+    };
+    match ended {
+        Some(result) => {
+            if let Err(e) = &result {
+                tracing::error!(event = "node_start_failed", error = %e);
+            }
+            result.context("the node could not start")
+        }
+        None => {
+            tracing::info!(event = "node_shutdown");
+            node.shutdown().await?;
+            Ok(())
+        }
+    }
 }

@@ -15,6 +15,8 @@
 //! * [`settings`], [`logging`], [`signals`], [`clock`]: what both shells
 //!   share beyond QUIC: config pieces, structured logs, graceful shutdown,
 //!   and the one place wall time becomes a core instant.
+//! * [`runtime`]: `[runtime]`, the async runtime each binary runs on (one
+//!   worker per CPU, or every task on one thread).
 //! * [`health_check`]: the one bounded HTTP `GET` behind `iop-edge health`
 //!   and `iop-node health` (a scratch container's `HEALTHCHECK`).
 //! * [`environment`]: configuration from the environment (the
@@ -48,6 +50,7 @@ pub mod identity;
 pub mod keyfile;
 pub mod logging;
 pub mod pki;
+pub mod runtime;
 pub mod settings;
 pub mod signals;
 pub mod telemetry;

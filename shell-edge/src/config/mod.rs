@@ -5,8 +5,8 @@
 //! the checks that span sections), then `[edge]`, `[admission]`,
 //! `[health]`, `[[providers]]`, `[[routes]]` with `[discovered_models]`,
 //! `[[api_keys]]` with `[[credentials]]` (the secrets) and `[journal]`.
-//! `[tls]`, `[heartbeat]`, `[otlp]` and `[otlp_traces]` are the transport's
-//! sections, shared with the Node.
+//! `[tls]`, `[heartbeat]`, `[otlp]`, `[otlp_traces]` and `[runtime]` are the
+//! transport's sections, shared with the Node.
 
 mod admission;
 mod edge;
@@ -28,6 +28,7 @@ use iop_core::edge::admission::AdmissionConfig;
 use iop_core::ids::{NodeId, ProviderId};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_transport::environment::{Environment, deserialize_overlaid};
+use iop_transport::runtime::RuntimeSection;
 use iop_transport::settings::{
     ConfigError, HeartbeatSection, TlsFiles, config_text, field_err, valid_name,
 };
@@ -103,6 +104,9 @@ pub struct EdgeFile {
     /// `[[prices]]`: the price of each model (R-TEN-2).
     #[serde(default)]
     pub prices: Vec<PriceEntry>,
+    /// `[runtime]`: the async runtime the process runs on.
+    #[serde(default)]
+    pub runtime: RuntimeSection,
 }
 
 /// The validated configuration.
@@ -144,6 +148,8 @@ pub struct EdgeConfig {
     pub principals: Vec<(String, iop_core::tenant::Limits)>,
     /// Model pattern -> price.
     pub prices: Vec<(String, iop_core::tenant::Price)>,
+    /// The async runtime the process runs on.
+    pub runtime: RuntimeSection,
 }
 
 /// The prefix of the environment variables that set config fields:
@@ -183,6 +189,7 @@ impl EdgeConfig {
 
     fn validate(mut file: EdgeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
+        file.runtime.validate("runtime")?;
         if let Some(traces) = &mut file.otlp_traces {
             traces.validate("otlp_traces")?;
         }
@@ -245,6 +252,7 @@ impl EdgeConfig {
             tenants: file.tenants,
             principals,
             prices,
+            runtime: file.runtime,
         })
     }
 
@@ -367,6 +375,19 @@ mod tests {
 
     use super::*;
     use crate::config::fixture::{BASE, field_of, parse};
+
+    #[test]
+    fn runtime_worker_threads_default_to_one_per_cpu_and_are_bounded() {
+        use iop_transport::runtime::{MAX_WORKER_THREADS, RuntimeFlavor};
+        assert_eq!(parse("").unwrap().runtime.flavor(), RuntimeFlavor::PerCpu);
+        let one = parse("[runtime]\nworker_threads = 1\n").unwrap();
+        assert_eq!(one.runtime.flavor(), RuntimeFlavor::CurrentThread);
+        let too_many = format!("[runtime]\nworker_threads = {}\n", MAX_WORKER_THREADS + 1);
+        assert_eq!(
+            field_of(parse(&too_many).unwrap_err()),
+            "runtime.worker_threads"
+        );
+    }
 
     #[test]
     fn defaults_are_production_values() {
