@@ -282,6 +282,15 @@ pub fn event_bytes(event: &JournalEvent) -> u64 {
     event.payload.len() as u64 + EVENT_OVERHEAD_BYTES
 }
 
+/// The most stored responses one conversation is rebuilt from when a
+/// request continues it (`previous_response_id`, R-LIM-6). A continued
+/// conversation is stored link by link, each message once: a record keeps
+/// its own request and the id of the response it continues, and the
+/// conversation is read back by walking the links. A longer chain is
+/// refused (400 naming `previous_response_id`): the client sends the
+/// conversation in its request instead.
+pub const MAX_CONVERSATION_LINKS: usize = 1_000;
+
 /// Bytes counted per event beyond its payload.
 pub const EVENT_OVERHEAD_BYTES: u64 = 32;
 

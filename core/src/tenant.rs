@@ -695,6 +695,95 @@ impl Tenants {
         Ok(())
     }
 
+    /// Hold a taken-over request (R-TEN-2): one an Edge that is gone (or
+    /// this Edge before a restart) admitted, whose reservation ended with
+    /// that Edge, continued here by a takeover (R-TAKE-1). It is not a new
+    /// request: not counted in the request rate again, nor held to the
+    /// journal quotas or the concurrency limit (its record exists and its
+    /// answer has begun). It counts as in flight, every attempt it makes
+    /// reserves the tokens and spend of `request`'s terms first
+    /// ([`Self::reserve_attempt`]: refused, the request ends with the
+    /// refusal and calls no provider), and it is settled (or released)
+    /// like any request, its usage charged to its key and principal.
+    pub fn admit_taken_over(&mut self, request: &AdmitRequest) {
+        let subjects = [
+            (Subject::Key(request.key.clone()), &request.key_limits),
+            (
+                Subject::Principal(request.principal.clone()),
+                &request.principal_limits,
+            ),
+        ];
+        let tokens = request
+            .prompt_tokens_max
+            .saturating_add(request.output_tokens_max);
+        let spend = request.price.map_or(0, |p| {
+            TokenUse {
+                input: request.prompt_tokens_max,
+                output: request.output_tokens_max,
+                ..TokenUse::default()
+            }
+            .cost(&p.for_reservation())
+        });
+        let minute = request.unix_ms - request.unix_ms % MINUTE_MS;
+        let mut meters = Vec::new();
+        let mut in_flight = Vec::new();
+        for (subject, limits) in &subjects {
+            let counter = |meter, window_unix_ms| CounterKey {
+                subject: subject.clone(),
+                meter,
+                window_unix_ms,
+            };
+            if let Some(limit) = limits.tokens_per_minute {
+                meters.push((
+                    counter(Meter::Tokens, minute),
+                    limit,
+                    RefusalKind::RateLimited,
+                    None,
+                ));
+            }
+            if let Some(budget) = limits.budget
+                && request.price.is_some()
+            {
+                let (start, len) = budget.period.window(request.unix_ms);
+                meters.push((
+                    counter(Meter::Spend, start),
+                    budget.limit_micros,
+                    RefusalKind::InsufficientQuota,
+                    len.map(|len| start + len),
+                ));
+            }
+            if limits.concurrent_requests.is_some() {
+                *self.in_flight.entry(subject.clone()).or_default() += 1;
+                in_flight.push(subject.clone());
+            }
+        }
+        let usage = UsageKey {
+            day_unix_ms: day_of(request.unix_ms),
+            principal: request.principal.clone(),
+            key: request.key.clone(),
+            model: request.model.clone(),
+        };
+        if let Some(old) = self.reservations.insert(
+            request.ticket,
+            Reservation {
+                held: Vec::new(),
+                in_flight,
+                price: request.price,
+                usage,
+                again: AttemptTerms {
+                    meters,
+                    tokens,
+                    spend,
+                },
+                attempts: 0,
+            },
+        ) {
+            // Tickets are unique per Edge process: never reached; a
+            // reservation is never dropped without its counts given back.
+            self.end_in_flight(&old);
+        }
+    }
+
     /// Reserve again for a further attempt of ticket's request that sends
     /// its prompt again (R-TEN-2: a failover, a continuation), at `now`
     /// (`unix_ms` on the wall clock): the tokens and spend its admission

@@ -46,10 +46,15 @@ const EVENTS_BATCH: usize = 256;
 
 /// What a stored request runs as when its answer is continued or its
 /// adopted run may be (R-CONT-1): the providers of its pool and its work,
-/// parsed again from the stored body. `None`: it cannot run again (an
-/// API that does not continue, a body this build does not read).
-pub type RecordRun =
-    Arc<dyn Fn(&RecordMeta, &StoredRequest) -> Option<(Vec<ProviderId>, Work)> + Send + Sync>;
+/// parsed again from the stored body, its conversation read back from the
+/// store (R-LIM-6: a continued conversation is stored link by link).
+/// `None`: it cannot run again (an API that does not continue, a body this
+/// build does not read, a conversation that cannot be rebuilt).
+pub type RecordRun = Arc<
+    dyn Fn(RecordMeta, StoredRequest) -> BoxFuture<'static, Option<(Vec<ProviderId>, Work)>>
+        + Send
+        + Sync,
+>;
 
 /// What the custody starts.
 pub enum Start {
@@ -346,8 +351,10 @@ impl CustodyTask {
                     let live_here = durable.is_live(&id);
                     let (result, run) = match read {
                         Ok(Some((meta, request))) => {
-                            let run = StoredRequest::decode(&request)
-                                .and_then(|stored| record_run(&meta, &stored));
+                            let run = match StoredRequest::decode(&request) {
+                                Some(stored) => record_run(meta.clone(), stored).await,
+                                None => None,
+                            };
                             (Ok(Some(meta)), run)
                         }
                         Ok(None) => (Ok(None), None),
@@ -563,6 +570,7 @@ mod tests {
             background: false,
             body: br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
             history: None,
+            previous: None,
             history_unreadable: false,
         };
         let new = NewRecord {
@@ -608,8 +616,8 @@ mod tests {
 
     /// What a stored request runs as: a pool of one, continuation as given.
     fn record_run(continuation: bool) -> RecordRun {
-        Arc::new(move |meta: &RecordMeta, _stored: &StoredRequest| {
-            Some((
+        Arc::new(move |meta: RecordMeta, _stored: StoredRequest| {
+            Box::pin(std::future::ready(Some((
                 vec![ProviderId::from("p1")],
                 Work {
                     model: meta.model.clone(),
@@ -625,7 +633,7 @@ mod tests {
                     tenant: None,
                     view: None,
                 },
-            ))
+            ))))
         })
     }
 

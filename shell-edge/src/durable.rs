@@ -69,6 +69,13 @@ pub const EDGE_LOST_REASON: &str = iop_core::journal::EDGE_LOST_REASON;
 /// What a durable record keeps of its request: enough to render its
 /// answer again (the API's own encoder over the stored events), to list
 /// its input and to continue its conversation (`previous_response_id`).
+///
+/// A continued conversation is stored link by link (R-LIM-6): a record
+/// keeps its own request and the id of the response it continues
+/// ([`Self::previous`]), and the conversation is rebuilt by walking the
+/// links back ([`crate::stored`]). Builds before that stored the whole
+/// conversation before the request in every link ([`Self::history`]);
+/// such records are still read and continued.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredRequest {
     /// The seed of the answer's ids ([`crate::api::ids`]).
@@ -83,9 +90,16 @@ pub struct StoredRequest {
     /// The request body as sent.
     pub body: Vec<u8>,
     /// The conversation before this request's own input, without
-    /// instructions, when it continues a stored response
-    /// (`previous_response_id`).
+    /// instructions, as older builds stored it in every link of a
+    /// continued conversation. This build writes [`Self::previous`]
+    /// instead, and reads this from the records older builds wrote.
     pub history: Option<Vec<ChatMessage>>,
+    /// The stored response this request continues (`previous_response_id`):
+    /// its conversation is that response's, rebuilt link by link. Written
+    /// in its own format ([`LINK_FORMAT`]), so a build that does not walk
+    /// links never reads such a record as one without a conversation.
+    #[serde(skip)]
+    pub previous: Option<String>,
     /// The record holds a history this build cannot read (written by a
     /// build whose messages had other fields): its answer is served as
     /// stored, but its conversation cannot be continued. Never stored.
@@ -95,7 +109,9 @@ pub struct StoredRequest {
 
 /// A [`StoredRequest`] without its history: the fields before it, as every
 /// build since the format began writes them (postcard writes fields in
-/// order, so a history this build cannot read leaves these readable).
+/// order, so a history this build cannot read leaves these readable). A
+/// link of a conversation ([`LINK_FORMAT`]) is these, then its previous
+/// response's id.
 #[derive(Deserialize)]
 struct StoredRequestHead {
     id_seed: u64,
@@ -105,14 +121,45 @@ struct StoredRequestHead {
     body: Vec<u8>,
 }
 
+/// [`StoredRequestHead`] and the previous response's id, as a link is
+/// written.
+#[derive(Serialize)]
+struct LinkRef<'a> {
+    id_seed: u64,
+    created_unix_ms: u64,
+    store: bool,
+    background: bool,
+    body: &'a [u8],
+    previous: &'a str,
+}
+
 impl StoredRequest {
     /// The bytes kept in the record.
     pub fn encode(&self) -> Vec<u8> {
         // Plain data: postcard cannot fail on it short of running out of
         // memory.
-        let mut out = vec![STORED_REQUEST_FORMAT];
-        out.extend(postcard::to_allocvec(self).unwrap_or_default());
-        out
+        match &self.previous {
+            Some(previous) if self.history.is_none() => {
+                let mut out = vec![LINK_FORMAT];
+                out.extend(
+                    postcard::to_allocvec(&LinkRef {
+                        id_seed: self.id_seed,
+                        created_unix_ms: self.created_unix_ms,
+                        store: self.store,
+                        background: self.background,
+                        body: &self.body,
+                        previous,
+                    })
+                    .unwrap_or_default(),
+                );
+                out
+            }
+            _ => {
+                let mut out = vec![STORED_REQUEST_FORMAT];
+                out.extend(postcard::to_allocvec(self).unwrap_or_default());
+                out
+            }
+        }
     }
 
     /// Read them back; `None` for bytes this build does not understand.
@@ -120,9 +167,28 @@ impl StoredRequest {
     /// by a build with other message fields) is read without it, marked
     /// [`Self::history_unreadable`], so its answer stays retrievable.
     pub fn decode(bytes: &[u8]) -> Option<Self> {
-        let Some((&STORED_REQUEST_FORMAT, rest)) = bytes.split_first() else {
-            return None;
-        };
+        match bytes.split_first() {
+            Some((&STORED_REQUEST_FORMAT, rest)) => Self::decode_whole(rest),
+            Some((&LINK_FORMAT, rest)) => {
+                let (head, after): (StoredRequestHead, &[u8]) =
+                    postcard::take_from_bytes(rest).ok()?;
+                let previous: String = postcard::from_bytes(after).ok()?;
+                Some(StoredRequest {
+                    id_seed: head.id_seed,
+                    created_unix_ms: head.created_unix_ms,
+                    store: head.store,
+                    background: head.background,
+                    body: head.body,
+                    history: None,
+                    previous: Some(previous),
+                    history_unreadable: false,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    fn decode_whole(rest: &[u8]) -> Option<Self> {
         if let Ok(whole) = postcard::from_bytes(rest) {
             return Some(whole);
         }
@@ -136,13 +202,22 @@ impl StoredRequest {
             background: head.background,
             body: head.body,
             history: None,
+            previous: None,
             history_unreadable: unreadable,
         })
     }
 }
 
-/// The format byte in front of a [`StoredRequest`].
+/// The format byte in front of a [`StoredRequest`] that continues no
+/// stored response, or (older builds) holds its whole history.
 const STORED_REQUEST_FORMAT: u8 = 1;
+
+/// The format byte in front of a link of a continued conversation: its
+/// own request and its previous response's id (R-LIM-6). A build that
+/// knows only [`STORED_REQUEST_FORMAT`] does not read it (it answers
+/// such a record as unreadable rather than continue it without its
+/// conversation).
+const LINK_FORMAT: u8 = 2;
 
 /// Why the journal of durable responses cannot be set up. A store that
 /// cannot be reached or opened is none of these: the Edge starts without
@@ -1227,6 +1302,7 @@ mod tests {
             background: false,
             body: br#"{"model":"m","input":"hi"}"#.to_vec(),
             history: None,
+            previous: None,
             history_unreadable: false,
         }
     }
@@ -1276,6 +1352,46 @@ mod tests {
         assert_eq!(StoredRequest::decode(&s.encode()), Some(s));
         assert_eq!(StoredRequest::decode(b""), None);
         assert_eq!(StoredRequest::decode(&[9, 1, 2]), None, "unknown format");
+    }
+
+    #[test]
+    fn a_link_reads_back_with_its_previous_id_and_without_a_history_r_lim_6() {
+        let link = StoredRequest {
+            previous: Some("resp_0123456789abcdef".into()),
+            ..stored()
+        };
+        let bytes = link.encode();
+        assert_eq!(bytes[0], LINK_FORMAT);
+        assert_eq!(StoredRequest::decode(&bytes), Some(link.clone()));
+        // Only its own request and the id: a few bytes over a record that
+        // continues nothing.
+        let alone = stored().encode();
+        assert!(bytes.len() <= alone.len() + 1 + "resp_0123456789abcdef".len());
+        // A link cut short is not read as some other request.
+        assert_eq!(StoredRequest::decode(&bytes[..bytes.len() - 3]), None);
+        // A request that continues nothing keeps the format older builds
+        // read.
+        assert_eq!(alone[0], STORED_REQUEST_FORMAT);
+    }
+
+    #[test]
+    fn a_record_an_older_build_wrote_with_its_history_is_read_with_it() {
+        let old = StoredRequest {
+            history: Some(vec![ChatMessage {
+                role: iop_wire::Role::User,
+                content: "before".into(),
+                tool_calls: Vec::new(),
+                tool_call_id: None,
+                name: None,
+                images: Vec::new(),
+                cache_control: None,
+                documents: Vec::new(),
+            }]),
+            ..stored()
+        };
+        let bytes = old.encode();
+        assert_eq!(bytes[0], STORED_REQUEST_FORMAT);
+        assert_eq!(StoredRequest::decode(&bytes), Some(old));
     }
 
     #[test]

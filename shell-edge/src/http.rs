@@ -294,18 +294,15 @@ async fn run_admitted<E: RunEndpoint>(
     record.view = Some(run_view.clone());
     *view = Some(run_view.clone());
     // A continued conversation: the stored response's messages go between
-    // this request's instructions and its input.
-    let mut history = None;
+    // this request's instructions and its input (a durable request stores
+    // only its own body and the id it continues, R-LIM-6).
     if let Some(previous) = endpoint.previous_response(&admitted.options) {
         match crate::stored::history(&state, &admitted.key, &previous).await {
-            Ok(messages) => {
-                crate::stored::continue_conversation(
-                    &mut admitted.run.messages,
-                    endpoint.instruction_messages(&admitted.options),
-                    &messages,
-                );
-                history = Some(messages);
-            }
+            Ok(messages) => crate::stored::continue_conversation(
+                &mut admitted.run.messages,
+                endpoint.instruction_messages(&admitted.options),
+                messages,
+            ),
             Err(e) => return refuse(record, e),
         }
     }
@@ -318,7 +315,6 @@ async fn run_admitted<E: RunEndpoint>(
             endpoint,
             admitted,
             keep,
-            history,
             idempotency,
             resume_after,
             record,

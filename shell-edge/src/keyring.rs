@@ -107,6 +107,18 @@ impl KeyRing {
         self.config.values().any(|k| k.id == id)
     }
 
+    /// The limits of the key whose id is `id` (a config file key, or a
+    /// stored one even if revoked since), if this Edge knows it: what a
+    /// taken-over request of that key is held to (R-TEN-2).
+    pub fn limits_of(&self, id: &str) -> Option<iop_core::tenant::Limits> {
+        if let Some(key) = self.config.values().find(|k| k.id == id) {
+            return Some(key.limits.clone());
+        }
+        self.records()
+            .get(id)
+            .map(|(record, _)| record.limits.clone())
+    }
+
     /// The config file's keys.
     pub fn config_keys(&self) -> impl Iterator<Item = &ApiKey> {
         self.config.values()

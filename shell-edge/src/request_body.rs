@@ -315,6 +315,35 @@ impl BodyBudget {
         let share = self.principal(principal);
         self.take(&share, needed)
     }
+
+    /// Take `principal`'s share for an answer a read builds from the
+    /// journal (R-LIM-6: a retrieve's rendering, a conversation's
+    /// answers): `bytes`, at most half a share, so an answer larger than
+    /// a share is still read (alone) beside the stored request it reads.
+    /// No room: refused at once, as a body would be.
+    pub fn hold_answer(&self, principal: &str, bytes: usize) -> Result<BodyPermit, BodyError> {
+        let share = self.principal(principal);
+        self.take(&share, bytes.min(self.principal_bytes / 2))
+    }
+
+    /// Make `permit` (of `principal`'s share) hold `bytes`: what beyond is
+    /// given back, what is missing taken (or refused at once, the permit
+    /// as it was).
+    pub fn refit(
+        &self,
+        principal: &str,
+        permit: &mut BodyPermit,
+        bytes: usize,
+    ) -> Result<(), BodyError> {
+        if bytes > permit.bytes() {
+            let share = self.principal(principal);
+            let more = self.take(&share, bytes - permit.bytes())?;
+            permit.merge(more);
+        } else {
+            permit.shrink_to(bytes);
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

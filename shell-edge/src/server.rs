@@ -309,10 +309,15 @@ impl RunningEdge {
         let custody = {
             let record_state = state.clone();
             let record_run: crate::custody::RecordRun = Arc::new(move |meta, stored| {
-                crate::stored::record_run(&record_state, meta, stored)
+                Box::pin(crate::stored::record_run(
+                    record_state.clone(),
+                    meta,
+                    stored,
+                ))
             });
             let (ctx, durable) = (state.driver_context().clone(), durable.clone());
             let traces = traces.clone();
+            let start_state = state.clone();
             tokio::spawn(async move {
                 let Ok(unfinished) = first_scan.await else {
                     return;
@@ -324,7 +329,18 @@ impl RunningEdge {
                     record_run,
                     &traces,
                 );
-                task.run(parked, move |start| {
+                task.run(parked, move |mut start| {
+                    // R-TEN-2: a run a takeover starts is charged to the
+                    // record's key and principal.
+                    match &mut start {
+                        crate::custody::Start::Continue { meta, work, .. }
+                        | crate::custody::Start::Adopt {
+                            meta,
+                            resumed: Some((_, _, work)),
+                            ..
+                        } => crate::stored::hold_taken_over(&start_state, meta, work),
+                        _ => {}
+                    }
                     crate::custody::start_run(&ctx, &durable, start);
                 })
                 .await;

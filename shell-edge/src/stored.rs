@@ -32,8 +32,8 @@ use iop_core::edge::request::Delivery;
 use iop_core::edge::whole_answer::WholeAnswerBudget;
 use iop_core::ids::ProviderId;
 use iop_core::journal::{
-    CreateOutcome, JournalApi, JournalError, NewRecord, RecordMeta, RecordStatus, Terminal,
-    fingerprint, idempotency_hash,
+    CreateOutcome, JournalApi, JournalError, MAX_CONVERSATION_LINKS, NewRecord, RecordMeta,
+    RecordStatus, Terminal, fingerprint, idempotency_hash,
 };
 use iop_wire::{ChatMessage, RunApi};
 use serde::Deserialize;
@@ -127,9 +127,10 @@ fn answer_start(run_model: &str, stored: &StoredRequest) -> AnswerStart {
     }
 }
 
-/// The conversation a response continues (`previous_response_id`): the
-/// stored response's history, its own input (without its instructions)
-/// and its output, as the key that asks may see it.
+/// The conversation a response continues (`previous_response_id`), as
+/// the key that asks may see it: every earlier request's own input
+/// (without its instructions) and its answer, rebuilt link by link
+/// ([`conversation`]).
 pub(crate) async fn history(
     state: &AppState,
     key: &ApiKey,
@@ -138,82 +139,177 @@ pub(crate) async fn history(
     if !client_ids::may_name_stored(JournalApi::Responses, previous_id) {
         return Err(ApiError::previous_response_not_found());
     }
+    conversation(state, &key.principal, previous_id).await
+}
+
+/// The conversation up to and including stored response `last_id` of
+/// `principal` (R-LIM-6). Each record of a continued conversation keeps
+/// its own request and the id of the response it continues, so the
+/// conversation is read back by walking those links, newest first, until
+/// a response that continues nothing, or one an older build stored with
+/// the whole conversation before it ([`StoredRequest::history`]). The
+/// walk is bounded: at most [`MAX_CONVERSATION_LINKS`] responses, every
+/// stored request read and every answer rebuilt within the principal's
+/// share of request memory, held until the conversation is built.
+///
+/// `last_id` unknown (or another principal's) is a 404, still running a
+/// 400; an earlier response no longer stored (it expired, or was deleted:
+/// each link expires at its own retention) or unreadable is a 400 that
+/// says so, all naming `previous_response_id`.
+pub(crate) async fn conversation(
+    state: &AppState,
+    principal: &str,
+    last_id: &str,
+) -> Result<Vec<ChatMessage>, ApiError> {
     let store = state.durable().store().clone();
-    let (meta, request) = store
-        .get(previous_id.to_owned(), iop_transport::clock::unix_ms())
-        .await
-        .map_err(|e| journal_error(&e))?
-        .filter(|(meta, _)| meta.principal == key.principal && meta.api == JournalApi::Responses)
-        .ok_or_else(ApiError::previous_response_not_found)?;
-    if !meta.status().is_terminal() {
-        return Err(ApiError::previous_response_running());
+    let mut permits = Vec::new();
+    // Each link's own messages and answer, newest first.
+    let mut links: Vec<Vec<ChatMessage>> = Vec::new();
+    let mut next = Some(last_id.to_owned());
+    while let Some(id) = next.take() {
+        let first = links.is_empty();
+        if links.len() >= MAX_CONVERSATION_LINKS {
+            return Err(ApiError::conversation_too_long(MAX_CONVERSATION_LINKS));
+        }
+        let gone = || {
+            if first {
+                ApiError::previous_response_not_found()
+            } else {
+                ApiError::previous_response_unavailable()
+            }
+        };
+        // An id a stored link names was checked when it was stored.
+        let (meta, request) = store
+            .get(id, iop_transport::clock::unix_ms())
+            .await
+            .map_err(|e| journal_error(&e))?
+            .filter(|(meta, _)| meta.principal == principal && meta.api == JournalApi::Responses)
+            .ok_or_else(gone)?;
+        if !meta.status().is_terminal() {
+            // An earlier link had ended before it was continued.
+            return Err(if first {
+                ApiError::previous_response_running()
+            } else {
+                ApiError::previous_response_unavailable()
+            });
+        }
+        permits.push(
+            state
+                .bodies()
+                .hold_stored(principal, &request)
+                .map_err(crate::request_body::BodyError::to_api_error)?,
+        );
+        let stored = StoredRequest::decode(&request).ok_or_else(|| {
+            if first {
+                ApiError::internal()
+            } else {
+                ApiError::previous_response_unavailable()
+            }
+        })?;
+        drop(request);
+        if stored.history_unreadable {
+            return Err(ApiError::previous_response_unreadable());
+        }
+        let (mut run, options) = Responses
+            .parse(&stored.body)
+            .map_err(|_| ApiError::internal())?;
+        let instructions = Responses
+            .instruction_messages(&options)
+            .min(run.messages.len());
+        let mut link: Vec<ChatMessage> = run.messages.drain(instructions..).collect();
+        let mut output = Responses.whole(answer_start(&run.model, &stored), options);
+        let mut follower = Follower::open(store.clone(), &meta.id)
+            .await
+            .map_err(|e| journal_error(&e))?;
+        while let Some(Followed::Event(Delivery::Event(event))) =
+            follower.next_now().await.map_err(|e| journal_error(&e))?
+        {
+            output.push(&event);
+        }
+        let answer = output.assistant_message();
+        drop(output);
+        if !answer.content.is_empty() || !answer.tool_calls.is_empty() {
+            permits.push(
+                state
+                    .bodies()
+                    .hold_answer(principal, message_bytes(&answer))
+                    .map_err(crate::request_body::BodyError::to_api_error)?,
+            );
+            link.push(answer);
+        }
+        links.push(link);
+        match stored.history {
+            // An older build stored the conversation before it whole.
+            Some(history) => {
+                links.push(history);
+                break;
+            }
+            None => next = stored.previous,
+        }
     }
-    // R-LIM-6: the conversation is rebuilt within the caller's share.
-    let _permit = state
-        .bodies()
-        .hold_stored(&key.principal, &request)
-        .map_err(crate::request_body::BodyError::to_api_error)?;
-    let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
-    if stored.history_unreadable {
-        return Err(ApiError::previous_response_unreadable());
-    }
-    let (run, options) = Responses
-        .parse(&stored.body)
-        .map_err(|_| ApiError::internal())?;
-    let own = &run.messages[Responses
-        .instruction_messages(&options)
-        .min(run.messages.len())..];
-    let mut messages = stored.history.clone().unwrap_or_default();
-    messages.extend_from_slice(own);
-    let mut output = Responses.whole(answer_start(&run.model, &stored), options);
-    let mut follower = Follower::open(store, &meta.id)
-        .await
-        .map_err(|e| journal_error(&e))?;
-    while let Some(Followed::Event(Delivery::Event(event))) =
-        follower.next_now().await.map_err(|e| journal_error(&e))?
-    {
-        output.push(&event);
-    }
-    let answer = output.assistant_message();
-    if !answer.content.is_empty() || !answer.tool_calls.is_empty() {
-        messages.push(answer);
-    }
-    Ok(messages)
+    Ok(links.into_iter().rev().flatten().collect())
+}
+
+/// The bytes of a message's text and tool calls: what holding it takes,
+/// about.
+fn message_bytes(message: &ChatMessage) -> usize {
+    message.content.len()
+        + message
+            .tool_calls
+            .iter()
+            .map(|c| c.id.len() + c.name.len() + c.arguments.len())
+            .sum::<usize>()
 }
 
 /// What a stored request runs as when a takeover continues its answer or
 /// may continue its adopted run (R-TAKE-1, R-CONT-1): its pool now and its
 /// work, parsed again from the stored body by its API's endpoint with its
-/// conversation's history put back. `None` for an API whose answers are
-/// not continued (embeddings) or a body this build does not parse.
-pub(crate) fn record_run(
-    state: &AppState,
-    meta: &RecordMeta,
-    stored: &StoredRequest,
+/// conversation put back (read link by link from the store, R-LIM-6).
+/// `None` for an API whose answers are not continued (embeddings), a body
+/// this build does not parse, or a conversation that cannot be rebuilt.
+pub(crate) async fn record_run(
+    state: AppState,
+    meta: RecordMeta,
+    stored: StoredRequest,
 ) -> Option<(Vec<ProviderId>, Work)> {
     match meta.api {
-        JournalApi::ChatCompletions => run_of(state, ChatCompletions, meta, stored),
-        JournalApi::Responses => run_of(state, Responses, meta, stored),
-        JournalApi::Completions => run_of(state, Completions, meta, stored),
-        JournalApi::OllamaChat => run_of(state, Ollama(RunApi::Chat), meta, stored),
-        JournalApi::OllamaGenerate => run_of(state, Ollama(RunApi::Generate), meta, stored),
-        JournalApi::Messages => run_of(state, Messages, meta, stored),
+        JournalApi::ChatCompletions => run_of(&state, ChatCompletions, &meta, stored).await,
+        JournalApi::Responses => run_of(&state, Responses, &meta, stored).await,
+        JournalApi::Completions => run_of(&state, Completions, &meta, stored).await,
+        JournalApi::OllamaChat => run_of(&state, Ollama(RunApi::Chat), &meta, stored).await,
+        JournalApi::OllamaGenerate => run_of(&state, Ollama(RunApi::Generate), &meta, stored).await,
+        JournalApi::Messages => run_of(&state, Messages, &meta, stored).await,
         JournalApi::Embeddings | JournalApi::OllamaEmbed => None,
     }
 }
 
-fn run_of<E: RunEndpoint>(
+async fn run_of<E: RunEndpoint>(
     state: &AppState,
     endpoint: E,
     meta: &RecordMeta,
-    stored: &StoredRequest,
+    stored: StoredRequest,
 ) -> Option<(Vec<ProviderId>, Work)> {
     if stored.history_unreadable {
         // Its conversation cannot be rebuilt: not run again as a part.
         return None;
     }
     let (mut run, options) = endpoint.parse(&stored.body).ok()?;
-    if let Some(history) = &stored.history {
+    let history = match (stored.history, &stored.previous) {
+        (Some(history), _) => Some(history),
+        (None, Some(previous)) => match conversation(state, &meta.principal, previous).await {
+            Ok(history) => Some(history),
+            Err(e) => {
+                tracing::warn!(
+                    event = "edge_response_conversation_unavailable",
+                    response = %client_ids::log_tag(&meta.id),
+                    code = e.code.unwrap_or("")
+                );
+                return None;
+            }
+        },
+        (None, None) => None,
+    };
+    if let Some(history) = history {
         continue_conversation(
             &mut run.messages,
             endpoint.instruction_messages(&options),
@@ -239,22 +335,52 @@ fn run_of<E: RunEndpoint>(
             state.config().continuation_for(&run.model),
         ),
         messages: run.messages,
-        // A takeover's continuation is not the request's admission: its
-        // tenant's hold ended with the Edge that admitted it.
+        // Held when a takeover starts it ([`hold_taken_over`]).
         tenant: None,
         view: None,
     };
     Some((pool, work))
 }
 
+/// Charge a takeover's run of record `meta` to the key that asked (the
+/// record names it) and its principal, like any request (R-TEN-2): the
+/// hold of its admission ended with the Edge that admitted it, so each
+/// attempt of its continuation reserves here first, a refused one ends
+/// the response with the tenant's error (no provider call), and its usage
+/// settles on the key. A key this Edge no longer knows is held to its
+/// principal's limits (its usage still lands on its id).
+pub(crate) fn hold_taken_over(state: &AppState, meta: &RecordMeta, work: &mut Work) {
+    let config = state.config();
+    let key_limits = state.keys().limits_of(&meta.key_id).unwrap_or_default();
+    // What it sends again (the conversation and the request's input)
+    // bounds its prompt, as a body's bytes do.
+    let prompt_bytes: usize = work.messages.iter().map(message_bytes).sum();
+    let hold = state
+        .tenancy()
+        .admit_taken_over(&crate::tenancy::TenantAsk {
+            key_id: &meta.key_id,
+            key_limits: &key_limits,
+            principal: &meta.principal,
+            principal_limits: &config.principal_limits(&meta.principal),
+            model: &meta.model,
+            price: config.price_for(&meta.model),
+            body_bytes: prompt_bytes as u64,
+            max_output: work.params.max_tokens.map(u64::from),
+            durable: false,
+            background: false,
+            held: Default::default(),
+        });
+    work.tenant = Some(std::sync::Arc::new(hold));
+}
+
 /// Put `history` between the request's instructions and its own input.
 pub fn continue_conversation(
     messages: &mut Vec<ChatMessage>,
     instructions: usize,
-    history: &[ChatMessage],
+    history: Vec<ChatMessage>,
 ) {
     let at = instructions.min(messages.len());
-    messages.splice(at..at, history.iter().cloned());
+    messages.splice(at..at, history);
 }
 
 /// Run a durable request: create its record (or find the one its
@@ -267,7 +393,6 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
     endpoint: E,
     admitted: Admitted<E::Options>,
     keep: Keep,
-    history: Option<Vec<ChatMessage>>,
     idempotency: Option<String>,
     resume_after: Option<u64>,
     mut record: RequestRecord,
@@ -291,13 +416,17 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
     let created_unix_ms = iop_transport::clock::unix_ms();
     // Ids must be unique across restarts and Edges: random, not counted.
     let id_seed: u64 = rand::random();
+    // R-LIM-6: a continued conversation is stored link by link: this
+    // request's own body and the response it continues, never the
+    // conversation again.
     let stored = StoredRequest {
         id_seed,
         created_unix_ms,
         store: keep.store,
         background: keep.background,
         body: body.to_vec(),
-        history,
+        history: None,
+        previous: endpoint.previous_response(&options),
         history_unreadable: false,
     };
     let new = NewRecord {
@@ -765,7 +894,51 @@ pub async fn retrieve_chat_completion(
     }
 }
 
-async fn retrieve<E: RunEndpoint>(
+/// An API whose stored answers are retrieved whole as an object.
+trait Retrievable: RunEndpoint {
+    /// The object of stored record `meta` as it is now, from its request
+    /// read and parsed once (R-LIM-6).
+    fn object<'a>(
+        &'a self,
+        state: &'a AppState,
+        meta: &'a RecordMeta,
+        stored: &'a StoredRequest,
+        start: AnswerStart,
+        options: Self::Options,
+    ) -> impl std::future::Future<Output = Result<Value, ApiError>> + Send + 'a;
+}
+
+impl Retrievable for Responses {
+    fn object<'a>(
+        &'a self,
+        state: &'a AppState,
+        meta: &'a RecordMeta,
+        stored: &'a StoredRequest,
+        start: AnswerStart,
+        options: Self::Options,
+    ) -> impl std::future::Future<Output = Result<Value, ApiError>> + Send + 'a {
+        async move { responses_object_of(state, meta, stored, &start.model, options).await }
+    }
+}
+
+impl Retrievable for ChatCompletions {
+    fn object<'a>(
+        &'a self,
+        state: &'a AppState,
+        meta: &'a RecordMeta,
+        _stored: &'a StoredRequest,
+        start: AnswerStart,
+        _options: Self::Options,
+    ) -> impl std::future::Future<Output = Result<Value, ApiError>> + Send + 'a {
+        chat_object(state, &meta.id, start)
+    }
+}
+
+/// Bytes of a retrieved object handed to the connection at a time: the
+/// body is held (and charged) until its last piece is taken.
+const RETRIEVED_CHUNK_BYTES: usize = 64 * 1024;
+
+async fn retrieve<E: Retrievable>(
     state: &AppState,
     endpoint: E,
     id: &str,
@@ -777,19 +950,21 @@ async fn retrieve<E: RunEndpoint>(
         let key = authenticate(state, headers)?;
         let skip = resume_point(query, headers)?;
         let read = readable(state, &key, id, endpoint.journal_api()).await?;
-        Ok::<_, ApiError>((read, skip))
+        Ok::<_, ApiError>((key, read, skip))
     }
     .await;
-    let (read, skip) = match found {
+    let (key, read, skip) = match found {
         Ok(found) => found,
         Err(e) => return refuse(&endpoint, record, e),
     };
     let (meta, stored) = (&read.meta, &read.stored);
+    // R-LIM-6: the stored request is parsed once per read.
     let (run, options) = match reparse(&endpoint, stored) {
         Ok(parsed) => parsed,
         Err(e) => return refuse(&endpoint, record, e),
     };
     let start = answer_start(&run.model, stored);
+    drop(run);
     if query.stream == Some(true) {
         let follower = match Follower::open(state.durable().store().clone(), &meta.id).await {
             Ok(f) => f,
@@ -804,21 +979,76 @@ async fn retrieve<E: RunEndpoint>(
             record,
         ));
     }
-    let object = match endpoint.journal_api() {
-        JournalApi::Responses => match reparse(&Responses, stored) {
-            Ok((_, options)) => responses_object_of(state, meta, stored, &run.model, options).await,
-            Err(e) => Err(e),
-        },
-        _ => chat_object(state, &meta.id, start).await,
+    // R-LIM-6: the object built here is charged to the caller's share
+    // before it is built (its bound, from the record's event bytes), then
+    // what its body takes until the body has been sent.
+    let bodies = state.bodies();
+    let event_bytes = meta.stored_bytes.saturating_sub(stored.body.len() as u64);
+    let mut permit = match bodies.hold_answer(
+        &key.principal,
+        iop_core::edge::whole_answer::rendering_bytes(event_bytes),
+    ) {
+        Ok(permit) => permit,
+        Err(e) => return refuse(&endpoint, record, e.to_api_error()),
     };
-    let mut record = record;
-    match object {
-        Ok(v) => {
-            record.set("ok");
-            axum::Json(v).into_response()
-        }
-        Err(e) => refuse(&endpoint, record, e),
+    let object = match endpoint.object(state, meta, stored, start, options).await {
+        Ok(object) => object,
+        Err(e) => return refuse(&endpoint, record, e),
+    };
+    // The stored request is no longer needed.
+    drop(read);
+    let body = match serde_json::to_vec(&object) {
+        Ok(body) => Bytes::from(body),
+        Err(_) => return refuse(&endpoint, record, ApiError::internal()),
+    };
+    drop(object);
+    if let Err(e) = bodies.refit(&key.principal, &mut permit, body.len()) {
+        return refuse(&endpoint, record, e.to_api_error());
     }
+    let mut record = record;
+    record.set("ok");
+    held_json(
+        body,
+        permit,
+        record,
+        state.driver_context().client_write_timeout,
+    )
+}
+
+/// A JSON answer whose bytes stay charged to `permit` until the
+/// connection has taken the last of them; a reader that takes none within
+/// `write_timeout` is cut off and its share given back (R-LIM-6).
+fn held_json(
+    body: Bytes,
+    permit: crate::request_body::BodyPermit,
+    record: RequestRecord,
+    write_timeout: std::time::Duration,
+) -> Response {
+    use futures::StreamExt as _;
+    let len = body.len();
+    let pieces: Vec<Bytes> = (0..len)
+        .step_by(RETRIEVED_CHUNK_BYTES)
+        .map(|at| body.slice(at..(at + RETRIEVED_CHUNK_BYTES).min(len)))
+        .collect();
+    drop(body);
+    let held = (permit, record);
+    let stream = futures::stream::iter(pieces)
+        .chain(futures::stream::poll_fn(move |_| {
+            // The last piece has been taken: the share goes back.
+            let _ = &held;
+            std::task::Poll::Ready(None)
+        }))
+        .boxed();
+    let stream = crate::answer_body::with_write_timeout(stream, write_timeout)
+        .map(Ok::<_, std::convert::Infallible>);
+    let mut response = axum::body::Body::from_stream(stream).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    headers.insert(axum::http::header::CONTENT_LENGTH, HeaderValue::from(len));
+    response
 }
 
 /// A stored `chat.completion` as it is now.

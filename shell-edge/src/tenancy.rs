@@ -262,6 +262,42 @@ impl Tenancy {
         })
     }
 
+    /// Hold a request a takeover continues (R-TEN-2, R-TAKE-1): its
+    /// admission's hold ended with the Edge that admitted it, so its
+    /// continuation is held to its key's and principal's limits here. Not
+    /// a new request (no rate, quota or concurrency check): every attempt
+    /// it makes reserves first, and a refused one ends it with the
+    /// tenant's error; settled like any request.
+    pub fn admit_taken_over(self: &Arc<Self>, ask: &TenantAsk<'_>) -> TenantHold {
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        let request = AdmitRequest {
+            ticket,
+            key: ask.key_id.to_owned(),
+            principal: ask.principal.to_owned(),
+            key_limits: ask.key_limits.clone(),
+            principal_limits: ask.principal_limits.clone(),
+            price: ask.price,
+            prompt_tokens_max: iop_core::tenant::prompt_tokens_max(ask.body_bytes),
+            output_tokens_max: ask.max_output.unwrap_or(self.default_max_output_tokens),
+            unix_ms: iop_transport::clock::unix_ms(),
+            model: ask.model.to_owned(),
+            durable: ask.durable,
+            background: ask.background,
+            key_held: ask.held.0,
+            principal_held: ask.held.1,
+        };
+        self.machine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit_taken_over(&request);
+        TenantHold {
+            tenancy: self.clone(),
+            ticket,
+            used: Mutex::new(None),
+            headers: RateHeaders::default(),
+        }
+    }
+
     fn reserve_attempt(
         self: &Arc<Self>,
         ticket: u64,

@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use common::*;
 use iop_edge::server::RunningEdge;
 use iop_node::mock::{MockScript, MockServer};
@@ -22,6 +24,11 @@ struct Deployment {
 
 impl Deployment {
     async fn start(pki: &Pki, script: MockScript, journal: &str) -> Self {
+        Self::start_with(pki, script, "", journal).await
+    }
+
+    /// [`Self::start`] with `edge_lines` in the Edge's `[edge]` section.
+    async fn start_with(pki: &Pki, script: MockScript, edge_lines: &str, journal: &str) -> Self {
         write_secret(&pki.path().join("key"), KEY);
         write_secret(&pki.path().join("other"), OTHER_KEY);
         let mock = MockServer::start(script).await.unwrap();
@@ -30,7 +37,7 @@ impl Deployment {
              [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\n\
              [[api_keys]]\nprincipal = \"other\"\nkey_file = \"other\"\n{journal}"
         );
-        let edge = RunningEdge::start(edge_config(pki, 0, &extra))
+        let edge = RunningEdge::start(edge_config_with(pki, 0, edge_lines, &extra))
             .await
             .unwrap();
         let node = start_node(
@@ -807,6 +814,360 @@ async fn a_background_response_admission_refuses_is_answered_429_not_200() {
             )
             .await;
         assert_eq!(status, 429);
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// An admin key of principal `ops` (it reads `/status`), for
+/// [`Deployment::start`]'s `journal` lines; its secret is written to `ops`.
+const OPS_KEY: &str = "sk-durable-ops-0123456789";
+const OPS_KEY_TOML: &str = "[[api_keys]]\nprincipal = \"ops\"\nkey_file = \"ops\"\nadmin = true\n";
+
+impl Deployment {
+    /// The journal's bytes held, as `/status` shows them.
+    async fn journal_bytes(&self) -> u64 {
+        let (status, body) = self.get("/status", OPS_KEY, &[]).await;
+        assert_eq!(status, 200, "{body}");
+        json_of(&body)["journal"]["bytes"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{body}"))
+    }
+}
+
+/// R-LIM-6: a conversation continued with `previous_response_id` is stored
+/// link by link, each message once (a link keeps its own input and the id
+/// it continues): 200 links hold journal bytes linear in their number,
+/// where storing the whole conversation in every link grows with its
+/// square; each link still gives the provider the whole conversation. A
+/// link removed from the middle leaves the links after it uncontinuable
+/// (a 400 that says so) and the ones before it continuable.
+#[tokio::test]
+async fn a_200_link_conversation_stores_each_message_once_r_lim_6() {
+    const LINKS: usize = 200;
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("ops"), OPS_KEY);
+        let d = Deployment::start(&pki, MockScript::default(), OPS_KEY_TOML).await;
+        let before = d.journal_bytes().await;
+        let mut ids: Vec<String> = Vec::new();
+        // Journal bytes held after each link.
+        let mut held: Vec<u64> = Vec::new();
+        // The conversation's characters after each link (inputs and
+        // answers).
+        let mut chars = 0usize;
+        let mut chars_after: Vec<usize> = Vec::new();
+        for turn in 0..LINKS {
+            let input = format!("turn {turn}");
+            let mut body = json!({"model": "m", "input": input});
+            if let Some(previous) = ids.last() {
+                body["previous_response_id"] = json!(previous);
+            }
+            let (status, text) = d.post("/v1/responses", &body, &[]).await;
+            assert_eq!(status, 200, "link {turn}: {text}");
+            let object = json_of(&text);
+            chars += input.chars().count();
+            // The mock counts a token per 4 characters of the prompt:
+            // every earlier input and answer, and this input.
+            let prompt = object["usage"]["input_tokens"].as_u64().unwrap();
+            assert_eq!(
+                prompt,
+                chars.div_ceil(4) as u64,
+                "link {turn} sent the whole conversation: {object}"
+            );
+            let answer = object["output"][0]["content"][0]["text"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{object}"));
+            chars += answer.chars().count();
+            chars_after.push(chars);
+            ids.push(object["id"].as_str().unwrap().to_owned());
+            held.push(d.journal_bytes().await - before);
+        }
+        // Linear: the second hundred links hold no more than the first
+        // hundred (+10 % for longer turn numbers); whole histories would
+        // hold about three times as much.
+        let (first, total) = (held[LINKS / 2 - 1], held[LINKS - 1]);
+        let second = total - first;
+        eprintln!(
+            "{LINKS} links: {total} journal bytes ({} per link); first 100 {first}, next 100 \
+             {second}; the conversation is {chars} characters",
+            total / LINKS as u64
+        );
+        assert!(
+            second * 10 <= first * 11,
+            "linear in the links: first half {first} B, second half {second} B"
+        );
+        // A whole history per link would store each of the n(n-1)/2
+        // earlier messages again: far more than what is held.
+        let quadratic = (LINKS * (LINKS - 1) / 2) as u64 * (chars / (2 * LINKS)) as u64;
+        assert!(
+            total < quadratic,
+            "{total} B held, a whole history per link would add {quadratic} B"
+        );
+        // Removing link 100 leaves the links after it uncontinuable and
+        // the ones before it continuable.
+        let r = reqwest::Client::new()
+            .delete(d.url(&format!("/v1/responses/{}", ids[100])))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let (status, text) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "more", "previous_response_id": ids[LINKS - 1]}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 400, "{text}");
+        let error = &json_of(&text)["error"];
+        assert_eq!(error["code"], "previous_response_unavailable", "{text}");
+        assert_eq!(error["param"], "previous_response_id");
+        let (status, text) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "more", "previous_response_id": ids[99]}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(
+            json_of(&text)["usage"]["input_tokens"].as_u64().unwrap(),
+            (chars_after[99] + "more".len()).div_ceil(4) as u64,
+            "the first hundred links and the new input"
+        );
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// A message of a stored history.
+fn message(role: iop_wire::Role, content: &str) -> iop_wire::ChatMessage {
+    iop_wire::ChatMessage {
+        role,
+        content: content.to_owned(),
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+        name: None,
+        images: Vec::new(),
+        cache_control: None,
+        documents: Vec::new(),
+    }
+}
+
+/// R-LIM-6: a response an older build stored with the whole conversation
+/// before it (its `history`, in every link) is still continued: its
+/// conversation is that history, its own input and its answer. The link
+/// that continues it is stored as a link, and continuing that walks back
+/// to the older record.
+#[tokio::test]
+async fn a_response_an_older_build_stored_with_its_history_is_still_continued_r_lim_6() {
+    use iop_core::edge::request::Delivery;
+    use iop_core::journal::{JournalApi, JournalEvent, NewRecord, RecordStatus, Terminal};
+    use iop_store::JournalStore as _;
+    use iop_wire::Role;
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let id = "resp_00000000000000a1";
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        {
+            // The Edge's journal file as an older build left it.
+            let store = iop_store::EmbeddedStore::open(
+                &pki.path().join("edge-state").join("journal.redb"),
+                iop_core::journal::JournalLimits::default(),
+            )
+            .unwrap();
+            let stored = iop_edge::durable::StoredRequest {
+                id_seed: 0xa1,
+                created_unix_ms: now,
+                store: true,
+                background: false,
+                body: json!({"model": "m", "input": "second question"})
+                    .to_string()
+                    .into_bytes(),
+                history: Some(vec![
+                    message(Role::User, "first question"),
+                    message(Role::Assistant, "first answer"),
+                ]),
+                previous: None,
+                history_unreadable: false,
+            };
+            let created = store
+                .create(NewRecord {
+                    id: id.into(),
+                    principal: "tester".into(),
+                    api: JournalApi::Responses,
+                    model: "m".into(),
+                    fingerprint: iop_core::journal::fingerprint("responses", b"{}"),
+                    idempotency_key: None,
+                    background: false,
+                    request: stored.encode(),
+                    created_unix_ms: now,
+                    owner: String::new(),
+                    key_id: String::new(),
+                })
+                .await
+                .unwrap();
+            let iop_store::CreateOutcome::Create(meta) = created else {
+                panic!("{created:?}");
+            };
+            let event = Delivery::Event(iop_wire::RunEventKind::TextDelta("second answer".into()));
+            store
+                .append(
+                    id.into(),
+                    meta.epoch,
+                    vec![JournalEvent {
+                        seq: 1,
+                        payload: iop_core::edge::durable::encode_delivery(&event),
+                    }],
+                )
+                .await
+                .unwrap();
+            store
+                .finish(
+                    id.into(),
+                    meta.epoch,
+                    Terminal {
+                        status: RecordStatus::Completed,
+                        reason: None,
+                        message: None,
+                        at_unix_ms: now,
+                    },
+                )
+                .await
+                .unwrap();
+        }
+        let d = Deployment::start(&pki, MockScript::default(), "").await;
+        let (status, text) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "third", "previous_response_id": id}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{text}");
+        let third = json_of(&text);
+        // The mock counts a token per 4 characters of the prompt.
+        let chars = [
+            "first question",
+            "first answer",
+            "second question",
+            "second answer",
+        ]
+        .iter()
+        .map(|s| s.len())
+        .sum::<usize>()
+            + "third".len();
+        assert_eq!(
+            third["usage"]["input_tokens"].as_u64().unwrap(),
+            chars.div_ceil(4) as u64,
+            "the older record's history, input and answer, then the new input: {third}"
+        );
+        let answer = third["output"][0]["content"][0]["text"].as_str().unwrap();
+        let (status, text) = d
+            .post(
+                "/v1/responses",
+                &json!({"model": "m", "input": "fourth",
+                    "previous_response_id": third["id"]}),
+                &[],
+            )
+            .await;
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(
+            json_of(&text)["usage"]["input_tokens"].as_u64().unwrap(),
+            (chars + answer.len() + "fourth".len()).div_ceil(4) as u64,
+        );
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// R-LIM-6: the object a retrieve builds is charged to the caller's share
+/// of request memory (its bound, from the record's size, before it is
+/// built; its body's size until the body has been handed to the
+/// connection), not only the stored request it reads. 32 concurrent
+/// retrieves of one large answer by one key fit its share a few at a time:
+/// the rest are refused at once (503 `server_busy`), while another key's
+/// retrieves at the same moment are served from its own share; once they
+/// are done the key is served again. Without the charge every one of them
+/// is served, each holding the whole answer (the stored request they read
+/// is small).
+#[tokio::test]
+async fn retrieves_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
+    /// The key's share of request memory.
+    const SHARE: usize = 4 * 1024 * 1024;
+    const READERS: usize = 32;
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let script = MockScript {
+            tokens: 100_000,
+            ..MockScript::default()
+        };
+        let d = Deployment::start_with(
+            &pki,
+            script,
+            &format!("max_body_bytes = 65536\nrequest_memory_bytes_per_key = {SHARE}\n"),
+            "",
+        )
+        .await;
+        let client = reqwest::Client::new();
+        let mut ids = Vec::new();
+        for key in [KEY, OTHER_KEY] {
+            let r = client
+                .post(d.url("/v1/responses"))
+                .bearer_auth(key)
+                .json(&json!({"model": "m", "input": "long"}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let object = json_of(&r.text().await.unwrap());
+            ids.push(object["id"].as_str().unwrap().to_owned());
+        }
+        let retrieve = |key: &'static str, id: String, start: Arc<tokio::sync::Barrier>| {
+            let (client, url) = (client.clone(), d.url(&format!("/v1/responses/{id}")));
+            tokio::spawn(async move {
+                start.wait().await;
+                let r = client.get(url).bearer_auth(key).send().await.unwrap();
+                let status = r.status().as_u16();
+                (status, r.text().await.unwrap())
+            })
+        };
+        let start = Arc::new(tokio::sync::Barrier::new(READERS + 2));
+        let mine: Vec<_> = (0..READERS)
+            .map(|_| retrieve(KEY, ids[0].clone(), start.clone()))
+            .collect();
+        let other = retrieve(OTHER_KEY, ids[1].clone(), start.clone());
+        start.wait().await;
+        let (mut served, mut refused) = (0, 0);
+        for task in mine {
+            let (status, body) = task.await.unwrap();
+            match status {
+                200 => {
+                    assert_eq!(json_of(&body)["status"], "completed");
+                    assert!(body.len() > SHARE / 8, "the whole answer: {} B", body.len());
+                    served += 1;
+                }
+                503 => {
+                    assert_eq!(json_of(&body)["error"]["code"], "server_busy", "{body}");
+                    refused += 1;
+                }
+                other => panic!("{other}: {body}"),
+            }
+        }
+        eprintln!("{READERS} concurrent retrieves of one key: {served} served, {refused} refused");
+        assert!(served >= 1, "the share holds one answer at least");
+        assert!(refused >= 1, "the rest do not fit the key's share");
+        // Another key's share is its own.
+        let (status, body) = other.await.unwrap();
+        assert_eq!(status, 200, "another key is served: {body}");
+        // Done, their share is back.
+        let (status, body) = d.get(&format!("/v1/responses/{}", ids[0]), KEY, &[]).await;
+        assert_eq!(status, 200, "{body}");
         d.shutdown().await;
     })
     .await;

@@ -362,6 +362,38 @@ admin = true
             1,
             "one continuation, never the prompt again"
         );
+        // R-TEN-2: the continuation is charged to the key the record names
+        // (the killed Edge's hold on it died with that Edge): its usage
+        // lands on the key's usage row (written every `usage_flush_ms`).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let row = loop {
+            let r = reqwest::Client::new()
+                .get(format!("{}/admin/usage?principal=tester", edge.http))
+                .bearer_auth(KEY)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let usage: Value = r.json().await.unwrap();
+            let row = usage["data"]
+                .as_array()
+                .and_then(|rows| rows.iter().find(|r| r["key"] == "tester-1"))
+                .cloned();
+            if let Some(row) = row.filter(|r| r["output_tokens"].as_u64() > Some(0)) {
+                break row;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the continuation's usage on its key: {usage}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(row["principal"], "tester", "{row}");
+        assert_eq!(row["model"], "m", "{row}");
+        assert!(
+            row["input_tokens"].as_u64() > Some(0),
+            "the continuation's prompt and answer so far: {row}"
+        );
         edge.child.start_kill().unwrap();
         let _ = edge.child.wait().await;
     })

@@ -138,12 +138,21 @@ pub(crate) struct Directory {
     held: HeldGauges,
     /// Record tokens whose latest value does not decode (R-JRN-6): each
     /// is treated as absent, counted, never fatal (at most
-    /// [`MAX_QUARANTINED`] remembered, the rest only counted).
-    quarantined: std::collections::HashSet<String>,
+    /// [`MAX_QUARANTINED`] remembered, the rest only counted), with the
+    /// revision seen and when a sweep first saw it so.
+    quarantined: HashMap<String, Quarantined>,
     /// Quarantined records past [`MAX_QUARANTINED`].
     quarantined_overflow: u64,
     /// Principals and key ids of finished records, one allocation each.
     names: HashSet<Arc<str>>,
+}
+
+/// A record quarantined (R-JRN-6): the revision that does not decode,
+/// and when a sweep first saw it (Unix ms).
+#[derive(Debug, Clone, Copy)]
+struct Quarantined {
+    revision: u64,
+    seen_unix_ms: Option<u64>,
 }
 
 /// Quarantined record tokens the directory remembers at most.
@@ -176,15 +185,62 @@ impl Directory {
             self.held.change_parts(Some(old.entry.holding()), None);
         }
         self.watchers.remove(tok);
-        if self.quarantined.contains(tok) {
+        if let Some(q) = self.quarantined.get_mut(tok) {
+            // Written again, still unreadable: its clock starts again.
+            if q.revision != revision {
+                *q = Quarantined {
+                    revision,
+                    seen_unix_ms: None,
+                };
+            }
             return false;
         }
         if self.quarantined.len() < MAX_QUARANTINED {
-            self.quarantined.insert(tok.to_owned());
+            self.quarantined.insert(
+                tok.to_owned(),
+                Quarantined {
+                    revision,
+                    seen_unix_ms: None,
+                },
+            );
         } else {
             self.quarantined_overflow += 1;
         }
         true
+    }
+
+    /// The quarantined records (token, revision) that have stayed
+    /// unchanged and unreadable for `after_ms` since a sweep first saw
+    /// them, at most `max` (R-JRN-6: a record nobody can read is removed
+    /// once a retention has passed, as it would have expired; one a newer
+    /// build writes changes meanwhile and is left alone). Stamps the ones
+    /// seen for the first time with `now_unix_ms`.
+    pub(crate) fn quarantined_due(
+        &mut self,
+        now_unix_ms: u64,
+        after_ms: u64,
+        max: usize,
+    ) -> Vec<(String, u64)> {
+        let mut due = Vec::new();
+        for (tok, q) in &mut self.quarantined {
+            let seen = *q.seen_unix_ms.get_or_insert(now_unix_ms);
+            if due.len() < max && now_unix_ms.saturating_sub(seen) >= after_ms {
+                due.push((tok.clone(), q.revision));
+            }
+        }
+        due
+    }
+
+    /// Record `tok` is no longer quarantined at `revision` (it reads, or is
+    /// gone).
+    pub(crate) fn unquarantine(&mut self, tok: &str, revision: u64) {
+        if self
+            .quarantined
+            .get(tok)
+            .is_some_and(|q| q.revision <= revision)
+        {
+            self.quarantined.remove(tok);
+        }
     }
 
     /// Records quarantined (R-JRN-6).

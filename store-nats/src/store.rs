@@ -38,6 +38,8 @@ const MAX_ORPHANS: usize = 1024;
 const SCAN_CONCURRENCY: usize = 16;
 /// Delete markers purged by one sweep at most.
 const MAX_MARKER_PURGES: usize = 10_000;
+/// Quarantined records one sweep removes at most (R-JRN-6).
+const MAX_QUARANTINED_SWEPT: usize = 256;
 /// Records whose read positions are remembered.
 const MAX_ANCHORED_RECORDS: usize = 4096;
 /// Read positions remembered per record.
@@ -1111,8 +1113,79 @@ impl Inner {
                 removed += 1;
             }
         }
+        removed += self.sweep_quarantined(now_unix_ms).await?;
         self.purge_markers(now_unix_ms).await;
         self.dir().prune_watchers();
+        Ok(removed)
+    }
+
+    /// Remove the quarantined records (R-JRN-6) that stayed unchanged and
+    /// unreadable for a retention since a sweep first saw them: nobody
+    /// can read them, and a record kept that long would have expired. A
+    /// record a newer build writes changes meanwhile (its clock starts
+    /// again) and is left alone. Its bucket entry goes (a delete marker
+    /// on the revision seen: a record written since is not touched), then
+    /// its messages up to the last one before the marker.
+    async fn sweep_quarantined(&self, now_unix_ms: u64) -> Result<usize, JournalError> {
+        let due = self.dir().quarantined_due(
+            now_unix_ms,
+            self.limits().retention_ms,
+            MAX_QUARANTINED_SWEPT,
+        );
+        let mut removed = 0;
+        for (tok, revision) in due {
+            match self.read_record(&tok).await? {
+                Slot::Damaged(r) if r == revision => {}
+                Slot::Damaged(_) => continue,
+                Slot::Present(r, _) | Slot::Deleted(r) => {
+                    self.dir().unquarantine(&tok, r);
+                    continue;
+                }
+                Slot::Absent => {
+                    self.dir().unquarantine(&tok, revision);
+                    continue;
+                }
+            }
+            // The messages it may have: everything on its subjects up to
+            // now (a new record of the id writes after the marker).
+            let mut lasts = Vec::with_capacity(2);
+            for subject in [
+                self.names.events_subject(&tok),
+                self.names.request_subject(&tok),
+            ] {
+                match self.events.direct_get_last_for_subject(&subject).await {
+                    Ok(m) => lasts.push((subject, m.sequence)),
+                    Err(e) if e.kind() == DirectGetErrorKind::NotFound => {}
+                    Err(e) => return Err(store_error("reading a damaged record's messages", e)),
+                }
+            }
+            let marker = match self
+                .kv_write(&Names::record_key(&tok), revision, None)
+                .await
+            {
+                Ok(marker) => marker,
+                Err(Failure::Conflict) => continue,
+                Err(f) => return Err(f.into()),
+            };
+            self.dir().delete(&tok, marker);
+            for (subject, last) in lasts {
+                if let Err(e) = self
+                    .events
+                    .purge()
+                    .filter(&subject)
+                    .sequence(last + 1)
+                    .await
+                {
+                    tracing::warn!(subject, error = %e, "purging a damaged record's messages");
+                }
+            }
+            tracing::info!(
+                event = "journal_quarantined_record_removed",
+                revision,
+                "a record that did not decode for a whole retention is removed"
+            );
+            removed += 1;
+        }
         Ok(removed)
     }
 

@@ -624,6 +624,68 @@ async fn a_record_that_does_not_decode_is_quarantined_and_the_rest_is_served() {
     assert_eq!(store.unfinished().await.unwrap().len(), 1);
 }
 
+/// R-JRN-6: a quarantined record is not kept for good: once it has stayed
+/// unchanged and unreadable for a retention since a sweep first saw it
+/// (a record kept that long would have expired), a sweep removes it with
+/// its messages, and its id can be used again. One written again
+/// meanwhile (a newer build's record, say) starts its wait again; every
+/// other record stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantined_record_is_swept_a_retention_after_a_sweep_first_saw_it() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    let store = connect(&server, "qsweep", LIMITS).await;
+    for id in ["good", "damaged"] {
+        create(&store, id, b"{}").await;
+        store.append(id.into(), 1, vec![event(1)]).await.unwrap();
+    }
+    let raw = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(raw);
+    let damage = |byte: u8| {
+        let js = js.clone();
+        async move {
+            js.publish(
+                "$KV.j_qsweep.rec.damaged",
+                bytes::Bytes::from(vec![byte; 5]),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        }
+    };
+    damage(0xff).await;
+    until("the watch to quarantine it", || async {
+        store.stats().quarantined == 1
+    })
+    .await;
+    let t0 = 1_900_000_000_000;
+    let retention = LIMITS.retention_ms;
+    assert_eq!(store.sweep(t0).await.unwrap(), 0, "first seen");
+    assert_eq!(store.sweep(t0 + retention - 1).await.unwrap(), 0);
+    // Written again, still unreadable: its wait starts again.
+    damage(0xfe).await;
+    assert_eq!(store.sweep(t0 + retention).await.unwrap(), 0, "changed");
+    assert_eq!(
+        store.sweep(t0 + 2 * retention - 1).await.unwrap(),
+        0,
+        "a retention has not passed since it changed"
+    );
+    assert_eq!(store.stats().quarantined, 1);
+    assert_eq!(store.sweep(t0 + 3 * retention).await.unwrap(), 1);
+    assert_eq!(store.stats().quarantined, 0);
+    assert_eq!(store.get("damaged".into(), 0).await, Ok(None));
+    // The id is free again, its old messages gone; the rest stays.
+    create(&store, "damaged", b"{}").await;
+    assert_eq!(store.events("damaged".into(), 0, 10).await, Ok(vec![]));
+    assert!(store.get("good".into(), 0).await.unwrap().is_some());
+    assert_eq!(
+        store.events("good".into(), 0, 10).await.unwrap(),
+        vec![event(1)]
+    );
+}
+
 /// A server that verifies its clients' certificates (mutual TLS): the
 /// store connects with `tls_client_cert`, and is refused without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

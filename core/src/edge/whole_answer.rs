@@ -9,6 +9,22 @@ use iop_wire::RunEventKind;
 /// The most text and tool-call bytes a non-streaming answer accumulates.
 pub const MAX_WHOLE_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
+/// What rendering a stored answer whole takes at most, per byte of the
+/// events its record holds (R-LIM-6): the text folded from the events,
+/// the object built from it and that object serialized, each about the
+/// text's size, held at once at the end of the build.
+pub const RENDERED_BYTES_PER_EVENT_BYTE: usize = 3;
+
+/// The memory a read charges its caller's share before it renders a
+/// stored answer whole from a record whose events hold `event_bytes`
+/// (R-LIM-6): an upper bound, known from the record's metadata before
+/// any event is read.
+pub fn rendering_bytes(event_bytes: u64) -> usize {
+    usize::try_from(event_bytes)
+        .unwrap_or(usize::MAX)
+        .saturating_mul(RENDERED_BYTES_PER_EVENT_BYTE)
+}
+
 /// The answer went past its bound: abandon the run and answer
 /// `response_too_large`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +99,13 @@ mod tests {
             budget.add(&RunEventKind::TextDelta("x".into())),
             Err(AnswerTooLarge { limit_bytes: 10 })
         );
+    }
+
+    #[test]
+    fn a_rendering_is_charged_a_bounded_multiple_of_its_events_r_lim_6() {
+        assert_eq!(rendering_bytes(0), 0);
+        assert_eq!(rendering_bytes(1_000), 3_000);
+        assert_eq!(rendering_bytes(u64::MAX), usize::MAX, "saturates");
     }
 
     #[test]

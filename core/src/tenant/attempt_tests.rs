@@ -225,3 +225,57 @@ fn r_ten_2_a_ticket_this_edge_does_not_hold_has_nothing_to_reserve_against() {
     assert_eq!(edge.machine.reservations_of(9), 0);
     assert!(edge.machine.held_by(9).is_empty());
 }
+
+#[test]
+fn r_ten_2_a_taken_over_request_reserves_each_attempt_and_settles_on_its_key() {
+    let mut edge = Edge::new();
+    let mut r = request(1, 100, Some(1_000));
+    r.key_limits = Limits {
+        concurrent_requests: Some(1),
+        requests_per_minute: Some(1),
+        ..Limits::default()
+    };
+    // Not a new request: held at once, reserving nothing yet, and not
+    // counted against the key's request rate (R-TAKE-1).
+    edge.machine.admit_taken_over(&r);
+    assert_eq!(edge.machine.reservations_of(1), 1);
+    assert!(edge.machine.held_by(1).is_empty());
+    // Its continuation reserves its terms and the answer so far first.
+    assert_eq!(edge.machine.reserve_attempt(at(1), 1, 5, T0 + 1), Ok(()));
+    edge.serve(at(1));
+    assert_eq!(edge.machine.used(&spend()), Some(35));
+    // It counts as in flight on its key: another request of the key waits.
+    let mut other = request(2, 100, None);
+    other.key_limits = r.key_limits.clone();
+    assert!(edge.machine.admit(at(2), &other).is_err());
+    // Settled with its usage: charged once, on its key's usage row.
+    let used = TokenUse {
+        input: 20,
+        output: 4,
+        ..TokenUse::default()
+    };
+    let (row, totals) = edge.machine.settle(at(3), 1, used).expect("settled");
+    assert_eq!((row.key.as_str(), row.principal.as_str()), ("k", "p"));
+    assert_eq!(totals.spend_micros, 24);
+    assert_eq!(edge.machine.used(&spend()), Some(24));
+    assert_eq!(edge.machine.reservations_of(1), 0);
+    assert!(
+        edge.machine.admit(at(4), &other).is_ok(),
+        "no longer in flight"
+    );
+}
+
+#[test]
+fn r_ten_2_a_taken_over_request_whose_attempt_does_not_fit_is_refused() {
+    let mut edge = Edge::new();
+    // 30 of its terms and 5 of answer so far do not fit 20.
+    edge.machine.admit_taken_over(&request(1, 20, None));
+    let refused = edge
+        .machine
+        .reserve_attempt(at(1), 1, 5, T0 + 1)
+        .unwrap_err();
+    assert_eq!(refused.refusal.kind, RefusalKind::InsufficientQuota);
+    assert!(edge.machine.held_by(1).is_empty(), "nothing taken");
+    assert!(edge.machine.release(at(2), 1).is_some());
+    assert_eq!(edge.machine.reservations_of(1), 0);
+}

@@ -450,6 +450,37 @@ impl ApiError {
         .with_param("previous_response_id")
     }
 
+    /// 400: `previous_response_id` names a response whose conversation
+    /// cannot be rebuilt: an earlier response of it is no longer stored
+    /// (it expired, or was deleted) or cannot be read (R-LIM-6).
+    pub fn previous_response_unavailable() -> Self {
+        Self::new(
+            400,
+            ErrorKind::InvalidRequest,
+            Some("previous_response_unavailable"),
+            "An earlier response of this conversation is no longer stored (it expired or was \
+             deleted), so the conversation cannot be rebuilt; send the full conversation in \
+             'input'."
+                .to_owned(),
+        )
+        .with_param("previous_response_id")
+    }
+
+    /// 400: `previous_response_id` names a conversation of more stored
+    /// responses than one continuation is rebuilt from (R-LIM-6).
+    pub fn conversation_too_long(max_links: usize) -> Self {
+        Self::new(
+            400,
+            ErrorKind::InvalidRequest,
+            Some("conversation_too_long"),
+            format!(
+                "The conversation continues more than {max_links} stored responses; send it in \
+                 'input' instead of continuing it with previous_response_id."
+            ),
+        )
+        .with_param("previous_response_id")
+    }
+
     /// 400: `previous_response_id` names a response that cannot be
     /// continued yet (it is still running).
     pub fn previous_response_running() -> Self {
