@@ -909,15 +909,15 @@ trait Retrievable: RunEndpoint {
 }
 
 impl Retrievable for Responses {
-    fn object<'a>(
+    async fn object<'a>(
         &'a self,
         state: &'a AppState,
         meta: &'a RecordMeta,
         stored: &'a StoredRequest,
         start: AnswerStart,
         options: Self::Options,
-    ) -> impl std::future::Future<Output = Result<Value, ApiError>> + Send + 'a {
-        async move { responses_object_of(state, meta, stored, &start.model, options).await }
+    ) -> Result<Value, ApiError> {
+        responses_object_of(state, meta, stored, &start.model, options).await
     }
 }
 
