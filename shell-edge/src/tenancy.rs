@@ -289,6 +289,7 @@ impl Tenancy {
         self.machine
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .machine_mut()
             .admit_taken_over(&request);
         TenantHold {
             tenancy: self.clone(),
