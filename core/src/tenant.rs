@@ -58,9 +58,14 @@ use serde::{Deserialize, Serialize};
 use crate::planted::{Planted, PlantedBug};
 use crate::time::Instant;
 
+pub mod key_format;
 pub mod keys;
+mod model_limits;
 pub mod usage;
 
+pub use model_limits::{
+    LimitsError, MAX_MODEL_LIMITS, MAX_MODEL_NAME_BYTES, ModelLimits, model_name_ok,
+};
 use usage::{UsageKey, UsageTotals, day_of};
 
 /// Milliseconds in a rate window.
@@ -69,7 +74,8 @@ pub const MINUTE_MS: u64 = 60_000;
 /// Milliseconds in a day (budget periods are UTC days).
 pub const DAY_MS: u64 = 86_400_000;
 
-/// What limits and budgets apply to: a key, or the principal it belongs to.
+/// What limits and budgets apply to: a key, the principal it belongs to,
+/// or either of them for one model (R-TEN-1: limits per model).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Subject {
@@ -77,6 +83,33 @@ pub enum Subject {
     Key(String),
     /// A principal.
     Principal(String),
+    /// A key's use of one model (the model as the client named it).
+    /// (Variants are only ever added at the end: stored counters name
+    /// their subject by its position.)
+    KeyModel {
+        /// The key's id.
+        key: String,
+        /// The model.
+        model: String,
+    },
+    /// A principal's use of one model.
+    PrincipalModel {
+        /// The principal.
+        principal: String,
+        /// The model.
+        model: String,
+    },
+}
+
+impl Subject {
+    /// The model a per-model subject counts (`None`: a key's or a
+    /// principal's whole use).
+    pub fn model(&self) -> Option<&str> {
+        match self {
+            Subject::Key(_) | Subject::Principal(_) => None,
+            Subject::KeyModel { model, .. } | Subject::PrincipalModel { model, .. } => Some(model),
+        }
+    }
 }
 
 /// What is counted.
@@ -154,6 +187,11 @@ pub struct Limits {
     /// Background responses not yet ended.
     #[serde(default)]
     pub background_responses: Option<u64>,
+    /// Rates of one model each, by the model's name as clients send it
+    /// (at most [`MAX_MODEL_LIMITS`]): a request for that model must fit
+    /// them as well as the whole limits above (R-TEN-1).
+    #[serde(default)]
+    pub per_model: BTreeMap<String, ModelLimits>,
 }
 
 impl Limits {
@@ -165,6 +203,7 @@ impl Limits {
             || self.budget.is_some()
             || self.journal_bytes.is_some()
             || self.background_responses.is_some()
+            || self.per_model.values().any(ModelLimits::any)
     }
 }
 
@@ -340,6 +379,82 @@ pub struct AdmitRequest {
     pub key_held: Held,
     /// What the principal holds in the journal now.
     pub principal_held: Held,
+}
+
+/// The limits of one subject that apply to a request: a key's or a
+/// principal's whole limits, or their rates for the request's model.
+#[derive(Debug, Clone, Copy)]
+enum Applicable<'a> {
+    Whole(&'a Limits),
+    Model(&'a ModelLimits),
+}
+
+impl Applicable<'_> {
+    fn requests_per_minute(self) -> Option<u64> {
+        match self {
+            Applicable::Whole(l) => l.requests_per_minute,
+            Applicable::Model(l) => l.requests_per_minute,
+        }
+    }
+
+    fn tokens_per_minute(self) -> Option<u64> {
+        match self {
+            Applicable::Whole(l) => l.tokens_per_minute,
+            Applicable::Model(l) => l.tokens_per_minute,
+        }
+    }
+
+    fn concurrent_requests(self) -> Option<u64> {
+        match self {
+            Applicable::Whole(l) => l.concurrent_requests,
+            Applicable::Model(l) => l.concurrent_requests,
+        }
+    }
+
+    fn budget(self) -> Option<Budget> {
+        match self {
+            Applicable::Whole(l) => l.budget,
+            Applicable::Model(_) => None,
+        }
+    }
+}
+
+impl AdmitRequest {
+    /// Every subject whose limits apply to it, with them (R-TEN-1): the
+    /// key and the principal first (in that order), then each one's
+    /// limits for the request's model where it has some. A request is
+    /// admitted only if every one admits it.
+    fn applicable(&self) -> Vec<(Subject, Applicable<'_>)> {
+        let mut out = vec![
+            (
+                Subject::Key(self.key.clone()),
+                Applicable::Whole(&self.key_limits),
+            ),
+            (
+                Subject::Principal(self.principal.clone()),
+                Applicable::Whole(&self.principal_limits),
+            ),
+        ];
+        if let Some(limits) = self.key_limits.for_model(&self.model) {
+            out.push((
+                Subject::KeyModel {
+                    key: self.key.clone(),
+                    model: self.model.clone(),
+                },
+                Applicable::Model(limits),
+            ));
+        }
+        if let Some(limits) = self.principal_limits.for_model(&self.model) {
+            out.push((
+                Subject::PrincipalModel {
+                    principal: self.principal.clone(),
+                    model: self.model.clone(),
+                },
+                Applicable::Model(limits),
+            ));
+        }
+        out
+    }
 }
 
 /// Why a request is refused.
@@ -537,15 +652,17 @@ impl Tenants {
     /// caller needs it before anything else happens). Admitted, it holds
     /// its reservation until [`Self::settle`] or [`Self::release`].
     pub fn admit(&mut self, now: Instant, request: &AdmitRequest) -> Result<(), Refusal> {
-        let subjects = [
-            (Subject::Key(request.key.clone()), &request.key_limits),
+        let subjects = request.applicable();
+        // The journal's quotas are the key's and the principal's alone.
+        let whole = [
+            (&subjects[0].0, &request.key_limits, &request.key_held),
             (
-                Subject::Principal(request.principal.clone()),
+                &subjects[1].0,
                 &request.principal_limits,
+                &request.principal_held,
             ),
         ];
-        let held = [&request.key_held, &request.principal_held];
-        for ((subject, limits), held) in subjects.iter().zip(held) {
+        for (subject, limits, held) in whole {
             if request.durable
                 && let Some(max) = limits.journal_bytes
                 && held.journal_bytes >= max
@@ -588,7 +705,7 @@ impl Tenants {
         // Every check first; nothing is taken unless all fit.
         let mut wants: Vec<(CounterKey, u64, u64, RefusalKind, Option<u64>)> = Vec::new();
         for (subject, limits) in &subjects {
-            if let Some(max) = limits.concurrent_requests
+            if let Some(max) = limits.concurrent_requests()
                 && self.in_flight.get(subject).copied().unwrap_or(0) >= max
             {
                 return Err(Refusal {
@@ -603,7 +720,7 @@ impl Tenants {
                 meter,
                 window_unix_ms,
             };
-            if let Some(limit) = limits.requests_per_minute {
+            if let Some(limit) = limits.requests_per_minute() {
                 wants.push((
                     counter(Meter::Requests, minute),
                     1,
@@ -612,7 +729,7 @@ impl Tenants {
                     Some(reset_ms),
                 ));
             }
-            if let Some(limit) = limits.tokens_per_minute {
+            if let Some(limit) = limits.tokens_per_minute() {
                 let refusal_wait = (tokens <= limit).then_some(reset_ms);
                 wants.push((
                     counter(Meter::Tokens, minute),
@@ -622,7 +739,7 @@ impl Tenants {
                     refusal_wait,
                 ));
             }
-            if let Some(budget) = limits.budget
+            if let Some(budget) = limits.budget()
                 && request.price.is_some()
             {
                 let (start, len) = budget.period.window(request.unix_ms);
@@ -671,7 +788,7 @@ impl Tenants {
         }
         let mut in_flight = Vec::new();
         for (subject, limits) in &subjects {
-            if limits.concurrent_requests.is_some() {
+            if limits.concurrent_requests().is_some() {
                 *self.in_flight.entry(subject.clone()).or_default() += 1;
                 in_flight.push(subject.clone());
             }
@@ -1099,27 +1216,23 @@ impl Tenants {
         })
     }
 
-    /// The tighter of a key's and its principal's `meter` this minute (the
-    /// one with less left), for the `x-ratelimit-*` headers (R-TEN-1).
-    pub fn tighter_rate(
-        &self,
-        request: &AdmitRequest,
-        meter: Meter,
-        limit: fn(&Limits) -> Option<u64>,
-    ) -> Option<RateState> {
-        [
-            (
-                Subject::Key(request.key.clone()),
-                limit(&request.key_limits),
-            ),
-            (
-                Subject::Principal(request.principal.clone()),
-                limit(&request.principal_limits),
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(s, l)| self.rate_state(&s, meter, l, request.unix_ms))
-        .min_by_key(|s| s.remaining)
+    /// The tightest of the rates that apply to `request` for `meter`
+    /// (requests or tokens) this minute (the one with the least left): the
+    /// key's, the principal's and each one's for the request's model, for
+    /// the `x-ratelimit-*` headers (R-TEN-1).
+    pub fn tighter_rate(&self, request: &AdmitRequest, meter: Meter) -> Option<RateState> {
+        request
+            .applicable()
+            .into_iter()
+            .filter_map(|(subject, limits)| {
+                let limit = match meter {
+                    Meter::Requests => limits.requests_per_minute(),
+                    Meter::Tokens => limits.tokens_per_minute(),
+                    Meter::Spend | Meter::JournalBytes | Meter::Background => None,
+                };
+                self.rate_state(&subject, meter, limit, request.unix_ms)
+            })
+            .min_by_key(|s| s.remaining)
     }
 
     /// Feed one input at `now`; drain [`Self::poll_output`] after.
@@ -1195,3 +1308,6 @@ mod tests;
 
 #[cfg(test)]
 mod attempt_tests;
+
+#[cfg(test)]
+mod model_tests;

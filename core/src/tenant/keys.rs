@@ -100,8 +100,9 @@ impl KeyRecord {
 /// A field of an admin's key change that is not valid: which, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyFieldError {
-    /// The field, as the admin API names it.
-    pub field: &'static str,
+    /// The field, as the admin API names it (`limits.per_model.<model>.<limit>`
+    /// for a limit per model).
+    pub field: String,
     /// Why.
     pub reason: &'static str,
 }
@@ -109,7 +110,12 @@ pub struct KeyFieldError {
 /// Check the fields of a key an admin creates or changes (R-LIM-5: every
 /// string bounded before it is stored).
 pub fn check_key_fields(record: &KeyRecord, now_unix_ms: u64) -> Result<(), KeyFieldError> {
-    let err = |field, reason| Err(KeyFieldError { field, reason });
+    let err = |field: &str, reason| {
+        Err(KeyFieldError {
+            field: field.to_owned(),
+            reason,
+        })
+    };
     if !principal_ok(&record.principal) {
         return err("principal", "must be 1-128 chars of [A-Za-z0-9._-]");
     }
@@ -138,21 +144,11 @@ pub fn check_key_fields(record: &KeyRecord, now_unix_ms: u64) -> Result<(), KeyF
             "each pattern must be 1-256 bytes, no control characters",
         );
     }
-    let l = &record.limits;
-    if [
-        l.requests_per_minute,
-        l.tokens_per_minute,
-        l.concurrent_requests,
-        l.journal_bytes,
-        l.background_responses,
-    ]
-    .contains(&Some(0))
-        || l.budget.is_some_and(|b| b.limit_micros == 0)
-    {
-        return err(
-            "limits",
-            "a limit must be at least 1 (leave it out for no limit)",
-        );
+    if let Err(e) = record.limits.check() {
+        return Err(KeyFieldError {
+            field: format!("limits.{}", e.field),
+            reason: e.reason,
+        });
     }
     if record
         .expires_unix_ms
@@ -207,13 +203,13 @@ pub fn new_key(
 ) -> Result<KeyRecord, KeyFieldError> {
     let Some(principal) = fields.principal.clone() else {
         return Err(KeyFieldError {
-            field: "principal",
+            field: "principal".into(),
             reason: "is required",
         });
     };
     if existing >= max_keys {
         return Err(KeyFieldError {
-            field: "principal",
+            field: "principal".into(),
             reason: "this deployment holds its most runtime keys ([tenants] max_keys); revoked keys count",
         });
     }
@@ -259,7 +255,7 @@ pub fn change_key(
             Ok(())
         }
         _ if revoked => Err(KeyFieldError {
-            field: "id",
+            field: "id".into(),
             reason: "the key is revoked",
         }),
         KeyChange::Rotate { secret_sha256 } => {
@@ -274,7 +270,7 @@ pub fn change_key(
                 .is_some_and(|p| *p != record.principal)
             {
                 return Err(KeyFieldError {
-                    field: "principal",
+                    field: "principal".into(),
                     reason: "a key's principal does not change; create a key for the other principal",
                 });
             }
@@ -365,7 +361,30 @@ mod tests {
         assert_eq!(field(|r| r.models.clear()), "models");
         assert_eq!(field(|r| r.models = vec!["m".into(); 65]), "models");
         assert_eq!(field(|r| r.name = Some("x".repeat(129))), "name");
-        assert_eq!(field(|r| r.limits.requests_per_minute = Some(0)), "limits");
+        assert_eq!(
+            field(|r| r.limits.requests_per_minute = Some(0)),
+            "limits.requests_per_minute"
+        );
+        assert_eq!(
+            field(|r| {
+                r.limits.per_model.insert(
+                    "gpt-4o".into(),
+                    crate::tenant::ModelLimits {
+                        concurrent_requests: Some(0),
+                        ..Default::default()
+                    },
+                );
+            }),
+            "limits.per_model.gpt-4o.concurrent_requests"
+        );
+        assert_eq!(
+            field(|r| {
+                r.limits.per_model = (0..=crate::tenant::MAX_MODEL_LIMITS)
+                    .map(|i| (format!("m{i}"), Default::default()))
+                    .collect();
+            }),
+            "limits.per_model"
+        );
         assert_eq!(field(|r| r.expires_unix_ms = Some(999)), "expires_at");
     }
 
