@@ -132,6 +132,13 @@ fn limits_json(l: &Limits) -> Value {
         }),
         "journal_bytes": l.journal_bytes,
         "background_responses": l.background_responses,
+        "per_model": l.per_model.iter().map(|(model, m)| {
+            (model.clone(), json!({
+                "requests_per_minute": m.requests_per_minute,
+                "tokens_per_minute": m.tokens_per_minute,
+                "concurrent_requests": m.concurrent_requests,
+            }))
+        }).collect::<serde_json::Map<_, _>>(),
     })
 }
 
@@ -175,11 +182,12 @@ fn config_key_json(k: &ApiKey) -> Value {
 /// bounded by core's check before it is stored).
 fn update_of(fields: &KeyFields) -> Result<KeyUpdate, ApiError> {
     let limits = match &fields.limits {
-        Some(limits) => Some(
-            limits
-                .to_core("limits")
-                .map_err(|e| ApiError::invalid_value("limits", &e.to_string()))?,
-        ),
+        Some(limits) => Some(limits.to_core("limits").map_err(|e| match e {
+            iop_transport::settings::ConfigError::Field { field, message } => {
+                ApiError::invalid_value(&field, &message)
+            }
+            other => ApiError::invalid_value("limits", &other.to_string()),
+        })?),
         None => None,
     };
     Ok(KeyUpdate {
@@ -194,7 +202,7 @@ fn update_of(fields: &KeyFields) -> Result<KeyUpdate, ApiError> {
 }
 
 fn field_error(e: KeyFieldError) -> ApiError {
-    ApiError::invalid_value(e.field, e.reason)
+    ApiError::invalid_value(&e.field, e.reason)
 }
 
 fn admin(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {

@@ -97,13 +97,35 @@ pub struct KeyOptions {
     /// Background responses not yet ended.
     #[arg(long)]
     background_responses: Option<u64>,
+    /// Requests per minute of one model, `MODEL=N` (repeat for more
+    /// models; at most 16 models in all).
+    #[arg(long = "model-requests-per-minute", value_name = "MODEL=N")]
+    model_requests_per_minute: Vec<String>,
+    /// Input + output tokens per minute of one model, `MODEL=N` (repeat).
+    #[arg(long = "model-tokens-per-minute", value_name = "MODEL=N")]
+    model_tokens_per_minute: Vec<String>,
+    /// Requests of one model in flight at once, `MODEL=N` (repeat).
+    #[arg(long = "model-concurrent-requests", value_name = "MODEL=N")]
+    model_concurrent_requests: Vec<String>,
     /// When it stops working, Unix seconds.
     #[arg(long)]
     expires_at: Option<u64>,
 }
 
+/// `MODEL=N` of a per-model flag: the model and the number.
+fn model_and_number(flag: &str, value: &str) -> anyhow::Result<(String, u64)> {
+    let (model, n) = value
+        .rsplit_once('=')
+        .filter(|(model, _)| !model.is_empty())
+        .with_context(|| format!("--{flag} takes MODEL=N, not {value:?}"))?;
+    let n = n
+        .parse()
+        .with_context(|| format!("--{flag} {value:?}: N must be a whole number"))?;
+    Ok((model.to_owned(), n))
+}
+
 impl KeyOptions {
-    fn body(&self, body: &mut Map<String, Value>) {
+    fn body(&self, body: &mut Map<String, Value>) -> anyhow::Result<()> {
         if let Some(name) = &self.name {
             body.insert("name".into(), json!(name));
         }
@@ -126,12 +148,44 @@ impl KeyOptions {
         if let Some(period) = &self.budget_period {
             limits.insert("budget_period".into(), json!(period));
         }
+        let mut per_model = Map::new();
+        for (flag, name, values) in [
+            (
+                "model-requests-per-minute",
+                "requests_per_minute",
+                &self.model_requests_per_minute,
+            ),
+            (
+                "model-tokens-per-minute",
+                "tokens_per_minute",
+                &self.model_tokens_per_minute,
+            ),
+            (
+                "model-concurrent-requests",
+                "concurrent_requests",
+                &self.model_concurrent_requests,
+            ),
+        ] {
+            for value in values {
+                let (model, n) = model_and_number(flag, value)?;
+                let entry = per_model
+                    .entry(model)
+                    .or_insert_with(|| Value::Object(Map::new()));
+                if let Value::Object(entry) = entry {
+                    entry.insert(name.into(), json!(n));
+                }
+            }
+        }
+        if !per_model.is_empty() {
+            limits.insert("per_model".into(), Value::Object(per_model));
+        }
         if !limits.is_empty() {
             body.insert("limits".into(), Value::Object(limits));
         }
         if let Some(at) = self.expires_at {
             body.insert("expires_at".into(), json!(at));
         }
+        Ok(())
     }
 }
 
@@ -144,7 +198,7 @@ pub async fn run(url: &str, key: &str, command: &KeysCommand) -> anyhow::Result<
         KeysCommand::Create { principal, fields } => {
             let mut body = Map::new();
             body.insert("principal".into(), json!(principal));
-            fields.body(&mut body);
+            fields.body(&mut body)?;
             (reqwest::Method::POST, "/admin/keys".to_owned(), Some(body))
         }
         KeysCommand::List { .. } => (reqwest::Method::GET, "/admin/keys".to_owned(), None),
@@ -155,7 +209,7 @@ pub async fn run(url: &str, key: &str, command: &KeysCommand) -> anyhow::Result<
             no_expiry,
         } => {
             let mut body = Map::new();
-            fields.body(&mut body);
+            fields.body(&mut body)?;
             if *no_expiry {
                 body.insert("expires_at".into(), Value::Null);
             }
@@ -254,4 +308,69 @@ pub fn key_table(doc: &Value) -> String {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        keys: KeysCommand,
+    }
+
+    fn body_of(args: &[&str]) -> anyhow::Result<Value> {
+        let cli = Cli::try_parse_from(std::iter::once("keys").chain(args.iter().copied()))?;
+        let KeysCommand::Create { fields, .. } = cli.keys else {
+            anyhow::bail!("not create");
+        };
+        let mut body = Map::new();
+        fields.body(&mut body)?;
+        Ok(Value::Object(body))
+    }
+
+    #[test]
+    fn r_ten_1_per_model_flags_become_the_limits_per_model() {
+        let body = body_of(&[
+            "create",
+            "--principal",
+            "team-a",
+            "--requests-per-minute",
+            "60",
+            "--model-requests-per-minute",
+            "gpt-4o=10",
+            "--model-tokens-per-minute",
+            "gpt-4o=2000",
+            "--model-concurrent-requests",
+            "llama3:8b=2",
+        ])
+        .unwrap();
+        assert_eq!(
+            body["limits"],
+            json!({
+                "requests_per_minute": 60,
+                "per_model": {
+                    "gpt-4o": { "requests_per_minute": 10, "tokens_per_minute": 2000 },
+                    "llama3:8b": { "concurrent_requests": 2 },
+                },
+            })
+        );
+        for bad in ["gpt-4o", "=3", "gpt-4o=x"] {
+            let err = body_of(&[
+                "create",
+                "--principal",
+                "p",
+                "--model-requests-per-minute",
+                bad,
+            ])
+            .unwrap_err();
+            assert!(
+                err.to_string().contains("--model-requests-per-minute"),
+                "{err}"
+            );
+        }
+    }
 }

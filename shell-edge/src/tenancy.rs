@@ -230,17 +230,17 @@ impl Tenancy {
         let now = self.clock.now();
         let admitted = machine.machine_mut().admit(now, &request);
         let claims = machine.drain_all(now);
-        // The tighter of the key's and the principal's, as this Edge
-        // knows them.
-        let state = |meter: Meter, limit: fn(&Limits) -> Option<u64>| {
+        // The tightest of the key's, the principal's and each one's for
+        // the model, as this Edge knows them (R-TEN-1).
+        let state = |meter: Meter| {
             machine
                 .machine()
-                .tighter_rate(&request, meter, limit)
+                .tighter_rate(&request, meter)
                 .map(|s| (s.limit, s.remaining, s.reset_ms))
         };
         let headers = RateHeaders {
-            requests: state(Meter::Requests, |l| l.requests_per_minute),
-            tokens: state(Meter::Tokens, |l| l.tokens_per_minute),
+            requests: state(Meter::Requests),
+            tokens: state(Meter::Tokens),
         };
         drop(machine);
         self.send_claims(claims);
@@ -557,12 +557,17 @@ pub fn usage_row_json(key: &UsageKey, t: &UsageTotals) -> serde_json::Value {
 /// The API error of a refusal: 429 `rate_limit_exceeded` or
 /// `insufficient_quota`, with `Retry-After` when waiting helps.
 fn refusal_error(refusal: &Refusal) -> crate::api::ApiError {
-    let what = match (&refusal.subject, refusal.meter) {
-        (Subject::Key(_), Some(m)) => format!("this key's {} limit", m.as_str()),
-        (Subject::Principal(_), Some(m)) => format!("this principal's {} limit", m.as_str()),
-        (Subject::Key(_), None) => "this key's limit of requests in flight".to_owned(),
-        (Subject::Principal(_), None) => "this principal's limit of requests in flight".to_owned(),
+    let whose = match &refusal.subject {
+        Subject::Key(_) | Subject::KeyModel { .. } => "this key's",
+        Subject::Principal(_) | Subject::PrincipalModel { .. } => "this principal's",
     };
+    let mut what = match refusal.meter {
+        Some(m) => format!("{whose} {} limit", m.as_str()),
+        None => format!("{whose} limit of requests in flight"),
+    };
+    if let Some(model) = refusal.subject.model() {
+        what.push_str(&format!(" for model {model:?}"));
+    }
     let retry_after_secs = refusal.retry_after_ms.map(|ms| ms.div_ceil(1_000).max(1));
     match refusal.kind {
         RefusalKind::RateLimited => {

@@ -216,7 +216,10 @@ pub struct TenantProfile {
     pub principals: Vec<(String, iop_core::tenant::Limits)>,
     /// API keys: id, principal (an index into `principals`), limits.
     pub keys: Vec<(String, usize, iop_core::tenant::Limits)>,
-    /// The price of the world's one model.
+    /// The models requests name (R-TEN-1: limits per model); every one
+    /// at [`Self::price`].
+    pub models: Vec<String>,
+    /// The price of the world's models.
     pub price: iop_core::tenant::Price,
     /// Chunk and local share of every Edge's machine.
     pub machine: iop_core::tenant::TenantsConfig,
@@ -294,9 +297,10 @@ impl TenantProfile {
             }
         }
         let store_latency_min = Duration::from_micros(rng.range(100, 5_000));
-        Some(Self {
+        let mut profile = Self {
             principals,
             keys,
+            models: ["sim", "sim-b"].map(String::from).to_vec(),
             price,
             machine: TenantsConfig {
                 chunk_fraction: [0.02, 0.1, 0.25, 0.5][rng.index(4)],
@@ -310,7 +314,36 @@ impl TenantProfile {
             store_answer_lost_ppm: rng.swarm(400_000, 5_000, 100_000),
             store_outage_ppm: rng.swarm(300_000, 2_000, 20_000),
             store_outage_max: rng.millis(50, 3_000),
-        })
+        };
+        // Drawn last, so the draws above stay what they were: limits per
+        // model (R-TEN-1) on some keys and principals, for one model or
+        // both, tighter or looser than their whole limits.
+        let model_limits = |rng: &mut Rng| iop_core::tenant::ModelLimits {
+            requests_per_minute: rng.chance(PPM / 2).then(|| rng.range(10, 600)),
+            tokens_per_minute: rng
+                .chance(PPM / 3)
+                .then(|| request_tokens * rng.range(10, 600)),
+            concurrent_requests: rng.chance(PPM / 4).then(|| rng.range(1, 4)),
+        };
+        let models = profile.models.clone();
+        let subjects = profile
+            .principals
+            .iter_mut()
+            .map(|(_, l)| l)
+            .chain(profile.keys.iter_mut().map(|(_, _, l)| l));
+        for limits in subjects {
+            if !rng.chance(PPM / 2) {
+                continue;
+            }
+            for model in &models {
+                if rng.chance(PPM * 2 / 3) {
+                    limits
+                        .per_model
+                        .insert(model.clone(), model_limits(&mut rng));
+                }
+            }
+        }
+        Some(profile)
     }
 }
 

@@ -73,6 +73,8 @@ impl HeldGauges {
         let (map, name) = match subject {
             Subject::Key(id) => (&self.by_key, id),
             Subject::Principal(name) => (&self.by_principal, name),
+            // The journal's quotas are a key's and a principal's alone.
+            Subject::KeyModel { .. } | Subject::PrincipalModel { .. } => return Held::default(),
         };
         map.get(name.as_str()).copied().unwrap_or_default()
     }

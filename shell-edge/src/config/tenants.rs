@@ -2,7 +2,9 @@
 //! the limits and budgets of tenants (SPEC §9, R-TEN-1, R-TEN-2). The
 //! rules that apply them are `iop_core::tenant`'s.
 
-use iop_core::tenant::{Budget, Limits, Period, Price, TenantsConfig};
+use std::collections::BTreeMap;
+
+use iop_core::tenant::{Budget, Limits, ModelLimits, Period, Price, TenantsConfig};
 use iop_transport::settings::{ConfigError, field_err, valid_name};
 use serde::Deserialize;
 
@@ -34,33 +36,40 @@ pub struct LimitsEntry {
     /// Background responses not yet ended.
     #[serde(default)]
     pub background_responses: Option<u64>,
+    /// Rates of one model each, by the model's name as clients send it
+    /// (R-TEN-1; at most 16): `per_model = { "gpt-4o" = {
+    /// requests_per_minute = 10 } }`.
+    #[serde(default)]
+    pub per_model: BTreeMap<String, ModelLimitsEntry>,
+}
+
+/// The rates of one model (`limits.per_model.<model>`). Absent: no limit
+/// of that kind for the model (the whole limits still apply).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelLimitsEntry {
+    /// Requests of the model admitted per minute.
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    /// Input + output tokens of the model per minute.
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+    /// Requests of the model in flight at once.
+    #[serde(default)]
+    pub concurrent_requests: Option<u64>,
 }
 
 impl LimitsEntry {
-    /// The core's limits; `field` names this entry in errors.
+    /// The core's limits, checked by core's rule ([`Limits::check`]);
+    /// `field` names this entry in errors.
     pub(crate) fn to_core(&self, field: &str) -> Result<Limits, ConfigError> {
-        for (name, value) in [
-            ("requests_per_minute", self.requests_per_minute),
-            ("tokens_per_minute", self.tokens_per_minute),
-            ("concurrent_requests", self.concurrent_requests),
-            ("budget_micros", self.budget_micros),
-            ("journal_bytes", self.journal_bytes),
-            ("background_responses", self.background_responses),
-        ] {
-            if value == Some(0) {
-                return Err(field_err(
-                    format!("{field}.{name}"),
-                    "must be at least 1 (leave it out for no limit)",
-                ));
-            }
-        }
         if self.budget_period.is_some() && self.budget_micros.is_none() {
             return Err(field_err(
                 format!("{field}.budget_period"),
                 "needs budget_micros",
             ));
         }
-        Ok(Limits {
+        let limits = Limits {
             requests_per_minute: self.requests_per_minute,
             tokens_per_minute: self.tokens_per_minute,
             concurrent_requests: self.concurrent_requests,
@@ -70,7 +79,25 @@ impl LimitsEntry {
             }),
             journal_bytes: self.journal_bytes,
             background_responses: self.background_responses,
-        })
+            per_model: self
+                .per_model
+                .iter()
+                .map(|(model, l)| {
+                    (
+                        model.clone(),
+                        ModelLimits {
+                            requests_per_minute: l.requests_per_minute,
+                            tokens_per_minute: l.tokens_per_minute,
+                            concurrent_requests: l.concurrent_requests,
+                        },
+                    )
+                })
+                .collect(),
+        };
+        limits
+            .check()
+            .map_err(|e| field_err(format!("{field}.{}", e.field), e.reason))?;
+        Ok(limits)
     }
 }
 
@@ -279,5 +306,50 @@ mod tests {
         let err = parse("\n[[principals]]\nname = \"p\"\nlimits = { tokens_per_minute = 0 }\n")
             .unwrap_err();
         assert_eq!(field_of(err), "principals[0].limits.tokens_per_minute");
+    }
+
+    #[test]
+    fn r_ten_1_limits_per_model_are_read_bounded_and_named_in_errors() {
+        let config = parse(
+            "\n[[principals]]\nname = \"team-a\"\nlimits = { requests_per_minute = 60, per_model = { \"gpt-4o\" = { requests_per_minute = 10, tokens_per_minute = 2000 }, \"llama3:8b\" = { concurrent_requests = 2 } } }\n",
+        )
+        .unwrap();
+        let limits = &config.principals[0].1;
+        assert_eq!(limits.per_model.len(), 2);
+        let gpt = limits.for_model("gpt-4o").unwrap();
+        assert_eq!(
+            (
+                gpt.requests_per_minute,
+                gpt.tokens_per_minute,
+                gpt.concurrent_requests
+            ),
+            (Some(10), Some(2000), None)
+        );
+        assert_eq!(
+            limits.for_model("llama3:8b").unwrap().concurrent_requests,
+            Some(2)
+        );
+        let err = parse(
+            "\n[[principals]]\nname = \"p\"\nlimits = { per_model = { \"m\" = { requests_per_minute = 0 } } }\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            field_of(err),
+            "principals[0].limits.per_model.m.requests_per_minute"
+        );
+        let many: Vec<String> = (0..=iop_core::tenant::MAX_MODEL_LIMITS)
+            .map(|i| format!("\"m{i}\" = {{ requests_per_minute = 1 }}"))
+            .collect();
+        let err = parse(&format!(
+            "\n[[principals]]\nname = \"p\"\nlimits = {{ per_model = {{ {} }} }}\n",
+            many.join(", ")
+        ))
+        .unwrap_err();
+        assert_eq!(field_of(err), "principals[0].limits.per_model");
+        assert!(
+            parse("\n[[principals]]\nname = \"p\"\nlimits = { per_model = { \"m\" = { budget_micros = 1 } } }\n")
+                .is_err(),
+            "a model has rates only"
+        );
     }
 }

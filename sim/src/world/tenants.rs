@@ -65,9 +65,6 @@ use crate::config::{Rng, TenantProfile};
 use crate::tenant_store::{MAX_CLAIM_TRIES, SimTenantStore};
 use crate::trace::{Driven, MachineKind, TenantsConfigRec};
 
-/// The world's one model, as clients name it.
-const MODEL: &str = "sim";
-
 /// Tenants of the whole world: the profile, the shared store, what was
 /// recorded.
 #[derive(Debug)]
@@ -156,11 +153,12 @@ impl SimTenancy {
     }
 }
 
-/// The principal a counter's subject belongs to.
+/// The principal a counter's subject belongs to (a limit per model's
+/// too: R-TEN-1's isolation covers them).
 fn principal_of<'a>(profile: &'a TenantProfile, subject: &'a Subject) -> &'a str {
     match subject {
-        Subject::Principal(p) => p,
-        Subject::Key(k) => profile
+        Subject::Principal(p) | Subject::PrincipalModel { principal: p, .. } => p,
+        Subject::Key(k) | Subject::KeyModel { key: k, .. } => profile
             .keys
             .iter()
             .find(|(id, ..)| id == k)
@@ -212,6 +210,7 @@ impl World {
         };
         let key = t.rng.index(t.profile.keys.len());
         let prompt_bytes = t.rng.range(1, t.profile.prompt_bytes_max);
+        let model = t.profile.models[t.rng.index(t.profile.models.len())].clone();
         // The ticket is the request's id (unique per Edge process).
         let (key_id, p, key_limits) = &t.profile.keys[key];
         let (principal, principal_limits) = &t.profile.principals[*p];
@@ -225,7 +224,7 @@ impl World {
             prompt_tokens_max: iop_core::tenant::prompt_tokens_max(prompt_bytes),
             output_tokens_max: t.profile.output_tokens_max,
             unix_ms,
-            model: MODEL.into(),
+            model,
             durable: false,
             background: false,
             key_held: Held::default(),

@@ -3,6 +3,7 @@
 //! and values (a format byte, then postcard). Pure, so unit-tested alone.
 
 use bytes::Bytes;
+use iop_core::tenant::key_format::{KeyRecordError, decode_key_record, encode_key_record};
 use iop_core::tenant::keys::KeyRecord;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
 use iop_core::tenant::{CounterKey, DAY_MS, Meter, Subject};
@@ -16,8 +17,11 @@ use crate::layout::{DecodeError, hex, token};
 /// subject longer than the server takes.
 pub(crate) const MAX_TOKEN_BYTES: usize = 128;
 
-/// The format of every value this build writes and reads.
+/// The format of every counter and usage value this build writes and
+/// reads, and of key records without limits per model (format 1 of
+/// [`iop_core::tenant::key_format`]).
 const VALUE_FORMAT: u8 = 1;
+const _: () = assert!(VALUE_FORMAT == iop_core::tenant::key_format::KEY_FORMAT_V1);
 
 /// A name as one subject token: [`token`], or when that is longer than
 /// [`MAX_TOKEN_BYTES`], `==` and the hex SHA-256 of the name (never a
@@ -81,18 +85,26 @@ fn meter_token(meter: Meter) -> &'static str {
     }
 }
 
-/// A counter's bucket key: `c.<meter>.<window>.<k|p>.<name>`.
+/// A counter's bucket key: `c.<meter>.<window>.<k|p>.<name>`, and for a
+/// limit per model (R-TEN-1) `c.<meter>.<window>.<km|pm>.<name>.<model>`.
 pub(crate) fn counter_key(counter: &CounterKey) -> String {
-    let (kind, name) = match &counter.subject {
-        Subject::Key(id) => ("k", id),
-        Subject::Principal(name) => ("p", name),
+    let (kind, name, model) = match &counter.subject {
+        Subject::Key(id) => ("k", id, None),
+        Subject::Principal(name) => ("p", name, None),
+        Subject::KeyModel { key, model } => ("km", key, Some(model)),
+        Subject::PrincipalModel { principal, model } => ("pm", principal, Some(model)),
     };
-    format!(
+    let mut key = format!(
         "c.{}.{}.{kind}.{}",
         meter_token(counter.meter),
         counter.window_unix_ms,
         name_token(name)
-    )
+    );
+    if let Some(model) = model {
+        key.push('.');
+        key.push_str(&name_token(model));
+    }
+    key
 }
 
 /// A usage row's bucket key: `u.<day>.<principal>.<key>.<model>`.
@@ -166,12 +178,25 @@ pub(crate) fn decode_usage(bytes: &[u8]) -> Result<(UsageKey, UsageTotals), Deco
     decode(bytes)
 }
 
+/// A key record's value: its format byte ([`VALUE_FORMAT`] for format 1,
+/// as earlier builds write and read every record; see
+/// [`iop_core::tenant::key_format`]), then the record.
 pub(crate) fn encode_key(record: &KeyRecord) -> Result<Bytes, DecodeError> {
-    encode(record)
+    let (format, bytes) = encode_key_record(record);
+    let mut out = Vec::with_capacity(bytes.len() + 1);
+    out.push(format);
+    out.extend(bytes);
+    Ok(out.into())
 }
 
 pub(crate) fn decode_key(bytes: &[u8]) -> Result<KeyRecord, DecodeError> {
-    decode(bytes)
+    match bytes.split_first() {
+        Some((&format, body)) => decode_key_record(format, body).map_err(|e| match e {
+            KeyRecordError::UnknownFormat(f) => DecodeError::RecordFormat(f),
+            KeyRecordError::Undecodable { reason, .. } => DecodeError::Record(reason),
+        }),
+        None => Err(DecodeError::Record("empty".into())),
+    }
 }
 
 #[cfg(test)]
@@ -204,6 +229,33 @@ mod tests {
             window_unix_ms: 0,
         };
         assert_eq!(counter_key(&c), "c.spend.0.p.a=2Eb=20=2A=3E");
+        let per_model = |subject| CounterKey {
+            subject,
+            meter: Meter::Requests,
+            window_unix_ms: 60_000,
+        };
+        assert_eq!(
+            counter_key(&per_model(Subject::KeyModel {
+                key: "k".into(),
+                model: "llama3:8b".into()
+            })),
+            "c.requests.60000.km.k.llama3=3A8b"
+        );
+        assert_eq!(
+            counter_key(&per_model(Subject::PrincipalModel {
+                principal: "p.1".into(),
+                model: "org/m.2".into()
+            })),
+            "c.requests.60000.pm.p=2E1.org=2Fm=2E2"
+        );
+        assert_ne!(
+            counter_key(&per_model(Subject::KeyModel {
+                key: "k".into(),
+                model: "m".into()
+            })),
+            counter_key(&per_model(Subject::Key("k.m".into()))),
+            "a per-model counter never meets a whole one"
+        );
         let row = UsageKey {
             day_unix_ms: 2 * DAY_MS,
             principal: "p".into(),
@@ -273,6 +325,25 @@ mod tests {
         };
         let mut bytes = encode_key(&record).unwrap().to_vec();
         assert_eq!(decode_key(&bytes).unwrap(), record);
+        // R-TEN-4: what an earlier build stored (the format byte, then its
+        // record) is read, with no limits per model; a record without them
+        // is written as an earlier build reads it.
+        let old = iop_core::tenant::key_format::KeyRecordV1::of(&record);
+        let mut stored = vec![1];
+        stored.extend(postcard::to_allocvec(&old).unwrap());
+        assert_eq!(decode_key(&stored).unwrap(), record);
+        assert_eq!(bytes, stored);
+        let mut with_limits = record.clone();
+        with_limits.limits.per_model.insert(
+            "gpt-4o".into(),
+            iop_core::tenant::ModelLimits {
+                requests_per_minute: Some(3),
+                ..Default::default()
+            },
+        );
+        let v2 = encode_key(&with_limits).unwrap();
+        assert_eq!(v2[0], 2);
+        assert_eq!(decode_key(&v2).unwrap(), with_limits);
         bytes[0] = 9;
         assert_eq!(decode_key(&bytes), Err(DecodeError::RecordFormat(9)));
         assert!(decode_key(&[]).is_err());

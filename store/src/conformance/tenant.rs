@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use iop_core::tenant::keys::{KeyRecord, key_id};
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
-use iop_core::tenant::{CounterKey, DAY_MS, Limits, MINUTE_MS, Meter, Subject};
+use iop_core::tenant::{CounterKey, DAY_MS, Limits, MINUTE_MS, Meter, ModelLimits, Subject};
 
 use crate::BoxFuture;
 use crate::tenant::{TenantStore, TenantStoreError};
@@ -52,6 +52,7 @@ pub fn behaviours() -> Vec<Behaviour> {
         behaviour!(usage_adds_sum_per_row_and_queries_filter_by_day_principal_key_and_max_rows),
         behaviour!(a_key_is_written_only_over_its_stored_revision),
         behaviour!(sweep_forgets_windows_that_are_over_and_keeps_a_total_budget),
+        behaviour!(per_model_counters_are_apart_and_a_keys_limits_per_model_are_kept),
     ]
 }
 
@@ -375,6 +376,89 @@ pub async fn a_key_is_written_only_over_its_stored_revision(store: Arc<dyn Tenan
     assert_eq!(s.key(key_id(2)).await, Ok(None));
 }
 
+/// A key's limits per model (R-TEN-1): with one.
+pub fn key_record_with_model_limits(id: &str, principal: &str) -> KeyRecord {
+    let mut record = key_record(id, principal, "per-model");
+    for (model, rpm) in [("gpt-4o", 3), ("llama3:8b", 5)] {
+        record.limits.per_model.insert(
+            model.into(),
+            ModelLimits {
+                requests_per_minute: Some(rpm),
+                tokens_per_minute: Some(1_000),
+                concurrent_requests: None,
+            },
+        );
+    }
+    record
+}
+
+/// R-TEN-1, R-TEN-3: a counter per key or principal and model is apart
+/// from the whole one, from another model's and from another subject's
+/// (whatever characters the names hold), and swept like the others;
+/// R-TEN-4: a key's limits per model are stored and read back, and a
+/// revoked key reads revoked.
+pub async fn per_model_counters_are_apart_and_a_keys_limits_per_model_are_kept(
+    store: Arc<dyn TenantStore>,
+) {
+    let s = &*store;
+    let window = minute(NOW_UNIX_MS);
+    let key_model = |key: &str, model: &str| Subject::KeyModel {
+        key: key.into(),
+        model: model.into(),
+    };
+    let principal_model = |principal: &str, model: &str| Subject::PrincipalModel {
+        principal: principal.into(),
+        model: model.into(),
+    };
+    let long = "m".repeat(300);
+    let subjects = [
+        key_model("key-a", "gpt-4o"),
+        key_model("key-a", "llama3:8b"),
+        key_model("key-a", "org/m.2"),
+        key_model("key-a", &long),
+        key_model("key-a.gpt-4o", ""),
+        key_model("key-b", "gpt-4o"),
+        principal_model("key-a", "gpt-4o"),
+        Subject::Key("key-a".into()),
+        Subject::Principal("key-a".into()),
+    ];
+    for (i, subject) in subjects.iter().enumerate() {
+        let c = counter(subject.clone(), Meter::Requests, window);
+        assert_eq!(s.claimed(c.clone()).await, Ok(0), "{subject:?}");
+        let amount = i as u64 + 1;
+        assert_eq!(
+            s.claim(c.clone(), amount, 100).await,
+            Ok(amount),
+            "{subject:?}"
+        );
+    }
+    for (i, subject) in subjects.iter().enumerate() {
+        let c = counter(subject.clone(), Meter::Requests, window);
+        assert_eq!(s.claimed(c).await, Ok(i as u64 + 1), "{subject:?}");
+    }
+    let tokens = counter(key_model("key-a", "gpt-4o"), Meter::Tokens, window);
+    assert_eq!(s.claim(tokens.clone(), 500, 400).await, Ok(400));
+    assert_eq!(s.claim(tokens.clone(), 1, 400).await, Ok(0), "exhausted");
+    assert!(s.sweep(window + 2 * MINUTE_MS).await.unwrap() >= subjects.len());
+    assert_eq!(s.claimed(tokens).await, Ok(0), "forgotten with its window");
+
+    let id = key_id(5);
+    let record = key_record_with_model_limits(&id, "team-a");
+    let first = s.put_key(record.clone(), 0).await.unwrap();
+    assert_eq!(s.key(id.clone()).await, Ok(Some((record.clone(), first))));
+    assert_eq!(s.keys().await, Ok(vec![(record.clone(), first)]));
+    let mut revoked = record;
+    revoked.revoked_unix_ms = Some(NOW_UNIX_MS + 1);
+    let second = s.put_key(revoked.clone(), first).await.unwrap();
+    let (read, revision) = s.key(id).await.unwrap().expect("stored");
+    assert_eq!(revision, second);
+    assert_eq!(read.revoked_unix_ms, Some(NOW_UNIX_MS + 1), "revoked");
+    assert_eq!(
+        read.limits.requests_per_minute, revoked.limits.requests_per_minute,
+        "its whole limits kept (those per model never apply again)"
+    );
+}
+
 /// What a sweep forgets: a minute's counters two minutes after it began,
 /// a budget period's once it is over, usage rows past retention (a store
 /// may leave those to its engine's own expiry); never a budget in total,
@@ -448,6 +532,9 @@ pub async fn write_before_reopen(store: Arc<dyn TenantStore>) {
         .await
         .unwrap();
     assert!(revision > 0);
+    s.put_key(key_record_with_model_limits(&key_id(8), "team-a"), 0)
+        .await
+        .unwrap();
 }
 
 /// See [`write_before_reopen`]: a budget's spend, the usage rows and the
@@ -468,7 +555,13 @@ pub async fn check_after_reopen(store: Arc<dyn TenantStore>) {
     assert_eq!(rows[0].1, totals(3, 30, 300));
     let (record, revision) = s.key(key_id(7)).await.unwrap().expect("the key survived");
     assert_eq!(record, key_record(&key_id(7), "team-a", "ci"));
-    assert_eq!(s.keys().await.unwrap().len(), 1);
+    assert_eq!(s.keys().await.unwrap().len(), 2);
+    let (limited, _) = s.key(key_id(8)).await.unwrap().expect("the key survived");
+    assert_eq!(
+        limited,
+        key_record_with_model_limits(&key_id(8), "team-a"),
+        "with its limits per model"
+    );
     let next = s.put_key(record, revision).await.unwrap();
     assert!(
         next > revision,

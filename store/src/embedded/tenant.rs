@@ -7,7 +7,7 @@
 //! | --- | --- | --- |
 //! | `tenant_counters` | postcard [`CounterKey`] | claimed (u64) |
 //! | `tenant_usage` | (day_unix_ms, principal, key id, model) | (requests, input, cached input, output tokens, spend µ) |
-//! | `tenant_keys` | key id | (revision, postcard [`KeyRecord`]) |
+//! | `tenant_keys` | key id | (revision, the [`KeyRecord`] by format: format 1 bare, format 2 after the bytes 0, 2) |
 //! | `tenant_meta` | `key_revision` | the last key revision given (u64) |
 //!
 //! Writes go through the journal's one writer ([`super::writer`]): a
@@ -22,6 +22,7 @@
 use std::ops::Bound;
 use std::sync::{Arc, Weak};
 
+use iop_core::tenant::key_format::{KEY_FORMAT_V1, decode_key_record, encode_key_record};
 use iop_core::tenant::keys::KeyRecord;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
 use iop_core::tenant::{CounterKey, DAY_MS, check_claim};
@@ -48,7 +49,7 @@ type UsageRowValue = (u64, u64, u64, u64, u64);
 /// Usage rows, ordered as [`UsageKey`] orders them.
 pub(super) const USAGE: TableDefinition<'static, UsageRowKey, UsageRowValue> =
     TableDefinition::new("tenant_usage");
-/// Runtime keys: id -> (revision, postcard [`KeyRecord`]).
+/// Runtime keys: id -> (revision, the record: [`encode_key`]).
 pub(super) const KEYS: TableDefinition<'static, &str, (u64, &[u8])> =
     TableDefinition::new("tenant_keys");
 /// The key revision counter.
@@ -89,6 +90,12 @@ impl TenantOp {
                 .sum(),
             TenantOp::PutKey { record, .. } => {
                 256 + record.models.iter().map(String::len).sum::<usize>()
+                    + record
+                        .limits
+                        .per_model
+                        .keys()
+                        .map(|m| 32 + m.len())
+                        .sum::<usize>()
             }
             TenantOp::Claim { .. } | TenantOp::Sweep { .. } => 0,
         }
@@ -131,6 +138,35 @@ fn encode<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>, Fault> 
 
 fn decode<'a, T: serde::Deserialize<'a>>(what: &str, bytes: &'a [u8]) -> Result<T, Fault> {
     postcard::from_bytes(bytes).map_err(|e| Fault::Corrupt(format!("{what} does not decode: {e}")))
+}
+
+/// The byte in front of a key record of a format other than 1: a bare
+/// record (format 1, as every earlier build wrote them all) starts with
+/// its id's length, never 0.
+const KEY_FORMAT_MARK: u8 = 0;
+
+/// A key record's value (R-TEN-4, [`iop_core::tenant::key_format`]):
+/// format 1 bare, as earlier builds write and read it; any later format
+/// after [`KEY_FORMAT_MARK`] and its format byte.
+pub(super) fn encode_key(record: &KeyRecord) -> Vec<u8> {
+    match encode_key_record(record) {
+        (KEY_FORMAT_V1, bytes) => bytes,
+        (format, bytes) => {
+            let mut out = Vec::with_capacity(bytes.len() + 2);
+            out.extend([KEY_FORMAT_MARK, format]);
+            out.extend(bytes);
+            out
+        }
+    }
+}
+
+/// A key record from its value ([`encode_key`]).
+pub(super) fn decode_key(bytes: &[u8]) -> Result<KeyRecord, Fault> {
+    let decoded = match bytes {
+        [KEY_FORMAT_MARK, format, rest @ ..] => decode_key_record(*format, rest),
+        bare => decode_key_record(KEY_FORMAT_V1, bare),
+    };
+    decoded.map_err(|e| Fault::Corrupt(e.to_string()))
 }
 
 fn totals(v: UsageRowValue) -> UsageTotals {
@@ -199,7 +235,7 @@ pub(super) fn apply(txn: &WriteTransaction, op: TenantOp) -> Result<TenantReply,
             let mut meta = txn.open_table(META)?;
             let revision = meta.get(META_KEY_REVISION)?.map_or(0, |v| v.value()) + 1;
             meta.insert(META_KEY_REVISION, revision)?;
-            let bytes = encode("a key", &*record)?;
+            let bytes = encode_key(&record);
             keys.insert(record.id.as_str(), (revision, bytes.as_slice()))?;
             Ok(TenantReply::KeyPut(Ok(revision)))
         }
@@ -301,7 +337,7 @@ mod read {
             None => Ok(None),
             Some(v) => {
                 let (revision, bytes) = v.value();
-                Ok(Some((decode("a key", bytes)?, revision)))
+                Ok(Some((decode_key(bytes)?, revision)))
             }
         }
     }
@@ -311,7 +347,7 @@ mod read {
         for entry in txn.open_table(KEYS)?.iter()? {
             let (_, v) = entry?;
             let (revision, bytes) = v.value();
-            out.push((decode("a key", bytes)?, revision));
+            out.push((decode_key(bytes)?, revision));
         }
         Ok(out)
     }

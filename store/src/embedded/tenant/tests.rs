@@ -195,3 +195,85 @@ async fn held_gauges_are_counted_again_at_reopen() {
         held
     );
 }
+
+/// A key with limits per model (R-TEN-1): the record of `key_record` with
+/// 3 requests per minute of `gpt-4o`.
+fn key_with_model_limits(id: &str) -> KeyRecord {
+    let mut record = suite::key_record(id, "team-a", "ci");
+    record.limits.per_model.insert(
+        "gpt-4o".into(),
+        iop_core::tenant::ModelLimits {
+            requests_per_minute: Some(3),
+            ..Default::default()
+        },
+    );
+    record
+}
+
+/// R-TEN-4: a key record an earlier build stored (bare postcard, before
+/// limits per model) is read by this build with no limits per model; a
+/// record without them is still stored that way (an earlier build reads
+/// it), one with them in format 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_an_earlier_build_stored_is_read_with_no_limits_per_model() {
+    use iop_core::tenant::key_format::KeyRecordV1;
+    use iop_core::tenant::keys::key_id;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.redb");
+    let old = suite::key_record(&key_id(3), "team-a", "ci");
+    // Written as an earlier build wrote it, straight into its table.
+    drop(open(&path));
+    {
+        let db = Database::open(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let bytes = postcard::to_allocvec(&KeyRecordV1::of(&old)).unwrap();
+            let mut keys = txn.open_table(KEYS).unwrap();
+            keys.insert(old.id.as_str(), (5u64, bytes.as_slice()))
+                .unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = open(&path);
+    let tenants = store.tenant_store();
+    assert_eq!(
+        tenants.key(old.id.clone()).await,
+        Ok(Some((old.clone(), 5)))
+    );
+    // Changed by this build: limits per model, stored in format 2.
+    let new = key_with_model_limits(&old.id);
+    let revision = tenants.put_key(new.clone(), 5).await.unwrap();
+    assert_eq!(
+        tenants.key(old.id.clone()).await,
+        Ok(Some((new.clone(), revision)))
+    );
+    assert_eq!(tenants.keys().await, Ok(vec![(new.clone(), revision)]));
+    drop(tenants);
+    drop(store);
+    let db = Database::open(&path).unwrap();
+    let txn = db.begin_read().unwrap();
+    let keys = txn.open_table(KEYS).unwrap();
+    let value = keys.get(old.id.as_str()).unwrap().unwrap();
+    assert_eq!(&value.value().1[..2], &[0, 2]);
+}
+
+#[test]
+fn key_values_are_bare_in_format_1_and_marked_in_format_2() {
+    use iop_core::tenant::keys::key_id;
+    let plain = suite::key_record(&key_id(1), "team-a", "ci");
+    let bytes = encode_key(&plain);
+    assert_eq!(
+        bytes[0] as usize,
+        plain.id.len(),
+        "bare: the id's length first"
+    );
+    assert_eq!(decode_key(&bytes).unwrap(), plain);
+    let limited = key_with_model_limits(&key_id(2));
+    let bytes = encode_key(&limited);
+    assert_eq!(&bytes[..2], &[KEY_FORMAT_MARK, 2]);
+    assert_eq!(decode_key(&bytes).unwrap(), limited);
+    assert!(matches!(
+        decode_key(&[KEY_FORMAT_MARK, 9, 1]),
+        Err(Fault::Corrupt(_))
+    ));
+}
