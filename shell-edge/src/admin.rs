@@ -300,7 +300,7 @@ async fn get_key(
 
 /// What a change does to a stored key.
 enum Change {
-    Update(KeyFields),
+    Update(Box<KeyFields>),
     Revoke,
     Rotate,
 }
@@ -391,7 +391,15 @@ async fn update_key(
 ) -> Response {
     let (parts, body) = request.into_parts();
     match read_fields(body).await {
-        Ok(fields) => change_stored_key(&state, &parts.headers, &id, Change::Update(fields)).await,
+        Ok(fields) => {
+            change_stored_key(
+                &state,
+                &parts.headers,
+                &id,
+                Change::Update(Box::new(fields)),
+            )
+            .await
+        }
         Err(e) => match admin(&state, &parts.headers) {
             Ok(_) => e.into_response(),
             Err(auth) => auth.into_response(),

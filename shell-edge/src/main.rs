@@ -97,7 +97,7 @@ enum Command {
         #[arg(long, global = true, default_value = "IOP_ADMIN_KEY")]
         key_env: String,
         #[command(subcommand)]
-        command: iop_edge::keys_cli::KeysCommand,
+        command: Box<iop_edge::keys_cli::KeysCommand>,
     },
     /// Certificate management for a deployment.
     #[command(subcommand)]

@@ -351,7 +351,8 @@ async fn r_ten_4_runtime_keys_are_created_changed_rotated_and_revoked_through_th
         .await;
         assert_eq!(
             (status, err["error"]["param"].as_str()),
-            (400, Some("limits"))
+            (400, Some("limits.tokens_per_minute")),
+            "the field is named"
         );
         let (status, _) = admin(
             &d,

@@ -337,6 +337,8 @@ pub struct Stats {
     pub tenant_admitted: u64,
     /// Requests their tenant's limits refused (429).
     pub tenant_refused: u64,
+    /// Of them, refused by a limit per model (R-TEN-1).
+    pub tenant_model_refused: u64,
     /// Further attempts reserved again (R-TEN-2).
     pub tenant_attempts_reserved: u64,
     /// Further attempts their tenant's limits refused (R-TEN-2).
@@ -428,6 +430,7 @@ impl Stats {
         self.adoption_reads_moved += o.adoption_reads_moved;
         self.tenant_admitted += o.tenant_admitted;
         self.tenant_refused += o.tenant_refused;
+        self.tenant_model_refused += o.tenant_model_refused;
         self.tenant_attempts_reserved += o.tenant_attempts_reserved;
         self.tenant_attempts_refused += o.tenant_attempts_refused;
         self.tenant_attempts_waited += o.tenant_attempts_waited;

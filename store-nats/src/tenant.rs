@@ -12,10 +12,10 @@
 //!
 //! | bucket | key | value | kept |
 //! | --- | --- | --- | --- |
-//! | `_rates` | `c.<meter>.<window>.<k\|p>.<name>` | the counter, claimed | `max_age` [`RATE_COUNTER_MAX_AGE`]; a sweep forgets a window once over |
+//! | `_rates` | `c.<meter>.<window>.<k\|p>.<name>`, a limit per model's `c.<meter>.<window>.<km\|pm>.<name>.<model>` | the counter, claimed | `max_age` [`RATE_COUNTER_MAX_AGE`]; a sweep forgets a window once over |
 //! | `_budgets` | the same, for spend | the counter, claimed | until a sweep finds its period over; a budget in total for good |
 //! | `_usage` | `u.<day>.<principal>.<key>.<model>` | the row's key and totals | `max_age` of the retention ([`USAGE_RETENTION_DAYS`]) |
-//! | `_keys` | `k.<id>` | the [`KeyRecord`] | for good (a revoked key is kept) |
+//! | `_keys` | `k.<id>` | the [`KeyRecord`], its format byte first (1 as every earlier build; 2 with limits per model: `iop_core::tenant::key_format`) | for good (a revoked key is kept) |
 //!
 //! Every name is escaped into one subject token as the journal's ids are
 //! (a name too long for a subject is replaced by its hash), so no name

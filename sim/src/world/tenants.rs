@@ -49,6 +49,11 @@
 //!   store for exactly the claims the shadow does: one principal's use
 //!   never changes another's admission.
 //! * **R-TEN-3**: no counter in the store is claimed past its limit.
+//!
+//! Requests name one of the profile's models, and keys and principals may
+//! hold limits per model (R-TEN-1): their counters are subjects of their
+//! own, belonging to the key's or the principal's principal, so every check
+//! above covers them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -280,6 +285,9 @@ impl World {
             }
             Err(refusal) => {
                 self.stats.tenant_refused += 1;
+                if refusal.subject.model().is_some() {
+                    self.stats.tenant_model_refused += 1;
+                }
                 self.stats.failed += 1;
                 *self
                     .stats
