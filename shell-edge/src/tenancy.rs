@@ -202,15 +202,9 @@ impl Tenancy {
         &self.store
     }
 
-    /// Admit a request (R-TEN-1, R-TEN-2), or say which limit refuses it
-    /// and when to try again. Every admitted request holds a
-    /// [`TenantHold`] (its usage is recorded whether or not it is limited).
-    pub fn admit(
-        self: &Arc<Self>,
-        ask: &TenantAsk<'_>,
-    ) -> Result<TenantHold, crate::api::ApiError> {
-        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
-        let request = AdmitRequest {
+    /// The core's admission request for `ask` under `ticket`.
+    fn admit_request(&self, ticket: u64, ask: &TenantAsk<'_>) -> AdmitRequest {
+        AdmitRequest {
             ticket,
             key: ask.key_id.to_owned(),
             principal: ask.principal.to_owned(),
@@ -225,7 +219,18 @@ impl Tenancy {
             background: ask.background,
             key_held: ask.held.0,
             principal_held: ask.held.1,
-        };
+        }
+    }
+
+    /// Admit a request (R-TEN-1, R-TEN-2), or say which limit refuses it
+    /// and when to try again. Every admitted request holds a
+    /// [`TenantHold`] (its usage is recorded whether or not it is limited).
+    pub fn admit(
+        self: &Arc<Self>,
+        ask: &TenantAsk<'_>,
+    ) -> Result<TenantHold, crate::api::ApiError> {
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        let request = self.admit_request(ticket, ask);
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
         let now = self.clock.now();
         let admitted = machine.machine_mut().admit(now, &request);
@@ -270,22 +275,7 @@ impl Tenancy {
     /// tenant's error; settled like any request.
     pub fn admit_taken_over(self: &Arc<Self>, ask: &TenantAsk<'_>) -> TenantHold {
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
-        let request = AdmitRequest {
-            ticket,
-            key: ask.key_id.to_owned(),
-            principal: ask.principal.to_owned(),
-            key_limits: ask.key_limits.clone(),
-            principal_limits: ask.principal_limits.clone(),
-            price: ask.price,
-            prompt_tokens_max: iop_core::tenant::prompt_tokens_max(ask.body_bytes),
-            output_tokens_max: ask.max_output.unwrap_or(self.default_max_output_tokens),
-            unix_ms: iop_transport::clock::unix_ms(),
-            model: ask.model.to_owned(),
-            durable: ask.durable,
-            background: ask.background,
-            key_held: ask.held.0,
-            principal_held: ask.held.1,
-        };
+        let request = self.admit_request(ticket, ask);
         self.machine
             .lock()
             .unwrap_or_else(|e| e.into_inner())
