@@ -3,13 +3,8 @@
 //! admitted, and the settlement gives every reservation back once and
 //! charges what the request used once.
 
+use super::tests::{T0, at};
 use super::*;
-
-const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % MINUTE_MS;
-
-fn at(ms: u64) -> Instant {
-    Instant::from_millis(ms)
-}
 
 /// One Edge whose claims the store grants at once (`check_claim` on one
 /// counter table).

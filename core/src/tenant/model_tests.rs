@@ -5,51 +5,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 use proptest::prelude::*;
 
+use super::tests::{Store, T0, at};
 use super::*;
-
-const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % MINUTE_MS;
-
-fn at(ms: u64) -> Instant {
-    Instant::from_millis(ms)
-}
-
-/// The shared store: claimed per counter, every claim decided by
-/// `check_claim`.
-#[derive(Default)]
-struct Store {
-    claimed: BTreeMap<CounterKey, u64>,
-    down: bool,
-}
-
-impl Store {
-    fn answer(&mut self, out: TenantsOutput) -> TenantsInput {
-        let TenantsOutput::Claim {
-            counter,
-            amount,
-            limit,
-        } = out;
-        if self.down {
-            return TenantsInput::Claimed {
-                counter,
-                granted: None,
-            };
-        }
-        let claimed = self.claimed.entry(counter.clone()).or_default();
-        let (total, granted) = check_claim(*claimed, amount, limit);
-        *claimed = total;
-        TenantsInput::Claimed {
-            counter,
-            granted: Some(granted),
-        }
-    }
-
-    fn serve(&mut self, edge: &mut Tenants, now: Instant) {
-        while let Some(out) = edge.poll_output() {
-            let input = self.answer(out);
-            edge.handle_input(now, input);
-        }
-    }
-}
 
 fn request(ticket: u64, model: &str, unix_ms: u64) -> AdmitRequest {
     AdmitRequest {

@@ -7,22 +7,24 @@ use proptest::prelude::*;
 
 use super::*;
 
-const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % MINUTE_MS;
+/// A minute's start: the tests' wall clock (shared by the sibling test
+/// modules).
+pub(super) const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % MINUTE_MS;
 
-fn at(ms: u64) -> Instant {
+pub(super) fn at(ms: u64) -> Instant {
     Instant::from_millis(ms)
 }
 
 /// The shared store: claimed per counter, every claim decided by
 /// `check_claim`.
 #[derive(Default)]
-struct Store {
-    claimed: BTreeMap<CounterKey, u64>,
-    down: bool,
+pub(super) struct Store {
+    pub(super) claimed: BTreeMap<CounterKey, u64>,
+    pub(super) down: bool,
 }
 
 impl Store {
-    fn answer(&mut self, out: TenantsOutput) -> TenantsInput {
+    pub(super) fn answer(&mut self, out: TenantsOutput) -> TenantsInput {
         let TenantsOutput::Claim {
             counter,
             amount,
@@ -44,7 +46,7 @@ impl Store {
     }
 
     /// Answer every claim of `edge` at once.
-    fn serve(&mut self, edge: &mut Tenants, now: Instant) {
+    pub(super) fn serve(&mut self, edge: &mut Tenants, now: Instant) {
         while let Some(out) = edge.poll_output() {
             let input = self.answer(out);
             edge.handle_input(now, input);
