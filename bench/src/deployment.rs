@@ -46,6 +46,15 @@ pub enum DeployError {
         "binary not found: {0} (build with `cargo build --release -p iop-edge -p iop-node -p iop-bench`)"
     )]
     MissingBinary(PathBuf),
+    /// A directory given for another build's binaries lacks one of them,
+    /// or holds one that cannot be run.
+    #[error("binaries in {dir}: {reason}")]
+    BinaryDir {
+        /// The directory.
+        dir: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The journal store `nats` needs `nats-server`, which is not installed.
     #[error(
         "the nats journal store needs `nats-server` (not found on PATH, in /usr/sbin or /usr/local/bin, nor in $NATS_SERVER): install the Debian package `nats-server` (apt-get install nats-server), or measure other stores (--journal-stores embedded,memory)"
@@ -115,6 +124,37 @@ impl Binaries {
             } else {
                 Err(DeployError::MissingBinary(p))
             }
+        };
+        Ok(Self {
+            edge: found("iop-edge")?,
+            node: found("iop-node")?,
+            bench,
+        })
+    }
+
+    /// Another build's `iop-edge` and `iop-node`, both in `dir` (for
+    /// example a copy of the release binaries made before a change), with
+    /// this build's `iop-bench` as `bench`. Both must be executable
+    /// regular files; the error names `dir`.
+    pub fn in_dir(dir: &Path, bench: PathBuf) -> Result<Self, DeployError> {
+        use std::os::unix::fs::PermissionsExt;
+        let bad = |reason: String| DeployError::BinaryDir {
+            dir: dir.to_path_buf(),
+            reason,
+        };
+        if !dir.is_dir() {
+            return Err(bad("not a directory".into()));
+        }
+        let found = |name: &str| {
+            let p = dir.join(name);
+            let meta = std::fs::metadata(&p).map_err(|e| bad(format!("{name}: {e}")))?;
+            if !meta.is_file() {
+                return Err(bad(format!("{name} is not a file")));
+            }
+            if meta.permissions().mode() & 0o111 == 0 {
+                return Err(bad(format!("{name} is not executable")));
+            }
+            Ok(p)
         };
         Ok(Self {
             edge: found("iop-edge")?,

@@ -28,6 +28,11 @@
 //! running side by side against the first one's mock: its paths then
 //! alternate with each other in every measurement (A B A B), which is how
 //! a runtime is compared with another.
+//!
+//! Another build of iop can be measured in the same run beside this one
+//! ([`GatewaySettings::baseline`]: the `iop-edge` and `iop-node` of, say,
+//! the commit before a change): one more deployment per runtime, its
+//! paths labelled `(baseline)`, in the same rotation as every other path.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -68,6 +73,10 @@ pub struct GatewaySettings {
     /// One iop deployment per entry, its `[runtime] worker_threads`
     /// (`None`: the default, no `[runtime]`).
     pub worker_threads: Vec<Option<usize>>,
+    /// Another build's binaries, deployed once more per entry of
+    /// [`GatewaySettings::worker_threads`] beside this build's and
+    /// measured in the same run (`None`: this build only).
+    pub baseline: Option<Binaries>,
     /// The peers to measure, with the program that runs each (`None`: not
     /// installed; the peer is reported as skipped).
     pub peers: Vec<(PeerKind, Option<PathBuf>)>,
@@ -243,33 +252,51 @@ pub struct GatewaysResult {
     pub peak_rss: Vec<PeakRss>,
 }
 
-/// The suffix of an iop deployment's labels: none for the default
-/// runtime.
-pub fn runtime_suffix(worker_threads: Option<usize>) -> String {
-    match worker_threads {
-        None => String::new(),
-        Some(0) => " (a worker per CPU)".into(),
-        Some(1) => " (1 thread)".into(),
-        Some(n) => format!(" ({n} workers)"),
+/// The suffix of an iop deployment's labels: none for this build's
+/// default runtime; the runtime when set, and `baseline` for the other
+/// build's deployments.
+pub fn runtime_suffix(worker_threads: Option<usize>, baseline: bool) -> String {
+    let runtime = match worker_threads {
+        None => None,
+        Some(0) => Some("a worker per CPU".to_owned()),
+        Some(1) => Some("1 thread".to_owned()),
+        Some(n) => Some(format!("{n} workers")),
+    };
+    match (runtime, baseline) {
+        (None, false) => String::new(),
+        (None, true) => " (baseline)".into(),
+        (Some(r), false) => format!(" ({r})"),
+        (Some(r), true) => format!(" ({r}, baseline)"),
     }
 }
 
-/// Deploy the mock, one iop per [`GatewaySettings::worker_threads`] and
-/// the peers, then [`measure`] every path.
+/// Deploy the mock, one iop per [`GatewaySettings::worker_threads`] (and
+/// as many of the baseline build) and the peers, then [`measure`] every
+/// path.
 pub async fn gateways(
     bins: &Binaries,
     work: &Path,
     settings: &GatewaySettings,
 ) -> Result<GatewaysResult, ScenarioError> {
     settings.validate()?;
-    let mut deployments: Vec<(Option<usize>, Deployment)> = Vec::new();
+    // (label suffix, deployment)
+    let mut deployments: Vec<(String, Deployment)> = Vec::new();
     let mut mock = None;
-    for (i, &threads) in settings.worker_threads.iter().enumerate() {
+    let builds = std::iter::once((bins, false)).chain(settings.baseline.iter().map(|b| (b, true)));
+    let planned: Vec<(&Binaries, bool, Option<usize>)> = builds
+        .flat_map(|(b, baseline)| {
+            settings
+                .worker_threads
+                .iter()
+                .map(move |&threads| (b, baseline, threads))
+        })
+        .collect();
+    for (i, (build, baseline, threads)) in planned.into_iter().enumerate() {
         let mut spec = latency_deployment(work, mock);
         spec.mocks.retain(|m| m.name == SHORT_MOCK);
         spec.dir = work.join(format!("gateways-iop-{i}"));
         spec.worker_threads = threads;
-        let started = Deployment::start(bins, &spec).await;
+        let started = Deployment::start(build, &spec).await;
         let d = match started {
             Ok(d) => d,
             Err(e) => {
@@ -278,7 +305,7 @@ pub async fn gateways(
             }
         };
         mock = mock.or_else(|| d.mocks.first().map(|m| m.addr));
-        deployments.push((threads, d));
+        deployments.push((runtime_suffix(threads, baseline), d));
     }
     let (Some(mock), Some((_, first))) = (mock, deployments.first()) else {
         return Err(ScenarioError::Timeout("gateways: no deployment".into()));
@@ -311,8 +338,7 @@ pub async fn gateways(
     // (gateway, its paths, its root processes)
     let mut groups: Vec<(String, Vec<String>, Vec<u32>)> =
         vec![("mock (direct)".into(), vec![DIRECT.into()], mock_pids)];
-    for (threads, d) in &deployments {
-        let suffix = runtime_suffix(*threads);
+    for (suffix, d) in &deployments {
         let labels = [
             format!("iop tunnel{suffix}"),
             format!("iop normalized{suffix}"),
@@ -377,7 +403,7 @@ pub async fn gateways(
     })
 }
 
-async fn stop_all(deployments: Vec<(Option<usize>, Deployment)>, peers: Vec<RunningPeer>) {
+async fn stop_all(deployments: Vec<(String, Deployment)>, peers: Vec<RunningPeer>) {
     for peer in peers {
         peer.proc.stop().await;
     }
@@ -1026,9 +1052,11 @@ mod tests {
     }
 
     #[test]
-    fn labels_name_the_runtime_only_when_set() {
-        assert_eq!(runtime_suffix(None), "");
-        assert_eq!(runtime_suffix(Some(1)), " (1 thread)");
-        assert_eq!(runtime_suffix(Some(4)), " (4 workers)");
+    fn labels_name_the_runtime_and_the_baseline_only_when_set() {
+        assert_eq!(runtime_suffix(None, false), "");
+        assert_eq!(runtime_suffix(Some(1), false), " (1 thread)");
+        assert_eq!(runtime_suffix(Some(4), false), " (4 workers)");
+        assert_eq!(runtime_suffix(None, true), " (baseline)");
+        assert_eq!(runtime_suffix(Some(1), true), " (1 thread, baseline)");
     }
 }

@@ -157,8 +157,13 @@ enum PeerArg {
     None,
 }
 
-/// The gateways scenario's settings from the suite's flags.
-fn gateway_settings(a: &SuiteArgs, duration: Duration) -> anyhow::Result<GatewaySettings> {
+/// The gateways scenario's settings from the suite's flags (`bins`: this
+/// build's binaries).
+fn gateway_settings(
+    a: &SuiteArgs,
+    bins: &Binaries,
+    duration: Duration,
+) -> anyhow::Result<GatewaySettings> {
     let peers: Vec<PeerKind> = if a.gateway_peers.is_empty() {
         vec![PeerKind::Portkey, PeerKind::Litellm]
     } else {
@@ -192,6 +197,13 @@ fn gateway_settings(a: &SuiteArgs, duration: Duration) -> anyhow::Result<Gateway
         a.gateway_p99_ms.is_finite() && a.gateway_p99_ms > 0.0,
         "--gateway-p99-ms must be > 0"
     );
+    let baseline = match &a.gateway_baseline {
+        Some(dir) => Some(
+            Binaries::in_dir(&std::path::absolute(dir)?, bins.bench.clone())
+                .context("--gateway-baseline")?,
+        ),
+        None => None,
+    };
     Ok(GatewaySettings {
         runs: a.gateway_runs.unwrap_or(if a.quick { 1 } else { 3 }),
         duration,
@@ -203,6 +215,7 @@ fn gateway_settings(a: &SuiteArgs, duration: Duration) -> anyhow::Result<Gateway
         max_concurrency: a.gateway_max_concurrency,
         open_rates: or_default(&a.gateway_rates, a.quick, &[1000.0], &[1000.0, 2000.0]),
         worker_threads,
+        baseline,
         peers: peers
             .into_iter()
             .map(|kind| (kind, program(kind).or_else(|| peers::default_program(kind))))
@@ -374,6 +387,11 @@ struct SuiteArgs {
     /// in the gateways scenario (default: `default`).
     #[arg(long, value_delimiter = ',')]
     gateway_worker_threads: Vec<String>,
+    /// A directory holding another build's `iop-edge` and `iop-node` (for
+    /// example copies made before a change): the gateways scenario deploys
+    /// them too, labelled `(baseline)`, and measures them in the same run.
+    #[arg(long)]
+    gateway_baseline: Option<PathBuf>,
     /// Portkey's `start-server.js` (default: where scripts/portkey-gateway
     /// installs it).
     #[arg(long)]
@@ -512,6 +530,13 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
     let q = a.quick;
     let duration = secs(a.duration_s.unwrap_or(if q { 3.0 } else { 10.0 }))?;
     let work = std::path::absolute(&a.work)?;
+    // Checked before any scenario runs (a bad --gateway-baseline fails at
+    // once).
+    let gateways = if want(ScenarioName::Gateways) {
+        Some(gateway_settings(&a, &bins, duration)?)
+    } else {
+        None
+    };
     let mut report = SuiteReport {
         machine: Machine::current(),
         command: command_line(),
@@ -622,8 +647,7 @@ async fn run_suite(a: SuiteArgs) -> anyhow::Result<()> {
         };
         report.retrieve = Some(iop_bench::durable_memory::retrieve(&bins, &work, &settings).await?);
     }
-    if want(ScenarioName::Gateways) {
-        let settings = gateway_settings(&a, duration)?;
+    if let Some(settings) = gateways {
         report.gateways = Some(iop_bench::gateways::gateways(&bins, &work, &settings).await?);
     }
     if want(ScenarioName::Nodes) {
@@ -717,6 +741,76 @@ fn main() -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn suite(args: &[&str]) -> SuiteArgs {
+        let cli = Cli::try_parse_from(["iop-bench", "suite"].iter().chain(args)).unwrap();
+        match cli.command {
+            Command::Suite(a) => *a,
+            _ => unreachable!("a suite command"),
+        }
+    }
+
+    fn bins() -> Binaries {
+        Binaries {
+            edge: "iop-edge".into(),
+            node: "iop-node".into(),
+            bench: "iop-bench".into(),
+        }
+    }
+
+    /// `--gateway-baseline DIR` deploys the `iop-edge` and `iop-node` in
+    /// DIR; a directory without both, or with one not executable, is
+    /// refused with an error naming it.
+    #[test]
+    fn a_gateway_baseline_needs_both_binaries_executable() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap().to_owned();
+        let settings = |d: &str| {
+            gateway_settings(
+                &suite(&["--gateway-baseline", d]),
+                &bins(),
+                Duration::from_secs(1),
+            )
+        };
+        let err = format!("{:#}", settings(&d).unwrap_err());
+        assert!(
+            err.contains("--gateway-baseline") && err.contains(&d),
+            "{err}"
+        );
+        assert!(err.contains("iop-edge"), "{err}");
+        let exe = |name: &str, mode: u32| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        exe("iop-edge", 0o755);
+        let err = format!("{:#}", settings(&d).unwrap_err());
+        assert!(err.contains(&d) && err.contains("iop-node"), "{err}");
+        exe("iop-node", 0o644);
+        let err = format!("{:#}", settings(&d).unwrap_err());
+        assert!(
+            err.contains(&d) && err.contains("iop-node is not executable"),
+            "{err}"
+        );
+        exe("iop-node", 0o755);
+        let baseline = settings(&d).unwrap().baseline.expect("a baseline");
+        assert_eq!(baseline.edge, dir.path().join("iop-edge"));
+        assert_eq!(baseline.node, dir.path().join("iop-node"));
+        assert_eq!(baseline.bench, bins().bench);
+        let missing = dir.path().join("absent");
+        let err = format!("{:#}", settings(missing.to_str().unwrap()).unwrap_err());
+        assert!(
+            err.contains("absent") && err.contains("not a directory"),
+            "{err}"
+        );
+        assert!(
+            gateway_settings(&suite(&[]), &bins(), Duration::from_secs(1))
+                .unwrap()
+                .baseline
+                .is_none()
+        );
+    }
 
     fn only(args: &[&str]) -> Vec<ScenarioName> {
         let cli = Cli::try_parse_from(["iop-bench", "suite"].iter().chain(args)).unwrap();
