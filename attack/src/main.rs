@@ -1,4 +1,4 @@
-//! # iop-attack: the hostile-input attack suite (SPEC §7, R-LIM-1..5)
+//! # iop-attack: the hostile-input attack suite (SPEC §7, R-LIM-1..6)
 //!
 //! Starts a real deployment on loopback (an `iop-edge` process with its
 //! default limits, an `iop-node` process in front of a mock provider, and
@@ -22,6 +22,7 @@
 
 mod evil_node;
 mod flood;
+mod reads;
 mod store;
 mod tenant;
 
@@ -92,6 +93,8 @@ const ATTACKS: &[&str] = &[
     "ids_in_logs",
     "store_down_at_start",
     "store_outage_midstream",
+    "long_chain_reads",
+    "durable_write_burst",
 ];
 
 /// The running deployment.
@@ -504,6 +507,11 @@ impl Rig {
 /// on `nats_url` when there is one (else in the embedded file). The
 /// ownership lease's TTL is 3 s (scanned every second), so an Edge
 /// restarted on NATS watches its former lease for 2 s, not 10 (R-TAKE-2).
+/// The journal's bounds are lowered so that one tenant can reach them: 8
+/// requests of a principal reading stored responses at once (R-LIM-6), and
+/// an embedded writer queue of 32 operations, 8 of one principal
+/// (R-TEN-1; 4,096 and 1,024 by default, more than this rig's node can
+/// fill).
 fn edge_toml(
     quic: SocketAddr,
     http: SocketAddr,
@@ -542,7 +550,8 @@ fn edge_toml(
     store.add_to_edge_config(&mut toml, nats_url)?;
     Ok(toml.replace(
         "[journal]\n",
-        "[journal]\nlease_ttl_ms = 3000\ntakeover_scan_interval_ms = 1000\n",
+        "[journal]\nlease_ttl_ms = 3000\ntakeover_scan_interval_ms = 1000\n\
+         reads_in_flight_per_principal = 8\nwriter_queue = 32\nwriter_queue_per_principal = 8\n",
     ))
 }
 
@@ -734,6 +743,12 @@ async fn attack_row(
                 &stop,
                 &stats,
             );
+        }
+        "long_chain_reads" => {
+            reads::long_chain_reads(&mut attackers, rig.http, 256, &stop, &stats).await;
+        }
+        "durable_write_burst" => {
+            reads::durable_write_burst(&mut attackers, rig.http, 64, &stop, &stats);
         }
         "store_down_at_start" => {
             // R-JRN-6: the Edge restarted while its store is away.

@@ -23,7 +23,8 @@
 //! * shared decisions asked under a lock, with no output queue:
 //!   `Connections` (every client connection's task asks it and keeps its
 //!   own timer), `NodeCapacity` (every node connection asks it), the
-//!   credential `ProfileBook` and `ReplayCache`;
+//!   credential `ProfileBook` and `ReplayCache`, `StoreReads` (every
+//!   request that reads the journal asks it);
 //! * schedules and queues a driver computes with: `Backoff` and
 //!   `Reconnect` (a delay asked for when an attempt ends), the journal's
 //!   `GroupCommit` (the store writer's bounded batch queue).

@@ -31,6 +31,9 @@ pub struct AppState {
     bodies: BodyBudget,
     /// Durable responses (SPEC §6).
     durable: Arc<Durable>,
+    /// R-LIM-6: the readers of the journal in flight, per principal and
+    /// key.
+    reads: crate::store_reads::ReadSlots,
     /// Tenants' limits and budgets (SPEC §9).
     tenancy: Arc<crate::tenancy::Tenancy>,
     /// The console's sessions and live streams.
@@ -109,6 +112,7 @@ impl AppState {
                 tenant_store,
                 &traces,
             )),
+            reads: crate::store_reads::ReadSlots::new(config.journal.read_limits()),
             config,
             metrics,
             durable,
@@ -159,6 +163,11 @@ impl AppState {
     /// The Edge's metrics.
     pub fn metrics(&self) -> &Arc<EdgeMetrics> {
         &self.metrics
+    }
+
+    /// The readers of the journal in flight (R-LIM-6).
+    pub fn reads(&self) -> &crate::store_reads::ReadSlots {
+        &self.reads
     }
 
     /// The budget every request body is read under (R-LIM-2).

@@ -42,7 +42,7 @@ use iop_core::journal::{
     ClaimVerdict, CreateOutcome, EdgeLease, JournalError, LeaseClaim, LeaseState, NewRecord,
     PeerLease, RecordMeta, RecordStatus, TakeoverScan, Terminal,
 };
-use iop_store::{EmbeddedOptions, JournalStore, Progress};
+use iop_store::{JournalStore, Progress};
 use iop_wire::ChatMessage;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -435,10 +435,7 @@ impl Durable {
             JournalStoreKind::Embedded => keeper::Opener::Embedded {
                 path: section.file(state_dir),
                 limits,
-                options: EmbeddedOptions {
-                    max_queued_ops_per_principal: section.writer_queue_per_principal(),
-                    ..EmbeddedOptions::default()
-                },
+                options: section.embedded_options(),
             },
             JournalStoreKind::Nats => {
                 let nats = section.nats.as_ref().ok_or_else(|| {

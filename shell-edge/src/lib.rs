@@ -35,5 +35,6 @@ pub mod serve;
 pub mod server;
 pub mod server_timing;
 pub mod status;
+pub mod store_reads;
 pub mod stored;
 pub mod tenancy;

@@ -139,6 +139,8 @@ pub(crate) async fn history(
     if !client_ids::may_name_stored(JournalApi::Responses, previous_id) {
         return Err(ApiError::previous_response_not_found());
     }
+    // R-LIM-6: the walk is one reader of the key's, link after link.
+    let _slot = state.reads().begin(key)?;
     conversation(state, &key.principal, previous_id).await
 }
 
@@ -412,6 +414,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
     } = admitted;
     record.body_permit = Some(body_permit);
     endpoint.mark_kept(&mut options, keep);
+    let key_id = key.id.clone();
     let durable = state.durable().clone();
     let created_unix_ms = iop_transport::clock::unix_ms();
     // Ids must be unique across restarts and Edges: random, not counted.
@@ -517,9 +520,19 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
     };
     let mut response = if keep.background && !run.stream && !refused {
         // Answered once its run is admitted; the client polls or resumes.
-        record.set("ok");
-        match responses_object(state, &meta.id).await {
-            Ok(v) => axum::Json(v).into_response(),
+        // R-LIM-6: its object is read and built within the key's share,
+        // as a retrieve's; the request body's share is given back first.
+        drop(body);
+        record.body_permit = None;
+        let reader = Reader {
+            principal: &meta.principal,
+            key_id: &key_id,
+        };
+        match held_responses_object(state, reader, &meta.id).await {
+            Ok(held) => {
+                record.set("ok");
+                held.response(Some(record), state.driver_context().client_write_timeout)
+            }
             Err(e) => refuse(&endpoint, record, e),
         }
     } else {
@@ -707,19 +720,36 @@ fn follow_body<S: AnswerStream>(
     )
 }
 
-/// A stored record the caller's key may read, with its stored request.
-/// A stored record the caller may read: its metadata, its stored request
-/// and the caller's share of the read memory (R-LIM-6), held while what
-/// was read is in use.
+/// A stored record the caller may read: its metadata, its stored request,
+/// the caller's share of the read memory and its place among the readers
+/// in flight (R-LIM-6), held while what was read is in use.
 struct Readable {
     meta: RecordMeta,
     stored: StoredRequest,
     _permit: crate::request_body::BodyPermit,
+    _slot: crate::store_reads::ReadSlot,
+}
+
+/// Who reads: a principal's key (R-LIM-6: reads in flight are bounded
+/// per principal and per key).
+#[derive(Clone, Copy)]
+struct Reader<'a> {
+    principal: &'a str,
+    key_id: &'a str,
+}
+
+impl<'a> From<&'a ApiKey> for Reader<'a> {
+    fn from(key: &'a ApiKey) -> Self {
+        Reader {
+            principal: &key.principal,
+            key_id: &key.id,
+        }
+    }
 }
 
 async fn readable(
     state: &AppState,
-    key: &ApiKey,
+    reader: Reader<'_>,
     id: &str,
     api: JournalApi,
 ) -> Result<Readable, ApiError> {
@@ -728,6 +758,8 @@ async fn readable(
     if !client_ids::may_name_stored(api, id) {
         return Err(ApiError::not_found("response"));
     }
+    // R-LIM-6: a place among the readers in flight before any store read.
+    let slot = state.reads().begin_as(reader.principal, reader.key_id)?;
     let found = state
         .durable()
         .store()
@@ -736,18 +768,19 @@ async fn readable(
         .map_err(|e| journal_error(&e))?;
     // Another key's response is indistinguishable from none.
     let (meta, request) = found
-        .filter(|(meta, _)| meta.principal == key.principal && meta.api == api)
+        .filter(|(meta, _)| meta.principal == reader.principal && meta.api == api)
         .ok_or_else(|| ApiError::not_found("response"))?;
     // R-LIM-6: counted against the caller's principal like a body.
     let permit = state
         .bodies()
-        .hold_stored(&key.principal, &request)
+        .hold_stored(reader.principal, &request)
         .map_err(crate::request_body::BodyError::to_api_error)?;
     let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
     Ok(Readable {
         meta,
         stored,
         _permit: permit,
+        _slot: slot,
     })
 }
 
@@ -769,22 +802,8 @@ fn reparse<E: RunEndpoint>(
     Ok((run, options))
 }
 
-/// The `response` object of a stored response as it is now.
-async fn responses_object(state: &AppState, id: &str) -> Result<Value, ApiError> {
-    let (meta, request) = state
-        .durable()
-        .store()
-        .get(id.to_owned(), 0)
-        .await
-        .map_err(|e| journal_error(&e))?
-        .ok_or_else(|| ApiError::not_found("response"))?;
-    let stored = StoredRequest::decode(&request).ok_or_else(ApiError::internal)?;
-    let (run, options) = reparse(&Responses, &stored)?;
-    responses_object_of(state, &meta, &stored, &run.model, options).await
-}
-
-/// [`responses_object`] of a record already read and parsed (a retrieve
-/// reads and parses it once, R-LIM-6).
+/// The `response` object of a stored response as it is now, from its
+/// record read and parsed once (R-LIM-6).
 async fn responses_object_of(
     state: &AppState,
     meta: &RecordMeta,
@@ -949,7 +968,7 @@ async fn retrieve<E: Retrievable>(
     let found = async {
         let key = authenticate(state, headers)?;
         let skip = resume_point(query, headers)?;
-        let read = readable(state, &key, id, endpoint.journal_api()).await?;
+        let read = readable(state, Reader::from(&key), id, endpoint.journal_api()).await?;
         Ok::<_, ApiError>((key, read, skip))
     }
     .await;
@@ -979,40 +998,84 @@ async fn retrieve<E: Retrievable>(
             record,
         ));
     }
-    // R-LIM-6: the object built here is charged to the caller's share
-    // before it is built (its bound, from the record's event bytes), then
-    // what its body takes until the body has been sent.
-    let bodies = state.bodies();
-    let event_bytes = meta.stored_bytes.saturating_sub(stored.body.len() as u64);
-    let mut permit = match bodies.hold_answer(
-        &key.principal,
-        iop_core::edge::whole_answer::rendering_bytes(event_bytes),
-    ) {
-        Ok(permit) => permit,
-        Err(e) => return refuse(&endpoint, record, e.to_api_error()),
-    };
-    let object = match endpoint.object(state, meta, stored, start, options).await {
-        Ok(object) => object,
-        Err(e) => return refuse(&endpoint, record, e),
-    };
-    // The stored request is no longer needed.
-    drop(read);
-    let body = match serde_json::to_vec(&object) {
-        Ok(body) => Bytes::from(body),
-        Err(_) => return refuse(&endpoint, record, ApiError::internal()),
-    };
-    drop(object);
-    if let Err(e) = bodies.refit(&key.principal, &mut permit, body.len()) {
-        return refuse(&endpoint, record, e.to_api_error());
+    match held_object(state, &endpoint, &key.principal, read, start, options).await {
+        Ok(held) => {
+            let mut record = record;
+            record.set("ok");
+            held.response(Some(record), state.driver_context().client_write_timeout)
+        }
+        Err(e) => refuse(&endpoint, record, e),
     }
-    let mut record = record;
-    record.set("ok");
-    held_json(
-        body,
-        permit,
-        record,
-        state.driver_context().client_write_timeout,
-    )
+}
+
+/// A stored object rendered as JSON, its bytes charged to its reader's
+/// share until they have been sent (R-LIM-6).
+struct HeldObject {
+    body: Bytes,
+    permit: crate::request_body::BodyPermit,
+}
+
+impl HeldObject {
+    /// The JSON answer ([`held_json`]).
+    fn response(
+        self,
+        record: Option<RequestRecord>,
+        write_timeout: std::time::Duration,
+    ) -> Response {
+        held_json(self.body, self.permit, record, write_timeout)
+    }
+}
+
+/// The object of record `read` as it is now, built within `principal`'s
+/// share (R-LIM-6): charged before it is built at its bound (from the
+/// record's event bytes), then at what its body takes. Every answer that
+/// renders a stored object is built here: a retrieve, a cancel's object,
+/// a background response's first object.
+async fn held_object<E: Retrievable>(
+    state: &AppState,
+    endpoint: &E,
+    principal: &str,
+    read: Readable,
+    start: AnswerStart,
+    options: E::Options,
+) -> Result<HeldObject, ApiError> {
+    let bodies = state.bodies();
+    let event_bytes = read
+        .meta
+        .stored_bytes
+        .saturating_sub(read.stored.body.len() as u64);
+    let mut permit = bodies
+        .hold_answer(
+            principal,
+            iop_core::edge::whole_answer::rendering_bytes(event_bytes),
+        )
+        .map_err(crate::request_body::BodyError::to_api_error)?;
+    let object = endpoint
+        .object(state, &read.meta, &read.stored, start, options)
+        .await?;
+    // The stored request is no longer needed, nor its place among the
+    // readers.
+    drop(read);
+    let body = Bytes::from(serde_json::to_vec(&object).map_err(|_| ApiError::internal())?);
+    drop(object);
+    bodies
+        .refit(principal, &mut permit, body.len())
+        .map_err(crate::request_body::BodyError::to_api_error)?;
+    Ok(HeldObject { body, permit })
+}
+
+/// The `response` object of stored response `id` as it is now, read by
+/// `reader` and held to its share ([`held_object`]).
+async fn held_responses_object(
+    state: &AppState,
+    reader: Reader<'_>,
+    id: &str,
+) -> Result<HeldObject, ApiError> {
+    let read = readable(state, reader, id, JournalApi::Responses).await?;
+    let (run, options) = reparse(&Responses, &read.stored)?;
+    let start = answer_start(&run.model, &read.stored);
+    drop(run);
+    held_object(state, &Responses, reader.principal, read, start, options).await
 }
 
 /// A JSON answer whose bytes stay charged to `permit` until the
@@ -1021,7 +1084,7 @@ async fn retrieve<E: Retrievable>(
 fn held_json(
     body: Bytes,
     permit: crate::request_body::BodyPermit,
-    record: RequestRecord,
+    record: Option<RequestRecord>,
     write_timeout: std::time::Duration,
 ) -> Response {
     use futures::StreamExt as _;
@@ -1083,17 +1146,19 @@ pub async fn cancel_response(
 ) -> Response {
     let answer = async {
         let key = authenticate(&state, &headers)?;
-        let meta = readable(&state, &key, &id, JournalApi::Responses)
+        let meta = readable(&state, Reader::from(&key), &id, JournalApi::Responses)
             .await?
             .meta;
         if !meta.status().is_terminal() {
             cancel_and_wait(&state, &meta).await?;
         }
-        responses_object(&state, &id).await
+        // R-LIM-6: the object is read again (it has its terminal now) and
+        // built within the key's share, as a retrieve's.
+        held_responses_object(&state, Reader::from(&key), &id).await
     }
     .await;
     match answer {
-        Ok(v) => axum::Json(v).into_response(),
+        Ok(held) => held.response(None, state.driver_context().client_write_timeout),
         Err(e) => e.into_response(),
     }
 }
@@ -1137,7 +1202,7 @@ async fn delete_stored(
 ) -> Response {
     let answer = async {
         let key = authenticate(state, headers)?;
-        let meta = readable(state, &key, id, api).await?.meta;
+        let meta = readable(state, Reader::from(&key), id, api).await?.meta;
         if !meta.status().is_terminal() {
             cancel_and_wait(state, &meta).await?;
         }
@@ -1202,7 +1267,7 @@ pub async fn input_items(
     let answer = async {
         let query: InputItemsQuery = query_of(&uri)?;
         let key = authenticate(&state, &headers)?;
-        let read = readable(&state, &key, &id, JournalApi::Responses).await?;
+        let read = readable(&state, Reader::from(&key), &id, JournalApi::Responses).await?;
         let stored = &read.stored;
         let limit = query.limit.unwrap_or(20);
         if !(1..=100).contains(&limit) {

@@ -5,6 +5,8 @@
 //! R-IDEM-1).
 
 mod common;
+#[path = "../../store-nats/tests/support/mod.rs"]
+mod nats;
 
 use std::sync::Arc;
 
@@ -1168,6 +1170,214 @@ async fn retrieves_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
         // Done, their share is back.
         let (status, body) = d.get(&format!("/v1/responses/{}", ids[0]), KEY, &[]).await;
         assert_eq!(status, 200, "{body}");
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// R-LIM-6: the object a cancel answers (here of a response that had
+/// already ended: its object as it ended) is built within the key's share
+/// of request memory as a retrieve's is: many at once of one large answer
+/// fill the share and the rest get a fast 503 `server_busy`, while another
+/// key's cancel is served. A background response's first object is built
+/// by the same read (`held_responses_object` in `stored.rs`).
+#[tokio::test]
+async fn cancels_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
+    const SHARE: usize = 4 * 1024 * 1024;
+    const CANCELS: usize = 32;
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let script = MockScript {
+            tokens: 100_000,
+            ..MockScript::default()
+        };
+        let d = Deployment::start_with(
+            &pki,
+            script,
+            &format!("max_body_bytes = 65536\nrequest_memory_bytes_per_key = {SHARE}\n"),
+            "",
+        )
+        .await;
+        let client = reqwest::Client::new();
+        let mut ids = Vec::new();
+        for key in [KEY, OTHER_KEY] {
+            let r = client
+                .post(d.url("/v1/responses"))
+                .bearer_auth(key)
+                .json(&json!({"model": "m", "input": "long"}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let object = json_of(&r.text().await.unwrap());
+            ids.push(object["id"].as_str().unwrap().to_owned());
+        }
+        let cancel = |key: &'static str, id: String, start: Arc<tokio::sync::Barrier>| {
+            let (client, url) = (client.clone(), d.url(&format!("/v1/responses/{id}/cancel")));
+            tokio::spawn(async move {
+                start.wait().await;
+                let r = client.post(url).bearer_auth(key).send().await.unwrap();
+                let status = r.status().as_u16();
+                (status, r.text().await.unwrap())
+            })
+        };
+        let start = Arc::new(tokio::sync::Barrier::new(CANCELS + 2));
+        let mine: Vec<_> = (0..CANCELS)
+            .map(|_| cancel(KEY, ids[0].clone(), start.clone()))
+            .collect();
+        let other = cancel(OTHER_KEY, ids[1].clone(), start.clone());
+        start.wait().await;
+        let (mut served, mut refused) = (0, 0);
+        for task in mine {
+            let (status, body) = task.await.unwrap();
+            match status {
+                200 => {
+                    assert_eq!(json_of(&body)["status"], "completed", "it had ended");
+                    assert!(body.len() > SHARE / 8, "the whole answer: {} B", body.len());
+                    served += 1;
+                }
+                503 => {
+                    assert_eq!(json_of(&body)["error"]["code"], "server_busy", "{body}");
+                    refused += 1;
+                }
+                other => panic!("{other}: {body}"),
+            }
+        }
+        eprintln!("{CANCELS} concurrent cancels of one key: {served} served, {refused} refused");
+        assert!(served >= 1, "the share holds one answer at least");
+        assert!(refused >= 1, "the rest do not fit the key's share");
+        let (status, body) = other.await.unwrap();
+        assert_eq!(status, 200, "another key is served: {body}");
+        d.shutdown().await;
+    })
+    .await;
+}
+
+/// R-LIM-6: one key continuing a long conversation many times at once
+/// (each continuation reads its 100 links from the store one after
+/// another) holds at most its share of the readers in flight, on a real
+/// `nats-server` (every read a request on the Edge's one connection):
+/// past its bound it is answered 503 `server_busy` with `Retry-After` at
+/// once, and another principal's retrieves and new requests meanwhile are
+/// all served, promptly.
+#[tokio::test]
+async fn one_key_continuing_long_chains_leaves_the_store_to_others_on_nats_r_lim_6() {
+    const LINKS: usize = 100;
+    const CONTINUATIONS: usize = 64;
+    /// The attacker's bound on readers in flight (its principal's).
+    const PER_PRINCIPAL: usize = 4;
+    let Some(server) = nats::NatsServer::start() else {
+        return;
+    };
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let journal = format!(
+            "[journal]\nstore = \"nats\"\nreads_in_flight = 64\n\
+             reads_in_flight_per_principal = {PER_PRINCIPAL}\n\
+             [journal.nats]\nservers = [\"{}\"]\nconnect_timeout_ms = 5000\n\
+             request_timeout_ms = 5000\n",
+            server.url()
+        );
+        let d =
+            Deployment::start_with(&pki, MockScript::default(), "edge_id = \"e1\"\n", &journal)
+                .await;
+        // The attacker's conversation of LINKS links.
+        let mut last: Option<String> = None;
+        for turn in 0..LINKS {
+            let mut body = json!({"model": "m", "input": format!("turn {turn}")});
+            if let Some(previous) = &last {
+                body["previous_response_id"] = json!(previous);
+            }
+            let (status, text) = d.post("/v1/responses", &body, &[]).await;
+            assert_eq!(status, 200, "link {turn}: {text}");
+            last = Some(json_of(&text)["id"].as_str().unwrap().to_owned());
+        }
+        let last = last.unwrap();
+        // The other principal's stored response.
+        let client = reqwest::Client::new();
+        let r = client
+            .post(d.url("/v1/responses"))
+            .bearer_auth(OTHER_KEY)
+            .json(&json!({"model": "m", "input": "mine"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let theirs = json_of(&r.text().await.unwrap())["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let start = Arc::new(tokio::sync::Barrier::new(CONTINUATIONS + 1));
+        let attack: Vec<_> = (0..CONTINUATIONS)
+            .map(|i| {
+                let (client, url, start) = (client.clone(), d.url("/v1/responses"), start.clone());
+                let body = json!({
+                    "model": "m", "input": format!("again {i}"), "store": false,
+                    "previous_response_id": last,
+                });
+                tokio::spawn(async move {
+                    start.wait().await;
+                    let r = client.post(url).bearer_auth(KEY).json(&body).send().await.unwrap();
+                    let status = r.status().as_u16();
+                    let retry_after = r.headers().get("retry-after").cloned();
+                    let text = r.text().await.unwrap();
+                    (status, retry_after, text)
+                })
+            })
+            .collect();
+        start.wait().await;
+        // Meanwhile the other principal retrieves its response and sends
+        // new requests, one after another.
+        let (mut served, mut slowest) = (0usize, std::time::Duration::ZERO);
+        let attacked = tokio::time::Instant::now();
+        for i in 0..20 {
+            let began = tokio::time::Instant::now();
+            let (status, body) = if i % 2 == 0 {
+                d.get(&format!("/v1/responses/{theirs}"), OTHER_KEY, &[]).await
+            } else {
+                let r = client
+                    .post(d.url("/v1/responses"))
+                    .bearer_auth(OTHER_KEY)
+                    .json(&json!({"model": "m", "input": "more", "previous_response_id": theirs}))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                (status, r.text().await.unwrap())
+            };
+            assert_eq!(status, 200, "the other principal is served: {body}");
+            served += 1;
+            slowest = slowest.max(began.elapsed());
+        }
+        let theirs_took = attacked.elapsed();
+        let (mut continued, mut refused) = (0usize, 0usize);
+        for task in attack {
+            let (status, retry_after, text) = task.await.unwrap();
+            match status {
+                200 => continued += 1,
+                503 => {
+                    assert_eq!(json_of(&text)["error"]["code"], "server_busy", "{text}");
+                    assert_eq!(retry_after.as_ref().map(|v| v.to_str().unwrap()), Some("1"));
+                    refused += 1;
+                }
+                other => panic!("{other}: {text}"),
+            }
+        }
+        eprintln!(
+            "{CONTINUATIONS} continuations of a {LINKS}-link conversation at once: {continued} \
+             continued, {refused} refused; the other principal: {served} served in {theirs_took:?}, \
+             slowest {slowest:?}; the attack took {:?}",
+            attacked.elapsed()
+        );
+        assert!(continued >= 1, "the key's share reads");
+        assert!(
+            refused >= 1,
+            "past {PER_PRINCIPAL} readers in flight the key is refused"
+        );
+        assert!(
+            slowest < std::time::Duration::from_secs(5),
+            "the other principal is served promptly: slowest {slowest:?}"
+        );
         d.shutdown().await;
     })
     .await;

@@ -20,4 +20,5 @@ pub mod overlay;
 pub mod prompt_estimate;
 pub mod registry;
 pub mod request;
+pub mod store_reads;
 pub mod whole_answer;

@@ -359,11 +359,30 @@ pub struct JournalSection {
     /// tried again before the response fails (R-JRN-6); 0: never.
     #[serde(default = "default_write_retry_ms")]
     pub write_retry_ms: u64,
-    /// The embedded store's writer queue: operations of one principal
-    /// waiting at most (of 4096), so one tenant's burst leaves room for
-    /// the others (R-TEN-1).
-    #[serde(default = "default_writer_queue_per_principal")]
-    pub writer_queue_per_principal: usize,
+    /// The embedded store's writer queue: operations waiting for the
+    /// writer at most; one more is refused (and tried again within
+    /// `write_retry_ms`, R-JRN-6). A deployment with few writers, or a
+    /// test of the shares below, sets it smaller (R-LIM-4).
+    #[serde(default = "default_writer_queue")]
+    pub writer_queue: usize,
+    /// Of those, the operations of one principal waiting at most, so one
+    /// tenant's burst leaves room for the others (R-TEN-1); defaults to a
+    /// quarter of `writer_queue`.
+    #[serde(default)]
+    pub writer_queue_per_principal: Option<usize>,
+    /// Requests reading stored responses at once (retrieves,
+    /// `input_items`, cancels and deletes, `previous_response_id`
+    /// conversations), across every principal; the last
+    /// `reads_in_flight_per_principal` places are kept for principals
+    /// reading nothing (R-LIM-6). Past a bound: 503 `server_busy`.
+    #[serde(default = "default_reads_in_flight")]
+    pub reads_in_flight: usize,
+    /// Of those, one principal's (all its keys).
+    #[serde(default = "default_reads_in_flight_per_principal")]
+    pub reads_in_flight_per_principal: usize,
+    /// Of those, one key's; defaults to the principal's.
+    #[serde(default)]
+    pub reads_in_flight_per_key: Option<usize>,
     /// `[journal.nats]`, with `store = "nats"`.
     #[serde(default)]
     pub nats: Option<NatsSection>,
@@ -381,8 +400,19 @@ fn default_write_retry_ms() -> u64 {
     iop_core::time::duration_ms(iop_core::edge::durable::WRITE_RETRY.deadline)
 }
 
-fn default_writer_queue_per_principal() -> usize {
-    iop_store::EmbeddedOptions::default().max_queued_ops_per_principal
+fn default_writer_queue() -> usize {
+    iop_store::EmbeddedOptions::default().max_queued_ops
+}
+
+/// The largest `journal.writer_queue`.
+pub(super) const MAX_WRITER_QUEUE: usize = 1 << 20;
+
+fn default_reads_in_flight() -> usize {
+    iop_core::edge::store_reads::ReadLimits::default().total
+}
+
+fn default_reads_in_flight_per_principal() -> usize {
+    iop_core::edge::store_reads::ReadLimits::default().per_principal
 }
 
 fn default_park_grace_ms() -> u64 {
@@ -403,7 +433,11 @@ impl Default for JournalSection {
             lease_ttl_ms: default_lease_ttl_ms(),
             takeover_scan_interval_ms: default_takeover_scan_interval_ms(),
             write_retry_ms: default_write_retry_ms(),
-            writer_queue_per_principal: default_writer_queue_per_principal(),
+            writer_queue: default_writer_queue(),
+            writer_queue_per_principal: None,
+            reads_in_flight: default_reads_in_flight(),
+            reads_in_flight_per_principal: default_reads_in_flight_per_principal(),
+            reads_in_flight_per_key: None,
             nats: None,
         }
     }
@@ -457,9 +491,32 @@ impl JournalSection {
         }
     }
 
-    /// The embedded store's writer queue share of one principal.
+    /// The embedded store's writer queue share of one principal
+    /// (`writer_queue_per_principal`, else a quarter of the queue).
     pub fn writer_queue_per_principal(&self) -> usize {
         self.writer_queue_per_principal
+            .unwrap_or((self.writer_queue / 4).max(1))
+    }
+
+    /// The embedded store's writer bounds: its queue and one principal's
+    /// share of it.
+    pub fn embedded_options(&self) -> iop_store::EmbeddedOptions {
+        iop_store::EmbeddedOptions {
+            max_queued_ops: self.writer_queue,
+            max_queued_ops_per_principal: self.writer_queue_per_principal(),
+            ..iop_store::EmbeddedOptions::default()
+        }
+    }
+
+    /// The bounds on requests reading stored responses (R-LIM-6).
+    pub fn read_limits(&self) -> iop_core::edge::store_reads::ReadLimits {
+        iop_core::edge::store_reads::ReadLimits {
+            total: self.reads_in_flight,
+            per_principal: self.reads_in_flight_per_principal,
+            per_key: self
+                .reads_in_flight_per_key
+                .unwrap_or(self.reads_in_flight_per_principal),
+        }
     }
 
     /// How long an orphan waits for its node to report its run parked
@@ -517,12 +574,27 @@ impl JournalSection {
                 "must be at most 600000",
             ));
         }
-        let queue = iop_store::EmbeddedOptions::default().max_queued_ops;
-        if !(1..=queue).contains(&self.writer_queue_per_principal) {
+        if !(1..=MAX_WRITER_QUEUE).contains(&self.writer_queue) {
+            return Err(field_err(
+                "journal.writer_queue",
+                format!("must be between 1 and {MAX_WRITER_QUEUE}"),
+            ));
+        }
+        let queue = self.writer_queue;
+        if !(1..=queue).contains(&self.writer_queue_per_principal()) {
             return Err(field_err(
                 "journal.writer_queue_per_principal",
-                format!("must be between 1 and {queue}"),
+                format!("must be between 1 and journal.writer_queue ({queue})"),
             ));
+        }
+        if let Err(e) = self.read_limits().validate() {
+            use iop_core::edge::store_reads::ReadLimitsError;
+            let field = match e {
+                ReadLimitsError::Total => "journal.reads_in_flight",
+                ReadLimitsError::PerKey(_) => "journal.reads_in_flight_per_key",
+                _ => "journal.reads_in_flight_per_principal",
+            };
+            return Err(field_err(field, e.to_string()));
         }
         if !(100..=600_000).contains(&self.takeover_scan_interval_ms) {
             return Err(field_err(
@@ -693,6 +765,65 @@ mod tests {
         ] {
             let e = parse(&format!("[journal]\n{line}\n")).unwrap_err();
             assert_eq!(field_of(e), field);
+        }
+    }
+
+    #[test]
+    fn the_writer_queue_and_the_readers_in_flight_are_bounded_and_validated_r_lim_6_r_ten_1() {
+        let c = parse("").unwrap();
+        let o = c.journal.embedded_options();
+        assert_eq!(
+            (o.max_queued_ops, o.max_queued_ops_per_principal),
+            (4096, 1024)
+        );
+        assert_eq!(
+            c.journal.read_limits(),
+            iop_core::edge::store_reads::ReadLimits::default()
+        );
+        // A smaller queue, its share a quarter of it unless set.
+        let c = parse("[journal]\nwriter_queue = 64\n").unwrap();
+        let o = c.journal.embedded_options();
+        assert_eq!((o.max_queued_ops, o.max_queued_ops_per_principal), (64, 16));
+        let c = parse("[journal]\nwriter_queue = 64\nwriter_queue_per_principal = 64\n").unwrap();
+        assert_eq!(
+            c.journal.embedded_options().max_queued_ops_per_principal,
+            64
+        );
+        let c =
+            parse("[journal]\nreads_in_flight = 16\nreads_in_flight_per_principal = 4\n").unwrap();
+        let l = c.journal.read_limits();
+        assert_eq!((l.total, l.per_principal, l.per_key), (16, 4, 4));
+        for (lines, field) in [
+            ("writer_queue = 0", "journal.writer_queue"),
+            ("writer_queue = 2000000", "journal.writer_queue"),
+            (
+                "writer_queue = 64\nwriter_queue_per_principal = 65",
+                "journal.writer_queue_per_principal",
+            ),
+            (
+                "writer_queue_per_principal = 0",
+                "journal.writer_queue_per_principal",
+            ),
+            ("reads_in_flight = 100000", "journal.reads_in_flight"),
+            (
+                "reads_in_flight = 32",
+                "journal.reads_in_flight_per_principal",
+            ),
+            (
+                "reads_in_flight_per_principal = 0",
+                "journal.reads_in_flight_per_principal",
+            ),
+            (
+                "reads_in_flight_per_key = 33",
+                "journal.reads_in_flight_per_key",
+            ),
+            (
+                "reads_in_flight_per_key = 0",
+                "journal.reads_in_flight_per_key",
+            ),
+        ] {
+            let e = parse(&format!("[journal]\n{lines}\n")).unwrap_err();
+            assert_eq!(field_of(e), field, "{lines}");
         }
     }
 
