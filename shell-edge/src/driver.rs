@@ -2,13 +2,10 @@
 //! Ollama request. It drives the request's core machine
 //! ([`iop_core::edge::request::Request`], which owns the gate, the attempts,
 //! the hold buffer and every decision about the request) and carries out
-//! what it says: carry commands to the dispatcher (a direct call under the
-//! hub's lock, whose answer is the dispatcher's news about this request),
-//! open the node stream and send the request, read frames, reset the
-//! stream, deliver to the client. One `select!` over the news no call of
-//! its own answers (a queued request's lease, a fence), the open in
-//! flight, the node stream, the machine's timer and the client; it decides
-//! nothing itself.
+//! what it says: carry commands to the hub, open the node stream and send
+//! the request, read frames, reset the stream, deliver to the client. One
+//! `select!` over the hub's news, the open in flight, the node stream, the
+//! machine's timer and the client; it decides nothing itself.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -324,10 +321,6 @@ fn start(
             });
         }
         driver.run().await;
-        // Its client's task, woken by the last delivery, goes first: what
-        // is left here (metrics, letting go of its place in the hub) is
-        // not on the answer's way.
-        tokio::task::yield_now().await;
         // Its answer is all delivered (or journaled): one GenAI operation.
         crate::observe::genai_operation(&driver.ctx.metrics, driver.in_flight.view());
     });
@@ -455,7 +448,13 @@ impl Driver {
             ready_in_a_row = 0;
             let input = tokio::select! {
                 news = self.events.recv() => match news {
-                    Some(news) => self.news_input(news),
+                    Some(RequestNews { event, link }) => {
+                        if link.is_some() {
+                            self.link = link;
+                        }
+                        self.tell_admission(&event);
+                        RequestInput::Dispatch(event)
+                    }
                     // The hub stopped: the process is shutting down.
                     None => return,
                 },
@@ -543,17 +542,6 @@ impl Driver {
         }
     }
 
-    /// The machine's input for the dispatcher's news about the request,
-    /// keeping a pre-send answer's connection for the open.
-    fn news_input(&mut self, news: RequestNews) -> RequestInput {
-        let RequestNews { event, link } = news;
-        if link.is_some() {
-            self.link = link;
-        }
-        self.tell_admission(&event);
-        RequestInput::Dispatch(event)
-    }
-
     /// Show the machine's phase in the request's view, when it changed.
     fn show_progress(&mut self) {
         let gate = self.machine.machine().gate();
@@ -620,16 +608,7 @@ impl Driver {
                         );
                     }
                 },
-                RequestOutput::Dispatch(command) => {
-                    // The dispatcher answers at once (R-GEN-4's pre-send
-                    // fence, R-LEASE-1's terminal verdict, ...): its news
-                    // about this request go straight to the machine, in
-                    // order, behind any already queued for it.
-                    for news in self.ctx.hub.request(command, &mut self.events) {
-                        let input = self.news_input(news);
-                        self.machine.handle_input(self.ctx.clock.now(), input);
-                    }
-                }
+                RequestOutput::Dispatch(command) => self.ctx.hub.request(command),
                 RequestOutput::Open {
                     lease,
                     tunnel,
