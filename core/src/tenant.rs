@@ -478,6 +478,12 @@ pub struct Refusal {
     pub meter: Option<Meter>,
     /// When it may fit again, ms from now (`None`: not by waiting).
     pub retry_after_ms: Option<u64>,
+    /// Refused only because this Edge holds too little of the allowance
+    /// while a claim that would let it fit is on its way to the store (the
+    /// window itself may have room): an admission may wait for the claim
+    /// ([`Tenants::wait_for_claim`]) and ask again.
+    #[serde(default)]
+    pub claim_pending: bool,
 }
 
 /// A further attempt's reservation that does not fit (R-TEN-2).
@@ -587,6 +593,33 @@ pub enum TenantsOutput {
 /// it fit is on its way.
 pub const CLAIM_RETRY_MS: u64 = 1_000;
 
+/// How long an admission refused only because a claim is on its way
+/// ([`Refusal::claim_pending`]) waits for the store's answer before it is
+/// refused after all (R-TEN-1, R-TEN-3): as long as a further attempt asks
+/// (20 x 50 ms, [`crate::edge::request::MAX_RESERVE_ASKS`]).
+pub const CLAIM_WAIT: Duration = Duration::from_secs(1);
+
+/// The most admissions of one key that wait for a claim at once
+/// ([`Tenants::admit_waiting`]); the next is refused at once, so a client
+/// cannot park unbounded work on an Edge.
+pub const MAX_CLAIM_WAITERS: u32 = 16;
+
+/// What an admission that may wait for a claim comes to
+/// ([`Tenants::admit_waiting`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// Admitted: it holds its reservation.
+    Admitted,
+    /// Refused only because a claim is on its way: ask again once the
+    /// store answered a claim, or at `until` at the latest.
+    Wait {
+        /// When the wait ends (the last ask).
+        until: Instant,
+    },
+    /// Refused.
+    Refused(Refusal),
+}
+
 /// How long a window this Edge no longer uses is kept.
 const FORGET_AFTER: Duration = Duration::from_secs(180);
 
@@ -604,6 +637,8 @@ pub struct Tenants {
     /// store is taken as unreachable for them (kept per subject, so what
     /// one principal's traffic learns never changes another's admission).
     store_down: BTreeSet<Subject>,
+    /// Admissions waiting for a claim, per key ([`MAX_CLAIM_WAITERS`]).
+    claim_waiters: BTreeMap<String, u32>,
     outputs: VecDeque<TenantsOutput>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
@@ -619,6 +654,7 @@ impl Tenants {
             in_flight: BTreeMap::new(),
             reservations: BTreeMap::new(),
             store_down: BTreeSet::new(),
+            claim_waiters: BTreeMap::new(),
             outputs: VecDeque::new(),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
@@ -635,6 +671,12 @@ impl Tenants {
     /// Whether the shared store is taken as unreachable (R-TEN-3).
     pub fn store_down(&self) -> bool {
         !self.store_down.is_empty()
+    }
+
+    /// Whether the store is taken as unreachable for `subject`'s counters
+    /// (its rates then use the local share, R-TEN-3).
+    pub fn store_down_for(&self, subject: &Subject) -> bool {
+        self.store_down.contains(subject)
     }
 
     /// Requests admitted and not yet settled or released.
@@ -672,6 +714,7 @@ impl Tenants {
                     subject: subject.clone(),
                     meter: Some(Meter::JournalBytes),
                     retry_after_ms: None,
+                    claim_pending: false,
                 });
             }
             if request.background
@@ -683,6 +726,7 @@ impl Tenants {
                     subject: subject.clone(),
                     meter: Some(Meter::Background),
                     retry_after_ms: Some(1_000),
+                    claim_pending: false,
                 });
             }
         }
@@ -713,6 +757,7 @@ impl Tenants {
                     subject: subject.clone(),
                     meter: None,
                     retry_after_ms: Some(1_000),
+                    claim_pending: false,
                 });
             }
             let counter = |meter, window_unix_ms| CounterKey {
@@ -763,6 +808,7 @@ impl Tenants {
                     subject: key.subject.clone(),
                     meter: Some(key.meter),
                     retry_after_ms: if coming { Some(CLAIM_RETRY_MS) } else { *wait },
+                    claim_pending: coming,
                 });
             }
         }
@@ -810,6 +856,68 @@ impl Tenants {
             },
         );
         Ok(())
+    }
+
+    /// Admit `request` at `now` as [`Self::admit`] does, but one refused
+    /// only because a claim is on its way ([`Refusal::claim_pending`]: the
+    /// window may have room, this Edge does not hold it yet) waits for the
+    /// store's answer instead of getting a 429 the window does not justify
+    /// (R-TEN-1, R-TEN-3). `waiting_since`: `None` at the first ask; then
+    /// when the first [`Admission::Wait`] came. A first wait takes one of
+    /// the key's [`MAX_CLAIM_WAITERS`] places (none free: refused at once),
+    /// which the caller gives back with [`Self::end_claim_wait`] when it
+    /// stops asking, however it ends. Asked again before [`CLAIM_WAIT`] is
+    /// over, it waits again while the claim is still on its way; after it,
+    /// the refusal stands.
+    pub fn admit_waiting(
+        &mut self,
+        now: Instant,
+        request: &AdmitRequest,
+        waiting_since: Option<Instant>,
+    ) -> Admission {
+        let refusal = match self.admit(now, request) {
+            Ok(()) => return Admission::Admitted,
+            Err(refusal) => refusal,
+        };
+        if !refusal.claim_pending {
+            return Admission::Refused(refusal);
+        }
+        match waiting_since {
+            None => {
+                let waiters = self.claim_waiters.entry(request.key.clone()).or_default();
+                if *waiters >= MAX_CLAIM_WAITERS {
+                    return Admission::Refused(refusal);
+                }
+                *waiters += 1;
+                Admission::Wait {
+                    until: now.saturating_add(CLAIM_WAIT),
+                }
+            }
+            Some(since) => {
+                let until = since.saturating_add(CLAIM_WAIT);
+                if now < until {
+                    Admission::Wait { until }
+                } else {
+                    Admission::Refused(refusal)
+                }
+            }
+        }
+    }
+
+    /// An admission of `key` that waited for a claim stopped asking
+    /// (admitted, refused, or its caller gone): its place is free again.
+    pub fn end_claim_wait(&mut self, key: &str) {
+        if let Some(n) = self.claim_waiters.get_mut(key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.claim_waiters.remove(key);
+            }
+        }
+    }
+
+    /// Admissions of `key` waiting for a claim now.
+    pub fn claim_waiters(&self, key: &str) -> u32 {
+        self.claim_waiters.get(key).copied().unwrap_or(0)
     }
 
     /// Hold a taken-over request (R-TEN-2): one an Edge that is gone (or
@@ -967,6 +1075,7 @@ impl Tenants {
                         subject: key.subject.clone(),
                         meter: Some(key.meter),
                         retry_after_ms: if coming { Some(CLAIM_RETRY_MS) } else { *wait },
+                        claim_pending: coming,
                     },
                     claim_pending: coming,
                 });
@@ -1233,6 +1342,59 @@ impl Tenants {
                 self.rate_state(&subject, meter, limit, request.unix_ms)
             })
             .min_by_key(|s| s.remaining)
+    }
+
+    /// The `x-ratelimit-*` state of a refused `request` for `meter`
+    /// (R-TEN-1): as [`Self::tighter_rate`], but the refusing limit's
+    /// remaining is what this Edge could admit of it now, so a 429 never
+    /// shows room it could not give (refused while a claim is on its way,
+    /// the window may have room this Edge does not hold yet).
+    pub fn refused_rate(
+        &self,
+        request: &AdmitRequest,
+        meter: Meter,
+        refusal: &Refusal,
+    ) -> Option<RateState> {
+        let minute = request.unix_ms - request.unix_ms % MINUTE_MS;
+        request
+            .applicable()
+            .into_iter()
+            .filter_map(|(subject, limits)| {
+                let limit = match meter {
+                    Meter::Requests => limits.requests_per_minute(),
+                    Meter::Tokens => limits.tokens_per_minute(),
+                    Meter::Spend | Meter::JournalBytes | Meter::Background => None,
+                };
+                let mut state = self.rate_state(&subject, meter, limit, request.unix_ms)?;
+                if subject == refusal.subject && refusal.meter == Some(meter) {
+                    let key = CounterKey {
+                        subject,
+                        meter,
+                        window_unix_ms: minute,
+                    };
+                    state.remaining = state.remaining.min(self.admissible(&key, state.limit));
+                }
+                Some(state)
+            })
+            .min_by_key(|s| s.remaining)
+    }
+
+    /// How much of `key` (limit `limit`) this Edge could admit now
+    /// ([`Self::fits`]' rule as an amount).
+    fn admissible(&self, key: &CounterKey, limit: u64) -> u64 {
+        let holding = self.holdings.get(key);
+        let (granted, used, exhausted) =
+            holding.map_or((0, 0, false), |h| (h.granted, h.used, h.exhausted));
+        if self.store_down.contains(&key.subject) {
+            if key.meter == Meter::Spend {
+                return granted.saturating_sub(used);
+            }
+            let share = ((limit as f64 * self.cfg.local_share) as u64).max(1);
+            let local = self.local.get(key).copied().unwrap_or(0);
+            return share.saturating_sub(local);
+        }
+        let credit = if exhausted { 0 } else { self.chunk(limit) };
+        (granted + credit).saturating_sub(used).min(limit)
     }
 
     /// Feed one input at `now`; drain [`Self::poll_output`] after.

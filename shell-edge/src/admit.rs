@@ -90,6 +90,7 @@ pub(crate) async fn admit<E: RunEndpoint>(
                 Default::default()
             },
         })
+        .await
         .map(Arc::new)?;
     let provider_model = state.config().model_names.provider_model(&run.model);
     // Rewritten while the body's decoded share is still held (R-LIM-2).

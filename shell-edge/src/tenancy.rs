@@ -22,8 +22,8 @@ use std::time::Duration;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use iop_core::tenant::usage::{UsageBook, UsageKey, UsageTotals};
 use iop_core::tenant::{
-    AdmitRequest, AttemptRefusal, Held, Limits, Meter, Price, Refusal, RefusalKind, Subject,
-    Tenants, TenantsConfig, TenantsInput, TenantsOutput, TokenUse,
+    Admission, AdmitRequest, AttemptRefusal, Held, Limits, Meter, Price, Refusal, RefusalKind,
+    Subject, Tenants, TenantsConfig, TenantsInput, TenantsOutput, TokenUse,
 };
 use iop_store::TenantStore;
 use iop_trace::{Driven, MachineKind, Tap, TenantsConfigRec, TraceFiles};
@@ -45,6 +45,30 @@ pub struct Tenancy {
     tickets: AtomicU64,
     default_max_output_tokens: u64,
     counters: TenancyCounters,
+    /// Woken at every claim the store answered (or failed): admissions
+    /// waiting for a claim ask again.
+    claims_answered: tokio::sync::Notify,
+}
+
+/// An admission's place among its key's waiters for a claim
+/// ([`iop_core::tenant::MAX_CLAIM_WAITERS`]), given back however the
+/// admission ends (its client gone included).
+struct ClaimWait {
+    tenancy: Arc<Tenancy>,
+    key: String,
+    /// When it began to wait.
+    since: iop_core::time::Instant,
+}
+
+impl Drop for ClaimWait {
+    fn drop(&mut self) {
+        self.tenancy
+            .machine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .machine_mut()
+            .end_claim_wait(&self.key);
+    }
 }
 
 /// What `/status` shows of the tenants' store (R-TEN-3).
@@ -194,6 +218,7 @@ impl Tenancy {
             tickets: AtomicU64::new(1),
             default_max_output_tokens,
             counters: TenancyCounters::default(),
+            claims_answered: tokio::sync::Notify::new(),
         }
     }
 
@@ -225,46 +250,81 @@ impl Tenancy {
     /// Admit a request (R-TEN-1, R-TEN-2), or say which limit refuses it
     /// and when to try again. Every admitted request holds a
     /// [`TenantHold`] (its usage is recorded whether or not it is limited).
-    pub fn admit(
+    /// Refused only because a claim is on its way (this Edge holds too
+    /// little while the window may have room), it waits for the store's
+    /// answer as core's [`Tenants::admit_waiting`] says: woken by each
+    /// claim answered, at most [`iop_core::tenant::CLAIM_WAIT`], a bounded
+    /// number per key.
+    pub async fn admit(
         self: &Arc<Self>,
         ask: &TenantAsk<'_>,
     ) -> Result<TenantHold, crate::api::ApiError> {
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
-        let request = self.admit_request(ticket, ask);
-        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
-        let now = self.clock.now();
-        let admitted = machine.machine_mut().admit(now, &request);
-        let claims = machine.drain_all(now);
-        // The tightest of the key's, the principal's and each one's for
-        // the model, as this Edge knows them (R-TEN-1).
-        let state = |meter: Meter| {
-            machine
-                .machine()
-                .tighter_rate(&request, meter)
-                .map(|s| (s.limit, s.remaining, s.reset_ms))
-        };
-        let headers = RateHeaders {
-            requests: state(Meter::Requests),
-            tokens: state(Meter::Tokens),
-        };
-        drop(machine);
-        self.send_claims(claims);
-        if let Err(refusal) = admitted {
-            let mut err = refusal_error(&refusal);
-            let mut map = HeaderMap::new();
-            headers.apply(&mut map);
-            err.headers = map
-                .iter()
-                .filter_map(|(n, v)| Some((n.to_string(), v.to_str().ok()?.to_owned())))
-                .collect();
-            return Err(err);
+        let mut request = self.admit_request(ticket, ask);
+        let mut waiting: Option<ClaimWait> = None;
+        loop {
+            // Listening before asking: an answer between the two wakes it.
+            let answered = self.claims_answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            request.unix_ms = iop_transport::clock::unix_ms();
+            let (now, admission, headers, claims) = {
+                let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+                let now = self.clock.now();
+                let admission = machine.machine_mut().admit_waiting(
+                    now,
+                    &request,
+                    waiting.as_ref().map(|w| w.since),
+                );
+                let claims = machine.drain_all(now);
+                // The tightest of the key's, the principal's and each
+                // one's for the model, as this Edge knows them (R-TEN-1);
+                // a refused limit shows only the room this Edge could give
+                // now.
+                let m = machine.machine();
+                let state = |meter: Meter| {
+                    match &admission {
+                        Admission::Refused(refusal) => m.refused_rate(&request, meter, refusal),
+                        _ => m.tighter_rate(&request, meter),
+                    }
+                    .map(|s| (s.limit, s.remaining, s.reset_ms))
+                };
+                let headers = RateHeaders {
+                    requests: state(Meter::Requests),
+                    tokens: state(Meter::Tokens),
+                };
+                (now, admission, headers, claims)
+            };
+            self.send_claims(claims);
+            match admission {
+                Admission::Admitted => {
+                    return Ok(TenantHold {
+                        tenancy: self.clone(),
+                        ticket,
+                        used: Mutex::new(None),
+                        headers,
+                    });
+                }
+                Admission::Refused(refusal) => {
+                    let mut err = refusal_error(&refusal);
+                    let mut map = HeaderMap::new();
+                    headers.apply(&mut map);
+                    err.headers = map
+                        .iter()
+                        .filter_map(|(n, v)| Some((n.to_string(), v.to_str().ok()?.to_owned())))
+                        .collect();
+                    return Err(err);
+                }
+                Admission::Wait { until } => {
+                    waiting.get_or_insert_with(|| ClaimWait {
+                        tenancy: self.clone(),
+                        key: request.key.clone(),
+                        since: now,
+                    });
+                    let _ = tokio::time::timeout_at(self.clock.to_tokio(until), answered).await;
+                }
+            }
         }
-        Ok(TenantHold {
-            tenancy: self.clone(),
-            ticket,
-            used: Mutex::new(None),
-            headers,
-        })
     }
 
     /// Hold a request a takeover continues (R-TEN-2, R-TAKE-1): its
@@ -392,6 +452,7 @@ impl Tenancy {
         let down = machine.machine().store_down();
         let claims = machine.drain_all(now);
         drop(machine);
+        self.claims_answered.notify_waiters();
         if self.counters.store_down.swap(down, Ordering::Relaxed) != down {
             if down {
                 tracing::error!(

@@ -73,6 +73,7 @@ fn r_ten_1_a_key_at_a_models_requests_per_minute_is_refused_for_it_and_served_fo
             subject: key_model("a"),
             meter: Some(Meter::Requests),
             retry_after_ms: Some(59_000),
+            claim_pending: false,
         }
     );
     for _ in 0..50 {

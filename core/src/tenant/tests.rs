@@ -604,3 +604,131 @@ fn r_ten_2_cache_writes_are_priced_at_their_own_rate_and_reserved_at_the_dearest
     let (_, totals) = edge.settle(at(1), 1, all_written).unwrap();
     assert_eq!(totals.spend_micros, all_written.cost(&price));
 }
+
+/// R-TEN-1, R-TEN-3: with a small limit the chunk is one request, so a
+/// second request while the first chunk's claim is on its way is refused
+/// on this Edge's holding, not the window's: it waits for the claim and is
+/// admitted once the store answers; its refusal, had it stood, shows no
+/// room in its headers.
+#[test]
+fn r_ten_1_a_request_refused_only_while_a_claim_is_on_its_way_waits_for_it_and_is_admitted() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let mut store = Store::default();
+    let ask = |ticket: u64| {
+        let mut r = request(ticket, "k1", "p1", T0 + 1_000);
+        r.key_limits = rpm(5);
+        r
+    };
+    assert_eq!(edge.chunk(5), 1);
+    assert_eq!(
+        edge.admit_waiting(at(0), &ask(1), None),
+        Admission::Admitted
+    );
+    let Admission::Wait { until } = edge.admit_waiting(at(1), &ask(2), None) else {
+        panic!("a claim is on its way: the second request waits");
+    };
+    assert_eq!(until, at(1).saturating_add(CLAIM_WAIT));
+    assert_eq!(edge.claim_waiters("k1"), 1);
+    // Refused while the claim is on its way, its headers show no room.
+    let refusal = edge.admit(at(1), &ask(2)).unwrap_err();
+    assert!(refusal.claim_pending);
+    assert_eq!(
+        edge.refused_rate(&ask(2), Meter::Requests, &refusal)
+            .unwrap()
+            .remaining,
+        0
+    );
+    assert_eq!(
+        edge.tighter_rate(&ask(2), Meter::Requests)
+            .unwrap()
+            .remaining,
+        4,
+        "the window's room as this Edge counts it"
+    );
+    // Asked again before the store answered: still waiting, same end.
+    assert_eq!(
+        edge.admit_waiting(at(300), &ask(2), Some(at(1))),
+        Admission::Wait { until }
+    );
+    store.serve(&mut edge, at(400));
+    assert_eq!(
+        edge.admit_waiting(at(400), &ask(2), Some(at(1))),
+        Admission::Admitted
+    );
+    edge.end_claim_wait("k1");
+    assert_eq!(edge.claim_waiters("k1"), 0);
+}
+
+/// R-TEN-1: a wait is bounded in time (after CLAIM_WAIT the refusal
+/// stands) and in number per key (a key's MAX_CLAIM_WAITERS; another key
+/// waits regardless); a refusal that is not the holding's never waits.
+#[test]
+fn r_ten_1_waiting_for_a_claim_is_bounded_in_time_and_per_key() {
+    let mut edge = Tenants::new(TenantsConfig::default());
+    let ask = |ticket: u64, key: &str, limit: u64| {
+        let mut r = request(ticket, key, "p1", T0 + 1_000);
+        r.key_limits = rpm(limit);
+        r
+    };
+    assert_eq!(
+        edge.admit_waiting(at(0), &ask(1, "k1", 5), None),
+        Admission::Admitted
+    );
+    for i in 0..MAX_CLAIM_WAITERS {
+        assert!(matches!(
+            edge.admit_waiting(at(0), &ask(10 + u64::from(i), "k1", 5), None),
+            Admission::Wait { .. }
+        ));
+    }
+    let Admission::Refused(refusal) = edge.admit_waiting(at(0), &ask(99, "k1", 5), None) else {
+        panic!("the key's waiting places are taken");
+    };
+    assert!(refusal.claim_pending);
+    assert_eq!(
+        edge.admit_waiting(at(0), &ask(100, "k2", 5), None),
+        Admission::Admitted
+    );
+    assert!(matches!(
+        edge.admit_waiting(at(0), &ask(101, "k2", 5), None),
+        Admission::Wait { .. }
+    ));
+    // The store never answers: after CLAIM_WAIT the refusal stands.
+    let late = at(0).saturating_add(CLAIM_WAIT);
+    let Admission::Refused(refusal) = edge.admit_waiting(late, &ask(10, "k1", 5), Some(at(0)))
+    else {
+        panic!("the wait is over");
+    };
+    assert_eq!(refusal.retry_after_ms, Some(CLAIM_RETRY_MS));
+    for _ in 0..MAX_CLAIM_WAITERS {
+        edge.end_claim_wait("k1");
+    }
+    assert_eq!(edge.claim_waiters("k1"), 0);
+    // A window the store says is exhausted refuses at once, no wait.
+    let mut store = Store::default();
+    let mut edge = Tenants::new(TenantsConfig::default());
+    store.claimed.insert(
+        CounterKey {
+            subject: Subject::Key("k3".into()),
+            meter: Meter::Requests,
+            window_unix_ms: T0,
+        },
+        5,
+    );
+    assert_eq!(
+        edge.admit_waiting(at(0), &ask(1, "k3", 5), None),
+        Admission::Admitted
+    );
+    store.serve(&mut edge, at(0));
+    let Admission::Refused(refusal) = edge.admit_waiting(at(0), &ask(2, "k3", 5), None) else {
+        panic!("exhausted: refused");
+    };
+    assert!(!refusal.claim_pending);
+    assert_eq!(refusal.retry_after_ms, Some(59_000));
+    assert_eq!(edge.claim_waiters("k3"), 0);
+    assert_eq!(
+        edge.refused_rate(&ask(2, "k3", 5), Meter::Requests, &refusal)
+            .unwrap()
+            .remaining,
+        0
+    );
+}

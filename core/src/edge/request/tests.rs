@@ -2357,6 +2357,7 @@ fn refusal(kind: crate::tenant::RefusalKind, retry_after_ms: Option<u64>) -> Att
             subject: crate::tenant::Subject::Principal("team".into()),
             meter: Some(crate::tenant::Meter::Spend),
             retry_after_ms,
+            claim_pending: false,
         },
         claim_pending: false,
     }
