@@ -120,11 +120,15 @@ pub enum PlantedBug {
     /// as before per-attempt reservations: a failover or continuation may
     /// pass its budget by the prompt sent again.
     MissingReservation,
+    /// R-TEN-1: admission never consults the limits per model
+    /// (`Tenants::admit`): a key's or a principal's limit for a model is
+    /// not counted, so that model's requests pass it on every Edge.
+    IgnoreModelLimits,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 22] = [
+    pub const ALL: [PlantedBug; 23] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -147,6 +151,7 @@ impl PlantedBug {
         PlantedBug::ReplayStaleEvidence,
         PlantedBug::DoubleSettle,
         PlantedBug::MissingReservation,
+        PlantedBug::IgnoreModelLimits,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -166,7 +171,9 @@ impl PlantedBug {
     pub fn in_tenants_machine(self) -> bool {
         matches!(
             self,
-            PlantedBug::DoubleSettle | PlantedBug::MissingReservation
+            PlantedBug::DoubleSettle
+                | PlantedBug::MissingReservation
+                | PlantedBug::IgnoreModelLimits
         )
     }
 
@@ -214,6 +221,7 @@ impl PlantedBug {
             PlantedBug::ReplayStaleEvidence => "replay-stale-evidence",
             PlantedBug::DoubleSettle => "double-settle",
             PlantedBug::MissingReservation => "missing-reservation",
+            PlantedBug::IgnoreModelLimits => "ignore-model-limits",
         }
     }
 

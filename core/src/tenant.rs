@@ -694,7 +694,12 @@ impl Tenants {
     /// caller needs it before anything else happens). Admitted, it holds
     /// its reservation until [`Self::settle`] or [`Self::release`].
     pub fn admit(&mut self, now: Instant, request: &AdmitRequest) -> Result<(), Refusal> {
-        let subjects = request.applicable();
+        #[cfg_attr(not(feature = "planted-bugs"), allow(unused_mut))]
+        let mut subjects = request.applicable();
+        #[cfg(feature = "planted-bugs")]
+        if self.planted.has(PlantedBug::IgnoreModelLimits) {
+            subjects.retain(|(subject, _)| subject.model().is_none());
+        }
         // The journal's quotas are the key's and the principal's alone.
         let whole = [
             (&subjects[0].0, &request.key_limits, &request.key_held),

@@ -42,7 +42,7 @@ fn every_planted_bug_has_a_search() {
 
 /// Each planted bug, the rules that may report it, the seeds (from 0)
 /// within which the swarm must catch it, and the Edges of its worlds.
-const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 21] = [
+const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 22] = [
     (PlantedBug::DoubleRelease, &["R-LEASE-2"], 10, 1),
     // A late message of a fenced generation (about 1.5 % of seeds at 2,000
     // steps; first at seed 21 since tenants, SPEC §9).
@@ -106,6 +106,11 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 21] = [
     // request held to a limit (about a quarter, first at seed 0).
     (PlantedBug::DoubleSettle, &["R-TEN-2"], 10, 1),
     (PlantedBug::MissingReservation, &["R-TEN-2"], 20, 1),
+    // Admission that never consults the limits per model: caught when a
+    // model's requests in one minute pass its limit + Edge processes x
+    // chunk (about 3 % of seeds at 2,000 steps: a world with tenants, a
+    // limit per model that binds; first at seed 5).
+    (PlantedBug::IgnoreModelLimits, &["R-TEN-1"], 100, 1),
 ];
 
 fn planted(bug: PlantedBug) -> CoreBugs {

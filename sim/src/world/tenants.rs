@@ -83,6 +83,21 @@ pub(super) struct SimTenancy {
     recorded: BTreeMap<Subject, u64>,
     /// The Edge processes that reserved spend of each subject.
     spenders: BTreeMap<Subject, BTreeSet<u64>>,
+    /// R-TEN-1 (rates): requests admitted per subject with a requests per
+    /// minute limit (a key's, a principal's, each one's for a model) and
+    /// minute, over every Edge process.
+    admitted: BTreeMap<(Subject, u64), AdmittedInWindow>,
+}
+
+/// Requests of one subject admitted in one minute, over every Edge.
+#[derive(Debug, Default)]
+struct AdmittedInWindow {
+    count: u64,
+    /// The Edge processes that admitted them.
+    processes: BTreeSet<u64>,
+    /// Of them, those that admitted some on their local share (the store
+    /// taken as unreachable for the subject).
+    local: BTreeSet<u64>,
 }
 
 /// One claim on its way through the store (see [`crate::tenant_store`]).
@@ -154,6 +169,7 @@ impl SimTenancy {
             rng: Rng::new(seed ^ 0x7E4A_4175_5EED_0004),
             recorded: BTreeMap::new(),
             spenders: BTreeMap::new(),
+            admitted: BTreeMap::new(),
         }
     }
 }
@@ -169,6 +185,47 @@ fn principal_of<'a>(profile: &'a TenantProfile, subject: &'a Subject) -> &'a str
             .find(|(id, ..)| id == k)
             .map_or("", |(_, p, _)| profile.principals[*p].0.as_str()),
     }
+}
+
+/// The subjects whose requests per minute apply to `request`, with the
+/// limit: the key's, the principal's and each one's for the request's
+/// model (R-TEN-1), read from the limits themselves, not from what the
+/// machine counted.
+fn rated_subjects(request: &AdmitRequest) -> Vec<(Subject, u64)> {
+    let model = request.model.clone();
+    [
+        (
+            Subject::Key(request.key.clone()),
+            request.key_limits.requests_per_minute,
+        ),
+        (
+            Subject::Principal(request.principal.clone()),
+            request.principal_limits.requests_per_minute,
+        ),
+        (
+            Subject::KeyModel {
+                key: request.key.clone(),
+                model: model.clone(),
+            },
+            request
+                .key_limits
+                .for_model(&model)
+                .and_then(|l| l.requests_per_minute),
+        ),
+        (
+            Subject::PrincipalModel {
+                principal: request.principal.clone(),
+                model: model.clone(),
+            },
+            request
+                .principal_limits
+                .for_model(&model)
+                .and_then(|l| l.requests_per_minute),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(s, limit)| Some((s, limit?)))
+    .collect()
 }
 
 impl World {
@@ -241,6 +298,19 @@ impl World {
             .get_mut(principal)
             .map(|s| s.admit(now, &request));
         let principal = principal.clone();
+        // Each limited subject's rate, over every Edge (R-TEN-1): whether
+        // this machine takes the store as down for it, before the claims.
+        let rated: Vec<(Subject, u64, bool)> = if admitted.is_ok() {
+            rated_subjects(&request)
+                .into_iter()
+                .map(|(s, limit)| {
+                    let local = et.machine.machine().store_down_for(&s);
+                    (s, limit, local)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         if shadow.as_ref() != Some(&admitted) {
             let detail = format!(
                 "request {rid} of principal {principal}: the Edge's machine answered \
@@ -276,6 +346,7 @@ impl World {
                     t.spenders.entry(subject).or_default().insert(incarnation);
                 }
             }
+            self.tenant_count_admitted(incarnation, unix_ms, rated);
         }
         self.tenant_claims(&principal);
         match admitted {
@@ -304,6 +375,54 @@ impl World {
                     .or_default() += 1;
                 false
             }
+        }
+    }
+
+    /// R-TEN-1's rates across Edges: count an admitted request against
+    /// each of its subjects' requests per minute (`rated`: subject, limit,
+    /// admitted on the local share), and check the window's total stays
+    /// within the limit + one chunk per Edge process that admitted in it
+    /// (+ the local share of each that admitted on it: R-TEN-3's fallback).
+    fn tenant_count_admitted(
+        &mut self,
+        incarnation: u64,
+        unix_ms: u64,
+        rated: Vec<(Subject, u64, bool)>,
+    ) {
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        let minute = unix_ms - unix_ms % iop_core::tenant::MINUTE_MS;
+        // Windows over for good are forgotten (the clock only moves on).
+        t.admitted
+            .retain(|(_, w), _| w + 2 * iop_core::tenant::MINUTE_MS > minute);
+        let rule = Tenants::new(t.profile.machine);
+        let share = |limit: u64| ((limit as f64 * t.profile.machine.local_share) as u64).max(1);
+        let mut fail = Vec::new();
+        for (subject, limit, local) in rated {
+            let window = t.admitted.entry((subject.clone(), minute)).or_default();
+            window.count += 1;
+            window.processes.insert(incarnation);
+            if local {
+                window.local.insert(incarnation);
+            }
+            let bound = limit
+                + window.processes.len() as u64 * rule.chunk(limit)
+                + window.local.len() as u64 * share(limit);
+            if window.count > bound {
+                fail.push(format!(
+                    "{subject:?} admitted {} requests in the minute at {minute} against a limit \
+                     of {limit} a minute (bound {bound}: {} Edge processes x a chunk of {}, {} \
+                     on their local share)",
+                    window.count,
+                    window.processes.len(),
+                    rule.chunk(limit),
+                    window.local.len()
+                ));
+            }
+        }
+        for detail in fail {
+            self.checkers[self.cur].fail("R-TEN-1", detail);
         }
     }
 
