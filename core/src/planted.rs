@@ -124,11 +124,16 @@ pub enum PlantedBug {
     /// (`Tenants::admit`): a key's or a principal's limit for a model is
     /// not counted, so that model's requests pass it on every Edge.
     IgnoreModelLimits,
+    /// R-TEN-1: requests in flight are counted per Edge, as before the
+    /// slots shared across Edges (`Tenants::slot_fits` admits up to the
+    /// limit on this Edge alone): over several Edges a key has up to
+    /// Edges x its limit in flight.
+    ConcurrencyPerEdge,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 23] = [
+    pub const ALL: [PlantedBug; 24] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -152,6 +157,7 @@ impl PlantedBug {
         PlantedBug::DoubleSettle,
         PlantedBug::MissingReservation,
         PlantedBug::IgnoreModelLimits,
+        PlantedBug::ConcurrencyPerEdge,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -174,6 +180,7 @@ impl PlantedBug {
             PlantedBug::DoubleSettle
                 | PlantedBug::MissingReservation
                 | PlantedBug::IgnoreModelLimits
+                | PlantedBug::ConcurrencyPerEdge
         )
     }
 
@@ -222,6 +229,7 @@ impl PlantedBug {
             PlantedBug::DoubleSettle => "double-settle",
             PlantedBug::MissingReservation => "missing-reservation",
             PlantedBug::IgnoreModelLimits => "ignore-model-limits",
+            PlantedBug::ConcurrencyPerEdge => "concurrency-per-edge",
         }
     }
 

@@ -61,6 +61,7 @@ use crate::time::Instant;
 pub mod key_format;
 pub mod keys;
 mod model_limits;
+pub mod slots;
 pub mod usage;
 
 pub use model_limits::{
@@ -128,6 +129,9 @@ pub enum Meter {
     JournalBytes,
     /// Background responses not yet ended (a gauge the store keeps).
     Background,
+    /// Requests in flight: slots of a concurrency limit the Edges hold in
+    /// the store ([`slots::SlotBook`]; its counter's window is 0).
+    Slots,
 }
 
 impl Meter {
@@ -139,6 +143,7 @@ impl Meter {
             Meter::Spend => "spend",
             Meter::JournalBytes => "journal bytes",
             Meter::Background => "background responses",
+            Meter::Slots => "requests in flight",
         }
     }
 }
@@ -176,7 +181,8 @@ pub struct Limits {
     pub requests_per_minute: Option<u64>,
     /// Input + output tokens per minute.
     pub tokens_per_minute: Option<u64>,
-    /// Requests in flight at once (on this Edge).
+    /// Requests in flight at once, across every Edge (R-TEN-1: slots
+    /// the Edges lease from the store, [`slots`]).
     pub concurrent_requests: Option<u64>,
     /// Spend per period.
     pub budget: Option<Budget>,
@@ -335,6 +341,18 @@ pub struct TenantsConfig {
     /// With the store unreachable, the share of each rate limit this Edge
     /// admits alone (e.g. 1/Edges).
     pub local_share: f64,
+    /// How long the concurrency slots an Edge holds stay its own without
+    /// being renewed (it renews every third of it): a dead Edge's slots
+    /// come back within this.
+    #[serde(default = "default_slot_lease_ms")]
+    pub slot_lease_ms: u64,
+}
+
+/// The default [`TenantsConfig::slot_lease_ms`].
+pub const DEFAULT_SLOT_LEASE_MS: u64 = 10_000;
+
+fn default_slot_lease_ms() -> u64 {
+    DEFAULT_SLOT_LEASE_MS
 }
 
 impl Default for TenantsConfig {
@@ -342,6 +360,7 @@ impl Default for TenantsConfig {
         TenantsConfig {
             chunk_fraction: 0.1,
             local_share: 0.5,
+            slot_lease_ms: DEFAULT_SLOT_LEASE_MS,
         }
     }
 }
@@ -558,6 +577,25 @@ struct Holding {
     last_used: Option<Instant>,
 }
 
+/// The slots of one subject's concurrency limit this Edge holds (R-TEN-1,
+/// [`slots`]); its requests in flight are [`Tenants`]' `in_flight`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct SlotHolding {
+    /// The limit (the tightest seen).
+    limit: u64,
+    /// What the store last said this Edge holds.
+    granted: u64,
+    /// An ask for this many is on its way.
+    asking: Option<u64>,
+    /// The store granted less than asked: no credit, and no ask for more,
+    /// until then.
+    full_until: Option<Instant>,
+    /// When to ask next (renew the lease, or retry a failed ask).
+    next_ask: Option<Instant>,
+    /// When a request last took or left a slot.
+    last_used: Option<Instant>,
+}
+
 /// One input of [`Tenants`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -569,6 +607,14 @@ pub enum TenantsInput {
         counter: CounterKey,
         /// Granted (0: exhausted), or the store failed.
         granted: Option<u64>,
+    },
+    /// The store's answer to a [`TenantsOutput::HoldSlots`]: what this
+    /// Edge holds now, or `None` when the store could not be reached.
+    SlotsHeld {
+        /// The gauge.
+        counter: CounterKey,
+        /// Held now, or the store failed.
+        held: Option<u64>,
     },
 }
 
@@ -587,7 +633,37 @@ pub enum TenantsOutput {
         /// Its limit.
         limit: u64,
     },
+    /// Set this Edge process's holding of `counter`'s slots to `want`
+    /// (whose limit is `limit`) in the shared store with
+    /// [`slots::SlotBook::hold`], its lease running `lease_ms` from the
+    /// store's now; answer with [`TenantsInput::SlotsHeld`].
+    HoldSlots {
+        /// The gauge (meter [`Meter::Slots`], window 0).
+        counter: CounterKey,
+        /// The holding asked for.
+        want: u64,
+        /// Its limit.
+        limit: u64,
+        /// The lease.
+        lease_ms: u64,
+    },
 }
+
+impl TenantsOutput {
+    /// The counter it concerns.
+    pub fn counter(&self) -> &CounterKey {
+        match self {
+            TenantsOutput::Claim { counter, .. } | TenantsOutput::HoldSlots { counter, .. } => {
+                counter
+            }
+        }
+    }
+}
+
+/// How long an Edge whose ask for more slots the store answered with less
+/// neither asks again nor admits on credit (unless a slot of its own is
+/// free): the `Retry-After` of such a refusal.
+pub const SLOTS_FULL_MS: u64 = 1_000;
 
 /// The `Retry-After` of a request refused while the claim that would let
 /// it fit is on its way.
@@ -632,6 +708,8 @@ pub struct Tenants {
     /// Rate counts while the store is unreachable, per counter.
     local: BTreeMap<CounterKey, u64>,
     in_flight: BTreeMap<Subject, u64>,
+    /// Slots of concurrency limits held in the store, per subject.
+    slots: BTreeMap<Subject, SlotHolding>,
     reservations: BTreeMap<u64, Reservation>,
     /// Subjects whose last claim failed, none having worked since: the
     /// store is taken as unreachable for them (kept per subject, so what
@@ -652,6 +730,7 @@ impl Tenants {
             holdings: BTreeMap::new(),
             local: BTreeMap::new(),
             in_flight: BTreeMap::new(),
+            slots: BTreeMap::new(),
             reservations: BTreeMap::new(),
             store_down: BTreeSet::new(),
             claim_waiters: BTreeMap::new(),
@@ -755,14 +834,21 @@ impl Tenants {
         let mut wants: Vec<(CounterKey, u64, u64, RefusalKind, Option<u64>)> = Vec::new();
         for (subject, limits) in &subjects {
             if let Some(max) = limits.concurrent_requests()
-                && self.in_flight.get(subject).copied().unwrap_or(0) >= max
+                && !self.slot_fits(now, subject, max)
             {
+                // Ask the store for the slot this request needs, so it
+                // fits when the store answers (R-TEN-1 across Edges).
+                let coming = self.ask_slots(now, subject, max, true);
                 return Err(Refusal {
                     kind: RefusalKind::RateLimited,
                     subject: subject.clone(),
                     meter: None,
-                    retry_after_ms: Some(1_000),
-                    claim_pending: false,
+                    retry_after_ms: Some(if coming {
+                        CLAIM_RETRY_MS
+                    } else {
+                        SLOTS_FULL_MS
+                    }),
+                    claim_pending: coming,
                 });
             }
             let counter = |meter, window_unix_ms| CounterKey {
@@ -839,9 +925,10 @@ impl Tenants {
         }
         let mut in_flight = Vec::new();
         for (subject, limits) in &subjects {
-            if limits.concurrent_requests().is_some() {
+            if let Some(max) = limits.concurrent_requests() {
                 *self.in_flight.entry(subject.clone()).or_default() += 1;
                 in_flight.push(subject.clone());
+                self.slot_used(now, subject, max);
             }
         }
         self.reservations.insert(
@@ -935,7 +1022,7 @@ impl Tenants {
     /// ([`Self::reserve_attempt`]: refused, the request ends with the
     /// refusal and calls no provider), and it is settled (or released)
     /// like any request, its usage charged to its key and principal.
-    pub fn admit_taken_over(&mut self, request: &AdmitRequest) {
+    pub fn admit_taken_over(&mut self, now: Instant, request: &AdmitRequest) {
         let subjects = [
             (Subject::Key(request.key.clone()), &request.key_limits),
             (
@@ -982,9 +1069,10 @@ impl Tenants {
                     len.map(|len| start + len),
                 ));
             }
-            if limits.concurrent_requests.is_some() {
+            if let Some(max) = limits.concurrent_requests {
                 *self.in_flight.entry(subject.clone()).or_default() += 1;
                 in_flight.push(subject.clone());
+                self.slot_used(now, subject, max);
             }
         }
         let usage = UsageKey {
@@ -1010,7 +1098,7 @@ impl Tenants {
         ) {
             // Tickets are unique per Edge process: never reached; a
             // reservation is never dropped without its counts given back.
-            self.end_in_flight(&old);
+            self.end_in_flight(now, &old);
         }
     }
 
@@ -1234,7 +1322,7 @@ impl Tenants {
     ) -> Option<(UsageKey, UsageTotals)> {
         let reservation = self.reservations.remove(&ticket)?;
         let spend = reservation.price.map_or(0, |p| used.cost(&p));
-        self.end_in_flight(&reservation);
+        self.end_in_flight(now, &reservation);
         // Every reservation is given back and what the request used is
         // charged once: each (subject, meter)'s use fills its reservations
         // in the order they were taken, the rest goes to the last (R-TEN-2).
@@ -1247,7 +1335,7 @@ impl Tenants {
                 Meter::Requests => *left.entry(group).or_default() += reserved,
                 Meter::Tokens => _ = left.insert(group, used.total()),
                 Meter::Spend => _ = left.insert(group, spend),
-                Meter::JournalBytes | Meter::Background => {}
+                Meter::JournalBytes | Meter::Background | Meter::Slots => {}
             }
         }
         let mut charges = Vec::with_capacity(reservation.held.len());
@@ -1294,7 +1382,7 @@ impl Tenants {
         self.settle(now, ticket, TokenUse::default())
     }
 
-    fn end_in_flight(&mut self, reservation: &Reservation) {
+    fn end_in_flight(&mut self, now: Instant, reservation: &Reservation) {
         for subject in &reservation.in_flight {
             if let Some(n) = self.in_flight.get_mut(subject) {
                 *n = n.saturating_sub(1);
@@ -1302,7 +1390,199 @@ impl Tenants {
                     self.in_flight.remove(subject);
                 }
             }
+            if let Some(slots) = self.slots.get_mut(subject) {
+                slots.last_used = Some(now);
+            }
+            self.adjust_slots(now, subject);
         }
+    }
+
+    /// This Edge's requests in flight of `subject`.
+    pub fn in_flight(&self, subject: &Subject) -> u64 {
+        self.in_flight.get(subject).copied().unwrap_or(0)
+    }
+
+    /// The slots of `subject`'s concurrency limit the store last said this
+    /// Edge holds.
+    pub fn slots_held(&self, subject: &Subject) -> u64 {
+        self.slots.get(subject).map_or(0, |s| s.granted)
+    }
+
+    /// The gauge of `subject`'s concurrency limit.
+    pub fn slot_counter(subject: &Subject) -> CounterKey {
+        CounterKey {
+            subject: subject.clone(),
+            meter: Meter::Slots,
+            window_unix_ms: 0,
+        }
+    }
+
+    /// Whether one more request of `subject` (concurrency limit `limit`)
+    /// fits now (R-TEN-1 across Edges): within the slots this Edge holds,
+    /// plus one chunk on credit unless the store just said the limit is
+    /// full; with the store down, within this Edge's local share.
+    fn slot_fits(&self, now: Instant, subject: &Subject, limit: u64) -> bool {
+        let n = self.in_flight(subject);
+        if n >= limit {
+            return false;
+        }
+        #[cfg(feature = "planted-bugs")]
+        if self.planted.has(PlantedBug::ConcurrencyPerEdge) {
+            return true;
+        }
+        if self.store_down.contains(subject) {
+            let share = ((limit as f64 * self.cfg.local_share) as u64).max(1);
+            return n < share;
+        }
+        let slots = self.slots.get(subject);
+        // While a smaller holding is asked for, only that is counted on.
+        let granted = slots.map_or(0, |s| s.granted.min(s.asking.unwrap_or(u64::MAX)));
+        let full = slots.and_then(|s| s.full_until).is_some_and(|t| now < t);
+        let credit = if full { 0 } else { self.chunk(limit) };
+        n < granted + credit
+    }
+
+    /// A request of `subject` took a slot: keep the holding a chunk ahead.
+    fn slot_used(&mut self, now: Instant, subject: &Subject, limit: u64) {
+        let slots = self.slots.entry(subject.clone()).or_default();
+        slots.limit = if slots.limit == 0 {
+            limit
+        } else {
+            slots.limit.min(limit)
+        };
+        slots.last_used = Some(now);
+        self.adjust_slots(now, subject);
+    }
+
+    /// Ask for the slots `subject` needs now (`more`: one beyond those in
+    /// flight, for a request that did not fit), unless an ask is on its
+    /// way (then: it is coming, `true`) or the store just said the limit
+    /// is full (`false`). With the store taken as down the ask still goes
+    /// out: it is how the Edge learns the store is back.
+    fn ask_slots(&mut self, now: Instant, subject: &Subject, limit: u64, more: bool) -> bool {
+        let n = self.in_flight(subject);
+        let chunk = self.chunk(limit);
+        let slots = self.slots.entry(subject.clone()).or_default();
+        slots.limit = if slots.limit == 0 {
+            limit
+        } else {
+            slots.limit.min(limit)
+        };
+        if slots.asking.is_some() {
+            return true;
+        }
+        if more && (n >= slots.limit || slots.full_until.is_some_and(|t| now < t)) {
+            return false;
+        }
+        let want = (n + chunk).max(n + u64::from(more)).min(slots.limit);
+        slots.asking = Some(want);
+        self.outputs.push_back(TenantsOutput::HoldSlots {
+            counter: Self::slot_counter(subject),
+            want,
+            limit: slots.limit,
+            lease_ms: self.cfg.slot_lease_ms,
+        });
+        true
+    }
+
+    /// Keep `subject`'s holding one chunk ahead of its requests in flight:
+    /// while some are in flight, ask for more when less than half a chunk
+    /// is spare (unless the store just said the limit is full); give back
+    /// what is beyond one chunk.
+    fn adjust_slots(&mut self, now: Instant, subject: &Subject) {
+        let n = self.in_flight(subject);
+        let Some(slots) = self.slots.get(subject) else {
+            return;
+        };
+        if slots.asking.is_some() || slots.limit == 0 {
+            return;
+        }
+        let chunk = self.chunk(slots.limit);
+        let target = (n + chunk).min(slots.limit);
+        let spare = slots.granted.saturating_sub(n);
+        let full = slots.full_until.is_some_and(|t| now < t);
+        if (n > 0 && slots.granted < target && spare * 2 < chunk && !full) || slots.granted > target
+        {
+            let limit = slots.limit;
+            if let Some(s) = self.slots.get_mut(subject) {
+                s.asking = Some(target);
+            }
+            self.outputs.push_back(TenantsOutput::HoldSlots {
+                counter: Self::slot_counter(subject),
+                want: target,
+                limit,
+                lease_ms: self.cfg.slot_lease_ms,
+            });
+        }
+    }
+
+    /// The store answered a [`TenantsOutput::HoldSlots`].
+    fn slots_answered(&mut self, now: Instant, subject: &Subject, held: Option<u64>) {
+        let renew = Duration::from_millis((self.cfg.slot_lease_ms / 3).max(1));
+        let Some(slots) = self.slots.get_mut(subject) else {
+            return;
+        };
+        let asked = slots.asking.take();
+        match held {
+            Some(held) => {
+                self.store_down.remove(subject);
+                if asked.is_some_and(|want| held < want) {
+                    slots.full_until =
+                        Some(now.saturating_add(Duration::from_millis(SLOTS_FULL_MS)));
+                }
+                slots.granted = held;
+                slots.next_ask = (held > 0).then(|| now.saturating_add(renew));
+            }
+            None => {
+                self.store_down.insert(subject.clone());
+                // The ask may have been written: a smaller holding asked
+                // for is all that is counted on.
+                if let Some(want) = asked {
+                    slots.granted = slots.granted.min(want);
+                }
+                // Asked again soon: the lease must not lapse while this
+                // Edge holds slots.
+                slots.next_ask =
+                    Some(now.saturating_add(Duration::from_millis(SLOTS_FULL_MS).min(renew)));
+            }
+        }
+        self.adjust_slots(now, subject);
+    }
+
+    /// Renew the leases due at `now`; an idle holding (nothing in flight
+    /// for a third of the lease) gives its slots back; a holding of
+    /// nothing is forgotten.
+    fn renew_slots(&mut self, now: Instant) {
+        let idle = Duration::from_millis((self.cfg.slot_lease_ms / 3).max(1));
+        let due: Vec<Subject> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.asking.is_none() && s.next_ask.is_some_and(|t| now >= t))
+            .map(|(subject, _)| subject.clone())
+            .collect();
+        for subject in due {
+            let n = self.in_flight(&subject);
+            let Some(slots) = self.slots.get_mut(&subject) else {
+                continue;
+            };
+            let idle = n == 0
+                && slots
+                    .last_used
+                    .is_none_or(|t| now >= t.saturating_add(idle));
+            let want = if idle { 0 } else { slots.granted.max(n) };
+            slots.asking = Some(want);
+            slots.next_ask = None;
+            self.outputs.push_back(TenantsOutput::HoldSlots {
+                counter: Self::slot_counter(&subject),
+                want,
+                limit: slots.limit,
+                lease_ms: self.cfg.slot_lease_ms,
+            });
+        }
+        let in_flight = &self.in_flight;
+        self.slots.retain(|subject, s| {
+            s.asking.is_some() || s.granted > 0 || in_flight.contains_key(subject)
+        });
     }
 
     /// What this Edge knows of `subject`'s `meter` (requests or tokens)
@@ -1342,7 +1622,7 @@ impl Tenants {
                 let limit = match meter {
                     Meter::Requests => limits.requests_per_minute(),
                     Meter::Tokens => limits.tokens_per_minute(),
-                    Meter::Spend | Meter::JournalBytes | Meter::Background => None,
+                    Meter::Spend | Meter::JournalBytes | Meter::Background | Meter::Slots => None,
                 };
                 self.rate_state(&subject, meter, limit, request.unix_ms)
             })
@@ -1368,7 +1648,7 @@ impl Tenants {
                 let limit = match meter {
                     Meter::Requests => limits.requests_per_minute(),
                     Meter::Tokens => limits.tokens_per_minute(),
-                    Meter::Spend | Meter::JournalBytes | Meter::Background => None,
+                    Meter::Spend | Meter::JournalBytes | Meter::Background | Meter::Slots => None,
                 };
                 let mut state = self.rate_state(&subject, meter, limit, request.unix_ms)?;
                 if subject == refusal.subject && refusal.meter == Some(meter) {
@@ -1425,6 +1705,9 @@ impl Tenants {
                     }
                 }
             }
+            TenantsInput::SlotsHeld { counter, held } => {
+                self.slots_answered(now, &counter.subject, held);
+            }
         }
     }
 
@@ -1433,19 +1716,29 @@ impl Tenants {
         self.outputs.pop_front()
     }
 
-    /// When windows this Edge no longer uses may be forgotten.
+    /// When windows this Edge no longer uses may be forgotten, or a
+    /// lease on slots is to be renewed.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.holdings
+        let forget = self
+            .holdings
             .values()
             .filter(|h| h.claiming.is_none())
             .filter_map(|h| h.last_used)
             .min()
-            .map(|at| at.saturating_add(FORGET_AFTER))
+            .map(|at| at.saturating_add(FORGET_AFTER));
+        let renew = self
+            .slots
+            .values()
+            .filter(|s| s.asking.is_none())
+            .filter_map(|s| s.next_ask)
+            .min();
+        crate::time::earliest(forget, renew)
     }
 
     /// Forget the windows unused for [`FORGET_AFTER`] (none with a
     /// reservation held, nor a budget in total).
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.renew_slots(now);
         let reserved: BTreeSet<&CounterKey> = self
             .reservations
             .values()

@@ -43,6 +43,10 @@ pub struct Tenancy {
     book: Mutex<UsageBook>,
     clock: Clock,
     tickets: AtomicU64,
+    /// This Edge process's id in the store's concurrency gauges (R-TEN-1):
+    /// a restarted Edge is a new holder, its old slots lapse with their
+    /// lease.
+    holder: String,
     default_max_output_tokens: u64,
     counters: TenancyCounters,
     /// Woken at every claim the store answered (or failed): admissions
@@ -216,6 +220,11 @@ impl Tenancy {
             book: Mutex::new(UsageBook::new()),
             clock,
             tickets: AtomicU64::new(1),
+            holder: format!(
+                "edge-{}-{}",
+                std::process::id(),
+                iop_transport::clock::unix_ms()
+            ),
             default_max_output_tokens,
             counters: TenancyCounters::default(),
             claims_answered: tokio::sync::Notify::new(),
@@ -340,7 +349,7 @@ impl Tenancy {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .machine_mut()
-            .admit_taken_over(&request);
+            .admit_taken_over(self.clock.now(), &request);
         TenantHold {
             tenancy: self.clone(),
             ticket,
@@ -407,17 +416,54 @@ impl Tenancy {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // No runtime (the process is ending): the claims fail, as a
             // store out of reach would.
-            for TenantsOutput::Claim { counter, .. } in claims {
-                self.claimed(counter, None);
+            for claim in claims {
+                self.answered(failed(claim));
             }
             return;
         };
-        for TenantsOutput::Claim {
-            counter,
-            amount,
-            limit,
-        } in claims
-        {
+        for claim in claims {
+            let (counter, amount, limit) = match claim {
+                TenantsOutput::Claim {
+                    counter,
+                    amount,
+                    limit,
+                } => (counter, amount, limit),
+                TenantsOutput::HoldSlots {
+                    counter,
+                    want,
+                    limit,
+                    lease_ms,
+                } => {
+                    let tenancy = self.clone();
+                    runtime.spawn(async move {
+                        let answer = tokio::time::timeout(
+                            CLAIM_TIMEOUT,
+                            tenancy.store.hold_slots(
+                                counter.clone(),
+                                tenancy.holder.clone(),
+                                want,
+                                limit,
+                                iop_transport::clock::unix_ms(),
+                                lease_ms,
+                            ),
+                        )
+                        .await;
+                        let held = match answer {
+                            Ok(Ok(held)) => Some(held),
+                            Ok(Err(e)) => {
+                                tracing::warn!(event = "edge_tenant_claim_failed", meter = counter.meter.as_str(), error = %e);
+                                None
+                            }
+                            Err(_) => {
+                                tracing::warn!(event = "edge_tenant_claim_failed", meter = counter.meter.as_str(), error = "timed out");
+                                None
+                            }
+                        };
+                        tenancy.answered(TenantsInput::SlotsHeld { counter, held });
+                    });
+                    continue;
+                }
+            };
             let tenancy = self.clone();
             runtime.spawn(async move {
                 let answer = tokio::time::timeout(
@@ -436,19 +482,39 @@ impl Tenancy {
                         None
                     }
                 };
-                tenancy.claimed(counter, granted);
+                tenancy.answered(TenantsInput::Claimed { counter, granted });
             });
         }
     }
 
-    fn claimed(self: &Arc<Self>, counter: iop_core::tenant::CounterKey, granted: Option<u64>) {
-        self.counters.claims.fetch_add(1, Ordering::Relaxed);
-        if granted.is_none() {
-            self.counters.claim_failures.fetch_add(1, Ordering::Relaxed);
-        }
+    /// Renew the leases on concurrency slots that are due and forget the
+    /// windows no longer used (the machine's timers; called every
+    /// `usage_flush_ms`).
+    pub fn tick(self: &Arc<Self>) {
         let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
         let now = self.clock.now();
-        machine.handle_input(now, TenantsInput::Claimed { counter, granted });
+        if machine.machine().poll_timeout().is_none_or(|t| t > now) {
+            return;
+        }
+        machine.handle_timeout(now);
+        let claims = machine.drain_all(now);
+        drop(machine);
+        self.send_claims(claims);
+    }
+
+    fn answered(self: &Arc<Self>, input: TenantsInput) {
+        let ok = match &input {
+            TenantsInput::Claimed { granted, .. } => granted.is_some(),
+            TenantsInput::SlotsHeld { held, .. } => held.is_some(),
+        };
+        self.counters.claims.fetch_add(1, Ordering::Relaxed);
+        if !ok {
+            self.counters.claim_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        let granted = ok.then_some(());
+        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.clock.now();
+        machine.handle_input(now, input);
         let down = machine.machine().store_down();
         let claims = machine.drain_all(now);
         drop(machine);
@@ -521,6 +587,7 @@ impl Tenancy {
             let mut last_sweep = tokio::time::Instant::now();
             loop {
                 tick.tick().await;
+                tenancy.tick();
                 tenancy.flush_usage().await;
                 if last_sweep.elapsed() >= Duration::from_secs(3_600) {
                     last_sweep = tokio::time::Instant::now();
@@ -578,6 +645,20 @@ impl Tenancy {
             "requests_in_flight": reservations,
             "today": { "day": today / 1_000, "principals": principals },
         })
+    }
+}
+
+/// The store's answer to `claim` when it could not be asked.
+fn failed(claim: TenantsOutput) -> TenantsInput {
+    match claim {
+        TenantsOutput::Claim { counter, .. } => TenantsInput::Claimed {
+            counter,
+            granted: None,
+        },
+        TenantsOutput::HoldSlots { counter, .. } => TenantsInput::SlotsHeld {
+            counter,
+            held: None,
+        },
     }
 }
 

@@ -42,6 +42,24 @@ impl TenantStore for SlowClaims {
     fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
         self.inner.claimed(counter)
     }
+    fn hold_slots(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        self.inner
+            .hold_slots(counter, holder, want, limit, now_unix_ms, lease_ms)
+    }
+    fn slots(
+        &self,
+        counter: CounterKey,
+    ) -> BoxFuture<'_, Result<iop_core::tenant::slots::SlotBook, TenantStoreError>> {
+        self.inner.slots(counter)
+    }
     fn add_usage(
         &self,
         rows: Vec<(UsageKey, UsageTotals)>,

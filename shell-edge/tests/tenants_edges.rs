@@ -11,6 +11,11 @@
 //!   Edges against a small budget: the spend recorded in the store stays
 //!   within the budget plus the bound, and the provider saw exactly the
 //!   admitted requests (R-TEN-2).
+//! * One key limited to 4 requests in flight, many clients holding slow
+//!   streams over both Edges: the provider never sees more than 4 + the
+//!   bound (Edges x chunk) at once, another key is served meanwhile, and
+//!   the slots of an Edge killed with SIGKILL come back within
+//!   `slot_lease_ms` (R-TEN-1 across Edges).
 //! * A key created through one Edge works on the other within
 //!   `key_sync_ms`, a key revoked on the other is refused on the first
 //!   within it, and an Edge killed with SIGKILL and restarted keeps the
@@ -36,6 +41,11 @@ const ADMIN: &str = "sk-tenants-edges-admin-0123456789";
 const LIMITED: &str = "sk-tenants-edges-limited-0123456789";
 const OTHER: &str = "sk-tenants-edges-other-0123456789";
 const BUDGETED: &str = "sk-tenants-edges-budget-0123456789";
+const CONCURRENT: &str = "sk-tenants-edges-concurrent-0123456789";
+/// The concurrent key's requests in flight.
+const CONCURRENT_LIMIT: u64 = 4;
+/// `[tenants] slot_lease_ms`: a dead Edge's slots come back within it.
+const SLOT_LEASE_MS: u64 = 2_000;
 /// The limited key's requests per minute.
 const RPM: u64 = 60;
 /// The budgeted principal's budget, micro-units (1 a token).
@@ -70,6 +80,7 @@ tenant_bucket_max_bytes = 8388608
 chunk_fraction = {CHUNK_FRACTION}
 key_sync_ms = {KEY_SYNC_MS}
 usage_flush_ms = 200
+slot_lease_ms = {SLOT_LEASE_MS}
 [[providers]]
 id = "p1"
 node = "node-1"
@@ -94,6 +105,11 @@ key_file = "other"
 [[api_keys]]
 principal = "team-c"
 key_file = "budgeted"
+[[api_keys]]
+principal = "team-d"
+id = "team-d-concurrent"
+key_file = "concurrent"
+limits = {{ concurrent_requests = {CONCURRENT_LIMIT} }}
 [[principals]]
 name = "team-c"
 limits = {{ budget_micros = {BUDGET}, budget_period = "total" }}
@@ -116,22 +132,30 @@ struct Deployment {
 
 impl Deployment {
     async fn start(server: &NatsServer) -> Deployment {
+        Self::start_with(
+            server,
+            MockScript {
+                tokens: 20,
+                tokens_per_second: 2_000.0,
+                ..MockScript::default()
+            },
+        )
+        .await
+    }
+
+    /// The deployment with the mock provider playing `script`.
+    async fn start_with(server: &NatsServer, script: MockScript) -> Deployment {
         let pki = Pki::new(&["node-1"]);
         for (file, key) in [
             ("admin", ADMIN),
             ("limited", LIMITED),
             ("other", OTHER),
             ("budgeted", BUDGETED),
+            ("concurrent", CONCURRENT),
         ] {
             write_secret(&pki.path().join(file), key);
         }
-        let mock = MockServer::start(MockScript {
-            tokens: 20,
-            tokens_per_second: 2_000.0,
-            ..MockScript::default()
-        })
-        .await
-        .unwrap();
+        let mock = MockServer::start(script).await.unwrap();
         let ports: Vec<(u16, u16)> = (0..EDGES)
             .map(|_| (free_udp_port(), free_tcp_port()))
             .collect();
@@ -550,6 +574,147 @@ async fn r_ten_4_a_key_made_on_one_edge_works_on_the_other_and_survives_a_restar
         d.wait_ready(&edge).await;
         assert_eq!(chat(&client, &d.http[0], &kept).await.status(), 200);
         assert_eq!(chat(&client, &d.http[0], &secret).await.status(), 401);
+        d.stop().await;
+    })
+    .await;
+}
+
+/// A streamed request of `key` at `edge`, held until its stream ends:
+/// whether it was admitted; while its stream runs, `active` counts it.
+async fn held_stream(
+    client: &reqwest::Client,
+    edge: &str,
+    key: &str,
+    active: &std::sync::atomic::AtomicU64,
+) -> Result<(), Option<String>> {
+    use std::sync::atomic::Ordering;
+    let mut r = client
+        .post(format!("{edge}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({
+            "model": "m",
+            "max_tokens": 20,
+            "stream": true,
+            "messages": [{"role": "user", "content": "hello"}],
+        }))
+        .send()
+        .await
+        .map_err(|_| None)?;
+    if r.status() != 200 {
+        assert_eq!(r.status(), 429, "{:?}", r.text().await);
+        return Err(header(&r, "retry-after"));
+    }
+    active.fetch_add(1, Ordering::SeqCst);
+    while let Ok(Some(_)) = r.chunk().await {}
+    active.fetch_sub(1, Ordering::SeqCst);
+    Ok(())
+}
+
+#[tokio::test]
+async fn r_ten_1_a_keys_requests_in_flight_are_held_across_edges_and_a_dead_edges_slots_come_back()
+{
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded_long(async {
+        // Each answer streams for about 2 s.
+        let mut d = Deployment::start_with(
+            &server,
+            MockScript {
+                tokens: 20,
+                tokens_per_second: 10.0,
+                ..MockScript::default()
+            },
+        )
+        .await;
+        let client = reqwest::Client::new();
+        // R-TEN-1 across Edges: limit + Edges x chunk (a chunk of 4 at
+        // 0.1 is one slot).
+        let bound = CONCURRENT_LIMIT + EDGES;
+        let stop = Arc::new(AtomicBool::new(false));
+        let active: Arc<Vec<AtomicU64>> = Arc::new((0..EDGES).map(|_| AtomicU64::new(0)).collect());
+        let admitted: Arc<Vec<AtomicU64>> =
+            Arc::new((0..EDGES).map(|_| AtomicU64::new(0)).collect());
+        let refused = Arc::new(AtomicU64::new(0));
+        let mut clients = Vec::new();
+        for c in 0..12usize {
+            let edge = c % EDGES as usize;
+            let (client, url) = (client.clone(), d.http[edge].clone());
+            let (stop, active, admitted, refused) = (
+                stop.clone(),
+                active.clone(),
+                admitted.clone(),
+                refused.clone(),
+            );
+            clients.push(tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    match held_stream(&client, &url, CONCURRENT, &active[edge]).await {
+                        Ok(()) => _ = admitted[edge].fetch_add(1, Ordering::SeqCst),
+                        Err(retry_after) => {
+                            if retry_after.is_some() {
+                                refused.fetch_add(1, Ordering::SeqCst);
+                            }
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+            }));
+        }
+        // At the provider (only this key's requests so far): never more
+        // than the limit + the bound at once.
+        let mut peak = 0;
+        let until = Instant::now() + Duration::from_secs(6);
+        while Instant::now() < until {
+            peak = peak.max(d.mock.stats().in_flight);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let provider_max = d.mock.stats().max_in_flight;
+        assert!(
+            provider_max <= bound,
+            "the provider saw {provider_max} of the key's requests at once (limit \
+             {CONCURRENT_LIMIT}, bound {bound})"
+        );
+        assert!(
+            peak >= CONCURRENT_LIMIT.min(3),
+            "the key's requests ran: {peak}"
+        );
+        assert!(
+            refused.load(Ordering::SeqCst) > 0,
+            "12 clients over 4 slots"
+        );
+        for (edge, n) in admitted.iter().enumerate() {
+            assert!(n.load(Ordering::SeqCst) > 0, "edge {edge} admitted none");
+        }
+        // Another key is served on both Edges meanwhile.
+        for edge in &d.http {
+            assert_eq!(chat(&client, edge, OTHER).await.status(), 200);
+        }
+        // The second Edge dies with its slots held: within the lease they
+        // come back, and the first Edge alone gets the whole limit.
+        d.edges[1].kill().await;
+        let killed = Instant::now();
+        let mut whole = None;
+        while killed.elapsed() < Duration::from_millis(SLOT_LEASE_MS) + Duration::from_secs(8) {
+            if active[0].load(Ordering::SeqCst) >= CONCURRENT_LIMIT {
+                whole = Some(killed.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        stop.store(true, Ordering::SeqCst);
+        for c in clients {
+            c.abort();
+        }
+        let whole = whole.expect("the dead Edge's slots never came back");
+        // The lease, a request of the first Edge's ending (about 2 s) and
+        // its renewal tick.
+        assert!(
+            whole <= Duration::from_millis(SLOT_LEASE_MS) + Duration::from_secs(4),
+            "the first Edge reached the limit {whole:?} after the kill"
+        );
+        println!("the first Edge had all {CONCURRENT_LIMIT} slots {whole:?} after the kill");
         d.stop().await;
     })
     .await;

@@ -305,6 +305,7 @@ impl TenantProfile {
             machine: TenantsConfig {
                 chunk_fraction: [0.02, 0.1, 0.25, 0.5][rng.index(4)],
                 local_share: [0.25, 0.5, 1.0][rng.index(3)],
+                slot_lease_ms: TenantsConfig::default().slot_lease_ms,
             },
             prompt_bytes_max,
             output_tokens_max,

@@ -17,6 +17,7 @@
 use std::collections::BTreeMap;
 
 use iop_core::Instant;
+use iop_core::tenant::slots::SlotBook;
 use iop_core::tenant::{CounterKey, check_claim};
 
 /// Reads and compare-and-sets one claim may take before it fails (the
@@ -38,6 +39,9 @@ struct Counter {
 #[derive(Debug, Default)]
 pub struct SimTenantStore {
     counters: BTreeMap<CounterKey, Counter>,
+    /// Concurrency gauges (R-TEN-1): who holds how many slots, and the
+    /// tightest limit an ask named.
+    slots: BTreeMap<CounterKey, (SlotBook, u64)>,
     /// The last revision given out (revisions only grow).
     revision: u64,
     /// Down (every operation fails) until then.
@@ -108,6 +112,46 @@ impl SimTenantStore {
             },
         );
         Some(granted)
+    }
+
+    /// Set `holder`'s holding of `counter`'s slots (limit `limit`) to
+    /// `want` at `now_unix_ms`, as core's [`SlotBook::hold`] decides (one
+    /// compare-and-set: the gauge's record is one key): what it holds now.
+    pub fn hold_slots(
+        &mut self,
+        counter: &CounterKey,
+        holder: &str,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
+    ) -> u64 {
+        let (book, tightest) = self.slots.entry(counter.clone()).or_default();
+        *tightest = if *tightest == 0 {
+            limit
+        } else {
+            (*tightest).min(limit)
+        };
+        self.writes += 1;
+        book.hold(holder, want, limit, now_unix_ms, lease_ms)
+    }
+
+    /// What `holder` holds of `counter`'s slots at `now_unix_ms` (0: none,
+    /// or its lease lapsed).
+    pub fn slots_of(&self, counter: &CounterKey, holder: &str, now_unix_ms: u64) -> u64 {
+        self.slots
+            .get(counter)
+            .and_then(|(book, _)| book.holders.get(holder))
+            .filter(|h| h.expires_unix_ms > now_unix_ms)
+            .map_or(0, |h| h.held)
+    }
+
+    /// R-TEN-3: no gauge's live slots exceed its limit at `now_unix_ms`.
+    pub fn slots_over_limit(&self, now_unix_ms: u64) -> Option<(&CounterKey, u64, u64)> {
+        self.slots
+            .iter()
+            .map(|(k, (book, limit))| (k, book.total(now_unix_ms), *limit))
+            .find(|(_, held, limit)| held > limit)
     }
 
     /// R-TEN-3: no counter is claimed past its limit. The first counter

@@ -1325,6 +1325,9 @@ impl World {
                 self.handle_event(event);
             }
         }
+        // The tenants' timers (leases on concurrency slots), as the
+        // shell's periodic tick runs them.
+        self.tenant_timers();
         self.step += 1;
         if self.now == before {
             self.steps_at_instant += 1;

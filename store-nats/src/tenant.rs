@@ -102,8 +102,9 @@ mod layout;
 
 use key_book::{KeyBook, KeyFollower};
 use layout::{
-    KEY_KEY_PREFIX, TenantNames, counter_key, decode_counter, decode_key, decode_usage,
-    encode_counter, encode_key, encode_usage, key_key, subject, usage_filter, usage_key,
+    KEY_KEY_PREFIX, TenantNames, counter_key, decode_counter, decode_key, decode_slots,
+    decode_usage, encode_counter, encode_key, encode_slots, encode_usage, key_key, subject,
+    usage_filter, usage_key,
 };
 
 /// How long a minute window's counter stays in the rates bucket after its
@@ -444,6 +445,10 @@ impl NatsTenantStore {
                 if is_marker(message.headers.as_ref()) || due.len() >= MAX_SWEEP_PURGES {
                     return;
                 }
+                // A concurrency gauge has no window to be over.
+                if message.subject.contains(".c.slots.") {
+                    return;
+                }
                 match decode_counter(&message.payload) {
                     Ok((counter, _)) if counter_expired(&counter, now_unix_ms) => {
                         due.push(message.subject.to_string());
@@ -500,6 +505,64 @@ impl TenantStore for NatsTenantStore {
                 Ok(Decision::Write(value, granted))
             })
             .await
+        })
+    }
+
+    fn hold_slots(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        Box::pin(async move {
+            self.reachable()?;
+            let (stream, bucket) = self.counter_stream(&counter);
+            let subject = subject(bucket, &counter_key(&counter));
+            self.update(stream, &subject, |stored| {
+                let mut book = match stored {
+                    Some(bytes) => {
+                        let (stored_counter, book) =
+                            decode_slots(bytes).map_err(|e| unavailable("reading a gauge", e))?;
+                        if stored_counter != counter {
+                            return Err(unavailable("reading a gauge", "another gauge's key"));
+                        }
+                        book
+                    }
+                    None => Default::default(),
+                };
+                // R-TEN-1, R-TEN-3: the rule decides, on the gauge as stored.
+                let before = book.clone();
+                let held = book.hold(&holder, want, limit, now_unix_ms, lease_ms);
+                if book == before {
+                    return Ok(Decision::Done(held));
+                }
+                let value = encode_slots(&counter, &book)
+                    .map_err(|e| unavailable("encoding a gauge", e))?;
+                Ok(Decision::Write(value, held))
+            })
+            .await
+        })
+    }
+
+    fn slots(
+        &self,
+        counter: CounterKey,
+    ) -> BoxFuture<'_, Result<iop_core::tenant::slots::SlotBook, TenantStoreError>> {
+        Box::pin(async move {
+            self.reachable()?;
+            let (stream, bucket) = self.counter_stream(&counter);
+            let slot = self
+                .read(stream, &subject(bucket, &counter_key(&counter)), false)
+                .await?;
+            match slot.value {
+                None => Ok(Default::default()),
+                Some(bytes) => decode_slots(&bytes)
+                    .map(|(_, book)| book)
+                    .map_err(|e| unavailable("reading a gauge", e)),
+            }
         })
     }
 

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use iop_core::tenant::keys::KeyRecord;
+use iop_core::tenant::slots::SlotBook;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
 use iop_core::tenant::{CounterKey, DAY_MS, MINUTE_MS, Meter, check_claim};
 
@@ -55,6 +56,8 @@ pub fn counter_expired(counter: &CounterKey, now_unix_ms: u64) -> bool {
         Meter::Requests | Meter::Tokens | Meter::JournalBytes | Meter::Background => {
             counter.window_unix_ms + 2 * MINUTE_MS <= now_unix_ms
         }
+        // A concurrency gauge has no window: its holders' leases lapse.
+        Meter::Slots => false,
         Meter::Spend => {
             counter.window_unix_ms != 0 && counter.window_unix_ms + 31 * DAY_MS <= now_unix_ms
         }
@@ -78,6 +81,22 @@ pub trait TenantStore: Send + Sync + 'static {
         amount: u64,
         limit: u64,
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
+    /// Set `holder`'s (an Edge process's) holding of the concurrency gauge
+    /// `counter` (limit `limit`) to `want`, as
+    /// [`SlotBook::hold`] decides on the gauge as stored at `now_unix_ms`
+    /// (compare-and-set; retried on a lost race), its lease running
+    /// `lease_ms`: what it holds now (R-TEN-1, R-TEN-3).
+    fn hold_slots(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
+    /// The gauge `counter` as stored (empty: nobody holds a slot).
+    fn slots(&self, counter: CounterKey) -> BoxFuture<'_, Result<SlotBook, TenantStoreError>>;
     /// What the Edges have claimed of `counter` so far (0: nothing).
     fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
     /// Add each row's totals to its stored row, each row all or nothing.
@@ -114,6 +133,7 @@ pub trait TenantStore: Send + Sync + 'static {
 #[derive(Default)]
 struct MemoryState {
     counters: BTreeMap<CounterKey, u64>,
+    slots: BTreeMap<CounterKey, SlotBook>,
     usage: BTreeMap<UsageKey, UsageTotals>,
     keys: HashMap<String, (KeyRecord, u64)>,
     revision: u64,
@@ -170,6 +190,26 @@ impl TenantStore for MemoryTenantStore {
 
     fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
         Box::pin(async move { Ok(self.up()?.counters.get(&counter).copied().unwrap_or(0)) })
+    }
+
+    fn hold_slots(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        Box::pin(async move {
+            let mut state = self.up()?;
+            let book = state.slots.entry(counter).or_default();
+            Ok(book.hold(&holder, want, limit, now_unix_ms, lease_ms))
+        })
+    }
+
+    fn slots(&self, counter: CounterKey) -> BoxFuture<'_, Result<SlotBook, TenantStoreError>> {
+        Box::pin(async move { Ok(self.up()?.slots.get(&counter).cloned().unwrap_or_default()) })
     }
 
     fn add_usage(

@@ -232,7 +232,7 @@ fn r_ten_2_a_taken_over_request_reserves_each_attempt_and_settles_on_its_key() {
     };
     // Not a new request: held at once, reserving nothing yet, and not
     // counted against the key's request rate (R-TAKE-1).
-    edge.machine.admit_taken_over(&r);
+    edge.machine.admit_taken_over(at(0), &r);
     assert_eq!(edge.machine.reservations_of(1), 1);
     assert!(edge.machine.held_by(1).is_empty());
     // Its continuation reserves its terms and the answer so far first.
@@ -264,7 +264,7 @@ fn r_ten_2_a_taken_over_request_reserves_each_attempt_and_settles_on_its_key() {
 fn r_ten_2_a_taken_over_request_whose_attempt_does_not_fit_is_refused() {
     let mut edge = Edge::new();
     // 30 of its terms and 5 of answer so far do not fit 20.
-    edge.machine.admit_taken_over(&request(1, 20, None));
+    edge.machine.admit_taken_over(at(0), &request(1, 20, None));
     let refused = edge
         .machine
         .reserve_attempt(at(1), 1, 5, T0 + 1)

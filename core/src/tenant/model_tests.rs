@@ -276,6 +276,7 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
     let cfg = TenantsConfig {
         chunk_fraction: 0.1,
         local_share: 0.5,
+        ..TenantsConfig::default()
     };
     let (key_limits, principal_limits) = limits();
     let mut machines: Vec<Tenants> = (0..edges).map(|_| Tenants::new(cfg)).collect();
@@ -309,7 +310,7 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
                 let e = edge % edges;
                 store.down = fail;
                 for out in std::mem::take(&mut pending[e]) {
-                    let input = store.answer(out);
+                    let input = store.answer_as(&format!("edge-{e}"), out);
                     machines[e].handle_input(at(ms), input);
                 }
                 pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
@@ -329,8 +330,9 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
             }
             Step::Tick { ms: d } => {
                 ms += d;
-                for m in &mut machines {
+                for (e, m) in machines.iter_mut().enumerate() {
                     m.handle_timeout(at(ms));
+                    pending[e].extend(std::iter::from_fn(|| m.poll_output()));
                 }
             }
         }

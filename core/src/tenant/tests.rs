@@ -21,15 +21,44 @@ pub(super) fn at(ms: u64) -> Instant {
 pub(super) struct Store {
     pub(super) claimed: BTreeMap<CounterKey, u64>,
     pub(super) down: bool,
+    /// Concurrency gauges, and the store's wall clock for their leases.
+    pub(super) slots: BTreeMap<CounterKey, slots::SlotBook>,
+    pub(super) unix_ms: u64,
 }
 
 impl Store {
     pub(super) fn answer(&mut self, out: TenantsOutput) -> TenantsInput {
-        let TenantsOutput::Claim {
-            counter,
-            amount,
-            limit,
-        } = out;
+        self.answer_as("edge", out)
+    }
+
+    /// Answer `out` of the Edge `holder` (its id in concurrency gauges).
+    pub(super) fn answer_as(&mut self, holder: &str, out: TenantsOutput) -> TenantsInput {
+        let (counter, amount, limit) = match out {
+            TenantsOutput::Claim {
+                counter,
+                amount,
+                limit,
+            } => (counter, amount, limit),
+            TenantsOutput::HoldSlots {
+                counter,
+                want,
+                limit,
+                lease_ms,
+            } => {
+                if self.down {
+                    return TenantsInput::SlotsHeld {
+                        counter,
+                        held: None,
+                    };
+                }
+                let book = self.slots.entry(counter.clone()).or_default();
+                let held = book.hold(holder, want, limit, self.unix_ms, lease_ms);
+                return TenantsInput::SlotsHeld {
+                    counter,
+                    held: Some(held),
+                };
+            }
+        };
         if self.down {
             return TenantsInput::Claimed {
                 counter,
@@ -47,8 +76,9 @@ impl Store {
 
     /// Answer every claim of `edge` at once.
     pub(super) fn serve(&mut self, edge: &mut Tenants, now: Instant) {
+        let holder = format!("edge-{:p}", edge as *const Tenants);
         while let Some(out) = edge.poll_output() {
-            let input = self.answer(out);
+            let input = self.answer_as(&holder, out);
             edge.handle_input(now, input);
         }
     }
@@ -141,6 +171,7 @@ fn r_ten_1_the_tighter_of_key_and_principal_wins_and_other_principals_are_untouc
 #[test]
 fn r_ten_1_requests_in_flight_are_limited_and_freed_when_settled() {
     let mut edge = Tenants::new(TenantsConfig::default());
+    let mut store = Store::default();
     let limits = Limits {
         concurrent_requests: Some(2),
         ..Limits::default()
@@ -148,12 +179,16 @@ fn r_ten_1_requests_in_flight_are_limited_and_freed_when_settled() {
     let mut r = request(1, "k1", "p1", T0);
     r.key_limits = limits.clone();
     assert!(edge.admit(at(0), &r).is_ok());
+    store.serve(&mut edge, at(0));
     r.ticket = 2;
     assert!(edge.admit(at(0), &r).is_ok());
+    store.serve(&mut edge, at(0));
     r.ticket = 3;
     let refusal = edge.admit(at(0), &r).unwrap_err();
     assert_eq!(refusal.meter, None);
+    assert!(!refusal.claim_pending, "the limit is reached");
     edge.settle(at(1), 1, TokenUse::default());
+    store.serve(&mut edge, at(1));
     assert!(edge.admit(at(1), &r).is_ok());
     assert_eq!(edge.reservations(), 2);
 }
@@ -233,6 +268,7 @@ fn r_ten_3_with_the_store_down_budgets_fail_closed_and_rates_take_a_local_share(
     let mut edge = Tenants::new(TenantsConfig {
         chunk_fraction: 0.1,
         local_share: 0.5,
+        ..TenantsConfig::default()
     });
     let mut store = Store {
         down: true,
@@ -328,6 +364,7 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
     let cfg = TenantsConfig {
         chunk_fraction: 0.1,
         local_share: 0.5,
+        ..TenantsConfig::default()
     };
     let mut machines: Vec<Tenants> = (0..edges).map(|_| Tenants::new(cfg)).collect();
     let mut pending: Vec<Vec<TenantsOutput>> = vec![Vec::new(); edges];
@@ -731,4 +768,139 @@ fn r_ten_1_waiting_for_a_claim_is_bounded_in_time_and_per_key() {
             .remaining,
         0
     );
+}
+
+fn concurrent(limit: u64) -> Limits {
+    Limits {
+        concurrent_requests: Some(limit),
+        ..Limits::default()
+    }
+}
+
+proptest! {
+    /// R-TEN-1 across Edges: whatever the order of admissions, settlements
+    /// and the store's answers over 1-4 Edges, a key's requests in flight
+    /// over every Edge stay within its limit + Edges x chunk, and the
+    /// store never leases more slots than the limit.
+    #[test]
+    fn r_ten_1_requests_in_flight_stay_within_the_limit_plus_edges_times_chunk(
+        edges in 1usize..=4,
+        limit in 1u64..12,
+        ops in proptest::collection::vec((0usize..4, 0u8..4), 1..300),
+    ) {
+        let mut machines: Vec<Tenants> =
+            (0..edges).map(|_| Tenants::new(TenantsConfig::default())).collect();
+        let mut store = Store { unix_ms: T0, ..Store::default() };
+        let mut open: Vec<Vec<u64>> = vec![Vec::new(); edges];
+        let key = Subject::Key("k1".into());
+        let mut ticket = 0;
+        let mut now = 0;
+        for (edge, op) in ops {
+            let edge = edge % edges;
+            now += 7;
+            store.unix_ms = T0 + now;
+            match op {
+                0 | 1 => {
+                    ticket += 1;
+                    let mut r = request(ticket, "k1", "p1", T0 + now);
+                    r.key_limits = concurrent(limit);
+                    if machines[edge].admit(at(now), &r).is_ok() {
+                        open[edge].push(ticket);
+                    }
+                }
+                2 => {
+                    if let Some(t) = open[edge].pop() {
+                        machines[edge].release(at(now), t);
+                    }
+                }
+                _ => {
+                    let holder = format!("edge-{edge}");
+                    while let Some(out) = machines[edge].poll_output() {
+                        let input = store.answer_as(&holder, out);
+                        machines[edge].handle_input(at(now), input);
+                    }
+                }
+            }
+            let in_flight: u64 = machines.iter().map(|m| m.in_flight(&key)).sum();
+            let chunk = machines[0].chunk(limit);
+            prop_assert!(
+                in_flight <= limit + edges as u64 * chunk,
+                "{in_flight} in flight, limit {limit}, {edges} Edges x {chunk}"
+            );
+            for book in store.slots.values() {
+                prop_assert!(book.total(store.unix_ms) <= limit);
+            }
+        }
+    }
+}
+
+/// R-TEN-1: an Edge that dies holding slots keeps them only until its
+/// lease lapses; another Edge then gets the whole limit. An Edge with
+/// nothing in flight gives its slots back at its next renewal.
+#[test]
+fn r_ten_1_a_dead_edges_slots_come_back_when_its_lease_lapses() {
+    let cfg = TenantsConfig::default();
+    let lease = cfg.slot_lease_ms;
+    let mut store = Store {
+        unix_ms: T0,
+        ..Store::default()
+    };
+    let ask = |ticket: u64, unix_ms: u64| {
+        let mut r = request(ticket, "k1", "p1", unix_ms);
+        r.key_limits = concurrent(4);
+        r
+    };
+    let serve = |store: &mut Store, m: &mut Tenants, holder: &str, now: u64| {
+        while let Some(out) = m.poll_output() {
+            let input = store.answer_as(holder, out);
+            m.handle_input(at(now), input);
+        }
+    };
+    let key = Subject::Key("k1".into());
+    let mut a = Tenants::new(cfg);
+    for t in 1..=4 {
+        assert_eq!(a.admit(at(0), &ask(t, T0)), Ok(()));
+        serve(&mut store, &mut a, "a", 0);
+    }
+    assert_eq!(a.slots_held(&key), 4);
+    assert!(
+        a.admit(at(0), &ask(5, T0)).is_err(),
+        "the limit, on one Edge"
+    );
+    drop(a); // the Edge dies with its four slots.
+    let mut b = Tenants::new(cfg);
+    // One on credit; the store has nothing to give.
+    assert_eq!(b.admit(at(10), &ask(1, T0 + 10)), Ok(()));
+    serve(&mut store, &mut b, "b", 10);
+    assert_eq!(b.slots_held(&key), 0);
+    let refusal = b.admit(at(20), &ask(2, T0 + 20)).unwrap_err();
+    assert!(
+        !refusal.claim_pending,
+        "the store said full: refused at once"
+    );
+    assert_eq!(refusal.retry_after_ms, Some(SLOTS_FULL_MS));
+    // The dead Edge's lease lapses: its slots are given out again.
+    let later = lease + 10;
+    store.unix_ms = T0 + later;
+    let refusal = b.admit(at(later), &ask(3, T0 + later)).unwrap_err();
+    assert!(refusal.claim_pending, "asked the store again");
+    serve(&mut store, &mut b, "b", later);
+    for t in 3..=5 {
+        assert_eq!(b.admit(at(later), &ask(t, T0 + later)), Ok(()), "{t}");
+        serve(&mut store, &mut b, "b", later);
+    }
+    assert_eq!(b.in_flight(&key), 4);
+    assert_eq!(b.slots_held(&key), 4);
+    // Everything ends; a renewal a third of a lease later gives all back.
+    for t in [1, 3, 4, 5] {
+        b.release(at(later), t);
+    }
+    serve(&mut store, &mut b, "b", later);
+    let renew = later + lease / 3 + 1;
+    store.unix_ms = T0 + renew;
+    assert!(b.poll_timeout().is_some_and(|t| t <= at(renew)));
+    b.handle_timeout(at(renew));
+    serve(&mut store, &mut b, "b", renew);
+    assert_eq!(b.slots_held(&key), 0);
+    assert!(store.slots.values().all(|book| book.is_empty(T0 + renew)));
 }

@@ -160,6 +160,15 @@ pub struct TenantsSection {
     /// The most runtime keys the admin API creates (revoked ones count).
     #[serde(default = "default_max_keys")]
     pub max_keys: usize,
+    /// How long the concurrency slots an Edge holds in the store stay its
+    /// own without being renewed (R-TEN-1; renewed every third of it): a
+    /// dead Edge's slots come back within it.
+    #[serde(default = "default_slot_lease_ms")]
+    pub slot_lease_ms: u64,
+}
+
+fn default_slot_lease_ms() -> u64 {
+    iop_core::tenant::DEFAULT_SLOT_LEASE_MS
 }
 
 fn default_key_sync_ms() -> u64 {
@@ -195,6 +204,7 @@ impl Default for TenantsSection {
             key_sync_ms: default_key_sync_ms(),
             usage_flush_ms: default_usage_flush_ms(),
             max_keys: default_max_keys(),
+            slot_lease_ms: default_slot_lease_ms(),
         }
     }
 }
@@ -210,6 +220,7 @@ impl TenantsSection {
         for (field, value, min, max) in [
             ("tenants.key_sync_ms", self.key_sync_ms, 50, 600_000),
             ("tenants.usage_flush_ms", self.usage_flush_ms, 50, 600_000),
+            ("tenants.slot_lease_ms", self.slot_lease_ms, 1_000, 600_000),
         ] {
             if !(min..=max).contains(&value) {
                 return Err(field_err(field, format!("must be in {min}..={max}")));
@@ -232,6 +243,7 @@ impl TenantsSection {
         TenantsConfig {
             chunk_fraction: self.chunk_fraction,
             local_share: self.local_share,
+            slot_lease_ms: self.slot_lease_ms,
         }
     }
 }

@@ -272,6 +272,30 @@ impl TenantStore for SlotTenants {
         })
     }
 
+    fn hold_slots(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        with_tenants(&self.0, |s| {
+            Box::pin(async move {
+                s.hold_slots(counter, holder, want, limit, now_unix_ms, lease_ms)
+                    .await
+            })
+        })
+    }
+
+    fn slots(
+        &self,
+        counter: CounterKey,
+    ) -> BoxFuture<'_, Result<iop_core::tenant::slots::SlotBook, TenantStoreError>> {
+        with_tenants(&self.0, |s| Box::pin(async move { s.slots(counter).await }))
+    }
+
     fn add_usage(
         &self,
         rows: Vec<(UsageKey, UsageTotals)>,

@@ -123,6 +123,20 @@ pub(super) enum TenantEvent {
         counter: CounterKey,
         granted: Option<u64>,
     },
+    /// An ask to hold slots of a concurrency gauge reaches the store.
+    Slots {
+        incarnation: u64,
+        counter: CounterKey,
+        want: u64,
+        limit: u64,
+        lease_ms: u64,
+    },
+    /// The store's answer to it reaches the Edge process that asked.
+    SlotsAnswer {
+        incarnation: u64,
+        counter: CounterKey,
+        held: Option<u64>,
+    },
 }
 
 impl TenantEvent {
@@ -130,7 +144,9 @@ impl TenantEvent {
     pub(super) fn incarnation(&self) -> u64 {
         match self {
             TenantEvent::Store(op) => op.incarnation,
-            TenantEvent::Answer { incarnation, .. } => *incarnation,
+            TenantEvent::Answer { incarnation, .. }
+            | TenantEvent::Slots { incarnation, .. }
+            | TenantEvent::SlotsAnswer { incarnation, .. } => *incarnation,
         }
     }
 }
@@ -159,6 +175,9 @@ struct Ticket {
     attempts: u32,
     /// Provider calls sent with its prompt.
     calls: u32,
+    /// The subjects with a concurrency limit it was admitted to on this
+    /// Edge's local share (the store taken as down for them).
+    local: Vec<Subject>,
 }
 
 impl SimTenancy {
@@ -174,6 +193,11 @@ impl SimTenancy {
     }
 }
 
+/// The holder id of an Edge process in the store's concurrency gauges.
+fn holder(incarnation: u64) -> String {
+    format!("edge-process-{incarnation}")
+}
+
 /// The principal a counter's subject belongs to (a limit per model's
 /// too: R-TEN-1's isolation covers them).
 fn principal_of<'a>(profile: &'a TenantProfile, subject: &'a Subject) -> &'a str {
@@ -185,6 +209,45 @@ fn principal_of<'a>(profile: &'a TenantProfile, subject: &'a Subject) -> &'a str
             .find(|(id, ..)| id == k)
             .map_or("", |(_, p, _)| profile.principals[*p].0.as_str()),
     }
+}
+
+/// The subjects whose concurrency limits apply to `request`, with the
+/// limit (R-TEN-1).
+fn concurrent_subjects(request: &AdmitRequest) -> Vec<(Subject, u64)> {
+    let model = request.model.clone();
+    [
+        (
+            Subject::Key(request.key.clone()),
+            request.key_limits.concurrent_requests,
+        ),
+        (
+            Subject::Principal(request.principal.clone()),
+            request.principal_limits.concurrent_requests,
+        ),
+        (
+            Subject::KeyModel {
+                key: request.key.clone(),
+                model: model.clone(),
+            },
+            request
+                .key_limits
+                .for_model(&model)
+                .and_then(|l| l.concurrent_requests),
+        ),
+        (
+            Subject::PrincipalModel {
+                principal: request.principal.clone(),
+                model: model.clone(),
+            },
+            request
+                .principal_limits
+                .for_model(&model)
+                .and_then(|l| l.concurrent_requests),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(s, limit)| Some((s, limit?)))
+    .collect()
 }
 
 /// The subjects whose requests per minute apply to `request`, with the
@@ -300,6 +363,11 @@ impl World {
         let principal = principal.clone();
         // Each limited subject's rate, over every Edge (R-TEN-1): whether
         // this machine takes the store as down for it, before the claims.
+        let local: Vec<Subject> = concurrent_subjects(&request)
+            .into_iter()
+            .map(|(s, _)| s)
+            .filter(|s| et.machine.machine().store_down_for(s))
+            .collect();
         let rated: Vec<(Subject, u64, bool)> = if admitted.is_ok() {
             rated_subjects(&request)
                 .into_iter()
@@ -330,6 +398,7 @@ impl World {
                     used: None,
                     attempts: 0,
                     calls: 0,
+                    local,
                 },
             );
             let incarnation = edge.incarnation;
@@ -621,7 +690,7 @@ impl World {
                 Meter::Requests => *reserved,
                 Meter::Tokens => i128::from(used.total()),
                 Meter::Spend => i128::from(spend),
-                Meter::JournalBytes | Meter::Background => continue,
+                Meter::JournalBytes | Meter::Background | Meter::Slots => continue,
             };
             let expect = charged - reserved;
             let got = moved.get(&(*subject, *meter)).copied().unwrap_or(0);
@@ -689,36 +758,113 @@ impl World {
             return;
         };
         let claims: Vec<TenantsOutput> = et.machine.drain_all(now);
-        let shadow: Vec<TenantsOutput> = et
-            .shadows
-            .get_mut(principal)
-            .map(|s| std::iter::from_fn(|| s.poll_output()).collect())
-            .unwrap_or_default();
-        let others = claims.iter().any(|TenantsOutput::Claim { counter, .. }| {
-            principal_of(&t.profile, &counter.subject) != principal
+        // Principal by principal, the machine asks exactly what the
+        // principal's shadow asks; only the operating principal's claims
+        // follow its operation (a settlement's timers may renew another
+        // principal's leases on slots, as its shadow does).
+        let mut fail = Vec::new();
+        for (p, shadow) in et.shadows.iter_mut() {
+            let theirs: Vec<TenantsOutput> = std::iter::from_fn(|| shadow.poll_output()).collect();
+            let ours: Vec<&TenantsOutput> = claims
+                .iter()
+                .filter(|out| principal_of(&t.profile, &out.counter().subject) == p)
+                .collect();
+            let stray = p != principal
+                && ours
+                    .iter()
+                    .any(|out| matches!(out, TenantsOutput::Claim { .. }));
+            if stray || ours.len() != theirs.len() || ours.iter().zip(&theirs).any(|(a, b)| *a != b)
+            {
+                fail.push(format!(
+                    "after principal {principal}'s operation the Edge's machine asks {ours:?} of \
+                     principal {p}'s counters, one that saw only {p}'s traffic {theirs:?}"
+                ));
+            }
+        }
+        let unknown = claims.iter().any(|out| {
+            !et.shadows
+                .contains_key(principal_of(&t.profile, &out.counter().subject))
         });
-        if others || claims != shadow {
-            let detail = format!(
-                "after principal {principal}'s operation the Edge's machine claims {claims:?}, \
-                 one that saw only this principal {shadow:?}"
-            );
+        if unknown {
+            fail.push(format!(
+                "the Edge's machine asks of no principal's counters: {claims:?}"
+            ));
+        }
+        for detail in fail {
             self.checkers[self.cur].fail("R-TEN-1", detail);
         }
-        for TenantsOutput::Claim {
-            counter,
-            amount,
-            limit,
-        } in claims
-        {
+        self.tenant_carry(incarnation, claims);
+    }
+
+    /// Carry an Edge process's outputs to the store.
+    fn tenant_carry(&mut self, incarnation: u64, outputs: Vec<TenantsOutput>) {
+        for out in outputs {
             self.stats.tenant_claims += 1;
-            self.tenant_hop(TenantEvent::Store(ClaimOp {
-                incarnation,
-                counter,
-                amount,
-                limit,
-                tries: 0,
-                read: None,
-            }));
+            let event = match out {
+                TenantsOutput::Claim {
+                    counter,
+                    amount,
+                    limit,
+                } => TenantEvent::Store(ClaimOp {
+                    incarnation,
+                    counter,
+                    amount,
+                    limit,
+                    tries: 0,
+                    read: None,
+                }),
+                TenantsOutput::HoldSlots {
+                    counter,
+                    want,
+                    limit,
+                    lease_ms,
+                } => TenantEvent::Slots {
+                    incarnation,
+                    counter,
+                    want,
+                    limit,
+                    lease_ms,
+                },
+            };
+            self.tenant_hop(event);
+        }
+    }
+
+    /// The tenants' timers of every live Edge process (leases on slots to
+    /// renew, windows to forget), as the shell's periodic tick does; each
+    /// machine's outputs and its shadows' must be the same, principal by
+    /// principal (R-TEN-1).
+    pub(super) fn tenant_timers(&mut self) {
+        let now = self.now;
+        for slot in 0..self.edges.len() {
+            let Some(edge) = self.edges[slot].as_mut() else {
+                continue;
+            };
+            let incarnation = edge.incarnation;
+            let Some(et) = edge.tenants.as_mut() else {
+                continue;
+            };
+            if et.machine.machine().poll_timeout().is_none_or(|t| t > now) {
+                continue;
+            }
+            et.machine.handle_timeout(now);
+            let mut outputs: Vec<TenantsOutput> = et.machine.drain_all(now);
+            let mut shadow: Vec<TenantsOutput> = Vec::new();
+            for s in et.shadows.values_mut() {
+                s.handle_timeout(now);
+                shadow.extend(std::iter::from_fn(|| s.poll_output()));
+            }
+            let key = |o: &TenantsOutput| format!("{o:?}");
+            outputs.sort_by_key(key);
+            shadow.sort_by_key(key);
+            if outputs != shadow {
+                let detail = format!(
+                    "at a timer the Edge's machine asks {outputs:?}, the machines that saw one \
+                     principal each {shadow:?}"
+                );
+                self.checkers[slot].fail("R-TEN-1", detail);
+            }
+            self.tenant_carry(incarnation, outputs);
         }
     }
 
@@ -744,7 +890,64 @@ impl World {
                 counter,
                 granted,
             } => self.tenant_answer(incarnation, counter, granted),
+            TenantEvent::Slots {
+                incarnation,
+                counter,
+                want,
+                limit,
+                lease_ms,
+            } => self.tenant_slots_step(incarnation, counter, want, limit, lease_ms),
+            TenantEvent::SlotsAnswer {
+                incarnation,
+                counter,
+                held,
+            } => self.tenant_answer_input(
+                incarnation,
+                counter.clone(),
+                TenantsInput::SlotsHeld { counter, held },
+            ),
         }
+    }
+
+    /// An ask for slots reaches the store: one compare-and-set on the
+    /// gauge's record (it may fail, or its answer be lost, as a claim's).
+    fn tenant_slots_step(
+        &mut self,
+        incarnation: u64,
+        counter: CounterKey,
+        want: u64,
+        limit: u64,
+        lease_ms: u64,
+    ) {
+        let faults = self.faults_on();
+        let now = self.now;
+        let unix_ms = self.unix_ms();
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        let held = if !t.store.is_up(now) || (faults && t.rng.chance(t.profile.store_fail_ppm)) {
+            self.stats.tenant_store_failures += 1;
+            None
+        } else {
+            let held = t.store.hold_slots(
+                &counter,
+                &holder(incarnation),
+                want,
+                limit,
+                unix_ms,
+                lease_ms,
+            );
+            let lost = faults && t.rng.chance(t.profile.store_answer_lost_ppm);
+            if lost {
+                self.stats.tenant_store_failures += 1;
+            }
+            (!lost).then_some(held)
+        };
+        self.tenant_hop(TenantEvent::SlotsAnswer {
+            incarnation,
+            counter,
+            held,
+        });
     }
 
     /// A claim's hop reaches the store: read, or compare-and-set.
@@ -800,6 +1003,17 @@ impl World {
     /// The store's answer reaches the Edge process that asked (if it
     /// lives): its machine and the claim's principal's shadow hear it.
     fn tenant_answer(&mut self, incarnation: u64, counter: CounterKey, granted: Option<u64>) {
+        let input = TenantsInput::Claimed {
+            counter: counter.clone(),
+            granted,
+        };
+        self.tenant_answer_input(incarnation, counter, input);
+    }
+
+    /// A store's answer about `counter` reaches the Edge process that
+    /// asked (if it lives): its machine and the counter's principal's
+    /// shadow hear it.
+    fn tenant_answer_input(&mut self, incarnation: u64, counter: CounterKey, input: TenantsInput) {
         let now = self.now;
         let Some(t) = self.tenancy.as_ref() else {
             return;
@@ -814,7 +1028,6 @@ impl World {
         let Some(et) = edge.tenants.as_mut() else {
             return;
         };
-        let input = TenantsInput::Claimed { counter, granted };
         et.machine.handle_input(now, input.clone());
         if let Some(s) = et.shadows.get_mut(&principal) {
             s.handle_input(now, input);
@@ -853,6 +1066,88 @@ impl World {
             let detail = format!("{counter:?} claimed {claimed} of a limit of {limit}");
             self.checkers[self.cur].fail("R-TEN-3", detail);
         }
+        let unix_ms = self.unix_ms();
+        if let Some((counter, held, limit)) = t.store.slots_over_limit(unix_ms) {
+            let detail =
+                format!("{counter:?}: its holders hold {held} slots of a limit of {limit}");
+            self.checkers[self.cur].fail("R-TEN-3", detail);
+        }
+        // R-TEN-1: requests in flight per subject with a concurrency limit,
+        // over every live Edge process, within the limit + one chunk per
+        // process (+ its local share where it admits on it).
+        let rule = Tenants::new(t.profile.machine);
+        let share = |limit: u64| ((limit as f64 * t.profile.machine.local_share) as u64).max(1);
+        let mut concurrent: Vec<(Subject, u64)> = Vec::new();
+        for (p, limits) in &t.profile.principals {
+            concurrent.extend(
+                limits
+                    .concurrent_requests
+                    .map(|l| (Subject::Principal(p.clone()), l)),
+            );
+            for (model, m) in &limits.per_model {
+                concurrent.extend(m.concurrent_requests.map(|l| {
+                    (
+                        Subject::PrincipalModel {
+                            principal: p.clone(),
+                            model: model.clone(),
+                        },
+                        l,
+                    )
+                }));
+            }
+        }
+        for (k, _, limits) in &t.profile.keys {
+            concurrent.extend(
+                limits
+                    .concurrent_requests
+                    .map(|l| (Subject::Key(k.clone()), l)),
+            );
+            for (model, m) in &limits.per_model {
+                concurrent.extend(m.concurrent_requests.map(|l| {
+                    (
+                        Subject::KeyModel {
+                            key: k.clone(),
+                            model: model.clone(),
+                        },
+                        l,
+                    )
+                }));
+            }
+        }
+        let mut over = Vec::new();
+        for (subject, limit) in concurrent {
+            let (mut in_flight, mut bound) = (0, limit);
+            for et in self
+                .edges
+                .iter()
+                .flatten()
+                .filter_map(|e| e.tenants.as_ref())
+            {
+                let n = et.machine.machine().in_flight(&subject);
+                if n == 0 {
+                    continue;
+                }
+                in_flight += n;
+                bound += rule.chunk(limit);
+                let local = et.machine.machine().store_down_for(&subject)
+                    || et.tickets.values().any(|tk| tk.local.contains(&subject));
+                if local {
+                    bound += share(limit);
+                }
+            }
+            if in_flight > bound {
+                over.push(format!(
+                    "{subject:?} has {in_flight} requests in flight over the Edges against a \
+                     limit of {limit} (bound {bound})"
+                ));
+            }
+        }
+        for detail in over {
+            self.checkers[self.cur].fail("R-TEN-1", detail);
+        }
+        let Some(t) = self.tenancy.as_ref() else {
+            return;
+        };
         let chunk = Tenants::new(t.profile.machine);
         let budgets = t
             .profile

@@ -62,7 +62,8 @@ impl TenantNames {
     /// The bucket holding `counter`.
     pub(crate) fn counter_bucket(&self, counter: &CounterKey) -> &str {
         match counter.meter {
-            Meter::Spend => &self.budgets,
+            // Concurrency gauges have no window: kept with the budgets.
+            Meter::Spend | Meter::Slots => &self.budgets,
             Meter::Requests | Meter::Tokens | Meter::JournalBytes | Meter::Background => {
                 &self.rates
             }
@@ -82,6 +83,7 @@ fn meter_token(meter: Meter) -> &'static str {
         Meter::Spend => "spend",
         Meter::JournalBytes => "journal_bytes",
         Meter::Background => "background",
+        Meter::Slots => "slots",
     }
 }
 
@@ -165,6 +167,20 @@ pub(crate) fn encode_counter(counter: &CounterKey, claimed: u64) -> Result<Bytes
 }
 
 pub(crate) fn decode_counter(bytes: &[u8]) -> Result<(CounterKey, u64), DecodeError> {
+    decode(bytes)
+}
+
+/// A concurrency gauge's value: itself and its holders (R-TEN-1).
+pub(crate) fn encode_slots(
+    counter: &CounterKey,
+    book: &iop_core::tenant::slots::SlotBook,
+) -> Result<Bytes, DecodeError> {
+    encode(&(counter, book))
+}
+
+pub(crate) fn decode_slots(
+    bytes: &[u8],
+) -> Result<(CounterKey, iop_core::tenant::slots::SlotBook), DecodeError> {
     decode(bytes)
 }
 

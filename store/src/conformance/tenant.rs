@@ -53,6 +53,7 @@ pub fn behaviours() -> Vec<Behaviour> {
         behaviour!(a_key_is_written_only_over_its_stored_revision),
         behaviour!(sweep_forgets_windows_that_are_over_and_keeps_a_total_budget),
         behaviour!(per_model_counters_are_apart_and_a_keys_limits_per_model_are_kept),
+        behaviour!(slot_holders_racing_never_hold_past_the_limit_and_a_lapsed_holders_come_back),
     ]
 }
 
@@ -258,6 +259,77 @@ pub async fn race_claims(
         assert_eq!(store.claimed(counter.clone()).await, Ok(limit));
         assert_eq!(store.claim(counter.clone(), 1, limit).await, Ok(0));
     }
+}
+
+/// R-TEN-1, R-TEN-3: holders (Edge processes) racing to hold slots of one
+/// concurrency gauge never hold more than its limit between them, a
+/// holding given back is free at once, an ask is idempotent, and a holder
+/// that stops renewing no longer counts once its lease lapsed.
+pub async fn slot_holders_racing_never_hold_past_the_limit_and_a_lapsed_holders_come_back(
+    store: Arc<dyn TenantStore>,
+) {
+    let gauge = counter(Subject::Key(key_id(9)), Meter::Slots, 0);
+    let lease = 10_000;
+    let tasks: Vec<_> = (0..CLAIMERS)
+        .map(|i| {
+            let (store, gauge) = (store.clone(), gauge.clone());
+            tokio::spawn(async move {
+                store
+                    .hold_slots(gauge, format!("edge-{i}"), 3, 8, NOW_UNIX_MS, lease)
+                    .await
+                    .expect("the store answers")
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.expect("a holder panicked");
+    }
+    assert_eq!(total, 8, "held between them");
+    let book = store.slots(gauge.clone()).await.expect("read");
+    assert_eq!(book.total(NOW_UNIX_MS), 8);
+    // Asked again: the same, nothing more.
+    let (holder, held) = book
+        .holders
+        .iter()
+        .map(|(h, s)| (h.clone(), s.held))
+        .next()
+        .expect("a holder");
+    let again = store
+        .hold_slots(gauge.clone(), holder.clone(), held, 8, NOW_UNIX_MS, lease)
+        .await;
+    assert_eq!(again, Ok(held));
+    // Given back: free for another at once.
+    assert_eq!(
+        store
+            .hold_slots(gauge.clone(), holder.clone(), 0, 8, NOW_UNIX_MS, lease)
+            .await,
+        Ok(0)
+    );
+    assert_eq!(
+        store
+            .hold_slots(gauge.clone(), "edge-new".into(), 8, 8, NOW_UNIX_MS, lease)
+            .await,
+        Ok(held)
+    );
+    // Every other holder stops renewing: after the lease, the new one
+    // renewed gets the whole limit.
+    let later = NOW_UNIX_MS + lease;
+    assert_eq!(
+        store
+            .hold_slots(gauge.clone(), "edge-new".into(), held, 8, later - 1, lease)
+            .await,
+        Ok(held)
+    );
+    assert_eq!(
+        store
+            .hold_slots(gauge.clone(), "edge-new".into(), 8, 8, later, lease)
+            .await,
+        Ok(8)
+    );
+    let book = store.slots(gauge).await.expect("read");
+    assert_eq!(book.total(later), 8);
+    assert_eq!(book.holders.len(), 1);
 }
 
 /// R-TEN-5: each added row sums into its stored row; a read returns the

@@ -47,6 +47,11 @@ type UsageRowKey = (u64, &'static str, &'static str, &'static str);
 /// spend.
 type UsageRowValue = (u64, u64, u64, u64, u64);
 /// Usage rows, ordered as [`UsageKey`] orders them.
+/// Concurrency gauges (R-TEN-1): the encoded counter, its
+/// [`SlotBook`](iop_core::tenant::slots::SlotBook).
+pub(super) const SLOTS: TableDefinition<'static, &[u8], &[u8]> =
+    TableDefinition::new("tenant_slots");
+
 pub(super) const USAGE: TableDefinition<'static, UsageRowKey, UsageRowValue> =
     TableDefinition::new("tenant_usage");
 /// Runtime keys: id -> (revision, the record: [`encode_key`]).
@@ -67,6 +72,14 @@ pub(super) enum TenantOp {
         counter: CounterKey,
         amount: u64,
         limit: u64,
+    },
+    HoldSlots {
+        counter: CounterKey,
+        holder: String,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
     },
     AddUsage(Vec<(UsageKey, UsageTotals)>),
     PutKey {
@@ -97,6 +110,7 @@ impl TenantOp {
                         .map(|m| 32 + m.len())
                         .sum::<usize>()
             }
+            TenantOp::HoldSlots { holder, .. } => 64 + holder.len(),
             TenantOp::Claim { .. } | TenantOp::Sweep { .. } => 0,
         }
     }
@@ -106,6 +120,7 @@ impl TenantOp {
 #[derive(Debug)]
 pub(super) enum TenantReply {
     Claimed(u64),
+    SlotsHeld(u64),
     UsageAdded,
     KeyPut(Result<u64, TenantStoreError>),
     Swept { removed: usize, more: bool },
@@ -116,6 +131,7 @@ impl TenantReply {
     pub(super) fn accepted(&self) -> bool {
         match self {
             TenantReply::Claimed(granted) => *granted > 0,
+            TenantReply::SlotsHeld(_) => true,
             TenantReply::UsageAdded => true,
             TenantReply::KeyPut(r) => r.is_ok(),
             TenantReply::Swept { removed, .. } => *removed > 0,
@@ -126,6 +142,7 @@ impl TenantReply {
 /// Create the tables (in the opening transaction).
 pub(super) fn init(txn: &WriteTransaction) -> Result<(), Fault> {
     txn.open_table(COUNTERS)?;
+    txn.open_table(SLOTS)?;
     txn.open_table(USAGE)?;
     txn.open_table(KEYS)?;
     txn.open_table(META)?;
@@ -205,6 +222,29 @@ pub(super) fn apply(txn: &WriteTransaction, op: TenantOp) -> Result<TenantReply,
                 table.insert(key.as_slice(), total)?;
             }
             Ok(TenantReply::Claimed(granted))
+        }
+        TenantOp::HoldSlots {
+            counter,
+            holder,
+            want,
+            limit,
+            now_unix_ms,
+            lease_ms,
+        } => {
+            let key = encode("a gauge", &counter)?;
+            let mut table = txn.open_table(SLOTS)?;
+            let mut book: iop_core::tenant::slots::SlotBook = match table.get(key.as_slice())? {
+                Some(v) => decode("a gauge", v.value())?,
+                None => Default::default(),
+            };
+            let held = book.hold(&holder, want, limit, now_unix_ms, lease_ms);
+            if book.holders.is_empty() {
+                table.remove(key.as_slice())?;
+            } else {
+                let value = encode("a gauge", &book)?;
+                table.insert(key.as_slice(), value.as_slice())?;
+            }
+            Ok(TenantReply::SlotsHeld(held))
         }
         TenantOp::AddUsage(rows) => {
             let mut table = txn.open_table(USAGE)?;
@@ -297,6 +337,17 @@ mod read {
             .open_table(COUNTERS)?
             .get(key.as_slice())?
             .map_or(0, |v| v.value()))
+    }
+
+    pub(super) fn slots(
+        txn: &ReadTransaction,
+        counter: &CounterKey,
+    ) -> Result<iop_core::tenant::slots::SlotBook, Fault> {
+        let key = encode("a gauge", counter)?;
+        match txn.open_table(SLOTS)?.get(key.as_slice())? {
+            Some(v) => decode("a gauge", v.value()),
+            None => Ok(Default::default()),
+        }
     }
 
     pub(super) fn usage(
@@ -433,6 +484,38 @@ impl TenantStore for EmbeddedTenantStore {
 
     fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
         Box::pin(self.read(move |txn| read::claimed(txn, &counter)))
+    }
+
+    fn hold_slots(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        want: u64,
+        limit: u64,
+        now_unix_ms: u64,
+        lease_ms: u64,
+    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+        let answer = self.write(TenantOp::HoldSlots {
+            counter,
+            holder,
+            want,
+            limit,
+            now_unix_ms,
+            lease_ms,
+        });
+        Box::pin(async move {
+            match answer.await? {
+                TenantReply::SlotsHeld(held) => Ok(held),
+                other => Err(out_of_kind(other)),
+            }
+        })
+    }
+
+    fn slots(
+        &self,
+        counter: CounterKey,
+    ) -> BoxFuture<'_, Result<iop_core::tenant::slots::SlotBook, TenantStoreError>> {
+        Box::pin(self.read(move |txn| read::slots(txn, &counter)))
     }
 
     fn add_usage(
