@@ -42,7 +42,7 @@ fn every_planted_bug_has_a_search() {
 
 /// Each planted bug, the rules that may report it, the seeds (from 0)
 /// within which the swarm must catch it, and the Edges of its worlds.
-const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 22] = [
+const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 23] = [
     (PlantedBug::DoubleRelease, &["R-LEASE-2"], 10, 1),
     // A late message of a fenced generation (about 1.5 % of seeds at 2,000
     // steps; first at seed 21 since tenants, SPEC §9).
@@ -109,8 +109,12 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 22] = [
     // Admission that never consults the limits per model: caught when a
     // model's requests in one minute pass its limit + Edge processes x
     // chunk (about 3 % of seeds at 2,000 steps: a world with tenants, a
-    // limit per model that binds; first at seed 5).
+    // limit per model that binds; first at seed 20).
     (PlantedBug::IgnoreModelLimits, &["R-TEN-1"], 100, 1),
+    // Requests in flight counted per Edge (as before slots leased from
+    // the store): over 3 Edges a key's or principal's requests in flight
+    // pass its limit + Edges x chunk (first at seed 5).
+    (PlantedBug::ConcurrencyPerEdge, &["R-TEN-1"], 50, 3),
 ];
 
 fn planted(bug: PlantedBug) -> CoreBugs {
