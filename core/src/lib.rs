@@ -93,5 +93,5 @@ pub mod rng;
 pub mod tenant;
 pub mod time;
 
-pub use machine::Machine;
+pub use machine::{Answers, Machine};
 pub use time::Instant;

@@ -9,8 +9,14 @@
 //! and a timer is a [`Machine`], with one input and one output enum:
 //! `Dispatcher`, `Request`, `EdgeLink`, `NodeLink`, `NodeRun`, `Custody`,
 //! `Tenants`, the store's `Availability`, and `Heartbeat` (driven inside
-//! both links). A machine may answer a synchronous question directly
-//! (`Tenants::admit`, `NodeLink::open_lease`), as quinn-proto and str0m do.
+//! both links). A machine may answer a synchronous question directly, by
+//! the call's return value, as quinn-proto and str0m do: a driver never
+//! hunts for an answer among the outputs. Where a trace must replay the
+//! question, the machine names its questions and answers as [`Answers`]
+//! (`NodeLink`: a run's start, its provider outputs' offer, an
+//! observation number); questions that are not replayed are plain methods
+//! (`Tenants::admit`, asked under the Edge's lock; `NodeLink::open_lease`,
+//! whose answer is a secret and never recorded).
 //!
 //! The rest of the crate's stateful types are not driven on their own,
 //! each for a reason its module gives:
@@ -53,6 +59,20 @@ pub trait Machine {
 
     /// Fire what is due at `now` (calling it early is harmless).
     fn handle_timeout(&mut self, now: Instant);
+}
+
+/// A [`Machine`] that answers some questions directly: the return value of
+/// [`Answers::answer`] is the answer (never an output); anything else the
+/// question causes is drained with [`Machine::poll_output`] after, like an
+/// input's outputs.
+pub trait Answers: Machine {
+    /// Every question the machine answers directly.
+    type Query;
+    /// Its answers (one kind per kind of question).
+    type Answer;
+
+    /// Answer `query` at `now`.
+    fn answer(&mut self, now: Instant, query: Self::Query) -> Self::Answer;
 }
 
 /// Implement [`Machine`] by the inherent methods of the same names.
@@ -102,6 +122,13 @@ machine_by_inherent_methods!(
     crate::node::link::NodeLinkInput,
     crate::node::link::NodeLinkOutput
 );
+impl Answers for crate::node::link::NodeLink {
+    type Query = crate::node::link::NodeLinkQuery;
+    type Answer = crate::node::link::NodeLinkAnswer;
+    fn answer(&mut self, now: Instant, query: Self::Query) -> Self::Answer {
+        crate::node::link::NodeLink::answer(self, now, query)
+    }
+}
 machine_by_inherent_methods!(
     crate::edge::custody::Custody,
     crate::edge::custody::CustodyInput,

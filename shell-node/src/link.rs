@@ -8,7 +8,7 @@
 //! When the connection ends, every run and tunnel handler bound to it is
 //! canceled (R-DISC-1): they live in this task's `JoinSet`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -102,7 +102,6 @@ pub async fn run(
         edge,
         was_ready: false,
         runs: HashMap::new(),
-        held: VecDeque::new(),
         close_code: None,
         max_runs: config.node.max_concurrent_runs as usize,
         shared: shared.clone(),
@@ -263,9 +262,6 @@ struct Link {
     was_ready: bool,
     /// Runs attached to this connection.
     runs: HashMap<RunId, RunSlot>,
-    /// Outputs taken from the machine ahead of an input's answer, carried
-    /// out first by the next drain.
-    held: VecDeque<NodeLinkOutput>,
     /// The close code of the machine's end (`LinkEnd::close_code`).
     close_code: Option<CloseCode>,
     max_runs: usize,
@@ -288,33 +284,11 @@ impl Link {
         self.machine.handle_input(self.clock.now(), input);
     }
 
-    /// Feed an input that the machine answers (`RunAdmitted`/`RunRefused`,
-    /// `Emissions`, `ObservationSeq`) and take its answer at once, so the
-    /// handler waiting for it is told without a lookup; anything queued
-    /// ahead of it is held for the next drain, in order.
-    fn answer(&mut self, input: NodeLinkInput) -> Option<NodeLinkOutput> {
-        let now = self.clock.now();
-        self.machine.handle_input(now, input);
-        while let Some(out) = self.machine.poll_output(now) {
-            match out {
-                NodeLinkOutput::RunAdmitted { .. }
-                | NodeLinkOutput::RunRefused { .. }
-                | NodeLinkOutput::Emissions { .. }
-                | NodeLinkOutput::ObservationSeq(_) => return Some(out),
-                other => self.held.push_back(other),
-            }
-        }
-        None
-    }
-
-    /// The machine's verdicts on one batch of a run's outputs (R-WD-6):
-    /// fenced ones are counted.
+    /// The machine's verdicts on one batch of a run's outputs (R-WD-6),
+    /// answered directly: fenced ones are counted. What else the offer
+    /// caused (the run's end) is carried out by the next drain.
     fn emissions(&mut self, run_id: RunId, events: Vec<ProviderEvent>) -> Vec<Emission> {
-        let Some(NodeLinkOutput::Emissions { emissions, .. }) =
-            self.answer(NodeLinkInput::ProviderEvents { run_id, events })
-        else {
-            return Vec::new();
-        };
+        let emissions = self.machine.offer(self.clock.now(), run_id, events);
         let fenced = emissions.iter().filter(|e| **e == Emission::Fenced).count();
         if fenced > 0 {
             self.shared
@@ -386,17 +360,20 @@ impl Link {
                         return;
                     }
                 }
-                let answer = self.answer(NodeLinkInput::StartRun(RunStart {
-                    run_id,
-                    kind,
-                    stall_timeout,
-                    deadline: deadline.map(|d| now + d),
-                    adapter,
-                    target: target.clone(),
-                    carries_lease,
-                }));
-                match answer {
-                    Some(NodeLinkOutput::RunAdmitted { .. }) => {
+                let started = self.machine.start_run(
+                    now,
+                    RunStart {
+                        run_id,
+                        kind,
+                        stall_timeout,
+                        deadline: deadline.map(|d| now + d),
+                        adapter,
+                        target: target.clone(),
+                        carries_lease,
+                    },
+                );
+                match started {
+                    Ok(()) => {
                         self.runs.insert(
                             run_id,
                             RunSlot {
@@ -407,14 +384,11 @@ impl Link {
                         );
                         let _ = reply.send(Ok(()));
                     }
-                    Some(NodeLinkOutput::RunRefused { code, .. }) => {
+                    Err(code) => {
                         self.shared.capacity().finish(adapter, &target);
                         tracing::warn!(event = "node_run_refused", code = code.as_str());
                         let _ = reply.send(Err(code));
                     }
-                    // Every start is answered; a reply dropped tells the
-                    // handler the link is gone.
-                    _ => self.shared.capacity().finish(adapter, &target),
                 }
             }
             LinkMsg::Event {
@@ -478,11 +452,7 @@ impl Link {
                 let _ = reply.send(opened);
             }
             LinkMsg::TakeObservationSeq { reply } => {
-                if let Some(NodeLinkOutput::ObservationSeq(seq)) =
-                    self.answer(NodeLinkInput::TakeObservationSeq)
-                {
-                    let _ = reply.send(seq);
-                }
+                let _ = reply.send(self.machine.take_observation_seq(now));
             }
         }
     }
@@ -491,12 +461,8 @@ impl Link {
     async fn drain(&mut self, send: &mut FramedSend) -> Option<LinkEnd> {
         let mut end = None;
         loop {
-            let out = match self.held.pop_front() {
-                Some(out) => out,
-                None => match self.machine.poll_output(self.clock.now()) {
-                    Some(out) => out,
-                    None => break,
-                },
+            let Some(out) = self.machine.poll_output(self.clock.now()) else {
+                break;
             };
             match out {
                 NodeLinkOutput::CancelParked(c) => {
@@ -540,11 +506,6 @@ impl Link {
                         Core::HandshakeTimedOut => LinkEnd::HandshakeTimeout,
                     });
                 }
-                // Answers are taken with their input (`Link::answer`).
-                NodeLinkOutput::RunAdmitted { .. }
-                | NodeLinkOutput::RunRefused { .. }
-                | NodeLinkOutput::Emissions { .. }
-                | NodeLinkOutput::ObservationSeq(_) => {}
                 NodeLinkOutput::CancelProvider { run_id } => {
                     if let Some(slot) = self.runs.get(&run_id) {
                         let _ = slot.control.send(RunControl::CancelProvider);

@@ -3438,21 +3438,6 @@ impl World {
             .poll_output(now)
     }
 
-    /// The answer to the input just fed (`RunAdmitted`, `RunRefused`,
-    /// `Emissions`, `ObservationSeq`), carrying out what came before it.
-    fn node_link_answer(&mut self, node: usize) -> Option<NodeLinkOutput> {
-        while let Some(out) = self.poll_node_link(node) {
-            match out {
-                NodeLinkOutput::RunAdmitted { .. }
-                | NodeLinkOutput::RunRefused { .. }
-                | NodeLinkOutput::Emissions { .. }
-                | NodeLinkOutput::ObservationSeq(_) => return Some(out),
-                other => self.node_link_output(node, other),
-            }
-        }
-        None
-    }
-
     fn node_link_output(&mut self, node: usize, out: NodeLinkOutput) {
         let now = self.now;
         let faults = self.faults_on();
@@ -3519,11 +3504,7 @@ impl World {
             NodeLinkOutput::Managed(_)
             | NodeLinkOutput::SigningKeyRefused
             | NodeLinkOutput::StallObserved { .. }
-            | NodeLinkOutput::RunDetached { .. }
-            | NodeLinkOutput::RunAdmitted { .. }
-            | NodeLinkOutput::RunRefused { .. }
-            | NodeLinkOutput::Emissions { .. }
-            | NodeLinkOutput::ObservationSeq(_) => {}
+            | NodeLinkOutput::RunDetached { .. } => {}
         }
     }
 
@@ -3551,12 +3532,9 @@ impl World {
             return;
         }
         // Taken when the answer is finalized (R-SEQ-1).
-        nc.link.handle_input(now, NodeLinkInput::TakeObservationSeq);
-        let seq = match self.node_link_answer(node) {
-            Some(NodeLinkOutput::ObservationSeq(seq)) => Some(seq),
-            _ => None,
-        };
-        self.checkers[self.cur].observation_seq(conn, seq);
+        let seq = nc.link.take_observation_seq(now);
+        self.drain_node_link(node);
+        self.checkers[self.cur].observation_seq(conn, Some(seq));
         self.transmit(
             conn,
             Dir::NodeToEdge,
@@ -3566,7 +3544,7 @@ impl World {
                 session_id: "caps".into(),
                 body: CommandResultBody::Capabilities(CapabilitiesReport {
                     targets,
-                    health_observation_seq: seq.unwrap_or(0),
+                    health_observation_seq: seq,
                 }),
             }),
         );

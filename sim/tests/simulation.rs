@@ -391,7 +391,7 @@ fn malformed_traces_are_refused_with_a_reason() {
         garbage,
         Err(TraceError::Malformed { line_no: 1, .. })
     ));
-    let header = r#"{"format":"iop-trace","version":2,"machine":"edge-link","config":{"config":{"heartbeat":{"interval":{"secs":1,"nanos":0},"wait":{"secs":2,"nanos":0}},"handshake_timeout":null},"created_us":0}}"#;
+    let header = r#"{"format":"iop-trace","version":3,"machine":"edge-link","config":{"config":{"heartbeat":{"interval":{"secs":1,"nanos":0},"wait":{"secs":2,"nanos":0}},"handshake_timeout":null},"created_us":0}}"#;
     let bad_line = format!("{header}\n{{\"t\":5}}\n");
     let reader = TraceReader::new(BufReader::new(bad_line.as_bytes())).expect("header");
     match replay(reader) {

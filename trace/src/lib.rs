@@ -1,12 +1,12 @@
 //! The trace format: a versioned JSON-lines record of one core state
 //! machine's inputs and outputs, and its replay.
 //!
-//! ## Format (version 2)
+//! ## Format (version 3)
 //!
 //! A trace is UTF-8 text, one JSON object per line.
 //!
 //! * Line 1, the header:
-//!   `{"format":"iop-trace","version":2,"machine":"edge-dispatch","config":{...}}`.
+//!   `{"format":"iop-trace","version":3,"machine":"edge-dispatch","config":{...}}`.
 //!   `machine` is one of [`MachineKind`]'s names (`edge-dispatch`,
 //!   `edge-link`, `node-link`, `edge-request`, `node-run`, `edge-custody`,
 //!   `edge-tenants`, `heartbeat`, `store-availability`); `config` is
@@ -19,14 +19,19 @@
 //!   * `{"in":INPUT,"t":T}`: the driver fed `INPUT` at `T` microseconds
 //!     ([`iop_core::Instant::as_micros`]);
 //!   * `{"out":OUTPUT,"t":T}`: the driver drained `OUTPUT` with
-//!     `poll_output()` at `T`.
+//!     `poll_output()` at `T`;
+//!   * `{"ask":QUERY,"t":T}` then `{"answer":ANSWER,"t":T}`: the driver
+//!     asked a question the machine answers directly
+//!     ([`iop_core::Answers`]: the node connection's run start, offer and
+//!     observation number), and the call returned `ANSWER`.
 //!
 //!   Key order is not significant (the writer sorts keys); blank lines are
 //!   ignored; a line may be at most [`MAX_TRACE_LINE_BYTES`] long.
 //!
 //! Outputs are recorded *when the driver drains them*, not when the machine
 //! queues them, so a replay drains at exactly the same points and the two
-//! sequences compare line by line. `poll_timeout()` is not recorded: a timer
+//! sequences compare line by line; a replay asks every recorded question
+//! again and compares its answer the same way. `poll_timeout()` is not recorded: a timer
 //! firing appears as the `handle_timeout` input.
 //!
 //! A [`Machine`]'s inputs and outputs are the core enums themselves: each
@@ -67,11 +72,13 @@ use iop_core::edge::request::{Request, RequestSpec};
 use iop_core::journal::availability::Availability;
 use iop_core::liveness::heartbeat::{Heartbeat, HeartbeatConfig};
 use iop_core::node::link::{NodeLink, NodeLinkConfig};
+use iop_core::node::link::{NodeLinkAnswer, NodeLinkQuery, RunStart};
 use iop_core::node::run::{NodeRun, RunFrame, RunSpec};
 use iop_core::node::watchdog::RunKind;
+use iop_core::node::watchdog::{Emission, ProviderEvent};
 use iop_core::tenant::TenantsConfig;
-use iop_core::{Instant, Machine};
-use iop_wire::{ProviderTunnelFrame, RegisterRequest, RunEventKind};
+use iop_core::{Answers, Instant, Machine};
+use iop_wire::{FailureCode, ProviderTunnelFrame, RegisterRequest, RunEventKind};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -83,7 +90,10 @@ pub const TRACE_FORMAT: &str = "iop-trace";
 /// Version 2 records every machine's own config, input and output types
 /// (`{"config":{...},"created_us":T}` headers, `{"in":{"input":...}}` and
 /// `{"in":"handle_timeout"}` lines); version 1's mirror types are gone.
-pub const TRACE_VERSION: u32 = 2;
+/// Version 3 adds the `ask` and `answer` lines of questions a machine
+/// answers directly (a node connection's run start, offer and observation
+/// number were inputs answered by outputs in version 2).
+pub const TRACE_VERSION: u32 = 3;
 
 /// The longest trace line [`TraceReader`] accepts, in bytes (bounded input).
 pub const MAX_TRACE_LINE_BYTES: usize = 1 << 20;
@@ -179,13 +189,21 @@ pub enum LineKind {
     In,
     /// An output drained with `poll_output()`.
     Out,
+    /// A question the machine answers directly ([`Answers`]).
+    Ask,
+    /// The answer to the question just asked.
+    Answer,
 }
 
 impl LineKind {
+    const ALL: [LineKind; 4] = [LineKind::In, LineKind::Out, LineKind::Ask, LineKind::Answer];
+
     fn key(self) -> &'static str {
         match self {
             LineKind::In => "in",
             LineKind::Out => "out",
+            LineKind::Ask => "ask",
+            LineKind::Answer => "answer",
         }
     }
 }
@@ -466,15 +484,15 @@ fn parse_line(line_no: u64, text: &str) -> Result<RawLine, TraceError> {
         .and_then(|t| t.as_u64())
         .ok_or_else(|| malformed("missing time \"t\"".into()))?;
     let mut found = None;
-    for kind in [LineKind::In, LineKind::Out] {
+    for kind in LineKind::ALL {
         if let Some(v) = map.remove(kind.key()) {
             if found.is_some() {
-                return Err(malformed("both in and out".into()));
+                return Err(malformed("more than one of in, out, ask, answer".into()));
             }
             found = Some((kind, v));
         }
     }
-    let (kind, value) = found.ok_or_else(|| malformed("neither in nor out".into()))?;
+    let (kind, value) = found.ok_or_else(|| malformed("none of in, out, ask, answer".into()))?;
     Ok(RawLine {
         line_no,
         t,
@@ -545,11 +563,15 @@ pub type DispatchStep = Step<DispatchInput>;
 ///    (a shell, after its timer) or [`Driven::fire_due`] (the simulator,
 ///    stepping time), and drain again.
 ///
+/// A question the machine answers directly ([`Answers`]) is asked with
+/// [`Driven::ask`] (recorded as an `ask` line and its `answer`), and what
+/// else it caused drained after like an input's outputs.
+///
 /// With [`Tap::off`] nothing is serialized: the cost is one branch per
-/// call. Read access goes through [`Driven::machine`]; a query the
-/// machine answers directly (documented on the machine, such as
-/// [`NodeLink::open_lease`]) through [`Driven::machine_mut`], and is not
-/// recorded.
+/// call. Read access goes through [`Driven::machine`]; a question the
+/// machine answers directly and that is not recorded (documented on the
+/// machine, such as [`NodeLink::open_lease`]: a secret) through
+/// [`Driven::machine_mut`].
 #[derive(Debug)]
 pub struct Driven<M> {
     machine: M,
@@ -665,6 +687,24 @@ where
     }
 }
 
+impl<M> Driven<M>
+where
+    M: Answers,
+    M::Input: Serialize,
+    M::Output: Serialize,
+    M::Query: Serialize,
+    M::Answer: Serialize,
+{
+    /// [`Answers::answer`], recorded: the question as an `ask` line, the
+    /// return value as its `answer`. Drain the outputs after.
+    pub fn ask(&mut self, now: Instant, query: M::Query) -> M::Answer {
+        self.tap.emit(now, LineKind::Ask, &query);
+        let answer = self.machine.answer(now, query);
+        self.tap.emit(now, LineKind::Answer, &answer);
+        answer
+    }
+}
+
 impl Driven<Dispatcher> {
     /// A dispatcher built from `config`, recording into `tap`. The tap's
     /// sinks must already have the header (see [`TraceWriter::new`] with
@@ -706,6 +746,53 @@ impl Driven<NodeLink> {
         tap: Tap,
     ) -> Self {
         Self::new(NodeLink::new(now, config, register, replay), tap)
+    }
+
+    /// [`NodeLink::start_run`], recorded as its [`NodeLinkQuery`] and
+    /// [`NodeLinkAnswer`].
+    pub fn start_run(&mut self, now: Instant, start: RunStart) -> Result<(), FailureCode> {
+        if self.tap.is_on() {
+            self.tap
+                .emit(now, LineKind::Ask, &NodeLinkQuery::StartRun(start.clone()));
+        }
+        let started = self.machine.start_run(now, start);
+        self.tap
+            .emit(now, LineKind::Answer, &NodeLinkAnswer::Started(started));
+        started
+    }
+
+    /// [`NodeLink::offer`], recorded as its [`NodeLinkQuery`] and
+    /// [`NodeLinkAnswer`].
+    pub fn offer(
+        &mut self,
+        now: Instant,
+        run_id: iop_core::ids::RunId,
+        events: Vec<ProviderEvent>,
+    ) -> Vec<Emission> {
+        if self.tap.is_on() {
+            let query = NodeLinkQuery::Offer {
+                run_id,
+                events: events.clone(),
+            };
+            self.tap.emit(now, LineKind::Ask, &query);
+        }
+        let emissions = self.machine.offer(now, run_id, events);
+        if self.tap.is_on() {
+            let answer = NodeLinkAnswer::Emissions(emissions.clone());
+            self.tap.emit(now, LineKind::Answer, &answer);
+        }
+        emissions
+    }
+
+    /// [`NodeLink::take_observation_seq`], recorded as its
+    /// [`NodeLinkQuery`] and [`NodeLinkAnswer`].
+    pub fn take_observation_seq(&mut self, now: Instant) -> u64 {
+        self.tap
+            .emit(now, LineKind::Ask, &NodeLinkQuery::TakeObservationSeq);
+        let seq = self.machine.take_observation_seq();
+        self.tap
+            .emit(now, LineKind::Answer, &NodeLinkAnswer::ObservationSeq(seq));
+        seq
     }
 }
 
@@ -973,7 +1060,7 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
                 iop_core::cred::ReplayCache::new(),
                 Tap::off(),
             );
-            replay_with(reader, machine, header.machine)
+            replay_lines(reader, machine, header.machine, ask_recorded)
         }
         MachineKind::EdgeLink => {
             let config: EdgeLinkConfigRec = config_of(&header)?;
@@ -1034,9 +1121,39 @@ pub fn replay<R: BufRead>(reader: TraceReader<R>) -> Result<ReplayReport, Replay
     }
 }
 
+/// Asks one recorded question again: its answer (JSON), or why the line
+/// is not a question this machine answers.
+type Asker<M> = fn(&mut Driven<M>, Instant, serde_json::Value) -> Result<serde_json::Value, String>;
+
+/// A machine that answers no recorded question: an `ask` line is malformed.
+fn no_questions<M>(
+    _: &mut Driven<M>,
+    _: Instant,
+    _: serde_json::Value,
+) -> Result<serde_json::Value, String> {
+    Err("this machine answers no recorded question".into())
+}
+
+/// Ask a recorded question of an [`Answers`] machine.
+fn ask_recorded<M>(
+    machine: &mut Driven<M>,
+    now: Instant,
+    query: serde_json::Value,
+) -> Result<serde_json::Value, String>
+where
+    M: Answers,
+    M::Input: Serialize,
+    M::Output: Serialize,
+    M::Query: Serialize + DeserializeOwned,
+    M::Answer: Serialize,
+{
+    let query: M::Query = serde_json::from_value(query).map_err(|e| e.to_string())?;
+    Ok(to_value(&machine.ask(now, query)))
+}
+
 fn replay_with<R: BufRead, M>(
-    mut reader: TraceReader<R>,
-    mut machine: Driven<M>,
+    reader: TraceReader<R>,
+    machine: Driven<M>,
     kind: MachineKind,
 ) -> Result<ReplayReport, ReplayError>
 where
@@ -1044,6 +1161,22 @@ where
     M::Input: Serialize + DeserializeOwned,
     M::Output: Serialize,
 {
+    replay_lines(reader, machine, kind, no_questions)
+}
+
+fn replay_lines<R: BufRead, M>(
+    mut reader: TraceReader<R>,
+    mut machine: Driven<M>,
+    kind: MachineKind,
+    ask: Asker<M>,
+) -> Result<ReplayReport, ReplayError>
+where
+    M: Machine,
+    M::Input: Serialize + DeserializeOwned,
+    M::Output: Serialize,
+{
+    // The answer of the question just asked, to compare with its line.
+    let mut answered: Option<serde_json::Value> = None;
     let mut report = ReplayReport {
         machine: kind,
         inputs: 0,
@@ -1064,6 +1197,22 @@ where
             }
             LineKind::Out => {
                 let actual = machine.poll_output(now).map(|o| to_value(&o));
+                if actual.as_ref() != Some(&line.value) {
+                    return Err(diverged(line.line_no, &line.value, actual.as_ref()));
+                }
+                report.checked += 1;
+            }
+            LineKind::Ask => {
+                let answer =
+                    ask(&mut machine, now, line.value).map_err(|e| TraceError::Malformed {
+                        line_no: line.line_no,
+                        message: format!("bad {} question: {e}", kind.as_str()),
+                    })?;
+                answered = Some(answer);
+                report.inputs += 1;
+            }
+            LineKind::Answer => {
+                let actual = answered.take();
                 if actual.as_ref() != Some(&line.value) {
                     return Err(diverged(line.line_no, &line.value, actual.as_ref()));
                 }
@@ -1092,6 +1241,7 @@ mod tests {
 
     use iop_core::edge::link::EdgeLinkInput;
     use iop_core::liveness::heartbeat::HeartbeatConfig;
+    use iop_core::node::link::NodeLinkInput;
     use iop_wire::NodeControl;
 
     use super::*;
@@ -1163,7 +1313,7 @@ mod tests {
         }
         let bytes = buf.0.lock().map(|b| b.clone()).unwrap_or_default();
         let text = String::from_utf8(bytes).expect("utf-8");
-        assert!(text.starts_with(r#"{"format":"iop-trace","version":2,"machine":"edge-link""#));
+        assert!(text.starts_with(r#"{"format":"iop-trace","version":3,"machine":"edge-link""#));
         assert!(
             text.contains(r#"{"out":{"connected":3},"t":4000}"#),
             "{text}"
@@ -1176,6 +1326,110 @@ mod tests {
         );
         let report = replay(TraceReader::new(text.as_bytes()).expect("header")).expect("replays");
         assert_eq!(report.inputs, 6);
+    }
+
+    /// A node connection's direct answers (a run's start, its offer, an
+    /// observation number) are recorded as `ask` and `answer` lines and
+    /// asked again by the replay, which catches a changed answer (R-WD-6).
+    #[test]
+    fn a_node_link_trace_records_and_replays_its_direct_answers() {
+        use iop_core::node::link::NodeLinkConfig;
+        use iop_core::node::watchdog::{ProviderOutcome, RunKind, WatchdogConfig};
+        use iop_wire::{EdgeControl, NodeReadyResponse, RegisterResponse};
+
+        let config = NodeLinkConfigRec {
+            config: NodeLinkConfig {
+                heartbeat: HeartbeatConfig {
+                    interval: Duration::from_secs(1),
+                    wait: Duration::from_secs(2),
+                },
+                watchdog: WatchdogConfig {
+                    close_grace: Duration::from_millis(200),
+                    probe_bound: Duration::from_millis(300),
+                    max_active_runs: 4,
+                },
+                handshake_timeout: None,
+            },
+            created_us: 0,
+            register: RegisterRequest {
+                protocol_version: iop_wire::PROTOCOL_VERSION,
+                node_version: "t".into(),
+                providers: vec![],
+                max_concurrent_runs: 4,
+                recipient_public_key: None,
+                parked: vec![],
+            },
+        };
+        let buf = SharedBuf::default();
+        {
+            let writer = TraceWriter::new(buf.clone(), MachineKind::NodeLink, &config);
+            let at = Instant::from_millis;
+            let mut link = DrivenNodeLink::new_link(
+                at(0),
+                config.config,
+                config.register.clone(),
+                iop_core::cred::ReplayCache::new(),
+                Tap::to(writer),
+            );
+            link.drain(at(0), |_| {});
+            link.handle_input(
+                at(1),
+                NodeLinkInput::Control(EdgeControl::Registered(RegisterResponse::Accepted {
+                    generation: 3,
+                    config: iop_wire::ConfigSnapshot::default(),
+                })),
+            );
+            link.handle_input(
+                at(1),
+                NodeLinkInput::Control(EdgeControl::ReadyAck(NodeReadyResponse {
+                    generation: 3,
+                    accepted: true,
+                })),
+            );
+            link.drain(at(1), |_| {});
+            let start = RunStart {
+                run_id: 1,
+                kind: RunKind::Normalized,
+                stall_timeout: Duration::from_secs(1),
+                deadline: None,
+                adapter: iop_wire::AdapterKind::Mock,
+                target: "m".into(),
+                carries_lease: false,
+            };
+            assert_eq!(link.start_run(at(2), start.clone()), Ok(()));
+            assert_eq!(
+                link.start_run(at(2), start),
+                Err(FailureCode::InvalidRequest)
+            );
+            let done = vec![ProviderEvent::Returned(ProviderOutcome::Completed)];
+            assert_eq!(link.offer(at(3), 1, done), vec![Emission::Forward]);
+            // The run's end is an output, drained after the answer.
+            assert_eq!(link.drain_all(at(3)).len(), 1);
+            assert_eq!(link.take_observation_seq(at(4)), 1);
+        }
+        let bytes = buf.0.lock().map(|b| b.clone()).unwrap_or_default();
+        let text = String::from_utf8(bytes).expect("utf-8");
+        assert!(
+            text.contains(r#"{"answer":{"emissions":["forward"]},"t":3000}"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"{"ask":"take_observation_seq","t":4000}"#),
+            "{text}"
+        );
+        let report = replay(TraceReader::new(text.as_bytes()).expect("header")).expect("replays");
+        assert_eq!(report.machine, MachineKind::NodeLink);
+        // 2 inputs + 4 questions; 2 drained outputs + 4 answers (the
+        // registration, `Ready`, ... as drained).
+        assert_eq!(report.inputs, 6);
+        let changed = text.replace(
+            r#"{"answer":{"emissions":["forward"]},"t":3000}"#,
+            r#"{"answer":{"emissions":["fenced"]},"t":3000}"#,
+        );
+        assert!(matches!(
+            replay(TraceReader::new(changed.as_bytes()).expect("header")),
+            Err(ReplayError::Diverged(d)) if d.expected.contains("fenced")
+        ));
     }
 
     /// A buffer the test reads back after the writer is gone.

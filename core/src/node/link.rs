@@ -26,9 +26,14 @@
 //!
 //! Driven like every machine of this crate: [`NodeLink::handle_input`],
 //! [`NodeLink::poll_output`], [`NodeLink::poll_timeout`],
-//! [`NodeLink::handle_timeout`]. One query answers outside the queue:
-//! [`NodeLink::open_lease`], because its answer is a secret that must never
-//! be queued, recorded or traced.
+//! [`NodeLink::handle_timeout`]. A run handler's synchronous questions are
+//! answered directly, by the call's return value, as quinn-proto and str0m
+//! do (what else they cause still goes through [`NodeLink::poll_output`]):
+//! [`NodeLink::start_run`], [`NodeLink::offer`] and
+//! [`NodeLink::take_observation_seq`] (each also a [`NodeLinkQuery`], so a
+//! trace records it with its [`NodeLinkAnswer`] and a replay asks it
+//! again), and [`NodeLink::open_lease`], which is not recorded: its answer
+//! is a secret.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -61,8 +66,9 @@ pub struct NodeLinkConfig {
     pub handshake_timeout: Option<Duration>,
 }
 
-/// A run handler asks to be watched on this connection. The driver has
-/// already admitted it against the node's run limit.
+/// A run handler asks to be watched on this connection
+/// ([`NodeLink::start_run`]). The driver has already admitted it against the
+/// node's run limit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunStart {
     /// The run or tunnel.
@@ -87,15 +93,6 @@ pub struct RunStart {
 pub enum NodeLinkInput {
     /// A control frame from the Edge.
     Control(EdgeControl),
-    /// Watch a run: answered by `RunAdmitted` or `RunRefused`.
-    StartRun(RunStart),
-    /// Provider outputs of a run, in order: answered by one `Emissions`.
-    ProviderEvents {
-        /// The run.
-        run_id: RunId,
-        /// Its outputs, classified.
-        events: Vec<ProviderEvent>,
-    },
     /// The handler dropped a provider call the watchdog canceled: the call
     /// is over (R-WD-4 times it).
     ProviderDropped {
@@ -122,9 +119,6 @@ pub enum NodeLinkInput {
         /// The verdict.
         outcome: ProbeOutcome,
     },
-    /// Take the next observation sequence number for a CAPABILITIES answer
-    /// (R-SEQ-1): answered by `ObservationSeq`.
-    TakeObservationSeq,
     /// The connection is gone (R-DISC-1): every attached run leaves it.
     Disconnected,
 }
@@ -177,26 +171,6 @@ pub enum NodeLinkOutput {
     SigningKeyRefused,
     /// Close the connection; nothing more happens on it.
     End(LinkEnd),
-    /// The run is watched: call its provider.
-    RunAdmitted {
-        /// The run.
-        run_id: RunId,
-    },
-    /// The run is refused with `code`; no provider is called. The driver
-    /// gives back the place it admitted it to.
-    RunRefused {
-        /// The run.
-        run_id: RunId,
-        /// What to answer.
-        code: FailureCode,
-    },
-    /// What to do with each of the outputs just offered (R-WD-6).
-    Emissions {
-        /// The run.
-        run_id: RunId,
-        /// One per output, in order.
-        emissions: Vec<Emission>,
-    },
     /// Stop the run's provider call now, and report `ProviderDropped`
     /// (R-WD-2, R-WD-4).
     CancelProvider {
@@ -255,7 +229,40 @@ pub enum NodeLinkOutput {
         /// Its provider target.
         target: String,
     },
-    /// The answer to `TakeObservationSeq`.
+}
+
+/// A question a run handler asks the connection and waits for: answered
+/// by the call's return value ([`NodeLink::answer`], or the typed
+/// [`NodeLink::start_run`], [`NodeLink::offer`],
+/// [`NodeLink::take_observation_seq`]), never queued as an output.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeLinkQuery {
+    /// Watch a run.
+    StartRun(RunStart),
+    /// Provider outputs of a run, in order: what to do with each.
+    Offer {
+        /// The run.
+        run_id: RunId,
+        /// Its outputs, classified.
+        events: Vec<ProviderEvent>,
+    },
+    /// Take the next observation sequence number for a CAPABILITIES answer
+    /// (R-SEQ-1).
+    TakeObservationSeq,
+}
+
+/// The answer to a [`NodeLinkQuery`], of the same kind.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeLinkAnswer {
+    /// `StartRun`: watched (call the provider), or refused with this code
+    /// (no provider is called; the driver gives back the place it admitted
+    /// the run to).
+    Started(Result<(), FailureCode>),
+    /// `Offer`: one per output, in order (R-WD-6).
+    Emissions(Vec<Emission>),
+    /// `TakeObservationSeq`: the number.
     ObservationSeq(u64),
 }
 
@@ -328,15 +335,6 @@ impl NodeLink {
     pub fn handle_input(&mut self, now: Instant, input: NodeLinkInput) {
         match input {
             NodeLinkInput::Control(msg) => self.on_control(now, msg),
-            NodeLinkInput::StartRun(start) => self.start_run(now, start),
-            NodeLinkInput::ProviderEvents { run_id, events } => {
-                let emissions = events
-                    .into_iter()
-                    .map(|event| self.provider_event(now, run_id, event))
-                    .collect();
-                self.out
-                    .push_back(NodeLinkOutput::Emissions { run_id, emissions });
-            }
             NodeLinkInput::ProviderDropped { run_id } => {
                 // Only a run still joining its stall needs the timing
                 // (R-WD-4); after its terminal there is nothing to record.
@@ -366,10 +364,6 @@ impl NodeLink {
             }
             NodeLinkInput::ProbeDone { run_id, outcome } => {
                 self.watchdog.probe_result(now, run_id, outcome);
-            }
-            NodeLinkInput::TakeObservationSeq => {
-                let seq = self.watchdog.take_observation_seq().unwrap_or(0);
-                self.out.push_back(NodeLinkOutput::ObservationSeq(seq));
             }
             NodeLinkInput::Disconnected => {
                 // R-DISC-1: every run bound to the connection ends with it.
@@ -411,6 +405,53 @@ impl NodeLink {
     /// The next output to carry out.
     pub fn poll_output(&mut self) -> Option<NodeLinkOutput> {
         self.out.pop_front()
+    }
+
+    /// Answer a run handler's question at `now` (see [`NodeLinkQuery`]);
+    /// drain [`NodeLink::poll_output`] after, for what else it caused.
+    pub fn answer(&mut self, now: Instant, query: NodeLinkQuery) -> NodeLinkAnswer {
+        match query {
+            NodeLinkQuery::StartRun(start) => NodeLinkAnswer::Started(self.start_run(now, start)),
+            NodeLinkQuery::Offer { run_id, events } => {
+                NodeLinkAnswer::Emissions(self.offer(now, run_id, events))
+            }
+            NodeLinkQuery::TakeObservationSeq => {
+                NodeLinkAnswer::ObservationSeq(self.take_observation_seq())
+            }
+        }
+    }
+
+    /// Watch a run on this connection: `Ok` to call its provider, or the
+    /// code to refuse it with. A reused run id is refused (with a lease, as
+    /// a replay, R-CRED-3), and so is every run once the connection is over.
+    pub fn start_run(&mut self, now: Instant, start: RunStart) -> Result<(), FailureCode> {
+        let admitted = self.watch(now, start);
+        self.drain(now);
+        admitted
+    }
+
+    /// Offer a run's provider outputs, in order, to the watchdog: what to
+    /// do with each (R-WD-1, R-WD-6: fenced output is dropped and
+    /// counted). A terminal among them ends the run
+    /// ([`NodeLinkOutput::RunEnded`], forwarded).
+    pub fn offer(
+        &mut self,
+        now: Instant,
+        run_id: RunId,
+        events: Vec<ProviderEvent>,
+    ) -> Vec<Emission> {
+        let emissions = events
+            .into_iter()
+            .map(|event| self.provider_event(now, run_id, event))
+            .collect();
+        self.drain(now);
+        emissions
+    }
+
+    /// Take the next observation sequence number for a CAPABILITIES answer
+    /// (R-SEQ-1): after every earlier stall terminal's.
+    pub fn take_observation_seq(&mut self) -> u64 {
+        self.watchdog.take_observation_seq().unwrap_or(0)
     }
 
     /// Open `run`'s lease (R-CRED-2, R-CRED-3); see [`NodeLeases::open`].
@@ -556,7 +597,7 @@ impl NodeLink {
             .push_back(NodeLinkOutput::Managed(snapshot.managed_targets.clone()));
     }
 
-    fn start_run(&mut self, now: Instant, start: RunStart) {
+    fn watch(&mut self, now: Instant, start: RunStart) -> Result<(), FailureCode> {
         let RunStart {
             run_id,
             kind,
@@ -567,33 +608,21 @@ impl NodeLink {
             carries_lease,
         } = start;
         if self.phase == Phase::Over {
-            self.out.push_back(NodeLinkOutput::RunRefused {
-                run_id,
-                code: FailureCode::TransportClosed,
-            });
-            return;
+            return Err(FailureCode::TransportClosed);
         }
-        match self
-            .watchdog
+        self.watchdog
             .start(now, run_id, kind, stall_timeout, deadline)
-        {
-            Ok(()) => {
-                self.runs.insert(
-                    run_id,
-                    Attached {
-                        adapter,
-                        target,
-                        forwarded: false,
-                    },
-                );
-                self.out.push_back(NodeLinkOutput::RunAdmitted { run_id });
-            }
             // A reused run id with a lease is a replay (R-CRED-3).
-            Err(e) => self.out.push_back(NodeLinkOutput::RunRefused {
-                run_id,
-                code: e.failure_code(carries_lease),
-            }),
-        }
+            .map_err(|e| e.failure_code(carries_lease))?;
+        self.runs.insert(
+            run_id,
+            Attached {
+                adapter,
+                target,
+                forwarded: false,
+            },
+        );
+        Ok(())
     }
 
     /// Offer one provider output to the watchdog (R-WD-6: fenced output is

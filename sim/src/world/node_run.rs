@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use iop_core::ids::RunId;
-use iop_core::node::link::{NodeLinkInput, NodeLinkOutput, RunStart};
+use iop_core::node::link::{NodeLinkInput, RunStart};
 use iop_core::node::park::{EdgeSignal, ParkState, ReportScope, select_reports};
 use iop_core::node::run::{
     Adoption, LinkAsk, NodeRun, NodeRunInput, NodeRunOutput, ParkTerms, RunSpec,
@@ -339,7 +339,9 @@ impl World {
         None
     }
 
-    /// Carry one ask to the connection's machine; its answer as the run's
+    /// Carry one ask to the connection's machine, as `iop-node`'s run task
+    /// does: the call (its answer, if it has one, is the return value),
+    /// then the connection's outputs it caused; the answer is the run's
     /// next input.
     fn run_ask(
         &mut self,
@@ -372,7 +374,7 @@ impl World {
         now: iop_core::Instant,
     ) -> Option<NodeRunInput<RunEventKind>> {
         let nc = nconn(&mut self.nodes, node, self.cur)?;
-        match ask {
+        let answer = match ask {
             LinkAsk::Start {
                 run_id,
                 kind,
@@ -381,9 +383,9 @@ impl World {
                 carries_lease,
                 ..
             } => {
-                nc.link.handle_input(
+                let started = nc.link.start_run(
                     now,
-                    NodeLinkInput::StartRun(RunStart {
+                    RunStart {
                         run_id,
                         kind,
                         stall_timeout,
@@ -391,15 +393,9 @@ impl World {
                         adapter: AdapterKind::Mock,
                         target,
                         carries_lease,
-                    }),
+                    },
                 );
-                Some(match self.node_link_answer(node) {
-                    Some(NodeLinkOutput::RunAdmitted { .. }) => NodeRunInput::Admitted(Ok(())),
-                    Some(NodeLinkOutput::RunRefused { code, .. }) => {
-                        NodeRunInput::Admitted(Err(code))
-                    }
-                    _ => NodeRunInput::LinkGone,
-                })
+                Some(NodeRunInput::Admitted(started))
             }
             // The simulated providers need no credential.
             LinkAsk::OpenLease { .. } => Some(NodeRunInput::LeaseOpened(true)),
@@ -407,22 +403,15 @@ impl World {
                 let returned = events
                     .iter()
                     .any(|e| matches!(e, ProviderEvent::Returned(_)));
-                nc.link
-                    .handle_input(now, NodeLinkInput::ProviderEvents { run_id, events });
-                let answer = match self.node_link_answer(node) {
-                    Some(NodeLinkOutput::Emissions { emissions, .. }) => {
-                        self.stats.fenced_outputs += emissions
-                            .iter()
-                            .filter(|e| **e == iop_core::node::watchdog::Emission::Fenced)
-                            .count() as u64;
-                        NodeRunInput::Emissions(emissions)
-                    }
-                    _ => NodeRunInput::LinkGone,
-                };
+                let emissions = nc.link.offer(now, run_id, events);
+                self.stats.fenced_outputs += emissions
+                    .iter()
+                    .filter(|e| **e == iop_core::node::watchdog::Emission::Fenced)
+                    .count() as u64;
                 if returned {
                     self.checkers[self.cur].provider_returned(conn, run_id);
                 }
-                Some(answer)
+                Some(NodeRunInput::Emissions(emissions))
             }
             LinkAsk::ProviderDropped { run_id } => {
                 nc.link
@@ -439,7 +428,9 @@ impl World {
                 nc.link.handle_input(now, NodeLinkInput::RunLeft { run_id });
                 None
             }
-        }
+        };
+        self.drain_node_link(node);
+        answer
     }
 
     /// The Edge slot whose connection of `node` is `conn`, if it is live.

@@ -90,16 +90,31 @@ fn ready_link() -> NodeLink {
     link
 }
 
-fn start(run_id: RunId, carries_lease: bool) -> NodeLinkInput {
-    NodeLinkInput::StartRun(RunStart {
-        run_id,
-        kind: RunKind::Normalized,
-        stall_timeout: Duration::from_secs(1),
-        deadline: None,
-        adapter: AdapterKind::Mock,
-        target: "m".into(),
-        carries_lease,
-    })
+/// Ask the connection to watch a run: its answer, directly.
+fn start(
+    link: &mut NodeLink,
+    now: Instant,
+    run_id: RunId,
+    carries_lease: bool,
+) -> Result<(), FailureCode> {
+    link.start_run(
+        now,
+        RunStart {
+            run_id,
+            kind: RunKind::Normalized,
+            stall_timeout: Duration::from_secs(1),
+            deadline: None,
+            adapter: AdapterKind::Mock,
+            target: "m".into(),
+            carries_lease,
+        },
+    )
+}
+
+/// A run the connection watches: admitted by the answer, nothing queued.
+fn admit(link: &mut NodeLink, now: Instant, run_id: RunId) {
+    assert_eq!(start(link, now, run_id, false), Ok(()));
+    assert!(drain(link).is_empty());
 }
 
 fn input(link: &mut NodeLink, now: Instant, input: NodeLinkInput) -> Vec<NodeLinkOutput> {
@@ -107,8 +122,15 @@ fn input(link: &mut NodeLink, now: Instant, input: NodeLinkInput) -> Vec<NodeLin
     drain(link)
 }
 
-fn events(run_id: RunId, events: Vec<ProviderEvent>) -> NodeLinkInput {
-    NodeLinkInput::ProviderEvents { run_id, events }
+/// Offer a run's provider outputs: the answer, and what else is queued.
+fn offer(
+    link: &mut NodeLink,
+    now: Instant,
+    run_id: RunId,
+    events: Vec<ProviderEvent>,
+) -> (Vec<Emission>, Vec<NodeLinkOutput>) {
+    let emissions = link.offer(now, run_id, events);
+    (emissions, drain(link))
 }
 
 /// Outputs other than the heartbeat's pings.
@@ -298,52 +320,39 @@ fn the_edges_closing_ends_the_connection_with_its_code() {
 #[test]
 fn r_wd_6_a_forwarded_provider_terminal_is_the_runs_only_terminal() {
     let mut link = ready_link();
-    assert_eq!(
-        input(&mut link, at(10), start(1, false)),
-        vec![NodeLinkOutput::RunAdmitted { run_id: 1 }]
-    );
+    admit(&mut link, at(10), 1);
     assert!(link.is_attached(1));
-    let out = input(
+    // The answer is the call's return value; the run's end is an output.
+    let (emissions, out) = offer(
         &mut link,
         at(20),
-        events(
-            1,
-            vec![
-                ProviderEvent::Neutral,
-                ProviderEvent::Progress(Progress::Content),
-                ProviderEvent::Returned(ProviderOutcome::Completed),
-            ],
-        ),
-    );
-    assert_eq!(
-        out,
+        1,
         vec![
-            NodeLinkOutput::Emissions {
-                run_id: 1,
-                emissions: vec![Emission::Forward; 3],
-            },
-            NodeLinkOutput::RunEnded {
-                run_id: 1,
-                adapter: AdapterKind::Mock,
-                target: "m".into(),
-                terminal: RunTerminal::Completed,
-                forwarded: true,
-            },
-        ]
+            ProviderEvent::Neutral,
+            ProviderEvent::Progress(Progress::Content),
+            ProviderEvent::Returned(ProviderOutcome::Completed),
+        ],
     );
-    assert_eq!(link.attached_runs(), 0);
-    let out = input(
-        &mut link,
-        at(30),
-        events(1, vec![ProviderEvent::Progress(Progress::Content)]),
-    );
+    assert_eq!(emissions, vec![Emission::Forward; 3]);
     assert_eq!(
         out,
-        vec![NodeLinkOutput::Emissions {
+        vec![NodeLinkOutput::RunEnded {
             run_id: 1,
-            emissions: vec![Emission::Fenced],
+            adapter: AdapterKind::Mock,
+            target: "m".into(),
+            terminal: RunTerminal::Completed,
+            forwarded: true,
         }]
     );
+    assert_eq!(link.attached_runs(), 0);
+    let (emissions, out) = offer(
+        &mut link,
+        at(30),
+        1,
+        vec![ProviderEvent::Progress(Progress::Content)],
+    );
+    assert_eq!(emissions, vec![Emission::Fenced]);
+    assert!(out.is_empty(), "{out:?}");
     assert_eq!(link.fenced_outputs(), 1);
 }
 
@@ -352,13 +361,15 @@ fn r_wd_6_a_forwarded_provider_terminal_is_the_runs_only_terminal() {
 #[test]
 fn r_wd_3_a_stalled_run_ends_with_the_watchdogs_terminal_for_its_handler_to_write() {
     let mut link = ready_link();
-    input(&mut link, at(0), start(1, false));
+    admit(&mut link, at(0), 1);
     // Output before the stall is forwarded; it is not the run's terminal.
-    input(
+    let (emissions, _) = offer(
         &mut link,
         at(0),
-        events(1, vec![ProviderEvent::Progress(Progress::Content)]),
+        1,
+        vec![ProviderEvent::Progress(Progress::Content)],
     );
+    assert_eq!(emissions, vec![Emission::Forward]);
     link.handle_timeout(at(1_000));
     assert_eq!(
         without_pings(drain(&mut link)),
@@ -410,8 +421,8 @@ fn r_wd_3_a_stalled_run_ends_with_the_watchdogs_terminal_for_its_handler_to_writ
 #[test]
 fn r_wd_5_a_stall_of_a_run_that_left_is_not_probed() {
     let mut link = ready_link();
-    input(&mut link, at(0), start(1, false));
-    input(&mut link, at(0), start(2, false));
+    admit(&mut link, at(0), 1);
+    admit(&mut link, at(0), 2);
     let out = input(&mut link, at(10), NodeLinkInput::RunLeft { run_id: 1 });
     assert_eq!(
         out,
@@ -440,7 +451,7 @@ fn r_wd_5_a_stall_of_a_run_that_left_is_not_probed() {
 #[test]
 fn r_park_1_a_run_that_left_gets_no_terminal_from_its_old_connection() {
     let mut link = ready_link();
-    input(&mut link, at(0), start(1, false));
+    admit(&mut link, at(0), 1);
     let out = input(&mut link, at(5), NodeLinkInput::RunLeft { run_id: 1 });
     assert_eq!(ended(&out), vec![]);
     assert_eq!(out.len(), 1);
@@ -456,8 +467,8 @@ fn r_park_1_a_run_that_left_gets_no_terminal_from_its_old_connection() {
 #[test]
 fn r_disc_1_a_lost_connection_detaches_every_run() {
     let mut link = ready_link();
-    input(&mut link, at(0), start(1, false));
-    input(&mut link, at(0), start(2, false));
+    admit(&mut link, at(0), 1);
+    admit(&mut link, at(0), 2);
     let out = input(&mut link, at(10), NodeLinkInput::Disconnected);
     let detached: Vec<RunId> = out
         .iter()
@@ -473,11 +484,8 @@ fn r_disc_1_a_lost_connection_detaches_every_run() {
     assert!(!link.is_ready());
     // A run asked for afterwards is refused.
     assert_eq!(
-        input(&mut link, at(11), start(3, false)),
-        vec![NodeLinkOutput::RunRefused {
-            run_id: 3,
-            code: FailureCode::TransportClosed,
-        }]
+        start(&mut link, at(11), 3, false),
+        Err(FailureCode::TransportClosed)
     );
 }
 
@@ -486,20 +494,14 @@ fn r_disc_1_a_lost_connection_detaches_every_run() {
 #[test]
 fn r_cred_3_a_reused_run_id_with_a_lease_is_refused_as_a_replay() {
     let mut link = ready_link();
-    input(&mut link, at(0), start(1, false));
+    admit(&mut link, at(0), 1);
     assert_eq!(
-        input(&mut link, at(1), start(1, true)),
-        vec![NodeLinkOutput::RunRefused {
-            run_id: 1,
-            code: FailureCode::CredentialRejected,
-        }]
+        start(&mut link, at(1), 1, true),
+        Err(FailureCode::CredentialRejected)
     );
     assert_eq!(
-        input(&mut link, at(1), start(1, false)),
-        vec![NodeLinkOutput::RunRefused {
-            run_id: 1,
-            code: FailureCode::InvalidRequest,
-        }]
+        start(&mut link, at(1), 1, false),
+        Err(FailureCode::InvalidRequest)
     );
 }
 
@@ -510,17 +512,11 @@ fn r_cred_3_a_reused_run_id_with_a_lease_is_refused_as_a_replay() {
 fn a_run_past_the_watchdogs_bound_is_refused() {
     let mut link = ready_link();
     for run_id in 1..=4 {
-        assert_eq!(
-            input(&mut link, at(0), start(run_id, false)),
-            vec![NodeLinkOutput::RunAdmitted { run_id }]
-        );
+        admit(&mut link, at(0), run_id);
     }
     assert_eq!(
-        input(&mut link, at(0), start(5, false)),
-        vec![NodeLinkOutput::RunRefused {
-            run_id: 5,
-            code: FailureCode::InvalidRequest,
-        }]
+        start(&mut link, at(0), 5, false),
+        Err(FailureCode::InvalidRequest)
     );
 }
 
@@ -529,14 +525,17 @@ fn a_run_past_the_watchdogs_bound_is_refused() {
 #[test]
 fn r_seq_1_observation_numbers_increase_across_stalls_and_answers() {
     let mut link = ready_link();
-    let seq = |link: &mut NodeLink| match input(link, at(0), NodeLinkInput::TakeObservationSeq)
-        .as_slice()
-    {
-        [NodeLinkOutput::ObservationSeq(s)] => *s,
-        other => panic!("{other:?}"),
+    let seq = |link: &mut NodeLink| {
+        let NodeLinkAnswer::ObservationSeq(seq) =
+            link.answer(at(0), NodeLinkQuery::TakeObservationSeq)
+        else {
+            panic!("answered with another kind");
+        };
+        assert!(drain(link).is_empty());
+        seq
     };
     let first = seq(&mut link);
-    input(&mut link, at(0), start(1, false));
+    admit(&mut link, at(0), 1);
     link.handle_timeout(at(1_000));
     drain(&mut link);
     link.handle_input(
@@ -612,7 +611,7 @@ fn a_signing_key_that_does_not_parse_is_reported() {
 #[test]
 fn the_edges_cancel_ends_a_run_with_canceled_for_its_handler_to_write() {
     let mut link = ready_link();
-    input(&mut link, at(0), start(1, false));
+    admit(&mut link, at(0), 1);
     let out = control(&mut link, at(5), EdgeControl::Cancel(Cancel { run_id: 1 }));
     assert!(matches!(
         ended(&out).as_slice(),
@@ -792,24 +791,48 @@ fn without_a_pushed_signing_key_every_lease_is_refused() {
     );
 }
 
-/// Inputs and outputs are plain data: they round-trip through serde, so a
-/// trace records them as they are.
+/// Inputs, questions, answers and outputs are plain data: they round-trip
+/// through serde, so a trace records them as they are.
 #[test]
-fn inputs_and_outputs_round_trip_through_serde() {
+fn inputs_queries_and_answers_round_trip_through_serde() {
     let inputs = vec![
         NodeLinkInput::Control(ack(GEN, true)),
-        start(1, true),
-        events(
-            1,
-            vec![ProviderEvent::Returned(ProviderOutcome::Failed(
-                ExecutionFailure::new(FailureCode::ProviderError),
-            ))],
-        ),
+        NodeLinkInput::RunCanceled { run_id: 1 },
         NodeLinkInput::Disconnected,
     ];
     let bytes = postcard::to_allocvec(&inputs).expect("serializes");
     let back: Vec<NodeLinkInput> = postcard::from_bytes(&bytes).expect("parses");
     assert_eq!(back, inputs);
+    let queries = vec![
+        NodeLinkQuery::StartRun(RunStart {
+            run_id: 1,
+            kind: RunKind::Tunnel,
+            stall_timeout: Duration::from_secs(1),
+            deadline: Some(at(9)),
+            adapter: AdapterKind::Mock,
+            target: "m".into(),
+            carries_lease: true,
+        }),
+        NodeLinkQuery::Offer {
+            run_id: 1,
+            events: vec![ProviderEvent::Returned(ProviderOutcome::Failed(
+                ExecutionFailure::new(FailureCode::ProviderError),
+            ))],
+        },
+        NodeLinkQuery::TakeObservationSeq,
+    ];
+    let bytes = postcard::to_allocvec(&queries).expect("serializes");
+    let back: Vec<NodeLinkQuery> = postcard::from_bytes(&bytes).expect("parses");
+    assert_eq!(back, queries);
+    let answers = vec![
+        NodeLinkAnswer::Started(Ok(())),
+        NodeLinkAnswer::Started(Err(FailureCode::CredentialRejected)),
+        NodeLinkAnswer::Emissions(vec![Emission::Forward, Emission::Fenced]),
+        NodeLinkAnswer::ObservationSeq(3),
+    ];
+    let bytes = postcard::to_allocvec(&answers).expect("serializes");
+    let back: Vec<NodeLinkAnswer> = postcard::from_bytes(&bytes).expect("parses");
+    assert_eq!(back, answers);
     let config = config();
     let bytes = postcard::to_allocvec(&config).expect("serializes");
     assert_eq!(
@@ -851,23 +874,21 @@ fn the_timer_is_the_handshake_bound_then_the_next_ping() {
 #[test]
 fn the_attached_runs_and_fenced_outputs_are_counted() {
     let mut link = ready_link();
-    input(&mut link, at(0), start(1, false));
-    input(&mut link, at(0), start(2, false));
+    admit(&mut link, at(0), 1);
+    admit(&mut link, at(0), 2);
     assert_eq!(link.attached_runs(), 2);
     assert!(link.is_attached(2));
     assert!(!link.is_attached(3));
     input(&mut link, at(1), NodeLinkInput::RunLeft { run_id: 2 });
     assert!(!link.is_attached(2));
-    input(
+    offer(
         &mut link,
         at(2),
-        events(
-            2,
-            vec![
-                ProviderEvent::Progress(Progress::Content),
-                ProviderEvent::Neutral,
-            ],
-        ),
+        2,
+        vec![
+            ProviderEvent::Progress(Progress::Content),
+            ProviderEvent::Neutral,
+        ],
     );
     assert_eq!(link.fenced_outputs(), 2);
 }
