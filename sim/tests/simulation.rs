@@ -8,6 +8,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use iop_sim::trace::{MachineKind, ReplayError, TraceError, TraceReader, replay};
 use iop_sim::{Bug, Capture, RunOptions, SwarmOptions, check_determinism, run, swarm};
 
+/// The bounded swarm's first seed. Which seeds make a zombie fenced by a
+/// takeover's raise while its record is open moves whenever the worlds'
+/// random draws change (seeds 0-499 had none once requests in flight
+/// were leased across Edges; 500-999 had five).
+const SWARM_START: u64 = 500;
 /// Seeds in the bounded swarm of `cargo test` (enough for a zombie fenced
 /// by a takeover's raise while its record is open, about 0.3 % of seeds).
 const SWARM_SEEDS: u64 = 500;
@@ -90,7 +95,7 @@ fn failures(report: &iop_sim::SwarmReport) -> String {
 
 #[test]
 fn bounded_swarm_holds_every_invariant() {
-    let report = swarm(&SwarmOptions::new(0, SWARM_SEEDS, SWARM_STEPS));
+    let report = swarm(&SwarmOptions::new(SWARM_START, SWARM_SEEDS, SWARM_STEPS));
     assert!(
         report.failures.is_empty(),
         "{} of {SWARM_SEEDS} seeds failed:\n{}",
