@@ -460,10 +460,7 @@ impl Link {
     /// Carry out the machine's outputs; `Some` ends the connection.
     async fn drain(&mut self, send: &mut FramedSend) -> Option<LinkEnd> {
         let mut end = None;
-        loop {
-            let Some(out) = self.machine.poll_output(self.clock.now()) else {
-                break;
-            };
+        while let Some(out) = self.machine.poll_output(self.clock.now()) {
             match out {
                 NodeLinkOutput::CancelParked(c) => {
                     let found = self.shared.parking.cancel_parked(c.key, &c.response_id);
