@@ -1100,6 +1100,26 @@ async fn a_response_an_older_build_stored_with_its_history_is_still_continued_r_
 /// is small).
 #[tokio::test]
 async fn retrieves_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
+    large_answers_are_held_to_the_keys_share(reqwest::Method::GET, "").await;
+}
+
+/// R-LIM-6: the object a cancel answers (here of a response that had
+/// already ended: its object as it ended) is built within the key's share
+/// of request memory as a retrieve's is: many at once of one large answer
+/// fill the share and the rest get a fast 503 `server_busy`, while another
+/// key's cancel is served. A background response's first object is built
+/// by the same read (`held_responses_object` in `stored.rs`).
+#[tokio::test]
+async fn cancels_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
+    large_answers_are_held_to_the_keys_share(reqwest::Method::POST, "/cancel").await;
+}
+
+/// 32 concurrent `method` requests of one key to
+/// `/v1/responses/{id}{suffix}` of one large answer (that had already
+/// ended) and one of another key's to its own: some of the first key's are
+/// served, the rest refused at once with 503 `server_busy`, the other
+/// key's served; afterwards the first key is served again.
+async fn large_answers_are_held_to_the_keys_share(method: reqwest::Method, suffix: &'static str) {
     /// The key's share of request memory.
     const SHARE: usize = 4 * 1024 * 1024;
     const READERS: usize = 32;
@@ -1130,102 +1150,29 @@ async fn retrieves_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
             let object = json_of(&r.text().await.unwrap());
             ids.push(object["id"].as_str().unwrap().to_owned());
         }
-        let retrieve = |key: &'static str, id: String, start: Arc<tokio::sync::Barrier>| {
-            let (client, url) = (client.clone(), d.url(&format!("/v1/responses/{id}")));
+        let read = |key: &'static str, id: String, start: Arc<tokio::sync::Barrier>| {
+            let (client, url) = (
+                client.clone(),
+                d.url(&format!("/v1/responses/{id}{suffix}")),
+            );
+            let method = method.clone();
             tokio::spawn(async move {
                 start.wait().await;
-                let r = client.get(url).bearer_auth(key).send().await.unwrap();
+                let r = client
+                    .request(method, url)
+                    .bearer_auth(key)
+                    .send()
+                    .await
+                    .unwrap();
                 let status = r.status().as_u16();
                 (status, r.text().await.unwrap())
             })
         };
         let start = Arc::new(tokio::sync::Barrier::new(READERS + 2));
         let mine: Vec<_> = (0..READERS)
-            .map(|_| retrieve(KEY, ids[0].clone(), start.clone()))
+            .map(|_| read(KEY, ids[0].clone(), start.clone()))
             .collect();
-        let other = retrieve(OTHER_KEY, ids[1].clone(), start.clone());
-        start.wait().await;
-        let (mut served, mut refused) = (0, 0);
-        for task in mine {
-            let (status, body) = task.await.unwrap();
-            match status {
-                200 => {
-                    assert_eq!(json_of(&body)["status"], "completed");
-                    assert!(body.len() > SHARE / 8, "the whole answer: {} B", body.len());
-                    served += 1;
-                }
-                503 => {
-                    assert_eq!(json_of(&body)["error"]["code"], "server_busy", "{body}");
-                    refused += 1;
-                }
-                other => panic!("{other}: {body}"),
-            }
-        }
-        eprintln!("{READERS} concurrent retrieves of one key: {served} served, {refused} refused");
-        assert!(served >= 1, "the share holds one answer at least");
-        assert!(refused >= 1, "the rest do not fit the key's share");
-        // Another key's share is its own.
-        let (status, body) = other.await.unwrap();
-        assert_eq!(status, 200, "another key is served: {body}");
-        // Done, their share is back.
-        let (status, body) = d.get(&format!("/v1/responses/{}", ids[0]), KEY, &[]).await;
-        assert_eq!(status, 200, "{body}");
-        d.shutdown().await;
-    })
-    .await;
-}
-
-/// R-LIM-6: the object a cancel answers (here of a response that had
-/// already ended: its object as it ended) is built within the key's share
-/// of request memory as a retrieve's is: many at once of one large answer
-/// fill the share and the rest get a fast 503 `server_busy`, while another
-/// key's cancel is served. A background response's first object is built
-/// by the same read (`held_responses_object` in `stored.rs`).
-#[tokio::test]
-async fn cancels_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
-    const SHARE: usize = 4 * 1024 * 1024;
-    const CANCELS: usize = 32;
-    bounded(async {
-        let pki = Pki::new(&["node-1"]);
-        let script = MockScript {
-            tokens: 100_000,
-            ..MockScript::default()
-        };
-        let d = Deployment::start_with(
-            &pki,
-            script,
-            &format!("max_body_bytes = 65536\nrequest_memory_bytes_per_key = {SHARE}\n"),
-            "",
-        )
-        .await;
-        let client = reqwest::Client::new();
-        let mut ids = Vec::new();
-        for key in [KEY, OTHER_KEY] {
-            let r = client
-                .post(d.url("/v1/responses"))
-                .bearer_auth(key)
-                .json(&json!({"model": "m", "input": "long"}))
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            let object = json_of(&r.text().await.unwrap());
-            ids.push(object["id"].as_str().unwrap().to_owned());
-        }
-        let cancel = |key: &'static str, id: String, start: Arc<tokio::sync::Barrier>| {
-            let (client, url) = (client.clone(), d.url(&format!("/v1/responses/{id}/cancel")));
-            tokio::spawn(async move {
-                start.wait().await;
-                let r = client.post(url).bearer_auth(key).send().await.unwrap();
-                let status = r.status().as_u16();
-                (status, r.text().await.unwrap())
-            })
-        };
-        let start = Arc::new(tokio::sync::Barrier::new(CANCELS + 2));
-        let mine: Vec<_> = (0..CANCELS)
-            .map(|_| cancel(KEY, ids[0].clone(), start.clone()))
-            .collect();
-        let other = cancel(OTHER_KEY, ids[1].clone(), start.clone());
+        let other = read(OTHER_KEY, ids[1].clone(), start.clone());
         start.wait().await;
         let (mut served, mut refused) = (0, 0);
         for task in mine {
@@ -1243,11 +1190,17 @@ async fn cancels_of_a_large_answer_are_held_to_the_keys_share_r_lim_6() {
                 other => panic!("{other}: {body}"),
             }
         }
-        eprintln!("{CANCELS} concurrent cancels of one key: {served} served, {refused} refused");
+        eprintln!(
+            "{READERS} concurrent {method} {suffix} of one key: {served} served, {refused} refused"
+        );
         assert!(served >= 1, "the share holds one answer at least");
         assert!(refused >= 1, "the rest do not fit the key's share");
+        // Another key's share is its own.
         let (status, body) = other.await.unwrap();
         assert_eq!(status, 200, "another key is served: {body}");
+        // Done, their share is back.
+        let (status, body) = d.get(&format!("/v1/responses/{}", ids[0]), KEY, &[]).await;
+        assert_eq!(status, 200, "{body}");
         d.shutdown().await;
     })
     .await;
