@@ -61,7 +61,8 @@ use std::time::Duration;
 use iop_core::edge::admission::RequestId;
 use iop_core::edge::request::{Delivery, RequestInput};
 use iop_core::tenant::{
-    AdmitRequest, CounterKey, Held, Meter, Subject, Tenants, TenantsInput, TenantsOutput, TokenUse,
+    AdmitRequest, CounterKey, Held, Limits, Meter, ModelLimits, Subject, Tenants, TenantsInput,
+    TenantsOutput, TokenUse,
 };
 use iop_wire::RunEventKind;
 
@@ -214,40 +215,11 @@ fn principal_of<'a>(profile: &'a TenantProfile, subject: &'a Subject) -> &'a str
 /// The subjects whose concurrency limits apply to `request`, with the
 /// limit (R-TEN-1).
 fn concurrent_subjects(request: &AdmitRequest) -> Vec<(Subject, u64)> {
-    let model = request.model.clone();
-    [
-        (
-            Subject::Key(request.key.clone()),
-            request.key_limits.concurrent_requests,
-        ),
-        (
-            Subject::Principal(request.principal.clone()),
-            request.principal_limits.concurrent_requests,
-        ),
-        (
-            Subject::KeyModel {
-                key: request.key.clone(),
-                model: model.clone(),
-            },
-            request
-                .key_limits
-                .for_model(&model)
-                .and_then(|l| l.concurrent_requests),
-        ),
-        (
-            Subject::PrincipalModel {
-                principal: request.principal.clone(),
-                model: model.clone(),
-            },
-            request
-                .principal_limits
-                .for_model(&model)
-                .and_then(|l| l.concurrent_requests),
-        ),
-    ]
-    .into_iter()
-    .filter_map(|(s, limit)| Some((s, limit?)))
-    .collect()
+    subjects(
+        request,
+        |l| l.concurrent_requests,
+        |l| l.concurrent_requests,
+    )
 }
 
 /// The subjects whose requests per minute apply to `request`, with the
@@ -255,25 +227,37 @@ fn concurrent_subjects(request: &AdmitRequest) -> Vec<(Subject, u64)> {
 /// model (R-TEN-1), read from the limits themselves, not from what the
 /// machine counted.
 fn rated_subjects(request: &AdmitRequest) -> Vec<(Subject, u64)> {
+    subjects(
+        request,
+        |l| l.requests_per_minute,
+        |l| l.requests_per_minute,
+    )
+}
+
+/// The key, the principal and each one's subject for the request's model,
+/// with the limit `whole` or `per_model` reads from its limits (subjects
+/// without that limit left out).
+fn subjects(
+    request: &AdmitRequest,
+    whole: fn(&Limits) -> Option<u64>,
+    per_model: fn(&ModelLimits) -> Option<u64>,
+) -> Vec<(Subject, u64)> {
     let model = request.model.clone();
     [
         (
             Subject::Key(request.key.clone()),
-            request.key_limits.requests_per_minute,
+            whole(&request.key_limits),
         ),
         (
             Subject::Principal(request.principal.clone()),
-            request.principal_limits.requests_per_minute,
+            whole(&request.principal_limits),
         ),
         (
             Subject::KeyModel {
                 key: request.key.clone(),
                 model: model.clone(),
             },
-            request
-                .key_limits
-                .for_model(&model)
-                .and_then(|l| l.requests_per_minute),
+            request.key_limits.for_model(&model).and_then(per_model),
         ),
         (
             Subject::PrincipalModel {
@@ -283,7 +267,7 @@ fn rated_subjects(request: &AdmitRequest) -> Vec<(Subject, u64)> {
             request
                 .principal_limits
                 .for_model(&model)
-                .and_then(|l| l.requests_per_minute),
+                .and_then(per_model),
         ),
     ]
     .into_iter()
