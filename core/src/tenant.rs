@@ -717,6 +717,9 @@ pub struct Tenants {
     store_down: BTreeSet<Subject>,
     /// Admissions waiting for a claim, per key ([`MAX_CLAIM_WAITERS`]).
     claim_waiters: BTreeMap<String, u32>,
+    /// The Edge is stopping ([`Tenants::hand_back`]): every slot goes
+    /// back, nothing more is asked for.
+    stopping: bool,
     outputs: VecDeque<TenantsOutput>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
@@ -734,6 +737,7 @@ impl Tenants {
             reservations: BTreeMap::new(),
             store_down: BTreeSet::new(),
             claim_waiters: BTreeMap::new(),
+            stopping: false,
             outputs: VecDeque::new(),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
@@ -1254,7 +1258,7 @@ impl Tenants {
     /// at a time per counter): it is how the Edge learns the store is back,
     /// while the request it was made for is refused (budgets fail closed).
     fn claim_for(&mut self, key: &CounterKey, amount: u64, limit: u64) -> bool {
-        if amount > limit {
+        if amount > limit || self.stopping {
             return false;
         }
         let chunk = self.chunk(limit);
@@ -1291,7 +1295,7 @@ impl Tenants {
         let Some(holding) = self.holdings.get_mut(key) else {
             return;
         };
-        if holding.claiming.is_some() || holding.exhausted {
+        if holding.claiming.is_some() || holding.exhausted || self.stopping {
             return;
         }
         let left = holding.granted.saturating_sub(holding.used);
@@ -1408,6 +1412,61 @@ impl Tenants {
         self.slots.get(subject).map_or(0, |s| s.granted)
     }
 
+    /// The Edge is stopping, its requests drained (R-TEN-1, R-TEN-3): give
+    /// back every concurrency slot it holds, so other Edges get them at
+    /// once instead of when its lease lapses. Emits a
+    /// [`TenantsOutput::HoldSlots`] of nothing for each subject it holds
+    /// slots of (one whose ask is on its way gives back when that is
+    /// answered); from then on it asks for nothing: no slot, no further
+    /// chunk of a window, no admission on credit. [`Self::handed_back`]
+    /// says when the store has taken everything back.
+    ///
+    /// The chunks of the windowed counters (requests, tokens, spend) are
+    /// not given back: a counter is one total of what every Edge claimed,
+    /// so a give-back would be a decrement, and one applied twice (retried
+    /// after its answer was lost) would let the Edges claim past the limit.
+    /// What a stopped Edge held of a window and did not use stays claimed
+    /// until the window ends.
+    pub fn hand_back(&mut self) {
+        self.stopping = true;
+        let held: Vec<Subject> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.granted > 0 && s.asking.is_none())
+            .map(|(subject, _)| subject.clone())
+            .collect();
+        for subject in held {
+            let limit = self.slots.get(&subject).map_or(0, |s| s.limit);
+            self.ask_back(&subject, limit);
+        }
+    }
+
+    /// Whether this Edge, stopping, holds no slot and has no ask on its
+    /// way ([`Self::hand_back`]): the store has taken back all it held, or
+    /// its last ask failed (then its lease lapses).
+    pub fn handed_back(&self) -> bool {
+        self.stopping
+            && self
+                .slots
+                .values()
+                .all(|s| s.granted == 0 && s.asking.is_none())
+    }
+
+    /// Ask the store to hold none of `subject`'s slots for this Edge.
+    fn ask_back(&mut self, subject: &Subject, limit: u64) {
+        let Some(slots) = self.slots.get_mut(subject) else {
+            return;
+        };
+        slots.asking = Some(0);
+        slots.next_ask = None;
+        self.outputs.push_back(TenantsOutput::HoldSlots {
+            counter: Self::slot_counter(subject),
+            want: 0,
+            limit,
+            lease_ms: self.cfg.slot_lease_ms,
+        });
+    }
+
     /// The gauge of `subject`'s concurrency limit.
     pub fn slot_counter(subject: &Subject) -> CounterKey {
         CounterKey {
@@ -1438,7 +1497,11 @@ impl Tenants {
         // While a smaller holding is asked for, only that is counted on.
         let granted = slots.map_or(0, |s| s.granted.min(s.asking.unwrap_or(u64::MAX)));
         let full = slots.and_then(|s| s.full_until).is_some_and(|t| now < t);
-        let credit = if full { 0 } else { self.chunk(limit) };
+        let credit = if full || self.stopping {
+            0
+        } else {
+            self.chunk(limit)
+        };
         n < granted + credit
     }
 
@@ -1471,6 +1534,9 @@ impl Tenants {
         if slots.asking.is_some() {
             return true;
         }
+        if self.stopping {
+            return false;
+        }
         if more && (n >= slots.limit || slots.full_until.is_some_and(|t| now < t)) {
             return false;
         }
@@ -1495,6 +1561,16 @@ impl Tenants {
             return;
         };
         if slots.asking.is_some() || slots.limit == 0 {
+            return;
+        }
+        if self.stopping {
+            // Stopping: everything goes back, whatever is in flight (its
+            // requests end with this process; a takeover counts a durable
+            // one again where it continues).
+            if slots.granted > 0 {
+                let limit = slots.limit;
+                self.ask_back(subject, limit);
+            }
             return;
         }
         let chunk = self.chunk(slots.limit);
@@ -1569,7 +1645,11 @@ impl Tenants {
                 && slots
                     .last_used
                     .is_none_or(|t| now >= t.saturating_add(idle));
-            let want = if idle { 0 } else { slots.granted.max(n) };
+            let want = if idle || self.stopping {
+                0
+            } else {
+                slots.granted.max(n)
+            };
             slots.asking = Some(want);
             slots.next_ask = None;
             self.outputs.push_back(TenantsOutput::HoldSlots {
@@ -1762,6 +1842,9 @@ impl Tenants {
         }
     }
 }
+
+#[cfg(test)]
+mod test_world;
 
 #[cfg(test)]
 mod tests;

@@ -464,7 +464,8 @@ impl RunningEdge {
     }
 
     /// Stop accepting clients and let in-flight responses finish (at most
-    /// `[edge] drain_timeout_ms`), then close every node connection with
+    /// `[edge] drain_timeout_ms`), give back the tenants' concurrency slots
+    /// this Edge holds (within 2 s), then close every node connection with
     /// `shutdown`, wait briefly for the closes to go out, and push the final
     /// metrics to the OTLP collector when one is configured.
     pub async fn shutdown(self) {
@@ -479,6 +480,9 @@ impl RunningEdge {
         let _ = self.http_task.await;
         // What the drained requests settled (R-TEN-5).
         self.tenancy.flush_usage().await;
+        // The concurrency slots this Edge holds go back now, not when its
+        // lease lapses (R-TEN-1, R-TEN-3).
+        self.tenancy.hand_back(crate::tenancy::CLAIM_TIMEOUT).await;
         // Refuse new handshakes first: nodes keep dialing while we drain.
         self.endpoint.set_server_config(None);
         self.endpoint.close(

@@ -502,6 +502,46 @@ impl Tenancy {
         self.send_claims(claims);
     }
 
+    /// Give back every concurrency slot this Edge holds (R-TEN-1,
+    /// R-TEN-3), at shutdown once its requests drained: core's
+    /// [`Tenants::hand_back`] says what goes back; each give-back is
+    /// carried to the store and answered as any ask is, until the machine
+    /// holds nothing or `within` is over (what is left then lapses with
+    /// its lease).
+    pub async fn hand_back(self: &Arc<Self>, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        let asks = {
+            let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+            let now = self.clock.now();
+            machine.machine_mut().hand_back();
+            machine.drain_all(now)
+        };
+        self.send_claims(asks);
+        loop {
+            // Listening before looking: an answer between the two wakes it.
+            let answered = self.claims_answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            let done = self
+                .machine
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .machine()
+                .handed_back();
+            if done {
+                tracing::info!(event = "edge_tenant_slots_handed_back");
+                return;
+            }
+            if tokio::time::timeout_at(deadline, answered).await.is_err() {
+                tracing::warn!(
+                    event = "edge_tenant_slots_hand_back_timed_out",
+                    "the slots not given back come back when their lease lapses"
+                );
+                return;
+            }
+        }
+    }
+
     fn answered(self: &Arc<Self>, input: TenantsInput) {
         let ok = match &input {
             TenantsInput::Claimed { granted, .. } => granted.is_some(),

@@ -19,7 +19,7 @@ mod common;
 #[path = "../../store-nats/tests/support/mod.rs"]
 mod nats;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -65,7 +65,7 @@ struct Deployment {
 impl Deployment {
     /// Start the Node first (it dials until the Edge is there), then the
     /// Edge; `journal` is the Edge's `[journal]` section.
-    async fn start(node_program: PathBuf, journal: &str) -> Deployment {
+    async fn start(journal: &str) -> Deployment {
         let pki = Pki::new(&["node-1"]);
         write_secret(&pki.path().join("key"), KEY);
         let mock = MockServer::start(MockScript {
@@ -75,31 +75,11 @@ impl Deployment {
         .await
         .unwrap();
         let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
-        let config = pki.path().join("edge-a.toml");
-        std::fs::write(&config, edge_toml(quic_port, http_port, journal)).unwrap();
-        let node_config = pki.path().join("node-1.toml");
-        std::fs::write(
-            &node_config,
-            node_toml(
-                "node-1",
-                &[format!("127.0.0.1:{quic_port}")],
-                &mock.base_url(),
-            ),
-        )
-        .unwrap();
-        let mut node = Component {
-            name: "node-1".into(),
-            program: node_program,
-            config: node_config,
-            child: None,
-        };
+        let toml = edge_toml(quic_port, http_port, journal);
+        let mut edge = Component::edge(&pki, "edge-a", &toml);
+        let edges = [format!("127.0.0.1:{quic_port}")];
+        let mut node = Component::node(&pki, "node-1", &edges, &mock.base_url());
         node.start();
-        let mut edge = Component {
-            name: "edge-a".into(),
-            program: PathBuf::from(env!("CARGO_BIN_EXE_iop-edge")),
-            config,
-            child: None,
-        };
         edge.start();
         Deployment {
             pki,
@@ -237,7 +217,7 @@ async fn an_edge_started_while_nats_is_stopped_serves_at_once_and_durable_once_n
     };
     server.kill();
     // Built (or found up to date) before the test's clock starts.
-    let node_program = node_binary();
+    node_binary();
     bounded(async {
         let journal_section = format!(
             r#"[journal]
@@ -252,7 +232,7 @@ tenant_bucket_max_bytes = 8388608
             server.url()
         );
         let started = Instant::now();
-        let d = Deployment::start(node_program, &journal_section).await;
+        let d = Deployment::start(&journal_section).await;
         let took = d.until_ephemeral_served(started).await;
         // The Edge and its node connection up: seconds, not the store's
         // connect bound over and over.
@@ -304,14 +284,14 @@ tenant_bucket_max_bytes = 8388608
 /// aside here) durable requests are served without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unopenable_journal_file_degrades_and_is_opened_once_it_can_be() {
-    let node_program = node_binary();
+    node_binary();
     bounded(async {
         let pki_dir = tempfile::tempdir().unwrap();
         let file = pki_dir.path().join("journal.redb");
         std::fs::write(&file, vec![0xa5_u8; 64 * 1024]).unwrap();
         let journal_section = format!("[journal]\npath = \"{}\"\n", file.display());
         let started = Instant::now();
-        let d = Deployment::start(node_program, &journal_section).await;
+        let d = Deployment::start(&journal_section).await;
         let took = d.until_ephemeral_served(started).await;
         assert!(took < Duration::from_secs(10), "took {took:?}");
         let (status, body) = d.post("/v1/responses", &durable()).await;
@@ -358,9 +338,9 @@ fn damage_record(path: &Path, id: &str) {
 /// quarantined (counted, shown) and the rest is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_journal_file_with_one_damaged_record_opens_quarantines_it_and_serves_the_rest() {
-    let node_program = node_binary();
+    node_binary();
     bounded(async {
-        let mut d = Deployment::start(node_program, "[journal]\n").await;
+        let mut d = Deployment::start("[journal]\n").await;
         d.until_ephemeral_served(Instant::now()).await;
         let mut ids = Vec::new();
         for _ in 0..3 {

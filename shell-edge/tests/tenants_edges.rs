@@ -15,7 +15,9 @@
 //!   streams over both Edges: the provider never sees more than 4 + the
 //!   bound (Edges x chunk) at once, another key is served meanwhile, and
 //!   the slots of an Edge killed with SIGKILL come back within
-//!   `slot_lease_ms` (R-TEN-1 across Edges).
+//!   `slot_lease_ms` (R-TEN-1 across Edges); an Edge stopped with SIGTERM
+//!   gives its slots back as it stops, so the other gets them long before
+//!   the lease.
 //! * A key created through one Edge works on the other within
 //!   `key_sync_ms`, a key revoked on the other is refused on the first
 //!   within it, and an Edge killed with SIGKILL and restarted keeps the
@@ -29,7 +31,6 @@ mod common;
 mod nats;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -46,6 +47,9 @@ const CONCURRENT: &str = "sk-tenants-edges-concurrent-0123456789";
 const CONCURRENT_LIMIT: u64 = 4;
 /// `[tenants] slot_lease_ms`: a dead Edge's slots come back within it.
 const SLOT_LEASE_MS: u64 = 2_000;
+/// The lease of the hand-back test: long, so that slots back within a few
+/// seconds can only have been given back.
+const LONG_SLOT_LEASE_MS: u64 = 30_000;
 /// The limited key's requests per minute.
 const RPM: u64 = 60;
 /// The budgeted principal's budget, micro-units (1 a token).
@@ -56,7 +60,13 @@ const CHUNK_FRACTION: f64 = 0.1;
 const KEY_SYNC_MS: u64 = 500;
 const EDGES: u64 = 2;
 
-fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
+fn edge_toml(
+    edge_id: &str,
+    nats_url: &str,
+    quic_port: u16,
+    http_port: u16,
+    slot_lease_ms: u64,
+) -> String {
     let head = edge_head_toml(edge_id, quic_port, http_port);
     format!(
         r#"
@@ -80,7 +90,7 @@ tenant_bucket_max_bytes = 8388608
 chunk_fraction = {CHUNK_FRACTION}
 key_sync_ms = {KEY_SYNC_MS}
 usage_flush_ms = 200
-slot_lease_ms = {SLOT_LEASE_MS}
+slot_lease_ms = {slot_lease_ms}
 [[providers]]
 id = "p1"
 node = "node-1"
@@ -145,6 +155,16 @@ impl Deployment {
 
     /// The deployment with the mock provider playing `script`.
     async fn start_with(server: &NatsServer, script: MockScript) -> Deployment {
+        Self::start_leased(server, script, SLOT_LEASE_MS).await
+    }
+
+    /// [`Self::start_with`], the Edges' `[tenants] slot_lease_ms` at
+    /// `slot_lease_ms`.
+    async fn start_leased(
+        server: &NatsServer,
+        script: MockScript,
+        slot_lease_ms: u64,
+    ) -> Deployment {
         let pki = Pki::new(&["node-1"]);
         for (file, key) in [
             ("admin", ADMIN),
@@ -170,25 +190,12 @@ impl Deployment {
         let mut edges = Vec::new();
         for (i, (q, h)) in ports.iter().enumerate() {
             let id = format!("edge-{}", i + 1);
-            let config = pki.path().join(format!("{id}.toml"));
-            std::fs::write(&config, edge_toml(&id, &server.url(), *q, *h)).unwrap();
-            let mut edge = Component {
-                name: id,
-                program: PathBuf::from(env!("CARGO_BIN_EXE_iop-edge")),
-                config,
-                child: None,
-            };
+            let toml = edge_toml(&id, &server.url(), *q, *h, slot_lease_ms);
+            let mut edge = Component::edge(&pki, &id, &toml);
             edge.start();
             edges.push(edge);
         }
-        let config = pki.path().join("node-1.toml");
-        std::fs::write(&config, node_toml("node-1", &quic, &mock.base_url())).unwrap();
-        let mut node = Component {
-            name: "node-1".into(),
-            program: node_binary(),
-            config,
-            child: None,
-        };
+        let mut node = Component::node(&pki, "node-1", &quic, &mock.base_url());
         node.start();
         let d = Deployment {
             edges,
@@ -205,50 +212,8 @@ impl Deployment {
 
     /// Until `edge` answers and sees the node ready.
     async fn wait_ready(&self, edge: &str) {
-        let client = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let ready = match client
-                .get(format!("{edge}/status"))
-                .bearer_auth(ADMIN)
-                .send()
-                .await
-            {
-                Ok(r) => r
-                    .text()
-                    .await
-                    .unwrap_or_default()
-                    .contains("\"node_ready\":true"),
-                Err(_) => false,
-            };
-            if ready {
-                return;
-            }
-            if Instant::now() >= deadline {
-                let logs: Vec<String> = self
-                    .edges
-                    .iter()
-                    .chain([&self.node])
-                    .map(|c| {
-                        let log = std::fs::read_to_string(c.config.with_extension("log"))
-                            .unwrap_or_default();
-                        let tail: Vec<&str> = log
-                            .lines()
-                            .filter(|l| !l.starts_with("  "))
-                            .rev()
-                            .take(12)
-                            .collect();
-                        format!(
-                            "{}:\n{}",
-                            c.name,
-                            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                        )
-                    })
-                    .collect();
-                panic!("{edge} not ready; logs:\n{}", logs.join("\n"));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let components: Vec<&Component> = self.edges.iter().chain([&self.node]).collect();
+        wait_node_ready(edge, ADMIN, &components).await;
     }
 
     async fn stop(mut self) {
@@ -715,6 +680,109 @@ async fn r_ten_1_a_keys_requests_in_flight_are_held_across_edges_and_a_dead_edge
             "the first Edge reached the limit {whole:?} after the kill"
         );
         println!("the first Edge had all {CONCURRENT_LIMIT} slots {whole:?} after the kill");
+        d.stop().await;
+    })
+    .await;
+}
+
+/// R-TEN-1, R-TEN-3: an Edge stopped with SIGTERM while it holds a key's
+/// every slot gives them back as it stops (its requests drained): the other
+/// Edge gets the whole limit within seconds, not after `slot_lease_ms`
+/// (30 s here; SIGKILLed, it would wait that long).
+#[tokio::test]
+async fn r_ten_1_an_edge_stopped_with_sigterm_hands_its_slots_back_at_once() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded_long(async {
+        // Each answer streams for about 10 s.
+        let mut d = Deployment::start_leased(
+            &server,
+            MockScript {
+                tokens: 100,
+                tokens_per_second: 10.0,
+                ..MockScript::default()
+            },
+            LONG_SLOT_LEASE_MS,
+        )
+        .await;
+        let client = reqwest::Client::new();
+        let stop = Arc::new(AtomicBool::new(false));
+        let active: Arc<Vec<AtomicU64>> = Arc::new((0..EDGES).map(|_| AtomicU64::new(0)).collect());
+        // Clients of the key on `edge` until `stop`.
+        let spawn_clients = |edge: usize, n: usize| {
+            (0..n)
+                .map(|_| {
+                    let (client, url) = (client.clone(), d.http[edge].clone());
+                    let (stop, active) = (stop.clone(), active.clone());
+                    tokio::spawn(async move {
+                        while !stop.load(Ordering::SeqCst) {
+                            if held_stream(&client, &url, CONCURRENT, &active[edge])
+                                .await
+                                .is_err()
+                            {
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                        }
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        // The second Edge takes the key's every slot.
+        let mut clients = spawn_clients(1, CONCURRENT_LIMIT as usize);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while active[1].load(Ordering::SeqCst) < CONCURRENT_LIMIT {
+            assert!(
+                Instant::now() < deadline,
+                "the second Edge never held the limit"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // The first Edge's clients wait for slots: the store has none left,
+        // so it admits at most its chunk on credit (R-TEN-3's bound).
+        clients.extend(spawn_clients(0, CONCURRENT_LIMIT as usize));
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let before = active[0].load(Ordering::SeqCst);
+        assert!(
+            before < CONCURRENT_LIMIT,
+            "the limit is held on the second Edge: the first runs {before}"
+        );
+        // The second Edge stops.
+        let stopped = Instant::now();
+        d.edges[1].terminate(Duration::from_secs(10)).await;
+        let exited = stopped.elapsed();
+        let mut whole = None;
+        while stopped.elapsed() < Duration::from_millis(LONG_SLOT_LEASE_MS) {
+            if active[0].load(Ordering::SeqCst) >= CONCURRENT_LIMIT {
+                whole = Some(stopped.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        stop.store(true, Ordering::SeqCst);
+        for c in clients {
+            c.abort();
+        }
+        let whole = whole.expect("the stopped Edge's slots never came back within the lease");
+        // The first Edge's refusals of a moment ago (the store said full:
+        // it asks again a second later) and its clients' retries.
+        assert!(
+            whole <= Duration::from_secs(5),
+            "the first Edge reached the limit {whole:?} after the second's SIGTERM (lease \
+             {LONG_SLOT_LEASE_MS} ms)"
+        );
+        let log =
+            std::fs::read_to_string(d.edges[1].config.with_extension("log")).unwrap_or_default();
+        assert!(
+            log.contains("edge_tenant_slots_handed_back"),
+            "the stopping Edge says it gave its slots back"
+        );
+        println!(
+            "the first Edge had all {CONCURRENT_LIMIT} slots {whole:?} after the second was sent \
+             SIGTERM (it exited after {exited:?})"
+        );
         d.stop().await;
     })
     .await;

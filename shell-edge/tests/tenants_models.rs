@@ -19,7 +19,6 @@ mod common;
 #[path = "../../store-nats/tests/support/mod.rs"]
 mod nats;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -103,24 +102,10 @@ impl Deployment {
         .await
         .unwrap();
         let (quic, http) = (free_udp_port(), free_tcp_port());
-        let config = pki.path().join("edge-1.toml");
-        std::fs::write(&config, edge_toml(quic, http, journal)).unwrap();
-        let mut edge = Component {
-            name: "edge-1".into(),
-            program: PathBuf::from(env!("CARGO_BIN_EXE_iop-edge")),
-            config,
-            child: None,
-        };
+        let mut edge = Component::edge(&pki, "edge-1", &edge_toml(quic, http, journal));
         edge.start();
-        let config = pki.path().join("node-1.toml");
         let edges = [format!("127.0.0.1:{quic}")];
-        std::fs::write(&config, node_toml("node-1", &edges, &mock.base_url())).unwrap();
-        let mut node = Component {
-            name: "node-1".into(),
-            program: node_binary(),
-            config,
-            child: None,
-        };
+        let mut node = Component::node(&pki, "node-1", &edges, &mock.base_url());
         node.start();
         let d = Deployment {
             edge,
@@ -135,32 +120,7 @@ impl Deployment {
 
     /// Until the Edge answers and sees the node ready.
     async fn wait_ready(&self) {
-        let client = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let ready = match client
-                .get(format!("{}/status", self.http))
-                .bearer_auth(ADMIN)
-                .send()
-                .await
-            {
-                Ok(r) => r
-                    .text()
-                    .await
-                    .unwrap_or_default()
-                    .contains("\"node_ready\":true"),
-                Err(_) => false,
-            };
-            if ready {
-                return;
-            }
-            if Instant::now() >= deadline {
-                let log = std::fs::read_to_string(self.edge.config.with_extension("log"))
-                    .unwrap_or_default();
-                panic!("the Edge is not ready; its log:\n{log}");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_node_ready(&self.http, ADMIN, &[&self.edge, &self.node]).await;
     }
 
     async fn chat(&self, key: &str, model: &str) -> reqwest::Response {

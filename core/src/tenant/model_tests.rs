@@ -1,30 +1,15 @@
 //! Limits per model (R-TEN-1), step by step with a manual clock, and as
 //! properties over many Edges sharing one counter store.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 
-use super::tests::{Store, T0, at};
+use super::test_world::{Step, Store, T0, World, at, step};
 use super::*;
 
 fn request(ticket: u64, model: &str, unix_ms: u64) -> AdmitRequest {
-    AdmitRequest {
-        ticket,
-        key: "k1".into(),
-        principal: "p1".into(),
-        key_limits: Limits::default(),
-        principal_limits: Limits::default(),
-        price: None,
-        prompt_tokens_max: 10,
-        output_tokens_max: 20,
-        unix_ms,
-        model: model.into(),
-        durable: false,
-        background: false,
-        key_held: Held::default(),
-        principal_held: Held::default(),
-    }
+    super::test_world::request(ticket, "k1", "p1", model, unix_ms)
 }
 
 fn per_model(model: &str, limits: ModelLimits) -> Limits {
@@ -226,28 +211,6 @@ fn r_ten_1_a_models_requests_in_flight_are_limited_and_freed_when_settled() {
     assert_eq!(edge.admit(at(1), &ask(5, "a")), Ok(()));
 }
 
-#[derive(Debug, Clone)]
-enum Step {
-    /// A request for model `m` (0: a, 1: b) at Edge `edge`.
-    Admit { edge: usize, m: usize },
-    /// The store answers Edge `edge`'s claims (or fails them).
-    Serve { edge: usize, fail: bool },
-    /// The oldest request for model `m` at Edge `edge` ends, using
-    /// `frac`/8 of its output reservation.
-    Settle { edge: usize, m: usize, frac: u64 },
-    /// Time passes.
-    Tick { ms: u64 },
-}
-
-fn step() -> impl Strategy<Value = Step> {
-    prop_oneof![
-        4 => (0..4usize, 0..2usize).prop_map(|(edge, m)| Step::Admit { edge, m }),
-        3 => (0..4usize, prop::bool::weighted(0.05)).prop_map(|(edge, fail)| Step::Serve { edge, fail }),
-        2 => (0..4usize, 0..2usize, 0..=8u64).prop_map(|(edge, m, frac)| Step::Settle { edge, m, frac }),
-        1 => (0..20_000u64).prop_map(|ms| Step::Tick { ms }),
-    ]
-}
-
 const MODELS: [&str; 2] = ["a", "b"];
 const MODEL_RPM: u64 = 30;
 const MODEL_TPM: u64 = 900;
@@ -271,70 +234,45 @@ fn limits() -> (Limits, Limits) {
 /// admitted per (model, minute).
 type Outcome = (Vec<Vec<Result<(), Refusal>>>, BTreeMap<(usize, u64), u64>);
 
-/// Run `steps` on `edges` Edges (`only`: that model's steps alone).
+/// Run `steps` on `edges` Edges (`only`: that model's steps alone; `who`
+/// of a step is the model).
 fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
-    let cfg = TenantsConfig {
-        chunk_fraction: 0.1,
-        local_share: 0.5,
-        ..TenantsConfig::default()
-    };
     let (key_limits, principal_limits) = limits();
-    let mut machines: Vec<Tenants> = (0..edges).map(|_| Tenants::new(cfg)).collect();
-    let mut pending: Vec<Vec<TenantsOutput>> = vec![Vec::new(); edges];
-    let mut store = Store::default();
-    let mut open: Vec<VecDeque<(u64, usize)>> = vec![VecDeque::new(); edges];
+    let mut world = World::new(edges);
     let mut decisions = vec![Vec::new(), Vec::new()];
     let mut per_minute = BTreeMap::new();
-    let mut ms = 0u64;
-    let mut ticket = 0u64;
     for s in steps {
         match *s {
-            Step::Admit { edge, m } => {
+            Step::Admit { edge, who: m } => {
                 if only.is_some_and(|o| o != m) {
                     continue;
                 }
-                let e = edge % edges;
-                ticket += 1;
-                let mut r = request(ticket, MODELS[m], T0 + ms);
-                r.key_limits = key_limits.clone();
-                r.principal_limits = principal_limits.clone();
-                let answer = machines[e].admit(at(ms), &r);
+                let answer = world.admit(edge, m, |ticket, unix_ms| {
+                    let mut r = request(ticket, MODELS[m], unix_ms);
+                    r.key_limits = key_limits.clone();
+                    r.principal_limits = principal_limits.clone();
+                    r
+                });
                 if answer.is_ok() {
-                    open[e].push_back((ticket, m));
-                    *per_minute.entry((m, (T0 + ms) / MINUTE_MS)).or_default() += 1;
+                    *per_minute
+                        .entry((m, (T0 + world.ms) / MINUTE_MS))
+                        .or_default() += 1;
                 }
                 decisions[m].push(answer);
-                pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
             }
-            Step::Serve { edge, fail } => {
-                let e = edge % edges;
-                store.down = fail;
-                for out in std::mem::take(&mut pending[e]) {
-                    let input = store.answer_as(&format!("edge-{e}"), out);
-                    machines[e].handle_input(at(ms), input);
-                }
-                pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
-            }
-            Step::Settle { edge, m, frac } => {
-                let e = edge % edges;
-                let oldest = open[e].iter().position(|(_, q)| *q == m);
-                if let Some((t, _)) = oldest.and_then(|i| open[e].remove(i)) {
-                    let used = TokenUse {
+            Step::Serve { edge, fail } => world.serve(edge, fail),
+            Step::Settle { edge, who: m, frac } => {
+                world.settle(
+                    edge,
+                    m,
+                    TokenUse {
                         input: 10,
                         output: 20 * frac / 8,
                         ..TokenUse::default()
-                    };
-                    machines[e].settle(at(ms), t, used);
-                    pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
-                }
+                    },
+                );
             }
-            Step::Tick { ms: d } => {
-                ms += d;
-                for (e, m) in machines.iter_mut().enumerate() {
-                    m.handle_timeout(at(ms));
-                    pending[e].extend(std::iter::from_fn(|| m.poll_output()));
-                }
-            }
+            Step::Tick { ms } => world.tick(ms),
         }
     }
     (decisions, per_minute)

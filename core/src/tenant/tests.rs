@@ -7,100 +7,12 @@ use proptest::prelude::*;
 
 use super::*;
 
-/// A minute's start: the tests' wall clock (shared by the sibling test
-/// modules).
-pub(super) const T0: u64 = 1_800_000_000_000 - 1_800_000_000_000 % MINUTE_MS;
-
-pub(super) fn at(ms: u64) -> Instant {
-    Instant::from_millis(ms)
-}
-
-/// The shared store: claimed per counter, every claim decided by
-/// `check_claim`.
-#[derive(Default)]
-pub(super) struct Store {
-    pub(super) claimed: BTreeMap<CounterKey, u64>,
-    pub(super) down: bool,
-    /// Concurrency gauges, and the store's wall clock for their leases.
-    pub(super) slots: BTreeMap<CounterKey, slots::SlotBook>,
-    pub(super) unix_ms: u64,
-}
-
-impl Store {
-    pub(super) fn answer(&mut self, out: TenantsOutput) -> TenantsInput {
-        self.answer_as("edge", out)
-    }
-
-    /// Answer `out` of the Edge `holder` (its id in concurrency gauges).
-    pub(super) fn answer_as(&mut self, holder: &str, out: TenantsOutput) -> TenantsInput {
-        let (counter, amount, limit) = match out {
-            TenantsOutput::Claim {
-                counter,
-                amount,
-                limit,
-            } => (counter, amount, limit),
-            TenantsOutput::HoldSlots {
-                counter,
-                want,
-                limit,
-                lease_ms,
-            } => {
-                if self.down {
-                    return TenantsInput::SlotsHeld {
-                        counter,
-                        held: None,
-                    };
-                }
-                let book = self.slots.entry(counter.clone()).or_default();
-                let held = book.hold(holder, want, limit, self.unix_ms, lease_ms);
-                return TenantsInput::SlotsHeld {
-                    counter,
-                    held: Some(held),
-                };
-            }
-        };
-        if self.down {
-            return TenantsInput::Claimed {
-                counter,
-                granted: None,
-            };
-        }
-        let claimed = self.claimed.entry(counter.clone()).or_default();
-        let (total, granted) = check_claim(*claimed, amount, limit);
-        *claimed = total;
-        TenantsInput::Claimed {
-            counter,
-            granted: Some(granted),
-        }
-    }
-
-    /// Answer every claim of `edge` at once.
-    pub(super) fn serve(&mut self, edge: &mut Tenants, now: Instant) {
-        let holder = format!("edge-{:p}", edge as *const Tenants);
-        while let Some(out) = edge.poll_output() {
-            let input = self.answer_as(&holder, out);
-            edge.handle_input(now, input);
-        }
-    }
-}
+// The sibling test modules take these from here too.
+use super::test_world::{Step, World, step};
+pub(super) use super::test_world::{Store, T0, at};
 
 fn request(ticket: u64, key: &str, principal: &str, unix_ms: u64) -> AdmitRequest {
-    AdmitRequest {
-        ticket,
-        key: key.into(),
-        principal: principal.into(),
-        key_limits: Limits::default(),
-        principal_limits: Limits::default(),
-        price: None,
-        prompt_tokens_max: 10,
-        output_tokens_max: 20,
-        unix_ms,
-        model: "m".into(),
-        durable: false,
-        background: false,
-        key_held: Held::default(),
-        principal_held: Held::default(),
-    }
+    super::test_world::request(ticket, key, principal, "m", unix_ms)
 }
 
 fn rpm(limit: u64) -> Limits {
@@ -318,29 +230,6 @@ fn r_ten_3_with_the_store_down_budgets_fail_closed_and_rates_take_a_local_share(
     assert!(edge.admit(at(0), &r).is_ok());
 }
 
-/// One step of a world of Edges sharing a store.
-#[derive(Debug, Clone)]
-enum Step {
-    /// A request at Edge `edge` for principal `p` (0 or 1).
-    Admit { edge: usize, p: usize },
-    /// The store answers Edge `edge`'s claims (or fails them).
-    Serve { edge: usize, fail: bool },
-    /// The oldest request of principal `p` at Edge `edge` ends, using
-    /// `frac`/8 of its output reservation.
-    Settle { edge: usize, p: usize, frac: u64 },
-    /// Time passes.
-    Tick { ms: u64 },
-}
-
-fn step() -> impl Strategy<Value = Step> {
-    prop_oneof![
-        4 => (0..4usize, 0..2usize).prop_map(|(edge, p)| Step::Admit { edge, p }),
-        3 => (0..4usize, prop::bool::weighted(0.05)).prop_map(|(edge, fail)| Step::Serve { edge, fail }),
-        2 => (0..4usize, 0..2usize, 0..=8u64).prop_map(|(edge, p, frac)| Step::Settle { edge, p, frac }),
-        1 => (0..20_000u64).prop_map(|ms| Step::Tick { ms }),
-    ]
-}
-
 const RPM: u64 = 40;
 const BUDGET: u64 = 600;
 
@@ -359,17 +248,10 @@ fn limits() -> Limits {
 /// admitted per (principal, minute), and each principal's spend.
 type Outcome = (Vec<Vec<bool>>, BTreeMap<(usize, u64), u64>, [u64; 2]);
 
-/// Run `steps` on `edges` Edges (`only`: that principal's steps alone).
+/// Run `steps` on `edges` Edges (`only`: that principal's steps alone;
+/// `who` of a step is the principal).
 fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
-    let cfg = TenantsConfig {
-        chunk_fraction: 0.1,
-        local_share: 0.5,
-        ..TenantsConfig::default()
-    };
-    let mut machines: Vec<Tenants> = (0..edges).map(|_| Tenants::new(cfg)).collect();
-    let mut pending: Vec<Vec<TenantsOutput>> = vec![Vec::new(); edges];
-    let mut store = Store::default();
-    let mut open: Vec<VecDeque<(u64, usize)>> = vec![VecDeque::new(); edges];
+    let mut world = World::new(edges);
     let mut decisions = vec![Vec::new(), Vec::new()];
     let mut per_minute = BTreeMap::new();
     let mut spend = [0u64; 2];
@@ -379,71 +261,49 @@ fn world(edges: usize, steps: &[Step], only: Option<usize>) -> Outcome {
         cache_write_per_mtok: 1_000_000,
         output_per_mtok: 1_000_000,
     };
-    let mut ms = 0u64;
-    let mut ticket = 0u64;
     for s in steps {
         match *s {
-            Step::Admit { edge, p } => {
+            Step::Admit { edge, who: p } => {
                 if only.is_some_and(|o| o != p) {
                     continue;
                 }
-                let e = edge % edges;
-                ticket += 1;
-                let mut r = request(ticket, &format!("k{p}"), &format!("p{p}"), T0 + ms);
-                r.principal_limits = limits();
-                r.price = Some(price);
-                let ok = machines[e].admit(at(ms), &r).is_ok();
+                let ok = world
+                    .admit(edge, p, |ticket, unix_ms| {
+                        let mut r = request(ticket, &format!("k{p}"), &format!("p{p}"), unix_ms);
+                        r.principal_limits = limits();
+                        r.price = Some(price);
+                        r
+                    })
+                    .is_ok();
                 decisions[p].push(ok);
                 if ok {
-                    open[e].push_back((ticket, p));
-                    *per_minute.entry((p, (T0 + ms) / MINUTE_MS)).or_default() += 1;
+                    *per_minute
+                        .entry((p, (T0 + world.ms) / MINUTE_MS))
+                        .or_default() += 1;
                 }
-                pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
             }
-            Step::Serve { edge, fail } => {
-                let e = edge % edges;
-                store.down = fail;
-                for out in std::mem::take(&mut pending[e]) {
-                    let input = store.answer(out);
-                    machines[e].handle_input(at(ms), input);
-                }
-                pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
-            }
-            Step::Settle { edge, p, frac } => {
-                let e = edge % edges;
-                let oldest = open[e].iter().position(|(_, q)| *q == p);
-                if let Some((t, p)) = oldest.and_then(|i| open[e].remove(i)) {
-                    let used = TokenUse {
-                        input: 10,
-                        cached_input: 0,
-                        cache_write_input: 0,
-                        output: 20 * frac / 8,
-                    };
+            Step::Serve { edge, fail } => world.serve(edge, fail),
+            Step::Settle { edge, who: p, frac } => {
+                let used = TokenUse {
+                    input: 10,
+                    output: 20 * frac / 8,
+                    ..TokenUse::default()
+                };
+                if world.settle(edge, p, used) {
                     spend[p] += used.cost(&price);
-                    machines[e].settle(at(ms), t, used);
-                    pending[e].extend(std::iter::from_fn(|| machines[e].poll_output()));
                 }
             }
-            Step::Tick { ms: d } => {
-                ms += d;
-                for m in &mut machines {
-                    m.handle_timeout(at(ms));
-                }
-            }
+            Step::Tick { ms } => world.tick(ms),
         }
     }
     // Everything still open ends having used its whole reservation.
-    for (e, q) in open.iter_mut().enumerate() {
-        while let Some((t, p)) = q.pop_front() {
-            let used = TokenUse {
-                input: 10,
-                cached_input: 0,
-                cache_write_input: 0,
-                output: 20,
-            };
-            spend[p] += used.cost(&price);
-            machines[e].settle(at(ms), t, used);
-        }
+    let whole = TokenUse {
+        input: 10,
+        output: 20,
+        ..TokenUse::default()
+    };
+    for p in world.settle_all(whole) {
+        spend[p] += whole.cost(&price);
     }
     (decisions, per_minute, spend)
 }
@@ -814,11 +674,7 @@ proptest! {
                     }
                 }
                 _ => {
-                    let holder = format!("edge-{edge}");
-                    while let Some(out) = machines[edge].poll_output() {
-                        let input = store.answer_as(&holder, out);
-                        machines[edge].handle_input(at(now), input);
-                    }
+                    store.serve_as(&format!("edge-{edge}"), &mut machines[edge], now);
                 }
             }
             let in_flight: u64 = machines.iter().map(|m| m.in_flight(&key)).sum();
@@ -850,17 +706,11 @@ fn r_ten_1_a_dead_edges_slots_come_back_when_its_lease_lapses() {
         r.key_limits = concurrent(4);
         r
     };
-    let serve = |store: &mut Store, m: &mut Tenants, holder: &str, now: u64| {
-        while let Some(out) = m.poll_output() {
-            let input = store.answer_as(holder, out);
-            m.handle_input(at(now), input);
-        }
-    };
     let key = Subject::Key("k1".into());
     let mut a = Tenants::new(cfg);
     for t in 1..=4 {
         assert_eq!(a.admit(at(0), &ask(t, T0)), Ok(()));
-        serve(&mut store, &mut a, "a", 0);
+        store.serve_as("a", &mut a, 0);
     }
     assert_eq!(a.slots_held(&key), 4);
     assert!(
@@ -871,7 +721,7 @@ fn r_ten_1_a_dead_edges_slots_come_back_when_its_lease_lapses() {
     let mut b = Tenants::new(cfg);
     // One on credit; the store has nothing to give.
     assert_eq!(b.admit(at(10), &ask(1, T0 + 10)), Ok(()));
-    serve(&mut store, &mut b, "b", 10);
+    store.serve_as("b", &mut b, 10);
     assert_eq!(b.slots_held(&key), 0);
     let refusal = b.admit(at(20), &ask(2, T0 + 20)).unwrap_err();
     assert!(
@@ -884,10 +734,10 @@ fn r_ten_1_a_dead_edges_slots_come_back_when_its_lease_lapses() {
     store.unix_ms = T0 + later;
     let refusal = b.admit(at(later), &ask(3, T0 + later)).unwrap_err();
     assert!(refusal.claim_pending, "asked the store again");
-    serve(&mut store, &mut b, "b", later);
+    store.serve_as("b", &mut b, later);
     for t in 3..=5 {
         assert_eq!(b.admit(at(later), &ask(t, T0 + later)), Ok(()), "{t}");
-        serve(&mut store, &mut b, "b", later);
+        store.serve_as("b", &mut b, later);
     }
     assert_eq!(b.in_flight(&key), 4);
     assert_eq!(b.slots_held(&key), 4);
@@ -895,12 +745,97 @@ fn r_ten_1_a_dead_edges_slots_come_back_when_its_lease_lapses() {
     for t in [1, 3, 4, 5] {
         b.release(at(later), t);
     }
-    serve(&mut store, &mut b, "b", later);
+    store.serve_as("b", &mut b, later);
     let renew = later + lease / 3 + 1;
     store.unix_ms = T0 + renew;
     assert!(b.poll_timeout().is_some_and(|t| t <= at(renew)));
     b.handle_timeout(at(renew));
-    serve(&mut store, &mut b, "b", renew);
+    store.serve_as("b", &mut b, renew);
     assert_eq!(b.slots_held(&key), 0);
     assert!(store.slots.values().all(|book| book.is_empty(T0 + renew)));
+}
+
+/// R-TEN-1, R-TEN-3: an Edge that stops after its requests drained gives
+/// back every slot it holds at once: another Edge gets the whole limit
+/// without waiting for the stopped Edge's lease. Stopping, it asks for
+/// nothing more (no slot, no chunk of a window, no admission on credit),
+/// and an ask on its way when it stops gives back once it is answered.
+#[test]
+fn r_ten_1_a_stopping_edge_hands_back_its_slots_at_once() {
+    let cfg = TenantsConfig::default();
+    let mut store = Store {
+        unix_ms: T0,
+        ..Store::default()
+    };
+    let ask = |ticket: u64, key: &str| {
+        let mut r = request(ticket, key, "p1", T0);
+        r.key_limits = Limits {
+            requests_per_minute: Some(100),
+            ..concurrent(4)
+        };
+        r
+    };
+    let key = Subject::Key("k1".into());
+    let mut a = Tenants::new(cfg);
+    for t in 1..=3 {
+        assert_eq!(a.admit(at(0), &ask(t, "k1")), Ok(()));
+        store.serve_as("a", &mut a, 0);
+    }
+    assert_eq!(a.slots_held(&key), 4, "three in flight and a chunk spare");
+    let mut b = Tenants::new(cfg);
+    assert_eq!(b.admit(at(0), &ask(1, "k1")), Ok(()), "one on credit");
+    store.serve_as("b", &mut b, 0);
+    assert_eq!(b.slots_held(&key), 0, "a holds the whole limit");
+    assert!(!a.handed_back(), "not stopping");
+
+    // The requests drained (one still running counts nothing past the
+    // process's end); the Edge stops.
+    a.release(at(5), 1);
+    a.release(at(5), 2);
+    store.serve_as("a", &mut a, 0);
+    a.hand_back();
+    assert!(!a.handed_back(), "the store has not answered yet");
+    assert_eq!(store.serve_as("a", &mut a, 0), 1, "one give-back");
+    assert!(a.handed_back());
+    assert_eq!(a.slots_held(&key), 0);
+    assert_eq!(
+        store.slots.values().map(|b| b.total(T0)).sum::<u64>(),
+        0,
+        "in the store at once, not when a's lease lapses"
+    );
+    // The last request ends; stopping, a asks for nothing more, not even
+    // the next chunk of a window, and admits nothing on credit.
+    a.release(at(6), 3);
+    assert_eq!(store.serve_as("a", &mut a, 0), 0);
+    assert!(a.admit(at(6), &ask(9, "k1")).is_err());
+    assert_eq!(store.serve_as("a", &mut a, 0), 0);
+    a.handle_timeout(at(cfg.slot_lease_ms));
+    assert_eq!(store.serve_as("a", &mut a, 0), 0, "no renewal either");
+
+    // b gets the whole limit now, once the store's "full" of a moment ago
+    // is over, well before a's lease would lapse.
+    let now = SLOTS_FULL_MS + 1;
+    assert!(now < cfg.slot_lease_ms / 2);
+    store.unix_ms = T0 + now;
+    for t in 2..=4 {
+        if b.admit(at(now), &ask(t, "k1")).is_err() {
+            store.serve_as("b", &mut b, 0);
+            assert_eq!(b.admit(at(now), &ask(t, "k1")), Ok(()), "{t}");
+        }
+        store.serve_as("b", &mut b, 0);
+    }
+    assert_eq!(b.in_flight(&key), 4);
+    assert_eq!(b.slots_held(&key), 4);
+
+    // An ask on its way when the Edge stops: given back once answered.
+    let mut c = Tenants::new(cfg);
+    assert_eq!(c.admit(at(20), &ask(1, "k2")), Ok(()));
+    c.hand_back();
+    assert_eq!(
+        store.serve_as("c", &mut c, 0),
+        3,
+        "the window's claim and the ask made before, then the give-back"
+    );
+    assert!(c.handed_back());
+    assert_eq!(c.slots_held(&Subject::Key("k2".into())), 0);
 }

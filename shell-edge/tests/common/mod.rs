@@ -355,6 +355,50 @@ pub struct Component {
 }
 
 impl Component {
+    /// An `iop-edge` process named `name`, its config `toml` written to
+    /// `<name>.toml` in `pki`'s directory (its log beside it); not started.
+    pub fn edge(pki: &Pki, name: &str, toml: &str) -> Component {
+        let config = pki.path().join(format!("{name}.toml"));
+        std::fs::write(&config, toml).expect("edge config");
+        Component {
+            name: name.to_owned(),
+            program: PathBuf::from(env!("CARGO_BIN_EXE_iop-edge")),
+            config,
+            child: None,
+        }
+    }
+
+    /// The `iop-node` process `node` ([`node_binary`]) dialing every Edge
+    /// of `edges`, its one provider the OpenAI-compatible server at
+    /// `mock_url` ([`node_toml`]); not started.
+    pub fn node(pki: &Pki, node: &str, edges: &[String], mock_url: &str) -> Component {
+        let config = pki.path().join(format!("{node}.toml"));
+        std::fs::write(&config, node_toml(node, edges, mock_url)).expect("node config");
+        Component {
+            name: node.to_owned(),
+            program: node_binary(),
+            config,
+            child: None,
+        }
+    }
+
+    /// The last `lines` lines of its log (indented continuation lines
+    /// left out), named.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(self.config.with_extension("log")).unwrap_or_default();
+        let tail: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.starts_with("  "))
+            .rev()
+            .take(lines)
+            .collect();
+        format!(
+            "{}:\n{}",
+            self.name,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        )
+    }
+
     pub fn start(&mut self) {
         // Each run's log is kept beside its config, for a failure's story.
         let log = std::fs::OpenOptions::new()
@@ -375,6 +419,23 @@ impl Component {
 
     pub async fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    /// Stop it as an operator does (SIGTERM: a graceful shutdown) and wait
+    /// until it exited, at most `within` (then it is killed).
+    pub async fn terminate(&mut self, within: Duration) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if let Some(pid) = child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        if tokio::time::timeout(within, child.wait()).await.is_err() {
             let _ = child.start_kill();
             let _ = child.wait().await;
         }
@@ -430,4 +491,35 @@ target = "t"
 base_url = "{mock_url}"
 "#
     )
+}
+
+/// Until the Edge at `http` answers `/status` (read with `key`) and sees a
+/// node ready, at most 30 s; past that, panic with the tail of each of
+/// `components`' logs.
+pub async fn wait_node_ready(http: &str, key: &str, components: &[&Component]) {
+    let client = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = match client
+            .get(format!("{http}/status"))
+            .bearer_auth(key)
+            .send()
+            .await
+        {
+            Ok(r) => r
+                .text()
+                .await
+                .unwrap_or_default()
+                .contains("\"node_ready\":true"),
+            Err(_) => false,
+        };
+        if ready {
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            let logs: Vec<String> = components.iter().map(|c| c.log_tail(12)).collect();
+            panic!("{http} not ready; logs:\n{}", logs.join("\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
