@@ -112,7 +112,10 @@ impl AppState {
                 tenant_store,
                 &traces,
             )),
-            reads: crate::store_reads::ReadSlots::new(config.journal.read_limits()),
+            reads: crate::store_reads::ReadSlots::new(
+                config.journal.read_limits(),
+                metrics.clone(),
+            ),
             config,
             metrics,
             durable,

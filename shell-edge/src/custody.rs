@@ -37,9 +37,12 @@ use tokio::sync::mpsc;
 
 use crate::driver::{DriverContext, DurableRun, Takeover, Work};
 use crate::durable::{Durable, LiveCommand, StoredRequest};
+use crate::store_reads::{ReadSlots, TakeoverReadSlot};
 
-/// Store operations of the custody in flight at once; the rest queue.
-const MAX_STORE_OPS_IN_FLIGHT: usize = 16;
+/// Store operations of the custody in flight at once; the rest queue. As
+/// many as the takeovers' share of store reads (R-LIM-6), so a read always
+/// finds its place.
+const MAX_STORE_OPS_IN_FLIGHT: usize = iop_core::edge::store_reads::TAKEOVER_READS_IN_FLIGHT;
 
 /// Events read from the store at a time for a continuation's prefix.
 const EVENTS_BATCH: usize = 256;
@@ -94,6 +97,9 @@ pub struct CustodyTask {
     custody: Driven<Custody>,
     clock: Clock,
     record_run: RecordRun,
+    /// The Edge's store readers: a takeover's reads take places of their
+    /// own share (R-LIM-6).
+    reads: ReadSlots,
     /// What each record read ran as, until the custody starts it or lets
     /// it go.
     runs: HashMap<String, (Vec<ProviderId>, Work)>,
@@ -111,12 +117,14 @@ struct Answered {
 
 impl CustodyTask {
     /// The custody of `durable`'s Edge, set up by `config`; `first`: the
-    /// unfinished records read at start (the start fails without them).
+    /// unfinished records read at start (the start fails without them);
+    /// its store reads counted in `reads`' takeover share.
     pub fn new(
         durable: Arc<Durable>,
         config: iop_core::edge::custody::CustodyConfig,
         first: Vec<RecordMeta>,
         record_run: RecordRun,
+        reads: ReadSlots,
         traces: &TraceFiles,
     ) -> Self {
         let clock = Clock::new();
@@ -135,6 +143,7 @@ impl CustodyTask {
             durable,
             clock,
             record_run,
+            reads,
             runs: HashMap::new(),
             first: Some(first),
             queued: VecDeque::new(),
@@ -283,16 +292,34 @@ impl CustodyTask {
         self.durable
             .publish_scan(self.custody.machine().scan(), self.clock.now());
         while self.in_flight.len() < MAX_STORE_OPS_IN_FLIGHT {
+            let Some(op) = self.queued.front() else {
+                break;
+            };
+            // R-LIM-6: a read (a scan, a record and the conversation it
+            // continues, its events) holds a place of the takeovers' share
+            // until it is done; none free, it waits for one to end.
+            let place = if op.reads() {
+                match self.reads.begin_takeover() {
+                    Some(place) => Some(place),
+                    None => break,
+                }
+            } else {
+                None
+            };
             let Some(op) = self.queued.pop_front() else {
                 break;
             };
-            let answered = self.execute(op);
+            let answered = self.execute(op, place);
             self.in_flight.push(answered);
         }
     }
 
     /// Run one store operation; its answer is the custody's input.
-    fn execute(&mut self, op: StoreOp) -> BoxFuture<'static, Answered> {
+    fn execute(
+        &mut self,
+        op: StoreOp,
+        place: Option<TakeoverReadSlot>,
+    ) -> BoxFuture<'static, Answered> {
         let durable = self.durable.clone();
         let store = durable.store().clone();
         if let (StoreOp::Unfinished { .. }, Some(first)) = (&op, self.first.take()) {
@@ -312,6 +339,8 @@ impl CustodyTask {
         }
         let record_run = self.record_run.clone();
         Box::pin(async move {
+            // Given back when the operation is done.
+            let _place = place;
             let plain = |answer| Answered { answer, run: None };
             match op {
                 StoreOp::Unfinished { hint } => {
@@ -648,6 +677,12 @@ mod tests {
             config,
             first,
             record_run(continuation),
+            ReadSlots::new(
+                iop_core::edge::store_reads::ReadLimits::default(),
+                crate::metrics::EdgeMetrics::new(
+                    iop_transport::telemetry::MetricsPipeline::prometheus_only("iop-edge"),
+                ),
+            ),
             &TraceFiles::off(),
         );
         (task, Arc::new(Mutex::new(Vec::new())))

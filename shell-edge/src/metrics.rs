@@ -77,6 +77,10 @@ pub const RECOVERY_RESULTS: &[&str] = &[
 /// Client connection outcomes (`outcome` label): admitted, or refused by
 /// [`RefusedBy`].
 pub const CLIENT_CONNECTION_OUTCOMES: &[&str] = &["admitted", "source_share", "cap"];
+
+/// The `bound` label of `iop_edge_store_reads_refused_total`: core's
+/// `ReadRefusal::as_str` (R-LIM-6).
+pub const STORE_READ_BOUNDS: &[&str] = &["key", "principal", "total", "takeover"];
 /// Token directions (`kind` label of the token counter).
 pub const TOKEN_KINDS: &[&str] = &["input", "output"];
 /// The `model` label of a request whose model matched no configured route
@@ -153,6 +157,7 @@ pub struct EdgeMetrics {
     journal_write_retries: Counter<u64>,
     client_connections: Counter<u64>,
     client_connections_evicted: Counter<u64>,
+    store_reads_refused: Counter<u64>,
     genai_token_usage: Histogram<u64>,
     genai_cache_read_tokens: Counter<u64>,
     genai_cache_write_tokens: Counter<u64>,
@@ -305,6 +310,12 @@ impl EdgeMetrics {
                 .u64_counter("iop_edge_client_connections")
                 .with_description(
                     "Client TCP connections accepted, by outcome: admitted, or refused (a fast 503) by the source's share or the cap (R-LIM-1)",
+                )
+                .build(),
+            store_reads_refused: meter
+                .u64_counter("iop_edge_store_reads_refused")
+                .with_description(
+                    "Store reads refused at once (a fast 503 server_busy), by the bound that refused them: the key's, the principal's, the Edge's total, or the takeovers' share (R-LIM-6)",
                 )
                 .build(),
             client_connections_evicted: meter
@@ -500,6 +511,10 @@ impl EdgeMetrics {
                 .add(0, &[KeyValue::new("outcome", *outcome)]);
         }
         self.client_connections_evicted.add(0, &[]);
+        for bound in STORE_READ_BOUNDS {
+            self.store_reads_refused
+                .add(0, &[KeyValue::new("bound", *bound)]);
+        }
         for reason in CloseCode::ALL {
             self.generation_fences
                 .add(0, &[KeyValue::new("reason", reason.as_str())]);
@@ -782,6 +797,13 @@ impl EdgeMetrics {
         }
     }
 
+    /// A store read was refused by `bound` (R-LIM-6; one of
+    /// [`STORE_READ_BOUNDS`], never a key or principal: R-OBS-1).
+    pub fn store_read_refused(&self, bound: &'static str) {
+        self.store_reads_refused
+            .add(1, &[KeyValue::new("bound", bound)]);
+    }
+
     /// A generation was fenced.
     pub fn fence(&self, reason: &'static str) {
         self.generation_fences
@@ -848,5 +870,14 @@ mod tests {
         let mut expected = vec!["admitted"];
         expected.extend(RefusedBy::ALL.iter().map(|r| r.as_str()));
         assert_eq!(CLIENT_CONNECTION_OUTCOMES, expected.as_slice());
+    }
+
+    #[test]
+    fn the_store_read_bounds_are_every_refusal_r_lim_6() {
+        let bounds: Vec<&str> = iop_core::edge::store_reads::ReadRefusal::ALL
+            .iter()
+            .map(|r| r.as_str())
+            .collect();
+        assert_eq!(STORE_READ_BOUNDS, bounds.as_slice());
     }
 }

@@ -318,6 +318,7 @@ impl RunningEdge {
             let (ctx, durable) = (state.driver_context().clone(), durable.clone());
             let traces = traces.clone();
             let start_state = state.clone();
+            let reads = state.reads().clone();
             tokio::spawn(async move {
                 let Ok(unfinished) = first_scan.await else {
                     return;
@@ -327,6 +328,7 @@ impl RunningEdge {
                     custody_config,
                     unfinished,
                     record_run,
+                    reads,
                     &traces,
                 );
                 task.run(parked, move |mut start| {

@@ -3,7 +3,9 @@
 //! holds while it reads the journal (a retrieve, `input_items`, a cancel
 //! or delete, a `previous_response_id` conversation), given back when
 //! dropped. A reader over a bound is answered 503 `server_busy` with
-//! `Retry-After`, as a request over its principal's memory share.
+//! `Retry-After`, as a request over its principal's memory share, and
+//! counted in `iop_edge_store_reads_refused_total{bound}`. The custody's
+//! takeover reads take places of their own share ([`ReadSlots::begin_takeover`]).
 
 use std::sync::{Arc, Mutex};
 
@@ -12,11 +14,29 @@ use iop_core::edge::store_reads::{ReadLimits, ReadRefusal, StoreReads};
 use crate::api::ApiError;
 use crate::api::error::ErrorKind;
 use crate::config::ApiKey;
+use crate::metrics::EdgeMetrics;
 
 /// Every reader in flight (cheap to clone: one shared registry).
 #[derive(Debug, Clone)]
 pub struct ReadSlots {
     reads: Arc<Mutex<StoreReads>>,
+    metrics: Arc<EdgeMetrics>,
+}
+
+/// A takeover reader's place in the takeovers' share; given back when
+/// dropped.
+#[derive(Debug)]
+pub struct TakeoverReadSlot {
+    reads: Arc<Mutex<StoreReads>>,
+}
+
+impl Drop for TakeoverReadSlot {
+    fn drop(&mut self) {
+        self.reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .end_takeover();
+    }
 }
 
 /// One reader's place; the place is given back when dropped.
@@ -28,10 +48,31 @@ pub struct ReadSlot {
 }
 
 impl ReadSlots {
-    /// No reader in flight, under `limits` (validated at config load).
-    pub fn new(limits: ReadLimits) -> Self {
+    /// No reader in flight, under `limits` (validated at config load);
+    /// refusals counted in `metrics`.
+    pub fn new(limits: ReadLimits, metrics: Arc<EdgeMetrics>) -> Self {
         Self {
             reads: Arc::new(Mutex::new(StoreReads::new(limits))),
+            metrics,
+        }
+    }
+
+    /// A place for one of the custody's takeover reads (R-LIM-6: their own
+    /// share, never a client's), or `None` while the share is in use.
+    pub fn begin_takeover(&self) -> Option<TakeoverReadSlot> {
+        let begun = self
+            .reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .begin_takeover();
+        match begun {
+            Ok(()) => Some(TakeoverReadSlot {
+                reads: self.reads.clone(),
+            }),
+            Err(refusal) => {
+                self.metrics.store_read_refused(refusal.as_str());
+                None
+            }
         }
     }
 
@@ -53,7 +94,10 @@ impl ReadSlots {
                 principal: principal.to_owned(),
                 key: key_id.to_owned(),
             }),
-            Err(refusal) => Err(refused(refusal)),
+            Err(refusal) => {
+                self.metrics.store_read_refused(refusal.as_str());
+                Err(refused(refusal))
+            }
         }
     }
 
@@ -81,7 +125,7 @@ fn refused(refusal: ReadRefusal) -> ApiError {
     let whose = match refusal {
         ReadRefusal::Key => "This key has",
         ReadRefusal::Principal => "This key's owner has",
-        ReadRefusal::Total => "The server has",
+        ReadRefusal::Total | ReadRefusal::Takeover => "The server has",
     };
     ApiError {
         status: 503,
@@ -100,11 +144,17 @@ mod tests {
 
     #[test]
     fn r_lim_6_a_slot_is_given_back_when_dropped_and_a_refusal_is_503_server_busy() {
-        let slots = ReadSlots::new(ReadLimits {
-            total: 4,
-            per_principal: 2,
-            per_key: 1,
-        });
+        let metrics = EdgeMetrics::new(iop_transport::telemetry::MetricsPipeline::prometheus_only(
+            "iop-edge",
+        ));
+        let slots = ReadSlots::new(
+            ReadLimits {
+                total: 4,
+                per_principal: 2,
+                per_key: 1,
+            },
+            metrics.clone(),
+        );
         let first = slots.begin_as("p", "k").unwrap();
         let refused = slots.begin_as("p", "k").unwrap_err();
         assert_eq!(refused.status, 503);
@@ -114,5 +164,22 @@ mod tests {
         drop(first);
         assert_eq!(slots.in_flight(), 0);
         assert!(slots.begin_as("p", "k").is_ok());
+        // R-OBS-1: the refusal is counted by its bound, never its key.
+        let text = metrics.render();
+        assert!(
+            text.contains("iop_edge_store_reads_refused_total{bound=\"key\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("bound=\"k\""));
+        // Takeovers read in their own share: clients at their bounds do
+        // not hold them up.
+        let _held = slots.begin_as("p", "k").unwrap();
+        let takeovers: Vec<_> = (0..iop_core::edge::store_reads::TAKEOVER_READS_IN_FLIGHT)
+            .map(|_| slots.begin_takeover().expect("a takeover's place"))
+            .collect();
+        assert!(slots.begin_takeover().is_none());
+        assert_eq!(slots.in_flight(), 1, "no client's place taken");
+        drop(takeovers);
+        assert!(slots.begin_takeover().is_some());
     }
 }

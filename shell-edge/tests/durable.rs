@@ -1327,6 +1327,24 @@ async fn one_key_continuing_long_chains_leaves_the_store_to_others_on_nats_r_lim
             refused >= 1,
             "past {PER_PRINCIPAL} readers in flight the key is refused"
         );
+        // R-LIM-6, R-OBS-1: each refusal is counted by its bound, with no
+        // key or principal in the labels.
+        let metrics = d.edge.metrics.render();
+        let counted =
+            iop_edge::metrics::scrape_value(&metrics, "iop_edge_store_reads_refused_total", &[]);
+        assert_eq!(counted as usize, refused, "{metrics}");
+        let by_bound: f64 = ["key", "principal"]
+            .iter()
+            .map(|bound| {
+                iop_edge::metrics::scrape_value(
+                    &metrics,
+                    "iop_edge_store_reads_refused_total",
+                    &[("bound", bound)],
+                )
+            })
+            .sum();
+        assert_eq!(by_bound as usize, refused, "the key's or its principal's bound");
+        assert!(!metrics.contains("tester"), "no principal in the metrics");
         assert!(
             slowest < std::time::Duration::from_secs(5),
             "the other principal is served promptly: slowest {slowest:?}"

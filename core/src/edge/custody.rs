@@ -132,6 +132,25 @@ pub enum StoreOp {
     },
 }
 
+impl StoreOp {
+    /// Whether it reads the store (a scan, a record, its events): a
+    /// takeover's read, which holds a place of the takeovers' own share
+    /// of store reads while it runs
+    /// ([`crate::edge::store_reads::StoreReads::begin_takeover`], R-LIM-6).
+    /// Raising an epoch and writing a terminal are writes.
+    pub fn reads(&self) -> bool {
+        match self {
+            StoreOp::Unfinished { .. }
+            | StoreOp::Leases
+            | StoreOp::Lease { .. }
+            | StoreOp::Record { .. }
+            | StoreOp::Event { .. }
+            | StoreOp::Events { .. } => true,
+            StoreOp::RaiseEpoch { .. } | StoreOp::Finish { .. } => false,
+        }
+    }
+}
+
 /// The store's answer to a [`StoreOp`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -21,6 +21,22 @@
 //!   reader in flight: however many readers the busiest tenants keep
 //!   going, a tenant that reads nothing yet is served.
 //!
+//! The Edge's own reads, a takeover's (R-TAKE-1: the custody reading a
+//! record, its events and the conversation it continues, to adopt or
+//! continue it, and its scans of the unfinished records and the Edges'
+//! leases), have a share of their own, [`TAKEOVER_READS_IN_FLIGHT`]
+//! places beside the clients' [`ReadLimits::total`]
+//! ([`StoreReads::begin_takeover`]): clients reading all they may never
+//! hold a takeover up, and takeovers never take a client's place, so the
+//! store sees at most `total + TAKEOVER_READS_IN_FLIGHT` readers of one
+//! Edge. They are not counted against the record's principal or key: a
+//! tenant reading up to its bounds must not keep its own records, nor
+//! another tenant's, from being taken over, and a takeover is the Edge's
+//! work, not a client's request. Each takeover's reads are bounded (one
+//! record, its events within the record's bytes, at most
+//! [`crate::journal::MAX_CONVERSATION_LINKS`] links), so a takeover waits
+//! for a place for a bounded time, never for good.
+//!
 //! A reader over a bound is refused at once ([`ReadRefusal`]), never
 //! queued; the Edge answers it 503 `server_busy` with `Retry-After`, as a
 //! request over its principal's share of request memory. The counts need
@@ -76,6 +92,11 @@ pub enum ReadLimitsError {
 /// The largest [`ReadLimits::total`].
 pub const MAX_READS_IN_FLIGHT: usize = 65_536;
 
+/// The places of the Edge's own takeover reads, beside the clients'
+/// (R-LIM-6; the custody carries out at most this many store operations
+/// at once).
+pub const TAKEOVER_READS_IN_FLIGHT: usize = 16;
+
 impl ReadLimits {
     /// The first bound that is wrong, if any.
     pub fn validate(&self) -> Result<(), ReadLimitsError> {
@@ -102,15 +123,26 @@ pub enum ReadRefusal {
     /// Every place its principal may take is in use (the total, or the
     /// places kept for principals reading nothing).
     Total,
+    /// Every place of the takeovers' share is in use.
+    Takeover,
 }
 
 impl ReadRefusal {
+    /// Every bound, in the order of the metric's label values.
+    pub const ALL: [ReadRefusal; 4] = [
+        ReadRefusal::Key,
+        ReadRefusal::Principal,
+        ReadRefusal::Total,
+        ReadRefusal::Takeover,
+    ];
+
     /// The metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             ReadRefusal::Key => "key",
             ReadRefusal::Principal => "principal",
             ReadRefusal::Total => "total",
+            ReadRefusal::Takeover => "takeover",
         }
     }
 }
@@ -125,6 +157,8 @@ pub struct StoreReads {
     principals: BTreeMap<String, usize>,
     /// Readers in flight by (principal, key id); none, no entry.
     keys: BTreeMap<(String, String), usize>,
+    /// Takeover readers in flight (their own share).
+    takeovers: usize,
 }
 
 impl StoreReads {
@@ -135,6 +169,7 @@ impl StoreReads {
             total: 0,
             principals: BTreeMap::new(),
             keys: BTreeMap::new(),
+            takeovers: 0,
         }
     }
 
@@ -194,6 +229,29 @@ impl StoreReads {
             }
         }
         self.total = self.total.saturating_sub(1);
+    }
+
+    /// May a takeover's reader start (the Edge's own reads of a record it
+    /// adopts or continues, or of its scans)? Counted when it may, in the
+    /// takeovers' own [`TAKEOVER_READS_IN_FLIGHT`] places: never refused
+    /// for the clients' reads, and never taking their places.
+    pub fn begin_takeover(&mut self) -> Result<(), ReadRefusal> {
+        if self.takeovers >= TAKEOVER_READS_IN_FLIGHT {
+            return Err(ReadRefusal::Takeover);
+        }
+        self.takeovers += 1;
+        Ok(())
+    }
+
+    /// A takeover's reader [`StoreReads::begin_takeover`] let start is
+    /// done.
+    pub fn end_takeover(&mut self) {
+        self.takeovers = self.takeovers.saturating_sub(1);
+    }
+
+    /// Takeover readers in flight.
+    pub fn takeovers_in_flight(&self) -> usize {
+        self.takeovers
     }
 
     /// Readers in flight across every principal.
@@ -261,6 +319,36 @@ mod tests {
     }
 
     #[test]
+    fn r_lim_6_takeover_reads_have_a_share_of_their_own() {
+        let mut reads = StoreReads::new(limits(10, 4, 4));
+        // Clients read all they may: a takeover still reads.
+        for p in ["a", "a", "a", "a", "b", "b", "c", "d", "e", "f"] {
+            assert_eq!(reads.begin(p, "k"), Ok(()));
+        }
+        assert_eq!(reads.begin("g", "k"), Err(ReadRefusal::Total));
+        for _ in 0..TAKEOVER_READS_IN_FLIGHT {
+            assert_eq!(reads.begin_takeover(), Ok(()));
+        }
+        // Takeovers read all they may: refused past their share, and they
+        // took no client's place.
+        assert_eq!(reads.begin_takeover(), Err(ReadRefusal::Takeover));
+        assert_eq!(reads.takeovers_in_flight(), TAKEOVER_READS_IN_FLIGHT);
+        assert_eq!(reads.in_flight(), 10, "the clients' count is theirs");
+        reads.end("c", "k");
+        assert_eq!(reads.begin("g", "k"), Ok(()), "a client's place");
+        reads.end_takeover();
+        assert_eq!(reads.begin_takeover(), Ok(()));
+        // Not counted against any principal: a principal at its bound
+        // does not hold up a takeover of its records, nor the reverse.
+        assert_eq!(reads.of_principal("a"), 4);
+        for _ in 0..TAKEOVER_READS_IN_FLIGHT {
+            reads.end_takeover();
+        }
+        reads.end_takeover();
+        assert_eq!(reads.takeovers_in_flight(), 0, "never below nothing");
+    }
+
+    #[test]
     fn r_lim_6_ending_what_was_never_begun_changes_nothing() {
         let mut reads = StoreReads::new(limits(10, 2, 1));
         reads.end("p", "k");
@@ -293,17 +381,37 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Whatever readers start and end, no bound is ever passed, and a
+        /// Whatever readers start and end, no bound is ever passed, a
         /// principal reading nothing is refused only when every place is
-        /// in use.
+        /// in use, and takeovers and clients never take each other's
+        /// places.
         #[test]
         fn r_lim_6_no_bound_is_ever_passed(
-            steps in proptest::collection::vec((0u8..4, 0u8..3, proptest::bool::ANY), 0..400)
+            steps in proptest::collection::vec((0u8..5, 0u8..3, proptest::bool::ANY), 0..400)
         ) {
             let l = limits(12, 5, 3);
             let mut reads = StoreReads::new(l);
             let mut held: Vec<(String, String)> = Vec::new();
+            let mut takeovers = 0;
             for (p, k, start) in steps {
+                // Principal 4's steps are a takeover's reads.
+                if p == 4 {
+                    if start {
+                        match reads.begin_takeover() {
+                            Ok(()) => takeovers += 1,
+                            Err(refusal) => {
+                                proptest::prop_assert_eq!(refusal, ReadRefusal::Takeover);
+                                proptest::prop_assert_eq!(takeovers, TAKEOVER_READS_IN_FLIGHT);
+                            }
+                        }
+                    } else if takeovers > 0 {
+                        takeovers -= 1;
+                        reads.end_takeover();
+                    }
+                    proptest::prop_assert_eq!(reads.takeovers_in_flight(), takeovers);
+                    proptest::prop_assert_eq!(reads.in_flight(), held.len());
+                    continue;
+                }
                 let (p, k) = (format!("p{p}"), format!("k{k}"));
                 if start {
                     let idle = reads.of_principal(&p) == 0;

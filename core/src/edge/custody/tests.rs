@@ -667,3 +667,41 @@ fn r_multi_1_a_live_edges_parked_run_is_not_adopted_and_a_dead_ones_is_once_its_
     assert_eq!(adopted, 1, "{out:?}");
     assert_eq!(store.records["r1"].0.owner, ME);
 }
+
+/// R-LIM-6: every store operation of a takeover that reads (the scan, the
+/// record, its events) takes a place of the takeovers' share of store
+/// reads; its writes (raising the epoch, the terminal) do not.
+#[test]
+fn r_lim_6_a_takeovers_reads_take_places_and_its_writes_do_not() {
+    let id = || "resp_0123456789abcdef".to_owned();
+    for op in [
+        StoreOp::Unfinished { hint: true },
+        StoreOp::Leases,
+        StoreOp::Lease {
+            edge_id: "e1".into(),
+        },
+        StoreOp::Record { id: id() },
+        StoreOp::Event { id: id(), seq: 1 },
+        StoreOp::Events { id: id() },
+    ] {
+        assert!(op.reads(), "{op:?}");
+    }
+    for op in [
+        StoreOp::RaiseEpoch {
+            id: id(),
+            expected: 1,
+        },
+        StoreOp::Finish {
+            id: id(),
+            epoch: 2,
+            terminal: Terminal {
+                status: RecordStatus::Incomplete,
+                reason: None,
+                message: None,
+                at_unix_ms: 0,
+            },
+        },
+    ] {
+        assert!(!op.reads(), "{op:?}");
+    }
+}
