@@ -1423,10 +1423,11 @@ impl Tenants {
     ///
     /// The chunks of the windowed counters (requests, tokens, spend) are
     /// not given back: a counter is one total of what every Edge claimed,
-    /// so a give-back would be a decrement, and one applied twice (retried
-    /// after its answer was lost) would let the Edges claim past the limit.
-    /// What a stopped Edge held of a window and did not use stays claimed
-    /// until the window ends.
+    /// so a give-back would be a decrement that must be applied at most
+    /// once (one applied twice, sent again after its answer was lost,
+    /// would let the Edges claim past the limit), which the stores do not
+    /// offer. What a stopped Edge held of a window and did not use stays
+    /// claimed until the window ends.
     pub fn hand_back(&mut self) {
         self.stopping = true;
         let held: Vec<Subject> = self
