@@ -1468,6 +1468,12 @@ impl Tenants {
         });
     }
 
+    /// The slots of every concurrency limit the store last said this Edge
+    /// holds, summed (for `/status`).
+    pub fn slots_held_total(&self) -> u64 {
+        self.slots.values().map(|s| s.granted).sum()
+    }
+
     /// The gauge of `subject`'s concurrency limit.
     pub fn slot_counter(subject: &Subject) -> CounterKey {
         CounterKey {

@@ -670,12 +670,11 @@ impl Tenancy {
             Ok(Err(e)) => serde_json::json!({ "error": e.to_string() }),
             Err(_) => serde_json::json!({ "error": "the store did not answer in time" }),
         };
-        let reservations = self
-            .machine
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .machine()
-            .reservations();
+        let (reservations, slots_held) = {
+            let machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+            let m = machine.machine();
+            (m.reservations(), m.slots_held_total())
+        };
         serde_json::json!({
             "store_reachable": !c.store_down.load(Ordering::Relaxed),
             "claims": c.claims.load(Ordering::Relaxed),
@@ -683,6 +682,7 @@ impl Tenancy {
             "usage_writes": c.usage_writes.load(Ordering::Relaxed),
             "usage_write_failures": c.usage_write_failures.load(Ordering::Relaxed),
             "requests_in_flight": reservations,
+            "slots_held": slots_held,
             "today": { "day": today / 1_000, "principals": principals },
         })
     }
