@@ -120,6 +120,11 @@ pub enum PlantedBug {
     /// as before per-attempt reservations: a failover or continuation may
     /// pass its budget by the prompt sent again.
     MissingReservation,
+    /// R-TEN-2: an Edge that adopts a dead Edge's parked run holds its
+    /// request to nothing (`Tenants::admit_adopted`), as before adoptions
+    /// were charged: the run's usage is never charged to its key, its
+    /// principal or their budgets.
+    AdoptionNotCharged,
     /// R-TEN-1: admission never consults the limits per model
     /// (`Tenants::admit`): a key's or a principal's limit for a model is
     /// not counted, so that model's requests pass it on every Edge.
@@ -133,7 +138,7 @@ pub enum PlantedBug {
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 24] = [
+    pub const ALL: [PlantedBug; 25] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -158,6 +163,7 @@ impl PlantedBug {
         PlantedBug::MissingReservation,
         PlantedBug::IgnoreModelLimits,
         PlantedBug::ConcurrencyPerEdge,
+        PlantedBug::AdoptionNotCharged,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -179,6 +185,7 @@ impl PlantedBug {
             self,
             PlantedBug::DoubleSettle
                 | PlantedBug::MissingReservation
+                | PlantedBug::AdoptionNotCharged
                 | PlantedBug::IgnoreModelLimits
                 | PlantedBug::ConcurrencyPerEdge
         )
@@ -228,6 +235,7 @@ impl PlantedBug {
             PlantedBug::ReplayStaleEvidence => "replay-stale-evidence",
             PlantedBug::DoubleSettle => "double-settle",
             PlantedBug::MissingReservation => "missing-reservation",
+            PlantedBug::AdoptionNotCharged => "adoption-not-charged",
             PlantedBug::IgnoreModelLimits => "ignore-model-limits",
             PlantedBug::ConcurrencyPerEdge => "concurrency-per-edge",
         }
@@ -641,16 +649,34 @@ mod tests {
     /// under a budget in total of 1,000, admitted on a machine whose claims
     /// are answered in full.
     fn tenants_with_one_request() -> crate::tenant::Tenants {
-        use crate::tenant::{
-            AdmitRequest, Budget, Held, Limits, Period, Price, Tenants, TenantsConfig,
-            TenantsInput, TenantsOutput,
-        };
+        use crate::tenant::{Tenants, TenantsConfig, TenantsInput, TenantsOutput};
         let mut t = Tenants::new(TenantsConfig {
             chunk_fraction: 1.0,
             ..TenantsConfig::default()
         });
-        let request = AdmitRequest {
-            ticket: 1,
+        let request = one_request(1);
+        assert!(t.admit(T, &request).is_ok());
+        while let Some(TenantsOutput::Claim {
+            counter, amount, ..
+        }) = t.poll_output()
+        {
+            t.handle_input(
+                T,
+                TenantsInput::Claimed {
+                    counter,
+                    granted: Some(amount),
+                },
+            );
+        }
+        t
+    }
+
+    /// Request `ticket` of key "k", principal "p": 10 prompt + 20 output
+    /// tokens at 1 micro-unit a token, the principal's budget 1,000.
+    fn one_request(ticket: u64) -> crate::tenant::AdmitRequest {
+        use crate::tenant::{AdmitRequest, Budget, Held, Limits, Period, Price};
+        AdmitRequest {
+            ticket,
             key: "k".into(),
             principal: "p".into(),
             key_limits: Limits::default(),
@@ -674,21 +700,7 @@ mod tests {
             background: false,
             key_held: Held::default(),
             principal_held: Held::default(),
-        };
-        assert!(t.admit(T, &request).is_ok());
-        while let Some(TenantsOutput::Claim {
-            counter, amount, ..
-        }) = t.poll_output()
-        {
-            t.handle_input(
-                T,
-                TenantsInput::Claimed {
-                    counter,
-                    granted: Some(amount),
-                },
-            );
         }
-        t
     }
 
     fn principal_spend() -> crate::tenant::CounterKey {
@@ -723,6 +735,17 @@ mod tests {
         assert_eq!(t.reserve_attempt(T, 1, 0, 0), Ok(()));
         assert_eq!(t.reservations_of(1), 1, "no second reservation");
         assert_eq!(t.used(&principal_spend()), Some(30));
+    }
+
+    #[test]
+    fn adoption_not_charged_holds_the_adopted_request_to_nothing() {
+        let mut t = tenants_with_one_request();
+        t.plant(PlantedBug::AdoptionNotCharged);
+        let mut adopted = one_request(2);
+        adopted.key = "k2".into();
+        t.admit_adopted(T, &adopted);
+        assert_eq!(t.reservations_of(2), 0, "no hold");
+        assert_eq!(t.used(&principal_spend()), Some(30), "only request 1's");
     }
 
     #[test]

@@ -541,6 +541,10 @@ struct Reservation {
     usage: UsageKey,
     /// What a further attempt reserves again (R-TEN-2).
     again: AttemptTerms,
+    /// Its first reservation is held: its admission's, or its adoption's
+    /// (a taken-over request that continues holds none until it reserves
+    /// an attempt).
+    first: bool,
     /// Further attempts reserved.
     attempts: u32,
 }
@@ -948,6 +952,7 @@ impl Tenants {
                     model: request.model.clone(),
                 },
                 again,
+                first: true,
                 attempts: 0,
             },
         );
@@ -1097,12 +1102,66 @@ impl Tenants {
                     tokens,
                     spend,
                 },
+                first: false,
                 attempts: 0,
             },
         ) {
             // Tickets are unique per Edge process: never reached; a
             // reservation is never dropped without its counts given back.
             self.end_in_flight(now, &old);
+        }
+    }
+
+    /// Hold a taken-over request that adopts its parked run (R-TEN-2,
+    /// R-PARK-2): as [`Self::admit_taken_over`], and the adopted run, an
+    /// attempt already under way, is reserved at once with `request`'s
+    /// terms (its prompt estimated from above and its maximum output, as
+    /// the admission reserved), on credit: never refused, as the answer
+    /// was admitted by the Edge that is gone and the adoption sends
+    /// nothing again. It settles with the usage the run reports at its
+    /// end, which covers the tokens it produced before the cut too.
+    ///
+    /// Why the bound still holds: the Edge that admitted the request
+    /// reserved the same terms and died (or restarted) without settling
+    /// them, so its reservation stays counted in what it claimed from the
+    /// store; the adopted run's use is within those terms, and what is
+    /// charged here is the one use of it the usage rows record. Spend over
+    /// every Edge stays within the budget + Edge processes x chunk (the
+    /// counters count the run twice, erring on the side of refusing).
+    pub fn admit_adopted(&mut self, now: Instant, request: &AdmitRequest) {
+        self.admit_taken_over(now, request);
+        #[cfg(feature = "planted-bugs")]
+        if self.planted.has(PlantedBug::AdoptionNotCharged) {
+            // As before adoptions were charged: held to nothing at all.
+            if let Some(old) = self.reservations.remove(&request.ticket) {
+                self.end_in_flight(now, &old);
+            }
+            return;
+        }
+        let Some(terms) = self
+            .reservations
+            .get(&request.ticket)
+            .map(|r| r.again.clone())
+        else {
+            return;
+        };
+        let minute = request.unix_ms - request.unix_ms % MINUTE_MS;
+        let mut held = Vec::with_capacity(terms.meters.len());
+        for (key, limit, _, _) in &terms.meters {
+            let mut key = key.clone();
+            let amount = match key.meter {
+                Meter::Tokens => {
+                    key.window_unix_ms = minute;
+                    terms.tokens
+                }
+                _ => terms.spend,
+            };
+            self.take(now, &key, amount, *limit);
+            held.push((key, amount));
+        }
+        if let Some(reservation) = self.reservations.get_mut(&request.ticket) {
+            reservation.held = held;
+            reservation.first = true;
         }
     }
 
@@ -1190,11 +1249,13 @@ impl Tenants {
         Ok(())
     }
 
-    /// How many reservations ticket's request holds: its admission's and
-    /// one per further attempt (0: none, it was settled or never
-    /// admitted here).
+    /// How many reservations ticket's request holds: its admission's (or
+    /// its adoption's) and one per further attempt (0: none, it was
+    /// settled or never admitted here).
     pub fn reservations_of(&self, ticket: u64) -> u32 {
-        self.reservations.get(&ticket).map_or(0, |r| 1 + r.attempts)
+        self.reservations
+            .get(&ticket)
+            .map_or(0, |r| u32::from(r.first) + r.attempts)
     }
 
     /// What ticket's reservations hold, in the order they were taken:

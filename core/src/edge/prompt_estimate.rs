@@ -35,6 +35,14 @@ pub const IMAGE_TOKENS: u64 = 1_600;
 /// picture, [`IMAGE_TOKENS`]).
 pub const DOCUMENT_TOKENS: u64 = 3_000 + IMAGE_TOKENS;
 
+/// The estimated tokens of `text` alone: `ceil(characters /
+/// `[`CHARS_PER_TOKEN`]`)`. What charges the output of an attempt that
+/// ended without a provider's usage report (R-TEN-2): the answer's text it
+/// produced, as the journal or the client has it.
+pub fn text_tokens(text: &str) -> u64 {
+    (text.chars().count() as u64).div_ceil(CHARS_PER_TOKEN)
+}
+
 /// The estimated prompt tokens of `messages` with `tools` declared.
 pub fn prompt_tokens(messages: &[ChatMessage], tools: &[ToolDefinition]) -> u64 {
     let mut chars: u64 = 0;

@@ -35,7 +35,12 @@
 //!   [`Tenants::reserve_attempt`](crate::tenant::Tenants::reserve_attempt)),
 //!   and a refused request ends with the tenant's 429 and calls no
 //!   provider. The first attempt's reservation is the admission's; an
-//!   adoption sends nothing again and reserves nothing.
+//!   adoption sends nothing again and asks nothing (a taken-over request's
+//!   adoption is reserved when its hold is taken,
+//!   [`Tenants::admit_adopted`](crate::tenant::Tenants::admit_adopted)).
+//!   What the request settles with is the usage its answer reports plus
+//!   [`Request::unmetered_output_tokens`]: the estimated output of the
+//!   attempts that ended without a usage report.
 //!
 //! ## Driver loop
 //!
@@ -483,6 +488,14 @@ pub struct Request {
     usage_carry: Option<Usage>,
     /// Usage the current attempt reported so far.
     attempt_usage: Option<Usage>,
+    /// Where the current attempt's text begins in `delivered_text`.
+    attempt_text_from: usize,
+    /// Estimated output tokens of the attempts before the current one
+    /// that ended without a usage report (R-TEN-2).
+    unmetered_output_tokens: u64,
+    /// A journal write was fenced: another Edge took the record over and
+    /// charges the answer the journal holds (R-TEN-2, R-TAKE-1).
+    record_taken: bool,
     /// The provider of the parked run: only its node's report is this
     /// request's run (R-PARK-2).
     parked_provider: Option<ProviderId>,
@@ -538,6 +551,9 @@ impl Request {
             continuing: false,
             usage_carry: None,
             attempt_usage: None,
+            attempt_text_from: 0,
+            unmetered_output_tokens: 0,
+            record_taken: false,
             parked_provider: None,
             orphan_continuation: false,
             provider_said: None,
@@ -585,7 +601,8 @@ impl Request {
         if let Some(resumed) = resumed {
             request.delivered_text = resumed.text.clone();
             // The adopted run's own usage, cumulative: its later reports
-            // replace it, a continuation adds to it.
+            // replace it, a continuation adds to it. The run's text is the
+            // answer so far (its usage at the end covers it, R-TEN-2).
             request.attempt_usage = resumed.usage;
         }
         if let Some(attempt) = request.committed_before(now, offer.provider_id.clone()) {
@@ -623,6 +640,12 @@ impl Request {
         request.orphan_continuation = true;
         request.delivered_text = resumed.text.clone();
         request.usage_carry = resumed.usage;
+        // R-TEN-2: the answer so far is charged by its usage when that
+        // reached the journal, else by an estimate of its text (the attempt
+        // that wrote it ended without a report).
+        if resumed.usage.is_some() {
+            request.attempt_text_from = resumed.text.len();
+        }
         // The journal names the provider of its last frame; an answer
         // without one counts as the pool's first provider's.
         let provider_id = resumed
@@ -909,6 +932,9 @@ impl Request {
             return;
         };
         if let Some(error) = publisher.refused().cloned() {
+            if matches!(error, JournalError::Fenced { .. }) {
+                self.record_taken = true;
+            }
             // Nothing unjournaled reaches the client (R-JRN-1): the run
             // stops and the client gets one error terminal outside the
             // journal.
@@ -988,6 +1014,42 @@ impl Request {
         if let Some(write) = publisher.poll_write() {
             self.outputs.push_back(RequestOutput::Journal(write));
         }
+    }
+
+    /// The current attempt ends (R-TEN-2): without a usage report, the
+    /// text it delivered is charged by an estimate.
+    fn end_attempt_metering(&mut self) {
+        if self.attempt_usage.is_none() {
+            let text = self.delivered_text.get(self.attempt_text_from..);
+            self.unmetered_output_tokens = self.unmetered_output_tokens.saturating_add(
+                crate::edge::prompt_estimate::text_tokens(text.unwrap_or_default()),
+            );
+        }
+        self.attempt_text_from = self.delivered_text.len();
+    }
+
+    /// The output tokens no provider's usage report covers (R-TEN-2), a
+    /// direct answer for the request's settlement: the text of every
+    /// attempt that ended (or is the last, and reported nothing) without a
+    /// usage report, estimated
+    /// ([`text_tokens`](crate::edge::prompt_estimate::text_tokens)). An
+    /// answer taken over carries the text the former Edge's attempt wrote
+    /// to the journal: charged here when no usage reached the journal and
+    /// the adopted run reports none. 0 once a journal write was fenced:
+    /// the Edge that took the record over charges what the journal holds.
+    pub fn unmetered_output_tokens(&self) -> u64 {
+        if self.record_taken {
+            return 0;
+        }
+        let current = match self.attempt_usage {
+            Some(_) => 0,
+            None => crate::edge::prompt_estimate::text_tokens(
+                self.delivered_text
+                    .get(self.attempt_text_from..)
+                    .unwrap_or_default(),
+            ),
+        };
+        self.unmetered_output_tokens.saturating_add(current)
     }
 
     /// Next output, until `None`.
@@ -1674,6 +1736,7 @@ impl Request {
                     // to its provider: that one did not fail, its Edge did.
                     self.allow_avoided_fallback = std::mem::take(&mut self.orphan_continuation);
                     self.continuing = true;
+                    self.end_attempt_metering();
                     self.usage_carry = sum_usage(self.usage_carry, self.attempt_usage.take());
                     self.cancel();
                     self.reserve_then_admit();

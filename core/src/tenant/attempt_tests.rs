@@ -233,7 +233,7 @@ fn r_ten_2_a_taken_over_request_reserves_each_attempt_and_settles_on_its_key() {
     // Not a new request: held at once, reserving nothing yet, and not
     // counted against the key's request rate (R-TAKE-1).
     edge.machine.admit_taken_over(at(0), &r);
-    assert_eq!(edge.machine.reservations_of(1), 1);
+    assert_eq!(edge.machine.reservations_of(1), 0);
     assert!(edge.machine.held_by(1).is_empty());
     // Its continuation reserves its terms and the answer so far first.
     assert_eq!(edge.machine.reserve_attempt(at(1), 1, 5, T0 + 1), Ok(()));
@@ -273,4 +273,48 @@ fn r_ten_2_a_taken_over_request_whose_attempt_does_not_fit_is_refused() {
     assert!(edge.machine.held_by(1).is_empty(), "nothing taken");
     assert!(edge.machine.release(at(2), 1).is_some());
     assert_eq!(edge.machine.reservations_of(1), 0);
+}
+
+#[test]
+fn r_ten_2_an_adoption_is_reserved_on_credit_and_settles_the_runs_usage() {
+    let mut edge = Edge::new();
+    // A budget of 20 does not fit the terms (30): an adoption is never
+    // refused, its reservation is taken on credit.
+    let r = request(1, 20, Some(1_000));
+    edge.machine.admit_adopted(at(0), &r);
+    assert_eq!(edge.machine.reservations_of(1), 1, "the adoption's");
+    assert_eq!(edge.machine.used(&spend()), Some(30));
+    edge.serve(at(0));
+    // A new request of the principal does not fit meanwhile.
+    assert!(edge.machine.admit(at(1), &request(2, 20, None)).is_err());
+    // The run's usage at its end covers the tokens before the cut too.
+    let used = TokenUse {
+        input: 10,
+        output: 8,
+        ..TokenUse::default()
+    };
+    let (row, totals) = edge.machine.settle(at(2), 1, used).expect("settled");
+    assert_eq!((row.key.as_str(), row.model.as_str()), ("k", "m"));
+    assert_eq!((totals.input_tokens, totals.output_tokens), (10, 8));
+    assert_eq!(totals.spend_micros, 18);
+    assert_eq!(edge.machine.used(&spend()), Some(18), "charged once");
+    assert_eq!(edge.machine.reservations_of(1), 0);
+}
+
+#[test]
+fn r_ten_2_a_lost_adoption_continued_reserves_its_continuation_too() {
+    let mut edge = Edge::new();
+    edge.machine.admit_adopted(at(0), &request(1, 100, None));
+    edge.serve(at(0));
+    // The adopted run is lost; its continuation sends the answer so far.
+    assert_eq!(edge.machine.reserve_attempt(at(1), 1, 5, T0 + 1), Ok(()));
+    assert_eq!(edge.machine.reservations_of(1), 2);
+    assert_eq!(edge.machine.used(&spend()), Some(30 + 35));
+    let used = TokenUse {
+        input: 15,
+        output: 9,
+        ..TokenUse::default()
+    };
+    assert!(edge.machine.settle(at(2), 1, used).is_some());
+    assert_eq!(edge.machine.used(&spend()), Some(24));
 }

@@ -1784,6 +1784,75 @@ fn r_cont_1_a_lost_committed_attempt_continues_with_the_answer_so_far() {
     })));
     assert_eq!(ds.last(), Some(&Delivery::Finish));
     assert_eq!(r.gate().attempts(), 2);
+    assert_eq!(r.unmetered_output_tokens(), 0, "both attempts reported");
+}
+
+#[test]
+fn r_ten_2_an_attempt_cut_without_usage_is_charged_by_an_estimate_of_its_text() {
+    let mut r = Request::new(t(0), continuing_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    // Nine characters, no usage report: 3 tokens estimated.
+    r.handle_input(t(2), run(text("tok0 tok1")));
+    drain(&mut r);
+    assert_eq!(r.unmetered_output_tokens(), 3, "the attempt so far");
+    r.handle_input(
+        t(5),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    drain(&mut r);
+    let l2 = lease(2, "p1", AdapterKind::Mock);
+    reopen(&mut r, &l2);
+    r.handle_input(t(22), run(text(" tok2")));
+    assert_eq!(
+        r.unmetered_output_tokens(),
+        3 + 2,
+        "the continuation's too, so far"
+    );
+    r.handle_input(
+        t(23),
+        run(RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(Usage::tokens(12, 2)),
+        }),
+    );
+    r.handle_input(
+        t(24),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l2.lease_id,
+            verdict: applied(&l2),
+        }),
+    );
+    drain(&mut r);
+    // The continuation's report covers its own text, never the cut one's.
+    assert_eq!(r.unmetered_output_tokens(), 3);
+}
+
+#[test]
+fn r_ten_2_a_takeover_charges_the_answer_so_far_only_when_no_usage_covers_it() {
+    let mut spec = durable_spec();
+    spec.continuation = true;
+    let mut unreported = resumed("Hello, wor", 6);
+    unreported.usage = None;
+    let r = Request::continuing(t(0), spec.clone(), &unreported);
+    assert_eq!(r.unmetered_output_tokens(), 3, "ten characters");
+    let r = Request::continuing(t(0), spec, &resumed("Hello, wor", 6));
+    assert_eq!(
+        r.unmetered_output_tokens(),
+        0,
+        "its usage reached the journal"
+    );
+    // An adopted run's report at its end covers the text before the cut.
+    let key = iop_wire::RunKey {
+        generation: 3,
+        run_id: 101,
+    };
+    let mut spec = parkable_spec();
+    spec.continuation = true;
+    let mut unreported = resumed("Hello", 4);
+    unreported.usage = None;
+    let r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3, Some(&unreported));
+    assert_eq!(r.unmetered_output_tokens(), 2, "until the run reports");
 }
 
 #[test]
