@@ -69,8 +69,15 @@ pub enum Start {
         meta: RecordMeta,
         /// The run's frame the journal's last event came from.
         resume_after_frame: u64,
-        /// The answer so far, when a lost adoption may be continued.
-        resumed: Option<(ResumedAnswer, Vec<ProviderId>, Work)>,
+        /// The answer so far, when a lost adoption may be continued on
+        /// `pool`.
+        resumed: Option<ResumedAnswer>,
+        /// Where a lost adoption continues (the run's provider alone when
+        /// it may not be).
+        pool: Vec<ProviderId>,
+        /// Its work: the stored request's when it was read (its tenant's
+        /// terms, R-TEN-2), else one that only adopts.
+        work: Work,
     },
     /// A request that continues an orphan's answer on its pool
     /// (R-TAKE-1, R-CONT-1).
@@ -245,14 +252,23 @@ impl CustodyTask {
                         epoch = meta.epoch,
                         resume_after_frame
                     );
-                    let resumed = resumed
-                        .zip(run)
-                        .map(|(resumed, (pool, work))| (resumed, pool, work));
+                    let (resumed, pool, work) = match (resumed, run) {
+                        (Some(resumed), Some((pool, work))) => (Some(resumed), pool, work),
+                        (_, run) => {
+                            // Without the answer so far, a lost adoption
+                            // is not continued.
+                            let mut work = run.map_or_else(|| adoption_work(&meta), |(_, w)| w);
+                            work.continuation = false;
+                            (None, vec![offer.provider_id.clone()], work)
+                        }
+                    };
                     start(Start::Adopt {
                         offer,
                         meta,
                         resume_after_frame,
                         resumed,
+                        pool,
+                        work,
                     });
                 }
                 CustodyOutput::Continue { meta, resumed } => {
@@ -504,30 +520,9 @@ pub fn start_run(ctx: &DriverContext, durable: &Arc<Durable>, start: Start) {
             meta,
             resume_after_frame,
             resumed,
+            pool,
+            work,
         } => {
-            let (pool, work, resumed) = match resumed {
-                Some((resumed, pool, work)) => (pool, work, Some(resumed)),
-                None => (
-                    vec![offer.provider_id.clone()],
-                    Work {
-                        model: meta.model.clone(),
-                        api: iop_wire::RunApi::Chat,
-                        messages: Vec::new(),
-                        tools: Vec::new(),
-                        params: iop_wire::GenerationParams::default(),
-                        tunnel: None,
-                        route: meta.api.as_str(),
-                        principal: meta.principal.clone(),
-                        trace_context: None,
-                        // Without the answer so far, a lost adoption is
-                        // not continued.
-                        continuation: false,
-                        tenant: None,
-                        view: None,
-                    },
-                    None,
-                ),
-            };
             let run = durable_run(durable, &meta);
             crate::driver::spawn_takeover(
                 ctx.clone(),
@@ -551,6 +546,25 @@ pub fn start_run(ctx: &DriverContext, durable: &Arc<Durable>, start: Start) {
             let run = durable_run(durable, &meta);
             crate::driver::spawn_continuation(ctx.clone(), pool, work, run, resumed);
         }
+    }
+}
+
+/// The work of an adoption whose stored request was not read: it only
+/// adopts (no prompt to send again, so a lost adoption is not continued).
+fn adoption_work(meta: &RecordMeta) -> Work {
+    Work {
+        model: meta.model.clone(),
+        api: iop_wire::RunApi::Chat,
+        messages: Vec::new(),
+        tools: Vec::new(),
+        params: iop_wire::GenerationParams::default(),
+        tunnel: None,
+        route: meta.api.as_str(),
+        principal: meta.principal.clone(),
+        trace_context: None,
+        continuation: false,
+        tenant: None,
+        view: None,
     }
 }
 

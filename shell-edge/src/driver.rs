@@ -428,6 +428,11 @@ impl Driver {
             self.carry_out().await;
             self.show_progress();
             if self.machine.machine().is_ended() {
+                // R-TEN-2: the output no usage report covers is charged
+                // by its estimate, with what the answer reported.
+                if let Some(tenant) = &self.work.tenant {
+                    tenant.record_unmetered(self.machine.machine().unmetered_output_tokens());
+                }
                 return;
             }
             let deadline = self.machine.poll_timeout();
@@ -455,8 +460,18 @@ impl Driver {
                         self.tell_admission(&event);
                         RequestInput::Dispatch(event)
                     }
-                    // The hub stopped: the process is shutting down.
-                    None => return,
+                    // The hub stopped: the process is shutting down. A
+                    // durable answer left unfinished is another Edge's to
+                    // take over and charge: its reservation stays counted
+                    // (R-TEN-2).
+                    None => {
+                        if self.journal.is_some()
+                            && let Some(tenant) = &self.work.tenant
+                        {
+                            tenant.leave_to_takeover();
+                        }
+                        return;
+                    }
                 },
                 opened = async {
                     match self.opening.as_mut() {

@@ -333,14 +333,14 @@ impl RunningEdge {
                 );
                 task.run(parked, move |mut start| {
                     // R-TEN-2: a run a takeover starts is charged to the
-                    // record's key and principal.
+                    // record's key and principal, an adopted one too.
                     match &mut start {
-                        crate::custody::Start::Continue { meta, work, .. }
-                        | crate::custody::Start::Adopt {
-                            meta,
-                            resumed: Some((_, _, work)),
-                            ..
-                        } => crate::stored::hold_taken_over(&start_state, meta, work),
+                        crate::custody::Start::Continue { meta, work, .. } => {
+                            crate::stored::hold_taken_over(&start_state, meta, work, false)
+                        }
+                        crate::custody::Start::Adopt { meta, work, .. } => {
+                            crate::stored::hold_taken_over(&start_state, meta, work, true)
+                        }
                         _ => {}
                     }
                     crate::custody::start_run(&ctx, &durable, start);

@@ -350,16 +350,19 @@ async fn run_of<E: RunEndpoint>(
 /// attempt of its continuation reserves here first, a refused one ends
 /// the response with the tenant's error (no provider call), and its usage
 /// settles on the key. A key this Edge no longer knows is held to its
-/// principal's limits (its usage still lands on its id).
-pub(crate) fn hold_taken_over(state: &AppState, meta: &RecordMeta, work: &mut Work) {
+/// principal's limits (its usage still lands on its id). `adopted`: the
+/// run it adopts is reserved at once with the request's terms, on credit
+/// (never refused: its answer was admitted, and the reservation of the
+/// Edge that admitted it stays counted), and settles with the usage the
+/// run reports at its end.
+pub(crate) fn hold_taken_over(state: &AppState, meta: &RecordMeta, work: &mut Work, adopted: bool) {
     let config = state.config();
     let key_limits = state.keys().limits_of(&meta.key_id).unwrap_or_default();
     // What it sends again (the conversation and the request's input)
     // bounds its prompt, as a body's bytes do.
     let prompt_bytes: usize = work.messages.iter().map(message_bytes).sum();
-    let hold = state
-        .tenancy()
-        .admit_taken_over(&crate::tenancy::TenantAsk {
+    let hold = state.tenancy().admit_taken_over(
+        &crate::tenancy::TenantAsk {
             key_id: &meta.key_id,
             key_limits: &key_limits,
             principal: &meta.principal,
@@ -371,7 +374,9 @@ pub(crate) fn hold_taken_over(state: &AppState, meta: &RecordMeta, work: &mut Wo
             durable: false,
             background: false,
             held: Default::default(),
-        });
+        },
+        adopted,
+    );
     work.tenant = Some(std::sync::Arc::new(hold));
 }
 

@@ -156,7 +156,7 @@ impl RateHeaders {
 pub struct TenantHold {
     tenancy: Arc<Tenancy>,
     ticket: u64,
-    used: Mutex<Option<TokenUse>>,
+    used: Mutex<Metered>,
     /// Its rate headers.
     pub headers: RateHeaders,
 }
@@ -165,7 +165,7 @@ impl TenantHold {
     /// The usage the request's answer reported so far (summed over its
     /// attempts by the request machine).
     pub fn record(&self, usage: &iop_wire::Usage) {
-        *self.used.lock().unwrap_or_else(|e| e.into_inner()) = Some(TokenUse {
+        self.used.lock().unwrap_or_else(|e| e.into_inner()).reported = Some(TokenUse {
             input: usage.prompt_tokens,
             cached_input: usage.cache_read_tokens.unwrap_or(0),
             cache_write_input: usage.cache_write_tokens.unwrap_or(0),
@@ -174,7 +174,37 @@ impl TenantHold {
     }
 }
 
+/// What a hold settles with (R-TEN-2).
+#[derive(Debug, Default)]
+struct Metered {
+    /// The usage the answer reported, summed over its attempts.
+    reported: Option<TokenUse>,
+    /// Output tokens no usage report covers, estimated by the request
+    /// machine (`Request::unmetered_output_tokens`).
+    unmetered_output: u64,
+    /// The answer was left unfinished to a takeover: never settled here.
+    left: bool,
+}
+
 impl TenantHold {
+    /// The request ended: the output tokens no usage report covers
+    /// (estimated by its machine) are charged with what it reported
+    /// (R-TEN-2).
+    pub fn record_unmetered(&self, output_tokens: u64) {
+        self.used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unmetered_output = output_tokens;
+    }
+
+    /// The Edge stops with the request's durable answer unfinished: its
+    /// reservation stays counted (never given back), as a dead Edge's
+    /// does, for the Edge that takes the answer over charges the run it
+    /// adopts or continues (R-TEN-2, R-TAKE-1).
+    pub fn leave_to_takeover(&self) {
+        self.used.lock().unwrap_or_else(|e| e.into_inner()).left = true;
+    }
+
     /// Reserve for a further attempt of the request that sends its prompt
     /// again, with `extra_input_tokens` more input (R-TEN-2; the request
     /// machine's `ReserveAttempt`): a direct answer, as at admission.
@@ -194,7 +224,18 @@ impl std::fmt::Debug for TenantHold {
 
 impl Drop for TenantHold {
     fn drop(&mut self) {
-        let used = self.used.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let metered = std::mem::take(&mut *self.used.lock().unwrap_or_else(|e| e.into_inner()));
+        if metered.left {
+            return;
+        }
+        let used = match (metered.reported, metered.unmetered_output) {
+            (used, 0) => used,
+            (used, estimated) => {
+                let mut used = used.unwrap_or_default();
+                used.output = used.output.saturating_add(estimated);
+                Some(used)
+            }
+        };
         self.tenancy.settle(self.ticket, used);
     }
 }
@@ -310,7 +351,7 @@ impl Tenancy {
                     return Ok(TenantHold {
                         tenancy: self.clone(),
                         ticket,
-                        used: Mutex::new(None),
+                        used: Mutex::default(),
                         headers,
                     });
                 }
@@ -341,19 +382,25 @@ impl Tenancy {
     /// continuation is held to its key's and principal's limits here. Not
     /// a new request (no rate, quota or concurrency check): every attempt
     /// it makes reserves first, and a refused one ends it with the
-    /// tenant's error; settled like any request.
-    pub fn admit_taken_over(self: &Arc<Self>, ask: &TenantAsk<'_>) -> TenantHold {
+    /// tenant's error; settled like any request. `adopted`: it adopts the
+    /// parked run, reserved at once on credit (`Tenants::admit_adopted`).
+    pub fn admit_taken_over(self: &Arc<Self>, ask: &TenantAsk<'_>, adopted: bool) -> TenantHold {
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         let request = self.admit_request(ticket, ask);
-        self.machine
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .machine_mut()
-            .admit_taken_over(self.clock.now(), &request);
+        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.clock.now();
+        if adopted {
+            machine.machine_mut().admit_adopted(now, &request);
+        } else {
+            machine.machine_mut().admit_taken_over(now, &request);
+        }
+        let claims = machine.drain_all(now);
+        drop(machine);
+        self.send_claims(claims);
         TenantHold {
             tenancy: self.clone(),
             ticket,
-            used: Mutex::new(None),
+            used: Mutex::default(),
             headers: RateHeaders::default(),
         }
     }

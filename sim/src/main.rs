@@ -288,13 +288,16 @@ fn real_main() -> Result<ExitCode, String> {
             }
             if s.tenant_admitted + s.tenant_refused > 0 {
                 println!(
-                    "tenants: {} admitted, {} refused, {} further attempts reserved ({} refused, {} asked again), {} settled, {} claims, {} store failures, {} store outages",
+                    "tenants: {} admitted, {} refused, {} further attempts reserved ({} refused, {} asked again), {} settled, {} takeovers held ({} adoptions), {} output tokens charged by estimate, {} claims, {} store failures, {} store outages",
                     s.tenant_admitted,
                     s.tenant_refused,
                     s.tenant_attempts_reserved,
                     s.tenant_attempts_refused,
                     s.tenant_attempts_waited,
                     s.tenant_settled,
+                    s.tenant_adoptions_held + s.tenant_continuations_held,
+                    s.tenant_adoptions_held,
+                    s.tenant_unmetered_tokens,
                     s.tenant_claims,
                     s.tenant_store_failures,
                     s.tenant_store_outages,

@@ -347,6 +347,14 @@ pub struct Stats {
     pub tenant_attempts_waited: u64,
     /// Admitted requests settled or released.
     pub tenant_settled: u64,
+    /// Takeovers' adoptions held to their record's key, their run
+    /// reserved on credit (R-TEN-2).
+    pub tenant_adoptions_held: u64,
+    /// Takeovers' continuations held to their record's key (R-TEN-2).
+    pub tenant_continuations_held: u64,
+    /// Output tokens charged by estimate: no usage report covered them
+    /// (R-TEN-2).
+    pub tenant_unmetered_tokens: u64,
     /// Claims an Edge sent to the tenants' store (R-TEN-3).
     pub tenant_claims: u64,
     /// Tenants' store operations that failed or whose answer was lost.
@@ -435,6 +443,9 @@ impl Stats {
         self.tenant_attempts_refused += o.tenant_attempts_refused;
         self.tenant_attempts_waited += o.tenant_attempts_waited;
         self.tenant_settled += o.tenant_settled;
+        self.tenant_adoptions_held += o.tenant_adoptions_held;
+        self.tenant_continuations_held += o.tenant_continuations_held;
+        self.tenant_unmetered_tokens += o.tenant_unmetered_tokens;
         self.tenant_claims += o.tenant_claims;
         self.tenant_store_failures += o.tenant_store_failures;
         self.tenant_store_outages += o.tenant_store_outages;
@@ -2667,11 +2678,12 @@ impl World {
     ) {
         let park_grace_ms = duration_ms(self.cfg.journal.park_grace);
         let node = self.node_index(&lease.node);
-        // R-TEN-2: a call that sends the prompt (not an adoption) is
-        // covered by a reservation of its own.
+        // R-TEN-2: a call that sends the prompt is covered by a
+        // reservation of its own, and an adoption by its adoption's.
         let metered = if adopt.is_none() {
             self.tenant_call(rid)
         } else {
+            self.tenant_adoption_call(rid);
             None
         };
         let Some(edge) = &mut self.edges[self.cur] else {
@@ -2801,6 +2813,8 @@ impl World {
         if !r.machine.machine().is_ended() {
             return;
         }
+        // R-TEN-2: the output no usage report covers, for its settlement.
+        let unmetered = r.machine.machine().unmetered_output_tokens();
         // A durable request goes on without its client (only a cancel ends
         // it early); its client saw the terminal unless it left.
         let left = match &r.durable {
@@ -2829,7 +2843,9 @@ impl World {
                 },
             );
         }
-        // R-TEN-2: settled with what its answer reported, or released.
+        // R-TEN-2: settled with what its answer reported (and the estimate
+        // of what no report covers), or released.
+        self.tenant_unmetered(rid, unmetered);
         self.tenant_settle(rid);
     }
 

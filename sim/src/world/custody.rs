@@ -387,6 +387,8 @@ impl World {
             },
         );
         self.stats.takeover_adoptions += 1;
+        // R-TEN-2: held to the record's key, its adopted run reserved.
+        self.tenant_take_over(rid, &meta.id, true);
         self.custody_hands_over(incarnation, rid, &meta, machine);
     }
 
@@ -406,6 +408,8 @@ impl World {
             },
         );
         self.stats.takeover_continued += 1;
+        // R-TEN-2: held to the record's key; each attempt reserves.
+        self.tenant_take_over(rid, &meta.id, false);
         self.custody_hands_over(incarnation, rid, &meta, machine);
     }
 

@@ -382,6 +382,9 @@ impl World {
                 client_left: false,
             },
         );
+        // R-TEN-2: what a takeover of the record is charged by (its key,
+        // model and stored request), as the shell reads it from the record.
+        self.tenant_record(request_id, &record);
         let new = NewRecord {
             id: record.clone(),
             principal: "sim".into(),

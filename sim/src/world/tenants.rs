@@ -13,13 +13,18 @@
 //!   happens.
 //! * **Further attempts** (R-TEN-2): the request machine's
 //!   `RequestOutput::ReserveAttempt` is answered at once from
-//!   `Tenants::reserve_attempt`. A takeover's request (an adoption or a
-//!   continuation the custody starts) holds no tenant's reservation, as in
-//!   the shell (`stored.rs`: a takeover's continuation is not charged), and
-//!   is reserved at once.
+//!   `Tenants::reserve_attempt`.
+//! * **Takeovers** (R-TEN-2, R-TAKE-1): a takeover's request (an adoption
+//!   or a continuation the custody starts) is held to the key its record
+//!   names, with the terms of its stored request, as the shell's
+//!   `stored.rs` does: `Tenants::admit_adopted` for an adoption (its run
+//!   reserved at once, on credit), `Tenants::admit_taken_over` for a
+//!   continuation (each attempt reserves).
 //! * **Usage**: the usage the answer reports (summed over its attempts by
 //!   the request machine) is recorded from its deliveries; when the request
-//!   ends it is settled with it, or released if none was reported.
+//!   ends it is settled with it plus the request machine's estimate of the
+//!   output no report covers (`Request::unmetered_output_tokens`), or
+//!   released if there is neither.
 //! * **Claims** go to the shared store over a seeded latency, read then
 //!   compare-and-set; the answer comes back to the machine of the Edge
 //!   process that asked, if it still lives. An Edge that dies loses its
@@ -42,6 +47,12 @@
 //!   meter, the machine's counts move by the use minus the reservations);
 //!   a settled request holds nothing more, and each admitted request is
 //!   settled exactly once.
+//! * **R-TEN-2 (every answer charged once)**: an adopted run is covered
+//!   by its adoption's reservation; a request that delivers a durable
+//!   answer's completion is held to a tenant and its settlement charges at
+//!   least the usage the answer reports (its attempts', the adopted run's
+//!   included) to the record's key; over every Edge process, one
+//!   settlement charges a durable answer's completion, never two.
 //! * **R-TEN-1 (isolation)**: each Edge process also drives one shadow
 //!   machine per principal that sees only that principal's traffic; every
 //!   admission and attempt of the principal gets the same answer from the
@@ -88,6 +99,24 @@ pub(super) struct SimTenancy {
     /// minute limit (a key's, a principal's, each one's for a model) and
     /// minute, over every Edge process.
     admitted: BTreeMap<(Subject, u64), AdmittedInWindow>,
+    /// R-TEN-2: each durable record's tenant terms (its key, model and
+    /// stored request), which outlive the Edge process that admitted it.
+    records: BTreeMap<String, RecordTerms>,
+    /// R-TEN-2: settlements that charged each durable answer's completion,
+    /// over every Edge process.
+    completions_charged: BTreeMap<String, u32>,
+}
+
+/// What a durable record says of its tenant (the shell reads it from the
+/// record's meta and stored request).
+#[derive(Debug, Clone)]
+struct RecordTerms {
+    /// Its key (an index into the profile's keys).
+    key: usize,
+    /// Its prompt's bytes.
+    prompt_bytes: u64,
+    /// Its model.
+    model: String,
 }
 
 /// Requests of one subject admitted in one minute, over every Edge.
@@ -172,6 +201,9 @@ struct Ticket {
     prompt_bytes: u64,
     /// The usage its answer reported so far.
     used: Option<TokenUse>,
+    /// Its first reservation: its admission's or its adoption's (a
+    /// takeover's continuation holds none until its first attempt).
+    first: bool,
     /// Further attempts reserved.
     attempts: u32,
     /// Provider calls sent with its prompt.
@@ -179,6 +211,14 @@ struct Ticket {
     /// The subjects with a concurrency limit it was admitted to on this
     /// Edge's local share (the store taken as down for them).
     local: Vec<Subject>,
+    /// Its model.
+    model: String,
+    /// Its durable record.
+    record: Option<String>,
+    /// The durable answer's completion it delivered: its usage.
+    completed: Option<iop_wire::Usage>,
+    /// Output tokens no usage report covers, estimated by its machine.
+    unmetered: u64,
 }
 
 impl SimTenancy {
@@ -190,6 +230,8 @@ impl SimTenancy {
             recorded: BTreeMap::new(),
             spenders: BTreeMap::new(),
             admitted: BTreeMap::new(),
+            records: BTreeMap::new(),
+            completions_charged: BTreeMap::new(),
         }
     }
 }
@@ -333,7 +375,7 @@ impl World {
             prompt_tokens_max: iop_core::tenant::prompt_tokens_max(prompt_bytes),
             output_tokens_max: t.profile.output_tokens_max,
             unix_ms,
-            model,
+            model: model.clone(),
             durable: false,
             background: false,
             key_held: Held::default(),
@@ -380,9 +422,14 @@ impl World {
                     key,
                     prompt_bytes,
                     used: None,
+                    first: true,
                     attempts: 0,
                     calls: 0,
                     local,
+                    model,
+                    record: None,
+                    completed: None,
+                    unmetered: 0,
                 },
             );
             let incarnation = edge.incarnation;
@@ -498,8 +545,7 @@ impl World {
         let Some(et) = edge.tenants.as_mut() else {
             return RequestInput::AttemptReserved;
         };
-        // A takeover's request holds no tenant's reservation (the shell's
-        // takeovers are not charged): reserved at once.
+        // A request held to no tenant has nothing to reserve against.
         let Some(ticket) = et.tickets.get(&rid).cloned() else {
             return RequestInput::AttemptReserved;
         };
@@ -528,12 +574,14 @@ impl World {
                 tk.attempts = attempts;
             }
             let held = et.machine.machine().reservations_of(rid);
-            if held != 1 + attempts {
+            let first = u32::from(ticket.first);
+            if held != first + attempts {
                 fail.push((
                     "R-TEN-2",
                     format!(
                         "request {rid}'s attempt was answered reserved, but its machine holds \
-                         {held} reservations for its admission and {attempts} further attempts"
+                         {held} reservations for its admission or adoption ({first}) and \
+                         {attempts} further attempts"
                     ),
                 ));
             }
@@ -575,22 +623,189 @@ impl World {
     /// shell's driver records it (summed over its attempts by the request
     /// machine).
     pub(super) fn tenant_delivery(&mut self, rid: RequestId, delivery: &Delivery) {
-        let usage = match delivery {
-            Delivery::Event(RunEventKind::Usage(u))
-            | Delivery::Event(RunEventKind::Completed { usage: Some(u), .. }) => u,
+        let (usage, completes) = match delivery {
+            Delivery::Event(RunEventKind::Usage(u)) => (u, false),
+            Delivery::Event(RunEventKind::Completed { usage: Some(u), .. }) => (u, true),
             _ => return,
         };
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return;
+        };
+        let record = edge.requests.get(&rid).and_then(|r| r.durable.clone());
+        let Some(et) = edge.tenants.as_mut() else {
+            return;
+        };
+        match et.tickets.get_mut(&rid) {
+            Some(ticket) => {
+                ticket.used = Some(TokenUse {
+                    input: usage.prompt_tokens,
+                    cached_input: usage.cache_read_tokens.unwrap_or(0),
+                    cache_write_input: usage.cache_write_tokens.unwrap_or(0),
+                    output: usage.completion_tokens,
+                });
+                if completes && record.is_some() {
+                    ticket.completed = Some(*usage);
+                }
+            }
+            // R-TEN-2: a durable answer of a tenant completes on a request
+            // held to none (a takeover not charged).
+            None if completes
+                && record.as_ref().is_some_and(|r| {
+                    self.tenancy
+                        .as_ref()
+                        .is_some_and(|t| t.records.contains_key(r))
+                }) =>
+            {
+                let detail = format!(
+                    "request {rid} delivered durable answer {}'s completion (usage {usage:?}) \
+                     held to no tenant: it is charged to no key",
+                    record.unwrap_or_default()
+                );
+                self.checkers[self.cur].fail("R-TEN-2", detail);
+            }
+            None => {}
+        }
+    }
+
+    /// Durable request `rid`'s record `record` is being created: what a
+    /// takeover of it is charged by (R-TEN-2).
+    pub(super) fn tenant_record(&mut self, rid: RequestId, record: &str) {
+        let Some(ticket) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.tenants.as_mut())
+            .and_then(|et| et.tickets.get_mut(&rid))
+        else {
+            return;
+        };
+        ticket.record = Some(record.to_owned());
+        let terms = RecordTerms {
+            key: ticket.key,
+            prompt_bytes: ticket.prompt_bytes,
+            model: ticket.model.clone(),
+        };
+        if let Some(t) = self.tenancy.as_mut() {
+            t.records.insert(record.to_owned(), terms);
+        }
+    }
+
+    /// A takeover's request `rid` on record `record` (R-TEN-2, R-TAKE-1):
+    /// held to the record's key and principal with its terms; `adopted`:
+    /// it adopts the parked run, reserved at once on credit.
+    pub(super) fn tenant_take_over(&mut self, rid: RequestId, record: &str, adopted: bool) {
+        let now = self.now;
+        let unix_ms = self.unix_ms();
+        let Some(t) = self.tenancy.as_ref() else {
+            return;
+        };
+        let Some(terms) = t.records.get(record).cloned() else {
+            return;
+        };
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(et) = edge.tenants.as_mut() else {
+            return;
+        };
+        let (key_id, p, key_limits) = &t.profile.keys[terms.key];
+        let (principal, principal_limits) = &t.profile.principals[*p];
+        let request = AdmitRequest {
+            ticket: rid,
+            key: key_id.clone(),
+            principal: principal.clone(),
+            key_limits: key_limits.clone(),
+            principal_limits: principal_limits.clone(),
+            price: Some(t.profile.price),
+            prompt_tokens_max: iop_core::tenant::prompt_tokens_max(terms.prompt_bytes),
+            output_tokens_max: t.profile.output_tokens_max,
+            unix_ms,
+            model: terms.model.clone(),
+            durable: true,
+            background: false,
+            key_held: Held::default(),
+            principal_held: Held::default(),
+        };
+        let shadow = et.shadows.get_mut(principal);
+        if adopted {
+            et.machine.machine_mut().admit_adopted(now, &request);
+            if let Some(s) = shadow {
+                s.admit_adopted(now, &request);
+            }
+            self.stats.tenant_adoptions_held += 1;
+        } else {
+            et.machine.machine_mut().admit_taken_over(now, &request);
+            if let Some(s) = shadow {
+                s.admit_taken_over(now, &request);
+            }
+            self.stats.tenant_continuations_held += 1;
+        }
+        et.tickets.insert(
+            rid,
+            Ticket {
+                key: terms.key,
+                prompt_bytes: terms.prompt_bytes,
+                used: None,
+                first: adopted,
+                attempts: 0,
+                // An adoption is a call of its own, made by its Edge.
+                calls: u32::from(adopted),
+                local: Vec::new(),
+                model: terms.model,
+                record: Some(record.to_owned()),
+                completed: None,
+                unmetered: 0,
+            },
+        );
+        let spent: Vec<Subject> = et
+            .machine
+            .machine()
+            .held_by(rid)
+            .iter()
+            .filter(|(c, _)| c.meter == Meter::Spend)
+            .map(|(c, _)| c.subject.clone())
+            .collect();
+        let principal = principal.clone();
+        if let Some(t) = self.tenancy.as_mut() {
+            for subject in spent {
+                t.spenders.entry(subject).or_default().insert(incarnation);
+            }
+        }
+        self.tenant_claims(&principal);
+    }
+
+    /// Request `rid` opens the adoption of its parked run: R-TEN-2's check
+    /// that its adoption is covered by a reservation (the adopted run is an
+    /// attempt that its Edge charges).
+    pub(super) fn tenant_adoption_call(&mut self, rid: RequestId) {
+        let Some(et) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.tenants.as_mut())
+        else {
+            return;
+        };
+        let Some(ticket) = et.tickets.get(&rid) else {
+            return;
+        };
+        let held = et.machine.machine().reservations_of(rid);
+        if held < ticket.calls {
+            let detail = format!(
+                "request {rid} adopts a parked run with {held} reservations held for {} calls \
+                 (the adoption's own included)",
+                ticket.calls
+            );
+            self.checkers[self.cur].fail("R-TEN-2", detail);
+        }
+    }
+
+    /// Request `rid` ended: the output tokens no usage report covers, as
+    /// its machine estimated them (R-TEN-2).
+    pub(super) fn tenant_unmetered(&mut self, rid: RequestId, output_tokens: u64) {
         if let Some(ticket) = self.edges[self.cur]
             .as_mut()
             .and_then(|e| e.tenants.as_mut())
             .and_then(|et| et.tickets.get_mut(&rid))
         {
-            ticket.used = Some(TokenUse {
-                input: usage.prompt_tokens,
-                cached_input: usage.cache_read_tokens.unwrap_or(0),
-                cache_write_input: usage.cache_write_tokens.unwrap_or(0),
-                output: usage.completion_tokens,
-            });
+            ticket.unmetered = output_tokens;
         }
     }
 
@@ -638,12 +853,25 @@ impl World {
             .iter()
             .map(|c| (*c, et.machine.machine().used(c).unwrap_or(0)))
             .collect();
-        let used = ticket.used.unwrap_or_default();
-        let settled = match ticket.used {
+        // As the shell's hold: the reported usage and the estimate of what
+        // no report covers.
+        let metered = match (ticket.used, ticket.unmetered) {
+            (used, 0) => used,
+            (used, estimated) => {
+                let mut used = used.unwrap_or_default();
+                used.output = used.output.saturating_add(estimated);
+                Some(used)
+            }
+        };
+        if ticket.unmetered > 0 {
+            self.stats.tenant_unmetered_tokens += ticket.unmetered;
+        }
+        let used = metered.unwrap_or_default();
+        let settled = match metered {
             Some(used) => et.machine.machine_mut().settle(now, rid, used),
             None => et.machine.machine_mut().release(now, rid),
         };
-        let shadow = et.shadows.get_mut(&principal).map(|s| match ticket.used {
+        let shadow = et.shadows.get_mut(&principal).map(|s| match metered {
             Some(used) => s.settle(now, rid, used),
             None => s.release(now, rid),
         });
@@ -701,10 +929,37 @@ impl World {
                 "R-TEN-2",
                 format!("request {rid} was admitted but its settlement found no reservation"),
             )),
-            Some((_, totals)) => {
+            Some((row, totals)) => {
                 let key_subject = Subject::Key(t.profile.keys[ticket.key].0.clone());
                 for subject in [key_subject, Subject::Principal(principal.clone())] {
                     *t.recorded.entry(subject).or_default() += totals.spend_micros;
+                }
+                // Every durable answer's usage charged once, to its key.
+                if let (Some(record), Some(reported)) = (&ticket.record, ticket.completed) {
+                    let charged = t.completions_charged.entry(record.clone()).or_default();
+                    *charged += 1;
+                    if *charged > 1 {
+                        fail.push((
+                            "R-TEN-2",
+                            format!(
+                                "durable answer {record}'s completion was charged by {charged} \
+                                 settlements over the Edges (request {rid}'s the last)"
+                            ),
+                        ));
+                    }
+                    if totals.input_tokens < reported.prompt_tokens
+                        || totals.output_tokens < reported.completion_tokens
+                        || row.key != t.profile.keys[ticket.key].0
+                    {
+                        fail.push((
+                            "R-TEN-2",
+                            format!(
+                                "request {rid} settled durable answer {record} with {totals:?} \
+                                 on key {}, less than its reported usage {reported:?}",
+                                row.key
+                            ),
+                        ));
+                    }
                 }
             }
         }
