@@ -42,7 +42,7 @@ fn every_planted_bug_has_a_search() {
 
 /// Each planted bug, the rules that may report it, the seeds (from 0)
 /// within which the swarm must catch it, and the Edges of its worlds.
-const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 23] = [
+const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 24] = [
     (PlantedBug::DoubleRelease, &["R-LEASE-2"], 10, 1),
     // A late message of a fenced generation (about 1.5 % of seeds at 2,000
     // steps; first at seed 21 since tenants, SPEC §9).
@@ -115,6 +115,11 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 23] = [
     // the store): over 3 Edges a key's or principal's requests in flight
     // pass its limit + Edges x chunk (first at seed 5).
     (PlantedBug::ConcurrencyPerEdge, &["R-TEN-1"], 50, 3),
+    // An adoption held to no tenant: caught when a peer (or a restarted
+    // Edge) adopts a parked run of a world with tenants, its adoption not
+    // covered by a reservation, its completion charged to no key (about
+    // 2 % of seeds at 2,000 steps with 3 Edges, first at seed 19).
+    (PlantedBug::AdoptionNotCharged, &["R-TEN-2"], 100, 3),
 ];
 
 fn planted(bug: PlantedBug) -> CoreBugs {

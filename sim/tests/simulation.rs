@@ -189,6 +189,12 @@ fn ci_swarm_of_1000_seeds_holds_every_invariant() {
         "{t:?}"
     );
     assert!(t.tenant_claims > 0 && t.tenant_store_failures > 0, "{t:?}");
+    // Adoptions held to their record's key, and output no usage report
+    // covered charged by estimate (R-TEN-2).
+    assert!(
+        t.tenant_adoptions_held > 0 && t.tenant_unmetered_tokens > 0,
+        "{t:?}"
+    );
     println!(
         "CI swarm: {CI_SWARM_SEEDS} seeds x {CI_SWARM_STEPS} steps ({} steps with the drain) on {threads} threads in {:.1}s",
         t.steps,
