@@ -44,7 +44,10 @@
 //! must reserve again before it starts ([`Tenants::reserve_attempt`], which
 //! the request machine asks for); settling gives back every reservation of
 //! the request once and charges what it used once. A request that ended without a
-//! provider call is released: it used nothing but its request count.
+//! provider call is released: it used nothing but its request count. A
+//! takeover's adoption of a dead Edge's parked run is reserved on credit
+//! ([`Tenants::admit_adopted`]): the dead Edge's reservation of the same
+//! terms stays counted in its claims, so the bound holds.
 //!
 //! One principal's use never changes another's admission: every count is
 //! keyed by its subject.
