@@ -1,5 +1,7 @@
-//! The request driver: one task per client Chat Completions / Responses /
-//! Ollama request. It drives the request's core machine
+//! The request driver: one per client Chat Completions / Responses /
+//! Ollama request, on a task of its own ([`spawn`]: a streamed or durable
+//! answer) or on the client connection's task ([`inline`]: a non-streamed
+//! answer, no task hand-off between the two). It drives the request's core machine
 //! ([`iop_core::edge::request::Request`], which owns the gate, the attempts,
 //! the hold buffer and every decision about the request) and carries out
 //! what it says: carry commands to the hub, open the node stream and send
@@ -131,12 +133,116 @@ pub enum DriverObservation {
     Ttft(&'static str, Duration),
 }
 
-/// Start a driver for one request; deliveries arrive on the returned
-/// receiver. Dropping the receiver is a client disconnect (R-GATE-4).
+/// How many deliveries wait for a client before the driver waits for it.
+const CLIENT_QUEUE: usize = 64;
+
+/// Start a driver for one request on a task of its own; deliveries arrive
+/// on the returned receiver. Dropping the receiver is a client disconnect
+/// (R-GATE-4).
 pub fn spawn(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> mpsc::Receiver<Delivery> {
-    let (tx, rx) = mpsc::channel(64);
+    let (tx, rx) = mpsc::channel(CLIENT_QUEUE);
     start(ctx, pool, work, Some(tx), None, RequestBegin::New);
     rx
+}
+
+/// A driver for one request that runs on the task that reads its
+/// deliveries (the client connection's): no task is started for it and no
+/// delivery wakes another task. The same driver as [`spawn`]'s, polled by
+/// [`InlineRun::recv`] instead of by a task of its own.
+pub fn inline(ctx: DriverContext, pool: Vec<ProviderId>, work: Work) -> InlineRun {
+    let (tx, rx) = mpsc::channel(CLIENT_QUEUE);
+    InlineRun {
+        rx: Some(rx),
+        run: Some(Box::pin(driven(
+            ctx,
+            pool,
+            work,
+            Some(tx),
+            None,
+            RequestBegin::New,
+        ))),
+    }
+}
+
+/// A request's driver driven by whoever reads its deliveries.
+///
+/// Dropped before its driver ended (the client went away, or its answer
+/// was refused), the driver goes on on a task of its own with its
+/// deliveries' receiver gone, exactly as a spawned driver whose client
+/// left: the request machine hears the disconnect and ends the request
+/// (R-GATE-4: the attempt's stream reset, its lease released; the
+/// tenant's hold settles when the driver ends, R-TEN-2).
+pub struct InlineRun {
+    /// `None` only once handed over (drop, [`InlineRun::detach`]).
+    rx: Option<mpsc::Receiver<Delivery>>,
+    /// `None` once the driver ended.
+    run: Option<DriverFuture>,
+}
+
+type DriverFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl InlineRun {
+    /// The next delivery, driving the request until there is one; `None`
+    /// once the driver ended and every delivery was taken.
+    pub async fn recv(&mut self) -> Option<Delivery> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    fn poll_recv(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Delivery>> {
+        use std::task::Poll;
+        let Some(rx) = self.rx.as_mut() else {
+            return Poll::Ready(None);
+        };
+        loop {
+            // `try_recv` registers no waker: a delivery the driver makes
+            // below wakes nothing, it is read right after.
+            if let Ok(delivery) = rx.try_recv() {
+                return Poll::Ready(Some(delivery));
+            }
+            let Some(run) = self.run.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if run.as_mut().poll(cx).is_ready() {
+                self.run = None;
+                continue;
+            }
+            return match rx.try_recv() {
+                Ok(delivery) => Poll::Ready(Some(delivery)),
+                Err(_) => Poll::Pending,
+            };
+        }
+    }
+
+    /// Whether the driver ended (its deliveries may still wait).
+    pub fn ended(&self) -> bool {
+        self.run.is_none()
+    }
+
+    /// The rest of the run on a task of its own, its deliveries on the
+    /// returned receiver (an answer streamed to a client that may read
+    /// slowly: the driver's timers and its write timeout, R-LIM-4, must not
+    /// wait for the client's reads).
+    pub fn detach(mut self) -> mpsc::Receiver<Delivery> {
+        if let Some(run) = self.run.take() {
+            tokio::spawn(run);
+        }
+        self.rx.take().unwrap_or_else(|| mpsc::channel(1).1)
+    }
+}
+
+impl Drop for InlineRun {
+    fn drop(&mut self) {
+        // Receiver first: the driver's next step is the client's
+        // disconnect (R-GATE-4).
+        drop(self.rx.take());
+        if let Some(run) = self.run.take() {
+            // Outside a runtime (it is shutting down) the driver is
+            // dropped: its place in the hub goes with it (`Detach`).
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(run);
+            }
+        }
+    }
 }
 
 /// What a durable request's driver writes to (SPEC §6).
@@ -228,8 +334,21 @@ fn start(
     durable: Option<DurableRun>,
     begin: RequestBegin,
 ) {
+    tokio::spawn(driven(ctx, pool, work, out, durable, begin));
+}
+
+/// One request's driver from its start to its end, on whichever task polls
+/// it ([`start`]'s own, or the client's with [`inline`]).
+fn driven(
+    ctx: DriverContext,
+    pool: Vec<ProviderId>,
+    work: Work,
+    out: Option<mpsc::Sender<Delivery>>,
+    durable: Option<DurableRun>,
+    begin: RequestBegin,
+) -> impl Future<Output = ()> + Send + 'static {
     let tx = out;
-    tokio::spawn(async move {
+    async move {
         let request_id = ctx.next_request_id.fetch_add(1, Ordering::Relaxed);
         // The configuration is validated against core's limits at load
         // (`admission.max_attempts`, `admission.request_budget_ms`), so this
@@ -323,7 +442,7 @@ fn start(
         driver.run().await;
         // Its answer is all delivered (or journaled): one GenAI operation.
         crate::observe::genai_operation(&driver.ctx.metrics, driver.in_flight.view());
-    });
+    }
 }
 
 type JournalFuture = Pin<Box<dyn Future<Output = JournalAck> + Send>>;

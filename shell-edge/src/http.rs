@@ -5,7 +5,8 @@
 //! (`/status`, `/healthz`, `/metrics`, the console at `/console`).
 //!
 //! Handlers authenticate, parse and validate, then hand the request to a
-//! [`crate::driver`] task and turn its deliveries into the API's own wire
+//! [`crate::driver`] (a non-streamed answer's driven on the connection's own
+//! task, a streamed one's on a task of its own) and turn its deliveries into the API's own wire
 //! format. Every error is the API's own error JSON. The four run endpoints
 //! are one pipeline, `run_endpoint`, told apart only by their
 //! [`RunEndpoint`] (see [`crate::api::endpoint`]).
@@ -91,10 +92,37 @@ enum TunnelFraming {
     Opaque,
 }
 
+/// A request's deliveries: from its driver's own task (a streamed answer),
+/// or from its driver driven right here, on the client connection's task
+/// (a non-streamed answer: no task hand-off on its way, issue 42).
+enum Deliveries {
+    /// A spawned driver's.
+    Task(mpsc::Receiver<Delivery>),
+    /// An inline driver's (dropped, the driver goes on alone and hears
+    /// the client's disconnect, R-GATE-4).
+    Inline(driver::InlineRun),
+}
+
+impl Deliveries {
+    async fn recv(&mut self) -> Option<Delivery> {
+        match self {
+            Deliveries::Task(rx) => rx.recv().await,
+            Deliveries::Inline(run) => run.recv().await,
+        }
+    }
+
+    /// The rest of the deliveries on a receiver, an inline driver going on
+    /// on a task of its own (a body the client reads at its own pace).
+    fn into_receiver(self) -> mpsc::Receiver<Delivery> {
+        match self {
+            Deliveries::Task(rx) => rx,
+            Deliveries::Inline(run) => run.detach(),
+        }
+    }
+}
+
 /// Wait for the driver's first delivery: the commit or the one error.
-async fn first(
-    rx: &mut mpsc::Receiver<Delivery>,
-) -> Result<Option<(u16, Vec<iop_wire::Header>)>, ApiError> {
+async fn first(rx: &mut Deliveries) -> Result<Option<(u16, Vec<iop_wire::Header>)>, ApiError> {
     match rx.recv().await {
         Some(Delivery::Commit { tunnel_head }) => Ok(tunnel_head),
         Some(Delivery::Fail { kind, provider, .. }) => {
@@ -349,7 +377,15 @@ async fn run_admitted<E: RunEndpoint>(
         tenant: admitted.tenant,
         view: Some(run_view),
     };
-    let mut rx = driver::spawn(state.driver_context().clone(), admitted.pool, work);
+    // A non-streamed answer's driver runs on this task (issue 42); a
+    // streamed one's on its own, so its timers and its write timeout
+    // (R-LIM-4) never wait for the client's reads.
+    let ctx = state.driver_context().clone();
+    let mut rx = if run.stream {
+        Deliveries::Task(driver::spawn(ctx, admitted.pool, work))
+    } else {
+        Deliveries::Inline(driver::inline(ctx, admitted.pool, work))
+    };
     let first = first(&mut rx).await;
     if first.is_ok() {
         record.span.event("committed", &[]);
@@ -357,7 +393,9 @@ async fn run_admitted<E: RunEndpoint>(
     match first {
         Err(e) => return refuse(record, e),
         // A tunnel-mode provider answered in its own format.
-        Ok(Some((status, headers))) => return tunnel_response(status, headers, rx, record),
+        Ok(Some((status, headers))) => {
+            return tunnel_response(status, headers, rx, record).await;
+        }
         Ok(None) => {}
     }
     let start = AnswerStart {
@@ -368,7 +406,7 @@ async fn run_admitted<E: RunEndpoint>(
     };
     if run.stream {
         E::Stream::response(answer_body(
-            rx,
+            rx.into_receiver(),
             endpoint.stream(start, options),
             None,
             record,
@@ -396,7 +434,7 @@ pub(crate) use iop_core::edge::whole_answer::MAX_WHOLE_ANSWER_BYTES;
 /// to answer. Past `max_bytes` of text and tool calls the run is abandoned
 /// (dropping the receiver cancels it).
 async fn whole_answer<W: WholeAnswer>(
-    rx: &mut mpsc::Receiver<Delivery>,
+    rx: &mut Deliveries,
     mut whole: W,
     max_bytes: usize,
 ) -> Result<serde_json::Value, ApiError> {
@@ -533,10 +571,83 @@ async fn revoke_credential(
     axum::Json(serde_json::json!({ "profile": profile, "active": false })).into_response()
 }
 
+/// A tunnelled answer of an inline driver up to this many bytes is
+/// collected on the client's task and sent whole; past it, the driver goes
+/// on on a task of its own and the rest is streamed.
+const MAX_COLLECTED_TUNNEL_BYTES: usize = 256 * 1024;
+
 /// A tunnelled response: the provider's status and headers, then its body.
-fn tunnel_response(
+async fn tunnel_response(
     status: u16,
     headers: Vec<iop_wire::Header>,
+    deliveries: Deliveries,
+    mut record: RequestRecord,
+) -> Response {
+    // An inline driver's answer (non-streamed) is taken here while it is
+    // small: sent whole when it ends, no task started for it.
+    let mut collected = std::collections::VecDeque::new();
+    let rx = match deliveries {
+        Deliveries::Inline(mut run) => {
+            let mut bytes = 0;
+            while bytes <= MAX_COLLECTED_TUNNEL_BYTES {
+                match run.recv().await {
+                    Some(Delivery::Body(body)) => {
+                        bytes += body.len();
+                        collected.push_back(Delivery::Body(body));
+                    }
+                    Some(Delivery::Finish) => {
+                        let mut whole = Vec::with_capacity(bytes);
+                        for d in collected {
+                            if let Delivery::Body(body) = d {
+                                whole.extend_from_slice(&body);
+                            }
+                        }
+                        record.relayed_bytes += whole.len() as u64;
+                        record.set("ok");
+                        return tunnel_head(status, headers)
+                            .body(Body::from(whole))
+                            .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response());
+                    }
+                    // After commit: framed below like any failure.
+                    Some(fail @ Delivery::Fail { .. }) => {
+                        collected.push_back(fail);
+                        break;
+                    }
+                    None => break,
+                    Some(_) => {}
+                }
+            }
+            run.detach()
+        }
+        Deliveries::Task(rx) => rx,
+    };
+    tunnel_stream_response(status, headers, collected, rx, record)
+}
+
+/// The head of a tunnelled response: the provider's status and headers
+/// (less the framing ones, which are this connection's).
+fn tunnel_head(status: u16, headers: Vec<iop_wire::Header>) -> axum::http::response::Builder {
+    let mut builder =
+        Response::builder().status(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY));
+    for (name, value) in headers {
+        let lower = name.to_ascii_lowercase();
+        if matches!(
+            lower.as_str(),
+            "content-length" | "transfer-encoding" | "connection" | "keep-alive"
+        ) {
+            continue;
+        }
+        builder = builder.header(name, value);
+    }
+    builder
+}
+
+/// A tunnelled response whose body is streamed: `collected` first, then
+/// what `rx` brings.
+fn tunnel_stream_response(
+    status: u16,
+    headers: Vec<iop_wire::Header>,
+    collected: std::collections::VecDeque<Delivery>,
     rx: mpsc::Receiver<Delivery>,
     record: RequestRecord,
 ) -> Response {
@@ -556,13 +667,17 @@ fn tunnel_response(
     } else {
         TunnelFraming::Opaque
     };
-    let body = futures::stream::unfold(Some((rx, record)), move |state| async move {
-        let (mut rx, mut record) = state?;
+    let body = futures::stream::unfold(Some((collected, rx, record)), move |state| async move {
+        let (mut collected, mut rx, mut record) = state?;
         loop {
-            let err = match rx.recv().await {
+            let next = match collected.pop_front() {
+                Some(delivery) => Some(delivery),
+                None => rx.recv().await,
+            };
+            let err = match next {
                 Some(Delivery::Body(bytes)) => {
                     record.relayed_bytes += bytes.len() as u64;
-                    return Some((Ok(bytes::Bytes::from(bytes)), Some((rx, record))));
+                    return Some((Ok(bytes::Bytes::from(bytes)), Some((collected, rx, record))));
                 }
                 Some(Delivery::Finish) => {
                     record.set("ok");
@@ -591,19 +706,7 @@ fn tunnel_response(
             return Some((item, None));
         }
     });
-    let mut builder =
-        Response::builder().status(StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY));
-    for (name, value) in headers {
-        let lower = name.to_ascii_lowercase();
-        if matches!(
-            lower.as_str(),
-            "content-length" | "transfer-encoding" | "connection" | "keep-alive"
-        ) {
-            continue;
-        }
-        builder = builder.header(name, value);
-    }
-    builder
+    tunnel_head(status, headers)
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
 }
@@ -629,7 +732,8 @@ mod tests {
             admitted_unix_ms: 0,
             committed_unix: 0,
         };
-        let (tx, mut rx) = mpsc::channel(8);
+        let (tx, rx) = mpsc::channel(8);
+        let mut rx = Deliveries::Task(rx);
         tx.send(text("12345")).await.unwrap();
         tx.send(text("678")).await.unwrap();
         let err = whole_answer(
@@ -646,7 +750,8 @@ mod tests {
         .await
         .unwrap_err();
         assert_eq!((err.status, err.code), (502, Some("response_too_large")));
-        let (tx, mut rx) = mpsc::channel(8);
+        let (tx, rx) = mpsc::channel(8);
+        let mut rx = Deliveries::Task(rx);
         tx.send(text("1234567")).await.unwrap();
         tx.send(Delivery::Event(RunEventKind::Completed {
             finish_reason: FinishReason::Stop,

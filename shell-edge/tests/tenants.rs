@@ -676,3 +676,57 @@ async fn r_ten_4_an_edge_restart_keeps_its_runtime_keys() {
     })
     .await;
 }
+
+/// R-GATE-4, R-TEN-2: a client that leaves during a non-streamed request
+/// (whose driver runs on the client connection's own task) cancels the
+/// provider call; the request's lease is released and its tenant's
+/// concurrency slot given back: the same one-at-a-time key is admitted
+/// again at once.
+#[tokio::test]
+async fn r_gate_4_a_client_leaving_a_non_streamed_request_cancels_the_call_and_frees_its_slot() {
+    bounded(async {
+        // 100 tokens at 20 a second: the call runs for 5 s unless canceled.
+        let d = deployment(Some(20.0)).await;
+        let url = format!("http://{}/v1/chat/completions", d.edge.http_addr);
+        let client = tokio::spawn({
+            let url = url.clone();
+            async move {
+                reqwest::Client::new()
+                    .post(url)
+                    .bearer_auth(ONE_AT_A_TIME)
+                    .json(&json!({
+                        "model": "m",
+                        "messages": [{"role": "user", "content": "hi"}],
+                    }))
+                    .send()
+                    .await
+            }
+        });
+        d.mock.wait_for(|s| s.in_flight == 1).await;
+        client.abort();
+        let _ = client.await;
+        d.mock.wait_for(|s| s.in_flight == 0).await;
+        wait_for(&d.edge, "no leases in use and no waiters", |s| {
+            s.leases_in_use == 0 && s.queue_depth == 0 && s.waiters == 0
+        })
+        .await;
+        // The slot is back: a streamed request of the same key is admitted
+        // (its head comes with the first token).
+        let r = reqwest::Client::new()
+            .post(&url)
+            .bearer_auth(ONE_AT_A_TIME)
+            .json(&json!({
+                "model": "m",
+                "stream": true,
+                "messages": [{"role": "user", "content": "hi"}],
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "the left request's slot was not released");
+        drop(r);
+        d.mock.wait_for(|s| s.in_flight == 0).await;
+        d.edge.shutdown().await;
+    })
+    .await;
+}
