@@ -280,6 +280,20 @@ pub struct TokenUse {
 }
 
 impl TokenUse {
+    /// What a request's settlement charges (R-TEN-2): the usage its
+    /// providers reported, plus `unmetered_output` output tokens no report
+    /// covers (the request machine's estimate of the text its cut attempts
+    /// delivered, `Request::unmetered_output_tokens`). `None`: nothing was
+    /// used beyond the request count (the request is released).
+    pub fn settled(reported: Option<TokenUse>, unmetered_output: u64) -> Option<TokenUse> {
+        if unmetered_output == 0 {
+            return reported;
+        }
+        let mut used = reported.unwrap_or_default();
+        used.output = used.output.saturating_add(unmetered_output);
+        Some(used)
+    }
+
     /// Input + output.
     pub fn total(&self) -> u64 {
         self.input.saturating_add(self.output)

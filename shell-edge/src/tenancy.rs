@@ -228,14 +228,7 @@ impl Drop for TenantHold {
         if metered.left {
             return;
         }
-        let used = match (metered.reported, metered.unmetered_output) {
-            (used, 0) => used,
-            (used, estimated) => {
-                let mut used = used.unwrap_or_default();
-                used.output = used.output.saturating_add(estimated);
-                Some(used)
-            }
-        };
+        let used = TokenUse::settled(metered.reported, metered.unmetered_output);
         self.tenancy.settle(self.ticket, used);
     }
 }

@@ -318,3 +318,44 @@ fn r_ten_2_a_lost_adoption_continued_reserves_its_continuation_too() {
     assert!(edge.machine.settle(at(2), 1, used).is_some());
     assert_eq!(edge.machine.used(&spend()), Some(24));
 }
+
+#[test]
+fn r_ten_2_a_settlement_charges_the_reported_usage_plus_the_unmetered_output() {
+    let reported = TokenUse {
+        input: 10,
+        cached_input: 4,
+        cache_write_input: 0,
+        output: 7,
+    };
+    // Nothing unmetered: the report as it is (or a release without one).
+    assert_eq!(TokenUse::settled(Some(reported), 0), Some(reported));
+    assert_eq!(TokenUse::settled(None, 0), None);
+    // A cut attempt's estimated output adds to the output only.
+    assert_eq!(
+        TokenUse::settled(Some(reported), 5),
+        Some(TokenUse {
+            output: 12,
+            ..reported
+        })
+    );
+    // No report at all: the estimate is the whole charge.
+    assert_eq!(
+        TokenUse::settled(None, 5),
+        Some(TokenUse {
+            output: 5,
+            ..TokenUse::default()
+        })
+    );
+    // Never wraps.
+    assert_eq!(
+        TokenUse::settled(
+            Some(TokenUse {
+                output: u64::MAX,
+                ..TokenUse::default()
+            }),
+            1
+        )
+        .map(|u| u.output),
+        Some(u64::MAX)
+    );
+}

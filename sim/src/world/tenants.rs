@@ -855,14 +855,7 @@ impl World {
             .collect();
         // As the shell's hold: the reported usage and the estimate of what
         // no report covers.
-        let metered = match (ticket.used, ticket.unmetered) {
-            (used, 0) => used,
-            (used, estimated) => {
-                let mut used = used.unwrap_or_default();
-                used.output = used.output.saturating_add(estimated);
-                Some(used)
-            }
-        };
+        let metered = TokenUse::settled(ticket.used, ticket.unmetered);
         if ticket.unmetered > 0 {
             self.stats.tenant_unmetered_tokens += ticket.unmetered;
         }
