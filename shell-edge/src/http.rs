@@ -571,10 +571,10 @@ async fn revoke_credential(
     axum::Json(serde_json::json!({ "profile": profile, "active": false })).into_response()
 }
 
-/// A tunnelled answer of an inline driver up to this many bytes is
-/// collected on the client's task and sent whole; past it, the driver goes
-/// on on a task of its own and the rest is streamed.
-const MAX_COLLECTED_TUNNEL_BYTES: usize = 256 * 1024;
+// A tunnelled answer of an inline driver up to this many bytes is
+// collected on the client's task and sent whole; past it, the driver goes
+// on on a task of its own and the rest is streamed (R-LIM-3).
+use iop_core::edge::whole_answer::MAX_COLLECTED_TUNNEL_BYTES;
 
 /// A tunnelled response: the provider's status and headers, then its body.
 async fn tunnel_response(

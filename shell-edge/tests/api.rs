@@ -705,7 +705,34 @@ async fn tunnel_mode_relays_openai_and_ollama_requests() {
         let body = r.text().await.unwrap();
         let last: serde_json::Value = serde_json::from_str(body.lines().last().unwrap()).unwrap();
         assert_eq!(last["done"], true, "{body}");
-        assert_eq!(mock.requests(), 2, "both went to the provider as tunnels");
+        // Not streamed (R-LIM-3): a small answer is collected and sent
+        // whole, with its length; one past MAX_COLLECTED_TUNNEL_BYTES is
+        // streamed on after what was collected, every byte in order.
+        for (tokens, whole) in [(3usize, true), (60_000, false)] {
+            let r = http
+                .post(format!("http://{}/api/chat", edge.http_addr))
+                .bearer_auth(KEY)
+                .body(format!(
+                    r#"{{"model":"mock:tokens={tokens}","stream":false,"messages":[{{"role":"user","content":"hi"}}]}}"#
+                ))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.content_length().is_some(), whole, "{tokens} tokens");
+            let body = r.bytes().await.unwrap();
+            assert_eq!(
+                body.len() > iop_core::edge::whole_answer::MAX_COLLECTED_TUNNEL_BYTES,
+                !whole,
+                "{} bytes",
+                body.len()
+            );
+            let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(answer["done"], true);
+            let content = answer["message"]["content"].as_str().unwrap();
+            assert!(content.contains(&format!("tok{}", tokens - 1)), "the whole answer");
+        }
+        assert_eq!(mock.requests(), 4, "all went to the provider as tunnels");
         wait_for(&edge, "idle", |s| s.leases_in_use == 0).await;
         node.shutdown().await.unwrap();
         edge.shutdown().await;

@@ -9,6 +9,12 @@ use iop_wire::RunEventKind;
 /// The most text and tool-call bytes a non-streaming answer accumulates.
 pub const MAX_WHOLE_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
+/// The most bytes of a tunnelled non-streaming answer (the provider's own
+/// body) the Edge collects to send whole (R-LIM-3); past it the rest is
+/// streamed to the client as it comes, so a tunnelled answer never holds
+/// more than this (and one frame) in memory.
+pub const MAX_COLLECTED_TUNNEL_BYTES: usize = 256 * 1024;
+
 /// What rendering a stored answer whole takes at most, per byte of the
 /// events its record holds (R-LIM-6): the text folded from the events,
 /// the object built from it and that object serialized, each about the
