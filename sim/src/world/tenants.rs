@@ -219,9 +219,23 @@ struct Ticket {
     completed: Option<iop_wire::Usage>,
     /// Output tokens no usage report covers, estimated by its machine.
     unmetered: u64,
+    /// Held by a takeover: admitted by an Edge that is gone, counted in
+    /// flight here without a concurrency slot of its own (R-TEN-1).
+    taken_over: bool,
 }
 
 impl SimTenancy {
+    /// Whether `ticket` is held to `subject`'s concurrency limit as a
+    /// takeover holds it: its key's and its principal's, not per model.
+    fn ticket_is_of(&self, ticket: &Ticket, subject: &Subject) -> bool {
+        let (key, p, _) = &self.profile.keys[ticket.key];
+        match subject {
+            Subject::Key(k) => k == key,
+            Subject::Principal(principal) => *principal == self.profile.principals[*p].0,
+            _ => false,
+        }
+    }
+
     pub(super) fn new(profile: TenantProfile, seed: u64) -> Self {
         Self {
             profile,
@@ -430,6 +444,7 @@ impl World {
                     record: None,
                     completed: None,
                     unmetered: 0,
+                    taken_over: false,
                 },
             );
             let incarnation = edge.incarnation;
@@ -754,6 +769,7 @@ impl World {
                 record: Some(record.to_owned()),
                 completed: None,
                 unmetered: 0,
+                taken_over: true,
             },
         );
         let spent: Vec<Subject> = et
@@ -1361,6 +1377,15 @@ impl World {
                 }
                 in_flight += n;
                 bound += rule.chunk(limit);
+                // A takeover's request was admitted within the limit by an
+                // Edge that is gone and is not refused again: it counts
+                // here without a slot of its own (`admit_taken_over`), the
+                // overshoot at most what the gone Edges had in flight.
+                bound += et
+                    .tickets
+                    .values()
+                    .filter(|tk| tk.taken_over && t.ticket_is_of(tk, &subject))
+                    .count() as u64;
                 let local = et.machine.machine().store_down_for(&subject)
                     || et.tickets.values().any(|tk| tk.local.contains(&subject));
                 if local {
