@@ -29,6 +29,44 @@ use serde_json::Value;
 use super::error::{ApiError, OllamaError};
 use super::{NormalizedRun, chat, embeddings, framing, ids, messages, ollama, responses};
 
+/// The OpenAI-shaped answers of `/v1/chat/completions` and
+/// `/v1/completions`: SSE `data:` chunks with ids and keep-alive comments,
+/// ended by `data: [DONE]`; a whole answer is the accumulator's object.
+macro_rules! openai_answer {
+    ($stream:ty, $whole:ty) => {
+        impl AnswerStream for $stream {
+            const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
+            const SSE_IDS: bool = true;
+
+            fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
+                self.push(event, out);
+            }
+
+            fn closing(&mut self, out: &mut Vec<u8>) {
+                framing::sse_event(out, None, |out| out.extend_from_slice(b"[DONE]"));
+            }
+
+            fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
+                self.fail(err, out);
+            }
+
+            fn response(chunks: BoxStream<'static, Bytes>) -> Response {
+                streamed_response("text/event-stream", true, chunks)
+            }
+        }
+
+        impl WholeAnswer for $whole {
+            fn event(&mut self, event: &RunEventKind) {
+                self.push(event);
+            }
+
+            fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
+                self.finish()
+            }
+        }
+    };
+}
+
 /// What one run API adds to the shared pipeline.
 pub trait RunEndpoint: Send + Sync + 'static {
     /// Whether the API also takes its key in an `x-api-key` header (the
@@ -235,36 +273,7 @@ impl RunEndpoint for ChatCompletions {
     }
 }
 
-impl AnswerStream for chat::ChatStream {
-    const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
-    const SSE_IDS: bool = true;
-
-    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
-        self.push(event, out);
-    }
-
-    fn closing(&mut self, out: &mut Vec<u8>) {
-        framing::sse_event(out, None, |out| out.extend_from_slice(b"[DONE]"));
-    }
-
-    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
-        self.fail(err, out);
-    }
-
-    fn response(chunks: BoxStream<'static, Bytes>) -> Response {
-        streamed_response("text/event-stream", true, chunks)
-    }
-}
-
-impl WholeAnswer for chat::ChatAccumulator {
-    fn event(&mut self, event: &RunEventKind) {
-        self.push(event);
-    }
-
-    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
-        self.finish()
-    }
-}
+openai_answer!(chat::ChatStream, chat::ChatAccumulator);
 
 /// `POST /v1/responses`.
 #[derive(Debug, Clone, Copy)]
@@ -625,36 +634,10 @@ impl RunEndpoint for Completions {
     }
 }
 
-impl AnswerStream for embeddings::CompletionStream {
-    const KEEP_ALIVE: Option<&'static [u8]> = Some(framing::SSE_KEEP_ALIVE);
-    const SSE_IDS: bool = true;
-
-    fn event(&mut self, event: &RunEventKind, _now_unix_ms: u64, out: &mut Vec<u8>) {
-        self.push(event, out);
-    }
-
-    fn closing(&mut self, out: &mut Vec<u8>) {
-        framing::sse_event(out, None, |out| out.extend_from_slice(b"[DONE]"));
-    }
-
-    fn failure(&mut self, err: &ApiError, out: &mut Vec<u8>) {
-        self.fail(err, out);
-    }
-
-    fn response(chunks: BoxStream<'static, Bytes>) -> Response {
-        streamed_response("text/event-stream", true, chunks)
-    }
-}
-
-impl WholeAnswer for embeddings::CompletionAccumulator {
-    fn event(&mut self, event: &RunEventKind) {
-        self.push(event);
-    }
-
-    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
-        self.finish()
-    }
-}
+openai_answer!(
+    embeddings::CompletionStream,
+    embeddings::CompletionAccumulator
+);
 
 /// `POST /v1/messages` (the Anthropic Messages API).
 #[derive(Debug, Clone, Copy)]
