@@ -134,11 +134,23 @@ pub enum PlantedBug {
     /// limit on this Edge alone): over several Edges a key has up to
     /// Edges x its limit in flight.
     ConcurrencyPerEdge,
+    /// R-TEN-2: an attempt that ends without a usage report is charged
+    /// only the estimate of its text, never its prompt
+    /// (`Request::unmetered`), as before a cut attempt's input was
+    /// charged: the prompt its provider read and bills is charged to no
+    /// key.
+    CutInputNotCharged,
+    /// R-TEN-2, R-TAKE-1: a takeover does not read the journal of an
+    /// answer it ends `incomplete` without running it, nor of a run it
+    /// adopts on a route that does not continue answers (`Custody`), as
+    /// before such answers were charged: the text the dead Edge's run
+    /// produced is charged to no key.
+    EndedTextNotCharged,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 25] = [
+    pub const ALL: [PlantedBug; 27] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -164,6 +176,8 @@ impl PlantedBug {
         PlantedBug::IgnoreModelLimits,
         PlantedBug::ConcurrencyPerEdge,
         PlantedBug::AdoptionNotCharged,
+        PlantedBug::CutInputNotCharged,
+        PlantedBug::EndedTextNotCharged,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -175,6 +189,7 @@ impl PlantedBug {
                 | PlantedBug::DuplicateTerminal
                 | PlantedBug::IgnoreGateTimeout
                 | PlantedBug::ReadmitUnretryableStall
+                | PlantedBug::CutInputNotCharged
         )
     }
 
@@ -207,6 +222,7 @@ impl PlantedBug {
                 | PlantedBug::AdoptWithoutOwnerWait
                 | PlantedBug::RenewingLeaseExpired
                 | PlantedBug::ReplayStaleEvidence
+                | PlantedBug::EndedTextNotCharged
         )
     }
 
@@ -238,6 +254,8 @@ impl PlantedBug {
             PlantedBug::AdoptionNotCharged => "adoption-not-charged",
             PlantedBug::IgnoreModelLimits => "ignore-model-limits",
             PlantedBug::ConcurrencyPerEdge => "concurrency-per-edge",
+            PlantedBug::CutInputNotCharged => "cut-input-not-charged",
+            PlantedBug::EndedTextNotCharged => "ended-text-not-charged",
         }
     }
 

@@ -279,18 +279,45 @@ pub struct TokenUse {
     pub output: u64,
 }
 
+/// The tokens of a request that no provider's usage report covers,
+/// estimated by the Edge (R-TEN-2): what its settlement charges besides
+/// the usage its answer reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unmetered {
+    /// Input: the prompt of each attempt a provider accepted and that
+    /// ended without a usage report, as its reservation estimated it
+    /// ([`prompt_tokens_max`]: what the attempt sent, a continuation's
+    /// answer so far included).
+    pub input: u64,
+    /// Output: the text of each attempt that ended without a usage report
+    /// ([`text_tokens`](crate::edge::prompt_estimate::text_tokens)).
+    pub output: u64,
+}
+
 impl TokenUse {
+    /// A provider's usage report as the tokens it counts.
+    pub fn of_usage(usage: &iop_wire::Usage) -> TokenUse {
+        TokenUse {
+            input: usage.prompt_tokens,
+            cached_input: usage.cache_read_tokens.unwrap_or(0),
+            cache_write_input: usage.cache_write_tokens.unwrap_or(0),
+            output: usage.completion_tokens,
+        }
+    }
+
     /// What a request's settlement charges (R-TEN-2): the usage its
-    /// providers reported, plus `unmetered_output` output tokens no report
-    /// covers (the request machine's estimate of the text its cut attempts
-    /// delivered, `Request::unmetered_output_tokens`). `None`: nothing was
-    /// used beyond the request count (the request is released).
-    pub fn settled(reported: Option<TokenUse>, unmetered_output: u64) -> Option<TokenUse> {
-        if unmetered_output == 0 {
+    /// providers reported, plus the tokens no report covers (the request
+    /// machine's estimate, `Request::unmetered`: the prompt of each
+    /// attempt a provider accepted and the text of each attempt that
+    /// ended without a report). `None`: nothing was used beyond the
+    /// request count (the request is released).
+    pub fn settled(reported: Option<TokenUse>, unmetered: Unmetered) -> Option<TokenUse> {
+        if unmetered == Unmetered::default() {
             return reported;
         }
         let mut used = reported.unwrap_or_default();
-        used.output = used.output.saturating_add(unmetered_output);
+        used.input = used.input.saturating_add(unmetered.input);
+        used.output = used.output.saturating_add(unmetered.output);
         Some(used)
     }
 
@@ -1180,6 +1207,63 @@ impl Tenants {
             reservation.held = held;
             reservation.first = true;
         }
+    }
+
+    /// Charge `used` for an answer no request of this Edge runs (R-TEN-2,
+    /// R-TAKE-1): a durable answer a takeover ended `incomplete` without
+    /// running it (its Edge died or restarted; its route does not
+    /// continue answers, or its journal cannot be continued), charged by
+    /// the Edge that won its record's epoch what its journal holds, on the
+    /// key and principal of `request` (the record's terms). Taken at once,
+    /// on credit, never refused, as an adoption's reservation is, and
+    /// settled at once: the tokens and spend count `used` in this Edge's
+    /// holdings, and the usage row counts the request once (the Edge that
+    /// admitted it never settled it). The bound holds as for an adoption:
+    /// that Edge's reservation of the same terms stays counted in what it
+    /// claimed.
+    pub fn charge_ended(
+        &mut self,
+        now: Instant,
+        request: &AdmitRequest,
+        used: TokenUse,
+    ) -> (UsageKey, UsageTotals) {
+        let spend = request.price.map_or(0, |p| used.cost(&p));
+        let minute = request.unix_ms - request.unix_ms % MINUTE_MS;
+        let subjects = [
+            (Subject::Key(request.key.clone()), &request.key_limits),
+            (
+                Subject::Principal(request.principal.clone()),
+                &request.principal_limits,
+            ),
+        ];
+        for (subject, limits) in &subjects {
+            if let Some(limit) = limits.tokens_per_minute {
+                let key = CounterKey {
+                    subject: subject.clone(),
+                    meter: Meter::Tokens,
+                    window_unix_ms: minute,
+                };
+                self.take(now, &key, used.total(), limit);
+            }
+            if let Some(budget) = limits.budget
+                && request.price.is_some()
+            {
+                let (start, _) = budget.period.window(request.unix_ms);
+                let key = CounterKey {
+                    subject: subject.clone(),
+                    meter: Meter::Spend,
+                    window_unix_ms: start,
+                };
+                self.take(now, &key, spend, budget.limit_micros);
+            }
+        }
+        let usage = UsageKey {
+            day_unix_ms: day_of(request.unix_ms),
+            principal: request.principal.clone(),
+            key: request.key.clone(),
+            model: request.model.clone(),
+        };
+        (usage, UsageTotals::of(used, spend))
     }
 
     /// Reserve again for a further attempt of ticket's request that sends

@@ -38,7 +38,8 @@ use iop_wire::RunKey;
 
 use crate::edge::dispatch::ParkedOffer;
 use crate::edge::durable::{
-    NotContinuable, ResumedAnswer, TakeoverRefusal, resumed_answer, takeover_resume_point,
+    JournaledUse, NotContinuable, ResumedAnswer, TakeoverRefusal, journaled_use, resumed_answer,
+    takeover_resume_point,
 };
 use crate::journal::{
     JournalError, JournalEvent, LeaseState, MAX_TRACKED_EDGES, NO_OWNER, Orphan, RecordMeta,
@@ -329,6 +330,19 @@ pub enum CustodyOutput {
         /// What its journal holds.
         resumed: ResumedAnswer,
     },
+    /// Charge the answer of record `meta`, which this Edge just ended
+    /// `incomplete` (its terminal is durable at the epoch this Edge won),
+    /// what its journal holds (R-TEN-2): to the key and principal the
+    /// record names, once, by this Edge alone (a writer that lost the
+    /// epoch never gets here). The driver estimates the prompt from the
+    /// stored request as its reservation did
+    /// ([`JournaledUse::charged`]).
+    Charge {
+        /// The record as raised.
+        meta: RecordMeta,
+        /// What its journal holds.
+        used: JournaledUse,
+    },
     /// Let the reported parked run go (its held capacity with it).
     Release {
         /// The node that reported it.
@@ -397,13 +411,18 @@ enum Stage {
     Raising,
     /// Reading the events of a raised orphan to continue it.
     Events { meta: RecordMeta },
+    /// Reading the events of a raised orphan that is not continued, for
+    /// what its answer is charged (R-TEN-2).
+    EndEvents { meta: RecordMeta },
     /// Reading the events of a raised record whose run is adopted, for
     /// the answer so far (a route that continues).
     AdoptEvents { meta: RecordMeta, frame: u64 },
-    /// Writing the terminal.
+    /// Writing the terminal; then charging `charge` (R-TEN-2).
     Finishing {
         reason: &'static str,
         not_continued: Option<NotContinuable>,
+        meta: RecordMeta,
+        charge: Option<JournaledUse>,
     },
 }
 
@@ -892,12 +911,18 @@ impl Custody {
             return;
         }
         let meta = meta.clone();
-        if task.continuable {
-            task.stage = Stage::AdoptEvents { meta, frame };
-            self.push(StoreOp::Events { id: id.to_owned() });
-            return;
+        // The answer so far: what a lost adoption continues from on a
+        // route that continues answers (R-CONT-1), and is charged by on
+        // any (R-TEN-2: the text before the adoption, when the run is lost
+        // without a usage report).
+        #[cfg(feature = "planted-bugs")]
+        if !task.continuable
+            && crate::planted::in_thread(crate::planted::PlantedBug::EndedTextNotCharged)
+        {
+            return self.adopt(id, meta, frame, None);
         }
-        self.adopt(id, meta, frame, None);
+        task.stage = Stage::AdoptEvents { meta, frame };
+        self.push(StoreOp::Events { id: id.to_owned() });
     }
 
     fn adopt(&mut self, id: &str, meta: RecordMeta, frame: u64, resumed: Option<ResumedAnswer>) {
@@ -942,12 +967,20 @@ impl Custody {
             // Another writer has the record.
             (TaskKind::Adopt(_), Err(_)) => self.drop_task(id, ReleaseReason::EpochLost),
             (TaskKind::Orphan, Ok(meta)) => {
-                if task.continuable {
-                    task.stage = Stage::Events { meta };
-                    self.push(StoreOp::Events { id: id.to_owned() });
-                } else {
-                    self.finish(id, meta.epoch, None);
+                #[cfg(feature = "planted-bugs")]
+                if !task.continuable
+                    && crate::planted::in_thread(crate::planted::PlantedBug::EndedTextNotCharged)
+                {
+                    return self.finish(id, meta, None, None);
                 }
+                // Read its events either way: to continue it, or for what
+                // its answer is charged when it ends here (R-TEN-2).
+                task.stage = if task.continuable {
+                    Stage::Events { meta }
+                } else {
+                    Stage::EndEvents { meta }
+                };
+                self.push(StoreOp::Events { id: id.to_owned() });
             }
             (TaskKind::Orphan, Err(e)) => self.refused(now, id, e),
         }
@@ -972,14 +1005,20 @@ impl Custody {
                 .filter(|r| r.last_seq == meta.last_seq);
             return self.adopt(id, meta, frame, resumed);
         }
-        let Stage::Events { meta } = &task.stage else {
-            return;
+        let (meta, continued) = match &task.stage {
+            Stage::Events { meta } => (meta.clone(), true),
+            Stage::EndEvents { meta } => (meta.clone(), false),
+            _ => return,
         };
-        let meta = meta.clone();
         let events = match result {
             Ok(events) => events,
             Err(e) => return self.refused(now, id, e),
         };
+        // R-TEN-2: what the answer is charged if it ends here.
+        let charge = Some(journaled_use(&events)).filter(|u| *u != JournaledUse::default());
+        if !continued {
+            return self.finish(id, meta, None, charge);
+        }
         match resumed_answer(&events) {
             // Only a journal read whole, up to the record's last event, is
             // continued: an answer the read missed would be sent twice.
@@ -988,13 +1027,21 @@ impl Custody {
                 self.outputs
                     .push_back(CustodyOutput::Continue { meta, resumed });
             }
-            Ok(_) => self.finish(id, meta.epoch, Some(NotContinuable::Unreadable)),
-            Err(why) => self.finish(id, meta.epoch, Some(why)),
+            Ok(_) => self.finish(id, meta, Some(NotContinuable::Unreadable), charge),
+            Err(why) => self.finish(id, meta, Some(why), charge),
         }
     }
 
-    /// End the raised orphan `id` `incomplete` with its durable prefix.
-    fn finish(&mut self, id: &str, epoch: u64, not_continued: Option<NotContinuable>) {
+    /// End the raised orphan `id` (`meta` as raised) `incomplete` with its
+    /// durable prefix; once its terminal is durable, charge `charge`
+    /// (R-TEN-2).
+    fn finish(
+        &mut self,
+        id: &str,
+        meta: RecordMeta,
+        not_continued: Option<NotContinuable>,
+        charge: Option<JournaledUse>,
+    ) {
         let Some(task) = self.tasks.get_mut(id) else {
             return;
         };
@@ -1002,9 +1049,12 @@ impl Custody {
         // the record's owner is this Edge.
         let reason = task.orphan.unwrap_or(Orphan::EdgeRestart).reason();
         task.writes += 1;
+        let epoch = meta.epoch;
         task.stage = Stage::Finishing {
             reason,
             not_continued,
+            meta,
+            charge,
         };
         self.push(StoreOp::Finish {
             id: id.to_owned(),
@@ -1025,13 +1075,27 @@ impl Custody {
         let Stage::Finishing {
             reason,
             not_continued,
+            ..
         } = task.stage
         else {
             return;
         };
         match result {
             Ok(()) => {
-                self.tasks.remove(id);
+                // R-TEN-2: the terminal is this Edge's (the epoch it won):
+                // its answer is charged here, once.
+                if let Some(Task {
+                    stage:
+                        Stage::Finishing {
+                            meta,
+                            charge: Some(used),
+                            ..
+                        },
+                    ..
+                }) = self.tasks.remove(id)
+                {
+                    self.outputs.push_back(CustodyOutput::Charge { meta, used });
+                }
                 self.outputs
                     .push_back(CustodyOutput::Event(CustodyEvent::Ended {
                         id: id.to_owned(),

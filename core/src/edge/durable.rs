@@ -361,6 +361,76 @@ pub fn resumed_answer(events: &[JournalEvent]) -> Result<ResumedAnswer, NotConti
     Ok(resumed)
 }
 
+/// What a record's journal holds that its answer is charged by when no
+/// run of it settles (R-TEN-2): a takeover ends it `incomplete` without
+/// running it ([`crate::edge::custody::CustodyOutput::Charge`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct JournaledUse {
+    /// The usage last journaled (the sum of the attempts' reports so
+    /// far), if any.
+    pub usage: Option<iop_wire::Usage>,
+    /// The estimated tokens
+    /// ([`text_tokens`](crate::edge::prompt_estimate::text_tokens)) of the
+    /// text journaled after that usage (all of it without one).
+    pub text_tokens: u64,
+}
+
+impl JournaledUse {
+    /// What the answer is charged (R-TEN-2), its prompt estimated as its
+    /// reservation did (`prompt_tokens`, from above): the usage journaled
+    /// and the estimate of the text after it; without a usage journaled,
+    /// the prompt too (the attempt that wrote the text was accepted by its
+    /// provider and reported nothing). `None`: nothing to charge (no text
+    /// and no usage journaled: no provider answered).
+    pub fn charged(&self, prompt_tokens: u64) -> Option<crate::tenant::TokenUse> {
+        let reported = self.usage.as_ref().map(crate::tenant::TokenUse::of_usage);
+        if reported.is_none() && self.text_tokens == 0 {
+            return None;
+        }
+        crate::tenant::TokenUse::settled(
+            reported,
+            crate::tenant::Unmetered {
+                input: if reported.is_some() { 0 } else { prompt_tokens },
+                output: self.text_tokens,
+            },
+        )
+    }
+}
+
+/// What the journal `events` (a record's, in order) hold that its answer
+/// is charged by (R-TEN-2): the last usage journaled and the text after
+/// it, every text delta counted (a tool call or an event this build does
+/// not read does not stop the count: it is an estimate, never a refusal).
+pub fn journaled_use(events: &[JournalEvent]) -> JournaledUse {
+    let mut usage = None;
+    // Characters of the text after the last usage (the estimate is of
+    // the text whole, as the request machine's).
+    let mut chars: u64 = 0;
+    for event in events {
+        let Some(entry) = decode_entry(&event.payload) else {
+            continue;
+        };
+        match entry.delivery {
+            Delivery::Event(iop_wire::RunEventKind::TextDelta(text)) => {
+                chars = chars.saturating_add(text.chars().count() as u64);
+            }
+            Delivery::Event(iop_wire::RunEventKind::Usage(reported))
+            | Delivery::Event(iop_wire::RunEventKind::Completed {
+                usage: Some(reported),
+                ..
+            }) => {
+                usage = Some(reported);
+                chars = 0;
+            }
+            _ => {}
+        }
+    }
+    JournaledUse {
+        usage,
+        text_tokens: chars.div_ceil(crate::edge::prompt_estimate::CHARS_PER_TOKEN),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InFlight {
     /// An append of events up to this number.

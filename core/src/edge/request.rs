@@ -39,7 +39,7 @@
 //!   adoption is reserved when its hold is taken,
 //!   [`Tenants::admit_adopted`](crate::tenant::Tenants::admit_adopted)).
 //!   What the request settles with is the usage its answer reports plus
-//!   [`Request::unmetered_output_tokens`]: the estimated output of the
+//!   [`Request::unmetered`]: the estimated input and output of the
 //!   attempts that ended without a usage report.
 //!
 //! ## Driver loop
@@ -72,7 +72,7 @@ use crate::ids::ProviderId;
 use crate::journal::{JournalError, RecordStatus, Terminal};
 #[cfg(feature = "planted-bugs")]
 use crate::planted::{Planted, PlantedBug};
-use crate::tenant::AttemptRefusal;
+use crate::tenant::{AttemptRefusal, Unmetered};
 use crate::time::Instant;
 
 /// The most deliveries held before commit (R-GATE-2 holds everything that
@@ -147,6 +147,12 @@ pub struct RequestSpec {
     /// client already has.
     #[serde(default)]
     pub continuation: bool,
+    /// The prompt's tokens as the request's reservation estimated them
+    /// (from above, [`crate::tenant::prompt_tokens_max`] of what it sends):
+    /// what each attempt a provider accepted and that ended without a
+    /// usage report is charged as input (R-TEN-2). 0: nothing to charge.
+    #[serde(default)]
+    pub prompt_tokens: u64,
 }
 
 /// How long a further attempt whose reservation waits for a claim on its
@@ -493,6 +499,17 @@ pub struct Request {
     /// Estimated output tokens of the attempts before the current one
     /// that ended without a usage report (R-TEN-2).
     unmetered_output_tokens: u64,
+    /// The current attempt's provider accepted it (its `Started`, a
+    /// tunnel's success head, its first content or usage): it read the
+    /// prompt (R-TEN-2).
+    attempt_accepted: bool,
+    /// What the current attempt sent as input, estimated from above: the
+    /// prompt, and a continuation's answer so far (R-TEN-2).
+    attempt_input_tokens: u64,
+    /// Estimated input tokens of the attempts before the current one that
+    /// a provider accepted and that ended without a usage report
+    /// (R-TEN-2).
+    unmetered_input_tokens: u64,
     /// A journal write was fenced: another Edge took the record over and
     /// charges the answer the journal holds (R-TEN-2, R-TAKE-1).
     record_taken: bool,
@@ -553,6 +570,9 @@ impl Request {
             attempt_usage: None,
             attempt_text_from: 0,
             unmetered_output_tokens: 0,
+            attempt_accepted: false,
+            attempt_input_tokens: 0,
+            unmetered_input_tokens: 0,
             record_taken: false,
             parked_provider: None,
             orphan_continuation: false,
@@ -605,6 +625,10 @@ impl Request {
             // answer so far (its usage at the end covers it, R-TEN-2).
             request.attempt_usage = resumed.usage;
         }
+        // R-TEN-2: the adopted run is an attempt its provider accepted;
+        // lost without a usage report, its prompt is charged.
+        request.attempt_accepted = true;
+        request.attempt_input_tokens = request.spec.prompt_tokens;
         if let Some(attempt) = request.committed_before(now, offer.provider_id.clone()) {
             request.attempt_open = true;
             request.parked_provider = Some(offer.provider_id.clone());
@@ -654,6 +678,11 @@ impl Request {
             .or_else(|| request.spec.pool.first().cloned())
             .unwrap_or_else(|| ProviderId::from(""));
         if let Some(attempt) = request.committed_before(now, provider_id) {
+            // R-TEN-2: the attempt that wrote the answer so far was
+            // accepted by its provider; without a usage journaled, its
+            // prompt is charged with the estimate of its text.
+            request.attempt_accepted = resumed.usage.is_none();
+            request.attempt_input_tokens = request.spec.prompt_tokens;
             request.attempt_event(now, attempt, AttemptEvent::TransportLost);
         }
         request
@@ -1017,39 +1046,73 @@ impl Request {
     }
 
     /// The current attempt ends (R-TEN-2): without a usage report, the
-    /// text it delivered is charged by an estimate.
+    /// text it delivered is charged by an estimate, and its prompt too if
+    /// its provider accepted it.
     fn end_attempt_metering(&mut self) {
-        if self.attempt_usage.is_none() {
-            let text = self.delivered_text.get(self.attempt_text_from..);
-            self.unmetered_output_tokens = self.unmetered_output_tokens.saturating_add(
-                crate::edge::prompt_estimate::text_tokens(text.unwrap_or_default()),
-            );
-        }
+        let ended = self.current_unmetered();
+        self.unmetered_input_tokens = self.unmetered_input_tokens.saturating_add(ended.input);
+        self.unmetered_output_tokens = self.unmetered_output_tokens.saturating_add(ended.output);
+        self.attempt_accepted = false;
         self.attempt_text_from = self.delivered_text.len();
     }
 
-    /// The output tokens no provider's usage report covers (R-TEN-2), a
-    /// direct answer for the request's settlement: the text of every
-    /// attempt that ended (or is the last, and reported nothing) without a
-    /// usage report, estimated
-    /// ([`text_tokens`](crate::edge::prompt_estimate::text_tokens)). An
-    /// answer taken over carries the text the former Edge's attempt wrote
-    /// to the journal: charged here when no usage reached the journal and
-    /// the adopted run reports none. 0 once a journal write was fenced:
-    /// the Edge that took the record over charges what the journal holds.
-    pub fn unmetered_output_tokens(&self) -> u64 {
-        if self.record_taken {
-            return 0;
+    /// What the current attempt used that no usage report covers, so far.
+    fn current_unmetered(&self) -> Unmetered {
+        if self.attempt_usage.is_some() {
+            return Unmetered::default();
         }
-        let current = match self.attempt_usage {
-            Some(_) => 0,
-            None => crate::edge::prompt_estimate::text_tokens(
+        Unmetered {
+            input: if self.attempt_accepted {
+                self.attempt_input_tokens
+            } else {
+                0
+            },
+            output: crate::edge::prompt_estimate::text_tokens(
                 self.delivered_text
                     .get(self.attempt_text_from..)
                     .unwrap_or_default(),
             ),
+        }
+    }
+
+    /// The tokens no provider's usage report covers (R-TEN-2), a direct
+    /// answer for the request's settlement
+    /// ([`TokenUse::settled`](crate::tenant::TokenUse::settled)), once per
+    /// attempt (the current one included) that ended without a usage
+    /// report:
+    ///
+    /// * input: the prompt it sent ([`RequestSpec::prompt_tokens`], and a
+    ///   continuation's answer so far by its bytes, as its reservation
+    ///   estimated it), if its provider accepted it (it read the prompt:
+    ///   its `Started`, a tunnel's success head, its first content);
+    /// * output: the text it delivered, estimated
+    ///   ([`text_tokens`](crate::edge::prompt_estimate::text_tokens)).
+    ///
+    /// An answer taken over carries the former Edge's attempt (the text
+    /// it wrote to the journal, its prompt): charged here when no usage
+    /// reached the journal and the adopted run reports none. Nothing once
+    /// a journal write was fenced: the Edge that took the record over
+    /// charges what the journal holds.
+    pub fn unmetered(&self) -> Unmetered {
+        if self.record_taken {
+            return Unmetered::default();
+        }
+        let current = self.current_unmetered();
+        #[allow(unused_mut)]
+        let mut unmetered = Unmetered {
+            input: self.unmetered_input_tokens.saturating_add(current.input),
+            output: self.unmetered_output_tokens.saturating_add(current.output),
         };
-        self.unmetered_output_tokens.saturating_add(current)
+        #[cfg(feature = "planted-bugs")]
+        if self.planted(PlantedBug::CutInputNotCharged) {
+            unmetered.input = 0;
+        }
+        unmetered
+    }
+
+    /// The output tokens no usage report covers ([`Self::unmetered`]).
+    pub fn unmetered_output_tokens(&self) -> u64 {
+        self.unmetered().output
     }
 
     /// Next output, until `None`.
@@ -1442,6 +1505,14 @@ impl Request {
                     attempt,
                 };
                 self.attempt_open = true;
+                // R-TEN-2: what it sends, as its reservation estimated it.
+                self.attempt_accepted = false;
+                self.attempt_input_tokens =
+                    self.spec.prompt_tokens.saturating_add(if self.continuing {
+                        crate::tenant::prompt_tokens_max(self.delivered_text.len() as u64)
+                    } else {
+                        0
+                    });
                 self.observe(RequestObservation::AttemptStarted {
                     provider_id: lease.provider_id.clone(),
                     attempt: attempt.get(),
@@ -1473,6 +1544,10 @@ impl Request {
             NodeFrame::Run(kind) => kind.is_terminal(),
             NodeFrame::Tunnel(_) => false,
         };
+        if matches!(self.phase, Phase::Running { .. }) && provider_accepted(&frame) {
+            // R-TEN-2: its provider read the prompt.
+            self.attempt_accepted = true;
+        }
         let durable_run = self.publisher.is_some() && matches!(frame, NodeFrame::Run(_));
         if durable_run
             && let Phase::Running {
@@ -1723,6 +1798,9 @@ impl Request {
                         .push_back(RequestOutput::Observe(RequestObservation::Readmitted));
                     self.avoid_provider_id = Some(avoid_provider_id);
                     self.allow_avoided_fallback = allow_avoided_fallback;
+                    // R-TEN-2: the failed attempt's prompt, if its
+                    // provider accepted it.
+                    self.end_attempt_metering();
                     // Whatever the old attempt still holds goes first.
                     self.cancel();
                     self.reserve_then_admit();
@@ -1854,6 +1932,25 @@ impl Request {
         }
         self.push_held(d);
         Ok(())
+    }
+}
+
+/// Whether `frame` shows that its attempt's provider accepted the request
+/// and so read its prompt (R-TEN-2): its `Started` (sent only on a success
+/// status), content or usage of a run, a tunnel's success head.
+fn provider_accepted(frame: &NodeFrame) -> bool {
+    match frame {
+        NodeFrame::Run(kind) => matches!(
+            kind,
+            RunEventKind::Started { .. }
+                | RunEventKind::TextDelta(_)
+                | RunEventKind::ToolCallDelta(_)
+                | RunEventKind::ReasoningDelta(_)
+                | RunEventKind::Embedding(_)
+                | RunEventKind::Usage(_)
+        ),
+        NodeFrame::Tunnel(ProviderTunnelFrame::Head { status, .. }) => (200..300).contains(status),
+        NodeFrame::Tunnel(_) => false,
     }
 }
 

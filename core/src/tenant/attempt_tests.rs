@@ -320,29 +320,50 @@ fn r_ten_2_a_lost_adoption_continued_reserves_its_continuation_too() {
 }
 
 #[test]
-fn r_ten_2_a_settlement_charges_the_reported_usage_plus_the_unmetered_output() {
+fn r_ten_2_a_settlement_charges_the_reported_usage_plus_the_unmetered_input_and_output() {
     let reported = TokenUse {
         input: 10,
         cached_input: 4,
         cache_write_input: 0,
         output: 7,
     };
+    let unmetered = |input, output| Unmetered { input, output };
     // Nothing unmetered: the report as it is (or a release without one).
-    assert_eq!(TokenUse::settled(Some(reported), 0), Some(reported));
-    assert_eq!(TokenUse::settled(None, 0), None);
-    // A cut attempt's estimated output adds to the output only.
     assert_eq!(
-        TokenUse::settled(Some(reported), 5),
+        TokenUse::settled(Some(reported), Unmetered::default()),
+        Some(reported)
+    );
+    assert_eq!(TokenUse::settled(None, Unmetered::default()), None);
+    // A cut attempt's estimated output adds to the output, its prompt to
+    // the input (never to the cached counts).
+    assert_eq!(
+        TokenUse::settled(Some(reported), unmetered(0, 5)),
         Some(TokenUse {
             output: 12,
             ..reported
         })
     );
-    // No report at all: the estimate is the whole charge.
     assert_eq!(
-        TokenUse::settled(None, 5),
+        TokenUse::settled(Some(reported), unmetered(20, 5)),
+        Some(TokenUse {
+            input: 30,
+            output: 12,
+            ..reported
+        })
+    );
+    // No report at all: the estimate is the whole charge; a prompt a
+    // provider read with no text back is charged too.
+    assert_eq!(
+        TokenUse::settled(None, unmetered(0, 5)),
         Some(TokenUse {
             output: 5,
+            ..TokenUse::default()
+        })
+    );
+    assert_eq!(
+        TokenUse::settled(None, unmetered(20, 0)),
+        Some(TokenUse {
+            input: 20,
             ..TokenUse::default()
         })
     );
@@ -350,12 +371,39 @@ fn r_ten_2_a_settlement_charges_the_reported_usage_plus_the_unmetered_output() {
     assert_eq!(
         TokenUse::settled(
             Some(TokenUse {
+                input: u64::MAX,
                 output: u64::MAX,
                 ..TokenUse::default()
             }),
-            1
+            unmetered(1, 1)
         )
-        .map(|u| u.output),
-        Some(u64::MAX)
+        .map(|u| (u.input, u.output)),
+        Some((u64::MAX, u64::MAX))
     );
+}
+
+#[test]
+fn r_ten_2_an_answer_a_takeover_ended_is_charged_on_its_key_at_once_on_credit() {
+    let mut edge = Edge::new();
+    // A budget of 20 does not fit 25: the answer was admitted by the Edge
+    // that died, so its charge is never refused, and counts at once.
+    let r = request(7, 20, Some(1_000));
+    let used = TokenUse {
+        input: 10,
+        output: 15,
+        ..TokenUse::default()
+    };
+    let (row, totals) = edge.machine.charge_ended(at(0), &r, used);
+    assert_eq!((row.key.as_str(), row.principal.as_str()), ("k", "p"));
+    assert_eq!(
+        (totals.requests, totals.input_tokens, totals.output_tokens),
+        (1, 10, 15),
+        "the request counted once: its Edge never settled it"
+    );
+    assert_eq!(totals.spend_micros, 25);
+    assert_eq!(edge.machine.used(&spend()), Some(25));
+    assert_eq!(edge.machine.reservations_of(7), 0, "nothing held after");
+    edge.serve(at(0));
+    // The principal's next request finds the budget used.
+    assert!(edge.machine.admit(at(1), &request(8, 20, None)).is_err());
 }

@@ -705,3 +705,197 @@ fn r_lim_6_a_takeovers_reads_take_places_and_its_writes_do_not() {
         assert!(!op.reads(), "{op:?}");
     }
 }
+
+fn charges(outputs: &[CustodyOutput]) -> Vec<(String, JournaledUse)> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Charge { meta, used } => Some((meta.id.clone(), *used)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// R-TEN-2: an orphan a takeover ends `incomplete` without running it (a
+/// route that does not continue answers) is charged what its journal
+/// holds, read after the raise and before the terminal, once its terminal
+/// is durable at the epoch this Edge won: the text's estimate, and the
+/// prompt as its reservation estimated it (no usage was journaled).
+#[test]
+fn r_ten_2_an_orphan_ended_incomplete_is_charged_its_journal_text_once() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["Hello, wo", "rld"]);
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let out = tick(&mut custody, &mut store, ms(30_000));
+    assert_eq!(ended(&out), vec![("r1", "edge_restart")]);
+    let charged = charges(&out);
+    assert_eq!(
+        charged,
+        vec![(
+            "r1".to_owned(),
+            JournaledUse {
+                usage: None,
+                // "Hello, world": 12 characters.
+                text_tokens: 3,
+            }
+        )]
+    );
+    // Its key and principal are the record's; the prompt is the driver's
+    // estimate of the stored request.
+    let meta = out
+        .iter()
+        .find_map(|o| match o {
+            CustodyOutput::Charge { meta, .. } => Some(meta.clone()),
+            _ => None,
+        })
+        .expect("charged");
+    assert_eq!((meta.key_id.as_str(), meta.epoch), ("k", 2));
+    assert_eq!(
+        charged[0].1.charged(40),
+        Some(crate::tenant::TokenUse {
+            input: 40,
+            output: 3,
+            ..Default::default()
+        })
+    );
+    // The events were read after the raise (a read of the takeovers'
+    // share, R-LIM-6), the terminal written after them.
+    let order: Vec<&str> = store
+        .ops
+        .iter()
+        .filter_map(|o| match o {
+            StoreOp::RaiseEpoch { .. } => Some("raise"),
+            StoreOp::Events { .. } => Some("events"),
+            StoreOp::Finish { .. } => Some("finish"),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(order, vec!["raise", "events", "finish"]);
+    assert!(StoreOp::Events { id: "r1".into() }.reads());
+    // Never again.
+    let mut later = Vec::new();
+    for t in 1..=5u64 {
+        later.extend(tick(&mut custody, &mut store, ms(30_000 + t * 1_000)));
+    }
+    assert!(charges(&later).is_empty(), "{later:?}");
+}
+
+/// R-TEN-2: only the writer whose terminal is durable charges: a raise
+/// beaten by another writer, a terminal the store failed, charge nothing;
+/// the takeover that ends the record charges once.
+#[test]
+fn r_ten_2_a_fenced_or_failed_takeover_charges_only_once_its_terminal_is_durable() {
+    // Beaten by a live Edge: that one owns the record, nothing is charged
+    // here.
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["xyz"]);
+    store.lease(PEER, 1);
+    store.beaten_by = Some(PEER.into());
+    let mut custody = Custody::new(ms(0), config(false));
+    let mut out = Vec::new();
+    for t in 0..=40u64 {
+        store.lease(PEER, 1 + t);
+        out.extend(tick(&mut custody, &mut store, ms(t * 1_000)));
+    }
+    assert!(charges(&out).is_empty(), "{out:?}");
+
+    // Its raise fenced once, its terminal failed once: charged once, when
+    // the terminal is durable.
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["xyz"]);
+    store.beaten_by = Some(ME.into());
+    store.fail_next = vec!["finish"];
+    let mut custody = Custody::new(ms(0), config(true));
+    let mut out = Vec::new();
+    let mut now = ms(0);
+    for _ in 0..20 {
+        out.extend(tick(&mut custody, &mut store, now));
+        now += Duration::from_millis(30_000 / 10);
+    }
+    assert_eq!(ended(&out), vec![("r1", "edge_restart")]);
+    assert_eq!(charges(&out).len(), 1, "{out:?}");
+    assert_eq!(charges(&out)[0].1.text_tokens, 1);
+}
+
+/// R-TEN-2: the text after the last usage journaled is estimated; the
+/// usage covers the prompt and the text before it. A tool call does not
+/// stop the count (the answer ends either way); a journal with neither
+/// text nor usage charges nothing.
+#[test]
+fn r_ten_2_an_ended_answers_charge_is_its_journaled_usage_and_the_text_after_it() {
+    let mut store = Store {
+        continuable: true,
+        ..Store::default()
+    };
+    store.add(record("r1", ME), &["abcd", "efgh"]);
+    store.add(record("r2", ME), &[]);
+    let usage = iop_wire::Usage::tokens(7, 2);
+    let (meta, events) = store.records.get_mut("r1").expect("r1");
+    for (seq, delivery) in [
+        (3, Delivery::Event(RunEventKind::Usage(usage))),
+        (4, Delivery::Event(RunEventKind::TextDelta("ijklm".into()))),
+        (
+            5,
+            Delivery::Event(RunEventKind::ToolCallDelta(ToolCallDelta {
+                index: 0,
+                id: Some("c".into()),
+                name: Some("f".into()),
+                arguments_delta: "{".into(),
+            })),
+        ),
+    ] {
+        events.push(JournalEvent {
+            seq,
+            payload: encode_entry(&delivery, None),
+        });
+    }
+    meta.last_seq = 5;
+    let mut custody = Custody::new(ms(0), config(true));
+    tick(&mut custody, &mut store, ms(0));
+    let out = tick(&mut custody, &mut store, ms(30_000));
+    assert_eq!(ended(&out).len(), 2, "not continued: a tool call, no text");
+    let charged = charges(&out);
+    assert_eq!(
+        charged,
+        vec![(
+            "r1".to_owned(),
+            JournaledUse {
+                usage: Some(usage),
+                text_tokens: 2,
+            }
+        )],
+        "r2 journaled nothing"
+    );
+    assert_eq!(
+        charged[0].1.charged(40),
+        Some(crate::tenant::TokenUse {
+            input: 7,
+            output: 2 + 2,
+            ..Default::default()
+        }),
+        "the usage covers the prompt"
+    );
+}
+
+/// R-TEN-2: an adoption on a route that does not continue answers carries
+/// the answer so far too: a lost adoption is charged the text before it
+/// (it is never continued: its request's route says so).
+#[test]
+fn r_ten_2_an_adoption_on_a_route_that_does_not_continue_carries_the_answer_so_far() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["a", "b"]);
+    let mut custody = Custody::new(ms(0), config(false));
+    custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
+    let out = drive(&mut custody, &mut store, ms(5));
+    let resumed: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Adopt { resumed, .. } => Some(resumed.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resumed.len(), 1);
+    assert_eq!(resumed[0].as_ref().map(|r| r.text.as_str()), Some("ab"));
+    assert!(charges(&out).is_empty(), "its request charges it");
+}

@@ -12,6 +12,7 @@ use crate::edge::admission::{AdmitRejection, Lease, PreSend};
 use crate::edge::dispatch::{RequestCommand, RequestEvent, TerminalVerdict};
 use crate::edge::gate::{AdmissionFailure, ConfirmedStall, GateBudget, GateFailure};
 use crate::ids::{NodeId, ProviderId};
+use crate::tenant::TokenUse;
 use crate::time::Instant;
 
 const RID: u64 = 7;
@@ -33,6 +34,7 @@ fn spec(tunnel_api: Option<TunnelApi>, tunnel_providers: &[&str]) -> RequestSpec
         journal: None,
         park_grace_ms: 0,
         continuation: false,
+        prompt_tokens: 0,
     }
 }
 
@@ -2653,4 +2655,217 @@ fn r_ten_2_an_attempt_still_short_after_its_last_ask_ends_with_the_tenants_429()
     assert_eq!(asks, MAX_RESERVE_ASKS);
     assert!(r.is_ended());
     assert!(!admits(&drain_outputs(&mut r)));
+}
+
+fn metered_spec(continuation: bool) -> RequestSpec {
+    let mut s = spec(None, &[]);
+    s.continuation = continuation;
+    s.prompt_tokens = 100;
+    s
+}
+
+fn unmetered(input: u64, output: u64) -> Unmetered {
+    Unmetered { input, output }
+}
+
+#[test]
+fn r_ten_2_a_cut_attempts_prompt_is_charged_once_per_attempt_its_provider_accepted() {
+    let mut r = Request::new(t(0), metered_spec(true));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    assert_eq!(r.unmetered(), unmetered(0, 0), "sent, not yet accepted");
+    r.handle_input(
+        t(2),
+        run(RunEventKind::Started {
+            session_id: "s".into(),
+        }),
+    );
+    assert_eq!(r.unmetered(), unmetered(100, 0), "its provider read it");
+    // Nine characters, then the node is lost: continued elsewhere.
+    r.handle_input(t(3), run(text("tok0 tok1")));
+    r.handle_input(
+        t(5),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    drain(&mut r);
+    assert_eq!(r.unmetered(), unmetered(100, 3), "the cut attempt, once");
+    let l2 = lease(2, "p1", AdapterKind::Mock);
+    reopen(&mut r, &l2);
+    assert_eq!(r.unmetered(), unmetered(100, 3), "not accepted yet");
+    // Accepted: it sent the prompt and the answer so far (9 bytes).
+    r.handle_input(t(22), run(text(" tok2")));
+    assert_eq!(r.unmetered(), unmetered(100 + 100 + 9, 3 + 2));
+    // Its own report covers it; never the cut one's.
+    r.handle_input(
+        t(23),
+        run(RunEventKind::Completed {
+            finish_reason: FinishReason::Stop,
+            usage: Some(Usage::tokens(109, 2)),
+        }),
+    );
+    r.handle_input(
+        t(24),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l2.lease_id,
+            verdict: applied(&l2),
+        }),
+    );
+    drain(&mut r);
+    assert!(r.is_ended());
+    assert_eq!(r.unmetered(), unmetered(100, 3));
+    assert_eq!(
+        TokenUse::settled(
+            Some(TokenUse::of_usage(&Usage::tokens(109, 2))),
+            r.unmetered()
+        ),
+        Some(TokenUse {
+            input: 209,
+            output: 5,
+            ..TokenUse::default()
+        })
+    );
+}
+
+#[test]
+fn r_ten_2_a_failover_charges_the_prompt_of_an_accepted_attempt_never_of_a_refused_one() {
+    let mut r = Request::new(t(0), metered_spec(false));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    // Accepted, then lost before any content: it fails over.
+    r.handle_input(
+        t(2),
+        run(RunEventKind::Started {
+            session_id: "s".into(),
+        }),
+    );
+    r.handle_input(t(3), RequestInput::StreamEnded);
+    let outs = drain(&mut r);
+    assert!(admits(&outs), "{outs:?}");
+    assert_eq!(r.unmetered(), unmetered(100, 0));
+    // The next one is lost before its provider accepted it.
+    let l2 = lease(2, "p1", AdapterKind::Mock);
+    reopen(&mut r, &l2);
+    r.handle_input(t(22), RequestInput::StreamEnded);
+    drain(&mut r);
+    assert_eq!(r.unmetered(), unmetered(100, 0), "once, the first only");
+    // A tunnel's error head is a refusal; its success head an acceptance.
+    for (status, accepted) in [(200, true), (204, true), (503, false), (429, false)] {
+        let head = NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+            status,
+            headers: Vec::new(),
+        });
+        assert_eq!(super::provider_accepted(&head), accepted, "{status}");
+    }
+    let failed = NodeFrame::Run(RunEventKind::Failed(ExecutionFailure::new(
+        FailureCode::ProviderError,
+    )));
+    assert!(!super::provider_accepted(&failed));
+}
+
+#[test]
+fn r_ten_2_an_answer_cut_by_its_client_leaving_is_charged_its_prompt_and_text() {
+    let mut r = Request::new(t(0), metered_spec(false));
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("Hello, wor")));
+    r.handle_input(t(3), RequestInput::ClientDisconnected);
+    drain(&mut r);
+    assert!(r.is_ended());
+    assert_eq!(r.unmetered(), unmetered(100, 3));
+    assert_eq!(
+        TokenUse::settled(None, r.unmetered()),
+        Some(TokenUse {
+            input: 100,
+            output: 3,
+            ..TokenUse::default()
+        })
+    );
+}
+
+#[test]
+fn r_ten_2_a_takeover_charges_the_former_attempts_prompt_only_when_no_usage_covers_it() {
+    let mut spec = durable_spec();
+    spec.continuation = true;
+    spec.prompt_tokens = 100;
+    let mut unreported = resumed("Hello, wor", 6);
+    unreported.usage = None;
+    let r = Request::continuing(t(0), spec.clone(), &unreported);
+    assert_eq!(r.unmetered(), unmetered(100, 3), "the dead Edge's attempt");
+    let r = Request::continuing(t(0), spec, &resumed("Hello, wor", 6));
+    assert_eq!(
+        r.unmetered(),
+        unmetered(0, 0),
+        "its usage reached the journal"
+    );
+    // An adopted run is an accepted attempt: lost without a report, its
+    // prompt and all its text are charged; its report covers both.
+    let key = iop_wire::RunKey {
+        generation: 3,
+        run_id: 101,
+    };
+    let mut spec = parkable_spec();
+    spec.prompt_tokens = 100;
+    let mut unreported = resumed("Hello", 4);
+    unreported.usage = None;
+    let r = Request::adopting(t(0), spec.clone(), &offer(key, 5), 4, 3, Some(&unreported));
+    assert_eq!(r.unmetered(), unmetered(100, 2), "until the run reports");
+    let r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3, Some(&resumed("Hello", 4)));
+    assert_eq!(r.unmetered(), unmetered(0, 0), "its usage so far covers it");
+}
+
+#[test]
+fn r_ten_2_a_lost_adoption_on_a_route_that_does_not_continue_is_charged_the_text_before_it() {
+    let key = iop_wire::RunKey {
+        generation: 3,
+        run_id: 101,
+    };
+    let mut spec = parkable_spec();
+    spec.continuation = false;
+    spec.prompt_tokens = 100;
+    let mut before = resumed("Hello, wor", 4);
+    before.usage = None;
+    let mut r = Request::adopting(t(0), spec, &offer(key, 5), 4, 3, Some(&before));
+    drain(&mut r);
+    // The run is lost: never continued (the route does not), the answer
+    // ends, charged its prompt and the text before the adoption.
+    r.handle_input(
+        t(1),
+        RequestInput::Dispatch(RequestEvent::Rejected(AdmitRejection::NoRoute)),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        !commands(&outs)
+            .iter()
+            .any(|c| matches!(c, RequestCommand::Admit(_))),
+        "{outs:?}"
+    );
+    assert_eq!(r.unmetered(), unmetered(100, 3));
+}
+
+#[test]
+fn r_ten_2_a_request_whose_record_was_taken_charges_nothing() {
+    let mut spec = durable_spec();
+    spec.prompt_tokens = 100;
+    let mut r = Request::new(t(0), spec);
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("Hello")));
+    assert_eq!(
+        r.unmetered(),
+        unmetered(100, 2),
+        "its prompt and text so far"
+    );
+    r.handle_input(
+        t(3),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Fenced {
+            current: 2,
+            writer: 1,
+        })),
+    );
+    drain(&mut r);
+    assert_eq!(
+        r.unmetered(),
+        unmetered(0, 0),
+        "the Edge that took it charges"
+    );
 }
