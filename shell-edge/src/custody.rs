@@ -91,6 +91,18 @@ pub enum Start {
         /// Its work.
         work: Work,
     },
+    /// Charge an answer the custody ended `incomplete` without running it
+    /// what its journal holds (R-TEN-2): to the record's key and
+    /// principal, its prompt estimated from `work` (the stored request's,
+    /// when it was read).
+    Charge {
+        /// The record, ended at the epoch this Edge won.
+        meta: RecordMeta,
+        /// What its journal holds.
+        used: iop_core::edge::durable::JournaledUse,
+        /// The stored request's work, if it was read.
+        work: Option<Work>,
+    },
     /// Let a reported parked run go (its held capacity with it): the
     /// reporting node and the run.
     Release(NodeId, RunKey),
@@ -253,7 +265,15 @@ impl CustodyTask {
                         resume_after_frame
                     );
                     let (resumed, pool, work) = match (resumed, run) {
-                        (Some(resumed), Some((pool, work))) => (Some(resumed), pool, work),
+                        (Some(resumed), Some((pool, work))) if work.continuation => {
+                            (Some(resumed), pool, work)
+                        }
+                        // The answer so far is charged if the adopted run
+                        // is lost (R-TEN-2); on a route that does not
+                        // continue answers, only the run's provider.
+                        (Some(resumed), Some((_, work))) => {
+                            (Some(resumed), vec![offer.provider_id.clone()], work)
+                        }
                         (_, run) => {
                             // Without the answer so far, a lost adoption
                             // is not continued.
@@ -300,6 +320,10 @@ impl CustodyTask {
                     start(Start::Release(node, key));
                 }
                 CustodyOutput::CancelParked(offer) => start(Start::CancelParked(offer)),
+                CustodyOutput::Charge { meta, used } => {
+                    let work = self.runs.remove(&meta.id).map(|(_, work)| work);
+                    start(Start::Charge { meta, used, work });
+                }
                 CustodyOutput::Event(event) => log(&event),
             }
         }
@@ -515,6 +539,8 @@ pub fn start_run(ctx: &DriverContext, durable: &Arc<Durable>, start: Start) {
     match start {
         Start::Release(node, key) => ctx.hub.release_parked(node, key),
         Start::CancelParked(offer) => ctx.hub.cancel_parked(offer),
+        // Charged by the caller, which holds the tenants (R-TEN-2).
+        Start::Charge { .. } => {}
         Start::Adopt {
             offer,
             meta,
@@ -745,7 +771,21 @@ mod tests {
             (RecordStatus::Incomplete, Some("edge_restart"))
         );
         assert_eq!(after.last_seq, 1, "the durable prefix stays");
-        assert!(started.lock().unwrap().is_empty());
+        // Nothing runs; the answer is charged what its journal holds
+        // (R-TEN-2): its text "a", once, on its record's key.
+        let started = std::mem::take(&mut *started.lock().unwrap());
+        let [
+            Start::Charge {
+                meta: charged,
+                used,
+                ..
+            },
+        ] = &started[..]
+        else {
+            panic!("one charge, nothing run");
+        };
+        assert_eq!(charged.id, "r");
+        assert_eq!((used.usage, used.text_tokens), (None, 1));
     }
 
     #[tokio::test(start_paused = true)]

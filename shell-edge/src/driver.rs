@@ -385,6 +385,11 @@ fn driven(
             journal: durable.as_ref().map(|d| d.spec.clone()),
             park_grace_ms: durable.as_ref().map_or(0, |d| d.park_grace_ms),
             continuation: work.continuation,
+            // R-TEN-2: what a cut attempt's prompt is charged.
+            prompt_tokens: work
+                .tenant
+                .as_ref()
+                .map_or(0, |tenant| tenant.prompt_tokens()),
         };
         let (events_tx, events) = mpsc::unbounded_channel();
         ctx.hub.attach(request_id, events_tx);
@@ -547,10 +552,11 @@ impl Driver {
             self.carry_out().await;
             self.show_progress();
             if self.machine.machine().is_ended() {
-                // R-TEN-2: the output no usage report covers is charged
-                // by its estimate, with what the answer reported.
+                // R-TEN-2: what no usage report covers (a cut attempt's
+                // prompt and text) is charged by its estimate, with what
+                // the answer reported.
                 if let Some(tenant) = &self.work.tenant {
-                    tenant.record_unmetered(self.machine.machine().unmetered_output_tokens());
+                    tenant.record_unmetered(self.machine.machine().unmetered());
                 }
                 return;
             }

@@ -341,6 +341,11 @@ impl RunningEdge {
                         crate::custody::Start::Adopt { meta, work, .. } => {
                             crate::stored::hold_taken_over(&start_state, meta, work, true)
                         }
+                        // An answer it ended without running it is charged
+                        // what its journal holds.
+                        crate::custody::Start::Charge { meta, used, work } => {
+                            crate::stored::charge_ended(&start_state, meta, used, work.as_ref())
+                        }
                         _ => {}
                     }
                     crate::custody::start_run(&ctx, &durable, start);

@@ -380,6 +380,48 @@ pub(crate) fn hold_taken_over(state: &AppState, meta: &RecordMeta, work: &mut Wo
     work.tenant = Some(std::sync::Arc::new(hold));
 }
 
+/// Charge the answer of record `meta`, which this Edge's custody ended
+/// `incomplete` without running it (R-TEN-2, R-TAKE-1), what its journal
+/// holds (`used`, core's `JournaledUse::charged`): to the key and principal
+/// the record names, its prompt estimated from above as a takeover's
+/// reservation is (the stored request's conversation, `work`; none when it
+/// could not be read).
+pub(crate) fn charge_ended(
+    state: &AppState,
+    meta: &RecordMeta,
+    used: &iop_core::edge::durable::JournaledUse,
+    work: Option<&Work>,
+) {
+    let prompt_bytes: usize = work.map_or(0, |w| w.messages.iter().map(message_bytes).sum());
+    let Some(used) = used.charged(iop_core::tenant::prompt_tokens_max(prompt_bytes as u64)) else {
+        return;
+    };
+    let config = state.config();
+    let key_limits = state.keys().limits_of(&meta.key_id).unwrap_or_default();
+    state.tenancy().charge_ended(
+        &crate::tenancy::TenantAsk {
+            key_id: &meta.key_id,
+            key_limits: &key_limits,
+            principal: &meta.principal,
+            principal_limits: &config.principal_limits(&meta.principal),
+            model: &meta.model,
+            price: config.price_for(&meta.model),
+            body_bytes: prompt_bytes as u64,
+            max_output: work.and_then(|w| w.params.max_tokens).map(u64::from),
+            durable: false,
+            background: false,
+            held: Default::default(),
+        },
+        used,
+    );
+    tracing::info!(
+        event = "edge_response_ended_charged",
+        response = %iop_core::edge::client_ids::log_tag(&meta.id),
+        input_tokens = used.input,
+        output_tokens = used.output
+    );
+}
+
 /// Put `history` between the request's instructions and its own input.
 pub fn continue_conversation(
     messages: &mut Vec<ChatMessage>,

@@ -23,7 +23,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use iop_core::tenant::usage::{UsageBook, UsageKey, UsageTotals};
 use iop_core::tenant::{
     Admission, AdmitRequest, AttemptRefusal, Held, Limits, Meter, Price, Refusal, RefusalKind,
-    Subject, Tenants, TenantsConfig, TenantsInput, TenantsOutput, TokenUse,
+    Subject, Tenants, TenantsConfig, TenantsInput, TenantsOutput, TokenUse, Unmetered,
 };
 use iop_store::TenantStore;
 use iop_trace::{Driven, MachineKind, Tap, TenantsConfigRec, TraceFiles};
@@ -156,6 +156,9 @@ impl RateHeaders {
 pub struct TenantHold {
     tenancy: Arc<Tenancy>,
     ticket: u64,
+    /// Its prompt's tokens as its reservation estimated them (R-TEN-2:
+    /// what an attempt cut without a usage report is charged as input).
+    prompt_tokens: u64,
     used: Mutex<Metered>,
     /// Its rate headers.
     pub headers: RateHeaders,
@@ -165,12 +168,8 @@ impl TenantHold {
     /// The usage the request's answer reported so far (summed over its
     /// attempts by the request machine).
     pub fn record(&self, usage: &iop_wire::Usage) {
-        self.used.lock().unwrap_or_else(|e| e.into_inner()).reported = Some(TokenUse {
-            input: usage.prompt_tokens,
-            cached_input: usage.cache_read_tokens.unwrap_or(0),
-            cache_write_input: usage.cache_write_tokens.unwrap_or(0),
-            output: usage.completion_tokens,
-        });
+        self.used.lock().unwrap_or_else(|e| e.into_inner()).reported =
+            Some(TokenUse::of_usage(usage));
     }
 }
 
@@ -179,22 +178,28 @@ impl TenantHold {
 struct Metered {
     /// The usage the answer reported, summed over its attempts.
     reported: Option<TokenUse>,
-    /// Output tokens no usage report covers, estimated by the request
-    /// machine (`Request::unmetered_output_tokens`).
-    unmetered_output: u64,
+    /// Tokens no usage report covers, estimated by the request machine
+    /// (`Request::unmetered`).
+    unmetered: Unmetered,
     /// The answer was left unfinished to a takeover: never settled here.
     left: bool,
 }
 
 impl TenantHold {
-    /// The request ended: the output tokens no usage report covers
-    /// (estimated by its machine) are charged with what it reported
-    /// (R-TEN-2).
-    pub fn record_unmetered(&self, output_tokens: u64) {
+    /// The request ended: the tokens no usage report covers (estimated by
+    /// its machine, `Request::unmetered`: a cut attempt's prompt and text)
+    /// are charged with what it reported (R-TEN-2).
+    pub fn record_unmetered(&self, unmetered: Unmetered) {
         self.used
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .unmetered_output = output_tokens;
+            .unmetered = unmetered;
+    }
+
+    /// Its prompt's tokens as its reservation estimated them: the request
+    /// machine's `RequestSpec::prompt_tokens` (R-TEN-2).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_tokens
     }
 
     /// The Edge stops with the request's durable answer unfinished: its
@@ -228,7 +233,7 @@ impl Drop for TenantHold {
         if metered.left {
             return;
         }
-        let used = TokenUse::settled(metered.reported, metered.unmetered_output);
+        let used = TokenUse::settled(metered.reported, metered.unmetered);
         self.tenancy.settle(self.ticket, used);
     }
 }
@@ -344,6 +349,7 @@ impl Tenancy {
                     return Ok(TenantHold {
                         tenancy: self.clone(),
                         ticket,
+                        prompt_tokens: request.prompt_tokens_max,
                         used: Mutex::default(),
                         headers,
                     });
@@ -393,9 +399,32 @@ impl Tenancy {
         TenantHold {
             tenancy: self.clone(),
             ticket,
+            prompt_tokens: request.prompt_tokens_max,
             used: Mutex::default(),
             headers: RateHeaders::default(),
         }
+    }
+
+    /// Charge `used` for a durable answer this Edge's custody ended
+    /// `incomplete` without running it (R-TEN-2, R-TAKE-1: its terminal
+    /// is durable at the epoch this Edge won, so no other Edge charges
+    /// it): on the key and principal of `ask` (the record's), at once, on
+    /// credit (`Tenants::charge_ended`); its usage row counts the request
+    /// once.
+    pub fn charge_ended(self: &Arc<Self>, ask: &TenantAsk<'_>, used: TokenUse) {
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        let request = self.admit_request(ticket, ask);
+        let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.clock.now();
+        let (key, totals) = machine.machine_mut().charge_ended(now, &request, used);
+        machine.handle_timeout(now);
+        let claims = machine.drain_all(now);
+        drop(machine);
+        self.book
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add(key, totals);
+        self.send_claims(claims);
     }
 
     fn reserve_attempt(

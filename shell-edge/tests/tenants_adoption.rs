@@ -7,6 +7,11 @@
 //! (`GET /admin/usage`) is the answer's whole usage, input and output
 //! tokens as the provider reported them, and its spend, once, on the key.
 //!
+//! A second test kills Edge A and stops the Node mid-answer (no run is
+//! left to adopt, and the route does not continue answers): Edge B's
+//! takeover ends the answer `incomplete` without running it, and charges
+//! the key the text the journal holds (estimated) and the prompt, once.
+//!
 //! Without `nats-server` installed the test says why and passes, unless
 //! `CI` is set (then it fails), as the store's own tests do.
 
@@ -215,6 +220,144 @@ async fn r_ten_2_an_answer_adopted_after_an_edge_kill_is_charged_its_whole_usage
             "priced once at 1 a token: {row}"
         );
         node.shutdown().await.unwrap();
+        b.child.start_kill().unwrap();
+        let _ = b.child.wait().await;
+    })
+    .await
+    .expect("test exceeded its bound");
+}
+
+#[tokio::test]
+async fn r_ten_2_an_answer_a_takeover_ends_after_an_edge_kill_is_charged_its_journal_text_once() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let mock = MockServer::start(MockScript {
+            tokens: TOKENS,
+            tokens_per_second: 20.0,
+            ..MockScript::default()
+        })
+        .await
+        .unwrap();
+        let ports = [
+            (free_udp_port(), free_tcp_port()),
+            (free_udp_port(), free_tcp_port()),
+        ];
+        let quic: Vec<std::net::SocketAddr> = ports
+            .iter()
+            .map(|(q, _)| format!("127.0.0.1:{q}").parse().unwrap())
+            .collect();
+        let node = iop_node::RunningNode::start(node_config_edges(
+            &pki,
+            "node-1",
+            &quic,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                mock.base_url()
+            ),
+        ));
+        let mut edges = Vec::new();
+        for (name, (quic, http)) in ["edge-a", "edge-b"].iter().zip(ports) {
+            let config = pki.path().join(format!("{name}.toml"));
+            std::fs::write(&config, edge_toml(name, &server.url(), quic, http)).unwrap();
+            edges.push(start_edge_process(&config, http, KEY).await);
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !node.generations().iter().all(Option::is_some) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "node not ready on both Edges"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut b = edges.pop().unwrap();
+        let mut a = edges.pop().unwrap();
+        let mut r = reqwest::Client::new()
+            .post(format!("{}/v1/responses", a.http))
+            .bearer_auth(KEY)
+            .json(&json!({"model": "m", "input": "end me", "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let mut text = String::new();
+        while sse_events(&text).len() < 8 {
+            let chunk = r.chunk().await.unwrap().expect("the stream goes on");
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let id = sse_events(&text)[0].1["response"]["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        a.child.start_kill().unwrap();
+        let _ = a.child.wait().await;
+        // The node goes too: no run is left to adopt, and the route does
+        // not continue answers, so B's takeover ends the answer
+        // `incomplete` with the text A journaled.
+        node.shutdown().await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let object = loop {
+            let r = reqwest::Client::new()
+                .get(format!("{}/v1/responses/{id}", b.http))
+                .bearer_auth(KEY)
+                .send()
+                .await
+                .unwrap();
+            let object: Value = r.json().await.unwrap_or(Value::Null);
+            if object["status"] == "incomplete" {
+                break object;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "ended incomplete on B: {object}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(mock.requests(), 1, "never run again");
+        let journaled: String = object["output"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|item| item["content"].as_array().cloned().unwrap_or_default())
+            .filter_map(|part| part["text"].as_str().map(str::to_owned))
+            .collect();
+        assert!(!journaled.is_empty(), "text before the kill: {object}");
+        let estimate = (journaled.chars().count() as u64).div_ceil(4);
+        // R-TEN-2: charged once on the record's key, by B: the text's
+        // estimate as output, the prompt as input (no usage reached the
+        // journal; A's hold died with it).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let rows = loop {
+            let rows = usage_rows(&b.http).await;
+            if rows.iter().any(|r| r["output_tokens"].as_u64() > Some(0)) {
+                break rows;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the ended answer's charge on its key: {rows:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let again = usage_rows(&b.http).await;
+        assert_eq!(again, rows, "charged once, never again");
+        let [row] = &rows[..] else {
+            panic!("one usage row for the key: {rows:?}");
+        };
+        assert_eq!(row["key"], "tester-key", "{row}");
+        assert_eq!(row["principal"], "tester", "{row}");
+        assert_eq!(row["requests"], 1, "{row}");
+        assert_eq!(row["output_tokens"].as_u64(), Some(estimate), "{row}");
+        let input = row["input_tokens"].as_u64().unwrap_or(0);
+        assert!(input > 0, "the prompt it sent: {row}");
+        assert_eq!(
+            row["spend_micros"].as_u64(),
+            Some(input + estimate),
+            "priced at 1 a token: {row}"
+        );
         b.child.start_kill().unwrap();
         let _ = b.child.wait().await;
     })

@@ -2813,8 +2813,8 @@ impl World {
         if !r.machine.machine().is_ended() {
             return;
         }
-        // R-TEN-2: the output no usage report covers, for its settlement.
-        let unmetered = r.machine.machine().unmetered_output_tokens();
+        // R-TEN-2: what no usage report covers, for its settlement.
+        let unmetered = r.machine.machine().unmetered();
         // A durable request goes on without its client (only a cancel ends
         // it early); its client saw the terminal unless it left.
         let left = match &r.durable {
@@ -2975,6 +2975,7 @@ impl World {
                 journal: None,
                 park_grace_ms: 0,
                 continuation: false,
+                prompt_tokens: self.tenant_prompt_tokens(rid),
             },
             RequestBegin::New,
         );

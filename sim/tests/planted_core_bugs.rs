@@ -42,7 +42,7 @@ fn every_planted_bug_has_a_search() {
 
 /// Each planted bug, the rules that may report it, the seeds (from 0)
 /// within which the swarm must catch it, and the Edges of its worlds.
-const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 24] = [
+const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 26] = [
     (PlantedBug::DoubleRelease, &["R-LEASE-2"], 10, 1),
     // A late message of a fenced generation (about 1.5 % of seeds at 2,000
     // steps; first at seed 21 since tenants, SPEC §9).
@@ -120,6 +120,17 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 24] = [
     // covered by a reservation, its completion charged to no key (about
     // 2 % of seeds at 2,000 steps with 3 Edges, first at seed 19).
     (PlantedBug::AdoptionNotCharged, &["R-TEN-2"], 100, 3),
+    // A cut attempt whose prompt is not charged: caught at the settlement
+    // of a request that delivered text and no usage report (a client
+    // that left, a node cut mid-answer) in a world with tenants (about
+    // 40 % of seeds at 2,000 steps, first at seed 0).
+    (PlantedBug::CutInputNotCharged, &["R-TEN-2"], 10, 1),
+    // A takeover that does not read the journal of an answer it ends
+    // without running it, or of a run it adopts on a route that does not
+    // continue: caught when such an answer that produced text is ended
+    // by a custody, or its lost adoption settles (about 2 % of seeds at
+    // 2,000 steps with 3 Edges, first at seed 123).
+    (PlantedBug::EndedTextNotCharged, &["R-TEN-2"], 300, 3),
 ];
 
 fn planted(bug: PlantedBug) -> CoreBugs {

@@ -180,6 +180,7 @@ impl World {
                     reason: _,
                 } => self.release_parked(node, key),
                 CustodyOutput::CancelParked(offer) => self.cancel_parked(&offer),
+                CustodyOutput::Charge { meta, used } => self.tenant_charge_ended(&meta, &used),
                 CustodyOutput::Event(event) => self.custody_event(event),
             }
         }
@@ -320,7 +321,10 @@ impl World {
 
     fn custody_event(&mut self, event: CustodyEvent) {
         match event {
-            CustodyEvent::Ended { .. } => self.stats.takeovers += 1,
+            CustodyEvent::Ended { id, .. } => {
+                self.stats.takeovers += 1;
+                self.tenant_check_ended(&id);
+            }
             CustodyEvent::Retried { .. } => self.stats.takeover_retries += 1,
             CustodyEvent::GaveUp { .. } => self.stats.takeovers_given_up += 1,
             CustodyEvent::OrphansWaiting(_) | CustodyEvent::ScanFailed(_) => {}
@@ -351,6 +355,7 @@ impl World {
             }),
             park_grace_ms: super::duration_ms(self.cfg.journal.park_grace),
             continuation: self.route_continues(&meta.id),
+            prompt_tokens: self.tenant_record_prompt_tokens(&meta.id),
         })
     }
 
@@ -388,7 +393,7 @@ impl World {
         );
         self.stats.takeover_adoptions += 1;
         // R-TEN-2: held to the record's key, its adopted run reserved.
-        self.tenant_take_over(rid, &meta.id, true);
+        self.tenant_take_over(rid, &meta, true);
         self.custody_hands_over(incarnation, rid, &meta, machine);
     }
 
@@ -409,7 +414,7 @@ impl World {
         );
         self.stats.takeover_continued += 1;
         // R-TEN-2: held to the record's key; each attempt reserves.
-        self.tenant_take_over(rid, &meta.id, false);
+        self.tenant_take_over(rid, &meta, false);
         self.custody_hands_over(incarnation, rid, &meta, machine);
     }
 

@@ -450,6 +450,7 @@ impl World {
                 // 0: a lost connection after commit ends the request.
                 park_grace_ms: super::duration_ms(park_grace),
                 continuation,
+                prompt_tokens: self.tenant_prompt_tokens(request_id),
             },
             RequestBegin::New,
         );

@@ -22,9 +22,12 @@
 //!   continuation (each attempt reserves).
 //! * **Usage**: the usage the answer reports (summed over its attempts by
 //!   the request machine) is recorded from its deliveries; when the request
-//!   ends it is settled with it plus the request machine's estimate of the
-//!   output no report covers (`Request::unmetered_output_tokens`), or
-//!   released if there is neither.
+//!   ends it is settled with it plus the request machine's estimate of what
+//!   no report covers (`Request::unmetered`: a cut attempt's prompt and
+//!   text), or released if there is neither. A durable answer a takeover
+//!   ends without running it is charged what its journal holds when the
+//!   custody says so (`CustodyOutput::Charge`, `Tenants::charge_ended`),
+//!   as the shell's `stored::charge_ended` does.
 //! * **Claims** go to the shared store over a seeded latency, read then
 //!   compare-and-set; the answer comes back to the machine of the Edge
 //!   process that asked, if it still lives. An Edge that dies loses its
@@ -53,6 +56,13 @@
 //!   least the usage the answer reports (its attempts', the adopted run's
 //!   included) to the record's key; over every Edge process, one
 //!   settlement charges a durable answer's completion, never two.
+//! * **R-TEN-2 (what no report covers)**: a request that delivered text
+//!   with no usage report is charged at least its prompt (an ephemeral
+//!   one); a durable answer a takeover ends `incomplete` after producing
+//!   text no journaled usage covers is charged once, on its key, by that
+//!   custody, at least its text's estimate and its prompt; a lost adoption
+//!   that ends its record with no usage is charged at least the estimate of
+//!   all the text its journal holds.
 //! * **R-TEN-1 (isolation)**: each Edge process also drives one shadow
 //!   machine per principal that sees only that principal's traffic; every
 //!   admission and attempt of the principal gets the same answer from the
@@ -70,10 +80,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use iop_core::edge::admission::RequestId;
+use iop_core::edge::durable::JournaledUse;
 use iop_core::edge::request::{Delivery, RequestInput};
+use iop_core::journal::{RecordMeta, RecordStatus};
+use iop_core::tenant::usage::UsageTotals;
 use iop_core::tenant::{
     AdmitRequest, CounterKey, Held, Limits, Meter, ModelLimits, Subject, Tenants, TenantsInput,
-    TenantsOutput, TokenUse,
+    TenantsOutput, TokenUse, Unmetered,
 };
 use iop_wire::RunEventKind;
 
@@ -105,6 +118,10 @@ pub(super) struct SimTenancy {
     /// R-TEN-2: settlements that charged each durable answer's completion,
     /// over every Edge process.
     completions_charged: BTreeMap<String, u32>,
+    /// R-TEN-2: charges of durable answers a takeover ended without
+    /// running them, over every Edge process, and the last one's totals.
+    ended_charged: BTreeMap<String, u32>,
+    ended_totals: BTreeMap<String, UsageTotals>,
 }
 
 /// What a durable record says of its tenant (the shell reads it from the
@@ -217,8 +234,13 @@ struct Ticket {
     record: Option<String>,
     /// The durable answer's completion it delivered: its usage.
     completed: Option<iop_wire::Usage>,
-    /// Output tokens no usage report covers, estimated by its machine.
-    unmetered: u64,
+    /// Tokens no usage report covers, estimated by its machine.
+    unmetered: Unmetered,
+    /// It delivered text of its answer.
+    text: bool,
+    /// A takeover's request: it adopted the parked run (else it continues
+    /// the answer), writing the record at this epoch.
+    takeover: Option<(bool, u64)>,
     /// Held by a takeover: admitted by an Edge that is gone, counted in
     /// flight here without a concurrency slot of its own (R-TEN-1).
     taken_over: bool,
@@ -246,6 +268,8 @@ impl SimTenancy {
             admitted: BTreeMap::new(),
             records: BTreeMap::new(),
             completions_charged: BTreeMap::new(),
+            ended_charged: BTreeMap::new(),
+            ended_totals: BTreeMap::new(),
         }
     }
 }
@@ -443,7 +467,9 @@ impl World {
                     model,
                     record: None,
                     completed: None,
-                    unmetered: 0,
+                    unmetered: Unmetered::default(),
+                    text: false,
+                    takeover: None,
                     taken_over: false,
                 },
             );
@@ -638,6 +664,15 @@ impl World {
     /// shell's driver records it (summed over its attempts by the request
     /// machine).
     pub(super) fn tenant_delivery(&mut self, rid: RequestId, delivery: &Delivery) {
+        if let Delivery::Event(RunEventKind::TextDelta(text)) = delivery
+            && !text.is_empty()
+            && let Some(ticket) = self.edges[self.cur]
+                .as_mut()
+                .and_then(|e| e.tenants.as_mut())
+                .and_then(|et| et.tickets.get_mut(&rid))
+        {
+            ticket.text = true;
+        }
         let (usage, completes) = match delivery {
             Delivery::Event(RunEventKind::Usage(u)) => (u, false),
             Delivery::Event(RunEventKind::Completed { usage: Some(u), .. }) => (u, true),
@@ -706,7 +741,8 @@ impl World {
     /// A takeover's request `rid` on record `record` (R-TEN-2, R-TAKE-1):
     /// held to the record's key and principal with its terms; `adopted`:
     /// it adopts the parked run, reserved at once on credit.
-    pub(super) fn tenant_take_over(&mut self, rid: RequestId, record: &str, adopted: bool) {
+    pub(super) fn tenant_take_over(&mut self, rid: RequestId, meta: &RecordMeta, adopted: bool) {
+        let (record, epoch) = (meta.id.as_str(), meta.epoch);
         let now = self.now;
         let unix_ms = self.unix_ms();
         let Some(t) = self.tenancy.as_ref() else {
@@ -768,7 +804,9 @@ impl World {
                 model: terms.model,
                 record: Some(record.to_owned()),
                 completed: None,
-                unmetered: 0,
+                unmetered: Unmetered::default(),
+                text: false,
+                takeover: Some((adopted, epoch)),
                 taken_over: true,
             },
         );
@@ -813,15 +851,194 @@ impl World {
         }
     }
 
-    /// Request `rid` ended: the output tokens no usage report covers, as
-    /// its machine estimated them (R-TEN-2).
-    pub(super) fn tenant_unmetered(&mut self, rid: RequestId, output_tokens: u64) {
+    /// Request `rid` ended: the tokens no usage report covers, as its
+    /// machine estimated them (R-TEN-2).
+    pub(super) fn tenant_unmetered(&mut self, rid: RequestId, unmetered: Unmetered) {
         if let Some(ticket) = self.edges[self.cur]
             .as_mut()
             .and_then(|e| e.tenants.as_mut())
             .and_then(|et| et.tickets.get_mut(&rid))
         {
-            ticket.unmetered = output_tokens;
+            ticket.unmetered = unmetered;
+        }
+    }
+
+    /// The prompt's tokens of request `rid` as its reservation estimated
+    /// them (its `RequestSpec::prompt_tokens`, R-TEN-2); 0 for a request
+    /// held to no tenant.
+    pub(super) fn tenant_prompt_tokens(&self, rid: RequestId) -> u64 {
+        self.edges[self.cur]
+            .as_ref()
+            .and_then(|e| e.tenants.as_ref())
+            .and_then(|et| et.tickets.get(&rid))
+            .map_or(0, |t| iop_core::tenant::prompt_tokens_max(t.prompt_bytes))
+    }
+
+    /// The prompt's tokens of durable record `record`'s request, as a
+    /// takeover's reservation estimates them from the stored request.
+    pub(super) fn tenant_record_prompt_tokens(&self, record: &str) -> u64 {
+        self.tenancy
+            .as_ref()
+            .and_then(|t| t.records.get(record))
+            .map_or(0, |terms| {
+                iop_core::tenant::prompt_tokens_max(terms.prompt_bytes)
+            })
+    }
+
+    /// What record `record`'s journal holds of its answer, as the checks
+    /// read it: its text, whether a usage report was journaled, its
+    /// epoch and its terminal's status.
+    fn journaled_answer(&self, record: &str) -> Option<(String, bool, u64, Option<RecordStatus>)> {
+        let stored = self.journal.record(record)?;
+        let mut text = String::new();
+        let mut usage = false;
+        for event in &stored.events {
+            let Some(entry) = iop_core::edge::durable::decode_entry(&event.payload) else {
+                continue;
+            };
+            match entry.delivery {
+                Delivery::Event(RunEventKind::TextDelta(t)) => text.push_str(&t),
+                Delivery::Event(RunEventKind::Usage(_))
+                | Delivery::Event(RunEventKind::Completed { usage: Some(_), .. }) => usage = true,
+                _ => {}
+            }
+        }
+        let status = stored.meta.terminal.as_ref().map(|t| t.status);
+        Some((text, usage, stored.meta.epoch, status))
+    }
+
+    /// The custody charges durable answer `meta.id`, which it ended
+    /// `incomplete` without running it, what its journal holds (R-TEN-2):
+    /// as the shell's `stored::charge_ended`, on the record's key and
+    /// principal, its prompt estimated from the stored request.
+    pub(super) fn tenant_charge_ended(&mut self, meta: &RecordMeta, used: &JournaledUse) {
+        let now = self.now;
+        let unix_ms = self.unix_ms();
+        let prompt_tokens = self.tenant_record_prompt_tokens(&meta.id);
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        let Some(terms) = t.records.get(&meta.id).cloned() else {
+            return;
+        };
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(et) = edge.tenants.as_mut() else {
+            return;
+        };
+        let Some(charged) = used.charged(prompt_tokens) else {
+            return;
+        };
+        let (key_id, p, key_limits) = &t.profile.keys[terms.key];
+        let (principal, principal_limits) = &t.profile.principals[*p];
+        let request = AdmitRequest {
+            ticket: u64::MAX,
+            key: key_id.clone(),
+            principal: principal.clone(),
+            key_limits: key_limits.clone(),
+            principal_limits: principal_limits.clone(),
+            price: Some(t.profile.price),
+            prompt_tokens_max: prompt_tokens,
+            output_tokens_max: t.profile.output_tokens_max,
+            unix_ms,
+            model: terms.model.clone(),
+            durable: true,
+            background: false,
+            key_held: Held::default(),
+            principal_held: Held::default(),
+        };
+        let (row, totals) = et
+            .machine
+            .machine_mut()
+            .charge_ended(now, &request, charged);
+        let shadow = et
+            .shadows
+            .get_mut(principal)
+            .map(|s| s.charge_ended(now, &request, charged));
+        let mut fail = Vec::new();
+        if shadow.as_ref() != Some(&(row.clone(), totals)) {
+            fail.push((
+                "R-TEN-1",
+                format!(
+                    "record {}'s charge, principal {principal}: {:?} on the Edge's machine, \
+                     {shadow:?} on one that saw only this principal",
+                    meta.id,
+                    (&row, totals)
+                ),
+            ));
+        }
+        if row.key != *key_id {
+            fail.push((
+                "R-TEN-2",
+                format!(
+                    "record {} was charged on key {}, not its own",
+                    meta.id, row.key
+                ),
+            ));
+        }
+        for subject in [
+            Subject::Key(key_id.clone()),
+            Subject::Principal(principal.clone()),
+        ] {
+            *t.recorded.entry(subject.clone()).or_default() += totals.spend_micros;
+            if charged.total() > 0 {
+                t.spenders.entry(subject).or_default().insert(incarnation);
+            }
+        }
+        *t.ended_charged.entry(meta.id.clone()).or_default() += 1;
+        if t.ended_charged[&meta.id] > 1 {
+            fail.push((
+                "R-TEN-2",
+                format!(
+                    "durable answer {} ended by a takeover was charged {} times",
+                    meta.id, t.ended_charged[&meta.id]
+                ),
+            ));
+        }
+        t.ended_totals.insert(meta.id.clone(), totals);
+        let principal = principal.clone();
+        et.machine.handle_timeout(now);
+        for s in et.shadows.values_mut() {
+            s.handle_timeout(now);
+        }
+        self.stats.tenant_unmetered_tokens += charged.total();
+        for (rule, detail) in fail {
+            self.checkers[self.cur].fail(rule, detail);
+        }
+        self.tenant_claims(&principal);
+    }
+
+    /// The custody ended durable answer `record` `incomplete` without
+    /// running it (R-TEN-2): if its journal holds text no usage report
+    /// covers, that text's estimate and the prompt were charged, on its key,
+    /// by this custody (its charge comes before the end).
+    pub(super) fn tenant_check_ended(&mut self, record: &str) {
+        let Some(t) = self.tenancy.as_ref() else {
+            return;
+        };
+        let Some(terms) = t.records.get(record).cloned() else {
+            return;
+        };
+        let Some((text, usage, _, _)) = self.journaled_answer(record) else {
+            return;
+        };
+        if text.is_empty() || usage {
+            return;
+        }
+        let want_output = iop_core::edge::prompt_estimate::text_tokens(&text);
+        let want_input = iop_core::tenant::prompt_tokens_max(terms.prompt_bytes);
+        let got = t.ended_totals.get(record).copied();
+        let short =
+            got.is_none_or(|g| g.output_tokens < want_output || g.input_tokens < want_input);
+        if short {
+            let detail = format!(
+                "durable answer {record} ended incomplete by a takeover after producing text \
+                 ({want_output} tokens estimated, prompt {want_input}) was charged {got:?} on \
+                 its key"
+            );
+            self.checkers[self.cur].fail("R-TEN-2", detail);
         }
     }
 
@@ -850,6 +1067,25 @@ impl World {
     /// or release it (it reported none), and check the settlement.
     pub(super) fn tenant_settle(&mut self, rid: RequestId) {
         let now = self.now;
+        // R-TEN-2: what the journal holds of a lost adoption's answer (on
+        // a route that does not continue: a continuation would be a
+        // further attempt), read before the tenants are borrowed.
+        let adopted_answer = self.edges[self.cur]
+            .as_ref()
+            .and_then(|e| e.tenants.as_ref())
+            .and_then(|et| et.tickets.get(&rid))
+            .and_then(|ticket| match (&ticket.record, ticket.takeover) {
+                (Some(record), Some((true, epoch))) if ticket.used.is_none() => {
+                    Some((record.clone(), epoch))
+                }
+                _ => None,
+            })
+            .filter(|(record, _)| !self.route_continues(record))
+            .and_then(|(record, epoch)| {
+                self.journaled_answer(&record)
+                    .filter(|(_, usage, at, status)| !usage && *at == epoch && status.is_some())
+                    .map(|(text, ..)| (record, text))
+            });
         let Some(t) = self.tenancy.as_mut() else {
             return;
         };
@@ -872,9 +1108,7 @@ impl World {
         // As the shell's hold: the reported usage and the estimate of what
         // no report covers.
         let metered = TokenUse::settled(ticket.used, ticket.unmetered);
-        if ticket.unmetered > 0 {
-            self.stats.tenant_unmetered_tokens += ticket.unmetered;
-        }
+        self.stats.tenant_unmetered_tokens += ticket.unmetered.input + ticket.unmetered.output;
         let used = metered.unwrap_or_default();
         let settled = match metered {
             Some(used) => et.machine.machine_mut().settle(now, rid, used),
@@ -939,6 +1173,40 @@ impl World {
                 format!("request {rid} was admitted but its settlement found no reservation"),
             )),
             Some((row, totals)) => {
+                // R-TEN-2: a request that delivered text with no usage
+                // report is charged its prompt too (an ephemeral one: a
+                // durable one whose record was taken charges nothing).
+                let prompt = iop_core::tenant::prompt_tokens_max(ticket.prompt_bytes);
+                if ticket.record.is_none()
+                    && ticket.used.is_none()
+                    && ticket.text
+                    && totals.input_tokens < prompt
+                {
+                    fail.push((
+                        "R-TEN-2",
+                        format!(
+                            "request {rid} delivered text with no usage report and was charged \
+                             {} input tokens, less than its prompt's {prompt}",
+                            totals.input_tokens
+                        ),
+                    ));
+                }
+                // A lost adoption on a route that does not continue is
+                // charged the whole text its journal holds.
+                if let Some((record, text)) = &adopted_answer {
+                    let want = iop_core::edge::prompt_estimate::text_tokens(text);
+                    if totals.output_tokens < want {
+                        fail.push((
+                            "R-TEN-2",
+                            format!(
+                                "request {rid} ended adopted answer {record} with \
+                                 {want} tokens of text estimated in its journal and was charged \
+                                 {} output tokens",
+                                totals.output_tokens
+                            ),
+                        ));
+                    }
+                }
                 let key_subject = Subject::Key(t.profile.keys[ticket.key].0.clone());
                 for subject in [key_subject, Subject::Principal(principal.clone())] {
                     *t.recorded.entry(subject).or_default() += totals.spend_micros;
