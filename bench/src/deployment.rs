@@ -561,6 +561,9 @@ pub struct DeploymentSpec {
     /// `[runtime] worker_threads` of the Edge and of every Node (`None`:
     /// no `[runtime]`, the binaries' default).
     pub worker_threads: Option<usize>,
+    /// The body of the `[quic]` table of the Edge and of every Node, one
+    /// `name = value` per line (`None`: no `[quic]`, quinn's defaults).
+    pub quic: Option<String>,
 }
 
 /// A running mock.
@@ -662,6 +665,11 @@ pub fn runtime_section(worker_threads: Option<usize>) -> String {
     worker_threads.map_or_else(String::new, |n| {
         format!("[runtime]\nworker_threads = {n}\n")
     })
+}
+
+/// The `[quic]` table with `body` (none for `None`).
+pub fn quic_section(body: Option<&str>) -> String {
+    body.map_or_else(String::new, |b| format!("[quic]\n{b}"))
 }
 
 /// Certificates for `nodes` and the API key file, in `dir`.
@@ -809,6 +817,7 @@ impl Deployment {
             edge_toml.push_str(&crate::spans::otlp_traces_section(endpoint));
         }
         edge_toml.push_str(&runtime_section(spec.worker_threads));
+        edge_toml.push_str(&quic_section(spec.quic.as_deref()));
         edge_toml.push_str(&spec.extras.tables);
         for (name, secret) in &spec.extras.key_files {
             write_secret_file(&dir.join(name), secret)?;
@@ -846,6 +855,7 @@ impl Deployment {
                 node_toml.push_str(&crate::spans::otlp_traces_section(endpoint));
             }
             node_toml.push_str(&runtime_section(spec.worker_threads));
+            node_toml.push_str(&quic_section(spec.quic.as_deref()));
             write(&dir.join(&file), &node_toml)?;
             nodes.push(Proc::spawn(
                 &format!("node-{id}"),

@@ -90,5 +90,6 @@ pub fn latency_deployment(
         otlp_traces: None,
         extras: EdgeExtras::default(),
         worker_threads: None,
+        quic: None,
     }
 }

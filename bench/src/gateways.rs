@@ -29,6 +29,11 @@
 //! alternate with each other in every measurement (A B A B), which is how
 //! a runtime is compared with another.
 //!
+//! Likewise with different `[quic]` settings
+//! ([`GatewaySettings::quic`], [`QuicVariant`]): one deployment per
+//! variant (and per runtime), so quinn's transport settings are compared
+//! with its defaults in the same rotation.
+//!
 //! Another build of iop can be measured in the same run beside this one
 //! ([`GatewaySettings::baseline`]: the `iop-edge` and `iop-node` of, say,
 //! the commit before a change): one more deployment per runtime, its
@@ -73,6 +78,10 @@ pub struct GatewaySettings {
     /// One iop deployment per entry, its `[runtime] worker_threads`
     /// (`None`: the default, no `[runtime]`).
     pub worker_threads: Vec<Option<usize>>,
+    /// One iop deployment per entry (and per entry of
+    /// [`GatewaySettings::worker_threads`]), its `[quic]` table (`None`:
+    /// the default, no `[quic]`).
+    pub quic: Vec<Option<QuicVariant>>,
     /// Another build's binaries, deployed once more per entry of
     /// [`GatewaySettings::worker_threads`] beside this build's and
     /// measured in the same run (`None`: this build only).
@@ -97,7 +106,7 @@ impl GatewaySettings {
         if self.max_concurrency == 0 || self.max_concurrency > MAX_CONCURRENCY_LIMIT {
             return bad("max concurrency must be 1..=4096");
         }
-        if self.worker_threads.is_empty() {
+        if self.worker_threads.is_empty() || self.quic.is_empty() {
             return bad("at least one iop deployment");
         }
         Ok(())
@@ -252,21 +261,75 @@ pub struct GatewaysResult {
     pub peak_rss: Vec<PeakRss>,
 }
 
+/// A `[quic]` table an iop deployment runs with: its label and its
+/// body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuicVariant {
+    /// As given: `name=value` settings joined by `+`
+    /// (`ack_eliciting_threshold=0`, `congestion=bbr+initial_window=64000`).
+    pub label: String,
+    /// The table's body, one `name = value` per line.
+    pub body: String,
+}
+
+impl QuicVariant {
+    /// `default` (no `[quic]`: `None`) or `name=value` settings joined by
+    /// `+`; a value that is neither a number nor `true`/`false` is written
+    /// as a TOML string. The binaries validate the settings themselves.
+    pub fn parse(text: &str) -> Result<Option<Self>, String> {
+        if text == "default" {
+            return Ok(None);
+        }
+        let mut body = String::new();
+        for setting in text.split('+') {
+            let Some((name, value)) = setting.split_once('=') else {
+                return Err(format!("`{setting}` is not name=value"));
+            };
+            let word = |s: &str| {
+                !s.is_empty()
+                    && s.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            };
+            if !word(name) || !word(value) {
+                return Err(format!("`{setting}`: name and value are [A-Za-z0-9_.]+"));
+            }
+            let literal = value == "true" || value == "false" || value.parse::<f64>().is_ok();
+            if literal {
+                body.push_str(&format!("{name} = {value}\n"));
+            } else {
+                body.push_str(&format!("{name} = \"{value}\"\n"));
+            }
+        }
+        Ok(Some(Self {
+            label: text.to_owned(),
+            body,
+        }))
+    }
+}
+
 /// The suffix of an iop deployment's labels: none for this build's
-/// default runtime; the runtime when set, and `baseline` for the other
-/// build's deployments.
-pub fn runtime_suffix(worker_threads: Option<usize>, baseline: bool) -> String {
+/// default runtime and `[quic]`; the runtime and the `[quic]` variant when
+/// set, and `baseline` for the other build's deployments.
+pub fn runtime_suffix(
+    worker_threads: Option<usize>,
+    quic: Option<&QuicVariant>,
+    baseline: bool,
+) -> String {
     let runtime = match worker_threads {
         None => None,
         Some(0) => Some("a worker per CPU".to_owned()),
         Some(1) => Some("1 thread".to_owned()),
         Some(n) => Some(format!("{n} workers")),
     };
-    match (runtime, baseline) {
-        (None, false) => String::new(),
-        (None, true) => " (baseline)".into(),
-        (Some(r), false) => format!(" ({r})"),
-        (Some(r), true) => format!(" ({r}, baseline)"),
+    let parts: Vec<String> = runtime
+        .into_iter()
+        .chain(quic.map(|q| q.label.clone()))
+        .chain(baseline.then(|| "baseline".to_owned()))
+        .collect();
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", parts.join(", "))
     }
 }
 
@@ -283,19 +346,23 @@ pub async fn gateways(
     let mut deployments: Vec<(String, Deployment)> = Vec::new();
     let mut mock = None;
     let builds = std::iter::once((bins, false)).chain(settings.baseline.iter().map(|b| (b, true)));
-    let planned: Vec<(&Binaries, bool, Option<usize>)> = builds
+    type Planned<'a> = (&'a Binaries, bool, Option<usize>, Option<&'a QuicVariant>);
+    let planned: Vec<Planned<'_>> = builds
         .flat_map(|(b, baseline)| {
-            settings
-                .worker_threads
-                .iter()
-                .map(move |&threads| (b, baseline, threads))
+            settings.worker_threads.iter().flat_map(move |&threads| {
+                settings
+                    .quic
+                    .iter()
+                    .map(move |quic| (b, baseline, threads, quic.as_ref()))
+            })
         })
         .collect();
-    for (i, (build, baseline, threads)) in planned.into_iter().enumerate() {
+    for (i, (build, baseline, threads, quic)) in planned.into_iter().enumerate() {
         let mut spec = latency_deployment(work, mock);
         spec.mocks.retain(|m| m.name == SHORT_MOCK);
         spec.dir = work.join(format!("gateways-iop-{i}"));
         spec.worker_threads = threads;
+        spec.quic = quic.map(|q| q.body.clone());
         let started = Deployment::start(build, &spec).await;
         let d = match started {
             Ok(d) => d,
@@ -305,7 +372,7 @@ pub async fn gateways(
             }
         };
         mock = mock.or_else(|| d.mocks.first().map(|m| m.addr));
-        deployments.push((runtime_suffix(threads, baseline), d));
+        deployments.push((runtime_suffix(threads, quic, baseline), d));
     }
     let (Some(mock), Some((_, first))) = (mock, deployments.first()) else {
         return Err(ScenarioError::Timeout("gateways: no deployment".into()));
@@ -1053,10 +1120,32 @@ mod tests {
 
     #[test]
     fn labels_name_the_runtime_and_the_baseline_only_when_set() {
-        assert_eq!(runtime_suffix(None, false), "");
-        assert_eq!(runtime_suffix(Some(1), false), " (1 thread)");
-        assert_eq!(runtime_suffix(Some(4), false), " (4 workers)");
-        assert_eq!(runtime_suffix(None, true), " (baseline)");
-        assert_eq!(runtime_suffix(Some(1), true), " (1 thread, baseline)");
+        assert_eq!(runtime_suffix(None, None, false), "");
+        assert_eq!(runtime_suffix(Some(1), None, false), " (1 thread)");
+        assert_eq!(runtime_suffix(Some(4), None, false), " (4 workers)");
+        assert_eq!(runtime_suffix(None, None, true), " (baseline)");
+        assert_eq!(runtime_suffix(Some(1), None, true), " (1 thread, baseline)");
+        let bbr = QuicVariant::parse("congestion=bbr").unwrap();
+        assert_eq!(
+            runtime_suffix(Some(1), bbr.as_ref(), true),
+            " (1 thread, congestion=bbr, baseline)"
+        );
+    }
+
+    #[test]
+    fn quic_variants_are_tables_of_name_value_settings() {
+        assert_eq!(QuicVariant::parse("default"), Ok(None));
+        let v = QuicVariant::parse(
+            "ack_eliciting_threshold=0+segmentation_offload=false+congestion=bbr",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            v.body,
+            "ack_eliciting_threshold = 0\nsegmentation_offload = false\ncongestion = \"bbr\"\n"
+        );
+        assert!(QuicVariant::parse("congestion").is_err());
+        assert!(QuicVariant::parse("a=\"x\"").is_err());
+        assert!(QuicVariant::parse("a=1+").is_err());
     }
 }

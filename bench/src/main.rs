@@ -193,6 +193,17 @@ fn gateway_settings(
             })
             .collect::<anyhow::Result<_>>()?
     };
+    let quic = if a.gateway_quic.is_empty() {
+        vec![None]
+    } else {
+        a.gateway_quic
+            .iter()
+            .map(|q| {
+                iop_bench::gateways::QuicVariant::parse(q)
+                    .map_err(|e| anyhow::anyhow!("--gateway-quic: {e}"))
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
     anyhow::ensure!(
         a.gateway_p99_ms.is_finite() && a.gateway_p99_ms > 0.0,
         "--gateway-p99-ms must be > 0"
@@ -215,6 +226,7 @@ fn gateway_settings(
         max_concurrency: a.gateway_max_concurrency,
         open_rates: or_default(&a.gateway_rates, a.quick, &[1000.0], &[1000.0, 2000.0]),
         worker_threads,
+        quic,
         baseline,
         peers: peers
             .into_iter()
@@ -387,6 +399,12 @@ struct SuiteArgs {
     /// in the gateways scenario (default: `default`).
     #[arg(long, value_delimiter = ',')]
     gateway_worker_threads: Vec<String>,
+    /// One iop deployment per value, each with this `[quic]` table
+    /// (`default`: none; else `name=value` settings joined by `+`, e.g.
+    /// `ack_eliciting_threshold=0+max_ack_delay_ms=1`), measured side by
+    /// side in the gateways scenario (default: `default`).
+    #[arg(long, value_delimiter = ',')]
+    gateway_quic: Vec<String>,
     /// A directory holding another build's `iop-edge` and `iop-node` (for
     /// example copies made before a change): the gateways scenario deploys
     /// them too, labelled `(baseline)`, and measures them in the same run.

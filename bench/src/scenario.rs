@@ -574,6 +574,7 @@ pub fn memory_deployment(work: &Path, nodes: usize, max_streams: usize) -> Deplo
         otlp_traces: None,
         extras: EdgeExtras::default(),
         worker_threads: None,
+        quic: None,
     }
 }
 

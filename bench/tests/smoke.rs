@@ -795,6 +795,7 @@ async fn gateways_scenario_measures_every_path_and_adds_over_direct() {
         max_concurrency: 2,
         open_rates: vec![40.0],
         worker_threads: vec![None],
+        quic: vec![None],
         baseline: None,
         peers: Vec::new(),
         pause: Duration::ZERO,

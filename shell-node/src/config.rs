@@ -206,6 +206,9 @@ pub struct NodeFile {
     /// `[runtime]`: the async runtime the process runs on.
     #[serde(default)]
     pub runtime: RuntimeSection,
+    /// `[quic]`: quinn's transport settings.
+    #[serde(default)]
+    pub quic: iop_transport::settings::QuicSection,
 }
 
 /// A validated provider.
@@ -264,7 +267,8 @@ pub struct NodeConfig {
     pub tls: TlsFiles,
     /// Heartbeat profile.
     pub heartbeat: HeartbeatConfig,
-    /// QUIC settings from `[heartbeat] loss_detect_ms` (R-FAIL-2).
+    /// QUIC settings from `[heartbeat] loss_detect_ms` (R-FAIL-2) and
+    /// `[quic]`.
     pub quic_tuning: iop_transport::QuicTuning,
     /// Reconnect backoff.
     pub reconnect: BackoffConfig,
@@ -320,6 +324,7 @@ impl NodeConfig {
     fn validate(mut file: NodeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
         file.runtime.validate("runtime")?;
+        file.quic.validate("quic")?;
         if let Some(traces) = &mut file.otlp_traces {
             traces.validate("otlp_traces")?;
         }
@@ -479,7 +484,7 @@ impl NodeConfig {
         }
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
-            quic_tuning: file.heartbeat.quic_tuning(),
+            quic_tuning: file.quic.apply(file.heartbeat.quic_tuning()),
             otlp: file.otlp,
             otlp_traces: file.otlp_traces,
             runtime: file.runtime,
@@ -522,6 +527,32 @@ key = "node.key"
             Err(ConfigError::Field { field, .. }) => field,
             other => panic!("expected a field error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn quic_settings_reach_the_tuning_and_bad_values_name_the_field() {
+        let c = NodeConfig::parse(
+            &format!("{BASE}[quic]\nmax_ack_delay_ms = 2\nsegmentation_offload = false\n"),
+            Path::new("/x"),
+        )
+        .unwrap();
+        assert_eq!(
+            c.quic_tuning.ack_frequency,
+            Some(iop_transport::AckFrequency {
+                eliciting_threshold: 1,
+                max_ack_delay: Some(Duration::from_millis(2)),
+            })
+        );
+        assert!(!c.quic_tuning.segmentation_offload);
+        assert_eq!(field_of("[quic]\ncongestion = \"x\"\n"), "quic.congestion");
+        assert_eq!(
+            field_of("[quic]\nmax_ack_delay_ms = 30\n"),
+            "quic.max_ack_delay_ms"
+        );
+        assert_eq!(
+            field_of("[quic]\ninitial_window = 0\n"),
+            "quic.initial_window"
+        );
     }
 
     #[test]

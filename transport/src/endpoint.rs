@@ -35,6 +35,73 @@ pub struct QuicTuning {
     pub stream_receive_window: u64,
     /// Bytes the peer may send on all streams together before we read them.
     pub receive_window: u64,
+    /// How this side asks its peer to acknowledge (the QUIC ACK frequency
+    /// extension; `None`: the peer's own defaults, an ACK every second
+    /// ack-eliciting packet or after its `max_ack_delay`, 25 ms).
+    pub ack_frequency: Option<AckFrequency>,
+    /// Whether sends may use generic segmentation offload (several
+    /// datagrams in one system call) where the system supports it.
+    pub segmentation_offload: bool,
+    /// The congestion controller, which also sets the pacing rate.
+    pub congestion: Congestion,
+    /// The congestion window before any acknowledgement, bytes (`None`:
+    /// the controller's default, 12,000: ten 1,200-byte datagrams).
+    pub initial_window: Option<u64>,
+}
+
+/// What this side asks its peer about acknowledgements (the ACK frequency
+/// extension, quinn's `AckFrequencyConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AckFrequency {
+    /// Ack-eliciting packets the peer may receive without acknowledging
+    /// them at once (0: acknowledge every one immediately; quinn's
+    /// default without the extension is 1).
+    pub eliciting_threshold: u32,
+    /// The longest the peer may delay an acknowledgement (`None`: its own
+    /// `max_ack_delay`). quinn keeps it between 1 ms and the larger of the
+    /// path's RTT and 25 ms.
+    pub max_ack_delay: Option<Duration>,
+}
+
+/// The largest [`AckFrequency::eliciting_threshold`] accepted.
+pub const MAX_ACK_ELICITING_THRESHOLD: u32 = 1_000;
+/// The largest [`AckFrequency::max_ack_delay`] accepted: quinn never asks
+/// for more than 25 ms on a path with a shorter RTT.
+pub const MAX_ACK_DELAY: Duration = Duration::from_millis(25);
+/// The smallest [`QuicTuning::initial_window`] accepted (two full-size
+/// datagrams).
+pub const MIN_INITIAL_WINDOW: u64 = 2_400;
+/// The largest [`QuicTuning::initial_window`] accepted.
+pub const MAX_INITIAL_WINDOW: u64 = 64 * 1024 * 1024;
+
+/// quinn's congestion controllers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Congestion {
+    /// CUBIC (RFC 9438), quinn's default.
+    #[default]
+    Cubic,
+    /// NewReno (RFC 9002).
+    NewReno,
+    /// BBR (quinn marks its implementation experimental).
+    Bbr,
+}
+
+impl Congestion {
+    /// Its name in configuration (`cubic`, `new_reno`, `bbr`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cubic => "cubic",
+            Self::NewReno => "new_reno",
+            Self::Bbr => "bbr",
+        }
+    }
+
+    /// The controller named `name`, if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Cubic, Self::NewReno, Self::Bbr]
+            .into_iter()
+            .find(|c| c.as_str() == name)
+    }
 }
 
 impl Default for QuicTuning {
@@ -46,6 +113,12 @@ impl Default for QuicTuning {
             max_concurrent_bidi_streams: 4096,
             stream_receive_window: 1024 * 1024,
             receive_window: 64 * 1024 * 1024,
+            // quinn's defaults; measured against the alternatives in
+            // docs/benchmarks.md, "quinn's transport settings".
+            ack_frequency: None,
+            segmentation_offload: true,
+            congestion: Congestion::Cubic,
+            initial_window: None,
         }
     }
 }
@@ -96,6 +169,32 @@ impl QuicTuning {
             .map_err(|_| invalid("stream_receive_window", "too large"))?;
         let window = VarInt::from_u64(self.receive_window)
             .map_err(|_| invalid("receive_window", "too large"))?;
+        let ack_frequency = match self.ack_frequency {
+            None => None,
+            Some(ack) => {
+                if ack.eliciting_threshold > MAX_ACK_ELICITING_THRESHOLD {
+                    return Err(invalid("ack_eliciting_threshold", "must be at most 1000"));
+                }
+                if let Some(delay) = ack.max_ack_delay
+                    && (delay < Duration::from_millis(1) || delay > MAX_ACK_DELAY)
+                {
+                    return Err(invalid("max_ack_delay", "must be between 1 and 25 ms"));
+                }
+                let mut config = quinn::AckFrequencyConfig::default();
+                config
+                    .ack_eliciting_threshold(VarInt::from_u32(ack.eliciting_threshold))
+                    .max_ack_delay(ack.max_ack_delay);
+                Some(config)
+            }
+        };
+        if let Some(w) = self.initial_window
+            && !(MIN_INITIAL_WINDOW..=MAX_INITIAL_WINDOW).contains(&w)
+        {
+            return Err(invalid(
+                "initial_window",
+                "must be between 2400 bytes and 64 MiB",
+            ));
+        }
 
         let mut transport = quinn::TransportConfig::default();
         transport
@@ -105,8 +204,42 @@ impl QuicTuning {
             // iop uses bidirectional streams only.
             .max_concurrent_uni_streams(VarInt::from_u32(0))
             .stream_receive_window(stream_window)
-            .receive_window(window);
+            .receive_window(window)
+            .ack_frequency_config(ack_frequency)
+            .enable_segmentation_offload(self.segmentation_offload)
+            .congestion_controller_factory(self.congestion_factory());
         Ok(transport)
+    }
+
+    /// The congestion controller [`QuicTuning::congestion`] names, with
+    /// [`QuicTuning::initial_window`] when set.
+    fn congestion_factory(
+        &self,
+    ) -> Arc<dyn quinn::congestion::ControllerFactory + Send + Sync + 'static> {
+        use quinn::congestion::{BbrConfig, CubicConfig, NewRenoConfig};
+        match self.congestion {
+            Congestion::Cubic => {
+                let mut c = CubicConfig::default();
+                if let Some(w) = self.initial_window {
+                    c.initial_window(w);
+                }
+                Arc::new(c)
+            }
+            Congestion::NewReno => {
+                let mut c = NewRenoConfig::default();
+                if let Some(w) = self.initial_window {
+                    c.initial_window(w);
+                }
+                Arc::new(c)
+            }
+            Congestion::Bbr => {
+                let mut c = BbrConfig::default();
+                if let Some(w) = self.initial_window {
+                    c.initial_window(w);
+                }
+                Arc::new(c)
+            }
+        }
     }
 }
 
@@ -266,6 +399,33 @@ mod tests {
                     ..QuicTuning::default()
                 },
                 "stream_receive_window",
+            ),
+            (
+                QuicTuning {
+                    ack_frequency: Some(AckFrequency {
+                        eliciting_threshold: MAX_ACK_ELICITING_THRESHOLD + 1,
+                        max_ack_delay: None,
+                    }),
+                    ..QuicTuning::default()
+                },
+                "ack_eliciting_threshold",
+            ),
+            (
+                QuicTuning {
+                    ack_frequency: Some(AckFrequency {
+                        eliciting_threshold: 0,
+                        max_ack_delay: Some(Duration::from_micros(500)),
+                    }),
+                    ..QuicTuning::default()
+                },
+                "max_ack_delay",
+            ),
+            (
+                QuicTuning {
+                    initial_window: Some(MIN_INITIAL_WINDOW - 1),
+                    ..QuicTuning::default()
+                },
+                "initial_window",
             ),
         ];
         for (tuning, field) in cases {

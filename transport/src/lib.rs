@@ -59,8 +59,8 @@ pub mod traces;
 
 pub use close::{close_code_of, close_connection};
 pub use endpoint::{
-    QuicTuning, TransportError, client_endpoint, client_endpoint_on, connect, peer_node_id,
-    server_endpoint, server_endpoint_with_denylist,
+    AckFrequency, Congestion, QuicTuning, TransportError, client_endpoint, client_endpoint_on,
+    connect, peer_node_id, server_endpoint, server_endpoint_with_denylist,
 };
 pub use framed::{
     FrameLimits, FramedError, FramedRecv, FramedSend, accept_framed, framed_for_side, open_framed,

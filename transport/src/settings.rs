@@ -152,6 +152,88 @@ impl HeartbeatSection {
     }
 }
 
+/// `[quic]`: quinn's transport settings that may change a request's
+/// latency (both binaries; docs/operations.md). The defaults are quinn's;
+/// each alternative is measured against them in docs/benchmarks.md
+/// ("quinn's transport settings").
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuicSection {
+    /// Ask the peer (the ACK frequency extension) to acknowledge once more
+    /// than this many ack-eliciting packets arrived unacknowledged (0:
+    /// every one at once). Unset: the peer's defaults (1).
+    pub ack_eliciting_threshold: Option<u32>,
+    /// Ask the peer to delay an acknowledgement at most this long, ms (1 to
+    /// 25). Unset: its own (25).
+    pub max_ack_delay_ms: Option<u64>,
+    /// Generic segmentation offload on sends where the system has it.
+    pub segmentation_offload: bool,
+    /// `cubic` (the default), `new_reno` or `bbr`.
+    pub congestion: String,
+    /// The congestion window before any acknowledgement, bytes (2,400 to
+    /// 64 MiB). Unset: the controller's default.
+    pub initial_window: Option<u64>,
+}
+
+impl Default for QuicSection {
+    fn default() -> Self {
+        let d = crate::QuicTuning::default();
+        Self {
+            ack_eliciting_threshold: None,
+            max_ack_delay_ms: None,
+            segmentation_offload: d.segmentation_offload,
+            congestion: d.congestion.as_str().to_owned(),
+            initial_window: d.initial_window,
+        }
+    }
+}
+
+impl QuicSection {
+    /// `base` with this section's settings.
+    ///
+    /// An unknown congestion controller is left as `base`'s: call
+    /// [`QuicSection::validate`] first.
+    pub fn apply(&self, base: crate::QuicTuning) -> crate::QuicTuning {
+        let ack_frequency = match (self.ack_eliciting_threshold, self.max_ack_delay_ms) {
+            (None, None) => None,
+            (threshold, delay) => Some(crate::endpoint::AckFrequency {
+                // quinn's own threshold when only the delay is set.
+                eliciting_threshold: threshold.unwrap_or(1),
+                max_ack_delay: delay.map(Duration::from_millis),
+            }),
+        };
+        crate::QuicTuning {
+            ack_frequency,
+            segmentation_offload: self.segmentation_offload,
+            congestion: crate::endpoint::Congestion::from_name(&self.congestion)
+                .unwrap_or(base.congestion),
+            initial_window: self.initial_window,
+            ..base
+        }
+    }
+
+    /// Validate, naming `section.field`.
+    pub fn validate(&self, section: &str) -> Result<(), ConfigError> {
+        if crate::endpoint::Congestion::from_name(&self.congestion).is_none() {
+            return Err(field_err(
+                format!("{section}.congestion"),
+                "must be one of cubic, new_reno, bbr",
+            ));
+        }
+        match self.apply(crate::QuicTuning::default()).transport_config() {
+            Ok(_) => Ok(()),
+            Err(crate::TransportError::InvalidTuning { field, reason }) => {
+                let field = match field {
+                    "max_ack_delay" => "max_ack_delay_ms",
+                    other => other,
+                };
+                Err(field_err(format!("{section}.{field}"), reason))
+            }
+            Err(other) => Err(field_err(section, other.to_string())),
+        }
+    }
+}
+
 impl TlsFiles {
     /// Resolve relative paths against `base` (the config file's directory).
     pub fn resolve(&mut self, base: &Path) {
@@ -237,6 +319,88 @@ fn is_setting(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quic_section_defaults_are_quinns_and_bad_values_name_the_field() {
+        let d = QuicSection::default();
+        let base = crate::QuicTuning::for_loss_detection(Duration::from_millis(5_000));
+        assert_eq!(d.apply(base), base, "an empty [quic] changes nothing");
+        assert!(d.validate("quic").is_ok());
+        let set = QuicSection {
+            ack_eliciting_threshold: Some(0),
+            max_ack_delay_ms: Some(1),
+            segmentation_offload: false,
+            congestion: "bbr".into(),
+            initial_window: Some(1_000_000),
+        };
+        assert!(set.validate("quic").is_ok());
+        let t = set.apply(base);
+        assert_eq!(
+            t.ack_frequency,
+            Some(crate::endpoint::AckFrequency {
+                eliciting_threshold: 0,
+                max_ack_delay: Some(Duration::from_millis(1)),
+            })
+        );
+        assert!(!t.segmentation_offload);
+        assert_eq!(t.congestion, crate::endpoint::Congestion::Bbr);
+        assert_eq!(t.idle_timeout, base.idle_timeout, "R-FAIL-2's bound kept");
+        let only_delay = QuicSection {
+            max_ack_delay_ms: Some(5),
+            ..QuicSection::default()
+        };
+        assert_eq!(
+            only_delay
+                .apply(base)
+                .ack_frequency
+                .map(|a| a.eliciting_threshold),
+            Some(1),
+            "quinn's threshold when only the delay is asked for"
+        );
+        let field = |s: QuicSection| match s.validate("quic") {
+            Err(ConfigError::Field { field, .. }) => field,
+            other => panic!("expected a field error, got {other:?}"),
+        };
+        for (bad, name) in [
+            (
+                QuicSection {
+                    congestion: "vegas".into(),
+                    ..QuicSection::default()
+                },
+                "quic.congestion",
+            ),
+            (
+                QuicSection {
+                    ack_eliciting_threshold: Some(1_001),
+                    ..QuicSection::default()
+                },
+                "quic.ack_eliciting_threshold",
+            ),
+            (
+                QuicSection {
+                    max_ack_delay_ms: Some(0),
+                    ..QuicSection::default()
+                },
+                "quic.max_ack_delay_ms",
+            ),
+            (
+                QuicSection {
+                    max_ack_delay_ms: Some(26),
+                    ..QuicSection::default()
+                },
+                "quic.max_ack_delay_ms",
+            ),
+            (
+                QuicSection {
+                    initial_window: Some(100),
+                    ..QuicSection::default()
+                },
+                "quic.initial_window",
+            ),
+        ] {
+            assert_eq!(field(bad), name);
+        }
+    }
 
     #[test]
     fn example_lines_turn_on_defaults_then_optional_settings() {

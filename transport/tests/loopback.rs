@@ -49,6 +49,10 @@ impl Deployment {
     }
 
     fn start_with_denylist(node_ids: &[&str], denylist: CertDenylist) -> Self {
+        Self::start_tuned(node_ids, denylist, &QuicTuning::default())
+    }
+
+    fn start_tuned(node_ids: &[&str], denylist: CertDenylist, tuning: &QuicTuning) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let pki = generate_dev_pki(dir.path(), node_ids, &["edge.test"]).expect("dev pki");
         let ca_cert_pem = std::fs::read_to_string(&pki.ca_cert).expect("read ca.pem");
@@ -58,7 +62,7 @@ impl Deployment {
         let edge = server_endpoint_with_denylist(
             &server_tls,
             SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-            &QuicTuning::default(),
+            tuning,
             denylist,
         )
         .expect("edge endpoint");
@@ -440,6 +444,75 @@ async fn framed_messages_round_trip_over_a_stream() {
             })
         );
         assert!(matches!(node_recv.recv::<EdgeControl>().await, Ok(None)));
+    })
+    .await;
+}
+
+/// Every `[quic]` alternative (ACK frequency, no segmentation offload,
+/// each congestion controller, a larger initial window) on both sides
+/// still connects with mutual TLS and carries a ~140 KB message (more
+/// than the default initial window) and its answer.
+#[tokio::test]
+async fn each_quic_tuning_connects_and_carries_a_large_message_both_ways() {
+    use iop_transport::{AckFrequency, Congestion};
+    let variants = [
+        QuicTuning {
+            ack_frequency: Some(AckFrequency {
+                eliciting_threshold: 0,
+                max_ack_delay: Some(Duration::from_millis(1)),
+            }),
+            ..QuicTuning::default()
+        },
+        QuicTuning {
+            ack_frequency: Some(AckFrequency {
+                eliciting_threshold: 10,
+                max_ack_delay: None,
+            }),
+            segmentation_offload: false,
+            congestion: Congestion::NewReno,
+            ..QuicTuning::default()
+        },
+        QuicTuning {
+            congestion: Congestion::Bbr,
+            initial_window: Some(1_000_000),
+            ..QuicTuning::default()
+        },
+    ];
+    within_timeout(async {
+        for tuning in variants {
+            let deployment = Deployment::start_tuned(&["node-a"], CertDenylist::default(), &tuning);
+            let node = client_endpoint(&deployment.node_tls("node-a"), &tuning).expect("node");
+            let (edge_conn, node_conn) = deployment.handshake_from(&node).await;
+            let (edge_conn, node_conn) = (edge_conn.expect("edge"), node_conn.expect("node"));
+            let register = NodeControl::Register(register_request(4_000));
+            let (mut node_send, mut node_recv) = open_framed(&node_conn).await.expect("open");
+            let sender = async {
+                node_send.send(&register).await.expect("send");
+                node_send.finish().expect("finish");
+            };
+            let receiver = async {
+                let (mut edge_send, mut edge_recv) =
+                    accept_framed(&edge_conn).await.expect("accept");
+                let got = edge_recv.recv::<NodeControl>().await.expect("recv");
+                edge_send
+                    .send(&EdgeControl::Closing {
+                        code: CloseCode::Normal,
+                    })
+                    .await
+                    .expect("answer");
+                edge_send.finish().expect("finish");
+                got
+            };
+            let ((), got) = tokio::join!(sender, receiver);
+            assert_eq!(got.as_ref(), Some(&register), "{tuning:?}");
+            assert_eq!(
+                node_recv.recv::<EdgeControl>().await.expect("answer"),
+                Some(EdgeControl::Closing {
+                    code: CloseCode::Normal
+                }),
+                "{tuning:?}"
+            );
+        }
     })
     .await;
 }

@@ -5,8 +5,8 @@
 //! the checks that span sections), then `[edge]`, `[admission]`,
 //! `[health]`, `[[providers]]`, `[[routes]]` with `[discovered_models]`,
 //! `[[api_keys]]` with `[[credentials]]` (the secrets) and `[journal]`.
-//! `[tls]`, `[heartbeat]`, `[otlp]`, `[otlp_traces]` and `[runtime]` are the
-//! transport's sections, shared with the Node.
+//! `[tls]`, `[heartbeat]`, `[quic]`, `[otlp]`, `[otlp_traces]` and
+//! `[runtime]` are the transport's sections, shared with the Node.
 
 mod admission;
 mod edge;
@@ -30,7 +30,7 @@ use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_transport::environment::{Environment, deserialize_overlaid};
 use iop_transport::runtime::RuntimeSection;
 use iop_transport::settings::{
-    ConfigError, HeartbeatSection, TlsFiles, config_text, field_err, valid_name,
+    ConfigError, HeartbeatSection, QuicSection, TlsFiles, config_text, field_err, valid_name,
 };
 use iop_transport::telemetry::OtlpSection;
 use serde::Deserialize;
@@ -107,6 +107,9 @@ pub struct EdgeFile {
     /// `[runtime]`: the async runtime the process runs on.
     #[serde(default)]
     pub runtime: RuntimeSection,
+    /// `[quic]`: quinn's transport settings.
+    #[serde(default)]
+    pub quic: QuicSection,
 }
 
 /// The validated configuration.
@@ -118,7 +121,8 @@ pub struct EdgeConfig {
     pub tls: TlsFiles,
     /// Heartbeat profile.
     pub heartbeat: HeartbeatConfig,
-    /// QUIC settings from `[heartbeat] loss_detect_ms` (R-FAIL-2).
+    /// QUIC settings from `[heartbeat] loss_detect_ms` (R-FAIL-2) and
+    /// `[quic]`.
     pub quic_tuning: iop_transport::QuicTuning,
     /// Admission.
     pub admission: AdmissionSection,
@@ -190,6 +194,7 @@ impl EdgeConfig {
     fn validate(mut file: EdgeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         file.heartbeat.validate("heartbeat")?;
         file.runtime.validate("runtime")?;
+        file.quic.validate("quic")?;
         if let Some(traces) = &mut file.otlp_traces {
             traces.validate("otlp_traces")?;
         }
@@ -235,7 +240,7 @@ impl EdgeConfig {
         health.validate()?;
         Ok(Self {
             heartbeat: file.heartbeat.to_core(),
-            quic_tuning: file.heartbeat.quic_tuning(),
+            quic_tuning: file.quic.apply(file.heartbeat.quic_tuning()),
             admission: file.admission,
             health,
             edge: file.edge,
@@ -387,6 +392,46 @@ mod tests {
             field_of(parse(&too_many).unwrap_err()),
             "runtime.worker_threads"
         );
+    }
+
+    #[test]
+    fn quic_settings_reach_the_tuning_and_bad_values_name_the_field() {
+        use iop_transport::{AckFrequency, Congestion};
+        let d = parse("").unwrap();
+        assert_eq!(d.quic_tuning.ack_frequency, None);
+        assert!(d.quic_tuning.segmentation_offload);
+        assert_eq!(d.quic_tuning.congestion, Congestion::Cubic);
+        let c = parse(
+            "[quic]\nack_eliciting_threshold = 0\nsegmentation_offload = false\n\
+             congestion = \"bbr\"\ninitial_window = 64000\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.quic_tuning.ack_frequency,
+            Some(AckFrequency {
+                eliciting_threshold: 0,
+                max_ack_delay: None
+            })
+        );
+        assert!(!c.quic_tuning.segmentation_offload);
+        assert_eq!(c.quic_tuning.congestion, Congestion::Bbr);
+        assert_eq!(c.quic_tuning.initial_window, Some(64_000));
+        // R-FAIL-2's bound still comes from [heartbeat].
+        assert_eq!(c.quic_tuning.idle_timeout, d.quic_tuning.idle_timeout);
+        for (bad, field) in [
+            ("congestion = \"reno\"", "quic.congestion"),
+            ("max_ack_delay_ms = 0", "quic.max_ack_delay_ms"),
+            (
+                "ack_eliciting_threshold = 5000",
+                "quic.ack_eliciting_threshold",
+            ),
+            ("initial_window = 1", "quic.initial_window"),
+        ] {
+            assert_eq!(
+                field_of(parse(&format!("[quic]\n{bad}\n")).unwrap_err()),
+                field
+            );
+        }
     }
 
     #[test]
