@@ -61,12 +61,16 @@ use serde::{Deserialize, Serialize};
 use crate::planted::{Planted, PlantedBug};
 use crate::time::Instant;
 
+pub mod give_back;
 pub mod key_format;
 pub mod keys;
 mod model_limits;
 pub mod slots;
 pub mod usage;
 
+pub use give_back::{
+    ClaimedCounter, GiveBackOutcome, MAX_GIVE_BACKS, check_give_back, window_over,
+};
 pub use model_limits::{
     LimitsError, MAX_MODEL_LIMITS, MAX_MODEL_NAME_BYTES, ModelLimits, model_name_ok,
 };
@@ -370,7 +374,9 @@ pub fn prompt_tokens_max(body_bytes: u64) -> u64 {
 /// claimed by the Edges already; a claim of `amount` gets what is left of
 /// it, never past the limit. Returns the counter's new claimed total and
 /// the amount granted (0: the window is exhausted). Every store applies
-/// this inside its compare-and-set.
+/// this inside its compare-and-set; what an Edge gives back as it stops
+/// is decided beside it, by [`check_give_back`] (exactly once per Edge
+/// process and counter).
 pub fn check_claim(claimed: u64, amount: u64, limit: u64) -> (u64, u64) {
     let granted = amount.min(limit.saturating_sub(claimed));
     (claimed + granted, granted)
@@ -664,6 +670,16 @@ pub enum TenantsInput {
         /// Held now, or the store failed.
         held: Option<u64>,
     },
+    /// The store's answer to a [`TenantsOutput::GiveBack`], or `None`
+    /// when it could not be reached (or did not answer in time: the
+    /// give-back may have been applied; asked again, it is not applied
+    /// twice).
+    GaveBack {
+        /// The counter.
+        counter: CounterKey,
+        /// What it came to, or the store failed.
+        outcome: Option<GiveBackOutcome>,
+    },
 }
 
 /// What the driver carries out.
@@ -695,17 +711,51 @@ pub enum TenantsOutput {
         /// The lease.
         lease_ms: u64,
     },
+    /// The Edge is stopping ([`Tenants::hand_back`]): give back `amount`
+    /// of `counter`, claimed by this Edge process and unused, in the
+    /// shared store with [`check_give_back`] (as this Edge process's
+    /// holder, the one it holds slots as: applied at most once however
+    /// often it is sent); answer with [`TenantsInput::GaveBack`].
+    GiveBack {
+        /// The counter.
+        counter: CounterKey,
+        /// How much.
+        amount: u64,
+    },
 }
 
 impl TenantsOutput {
     /// The counter it concerns.
     pub fn counter(&self) -> &CounterKey {
         match self {
-            TenantsOutput::Claim { counter, .. } | TenantsOutput::HoldSlots { counter, .. } => {
-                counter
-            }
+            TenantsOutput::Claim { counter, .. }
+            | TenantsOutput::HoldSlots { counter, .. }
+            | TenantsOutput::GiveBack { counter, .. } => counter,
         }
     }
+}
+
+/// How long after a give-back failed (the store unreachable, or its
+/// answer lost) it is sent again (R-TEN-3; the store applies it once).
+pub const GIVE_BACK_RETRY_MS: u64 = 250;
+
+/// The most times one give-back is sent ([`GIVE_BACK_RETRY_MS`] apart);
+/// after that the allowance stays claimed until its window ends.
+pub const MAX_GIVE_BACK_ASKS: u32 = 4;
+
+/// A window's unused claim this Edge gives back as it stops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct GivingBack {
+    /// How much (fixed when first sent: every retry sends the same).
+    amount: u64,
+    /// Sent and not answered.
+    asking: bool,
+    /// Times sent.
+    asks: u32,
+    /// When to send it again (it failed).
+    next_ask: Option<Instant>,
+    /// Answered, or given up.
+    done: bool,
 }
 
 /// How long an Edge whose ask for more slots the store answered with less
@@ -768,6 +818,13 @@ pub struct Tenants {
     /// The Edge is stopping ([`Tenants::hand_back`]): every slot goes
     /// back, nothing more is asked for.
     stopping: bool,
+    /// When it began to stop, Unix ms (windows over by then are not given
+    /// back).
+    stopped_unix_ms: u64,
+    /// What it gives back of each window as it stops.
+    giving_back: BTreeMap<CounterKey, GivingBack>,
+    /// What the store freed of its give-backs, per meter.
+    given_back: BTreeMap<Meter, u64>,
     outputs: VecDeque<TenantsOutput>,
     #[cfg(feature = "planted-bugs")]
     planted: Planted,
@@ -786,6 +843,9 @@ impl Tenants {
             store_down: BTreeSet::new(),
             claim_waiters: BTreeMap::new(),
             stopping: false,
+            stopped_unix_ms: 0,
+            giving_back: BTreeMap::new(),
+            given_back: BTreeMap::new(),
             outputs: VecDeque::new(),
             #[cfg(feature = "planted-bugs")]
             planted: Planted::default(),
@@ -1574,24 +1634,34 @@ impl Tenants {
         self.slots.get(subject).map_or(0, |s| s.granted)
     }
 
-    /// The Edge is stopping, its requests drained (R-TEN-1, R-TEN-3): give
-    /// back every concurrency slot it holds, so other Edges get them at
-    /// once instead of when its lease lapses. Emits a
-    /// [`TenantsOutput::HoldSlots`] of nothing for each subject it holds
-    /// slots of (one whose ask is on its way gives back when that is
-    /// answered); from then on it asks for nothing: no slot, no further
-    /// chunk of a window, no admission on credit. [`Self::handed_back`]
-    /// says when the store has taken everything back.
+    /// The Edge is stopping (`unix_ms` on the wall clock), its
+    /// requests drained (R-TEN-1, R-TEN-2, R-TEN-3): give back what it
+    /// holds, so other Edges get it at once.
     ///
-    /// The chunks of the windowed counters (requests, tokens, spend) are
-    /// not given back: a counter is one total of what every Edge claimed,
-    /// so a give-back would be a decrement that must be applied at most
-    /// once (one applied twice, sent again after its answer was lost,
-    /// would let the Edges claim past the limit), which the stores do not
-    /// offer. What a stopped Edge held of a window and did not use stays
-    /// claimed until the window ends.
-    pub fn hand_back(&mut self) {
+    /// * Every concurrency slot: a [`TenantsOutput::HoldSlots`] of nothing
+    ///   per subject it holds slots of, instead of when its lease lapses
+    ///   (one whose ask is on its way gives back once that is answered).
+    /// * The unused rest of every window's chunks (requests, tokens,
+    ///   spend): a [`TenantsOutput::GiveBack`] per counter of what it was
+    ///   granted beyond what it used, reservations of requests still in
+    ///   flight counted as used (a request in flight keeps what it needs;
+    ///   a durable one left to a takeover stays counted, as a dead Edge's
+    ///   does). One whose claim is on its way gives back once the claim
+    ///   is answered; a minute already over gives back nothing. What is
+    ///   given back is no longer this Edge's to use. The store applies
+    ///   each at most once ([`check_give_back`]), so a failed one is sent
+    ///   again, [`GIVE_BACK_RETRY_MS`] later, up to [`MAX_GIVE_BACK_ASKS`]
+    ///   times.
+    ///
+    /// From then on it asks for nothing more: no slot, no further chunk
+    /// of a window, no admission on credit of a slot.
+    /// [`Self::handed_back`] says when the store has answered everything.
+    pub fn hand_back(&mut self, unix_ms: u64) {
+        if self.stopping {
+            return;
+        }
         self.stopping = true;
+        self.stopped_unix_ms = unix_ms;
         let held: Vec<Subject> = self
             .slots
             .iter()
@@ -1602,17 +1672,112 @@ impl Tenants {
             let limit = self.slots.get(&subject).map_or(0, |s| s.limit);
             self.ask_back(&subject, limit);
         }
+        let windows: Vec<CounterKey> = self.holdings.keys().cloned().collect();
+        for key in windows {
+            self.give_back(&key);
+        }
     }
 
-    /// Whether this Edge, stopping, holds no slot and has no ask on its
-    /// way ([`Self::hand_back`]): the store has taken back all it held, or
-    /// its last ask failed (then its lease lapses).
+    /// Stopping: give back what this Edge holds of `key` and has not used,
+    /// once, unless a claim of it is on its way (then once it is
+    /// answered) or its window is over.
+    fn give_back(&mut self, key: &CounterKey) {
+        if !self.stopping || self.giving_back.contains_key(key) {
+            return;
+        }
+        let Some(holding) = self.holdings.get_mut(key) else {
+            return;
+        };
+        if holding.claiming.is_some() || window_over(key, self.stopped_unix_ms) {
+            return;
+        }
+        let amount = holding.granted.saturating_sub(holding.used);
+        if amount == 0 {
+            return;
+        }
+        // No longer this Edge's to use, whatever the store answers.
+        holding.granted -= amount;
+        self.giving_back.insert(
+            key.clone(),
+            GivingBack {
+                amount,
+                asking: true,
+                asks: 1,
+                next_ask: None,
+                done: false,
+            },
+        );
+        self.outputs.push_back(TenantsOutput::GiveBack {
+            counter: key.clone(),
+            amount,
+        });
+    }
+
+    /// The store answered a [`TenantsOutput::GiveBack`].
+    fn gave_back(&mut self, now: Instant, counter: &CounterKey, outcome: Option<GiveBackOutcome>) {
+        let Some(giving) = self.giving_back.get_mut(counter) else {
+            return;
+        };
+        if !giving.asking {
+            return;
+        }
+        giving.asking = false;
+        match outcome {
+            Some(outcome) => {
+                giving.done = true;
+                self.store_down.remove(&counter.subject);
+                let freed = match outcome {
+                    GiveBackOutcome::Freed(n) => n,
+                    // A retry: an earlier send was applied (what it freed
+                    // is taken as asked).
+                    GiveBackOutcome::AlreadyGivenBack => giving.amount,
+                    GiveBackOutcome::Full | GiveBackOutcome::WindowOver => 0,
+                };
+                *self.given_back.entry(counter.meter).or_default() += freed;
+            }
+            None if giving.asks < MAX_GIVE_BACK_ASKS => {
+                giving.next_ask = Some(now.saturating_add(Duration::from_millis(GIVE_BACK_RETRY_MS)));
+            }
+            None => giving.done = true,
+        }
+    }
+
+    /// Send again the give-backs that failed and are due at `now`.
+    fn retry_give_backs(&mut self, now: Instant) {
+        for (counter, giving) in &mut self.giving_back {
+            if giving.done || giving.asking || giving.next_ask.is_none_or(|t| now < t) {
+                continue;
+            }
+            giving.asking = true;
+            giving.asks += 1;
+            giving.next_ask = None;
+            self.outputs.push_back(TenantsOutput::GiveBack {
+                counter: counter.clone(),
+                amount: giving.amount,
+            });
+        }
+    }
+
+    /// Whether this Edge, stopping ([`Self::hand_back`]), is done giving
+    /// back: it holds no slot and has no ask on its way (its last ask
+    /// failed: then its lease lapses), no claim is on its way, and every
+    /// window's give-back was answered (or failed [`MAX_GIVE_BACK_ASKS`]
+    /// times: then that allowance stays claimed until its window ends).
     pub fn handed_back(&self) -> bool {
         self.stopping
             && self
                 .slots
                 .values()
                 .all(|s| s.granted == 0 && s.asking.is_none())
+            && self.holdings.values().all(|h| h.claiming.is_none())
+            && self.giving_back.values().all(|g| g.done)
+    }
+
+    /// What the store freed of this Edge's give-backs so far, per meter
+    /// (requests, tokens, spend in micro-units), for the stop's log line
+    /// and `/status`.
+    pub fn given_back(&self) -> &BTreeMap<Meter, u64> {
+        &self.given_back
     }
 
     /// Ask the store to hold none of `subject`'s slots for this Edge.
@@ -1953,9 +2118,14 @@ impl Tenants {
                         self.store_down.insert(counter.subject.clone());
                     }
                 }
+                // Stopping: what the claim brought goes back with the rest.
+                self.give_back(&counter);
             }
             TenantsInput::SlotsHeld { counter, held } => {
                 self.slots_answered(now, &counter.subject, held);
+            }
+            TenantsInput::GaveBack { counter, outcome } => {
+                self.gave_back(now, &counter, outcome);
             }
         }
     }
@@ -1981,13 +2151,20 @@ impl Tenants {
             .filter(|s| s.asking.is_none())
             .filter_map(|s| s.next_ask)
             .min();
-        crate::time::earliest(forget, renew)
+        let give_back = self
+            .giving_back
+            .values()
+            .filter(|g| !g.done && !g.asking)
+            .filter_map(|g| g.next_ask)
+            .min();
+        crate::time::earliest(crate::time::earliest(forget, renew), give_back)
     }
 
     /// Forget the windows unused for [`FORGET_AFTER`] (none with a
     /// reservation held, nor a budget in total).
     pub fn handle_timeout(&mut self, now: Instant) {
         self.renew_slots(now);
+        self.retry_give_backs(now);
         let reserved: BTreeSet<&CounterKey> = self
             .reservations
             .values()
@@ -2023,3 +2200,6 @@ mod attempt_tests;
 
 #[cfg(test)]
 mod model_tests;
+
+#[cfg(test)]
+mod give_back_tests;

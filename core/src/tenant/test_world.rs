@@ -25,6 +25,11 @@ pub(super) struct Store {
     /// Concurrency gauges, and the store's wall clock for their leases.
     pub(super) slots: BTreeMap<CounterKey, slots::SlotBook>,
     pub(super) unix_ms: u64,
+    /// Per counter, the holders whose give-back was applied.
+    pub(super) gave_back: BTreeMap<CounterKey, std::collections::BTreeSet<String>>,
+    /// Give-backs applied, and their answers lost (the Edge hears a
+    /// failure): the next this many.
+    pub(super) lose_give_back_answers: u32,
 }
 
 impl Store {
@@ -36,6 +41,35 @@ impl Store {
                 amount,
                 limit,
             } => (counter, amount, limit),
+            TenantsOutput::GiveBack { counter, amount } => {
+                if self.down {
+                    return TenantsInput::GaveBack {
+                        counter,
+                        outcome: None,
+                    };
+                }
+                let stored = ClaimedCounter {
+                    claimed: self.claimed.get(&counter).copied().unwrap_or(0),
+                    gave_back: self.gave_back.get(&counter).cloned().unwrap_or_default(),
+                };
+                let (written, outcome) =
+                    check_give_back(&stored, &counter, holder, amount, self.unix_ms);
+                if let Some(written) = written {
+                    self.claimed.insert(counter.clone(), written.claimed);
+                    self.gave_back.insert(counter.clone(), written.gave_back);
+                }
+                if self.lose_give_back_answers > 0 {
+                    self.lose_give_back_answers -= 1;
+                    return TenantsInput::GaveBack {
+                        counter,
+                        outcome: None,
+                    };
+                }
+                return TenantsInput::GaveBack {
+                    counter,
+                    outcome: Some(outcome),
+                };
+            }
             TenantsOutput::HoldSlots {
                 counter,
                 want,

@@ -793,9 +793,13 @@ fn r_ten_1_a_stopping_edge_hands_back_its_slots_at_once() {
     a.release(at(5), 1);
     a.release(at(5), 2);
     store.serve_as("a", &mut a, 0);
-    a.hand_back();
+    a.hand_back(T0);
     assert!(!a.handed_back(), "the store has not answered yet");
-    assert_eq!(store.serve_as("a", &mut a, 0), 1, "one give-back");
+    assert_eq!(
+        store.serve_as("a", &mut a, 0),
+        2,
+        "the slots' give-back, and the requests' window's unused rest"
+    );
     assert!(a.handed_back());
     assert_eq!(a.slots_held(&key), 0);
     assert_eq!(
@@ -830,11 +834,11 @@ fn r_ten_1_a_stopping_edge_hands_back_its_slots_at_once() {
     // An ask on its way when the Edge stops: given back once answered.
     let mut c = Tenants::new(cfg);
     assert_eq!(c.admit(at(20), &ask(1, "k2")), Ok(()));
-    c.hand_back();
+    c.hand_back(T0);
     assert_eq!(
         store.serve_as("c", &mut c, 0),
-        3,
-        "the window's claim and the ask made before, then the give-back"
+        4,
+        "the window's claim and the ask made before, then their give-backs"
     );
     assert!(c.handed_back());
     assert_eq!(c.slots_held(&Subject::Key("k2".into())), 0);
