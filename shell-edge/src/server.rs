@@ -472,7 +472,8 @@ impl RunningEdge {
 
     /// Stop accepting clients and let in-flight responses finish (at most
     /// `[edge] drain_timeout_ms`), give back the tenants' concurrency slots
-    /// this Edge holds (within 2 s), then close every node connection with
+    /// this Edge holds and the unused rest of its windows' chunks (within
+    /// 2 s), then close every node connection with
     /// `shutdown`, wait briefly for the closes to go out, and push the final
     /// metrics to the OTLP collector when one is configured.
     pub async fn shutdown(self) {
@@ -488,7 +489,8 @@ impl RunningEdge {
         // What the drained requests settled (R-TEN-5).
         self.tenancy.flush_usage().await;
         // The concurrency slots this Edge holds go back now, not when its
-        // lease lapses (R-TEN-1, R-TEN-3).
+        // lease lapses, and what it claimed of each window and did not use
+        // goes back once (R-TEN-1, R-TEN-2, R-TEN-3).
         self.tenancy.hand_back(crate::tenancy::CLAIM_TIMEOUT).await;
         // Refuse new handshakes first: nodes keep dialing while we drain.
         self.endpoint.set_server_config(None);

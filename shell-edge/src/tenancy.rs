@@ -497,6 +497,36 @@ impl Tenancy {
                     amount,
                     limit,
                 } => (counter, amount, limit),
+                TenantsOutput::GiveBack { counter, amount } => {
+                    // R-TEN-3: applied once by the store however often it
+                    // is sent (the machine sends a failed one again).
+                    let tenancy = self.clone();
+                    runtime.spawn(async move {
+                        let answer = tokio::time::timeout(
+                            CLAIM_TIMEOUT,
+                            tenancy.store.give_back(
+                                counter.clone(),
+                                tenancy.holder.clone(),
+                                amount,
+                                iop_transport::clock::unix_ms(),
+                            ),
+                        )
+                        .await;
+                        let outcome = match answer {
+                            Ok(Ok(outcome)) => Some(outcome),
+                            Ok(Err(e)) => {
+                                tracing::warn!(event = "edge_tenant_give_back_failed", meter = counter.meter.as_str(), amount, error = %e);
+                                None
+                            }
+                            Err(_) => {
+                                tracing::warn!(event = "edge_tenant_give_back_failed", meter = counter.meter.as_str(), amount, error = "timed out");
+                                None
+                            }
+                        };
+                        tenancy.answered(TenantsInput::GaveBack { counter, outcome });
+                    });
+                    continue;
+                }
                 TenantsOutput::HoldSlots {
                     counter,
                     want,
@@ -571,18 +601,24 @@ impl Tenancy {
         self.send_claims(claims);
     }
 
-    /// Give back every concurrency slot this Edge holds (R-TEN-1,
-    /// R-TEN-3), at shutdown once its requests drained: core's
-    /// [`Tenants::hand_back`] says what goes back; each give-back is
-    /// carried to the store and answered as any ask is, until the machine
-    /// holds nothing or `within` is over (what is left then lapses with
-    /// its lease).
+    /// Give back what this Edge holds, at shutdown once its requests
+    /// drained (R-TEN-1, R-TEN-2, R-TEN-3): every concurrency slot, and
+    /// the unused rest of every window's chunks (requests, tokens, spend)
+    /// that no request in flight still holds. Core's [`Tenants::hand_back`]
+    /// says what goes back; each give-back is carried to the store and
+    /// answered as any ask is (a failed one is sent again when the machine
+    /// says, the store applying it once), until the machine is done or
+    /// `within` is over (slots left then lapse with their lease; an
+    /// allowance not given back stays claimed until its window ends). The
+    /// log line says how much went back, as `/status` does.
     pub async fn hand_back(self: &Arc<Self>, within: Duration) {
         let deadline = tokio::time::Instant::now() + within;
         let asks = {
             let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
             let now = self.clock.now();
-            machine.machine_mut().hand_back();
+            machine
+                .machine_mut()
+                .hand_back(iop_transport::clock::unix_ms());
             machine.drain_all(now)
         };
         self.send_claims(asks);
@@ -591,23 +627,60 @@ impl Tenancy {
             let answered = self.claims_answered.notified();
             tokio::pin!(answered);
             answered.as_mut().enable();
-            let done = self
-                .machine
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .machine()
-                .handed_back();
+            let (done, wake, asks) = {
+                let mut machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+                let now = self.clock.now();
+                // A give-back that failed is sent again when it is due.
+                if machine.machine().poll_timeout().is_some_and(|t| t <= now) {
+                    machine.handle_timeout(now);
+                }
+                let asks = machine.drain_all(now);
+                let m = machine.machine();
+                // Only a timer still ahead wakes the wait (one the machine
+                // keeps due, a window in use, would spin it).
+                (
+                    m.handed_back(),
+                    m.poll_timeout().filter(|t| *t > now),
+                    asks,
+                )
+            };
+            self.send_claims(asks);
+            let given = self.given_back();
             if done {
-                tracing::info!(event = "edge_tenant_slots_handed_back");
-                return;
-            }
-            if tokio::time::timeout_at(deadline, answered).await.is_err() {
-                tracing::warn!(
-                    event = "edge_tenant_slots_hand_back_timed_out",
-                    "the slots not given back come back when their lease lapses"
+                tracing::info!(
+                    event = "edge_tenant_slots_handed_back",
+                    given_back_requests = given.requests,
+                    given_back_tokens = given.tokens,
+                    given_back_spend_micros = given.spend_micros,
+                    "the slots and the unused rest of the windows went back"
                 );
                 return;
             }
+            let until = wake.map_or(deadline, |t| self.clock.to_tokio(t).min(deadline));
+            if tokio::time::timeout_at(until, answered).await.is_err()
+                && tokio::time::Instant::now() >= deadline
+            {
+                tracing::warn!(
+                    event = "edge_tenant_slots_hand_back_timed_out",
+                    given_back_requests = given.requests,
+                    given_back_tokens = given.tokens,
+                    given_back_spend_micros = given.spend_micros,
+                    "the slots not given back come back when their lease lapses; an allowance not given back stays claimed until its window ends"
+                );
+                return;
+            }
+        }
+    }
+
+    /// What the store freed of this Edge's give-backs at its stop.
+    fn given_back(&self) -> GivenBack {
+        let machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
+        let given = machine.machine().given_back();
+        let of = |meter| given.get(&meter).copied().unwrap_or(0);
+        GivenBack {
+            requests: of(Meter::Requests),
+            tokens: of(Meter::Tokens),
+            spend_micros: of(Meter::Spend),
         }
     }
 
@@ -615,6 +688,7 @@ impl Tenancy {
         let ok = match &input {
             TenantsInput::Claimed { granted, .. } => granted.is_some(),
             TenantsInput::SlotsHeld { held, .. } => held.is_some(),
+            TenantsInput::GaveBack { outcome, .. } => outcome.is_some(),
         };
         self.counters.claims.fetch_add(1, Ordering::Relaxed);
         if !ok {
@@ -639,9 +713,18 @@ impl Tenancy {
             }
         }
         // A claim that follows an answer goes out only while the store
-        // answers (the machine asks again at the next admission).
+        // answers (the machine asks again at the next admission); a
+        // give-back (stopping, after a claim's answer) goes out whatever
+        // the answer was, or the stop would wait for it in vain.
         if granted.is_some() {
             self.send_claims(claims);
+        } else {
+            self.send_claims(
+                claims
+                    .into_iter()
+                    .filter(|c| matches!(c, TenantsOutput::GiveBack { .. }))
+                    .collect(),
+            );
         }
     }
 
@@ -739,6 +822,7 @@ impl Tenancy {
             Ok(Err(e)) => serde_json::json!({ "error": e.to_string() }),
             Err(_) => serde_json::json!({ "error": "the store did not answer in time" }),
         };
+        let given = self.given_back();
         let (reservations, slots_held) = {
             let machine = self.machine.lock().unwrap_or_else(|e| e.into_inner());
             let m = machine.machine();
@@ -752,6 +836,11 @@ impl Tenancy {
             "usage_write_failures": c.usage_write_failures.load(Ordering::Relaxed),
             "requests_in_flight": reservations,
             "slots_held": slots_held,
+            "given_back": {
+                "requests": given.requests,
+                "tokens": given.tokens,
+                "spend_micros": given.spend_micros,
+            },
             "today": { "day": today / 1_000, "principals": principals },
         })
     }
@@ -768,7 +857,19 @@ fn failed(claim: TenantsOutput) -> TenantsInput {
             counter,
             held: None,
         },
+        TenantsOutput::GiveBack { counter, .. } => TenantsInput::GaveBack {
+            counter,
+            outcome: None,
+        },
     }
+}
+
+/// What a stopping Edge's give-backs freed, per meter (R-TEN-3).
+#[derive(Debug, Clone, Copy, Default)]
+struct GivenBack {
+    requests: u64,
+    tokens: u64,
+    spend_micros: u64,
 }
 
 /// The most usage rows `/status` reads.

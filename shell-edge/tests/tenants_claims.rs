@@ -54,6 +54,15 @@ impl TenantStore for SlowClaims {
         self.inner
             .hold_slots(counter, holder, want, limit, now_unix_ms, lease_ms)
     }
+    fn give_back(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        amount: u64,
+        now_unix_ms: u64,
+    ) -> BoxFuture<'_, Result<iop_core::tenant::GiveBackOutcome, TenantStoreError>> {
+        self.inner.give_back(counter, holder, amount, now_unix_ms)
+    }
     fn slots(
         &self,
         counter: CounterKey,

@@ -288,7 +288,7 @@ fn real_main() -> Result<ExitCode, String> {
             }
             if s.tenant_admitted + s.tenant_refused > 0 {
                 println!(
-                    "tenants: {} admitted, {} refused, {} further attempts reserved ({} refused, {} asked again), {} settled, {} takeovers held ({} adoptions), {} output tokens charged by estimate, {} claims, {} store failures, {} store outages",
+                    "tenants: {} admitted, {} refused, {} further attempts reserved ({} refused, {} asked again), {} settled, {} takeovers held ({} adoptions), {} output tokens charged by estimate, {} claims, {} store failures, {} store outages, {} graceful stops ({} given back)",
                     s.tenant_admitted,
                     s.tenant_refused,
                     s.tenant_attempts_reserved,
@@ -301,6 +301,8 @@ fn real_main() -> Result<ExitCode, String> {
                     s.tenant_claims,
                     s.tenant_store_failures,
                     s.tenant_store_outages,
+                    s.tenant_graceful_stops,
+                    s.tenant_given_back,
                 );
             }
             if s.runs_parked > 0 || s.parked_reported > 0 {

@@ -13,22 +13,29 @@
 //! (nothing written), loses the answer of a written claim (the Edge takes
 //! the store as failed: that allowance is lost, never granted twice) and
 //! takes the store down for a while.
+//!
+//! A stopping Edge's give-back (R-TEN-3) is one compare-and-set on the
+//! counter as stored, decided by core's [`check_give_back`]: the counter
+//! records the holders whose give-back it took, so one sent again frees
+//! nothing more.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use iop_core::Instant;
 use iop_core::tenant::slots::SlotBook;
-use iop_core::tenant::{CounterKey, check_claim};
+use iop_core::tenant::{ClaimedCounter, CounterKey, GiveBackOutcome, check_claim, check_give_back};
 
 /// Reads and compare-and-sets one claim may take before it fails (the
 /// stores retry a lost race a bounded number of times).
 pub const MAX_CLAIM_TRIES: u32 = 8;
 
 /// One counter as the store keeps it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Counter {
-    /// Claimed by the Edges so far.
+    /// Claimed by the Edges so far, net of what was given back.
     claimed: u64,
+    /// The holders whose give-back it took.
+    gave_back: BTreeSet<String>,
     /// The tightest limit a claim named (the check's bound).
     limit: u64,
     /// Its revision (0: never written).
@@ -48,6 +55,8 @@ pub struct SimTenantStore {
     down_until: Option<Instant>,
     /// Claims written.
     pub writes: u64,
+    /// What give-backs freed, over every counter.
+    pub given_back: u64,
     /// Compare-and-sets that lost their race.
     pub conflicts: u64,
 }
@@ -91,7 +100,7 @@ impl SimTenantStore {
         amount: u64,
         limit: u64,
     ) -> Option<u64> {
-        let stored = self.counters.get(counter).copied().unwrap_or_default();
+        let stored = self.counters.get(counter).cloned().unwrap_or_default();
         if stored.revision != revision {
             self.conflicts += 1;
             return None;
@@ -103,6 +112,7 @@ impl SimTenantStore {
             counter.clone(),
             Counter {
                 claimed: total,
+                gave_back: stored.gave_back,
                 limit: if stored.limit == 0 {
                     limit
                 } else {
@@ -112,6 +122,45 @@ impl SimTenantStore {
             },
         );
         Some(granted)
+    }
+
+    /// `holder`'s give-back of `amount` of `counter` at `now_unix_ms`, as
+    /// core's [`check_give_back`] decides on the counter as stored (one
+    /// compare-and-set: the total and its record of who gave back are one
+    /// value): what it came to.
+    pub fn give_back(
+        &mut self,
+        counter: &CounterKey,
+        holder: &str,
+        amount: u64,
+        now_unix_ms: u64,
+    ) -> GiveBackOutcome {
+        let stored = self.counters.get(counter).cloned().unwrap_or_default();
+        let (written, outcome) = check_give_back(
+            &ClaimedCounter {
+                claimed: stored.claimed,
+                gave_back: stored.gave_back.clone(),
+            },
+            counter,
+            holder,
+            amount,
+            now_unix_ms,
+        );
+        if let Some(written) = written {
+            self.revision += 1;
+            self.writes += 1;
+            self.given_back += outcome_freed(outcome);
+            self.counters.insert(
+                counter.clone(),
+                Counter {
+                    claimed: written.claimed,
+                    gave_back: written.gave_back,
+                    limit: stored.limit,
+                    revision: self.revision,
+                },
+            );
+        }
+        outcome
     }
 
     /// Set `holder`'s holding of `counter`'s slots (limit `limit`) to
@@ -164,6 +213,14 @@ impl SimTenantStore {
     }
 }
 
+/// What a give-back freed.
+fn outcome_freed(outcome: GiveBackOutcome) -> u64 {
+    match outcome {
+        GiveBackOutcome::Freed(n) => n,
+        _ => 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use iop_core::tenant::{Meter, Subject};
@@ -195,5 +252,38 @@ mod tests {
         assert_eq!(store.read(&c).0, 100);
         assert!(store.over_limit().is_none());
         assert_eq!(store.conflicts, 1);
+    }
+
+    #[test]
+    fn r_ten_3_a_give_back_sent_twice_frees_once_and_a_claim_read_before_it_reads_again() {
+        let mut store = SimTenantStore::new();
+        let c = counter();
+        let (claimed, rev) = store.read(&c);
+        assert_eq!(store.compare_and_claim(&c, rev, claimed, 70, 100), Some(70));
+        let (claimed_b, rev_b) = store.read(&c);
+        assert_eq!(
+            store.give_back(&c, "edge-a", 50, 0),
+            GiveBackOutcome::Freed(50)
+        );
+        assert_eq!(
+            store.give_back(&c, "edge-a", 50, 0),
+            GiveBackOutcome::AlreadyGivenBack
+        );
+        assert_eq!(store.read(&c).0, 20);
+        assert_eq!(
+            store.compare_and_claim(&c, rev_b, claimed_b, 80, 100),
+            None,
+            "read before the give-back: read again"
+        );
+        let (claimed, rev) = store.read(&c);
+        assert_eq!(store.compare_and_claim(&c, rev, claimed, 90, 100), Some(80));
+        assert_eq!(
+            store.give_back(&c, "edge-a", 50, 0),
+            GiveBackOutcome::AlreadyGivenBack,
+            "the record survives a claim"
+        );
+        assert_eq!(store.read(&c).0, 100);
+        assert!(store.over_limit().is_none());
+        assert_eq!(store.given_back, 50);
     }
 }

@@ -361,6 +361,11 @@ pub struct Stats {
     pub tenant_store_failures: u64,
     /// Times the tenants' store went down.
     pub tenant_store_outages: u64,
+    /// Edge restarts that were graceful stops handing back what the
+    /// process held (R-TEN-3).
+    pub tenant_graceful_stops: u64,
+    /// What their give-backs freed in the store, summed over meters.
+    pub tenant_given_back: u64,
     /// Failed requests by failure kind (`GateFailure::as_str`).
     pub failures: BTreeMap<String, u64>,
 }
@@ -449,6 +454,8 @@ impl Stats {
         self.tenant_claims += o.tenant_claims;
         self.tenant_store_failures += o.tenant_store_failures;
         self.tenant_store_outages += o.tenant_store_outages;
+        self.tenant_graceful_stops += o.tenant_graceful_stops;
+        self.tenant_given_back += o.tenant_given_back;
         for (k, v) in &o.failures {
             *self.failures.entry(k.clone()).or_default() += v;
         }
@@ -3610,6 +3617,9 @@ impl World {
             } else {
                 0
             };
+            // A stop (SIGTERM) hands back what the process holds first
+            // (R-TEN-3), as the seed says; a kill does not.
+            self.tenant_graceful_stop();
             self.crash_edge(None);
         }
         self.tenant_fault_tick();

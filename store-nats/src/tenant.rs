@@ -12,8 +12,8 @@
 //!
 //! | bucket | key | value | kept |
 //! | --- | --- | --- | --- |
-//! | `_rates` | `c.<meter>.<window>.<k\|p>.<name>`, a limit per model's `c.<meter>.<window>.<km\|pm>.<name>.<model>` | the counter, claimed | `max_age` [`RATE_COUNTER_MAX_AGE`]; a sweep forgets a window once over |
-//! | `_budgets` | the same, for spend | the counter, claimed | until a sweep finds its period over; a budget in total for good |
+//! | `_rates` | `c.<meter>.<window>.<k\|p>.<name>`, a limit per model's `c.<meter>.<window>.<km\|pm>.<name>.<model>` | the counter, claimed, the holders that gave back | `max_age` [`RATE_COUNTER_MAX_AGE`]; a sweep forgets a window once over |
+//! | `_budgets` | the same, for spend | the same | until a sweep finds its period over; a budget in total for good |
 //! | `_usage` | `u.<day>.<principal>.<key>.<model>` | the row's key and totals | `max_age` of the retention ([`USAGE_RETENTION_DAYS`]) |
 //! | `_keys` | `k.<id>` | the [`KeyRecord`], its format byte first (1 as every earlier build; 2 with limits per model: `iop_core::tenant::key_format`) | for good (a revoked key is kept) |
 //!
@@ -35,7 +35,14 @@
 //! replica's direct read may lag) after a short random pause, and decides
 //! again, at most [`MAX_CAS_ATTEMPTS`] times; then the claim fails
 //! [`TenantStoreError::Unavailable`] and the Edge falls back as for an
-//! outage. A claim that finds the window exhausted writes nothing. A usage
+//! outage. A claim that finds the window exhausted writes nothing. A
+//! stopping Edge's give-back is decided the same way, by
+//! [`check_give_back`] on the counter as stored: the decrement and the
+//! record of its holder are one value written by one compare-and-set, so a
+//! give-back sent again after its answer was lost frees nothing more. (An
+//! Edge of an earlier build reads such a counter's total, but its claims
+//! write the total alone, dropping the record: upgrade every Edge before
+//! relying on it.) A usage
 //! row is added the same way, row by row (a few at once); the rows not
 //! added come back to the caller. A key is written over the revision its
 //! writer read: another revision is [`TenantStoreError::Conflict`]
@@ -85,7 +92,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use iop_core::tenant::keys::KeyRecord;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
-use iop_core::tenant::{CounterKey, DAY_MS, check_claim};
+use iop_core::tenant::{
+    ClaimedCounter, CounterKey, DAY_MS, GiveBackOutcome, check_claim, check_give_back,
+};
 use iop_store::BoxFuture;
 use iop_store::tenant::{
     TenantStore, TenantStoreError, USAGE_RETENTION_DAYS, UsageWriteError, counter_expired,
@@ -429,6 +438,23 @@ impl NatsTenantStore {
         Ok(())
     }
 
+    /// `counter` as `stored` holds it (nothing stored: nothing claimed).
+    fn stored_counter(
+        &self,
+        counter: &CounterKey,
+        stored: Option<&Bytes>,
+    ) -> Result<ClaimedCounter, TenantStoreError> {
+        let Some(bytes) = stored else {
+            return Ok(ClaimedCounter::default());
+        };
+        let (stored_counter, stored) =
+            decode_counter(bytes).map_err(|e| unavailable("reading a counter", e))?;
+        if stored_counter != *counter {
+            return Err(unavailable("reading a counter", "another counter's key"));
+        }
+        Ok(stored)
+    }
+
     /// Purge the counters of `stream` whose windows are over: how many.
     async fn sweep_counters(
         &self,
@@ -484,25 +510,45 @@ impl TenantStore for NatsTenantStore {
             let (stream, bucket) = self.counter_stream(&counter);
             let subject = subject(bucket, &counter_key(&counter));
             self.update(stream, &subject, |stored| {
-                let claimed = match stored {
-                    Some(bytes) => {
-                        let (stored_counter, claimed) = decode_counter(bytes)
-                            .map_err(|e| unavailable("reading a counter", e))?;
-                        if stored_counter != counter {
-                            return Err(unavailable("reading a counter", "another counter's key"));
-                        }
-                        claimed
-                    }
-                    None => 0,
-                };
+                let mut stored = self.stored_counter(&counter, stored)?;
                 // R-TEN-3: the rule decides, on the counter as stored.
-                let (total, granted) = check_claim(claimed, amount, limit);
+                let (total, granted) = check_claim(stored.claimed, amount, limit);
                 if granted == 0 {
                     return Ok(Decision::Done(0));
                 }
-                let value = encode_counter(&counter, total)
+                stored.claimed = total;
+                let value = encode_counter(&counter, &stored)
                     .map_err(|e| unavailable("encoding a counter", e))?;
                 Ok(Decision::Write(value, granted))
+            })
+            .await
+        })
+    }
+
+    fn give_back(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        amount: u64,
+        now_unix_ms: u64,
+    ) -> BoxFuture<'_, Result<GiveBackOutcome, TenantStoreError>> {
+        Box::pin(async move {
+            self.reachable()?;
+            let (stream, bucket) = self.counter_stream(&counter);
+            let subject = subject(bucket, &counter_key(&counter));
+            self.update(stream, &subject, |stored| {
+                let stored = self.stored_counter(&counter, stored)?;
+                // R-TEN-3: the rule decides, on the counter as stored, and
+                // its record of who gave back is written with the
+                // decrement, in one compare-and-set.
+                let (written, outcome) =
+                    check_give_back(&stored, &counter, &holder, amount, now_unix_ms);
+                let Some(written) = written else {
+                    return Ok(Decision::Done(outcome));
+                };
+                let value = encode_counter(&counter, &written)
+                    .map_err(|e| unavailable("encoding a counter", e))?;
+                Ok(Decision::Write(value, outcome))
             })
             .await
         })
@@ -576,7 +622,7 @@ impl TenantStore for NatsTenantStore {
             match slot.value {
                 None => Ok(0),
                 Some(bytes) => decode_counter(&bytes)
-                    .map(|(_, claimed)| claimed)
+                    .map(|(_, stored)| stored.claimed)
                     .map_err(|e| unavailable("reading a counter", e)),
             }
         })

@@ -2,7 +2,8 @@
 //! allowances from (R-TEN-3), usage per day, principal, key and model
 //! (R-TEN-5), and runtime API keys (R-TEN-4), behind one trait,
 //! [`TenantStore`]. Every decision comes from [`iop_core::tenant`]: a claim
-//! is decided by [`check_claim`] inside the store's compare-and-set, a
+//! is decided by [`check_claim`] inside the store's compare-and-set (a
+//! stopping Edge's give-back by [`check_give_back`], in the same one), a
 //! key's validity by [`KeyRecord::usable`](iop_core::tenant::keys::KeyRecord::usable);
 //! the store reads, writes and commits.
 //!
@@ -16,7 +17,10 @@ use std::sync::Mutex;
 use iop_core::tenant::keys::KeyRecord;
 use iop_core::tenant::slots::SlotBook;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
-use iop_core::tenant::{CounterKey, DAY_MS, MINUTE_MS, Meter, check_claim};
+use iop_core::tenant::{
+    ClaimedCounter, CounterKey, DAY_MS, GiveBackOutcome, MINUTE_MS, Meter, check_claim,
+    check_give_back,
+};
 
 use crate::BoxFuture;
 
@@ -95,6 +99,20 @@ pub trait TenantStore: Send + Sync + 'static {
         now_unix_ms: u64,
         lease_ms: u64,
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
+    /// Give back `amount` of the windowed counter `counter` for `holder`
+    /// (the Edge process's id, the one it holds slots as), as
+    /// [`check_give_back`] decides on the counter as stored at
+    /// `now_unix_ms`, in the same compare-and-set as the decrement
+    /// (retried on a lost race): applied at most once per holder and
+    /// counter, however often it is sent, never below zero, a no-op once
+    /// the window is over (R-TEN-2, R-TEN-3).
+    fn give_back(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        amount: u64,
+        now_unix_ms: u64,
+    ) -> BoxFuture<'_, Result<GiveBackOutcome, TenantStoreError>>;
     /// The gauge `counter` as stored (empty: nobody holds a slot).
     fn slots(&self, counter: CounterKey) -> BoxFuture<'_, Result<SlotBook, TenantStoreError>>;
     /// What the Edges have claimed of `counter` so far (0: nothing).
@@ -132,7 +150,7 @@ pub trait TenantStore: Send + Sync + 'static {
 
 #[derive(Default)]
 struct MemoryState {
-    counters: BTreeMap<CounterKey, u64>,
+    counters: BTreeMap<CounterKey, ClaimedCounter>,
     slots: BTreeMap<CounterKey, SlotBook>,
     usage: BTreeMap<UsageKey, UsageTotals>,
     keys: HashMap<String, (KeyRecord, u64)>,
@@ -181,15 +199,40 @@ impl TenantStore for MemoryTenantStore {
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
         Box::pin(async move {
             let mut state = self.up()?;
-            let claimed = state.counters.entry(counter).or_default();
-            let (total, granted) = check_claim(*claimed, amount, limit);
-            *claimed = total;
+            let stored = state.counters.entry(counter).or_default();
+            let (total, granted) = check_claim(stored.claimed, amount, limit);
+            stored.claimed = total;
             Ok(granted)
         })
     }
 
+    fn give_back(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        amount: u64,
+        now_unix_ms: u64,
+    ) -> BoxFuture<'_, Result<GiveBackOutcome, TenantStoreError>> {
+        Box::pin(async move {
+            let mut state = self.up()?;
+            let stored = state.counters.get(&counter).cloned().unwrap_or_default();
+            let (written, outcome) =
+                check_give_back(&stored, &counter, &holder, amount, now_unix_ms);
+            if let Some(written) = written {
+                state.counters.insert(counter, written);
+            }
+            Ok(outcome)
+        })
+    }
+
     fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
-        Box::pin(async move { Ok(self.up()?.counters.get(&counter).copied().unwrap_or(0)) })
+        Box::pin(async move {
+            Ok(self
+                .up()?
+                .counters
+                .get(&counter)
+                .map_or(0, |c| c.claimed))
+        })
     }
 
     fn hold_slots(

@@ -289,6 +289,18 @@ impl TenantStore for SlotTenants {
         })
     }
 
+    fn give_back(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        amount: u64,
+        now_unix_ms: u64,
+    ) -> BoxFuture<'_, Result<iop_core::tenant::GiveBackOutcome, TenantStoreError>> {
+        with_tenants(&self.0, |s| {
+            Box::pin(async move { s.give_back(counter, holder, amount, now_unix_ms).await })
+        })
+    }
+
     fn slots(
         &self,
         counter: CounterKey,

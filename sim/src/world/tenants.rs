@@ -32,6 +32,15 @@
 //!   compare-and-set; the answer comes back to the machine of the Edge
 //!   process that asked, if it still lives. An Edge that dies loses its
 //!   machine, its reservations and its claims' answers.
+//! * **Graceful stops** (R-TEN-3): of the Edge restarts the seed makes,
+//!   about half are stops (SIGTERM) rather than kills: the machine's
+//!   `Tenants::hand_back` gives back its slots and the unused rest of its
+//!   windows' chunks (what requests in flight reserved stays counted, as
+//!   the shell's stop leaves a durable answer to a takeover), and the
+//!   process ends. Each give-back goes to the store as the shell's stop
+//!   sends it: a failed one, or one whose answer was lost, is sent again
+//!   (`GIVE_BACK_RETRY_MS` apart, at most `MAX_GIVE_BACK_ASKS` times),
+//!   and the store applies it once (core's `check_give_back`).
 //!
 //! Checked after every step ([`World::check_tenants`]) and at each
 //! settlement:
@@ -85,8 +94,9 @@ use iop_core::edge::request::{Delivery, RequestInput};
 use iop_core::journal::{RecordMeta, RecordStatus};
 use iop_core::tenant::usage::UsageTotals;
 use iop_core::tenant::{
-    AdmitRequest, CounterKey, Held, Limits, Meter, ModelLimits, Subject, Tenants, TenantsInput,
-    TenantsOutput, TokenUse, Unmetered,
+    AdmitRequest, CounterKey, GIVE_BACK_RETRY_MS, GiveBackOutcome, Held, Limits,
+    MAX_GIVE_BACK_ASKS, Meter, ModelLimits, Subject, Tenants, TenantsInput, TenantsOutput,
+    TokenUse, Unmetered,
 };
 use iop_wire::RunEventKind;
 
@@ -184,6 +194,14 @@ pub(super) enum TenantEvent {
         counter: CounterKey,
         held: Option<u64>,
     },
+    /// A stopping Edge process's give-back reaches the store (its
+    /// `tries`-th send).
+    GiveBack {
+        incarnation: u64,
+        counter: CounterKey,
+        amount: u64,
+        tries: u32,
+    },
 }
 
 impl TenantEvent {
@@ -193,7 +211,8 @@ impl TenantEvent {
             TenantEvent::Store(op) => op.incarnation,
             TenantEvent::Answer { incarnation, .. }
             | TenantEvent::Slots { incarnation, .. }
-            | TenantEvent::SlotsAnswer { incarnation, .. } => *incarnation,
+            | TenantEvent::SlotsAnswer { incarnation, .. }
+            | TenantEvent::GiveBack { incarnation, .. } => *incarnation,
         }
     }
 }
@@ -1341,6 +1360,12 @@ impl World {
                     limit,
                     lease_ms,
                 },
+                TenantsOutput::GiveBack { counter, amount } => TenantEvent::GiveBack {
+                    incarnation,
+                    counter,
+                    amount,
+                    tries: 1,
+                },
             };
             self.tenant_hop(event);
         }
@@ -1422,6 +1447,95 @@ impl World {
                 counter.clone(),
                 TenantsInput::SlotsHeld { counter, held },
             ),
+            TenantEvent::GiveBack {
+                incarnation,
+                counter,
+                amount,
+                tries,
+            } => self.tenant_give_back_step(incarnation, counter, amount, tries),
+        }
+    }
+
+    /// The Edge process of the current slot stops gracefully, if the seed
+    /// says so (about half the restarts of a world with tenants), just
+    /// before it ends: its machine hands back what it holds (R-TEN-3).
+    /// Its shadows, asked the same, give back the same, principal by
+    /// principal (R-TEN-1).
+    pub(super) fn tenant_graceful_stop(&mut self) {
+        let now = self.now;
+        let unix_ms = self.unix_ms();
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        if !t.rng.chance(crate::config::PPM / 2) {
+            return;
+        }
+        let Some(edge) = self.edges[self.cur].as_mut() else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(et) = edge.tenants.as_mut() else {
+            return;
+        };
+        self.stats.tenant_graceful_stops += 1;
+        et.machine.machine_mut().hand_back(unix_ms);
+        let mut outputs: Vec<TenantsOutput> = et.machine.drain_all(now);
+        let mut shadow: Vec<TenantsOutput> = Vec::new();
+        for s in et.shadows.values_mut() {
+            s.hand_back(unix_ms);
+            shadow.extend(std::iter::from_fn(|| s.poll_output()));
+        }
+        let key = |o: &TenantsOutput| format!("{o:?}");
+        outputs.sort_by_key(key);
+        shadow.sort_by_key(key);
+        if outputs != shadow {
+            let detail = format!(
+                "stopping, the Edge's machine gives back {outputs:?}, the machines that saw one \
+                 principal each {shadow:?}"
+            );
+            self.checkers[self.cur].fail("R-TEN-1", detail);
+        }
+        self.tenant_carry(incarnation, outputs);
+    }
+
+    /// A stopping Edge process's give-back reaches the store: one
+    /// compare-and-set. It fails while the store is down (or by a fault),
+    /// and its answer may be lost; either way the stopping Edge sends it
+    /// again (its machine's retry), [`GIVE_BACK_RETRY_MS`] later, at most
+    /// [`MAX_GIVE_BACK_ASKS`] times in all. The answer itself reaches no
+    /// machine: the process ends with its stop.
+    fn tenant_give_back_step(&mut self, incarnation: u64, counter: CounterKey, amount: u64, tries: u32) {
+        let faults = self.faults_on();
+        let now = self.now;
+        let unix_ms = self.unix_ms();
+        let Some(t) = self.tenancy.as_mut() else {
+            return;
+        };
+        let failed = !t.store.is_up(now) || (faults && t.rng.chance(t.profile.store_fail_ppm));
+        let answered = if failed {
+            None
+        } else {
+            let outcome = t.store.give_back(&counter, &holder(incarnation), amount, unix_ms);
+            if let GiveBackOutcome::Freed(n) = outcome {
+                self.stats.tenant_given_back += n;
+            }
+            let lost = faults && t.rng.chance(t.profile.store_answer_lost_ppm);
+            (!lost).then_some(outcome)
+        };
+        if answered.is_none() {
+            self.stats.tenant_store_failures += 1;
+            if tries < MAX_GIVE_BACK_ASKS {
+                let at = now + Duration::from_millis(GIVE_BACK_RETRY_MS);
+                self.schedule(
+                    at,
+                    super::Event::Tenant(Box::new(TenantEvent::GiveBack {
+                        incarnation,
+                        counter,
+                        amount,
+                        tries: tries + 1,
+                    })),
+                );
+            }
         }
     }
 

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use iop_core::tenant::key_format::{KeyRecordError, decode_key_record, encode_key_record};
 use iop_core::tenant::keys::KeyRecord;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
-use iop_core::tenant::{CounterKey, DAY_MS, Meter, Subject};
+use iop_core::tenant::{ClaimedCounter, CounterKey, DAY_MS, Meter, Subject};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -160,14 +160,37 @@ fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, DecodeError> {
     }
 }
 
-/// A counter's value: itself (so a sweep reads what it is) and how much
-/// is claimed.
-pub(crate) fn encode_counter(counter: &CounterKey, claimed: u64) -> Result<Bytes, DecodeError> {
-    encode(&(counter, claimed))
+/// A counter's value: itself (so a sweep reads what it is), how much is
+/// claimed, and, once a stopping Edge gave back to it, the holders whose
+/// give-back it took (R-TEN-3). Without give-backs it is the pair earlier
+/// builds write; with them the set follows the pair, which earlier builds
+/// read past (postcard leaves trailing bytes unread), so they still read
+/// the claimed total; their claims write the pair alone, dropping the set.
+pub(crate) fn encode_counter(
+    counter: &CounterKey,
+    stored: &ClaimedCounter,
+) -> Result<Bytes, DecodeError> {
+    if stored.gave_back.is_empty() {
+        encode(&(counter, stored.claimed))
+    } else {
+        encode(&(counter, stored.claimed, &stored.gave_back))
+    }
 }
 
-pub(crate) fn decode_counter(bytes: &[u8]) -> Result<(CounterKey, u64), DecodeError> {
-    decode(bytes)
+/// A counter's value, either shape [`encode_counter`] writes.
+pub(crate) fn decode_counter(bytes: &[u8]) -> Result<(CounterKey, ClaimedCounter), DecodeError> {
+    type WithGiveBacks = (CounterKey, u64, std::collections::BTreeSet<String>);
+    if let Ok((counter, claimed, gave_back)) = decode::<WithGiveBacks>(bytes) {
+        return Ok((counter, ClaimedCounter { claimed, gave_back }));
+    }
+    let (counter, claimed): (CounterKey, u64) = decode(bytes)?;
+    Ok((
+        counter,
+        ClaimedCounter {
+            claimed,
+            ..ClaimedCounter::default()
+        },
+    ))
 }
 
 /// A concurrency gauge's value: itself and its holders (R-TEN-1).
@@ -306,10 +329,22 @@ mod tests {
             meter: Meter::Tokens,
             window_unix_ms: 60_000,
         };
-        assert_eq!(
-            decode_counter(&encode_counter(&c, 42).unwrap()).unwrap(),
-            (c, 42)
-        );
+        let plain = ClaimedCounter {
+            claimed: 42,
+            ..ClaimedCounter::default()
+        };
+        let bytes = encode_counter(&c, &plain).unwrap();
+        assert_eq!(decode_counter(&bytes).unwrap(), (c.clone(), plain));
+        let pair: (CounterKey, u64) = decode(&bytes).unwrap();
+        assert_eq!(pair, (c.clone(), 42), "as earlier builds write it");
+        let given = ClaimedCounter {
+            claimed: 40,
+            gave_back: ["edge-1".to_owned()].into(),
+        };
+        let bytes = encode_counter(&c, &given).unwrap();
+        assert_eq!(decode_counter(&bytes).unwrap(), (c.clone(), given));
+        let pair: (CounterKey, u64) = decode(&bytes).unwrap();
+        assert_eq!(pair, (c.clone(), 40), "an earlier build reads the total");
         let row = UsageKey {
             day_unix_ms: DAY_MS,
             principal: "p".into(),

@@ -1,6 +1,8 @@
 //! The behaviours every [`TenantStore`] shows, whatever its engine:
 //! claims decided by [`check_claim`](iop_core::tenant::check_claim) under
-//! any concurrency (R-TEN-3), usage rows (R-TEN-5), runtime keys with
+//! any concurrency (R-TEN-3), a stopping Edge's give-backs applied once
+//! each ([`check_give_back`](iop_core::tenant::check_give_back)), usage
+//! rows (R-TEN-5), runtime keys with
 //! revisions (R-TEN-4), and what a sweep forgets.
 //!
 //! Each behaviour gets a fresh store from the caller's factory:
@@ -23,7 +25,10 @@ use std::time::Duration;
 
 use iop_core::tenant::keys::{KeyRecord, key_id};
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
-use iop_core::tenant::{CounterKey, DAY_MS, Limits, MINUTE_MS, Meter, ModelLimits, Subject};
+use iop_core::tenant::{
+    CounterKey, DAY_MS, GiveBackOutcome, Limits, MAX_GIVE_BACKS, MINUTE_MS, Meter, ModelLimits,
+    Subject,
+};
 
 use crate::BoxFuture;
 use crate::tenant::{TenantStore, TenantStoreError};
@@ -54,6 +59,8 @@ pub fn behaviours() -> Vec<Behaviour> {
         behaviour!(sweep_forgets_windows_that_are_over_and_keeps_a_total_budget),
         behaviour!(per_model_counters_are_apart_and_a_keys_limits_per_model_are_kept),
         behaviour!(slot_holders_racing_never_hold_past_the_limit_and_a_lapsed_holders_come_back),
+        behaviour!(a_retried_give_back_frees_once_never_below_zero_nor_after_its_window),
+        behaviour!(claims_and_retried_give_backs_racing_never_pass_the_limit),
     ]
 }
 
@@ -332,6 +339,166 @@ pub async fn slot_holders_racing_never_hold_past_the_limit_and_a_lapsed_holders_
     assert_eq!(book.holders.len(), 1);
 }
 
+/// R-TEN-2, R-TEN-3: a stopping Edge's give-back frees what it asks
+/// once: sent again (its answer lost) it frees nothing more, also after
+/// other Edges claimed in between; never below zero; nothing once the
+/// window is over; at most [`MAX_GIVE_BACKS`] holders per counter, the
+/// next refused (its allowance stays claimed).
+pub async fn a_retried_give_back_frees_once_never_below_zero_nor_after_its_window(
+    store: Arc<dyn TenantStore>,
+) {
+    let s = &*store;
+    let c = requests_of("given-back");
+    let give = |holder: &str, amount: u64, now: u64| {
+        s.give_back(c.clone(), holder.to_owned(), amount, now)
+    };
+    assert_eq!(s.claim(c.clone(), 300, 1_000).await, Ok(300));
+    assert_eq!(
+        give("edge-a", 100, NOW_UNIX_MS).await,
+        Ok(GiveBackOutcome::Freed(100))
+    );
+    assert_eq!(s.claimed(c.clone()).await, Ok(200));
+    assert_eq!(
+        give("edge-a", 100, NOW_UNIX_MS).await,
+        Ok(GiveBackOutcome::AlreadyGivenBack),
+        "a retry frees nothing more"
+    );
+    assert_eq!(s.claim(c.clone(), 50, 1_000).await, Ok(50));
+    assert_eq!(s.claimed(c.clone()).await, Ok(250), "a claim keeps the record");
+    assert_eq!(
+        give("edge-a", 100, NOW_UNIX_MS).await,
+        Ok(GiveBackOutcome::AlreadyGivenBack),
+        "nor after another Edge's claim"
+    );
+    assert_eq!(s.claimed(c.clone()).await, Ok(250));
+    assert_eq!(
+        give("edge-b", 1_000, NOW_UNIX_MS).await,
+        Ok(GiveBackOutcome::Freed(250)),
+        "never below zero"
+    );
+    assert_eq!(s.claimed(c.clone()).await, Ok(0));
+    assert_eq!(s.claim(c.clone(), 2_000, 1_000).await, Ok(1_000));
+
+    // The window is over: nothing changes, nothing is written.
+    let over = minute(NOW_UNIX_MS) + MINUTE_MS;
+    assert_eq!(
+        give("edge-c", 10, over).await,
+        Ok(GiveBackOutcome::WindowOver)
+    );
+    assert_eq!(s.claimed(c.clone()).await, Ok(1_000));
+    let past = counter(
+        Subject::Key("given-back".into()),
+        Meter::Requests,
+        minute(NOW_UNIX_MS) - MINUTE_MS,
+    );
+    assert_eq!(
+        s.give_back(past.clone(), "edge-c".into(), 10, NOW_UNIX_MS)
+            .await,
+        Ok(GiveBackOutcome::WindowOver)
+    );
+    assert_eq!(s.claimed(past).await, Ok(0));
+
+    // Bounded: past MAX_GIVE_BACKS holders, refused and kept claimed.
+    let budget = counter(Subject::Principal("given-back".into()), Meter::Spend, 0);
+    let many = MAX_GIVE_BACKS as u64 + 10;
+    assert_eq!(s.claim(budget.clone(), many, many).await, Ok(many));
+    for i in 0..MAX_GIVE_BACKS {
+        assert_eq!(
+            s.give_back(budget.clone(), format!("edge-{i}"), 1, NOW_UNIX_MS)
+                .await,
+            Ok(GiveBackOutcome::Freed(1))
+        );
+    }
+    assert_eq!(
+        s.give_back(budget.clone(), "edge-one-more".into(), 1, NOW_UNIX_MS)
+            .await,
+        Ok(GiveBackOutcome::Full)
+    );
+    assert_eq!(s.claimed(budget).await, Ok(10));
+}
+
+/// R-TEN-2, R-TEN-3: claimers racing on one counter while half of them,
+/// stopping, give back what they got (each give-back sent twice at once,
+/// as a retry racing the first): each is applied once, the counter always
+/// holds what was claimed net of what was freed, and claiming what is left
+/// brings it to the limit, never past it.
+pub async fn claims_and_retried_give_backs_racing_never_pass_the_limit(
+    store: Arc<dyn TenantStore>,
+) {
+    race_give_backs(&[store], requests_of("given-raced"), 7, 300).await;
+}
+
+/// [`CLAIMERS`] tasks spread over `stores` claim `chunk` of `counter`
+/// (limit `limit`) four times; every other one then gives back what it
+/// got, sent at once through two stores; see
+/// [`claims_and_retried_give_backs_racing_never_pass_the_limit`].
+pub async fn race_give_backs(
+    stores: &[Arc<dyn TenantStore>],
+    counter: CounterKey,
+    chunk: u64,
+    limit: u64,
+) {
+    let tasks: Vec<_> = (0..CLAIMERS)
+        .map(|i| {
+            let store = stores[i % stores.len()].clone();
+            let retry = stores[(i + 1) % stores.len()].clone();
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut got = 0;
+                for _ in 0..4 {
+                    got += store
+                        .claim(counter.clone(), chunk, limit)
+                        .await
+                        .expect("the store answers");
+                }
+                if i % 2 == 0 || got == 0 {
+                    return (got, 0);
+                }
+                let holder = format!("edge-{i}");
+                let (first, again) = tokio::join!(
+                    store.give_back(counter.clone(), holder.clone(), got, NOW_UNIX_MS),
+                    retry.give_back(counter.clone(), holder, got, NOW_UNIX_MS),
+                );
+                let outcomes = [
+                    first.expect("the store answers"),
+                    again.expect("the store answers"),
+                ];
+                let freed: Vec<u64> = outcomes
+                    .iter()
+                    .filter_map(|o| match o {
+                        GiveBackOutcome::Freed(n) => Some(*n),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(freed.len(), 1, "applied once: {outcomes:?}");
+                assert!(
+                    outcomes.contains(&GiveBackOutcome::AlreadyGivenBack),
+                    "{outcomes:?}"
+                );
+                (got, freed[0])
+            })
+        })
+        .collect();
+    let (mut got, mut freed) = (0, 0);
+    for task in tasks {
+        let (g, f) = task.await.expect("a claimer panicked");
+        got += g;
+        freed += f;
+    }
+    assert!(
+        got - freed <= limit,
+        "claimed {got}, {freed} of it given back, of {limit}"
+    );
+    for store in stores {
+        assert_eq!(store.claimed(counter.clone()).await, Ok(got - freed));
+    }
+    let rest = claim_until_exhausted(stores[0].clone(), counter.clone(), chunk, limit).await;
+    assert_eq!(rest, limit - (got - freed), "what was given back is claimed again");
+    for store in stores {
+        assert_eq!(store.claimed(counter.clone()).await, Ok(limit));
+    }
+}
+
 /// R-TEN-5: each added row sums into its stored row; a read returns the
 /// rows of its days, principal and key in key order, at most `max_rows`.
 pub async fn usage_adds_sum_per_row_and_queries_filter_by_day_principal_key_and_max_rows(
@@ -592,7 +759,12 @@ fn reopen_counter() -> CounterKey {
 /// the store opened again.
 pub async fn write_before_reopen(store: Arc<dyn TenantStore>) {
     let s = &*store;
-    assert_eq!(s.claim(reopen_counter(), 400, 1_000).await, Ok(400));
+    assert_eq!(s.claim(reopen_counter(), 500, 1_000).await, Ok(500));
+    assert_eq!(
+        s.give_back(reopen_counter(), "edge-stopped".into(), 100, NOW_UNIX_MS)
+            .await,
+        Ok(GiveBackOutcome::Freed(100))
+    );
     s.add_usage(vec![(
         usage_key(NOW_UNIX_MS / DAY_MS, "team-a", &key_id(7), "m"),
         totals(3, 30, 300),
@@ -614,6 +786,12 @@ pub async fn write_before_reopen(store: Arc<dyn TenantStore>) {
 pub async fn check_after_reopen(store: Arc<dyn TenantStore>) {
     let s = &*store;
     assert_eq!(s.claimed(reopen_counter()).await, Ok(400));
+    assert_eq!(
+        s.give_back(reopen_counter(), "edge-stopped".into(), 100, NOW_UNIX_MS)
+            .await,
+        Ok(GiveBackOutcome::AlreadyGivenBack),
+        "who gave back survived too"
+    );
     assert_eq!(
         s.claim(reopen_counter(), 1_000, 1_000).await,
         Ok(600),
@@ -652,6 +830,7 @@ pub const KEY_SYNC_WAIT: Duration = Duration::from_secs(10);
 /// revision the other replaced is refused.
 pub async fn stores_share_claims_usage_and_keys(a: Arc<dyn TenantStore>, b: Arc<dyn TenantStore>) {
     race_claims(&[a.clone(), b.clone()], requests_of("shared"), 3, 300).await;
+    race_give_backs(&[a.clone(), b.clone()], requests_of("shared-given"), 7, 300).await;
     let c = requests_of("seen");
     assert_eq!(a.claim(c.clone(), 40, 100).await, Ok(40));
     assert_eq!(b.claimed(c.clone()).await, Ok(40));

@@ -6,6 +6,7 @@
 //! | table | key | value |
 //! | --- | --- | --- |
 //! | `tenant_counters` | postcard [`CounterKey`] | claimed (u64) |
+//! | `tenant_give_backs` | postcard [`CounterKey`] | postcard set of the holders whose give-back the counter took |
 //! | `tenant_usage` | (day_unix_ms, principal, key id, model) | (requests, input, cached input, output tokens, spend µ) |
 //! | `tenant_keys` | key id | (revision, the [`KeyRecord`] by format: format 1 bare, format 2 after the bytes 0, 2) |
 //! | `tenant_meta` | `key_revision` | the last key revision given (u64) |
@@ -15,7 +16,11 @@
 //! operation of a group-committed batch, so redb's one write transaction
 //! at a time is kept, a claim shares its fsync with the journal's appends
 //! waiting beside it, and the journal's queue bound (R-LIM-4) covers both.
-//! Every decision comes from [`iop_core::tenant`] ([`check_claim`]) or
+//! A give-back (a stopping Edge's unused claim, R-TEN-3) reads and writes
+//! the counter and its holders in one write transaction, so the decrement
+//! and the record that makes a retry free nothing are one.
+//! Every decision comes from [`iop_core::tenant`] ([`check_claim`],
+//! [`check_give_back`]) or
 //! [`crate::tenant`] (what expires); this module reads and writes.
 //! Reads run in read transactions on tokio's blocking pool.
 
@@ -25,7 +30,9 @@ use std::sync::{Arc, Weak};
 use iop_core::tenant::key_format::{KEY_FORMAT_V1, decode_key_record, encode_key_record};
 use iop_core::tenant::keys::KeyRecord;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
-use iop_core::tenant::{CounterKey, DAY_MS, check_claim};
+use iop_core::tenant::{
+    ClaimedCounter, CounterKey, DAY_MS, GiveBackOutcome, check_claim, check_give_back,
+};
 use redb::{
     Database, ReadTransaction, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction,
 };
@@ -41,6 +48,11 @@ use crate::tenant::{
 /// Counters: postcard [`CounterKey`] -> claimed so far.
 pub(super) const COUNTERS: TableDefinition<'static, &[u8], u64> =
     TableDefinition::new("tenant_counters");
+/// The holders whose give-back each counter took (R-TEN-3): postcard
+/// [`CounterKey`] -> postcard set of holder ids. Apart from `COUNTERS`,
+/// whose values earlier builds read as they are.
+pub(super) const GIVE_BACKS: TableDefinition<'static, &[u8], &[u8]> =
+    TableDefinition::new("tenant_give_backs");
 /// A usage row's key, in [`UsageKey`]'s order: (day, principal, key, model).
 type UsageRowKey = (u64, &'static str, &'static str, &'static str);
 /// A usage row's totals: requests, input, cached input, output tokens,
@@ -81,6 +93,12 @@ pub(super) enum TenantOp {
         now_unix_ms: u64,
         lease_ms: u64,
     },
+    GiveBack {
+        counter: CounterKey,
+        holder: String,
+        amount: u64,
+        now_unix_ms: u64,
+    },
     AddUsage(Vec<(UsageKey, UsageTotals)>),
     PutKey {
         record: Box<KeyRecord>,
@@ -110,7 +128,9 @@ impl TenantOp {
                         .map(|m| 32 + m.len())
                         .sum::<usize>()
             }
-            TenantOp::HoldSlots { holder, .. } => 64 + holder.len(),
+            TenantOp::HoldSlots { holder, .. } | TenantOp::GiveBack { holder, .. } => {
+                64 + holder.len()
+            }
             TenantOp::Claim { .. } | TenantOp::Sweep { .. } => 0,
         }
     }
@@ -121,6 +141,7 @@ impl TenantOp {
 pub(super) enum TenantReply {
     Claimed(u64),
     SlotsHeld(u64),
+    GaveBack(GiveBackOutcome),
     UsageAdded,
     KeyPut(Result<u64, TenantStoreError>),
     Swept { removed: usize, more: bool },
@@ -132,6 +153,7 @@ impl TenantReply {
         match self {
             TenantReply::Claimed(granted) => *granted > 0,
             TenantReply::SlotsHeld(_) => true,
+            TenantReply::GaveBack(outcome) => matches!(outcome, GiveBackOutcome::Freed(_)),
             TenantReply::UsageAdded => true,
             TenantReply::KeyPut(r) => r.is_ok(),
             TenantReply::Swept { removed, .. } => *removed > 0,
@@ -143,6 +165,7 @@ impl TenantReply {
 pub(super) fn init(txn: &WriteTransaction) -> Result<(), Fault> {
     txn.open_table(COUNTERS)?;
     txn.open_table(SLOTS)?;
+    txn.open_table(GIVE_BACKS)?;
     txn.open_table(USAGE)?;
     txn.open_table(KEYS)?;
     txn.open_table(META)?;
@@ -246,6 +269,33 @@ pub(super) fn apply(txn: &WriteTransaction, op: TenantOp) -> Result<TenantReply,
             }
             Ok(TenantReply::SlotsHeld(held))
         }
+        TenantOp::GiveBack {
+            counter,
+            holder,
+            amount,
+            now_unix_ms,
+        } => {
+            let key = encode("a counter", &counter)?;
+            let mut counters = txn.open_table(COUNTERS)?;
+            let mut given = txn.open_table(GIVE_BACKS)?;
+            let stored = ClaimedCounter {
+                claimed: counters.get(key.as_slice())?.map_or(0, |v| v.value()),
+                gave_back: match given.get(key.as_slice())? {
+                    Some(v) => decode("a counter's give-backs", v.value())?,
+                    None => Default::default(),
+                },
+            };
+            // R-TEN-3: the rule decides, on the counter as stored, in this
+            // one transaction.
+            let (written, outcome) =
+                check_give_back(&stored, &counter, &holder, amount, now_unix_ms);
+            if let Some(written) = written {
+                counters.insert(key.as_slice(), written.claimed)?;
+                let value = encode("a counter's give-backs", &written.gave_back)?;
+                given.insert(key.as_slice(), value.as_slice())?;
+            }
+            Ok(TenantReply::GaveBack(outcome))
+        }
         TenantOp::AddUsage(rows) => {
             let mut table = txn.open_table(USAGE)?;
             for (key, add) in &rows {
@@ -301,7 +351,24 @@ fn sweep(txn: &WriteTransaction, now_unix_ms: u64, max: usize) -> Result<TenantR
     for key in &due {
         counters.remove(key.as_slice())?;
     }
-    let mut removed = due.len();
+    // A counter's give-backs go with it (the same rule: its window is
+    // over).
+    let mut given = txn.open_table(GIVE_BACKS)?;
+    let mut given_due: Vec<Vec<u8>> = Vec::new();
+    for entry in given.iter()? {
+        if due.len() + given_due.len() >= max {
+            break;
+        }
+        let (key, _) = entry?;
+        let counter: CounterKey = decode("a counter", key.value())?;
+        if counter_expired(&counter, now_unix_ms) {
+            given_due.push(key.value().to_vec());
+        }
+    }
+    for key in &given_due {
+        given.remove(key.as_slice())?;
+    }
+    let mut removed = due.len() + given_due.len();
     // Usage rows sort by day first: the expired ones are a prefix.
     let retention_ms = USAGE_RETENTION_DAYS * DAY_MS;
     let mut usage = txn.open_table(USAGE)?;
@@ -506,6 +573,27 @@ impl TenantStore for EmbeddedTenantStore {
         Box::pin(async move {
             match answer.await? {
                 TenantReply::SlotsHeld(held) => Ok(held),
+                other => Err(out_of_kind(other)),
+            }
+        })
+    }
+
+    fn give_back(
+        &self,
+        counter: CounterKey,
+        holder: String,
+        amount: u64,
+        now_unix_ms: u64,
+    ) -> BoxFuture<'_, Result<GiveBackOutcome, TenantStoreError>> {
+        let answer = self.write(TenantOp::GiveBack {
+            counter,
+            holder,
+            amount,
+            now_unix_ms,
+        });
+        Box::pin(async move {
+            match answer.await? {
+                TenantReply::GaveBack(outcome) => Ok(outcome),
                 other => Err(out_of_kind(other)),
             }
         })
