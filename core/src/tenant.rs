@@ -1736,7 +1736,8 @@ impl Tenants {
                 *self.given_back.entry(counter.meter).or_default() += freed;
             }
             None if giving.asks < MAX_GIVE_BACK_ASKS => {
-                giving.next_ask = Some(now.saturating_add(Duration::from_millis(GIVE_BACK_RETRY_MS)));
+                giving.next_ask =
+                    Some(now.saturating_add(Duration::from_millis(GIVE_BACK_RETRY_MS)));
             }
             None => giving.done = true,
         }

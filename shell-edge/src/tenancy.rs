@@ -638,11 +638,7 @@ impl Tenancy {
                 let m = machine.machine();
                 // Only a timer still ahead wakes the wait (one the machine
                 // keeps due, a window in use, would spin it).
-                (
-                    m.handed_back(),
-                    m.poll_timeout().filter(|t| *t > now),
-                    asks,
-                )
+                (m.handed_back(), m.poll_timeout().filter(|t| *t > now), asks)
             };
             self.send_claims(asks);
             let given = self.given_back();

@@ -18,6 +18,10 @@
 //!   `slot_lease_ms` (R-TEN-1 across Edges); an Edge stopped with SIGTERM
 //!   gives its slots back as it stops, so the other gets them long before
 //!   the lease.
+//! * A budget used partly through one Edge, that Edge stopped with
+//!   SIGTERM: it gives back the unused rest of what it claimed, so the
+//!   other Edge spends the budget up to its end, not only what the first
+//!   left unclaimed (R-TEN-2, R-TEN-3).
 //! * A key created through one Edge works on the other within
 //!   `key_sync_ms`, a key revoked on the other is refused on the first
 //!   within it, and an Edge killed with SIGKILL and restarted keeps the
@@ -43,6 +47,7 @@ const LIMITED: &str = "sk-tenants-edges-limited-0123456789";
 const OTHER: &str = "sk-tenants-edges-other-0123456789";
 const BUDGETED: &str = "sk-tenants-edges-budget-0123456789";
 const CONCURRENT: &str = "sk-tenants-edges-concurrent-0123456789";
+const GIVEN_BACK: &str = "sk-tenants-edges-given-back-0123456789";
 /// The concurrent key's requests in flight.
 const CONCURRENT_LIMIT: u64 = 4;
 /// `[tenants] slot_lease_ms`: a dead Edge's slots come back within it.
@@ -120,8 +125,14 @@ principal = "team-d"
 id = "team-d-concurrent"
 key_file = "concurrent"
 limits = {{ concurrent_requests = {CONCURRENT_LIMIT} }}
+[[api_keys]]
+principal = "team-e"
+key_file = "given-back"
 [[principals]]
 name = "team-c"
+limits = {{ budget_micros = {BUDGET}, budget_period = "total" }}
+[[principals]]
+name = "team-e"
 limits = {{ budget_micros = {BUDGET}, budget_period = "total" }}
 [[prices]]
 model = "m"
@@ -172,6 +183,7 @@ impl Deployment {
             ("other", OTHER),
             ("budgeted", BUDGETED),
             ("concurrent", CONCURRENT),
+            ("given-back", GIVEN_BACK),
         ] {
             write_secret(&pki.path().join(file), key);
         }
@@ -225,12 +237,23 @@ impl Deployment {
 }
 
 async fn chat(client: &reqwest::Client, edge: &str, key: &str) -> reqwest::Response {
+    chat_up_to(client, edge, key, 20).await
+}
+
+/// A chat request that may produce `max_tokens` output tokens (what its
+/// reservation holds).
+async fn chat_up_to(
+    client: &reqwest::Client,
+    edge: &str,
+    key: &str,
+    max_tokens: u64,
+) -> reqwest::Response {
     client
         .post(format!("{edge}/v1/chat/completions"))
         .bearer_auth(key)
         .json(&json!({
             "model": "m",
-            "max_tokens": 20,
+            "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "hello"}],
         }))
         .send()
@@ -796,6 +819,142 @@ async fn r_ten_1_an_edge_stopped_with_sigterm_hands_its_slots_back_at_once() {
         println!(
             "the first Edge held all {CONCURRENT_LIMIT} slots {whole:?} after the second was sent \
              SIGTERM (it exited after {exited:?})"
+        );
+        d.stop().await;
+    })
+    .await;
+}
+
+/// The spend recorded for `principal` over every Edge, read from the
+/// store through `edge` once it counts `requests` requests (or after a
+/// few seconds): (requests, spend).
+async fn recorded_spend(
+    client: &reqwest::Client,
+    edge: &str,
+    principal: &str,
+    requests: u64,
+) -> (u64, u64) {
+    let mut seen = (0, 0);
+    for _ in 0..50 {
+        let (status, usage) = admin(
+            client,
+            reqwest::Method::GET,
+            format!("{edge}/admin/usage?principal={principal}"),
+            None,
+        )
+        .await;
+        assert_eq!(status, 200, "{usage}");
+        seen = (
+            usage["total"]["requests"].as_u64().unwrap_or(0),
+            usage["total"]["spend_micros"].as_u64().unwrap_or(0),
+        );
+        if seen.0 >= requests {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    seen
+}
+
+/// R-TEN-2, R-TEN-3: Edge A admits one request that reserves a third of
+/// the budget and uses a sliver of it; A claimed that reservation and a
+/// chunk. Stopped with SIGTERM, A gives back what it claimed and did not
+/// use, so Edge B spends the budget up to its end. Without the give-back
+/// the store would keep A's whole claim (about 1,400 of 3,000) until the
+/// period ends, and B could spend at most what A left unclaimed plus its
+/// one chunk on credit: the recorded spend would stay under 2,000.
+#[tokio::test]
+async fn r_ten_3_an_edge_stopped_with_sigterm_gives_back_its_unused_budget_and_another_spends_it() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    bounded_long(async {
+        let started = Instant::now();
+        let mut d = Deployment::start(&server).await;
+        println!(
+            "give-back: the deployment started in {:?}",
+            started.elapsed()
+        );
+        let client = reqwest::Client::new();
+        // A large reservation (its prompt's bytes + 1,000 output tokens),
+        // a small use (the mock answers 20 tokens).
+        let r = chat_up_to(&client, &d.http[0], GIVEN_BACK, 1_000).await;
+        assert_eq!(r.status(), 200);
+        let (_, spent_on_a) = recorded_spend(&client, &d.http[0], "team-e", 1).await;
+        assert!(spent_on_a > 0 && spent_on_a < 100, "{spent_on_a}");
+
+        let stopped = Instant::now();
+        d.edges[0].terminate(Duration::from_secs(10)).await;
+        let exited = stopped.elapsed();
+        let log =
+            std::fs::read_to_string(d.edges[0].config.with_extension("log")).unwrap_or_default();
+        let line = log
+            .lines()
+            .find(|l| l.contains("edge_tenant_slots_handed_back"))
+            .unwrap_or_else(|| panic!("the stopping Edge says what it gave back:\n{log}"));
+        let given_back: u64 = line
+            .split("given_back_spend_micros")
+            .nth(1)
+            .and_then(|rest| {
+                rest.trim_start_matches(|c: char| !c.is_ascii_digit())
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()
+            })
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no amount in {line}"));
+        assert!(
+            given_back > 1_000,
+            "the unused reservation and chunk went back: {line}"
+        );
+
+        // Edge B spends until the budget says no for good.
+        let spending = Instant::now();
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            let (client, edge) = (client.clone(), d.http[1].clone());
+            clients.push(tokio::spawn(async move {
+                let mut admitted = 0u64;
+                for _ in 0..400 {
+                    let r = chat(&client, &edge, GIVEN_BACK).await;
+                    match r.status().as_u16() {
+                        200 => admitted += 1,
+                        429 => {
+                            let again = header(&r, "retry-after").is_some();
+                            let body: Value = r.json().await.unwrap();
+                            assert_eq!(body["error"]["code"], "insufficient_quota");
+                            if !again {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        other => panic!("unexpected {other}"),
+                    }
+                }
+                admitted
+            }));
+        }
+        let mut admitted = 1;
+        for c in clients {
+            admitted += c.await.unwrap();
+        }
+        let (requests, spend) = recorded_spend(&client, &d.http[1], "team-e", admitted).await;
+        let chunk = (BUDGET as f64 * CHUNK_FRACTION) as u64;
+        println!(
+            "give-back: Edge A spent {spent_on_a} and gave back {given_back} at SIGTERM (it \
+             exited after {exited:?}); over both Edges {admitted} requests ({requests} \
+             recorded) spent {spend} of {BUDGET} ({:?} on B)",
+            spending.elapsed()
+        );
+        assert!(requests >= admitted, "every admitted request is recorded");
+        assert!(
+            spend >= BUDGET - 600,
+            "B spent what A gave back: {spend} of {BUDGET} (without the give-back at most \
+             about {})",
+            BUDGET - given_back + chunk + spent_on_a
+        );
+        assert!(
+            spend <= BUDGET + EDGES * chunk,
+            "spend {spend} over budget {BUDGET} + {EDGES} x {chunk}"
         );
         d.stop().await;
     })

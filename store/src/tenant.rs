@@ -226,13 +226,7 @@ impl TenantStore for MemoryTenantStore {
     }
 
     fn claimed(&self, counter: CounterKey) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
-        Box::pin(async move {
-            Ok(self
-                .up()?
-                .counters
-                .get(&counter)
-                .map_or(0, |c| c.claimed))
-        })
+        Box::pin(async move { Ok(self.up()?.counters.get(&counter).map_or(0, |c| c.claimed)) })
     }
 
     fn hold_slots(

@@ -237,7 +237,10 @@ mod tests {
             window_unix_ms: 0,
             ..spend()
         };
-        assert!(!window_over(&total, u64::MAX), "a budget in total never ends");
+        assert!(
+            !window_over(&total, u64::MAX),
+            "a budget in total never ends"
+        );
         assert_eq!(
             check_give_back(&c, &minute, "a", 0, T0),
             (None, GiveBackOutcome::WindowOver),

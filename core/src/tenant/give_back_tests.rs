@@ -91,7 +91,11 @@ fn r_ten_2_a_stopping_edge_gives_back_its_unused_claim_and_another_edge_spends_i
             outcome: Some(GiveBackOutcome::Freed(118)),
         }
     );
-    assert_eq!(store.claimed[&spend()], 12, "only what a spent stays claimed");
+    assert_eq!(
+        store.claimed[&spend()],
+        12,
+        "only what a spent stays claimed"
+    );
     assert_eq!(
         give(&mut store),
         TenantsInput::GaveBack {
@@ -158,7 +162,11 @@ fn r_ten_3_a_give_back_whose_answer_was_lost_is_sent_again_and_frees_once() {
     store.lose_give_back_answers = 1;
     a.hand_back(T0);
     assert_eq!(store.serve_as("a", &mut a, 1), 1);
-    assert_eq!(store.claimed[&spend()], 30, "applied; the Edge heard a failure");
+    assert_eq!(
+        store.claimed[&spend()],
+        30,
+        "applied; the Edge heard a failure"
+    );
     assert!(!a.handed_back(), "it sends it again");
     assert_eq!(a.poll_timeout(), Some(at(1 + GIVE_BACK_RETRY_MS)));
     a.handle_timeout(at(1 + GIVE_BACK_RETRY_MS - 1));

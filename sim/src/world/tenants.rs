@@ -1504,7 +1504,13 @@ impl World {
     /// again (its machine's retry), [`GIVE_BACK_RETRY_MS`] later, at most
     /// [`MAX_GIVE_BACK_ASKS`] times in all. The answer itself reaches no
     /// machine: the process ends with its stop.
-    fn tenant_give_back_step(&mut self, incarnation: u64, counter: CounterKey, amount: u64, tries: u32) {
+    fn tenant_give_back_step(
+        &mut self,
+        incarnation: u64,
+        counter: CounterKey,
+        amount: u64,
+        tries: u32,
+    ) {
         let faults = self.faults_on();
         let now = self.now;
         let unix_ms = self.unix_ms();
@@ -1515,7 +1521,9 @@ impl World {
         let answered = if failed {
             None
         } else {
-            let outcome = t.store.give_back(&counter, &holder(incarnation), amount, unix_ms);
+            let outcome = t
+                .store
+                .give_back(&counter, &holder(incarnation), amount, unix_ms);
             if let GiveBackOutcome::Freed(n) = outcome {
                 self.stats.tenant_given_back += n;
             }

@@ -364,7 +364,11 @@ pub async fn a_retried_give_back_frees_once_never_below_zero_nor_after_its_windo
         "a retry frees nothing more"
     );
     assert_eq!(s.claim(c.clone(), 50, 1_000).await, Ok(50));
-    assert_eq!(s.claimed(c.clone()).await, Ok(250), "a claim keeps the record");
+    assert_eq!(
+        s.claimed(c.clone()).await,
+        Ok(250),
+        "a claim keeps the record"
+    );
     assert_eq!(
         give("edge-a", 100, NOW_UNIX_MS).await,
         Ok(GiveBackOutcome::AlreadyGivenBack),
@@ -493,7 +497,11 @@ pub async fn race_give_backs(
         assert_eq!(store.claimed(counter.clone()).await, Ok(got - freed));
     }
     let rest = claim_until_exhausted(stores[0].clone(), counter.clone(), chunk, limit).await;
-    assert_eq!(rest, limit - (got - freed), "what was given back is claimed again");
+    assert_eq!(
+        rest,
+        limit - (got - freed),
+        "what was given back is claimed again"
+    );
     for store in stores {
         assert_eq!(store.claimed(counter.clone()).await, Ok(limit));
     }
