@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use iop_core::tenant::slots::SlotAsk;
 use iop_core::tenant::usage::{UsageBook, UsageKey, UsageTotals};
 use iop_core::tenant::{
     Admission, AdmitRequest, AttemptRefusal, Held, Limits, Meter, Price, Refusal, RefusalKind,
@@ -537,14 +538,14 @@ impl Tenancy {
                     runtime.spawn(async move {
                         let answer = tokio::time::timeout(
                             CLAIM_TIMEOUT,
-                            tenancy.store.hold_slots(
-                                counter.clone(),
-                                tenancy.holder.clone(),
+                            tenancy.store.hold_slots(SlotAsk {
+                                counter: counter.clone(),
+                                holder: tenancy.holder.clone(),
                                 want,
                                 limit,
-                                iop_transport::clock::unix_ms(),
+                                now_unix_ms: iop_transport::clock::unix_ms(),
                                 lease_ms,
-                            ),
+                            }),
                         )
                         .await;
                         let held = match answer {

@@ -44,15 +44,9 @@ impl TenantStore for SlowClaims {
     }
     fn hold_slots(
         &self,
-        counter: CounterKey,
-        holder: String,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
+        ask: iop_core::tenant::slots::SlotAsk,
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
-        self.inner
-            .hold_slots(counter, holder, want, limit, now_unix_ms, lease_ms)
+        self.inner.hold_slots(ask)
     }
     fn give_back(
         &self,

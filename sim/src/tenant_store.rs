@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use iop_core::Instant;
-use iop_core::tenant::slots::SlotBook;
+use iop_core::tenant::slots::{SlotAsk, SlotBook};
 use iop_core::tenant::{ClaimedCounter, CounterKey, GiveBackOutcome, check_claim, check_give_back};
 
 /// Reads and compare-and-sets one claim may take before it fails (the
@@ -163,26 +163,19 @@ impl SimTenantStore {
         outcome
     }
 
-    /// Set `holder`'s holding of `counter`'s slots (limit `limit`) to
-    /// `want` at `now_unix_ms`, as core's [`SlotBook::hold`] decides (one
-    /// compare-and-set: the gauge's record is one key): what it holds now.
-    pub fn hold_slots(
-        &mut self,
-        counter: &CounterKey,
-        holder: &str,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
-    ) -> u64 {
-        let (book, tightest) = self.slots.entry(counter.clone()).or_default();
+    /// Set `ask.holder`'s holding of `ask.counter`'s slots (limit
+    /// `ask.limit`) to `ask.want` at `ask.now_unix_ms`, as core's
+    /// [`SlotBook::hold`] decides (one compare-and-set: the gauge's record
+    /// is one key): what it holds now.
+    pub fn hold_slots(&mut self, ask: &SlotAsk) -> u64 {
+        let (book, tightest) = self.slots.entry(ask.counter.clone()).or_default();
         *tightest = if *tightest == 0 {
-            limit
+            ask.limit
         } else {
-            (*tightest).min(limit)
+            (*tightest).min(ask.limit)
         };
         self.writes += 1;
-        book.hold(holder, want, limit, now_unix_ms, lease_ms)
+        book.hold_ask(ask)
     }
 
     /// What `holder` holds of `counter`'s slots at `now_unix_ms` (0: none,

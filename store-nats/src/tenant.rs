@@ -556,23 +556,19 @@ impl TenantStore for NatsTenantStore {
 
     fn hold_slots(
         &self,
-        counter: CounterKey,
-        holder: String,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
+        ask: iop_core::tenant::slots::SlotAsk,
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
         Box::pin(async move {
             self.reachable()?;
-            let (stream, bucket) = self.counter_stream(&counter);
-            let subject = subject(bucket, &counter_key(&counter));
+            let counter = &ask.counter;
+            let (stream, bucket) = self.counter_stream(counter);
+            let subject = subject(bucket, &counter_key(counter));
             self.update(stream, &subject, |stored| {
                 let mut book = match stored {
                     Some(bytes) => {
                         let (stored_counter, book) =
                             decode_slots(bytes).map_err(|e| unavailable("reading a gauge", e))?;
-                        if stored_counter != counter {
+                        if stored_counter != *counter {
                             return Err(unavailable("reading a gauge", "another gauge's key"));
                         }
                         book
@@ -581,12 +577,12 @@ impl TenantStore for NatsTenantStore {
                 };
                 // R-TEN-1, R-TEN-3: the rule decides, on the gauge as stored.
                 let before = book.clone();
-                let held = book.hold(&holder, want, limit, now_unix_ms, lease_ms);
+                let held = book.hold_ask(&ask);
                 if book == before {
                     return Ok(Decision::Done(held));
                 }
-                let value = encode_slots(&counter, &book)
-                    .map_err(|e| unavailable("encoding a gauge", e))?;
+                let value =
+                    encode_slots(counter, &book).map_err(|e| unavailable("encoding a gauge", e))?;
                 Ok(Decision::Write(value, held))
             })
             .await

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use iop_core::tenant::keys::KeyRecord;
-use iop_core::tenant::slots::SlotBook;
+use iop_core::tenant::slots::{SlotAsk, SlotBook};
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
 use iop_core::tenant::{
     ClaimedCounter, CounterKey, DAY_MS, GiveBackOutcome, MINUTE_MS, Meter, check_claim,
@@ -85,20 +85,12 @@ pub trait TenantStore: Send + Sync + 'static {
         amount: u64,
         limit: u64,
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
-    /// Set `holder`'s (an Edge process's) holding of the concurrency gauge
-    /// `counter` (limit `limit`) to `want`, as
-    /// [`SlotBook::hold`] decides on the gauge as stored at `now_unix_ms`
-    /// (compare-and-set; retried on a lost race), its lease running
-    /// `lease_ms`: what it holds now (R-TEN-1, R-TEN-3).
-    fn hold_slots(
-        &self,
-        counter: CounterKey,
-        holder: String,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
-    ) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
+    /// Set `ask.holder`'s (an Edge process's) holding of the concurrency
+    /// gauge `ask.counter` (limit `ask.limit`) to `ask.want`, as
+    /// [`SlotBook::hold`] decides on the gauge as stored at
+    /// `ask.now_unix_ms` (compare-and-set; retried on a lost race), its
+    /// lease running `ask.lease_ms`: what it holds now (R-TEN-1, R-TEN-3).
+    fn hold_slots(&self, ask: SlotAsk) -> BoxFuture<'_, Result<u64, TenantStoreError>>;
     /// Give back `amount` of the windowed counter `counter` for `holder`
     /// (the Edge process's id, the one it holds slots as), as
     /// [`check_give_back`] decides on the counter as stored at
@@ -229,19 +221,11 @@ impl TenantStore for MemoryTenantStore {
         Box::pin(async move { Ok(self.up()?.counters.get(&counter).map_or(0, |c| c.claimed)) })
     }
 
-    fn hold_slots(
-        &self,
-        counter: CounterKey,
-        holder: String,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
-    ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
+    fn hold_slots(&self, ask: SlotAsk) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
         Box::pin(async move {
             let mut state = self.up()?;
-            let book = state.slots.entry(counter).or_default();
-            Ok(book.hold(&holder, want, limit, now_unix_ms, lease_ms))
+            let book = state.slots.entry(ask.counter.clone()).or_default();
+            Ok(book.hold_ask(&ask))
         })
     }
 

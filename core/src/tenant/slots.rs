@@ -16,6 +16,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::CounterKey;
+
 /// The most holders one gauge keeps: an ask of a new holder beyond it is
 /// granted nothing (bounded per subject, R-LIM-5).
 pub const MAX_SLOT_HOLDERS: usize = 256;
@@ -102,6 +104,36 @@ impl SlotBook {
     pub fn is_empty(&self, now_unix_ms: u64) -> bool {
         self.total(now_unix_ms) == 0
     }
+
+    /// Decide `ask` on this gauge: [`Self::hold`] with its terms.
+    pub fn hold_ask(&mut self, ask: &SlotAsk) -> u64 {
+        self.hold(
+            &ask.holder,
+            ask.want,
+            ask.limit,
+            ask.now_unix_ms,
+            ask.lease_ms,
+        )
+    }
+}
+
+/// An Edge process's ask to hold slots of a concurrency gauge, as a store
+/// takes it (R-TEN-1, R-TEN-3): [`SlotBook::hold`] decides it on the gauge
+/// as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotAsk {
+    /// The gauge (meter `Slots`, window 0).
+    pub counter: CounterKey,
+    /// The Edge process's id.
+    pub holder: String,
+    /// The holding asked for (0: give every slot back).
+    pub want: u64,
+    /// The gauge's limit.
+    pub limit: u64,
+    /// The asker's wall clock, Unix ms.
+    pub now_unix_ms: u64,
+    /// The lease, from `now_unix_ms`.
+    pub lease_ms: u64,
 }
 
 #[cfg(test)]

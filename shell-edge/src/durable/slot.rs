@@ -274,18 +274,10 @@ impl TenantStore for SlotTenants {
 
     fn hold_slots(
         &self,
-        counter: CounterKey,
-        holder: String,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
+        ask: iop_core::tenant::slots::SlotAsk,
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
         with_tenants(&self.0, |s| {
-            Box::pin(async move {
-                s.hold_slots(counter, holder, want, limit, now_unix_ms, lease_ms)
-                    .await
-            })
+            Box::pin(async move { s.hold_slots(ask).await })
         })
     }
 

@@ -92,6 +92,7 @@ use iop_core::edge::admission::RequestId;
 use iop_core::edge::durable::JournaledUse;
 use iop_core::edge::request::{Delivery, RequestInput};
 use iop_core::journal::{RecordMeta, RecordStatus};
+use iop_core::tenant::slots::SlotAsk;
 use iop_core::tenant::usage::UsageTotals;
 use iop_core::tenant::{
     AdmitRequest, CounterKey, GIVE_BACK_RETRY_MS, GiveBackOutcome, Held, Limits,
@@ -1567,14 +1568,14 @@ impl World {
             self.stats.tenant_store_failures += 1;
             None
         } else {
-            let held = t.store.hold_slots(
-                &counter,
-                &holder(incarnation),
+            let held = t.store.hold_slots(&SlotAsk {
+                counter: counter.clone(),
+                holder: holder(incarnation),
                 want,
                 limit,
-                unix_ms,
+                now_unix_ms: unix_ms,
                 lease_ms,
-            );
+            });
             let lost = faults && t.rng.chance(t.profile.store_answer_lost_ppm);
             if lost {
                 self.stats.tenant_store_failures += 1;

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iop_core::tenant::keys::{KeyRecord, key_id};
+use iop_core::tenant::slots::SlotAsk;
 use iop_core::tenant::usage::{UsageKey, UsageQuery, UsageTotals};
 use iop_core::tenant::{
     CounterKey, DAY_MS, GiveBackOutcome, Limits, MAX_GIVE_BACKS, MINUTE_MS, Meter, ModelLimits,
@@ -268,6 +269,26 @@ pub async fn race_claims(
     }
 }
 
+/// `holder`'s ask to hold `want` of `gauge`'s `limit` slots at
+/// `now_unix_ms`, its lease `lease_ms`.
+fn slot_ask(
+    gauge: CounterKey,
+    holder: String,
+    want: u64,
+    limit: u64,
+    now_unix_ms: u64,
+    lease_ms: u64,
+) -> SlotAsk {
+    SlotAsk {
+        counter: gauge,
+        holder,
+        want,
+        limit,
+        now_unix_ms,
+        lease_ms,
+    }
+}
+
 /// R-TEN-1, R-TEN-3: holders (Edge processes) racing to hold slots of one
 /// concurrency gauge never hold more than its limit between them, a
 /// holding given back is free at once, an ask is idempotent, and a holder
@@ -282,7 +303,14 @@ pub async fn slot_holders_racing_never_hold_past_the_limit_and_a_lapsed_holders_
             let (store, gauge) = (store.clone(), gauge.clone());
             tokio::spawn(async move {
                 store
-                    .hold_slots(gauge, format!("edge-{i}"), 3, 8, NOW_UNIX_MS, lease)
+                    .hold_slots(slot_ask(
+                        gauge,
+                        format!("edge-{i}"),
+                        3,
+                        8,
+                        NOW_UNIX_MS,
+                        lease,
+                    ))
                     .await
                     .expect("the store answers")
             })
@@ -303,19 +331,40 @@ pub async fn slot_holders_racing_never_hold_past_the_limit_and_a_lapsed_holders_
         .next()
         .expect("a holder");
     let again = store
-        .hold_slots(gauge.clone(), holder.clone(), held, 8, NOW_UNIX_MS, lease)
+        .hold_slots(slot_ask(
+            gauge.clone(),
+            holder.clone(),
+            held,
+            8,
+            NOW_UNIX_MS,
+            lease,
+        ))
         .await;
     assert_eq!(again, Ok(held));
     // Given back: free for another at once.
     assert_eq!(
         store
-            .hold_slots(gauge.clone(), holder.clone(), 0, 8, NOW_UNIX_MS, lease)
+            .hold_slots(slot_ask(
+                gauge.clone(),
+                holder.clone(),
+                0,
+                8,
+                NOW_UNIX_MS,
+                lease
+            ))
             .await,
         Ok(0)
     );
     assert_eq!(
         store
-            .hold_slots(gauge.clone(), "edge-new".into(), 8, 8, NOW_UNIX_MS, lease)
+            .hold_slots(slot_ask(
+                gauge.clone(),
+                "edge-new".into(),
+                8,
+                8,
+                NOW_UNIX_MS,
+                lease
+            ))
             .await,
         Ok(held)
     );
@@ -324,13 +373,27 @@ pub async fn slot_holders_racing_never_hold_past_the_limit_and_a_lapsed_holders_
     let later = NOW_UNIX_MS + lease;
     assert_eq!(
         store
-            .hold_slots(gauge.clone(), "edge-new".into(), held, 8, later - 1, lease)
+            .hold_slots(slot_ask(
+                gauge.clone(),
+                "edge-new".into(),
+                held,
+                8,
+                later - 1,
+                lease
+            ))
             .await,
         Ok(held)
     );
     assert_eq!(
         store
-            .hold_slots(gauge.clone(), "edge-new".into(), 8, 8, later, lease)
+            .hold_slots(slot_ask(
+                gauge.clone(),
+                "edge-new".into(),
+                8,
+                8,
+                later,
+                lease
+            ))
             .await,
         Ok(8)
     );

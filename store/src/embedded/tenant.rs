@@ -85,14 +85,7 @@ pub(super) enum TenantOp {
         amount: u64,
         limit: u64,
     },
-    HoldSlots {
-        counter: CounterKey,
-        holder: String,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
-    },
+    HoldSlots(iop_core::tenant::slots::SlotAsk),
     GiveBack {
         counter: CounterKey,
         holder: String,
@@ -128,9 +121,8 @@ impl TenantOp {
                         .map(|m| 32 + m.len())
                         .sum::<usize>()
             }
-            TenantOp::HoldSlots { holder, .. } | TenantOp::GiveBack { holder, .. } => {
-                64 + holder.len()
-            }
+            TenantOp::HoldSlots(ask) => 64 + ask.holder.len(),
+            TenantOp::GiveBack { holder, .. } => 64 + holder.len(),
             TenantOp::Claim { .. } | TenantOp::Sweep { .. } => 0,
         }
     }
@@ -246,21 +238,14 @@ pub(super) fn apply(txn: &WriteTransaction, op: TenantOp) -> Result<TenantReply,
             }
             Ok(TenantReply::Claimed(granted))
         }
-        TenantOp::HoldSlots {
-            counter,
-            holder,
-            want,
-            limit,
-            now_unix_ms,
-            lease_ms,
-        } => {
-            let key = encode("a gauge", &counter)?;
+        TenantOp::HoldSlots(ask) => {
+            let key = encode("a gauge", &ask.counter)?;
             let mut table = txn.open_table(SLOTS)?;
             let mut book: iop_core::tenant::slots::SlotBook = match table.get(key.as_slice())? {
                 Some(v) => decode("a gauge", v.value())?,
                 None => Default::default(),
             };
-            let held = book.hold(&holder, want, limit, now_unix_ms, lease_ms);
+            let held = book.hold_ask(&ask);
             if book.holders.is_empty() {
                 table.remove(key.as_slice())?;
             } else {
@@ -555,21 +540,9 @@ impl TenantStore for EmbeddedTenantStore {
 
     fn hold_slots(
         &self,
-        counter: CounterKey,
-        holder: String,
-        want: u64,
-        limit: u64,
-        now_unix_ms: u64,
-        lease_ms: u64,
+        ask: iop_core::tenant::slots::SlotAsk,
     ) -> BoxFuture<'_, Result<u64, TenantStoreError>> {
-        let answer = self.write(TenantOp::HoldSlots {
-            counter,
-            holder,
-            want,
-            limit,
-            now_unix_ms,
-            lease_ms,
-        });
+        let answer = self.write(TenantOp::HoldSlots(ask));
         Box::pin(async move {
             match answer.await? {
                 TenantReply::SlotsHeld(held) => Ok(held),
