@@ -477,6 +477,7 @@ mod tests {
                         | PlantedBug::AdoptWithoutOwnerWait
                         | PlantedBug::RenewingLeaseExpired
                         | PlantedBug::ReplayStaleEvidence
+                        | PlantedBug::EndedTextNotCharged
                 )
             );
         }
