@@ -38,8 +38,8 @@ use iop_wire::RunKey;
 
 use crate::edge::dispatch::ParkedOffer;
 use crate::edge::durable::{
-    JournaledUse, NotContinuable, ResumedAnswer, TakeoverRefusal, journaled_use, resumed_answer,
-    takeover_resume_point,
+    JournaledUse, NotContinuable, ResumedAnswer, TakeoverRefusal, journaled_terminal,
+    journaled_use, resumed_answer, takeover_resume_point,
 };
 use crate::journal::{
     JournalError, JournalEvent, LeaseState, MAX_TRACKED_EDGES, NO_OWNER, Orphan, RecordMeta,
@@ -1016,6 +1016,12 @@ impl Custody {
         };
         // R-TEN-2: what the answer is charged if it ends here.
         let charge = Some(journaled_use(&events)).filter(|u| *u != JournaledUse::default());
+        // R-TAKE-1: an answer whose end is journaled (its writer died
+        // before the record's terminal) ends as its journal says.
+        if let Some(terminal) = journaled_terminal(&events) {
+            let not_continued = continued.then_some(NotContinuable::Ended);
+            return self.finish_as(id, meta, not_continued, charge, Some(terminal));
+        }
         if !continued {
             return self.finish(id, meta, None, charge);
         }
@@ -1042,6 +1048,19 @@ impl Custody {
         not_continued: Option<NotContinuable>,
         charge: Option<JournaledUse>,
     ) {
+        self.finish_as(id, meta, not_continued, charge, None);
+    }
+
+    /// [`Self::finish`] with `terminal` in place of `incomplete` when the
+    /// journal already holds the answer's end.
+    fn finish_as(
+        &mut self,
+        id: &str,
+        meta: RecordMeta,
+        not_continued: Option<NotContinuable>,
+        charge: Option<JournaledUse>,
+        terminal: Option<Terminal>,
+    ) {
         let Some(task) = self.tasks.get_mut(id) else {
             return;
         };
@@ -1059,12 +1078,12 @@ impl Custody {
         self.push(StoreOp::Finish {
             id: id.to_owned(),
             epoch,
-            terminal: Terminal {
+            terminal: terminal.unwrap_or(Terminal {
                 status: RecordStatus::Incomplete,
                 reason: Some(reason.to_owned()),
                 message: None,
                 at_unix_ms: 0,
-            },
+            }),
         });
     }
 

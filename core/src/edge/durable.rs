@@ -361,6 +361,24 @@ pub fn resumed_answer(events: &[JournalEvent]) -> Result<ResumedAnswer, NotConti
     Ok(resumed)
 }
 
+/// The end the journal `events` (the record's, in order) already hold,
+/// if its writer journaled the answer's last delivery and died before
+/// writing the record's terminal (R-TAKE-1, R-JRN-3): the terminal that
+/// delivery stands for ([`terminal_of`]; a run's `Completed` event stands
+/// for a completed answer). A takeover ends such a record with it, never
+/// `incomplete`: the answer is whole in the journal.
+pub fn journaled_terminal(events: &[JournalEvent]) -> Option<Terminal> {
+    events.iter().find_map(|event| {
+        let delivery = decode_delivery(&event.payload)?;
+        match delivery {
+            Delivery::Event(iop_wire::RunEventKind::Completed { .. }) => {
+                terminal_of(&Delivery::Finish)
+            }
+            other => terminal_of(&other),
+        }
+    })
+}
+
 /// What a record's journal holds that its answer is charged by when no
 /// run of it settles (R-TEN-2): a takeover ends it `incomplete` without
 /// running it ([`crate::edge::custody::CustodyOutput::Charge`]).

@@ -899,3 +899,35 @@ fn r_ten_2_an_adoption_on_a_route_that_does_not_continue_carries_the_answer_so_f
     assert_eq!(resumed[0].as_ref().map(|r| r.text.as_str()), Some("ab"));
     assert!(charges(&out).is_empty(), "its request charges it");
 }
+
+#[test]
+fn r_take_1_an_orphan_whose_end_is_journaled_ends_as_the_journal_says_not_incomplete() {
+    // Its writer journaled the answer's end and died before writing the
+    // record's terminal: the answer is whole in the journal.
+    for continuable in [true, false] {
+        let mut store = Store {
+            continuable,
+            ..Store::default()
+        };
+        store.add(record("r1", ME), &["a", "b"]);
+        let (meta, events) = store.records.get_mut("r1").expect("r1");
+        events.push(JournalEvent {
+            seq: 3,
+            payload: encode_entry(&Delivery::Finish, None),
+        });
+        meta.last_seq = 3;
+        let mut custody = Custody::new(ms(0), config(continuable));
+        tick(&mut custody, &mut store, ms(0));
+        let out = tick(&mut custody, &mut store, ms(30_000));
+        assert_eq!(
+            status(&store, "r1"),
+            RecordStatus::Completed,
+            "continuable {continuable}: {out:?}"
+        );
+        assert!(
+            !out.iter()
+                .any(|o| matches!(o, CustodyOutput::Continue { .. })),
+            "never run again"
+        );
+    }
+}
