@@ -232,10 +232,8 @@ pub(super) struct EdgeTenants {
 /// An admitted request's hold on its tenant's limits.
 #[derive(Debug, Clone)]
 struct Ticket {
-    /// Its key (an index into the profile's keys).
-    key: usize,
-    /// Its prompt's bytes.
-    prompt_bytes: u64,
+    /// Its key, prompt's bytes and model.
+    terms: RecordTerms,
     /// The usage its answer reported so far.
     used: Option<TokenUse>,
     /// Its first reservation: its admission's or its adoption's (a
@@ -248,8 +246,6 @@ struct Ticket {
     /// The subjects with a concurrency limit it was admitted to on this
     /// Edge's local share (the store taken as down for them).
     local: Vec<Subject>,
-    /// Its model.
-    model: String,
     /// Its durable record.
     record: Option<String>,
     /// The durable answer's completion it delivered: its usage.
@@ -270,7 +266,7 @@ impl SimTenancy {
     /// Whether `ticket` is held to `subject`'s concurrency limit as a
     /// takeover holds it: its key's and its principal's, not per model.
     fn ticket_is_of(&self, ticket: &Ticket, subject: &Subject) -> bool {
-        let (key, p, _) = &self.profile.keys[ticket.key];
+        let (key, p, _) = &self.profile.keys[ticket.terms.key];
         match subject {
             Subject::Key(k) => k == key,
             Subject::Principal(principal) => *principal == self.profile.principals[*p].0,
@@ -477,14 +473,16 @@ impl World {
             et.tickets.insert(
                 rid,
                 Ticket {
-                    key,
-                    prompt_bytes,
+                    terms: RecordTerms {
+                        key,
+                        prompt_bytes,
+                        model,
+                    },
                     used: None,
                     first: true,
                     attempts: 0,
                     calls: 0,
                     local,
-                    model,
                     record: None,
                     completed: None,
                     unmetered: Unmetered::default(),
@@ -610,7 +608,9 @@ impl World {
         let Some(ticket) = et.tickets.get(&rid).cloned() else {
             return RequestInput::AttemptReserved;
         };
-        let principal = t.profile.principals[t.profile.keys[ticket.key].1].0.clone();
+        let principal = t.profile.principals[t.profile.keys[ticket.terms.key].1]
+            .0
+            .clone();
         let reserved =
             et.machine
                 .machine_mut()
@@ -748,11 +748,7 @@ impl World {
             return;
         };
         ticket.record = Some(record.to_owned());
-        let terms = RecordTerms {
-            key: ticket.key,
-            prompt_bytes: ticket.prompt_bytes,
-            model: ticket.model.clone(),
-        };
+        let terms = ticket.terms.clone();
         if let Some(t) = self.tenancy.as_mut() {
             t.records.insert(record.to_owned(), terms);
         }
@@ -813,15 +809,13 @@ impl World {
         et.tickets.insert(
             rid,
             Ticket {
-                key: terms.key,
-                prompt_bytes: terms.prompt_bytes,
+                terms,
                 used: None,
                 first: adopted,
                 attempts: 0,
                 // An adoption is a call of its own, made by its Edge.
                 calls: u32::from(adopted),
                 local: Vec::new(),
-                model: terms.model,
                 record: Some(record.to_owned()),
                 completed: None,
                 unmetered: Unmetered::default(),
@@ -891,7 +885,9 @@ impl World {
             .as_ref()
             .and_then(|e| e.tenants.as_ref())
             .and_then(|et| et.tickets.get(&rid))
-            .map_or(0, |t| iop_core::tenant::prompt_tokens_max(t.prompt_bytes))
+            .map_or(0, |t| {
+                iop_core::tenant::prompt_tokens_max(t.terms.prompt_bytes)
+            })
     }
 
     /// The prompt's tokens of durable record `record`'s request, as a
@@ -1071,7 +1067,7 @@ impl World {
         let et = self.edges[self.cur].as_mut()?.tenants.as_mut()?;
         let ticket = et.tickets.get_mut(&rid)?;
         ticket.calls += 1;
-        let (calls, prompt) = (ticket.calls, ticket.prompt_bytes);
+        let (calls, prompt) = (ticket.calls, ticket.terms.prompt_bytes);
         let held = et.machine.machine().reservations_of(rid);
         if held < calls {
             let detail = format!(
@@ -1118,7 +1114,9 @@ impl World {
         let Some(ticket) = et.tickets.remove(&rid) else {
             return;
         };
-        let principal = t.profile.principals[t.profile.keys[ticket.key].1].0.clone();
+        let principal = t.profile.principals[t.profile.keys[ticket.terms.key].1]
+            .0
+            .clone();
         let held: Vec<(CounterKey, u64)> = et.machine.machine().held_by(rid).to_vec();
         let counters: BTreeSet<&CounterKey> = held.iter().map(|(c, _)| c).collect();
         let before: BTreeMap<&CounterKey, u64> = counters
@@ -1196,7 +1194,7 @@ impl World {
                 // R-TEN-2: a request that delivered text with no usage
                 // report is charged its prompt too (an ephemeral one: a
                 // durable one whose record was taken charges nothing).
-                let prompt = iop_core::tenant::prompt_tokens_max(ticket.prompt_bytes);
+                let prompt = iop_core::tenant::prompt_tokens_max(ticket.terms.prompt_bytes);
                 if ticket.record.is_none()
                     && ticket.used.is_none()
                     && ticket.text
@@ -1227,7 +1225,7 @@ impl World {
                         ));
                     }
                 }
-                let key_subject = Subject::Key(t.profile.keys[ticket.key].0.clone());
+                let key_subject = Subject::Key(t.profile.keys[ticket.terms.key].0.clone());
                 for subject in [key_subject, Subject::Principal(principal.clone())] {
                     *t.recorded.entry(subject).or_default() += totals.spend_micros;
                 }
@@ -1246,7 +1244,7 @@ impl World {
                     }
                     if totals.input_tokens < reported.prompt_tokens
                         || totals.output_tokens < reported.completion_tokens
-                        || row.key != t.profile.keys[ticket.key].0
+                        || row.key != t.profile.keys[ticket.terms.key].0
                     {
                         fail.push((
                             "R-TEN-2",
