@@ -555,8 +555,20 @@ impl Driver {
                 // R-TEN-2: what no usage report covers (a cut attempt's
                 // prompt and text) is charged by its estimate, with what
                 // the answer reported.
+                let machine = self.machine.machine();
+                // A tunnelled answer's usage, read from the provider's
+                // bytes: no delivery carried it.
+                let relayed = machine.relayed_usage();
+                if let Some(usage) = relayed {
+                    self.in_flight
+                        .view()
+                        .delivered(&iop_wire::RunEventKind::Usage(usage));
+                }
                 if let Some(tenant) = &self.work.tenant {
-                    tenant.record_unmetered(self.machine.machine().unmetered());
+                    if let Some(usage) = &relayed {
+                        tenant.record(usage);
+                    }
+                    tenant.record_unmetered(machine.unmetered());
                 }
                 return;
             }

@@ -21,4 +21,5 @@ pub mod prompt_estimate;
 pub mod registry;
 pub mod request;
 pub mod store_reads;
+pub mod tunnel_meter;
 pub mod whole_answer;

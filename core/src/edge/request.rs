@@ -53,9 +53,7 @@
 
 use std::collections::VecDeque;
 
-use iop_wire::{
-    AdapterKind, ExecutionFailure, FailureCode, ProviderTunnelFrame, RunEventKind, RunKey, Usage,
-};
+use iop_wire::{ExecutionFailure, FailureCode, ProviderTunnelFrame, RunEventKind, RunKey, Usage};
 
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
 pub use crate::edge::delivery::{Delivery, ProviderFault, ProviderSaid};
@@ -68,6 +66,8 @@ use crate::edge::gate::{
     AdmissionFailure, AttemptEvent, AttemptFrame, AttemptId, GateBudget, GateEvent, GateFailure,
     GateInput, GateOutput, StreamGate, failure_may_fail_over,
 };
+pub use crate::edge::tunnel_meter::TunnelApi;
+use crate::edge::tunnel_meter::TunnelMeter;
 use crate::ids::ProviderId;
 use crate::journal::{JournalError, RecordStatus, Terminal};
 #[cfg(feature = "planted-bugs")]
@@ -88,35 +88,6 @@ pub const MAX_HELD_BYTES: usize = 1024 * 1024;
 /// Bytes counted per held delivery on top of its payload (the enum and
 /// queue slot), so that many empty items also reach the bound.
 const HELD_ITEM_OVERHEAD: usize = 64;
-
-/// The provider API a raw client request speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TunnelApi {
-    /// OpenAI (`/v1/...`): `openai` and `mock` adapters.
-    OpenAi,
-    /// Ollama (`/api/...`): `ollama` adapters.
-    Ollama,
-    /// Anthropic's Messages API (`/v1/messages`): `anthropic` adapters,
-    /// and the OpenAI-compatible servers that also serve it (vLLM,
-    /// llama.cpp's server; the mock).
-    Messages,
-}
-
-impl TunnelApi {
-    /// Can a provider of `adapter` take this raw request?
-    pub fn spoken_by(self, adapter: AdapterKind) -> bool {
-        matches!(
-            (self, adapter),
-            (TunnelApi::OpenAi, AdapterKind::OpenAi | AdapterKind::Mock)
-                | (TunnelApi::Ollama, AdapterKind::Ollama)
-                | (
-                    TunnelApi::Messages,
-                    AdapterKind::Anthropic | AdapterKind::OpenAi | AdapterKind::Mock
-                )
-        )
-    }
-}
 
 /// What a [`Request`] is created with.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -494,6 +465,9 @@ pub struct Request {
     usage_carry: Option<Usage>,
     /// Usage the current attempt reported so far.
     attempt_usage: Option<Usage>,
+    /// What the current attempt's tunnelled answer used, read from the
+    /// bytes relayed (R-TEN-2): set by its success head.
+    tunnel_meter: Option<TunnelMeter>,
     /// Where the current attempt's text begins in `delivered_text`.
     attempt_text_from: usize,
     /// Estimated output tokens of the attempts before the current one
@@ -568,6 +542,7 @@ impl Request {
             continuing: false,
             usage_carry: None,
             attempt_usage: None,
+            tunnel_meter: None,
             attempt_text_from: 0,
             unmetered_output_tokens: 0,
             attempt_accepted: false,
@@ -1054,6 +1029,11 @@ impl Request {
         self.unmetered_output_tokens = self.unmetered_output_tokens.saturating_add(ended.output);
         self.attempt_accepted = false;
         self.attempt_text_from = self.delivered_text.len();
+        // A tunnelled attempt's report, read from its bytes, is the
+        // answer's with the next attempt's (R-CONT-1).
+        if self.tunnel_meter.take().is_some() {
+            self.usage_carry = sum_usage(self.usage_carry, self.attempt_usage.take());
+        }
     }
 
     /// What the current attempt used that no usage report covers, so far.
@@ -1061,9 +1041,14 @@ impl Request {
         if self.attempt_usage.is_some() {
             return Unmetered::default();
         }
+        let meter = self.tunnel_meter.as_ref();
         Unmetered {
+            // A prompt the provider already counted (a Messages stream's
+            // start) is charged as counted.
             input: if self.attempt_accepted {
-                self.attempt_input_tokens
+                meter
+                    .and_then(TunnelMeter::reported_input)
+                    .unwrap_or(self.attempt_input_tokens)
             } else {
                 0
             },
@@ -1071,8 +1056,22 @@ impl Request {
                 self.delivered_text
                     .get(self.attempt_text_from..)
                     .unwrap_or_default(),
-            ),
+            )
+            .saturating_add(meter.map_or(0, TunnelMeter::output_estimate)),
         }
+    }
+
+    /// The usage a tunnelled answer's provider reported in its own format
+    /// (read by the request's [`TunnelMeter`]), with the earlier attempts'
+    /// (R-TEN-2, R-CONT-1): no delivery carries it, as the client reads
+    /// the provider's bytes, so the request settles with it. `None` when
+    /// the last attempt was not a tunnel answering with success, or its
+    /// provider reported nothing (its use is then estimated:
+    /// [`Self::unmetered`]).
+    pub fn relayed_usage(&self) -> Option<Usage> {
+        self.tunnel_meter.as_ref()?;
+        self.attempt_usage?;
+        sum_usage(self.usage_carry, self.attempt_usage)
     }
 
     /// The tokens no provider's usage report covers (R-TEN-2), a direct
@@ -1614,6 +1613,12 @@ impl Request {
                         if let Phase::Running { head_seen, .. } = &mut self.phase {
                             *head_seen = true;
                         }
+                        // R-TEN-2: a success's body says what it used.
+                        if let Some(api) = self.spec.tunnel_api
+                            && (200..300).contains(&status)
+                        {
+                            self.tunnel_meter = Some(TunnelMeter::from_head(api, &headers));
+                        }
                         let head = Delivery::Commit {
                             tunnel_head: Some((status, headers)),
                         };
@@ -1626,9 +1631,13 @@ impl Request {
                         }
                     }
                     ProviderTunnelFrame::Body(bytes) => {
+                        self.meter_tunnel(|meter| meter.feed(&bytes));
                         self.relay(now, attempt, Delivery::Body(bytes), class);
                     }
-                    ProviderTunnelFrame::End => self.await_verdict(attempt, None, terminal(None)),
+                    ProviderTunnelFrame::End => {
+                        self.meter_tunnel(TunnelMeter::finish);
+                        self.await_verdict(attempt, None, terminal(None));
+                    }
                     ProviderTunnelFrame::Failure(f) => {
                         let code = Some(f.code);
                         self.await_verdict(attempt, code, terminal(Some(f)));
@@ -1659,6 +1668,17 @@ impl Request {
             // the node's protocol error.
             (NodeFrame::Tunnel(_), false) | (NodeFrame::Run(_), true) => {
                 self.fail_attempt_malformed(now, attempt);
+            }
+        }
+    }
+
+    /// Read a tunnelled answer's bytes (R-TEN-2): a usage its provider
+    /// reported is the attempt's.
+    fn meter_tunnel(&mut self, read: impl FnOnce(&mut TunnelMeter)) {
+        if let Some(meter) = self.tunnel_meter.as_mut() {
+            read(meter);
+            if let Some(usage) = meter.usage() {
+                self.attempt_usage = Some(usage);
             }
         }
     }

@@ -2869,3 +2869,141 @@ fn r_ten_2_a_request_whose_record_was_taken_charges_nothing() {
         "the Edge that took it charges"
     );
 }
+
+/// A tunnel request of prompt 100 running on p0, its success head with
+/// `content_type` taken.
+fn tunnel_running(api: TunnelApi, content_type: &str) -> (Request, Lease) {
+    let mut s = single(spec(Some(api), &["p0"]));
+    s.prompt_tokens = 100;
+    let mut r = Request::new(t(0), s);
+    let adapter = match api {
+        TunnelApi::OpenAi => AdapterKind::OpenAi,
+        TunnelApi::Messages => AdapterKind::Anthropic,
+        TunnelApi::Ollama => AdapterKind::Ollama,
+    };
+    let l = lease(1, "p0", adapter);
+    running(&mut r, &l);
+    r.handle_input(
+        t(2),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+            status: 200,
+            headers: vec![("Content-Type".to_owned(), content_type.to_owned())],
+        })),
+    );
+    (r, l)
+}
+
+fn tunnel_body(r: &mut Request, at: u64, bytes: &str) {
+    r.handle_input(
+        t(at),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Body(
+            bytes.as_bytes().to_vec(),
+        ))),
+    );
+}
+
+fn tunnel_end(r: &mut Request, l: &Lease) {
+    r.handle_input(
+        t(20),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::End)),
+    );
+    r.handle_input(
+        t(21),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(l),
+        }),
+    );
+    drain(r);
+    assert!(r.is_ended());
+}
+
+#[test]
+fn r_ten_2_a_tunnelled_answer_settles_with_the_usage_its_provider_reported_in_its_bytes() {
+    let (mut r, l) = tunnel_running(TunnelApi::OpenAi, "text/event-stream");
+    tunnel_body(
+        &mut r,
+        3,
+        "data: {\"choices\":[{\"delta\":{\"content\":\"Hello there\"}}],\"usage\":null}\n\n",
+    );
+    assert_eq!(r.relayed_usage(), None, "not reported yet");
+    assert_eq!(
+        r.unmetered(),
+        unmetered(100, 3),
+        "so far: its prompt and text"
+    );
+    tunnel_body(
+        &mut r,
+        4,
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":31,\"completion_tokens\":2}}\n\ndata: [DONE]\n\n",
+    );
+    tunnel_end(&mut r, &l);
+    assert_eq!(r.relayed_usage(), Some(Usage::tokens(31, 2)));
+    assert_eq!(
+        r.unmetered(),
+        unmetered(0, 0),
+        "the report replaces the estimates"
+    );
+}
+
+#[test]
+fn r_ten_2_a_tunnelled_answer_without_a_report_is_charged_its_prompt_and_text_estimated() {
+    let (mut r, l) = tunnel_running(TunnelApi::OpenAi, "text/event-stream");
+    tunnel_body(
+        &mut r,
+        3,
+        "data: {\"choices\":[{\"delta\":{\"content\":\"abcdefghijkl\"}}]}\n\ndata: [DONE]\n\n",
+    );
+    tunnel_end(&mut r, &l);
+    assert_eq!(r.relayed_usage(), None);
+    assert_eq!(r.unmetered(), unmetered(100, 3));
+}
+
+#[test]
+fn r_ten_2_a_cut_messages_tunnel_is_charged_the_prompt_its_provider_counted() {
+    let (mut r, _) = tunnel_running(TunnelApi::Messages, "text/event-stream");
+    tunnel_body(
+        &mut r,
+        3,
+        concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":",
+            "{\"input_tokens\":30,\"cache_read_input_tokens\":10,\"output_tokens\":1}}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",",
+            "\"delta\":{\"type\":\"text_delta\",\"text\":\"12345678\"}}\n\n"
+        ),
+    );
+    // The node is lost mid-answer: a tunnel is never continued.
+    r.handle_input(t(5), RequestInput::StreamEnded);
+    drain(&mut r);
+    assert!(r.is_ended());
+    assert_eq!(r.relayed_usage(), None);
+    assert_eq!(r.unmetered(), unmetered(40, 2));
+}
+
+#[test]
+fn r_ten_2_a_tunnel_s_error_answer_is_not_read_as_usage() {
+    let mut s = single(spec(Some(TunnelApi::OpenAi), &["p0"]));
+    s.prompt_tokens = 100;
+    let mut r = Request::new(t(0), s);
+    let l = lease(1, "p0", AdapterKind::OpenAi);
+    running(&mut r, &l);
+    r.handle_input(
+        t(2),
+        RequestInput::Frame(NodeFrame::Tunnel(ProviderTunnelFrame::Head {
+            status: 400,
+            headers: vec![("content-type".to_owned(), "application/json".to_owned())],
+        })),
+    );
+    tunnel_body(
+        &mut r,
+        3,
+        "{\"error\":{\"message\":\"bad\"},\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":5}}",
+    );
+    tunnel_end(&mut r, &l);
+    assert_eq!(r.relayed_usage(), None);
+    assert_eq!(
+        r.unmetered(),
+        unmetered(0, 0),
+        "refused: nothing read, nothing made"
+    );
+}

@@ -1,0 +1,281 @@
+//! A tunnelled answer is charged what its provider reported in its own
+//! format (R-TEN-2): the Edge relays the provider's bytes and reads the
+//! usage from them (OpenAI's `usage`, the Responses API's
+//! `response.completed`, the Messages API's `message_start` and
+//! `message_delta`, Ollama's counts), over real HTTP and real QUIC. The
+//! usage rows must hold exactly what each client was told; an answer
+//! without a report is charged its text's estimate.
+
+mod common;
+
+use common::*;
+use iop_edge::server::RunningEdge;
+use iop_node::mock::{MockScript, MockServer};
+use serde_json::{Value, json};
+
+/// One key per case, each of its own principal (so each has its row).
+const CASES: [&str; 6] = [
+    "whole",
+    "stream",
+    "unreported",
+    "messages",
+    "ollama",
+    "responses",
+];
+
+fn secret(case: &str) -> String {
+    format!("sk-tunnel-{case}-0123456789")
+}
+
+struct Deployment {
+    edge: RunningEdge,
+    _node: iop_node::RunningNode,
+    _mock: MockServer,
+    _pki: Pki,
+}
+
+async fn deployment() -> Deployment {
+    let pki = Pki::new(&["node-1"]);
+    let mut keys = String::new();
+    for (i, case) in CASES.iter().enumerate() {
+        write_secret(&pki.path().join(case), &secret(case));
+        keys.push_str(&format!(
+            "[[api_keys]]\nprincipal = \"team-{case}\"\nkey_file = \"{case}\"\nadmin = {}\n",
+            i == 0
+        ));
+    }
+    let mock = MockServer::start(MockScript {
+        tokens: 13,
+        ..MockScript::default()
+    })
+    .await
+    .unwrap();
+    let extra = format!(
+        r#"
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+mode = "tunnel"
+target = "t"
+[[providers]]
+id = "p2"
+node = "node-1"
+adapter = "ollama"
+mode = "tunnel"
+target = "o"
+[[routes]]
+model = "m"
+providers = ["p1"]
+[[routes]]
+model = "om"
+providers = ["p2"]
+[[prices]]
+model = "m"
+input_per_mtok = 1000000
+output_per_mtok = 2000000
+{keys}"#
+    );
+    let edge = RunningEdge::start(edge_config(&pki, 0, &extra))
+        .await
+        .unwrap();
+    let node = start_node(
+        &pki,
+        "node-1",
+        edge.quic_addr,
+        &format!(
+            "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{0}\"\n\
+             [[providers]]\nadapter = \"ollama\"\ntarget = \"o\"\nbase_url = \"{0}\"\n",
+            mock.base_url()
+        ),
+    );
+    ready_generation(&edge, "node-1").await;
+    Deployment {
+        edge,
+        _node: node,
+        _mock: mock,
+        _pki: pki,
+    }
+}
+
+async fn post(d: &Deployment, case: &str, path: &str, body: Value) -> String {
+    let r = reqwest::Client::new()
+        .post(format!("http://{}{path}", d.edge.http_addr))
+        .bearer_auth(secret(case))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{case}");
+    r.text().await.unwrap()
+}
+
+/// Every JSON object of an SSE or NDJSON body.
+fn events(body: &str) -> Vec<Value> {
+    body.lines()
+        .map(|l| l.strip_prefix("data: ").unwrap_or(l))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The (input, output) tokens of a principal's usage rows, once written.
+async fn charged(d: &Deployment, case: &str) -> (u64, u64) {
+    for _ in 0..100 {
+        let r = reqwest::Client::new()
+            .get(format!(
+                "http://{}/admin/usage?principal=team-{case}",
+                d.edge.http_addr
+            ))
+            .bearer_auth(secret(CASES[0]))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        let total = &body["total"];
+        if total["requests"] == 1 {
+            return (
+                total["input_tokens"].as_u64().unwrap(),
+                total["output_tokens"].as_u64().unwrap(),
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("team-{case}'s usage was never written");
+}
+
+fn tokens(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("a count: {v}"))
+}
+
+#[tokio::test]
+async fn r_ten_2_a_tunnelled_answer_is_charged_the_usage_its_provider_reported() {
+    bounded(async {
+        let d = deployment().await;
+        let chat = |stream: bool, usage: bool| {
+            let mut body = json!({
+                "model": "m",
+                "max_tokens": 50,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "tell me something, briefly"}],
+            });
+            if usage {
+                body["stream_options"] = json!({"include_usage": true});
+            }
+            body
+        };
+        let mut expected = Vec::new();
+
+        // A whole answer: its `usage`.
+        let answer: Value = serde_json::from_str(
+            &post(&d, "whole", "/v1/chat/completions", chat(false, false)).await,
+        )
+        .unwrap();
+        let u = &answer["usage"];
+        expected.push((
+            "whole",
+            tokens(&u["prompt_tokens"]),
+            tokens(&u["completion_tokens"]),
+        ));
+
+        // A stream with `include_usage`: its last chunk's.
+        let body = post(&d, "stream", "/v1/chat/completions", chat(true, true)).await;
+        let last = events(&body)
+            .into_iter()
+            .rfind(|e| e["usage"].is_object())
+            .expect("a usage chunk");
+        let u = &last["usage"];
+        expected.push((
+            "stream",
+            tokens(&u["prompt_tokens"]),
+            tokens(&u["completion_tokens"]),
+        ));
+
+        // A stream without: its text, estimated (4 characters a token).
+        let body = post(&d, "unreported", "/v1/chat/completions", chat(true, false)).await;
+        let chars: usize = events(&body)
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .map(|t| t.chars().count())
+            .sum();
+        assert!(chars > 0, "{body}");
+        let (input, output) = charged(&d, "unreported").await;
+        assert_eq!(output, (chars as u64).div_ceil(4), "the text's estimate");
+        assert!(input > 0, "its prompt, estimated");
+
+        // The Messages API, streamed: `message_start`'s prompt,
+        // `message_delta`'s output.
+        let body = post(
+            &d,
+            "messages",
+            "/v1/messages",
+            json!({
+                "model": "m",
+                "max_tokens": 50,
+                "stream": true,
+                "messages": [{"role": "user", "content": "hello"}],
+            }),
+        )
+        .await;
+        let sse = events(&body);
+        let start = sse
+            .iter()
+            .find(|e| e["type"] == "message_start")
+            .expect("message_start");
+        let delta = sse
+            .iter()
+            .rfind(|e| e["type"] == "message_delta")
+            .expect("message_delta");
+        let u = &start["message"]["usage"];
+        let input = tokens(&u["input_tokens"])
+            + u["cache_read_input_tokens"].as_u64().unwrap_or(0)
+            + u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
+        expected.push(("messages", input, tokens(&delta["usage"]["output_tokens"])));
+
+        // Ollama's chat, streamed as NDJSON: its last line's counts.
+        let body = post(
+            &d,
+            "ollama",
+            "/api/chat",
+            json!({"model": "om", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        let last = events(&body).pop().expect("a line");
+        assert_eq!(last["done"], true, "{body}");
+        expected.push((
+            "ollama",
+            tokens(&last["prompt_eval_count"]),
+            tokens(&last["eval_count"]),
+        ));
+
+        // The Responses API, streamed: `response.completed`'s.
+        let body = post(
+            &d,
+            "responses",
+            "/v1/responses",
+            json!({"model": "m", "input": "hello", "stream": true, "max_output_tokens": 50}),
+        )
+        .await;
+        let completed = events(&body)
+            .into_iter()
+            .find(|e| e["type"] == "response.completed")
+            .expect("response.completed");
+        let u = &completed["response"]["usage"];
+        expected.push((
+            "responses",
+            tokens(&u["input_tokens"]),
+            tokens(&u["output_tokens"]),
+        ));
+
+        for (case, input, output) in expected {
+            assert!(output > 0, "{case}: a report of some output");
+            assert_eq!(
+                charged(&d, case).await,
+                (input, output),
+                "{case}: as reported"
+            );
+        }
+        d.edge.shutdown().await;
+    })
+    .await;
+}
