@@ -416,9 +416,10 @@ impl JournaledUse {
 }
 
 /// What the journal `events` (a record's, in order) hold that its answer
-/// is charged by (R-TEN-2): the last usage journaled and the text after
-/// it, every text delta counted (a tool call or an event this build does
-/// not read does not stop the count: it is an estimate, never a refusal).
+/// is charged by (R-TEN-2): the last usage journaled and the output after
+/// it, every text, reasoning and tool-call delta counted (an event this
+/// build does not read does not stop the count: it is an estimate, never
+/// a refusal).
 pub fn journaled_use(events: &[JournalEvent]) -> JournaledUse {
     let mut usage = None;
     // Characters of the text after the last usage (the estimate is of
@@ -431,6 +432,13 @@ pub fn journaled_use(events: &[JournalEvent]) -> JournaledUse {
         match entry.delivery {
             Delivery::Event(iop_wire::RunEventKind::TextDelta(text)) => {
                 chars = chars.saturating_add(text.chars().count() as u64);
+            }
+            Delivery::Event(
+                event @ (iop_wire::RunEventKind::ReasoningDelta(_)
+                | iop_wire::RunEventKind::ToolCallDelta(_)),
+            ) => {
+                chars =
+                    chars.saturating_add(crate::edge::prompt_estimate::other_output_chars(&event));
             }
             Delivery::Event(iop_wire::RunEventKind::Usage(reported))
             | Delivery::Event(iop_wire::RunEventKind::Completed {
@@ -1509,6 +1517,48 @@ mod tests {
         let mut cancelled = failed.clone();
         cancelled.status = RecordStatus::Cancelled;
         assert!(ended_before_commit(&cancelled, 0));
+    }
+
+    /// R-TEN-2: an answer's journal is charged by all the output it
+    /// holds after its last usage report: text, reasoning and tool calls.
+    #[test]
+    fn r_ten_2_journaled_use_counts_reasoning_and_tool_calls_after_the_last_report() {
+        let journal = |deliveries: Vec<Delivery>| -> Vec<JournalEvent> {
+            deliveries
+                .iter()
+                .enumerate()
+                .map(|(i, d)| JournalEvent {
+                    seq: i as u64 + 1,
+                    payload: encode_entry(d, None),
+                })
+                .collect()
+        };
+        let call = Delivery::Event(RunEventKind::ToolCallDelta(iop_wire::ToolCallDelta {
+            index: 0,
+            id: Some("c".into()),
+            name: Some("get".into()),
+            arguments_delta: "{\"a\":1}".into(),
+        }));
+        let reasoning = Delivery::Event(RunEventKind::ReasoningDelta("thinking".into()));
+        // 5 + 8 + 3 + 7 characters: 23, 6 tokens.
+        let events = journal(vec![text("Hello"), reasoning.clone(), call.clone()]);
+        assert_eq!(
+            journaled_use(&events),
+            JournaledUse {
+                usage: None,
+                text_tokens: 6
+            }
+        );
+        // A report covers what came before it.
+        let report = Delivery::Event(RunEventKind::Usage(Usage::tokens(9, 4)));
+        let events = journal(vec![text("Hello"), reasoning, report, call]);
+        assert_eq!(
+            journaled_use(&events),
+            JournaledUse {
+                usage: Some(Usage::tokens(9, 4)),
+                text_tokens: 3
+            }
+        );
     }
 
     fn append_of(seqs: std::ops::RangeInclusive<u64>) -> JournalWrite {

@@ -43,6 +43,22 @@ pub fn text_tokens(text: &str) -> u64 {
     (text.chars().count() as u64).div_ceil(CHARS_PER_TOKEN)
 }
 
+/// The characters of output an event of a run carries besides its text:
+/// reasoning, a tool call's name and arguments. Counted with the text by
+/// the estimate of an output no usage report covers (R-TEN-2).
+pub fn other_output_chars(event: &iop_wire::RunEventKind) -> u64 {
+    let chars = |text: &str| text.chars().count() as u64;
+    match event {
+        iop_wire::RunEventKind::ReasoningDelta(text) => chars(text),
+        iop_wire::RunEventKind::ToolCallDelta(call) => call
+            .name
+            .as_deref()
+            .map_or(0, chars)
+            .saturating_add(chars(&call.arguments_delta)),
+        _ => 0,
+    }
+}
+
 /// The estimated prompt tokens of `messages` with `tools` declared.
 pub fn prompt_tokens(messages: &[ChatMessage], tools: &[ToolDefinition]) -> u64 {
     let mut chars: u64 = 0;

@@ -468,6 +468,9 @@ pub struct Request {
     /// What the current attempt's tunnelled answer used, read from the
     /// bytes relayed (R-TEN-2): set by its success head.
     tunnel_meter: Option<TunnelMeter>,
+    /// Characters of reasoning and tool calls the current attempt
+    /// delivered (R-TEN-2: estimated with its text when unreported).
+    attempt_other_chars: u64,
     /// Where the current attempt's text begins in `delivered_text`.
     attempt_text_from: usize,
     /// Estimated output tokens of the attempts before the current one
@@ -543,6 +546,7 @@ impl Request {
             usage_carry: None,
             attempt_usage: None,
             tunnel_meter: None,
+            attempt_other_chars: 0,
             attempt_text_from: 0,
             unmetered_output_tokens: 0,
             attempt_accepted: false,
@@ -979,8 +983,18 @@ impl Request {
     fn deliver(&mut self, mut delivery: Delivery) {
         match &mut delivery {
             Delivery::Event(RunEventKind::TextDelta(text)) => self.delivered_text.push_str(text),
-            // R-CONT-1: never continued while a tool call is partly out.
-            Delivery::Event(RunEventKind::ToolCallDelta(_)) => self.gate.set_continuation(false),
+            Delivery::Event(event @ RunEventKind::ToolCallDelta(_)) => {
+                // R-CONT-1: never continued while a tool call is partly out.
+                self.gate.set_continuation(false);
+                self.attempt_other_chars = self
+                    .attempt_other_chars
+                    .saturating_add(crate::edge::prompt_estimate::other_output_chars(event));
+            }
+            Delivery::Event(event @ RunEventKind::ReasoningDelta(_)) => {
+                self.attempt_other_chars = self
+                    .attempt_other_chars
+                    .saturating_add(crate::edge::prompt_estimate::other_output_chars(event));
+            }
             Delivery::Event(RunEventKind::Usage(usage)) => {
                 self.attempt_usage = Some(*usage);
                 if let Some(sum) = sum_usage(self.usage_carry, Some(*usage)) {
@@ -1029,6 +1043,7 @@ impl Request {
         self.unmetered_output_tokens = self.unmetered_output_tokens.saturating_add(ended.output);
         self.attempt_accepted = false;
         self.attempt_text_from = self.delivered_text.len();
+        self.attempt_other_chars = 0;
         // A tunnelled attempt's report, read from its bytes, is the
         // answer's with the next attempt's (R-CONT-1).
         if self.tunnel_meter.take().is_some() {
@@ -1052,11 +1067,13 @@ impl Request {
             } else {
                 0
             },
-            output: crate::edge::prompt_estimate::text_tokens(
+            output: text_chars(
                 self.delivered_text
                     .get(self.attempt_text_from..)
                     .unwrap_or_default(),
             )
+            .saturating_add(self.attempt_other_chars)
+            .div_ceil(crate::edge::prompt_estimate::CHARS_PER_TOKEN)
             .saturating_add(meter.map_or(0, TunnelMeter::output_estimate)),
         }
     }
@@ -1978,6 +1995,10 @@ fn provider_accepted(frame: &NodeFrame) -> bool {
 /// its attempts' together); `None` when neither reported any. A cache
 /// count is the sum of the counts reported: one attempt's alone when only
 /// it reported one (what is known, never invented).
+fn text_chars(text: &str) -> u64 {
+    text.chars().count() as u64
+}
+
 fn sum_usage(a: Option<Usage>, b: Option<Usage>) -> Option<Usage> {
     fn sum_reported(a: Option<u64>, b: Option<u64>) -> Option<u64> {
         match (a, b) {

@@ -1831,6 +1831,43 @@ fn r_ten_2_an_attempt_cut_without_usage_is_charged_by_an_estimate_of_its_text() 
 }
 
 #[test]
+fn r_ten_2_an_unreported_attempt_s_reasoning_and_tool_calls_are_estimated_with_its_text() {
+    let mut r = Request::new(t(0), continuing_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("tok0")));
+    r.handle_input(t(3), run(RunEventKind::ReasoningDelta("thinking".into())));
+    r.handle_input(
+        t(4),
+        run(RunEventKind::ToolCallDelta(iop_wire::ToolCallDelta {
+            index: 0,
+            id: Some("call_1".into()),
+            name: Some("get".into()),
+            arguments_delta: "{\"a\":1}".into(),
+        })),
+    );
+    drain(&mut r);
+    // 4 + 8 + 3 + 7 characters: 22, 6 tokens.
+    assert_eq!(r.unmetered_output_tokens(), 6);
+    r.handle_input(
+        t(5),
+        run(RunEventKind::Completed {
+            finish_reason: FinishReason::ToolCalls,
+            usage: Some(Usage::tokens(12, 9)),
+        }),
+    );
+    r.handle_input(
+        t(6),
+        RequestInput::Dispatch(RequestEvent::Terminal {
+            lease_id: l.lease_id,
+            verdict: applied(&l),
+        }),
+    );
+    drain(&mut r);
+    assert_eq!(r.unmetered_output_tokens(), 0, "reported");
+}
+
+#[test]
 fn r_ten_2_a_takeover_charges_the_answer_so_far_only_when_no_usage_covers_it() {
     let mut spec = durable_spec();
     spec.continuation = true;
