@@ -13,7 +13,9 @@
 //! the llama.cpp server's access log shows made no second call, a 401, a
 //! 404, a 400 and a rate-limited key's 429 as the SDK's classes), and the
 //! `openai` and `ollama` clients the Messages-only one
-//! (`real_provider/messages_e2e.py`).
+//! (`real_provider/messages_e2e.py`). Last, the same llama.cpp server in
+//! tunnel mode: its whole answer is charged the usage it reported in its
+//! own bytes, its stream (no report) its text's estimate (R-TEN-2).
 //!
 //! The Python environment is built by `scripts/provider-venv` (outside the
 //! checkout, cached); `IOP_PROVIDER_VENV` names it. Without it the test says
@@ -38,6 +40,12 @@ const VIA_MESSAGES: &str = "smollm2-via-messages";
 const LITELLM_KEY: &str = "sk-litellm-real-provider-0123";
 /// A key allowed one request a minute (the 429).
 const LIMITED_KEY: &str = "sk-real-provider-limited";
+/// A key of its own principal, for the answers of the server in tunnel
+/// mode, and the admin key that reads its usage.
+const TUNNELLED_KEY: &str = "sk-real-provider-tunnelled";
+const ADMIN_KEY: &str = "sk-real-provider-admin";
+/// The same llama.cpp server in tunnel mode.
+const TUNNELLED: &str = "smollm2-tunnelled";
 
 fn venv() -> Option<PathBuf> {
     let path = match std::env::var("IOP_PROVIDER_VENV") {
@@ -205,6 +213,8 @@ async fn official_clients_against_a_real_llama_cpp_server() {
     let pki = Pki::new(&["node-1"]);
     common::write_secret(&pki.path().join("key"), KEY);
     common::write_secret(&pki.path().join("limited"), LIMITED_KEY);
+    common::write_secret(&pki.path().join("tunnelled"), TUNNELLED_KEY);
+    common::write_secret(&pki.path().join("admin"), ADMIN_KEY);
     let edge = RunningEdge::start(edge_config(
         &pki,
         0,
@@ -217,7 +227,11 @@ async fn official_clients_against_a_real_llama_cpp_server() {
          [[providers]]\nid = \"litellm\"\nnode = \"node-1\"\nadapter = \"anthropic\"\ntarget = \"litellm\"\ncapacity = 2\ndiscover_models = false\n\
          [[routes]]\nmodel = \"smollm2-via-messages\"\nproviders = [\"litellm\"]\n\
          [[api_keys]]\nprincipal = \"t\"\nkey_file = \"key\"\n\
-         [[api_keys]]\nprincipal = \"limited\"\nkey_file = \"limited\"\nlimits = { requests_per_minute = 1 }\n"
+         [[providers]]\nid = \"llama-tunnel\"\nnode = \"node-1\"\nadapter = \"openai\"\nmode = \"tunnel\"\ntarget = \"llama-tunnel\"\ncapacity = 2\ndiscover_models = false\n\
+         [[routes]]\nmodel = \"smollm2-tunnelled\"\nproviders = [\"llama-tunnel\"]\n\
+         [[api_keys]]\nprincipal = \"limited\"\nkey_file = \"limited\"\nlimits = { requests_per_minute = 1 }\n\
+         [[api_keys]]\nprincipal = \"tunnelled\"\nkey_file = \"tunnelled\"\n\
+         [[api_keys]]\nprincipal = \"ops\"\nkey_file = \"admin\"\nadmin = true\n"
     ))
     .await
     .expect("edge");
@@ -228,7 +242,8 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         &format!(
             "[[providers]]\nadapter = \"openai\"\ntarget = \"llama\"\nbase_url = \"{url}\"\nstream_usage = false\nstructured_output = \"json_object_schema\"\n\
              [[providers]]\nadapter = \"openai\"\ntarget = \"llama-as-is\"\nbase_url = \"{url}\"\nstream_usage = false\n\
-             [[providers]]\nadapter = \"anthropic\"\ntarget = \"litellm\"\nbase_url = \"{litellm}\"\ncache_control = false\n",
+             [[providers]]\nadapter = \"anthropic\"\ntarget = \"litellm\"\nbase_url = \"{litellm}\"\ncache_control = false\n\
+             [[providers]]\nadapter = \"openai\"\ntarget = \"llama-tunnel\"\nbase_url = \"{url}\"\n",
             url = llama.base_url,
             litellm = litellm.base_url
         ),
@@ -311,8 +326,86 @@ async fn official_clients_against_a_real_llama_cpp_server() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    tunnelled_answers_are_charged_as_reported(&edge).await;
     node.shutdown().await.unwrap();
     edge.shutdown().await;
     let _ = litellm.child.kill().await;
     let _ = llama.child.kill().await;
+}
+
+/// R-TEN-2 in front of the real server in tunnel mode: its whole answer
+/// is charged the usage it reported (read by the Edge from the relayed
+/// bytes), its stream (which reports none here) its text's estimate.
+async fn tunnelled_answers_are_charged_as_reported(edge: &RunningEdge) {
+    wait_for(edge, "the tunnel-mode provider routable", |s| {
+        s.providers
+            .iter()
+            .any(|p| p.provider_id.as_str() == "llama-tunnel" && p.runtime_eligible)
+    })
+    .await;
+    let http = reqwest::Client::new();
+    let chat = |stream: bool| {
+        http.post(format!("http://{}/v1/chat/completions", edge.http_addr))
+            .bearer_auth(TUNNELLED_KEY)
+            .json(&serde_json::json!({
+                "model": TUNNELLED,
+                "max_tokens": 12,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "Name a colour."}],
+            }))
+            .send()
+    };
+    let whole: serde_json::Value = chat(false).await.unwrap().json().await.unwrap();
+    let reported = (
+        whole["usage"]["prompt_tokens"]
+            .as_u64()
+            .expect("a usage report"),
+        whole["usage"]["completion_tokens"]
+            .as_u64()
+            .expect("a usage report"),
+    );
+    let r = chat(true).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let chars: u64 = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|e| {
+            e["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .map(|t| t.chars().count() as u64)
+        .sum();
+    let mut total = serde_json::Value::Null;
+    for _ in 0..100 {
+        let usage: serde_json::Value = http
+            .get(format!(
+                "http://{}/admin/usage?principal=tunnelled",
+                edge.http_addr
+            ))
+            .bearer_auth(ADMIN_KEY)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        total = usage["total"].clone();
+        if total["requests"] == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(total["requests"], 2, "{total}");
+    assert_eq!(
+        total["output_tokens"].as_u64(),
+        Some(reported.1 + chars.div_ceil(4)),
+        "the whole answer's report and the stream's estimate: {total} ({reported:?}, {chars} characters)"
+    );
+    assert!(
+        total["input_tokens"].as_u64().unwrap() > reported.0,
+        "the report's prompt and the stream's estimate: {total}"
+    );
 }
