@@ -5,7 +5,10 @@
 //! * `admission_request_release`: one lease granted and released
 //!   (R-LEASE-2), with 0, 1,000 and 10,000 other leases held;
 //! * `overlay_apply`: one stall evidence and one CAPABILITIES verdict
-//!   applied to the runtime overlay (R-OVL-2, R-CAP-1), over 16 providers.
+//!   applied to the runtime overlay (R-OVL-2, R-CAP-1), over 16 providers;
+//! * `tunnel_meter`: one chunk of a tunnelled OpenAI stream read for its
+//!   usage by the Edge (R-TEN-2), beside `copy`, the same chunk copied as
+//!   the relay copies it (the baseline of the same run).
 //!
 //! Run: `cargo bench -p iop-bench --bench core`.
 
@@ -137,10 +140,41 @@ fn overlay_apply(c: &mut Criterion) {
     group.finish();
 }
 
+fn tunnel_meter(c: &mut Criterion) {
+    use iop_core::edge::request::TunnelApi;
+    use iop_core::edge::tunnel_meter::TunnelMeter;
+    // A streamed chunk of one token, as OpenAI-compatible servers send it.
+    let chunk = br#"data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}],"usage":null}
+
+"#;
+    let mut group = c.benchmark_group("tunnel_meter");
+    group.throughput(Throughput::Elements(BATCH));
+    group.bench_function("copy", |b| {
+        b.iter(|| {
+            for _ in 0..BATCH {
+                black_box(black_box(&chunk[..]).to_vec());
+            }
+        });
+    });
+    group.bench_function("read", |b| {
+        b.iter(|| {
+            let mut meter = TunnelMeter::new(TunnelApi::OpenAi, Some("text/event-stream"));
+            for _ in 0..BATCH {
+                let bytes = black_box(&chunk[..]).to_vec();
+                meter.feed(&bytes);
+                black_box(bytes);
+            }
+            assert_eq!(black_box(meter.output_estimate()), BATCH);
+        });
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
     watchdog_progress,
     admission_request_release,
-    overlay_apply
+    overlay_apply,
+    tunnel_meter
 );
 criterion_main!(benches);
