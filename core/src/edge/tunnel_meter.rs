@@ -354,6 +354,10 @@ fn chars(text: &str) -> u64 {
     text.chars().count() as u64
 }
 
+fn calls_chars(calls: &Option<Vec<ToolCall>>) -> u64 {
+    calls.iter().flatten().map(ToolCall::chars).sum()
+}
+
 /// Where the value of `key` (quoted) as an object's key begins in `json`,
 /// last first: the quoted key followed by `:`. Never inside a string: a
 /// string's quotes are escaped, so its text never holds `"key"`.
@@ -441,14 +445,7 @@ impl Message {
             Some(Nested::Text(text)) => chars(text),
             _ => 0,
         };
-        content
-            + self.thinking.as_deref().map_or(0, chars)
-            + self
-                .tool_calls
-                .iter()
-                .flatten()
-                .map(ToolCall::chars)
-                .sum::<u64>()
+        content + self.thinking.as_deref().map_or(0, chars) + calls_chars(&self.tool_calls)
     }
 }
 
@@ -485,12 +482,7 @@ impl Delta {
         .into_iter()
         .map(|t| t.as_deref().map_or(0, chars))
         .sum::<u64>()
-            + self
-                .tool_calls
-                .iter()
-                .flatten()
-                .map(ToolCall::chars)
-                .sum::<u64>()
+            + calls_chars(&self.tool_calls)
     }
 }
 
