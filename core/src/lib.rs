@@ -74,6 +74,8 @@
 //!   group commit. Every store runs them inside its own transactions.
 //! * [`retry`]: which failures another provider may answer (R-FAIL-1),
 //!   shared by the Node's `retryable` mark and the Edge's failover.
+//! * [`provider_usage`]: how each provider API's usage report reads,
+//!   shared by the Node's adapters and the Edge's tunnel meter (R-TEN-2).
 //! * `planted` (feature `planted-bugs`, test-only): known bugs a test can
 //!   switch on to prove that the simulator's invariants catch them.
 
@@ -88,6 +90,7 @@ pub mod machine;
 pub mod node;
 #[cfg(feature = "planted-bugs")]
 pub mod planted;
+pub mod provider_usage;
 pub mod retry;
 pub mod rng;
 pub mod tenant;

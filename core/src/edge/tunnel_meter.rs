@@ -24,6 +24,8 @@
 use iop_wire::{AdapterKind, Usage};
 use serde::Deserialize;
 
+use crate::provider_usage::{PromptCounting, ReportedCounts, UsageReport};
+
 use super::prompt_estimate::CHARS_PER_TOKEN;
 
 /// The longest streamed line (an SSE `data` line, an NDJSON object) the
@@ -86,19 +88,8 @@ pub struct TunnelMeter {
     text_chars: u64,
     /// Bytes of lines too long to parse.
     unread_bytes: u64,
-    reported: Reported,
+    reported: ReportedCounts,
     finished: bool,
-}
-
-/// The counts a provider reported so far, each as last reported.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Reported {
-    /// Prompt tokens: every one (OpenAI, Ollama) or the uncached ones
-    /// (the Messages API's `input_tokens`).
-    input: Option<u64>,
-    output: Option<u64>,
-    cache_read: Option<u64>,
-    cache_write: Option<u64>,
 }
 
 impl TunnelMeter {
@@ -123,7 +114,7 @@ impl TunnelMeter {
             body_bytes: 0,
             text_chars: 0,
             unread_bytes: 0,
-            reported: Reported::default(),
+            reported: ReportedCounts::default(),
             finished: false,
         }
     }
@@ -176,36 +167,22 @@ impl TunnelMeter {
 
     /// The usage the provider reported, once it gave the output.
     pub fn usage(&self) -> Option<Usage> {
-        let r = &self.reported;
-        let output = r.output?;
-        let input = r.input.unwrap_or(0);
-        let prompt_tokens = match self.api {
-            // The Messages API counts the cache's parts apart.
-            TunnelApi::Messages => input
-                .saturating_add(r.cache_read.unwrap_or(0))
-                .saturating_add(r.cache_write.unwrap_or(0)),
-            TunnelApi::OpenAi | TunnelApi::Ollama => input,
-        };
-        Some(Usage {
-            prompt_tokens,
-            completion_tokens: output,
-            cache_read_tokens: r.cache_read,
-            cache_write_tokens: r.cache_write,
-        })
+        self.reported.usage(self.counting())
     }
 
     /// The prompt tokens the provider reported before its output (a
     /// Messages stream's `message_start`), for an attempt cut before its
     /// usage was complete.
     pub fn reported_input(&self) -> Option<u64> {
-        let r = &self.reported;
-        let input = r.input?;
-        Some(match self.api {
-            TunnelApi::Messages => input
-                .saturating_add(r.cache_read.unwrap_or(0))
-                .saturating_add(r.cache_write.unwrap_or(0)),
-            TunnelApi::OpenAi | TunnelApi::Ollama => input,
-        })
+        self.reported.prompt_tokens(self.counting())
+    }
+
+    fn counting(&self) -> PromptCounting {
+        match self.api {
+            // The Messages API counts the cache's parts apart.
+            TunnelApi::Messages => PromptCounting::Parts,
+            TunnelApi::OpenAi | TunnelApi::Ollama => PromptCounting::Whole,
+        }
     }
 
     /// The output tokens estimated from what was read, for an answer
@@ -274,20 +251,20 @@ impl TunnelMeter {
 
     fn event(&mut self, event: Event) {
         if let Some(usage) = &event.usage {
-            self.usage_object(usage, true);
+            self.reported.take(usage, true);
         }
         // `message_start`'s: the prompt's counts; its output count is
         // where the answer begins, not a report of it.
         if let Some(Nested::Object(message)) = &event.message {
             if let Some(usage) = &message.usage {
-                self.usage_object(usage, false);
+                self.reported.take(usage, false);
             }
             self.text_chars += message.text_chars();
         }
         match &event.response {
             Some(Nested::Object(response)) => {
                 if let Some(usage) = &response.usage {
-                    self.usage_object(usage, true);
+                    self.reported.take(usage, true);
                 }
             }
             Some(Nested::Text(text)) => self.text_chars += chars(text),
@@ -305,29 +282,17 @@ impl TunnelMeter {
             }
         }
         self.text_chars += event.thinking.as_deref().map_or(0, chars);
-        let r = &mut self.reported;
-        r.input = event.prompt_eval_count.or(r.input);
-        r.output = event.eval_count.or(r.output);
+        self.ollama_counts(event.prompt_eval_count, event.eval_count);
     }
 
-    /// Take `usage`'s counts; its output only when `final_output`.
-    fn usage_object(&mut self, usage: &UsageObject, final_output: bool) {
+    /// Ollama's counts: with the output's, a prompt it does not count (it
+    /// was all cached) is 0.
+    fn ollama_counts(&mut self, prompt: Option<u64>, output: Option<u64>) {
         let r = &mut self.reported;
-        let details = usage
-            .prompt_tokens_details
-            .as_ref()
-            .or(usage.input_tokens_details.as_ref());
-        r.input = usage.prompt_tokens.or(usage.input_tokens).or(r.input);
-        r.cache_read = usage
-            .cache_read_input_tokens
-            .or(details.and_then(|d| d.cached_tokens))
-            .or(r.cache_read);
-        r.cache_write = usage
-            .cache_creation_input_tokens
-            .or(details.and_then(|d| d.cache_write_tokens))
-            .or(r.cache_write);
-        if final_output {
-            r.output = usage.completion_tokens.or(usage.output_tokens).or(r.output);
+        r.input = prompt.or(r.input);
+        if output.is_some() {
+            r.output = output;
+            r.input = r.input.or(Some(0));
         }
     }
 
@@ -335,17 +300,16 @@ impl TunnelMeter {
     /// counts) in them that reports an output.
     fn whole_tail(&mut self, tail: &[u8]) {
         for at in keys(tail, b"\"usage\"") {
-            if let Some(usage) = value_at::<UsageObject>(tail, at)
-                && usage.completion_tokens.or(usage.output_tokens).is_some()
+            if let Some(usage) = value_at::<UsageReport>(tail, at)
+                && usage.output().is_some()
             {
-                self.usage_object(&usage, true);
+                self.reported.take(&usage, true);
                 return;
             }
         }
         let count = |key: &[u8]| keys(tail, key).find_map(|at| value_at::<u64>(tail, at));
         if let Some(output) = count(b"\"eval_count\"") {
-            self.reported.output = Some(output);
-            self.reported.input = count(b"\"prompt_eval_count\"").or(self.reported.input);
+            self.ollama_counts(count(b"\"prompt_eval_count\""), Some(output));
         }
     }
 }
@@ -386,7 +350,7 @@ fn value_at<T: serde::de::DeserializeOwned>(json: &[u8], at: usize) -> Option<T>
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Event {
-    usage: Option<UsageObject>,
+    usage: Option<UsageReport>,
     /// Messages: `message_start`'s message; Ollama's chat message.
     message: Option<Nested<Message>>,
     /// Responses: the response of `response.completed`; Ollama's
@@ -412,28 +376,8 @@ enum Nested<T> {
 
 #[derive(Deserialize, Default)]
 #[serde(default)]
-struct UsageObject {
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
-    input_tokens: Option<u64>,
-    output_tokens: Option<u64>,
-    prompt_tokens_details: Option<TokensDetails>,
-    input_tokens_details: Option<TokensDetails>,
-    cache_read_input_tokens: Option<u64>,
-    cache_creation_input_tokens: Option<u64>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct TokensDetails {
-    cached_tokens: Option<u64>,
-    cache_write_tokens: Option<u64>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
 struct Message {
-    usage: Option<UsageObject>,
+    usage: Option<UsageReport>,
     content: Option<Nested<serde::de::IgnoredAny>>,
     thinking: Option<String>,
     tool_calls: Option<Vec<ToolCall>>,
@@ -452,7 +396,7 @@ impl Message {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Response {
-    usage: Option<UsageObject>,
+    usage: Option<UsageReport>,
 }
 
 /// A delta object: OpenAI's `choices[].delta`, the Messages API's

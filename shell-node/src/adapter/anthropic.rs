@@ -36,6 +36,7 @@ use std::collections::HashMap;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
+use iop_core::provider_usage::{PromptCounting, ReportedCounts, UsageReport};
 use iop_wire::{
     CacheControl, ChatMessage, Document, DocumentSource, ExecutionFailure, FinishReason, Role,
     RunApi, RunEventKind, RunRequest, ToolCallDelta, Usage,
@@ -550,11 +551,10 @@ struct EventState {
     /// ids name calls.
     last_tool: Option<StreamedCall>,
     blocks_seen: usize,
-    /// The prompt's tokens (`message_start`; a `message_delta` may update
-    /// each count: its counts are cumulative, the ones it leaves out keep
-    /// their value).
-    input: PromptTokens,
-    output_tokens: Option<u64>,
+    /// The answer's counts (the prompt's from `message_start`; a
+    /// `message_delta` may update each count: its counts are cumulative,
+    /// the ones it leaves out keep their value).
+    counts: ReportedCounts,
     finish: Option<FinishReason>,
     done: bool,
 }
@@ -565,52 +565,6 @@ struct StreamedCall {
     id: String,
     block: u64,
     call: u32,
-}
-
-/// A Messages `usage` object.
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-struct WireUsage {
-    #[serde(default)]
-    input_tokens: Option<u64>,
-    #[serde(default)]
-    cache_creation_input_tokens: Option<u64>,
-    #[serde(default)]
-    cache_read_input_tokens: Option<u64>,
-    #[serde(default)]
-    output_tokens: Option<u64>,
-}
-
-/// The prompt tokens a Messages answer reported: uncached, written to the
-/// cache and read from it, each as last reported.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct PromptTokens {
-    uncached: Option<u64>,
-    cache_write: Option<u64>,
-    cache_read: Option<u64>,
-}
-
-impl PromptTokens {
-    /// Take the counts `usage` reports; the others keep their value.
-    fn update(&mut self, usage: &WireUsage) {
-        self.uncached = usage.input_tokens.or(self.uncached);
-        self.cache_write = usage.cache_creation_input_tokens.or(self.cache_write);
-        self.cache_read = usage.cache_read_input_tokens.or(self.cache_read);
-    }
-
-    /// The run's usage with `completion_tokens`, once the uncached count
-    /// is known: every prompt token, the cache's parts as reported.
-    fn usage(&self, completion_tokens: u64) -> Option<Usage> {
-        let prompt_tokens = self
-            .uncached?
-            .saturating_add(self.cache_write.unwrap_or(0))
-            .saturating_add(self.cache_read.unwrap_or(0));
-        Some(Usage {
-            prompt_tokens,
-            completion_tokens,
-            cache_read_tokens: self.cache_read,
-            cache_write_tokens: self.cache_write,
-        })
-    }
 }
 
 #[derive(Deserialize)]
@@ -632,7 +586,7 @@ enum StreamEvent {
         #[serde(default)]
         delta: MessageDeltaBody,
         #[serde(default)]
-        usage: Option<WireUsage>,
+        usage: Option<UsageReport>,
     },
     MessageStop {},
     Ping {},
@@ -647,7 +601,7 @@ enum StreamEvent {
 #[derive(Deserialize)]
 struct MessageHead {
     #[serde(default)]
-    usage: Option<WireUsage>,
+    usage: Option<UsageReport>,
 }
 
 #[derive(Deserialize, Default)]
@@ -710,7 +664,7 @@ struct WholeMessage {
     #[serde(default)]
     stop_reason: Option<String>,
     #[serde(default)]
-    usage: Option<WireUsage>,
+    usage: Option<UsageReport>,
 }
 
 impl EventState {
@@ -800,8 +754,7 @@ impl EventState {
         }
         self.finish = message.stop_reason.as_deref().map(finish_reason);
         if let Some(usage) = message.usage {
-            self.input.update(&usage);
-            self.output_tokens = usage.output_tokens.or(self.output_tokens);
+            self.counts.take(&usage, true);
         }
         self.done = true;
         Ok(())
@@ -870,16 +823,15 @@ impl EventState {
 
     /// A usage report: the prompt's tokens once known, the output's as
     /// they grow; a run event once both are known.
-    fn usage(&mut self, usage: &WireUsage, out: &mut Vec<RunEventKind>) {
-        self.input.update(usage);
-        self.output_tokens = usage.output_tokens.or(self.output_tokens);
+    fn usage(&mut self, usage: &UsageReport, out: &mut Vec<RunEventKind>) {
+        self.counts.take(usage, true);
         if let Some(usage) = self.run_usage() {
             out.push(RunEventKind::Usage(usage));
         }
     }
 
     fn run_usage(&self) -> Option<Usage> {
-        self.input.usage(self.output_tokens?)
+        self.counts.usage(PromptCounting::Parts)
     }
 
     fn completed(&self) -> RunEventKind {

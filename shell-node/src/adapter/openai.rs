@@ -8,6 +8,7 @@ use std::borrow::Cow;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use iop_core::node::provider::{AnswerCall, AnswerCallFacts};
+use iop_core::provider_usage::UsageReport;
 use iop_wire::{
     ChatMessage, DocumentSource, Embedding, FinishReason, GenerationParams, Role, RunApi,
     RunEventKind, RunRequest, TokenLogprob, ToolCallDelta, ToolDefinition, Usage,
@@ -124,7 +125,7 @@ pub(crate) fn parse_embeddings(body: &[u8]) -> Option<(Vec<Embedding>, Option<Us
     struct Answer {
         data: Vec<Item>,
         #[serde(default)]
-        usage: Option<WireUsage>,
+        usage: Option<UsageReport>,
     }
     #[derive(Deserialize)]
     struct Item {
@@ -156,7 +157,10 @@ pub(crate) fn parse_embeddings(body: &[u8]) -> Option<(Vec<Embedding>, Option<Us
             })
         })
         .collect::<Option<Vec<_>>>()?;
-    Some((vectors, answer.usage.map(WireUsage::usage)))
+    Some((
+        vectors,
+        answer.usage.as_ref().map(UsageReport::openai_usage),
+    ))
 }
 
 /// The mean of per-token vectors (llama.cpp's mean pooling); `None` when
@@ -581,7 +585,7 @@ struct Chunk<'a> {
     #[serde(default, borrow)]
     choices: Option<Vec<Choice<'a>>>,
     #[serde(default)]
-    usage: Option<WireUsage>,
+    usage: Option<UsageReport>,
     // llama.cpp's server reports its own token counts here.
     #[serde(default)]
     timings: Option<Timings>,
@@ -665,40 +669,6 @@ struct FunctionChunk<'a> {
     name: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     arguments: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct WireUsage {
-    #[serde(default)]
-    prompt_tokens: u64,
-    #[serde(default)]
-    completion_tokens: u64,
-    /// Servers that cache prompts say how much of the prompt they read
-    /// from the cache (and some how much they wrote); others send `null`
-    /// or nothing.
-    #[serde(default)]
-    prompt_tokens_details: Option<PromptTokensDetails>,
-}
-
-/// OpenAI's `usage.prompt_tokens_details`: the prompt cache's share.
-#[derive(Deserialize)]
-struct PromptTokensDetails {
-    #[serde(default)]
-    cached_tokens: Option<u64>,
-    #[serde(default)]
-    cache_write_tokens: Option<u64>,
-}
-
-impl WireUsage {
-    fn usage(self) -> Usage {
-        let details = self.prompt_tokens_details;
-        Usage {
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
-            cache_read_tokens: details.as_ref().and_then(|d| d.cached_tokens),
-            cache_write_tokens: details.and_then(|d| d.cache_write_tokens),
-        }
-    }
 }
 
 /// `[DONE]`, with any whitespace around it.
@@ -819,7 +789,7 @@ impl ChunkState {
             }
         }
         let usage = match (chunk.usage, chunk.timings) {
-            (Some(u), _) => Some(u.usage()),
+            (Some(u), _) => Some(u.openai_usage()),
             // No usage object: llama.cpp's own counts, when complete.
             (
                 None,
