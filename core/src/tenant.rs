@@ -550,7 +550,7 @@ pub struct Refusal {
     /// Refused only because this Edge holds too little of the allowance
     /// while a claim that would let it fit is on its way to the store (the
     /// window itself may have room): an admission may wait for the claim
-    /// ([`Tenants::wait_for_claim`]) and ask again.
+    /// ([`Tenants::admit_waiting`]) and ask again.
     #[serde(default)]
     pub claim_pending: bool,
 }
@@ -2161,7 +2161,7 @@ impl Tenants {
         crate::time::earliest(crate::time::earliest(forget, renew), give_back)
     }
 
-    /// Forget the windows unused for [`FORGET_AFTER`] (none with a
+    /// Forget the windows unused for `FORGET_AFTER` (3 minutes) (none with a
     /// reservation held, nor a budget in total).
     pub fn handle_timeout(&mut self, now: Instant) {
         self.renew_slots(now);
