@@ -2161,7 +2161,7 @@ impl Tenants {
         crate::time::earliest(crate::time::earliest(forget, renew), give_back)
     }
 
-    /// Forget the windows unused for `FORGET_AFTER` (3 minutes) (none with a
+    /// Forget the windows unused for three minutes (`FORGET_AFTER`; none with a
     /// reservation held, nor a budget in total).
     pub fn handle_timeout(&mut self, now: Instant) {
         self.renew_slots(now);
