@@ -14,13 +14,15 @@ use iop_node::mock::{MockScript, MockServer};
 use serde_json::{Value, json};
 
 /// One key per case, each of its own principal (so each has its row).
-const CASES: [&str; 6] = [
+const CASES: [&str; 8] = [
     "whole",
     "stream",
     "unreported",
     "messages",
     "ollama",
     "responses",
+    "embeddings",
+    "ollama-embed",
 ];
 
 fn secret(case: &str) -> String {
@@ -267,8 +269,32 @@ async fn r_ten_2_a_tunnelled_answer_is_charged_the_usage_its_provider_reported()
             tokens(&u["output_tokens"]),
         ));
 
+        // Embeddings: a prompt, no output.
+        let answer: Value = serde_json::from_str(
+            &post(
+                &d,
+                "embeddings",
+                "/v1/embeddings",
+                json!({"model": "m", "input": "hello there"}),
+            )
+            .await,
+        )
+        .unwrap();
+        expected.push(("embeddings", tokens(&answer["usage"]["prompt_tokens"]), 0));
+        let answer: Value = serde_json::from_str(
+            &post(
+                &d,
+                "ollama-embed",
+                "/api/embed",
+                json!({"model": "om", "input": "hello there"}),
+            )
+            .await,
+        )
+        .unwrap();
+        expected.push(("ollama-embed", tokens(&answer["prompt_eval_count"]), 0));
+
         for (case, input, output) in expected {
-            assert!(output > 0, "{case}: a report of some output");
+            assert!(input > 0, "{case}: a report of its prompt");
             assert_eq!(
                 charged(&d, case).await,
                 (input, output),

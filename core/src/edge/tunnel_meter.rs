@@ -9,8 +9,10 @@
 //!   Responses API's `response.usage` in `response.completed`), the
 //!   Messages API's (`message_start`'s input and cache counts,
 //!   `message_delta`'s output; a whole answer's `usage`), Ollama's
-//!   `prompt_eval_count` and `eval_count`. A report counts once it gives
-//!   the output (the last one wins: every API reports running totals);
+//!   `prompt_eval_count` and `eval_count`. A streamed report counts once
+//!   it gives the output (the last one wins: every API reports running
+//!   totals); a whole answer's is whole as it is (an embedding's has no
+//!   output);
 //! * else the text it produced, estimated as every other unreported
 //!   output is ([`CHARS_PER_TOKEN`]): content, reasoning and tool-call
 //!   arguments of each streamed event. A whole (non-streamed) answer
@@ -297,19 +299,24 @@ impl TunnelMeter {
     }
 
     /// A whole answer's last bytes: the last `usage` object (or Ollama's
-    /// counts) in them that reports an output.
+    /// counts) in them. A whole answer's report is its last: a count it
+    /// leaves out is 0 (an embedding's output).
     fn whole_tail(&mut self, tail: &[u8]) {
         for at in keys(tail, b"\"usage\"") {
             if let Some(usage) = value_at::<UsageReport>(tail, at)
-                && usage.output().is_some()
+                && (usage.input().is_some() || usage.output().is_some())
             {
                 self.reported.take(&usage, true);
+                let r = &mut self.reported;
+                r.input = r.input.or(Some(0));
+                r.output = r.output.or(Some(0));
                 return;
             }
         }
         let count = |key: &[u8]| keys(tail, key).find_map(|at| value_at::<u64>(tail, at));
-        if let Some(output) = count(b"\"eval_count\"") {
-            self.ollama_counts(count(b"\"prompt_eval_count\""), Some(output));
+        let (prompt, output) = (count(b"\"prompt_eval_count\""), count(b"\"eval_count\""));
+        if prompt.is_some() || output.is_some() {
+            self.ollama_counts(prompt, Some(output.unwrap_or(0)));
         }
     }
 }

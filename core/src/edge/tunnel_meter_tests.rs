@@ -217,6 +217,17 @@ fn r_ten_2_a_whole_answer_s_usage_is_read_from_its_end_not_from_its_text() {
 }
 
 #[test]
+fn r_ten_2_an_embedding_s_report_has_no_output_and_is_whole() {
+    let openai = br#"{"object":"list","data":[{"embedding":[0.1,-0.2]}],"usage":{"prompt_tokens":5,"total_tokens":5}}"#;
+    let meter = read_every_split(TunnelApi::OpenAi, "application/json", openai);
+    assert_eq!(meter.usage(), Some(Usage::tokens(5, 0)));
+    let ollama =
+        br#"{"model":"m","embeddings":[[0.1,-0.2]],"total_duration":1,"prompt_eval_count":8}"#;
+    let meter = read_every_split(TunnelApi::Ollama, "application/json", ollama);
+    assert_eq!(meter.usage(), Some(Usage::tokens(8, 0)));
+}
+
+#[test]
 fn r_ten_2_a_long_whole_answer_keeps_only_its_end_and_finds_the_usage_there() {
     let text = "x".repeat(10 * TAIL_BYTES);
     let body = format!(
