@@ -489,6 +489,29 @@ impl Applicable<'_> {
 }
 
 impl AdmitRequest {
+    /// The most output tokens its provider may be asked for when the
+    /// client set no maximum (`client_max`), R-TEN-2: a request whose
+    /// tokens or spend a limit counts (tokens per minute, the model's, or
+    /// a budget of a priced model) reserved
+    /// [`output_tokens_max`](Self::output_tokens_max) (the route's default)
+    /// for its output, and is held to it, so that no answer settles past
+    /// what it reserved. `None`: the client's maximum stands, or nothing
+    /// counts the request's output.
+    pub fn output_cap(&self, client_max: Option<u64>) -> Option<u64> {
+        if client_max.is_some() {
+            return None;
+        }
+        let counts = |limits: &Limits| {
+            limits.tokens_per_minute.is_some()
+                || (self.price.is_some() && limits.budget.is_some())
+                || limits
+                    .for_model(&self.model)
+                    .is_some_and(|m| m.tokens_per_minute.is_some())
+        };
+        (counts(&self.key_limits) || counts(&self.principal_limits))
+            .then_some(self.output_tokens_max)
+    }
+
     /// Every subject whose limits apply to it, with them (R-TEN-1): the
     /// key and the principal first (in that order), then each one's
     /// limits for the request's model where it has some. A request is

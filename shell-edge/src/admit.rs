@@ -92,16 +92,29 @@ pub(crate) async fn admit<E: RunEndpoint>(
         })
         .await
         .map(Arc::new)?;
+    // R-TEN-2: an answer is held to the output its reservation counted.
+    let output_cap = match run.api {
+        iop_wire::RunApi::Embeddings => None,
+        _ => tenant.output_cap(),
+    };
+    if let Some(cap) = output_cap {
+        run.params.max_tokens = Some(u32::try_from(cap).unwrap_or(u32::MAX));
+    }
     let provider_model = state.config().model_names.provider_model(&run.model);
+    let renamed = provider_model != run.model;
     // Rewritten while the body's decoded share is still held (R-LIM-2).
-    let renamed_body = if provider_model != run.model
+    let renamed_body = if (renamed || output_cap.is_some())
         && pool.iter().any(|id| {
             state
                 .config()
                 .provider(id)
                 .is_some_and(|p| p.mode == ProviderMode::Tunnel)
         }) {
-        Some(body_naming_model(&held.bytes, provider_model)?)
+        Some(tunnel_body(
+            &held.bytes,
+            renamed.then_some(provider_model),
+            output_cap.map(|cap| (endpoint.tunnel().1, cap)),
+        )?)
     } else {
         None
     };
@@ -226,14 +239,42 @@ pub(crate) fn routed_pool(state: &AppState, model: &str) -> Option<Vec<ProviderI
     state.config().route(model).map(<[ProviderId]>::to_vec)
 }
 
-/// `body` (a JSON object, already parsed once) with its `model` replaced.
-fn body_naming_model(body: &[u8], model: &str) -> Result<bytes::Bytes, ApiError> {
-    let mut value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|_| ApiError::internal())?;
+/// `body` (a JSON object, already parsed once) as a tunnel-mode provider
+/// gets it: with its `model` replaced by `model`, and with the most output
+/// tokens `cap` allows in the field the API at the tunnel's path reads
+/// (R-TEN-2: the client sent none).
+fn tunnel_body(
+    body: &[u8],
+    model: Option<&str>,
+    cap: Option<(&str, u64)>,
+) -> Result<bytes::Bytes, ApiError> {
+    use serde_json::Value;
+    let mut value: Value = serde_json::from_slice(body).map_err(|_| ApiError::internal())?;
     let Some(object) = value.as_object_mut() else {
         return Err(ApiError::internal());
     };
-    object.insert("model".into(), serde_json::Value::from(model));
+    if let Some(model) = model {
+        object.insert("model".into(), Value::from(model));
+    }
+    if let Some((path, cap)) = cap {
+        match path {
+            "/v1/responses" => {
+                object.insert("max_output_tokens".into(), Value::from(cap));
+            }
+            "/api/chat" | "/api/generate" => {
+                let options = object
+                    .entry("options")
+                    .or_insert_with(|| Value::Object(Default::default()));
+                if let Some(options) = options.as_object_mut() {
+                    options.insert("num_predict".into(), Value::from(cap));
+                }
+            }
+            "/v1/chat/completions" | "/v1/completions" | "/v1/messages" => {
+                object.insert("max_tokens".into(), Value::from(cap));
+            }
+            _ => {}
+        }
+    }
     serde_json::to_vec(&value)
         .map(bytes::Bytes::from)
         .map_err(|_| ApiError::internal())

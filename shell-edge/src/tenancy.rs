@@ -160,6 +160,9 @@ pub struct TenantHold {
     /// Its prompt's tokens as its reservation estimated them (R-TEN-2:
     /// what an attempt cut without a usage report is charged as input).
     prompt_tokens: u64,
+    /// The most output tokens its provider may be asked for (core's
+    /// `AdmitRequest::output_cap`, R-TEN-2).
+    output_cap: Option<u64>,
     used: Mutex<Metered>,
     /// Its rate headers.
     pub headers: RateHeaders,
@@ -201,6 +204,13 @@ impl TenantHold {
     /// machine's `RequestSpec::prompt_tokens` (R-TEN-2).
     pub fn prompt_tokens(&self) -> u64 {
         self.prompt_tokens
+    }
+
+    /// The most output tokens the request's provider may be asked for:
+    /// what it reserved when the client set no maximum and a limit counts
+    /// its tokens or spend (R-TEN-2); `None`: nothing to impose.
+    pub fn output_cap(&self) -> Option<u64> {
+        self.output_cap
     }
 
     /// The Edge stops with the request's durable answer unfinished: its
@@ -351,6 +361,7 @@ impl Tenancy {
                         tenancy: self.clone(),
                         ticket,
                         prompt_tokens: request.prompt_tokens_max,
+                        output_cap: request.output_cap(ask.max_output),
                         used: Mutex::default(),
                         headers,
                     });
@@ -401,6 +412,8 @@ impl Tenancy {
             tenancy: self.clone(),
             ticket,
             prompt_tokens: request.prompt_tokens_max,
+            // The stored request carries the maximum its admission set.
+            output_cap: None,
             used: Mutex::default(),
             headers: RateHeaders::default(),
         }

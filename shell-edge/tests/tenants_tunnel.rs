@@ -14,7 +14,7 @@ use iop_node::mock::{MockScript, MockServer};
 use serde_json::{Value, json};
 
 /// One key per case, each of its own principal (so each has its row).
-const CASES: [&str; 8] = [
+const CASES: [&str; 9] = [
     "whole",
     "stream",
     "unreported",
@@ -23,7 +23,12 @@ const CASES: [&str; 8] = [
     "responses",
     "embeddings",
     "ollama-embed",
+    "capped",
 ];
+
+/// What a request without a maximum reserves for its output, and is held
+/// to when a budget counts it (the mock answers 13 tokens).
+const CAP: u64 = 5;
 
 fn secret(case: &str) -> String {
     format!("sk-tunnel-{case}-0123456789")
@@ -66,16 +71,37 @@ node = "node-1"
 adapter = "ollama"
 mode = "tunnel"
 target = "o"
+[[providers]]
+id = "p3"
+node = "node-1"
+adapter = "openai"
+target = "n"
 [[routes]]
 model = "m"
 providers = ["p1"]
 [[routes]]
 model = "om"
 providers = ["p2"]
+[[routes]]
+model = "mn"
+providers = ["p3"]
 [[prices]]
 model = "m"
 input_per_mtok = 1000000
 output_per_mtok = 2000000
+[[prices]]
+model = "om"
+input_per_mtok = 1000000
+output_per_mtok = 1000000
+[[prices]]
+model = "mn"
+input_per_mtok = 1000000
+output_per_mtok = 1000000
+[tenants]
+default_max_output_tokens = {CAP}
+[[principals]]
+name = "team-capped"
+limits = {{ budget_micros = 1000000000, budget_period = "day" }}
 {keys}"#
     );
     let edge = RunningEdge::start(edge_config(&pki, 0, &extra))
@@ -87,7 +113,8 @@ output_per_mtok = 2000000
         edge.quic_addr,
         &format!(
             "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{0}\"\n\
-             [[providers]]\nadapter = \"ollama\"\ntarget = \"o\"\nbase_url = \"{0}\"\n",
+             [[providers]]\nadapter = \"ollama\"\ntarget = \"o\"\nbase_url = \"{0}\"\n\
+             [[providers]]\nadapter = \"openai\"\ntarget = \"n\"\nbase_url = \"{0}\"\n",
             mock.base_url()
         ),
     );
@@ -301,6 +328,51 @@ async fn r_ten_2_a_tunnelled_answer_is_charged_the_usage_its_provider_reported()
                 "{case}: as reported"
             );
         }
+        d.edge.shutdown().await;
+    })
+    .await;
+}
+
+/// R-TEN-2: a request a budget counts, sent without a maximum, reserved
+/// `default_max_output_tokens` for its output and its provider is asked
+/// for no more, through a tunnel (the field each API reads, added to the
+/// relayed body) and a normalized run alike; a key no limit counts gets
+/// the whole answer.
+#[tokio::test]
+async fn r_ten_2_an_answer_without_a_maximum_is_held_to_what_its_budget_reserved() {
+    bounded(async {
+        let d = deployment().await;
+        let ask = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+        for model in ["m", "mn"] {
+            let answer: Value = serde_json::from_str(
+                &post(&d, "capped", "/v1/chat/completions", ask(model)).await,
+            )
+            .unwrap();
+            assert_eq!(answer["usage"]["completion_tokens"], CAP, "{model}: {answer}");
+            assert_eq!(answer["choices"][0]["finish_reason"], "length", "{model}");
+        }
+        // The Responses API and Ollama's, tunnelled: their own fields.
+        let answer: Value = serde_json::from_str(
+            &post(&d, "capped", "/v1/responses", json!({"model": "m", "input": "hi"})).await,
+        )
+        .unwrap();
+        assert_eq!(answer["usage"]["output_tokens"], CAP, "{answer}");
+        let answer: Value = serde_json::from_str(
+            &post(
+                &d,
+                "capped",
+                "/api/chat",
+                json!({"model": "om", "stream": false, "messages": [{"role": "user", "content": "hi"}]}),
+            )
+            .await,
+        )
+        .unwrap();
+        assert_eq!(answer["eval_count"], CAP, "{answer}");
+        // Nothing counts this key's output: the whole answer.
+        let answer: Value =
+            serde_json::from_str(&post(&d, "whole", "/v1/chat/completions", ask("m")).await)
+                .unwrap();
+        assert_eq!(answer["usage"]["completion_tokens"], 13, "{answer}");
         d.edge.shutdown().await;
     })
     .await;

@@ -843,3 +843,41 @@ fn r_ten_1_a_stopping_edge_hands_back_its_slots_at_once() {
     assert!(c.handed_back());
     assert_eq!(c.slots_held(&Subject::Key("k2".into())), 0);
 }
+
+/// R-TEN-2: a request whose tokens or spend a limit counts, sent without
+/// a maximum, is held to the output it reserved; with the client's
+/// maximum, or nothing counting its output, nothing is imposed.
+#[test]
+fn r_ten_2_an_answer_without_a_maximum_is_held_to_the_output_it_reserved() {
+    let mut r = request(1, "k", "p", 0);
+    r.output_tokens_max = 4096;
+    assert_eq!(r.output_cap(None), None, "no limit counts it");
+    r.key_limits = rpm(10);
+    assert_eq!(r.output_cap(None), None, "a request rate does not");
+    let (budget, price) = priced(1_000);
+    r.principal_limits = budget;
+    assert_eq!(r.output_cap(None), None, "a budget of an unpriced model");
+    r.price = Some(price);
+    assert_eq!(r.output_cap(None), Some(4096), "a budget of a priced one");
+    assert_eq!(r.output_cap(Some(100)), None, "the client's maximum stands");
+    let mut r = request(2, "k", "p", 0);
+    r.output_tokens_max = 512;
+    r.key_limits.tokens_per_minute = Some(10_000);
+    assert_eq!(r.output_cap(None), Some(512), "tokens per minute");
+    let mut r = request(3, "k", "p", 0);
+    r.output_tokens_max = 512;
+    r.principal_limits.per_model.insert(
+        "m".into(),
+        ModelLimits {
+            tokens_per_minute: Some(10_000),
+            ..ModelLimits::default()
+        },
+    );
+    assert_eq!(
+        r.output_cap(None),
+        Some(512),
+        "the model's tokens per minute"
+    );
+    r.model = "other".into();
+    assert_eq!(r.output_cap(None), None, "another model's limit");
+}
