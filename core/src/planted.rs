@@ -140,17 +140,24 @@ pub enum PlantedBug {
     /// charged: the prompt its provider read and bills is charged to no
     /// key.
     CutInputNotCharged,
-    /// R-TEN-2, R-TAKE-1: a takeover does not read the journal of an
-    /// answer it ends `incomplete` without running it, nor of a run it
-    /// adopts on a route that does not continue answers (`Custody`), as
-    /// before such answers were charged: the text the dead Edge's run
-    /// produced is charged to no key.
+    /// R-TEN-2, R-TAKE-1: a takeover does not charge what the journal of
+    /// an answer it ends without running it holds, nor read the journal
+    /// of a run it adopts on a route that does not continue answers
+    /// (`Custody`), as before such answers were charged: the text the
+    /// dead Edge's run produced is charged to no key.
     EndedTextNotCharged,
+    /// R-TAKE-1, R-JRN-3: a takeover ignores the answer's end its journal
+    /// holds (`Custody`, `durable::journaled_terminal` not consulted), as
+    /// before the fix: an orphan whose writer journaled its end and died
+    /// before the record's terminal is ended `incomplete`, or continued
+    /// on its pool (its provider called again), instead of ending as its
+    /// journal says.
+    IgnoreJournaledEnd,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 27] = [
+    pub const ALL: [PlantedBug; 28] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -178,6 +185,7 @@ impl PlantedBug {
         PlantedBug::AdoptionNotCharged,
         PlantedBug::CutInputNotCharged,
         PlantedBug::EndedTextNotCharged,
+        PlantedBug::IgnoreJournaledEnd,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -223,6 +231,7 @@ impl PlantedBug {
                 | PlantedBug::RenewingLeaseExpired
                 | PlantedBug::ReplayStaleEvidence
                 | PlantedBug::EndedTextNotCharged
+                | PlantedBug::IgnoreJournaledEnd
         )
     }
 
@@ -256,6 +265,7 @@ impl PlantedBug {
             PlantedBug::ConcurrencyPerEdge => "concurrency-per-edge",
             PlantedBug::CutInputNotCharged => "cut-input-not-charged",
             PlantedBug::EndedTextNotCharged => "ended-text-not-charged",
+            PlantedBug::IgnoreJournaledEnd => "ignore-journaled-end",
         }
     }
 
@@ -478,6 +488,7 @@ mod tests {
                         | PlantedBug::RenewingLeaseExpired
                         | PlantedBug::ReplayStaleEvidence
                         | PlantedBug::EndedTextNotCharged
+                        | PlantedBug::IgnoreJournaledEnd
                 )
             );
         }

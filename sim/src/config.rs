@@ -187,6 +187,13 @@ pub struct JournalProfile {
     /// point of the store, before the sync completed or after it, before
     /// its answers went out (half each). Only in worlds whose Edge restarts.
     pub crash_point_ppm: u32,
+    /// Per sync that makes a record's end durable (its last journal event:
+    /// a run's `Completed`) while faults are on: the Edge process dies
+    /// before that record's terminal is written (R-TAKE-1, R-JRN-3): after
+    /// the sync, before its answers went out, or once its request wrote
+    /// the terminal, before that write became durable (half each). Only in
+    /// worlds whose Edge restarts.
+    pub end_crash_ppm: u32,
     /// Per sync while faults are on, with store faults switched on
     /// (`--store-faults`): the sync fails (an I/O error); none of its
     /// writes is applied and each is answered `Store(..)`.
@@ -508,6 +515,7 @@ impl SimConfig {
                 zombie_late_ppm: 0,
                 zombie_late_max: Duration::ZERO,
                 crash_point_ppm: 0,
+                end_crash_ppm: 0,
                 sync_failure_ppm: 0,
                 park_grace: Duration::ZERO,
                 park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
@@ -554,6 +562,7 @@ impl SimConfig {
             zombie_late_ppm: rng.range(300_000, u64::from(PPM)) as u32,
             zombie_late_max: Duration::ZERO,
             crash_point_ppm: rng.swarm(700_000, 1_000, 40_000),
+            end_crash_ppm: 0,
             sync_failure_ppm: 0,
             park_grace: Duration::ZERO,
             park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
@@ -589,6 +598,13 @@ impl SimConfig {
         // Routes that continue (R-CONT-1), drawn last: in half the worlds a
         // share of durable requests continues its answer.
         config.journal.continue_ppm = rng.swarm(500_000, 100_000, PPM);
+        // The end's crash point (R-TAKE-1), drawn last: in half the worlds
+        // that restart their Edge, an Edge may die between a record's
+        // journaled end and its terminal.
+        let end_crash_ppm = rng.swarm(500_000, 20_000, 300_000);
+        if config.faults.edge_restart_ppm > 0 {
+            config.journal.end_crash_ppm = end_crash_ppm;
+        }
         config
     }
 

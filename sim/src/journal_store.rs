@@ -443,6 +443,21 @@ impl SimJournal {
         outcome
     }
 
+    /// The writes of Edge `edge`'s running sync of writer `generation`, in
+    /// order (none when no sync of that generation runs).
+    pub fn running_writes(
+        &self,
+        edge: usize,
+        generation: u64,
+    ) -> impl Iterator<Item = &PendingWrite> {
+        let w = &self.writers[edge];
+        w.running
+            .iter()
+            .filter(move |_| w.generation == generation)
+            .flatten()
+            .map(|(_, write)| write)
+    }
+
     /// Whether a sync of Edge `edge` runs or its writes wait.
     pub fn is_busy_at(&self, edge: usize) -> bool {
         let w = &self.writers[edge];

@@ -265,7 +265,7 @@ fn real_main() -> Result<ExitCode, String> {
             }
             if s.durable_requests > 0 || s.journal_writes > 0 {
                 println!(
-                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried, {} given up), {} orphans continued, {} continued attempts, {} lost and {} unacknowledged at crashes, {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read)",
+                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried, {} given up), {} orphans continued, {} continued attempts, {} lost and {} unacknowledged at crashes, {} end crash points ({} ends left without a terminal, {} ended as journaled by a takeover), {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read)",
                     s.durable_requests,
                     s.journal_writes,
                     s.journal_syncs,
@@ -277,6 +277,9 @@ fn real_main() -> Result<ExitCode, String> {
                     s.continued_attempts,
                     s.journal_lost,
                     s.journal_unacked,
+                    s.end_crash_points,
+                    s.journaled_ends_open,
+                    s.journaled_ends_taken,
                     s.zombies,
                     s.zombies_accepted,
                     s.zombies_fenced,

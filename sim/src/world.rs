@@ -268,6 +268,17 @@ pub struct Stats {
     pub journal_batched: u64,
     /// Edge crashes at a crash point of the journal store (during a sync).
     pub crash_points: u64,
+    /// Edge crashes at the end's crash point: between the durable write of
+    /// a record's end (its last journal event) and the write of its
+    /// terminal (R-TAKE-1, R-JRN-3).
+    pub end_crash_points: u64,
+    /// Records whose journal held the answer's end without the record's
+    /// terminal when their Edge died (at any crash: the state a takeover
+    /// must end as the journal says).
+    pub journaled_ends_open: u64,
+    /// Of those, records a takeover's custody ended with the journaled
+    /// end, never running them again (R-TAKE-1).
+    pub journaled_ends_taken: u64,
     /// Syncs that failed (store faults).
     pub sync_failures: u64,
     /// Writes lost by an Edge crash (never durable).
@@ -413,6 +424,9 @@ impl Stats {
         self.journal_syncs += o.journal_syncs;
         self.journal_batched += o.journal_batched;
         self.crash_points += o.crash_points;
+        self.end_crash_points += o.end_crash_points;
+        self.journaled_ends_open += o.journaled_ends_open;
+        self.journaled_ends_taken += o.journaled_ends_taken;
         self.sync_failures += o.sync_failures;
         self.journal_lost += o.journal_lost;
         self.journal_unacked += o.journal_unacked;
@@ -805,6 +819,10 @@ struct EdgeProc {
     fenced_leases: BTreeMap<LeaseId, Lease>,
     /// Durable requests whose record is being created.
     pending_creates: BTreeMap<RequestId, durable::PendingCreate>,
+    /// Records whose end a sync made durable at the end's crash point:
+    /// the process dies once their terminal's write is in a sync, before
+    /// it is durable (R-TAKE-1).
+    end_crash_armed: BTreeSet<String>,
     /// Its custody of the records no request of it writes (R-TAKE-1,
     /// R-PARK-2, R-CONT-1).
     custody: custody::EdgeCustody,
@@ -965,10 +983,17 @@ struct SimNode {
     next_run: u64,
 }
 
+/// Mixed into the seed for the end's crash point's own stream.
+const END_CRASH_STREAM: u64 = 0xE4D0_C2A5_4000_0007;
+
 /// One simulated world.
 pub struct World {
     cfg: SimConfig,
     rng: Rng,
+    /// The end's crash point's own stream (R-TAKE-1): its draws take
+    /// nothing from `rng`, so a seed where it never fires runs as it did
+    /// before it existed.
+    end_crash_rng: Rng,
     now: Instant,
     step: u64,
     phase: Phase,
@@ -1095,6 +1120,7 @@ impl World {
         options.core_bugs.plant_thread();
         let mut world = Self {
             rng: Rng::new(cfg.seed),
+            end_crash_rng: Rng::new(cfg.seed ^ END_CRASH_STREAM),
             now: Instant::ZERO,
             step: 0,
             phase: Phase::Faults,
@@ -1784,6 +1810,7 @@ impl World {
             fenced_links: BTreeMap::new(),
             fenced_leases: BTreeMap::new(),
             pending_creates: BTreeMap::new(),
+            end_crash_armed: BTreeSet::new(),
             custody,
             tenants,
         });

@@ -42,7 +42,7 @@ fn every_planted_bug_has_a_search() {
 
 /// Each planted bug, the rules that may report it, the seeds (from 0)
 /// within which the swarm must catch it, and the Edges of its worlds.
-const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 26] = [
+const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 27] = [
     (PlantedBug::DoubleRelease, &["R-LEASE-2"], 10, 1),
     // A late message of a fenced generation (about 1.5 % of seeds at 2,000
     // steps; first at seed 21 since tenants, SPEC §9).
@@ -61,7 +61,7 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 26] = [
     (PlantedBug::PublishBeforeDurable, &["R-JRN-1"], 10, 1),
     // Only a dead owner's late append that lands between a takeover's
     // raise and its terminal shows it (about 0.2 % of seeds at 2,000 steps
-    // since requests wait for a provider's first probe; first at seed 1011).
+    // since requests wait for a provider's first probe; first at seed 47).
     (PlantedBug::AppendIgnoresEpoch, &["R-JRN-3"], 1100, 1),
     (PlantedBug::SecondJournalTerminal, &["R-JRN-4"], 10, 1),
     // A takeover needs an Edge restart with a record open (about 4 %).
@@ -118,7 +118,7 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 26] = [
     // An adoption held to no tenant: caught when a peer (or a restarted
     // Edge) adopts a parked run of a world with tenants, its adoption not
     // covered by a reservation, its completion charged to no key (about
-    // 2 % of seeds at 2,000 steps with 3 Edges, first at seed 19).
+    // 2 % of seeds at 2,000 steps with 3 Edges, first at seed 17).
     (PlantedBug::AdoptionNotCharged, &["R-TEN-2"], 100, 3),
     // A cut attempt whose prompt is not charged: caught at the settlement
     // of a request that delivered text and no usage report (a client
@@ -129,8 +129,14 @@ const EXPECTATIONS: [(PlantedBug, &[&str], u64, usize); 26] = [
     // without running it, or of a run it adopts on a route that does not
     // continue: caught when such an answer that produced text is ended
     // by a custody, or its lost adoption settles (about 2 % of seeds at
-    // 2,000 steps with 3 Edges, first at seed 123).
+    // 2,000 steps with 3 Edges, first at seed 74).
     (PlantedBug::EndedTextNotCharged, &["R-TEN-2"], 300, 3),
+    // A takeover that ignores the answer's end its journal holds: caught
+    // when an orphan whose writer journaled its end and died before its
+    // terminal (the end's crash point, or any crash point after that
+    // append) is ended `incomplete` (about 5 % of seeds at 2,000 steps,
+    // first at seed 17).
+    (PlantedBug::IgnoreJournaledEnd, &["R-TAKE-1"], 100, 1),
 ];
 
 fn planted(bug: PlantedBug) -> CoreBugs {

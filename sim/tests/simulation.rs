@@ -125,6 +125,11 @@ fn bounded_swarm_holds_every_invariant() {
     assert!(t.zombies_accepted > 0 && t.zombies_fenced_open > 0, "{t:?}");
     assert!(t.durable_left > 0 && t.durable_cancels > 0, "{t:?}");
     assert!(t.resumes > 0 && t.resumed_events > 0, "{t:?}");
+    // The end's crash point (R-TAKE-1): an Edge died between a record's
+    // journaled end and its terminal, and a takeover ended such a record
+    // as its journal says.
+    assert!(t.end_crash_points > 0 && t.journaled_ends_open > 0, "{t:?}");
+    assert!(t.journaled_ends_taken > 0, "{t:?}");
     // Parked runs (R-PARK-1/2, R-TAKE-1): runs parked when their
     // connection ended, reported, adopted by the request waiting for them
     // and, after an Edge restart, by a takeover; parked runs that expired
@@ -171,6 +176,10 @@ fn ci_swarm_of_1000_seeds_holds_every_invariant() {
     assert!(t.stale_evidence > 0 && t.lowerings > 0, "{t:?}");
     assert!(t.durable_requests > 0 && t.takeovers > 0, "{t:?}");
     assert!(t.zombies_fenced > 0 && t.resumes > 0, "{t:?}");
+    assert!(
+        t.end_crash_points > 0 && t.journaled_ends_taken > 0,
+        "{t:?}"
+    );
     assert!(t.runs_parked > 0 && t.node_adoptions > 0, "{t:?}");
     assert!(t.takeover_adoptions > 0 && t.park_expired > 0, "{t:?}");
     assert!(t.node_freezes > 0 && t.freeze_losses > 0, "{t:?}");

@@ -967,12 +967,6 @@ impl Custody {
             // Another writer has the record.
             (TaskKind::Adopt(_), Err(_)) => self.drop_task(id, ReleaseReason::EpochLost),
             (TaskKind::Orphan, Ok(meta)) => {
-                #[cfg(feature = "planted-bugs")]
-                if !task.continuable
-                    && crate::planted::in_thread(crate::planted::PlantedBug::EndedTextNotCharged)
-                {
-                    return self.finish(id, meta, None, None);
-                }
                 // Read its events either way: to continue it, or for what
                 // its answer is charged when it ends here (R-TEN-2).
                 task.stage = if task.continuable {
@@ -1016,9 +1010,17 @@ impl Custody {
         };
         // R-TEN-2: what the answer is charged if it ends here.
         let charge = Some(journaled_use(&events)).filter(|u| *u != JournaledUse::default());
+        #[cfg(feature = "planted-bugs")]
+        let charge = charge.filter(|_| {
+            continued || !crate::planted::in_thread(crate::planted::PlantedBug::EndedTextNotCharged)
+        });
         // R-TAKE-1: an answer whose end is journaled (its writer died
         // before the record's terminal) ends as its journal says.
-        if let Some(terminal) = journaled_terminal(&events) {
+        let journaled = journaled_terminal(&events);
+        #[cfg(feature = "planted-bugs")]
+        let journaled = journaled
+            .filter(|_| !crate::planted::in_thread(crate::planted::PlantedBug::IgnoreJournaledEnd));
+        if let Some(terminal) = journaled {
             let not_continued = continued.then_some(NotContinuable::Ended);
             return self.finish_as(id, meta, not_continued, charge, Some(terminal));
         }

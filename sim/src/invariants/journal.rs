@@ -18,6 +18,7 @@
 //! | R-JRN-3 (one owner per epoch) | the writer model above: an append or terminal is accepted only from the writer that created the record or won its last raise, so no two writers (a live request, the custody, an adopter, a dead owner's zombie) ever have writes accepted under one (response, epoch); the Edge's custody may hand an epoch it won, once, to the one request it starts on the record (an adopter, a continuation), never one it does not hold |
 //! | R-PARK-2 (provider once) | the provider is called at most once per durable response once anything of it is durable: a provider call for a response whose record already holds events is a violation, but for an attempt that continues the answer so far on a route that opted in (R-CONT-1) |
 //! | R-PARK-2 (output once) | every token of a provider call's output is journaled exactly once and in order: each call's tokens are numbered (`tok1`, `tok2`, ...) and each journaled event names the run it came from; an accepted append whose token is not past that run's last is output published twice (an adoption that replayed frames the journal already held), one that skips a token lost output (a replay that resumed too late) |
+//! | R-TAKE-1 (a journaled end) | once a record's journal holds the answer's end (a run's `Completed`: its writer journaled it, then may have died before the record's terminal), the record ends as that end says (the terminal its client would have been told, never `incomplete`), whoever writes the terminal; nothing is appended after it and its provider is called no more |
 //! | R-PARK-2 (one adopter) | a node accepts an adoption of a parked run only while it is on no connection, and under one epoch of its record only one Edge's adoption is accepted (with several Edges: two Edges never both adopt one parked run) |
 //! | liveness | a durable request that ended left its record ended; every record without a terminal at an Edge start ends within B_takeover unless the Edge dies again first |
 
@@ -59,6 +60,9 @@ struct RecordModel {
     /// The last provider token journaled, per run the tokens came from
     /// (R-PARK-2: output once; a continuation is a new call, R-CONT-1).
     last_token: BTreeMap<TokenRun, u64>,
+    /// The answer's end an accepted append journaled, as the status its
+    /// client is told (R-TAKE-1: the record ends so).
+    end: Option<RecordStatus>,
 }
 
 /// What one durable client has received, across resumes.
@@ -100,6 +104,18 @@ pub fn delivered_status(delivery: &iop_core::edge::request::Delivery) -> Option<
         } => Some(RecordStatus::Cancelled),
         Delivery::Fail { .. } => Some(RecordStatus::Failed),
         _ => None,
+    }
+}
+
+/// The answer's end a journal event holds, as the status its client is
+/// told: a run's `Completed` (the event after which a live request writes
+/// the `completed` terminal) or a terminal delivery; `None` for any other
+/// event.
+pub fn journaled_end(payload: &[u8]) -> Option<RecordStatus> {
+    use iop_core::edge::request::Delivery;
+    match iop_core::edge::durable::decode_delivery(payload)? {
+        Delivery::Event(iop_wire::RunEventKind::Completed { .. }) => Some(RecordStatus::Completed),
+        other => delivered_status(&other),
     }
 }
 
@@ -149,6 +165,7 @@ impl Checker {
                     verified: 0,
                     refused: None,
                     last_token: BTreeMap::new(),
+                    end: None,
                 };
                 if self.journal.records.insert(id.clone(), model).is_some() {
                     self.fail("R-JRN-2", format!("record {id} created twice"));
@@ -191,6 +208,21 @@ impl Checker {
                     }
                     JournalOp::Append { epoch, events, .. } => {
                         failure = writer_fault(r, &d.writer, *epoch, &id, "an event", zombie);
+                        if let Some(end) = r.end
+                            && failure.is_none()
+                        {
+                            failure = Some((
+                                "R-TAKE-1",
+                                format!(
+                                    "{id} accepted an event of {:?} after the answer's end ({}) its journal holds: a whole answer run or continued again{zombie}",
+                                    d.writer,
+                                    end.as_str()
+                                ),
+                            ));
+                        }
+                        for event in events {
+                            r.end = r.end.or_else(|| journaled_end(&event.payload));
+                        }
                         for (i, event) in events.iter().enumerate() {
                             let expected = r.events + 1 + i as u64;
                             if event.seq != expected && failure.is_none() {
@@ -229,8 +261,25 @@ impl Checker {
                             *last = (*last).max(token);
                         }
                     }
-                    JournalOp::Finish { epoch, .. } => {
+                    JournalOp::Finish {
+                        epoch, terminal, ..
+                    } => {
                         failure = writer_fault(r, &d.writer, *epoch, &id, "a terminal", zombie);
+                        if let Some(end) = r.end
+                            && terminal.status != end
+                            && failure.is_none()
+                        {
+                            failure = Some((
+                                "R-TAKE-1",
+                                format!(
+                                    "{id} ended {} ({:?}) by {:?}, but its journal holds the answer's end: {}{zombie}",
+                                    terminal.status.as_str(),
+                                    terminal.reason,
+                                    d.writer,
+                                    end.as_str()
+                                ),
+                            ));
+                        }
                         r.ended_by = Some(d.writer);
                     }
                     JournalOp::Create(_) => {}
@@ -538,6 +587,14 @@ impl Checker {
                 .retain(|k, _| k.as_ref().is_none_or(|(_, g, n)| (*g, *n) != run));
         }
         let events = store.record(id).map_or(0, |r| r.events.len());
+        if let Some(end) = self.journal.records.get(id).and_then(|r| r.end) {
+            let detail = format!(
+                "the provider was called again for {id}, whose journal holds the answer's end ({})",
+                end.as_str()
+            );
+            self.fail("R-TAKE-1", detail);
+            return;
+        }
         if continues && !self.journal.continuing_routes.contains(id) {
             let detail =
                 format!("an attempt of {id} continued an answer on a route that does not continue");

@@ -19,6 +19,10 @@
 //! * An Edge crash is a crash point of the store (see
 //!   [`crate::journal_store`]); lost writes may come back as zombies,
 //!   while the Edge is down or shortly after its next start.
+//! * The end's crash point (R-TAKE-1, R-JRN-3): where the seed says, an
+//!   Edge dies between the durable write of a record's end (the append
+//!   holding its run's `Completed`) and the write of its terminal, so a
+//!   takeover finds an answer whole in the journal with no terminal.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -28,11 +32,13 @@ use iop_core::edge::durable::{JournalAck, JournalSpec, JournalWrite, encode_deli
 use iop_core::edge::gate::GateBudget;
 use iop_core::edge::request::{Delivery, RequestInput, RequestSpec};
 use iop_core::ids::ProviderId;
-use iop_core::journal::{CreateOutcome, JournalApi, JournalError, NewRecord, fingerprint};
+use iop_core::journal::{
+    CreateOutcome, JournalApi, JournalError, NewRecord, RecordStatus, fingerprint,
+};
 
 use super::{EdgeRequest, Event, World};
 use crate::config::PPM;
-use crate::invariants::journal::delivered_status;
+use crate::invariants::journal::{delivered_status, journaled_end};
 use crate::journal_store::{JournalOp, OpKind, OpResult, PendingWrite, Writer};
 use crate::trace::RequestBegin;
 
@@ -136,32 +142,48 @@ impl World {
     }
 
     /// A sync ended: its writes are durable; their answers travel back.
-    /// Or the Edge dies at this crash point.
+    /// Or the Edge dies at this crash point, or at the end's.
     pub(super) fn journal_sync_done(&mut self, generation: u64) {
         let now_unix = self.unix_ms();
+        if self.faults_on() && self.armed_terminal_in_sync(generation) {
+            // The end's crash point, once its request wrote the terminal:
+            // the sync that would make it durable never completes.
+            self.stats.end_crash_points += 1;
+            self.crash_edge(Some(false));
+            return;
+        }
         if self.faults_on()
             && self.edges[self.cur].is_some()
             && self.rng.chance(self.cfg.journal.crash_point_ppm)
         {
             self.stats.crash_points += 1;
             if self.rng.chance(PPM / 2) {
-                // After the sync, before its answers: durable, never
-                // acknowledged (no writer is told, no follower on this
-                // Edge either). A follower on another Edge reads the
-                // shared store: it sees what became durable.
-                let applied = self.journal.complete_sync(self.cur, generation, now_unix);
-                self.stats.journal_unacked += applied.len() as u64;
-                let touched: BTreeSet<String> = applied
-                    .iter()
-                    .map(|(w, _)| w.op.record_id().to_owned())
-                    .collect();
-                self.crash_edge(None);
-                self.notify_followers(&touched);
+                self.crash_after_sync(generation, now_unix);
             } else {
                 // Before the sync completed: the batch is lost.
                 self.crash_edge(Some(false));
             }
             return;
+        }
+        // The end's crash point (R-TAKE-1, R-JRN-3): this sync makes a
+        // record's end durable; the Edge dies before its terminal is
+        // written. It draws from its own stream: where it does not fire,
+        // the world runs as without it.
+        if self.cfg.journal.end_crash_ppm > 0 && self.faults_on() && self.edges[self.cur].is_some()
+        {
+            let ends = self.ends_in_sync(generation);
+            if !ends.is_empty() && self.end_crash_rng.chance(self.cfg.journal.end_crash_ppm) {
+                if self.end_crash_rng.chance(PPM / 2) {
+                    self.stats.end_crash_points += 1;
+                    self.crash_after_sync(generation, now_unix);
+                    return;
+                }
+                // Or once its request wrote the terminal, before that
+                // write is durable (above, at its sync).
+                if let Some(edge) = &mut self.edges[self.cur] {
+                    edge.end_crash_armed.extend(ends);
+                }
+            }
         }
         let answers = if self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm) {
             self.stats.sync_failures += 1;
@@ -180,12 +202,71 @@ impl World {
                 result.accepted(),
             ));
             touched.insert(write.op.record_id().to_owned());
+            if let JournalOp::Finish { id, terminal, .. } = &write.op
+                && result.accepted()
+            {
+                if let Some(edge) = &mut self.edges[self.cur] {
+                    edge.end_crash_armed.remove(id);
+                }
+                if matches!(write.writer, Writer::Custody { .. })
+                    && terminal.status != RecordStatus::Incomplete
+                {
+                    self.stats.journaled_ends_taken += 1;
+                }
+            }
             let kind = write.op.op_kind();
             let record = write.op.record_id().to_owned();
             self.answer_later(write.writer, record, kind, result);
         }
         self.pump_journal();
         self.notify_followers(&touched);
+    }
+
+    /// The Edge dies after the running sync completed, before its answers
+    /// go out: durable, never acknowledged (no writer is told, no follower
+    /// on this Edge either). A follower on another Edge reads the shared
+    /// store: it sees what became durable.
+    fn crash_after_sync(&mut self, generation: u64, now_unix: u64) {
+        let applied = self.journal.complete_sync(self.cur, generation, now_unix);
+        self.stats.journal_unacked += applied.len() as u64;
+        let touched: BTreeSet<String> = applied
+            .iter()
+            .map(|(w, _)| w.op.record_id().to_owned())
+            .collect();
+        self.crash_edge(None);
+        self.notify_followers(&touched);
+    }
+
+    /// The records whose end (the answer's last journal event) an append
+    /// of the running sync carries.
+    fn ends_in_sync(&self, generation: u64) -> BTreeSet<String> {
+        self.journal
+            .running_writes(self.cur, generation)
+            .filter_map(|w| match &w.op {
+                JournalOp::Append { id, events, .. }
+                    if events.iter().any(|e| journaled_end(&e.payload).is_some()) =>
+                {
+                    Some(id.clone())
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whether the running sync carries a request's terminal of a record
+    /// armed at the end's crash point.
+    fn armed_terminal_in_sync(&self, generation: u64) -> bool {
+        let Some(edge) = &self.edges[self.cur] else {
+            return false;
+        };
+        !edge.end_crash_armed.is_empty()
+            && self.journal.running_writes(self.cur, generation).any(|w| {
+                matches!(
+                    (&w.writer, &w.op),
+                    (Writer::Request { .. }, JournalOp::Finish { id, .. })
+                        if edge.end_crash_armed.contains(id)
+                )
+            })
     }
 
     /// The store's answer reached its writer (if the writer's process is
@@ -330,6 +411,22 @@ impl World {
                 self.schedule(at, Event::Zombie(Box::new(write)));
             }
         }
+        // The records this Edge leaves with their end journaled and no
+        // terminal: a takeover must end them as the journal says (R-TAKE-1).
+        let me = self.edge_id(self.cur);
+        let open_ends = self
+            .journal
+            .unfinished()
+            .into_iter()
+            .filter(|m| m.owner == me)
+            .filter(|m| {
+                self.journal
+                    .record(&m.id)
+                    .and_then(|r| r.events.last())
+                    .is_some_and(|e| journaled_end(&e.payload).is_some())
+            })
+            .count();
+        self.stats.journaled_ends_open += open_ends as u64;
         let gone: Vec<String> = self
             .durable_clients
             .iter()

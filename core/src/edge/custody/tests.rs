@@ -900,22 +900,30 @@ fn r_ten_2_an_adoption_on_a_route_that_does_not_continue_carries_the_answer_so_f
     assert!(charges(&out).is_empty(), "its request charges it");
 }
 
+/// A store holding orphan `r1` of a route that continues answers or not,
+/// whose writer journaled its answer (`a`, `b`) and its end, then died
+/// before writing the record's terminal.
+fn an_orphan_whose_end_is_journaled(continuable: bool) -> Store {
+    let mut store = Store {
+        continuable,
+        ..Store::default()
+    };
+    store.add(record("r1", ME), &["a", "b"]);
+    let (meta, events) = store.records.get_mut("r1").expect("r1");
+    events.push(JournalEvent {
+        seq: 3,
+        payload: encode_entry(&Delivery::Finish, None),
+    });
+    meta.last_seq = 3;
+    store
+}
+
 #[test]
 fn r_take_1_an_orphan_whose_end_is_journaled_ends_as_the_journal_says_not_incomplete() {
     // Its writer journaled the answer's end and died before writing the
     // record's terminal: the answer is whole in the journal.
     for continuable in [true, false] {
-        let mut store = Store {
-            continuable,
-            ..Store::default()
-        };
-        store.add(record("r1", ME), &["a", "b"]);
-        let (meta, events) = store.records.get_mut("r1").expect("r1");
-        events.push(JournalEvent {
-            seq: 3,
-            payload: encode_entry(&Delivery::Finish, None),
-        });
-        meta.last_seq = 3;
+        let mut store = an_orphan_whose_end_is_journaled(continuable);
         let mut custody = Custody::new(ms(0), config(continuable));
         tick(&mut custody, &mut store, ms(0));
         let out = tick(&mut custody, &mut store, ms(30_000));
@@ -930,4 +938,18 @@ fn r_take_1_an_orphan_whose_end_is_journaled_ends_as_the_journal_says_not_incomp
             "never run again"
         );
     }
+}
+
+#[cfg(feature = "planted-bugs")]
+#[test]
+fn ignore_journaled_end_ends_such_an_orphan_incomplete_as_before_the_fix() {
+    // The planted bug the simulator's R-TAKE-1 check must catch.
+    use crate::planted::{PlantedBug, clear_thread, plant_in_thread};
+    let mut store = an_orphan_whose_end_is_journaled(false);
+    let mut custody = Custody::new(ms(0), config(false));
+    plant_in_thread(PlantedBug::IgnoreJournaledEnd);
+    tick(&mut custody, &mut store, ms(0));
+    tick(&mut custody, &mut store, ms(30_000));
+    clear_thread();
+    assert_eq!(status(&store, "r1"), RecordStatus::Incomplete);
 }
