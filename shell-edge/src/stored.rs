@@ -356,28 +356,44 @@ async fn run_of<E: RunEndpoint>(
 /// Edge that admitted it stays counted), and settles with the usage the
 /// run reports at its end.
 pub(crate) fn hold_taken_over(state: &AppState, meta: &RecordMeta, work: &mut Work, adopted: bool) {
-    let config = state.config();
-    let key_limits = state.keys().limits_of(&meta.key_id).unwrap_or_default();
     // What it sends again (the conversation and the request's input)
     // bounds its prompt, as a body's bytes do.
     let prompt_bytes: usize = work.messages.iter().map(message_bytes).sum();
-    let hold = state.tenancy().admit_taken_over(
-        &crate::tenancy::TenantAsk {
-            key_id: &meta.key_id,
-            key_limits: &key_limits,
-            principal: &meta.principal,
-            principal_limits: &config.principal_limits(&meta.principal),
-            model: &meta.model,
-            price: config.price_for(&meta.model),
-            body_bytes: prompt_bytes as u64,
-            max_output: work.params.max_tokens.map(u64::from),
-            durable: false,
-            background: false,
-            held: Default::default(),
-        },
-        adopted,
-    );
+    let max_output = work.params.max_tokens.map(u64::from);
+    let hold = with_record_ask(state, meta, prompt_bytes, max_output, |ask| {
+        state.tenancy().admit_taken_over(ask, adopted)
+    });
     work.tenant = Some(std::sync::Arc::new(hold));
+}
+
+/// Call `f` with what a takeover of record `meta` asks of its tenant
+/// (R-TEN-2): the key and principal the record names, with their limits
+/// now (a key this Edge no longer knows: none of its own), the record's
+/// model and its price, a prompt of at most `prompt_bytes` and
+/// `max_output` tokens.
+fn with_record_ask<T>(
+    state: &AppState,
+    meta: &RecordMeta,
+    prompt_bytes: usize,
+    max_output: Option<u64>,
+    f: impl FnOnce(&crate::tenancy::TenantAsk<'_>) -> T,
+) -> T {
+    let config = state.config();
+    let key_limits = state.keys().limits_of(&meta.key_id).unwrap_or_default();
+    let principal_limits = config.principal_limits(&meta.principal);
+    f(&crate::tenancy::TenantAsk {
+        key_id: &meta.key_id,
+        key_limits: &key_limits,
+        principal: &meta.principal,
+        principal_limits: &principal_limits,
+        model: &meta.model,
+        price: config.price_for(&meta.model),
+        body_bytes: prompt_bytes as u64,
+        max_output,
+        durable: false,
+        background: false,
+        held: Default::default(),
+    })
 }
 
 /// Charge the answer of record `meta`, which this Edge's custody ended
@@ -396,24 +412,10 @@ pub(crate) fn charge_ended(
     let Some(used) = used.charged(iop_core::tenant::prompt_tokens_max(prompt_bytes as u64)) else {
         return;
     };
-    let config = state.config();
-    let key_limits = state.keys().limits_of(&meta.key_id).unwrap_or_default();
-    state.tenancy().charge_ended(
-        &crate::tenancy::TenantAsk {
-            key_id: &meta.key_id,
-            key_limits: &key_limits,
-            principal: &meta.principal,
-            principal_limits: &config.principal_limits(&meta.principal),
-            model: &meta.model,
-            price: config.price_for(&meta.model),
-            body_bytes: prompt_bytes as u64,
-            max_output: work.and_then(|w| w.params.max_tokens).map(u64::from),
-            durable: false,
-            background: false,
-            held: Default::default(),
-        },
-        used,
-    );
+    let max_output = work.and_then(|w| w.params.max_tokens).map(u64::from);
+    with_record_ask(state, meta, prompt_bytes, max_output, |ask| {
+        state.tenancy().charge_ended(ask, used);
+    });
     tracing::info!(
         event = "edge_response_ended_charged",
         response = %iop_core::edge::client_ids::log_tag(&meta.id),
