@@ -8,6 +8,7 @@
 //! starts) and one when every node is ready, each with its own RSS, then
 //! runs until killed.
 
+use iop_node::config::ConfigFile as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -1,5 +1,6 @@
 //! `iop-bench`: the load generator and the end-to-end benchmark suite.
 
+use iop_edge::config::ConfigFile as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

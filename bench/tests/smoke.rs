@@ -4,6 +4,7 @@
 //! report is well-formed and has zero errors. No timing is asserted: speed
 //! is measured by `scripts/bench`, not by tests.
 
+use iop_edge::config::ConfigFile as _;
 use std::time::Duration;
 
 use iop_bench::deployment::{

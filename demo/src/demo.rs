@@ -6,6 +6,7 @@
 //! otherwise serves the built-in mock provider over HTTP and points the
 //! node's real `openai` adapter at it.
 
+use iop_edge::config::ConfigFile as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use iop_transport::config_file::{ConfigFile as _, load_to_run};
 use iop_transport::environment::Environment;
 
 /// The process allocator: mimalloc spends less CPU per request than glibc's
@@ -59,7 +60,7 @@ enum Command {
         /// edge-dispatch to the file itself, each other machine to
         /// `FILE.<kind>.<n>`): edge-dispatch, edge-link, edge-request,
         /// edge-custody, edge-tenants, store-availability.
-        #[arg(long = "trace-machine", value_name = "KIND", value_parser = machine_kind)]
+        #[arg(long = "trace-machine", value_name = "KIND", value_parser = iop_trace::MachineKind::from_arg)]
         trace_machines: Vec<iop_trace::MachineKind>,
     },
     /// The demo is its own binary (`cargo run --release -p iop-demo`), so
@@ -191,11 +192,7 @@ fn main() -> anyhow::Result<()> {
             return Ok(());
         }
         Command::Health { url, timeout_ms } => {
-            let status = iop_transport::health_check::check(
-                url,
-                std::time::Duration::from_millis(*timeout_ms),
-            )?;
-            println!("{url}: HTTP {status}");
+            println!("{}", iop_transport::health_check::report(url, *timeout_ms)?);
             return Ok(());
         }
         _ => {}
@@ -210,12 +207,7 @@ fn main() -> anyhow::Result<()> {
     {
         // The configuration first: its `[runtime]` says which runtime to
         // start.
-        let env = Environment::from_process();
-        let loaded = iop_edge::config::EdgeConfig::load_in(config.as_deref(), &env)?;
-        let runtime = loaded
-            .runtime
-            .build()
-            .context("starting the tokio runtime")?;
+        let (loaded, runtime) = load_to_run::<iop_edge::config::EdgeConfig>(config.as_deref())?;
         return runtime.block_on(run(config, record_trace, trace_machines, loaded));
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
@@ -281,17 +273,6 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Run { .. } | Command::Config(_) | Command::Health { .. } => Ok(()),
         }
-    })
-}
-
-/// A machine kind named on the command line (`--trace-machine`).
-fn machine_kind(name: &str) -> Result<iop_trace::MachineKind, String> {
-    iop_trace::MachineKind::parse(name).ok_or_else(|| {
-        let known: Vec<&str> = iop_trace::MachineKind::ALL
-            .iter()
-            .map(|k| k.as_str())
-            .collect();
-        format!("unknown machine {name:?} (one of {})", known.join(", "))
     })
 }
 

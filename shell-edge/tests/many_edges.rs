@@ -18,6 +18,7 @@ mod common;
 #[path = "../../store-nats/tests/support/mod.rs"]
 mod nats;
 
+use iop_edge::config::ConfigFile as _;
 use std::time::Duration;
 
 use common::*;
@@ -51,35 +52,13 @@ fn edge_toml_with(
     extra: &str,
 ) -> String {
     let head = edge_head_toml(edge_id, quic_port, http_port);
+    let journal = nats_journal_toml(nats_url, "edges", LEASE_TTL_MS, park_grace_ms, 30000);
     format!(
         r#"
 {head}[admission]
 queue_capacity = 64
 queue_timeout_ms = 5000
-[journal]
-store = "nats"
-lease_ttl_ms = {LEASE_TTL_MS}
-takeover_scan_interval_ms = 200
-park_grace_ms = {park_grace_ms}
-[journal.nats]
-servers = ["{nats_url}"]
-stream = "EDGES_JOURNAL"
-bucket = "edges_journal"
-subject_prefix = "edges.journal"
-connect_timeout_ms = 5000
-request_timeout_ms = 30000
-[[providers]]
-id = "p1"
-node = "node-1"
-adapter = "openai"
-target = "t"
-models = ["m"]
-capacity = 64
-[[api_keys]]
-principal = "tester"
-key_file = "key"
-admin = true
-{extra}
+{journal}{P1_ON_NODE_1_TOML}{TESTER_ADMIN_KEY_TOML}{extra}
 "#
     )
 }
@@ -571,21 +550,10 @@ capacity = 64
 /// An Edge on its own embedded journal (`state_dir` of its own) with two
 /// providers on node-1: `p1` on target `t1`, `p2` on target `t2`.
 fn two_target_edge(pki: &Pki, name: &str) -> EdgeConfig {
+    let head = edge_sections_toml(None, &format!("{name}-state"), 0, 0);
     let text = format!(
         r#"
-[edge]
-quic_listen = "127.0.0.1:0"
-http_listen = "127.0.0.1:0"
-state_dir = "{name}-state"
-drain_timeout_ms = 500
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/edge.pem"
-key = "certs/edge.key"
-[heartbeat]
-interval_ms = {HB_INTERVAL_MS}
-wait_ms = {HB_WAIT_MS}
-[admission]
+{head}[admission]
 queue_capacity = 64
 queue_timeout_ms = 5000
 [[providers]]

@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use iop_edge::config::ConfigFile as _;
 use iop_edge::config::EdgeConfig;
 use iop_edge::server::RunningEdge;
 use iop_node::mock::{MockScript, MockServer};

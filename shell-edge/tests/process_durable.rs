@@ -79,31 +79,8 @@ async fn durable_streams_survive_edge_kills_with_every_seen_event_journaled_r_jr
         std::fs::write(
             &config,
             format!(
-                r#"
-[edge]
-quic_listen = "127.0.0.1:{quic_port}"
-http_listen = "127.0.0.1:{http_port}"
-state_dir = "edge-state"
-drain_timeout_ms = 500
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/edge.pem"
-key = "certs/edge.key"
-[heartbeat]
-interval_ms = {HB_INTERVAL_MS}
-wait_ms = {HB_WAIT_MS}
-[[providers]]
-id = "p1"
-node = "node-1"
-adapter = "openai"
-target = "t"
-models = ["m"]
-capacity = 64
-[[api_keys]]
-principal = "tester"
-key_file = "key"
-admin = true
-"#
+                "\n{}{P1_ON_NODE_1_TOML}{TESTER_ADMIN_KEY_TOML}",
+                edge_sections_toml(None, "edge-state", quic_port, http_port)
             ),
         )
         .unwrap();
@@ -246,24 +223,13 @@ async fn an_orphan_whose_run_is_gone_is_continued_on_its_pool_after_an_edge_kill
         let first = MockServer::start(script.clone()).await.unwrap();
         let second = MockServer::start(script).await.unwrap();
         let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let head = edge_sections_toml(None, "edge-state", quic_port, http_port);
         let config = pki.path().join("edge.toml");
         std::fs::write(
             &config,
             format!(
                 r#"
-[edge]
-quic_listen = "127.0.0.1:{quic_port}"
-http_listen = "127.0.0.1:{http_port}"
-state_dir = "edge-state"
-drain_timeout_ms = 500
-[tls]
-ca = "certs/ca.pem"
-cert = "certs/edge.pem"
-key = "certs/edge.key"
-[heartbeat]
-interval_ms = {HB_INTERVAL_MS}
-wait_ms = {HB_WAIT_MS}
-[journal]
+{head}[journal]
 park_grace_ms = 1000
 takeover_scan_interval_ms = 200
 [[providers]]
@@ -280,11 +246,7 @@ target = "t"
 model = "m"
 providers = ["p1", "p2"]
 continuation = true
-[[api_keys]]
-principal = "tester"
-key_file = "key"
-admin = true
-"#
+{TESTER_ADMIN_KEY_TOML}"#
             ),
         )
         .unwrap();

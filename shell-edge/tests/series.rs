@@ -6,6 +6,7 @@
 
 mod common;
 
+use iop_node::config::ConfigFile as _;
 use std::collections::{BTreeMap, BTreeSet};
 
 use common::*;

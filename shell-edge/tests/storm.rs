@@ -62,6 +62,7 @@ impl Schedule {
 
 fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
     let head = edge_head_toml(edge_id, quic_port, http_port);
+    let journal = nats_journal_toml(nats_url, "storm", 1500, 3000, 10000);
     format!(
         r#"
 {head}[admission]
@@ -69,19 +70,7 @@ queue_capacity = 256
 queue_timeout_ms = 10000
 max_attempts = 6
 request_budget_ms = 60000
-[journal]
-store = "nats"
-lease_ttl_ms = 1500
-takeover_scan_interval_ms = 200
-park_grace_ms = 3000
-[journal.nats]
-servers = ["{nats_url}"]
-stream = "STORM_JOURNAL"
-bucket = "storm_journal"
-subject_prefix = "storm.journal"
-connect_timeout_ms = 5000
-request_timeout_ms = 10000
-[[providers]]
+{journal}[[providers]]
 id = "p1"
 node = "node-1"
 adapter = "openai"
@@ -97,11 +86,7 @@ capacity = 64
 model = "m"
 providers = ["p1", "p2"]
 continuation = true
-[[api_keys]]
-principal = "tester"
-key_file = "key"
-admin = true
-"#
+{TESTER_ADMIN_KEY_TOML}"#
     )
 }
 

@@ -37,30 +37,12 @@ const BUDGET: u64 = 1_000_000;
 /// budget and the model priced at 1 micro-unit a token.
 fn edge_toml(edge_id: &str, nats_url: &str, quic_port: u16, http_port: u16) -> String {
     let head = edge_head_toml(edge_id, quic_port, http_port);
+    let journal = nats_journal_toml(nats_url, "adoption", 1000, 20000, 30000);
     format!(
         r#"
-{head}[journal]
-store = "nats"
-lease_ttl_ms = 1000
-takeover_scan_interval_ms = 200
-park_grace_ms = 20000
-[journal.nats]
-servers = ["{nats_url}"]
-stream = "ADOPTION_JOURNAL"
-bucket = "adoption_journal"
-subject_prefix = "adoption.journal"
-connect_timeout_ms = 5000
-request_timeout_ms = 30000
-[tenants]
+{head}{journal}[tenants]
 usage_flush_ms = 200
-[[providers]]
-id = "p1"
-node = "node-1"
-adapter = "openai"
-target = "t"
-models = ["m"]
-capacity = 64
-[[api_keys]]
+{P1_ON_NODE_1_TOML}[[api_keys]]
 principal = "tester"
 id = "tester-key"
 key_file = "key"

@@ -8,6 +8,7 @@
 
 mod common;
 
+use iop_edge::config::ConfigFile as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 

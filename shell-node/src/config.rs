@@ -13,11 +13,10 @@ use std::time::Duration;
 use iop_core::liveness::backoff::BackoffConfig;
 use iop_core::liveness::heartbeat::HeartbeatConfig;
 use iop_core::node::watchdog::WatchdogConfig;
-use iop_transport::environment::{Environment, deserialize_overlaid, read_secret};
+pub use iop_transport::config_file::{ConfigFile, SharedSections};
+use iop_transport::environment::{Environment, read_secret};
 use iop_transport::runtime::RuntimeSection;
-use iop_transport::settings::{
-    ConfigError, HeartbeatSection, TlsFiles, config_text, field_err, valid_name,
-};
+use iop_transport::settings::{ConfigError, HeartbeatSection, TlsFiles, field_err, valid_name};
 use iop_transport::telemetry::OtlpSection;
 use iop_wire::AdapterKind;
 use serde::Deserialize;
@@ -291,47 +290,34 @@ pub struct NodeConfig {
 /// max_concurrent_runs` (the rule: [`iop_transport::environment`]).
 pub const ENV_PREFIX: &str = "IOP_NODE";
 
+/// Loaded as [`iop_transport::config_file::ConfigFile`] says: the file,
+/// the `IOP_NODE__*` variables laid over it, then [`NodeConfig`]'s own checks.
+impl ConfigFile for NodeConfig {
+    type File = NodeFile;
+    const ENV_PREFIX: &'static str = ENV_PREFIX;
+
+    fn shared(file: &mut NodeFile) -> SharedSections<'_> {
+        SharedSections {
+            tls: &mut file.tls,
+            heartbeat: &file.heartbeat,
+            runtime: &file.runtime,
+            quic: &file.quic,
+            otlp: &mut file.otlp,
+            otlp_traces: &mut file.otlp_traces,
+        }
+    }
+
+    fn validate(file: NodeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
+        Self::validated(file, base, env)
+    }
+
+    fn runtime(&self) -> &RuntimeSection {
+        &self.runtime
+    }
+}
+
 impl NodeConfig {
-    /// Load and validate a file with the process environment: its
-    /// `IOP_NODE__*` variables laid over the file, and the secrets its
-    /// `*_env` fields name. Relative paths resolve against the file's
-    /// directory.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        Self::load_in(Some(path), &Environment::from_process())
-    }
-
-    /// Load and validate the file at `path` with `env`; without a file the
-    /// environment gives the whole configuration and relative paths resolve
-    /// against the working directory.
-    pub fn load_in(path: Option<&Path>, env: &Environment) -> Result<Self, ConfigError> {
-        let (text, base) = config_text(path)?;
-        Self::parse_in(&text, &base, env)
-    }
-
-    /// Parse and validate TOML text with the process environment.
-    pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
-        Self::parse_in(text, base, &Environment::from_process())
-    }
-
-    /// Parse and validate TOML text with `env`'s `IOP_NODE__*` variables
-    /// laid over it and its secrets. An error about a value a variable set
-    /// names the variable.
-    pub fn parse_in(text: &str, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
-        let (file, sources) = deserialize_overlaid::<NodeFile>(text, env, ENV_PREFIX)?;
-        Self::validate(file, base, env).map_err(|e| sources.annotate(e))
-    }
-
-    fn validate(mut file: NodeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
-        file.heartbeat.validate("heartbeat")?;
-        file.runtime.validate("runtime")?;
-        file.quic.validate("quic")?;
-        if let Some(traces) = &mut file.otlp_traces {
-            traces.validate("otlp_traces")?;
-        }
-        if let Some(otlp) = &mut file.otlp {
-            otlp.validate("otlp")?;
-        }
-        file.tls.resolve(base);
+    fn validated(mut file: NodeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         if file.node.state_dir.is_relative() {
             file.node.state_dir = base.join(&file.node.state_dir);
         }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use iop_transport::config_file::{ConfigFile as _, load_to_run};
 use iop_transport::environment::Environment;
 
 /// The process allocator: mimalloc spends less CPU per request than glibc's
@@ -53,7 +54,7 @@ enum Command {
         record_trace: Option<PathBuf>,
         /// With --record-trace: record these machines instead (repeatable;
         /// node-link to `FILE.<n>`, node-run to `FILE.node-run.<n>`).
-        #[arg(long = "trace-machine", value_name = "KIND", value_parser = machine_kind)]
+        #[arg(long = "trace-machine", value_name = "KIND", value_parser = iop_trace::MachineKind::from_arg)]
         trace_machines: Vec<iop_trace::MachineKind>,
     },
     /// Serve the built-in deterministic mock provider over HTTP
@@ -121,11 +122,7 @@ fn main() -> anyhow::Result<()> {
             return Ok(());
         }
         Command::Health { url, timeout_ms } => {
-            let status = iop_transport::health_check::check(
-                url,
-                std::time::Duration::from_millis(*timeout_ms),
-            )?;
-            println!("{url}: HTTP {status}");
+            println!("{}", iop_transport::health_check::report(url, *timeout_ms)?);
             return Ok(());
         }
         _ => {}
@@ -140,12 +137,7 @@ fn main() -> anyhow::Result<()> {
     {
         // The configuration first: its `[runtime]` says which runtime to
         // start.
-        let env = Environment::from_process();
-        let loaded = iop_node::config::NodeConfig::load_in(config.as_deref(), &env)?;
-        let runtime = loaded
-            .runtime
-            .build()
-            .context("starting the tokio runtime")?;
+        let (loaded, runtime) = load_to_run::<iop_node::config::NodeConfig>(config.as_deref())?;
         return runtime.block_on(run(loaded, record_trace, trace_machines));
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
@@ -154,17 +146,6 @@ fn main() -> anyhow::Result<()> {
             Command::MockProvider(args) => iop_node::mock::run_cli(args).await,
             Command::Run { .. } | Command::Config(_) | Command::Health { .. } => Ok(()),
         }
-    })
-}
-
-/// A machine kind named on the command line (`--trace-machine`).
-fn machine_kind(name: &str) -> Result<iop_trace::MachineKind, String> {
-    iop_trace::MachineKind::parse(name).ok_or_else(|| {
-        let known: Vec<&str> = iop_trace::MachineKind::ALL
-            .iter()
-            .map(|k| k.as_str())
-            .collect();
-        format!("unknown machine {name:?} (one of {})", known.join(", "))
     })
 }
 

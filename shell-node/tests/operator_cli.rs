@@ -4,6 +4,7 @@
 //! by `IOP_NODE__*` variables alone serves through an Edge while `health`
 //! (a container's HEALTHCHECK) reports its liveness and readiness.
 
+use iop_edge::config::ConfigFile as _;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 

@@ -7,6 +7,7 @@
 mod common;
 
 use common::write_secret;
+use iop_edge::config::ConfigFile as _;
 
 use std::process::Stdio;
 use std::time::Duration;

@@ -9,6 +9,7 @@
 mod common;
 
 use common::{signal, write_secret};
+use iop_edge::config::ConfigFile as _;
 
 use std::process::Stdio;
 use std::time::Duration;

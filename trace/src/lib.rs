@@ -167,6 +167,15 @@ impl MachineKind {
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|k| k.as_str() == s)
     }
+
+    /// Parse a `--trace-machine` argument of `iop-edge run` and `iop-node
+    /// run`: an unknown name is refused with the list of known ones.
+    pub fn from_arg(name: &str) -> Result<Self, String> {
+        Self::parse(name).ok_or_else(|| {
+            let known: Vec<&str> = Self::ALL.iter().map(|k| k.as_str()).collect();
+            format!("unknown machine {name:?} (one of {})", known.join(", "))
+        })
+    }
 }
 
 /// The first line of a trace.

@@ -49,6 +49,13 @@ pub enum HealthCheckError {
     },
 }
 
+/// The `health` command of `iop-edge` and `iop-node`: [`check`] `url`
+/// within `timeout_ms`; the line it prints when the answer is 2xx.
+pub fn report(url: &str, timeout_ms: u64) -> Result<String, HealthCheckError> {
+    let status = check(url, Duration::from_millis(timeout_ms))?;
+    Ok(format!("{url}: HTTP {status}"))
+}
+
 /// `GET url` within `timeout` (connect, write and read together); `Ok`
 /// with the status when it is 2xx.
 pub fn check(url: &str, timeout: Duration) -> Result<u16, HealthCheckError> {

@@ -21,6 +21,8 @@
 //!   and `iop-node health` (a scratch container's `HEALTHCHECK`).
 //! * [`environment`]: configuration from the environment (the
 //!   `IOP_EDGE__SECTION__FIELD` overlay, secrets named by `*_env` fields).
+//! * [`config_file`]: the one way both binaries load their configuration
+//!   (the file, the environment over it, its validation) and start `run`.
 //! * [`telemetry`]: the metrics pipeline (Prometheus text and optional
 //!   OTLP/HTTP export) both shells build their instruments on, and the
 //!   process metrics and build info both binaries expose.
@@ -41,6 +43,7 @@
 
 pub mod clock;
 pub mod close;
+pub mod config_file;
 pub mod endpoint;
 pub mod environment;
 pub mod error;

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use iop_transport::config_file::ConfigFile as _;
 use iop_transport::environment::Environment;
 use iop_transport::settings::ConfigError;
 

@@ -655,6 +655,7 @@ fn yes() -> bool {
 
 #[cfg(test)]
 mod tests {
+    use iop_transport::config_file::ConfigFile as _;
     use std::path::Path;
 
     use super::*;

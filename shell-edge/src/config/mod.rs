@@ -27,6 +27,7 @@ use std::time::Duration;
 use iop_core::edge::admission::AdmissionConfig;
 use iop_core::ids::{NodeId, ProviderId};
 use iop_core::liveness::heartbeat::HeartbeatConfig;
+pub use iop_transport::config_file::{ConfigFile, SharedSections};
 use iop_transport::environment::{Environment, deserialize_overlaid};
 use iop_transport::runtime::RuntimeSection;
 use iop_transport::settings::{
@@ -161,47 +162,34 @@ pub struct EdgeConfig {
 /// (the rule: [`iop_transport::environment`]).
 pub const ENV_PREFIX: &str = "IOP_EDGE";
 
+/// Loaded as [`iop_transport::config_file::ConfigFile`] says: the file,
+/// the `IOP_EDGE__*` variables laid over it, then [`EdgeConfig`]'s own checks.
+impl ConfigFile for EdgeConfig {
+    type File = EdgeFile;
+    const ENV_PREFIX: &'static str = ENV_PREFIX;
+
+    fn shared(file: &mut EdgeFile) -> SharedSections<'_> {
+        SharedSections {
+            tls: &mut file.tls,
+            heartbeat: &file.heartbeat,
+            runtime: &file.runtime,
+            quic: &file.quic,
+            otlp: &mut file.otlp,
+            otlp_traces: &mut file.otlp_traces,
+        }
+    }
+
+    fn validate(file: EdgeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
+        Self::validated(file, base, env)
+    }
+
+    fn runtime(&self) -> &RuntimeSection {
+        &self.runtime
+    }
+}
+
 impl EdgeConfig {
-    /// Load and validate a file with the process environment: its
-    /// `IOP_EDGE__*` variables laid over the file, and the secrets its
-    /// `*_env` fields name. Relative paths resolve against the file's
-    /// directory.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        Self::load_in(Some(path), &Environment::from_process())
-    }
-
-    /// Load and validate the file at `path` with `env`; without a file the
-    /// environment gives the whole configuration and relative paths resolve
-    /// against the working directory.
-    pub fn load_in(path: Option<&Path>, env: &Environment) -> Result<Self, ConfigError> {
-        let (text, base) = config_text(path)?;
-        Self::parse_in(&text, &base, env)
-    }
-
-    /// Parse and validate TOML text with the process environment.
-    pub fn parse(text: &str, base: &Path) -> Result<Self, ConfigError> {
-        Self::parse_in(text, base, &Environment::from_process())
-    }
-
-    /// Parse and validate TOML text with `env`'s `IOP_EDGE__*` variables
-    /// laid over it and its secrets. An error about a value a variable set
-    /// names the variable.
-    pub fn parse_in(text: &str, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
-        let (file, sources) = deserialize_overlaid::<EdgeFile>(text, env, ENV_PREFIX)?;
-        Self::validate(file, base, env).map_err(|e| sources.annotate(e))
-    }
-
-    fn validate(mut file: EdgeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
-        file.heartbeat.validate("heartbeat")?;
-        file.runtime.validate("runtime")?;
-        file.quic.validate("quic")?;
-        if let Some(traces) = &mut file.otlp_traces {
-            traces.validate("otlp_traces")?;
-        }
-        if let Some(otlp) = &mut file.otlp {
-            otlp.validate("otlp")?;
-        }
-        file.tls.resolve(base);
+    fn validated(mut file: EdgeFile, base: &Path, env: &Environment) -> Result<Self, ConfigError> {
         file.journal.validate(base, env)?;
         match &file.edge.edge_id {
             Some(id) if !valid_name(id) => {

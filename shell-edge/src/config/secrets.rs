@@ -251,6 +251,7 @@ mod tests {
     use super::*;
     use crate::config::EdgeConfig;
     use crate::config::fixture::{BASE, field_of, write_secret};
+    use iop_transport::config_file::ConfigFile as _;
 
     #[test]
     fn a_secret_file_readable_by_others_or_its_group_is_refused() {

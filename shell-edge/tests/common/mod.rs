@@ -2,6 +2,7 @@
 //! an Edge with a short heartbeat profile, and Nodes.
 #![allow(dead_code, unreachable_pub)]
 
+use iop_edge::config::ConfigFile as _;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -446,12 +447,29 @@ impl Component {
 /// test of several Edge processes: its ports, its own state directory, the
 /// test PKI's certificates and the short heartbeat profile.
 pub fn edge_head_toml(edge_id: &str, quic_port: u16, http_port: u16) -> String {
+    edge_sections_toml(
+        Some(edge_id),
+        &format!("{edge_id}-state"),
+        quic_port,
+        http_port,
+    )
+}
+
+/// The `[edge]`, `[tls]` and `[heartbeat]` sections of an Edge keeping its
+/// state in `state_dir`: its `edge_id` if it has one of its own, its ports
+/// (0: any), the test PKI's certificates and the short heartbeat profile.
+pub fn edge_sections_toml(
+    edge_id: Option<&str>,
+    state_dir: &str,
+    quic_port: u16,
+    http_port: u16,
+) -> String {
+    let edge_id = edge_id.map_or_else(String::new, |id| format!("edge_id = \"{id}\"\n"));
     format!(
         r#"[edge]
-edge_id = "{edge_id}"
-quic_listen = "127.0.0.1:{quic_port}"
+{edge_id}quic_listen = "127.0.0.1:{quic_port}"
 http_listen = "127.0.0.1:{http_port}"
-state_dir = "{edge_id}-state"
+state_dir = "{state_dir}"
 drain_timeout_ms = 500
 [tls]
 ca = "certs/ca.pem"
@@ -463,6 +481,53 @@ wait_ms = {HB_WAIT_MS}
 "#
     )
 }
+
+/// The `[journal]` of Edges sharing the NATS server at `nats_url`
+/// (R-MULTI-1): leases of `lease_ttl_ms`, scans every 200 ms, runs parked
+/// for `park_grace_ms`, and the stream, bucket and subjects named after
+/// `name` (`NAME_JOURNAL`, `name_journal`, `name.journal`).
+pub fn nats_journal_toml(
+    nats_url: &str,
+    name: &str,
+    lease_ttl_ms: u64,
+    park_grace_ms: u64,
+    request_timeout_ms: u64,
+) -> String {
+    let upper = name.to_uppercase();
+    format!(
+        r#"[journal]
+store = "nats"
+lease_ttl_ms = {lease_ttl_ms}
+takeover_scan_interval_ms = 200
+park_grace_ms = {park_grace_ms}
+[journal.nats]
+servers = ["{nats_url}"]
+stream = "{upper}_JOURNAL"
+bucket = "{name}_journal"
+subject_prefix = "{name}.journal"
+connect_timeout_ms = 5000
+request_timeout_ms = {request_timeout_ms}
+"#
+    )
+}
+
+/// Provider `p1`: target `t` of node-1's OpenAI-compatible adapter,
+/// serving model `m`, 64 runs at once.
+pub const P1_ON_NODE_1_TOML: &str = r#"[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t"
+models = ["m"]
+capacity = 64
+"#;
+
+/// The admin key of principal `tester`, read from the file `key`.
+pub const TESTER_ADMIN_KEY_TOML: &str = r#"[[api_keys]]
+principal = "tester"
+key_file = "key"
+admin = true
+"#;
 
 /// The config of node process `node` dialing every Edge of `edges`, its
 /// one provider the OpenAI-compatible server at `mock_url`.

@@ -9,6 +9,7 @@ pub const EXAMPLE: &str = include_str!("example.toml");
 
 #[cfg(test)]
 mod tests {
+    use iop_transport::config_file::ConfigFile as _;
     use std::path::Path;
 
     use iop_transport::environment::Environment;
