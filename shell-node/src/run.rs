@@ -17,6 +17,8 @@ use std::sync::Arc;
 
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
+use iop_core::cred::RunLease;
+use iop_core::node::link::NodeLinkInput;
 use iop_core::node::park::EdgeSignal;
 use iop_core::node::probe::capabilities_probe;
 use iop_core::node::run::{
@@ -35,7 +37,7 @@ use iop_wire::{
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::control::{Attach, LinkMsg, LinkTx, RunControl};
+use crate::control::{Attach, LinkHandle, RunControl, StartAsk};
 use crate::metrics::{RunRecord, RunSpan};
 use crate::parking::{LotKey, ParkEntry};
 use crate::state::LinkShared;
@@ -44,7 +46,7 @@ use crate::state::LinkShared;
 pub async fn serve_stream(
     mut send: FramedSend,
     mut recv: FramedRecv,
-    link: LinkTx,
+    link: LinkHandle,
     shared: Arc<LinkShared>,
     conn: quinn::Connection,
     generation: u64,
@@ -216,7 +218,7 @@ impl WireFrame for ProviderTunnelFrame {
 struct Attached {
     send: FramedSend,
     recv: FramedRecv,
-    link: LinkTx,
+    link: LinkHandle,
     conn: quinn::Connection,
     /// The run's id on this connection.
     run_id: u64,
@@ -355,18 +357,15 @@ where
                         control_tx.take()
                     };
                     let fed = match link {
-                        Some(link) => {
-                            ask_link(
-                                &link,
-                                ask,
-                                adapter.as_ref(),
-                                &route,
-                                &mut lease,
-                                &mut auth,
-                                control,
-                            )
-                            .await
-                        }
+                        Some(link) => ask_link(
+                            &link,
+                            ask,
+                            adapter.as_ref(),
+                            &route,
+                            &mut lease,
+                            &mut auth,
+                            control,
+                        ),
                         None => None,
                     };
                     if left {
@@ -618,10 +617,11 @@ async fn write<F: WireFrame>(
     None
 }
 
-/// Carry one ask to the link: the answer as the machine's input (`None`:
-/// nothing to answer).
-async fn ask_link<F>(
-    link: &LinkTx,
+/// Carry one ask to the link, a call on its machine under its lock (no
+/// hand-off to the link's task): the answer as the machine's input
+/// (`None`: nothing to answer).
+fn ask_link<F>(
+    link: &LinkHandle,
     ask: LinkAsk,
     adapter: Option<&crate::adapter::Adapter>,
     route: &Option<String>,
@@ -645,38 +645,30 @@ async fn ask_link<F>(
             let Some(control) = control else {
                 return gone;
             };
-            match link
-                .ask(|reply| LinkMsg::Start {
-                    run_id,
-                    kind,
-                    stall_timeout,
-                    deadline,
-                    adapter: adapter_kind,
-                    target,
-                    carries_lease,
-                    adopted,
-                    control,
-                    reply,
-                })
-                .await
-            {
-                Some(answer) => Some(NodeRunInput::Admitted(answer)),
-                None => gone,
-            }
+            let started = link.start(StartAsk {
+                run_id,
+                kind,
+                stall_timeout,
+                deadline,
+                adapter: adapter_kind,
+                target,
+                carries_lease,
+                adopted,
+                control,
+            });
+            Some(started.map_or(NodeRunInput::LinkGone, NodeRunInput::Admitted))
         }
         // R-CRED-2: the lease is opened only now, after admission and
         // right before the provider call; the secret stays here.
         LinkAsk::OpenLease { run_id } => {
-            let opened = link
-                .ask(|reply| LinkMsg::OpenLease {
-                    run_id,
-                    adapter: adapter_kind,
-                    target,
-                    route: route.clone(),
-                    lease: lease.take(),
-                    reply,
-                })
-                .await;
+            let sealed = lease.take();
+            let opened = link.open_lease(RunLease {
+                run_id,
+                adapter: adapter_kind,
+                target: &target,
+                route: route.as_deref(),
+                lease: sealed.as_deref(),
+            });
             let ok = match opened {
                 Some(Ok(None)) => true,
                 // Only this one call sees it; `secret` is wiped when dropped.
@@ -692,37 +684,28 @@ async fn ask_link<F>(
             };
             Some(NodeRunInput::LeaseOpened(ok))
         }
-        LinkAsk::Offer { run_id, events } => {
-            match link
-                .ask(|reply| LinkMsg::Events {
-                    run_id,
-                    events,
-                    reply,
-                })
-                .await
-            {
-                Some(emissions) => Some(NodeRunInput::Emissions(emissions)),
-                None => gone,
-            }
-        }
+        LinkAsk::Offer { run_id, events } => Some(
+            link.offer(run_id, events)
+                .map_or(NodeRunInput::LinkGone, NodeRunInput::Emissions),
+        ),
         LinkAsk::ProviderDropped { run_id } => {
-            link.tell(LinkMsg::ProviderReturned { run_id }).await;
+            link.tell(NodeLinkInput::ProviderDropped { run_id });
             None
         }
         LinkAsk::Canceled { run_id } => {
-            link.tell(LinkMsg::Canceled { run_id }).await;
+            link.tell(NodeLinkInput::RunCanceled { run_id });
             None
         }
         LinkAsk::Left { run_id } => {
-            link.tell(LinkMsg::Finished { run_id }).await;
+            link.tell(NodeLinkInput::RunLeft { run_id });
             None
         }
     }
 }
 
-async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &LinkShared) {
+async fn command(send: &mut FramedSend, cmd: Command, link: &LinkHandle, shared: &LinkShared) {
     let body = match cmd.kind {
-        CommandKind::TransportStatus => match link.ask(|reply| LinkMsg::Status { reply }).await {
+        CommandKind::TransportStatus => match link.status() {
             Some(report) => CommandResultBody::TransportStatus(report),
             None => return,
         },
@@ -760,10 +743,7 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &Li
             // The observation sequence is taken after the probes finished,
             // so it orders this answer after every earlier stall terminal
             // (R-SEQ-1, `capabilities_probe`).
-            let Some(seq) = link
-                .ask(|reply| LinkMsg::TakeObservationSeq { reply })
-                .await
-            else {
+            let Some(seq) = link.take_observation_seq() else {
                 return;
             };
             CommandResultBody::Capabilities(CapabilitiesReport {
