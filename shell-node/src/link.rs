@@ -1,37 +1,36 @@
 //! One task per connection to the Edge. The connection's rules are the core
 //! [`NodeLink`](iop_core::node::link::NodeLink)'s (handshake, heartbeat, stall watchdog with its
-//! observation sequence, each run's one terminal, lease opening). The
-//! machine sits in the connection's [`LinkHandle`], which the run handlers
-//! call directly under its lock (their start, lease, offers); this task
+//! observation sequence, each run's one terminal, lease opening); this task
 //! runs one `select!` over control frames, the machine's next timeout,
-//! incoming data streams and the handlers' wake-ups, feeds each as an input
-//! and carries out what needs it: control frames to write, probes to
-//! start, the connection's end.
+//! incoming data streams and messages from the run handlers, feeds each as
+//! an input and carries out the outputs.
 //!
 //! When the connection ends, every run and tunnel handler bound to it is
 //! canceled (R-DISC-1): they live in this task's `JoinSet`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use iop_core::cred::{Recipient, RunLease};
 use iop_core::ids::RunId;
-use iop_core::node::link::{NodeLinkConfig, NodeLinkInput};
+use iop_core::node::link::{NodeLinkConfig, NodeLinkInput, NodeLinkOutput, RunStart};
 use iop_core::node::park::ReportScope;
 use iop_core::node::probe::ProbeEvidence;
-use iop_core::node::watchdog::ProbeOutcome;
+use iop_core::node::watchdog::{Emission, ProbeOutcome, ProviderEvent};
 use iop_trace::{DrivenNodeLink, NodeLinkConfigRec};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
 use iop_transport::framed::{FramedError, FramedSend, framed_for_side, open_framed};
 use iop_wire::{
-    CloseCode, EdgeControl, NodeControl, OfferedProvider, PROTOCOL_VERSION, RegisterRequest,
-    RejectReason,
+    AdapterKind, CloseCode, EdgeControl, NodeControl, OfferedProvider, PROTOCOL_VERSION,
+    RegisterRequest, RejectReason, TransportStatusReport,
 };
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::config::NodeConfig;
-use crate::control::{ForLink, LinkHandle, ProbeAsk};
+use crate::control::{LinkMsg, LinkTx, RunControl};
 use crate::run;
 use crate::state::{LinkShared, NodeIdentity};
 
@@ -60,6 +59,16 @@ pub enum LinkEnd {
     HandshakeTimeout,
 }
 
+/// A run attached to this connection: where its handler listens.
+struct RunSlot {
+    control: mpsc::UnboundedSender<RunControl>,
+    adapter: AdapterKind,
+    target: String,
+}
+
+/// Bound of messages in flight from handlers to the link.
+const LINK_QUEUE: usize = 1024;
+
 /// Run one connection to the Edge of slot `edge` until it ends.
 pub async fn run(
     conn: quinn::Connection,
@@ -87,20 +96,19 @@ pub async fn run(
         created_us: now.as_micros(),
         register: register.clone(),
     });
-    let machine = DrivenNodeLink::new_link(now, link_config, register, slot.take_replay(), tap);
-    let handle = LinkHandle::new(
-        machine,
-        shared.clone(),
-        edge,
-        clock,
-        config.node.max_concurrent_runs,
-    );
     let mut link = Link {
-        handle: handle.clone(),
+        clock,
+        machine: DrivenNodeLink::new_link(now, link_config, register, slot.take_replay(), tap),
+        edge,
+        was_ready: false,
+        runs: HashMap::new(),
         close_code: None,
+        max_runs: config.node.max_concurrent_runs as usize,
         shared: shared.clone(),
         probes: JoinSet::new(),
     };
+    let (link_tx, mut link_rx) = mpsc::channel(LINK_QUEUE);
+    let link_tx = LinkTx(link_tx);
     let mut handlers = JoinSet::new();
     let mut paused = shared.pause_control.subscribe();
     // Runs that park from now on (their own connection, to another Edge,
@@ -112,16 +120,15 @@ pub async fn run(
     // the node's pace stays within the Edge's budget (R-LIM-4).
     let mut report_due: Option<tokio::time::Instant> = None;
 
+    // The registration goes first.
+    let mut ended = link.drain(&mut send).await;
     let end = loop {
-        // What the machine left for this task (the registration first,
-        // then whatever the last input or a run handler's call caused),
-        // and the moment its timer is due.
-        let (work, wake) = handle.for_link();
-        if let Some(end) = link.carry_out(&mut send, work).await {
+        if let Some(end) = ended.take() {
             break end;
         }
+        let wake = link.machine.poll_timeout();
         let is_paused = *paused.borrow();
-        let ready = handle.lock().was_ready;
+        let ready = link.was_ready;
         tokio::select! {
             frame = recv.recv::<EdgeControl>(), if !is_paused => match frame {
                 Ok(Some(msg)) => link.input(NodeLinkInput::Control(msg)),
@@ -145,18 +152,18 @@ pub async fn run(
                     break link.closed(CloseCode::ProtocolError);
                 }
             },
-            () = clock.sleep_until(wake), if !is_paused => link.timeout(),
-            // A run handler left work here, or moved the timer earlier.
-            () = handle.woken() => {},
+            () = clock.sleep_until(wake), if !is_paused => {
+                link.machine.handle_timeout(clock.now());
+            },
             _ = paused.changed() => {},
             stream = conn.accept_bi(), if ready => match stream {
                 Ok((s, r)) => {
                     let (s, r) = framed_for_side(conn.side(), s, r);
-                    let generation = handle.lock().machine.machine().generation().unwrap_or(0);
+                    let generation = link.machine.machine().generation().unwrap_or(0);
                     handlers.spawn(run::serve_stream(
                         s,
                         r,
-                        handle.clone(),
+                        link_tx.clone(),
                         shared.clone(),
                         conn.clone(),
                         generation,
@@ -168,6 +175,7 @@ pub async fn run(
                     );
                 }
             },
+            Some(msg) = link_rx.recv() => link.on_link_msg(msg),
             Ok(()) = parked.changed(), if ready && report_due.is_none() => {
                 report_due = Some(
                     tokio::time::Instant::now() + iop_core::edge::flood::PARKED_REPORT_DELAY,
@@ -192,6 +200,7 @@ pub async fn run(
                 break LinkEnd::Shutdown;
             },
         }
+        ended = link.drain(&mut send).await;
     };
 
     // R-DISC-1: every handler bound to this connection is canceled.
@@ -201,7 +210,8 @@ pub async fn run(
         .fetch_add(canceled, Ordering::Relaxed);
     handlers.abort_all();
     link.probes.abort_all();
-    let replay = handle.close();
+    link.input(NodeLinkInput::Disconnected);
+    let _ = link.drain(&mut send).await;
     slot.ready.store(false, Ordering::Relaxed);
     slot.generation.store(0, Ordering::Relaxed);
     match &end {
@@ -215,7 +225,7 @@ pub async fn run(
         LinkEnd::Shutdown | LinkEnd::Failed(_) => {}
     }
     // Hand the replay cache to this Edge's next connection.
-    slot.return_replay(replay);
+    slot.return_replay(link.machine.machine_mut().take_replay());
     end
 }
 
@@ -246,64 +256,317 @@ fn register_request(config: &NodeConfig, shared: &LinkShared) -> RegisterRequest
 }
 
 struct Link {
-    handle: LinkHandle,
+    clock: Clock,
+    machine: DrivenNodeLink,
+    edge: usize,
+    was_ready: bool,
+    /// Runs attached to this connection.
+    runs: HashMap<RunId, RunSlot>,
     /// The close code of the machine's end (`LinkEnd::close_code`).
     close_code: Option<CloseCode>,
+    max_runs: usize,
     shared: Arc<LinkShared>,
     probes: JoinSet<(RunId, ProbeOutcome)>,
 }
 
+impl Drop for Link {
+    /// Runs still attached when the task ends leave it: their count goes.
+    fn drop(&mut self) {
+        let mut capacity = self.shared.capacity();
+        for slot in self.runs.values() {
+            capacity.finish(slot.adapter, &slot.target);
+        }
+    }
+}
+
 impl Link {
-    /// Feed an input; what it leaves for this task is carried out at the
-    /// top of the loop.
     fn input(&mut self, input: NodeLinkInput) {
-        self.handle.input(input);
+        self.machine.handle_input(self.clock.now(), input);
     }
 
-    fn timeout(&mut self) {
-        self.handle.handle_timeout();
+    /// The machine's verdicts on one batch of a run's outputs (R-WD-6),
+    /// answered directly: fenced ones are counted. What else the offer
+    /// caused (the run's end) is carried out by the next drain.
+    fn emissions(&mut self, run_id: RunId, events: Vec<ProviderEvent>) -> Vec<Emission> {
+        let emissions = self.machine.offer(self.clock.now(), run_id, events);
+        let fenced = emissions.iter().filter(|e| **e == Emission::Fenced).count();
+        if fenced > 0 {
+            self.shared
+                .fenced_late_outputs
+                .fetch_add(fenced as u64, Ordering::Relaxed);
+        }
+        emissions
     }
 
     fn closed(&self, code: CloseCode) -> LinkEnd {
         LinkEnd::Closed {
-            was_ready: self.handle.lock().was_ready,
+            was_ready: self.was_ready,
             code,
         }
     }
 
-    /// Carry out what the machine left for this task: write its frames,
-    /// start its probes; `Some` ends the connection.
-    async fn carry_out(&mut self, send: &mut FramedSend, work: ForLink) -> Option<LinkEnd> {
-        let mut end = None;
-        for frame in work.frames {
-            if send.send(&frame).await.is_err() && end.is_none() {
-                end = Some(self.closed(CloseCode::Normal));
+    /// Open one run's lease (R-CRED-2/3): the machine decides; a refusal
+    /// is counted and logged here.
+    fn open_lease(
+        &mut self,
+        run: RunLease<'_>,
+    ) -> Result<Option<iop_core::cred::Secret>, &'static str> {
+        let recipient = self.shared.identity.as_ref().map(|identity| Recipient {
+            node: identity.node_id.as_str(),
+            secret: &identity.recipient,
+        });
+        let opened =
+            self.machine
+                .machine_mut()
+                .open_lease(recipient, run, iop_transport::clock::unix_ms());
+        if let Err(reason) = &opened {
+            self.shared
+                .credential_rejections
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared.metrics.credential_rejected(reason);
+            tracing::warn!(
+                event = "node_credential_rejected",
+                generation = self.machine.machine().generation().unwrap_or(0),
+                reason = *reason
+            );
+        }
+        opened
+    }
+
+    fn on_link_msg(&mut self, msg: LinkMsg) {
+        let now = self.clock.now();
+        match msg {
+            LinkMsg::Start {
+                run_id,
+                kind,
+                stall_timeout,
+                deadline,
+                adapter,
+                target,
+                carries_lease,
+                adopted,
+                control,
+                reply,
+            } => {
+                // One count over every Edge connection; parked durable runs
+                // still hold their provider (R-PARK-1, R-MULTI-1).
+                if adopted {
+                    self.shared.capacity().adopt(adapter, &target);
+                } else {
+                    let parked = self.shared.parking.parked_runs(adapter, &target);
+                    let admitted = self.shared.capacity().start(adapter, &target, parked);
+                    if let Err(code) = admitted {
+                        let _ = reply.send(Err(code));
+                        return;
+                    }
+                }
+                let started = self.machine.start_run(
+                    now,
+                    RunStart {
+                        run_id,
+                        kind,
+                        stall_timeout,
+                        deadline: deadline.map(|d| now + d),
+                        adapter,
+                        target: target.clone(),
+                        carries_lease,
+                    },
+                );
+                match started {
+                    Ok(()) => {
+                        self.runs.insert(
+                            run_id,
+                            RunSlot {
+                                control,
+                                adapter,
+                                target,
+                            },
+                        );
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err(code) => {
+                        self.shared.capacity().finish(adapter, &target);
+                        tracing::warn!(event = "node_run_refused", code = code.as_str());
+                        let _ = reply.send(Err(code));
+                    }
+                }
+            }
+            LinkMsg::Event {
+                run_id,
+                event,
+                reply,
+            } => {
+                let emissions = self.emissions(run_id, vec![event]);
+                let _ = reply.send(emissions.first().copied().unwrap_or(Emission::Fenced));
+            }
+            LinkMsg::Events {
+                run_id,
+                events,
+                reply,
+            } => {
+                let emissions = self.emissions(run_id, events);
+                let _ = reply.send(emissions);
+            }
+            LinkMsg::ProviderReturned { run_id } => {
+                self.input(NodeLinkInput::ProviderDropped { run_id });
+            }
+            LinkMsg::Finished { run_id } => self.input(NodeLinkInput::RunLeft { run_id }),
+            LinkMsg::Canceled { run_id } => self.input(NodeLinkInput::RunCanceled { run_id }),
+            LinkMsg::ProbeDone { run_id, outcome } => {
+                self.input(NodeLinkInput::ProbeDone { run_id, outcome });
+            }
+            LinkMsg::Status { reply } => {
+                let machine = self.machine.machine();
+                let _ = reply.send(TransportStatusReport {
+                    generation: machine.generation().unwrap_or(0),
+                    connected_for_ms: iop_core::time::duration_ms(now - machine.connected_at()),
+                    active_runs: self.runs.len() as u32,
+                    max_concurrent_runs: self.max_runs as u32,
+                    heartbeats_sent: machine.heartbeat().pings_sent(),
+                    last_heartbeat_rtt_ms: machine
+                        .heartbeat()
+                        .last_rtt()
+                        .map(iop_core::time::duration_ms),
+                    fenced_late_outputs: self.shared.fenced_late_outputs.load(Ordering::Relaxed),
+                    next_health_observation_seq: machine
+                        .watchdog()
+                        .next_observation_seq()
+                        .unwrap_or(0),
+                });
+            }
+            LinkMsg::OpenLease {
+                run_id,
+                adapter,
+                target,
+                route,
+                lease,
+                reply,
+            } => {
+                let opened = self.open_lease(RunLease {
+                    run_id,
+                    adapter,
+                    target: &target,
+                    route: route.as_deref(),
+                    lease: lease.as_deref(),
+                });
+                let _ = reply.send(opened);
+            }
+            LinkMsg::TakeObservationSeq { reply } => {
+                let _ = reply.send(self.machine.take_observation_seq(now));
             }
         }
-        for probe in work.probes {
-            self.start_probe(probe);
-        }
-        if let Some(link_end) = work.end {
-            use iop_core::node::link::LinkEnd as Core;
-            self.close_code = Some(link_end.close_code());
-            end = Some(match link_end {
-                Core::Closed(code) => self.closed(code),
-                Core::Rejected { reason, message } => LinkEnd::Rejected { reason, message },
-                Core::HandshakeTimedOut => LinkEnd::HandshakeTimeout,
-            });
+    }
+
+    /// Carry out the machine's outputs; `Some` ends the connection.
+    async fn drain(&mut self, send: &mut FramedSend) -> Option<LinkEnd> {
+        let mut end = None;
+        while let Some(out) = self.machine.poll_output(self.clock.now()) {
+            match out {
+                NodeLinkOutput::CancelParked(c) => {
+                    let found = self.shared.parking.cancel_parked(c.key, &c.response_id);
+                    tracing::info!(
+                        event = "node_parked_run_released",
+                        run_id = c.key.run_id,
+                        found
+                    );
+                }
+                NodeLinkOutput::Send(frame) => {
+                    if send.send(&frame).await.is_err() && end.is_none() {
+                        end = Some(self.closed(CloseCode::Normal));
+                    }
+                }
+                NodeLinkOutput::Ready { generation } => {
+                    self.was_ready = true;
+                    let slot = &self.shared.edges[self.edge];
+                    slot.generation.store(generation, Ordering::Relaxed);
+                    slot.ready.store(true, Ordering::Relaxed);
+                    tracing::info!(event = "node_ready", edge = %slot.address, generation);
+                }
+                NodeLinkOutput::Managed(managed) => self.shared.set_managed(&managed),
+                NodeLinkOutput::SigningKeyRefused => {
+                    tracing::warn!(event = "node_lease_signing_key_refused");
+                }
+                NodeLinkOutput::End(link_end) => {
+                    use iop_core::node::link::LinkEnd as Core;
+                    self.close_code = Some(link_end.close_code());
+                    end = Some(match link_end {
+                        Core::Closed(code) => {
+                            if code == CloseCode::HeartbeatTimeout {
+                                tracing::warn!(
+                                    event = "node_heartbeat_timeout",
+                                    generation = self.machine.machine().generation().unwrap_or(0)
+                                );
+                            }
+                            self.closed(code)
+                        }
+                        Core::Rejected { reason, message } => LinkEnd::Rejected { reason, message },
+                        Core::HandshakeTimedOut => LinkEnd::HandshakeTimeout,
+                    });
+                }
+                NodeLinkOutput::CancelProvider { run_id } => {
+                    if let Some(slot) = self.runs.get(&run_id) {
+                        let _ = slot.control.send(RunControl::CancelProvider);
+                    }
+                }
+                NodeLinkOutput::StartProbe {
+                    run_id,
+                    adapter,
+                    target,
+                } => self.start_probe(run_id, adapter, &target),
+                NodeLinkOutput::StallObserved {
+                    kind,
+                    elapsed_ms,
+                    health,
+                    retryable,
+                    ..
+                } => {
+                    self.shared.stalls.fetch_add(1, Ordering::Relaxed);
+                    self.shared.metrics.stall(
+                        kind.as_str(),
+                        health.as_str(),
+                        retryable,
+                        elapsed_ms,
+                    );
+                    tracing::warn!(
+                        event = "node_response_stall_observation",
+                        kind = kind.as_str(),
+                        elapsed_ms,
+                        provider_health = health.as_str(),
+                        liveness_classification = health.liveness_classification().as_str(),
+                        retryable
+                    );
+                }
+                NodeLinkOutput::RunEnded {
+                    run_id,
+                    adapter,
+                    target,
+                    terminal,
+                    forwarded,
+                } => {
+                    self.shared.capacity().finish(adapter, &target);
+                    if let Some(slot) = self.runs.remove(&run_id)
+                        && !forwarded
+                    {
+                        let _ = slot.control.send(RunControl::Terminal(terminal));
+                    }
+                }
+                NodeLinkOutput::RunDetached {
+                    run_id,
+                    adapter,
+                    target,
+                } => {
+                    self.shared.capacity().finish(adapter, &target);
+                    self.runs.remove(&run_id);
+                }
+            }
         }
         end
     }
 
     /// The exact-target probe of a stalled run, bounded like the watchdog's
     /// own probe bound; either way a timeout is no verdict (R-WD-5).
-    fn start_probe(&mut self, probe: ProbeAsk) {
-        let ProbeAsk {
-            run_id,
-            adapter,
-            target,
-        } = probe;
-        let adapter = self.shared.adapter(adapter, &target).cloned();
+    fn start_probe(&mut self, run_id: RunId, adapter: AdapterKind, target: &str) {
+        let adapter = self.shared.adapter(adapter, target).cloned();
         let bound = self.shared.probe_bound;
         let shared = self.shared.clone();
         self.probes.spawn(async move {

@@ -17,8 +17,6 @@ use std::sync::Arc;
 
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
-use iop_core::cred::RunLease;
-use iop_core::node::link::NodeLinkInput;
 use iop_core::node::park::EdgeSignal;
 use iop_core::node::probe::capabilities_probe;
 use iop_core::node::run::{
@@ -37,7 +35,7 @@ use iop_wire::{
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::control::{Attach, LinkHandle, RunControl, StartAsk};
+use crate::control::{Attach, LinkMsg, LinkTx, RunControl};
 use crate::metrics::{RunRecord, RunSpan};
 use crate::parking::{LotKey, ParkEntry};
 use crate::state::LinkShared;
@@ -46,7 +44,7 @@ use crate::state::LinkShared;
 pub async fn serve_stream(
     mut send: FramedSend,
     mut recv: FramedRecv,
-    link: LinkHandle,
+    link: LinkTx,
     shared: Arc<LinkShared>,
     conn: quinn::Connection,
     generation: u64,
@@ -218,7 +216,7 @@ impl WireFrame for ProviderTunnelFrame {
 struct Attached {
     send: FramedSend,
     recv: FramedRecv,
-    link: LinkHandle,
+    link: LinkTx,
     conn: quinn::Connection,
     /// The run's id on this connection.
     run_id: u64,
@@ -357,15 +355,18 @@ where
                         control_tx.take()
                     };
                     let fed = match link {
-                        Some(link) => ask_link(
-                            &link,
-                            ask,
-                            adapter.as_ref(),
-                            &route,
-                            &mut lease,
-                            &mut auth,
-                            control,
-                        ),
+                        Some(link) => {
+                            ask_link(
+                                &link,
+                                ask,
+                                adapter.as_ref(),
+                                &route,
+                                &mut lease,
+                                &mut auth,
+                                control,
+                            )
+                            .await
+                        }
                         None => None,
                     };
                     if left {
@@ -617,11 +618,10 @@ async fn write<F: WireFrame>(
     None
 }
 
-/// Carry one ask to the link, a call on its machine under its lock (no
-/// hand-off to the link's task): the answer as the machine's input
-/// (`None`: nothing to answer).
-fn ask_link<F>(
-    link: &LinkHandle,
+/// Carry one ask to the link: the answer as the machine's input (`None`:
+/// nothing to answer).
+async fn ask_link<F>(
+    link: &LinkTx,
     ask: LinkAsk,
     adapter: Option<&crate::adapter::Adapter>,
     route: &Option<String>,
@@ -645,30 +645,38 @@ fn ask_link<F>(
             let Some(control) = control else {
                 return gone;
             };
-            let started = link.start(StartAsk {
-                run_id,
-                kind,
-                stall_timeout,
-                deadline,
-                adapter: adapter_kind,
-                target,
-                carries_lease,
-                adopted,
-                control,
-            });
-            Some(started.map_or(NodeRunInput::LinkGone, NodeRunInput::Admitted))
+            match link
+                .ask(|reply| LinkMsg::Start {
+                    run_id,
+                    kind,
+                    stall_timeout,
+                    deadline,
+                    adapter: adapter_kind,
+                    target,
+                    carries_lease,
+                    adopted,
+                    control,
+                    reply,
+                })
+                .await
+            {
+                Some(answer) => Some(NodeRunInput::Admitted(answer)),
+                None => gone,
+            }
         }
         // R-CRED-2: the lease is opened only now, after admission and
         // right before the provider call; the secret stays here.
         LinkAsk::OpenLease { run_id } => {
-            let sealed = lease.take();
-            let opened = link.open_lease(RunLease {
-                run_id,
-                adapter: adapter_kind,
-                target: &target,
-                route: route.as_deref(),
-                lease: sealed.as_deref(),
-            });
+            let opened = link
+                .ask(|reply| LinkMsg::OpenLease {
+                    run_id,
+                    adapter: adapter_kind,
+                    target,
+                    route: route.clone(),
+                    lease: lease.take(),
+                    reply,
+                })
+                .await;
             let ok = match opened {
                 Some(Ok(None)) => true,
                 // Only this one call sees it; `secret` is wiped when dropped.
@@ -684,28 +692,37 @@ fn ask_link<F>(
             };
             Some(NodeRunInput::LeaseOpened(ok))
         }
-        LinkAsk::Offer { run_id, events } => Some(
-            link.offer(run_id, events)
-                .map_or(NodeRunInput::LinkGone, NodeRunInput::Emissions),
-        ),
+        LinkAsk::Offer { run_id, events } => {
+            match link
+                .ask(|reply| LinkMsg::Events {
+                    run_id,
+                    events,
+                    reply,
+                })
+                .await
+            {
+                Some(emissions) => Some(NodeRunInput::Emissions(emissions)),
+                None => gone,
+            }
+        }
         LinkAsk::ProviderDropped { run_id } => {
-            link.tell(NodeLinkInput::ProviderDropped { run_id });
+            link.tell(LinkMsg::ProviderReturned { run_id }).await;
             None
         }
         LinkAsk::Canceled { run_id } => {
-            link.tell(NodeLinkInput::RunCanceled { run_id });
+            link.tell(LinkMsg::Canceled { run_id }).await;
             None
         }
         LinkAsk::Left { run_id } => {
-            link.tell(NodeLinkInput::RunLeft { run_id });
+            link.tell(LinkMsg::Finished { run_id }).await;
             None
         }
     }
 }
 
-async fn command(send: &mut FramedSend, cmd: Command, link: &LinkHandle, shared: &LinkShared) {
+async fn command(send: &mut FramedSend, cmd: Command, link: &LinkTx, shared: &LinkShared) {
     let body = match cmd.kind {
-        CommandKind::TransportStatus => match link.status() {
+        CommandKind::TransportStatus => match link.ask(|reply| LinkMsg::Status { reply }).await {
             Some(report) => CommandResultBody::TransportStatus(report),
             None => return,
         },
@@ -743,7 +760,10 @@ async fn command(send: &mut FramedSend, cmd: Command, link: &LinkHandle, shared:
             // The observation sequence is taken after the probes finished,
             // so it orders this answer after every earlier stall terminal
             // (R-SEQ-1, `capabilities_probe`).
-            let Some(seq) = link.take_observation_seq() else {
+            let Some(seq) = link
+                .ask(|reply| LinkMsg::TakeObservationSeq { reply })
+                .await
+            else {
                 return;
             };
             CommandResultBody::Capabilities(CapabilitiesReport {

@@ -5,16 +5,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use iop_core::cred::Recipient;
 use iop_core::node::capacity::NodeCapacity;
 use iop_core::node::probe::{ProbeEvidence, TargetCredential};
-use iop_core::node::watchdog::RunKind;
-use iop_wire::{AdapterKind, CloseCode, FailureCode, ManagedTarget, ProviderHealth, RunKey};
+use iop_wire::{AdapterKind, CloseCode};
 use tokio::sync::watch;
 
 use crate::adapter::{Adapter, ProbeVerdict};
 use crate::config::NodeConfig;
-use crate::control::NodeSide;
 
 /// The file (in `state_dir`) holding the lease recipient key, mode 0600.
 pub const RECIPIENT_KEY_FILE: &str = "recipient.key";
@@ -340,72 +337,5 @@ impl LinkShared {
         self.adapters
             .iter()
             .find(|a| a.kind() == adapter && a.target() == target)
-    }
-}
-
-/// What a connection's machine reaches beyond its connection (module
-/// `control`), carried out on the node's shared state.
-impl NodeSide for LinkShared {
-    fn admit(&self, adapter: AdapterKind, target: &str, adopted: bool) -> Result<(), FailureCode> {
-        if adopted {
-            self.capacity().adopt(adapter, target);
-            return Ok(());
-        }
-        // Parked durable runs still hold their provider (R-PARK-1,
-        // R-MULTI-1).
-        let parked = self.parking.parked_runs(adapter, target);
-        self.capacity().start(adapter, target, parked)
-    }
-
-    fn finish(&self, adapter: AdapterKind, target: &str) {
-        self.capacity().finish(adapter, target);
-    }
-
-    fn cancel_parked(&self, key: RunKey, response_id: &str) -> bool {
-        self.parking.cancel_parked(key, response_id)
-    }
-
-    fn recipient(&self) -> Option<Recipient<'_>> {
-        self.identity.as_ref().map(|identity| Recipient {
-            node: identity.node_id.as_str(),
-            secret: &identity.recipient,
-        })
-    }
-
-    fn credential_rejected(&self, reason: &'static str) {
-        self.credential_rejections.fetch_add(1, Ordering::Relaxed);
-        self.metrics.credential_rejected(reason);
-    }
-
-    fn fenced(&self, outputs: u64) {
-        self.fenced_late_outputs
-            .fetch_add(outputs, Ordering::Relaxed);
-    }
-
-    fn fenced_late_outputs(&self) -> u64 {
-        self.fenced_late_outputs.load(Ordering::Relaxed)
-    }
-
-    fn edge_ready(&self, edge: usize, generation: u64) -> &str {
-        let slot = &self.edges[edge];
-        slot.generation.store(generation, Ordering::Relaxed);
-        slot.ready.store(true, Ordering::Relaxed);
-        &slot.address
-    }
-
-    fn set_managed(&self, managed: &[ManagedTarget]) {
-        LinkShared::set_managed(self, managed);
-    }
-
-    fn stall_observed(
-        &self,
-        kind: RunKind,
-        health: ProviderHealth,
-        retryable: bool,
-        elapsed_ms: u64,
-    ) {
-        self.stalls.fetch_add(1, Ordering::Relaxed);
-        self.metrics
-            .stall(kind.as_str(), health.as_str(), retryable, elapsed_ms);
     }
 }
