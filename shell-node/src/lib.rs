@@ -15,6 +15,7 @@ pub mod mock;
 pub mod parking;
 pub mod run;
 pub mod state;
+mod streams;
 pub mod supervisor;
 
 use std::sync::Arc;
