@@ -15,7 +15,6 @@ pub mod mock;
 pub mod parking;
 pub mod run;
 pub mod state;
-mod streams;
 pub mod supervisor;
 
 use std::sync::Arc;

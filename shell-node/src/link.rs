@@ -2,13 +2,11 @@
 //! [`NodeLink`](iop_core::node::link::NodeLink)'s (handshake, heartbeat, stall watchdog with its
 //! observation sequence, each run's one terminal, lease opening); this task
 //! runs one `select!` over control frames, the machine's next timeout,
-//! messages from the run handlers and the connection's end, feeds each as
-//! an input and carries out the outputs. Once the connection completed
-//! readiness, its data streams are accepted by the tasks that serve them
-//! (`streams::Streams`), not by this task.
+//! incoming data streams and messages from the run handlers, feeds each as
+//! an input and carries out the outputs.
 //!
 //! When the connection ends, every run and tunnel handler bound to it is
-//! canceled (R-DISC-1): `Streams::close` aborts them all.
+//! canceled (R-DISC-1): they live in this task's `JoinSet`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -23,7 +21,7 @@ use iop_core::node::watchdog::{Emission, ProbeOutcome, ProviderEvent};
 use iop_trace::{DrivenNodeLink, NodeLinkConfigRec};
 use iop_transport::clock::Clock;
 use iop_transport::close_connection;
-use iop_transport::framed::{FramedError, FramedSend, open_framed};
+use iop_transport::framed::{FramedError, FramedSend, framed_for_side, open_framed};
 use iop_wire::{
     AdapterKind, CloseCode, EdgeControl, NodeControl, OfferedProvider, PROTOCOL_VERSION,
     RegisterRequest, RejectReason, TransportStatusReport,
@@ -33,8 +31,8 @@ use tokio::task::JoinSet;
 
 use crate::config::NodeConfig;
 use crate::control::{LinkMsg, LinkTx, RunControl};
+use crate::run;
 use crate::state::{LinkShared, NodeIdentity};
-use crate::streams::Streams;
 
 /// How a link ended.
 #[derive(Debug)]
@@ -111,8 +109,7 @@ pub async fn run(
     };
     let (link_tx, mut link_rx) = mpsc::channel(LINK_QUEUE);
     let link_tx = LinkTx(link_tx);
-    // Started once the connection completed readiness.
-    let mut streams: Option<Streams> = None;
+    let mut handlers = JoinSet::new();
     let mut paused = shared.pause_control.subscribe();
     // Runs that park from now on (their own connection, to another Edge,
     // lost) are reported here: this Edge may adopt them (R-PARK-2,
@@ -132,15 +129,6 @@ pub async fn run(
         let wake = link.machine.poll_timeout();
         let is_paused = *paused.borrow();
         let ready = link.was_ready;
-        if ready && streams.is_none() {
-            let generation = link.machine.machine().generation().unwrap_or(0);
-            streams = Some(Streams::start(
-                conn.clone(),
-                link_tx.clone(),
-                shared.clone(),
-                generation,
-            ));
-        }
         tokio::select! {
             frame = recv.recv::<EdgeControl>(), if !is_paused => match frame {
                 Ok(Some(msg)) => link.input(NodeLinkInput::Control(msg)),
@@ -168,10 +156,24 @@ pub async fn run(
                 link.machine.handle_timeout(clock.now());
             },
             _ = paused.changed() => {},
-            // The data streams are accepted by the tasks that serve them
-            // (`streams`); the connection's end is seen here.
-            e = conn.closed(), if ready => {
-                break link.closed(iop_transport::close_code_of(&e).unwrap_or(CloseCode::Normal));
+            stream = conn.accept_bi(), if ready => match stream {
+                Ok((s, r)) => {
+                    let (s, r) = framed_for_side(conn.side(), s, r);
+                    let generation = link.machine.machine().generation().unwrap_or(0);
+                    handlers.spawn(run::serve_stream(
+                        s,
+                        r,
+                        link_tx.clone(),
+                        shared.clone(),
+                        conn.clone(),
+                        generation,
+                    ));
+                }
+                Err(e) => {
+                    break link.closed(
+                        iop_transport::close_code_of(&e).unwrap_or(CloseCode::Normal),
+                    );
+                }
             },
             Some(msg) = link_rx.recv() => link.on_link_msg(msg),
             Ok(()) = parked.changed(), if ready && report_due.is_none() => {
@@ -191,6 +193,7 @@ pub async fn run(
                     link.input(NodeLinkInput::ProbeDone { run_id, outcome });
                 }
             },
+            Some(_) = handlers.join_next(), if !handlers.is_empty() => {},
             _ = shutdown.changed() => {
                 let _ = send.send(&NodeControl::Closing { code: CloseCode::Shutdown }).await;
                 close_connection(&conn, CloseCode::Shutdown);
@@ -201,10 +204,11 @@ pub async fn run(
     };
 
     // R-DISC-1: every handler bound to this connection is canceled.
-    let canceled = streams.as_ref().map_or(0, Streams::close);
+    let canceled = handlers.len() as u64;
     shared
         .disconnect_cancels
         .fetch_add(canceled, Ordering::Relaxed);
+    handlers.abort_all();
     link.probes.abort_all();
     link.input(NodeLinkInput::Disconnected);
     let _ = link.drain(&mut send).await;
