@@ -14,13 +14,23 @@
 //! every read that returned data: the kernel sends the pending ACK right
 //! then, and the server's next write goes out without waiting.
 //!
+//! A target can have its plain-`http` calls driven by the caller
+//! ([`ProviderHttp::caller_driven`], the `openai` adapter's): the HTTP/1.1
+//! connection is then polled by the task that awaits the answer and reads
+//! its body (the run's), not by a connection task of its own, and goes
+//! back to an idle list of the process once its answer was read whole. A
+//! connection found closed when taken is dropped; a request that a reused
+//! connection never sent goes out on a new one.
+//!
 //! Not supported, on purpose: `HTTP_PROXY`/`HTTPS_PROXY` (a provider is
 //! reached directly), redirects (a tunnel passes them through as they are),
 //! response decompression (tunnelled bodies stay as the provider sent them).
 
+use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -28,8 +38,10 @@ use bytes::Bytes;
 use futures::Stream;
 use http::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, StatusCode, Uri};
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyDataStream, BodyExt, Full};
-use hyper::body::Incoming;
+use hyper::body::{Body, Frame, Incoming};
+use hyper::client::conn::http1;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
@@ -42,6 +54,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long an idle pooled provider connection is kept.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Idle caller-driven connections kept per target address.
+pub const MAX_IDLE_PER_TARGET: usize = 64;
 
 /// Why a provider call failed before or while its answer was read. The
 /// error's text is never kept: it may name URLs.
@@ -66,6 +81,10 @@ pub enum HttpError {
 #[derive(Clone)]
 pub struct ProviderHttp {
     client: Client<HttpsConnector<QuickAckConnector>, Full<Bytes>>,
+    /// The process's idle caller-driven connections.
+    idle: Arc<IdleConnections>,
+    /// Plain-`http` calls are driven by the caller.
+    caller_driven: bool,
 }
 
 impl std::fmt::Debug for ProviderHttp {
@@ -88,13 +107,32 @@ impl ProviderHttp {
         http.enforce_http(false);
         http.set_nodelay(true);
         http.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        let connector = HttpsConnector::from((QuickAckConnector(http), tls));
+        let plain = QuickAckConnector(http);
+        let connector = HttpsConnector::from((plain.clone(), tls));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
             .build(connector);
-        Self { client }
+        Self {
+            client,
+            idle: Arc::new(IdleConnections {
+                connector: plain,
+                idle: Mutex::new(HashMap::new()),
+            }),
+            caller_driven: false,
+        }
+    }
+
+    /// The same client, with its plain-`http` calls driven by the caller:
+    /// the connection is polled by the task that awaits the answer and
+    /// reads its body, with no connection task between them (see the
+    /// module docs). `https` calls stay on the pooled client.
+    pub fn caller_driven(&self) -> Self {
+        Self {
+            caller_driven: true,
+            ..self.clone()
+        }
     }
 
     /// A request to `url`.
@@ -241,6 +279,9 @@ impl ProviderRequest {
             .body(Full::new(self.body))
             .map_err(|_| HttpError::Builder)?;
         *request.headers_mut() = self.headers;
+        if self.client.caller_driven && request.uri().scheme() == Some(&http::uri::Scheme::HTTP) {
+            return self.client.idle.send(request).await;
+        }
         let response = self
             .client
             .client
@@ -251,13 +292,13 @@ impl ProviderRequest {
         Ok(ProviderResponse {
             status: parts.status,
             headers: parts.headers,
-            body,
+            body: UnsyncBoxBody::new(body),
         })
     }
 }
 
 /// A failed send: a connect that timed out, or unreachable.
-fn classify(err: &hyper_util::client::legacy::Error) -> HttpError {
+fn classify(err: &(dyn std::error::Error + 'static)) -> HttpError {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = source {
         if let Some(io) = e.downcast_ref::<io::Error>()
@@ -274,7 +315,7 @@ fn classify(err: &hyper_util::client::legacy::Error) -> HttpError {
 pub struct ProviderResponse {
     status: StatusCode,
     headers: HeaderMap,
-    body: Incoming,
+    body: UnsyncBoxBody<Bytes, hyper::Error>,
 }
 
 impl ProviderResponse {
@@ -310,6 +351,194 @@ impl ProviderResponse {
         futures::StreamExt::map(BodyDataStream::new(self.body), |piece| {
             piece.map_err(|_| HttpError::Body)
         })
+    }
+}
+
+/// One caller-driven HTTP/1.1 connection: its sender, and the connection
+/// itself, polled by whoever uses it.
+struct DrivenConn {
+    sender: http1::SendRequest<Full<Bytes>>,
+    conn: http1::Connection<TokioIo<QuickAckStream>, Full<Bytes>>,
+    /// The connection future ended: the connection is closed.
+    closed: bool,
+}
+
+impl DrivenConn {
+    /// Poll the connection (its reads and writes); false once it closed.
+    fn poll_conn(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.closed && Pin::new(&mut self.conn).poll(cx).is_ready() {
+            self.closed = true;
+        }
+        !self.closed
+    }
+
+    /// Whether it can carry the next request: polled once so it takes in
+    /// what the peer sent meanwhile (a close).
+    fn reusable(&mut self) -> bool {
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        self.poll_conn(&mut cx) && self.sender.is_ready()
+    }
+}
+
+/// The process's idle caller-driven connections, by target address.
+struct IdleConnections {
+    connector: QuickAckConnector,
+    idle: Mutex<HashMap<String, Vec<(std::time::Instant, DrivenConn)>>>,
+}
+
+impl IdleConnections {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, Vec<(std::time::Instant, DrivenConn)>>> {
+        // Each change is one push or pop.
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The newest idle connection to `key` that can carry a request; the
+    /// expired and closed ones are dropped.
+    fn take(&self, key: &str) -> Option<DrivenConn> {
+        let mut idle = self.lock();
+        let list = idle.get_mut(key)?;
+        let now = std::time::Instant::now();
+        list.retain(|(since, _)| now.duration_since(*since) < POOL_IDLE_TIMEOUT);
+        while let Some((_, mut conn)) = list.pop() {
+            if conn.reusable() {
+                return Some(conn);
+            }
+        }
+        None
+    }
+
+    /// Keep `conn` for the next call to `key`, if it can carry one.
+    fn give_back(&self, key: String, mut conn: DrivenConn) {
+        if !conn.reusable() {
+            return;
+        }
+        let mut idle = self.lock();
+        let list = idle.entry(key).or_default();
+        if list.len() >= MAX_IDLE_PER_TARGET {
+            list.remove(0);
+        }
+        list.push((std::time::Instant::now(), conn));
+    }
+
+    async fn connect(&self, uri: &Uri) -> Result<DrivenConn, HttpError> {
+        let mut connector = self.connector.clone();
+        let io = tower_service::Service::call(&mut connector, uri.clone())
+            .await
+            .map_err(|e| classify(&*e))?;
+        let (sender, conn) = http1::handshake(io).await.map_err(|e| classify(&e))?;
+        Ok(DrivenConn {
+            sender,
+            conn,
+            closed: false,
+        })
+    }
+
+    /// Send `request` on an idle connection to its target, or a new one,
+    /// polling the connection until the answer's head.
+    async fn send(
+        self: &Arc<Self>,
+        mut request: Request<Full<Bytes>>,
+    ) -> Result<ProviderResponse, HttpError> {
+        let target = request.uri().clone();
+        let Some(authority) = target.authority().cloned() else {
+            return Err(HttpError::Builder);
+        };
+        let key = authority.as_str().to_owned();
+        if !request.headers().contains_key(http::header::HOST) {
+            let host = HeaderValue::from_str(authority.as_str()).map_err(|_| HttpError::Builder)?;
+            request.headers_mut().insert(http::header::HOST, host);
+        }
+        // The request line names the path only (origin form).
+        let path = target
+            .path_and_query()
+            .map_or("/", http::uri::PathAndQuery::as_str);
+        *request.uri_mut() = path.parse().map_err(|_| HttpError::Builder)?;
+        loop {
+            let (mut conn, reused) = match self.take(&key) {
+                Some(conn) => (conn, true),
+                None => (self.connect(&target).await?, false),
+            };
+            let mut sent = std::pin::pin!(conn.sender.try_send_request(request));
+            let answered = std::future::poll_fn(|cx| {
+                conn.poll_conn(cx);
+                sent.as_mut().poll(cx)
+            })
+            .await;
+            match answered {
+                Ok(response) => {
+                    let (parts, body) = response.into_parts();
+                    let body = DrivenBody {
+                        body,
+                        conn: Some(conn),
+                        ended: false,
+                        idle: Arc::clone(self),
+                        key,
+                    };
+                    return Ok(ProviderResponse {
+                        status: parts.status,
+                        headers: parts.headers,
+                        body: UnsyncBoxBody::new(body),
+                    });
+                }
+                Err(mut e) => match e.take_message() {
+                    // A reused connection closed before the request went
+                    // out: nothing reached the provider, so a new one.
+                    Some(unsent) if reused => request = unsent,
+                    _ => return Err(classify(e.error())),
+                },
+            }
+        }
+    }
+}
+
+/// A caller-driven answer's body: reading it polls its connection, which
+/// goes back to the idle ones once the body was read whole (dropped before
+/// that, it closes).
+struct DrivenBody {
+    body: Incoming,
+    conn: Option<DrivenConn>,
+    ended: bool,
+    idle: Arc<IdleConnections>,
+    key: String,
+}
+
+impl Body for DrivenBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        if let Some(conn) = this.conn.as_mut() {
+            conn.poll_conn(cx);
+        }
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(None) = frame {
+            this.ended = true;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for DrivenBody {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take()
+            && (self.ended || self.body.is_end_stream())
+        {
+            self.idle.give_back(std::mem::take(&mut self.key), conn);
+        }
     }
 }
 
@@ -456,6 +685,105 @@ mod tests {
         })
         .await;
         assert!(wrapped.iter().all(|q| *q), "{wrapped:?}");
+    }
+
+    /// An HTTP/1.1 server answering `ok` to each request on a connection,
+    /// closing each connection after `per_conn` answers (and saying so on
+    /// `closed`); `accepted` counts its connections.
+    async fn keep_alive_server(
+        per_conn: usize,
+    ) -> (
+        std::net::SocketAddr,
+        Arc<std::sync::atomic::AtomicUsize>,
+        tokio::sync::mpsc::UnboundedReceiver<()>,
+    ) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (closed_tx, closed) = tokio::sync::mpsc::unbounded_channel();
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let closed_tx = closed_tx.clone();
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut answered = 0;
+                    let mut buf = [0u8; 1024];
+                    while answered < per_conn {
+                        let Ok(n) = s.read(&mut buf).await else { break };
+                        if n == 0 {
+                            break;
+                        }
+                        seen.extend_from_slice(&buf[..n]);
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                .await
+                                .unwrap();
+                            answered += 1;
+                        }
+                    }
+                    drop(s);
+                    let _ = closed_tx.send(());
+                });
+            }
+        });
+        (addr, accepted, closed)
+    }
+
+    async fn read_whole(http: &ProviderHttp, addr: std::net::SocketAddr) -> Vec<u8> {
+        let mut answer = http
+            .get(format!("http://{addr}/v1/models"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        let mut body = Vec::new();
+        while let Some(piece) = answer.chunk().await.unwrap() {
+            body.extend_from_slice(&piece);
+        }
+        body
+    }
+
+    /// A caller-driven call's connection is polled by the caller and kept
+    /// once its answer was read whole: the next call reuses it.
+    #[tokio::test]
+    async fn a_caller_driven_connection_carries_the_next_call_once_read_whole() {
+        let (addr, accepted, _closed) = keep_alive_server(usize::MAX).await;
+        let http = ProviderHttp::new().caller_driven();
+        for _ in 0..3 {
+            assert_eq!(read_whole(&http, addr).await, b"ok");
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    /// A kept connection the provider closed meanwhile is not used: the
+    /// call goes out on a new one and is answered.
+    #[tokio::test]
+    async fn a_caller_driven_call_after_the_provider_closed_the_connection_takes_a_new_one() {
+        let (addr, accepted, mut closed) = keep_alive_server(1).await;
+        let http = ProviderHttp::new().caller_driven();
+        assert_eq!(read_whole(&http, addr).await, b"ok");
+        closed.recv().await.unwrap();
+        assert_eq!(read_whole(&http, addr).await, b"ok");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    /// An answer dropped before its end closes its connection: the next
+    /// call takes a new one.
+    #[tokio::test]
+    async fn a_caller_driven_answer_dropped_unread_does_not_give_its_connection_back() {
+        let (addr, accepted, _closed) = keep_alive_server(usize::MAX).await;
+        let http = ProviderHttp::new().caller_driven();
+        let answer = http
+            .get(format!("http://{addr}/v1/models"))
+            .send()
+            .await
+            .unwrap();
+        drop(answer);
+        assert_eq!(read_whole(&http, addr).await, b"ok");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
     #[tokio::test]

@@ -278,7 +278,12 @@ impl Adapter {
                 crate::mock::MockScript::default(),
                 target.api_key.clone(),
             )),
-            (AdapterKind::OpenAi, Some(url)) => Backend::OpenAi(http_target(url)),
+            // An OpenAI-compatible server's plain-`http` calls are driven
+            // by the run's task (`ProviderHttp::caller_driven`).
+            (AdapterKind::OpenAi, Some(url)) => Backend::OpenAi(HttpTarget {
+                http: http.caller_driven(),
+                ..http_target(url)
+            }),
             (AdapterKind::Ollama, Some(url)) => Backend::Ollama(http_target(url)),
             (AdapterKind::Anthropic, Some(url)) => Backend::Anthropic(http_target(url)),
             (kind, None) => Backend::Unconfigured(kind),
