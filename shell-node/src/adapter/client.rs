@@ -15,7 +15,7 @@
 //! then, and the server's next write goes out without waiting.
 //!
 //! A target can have its plain-`http` calls driven by the caller
-//! ([`ProviderHttp::caller_driven`], the `openai` adapter's): the HTTP/1.1
+//! ([`ProviderHttp::caller_driven`], every adapter's): the HTTP/1.1
 //! connection is then polled by the task that awaits the answer and reads
 //! its body (the run's), not by a connection task of its own, and goes
 //! back to an idle list of the process once its answer was read whole. A

@@ -262,7 +262,10 @@ impl Adapter {
         let http_target = |base_url: &String| HttpTarget {
             base_url: base_url.trim_end_matches('/').to_owned(),
             api_key: target.api_key.clone(),
-            http: http.clone(),
+            // A provider's plain-`http` calls are driven by the run's task
+            // (`ProviderHttp::caller_driven`): no connection task between
+            // the provider's socket and the run (issue 42's hops).
+            http: http.caller_driven(),
             stream_usage: target.stream_usage,
             continuous_usage: target.continuous_usage,
             whole_calls: target.whole_calls,
@@ -278,12 +281,7 @@ impl Adapter {
                 crate::mock::MockScript::default(),
                 target.api_key.clone(),
             )),
-            // An OpenAI-compatible server's plain-`http` calls are driven
-            // by the run's task (`ProviderHttp::caller_driven`).
-            (AdapterKind::OpenAi, Some(url)) => Backend::OpenAi(HttpTarget {
-                http: http.caller_driven(),
-                ..http_target(url)
-            }),
+            (AdapterKind::OpenAi, Some(url)) => Backend::OpenAi(http_target(url)),
             (AdapterKind::Ollama, Some(url)) => Backend::Ollama(http_target(url)),
             (AdapterKind::Anthropic, Some(url)) => Backend::Anthropic(http_target(url)),
             (kind, None) => Backend::Unconfigured(kind),
