@@ -75,7 +75,12 @@ pub(crate) async fn admit<E: RunEndpoint>(
             model: &run.model,
             price: state.config().price_for(&run.model),
             body_bytes: held.bytes.len() as u64,
-            max_output: run.params.max_tokens.map(u64::from),
+            // An embedding asks for no output: it reserves none, and
+            // nothing caps it.
+            max_output: match run.api {
+                iop_wire::RunApi::Embeddings => Some(0),
+                _ => run.params.max_tokens.map(u64::from),
+            },
             durable,
             background: keep.background,
             // What the key and its principal hold in the journal now (every
@@ -93,10 +98,7 @@ pub(crate) async fn admit<E: RunEndpoint>(
         .await
         .map(Arc::new)?;
     // R-TEN-2: an answer is held to the output its reservation counted.
-    let output_cap = match run.api {
-        iop_wire::RunApi::Embeddings => None,
-        _ => tenant.output_cap(),
-    };
+    let output_cap = tenant.output_cap();
     if let Some(cap) = output_cap {
         run.params.max_tokens = Some(u32::try_from(cap).unwrap_or(u32::MAX));
     }

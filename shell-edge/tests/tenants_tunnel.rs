@@ -14,7 +14,7 @@ use iop_node::mock::{MockScript, MockServer};
 use serde_json::{Value, json};
 
 /// One key per case, each of its own principal (so each has its row).
-const CASES: [&str; 9] = [
+const CASES: [&str; 10] = [
     "whole",
     "stream",
     "unreported",
@@ -24,11 +24,22 @@ const CASES: [&str; 9] = [
     "embeddings",
     "ollama-embed",
     "capped",
+    "embed-budget",
 ];
 
 /// What a request without a maximum reserves for its output, and is held
 /// to when a budget counts it (the mock answers 13 tokens).
 const CAP: u64 = 5;
+
+/// An embedding request of route `m` (input 1 micro a token, output 2).
+fn embed_body() -> Value {
+    json!({"model": "m", "input": "hi"})
+}
+
+/// Its body's bytes: its prompt's reservation, in micros at `m`'s price.
+fn embed_body_bytes() -> u64 {
+    serde_json::to_vec(&embed_body()).unwrap().len() as u64
+}
 
 fn secret(case: &str) -> String {
     format!("sk-tunnel-{case}-0123456789")
@@ -102,7 +113,11 @@ default_max_output_tokens = {CAP}
 [[principals]]
 name = "team-capped"
 limits = {{ budget_micros = 1000000000, budget_period = "day" }}
-{keys}"#
+[[principals]]
+name = "team-embed-budget"
+limits = {{ budget_micros = {embed_budget}, budget_period = "day" }}
+{keys}"#,
+        embed_budget = embed_body_bytes() + 1,
     );
     let edge = RunningEdge::start(edge_config(&pki, 0, &extra))
         .await
@@ -368,6 +383,13 @@ async fn r_ten_2_an_answer_without_a_maximum_is_held_to_what_its_budget_reserved
         )
         .unwrap();
         assert_eq!(answer["eval_count"], CAP, "{answer}");
+        // An embedding reserves no output: a budget its prompt alone fits
+        // (one micro over it, short of CAP output tokens) admits it.
+        let answer: Value = serde_json::from_str(
+            &post(&d, "embed-budget", "/v1/embeddings", embed_body()).await,
+        )
+        .unwrap();
+        assert!(answer["data"][0]["embedding"].is_array(), "{answer}");
         // Nothing counts this key's output: the whole answer.
         let answer: Value =
             serde_json::from_str(&post(&d, "whole", "/v1/chat/completions", ask("m")).await)
