@@ -43,6 +43,11 @@ pub trait Gateway {
     /// CPU ticks so far of the Edge and of all node processes, when they
     /// are processes of their own.
     fn cpu_ticks(&self) -> Option<Result<(u64, u64), DeployError>>;
+    /// Context switches so far of every thread of the Edge and of all
+    /// node processes together, when they are processes of their own.
+    fn context_switches(&self) -> Option<Result<u64, DeployError>> {
+        None
+    }
     /// CPU ticks so far of the journal store's own server process (the
     /// `nats` store's `nats-server`), when there is one.
     fn store_cpu_ticks(&self) -> Option<Result<u64, DeployError>> {

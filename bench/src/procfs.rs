@@ -100,6 +100,38 @@ pub fn threads(pid: u32) -> Result<u64, ProcError> {
         })
 }
 
+/// Context switches so far of every thread of `pid`, voluntary and
+/// involuntary together (`voluntary_ctxt_switches` and
+/// `nonvoluntary_ctxt_switches` of each `/proc/PID/task/TID/status`; a
+/// thread that ended takes its count with it).
+pub fn context_switches(pid: u32) -> Result<u64, ProcError> {
+    let dir = PathBuf::from(format!("/proc/{pid}/task"));
+    let tasks = std::fs::read_dir(&dir).map_err(|source| ProcError::Read {
+        path: dir.clone(),
+        source,
+    })?;
+    let mut total = 0;
+    for task in tasks.flatten() {
+        // A thread may end between the listing and the read.
+        let Ok(text) = std::fs::read_to_string(task.path().join("status")) else {
+            continue;
+        };
+        total += switches_in_status(&text);
+    }
+    Ok(total)
+}
+
+/// The voluntary plus involuntary context switches a `status` file says.
+fn switches_in_status(text: &str) -> u64 {
+    text.lines()
+        .filter_map(|l| {
+            l.strip_prefix("voluntary_ctxt_switches:")
+                .or_else(|| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+        })
+        .filter_map(|v| v.trim().parse::<u64>().ok())
+        .sum()
+}
+
 /// User plus system CPU time (`utime + stime` of `/proc/PID/stat`), in
 /// clock ticks.
 pub fn cpu_ticks(pid: u32) -> Result<u64, ProcError> {
@@ -154,6 +186,27 @@ mod tests {
         std::hint::black_box(x);
         cpu_ticks(pid).unwrap();
         assert!(load_average().unwrap().iter().all(|l| *l >= 0.0));
+    }
+
+    #[test]
+    fn context_switches_count_every_thread() {
+        let status = "Name:\tx\nvoluntary_ctxt_switches:\t7\nnonvoluntary_ctxt_switches:\t3\n";
+        assert_eq!(switches_in_status(status), 10);
+        assert_eq!(switches_in_status("Name:\tx\n"), 0);
+        let pid = std::process::id();
+        let before = context_switches(pid).unwrap();
+        // A thread that sleeps switches at least once, and it is counted
+        // while it lives.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let sleeper = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            let _ = rx.recv();
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let during = context_switches(pid).unwrap();
+        let _ = tx.send(());
+        sleeper.join().unwrap();
+        assert!(during > before, "{before} -> {during}");
     }
 
     #[test]

@@ -54,6 +54,17 @@ impl Gateway for Deployment {
     fn store_cpu_ticks(&self) -> Option<Result<u64, DeployError>> {
         self.nats.as_ref().map(|n| n.proc.cpu_ticks())
     }
+
+    fn context_switches(&self) -> Option<Result<u64, DeployError>> {
+        let count = || -> Result<u64, DeployError> {
+            let mut total = crate::procfs::context_switches(self.edge.pid())?;
+            for node in &self.nodes {
+                total += crate::procfs::context_switches(node.pid())?;
+            }
+            Ok(total)
+        };
+        Some(count())
+    }
 }
 
 /// The machine a suite ran on.
@@ -206,6 +217,22 @@ impl Probes {
         }
     }
 
+    /// Context switches so far of whatever serves path `label` (`None`:
+    /// not measured).
+    fn switches_of(
+        &self,
+        gateway: &dyn Gateway,
+        label: &str,
+    ) -> Result<Option<u64>, ScenarioError> {
+        if self.request_cpu.is_none() {
+            return Ok(None);
+        }
+        if let Some((_, pid)) = self.peer_pids.iter().find(|(l, _)| l == label) {
+            return Ok(crate::procfs::context_switches(*pid).ok());
+        }
+        Ok(gateway.context_switches().transpose()?)
+    }
+
     /// CPU ticks so far of whatever serves path `label` (`None`: not
     /// measured).
     fn ticks_of(&self, gateway: &dyn Gateway, label: &str) -> Result<Option<u64>, ScenarioError> {
@@ -253,25 +280,37 @@ async fn compare(
             (Some(_), true) => Some(journal::scrape(client, gateway.edge_http()).await?),
             _ => None,
         };
-        let request_ticks_before = if via {
-            probes.ticks_of(gateway, label)?
+        let (request_ticks_before, switches_before) = if via {
+            (
+                probes.ticks_of(gateway, label)?,
+                probes.switches_of(gateway, label)?,
+            )
         } else {
-            None
+            (None, None)
         };
         let started = Instant::now();
         let r = load::run(client, &spec).await?;
         let elapsed_s = started.elapsed().as_secs_f64();
         if let Some(before) = request_ticks_before
             && let Some(after) = probes.ticks_of(gateway, label)?
-            && let Some(rows) = probes.request_cpu.as_mut()
         {
-            rows.push(RequestCpu {
-                load: mode.label(),
-                target: label.clone(),
-                us_per_request: after.saturating_sub(before) as f64 * 1e6
-                    / TICKS_PER_SECOND as f64
-                    / r.ok.max(1) as f64,
-            });
+            let switches_after = match switches_before {
+                Some(_) => probes.switches_of(gateway, label)?,
+                None => None,
+            };
+            let answered = r.ok.max(1) as f64;
+            if let Some(rows) = probes.request_cpu.as_mut() {
+                rows.push(RequestCpu {
+                    load: mode.label(),
+                    target: label.clone(),
+                    us_per_request: after.saturating_sub(before) as f64 * 1e6
+                        / TICKS_PER_SECOND as f64
+                        / answered,
+                    switches_per_request: switches_before
+                        .zip(switches_after)
+                        .map(|(before, after)| after.saturating_sub(before) as f64 / answered),
+                });
+            }
         }
         if let (Some(before), Some(runs)) = (journal_before, probes.journal.as_mut()) {
             // Every request of the run has ended when `load::run` returns,
@@ -360,6 +399,12 @@ pub struct RequestCpu {
     pub target: String,
     /// CPU time per answered request, µs.
     pub us_per_request: f64,
+    /// Context switches per answered request, every thread of the same
+    /// processes (voluntary and involuntary; `None`: not read). At one
+    /// request at a time each is a wake-up on the request's path
+    /// (docs/benchmarks.md, "Where one request's time goes, measured").
+    #[serde(default)]
+    pub switches_per_request: Option<f64>,
 }
 
 /// Added latency (non-streaming): direct vs tunnel vs normalized at each
@@ -429,12 +474,15 @@ impl LatencyResult {
         if !self.cpu.is_empty() {
             out.push_str(&format!(
                 "### CPU per request{what} (closed loop; µs; from /proc, whole run)\n\n\
-                 | load | target | µs/request (iop: Edge + Nodes; a peer: its process) |\n\
-                 | --- | --- | ---: |\n"
+                 | load | target | µs/request (iop: Edge + Nodes; a peer: its process) | context switches/request |\n\
+                 | --- | --- | ---: | ---: |\n"
             ));
             for c in &self.cpu {
+                let switches = c
+                    .switches_per_request
+                    .map_or_else(|| "-".to_string(), |s| format!("{s:.2}"));
                 out.push_str(&format!(
-                    "| {} | {} | {:.1} |\n",
+                    "| {} | {} | {:.1} | {switches} |\n",
                     c.load, c.target, c.us_per_request
                 ));
             }
@@ -1854,6 +1902,7 @@ mod tests {
                 load: closed.label(),
                 target: "iop normalized".into(),
                 us_per_request: 123.4,
+                switches_per_request: Some(4.5),
             }],
         };
         let mut report = SuiteReport {
@@ -1884,7 +1933,7 @@ mod tests {
         assert!(md[nagle..].contains("+40.700"), "{md}");
         assert!(
             md.contains("### CPU per request, provider with Nagle on (closed loop")
-                && md.contains("| closed x16 | iop normalized | 123.4 |"),
+                && md.contains("| closed x16 | iop normalized | 123.4 | 4.50 |"),
             "{md}"
         );
         // Reports written before the scenario (and the CPU rows) existed
@@ -1893,6 +1942,16 @@ mod tests {
         old["latency"].as_object_mut().unwrap().remove("cpu");
         let old: SuiteReport = serde_json::from_value(old).unwrap();
         assert!(old.latency.unwrap().cpu.is_empty());
+        // ... and so do CPU rows written before the context switches.
+        let mut old = serde_json::to_value(&report).unwrap();
+        old["latency"]["cpu"][0]
+            .as_object_mut()
+            .unwrap()
+            .remove("switches_per_request");
+        let old: SuiteReport = serde_json::from_value(old).unwrap();
+        let latency = old.latency.unwrap();
+        assert_eq!(latency.cpu[0].switches_per_request, None);
+        assert!(latency.markdown("").contains("| 123.4 | - |"));
         report.nagle = None;
         let mut json: serde_json::Value = serde_json::to_value(&report).unwrap();
         json.as_object_mut().unwrap().remove("nagle");
