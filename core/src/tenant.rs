@@ -370,6 +370,18 @@ pub fn prompt_tokens_max(body_bytes: u64) -> u64 {
     body_bytes
 }
 
+/// The most output tokens a request of `api` asks for, for its
+/// reservation (R-TEN-2): an embedding none (its answer is vectors, not
+/// generated tokens), so a budget its prompt fits admits it and nothing
+/// caps it; any other request its client's maximum (`None`: it set none,
+/// and the route's `default_max_output_tokens` is reserved).
+pub fn output_tokens_asked(api: iop_wire::RunApi, client_max: Option<u32>) -> Option<u64> {
+    match api {
+        iop_wire::RunApi::Embeddings => Some(0),
+        _ => client_max.map(u64::from),
+    }
+}
+
 /// Decide a claim on a shared counter (R-TEN-3): `claimed` of `limit` are
 /// claimed by the Edges already; a claim of `amount` gets what is left of
 /// it, never past the limit. Returns the counter's new claimed total and

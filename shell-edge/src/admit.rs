@@ -75,12 +75,7 @@ pub(crate) async fn admit<E: RunEndpoint>(
             model: &run.model,
             price: state.config().price_for(&run.model),
             body_bytes: held.bytes.len() as u64,
-            // An embedding asks for no output: it reserves none, and
-            // nothing caps it.
-            max_output: match run.api {
-                iop_wire::RunApi::Embeddings => Some(0),
-                _ => run.params.max_tokens.map(u64::from),
-            },
+            max_output: iop_core::tenant::output_tokens_asked(run.api, run.params.max_tokens),
             durable,
             background: keep.background,
             // What the key and its principal hold in the journal now (every

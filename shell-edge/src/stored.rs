@@ -359,7 +359,7 @@ pub(crate) fn hold_taken_over(state: &AppState, meta: &RecordMeta, work: &mut Wo
     // What it sends again (the conversation and the request's input)
     // bounds its prompt, as a body's bytes do.
     let prompt_bytes: usize = work.messages.iter().map(message_bytes).sum();
-    let max_output = work.params.max_tokens.map(u64::from);
+    let max_output = iop_core::tenant::output_tokens_asked(work.api, work.params.max_tokens);
     let hold = with_record_ask(state, meta, prompt_bytes, max_output, |ask| {
         state.tenancy().admit_taken_over(ask, adopted)
     });
@@ -412,7 +412,8 @@ pub(crate) fn charge_ended(
     let Some(used) = used.charged(iop_core::tenant::prompt_tokens_max(prompt_bytes as u64)) else {
         return;
     };
-    let max_output = work.and_then(|w| w.params.max_tokens).map(u64::from);
+    let max_output =
+        work.and_then(|w| iop_core::tenant::output_tokens_asked(w.api, w.params.max_tokens));
     with_record_ask(state, meta, prompt_bytes, max_output, |ask| {
         state.tenancy().charge_ended(ask, used);
     });

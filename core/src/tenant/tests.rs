@@ -844,6 +844,26 @@ fn r_ten_1_a_stopping_edge_hands_back_its_slots_at_once() {
     assert_eq!(c.slots_held(&Subject::Key("k2".into())), 0);
 }
 
+/// R-TEN-2: an embedding asks for no output, so it reserves none and
+/// nothing caps it; any other request asks for its client's maximum, or,
+/// without one, the route's default.
+#[test]
+fn r_ten_2_an_embedding_asks_for_no_output_and_a_chat_for_its_maximum() {
+    use iop_wire::RunApi;
+    assert_eq!(output_tokens_asked(RunApi::Embeddings, None), Some(0));
+    assert_eq!(output_tokens_asked(RunApi::Embeddings, Some(50)), Some(0));
+    assert_eq!(output_tokens_asked(RunApi::Chat, Some(50)), Some(50));
+    assert_eq!(output_tokens_asked(RunApi::Chat, None), None);
+    // Asked for nothing, nothing is imposed on it.
+    let mut r = request(1, "k", "p", 0);
+    r.key_limits.tokens_per_minute = Some(10_000);
+    r.output_tokens_max = 0;
+    assert_eq!(
+        r.output_cap(output_tokens_asked(RunApi::Embeddings, None)),
+        None
+    );
+}
+
 /// R-TEN-2: a request whose tokens or spend a limit counts, sent without
 /// a maximum, is held to the output it reserved; with the client's
 /// maximum, or nothing counting its output, nothing is imposed.
