@@ -4,10 +4,13 @@
 //! answer, no task hand-off between the two). It drives the request's core machine
 //! ([`iop_core::edge::request::Request`], which owns the gate, the attempts,
 //! the hold buffer and every decision about the request) and carries out
-//! what it says: carry commands to the hub, open the node stream and send
-//! the request, read frames, reset the stream, deliver to the client. One
-//! `select!` over the hub's news, the open in flight, the node stream, the
-//! machine's timer and the client; it decides nothing itself.
+//! what it says: carry commands to the dispatcher (a direct call under the
+//! hub's lock, whose answer is the dispatcher's news about this request),
+//! open the node stream and send the request, read frames, reset the
+//! stream, deliver to the client. One `select!` over the news no call of
+//! its own answers (a queued request's lease, a fence), the open in
+//! flight, the node stream, the machine's timer and the client; it decides
+//! nothing itself.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -590,13 +593,7 @@ impl Driver {
             ready_in_a_row = 0;
             let input = tokio::select! {
                 news = self.events.recv() => match news {
-                    Some(RequestNews { event, link }) => {
-                        if link.is_some() {
-                            self.link = link;
-                        }
-                        self.tell_admission(&event);
-                        RequestInput::Dispatch(event)
-                    }
+                    Some(news) => self.news_input(news),
                     // The hub stopped: the process is shutting down. A
                     // durable answer left unfinished is another Edge's to
                     // take over and charge: its reservation stays counted
@@ -694,6 +691,17 @@ impl Driver {
         }
     }
 
+    /// The machine's input for the dispatcher's news about the request,
+    /// keeping a pre-send answer's connection for the open.
+    fn news_input(&mut self, news: RequestNews) -> RequestInput {
+        let RequestNews { event, link } = news;
+        if link.is_some() {
+            self.link = link;
+        }
+        self.tell_admission(&event);
+        RequestInput::Dispatch(event)
+    }
+
     /// Show the machine's phase in the request's view, when it changed.
     fn show_progress(&mut self) {
         let gate = self.machine.machine().gate();
@@ -760,7 +768,16 @@ impl Driver {
                         );
                     }
                 },
-                RequestOutput::Dispatch(command) => self.ctx.hub.request(command),
+                RequestOutput::Dispatch(command) => {
+                    // The dispatcher answers at once (R-GEN-4's pre-send
+                    // fence, R-LEASE-1's terminal verdict, ...): its news
+                    // about this request go straight to the machine, in
+                    // order, behind any already queued for it.
+                    for news in self.ctx.hub.request(command, &mut self.events) {
+                        let input = self.news_input(news);
+                        self.machine.handle_input(self.ctx.clock.now(), input);
+                    }
+                }
                 RequestOutput::Open {
                     lease,
                     tunnel,

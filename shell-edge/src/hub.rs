@@ -1,10 +1,19 @@
-//! The hub: the one task that owns the Edge's dispatch core.
+//! The hub: the Edge's dispatch core, its timer task, and the calls into
+//! it.
 //!
-//! Connection tasks and HTTP handlers talk to it through [`HubHandle`]; it
-//! feeds their messages to [`Dispatcher`] with the current time, drains the
-//! dispatcher's outputs into the tasks that must act on them, and sleeps
-//! until the dispatcher's next timeout. No lock guards core state: only this
-//! task touches it.
+//! The dispatcher and what carries out its outputs (the links of the node
+//! connections, the request drivers' queues) sit behind one `std` mutex,
+//! held for one synchronous call (feed one input, drain every output) and
+//! never across an `.await`. A request driver calls it directly
+//! ([`HubHandle::request`]: its own news come back as the call's answer,
+//! as quinn-proto and str0m answer a synchronous question from the method,
+//! with no hop to another task on a request's path); the connection tasks
+//! and HTTP handlers send their messages to the hub task through
+//! [`HubHandle`], which feeds them under the same lock with the current
+//! time, and sleeps until the dispatcher's next timeout (woken when a
+//! direct call brings it closer). Whoever holds the lock drains the
+//! dispatcher's outputs into the tasks that must act on them; the
+//! dispatcher itself takes no lock.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -21,14 +30,14 @@ use iop_wire::{CapabilitiesReport, CloseCode, ConfigSnapshot, RegisterRequest};
 use iop_wire::{
     Command, CommandKind, CommandResult, CommandResultBody, DataRequest, HealthFailureCode,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::generation_store::GenerationStore;
 use crate::metrics::EdgeMetrics;
 use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
 use iop_transport::clock::Clock;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What a connection task is told to do.
 #[derive(Debug)]
@@ -177,14 +186,6 @@ enum HubMsg {
         node: NodeId,
         generation: Generation,
     },
-    Attach {
-        request_id: RequestId,
-        events: mpsc::UnboundedSender<RequestNews>,
-    },
-    Request(RequestCommand),
-    Detach {
-        request_id: RequestId,
-    },
     Link {
         node: NodeId,
         reply: oneshot::Sender<Option<(Generation, LinkHandle)>>,
@@ -226,6 +227,37 @@ pub struct HubGone;
 pub struct HubHandle {
     tx: mpsc::UnboundedSender<HubMsg>,
     catalog: Arc<crate::catalog::ModelCatalog>,
+    shared: Arc<Shared>,
+}
+
+/// The hub's state and the hub task's timer wake-up, shared by every
+/// handle.
+struct Shared {
+    /// The dispatcher and what carries out its outputs; held for one
+    /// synchronous call, never across an `.await`.
+    hub: Mutex<Hub>,
+    /// Tells the hub task the dispatcher's next timeout moved earlier than
+    /// the one it sleeps until.
+    timer: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Hub> {
+        // A panic in a call leaves the state as the call left it; the hub
+        // goes on rather than take every request down with it.
+        self.hub
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// After a direct call: wake the hub task if the dispatcher's next
+    /// timeout is now earlier than the one it sleeps until.
+    fn rearm(&self, hub: &Hub) {
+        let next = hub.dispatcher.poll_timeout();
+        if next.is_some_and(|at| hub.sleeping_until.is_none_or(|until| at < until)) {
+            self.timer.notify_one();
+        }
+    }
 }
 
 impl HubHandle {
@@ -280,22 +312,65 @@ impl HubHandle {
         let _ = self.tx.send(HubMsg::LateMessage { node, generation });
     }
 
-    /// Route the dispatcher's news about `request_id` to `events` until
-    /// [`Self::detach`].
+    /// Route the dispatcher's news about `request_id` that no call of its
+    /// own answers (a queued request's lease, a fence, ...) to `events`
+    /// until [`Self::detach`]. After the hub stopped, `events` is dropped
+    /// (its receiver sees the end).
     pub fn attach(&self, request_id: RequestId, events: mpsc::UnboundedSender<RequestNews>) {
-        let _ = self.tx.send(HubMsg::Attach { request_id, events });
+        let mut hub = self.shared.lock();
+        if !hub.stopped {
+            hub.waiters.insert(request_id, events);
+        }
     }
 
-    /// Carry a request machine's command to the dispatcher.
-    pub fn request(&self, command: RequestCommand) {
-        let _ = self.tx.send(HubMsg::Request(command));
+    /// Carry a request machine's command to the dispatcher, under the
+    /// hub's lock, and carry out what it caused. The dispatcher's news
+    /// about the same request come back as the answer, in order: first
+    /// those already queued on `queued` (the request's `events`, which are
+    /// only sent under the same lock), then the ones this command caused
+    /// (its lease, its pre-send answer, its terminal's verdict); news
+    /// about other requests go to their queues. Nothing comes back once
+    /// the hub stopped.
+    pub fn request(
+        &self,
+        command: RequestCommand,
+        queued: &mut mpsc::UnboundedReceiver<RequestNews>,
+    ) -> Vec<RequestNews> {
+        let request_id = command.request_id();
+        let mut hub = self.shared.lock();
+        let mut answer = Vec::new();
+        if hub.stopped {
+            return answer;
+        }
+        while let Ok(news) = queued.try_recv() {
+            answer.push(news);
+        }
+        let now = hub.clock.now();
+        hub.dispatcher
+            .handle_input(now, DispatchInput::Request(command));
+        hub.drain(Some((request_id, &mut answer)));
+        hub.publish_request_gauges();
+        self.shared.rearm(&hub);
+        answer
     }
 
     /// The request's driver is gone: let go of whatever the request still
     /// holds (a queue entry, a lease; its node run is canceled) and stop
     /// routing its news. Harmless after the request ended.
     pub fn detach(&self, request_id: RequestId) {
-        let _ = self.tx.send(HubMsg::Detach { request_id });
+        let mut hub = self.shared.lock();
+        if hub.stopped {
+            return;
+        }
+        let now = hub.clock.now();
+        hub.dispatcher.handle_input(
+            now,
+            DispatchInput::Request(RequestCommand::Cancel { request_id }),
+        );
+        hub.waiters.remove(&request_id);
+        hub.drain(None);
+        hub.publish_request_gauges();
+        self.shared.rearm(&hub);
     }
 
     /// The current ready link of a node.
@@ -349,6 +424,14 @@ impl HubHandle {
 
 struct Hub {
     tx: mpsc::UnboundedSender<HubMsg>,
+    /// Where the probes and the generation saves the dispatcher asks for
+    /// run (whichever task holds the lock when it asks).
+    runtime: tokio::runtime::Handle,
+    /// The dispatcher's timeout the hub task sleeps until (set under the
+    /// lock before it sleeps).
+    sleeping_until: Option<iop_core::Instant>,
+    /// The hub task stopped: nothing is fed or routed any more.
+    stopped: bool,
     unix_origin_ms: u64,
     probe_bound: std::time::Duration,
     clock: Clock,
@@ -404,6 +487,9 @@ pub fn spawn(
     let hub = Hub {
         catalog: catalog.clone(),
         tx: tx.clone(),
+        runtime: tokio::runtime::Handle::current(),
+        sleeping_until: None,
+        stopped: false,
         unix_origin_ms: iop_transport::clock::unix_ms().saturating_sub(clock.now().as_millis()),
         probe_bound,
         clock,
@@ -421,33 +507,79 @@ pub fn spawn(
         metrics,
         parked: None,
     };
-    let task = tokio::spawn(hub.run(rx));
-    Ok((HubHandle { tx, catalog }, task))
+    let shared = Arc::new(Shared {
+        hub: Mutex::new(hub),
+        timer: Notify::new(),
+    });
+    let task = tokio::spawn(run(shared.clone(), clock, rx));
+    Ok((
+        HubHandle {
+            tx,
+            catalog,
+            shared,
+        },
+        task,
+    ))
+}
+
+/// The hub task: feed the messages of connection tasks and handlers, fire
+/// the dispatcher's timer, each under the lock.
+async fn run(shared: Arc<Shared>, clock: Clock, mut rx: mpsc::UnboundedReceiver<HubMsg>) {
+    let metrics = shared.lock().metrics.clone();
+    loop {
+        let deadline = {
+            let mut hub = shared.lock();
+            hub.sleeping_until = hub.dispatcher.poll_timeout();
+            hub.sleeping_until
+        };
+        tokio::select! {
+            msg = rx.recv() => match msg {
+                Some(HubMsg::Shutdown) | None => break,
+                Some(msg) => {
+                    let mut hub = shared.lock();
+                    hub.handle(msg);
+                    hub.drain(None);
+                    hub.publish_gauges();
+                }
+            },
+            () = clock.sleep_until(deadline) => {
+                let mut hub = shared.lock();
+                let now = hub.clock.now();
+                hub.dispatcher.handle_timeout(now);
+                hub.drain(None);
+                hub.publish_gauges();
+            }
+            // A direct call brought the timeout closer: sleep again.
+            () = shared.timer.notified() => {}
+        }
+        metrics
+            .gauges
+            .hub_backlog
+            .store(rx.len() as u64, Ordering::Relaxed);
+    }
+    // Every link handle and request queue goes: request drivers see the
+    // end of their news and stop (the process is shutting down).
+    let mut hub = shared.lock();
+    hub.stopped = true;
+    hub.waiters.clear();
+    hub.links.clear();
+    hub.peers.clear();
+    hub.registering = None;
+    hub.readying = None;
+    hub.parked = None;
 }
 
 impl Hub {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<HubMsg>) {
-        loop {
-            let deadline = self.dispatcher.poll_timeout();
-            tokio::select! {
-                msg = rx.recv() => match msg {
-                    Some(HubMsg::Shutdown) | None => break,
-                    Some(msg) => self.handle(msg),
-                },
-                () = self.clock.sleep_until(deadline) => {
-                    self.dispatcher.handle_timeout(self.clock.now());
-                }
-            }
-            self.drain();
-            self.publish_gauges();
-            self.metrics
-                .gauges
-                .hub_backlog
-                .store(rx.len() as u64, Ordering::Relaxed);
-        }
+    fn publish_gauges(&self) {
+        self.publish_request_gauges();
+        let g = &self.metrics.gauges;
+        let registry = self.dispatcher.machine().registry();
+        g.nodes_connected
+            .store(registry.connected_nodes() as u64, Ordering::Relaxed);
     }
 
-    fn publish_gauges(&self) {
+    /// The gauges a request's command can move.
+    fn publish_request_gauges(&self) {
         let g = &self.metrics.gauges;
         let admission = self.dispatcher.machine().admission();
         let registry = self.dispatcher.machine().registry();
@@ -455,8 +587,6 @@ impl Hub {
             .store(admission.queue_depth() as u64, Ordering::Relaxed);
         g.leases_in_use
             .store(admission.leases_in_use() as u64, Ordering::Relaxed);
-        g.nodes_connected
-            .store(registry.connected_nodes() as u64, Ordering::Relaxed);
         g.fenced_late_messages
             .store(registry.fenced_messages(), Ordering::Relaxed);
     }
@@ -516,13 +646,6 @@ impl Hub {
                 self.dispatcher
                     .handle_input(now, DispatchInput::Message { node, generation });
             }
-            HubMsg::Attach { request_id, events } => {
-                self.waiters.insert(request_id, events);
-            }
-            HubMsg::Request(command) => {
-                self.dispatcher
-                    .handle_input(now, DispatchInput::Request(command));
-            }
             HubMsg::ParkedSink(tx) => self.parked = Some(tx),
             HubMsg::Parked {
                 node,
@@ -561,13 +684,6 @@ impl Hub {
                             response_id: offer.run.response_id,
                         }));
                 }
-            }
-            HubMsg::Detach { request_id } => {
-                self.dispatcher.handle_input(
-                    now,
-                    DispatchInput::Request(RequestCommand::Cancel { request_id }),
-                );
-                self.waiters.remove(&request_id);
             }
             HubMsg::Link { node, reply } => {
                 let link = self
@@ -695,14 +811,21 @@ impl Hub {
             return;
         };
         let (store, tx) = (store.clone(), self.tx.clone());
-        tokio::task::spawn_blocking(move || {
+        self.runtime.spawn_blocking(move || {
             let saved = store.save(mark).map_err(|e| e.to_string());
             let _ = tx.send(HubMsg::GenerationsSaved { mark, saved });
         });
     }
 
-    /// Carry the dispatcher's news to the request's driver.
-    fn news_for_request(&self, request_id: RequestId, event: RequestEvent) {
+    /// Carry the dispatcher's news to the request's driver: into `own`
+    /// when it is the calling request's (the call's answer), else to its
+    /// queue.
+    fn news_for_request(
+        &self,
+        request_id: RequestId,
+        event: RequestEvent,
+        own: &mut Option<(RequestId, &mut Vec<RequestNews>)>,
+    ) {
         let Some(waiter) = self.waiters.get(&request_id) else {
             return;
         };
@@ -718,10 +841,18 @@ impl Hub {
             }
             _ => None,
         };
-        let _ = waiter.send(RequestNews { event, link });
+        let news = RequestNews { event, link };
+        match own {
+            Some((own_id, answer)) if *own_id == request_id => answer.push(news),
+            _ => {
+                let _ = waiter.send(news);
+            }
+        }
     }
 
-    fn drain(&mut self) {
+    /// Carry out every output of the dispatcher; news about the calling
+    /// request (`own`) go into its answer.
+    fn drain(&mut self, mut own: Option<(RequestId, &mut Vec<RequestNews>)>) {
         // Connections fenced in this batch; their link and peer entries go
         // once every output (a close order among them) was carried out.
         let mut fenced = Vec::new();
@@ -768,7 +899,7 @@ impl Hub {
                     }
                 }
                 DispatchOutput::ToRequest { request_id, event } => {
-                    self.news_for_request(request_id, event);
+                    self.news_for_request(request_id, event, &mut own);
                 }
                 DispatchOutput::CancelRun {
                     node,
@@ -873,7 +1004,7 @@ impl Hub {
             });
             return;
         };
-        tokio::spawn(async move {
+        self.runtime.spawn(async move {
             let ask = async {
                 let (mut send, mut recv) = iop_transport::open_framed(&link.conn)
                     .await
@@ -980,5 +1111,109 @@ impl Hub {
 
     fn unix_ms(&self, at: iop_core::Instant) -> u64 {
         self.unix_origin_ms + at.as_millis()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use iop_core::edge::admission::{AdmissionConfig, DispatchRequest, ProviderSpec};
+    use iop_core::ids::ProviderId;
+
+    use super::*;
+
+    const QUEUE_TIMEOUT: Duration = Duration::from_millis(500);
+
+    fn start() -> (HubHandle, tokio::task::JoinHandle<()>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let creds = Arc::new(crate::cred::Credentials::open(dir.path(), &[]).expect("creds"));
+        let config = DispatchConfig {
+            admission: AdmissionConfig {
+                queue_capacity: 4,
+                queue_timeout: QUEUE_TIMEOUT,
+            },
+            providers: vec![ProviderSpec {
+                id: ProviderId::from("p1"),
+                node: NodeId::from("a"),
+                adapter: iop_wire::AdapterKind::Mock,
+                target: "t".into(),
+                capacity: 1,
+                stall_timeout_ms: 2000,
+            }],
+            generation_floor: 0,
+            generation_mark: None,
+            known_nodes: None,
+            health: Default::default(),
+            capacity_from_node: Default::default(),
+            parked_hold_ms: 0,
+        };
+        let metrics = EdgeMetrics::new(iop_transport::telemetry::MetricsPipeline::prometheus_only(
+            "iop-edge",
+        ));
+        let (hub, task) = spawn(
+            config,
+            None,
+            Clock::new(),
+            metrics,
+            None,
+            creds,
+            HashMap::new(),
+        )
+        .expect("hub");
+        (hub, task, dir)
+    }
+
+    fn admit(id: RequestId) -> RequestCommand {
+        RequestCommand::Admit(DispatchRequest::new(id, vec![ProviderId::from("p1")]))
+    }
+
+    fn events(news: &[RequestNews]) -> Vec<&RequestEvent> {
+        news.iter().map(|n| &n.event).collect()
+    }
+
+    /// A request's command is answered by the call itself, with no hop to
+    /// the hub task; news no call of its own caused (here its queue wait's
+    /// expiry, fired by the hub task's timer, which the call moved closer)
+    /// come through its queue, and a later call hands any still queued
+    /// back first, in the order the dispatcher said them. Detaching lets
+    /// go of the request (R-LEASE-1); after shutdown nothing is routed.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_hears_its_answers_from_its_calls_and_the_rest_in_order() {
+        let (hub, task, _dir) = start();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        hub.attach(1, tx);
+        // No node is connected: the first admission waits.
+        let answer = hub.request(admit(1), &mut rx);
+        assert_eq!(events(&answer), [&RequestEvent::Queued]);
+        assert!(rx.try_recv().is_err(), "the answer is not queued as well");
+        // The hub task slept with no timeout before the call; it wakes for
+        // the queue's expiry.
+        let expired = tokio::time::timeout(QUEUE_TIMEOUT * 4, rx.recv())
+            .await
+            .expect("the hub's timer fired")
+            .expect("news");
+        assert_eq!(expired.event, RequestEvent::QueueExpired);
+        // A second wait expires while the request makes no call ...
+        let answer = hub.request(admit(1), &mut rx);
+        assert_eq!(events(&answer), [&RequestEvent::Queued]);
+        tokio::time::sleep(QUEUE_TIMEOUT * 2).await;
+        // ... and comes back, first, with the next call's answer.
+        let answer = hub.request(admit(1), &mut rx);
+        assert_eq!(
+            events(&answer),
+            [&RequestEvent::QueueExpired, &RequestEvent::Queued]
+        );
+        let snapshot = hub.snapshot().await.expect("snapshot");
+        assert_eq!((snapshot.queue_depth, snapshot.waiters), (1, 1));
+        hub.detach(1);
+        let snapshot = hub.snapshot().await.expect("snapshot");
+        assert_eq!((snapshot.queue_depth, snapshot.waiters), (0, 0));
+        hub.shutdown();
+        task.await.expect("hub task");
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        hub.attach(2, tx);
+        assert!(rx.recv().await.is_none(), "a stopped hub routes nothing");
+        assert!(hub.request(admit(2), &mut rx).is_empty());
     }
 }

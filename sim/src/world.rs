@@ -2476,8 +2476,12 @@ impl World {
         let key = (incarnation, rid);
         match out {
             RequestOutput::Journal(write) => self.request_journal_write(incarnation, rid, write),
-            // The pre-send fence reaches the hub after a hop, so fences
-            // slip in between (R-GEN-4); the other commands at once.
+            // The Edge's driver calls the dispatcher directly, each
+            // command under the hub's lock; its pre-send may still come
+            // later than its lease (the lease reached it through its
+            // queue, or another task took the lock between the two calls),
+            // so fences slip in between (R-GEN-4). The other commands at
+            // once.
             RequestOutput::Dispatch(command @ RequestCommand::PreSend { .. }) => {
                 let at = self.now + self.rng.millis(0, 15);
                 self.schedule(
