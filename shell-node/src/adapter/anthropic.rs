@@ -442,6 +442,11 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
                     yield event;
                 }
                 if let Some(end) = end {
+                    // After `message_stop` only the body's framing is left;
+                    // a failure closes the connection.
+                    if !matches!(end, RunEventKind::Failed(_)) {
+                        bytes.finish();
+                    }
                     yield end;
                     return;
                 }

@@ -22,6 +22,18 @@
 //! connection found closed when taken is dropped; a request that a reused
 //! connection never sent goes out on a new one.
 //!
+//! A streamed answer's content ends before its body does: after an SSE
+//! stream's `[DONE]` (or `message_stop`, or Ollama's `done` line) the
+//! chunked encoding's last chunk is still to come, often in a later
+//! segment. A body dropped before its end takes its connection with it,
+//! so an adapter that has read the whole content calls
+//! [`ProviderBytes::finish`]: the rest is read in the background, bounded
+//! ([`FINISH_TIMEOUT`], [`FINISH_MAX_BYTES`], [`MAX_FINISHING`]), and the
+//! connection goes back for the next call instead of every streamed call
+//! paying a new connection (and, to an `https` provider, a TLS handshake).
+//! A body dropped without `finish` (a canceled run) still closes its
+//! connection at once, which is how a provider learns to stop generating.
+//!
 //! Not supported, on purpose: `HTTP_PROXY`/`HTTPS_PROXY` (a provider is
 //! reached directly), redirects (a tunnel passes them through as they are),
 //! response decompression (tunnelled bodies stay as the provider sent them).
@@ -30,6 +42,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -39,7 +52,7 @@ use futures::Stream;
 use http::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyDataStream, BodyExt, Full};
+use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::client::conn::http1;
 use hyper_rustls::HttpsConnector;
@@ -57,6 +70,18 @@ pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Idle caller-driven connections kept per target address.
 pub const MAX_IDLE_PER_TARGET: usize = 64;
+
+/// How long the rest of a finished answer's body is read for
+/// ([`ProviderBytes::finish`]); its connection closes if it has not ended.
+pub const FINISH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How much of the rest of a finished answer's body is read; more, and its
+/// connection closes.
+pub const FINISH_MAX_BYTES: usize = 64 * 1024;
+
+/// How many finished answers' rests a process reads at once; beyond, their
+/// connections close.
+pub const MAX_FINISHING: usize = 256;
 
 /// Why a provider call failed before or while its answer was read. The
 /// error's text is never kept: it may name URLs.
@@ -85,6 +110,8 @@ pub struct ProviderHttp {
     idle: Arc<IdleConnections>,
     /// Plain-`http` calls are driven by the caller.
     caller_driven: bool,
+    /// Finished answers whose rest is being read ([`MAX_FINISHING`]).
+    finishing: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for ProviderHttp {
@@ -121,6 +148,7 @@ impl ProviderHttp {
                 idle: Mutex::new(HashMap::new()),
             }),
             caller_driven: false,
+            finishing: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -145,6 +173,13 @@ impl ProviderHttp {
             body: Bytes::new(),
             invalid: false,
         }
+    }
+
+    /// Finished answers whose rest is being read now
+    /// ([`ProviderBytes::finish`]).
+    #[cfg(test)]
+    pub(crate) fn finishing(&self) -> usize {
+        self.finishing.load(Ordering::SeqCst)
     }
 
     /// A `GET` of `url`.
@@ -279,8 +314,15 @@ impl ProviderRequest {
             .body(Full::new(self.body))
             .map_err(|_| HttpError::Builder)?;
         *request.headers_mut() = self.headers;
+        let finishing = Arc::clone(&self.client.finishing);
         if self.client.caller_driven && request.uri().scheme() == Some(&http::uri::Scheme::HTTP) {
-            return self.client.idle.send(request).await;
+            let (status, headers, body) = self.client.idle.send(request).await?;
+            return Ok(ProviderResponse {
+                status,
+                headers,
+                body,
+                finishing,
+            });
         }
         let response = self
             .client
@@ -293,6 +335,7 @@ impl ProviderRequest {
             status: parts.status,
             headers: parts.headers,
             body: UnsyncBoxBody::new(body),
+            finishing,
         })
     }
 }
@@ -316,6 +359,8 @@ pub struct ProviderResponse {
     status: StatusCode,
     headers: HeaderMap,
     body: UnsyncBoxBody<Bytes, hyper::Error>,
+    /// The client's count of finishing answers.
+    finishing: Arc<AtomicUsize>,
 }
 
 impl ProviderResponse {
@@ -347,10 +392,126 @@ impl ProviderResponse {
     }
 
     /// The body as a stream of pieces.
-    pub fn bytes_stream(self) -> impl Stream<Item = Result<Bytes, HttpError>> + Send + 'static {
-        futures::StreamExt::map(BodyDataStream::new(self.body), |piece| {
-            piece.map_err(|_| HttpError::Body)
-        })
+    pub fn bytes_stream(self) -> ProviderBytes {
+        ProviderBytes {
+            body: self.body,
+            finishing: self.finishing,
+        }
+    }
+}
+
+/// An answer's body as a stream of its pieces.
+pub struct ProviderBytes {
+    body: UnsyncBoxBody<Bytes, hyper::Error>,
+    finishing: Arc<AtomicUsize>,
+}
+
+impl Stream for ProviderBytes {
+    type Item = Result<Bytes, HttpError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            return match Pin::new(&mut self.body).poll_frame(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Ready(Some(Err(_))) => Poll::Ready(Some(Err(HttpError::Body))),
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) if !data.is_empty() => Poll::Ready(Some(Ok(data))),
+                    // Trailers, or an empty piece.
+                    _ => continue,
+                },
+            };
+        }
+    }
+}
+
+impl ProviderBytes {
+    /// The answer's content was read whole (an SSE stream's last event):
+    /// what is left of the body is its framing, read in the background so
+    /// its connection carries the next call (see the module docs). At most
+    /// [`FINISH_MAX_BYTES`] for [`FINISH_TIMEOUT`], and [`MAX_FINISHING`]
+    /// at once; past any bound the connection closes, as a dropped body's.
+    pub fn finish(self) {
+        let Self {
+            mut body,
+            finishing,
+        } = self;
+        // Most often the last chunk came with the content: the body ends
+        // now and its connection goes back without a task.
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        let mut read = 0;
+        if drain(&mut body, &mut cx, &mut read) != Drained::Pending {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Some(slot) = FinishSlot::take(finishing) else {
+            return;
+        };
+        runtime.spawn(async move {
+            let _slot = slot;
+            let rest = std::future::poll_fn(|cx| match drain(&mut body, cx, &mut read) {
+                Drained::Pending => Poll::Pending,
+                _ => Poll::Ready(()),
+            });
+            let _ = tokio::time::timeout(FINISH_TIMEOUT, rest).await;
+            // Dropped here: at its end, its connection goes back.
+        });
+    }
+}
+
+/// How far [`drain`] got.
+#[derive(Debug, PartialEq, Eq)]
+enum Drained {
+    /// The body ended.
+    Ended,
+    /// It broke, or had more than [`FINISH_MAX_BYTES`] left.
+    Abandoned,
+    /// More is to come.
+    Pending,
+}
+
+/// Read what `body` has, counting its bytes in `read`.
+fn drain(
+    body: &mut UnsyncBoxBody<Bytes, hyper::Error>,
+    cx: &mut Context<'_>,
+    read: &mut usize,
+) -> Drained {
+    loop {
+        match Pin::new(&mut *body).poll_frame(cx) {
+            Poll::Pending => return Drained::Pending,
+            Poll::Ready(None) => return Drained::Ended,
+            Poll::Ready(Some(Err(_))) => return Drained::Abandoned,
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    *read += data.len();
+                    if *read > FINISH_MAX_BYTES {
+                        return Drained::Abandoned;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One of [`MAX_FINISHING`] places, given back when dropped.
+struct FinishSlot(Arc<AtomicUsize>);
+
+impl FinishSlot {
+    fn take(count: Arc<AtomicUsize>) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_FINISHING).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(count))
+    }
+}
+
+impl Drop for FinishSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -440,7 +601,7 @@ impl IdleConnections {
     async fn send(
         self: &Arc<Self>,
         mut request: Request<Full<Bytes>>,
-    ) -> Result<ProviderResponse, HttpError> {
+    ) -> Result<(StatusCode, HeaderMap, UnsyncBoxBody<Bytes, hyper::Error>), HttpError> {
         let target = request.uri().clone();
         let Some(authority) = target.authority().cloned() else {
             return Err(HttpError::Builder);
@@ -476,11 +637,7 @@ impl IdleConnections {
                         idle: Arc::clone(self),
                         key,
                     };
-                    return Ok(ProviderResponse {
-                        status: parts.status,
-                        headers: parts.headers,
-                        body: UnsyncBoxBody::new(body),
-                    });
+                    return Ok((parts.status, parts.headers, UnsyncBoxBody::new(body)));
                 }
                 Err(mut e) => match e.take_message() {
                     // A reused connection closed before the request went
@@ -784,6 +941,120 @@ mod tests {
         drop(answer);
         assert_eq!(read_whole(&http, addr).await, b"ok");
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    /// An HTTP/1.1 server answering each request with a chunked body:
+    /// `hello` at once, then `rest` (the framing, or more) once `go` says
+    /// so; `accepted` counts its connections.
+    async fn chunked_server(
+        rest: Vec<u8>,
+    ) -> (
+        std::net::SocketAddr,
+        Arc<AtomicUsize>,
+        tokio::sync::mpsc::UnboundedSender<()>,
+    ) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (go_tx, go) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let go = Arc::new(tokio::sync::Mutex::new(go));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let (go, rest) = (go.clone(), rest.clone());
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = s.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        seen.extend_from_slice(&buf[..n]);
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+                            s.write_all(head).await.unwrap();
+                            s.write_all(b"5\r\nhello\r\n").await.unwrap();
+                            go.lock().await.recv().await.unwrap();
+                            if s.write_all(&rest).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted, go_tx)
+    }
+
+    /// Read a streamed answer's content (`hello`), then finish it.
+    async fn read_content_and_finish(http: &ProviderHttp, addr: std::net::SocketAddr) {
+        let answer = http
+            .get(format!("http://{addr}/v1/chat/completions"))
+            .send()
+            .await
+            .unwrap();
+        let mut bytes = answer.bytes_stream();
+        let piece = futures::StreamExt::next(&mut bytes).await.unwrap().unwrap();
+        assert_eq!(&piece[..], b"hello");
+        bytes.finish();
+    }
+
+    /// Until no finished answer is being read.
+    async fn finishing_done(http: &ProviderHttp) {
+        while http.finishing.load(Ordering::SeqCst) > 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// A streamed answer whose content was read whole and whose last chunk
+    /// comes later is finished in the background: its connection carries
+    /// the next call, on the caller-driven and the pooled client alike.
+    #[tokio::test]
+    async fn a_finished_answer_whose_last_chunk_comes_later_gives_its_connection_back() {
+        for http in [ProviderHttp::new().caller_driven(), ProviderHttp::new()] {
+            let (addr, accepted, go) = chunked_server(b"0\r\n\r\n".to_vec()).await;
+            for _ in 0..3 {
+                read_content_and_finish(&http, addr).await;
+                assert_eq!(http.finishing.load(Ordering::SeqCst), 1);
+                go.send(()).unwrap();
+                finishing_done(&http).await;
+            }
+            assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        }
+    }
+
+    /// A finished answer with more than [`FINISH_MAX_BYTES`] left is not
+    /// read to its end: its connection closes and the next call takes a
+    /// new one.
+    #[tokio::test]
+    async fn a_finished_answer_with_more_than_its_bound_left_closes_its_connection() {
+        let piece = format!("{:x}\r\n{}\r\n", 4096, "x".repeat(4096));
+        let mut rest = piece.repeat(FINISH_MAX_BYTES / 4096 + 1).into_bytes();
+        rest.extend_from_slice(b"0\r\n\r\n");
+        let (addr, accepted, go) = chunked_server(rest).await;
+        let http = ProviderHttp::new().caller_driven();
+        read_content_and_finish(&http, addr).await;
+        go.send(()).unwrap();
+        finishing_done(&http).await;
+        go.send(()).unwrap();
+        read_content_and_finish(&http, addr).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// Finished answers read at once are bounded by [`MAX_FINISHING`]: one
+    /// past it closes its connection instead of taking a task.
+    #[test]
+    fn finishing_places_are_bounded() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let slots: Vec<_> = (0..MAX_FINISHING)
+            .map(|_| FinishSlot::take(count.clone()).unwrap())
+            .collect();
+        assert!(FinishSlot::take(count.clone()).is_none());
+        drop(slots);
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+        assert!(FinishSlot::take(count).is_some());
     }
 
     #[tokio::test]

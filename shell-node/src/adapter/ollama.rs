@@ -124,6 +124,11 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
                     yield event;
                 }
                 if let Some(terminal) = state.terminal.take() {
+                    // After the `done` line only the body's framing is
+                    // left; a failure closes the connection.
+                    if !eof && !matches!(terminal, RunEventKind::Failed(_)) {
+                        bytes.finish();
+                    }
                     yield terminal;
                     return;
                 }

@@ -244,6 +244,8 @@ fn decode(response: ProviderResponse) -> BoxStream<'static, RunEventKind> {
                     yield event;
                 }
                 if state.done {
+                    // What follows `[DONE]` is the body's framing.
+                    bytes.finish();
                     yield state.completed();
                     return;
                 }

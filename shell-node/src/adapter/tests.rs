@@ -418,6 +418,46 @@ async fn openai_run_streams_text_usage_and_exactly_one_completed() {
     assert_eq!(server.requests(), 1);
 }
 
+/// A streamed answer's connection carries the next call in every adapter:
+/// the body's last chunk after the content's end (`[DONE]`,
+/// `message_stop`, the `done` line) is read, in the background if it has
+/// not come yet, so the provider sees one connection for many calls.
+#[tokio::test]
+async fn a_streamed_answers_connection_carries_the_next_call_in_every_adapter() {
+    for kind in [
+        AdapterKind::OpenAi,
+        AdapterKind::Ollama,
+        AdapterKind::Anthropic,
+    ] {
+        let script = MockScript {
+            tokens: 5,
+            ..MockScript::default()
+        };
+        let server = match kind {
+            AdapterKind::Anthropic => messages_only(script).await,
+            _ => mock(script).await,
+        };
+        let http = provider_http();
+        let a = Adapter::new(
+            &provider_target(kind, &server.base_url(), true),
+            http.clone(),
+        );
+        for _ in 0..4 {
+            let events = collect(a.run(run_request("mock", RunApi::Chat, "hello"), None)).await;
+            assert_one_terminal(&events);
+            assert!(matches!(
+                events.last(),
+                Some(RunEventKind::Completed { .. })
+            ));
+            while http.finishing() > 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let stats = server.stats();
+        assert_eq!((stats.requests, stats.connections), (4, 1), "{kind:?}");
+    }
+}
+
 #[tokio::test]
 async fn openai_usage_is_the_providers_or_none_never_zeros() {
     let server = mock(MockScript {
@@ -1619,6 +1659,9 @@ async fn probes_are_counted_apart_from_requests_in_process_and_over_http() {
             disconnects: 0,
             continued: 0,
             abandoned_before_text: 0,
+            // One a client: each adapter's calls keep theirs, and this
+            // read's.
+            connections: 3,
             ..MockStats::default()
         }
     );

@@ -63,6 +63,10 @@ pub struct MockStats {
     /// Provider calls that carried an `anthropic-beta` header.
     #[serde(default)]
     pub anthropic_beta: u64,
+    /// TCP connections accepted (a client that keeps its connections
+    /// makes few).
+    #[serde(default)]
+    pub connections: u64,
 }
 
 /// Shared counters; every change wakes [`MockCounters::changed`] waiters.
@@ -78,6 +82,7 @@ pub(crate) struct MockCounters {
     images: AtomicU64,
     documents: AtomicU64,
     anthropic_beta: AtomicU64,
+    connections: AtomicU64,
     /// Fresh chat calls (not continuations) per prompt, the last user
     /// message's text; at most [`PROMPTS_TRACKED`] prompts.
     fresh: Mutex<HashMap<String, FreshCalls>>,
@@ -118,6 +123,7 @@ impl MockCounters {
             images: self.images.load(Ordering::SeqCst),
             documents: self.documents.load(Ordering::SeqCst),
             anthropic_beta: self.anthropic_beta.load(Ordering::SeqCst),
+            connections: self.connections.load(Ordering::SeqCst),
         }
     }
 
@@ -135,6 +141,7 @@ impl MockCounters {
         self.images.store(0, Ordering::SeqCst);
         self.documents.store(0, Ordering::SeqCst);
         self.anthropic_beta.store(0, Ordering::SeqCst);
+        self.connections.store(0, Ordering::SeqCst);
         self.max_in_flight
             .store(self.in_flight.load(Ordering::SeqCst), Ordering::SeqCst);
         self.changed.notify_waiters();
@@ -407,6 +414,7 @@ pub async fn serve_with(
     let counters = state.counters.clone();
     let app = router_for(state, options.apis);
     let nodelay = options.nodelay;
+    let accepted = counters.clone();
     let task = tokio::spawn(async move {
         // Responses go out in several writes (SSE events, tunnel frames):
         // without TCP_NODELAY, Nagle holds each small write for the
@@ -414,6 +422,7 @@ pub async fn serve_with(
         // off whatever the listener passes on.
         let listener = axum::serve::ListenerExt::tap_io(listener, move |tcp| {
             let _ = tcp.set_nodelay(nodelay);
+            accepted.bump(&accepted.connections);
         });
         if let Err(e) = axum::serve(listener, app).await {
             tracing::warn!(event = "mock_server_stopped", error = %e);
