@@ -4,6 +4,11 @@
 //!   watchdog (R-WD-1), with 1, 1,000 and 10,000 runs watched;
 //! * `admission_request_release`: one lease granted and released
 //!   (R-LEASE-2), with 0, 1,000 and 10,000 other leases held;
+//! * `admission_full_queue`: on an Edge at capacity, one lease released
+//!   (which serves the queue's head), the next deadline asked, one more
+//!   request queued and one queued request canceled, with 1, 1,000 and
+//!   10,000 requests waiting (the dispatcher does this under the Edge's
+//!   lock; the 1-request queue is the baseline of the same run);
 //! * `overlay_apply`: one stall evidence and one CAPABILITIES verdict
 //!   applied to the runtime overlay (R-OVL-2, R-CAP-1), over 16 providers;
 //! * `tunnel_meter`: one chunk of a tunnelled OpenAI stream read for its
@@ -18,7 +23,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use iop_core::Instant;
 use iop_core::edge::admission::{
-    Admission, AdmissionConfig, Admit, DispatchRequest, ProviderSpec, ReleaseReason,
+    Admission, AdmissionConfig, AdmissionEvent, Admit, DispatchRequest, ProviderSpec, ReleaseReason,
 };
 use iop_core::edge::overlay::Overlay;
 use iop_core::ids::{NodeId, ProviderId};
@@ -114,6 +119,63 @@ fn admission_request_release(c: &mut Criterion) {
     group.finish();
 }
 
+fn admission_full_queue(c: &mut Criterion) {
+    let mut group = c.benchmark_group("admission_full_queue");
+    // One release (serving the head), one deadline asked, one request
+    // queued and one canceled per round.
+    group.throughput(Throughput::Elements(BATCH));
+    for waiting in [1u64, 1_000, 10_000] {
+        let specs = vec![provider(0, 4), provider(1, 4)];
+        let pool: Vec<ProviderId> = specs.iter().map(|s| s.id.clone()).collect();
+        let config = AdmissionConfig {
+            queue_capacity: waiting as usize + 1,
+            queue_timeout: Duration::from_secs(30),
+        };
+        let mut adm = Admission::new(config, specs.clone());
+        let now = Instant::from_millis(1);
+        for s in &specs {
+            adm.set_online(now, &s.id, Some(1));
+        }
+        let mut next_id = 0u64;
+        let mut leases = std::collections::VecDeque::new();
+        while let Admit::Leased(lease) = {
+            next_id += 1;
+            adm.request(now, DispatchRequest::new(next_id, pool.clone()))
+        } {
+            leases.push_back(lease.lease_id);
+        }
+        // The request that found no room is queued; fill the queue.
+        for _ in 1..waiting {
+            next_id += 1;
+            let admit = adm.request(now, DispatchRequest::new(next_id, pool.clone()));
+            assert_eq!(admit, Admit::Queued);
+        }
+        group.bench_with_input(BenchmarkId::from_parameter(waiting), &waiting, |b, _| {
+            b.iter(|| {
+                for _ in 0..BATCH {
+                    let oldest = leases.pop_front().expect("at capacity");
+                    let released = adm.release(now, oldest, ReleaseReason::Terminal);
+                    black_box(released.is_ok());
+                    match adm.poll_event() {
+                        Some(AdmissionEvent::Leased(lease)) => leases.push_back(lease.lease_id),
+                        other => panic!("expected the head served, got {other:?}"),
+                    }
+                    black_box(adm.poll_timeout());
+                    next_id += 1;
+                    let admit = adm.request(now, DispatchRequest::new(next_id, pool.clone()));
+                    assert_eq!(admit, Admit::Queued);
+                    next_id += 1;
+                    let admit = adm.request(now, DispatchRequest::new(next_id, pool.clone()));
+                    assert_eq!(admit, Admit::Queued);
+                    black_box(adm.cancel(now, next_id));
+                }
+            });
+        });
+        assert_eq!(adm.queue_depth(), waiting as usize);
+    }
+    group.finish();
+}
+
 fn overlay_apply(c: &mut Criterion) {
     let mut group = c.benchmark_group("overlay_apply");
     // One stall evidence and one CAPABILITIES verdict per round.
@@ -174,6 +236,7 @@ criterion_group!(
     benches,
     watchdog_progress,
     admission_request_release,
+    admission_full_queue,
     overlay_apply,
     tunnel_meter
 );

@@ -9,8 +9,9 @@
 //! it was granted on; the pre-send fence ([`Admission::pre_send`], R-GEN-4)
 //! refuses a lease whose generation is no longer the online one.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, DefaultHasher};
+use std::ops::Bound;
 use std::time::Duration;
 
 use iop_wire::{AdapterKind, RunKey};
@@ -266,11 +267,36 @@ struct Held {
     expires_at: Instant,
 }
 
+/// A queued request's place in the queue: entries are served in this
+/// order. The back counts up from 0; a request put back at the head
+/// ([`Admission::pre_send`]'s re-resolution) counts down from -1.
+type QueueSeq = i64;
+
+/// What runs out at a deadline: a queued request's wait, or a parked run's
+/// hold. Kept in [`Admission`]'s `expiries` beside the queue and the holds,
+/// so the next deadline and every passed one are found in `O(log n)`, not
+/// by a scan (the dispatcher calls them on every input, under the Edge's
+/// lock).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Expiry {
+    Queued(QueueSeq),
+    Hold(NodeId, RunKey),
+}
+
+/// Which end of the queue a request joins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QueueEnd {
+    /// Behind every waiting request (a new one).
+    Back,
+    /// Ahead of them (one re-resolved after its lease was fenced).
+    Head,
+}
+
 /// Where an admitted request is: each one is in exactly one place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RequestSlot {
-    /// Waiting in the queue.
-    Queued,
+    /// Waiting in the queue, at this place.
+    Queued(QueueSeq),
     /// Holding this lease.
     Held(LeaseId),
 }
@@ -303,7 +329,14 @@ pub struct Admission {
     config: AdmissionConfig,
     providers: BTreeMap<ProviderId, ProviderState>,
     held: BTreeMap<LeaseId, Held>,
-    queue: VecDeque<Queued>,
+    /// Waiting requests in the order they are served.
+    queue: BTreeMap<QueueSeq, Queued>,
+    /// The place the next request at the queue's back takes.
+    queue_back: QueueSeq,
+    /// The place the next request put back at its head takes.
+    queue_front: QueueSeq,
+    /// Every queued request's and hold's deadline, in sync with both.
+    expiries: BTreeSet<(Instant, Expiry)>,
     /// Every request in `queue` or `held`, kept in sync with both.
     requests: RequestIndex,
     next_lease_id: LeaseId,
@@ -351,7 +384,10 @@ impl Admission {
             config,
             providers,
             held: BTreeMap::new(),
-            queue: VecDeque::new(),
+            queue: BTreeMap::new(),
+            queue_back: 0,
+            queue_front: -1,
+            expiries: BTreeSet::new(),
             requests: RequestIndex::default(),
             next_lease_id: 1,
             next_run_id: 1,
@@ -415,13 +451,42 @@ impl Admission {
         if self.queue.len() >= self.config.queue_capacity {
             return Admit::Rejected(AdmitRejection::QueueFull);
         }
-        self.requests
-            .insert(request.request_id, RequestSlot::Queued);
-        self.queue.push_back(Queued {
-            request,
-            expires_at: now + self.config.queue_timeout,
-        });
+        let expires_at = now + self.config.queue_timeout;
+        self.enqueue(request, expires_at, QueueEnd::Back);
         Admit::Queued
+    }
+
+    /// Put `request` in the queue at `end`, waiting until `expires_at`.
+    fn enqueue(&mut self, request: DispatchRequest, expires_at: Instant, end: QueueEnd) {
+        let seq = match end {
+            QueueEnd::Back => {
+                self.queue_back += 1;
+                self.queue_back - 1
+            }
+            QueueEnd::Head => {
+                self.queue_front -= 1;
+                self.queue_front + 1
+            }
+        };
+        self.requests
+            .insert(request.request_id, RequestSlot::Queued(seq));
+        self.expiries.insert((expires_at, Expiry::Queued(seq)));
+        self.queue.insert(
+            seq,
+            Queued {
+                request,
+                expires_at,
+            },
+        );
+    }
+
+    /// Take the request at `seq` out of the queue (its index entry is the
+    /// caller's to change).
+    fn dequeue(&mut self, seq: QueueSeq) -> Option<Queued> {
+        let queued = self.queue.remove(&seq)?;
+        self.expiries
+            .remove(&(queued.expires_at, Expiry::Queued(seq)));
+        Some(queued)
     }
 
     /// R-FAIL-1: a re-admission away from a provider, not allowed back to
@@ -545,6 +610,8 @@ impl Admission {
             return Err(HoldRefusal::NoRoom);
         }
         provider.in_use += 1;
+        self.expiries
+            .insert((expires_at, Expiry::Hold(node.clone(), key)));
         self.holds.insert(
             (node, key),
             Hold {
@@ -580,6 +647,8 @@ impl Admission {
             return Err(HoldRefusal::NoHold);
         }
         let hold = self.holds.remove(&held_key).ok_or(HoldRefusal::NoHold)?;
+        self.expiries
+            .remove(&(hold.expires_at, Expiry::Hold(held_key.0, key)));
         let lease = Lease {
             lease_id: self.next_lease_id,
             request_id: request.request_id,
@@ -612,6 +681,8 @@ impl Admission {
     /// Let go of a hold (its run ended or was refused); the queue may move.
     pub fn release_hold(&mut self, now: Instant, node: &NodeId, key: RunKey) {
         if let Some(hold) = self.holds.remove(&(node.clone(), key)) {
+            self.expiries
+                .remove(&(hold.expires_at, Expiry::Hold(node.clone(), key)));
             if let Some(p) = self.providers.get_mut(&hold.provider_id) {
                 p.in_use = p.in_use.saturating_sub(1);
             }
@@ -633,7 +704,7 @@ impl Admission {
     pub fn lease_of_request(&self, request_id: RequestId) -> Option<&Lease> {
         match self.requests.get(&request_id)? {
             RequestSlot::Held(lease_id) => self.lease(*lease_id),
-            RequestSlot::Queued => None,
+            RequestSlot::Queued(_) => None,
         }
     }
 
@@ -696,14 +767,7 @@ impl Admission {
         {
             match self.try_lease(now, &request) {
                 Some(lease) => self.events.push_back(AdmissionEvent::Leased(lease)),
-                None => {
-                    self.requests
-                        .insert(request.request_id, RequestSlot::Queued);
-                    self.queue.push_front(Queued {
-                        request,
-                        expires_at,
-                    });
-                }
+                None => self.enqueue(request, expires_at, QueueEnd::Head),
             }
         }
         PreSend::Refenced
@@ -713,9 +777,9 @@ impl Admission {
     /// Returns the released lease (so the driver can cancel the node run).
     pub fn cancel(&mut self, now: Instant, request_id: RequestId) -> Option<Lease> {
         match self.requests.get(&request_id).copied()? {
-            RequestSlot::Queued => {
+            RequestSlot::Queued(seq) => {
                 self.requests.remove(&request_id);
-                self.queue.retain(|q| q.request.request_id != request_id);
+                self.dequeue(seq);
                 None
             }
             RequestSlot::Held(lease_id) => self
@@ -833,25 +897,39 @@ impl Admission {
         }
     }
 
-    /// Serve queued requests in FIFO order wherever capacity allows.
+    /// Serve queued requests in FIFO order wherever capacity allows. Stops
+    /// as soon as no provider has room: a full Edge's release serves the
+    /// first request it can and does not walk the rest of a long queue.
     fn drain_queue(&mut self, now: Instant) {
-        let mut i = 0;
-        while i < self.queue.len() {
-            let request = self.queue[i].request.clone();
+        let mut next = self.queue.keys().next().copied();
+        while let Some(seq) = next {
+            if !self
+                .providers
+                .values()
+                .any(|p| p.selectable() && p.has_room())
+            {
+                return;
+            }
+            next = self
+                .queue
+                .range((Bound::Excluded(seq), Bound::Unbounded))
+                .next()
+                .map(|(seq, _)| *seq);
+            let Some(request) = self.queue.get(&seq).map(|q| &q.request) else {
+                continue;
+            };
             if !request.pool.iter().any(|p| self.providers.contains_key(p)) {
-                self.queue.remove(i);
-                self.requests.remove(&request.request_id);
-                self.events.push_back(AdmissionEvent::QueueExpired {
-                    request_id: request.request_id,
-                });
+                let request_id = request.request_id;
+                self.dequeue(seq);
+                self.requests.remove(&request_id);
+                self.events
+                    .push_back(AdmissionEvent::QueueExpired { request_id });
                 continue;
             }
-            match self.try_lease(now, &request) {
-                Some(lease) => {
-                    self.queue.remove(i);
-                    self.events.push_back(AdmissionEvent::Leased(lease));
-                }
-                None => i += 1,
+            let request = request.clone();
+            if let Some(lease) = self.try_lease(now, &request) {
+                self.dequeue(seq);
+                self.events.push_back(AdmissionEvent::Leased(lease));
             }
         }
     }
@@ -859,32 +937,28 @@ impl Admission {
     /// Expire queued requests whose wait passed, and holds no request
     /// adopted in time.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let expired: Vec<(NodeId, RunKey)> = self
-            .holds
-            .iter()
-            .filter(|(_, h)| h.expires_at <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for (node, key) in expired {
-            self.release_hold(now, &node, key);
-        }
-        while let Some(pos) = self.queue.iter().position(|q| q.expires_at <= now) {
-            if let Some(q) = self.queue.remove(pos) {
-                self.requests.remove(&q.request.request_id);
-                self.events.push_back(AdmissionEvent::QueueExpired {
-                    request_id: q.request.request_id,
-                });
+        // Earliest first; at one instant, queued requests in queue order.
+        while self.expiries.first().is_some_and(|(at, _)| *at <= now) {
+            let Some((_, expiry)) = self.expiries.pop_first() else {
+                break;
+            };
+            match expiry {
+                Expiry::Hold(node, key) => self.release_hold(now, &node, key),
+                Expiry::Queued(seq) => {
+                    if let Some(q) = self.dequeue(seq) {
+                        self.requests.remove(&q.request.request_id);
+                        self.events.push_back(AdmissionEvent::QueueExpired {
+                            request_id: q.request.request_id,
+                        });
+                    }
+                }
             }
         }
     }
 
     /// When the next queued request or hold expires.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.queue
-            .iter()
-            .map(|q| q.expires_at)
-            .chain(self.holds.values().map(|h| h.expires_at))
-            .min()
+        self.expiries.first().map(|(at, _)| *at)
     }
 
     /// Next event, until `None`. Call it after the input's changes are all
@@ -902,7 +976,7 @@ impl Admission {
     /// The requests waiting in the queue, oldest first (for the simulator's
     /// checks and the status surface).
     pub fn queued_requests(&self) -> impl Iterator<Item = &DispatchRequest> {
-        self.queue.iter().map(|q| &q.request)
+        self.queue.values().map(|q| &q.request)
     }
 
     /// Is `provider` online and runtime-eligible right now?
@@ -917,7 +991,7 @@ impl Admission {
 
     /// Is `request_id` waiting in the queue?
     pub fn is_queued(&self, request_id: RequestId) -> bool {
-        self.requests.get(&request_id) == Some(&RequestSlot::Queued)
+        matches!(self.requests.get(&request_id), Some(RequestSlot::Queued(_)))
     }
 
     /// Leases held, all providers.
@@ -993,13 +1067,38 @@ impl Admission {
                 self.held.len()
             ));
         }
-        for q in &self.queue {
-            if self.requests.get(&q.request.request_id) != Some(&RequestSlot::Queued) {
+        for (seq, q) in &self.queue {
+            if self.requests.get(&q.request.request_id) != Some(&RequestSlot::Queued(*seq)) {
                 return Err(format!(
-                    "queued request {} is not indexed as queued",
+                    "queued request {} is not indexed at its place",
                     q.request.request_id
                 ));
             }
+            if !self
+                .expiries
+                .contains(&(q.expires_at, Expiry::Queued(*seq)))
+            {
+                return Err(format!(
+                    "queued request {} has no deadline",
+                    q.request.request_id
+                ));
+            }
+        }
+        for ((node, key), hold) in &self.holds {
+            if !self
+                .expiries
+                .contains(&(hold.expires_at, Expiry::Hold(node.clone(), *key)))
+            {
+                return Err(format!("the hold of {key:?} has no deadline"));
+            }
+        }
+        if self.expiries.len() != self.queue.len() + self.holds.len() {
+            return Err(format!(
+                "{} deadlines for {} queued and {} holds",
+                self.expiries.len(),
+                self.queue.len(),
+                self.holds.len()
+            ));
         }
         for (lease_id, h) in &self.held {
             if self.requests.get(&h.request.request_id) != Some(&RequestSlot::Held(*lease_id)) {
@@ -1443,7 +1542,7 @@ mod tests {
         lost_hold.holds.clear();
         assert!(lost_hold.check_invariants().is_err(), "a hold not counted");
         let mut stray = state();
-        stray.requests.insert(42, RequestSlot::Queued);
+        stray.requests.insert(42, RequestSlot::Queued(0));
         assert!(
             stray.check_invariants().is_err(),
             "an indexed request in no place"
@@ -1581,6 +1680,85 @@ mod tests {
         a.check_invariants().unwrap();
     }
 
+    /// A full queue whose requests all wait out their time at once is
+    /// emptied in one call, in queue order; a release on a full Edge serves
+    /// the first request that fits and leaves the rest where they were.
+    #[test]
+    fn a_long_queue_expires_in_order_and_a_release_serves_its_head() {
+        let n = 10_000u64;
+        let mut a = Admission::new(
+            AdmissionConfig {
+                queue_capacity: n as usize,
+                queue_timeout: Duration::from_millis(100),
+            },
+            vec![spec("p", "n", 1)],
+        );
+        a.set_online(ms(0), &ProviderId::from("p"), Some(1));
+        let first = leased(a.request(ms(0), DispatchRequest::new(0, pool(&["p"]))));
+        for id in 1..=n {
+            assert_eq!(
+                a.request(ms(id / 1000), DispatchRequest::new(id, pool(&["p"]))),
+                Admit::Queued
+            );
+        }
+        assert_eq!(a.poll_timeout(), Some(ms(100)));
+        a.release(ms(20), first.lease_id, ReleaseReason::Terminal)
+            .unwrap();
+        let served = match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => l,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(served.request_id, 1, "FIFO");
+        assert_eq!(a.poll_event(), None);
+        assert_eq!(a.queue_depth(), n as usize - 1);
+        a.check_invariants().unwrap();
+        // Every deadline up to 107 ms has passed: requests 2..=7999.
+        a.handle_timeout(ms(107));
+        let expired: Vec<RequestId> = std::iter::from_fn(|| a.poll_event())
+            .map(|e| match e {
+                AdmissionEvent::QueueExpired { request_id } => request_id,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(expired, (2..8000).collect::<Vec<_>>());
+        assert_eq!(a.poll_timeout(), Some(ms(108)));
+        assert_eq!(a.queued_requests().next().map(|r| r.request_id), Some(8000));
+        a.check_invariants().unwrap();
+    }
+
+    /// R-GEN-4: a request re-resolved after its lease was fenced goes back
+    /// ahead of those waiting, with the deadline it had.
+    #[test]
+    fn a_refenced_request_waits_at_the_head_with_its_own_deadline() {
+        let mut a = admission(vec![spec("p", "n", 1)]);
+        let l1 = leased(a.request(ms(0), DispatchRequest::new(1, pool(&["p"]))));
+        assert_eq!(
+            a.request(ms(30), DispatchRequest::new(2, pool(&["p"]))),
+            Admit::Queued
+        );
+        // The node's connection is gone before request 1 was sent.
+        a.set_online(ms(40), &ProviderId::from("p"), None);
+        assert_eq!(a.pre_send(ms(40), l1.lease_id), PreSend::Refenced);
+        assert_eq!(a.poll_event(), None);
+        let order: Vec<RequestId> = a.queued_requests().map(|r| r.request_id).collect();
+        assert_eq!(order, vec![1, 2], "the re-resolved one first");
+        assert_eq!(a.poll_timeout(), Some(ms(100)), "request 1's own deadline");
+        a.check_invariants().unwrap();
+        // Back online: served in that order.
+        a.set_online(ms(50), &ProviderId::from("p"), Some(2));
+        match a.poll_event() {
+            Some(AdmissionEvent::Leased(l)) => assert_eq!(l.request_id, 1),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(a.poll_timeout(), Some(ms(130)));
+        a.handle_timeout(ms(130));
+        assert_eq!(
+            a.poll_event(),
+            Some(AdmissionEvent::QueueExpired { request_id: 2 })
+        );
+        a.check_invariants().unwrap();
+    }
+
     #[test]
     fn unknown_pool_is_no_route_and_duplicate_ids_are_refused() {
         let mut a = admission(vec![spec("p", "n", 1)]);
@@ -1593,5 +1771,120 @@ mod tests {
             a.request(ms(0), DispatchRequest::new(2, pool(&["p"]))),
             Admit::Rejected(AdmitRejection::DuplicateRequest)
         );
+    }
+
+    /// The deadlines index follows the queue and the holds through any
+    /// sequence of inputs: the next deadline is always the earliest of
+    /// theirs, and none has passed once its time was handled.
+    mod deadlines {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Request(u64, bool),
+            Release(usize),
+            Cancel(u64),
+            Hold(u64, bool, u64),
+            ReleaseHold(u64),
+            Adopt(u64, u64),
+            Online(bool, Option<u64>),
+            PreSend(usize),
+            Advance(u64),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0u64..24, any::<bool>()).prop_map(|(id, p)| Op::Request(id, p)),
+                2 => (0usize..8).prop_map(Op::Release),
+                1 => (0u64..24).prop_map(Op::Cancel),
+                2 => (0u64..8, any::<bool>(), 1u64..120).prop_map(|(r, p, t)| Op::Hold(r, p, t)),
+                1 => (0u64..8).prop_map(Op::ReleaseHold),
+                1 => (0u64..8, 0u64..24).prop_map(|(r, id)| Op::Adopt(r, id)),
+                1 => (any::<bool>(), proptest::option::of(1u64..4))
+                    .prop_map(|(p, g)| Op::Online(p, g)),
+                1 => (0usize..8).prop_map(Op::PreSend),
+                3 => (0u64..60).prop_map(Op::Advance),
+            ]
+        }
+
+        fn provider(p: bool) -> ProviderId {
+            ProviderId::from(if p { "p" } else { "q" })
+        }
+
+        proptest! {
+            #[test]
+            fn the_next_deadline_is_the_earliest_and_none_outlives_its_time(
+                ops in proptest::collection::vec(op(), 1..150)
+            ) {
+                let mut a = Admission::new(
+                    AdmissionConfig {
+                        queue_capacity: 6,
+                        queue_timeout: Duration::from_millis(50),
+                    },
+                    vec![spec("p", "n", 2), spec("q", "m", 1)],
+                );
+                a.set_online(ms(0), &provider(true), Some(1));
+                a.set_online(ms(0), &provider(false), Some(1));
+                let mut now = 0;
+                for op in ops {
+                    let at = ms(now);
+                    match op {
+                        Op::Request(id, p) => {
+                            let _ = a.request(at, DispatchRequest::new(id, vec![provider(p)]));
+                        }
+                        Op::Release(i) => {
+                            if let Some(id) = a.held.keys().nth(i) {
+                                let id = *id;
+                                let _ = a.release(at, id, ReleaseReason::Terminal);
+                            }
+                        }
+                        Op::Cancel(id) => {
+                            let _ = a.cancel(at, id);
+                        }
+                        Op::Hold(run, p, ttl) => {
+                            let generation = a.providers[&provider(p)].online.unwrap_or(1);
+                            let key = RunKey { generation, run_id: run };
+                            let _ = a.hold(key, &provider(p), generation, ms(now + ttl));
+                        }
+                        Op::ReleaseHold(run) => {
+                            let found = a.holds.keys().find(|(_, k)| k.run_id == run).cloned();
+                            if let Some((node, key)) = found {
+                                a.release_hold(at, &node, key);
+                            }
+                        }
+                        Op::Adopt(run, id) => {
+                            let found = a.holds.keys().find(|(_, k)| k.run_id == run).cloned();
+                            if let Some((node, key)) = found {
+                                let request = DispatchRequest::new(id, pool(&["p", "q"]));
+                                let _ = a.adopt(at, &node, key, request);
+                            }
+                        }
+                        Op::Online(p, generation) => a.set_online(at, &provider(p), generation),
+                        Op::PreSend(i) => {
+                            if let Some(id) = a.held.keys().nth(i) {
+                                let id = *id;
+                                let _ = a.pre_send(at, id);
+                            }
+                        }
+                        Op::Advance(dt) => {
+                            now += dt;
+                            a.handle_timeout(ms(now));
+                            prop_assert!(a.queue.values().all(|q| q.expires_at > ms(now)));
+                            prop_assert!(a.holds.values().all(|h| h.expires_at > ms(now)));
+                        }
+                    }
+                    while a.poll_event().is_some() {}
+                    a.check_invariants().map_err(TestCaseError::fail)?;
+                    let earliest = a
+                        .queue
+                        .values()
+                        .map(|q| q.expires_at)
+                        .chain(a.holds.values().map(|h| h.expires_at))
+                        .min();
+                    prop_assert_eq!(a.poll_timeout(), earliest);
+                }
+            }
+        }
     }
 }
