@@ -75,22 +75,32 @@ fn provider(i: usize, capacity: u32) -> ProviderSpec {
     }
 }
 
+/// Admission over two providers of `capacity` each, both online, a queue
+/// of `queue_capacity`: the admission, the pool naming both, and now.
+fn two_providers_online(
+    capacity: u32,
+    queue_capacity: usize,
+) -> (Admission, Vec<ProviderId>, Instant) {
+    let specs = vec![provider(0, capacity), provider(1, capacity)];
+    let pool: Vec<ProviderId> = specs.iter().map(|s| s.id.clone()).collect();
+    let config = AdmissionConfig {
+        queue_capacity,
+        queue_timeout: Duration::from_secs(30),
+    };
+    let mut adm = Admission::new(config, specs.clone());
+    let now = Instant::from_millis(1);
+    for s in &specs {
+        adm.set_online(now, &s.id, Some(1));
+    }
+    (adm, pool, now)
+}
+
 fn admission_request_release(c: &mut Criterion) {
     let mut group = c.benchmark_group("admission_request_release");
     // One request and one release per round.
     group.throughput(Throughput::Elements(2 * BATCH));
     for held in [0u64, 1_000, 10_000] {
-        let specs = vec![provider(0, 20_000), provider(1, 20_000)];
-        let pool: Vec<ProviderId> = specs.iter().map(|s| s.id.clone()).collect();
-        let config = AdmissionConfig {
-            queue_capacity: 256,
-            queue_timeout: Duration::from_secs(30),
-        };
-        let mut adm = Admission::new(config, specs.clone());
-        let now = Instant::from_millis(1);
-        for s in &specs {
-            adm.set_online(now, &s.id, Some(1));
-        }
+        let (mut adm, pool, now) = two_providers_online(20_000, 256);
         let mut next_id = 0u64;
         for _ in 0..held {
             next_id += 1;
@@ -125,17 +135,7 @@ fn admission_full_queue(c: &mut Criterion) {
     // queued and one canceled per round.
     group.throughput(Throughput::Elements(BATCH));
     for waiting in [1u64, 1_000, 10_000] {
-        let specs = vec![provider(0, 4), provider(1, 4)];
-        let pool: Vec<ProviderId> = specs.iter().map(|s| s.id.clone()).collect();
-        let config = AdmissionConfig {
-            queue_capacity: waiting as usize + 1,
-            queue_timeout: Duration::from_secs(30),
-        };
-        let mut adm = Admission::new(config, specs.clone());
-        let now = Instant::from_millis(1);
-        for s in &specs {
-            adm.set_online(now, &s.id, Some(1));
-        }
+        let (mut adm, pool, now) = two_providers_online(4, waiting as usize + 1);
         let mut next_id = 0u64;
         let mut leases = std::collections::VecDeque::new();
         while let Admit::Leased(lease) = {
