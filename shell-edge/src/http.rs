@@ -676,8 +676,9 @@ fn tunnel_stream_response(
             };
             let err = match next {
                 Some(Delivery::Body(bytes)) => {
-                    record.relayed_bytes += bytes.len() as u64;
-                    return Some((Ok(bytes::Bytes::from(bytes)), Some((collected, rx, record))));
+                    let chunk = with_waiting_bodies(bytes, &mut collected, &mut rx);
+                    record.relayed_bytes += chunk.len() as u64;
+                    return Some((Ok(bytes::Bytes::from(chunk)), Some((collected, rx, record))));
                 }
                 Some(Delivery::Finish) => {
                     record.set("ok");
@@ -711,6 +712,40 @@ fn tunnel_stream_response(
         .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response())
 }
 
+/// `first` and the body pieces already waiting behind it, in one body
+/// chunk (bounded as a normalized answer's chunk): the client's connection
+/// is written once for them, not once per provider read. A waiting
+/// terminal stays first in `collected` for the next turn.
+fn with_waiting_bodies(
+    first: Vec<u8>,
+    collected: &mut std::collections::VecDeque<Delivery>,
+    rx: &mut mpsc::Receiver<Delivery>,
+) -> Vec<u8> {
+    use crate::answer_body::{MAX_CHUNK_BYTES, MAX_DELIVERIES_PER_CHUNK};
+    let mut chunk = first;
+    let mut taken = 1;
+    while taken < MAX_DELIVERIES_PER_CHUNK && chunk.len() < MAX_CHUNK_BYTES {
+        let waiting = match collected.pop_front() {
+            Some(delivery) => delivery,
+            None => match rx.try_recv() {
+                Ok(delivery) => delivery,
+                Err(_) => break,
+            },
+        };
+        match waiting {
+            Delivery::Body(more) => {
+                chunk.extend_from_slice(&more);
+                taken += 1;
+            }
+            other => {
+                collected.push_front(other);
+                break;
+            }
+        }
+    }
+    chunk
+}
+
 #[cfg(test)]
 mod tests {
     use iop_wire::{FinishReason, RunEventKind};
@@ -719,6 +754,41 @@ mod tests {
 
     fn text(s: &str) -> Delivery {
         Delivery::Event(RunEventKind::TextDelta(s.into()))
+    }
+
+    #[test]
+    fn waiting_tunnel_bodies_go_out_in_one_bounded_chunk() {
+        use crate::answer_body::{MAX_CHUNK_BYTES, MAX_DELIVERIES_PER_CHUNK};
+        use std::collections::VecDeque;
+        let (tx, mut rx) = mpsc::channel(256);
+        for piece in [&b"b"[..], b"c"] {
+            tx.try_send(Delivery::Body(piece.to_vec())).unwrap();
+        }
+        tx.try_send(Delivery::Finish).unwrap();
+        tx.try_send(Delivery::Body(b"after".to_vec())).unwrap();
+        let mut collected = VecDeque::from([Delivery::Body(b"0".to_vec())]);
+        let chunk = with_waiting_bodies(b"a".to_vec(), &mut collected, &mut rx);
+        assert_eq!(chunk, b"a0bc");
+        // The terminal waits for the next turn, first; nothing after it
+        // was taken.
+        assert!(matches!(collected.pop_front(), Some(Delivery::Finish)));
+        assert!(collected.is_empty());
+        assert!(matches!(rx.try_recv(), Ok(Delivery::Body(b)) if b == b"after"));
+
+        // At most MAX_DELIVERIES_PER_CHUNK pieces a chunk ...
+        for _ in 0..MAX_DELIVERIES_PER_CHUNK + 5 {
+            tx.try_send(Delivery::Body(b"x".to_vec())).unwrap();
+        }
+        let chunk = with_waiting_bodies(b"x".to_vec(), &mut collected, &mut rx);
+        assert_eq!(chunk.len(), MAX_DELIVERIES_PER_CHUNK);
+        // ... and none taken once it holds MAX_CHUNK_BYTES.
+        while rx.try_recv().is_ok() {}
+        let big = vec![7u8; MAX_CHUNK_BYTES / 2 + 1];
+        tx.try_send(Delivery::Body(big.clone())).unwrap();
+        tx.try_send(Delivery::Body(big.clone())).unwrap();
+        let chunk = with_waiting_bodies(big.clone(), &mut collected, &mut rx);
+        assert_eq!(chunk.len(), 2 * big.len());
+        assert!(rx.try_recv().is_ok(), "the third piece waits");
     }
 
     #[tokio::test]

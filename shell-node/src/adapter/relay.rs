@@ -3,8 +3,8 @@
 //! the answer comes back as `Head`, `Body` chunks as they arrive, and one
 //! terminal. HTTP error statuses are relayed, not turned into failures.
 
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::{FutureExt as _, StreamExt};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use iop_wire::{Header, ProviderTunnelFrame};
 
@@ -130,6 +130,14 @@ fn connection_listed<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>) -> V
         .collect()
 }
 
+/// Pieces of a tunnelled body already read are merged into one `Body`
+/// frame until it holds this many bytes (a piece is never split for it).
+/// Small on purpose: the Edge queues a few dozen frames per stream for a
+/// client that reads slowly, so this, not the frame bound, is what such a
+/// stream usually holds there per place; a few KiB already carry dozens
+/// of SSE events.
+pub(crate) const MERGED_BODY_BYTES: usize = 4 * 1024;
+
 /// `Body` frames of one provider chunk, split at [`MAX_BODY_CHUNK_BYTES`].
 pub(crate) fn body_frames(chunk: &[u8]) -> impl Iterator<Item = ProviderTunnelFrame> + '_ {
     chunk
@@ -164,17 +172,40 @@ pub(super) fn relay(
             headers: response_headers(response.headers()),
         };
         let mut bytes = response.bytes_stream();
-        while let Some(chunk) = bytes.next().await {
-            match chunk {
-                Ok(chunk) => {
-                    for frame in body_frames(&chunk) {
+        // What the body said after the pieces merged into the last frame.
+        let mut after = None;
+        loop {
+            let next = match after.take() {
+                Some(next) => next,
+                None => bytes.next().await,
+            };
+            match next {
+                Some(Ok(chunk)) => {
+                    // Pieces the provider already sent go in one frame
+                    // (one for each event of a stream otherwise): fewer
+                    // frames to write, and for the Edge to read and relay.
+                    let mut merged: Option<Vec<u8>> = None;
+                    while merged.as_ref().map_or(chunk.len(), Vec::len) < MERGED_BODY_BYTES {
+                        match bytes.next().now_or_never() {
+                            Some(Some(Ok(more))) => merged
+                                .get_or_insert_with(|| chunk.to_vec())
+                                .extend_from_slice(&more),
+                            Some(other) => {
+                                after = Some(other);
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                    for frame in body_frames(merged.as_deref().unwrap_or(&chunk)) {
                         yield frame;
                     }
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     yield ProviderTunnelFrame::Failure(super::error::from_http(e, true).failure());
                     return;
                 }
+                None => break,
             }
         }
         yield ProviderTunnelFrame::End;

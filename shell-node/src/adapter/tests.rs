@@ -1360,6 +1360,90 @@ async fn tunnel_relays_sse_body_chunks_while_the_provider_is_still_streaming() {
     assert_eq!(stats.disconnects, 1);
 }
 
+/// Pieces of a tunnelled body the provider already sent travel in one
+/// `Body` frame (one per event otherwise), and a piece still to come in a
+/// frame of its own when it comes.
+#[tokio::test]
+async fn tunnel_pieces_already_sent_go_in_one_frame() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let events: Vec<String> = (0..50).map(|i| format!("data: {i}\n\n")).collect();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (go_tx, mut go) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let sent = events.clone();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the request ended early");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        // The head and every event in one write: all there at the first read.
+        let mut out =
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                .to_vec();
+        for event in &sent {
+            out.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
+        }
+        s.write_all(&out).await.unwrap();
+        go.recv().await.unwrap();
+        s.write_all(b"c\r\ndata: late\n\n\r\n").await.unwrap();
+        go.recv().await.unwrap();
+        // 100 pieces of 100 bytes at once: more than one merged frame holds.
+        let piece = format!("data: {}\n\n", "x".repeat(92));
+        let mut out = format!("{:x}\r\n{piece}\r\n", piece.len()).repeat(100);
+        out.push_str("0\r\n\r\n");
+        s.write_all(out.as_bytes()).await.unwrap();
+        let _ = s.read(&mut buf).await;
+    });
+    let a = adapter(AdapterKind::OpenAi, &format!("http://{addr}"), None);
+    let mut frames = a.tunnel(
+        tunnel_request("POST", "/v1/chat/completions", chat_body("m")),
+        None,
+    );
+    let mut next = async || {
+        tokio::time::timeout(STREAM_BOUND, frames.next())
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    assert!(matches!(
+        next().await,
+        ProviderTunnelFrame::Head { status: 200, .. }
+    ));
+    assert_eq!(
+        next().await,
+        ProviderTunnelFrame::Body(events.concat().into_bytes())
+    );
+    go_tx.send(()).unwrap();
+    // (The 50 events fit one merged frame.)
+    assert!(events.concat().len() < super::relay::MERGED_BODY_BYTES);
+    assert_eq!(
+        next().await,
+        ProviderTunnelFrame::Body(b"data: late\n\n".to_vec())
+    );
+    go_tx.send(()).unwrap();
+    let mut sizes = Vec::new();
+    loop {
+        match next().await {
+            ProviderTunnelFrame::Body(b) => sizes.push(b.len()),
+            ProviderTunnelFrame::End => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(sizes.iter().sum::<usize>(), 100 * 100);
+    // Merged up to the bound, never more than one piece past it.
+    assert!(sizes.len() >= 3, "{sizes:?}");
+    assert!(
+        sizes
+            .iter()
+            .all(|&n| n < super::relay::MERGED_BODY_BYTES + 100),
+        "{sizes:?}"
+    );
+}
+
 #[tokio::test]
 async fn tunnel_relays_a_whole_answer_with_one_terminal_and_replaces_the_client_credential() {
     let server = mock(MockScript {

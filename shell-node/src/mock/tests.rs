@@ -48,7 +48,7 @@ fn bad_overrides_are_refused() {
         Err(ScriptError::BadValue("tokens"))
     );
     assert_eq!(
-        d.for_model("mock:tokens=100001"),
+        d.for_model(&format!("mock:tokens={}", crate::mock::MAX_MOCK_TOKENS + 1)),
         Err(ScriptError::BadValue("tokens"))
     );
     assert_eq!(
