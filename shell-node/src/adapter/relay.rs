@@ -197,8 +197,17 @@ pub(super) fn relay(
                             None => break,
                         }
                     }
-                    for frame in body_frames(merged.as_deref().unwrap_or(&chunk)) {
-                        yield frame;
+                    match merged {
+                        // Within one frame's bound the merged pieces move
+                        // into it, not copied again.
+                        Some(merged) if merged.len() <= MAX_BODY_CHUNK_BYTES => {
+                            yield ProviderTunnelFrame::Body(merged);
+                        }
+                        merged => {
+                            for frame in body_frames(merged.as_deref().unwrap_or(&chunk)) {
+                                yield frame;
+                            }
+                        }
                     }
                 }
                 Some(Err(e)) => {

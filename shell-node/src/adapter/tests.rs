@@ -1394,6 +1394,9 @@ async fn tunnel_pieces_already_sent_go_in_one_frame() {
         // 100 pieces of 100 bytes at once: more than one merged frame holds.
         let piece = format!("data: {}\n\n", "x".repeat(92));
         let mut out = format!("{:x}\r\n{piece}\r\n", piece.len()).repeat(100);
+        // Then one piece larger than a frame holds, merged after them.
+        let big = format!("data: {}\n\n", "y".repeat(100_000));
+        out.push_str(&format!("{:x}\r\n{big}\r\n", big.len()));
         out.push_str("0\r\n\r\n");
         s.write_all(out.as_bytes()).await.unwrap();
         let _ = s.read(&mut buf).await;
@@ -1425,19 +1428,40 @@ async fn tunnel_pieces_already_sent_go_in_one_frame() {
         ProviderTunnelFrame::Body(b"data: late\n\n".to_vec())
     );
     go_tx.send(()).unwrap();
-    let mut sizes = Vec::new();
+    let mut bodies = Vec::new();
     loop {
         match next().await {
-            ProviderTunnelFrame::Body(b) => sizes.push(b.len()),
+            ProviderTunnelFrame::Body(b) => bodies.push(b),
             ProviderTunnelFrame::End => break,
             other => panic!("{other:?}"),
         }
     }
-    assert_eq!(sizes.iter().sum::<usize>(), 100 * 100);
-    // Merged up to the bound, never more than one piece past it.
-    assert!(sizes.len() >= 3, "{sizes:?}");
+    let piece = format!("data: {}\n\n", "x".repeat(92));
+    let big = format!("data: {}\n\n", "y".repeat(100_000));
+    assert_eq!(
+        bodies.concat(),
+        format!("{}{big}", piece.repeat(100)).into_bytes()
+    );
+    let sizes: Vec<usize> = bodies.iter().map(Vec::len).collect();
+    // No frame past the wire's bound, the large piece split to fit.
     assert!(
-        sizes
+        sizes.iter().all(|&n| n <= super::MAX_BODY_CHUNK_BYTES),
+        "{sizes:?}"
+    );
+    // The small pieces merged up to the bound, never more than one piece
+    // past it.
+    let mut at = 0;
+    let small: Vec<usize> = sizes
+        .iter()
+        .copied()
+        .take_while(|&n| {
+            at += n;
+            at <= 100 * 100
+        })
+        .collect();
+    assert!(small.len() >= 2, "{sizes:?}");
+    assert!(
+        small
             .iter()
             .all(|&n| n < super::relay::MERGED_BODY_BYTES + 100),
         "{sizes:?}"
