@@ -49,7 +49,7 @@ pub use client::{HttpError, ProviderHttp};
 use client::{ProviderRequest, ProviderResponse};
 pub use error::{ERROR_BODY_WAIT, MAX_ERROR_BODY_BYTES, ProviderCallError};
 pub use lines::{LineBuffer, LineError, MAX_LINE_BYTES};
-pub use sse::{MAX_EVENT_BYTES, SseGuardError, bounded as bounded_sse};
+pub use sse::MAX_EVENT_BYTES;
 
 use mock::InProcessMock;
 

@@ -9,53 +9,11 @@
 
 use std::ops::Range;
 
-use bytes::Bytes;
-use futures::Stream;
-use futures::StreamExt;
-
 /// The largest accepted event (bytes between blank lines).
 pub const MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
 
 /// UTF-8 byte-order mark, skipped at the start of a stream.
 const BOM: &[u8] = b"\xEF\xBB\xBF";
-
-/// Why the byte stream was cut.
-#[derive(Debug, thiserror::Error)]
-pub enum SseGuardError {
-    /// The transport failed.
-    #[error(transparent)]
-    Transport(#[from] super::client::HttpError),
-    /// An event exceeded [`MAX_EVENT_BYTES`].
-    #[error("event larger than {MAX_EVENT_BYTES} bytes")]
-    EventTooLarge,
-}
-
-/// Pass `bytes` through, failing once more than [`MAX_EVENT_BYTES`] arrive
-/// without an event boundary (a blank line). Only counts; never frames.
-/// ([`SseDecoder`] enforces the same bound while it frames.)
-pub fn bounded(
-    bytes: impl Stream<Item = Result<Bytes, super::client::HttpError>> + Send + 'static,
-) -> impl Stream<Item = Result<Bytes, SseGuardError>> + Send + 'static {
-    // (bytes since the last blank line, the last byte seen, a `\r` before it)
-    let mut since_boundary = 0usize;
-    let mut prev: [u8; 2] = [0, 0];
-    bytes.map(move |chunk| {
-        let chunk = chunk?;
-        for &b in chunk.iter() {
-            since_boundary += 1;
-            // "\n\n" or "\r\n\r\n" (the "\r\n" pair is seen as its "\n").
-            let blank = b == b'\n' && (prev[1] == b'\n' || (prev[1] == b'\r' && prev[0] == b'\n'));
-            if blank {
-                since_boundary = 0;
-            }
-            prev = [prev[1], b];
-        }
-        if since_boundary > MAX_EVENT_BYTES {
-            return Err(SseGuardError::EventTooLarge);
-        }
-        Ok(chunk)
-    })
-}
 
 /// An event grew past [`MAX_EVENT_BYTES`] without ending.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -282,14 +240,5 @@ mod tests {
         let open = vec![b'x'; MAX_EVENT_BYTES + 1];
         assert_eq!(decode(&[&open[..MAX_EVENT_BYTES]]), Ok(Vec::new()));
         assert_eq!(decode(&[&open[..10], &open[10..]]), Err(EventTooLarge));
-    }
-
-    #[tokio::test]
-    async fn the_byte_guard_cuts_an_event_without_end_at_the_bound() {
-        let big = vec![b'x'; MAX_EVENT_BYTES + 1];
-        let stream =
-            futures::stream::iter(vec![Ok::<_, crate::adapter::HttpError>(Bytes::from(big))]);
-        let out: Vec<_> = bounded(stream).collect().await;
-        assert!(matches!(out[0], Err(SseGuardError::EventTooLarge)));
     }
 }
