@@ -100,11 +100,6 @@ impl ConsoleSessions {
         self.sessions().len()
     }
 
-    /// Event streams open now.
-    pub fn open_streams(&self) -> usize {
-        MAX_STREAMS - self.streams.available_permits()
-    }
-
     /// A place for one more event stream, held until the permit is
     /// dropped; `None` when all [`MAX_STREAMS`] are taken.
     pub fn try_open_stream(&self) -> Option<OwnedSemaphorePermit> {

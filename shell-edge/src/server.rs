@@ -435,13 +435,6 @@ impl RunningEdge {
         self.durable.store_state()
     }
 
-    /// The node certificate denylist the TLS verifier reads; every node
-    /// link runs [`iop_transport::enforce_denylist`] with it, so a
-    /// connection whose certificate is revoked while it is open ends.
-    pub fn node_denylist(&self) -> CertDenylist {
-        self.denylist.clone()
-    }
-
     /// Apply a re-read `[edge] revoked_node_certificates` (SIGHUP): the
     /// next handshake of a listed certificate is refused.
     pub fn reload_revoked_node_certificates(&self, config: &EdgeConfig) {

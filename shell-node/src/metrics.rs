@@ -8,7 +8,7 @@
 //! declared at 0 when the node starts, per configured target where a label
 //! is a target ([`NodeMetrics::observe_link`]).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use iop_transport::telemetry::MetricsPipeline;
 use iop_transport::traces::{Kind, TracePipeline, TraceSpan, Tracer};
@@ -403,11 +403,6 @@ impl<'a> RunRecord<'a> {
         if self.outcome.is_none() {
             self.outcome = Some(failure.map_or(RUN_OK, FailureCode::as_str));
         }
-    }
-
-    /// Time since the provider call started, if it did.
-    pub fn call_elapsed(&self) -> Option<Duration> {
-        self.call_started.map(|s| s.elapsed())
     }
 }
 

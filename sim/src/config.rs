@@ -720,14 +720,6 @@ impl SimConfig {
             self.journal.park_grace + iop_core::edge::request::PARK_REPORT_SLACK
         }
     }
-
-    /// Liveness bound B_request: every client request ends (one terminal, a
-    /// client disconnect, or the Edge process going away) at most
-    /// `request_budget` after it was accepted, faults or not: the gate's
-    /// total budget is its deadline.
-    pub fn request_bound(&self) -> Duration {
-        self.request_budget
-    }
 }
 
 /// The longest healthy generation, so the fault-free part of a run has a

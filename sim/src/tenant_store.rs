@@ -178,16 +178,6 @@ impl SimTenantStore {
         book.hold_ask(ask)
     }
 
-    /// What `holder` holds of `counter`'s slots at `now_unix_ms` (0: none,
-    /// or its lease lapsed).
-    pub fn slots_of(&self, counter: &CounterKey, holder: &str, now_unix_ms: u64) -> u64 {
-        self.slots
-            .get(counter)
-            .and_then(|(book, _)| book.holders.get(holder))
-            .filter(|h| h.expires_unix_ms > now_unix_ms)
-            .map_or(0, |h| h.held)
-    }
-
     /// R-TEN-3: no gauge's live slots exceed its limit at `now_unix_ms`.
     pub fn slots_over_limit(&self, now_unix_ms: u64) -> Option<(&CounterKey, u64, u64)> {
         self.slots

@@ -409,19 +409,6 @@ pub fn issue_node_files(dir: &Path, node_id: &str, days: u64) -> Result<NodeCert
     Ok(files)
 }
 
-/// Issue an Edge server certificate for `names` (DNS names or IP
-/// addresses) plus `localhost`, 127.0.0.1 and ::1.
-pub fn issue_edge_cert(
-    ca_cert_pem: &str,
-    ca_key_pem: &str,
-    names: &[&str],
-    validity: Validity,
-) -> Result<IssuedCert, PkiError> {
-    let sans = edge_subject_alt_names(names)?;
-    let issuer = ca_issuer(ca_cert_pem, ca_key_pem)?;
-    issue_leaf(&issuer, "iop edge", sans, LeafUse::Server, validity)
-}
-
 /// Issue a client certificate that chains to the CA but carries no node
 /// identity (only CN = `common_name`).
 ///

@@ -204,11 +204,6 @@ impl TracePipeline {
         self.tracer.clone()
     }
 
-    /// Whether spans are exported.
-    pub fn export_enabled(&self) -> bool {
-        self.export
-    }
-
     /// Export what is queued now (blocking; bounded by the export timeout).
     pub fn flush(&self) {
         if self.export

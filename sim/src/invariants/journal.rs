@@ -479,11 +479,6 @@ impl Checker {
         }
     }
 
-    /// The events the client of `id` has received (where it resumes).
-    pub fn durable_client_received(&self, id: &str) -> u64 {
-        self.journal.clients.get(id).map_or(0, |c| c.received)
-    }
-
     // ---- Liveness --------------------------------------------------------
 
     /// Who holds the current epoch of record `id` (created it or won its
