@@ -399,7 +399,10 @@ pub struct SimConfig {
     pub probe_delay_max: Duration,
     /// Gate: attempts per request.
     pub max_attempts: u32,
-    /// Gate: total time per request.
+    /// Gate: total time per request. Also the liveness bound B_request:
+    /// every request ends (one terminal, a client disconnect, or the Edge
+    /// going away) at most this long after it was accepted, faults or not
+    /// (`Checker::check_deadlines`).
     pub request_budget: Duration,
     /// Mean time between client requests.
     pub client_gap_mean: Duration,
