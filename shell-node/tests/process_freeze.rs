@@ -367,13 +367,13 @@ async fn a_long_prefill_and_a_back_pressured_tunnel_are_no_loss_r_fail_2() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(8);
     let prefill_ms = (secs * 1000 / 4).min(120_000);
-    // The tunnel's script is its mock's default: a long answer (about 64 MB
+    // The tunnel's script is its mock's default: its longest answer (about 64 MB
     // of SSE), unpaced, so only flow control holds it back. It must outgrow
     // every buffer on its way, the kernel's included: a socket's receive
     // buffer grows to `tcp_rmem`'s maximum (32 MiB on Debian's defaults)
     // behind a reader as fast as the Node, and 15 MB fitted.
     let d = deploy(MockScript {
-        tokens: 400_000,
+        tokens: iop_node::mock::MAX_MOCK_TOKENS,
         tokens_per_second: 0.0,
         ..MockScript::default()
     })

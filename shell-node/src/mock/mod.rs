@@ -127,7 +127,7 @@ pub fn mock_embedding(text: &str) -> Vec<f32> {
 pub const DEFAULT_MODEL: &str = "mock";
 
 /// The most tokens one answer may be scripted to produce.
-pub const MAX_MOCK_TOKENS: u32 = 1_000_000;
+pub const MAX_MOCK_TOKENS: u32 = 400_000;
 
 /// The longest scripted prefill.
 pub const MAX_MOCK_PREFILL_MS: u64 = 600_000;
