@@ -324,8 +324,11 @@ async fn run_admitted<E: RunEndpoint>(
     // A continued conversation: the stored response's messages go between
     // this request's instructions and its input (a durable request stores
     // only its own body and the id it continues, R-LIM-6).
+    // Boxed, as the durable path below: their futures are large, and inline
+    // they would be part of every request's future, which is moved
+    // several times on its way to its task (issue 42).
     if let Some(previous) = endpoint.previous_response(&admitted.options) {
-        match crate::stored::history(&state, &admitted.key, &previous).await {
+        match Box::pin(crate::stored::history(&state, &admitted.key, &previous)).await {
             Ok(messages) => crate::stored::continue_conversation(
                 &mut admitted.run.messages,
                 endpoint.instruction_messages(&admitted.options),
@@ -338,7 +341,7 @@ async fn run_admitted<E: RunEndpoint>(
     // durable.
     let keep = endpoint.keep(&admitted.options, state.durable().responses_store_default());
     if keep.store || keep.background || idempotency.is_some() {
-        return crate::stored::run_durable(
+        return Box::pin(crate::stored::run_durable(
             &state,
             endpoint,
             admitted,
@@ -347,7 +350,7 @@ async fn run_admitted<E: RunEndpoint>(
             resume_after,
             record,
             run_view,
-        )
+        ))
         .await;
     }
     let (run, options) = (admitted.run, admitted.options);

@@ -17,6 +17,7 @@
 //! Durations are milliseconds with one decimal, as the header's `dur`
 //! expects.
 
+use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderValue};
@@ -38,23 +39,23 @@ pub fn value(started: Instant, view: Option<&RequestView>, now: Instant) -> Stri
         None => (Duration::ZERO, Duration::ZERO, false),
     };
     let edge = total.saturating_sub(queued).saturating_sub(provider);
-    if streamed {
-        format!(
-            "queue;dur={}, provider;desc=\"to first content\";dur={}, edge;dur={}, total;desc=\"to headers\";dur={}",
-            ms(queued),
-            ms(provider),
-            ms(edge),
-            ms(total)
-        )
+    let (provider_desc, total_desc) = if streamed {
+        ("desc=\"to first content\";", "desc=\"to headers\";")
     } else {
-        format!(
-            "queue;dur={}, provider;dur={}, edge;dur={}, total;dur={}",
-            ms(queued),
-            ms(provider),
-            ms(edge),
-            ms(total)
-        )
-    }
+        ("", "")
+    };
+    // One string, integers only: this header is on every answer, and a
+    // float's formatting costs more than the rest of it.
+    let mut out = String::with_capacity(128);
+    let _ = write!(
+        out,
+        "queue;dur={}, provider;{provider_desc}dur={}, edge;dur={}, total;{total_desc}dur={}",
+        Ms(queued),
+        Ms(provider),
+        Ms(edge),
+        Ms(total)
+    );
+    out
 }
 
 /// Add the header to `headers`, computed now.
@@ -64,8 +65,15 @@ pub fn apply(started: Instant, view: Option<&RequestView>, headers: &mut HeaderM
     }
 }
 
-fn ms(d: Duration) -> String {
-    format!("{:.1}", d.as_secs_f64() * 1_000.0)
+/// A duration as milliseconds with one decimal, rounded half up.
+struct Ms(Duration);
+
+impl std::fmt::Display for Ms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let micros = u64::try_from(self.0.as_micros()).unwrap_or(u64::MAX);
+        let tenths = micros.saturating_add(50) / 100;
+        write!(f, "{}.{}", tenths / 10, tenths % 10)
+    }
 }
 
 #[cfg(test)]
@@ -88,6 +96,19 @@ mod tests {
                 (name, dur)
             })
             .collect()
+    }
+
+    #[test]
+    fn durations_are_milliseconds_with_one_decimal_rounded_half_up() {
+        let ms = |micros| Ms(Duration::from_micros(micros)).to_string();
+        assert_eq!(ms(0), "0.0");
+        assert_eq!(ms(49), "0.0");
+        assert_eq!(ms(50), "0.1");
+        assert_eq!(ms(1_049), "1.0");
+        assert_eq!(ms(1_050), "1.1");
+        assert_eq!(ms(123_456), "123.5");
+        assert_eq!(ms(2_000_000), "2000.0");
+        assert_eq!(Ms(Duration::MAX).to_string(), "1844674407370955.1");
     }
 
     #[test]
