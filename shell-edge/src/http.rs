@@ -759,6 +759,52 @@ mod tests {
         Delivery::Event(RunEventKind::TextDelta(s.into()))
     }
 
+    /// The size of the future `f` returns, without calling it.
+    fn future_size<Args, F: Returns<Args>>(_: &F) -> usize {
+        std::mem::size_of::<F::Fut>()
+    }
+
+    trait Returns<Args> {
+        type Fut;
+    }
+
+    impl<A, B, Fut, F: Fn(A, B) -> Fut> Returns<(A, B)> for F {
+        type Fut = Fut;
+    }
+
+    impl<A, B, C, D, G, H, I, J, Fut, F> Returns<(A, B, C, D, G, H, I, J)> for F
+    where
+        F: Fn(A, B, C, D, G, H, I, J) -> Fut,
+    {
+        type Fut = Fut;
+    }
+
+    /// Issue 42: every request's future is moved on its way to its task,
+    /// so the durable path, which an ephemeral request never enters, is
+    /// boxed rather than inlined into it: the handler's future stays
+    /// smaller than the durable path's alone.
+    #[test]
+    fn a_run_handlers_future_does_not_carry_the_durable_path() {
+        let durable = future_size::<
+            (
+                &'static AppState,
+                ChatCompletions,
+                crate::admit::Admitted<<ChatCompletions as RunEndpoint>::Options>,
+                crate::api::endpoint::Keep,
+                Option<String>,
+                Option<u64>,
+                RequestRecord,
+                Arc<RequestView>,
+            ),
+            _,
+        >(&crate::stored::run_durable::<ChatCompletions>);
+        let handler = future_size::<(State<AppState>, Request), _>(&chat_completions);
+        assert!(
+            handler < durable,
+            "chat_completions' future is {handler} bytes, the durable path's {durable}"
+        );
+    }
+
     #[test]
     fn waiting_tunnel_bodies_go_out_in_one_bounded_chunk() {
         use crate::answer_body::{MAX_CHUNK_BYTES, MAX_DELIVERIES_PER_CHUNK};
