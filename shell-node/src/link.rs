@@ -2,8 +2,11 @@
 //! [`NodeLink`](iop_core::node::link::NodeLink)'s (handshake, heartbeat, stall watchdog with its
 //! observation sequence, each run's one terminal, lease opening); this task
 //! runs one `select!` over control frames, the machine's next timeout,
-//! incoming data streams and messages from the run handlers, feeds each as
-//! an input and carries out the outputs.
+//! incoming data streams, messages from the run handlers and node-wide
+//! news (pause, a run parked, shutdown), feeds each as an input and
+//! carries out the outputs. The timer, the stream accept and the news
+//! channel live across the loop's turns: nothing is registered anew per
+//! turn of a request.
 //!
 //! When the connection ends, every run and tunnel handler bound to it is
 //! canceled (R-DISC-1): they live in this task's `JoinSet`.
@@ -19,7 +22,7 @@ use iop_core::node::park::ReportScope;
 use iop_core::node::probe::ProbeEvidence;
 use iop_core::node::watchdog::{Emission, ProbeOutcome, ProviderEvent};
 use iop_trace::{DrivenNodeLink, NodeLinkConfigRec};
-use iop_transport::clock::Clock;
+use iop_transport::clock::{Clock, Timer};
 use iop_transport::close_connection;
 use iop_transport::framed::{FramedError, FramedSend, framed_for_side, open_framed};
 use iop_wire::{
@@ -75,7 +78,7 @@ pub async fn run(
     config: Arc<NodeConfig>,
     shared: Arc<LinkShared>,
     edge: usize,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> LinkEnd {
     let slot = &shared.edges[edge];
     let clock = Clock::new();
@@ -110,12 +113,31 @@ pub async fn run(
     let (link_tx, mut link_rx) = mpsc::channel(LINK_QUEUE);
     let link_tx = LinkTx(link_tx);
     let mut handlers = JoinSet::new();
-    let mut paused = shared.pause_control.subscribe();
-    // Runs that park from now on (their own connection, to another Edge,
-    // lost) are reported here: this Edge may adopt them (R-PARK-2,
-    // R-MULTI-1). Those parked before were in the registration.
-    let mut parked = shared.parking.subscribe();
-    parked.borrow_and_update();
+    // What changes node-wide (a pause, a run parked, the shutdown) comes
+    // from a task of its own as one channel's messages: three watches
+    // polled each turn would each take their list's lock on every turn of
+    // every request. Dropped with this function, the task is aborted.
+    let paused = shared.pause_control.subscribe();
+    let mut is_paused = *paused.borrow();
+    let (news_tx, mut news_rx) = mpsc::channel(NEWS_QUEUE);
+    let mut news_task = JoinSet::new();
+    news_task.spawn(tell_news(
+        paused,
+        // Runs that park from now on (their own connection, to another
+        // Edge, lost) are reported here: this Edge may adopt them
+        // (R-PARK-2, R-MULTI-1). Those parked before were in the
+        // registration.
+        shared.parking.subscribe(),
+        shutdown,
+        news_tx,
+    ));
+    // A run parked since the last report, not yet reported.
+    let mut parked_news = false;
+    // The machine's timer and the stream accept are kept across turns:
+    // rebuilt each turn, each would register and unregister its waker on
+    // every turn of every request.
+    let mut timer = Timer::new(clock);
+    let mut accept = std::pin::pin!(conn.accept_bi());
     // A report waits a moment, gathering the runs that park meanwhile, so
     // the node's pace stays within the Edge's budget (R-LIM-4).
     let mut report_due: Option<tokio::time::Instant> = None;
@@ -126,9 +148,13 @@ pub async fn run(
         if let Some(end) = ended.take() {
             break end;
         }
-        let wake = link.machine.poll_timeout();
-        let is_paused = *paused.borrow();
+        timer.set(link.machine.poll_timeout());
         let ready = link.was_ready;
+        if parked_news && ready && report_due.is_none() {
+            parked_news = false;
+            report_due =
+                Some(tokio::time::Instant::now() + iop_core::edge::flood::PARKED_REPORT_DELAY);
+        }
         tokio::select! {
             frame = recv.recv::<EdgeControl>(), if !is_paused => match frame {
                 Ok(Some(msg)) => link.input(NodeLinkInput::Control(msg)),
@@ -152,35 +178,41 @@ pub async fn run(
                     break link.closed(CloseCode::ProtocolError);
                 }
             },
-            () = clock.sleep_until(wake), if !is_paused => {
+            () = timer.fired(), if !is_paused => {
                 link.machine.handle_timeout(clock.now());
             },
-            _ = paused.changed() => {},
-            stream = conn.accept_bi(), if ready => match stream {
-                Ok((s, r)) => {
-                    let (s, r) = framed_for_side(conn.side(), s, r);
-                    let generation = link.machine.machine().generation().unwrap_or(0);
-                    handlers.spawn(run::serve_stream(
-                        s,
-                        r,
-                        link_tx.clone(),
-                        shared.clone(),
-                        conn.clone(),
-                        generation,
-                    ));
+            Some(news) = news_rx.recv() => match news {
+                NodeNews::Paused(now) => is_paused = now,
+                NodeNews::Parked => parked_news = true,
+                NodeNews::Shutdown => {
+                    let _ = send.send(&NodeControl::Closing { code: CloseCode::Shutdown }).await;
+                    close_connection(&conn, CloseCode::Shutdown);
+                    break LinkEnd::Shutdown;
                 }
-                Err(e) => {
-                    break link.closed(
-                        iop_transport::close_code_of(&e).unwrap_or(CloseCode::Normal),
-                    );
+            },
+            stream = &mut accept, if ready => {
+                accept.set(conn.accept_bi());
+                match stream {
+                    Ok((s, r)) => {
+                        let (s, r) = framed_for_side(conn.side(), s, r);
+                        let generation = link.machine.machine().generation().unwrap_or(0);
+                        handlers.spawn(run::serve_stream(
+                            s,
+                            r,
+                            link_tx.clone(),
+                            shared.clone(),
+                            conn.clone(),
+                            generation,
+                        ));
+                    }
+                    Err(e) => {
+                        break link.closed(
+                            iop_transport::close_code_of(&e).unwrap_or(CloseCode::Normal),
+                        );
+                    }
                 }
             },
             Some(msg) = link_rx.recv() => link.on_link_msg(msg),
-            Ok(()) = parked.changed(), if ready && report_due.is_none() => {
-                report_due = Some(
-                    tokio::time::Instant::now() + iop_core::edge::flood::PARKED_REPORT_DELAY,
-                );
-            },
             () = tokio::time::sleep_until(report_due.unwrap_or_else(tokio::time::Instant::now)), if report_due.is_some() => {
                 report_due = None;
                 let runs = shared.parking.reports(ReportScope::Live);
@@ -194,11 +226,6 @@ pub async fn run(
                 }
             },
             Some(_) = handlers.join_next(), if !handlers.is_empty() => {},
-            _ = shutdown.changed() => {
-                let _ = send.send(&NodeControl::Closing { code: CloseCode::Shutdown }).await;
-                close_connection(&conn, CloseCode::Shutdown);
-                break LinkEnd::Shutdown;
-            },
         }
         ended = link.drain(&mut send).await;
     };
@@ -227,6 +254,43 @@ pub async fn run(
     // Hand the replay cache to this Edge's next connection.
     slot.return_replay(link.machine.machine_mut().take_replay());
     end
+}
+
+/// What changes node-wide, told to each connection's loop.
+#[derive(Debug)]
+enum NodeNews {
+    /// The node's pause control moved (a test's or an operator's freeze).
+    Paused(bool),
+    /// A run parked.
+    Parked,
+    /// The process is shutting down.
+    Shutdown,
+}
+
+/// Bound of node-wide news in flight to one link: each watch coalesces
+/// its own changes while the link is behind.
+const NEWS_QUEUE: usize = 4;
+
+/// Tell one link what changes node-wide, until the shutdown or the link's
+/// end.
+async fn tell_news(
+    mut paused: watch::Receiver<bool>,
+    mut parked: watch::Receiver<u64>,
+    mut shutdown: watch::Receiver<bool>,
+    tx: mpsc::Sender<NodeNews>,
+) {
+    loop {
+        let news = tokio::select! {
+            // The sender gone is a shutdown too.
+            _ = shutdown.changed() => NodeNews::Shutdown,
+            Ok(()) = paused.changed() => NodeNews::Paused(*paused.borrow_and_update()),
+            Ok(()) = parked.changed() => NodeNews::Parked,
+        };
+        let last = matches!(news, NodeNews::Shutdown);
+        if tx.send(news).await.is_err() || last {
+            return;
+        }
+    }
 }
 
 /// What this node offers the Edge: its providers, its limit, its recipient

@@ -1,5 +1,6 @@
 //! The shell's clock: the one place wall time becomes a core `Instant`.
 
+use std::pin::Pin;
 use std::time::Duration;
 
 use iop_core::Instant;
@@ -44,10 +45,121 @@ impl Clock {
     }
 }
 
+/// A machine's timer kept across the turns of a task's `select!` loop.
+///
+/// Each turn [`Timer::set`] aims it at the machine's next deadline and
+/// re-arms it only when that moved; [`Timer::fired`] is the branch. A fresh
+/// [`Clock::sleep_until`] each turn enters the runtime's timer wheel when
+/// first polled and leaves it when the turn drops it, on every turn of the
+/// loop, whether or not the deadline changed.
+#[derive(Debug)]
+pub struct Timer {
+    clock: Clock,
+    at: Option<Instant>,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Timer {
+    /// A timer aimed nowhere: it never fires until [`Timer::set`].
+    pub fn new(clock: Clock) -> Self {
+        Self {
+            clock,
+            at: None,
+            // Not in the timer wheel until polled, and not polled unaimed.
+            sleep: Box::pin(tokio::time::sleep_until(clock.origin)),
+        }
+    }
+
+    /// Aim at `at`, or nowhere for `None`; the same deadline again is free.
+    pub fn set(&mut self, at: Option<Instant>) {
+        if at == self.at {
+            return;
+        }
+        if let Some(at) = at {
+            self.sleep.as_mut().reset(self.clock.to_tokio(at));
+        }
+        self.at = at;
+    }
+
+    /// The deadline the timer is aimed at.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.at
+    }
+
+    /// Ready once the deadline has passed (at once, every poll, until
+    /// [`Timer::set`] moves it); never while aimed nowhere.
+    pub async fn fired(&mut self) {
+        match self.at {
+            Some(_) => self.sleep.as_mut().await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
 /// Milliseconds since the Unix epoch (for status output and generation floors).
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Polled once without waiting: whether the timer has fired.
+    async fn has_fired(timer: &mut Timer) -> bool {
+        tokio::select! {
+            biased;
+            () = timer.fired() => true,
+            () = std::future::ready(()) => false,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_timer_fires_at_its_deadline_and_follows_a_moved_one() {
+        let clock = Clock::new();
+        let mut timer = Timer::new(clock);
+        // Aimed nowhere it never fires, however long the wait.
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(!has_fired(&mut timer).await);
+
+        let start = clock.now();
+        timer.set(Some(start + Duration::from_millis(10)));
+        assert!(!has_fired(&mut timer).await);
+        tokio::time::advance(Duration::from_millis(9)).await;
+        assert!(!has_fired(&mut timer).await);
+        // Moved later before it fired: the old deadline passes unheard.
+        timer.set(Some(start + Duration::from_millis(20)));
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(!has_fired(&mut timer).await);
+        // The same deadline again changes nothing.
+        timer.set(Some(start + Duration::from_millis(20)));
+        tokio::time::advance(Duration::from_millis(9)).await;
+        assert!(has_fired(&mut timer).await);
+        assert_eq!(timer.deadline(), Some(start + Duration::from_millis(20)));
+        // Still past its deadline: it stays fired until moved.
+        assert!(has_fired(&mut timer).await);
+        // Moved earlier than now: fires at once.
+        timer.set(Some(start + Duration::from_millis(5)));
+        assert!(has_fired(&mut timer).await);
+        // Aimed nowhere again: a passed deadline is forgotten.
+        timer.set(None);
+        assert!(!has_fired(&mut timer).await);
+        assert_eq!(timer.deadline(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_timer_wakes_its_waiting_task() {
+        let clock = Clock::new();
+        let mut timer = Timer::new(clock);
+        timer.set(Some(clock.now() + Duration::from_secs(5)));
+        let before = tokio::time::Instant::now();
+        // With time paused, the runtime advances to the timer's deadline.
+        timer.fired().await;
+        assert_eq!(before.elapsed(), Duration::from_secs(5));
+    }
 }
