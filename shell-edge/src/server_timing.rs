@@ -17,7 +17,6 @@
 //! Durations are milliseconds with one decimal, as the header's `dur`
 //! expects.
 
-use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderValue};
@@ -44,17 +43,22 @@ pub fn value(started: Instant, view: Option<&RequestView>, now: Instant) -> Stri
     } else {
         ("", "")
     };
-    // One string, integers only: this header is on every answer, and a
-    // float's formatting costs more than the rest of it.
+    // One string, integers only, no formatting machinery: this header is
+    // on every answer, and `write!` of its eight numbers cost more than
+    // the rest of it.
     let mut out = String::with_capacity(128);
-    let _ = write!(
-        out,
-        "queue;dur={}, provider;{provider_desc}dur={}, edge;dur={}, total;{total_desc}dur={}",
-        Ms(queued),
-        Ms(provider),
-        Ms(edge),
-        Ms(total)
-    );
+    out.push_str("queue;dur=");
+    push_ms(&mut out, queued);
+    out.push_str(", provider;");
+    out.push_str(provider_desc);
+    out.push_str("dur=");
+    push_ms(&mut out, provider);
+    out.push_str(", edge;dur=");
+    push_ms(&mut out, edge);
+    out.push_str(", total;");
+    out.push_str(total_desc);
+    out.push_str("dur=");
+    push_ms(&mut out, total);
     out
 }
 
@@ -66,14 +70,13 @@ pub fn apply(started: Instant, view: Option<&RequestView>, headers: &mut HeaderM
 }
 
 /// A duration as milliseconds with one decimal, rounded half up.
-struct Ms(Duration);
-
-impl std::fmt::Display for Ms {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let micros = u64::try_from(self.0.as_micros()).unwrap_or(u64::MAX);
-        let tenths = micros.saturating_add(50) / 100;
-        write!(f, "{}.{}", tenths / 10, tenths % 10)
-    }
+fn push_ms(out: &mut String, d: Duration) {
+    let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    let tenths = micros.saturating_add(50) / 100;
+    let mut digits = itoa::Buffer::new();
+    out.push_str(digits.format(tenths / 10));
+    out.push('.');
+    out.push(char::from(b'0' + (tenths % 10) as u8));
 }
 
 #[cfg(test)]
@@ -100,7 +103,12 @@ mod tests {
 
     #[test]
     fn durations_are_milliseconds_with_one_decimal_rounded_half_up() {
-        let ms = |micros| Ms(Duration::from_micros(micros)).to_string();
+        let show = |d| {
+            let mut out = String::new();
+            push_ms(&mut out, d);
+            out
+        };
+        let ms = |micros| show(Duration::from_micros(micros));
         assert_eq!(ms(0), "0.0");
         assert_eq!(ms(49), "0.0");
         assert_eq!(ms(50), "0.1");
@@ -108,7 +116,9 @@ mod tests {
         assert_eq!(ms(1_050), "1.1");
         assert_eq!(ms(123_456), "123.5");
         assert_eq!(ms(2_000_000), "2000.0");
-        assert_eq!(Ms(Duration::MAX).to_string(), "18446744073709551.6");
+        assert_eq!(ms(9_999_949), "9999.9");
+        assert_eq!(ms(9_999_950), "10000.0");
+        assert_eq!(show(Duration::MAX), "18446744073709551.6");
     }
 
     #[test]

@@ -64,23 +64,44 @@ pub(crate) fn validate(call: &RelayCall) -> Result<(http::Method, String), Provi
             "path has control characters",
         ));
     }
-    // Normalize dot segments (`/api/../v1`) before checking the scope.
-    let url = url::Url::parse(&format!("http://target{}", call.path))
-        .map_err(|_| ProviderCallError::InvalidRequest("invalid path"))?;
-    if url.host_str() != Some("target") {
-        return Err(ProviderCallError::InvalidRequest("invalid path"));
-    }
-    if call.scope == PathScope::OllamaApi && !url.path().starts_with("/api/") {
+    let path = if call.path.bytes().all(is_plain) {
+        // Nothing URL normalization would change (no dot segment, escape,
+        // query or character it encodes): the common call
+        // (`/v1/chat/completions`) skips the parse.
+        call.path.clone()
+    } else {
+        normalized(&call.path)?
+    };
+    if call.scope == PathScope::OllamaApi && !path.starts_with("/api/") {
         return Err(ProviderCallError::InvalidRequest(
             "Ollama API paths start with /api/",
         ));
+    }
+    Ok((method, path))
+}
+
+/// A byte of a path that URL normalization leaves as it is wherever it
+/// stands: letters, digits, `/`, `-`, `_` and `~` (no `.`, `%`, `?`, `#`
+/// or `\\`, and nothing it percent-encodes).
+fn is_plain(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'_' | b'~')
+}
+
+/// `path` (with its query) as the target will see it: dot segments
+/// (`/api/../v1`, `/api/%2e%2e/v1`) resolved, a fragment dropped, what
+/// must be escaped escaped.
+fn normalized(path: &str) -> Result<String, ProviderCallError> {
+    let url = url::Url::parse(&format!("http://target{path}"))
+        .map_err(|_| ProviderCallError::InvalidRequest("invalid path"))?;
+    if url.host_str() != Some("target") {
+        return Err(ProviderCallError::InvalidRequest("invalid path"));
     }
     let mut path = url.path().to_owned();
     if let Some(q) = url.query() {
         path.push('?');
         path.push_str(q);
     }
-    Ok((method, path))
+    Ok(path)
 }
 
 /// The headers to send upstream.
@@ -262,6 +283,54 @@ mod tests {
             validate(&call("/v1/models?x=1", PathScope::Any)).unwrap().1,
             "/v1/models?x=1"
         );
+    }
+
+    /// Every path of up to five bytes after its `/` over an alphabet with
+    /// each byte that normalization treats specially: where the fast path
+    /// takes a path as it is, the URL parse gives the same path.
+    #[test]
+    fn a_plain_path_is_what_normalization_makes_of_it() {
+        const ALPHABET: &[u8] = b"aZ9/-_~.%2e?#\\";
+        let mut plain = 0;
+        let mut paths = vec![String::from("/")];
+        for _ in 0..5 {
+            let mut longer = Vec::with_capacity(paths.len() * ALPHABET.len());
+            for path in &paths {
+                for &b in ALPHABET {
+                    let mut next = path.clone();
+                    next.push(b as char);
+                    // A path with a byte that is not plain never takes the
+                    // fast path, nor does any path it begins.
+                    if next.starts_with("//") || !next.bytes().all(is_plain) {
+                        continue;
+                    }
+                    plain += 1;
+                    assert_eq!(normalized(&next).unwrap(), next, "{next}");
+                    let (_, took) = validate(&call(&next, PathScope::Any)).unwrap();
+                    assert_eq!(took, next);
+                    longer.push(next);
+                }
+            }
+            paths = longer;
+        }
+        // The alphabet's plain bytes, five positions: the fast path was
+        // checked, not skipped.
+        assert!(plain > 10_000, "{plain}");
+        // And what is not plain still goes through the parse.
+        for (path, expect) in [
+            ("/api/./tags", "/api/tags"),
+            ("/a/%2e%2e/b", "/b"),
+            ("/a#frag", "/a"),
+            ("/a\\b", "/a/b"),
+            ("/a?b=1#f", "/a?b=1"),
+            ("/v1/models/llama3.1", "/v1/models/llama3.1"),
+        ] {
+            assert_eq!(
+                validate(&call(path, PathScope::Any)).unwrap().1,
+                expect,
+                "{path}"
+            );
+        }
     }
 
     #[test]
