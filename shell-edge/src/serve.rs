@@ -23,19 +23,22 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
+use futures::task::AtomicWaker;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use iop_core::edge::limits::{
     CloseReason, ConnAdmission, ConnId, ConnLimits, ConnStep, Connections, RefusedBy, SourceAddr,
 };
+use iop_transport::clock::Timer;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tower::ServiceExt as _;
 
@@ -108,13 +111,41 @@ impl Clock {
     }
 }
 
-/// Wakes one connection's task.
+/// Wakes one connection's task: what happened, as bits the task takes
+/// each turn, and the task's waker. Raising is a `fetch_or` and a wake;
+/// the task's poll is an atomic swap and a waker registration, no lock
+/// (its loop turns on every wake-up of the connection, requests included).
 #[derive(Debug, Default)]
 struct Signals {
+    raised: AtomicU8,
+    waker: AtomicWaker,
+}
+
+impl Signals {
     /// The connection was evicted for a newcomer.
-    evict: Notify,
+    const EVICT: u8 = 1;
     /// A request started or ended: its deadline moved.
-    activity: Notify,
+    const ACTIVITY: u8 = 2;
+    /// The server is stopping: drain.
+    const STOP: u8 = 4;
+
+    fn raise(&self, bit: u8) {
+        self.raised.fetch_or(bit, Ordering::Release);
+        self.waker.wake();
+    }
+
+    /// The bits raised since the last take. The waker is registered before
+    /// the take, so a raise after it wakes the task again.
+    async fn raised(&self) -> u8 {
+        std::future::poll_fn(|cx| {
+            self.waker.register(cx.waker());
+            match self.raised.swap(0, Ordering::AcqRel) {
+                0 => Poll::Pending,
+                bits => Poll::Ready(bits),
+            }
+        })
+        .await
+    }
 }
 
 /// The core's registry and each open connection's wake-ups, under one
@@ -152,7 +183,7 @@ struct InFlight {
 impl InFlight {
     fn new(shared: Arc<Shared>, id: ConnId, signals: Arc<Signals>) -> Self {
         shared.with(|r| r.connections.request_started(id));
-        signals.activity.notify_one();
+        signals.raise(Signals::ACTIVITY);
         Self {
             shared,
             id,
@@ -166,7 +197,7 @@ impl Drop for InFlight {
         let now = self.shared.clock.now();
         self.shared
             .with(|r| r.connections.request_ended(self.id, now));
-        self.signals.activity.notify_one();
+        self.signals.raise(Signals::ACTIVITY);
     }
 }
 
@@ -263,7 +294,7 @@ pub async fn serve(
             ConnAdmission::Refused(by) => Err(by),
             ConnAdmission::Admitted { id, evict } => {
                 if let Some(victim) = evict.and_then(|v| r.signals.get(&v)) {
-                    victim.evict.notify_one();
+                    victim.raise(Signals::EVICT);
                 }
                 let signals = Arc::new(Signals::default());
                 r.signals.insert(id, signals.clone());
@@ -292,10 +323,15 @@ pub async fn serve(
             id,
             signals,
             shared.clone(),
-            stop.clone(),
         ));
     }
     drop(listener);
+    // Every open connection drains (a sender gone is a stop too).
+    shared.with(|r| {
+        for signals in r.signals.values() {
+            signals.raise(Signals::STOP);
+        }
+    });
     let open = tasks.len();
     let drained = tokio::time::timeout(limits.drain_timeout, async {
         while tasks.join_next().await.is_some() {}
@@ -326,7 +362,6 @@ async fn serve_connection(
     id: ConnId,
     signals: Arc<Signals>,
     shared: Arc<Shared>,
-    mut stop: watch::Receiver<bool>,
 ) {
     let (counted, counted_signals) = (shared.clone(), signals.clone());
     let service = TowerToHyperService::new(tower::service_fn(
@@ -349,39 +384,32 @@ async fn serve_connection(
     ));
     let conn = builder.serve_connection(TokioIo::new(tcp), service);
     tokio::pin!(conn);
+    // The core's deadline for the connection, kept across turns.
+    let mut timer = Timer::new();
     // `None`: the connection ended by itself.
-    let closed: Option<CloseReason> = loop {
+    let closed: Option<CloseReason> = 'conn: loop {
         // A request starting or ending wakes the task to ask again.
-        let (next, draining) = shared.with(|r| {
-            (
-                r.connections.poll_timeout(id),
-                r.connections.is_draining(id),
-            )
-        });
-        let deadline = async {
-            match next {
-                Some(at) => tokio::time::sleep_until(shared.clock.tokio(at)).await,
-                None => std::future::pending().await,
-            }
-        };
-        let step = tokio::select! {
+        let next = shared.with(|r| r.connections.poll_timeout(id));
+        timer.set(next.map(|at| shared.clock.tokio(at)));
+        let steps = tokio::select! {
             _ = conn.as_mut() => break None,
-            _ = signals.activity.notified() => ConnStep::Wait,
-            _ = signals.evict.notified() => {
-                shared.with(|r| r.connections.handle_eviction(id))
-            }
-            _ = stopped(&mut stop), if !draining => {
-                shared.with(|r| r.connections.handle_stop(id))
-            }
-            _ = deadline => {
+            raised = signals.raised() => [
+                (raised & Signals::EVICT != 0)
+                    .then(|| shared.with(|r| r.connections.handle_eviction(id))),
+                (raised & Signals::STOP != 0)
+                    .then(|| shared.with(|r| r.connections.handle_stop(id))),
+            ],
+            () = timer.fired() => {
                 let now = shared.clock.now();
-                shared.with(|r| r.connections.handle_timeout(id, now))
+                [Some(shared.with(|r| r.connections.handle_timeout(id, now))), None]
             }
         };
-        match step {
-            ConnStep::Wait => {}
-            ConnStep::Drain => conn.as_mut().graceful_shutdown(),
-            ConnStep::Close(reason) => break Some(reason),
+        for step in steps.into_iter().flatten() {
+            match step {
+                ConnStep::Wait => {}
+                ConnStep::Drain => conn.as_mut().graceful_shutdown(),
+                ConnStep::Close(reason) => break 'conn Some(reason),
+            }
         }
     };
     shared.with(|r| {
@@ -473,6 +501,24 @@ mod tests {
         drop(request);
         assert_eq!(deadline(), Some(shared.clock.now() + limits.idle_timeout));
         // Each change woke the connection's task.
-        signals.activity.notified().await;
+        assert_eq!(signals.raised().await, Signals::ACTIVITY);
+    }
+
+    #[tokio::test]
+    async fn a_raised_signal_wakes_the_connection_task_with_every_bit_once() {
+        let signals = Arc::new(Signals::default());
+        signals.raise(Signals::EVICT);
+        signals.raise(Signals::STOP);
+        assert_eq!(signals.raised().await, Signals::EVICT | Signals::STOP);
+        // Taken: nothing until raised again, and a raise wakes the task
+        // waiting for it.
+        let waiting = tokio::spawn({
+            let signals = signals.clone();
+            async move { signals.raised().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        signals.raise(Signals::ACTIVITY);
+        assert_eq!(waiting.await.unwrap(), Signals::ACTIVITY);
     }
 }

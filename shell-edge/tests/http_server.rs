@@ -1,7 +1,7 @@
 //! The client-facing HTTP server's limits: a client that never finishes its
 //! request head is dropped after `[edge] header_read_timeout_ms`, and a
 //! graceful shutdown lets an in-flight stream finish before the node links
-//! close.
+//! close, and closes an idle keep-alive connection at once.
 
 mod common;
 
@@ -79,8 +79,28 @@ async fn shutdown_lets_an_in_flight_stream_finish() {
             .await
             .unwrap();
         assert!(response.status().is_success());
+        // An idle keep-alive connection beside it: one request answered.
+        let mut idle = tokio::net::TcpStream::connect(edge.http_addr)
+            .await
+            .unwrap();
+        idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = [0u8; 1024];
+        let n = idle.read(&mut head).await.unwrap();
+        assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &head[..n]);
         // Shut down while the stream is in flight.
+        let started = tokio::time::Instant::now();
         let stopping = tokio::spawn(edge.shutdown());
+        // The idle connection closes at once, not at the drain timeout
+        // (2,000 ms in this profile) that ends what is still open.
+        let mut rest = Vec::new();
+        let _ = idle.read_to_end(&mut rest).await;
+        let idle_closed = started.elapsed();
+        assert!(
+            idle_closed < Duration::from_millis(1500),
+            "the idle connection closed after {idle_closed:?}"
+        );
         let body = response.text().await.unwrap();
         assert!(body.contains("tok9"), "the whole answer arrived: {body}");
         assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");

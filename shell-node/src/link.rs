@@ -136,7 +136,7 @@ pub async fn run(
     // The machine's timer and the stream accept are kept across turns:
     // rebuilt each turn, each would register and unregister its waker on
     // every turn of every request.
-    let mut timer = Timer::new(clock);
+    let mut timer = Timer::new();
     let mut accept = std::pin::pin!(conn.accept_bi());
     // A report waits a moment, gathering the runs that park meanwhile, so
     // the node's pace stays within the Edge's budget (R-LIM-4).
@@ -148,7 +148,7 @@ pub async fn run(
         if let Some(end) = ended.take() {
             break end;
         }
-        timer.set(link.machine.poll_timeout());
+        timer.set(link.machine.poll_timeout().map(|at| clock.to_tokio(at)));
         let ready = link.was_ready;
         if parked_news && ready && report_due.is_none() {
             parked_news = false;

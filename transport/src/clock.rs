@@ -45,44 +45,49 @@ impl Clock {
     }
 }
 
-/// A machine's timer kept across the turns of a task's `select!` loop.
+/// A timer kept across the turns of a task's `select!` loop.
 ///
-/// Each turn [`Timer::set`] aims it at the machine's next deadline and
-/// re-arms it only when that moved; [`Timer::fired`] is the branch. A fresh
-/// [`Clock::sleep_until`] each turn enters the runtime's timer wheel when
-/// first polled and leaves it when the turn drops it, on every turn of the
-/// loop, whether or not the deadline changed.
+/// Each turn [`Timer::set`] aims it at the loop's next deadline and re-arms
+/// it only when that moved; [`Timer::fired`] is the branch. A fresh
+/// `sleep_until` each turn enters the runtime's timer wheel when first
+/// polled and leaves it when the turn drops it, on every turn of the loop,
+/// whether or not the deadline changed.
 #[derive(Debug)]
 pub struct Timer {
-    clock: Clock,
-    at: Option<Instant>,
+    at: Option<tokio::time::Instant>,
     sleep: Pin<Box<tokio::time::Sleep>>,
 }
 
+impl Default for Timer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Timer {
-    /// A timer aimed nowhere: it never fires until [`Timer::set`].
-    pub fn new(clock: Clock) -> Self {
+    /// A timer aimed nowhere: it never fires until [`Timer::set`]. Made
+    /// inside a runtime.
+    pub fn new() -> Self {
         Self {
-            clock,
             at: None,
             // Not in the timer wheel until polled, and not polled unaimed.
-            sleep: Box::pin(tokio::time::sleep_until(clock.origin)),
+            sleep: Box::pin(tokio::time::sleep_until(tokio::time::Instant::now())),
         }
     }
 
     /// Aim at `at`, or nowhere for `None`; the same deadline again is free.
-    pub fn set(&mut self, at: Option<Instant>) {
+    pub fn set(&mut self, at: Option<tokio::time::Instant>) {
         if at == self.at {
             return;
         }
         if let Some(at) = at {
-            self.sleep.as_mut().reset(self.clock.to_tokio(at));
+            self.sleep.as_mut().reset(at);
         }
         self.at = at;
     }
 
     /// The deadline the timer is aimed at.
-    pub fn deadline(&self) -> Option<Instant> {
+    pub fn deadline(&self) -> Option<tokio::time::Instant> {
         self.at
     }
 
@@ -121,13 +126,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_kept_timer_fires_at_its_deadline_and_follows_a_moved_one() {
-        let clock = Clock::new();
-        let mut timer = Timer::new(clock);
+        let mut timer = Timer::new();
         // Aimed nowhere it never fires, however long the wait.
         tokio::time::advance(Duration::from_secs(3600)).await;
         assert!(!has_fired(&mut timer).await);
 
-        let start = clock.now();
+        let start = tokio::time::Instant::now();
         timer.set(Some(start + Duration::from_millis(10)));
         assert!(!has_fired(&mut timer).await);
         tokio::time::advance(Duration::from_millis(9)).await;
@@ -154,9 +158,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_kept_timer_wakes_its_waiting_task() {
-        let clock = Clock::new();
-        let mut timer = Timer::new(clock);
-        timer.set(Some(clock.now() + Duration::from_secs(5)));
+        let mut timer = Timer::new();
+        timer.set(Some(tokio::time::Instant::now() + Duration::from_secs(5)));
         let before = tokio::time::Instant::now();
         // With time paused, the runtime advances to the timer's deadline.
         timer.fired().await;
