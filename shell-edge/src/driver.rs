@@ -581,13 +581,14 @@ impl Driver {
             // burst. Bounded, so the client, the hub and the timer are
             // still heard between bursts; the same input, in the same
             // order, as the `select!` would give.
+            let now = clock.now();
             if ready_in_a_row < MAX_READY_FRAMES_IN_A_ROW
-                && deadline.is_none_or(|at| clock.now() < at)
+                && deadline.is_none_or(|at| now < at)
                 && let Some(frame) = self.ready_frame()
             {
                 ready_in_a_row += 1;
                 let input = self.frame_input(frame);
-                self.machine.handle_input(clock.now(), input);
+                self.machine.handle_input(now, input);
                 continue;
             }
             ready_in_a_row = 0;
@@ -748,7 +749,10 @@ impl Driver {
 
     /// Carry out the machine's outputs, in order.
     async fn carry_out(&mut self) {
-        while let Some(out) = self.machine.poll_output(self.ctx.clock.now()) {
+        // The outputs drained with no await between them are one moment:
+        // one clock reading for them, read again after an await.
+        let mut now = self.ctx.clock.now();
+        while let Some(out) = self.machine.poll_output(now) {
             match out {
                 RequestOutput::Journal(write) => match self.journal.as_ref() {
                     Some(journal) => {
@@ -761,7 +765,7 @@ impl Driver {
                         // publishes nothing unjournaled.
                         tracing::error!(event = "edge_driver_protocol_bug", output = "journal");
                         self.machine.handle_input(
-                            self.ctx.clock.now(),
+                            now,
                             RequestInput::Journaled(JournalAck::Refused(
                                 iop_core::journal::JournalError::Store("not durable".into()),
                             )),
@@ -775,7 +779,7 @@ impl Driver {
                     // order, behind any already queued for it.
                     for news in self.ctx.hub.request(command, &mut self.events) {
                         let input = self.news_input(news);
-                        self.machine.handle_input(self.ctx.clock.now(), input);
+                        self.machine.handle_input(now, input);
                     }
                 }
                 RequestOutput::Open {
@@ -792,6 +796,7 @@ impl Driver {
                             .send
                             .send(&RunStreamFrame::Ack { through_frame })
                             .await;
+                        now = self.ctx.clock.now();
                     }
                 }
                 RequestOutput::CloseAttempt => {
@@ -803,7 +808,10 @@ impl Driver {
                         let _ = stream.recv.stop(StreamErrorCode::Canceled);
                     }
                 }
-                RequestOutput::Deliver(delivery) => self.deliver(delivery).await,
+                RequestOutput::Deliver(delivery) => {
+                    self.deliver(delivery).await;
+                    now = self.ctx.clock.now();
+                }
                 RequestOutput::Observe(observation) => self.observe(observation),
                 RequestOutput::ReserveAttempt {
                     extra_input_tokens_max,
@@ -820,7 +828,7 @@ impl Driver {
                         Ok(()) => RequestInput::AttemptReserved,
                         Err(refusal) => RequestInput::AttemptRefused(refusal),
                     };
-                    self.machine.handle_input(self.ctx.clock.now(), input);
+                    self.machine.handle_input(now, input);
                 }
             }
         }

@@ -856,7 +856,9 @@ impl Hub {
         // Connections fenced in this batch; their link and peer entries go
         // once every output (a close order among them) was carried out.
         let mut fenced = Vec::new();
-        while let Some(out) = self.dispatcher.poll_output(self.clock.now()) {
+        // One synchronous drain under the lock: one moment, one reading.
+        let now = self.clock.now();
+        while let Some(out) = self.dispatcher.poll_output(now) {
             match out {
                 DispatchOutput::CloseConnection {
                     node,
@@ -952,7 +954,7 @@ impl Hub {
                     };
                     for offer in unclaimed.into_iter().flatten() {
                         self.dispatcher.handle_input(
-                            self.clock.now(),
+                            now,
                             DispatchInput::ReleaseParked {
                                 node: offer.node,
                                 key: offer.run.key,
