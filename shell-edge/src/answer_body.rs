@@ -4,7 +4,8 @@
 //! One writer for both, so they frame alike: the API's encoder renders each
 //! run event; deliveries already waiting share one chunk (bounded by
 //! [`MAX_DELIVERIES_PER_CHUNK`] and [`MAX_CHUNK_BYTES`]); a silent SSE
-//! stream gets a keep-alive comment every [`framing::SSE_KEEP_ALIVE_INTERVAL`];
+//! stream gets a keep-alive comment after each `edge.sse_keep_alive_ms` of
+//! silence;
 //! the terminal is the encoder's closing, interruption or in-stream failure
 //! (R-GATE-3), and the request's record counts the bytes and the outcome. A
 //! journal answer's SSE events are numbered with `id:` lines
@@ -106,6 +107,8 @@ struct AnswerBody<A, S> {
     pending: Vec<u8>,
     /// The answer ended; nothing follows `pending`.
     done: bool,
+    /// Longest silence before a keep-alive comment (SSE only).
+    keep_alive: std::time::Duration,
     /// When a silent SSE stream gets its keep-alive comment.
     keep_alive_at: tokio::time::Instant,
 }
@@ -154,8 +157,7 @@ impl<A: AnswerSource, S: AnswerStream> AnswerBody<A, S> {
                             // From now, as axum's keep-alive: a body not
                             // polled for a while gets one comment, not a
                             // burst of them.
-                            self.keep_alive_at =
-                                tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL;
+                            self.keep_alive_at = tokio::time::Instant::now() + self.keep_alive;
                             return Some(Bytes::from_static(comment));
                         }
                     }
@@ -198,7 +200,7 @@ impl<A: AnswerSource, S: AnswerStream> AnswerBody<A, S> {
             if chunk.is_empty() {
                 continue;
             }
-            self.keep_alive_at = tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL;
+            self.keep_alive_at = tokio::time::Instant::now() + self.keep_alive;
             self.record.relayed_bytes += chunk.len() as u64;
             return Some(Bytes::from(chunk));
         }
@@ -207,11 +209,13 @@ impl<A: AnswerSource, S: AnswerStream> AnswerBody<A, S> {
 
 /// The body of a streamed answer until its terminal: the encoder's opening
 /// frames go with the first step's. `numbering` numbers a journal answer's
-/// SSE events (and leaves out those a resuming client has).
+/// SSE events (and leaves out those a resuming client has); a silent SSE
+/// stream gets the encoder's keep-alive after each `keep_alive`.
 pub(crate) fn answer_body<A: AnswerSource, S: AnswerStream>(
     source: A,
     mut encoder: S,
     numbering: Option<framing::SseNumbering>,
+    keep_alive: std::time::Duration,
     record: RequestRecord,
 ) -> BoxStream<'static, Bytes> {
     let mut pending = Vec::with_capacity(MIN_CHUNK_CAPACITY);
@@ -223,7 +227,8 @@ pub(crate) fn answer_body<A: AnswerSource, S: AnswerStream>(
         record,
         pending,
         done: false,
-        keep_alive_at: tokio::time::Instant::now() + framing::SSE_KEEP_ALIVE_INTERVAL,
+        keep_alive,
+        keep_alive_at: tokio::time::Instant::now() + keep_alive,
     };
     futures::stream::unfold(body, |mut body| async move {
         let chunk = body.next_chunk().await?;
@@ -271,6 +276,9 @@ mod tests {
     use crate::api::ollama::OllamaStream;
     use crate::metrics::EdgeMetrics;
 
+    /// The default `edge.sse_keep_alive_ms`.
+    const INTERVAL: std::time::Duration = std::time::Duration::from_secs(15);
+
     fn record() -> RequestRecord {
         RequestRecord::unobserved(
             EdgeMetrics::new(MetricsPipeline::prometheus_only("iop-edge")),
@@ -288,7 +296,7 @@ mod tests {
         for _ in 0..MAX_DELIVERIES_PER_CHUNK + 3 {
             tx.send(text("x")).await.unwrap();
         }
-        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, record());
+        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, INTERVAL, record());
         let first = body.next().await.unwrap();
         // The role chunk, then one chunk per delivery taken.
         assert_eq!(parse_sse(&first).len(), 1 + MAX_DELIVERIES_PER_CHUNK);
@@ -313,7 +321,7 @@ mod tests {
         for _ in 0..3 {
             tx.send(text(&big)).await.unwrap();
         }
-        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, record());
+        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, INTERVAL, record());
         let first = body.next().await.unwrap();
         assert!(first.len() > MAX_CHUNK_BYTES);
         assert_eq!(
@@ -328,37 +336,43 @@ mod tests {
     async fn a_silent_sse_stream_gets_a_keep_alive_comment_each_interval() {
         let (tx, rx) = mpsc::channel(8);
         let start = tokio::time::Instant::now();
-        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, record());
+        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, INTERVAL, record());
         assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
-        assert_eq!(start.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
+        assert_eq!(start.elapsed(), INTERVAL);
         tx.send(text("x")).await.unwrap();
         assert_eq!(parse_sse(&body.next().await.unwrap()).len(), 2);
         // The interval counts from the last chunk sent.
-        tokio::time::advance(framing::SSE_KEEP_ALIVE_INTERVAL / 2).await;
+        tokio::time::advance(INTERVAL / 2).await;
         tx.send(text("y")).await.unwrap();
         assert_eq!(parse_sse(&body.next().await.unwrap()).len(), 1);
         let sent = tokio::time::Instant::now();
         assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
-        assert_eq!(sent.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
+        assert_eq!(sent.elapsed(), INTERVAL);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_body_polled_late_gets_one_keep_alive_comment_not_a_burst() {
         let (_tx, rx) = mpsc::channel::<Delivery>(8);
-        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, record());
+        let mut body = answer_body(rx, ChatStream::new("c", "m", 1), None, INTERVAL, record());
         // The client reads nothing for four intervals.
-        tokio::time::advance(4 * framing::SSE_KEEP_ALIVE_INTERVAL).await;
+        tokio::time::advance(4 * INTERVAL).await;
         assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
         let sent = tokio::time::Instant::now();
         assert_eq!(&body.next().await.unwrap()[..], framing::SSE_KEEP_ALIVE);
-        assert_eq!(sent.elapsed(), framing::SSE_KEEP_ALIVE_INTERVAL);
+        assert_eq!(sent.elapsed(), INTERVAL);
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_ndjson_stream_has_no_keep_alive() {
         let (_tx, rx) = mpsc::channel(8);
-        let mut body = answer_body(rx, OllamaStream::new("m", RunApi::Chat, 0), None, record());
-        let silent = tokio::time::timeout(10 * framing::SSE_KEEP_ALIVE_INTERVAL, body.next()).await;
+        let mut body = answer_body(
+            rx,
+            OllamaStream::new("m", RunApi::Chat, 0),
+            None,
+            INTERVAL,
+            record(),
+        );
+        let silent = tokio::time::timeout(10 * INTERVAL, body.next()).await;
         assert!(silent.is_err(), "nothing is sent on a silent NDJSON stream");
     }
 
@@ -371,7 +385,13 @@ mod tests {
         .await
         .unwrap();
         drop(tx);
-        let mut body = answer_body(rx, OllamaStream::new("m", RunApi::Chat, 0), None, record());
+        let mut body = answer_body(
+            rx,
+            OllamaStream::new("m", RunApi::Chat, 0),
+            None,
+            INTERVAL,
+            record(),
+        );
         assert!(body.next().await.is_none());
     }
 
@@ -411,7 +431,13 @@ mod tests {
             ]))
         };
         let whole = |numbering| async move {
-            let body = answer_body(steps(), ChatStream::new("c", "m", 1), numbering, record());
+            let body = answer_body(
+                steps(),
+                ChatStream::new("c", "m", 1),
+                numbering,
+                INTERVAL,
+                record(),
+            );
             body.collect::<Vec<_>>().await.concat()
         };
         let first = whole(Some(framing::SseNumbering::after(None))).await;
@@ -436,7 +462,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(8);
         tx.send(text("x")).await.unwrap();
         tx.send(Delivery::Finish).await.unwrap();
-        let body = answer_body(rx, ChatStream::new("c", "m", 1), None, record());
+        let body = answer_body(rx, ChatStream::new("c", "m", 1), None, INTERVAL, record());
         let body = body.collect::<Vec<_>>().await.concat();
         assert!(ids(&body).is_empty());
         assert_eq!(parse_sse(&body).last().unwrap().1, "[DONE]");

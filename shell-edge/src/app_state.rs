@@ -91,6 +91,7 @@ impl AppState {
                 next_request_id: Arc::new(AtomicU64::new(1)),
                 budget: config.admission.gate_budget(),
                 client_write_timeout: Duration::from_millis(config.edge.client_write_timeout_ms),
+                sse_keep_alive: Duration::from_millis(config.edge.sse_keep_alive_ms),
                 metrics: metrics.clone(),
                 modes: Arc::new(modes),
                 observe,

@@ -107,6 +107,8 @@ pub struct DriverContext {
     /// before the request counts as abandoned (R-LIM-4: a slow reader pins
     /// no lease).
     pub client_write_timeout: Duration,
+    /// Longest silence on an SSE answer before a keep-alive comment.
+    pub sse_keep_alive: Duration,
     /// Provider id -> transport mode.
     pub modes: Arc<std::collections::HashMap<ProviderId, ProviderMode>>,
     /// Observations for metrics.

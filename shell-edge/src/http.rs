@@ -412,6 +412,7 @@ async fn run_admitted<E: RunEndpoint>(
             rx.into_receiver(),
             endpoint.stream(start, options),
             None,
+            state.driver_context().sse_keep_alive,
             record,
         ))
     } else {

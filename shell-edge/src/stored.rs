@@ -764,6 +764,7 @@ fn follow_body<S: AnswerStream>(
             JournalAnswer { follower, first },
             encoder,
             numbering,
+            state.driver_context().sse_keep_alive,
             record,
         ),
         state.driver_context().client_write_timeout,

@@ -25,6 +25,11 @@ impl Deployment {
     /// One node per mock, each serving provider `p<i>` on node `node-<i>`,
     /// all in one pool for model `m` (and `mock`).
     async fn start(scripts: Vec<MockScript>, extra_edge: &str) -> Self {
+        Self::start_with(scripts, "", extra_edge).await
+    }
+
+    /// [`Deployment::start`] with `edge_lines` added to the `[edge]` section.
+    async fn start_with(scripts: Vec<MockScript>, edge_lines: &str, extra_edge: &str) -> Self {
         let ids: Vec<String> = (1..=scripts.len()).map(|i| format!("node-{i}")).collect();
         let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
         let pki = Pki::new(&id_refs);
@@ -46,7 +51,7 @@ impl Deployment {
              [[api_keys]]\nprincipal = \"tester\"\nkey_file = \"key\"\nadmin = true\n{extra_edge}",
             pool = pool.join(", ")
         );
-        let edge = RunningEdge::start(edge_config(&pki, 0, &edge_extra))
+        let edge = RunningEdge::start(edge_config_with(&pki, 0, edge_lines, &edge_extra))
             .await
             .expect("edge");
         let mut nodes = Vec::new();
@@ -630,7 +635,10 @@ async fn official_openai_python_sdk_end_to_end() {
         }
     };
     bounded(async {
-        let d = Deployment::start(vec![MockScript::default()], "").await;
+        // Keep-alive comments every 50 ms fall between the slow streams'
+        // tokens (200 ms apart).
+        let d =
+            Deployment::start_with(vec![MockScript::default()], "sse_keep_alive_ms = 50", "").await;
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/openai_sdk_e2e.py");
         let out = tokio::process::Command::new(&python)
             .arg(script)

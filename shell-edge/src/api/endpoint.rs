@@ -164,7 +164,7 @@ pub struct AnswerStart {
 /// frames (SSE events, NDJSON lines) into the body bytes due at one moment
 /// (see [`framing`]).
 pub trait AnswerStream: Send + 'static {
-    /// The comment sent after [`framing::SSE_KEEP_ALIVE_INTERVAL`] of
+    /// The keep-alive sent after `edge.sse_keep_alive_ms` of
     /// silence, if this API's stream has one.
     const KEEP_ALIVE: Option<&'static [u8]> = None;
     /// Append the frames due before the first event.

@@ -7,16 +7,17 @@
 //! no JSON tree, no per-frame buffer. Payloads are compact JSON, which never
 //! contains a line break, so each SSE payload is exactly one `data:` line.
 
-use std::time::Duration;
-
 use serde::Serialize;
 
 /// The SSE keep-alive comment, sent when a stream was silent for
-/// [`SSE_KEEP_ALIVE_INTERVAL`] (what axum's default `KeepAlive` sends).
-pub const SSE_KEEP_ALIVE: &[u8] = b":\n\n";
-
-/// Longest silence on an SSE stream before a [`SSE_KEEP_ALIVE`] comment.
-pub const SSE_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(15);
+/// `edge.sse_keep_alive_ms`: a comment line alone, with no blank line after
+/// it. A blank line ends an event, and a client that keeps the last event
+/// id across events (as the SSE specification says; the official OpenAI
+/// SDK does) takes a blank line after an `id:` was seen as an event with
+/// empty data, which it then fails to parse as JSON. A comment line alone
+/// dispatches nothing in any parser and still moves bytes, which is all a
+/// keep-alive is for.
+pub const SSE_KEEP_ALIVE: &[u8] = b":\n";
 
 /// Append one SSE event, `[event: NAME\n]data: PAYLOAD\n\n`, to `out`;
 /// `payload` writes the one-line payload.

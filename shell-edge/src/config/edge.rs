@@ -49,6 +49,12 @@ pub struct EdgeSection {
     /// request's lease released (R-LIM-4).
     #[serde(default = "default_client_write_timeout_ms")]
     pub client_write_timeout_ms: u64,
+    /// Longest silence on a streamed SSE answer (OpenAI and Anthropic
+    /// APIs) before the Edge sends a keep-alive (a comment line; a `ping`
+    /// event on the Messages API), so proxies and clients with read
+    /// timeouts keep a parked or slow stream open.
+    #[serde(default = "default_sse_keep_alive_ms")]
+    pub sse_keep_alive_ms: u64,
     /// From accept to the first complete request head: first byte,
     /// HTTP/1-or-2 detection and headers (R-LIM-1).
     #[serde(default = "default_first_request_timeout_ms")]
@@ -193,6 +199,9 @@ fn default_drain_timeout_ms() -> u64 {
 fn default_client_write_timeout_ms() -> u64 {
     30_000
 }
+fn default_sse_keep_alive_ms() -> u64 {
+    15_000
+}
 
 impl EdgeSection {
     /// The limits of `[edge]`: the first field that is wrong, if any.
@@ -244,6 +253,7 @@ fn validate_client_limits(e: &EdgeSection) -> Result<(), ConfigError> {
         ("edge.idle_timeout_ms", e.idle_timeout_ms),
         ("edge.max_connection_age_ms", e.max_connection_age_ms),
         ("edge.body_read_timeout_ms", e.body_read_timeout_ms),
+        ("edge.sse_keep_alive_ms", e.sse_keep_alive_ms),
     ] {
         if value == 0 {
             return Err(field_err(field, "must be > 0"));
@@ -351,6 +361,7 @@ mod tests {
             ("idle_timeout_ms = 0", "edge.idle_timeout_ms"),
             ("max_connection_age_ms = 0", "edge.max_connection_age_ms"),
             ("body_read_timeout_ms = 0", "edge.body_read_timeout_ms"),
+            ("sse_keep_alive_ms = 0", "edge.sse_keep_alive_ms"),
             (
                 "max_connections_per_source = 0",
                 "edge.max_connections_per_source",

@@ -2,6 +2,10 @@
 
 Usage: openai_sdk_e2e.py BASE_URL API_KEY
 
+The Edge is expected to run with a short `edge.sse_keep_alive_ms` (well
+under the 200 ms between the slow streams' tokens), so its keep-alive
+comments fall between numbered events.
+
 Exits non-zero (with a message) on the first failed expectation.
 """
 
@@ -133,6 +137,7 @@ def main() -> None:
     check(again.output_text, "responses: reasoning item passed back")
 
     durable_responses(client)
+    keep_alives_between_numbered_events(client)
 
     # Errors come back typed.
     try:
@@ -193,6 +198,39 @@ def durable_responses(client) -> None:
         extra_headers={"Idempotency-Key": "sdk-e2e-1"})
     check(second.headers.get("idempotent-replayed") == "true", "durable: replayed header")
     check(second.parse().id == first.id, "durable: the same completion")
+
+
+def keep_alives_between_numbered_events(client) -> None:
+    """Keep-alive comments on durable streams (SSE `id:` lines) do not
+    break the SDK: a blank line after a comment would be an event with
+    empty data to a decoder that keeps the last event id, as the SDK's."""
+    slow = "mock:tokens=4,tps=5"
+    # The raw stream first: the case is really there.
+    with client.chat.completions.with_streaming_response.create(
+            model=slow, messages=[{"role": "user", "content": "slow"}], stream=True,
+            extra_headers={"Idempotency-Key": "sdk-keep-alive-raw"}) as r:
+        check(r.status_code == 200, f"keep-alive: raw status {r.status_code}")
+        lines = list(r.iter_lines())
+    comments = [i for i, line in enumerate(lines) if line.startswith(":")]
+    ids = [line for line in lines if line.startswith("id:")]
+    check(comments and ids, f"keep-alive: comments between numbered events {lines}")
+    check(all(lines[i + 1] != "" for i in comments if i + 1 < len(lines)),
+          f"keep-alive: no blank line after a comment {lines}")
+
+    # The SDK reads the same kind of stream to its end.
+    text, finish = "", None
+    stream = client.chat.completions.create(
+        model=slow, messages=[{"role": "user", "content": "slow"}], stream=True,
+        extra_headers={"Idempotency-Key": "sdk-keep-alive-chat"})
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    check(text.count("tok") == 4 and finish == "stop", f"keep-alive: chat stream {text!r} {finish}")
+    events = list(client.responses.create(model=slow, input="slow", stream=True))
+    check(events[-1].type == "response.completed", f"keep-alive: responses stream {events[-1].type}")
+    check(events[-1].response.output_text.count("tok") == 4,
+          f"keep-alive: responses text {events[-1].response.output_text!r}")
 
 
 if __name__ == "__main__":
