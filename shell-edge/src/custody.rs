@@ -20,6 +20,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use crate::hub::NodeReport;
 use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -174,7 +175,7 @@ impl CustodyTask {
     /// each run to start goes to `start`.
     pub async fn run(
         mut self,
-        mut parked: mpsc::UnboundedReceiver<Vec<ParkedOffer>>,
+        mut parked: mpsc::UnboundedReceiver<NodeReport>,
         mut start: impl FnMut(Start),
     ) {
         let mut parked_open = true;
@@ -189,12 +190,13 @@ impl CustodyTask {
                     self.custody
                         .handle_input(self.clock.now(), CustodyInput::Store(answered.answer));
                 }
-                offers = parked.recv(), if parked_open => match offers {
-                    Some(offers) => {
+                report = parked.recv(), if parked_open => match report {
+                    Some(NodeReport::Offers(offers)) => {
                         for offer in offers {
                             self.offer(offer, &mut start).await;
                         }
                     }
+                    Some(NodeReport::Kept(kept)) => self.durable.tell_kept(&kept),
                     None => parked_open = false,
                 },
                 () = self.clock.sleep_until(timer) => {

@@ -651,6 +651,7 @@ impl Driver {
                         }
                         RequestInput::ParkedRun(offer)
                     }
+                    Some(crate::durable::LiveCommand::Kept(kept)) => RequestInput::KeptRuns(kept),
                     None => {
                         // No report reaches it any more.
                         self.commands = None;

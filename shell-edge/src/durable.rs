@@ -394,6 +394,8 @@ pub const MAX_RECENT_RESPONSES: usize = 20;
 pub enum LiveCommand {
     /// Its node reported its run parked (R-PARK-2).
     Parked(iop_core::edge::dispatch::ParkedOffer),
+    /// A node registered and named the runs it keeps (R-PARK-2).
+    Kept(Arc<iop_core::edge::dispatch::KeptRuns>),
 }
 
 /// How other tasks reach a run this Edge writes.
@@ -571,6 +573,26 @@ impl Durable {
         // The map's entries are inserted and removed whole: a panic while
         // holding the lock leaves it consistent.
         self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tell every run this Edge writes which runs a registering node keeps
+    /// (R-PARK-2): the one whose run that node lost stops waiting for it.
+    /// A run whose commands are full misses it and waits out its park
+    /// grace, as without the report.
+    pub(crate) fn tell_kept(&self, kept: &Arc<iop_core::edge::dispatch::KeptRuns>) {
+        let mut missed = 0usize;
+        for handle in self.live().values() {
+            if handle
+                .commands
+                .try_send(LiveCommand::Kept(kept.clone()))
+                .is_err_and(|e| matches!(e, mpsc::error::TrySendError::Full(_)))
+            {
+                missed += 1;
+            }
+        }
+        if missed > 0 {
+            tracing::info!(event = "edge_kept_runs_not_told", node = %kept.node, runs = missed);
+        }
     }
 
     /// Register the run of `response_id` as written by this Edge: its

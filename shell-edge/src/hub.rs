@@ -19,8 +19,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use iop_core::edge::admission::{PreSend, RequestId};
 use iop_core::edge::dispatch::{
-    CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, ParkedOffer, ProbeAnswer,
-    RequestCommand, RequestEvent,
+    CapabilityVerdict, DispatchConfig, DispatchInput, DispatchOutput, KeptRuns, ParkedOffer,
+    ProbeAnswer, RequestCommand, RequestEvent,
 };
 use iop_core::edge::health::ProbeTicket;
 use iop_core::edge::registry::{RejectCause, Rejection};
@@ -38,6 +38,26 @@ use iop_core::edge::overlay::{EvidenceOutcome, RecoveryOutcome};
 use iop_transport::clock::Clock;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What nodes report about their durable runs (R-PARK-2), for the task
+/// that hands them to this Edge's requests and its custody.
+#[derive(Debug)]
+pub enum NodeReport {
+    /// Parked runs to adopt.
+    Offers(Vec<ParkedOffer>),
+    /// The runs a registering node keeps, and so the ones it lost.
+    Kept(Arc<KeptRuns>),
+}
+
+impl NodeReport {
+    /// The offers a report carries (none for [`NodeReport::Kept`]).
+    pub fn into_offers(self) -> Vec<ParkedOffer> {
+        match self {
+            NodeReport::Offers(offers) => offers,
+            NodeReport::Kept(_) => Vec::new(),
+        }
+    }
+}
 
 /// What a connection task is told to do.
 #[derive(Debug)]
@@ -200,7 +220,7 @@ enum HubMsg {
         key: iop_wire::RunKey,
     },
     CancelParked(ParkedOffer),
-    ParkedSink(mpsc::UnboundedSender<Vec<ParkedOffer>>),
+    ParkedSink(mpsc::UnboundedSender<NodeReport>),
     Parked {
         node: NodeId,
         generation: Generation,
@@ -378,9 +398,10 @@ impl HubHandle {
         self.ask(|reply| HubMsg::Link { node, reply }).await
     }
 
-    /// Parked runs nodes report (R-PARK-2) go to the returned receiver from
-    /// now on; without one they are let go at once.
-    pub fn parked_runs(&self) -> mpsc::UnboundedReceiver<Vec<ParkedOffer>> {
+    /// Parked runs nodes report, and the runs each registration says its
+    /// node keeps (R-PARK-2), go to the returned receiver from now on;
+    /// without one, reported runs are let go at once.
+    pub fn parked_runs(&self) -> mpsc::UnboundedReceiver<NodeReport> {
         let (tx, rx) = mpsc::unbounded_channel();
         let _ = self.tx.send(HubMsg::ParkedSink(tx));
         rx
@@ -457,7 +478,7 @@ struct Hub {
     metrics: Arc<EdgeMetrics>,
     catalog: Arc<crate::catalog::ModelCatalog>,
     /// Where parked runs nodes report go to be adopted (R-PARK-2).
-    parked: Option<mpsc::UnboundedSender<Vec<ParkedOffer>>>,
+    parked: Option<mpsc::UnboundedSender<NodeReport>>,
 }
 
 /// Start the hub task. With `trace`, every dispatcher input and output is
@@ -949,10 +970,12 @@ impl Hub {
                         runs = runs.len()
                     );
                     let unclaimed = match &self.parked {
-                        Some(tx) => tx.send(runs).err().map(|e| e.0),
-                        None => Some(runs),
+                        Some(tx) => tx
+                            .send(NodeReport::Offers(runs))
+                            .map_or_else(|e| e.0.into_offers(), |()| Vec::new()),
+                        None => runs,
                     };
-                    for offer in unclaimed.into_iter().flatten() {
+                    for offer in unclaimed {
                         self.dispatcher.handle_input(
                             now,
                             DispatchInput::ReleaseParked {
@@ -960,6 +983,13 @@ impl Hub {
                                 key: offer.run.key,
                             },
                         );
+                    }
+                }
+                // Every durable request of this Edge hears it; the one
+                // whose run the node no longer has stops waiting for it.
+                DispatchOutput::KeptRuns(kept) => {
+                    if let Some(tx) = &self.parked {
+                        let _ = tx.send(NodeReport::Kept(kept));
                     }
                 }
                 DispatchOutput::Health(event) => {

@@ -103,10 +103,14 @@ impl Deployment {
     }
 }
 
-/// `(id, event name, data)` of each SSE event of a body.
+/// `(id, event name, data)` of each SSE event of a body (comment lines,
+/// the keep-alives, are no part of any event).
 fn sse(body: &str) -> Vec<(Option<u64>, String, Value)> {
     body.split("\n\n")
-        .filter(|e| !e.trim().is_empty() && !e.starts_with(':'))
+        .filter(|e| {
+            e.lines()
+                .any(|l| !l.trim().is_empty() && !l.starts_with(':'))
+        })
         .map(|event| {
             let mut id = None;
             let mut name = String::new();
@@ -623,6 +627,74 @@ async fn r_park_2_a_durable_stream_goes_on_when_its_node_connection_is_lost_and_
         let snap = wait_for(&d.edge, "idle", |s| s.leases_in_use == 0).await;
         assert!(snap.providers.iter().all(|p| p.in_use == 0), "{snap:?}");
         d.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn r_park_2_a_node_back_without_the_run_ends_its_wait_before_the_grace() {
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        let script = MockScript {
+            tokens: 600,
+            tokens_per_second: 100.0,
+            ..MockScript::default()
+        };
+        // A grace far longer than the answer below takes.
+        let grace = std::time::Duration::from_secs(45);
+        let journal = format!("[journal]\npark_grace_ms = {}\n", grace.as_millis());
+        let d = Deployment::start(&pki, script, &journal).await;
+        let mut r = reqwest::Client::new()
+            .post(d.url("/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .header("idempotency-key", "node-back-without-it")
+            .body(
+                json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]})
+                    .to_string(),
+            )
+            .send()
+            .await
+            .unwrap();
+        let mut body = String::new();
+        while !body.contains("tok5") {
+            let chunk = r.chunk().await.unwrap().expect("stream open");
+            body.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        // The node dies with its runs (no goodbye) and comes back under
+        // its id: its registration names no run, so the Edge's request
+        // stops waiting for its run at once (R-PARK-2), not after the
+        // grace, and ends in the stream (the route does not continue).
+        let Deployment { edge, node, mock } = d;
+        let (old, _) = edge.hub.link("node-1".into()).await.unwrap().unwrap();
+        node.abort();
+        let lost = tokio::time::Instant::now();
+        let node = start_node(
+            &pki,
+            "node-1",
+            edge.quic_addr,
+            &format!(
+                "[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{}\"\n",
+                mock.base_url()
+            ),
+        );
+        while let Some(chunk) = r.chunk().await.unwrap() {
+            body.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let waited = lost.elapsed();
+        assert!(
+            waited < grace / 3,
+            "the wait ended {waited:?} after the node came back, not at the grace"
+        );
+        let (now, _) = edge.hub.link("node-1".into()).await.unwrap().unwrap();
+        assert!(now > old, "the node registered again");
+        let events = sse(&body);
+        let last = &events.last().expect("events").2;
+        assert_eq!(last["error"]["code"], "transport_closed", "{body}");
+        assert_eq!(mock.requests(), 1, "the prompt was not sent again");
+        let snap = wait_for(&edge, "idle", |s| s.leases_in_use == 0).await;
+        assert!(snap.providers.iter().all(|p| p.in_use == 0), "{snap:?}");
+        Deployment { edge, node, mock }.shutdown().await;
     })
     .await;
 }

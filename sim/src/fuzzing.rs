@@ -401,7 +401,8 @@ fn carry(d: &mut Dispatcher, m: &mut DispatchModel, out: DispatchOutput) {
         | DispatchOutput::StallEvidence { .. }
         | DispatchOutput::Capability(_)
         | DispatchOutput::Health(_)
-        | DispatchOutput::ParkedRuns { .. } => {}
+        | DispatchOutput::ParkedRuns { .. }
+        | DispatchOutput::KeptRuns(_) => {}
     }
 }
 

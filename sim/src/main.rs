@@ -310,9 +310,10 @@ fn real_main() -> Result<ExitCode, String> {
             }
             if s.runs_parked > 0 || s.parked_reported > 0 {
                 println!(
-                    "parked runs: {} parked, {} reported, {} adoptions sent ({} accepted, {} refused), {} taken over by adoption, {} expired, {} died with their node, {} offers let go, {} provider reads put off",
+                    "parked runs: {} parked, {} reported, {} waits ended as their node came back without them, {} adoptions sent ({} accepted, {} refused), {} taken over by adoption, {} expired, {} died with their node, {} offers let go, {} provider reads put off",
                     s.runs_parked,
                     s.parked_reported,
+                    s.parks_ended_not_kept,
                     s.adoptions_sent,
                     s.node_adoptions,
                     s.adoptions_refused,

@@ -330,6 +330,8 @@ pub struct Stats {
     pub durable_runs_crashed: u64,
     /// Parked runs a node reported at registration and the dispatcher held (R-PARK-2).
     pub parked_reported: u64,
+    /// Park waits ended at once because their node registered again without the run (R-PARK-2), not at the grace's end.
+    pub parks_ended_not_kept: u64,
     /// Adoptions sent to a node (R-PARK-2).
     pub adoptions_sent: u64,
     /// Adoptions a node accepted: the run replayed after the resume point and went on live.
@@ -449,6 +451,7 @@ impl Stats {
         self.parked_released += o.parked_released;
         self.durable_runs_crashed += o.durable_runs_crashed;
         self.parked_reported += o.parked_reported;
+        self.parks_ended_not_kept += o.parks_ended_not_kept;
         self.adoptions_sent += o.adoptions_sent;
         self.node_adoptions += o.node_adoptions;
         self.adoptions_refused += o.adoptions_refused;
@@ -744,6 +747,12 @@ enum Event {
     ParkedOffers {
         incarnation: u64,
         offers: Vec<iop_core::edge::dispatch::ParkedOffer>,
+    },
+    /// The runs a registering node keeps reach the Edge's durable
+    /// requests (R-PARK-2).
+    KeptRuns {
+        incarnation: u64,
+        kept: std::sync::Arc<iop_core::edge::dispatch::KeptRuns>,
     },
     /// The timeout of an Edge's custody (R-TAKE-1): its next scan, or a
     /// takeover that reads again (`at`: the timeout it was armed for).
@@ -1614,6 +1623,7 @@ impl World {
                 incarnation,
                 offers,
             } => self.parked_offers(incarnation, offers),
+            Event::KeptRuns { incarnation, kept } => self.kept_runs(incarnation, &kept),
             Event::CustodyTimeout { incarnation, at } => self.custody_wake(incarnation, at),
             Event::NodeThaw { node, since } => self.thaw_node(node, since),
             Event::Tenant(event) => self.tenant_event(*event),
@@ -1649,6 +1659,7 @@ impl World {
             | Event::ClientCancel { incarnation, .. }
             | Event::FollowerLeave { incarnation, .. }
             | Event::ParkedOffers { incarnation, .. }
+            | Event::KeptRuns { incarnation, .. }
             | Event::CustodyTimeout { incarnation, .. }
             | Event::LeaseRenew { incarnation } => self.slot_of(*incarnation),
             Event::JournalAnswer { writer, .. } => self.slot_of(writer.incarnation()),
@@ -2312,6 +2323,14 @@ impl World {
                                 offers: runs,
                             },
                         );
+                    }
+                }
+                // R-PARK-2: the adoption task tells every durable request
+                // (a hop later).
+                DispatchOutput::KeptRuns(kept) => {
+                    if let Some(incarnation) = self.edges[self.cur].as_ref().map(|e| e.incarnation)
+                    {
+                        self.schedule(self.now, Event::KeptRuns { incarnation, kept });
                     }
                 }
                 DispatchOutput::StallEvidence { outcome, .. } => match outcome {

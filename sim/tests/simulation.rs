@@ -182,6 +182,8 @@ fn ci_swarm_of_1000_seeds_holds_every_invariant() {
     );
     assert!(t.runs_parked > 0 && t.node_adoptions > 0, "{t:?}");
     assert!(t.takeover_adoptions > 0 && t.park_expired > 0, "{t:?}");
+    // A node back without its runs ends their waits at once (R-PARK-2).
+    assert!(t.parks_ended_not_kept > 0, "{t:?}");
     assert!(t.node_freezes > 0 && t.freeze_losses > 0, "{t:?}");
     assert!(t.provider_5xx > 0, "{t:?}");
     // Several Edges: leases renewed, a dead Edge's records taken over by a

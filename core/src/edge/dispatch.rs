@@ -221,6 +221,11 @@ pub enum DispatchOutput {
         /// The runs and their providers.
         runs: Vec<ParkedOffer>,
     },
+    /// A node registered and named the runs it keeps (R-PARK-2): every
+    /// durable request of this Edge hears it, and one whose run the node
+    /// no longer has ends its wait for it at once. Emitted after the
+    /// earlier generation's fencing, and only when the report is whole.
+    KeptRuns(std::sync::Arc<KeptRuns>),
     /// Persist the generation mark `mark` (R-GEN-1 across restarts), off
     /// the task that serves every registration, then answer with
     /// [`DispatchInput::GenerationMarkSaved`]. Generations above the
@@ -242,6 +247,56 @@ pub struct ParkedOffer {
     /// together, so no node's report can take or let go another's
     /// (R-PARK-2).
     pub node: NodeId,
+}
+
+/// The durable runs a node keeps, as its registration named them: a
+/// registration names every run not over on the node (R-PARK-2), those
+/// attached to a connection going away too. A run of this Edge on that
+/// node, lost or parked on an earlier generation and not named, is gone
+/// (the node restarted, or its grace ended there): its request need not
+/// wait out the park grace for a report that cannot come.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KeptRuns {
+    /// The node.
+    pub node: NodeId,
+    /// The generation that registered with the report.
+    pub generation: Generation,
+    /// The runs named: key and response id (two Edges may hand out one
+    /// key, R-MULTI-1), sorted.
+    runs: Vec<(RunKey, String)>,
+}
+
+impl KeptRuns {
+    /// The runs `parked` (a registration's report) names, or `None` when
+    /// the report may have left runs out: at the wire bound a node names
+    /// the first [`iop_wire::MAX_PARKED_RUNS`] only.
+    pub fn from_registration(
+        node: &NodeId,
+        generation: Generation,
+        parked: &[ParkedRun],
+    ) -> Option<Self> {
+        if parked.len() >= iop_wire::MAX_PARKED_RUNS {
+            return None;
+        }
+        let mut runs: Vec<(RunKey, String)> = parked
+            .iter()
+            .map(|r| (r.key, r.response_id.clone()))
+            .collect();
+        runs.sort_unstable();
+        runs.dedup();
+        Some(Self {
+            node: node.clone(),
+            generation,
+            runs,
+        })
+    }
+
+    /// Whether the node still has run `key` of `response_id`.
+    pub fn keeps(&self, key: RunKey, response_id: &str) -> bool {
+        self.runs
+            .binary_search_by(|(k, id)| (*k, id.as_str()).cmp(&(key, response_id)))
+            .is_ok()
+    }
 }
 
 /// How long the capacity of a reported parked run is held for its
@@ -677,6 +732,12 @@ impl Dispatcher {
             })
             .collect();
         self.pump(now);
+        // After the earlier generation's fencing: a request hears its
+        // lease fenced before it hears whether its run is kept.
+        if let Some(kept) = KeptRuns::from_registration(node, generation, &request.parked) {
+            self.outputs
+                .push_back(DispatchOutput::KeptRuns(std::sync::Arc::new(kept)));
+        }
         #[cfg(feature = "planted-bugs")]
         self.planted_after_register(now, node, generation);
         Ok((

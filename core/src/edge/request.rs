@@ -57,7 +57,7 @@ use iop_wire::{ExecutionFailure, FailureCode, ProviderTunnelFrame, RunEventKind,
 
 use crate::edge::admission::{AdmitRejection, DispatchRequest, Lease, LeaseId, PreSend, RequestId};
 pub use crate::edge::delivery::{Delivery, ProviderFault, ProviderSaid};
-use crate::edge::dispatch::{ParkedOffer, RequestCommand, RequestEvent};
+use crate::edge::dispatch::{KeptRuns, ParkedOffer, RequestCommand, RequestEvent};
 use crate::edge::durable::{
     AfterRefusal, FrameSource, JournalAck, JournalSpec, JournalWrite, MAX_UNPUBLISHED, Publisher,
     ResumedAnswer,
@@ -68,7 +68,7 @@ use crate::edge::gate::{
 };
 pub use crate::edge::tunnel_meter::TunnelApi;
 use crate::edge::tunnel_meter::TunnelMeter;
-use crate::ids::ProviderId;
+use crate::ids::{Generation, NodeId, ProviderId};
 use crate::journal::{JournalError, RecordStatus, Terminal};
 #[cfg(feature = "planted-bugs")]
 use crate::planted::{Planted, PlantedBug};
@@ -233,6 +233,10 @@ pub enum RequestInput {
     /// A node reported a parked run (R-PARK-2): if it is this request's,
     /// the request adopts it.
     ParkedRun(ParkedOffer),
+    /// A node registered and named every run it keeps (R-PARK-2): a run of
+    /// this request lost on that node's earlier generation and not named
+    /// is gone, and the request stops waiting for it at once.
+    KeptRuns(std::sync::Arc<KeptRuns>),
     /// The pending [`RequestOutput::ReserveAttempt`] was reserved: the
     /// attempt is admitted.
     AttemptReserved,
@@ -493,6 +497,13 @@ pub struct Request {
     /// The provider of the parked run: only its node's report is this
     /// request's run (R-PARK-2).
     parked_provider: Option<ProviderId>,
+    /// The node of the parked run, and the generation it was lost on
+    /// (`None`: an adoption's offer, whose own report names it): a later
+    /// registration of that node that does not name it says it is gone.
+    parked_on: Option<(NodeId, Option<Generation>)>,
+    /// The attempt whose run its node no longer keeps, heard before its
+    /// stream ended: it is not parked when it does.
+    not_kept: Option<AttemptId>,
     /// It continues an answer whose run is gone ([`Self::continuing`]):
     /// its continuation may fall back to the last provider.
     orphan_continuation: bool,
@@ -554,6 +565,8 @@ impl Request {
             unmetered_input_tokens: 0,
             record_taken: false,
             parked_provider: None,
+            parked_on: None,
+            not_kept: None,
             orphan_continuation: false,
             provider_said: None,
             reserve_asks: 0,
@@ -611,6 +624,7 @@ impl Request {
         if let Some(attempt) = request.committed_before(now, offer.provider_id.clone()) {
             request.attempt_open = true;
             request.parked_provider = Some(offer.provider_id.clone());
+            request.parked_on = Some((offer.node.clone(), None));
             request.phase = Phase::Parked {
                 attempt,
                 key: offer.run.key,
@@ -908,6 +922,7 @@ impl Request {
                         }));
                 }
             }
+            RequestInput::KeptRuns(kept) => self.on_kept_runs(now, &kept),
             RequestInput::ClientDisconnected => {
                 if self.publisher.is_none() {
                     let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
@@ -1215,6 +1230,7 @@ impl Request {
             return;
         };
         self.parked_provider = Some(lease.provider_id.clone());
+        self.parked_on = Some((lease.node.clone(), Some(lease.generation)));
         // Every frame received is in the journal (or on its way there):
         // an adoption resumes after the last one (R-PARK-2).
         self.outputs.push_back(RequestOutput::CloseAttempt);
@@ -1228,6 +1244,44 @@ impl Request {
             until: now.saturating_add(grace + PARK_REPORT_SLACK),
         };
         self.observe(RequestObservation::Parked);
+        if self.not_kept.take() == Some(attempt) {
+            // Its node registered again without it: no report will come.
+            self.adopt_failed(now);
+        }
+    }
+
+    /// A node named the runs it keeps (R-PARK-2): this request's run, lost
+    /// on an earlier generation of that node and not named, is gone. A
+    /// parked run's wait ends now, as when its grace ends (R-PARK-1); a
+    /// running one's (its lease's fencing not heard yet) ends when its
+    /// stream does. An adoption in flight is left to its own outcome.
+    fn on_kept_runs(&mut self, now: Instant, kept: &KeptRuns) {
+        let Some(response_id) = self.spec.journal.as_ref().map(|j| j.response_id.as_str()) else {
+            return;
+        };
+        match &self.phase {
+            Phase::Parked { key, .. } => {
+                let lost_before = self.parked_on.as_ref().is_some_and(|(node, lost_on)| {
+                    *node == kept.node && lost_on.is_none_or(|g| g < kept.generation)
+                });
+                if lost_before && !kept.keeps(*key, response_id) {
+                    self.adopt_failed(now);
+                }
+            }
+            Phase::Running {
+                lease,
+                attempt,
+                key,
+                tunnel: false,
+                ..
+            } if lease.node == kept.node
+                && lease.generation < kept.generation
+                && !kept.keeps(*key, response_id) =>
+            {
+                self.not_kept = Some(*attempt);
+            }
+            _ => {}
+        }
     }
 
     /// An adoption's stream failed before it opened: wait for the run's

@@ -14,7 +14,10 @@
 //!
 //! Every rule is the core's; this module carries inputs and outputs.
 
-use iop_core::edge::dispatch::ParkedOffer;
+use std::sync::Arc;
+
+use iop_core::edge::dispatch::{KeptRuns, ParkedOffer};
+use iop_core::edge::request::RequestPhase;
 use iop_core::ids::RunId;
 
 use super::World;
@@ -52,6 +55,39 @@ impl World {
                 return;
             }
             self.offer_parked(incarnation, offer);
+        }
+    }
+
+    /// The runs a registering node keeps reach every durable request of
+    /// the Edge (`Durable::tell_kept`); the request decides.
+    pub(super) fn kept_runs(&mut self, incarnation: u64, kept: &Arc<KeptRuns>) {
+        let Some(edge) = &self.edges[self.cur] else {
+            return;
+        };
+        if edge.incarnation != incarnation {
+            return;
+        }
+        let durable: Vec<_> = edge
+            .requests
+            .iter()
+            .filter(|(_, r)| r.durable.is_some())
+            .map(|(rid, _)| *rid)
+            .collect();
+        let parked = |world: &Self, rid| {
+            world.edges[world.cur]
+                .as_ref()
+                .and_then(|e| e.requests.get(&rid))
+                .is_some_and(|r| r.machine.machine().phase() == RequestPhase::Parked)
+        };
+        for rid in durable {
+            let was_parked = parked(self, rid);
+            self.request_input(
+                rid,
+                iop_core::edge::request::RequestInput::KeptRuns(kept.clone()),
+            );
+            if was_parked && !parked(self, rid) {
+                self.stats.parks_ended_not_kept += 1;
+            }
         }
     }
 

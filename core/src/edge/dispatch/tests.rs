@@ -2058,6 +2058,59 @@ fn a_run_named_many_times_in_one_report_is_offered_once() {
 }
 
 #[test]
+fn r_park_2_a_registration_names_the_runs_its_node_keeps_after_the_old_generation_is_fenced() {
+    let mut d = dispatcher();
+    let a = NodeId::from("a");
+    let (g1, _) = d.register(T, &a, &register_req()).unwrap();
+    drain_outputs(&mut d);
+    let mut req = register_req();
+    req.parked = vec![
+        parked(g1, 7, "t-p1"),
+        parked(g1, 7, "t-p1"),
+        parked(g1, 8, "t-unknown"),
+    ];
+    let (g2, _) = d.register(T, &a, &req).unwrap();
+    let outs = drain_outputs(&mut d);
+    let fenced = outs
+        .iter()
+        .position(|o| matches!(o, DispatchOutput::Fenced { generation, .. } if *generation == g1))
+        .expect("the earlier generation is fenced");
+    let (at, kept) = outs
+        .iter()
+        .enumerate()
+        .find_map(|(i, o)| match o {
+            DispatchOutput::KeptRuns(kept) => Some((i, kept.clone())),
+            _ => None,
+        })
+        .expect("the report is heard");
+    assert!(fenced < at, "a lease's fence comes first: {outs:?}");
+    assert_eq!((kept.node.clone(), kept.generation), (a.clone(), g2));
+    let key = |run_id| iop_wire::RunKey {
+        generation: g1,
+        run_id,
+    };
+    // Every run named, whatever its provider (one the Edge does not know
+    // is still the node's run), and only those.
+    assert!(kept.keeps(key(7), "resp_7") && kept.keeps(key(8), "resp_8"));
+    assert!(
+        !kept.keeps(key(7), "resp_8"),
+        "the same key of another response"
+    );
+    assert!(!kept.keeps(key(9), "resp_9"));
+    // A report at the wire bound may have left runs out: it says nothing.
+    let mut full = register_req();
+    full.parked = (0..iop_wire::MAX_PARKED_RUNS as u64)
+        .map(|i| parked(g2, i, "t-p1"))
+        .collect();
+    d.register(T, &a, &full).unwrap();
+    assert!(
+        !drain_outputs(&mut d)
+            .iter()
+            .any(|o| matches!(o, DispatchOutput::KeptRuns(_)))
+    );
+}
+
+#[test]
 fn r_park_2_a_reported_parked_run_holds_its_capacity_and_is_offered_at_readiness() {
     let mut d = dispatcher();
     let a = NodeId::from("a");

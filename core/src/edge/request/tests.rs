@@ -2143,6 +2143,94 @@ fn r_park_1_the_park_wait_is_its_grace_and_slack_and_ends_at_that_instant() {
     ));
 }
 
+/// A node's registration report naming `runs` (of `resp_1`, or of
+/// `resp_other` when `other_response`) on `generation`.
+fn kept(
+    node: &str,
+    generation: u64,
+    runs: &[iop_wire::RunKey],
+    other_response: bool,
+) -> RequestInput {
+    let parked: Vec<iop_wire::ParkedRun> = runs
+        .iter()
+        .map(|key| {
+            let mut run = offer(*key, 3).run;
+            if other_response {
+                run.response_id = "resp_other".into();
+            }
+            run
+        })
+        .collect();
+    let kept = KeptRuns::from_registration(&NodeId::from(node), generation, &parked)
+        .expect("a report under the bound is whole");
+    RequestInput::KeptRuns(std::sync::Arc::new(kept))
+}
+
+/// The outputs of a lost attempt, as at the end of the park wait: one
+/// `transport_closed` attempt and the record's failed terminal.
+fn ended_lost(outs: &[RequestOutput]) -> bool {
+    outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
+        failure: Some(FailureCode::TransportClosed),
+    })) && matches!(
+        &journal_writes(outs)[..],
+        [crate::edge::durable::JournalWrite::Finish { terminal, .. }]
+            if terminal.status == crate::journal::RecordStatus::Failed
+    )
+}
+
+#[test]
+fn r_park_2_a_parked_run_its_node_registers_again_without_ends_at_once() {
+    let (mut r, l, key) = parked_briefly();
+    let newer = l.generation + 1;
+    // Reports that say nothing about this run change nothing: another
+    // node's, the same or an older generation's, one naming it, one
+    // naming the same key of another response (R-MULTI-1).
+    for report in [
+        kept("other", newer, &[], false),
+        kept("n0", l.generation, &[], false),
+        kept("n0", l.generation - 1, &[], false),
+        kept("n0", newer, &[key], false),
+    ] {
+        r.handle_input(t(7), report);
+        assert!(drain(&mut r).is_empty());
+        assert!(r.awaits_parked(key));
+    }
+    // Its node registered again and does not name it: the run is gone
+    // (the node restarted), and the wait ends now, not at its grace.
+    r.handle_input(t(8), kept("n0", newer + 1, &[key], true));
+    let outs = drain(&mut r);
+    assert!(ended_lost(&outs), "{outs:?}");
+    assert!(!r.awaits_parked(key));
+}
+
+#[test]
+fn r_park_2_a_run_its_node_does_not_keep_is_not_parked_when_its_fencing_comes_later() {
+    let mut r = Request::new(t(0), parkable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    durable_with_two_frames(&mut r, &l);
+    // The node's new registration is heard before the old lease's fence.
+    r.handle_input(t(6), kept("n0", l.generation + 1, &[], false));
+    assert!(drain(&mut r).is_empty(), "running: its stream decides");
+    r.handle_input(
+        t(7),
+        RequestInput::Dispatch(RequestEvent::LeaseFenced(l.clone())),
+    );
+    let outs = drain(&mut r);
+    assert!(ended_lost(&outs), "{outs:?}");
+}
+
+#[test]
+fn r_park_2_an_offered_adoption_ends_when_a_later_registration_does_not_name_it() {
+    let (mut r, _, key) = parked_briefly();
+    let l2 = adoption_opening(&mut r, key, 100);
+    // The adoption's stream fails before it opens: the run waits again.
+    r.handle_input(t(101), RequestInput::OpenFailed(OpenFailure::Transport));
+    drain(&mut r);
+    assert!(r.awaits_parked(key));
+    r.handle_input(t(102), kept("n0", l2.generation + 1, &[], false));
+    assert!(ended_lost(&drain(&mut r)));
+}
+
 /// Drive a parked request's adoption to its `Open`, on lease 2.
 fn adoption_opening(r: &mut Request, key: iop_wire::RunKey, at: u64) -> Lease {
     r.handle_input(t(at), RequestInput::ParkedRun(offer(key, 3)));
