@@ -943,6 +943,10 @@ impl Driver {
                 tracing::info!(event = "edge_durable_run_adopted", route);
                 return;
             }
+            RequestObservation::RunNotKept => {
+                tracing::info!(event = "edge_durable_run_gone_from_node", route);
+                return;
+            }
             RequestObservation::Ended { attempts } => {
                 self.ctx.metrics.attempts_per_request(route, attempts);
                 return;

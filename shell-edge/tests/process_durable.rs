@@ -362,6 +362,149 @@ continuation = true
     .await;
 }
 
+/// A Node process killed with SIGKILL under eight durable streams and
+/// restarted at once (R-PARK-2, R-CONT-1): its registration names none of
+/// its old runs, so the Edge stops waiting for them then, not at the end
+/// of their park grace, and continues each answer on the pool's other
+/// provider. Every client reads its whole answer once; the first provider
+/// was called once per stream, the second once per stream with the answer
+/// so far.
+#[tokio::test]
+async fn a_node_killed_and_restarted_has_its_streams_continued_before_their_grace_r_park_2() {
+    bounded_long(async {
+        const STREAMS: u64 = 8;
+        let pki = Pki::new(&["node-1", "node-2"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let script = MockScript {
+            tokens: TOKENS,
+            tokens_per_second: 20.0,
+            ..MockScript::default()
+        };
+        let first = MockServer::start(script.clone()).await.unwrap();
+        let second = MockServer::start(script).await.unwrap();
+        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let head = edge_sections_toml(None, "edge-state", quic_port, http_port);
+        // A grace far longer than the continued answers take.
+        let grace = Duration::from_secs(60);
+        let config = pki.path().join("edge.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"
+{head}[journal]
+park_grace_ms = {}
+[[providers]]
+id = "p1"
+node = "node-1"
+adapter = "openai"
+target = "t"
+capacity = 16
+[[providers]]
+id = "p2"
+node = "node-2"
+adapter = "openai"
+target = "t"
+capacity = 16
+[[routes]]
+model = "m"
+providers = ["p1", "p2"]
+continuation = true
+{TESTER_ADMIN_KEY_TOML}"#,
+                grace.as_millis()
+            ),
+        )
+        .unwrap();
+        let edges = [format!("127.0.0.1:{quic_port}")];
+        let mut node_1 = Component::node(&pki, "node-1", &edges, &first.base_url());
+        node_1.start();
+        let mut edge = start_edge_process(&config, http_port, KEY).await;
+        // Every stream starts on p1 (node-2 is not there yet).
+        let streams: Vec<_> = (0..STREAMS)
+            .map(|n| {
+                let http = edge.http.clone();
+                tokio::spawn(async move {
+                    let mut r = reqwest::Client::new()
+                        .post(format!("{http}/v1/chat/completions"))
+                        .bearer_auth(KEY)
+                        .header("content-type", "application/json")
+                        .header("idempotency-key", format!("node-kill-{n}"))
+                        .body(
+                            json!({"model": "m", "stream": true,
+                                   "messages": [{"role": "user", "content": format!("go {n}")}]})
+                            .to_string(),
+                        )
+                        .send()
+                        .await
+                        .unwrap();
+                    let mut text = String::new();
+                    while let Ok(Some(chunk)) = r.chunk().await {
+                        text.push_str(&String::from_utf8_lossy(&chunk));
+                    }
+                    sse_events(&text)
+                })
+            })
+            .collect();
+        first.wait_for(|s| s.in_flight == STREAMS).await;
+        let mut node_2 = Component::node(&pki, "node-2", &edges, &second.base_url());
+        node_2.start();
+        let client = reqwest::Client::new();
+        let ready = tokio::time::Instant::now() + Duration::from_secs(30);
+        while client
+            .get(format!("{}/status", edge.http))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+            .matches("\"node_ready\":true")
+            .count()
+            < 2
+        {
+            assert!(tokio::time::Instant::now() < ready, "node-2 not ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Mid-answer (20 tokens a second: about a second of 60 tokens in).
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        node_1.kill().await;
+        let killed = tokio::time::Instant::now();
+        node_1.start();
+        for stream in streams {
+            let seen = stream.await.unwrap();
+            assert_eq!(
+                chat_text(&seen),
+                expected_text(TOKENS),
+                "each answer whole and once: {seen:?}"
+            );
+            assert_eq!(
+                seen.iter()
+                    .filter(|(_, d)| d["choices"][0]["finish_reason"] == "stop")
+                    .count(),
+                1,
+                "one terminal"
+            );
+        }
+        let took = killed.elapsed();
+        assert!(
+            took < grace / 4,
+            "the answers went on {took:?} after the kill, not after the grace"
+        );
+        assert_eq!(first.requests(), STREAMS, "the first provider once each");
+        let continued = second.stats();
+        assert_eq!(
+            (continued.requests, continued.continued),
+            (STREAMS, STREAMS),
+            "one continuation each, never the prompt alone"
+        );
+        edge.child.start_kill().unwrap();
+        let _ = edge.child.wait().await;
+        node_1.kill().await;
+        node_2.kill().await;
+    })
+    .await;
+}
+
 /// [`bounded`] for a test of several process restarts.
 async fn bounded_long<T>(fut: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(180), fut)

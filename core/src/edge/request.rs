@@ -291,6 +291,9 @@ pub enum RequestObservation {
     Parked,
     /// Its parked run was adopted on a new connection (R-PARK-2).
     Adopted,
+    /// Its run's node registered again without the run (R-PARK-2): the
+    /// run is gone, and its wait ended before the grace did.
+    RunNotKept,
 }
 
 /// What the driver must do, in order.
@@ -1246,6 +1249,7 @@ impl Request {
         self.observe(RequestObservation::Parked);
         if self.not_kept.take() == Some(attempt) {
             // Its node registered again without it: no report will come.
+            self.observe(RequestObservation::RunNotKept);
             self.adopt_failed(now);
         }
     }
@@ -1265,6 +1269,7 @@ impl Request {
                     *node == kept.node && lost_on.is_none_or(|g| g < kept.generation)
                 });
                 if lost_before && !kept.keeps(*key, response_id) {
+                    self.observe(RequestObservation::RunNotKept);
                     self.adopt_failed(now);
                 }
             }

@@ -2166,16 +2166,19 @@ fn kept(
     RequestInput::KeptRuns(std::sync::Arc::new(kept))
 }
 
-/// The outputs of a lost attempt, as at the end of the park wait: one
-/// `transport_closed` attempt and the record's failed terminal.
+/// The outputs of an attempt whose run its node no longer keeps: said so,
+/// then as at the end of the park wait, one `transport_closed` attempt and
+/// the record's failed terminal.
 fn ended_lost(outs: &[RequestOutput]) -> bool {
-    outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
-        failure: Some(FailureCode::TransportClosed),
-    })) && matches!(
-        &journal_writes(outs)[..],
-        [crate::edge::durable::JournalWrite::Finish { terminal, .. }]
-            if terminal.status == crate::journal::RecordStatus::Failed
-    )
+    outs.contains(&RequestOutput::Observe(RequestObservation::RunNotKept))
+        && outs.contains(&RequestOutput::Observe(RequestObservation::AttemptEnded {
+            failure: Some(FailureCode::TransportClosed),
+        }))
+        && matches!(
+            &journal_writes(outs)[..],
+            [crate::edge::durable::JournalWrite::Finish { terminal, .. }]
+                if terminal.status == crate::journal::RecordStatus::Failed
+        )
 }
 
 #[test]
