@@ -88,6 +88,7 @@ quic_listen = "127.0.0.1:0"
 http_listen = "127.0.0.1:0"
 state_dir = "edge-state"
 drain_timeout_ms = 2000
+sse_keep_alive_ms = 50
 [tls]
 ca = "certs/ca.pem"
 cert = "certs/edge.pem"

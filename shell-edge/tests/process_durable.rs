@@ -196,6 +196,59 @@ async fn durable_streams_survive_edge_kills_with_every_seen_event_journaled_r_jr
 }
 
 /// The text of a Chat Completions stream's chunks.
+/// An Edge process's config with providers `p1` (node-1) and `p2`
+/// (node-2) in one pool for `m` whose answers continue (R-CONT-1), each in
+/// front of its own mock answering [`TOKENS`] tokens at
+/// `tokens_per_second`; `journal` are its `[journal]` lines. Nothing runs
+/// yet but the mocks.
+struct TwoProviders {
+    pki: Pki,
+    first: MockServer,
+    second: MockServer,
+    quic_port: u16,
+    http_port: u16,
+    config: std::path::PathBuf,
+}
+
+impl TwoProviders {
+    async fn start(tokens_per_second: f64, journal: &str) -> Self {
+        let pki = Pki::new(&["node-1", "node-2"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let script = MockScript {
+            tokens: TOKENS,
+            tokens_per_second,
+            ..MockScript::default()
+        };
+        let first = MockServer::start(script.clone()).await.unwrap();
+        let second = MockServer::start(script).await.unwrap();
+        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let head = edge_sections_toml(None, "edge-state", quic_port, http_port);
+        let config = pki.path().join("edge.toml");
+        let providers: String = (1..=2)
+            .map(|n| {
+                format!(
+                    "[[providers]]\nid = \"p{n}\"\nnode = \"node-{n}\"\nadapter = \"openai\"\ntarget = \"t\"\ncapacity = 16\n"
+                )
+            })
+            .collect();
+        std::fs::write(
+            &config,
+            format!(
+                "\n{head}[journal]\n{journal}\n{providers}[[routes]]\nmodel = \"m\"\nproviders = [\"p1\", \"p2\"]\ncontinuation = true\n{TESTER_ADMIN_KEY_TOML}"
+            ),
+        )
+        .unwrap();
+        Self {
+            pki,
+            first,
+            second,
+            quic_port,
+            http_port,
+            config,
+        }
+    }
+}
+
 fn chat_text(events: &[(u64, Value)]) -> String {
     events
         .iter()
@@ -213,43 +266,18 @@ fn chat_text(events: &[(u64, Value)]) -> String {
 #[tokio::test]
 async fn an_orphan_whose_run_is_gone_is_continued_on_its_pool_after_an_edge_kill_r_take_1() {
     bounded_long(async {
-        let pki = Pki::new(&["node-1", "node-2"]);
-        write_secret(&pki.path().join("key"), KEY);
-        let script = MockScript {
-            tokens: TOKENS,
-            tokens_per_second: 60.0,
-            ..MockScript::default()
-        };
-        let first = MockServer::start(script.clone()).await.unwrap();
-        let second = MockServer::start(script).await.unwrap();
-        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
-        let head = edge_sections_toml(None, "edge-state", quic_port, http_port);
-        let config = pki.path().join("edge.toml");
-        std::fs::write(
-            &config,
-            format!(
-                r#"
-{head}[journal]
-park_grace_ms = 1000
-takeover_scan_interval_ms = 200
-[[providers]]
-id = "p1"
-node = "node-1"
-adapter = "openai"
-target = "t"
-[[providers]]
-id = "p2"
-node = "node-2"
-adapter = "openai"
-target = "t"
-[[routes]]
-model = "m"
-providers = ["p1", "p2"]
-continuation = true
-{TESTER_ADMIN_KEY_TOML}"#
-            ),
+        let TwoProviders {
+            pki,
+            first,
+            second,
+            quic_port,
+            http_port,
+            config,
+        } = TwoProviders::start(
+            60.0,
+            "park_grace_ms = 1000\ntakeover_scan_interval_ms = 200",
         )
-        .unwrap();
+        .await;
         let edge_addr: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
         let node = |url: String| {
             format!("[[providers]]\nadapter = \"openai\"\ntarget = \"t\"\nbase_url = \"{url}\"\n")
@@ -373,47 +401,16 @@ continuation = true
 async fn a_node_killed_and_restarted_has_its_streams_continued_before_their_grace_r_park_2() {
     bounded_long(async {
         const STREAMS: u64 = 8;
-        let pki = Pki::new(&["node-1", "node-2"]);
-        write_secret(&pki.path().join("key"), KEY);
-        let script = MockScript {
-            tokens: TOKENS,
-            tokens_per_second: 20.0,
-            ..MockScript::default()
-        };
-        let first = MockServer::start(script.clone()).await.unwrap();
-        let second = MockServer::start(script).await.unwrap();
-        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
-        let head = edge_sections_toml(None, "edge-state", quic_port, http_port);
         // A grace far longer than the continued answers take.
         let grace = Duration::from_secs(60);
-        let config = pki.path().join("edge.toml");
-        std::fs::write(
-            &config,
-            format!(
-                r#"
-{head}[journal]
-park_grace_ms = {}
-[[providers]]
-id = "p1"
-node = "node-1"
-adapter = "openai"
-target = "t"
-capacity = 16
-[[providers]]
-id = "p2"
-node = "node-2"
-adapter = "openai"
-target = "t"
-capacity = 16
-[[routes]]
-model = "m"
-providers = ["p1", "p2"]
-continuation = true
-{TESTER_ADMIN_KEY_TOML}"#,
-                grace.as_millis()
-            ),
-        )
-        .unwrap();
+        let TwoProviders {
+            pki,
+            first,
+            second,
+            quic_port,
+            http_port,
+            config,
+        } = TwoProviders::start(20.0, &format!("park_grace_ms = {}", grace.as_millis())).await;
         let edges = [format!("127.0.0.1:{quic_port}")];
         let mut node_1 = Component::node(&pki, "node-1", &edges, &first.base_url());
         node_1.start();

@@ -2,7 +2,9 @@
 
 Usage: anthropic_sdk_e2e.py BASE_URL API_KEY MOCK_URL UPSTREAM
 
-BASE_URL is the Edge (the SDK adds /v1/messages); MOCK_URL is the mock
+BASE_URL is the Edge (the SDK adds /v1/messages), run with a short
+`edge.sse_keep_alive_ms` (well under the 200 ms between the slow stream's
+tokens); MOCK_URL is the mock
 provider behind it, whose /mock/stats counts provider calls (and the
 images, documents and anthropic-beta headers they carried). UPSTREAM is
 `openai` (an OpenAI-compatible provider) or `messages` (a Messages-only
@@ -99,6 +101,23 @@ def main() -> None:
     check(final.content[0].text == text, f"stream: final content {final.content}")
     check(final.stop_reason == "end_turn", f"stream: stop_reason {final.stop_reason}")
     check(final.usage.output_tokens == 6 and final.usage.input_tokens == 3, f"stream: usage {final.usage}")
+
+    # A durable stream (numbered events) silent between its tokens longer
+    # than the Edge's keep-alive interval (the test runs it at 50 ms): the
+    # `ping` keep-alives fall between numbered events, and the SDK reads
+    # the stream to its end.
+    slow = "mock:tokens=4,tps=5"
+    with client.messages.with_streaming_response.create(
+            model=slow, max_tokens=64, messages=user, stream=True,
+            extra_headers={"Idempotency-Key": "sdk-keep-alive-raw"}) as r:
+        lines = list(r.iter_lines())
+    pings = lines.count("event: ping")
+    check(pings > 0 and any(line.startswith("id:") for line in lines),
+          f"keep-alive: pings between numbered events {lines}")
+    with client.messages.stream(model=slow, max_tokens=64, messages=user,
+                                extra_headers={"Idempotency-Key": "sdk-keep-alive"}) as stream:
+        text = "".join(stream.text_stream)
+    check(text == expected_text(4), f"keep-alive: stream text {text!r}")
 
     # The raw events: message_start has the prompt's tokens when the
     # provider says them before its answer (a Messages provider); an
