@@ -205,7 +205,7 @@ fn field_error(e: KeyFieldError) -> ApiError {
     ApiError::invalid_value(&e.field, e.reason)
 }
 
-fn admin(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+fn admin(state: &AppState, headers: &HeaderMap) -> Result<std::sync::Arc<ApiKey>, ApiError> {
     authenticate_admin(state, headers)
 }
 

@@ -19,7 +19,7 @@ use crate::tenancy::TenantHold;
 /// What an admitted run request brings: the caller's key, the raw body (for
 /// a tunnel), the parsed run with its API's options, and the model's pool.
 pub(crate) struct Admitted<O> {
-    pub(crate) key: ApiKey,
+    pub(crate) key: Arc<ApiKey>,
     pub(crate) body: bytes::Bytes,
     /// The body's share of the budget, held while the request lives.
     pub(crate) body_permit: BodyPermit,

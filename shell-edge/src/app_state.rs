@@ -187,7 +187,7 @@ impl AppState {
 }
 
 /// The caller's key, from its `Authorization: Bearer` header.
-pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiKey, ApiError> {
+pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Arc<ApiKey>, ApiError> {
     let value = headers
         .get(header::AUTHORIZATION)
         .ok_or_else(ApiError::missing_api_key)?;
@@ -204,7 +204,7 @@ pub(crate) fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<ApiK
 pub(crate) fn authenticate_x_api_key(
     state: &AppState,
     headers: &HeaderMap,
-) -> Result<ApiKey, ApiError> {
+) -> Result<Arc<ApiKey>, ApiError> {
     if headers.contains_key(header::AUTHORIZATION) {
         return authenticate(state, headers);
     }
@@ -235,7 +235,7 @@ fn bearer_token(value: &str) -> Option<&str> {
 }
 
 /// The key `token` is, if it is an admin key (the console's sign-in).
-pub(crate) fn admin_key(state: &AppState, token: &str) -> Result<ApiKey, ApiError> {
+pub(crate) fn admin_key(state: &AppState, token: &str) -> Result<Arc<ApiKey>, ApiError> {
     let token = token.trim();
     if token.is_empty() {
         return Err(ApiError::missing_api_key());
@@ -254,7 +254,7 @@ pub(crate) fn admin_key(state: &AppState, token: &str) -> Result<ApiKey, ApiErro
 pub(crate) fn authenticate_admin(
     state: &AppState,
     headers: &HeaderMap,
-) -> Result<ApiKey, ApiError> {
+) -> Result<Arc<ApiKey>, ApiError> {
     let key = authenticate(state, headers)?;
     if !key.admin {
         return Err(ApiError::permission_denied());

@@ -152,7 +152,7 @@ fn same_origin(headers: &HeaderMap) -> Result<(), ApiError> {
 fn reader(state: &AppState, headers: &HeaderMap) -> Result<String, ApiError> {
     same_origin(headers)?;
     if headers.contains_key(header::AUTHORIZATION) {
-        return authenticate_admin(state, headers).map(|k| k.principal);
+        return authenticate_admin(state, headers).map(|k| k.principal.clone());
     }
     let token = session_cookie(headers).ok_or_else(ApiError::missing_api_key)?;
     state
@@ -182,7 +182,7 @@ async fn sign_in(State(state): State<AppState>, request: Request) -> Response {
         let sign_in: SignIn =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::from_json_error(&e))?;
         let key = admin_key(&state, &sign_in.key)?;
-        Ok(key.principal)
+        Ok(key.principal.clone())
     }
     .await;
     match answer {

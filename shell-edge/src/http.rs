@@ -371,7 +371,7 @@ async fn run_admitted<E: RunEndpoint>(
         params: run.params,
         tunnel: Some(tunnel_body(tunnel_api, tunnel_path, tunnelled, passed)),
         route,
-        principal: admitted.key.principal,
+        principal: admitted.key.principal.clone(),
         trace_context: record.span.context(),
         continuation: iop_core::edge::request::continuation_allowed(
             run.api,

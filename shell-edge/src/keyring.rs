@@ -50,14 +50,15 @@ pub type KeyRecords = HashMap<String, (Arc<KeyRecord>, u64)>;
 /// A runtime key as a lookup finds it.
 #[derive(Clone)]
 struct RuntimeKey {
-    key: ApiKey,
+    key: Arc<ApiKey>,
     record: Arc<KeyRecord>,
 }
 
 /// The keys of the Edge.
 pub struct KeyRing {
-    /// The config file's keys, by digest.
-    config: HashMap<[u8; 32], ApiKey>,
+    /// The config file's keys, by digest (shared: a request holds its key
+    /// without copying it, the secret included).
+    config: HashMap<[u8; 32], Arc<ApiKey>>,
     /// The stored keys as last read, by digest of their secret.
     runtime: RwLock<Arc<HashMap<[u8; 32], RuntimeKey>>>,
     /// Every stored key (revoked ones too), by id, with its revision.
@@ -73,7 +74,10 @@ impl KeyRing {
     /// [`Self::sync`]).
     pub fn new(keys: &[ApiKey], store: Arc<dyn TenantStore>) -> Self {
         KeyRing {
-            config: keys.iter().map(|k| (digest(&k.key), k.clone())).collect(),
+            config: keys
+                .iter()
+                .map(|k| (digest(&k.key), Arc::new(k.clone())))
+                .collect(),
             runtime: RwLock::new(Arc::new(HashMap::new())),
             records: RwLock::new(Arc::new(HashMap::new())),
             store,
@@ -84,7 +88,7 @@ impl KeyRing {
     }
 
     /// The key whose secret is `secret`, if it may be used now.
-    pub fn lookup(&self, secret: &str) -> Option<ApiKey> {
+    pub fn lookup(&self, secret: &str) -> Option<Arc<ApiKey>> {
         let digest = digest(secret);
         if let Some(key) = self.config.get(&digest) {
             return Some(key.clone());
@@ -121,7 +125,7 @@ impl KeyRing {
 
     /// The config file's keys.
     pub fn config_keys(&self) -> impl Iterator<Item = &ApiKey> {
-        self.config.values()
+        self.config.values().map(|k| &**k)
     }
 
     /// Every stored key as last read, with its revision, by id.
@@ -175,7 +179,13 @@ impl KeyRing {
                 id: record.id.clone(),
                 limits: record.limits.clone(),
             };
-            runtime.insert(digest, RuntimeKey { key, record });
+            runtime.insert(
+                digest,
+                RuntimeKey {
+                    key: Arc::new(key),
+                    record,
+                },
+            );
         }
         *self.runtime.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(runtime);
         *self.records.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(records);

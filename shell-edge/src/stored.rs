@@ -513,7 +513,7 @@ pub(crate) async fn run_durable<E: RunEndpoint>(
                 params: run.params,
                 tunnel: None,
                 route: endpoint.route(),
-                principal: key.principal,
+                principal: key.principal.clone(),
                 trace_context: record.span.context(),
                 continuation: iop_core::edge::request::continuation_allowed(
                     run.api,
@@ -1019,7 +1019,7 @@ async fn retrieve<E: Retrievable>(
     let found = async {
         let key = authenticate(state, headers)?;
         let skip = resume_point(query, headers)?;
-        let read = readable(state, Reader::from(&key), id, endpoint.journal_api()).await?;
+        let read = readable(state, Reader::from(&*key), id, endpoint.journal_api()).await?;
         Ok::<_, ApiError>((key, read, skip))
     }
     .await;
@@ -1197,7 +1197,7 @@ pub async fn cancel_response(
 ) -> Response {
     let answer = async {
         let key = authenticate(&state, &headers)?;
-        let meta = readable(&state, Reader::from(&key), &id, JournalApi::Responses)
+        let meta = readable(&state, Reader::from(&*key), &id, JournalApi::Responses)
             .await?
             .meta;
         if !meta.status().is_terminal() {
@@ -1205,7 +1205,7 @@ pub async fn cancel_response(
         }
         // R-LIM-6: the object is read again (it has its terminal now) and
         // built within the key's share, as a retrieve's.
-        held_responses_object(&state, Reader::from(&key), &id).await
+        held_responses_object(&state, Reader::from(&*key), &id).await
     }
     .await;
     match answer {
@@ -1253,7 +1253,7 @@ async fn delete_stored(
 ) -> Response {
     let answer = async {
         let key = authenticate(state, headers)?;
-        let meta = readable(state, Reader::from(&key), id, api).await?.meta;
+        let meta = readable(state, Reader::from(&*key), id, api).await?.meta;
         if !meta.status().is_terminal() {
             cancel_and_wait(state, &meta).await?;
         }
@@ -1318,7 +1318,7 @@ pub async fn input_items(
     let answer = async {
         let query: InputItemsQuery = query_of(&uri)?;
         let key = authenticate(&state, &headers)?;
-        let read = readable(&state, Reader::from(&key), &id, JournalApi::Responses).await?;
+        let read = readable(&state, Reader::from(&*key), &id, JournalApi::Responses).await?;
         let stored = &read.stored;
         let limit = query.limit.unwrap_or(20);
         if !(1..=100).contains(&limit) {
