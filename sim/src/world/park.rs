@@ -5,7 +5,8 @@
 //! adoption, replay and expiry are `iop_core::node::run::NodeRun`'s). The
 //! Edge carries the dispatcher's `ParkedRuns` to the adoption task
 //! (`Durable::offer` in `iop-edge`): a live request waiting for its parked
-//! run gets `RequestInput::ParkedRun`; any other run is offered to the
+//! run gets `RequestInput::ParkedRun`, and every durable request hears a
+//! registration's `KeptRuns` (`Durable::tell_kept`); any other run is offered to the
 //! Edge's custody (the core's `Custody`, see `custody.rs`), which adopts it
 //! for a new request after winning its record's epoch, or lets it go. The
 //! custody's scan also leaves each record unfinished at an Edge start for
