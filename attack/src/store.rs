@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use iop_bench::deployment::{Proc, nats_server_binary};
+use iop_bench::deployment::{Proc, nats_server_args, nats_server_binary};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -130,15 +130,7 @@ fn kept(file: &Path) -> PathBuf {
 /// (the one the rig's first server used), once it accepts connections.
 pub(crate) async fn start_nats(addr: SocketAddr, dir: &Path) -> anyhow::Result<Proc> {
     let binary = nats_server_binary().context("nats-server is not installed")?;
-    let args = vec![
-        "-a".into(),
-        "127.0.0.1".into(),
-        "-p".into(),
-        addr.port().to_string(),
-        "-js".into(),
-        "-sd".into(),
-        dir.join("nats-js").display().to_string(),
-    ];
+    let args = nats_server_args(addr, dir)?;
     let mut proc = Proc::spawn("nats-server-again", &binary, &args, dir, false)?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

@@ -482,6 +482,35 @@ pub fn nats_server_binary() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// JetStream's `max_file_store` for the servers started here. JetStream
+/// reserves every file stream's `max_bytes` against it when the stream
+/// is made; its default (three quarters of the disk free at start) would
+/// make a run depend on the machine's free disk. What is written is
+/// bounded by the journal's own limits.
+pub const NATS_MAX_FILE_STORE: u64 = 1 << 40;
+
+/// The arguments of a `nats-server` with JetStream listening on `addr`,
+/// its store in `<dir>/nats-js` and its configuration (written here) in
+/// `<dir>/nats-server.conf`.
+pub fn nats_server_args(addr: SocketAddr, dir: &Path) -> Result<Vec<String>, DeployError> {
+    let store = dir.join("nats-js");
+    std::fs::create_dir_all(&store).map_err(io(format!("creating {}", store.display())))?;
+    let config = dir.join("nats-server.conf");
+    let text = format!(
+        "jetstream {{\n  store_dir: {:?}\n  max_file_store: {NATS_MAX_FILE_STORE}\n}}\n",
+        store.display().to_string()
+    );
+    std::fs::write(&config, text).map_err(io(format!("writing {}", config.display())))?;
+    Ok(vec![
+        "-c".into(),
+        config.display().to_string(),
+        "-a".into(),
+        "127.0.0.1".into(),
+        "-p".into(),
+        addr.port().to_string(),
+    ])
+}
+
 /// A `nats-server` with JetStream on a free loopback port, its store in
 /// `<dir>/nats-js`, its log in `<dir>/nats-server.log`; killed when
 /// stopped or dropped.
@@ -498,17 +527,7 @@ impl NatsServer {
     pub async fn start(dir: &Path) -> Result<Self, DeployError> {
         let binary = nats_server_binary().ok_or(DeployError::MissingNatsServer)?;
         let addr = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
-        let store = dir.join("nats-js");
-        std::fs::create_dir_all(&store).map_err(io(format!("creating {}", store.display())))?;
-        let args = vec![
-            "-a".into(),
-            "127.0.0.1".into(),
-            "-p".into(),
-            addr.port().to_string(),
-            "-js".into(),
-            "-sd".into(),
-            store.display().to_string(),
-        ];
+        let args = nats_server_args(addr, dir)?;
         let mut proc = Proc::spawn("nats-server", &binary, &args, dir, false)?;
         let deadline = Instant::now() + NATS_START_BOUND;
         loop {

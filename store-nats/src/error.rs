@@ -49,6 +49,26 @@ pub enum ConnectError {
         /// What the store needs.
         expected: String,
     },
+    /// The server would not make a stream or bucket: it cannot reserve
+    /// the `max_bytes` asked for. JetStream reserves every file stream's
+    /// `max_bytes` when it is made, against the server's
+    /// `max_file_store` (by default three quarters of the disk free when
+    /// it started) and the account's limit.
+    #[error(
+        "{what}: the server cannot reserve max_bytes = {max_bytes} ({detail}); \
+         raise the server's jetstream max_file_store (or the account's limit), \
+         or lower {field}"
+    )]
+    Reserve {
+        /// `stream NAME` or `bucket NAME`.
+        what: String,
+        /// What it asked for.
+        max_bytes: u64,
+        /// The option it comes from, and its default.
+        field: &'static str,
+        /// The server's answer.
+        detail: String,
+    },
     /// The bucket's records could not be loaded in time.
     #[error("loading the bucket's records: {0}")]
     Load(String),

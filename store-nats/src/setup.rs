@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{
     self, ErrorCode,
-    context::GetStreamErrorKind,
+    context::{CreateStreamErrorKind, GetStreamErrorKind},
     stream::{self, DiscardPolicy, RetentionPolicy, StorageType},
 };
 
@@ -210,20 +210,61 @@ pub(crate) async fn events_stream(
 ) -> Result<stream::Stream, ConnectError> {
     let want = events_config(opts, names);
     let what = format!("stream {}", opts.stream);
-    let stream = match js.get_stream(&opts.stream).await {
+    get_or_create(
+        js,
+        &what,
+        want,
+        "[journal.nats] stream_max_bytes (by default 4 x [journal] max_bytes)",
+    )
+    .await
+}
+
+/// The stream `want.name`, created as `want` if missing, checked against
+/// it if not. `max_bytes_field` names the option its `max_bytes` comes
+/// from, for the operator when the server cannot reserve it.
+async fn get_or_create(
+    js: &jetstream::Context,
+    what: &str,
+    want: stream::Config,
+    max_bytes_field: &'static str,
+) -> Result<stream::Stream, ConnectError> {
+    let stream = match js.get_stream(&want.name).await {
         Ok(s) => s,
         Err(e) if not_found(&e.kind()) => match js.create_stream(want.clone()).await {
             Ok(s) => s,
             // Another Edge created it meanwhile: check that one.
-            Err(create) => match js.get_stream(&opts.stream).await {
+            Err(create) => match js.get_stream(&want.name).await {
                 Ok(s) => s,
-                Err(_) => return Err(ConnectError::JetStream(format!("{what}: {create}"))),
+                Err(_) => {
+                    return Err(match create.kind() {
+                        CreateStreamErrorKind::JetStream(e) if cannot_reserve(&e) => {
+                            ConnectError::Reserve {
+                                what: what.to_owned(),
+                                max_bytes: u64::try_from(want.max_bytes).unwrap_or(0),
+                                field: max_bytes_field,
+                                detail: e.to_string(),
+                            }
+                        }
+                        _ => ConnectError::JetStream(format!("{what}: {create}")),
+                    });
+                }
             },
         },
         Err(e) => return Err(ConnectError::JetStream(format!("{what}: {e}"))),
     };
-    check(&what, &stream.cached_info().config, &want)?;
+    check(what, &stream.cached_info().config, &want)?;
     Ok(stream)
+}
+
+/// Did the server refuse a new stream because its `max_bytes` cannot be
+/// reserved? JetStream reserves every file stream's `max_bytes` against
+/// the server's `max_file_store` and the account's limit when the stream
+/// is made, whatever it holds.
+fn cannot_reserve(e: &async_nats::jetstream::Error) -> bool {
+    let code = e.error_code();
+    code == ErrorCode::INSUFFICIENT_RESOURCES
+        || code == ErrorCode::STORAGE_RESOURCES_EXCEEDED
+        || code == ErrorCode::ACCOUNT_RESOURCES_EXCEEDED
 }
 
 /// The journal's bucket's stream, the bucket created if missing, checked
@@ -239,6 +280,7 @@ pub(crate) async fn bucket_stream(
             name: opts.bucket.clone(),
             description: "iop journal: records, epochs and idempotency keys",
             max_bytes: opts.bucket_max_bytes,
+            max_bytes_field: "[journal.nats] bucket_max_bytes (by default 2 x [journal] max_bytes)",
             max_age: Duration::ZERO,
         },
     )
@@ -253,6 +295,8 @@ pub(crate) struct Bucket {
     pub(crate) description: &'static str,
     /// Its `max_bytes` (discard new: a write past it is refused).
     pub(crate) max_bytes: u64,
+    /// The option `max_bytes` comes from.
+    pub(crate) max_bytes_field: &'static str,
     /// How long a value stays after its last write (zero: for good).
     pub(crate) max_age: Duration,
 }
@@ -271,7 +315,7 @@ pub(crate) async fn bucket(
     let stream_name = format!("KV_{}", bucket.name);
     let what = format!("bucket {}", bucket.name);
     let want = stream::Config {
-        name: stream_name.clone(),
+        name: stream_name,
         description: Some(bucket.description.into()),
         subjects: vec![format!("$KV.{}.>", bucket.name)],
         retention: RetentionPolicy::Limits,
@@ -289,19 +333,7 @@ pub(crate) async fn bucket(
         deny_purge: false,
         ..Default::default()
     };
-    let stream = match js.get_stream(&stream_name).await {
-        Ok(s) => s,
-        Err(e) if not_found(&e.kind()) => match js.create_stream(want.clone()).await {
-            Ok(s) => s,
-            Err(create) => match js.get_stream(&stream_name).await {
-                Ok(s) => s,
-                Err(_) => return Err(ConnectError::JetStream(format!("{what}: {create}"))),
-            },
-        },
-        Err(e) => return Err(ConnectError::JetStream(format!("{what}: {e}"))),
-    };
-    check(&what, &stream.cached_info().config, &want)?;
-    Ok(stream)
+    get_or_create(js, &what, want, bucket.max_bytes_field).await
 }
 
 #[cfg(test)]

@@ -201,6 +201,7 @@ impl NatsTenantStore {
             name: name.to_owned(),
             description,
             max_bytes: opts.tenant_bucket_max_bytes,
+            max_bytes_field: "[journal.nats] tenant_bucket_max_bytes (by default 256 MiB)",
             max_age,
         };
         let retention = Duration::from_millis(USAGE_RETENTION_DAYS * DAY_MS);

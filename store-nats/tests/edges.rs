@@ -385,6 +385,65 @@ async fn an_incompatible_existing_stream_is_refused_naming_the_field() {
     drop(connect(&server, "compat", LIMITS).await);
 }
 
+/// A server that cannot reserve a stream's or bucket's `max_bytes`
+/// (JetStream reserves each against its `max_file_store` when it is made)
+/// is named with the option to lower, not reported as unreachable; with
+/// the option lowered the store opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_room_for_the_limits_names_the_option_to_lower() {
+    const MIB: u64 = 1 << 20;
+    // The stream's 256 MiB fit, the bucket's 128 MiB more do not.
+    let Some(server) = NatsServer::start_with_file_store(300 * MIB, &[]) else {
+        return;
+    };
+    let expect_reserve =
+        |result: Result<_, ConnectError>, want_what: &str, want_field: &str| match result {
+            Err(ConnectError::Reserve {
+                what,
+                max_bytes,
+                field,
+                detail,
+            }) => {
+                assert_eq!(what, want_what, "{detail}");
+                assert!(field.contains(want_field), "{field}");
+                assert!(max_bytes > 0);
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("{want_what} made beyond the server's storage"),
+        };
+    let o = options(&server.url(), "small", LIMITS);
+    expect_reserve(
+        NatsStore::connect(o.clone()).await.map(drop),
+        "bucket j_small",
+        "bucket_max_bytes",
+    );
+    let err = NatsStore::connect(o.clone())
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("max_file_store"), "{err}");
+    let mut o = o;
+    o.bucket_max_bytes = 16 * MIB;
+    o.bucket_reserve_bytes = 8 * MIB;
+    o.tenant_bucket_max_bytes = 256 * MIB;
+    let store = NatsStore::connect(o.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // The tenants' four buckets of 256 MiB do not fit either.
+    expect_reserve(
+        store.tenant_store().await.map(drop),
+        "bucket j_small_rates",
+        "tenant_bucket_max_bytes",
+    );
+    drop(store);
+    o.tenant_bucket_max_bytes = 4 * MIB;
+    let store = NatsStore::connect(o)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.tenant_store().await.unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// A server that wants a user and password: the right ones connect, wrong
 /// ones are a connect error, not a panic or a hang.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

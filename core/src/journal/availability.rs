@@ -97,7 +97,8 @@ pub enum OpenFailure {
     /// The embedded file is not a readable journal.
     Damaged,
     /// The store exists with a layout this Edge cannot use (a stream
-    /// configured otherwise, a file of an unknown format).
+    /// configured otherwise, a file of an unknown format), or the server
+    /// cannot make one as configured (its storage cannot be reserved).
     Incompatible,
     /// This Edge's ownership lease or its first takeover scan failed.
     Lease,

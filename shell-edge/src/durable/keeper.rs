@@ -149,7 +149,7 @@ fn embedded_failure(e: &iop_store::OpenError) -> OpenFailure {
 fn nats_failure(e: &iop_store_nats::ConnectError) -> OpenFailure {
     use iop_store_nats::ConnectError as E;
     match e {
-        E::Incompatible { .. } | E::Options { .. } | E::Credentials { .. } => {
+        E::Incompatible { .. } | E::Options { .. } | E::Credentials { .. } | E::Reserve { .. } => {
             OpenFailure::Incompatible
         }
         E::Load(_) => OpenFailure::Timeout,

@@ -26,7 +26,15 @@ pub struct NatsServer {
     child: Option<Child>,
     port: u16,
     dir: PathBuf,
+    max_file_store: u64,
 }
+
+/// The servers' JetStream `max_file_store`. JetStream reserves every
+/// file stream's `max_bytes` against it when the stream is made; its
+/// default (three quarters of the disk free at start) would make the
+/// tests depend on the machine's free disk. What is written is bounded
+/// by the streams' own limits.
+pub const MAX_FILE_STORE: u64 = 1 << 40;
 
 fn find_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("NATS_SERVER") {
@@ -57,6 +65,11 @@ impl NatsServer {
 
     /// As [`Self::start`], with extra server arguments.
     pub fn start_with(extra: &[&str]) -> Option<NatsServer> {
+        Self::start_with_file_store(MAX_FILE_STORE, extra)
+    }
+
+    /// As [`Self::start_with`], JetStream's `max_file_store` set.
+    pub fn start_with_file_store(max_file_store: u64, extra: &[&str]) -> Option<NatsServer> {
         let Some(binary) = find_binary() else {
             if std::env::var_os("CI").is_some() {
                 panic!(
@@ -80,6 +93,7 @@ impl NatsServer {
             child: None,
             port: free_port(),
             dir,
+            max_file_store,
         };
         server.spawn(extra);
         Some(server)
@@ -91,9 +105,19 @@ impl NatsServer {
             .append(true)
             .open(self.dir.join("server.log"))
             .expect("the server's log");
+        let config = self.dir.join("server.conf");
+        let store = self.dir.join("js").display().to_string();
+        std::fs::write(
+            &config,
+            format!(
+                "jetstream {{\n  store_dir: {store:?}\n  max_file_store: {}\n}}\n",
+                self.max_file_store
+            ),
+        )
+        .expect("the server's config");
         let child = Command::new(&self.binary)
-            .args(["-js", "-sd"])
-            .arg(self.dir.join("js"))
+            .arg("-c")
+            .arg(&config)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
             .args(extra)
             .stdout(Stdio::from(log.try_clone().expect("log")))
@@ -162,7 +186,7 @@ pub fn options(url: &str, name: &str, limits: JournalLimits) -> NatsOptions {
     o.bucket = format!("j_{name}");
     o.subject_prefix = format!("j.{name}");
     o.usage_refresh = Duration::ZERO;
-    // The server reserves each bucket's bytes from its disk.
+    // The server reserves each bucket's bytes against its store.
     o.tenant_bucket_max_bytes = 8 << 20;
     o
 }
