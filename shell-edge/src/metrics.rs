@@ -19,7 +19,7 @@ use iop_transport::telemetry::MetricsPipeline;
 use iop_transport::traces::{TracePipeline, Tracer};
 use iop_wire::{CloseCode, FailureCode, Usage};
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::metrics::{BoundCounter, BoundHistogram, Counter, Histogram};
 
 use crate::config::EdgeConfig;
 
@@ -163,6 +163,9 @@ pub struct EdgeMetrics {
     genai_cache_write_tokens: Counter<u64>,
     genai_duration: Histogram<f64>,
     genai_time_to_first_chunk: Histogram<f64>,
+    /// The instruments a request measures, bound to each label set met
+    /// so far.
+    bound: BoundInstruments,
     /// Configured provider id -> (adapter, node), set once at start.
     providers: std::sync::OnceLock<std::collections::HashMap<String, (&'static str, String)>>,
     traces: TracePipeline,
@@ -173,6 +176,88 @@ pub struct EdgeMetrics {
         Vec<opentelemetry::metrics::ObservableGauge<u64>>,
         opentelemetry::metrics::ObservableCounter<u64>,
     ),
+}
+
+/// The instruments every request measures, bound to each label set met
+/// so far: a bound instrument writes to its series directly, without the
+/// attribute lookup of every measurement.
+#[derive(Default)]
+struct BoundInstruments {
+    genai: BoundSets<GenAiKey, GenAiBound>,
+    /// Per route: attempts per request, queue wait, bytes relayed, TTFT.
+    route: BoundSets<&'static str, RouteBound>,
+    /// Per (route, outcome): requests and their duration.
+    request: BoundSets<(&'static str, &'static str), RequestBound>,
+    /// Per (provider, outcome): attempts.
+    attempt: BoundSets<(String, &'static str), BoundCounter<u64>>,
+    /// Per (provider, route model): input and output tokens.
+    tokens: BoundSets<(String, String), [BoundCounter<u64>; 2]>,
+}
+
+/// Instruments bound to each label set met so far, at most
+/// [`MAX_BOUND_SETS`] of them; past that a set is bound for each
+/// measurement (the same numbers, more work). The label values come
+/// from the configuration and closed sets only, as every label's do.
+struct BoundSets<K, V> {
+    sets: std::sync::Mutex<std::collections::HashMap<K, Arc<V>>>,
+}
+
+impl<K, V> Default for BoundSets<K, V> {
+    fn default() -> Self {
+        BoundSets {
+            sets: std::sync::Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+}
+
+impl<K: Eq + std::hash::Hash, V> BoundSets<K, V> {
+    /// The instruments bound to `key`'s set, bound by `bind` the first
+    /// time it is met.
+    fn get(&self, key: K, bind: impl FnOnce() -> V) -> Arc<V> {
+        let mut sets = self
+            .sets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(bound) = sets.get(&key) {
+            return Arc::clone(bound);
+        }
+        let bound = Arc::new(bind());
+        if sets.len() < MAX_BOUND_SETS {
+            sets.insert(key, Arc::clone(&bound));
+        }
+        bound
+    }
+}
+
+/// Most label sets an instrument group keeps bound.
+const MAX_BOUND_SETS: usize = 4096;
+
+/// A GenAI label set: operation, provider name, route model, error type.
+type GenAiKey = (&'static str, &'static str, String, Option<&'static str>);
+
+/// The GenAI instruments bound to one label set.
+struct GenAiBound {
+    duration: BoundHistogram<f64>,
+    first_chunk: BoundHistogram<f64>,
+    input: BoundHistogram<u64>,
+    output: BoundHistogram<u64>,
+    cache_read: BoundCounter<u64>,
+    cache_write: BoundCounter<u64>,
+}
+
+/// The instruments labelled with a route alone, bound to one.
+struct RouteBound {
+    attempts_per_request: BoundHistogram<u64>,
+    queue_wait: BoundHistogram<f64>,
+    relayed_bytes: BoundCounter<u64>,
+    ttft: BoundHistogram<f64>,
+}
+
+/// `iop_edge_requests_total` and the request duration, bound to one
+/// route and outcome.
+struct RequestBound {
+    requests: BoundCounter<u64>,
+    duration: BoundHistogram<f64>,
 }
 
 impl std::fmt::Debug for EdgeMetrics {
@@ -426,6 +511,7 @@ impl EdgeMetrics {
                 )
                 .with_boundaries(GENAI_SECONDS_BUCKETS.to_vec())
                 .build(),
+            bound: BoundInstruments::default(),
             providers: std::sync::OnceLock::new(),
             traces,
             route_models: std::sync::OnceLock::new(),
@@ -607,46 +693,81 @@ impl EdgeMetrics {
         usage: Option<Usage>,
         first_chunk: Option<Duration>,
     ) {
-        use crate::genai;
-        let mut attrs = vec![
-            KeyValue::new(genai::OPERATION_NAME, labels.operation),
-            KeyValue::new(genai::PROVIDER_NAME, labels.provider_name),
-            KeyValue::new(genai::REQUEST_MODEL, labels.model.clone()),
-        ];
+        let bound = self.genai_bound(labels);
         if let Some(first_chunk) = first_chunk {
-            self.genai_time_to_first_chunk
-                .record(first_chunk.as_secs_f64(), &attrs);
+            bound.first_chunk.record(first_chunk.as_secs_f64());
         }
         if let Some(usage) = usage {
-            for (kind, n) in [
-                ("input", usage.prompt_tokens),
-                ("output", usage.completion_tokens),
-            ] {
-                // An embedding has no output tokens to count.
-                if kind == "output" && labels.operation == genai::OPERATION_EMBEDDINGS {
-                    continue;
-                }
-                let mut with_kind = attrs.clone();
-                with_kind.push(KeyValue::new(genai::TOKEN_TYPE, kind));
-                self.genai_token_usage.record(n, &with_kind);
+            bound.input.record(usage.prompt_tokens);
+            // An embedding has no output tokens to count.
+            if labels.operation != crate::genai::OPERATION_EMBEDDINGS {
+                bound.output.record(usage.completion_tokens);
             }
             // The prompt cache's counts, as the provider reported them.
-            let mut with_modality = attrs.clone();
-            with_modality.push(KeyValue::new(
+            if let Some(n) = usage.cache_read_tokens {
+                bound.cache_read.add(n);
+            }
+            if let Some(n) = usage.cache_write_tokens {
+                bound.cache_write.add(n);
+            }
+        }
+        bound.duration.record(duration.as_secs_f64());
+    }
+
+    /// The GenAI instruments bound to `labels`' set.
+    fn genai_bound(&self, labels: &crate::genai::GenAiLabels) -> Arc<GenAiBound> {
+        use crate::genai;
+        let key: GenAiKey = (
+            labels.operation,
+            labels.provider_name,
+            labels.model.clone(),
+            labels.error_type,
+        );
+        self.bound.genai.get(key, || {
+            let attrs = [
+                KeyValue::new(genai::OPERATION_NAME, labels.operation),
+                KeyValue::new(genai::PROVIDER_NAME, labels.provider_name),
+                KeyValue::new(genai::REQUEST_MODEL, labels.model.clone()),
+            ];
+            let with = |kv: KeyValue| {
+                let mut a = attrs.to_vec();
+                a.push(kv);
+                a
+            };
+            let with_error = match labels.error_type {
+                Some(error) => with(KeyValue::new(genai::ERROR_TYPE, error)),
+                None => attrs.to_vec(),
+            };
+            let modality = with(KeyValue::new(
                 genai::TOKEN_MODALITY,
                 genai::MODALITY_UNKNOWN,
             ));
-            if let Some(n) = usage.cache_read_tokens {
-                self.genai_cache_read_tokens.add(n, &with_modality);
+            GenAiBound {
+                duration: self.genai_duration.bind(&with_error),
+                first_chunk: self.genai_time_to_first_chunk.bind(&attrs),
+                input: self
+                    .genai_token_usage
+                    .bind(&with(KeyValue::new(genai::TOKEN_TYPE, "input"))),
+                output: self
+                    .genai_token_usage
+                    .bind(&with(KeyValue::new(genai::TOKEN_TYPE, "output"))),
+                cache_read: self.genai_cache_read_tokens.bind(&modality),
+                cache_write: self.genai_cache_write_tokens.bind(&modality),
             }
-            if let Some(n) = usage.cache_write_tokens {
-                self.genai_cache_write_tokens.add(n, &with_modality);
+        })
+    }
+
+    /// The instruments labelled with `route` alone, bound to it.
+    fn route_bound(&self, route: &'static str) -> Arc<RouteBound> {
+        self.bound.route.get(route, || {
+            let labels = [KeyValue::new("route", route)];
+            RouteBound {
+                attempts_per_request: self.attempts_per_request.bind(&labels),
+                queue_wait: self.queue_wait.bind(&labels),
+                relayed_bytes: self.relayed_bytes.bind(&labels),
+                ttft: self.ttft.bind(&labels),
             }
-        }
-        if let Some(error) = labels.error_type {
-            attrs.push(KeyValue::new(genai::ERROR_TYPE, error));
-        }
-        self.genai_duration.record(duration.as_secs_f64(), &attrs);
+        })
     }
 
     /// Set the configured route models once (later calls change nothing).
@@ -682,60 +803,71 @@ impl EdgeMetrics {
         self.gauges
             .output_tokens
             .fetch_add(usage.completion_tokens, Ordering::Relaxed);
-        for (kind, n) in [
-            ("input", usage.prompt_tokens),
-            ("output", usage.completion_tokens),
-        ] {
-            self.tokens.add(
-                n,
-                &[
-                    KeyValue::new("provider", provider.to_owned()),
-                    KeyValue::new("model", route_model.to_owned()),
-                    KeyValue::new("kind", kind),
-                ],
-            );
-        }
+        let [input, output] =
+            &*self
+                .bound
+                .tokens
+                .get((provider.to_owned(), route_model.to_owned()), || {
+                    ["input", "output"].map(|kind| {
+                        self.tokens.bind(&[
+                            KeyValue::new("provider", provider.to_owned()),
+                            KeyValue::new("model", route_model.to_owned()),
+                            KeyValue::new("kind", kind),
+                        ])
+                    })
+                });
+        input.add(usage.prompt_tokens);
+        output.add(usage.completion_tokens);
     }
 
     /// One finished attempt on `provider`: `ok` or its failure code.
     pub fn attempt(&self, provider: &str, outcome: &'static str) {
-        self.attempts.add(
-            1,
-            &[
-                KeyValue::new("provider", provider.to_owned()),
-                KeyValue::new("outcome", outcome),
-            ],
-        );
+        self.bound
+            .attempt
+            .get((provider.to_owned(), outcome), || {
+                self.attempts.bind(&[
+                    KeyValue::new("provider", provider.to_owned()),
+                    KeyValue::new("outcome", outcome),
+                ])
+            })
+            .add(1);
     }
 
     /// The attempts a finished request took.
     pub fn attempts_per_request(&self, route: &'static str, attempts: u32) {
-        self.attempts_per_request
-            .record(u64::from(attempts), &[KeyValue::new("route", route)]);
+        self.route_bound(route)
+            .attempts_per_request
+            .record(u64::from(attempts));
     }
 
     /// Time one attempt waited for its lease.
     pub fn queue_wait(&self, route: &'static str, waited: Duration) {
-        self.queue_wait
-            .record(waited.as_secs_f64(), &[KeyValue::new("route", route)]);
+        self.route_bound(route)
+            .queue_wait
+            .record(waited.as_secs_f64());
     }
 
     /// Response body bytes streamed to a client.
     pub fn relayed(&self, route: &'static str, bytes: u64) {
         if bytes > 0 {
-            self.relayed_bytes
-                .add(bytes, &[KeyValue::new("route", route)]);
+            self.route_bound(route).relayed_bytes.add(bytes);
         }
     }
 
     /// One finished client request.
     pub fn request(&self, route: &'static str, outcome: &'static str, total: Duration) {
-        let labels = [
-            KeyValue::new("route", route),
-            KeyValue::new("outcome", outcome),
-        ];
-        self.requests.add(1, &labels);
-        self.duration.record(total.as_secs_f64(), &labels);
+        let bound = self.bound.request.get((route, outcome), || {
+            let labels = [
+                KeyValue::new("route", route),
+                KeyValue::new("outcome", outcome),
+            ];
+            RequestBound {
+                requests: self.requests.bind(&labels),
+                duration: self.duration.bind(&labels),
+            }
+        });
+        bound.requests.add(1);
+        bound.duration.record(total.as_secs_f64());
         self.gauges
             .requests_finished
             .fetch_add(1, Ordering::Relaxed);
@@ -782,8 +914,7 @@ impl EdgeMetrics {
 
     /// Time to first content of a request.
     pub fn ttft(&self, route: &'static str, ttft: Duration) {
-        self.ttft
-            .record(ttft.as_secs_f64(), &[KeyValue::new("route", route)]);
+        self.route_bound(route).ttft.record(ttft.as_secs_f64());
     }
 
     /// A client connection was admitted (`refused: None`) or refused;
