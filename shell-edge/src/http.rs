@@ -25,8 +25,8 @@ use tokio::sync::mpsc;
 use crate::admit::{admit, routed_pool};
 use crate::answer_body::answer_body;
 use crate::api::endpoint::{
-    AnswerStart, AnswerStream, ChatCompletions, Completions, Embeddings, Messages, Ollama,
-    OllamaEmbed, Responses, RunEndpoint, WholeAnswer,
+    AnswerJson, AnswerStart, AnswerStream, ChatCompletions, Completions, Embeddings, Messages,
+    Ollama, OllamaEmbed, Responses, RunEndpoint, WholeAnswer,
 };
 use crate::api::{ApiError, OllamaError, messages, models, ollama};
 use crate::app_state::{AppState, authenticate, authenticate_admin, authenticate_x_api_key};
@@ -423,9 +423,9 @@ async fn run_admitted<E: RunEndpoint>(
         )
         .await
         {
-            Ok(v) => {
+            Ok(answer) => {
                 record.set("ok");
-                axum::Json(v).into_response()
+                answer.into_response()
             }
             Err(e) => refuse(record, e),
         }
@@ -441,7 +441,7 @@ async fn whole_answer<W: WholeAnswer>(
     rx: &mut Deliveries,
     mut whole: W,
     max_bytes: usize,
-) -> Result<serde_json::Value, ApiError> {
+) -> Result<AnswerJson, ApiError> {
     let mut budget = WholeAnswerBudget::new(max_bytes);
     while let Some(d) = rx.recv().await {
         match d {
@@ -893,6 +893,7 @@ mod tests {
         )
         .await
         .unwrap();
+        let answer: serde_json::Value = serde_json::from_slice(answer.as_bytes()).unwrap();
         assert_eq!(answer["choices"][0]["message"]["content"], "1234567");
     }
 }

@@ -693,9 +693,9 @@ async fn whole_from_journal<E: RunEndpoint>(
                     _ => Err(terminal_error(&terminal)),
                 };
                 return match answer {
-                    Ok(v) => {
+                    Ok(answer) => {
                         record.set("ok");
-                        axum::Json(v).into_response()
+                        answer.into_response()
                     }
                     Err(e) => refuse(endpoint, record, e),
                 };
@@ -1185,7 +1185,7 @@ async fn chat_object(state: &AppState, id: &str, start: AnswerStart) -> Result<V
             Followed::Ended(_) => break,
         }
     }
-    Ok(acc.snapshot())
+    acc.snapshot()
 }
 
 /// `POST /v1/responses/{id}/cancel`: cancel a running response; the

@@ -18,7 +18,7 @@ use iop_wire::{
     ToolCall, ToolCallDelta, ToolDefinition, Usage,
 };
 use serde::Serialize;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use super::NormalizedRun;
 use super::error::ApiError;
@@ -542,7 +542,7 @@ struct FunctionFragment<'a> {
 /// The OpenAI `usage` object: `prompt_tokens_details` only when the
 /// provider reported a prompt cache count, each count only when reported
 /// (never invented). Keys in order, as `json!` writes them.
-#[derive(Serialize)]
+#[derive(Debug, Serialize)]
 struct UsageFields {
     completion_tokens: u64,
     prompt_tokens: u64,
@@ -552,7 +552,7 @@ struct UsageFields {
 }
 
 /// OpenAI's `usage.prompt_tokens_details`: the prompt cache's share.
-#[derive(Serialize)]
+#[derive(Debug, Serialize)]
 struct PromptTokensDetails {
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_write_tokens: Option<u64>,
@@ -819,69 +819,112 @@ impl ChatAccumulator {
     }
 
     /// The `chat.completion` object, or the error the run ended with.
-    pub fn finish(&self) -> Result<Value, ApiError> {
+    pub fn finish(&self) -> Result<ChatCompletion<'_>, ApiError> {
         let finish_reason = self.transcript.finish_reason()?;
-        Ok(self.completion_json(Some(finish_reason.openai_str())))
+        Ok(self.completion(Some(finish_reason.openai_str())))
     }
 
     /// The `chat.completion` object as it stands: a stored completion
     /// fetched before it finished, or one that ended without its answer,
     /// has `finish_reason` `null`.
-    pub fn snapshot(&self) -> Value {
-        match self.transcript.finish_reason() {
-            Ok(reason) => self.completion_json(Some(reason.as_str())),
-            Err(_) => self.completion_json(None),
-        }
+    pub fn snapshot(&self) -> Result<Value, ApiError> {
+        let reason = self
+            .transcript
+            .finish_reason()
+            .ok()
+            .map(FinishReason::openai_str);
+        serde_json::to_value(self.completion(reason)).map_err(|_| ApiError::internal())
     }
 
-    fn completion_json(&self, finish_reason: Option<&str>) -> Value {
+    fn completion<'a>(&'a self, finish_reason: Option<&'a str>) -> ChatCompletion<'a> {
         let text = self.transcript.text();
         let tool_calls = self.transcript.tool_calls();
-        let mut message = Map::new();
-        message.insert("role".into(), json!("assistant"));
-        let content = if text.is_empty() && !tool_calls.is_empty() {
-            Value::Null
-        } else {
-            json!(text)
-        };
-        message.insert("content".into(), content);
-        message.insert("refusal".into(), Value::Null);
-        if !self.transcript.reasoning().is_empty() {
-            message.insert(
-                "reasoning_content".into(),
-                json!(self.transcript.reasoning()),
-            );
-        }
-        if !tool_calls.is_empty() {
-            let calls: Vec<Value> = tool_calls
-                .calls()
-                .map(|call| {
-                    json!({
-                        "id": call.id,
-                        "type": "function",
-                        "function": { "name": call.name, "arguments": call.arguments },
-                    })
-                })
-                .collect();
-            message.insert("tool_calls".into(), Value::Array(calls));
-        }
-        json!({
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created_unix,
-            "model": self.model,
-            "system_fingerprint": null,
-            "choices": [{
-                "index": 0,
-                "message": message,
-                "logprobs": (!self.transcript.logprobs().is_empty())
-                    .then(|| logprobs_json(self.transcript.logprobs())),
-                "finish_reason": finish_reason,
+        let logprobs = self.transcript.logprobs();
+        ChatCompletion {
+            choices: [CompletionChoice {
+                finish_reason,
+                index: 0,
+                logprobs: (!logprobs.is_empty()).then(|| logprobs_json(logprobs)),
+                message: CompletionMessage {
+                    content: (!text.is_empty() || tool_calls.is_empty()).then_some(text),
+                    reasoning_content: self.transcript.reasoning(),
+                    refusal: (),
+                    role: "assistant",
+                    tool_calls: tool_calls
+                        .calls()
+                        .map(|call| CompletionToolCall {
+                            function: CompletionFunction {
+                                arguments: &call.arguments,
+                                name: &call.name,
+                            },
+                            id: &call.id,
+                            kind: "function",
+                        })
+                        .collect(),
+                },
             }],
+            created: self.created_unix,
+            id: &self.id,
+            model: &self.model,
+            object: "chat.completion",
+            system_fingerprint: (),
             // The provider's usage, or `null` when it reported none.
-            "usage": self.transcript.usage().map(usage_json),
-        })
+            usage: self.transcript.usage().map(UsageFields::from),
+        }
     }
+}
+
+/// The non-streaming `chat.completion` object, written without building
+/// a map: the fields of each object in the order a JSON map of them
+/// writes its keys (sorted), so the bytes are those of the same object
+/// built as a [`Value`].
+#[derive(Debug, Serialize)]
+pub struct ChatCompletion<'a> {
+    choices: [CompletionChoice<'a>; 1],
+    created: u64,
+    id: &'a str,
+    model: &'a str,
+    object: &'static str,
+    system_fingerprint: (),
+    usage: Option<UsageFields>,
+}
+
+/// The completion's one choice.
+#[derive(Debug, Serialize)]
+struct CompletionChoice<'a> {
+    finish_reason: Option<&'a str>,
+    index: u32,
+    logprobs: Option<Value>,
+    message: CompletionMessage<'a>,
+}
+
+/// The assistant's message: `content` `null` when it only calls tools;
+/// `reasoning_content` and `tool_calls` only when there are some.
+#[derive(Debug, Serialize)]
+struct CompletionMessage<'a> {
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    reasoning_content: &'a str,
+    refusal: (),
+    role: &'static str,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<CompletionToolCall<'a>>,
+}
+
+/// One tool call of the message.
+#[derive(Debug, Serialize)]
+struct CompletionToolCall<'a> {
+    function: CompletionFunction<'a>,
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// A tool call's function and its JSON-encoded arguments.
+#[derive(Debug, Serialize)]
+struct CompletionFunction<'a> {
+    arguments: &'a str,
+    name: &'a str,
 }
 
 #[cfg(test)]
@@ -1115,7 +1158,7 @@ mod tests {
         for e in &events {
             acc.push(e);
         }
-        let v = acc.finish().unwrap();
+        let v = finished(&acc);
         assert_eq!(v["choices"][0]["message"]["reasoning_content"], "think");
         assert_eq!(v["choices"][0]["logprobs"]["content"][0]["token"], "a");
         assert!(v["usage"].is_null());
@@ -1407,6 +1450,115 @@ mod tests {
         Usage::tokens(p, c)
     }
 
+    /// The finished completion as a JSON value.
+    fn finished(acc: &ChatAccumulator) -> Value {
+        serde_json::to_value(acc.finish().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn the_typed_completion_writes_the_bytes_of_the_same_object_as_a_map() {
+        use iop_wire::TokenLogprob;
+        let mut cached = usage(40, 3);
+        cached.cache_read_tokens = Some(32);
+        let rich = [
+            RunEventKind::ReasoningDelta("think \"hard\"".into()),
+            text("héllo"),
+            RunEventKind::Logprobs(vec![TokenLogprob {
+                token: "h".into(),
+                logprob: -0.25,
+                top: vec![("h".into(), -0.25), ("x".into(), -2.0)],
+            }]),
+            tool_delta(0, Some("call_a"), Some("f"), "{\"x\":1}"),
+            completed(FinishReason::ToolCalls, Some(cached)),
+        ];
+        let tool_only = [
+            tool_delta(0, Some("call_b"), Some("g"), "{}"),
+            completed(FinishReason::ToolCalls, None),
+        ];
+        let expected = [
+            json!({
+                "choices": [{
+                    "finish_reason": "tool_calls",
+                    "index": 0,
+                    "logprobs": {"content": [{
+                        "token": "h", "logprob": -0.25, "bytes": [104],
+                        "top_logprobs": [
+                            {"token": "h", "logprob": -0.25, "bytes": [104]},
+                            {"token": "x", "logprob": -2.0, "bytes": [120]}
+                        ]
+                    }], "refusal": null},
+                    "message": {
+                        "content": "héllo",
+                        "reasoning_content": "think \"hard\"",
+                        "refusal": null,
+                        "role": "assistant",
+                        "tool_calls": [{
+                            "function": {"arguments": "{\"x\":1}", "name": "f"},
+                            "id": "call_a",
+                            "type": "function"
+                        }]
+                    }
+                }],
+                "created": 7,
+                "id": "chatcmpl-t",
+                "model": "m",
+                "object": "chat.completion",
+                "system_fingerprint": null,
+                "usage": {
+                    "completion_tokens": 3, "prompt_tokens": 40,
+                    "prompt_tokens_details": {"cached_tokens": 32},
+                    "total_tokens": 43
+                }
+            }),
+            json!({
+                "choices": [{
+                    "finish_reason": "tool_calls",
+                    "index": 0,
+                    "logprobs": null,
+                    "message": {
+                        "content": null,
+                        "refusal": null,
+                        "role": "assistant",
+                        "tool_calls": [{
+                            "function": {"arguments": "{}", "name": "g"},
+                            "id": "call_b",
+                            "type": "function"
+                        }]
+                    }
+                }],
+                "created": 7,
+                "id": "chatcmpl-t",
+                "model": "m",
+                "object": "chat.completion",
+                "system_fingerprint": null,
+                "usage": null
+            }),
+        ];
+        for (events, expected) in [&rich[..], &tool_only[..]].into_iter().zip(expected) {
+            let mut acc = ChatAccumulator::new("chatcmpl-t", "m", 7);
+            for e in events {
+                acc.push(e);
+            }
+            let typed = acc.finish().unwrap();
+            assert_eq!(serde_json::to_value(&typed).unwrap(), expected);
+            // Byte for byte what the object built as a map writes (its
+            // keys sorted), as the answer was before it was typed.
+            assert_eq!(serde_json::to_string(&typed).unwrap(), expected.to_string());
+            // A stored completion fetched reads the same object.
+            assert_eq!(acc.snapshot().unwrap(), expected);
+        }
+        // A stored completion a stop sequence ended says `stop` when
+        // fetched, as when it was answered (OpenAI has no other name).
+        let mut acc = ChatAccumulator::new("chatcmpl-s", "m", 7);
+        acc.push(&text("a"));
+        acc.push(&completed(FinishReason::StopSequence, None));
+        assert_eq!(finished(&acc)["choices"][0]["finish_reason"], "stop");
+        assert_eq!(
+            acc.snapshot().unwrap()["choices"][0]["finish_reason"],
+            "stop"
+        );
+    }
+
     fn run(stream: &mut ChatStream, events: &[RunEventKind]) -> Vec<Value> {
         let mut out = Vec::new();
         for e in events {
@@ -1438,7 +1590,7 @@ mod tests {
         let mut acc = ChatAccumulator::new("c", "m", 1);
         acc.push(&text("hi"));
         acc.push(&completed(FinishReason::Stop, Some(cached)));
-        assert_eq!(acc.finish().unwrap()["usage"], expected);
+        assert_eq!(finished(&acc)["usage"], expected);
         // A write count too (a Messages provider's cache_creation_input_tokens).
         let written = Usage {
             cache_write_tokens: Some(6),
@@ -1677,7 +1829,7 @@ mod tests {
             acc.push(&e);
         }
         assert!(acc.is_finished());
-        let v = acc.finish().unwrap();
+        let v = finished(&acc);
         assert_eq!(v["id"], "chatcmpl-2");
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["created"], 5);
@@ -1705,7 +1857,7 @@ mod tests {
         ] {
             acc.push(&e);
         }
-        let v = acc.finish().unwrap();
+        let v = finished(&acc);
         let message = &v["choices"][0]["message"];
         assert!(message["content"].is_null());
         assert_eq!(

@@ -60,8 +60,8 @@ macro_rules! openai_answer {
                 self.push(event);
             }
 
-            fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
-                self.finish()
+            fn answer(&self, _now_unix_ms: u64) -> Result<AnswerJson, ApiError> {
+                AnswerJson::of(&self.finish()?)
             }
         }
     };
@@ -195,12 +195,53 @@ pub trait WholeAnswer: Send + 'static {
     /// Fold one event in.
     fn event(&mut self, event: &RunEventKind);
     /// The answer at `now_unix_ms`, or the error the run ended with.
-    fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError>;
+    fn answer(&self, now_unix_ms: u64) -> Result<AnswerJson, ApiError>;
     /// The answer of a durable response that ended without one (`reason`:
     /// `edge_restart`, `cancelled`): by default the error saying so; an API
     /// whose objects have a status shows what there is.
-    fn interrupted(&self, reason: &str) -> Result<Value, ApiError> {
+    fn interrupted(&self, reason: &str) -> Result<AnswerJson, ApiError> {
         Err(ApiError::response_interrupted(reason))
+    }
+}
+
+/// A whole answer's JSON body, serialized once from a [`Value`] or from
+/// a typed object (which builds no map on the way).
+#[derive(Debug)]
+pub struct AnswerJson(Vec<u8>);
+
+impl AnswerJson {
+    /// `object`'s JSON. An object of string-keyed maps always serializes;
+    /// any other is an internal error, never a panic.
+    pub fn of(object: &impl serde::Serialize) -> Result<Self, ApiError> {
+        serde_json::to_vec(object)
+            .map(AnswerJson)
+            .map_err(|_| ApiError::internal())
+    }
+
+    /// The body's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<Value> for AnswerJson {
+    fn from(value: Value) -> Self {
+        // A `Value`'s maps have string keys: writing it to a vector cannot fail.
+        AnswerJson(value.to_string().into_bytes())
+    }
+}
+
+impl IntoResponse for AnswerJson {
+    /// `200` with the JSON, as `axum::Json` answers.
+    fn into_response(self) -> Response {
+        (
+            [(
+                header::CONTENT_TYPE,
+                axum::http::HeaderValue::from_static("application/json"),
+            )],
+            self.0,
+        )
+            .into_response()
     }
 }
 
@@ -373,12 +414,12 @@ impl WholeAnswer for responses::ResponsesAccumulator {
         self.push(event);
     }
 
-    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
-        self.finish()
+    fn answer(&self, _now_unix_ms: u64) -> Result<AnswerJson, ApiError> {
+        self.finish().map(AnswerJson::from)
     }
 
-    fn interrupted(&self, reason: &str) -> Result<Value, ApiError> {
-        Ok(self.interrupted_snapshot(reason))
+    fn interrupted(&self, reason: &str) -> Result<AnswerJson, ApiError> {
+        Ok(self.interrupted_snapshot(reason).into())
     }
 }
 
@@ -465,8 +506,8 @@ impl WholeAnswer for ollama::OllamaAccumulator {
         self.push(event);
     }
 
-    fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError> {
-        self.finish(now_unix_ms)
+    fn answer(&self, now_unix_ms: u64) -> Result<AnswerJson, ApiError> {
+        self.finish(now_unix_ms).map(AnswerJson::from)
     }
 }
 
@@ -515,8 +556,8 @@ impl WholeAnswer for embeddings::EmbeddingsAccumulator {
         self.push(event);
     }
 
-    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
-        self.finish()
+    fn answer(&self, _now_unix_ms: u64) -> Result<AnswerJson, ApiError> {
+        self.finish().map(AnswerJson::from)
     }
 }
 
@@ -574,11 +615,11 @@ impl WholeAnswer for OllamaEmbedAnswer {
         self.inner.push(event);
     }
 
-    fn answer(&self, now_unix_ms: u64) -> Result<Value, ApiError> {
+    fn answer(&self, now_unix_ms: u64) -> Result<AnswerJson, ApiError> {
         let total_ns = now_unix_ms
             .saturating_sub(self.admitted_unix_ms)
             .saturating_mul(1_000_000);
-        self.inner.finish_ollama(total_ns)
+        self.inner.finish_ollama(total_ns).map(AnswerJson::from)
     }
 }
 
@@ -731,8 +772,8 @@ impl WholeAnswer for messages::MessagesAccumulator {
         self.push(event);
     }
 
-    fn answer(&self, _now_unix_ms: u64) -> Result<Value, ApiError> {
-        self.finish()
+    fn answer(&self, _now_unix_ms: u64) -> Result<AnswerJson, ApiError> {
+        self.finish().map(AnswerJson::from)
     }
 }
 
