@@ -10,9 +10,10 @@
 //!   its resumes, is that text once (R-JRN-2);
 //! * the mock providers' counters show one fresh call per response, plus
 //!   only calls that continue an answer (they carry the answer so far) and
-//!   a prompt sent fresh again only after its earlier call was cut (a
-//!   failover before commit, R-FAIL-1; a node killed after the provider
-//!   wrote text may never have passed it on): a committed answer is never
+//!   a prompt sent fresh again only after its earlier call was cut or a
+//!   Node was killed since it (a failover before commit, R-FAIL-1; a Node
+//!   killed after the provider wrote its answer, before an Edge adopted
+//!   the run, takes the answer with it): a committed answer is never
 //!   restarted (R-TAKE-1, R-PARK-2).
 //!
 //! Without `nats-server` installed the test says why and passes, unless
@@ -294,11 +295,16 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
         // 0.5-2.5 s later.
         let mut schedule = Schedule(SEED);
         let mut kills = Vec::new();
+        // When each Node was killed.
+        let mut node_kills = Vec::new();
         while tokio::time::Instant::now() + Duration::from_secs(6) < storm_end {
             tokio::time::sleep(Duration::from_millis(3_000 + schedule.below(3_000))).await;
             let victim = schedule.below(components.len() as u64) as usize;
             components[victim].kill().await;
             kills.push(components[victim].name.clone());
+            if components[victim].name.starts_with("node") {
+                node_kills.push(std::time::Instant::now());
+            }
             tokio::time::sleep(Duration::from_millis(500 + schedule.below(2_000))).await;
             components[victim].start();
         }
@@ -376,26 +382,41 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
         assert!(resumed > 0, "the kills cut streams (else this proves nothing)");
         assert!(fresh >= responses, "every response called a provider");
         // Per prompt: sent from scratch again only after a fresh call of it
-        // was cut (R-FAIL-1: the failed attempt was not committed; a node
-        // killed after the mock wrote text may never have passed it on).
-        // A committed answer is continued, never restarted: what the
-        // client saw is checked above to be the text once.
+        // was cut (R-FAIL-1: the failed attempt was not committed), or
+        // after a Node was killed since the call before it: an Edge killed
+        // before the commit leaves the run parked on its Node, which reads
+        // the provider's whole answer meanwhile (a call not cut); killed
+        // before an Edge adopts it, that Node takes the answer with it, and
+        // the response, never committed, starts again (R-FAIL-1). An Edge
+        // kill alone never does: the parked run is adopted (R-TAKE-1). A
+        // committed answer is continued, never restarted: what the client
+        // saw is checked above to be the text once.
         let mut per_prompt = std::collections::HashMap::<String, FreshCalls>::new();
         for mock in &mocks {
             for (prompt, calls) in mock.fresh_calls() {
                 let all = per_prompt.entry(prompt).or_default();
                 all.calls += calls.calls;
                 all.cut += calls.cut;
+                all.started.extend(calls.started);
             }
         }
         let again: Vec<_> = per_prompt
-            .iter()
-            .filter(|(_, c)| c.calls > 1 + c.cut)
+            .iter_mut()
+            .filter_map(|(prompt, c)| {
+                c.started.sort();
+                let after_node_kill = c
+                    .started
+                    .windows(2)
+                    .filter(|w| node_kills.iter().any(|k| w[0] < *k && *k < w[1]))
+                    .count() as u64;
+                (c.calls > 1 + c.cut + after_node_kill).then_some((prompt, c.calls, c.cut))
+            })
             .collect();
         assert!(
             again.is_empty(),
-            "a prompt was sent from scratch again though its earlier call was not cut: {again:?} \
-             (fresh {fresh}, responses {responses}, abandoned before text {abandoned_before_text})"
+            "a prompt was sent from scratch again though its earlier call was not cut and no Node \
+             was killed between them, (prompt, calls, cut): {again:?} (fresh {fresh}, responses \
+             {responses}, abandoned before text {abandoned_before_text})"
         );
         assert_eq!(
             per_prompt.values().filter(|c| c.calls > 0).count() as u64,

@@ -93,16 +93,22 @@ pub(crate) struct MockCounters {
 /// the mock's memory; later prompts are not tracked).
 const PROMPTS_TRACKED: usize = 16_384;
 
+/// How many calls of one prompt [`FreshCalls::started`] keeps the time of.
+const STARTS_TRACKED: usize = 64;
+
 /// Fresh chat calls (the prompt from scratch, not a continuation) of one
 /// prompt, and how many of them the client cut before their answer ended
 /// (with or without text out): a gateway may send a prompt fresh again only
 /// after a fresh call of it failed (R-FAIL-1).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FreshCalls {
     /// Calls received.
     pub calls: u64,
     /// Calls abandoned by the client before their answer ended.
     pub cut: u64,
+    /// When each call was received, in order, the first 64 of them (a
+    /// test tells from them which faults came between two calls).
+    pub started: Vec<std::time::Instant>,
 }
 
 impl MockCounters {
@@ -195,7 +201,11 @@ impl InFlight {
         if fresh.len() >= PROMPTS_TRACKED && !fresh.contains_key(prompt) {
             return;
         }
-        fresh.entry(prompt.to_owned()).or_default().calls += 1;
+        let calls = fresh.entry(prompt.to_owned()).or_default();
+        calls.calls += 1;
+        if calls.started.len() < STARTS_TRACKED {
+            calls.started.push(std::time::Instant::now());
+        }
         self.prompt = Some(prompt.to_owned());
     }
 
