@@ -204,6 +204,9 @@ pub trait WholeAnswer: Send + 'static {
     }
 }
 
+/// The bytes an answer's JSON buffer starts with.
+const ANSWER_JSON_CAPACITY: usize = 512;
+
 /// A whole answer's JSON body, serialized once from a [`Value`] or from
 /// a typed object (which builds no map on the way).
 #[derive(Debug)]
@@ -213,9 +216,11 @@ impl AnswerJson {
     /// `object`'s JSON. An object of string-keyed maps always serializes;
     /// any other is an internal error, never a panic.
     pub fn of(object: &impl serde::Serialize) -> Result<Self, ApiError> {
-        serde_json::to_vec(object)
-            .map(AnswerJson)
-            .map_err(|_| ApiError::internal())
+        // Room for a short answer's object, so it is written without
+        // growing the buffer again and again.
+        let mut out = Vec::with_capacity(ANSWER_JSON_CAPACITY);
+        serde_json::to_writer(&mut out, object).map_err(|_| ApiError::internal())?;
+        Ok(AnswerJson(out))
     }
 
     /// The body's bytes.
