@@ -10,11 +10,11 @@
 //!   its resumes, is that text once (R-JRN-2);
 //! * the mock providers' counters show one fresh call per response, plus
 //!   only calls that continue an answer (they carry the answer so far) and
-//!   a prompt sent fresh again only after its earlier call was cut or a
-//!   Node was killed since it (a failover before commit, R-FAIL-1; a Node
-//!   killed after the provider wrote its answer, before an Edge adopted
-//!   the run, takes the answer with it): a committed answer is never
-//!   restarted (R-TAKE-1, R-PARK-2).
+//!   a prompt sent fresh again only after its earlier call was cut or the
+//!   Node it went through was killed since (a failover before commit,
+//!   R-FAIL-1; a Node killed after the provider wrote its answer, before
+//!   an Edge adopted the run, takes the answer with it): a committed
+//!   answer is never restarted (R-TAKE-1, R-PARK-2).
 //!
 //! Without `nats-server` installed the test says why and passes, unless
 //! `CI` is set (then it fails), as the store's own tests do.
@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
-use iop_node::mock::{FreshCalls, MockScript, MockServer};
+use iop_node::mock::{FreshCall, MockScript, MockServer};
 use nats::NatsServer;
 use serde_json::{Value, json};
 
@@ -295,15 +295,16 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
         // 0.5-2.5 s later.
         let mut schedule = Schedule(SEED);
         let mut kills = Vec::new();
-        // When each Node was killed.
+        // When each Node was killed: (its mock's index, the instant).
         let mut node_kills = Vec::new();
         while tokio::time::Instant::now() + Duration::from_secs(6) < storm_end {
             tokio::time::sleep(Duration::from_millis(3_000 + schedule.below(3_000))).await;
             let victim = schedule.below(components.len() as u64) as usize;
             components[victim].kill().await;
             kills.push(components[victim].name.clone());
-            if components[victim].name.starts_with("node") {
-                node_kills.push(std::time::Instant::now());
+            if let Some(n) = components[victim].name.strip_prefix("node-") {
+                let mock = n.parse::<usize>().unwrap() - 1;
+                node_kills.push((mock, std::time::Instant::now()));
             }
             tokio::time::sleep(Duration::from_millis(500 + schedule.below(2_000))).await;
             components[victim].start();
@@ -381,9 +382,9 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
         assert!(kills.len() >= 10, "a storm: {kills:?}");
         assert!(resumed > 0, "the kills cut streams (else this proves nothing)");
         assert!(fresh >= responses, "every response called a provider");
-        // Per prompt: sent from scratch again only after a fresh call of it
-        // was cut (R-FAIL-1: the failed attempt was not committed), or
-        // after a Node was killed since the call before it: an Edge killed
+        // Per prompt: sent from scratch again only after the call before
+        // it was cut (R-FAIL-1: the failed attempt was not committed), or
+        // after the Node it went through was killed since: an Edge killed
         // before the commit leaves the run parked on its Node, which reads
         // the provider's whole answer meanwhile (a call not cut); killed
         // before an Edge adopts it, that Node takes the answer with it, and
@@ -391,35 +392,38 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
         // kill alone never does: the parked run is adopted (R-TAKE-1). A
         // committed answer is continued, never restarted: what the client
         // saw is checked above to be the text once.
-        let mut per_prompt = std::collections::HashMap::<String, FreshCalls>::new();
-        for mock in &mocks {
+        let mut per_prompt = std::collections::HashMap::<String, Vec<(usize, FreshCall)>>::new();
+        for (m, mock) in mocks.iter().enumerate() {
             for (prompt, calls) in mock.fresh_calls() {
-                let all = per_prompt.entry(prompt).or_default();
-                all.calls += calls.calls;
-                all.cut += calls.cut;
-                all.started.extend(calls.started);
+                assert_eq!(calls.log.len() as u64, calls.calls, "every call of {prompt} logged");
+                per_prompt
+                    .entry(prompt)
+                    .or_default()
+                    .extend(calls.log.into_iter().map(|call| (m, call)));
             }
         }
         let again: Vec<_> = per_prompt
             .iter_mut()
-            .filter_map(|(prompt, c)| {
-                c.started.sort();
-                let after_node_kill = c
-                    .started
-                    .windows(2)
-                    .filter(|w| node_kills.iter().any(|k| w[0] < *k && *k < w[1]))
-                    .count() as u64;
-                (c.calls > 1 + c.cut + after_node_kill).then_some((prompt, c.calls, c.cut))
+            .filter_map(|(prompt, calls)| {
+                calls.sort_by_key(|(_, call)| call.at);
+                let unexplained = calls.windows(2).any(|w| {
+                    let ((node, before), (_, after)) = (w[0], w[1]);
+                    !before.cut
+                        && !node_kills
+                            .iter()
+                            .any(|&(n, at)| n == node && before.at < at && at < after.at)
+                });
+                unexplained.then_some((prompt, calls.clone()))
             })
             .collect();
         assert!(
             again.is_empty(),
-            "a prompt was sent from scratch again though its earlier call was not cut and no Node \
-             was killed between them, (prompt, calls, cut): {again:?} (fresh {fresh}, responses \
-             {responses}, abandoned before text {abandoned_before_text})"
+            "a prompt was sent from scratch again though the call before it was neither cut nor \
+             lost with its Node, (prompt, (mock, call)): {again:?}, Node kills {node_kills:?} \
+             (fresh {fresh}, responses {responses}, abandoned before text {abandoned_before_text})"
         );
         assert_eq!(
-            per_prompt.values().filter(|c| c.calls > 0).count() as u64,
+            per_prompt.values().filter(|c| !c.is_empty()).count() as u64,
             responses,
             "every response's prompt reached a provider"
         );

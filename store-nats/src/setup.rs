@@ -257,14 +257,14 @@ async fn get_or_create(
 }
 
 /// Did the server refuse a new stream because its `max_bytes` cannot be
-/// reserved? JetStream reserves every file stream's `max_bytes` against
-/// the server's `max_file_store` and the account's limit when the stream
-/// is made, whatever it holds.
+/// reserved ("insufficient storage resources available")? JetStream
+/// reserves every file stream's `max_bytes` against the server's
+/// `max_file_store` and the account's limit when the stream is made,
+/// whatever it holds. Other resource errors (an overloaded JetStream API,
+/// a cluster that cannot place the stream) are not this, and are
+/// reported as the server sent them.
 fn cannot_reserve(e: &async_nats::jetstream::Error) -> bool {
-    let code = e.error_code();
-    code == ErrorCode::INSUFFICIENT_RESOURCES
-        || code == ErrorCode::STORAGE_RESOURCES_EXCEEDED
-        || code == ErrorCode::ACCOUNT_RESOURCES_EXCEEDED
+    e.error_code() == ErrorCode::STORAGE_RESOURCES_EXCEEDED
 }
 
 /// The journal's bucket's stream, the bucket created if missing, checked

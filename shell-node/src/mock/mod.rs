@@ -98,7 +98,8 @@ pub use cli::{MockArgs, run_cli};
 pub(crate) use script::continued_tokens;
 pub use script::{MOCK_TOOL_CALL_ID, MockPrompt, MockStep, play, token_text};
 pub use server::{
-    FreshCalls, MockApis, MockServer, MockServerError, MockStats, ServeOptions, serve, serve_with,
+    FreshCall, FreshCalls, MockApis, MockServer, MockServerError, MockStats, ServeOptions, serve,
+    serve_with,
 };
 pub(crate) use server::{MockState, router};
 

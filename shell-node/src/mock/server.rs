@@ -93,7 +93,7 @@ pub(crate) struct MockCounters {
 /// the mock's memory; later prompts are not tracked).
 const PROMPTS_TRACKED: usize = 16_384;
 
-/// How many calls of one prompt [`FreshCalls::started`] keeps the time of.
+/// How many calls of one prompt [`FreshCalls::log`] keeps.
 const STARTS_TRACKED: usize = 64;
 
 /// Fresh chat calls (the prompt from scratch, not a continuation) of one
@@ -106,9 +106,18 @@ pub struct FreshCalls {
     pub calls: u64,
     /// Calls abandoned by the client before their answer ended.
     pub cut: u64,
-    /// When each call was received, in order, the first 64 of them (a
-    /// test tells from them which faults came between two calls).
-    pub started: Vec<std::time::Instant>,
+    /// The first 64 calls, in the order received (a test tells from them
+    /// which faults came between two calls).
+    pub log: Vec<FreshCall>,
+}
+
+/// One fresh call of a prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FreshCall {
+    /// When it was received.
+    pub at: std::time::Instant,
+    /// Whether the client abandoned it before its answer ended.
+    pub cut: bool,
 }
 
 impl MockCounters {
@@ -174,8 +183,9 @@ pub(super) struct InFlight {
     finished: bool,
     /// `Some(sent)`: whether text went out is tracked for this call.
     text: Option<bool>,
-    /// The prompt of a fresh chat call, tracked in [`FreshCalls`].
-    prompt: Option<String>,
+    /// The prompt of a fresh chat call, tracked in [`FreshCalls`], and
+    /// its place in the prompt's log (when it is kept there).
+    prompt: Option<(String, Option<usize>)>,
 }
 
 impl InFlight {
@@ -203,10 +213,14 @@ impl InFlight {
         }
         let calls = fresh.entry(prompt.to_owned()).or_default();
         calls.calls += 1;
-        if calls.started.len() < STARTS_TRACKED {
-            calls.started.push(std::time::Instant::now());
-        }
-        self.prompt = Some(prompt.to_owned());
+        let place = (calls.log.len() < STARTS_TRACKED).then(|| {
+            calls.log.push(FreshCall {
+                at: std::time::Instant::now(),
+                cut: false,
+            });
+            calls.log.len() - 1
+        });
+        self.prompt = Some((prompt.to_owned(), place));
     }
 
     pub(super) fn finish(&mut self) {
@@ -237,7 +251,7 @@ impl Drop for InFlight {
                     .abandoned_before_text
                     .fetch_add(1, Ordering::SeqCst);
             }
-            if let Some(prompt) = &self.prompt
+            if let Some((prompt, place)) = &self.prompt
                 && let Some(calls) = self
                     .counters
                     .fresh
@@ -246,6 +260,9 @@ impl Drop for InFlight {
                     .get_mut(prompt)
             {
                 calls.cut += 1;
+                if let Some(call) = place.and_then(|i| calls.log.get_mut(i)) {
+                    call.cut = true;
+                }
             }
             self.counters.bump(&self.counters.disconnects);
         }
