@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use iop_core::edge::limits::RefusedBy;
 use iop_core::journal::JournalError;
-use iop_transport::telemetry::MetricsPipeline;
+use iop_transport::telemetry::{BoundSets, MetricsPipeline};
 use iop_transport::traces::{TracePipeline, Tracer};
 use iop_wire::{CloseCode, FailureCode, Usage};
 use opentelemetry::KeyValue;
@@ -193,44 +193,6 @@ struct BoundInstruments {
     /// Per (provider, route model): input and output tokens.
     tokens: BoundSets<(String, String), [BoundCounter<u64>; 2]>,
 }
-
-/// Instruments bound to each label set met so far, at most
-/// [`MAX_BOUND_SETS`] of them; past that a set is bound for each
-/// measurement (the same numbers, more work). The label values come
-/// from the configuration and closed sets only, as every label's do.
-struct BoundSets<K, V> {
-    sets: std::sync::Mutex<std::collections::HashMap<K, Arc<V>>>,
-}
-
-impl<K, V> Default for BoundSets<K, V> {
-    fn default() -> Self {
-        BoundSets {
-            sets: std::sync::Mutex::new(std::collections::HashMap::new()),
-        }
-    }
-}
-
-impl<K: Eq + std::hash::Hash, V> BoundSets<K, V> {
-    /// The instruments bound to `key`'s set, bound by `bind` the first
-    /// time it is met.
-    fn get(&self, key: K, bind: impl FnOnce() -> V) -> Arc<V> {
-        let mut sets = self
-            .sets
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(bound) = sets.get(&key) {
-            return Arc::clone(bound);
-        }
-        let bound = Arc::new(bind());
-        if sets.len() < MAX_BOUND_SETS {
-            sets.insert(key, Arc::clone(&bound));
-        }
-        bound
-    }
-}
-
-/// Most label sets an instrument group keeps bound.
-const MAX_BOUND_SETS: usize = 4096;
 
 /// A GenAI label set: operation, provider name, route model, error type.
 type GenAiKey = (&'static str, &'static str, String, Option<&'static str>);

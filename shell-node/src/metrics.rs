@@ -8,13 +8,14 @@
 //! declared at 0 when the node starts, per configured target where a label
 //! is a target ([`NodeMetrics::observe_link`]).
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use iop_transport::telemetry::MetricsPipeline;
+use iop_transport::telemetry::{BoundSets, MetricsPipeline};
 use iop_transport::traces::{Kind, TracePipeline, TraceSpan, Tracer};
 use iop_wire::{AdapterKind, FailureCode, ProviderHealth, StreamErrorCode, Usage};
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram};
+use opentelemetry::metrics::{BoundCounter, BoundHistogram, Counter, Histogram};
 
 /// Stall kinds (`kind` label).
 pub const RUN_KINDS: &[&str] = &["normalized", "tunnel"];
@@ -67,7 +68,30 @@ pub struct NodeMetrics {
     relayed_bytes: Counter<u64>,
     ttft: Histogram<f64>,
     probes: Counter<u64>,
+    /// The instruments a run measures, bound per configured target met.
+    targets: BoundSets<(AdapterKind, String), TargetBound>,
     traces: TracePipeline,
+}
+
+/// The instruments a run or tunnel on one target measures, bound to its
+/// labels (`adapter`, `target`, and the one label each adds).
+struct TargetBound {
+    target: String,
+    /// `iop_node_runs` per outcome.
+    runs: BoundSets<&'static str, BoundCounter<u64>>,
+    /// `iop_node_provider_tokens`, input and output.
+    tokens: [BoundCounter<u64>; 2],
+    /// `iop_node_relayed_bytes` per kind (normalized, tunnel).
+    relayed_bytes: BoundSets<&'static str, BoundCounter<u64>>,
+    ttft: BoundHistogram<f64>,
+}
+
+impl std::fmt::Debug for TargetBound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TargetBound")
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for NodeMetrics {
@@ -120,6 +144,7 @@ impl NodeMetrics {
                 .u64_counter("iop_node_probes")
                 .with_description("Exact-target health probes by target and verdict")
                 .build(),
+            targets: BoundSets::default(),
             traces,
             stalls: meter
                 .u64_counter("iop_node_response_stalls")
@@ -198,6 +223,32 @@ impl NodeMetrics {
         for health in ProviderHealth::ALL {
             self.probes.add(0, &with("status", health.as_str()));
         }
+    }
+
+    /// The instruments of runs on `target`, bound the first time it is met.
+    fn target(&self, adapter: AdapterKind, target: &str) -> Arc<TargetBound> {
+        self.targets.get((adapter, target.to_owned()), || {
+            let labels = |k: &'static str, v: &'static str| {
+                [
+                    KeyValue::new("adapter", adapter.as_str()),
+                    KeyValue::new("target", target.to_owned()),
+                    KeyValue::new(k, v),
+                ]
+            };
+            TargetBound {
+                target: target.to_owned(),
+                runs: BoundSets::default(),
+                tokens: [
+                    self.tokens.bind(&labels("kind", "input")),
+                    self.tokens.bind(&labels("kind", "output")),
+                ],
+                relayed_bytes: BoundSets::default(),
+                ttft: self.ttft.bind(&[
+                    KeyValue::new("adapter", adapter.as_str()),
+                    KeyValue::new("target", target.to_owned()),
+                ]),
+            }
+        })
     }
 
     /// The tracer run spans start on.
@@ -311,7 +362,7 @@ impl RunSpan {
 pub struct RunRecord<'a> {
     metrics: &'a NodeMetrics,
     adapter: AdapterKind,
-    target: String,
+    bound: Arc<TargetBound>,
     kind: &'static str,
     call: Option<TraceSpan>,
     call_started: Option<Instant>,
@@ -332,7 +383,7 @@ impl<'a> RunRecord<'a> {
         Self {
             metrics,
             adapter,
-            target: target.to_owned(),
+            bound: metrics.target(adapter, target),
             kind,
             call: None,
             call_started: None,
@@ -347,7 +398,7 @@ impl<'a> RunRecord<'a> {
     pub fn provider_call(&mut self, run: &TraceSpan) {
         let call = run.child("node.provider_call", iop_transport::traces::Kind::Client);
         call.set("iop.adapter", self.adapter.as_str());
-        call.set_configured("iop.target", &self.target);
+        call.set_configured("iop.target", &self.bound.target);
         self.call = Some(call);
         self.call_started = Some(Instant::now());
     }
@@ -367,13 +418,7 @@ impl<'a> RunRecord<'a> {
             self.first_content = true;
             if let Some(started) = self.call_started {
                 let ttft = started.elapsed();
-                self.metrics.ttft.record(
-                    ttft.as_secs_f64(),
-                    &[
-                        KeyValue::new("adapter", self.adapter.as_str()),
-                        KeyValue::new("target", self.target.clone()),
-                    ],
-                );
+                self.bound.ttft.record(ttft.as_secs_f64());
                 if let Some(call) = &self.call {
                     let ms = u64::try_from(ttft.as_millis()).unwrap_or(u64::MAX);
                     call.set("iop.ttft_ms", ms);
@@ -409,28 +454,30 @@ impl<'a> RunRecord<'a> {
 impl Drop for RunRecord<'_> {
     fn drop(&mut self) {
         let outcome = self.outcome.unwrap_or(FailureCode::Canceled.as_str());
-        let base = [
-            KeyValue::new("adapter", self.adapter.as_str()),
-            KeyValue::new("target", self.target.clone()),
-        ];
-        let with = |k: &'static str, v: &'static str| {
-            let mut labels = base.to_vec();
-            labels.push(KeyValue::new(k, v));
-            labels
+        let (metrics, bound) = (self.metrics, &self.bound);
+        let labels = |k: &'static str, v: &'static str| {
+            [
+                KeyValue::new("adapter", self.adapter.as_str()),
+                KeyValue::new("target", bound.target.clone()),
+                KeyValue::new(k, v),
+            ]
         };
-        self.metrics.runs.add(1, &with("outcome", outcome));
+        bound
+            .runs
+            .get(outcome, || metrics.runs.bind(&labels("outcome", outcome)))
+            .add(1);
         if let Some(u) = self.usage {
-            self.metrics
-                .tokens
-                .add(u.prompt_tokens, &with("kind", "input"));
-            self.metrics
-                .tokens
-                .add(u.completion_tokens, &with("kind", "output"));
+            let [input, output] = &bound.tokens;
+            input.add(u.prompt_tokens);
+            output.add(u.completion_tokens);
         }
         if self.relayed_bytes > 0 {
-            self.metrics
+            bound
                 .relayed_bytes
-                .add(self.relayed_bytes, &with("kind", self.kind));
+                .get(self.kind, || {
+                    metrics.relayed_bytes.bind(&labels("kind", self.kind))
+                })
+                .add(self.relayed_bytes);
         }
         if let Some(call) = self.call.take() {
             call.set("iop.outcome", outcome);
@@ -440,5 +487,120 @@ impl Drop for RunRecord<'_> {
                 call.fail(outcome);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sample lines of `name` in `text` with every `labels` among them.
+    fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+        text.lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+            .find(|l| labels.iter().all(|want| l.contains(want)))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    }
+
+    #[test]
+    fn a_runs_measurements_reach_its_targets_series_through_the_bound_instruments() {
+        let metrics = NodeMetrics::default();
+        metrics.declare_target_series(AdapterKind::OpenAi, "small");
+        let run_span = metrics.run_span("normalized", None);
+        for _ in 0..3 {
+            let mut record = RunRecord::new(&metrics, AdapterKind::OpenAi, "small", "normalized");
+            record.provider_call(&run_span);
+            record.forwarded(5, None);
+            record.forwarded(
+                7,
+                Some(Usage {
+                    prompt_tokens: 11,
+                    completion_tokens: 2,
+                    ..Usage::default()
+                }),
+            );
+            record.finish(None);
+        }
+        let mut failed = RunRecord::new(&metrics, AdapterKind::OpenAi, "small", "tunnel");
+        failed.forwarded(4, None);
+        failed.finish(Some(FailureCode::ProviderError));
+        drop(failed);
+        // Another target's runs do not share the first one's series.
+        drop(RunRecord::new(
+            &metrics,
+            AdapterKind::Mock,
+            "other",
+            "tunnel",
+        ));
+
+        let text = metrics.render();
+        let target = ["adapter=\"openai\"", "target=\"small\""];
+        let with = |extra: &'static str| [target[0], target[1], extra];
+        assert_eq!(
+            sample(&text, "iop_node_runs_total", &with("outcome=\"ok\"")),
+            Some(3.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "iop_node_runs_total",
+                &with("outcome=\"provider_error\"")
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "iop_node_runs_total", &with("outcome=\"canceled\"")),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "iop_node_provider_tokens_total",
+                &with("kind=\"input\"")
+            ),
+            Some(33.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "iop_node_provider_tokens_total",
+                &with("kind=\"output\"")
+            ),
+            Some(6.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "iop_node_relayed_bytes_total",
+                &with("kind=\"normalized\"")
+            ),
+            Some(36.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "iop_node_relayed_bytes_total",
+                &with("kind=\"tunnel\"")
+            ),
+            Some(4.0)
+        );
+        // Time to first content: once per run whose provider call started.
+        assert_eq!(
+            sample(&text, "iop_node_provider_ttft_seconds_count", &target),
+            Some(3.0)
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "iop_node_runs_total",
+                &[
+                    "adapter=\"mock\"",
+                    "target=\"other\"",
+                    "outcome=\"canceled\""
+                ]
+            ),
+            Some(1.0)
+        );
     }
 }

@@ -282,6 +282,55 @@ impl MetricsPipeline {
     }
 }
 
+/// Instruments bound to each label set met so far, at most
+/// [`MAX_BOUND_SETS`] of them; past that a set is bound for each
+/// measurement (the same numbers, more work). A bound instrument
+/// (OpenTelemetry's `bind`) writes to its series directly, without the
+/// attributes' sorting, hashing and lookup of every `add` or `record`.
+/// The label values come from the configuration and closed sets only, as
+/// every label's do, so the sets stay few, and none is a stranger's choice:
+/// the map hashes them with FxHash (unkeyed, a few instructions a key)
+/// rather than SipHash.
+pub struct BoundSets<K, V> {
+    sets: std::sync::Mutex<rustc_hash::FxHashMap<K, std::sync::Arc<V>>>,
+}
+
+impl<K, V> Default for BoundSets<K, V> {
+    fn default() -> Self {
+        BoundSets {
+            sets: std::sync::Mutex::new(rustc_hash::FxHashMap::default()),
+        }
+    }
+}
+
+impl<K, V> std::fmt::Debug for BoundSets<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoundSets").finish_non_exhaustive()
+    }
+}
+
+impl<K: Eq + std::hash::Hash, V> BoundSets<K, V> {
+    /// The instruments bound to `key`'s set, bound by `bind` the first
+    /// time it is met.
+    pub fn get(&self, key: K, bind: impl FnOnce() -> V) -> std::sync::Arc<V> {
+        let mut sets = self
+            .sets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(bound) = sets.get(&key) {
+            return std::sync::Arc::clone(bound);
+        }
+        let bound = std::sync::Arc::new(bind());
+        if sets.len() < MAX_BOUND_SETS {
+            sets.insert(key, std::sync::Arc::clone(&bound));
+        }
+        bound
+    }
+}
+
+/// Most label sets a [`BoundSets`] keeps bound.
+pub const MAX_BOUND_SETS: usize = 4096;
+
 /// Observe the process (CPU seconds, resident memory, open and maximum
 /// file descriptors, start time) under the names Prometheus' own client
 /// libraries use, and `<prefix>_build_info{version}` at 1, on `meter`.
@@ -395,6 +444,33 @@ mod tests {
             ConfigError::Field { field, .. } => field,
             other => panic!("expected a field error, got {other}"),
         }
+    }
+
+    #[test]
+    fn bound_sets_bind_a_set_once_and_past_their_bound_each_time() {
+        let sets: BoundSets<usize, usize> = BoundSets::default();
+        let mut binds = 0;
+        let first = sets.get(7, || {
+            binds += 1;
+            70
+        });
+        let again = sets.get(7, || unreachable!("a set met before is not bound again"));
+        assert!(std::sync::Arc::ptr_eq(&first, &again));
+        assert_eq!((*again, binds), (70, 1));
+        for key in 0..MAX_BOUND_SETS + 10 {
+            sets.get(key, || key);
+        }
+        // Past the bound a set is bound for each measurement, never kept.
+        let mut binds = 0;
+        for _ in 0..2 {
+            let v = sets.get(MAX_BOUND_SETS + 5, || {
+                binds += 1;
+                1
+            });
+            assert_eq!(*v, 1);
+        }
+        assert_eq!(binds, 2);
+        assert_eq!(sets.sets.lock().unwrap().len(), MAX_BOUND_SETS);
     }
 
     #[test]
