@@ -73,6 +73,25 @@ pub struct NodeMetrics {
     traces: TracePipeline,
 }
 
+/// A target's labels.
+fn target_pair(adapter: AdapterKind, target: &str) -> [KeyValue; 2] {
+    [
+        KeyValue::new("adapter", adapter.as_str()),
+        KeyValue::new("target", target.to_owned()),
+    ]
+}
+
+/// A target's labels and one more.
+fn target_labels(
+    adapter: AdapterKind,
+    target: &str,
+    key: &'static str,
+    value: &'static str,
+) -> [KeyValue; 3] {
+    let [a, t] = target_pair(adapter, target);
+    [a, t, KeyValue::new(key, value)]
+}
+
 /// The instruments a run or tunnel on one target measures, bound to its
 /// labels (`adapter`, `target`, and the one label each adds).
 struct TargetBound {
@@ -202,15 +221,7 @@ impl NodeMetrics {
 
     /// Counters per configured target, declared at 0.
     pub(crate) fn declare_target_series(&self, adapter: AdapterKind, target: &str) {
-        let base = [
-            KeyValue::new("adapter", adapter.as_str()),
-            KeyValue::new("target", target.to_owned()),
-        ];
-        let with = |k: &'static str, v: &'static str| {
-            let mut labels = base.to_vec();
-            labels.push(KeyValue::new(k, v));
-            labels
-        };
+        let with = |k, v| target_labels(adapter, target, k, v);
         for outcome in run_outcomes() {
             self.runs.add(0, &with("outcome", outcome));
         }
@@ -227,28 +238,19 @@ impl NodeMetrics {
 
     /// The instruments of runs on `target`, bound the first time it is met.
     fn target(&self, adapter: AdapterKind, target: &str) -> Arc<TargetBound> {
-        self.targets.get((adapter, target.to_owned()), || {
-            let labels = |k: &'static str, v: &'static str| {
-                [
-                    KeyValue::new("adapter", adapter.as_str()),
-                    KeyValue::new("target", target.to_owned()),
-                    KeyValue::new(k, v),
-                ]
-            };
-            TargetBound {
+        self.targets
+            .get((adapter, target.to_owned()), || TargetBound {
                 target: target.to_owned(),
                 runs: BoundSets::default(),
                 tokens: [
-                    self.tokens.bind(&labels("kind", "input")),
-                    self.tokens.bind(&labels("kind", "output")),
+                    self.tokens
+                        .bind(&target_labels(adapter, target, "kind", "input")),
+                    self.tokens
+                        .bind(&target_labels(adapter, target, "kind", "output")),
                 ],
                 relayed_bytes: BoundSets::default(),
-                ttft: self.ttft.bind(&[
-                    KeyValue::new("adapter", adapter.as_str()),
-                    KeyValue::new("target", target.to_owned()),
-                ]),
-            }
-        })
+                ttft: self.ttft.bind(&target_pair(adapter, target)),
+            })
     }
 
     /// The tracer run spans start on.
@@ -285,11 +287,7 @@ impl NodeMetrics {
     pub fn probe(&self, adapter: AdapterKind, target: &str, status: ProviderHealth) {
         self.probes.add(
             1,
-            &[
-                KeyValue::new("adapter", adapter.as_str()),
-                KeyValue::new("target", target.to_owned()),
-                KeyValue::new("status", status.as_str()),
-            ],
+            &target_labels(adapter, target, "status", status.as_str()),
         );
     }
 
@@ -454,14 +452,8 @@ impl<'a> RunRecord<'a> {
 impl Drop for RunRecord<'_> {
     fn drop(&mut self) {
         let outcome = self.outcome.unwrap_or(FailureCode::Canceled.as_str());
-        let (metrics, bound) = (self.metrics, &self.bound);
-        let labels = |k: &'static str, v: &'static str| {
-            [
-                KeyValue::new("adapter", self.adapter.as_str()),
-                KeyValue::new("target", bound.target.clone()),
-                KeyValue::new(k, v),
-            ]
-        };
+        let (metrics, bound, adapter) = (self.metrics, &self.bound, self.adapter);
+        let labels = |k, v| target_labels(adapter, &bound.target, k, v);
         bound
             .runs
             .get(outcome, || metrics.runs.bind(&labels("outcome", outcome)))
