@@ -547,6 +547,118 @@ capacity = 64
     .expect("test exceeded its bound");
 }
 
+/// R-PARK-2, R-TAKE-1, R-IDEM-1: an Edge killed after it started a
+/// durable run and before the run's first event was journaled leaves the
+/// run parked on its node with nothing of it durable. Another Edge adopts
+/// the run from its first frame: the client's retry with the same key gets
+/// the whole answer there, and the provider is called once. (Refused as
+/// "nothing journaled", the record would end `incomplete` without an
+/// event, freeing its key, and the retry would call the provider again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_edge_died_before_its_first_event_is_adopted_elsewhere_not_called_again() {
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        // The first token comes long after the call: the Edge dies in
+        // between, with nothing to journal yet.
+        let mock = MockServer::start(MockScript {
+            tokens: TOKENS,
+            tokens_per_second: 200.0,
+            prefill_ms: 2_000,
+            ..MockScript::default()
+        })
+        .await
+        .unwrap();
+        let park_grace_ms = 20_000;
+        let b = RunningEdge::start(
+            EdgeConfig::parse(
+                &edge_toml_with("edge-b", &server.url(), 0, 0, park_grace_ms, ""),
+                pki.path(),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+        let a_config = pki.path().join("edge-a.toml");
+        std::fs::write(
+            &a_config,
+            edge_toml_with(
+                "edge-a",
+                &server.url(),
+                quic_port,
+                http_port,
+                park_grace_ms,
+                "",
+            ),
+        )
+        .unwrap();
+        let a_quic: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
+        let node = iop_node::RunningNode::start(node_config_edges(
+            &pki,
+            "node-1",
+            &[a_quic, b.quic_addr],
+            &node_providers(&mock),
+        ));
+        let mut a = start_edge_process(&a_config, http_port, KEY).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !node.generations().iter().all(Option::is_some) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the node is not ready on both Edges"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let body = json!({"model": "m", "input": "first event", "stream": true});
+        let first =
+            tokio::spawn(post(format!("{}/v1/responses", a.http), &body, Some("first")).send());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while mock.requests() == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the provider was never called"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        a.child.start_kill().unwrap();
+        let _ = a.child.wait().await;
+        let _ = first.await;
+        // The same request again, on B, until it answers with the stream.
+        let b_url = url(&b, "");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let events = loop {
+            let r = post(format!("{b_url}/v1/responses"), &body, Some("first"))
+                .timeout(Duration::from_secs(30))
+                .send()
+                .await
+                .unwrap();
+            if r.status() == 200 {
+                break sse_events(&r.text().await.unwrap());
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "B never answered the retry: {}",
+                r.status()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(
+            events.last().and_then(|(_, d)| d["type"].as_str()),
+            Some("response.completed"),
+            "adopted and finished on B: {events:?}"
+        );
+        assert_eq!(text_of(&events), expected_text(TOKENS));
+        assert_eq!(mock.requests(), 1, "the provider was called once");
+        node.shutdown().await.unwrap();
+        b.shutdown().await;
+    })
+    .await
+    .expect("test exceeded its bound");
+}
+
 /// An Edge on its own embedded journal (`state_dir` of its own) with two
 /// providers on node-1: `p1` on target `t1`, `p2` on target `t2`.
 fn two_target_edge(pki: &Pki, name: &str) -> EdgeConfig {

@@ -113,6 +113,8 @@ fn terminal(events: &[(u64, Value)]) -> Option<String> {
 /// What one client saw of one response.
 #[derive(Debug)]
 struct Seen {
+    /// The client's number of it (its prompt is `storm {n}`).
+    n: usize,
     id: Option<String>,
     events: Vec<(u64, Value)>,
     resumes: u32,
@@ -136,6 +138,7 @@ async fn one_response(edges: Vec<String>, n: usize) -> Seen {
         .build()
         .unwrap();
     let mut seen = Seen {
+        n,
         id: None,
         events: Vec::new(),
         resumes: 0,
@@ -297,10 +300,14 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
         let mut kills = Vec::new();
         // When each Node was killed: (its mock's index, the instant).
         let mut node_kills = Vec::new();
+        // Every kill and restart, for a failure's story: (what, whom, the
+        // instant, the wall clock the processes' logs use).
+        let mut story = Vec::new();
         while tokio::time::Instant::now() + Duration::from_secs(6) < storm_end {
             tokio::time::sleep(Duration::from_millis(3_000 + schedule.below(3_000))).await;
             let victim = schedule.below(components.len() as u64) as usize;
             components[victim].kill().await;
+            story.push(("killed", victim, std::time::Instant::now(), std::time::SystemTime::now()));
             kills.push(components[victim].name.clone());
             if let Some(n) = components[victim].name.strip_prefix("node-") {
                 let mock = n.parse::<usize>().unwrap() - 1;
@@ -308,6 +315,7 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
             }
             tokio::time::sleep(Duration::from_millis(500 + schedule.below(2_000))).await;
             components[victim].start();
+            story.push(("started", victim, std::time::Instant::now(), std::time::SystemTime::now()));
         }
 
         let mut seen_all = Vec::new();
@@ -416,6 +424,53 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
                 unexplained.then_some((prompt, calls.clone()))
             })
             .collect();
+        if !again.is_empty() {
+            // The story of each: the kills and restarts (with the wall
+            // clock the logs use), and what the processes logged of it.
+            for (what, victim, at, wall) in &story {
+                let unix = wall.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                println!(
+                    "{what} {} at {at:?} (unix {}.{:03})",
+                    components[*victim].name,
+                    unix.as_secs(),
+                    unix.subsec_millis()
+                );
+            }
+            let (now, wall_now) = (std::time::Instant::now(), std::time::SystemTime::now());
+            let log_time = |at: std::time::Instant| {
+                let wall = wall_now - now.saturating_duration_since(at);
+                let unix = wall.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                iop_edge::api::ollama::rfc3339_utc(unix.as_millis() as u64)
+            };
+            for (prompt, calls) in &again {
+                let tags: Vec<String> = seen_all
+                    .iter()
+                    .filter(|s| format!("storm {}", s.n) == **prompt)
+                    .filter_map(|s| s.id.as_deref())
+                    .map(iop_core::edge::client_ids::log_tag)
+                    .collect();
+                let (Some((_, first)), Some((_, last))) = (calls.first(), calls.last()) else {
+                    continue;
+                };
+                let from = log_time(first.at - Duration::from_secs(2));
+                let to = log_time(last.at + Duration::from_secs(2));
+                println!("{prompt}: response tags {tags:?}, calls from {} to {}", log_time(first.at), log_time(last.at));
+                for c in &components {
+                    let log =
+                        std::fs::read_to_string(c.config.with_extension("log")).unwrap_or_default();
+                    for line in log
+                        .lines()
+                        .filter(|l| {
+                            tags.iter().any(|t| l.contains(t.as_str()))
+                                || (l.get(..from.len()).is_some_and(|t| *t >= *from && *t <= *to))
+                        })
+                        .take(400)
+                    {
+                        println!("{}: {line}", c.name);
+                    }
+                }
+            }
+        }
         assert!(
             again.is_empty(),
             "a prompt was sent from scratch again though the call before it was neither cut nor \

@@ -813,14 +813,6 @@ impl Custody {
         };
         match task.kind {
             TaskKind::Adopt(_) if live_here => self.drop_task(id, ReleaseReason::LiveHere),
-            TaskKind::Adopt(_) if meta.last_seq == 0 => self.drop_task(
-                id,
-                ReleaseReason::Refused(if meta.terminal.is_some() {
-                    TakeoverRefusal::Ended
-                } else {
-                    TakeoverRefusal::NothingJournaled
-                }),
-            ),
             TaskKind::Adopt(_) if owner_wait.is_some() => {
                 // R-PARK-2, R-MULTI-1: another Edge owns the record and is
                 // not seen gone; its own request may take the run when the
@@ -883,15 +875,30 @@ impl Custody {
     }
 
     fn event_read(&mut self, id: &str, result: Result<Option<Vec<u8>>, JournalError>) {
+        let Some(task) = self.tasks.get(id) else {
+            return;
+        };
+        if !matches!(
+            (&task.stage, &task.kind),
+            (Stage::Last { .. }, TaskKind::Adopt(_))
+        ) {
+            return;
+        }
+        let Ok(payload) = result else {
+            return self.drop_task(id, ReleaseReason::StoreError);
+        };
+        self.resume_from(id, payload);
+    }
+
+    /// An adoption's decision on the record's last event (`payload`, `None`
+    /// when the record holds none), read before the raise or after it.
+    fn resume_from(&mut self, id: &str, payload: Option<Vec<u8>>) {
         let Some(task) = self.tasks.get_mut(id) else {
             return;
         };
         let (Stage::Last { meta, raised }, TaskKind::Adopt(offer)) = (&task.stage, &task.kind)
         else {
             return;
-        };
-        let Ok(payload) = result else {
-            return self.drop_task(id, ReleaseReason::StoreError);
         };
         // R-PARK-2, R-TAKE-1: whether the record is the reported run's,
         // and after which frame it resumes: asked before the raise and
@@ -911,6 +918,10 @@ impl Custody {
             return;
         }
         let meta = meta.clone();
+        if meta.last_seq == 0 {
+            // Nothing journaled: no answer so far to read.
+            return self.adopt(id, meta, frame, None);
+        }
         // The answer so far: what a lost adoption continues from on a
         // route that continues answers (R-CONT-1), and is charged by on
         // any (R-TEN-2: the text before the adoption, when the run is lost
@@ -951,18 +962,9 @@ impl Custody {
         match (&task.kind, result) {
             (TaskKind::Adopt(_), Ok(meta)) => {
                 // R-JRN-3 won: read the last event again before adopting.
-                if meta.last_seq == 0 {
-                    return self.drop_task(
-                        id,
-                        ReleaseReason::Refused(TakeoverRefusal::NothingJournaled),
-                    );
-                }
                 let seq = meta.last_seq;
                 task.stage = Stage::Last { meta, raised: true };
-                self.push(StoreOp::Event {
-                    id: id.to_owned(),
-                    seq,
-                });
+                self.read_last_event(id, seq);
             }
             // Another writer has the record.
             (TaskKind::Adopt(_), Err(_)) => self.drop_task(id, ReleaseReason::EpochLost),
@@ -1259,6 +1261,15 @@ impl Custody {
             meta,
             raised: false,
         };
+        self.read_last_event(id, seq);
+    }
+
+    /// Read event `seq`, the last of record `id`, for [`Self::resume_from`];
+    /// a record that holds none (`seq` 0) is decided at once.
+    fn read_last_event(&mut self, id: &str, seq: u64) {
+        if seq == 0 {
+            return self.resume_from(id, None);
+        }
         self.push(StoreOp::Event {
             id: id.to_owned(),
             seq,

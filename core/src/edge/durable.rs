@@ -223,8 +223,6 @@ pub fn ended_before_commit(terminal: &Terminal, events_taken: u64) -> bool {
 pub enum TakeoverRefusal {
     /// The record already has its terminal.
     Ended,
-    /// The journal holds no event yet, so no frame to resume after.
-    NothingJournaled,
     /// The record's last event came from no node frame this build reads.
     NoFrameSource,
     /// The record's last event came from another run, or from this run on
@@ -237,7 +235,6 @@ impl TakeoverRefusal {
     pub fn as_str(self) -> &'static str {
         match self {
             TakeoverRefusal::Ended => "response_ended",
-            TakeoverRefusal::NothingJournaled => "nothing_journaled",
             TakeoverRefusal::NoFrameSource => "no_frame_source",
             TakeoverRefusal::AnotherRun => "another_run",
         }
@@ -247,11 +244,20 @@ impl TakeoverRefusal {
 /// The frame of `offer`'s run after which an Edge that takes its record
 /// over resumes (R-PARK-2, R-TAKE-1): the frame the record's last event
 /// came from. `last` is the payload of the record's event `meta.last_seq`
-/// (`None` when it holds none). Only a run whose frames the journal
-/// already holds is taken over, and only from the provider that ran it:
-/// a report cannot name someone else's response into its run. The caller
-/// asks again on the record it reads after winning the epoch (R-JRN-3),
-/// since the former writer may have appended in between.
+/// (`None` when it holds none). A run whose frames the journal already
+/// holds is taken over only from the provider that ran it: a report
+/// cannot name someone else's answer into its run.
+///
+/// A record that holds no event yet is taken over from the run's first
+/// frame (`0`): its Edge died after starting the run and before journaling
+/// any of it, the run is the answer's only source, and refusing it would
+/// end the record `incomplete` with nothing, freeing its idempotency key
+/// for a retry that calls a provider again (R-IDEM-1). Its report names
+/// the record's id, which a node learns only from the run start an Edge
+/// sent it for that record (an id is random; logs show only its tag).
+///
+/// The caller asks again on the record it reads after winning the epoch
+/// (R-JRN-3), since the former writer may have appended in between.
 pub fn takeover_resume_point(
     meta: &crate::journal::RecordMeta,
     last: Option<&[u8]>,
@@ -261,7 +267,7 @@ pub fn takeover_resume_point(
         return Err(TakeoverRefusal::Ended);
     }
     if meta.last_seq == 0 {
-        return Err(TakeoverRefusal::NothingJournaled);
+        return Ok(0);
     }
     let source = last
         .and_then(decode_entry)
@@ -1433,7 +1439,8 @@ mod tests {
         );
         assert_eq!(
             takeover_resume_point(&record(0), None, &offer),
-            Err(TakeoverRefusal::NothingJournaled)
+            Ok(0),
+            "nothing journaled: from the run's first frame"
         );
         assert_eq!(
             takeover_resume_point(&record(4), Some(&encode_delivery(&text("a"))), &offer),

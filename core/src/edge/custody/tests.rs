@@ -534,7 +534,14 @@ fn r_park_2_a_reported_run_is_adopted_after_the_raise_from_a_fresh_read() {
 fn r_park_2_a_report_that_is_not_the_records_run_is_let_go_without_a_raise() {
     let mut store = Store::default();
     store.add(record("r1", ME), &["a"]);
-    store.add(record("r2", ME), &[]);
+    let mut ended = record("r2", ME);
+    ended.terminal = Some(crate::journal::Terminal {
+        status: RecordStatus::Failed,
+        reason: None,
+        message: None,
+        at_unix_ms: 1,
+    });
+    store.add(ended, &[]);
     store.add(record("r3", ME), &["a"]);
     store.live.insert("r3".into());
     let mut custody = Custody::new(ms(0), config(false));
@@ -553,7 +560,7 @@ fn r_park_2_a_report_that_is_not_the_records_run_is_let_go_without_a_raise() {
         reasons,
         vec![
             "another_run",
-            "nothing_journaled",
+            "response_ended",
             "live_here",
             "unknown_response"
         ]
@@ -564,6 +571,88 @@ fn r_park_2_a_report_that_is_not_the_records_run_is_let_go_without_a_raise() {
             .iter()
             .any(|o| matches!(o, StoreOp::RaiseEpoch { .. }))
     );
+}
+
+/// R-PARK-2, R-TAKE-1, R-IDEM-1: an Edge that died after starting a run
+/// and before journaling any of it left a record with no event; the run
+/// its node reports is adopted from its first frame, not let go (which
+/// would end the record with nothing and let a retry call a provider
+/// again).
+#[test]
+fn r_park_2_a_run_whose_record_holds_nothing_yet_is_adopted_from_its_first_frame() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &[]);
+    let mut custody = Custody::new(ms(0), config(false));
+    custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
+    let out = drive(&mut custody, &mut store, ms(5));
+    let adopted: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Adopt {
+                meta,
+                resume_after_frame,
+                resumed,
+                ..
+            } => Some((meta.epoch, *resume_after_frame, resumed.is_none())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(adopted, vec![(2, 0, true)], "{out:?}");
+    assert!(
+        !store
+            .ops
+            .iter()
+            .any(|o| matches!(o, StoreOp::Event { .. } | StoreOp::Events { .. })),
+        "no event to read: {:?}",
+        store.ops
+    );
+}
+
+/// R-PARK-2, R-JRN-3: a record empty when first read may hold events by
+/// the time the raise wins (its former writer appended in between); the
+/// report is then decided on those events like any other: another run's
+/// frames let the report go.
+#[test]
+fn r_park_2_a_record_that_got_events_before_the_raise_is_decided_on_them() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &[]);
+    let mut custody = Custody::new(ms(0), config(false));
+    custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
+    let mut released = Vec::new();
+    let mut adopted = 0;
+    for _ in 0..100 {
+        let Some(out) = custody.poll_output() else {
+            break;
+        };
+        match out {
+            CustodyOutput::Store(op) => {
+                if matches!(op, StoreOp::RaiseEpoch { .. }) {
+                    // The former writer's append, from another run.
+                    let (meta, events) = store.records.get_mut("r1").unwrap();
+                    let mut other = offer("r1");
+                    other.run.key.run_id += 1;
+                    events.push(JournalEvent {
+                        seq: 1,
+                        payload: encode_entry(
+                            &Delivery::Event(RunEventKind::TextDelta("x".into())),
+                            Some(FrameSource {
+                                key: other.run.key,
+                                frame: 1,
+                                provider_id: ProviderId::from("p1"),
+                            }),
+                        ),
+                    });
+                    meta.last_seq = 1;
+                }
+                let answer = store.answer(op);
+                custody.handle_input(ms(5), CustodyInput::Store(answer));
+            }
+            CustodyOutput::Release { reason, .. } => released.push(reason.as_str()),
+            CustodyOutput::Adopt { .. } => adopted += 1,
+            _ => {}
+        }
+    }
+    assert_eq!((adopted, released), (0, vec!["another_run"]));
 }
 
 #[test]
