@@ -420,60 +420,8 @@ models = ["m"]
 capacity = 64
 "#;
         // Long enough for B to adopt what the nodes park.
-        let park_grace_ms = 20_000;
-        let b_config = EdgeConfig::parse(
-            &edge_toml_with(
-                "edge-b",
-                &server.url(),
-                0,
-                0,
-                park_grace_ms,
-                second_provider,
-            ),
-            pki.path(),
-        )
-        .unwrap();
-        let b = RunningEdge::start(b_config).await.unwrap();
-        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
-        let a_config = pki.path().join("edge-a.toml");
-        std::fs::write(
-            &a_config,
-            edge_toml_with(
-                "edge-a",
-                &server.url(),
-                quic_port,
-                http_port,
-                park_grace_ms,
-                second_provider,
-            ),
-        )
-        .unwrap();
-        let a_quic: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
-        let nodes: Vec<iop_node::RunningNode> = ["node-1", "node-2"]
-            .iter()
-            .zip(&mocks)
-            .map(|(name, mock)| {
-                iop_node::RunningNode::start(node_config_edges(
-                    &pki,
-                    name,
-                    &[a_quic, b.quic_addr],
-                    &node_providers(mock),
-                ))
-            })
-            .collect();
-        let mut a = start_edge_process(&a_config, http_port, KEY).await;
-        // Each node ready on both Edges, each with its own generation.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while !nodes
-            .iter()
-            .all(|n| n.generations().iter().all(Option::is_some))
-        {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "nodes not ready on both Edges"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let (mut a, b, nodes) =
+            killable_edge_beside_edge(&pki, &server, 20_000, second_provider, &mocks).await;
         let b_url = url(&b, "");
         let mut seen_all = Vec::new();
         let mut open = Vec::new();
@@ -547,6 +495,65 @@ capacity = 64
     .expect("test exceeded its bound");
 }
 
+/// Edge A as a process of its own (to kill) and Edge B in this process,
+/// both on `server`'s journal with `park_grace_ms` and `extra` TOML; a node
+/// `node-<i>` for each mock, dialing both, ready on both with a generation
+/// each.
+async fn killable_edge_beside_edge(
+    pki: &Pki,
+    server: &NatsServer,
+    park_grace_ms: u64,
+    extra: &str,
+    mocks: &[MockServer],
+) -> (EdgeProcess, RunningEdge, Vec<iop_node::RunningNode>) {
+    let b_config = EdgeConfig::parse(
+        &edge_toml_with("edge-b", &server.url(), 0, 0, park_grace_ms, extra),
+        pki.path(),
+    )
+    .unwrap();
+    let b = RunningEdge::start(b_config).await.unwrap();
+    let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
+    let a_config = pki.path().join("edge-a.toml");
+    std::fs::write(
+        &a_config,
+        edge_toml_with(
+            "edge-a",
+            &server.url(),
+            quic_port,
+            http_port,
+            park_grace_ms,
+            extra,
+        ),
+    )
+    .unwrap();
+    let a_quic: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
+    let nodes: Vec<iop_node::RunningNode> = mocks
+        .iter()
+        .enumerate()
+        .map(|(i, mock)| {
+            iop_node::RunningNode::start(node_config_edges(
+                pki,
+                &format!("node-{}", i + 1),
+                &[a_quic, b.quic_addr],
+                &node_providers(mock),
+            ))
+        })
+        .collect();
+    let a = start_edge_process(&a_config, http_port, KEY).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !nodes
+        .iter()
+        .all(|n| n.generations().iter().all(Option::is_some))
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nodes not ready on both Edges"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (a, b, nodes)
+}
+
 /// R-PARK-2, R-TAKE-1, R-IDEM-1: an Edge killed after it started a
 /// durable run and before the run's first event was journaled leaves the
 /// run parked on its node with nothing of it durable. Another Edge adopts
@@ -572,46 +579,8 @@ async fn a_run_whose_edge_died_before_its_first_event_is_adopted_elsewhere_not_c
         })
         .await
         .unwrap();
-        let park_grace_ms = 20_000;
-        let b = RunningEdge::start(
-            EdgeConfig::parse(
-                &edge_toml_with("edge-b", &server.url(), 0, 0, park_grace_ms, ""),
-                pki.path(),
-            )
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-        let (quic_port, http_port) = (free_udp_port(), free_tcp_port());
-        let a_config = pki.path().join("edge-a.toml");
-        std::fs::write(
-            &a_config,
-            edge_toml_with(
-                "edge-a",
-                &server.url(),
-                quic_port,
-                http_port,
-                park_grace_ms,
-                "",
-            ),
-        )
-        .unwrap();
-        let a_quic: std::net::SocketAddr = format!("127.0.0.1:{quic_port}").parse().unwrap();
-        let node = iop_node::RunningNode::start(node_config_edges(
-            &pki,
-            "node-1",
-            &[a_quic, b.quic_addr],
-            &node_providers(&mock),
-        ));
-        let mut a = start_edge_process(&a_config, http_port, KEY).await;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while !node.generations().iter().all(Option::is_some) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the node is not ready on both Edges"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let (mut a, b, nodes) =
+            killable_edge_beside_edge(&pki, &server, 20_000, "", std::slice::from_ref(&mock)).await;
         let body = json!({"model": "m", "input": "first event", "stream": true});
         let first =
             tokio::spawn(post(format!("{}/v1/responses", a.http), &body, Some("first")).send());
@@ -652,7 +621,9 @@ async fn a_run_whose_edge_died_before_its_first_event_is_adopted_elsewhere_not_c
         );
         assert_eq!(text_of(&events), expected_text(TOKENS));
         assert_eq!(mock.requests(), 1, "the provider was called once");
-        node.shutdown().await.unwrap();
+        for node in nodes {
+            node.shutdown().await.unwrap();
+        }
         b.shutdown().await;
     })
     .await

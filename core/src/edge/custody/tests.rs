@@ -256,6 +256,23 @@ fn ended(outputs: &[CustodyOutput]) -> Vec<(&str, &'static str)> {
         .collect()
 }
 
+/// The adoptions among `outputs`: (epoch, resume after frame, whether
+/// the answer so far came with it).
+fn adopted(outputs: &[CustodyOutput]) -> Vec<(u64, u64, bool)> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Adopt {
+                meta,
+                resume_after_frame,
+                resumed,
+                ..
+            } => Some((meta.epoch, *resume_after_frame, resumed.is_some())),
+            _ => None,
+        })
+        .collect()
+}
+
 fn status(store: &Store, id: &str) -> RecordStatus {
     store.records[id].0.status()
 }
@@ -509,18 +526,7 @@ fn r_park_2_a_reported_run_is_adopted_after_the_raise_from_a_fresh_read() {
     let mut custody = Custody::new(ms(0), config(false));
     custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
     let out = drive(&mut custody, &mut store, ms(5));
-    let adopted: Vec<_> = out
-        .iter()
-        .filter_map(|o| match o {
-            CustodyOutput::Adopt {
-                meta,
-                resume_after_frame,
-                ..
-            } => Some((meta.epoch, *resume_after_frame)),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(adopted, vec![(2, 2)]);
+    assert_eq!(adopted(&out), vec![(2, 2, true)]);
     // The event was read before and after the raise.
     let reads = store
         .ops
@@ -585,19 +591,7 @@ fn r_park_2_a_run_whose_record_holds_nothing_yet_is_adopted_from_its_first_frame
     let mut custody = Custody::new(ms(0), config(false));
     custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
     let out = drive(&mut custody, &mut store, ms(5));
-    let adopted: Vec<_> = out
-        .iter()
-        .filter_map(|o| match o {
-            CustodyOutput::Adopt {
-                meta,
-                resume_after_frame,
-                resumed,
-                ..
-            } => Some((meta.epoch, *resume_after_frame, resumed.is_none())),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(adopted, vec![(2, 0, true)], "{out:?}");
+    assert_eq!(adopted(&out), vec![(2, 0, false)], "{out:?}");
     assert!(
         !store
             .ops
