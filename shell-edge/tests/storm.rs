@@ -430,10 +430,9 @@ async fn a_storm_of_edge_and_node_kills_loses_no_answer_and_calls_no_provider_tw
             for (what, victim, at, wall) in &story {
                 let unix = wall.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
                 println!(
-                    "{what} {} at {at:?} (unix {}.{:03})",
+                    "{what} {} at {at:?} ({})",
                     components[*victim].name,
-                    unix.as_secs(),
-                    unix.subsec_millis()
+                    iop_edge::api::ollama::rfc3339_utc(unix.as_millis() as u64)
                 );
             }
             let (now, wall_now) = (std::time::Instant::now(), std::time::SystemTime::now());
