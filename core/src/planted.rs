@@ -153,11 +153,18 @@ pub enum PlantedBug {
     /// on its pool (its provider called again), instead of ending as its
     /// journal says.
     IgnoreJournaledEnd,
+    /// R-PARK-2, R-TAKE-1, R-IDEM-1: a takeover refuses a parked run whose
+    /// record holds nothing journaled yet (`durable::takeover_resume_point`
+    /// as before the fix): an Edge that died after it started a durable
+    /// run and before the run's first event leaves that run to die on its
+    /// node; its record ends `incomplete` with no event, which frees its
+    /// idempotency key, and a client's retry calls a provider again.
+    RefuseUnjournaledPark,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 28] = [
+    pub const ALL: [PlantedBug; 29] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -186,6 +193,7 @@ impl PlantedBug {
         PlantedBug::CutInputNotCharged,
         PlantedBug::EndedTextNotCharged,
         PlantedBug::IgnoreJournaledEnd,
+        PlantedBug::RefuseUnjournaledPark,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -232,6 +240,7 @@ impl PlantedBug {
                 | PlantedBug::ReplayStaleEvidence
                 | PlantedBug::EndedTextNotCharged
                 | PlantedBug::IgnoreJournaledEnd
+                | PlantedBug::RefuseUnjournaledPark
         )
     }
 
@@ -266,6 +275,7 @@ impl PlantedBug {
             PlantedBug::CutInputNotCharged => "cut-input-not-charged",
             PlantedBug::EndedTextNotCharged => "ended-text-not-charged",
             PlantedBug::IgnoreJournaledEnd => "ignore-journaled-end",
+            PlantedBug::RefuseUnjournaledPark => "refuse-unjournaled-park",
         }
     }
 
@@ -489,6 +499,7 @@ mod tests {
                         | PlantedBug::ReplayStaleEvidence
                         | PlantedBug::EndedTextNotCharged
                         | PlantedBug::IgnoreJournaledEnd
+                        | PlantedBug::RefuseUnjournaledPark
                 )
             );
         }

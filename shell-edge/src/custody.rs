@@ -314,9 +314,16 @@ impl CustodyTask {
                         work,
                     });
                 }
-                CustodyOutput::Release { node, key, reason } => {
+                CustodyOutput::Release {
+                    node,
+                    key,
+                    response_id,
+                    reason,
+                } => {
                     tracing::info!(
                         event = "edge_parked_run_not_adopted",
+                        response = %iop_core::edge::client_ids::log_tag(&response_id),
+                        node = %node,
                         reason = reason.as_str()
                     );
                     start(Start::Release(node, key));

@@ -349,6 +349,9 @@ pub enum CustodyOutput {
         node: crate::ids::NodeId,
         /// The run.
         key: RunKey,
+        /// The durable response the node reported it for (for logs, and
+        /// for a checker to compare `reason` with the record).
+        response_id: String,
         /// Why.
         reason: ReleaseReason,
     },
@@ -671,6 +674,7 @@ impl Custody {
         self.outputs.push_back(CustodyOutput::Release {
             node: offer.node.clone(),
             key: offer.run.key,
+            response_id: offer.run.response_id.clone(),
             reason,
         });
     }

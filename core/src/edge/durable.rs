@@ -267,6 +267,10 @@ pub fn takeover_resume_point(
         return Err(TakeoverRefusal::Ended);
     }
     if meta.last_seq == 0 {
+        #[cfg(feature = "planted-bugs")]
+        if crate::planted::in_thread(crate::planted::PlantedBug::RefuseUnjournaledPark) {
+            return Err(TakeoverRefusal::NoFrameSource);
+        }
         return Ok(0);
     }
     let source = last
@@ -1405,6 +1409,24 @@ mod tests {
             provider_id: ProviderId::from(provider),
             node: crate::ids::NodeId::from("n"),
         }
+    }
+
+    #[cfg(feature = "planted-bugs")]
+    #[test]
+    fn planted_refuse_unjournaled_park_refuses_a_record_that_holds_nothing_r_park_2() {
+        use crate::planted::{PlantedBug, clear_thread, plant_in_thread};
+        let key = RunKey {
+            generation: 7,
+            run_id: 3,
+        };
+        plant_in_thread(PlantedBug::RefuseUnjournaledPark);
+        let refused = takeover_resume_point(&record(0), None, &parked(key, "p0"));
+        clear_thread();
+        assert_eq!(refused, Err(TakeoverRefusal::NoFrameSource));
+        assert_eq!(
+            takeover_resume_point(&record(0), None, &parked(key, "p0")),
+            Ok(0)
+        );
     }
 
     #[test]

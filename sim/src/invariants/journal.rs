@@ -19,12 +19,14 @@
 //! | R-PARK-2 (provider once) | the provider is called at most once per durable response once anything of it is durable: a provider call for a response whose record already holds events is a violation, but for an attempt that continues the answer so far on a route that opted in (R-CONT-1) |
 //! | R-PARK-2 (output once) | every token of a provider call's output is journaled exactly once and in order: each call's tokens are numbered (`tok1`, `tok2`, ...) and each journaled event names the run it came from; an accepted append whose token is not past that run's last is output published twice (an adoption that replayed frames the journal already held), one that skips a token lost output (a replay that resumed too late) |
 //! | R-TAKE-1 (a journaled end) | once a record's journal holds the answer's end (a run's `Completed`: its writer journaled it, then may have died before the record's terminal), the record ends as that end says (the terminal its client would have been told, never `incomplete`), whoever writes the terminal; nothing is appended after it and its provider is called no more |
+//! | R-PARK-2 (refused only for a reason) | a parked run a custody lets go as refused is refused for a reason true of its record in the store: `response_ended` only if it has its terminal, `no_frame_source`/`another_run` only if it holds events; a record that holds nothing yet is its run's to adopt (its Edge died before the first event) |
 //! | R-PARK-2 (one adopter) | a node accepts an adoption of a parked run only while it is on no connection, and under one epoch of its record only one Edge's adoption is accepted (with several Edges: two Edges never both adopt one parked run) |
 //! | liveness | a durable request that ended left its record ended; every record without a terminal at an Edge start ends within B_takeover unless the Edge dies again first |
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use iop_core::Instant;
+use iop_core::edge::durable::TakeoverRefusal;
 use iop_core::journal::{CreateOutcome, JournalError, RecordStatus};
 
 use std::time::Duration;
@@ -634,6 +636,41 @@ impl Checker {
         if first != edge {
             let detail = format!(
                 "the parked run of {record} was adopted by {first} and by {edge} under epoch {epoch}"
+            );
+            self.fail("R-PARK-2", detail);
+        }
+    }
+
+    /// An Edge's custody let a parked run of `record` go, refused for
+    /// `why` (R-PARK-2, R-TAKE-1): a refusal must be true of the record
+    /// as the store holds it. Ended: it has its terminal; the run cannot
+    /// be named into it: it holds events (the answer so far has a
+    /// source). A record that holds nothing yet has no answer but the
+    /// run's, so letting the run go loses it (the record ends
+    /// `incomplete`, its idempotency key freed: a retry calls a provider
+    /// again, R-IDEM-1). The store's record only grows, so what the
+    /// custody read before is no more than what it holds now.
+    pub fn parked_run_refused(&mut self, store: &SimJournal, record: &str, why: TakeoverRefusal) {
+        let Some(stored) = store.record(record) else {
+            let detail =
+                format!("a parked run of {record}, not in the store, was refused ({why:?})");
+            return self.fail("R-PARK-2", detail);
+        };
+        let meta = &stored.meta;
+        let true_of_it = match why {
+            TakeoverRefusal::Ended => meta.terminal.is_some(),
+            TakeoverRefusal::NoFrameSource | TakeoverRefusal::AnotherRun => meta.last_seq > 0,
+        };
+        if !true_of_it {
+            let detail = format!(
+                "a parked run of {record} was let go as {} though its record holds {} events and {}",
+                why.as_str(),
+                meta.last_seq,
+                if meta.terminal.is_some() {
+                    "its terminal"
+                } else {
+                    "no terminal"
+                },
             );
             self.fail("R-PARK-2", detail);
         }

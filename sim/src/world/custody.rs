@@ -23,7 +23,8 @@ use std::collections::BTreeMap;
 use iop_core::Instant;
 use iop_core::edge::admission::RequestId;
 use iop_core::edge::custody::{
-    Custody, CustodyConfig, CustodyEvent, CustodyInput, CustodyOutput, StoreAnswer, StoreOp,
+    Custody, CustodyConfig, CustodyEvent, CustodyInput, CustodyOutput, ReleaseReason, StoreAnswer,
+    StoreOp,
 };
 use iop_core::edge::dispatch::{DispatchInput, ParkedOffer};
 use iop_core::edge::durable::{JournalSpec, ResumedAnswer};
@@ -177,8 +178,14 @@ impl World {
                 CustodyOutput::Release {
                     node,
                     key,
-                    reason: _,
-                } => self.release_parked(node, key),
+                    response_id,
+                    reason,
+                } => {
+                    if let ReleaseReason::Refused(why) = reason {
+                        self.checkers[0].parked_run_refused(&self.journal, &response_id, why);
+                    }
+                    self.release_parked(node, key);
+                }
                 CustodyOutput::CancelParked(offer) => self.cancel_parked(&offer),
                 CustodyOutput::Charge { meta, used } => self.tenant_charge_ended(&meta, &used),
                 CustodyOutput::Event(event) => self.custody_event(event),
