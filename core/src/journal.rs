@@ -518,7 +518,12 @@ pub fn check_create(
 /// afresh instead of being told the same failure again (R-IDEM-1). The
 /// store replaces it under the key.
 pub fn superseded(meta: &RecordMeta) -> bool {
-    meta.last_seq == 0
+    #[cfg(feature = "planted-bugs")]
+    let nothing_journaled = meta.last_seq == 0
+        || crate::planted::in_thread(crate::planted::PlantedBug::SupersedeWithEvents);
+    #[cfg(not(feature = "planted-bugs"))]
+    let nothing_journaled = meta.last_seq == 0;
+    nothing_journaled
         && meta
             .terminal
             .as_ref()

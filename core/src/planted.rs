@@ -160,11 +160,17 @@ pub enum PlantedBug {
     /// node; its record ends `incomplete` with no event, which frees its
     /// idempotency key, and a client's retry calls a provider again.
     RefuseUnjournaledPark,
+    /// R-IDEM-1: a record that failed or was cut short gives its
+    /// idempotency key up even when events of it were journaled
+    /// (`journal::superseded` without its "nothing journaled" test): a
+    /// retry with the key runs the request again, and an answer already
+    /// published in part is answered anew.
+    SupersedeWithEvents,
 }
 
 impl PlantedBug {
     /// Every planted bug.
-    pub const ALL: [PlantedBug; 29] = [
+    pub const ALL: [PlantedBug; 30] = [
         PlantedBug::DoubleRelease,
         PlantedBug::AcceptStaleGeneration,
         PlantedBug::LowerOnStaleEvidence,
@@ -194,6 +200,7 @@ impl PlantedBug {
         PlantedBug::EndedTextNotCharged,
         PlantedBug::IgnoreJournaledEnd,
         PlantedBug::RefuseUnjournaledPark,
+        PlantedBug::SupersedeWithEvents,
     ];
 
     /// Whether the bug lives in the request machine (`Request`), which the
@@ -241,6 +248,7 @@ impl PlantedBug {
                 | PlantedBug::EndedTextNotCharged
                 | PlantedBug::IgnoreJournaledEnd
                 | PlantedBug::RefuseUnjournaledPark
+                | PlantedBug::SupersedeWithEvents
         )
     }
 
@@ -276,6 +284,7 @@ impl PlantedBug {
             PlantedBug::EndedTextNotCharged => "ended-text-not-charged",
             PlantedBug::IgnoreJournaledEnd => "ignore-journaled-end",
             PlantedBug::RefuseUnjournaledPark => "refuse-unjournaled-park",
+            PlantedBug::SupersedeWithEvents => "supersede-with-events",
         }
     }
 
@@ -500,6 +509,7 @@ mod tests {
                         | PlantedBug::EndedTextNotCharged
                         | PlantedBug::IgnoreJournaledEnd
                         | PlantedBug::RefuseUnjournaledPark
+                        | PlantedBug::SupersedeWithEvents
                 )
             );
         }
@@ -519,6 +529,30 @@ mod tests {
             check_append(&limits, &raised, 1, &event)
         });
         assert!(planted.is_ok(), "the fenced epoch-1 writer is accepted");
+    }
+
+    #[test]
+    fn supersede_with_events_frees_the_key_of_an_answer_published_in_part() {
+        use crate::journal::{
+            JournalEvent, JournalLimits, RecordStatus, Terminal, check_append, check_finish,
+            superseded,
+        };
+        let limits = JournalLimits::default();
+        let event = [JournalEvent {
+            seq: 1,
+            payload: vec![],
+        }];
+        let started = check_append(&limits, &record(), 1, &event).expect("appended");
+        let terminal = Terminal {
+            status: RecordStatus::Incomplete,
+            reason: None,
+            message: None,
+            at_unix_ms: 0,
+        };
+        let cut = check_finish(&limits, &started, 1, &terminal).expect("ended");
+        assert!(!superseded(&cut));
+        let planted = with_thread_bug(PlantedBug::SupersedeWithEvents, || superseded(&cut));
+        assert!(planted, "its key is given up");
     }
 
     #[test]

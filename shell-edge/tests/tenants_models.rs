@@ -183,7 +183,13 @@ async fn start_early_in_a_minute() {
 /// A 429 of a per-model rate: `Retry-After`, the tightest limit's headers,
 /// OpenAI's error code, and the model named.
 async fn assert_model_refusal(r: reqwest::Response, limit: &str, model: &str) {
-    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(
+        r.status().as_u16(),
+        429,
+        "model {model} past its limit {limit}, at {:?}; headers: {:?}",
+        std::time::SystemTime::now(),
+        r.headers()
+    );
     let retry: u64 = header(&r, "retry-after")
         .and_then(|v| v.parse().ok())
         .expect("Retry-After on the 429");

@@ -276,6 +276,8 @@ pub struct SimJournal {
     lease_revision: u64,
     /// Raises accepted since the last [`SimJournal::take_raises`].
     raises: Vec<Raise>,
+    /// The record each idempotency key names (R-IDEM-1).
+    keys: BTreeMap<[u8; 32], String>,
 }
 
 /// A raise the store accepted: who owned the record before.
@@ -325,6 +327,7 @@ impl SimJournal {
             leases: BTreeMap::new(),
             lease_revision: 0,
             raises: Vec::new(),
+            keys: BTreeMap::new(),
         }
     }
 
@@ -604,14 +607,18 @@ impl SimJournal {
     }
 
     fn create(&mut self, new: &NewRecord, now_unix_ms: u64) -> OpResult {
-        // The simulated records carry no idempotency key.
         let same_id = self.records.get(&new.id).map(|r| &r.meta);
+        let same_key = new
+            .idempotency_key
+            .and_then(|k| self.keys.get(&k))
+            .and_then(|id| self.records.get(id))
+            .map(|r| &r.meta);
         match check_create(
             now_unix_ms,
             &self.limits,
             self.used_bytes,
             same_id,
-            None,
+            same_key,
             new,
         ) {
             Ok(CreateOutcome::Create(meta)) => {
@@ -619,6 +626,13 @@ impl SimJournal {
                     // An expired record under the same id gives way.
                     self.used_bytes -= old.meta.stored_bytes;
                     self.unfinished.remove(&new.id);
+                }
+                // The key names the new record from now on. The record it
+                // named (superseded or expired) is kept, unlike in a real
+                // store, which deletes it: the checker still reads it, and
+                // nothing else does.
+                if let Some(key) = new.idempotency_key {
+                    self.keys.insert(key, new.id.clone());
                 }
                 self.used_bytes += meta.stored_bytes;
                 self.unfinished.insert(new.id.clone());

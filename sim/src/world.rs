@@ -317,6 +317,14 @@ pub struct Stats {
     pub resumes: u64,
     /// Events resumed clients read from the store.
     pub resumed_events: u64,
+    /// Requests durable clients sent again with their idempotency key,
+    /// having lost their stream before any event (R-IDEM-1).
+    pub idempotent_retries: u64,
+    /// Of those, the ones answered with the response the key named.
+    pub idempotent_existing: u64,
+    /// Of those, the ones that ran afresh (the key's response had failed
+    /// before any event).
+    pub idempotent_fresh: u64,
     /// Durable runs parked by their node when their connection ended (R-PARK-1).
     pub runs_parked: u64,
     /// Provider reads a parked or attached durable run put off because its kept frames were at their bound (R-PARK-1).
@@ -445,6 +453,9 @@ impl Stats {
         self.durable_cancels += o.durable_cancels;
         self.resumes += o.resumes;
         self.resumed_events += o.resumed_events;
+        self.idempotent_retries += o.idempotent_retries;
+        self.idempotent_existing += o.idempotent_existing;
+        self.idempotent_fresh += o.idempotent_fresh;
         self.runs_parked += o.runs_parked;
         self.park_paused += o.park_paused;
         self.park_expired += o.park_expired;
@@ -3016,7 +3027,7 @@ impl World {
                 };
                 self.schedule(now + after, event);
             }
-            self.durable_arrival(rid, pool, budget);
+            self.durable_arrival(rid, pool, budget, None);
             return;
         }
         if self.edges[self.cur].is_none() {

@@ -125,6 +125,11 @@ fn bounded_swarm_holds_every_invariant() {
     assert!(t.zombies_accepted > 0 && t.zombies_fenced_open > 0, "{t:?}");
     assert!(t.durable_left > 0 && t.durable_cancels > 0, "{t:?}");
     assert!(t.resumes > 0 && t.resumed_events > 0, "{t:?}");
+    // Clients that lost their stream before any event sent their request
+    // again with its idempotency key: answered with the response the key
+    // named, or run afresh when that one failed before any event
+    // (R-IDEM-1).
+    assert!(t.idempotent_existing > 0 && t.idempotent_fresh > 0, "{t:?}");
     // The end's crash point (R-TAKE-1): an Edge died between a record's
     // journaled end and its terminal, and a takeover ended such a record
     // as its journal says.

@@ -19,6 +19,7 @@
 //! | R-PARK-2 (provider once) | the provider is called at most once per durable response once anything of it is durable: a provider call for a response whose record already holds events is a violation, but for an attempt that continues the answer so far on a route that opted in (R-CONT-1) |
 //! | R-PARK-2 (output once) | every token of a provider call's output is journaled exactly once and in order: each call's tokens are numbered (`tok1`, `tok2`, ...) and each journaled event names the run it came from; an accepted append whose token is not past that run's last is output published twice (an adoption that replayed frames the journal already held), one that skips a token lost output (a replay that resumed too late) |
 //! | R-TAKE-1 (a journaled end) | once a record's journal holds the answer's end (a run's `Completed`: its writer journaled it, then may have died before the record's terminal), the record ends as that end says (the terminal its client would have been told, never `incomplete`), whoever writes the terminal; nothing is appended after it and its provider is called no more |
+//! | R-IDEM-1 | a record is created under an idempotency key only if every record the key named before is superseded (ended `failed` or `incomplete` with no event); a create answered with an existing record is answered with the last record the key named, and never a superseded one (clients that lost their stream before any event POST again with their key) |
 //! | R-PARK-2 (refused only for a reason) | a parked run a custody lets go as refused is refused for a reason true of its record in the store: `response_ended` only if it has its terminal, `no_frame_source`/`another_run` only if it holds events; a record that holds nothing yet is its run's to adopt (its Edge died before the first event) |
 //! | R-PARK-2 (one adopter) | a node accepts an adoption of a parked run only while it is on no connection, and under one epoch of its record only one Edge's adoption is accepted (with several Edges: two Edges never both adopt one parked run) |
 //! | liveness | a durable request that ended left its record ended; every record without a terminal at an Edge start ends within B_takeover unless the Edge dies again first |
@@ -65,6 +66,21 @@ struct RecordModel {
     /// The answer's end an accepted append journaled, as the status its
     /// client is told (R-TAKE-1: the record ends so).
     end: Option<RecordStatus>,
+    /// The status of its accepted terminal.
+    ended_as: Option<RecordStatus>,
+}
+
+impl RecordModel {
+    /// Whether its idempotency key no longer names it (R-IDEM-1): it ended
+    /// failed or incomplete with nothing journaled, so nothing of it was
+    /// ever published and a retry with its key runs afresh.
+    fn superseded(&self) -> bool {
+        self.events == 0
+            && matches!(
+                self.ended_as,
+                Some(RecordStatus::Failed | RecordStatus::Incomplete)
+            )
+    }
 }
 
 /// What one durable client has received, across resumes.
@@ -91,6 +107,9 @@ pub(super) struct JournalModel {
     /// The Edge whose adoption of a parked run each (record, epoch) saw
     /// accepted (R-PARK-2: at most one).
     adoptions: BTreeMap<(String, u64), String>,
+    /// The records created under each idempotency key, oldest first
+    /// (R-IDEM-1).
+    keys: BTreeMap<[u8; 32], Vec<String>>,
 }
 
 /// The status a client's terminal delivery stands for (SPEC §6: completed,
@@ -168,9 +187,20 @@ impl Checker {
                     refused: None,
                     last_token: BTreeMap::new(),
                     end: None,
+                    ended_as: None,
                 };
                 if self.journal.records.insert(id.clone(), model).is_some() {
                     self.fail("R-JRN-2", format!("record {id} created twice"));
+                }
+                if let JournalOp::Create(new) = &d.op
+                    && let Some(key) = new.idempotency_key
+                {
+                    self.idempotent_created(key, &id);
+                }
+            }
+            (JournalOp::Create(new), OpResult::Created(CreateOutcome::Existing(meta))) => {
+                if let Some(key) = new.idempotency_key {
+                    self.idempotent_existing(key, &id, &meta.id);
                 }
             }
             (JournalOp::Create(_), _) => {}
@@ -283,6 +313,7 @@ impl Checker {
                             ));
                         }
                         r.ended_by = Some(d.writer);
+                        r.ended_as = Some(terminal.status);
                     }
                     JournalOp::Create(_) => {}
                 }
@@ -291,6 +322,65 @@ impl Checker {
                 }
             }
         }
+    }
+
+    /// A new record `id` was created under idempotency key `key`: every
+    /// record the key named before must be superseded (R-IDEM-1: one
+    /// response per key; only one that failed before anything of it was
+    /// journaled gives the key up, so a retry never runs an answer again
+    /// that was, or could still be, published).
+    fn idempotent_created(&mut self, key: [u8; 32], id: &str) {
+        let earlier = self.journal.keys.entry(key).or_default();
+        let live: Vec<String> = earlier
+            .iter()
+            .filter(|e| {
+                self.journal
+                    .records
+                    .get(e.as_str())
+                    .is_none_or(|r| !r.superseded())
+            })
+            .cloned()
+            .collect();
+        earlier.push(id.to_owned());
+        for e in live {
+            let (events, ended) = self
+                .journal
+                .records
+                .get(&e)
+                .map_or((0, None), |r| (r.events, r.ended_as));
+            let detail = format!(
+                "{id} was created under the idempotency key of {e}, which holds {events} events and ended {ended:?}: the request would run twice"
+            );
+            self.fail("R-IDEM-1", detail);
+        }
+    }
+
+    /// A create of `id` under idempotency key `key` was answered with the
+    /// existing record `existing`: it must be the last record the key
+    /// named, and not superseded (R-IDEM-1).
+    fn idempotent_existing(&mut self, key: [u8; 32], id: &str, existing: &str) {
+        let last = self.journal.keys.get(&key).and_then(|ids| ids.last());
+        let detail = match last {
+            Some(last) if last != existing => format!(
+                "the create of {id} was answered with {existing}, but its idempotency key names {last}"
+            ),
+            None => format!(
+                "the create of {id} was answered with {existing}, but no record was created under its idempotency key"
+            ),
+            Some(_)
+                if self
+                    .journal
+                    .records
+                    .get(existing)
+                    .is_some_and(RecordModel::superseded) =>
+            {
+                format!(
+                    "the create of {id} was answered with {existing}, which failed before any event: its key should run the request afresh"
+                )
+            }
+            Some(_) => return,
+        };
+        self.fail("R-IDEM-1", detail);
     }
 
     /// Compare a record's stored state with the model.

@@ -33,7 +33,7 @@ use iop_core::edge::gate::GateBudget;
 use iop_core::edge::request::{Delivery, RequestInput, RequestSpec};
 use iop_core::ids::ProviderId;
 use iop_core::journal::{
-    CreateOutcome, JournalApi, JournalError, NewRecord, RecordStatus, fingerprint,
+    CreateOutcome, JournalApi, JournalError, NewRecord, RecordStatus, fingerprint, idempotency_hash,
 };
 
 use super::{EdgeRequest, Event, World};
@@ -57,6 +57,11 @@ pub(super) struct PendingCreate {
     pub(super) budget: GateBudget,
     /// The client left before it learnt the response id.
     pub(super) client_left: bool,
+    /// Its client's `Idempotency-Key`.
+    pub(super) key: String,
+    /// A client's request sent again with its key (R-IDEM-1): the record
+    /// that client followed until now.
+    pub(super) retry_of: Option<String>,
 }
 
 /// Where the client of a durable response is.
@@ -82,6 +87,14 @@ pub(super) struct DurableClient {
     /// The last event number it saw.
     pub(super) received: u64,
     pub(super) resumes_left: u32,
+    /// Its `Idempotency-Key` (every durable client sends one): a client
+    /// that lost its stream before any event never learnt the response
+    /// id, so it sends its request again with this key (R-IDEM-1).
+    pub(super) key: String,
+    /// Its request's pool (the same request again).
+    pub(super) pool: Vec<ProviderId>,
+    /// It already put a retry off once (a client's backoff).
+    pub(super) backed_off: bool,
 }
 
 impl World {
@@ -445,18 +458,25 @@ impl World {
 
     // ---- Durable requests -----------------------------------------------------
 
-    /// A durable client request arrives: create its record first.
+    /// A durable client request arrives: create its record first. A
+    /// client's request sent again names its key and the record it
+    /// followed (`retry`); a new client's key is its first record's id.
     pub(super) fn durable_arrival(
         &mut self,
         request_id: RequestId,
         pool: Vec<ProviderId>,
         budget: GateBudget,
+        retry: Option<(String, String)>,
     ) {
         let Some(edge) = &mut self.edges[self.cur] else {
             return;
         };
         let incarnation = edge.incarnation;
         let record = format!("resp-{incarnation}-{request_id}");
+        let (key, retry_of) = match retry {
+            Some((key, of)) => (key, Some(of)),
+            None => (format!("key-{record}"), None),
+        };
         // Its route: the pool, and whether it continues answers (R-CONT-1).
         let continues = self.rng.chance(self.cfg.journal.continue_ppm);
         self.routes.insert(
@@ -477,6 +497,8 @@ impl World {
                 pool,
                 budget,
                 client_left: false,
+                key: key.clone(),
+                retry_of,
             },
         );
         // R-TEN-2: what a takeover of the record is charged by (its key,
@@ -487,8 +509,9 @@ impl World {
             principal: "sim".into(),
             api: JournalApi::ChatCompletions,
             model: "sim".into(),
-            fingerprint: fingerprint("/v1/chat/completions", record.as_bytes()),
-            idempotency_key: None,
+            // The same request body each time its client sends it.
+            fingerprint: fingerprint("/v1/chat/completions", key.as_bytes()),
+            idempotency_key: Some(idempotency_hash("sim", &key)),
             background: false,
             request: Vec::new(),
             created_unix_ms: self.unix_ms(),
@@ -517,6 +540,16 @@ impl World {
         };
         let incarnation = edge.incarnation;
         let continuation = super::custody::continues(&self.routes, &pending.record);
+        if let (OpResult::Created(CreateOutcome::Existing(meta)), Some(of)) =
+            (&result, &pending.retry_of)
+        {
+            // R-IDEM-1: the key names a live response: the client follows
+            // it from its first event, and nothing runs again.
+            self.stats.idempotent_existing += 1;
+            self.tenant_release_unstarted(request_id);
+            self.client_follows(of, meta.id.clone(), incarnation);
+            return;
+        }
         if !matches!(result, OpResult::Created(CreateOutcome::Create(_))) {
             // R-JRN-5: a full store refuses new durable requests (503).
             self.stats.failed += 1;
@@ -527,14 +560,20 @@ impl World {
                 .or_default() += 1;
             // It called no provider: its tenant's hold is released.
             self.tenant_release_unstarted(request_id);
+            if let Some(of) = &pending.retry_of
+                && let Some(client) = self.durable_clients.get_mut(of)
+            {
+                client.state = ClientState::Done;
+            }
             return;
         }
         let record = pending.record.clone();
+        let pool_of_client = pending.pool.clone();
         let client_left = pending.client_left;
         let machine = self.new_request(
             RequestSpec {
                 request_id,
-                pool: pending.pool,
+                pool: pending.pool.clone(),
                 budget: pending.budget,
                 tunnel_api: None,
                 tunnel_providers: Vec::new(),
@@ -571,6 +610,16 @@ impl World {
         self.stats.durable_requests += 1;
         self.checkers[self.cur].request_opened((incarnation, request_id), deadline);
         self.checkers[0].durable_client_opened(&record);
+        // A client's request sent again: it follows this record now.
+        let (resumes_left, backed_off) = match &pending.retry_of {
+            Some(of) => {
+                self.stats.idempotent_fresh += 1;
+                self.durable_clients
+                    .remove(of)
+                    .map_or((MAX_RESUMES, true), |c| (c.resumes_left, c.backed_off))
+            }
+            None => (MAX_RESUMES, false),
+        };
         let state = if attached {
             ClientState::Attached {
                 incarnation,
@@ -584,7 +633,10 @@ impl World {
             DurableClient {
                 state,
                 received: 0,
-                resumes_left: MAX_RESUMES,
+                resumes_left,
+                key: pending.key,
+                pool: pool_of_client,
+                backed_off,
             },
         );
         self.drive_request(request_id);
@@ -725,6 +777,23 @@ impl World {
         if client.state != ClientState::Away {
             return;
         }
+        if client.received == 0 {
+            // It never learnt the response id (that comes with the first
+            // event): it sends its request again with its key. Half the
+            // clients back off first, once, for up to twice the request
+            // budget and the park window: a retry that comes after the
+            // response ended (R-IDEM-1 decides on its end).
+            if !client.backed_off && self.rng.chance(PPM / 2) {
+                let longest = self.cfg.request_budget * 2 + self.cfg.park_window();
+                let at = self.now + self.rng.millis(1, super::duration_ms(longest).max(1));
+                if let Some(c) = self.durable_clients.get_mut(&record) {
+                    c.backed_off = true;
+                }
+                self.schedule(at, Event::ClientResume { record });
+                return;
+            }
+            return self.client_retry(record);
+        }
         // Durable clients resume on any live Edge (SPEC §8).
         self.cur = self.client_edge();
         let Some(incarnation) = self.edges[self.cur].as_ref().map(|e| e.incarnation) else {
@@ -761,6 +830,52 @@ impl World {
                 },
             );
         }
+    }
+
+    /// The client of `record` sends its request again with its
+    /// `Idempotency-Key`, to any live Edge (R-IDEM-1): the store answers
+    /// with the response the key names, or, when that one failed before
+    /// any event, creates a new one that runs afresh.
+    fn client_retry(&mut self, record: String) {
+        self.cur = self.client_edge();
+        let Ok(budget) = GateBudget::new(self.cfg.max_attempts, self.cfg.request_budget) else {
+            return;
+        };
+        let Some(edge) = &mut self.edges[self.cur] else {
+            // Connection refused: try again later.
+            let at = self.now + self.rng.millis(10, 100);
+            self.schedule(at, Event::ClientResume { record });
+            return;
+        };
+        let rid = edge.next_request_id;
+        edge.next_request_id += 1;
+        let Some(client) = self.durable_clients.get(&record) else {
+            return;
+        };
+        let (key, pool) = (client.key.clone(), client.pool.clone());
+        self.recorder.world_line(&("retry", &record, rid));
+        if !self.tenant_admit(rid) {
+            // Refused (429): it gives up.
+            if let Some(c) = self.durable_clients.get_mut(&record) {
+                c.state = ClientState::Done;
+            }
+            return;
+        }
+        self.stats.idempotent_retries += 1;
+        self.durable_arrival(rid, pool, budget, Some((key, record)));
+    }
+
+    /// The client that followed `of` follows `record`, the response its
+    /// key names, from its first event (R-IDEM-1).
+    fn client_follows(&mut self, of: &str, record: String, incarnation: u64) {
+        let Some(mut client) = self.durable_clients.remove(of) else {
+            return;
+        };
+        client.state = ClientState::Following { incarnation };
+        client.received = 0;
+        self.durable_clients.insert(record.clone(), client);
+        self.checkers[0].durable_client_opened(&record);
+        self.follow(&record);
     }
 
     /// A resumed client leaves again.
