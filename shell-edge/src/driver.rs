@@ -561,8 +561,9 @@ impl Driver {
                 // prompt and text) is charged by its estimate, with what
                 // the answer reported.
                 let machine = self.machine.machine();
-                // A tunnelled answer's usage, read from the provider's
-                // bytes: no delivery carried it.
+                // A usage report no delivery carried: a tunnelled
+                // answer's, read from the provider's bytes, or a durable
+                // answer's the store refused to journal.
                 let relayed = machine.relayed_usage();
                 if let Some(usage) = relayed {
                     self.in_flight

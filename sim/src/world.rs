@@ -2881,8 +2881,10 @@ impl World {
         if !r.machine.machine().is_ended() {
             return;
         }
-        // R-TEN-2: what no usage report covers, for its settlement.
+        // R-TEN-2: what no usage report covers, for its settlement, and a
+        // report no delivery carried (the store refused its write).
         let unmetered = r.machine.machine().unmetered();
+        let relayed = r.machine.machine().relayed_usage();
         // A durable request goes on without its client (only a cancel ends
         // it early); its client saw the terminal unless it left.
         let left = match &r.durable {
@@ -2913,6 +2915,9 @@ impl World {
         }
         // R-TEN-2: settled with what its answer reported (and the estimate
         // of what no report covers), or released.
+        if let Some(usage) = relayed {
+            self.tenant_delivery(rid, &Delivery::Event(RunEventKind::Usage(usage)));
+        }
         self.tenant_unmetered(rid, unmetered);
         self.tenant_settle(rid);
     }

@@ -997,11 +997,19 @@ impl Custody {
         };
         if let Stage::AdoptEvents { meta, frame } = &task.stage {
             let (meta, frame) = (meta.clone(), *frame);
+            let events = match result {
+                Ok(events) => events,
+                // R-TEN-2, R-JRN-6: the answer so far is what a lost
+                // adoption is charged by (and continued from): a store
+                // that failed is read again (after a pause, raised again)
+                // rather than the run adopted with nothing to charge.
+                Err(e) if e.is_transient() => return self.refused(now, id, e),
+                Err(_) => Vec::new(),
+            };
             // Adopted either way; continued after a lost adoption only
             // from the whole answer so far.
-            let resumed = result
+            let resumed = resumed_answer(&events)
                 .ok()
-                .and_then(|events| resumed_answer(&events).ok())
                 .filter(|r| r.last_seq == meta.last_seq);
             return self.adopt(id, meta, frame, resumed);
         }

@@ -497,6 +497,10 @@ pub struct Request {
     /// A journal write was fenced: another Edge took the record over and
     /// charges the answer the journal holds (R-TEN-2, R-TAKE-1).
     record_taken: bool,
+    /// The store refused a journal write and what was not yet published
+    /// was dropped: a usage report among it reached no client, yet its
+    /// provider counted it (R-TEN-2, R-JRN-6).
+    usage_unpublished: bool,
     /// The provider of the parked run: only its node's report is this
     /// request's run (R-PARK-2).
     parked_provider: Option<ProviderId>,
@@ -567,6 +571,7 @@ impl Request {
             attempt_input_tokens: 0,
             unmetered_input_tokens: 0,
             record_taken: false,
+            usage_unpublished: false,
             parked_provider: None,
             parked_on: None,
             not_kept: None,
@@ -980,6 +985,9 @@ impl Request {
             if next == AfterRefusal::GiveUp {
                 publisher.discard();
             }
+            // Neither the refused remainder nor what waited behind it is
+            // published (a fallback terminal replaces it).
+            self.usage_unpublished = true;
             if self.phase != Phase::Ended {
                 let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
                 self.drain_gate(now);
@@ -1096,15 +1104,20 @@ impl Request {
         }
     }
 
-    /// The usage a tunnelled answer's provider reported in its own format
-    /// (read by the request's [`TunnelMeter`]), with the earlier attempts'
-    /// (R-TEN-2, R-CONT-1): no delivery carries it, as the client reads
-    /// the provider's bytes, so the request settles with it. `None` when
-    /// the last attempt was not a tunnel answering with success, or its
-    /// provider reported nothing (its use is then estimated:
-    /// [`Self::unmetered`]).
+    /// The usage its provider reported that no delivery carried to the
+    /// client, with the earlier attempts' (R-TEN-2, R-CONT-1), so the
+    /// request settles with it: a tunnelled answer's, reported in the
+    /// provider's own format (read by the request's [`TunnelMeter`]; the
+    /// client reads the provider's bytes), and a durable answer's whose
+    /// journal write the store refused (the report was dropped with what
+    /// was not yet published, R-JRN-6; not when the record was taken over,
+    /// whose new owner charges it). `None` otherwise, or when the provider
+    /// reported nothing (its use is then estimated: [`Self::unmetered`]).
     pub fn relayed_usage(&self) -> Option<Usage> {
-        self.tunnel_meter.as_ref()?;
+        let unpublished = self.usage_unpublished && !self.record_taken;
+        if self.tunnel_meter.is_none() && !unpublished {
+            return None;
+        }
         self.attempt_usage?;
         sum_usage(self.usage_carry, self.attempt_usage)
     }

@@ -39,6 +39,14 @@ use crate::journal_store::{Decision, JournalOp, OpResult, SimJournal, Writer};
 /// known core issue, see [`super::KNOWN_CORE_ISSUES`]).
 pub const JOURNAL_ORPHAN: &str = "journal-orphan";
 
+/// The rule a fenced request's client is reported under when it is told
+/// a terminal that is not its record's (a known core issue, see
+/// [`super::KNOWN_CORE_ISSUES`]): with several Edges and a failing store,
+/// a live Edge's lease looked expired, a peer took its record over, and
+/// the fenced request told its attached client `failed` from outside the
+/// journal while the record went on (R-JRN-1).
+pub const JOURNAL_FENCED_CLIENT: &str = "journal-fenced-client";
+
 /// The run a journaled token came from (provider, generation, run id),
 /// if the event names one.
 type TokenRun = Option<(String, u64, u64)>;
@@ -68,6 +76,9 @@ struct RecordModel {
     end: Option<RecordStatus>,
     /// The status of its accepted terminal.
     ended_as: Option<RecordStatus>,
+    /// A live request writing it was fenced (another writer raised its
+    /// epoch while it lived).
+    fenced: bool,
 }
 
 impl RecordModel {
@@ -188,6 +199,7 @@ impl Checker {
                     last_token: BTreeMap::new(),
                     end: None,
                     ended_as: None,
+                    fenced: false,
                 };
                 if self.journal.records.insert(id.clone(), model).is_some() {
                     self.fail("R-JRN-2", format!("record {id} created twice"));
@@ -205,6 +217,13 @@ impl Checker {
             }
             (JournalOp::Create(_), _) => {}
             (_, OpResult::Refused(e)) => {
+                if !d.zombie
+                    && matches!(d.writer, Writer::Request { .. })
+                    && matches!(e, JournalError::Fenced { .. })
+                    && let Some(r) = self.journal.records.get_mut(&id)
+                {
+                    r.fenced = true;
+                }
                 if !d.zombie
                     && matches!(d.writer, Writer::Request { .. })
                     && !matches!(e, JournalError::Fenced { .. })
@@ -516,6 +535,13 @@ impl Checker {
             .records
             .get(id)
             .is_some_and(|r| r.refused.is_some());
+        // A fenced request's client told a terminal not its record's: the
+        // known issue, under its own name.
+        let rule = if self.journal.records.get(id).is_some_and(|r| r.fenced) {
+            JOURNAL_FENCED_CLIENT
+        } else {
+            "R-JRN-1"
+        };
         let Some(c) = self.journal.clients.get_mut(id) else {
             self.fail(
                 "R-JRN-1",
@@ -550,7 +576,7 @@ impl Checker {
                     "the client of {id} received a terminal ({}) that is not durable",
                     status.as_str()
                 );
-                self.fail("R-JRN-1", detail);
+                self.fail(rule, detail);
             }
             Some(t) if t.status != status => {
                 let detail = format!(
@@ -558,7 +584,7 @@ impl Checker {
                     status.as_str(),
                     t.status.as_str()
                 );
-                self.fail("R-JRN-1", detail);
+                self.fail(rule, detail);
             }
             Some(_) if received != meta.last_seq => {
                 let detail = format!(
@@ -577,6 +603,12 @@ impl Checker {
     /// last raise), in the checker's model.
     pub fn journal_owner(&self, id: &str) -> Option<&Writer> {
         self.journal.records.get(id).map(|r| &r.owner)
+    }
+
+    /// Whether a live request writing record `id` was fenced by another
+    /// writer's raise.
+    pub fn journal_fenced(&self, id: &str) -> bool {
+        self.journal.records.get(id).is_some_and(|r| r.fenced)
     }
 
     /// A durable request's machine ended: its record has its terminal.

@@ -726,6 +726,14 @@ impl World {
         if owner_alive {
             return;
         }
+        if self.checkers[0].journal_fenced(record) {
+            // Another writer raised its epoch (a peer that saw its lease
+            // expire, a dead custody's late raise): that writer ends it,
+            // or a takeover does once its Edge is seen dead.
+            let deadline = self.now + self.owner_lost_bound();
+            self.checkers[0].journal_edge_started(&[record.to_owned()], deadline);
+            return;
+        }
         if self.checkers[0].durable_request_ended(&self.journal, record) {
             self.orphans.insert(record.to_owned());
         }
@@ -990,6 +998,19 @@ impl World {
         }
     }
 
+    /// How long after its owner's death a record without a terminal may
+    /// stay so: the owner's lease TTL and three scans (its lease seen
+    /// expired), the park window, the takeover's bound and the budget of
+    /// a request handed the record.
+    fn owner_lost_bound(&self) -> Duration {
+        let ttl = Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS);
+        ttl * 4
+            + self.cfg.park_window()
+            + self.cfg.takeover_bound()
+            + self.cfg.request_budget
+            + self.cfg.durable_flush_bound()
+    }
+
     /// An Edge of several died (R-TAKE-1): every record it owns without
     /// a terminal ends within its lease TTL and three scans (its lease
     /// seen expired), the park window and the takeover's bound, and the
@@ -997,12 +1018,7 @@ impl World {
     /// first. Its own restart may take them first.
     fn journal_owner_lost(&mut self) {
         let me = self.edge_id(self.cur);
-        let ttl = Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS);
-        let bound = ttl * 4
-            + self.cfg.park_window()
-            + self.cfg.takeover_bound()
-            + self.cfg.request_budget
-            + self.cfg.durable_flush_bound();
+        let bound = self.owner_lost_bound();
         let ids: Vec<String> = self
             .journal
             .unfinished()

@@ -173,11 +173,15 @@ impl Store {
                 id,
             },
             StoreOp::Events { id } => StoreAnswer::Events {
-                result: Ok(self
-                    .records
-                    .get(&id)
-                    .map(|(_, e)| e.clone())
-                    .unwrap_or_default()),
+                result: if self.fails("events") {
+                    Err(failed())
+                } else {
+                    Ok(self
+                        .records
+                        .get(&id)
+                        .map(|(_, e)| e.clone())
+                        .unwrap_or_default())
+                },
                 id,
             },
             StoreOp::RaiseEpoch { id, expected } => {
@@ -670,6 +674,43 @@ fn an_offer_for_a_record_being_taken_over_is_let_go() {
             .filter(|o| matches!(o, CustodyOutput::Adopt { .. }))
             .count(),
         1
+    );
+}
+
+/// R-TEN-2, R-JRN-6: the answer so far is what a lost adoption is charged
+/// by; a store that failed its read is read again after a pause, and the
+/// run is adopted with it, not without.
+#[test]
+fn r_ten_2_an_adoptions_answer_so_far_is_read_again_when_the_store_failed() {
+    let mut store = Store::default();
+    store.add(record("r1", ME), &["a", "b"]);
+    store.fail_next = vec!["events"];
+    let mut custody = Custody::new(ms(0), config(true));
+    custody.handle_input(ms(5), CustodyInput::Offer(offer("r1")));
+    let out = drive(&mut custody, &mut store, ms(5));
+    assert!(adopted(&out).is_empty(), "not adopted yet: {out:?}");
+    assert!(
+        out.iter()
+            .any(|o| matches!(o, CustodyOutput::Event(CustodyEvent::Retried { .. })))
+    );
+    assert!(
+        custody
+            .poll_timeout()
+            .is_some_and(|at| at <= ms(5) + STORE_RETRY)
+    );
+    let out = tick(&mut custody, &mut store, ms(5) + STORE_RETRY);
+    let resumed: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o {
+            CustodyOutput::Adopt { resumed, meta, .. } => Some((meta.epoch, resumed.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resumed.len(), 1, "{out:?}");
+    assert_eq!(
+        resumed[0].1.as_ref().map(|r| r.text.as_str()),
+        Some("ab"),
+        "adopted with the answer so far"
     );
 }
 

@@ -1625,6 +1625,45 @@ fn r_jrn_4_an_append_refused_while_the_terminal_waits_still_ends_the_record() {
     assert!(r.is_ended());
 }
 
+/// R-TEN-2, R-JRN-6: the completion's append the store refused carried
+/// the provider's usage report; no client sees it, yet the provider
+/// counted it, so the request settles with it. A fenced one does not (the
+/// Edge that took the record charges).
+#[test]
+fn r_ten_2_a_usage_report_the_store_refused_is_still_settled() {
+    use crate::journal::JournalError;
+    let mut r = Request::new(t(0), durable_spec());
+    durable_completed(&mut r);
+    assert_eq!(r.relayed_usage(), None, "on its way to the journal");
+    r.handle_input(
+        t(6),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Store("disk".into()))),
+    );
+    let outs = drain(&mut r);
+    assert!(
+        !deliveries(&outs)
+            .iter()
+            .any(|d| matches!(d, Delivery::Event(RunEventKind::Completed { .. }))),
+        "never published: {outs:?}"
+    );
+    r.handle_input(t(7), RequestInput::Journaled(JournalAck::Finished));
+    assert!(r.is_ended());
+    assert_eq!(r.relayed_usage(), Some(Usage::tokens(3, 2)));
+    assert_eq!(r.unmetered(), unmetered(0, 0), "the report covers it");
+
+    let mut r = Request::new(t(0), durable_spec());
+    durable_completed(&mut r);
+    r.handle_input(
+        t(6),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Fenced {
+            current: 2,
+            writer: 1,
+        })),
+    );
+    drain(&mut r);
+    assert_eq!(r.relayed_usage(), None, "the Edge that took it charges");
+}
+
 #[test]
 fn r_jrn_4_a_terminal_the_store_failed_is_written_again_then_given_up() {
     use crate::edge::durable::{JournalWrite, MAX_TERMINAL_WRITES};
