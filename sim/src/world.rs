@@ -1889,6 +1889,12 @@ impl World {
             .millis(10, duration_ms(self.cfg.faults.edge_down_max));
         self.schedule(self.now + down, Event::EdgeStart { slot: self.cur });
         self.journal_crash(edge.incarnation, self.now + down, sync_completed);
+        // Clients whose request's record was still being created lost
+        // their stream before any event: they may send it again with its
+        // key (R-IDEM-1).
+        for pending in edge.pending_creates.into_values() {
+            self.creating_client_lost(pending);
+        }
     }
 
     /// The `edge_id` of slot `slot`: one Edge keeps the single Edge's id.

@@ -840,6 +840,27 @@ impl World {
         }
     }
 
+    /// The Edge died while the record of `pending` was being created: its
+    /// client (unless it left) lost its stream before any event. A client
+    /// sending its request again already is one; a new one becomes one.
+    pub(super) fn creating_client_lost(&mut self, pending: PendingCreate) {
+        if pending.client_left {
+            return;
+        }
+        let of = pending.retry_of.unwrap_or_else(|| pending.record.clone());
+        self.durable_clients
+            .entry(of.clone())
+            .or_insert_with(|| DurableClient {
+                state: ClientState::Away,
+                received: 0,
+                resumes_left: MAX_RESUMES,
+                key: pending.key,
+                pool: pending.pool,
+                backed_off: false,
+            });
+        self.client_away(&of);
+    }
+
     /// The client of `record` sends its request again with its
     /// `Idempotency-Key`, to any live Edge (R-IDEM-1): the store answers
     /// with the response the key names, or, when that one failed before
