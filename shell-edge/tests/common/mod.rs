@@ -201,16 +201,34 @@ pub fn expected_text(tokens: u32) -> String {
     (0..tokens).map(iop_node::mock::token_text).collect()
 }
 
+/// The lowest port [`free_port`] hands out.
+const FIRST_TEST_PORT: u16 = 20_000;
+
+/// Linux's first ephemeral port (`ip_local_port_range` starts at 32768):
+/// test servers take ports below it, so no outgoing socket (a Node's
+/// redial, a client's connection) is given a server's port while the
+/// server is down between a kill and a restart.
+const FIRST_EPHEMERAL_PORT: u16 = 32_768;
+
+/// A port below the ephemeral range that `binds` could bind now (a
+/// process binds it a moment later), tried from a random start.
+fn free_port(binds: impl Fn(u16) -> bool) -> u16 {
+    let span = FIRST_EPHEMERAL_PORT - FIRST_TEST_PORT;
+    let start = rand::random::<u16>() % span;
+    (0..span)
+        .map(|i| FIRST_TEST_PORT + (start + i) % span)
+        .find(|port| binds(*port))
+        .expect("a free port below the ephemeral range")
+}
+
 /// A TCP port free now (a process binds it a moment later).
 pub fn free_tcp_port() -> u16 {
-    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    tcp.local_addr().unwrap().port()
+    free_port(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
 }
 
 /// A UDP port free now.
 pub fn free_udp_port() -> u16 {
-    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    udp.local_addr().unwrap().port()
+    free_port(|port| std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok())
 }
 
 /// `(id, data)` of each SSE event in `text` with both an `id:` and a JSON
