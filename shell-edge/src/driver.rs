@@ -948,6 +948,17 @@ impl Driver {
                 tracing::info!(event = "edge_durable_run_gone_from_node", route);
                 return;
             }
+            RequestObservation::RecordTaken => {
+                // R-JRN-3: another Edge raised the record's epoch; its
+                // readers (they follow the journal) read on under it.
+                let response_id = self.journal.as_ref().map(|j| j.response_id.as_str());
+                tracing::warn!(
+                    event = "edge_durable_record_taken",
+                    route,
+                    response_id = response_id.unwrap_or_default()
+                );
+                return;
+            }
             RequestObservation::Ended { attempts } => {
                 self.ctx.metrics.attempts_per_request(route, attempts);
                 return;

@@ -5,7 +5,10 @@
 //! response and calls no provider (R-IDEM-1); an Edge killed with SIGKILL
 //! has its streams adopted by another Edge through the nodes connected to
 //! both, and the clients resume there exactly, with one provider call each
-//! (R-PARK-2, R-TAKE-1); when no node reports a run, its response is
+//! (R-PARK-2, R-TAKE-1); an Edge frozen (SIGSTOP) past its lease has its
+//! streams taken over the same way, and when it wakes its requests are
+//! fenced while their clients read on from the records (R-JRN-3,
+//! R-JRN-1); when no node reports a run, its response is
 //! ended `incomplete` (`edge_lost`) by a live Edge once the dead one's
 //! ownership lease expired (R-TAKE-1); a NATS restart
 //! loses no acknowledged event; a store outage makes durable requests
@@ -493,6 +496,125 @@ capacity = 64
     })
     .await
     .expect("test exceeded its bound");
+}
+
+/// R-JRN-3, R-JRN-1, R-MULTI-1, R-PARK-2: Edge A, a real process, is
+/// frozen (SIGSTOP) while durable streams run through it, for longer than
+/// its ownership lease. The nodes lose its connection and park the runs; B
+/// sees A's lease expire, raises each record's epoch, adopts the run and
+/// finishes the answer. Then A wakes (SIGCONT) with its requests still
+/// open: their journal writes are fenced, and they tell their clients
+/// nothing of their own. Each client, still on A's stream, reads on from
+/// the record B wrote to `response.completed`: the same stream B serves,
+/// with one provider call per stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_edges_clients_read_on_from_the_edge_that_took_their_records_when_it_wakes() {
+    const STREAMS: usize = 3;
+    const LONG_TOKENS: u32 = 120;
+    let Some(server) = NatsServer::start() else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let mock = MockServer::start(MockScript {
+            tokens: LONG_TOKENS,
+            tokens_per_second: 40.0,
+            ..MockScript::default()
+        })
+        .await
+        .unwrap();
+        let (a, b, nodes) =
+            killable_edge_beside_edge(&pki, &server, 20_000, "", std::slice::from_ref(&mock)).await;
+        let b_url = url(&b, "");
+        let mut open = Vec::new();
+        for n in 0..STREAMS {
+            let body = json!({"model": "m", "input": format!("frozen {n}"), "stream": true});
+            let mut r = post(format!("{}/v1/responses", a.http), &body, None)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let mut text = String::new();
+            while sse_events(&text).len() < 4 {
+                let chunk = r.chunk().await.unwrap().expect("the stream goes on");
+                text.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            open.push((r, text));
+        }
+        signal(&a.child, "-STOP");
+        let ids: Vec<String> = open
+            .iter()
+            .map(|(_, text)| {
+                sse_events(text)[0].1["response"]["id"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        for id in &ids {
+            object_when(&b_url, id, "B to finish the answer", |o| {
+                o["status"] == "completed"
+            })
+            .await;
+        }
+        signal(&a.child, "-CONT");
+        for ((mut r, mut text), id) in open.into_iter().zip(&ids) {
+            while let Some(chunk) = r.chunk().await.unwrap() {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            let events = sse_events(&text);
+            assert_eq!(
+                events.last().and_then(|(_, d)| d["type"].as_str()),
+                Some("response.completed"),
+                "{id}: the client on the woken Edge read B's end: {text}"
+            );
+            let (_, full) = get(format!("{b_url}/v1/responses/{id}?stream=true")).await;
+            assert_eq!(events, sse_events(&full), "{id}: the record's stream");
+            assert_eq!(text_of(&events), expected_text(LONG_TOKENS), "{id}");
+        }
+        assert_eq!(
+            mock.requests(),
+            STREAMS as u64,
+            "one provider call per stream"
+        );
+        // The woken Edge's requests found their records taken (R-JRN-3).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let (_, metrics) = get(format!("{}/metrics", a.http)).await;
+            let fenced: f64 = metrics
+                .lines()
+                .filter(|l| l.starts_with("iop_edge_journal_writes_total{"))
+                .filter(|l| l.contains("outcome=\"fenced\""))
+                .filter(|l| l.contains("op=\"append\"") || l.contains("op=\"finish\""))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            if fenced >= 1.0 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the woken Edge never wrote its records again: {metrics}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for node in nodes {
+            node.shutdown().await.unwrap();
+        }
+        b.shutdown().await;
+    })
+    .await
+    .expect("test exceeded its bound");
+}
+
+/// Send `sig` (`-STOP`, `-CONT`) to a running child process.
+fn signal(child: &tokio::process::Child, sig: &str) {
+    let pid = child.id().expect("running").to_string();
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill {sig} {pid}");
 }
 
 /// Edge A as a process of its own (to kill) and Edge B in this process,

@@ -265,7 +265,7 @@ fn real_main() -> Result<ExitCode, String> {
             }
             if s.durable_requests > 0 || s.journal_writes > 0 {
                 println!(
-                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried, {} given up), {} orphans continued, {} continued attempts, {} lost and {} unacknowledged at crashes, {} end crash points ({} ends left without a terminal, {} ended as journaled by a takeover), {} zombies ({} accepted, {} fenced), {} left, {} cancelled, {} resumes ({} events read), {} sent again with their key ({} answered with the existing response, {} afresh)",
+                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried, {} given up), {} orphans continued, {} continued attempts, {} lost and {} unacknowledged at crashes, {} end crash points ({} ends left without a terminal, {} ended as journaled by a takeover), {} zombies ({} accepted, {} fenced), {} left, {} read on after their request was fenced, {} cancelled, {} resumes ({} events read), {} sent again with their key ({} answered with the existing response, {} afresh)",
                     s.durable_requests,
                     s.journal_writes,
                     s.journal_syncs,
@@ -284,6 +284,7 @@ fn real_main() -> Result<ExitCode, String> {
                     s.zombies_accepted,
                     s.zombies_fenced,
                     s.durable_left,
+                    s.records_taken,
                     s.durable_cancels,
                     s.resumes,
                     s.resumed_events,

@@ -311,6 +311,9 @@ pub struct Stats {
     pub continued_attempts: u64,
     /// Durable clients that left while their request went on.
     pub durable_left: u64,
+    /// Durable requests fenced by the Edge that took their record over,
+    /// whose client read on from the record (R-JRN-3, R-JRN-1).
+    pub records_taken: u64,
     /// Durable responses cancelled by their client.
     pub durable_cancels: u64,
     /// Client resumes (`starting_after`).
@@ -450,6 +453,7 @@ impl Stats {
         self.takeover_continued += o.takeover_continued;
         self.continued_attempts += o.continued_attempts;
         self.durable_left += o.durable_left;
+        self.records_taken += o.records_taken;
         self.durable_cancels += o.durable_cancels;
         self.resumes += o.resumes;
         self.resumed_events += o.resumed_events;
@@ -2601,6 +2605,9 @@ impl World {
             }
             RequestOutput::Observe(RequestObservation::Readmitted) => {
                 self.stats.readmissions += 1;
+            }
+            RequestOutput::Observe(RequestObservation::RecordTaken) => {
+                self.durable_record_taken(rid)
             }
             RequestOutput::Observe(_) => {}
         }

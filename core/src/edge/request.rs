@@ -294,6 +294,12 @@ pub enum RequestObservation {
     /// Its run's node registered again without the run (R-PARK-2): the
     /// run is gone, and its wait ended before the grace did.
     RunNotKept,
+    /// A journal write was fenced: another Edge raised the record's epoch
+    /// and writes it now (R-JRN-3, R-TAKE-1). The request stops and tells
+    /// no client anything: what its clients see is the record's, and the
+    /// record goes on under that Edge, which gives it its one terminal
+    /// (R-JRN-1, R-JRN-4). A reader following the record reads on.
+    RecordTaken,
 }
 
 /// What the driver must do, in order.
@@ -963,12 +969,14 @@ impl Request {
             return;
         };
         if let Some(error) = publisher.refused().cloned() {
-            if matches!(error, JournalError::Fenced { .. }) {
+            let fenced = matches!(error, JournalError::Fenced { .. });
+            if fenced {
                 self.record_taken = true;
             }
             // Nothing unjournaled reaches the client (R-JRN-1): the run
             // stops and the client gets one error terminal outside the
-            // journal.
+            // journal, unless the write was fenced (the record goes on
+            // under the Edge that took it over).
             let next = publisher.after_refusal(Terminal {
                 status: RecordStatus::Failed,
                 reason: Some(journal_failure_reason(&error).to_owned()),
@@ -992,7 +1000,15 @@ impl Request {
                 let _ = self.gate.handle_input(now, GateInput::ClientDisconnected);
                 self.drain_gate(now);
             }
-            if !std::mem::replace(&mut self.journal_failure_delivered, true) {
+            if fenced {
+                // The record is another Edge's: its terminal is that
+                // Edge's to write, and no terminal from here may reach a
+                // client (R-JRN-1). Its readers follow the record.
+                if !std::mem::replace(&mut self.journal_failure_delivered, true) {
+                    self.outputs
+                        .push_back(RequestOutput::Observe(RequestObservation::RecordTaken));
+                }
+            } else if !std::mem::replace(&mut self.journal_failure_delivered, true) {
                 self.outputs
                     .push_back(RequestOutput::Deliver(Delivery::Fail {
                         kind: GateFailure::Attempt(FailureCode::Internal),

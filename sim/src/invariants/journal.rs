@@ -39,14 +39,6 @@ use crate::journal_store::{Decision, JournalOp, OpResult, SimJournal, Writer};
 /// known core issue, see [`super::KNOWN_CORE_ISSUES`]).
 pub const JOURNAL_ORPHAN: &str = "journal-orphan";
 
-/// The rule a fenced request's client is reported under when it is told
-/// a terminal that is not its record's (a known core issue, see
-/// [`super::KNOWN_CORE_ISSUES`]): with several Edges and a failing store,
-/// a live Edge's lease looked expired, a peer took its record over, and
-/// the fenced request told its attached client `failed` from outside the
-/// journal while the record went on (R-JRN-1).
-pub const JOURNAL_FENCED_CLIENT: &str = "journal-fenced-client";
-
 /// The run a journaled token came from (provider, generation, run id),
 /// if the event names one.
 type TokenRun = Option<(String, u64, u64)>;
@@ -535,13 +527,6 @@ impl Checker {
             .records
             .get(id)
             .is_some_and(|r| r.refused.is_some());
-        // A fenced request's client told a terminal not its record's: the
-        // known issue, under its own name.
-        let rule = if self.journal.records.get(id).is_some_and(|r| r.fenced) {
-            JOURNAL_FENCED_CLIENT
-        } else {
-            "R-JRN-1"
-        };
         let Some(c) = self.journal.clients.get_mut(id) else {
             self.fail(
                 "R-JRN-1",
@@ -576,7 +561,7 @@ impl Checker {
                     "the client of {id} received a terminal ({}) that is not durable",
                     status.as_str()
                 );
-                self.fail(rule, detail);
+                self.fail("R-JRN-1", detail);
             }
             Some(t) if t.status != status => {
                 let detail = format!(
@@ -584,7 +569,7 @@ impl Checker {
                     status.as_str(),
                     t.status.as_str()
                 );
-                self.fail(rule, detail);
+                self.fail("R-JRN-1", detail);
             }
             Some(_) if received != meta.last_seq => {
                 let detail = format!(

@@ -700,6 +700,42 @@ impl World {
         true
     }
 
+    /// A durable request was fenced: another Edge took its record over
+    /// (R-JRN-3). Its attached client reads on from the record, as every
+    /// reader of a durable response does (it follows the journal, not
+    /// the request): what it sees next is the new owner's (R-JRN-1).
+    pub(super) fn durable_record_taken(&mut self, request_id: RequestId) {
+        let Some(edge) = &mut self.edges[self.cur] else {
+            return;
+        };
+        let incarnation = edge.incarnation;
+        let Some(r) = edge.requests.get_mut(&request_id) else {
+            return;
+        };
+        let Some(record) = r.durable.clone() else {
+            return;
+        };
+        let attached = self.durable_clients.get(&record).is_some_and(|c| {
+            c.state
+                == ClientState::Attached {
+                    incarnation,
+                    request_id,
+                }
+        });
+        if !(r.client_attached && attached) {
+            return;
+        }
+        // The request's own stream ends without a terminal; its client
+        // follows the record on this Edge.
+        r.client_attached = false;
+        self.stats.records_taken += 1;
+        if let Some(c) = self.durable_clients.get_mut(&record) {
+            c.state = ClientState::Following { incarnation };
+        }
+        self.recorder.world_line(&("record taken", &record));
+        self.follow(&record);
+    }
+
     /// A durable client cancels its response (`POST .../cancel`).
     pub(super) fn client_cancel(&mut self, incarnation: u64, request_id: RequestId) {
         if self.edges[self.cur].as_ref().map(|e| e.incarnation) != Some(incarnation) {

@@ -1213,14 +1213,51 @@ fn r_jrn_3_a_fenced_durable_response_stops_its_run_and_publishes_nothing_more() 
     );
     assert_eq!(
         deliveries(&outs),
+        vec![],
+        "neither the unjournaled text nor a terminal reaches a client: the \
+         record goes on under the Edge that took it (R-JRN-1)"
+    );
+    assert_eq!(
+        outs.iter()
+            .filter(|o| **o == RequestOutput::Observe(RequestObservation::RecordTaken))
+            .count(),
+        1,
+        "the driver hears the record was taken, once"
+    );
+    assert!(r.is_ended());
+}
+
+/// R-JRN-1, R-JRN-4: a store failure is not a takeover: the client of a
+/// refused append still gets its one error terminal (the record gets a
+/// `failed` one).
+#[test]
+fn r_jrn_1_a_refused_append_still_ends_its_client_with_an_error() {
+    use crate::edge::durable::JournalAck;
+    use crate::journal::JournalError;
+    let mut r = Request::new(t(0), durable_spec());
+    let l = lease(1, "p0", AdapterKind::Mock);
+    running(&mut r, &l);
+    r.handle_input(t(2), run(text("a")));
+    drain(&mut r);
+    r.handle_input(
+        t(3),
+        RequestInput::Journaled(JournalAck::Refused(JournalError::Store(
+            "unavailable".into(),
+        ))),
+    );
+    let outs = drain(&mut r);
+    assert_eq!(
+        deliveries(&outs),
         vec![Delivery::Fail {
             kind: GateFailure::Attempt(FailureCode::Internal),
             in_stream: true,
             provider: None,
         }],
-        "the unjournaled text never reaches the client"
     );
-    assert!(r.is_ended());
+    assert!(
+        !outs.contains(&RequestOutput::Observe(RequestObservation::RecordTaken)),
+        "a failed store took nothing over"
+    );
 }
 
 #[test]
