@@ -23,7 +23,6 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
@@ -66,13 +65,6 @@ fn venv() -> Option<PathBuf> {
         .then_some(path)
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
 /// The llama.cpp server, killed when dropped. Its access log (stdout) is
 /// where the provider calls are counted.
 struct LlamaServer {
@@ -93,7 +85,7 @@ impl LlamaServer {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("llama.log");
         let log_file = std::fs::File::create(&log).expect("the server's log");
-        let port = free_port();
+        let port = free_tcp_port();
         let child = tokio::process::Command::new(venv.join("bin/python"))
             .args(["-m", "llama_cpp.server", "--model"])
             .arg(&model)
@@ -157,7 +149,7 @@ impl LiteLlm {
             ),
         )
         .expect("write the LiteLLM config");
-        let port = free_port();
+        let port = free_tcp_port();
         let child = tokio::process::Command::new(venv.join("litellm/bin/litellm"))
             .arg("--config")
             .arg(&config)

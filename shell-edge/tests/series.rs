@@ -151,14 +151,6 @@ fn check(text: &str, surface: &str, metrics: &[&Documented]) {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test]
 async fn a_fresh_edge_and_node_expose_every_documented_series() {
     bounded(async {
@@ -172,7 +164,7 @@ async fn a_fresh_edge_and_node_expose_every_documented_series() {
         ))
         .await
         .unwrap();
-        let port = free_port();
+        let port = free_tcp_port();
         // The node's metrics address goes into its [node] section.
         let node = iop_node::RunningNode::start({
             let text = format!(

@@ -47,11 +47,23 @@ fn find_binary() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// A loopback TCP port free now, below Linux's ephemeral range (which
+/// starts at 32768): a server restarted on its port (the restart tests)
+/// cannot find it given to an outgoing socket, e.g. a client reconnecting
+/// while the server was down. Tried from a start that differs per call.
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    const FIRST: u16 = 20_000;
+    const SPAN: u16 = 32_768 - FIRST;
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id().rotate_left(16)
+        ^ (DIRS.load(Ordering::Relaxed) as u32).wrapping_mul(7919);
+    let start = (seed % u32::from(SPAN)) as u16;
+    (0..SPAN)
+        .map(|i| FIRST + (start + i) % SPAN)
+        .find(|port| TcpListener::bind(("127.0.0.1", *port)).is_ok())
+        .expect("a free loopback port below the ephemeral range")
 }
 
 static DIRS: AtomicUsize = AtomicUsize::new(0);
