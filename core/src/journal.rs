@@ -641,6 +641,11 @@ pub const EDGE_RESTART_REASON: &str = "edge_restart";
 /// ownership lease expired (R-TAKE-1, R-MULTI-1).
 pub const EDGE_LOST_REASON: &str = "edge_lost";
 
+/// The `failed` reason of a record its writer could not finish because
+/// the store refused its writes (R-JRN-4, R-JRN-6): the request's own
+/// terminal, or its Edge's custody's when the store refused that too.
+pub const JOURNAL_UNAVAILABLE_REASON: &str = "journal_unavailable";
+
 /// The shortest lease TTL an Edge may promise.
 pub const MIN_LEASE_TTL_MS: u64 = 1_000;
 

@@ -171,14 +171,17 @@ impl CustodyTask {
         }
     }
 
-    /// Run for as long as the Edge does: parked runs arrive on `parked`;
-    /// each run to start goes to `start`.
+    /// Run for as long as the Edge does: parked runs arrive on `parked`,
+    /// records runs of this Edge left without their terminal from the
+    /// durable state ([`Durable::left_open_runs`]); each run to start goes
+    /// to `start`.
     pub async fn run(
         mut self,
         mut parked: mpsc::UnboundedReceiver<NodeReport>,
         mut start: impl FnMut(Start),
     ) {
         let mut parked_open = true;
+        let mut left_open = self.durable.left_open_runs();
         loop {
             self.drain(&mut start);
             let timer = self.custody.poll_timeout();
@@ -198,6 +201,13 @@ impl CustodyTask {
                     }
                     Some(NodeReport::Kept(kept)) => self.durable.tell_kept(&kept),
                     None => parked_open = false,
+                },
+                id = recv_left_open(&mut left_open) => match id {
+                    // R-JRN-4: ended here, at once.
+                    Some(id) => self
+                        .custody
+                        .handle_input(self.clock.now(), CustodyInput::RunLeftOpen(id)),
+                    None => left_open = None,
                 },
                 () = self.clock.sleep_until(timer) => {
                     self.custody.handle_timeout(self.clock.now());
@@ -616,6 +626,14 @@ fn durable_run(durable: &Arc<Durable>, meta: &RecordMeta) -> DurableRun {
         commands,
         live,
         park_grace_ms: durable.park_grace_ms(),
+    }
+}
+
+/// The next record left open, or never once there is no receiver.
+async fn recv_left_open(rx: &mut Option<mpsc::UnboundedReceiver<String>>) -> Option<String> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -446,7 +446,7 @@ fn driven(
                 response_id: run.spec.response_id.clone(),
                 park_grace_ms: run.park_grace_ms,
                 durable: run.durable,
-                _live: run.live,
+                live: run.live,
             });
         }
         driver.run().await;
@@ -463,7 +463,7 @@ struct DriverJournal {
     /// The record (what the node reports if the run parks).
     response_id: String,
     park_grace_ms: u64,
-    _live: crate::durable::LiveRun,
+    live: crate::durable::LiveRun,
 }
 
 /// However the request ended (even if its task died), its place in the hub
@@ -575,6 +575,18 @@ impl Driver {
                         tenant.record(usage);
                     }
                     tenant.record_unmetered(machine.unmetered());
+                }
+                // R-JRN-4: a record whose terminal the store refused too
+                // often goes to the custody when the run is unregistered.
+                if machine.record_left_open()
+                    && let Some(journal) = &mut self.journal
+                {
+                    tracing::warn!(
+                        event = "edge_durable_record_left_open",
+                        response_id = %journal.response_id,
+                        "the store refused the record's terminal; the custody ends it"
+                    );
+                    journal.live.leave_open();
                 }
                 return;
             }

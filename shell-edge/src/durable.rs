@@ -384,6 +384,12 @@ pub struct Durable {
     /// The responses this Edge ran last, newest last (at most
     /// [`MAX_RECENT_RESPONSES`]), for the status surface.
     recent: Mutex<std::collections::VecDeque<String>>,
+    /// Records a run of this Edge ended without their terminal (the store
+    /// refused it too often), for the custody to end (R-JRN-4): one
+    /// entry per such run, taken at once by the custody task.
+    left_open: mpsc::UnboundedSender<String>,
+    /// Its receiving end, until the custody task takes it.
+    left_open_rx: Mutex<Option<mpsc::UnboundedReceiver<String>>>,
 }
 
 /// The most response ids [`Durable::recent`] keeps.
@@ -504,6 +510,7 @@ impl Durable {
     }
 
     fn with_slot(slot: Arc<StoreSlot>, responses_store_default: bool) -> Self {
+        let (left_open, left_open_rx) = mpsc::unbounded_channel();
         Durable {
             store: Arc::new(SlotJournal(slot.clone())),
             tenant_store: Arc::new(SlotTenants(slot.clone())),
@@ -526,7 +533,18 @@ impl Durable {
             health: Mutex::new(StoreHealth::default()),
             scan_view: Mutex::new(ScanView::default()),
             recent: Mutex::new(std::collections::VecDeque::new()),
+            left_open,
+            left_open_rx: Mutex::new(Some(left_open_rx)),
         }
+    }
+
+    /// The records runs of this Edge left without their terminal, as they
+    /// end (the custody task's to end, R-JRN-4); `None` once taken.
+    pub fn left_open_runs(&self) -> Option<mpsc::UnboundedReceiver<String>> {
+        self.left_open_rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// As Edge `edge_id` with a lease of `lease_ttl_ms` (several Edges on
@@ -619,6 +637,7 @@ impl Durable {
             LiveRun {
                 durable: self.clone(),
                 response_id: response_id.to_owned(),
+                left_open: false,
             },
             LiveCommands {
                 commands: rx,
@@ -1171,11 +1190,25 @@ impl Durable {
 pub struct LiveRun {
     durable: Arc<Durable>,
     response_id: String,
+    left_open: bool,
+}
+
+impl LiveRun {
+    /// The run ends without its record's terminal (the store refused it
+    /// too often): once it is unregistered, the custody ends the record
+    /// (R-JRN-4).
+    pub fn leave_open(&mut self) {
+        self.left_open = true;
+    }
 }
 
 impl Drop for LiveRun {
     fn drop(&mut self) {
         self.durable.live().remove(&self.response_id);
+        if self.left_open {
+            // After it is unregistered: the custody must not find it live.
+            let _ = self.durable.left_open.send(self.response_id.clone());
+        }
         // A run that ended before any admission answer: its waiter hears
         // nothing more (the sender dropped) and answers as the record is.
         self.durable

@@ -1052,6 +1052,81 @@ async fn a_store_outage_fails_durable_requests_fast_and_leaves_ephemeral_ones_al
     .await;
 }
 
+/// R-JRN-4, R-JRN-6: a store outage that outlasts a running response's
+/// write retries (here `write_retry_ms = 100`, then its terminal tried
+/// five times in all) leaves its request unable to end the record. The
+/// Edge's custody ends it once the store is back, without a restart and
+/// without waiting for a scan's park window (30 s here): `failed`
+/// (`journal_unavailable`) with the events that were durable, the
+/// provider called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_terminal_the_store_refused_is_ended_once_the_store_is_back() {
+    let Some(mut server) = NatsServer::start() else {
+        return;
+    };
+    bounded(async {
+        let pki = Pki::new(&["node-1"]);
+        write_secret(&pki.path().join("key"), KEY);
+        let mock = MockServer::start(MockScript {
+            tokens: 400,
+            tokens_per_second: 40.0,
+            ..MockScript::default()
+        })
+        .await
+        .unwrap();
+        let text = edge_toml_with("edge-a", &server.url(), 0, 0, 30_000, "").replacen(
+            "[journal]\n",
+            "[journal]\nwrite_retry_ms = 100\n",
+            1,
+        );
+        let edge = RunningEdge::start(EdgeConfig::parse(&text, pki.path()).unwrap())
+            .await
+            .unwrap();
+        let node = start_node(&pki, "node-1", edge.quic_addr, &node_providers(&mock));
+        ready_generation(&edge, "node-1").await;
+        let body = json!({"model": "m", "input": "outlast me", "stream": true});
+        let mut r = post(url(&edge, "/v1/responses"), &body, None)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let seen = read_events(&mut r, 4).await;
+        let id = seen[0].1["response"]["id"].as_str().unwrap().to_owned();
+        server.kill();
+        // Past the request's retries: an append refused, then its
+        // terminal five times, 0.5 s apart.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        drop(r);
+        server.restart();
+        let object = object_when(&url(&edge, ""), &id, "the record's terminal", |o| {
+            o["status"] != "in_progress"
+        })
+        .await;
+        assert_eq!(object["status"], "failed", "{object}");
+        let (status, stream) = get(url(&edge, &format!("/v1/responses/{id}?stream=true"))).await;
+        assert_eq!(status, 200, "{stream}");
+        let events = sse_events(&stream);
+        assert!(
+            events.len() > seen.len(),
+            "the durable prefix, then the terminal: {events:?}"
+        );
+        assert_eq!(
+            events[..seen.len()],
+            seen[..],
+            "what the client saw is kept"
+        );
+        assert_eq!(
+            events.last().and_then(|(_, d)| d["type"].as_str()),
+            Some("response.failed"),
+            "{stream}"
+        );
+        assert_eq!(mock.requests(), 1, "nothing sent again");
+        node.shutdown().await.unwrap();
+        edge.shutdown().await;
+    })
+    .await;
+}
+
 /// R-JRN-6: an Edge that cannot reach its NATS servers starts all the
 /// same (at once: a refused connection ends the first attempt), and
 /// refuses durable requests with 503 `response_store_unavailable` while it

@@ -279,6 +279,9 @@ pub struct Stats {
     /// Of those, records a takeover's custody ended with the journaled
     /// end, never running them again (R-TAKE-1).
     pub journaled_ends_taken: u64,
+    /// Records a request left without its terminal (the store refused
+    /// it too often) and handed to its Edge's custody (R-JRN-4).
+    pub records_left_open: u64,
     /// Syncs that failed (store faults).
     pub sync_failures: u64,
     /// Writes lost by an Edge crash (never durable).
@@ -441,6 +444,7 @@ impl Stats {
         self.journaled_ends_open += o.journaled_ends_open;
         self.journaled_ends_taken += o.journaled_ends_taken;
         self.sync_failures += o.sync_failures;
+        self.records_left_open += o.records_left_open;
         self.journal_lost += o.journal_lost;
         self.journal_unacked += o.journal_unacked;
         self.zombies += o.zombies;
@@ -2898,6 +2902,9 @@ impl World {
         // report no delivery carried (the store refused its write).
         let unmetered = r.machine.machine().unmetered();
         let relayed = r.machine.machine().relayed_usage();
+        // A durable record whose terminal the store refused too often: its
+        // Edge's custody ends it (R-JRN-4).
+        let left_open = r.machine.machine().record_left_open();
         // A durable request goes on without its client (only a cancel ends
         // it early); its client saw the terminal unless it left.
         let left = match &r.durable {
@@ -2924,6 +2931,7 @@ impl World {
                     incarnation,
                     request_id: rid,
                 },
+                left_open,
             );
         }
         // R-TEN-2: settled with what its answer reported (and the estimate

@@ -301,10 +301,8 @@ fn no_tenants_runs_a_seed_without_tenants_limits() {
     );
 }
 
-/// With store faults (syncs that fail), the only deviation is the known
-/// core issue `journal-orphan` (see `invariants::KNOWN_CORE_ISSUES`): a
-/// finding, a violation with `--strict`. When core fixes it this test
-/// fails on purpose: take the issue off the list and assert none is found.
+/// With store faults (syncs that fail), every record still gets its one
+/// terminal (R-JRN-4): `journal-orphan`, once a known core issue, is fixed.
 #[test]
 fn store_faults_leave_no_record_without_its_terminal_r_jrn_4() {
     // The journal-orphan issue the swarm found (a refused append or terminal
@@ -333,6 +331,24 @@ fn store_faults_leave_no_record_without_its_terminal_r_jrn_4() {
         },
     );
     assert!(strict.violation.is_none(), "{:?}", strict.violation);
+    // A fault phase that outlasted every write of a terminal: the request
+    // hands the record to its Edge's custody, which ends it (it stayed
+    // open until the Edge's next start before).
+    let outlasted = run(
+        20003842,
+        RunOptions {
+            steps: 20_000,
+            strict: true,
+            store_faults: true,
+            ..RunOptions::default()
+        },
+    );
+    assert!(outlasted.violation.is_none(), "{:?}", outlasted.violation);
+    assert!(
+        outlasted.stats.records_left_open > 0,
+        "the custody ended a record left open: {:?}",
+        outlasted.stats
+    );
 }
 
 #[test]

@@ -42,8 +42,9 @@ use crate::edge::durable::{
     journaled_use, resumed_answer, takeover_resume_point,
 };
 use crate::journal::{
-    JournalError, JournalEvent, LeaseState, MAX_TRACKED_EDGES, NO_OWNER, Orphan, RecordMeta,
-    RecordStatus, StoredLease, TakeoverDecision, TakeoverScan, Terminal,
+    JOURNAL_UNAVAILABLE_REASON, JournalError, JournalEvent, LeaseState, MAX_TRACKED_EDGES,
+    NO_OWNER, Orphan, RecordMeta, RecordStatus, StoredLease, TakeoverDecision, TakeoverScan,
+    Terminal,
 };
 use crate::time::Instant;
 
@@ -223,6 +224,16 @@ pub enum CustodyInput {
     /// A parked run a node reported (R-PARK-2) that no request of this
     /// Edge waits for.
     Offer(ParkedOffer),
+    /// A request of this Edge ended without its record's terminal: the
+    /// store refused it too often
+    /// ([`Request::record_left_open`](crate::edge::request::Request::record_left_open)).
+    /// Its run is closed (nothing parks) and its answer settled: the
+    /// custody ends the record now, as its journal says or `failed`
+    /// ([`JOURNAL_UNAVAILABLE_REASON`]), trying again while the store
+    /// fails, without waiting for a restart's scan (R-JRN-4, R-JRN-6).
+    /// It charges nothing (the request did, R-TEN-2) and continues
+    /// nothing.
+    RunLeftOpen(String),
 }
 
 /// Why a reported parked run is not adopted here.
@@ -386,6 +397,9 @@ struct Task {
     continuable: bool,
     /// What kind of orphan it was first found (an orphan's takeover).
     orphan: Option<Orphan>,
+    /// A record a request of this Edge left open
+    /// ([`CustodyInput::RunLeftOpen`]).
+    left_open: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -443,6 +457,9 @@ pub struct Custody {
     /// A sole store's records as first read, while any of them waits.
     sole_records: Vec<RecordMeta>,
     tasks: BTreeMap<String, Task>,
+    /// Records left open ([`CustodyInput::RunLeftOpen`]) waiting for room
+    /// among the tasks (at most [`MAX_TASKS`]).
+    left_open: BTreeSet<String>,
     outputs: VecDeque<CustodyOutput>,
 }
 
@@ -463,6 +480,7 @@ impl Custody {
             scanned: false,
             sole_records: Vec::new(),
             tasks: BTreeMap::new(),
+            left_open: BTreeSet::new(),
             outputs: VecDeque::new(),
         }
     }
@@ -488,6 +506,46 @@ impl Custody {
         match input {
             CustodyInput::Offer(offer) => self.offer(offer),
             CustodyInput::Store(answer) => self.answer(now, answer),
+            CustodyInput::RunLeftOpen(id) => {
+                match self.tasks.get_mut(&id) {
+                    // Found by a scan meanwhile: end it as left open.
+                    Some(task) if task.kind == TaskKind::Orphan => task.left_open = true,
+                    _ if self.left_open.len() < MAX_TASKS => {
+                        self.left_open.insert(id);
+                    }
+                    // Past the bound, the scans find it (a sole store's
+                    // read whole again).
+                    _ => self.gave_up(now, &id),
+                }
+            }
+        }
+        self.start_left_open();
+    }
+
+    /// Start the takeovers of records left open, while there is room.
+    fn start_left_open(&mut self) {
+        while self.tasks.len() < MAX_TASKS {
+            let Some(id) = self
+                .left_open
+                .iter()
+                .find(|id| !self.tasks.contains_key(*id))
+                .cloned()
+            else {
+                return;
+            };
+            self.left_open.remove(&id);
+            self.tasks.insert(
+                id.clone(),
+                Task {
+                    kind: TaskKind::Orphan,
+                    stage: Stage::Reading,
+                    writes: 0,
+                    continuable: false,
+                    orphan: None,
+                    left_open: true,
+                },
+            );
+            self.push(StoreOp::Record { id });
         }
     }
 
@@ -525,6 +583,7 @@ impl Custody {
             self.next_scan = None;
             self.start_scan(now);
         }
+        self.start_left_open();
     }
 
     // ---- The scan -----------------------------------------------------------
@@ -609,7 +668,9 @@ impl Custody {
         let waiting_before = self.scan.waiting();
         let mut due = Vec::new();
         for (meta, live_here) in &records {
-            let live = *live_here || self.tasks.contains_key(&meta.id);
+            let live = *live_here
+                || self.tasks.contains_key(&meta.id)
+                || self.left_open.contains(&meta.id);
             if let TakeoverDecision::End(_) = self.scan.decide(meta, live, now) {
                 due.push(meta.id.clone());
             }
@@ -634,6 +695,7 @@ impl Custody {
                     writes: 0,
                     continuable: false,
                     orphan: None,
+                    left_open: false,
                 },
             );
             self.push(StoreOp::Record { id });
@@ -665,6 +727,7 @@ impl Custody {
                 writes: 0,
                 continuable: false,
                 orphan: None,
+                left_open: false,
             },
         );
         self.push(StoreOp::Record { id });
@@ -794,7 +857,8 @@ impl Custody {
         if task.stage != Stage::Reading {
             return;
         }
-        task.continuable = continuable;
+        // A record left open is ended, never continued.
+        task.continuable = continuable && !task.left_open;
         let meta = match result {
             Ok(Some(meta)) => meta,
             Ok(None) => {
@@ -846,7 +910,11 @@ impl Custody {
     /// An orphan's takeover, on a fresh read of the record and its owner's
     /// lease: raise its epoch while it is still an orphan.
     fn decide_orphan(&mut self, now: Instant, id: &str, meta: RecordMeta, live_here: bool) {
-        let first = self.tasks.get(id).is_some_and(|t| t.writes == 0);
+        // A record left open has no run to wait for: its request closed it.
+        let first = self
+            .tasks
+            .get(id)
+            .is_some_and(|t| t.writes == 0 && !t.left_open);
         let orphan = if first {
             // The scan's decision, asked again on the fresh read.
             match self.scan.decide(&meta, live_here, now) {
@@ -1022,8 +1090,11 @@ impl Custody {
             Ok(events) => events,
             Err(e) => return self.refused(now, id, e),
         };
-        // R-TEN-2: what the answer is charged if it ends here.
-        let charge = Some(journaled_use(&events)).filter(|u| *u != JournaledUse::default());
+        // R-TEN-2: what the answer is charged if it ends here (a record
+        // left open: its request settled it).
+        let charge = Some(journaled_use(&events))
+            .filter(|u| *u != JournaledUse::default())
+            .filter(|_| !task.left_open);
         #[cfg(feature = "planted-bugs")]
         let charge = charge.filter(|_| {
             continued || !crate::planted::in_thread(crate::planted::PlantedBug::EndedTextNotCharged)
@@ -1082,7 +1153,14 @@ impl Custody {
         };
         // The reason is the orphan's kind as first found: once raised,
         // the record's owner is this Edge.
-        let reason = task.orphan.unwrap_or(Orphan::EdgeRestart).reason();
+        let (status, reason) = if task.left_open {
+            (RecordStatus::Failed, JOURNAL_UNAVAILABLE_REASON)
+        } else {
+            (
+                RecordStatus::Incomplete,
+                task.orphan.unwrap_or(Orphan::EdgeRestart).reason(),
+            )
+        };
         task.writes += 1;
         let epoch = meta.epoch;
         task.stage = Stage::Finishing {
@@ -1095,7 +1173,7 @@ impl Custody {
             id: id.to_owned(),
             epoch,
             terminal: terminal.unwrap_or(Terminal {
-                status: RecordStatus::Incomplete,
+                status,
                 reason: Some(reason.to_owned()),
                 message: None,
                 at_unix_ms: 0,

@@ -505,7 +505,7 @@ pub struct Publisher {
 }
 
 /// The most times a record's terminal is written before the request gives
-/// up on it (the restart scan ends the record then, R-TAKE-1).
+/// up on it (its Edge's custody ends the record then, R-JRN-4).
 pub const MAX_TERMINAL_WRITES: u32 = 5;
 
 /// What a request does after the store refused a write.

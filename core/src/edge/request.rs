@@ -1138,6 +1138,18 @@ impl Request {
         sum_usage(self.usage_carry, self.attempt_usage)
     }
 
+    /// The record this durable request wrote is left without its
+    /// terminal: the store refused it too often (R-JRN-4, R-JRN-6), and no
+    /// other Edge took the record over (`false` until the request ended).
+    /// Its Edge's custody ends the record instead
+    /// ([`CustodyInput::RunLeftOpen`](crate::edge::custody::CustodyInput::RunLeftOpen));
+    /// the request has settled its answer's use already (R-TEN-2).
+    pub fn record_left_open(&self) -> bool {
+        self.is_ended()
+            && !self.record_taken
+            && self.publisher.as_ref().is_some_and(|p| !p.is_finished())
+    }
+
     /// The tokens no provider's usage report covers (R-TEN-2), a direct
     /// answer for the request's settlement
     /// ([`TokenUse::settled`](crate::tenant::TokenUse::settled)), once per
@@ -2109,7 +2121,7 @@ fn sum_usage(a: Option<Usage>, b: Option<Usage>) -> Option<Usage> {
 fn journal_failure_reason(error: &JournalError) -> &'static str {
     match error {
         JournalError::RecordTooLarge => "response_too_large",
-        _ => "journal_unavailable",
+        _ => crate::journal::JOURNAL_UNAVAILABLE_REASON,
     }
 }
 

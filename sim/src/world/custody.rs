@@ -125,7 +125,7 @@ impl World {
 
     /// Feed one input to the custody of `incarnation` and carry out what it
     /// caused.
-    fn custody_input(&mut self, incarnation: u64, input: CustodyInput) {
+    pub(super) fn custody_input(&mut self, incarnation: u64, input: CustodyInput) {
         let now = self.now;
         let Some(custody) = self.custody_of(incarnation) else {
             return;

@@ -745,8 +745,10 @@ impl World {
         self.request_input(request_id, RequestInput::Cancel);
     }
 
-    /// A durable request's machine ended.
-    pub(super) fn durable_request_ended(&mut self, record: &str, writer: &Writer) {
+    /// A durable request's machine ended; `left_open`: without its
+    /// record's terminal, the store having refused it too often
+    /// (`Request::record_left_open`).
+    pub(super) fn durable_request_ended(&mut self, record: &str, writer: &Writer, left_open: bool) {
         // A request fenced by a newer epoch (R-JRN-3) leaves the record to
         // that epoch's owner when the owner lives: two Edges' custodies
         // may both take a dead incarnation's record over, and the one
@@ -768,6 +770,20 @@ impl World {
             // or a takeover does once its Edge is seen dead.
             let deadline = self.now + self.owner_lost_bound();
             self.checkers[0].journal_edge_started(&[record.to_owned()], deadline);
+            return;
+        }
+        if left_open && let Writer::Request { incarnation, .. } = writer {
+            // R-JRN-4: its Edge's custody ends it, at once (no run parks:
+            // the request closed it), within the takeover's bound (a
+            // write the store fails extends it).
+            self.stats.records_left_open += 1;
+            self.recorder.world_line(&("left open", record));
+            let deadline = self.now + self.cfg.takeover_bound();
+            self.checkers[0].journal_edge_started(&[record.to_owned()], deadline);
+            self.custody_input(
+                *incarnation,
+                iop_core::edge::custody::CustodyInput::RunLeftOpen(record.to_owned()),
+            );
             return;
         }
         if self.checkers[0].durable_request_ended(&self.journal, record) {

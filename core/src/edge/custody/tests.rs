@@ -1077,3 +1077,123 @@ fn ignore_journaled_end_ends_such_an_orphan_incomplete_as_before_the_fix() {
     clear_thread();
     assert_eq!(status(&store, "r1"), RecordStatus::Incomplete);
 }
+
+/// A custody of a sole store whose first scan found nothing, and a record
+/// `r1` of this Edge with `texts` its request wrote and then left open
+/// (its terminal refused by the store too often): not live here any more.
+fn left_open(texts: &[&str], continuable: bool) -> (Custody, Store) {
+    left_open_in(texts, continuable, true)
+}
+
+/// [`left_open`] on a store of its own (`sole`) or shared with peers.
+fn left_open_in(texts: &[&str], continuable: bool, sole: bool) -> (Custody, Store) {
+    let mut store = Store {
+        continuable,
+        ..Store::default()
+    };
+    let mut custody = Custody::new(ms(0), config(sole));
+    tick(&mut custody, &mut store, ms(0));
+    if sole {
+        assert_eq!(custody.poll_timeout(), None, "nothing to scan for");
+    }
+    store.add(record("r1", ME), texts);
+    (custody, store)
+}
+
+/// R-JRN-4, R-JRN-6: a record a request of this Edge left without its
+/// terminal (the store refused it too often) is ended by the Edge's
+/// custody at once, not at the next restart's scan: raised (R-JRN-3),
+/// ended `failed` as its request would have, never continued (even on a
+/// continuing route), and charged nothing (its request settled it,
+/// R-TEN-2).
+#[test]
+fn r_jrn_4_a_record_its_request_left_open_is_ended_by_the_custody_without_a_restart() {
+    let (mut custody, mut store) = left_open(&["Hel", "lo"], true);
+    custody.handle_input(ms(5_000), CustodyInput::RunLeftOpen("r1".into()));
+    let out = drive(&mut custody, &mut store, ms(5_000));
+    assert_eq!(ended(&out), vec![("r1", JOURNAL_UNAVAILABLE_REASON)]);
+    let (meta, events) = &store.records["r1"];
+    assert_eq!(meta.status(), RecordStatus::Failed);
+    assert_eq!(meta.epoch, 2, "raised before the terminal (R-JRN-3)");
+    assert_eq!(events.len(), 2, "its durable prefix kept");
+    assert!(charges(&out).is_empty(), "its request settled it: {out:?}");
+    assert!(
+        !out.iter()
+            .any(|o| matches!(o, CustodyOutput::Continue { .. })),
+        "never continued"
+    );
+    assert_eq!(custody.poll_timeout(), None);
+}
+
+/// R-JRN-4, R-TAKE-1: a record left open whose journal holds its
+/// answer's end (the request's last append was durable, its terminal
+/// not) ends as its journal says.
+#[test]
+fn r_jrn_4_a_record_left_open_with_its_end_journaled_ends_as_the_journal_says() {
+    let mut store = an_orphan_whose_end_is_journaled(false);
+    let mut custody = Custody::new(ms(0), config(true));
+    // Run here when the Edge started; its request then left it open.
+    store.live.insert("r1".into());
+    tick(&mut custody, &mut store, ms(0));
+    store.live.clear();
+    custody.handle_input(ms(1_000), CustodyInput::RunLeftOpen("r1".into()));
+    drive(&mut custody, &mut store, ms(1_000));
+    assert_eq!(status(&store, "r1"), RecordStatus::Completed);
+}
+
+/// R-JRN-6: while the store still fails, the custody reads the record
+/// left open again after each pause, until it ends it; however long the
+/// outage, it does not give the record up.
+#[test]
+fn r_jrn_6_a_record_left_open_is_tried_until_the_store_answers() {
+    let (mut custody, mut store) = left_open(&["x"], false);
+    store.fail_next = vec!["record"; 500];
+    custody.handle_input(ms(1_000), CustodyInput::RunLeftOpen("r1".into()));
+    let mut now = ms(1_000);
+    drive(&mut custody, &mut store, now);
+    for _ in 0..400 {
+        now = custody.poll_timeout().expect("it reads again later");
+        let out = tick(&mut custody, &mut store, now);
+        assert!(ended(&out).is_empty());
+    }
+    store.fail_next.clear();
+    now = custody.poll_timeout().expect("it reads again later");
+    let out = tick(&mut custody, &mut store, now);
+    assert_eq!(ended(&out), vec![("r1", JOURNAL_UNAVAILABLE_REASON)]);
+    assert_eq!(status(&store, "r1"), RecordStatus::Failed);
+}
+
+/// R-JRN-3, R-MULTI-1: a record left open that another Edge took over
+/// meanwhile (its raise came first) is left to that Edge.
+#[test]
+fn r_jrn_3_a_record_left_open_that_another_edge_raised_is_left_to_it() {
+    let (mut custody, mut store) = left_open_in(&["x"], false, false);
+    store.lease(PEER, 1);
+    store.beaten_by = Some(PEER.into());
+    custody.handle_input(ms(1_000), CustodyInput::RunLeftOpen("r1".into()));
+    let mut out = drive(&mut custody, &mut store, ms(1_000));
+    // Later scans leave it to its live owner too.
+    for t in 1..=5u64 {
+        store.lease(PEER, 1 + t);
+        out.extend(tick(&mut custody, &mut store, ms(1_000 + t * 1_000)));
+    }
+    assert!(ended(&out).is_empty(), "{out:?}");
+    assert_eq!(status(&store, "r1"), RecordStatus::InProgress);
+    assert_eq!(store.records["r1"].0.owner, PEER);
+}
+
+/// R-JRN-4: on a store shared with peers, where the scans find the
+/// Edge's own records whose run ended too, a record left open is still
+/// ended as left open (at once, `failed`, charged nothing), and once.
+#[test]
+fn r_jrn_4_a_record_left_open_on_a_shared_store_is_ended_once_as_left_open() {
+    let (mut custody, mut store) = left_open_in(&["x"], false, false);
+    store.lease(ME, 1);
+    custody.handle_input(ms(1_000), CustodyInput::RunLeftOpen("r1".into()));
+    let mut out = drive(&mut custody, &mut store, ms(1_000));
+    for t in 1..=40u64 {
+        out.extend(tick(&mut custody, &mut store, ms(1_000 + t * 1_000)));
+    }
+    assert_eq!(ended(&out), vec![("r1", JOURNAL_UNAVAILABLE_REASON)]);
+    assert!(charges(&out).is_empty(), "{out:?}");
+}

@@ -1225,6 +1225,7 @@ fn r_jrn_3_a_fenced_durable_response_stops_its_run_and_publishes_nothing_more() 
         "the driver hears the record was taken, once"
     );
     assert!(r.is_ended());
+    assert!(!r.record_left_open(), "the record is the other Edge's");
 }
 
 /// R-JRN-1, R-JRN-4: a store failure is not a takeover: the client of a
@@ -1735,13 +1736,19 @@ fn r_jrn_4_a_terminal_the_store_failed_is_written_again_then_given_up() {
             "the same terminal again: {outs:?}"
         );
     }
-    // Past the bound it gives up (the restart scan ends the record).
+    assert!(!r.record_left_open(), "still writing it");
+    // Past the bound it gives up: its Edge's custody ends the record
+    // (`CustodyInput::RunLeftOpen`).
     r.handle_input(
         now,
         RequestInput::Journaled(JournalAck::Refused(JournalError::Store("disk".into()))),
     );
     drain(&mut r);
     assert!(r.is_ended());
+    assert!(
+        r.record_left_open(),
+        "the record is left without its terminal"
+    );
     // And a terminal that is accepted ends it at once.
     let mut r = Request::new(t(0), durable_spec());
     durable_completed(&mut r);
@@ -1757,6 +1764,7 @@ fn r_jrn_4_a_terminal_the_store_failed_is_written_again_then_given_up() {
     let outs = drain(&mut r);
     assert!(deliveries(&outs).contains(&Delivery::Finish));
     assert!(r.is_ended());
+    assert!(!r.record_left_open());
 }
 
 fn continuing_spec() -> RequestSpec {
