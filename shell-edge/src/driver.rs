@@ -574,6 +574,9 @@ impl Driver {
                     if let Some(usage) = &relayed {
                         tenant.record(usage);
                     }
+                    if machine.answer_charged_elsewhere() {
+                        tenant.forget_reported();
+                    }
                     tenant.record_unmetered(machine.unmetered());
                 }
                 // R-JRN-4: a record whose terminal the store refused too

@@ -190,6 +190,13 @@ struct Metered {
 }
 
 impl TenantHold {
+    /// The answer is charged by the Edge that took its record over
+    /// (`Request::answer_charged_elsewhere`): the usage it reported is not
+    /// charged here (R-TEN-2).
+    pub fn forget_reported(&self) {
+        self.used.lock().unwrap_or_else(|e| e.into_inner()).reported = None;
+    }
+
     /// The request ended: the tokens no usage report covers (estimated by
     /// its machine, `Request::unmetered`: a cut attempt's prompt and text)
     /// are charged with what it reported (R-TEN-2).

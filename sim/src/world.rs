@@ -2905,6 +2905,8 @@ impl World {
         // A durable record whose terminal the store refused too often: its
         // Edge's custody ends it (R-JRN-4).
         let left_open = r.machine.machine().record_left_open();
+        // R-TEN-2: a record taken over is charged by its taker.
+        let charged_elsewhere = r.machine.machine().answer_charged_elsewhere();
         // A durable request goes on without its client (only a cancel ends
         // it early); its client saw the terminal unless it left.
         let left = match &r.durable {
@@ -2938,6 +2940,9 @@ impl World {
         // of what no report covers), or released.
         if let Some(usage) = relayed {
             self.tenant_delivery(rid, &Delivery::Event(RunEventKind::Usage(usage)));
+        }
+        if charged_elsewhere {
+            self.tenant_forget_reported(rid);
         }
         self.tenant_unmetered(rid, unmetered);
         self.tenant_settle(rid);

@@ -349,6 +349,19 @@ fn store_faults_leave_no_record_without_its_terminal_r_jrn_4() {
         "the custody ended a record left open: {:?}",
         outlasted.stats
     );
+    // R-TEN-2: a request fenced after it published its usage report, in a
+    // record a peer then ended: charged once (by the peer), not twice.
+    let fenced = run(
+        9105519,
+        RunOptions {
+            steps: 5_000,
+            strict: true,
+            store_faults: true,
+            edges: 2,
+            ..RunOptions::default()
+        },
+    );
+    assert!(fenced.violation.is_none(), "{:?}", fenced.violation);
 }
 
 #[test]

@@ -1138,6 +1138,17 @@ impl Request {
         sum_usage(self.usage_carry, self.attempt_usage)
     }
 
+    /// Its answer is charged by the Edge that took its record over (a
+    /// journal write was fenced, R-JRN-3): that Edge charges what the
+    /// journal holds, which is everything this request published, usage
+    /// reports included (R-TEN-2, R-TAKE-1). The settlement charges
+    /// nothing the answer reported ([`Self::unmetered`] and
+    /// [`Self::relayed_usage`] are empty too): the answer is charged
+    /// once.
+    pub fn answer_charged_elsewhere(&self) -> bool {
+        self.record_taken
+    }
+
     /// The record this durable request wrote is left without its
     /// terminal: the store refused it too often (R-JRN-4, R-JRN-6), and no
     /// other Edge took the record over (`false` until the request ended).

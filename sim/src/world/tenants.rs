@@ -129,6 +129,14 @@ pub(super) struct SimTenancy {
     /// R-TEN-2: settlements that charged each durable answer's completion,
     /// over every Edge process.
     completions_charged: BTreeMap<String, u32>,
+    /// R-TEN-2: durable answers whose reported usage a settlement charged
+    /// (its request delivered it), over every Edge process: a takeover
+    /// that ends such a record must not charge its journaled usage again.
+    usage_settled: BTreeSet<String>,
+    /// R-TEN-2: durable answers a takeover ended and charged their
+    /// journaled usage: a settlement of their request must not charge the
+    /// usage it delivered again.
+    usage_ended: BTreeSet<String>,
     /// R-TEN-2: charges of durable answers a takeover ended without
     /// running them, over every Edge process, and the last one's totals.
     ended_charged: BTreeMap<String, u32>,
@@ -284,6 +292,8 @@ impl SimTenancy {
             admitted: BTreeMap::new(),
             records: BTreeMap::new(),
             completions_charged: BTreeMap::new(),
+            usage_settled: BTreeSet::new(),
+            usage_ended: BTreeSet::new(),
             ended_charged: BTreeMap::new(),
             ended_totals: BTreeMap::new(),
         }
@@ -1003,6 +1013,19 @@ impl World {
                 t.spenders.entry(subject).or_default().insert(incarnation);
             }
         }
+        if used.usage.is_some() && t.usage_settled.contains(&meta.id) {
+            fail.push((
+                "R-TEN-2",
+                format!(
+                    "durable answer {}'s reported usage was charged by its request's \
+                     settlement and again by the takeover that ended it ({used:?})",
+                    meta.id
+                ),
+            ));
+        }
+        if used.usage.is_some() {
+            t.usage_ended.insert(meta.id.clone());
+        }
         *t.ended_charged.entry(meta.id.clone()).or_default() += 1;
         if t.ended_charged[&meta.id] > 1 {
             fail.push((
@@ -1081,6 +1104,20 @@ impl World {
 
     /// Request `rid` ended: settle it with the usage its answer reported,
     /// or release it (it reported none), and check the settlement.
+    /// The answer of request `rid` is charged by the Edge that took its
+    /// record over (`Request::answer_charged_elsewhere`): its settlement
+    /// charges nothing the answer reported, as the shell's does.
+    pub(super) fn tenant_forget_reported(&mut self, rid: RequestId) {
+        if let Some(ticket) = self.edges[self.cur]
+            .as_mut()
+            .and_then(|e| e.tenants.as_mut())
+            .and_then(|et| et.tickets.get_mut(&rid))
+        {
+            ticket.used = None;
+            ticket.completed = None;
+        }
+    }
+
     pub(super) fn tenant_settle(&mut self, rid: RequestId) {
         let now = self.now;
         // R-TEN-2: what the journal holds of a lost adoption's answer (on
@@ -1228,6 +1265,18 @@ impl World {
                 let key_subject = Subject::Key(t.profile.keys[ticket.terms.key].0.clone());
                 for subject in [key_subject, Subject::Principal(principal.clone())] {
                     *t.recorded.entry(subject).or_default() += totals.spend_micros;
+                }
+                if let (Some(record), Some(_)) = (&ticket.record, ticket.used) {
+                    t.usage_settled.insert(record.clone());
+                    if t.usage_ended.contains(record) && ticket.takeover.is_none() {
+                        fail.push((
+                            "R-TEN-2",
+                            format!(
+                                "request {rid} settled the usage of durable answer {record} \
+                                 that a takeover had ended and charged already"
+                            ),
+                        ));
+                    }
                 }
                 // Every durable answer's usage charged once, to its key.
                 if let (Some(record), Some(reported)) = (&ticket.record, ticket.completed) {

@@ -1226,6 +1226,10 @@ fn r_jrn_3_a_fenced_durable_response_stops_its_run_and_publishes_nothing_more() 
     );
     assert!(r.is_ended());
     assert!(!r.record_left_open(), "the record is the other Edge's");
+    assert!(
+        r.answer_charged_elsewhere(),
+        "R-TEN-2: the Edge that took it charges what the journal holds"
+    );
 }
 
 /// R-JRN-1, R-JRN-4: a store failure is not a takeover: the client of a
