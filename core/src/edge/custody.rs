@@ -534,19 +534,25 @@ impl Custody {
                 return;
             };
             self.left_open.remove(&id);
-            self.tasks.insert(
-                id.clone(),
-                Task {
-                    kind: TaskKind::Orphan,
-                    stage: Stage::Reading,
-                    writes: 0,
-                    continuable: false,
-                    orphan: None,
-                    left_open: true,
-                },
-            );
-            self.push(StoreOp::Record { id });
+            self.take_orphan(id, true);
         }
+    }
+
+    /// Start taking orphan `id` over (`left_open`: a record a request of
+    /// this Edge left open): its record is read first.
+    fn take_orphan(&mut self, id: String, left_open: bool) {
+        self.tasks.insert(
+            id.clone(),
+            Task {
+                kind: TaskKind::Orphan,
+                stage: Stage::Reading,
+                writes: 0,
+                continuable: false,
+                orphan: None,
+                left_open,
+            },
+        );
+        self.push(StoreOp::Record { id });
     }
 
     /// The next output, in order.
@@ -687,18 +693,7 @@ impl Custody {
             if self.tasks.len() >= MAX_TASKS {
                 break;
             }
-            self.tasks.insert(
-                id.clone(),
-                Task {
-                    kind: TaskKind::Orphan,
-                    stage: Stage::Reading,
-                    writes: 0,
-                    continuable: false,
-                    orphan: None,
-                    left_open: false,
-                },
-            );
-            self.push(StoreOp::Record { id });
+            self.take_orphan(id, false);
         }
         let pause = match self.scan.poll_timeout() {
             Some(at) => self
