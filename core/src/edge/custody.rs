@@ -924,11 +924,12 @@ impl Custody {
         let Some(task) = self.tasks.get_mut(id) else {
             return;
         };
-        if orphan.is_none() || task.writes >= MAX_TAKEOVER_WRITES {
+        if orphan.is_none() {
             self.tasks.remove(id);
-            if orphan.is_some() {
-                self.gave_up(now, id);
-            }
+            return;
+        }
+        if task.writes >= MAX_TAKEOVER_WRITES {
+            self.give_up(now, id);
             return;
         }
         self.scan.forget(id);
@@ -1257,12 +1258,28 @@ impl Custody {
             return;
         };
         if task.writes >= MAX_TAKEOVER_WRITES {
-            self.tasks.remove(id);
-            self.gave_up(now, id);
+            self.give_up(now, id);
             return;
         }
         task.stage = Stage::Reading;
         self.push(StoreOp::Record { id: id.to_owned() });
+    }
+
+    /// End the takeover of `id`, its writes used ([`Self::gave_up`]). A
+    /// record left open starts again as one (a scan would take it for an
+    /// orphan its request did not settle, R-TEN-2), tried for as long as
+    /// the store refuses it (R-JRN-4).
+    fn give_up(&mut self, now: Instant, id: &str) {
+        let left_open = self.tasks.remove(id).is_some_and(|t| t.left_open);
+        if left_open {
+            self.outputs
+                .push_back(CustodyOutput::Event(CustodyEvent::GaveUp {
+                    id: id.to_owned(),
+                }));
+            self.left_open.insert(id.to_owned());
+            return;
+        }
+        self.gave_up(now, id);
     }
 
     /// A takeover used its writes: the record is found again by a later

@@ -1197,3 +1197,33 @@ fn r_jrn_4_a_record_left_open_on_a_shared_store_is_ended_once_as_left_open() {
     assert_eq!(ended(&out), vec![("r1", JOURNAL_UNAVAILABLE_REASON)]);
     assert!(charges(&out).is_empty(), "{out:?}");
 }
+
+/// R-JRN-4, R-TEN-2: a record left open whose raises the store keeps
+/// failing past a takeover's writes is started again as left open, not
+/// left to a scan (which would charge it again): once the store takes the
+/// writes it ends `failed`, charged nothing.
+#[test]
+fn r_jrn_4_a_record_left_open_outlasting_a_takeovers_writes_is_still_ended_as_left_open() {
+    let (mut custody, mut store) = left_open_in(&["x"], false, false);
+    store.lease(ME, 1);
+    let raises = MAX_TAKEOVER_WRITES as usize + 8;
+    store.fail_next = vec!["raise"; raises];
+    custody.handle_input(ms(1_000), CustodyInput::RunLeftOpen("r1".into()));
+    let mut now = ms(1_000);
+    let mut out = drive(&mut custody, &mut store, now);
+    for _ in 0..2_000 {
+        if !ended(&out).is_empty() {
+            break;
+        }
+        now = custody.poll_timeout().expect("it goes on").max(now);
+        out.extend(tick(&mut custody, &mut store, now));
+    }
+    assert_eq!(ended(&out), vec![("r1", JOURNAL_UNAVAILABLE_REASON)]);
+    assert!(charges(&out).is_empty(), "{out:?}");
+    assert!(
+        out.iter()
+            .any(|o| matches!(o, CustodyOutput::Event(CustodyEvent::GaveUp { .. }))),
+        "its writes were used once"
+    );
+    assert_eq!(status(&store, "r1"), RecordStatus::Failed);
+}
