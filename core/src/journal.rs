@@ -406,6 +406,13 @@ pub enum JournalError {
     /// the request alone is refused, and may be retried.
     #[error("the response store is not reachable yet ({})", .0.as_str())]
     Unavailable(availability::StoreState),
+    /// The Edge is still ending records its requests left open in a store
+    /// outage, more than its custody takes at once: new durable requests
+    /// are refused until it catches up
+    /// ([`Custody::refuses_durable`](crate::edge::custody::Custody::refuses_durable)).
+    /// Nothing was written; the request may be retried.
+    #[error("the response store is still ending the responses an outage cut")]
+    Backlog,
 }
 
 impl JournalError {
@@ -422,6 +429,7 @@ impl JournalError {
             JournalError::RecordTooLarge => "record_too_large",
             JournalError::Store(_) => "store_error",
             JournalError::Unavailable(_) => "store_unavailable",
+            JournalError::Backlog => "backlog",
         }
     }
 
@@ -437,12 +445,16 @@ impl JournalError {
         "record_too_large",
         "store_error",
         "store_unavailable",
+        "backlog",
     ];
 
     /// A failure of the store rather than a rule's refusal: the same
     /// operation may succeed if tried again (R-JRN-6).
     pub fn is_transient(&self) -> bool {
-        matches!(self, JournalError::Store(_) | JournalError::Unavailable(_))
+        matches!(
+            self,
+            JournalError::Store(_) | JournalError::Unavailable(_) | JournalError::Backlog
+        )
     }
 }
 

@@ -348,6 +348,21 @@ impl CustodyTask {
         }
         let custody = self.custody.machine();
         self.runs.retain(|id, _| custody.is_taking(id));
+        // R-TEN-2, R-JRN-6: no new durable request while records left open
+        // wait for room here.
+        let backlog = custody.refuses_durable();
+        if self.durable.set_custody_backlog(backlog) {
+            if backlog {
+                tracing::warn!(
+                    event = "edge_durable_backlog",
+                    waiting = custody.left_open_waiting(),
+                    "responses a store outage cut wait to be ended: new durable requests \
+                     get 503 until they are"
+                );
+            } else {
+                tracing::info!(event = "edge_durable_backlog_cleared");
+            }
+        }
         self.durable
             .publish_scan(self.custody.machine().scan(), self.clock.now());
         while self.in_flight.len() < MAX_STORE_OPS_IN_FLIGHT {
@@ -874,5 +889,78 @@ mod tests {
         );
         let (after, _) = store.get("r".into(), 0).await.unwrap().unwrap();
         assert_eq!(after.status(), RecordStatus::Incomplete);
+    }
+
+    /// R-TEN-2, R-JRN-6: while records its requests left open wait for
+    /// room in the custody, the Edge refuses new durable requests (503
+    /// `response_store_unavailable`), and admits them again once the
+    /// custody has ended them, each `failed`, charged nothing.
+    #[tokio::test(start_paused = true)]
+    async fn durable_requests_are_refused_while_records_left_open_wait_for_the_custody() {
+        let store = memory();
+        let durable = Arc::new(Durable::with_store(store.clone(), true));
+        let first = store.unfinished().await.unwrap();
+        let mut config = durable.custody_config(WINDOW, Duration::from_secs(1));
+        config.max_tasks = 1;
+        let mut task = CustodyTask::new(
+            durable.clone(),
+            config,
+            first,
+            record_run(false),
+            ReadSlots::new(
+                iop_core::edge::store_reads::ReadLimits::default(),
+                crate::metrics::EdgeMetrics::new(
+                    iop_transport::telemetry::MetricsPipeline::prometheus_only("iop-edge"),
+                ),
+            ),
+            &TraceFiles::off(),
+        );
+        let started = Arc::new(Mutex::new(Vec::new()));
+        step(&mut task, &started, Duration::ZERO).await;
+        for id in ["r1", "r2", "r3"] {
+            create(&store, id, &["a"]).await;
+            // As the run loop hands the custody each record a run left
+            // open.
+            let now = task.clock.now();
+            task.custody
+                .handle_input(now, CustodyInput::RunLeftOpen(id.into()));
+        }
+        task.drain(&mut recorder(&started));
+        let refused = durable.create(new_record("r4")).await;
+        assert_eq!(refused, Err(JournalError::Backlog));
+        assert!(store.get("r4".into(), 0).await.unwrap().is_none());
+        task.settle(recorder(&started)).await;
+        for id in ["r1", "r2", "r3"] {
+            let (meta, _) = store.get(id.into(), 0).await.unwrap().unwrap();
+            let t = meta.terminal.expect("ended by the custody");
+            assert_eq!(
+                (t.status, t.reason.as_deref()),
+                (RecordStatus::Failed, Some("journal_unavailable"))
+            );
+        }
+        assert!(
+            started.lock().unwrap().is_empty(),
+            "nothing charged, nothing run"
+        );
+        assert!(matches!(
+            durable.create(new_record("r4")).await,
+            Ok(iop_store::CreateOutcome::Create(_))
+        ));
+    }
+
+    fn new_record(id: &str) -> NewRecord {
+        NewRecord {
+            id: id.into(),
+            principal: "p".into(),
+            api: JournalApi::ChatCompletions,
+            model: "m".into(),
+            fingerprint: fingerprint("chat", b"{}"),
+            idempotency_key: None,
+            background: false,
+            request: Vec::new(),
+            created_unix_ms: 1,
+            owner: crate::config::DEFAULT_EDGE_ID.into(),
+            key_id: "k".into(),
+        }
     }
 }

@@ -390,6 +390,10 @@ pub struct Durable {
     left_open: mpsc::UnboundedSender<String>,
     /// Its receiving end, until the custody task takes it.
     left_open_rx: Mutex<Option<mpsc::UnboundedReceiver<String>>>,
+    /// Set by the custody task while records left open wait for room in
+    /// its tasks: new durable requests are refused meanwhile
+    /// ([`iop_core::edge::custody::Custody::refuses_durable`]).
+    custody_backlog: std::sync::atomic::AtomicBool,
 }
 
 /// The most response ids [`Durable::recent`] keeps.
@@ -535,6 +539,7 @@ impl Durable {
             recent: Mutex::new(std::collections::VecDeque::new()),
             left_open,
             left_open_rx: Mutex::new(Some(left_open_rx)),
+            custody_backlog: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -859,8 +864,24 @@ impl Durable {
         }
     }
 
-    /// Create a record (or find the one its idempotency key names).
+    /// The custody says whether records left open wait for room in its
+    /// tasks (R-TEN-2, R-JRN-6); `true` when that changed.
+    pub fn set_custody_backlog(&self, backlog: bool) -> bool {
+        self.custody_backlog.swap(backlog, Ordering::Relaxed) != backlog
+    }
+
+    /// Create a record (or find the one its idempotency key names);
+    /// refused at once while the custody is behind
+    /// ([`Self::set_custody_backlog`]).
     pub async fn create(&self, record: NewRecord) -> Result<CreateOutcome, JournalError> {
+        if self.custody_backlog.load(Ordering::Relaxed) {
+            // Counted (`outcome="backlog"`), not a store answer: the
+            // store's health is not touched.
+            if let Some(metrics) = &self.metrics {
+                metrics.journal_refused("create", &JournalError::Backlog);
+            }
+            return Err(JournalError::Backlog);
+        }
         let started = std::time::Instant::now();
         let result = self.store.create(record).await;
         self.observe("create", started, &result);
@@ -1095,6 +1116,7 @@ impl Durable {
             lease_ttl: Duration::from_millis(self.lease_ttl_ms),
             sole: !self.store_kind.is_shared(),
             scan_interval: interval,
+            max_tasks: iop_core::edge::custody::MAX_TASKS,
         }
     }
 

@@ -857,6 +857,18 @@ impl EdgeMetrics {
             .record(took.as_secs_f64(), &[KeyValue::new("op", op)]);
     }
 
+    /// A journal operation refused before it reached the store (counted,
+    /// not timed).
+    pub fn journal_refused(&self, op: &'static str, error: &JournalError) {
+        self.journal_writes.add(
+            1,
+            &[
+                KeyValue::new("op", op),
+                KeyValue::new("outcome", error.as_str()),
+            ],
+        );
+    }
+
     /// A run's journal write (`op`) is tried again (R-JRN-6).
     pub fn journal_write_retry(&self, op: &'static str) {
         self.journal_write_retries

@@ -86,6 +86,9 @@ fn journal_error(e: &JournalError) -> ApiError {
         // request alone is refused, and says so; nothing to log per request
         // (the store's state is logged, counted and shown).
         JournalError::Unavailable(state) => ApiError::journal_not_open(state.as_str()),
+        // The custody is still ending what an outage cut: logged when it
+        // starts and stops, not per request.
+        JournalError::Backlog => ApiError::journal_unavailable(false),
         _ => {
             tracing::warn!(event = "edge_journal_error", error = %e);
             ApiError::journal_unavailable(false)

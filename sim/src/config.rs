@@ -211,6 +211,20 @@ pub struct JournalProfile {
     /// orphan the Edge's custody takes over is continued from its journal
     /// rather than ended (R-TAKE-1).
     pub continue_ppm: u32,
+    /// Takeovers and adoptions an Edge's custody runs at once
+    /// ([`iop_core::edge::custody::CustodyConfig::max_tasks`]): the
+    /// Edge's bound in most worlds, one to four in a quarter of them, so
+    /// offers are let go busy and records left open wait for room (while
+    /// one waits, durable requests are refused, R-TEN-2).
+    pub custody_tasks: usize,
+    /// Per fault tick, with store faults switched on: the journal store
+    /// goes down (every sync, lease renewal and custody read fails) for
+    /// up to [`Self::outage_max`]: long enough, at times, that requests
+    /// give their terminals up and leave their records to the custody
+    /// (R-JRN-4, R-JRN-6).
+    pub outage_ppm: u32,
+    /// How long a journal outage lasts at most.
+    pub outage_max: Duration,
 }
 
 /// Tenants (SPEC §9): the keys and principals clients come with, their
@@ -523,6 +537,9 @@ impl SimConfig {
                 park_grace: Duration::ZERO,
                 park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
                 continue_ppm: 0,
+                custody_tasks: iop_core::edge::custody::MAX_TASKS,
+                outage_ppm: 0,
+                outage_max: Duration::ZERO,
             },
             tenants: TenantProfile::from_seed(seed),
         };
@@ -570,6 +587,9 @@ impl SimConfig {
             park_grace: Duration::ZERO,
             park_kept_bytes: iop_core::node::park::DEFAULT_MAX_KEPT_BYTES,
             continue_ppm: 0,
+            custody_tasks: iop_core::edge::custody::MAX_TASKS,
+            outage_ppm: 0,
+            outage_max: Duration::ZERO,
         };
         // Late zombies land around the takeover's raise and terminal: within
         // one or two of the store's longest round trips of the start.
@@ -607,6 +627,21 @@ impl SimConfig {
         let end_crash_ppm = rng.swarm(500_000, 20_000, 300_000);
         if config.faults.edge_restart_ppm > 0 {
             config.journal.end_crash_ppm = end_crash_ppm;
+        }
+        // The custody's size, from a stream of its own (the rest of the
+        // world is what it was). The two streams' salts keep the worlds of
+        // the regression seeds in `tests/simulation.rs` as they were.
+        let mut small = Rng::new(seed ^ 0x7E4A_4175_C0DE_0017);
+        if small.chance(PPM / 4) {
+            config.journal.custody_tasks = small.range(1, 4) as usize;
+        }
+        // Journal outages (store faults only), from a stream of their own:
+        // in half the worlds, up to a few per minute of faults, some
+        // longer than a request's terminal writes.
+        let mut outages = Rng::new(seed ^ 0x7E4A_4175_C0DE_0031);
+        if outages.chance(PPM / 2) {
+            config.journal.outage_ppm = outages.range(2_000, 20_000) as u32;
+            config.journal.outage_max = outages.millis(500, 15_000);
         }
         config
     }

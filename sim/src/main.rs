@@ -265,7 +265,7 @@ fn real_main() -> Result<ExitCode, String> {
             }
             if s.durable_requests > 0 || s.journal_writes > 0 {
                 println!(
-                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried, {} given up), {} orphans continued, {} continued attempts, {} lost and {} unacknowledged at crashes, {} end crash points ({} ends left without a terminal, {} ended as journaled by a takeover), {} zombies ({} accepted, {} fenced), {} left, {} read on after their request was fenced, {} cancelled, {} resumes ({} events read), {} sent again with their key ({} answered with the existing response, {} afresh), {} left open by their request for the custody to end",
+                    "durable: {} requests, {} journal writes in {} syncs ({} batched), {} takeovers ({} retried, {} given up), {} orphans continued, {} continued attempts, {} lost and {} unacknowledged at crashes, {} end crash points ({} ends left without a terminal, {} ended as journaled by a takeover), {} zombies ({} accepted, {} fenced), {} left, {} read on after their request was fenced, {} cancelled, {} resumes ({} events read), {} sent again with their key ({} answered with the existing response, {} afresh), {} left open by their request for the custody to end ({} refused while such records waited for room), {} store outages",
                     s.durable_requests,
                     s.journal_writes,
                     s.journal_syncs,
@@ -292,6 +292,8 @@ fn real_main() -> Result<ExitCode, String> {
                     s.idempotent_existing,
                     s.idempotent_fresh,
                     s.records_left_open,
+                    s.durable_backlog_refused,
+                    s.journal_outages,
                 );
             }
             if s.tenant_admitted + s.tenant_refused > 0 {

@@ -282,6 +282,12 @@ pub struct Stats {
     /// Records a request left without its terminal (the store refused
     /// it too often) and handed to its Edge's custody (R-JRN-4).
     pub records_left_open: u64,
+    /// Durable requests refused while records left open waited for room
+    /// in their Edge's custody (R-TEN-2).
+    pub durable_backlog_refused: u64,
+    /// Outages of the journal store (`--store-faults`): every operation
+    /// fails until it ends.
+    pub journal_outages: u64,
     /// Syncs that failed (store faults).
     pub sync_failures: u64,
     /// Writes lost by an Edge crash (never durable).
@@ -445,6 +451,8 @@ impl Stats {
         self.journaled_ends_taken += o.journaled_ends_taken;
         self.sync_failures += o.sync_failures;
         self.records_left_open += o.records_left_open;
+        self.durable_backlog_refused += o.durable_backlog_refused;
+        self.journal_outages += o.journal_outages;
         self.journal_lost += o.journal_lost;
         self.journal_unacked += o.journal_unacked;
         self.zombies += o.zombies;
@@ -598,6 +606,7 @@ pub fn run(seed: u64, options: RunOptions) -> RunReport {
     }
     if !store_faults {
         cfg.journal.sync_failure_ppm = 0;
+        cfg.journal.outage_ppm = 0;
     }
     let mut world = World::new(cfg, options);
     let violation = world.run_to_end(steps).err();
@@ -1014,6 +1023,9 @@ struct SimNode {
 /// Mixed into the seed for the end's crash point's own stream.
 const END_CRASH_STREAM: u64 = 0xE4D0_C2A5_4000_0007;
 
+/// The salt of [`World::outage_rng`].
+const OUTAGE_STREAM: u64 = 0x0A7A_6E57_0000_0009;
+
 /// One simulated world.
 pub struct World {
     cfg: SimConfig,
@@ -1022,6 +1034,12 @@ pub struct World {
     /// nothing from `rng`, so a seed where it never fires runs as it did
     /// before it existed.
     end_crash_rng: Rng,
+    /// The journal store's outages' own stream (`--store-faults`), as
+    /// `end_crash_rng`.
+    outage_rng: Rng,
+    /// While faults are on and until then, the journal store fails every
+    /// operation (an outage, R-JRN-6).
+    journal_down_until: Instant,
     now: Instant,
     step: u64,
     phase: Phase,
@@ -1149,6 +1167,8 @@ impl World {
         let mut world = Self {
             rng: Rng::new(cfg.seed),
             end_crash_rng: Rng::new(cfg.seed ^ END_CRASH_STREAM),
+            outage_rng: Rng::new(cfg.seed ^ OUTAGE_STREAM),
+            journal_down_until: Instant::ZERO,
             now: Instant::ZERO,
             step: 0,
             phase: Phase::Faults,
@@ -1223,6 +1243,24 @@ impl World {
 
     fn faults_on(&self) -> bool {
         self.phase == Phase::Faults
+    }
+
+    /// When a custody works on the journal again: now, or past the
+    /// outage the store is in, its next scan (a shared store's are a third
+    /// of a lease TTL apart, a sole store's 1 s) and the pause of a
+    /// takeover whose read failed.
+    fn journal_up_at(&self) -> Instant {
+        if self.journal_down() {
+            self.journal_down_until + Duration::from_secs(1) + iop_core::edge::custody::STORE_RETRY
+        } else {
+            self.now
+        }
+    }
+
+    /// Whether the journal store is in an outage now: it fails every
+    /// operation (store faults only).
+    fn journal_down(&self) -> bool {
+        self.faults_on() && self.now < self.journal_down_until
     }
 
     fn set_net_faults(&mut self) {
@@ -1825,6 +1863,7 @@ impl World {
             &self.edge_id(slot),
             self.cfg.park_window(),
             self.edges.len() == 1,
+            self.cfg.journal.custody_tasks,
             &mut self.recorder,
         );
         self.edges[self.cur] = Some(EdgeProc {
@@ -1938,7 +1977,8 @@ impl World {
             renewed_unix_ms: self.unix_ms(),
         };
         let interval = lease.renew_interval();
-        let failed = self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm);
+        let failed = self.journal_down()
+            || self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm);
         let expected = self.lease_revision[slot].unwrap_or(0);
         if failed {
             self.stats.lease_failures += 1;
@@ -3715,6 +3755,16 @@ impl World {
             self.crash_edge(None);
         }
         self.tenant_fault_tick();
+        if self.outage_rng.chance(self.cfg.journal.outage_ppm) {
+            self.stats.journal_outages += 1;
+            let until = self.now
+                + self
+                    .outage_rng
+                    .millis(100, duration_ms(self.cfg.journal.outage_max));
+            self.journal_down_until = self.journal_down_until.max(until);
+            let bound = self.owner_lost_bound();
+            self.checkers[0].journal_outage(self.journal_down_until, bound);
+        }
         let at = self.now + self.cfg.fault_tick;
         self.schedule(at, Event::FaultTick);
     }

@@ -55,6 +55,14 @@ pub const MAX_TAKEOVERS_PER_SCAN: usize = 256;
 /// (its node reports the run again at its next registration).
 pub const MAX_TASKS: usize = 1024;
 
+/// Records left open ([`CustodyInput::RunLeftOpen`]) that wait for room
+/// among the tasks, at most. The Edge admits no durable request while any
+/// waits ([`Custody::refuses_durable`]), so the set holds at most the
+/// durable runs in flight when the first one had to wait; this bound is
+/// the last defence (about 4 MiB of ids), past which a record is left to
+/// the scans.
+pub const MAX_LEFT_OPEN: usize = 65_536;
+
 /// Writes (raises and terminals) one takeover tries at most.
 pub const MAX_TAKEOVER_WRITES: u32 = 32;
 
@@ -77,6 +85,14 @@ pub struct CustodyConfig {
     pub sole: bool,
     /// The pause between two scans of a shared store.
     pub scan_interval: Duration,
+    /// Takeovers and adoptions in progress at once, at most
+    /// ([`MAX_TASKS`]; the simulator tries small custodies too).
+    #[serde(default = "default_max_tasks")]
+    pub max_tasks: usize,
+}
+
+fn default_max_tasks() -> usize {
+    MAX_TASKS
 }
 
 /// A store operation the driver carries out; its answer comes back as the
@@ -458,7 +474,7 @@ pub struct Custody {
     sole_records: Vec<RecordMeta>,
     tasks: BTreeMap<String, Task>,
     /// Records left open ([`CustodyInput::RunLeftOpen`]) waiting for room
-    /// among the tasks (at most [`MAX_TASKS`]).
+    /// among the tasks (at most [`MAX_LEFT_OPEN`]).
     left_open: BTreeSet<String>,
     outputs: VecDeque<CustodyOutput>,
 }
@@ -466,7 +482,8 @@ pub struct Custody {
 impl Custody {
     /// The custody of an Edge starting at `now`: its first scan is due at
     /// once.
-    pub fn new(now: Instant, cfg: CustodyConfig) -> Self {
+    pub fn new(now: Instant, mut cfg: CustodyConfig) -> Self {
+        cfg.max_tasks = cfg.max_tasks.max(1);
         let scan = if cfg.sole {
             TakeoverScan::sole(&cfg.edge_id, cfg.park_window)
         } else {
@@ -501,6 +518,24 @@ impl Custody {
         self.tasks.len()
     }
 
+    /// Records left open waiting for room among the tasks.
+    pub fn left_open_waiting(&self) -> usize {
+        self.left_open.len()
+    }
+
+    /// Whether the Edge must refuse new durable requests now (R-JRN-6,
+    /// R-TEN-2): records its requests left open wait for room among the
+    /// custody's tasks. Each such record is its request's settled answer,
+    /// known as such only here; were the custody to let one go, a scan
+    /// would end it as an orphan and charge its journal a second time. So
+    /// while the custody cannot take them all, the Edge makes no new ones:
+    /// a durable request gets 503 `response_store_unavailable`, as while
+    /// the store is out, until the custody catches up (ephemeral requests
+    /// are served meanwhile).
+    pub fn refuses_durable(&self) -> bool {
+        !self.left_open.is_empty()
+    }
+
     /// Feed one input at `now`; drain [`Self::poll_output`] after.
     pub fn handle_input(&mut self, now: Instant, input: CustodyInput) {
         match input {
@@ -510,7 +545,7 @@ impl Custody {
                 match self.tasks.get_mut(&id) {
                     // Found by a scan meanwhile: end it as left open.
                     Some(task) if task.kind == TaskKind::Orphan => task.left_open = true,
-                    _ if self.left_open.len() < MAX_TASKS => {
+                    _ if self.left_open.len() < MAX_LEFT_OPEN => {
                         self.left_open.insert(id);
                     }
                     // Past the bound, the scans find it (a sole store's
@@ -524,7 +559,7 @@ impl Custody {
 
     /// Start the takeovers of records left open, while there is room.
     fn start_left_open(&mut self) {
-        while self.tasks.len() < MAX_TASKS {
+        while self.tasks.len() < self.cfg.max_tasks {
             let Some(id) = self
                 .left_open
                 .iter()
@@ -674,10 +709,15 @@ impl Custody {
         let waiting_before = self.scan.waiting();
         let mut due = Vec::new();
         for (meta, live_here) in &records {
-            let live = *live_here
-                || self.tasks.contains_key(&meta.id)
-                || self.left_open.contains(&meta.id);
-            if let TakeoverDecision::End(_) = self.scan.decide(meta, live, now) {
+            if self.tasks.contains_key(&meta.id) || self.left_open.contains(&meta.id) {
+                // Being taken over here: its takeover decides on its own
+                // reads. Asked as live, the scan would forget the orphan's
+                // window (and a sole store's scans the record itself), so
+                // a takeover paused by a failed read would find it within
+                // a new window and drop it.
+                continue;
+            }
+            if let TakeoverDecision::End(_) = self.scan.decide(meta, *live_here, now) {
                 due.push(meta.id.clone());
             }
         }
@@ -689,8 +729,10 @@ impl Custody {
                     self.scan.waiting(),
                 )));
         }
+        // Records left open first: the scans find an orphan again.
+        self.start_left_open();
         for id in due.into_iter().take(MAX_TAKEOVERS_PER_SCAN) {
-            if self.tasks.len() >= MAX_TASKS {
+            if self.tasks.len() >= self.cfg.max_tasks {
                 break;
             }
             self.take_orphan(id, false);
@@ -710,7 +752,7 @@ impl Custody {
 
     fn offer(&mut self, offer: ParkedOffer) {
         let id = offer.run.response_id.clone();
-        if self.tasks.contains_key(&id) || self.tasks.len() >= MAX_TASKS {
+        if self.tasks.contains_key(&id) || self.tasks.len() >= self.cfg.max_tasks {
             self.release(&offer, ReleaseReason::Busy);
             return;
         }
@@ -926,6 +968,16 @@ impl Custody {
         };
         if orphan.is_none() {
             self.tasks.remove(id);
+            // Within a new window (its owner's lease seen otherwise): a
+            // scan decides it again when the window ends.
+            if let Some(until) = self
+                .scan
+                .is_waiting(id)
+                .then(|| self.scan.poll_timeout())
+                .flatten()
+            {
+                self.next_scan = Some(self.next_scan.map_or(until, |at| at.min(until)));
+            }
             return;
         }
         if task.writes >= MAX_TAKEOVER_WRITES {

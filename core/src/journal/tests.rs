@@ -426,6 +426,7 @@ fn the_closed_names_are_the_documented_ones() {
         JournalError::RecordTooLarge,
         JournalError::Store("x".into()),
         JournalError::Unavailable(availability::StoreState::Connecting),
+        JournalError::Backlog,
     ];
     let names: Vec<&str> = errors.iter().map(JournalError::as_str).collect();
     assert_eq!(names, JournalError::NAMES);

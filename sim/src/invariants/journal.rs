@@ -721,6 +721,17 @@ impl Checker {
         }
     }
 
+    /// The journal store is down until `until` (R-JRN-6): nothing is
+    /// taken over meanwhile, and a failed scan starts every lease clock
+    /// again, so each deadline is at least `bound` past the outage's end.
+    pub fn journal_outage(&mut self, until: Instant, bound: std::time::Duration) {
+        let later = until + bound;
+        self.journal.deadlines = std::mem::take(&mut self.journal.deadlines)
+            .into_iter()
+            .map(|(deadline, id)| (deadline.max(later), id))
+            .collect();
+    }
+
     /// A node accepted `edge`'s adoption of the parked run of `record`,
     /// whose stored epoch is `epoch` (R-PARK-2): the node hands a parked
     /// run to at most one connection (`attached`: the connection the run

@@ -55,6 +55,18 @@ pub(super) struct EdgeCustody {
 }
 
 impl EdgeCustody {
+    /// Takeovers in progress and records left open waiting for room.
+    pub(super) fn takeovers_ahead(&self) -> usize {
+        let custody = self.machine.machine();
+        custody.tasks() + custody.left_open_waiting()
+    }
+
+    /// Whether its Edge refuses new durable requests now (records left
+    /// open wait for room in the custody, R-TEN-2).
+    pub(super) fn refuses_durable(&self) -> bool {
+        self.machine.machine().refuses_durable()
+    }
+
     /// The custody of Edge `edge_id` starting at `now`. With one Edge the
     /// simulated store is its alone (`sole`: its records are its own, as
     /// an embedded store's); with several it is shared and the custody
@@ -64,6 +76,7 @@ impl EdgeCustody {
         edge_id: &str,
         park_window: std::time::Duration,
         sole: bool,
+        max_tasks: usize,
         recorder: &mut Recorder,
     ) -> Self {
         let config = CustodyConfig {
@@ -81,6 +94,7 @@ impl EdgeCustody {
             } else {
                 std::time::Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS / 3)
             },
+            max_tasks,
         };
         let config = CustodyConfigRec {
             config,
@@ -290,6 +304,12 @@ impl World {
                 id,
             },
         };
+        // R-JRN-6: in an outage every read fails too.
+        let answer = if self.journal_down() {
+            failed_read(answer)
+        } else {
+            answer
+        };
         if let Some(c) = self.custody_of(incarnation) {
             c.machine.handle_input(now, CustodyInput::Store(answer));
         }
@@ -328,9 +348,13 @@ impl World {
 
     fn custody_event(&mut self, event: CustodyEvent) {
         match event {
-            CustodyEvent::Ended { id, .. } => {
+            CustodyEvent::Ended { id, reason, .. } => {
                 self.stats.takeovers += 1;
-                self.tenant_check_ended(&id);
+                // A record its request left open is its request's to
+                // charge (it settled it, R-TEN-2); the custody charges none.
+                if reason != iop_core::journal::JOURNAL_UNAVAILABLE_REASON {
+                    self.tenant_check_ended(&id);
+                }
             }
             CustodyEvent::Retried { .. } => self.stats.takeover_retries += 1,
             CustodyEvent::GaveUp { .. } => self.stats.takeovers_given_up += 1,
@@ -534,4 +558,37 @@ impl World {
 /// A store answer of a kind the op does not have.
 fn unexpected() -> JournalError {
     JournalError::Store("unexpected answer".into())
+}
+
+/// `answer` as the store answers a read in an outage: failed.
+fn failed_read(answer: StoreAnswer) -> StoreAnswer {
+    let down = || JournalError::Store("outage".into());
+    match answer {
+        StoreAnswer::Unfinished(_) => StoreAnswer::Unfinished(Err(down())),
+        StoreAnswer::Leases(_) => StoreAnswer::Leases(Err(down())),
+        StoreAnswer::Lease { edge_id, .. } => StoreAnswer::Lease {
+            edge_id,
+            result: Err(down()),
+        },
+        StoreAnswer::Record {
+            id,
+            live_here,
+            continuable,
+            ..
+        } => StoreAnswer::Record {
+            id,
+            result: Err(down()),
+            live_here,
+            continuable,
+        },
+        StoreAnswer::Event { id, .. } => StoreAnswer::Event {
+            id,
+            result: Err(down()),
+        },
+        StoreAnswer::Events { id, .. } => StoreAnswer::Events {
+            id,
+            result: Err(down()),
+        },
+        other => other,
+    }
 }

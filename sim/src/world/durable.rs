@@ -198,7 +198,9 @@ impl World {
                 }
             }
         }
-        let answers = if self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm) {
+        let answers = if self.journal_down()
+            || self.faults_on() && self.rng.chance(self.cfg.journal.sync_failure_ppm)
+        {
             self.stats.sync_failures += 1;
             self.journal.fail_sync(self.cur, generation)
         } else {
@@ -504,6 +506,16 @@ impl World {
         // R-TEN-2: what a takeover of the record is charged by (its key,
         // model and stored request), as the shell reads it from the record.
         self.tenant_record(request_id, &record);
+        if self.edges[self.cur]
+            .as_ref()
+            .is_some_and(|e| e.custody.refuses_durable())
+        {
+            // R-TEN-2, R-JRN-6: records left open wait for room in the
+            // custody: refused (503) before the store is asked, as the
+            // shell's `Durable::create` does.
+            self.record_created(request_id, OpResult::Refused(JournalError::Backlog));
+            return;
+        }
         let new = NewRecord {
             id: record.clone(),
             principal: "sim".into(),
@@ -551,13 +563,17 @@ impl World {
             return;
         }
         if !matches!(result, OpResult::Created(CreateOutcome::Create(_))) {
-            // R-JRN-5: a full store refuses new durable requests (503).
+            // R-JRN-5: a full store refuses new durable requests (503);
+            // so does an Edge whose custody is behind (R-TEN-2).
+            let why = match result {
+                OpResult::Refused(JournalError::Backlog) => {
+                    self.stats.durable_backlog_refused += 1;
+                    "journal_backlog"
+                }
+                _ => "journal_refused",
+            };
             self.stats.failed += 1;
-            *self
-                .stats
-                .failures
-                .entry("journal_refused".into())
-                .or_default() += 1;
+            *self.stats.failures.entry(why.into()).or_default() += 1;
             // It called no provider: its tenant's hold is released.
             self.tenant_release_unstarted(request_id);
             if let Some(of) = &pending.retry_of
@@ -768,7 +784,7 @@ impl World {
             // Another writer raised its epoch (a peer that saw its lease
             // expire, a dead custody's late raise): that writer ends it,
             // or a takeover does once its Edge is seen dead.
-            let deadline = self.now + self.owner_lost_bound();
+            let deadline = self.journal_up_at() + self.owner_lost_bound();
             self.checkers[0].journal_edge_started(&[record.to_owned()], deadline);
             return;
         }
@@ -778,7 +794,16 @@ impl World {
             // write the store fails extends it).
             self.stats.records_left_open += 1;
             self.recorder.world_line(&("left open", record));
-            let deadline = self.now + self.cfg.takeover_bound();
+            // In an outage, from its end and the custody's pause; behind
+            // the takeovers its custody runs already, one bound for each
+            // round of them.
+            let ahead = self
+                .slot_of(*incarnation)
+                .and_then(|slot| self.edges[slot].as_ref())
+                .map_or(0, |e| e.custody.takeovers_ahead());
+            let rounds = 1 + ahead / self.cfg.journal.custody_tasks.max(1);
+            let deadline = self.journal_up_at()
+                + self.cfg.takeover_bound() * u32::try_from(rounds).unwrap_or(u32::MAX);
             self.checkers[0].journal_edge_started(&[record.to_owned()], deadline);
             self.custody_input(
                 *incarnation,
@@ -1057,12 +1082,12 @@ impl World {
                 // A peer's: its owner's death sets its deadline.
                 continue;
             }
-            let mut bound = window + self.cfg.takeover_bound();
+            let mut bound = window + self.cfg.takeover_bound() + self.custody_rounds();
             if !window.is_zero() || self.route_continues(&meta.id) {
                 bound += handed;
             }
             by_deadline
-                .entry(self.now + bound)
+                .entry(self.journal_up_at() + bound)
                 .or_default()
                 .push(meta.id);
         }
@@ -1075,13 +1100,25 @@ impl World {
     /// stay so: the owner's lease TTL and three scans (its lease seen
     /// expired), the park window, the takeover's bound and the budget of
     /// a request handed the record.
-    fn owner_lost_bound(&self) -> Duration {
+    pub(super) fn owner_lost_bound(&self) -> Duration {
         let ttl = Duration::from_millis(iop_core::journal::MIN_LEASE_TTL_MS);
         ttl * 4
             + self.cfg.park_window()
             + self.cfg.takeover_bound()
+            + self.custody_rounds()
             + self.cfg.request_budget
             + self.cfg.durable_flush_bound()
+    }
+
+    /// How much longer than one takeover's bound the last of the records
+    /// without a terminal may wait in a custody that runs fewer takeovers
+    /// at once than there are such records: a takeover's bound and a
+    /// scan's pause (at most 1 s) for each further round.
+    fn custody_rounds(&self) -> Duration {
+        let open = self.journal.unfinished().len();
+        let tasks = self.cfg.journal.custody_tasks.max(1);
+        let rounds = u32::try_from(open.div_ceil(tasks).saturating_sub(1)).unwrap_or(u32::MAX);
+        (self.cfg.takeover_bound() + Duration::from_secs(1)) * rounds
     }
 
     /// An Edge of several died (R-TAKE-1): every record it owns without
@@ -1099,6 +1136,7 @@ impl World {
             .filter(|m| m.owner == me)
             .map(|m| m.id)
             .collect();
-        self.checkers[0].journal_edge_started(&ids, self.now + bound);
+        let deadline = self.journal_up_at() + bound;
+        self.checkers[0].journal_edge_started(&ids, deadline);
     }
 }

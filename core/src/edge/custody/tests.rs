@@ -30,6 +30,7 @@ fn config(sole: bool) -> CustodyConfig {
         lease_ttl: Duration::from_secs(3),
         sole,
         scan_interval: Duration::from_secs(1),
+        max_tasks: MAX_TASKS,
     }
 }
 
@@ -97,6 +98,9 @@ struct Store {
     continuable: bool,
     /// Operations answered with a store failure, once each, by kind.
     fail_next: Vec<&'static str>,
+    /// Every read of one record fails (an outage the scans' listing
+    /// outlives).
+    records_fail: bool,
     /// Before answering a raise, another writer raises first (once).
     beaten_by: Option<String>,
     ops: Vec<StoreOp>,
@@ -156,7 +160,7 @@ impl Store {
                 edge_id,
             },
             StoreOp::Record { id } => StoreAnswer::Record {
-                result: if self.fails("record") {
+                result: if self.records_fail || self.fails("record") {
                     Err(failed())
                 } else {
                     Ok(self.records.get(&id).map(|(m, _)| m.clone()))
@@ -1226,4 +1230,97 @@ fn r_jrn_4_a_record_left_open_outlasting_a_takeovers_writes_is_still_ended_as_le
         "its writes were used once"
     );
     assert_eq!(status(&store, "r1"), RecordStatus::Failed);
+}
+
+/// R-TEN-2, R-JRN-6: more records left open than the custody has tasks
+/// (a store outage under many durable answers) all wait here, none left
+/// to a scan that would take it for an orphan and charge it again; while
+/// any waits, the Edge refuses new durable requests. Once the store
+/// answers, each ends `failed` as left open, charged nothing, and durable
+/// requests are admitted again.
+#[test]
+fn r_ten_2_records_left_open_past_the_tasks_wait_here_and_refuse_durable_requests_meanwhile() {
+    let mut store = Store::default();
+    let mut custody = Custody::new(ms(0), config(false));
+    store.lease(ME, 1);
+    tick(&mut custody, &mut store, ms(0));
+    let n = MAX_TASKS + 10;
+    for i in 0..n {
+        store.add(record(&format!("r{i}"), ME), &["x"]);
+    }
+    store.records_fail = true;
+    let mut now = ms(1_000);
+    for i in 0..n {
+        custody.handle_input(now, CustodyInput::RunLeftOpen(format!("r{i}")));
+    }
+    let mut out = drive(&mut custody, &mut store, now);
+    assert_eq!(custody.tasks(), MAX_TASKS);
+    assert_eq!(custody.left_open_waiting(), 10);
+    assert!(custody.refuses_durable());
+    // Scans list every record as unfinished meanwhile, past any park
+    // window; none is taken for an orphan.
+    for _ in 0..60 {
+        now = now.saturating_add(Duration::from_secs(1));
+        out.extend(tick(&mut custody, &mut store, now));
+        assert!(custody.refuses_durable());
+    }
+    assert!(ended(&out).is_empty(), "{:?}", ended(&out));
+    store.records_fail = false;
+    for _ in 0..100 {
+        if !custody.refuses_durable() && custody.tasks() == 0 {
+            break;
+        }
+        now = now.saturating_add(Duration::from_secs(1));
+        out.extend(tick(&mut custody, &mut store, now));
+    }
+    assert!(!custody.refuses_durable());
+    let ends = ended(&out);
+    assert_eq!(ends.len(), n);
+    assert!(
+        ends.iter()
+            .all(|(_, why)| *why == JOURNAL_UNAVAILABLE_REASON)
+    );
+    assert!(charges(&out).is_empty(), "each request settled its answer");
+    assert!(
+        store
+            .records
+            .values()
+            .all(|(m, _)| m.status() == RecordStatus::Failed)
+    );
+}
+
+/// R-TAKE-1, R-JRN-6: an orphan whose takeover's first read the store
+/// failed is still ended once the store answers, however many scans ran
+/// while its takeover paused (a scan saw it taken over, not waiting, and
+/// a sole store's scans forgot it: it stayed open until a restart).
+#[test]
+fn r_take_1_an_orphan_whose_first_read_failed_is_ended_after_the_scans_that_ran_meanwhile() {
+    for sole in [true, false] {
+        let mut store = Store::default();
+        store.lease(ME, 1);
+        store.add(record("r1", ME), &["Hel"]);
+        let mut custody = Custody::new(ms(0), config(sole));
+        tick(&mut custody, &mut store, ms(0));
+        store.records_fail = true;
+        let mut now = ms(0);
+        let mut out = Vec::new();
+        // Its window ends; its takeover's reads fail for 3 s while scans
+        // run.
+        while now < ms(33_000) {
+            now = custody.poll_timeout().expect("a timer").max(now);
+            out.extend(tick(&mut custody, &mut store, now));
+        }
+        assert!(ended(&out).is_empty());
+        store.records_fail = false;
+        while ended(&out).is_empty() && now < ms(200_000) {
+            let Some(at) = custody.poll_timeout() else {
+                break;
+            };
+            now = at.max(now);
+            out.extend(tick(&mut custody, &mut store, now));
+        }
+        assert_eq!(ended(&out), vec![("r1", "edge_restart")], "sole: {sole}");
+        assert_eq!(status(&store, "r1"), RecordStatus::Incomplete);
+        assert!(now < ms(34_000), "without a second window: {now:?}");
+    }
 }
