@@ -709,15 +709,24 @@ impl Custody {
         let waiting_before = self.scan.waiting();
         let mut due = Vec::new();
         for (meta, live_here) in &records {
-            if self.tasks.contains_key(&meta.id) || self.left_open.contains(&meta.id) {
-                // Being taken over here: its takeover decides on its own
-                // reads. Asked as live, the scan would forget the orphan's
-                // window (and a sole store's scans the record itself), so
-                // a takeover paused by a failed read would find it within
-                // a new window and drop it.
+            if self
+                .tasks
+                .get(&meta.id)
+                .is_some_and(|t| t.kind == TaskKind::Orphan)
+            {
+                // Being taken over as an orphan: its takeover decides on
+                // its own reads. Asked as live, the scan would forget the
+                // orphan's window (and a sole store's scans the record
+                // itself), so a takeover paused by a failed read would
+                // find it within a new window and drop it.
                 continue;
             }
-            if let TakeoverDecision::End(_) = self.scan.decide(meta, *live_here, now) {
+            // An adoption in progress, or a record left open waiting: live
+            // (a released adoption leaves its node a new window).
+            let live = *live_here
+                || self.tasks.contains_key(&meta.id)
+                || self.left_open.contains(&meta.id);
+            if let TakeoverDecision::End(_) = self.scan.decide(meta, live, now) {
                 due.push(meta.id.clone());
             }
         }
