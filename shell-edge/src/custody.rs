@@ -752,8 +752,18 @@ mod tests {
         durable: &Arc<Durable>,
         continuation: bool,
     ) -> (CustodyTask, Arc<Mutex<Vec<Start>>>) {
+        task_of(durable, continuation, iop_core::edge::custody::MAX_TASKS).await
+    }
+
+    /// [`task`] with a custody of `max_tasks` takeovers at once.
+    async fn task_of(
+        durable: &Arc<Durable>,
+        continuation: bool,
+        max_tasks: usize,
+    ) -> (CustodyTask, Arc<Mutex<Vec<Start>>>) {
         let first = durable.store().unfinished().await.unwrap();
-        let config = durable.custody_config(WINDOW, Duration::from_secs(1));
+        let mut config = durable.custody_config(WINDOW, Duration::from_secs(1));
+        config.max_tasks = max_tasks;
         let task = CustodyTask::new(
             durable.clone(),
             config,
@@ -899,23 +909,7 @@ mod tests {
     async fn durable_requests_are_refused_while_records_left_open_wait_for_the_custody() {
         let store = memory();
         let durable = Arc::new(Durable::with_store(store.clone(), true));
-        let first = store.unfinished().await.unwrap();
-        let mut config = durable.custody_config(WINDOW, Duration::from_secs(1));
-        config.max_tasks = 1;
-        let mut task = CustodyTask::new(
-            durable.clone(),
-            config,
-            first,
-            record_run(false),
-            ReadSlots::new(
-                iop_core::edge::store_reads::ReadLimits::default(),
-                crate::metrics::EdgeMetrics::new(
-                    iop_transport::telemetry::MetricsPipeline::prometheus_only("iop-edge"),
-                ),
-            ),
-            &TraceFiles::off(),
-        );
-        let started = Arc::new(Mutex::new(Vec::new()));
+        let (mut task, started) = task_of(&durable, false, 1).await;
         step(&mut task, &started, Duration::ZERO).await;
         for id in ["r1", "r2", "r3"] {
             create(&store, id, &["a"]).await;
