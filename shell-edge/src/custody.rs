@@ -685,17 +685,8 @@ mod tests {
             history_unreadable: false,
         };
         let new = NewRecord {
-            id: id.into(),
-            principal: "p".into(),
-            api: JournalApi::ChatCompletions,
-            model: "m".into(),
-            fingerprint: fingerprint("chat", b"{}"),
-            idempotency_key: None,
-            background: false,
             request: stored.encode(),
-            created_unix_ms: 1,
-            owner: crate::config::DEFAULT_EDGE_ID.into(),
-            key_id: "k".into(),
+            ..new_record(id)
         };
         let meta = match store.create(new).await.unwrap() {
             iop_store::CreateOutcome::Create(meta) => meta,
@@ -942,6 +933,7 @@ mod tests {
         ));
     }
 
+    /// A record of this Edge's as the tests create it (no stored request).
     fn new_record(id: &str) -> NewRecord {
         NewRecord {
             id: id.into(),
