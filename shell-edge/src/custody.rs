@@ -913,6 +913,7 @@ mod tests {
         task.drain(&mut recorder(&started));
         let refused = durable.create(new_record("r4")).await;
         assert_eq!(refused, Err(JournalError::Backlog));
+        assert!(durable.status().durable_backlog, "/status says so");
         assert!(store.get("r4".into(), 0).await.unwrap().is_none());
         task.settle(recorder(&started)).await;
         for id in ["r1", "r2", "r3"] {
@@ -927,6 +928,7 @@ mod tests {
             started.lock().unwrap().is_empty(),
             "nothing charged, nothing run"
         );
+        assert!(!durable.status().durable_backlog);
         assert!(matches!(
             durable.create(new_record("r4")).await,
             Ok(iop_store::CreateOutcome::Create(_))

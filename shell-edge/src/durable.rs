@@ -317,6 +317,9 @@ pub struct JournalStatus {
     pub bytes: u64,
     /// Orphans waiting for their park window (R-TAKE-1).
     pub orphans_waiting: usize,
+    /// Records left open wait for the custody: new durable requests are
+    /// refused (R-TEN-2, R-JRN-6).
+    pub durable_backlog: bool,
     /// The Edges whose ownership leases the last takeover scan read.
     pub edges: Vec<PeerLease>,
 }
@@ -775,6 +778,7 @@ impl Durable {
             records: stats.records,
             bytes: stats.used_bytes,
             orphans_waiting: view.orphans_waiting,
+            durable_backlog: self.custody_backlog.load(Ordering::Relaxed),
             edges: view.edges,
         }
     }

@@ -206,6 +206,7 @@ fn journal_json(j: &JournalStatus) -> Value {
         "records": j.records,
         "bytes": j.bytes,
         "orphans_waiting": j.orphans_waiting,
+        "durable_backlog": j.durable_backlog,
         "edges": edges,
     })
 }
@@ -352,7 +353,7 @@ pub fn status_table(doc: &Value, local_now_unix_ms: u64) -> String {
             other => other.to_string(),
         };
         out.push_str(&format!(
-            "\njournal: {}  edge: {}  store: {}  state: {}  last ok: {}  last error: {} {}  errors: {}  records: {}  quarantined: {}  orphans waiting: {}\n",
+            "\njournal: {}  edge: {}  store: {}  state: {}  last ok: {}  last error: {} {}  errors: {}  records: {}  quarantined: {}  orphans waiting: {}  durable backlog: {}\n",
             show(&j["store"]),
             show(&j["edge_id"]),
             show(&j["store_state"]),
@@ -364,6 +365,7 @@ pub fn status_table(doc: &Value, local_now_unix_ms: u64) -> String {
             show(&j["records"]),
             show(&j["quarantined_records"]),
             show(&j["orphans_waiting"]),
+            show(&j["durable_backlog"]),
         ));
         let mut edges = vec![
             ["EDGE", "LEASE", "RENEWED", "TTL_MS"]
@@ -457,6 +459,7 @@ mod tests {
             records: 7,
             bytes: 1024,
             orphans_waiting: 1,
+            durable_backlog: false,
             edges: ["edge-a", "edge-b"]
                 .into_iter()
                 .map(|id| PeerLease {
