@@ -254,6 +254,8 @@
       el('dt', { text: 'State' }), el('dd', {}, badge(j.state || 'unknown', j.state === 'ok' ? 'ok' : (j.state === 'failing' ? 'bad' : ''))),
       el('dt', { text: 'Records' }), el('dd', { text: count(j.records) + ' · ' + bytes(j.bytes) }),
       el('dt', { text: 'Waiting for takeover' }), el('dd', { text: count(j.orphans_waiting) }),
+      ...(j.durable_backlog ? [el('dt', { text: 'Durable requests' }),
+        el('dd', {}, badge('refused until the responses an outage cut are ended', 'bad'))] : []),
       el('dt', { text: 'Last error' }), el('dd', { text: j.last_error ? j.last_error + ', ' + ago(now, j.last_error_at) : 'none' }))];
     const edges = Array.isArray(j.edges) ? j.edges : [];
     if (edges.length) {
